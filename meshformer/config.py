@@ -1,0 +1,387 @@
+"""One typed config tree, loaded from TOML with dotted command-line overrides.
+
+    cfg = load_config("configs/tiny-gpt.toml", ["train.steps=200", "model.n_layers=4"])
+
+Every section is a dataclass; unknown keys, wrong types and inconsistent values raise a
+`ConfigError` that names the key and the fix before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased as what is wrong and how to fix it."""
+
+
+Family = Literal["decoder", "encoder", "encoder_decoder"]
+
+
+@dataclass
+class ModelConfig:
+    family: Family = "decoder"
+    vocab_size: int = 4096
+    d_model: int = 128
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: multi-head; 1: multi-query; else grouped-query
+    n_layers: int = 4  # decoder-only / encoder-only stack depth
+    n_encoder_layers: int | None = None  # encoder-decoder; None: n_layers
+    n_decoder_layers: int | None = None  # encoder-decoder; None: n_layers
+    d_ff: int = 512
+    activation: Literal["relu", "gelu", "gelu_tanh", "swiglu"] = "gelu"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_eps: float = 1e-5
+    norm_position: Literal["pre", "post"] = "pre"
+    final_norm: bool | None = None  # norm after each stack; None: only with pre-norm
+    embedding_norm: bool = False  # norm right after the embeddings (BERT)
+    position: Literal["sinusoidal", "learned", "rope", "alibi", "none"] = "learned"
+    rope_theta: float = 10000.0
+    max_seq_len: int = 256
+    scale_embeddings: bool = False  # multiply token embeddings by sqrt(d_model)
+    tie_embeddings: bool = True  # output projection shares the (target) token embedding
+    share_embeddings: bool = True  # encoder-decoder: one embedding for source and target
+    bias: bool = True  # biases in linear layers and norms
+    head_transform: bool = False  # BERT prediction head: dense + act + norm before output
+    output_bias: bool = False
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    attention_window: int | None = None  # sliding window: keys with |i - j| < window
+    attention_backend: Literal["sdpa", "math"] = "sdpa"
+    cross_downsample: int = 1  # pool encoder output by this factor before cross-attention
+    init: Literal["normal", "xavier"] = "normal"
+    init_std: float = 0.02
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def encoder_layers(self) -> int:
+        if self.family == "decoder":
+            return 0
+        if self.family == "encoder":
+            return self.n_layers
+        return self.n_encoder_layers if self.n_encoder_layers is not None else self.n_layers
+
+    @property
+    def decoder_layers(self) -> int:
+        if self.family == "encoder":
+            return 0
+        if self.family == "decoder":
+            return self.n_layers
+        return self.n_decoder_layers if self.n_decoder_layers is not None else self.n_layers
+
+    @property
+    def use_final_norm(self) -> bool:
+        return self.norm_position == "pre" if self.final_norm is None else self.final_norm
+
+
+@dataclass
+class DataConfig:
+    corpus: str = "bundled:kjv"  # "bundled:kjv", a text/JSONL(.gz) file or a directory
+    text_field: str = "text"  # JSONL field holding the text
+    tokenizer: str = "bundled:kjv-bpe-4k"  # bundled name, "gpt2", or a tokenizer.json path
+    seq_len: int = 128  # tokens per training sequence (decoder input length)
+    target_len: int = 64  # encoder-decoder target length
+    batch_size: int = 16  # sequences per micro-batch per data-parallel rank
+    eval_fraction: float = 0.02  # share of documents held out for evaluation
+    mlm_probability: float = 0.15
+    span_noise_density: float = 0.15
+    span_mean_length: float = 3.0
+    seed: int = 1234
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
+
+
+@dataclass
+class ScheduleConfig:
+    name: Literal["cosine", "noam", "wsd", "constant"] = "cosine"
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # cosine / wsd floor as a fraction of optim.lr
+    decay_fraction: float = 0.2  # wsd: share of the run spent decaying
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    objective: Literal["auto", "causal", "mlm", "span", "seq2seq"] = "auto"
+    grad_accum: int = 1
+    seed: int = 0
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
+    dtype: Literal["fp32", "bf16"] = "fp32"  # bf16 = autocast with fp32 master weights
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    eval_interval: int = 100
+    eval_batches: int = 8
+    sample_interval: int = 100  # decode a text sample this often (0: never)
+    sample_tokens: int = 48
+    compile: bool = False
+
+
+@dataclass
+class ParallelConfig:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: whatever the other dimensions leave of the world
+    cp: int = 1
+    tp: int = 1
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = "1f1b"
+    pp_microbatches: int = 0  # 0: one per pipeline stage
+    pp_stages_per_rank: int = 1
+    pp_split_points: list[int] = field(default_factory=list)  # manual layer split points
+    recompute: Literal["none", "full", "selective", "every_k"] = "none"
+    recompute_every: int = 2
+    mixed_precision_param: Literal["fp32", "bf16"] = "fp32"
+    mixed_precision_reduce: Literal["fp32", "bf16"] = "fp32"
+    reshard_after_forward: bool = True
+    timeout_s: float = 600.0
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""  # "": <run_dir>/checkpoints
+    interval: int = 0  # steps between saves; 0: only the final weights
+    keep_last: int = 2
+    keep_every: int = 0  # also keep every M-th step (0: none)
+    async_save: bool = False
+    resume: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/default"
+    log_interval: int = 10
+    tensorboard: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def objective(self) -> str:
+        if self.train.objective != "auto":
+            return self.train.objective
+        return {"decoder": "causal", "encoder": "mlm", "encoder_decoder": "span"}[self.model.family]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        return dump_toml(self.to_dict())
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file (or defaults), apply `section.key=value` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} not found; pass a TOML file such as configs/tiny-gpt.toml")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: not valid TOML ({err})") from None
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.steps=200")
+        _set_dotted(raw, key.strip(), _parse_value(value.strip()))
+    cfg = config_from_dict(raw)
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    return _build(Config, raw, "")
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # a bare word such as rmsnorm or a path
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key!r}: {part!r} is a value, not a section")
+    node[parts[-1]] = value
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{prefix}] must be a table of keys, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        where = f"{prefix}.{key}" if prefix else key
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {(prefix + '.' if prefix else '') + close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown config key {where!r}{hint} (valid: {', '.join(fields)})")
+        kwargs[key] = _coerce(hints[key], value, where)
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any, where: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(option, value, where)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0])
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint_txt = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{where} = {value!r} is not one of {list(args)}{hint_txt}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        if origin is tuple and len(args) == 2 and args[1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(f"{where} must have {len(args)} items, got {value!r}")
+            return tuple(_coerce(a, v, where) for a, v in zip(args, value))
+        item = args[0] if args else Any
+        out = [_coerce(item, v, where) for v in value]
+        return tuple(out) if origin is tuple else out
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool):
+        if type(value) is not hint:
+            raise ConfigError(f"{where} must be {hint.__name__}, got {type(value).__name__} {value!r}")
+        return value
+    return value
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate(cfg: Config) -> None:
+    """Check cross-field consistency; every message names the key and the fix."""
+    m, d, t = cfg.model, cfg.data, cfg.train
+    _positive(cfg, ["model.vocab_size", "model.d_model", "model.n_heads", "model.d_ff", "model.max_seq_len",
+                    "data.seq_len", "data.batch_size", "train.steps", "train.grad_accum", "optim.lr",
+                    "logging.log_interval"])
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
+                          "choose n_heads that divides d_model")
+    if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
+        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}; "
+                          "n_kv_heads must divide n_heads (1 = multi-query)")
+    if m.position == "rope" and m.head_dim % 2:
+        raise ConfigError(f"RoPE needs an even head dimension, got d_model/n_heads={m.head_dim}")
+    if m.family == "decoder" and m.n_layers <= 0 or m.family == "encoder" and m.n_layers <= 0:
+        raise ConfigError("model.n_layers must be positive")
+    if m.family == "encoder_decoder" and (m.encoder_layers <= 0 or m.decoder_layers <= 0):
+        raise ConfigError("model.n_encoder_layers and model.n_decoder_layers must be positive")
+    longest = max(d.seq_len, d.target_len if m.family == "encoder_decoder" else 0)
+    if m.position in ("learned", "sinusoidal") and longest > m.max_seq_len:
+        raise ConfigError(f"data.seq_len={longest} exceeds model.max_seq_len={m.max_seq_len}; "
+                          "raise model.max_seq_len or shorten data.seq_len")
+    if m.attention_window is not None:
+        if m.attention_window <= 0:
+            raise ConfigError("model.attention_window must be positive (or omitted for full attention)")
+        if m.attention_window > d.seq_len:
+            raise ConfigError(f"model.attention_window={m.attention_window} is larger than data.seq_len="
+                              f"{d.seq_len}; use a smaller window or remove it for full attention")
+    if m.cross_downsample < 1:
+        raise ConfigError("model.cross_downsample must be >= 1 (1 disables pooling)")
+    if m.cross_downsample > 1 and m.family != "encoder_decoder":
+        raise ConfigError("model.cross_downsample only applies to family = 'encoder_decoder'")
+    if not 0 <= m.dropout < 1 or not 0 <= m.attention_dropout < 1:
+        raise ConfigError("model.dropout and model.attention_dropout must lie in [0, 1)")
+    if not 0 <= t.label_smoothing < 1:
+        raise ConfigError("train.label_smoothing must lie in [0, 1)")
+    objective = cfg.objective
+    allowed = {"decoder": {"causal"}, "encoder": {"mlm"}, "encoder_decoder": {"span", "seq2seq"}}[m.family]
+    if objective not in allowed:
+        raise ConfigError(f"train.objective={objective!r} does not fit model.family={m.family!r}; "
+                          f"use one of {sorted(allowed)} or 'auto'")
+    if not 0 < d.mlm_probability < 1 or not 0 < d.span_noise_density < 1:
+        raise ConfigError("data.mlm_probability and data.span_noise_density must lie in (0, 1)")
+    if cfg.schedule.warmup_steps < 0:
+        raise ConfigError("schedule.warmup_steps must be >= 0")
+    if cfg.schedule.name == "noam" and cfg.schedule.warmup_steps == 0:
+        raise ConfigError("schedule.name='noam' needs schedule.warmup_steps > 0")
+    if t.dtype == "bf16" and not t.device.startswith(("auto", "cpu", "cuda")):
+        raise ConfigError(f"train.dtype='bf16' is not supported on device {t.device!r}; use fp32")
+
+
+def _positive(cfg: Config, keys: list[str]) -> None:
+    for key in keys:
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) <= 0:
+            raise ConfigError(f"{key} must be positive, got {getattr(getattr(cfg, section), name)}")
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def dump_toml(tree: dict[str, Any]) -> str:
+    """Minimal TOML writer for the config tree (tables of scalars and lists); None is omitted."""
+    lines: list[str] = []
+    for section, values in tree.items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is not None:
+                lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")

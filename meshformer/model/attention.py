@@ -1,0 +1,118 @@
+"""Multi-head attention with grouped-query heads, RoPE/ALiBi, a KV cache, and SDPA or math backends."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshformer.config import ModelConfig
+from meshformer.model.masks import AttentionMask
+from meshformer.model.positions import apply_rope
+
+
+@dataclass
+class KVCache:
+    """Keys and values an attention layer has already computed, shaped (B, H_kv, T, D)."""
+
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+
+class Attention(nn.Module):
+    """Self- or cross-attention with independent Q/K/V/O projections.
+
+    Head counts are inferred from tensor shapes (`view(..., -1, head_dim)`) so that a tensor-parallel
+    plan that shards the projections by heads needs no change here.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.causal, self.cross = causal, cross
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
+        self.dropout_p = cfg.attention_dropout
+        self.use_math = cfg.attention_backend == "math"
+        self.capture_weights = False  # inspection hook: keep the last attention weights in `.weights`
+        self.weights: torch.Tensor | None = None
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        return x.view(batch, length, -1, self.head_dim).transpose(1, 2)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: AttentionMask,
+        *,
+        memory: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        bias: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        q = self._heads(self.q_proj(x))
+        if self.cross and cache is not None and cache.k is not None:
+            k, v = cache.k, cache.v  # the encoder output does not change while decoding
+        else:
+            source = memory if self.cross else x
+            k, v = self._heads(self.k_proj(source)), self._heads(self.v_proj(source))
+            if rope is not None:  # self-attention only: new queries and keys share positions
+                q, k = apply_rope(q, rope), apply_rope(k, rope)
+            if cache is not None:
+                if not self.cross and cache.k is not None:
+                    k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
+                cache.k, cache.v = k, v
+        out = self._attend(q, k, v, mask, bias)
+        batch, _, length, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if k.shape[1] != q.shape[1]:  # grouped-query: each K/V head serves a group of query heads
+            repeat = q.shape[1] // k.shape[1]
+            k, v = (t.repeat_interleave(repeat, dim=1) for t in (k, v))
+        dropout_p = self.dropout_p if self.training else 0.0
+        if self.use_math or self.capture_weights:
+            return self._math(q, k, v, mask, bias, dropout_p)
+        if bias is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask.mask, dropout_p=dropout_p, is_causal=mask.is_causal
+            )
+        allowed = mask.materialize(q.shape[2], k.shape[2], q.device)
+        additive = bias.to(q.dtype)[None]
+        if allowed is not None:
+            additive = additive.masked_fill(~allowed, torch.finfo(q.dtype).min)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=dropout_p)
+
+    def _math(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: AttentionMask,
+        bias: torch.Tensor | None,
+        dropout_p: float,
+    ) -> torch.Tensor:
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        if bias is not None:
+            scores = scores + bias.to(scores.dtype)
+        allowed = mask.materialize(q.shape[2], k.shape[2], q.device)
+        if allowed is not None:
+            # A finite fill keeps every row finite even before `build_mask` opens empty rows.
+            scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        if self.capture_weights:
+            self.weights = weights.detach()
+        weights = F.dropout(weights, p=dropout_p, training=dropout_p > 0)
+        return weights @ v

@@ -1,0 +1,86 @@
+"""Norms, feed-forward networks and the Transformer block (encoder, decoder, or decoder with cross-attention)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshformer.config import ModelConfig
+from meshformer.model.attention import Attention, KVCache
+from meshformer.model.masks import AttentionMask
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def activation_fn(name: str) -> nn.Module:
+    return {"relu": nn.ReLU(), "gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"), "swiglu": nn.SiLU()}[name]
+
+
+class FeedForward(nn.Module):
+    """d_model -> d_ff -> d_model; SwiGLU adds a gate projection: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias) if cfg.activation == "swiglu" else None
+        self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+        self.act = activation_fn(cfg.activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_proj is not None:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+@dataclass
+class BlockCache:
+    self_attn: KVCache = field(default_factory=KVCache)
+    cross_attn: KVCache = field(default_factory=KVCache)
+
+
+class TransformerBlock(nn.Module):
+    """Self-attention, optional cross-attention, feed-forward; each a residual branch with dropout.
+
+    Pre-norm: x + drop(f(norm(x))).  Post-norm (the original paper): norm(x + drop(f(x))).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False) -> None:
+        super().__init__()
+        self.pre_norm = cfg.norm_position == "pre"
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg, causal=causal)
+        self.cross_norm = make_norm(cfg) if cross else None
+        self.cross_attn = Attention(cfg, causal=False, cross=True) if cross else None
+        self.ffn_norm = make_norm(cfg)
+        self.ffn = FeedForward(cfg)
+        self.dropout = cfg.dropout
+
+    def _branch(self, x: torch.Tensor, norm: nn.Module, fn, *args, **kwargs) -> torch.Tensor:
+        if self.pre_norm:
+            return x + F.dropout(fn(norm(x), *args, **kwargs), self.dropout, self.training)
+        return norm(x + F.dropout(fn(x, *args, **kwargs), self.dropout, self.training))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: AttentionMask,
+        *,
+        memory: torch.Tensor | None = None,
+        memory_mask: AttentionMask | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        bias: torch.Tensor | None = None,
+        cache: BlockCache | None = None,
+    ) -> torch.Tensor:
+        x = self._branch(x, self.attn_norm, self.attn, mask, rope=rope, bias=bias,
+                         cache=cache.self_attn if cache else None)
+        if self.cross_attn is not None:
+            x = self._branch(x, self.cross_norm, self.cross_attn, memory_mask, memory=memory,
+                             cache=cache.cross_attn if cache else None)
+        return self._branch(x, self.ffn_norm, self.ffn)

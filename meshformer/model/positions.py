@@ -1,0 +1,81 @@
+"""Position schemes: absolute (sinusoidal, learned) added to embeddings; relative (RoPE, ALiBi) in attention."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def sinusoidal_table(n_positions: int, dim: int) -> torch.Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d))."""
+    position = torch.arange(n_positions, dtype=torch.float64).unsqueeze(1)
+    inv_freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float64) * (-math.log(10000.0) / dim))
+    table = torch.zeros(n_positions, dim, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(position * inv_freq)
+    table[:, 1::2] = torch.cos(position * inv_freq)[:, : dim // 2]
+    return table.float()
+
+
+class SinusoidalPositions(nn.Module):
+    def __init__(self, max_len: int, dim: int) -> None:
+        super().__init__()
+        # Non-persistent: follows .to(device), is never trained and never checkpointed.
+        self.register_buffer("table", sinusoidal_table(max_len, dim), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.table[positions]
+
+
+class LearnedPositions(nn.Module):
+    def __init__(self, max_len: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(max_len, dim))
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.weight[positions]
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE with the half-split layout (pairs dimension i with i + d/2), as in GPT-NeoX / HF Llama."""
+
+    def __init__(self, head_dim: int, max_len: int, theta: float = 10000.0) -> None:
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) tables of shape (T, D) for integer positions (T,), shared by every layer."""
+        return self.cos[positions], self.sin[positions]
+
+
+def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate x of shape (B, H, T, D) by the angles of `RotaryEmbedding.forward`."""
+    cos, sin = (t.to(x.dtype) for t in cos_sin)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """Geometric slopes 2^(-8i/n) (Press et al.); non-powers of two interleave the next power's slopes."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2 ** (-8 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if math.log2(n_heads).is_integer():
+        return torch.tensor(power_of_two(n_heads))
+    closest = 2 ** math.floor(math.log2(n_heads))
+    extra = power_of_two(2 * closest)[0::2][: n_heads - closest]
+    return torch.tensor(power_of_two(closest) + extra)
+
+
+def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """Bias (H, Tq, Tk) = -slope * |i - j|: symmetric, so it serves causal and bidirectional attention."""
+    distance = (q_pos[:, None] - k_pos[None, :]).abs().to(slopes.dtype)
+    return -slopes[:, None, None] * distance

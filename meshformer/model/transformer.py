@@ -1,0 +1,195 @@
+"""One building kit, three assemblies: decoder-only (GPT), encoder-only (BERT), encoder-decoder (original/T5).
+
+Plain single-device PyTorch. Stacks are `nn.ModuleDict`s keyed "0", "1", ... so a pipeline split can
+delete layers and keep parameter names; every optional piece may be None so a pipeline stage can
+hold just part of the model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from meshformer.config import ModelConfig
+from meshformer.model.layers import BlockCache, TransformerBlock, activation_fn, make_norm
+from meshformer.model.masks import AttentionMask, build_mask, masked_avg_pool, pool_padding_mask
+from meshformer.model.positions import LearnedPositions, RotaryEmbedding, SinusoidalPositions, alibi_bias, alibi_slopes
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        has_encoder, has_decoder = cfg.encoder_layers > 0, cfg.decoder_layers > 0
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        separate_source = cfg.family == "encoder_decoder" and not cfg.share_embeddings
+        self.src_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model) if separate_source else None
+        self.pos_embeddings: nn.Module | None = None
+        if cfg.position == "learned":
+            self.pos_embeddings = LearnedPositions(cfg.max_seq_len, cfg.d_model)
+        elif cfg.position == "sinusoidal":
+            self.pos_embeddings = SinusoidalPositions(cfg.max_seq_len, cfg.d_model)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta) if cfg.position == "rope" else None
+        if cfg.position == "alibi":
+            self.register_buffer("alibi_slopes", alibi_slopes(cfg.n_heads), persistent=False)
+        else:
+            self.alibi_slopes = None
+        self.embedding_norm = make_norm(cfg) if cfg.embedding_norm else None
+
+        def stack(n: int, **kind) -> nn.ModuleDict:
+            return nn.ModuleDict({str(i): TransformerBlock(cfg, **kind) for i in range(n)})
+
+        final = cfg.use_final_norm
+        self.encoder_layers = stack(cfg.encoder_layers, causal=False) if has_encoder else None
+        self.encoder_norm = make_norm(cfg) if has_encoder and final else None
+        cross = cfg.family == "encoder_decoder"
+        self.decoder_layers = stack(cfg.decoder_layers, causal=True, cross=cross) if has_decoder else None
+        self.decoder_norm = make_norm(cfg) if has_decoder and final else None
+        if cfg.head_transform:  # BERT's prediction head: dense -> activation -> norm
+            self.head_dense = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+            self.head_act = activation_fn(cfg.activation)
+            self.head_norm = make_norm(cfg)
+        else:
+            self.head_dense = self.head_act = self.head_norm = None
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.output_bias)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.init_weights()
+
+    # ------------------------------------------------------------------ initialisation
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Xavier-uniform (original paper) or normal(std) with residual outputs scaled by 1/sqrt(2 * layers).
+
+        Draws from the global RNG in a fixed order, so a seed fixes every weight.
+        """
+        cfg = self.cfg
+        residual_std = cfg.init_std / math.sqrt(2 * (cfg.encoder_layers + cfg.decoder_layers))
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                module.reset_parameters()
+            elif isinstance(module, (nn.Linear, nn.Embedding, LearnedPositions)):
+                if module is self.output and cfg.tie_embeddings:
+                    continue
+                if cfg.init == "xavier":
+                    nn.init.xavier_uniform_(module.weight)
+                else:
+                    residual = name.endswith(("o_proj", "down_proj"))
+                    nn.init.normal_(module.weight, std=residual_std if residual else cfg.init_std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+    # ------------------------------------------------------------------ pieces
+
+    def embed(self, ids: torch.Tensor, *, source: bool = False, offset: int = 0) -> torch.Tensor:
+        table = self.src_embeddings if source and self.src_embeddings is not None else self.tok_embeddings
+        h = table(ids)
+        if self.cfg.scale_embeddings:
+            h = h * math.sqrt(self.cfg.d_model)
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings(torch.arange(offset, offset + ids.shape[1], device=ids.device))
+        if self.embedding_norm is not None:
+            h = self.embedding_norm(h)
+        return nn.functional.dropout(h, self.cfg.dropout, self.training)
+
+    def _relative(self, q_len: int, k_len: int, offset: int, device: torch.device) -> dict:
+        """RoPE angles / ALiBi biases for self-attention, computed once per stack."""
+        positions = torch.arange(offset, offset + q_len, device=device)
+        extra = {}
+        if self.rope is not None:
+            extra["rope"] = self.rope(positions)
+        if self.alibi_slopes is not None:
+            extra["bias"] = alibi_bias(self.alibi_slopes, positions, torch.arange(k_len, device=device))
+        return extra
+
+    def encode(
+        self, ids: torch.Tensor, padding: torch.Tensor | None = None, *, pool: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Encoder hidden states (B, T, D) and their padding mask; pooled for cross-attention if configured."""
+        h = self.embed(ids, source=True) if self.tok_embeddings is not None else ids
+        length = h.shape[1]
+        mask = build_mask(length, length, causal=False, window=self.cfg.attention_window, key_padding=padding,
+                          device=h.device)
+        extra = self._relative(length, length, 0, h.device)
+        for layer in self.encoder_layers.values():
+            h = layer(h, mask, **extra)
+        if self.encoder_norm is not None:
+            h = self.encoder_norm(h)
+        factor = self.cfg.cross_downsample
+        if pool and factor > 1:
+            h = masked_avg_pool(h, padding, factor)
+            padding = pool_padding_mask(padding, factor) if padding is not None else None
+        return h, padding
+
+    def decode(
+        self,
+        ids: torch.Tensor,
+        padding: torch.Tensor | None = None,
+        *,
+        memory: torch.Tensor | None = None,
+        memory_padding: torch.Tensor | None = None,
+        cache: list[BlockCache] | None = None,
+    ) -> torch.Tensor:
+        """Causal stack over target ids (B, T); with a cache, ids are only the new tokens."""
+        offset = cache[0].self_attn.length if cache else 0
+        h = self.embed(ids, offset=offset) if self.tok_embeddings is not None else ids
+        q_len = h.shape[1]
+        k_len = offset + q_len
+        if padding is not None and padding.shape[1] != k_len:
+            raise ValueError(f"decoder padding mask covers {padding.shape[1]} positions, expected {k_len} "
+                             "(cached + new tokens)")
+        mask = build_mask(q_len, k_len, q_offset=offset, causal=True, window=self.cfg.attention_window,
+                          key_padding=padding, device=h.device)
+        memory_mask = None
+        if memory is not None:
+            memory_mask = build_mask(q_len, memory.shape[1], causal=False, key_padding=memory_padding,
+                                     device=h.device)
+        extra = self._relative(q_len, k_len, offset, h.device)
+        for i, layer in enumerate(self.decoder_layers.values()):
+            h = layer(h, mask, memory=memory, memory_mask=memory_mask, cache=cache[i] if cache else None, **extra)
+        if self.decoder_norm is not None:
+            h = self.decoder_norm(h)
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        if self.head_dense is not None:
+            h = self.head_norm(self.head_act(self.head_dense(h)))
+        return self.output(h)
+
+    def new_cache(self) -> list[BlockCache]:
+        return [BlockCache() for _ in self.decoder_layers]
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.Tensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits (B, T, vocab). Masks are (B, T) with True (or 1) for real tokens, False for padding.
+
+        decoder-only: input_ids are the (causal) sequence; encoder-only: input_ids are the (bidirectional)
+        sequence; encoder-decoder: input_ids are the source, decoder_input_ids the teacher-forced target.
+        """
+        family = self.cfg.family
+        if family == "decoder":
+            return self.head(self.decode(input_ids, attention_mask))
+        if family == "encoder":
+            return self.head(self.encode(input_ids, attention_mask)[0])
+        if decoder_input_ids is None:
+            raise ValueError("an encoder-decoder model needs decoder_input_ids (the shifted target)")
+        memory, memory_padding = self.encode(input_ids, attention_mask)
+        h = self.decode(decoder_input_ids, decoder_attention_mask, memory=memory, memory_padding=memory_padding)
+        return self.head(h)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+__all__ = ["AttentionMask", "Transformer", "count_parameters"]
