@@ -56,6 +56,8 @@ class ModelConfig:
     attention_dropout: float = 0.0
     attention_window: int | None = None  # sliding window: keys with |i - j| < window
     attention_backend: Literal["sdpa", "math"] = "sdpa"
+    attention_scale: float | None = None  # score multiplier; None: 1/sqrt(head_dim) (T5 folds it into init: 1.0)
+    scale_output: bool = False  # multiply final hidden states by d_model**-0.5 before the output projection (T5)
     cross_downsample: int = 1  # pool encoder output by this factor before cross-attention
     init: Literal["normal", "xavier"] = "normal"
     init_std: float = 0.02
@@ -102,6 +104,11 @@ class DataConfig:
     span_noise_density: float = 0.15
     span_mean_length: float = 3.0
     seed: int = 1234
+    shards: str = ""  # manifest.json (path or URL) of prepared shards; "": prepare data.corpus into cache_dir
+    cache_dir: str = ""  # "": $MESHFORMER_CACHE or ~/.cache/meshformer
+    num_workers: int = 1  # DataLoader worker processes per rank (0: load in the training process)
+    shuffle_shards: int = 4  # shards mixed into one shuffle group (memory: one group per worker)
+    bad_shards: Literal["error", "skip"] = "error"  # corrupt/short/missing shard: raise, or skip and log
 
 
 @dataclass
@@ -116,7 +123,7 @@ class OptimConfig:
 
 @dataclass
 class ScheduleConfig:
-    name: Literal["cosine", "noam", "wsd", "constant"] = "cosine"
+    name: Literal["cosine", "noam", "wsd", "constant"] = "cosine"  # noam: optim.lr is the scale factor
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1  # cosine / wsd floor as a fraction of optim.lr
     decay_fraction: float = 0.2  # wsd: share of the run spent decaying
@@ -224,7 +231,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
-    return _build(Config, raw, "")
+    return build_section(Config, raw, "")
 
 
 def _parse_value(text: str) -> Any:
@@ -244,7 +251,7 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _build(cls: type, raw: Any, prefix: str) -> Any:
+def build_section(cls: type, raw: Any, prefix: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"[{prefix}] must be a table of keys, got {raw!r}")
     hints = typing.get_type_hints(cls)
@@ -262,7 +269,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
 
 def _coerce(hint: Any, value: Any, where: str) -> Any:
     if dataclasses.is_dataclass(hint):
-        return _build(hint, value, where)
+        return build_section(hint, value, where)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:

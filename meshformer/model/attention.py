@@ -36,6 +36,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
+        self.scale = cfg.attention_scale if cfg.attention_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
         self.causal, self.cross = causal, cross
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=cfg.bias)
         self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=cfg.bias)
@@ -87,13 +88,13 @@ class Attention(nn.Module):
             return self._math(q, k, v, mask, bias, dropout_p)
         if bias is None:
             return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask.mask, dropout_p=dropout_p, is_causal=mask.is_causal
+                q, k, v, attn_mask=mask.mask, dropout_p=dropout_p, is_causal=mask.is_causal, scale=self.scale
             )
         allowed = mask.materialize(q.shape[2], k.shape[2], q.device)
         additive = bias.to(q.dtype)[None]
         if allowed is not None:
             additive = additive.masked_fill(~allowed, torch.finfo(q.dtype).min)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=additive, dropout_p=dropout_p, scale=self.scale)
 
     def _math(
         self,
@@ -104,14 +105,15 @@ class Attention(nn.Module):
         bias: torch.Tensor | None,
         dropout_p: float,
     ) -> torch.Tensor:
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        scores = (q @ k.transpose(-2, -1)) * self.scale
         if bias is not None:
             scores = scores + bias.to(scores.dtype)
         allowed = mask.materialize(q.shape[2], k.shape[2], q.device)
         if allowed is not None:
             # A finite fill keeps every row finite even before `build_mask` opens empty rows.
             scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-        weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        # Softmax in at least fp32: upcasts bf16/fp16 but must not downcast fp64 (whose fill value would become -inf).
+        weights = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
         if self.capture_weights:
             self.weights = weights.detach()
         weights = F.dropout(weights, p=dropout_p, training=dropout_p > 0)

@@ -157,6 +157,8 @@ class Transformer(nn.Module):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         if self.head_dense is not None:
             h = self.head_norm(self.head_act(self.head_dense(h)))
+        if self.cfg.scale_output:
+            h = h * self.cfg.d_model**-0.5
         return self.output(h)
 
     def new_cache(self) -> list[BlockCache]:

@@ -1,0 +1,3 @@
+from meshformer.cli import main
+
+main()

@@ -1,0 +1,101 @@
+"""The `meshformer` command: train, generate, inspect, prepare data, convert checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from meshformer.config import ConfigError, load_config
+
+
+def _train(args: argparse.Namespace) -> None:
+    if args.nproc_per_node > 1 or args.nnodes > 1:
+        from meshformer.launcher.torchrun import launch_torchrun
+
+        sys.exit(launch_torchrun(args.config, args.set, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
+                                 rdzv_endpoint=args.rdzv_endpoint))
+    from meshformer.train.__main__ import run
+
+    run(args.config, args.set)
+
+
+def _params(args: argparse.Namespace) -> None:
+    from meshformer.model.flops import count_params, flops_per_token
+
+    cfg = load_config(args.config, args.set)
+    counts = count_params(cfg.model)
+    report = {**counts, "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len), "seq_len": cfg.data.seq_len}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for key, value in report.items():
+            print(f"{key:>22}: {value:,}" if isinstance(value, int) else f"{key:>22}: {value:,.4g}")
+
+
+def _generate(args: argparse.Namespace) -> None:
+    import torch
+
+    from meshformer.checkpointing.weights import load_weights
+    from meshformer.data import load_tokenizer
+    from meshformer.model.generate import greedy_decode
+
+    model = load_weights(args.weights).eval()
+    tokenizer = load_tokenizer(args.tokenizer)
+    ids = torch.tensor([tokenizer.encode(args.prompt)])
+    if model.cfg.family == "encoder":
+        sys.exit("generate needs a decoder-only or encoder-decoder model; this one is encoder-only")
+    if model.cfg.family == "decoder":
+        out = greedy_decode(model, ids, args.max_new_tokens, eos_id=tokenizer.eos_id, use_cache=not args.no_cache)
+    else:
+        out = greedy_decode(model, None, args.max_new_tokens, eos_id=tokenizer.eos_id, bos_id=tokenizer.bos_id,
+                            source_ids=ids, use_cache=not args.no_cache)
+    print(tokenizer.decode(out[0].tolist()))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshformer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a model from a TOML config")
+    train.add_argument("config")
+    train.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="e.g. train.steps=200")
+    train.add_argument("--nproc-per-node", type=int, default=1, help="start torchrun with this many processes")
+    train.add_argument("--nnodes", type=int, default=1)
+    train.add_argument("--rdzv-endpoint", default="127.0.0.1:29500", help="host:port of the first node")
+    train.set_defaults(func=_train)
+
+    params = sub.add_parser("params", help="parameter count and training FLOPs per token of a config")
+    params.add_argument("config")
+    params.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
+    params.add_argument("--json", action="store_true")
+    params.set_defaults(func=_params)
+
+    gen = sub.add_parser("generate", help="greedy decoding (KV cache) from a run's final weights")
+    gen.add_argument("weights", help="folder with model.safetensors, e.g. runs/tiny-gpt/final")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=48)
+    gen.add_argument("--tokenizer", default="bundled:kjv-bpe-4k")
+    gen.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each step")
+    gen.set_defaults(func=_generate)
+
+    for module in ("meshformer.model.inspect_cli", "meshformer.data.cli", "meshformer.checkpointing.cli",
+                   "meshformer.launcher.cli"):
+        try:
+            add_cli = __import__(module, fromlist=["add_cli"]).add_cli
+        except ModuleNotFoundError:
+            continue
+        add_cli(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ConfigError as err:
+        sys.exit(f"config error: {err}")
+
+
+if __name__ == "__main__":
+    main()

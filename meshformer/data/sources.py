@@ -1,0 +1,103 @@
+"""Reading raw corpora: text files, directories, `.gz`, JSONL (one field, or src/tgt pairs).
+
+A *document* is one JSONL record's field, or one whole text file (`doc_split="file"`), or one
+blank-line-separated paragraph (`"paragraph"`), or one line (`"line"`). Directories are walked in
+sorted order so the document sequence, and hence every prepared shard, is reproducible.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+BUNDLED_CORPORA = {"bundled:kjv": Path(__file__).resolve().parent / "corpus" / "kjv-chapters.jsonl.gz"}
+TEXT_SUFFIXES = {".txt", ".text", ".md", ".rst", ".jsonl", ".json"}
+DocSplit = Literal["file", "paragraph", "line"]
+
+
+class CorpusError(ValueError):
+    """An input corpus that cannot be read as documents."""
+
+
+def resolve_inputs(inputs: str | Path | list[str | Path]) -> list[Path]:
+    """Expand bundled names and directories into a sorted, de-duplicated list of files."""
+    items = inputs if isinstance(inputs, list) else [inputs]
+    files: list[Path] = []
+    for item in items:
+        if str(item) in BUNDLED_CORPORA:
+            files.append(BUNDLED_CORPORA[str(item)])
+            continue
+        path = Path(item).expanduser()
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and _is_text(p))
+            if not found:
+                raise CorpusError(f"directory {path} holds no text files ({sorted(TEXT_SUFFIXES)}, optionally .gz)")
+            files.extend(found)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise CorpusError(f"corpus input {str(item)!r} does not exist; pass a file, a directory, or "
+                              f"one of {sorted(BUNDLED_CORPORA)}")
+    return list(dict.fromkeys(files))
+
+
+def _is_text(path: Path) -> bool:
+    name = path.name[:-3] if path.suffix == ".gz" else path.name
+    return Path(name).suffix in TEXT_SUFFIXES
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    if path.suffix == ".gz":
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", errors="replace")
+    return open(path, encoding="utf-8", errors="replace")
+
+
+def _is_jsonl(path: Path) -> bool:
+    name = path.name[:-3] if path.suffix == ".gz" else path.name
+    return name.endswith((".jsonl", ".json"))
+
+
+def iter_documents(files: list[Path], text_field: str = "text", doc_split: DocSplit = "file") -> Iterator[str]:
+    for path in files:
+        with _open_text(path) as fh:
+            if _is_jsonl(path):
+                for lineno, line in enumerate(fh, 1):
+                    if line.strip():
+                        text = _field(path, lineno, line, text_field)
+                        if text.strip():
+                            yield text
+            elif doc_split == "file":
+                text = fh.read()
+                if text.strip():
+                    yield text
+            elif doc_split == "line":
+                yield from (line.rstrip("\n") for line in fh if line.strip())
+            else:
+                yield from (p.strip() for p in fh.read().split("\n\n") if p.strip())
+
+
+def iter_pairs(files: list[Path], src_field: str = "src", tgt_field: str = "tgt") -> Iterator[tuple[str, str]]:
+    for path in files:
+        if not _is_jsonl(path):
+            raise CorpusError(f"{path}: source/target pairs must come from JSONL with {src_field!r} and "
+                              f"{tgt_field!r} fields")
+        with _open_text(path) as fh:
+            for lineno, line in enumerate(fh, 1):
+                if line.strip():
+                    yield _field(path, lineno, line, src_field), _field(path, lineno, line, tgt_field)
+
+
+def _field(path: Path, lineno: int, line: str, name: str) -> str:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise CorpusError(f"{path}:{lineno}: not valid JSON ({err})") from None
+    if not isinstance(record, dict) or not isinstance(record.get(name), str):
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise CorpusError(f"{path}:{lineno}: no string field {name!r} (has {keys}); set data.text_field "
+                          "or --text-field")
+    return record[name]

@@ -1,0 +1,91 @@
+"""The contract between the trainer and a parallel layout.
+
+The trainer only ever talks to a `TrainingPlan`: it hands over micro-batches and the global count of
+target tokens, and gets back gradients that equal d(sum of token losses / global tokens) — the same
+gradients a single process computes on the whole global batch. How the model is sharded (FSDP, TP,
+PP) is hidden behind this object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from meshformer.train.loss import count_tokens, cross_entropy_sum
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> summed loss
+
+
+def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:
+    """The keyword arguments of `Transformer.forward` present in a batch."""
+    keys = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask")
+    return {k: batch[k] for k in keys if k in batch}
+
+
+class TrainingPlan:
+    """Single device: the reference every parallel layout must match."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, device: torch.device) -> None:
+        self.model, self.loss_fn, self.device = model, loss_fn, device
+        self.dp_rank, self.dp_size = 0, 1  # the data loader's view of this rank
+        self.autocast_dtype: torch.dtype | None = None
+
+    @property
+    def model_parts(self) -> list[nn.Module]:
+        """Modules holding this rank's parameters (several with pipeline parallelism)."""
+        return [self.model]
+
+    @property
+    def supports_generation(self) -> bool:
+        """Whether every rank can run the whole model's forward (not so under pipeline parallelism)."""
+        return True
+
+    @property
+    def reports_loss(self) -> bool:
+        """Whether this rank sees the loss (the last pipeline stage does)."""
+        return True
+
+    def global_token_count(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """Target tokens in the whole step: every micro-batch, every data-parallel rank."""
+        return sum(count_tokens(b["labels"]) for b in micro_batches).to(self.device)
+
+    def forward_backward(self, batch: Batch, global_tokens: torch.Tensor) -> torch.Tensor:
+        """Accumulate gradients of (summed loss of this micro-batch / global_tokens); return the detached sum."""
+        with self._autocast():
+            logits = self.model(**model_inputs(batch))
+        loss_sum = self.loss_fn(logits, batch["labels"])
+        (loss_sum / global_tokens).backward()
+        return loss_sum.detach()
+
+    @torch.no_grad()
+    def evaluate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed loss, token count) of a batch, reduced over data-parallel ranks."""
+        with self._autocast():
+            logits = self.model(**model_inputs(batch))
+        return self.loss_fn(logits, batch["labels"]).float(), count_tokens(batch["labels"])
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global gradient norm (over every shard and stage); return the norm before clipping."""
+        params = [p for part in self.model_parts for p in part.parameters() if p.grad is not None]
+        if max_norm > 0:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+
+    def reduce_for_logging(self, value: torch.Tensor) -> float:
+        """A per-rank sum made global (identity on one device)."""
+        return float(value)
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return torch.autocast(self.device.type, enabled=False)
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+
+def default_loss_fn(label_smoothing: float = 0.0, z_loss: float = 0.0) -> LossFn:
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_sum(logits, labels, label_smoothing=label_smoothing, z_loss=z_loss)
+
+    return loss_fn

@@ -1,0 +1,98 @@
+"""Run logging: a concise console line and TensorBoard scalars for the same numbers, plus MFU and memory."""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("meshformer")
+
+# Dense bf16 tensor-core peaks (FLOP/s) of common accelerators; others are measured at start-up.
+KNOWN_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.3) -> float:
+    """Achieved GEMM FLOP/s on this device and dtype: the ceiling an MFU figure is measured against."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    _sync(device)
+    return 2 * size**3 * count / (time.perf_counter() - start)
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """(peak FLOP/s, where the figure came from)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, flops in KNOWN_PEAK_FLOPS.items():
+            if key in name:
+                return flops if dtype == torch.bfloat16 else flops / 2, f"{key} datasheet"
+    return measure_matmul_flops(device, dtype), f"measured {dtype} GEMM"
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: accelerator allocations, or resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class RunLogger:
+    """Console + TensorBoard, active on rank 0 only (other ranks get a silent logger)."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool) -> None:
+        self.enabled = enabled
+        self.writer = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            tb_dir = run_dir / "tensorboard"
+            try:
+                tb_dir.mkdir(parents=True, exist_ok=True)
+                probe = tb_dir / ".write-test"
+                probe.write_text("ok")
+                probe.unlink()
+            except OSError as err:
+                raise RuntimeError(f"TensorBoard folder {tb_dir} is not writable ({err}); "
+                                   "set logging.run_dir to a writable folder or logging.tensorboard=false") from None
+            self.writer = SummaryWriter(str(tb_dir))
+
+    def info(self, message: str) -> None:
+        if self.enabled:
+            log.info(message)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.writer is not None:
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, step)
+
+    def text(self, step: int, tag: str, value: str) -> None:
+        if self.writer is not None:
+            self.writer.add_text(tag, value, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+
+
+def setup_console_logging(rank: int) -> None:
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format=f"%(asctime)s [rank{rank}] %(message)s", datefmt="%H:%M:%S", force=True)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,185 @@
+"""The training loop: one path for every family, device and parallel layout.
+
+The loop knows nothing about sharding: it hands micro-batches to a `TrainingPlan` (meshformer.parallel)
+and steps the optimizer. Host-device syncs happen only at logging, evaluation and sampling intervals.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from meshformer.config import Config, ConfigError
+from meshformer.data import build_loader, load_tokenizer
+from meshformer.model import Transformer
+from meshformer.model.flops import flops_per_token
+from meshformer.parallel import build_plan
+from meshformer.parallel.plan import Batch, TrainingPlan, default_loss_fn
+from meshformer.train.metrics import RunLogger, memory_gib, peak_flops
+from meshformer.train.optim import build_optimizer, build_scheduler
+from meshformer.train.sampling import decoded_sample
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_loss: float
+    eval_loss: float | None
+    run_dir: Path
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
+    if spec == "auto":
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={spec!r} but no CUDA device is visible; use train.device='cpu' or 'auto'")
+    return device
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+class Trainer:
+    def __init__(self, cfg: Config, *, rank: int = 0, local_rank: int = 0) -> None:
+        self.cfg, self.rank = cfg, rank
+        self.device = resolve_device(cfg.train.device, local_rank)
+        if cfg.train.dtype == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ConfigError("train.dtype='bf16' but this GPU has no bf16 support; use train.dtype='fp32'")
+        self.run_dir = Path(cfg.logging.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            (self.run_dir / "config.toml").write_text(cfg.to_toml())
+        self.logger = RunLogger(self.run_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
+
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        if self.tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size="
+                              f"{cfg.model.vocab_size}; raise model.vocab_size to at least {self.tokenizer.vocab_size}")
+
+        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank and layout
+        model = Transformer(cfg.model)
+        loss_fn = default_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss)
+        self.plan: TrainingPlan = build_plan(model, cfg, self.device, loss_fn)
+        self.model = model
+        if cfg.train.dtype == "bf16":
+            self.plan.autocast_dtype = torch.bfloat16
+        self.optimizer, kernel = build_optimizer(self.plan.model_parts, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.steps, cfg.model.d_model)
+        self.train_data = build_loader(cfg, self.tokenizer, "train", self.plan.dp_rank, self.plan.dp_size)
+        self.eval_data = build_loader(cfg, self.tokenizer, "eval", self.plan.dp_rank, self.plan.dp_size)
+        self.step = 0
+
+        dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
+        self.peak_flops, peak_source = peak_flops(self.device, dtype)
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        n_params = sum(p.numel() for p in model.parameters())
+        self.logger.info(
+            f"model: {cfg.model.family}, {n_params / 1e6:.2f}M parameters, objective {cfg.objective}; "
+            f"device {self.device}, dtype {cfg.train.dtype}; AdamW kernel: {kernel}; attention: "
+            f"{cfg.model.attention_backend}; peak {self.peak_flops / 1e12:.2f} TFLOP/s ({peak_source})"
+        )
+
+    # ------------------------------------------------------------------ steps
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One optimizer step over grad_accum micro-batches: (loss sum, global tokens, grad norm)."""
+        micro_batches = [to_device(next(self.train_iter), self.device) for _ in range(self.cfg.train.grad_accum)]
+        global_tokens = self.plan.global_token_count(micro_batches)
+        loss_sum = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            loss_sum += self.plan.forward_backward(batch, global_tokens)
+        grad_norm = self.plan.clip_grad_norm(self.cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return loss_sum, global_tokens, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        for part in self.plan.model_parts:
+            part.eval()
+        loss_sum, tokens = 0.0, 0.0
+        for _ in range(self.cfg.train.eval_batches):
+            batch_loss, batch_tokens = self.plan.evaluate(to_device(next(self.eval_iter), self.device))
+            loss_sum += float(batch_loss)
+            tokens += float(batch_tokens)
+        for part in self.plan.model_parts:
+            part.train()
+        return loss_sum / max(tokens, 1.0)
+
+    # ------------------------------------------------------------------ loop
+
+    def fit(self) -> TrainResult:
+        cfg, log = self.cfg, self.logger
+        self.train_iter, self.eval_iter = iter(self.train_data), iter(self.eval_data)
+        tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * cfg.train.grad_accum * self.plan.dp_size
+        history: list[dict[str, float]] = []
+        window_loss = torch.zeros((), device=self.device)
+        window_tokens = torch.zeros((), device=self.device)
+        window_start, window_steps = time.perf_counter(), 0
+        last_loss, eval_loss = float("nan"), None
+        while self.step < cfg.train.steps:
+            loss_sum, global_tokens, grad_norm = self.train_step()
+            window_loss += loss_sum
+            window_tokens += global_tokens
+            window_steps += 1
+            step = self.step
+            if step % cfg.logging.log_interval == 0 or step == cfg.train.steps:
+                elapsed = time.perf_counter() - window_start
+                last_loss = self.plan.reduce_for_logging(window_loss) / max(float(window_tokens), 1.0)
+                tokens_per_s = tokens_per_step * window_steps / elapsed
+                record = {
+                    "train/loss": last_loss,
+                    "train/lr": self.scheduler.get_last_lr()[0],
+                    "train/grad_norm": float(grad_norm),
+                    "perf/tokens_per_s": tokens_per_s,
+                    "perf/mfu": self.flops_per_token * tokens_per_s / _world_size() / self.peak_flops,
+                    "perf/memory_gib": memory_gib(self.device),
+                    "perf/step_time_s": elapsed / window_steps,
+                }
+                history.append({"step": step, **record})
+                log.scalars(step, record)
+                log.info(
+                    f"step {step:>6}/{cfg.train.steps} | loss {last_loss:.4f} | lr {record['train/lr']:.2e} | "
+                    f"grad {record['train/grad_norm']:.3f} | {tokens_per_s:,.0f} tok/s | "
+                    f"mfu {100 * record['perf/mfu']:.1f}% | mem {record['perf/memory_gib']:.2f} GiB"
+                )
+                window_loss.zero_()
+                window_tokens.zero_()
+                window_start, window_steps = time.perf_counter(), 0
+            if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == cfg.train.steps):
+                eval_loss = self.evaluate()
+                log.scalars(step, {"eval/loss": eval_loss, "eval/perplexity": math.exp(min(eval_loss, 50))})
+                log.info(f"eval  {step:>6} | loss {eval_loss:.4f} | ppl {math.exp(min(eval_loss, 50)):.2f}")
+            if cfg.train.sample_interval and step % cfg.train.sample_interval == 0 and self.plan.supports_generation:
+                text = decoded_sample(self.model, self.tokenizer, self.cfg, self.device)
+                if text is not None:
+                    log.text(step, "sample", text)
+                    log.info(f"sample {step:>5} | {text!r}")
+        self.save_final_weights()
+        log.close()
+        return TrainResult(self.step, last_loss, eval_loss, self.run_dir, history)
+
+    def save_final_weights(self) -> None:
+        from meshformer.checkpointing.weights import save_weights
+
+        path = save_weights(self.plan, self.run_dir / "final")
+        if path is not None:
+            self.logger.info(f"final weights written to {path}")
+
+
+def _world_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def train(cfg: Config) -> TrainResult:
+    """Single-process entry point; distributed runs go through meshformer.train.__main__ under torchrun."""
+    return Trainer(cfg).fit()

@@ -1,0 +1,59 @@
+from pathlib import Path
+
+import pytest
+
+from meshformer.config import Config, ConfigError, config_from_dict, load_config
+
+CONFIGS = sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+
+
+def test_overrides_apply_with_types():
+    cfg = load_config("configs/tiny-gpt.toml", ["train.steps=7", "model.n_layers=2", "model.norm=rmsnorm",
+                                               "optim.betas=[0.8, 0.9]"])
+    assert cfg.train.steps == 7 and cfg.model.n_layers == 2 and cfg.model.norm == "rmsnorm"
+    assert cfg.optim.betas == (0.8, 0.9)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config("configs/tiny-t5.toml", ["train.seed=5"])
+    path = tmp_path / "resolved.toml"
+    path.write_text(cfg.to_toml())
+    assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.n_layer=2"], "did you mean 'model.n_layers'"),
+        (["trian.steps=2"], "did you mean 'train'"),
+        (["model.d_model=130"], "not divisible by model.n_heads"),
+        (["model.n_kv_heads=3"], "n_kv_heads must divide n_heads"),
+        (["model.attention_window=1000"], "larger than data.seq_len"),
+        (["train.steps=ten"], "train.steps must be int"),
+        (["model.norm=batchnorm"], "is not one of"),
+        (["data.seq_len=4096"], "exceeds model.max_seq_len"),
+        (["train.objective=mlm"], "does not fit model.family"),
+        (["steps=3"], "unknown config key"),
+        (["train.steps"], "section.key=value"),
+    ],
+)
+def test_bad_config_names_key_and_fix(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("configs/tiny-gpt.toml", overrides)
+
+
+def test_missing_file_is_clear():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("configs/nope.toml")
+
+
+def test_objective_follows_family():
+    assert config_from_dict({"model": {"family": "encoder"}}).objective == "mlm"
+    assert config_from_dict({"model": {"family": "encoder_decoder"}}).objective == "span"
+    assert config_from_dict({}).objective == "causal"
