@@ -25,7 +25,7 @@ def _params(args: argparse.Namespace) -> None:
 
     cfg = load_config(args.config, args.set)
     counts = count_params(cfg.model)
-    report = {**counts, "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len), "seq_len": cfg.data.seq_len}
+    report = {**counts, "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len, cfg.data.target_len), "seq_len": cfg.data.seq_len}
     if args.json:
         print(json.dumps(report))
     else:

@@ -171,8 +171,11 @@ class CheckpointConfig:
     interval: int = 0  # steps between saves; 0: only the final weights
     keep_last: int = 2
     keep_every: int = 0  # also keep every M-th step (0: none)
-    async_save: bool = False
-    resume: bool = True
+    async_save: bool = False  # write in a background thread (DCP thread mode); at most one save in flight
+    resume: bool = True  # start from the newest valid checkpoint in checkpoint.dir, if any
+    verify: Literal["sha256", "size"] = "sha256"  # how resume checks a checkpoint's files against its manifest
+    save_on_sigterm: bool = True  # on SIGTERM: save at the next step boundary, then stop
+    preempt_check_interval: int = 10  # steps between the cross-rank "did any rank get SIGTERM?" check
 
 
 @dataclass
@@ -323,12 +326,12 @@ def validate(cfg: Config) -> None:
                           "n_kv_heads must divide n_heads (1 = multi-query)")
     if m.position == "rope" and m.head_dim % 2:
         raise ConfigError(f"RoPE needs an even head dimension, got d_model/n_heads={m.head_dim}")
-    if m.family == "decoder" and m.n_layers <= 0 or m.family == "encoder" and m.n_layers <= 0:
+    if m.family in ("decoder", "encoder") and m.n_layers <= 0:
         raise ConfigError("model.n_layers must be positive")
     if m.family == "encoder_decoder" and (m.encoder_layers <= 0 or m.decoder_layers <= 0):
         raise ConfigError("model.n_encoder_layers and model.n_decoder_layers must be positive")
     longest = max(d.seq_len, d.target_len if m.family == "encoder_decoder" else 0)
-    if m.position in ("learned", "sinusoidal") and longest > m.max_seq_len:
+    if m.position in ("learned", "sinusoidal", "rope") and longest > m.max_seq_len:
         raise ConfigError(f"data.seq_len={longest} exceeds model.max_seq_len={m.max_seq_len}; "
                           "raise model.max_seq_len or shorten data.seq_len")
     if m.attention_window is not None:

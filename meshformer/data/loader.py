@@ -31,7 +31,8 @@ class DataStateError(ValueError):
 class Source(Protocol):
     kind: str  # "packed": token records of record_len; "pairs": (src, tgt) token arrays
     record_len: int
-    records_per_shard: list[int]
+    records_per_shard: list[int]  # as in the manifest
+    skip: frozenset[int]  # shards left out (bad, with data.bad_shards="skip")
     fingerprint: str  # identifies the data (manifest hash, skipped shards)
 
     def read(self, shard: int, records: np.ndarray) -> dict[int, Sample]:
@@ -106,10 +107,11 @@ class Loader:
         self.dp_rank, self.dp_size, self.batch_size, self.num_workers = dp_rank, dp_size, batch_size, num_workers
         windows = source.record_len // objective.raw_length if source.kind == "packed" else 1
         self.order = SampleOrder(source.records_per_shard, windows, seed, shuffle=split == "train",
-                                 group_shards=shuffle_shards)
+                                 group_shards=shuffle_shards, skip=source.skip)
         self.with_ids = with_ids
         self.consumed = 0  # stream positions consumed by all ranks together
-        self.skipped_shards: list[str] = []
+        self.skipped_shards: list[str] = []  # bad shards left out (data.bad_shards="skip")
+        self.manifest: Any = None  # the shards' Manifest, set by build_loader
         self._it: Iterator[dict[str, torch.Tensor]] | None = None
         spec = {"data": source.fingerprint, "objective": objective.name, "raw": objective.raw_length,
                 "split": split, "seed": seed, "shuffle_shards": shuffle_shards}
@@ -127,26 +129,34 @@ class Loader:
     def global_batch(self) -> int:
         return self.dp_size * self.batch_size
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def __iter__(self) -> Loader:
         if self.split == "eval":
             self.consumed = 0
-        return self._generate()
+            self.close()
+        return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._it is None:
-            self._it = self._generate()
-        return next(self._it)
+            self._it = self._start()
+        batch = next(self._it)
+        self.consumed += self.global_batch
+        return batch
 
-    def _generate(self) -> Iterator[dict[str, torch.Tensor]]:
+    def _start(self) -> Iterator[dict[str, torch.Tensor]]:
+        # The loader owns the torch iterator directly (no generator holding `self`), so dropping the loader
+        # shuts its workers down at once instead of at a later garbage collection with queues half torn down.
         view = RankView(self.consumed, self.dp_rank, self.dp_size, self.batch_size)
         stream = BatchStream(self.source, self.order, self.objective, view, self.with_ids)
-        workers = dict(num_workers=self.num_workers)
+        workers: dict[str, Any] = {"num_workers": self.num_workers}
         if self.num_workers:
             workers.update(prefetch_factor=4, persistent_workers=False)
-        loader = DataLoader(stream, batch_size=None, pin_memory=torch.cuda.is_available(), **workers)
-        for batch in loader:
-            self.consumed += self.global_batch
-            yield batch
+        return iter(DataLoader(stream, batch_size=None, pin_memory=torch.cuda.is_available(), **workers))
+
+    def close(self) -> None:
+        """Stop worker processes (they restart from the current position on the next batch)."""
+        it, self._it = self._it, None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": 1, "consumed": self.consumed, "epoch": self.epoch,
@@ -160,4 +170,4 @@ class Loader:
                 "seq_len, seed or shuffle_shards changed); resuming would not be exact. Restore those settings, "
                 "or drop the data state to restart the data stream")
         self.consumed = int(state["consumed"])
-        self._it = None  # the next batch is built from the restored position
+        self.close()  # the next batch is built from the restored position

@@ -36,8 +36,8 @@ class ObjectiveError(ValueError):
 
 def span_lengths(raw_len: int, density: float, mean_span: float) -> tuple[int, int, int, int]:
     """T5's bookkeeping: raw tokens -> (noise tokens, spans, encoder length, decoder length)."""
-    noise = min(max(int(round(raw_len * density)), 1), raw_len - 1)
-    spans = max(int(round(noise / mean_span)), 1)
+    noise = min(max(round(raw_len * density), 1), raw_len - 1)
+    spans = max(round(noise / mean_span), 1)
     return noise, spans, raw_len - noise + spans + 1, noise + spans + 1
 
 
@@ -148,7 +148,7 @@ class Objective:
             tgt += [sentinel, raw[pos:pos + noise_len[i]]]
             pos += noise_len[i]
         eos = np.array([self.tok.eos_id], dtype=raw.dtype)
-        return np.concatenate(src + [eos]), np.concatenate(tgt + [eos])
+        return np.concatenate([*src, eos]), np.concatenate([*tgt, eos])
 
     def _pair(self, src: np.ndarray, tgt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         eos = np.array([self.tok.eos_id], dtype=np.int64)

@@ -21,7 +21,6 @@ defined before anyone reads, and exact resume needs that order to be addressable
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
@@ -36,19 +35,37 @@ class Group:
 
 
 class SampleOrder:
-    def __init__(self, records_per_shard: list[int], windows: int, seed: int, shuffle: bool, group_shards: int) -> None:
+    def __init__(self, records_per_shard: list[int], windows: int, seed: int, shuffle: bool, group_shards: int,
+                 skip: frozenset[int] = frozenset()) -> None:
         if windows < 1 or group_shards < 1:
             raise ValueError("windows and group_shards must be >= 1")
         self.records = np.asarray(records_per_shard, dtype=np.int64)
         self.windows = windows
         self.seed, self.shuffle, self.group_shards = seed, shuffle, group_shards
+        # Unit ids follow the manifest even when shards are skipped, so a sample keeps its id (and its
+        # masking) whichever shards are missing.
+        self.unit_start = np.concatenate([[0], np.cumsum(self.records * windows)])
         self.units = self.records * windows
-        self.unit_start = np.concatenate([[0], np.cumsum(self.units)])  # global unit id of each shard's first unit
-        self.epoch_size = int(self.unit_start[-1])
+        self.units[list(skip)] = 0  # skipped shards hold no units in any epoch
+        self.epoch_size = int(self.units.sum())
         if self.epoch_size == 0:
             raise ValueError("the split holds no samples")
-        self._epoch = lru_cache(maxsize=4)(self._build_epoch)
-        self._perm = lru_cache(maxsize=4)(self._build_perm)
+        self._epochs: dict[int, tuple[list[Group], np.ndarray]] = {}  # plain dicts: picklable for spawn workers
+        self._perms: dict[tuple[int, int], np.ndarray] = {}
+
+    def _epoch(self, epoch: int) -> tuple[list[Group], np.ndarray]:
+        if epoch not in self._epochs:
+            if len(self._epochs) >= 4:
+                self._epochs.clear()
+            self._epochs[epoch] = self._build_epoch(epoch)
+        return self._epochs[epoch]
+
+    def _perm(self, epoch: int, g: int) -> np.ndarray:
+        if (epoch, g) not in self._perms:
+            if len(self._perms) >= 4:
+                self._perms.clear()
+            self._perms[epoch, g] = self._build_perm(epoch, g)
+        return self._perms[epoch, g]
 
     # -------------------------------------------------------------- epoch layout
 
@@ -93,14 +110,6 @@ class SampleOrder:
     def unit_at(self, position: int) -> int:
         epoch, g = self.locate(position)
         return int(self.units_at(epoch, g, np.array([position]))[0])
-
-    # -------------------------------------------------------------- unit ids
-
-    def split_unit(self, unit: int) -> tuple[int, int, int]:
-        """Global unit id -> (shard, record within shard, window within record)."""
-        shard = int(np.searchsorted(self.unit_start, unit, side="right") - 1)
-        record, window = divmod(unit - int(self.unit_start[shard]), self.windows)
-        return shard, record, window
 
 
 @dataclass(frozen=True)

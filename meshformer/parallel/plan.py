@@ -32,6 +32,7 @@ class TrainingPlan:
         self.model, self.loss_fn, self.device = model, loss_fn, device
         self.dp_rank, self.dp_size = 0, 1  # the data loader's view of this rank
         self.autocast_dtype: torch.dtype | None = None
+        self.kernels: dict[str, str] = {}  # what runs where (layout, attention, norms, compile), for the run log
 
     @property
     def model_parts(self) -> list[nn.Module]:

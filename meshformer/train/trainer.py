@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from meshformer.checkpointing.manager import CheckpointManager
 from meshformer.config import Config, ConfigError
 from meshformer.data import build_loader, load_tokenizer
 from meshformer.model import Transformer
@@ -75,10 +76,14 @@ class Trainer:
         self.train_data = build_loader(cfg, self.tokenizer, "train", self.plan.dp_rank, self.plan.dp_size)
         self.eval_data = build_loader(cfg, self.tokenizer, "eval", self.plan.dp_rank, self.plan.dp_size)
         self.step = 0
+        # Encoder-decoder steps feed source and target tokens: both count towards tokens/s and MFU.
+        self.target_len = cfg.data.target_len if cfg.model.family == "encoder_decoder" else None
+        self.tokens_seen = torch.zeros((), dtype=torch.long, device=self.device)  # target tokens trained on
+        self.checkpoints = CheckpointManager.from_config(cfg, self.run_dir, log=self.logger.info)
 
         dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
         self.peak_flops, peak_source = peak_flops(self.device, dtype)
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, self.target_len)
         n_params = sum(p.numel() for p in model.parameters())
         self.logger.info(
             f"model: {cfg.model.family}, {n_params / 1e6:.2f}M parameters, objective {cfg.objective}; "
@@ -100,6 +105,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self.tokens_seen += global_tokens.to(torch.long)
         return loss_sum, global_tokens, grad_norm
 
     @torch.no_grad()
@@ -107,8 +113,9 @@ class Trainer:
         for part in self.plan.model_parts:
             part.eval()
         loss_sum, tokens = 0.0, 0.0
+        eval_iter = iter(self.eval_data)  # the same held-out batches at every evaluation
         for _ in range(self.cfg.train.eval_batches):
-            batch_loss, batch_tokens = self.plan.evaluate(to_device(next(self.eval_iter), self.device))
+            batch_loss, batch_tokens = self.plan.evaluate(to_device(next(eval_iter), self.device))
             loss_sum += float(batch_loss)
             tokens += float(batch_tokens)
         for part in self.plan.model_parts:
@@ -119,8 +126,10 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         cfg, log = self.cfg, self.logger
-        self.train_iter, self.eval_iter = iter(self.train_data), iter(self.eval_data)
-        tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * cfg.train.grad_accum * self.plan.dp_size
+        self.checkpoints.resume(self)  # model, optimizer, scheduler, step, data position, RNG: before iterating
+        self.train_iter = iter(self.train_data)
+        tokens_per_sample = cfg.data.seq_len + (self.target_len or 0)
+        tokens_per_step = cfg.data.batch_size * tokens_per_sample * cfg.train.grad_accum * self.plan.dp_size
         history: list[dict[str, float]] = []
         window_loss = torch.zeros((), device=self.device)
         window_tokens = torch.zeros((), device=self.device)
@@ -164,7 +173,11 @@ class Trainer:
                 if text is not None:
                     log.text(step, "sample", text)
                     log.info(f"sample {step:>5} | {text!r}")
-        self.save_final_weights()
+            if self.checkpoints.after_step(self):  # SIGTERM: a checkpoint was saved; stop here
+                break
+        self.checkpoints.finish(self)
+        if self.step >= cfg.train.steps:
+            self.save_final_weights()
         log.close()
         return TrainResult(self.step, last_loss, eval_loss, self.run_dir, history)
 

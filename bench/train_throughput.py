@@ -1,0 +1,104 @@
+"""Trainer overhead and MFU: our Trainer against a minimal hand-written loop around the same model.
+
+Both run in this process on the same model config, seed and device, alternating so that machine noise
+hits both alike. The reference is a careful nanoGPT-style loop: random windows from an in-memory token
+tensor, mean cross-entropy, clipping, fused AdamW, no logging. Prints one JSON line per dtype:
+
+    python bench/train_throughput.py [--config configs/tiny-gpt.toml] [--steps 40] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from meshformer.config import load_config
+from meshformer.model import Transformer
+from meshformer.model.flops import flops_per_token
+from meshformer.train.metrics import measure_matmul_flops
+from meshformer.train.trainer import Trainer
+
+
+def reference_loop(cfg, tokens: torch.Tensor, steps: int, autocast_dtype: torch.dtype | None) -> float:
+    """Tokens per second of the hand-written loop."""
+    torch.manual_seed(cfg.train.seed)
+    model = Transformer(cfg.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+                            weight_decay=cfg.optim.weight_decay, fused=True)
+    batch, length = cfg.data.batch_size, cfg.data.seq_len
+    gen = torch.Generator().manual_seed(0)
+
+    def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(len(tokens) - length - 1, (batch,), generator=gen)
+        window = torch.stack([tokens[s : s + length + 1] for s in starts.tolist()])
+        return window[:, :-1], window[:, 1:]
+
+    def step() -> None:
+        x, y = get_batch()
+        with torch.autocast("cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return steps * batch * length / (time.perf_counter() - start)
+
+
+def trainer_run(cfg, steps: int) -> float:
+    """Tokens per second of `Trainer.fit` over `steps` steps after a 3-step warm-up (setup excluded)."""
+    trainer = Trainer(cfg)
+    trainer.train_iter = iter(trainer.train_data)
+    for _ in range(3):
+        trainer.train_step()
+    trainer.save_final_weights = lambda: None  # measure the loop, not the final file write
+    cfg.train.steps = trainer.step + steps
+    start = time.perf_counter()
+    trainer.fit()
+    elapsed = time.perf_counter() - start
+    return steps * cfg.data.batch_size * cfg.data.seq_len / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/tiny-gpt.toml")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    for dtype in ("fp32", "bf16"):
+        overrides = [f"train.dtype={dtype}", "train.eval_interval=0", "train.sample_interval=0",
+                     f"logging.log_interval={args.steps}", "logging.run_dir=runs/bench-throughput"]
+        cfg = load_config(args.config, overrides)
+        trainer = Trainer(load_config(args.config, overrides))
+        batches = iter(trainer.train_data)
+        stream = torch.cat([next(batches)["input_ids"].flatten() for _ in range(50)])
+        autocast = torch.bfloat16 if dtype == "bf16" else None
+        ours, ref = [], []
+        for _ in range(args.rounds):
+            ref.append(reference_loop(cfg, stream, args.steps, autocast))
+            ours.append(trainer_run(load_config(args.config, overrides), args.steps))
+        gemm = measure_matmul_flops(torch.device("cpu"), torch.bfloat16 if autocast else torch.float32, seconds=1.0)
+        fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+        ours_tps, ref_tps = statistics.median(ours), statistics.median(ref)
+        print(json.dumps({
+            "bench": "train_throughput", "config": args.config, "dtype": dtype, "threads": torch.get_num_threads(),
+            "trainer_tokens_per_s": round(ours_tps), "reference_tokens_per_s": round(ref_tps),
+            "overhead_ratio": round(ours_tps / ref_tps, 3), "goal_ratio": 0.97,
+            "gemm_flops": round(gemm), "trainer_mfu": round(fpt * ours_tps / gemm, 4),
+            "reference_mfu": round(fpt * ref_tps / gemm, 4),
+        }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""`meshformer convert ...`: checkpoints <-> safetensors, Hugging Face and Megatron-Core; `verify` a checkpoint dir.
+
+    meshformer convert to-safetensors runs/x/checkpoints runs/x/export        # newest valid step
+    meshformer convert to-checkpoint  runs/x/export runs/y/checkpoints        # weights-only step 0
+    meshformer convert export-hf      runs/x/export hf/gpt2-tiny [--arch gpt2]
+    meshformer convert import-hf      hf/gpt2-tiny runs/y/checkpoints --checkpoint
+    meshformer convert export-megatron runs/x/export mcore/ [--pad-vocab-multiple 128]
+    meshformer convert import-megatron mcore/ runs/y/export --heads 12 [--vocab-size 50257]
+    meshformer convert verify         runs/x/checkpoints
+
+SRC of the export commands is a weights folder (model.safetensors + model_config.json), a checkpoint step
+folder, or a checkpoint directory. Imports write a weights folder, or with --checkpoint a weights-only
+checkpoint that `train` resumes from (fresh optimizer) when checkpoint.dir points at it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from meshformer.checkpointing.errors import CheckpointError
+
+
+def _write(state: dict, cfg, out: Path, as_checkpoint: bool) -> Path:
+    from meshformer.checkpointing.safetensors_io import write_weights_checkpoint
+    from meshformer.checkpointing.weights import write_weights
+
+    return write_weights_checkpoint(state, cfg, out) if as_checkpoint else write_weights(state, cfg, out)
+
+
+def _to_safetensors(args: argparse.Namespace) -> Path:
+    from meshformer.checkpointing.safetensors_io import checkpoint_to_safetensors
+
+    return checkpoint_to_safetensors(Path(args.src), Path(args.out), show_progress=None)
+
+
+def _to_checkpoint(args: argparse.Namespace) -> Path:
+    from meshformer.checkpointing.safetensors_io import safetensors_to_checkpoint
+
+    return safetensors_to_checkpoint(Path(args.src), Path(args.out), step=args.step)
+
+
+def _export_hf(args: argparse.Namespace) -> Path:
+    from meshformer.checkpointing.hf_folder import export_hf
+    from meshformer.checkpointing.safetensors_io import read_model_source
+
+    cfg, state = read_model_source(Path(args.src))
+    return export_hf(state, cfg, Path(args.out), args.arch)
+
+
+def _import_hf(args: argparse.Namespace) -> Path:
+    from meshformer.checkpointing.hf_folder import import_hf
+
+    cfg, state = import_hf(Path(args.src))
+    return _write(state, cfg, Path(args.out), args.checkpoint)
+
+
+def _export_megatron(args: argparse.Namespace) -> Path:
+    from meshformer.checkpointing.megatron import export_megatron
+    from meshformer.checkpointing.safetensors_io import read_model_source
+
+    cfg, state = read_model_source(Path(args.src))
+    return export_megatron(state, cfg, Path(args.out), iteration=args.iteration,
+                           pad_vocab_multiple=args.pad_vocab_multiple)
+
+
+def _import_megatron(args: argparse.Namespace) -> Path:
+    from meshformer.checkpointing.megatron import import_megatron
+
+    cfg, state = import_megatron(Path(args.src), n_heads=args.heads, vocab_size=args.vocab_size,
+                                 activation=args.activation, norm_eps=args.norm_eps, rope_theta=args.rope_theta,
+                                 max_seq_len=args.max_seq_len)
+    return _write(state, cfg, Path(args.out), args.checkpoint)
+
+
+def _verify(args: argparse.Namespace) -> Path:
+    from meshformer.checkpointing import directory as layout
+    from meshformer.checkpointing.manifest import verify_manifest
+
+    root = Path(args.src)
+    folders = [root] if (root / "manifest.json").is_file() else [
+        root / layout.step_dir_name(s) for s in layout.committed_steps(root)]
+    bad = 0
+    for folder in folders:
+        try:
+            verify_manifest(folder, "sha256")
+            print(f"ok       {folder}")
+        except CheckpointError as err:
+            bad += 1
+            print(f"CORRUPT  {folder}: {err}")
+    for partial in layout.partial_dirs(root):
+        print(f"partial  {partial} (incomplete save; ignored by resume)")
+    if not folders:
+        raise CheckpointError(f"{root} holds no committed checkpoints")
+    if bad:
+        raise CheckpointError(f"{bad} of {len(folders)} checkpoints failed verification")
+    return root
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> None:
+    convert = subparsers.add_parser("convert", help="convert checkpoints: safetensors, Hugging Face, Megatron-Core",
+                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = convert.add_subparsers(dest="conversion", required=True)
+
+    def command(name: str, func, help_text: str) -> argparse.ArgumentParser:
+        parser = sub.add_parser(name, help=help_text)
+        parser.add_argument("src")
+        if name != "verify":
+            parser.add_argument("out")
+        parser.set_defaults(func=lambda args: _run(func, args))
+        return parser
+
+    command("to-safetensors", _to_safetensors, "sharded checkpoint -> model.safetensors + model_config.json")
+    command("to-checkpoint", _to_checkpoint, "weights folder -> weights-only sharded checkpoint").add_argument(
+        "--step", type=int, default=0, help="step number of the written checkpoint")
+    command("export-hf", _export_hf, "-> Hugging Face folder (GPT-2, BERT, Llama, T5)").add_argument(
+        "--arch", choices=["gpt2", "bert", "llama", "t5"], help="default: the one matching the model config")
+    command("import-hf", _import_hf, "Hugging Face folder -> weights folder").add_argument(
+        "--checkpoint", action="store_true", help="write a weights-only checkpoint instead of a weights folder")
+    megatron_out = command("export-megatron", _export_megatron, "-> Megatron-Core torch_dist GPT checkpoint")
+    megatron_out.add_argument("--iteration", type=int, default=0)
+    megatron_out.add_argument("--pad-vocab-multiple", type=int, default=1,
+                              help="pad the vocabulary as Megatron does (make_vocab_size_divisible_by x TP)")
+    megatron_in = command("import-megatron", _import_megatron, "Megatron-Core torch_dist GPT checkpoint -> weights")
+    megatron_in.add_argument("--heads", type=int, required=True, help="attention heads (not stored in tensors)")
+    megatron_in.add_argument("--vocab-size", type=int, help="true vocabulary; default: Megatron's padded size")
+    megatron_in.add_argument("--activation", choices=["gelu", "gelu_tanh", "relu", "swiglu"],
+                             help="non-gated MLP activation (default gelu; gated checkpoints are swiglu)")
+    megatron_in.add_argument("--norm-eps", type=float, default=1e-5)
+    megatron_in.add_argument("--rope-theta", type=float, default=10000.0)
+    megatron_in.add_argument("--max-seq-len", type=int, help="RoPE models: the context length to record")
+    megatron_in.add_argument("--checkpoint", action="store_true", help="write a weights-only checkpoint")
+    command("verify", _verify, "check every checkpoint's files against its manifest (sizes and sha256)")
+
+
+def _run(func, args: argparse.Namespace) -> None:
+    try:
+        path = func(args)
+    except (CheckpointError, FileNotFoundError) as err:
+        sys.exit(f"convert {args.conversion}: {err}")
+    print(f"wrote {path}" if args.conversion != "verify" else "all checkpoints verified")

@@ -1,0 +1,132 @@
+"""torch.distributed.checkpoint (DCP) reading without arbitrary pickles.
+
+DCP stores its index (`.metadata`) with plain `pickle` and loads non-tensor entries with
+`torch.load(weights_only=False)`. Both could run code from a crafted checkpoint, so loads go through
+`SafeFileSystemReader` (an unpickler that only rebuilds DCP's own metadata classes) and `SafeLoadPlanner`
+(non-tensor entries with `weights_only=True`). Tensors are already read with `weights_only=True` by DCP.
+"""
+
+from __future__ import annotations
+
+import io
+import pathlib
+import pickle
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint import planner as dcp_planner
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import ReadItem
+
+from meshformer.checkpointing.errors import CheckpointError
+
+METADATA_FILE = ".metadata"
+
+_ALLOWED: dict[tuple[str, str], Any] = {
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("collections", "OrderedDict"): OrderedDict,
+    ("pathlib", "PosixPath"): pathlib.PosixPath,
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,  # a name only: nothing here touches that filesystem
+    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
+}
+# Megatron-Core keeps every rank's save plan in its metadata.
+for _name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"):
+    if hasattr(dcp_planner, _name):
+        _ALLOWED[("torch.distributed.checkpoint.planner", _name)] = getattr(dcp_planner, _name)
+for _name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+              "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"):
+    if hasattr(dcp_metadata, _name):
+        _ALLOWED[("torch.distributed.checkpoint.metadata", _name)] = getattr(dcp_metadata, _name)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return _ALLOWED[(module, name)]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module == "builtins" and name in ("set", "frozenset", "slice", "complex"):
+            return {"set": set, "frozenset": frozenset, "slice": slice, "complex": complex}[name]
+        raise pickle.UnpicklingError(
+            f"DCP metadata refers to {module}.{name}, which is not part of DCP's metadata format; refusing to "
+            "unpickle it (a checkpoint from an untrusted source, or a newer torch: report it if you trust the file)")
+
+
+def read_metadata(path: Path, name: str = METADATA_FILE) -> dcp_metadata.Metadata:
+    """The DCP index of a checkpoint folder, unpickled with an allowlist of DCP classes."""
+    file = Path(path) / name
+    if not file.is_file():
+        raise CheckpointError(f"{path} holds no {METADATA_FILE}: not a torch.distributed.checkpoint folder")
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(file.read_bytes())).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as err:
+        raise CheckpointError(f"cannot read {file}: {err}") from None
+    if not isinstance(metadata, dcp_metadata.Metadata):
+        raise CheckpointError(f"{file} does not hold DCP metadata")
+    return metadata
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        rank = kwargs.get("rank")
+        metadata = read_metadata(Path(self.path), METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner whose non-tensor entries are read with `torch.load(weights_only=True)`."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def tensor_entries(metadata: dcp_metadata.Metadata) -> dict[str, dcp_metadata.TensorStorageMetadata]:
+    return {k: v for k, v in metadata.state_dict_metadata.items()
+            if isinstance(v, dcp_metadata.TensorStorageMetadata)}
+
+
+def load_in_place(state: dict[str, Any], path: Path, *, no_dist: bool = False,
+                  process_group: torch.distributed.ProcessGroup | None = None) -> None:
+    """Fill `state` (flat keys -> tensors/DTensors of the current layout) from a DCP folder; reshards."""
+    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=no_dist,
+             process_group=process_group)
+
+
+def read_full_tensors(path: Path, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Whole (unsharded) CPU tensors from a DCP folder in this one process, without a process group."""
+    entries = tensor_entries(read_metadata(path))
+    wanted = list(entries) if keys is None else keys
+    missing = [k for k in wanted if k not in entries]
+    if missing:
+        raise CheckpointError(f"{path} has no tensors named {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    state = {k: torch.empty(entries[k].size, dtype=entries[k].properties.dtype) for k in wanted}
+    if state:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            load_in_place(state, path, no_dist=True)
+    return state
+
+
+def save_tensors(state: dict[str, torch.Tensor], path: Path) -> None:
+    """Write whole tensors as a DCP folder from this one process (conversions, tests)."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)

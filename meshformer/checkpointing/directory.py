@@ -1,0 +1,75 @@
+"""The layout of a checkpoint directory: step folders, in-progress folders, the latest pointer, retention.
+
+    <dir>/step-00000200/          committed (renamed from .partial after the manifest was written)
+    <dir>/step-00000300.partial/  being written, or left behind by a crash: always ignored
+    <dir>/latest                  name of the newest committed folder, updated last (for people and tools)
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+from meshformer.checkpointing.manifest import fsync_dir
+
+PARTIAL_SUFFIX = ".partial"
+LATEST = "latest"
+TRAINER_STATE = "trainer_state.json"  # rank 0: step, counters, scheduler, optimizer groups, data, config
+RUN_CONFIG = "config.toml"  # the resolved config, for people
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def rank_file(rank: int) -> str:
+    """Per-rank JSON (RNG states)."""
+    return f"rank-{rank:05d}.json"
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps of committed folders, ascending (partial folders and stray files are not listed)."""
+    if not root.is_dir():
+        return []
+    steps = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and entry.is_dir():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def partial_dirs(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.endswith(PARTIAL_SUFFIX))
+
+
+def read_latest(root: Path) -> str | None:
+    path = root / LATEST
+    return path.read_text().strip() if path.is_file() else None
+
+
+def write_latest(root: Path, name: str) -> None:
+    tmp = root / (LATEST + ".tmp")
+    tmp.write_text(name + "\n")
+    tmp.replace(root / LATEST)
+    fsync_dir(root)
+
+
+def steps_to_delete(steps: list[int], keep_last: int, keep_every: int, protect: set[int] | frozenset = frozenset()
+                    ) -> list[int]:
+    """Retention: keep the newest `keep_last` (0 keeps all), every `keep_every`-th step, and `protect`."""
+    if keep_last <= 0:
+        return []
+    ordered = sorted(steps)
+    keep = set(ordered[-keep_last:]) | set(protect)
+    if keep_every > 0:
+        keep |= {s for s in ordered if s % keep_every == 0}
+    return [s for s in ordered if s not in keep]
+
+
+def remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

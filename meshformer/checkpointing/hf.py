@@ -1,0 +1,395 @@
+"""Weights and configs between meshformer's `Transformer` and Hugging Face GPT-2, BERT, Llama and T5.
+
+    hf_model = to_hf_model(model)            # GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / T5...
+    model = from_hf_model(hf_model)          # and back; logits agree (tests/test_model_references.py)
+
+What differs and how it is mapped:
+- GPT-2: Conv1D weights are stored (in, out), so they are transposed; `c_attn` packs q/k/v; gelu_new
+  is our "gelu_tanh"; learned positions, pre-norm, final norm `ln_f`, head tied to `wte`.
+- BERT: post-norm, GELU (erf), embedding LayerNorm = our `embedding_norm`, MLM transform = our
+  `head_transform`, decoder bias = our `output_bias`. We have no token types: import folds
+  `token_type_embeddings[0]` into the position table (exact for token_type_ids = 0, HF's default);
+  export writes zero token-type embeddings. The pooler / NSP head are not part of BertForMaskedLM.
+- Llama: RMSNorm, SwiGLU, half-split RoPE, grouped-query heads, no biases, untied head: names only.
+- T5: only T5 *without* its learned relative position bias matches meshformer (position="none",
+  attention_scale=1.0, scale_output=True): export writes a zero bias, import refuses a non-zero one.
+`transformers` is imported lazily: it is a development dependency.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+
+from meshformer.checkpointing.mapping import Rule, export_tensors, finish_import, import_tensors, our_shapes, params
+from meshformer.config import ModelConfig
+
+Arch = Literal["gpt2", "bert", "llama", "t5"]
+ARCHS: tuple[Arch, ...] = ("gpt2", "bert", "llama", "t5")
+
+_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+_TO_HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
+
+# Foreign tensors that carry no weights (buffers of older checkpoints), or BERT pre-training parts that
+# BertForMaskedLM does not have either (pooler, next-sentence head).
+_IGNORED = re.compile(r"(\.attn\.(masked_)?bias|position_ids|token_type_ids|rotary_emb\.inv_freq)$"
+                      r"|^(bert\.pooler\.|cls\.seq_relationship\.)")
+# Base-model checkpoints (GPT2Model, BertModel, LlamaModel; e.g. the original "gpt2" files) lack this prefix.
+_BASE_PREFIX = {"gpt2": "transformer.", "bert": "bert.", "llama": "model."}
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def _activation(name: str, arch: str) -> str:
+    if name not in _HF_ACTIVATIONS:
+        raise ValueError(f"{arch}: activation {name!r} has no meshformer equivalent (have {sorted(_HF_ACTIVATIONS)})")
+    return _HF_ACTIVATIONS[name]
+
+
+def config_from_hf(hf_config: Any) -> ModelConfig:
+    """The meshformer ModelConfig computing the same function as a GPT-2/BERT/Llama/T5 HF config."""
+    arch, c = hf_config.model_type, hf_config
+    if arch == "gpt2":
+        if c.scale_attn_by_inverse_layer_idx or c.add_cross_attention:
+            raise ValueError("gpt2: scale_attn_by_inverse_layer_idx / add_cross_attention are not supported")
+        return ModelConfig(
+            family="decoder", vocab_size=c.vocab_size, d_model=c.n_embd, n_heads=c.n_head, n_layers=c.n_layer,
+            d_ff=c.n_inner or 4 * c.n_embd, activation=_activation(c.activation_function, arch), norm="layernorm",
+            norm_eps=c.layer_norm_epsilon, norm_position="pre", position="learned", max_seq_len=c.n_positions,
+            tie_embeddings=c.tie_word_embeddings, bias=True, dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop,
+            init_std=c.initializer_range,
+        )
+    if arch == "bert":
+        if (getattr(c, "position_embedding_type", None) or "absolute") != "absolute" or c.is_decoder:
+            raise ValueError("bert: only absolute positions and a bidirectional encoder are supported")
+        return ModelConfig(
+            family="encoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_heads=c.num_attention_heads,
+            n_layers=c.num_hidden_layers, d_ff=c.intermediate_size, activation=_activation(c.hidden_act, arch),
+            norm="layernorm", norm_eps=c.layer_norm_eps, norm_position="post", final_norm=False,
+            embedding_norm=True, head_transform=True, output_bias=True, position="learned",
+            max_seq_len=c.max_position_embeddings, tie_embeddings=c.tie_word_embeddings, bias=True,
+            dropout=c.hidden_dropout_prob, attention_dropout=c.attention_probs_dropout_prob,
+            init_std=c.initializer_range,
+        )
+    if arch == "llama":
+        rope = c.rope_parameters or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"llama: rope_type {rope.get('rope_type')!r} (scaled RoPE) is not supported")
+        if c.hidden_act != "silu" or c.attention_bias != c.mlp_bias:
+            raise ValueError("llama: needs hidden_act='silu' and attention_bias == mlp_bias")
+        if c.head_dim != c.hidden_size // c.num_attention_heads:
+            raise ValueError("llama: head_dim must equal hidden_size / num_attention_heads")
+        kv = c.num_key_value_heads
+        return ModelConfig(
+            family="decoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_heads=c.num_attention_heads,
+            n_kv_heads=None if kv in (None, c.num_attention_heads) else kv, n_layers=c.num_hidden_layers,
+            d_ff=c.intermediate_size, activation="swiglu", norm="rmsnorm", norm_eps=c.rms_norm_eps,
+            norm_position="pre", position="rope", rope_theta=float(rope.get("rope_theta", 10000.0)),
+            max_seq_len=c.max_position_embeddings, tie_embeddings=c.tie_word_embeddings, bias=c.attention_bias,
+            attention_dropout=c.attention_dropout, init_std=c.initializer_range,
+        )
+    if arch == "t5":
+        if c.d_kv * c.num_heads != c.d_model:
+            raise ValueError("t5: d_kv * num_heads must equal d_model")
+        if c.dense_act_fn != ("silu" if c.is_gated_act else "relu"):
+            raise ValueError(f"t5: feed_forward_proj {c.feed_forward_proj!r} unsupported (use 'relu' or 'gated-silu')")
+        return ModelConfig(
+            family="encoder_decoder", vocab_size=c.vocab_size, d_model=c.d_model, n_heads=c.num_heads,
+            n_encoder_layers=c.num_layers, n_decoder_layers=c.num_decoder_layers, d_ff=c.d_ff,
+            activation="swiglu" if c.is_gated_act else "relu", norm="rmsnorm", norm_eps=c.layer_norm_epsilon,
+            norm_position="pre", final_norm=True, position="none", attention_scale=1.0,
+            scale_output=c.scale_decoder_outputs, tie_embeddings=True, share_embeddings=True, bias=False,
+            dropout=c.dropout_rate,
+        )
+    raise ValueError(f"unsupported Hugging Face model_type {arch!r}; supported: {list(ARCHS)}")
+
+
+def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
+    """A transformers config for `cfg` (checked with `check_compatible` first)."""
+    import transformers
+
+    arch = arch or infer_arch(cfg)
+    check_compatible(cfg, arch)
+    if arch == "gpt2":
+        special = 50256 if cfg.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when the vocabulary has it
+        return transformers.GPT2Config(
+            vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model, n_layer=cfg.n_layers,
+            n_head=cfg.n_heads, n_inner=cfg.d_ff, activation_function=_TO_HF_ACTIVATION[cfg.activation],
+            resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.attention_dropout,
+            layer_norm_epsilon=cfg.norm_eps, initializer_range=cfg.init_std, bos_token_id=special,
+            eos_token_id=special, tie_word_embeddings=cfg.tie_embeddings,
+        )
+    if arch == "bert":
+        return transformers.BertConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
+            num_attention_heads=cfg.n_heads, intermediate_size=cfg.d_ff,
+            hidden_act=_TO_HF_ACTIVATION[cfg.activation], hidden_dropout_prob=cfg.dropout,
+            attention_probs_dropout_prob=cfg.attention_dropout, max_position_embeddings=cfg.max_seq_len,
+            layer_norm_eps=cfg.norm_eps, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
+            pad_token_id=0,
+        )
+    if arch == "llama":
+        return transformers.LlamaConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+            num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
+            head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
+            rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, attention_bias=cfg.bias,
+            mlp_bias=cfg.bias, attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_std,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+            bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        )
+    return transformers.T5Config(
+        vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.head_dim, d_ff=cfg.d_ff,
+        num_layers=cfg.encoder_layers, num_decoder_layers=cfg.decoder_layers, num_heads=cfg.n_heads,
+        dropout_rate=cfg.dropout, layer_norm_epsilon=cfg.norm_eps,
+        feed_forward_proj="gated-silu" if cfg.activation == "swiglu" else "relu",
+        tie_word_embeddings=cfg.scale_output,  # T5Config turns this into scale_decoder_outputs
+    )
+
+
+def _features(cfg: ModelConfig) -> dict[str, Any]:
+    """The config facts an architecture constrains, normalised (e.g. default attention scale, GQA or not)."""
+    default_scale = cfg.attention_scale is None or math.isclose(cfg.attention_scale, cfg.head_dim**-0.5)
+    return {
+        "family": cfg.family, "norm": cfg.norm, "norm_position": cfg.norm_position, "final_norm": cfg.use_final_norm,
+        "embedding_norm": cfg.embedding_norm, "position": cfg.position, "scale_embeddings": cfg.scale_embeddings,
+        "tie_embeddings": cfg.tie_embeddings, "share_embeddings": cfg.share_embeddings, "bias": cfg.bias,
+        "head_transform": cfg.head_transform, "output_bias": cfg.output_bias, "activation": cfg.activation,
+        "grouped_query": cfg.kv_heads != cfg.n_heads, "attention_window": cfg.attention_window,
+        "attention_scale": "1/sqrt(head_dim)" if default_scale else cfg.attention_scale,
+        "scale_output": cfg.scale_output, "cross_downsample": cfg.cross_downsample,
+    }
+
+
+_COMMON = {"scale_embeddings": False, "attention_window": None, "attention_scale": "1/sqrt(head_dim)",
+           "scale_output": False, "cross_downsample": 1, "embedding_norm": False, "head_transform": False,
+           "output_bias": False, "grouped_query": False, "norm": "layernorm", "norm_position": "pre",
+           "final_norm": True}
+_REQUIREMENTS: dict[str, dict[str, Any]] = {  # a set: any of these values
+    "gpt2": {**_COMMON, "family": "decoder", "position": "learned", "bias": True,
+             "activation": {"gelu_tanh", "gelu", "relu"}},
+    "bert": {**_COMMON, "family": "encoder", "position": "learned", "bias": True, "norm_position": "post",
+             "final_norm": False, "embedding_norm": True, "head_transform": True, "output_bias": True,
+             "activation": {"gelu_tanh", "gelu", "relu"}},
+    "llama": {**_COMMON, "family": "decoder", "position": "rope", "norm": "rmsnorm", "activation": "swiglu",
+              "grouped_query": {False, True}},
+    "t5": {**_COMMON, "family": "encoder_decoder", "position": "none", "norm": "rmsnorm", "bias": False,
+           "tie_embeddings": True, "share_embeddings": True, "attention_scale": 1.0, "scale_output": {False, True},
+           "activation": {"relu", "swiglu"}},
+}
+
+
+def incompatibilities(cfg: ModelConfig, arch: Arch) -> list[str]:
+    """What keeps `cfg` from being expressed as `arch`, one 'key=value (needs ...)' line each."""
+    have = _features(cfg)
+    problems = []
+    for key, need in _REQUIREMENTS[arch].items():
+        allowed = need if isinstance(need, set) else {need}
+        if have[key] not in allowed:
+            problems.append(f"{key}={have[key]!r} (needs {' or '.join(map(repr, sorted(allowed, key=str)))})")
+    return problems
+
+
+def check_compatible(cfg: ModelConfig, arch: Arch) -> None:
+    problems = incompatibilities(cfg, arch)
+    if problems:
+        raise ValueError(f"this model cannot be expressed as {arch}: " + "; ".join(problems))
+
+
+def infer_arch(cfg: ModelConfig) -> Arch:
+    reasons = {arch: incompatibilities(cfg, arch) for arch in ARCHS}
+    for arch, problems in reasons.items():
+        if not problems:
+            return arch
+    raise ValueError("no Hugging Face architecture matches this config: "
+                     + " | ".join(f"{a}: {'; '.join(p)}" for a, p in reasons.items()))
+
+
+# ----------------------------------------------------------------------------- weight names
+
+
+def _norm(ours: str, theirs: str, cfg: ModelConfig) -> list[Rule]:
+    has_bias = cfg.norm == "layernorm" and cfg.bias
+    return params(ours, theirs, ("weight", "bias") if has_bias else ("weight",))
+
+
+def _qkv(prefix: str) -> tuple[str, ...]:
+    return tuple(f"{prefix}.{p}_proj" for p in "qkv")
+
+
+def _gpt2_rules(cfg: ModelConfig) -> list[Rule]:
+    rules = [Rule(("tok_embeddings.weight",), "transformer.wte.weight"),
+             Rule(("pos_embeddings.weight",), "transformer.wpe.weight"),
+             Rule(("output.weight",), "lm_head.weight", alias=cfg.tie_embeddings),
+             *_norm("decoder_norm", "transformer.ln_f", cfg)]
+    for i in range(cfg.n_layers):
+        o, t = f"decoder_layers.{i}", f"transformer.h.{i}"
+        rules += [*_norm(f"{o}.attn_norm", f"{t}.ln_1", cfg), *_norm(f"{o}.ffn_norm", f"{t}.ln_2", cfg),
+                  *params(_qkv(f"{o}.attn"), f"{t}.attn.c_attn", transpose=True),
+                  *params(f"{o}.attn.o_proj", f"{t}.attn.c_proj", transpose=True),
+                  *params(f"{o}.ffn.up_proj", f"{t}.mlp.c_fc", transpose=True),
+                  *params(f"{o}.ffn.down_proj", f"{t}.mlp.c_proj", transpose=True)]
+    return rules
+
+
+def _bert_rules(cfg: ModelConfig) -> list[Rule]:
+    # The position table is handled in _fold_token_types: ours = positions + token_type[0].
+    rules = [Rule(("tok_embeddings.weight",), "bert.embeddings.word_embeddings.weight"),
+             *_norm("embedding_norm", "bert.embeddings.LayerNorm", cfg),
+             *params("head_dense", "cls.predictions.transform.dense"),
+             *_norm("head_norm", "cls.predictions.transform.LayerNorm", cfg),
+             Rule(("output.bias",), "cls.predictions.bias"),
+             Rule(("output.bias",), "cls.predictions.decoder.bias", alias=True)]
+    rules.append(Rule(("output.weight",), "cls.predictions.decoder.weight", alias=cfg.tie_embeddings))
+    for i in range(cfg.n_layers):
+        o, t = f"encoder_layers.{i}", f"bert.encoder.layer.{i}"
+        rules += [*params(f"{o}.attn.q_proj", f"{t}.attention.self.query"),
+                  *params(f"{o}.attn.k_proj", f"{t}.attention.self.key"),
+                  *params(f"{o}.attn.v_proj", f"{t}.attention.self.value"),
+                  *params(f"{o}.attn.o_proj", f"{t}.attention.output.dense"),
+                  *_norm(f"{o}.attn_norm", f"{t}.attention.output.LayerNorm", cfg),
+                  *params(f"{o}.ffn.up_proj", f"{t}.intermediate.dense"),
+                  *params(f"{o}.ffn.down_proj", f"{t}.output.dense"),
+                  *_norm(f"{o}.ffn_norm", f"{t}.output.LayerNorm", cfg)]
+    return rules
+
+
+def _llama_rules(cfg: ModelConfig) -> list[Rule]:
+    linear = ("weight", "bias") if cfg.bias else ("weight",)
+    rules = [Rule(("tok_embeddings.weight",), "model.embed_tokens.weight"), *_norm("decoder_norm", "model.norm", cfg),
+             Rule(("output.weight",), "lm_head.weight", alias=cfg.tie_embeddings)]
+    for i in range(cfg.n_layers):
+        o, t = f"decoder_layers.{i}", f"model.layers.{i}"
+        rules += [*_norm(f"{o}.attn_norm", f"{t}.input_layernorm", cfg),
+                  *_norm(f"{o}.ffn_norm", f"{t}.post_attention_layernorm", cfg)]
+        for p in ("q", "k", "v", "o"):
+            rules += params(f"{o}.attn.{p}_proj", f"{t}.self_attn.{p}_proj", linear)
+        for p in ("gate", "up", "down"):
+            rules += params(f"{o}.ffn.{p}_proj", f"{t}.mlp.{p}_proj", linear)
+    return rules
+
+
+def _t5_rules(cfg: ModelConfig) -> list[Rule]:
+    rules = [Rule(("tok_embeddings.weight",), "shared.weight"),
+             *[Rule(("tok_embeddings.weight",), name, alias=True)
+               for name in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight")],
+             *_norm("encoder_norm", "encoder.final_layer_norm", cfg),
+             *_norm("decoder_norm", "decoder.final_layer_norm", cfg)]
+
+    def attention(ours: str, theirs: str) -> list[Rule]:
+        return [r for p in "qkvo" for r in params(f"{ours}.{p}_proj", f"{theirs}.{p}", ("weight",))]
+
+    def ffn(ours: str, theirs: str) -> list[Rule]:
+        if cfg.activation == "swiglu":
+            names = {"gate_proj": "wi_0", "up_proj": "wi_1", "down_proj": "wo"}
+        else:
+            names = {"up_proj": "wi", "down_proj": "wo"}
+        return [r for a, b in names.items() for r in params(f"{ours}.{a}", f"{theirs}.{b}", ("weight",))]
+
+    for i in range(cfg.encoder_layers):
+        o, t = f"encoder_layers.{i}", f"encoder.block.{i}.layer"
+        rules += [*_norm(f"{o}.attn_norm", f"{t}.0.layer_norm", cfg), *attention(f"{o}.attn", f"{t}.0.SelfAttention"),
+                  *_norm(f"{o}.ffn_norm", f"{t}.1.layer_norm", cfg), *ffn(f"{o}.ffn", f"{t}.1.DenseReluDense")]
+    for i in range(cfg.decoder_layers):
+        o, t = f"decoder_layers.{i}", f"decoder.block.{i}.layer"
+        rules += [*_norm(f"{o}.attn_norm", f"{t}.0.layer_norm", cfg), *attention(f"{o}.attn", f"{t}.0.SelfAttention"),
+                  *_norm(f"{o}.cross_norm", f"{t}.1.layer_norm", cfg),
+                  *attention(f"{o}.cross_attn", f"{t}.1.EncDecAttention"),
+                  *_norm(f"{o}.ffn_norm", f"{t}.2.layer_norm", cfg), *ffn(f"{o}.ffn", f"{t}.2.DenseReluDense")]
+    return rules
+
+
+_RULES = {"gpt2": _gpt2_rules, "bert": _bert_rules, "llama": _llama_rules, "t5": _t5_rules}
+_BERT_POSITIONS = "bert.embeddings.position_embeddings.weight"
+_BERT_TOKEN_TYPES = "bert.embeddings.token_type_embeddings.weight"
+_T5_RELATIVE_BIAS = ("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+                     "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
+
+
+# ----------------------------------------------------------------------------- state dicts
+
+
+def to_hf_state_dict(model: torch.nn.Module, arch: Arch | None = None) -> dict[str, torch.Tensor]:
+    """HF-named tensors for a meshformer `Transformer` (tied duplicates included, as HF state dicts have them)."""
+    cfg: ModelConfig = model.cfg
+    arch = arch or infer_arch(cfg)
+    check_compatible(cfg, arch)
+    ours = model.state_dict()
+    out = export_tensors(ours, _RULES[arch](cfg))
+    if arch == "bert":
+        positions = ours["pos_embeddings.weight"].detach()
+        out[_BERT_POSITIONS] = positions
+        out[_BERT_TOKEN_TYPES] = positions.new_zeros(2, cfg.d_model)  # BertConfig's type_vocab_size
+    if arch == "t5":
+        for name in _T5_RELATIVE_BIAS:  # T5Config's default 32 buckets; zero = meshformer's position="none"
+            out[name] = ours["tok_embeddings.weight"].new_zeros(32, cfg.n_heads)
+    return out
+
+
+def _normalize_names(hf_state: Mapping[str, torch.Tensor], arch: Arch) -> Mapping[str, torch.Tensor]:
+    """Names as the *ForCausalLM / *ForMaskedLM models of transformers 5 use them."""
+    prefix = _BASE_PREFIX.get(arch)
+    if prefix and not any(k.startswith(prefix) for k in hf_state):
+        hf_state = {(k if k.startswith(("lm_head.", "cls.")) else prefix + k): v for k, v in hf_state.items()}
+    if arch == "bert":  # TF-era BERT checkpoints call LayerNorm parameters gamma / beta
+        old_names = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}
+        hf_state = {re.sub(r"LayerNorm\.(gamma|beta)$", lambda m: old_names[m.group(0)], k): v
+                    for k, v in hf_state.items()}
+    return hf_state
+
+
+def from_hf_state_dict(hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arch) -> dict[str, torch.Tensor]:
+    """Our state dict (strict-loadable into `Transformer(cfg)`) from an HF state dict of `arch`.
+
+    Accepts the LM-head model's names and base-model checkpoints (no "transformer."/"bert."/"model." prefix,
+    BERT's gamma/beta). Every HF tensor must be used: anything with no counterpart raises instead of being
+    dropped, except weightless buffers and BERT's pooler / next-sentence head.
+    """
+    check_compatible(cfg, arch)
+    hf_state = _normalize_names(hf_state, arch)
+    shapes = our_shapes(cfg)
+    out, used = import_tensors(hf_state, _RULES[arch](cfg), shapes, f"Hugging Face {arch}")
+    if arch == "bert":
+        token_type = hf_state[_BERT_TOKEN_TYPES][0] if _BERT_TOKEN_TYPES in hf_state else 0.0
+        out["pos_embeddings.weight"] = (hf_state[_BERT_POSITIONS] + token_type).contiguous()
+        used |= {_BERT_POSITIONS, _BERT_TOKEN_TYPES}
+    if arch == "t5":
+        for name in _T5_RELATIVE_BIAS:
+            if name in hf_state and hf_state[name].abs().max() > 0:
+                raise ValueError(f"{name} is not zero: T5's learned relative position bias has no meshformer "
+                                 "equivalent (meshformer reproduces T5 only with that bias zeroed)")
+            used.add(name)
+    leftovers = [k for k in hf_state if k not in used and not _IGNORED.search(k)]
+    return finish_import(out, cfg, shapes, leftovers, f"Hugging Face {arch}")
+
+
+_MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForMaskedLM", "llama": "LlamaForCausalLM",
+                  "t5": "T5ForConditionalGeneration"}
+
+
+def to_hf_model(model: torch.nn.Module, arch: Arch | None = None) -> Any:
+    """A Hugging Face model (in `model`'s dtype and train/eval mode) holding copies of its weights."""
+    import transformers
+
+    arch = arch or infer_arch(model.cfg)
+    hf_model = getattr(transformers, _MODEL_CLASSES[arch])(config_to_hf(model.cfg, arch))
+    state = to_hf_state_dict(model, arch)
+    hf_model.to(next(iter(state.values())).dtype)
+    hf_model.load_state_dict(state, strict=True)
+    return hf_model.train(model.training)
+
+
+def from_hf_model(hf_model: Any) -> torch.nn.Module:
+    """A meshformer `Transformer` computing what a GPT2LMHeadModel/BertForMaskedLM/LlamaForCausalLM/T5 computes."""
+    from meshformer.model import Transformer
+
+    cfg = config_from_hf(hf_model.config)
+    state = from_hf_state_dict(hf_model.state_dict(), cfg, hf_model.config.model_type)
+    model = Transformer(cfg).to(next(iter(state.values())).dtype)
+    model.load_state_dict(state, strict=True)
+    return model.train(hf_model.training)

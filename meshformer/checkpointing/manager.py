@@ -1,0 +1,318 @@
+"""Resumable training checkpoints: sharded (DCP), optionally async, committed atomically, verified on resume.
+
+    manager = CheckpointManager.from_config(cfg, run_dir)   # every rank
+    manager.resume(trainer)                                 # newest valid checkpoint, if any
+    ... each step: if manager.after_step(trainer): break    # interval saves; True after SIGTERM (saved)
+    manager.finish(trainer)                                 # final save, wait for the one in flight
+
+A save writes into step-N.partial/: DCP shards of model and optimizer (any layout), one JSON file of RNG
+states per rank, and from rank 0 trainer_state.json (step, tokens, scheduler, optimizer hyperparameters,
+data-loader position, resolved config). When every rank finished, rank 0 writes manifest.json (size and
+sha256 of every file), renames the folder to step-N/, updates `latest`, and applies retention.
+`trainer` is anything with `plan.model_parts`, `optimizer`, `scheduler`, `train_data`, `step`, `cfg` and
+optionally `tokens_seen` (the Trainer, or a stand-in in tests).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from meshformer.checkpointing import directory as layout
+from meshformer.checkpointing import state as st
+from meshformer.checkpointing.commit import commit, partial_dir
+from meshformer.checkpointing.dcp_io import SafeFileSystemReader, SafeLoadPlanner, read_metadata, tensor_entries
+from meshformer.checkpointing.errors import CheckpointError, CorruptCheckpointError
+from meshformer.checkpointing.manifest import Verify, verify_manifest, write_json_atomic
+from meshformer.checkpointing.rng import capture_rng_state, restore_rng_state, seed_all
+from meshformer.config import CheckpointConfig, Config
+
+STATE_VERSION = 1
+_log = logging.getLogger("meshformer.checkpointing")
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class CheckpointManager:
+    def __init__(self, root: Path, cfg: CheckpointConfig, *, total_steps: int = 0, log: Any = None) -> None:
+        self.root, self.cfg, self.total_steps = Path(root), cfg, total_steps
+        self.rank, self.world_size = _rank_world()
+        self.distributed = self.world_size > 1
+        self.log = log or _log.info
+        # A gloo group of its own: the async save thread runs collectives while training uses the default group.
+        self.group = dist.new_group(backend="gloo") if self.distributed else None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
+        self._pending: Future | None = None
+        self._pending_step: int | None = None
+        self.last_saved_step: int | None = None
+        self.loaded_from: Path | None = None
+        self._preempted = threading.Event()
+        self._previous_handler: Any = None
+        if cfg.save_on_sigterm and cfg.interval > 0 and threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    @classmethod
+    def from_config(cls, cfg: Config, run_dir: Path, log: Any = None) -> CheckpointManager:
+        root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
+        return cls(root, cfg.checkpoint, total_steps=cfg.train.steps, log=log)
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.interval > 0
+
+    # ------------------------------------------------------------------ the training loop's hooks
+
+    def after_step(self, trainer: Any) -> bool:
+        """Save at the interval; after SIGTERM on any rank, save now (blocking) and return True to stop."""
+        if not self.enabled:
+            return False
+        if self._preemption_agreed(trainer):
+            self.log(f"SIGTERM received: saving a checkpoint at step {trainer.step} before stopping")
+            self.save(trainer, blocking=True)
+            return True
+        if trainer.step % self.cfg.interval == 0 and trainer.step < self.total_steps:
+            self.save(trainer)
+        return False
+
+    def finish(self, trainer: Any) -> None:
+        """Final checkpoint (blocking, unless this step was just saved), then wait for anything in flight."""
+        if self.enabled and self.last_saved_step != trainer.step:
+            self.save(trainer, blocking=True)
+        self.close()
+
+    def close(self) -> None:
+        """Wait for the save in flight and give SIGTERM back to whoever handled it before."""
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+            if self._previous_handler is not None:
+                signal.signal(signal.SIGTERM, self._previous_handler)
+                self._previous_handler = None
+
+    # ------------------------------------------------------------------ saving
+
+    def save(self, trainer: Any, *, blocking: bool | None = None) -> None:
+        """Write a checkpoint of the current step (collective: every rank calls it)."""
+        blocking = not self.cfg.async_save if blocking is None else blocking
+        self.wait()  # at most one save in flight
+        step = int(trainer.step)
+        partial = partial_dir(self.root, step)
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in layout.partial_dirs(self.root):  # left behind by a crash; never trusted
+                layout.remove_tree(stale)
+            partial.mkdir()
+        self._barrier()
+        start = time.perf_counter()
+        tensors = st.training_tensors(trainer.plan.model_parts, trainer.optimizer)
+        rank_state = {"rank": self.rank, "world_size": self.world_size, "rng": capture_rng_state()}
+        write_json_atomic(partial / layout.rank_file(self.rank), rank_state)
+        groups = self._all_param_groups(trainer)
+        if self.rank == 0:
+            write_json_atomic(partial / layout.TRAINER_STATE, self._trainer_state(trainer, groups))
+            (partial / layout.RUN_CONFIG).write_text(trainer.cfg.to_toml())
+        writer = dcp.FileSystemWriter(str(partial), thread_count=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # DCP's notes on single-process saves and async use
+            if blocking:
+                dcp.save(tensors, storage_writer=writer, process_group=self.group, no_dist=not self.distributed)
+                if self.rank == 0:
+                    self._commit(partial, step)
+                self._barrier()
+                self.log(f"checkpoint step {step} saved in {time.perf_counter() - start:.2f}s to {self.root}")
+            else:
+                # Staging (a CPU copy of every tensor) happens here; the write runs in DCP's thread.
+                future = dcp.async_save(tensors, storage_writer=writer, process_group=self.group,
+                                        no_dist=not self.distributed)
+                self._pending = self._executor.submit(self._finish_async, future, partial, step, start)
+                self._pending_step = step
+        self.last_saved_step = step
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written and committed; re-raise its error."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def _finish_async(self, future: Future, partial: Path, step: int, start: float) -> None:
+        future.result()  # on rank 0 this returns after every rank's shards are written (DCP's finish step)
+        if self.rank == 0:
+            self._commit(partial, step)
+            self.log(f"checkpoint step {step} saved asynchronously in {time.perf_counter() - start:.2f}s")
+
+    def _commit(self, partial: Path, step: int) -> None:
+        """Rank 0, once every rank finished: commit step-N/, then retention."""
+        commit(partial, step, {"world_size": self.world_size})
+        for old_step in layout.steps_to_delete(layout.committed_steps(self.root), self.cfg.keep_last,
+                                               self.cfg.keep_every):
+            layout.remove_tree(self.root / layout.step_dir_name(old_step))
+
+    def _all_param_groups(self, trainer: Any) -> list[dict[str, Any]]:
+        """Optimizer groups with the names of every rank's parameters (pipeline stages hold different ones)."""
+        groups = st.param_groups_state(trainer.optimizer, trainer.plan.model_parts)
+        if not self.distributed:
+            return groups
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, [g["params"] for g in groups], group=self.group)
+        for i, group in enumerate(groups):
+            names = dict.fromkeys(name for rank_groups in everyone for name in rank_groups[i])
+            group["params"] = list(names)
+        return groups
+
+    def _trainer_state(self, trainer: Any, param_groups: list[dict[str, Any]]) -> dict[str, Any]:
+        tokens = getattr(trainer, "tokens_seen", 0)
+        data = trainer.train_data.state_dict() if hasattr(trainer.train_data, "state_dict") else None
+        try:
+            json.dumps(data)
+        except TypeError as err:
+            raise CheckpointError(f"the data loader's state_dict() is not JSON ({err}); it must hold only plain "
+                                  "numbers, strings, lists and dicts") from None
+        return {
+            "version": STATE_VERSION,
+            "kind": "training",
+            "step": int(trainer.step),
+            "tokens_seen": int(tokens),
+            "scheduler": st.scheduler_state(trainer.scheduler),
+            "param_groups": param_groups,
+            "data": data,
+            "world_size": self.world_size,
+            "config": trainer.cfg.to_dict(),
+            "saved_at": time.time(),
+        }
+
+    # ------------------------------------------------------------------ finding and loading
+
+    def find_valid(self, verify: Verify | None = None) -> Path | None:
+        """Rank 0's scan: newest committed checkpoint whose manifest verifies; corrupt ones are set aside."""
+        verify = verify or self.cfg.verify
+        for step in reversed(layout.committed_steps(self.root)):
+            path = self.root / layout.step_dir_name(step)
+            try:
+                verify_manifest(path, verify)
+                return path
+            except CorruptCheckpointError as err:
+                quarantine = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
+                self.log(f"checkpoint {path.name} is not usable ({err}); moved aside to {quarantine.name}, "
+                         "falling back to the previous checkpoint")
+                os.replace(path, quarantine)
+        return None
+
+    def resume(self, trainer: Any) -> bool:
+        """Load the newest valid checkpoint into `trainer` (collective); False when there is none."""
+        if not self.cfg.resume:
+            return False
+        name = None
+        if self.rank == 0:
+            found = self.find_valid()
+            name = found.name if found is not None else None
+        if self.distributed:
+            box = [name]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            name = box[0]
+        if name is None:
+            return False
+        self.load(self.root / name, trainer)
+        return True
+
+    def load(self, path: Path, trainer: Any) -> dict[str, Any]:
+        """Load a checkpoint folder (any saved layout) into this layout; returns its trainer state."""
+        path = Path(path)
+        state = json.loads((path / layout.TRAINER_STATE).read_text())
+        if state.get("version", 0) > STATE_VERSION:
+            raise CheckpointError(f"{path} has trainer-state version {state['version']}; upgrade meshformer")
+        self._warn_config_changes(state.get("config"), trainer.cfg)
+        metadata = read_metadata(path)
+        saved_shapes = {k: v.size for k, v in tensor_entries(metadata).items()}
+        parts = trainer.plan.model_parts
+        training = state.get("kind") == "training"
+        model_t, optim_t = st.load_templates(parts, trainer.optimizer if training else None, set(saved_shapes))
+        templates = {**model_t.tensors, **optim_t.tensors}
+        st.check_shapes(templates, saved_shapes)
+        start = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(templates, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
+                     process_group=self.group, no_dist=not self.distributed)
+        st.apply_model(parts, model_t)
+        optim_t.fill_copies()
+        if training:
+            st.load_param_groups(trainer.optimizer, parts, state["param_groups"])
+            st.load_scheduler(trainer.scheduler, state["scheduler"])
+            if state.get("data") is not None and hasattr(trainer.train_data, "load_state_dict"):
+                trainer.train_data.load_state_dict(state["data"])
+            trainer.step = int(state["step"])
+            self._set_tokens(trainer, int(state.get("tokens_seen", 0)))
+            self._restore_rng(path, trainer, state)
+        self.loaded_from = path
+        self.last_saved_step = trainer.step if training else None
+        self.log(f"resumed from {path} (step {state['step']}, saved by {state.get('world_size', '?')} ranks, "
+                 f"loaded by {self.world_size}) in {time.perf_counter() - start:.2f}s")
+        return state
+
+    def _restore_rng(self, path: Path, trainer: Any, state: dict[str, Any]) -> None:
+        file = path / layout.rank_file(self.rank)
+        if file.is_file():
+            restore_rng_state(json.loads(file.read_text())["rng"])
+            return
+        seed = hash((int(trainer.cfg.train.seed), int(state["step"]), self.rank)) % 2**31
+        self.log(f"rank {self.rank}: the checkpoint (saved by {state.get('world_size')} ranks) has no RNG state "
+                 f"for this rank; seeding fresh streams from train.seed, step and rank")
+        seed_all(seed)
+
+    @staticmethod
+    def _set_tokens(trainer: Any, tokens: int) -> None:
+        current = getattr(trainer, "tokens_seen", None)
+        if torch.is_tensor(current):
+            current.fill_(tokens)
+        elif current is not None:
+            trainer.tokens_seen = tokens
+
+    def _warn_config_changes(self, saved: dict[str, Any] | None, cfg: Config) -> None:
+        if not saved or self.rank != 0:
+            return
+        now = cfg.to_dict()
+        changed = [f"{section}.{key}: {saved[section].get(key)!r} -> {value!r}"
+                   for section in ("model", "optim", "schedule", "data", "train")
+                   for key, value in now.get(section, {}).items()
+                   if section in saved and _normal(saved[section].get(key)) != _normal(value)]
+        if changed:
+            self.log("config differs from the checkpoint's: " + "; ".join(changed[:12]))
+
+    # ------------------------------------------------------------------ preemption
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self._preempted.set()
+
+    def _preemption_agreed(self, trainer: Any) -> bool:
+        if not self.distributed:
+            return self._preempted.is_set()
+        if trainer.step % max(1, self.cfg.preempt_check_interval):
+            return False
+        flag = torch.tensor([1 if self._preempted.is_set() else 0], device=getattr(trainer, "device", "cpu"))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the default group: the checkpoint group may be busy
+        return bool(flag.item())
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.group)
+
+
+def _normal(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value

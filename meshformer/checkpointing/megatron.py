@@ -1,0 +1,269 @@
+"""Megatron-Core `torch_dist` checkpoints of GPT models <-> meshformer weights, without importing megatron.
+
+A torch_dist checkpoint is a DCP folder (.metadata, __R_T.distcp) plus common.pt and metadata.json. Its GPT
+tensors are global (any TP/PP layout that saved them): per-layer weights are stacked on a leading layer
+axis; linear_qkv packs, for each query group, that group's query heads, then its key head, then its value
+head; the local spec names the pre-attention and pre-MLP norms linear_qkv.layer_norm_* and
+linear_fc1.layer_norm_*; SwiGLU's linear_fc1 is [gate; up]. Megatron's RoPE rotates halves (not pairs), as
+ours does. Vocabulary rows beyond the model's vocabulary are Megatron's padding.
+
+What maps: decoder-only, pre-norm with a final norm, LayerNorm or RMSNorm, GELU / tanh-GELU / ReLU / SwiGLU,
+learned absolute positions or RoPE, MHA/GQA/MQA, tied or untied output, with or without linear biases
+(`model.bias` covers q/k/v/o and MLP biases together, so Megatron's add_qkv_bias must equal add_bias_linear).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from meshformer.checkpointing.dcp_io import read_full_tensors, read_metadata, save_tensors, tensor_entries
+from meshformer.checkpointing.errors import ConversionError
+from meshformer.checkpointing.progress import progress
+from meshformer.config import ModelConfig
+
+LAYER = "decoder.layers."
+EMBEDDING = "embedding.word_embeddings.weight"
+POSITIONS = "embedding.position_embeddings.weight"
+FINAL_NORM = "decoder.final_layernorm."
+OUTPUT = "output_layer.weight"
+QKV, PROJ = LAYER + "self_attention.linear_qkv.", LAYER + "self_attention.linear_proj."
+FC1, FC2 = LAYER + "mlp.linear_fc1.", LAYER + "mlp.linear_fc2."
+_EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+BACKEND_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                    "common_backend_version": 1}
+_ITER_DIR = re.compile(r"^iter_(\d+)$")
+
+
+# ----------------------------------------------------------------------------- compatibility
+
+
+def megatron_incompatibilities(cfg: ModelConfig) -> list[str]:
+    checks = [
+        (cfg.family == "decoder", f"family={cfg.family!r} (needs 'decoder': Megatron GPTModel)"),
+        (cfg.norm_position == "pre" and cfg.use_final_norm, "post-norm or no final norm (needs pre-norm + final)"),
+        (cfg.position in ("learned", "rope"), f"position={cfg.position!r} (needs 'learned' or 'rope')"),
+        (cfg.activation in ("gelu", "gelu_tanh", "relu", "swiglu"), f"activation={cfg.activation!r}"),
+        (cfg.attention_scale is None, "a custom attention_scale (Megatron uses 1/sqrt(head_dim))"),
+        (not cfg.scale_embeddings and not cfg.embedding_norm, "scale_embeddings / embedding_norm"),
+        (not cfg.head_transform and not cfg.output_bias and not cfg.scale_output, "a BERT/T5-style output head"),
+        (cfg.attention_window is None, "attention_window (sliding window)"),
+    ]
+    return [problem for ok, problem in checks if not ok]
+
+
+def check_megatron_compatible(cfg: ModelConfig) -> None:
+    problems = megatron_incompatibilities(cfg)
+    if problems:
+        raise ConversionError("this model cannot be written as a Megatron-Core GPT checkpoint: " + "; ".join(problems))
+
+
+# ----------------------------------------------------------------------------- qkv packing
+
+
+def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int, n_groups: int) -> torch.Tensor:
+    """Our separate q/k/v (rows = heads x head_dim) -> Megatron's per-group [q heads, k, v] rows."""
+    head_dim = k.shape[0] // n_groups
+    per_group = n_heads // n_groups
+    tail = q.shape[1:]
+    q = q.reshape(n_groups, per_group * head_dim, *tail)
+    k, v = k.reshape(n_groups, head_dim, *tail), v.reshape(n_groups, head_dim, *tail)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+
+
+def unpack_qkv(qkv: torch.Tensor, n_heads: int, n_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    per_group = n_heads // n_groups
+    head_dim = qkv.shape[0] // (n_groups * (per_group + 2))
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape(n_groups, (per_group + 2) * head_dim, *tail)
+    q, k, v = grouped.split([per_group * head_dim, head_dim, head_dim], dim=1)
+    return (q.reshape(-1, *tail).contiguous(), k.reshape(-1, *tail).contiguous(), v.reshape(-1, *tail).contiguous())
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def to_megatron_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, *, padded_vocab: int | None = None,
+                        show_progress: bool | None = None) -> dict[str, torch.Tensor]:
+    check_megatron_compatible(cfg)
+    layers = [f"decoder_layers.{i}." for i in range(cfg.n_layers)]
+    norm_params = ("weight", "bias") if cfg.norm == "layernorm" else ("weight",)
+    linear_params = ("weight", "bias") if cfg.bias else ("weight",)
+    per_layer: dict[str, list[torch.Tensor]] = {}
+
+    def add(key: str, tensor: torch.Tensor) -> None:
+        per_layer.setdefault(key, []).append(tensor)
+
+    for prefix in progress(layers, desc="to megatron", enabled=show_progress, unit="layer"):
+        for p in norm_params:
+            add(QKV + f"layer_norm_{p}", _norm_param(state, prefix + "attn_norm", p, cfg))
+            add(FC1 + f"layer_norm_{p}", _norm_param(state, prefix + "ffn_norm", p, cfg))
+        for p in linear_params:
+            attn = prefix + "attn."
+            add(QKV + p, pack_qkv(state[attn + f"q_proj.{p}"], state[attn + f"k_proj.{p}"],
+                                  state[attn + f"v_proj.{p}"], cfg.n_heads, cfg.kv_heads))
+            add(PROJ + p, state[attn + f"o_proj.{p}"])
+            ffn = prefix + "ffn."
+            up = state[ffn + f"up_proj.{p}"]
+            add(FC1 + p, torch.cat([state[ffn + f"gate_proj.{p}"], up]) if cfg.activation == "swiglu" else up)
+            add(FC2 + p, state[ffn + f"down_proj.{p}"])
+    out = {key: torch.stack(tensors).contiguous() for key, tensors in per_layer.items()}
+    out[EMBEDDING] = _pad_rows(state["tok_embeddings.weight"], padded_vocab)
+    if cfg.position == "learned":
+        out[POSITIONS] = state["pos_embeddings.weight"].contiguous()
+    for p in norm_params:
+        out[FINAL_NORM + p] = _norm_param(state, "decoder_norm", p, cfg)
+    if not cfg.tie_embeddings:
+        out[OUTPUT] = _pad_rows(state["output.weight"], padded_vocab)
+    return out
+
+
+def _norm_param(state: dict[str, torch.Tensor], module: str, param: str, cfg: ModelConfig) -> torch.Tensor:
+    key = f"{module}.{param}"
+    if key in state:
+        return state[key]
+    # Megatron's LayerNorm always has a bias; our bias=False LayerNorm is the same function with a zero bias.
+    return torch.zeros_like(state[f"{module}.weight"])
+
+
+def _pad_rows(table: torch.Tensor, rows: int | None) -> torch.Tensor:
+    if rows is None or rows == table.shape[0]:
+        return table.contiguous()
+    if rows < table.shape[0]:
+        raise ConversionError(f"padded vocabulary {rows} is smaller than the model's {table.shape[0]}")
+    return torch.cat([table, table.new_zeros(rows - table.shape[0], *table.shape[1:])])
+
+
+def export_megatron(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: Path, *, iteration: int = 0,
+                    pad_vocab_multiple: int = 1, show_progress: bool | None = None) -> Path:
+    """Write `out_dir/iter_<N>/` (torch_dist) and `latest_checkpointed_iteration.txt`; returns the iter folder."""
+    padded = -(-cfg.vocab_size // pad_vocab_multiple) * pad_vocab_multiple
+    tensors: dict[str, object] = dict(to_megatron_tensors(state, cfg, padded_vocab=padded,
+                                                          show_progress=show_progress))
+    for module in _EXTRA_STATE_MODULES:  # local-spec linears carry an empty extra state per layer
+        for i in range(cfg.n_layers):  # Megatron stores each sharded object as a one-item list
+            tensors[f"{LAYER}{module}._extra_state/shard_{i}_{cfg.n_layers}"] = [None]
+    folder = Path(out_dir) / f"iter_{iteration:07d}"
+    save_tensors(tensors, folder)
+    torch.save({}, folder / "common.pt")  # GPTModel has no non-sharded state; Megatron-LM adds its args here
+    (folder / "metadata.json").write_text(json.dumps(BACKEND_METADATA))
+    (Path(out_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    (Path(out_dir) / "meshformer_model_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    return folder
+
+
+# ----------------------------------------------------------------------------- import
+
+
+def resolve_megatron_dir(path: Path) -> Path:
+    """The torch_dist folder: `path` itself, or iter_<latest>/ under a Megatron-LM save directory."""
+    path = Path(path)
+    if (path / ".metadata").is_file():
+        return path
+    tracker = path / "latest_checkpointed_iteration.txt"
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        folder = path / ("release" if text == "release" else f"iter_{int(text):07d}")
+        if (folder / ".metadata").is_file():
+            return folder
+    iters = sorted((int(m.group(1)), p) for p in path.glob("iter_*") if (m := _ITER_DIR.match(p.name)))
+    if iters and (iters[-1][1] / ".metadata").is_file():
+        return iters[-1][1]
+    raise ConversionError(f"{path} is not a Megatron torch_dist checkpoint (no .metadata, no iter_* folder); "
+                          "pass the iter_XXXXXXX folder or the save directory holding it")
+
+
+def infer_config(folder: Path, *, n_heads: int, vocab_size: int | None = None, activation: str | None = None,
+                 norm_eps: float = 1e-5, rope_theta: float = 10000.0, max_seq_len: int | None = None) -> ModelConfig:
+    """A ModelConfig from tensor shapes; only the head count (and the true vocabulary) cannot be read off them."""
+    shapes = {k: tuple(v.size) for k, v in tensor_entries(read_metadata(folder)).items()}
+    if QKV + "weight" not in shapes or EMBEDDING not in shapes:
+        raise ConversionError(f"{folder} holds no Megatron GPT tensors ({QKV}weight, {EMBEDDING}); the TE spec "
+                              "and other models are not supported")
+    n_layers, qkv_rows, d_model = shapes[QKV + "weight"]
+    d_ff = shapes[FC2 + "weight"][2]
+    glu = shapes[FC1 + "weight"][1] == 2 * d_ff
+    head_dim = shapes[PROJ + "weight"][2] // n_heads
+    if head_dim * n_heads != shapes[PROJ + "weight"][2]:
+        raise ConversionError(f"n_heads={n_heads} does not divide the attention width {shapes[PROJ + 'weight'][2]}")
+    n_groups = (qkv_rows // head_dim - n_heads) // 2
+    if n_groups <= 0 or n_heads % n_groups or (n_heads + 2 * n_groups) * head_dim != qkv_rows:
+        raise ConversionError(f"linear_qkv has {qkv_rows} rows, which does not fit n_heads={n_heads}; pass the "
+                              "model's true number of attention heads")
+    has_bias = PROJ + "bias" in shapes
+    if has_bias != (QKV + "bias" in shapes):
+        raise ConversionError("the checkpoint has biases on linear_qkv xor the other linears (add_qkv_bias != "
+                              "add_bias_linear); meshformer's model.bias covers both")
+    learned = POSITIONS in shapes
+    padded_vocab = shapes[EMBEDDING][0]
+    if glu and activation not in (None, "swiglu"):
+        raise ConversionError(f"linear_fc1 is gated (2 x d_ff rows) but activation={activation!r} was asked")
+    return ModelConfig(
+        family="decoder", vocab_size=vocab_size or padded_vocab, d_model=d_model, n_heads=n_heads,
+        n_kv_heads=None if n_groups == n_heads else n_groups, n_layers=n_layers, d_ff=d_ff,
+        activation="swiglu" if glu else (activation or "gelu"),
+        norm="layernorm" if QKV + "layer_norm_bias" in shapes else "rmsnorm", norm_eps=norm_eps,
+        norm_position="pre", final_norm=True, position="learned" if learned else "rope", rope_theta=rope_theta,
+        max_seq_len=shapes[POSITIONS][0] if learned else (max_seq_len or 4096),
+        tie_embeddings=OUTPUT not in shapes, bias=has_bias, init="normal",
+    )
+
+
+def from_megatron_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    check_megatron_compatible(cfg)
+    out: dict[str, torch.Tensor] = {"tok_embeddings.weight": tensors[EMBEDDING][: cfg.vocab_size].contiguous()}
+    if cfg.position == "learned":
+        out["pos_embeddings.weight"] = tensors[POSITIONS]
+    if not cfg.tie_embeddings:
+        out["output.weight"] = tensors[OUTPUT][: cfg.vocab_size].contiguous()
+    else:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    norm_params = ("weight", "bias") if cfg.norm == "layernorm" else ("weight",)
+    for p in norm_params:
+        _put_norm(out, "decoder_norm", p, tensors[FINAL_NORM + p], cfg)
+    linear_params = ("weight", "bias") if cfg.bias else ("weight",)
+    for i in range(cfg.n_layers):
+        o = f"decoder_layers.{i}."
+        for p in norm_params:
+            _put_norm(out, o + "attn_norm", p, tensors[QKV + f"layer_norm_{p}"][i], cfg)
+            _put_norm(out, o + "ffn_norm", p, tensors[FC1 + f"layer_norm_{p}"][i], cfg)
+        for p in linear_params:
+            q, k, v = unpack_qkv(tensors[QKV + p][i], cfg.n_heads, cfg.kv_heads)
+            out[o + f"attn.q_proj.{p}"], out[o + f"attn.k_proj.{p}"], out[o + f"attn.v_proj.{p}"] = q, k, v
+            out[o + f"attn.o_proj.{p}"] = tensors[PROJ + p][i].contiguous()
+            fc1 = tensors[FC1 + p][i]
+            if cfg.activation == "swiglu":
+                gate, up = fc1.chunk(2, dim=0)
+                out[o + f"ffn.gate_proj.{p}"], out[o + f"ffn.up_proj.{p}"] = gate.contiguous(), up.contiguous()
+            else:
+                out[o + f"ffn.up_proj.{p}"] = fc1.contiguous()
+            out[o + f"ffn.down_proj.{p}"] = tensors[FC2 + p][i].contiguous()
+    return out
+
+
+def _put_norm(out: dict[str, torch.Tensor], module: str, param: str, tensor: torch.Tensor, cfg: ModelConfig) -> None:
+    if param == "bias" and not cfg.bias:
+        if tensor.abs().max() > 0:
+            raise ConversionError(f"{module}: Megatron's norm bias is non-zero but the linears have no biases; "
+                                  "meshformer's model.bias covers norms and linears together, so this model "
+                                  "cannot be represented exactly")
+        return
+    out[f"{module}.{param}"] = tensor.contiguous()
+
+
+def import_megatron(path: Path, *, n_heads: int, vocab_size: int | None = None, activation: str | None = None,
+                    norm_eps: float = 1e-5, rope_theta: float = 10000.0, max_seq_len: int | None = None,
+                    show_progress: bool | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(our config, our full state dict) from a Megatron-Core GPT torch_dist checkpoint."""
+    folder = resolve_megatron_dir(path)
+    cfg = infer_config(folder, n_heads=n_heads, vocab_size=vocab_size, activation=activation, norm_eps=norm_eps,
+                       rope_theta=rope_theta, max_seq_len=max_seq_len)
+    keys = [k for k in tensor_entries(read_metadata(folder)) if "_extra_state" not in k]
+    tensors: dict[str, torch.Tensor] = {}
+    for key in progress(keys, desc="reading megatron", enabled=show_progress):
+        tensors.update(read_full_tensors(folder, [key]))
+    return cfg, from_megatron_tensors(tensors, cfg)

@@ -1,0 +1,242 @@
+"""Training state as layout-independent pieces: tensors keyed by plain-model FQNs, everything else as JSON.
+
+Tensor keys never mention ranks, shards or stages ("model.decoder_layers.0.attn.q_proj.weight",
+"optim.decoder_layers.0.attn.q_proj.weight.exp_avg"), and tensors keep their current sharding
+(DTensor under FSDP/TP), so DCP can write any layout and read it back into any other one.
+One optimizer may span several model parts (pipeline stages on one rank): its state is keyed by the
+parameter's FQN, not by the optimizer's positional ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    _init_optim_state,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from meshformer.checkpointing.errors import CheckpointError
+from meshformer.config import ModelConfig
+
+MODEL = "model."
+OPTIM = "optim."
+# Name pieces that wrappers add and that are not part of the plain model's FQNs.
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+@functools.lru_cache(maxsize=8)
+def _tied_aliases(cfg_json: str) -> dict[str, str]:
+    """Second names of tied weights in the plain model -> their first name (e.g. output.weight -> tok_embeddings)."""
+    from meshformer.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(ModelConfig(**json.loads(cfg_json)))
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+def _aliases(part: nn.Module) -> dict[str, str]:
+    cfg = getattr(part, "cfg", None)
+    return _tied_aliases(json.dumps(dataclasses.asdict(cfg), sort_keys=True)) if isinstance(cfg, ModelConfig) else {}
+
+
+def named_parameters(model_parts: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """(canonical FQN, parameter) over every part, each parameter object once.
+
+    A weight tied in the plain model gets its first name even where a pipeline stage holds an untied copy
+    under the other name, so optimizer state matches across layouts. Two copies on one rank (first and last
+    stage of a V schedule) share a name: the first is saved, both are loaded.
+    """
+    out, seen = [], set()
+    for part in model_parts:
+        aliases = _aliases(part)
+        for name, param in part.named_parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                name = canonical_name(name)
+                out.append((aliases.get(name, name), param))
+    return out
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+@dataclass
+class TensorState:
+    """Flat tensors to save or fill, plus copies held a second time on this rank (filled from the first)."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    copies: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        if key in self.tensors:
+            if self.tensors[key] is not tensor:
+                self.copies.append((key, tensor))
+        else:
+            self.tensors[key] = tensor
+
+    def fill_copies(self) -> None:
+        with torch.no_grad():
+            for key, tensor in self.copies:
+                tensor.copy_(self.tensors[key])
+
+
+def model_tensors(model_parts: list[nn.Module]) -> TensorState:
+    out = TensorState()
+    for part in model_parts:
+        for key, value in get_model_state_dict(part, options=StateDictOptions()).items():
+            out.add(MODEL + key, value)
+    return out
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer, model_parts: list[nn.Module]) -> TensorState:
+    names = {id(p): n for n, p in named_parameters(model_parts)}
+    out = TensorState()
+    for param, state in optimizer.state.items():
+        if id(param) not in names:
+            raise CheckpointError("the optimizer holds a parameter that no model part owns; build the optimizer "
+                                  "from plan.model_parts")
+        for key, value in state.items():
+            if not torch.is_tensor(value):
+                raise CheckpointError(f"optimizer state {names[id(param)]}.{key} is a {type(value).__name__}, "
+                                      "not a tensor; only tensor optimizer state can be checkpointed")
+            out.add(f"{OPTIM}{names[id(param)]}.{key}", value)
+    return out
+
+
+def training_tensors(model_parts: list[nn.Module], optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+    """What a save writes: the model's and the optimizer's tensors (each key once)."""
+    tensors = model_tensors(model_parts).tensors
+    if optimizer is not None:
+        tensors.update(optimizer_tensors(optimizer, model_parts).tensors)
+    return tensors
+
+
+def load_templates(model_parts: list[nn.Module], optimizer: torch.optim.Optimizer | None,
+                   available: set[str]) -> tuple[TensorState, TensorState]:
+    """Tensors of the current layout for DCP to fill in place: (model, optimizer).
+
+    The optimizer's state is created first (zero-gradient step at lr 0, as torch's own state-dict API does)
+    so its tensors have their final type and sharding; parameters the checkpoint has no state for are
+    reset to "no state yet", as they were when saved.
+    """
+    model = model_tensors(model_parts)
+    missing = sorted(k[len(MODEL):] for k in model.tensors if k not in available)
+    if missing:
+        raise CheckpointError(f"the checkpoint has no weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
+                              "it was saved for a different model (check model.* settings)")
+    if optimizer is None or not any(k.startswith(OPTIM) for k in available):
+        return model, TensorState()
+    _init_optim_state(optimizer)
+    names = {id(p): n for n, p in named_parameters(model_parts)}
+    for param in list(optimizer.state):
+        keys = {f"{OPTIM}{names[id(param)]}.{k}" for k in optimizer.state[param]}
+        present = keys & available
+        if not present:
+            del optimizer.state[param]
+        elif present != keys:
+            raise CheckpointError(f"the checkpoint has only {sorted(present)} of {sorted(keys)}: it was saved with "
+                                  "a different optimizer")
+    return model, optimizer_tensors(optimizer, model_parts)
+
+
+def apply_model(model_parts: list[nn.Module], loaded: TensorState) -> None:
+    """Copy loaded model tensors into each part (a no-op copy where DCP already loaded in place)."""
+    for part in model_parts:
+        keys = get_model_state_dict(part, options=StateDictOptions()).keys()
+        set_model_state_dict(part, {k: loaded.tensors[MODEL + k] for k in keys}, options=StateDictOptions(strict=True))
+
+
+def check_shapes(templates: dict[str, torch.Tensor], saved_shapes: dict[str, torch.Size]) -> None:
+    for key, tensor in templates.items():
+        if tuple(tensor.shape) != tuple(saved_shapes[key]):
+            raise CheckpointError(f"{key} has shape {tuple(saved_shapes[key])} in the checkpoint but "
+                                  f"{tuple(tensor.shape)} here: the checkpoint was saved for a different model "
+                                  "(check model.* settings against the checkpoint's trainer_state.json)")
+
+
+# ----------------------------------------------------------------------------- JSON pieces
+
+
+def _to_json(value: Any) -> Any:
+    if torch.is_tensor(value):
+        return {"tensor": value.item()}
+    if isinstance(value, tuple):
+        return {"tuple": [_to_json(v) for v in value]}
+    if isinstance(value, list):
+        return [_to_json(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise CheckpointError(f"cannot store {type(value).__name__} {value!r} as JSON")
+
+
+def _from_json(value: Any, like: Any = None) -> Any:
+    if isinstance(value, dict) and "tensor" in value:
+        if torch.is_tensor(like):
+            return torch.tensor(value["tensor"], dtype=like.dtype, device=like.device)
+        return torch.tensor(value["tensor"])
+    if isinstance(value, dict) and "tuple" in value:
+        return tuple(_from_json(v) for v in value["tuple"])
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    return value
+
+
+def param_groups_state(optimizer: torch.optim.Optimizer, model_parts: list[nn.Module]) -> list[dict[str, Any]]:
+    names = {id(p): n for n, p in named_parameters(model_parts)}
+    groups = []
+    for group in optimizer.param_groups:
+        entry = {k: _to_json(v) for k, v in group.items() if k != "params"}
+        entry["params"] = [names[id(p)] for p in group["params"]]
+        groups.append(entry)
+    return groups
+
+
+def load_param_groups(optimizer: torch.optim.Optimizer, model_parts: list[nn.Module],
+                      saved: list[dict[str, Any]]) -> None:
+    """Restore hyperparameters (lr, betas, ...) group by group; group membership must agree by name."""
+    if len(saved) != len(optimizer.param_groups):
+        raise CheckpointError(f"the checkpoint's optimizer has {len(saved)} parameter groups, this one "
+                              f"{len(optimizer.param_groups)}: the optimizer setup changed")
+    names = {id(p): n for n, p in named_parameters(model_parts)}
+    for i, (group, entry) in enumerate(zip(optimizer.param_groups, saved)):
+        ours = {names[id(p)] for p in group["params"]}
+        if not ours <= set(entry["params"]):  # a pipeline stage holds a subset of the saved group
+            extra = sorted(ours - set(entry["params"]))[:3]
+            raise CheckpointError(f"optimizer group {i} holds {extra} here but not in the checkpoint: the "
+                                  "grouping of parameters (weight decay or not) changed")
+        for key, value in entry.items():
+            if key != "params":
+                group[key] = _from_json(value, group.get(key))
+
+
+def scheduler_state(scheduler: Any) -> dict[str, Any] | None:
+    if scheduler is None:
+        return None
+    return {k: _to_json(v) for k, v in scheduler.state_dict().items()}
+
+
+def load_scheduler(scheduler: Any, saved: dict[str, Any] | None) -> None:
+    if scheduler is not None and saved is not None:
+        scheduler.load_state_dict({k: _from_json(v) for k, v in saved.items()})

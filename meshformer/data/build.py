@@ -1,0 +1,171 @@
+"""`build_loader`: config -> (auto-prepared) shards -> verified source -> rank loader."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from .loader import Loader
+from .objectives import Objective, Sample, make_objective
+from .prepare import prepare
+from .shards import Manifest, ManifestError, ShardError, ShardInfo, read_manifest, read_shard
+from .sources import BUNDLED_CORPORA, resolve_inputs
+from .tokenizer import Tokenizer
+
+log = logging.getLogger("meshformer.data")
+
+
+class ShardSource:
+    """The shards of one manifest split, read through `read_shard` (integrity-checked)."""
+
+    def __init__(self, manifest: Manifest, split: str, skip: dict[str, str] | None = None) -> None:
+        self.manifest, self.split = manifest, split
+        self.kind = manifest.kind
+        self.record_len = manifest.record_len
+        self.shards: list[ShardInfo] = manifest.splits[split]
+        self.skipped = skip or {}  # shard name -> reason
+        self.records_per_shard = [s.samples for s in self.shards]
+        self.skip = frozenset(i for i, s in enumerate(self.shards) if s.name in self.skipped)
+        spec = {"manifest": manifest.sha256, "split": split, "skipped": sorted(self.skipped)}
+        self.fingerprint = hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]
+
+    def read(self, shard: int, records: np.ndarray) -> dict[int, Sample]:
+        info = self.shards[shard]
+        got = read_shard(self.manifest.shard_url(info), info, self.manifest.dtype, set(records.tolist()))
+        if self.kind == "pairs":
+            return {i: (parts["src"].astype(np.int64), parts["tgt"].astype(np.int64)) for i, parts in got.items()}
+        return {i: parts["tokens"] for i, parts in got.items()}
+
+
+def cache_root(cfg_dir: str = "") -> Path:
+    return Path(cfg_dir or os.environ.get("MESHFORMER_CACHE") or Path.home() / ".cache" / "meshformer").expanduser()
+
+
+def ensure_shards(data_cfg, tokenizer: Tokenizer, record_len: int) -> str:  # data_cfg: config.DataConfig
+    """data.shards if set; else prepare data.corpus once into the cache (file-locked across local ranks)."""
+    if data_cfg.shards:
+        return data_cfg.shards
+    files = resolve_inputs(data_cfg.corpus)
+    key_src = {"corpus": data_cfg.corpus, "files": [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
+               "field": data_cfg.text_field, "tokenizer": tokenizer.sha256, "record_len": record_len,
+               "eval_fraction": data_cfg.eval_fraction, "seed": data_cfg.seed, "format": 1}
+    if data_cfg.corpus in BUNDLED_CORPORA:  # the bundled file moves with the checkout; its content is fixed
+        key_src["files"] = [f.stat().st_size for f in files]
+    key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
+    name = data_cfg.corpus.replace("bundled:", "") if data_cfg.corpus in BUNDLED_CORPORA else files[0].stem
+    out = cache_root(data_cfg.cache_dir) / "shards" / f"{name}-{key}"
+    if (out / "manifest.json").exists():
+        return str(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one local rank prepares, the others wait and reuse
+        if not (out / "manifest.json").exists():
+            log.info("data: no shards for corpus %r yet; preparing them into %s", data_cfg.corpus, out)
+            start = time.perf_counter()
+            tmp_tok = out.parent / f"{out.name}.tokenizer.json"
+            tokenizer.save(tmp_tok)
+            try:
+                prepare(data_cfg.corpus, out, tokenizer=str(tmp_tok), record_len=record_len,
+                        text_field=data_cfg.text_field, eval_fraction=data_cfg.eval_fraction, seed=data_cfg.seed,
+                        shard_records=max(1, (1 << 17) // record_len), progress=False, overwrite=True)
+            finally:
+                tmp_tok.unlink(missing_ok=True)
+            log.info("data: prepared %s in %.1fs", out, time.perf_counter() - start)
+    return str(out)
+
+
+def verify_shards(manifest: Manifest, split: str, full: bool) -> dict[str, str]:
+    """Shard name -> problem. Local files: existence and size always; full=True also hashes every shard."""
+    problems: dict[str, str] = {}
+    for info in manifest.splits[split]:
+        url = manifest.shard_url(info)
+        local = "://" not in url and not url.startswith("pipe:")
+        if local:
+            path = Path(url)
+            if not path.is_file():
+                problems[info.name] = f"missing ({url})"
+                continue
+            if path.stat().st_size != info.bytes:
+                problems[info.name] = f"{path.stat().st_size} bytes on disk, manifest says {info.bytes} (truncated?)"
+                continue
+        if full and (problem := _hash_problem(url, info)):
+            problems[info.name] = problem
+    return problems
+
+
+def _hash_problem(url: str, info: ShardInfo) -> str:
+    try:
+        read_shard(url, info, "uint16", wanted=set())
+    except ShardError as err:
+        return err.reason
+    return ""
+
+
+def build_loader(cfg, tokenizer: Tokenizer, split: Literal["train", "eval"] = "train", dp_rank: int = 0,
+                 dp_size: int = 1, *, with_sample_ids: bool = False) -> Loader:
+    """Infinite, resumable batches of `cfg.data.batch_size` for one data-parallel rank (see API.md)."""
+    d = cfg.data
+    if split not in ("train", "eval"):
+        raise ValueError(f"split={split!r}; use 'train' or 'eval'")
+    _check_data_config(d)
+    objective: Objective = make_objective(cfg.objective, tokenizer, d)
+    manifest = read_manifest(ensure_shards(d, tokenizer, objective.raw_length))
+    _check_manifest(manifest, tokenizer, objective, split)
+    problems = verify_shards(manifest, split, full=d.bad_shards == "skip")
+    if problems and d.bad_shards == "error":
+        name, why = next(iter(problems.items()))
+        raise ShardError(f"shard {name} of {manifest.url} is unusable: {why}. Re-run `meshformer data prepare`, "
+                         f"restore the file, or set data.bad_shards='skip' ({len(problems)} bad shard(s) in all)")
+    if problems:
+        lost = sum(s.samples for s in manifest.splits[split] if s.name in problems)
+        log.warning("data: skipping %d bad shard(s) of %s split %s (%d samples lost): %s", len(problems),
+                    manifest.url, split, lost, "; ".join(f"{k}: {v}" for k, v in problems.items()))
+    source = ShardSource(manifest, split, problems)
+    if len(source.skip) == len(source.shards):
+        raise ShardError(f"split {split!r} of {manifest.url} has no usable samples; prepare with a larger corpus "
+                         "or eval_fraction, or repair the shards")
+    loader = Loader(source, objective, split, dp_rank, dp_size, d.batch_size, d.num_workers, d.seed,
+                    d.shuffle_shards, with_ids=with_sample_ids)
+    loader.skipped_shards = sorted(problems)
+    loader.manifest = manifest
+    return loader
+
+
+def _check_data_config(d) -> None:
+    from meshformer.config import ConfigError
+
+    if d.num_workers < 0:
+        raise ConfigError(f"data.num_workers={d.num_workers} must be >= 0 (0 loads in the training process)")
+    if d.shuffle_shards < 1:
+        raise ConfigError(f"data.shuffle_shards={d.shuffle_shards} must be >= 1 (shards mixed per shuffle group)")
+    if not 0 <= d.eval_fraction < 1:
+        raise ConfigError(f"data.eval_fraction={d.eval_fraction} must lie in [0, 1)")
+
+
+def _check_manifest(manifest: Manifest, tokenizer: Tokenizer, objective: Objective, split: str) -> None:
+    where = manifest.url
+    if manifest.tokenizer.get("sha256") != tokenizer.sha256:
+        raise ManifestError(f"{where} was prepared with tokenizer {manifest.tokenizer.get('spec')!r} "
+                            f"(sha256 {str(manifest.tokenizer.get('sha256'))[:12]}..) but data.tokenizer is "
+                            f"{tokenizer.name!r} ({tokenizer.sha256[:12]}..); set data.tokenizer to the "
+                            f"tokenizer.json next to the manifest, or re-run prepare with this tokenizer")
+    if split not in manifest.splits or not manifest.splits[split]:
+        raise ManifestError(f"{where} has no {split!r} split; prepare with --eval-fraction > 0 for evaluation")
+    if manifest.kind == "pairs" and objective.name != "seq2seq":
+        raise ManifestError(f"{where} holds source/target pairs, usable only by objective 'seq2seq' "
+                            f"(not {objective.name!r}); point data.shards at packed shards")
+    if manifest.kind == "packed" and manifest.record_len < objective.raw_length:
+        raise ManifestError(f"{where} holds {manifest.record_len}-token records but objective {objective.name!r} "
+                            f"with data.seq_len={objective.seq_len} needs {objective.raw_length}; re-run "
+                            f"`meshformer data prepare --record-len {objective.raw_length}` or lower data.seq_len")
+
+
+__all__ = ["ShardSource", "build_loader", "cache_root", "ensure_shards", "verify_shards"]

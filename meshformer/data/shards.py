@@ -1,0 +1,239 @@
+"""WebDataset tar shards of token arrays, their manifest, and verified streaming reads.
+
+Shard layout: sample keys are zero-padded record numbers; members are raw little-endian token arrays
+named by dtype (`<key>.tokens.u16`, or `<key>.src.u16` + `<key>.tgt.u16` for pairs). Raw arrays decode
+with one `np.frombuffer` (no pickle, no npy header), which keeps the reader well ahead of training.
+Tar headers use mtime 0 and fixed owners, so the same inputs give byte-identical shards.
+
+Integrity: WebDataset silently yields fewer samples from a truncated tar. Every read here counts the
+samples and hashes the bytes of the whole shard, and compares both with the manifest before any of its
+samples are used; a mismatch raises `ShardError` naming the shard (or, with bad_shards="skip", the shard
+is found by `verify_shards` when the loader is built, left out, and logged).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import posixpath
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import urlparse
+
+import numpy as np
+import webdataset as wds
+from webdataset.tariterators import tar_file_iterator
+
+FORMAT = "meshformer.shards"
+FORMAT_VERSION = 1
+_WDS_SCHEMES = {"", "file", "pipe", "http", "https", "sftp", "ftps", "scp", "gs", "ais", "hf"}
+
+
+class ShardError(RuntimeError):
+    """A shard that is missing, corrupt, truncated, or does not match its manifest."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
+
+
+class ManifestError(ValueError):
+    """A manifest that is missing, malformed, or does not fit the requested run."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def dtype_ext(dtype: np.dtype) -> str:
+    return {2: "u16", 4: "u32"}[np.dtype(dtype).itemsize]
+
+
+# ----------------------------------------------------------------------------- opening
+
+
+def open_url(url: str) -> IO[bytes]:
+    """Local path, file://, pipe:cmd, http(s) (via WebDataset's gopen) or any fsspec URL (s3://, gs://, ...)."""
+    scheme = urlparse(url).scheme if "://" in url or url.startswith("pipe:") else ""
+    if scheme in _WDS_SCHEMES:
+        if scheme == "" and not Path(url).exists():
+            raise FileNotFoundError(url)
+        return wds.gopen(url, "rb")
+    import fsspec  # only needed for object stores
+
+    return fsspec.open(url, "rb").open()
+
+
+def join_url(base: str, name: str) -> str:
+    if "://" in name or name.startswith(("/", "pipe:")):
+        return name
+    return posixpath.join(base, name) if base else name
+
+
+# ----------------------------------------------------------------------------- manifest
+
+
+@dataclass
+class ShardInfo:
+    name: str
+    samples: int
+    tokens: int
+    bytes: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    kind: str  # "packed" | "pairs"
+    record_len: int  # tokens per packed record (0 for pairs)
+    dtype: str  # "uint16" | "uint32"
+    tokenizer: dict[str, Any]  # file, sha256, vocab_size, eos_id, pad_id, spec
+    splits: dict[str, list[ShardInfo]]
+    meta: dict[str, Any] = field(default_factory=dict)  # inputs, seed, eval_fraction, document counts, ...
+    url: str = ""  # where it was read from; shard names resolve against its folder
+
+    @property
+    def base(self) -> str:
+        return posixpath.dirname(self.url) if "://" in self.url else str(Path(self.url).parent) if self.url else ""
+
+    def shard_url(self, info: ShardInfo) -> str:
+        return join_url(self.base, info.name)
+
+    def to_json(self) -> str:
+        splits = {name: {"samples": sum(s.samples for s in shards), "tokens": sum(s.tokens for s in shards),
+                         "shards": [vars(s) for s in shards]} for name, shards in self.splits.items()}
+        tree = {"format": FORMAT, "version": FORMAT_VERSION, "kind": self.kind, "record_len": self.record_len,
+                "seq_len": max(self.record_len - 1, 0), "dtype": self.dtype, "tokenizer": self.tokenizer,
+                "splits": splits, "meta": self.meta}
+        return json.dumps(tree, indent=1, sort_keys=True) + "\n"
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+
+def manifest_url(spec: str) -> str:
+    """Accept the manifest itself or the folder holding it."""
+    if spec.endswith(".json"):
+        return spec
+    return join_url(spec.rstrip("/"), "manifest.json")
+
+
+def read_manifest(spec: str) -> Manifest:
+    url = manifest_url(spec)
+    try:
+        with open_url(url) as fh:
+            tree = json.loads(fh.read())
+    except FileNotFoundError:
+        raise ManifestError(f"no manifest at {url}; run `meshformer data prepare` to create shards, or fix "
+                            "data.shards") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ManifestError(f"{url}: manifest is not valid JSON ({err}); re-run `meshformer data prepare`") from None
+    if tree.get("format") != FORMAT or tree.get("version") != FORMAT_VERSION:
+        raise ManifestError(f"{url}: format {tree.get('format')!r} version {tree.get('version')!r}, this reader "
+                            f"needs {FORMAT!r} version {FORMAT_VERSION}; re-run `meshformer data prepare`")
+    try:
+        splits = {name: [ShardInfo(**s) for s in split["shards"]] for name, split in tree["splits"].items()}
+        return Manifest(tree["kind"], tree["record_len"], tree["dtype"], tree["tokenizer"], splits,
+                        tree.get("meta", {}), url)
+    except (KeyError, TypeError) as err:
+        raise ManifestError(f"{url}: manifest is missing a field ({err}); re-run `meshformer data prepare`") from None
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+class ShardWriter:
+    """Writes one tar shard deterministically and reports its ShardInfo."""
+
+    def __init__(self, path: Path, dtype: np.dtype) -> None:
+        self.path, self.dtype, self.ext = path, np.dtype(dtype), dtype_ext(dtype)
+        self._fh = open(path, "wb")
+        self._tar = wds.TarWriter(self._fh, user="meshformer", group="meshformer", mtime=0, encoder=False)
+        self.samples = self.tokens = 0
+
+    def write(self, **arrays: np.ndarray) -> None:
+        sample: dict[str, Any] = {"__key__": f"{self.samples:09d}"}
+        for name, array in arrays.items():
+            sample[f"{name}.{self.ext}"] = np.ascontiguousarray(array, dtype=self.dtype).tobytes()
+            self.tokens += len(array)
+        self._tar.write(sample)
+        self.samples += 1
+
+    def close(self) -> ShardInfo:
+        self._tar.close()
+        self._fh.close()
+        data = self.path.read_bytes()
+        return ShardInfo(self.path.name, self.samples, self.tokens, len(data), hashlib.sha256(data).hexdigest())
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+class _Hashing(io.RawIOBase):
+    """Pass-through reader that hashes and counts every byte read."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self.raw, self.hash, self.nbytes = raw, hashlib.sha256(), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        data = self.raw.read(len(buf))
+        n = len(data)
+        buf[:n] = data
+        self.hash.update(data)
+        self.nbytes += n
+        return n
+
+    def drain(self) -> None:
+        while self.read(1 << 20):
+            pass
+
+
+def read_shard(url: str, info: ShardInfo, dtype: str, wanted: set[int] | None) -> dict[int, dict[str, np.ndarray]]:
+    """Stream one shard; return the wanted records (all if None) after checking count and sha256."""
+    np_dtype = np.dtype("<u2") if dtype == "uint16" else np.dtype("<u4")
+    out: dict[int, dict[str, np.ndarray]] = {}
+    keys: list[str] = []
+    try:
+        raw = open_url(url)
+    except (FileNotFoundError, OSError) as err:
+        raise ShardError(f"shard {url} cannot be opened ({err}); restore it or re-run `meshformer data prepare` "
+                         "(or set data.bad_shards='skip' to train without it)", f"cannot be opened ({err})") from None
+    try:
+        stream = _Hashing(raw)
+        for member in tar_file_iterator(io.BufferedReader(stream, 1 << 20)):
+            key, _, part = member["fname"].partition(".")
+            if not keys or keys[-1] != key:
+                keys.append(key)
+            index = len(keys) - 1
+            if wanted is None or index in wanted:
+                out.setdefault(index, {})[part.rsplit(".", 1)[0]] = np.frombuffer(member["data"], dtype=np_dtype)
+        stream.drain()
+        raw.close()  # a pipe: URL reports a failed command here
+    except (tarfile.TarError, OSError, EOFError, ValueError) as err:
+        raise ShardError(f"shard {url} is corrupt ({type(err).__name__}: {err}); re-run `meshformer data "
+                         "prepare` or restore the file (or set data.bad_shards='skip')",
+                         f"corrupt ({type(err).__name__}: {err})") from None
+    problem = check_shard(stream.hash.hexdigest(), stream.nbytes, len(keys), info)
+    if problem:
+        raise ShardError(f"shard {url} does not match the manifest: {problem}; the file was truncated, replaced "
+                         "or corrupted. Re-run `meshformer data prepare` or restore it (or set "
+                         "data.bad_shards='skip')", problem)
+    return out
+
+
+def check_shard(sha256: str, nbytes: int, samples: int, info: ShardInfo) -> str:
+    """'' when the shard matches its manifest entry, else what differs."""
+    if samples != info.samples:
+        return f"{samples} samples read, manifest says {info.samples}"
+    if nbytes != info.bytes:
+        return f"{nbytes} bytes read, manifest says {info.bytes}"
+    if sha256 != info.sha256:
+        return f"sha256 {sha256[:16]}.. != manifest {info.sha256[:16]}.."
+    return ""

@@ -1,0 +1,141 @@
+"""Parameter counts and training FLOPs straight from a `ModelConfig`, without building the model.
+
+`count_params(cfg)["total"]` equals `sum(p.numel() for p in Transformer(cfg).parameters())` (tied
+tensors once), and `flops_per_token` is the PaLM / Megatron-LM formula used for MFU.
+"""
+
+from __future__ import annotations
+
+import math
+
+from meshformer.config import ModelConfig
+
+
+def _linear(n_in: int, n_out: int, bias: bool) -> int:
+    return n_in * n_out + (n_out if bias else 0)
+
+
+def _norm(cfg: ModelConfig) -> int:
+    return cfg.d_model * (2 if cfg.norm == "layernorm" and cfg.bias else 1)  # RMSNorm has no bias
+
+
+def _attention_matmuls(cfg: ModelConfig) -> dict[str, int]:
+    """Weights (no biases) of the four projections, keyed by what they read: queries/outputs or keys/values."""
+    d, q_dim, kv_dim = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    return {"q_o": 2 * d * q_dim, "k_v": 2 * d * kv_dim}
+
+
+def _attention(cfg: ModelConfig) -> int:
+    d, q_dim, kv_dim = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    return _linear(d, q_dim, cfg.bias) + 2 * _linear(d, kv_dim, cfg.bias) + _linear(q_dim, d, cfg.bias)
+
+
+def _ffn_matmuls(cfg: ModelConfig) -> int:
+    return (3 if cfg.activation == "swiglu" else 2) * cfg.d_model * cfg.d_ff
+
+
+def _ffn(cfg: ModelConfig) -> int:
+    gate = _linear(cfg.d_model, cfg.d_ff, cfg.bias) if cfg.activation == "swiglu" else 0
+    return gate + _linear(cfg.d_model, cfg.d_ff, cfg.bias) + _linear(cfg.d_ff, cfg.d_model, cfg.bias)
+
+
+def count_params(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter counts of `Transformer(cfg)`.
+
+    embedding: input lookup tables (token, separate source, learned positions) plus a tied output
+        projection, which is the same tensor. They cost no matmul FLOPs as lookups (Kaplan et al.'s N
+        excludes them).
+    non_embedding: everything else = total - embedding, including an untied output projection.
+    attention / feed_forward / norms / head: a breakdown of non_embedding (head = BERT head transform,
+        untied output projection, output bias); embedding + attention + feed_forward + norms + head = total.
+    """
+    d, vocab = cfg.d_model, cfg.vocab_size
+    n_enc, n_dec = cfg.encoder_layers, cfg.decoder_layers
+    cross = cfg.family == "encoder_decoder"
+    embedding = vocab * d
+    if cross and not cfg.share_embeddings:
+        embedding += vocab * d
+    if cfg.position == "learned":
+        embedding += cfg.max_seq_len * d
+    attention = (n_enc + n_dec * (2 if cross else 1)) * _attention(cfg)
+    feed_forward = (n_enc + n_dec) * _ffn(cfg)
+    stack_norms = int(n_enc > 0) + int(n_dec > 0) if cfg.use_final_norm else 0
+    norms_per_block = 2 * n_enc + (3 if cross else 2) * n_dec
+    norms = (norms_per_block + stack_norms + int(cfg.embedding_norm)) * _norm(cfg)
+    head = 0
+    if cfg.head_transform:
+        head += _linear(d, d, cfg.bias) + _norm(cfg)
+    if not cfg.tie_embeddings:
+        head += vocab * d
+    if cfg.output_bias:
+        head += vocab
+    total = embedding + attention + feed_forward + norms + head
+    return {
+        "total": total,
+        "embedding": embedding,
+        "non_embedding": total - embedding,
+        "attention": attention,
+        "feed_forward": feed_forward,
+        "norms": norms,
+        "head": head,
+    }
+
+
+def _keys_per_query(cfg: ModelConfig, length: int, causal: bool) -> int:
+    """Keys each query scores against. Causal attention is not halved (PaLM's convention: dense kernels)."""
+    if cfg.attention_window is None:
+        return length
+    return min(length, cfg.attention_window if causal else 2 * cfg.attention_window - 1)
+
+
+def training_flops(cfg: ModelConfig, seq_len: int, target_len: int | None = None) -> int:
+    """Training FLOPs (forward + backward = 3 x forward) for one sequence (or source/target pair).
+
+    Matmuls cost 2 FLOPs per weight per token forward. Per sequence of T tokens and per layer,
+    attention adds QK^T and AV: 2 * 2 * T * keys * (n_heads * head_dim). Counted: every attention and
+    FFN projection, the BERT head transform and the output projection over every position (the head
+    matmul is counted, as in PaLM and Megatron-LM, tied or not). Not counted: embedding lookups, norms,
+    biases, activations, softmax, position encodings (each O(T * d), negligible).
+
+    Decoder-only / encoder-only over T = seq_len tokens, N = matmul weights (no embeddings, with the head):
+        6 * N * T + 12 * n_layers * T * keys * d_attn          (keys = T without a window)
+    which is PaLM's 6N + 12 L H Q T per token and, for GPT-3, Megatron-LM's 72 l h^2 (1 + s/6h + V/12lh).
+    Encoder-decoder with source S = seq_len and target T = target_len (default seq_len): encoder weights
+    see S tokens; decoder self-attention, FFN, cross-attention Q/O and the head see T; cross-attention K/V
+    see the S / cross_downsample pooled memory positions M; attention terms S*S (encoder), T*T (decoder)
+    and T*M (cross).
+    """
+    d_attn = cfg.n_heads * cfg.head_dim
+    attn = _attention_matmuls(cfg)
+    ffn = _ffn_matmuls(cfg)
+    head = cfg.vocab_size * cfg.d_model + (cfg.d_model * cfg.d_model if cfg.head_transform else 0)
+    if cfg.family != "encoder_decoder":
+        causal = cfg.family == "decoder"
+        layers = cfg.n_layers
+        matmul = layers * (attn["q_o"] + attn["k_v"] + ffn) + head
+        forward = 2 * matmul * seq_len + layers * 4 * seq_len * _keys_per_query(cfg, seq_len, causal) * d_attn
+        return 3 * forward
+    source, target = seq_len, target_len if target_len is not None else seq_len
+    memory = math.ceil(source / cfg.cross_downsample)
+    n_enc, n_dec = cfg.encoder_layers, cfg.decoder_layers
+    forward = 2 * source * n_enc * (attn["q_o"] + attn["k_v"] + ffn)
+    forward += 2 * target * (n_dec * (2 * attn["q_o"] + attn["k_v"] + ffn) + head)
+    forward += 2 * memory * n_dec * attn["k_v"]
+    forward += 4 * d_attn * (
+        n_enc * source * _keys_per_query(cfg, source, causal=False)
+        + n_dec * target * _keys_per_query(cfg, target, causal=True)
+        + n_dec * target * memory
+    )
+    return 3 * forward
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, target_len: int | None = None) -> float:
+    """Training FLOPs per token: `training_flops` / tokens, tokens = seq_len (+ target_len for encoder-decoder).
+
+    For encoder-decoder models a "token" is any source or target token fed to the model, so MFU must be
+    computed from source + target tokens per second. See `training_flops` for the formula.
+    """
+    tokens = seq_len
+    if cfg.family == "encoder_decoder":
+        tokens += target_len if target_len is not None else seq_len
+    return training_flops(cfg, seq_len, target_len) / tokens

@@ -1,0 +1,86 @@
+"""Greedy decoding for decoder-only and encoder-decoder models, with or without the KV cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+TABLE_POSITIONS = ("learned", "sinusoidal", "rope")  # position schemes backed by a max_seq_len table
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _check_length(cfg, prompt_len: int, max_new_tokens: int) -> None:
+    # The last generated token is never fed back, so the decoder sees prompt_len + max_new_tokens - 1 positions.
+    needed = prompt_len + max_new_tokens - 1
+    if cfg.position in TABLE_POSITIONS and needed > cfg.max_seq_len:
+        raise ValueError(
+            f"decoding {max_new_tokens} new tokens after a {prompt_len}-token prompt needs {needed} positions, but "
+            f"{cfg.position!r} positions stop at model.max_seq_len={cfg.max_seq_len}; use max_new_tokens <= "
+            f"{cfg.max_seq_len - prompt_len + 1}"
+        )
+
+
+@torch.no_grad()
+def greedy_decode(
+    model: nn.Module,
+    prompt_ids: torch.Tensor | None,
+    max_new_tokens: int,
+    *,
+    eos_id: int | None = None,
+    bos_id: int | None = None,
+    source_ids: torch.Tensor | None = None,
+    source_padding: torch.Tensor | None = None,
+    use_cache: bool = True,
+) -> torch.Tensor:
+    """Prompt followed by up to `max_new_tokens` argmax tokens, shape (B, T_prompt + n_new).
+
+    prompt_ids: (B, T) decoder prompt of equal-length rows (no padding); None starts from `bos_id`
+        (the usual encoder-decoder start; one row per source, or a single row for decoder-only).
+    eos_id: a row stops at its first EOS; its later positions are filled with `eos_id`. Decoding ends
+        early once every row has stopped.
+    source_ids / source_padding: encoder input (B, S) and its mask (True = real) for encoder-decoder models.
+    use_cache: reuse keys/values of earlier positions (one new token per step); False recomputes the
+        whole prefix each step. Both give the same tokens.
+    The model runs in eval mode; its previous mode is restored.
+    """
+    cfg = model.cfg
+    if cfg.family == "encoder":
+        raise ValueError("greedy decoding needs a decoder: this model is encoder-only")
+    if (cfg.family == "encoder_decoder") != (source_ids is not None):
+        raise ValueError("pass source_ids for an encoder-decoder model, and only for one")
+    if prompt_ids is None:  # start every row from BOS: one row, or one per source
+        if bos_id is None:
+            raise ValueError("pass prompt_ids, or bos_id to start every row from BOS")
+        batch, device = (source_ids.shape[0], source_ids.device) if source_ids is not None else (1, _device(model))
+        prompt_ids = torch.full((batch, 1), bos_id, dtype=torch.long, device=device)
+    if prompt_ids.ndim != 2 or prompt_ids.shape[1] == 0:
+        raise ValueError(f"prompt_ids must be (batch, length >= 1), got shape {tuple(prompt_ids.shape)}")
+    _check_length(cfg, prompt_ids.shape[1], max_new_tokens)
+
+    was_training = model.training
+    model.eval()
+    try:
+        memory = memory_padding = None
+        if source_ids is not None:
+            memory, memory_padding = model.encode(source_ids, source_padding)
+        tokens = prompt_ids
+        finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        cache = model.new_cache() if use_cache else None
+        step_input = tokens
+        for _ in range(max_new_tokens):
+            hidden = model.decode(step_input if use_cache else tokens, memory=memory, memory_padding=memory_padding,
+                                  cache=cache)
+            next_token = model.head(hidden[:, -1]).argmax(dim=-1)
+            if eos_id is not None:
+                next_token = next_token.masked_fill(finished, eos_id)
+                finished |= next_token == eos_id
+            tokens = torch.cat([tokens, next_token[:, None]], dim=1)
+            step_input = next_token[:, None]
+            if eos_id is not None and bool(finished.all()):
+                break
+        return tokens
+    finally:
+        model.train(was_training)

@@ -1,0 +1,108 @@
+"""`build_plan`: the one call the trainer makes to get a `TrainingPlan` for this process's world.
+
+Order of application on each model part (as in torchtitan): tensor parallel -> activation recomputation ->
+torch.compile per block -> FSDP. Pipeline splitting comes first, so every stage goes through the same steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshformer.config import Config
+from meshformer.parallel.fsdp import apply_fsdp
+from meshformer.parallel.kernels import compile_blocks, kernel_report, use_apex_norms
+from meshformer.parallel.loss_parallel import vocab_parallel_loss_fn
+from meshformer.parallel.mesh import Meshes, ParallelDims, build_mesh
+from meshformer.parallel.pipeline import TransformerStage, split_layers, stage_ids_for_rank
+from meshformer.parallel.pipeline_plan import PipelinePlan, shared_weights
+from meshformer.parallel.plan import LossFn, TrainingPlan, default_loss_fn
+from meshformer.parallel.recompute import apply_recompute
+from meshformer.parallel.spmd_plan import SPMDPlan
+from meshformer.parallel.tensor_parallel import apply_tensor_parallel, vocab_shard
+from meshformer.parallel.validate import n_microbatches, stages_per_rank, total_layers, validate_parallel
+
+log = logging.getLogger(__name__)
+
+ModelOrFactory = nn.Module | Callable[[], nn.Module]
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def build_plan(
+    model: ModelOrFactory, cfg: Config, device: torch.device, loss_fn: LossFn | None = None
+) -> TrainingPlan:
+    """Shard `model` (built identically on every rank) by `cfg.parallel` and return the plan.
+
+    World size 1 gives the single-device plan (recomputation and compile still apply). With tensor parallel
+    the loss is computed vocab-parallel from `cfg.train.label_smoothing` / `cfg.train.z_loss`, so a custom
+    `loss_fn` is only honoured without tensor parallel.
+    """
+    device = torch.device(device)
+    dims = validate_parallel(cfg, world_size(), device)
+    if not isinstance(model, nn.Module):
+        model = model()
+    model.to(device)
+    loss_fn = loss_fn or default_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss)
+    if dims.is_single:
+        plan = TrainingPlan(model, loss_fn, device)
+        plan.kernels = _finish_part(model, cfg, dims, None, device)
+        return plan
+    meshes = build_mesh(dims, device)
+    if dims.tp_enabled:
+        start, _ = vocab_shard(cfg.model, meshes.tp)
+        loss_fn = vocab_parallel_loss_fn(meshes.tp.get_group(), start, cfg.model.vocab_size,
+                                         cfg.train.label_smoothing, cfg.train.z_loss)
+    if dims.pp_enabled:
+        plan = _pipeline_plan(model, cfg, dims, meshes, device, loss_fn)
+    else:
+        plan = SPMDPlan(model, loss_fn, device, meshes)
+        plan.kernels = _finish_part(model, cfg, dims, meshes, device)
+    plan.kernels["layout"] = dims.describe()
+    log.info("parallel layout %s; kernels %s", dims.describe(), plan.kernels)
+    return plan
+
+
+def _finish_part(part: nn.Module, cfg: Config, dims: ParallelDims, meshes: Meshes | None,
+                 device: torch.device) -> dict[str, str]:
+    """TP -> recompute -> compile -> FSDP on one model part (the whole model or one pipeline stage)."""
+    apex_norms = 0
+    if dims.tp_enabled:
+        apply_tensor_parallel(part, meshes.tp)
+    else:
+        apex_norms = use_apex_norms(part, device)
+    recomputed = apply_recompute(part, cfg.parallel.recompute, cfg.parallel.recompute_every)
+    compiled = compile_blocks(part) if cfg.train.compile else 0
+    if dims.fsdp_enabled:
+        apply_fsdp(part, meshes.fsdp, cfg.parallel)
+    return kernel_report(cfg, device, apex_norms=apex_norms, compiled=compiled, recompute=recomputed)
+
+
+def _pipeline_plan(model: nn.Module, cfg: Config, dims: ParallelDims, meshes: Meshes, device: torch.device,
+                   loss_fn: LossFn) -> PipelinePlan:
+    p = cfg.parallel
+    spr = stages_per_rank(cfg)
+    n_stages = dims.pp * spr
+    spans = split_layers(total_layers(cfg), n_stages, p.pp_split_points or None)
+    v_shape = p.pp_schedule == "zbv"
+    stage_to_rank = {s: r for r in range(dims.pp) for s in stage_ids_for_rank(r, dims.pp, spr, v_shape)}
+    local_ids = stage_ids_for_rank(meshes.pp_rank, dims.pp, spr, v_shape)
+    shared = shared_weights(model, spans)
+    stages = [TransformerStage(model, spans[s]) for s in local_ids]
+    del model  # each stage holds copies of its pieces
+    kernels: dict[str, str] = {}
+    for stage in stages:
+        kernels = _finish_part(stage, cfg, dims, meshes, device)
+    plan = PipelinePlan(stages, loss_fn, device, meshes, schedule=p.pp_schedule,
+                        n_microbatches=n_microbatches(cfg), stage_to_rank=stage_to_rank, shared=shared)
+    kernels["pipeline"] = (f"{p.pp_schedule}, {n_stages} stages "
+                           f"({', '.join(f'{s.start}-{s.stop - 1}' for s in spans)}), "
+                           f"{n_microbatches(cfg)} microbatches")
+    plan.kernels = kernels
+    return plan

@@ -1,0 +1,59 @@
+"""FSDP2 (`fully_shard`) per block and at the root; HSDP when the data mesh is 2-D (replicate, shard)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from meshformer.config import ParallelConfig
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def mixed_precision_policy(cfg: ParallelConfig) -> MixedPrecisionPolicy:
+    """Parameters all-gathered in `mixed_precision_param`, gradients reduced in `mixed_precision_reduce`.
+
+    Sharded master weights and optimizer state stay fp32 whatever the policy.
+    """
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.mixed_precision_param],
+                                reduce_dtype=_DTYPES[cfg.mixed_precision_reduce])
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """Transformer blocks in execution order (encoder first), for per-block wrapping."""
+    blocks: list[nn.Module] = []
+    for stack in ("encoder_layers", "decoder_layers"):
+        layers = getattr(model, stack, None)
+        if layers is not None:
+            blocks.extend(layers.values())
+    return blocks
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> nn.Module:
+    """Shard every block, then the root (embeddings, norms, head: whatever is left).
+
+    Per-block units bound the unsharded memory to about one block at a time; the root unit holds the
+    embeddings and the output head, which are used at the two ends of the forward pass, so it is never
+    resharded after forward (it would be all-gathered again at once for the head / in backward).
+    """
+    kwargs = {"mesh": mesh, "mp_policy": mixed_precision_policy(cfg)}
+    for block in blocks_of(model):
+        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    sum_gradients(model)
+    return model
+
+
+def sum_gradients(model: nn.Module) -> None:
+    """Make FSDP sum gradients over data-parallel ranks instead of averaging them.
+
+    Each rank's loss is already divided by the *global* token count (see TrainingPlan.forward_backward), so the
+    sum over ranks is exactly the gradient of the global mean. Forcing SUM-only collectives keeps gloo (which has
+    no PREMUL_SUM) and NCCL on the same path.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)

@@ -1,0 +1,59 @@
+"""The true global gradient norm over every shard, replica and pipeline stage, and clipping by it.
+
+Each rank holds local pieces of gradients: DTensor shards (FSDP, TP, both), plain tensors replicated over
+tensor-parallel ranks, or whole tensors owned by one pipeline stage. A piece's squared norm is weighted by
+1 / (number of ranks holding an identical copy of it) and one all-reduce over the world adds everything up,
+so every element of every parameter counts exactly once whatever the layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def settle_grad(param: torch.Tensor) -> None:
+    """Give a DTensor gradient its parameter's placements.
+
+    Autograd can leave a gradient Partial (a pending sum) or Replicate where the parameter is Shard, e.g. the
+    vocabulary-sharded embedding's gradient; norms, clipping and cross-stage sums need the parameter's layout.
+    """
+    grad = param.grad
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def _shards(grad: torch.Tensor) -> int:
+    if not isinstance(grad, DTensor):
+        return 1
+    mesh = grad.device_mesh
+    # FSDP over a TP-sharded dim is a _StridedShard, which does not report is_shard().
+    return math.prod(mesh.size(i) for i, p in enumerate(grad.placements) if isinstance(p, (Shard, _StridedShard)))
+
+
+def global_grad_norm(grads: Iterable[torch.Tensor], ranks_per_stage: int, device: torch.device) -> torch.Tensor:
+    """L2 norm of the full gradient; `ranks_per_stage` = world size / pipeline degree (ranks holding one stage)."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for grad in grads:
+        copies = ranks_per_stage // _shards(grad)
+        total += local_tensor(grad).float().square().sum() / copies
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return total.sqrt()
+
+
+def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale gradients in place by min(1, max_norm / (norm + 1e-6)), exactly as torch's clip_grad_norm_."""
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    locals_ = [local_tensor(g) for g in grads]
+    if locals_:
+        torch._foreach_mul_(locals_, coef.to(locals_[0].device))

@@ -1,0 +1,88 @@
+"""Fused kernels: SDPA backends, apex fused norms (only when importable), per-block torch.compile, and a
+report of what is in use for the run log.
+
+NVIDIA apex is not installable from the package registry, so it is strictly optional: its FusedLayerNorm /
+FusedRMSNorm replace torch's norms on CUDA when `import apex` works, torch's own kernels are used otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshformer.parallel.fsdp import blocks_of
+
+
+def apex_available() -> bool:
+    try:
+        importlib.import_module("apex")
+    except ImportError:
+        return False
+    return True
+
+
+def use_apex_norms(model: nn.Module, device: torch.device) -> int:
+    """Swap nn.LayerNorm / nn.RMSNorm for apex's fused versions (CUDA + apex only); returns how many.
+
+    Parameter names (`weight`, `bias`) and values are kept, so checkpoints are unaffected. Not used with
+    tensor parallel: apex kernels do not take DTensors.
+    """
+    if device.type != "cuda" or not apex_available():
+        return 0
+    normalization = importlib.import_module("apex.normalization")
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            replacement = _apex_norm(normalization, child)
+            if replacement is not None:
+                setattr(parent, name, replacement)
+                count += 1
+    return count
+
+
+def _apex_norm(normalization: Any, norm: nn.Module) -> nn.Module | None:
+    if type(norm) is nn.LayerNorm and norm.elementwise_affine:
+        if norm.bias is None:
+            return None  # apex's LayerNorm always has a bias; keep torch's
+        fused = normalization.FusedLayerNorm(norm.normalized_shape, eps=norm.eps)
+    elif type(norm) is nn.RMSNorm and norm.elementwise_affine and hasattr(normalization, "FusedRMSNorm"):
+        fused = normalization.FusedRMSNorm(norm.normalized_shape, eps=norm.eps or 1e-6)
+    else:
+        return None
+    fused.load_state_dict(norm.state_dict())
+    return fused.to(norm.weight.device)
+
+
+def compile_blocks(model: nn.Module) -> int:
+    """torch.compile each block in place (`Module.compile`): names keep no `_orig_mod.` prefix."""
+    blocks = blocks_of(model)
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
+def attention_kernels(device: torch.device, backend: str) -> str:
+    if backend == "math":
+        return "math (explicit softmax; returns attention weights)"
+    if device.type == "cuda":
+        enabled = [name for name, on in (("flash", torch.backends.cuda.flash_sdp_enabled()),
+                                         ("mem-efficient", torch.backends.cuda.mem_efficient_sdp_enabled()),
+                                         ("cudnn", torch.backends.cuda.cudnn_sdp_enabled()),
+                                         ("math", torch.backends.cuda.math_sdp_enabled())) if on]
+        return "SDPA (" + " > ".join(enabled) + ", chosen per call by shape/dtype/mask)"
+    return "SDPA (CPU flash kernel)"
+
+
+def kernel_report(cfg, device: torch.device, *, apex_norms: int, compiled: int, recompute: int) -> dict[str, str]:
+    """What runs where, for the run log."""
+    norm = f"apex fused ({apex_norms} modules)" if apex_norms else "torch"
+    return {
+        "attention": attention_kernels(device, cfg.model.attention_backend),
+        "norms": norm,
+        "compile": f"per-block torch.compile ({compiled} blocks)" if compiled else "eager",
+        "recompute": f"{cfg.parallel.recompute} ({recompute} blocks)" if recompute else "none",
+        "apex": "importable" if apex_available() else "not installed (torch kernels)",
+    }

@@ -1,0 +1,230 @@
+"""The pipeline-parallel `TrainingPlan` (optionally with FSDP and TP inside each stage).
+
+One `forward_backward` call is one schedule step over `parallel.pp_microbatches` microbatches of the
+trainer's micro-batch. Losses are summed token losses divided by the global token count and the schedule
+does not rescale gradients (`scale_grads=False`), so gradient accumulation composes as without pipelining.
+
+Weights held by several stages (tied embedding/output, an embedding shared by encoder and decoder) are
+separate copies; after every step their gradient *increments* are summed over the holders, so the copies
+receive identical gradients and stay identical under any optimizer.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+from meshformer.parallel.grad_norm import local_tensor, settle_grad
+from meshformer.parallel.mesh import Meshes
+from meshformer.parallel.pipeline import StageSpan, TransformerStage, canonical_names, stage_pieces
+from meshformer.parallel.plan import Batch, LossFn, model_inputs
+from meshformer.parallel.spmd_plan import MeshPlan, check_sequence_split
+from meshformer.train.loss import count_tokens
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "interleaved_zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
+_CACHE_SIZE = 4  # schedules kept per (shape, train/eval); pipelining fixes activation shapes per stage object
+
+
+class PipelinePlan(MeshPlan):
+    def __init__(
+        self,
+        stages: list[TransformerStage],
+        loss_fn: LossFn,
+        device: torch.device,
+        meshes: Meshes,
+        *,
+        schedule: str,
+        n_microbatches: int,
+        stage_to_rank: dict[int, int],
+        shared: dict[str, list[int]],
+    ) -> None:
+        super().__init__(stages[0], loss_fn, device, meshes)
+        self.stages, self.schedule_name, self.n_microbatches = stages, schedule, n_microbatches
+        self._has_last = any(s.is_last for s in stages)
+        self._records: list[torch.Tensor] = []
+        self._tokens: torch.Tensor | None = None
+        self._schedules: OrderedDict[tuple, object] = OrderedDict()
+        self._shared = _SharedWeights(stages, shared, stage_to_rank, meshes)
+
+    @property
+    def model_parts(self) -> list[nn.Module]:
+        return list(self.stages)
+
+    @property
+    def reports_loss(self) -> bool:
+        return self._has_last
+
+    # ------------------------------------------------------------------ schedule
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss_sum = self.loss_fn(output, target)
+        self._records.append(loss_sum.detach().float())
+        if self._tokens is None:  # evaluation: nothing to differentiate
+            return loss_sum
+        return loss_sum / self._tokens
+
+    def _schedule(self, batch: Batch, train: bool):
+        key = (train, *((k, tuple(v.shape)) for k, v in sorted(batch.items())))
+        if key in self._schedules:
+            self._schedules.move_to_end(key)
+            return self._schedules[key]
+        group = self.meshes.pp.get_group()
+        pipeline_stages = [PipelineStage(stage, stage.span.index, stage.span.n_stages, self.device, group=group)
+                           for stage in self.stages]
+        cls = SCHEDULES[self.schedule_name]
+        first = pipeline_stages[0] if cls in (ScheduleGPipe, Schedule1F1B) else pipeline_stages
+        schedule = cls(first, n_microbatches=self.n_microbatches, loss_fn=self._loss, scale_grads=False)
+        self._schedules[key] = schedule
+        while len(self._schedules) > _CACHE_SIZE:
+            self._schedules.popitem(last=False)
+        return schedule
+
+    def _run(self, batch: Batch, train: bool) -> torch.Tensor:
+        check_sequence_split(batch, self.dims.tp)
+        schedule = self._schedule(batch, train)
+        self._records.clear()
+        with self._autocast():
+            if train:
+                schedule.step(**model_inputs(batch), target=batch["labels"], return_outputs=False)
+            else:
+                schedule.eval(**model_inputs(batch), target=batch["labels"])
+        if not self._has_last:
+            return torch.zeros((), device=self.device)
+        # Shape inference on a new schedule also calls the loss once: keep the last n_microbatches records.
+        return torch.stack(self._records[-self.n_microbatches:]).sum()
+
+    # ------------------------------------------------------------------ contract
+
+    def forward_backward(self, batch: Batch, global_tokens: torch.Tensor) -> torch.Tensor:
+        self._tokens = global_tokens
+        self._shared.stash()
+        try:
+            loss_sum = self._run(batch, train=True)
+        finally:
+            self._tokens = None
+        self._shared.sync()
+        return loss_sum
+
+    @torch.no_grad()
+    def evaluate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        loss_sum = self._run(batch, train=False)
+        if not self._logging_representative:
+            loss_sum = torch.zeros_like(loss_sum)
+        dist.all_reduce(loss_sum)  # the last stages hold the loss; every rank returns it
+        return loss_sum, self._dp_sum(count_tokens(batch["labels"]).to(self.device))
+
+    def _counts_in_norm(self, part: nn.Module, param: nn.Parameter) -> bool:
+        return self._shared.counts_in_norm(param)
+
+
+class _SharedWeights:
+    """Copies of one weight on several stages (tied embeddings): sum their gradient increments."""
+
+    def __init__(self, stages: list[TransformerStage], shared: dict[str, list[int]], stage_to_rank: dict[int, int],
+                 meshes: Meshes) -> None:
+        self.local: dict[str, list[nn.Parameter]] = {}
+        self.primary: set[int] = set()  # id of the copy that counts in the global norm
+        self.shared_ids: set[int] = set()
+        self.groups: dict[str, dist.ProcessGroup | None] = {}
+        for stage in stages:
+            for local_name, param in stage.named_parameters():
+                name = stage.canonical[local_name]
+                if name in shared:
+                    self.local.setdefault(name, []).append(param)
+                    self.shared_ids.add(id(param))
+                    if stage.span.index == shared[name][0]:
+                        self.primary.add(id(param))
+        self.groups = _holder_groups(shared, stage_to_rank, meshes)
+        self._stashed: dict[str, torch.Tensor | None] = {}
+
+    def counts_in_norm(self, param: nn.Parameter) -> bool:
+        return id(param) not in self.shared_ids or id(param) in self.primary
+
+    def stash(self) -> None:
+        for name, params in self.local.items():
+            settle_grad(params[0])
+            grad = params[0].grad
+            self._stashed[name] = None if grad is None else local_tensor(grad).detach().clone()
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        for name, params in self.local.items():
+            before = self._stashed.get(name)
+            delta = None
+            for param in params:
+                if param.grad is None:
+                    continue
+                settle_grad(param)
+                grad = local_tensor(param.grad)
+                step = grad - before if before is not None else grad.clone()
+                delta = step if delta is None else delta + step
+            if delta is None:
+                delta = torch.zeros_like(local_tensor(params[0]))
+            group = self.groups.get(name)
+            if group is not None:
+                dist.all_reduce(delta, group=group)
+            for param in params:
+                if param.grad is None:
+                    raise RuntimeError(f"shared weight {name} has no gradient on one of its stages")
+                grad = local_tensor(param.grad)
+                grad.copy_(delta if before is None else before + delta)
+
+
+def shared_weights(model: nn.Module, spans: list[StageSpan]) -> dict[str, list[int]]:
+    """Canonical names of parameters needed by more than one stage -> the stages holding them (sorted)."""
+    names = canonical_names(model)
+    holders: dict[str, list[int]] = {}
+    for span in spans:
+        seen: set[str] = set()
+        for piece in stage_pieces(model, span).values():
+            if piece is None:
+                continue
+            for param in piece.parameters():
+                seen.add(names[id(param)])
+        for name in seen:
+            holders.setdefault(name, []).append(span.index)
+    return {name: stages for name, stages in holders.items() if len(stages) > 1}
+
+
+def _holder_groups(shared: dict[str, list[int]], stage_to_rank: dict[int, int],
+                   meshes: Meshes) -> dict[str, dist.ProcessGroup | None]:
+    """A process group over the pipeline ranks holding each shared weight, one per (dp, tp) coordinate.
+
+    Every rank creates every group in the same order (new_group is collective); None when one rank holds
+    all the copies (then the increments are summed locally).
+    """
+    pp = meshes.dims.pp
+    rank_sets = {name: tuple(sorted({stage_to_rank[s] for s in stages})) for name, stages in shared.items()}
+    groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+    world = meshes.world.mesh  # (pp, dp_replicate, dp_shard, tp) tensor of global ranks
+    me = dist.get_rank()
+    for ranks in sorted(set(rank_sets.values())):
+        if len(ranks) == 1:
+            groups[ranks] = None
+        elif len(ranks) == pp:
+            groups[ranks] = meshes.pp.get_group()
+        else:
+            for coord in itertools.product(*(range(n) for n in world.shape[1:])):
+                members = [int(world[(r, *coord)]) for r in ranks]
+                group = dist.new_group(members)
+                if me in members:
+                    groups[ranks] = group
+    return {name: groups.get(ranks) for name, ranks in rank_sets.items()}

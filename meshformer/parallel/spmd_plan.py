@@ -1,0 +1,111 @@
+"""The distributed `TrainingPlan` without pipelining: FSDP / HSDP / TP(+SP) and their combinations.
+
+Every rank runs the whole model on its data-parallel shard of the batch. Losses are sums divided by the
+*global* token count and FSDP sums (not averages) gradients, so gradients equal one process on the global
+batch; tensor-parallel ranks of one data-parallel replica see the same batch and report the same loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshformer.parallel.grad_norm import clip_grads_, global_grad_norm, settle_grad
+from meshformer.parallel.mesh import Meshes
+from meshformer.parallel.plan import Batch, LossFn, TrainingPlan, model_inputs
+from meshformer.train.loss import count_tokens
+
+
+class MeshPlan(TrainingPlan):
+    """Shared by the SPMD and pipeline plans: data-parallel bookkeeping, global norms, global reductions."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, device: torch.device, meshes: Meshes) -> None:
+        super().__init__(model, loss_fn, device)
+        self.meshes, self.dims = meshes, meshes.dims
+        self.dp_rank, self.dp_size = meshes.dp_rank, self.dims.dp
+        self.kernels: dict[str, str] = {}
+
+    @property
+    def supports_generation(self) -> bool:
+        # Pure data parallel: every rank runs the same greedy decode in lockstep (FSDP all-gathers match).
+        return not (self.dims.tp_enabled or self.dims.pp_enabled)
+
+    @property
+    def _logging_representative(self) -> bool:
+        """One rank per data-parallel replica: the last pipeline stage's first tensor-parallel rank."""
+        return self.reports_loss and self.meshes.tp_rank == 0
+
+    def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.detach().clone()
+        if self.dims.dp > 1:
+            dist.all_reduce(value, group=self.meshes.dp.get_group())
+        return value
+
+    def global_token_count(self, micro_batches: list[Batch]) -> torch.Tensor:
+        local = sum(count_tokens(b["labels"]) for b in micro_batches).to(self.device)
+        return self._dp_sum(local)
+
+    def reduce_for_logging(self, value: torch.Tensor) -> float:
+        """Sum of a per-replica quantity over data-parallel replicas, identical on every rank (a collective)."""
+        value = torch.as_tensor(value, device=self.device, dtype=torch.float32).detach().clone()
+        if not self._logging_representative:
+            value.zero_()
+        dist.all_reduce(value)
+        return float(value)
+
+    def _grads(self) -> list[torch.Tensor]:
+        seen, grads = set(), []
+        for part in self.model_parts:
+            for param in part.parameters():
+                if id(param) in seen or param.grad is None or not self._counts_in_norm(part, param):
+                    continue
+                seen.add(id(param))
+                settle_grad(param)
+                grads.append(param.grad)
+        return grads
+
+    def _counts_in_norm(self, part: nn.Module, param: nn.Parameter) -> bool:
+        return True
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        grads = self._grads()
+        norm = global_grad_norm(grads, self.dims.world_size // self.dims.pp, self.device)
+        if max_norm > 0:
+            clip_grads_(self._all_grads(), max_norm, norm)
+        return norm
+
+    def _all_grads(self) -> list[torch.Tensor]:
+        """Every gradient to scale, duplicates of shared weights included (they are separate tensors)."""
+        seen, grads = set(), []
+        for part in self.model_parts:
+            for param in part.parameters():
+                if param.grad is not None and id(param) not in seen:
+                    seen.add(id(param))
+                    grads.append(param.grad)
+        return grads
+
+
+class SPMDPlan(MeshPlan):
+    def forward_backward(self, batch: Batch, global_tokens: torch.Tensor) -> torch.Tensor:
+        self._check_sequence(batch)
+        return super().forward_backward(batch, global_tokens)
+
+    @torch.no_grad()
+    def evaluate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_sequence(batch)
+        loss_sum, tokens = super().evaluate(batch)
+        return self._dp_sum(loss_sum), self._dp_sum(tokens.to(self.device))
+
+    def _check_sequence(self, batch: Batch) -> None:
+        check_sequence_split(batch, self.dims.tp)
+
+
+def check_sequence_split(batch: Batch, tp: int) -> None:
+    """Sequence parallel splits every stream's length evenly over tensor-parallel ranks."""
+    if tp == 1:
+        return
+    for key, value in model_inputs(batch).items():
+        if key.endswith("input_ids") and value.shape[1] % tp:
+            raise ValueError(f"sequence parallel needs {key} length divisible by parallel.tp={tp}, got "
+                             f"{value.shape[1]}; pad the batch (data.seq_len / data.target_len) to a multiple of tp")

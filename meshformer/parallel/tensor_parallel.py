@@ -1,0 +1,173 @@
+"""Tensor + sequence parallel through DTensor plans, for decoder-only, encoder-only and encoder-decoder models.
+
+Layout of the activations (tp ranks, sequence T, hidden D):
+- embeddings: vocabulary-sharded tables; their output is all-reduced to a replicated (B, T, D) so that
+  position embeddings, the embedding norm and dropout run unchanged on full sequences;
+- the first block of each stack slices the sequence (no communication): between blocks the residual stream
+  is a plain local tensor (B, T/tp, D), and norms / dropout / residual adds run sequence-parallel;
+- attention and MLP all-gather the sequence on entry (q/k/v, gate/up colwise: each rank owns whole heads /
+  a slice of d_ff) and reduce-scatter it on exit (o_proj, down_proj rowwise);
+- each stack ends by all-gathering its output (after the final norm, or after the last block when there is
+  none), so encoder memory is replicated for cross-attention pooling and every decoder layer, and the head
+  sees full sequences;
+- the output projection is vocabulary-sharded and stays sharded: `vocab_parallel_cross_entropy` never
+  materialises full-vocabulary logits.
+
+Parameters that are not split (position tables, embedding norm, BERT head transform) only ever see
+replicated activations and replicated gradients, so they stay plain tensors and need no extra reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from meshformer.config import ModelConfig
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Parallelise a Transformer (or a pipeline stage of one: absent pieces are skipped) in place."""
+    cfg: ModelConfig = model.cfg
+    tp, rank = mesh.size(), mesh.get_local_rank()
+    _shard_alibi_slopes(model, cfg, tp, rank)
+    plan: dict[str, object] = {}
+    for name in ("tok_embeddings", "src_embeddings"):
+        if getattr(model, name, None) is not None:
+            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if getattr(model, "output", None) is not None:
+        # Vocabulary-sharded logits, kept local: the loss is computed vocab-parallel.
+        plan["output"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=True)
+    parallelize_module(model, mesh, plan)
+    _retie(model, cfg)
+
+    for stack in ("encoder_layers", "decoder_layers"):
+        layers = getattr(model, stack, None)
+        if layers is None:
+            continue
+        n_total = cfg.encoder_layers if stack == "encoder_layers" else cfg.decoder_layers
+        for key, block in layers.items():
+            parallelize_module(block, mesh, _block_plan(block))
+            if key == "0":  # enter sequence parallel: slice the replicated embedding output
+                parallelize_module(block, mesh, PrepareModuleInput(
+                    input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None), use_local_output=True))
+        final_norm = getattr(model, "encoder_norm" if stack == "encoder_layers" else "decoder_norm", None)
+        last = str(n_total - 1)
+        if final_norm is not None:
+            parallelize_module(final_norm, mesh, SequenceParallel(use_local_output=True))
+            _gather_sequence(final_norm, mesh)
+        elif last in layers:
+            _gather_sequence(layers[last], mesh)
+    _replicate_rest(model, mesh)
+    return model
+
+
+def _block_plan(block: nn.Module) -> dict[str, object]:
+    # Norm outputs are local tensors: with post-norm they become the residual stream itself.
+    sequence_parallel = SequenceParallel(use_local_output=True)
+    enter = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
+    plan: dict[str, object] = {
+        "attn_norm": sequence_parallel,
+        "attn": enter,
+        **_attention_plan("attn"),
+        "ffn_norm": sequence_parallel,
+        "ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "ffn.up_proj": ColwiseParallel(),
+        "ffn.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    if block.ffn.gate_proj is not None:  # SwiGLU: both input projections are split the same way
+        plan["ffn.gate_proj"] = ColwiseParallel()
+    if block.cross_attn is not None:
+        plan["cross_norm"] = sequence_parallel
+        # Encoder memory arrives replicated; as one DTensor its gradient is all-reduced once for k and v.
+        plan["cross_attn"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
+            input_kwarg_layouts={"memory": Replicate()}, desired_input_kwarg_layouts={"memory": Replicate()})
+        plan.update(_attention_plan("cross_attn"))
+    return plan
+
+
+def _attention_plan(prefix: str) -> dict[str, object]:
+    # Colwise q/k/v shard whole heads (rows are head-major), so the attention module infers its local
+    # head count from the shapes; GQA works whenever tp divides n_kv_heads.
+    return {
+        f"{prefix}.q_proj": ColwiseParallel(),
+        f"{prefix}.k_proj": ColwiseParallel(),
+        f"{prefix}.v_proj": ColwiseParallel(),
+        f"{prefix}.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def _gather_sequence(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Leave sequence parallel after `module`: all-gather its (B, T/tp, D) output to a replicated local tensor."""
+    parallelize_module(module, mesh, PrepareModuleOutput(
+        output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True))
+
+
+def _replicate_rest(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Parameters left unsplit (position table, embedding norm, head transform) become Replicate DTensors.
+
+    They only see replicated activations, so their gradients are already complete on every rank; making them
+    DTensors keeps one tensor kind in the model, which foreach/fused optimizers and FSDP's 2-D sharding need.
+    Their module converts plain inputs to replicated DTensors and hands back local outputs.
+    """
+    for module in model.modules():
+        own = [n for n, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+        if not own:
+            continue
+
+        def partition(_name: str, sub: nn.Module, sub_mesh: DeviceMesh, target: nn.Module = module) -> None:
+            if sub is target:
+                for pname, param in list(sub.named_parameters(recurse=False)):
+                    if not isinstance(param, DTensor):
+                        replicated = DTensor.from_local(param.data, sub_mesh, [Replicate()], run_check=False)
+                        sub.register_parameter(pname, nn.Parameter(replicated, param.requires_grad))
+
+        distribute_module(module, mesh, partition, _replicated_inputs, _local_outputs)
+
+
+def _replicated_inputs(_module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+
+def _local_outputs(_module: nn.Module, output, _mesh: DeviceMesh):
+    return output.to_local() if isinstance(output, DTensor) else output
+
+
+def _shard_alibi_slopes(model: nn.Module, cfg: ModelConfig, tp: int, rank: int) -> None:
+    """Each rank attends with its own heads, so it must bias them with its own slopes."""
+    slopes = getattr(model, "alibi_slopes", None)
+    if slopes is None:
+        return
+    per_rank = cfg.n_heads // tp
+    if slopes.shape[0] == per_rank:
+        return  # already local (parallelised twice)
+    model.register_buffer("alibi_slopes", slopes[rank * per_rank:(rank + 1) * per_rank].clone(), persistent=False)
+
+
+def _retie(model: nn.Module, cfg: ModelConfig) -> None:
+    """parallelize_module gives each module a new Parameter; tie the output head back to the embedding.
+
+    Both are sharded on the vocabulary (dim 0 of both weights), so one DTensor serves both.
+    """
+    embedding = getattr(model, "tok_embeddings", None)
+    output = getattr(model, "output", None)
+    if cfg.tie_embeddings and embedding is not None and output is not None:
+        output.weight = embedding.weight
+
+
+def vocab_shard(cfg: ModelConfig, mesh: DeviceMesh) -> tuple[int, int]:
+    """The [start, end) vocabulary rows of this tensor-parallel rank."""
+    per_rank = cfg.vocab_size // mesh.size()
+    start = mesh.get_local_rank() * per_rank
+    return start, start + per_rank

@@ -1,0 +1,153 @@
+"""Checks of a parallel layout against the model, the data and the device, run before any process group exists.
+
+Every message names the config key and the fix, so a bad launch fails in seconds on every rank with the
+same explanation instead of hanging in a collective or failing deep inside DTensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshformer.config import Config, ConfigError
+from meshformer.parallel.mesh import ParallelDims
+
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+
+
+def stages_per_rank(cfg: Config) -> int:
+    p = cfg.parallel
+    if p.pp_schedule == "zbv":
+        return 2  # the V shape: rank r holds stages r and 2*pp-1-r
+    if p.pp_schedule in SINGLE_STAGE_SCHEDULES:
+        return 1
+    return p.pp_stages_per_rank
+
+
+def n_microbatches(cfg: Config) -> int:
+    """parallel.pp_microbatches, or one per pipeline stage when 0."""
+    p = cfg.parallel
+    return p.pp_microbatches or p.pp * stages_per_rank(cfg)
+
+
+def total_layers(cfg: Config) -> int:
+    return cfg.model.encoder_layers + cfg.model.decoder_layers
+
+
+def validate_parallel(cfg: Config, world_size: int, device: torch.device | str | None = None) -> ParallelDims:
+    """Resolve and check the layout; returns the dimensions. Raises ConfigError naming the key to change."""
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    device_type = torch.device(device).type if device is not None else _configured_device_type(cfg)
+    _check_context_parallel(dims, device_type)
+    _check_tensor_parallel(cfg, dims)
+    _check_pipeline(cfg, dims)
+    _check_precision(cfg, dims, device_type)
+    p = cfg.parallel
+    if p.recompute == "every_k" and p.recompute_every < 1:
+        raise ConfigError(f"parallel.recompute_every must be >= 1, got {p.recompute_every}")
+    if p.timeout_s <= 0:
+        raise ConfigError(f"parallel.timeout_s must be positive (seconds), got {p.timeout_s}")
+    return dims
+
+
+def _configured_device_type(cfg: Config) -> str:
+    spec = cfg.train.device
+    if spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(spec).type
+
+
+def _check_context_parallel(dims: ParallelDims, device_type: str) -> None:
+    if dims.cp == 1:
+        return
+    if device_type == "cpu":
+        raise ConfigError(
+            f"parallel.cp={dims.cp}: context parallel is not supported on this device (cpu): torch 2.13 has no "
+            "DTensor sharding strategy for the CPU flash-attention kernel; set parallel.cp=1"
+        )
+    raise ConfigError(
+        f"parallel.cp={dims.cp}: context parallel is not implemented by meshformer yet on {device_type}; "
+        "set parallel.cp=1 and use tensor/sequence parallel (parallel.tp) for long sequences"
+    )
+
+
+def _check_tensor_parallel(cfg: Config, dims: ParallelDims) -> None:
+    tp, m = dims.tp, cfg.model
+    if tp == 1:
+        return
+    checks = [
+        ("model.n_heads", m.n_heads, "attention heads are split across tensor-parallel ranks"),
+        ("model.n_kv_heads", m.kv_heads, "key/value heads are split across tensor-parallel ranks (GQA/MQA)"),
+        ("model.d_ff", m.d_ff, "the feed-forward hidden size is split across ranks"),
+        ("model.vocab_size", m.vocab_size, "embeddings and the output head are split on the vocabulary"),
+        ("data.seq_len", cfg.data.seq_len, "sequence parallel splits the sequence between blocks"),
+    ]
+    if m.family == "encoder_decoder":
+        checks.append(("data.target_len", cfg.data.target_len, "sequence parallel splits the target sequence"))
+    for key, value, why in checks:
+        if value % tp:
+            raise ConfigError(f"parallel.tp={tp} does not divide {key}={value} ({why}); choose a tp that divides "
+                              f"{key} or change {key}")
+
+
+def _check_pipeline(cfg: Config, dims: ParallelDims) -> None:
+    p = cfg.parallel
+    if dims.pp == 1:
+        return
+    spr = stages_per_rank(cfg)
+    if p.pp_schedule in SINGLE_STAGE_SCHEDULES and p.pp_stages_per_rank != 1:
+        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} runs one stage per rank; set "
+                          "parallel.pp_stages_per_rank=1 or use interleaved_1f1b / interleaved_zb")
+    if p.pp_schedule == "zbv" and p.pp_stages_per_rank not in (1, 2):
+        raise ConfigError("parallel.pp_schedule='zbv' places exactly 2 stages per rank (a V); set "
+                          "parallel.pp_stages_per_rank=2 (or leave it at 1)")
+    if spr < 1:
+        raise ConfigError(f"parallel.pp_stages_per_rank must be >= 1, got {p.pp_stages_per_rank}")
+    n_stages = dims.pp * spr
+    layers = total_layers(cfg)
+    if n_stages > layers:
+        raise ConfigError(
+            f"parallel.pp={dims.pp} x {spr} stage(s) per rank = {n_stages} pipeline stages, but the model has only "
+            f"{layers} layers; every stage needs at least one layer: lower parallel.pp (or pp_stages_per_rank) "
+            "or add layers"
+        )
+    if p.pp_split_points:
+        points = list(p.pp_split_points)
+        if len(points) != n_stages - 1:
+            raise ConfigError(f"parallel.pp_split_points={points} must list {n_stages - 1} layer indices (where "
+                              f"stages 1..{n_stages - 1} begin) for {n_stages} stages")
+        if points != sorted(set(points)) or points[0] <= 0 or points[-1] >= layers:
+            raise ConfigError(f"parallel.pp_split_points={points} must be strictly increasing layer indices in "
+                              f"1..{layers - 1} (encoder layers first, then decoder layers)")
+    n_mb = n_microbatches(cfg)
+    if n_mb < 1:
+        raise ConfigError(f"parallel.pp_microbatches must be >= 1 (or 0 for one per stage), got {n_mb}")
+    if p.pp_schedule != "gpipe" and n_mb < dims.pp:
+        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} needs at least pp={dims.pp} microbatches to fill "
+                          f"the pipeline, got parallel.pp_microbatches={n_mb}; raise it to >= {dims.pp}")
+    if p.pp_schedule in ("interleaved_1f1b", "interleaved_zb"):
+        rounds = max(1, n_mb // dims.pp)
+        if n_mb % rounds:
+            raise ConfigError(f"parallel.pp_schedule={p.pp_schedule!r} needs parallel.pp_microbatches to be a "
+                              f"multiple of pp={dims.pp} (or smaller than it), got {n_mb}")
+    if cfg.data.batch_size < n_mb:
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size} is smaller than the {n_mb} pipeline microbatches; "
+                          "raise data.batch_size or lower parallel.pp_microbatches")
+
+
+def _check_precision(cfg: Config, dims: ParallelDims, device_type: str) -> None:
+    p = cfg.parallel
+    wants_bf16 = cfg.train.dtype == "bf16" or p.mixed_precision_param == "bf16" or p.mixed_precision_reduce == "bf16"
+    if wants_bf16 and not bf16_supported(device_type):
+        raise ConfigError(f"bf16 was requested (train.dtype / parallel.mixed_precision_*) but this {device_type} "
+                          "device has no bf16 support; use fp32")
+    if (p.mixed_precision_param != "fp32" or p.mixed_precision_reduce != "fp32") and not dims.fsdp_enabled:
+        raise ConfigError("parallel.mixed_precision_param/_reduce configure FSDP, which is off with a data-parallel "
+                          "size of 1; use train.dtype='bf16' (autocast) instead, or add data-parallel ranks")
+
+
+def bf16_supported(device_type: str) -> bool:
+    if device_type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device_type == "cpu":
+        return True  # native on AVX512-bf16/AMX, emulated (slow but correct) elsewhere
+    return False

@@ -1,0 +1,284 @@
+"""Parity harness: every parallel layout against one process on the same init and data (CPU, gloo).
+
+One launch of N spawned processes runs a whole list of scenarios (process-group start-up dominates the cost
+on 2 cores). Each scenario trains 2 optimizer steps of 2 accumulated micro-batches with padding, label
+smoothing and z-loss, and reports, relative to the single-process reference:
+- loss_rel: |loss - ref| / |ref| for both steps (step 1 checks the sharded optimizer update and clipping);
+- grad_rel: max over parameters of max|g - g_ref| / max|g_ref| (floored at 1e-4 of the model's largest), step-0 gradients gathered with full_tensor();
+- norm_rel: the clip_grad_norm global norm against torch's on the full model;
+- missing: reference parameters no rank checked (a layout that silently drops a parameter fails).
+
+Run by hand: python tests/parallel_harness.py --world 2 decoder/fsdp decoder/tp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from meshformer.config import Config, config_from_dict, validate  # noqa: E402
+from meshformer.model import Transformer  # noqa: E402
+from meshformer.parallel.plan import TrainingPlan, default_loss_fn  # noqa: E402
+from meshformer.train.loss import IGNORE_INDEX  # noqa: E402
+
+BATCH, SEQ, TARGET, VOCAB = 8, 16, 8, 64
+MAX_NORM = 0.05  # small enough that clipping is active in both steps
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    # Llama-like: RMSNorm, SwiGLU, RoPE, GQA, tied embeddings
+    "decoder": dict(family="decoder", n_layers=4, norm="rmsnorm", activation="swiglu", position="rope",
+                    n_kv_heads=2, bias=False),
+    # GPT-2-like with ALiBi (per-head slopes must follow tensor-parallel head sharding) and biases
+    "decoder_alibi": dict(family="decoder", n_layers=4, position="alibi", activation="gelu", bias=True,
+                          tie_embeddings=False, output_bias=True),
+    # BERT-like: learned positions, embedding norm, prediction-head transform, post-norm
+    "encoder": dict(family="encoder", n_layers=4, position="learned", embedding_norm=True, head_transform=True,
+                    norm_position="post", activation="gelu"),
+    # original-Transformer-like: shared + tied embeddings, sinusoidal, cross-attention over pooled memory
+    "encdec": dict(family="encoder_decoder", n_encoder_layers=2, n_decoder_layers=2, position="sinusoidal",
+                   activation="relu", cross_downsample=2),
+}
+
+
+def make_config(family: str, parallel: dict[str, Any] | None = None, **train: Any) -> Config:
+    model = dict(vocab_size=VOCAB, d_model=32, n_heads=4, d_ff=64, max_seq_len=32, dropout=0.0)
+    model.update(FAMILIES[family])
+    raw = {
+        "model": model,
+        "data": {"seq_len": SEQ, "target_len": TARGET, "batch_size": BATCH},
+        "train": {"label_smoothing": 0.1, "z_loss": 1e-3, "seed": 0, "device": "cpu", **train},
+        "parallel": parallel or {},
+    }
+    cfg = config_from_dict(raw)
+    validate(cfg)
+    return cfg
+
+
+def make_batches(cfg: Config, n: int, seed: int = 1234) -> list[dict[str, torch.Tensor]]:
+    """Deterministic batches for the family's objective, with padding and ignored labels."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        lengths = torch.randint(SEQ // 2, SEQ + 1, (BATCH,), generator=g)
+        real = torch.arange(SEQ)[None, :] < lengths[:, None]
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        family = cfg.model.family
+        if family == "decoder":
+            labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).masked_fill(~real, IGNORE_INDEX)
+            out.append({"input_ids": ids, "labels": labels})
+        elif family == "encoder":
+            chosen = (torch.rand(BATCH, SEQ, generator=g) < 0.3) & real
+            out.append({"input_ids": ids, "attention_mask": real,
+                        "labels": torch.where(chosen, ids, torch.full_like(ids, IGNORE_INDEX))})
+        else:
+            t_len = torch.randint(TARGET // 2, TARGET + 1, (BATCH,), generator=g)
+            t_real = torch.arange(TARGET)[None, :] < t_len[:, None]
+            target = torch.randint(0, VOCAB, (BATCH, TARGET + 1), generator=g)
+            out.append({"input_ids": ids, "attention_mask": real, "decoder_input_ids": target[:, :-1],
+                        "decoder_attention_mask": t_real,
+                        "labels": target[:, 1:].masked_fill(~t_real, IGNORE_INDEX)})
+    return out
+
+
+def new_model(cfg: Config) -> Transformer:
+    torch.manual_seed(cfg.train.seed)
+    return Transformer(cfg.model)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def train_steps(plan: TrainingPlan, steps: list[list[dict[str, torch.Tensor]]], dp_rank: int, dp_size: int):
+    """Two optimizer steps; returns (global losses, step-0 grads by canonical name, pre-clip norms)."""
+    params = [p for part in plan.model_parts for p in part.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
+    losses, norms, grads0 = [], [], {}
+    for i, micro in enumerate(steps):
+        local = [{k: v.chunk(dp_size)[dp_rank] for k, v in b.items()} for b in micro]
+        tokens = plan.global_token_count(local)
+        loss_sum = torch.zeros(())
+        for batch in local:
+            loss_sum += plan.forward_backward(batch, tokens)
+        if i == 0:
+            grads0 = gathered_grads(plan)
+        norms.append(float(plan.clip_grad_norm(MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        total = plan.reduce_for_logging(loss_sum) if dist.is_initialized() else float(loss_sum)
+        losses.append(total / float(tokens))
+    return losses, grads0, norms
+
+
+def gathered_grads(plan: TrainingPlan) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for part in plan.model_parts:
+        canonical = getattr(part, "canonical", None)
+        seen: set[int] = set()
+        for name, param in part.named_parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            if param.grad is None:
+                continue
+            grad = full(param.grad).detach().clone()  # a collective for DTensors: same order on every rank
+            out[canonical[name] if canonical else name] = grad
+    return out
+
+
+def reference(cfg: Config, steps) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    plan = TrainingPlan(new_model(cfg), default_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss),
+                        torch.device("cpu"))
+    return train_steps(plan, steps, 0, 1)
+
+
+def compare(cfg: Config, steps, result) -> dict[str, Any]:
+    ref_losses, ref_grads, ref_norms = reference(cfg, steps)
+    losses, grads, norms = result
+    grad_rel, checked, worst = 0.0, set(), ""
+    # Floor the scale: a key-projection bias has an exactly-zero true gradient (softmax ignores a per-query
+    # shift), so its reference is pure rounding noise; compare it against the model's gradient scale instead.
+    floor = 1e-4 * max(g.abs().max().item() for g in ref_grads.values())
+    for name, grad in grads.items():
+        ref = ref_grads[name]
+        scale = max(ref.abs().max().item(), floor)
+        rel = (grad - ref).abs().max().item() / scale
+        if rel > grad_rel:
+            grad_rel, worst = rel, name
+        checked.add(name)
+    return {
+        "loss_rel": [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)],
+        "grad_rel": grad_rel,
+        "worst": worst,
+        "norm_rel": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
+        "checked": sorted(checked),
+        "reference_params": sorted(ref_grads),
+        "losses": losses,
+    }
+
+
+# ----------------------------------------------------------------------------- scenarios
+
+def scenario(name: str) -> tuple[Config, list]:
+    """'family/layout' -> config; the layout names the parallel dimensions and the schedule."""
+    family, layout = name.split("/")
+    parallel: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for part in layout.split("-"):
+        key, _, value = part.partition("=")
+        if key in ("fsdp", "dp"):
+            parallel["dp_shard"] = int(value or 2)
+        elif key == "hsdp":
+            parallel["dp_replicate"], parallel["dp_shard"] = 2, 2
+        elif key == "tp":
+            parallel["tp"] = int(value or 2)
+        elif key == "pp":
+            parallel["pp"] = int(value or 2)
+        elif key == "sched":
+            parallel["pp_schedule"] = value
+        elif key == "spr":
+            parallel["pp_stages_per_rank"] = int(value)
+        elif key == "mb":
+            parallel["pp_microbatches"] = int(value)
+        elif key == "split":
+            parallel["pp_split_points"] = [int(v) for v in value.split(",")]
+        elif key == "recompute":
+            parallel["recompute"] = value
+        elif key == "bf16":
+            extra["dtype"] = "bf16"
+        elif key == "single":
+            pass
+        else:
+            raise ValueError(f"unknown layout part {part!r} in {name!r}")
+    parallel.setdefault("dp_shard", 1)
+    cfg = make_config(family, parallel, **extra)
+    batches = make_batches(cfg, 4)
+    return cfg, [batches[0:2], batches[2:4]]
+
+
+def run_scenario(name: str) -> dict[str, Any]:
+    from meshformer.parallel import build_plan
+
+    cfg, steps = scenario(name)
+    plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
+    result = train_steps(plan, steps, plan.dp_rank, plan.dp_size)
+    report = compare(cfg, steps, result)
+    # Union of what every rank checked: each pipeline stage checks its own parameters.
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (report["grad_rel"], report["checked"], report["worst"]))
+    report["grad_rel"], _, report["worst"] = max(gathered, key=lambda g: g[0])
+    checked = set().union(*(set(c) for _, c, _ in gathered))
+    report["missing"] = sorted(set(report.pop("reference_params")) - checked)
+    report["checked"] = len(checked)
+    report["kernels"] = plan.kernels
+    return report
+
+
+def worker(rank: int, world: int, port: int, names: list[str], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=int(os.environ.get("HARNESS_TIMEOUT", 90))))
+    results: dict[str, Any] = {}
+    for name in names:
+        try:
+            results[name] = run_scenario(name)
+        except Exception as err:  # record and go on: one broken layout should not hide the others
+            results[name] = {"error": f"rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()}"}
+            print(results[name]["error"], file=sys.stderr, flush=True)
+        dist.barrier()
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.barrier()  # gloo sometimes aborts at exit without it
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, names: list[str]) -> dict[str, Any]:
+    """Run the scenarios on `world` spawned processes; returns rank 0's report per scenario."""
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.json")
+        mp.start_processes(worker, args=(world, free_port(), names, out), nprocs=world, start_method="spawn")
+        return json.loads(Path(out).read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("names", nargs="+")
+    args = parser.parse_args()
+    for name, report in launch(args.world, args.names).items():
+        if "error" in report:
+            print(f"{name}: ERROR {report['error']}")
+        else:
+            print(f"{name}: loss_rel={max(report['loss_rel']):.2e} grad_rel={report['grad_rel']:.2e} "
+                  f"({report['worst']}) norm_rel={report['norm_rel']:.2e} checked={report['checked']} missing={report['missing']}")
+
+
+if __name__ == "__main__":
+    main()
