@@ -25,7 +25,8 @@ def _params(args: argparse.Namespace) -> None:
 
     cfg = load_config(args.config, args.set)
     counts = count_params(cfg.model)
-    report = {**counts, "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len, cfg.data.target_len), "seq_len": cfg.data.seq_len}
+    report = {f"{key}_params": value for key, value in counts.items()}
+    report |= {"flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len, cfg.data.target_len), "seq_len": cfg.data.seq_len}
     if args.json:
         print(json.dumps(report))
     else:
@@ -51,6 +52,47 @@ def _generate(args: argparse.Namespace) -> None:
         out = greedy_decode(model, None, args.max_new_tokens, eos_id=tokenizer.eos_id, bos_id=tokenizer.bos_id,
                             source_ids=ids, use_cache=not args.no_cache)
     print(tokenizer.decode(out[0].tolist()))
+
+
+def _attention_map(args: argparse.Namespace) -> None:
+    import torch
+
+    from meshformer.checkpointing.weights import load_weights
+    from meshformer.data import load_tokenizer
+    from meshformer.model.inspect import attention_heatmap
+
+    model = load_weights(args.weights).eval()
+    tokenizer = load_tokenizer(args.tokenizer)
+    ids = tokenizer.encode(args.text)
+    labels = [tokenizer.decode([i]) for i in ids]
+    decoder_ids = decoder_labels = None
+    if model.cfg.family == "encoder_decoder":
+        target = [tokenizer.bos_id, *tokenizer.encode(args.target or args.text)]
+        decoder_ids, decoder_labels = torch.tensor([target]), [tokenizer.decode([i]) for i in target]
+    path = attention_heatmap(model, torch.tensor([ids]), args.out, layer=args.layer, head=args.head,
+                             stack=args.stack, tokens=labels, decoder_input_ids=decoder_ids,
+                             decoder_tokens=decoder_labels)
+    print(f"wrote {path}")
+
+
+def _grad_report(args: argparse.Namespace) -> None:
+    import torch
+
+    from meshformer.checkpointing.weights import load_weights
+    from meshformer.data import build_loader, load_tokenizer
+    from meshformer.model import Transformer
+    from meshformer.model.inspect import gradient_report
+    from meshformer.parallel.plan import model_inputs
+    from meshformer.train.loss import count_tokens, cross_entropy_sum
+
+    cfg = load_config(args.config, [*args.set, "data.num_workers=0"])
+    torch.manual_seed(cfg.train.seed)
+    model = load_weights(args.weights) if args.weights else Transformer(cfg.model)
+    batch = next(iter(build_loader(cfg, load_tokenizer(cfg.data.tokenizer), "train", 0, 1)))
+    loss = cross_entropy_sum(model(**model_inputs(batch)), batch["labels"]) / count_tokens(batch["labels"])
+    loss.backward()
+    text, _ = gradient_report(model, sort_by_norm=True)
+    print(f"loss {loss.item():.4f} on one batch of {cfg.data.batch_size} sequences\n{text}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,7 +121,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each step")
     gen.set_defaults(func=_generate)
 
-    for module in ("meshformer.model.inspect_cli", "meshformer.data.cli", "meshformer.checkpointing.cli",
+    attn = sub.add_parser("attention-map", help="PNG heatmap of one attention head for an input text")
+    attn.add_argument("weights", help="folder with model.safetensors, e.g. runs/tiny-gpt/final")
+    attn.add_argument("--text", required=True)
+    attn.add_argument("--target", help="decoder text for encoder-decoder models (default: --text)")
+    attn.add_argument("--layer", type=int, default=0)
+    attn.add_argument("--head", type=int, default=0)
+    attn.add_argument("--stack", choices=["encoder", "decoder", "cross"], help="default: the model's main stack")
+    attn.add_argument("--out", default="attention.png")
+    attn.add_argument("--tokenizer", default="bundled:kjv-bpe-4k")
+    attn.set_defaults(func=_attention_map)
+
+    grad = sub.add_parser("grad-report", help="per-parameter gradient norms on one training batch")
+    grad.add_argument("config")
+    grad.add_argument("--weights", help="folder with model.safetensors (default: fresh init from the config)")
+    grad.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
+    grad.set_defaults(func=_grad_report)
+
+    for module in ("meshformer.data.cli", "meshformer.checkpointing.cli",
                    "meshformer.launcher.cli"):
         try:
             add_cli = __import__(module, fromlist=["add_cli"]).add_cli
