@@ -186,6 +186,19 @@ class LoggingConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """torch.profiler traces of a step range (Perfetto / chrome://tracing / TensorBoard), written per rank."""
+
+    start_step: int = 0  # first profiled optimizer step (1-based); 0: profiling off
+    steps: int = 3  # how many steps to record from start_step
+    ranks: list[int] = field(default_factory=list)  # ranks that record; []: every rank
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False  # Python stacks per op (large traces)
+    dir: str = ""  # "": <run_dir>/profile
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -195,6 +208,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     @property
     def objective(self) -> str:
@@ -359,6 +373,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError("schedule.warmup_steps must be >= 0")
     if cfg.schedule.name == "noam" and cfg.schedule.warmup_steps == 0:
         raise ConfigError("schedule.name='noam' needs schedule.warmup_steps > 0")
+    if cfg.profile.start_step < 0 or cfg.profile.steps <= 0:
+        raise ConfigError(f"profile.start_step={cfg.profile.start_step} and profile.steps={cfg.profile.steps}: "
+                          "start_step must be >= 0 (0: off) and steps positive, e.g. profile.start_step=10 "
+                          "profile.steps=3")
     if t.dtype == "bf16" and not t.device.startswith(("auto", "cpu", "cuda")):
         raise ConfigError(f"train.dtype='bf16' is not supported on device {t.device!r}; use fp32")
 

@@ -3,8 +3,10 @@
 One launch of N spawned processes runs a whole list of scenarios (process-group start-up dominates the cost
 on 2 cores). Each scenario trains 2 optimizer steps of 2 accumulated micro-batches with padding, label
 smoothing and z-loss, and reports, relative to the single-process reference:
-- loss_rel: |loss - ref| / |ref| for both steps (step 1 checks the sharded optimizer update and clipping);
-- grad_rel: max over parameters of max|g - g_ref| / max|g_ref| (floored at 1e-4 of the model's largest), step-0 gradients gathered with full_tensor();
+- loss_rel: |loss - ref| / |ref| for both steps (step 1 checks the sharded optimizer update and clipping)
+  and for an evaluation pass after them;
+- grad_rel: max over parameters of max|g - g_ref| / max|g_ref| (the scale floored at 1e-4 of the model's
+  largest), step-0 gradients gathered with full_tensor();
 - norm_rel: the clip_grad_norm global norm against torch's on the full model;
 - missing: reference parameters no rank checked (a layout that silently drops a parameter fails).
 
@@ -124,6 +126,10 @@ def train_steps(plan: TrainingPlan, steps: list[list[dict[str, torch.Tensor]]], 
         optimizer.zero_grad(set_to_none=True)
         total = plan.reduce_for_logging(loss_sum) if dist.is_initialized() else float(loss_sum)
         losses.append(total / float(tokens))
+    # Evaluation (no gradients) on the first step's batches with the updated weights.
+    with torch.no_grad():
+        evals = [plan.evaluate({k: v.chunk(dp_size)[dp_rank] for k, v in b.items()}) for b in steps[0]]
+    losses.append(float(sum(e[0] for e in evals)) / float(sum(e[1] for e in evals)))
     return losses, grads0, norms
 
 
@@ -203,6 +209,10 @@ def scenario(name: str) -> tuple[Config, list]:
             parallel["recompute"] = value
         elif key == "bf16":
             extra["dtype"] = "bf16"
+        elif key == "noreshard":
+            parallel["reshard_after_forward"] = False
+        elif key == "mp":  # FSDP all-gathers bf16 parameters, reduces in fp32
+            parallel["mixed_precision_param"] = "bf16"
         elif key == "single":
             pass
         else:
@@ -213,9 +223,37 @@ def scenario(name: str) -> tuple[Config, list]:
     return cfg, [batches[0:2], batches[2:4]]
 
 
+def vocab_parallel_loss_check() -> dict[str, Any]:
+    """The vocab-parallel cross-entropy alone against cross_entropy_sum on full logits (world = tp)."""
+    from meshformer.parallel.loss_parallel import vocab_parallel_cross_entropy
+    from meshformer.train.loss import cross_entropy_sum
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(7)
+    logits = (3 * torch.randn(6, 5, VOCAB, generator=g)).requires_grad_()
+    labels = torch.randint(0, VOCAB, (6, 5), generator=g)
+    labels[0, :2] = IGNORE_INDEX
+    worst_loss = worst_grad = 0.0
+    for smoothing, z_loss in ((0.0, 0.0), (0.1, 0.0), (0.2, 1e-3)):
+        ref = cross_entropy_sum(logits, labels, label_smoothing=smoothing, z_loss=z_loss)
+        (ref_grad,) = torch.autograd.grad(ref, logits)
+        shard = VOCAB // world
+        local = logits.detach()[..., rank * shard:(rank + 1) * shard].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(local, labels, group=dist.group.WORLD, vocab_start=rank * shard,
+                                            vocab_size=VOCAB, label_smoothing=smoothing, z_loss=z_loss)
+        loss.backward()
+        worst_loss = max(worst_loss, abs(loss.item() - ref.item()) / abs(ref.item()))
+        expected = ref_grad[..., rank * shard:(rank + 1) * shard]
+        worst_grad = max(worst_grad, ((local.grad - expected).abs().max() / expected.abs().max()).item())
+    return {"loss_rel": [worst_loss], "grad_rel": worst_grad, "norm_rel": 0.0, "missing": [], "checked": 1,
+            "worst": "logits", "kernels": {}}
+
+
 def run_scenario(name: str) -> dict[str, Any]:
     from meshformer.parallel import build_plan
 
+    if name == "loss/vocab_parallel":
+        return vocab_parallel_loss_check()
     cfg, steps = scenario(name)
     plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
     result = train_steps(plan, steps, plan.dp_rank, plan.dp_size)
@@ -277,7 +315,8 @@ def main() -> None:
             print(f"{name}: ERROR {report['error']}")
         else:
             print(f"{name}: loss_rel={max(report['loss_rel']):.2e} grad_rel={report['grad_rel']:.2e} "
-                  f"({report['worst']}) norm_rel={report['norm_rel']:.2e} checked={report['checked']} missing={report['missing']}")
+                  f"({report['worst']}) norm_rel={report['norm_rel']:.2e} checked={report['checked']} "
+                  f"missing={report['missing']}")
 
 
 if __name__ == "__main__":

@@ -1,3 +1,4 @@
+import itertools
 import math
 
 import pytest
@@ -22,7 +23,7 @@ def test_cosine_warmup_then_decay_to_floor():
     cfg = ScheduleConfig(name="cosine", warmup_steps=10, min_lr_ratio=0.1)
     values = [lr_multiplier(s, cfg, 110, 64) for s in range(110)]
     assert values[0] == pytest.approx(0.1) and values[9] == pytest.approx(1.0)
-    assert all(a >= b for a, b in zip(values[10:], values[11:]))
+    assert all(a >= b for a, b in itertools.pairwise(values[10:]))
     assert lr_multiplier(110, cfg, 110, 64) == pytest.approx(0.1)
     assert values[60] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
 

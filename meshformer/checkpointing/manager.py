@@ -187,6 +187,7 @@ class CheckpointManager:
         return {
             "version": STATE_VERSION,
             "kind": "training",
+            "optimizer": type(trainer.optimizer).__name__,
             "step": int(trainer.step),
             "tokens_seen": int(tokens),
             "scheduler": st.scheduler_state(trainer.scheduler),
@@ -238,14 +239,16 @@ class CheckpointManager:
         if state.get("version", 0) > STATE_VERSION:
             raise CheckpointError(f"{path} has trainer-state version {state['version']}; upgrade meshformer")
         self._warn_config_changes(state.get("config"), trainer.cfg)
-        metadata = read_metadata(path)
-        saved_shapes = {k: v.size for k, v in tensor_entries(metadata).items()}
+        start = time.perf_counter()
+        saved = {k: (v.size, v.properties.dtype) for k, v in tensor_entries(read_metadata(path)).items()}
         parts = trainer.plan.model_parts
         training = state.get("kind") == "training"
-        model_t, optim_t = st.load_templates(parts, trainer.optimizer if training else None, set(saved_shapes))
+        if training and state.get("optimizer", type(trainer.optimizer).__name__) != type(trainer.optimizer).__name__:
+            raise CheckpointError(f"{path} holds {state['optimizer']} state but this run uses "
+                                  f"{type(trainer.optimizer).__name__}; resume with the same optimizer")
+        model_t, optim_t, per_param = st.load_templates(parts, trainer.optimizer if training else None, saved)
         templates = {**model_t.tensors, **optim_t.tensors}
-        st.check_shapes(templates, saved_shapes)
-        start = time.perf_counter()
+        st.check_shapes(model_t.tensors, {k: v[0] for k, v in saved.items()})
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(templates, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
@@ -253,7 +256,7 @@ class CheckpointManager:
         st.apply_model(parts, model_t)
         optim_t.fill_copies()
         if training:
-            st.load_param_groups(trainer.optimizer, parts, state["param_groups"])
+            st.apply_optimizer(trainer.optimizer, parts, per_param, state["param_groups"])
             st.load_scheduler(trainer.scheduler, state["scheduler"])
             if state.get("data") is not None and hasattr(trainer.train_data, "load_state_dict"):
                 trainer.train_data.load_state_dict(state["data"])

@@ -17,12 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    _init_optim_state,
-    get_model_state_dict,
-    set_model_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from meshformer.checkpointing.errors import CheckpointError
 from meshformer.config import ModelConfig
@@ -133,32 +128,68 @@ def training_tensors(model_parts: list[nn.Module], optimizer: torch.optim.Optimi
     return tensors
 
 
-def load_templates(model_parts: list[nn.Module], optimizer: torch.optim.Optimizer | None,
-                   available: set[str]) -> tuple[TensorState, TensorState]:
-    """Tensors of the current layout for DCP to fill in place: (model, optimizer).
+SavedEntry = tuple[torch.Size, torch.dtype]  # a tensor's global shape and dtype in the checkpoint
 
-    The optimizer's state is created first (zero-gradient step at lr 0, as torch's own state-dict API does)
-    so its tensors have their final type and sharding; parameters the checkpoint has no state for are
-    reset to "no state yet", as they were when saved.
+
+def load_templates(model_parts: list[nn.Module], optimizer: torch.optim.Optimizer | None,
+                   saved: dict[str, SavedEntry]) -> tuple[TensorState, TensorState, list[tuple[nn.Parameter, dict]]]:
+    """Tensors of the current layout for DCP to fill in place: model, optimizer, and optimizer state by parameter.
+
+    Optimizer state is created from the checkpoint's own index: a tensor shaped like its parameter takes the
+    parameter's sharding (DTensor under FSDP/TP); anything else (AdamW's scalar step) is a plain CPU tensor.
+    Parameters the checkpoint has no state for stay without state, as they were when saved.
     """
     model = model_tensors(model_parts)
-    missing = sorted(k[len(MODEL):] for k in model.tensors if k not in available)
+    missing = sorted(k[len(MODEL):] for k in model.tensors if k not in saved)
     if missing:
         raise CheckpointError(f"the checkpoint has no weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
                               "it was saved for a different model (check model.* settings)")
-    if optimizer is None or not any(k.startswith(OPTIM) for k in available):
-        return model, TensorState()
-    _init_optim_state(optimizer)
+    optim, per_param = TensorState(), []
+    if optimizer is None or not any(k.startswith(OPTIM) for k in saved):
+        return model, optim, per_param
+    by_param: dict[str, list[str]] = {}
+    for key in saved:
+        if key.startswith(OPTIM):
+            by_param.setdefault(key[len(OPTIM):].rsplit(".", 1)[0], []).append(key)
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for name, param in named_parameters(model_parts):
+        if id(param) not in owned:
+            continue
+        tensors = {}
+        for key in by_param.get(name, []):
+            shape, dtype = saved[key]
+            # Uninitialized is fine: DCP overwrites every element (or raises if the checkpoint lacks some).
+            if tuple(shape) == tuple(param.shape):
+                tensor = torch.empty_like(param, dtype=dtype, requires_grad=False)
+            else:
+                tensor = torch.empty(shape, dtype=dtype)
+            tensors[key.rsplit(".", 1)[1]] = tensor
+            optim.add(key, tensor)
+        if tensors:
+            per_param.append((param, tensors))
+    return model, optim, per_param
+
+
+def apply_optimizer(optimizer: torch.optim.Optimizer, model_parts: list[nn.Module],
+                    per_param: list[tuple[nn.Parameter, dict]], saved_groups: list[dict[str, Any]]) -> None:
+    """Hand the loaded state and the saved hyperparameters to the optimizer's own `load_state_dict`
+    (which applies its device and dtype policy, e.g. where AdamW keeps `step`)."""
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"the checkpoint's optimizer has {len(saved_groups)} parameter groups, this one "
+                              f"{len(optimizer.param_groups)}: the optimizer setup changed")
     names = {id(p): n for n, p in named_parameters(model_parts)}
-    for param in list(optimizer.state):
-        keys = {f"{OPTIM}{names[id(param)]}.{k}" for k in optimizer.state[param]}
-        present = keys & available
-        if not present:
-            del optimizer.state[param]
-        elif present != keys:
-            raise CheckpointError(f"the checkpoint has only {sorted(present)} of {sorted(keys)}: it was saved with "
-                                  "a different optimizer")
-    return model, optimizer_tensors(optimizer, model_parts)
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    groups = []
+    for i, (group, entry) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        ours = {names[id(p)] for p in group["params"]}
+        if not ours <= set(entry["params"]):  # a pipeline stage holds a subset of the saved group
+            extra = sorted(ours - set(entry["params"]))[:3]
+            raise CheckpointError(f"optimizer group {i} holds {extra} here but not in the checkpoint: the "
+                                  "grouping of parameters (weight decay or not) changed")
+        restored = {k: _from_json(v, group.get(k)) for k, v in entry.items() if k != "params"}
+        groups.append({**group, **restored, "params": [index[id(p)] for p in group["params"]]})
+    state = {index[id(p)]: tensors for p, tensors in per_param}
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def apply_model(model_parts: list[nn.Module], loaded: TensorState) -> None:
@@ -211,24 +242,6 @@ def param_groups_state(optimizer: torch.optim.Optimizer, model_parts: list[nn.Mo
         entry["params"] = [names[id(p)] for p in group["params"]]
         groups.append(entry)
     return groups
-
-
-def load_param_groups(optimizer: torch.optim.Optimizer, model_parts: list[nn.Module],
-                      saved: list[dict[str, Any]]) -> None:
-    """Restore hyperparameters (lr, betas, ...) group by group; group membership must agree by name."""
-    if len(saved) != len(optimizer.param_groups):
-        raise CheckpointError(f"the checkpoint's optimizer has {len(saved)} parameter groups, this one "
-                              f"{len(optimizer.param_groups)}: the optimizer setup changed")
-    names = {id(p): n for n, p in named_parameters(model_parts)}
-    for i, (group, entry) in enumerate(zip(optimizer.param_groups, saved)):
-        ours = {names[id(p)] for p in group["params"]}
-        if not ours <= set(entry["params"]):  # a pipeline stage holds a subset of the saved group
-            extra = sorted(ours - set(entry["params"]))[:3]
-            raise CheckpointError(f"optimizer group {i} holds {extra} here but not in the checkpoint: the "
-                                  "grouping of parameters (weight decay or not) changed")
-        for key, value in entry.items():
-            if key != "params":
-                group[key] = _from_json(value, group.get(key))
 
 
 def scheduler_state(scheduler: Any) -> dict[str, Any] | None:

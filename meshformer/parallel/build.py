@@ -24,7 +24,13 @@ from meshformer.parallel.plan import LossFn, TrainingPlan, default_loss_fn
 from meshformer.parallel.recompute import apply_recompute
 from meshformer.parallel.spmd_plan import SPMDPlan
 from meshformer.parallel.tensor_parallel import apply_tensor_parallel, vocab_shard
-from meshformer.parallel.validate import n_microbatches, stages_per_rank, total_layers, validate_parallel
+from meshformer.parallel.validate import (
+    ZERO_BUBBLE,
+    n_microbatches,
+    stages_per_rank,
+    total_layers,
+    validate_parallel,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +85,18 @@ def _finish_part(part: nn.Module, cfg: Config, dims: ParallelDims, meshes: Meshe
         apex_norms = use_apex_norms(part, device)
     recomputed = apply_recompute(part, cfg.parallel.recompute, cfg.parallel.recompute_every)
     compiled = compile_blocks(part) if cfg.train.compile else 0
+    report = kernel_report(cfg, device, apex_norms=apex_norms, compiled=compiled, recompute=recomputed)
     if dims.fsdp_enabled:
-        apply_fsdp(part, meshes.fsdp, cfg.parallel)
-    return kernel_report(cfg, device, apex_norms=apex_norms, compiled=compiled, recompute=recomputed)
+        reshard = cfg.parallel.reshard_after_forward
+        if dims.pp_enabled and cfg.parallel.pp_schedule in ZERO_BUBBLE:
+            # The deferred weight-gradient pass runs after FSDP would have resharded the block and reads freed
+            # unsharded weights (wrong or missing gradients in torch 2.13), so blocks stay unsharded.
+            reshard = False
+        apply_fsdp(part, meshes.fsdp, cfg.parallel, reshard_after_forward=reshard)
+        report["fsdp"] = (f"{'HSDP' if dims.hsdp else 'FSDP2'} over {dims.dp} ranks, reshard_after_forward="
+                          f"{reshard}, params {cfg.parallel.mixed_precision_param}, reduce "
+                          f"{cfg.parallel.mixed_precision_reduce}")
+    return report
 
 
 def _pipeline_plan(model: nn.Module, cfg: Config, dims: ParallelDims, meshes: Meshes, device: torch.device,

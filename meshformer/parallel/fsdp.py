@@ -31,7 +31,8 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *, reshard_after_forward: bool | None = None
+               ) -> nn.Module:
     """Shard every block, then the root (embeddings, norms, head: whatever is left).
 
     Per-block units bound the unsharded memory to about one block at a time; the root unit holds the
@@ -39,8 +40,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> nn.Mo
     resharded after forward (it would be all-gathered again at once for the head / in backward).
     """
     kwargs = {"mesh": mesh, "mp_policy": mixed_precision_policy(cfg)}
+    reshard = cfg.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
     for block in blocks_of(model):
-        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward, **kwargs)
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
     sum_gradients(model)
     return model

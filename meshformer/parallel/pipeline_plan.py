@@ -40,7 +40,9 @@ SCHEDULES = {
     "interleaved_zb": ScheduleInterleavedZeroBubble,
     "zbv": ScheduleZBVZeroBubble,
 }
-_CACHE_SIZE = 4  # schedules kept per (shape, train/eval); pipelining fixes activation shapes per stage object
+_CACHE_SIZE = 4  # schedules kept per batch shape: pipelining fixes activation shapes per stage object
+_HEADER = 64  # int64 slots describing the tensors of one forward-only P2P message
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.bool]
 
 
 class PipelinePlan(MeshPlan):
@@ -63,6 +65,7 @@ class PipelinePlan(MeshPlan):
         self._tokens: torch.Tensor | None = None
         self._schedules: OrderedDict[tuple, object] = OrderedDict()
         self._shared = _SharedWeights(stages, shared, stage_to_rank, meshes)
+        self._stage_to_rank, self.n_stages = stage_to_rank, stages[0].span.n_stages
 
     @property
     def model_parts(self) -> list[nn.Module]:
@@ -81,8 +84,8 @@ class PipelinePlan(MeshPlan):
             return loss_sum
         return loss_sum / self._tokens
 
-    def _schedule(self, batch: Batch, train: bool):
-        key = (train, *((k, tuple(v.shape)) for k, v in sorted(batch.items())))
+    def _schedule(self, batch: Batch):
+        key = tuple((k, tuple(v.shape)) for k, v in sorted(batch.items()))
         if key in self._schedules:
             self._schedules.move_to_end(key)
             return self._schedules[key]
@@ -97,19 +100,47 @@ class PipelinePlan(MeshPlan):
             self._schedules.popitem(last=False)
         return schedule
 
-    def _run(self, batch: Batch, train: bool) -> torch.Tensor:
+    def _train_step(self, batch: Batch) -> torch.Tensor:
         check_sequence_split(batch, self.dims.tp)
-        schedule = self._schedule(batch, train)
+        schedule = self._schedule(batch)
         self._records.clear()
         with self._autocast():
-            if train:
-                schedule.step(**model_inputs(batch), target=batch["labels"], return_outputs=False)
-            else:
-                schedule.eval(**model_inputs(batch), target=batch["labels"])
+            schedule.step(**model_inputs(batch), target=batch["labels"], return_outputs=False)
         if not self._has_last:
             return torch.zeros((), device=self.device)
         # Shape inference on a new schedule also calls the loss once: keep the last n_microbatches records.
         return torch.stack(self._records[-self.n_microbatches:]).sum()
+
+    def _forward_only(self, batch: Batch) -> torch.Tensor:
+        """Evaluation: every microbatch through the stages in order with blocking P2P, no schedule.
+
+        torch 2.13's schedule.eval() runs backward actions under the zero-bubble runtime (ZBV fails with
+        "can't steal_bwd_input"), and evaluation needs no overlap, so this simple loop serves every schedule.
+        """
+        check_sequence_split(batch, self.dims.tp)
+        inputs = model_inputs(batch)
+        chunks = [dict(zip(inputs, parts)) for parts in
+                  zip(*(torch.tensor_split(v, self.n_microbatches) for v in inputs.values()))]
+        labels = torch.tensor_split(batch["labels"], self.n_microbatches)
+        local = {stage.span.index: stage for stage in self.stages}
+        me, group = self.meshes.pp_rank, self.meshes.pp.get_group()
+        total = torch.zeros((), device=self.device)
+        with self._autocast():
+            for mb, kwargs in enumerate(chunks):
+                carry: tuple[torch.Tensor, ...] = ()
+                for index in range(self.n_stages):
+                    if self._stage_to_rank[index] != me:
+                        continue
+                    if index > 0 and self._stage_to_rank[index - 1] != me:
+                        carry = recv_tensors(self._stage_to_rank[index - 1], group, self.device)
+                    out = local[index](*carry, **kwargs)
+                    if index == self.n_stages - 1:
+                        total += self.loss_fn(out, labels[mb]).float()
+                        continue
+                    carry = out if isinstance(out, tuple) else (out,)
+                    if self._stage_to_rank[index + 1] != me:
+                        send_tensors(carry, self._stage_to_rank[index + 1], group)
+        return total
 
     # ------------------------------------------------------------------ contract
 
@@ -117,7 +148,7 @@ class PipelinePlan(MeshPlan):
         self._tokens = global_tokens
         self._shared.stash()
         try:
-            loss_sum = self._run(batch, train=True)
+            loss_sum = self._train_step(batch)
         finally:
             self._tokens = None
         self._shared.sync()
@@ -125,7 +156,7 @@ class PipelinePlan(MeshPlan):
 
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        loss_sum = self._run(batch, train=False)
+        loss_sum = self._forward_only(batch)
         if not self._logging_representative:
             loss_sum = torch.zeros_like(loss_sum)
         dist.all_reduce(loss_sum)  # the last stages hold the loss; every rank returns it
@@ -228,3 +259,31 @@ def _holder_groups(shared: dict[str, list[int]], stage_to_rank: dict[int, int],
                 if me in members:
                     groups[ranks] = group
     return {name: groups.get(ranks) for name, ranks in rank_sets.items()}
+
+
+def send_tensors(tensors: tuple[torch.Tensor, ...], pp_rank: int, group: dist.ProcessGroup) -> None:
+    """Send a tuple of tensors: a fixed-size header (count, dtype, shape of each), then the tensors."""
+    header = [len(tensors)]
+    for t in tensors:
+        header += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    dst = dist.get_global_rank(group, pp_rank)
+    device = tensors[0].device
+    dist.send(torch.tensor(header + [0] * (_HEADER - len(header)), dtype=torch.int64, device=device), dst,
+              group=group)
+    for t in tensors:
+        dist.send(t.contiguous(), dst, group=group)
+
+
+def recv_tensors(pp_rank: int, group: dist.ProcessGroup, device: torch.device) -> tuple[torch.Tensor, ...]:
+    src = dist.get_global_rank(group, pp_rank)
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, src, group=group)
+    values, pos, out = header.tolist(), 1, []
+    for _ in range(values[0]):
+        dtype, ndim = _DTYPES[values[pos]], values[pos + 1]
+        shape = values[pos + 2:pos + 2 + ndim]
+        pos += 2 + ndim
+        t = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(t, src, group=group)
+        out.append(t)
+    return tuple(out)

@@ -12,6 +12,7 @@ from meshformer.config import Config, ConfigError
 from meshformer.parallel.mesh import ParallelDims
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+ZERO_BUBBLE = ("interleaved_zb", "zbv")
 
 
 def stages_per_rank(cfg: Config) -> int:
@@ -118,6 +119,11 @@ def _check_pipeline(cfg: Config, dims: ParallelDims) -> None:
         if points != sorted(set(points)) or points[0] <= 0 or points[-1] >= layers:
             raise ConfigError(f"parallel.pp_split_points={points} must be strictly increasing layer indices in "
                               f"1..{layers - 1} (encoder layers first, then decoder layers)")
+    if p.pp_schedule in ZERO_BUBBLE and p.recompute == "selective":
+        raise ConfigError(f"parallel.recompute='selective' cannot run under parallel.pp_schedule={p.pp_schedule!r}: "
+                          "zero-bubble schedules backpropagate each block twice (inputs, then weights) and torch's "
+                          "selective checkpointing allows one backward; use recompute='full' or 'every_k', or a "
+                          "1f1b / interleaved_1f1b schedule")
     n_mb = n_microbatches(cfg)
     if n_mb < 1:
         raise ConfigError(f"parallel.pp_microbatches must be >= 1 (or 0 for one per stage), got {n_mb}")

@@ -12,7 +12,9 @@ SOURCE = "In the beginning God created the heaven and the earth."
 
 
 @torch.no_grad()
-def decoded_sample(model: torch.nn.Module, tokenizer, cfg: Config, device: torch.device, max_new: int = 0) -> str | None:
+def decoded_sample(
+    model: torch.nn.Module, tokenizer, cfg: Config, device: torch.device, max_new: int = 0
+) -> str | None:
     """Greedy continuation (decoder-only), span filling (encoder-decoder) or mask filling (encoder-only)."""
     max_new = max_new or cfg.train.sample_tokens
     was_training = model.training

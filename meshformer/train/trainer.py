@@ -16,6 +16,9 @@ import torch
 from meshformer.checkpointing.manager import CheckpointManager
 from meshformer.config import Config, ConfigError
 from meshformer.data import build_loader, load_tokenizer
+from meshformer.launcher.profiler import StepProfiler
+from meshformer.launcher.stragglers import rank_timings, straggler_scalars
+from meshformer.launcher.watchdog import HangWatchdog
 from meshformer.model import Transformer
 from meshformer.model.flops import flops_per_token
 from meshformer.parallel import build_plan
@@ -90,17 +93,29 @@ class Trainer:
             f"device {self.device}, dtype {cfg.train.dtype}; AdamW kernel: {kernel}; attention: "
             f"{cfg.model.attention_backend}; peak {self.peak_flops / 1e12:.2f} TFLOP/s ({peak_source})"
         )
+        # Cluster diagnostics: per-rank hang reports (stalls, collective timeouts), a profiled step range,
+        # and the time this rank waits for batches (reset at each logging step).
+        self.watchdog = HangWatchdog(self.run_dir, rank=rank, world_size=_world_size(),
+                                     timeout_s=cfg.parallel.timeout_s, enabled=_world_size() > 1)
+        self.profiler = StepProfiler(cfg.profile, self.run_dir, rank)
+        self.data_wait_s = 0.0
 
     # ------------------------------------------------------------------ steps
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One optimizer step over grad_accum micro-batches: (loss sum, global tokens, grad norm)."""
+        self.watchdog.phase("data", self.step + 1)
+        wait_start = time.perf_counter()
         micro_batches = [to_device(next(self.train_iter), self.device) for _ in range(self.cfg.train.grad_accum)]
+        self.data_wait_s += time.perf_counter() - wait_start
+        self.watchdog.phase("forward_backward")
         global_tokens = self.plan.global_token_count(micro_batches)
         loss_sum = torch.zeros((), device=self.device)
         for batch in micro_batches:
             loss_sum += self.plan.forward_backward(batch, global_tokens)
+        self.watchdog.phase("grad_norm")
         grad_norm = self.plan.clip_grad_norm(self.cfg.optim.grad_clip)
+        self.watchdog.phase("optimizer")
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -125,6 +140,11 @@ class Trainer:
     # ------------------------------------------------------------------ loop
 
     def fit(self) -> TrainResult:
+        """Train to train.steps (or a SIGTERM); a collective timeout ends in an error naming the slowest rank."""
+        with self.watchdog.guard(on_error=self.logger.close):  # a failed run keeps its TensorBoard events
+            return self._fit()
+
+    def _fit(self) -> TrainResult:
         cfg, log = self.cfg, self.logger
         self.checkpoints.resume(self)  # model, optimizer, scheduler, step, data position, RNG: before iterating
         self.train_iter = iter(self.train_data)
@@ -135,6 +155,7 @@ class Trainer:
         window_tokens = torch.zeros((), device=self.device)
         window_start, window_steps = time.perf_counter(), 0
         last_loss, eval_loss = float("nan"), None
+        self.profiler.step(self.step)  # starts here when profile.start_step is the first step of this run
         while self.step < cfg.train.steps:
             loss_sum, global_tokens, grad_norm = self.train_step()
             window_loss += loss_sum
@@ -142,6 +163,7 @@ class Trainer:
             window_steps += 1
             step = self.step
             if step % cfg.logging.log_interval == 0 or step == cfg.train.steps:
+                self.watchdog.phase("logging")
                 elapsed = time.perf_counter() - window_start
                 last_loss = self.plan.reduce_for_logging(window_loss) / max(float(window_tokens), 1.0)
                 tokens_per_s = tokens_per_step * window_steps / elapsed
@@ -154,6 +176,9 @@ class Trainer:
                     "perf/memory_gib": memory_gib(self.device),
                     "perf/step_time_s": elapsed / window_steps,
                 }
+                timings = rank_timings(elapsed / window_steps, self.data_wait_s / window_steps, self.device)
+                record |= straggler_scalars(timings)  # data wait; per-rank step-time spread (stragglers)
+                self.data_wait_s = 0.0
                 history.append({"step": step, **record})
                 log.scalars(step, record)
                 log.info(
@@ -165,16 +190,26 @@ class Trainer:
                 window_tokens.zero_()
                 window_start, window_steps = time.perf_counter(), 0
             if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == cfg.train.steps):
+                self.watchdog.phase("eval")
                 eval_loss = self.evaluate()
                 log.scalars(step, {"eval/loss": eval_loss, "eval/perplexity": math.exp(min(eval_loss, 50))})
                 log.info(f"eval  {step:>6} | loss {eval_loss:.4f} | ppl {math.exp(min(eval_loss, 50)):.2f}")
             if cfg.train.sample_interval and step % cfg.train.sample_interval == 0 and self.plan.supports_generation:
+                self.watchdog.phase("sample")
                 text = decoded_sample(self.model, self.tokenizer, self.cfg, self.device)
                 if text is not None:
                     log.text(step, "sample", text)
                     log.info(f"sample {step:>5} | {text!r}")
-            if self.checkpoints.after_step(self):  # SIGTERM: a checkpoint was saved; stop here
+            self.watchdog.phase("checkpoint")
+            save_start, saved_before = time.perf_counter(), self.checkpoints.last_saved_step
+            stop = self.checkpoints.after_step(self)  # SIGTERM: a checkpoint was saved; stop here
+            if self.checkpoints.last_saved_step != saved_before:  # async saves: the part that blocks training
+                log.scalars(step, {"checkpoint/save_s": time.perf_counter() - save_start})
+            self.profiler.step(step)
+            if stop:
                 break
+        self.profiler.stop()
+        self.watchdog.phase("finish")
         self.checkpoints.finish(self)
         if self.step >= cfg.train.steps:
             self.save_final_weights()
