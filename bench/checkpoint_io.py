@@ -94,7 +94,7 @@ def stall(args: argparse.Namespace, root: Path, async_save: bool) -> dict[str, f
     steps slowed by a background write competing for the CPUs and memory bandwidth)."""
     trainer = make_trainer(args, root, async_save)
     manager = CheckpointManager(root, trainer.cfg.checkpoint, log=lambda m: None)
-    batch = torch.randint(0, 8192, (args.batch, 128))
+    batch = torch.randint(0, 8192, (args.batch, args.seq))
     train_step(trainer, batch)  # optimizer state exists from here on
     plain = []
     for _ in range(args.save_every):  # the same loop without saves: the baseline
@@ -122,7 +122,8 @@ def main() -> None:
     parser.add_argument("--dir", help="where to write (default: a temporary folder, removed afterwards)")
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=18, help="training steps of each stall measurement")
     parser.add_argument("--save-every", type=int, default=6, help="steps between saves (async saves must not queue)")
     parser.add_argument("--json", help="also write the results here")
@@ -140,7 +141,7 @@ def main() -> None:
 
 def run(args: argparse.Namespace, base: Path) -> dict[str, float]:
     trainer = make_trainer(args, base / "save", async_save=False)
-    train_step(trainer, torch.randint(0, 8192, (args.batch, 128)))
+    train_step(trainer, torch.randint(0, 8192, (args.batch, args.seq)))
     manager = CheckpointManager(base / "save", trainer.cfg.checkpoint, log=lambda m: None)
     start = time.perf_counter()
     manager.save(trainer, blocking=True)

@@ -59,7 +59,6 @@ class CheckpointManager:
         self.group = dist.new_group(backend="gloo") if self.distributed else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
         self._pending: Future | None = None
-        self._pending_step: int | None = None
         self.last_saved_step: int | None = None
         self.loaded_from: Path | None = None
         self._preempted = threading.Event()
@@ -142,7 +141,6 @@ class CheckpointManager:
                 future = dcp.async_save(tensors, storage_writer=writer, process_group=self.group,
                                         no_dist=not self.distributed)
                 self._pending = self._executor.submit(self._finish_async, future, partial, step, start)
-                self._pending_step = step
         self.last_saved_step = step
 
     def wait(self) -> None:

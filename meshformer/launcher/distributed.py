@@ -121,13 +121,15 @@ def install_error_hook(rank: int, world: int) -> None:
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb) -> None:
-        header = f"[rank {rank}/{world}] uncaught {exc_type.__name__}"
         stuck = describe_stuck_collective(exc, rank) if isinstance(exc, Exception) else None
-        lines = [header + (f": {stuck}" if stuck else "")]
-        lines += [f"[rank {rank}] {line}" for chunk in traceback.format_exception(exc_type, exc, tb)
-                  for line in chunk.rstrip("\n").split("\n")]
-        print("\n".join(lines), file=sys.stderr, flush=True)
-        if previous not in (sys.__excepthook__, hook) and previous is not None:
-            previous(exc_type, exc, tb)
+        header = f"[rank {rank}/{world}] uncaught {exc_type.__name__}" + (f": {stuck}" if stuck else "")
+        print(header, file=sys.stderr, flush=True)
+        if previous is not sys.__excepthook__:
+            previous(exc_type, exc, tb)  # torch's own hook already prefixes each line with [rankN]
+            return
+        for chunk in traceback.format_exception(exc_type, exc, tb):
+            for line in chunk.rstrip("\n").split("\n"):
+                print(f"[rank {rank}] {line}", file=sys.stderr)
+        sys.stderr.flush()
 
     sys.excepthook = hook

@@ -12,11 +12,15 @@ import logging
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+from torch.profiler import ProfilerAction, ProfilerActivity, profile, tensorboard_trace_handler
 
 from meshformer.config import ProfileConfig
 
 log = logging.getLogger("meshformer")
+
+
+def _record_every_step(step: int) -> ProfilerAction:
+    return ProfilerAction.RECORD  # the trace is written once, when the range ends (stop())
 
 
 class StepProfiler:
@@ -36,23 +40,27 @@ class StepProfiler:
             return
         if finished_step == self.first - 1 and self._profiler is None:
             self._start()
-        elif finished_step >= self.last and self._profiler is not None:
-            self.stop()
+        elif self._profiler is not None:
+            if finished_step >= self.last:
+                self.stop()
+            else:
+                self._profiler.step()  # closes "ProfilerStep#<n>" in the trace and opens the next one
 
     def _start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
-        before = set(self.dir.glob("*.pt.trace.json"))
-        self._before = before
+        self._before = set(self.dir.glob("*.pt.trace.json"))
         self._profiler = profile(
             activities=activities,
             record_shapes=self.cfg.record_shapes,
             profile_memory=self.cfg.profile_memory,
             with_stack=self.cfg.with_stack,
+            schedule=_record_every_step,  # any schedule makes the profiler mark "ProfilerStep#<n>" ranges
             on_trace_ready=tensorboard_trace_handler(str(self.dir), worker_name=f"rank{self.rank}"),
         )
+        self._profiler.step_num = self.first  # trace ranges are named after the training steps they cover
         self._profiler.__enter__()
 
     def stop(self) -> None:

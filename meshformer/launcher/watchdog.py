@@ -64,7 +64,7 @@ class HangWatchdog:
         self.report_after_s = timeout_s / 2
         self.step, self.phase_name, self.since = 0, "startup", time.monotonic()
         self.enabled = enabled
-        self._reported: tuple[int, str] | None = None
+        self._reported = False  # a stall report of this rank is on disk
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._main_thread_id = threading.main_thread().ident
@@ -82,6 +82,8 @@ class HangWatchdog:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)  # a report it is writing must not overwrite the final one
 
     def phase(self, name: str, step: int | None = None) -> None:
         """Mark the start of a phase (cheap: two assignments and a clock read)."""
@@ -113,16 +115,15 @@ class HangWatchdog:
     def _watch(self) -> None:
         poll_s = max(0.2, min(5.0, self.report_after_s / 4))
         while not self._stop.wait(poll_s):
-            current = (self.step, self.phase_name)
             stalled = time.monotonic() - self.since >= self.report_after_s
             try:
-                if stalled and self._reported != current:
+                if stalled:  # rewritten at every poll while it lasts: the duration and stack stay current
                     self.write_report(f"no progress for more than {self.report_after_s:.0f}s "
                                       "(half of parallel.timeout_s)")
-                    self._reported = current
-                elif not stalled and self._reported is not None:
+                    self._reported = True
+                elif self._reported:
                     self.report_path.unlink(missing_ok=True)  # it moved on: the stall resolved itself
-                    self._reported = None
+                    self._reported = False
             except OSError:
                 pass  # a full or read-only disk must not kill training; the timeout message still comes
 
@@ -142,14 +143,29 @@ class HangWatchdog:
 
             if not self.enabled or not is_timeout(err) or isinstance(err, CollectiveTimeoutError):
                 raise
+            self.stop()
             self.write_report("collective timeout", error=str(err).splitlines()[0][:500])
             reports = wait_for_reports(self.dir, self.world_size, _run_id(), grace_s=min(10.0, self.report_after_s))
             message = explain(reports, self.world_size, self.dir, waiting_rank=self.rank)
             with contextlib.suppress(OSError):
                 (self.dir / f"verdict-rank{self.rank}.txt").write_text(message + "\n")
-            raise CollectiveTimeoutError(message) from err
+            try:
+                raise CollectiveTimeoutError(message) from err
+            except CollectiveTimeoutError as error:
+                _record_for_torchrun(error)  # inside `except`: torchrun's summary shows this traceback
+                raise
         finally:
             self.stop()
+
+
+def _record_for_torchrun(error: BaseException) -> None:
+    """Put the message into torchrun's failure summary (its error file), not only into this rank's stderr."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    with contextlib.suppress(Exception):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(error)
 
 
 def read_reports(folder: Path, run: str | None = None) -> dict[int, dict[str, Any]]:

@@ -1,0 +1,79 @@
+"""Throughput of each parallel layout on this machine, as a ratio to one process on the same global batch.
+
+CAVEAT: this machine has 2 CPU cores, so the numbers measure the *overhead* each layout adds (communication
+through gloo, pipeline bubbles, resharding), not scaling; on GPUs, with one device per rank, layouts scale.
+Every process runs one thread (multi-threaded OpenMP collapses when the shared cores are oversubscribed),
+so `per_core_ratio` = (tokens/s per busy core) / (the same for one process) is the efficiency of a layout:
+1.0 means no overhead. 4 and 8 processes share the 2 cores.
+
+    python bench/parallel_throughput.py [--steps 3] [--layouts single fsdp2 tp2 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+from parallel_common import batches, bench_config, new_model, spawn
+
+LAYOUTS: dict[str, tuple[int, dict]] = {
+    "single": (1, {}),
+    "fsdp2": (2, {"dp_shard": 2}),
+    "tp2": (2, {"tp": 2, "dp_shard": 1}),
+    "pp2_1f1b": (2, {"pp": 2, "dp_shard": 1, "pp_microbatches": 4}),
+    "pp2_zbv": (2, {"pp": 2, "dp_shard": 1, "pp_schedule": "zbv", "pp_microbatches": 4}),
+    "hsdp2x2": (4, {"dp_replicate": 2, "dp_shard": 2}),
+    "tp2_fsdp2": (4, {"tp": 2, "dp_shard": 2}),
+    "pp2_fsdp2": (4, {"pp": 2, "dp_shard": 2, "pp_microbatches": 4}),
+    "pp2_tp2": (4, {"pp": 2, "tp": 2, "dp_shard": 1, "pp_microbatches": 4}),
+    "pp2_dp2_tp2": (8, {"pp": 2, "tp": 2, "dp_shard": 2, "pp_microbatches": 2}),
+}
+GLOBAL_BATCH, SEQ = 16, 128
+CORES = os.cpu_count() or 1
+
+
+def measure(parallel: dict, steps: int) -> dict[str, float]:
+    from meshformer.parallel import build_plan
+
+    world = torch.distributed.get_world_size()
+    dp = world // (parallel.get("pp", 1) * parallel.get("tp", 1))
+    cfg = bench_config(parallel, d_model=256, n_layers=8, seq=SEQ, batch=GLOBAL_BATCH // dp)
+    plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
+    params = list({id(p): p for part in plan.model_parts for p in part.parameters()}.values())
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    data = [{k: v.chunk(dp)[plan.dp_rank] for k, v in b.items()} for b in batches(bench_config(
+        {}, d_model=256, n_layers=8, seq=SEQ, batch=GLOBAL_BATCH), steps + 1)]
+    times = []
+    for batch in data:
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        plan.forward_backward(batch, plan.global_token_count([batch]))
+        plan.clip_grad_norm(1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return {"step_s": min(times[1:])}  # the first step warms up (and infers pipeline shapes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    args = parser.parse_args()
+    base = None
+    for name in args.layouts:
+        world, parallel = LAYOUTS[name]
+        step = max(r["step_s"] for r in spawn(world, measure, parallel, args.steps, threads=1))
+        tokens_per_s = GLOBAL_BATCH * SEQ / step
+        per_core = tokens_per_s / min(world, CORES)
+        base = base or per_core
+        print(json.dumps({"layout": name, "processes": world, "tokens_per_s": round(tokens_per_s),
+                          "per_core_ratio": round(per_core / base, 3),
+                          "note": f"{CORES} shared CPU cores: overhead, not scaling"}))
+
+
+if __name__ == "__main__":
+    main()

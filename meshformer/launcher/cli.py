@@ -1,0 +1,100 @@
+"""Cluster commands of `meshformer`: submit (SLURM), tensorboard, plot, diagnose (hangs)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _submit(args: argparse.Namespace) -> None:
+    from meshformer.launcher.slurm import SlurmJob, SubmitError, submit, warnings_for
+
+    job = SlurmJob(args.config, args.set, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                   nproc_per_node=args.nproc_per_node, partition=args.partition, time=args.time,
+                   account=args.account, qos=args.qos, cpus_per_task=args.cpus_per_task, mem=args.mem,
+                   job_name=args.job_name, setup=args.setup, sbatch_args=args.sbatch_arg,
+                   max_restarts=args.max_restarts, signal_before_s=args.signal_before)
+    try:
+        for warning in warnings_for(job):
+            print(f"warning: {warning}", file=sys.stderr)
+        script, job_id = submit(job, dry_run=args.dry_run)
+    except SubmitError as err:
+        sys.exit(f"submit error: {err}")
+    if args.dry_run:
+        print(script, end="")
+    else:
+        print(job_id)
+
+
+def _tensorboard(args: argparse.Namespace) -> None:
+    from meshformer.launcher.tensorboard import MonitorError, serve
+
+    try:
+        serve(Path(args.run_dir), args.port)
+    except MonitorError as err:
+        sys.exit(f"tensorboard error: {err}")
+
+
+def _plot(args: argparse.Namespace) -> None:
+    from meshformer.launcher.plot import plot_run
+    from meshformer.launcher.tensorboard import MonitorError
+
+    try:
+        for path in plot_run(Path(args.run_dir), Path(args.out) if args.out else None):
+            print(f"wrote {path}")
+    except MonitorError as err:
+        sys.exit(f"plot error: {err}")
+
+
+def _diagnose(args: argparse.Namespace) -> None:
+    from meshformer.launcher.watchdog import explain, read_reports
+
+    folder = Path(args.run_dir) / "diagnostics"
+    reports = read_reports(folder)
+    if not reports:
+        sys.exit(f"no hang reports in {folder}: no rank stalled for more than half of parallel.timeout_s "
+                 "(reports are removed when a rank makes progress again)")
+    world = args.world_size or max(int(r.get("world_size", 0)) for r in reports.values())
+    print(explain(reports, world, folder))
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    submit = sub.add_parser("submit", help="write an sbatch script (torchrun on every node, requeue on "
+                            "preemption, auto-resume) and submit it to SLURM")
+    submit.add_argument("config")
+    submit.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides for the job")
+    submit.add_argument("--nodes", type=int, default=1)
+    submit.add_argument("--gpus-per-node", type=int, default=0, help="0: a CPU job")
+    submit.add_argument("--nproc-per-node", type=int, help="ranks per node (default: --gpus-per-node, or 1)")
+    submit.add_argument("--partition")
+    submit.add_argument("--time", help="time limit, e.g. 04:00:00")
+    submit.add_argument("--account")
+    submit.add_argument("--qos")
+    submit.add_argument("--cpus-per-task", type=int, help="CPUs per node for its torchrun and ranks")
+    submit.add_argument("--mem", help="memory per node, e.g. 200G")
+    submit.add_argument("--job-name", help="default: the run folder's name")
+    submit.add_argument("--setup", action="append", default=[], metavar="SHELL_LINE",
+                        help="run before torchrun on each node, e.g. 'source venv/bin/activate' (repeatable)")
+    submit.add_argument("--sbatch-arg", action="append", default=[], metavar="OPTION",
+                        help="extra sbatch option, e.g. --sbatch-arg=--exclusive (repeatable)")
+    submit.add_argument("--max-restarts", type=int, default=3, help="torchrun restarts of failed workers")
+    submit.add_argument("--signal-before", type=int, default=120, metavar="SECONDS",
+                        help="checkpoint and requeue this long before the time limit")
+    submit.add_argument("--dry-run", action="store_true", help="print the script; submit nothing")
+    submit.set_defaults(func=_submit)
+
+    board = sub.add_parser("tensorboard", help="serve a run's TensorBoard events on 127.0.0.1")
+    board.add_argument("run_dir")
+    board.add_argument("--port", type=int, default=6006, help="0: any free port")
+    board.set_defaults(func=_tensorboard)
+
+    plot = sub.add_parser("plot", help="loss and throughput curves of a run as PNG files")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", help="folder for the PNG files (default: RUN_DIR/plots)")
+    plot.set_defaults(func=_plot)
+
+    diagnose = sub.add_parser("diagnose", help="what each rank was doing in a hang, and the slowest rank")
+    diagnose.add_argument("run_dir")
+    diagnose.add_argument("--world-size", type=int, help="default: from the reports")
+    diagnose.set_defaults(func=_diagnose)

@@ -1,0 +1,197 @@
+"""`meshformer submit CONFIG --nodes N --gpus-per-node G`: an sbatch script that survives preemption and time limits.
+
+The script runs one srun task per node; each task is the torchrun command `meshformer train --nnodes` uses
+(meshformer.launcher.torchrun), joined by a c10d rendezvous on the first node of the allocation. Logs go to
+`<run_dir>/slurm/`: the batch script's own log `job-<id>.out` and one log per node in `job-<id>/`.
+
+Surviving interruptions, without losing work:
+- SLURM's pre-timeout signal (`--signal=B:USR1@S`) reaches the batch script, which sends SIGTERM to the
+  training processes: they finish the step, save a checkpoint and exit; the script then requeues the job.
+- Preemption (SIGTERM to everything) takes the same save path; SLURM requeues the job itself (`--requeue`).
+- A requeued job starts the same script again and the trainer resumes from the newest valid checkpoint.
+- A failed worker (killed, OOM) is restarted by torchrun (`--max-restarts`) inside the allocation.
+"""
+
+from __future__ import annotations
+
+import datetime
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from meshformer.config import load_config
+from meshformer.launcher.torchrun import torchrun_command
+
+# Shell variables in the torchrun command: resolved on the nodes, not when the script is written.
+_RDZV_ENDPOINT = "@RDZV_ENDPOINT@"
+_RDZV_ID = "@RDZV_ID@"
+
+
+class SubmitError(RuntimeError):
+    """A job that cannot be submitted, phrased as the problem and its fix."""
+
+
+@dataclass
+class SlurmJob:
+    config: str
+    overrides: list[str] = field(default_factory=list)
+    nodes: int = 1
+    gpus_per_node: int = 0  # 0: a CPU job
+    nproc_per_node: int | None = None  # ranks per node; None: gpus_per_node, or 1 on CPU
+    partition: str | None = None
+    time: str | None = None  # SLURM time limit, e.g. "04:00:00"
+    account: str | None = None
+    qos: str | None = None
+    cpus_per_task: int | None = None  # CPUs for the node's torchrun and all its ranks
+    mem: str | None = None
+    job_name: str | None = None
+    setup: list[str] = field(default_factory=list)  # shell lines before torchrun: module load, venv activation
+    sbatch_args: list[str] = field(default_factory=list)  # extra #SBATCH options, e.g. "--exclusive"
+    max_restarts: int = 3  # torchrun restarts of failed workers within one allocation
+    signal_before_s: int = 120  # pre-timeout warning: enough to finish a step and save a checkpoint
+    rdzv_port: int = 29500  # the c10d rendezvous port on the first node (+ job id % 1000)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.nproc_per_node or max(1, self.gpus_per_node)
+
+
+def run_dir_of(job: SlurmJob) -> Path:
+    cfg = load_config(job.config, job.overrides)  # a config error stops here, not after hours in the queue
+    return Path(cfg.logging.run_dir).resolve()
+
+
+def sbatch_script(job: SlurmJob) -> str:
+    """The batch script for `job` (nothing is written or submitted)."""
+    if job.nodes < 1 or job.gpus_per_node < 0 or job.ranks_per_node < 1:
+        raise SubmitError(f"--nodes ({job.nodes}) and --nproc-per-node ({job.ranks_per_node}) must be >= 1 and "
+                          f"--gpus-per-node ({job.gpus_per_node}) >= 0")
+    run_dir = run_dir_of(job)
+    config = str(Path(job.config).resolve())
+    overrides = [*job.overrides, f"logging.run_dir={run_dir}"]
+    command = torchrun_command(config, overrides, nproc_per_node=job.ranks_per_node, nnodes=job.nodes,
+                               rdzv_endpoint=_RDZV_ENDPOINT, rdzv_id=_RDZV_ID, max_restarts=job.max_restarts)
+    torchrun = _shell_lines(command)
+    torchrun = torchrun.replace(_RDZV_ENDPOINT, '"$HEAD_ADDR:$RDZV_PORT"').replace(_RDZV_ID, '"$SLURM_JOB_ID"')
+    name = job.job_name or run_dir.name
+    options = [f"--job-name={name}", f"--nodes={job.nodes}", "--ntasks-per-node=1"]
+    options += [f"--gpus-per-node={job.gpus_per_node}"] if job.gpus_per_node else []
+    for flag, value in (("partition", job.partition), ("time", job.time), ("account", job.account),
+                        ("qos", job.qos), ("cpus-per-task", job.cpus_per_task), ("mem", job.mem)):
+        if value is not None:
+            options.append(f"--{flag}={value}")
+    options += [f"--output={run_dir}/slurm/job-%j.out", "--open-mode=append", "--requeue",
+                f"--signal=B:USR1@{job.signal_before_s}", f"--chdir={Path.cwd()}", *job.sbatch_args]
+    header = "\n".join(f"#SBATCH {option}" for option in options)
+    setup = "\n".join(job.setup) if job.setup else "# (no --setup lines: the submitting shell's environment is used)"
+    shutdown_s = max(30, job.signal_before_s - 15)
+    return f"""#!/bin/bash
+# Written by `meshformer submit` on {datetime.datetime.now().isoformat(timespec="seconds")} for {config}
+{header}
+
+# One srun task per node runs torchrun; torchrun starts {job.ranks_per_node} rank(s) on its node.
+set -uo pipefail
+RUN_DIR={shlex.quote(str(run_dir))}
+JOB_DIR="$RUN_DIR/slurm/job-$SLURM_JOB_ID"
+mkdir -p "$JOB_DIR"
+echo "[$(date -Is)] job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}) on $SLURM_JOB_NODELIST; node logs: $JOB_DIR"
+
+{setup}
+THREADS=$(( ${{SLURM_CPUS_ON_NODE:-1}} / {job.ranks_per_node} ))  # the node's CPUs shared by its ranks
+export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-$(( THREADS > 0 ? THREADS : 1 ))}}"
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # torch 2.13: elastic restarts fail without it (pytorch#135712)
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={shutdown_s}  # SIGTERM to SIGKILL: time for the ranks to save
+export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+
+# The c10d rendezvous is hosted on the first node of the allocation.
+HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+HEAD_ADDR=$(scontrol show node "$HEAD_NODE" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
+HEAD_ADDR=${{HEAD_ADDR:-$HEAD_NODE}}
+RDZV_PORT=$(( {job.rdzv_port} + SLURM_JOB_ID % 1000 ))
+
+REQUEUE=0
+on_time_limit() {{  # --signal=B:USR1: the time limit is near
+  REQUEUE=1
+  echo "[$(date -Is)] time limit near: the ranks checkpoint at the end of this step and stop; then requeue"
+  scancel --signal=TERM "$SLURM_JOB_ID"  # the job steps (torchrun and its ranks), not this script
+}}
+trap on_time_limit USR1
+trap 'echo "[$(date -Is)] SIGTERM (preemption or scancel): the ranks checkpoint and stop"' TERM
+
+srun --kill-on-bad-exit=1 --ntasks-per-node=1 --output="$JOB_DIR/node%n.log" --open-mode=append \\
+    {torchrun} &
+SRUN_PID=$!
+while true; do  # a trapped signal interrupts `wait`: wait again until srun has really ended
+  wait "$SRUN_PID"; STATUS=$?
+  kill -0 "$SRUN_PID" 2>/dev/null || break
+done
+echo "[$(date -Is)] training exited with status $STATUS"
+if [ "$REQUEUE" = 1 ]; then
+  echo "[$(date -Is)] requeueing job $SLURM_JOB_ID: it resumes from the newest checkpoint in $RUN_DIR"
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$STATUS"
+"""
+
+
+def _shell_lines(command: list[str]) -> str:
+    """Quoted command, one option per line."""
+    lines: list[list[str]] = [[]]
+    for arg in command:
+        if arg.startswith("-") and lines[-1] and lines[-1][-1] != "-m":
+            lines.append([])
+        lines[-1].append(shlex.quote(arg))
+    return " \\\n    ".join(" ".join(line) for line in lines)
+
+
+def check_partition(partition: str) -> None:
+    """Fail early, with the list to choose from, when the cluster has no such partition."""
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return  # sinfo unavailable: sbatch itself will judge the partition
+    available = [p.strip() for p in out.stdout.split()]
+    names = [p.rstrip("*") for p in available]
+    if partition not in names:
+        raise SubmitError(f"partition {partition!r} does not exist on this cluster; available: "
+                          f"{', '.join(available) or 'none'} (* = default). Pass one with --partition, or leave "
+                          "--partition out for the default")
+
+
+def warnings_for(job: SlurmJob) -> list[str]:
+    cfg = load_config(job.config, job.overrides)
+    if cfg.checkpoint.interval <= 0:
+        return ["checkpoint.interval=0: a requeued or restarted job starts again from step 0 and a SIGTERM "
+                "saves nothing; set e.g. --set checkpoint.interval=500"]
+    return []
+
+
+def submit(job: SlurmJob, *, dry_run: bool = False) -> tuple[str, str | None]:
+    """Write the script under <run_dir>/slurm/ and sbatch it: (script text, job id; None for a dry run)."""
+    script = sbatch_script(job)
+    if dry_run:
+        return script, None
+    if shutil.which("sbatch") is None:
+        raise SubmitError("sbatch not found on PATH: run `meshformer submit` on a SLURM login node (or install "
+                          "slurm-client); --dry-run prints the script without submitting it")
+    if job.partition:
+        check_partition(job.partition)
+    logs = run_dir_of(job) / "slurm"
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+        path = logs / f"submit-{datetime.datetime.now():%Y%m%d-%H%M%S}.sbatch"
+        path.write_text(script)
+    except OSError as err:
+        raise SubmitError(f"cannot write the job's log folder {logs} ({err}); set logging.run_dir to a folder "
+                          "on a shared filesystem you can write") from None
+    result = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, timeout=120)
+    if result.returncode != 0:
+        raise SubmitError(f"sbatch refused the job: {result.stderr.strip() or result.stdout.strip()} "
+                          f"(script: {path})")
+    job_id = result.stdout.strip().split(";")[0]
+    print(f"submitted job {job_id}: script {path}, logs {logs}/job-{job_id}.out and {logs}/job-{job_id}/",
+          file=sys.stderr)
+    return script, job_id

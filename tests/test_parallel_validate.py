@@ -1,0 +1,108 @@
+"""Bad layouts fail with a ConfigError naming the key, before any process group exists."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from parallel_harness import make_config
+
+from meshformer.config import ConfigError
+from meshformer.parallel.mesh import ParallelDims
+from meshformer.parallel.pipeline import split_layers, stage_ids_for_rank
+from meshformer.parallel.validate import bf16_supported, n_microbatches, validate_parallel
+
+
+def bad(family: str = "decoder", world: int = 2, device: str = "cpu", **parallel) -> str:
+    cfg = make_config(family, parallel)
+    with pytest.raises(ConfigError) as err:
+        validate_parallel(cfg, world, device)
+    assert not dist.is_initialized()
+    return str(err.value)
+
+
+def test_dims_resolve_the_rest_of_the_world():
+    dims = validate_parallel(make_config("decoder", {"pp": 2, "tp": 2}), 8, "cpu")
+    assert (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp) == (2, 1, 2, 2)
+    assert dims.fsdp_enabled and not dims.hsdp
+    hsdp = ParallelDims.from_config(make_config("decoder", {"dp_replicate": 2}).parallel, 8)
+    assert (hsdp.dp_replicate, hsdp.dp_shard, hsdp.dp) == (2, 4, 8) and hsdp.hsdp
+
+
+def test_mesh_product_must_equal_world_size():
+    assert "= 8 processes, but the world has 4" in bad(world=4, pp=2, tp=2, dp_shard=2)
+    assert "does not divide the world size 6" in bad(world=6, pp=4)
+    assert "parallel.tp must be >= 1" in bad(tp=0)
+
+
+@pytest.mark.parametrize(("model", "key"), [
+    ({"n_heads": 6, "n_kv_heads": None, "d_model": 48}, "model.n_heads"),
+    ({"n_kv_heads": 2}, "model.n_kv_heads"),
+    ({"n_kv_heads": None, "d_ff": 66}, "model.d_ff"),
+    ({"n_kv_heads": None, "vocab_size": 66}, "model.vocab_size"),
+])
+def test_tp_must_divide_heads_kv_heads_ffn_and_vocab(model, key):
+    cfg = make_config("decoder", {"tp": 4})
+    for name, value in model.items():
+        setattr(cfg.model, name, value)
+    with pytest.raises(ConfigError, match=f"does not divide {key}"):
+        validate_parallel(cfg, 4, "cpu")
+
+
+def test_tp_must_divide_sequence_lengths():
+    cfg = make_config("encdec", {"tp": 2})
+    cfg.data.target_len = 7
+    with pytest.raises(ConfigError, match="data.target_len"):
+        validate_parallel(cfg, 2, "cpu")
+
+
+def test_pipeline_needs_a_layer_per_stage():
+    assert "8 pipeline stages, but the model has only 4 layers" in bad(world=4, pp=4, pp_schedule="zbv")
+    assert "5 pipeline stages" not in bad(world=8, pp=8, pp_schedule="1f1b")  # 8 stages > 4 layers
+    assert "pp_split_points" in bad(pp=2, pp_split_points=[0])
+    assert "pp_split_points" in bad(pp=2, pp_split_points=[1, 2])
+
+
+def test_too_few_microbatches_for_the_schedule():
+    assert "needs at least pp=4 microbatches" in bad(world=4, pp=4, pp_microbatches=2)
+    assert "multiple of pp=2" in bad(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2, pp_microbatches=5)
+    assert "data.batch_size=8 is smaller than the 16" in bad(pp=2, pp_microbatches=16)
+    assert "pp_stages_per_rank=1" in bad(pp=2, pp_schedule="1f1b", pp_stages_per_rank=2)
+    cfg = make_config("decoder", {"pp": 2, "pp_schedule": "zbv"})
+    assert n_microbatches(cfg) == 4  # default: one per stage, 2 stages per rank in a V
+
+
+def test_selective_recompute_rejected_with_zero_bubble():
+    assert "zero-bubble" in bad(pp=2, pp_schedule="zbv", recompute="selective")
+
+
+def test_context_parallel_is_not_supported_on_cpu():
+    message = bad(cp=2, dp_shard=1)
+    assert "not supported on this device (cpu)" in message
+
+
+def test_bf16_rejected_on_a_device_without_it(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not bf16_supported("cuda") and bf16_supported("cpu")
+    cfg = make_config("decoder", {}, dtype="bf16")
+    with pytest.raises(ConfigError, match="no bf16 support"):
+        validate_parallel(cfg, 1, "cuda")
+    assert "configure FSDP" in bad(world=2, tp=2, mixed_precision_param="bf16")
+
+
+def test_init_distributed_validates_before_joining(monkeypatch):
+    from meshformer.launcher.distributed import init_distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    cfg = make_config("decoder", {"tp": 2})
+    with pytest.raises(ConfigError):
+        init_distributed(cfg)  # would otherwise wait for 2 more processes
+    assert not dist.is_initialized()
+
+
+def test_even_and_manual_layer_splits():
+    assert [(s.start, s.stop) for s in split_layers(10, 4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert [(s.start, s.stop) for s in split_layers(4, 2, [3])] == [(0, 3), (3, 4)]
+    assert stage_ids_for_rank(1, 4, 2, v_shape=False) == [1, 5]
+    assert stage_ids_for_rank(1, 4, 2, v_shape=True) == [1, 6]
