@@ -102,10 +102,20 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[int]:
         try:
             codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             proc.wait()
             codes.append(-9)
     return codes
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (torchrun starts its workers in sessions of their own)."""
+    for child in children(pid):
+        kill_tree(child)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def children(pid: int) -> list[int]:

@@ -76,10 +76,7 @@ def test_crash_and_restart_with_dropout_is_bitwise(reference, tmp_path):
     """Dropout makes the RNG part of the state: restored per rank, the restarted run is still the same run."""
     run_dir = tmp_path / "dropout"
     cfg = tiny_config(reference["shards"], run_dir, STEPS, "model.dropout=0.1", "model.attention_dropout=0.1")
-    if _loader_draws_from_global_rng(cfg):
-        pytest.xfail("meshformer/data/loader.py builds DataLoader(...) without generator=, so every new iterator "
-                     "(the resumed run's first batch) draws a seed from the global torch RNG and shifts the dropout "
-                     "stream; fix: DataLoader(..., generator=torch.Generator())")
+    assert not _loader_draws_from_global_rng(cfg), "a new data iterator must not consume the global torch RNG"
     _, uninterrupted = run_trainer(tiny_config(reference["shards"], tmp_path / "full", STEPS, "model.dropout=0.1",
                                                "model.attention_dropout=0.1"))
     run_trainer(cfg, crash_after=3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from _cluster_fixtures import (
     children,
     finish,
     free_port,
+    kill_tree,
     logs,
     overrides,
     reference_run,
@@ -54,27 +56,47 @@ def test_launcher_sets_the_elastic_restart_workaround(monkeypatch):
     assert torchrun_env(2)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
 
-def test_sigkilled_worker_restarts_and_resumes_without_lost_or_repeated_data(base, tmp_path):
+def _resumed_steps(text: str) -> list[int]:
+    return [int(step) for step in re.findall(r"resumed from \S+ \(step (\d+)", text)]
+
+
+def test_killed_worker_and_lost_node_restart_and_resume_without_lost_or_repeated_data(base, tmp_path):
+    """A worker SIGKILLed mid-run, later a whole node lost and replaced: the job resumes both times."""
     reference = reference_run(base)
     run_dir, port = tmp_path / "run", free_port()
-    env = worker_env(MF_TEST_STEP_SLEEP_S="0.2")  # long enough to kill mid-run
-    cmd = agent_command(overrides(base, run_dir), port, rdzv_id=f"kill{port}", max_restarts=1)
-    paths = [tmp_path / f"agent{i}.log" for i in range(2)]
-    agents = [start(cmd, env, path) for path in paths]
+    checkpoints = run_dir / "checkpoints"
+    env = worker_env(MF_TEST_STEP_SLEEP_S="0.3")  # long enough to interrupt twice
+    # Node 0 hosts the rendezvous store, so losing node 1 does not take the store with it.
+    host, other = (agent_command(overrides(base, run_dir), port, rdzv_id=f"kill{port}", max_restarts=2,
+                                 extra=[f"--rdzv-conf=is_host={flag}"]) for flag in (1, 0))
+    paths = [tmp_path / f"node{i}.log" for i in range(3)]
+    agents = [start(host, env, paths[0]), start(other, env, paths[1])]
     try:
-        wait_for(lambda: committed_steps(run_dir / "checkpoints"), 120, "the first checkpoint")
-        killed_at = committed_steps(run_dir / "checkpoints")[-1]
-        assert killed_at < CLUSTER_STEPS, "the run ended before it could be interrupted"
+        # 1. SIGKILL one worker: torchrun stops the others and restarts the workers of both nodes.
+        wait_for(lambda: committed_steps(checkpoints), 120, "the first checkpoint")
+        first_kill = committed_steps(checkpoints)[-1]
+        assert first_kill < CLUSTER_STEPS, "the run ended before it could be interrupted"
         workers = children(agents[1].pid)
-        assert workers, "agent 1 has no worker process"
+        assert workers, "node 1's agent has no worker process"
         os.kill(workers[0], signal.SIGKILL)
+        # 2. Once resumed and past another checkpoint, node 1 dies (agent and worker); a replacement joins.
+        wait_for(lambda: _resumed_steps(logs(*paths)) and committed_steps(checkpoints)[-1] > first_kill, 120,
+                 "the restarted job to save another checkpoint")
+        second_kill = committed_steps(checkpoints)[-1]
+        assert second_kill < CLUSTER_STEPS, "the run ended before the node could be lost"
+        kill_tree(agents[1].pid)  # the node's agent and its worker, at once
+        agents[1].wait()
+        agents.append(start(other, env, paths[2]))
     finally:
-        codes = finish(agents, 150)
+        codes = finish([agents[0], agents[-1]], 150)
+        for agent in agents:
+            if agent.poll() is None:
+                kill_tree(agent.pid)
     text = logs(*paths)
     assert codes == [0, 0], f"agents exited with {codes}\n{text[-6000:]}"
-    assert "resumed from" in text, text[-4000:]  # the restarted workers loaded a checkpoint ...
-    resumed = int(text.split("resumed from")[1].split("(step ")[1].split(",")[0])
-    assert killed_at <= resumed < CLUSTER_STEPS  # ... one written before the kill or after it, not the end
+    resumed = _resumed_steps(text)
+    assert len(resumed) == 2, text[-4000:]  # each restart loaded a checkpoint: at or after the interruption
+    assert first_kill <= resumed[0] < CLUSTER_STEPS and second_kill <= resumed[1] < CLUSTER_STEPS, resumed
     assert_same_weights(run_dir, reference)
 
 

@@ -150,7 +150,9 @@ class Loader:
         workers: dict[str, Any] = {"num_workers": self.num_workers}
         if self.num_workers:
             workers.update(prefetch_factor=4, persistent_workers=False)
-        return iter(DataLoader(stream, batch_size=None, pin_memory=torch.cuda.is_available(), **workers))
+        # A private generator: seeding workers from the global RNG would shift dropout after a resume.
+        return iter(DataLoader(stream, batch_size=None, pin_memory=torch.cuda.is_available(),
+                               generator=torch.Generator(), **workers))
 
     def close(self) -> None:
         """Stop worker processes (they restart from the current position on the next batch)."""

@@ -119,9 +119,10 @@ class PipelinePlan(MeshPlan):
         """
         check_sequence_split(batch, self.dims.tp)
         inputs = model_inputs(batch)
+        n_chunks = min(self.n_microbatches, batch["labels"].shape[0])  # a short last eval batch: no empty chunks
         chunks = [dict(zip(inputs, parts)) for parts in
-                  zip(*(torch.tensor_split(v, self.n_microbatches) for v in inputs.values()))]
-        labels = torch.tensor_split(batch["labels"], self.n_microbatches)
+                  zip(*(torch.tensor_split(v, n_chunks) for v in inputs.values()))]
+        labels = torch.tensor_split(batch["labels"], n_chunks)
         local = {stage.span.index: stage for stage in self.stages}
         me, group = self.meshes.pp_rank, self.meshes.pp.get_group()
         total = torch.zeros((), device=self.device)
