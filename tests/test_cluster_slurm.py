@@ -75,7 +75,9 @@ def test_dry_run_prints_a_requeueing_multi_node_script(tmp_path, capsys):
     main(["submit", CONFIG, "--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu", "--time", "04:00:00",
           "--account", "proj", "--setup", "source /opt/venv/bin/activate", "--dry-run",
           "--set", f"logging.run_dir={run_dir}", "checkpoint.interval=100"])
-    script = capsys.readouterr().out
+    printed = capsys.readouterr()
+    script = printed.out
+    assert "warning" not in printed.err  # checkpoints every 100 steps: a requeue loses nothing
     for line in ["#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --partition=gpu", "#SBATCH --time=04:00:00", "#SBATCH --account=proj", "#SBATCH --requeue",
                  "#SBATCH --signal=B:USR1@120", f"#SBATCH --output={run_dir}/slurm/job-%j.out",
@@ -92,6 +94,12 @@ def test_dry_run_prints_a_requeueing_multi_node_script(tmp_path, capsys):
     assert launched == expected
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0  # valid shell
     assert not run_dir.exists()  # a dry run writes nothing
+
+
+def test_settings_that_lose_work_on_requeue_are_warned_about(tmp_path, capsys):
+    main(["submit", CONFIG, "--dry-run", "--set", f"logging.run_dir={tmp_path}", "checkpoint.interval=0"])
+    assert "warning: checkpoint.interval=0: a requeued or restarted job starts again from step 0" in \
+        capsys.readouterr().err
 
 
 def test_missing_sbatch_is_a_clear_error(tmp_path, monkeypatch):

@@ -162,10 +162,14 @@ def check_partition(partition: str) -> None:
 
 
 def warnings_for(job: SlurmJob) -> list[str]:
+    """Settings that make a requeued or restarted job lose work (the job is still submitted)."""
     cfg = load_config(job.config, job.overrides)
     if cfg.checkpoint.interval <= 0:
         return ["checkpoint.interval=0: a requeued or restarted job starts again from step 0 and a SIGTERM "
                 "saves nothing; set e.g. --set checkpoint.interval=500"]
+    if not cfg.checkpoint.save_on_sigterm or not cfg.checkpoint.resume:
+        return ["checkpoint.save_on_sigterm or checkpoint.resume is false: preemption and the time limit lose the "
+                "steps since the last checkpoint, or a requeued job starts over; set both to true"]
     return []
 
 
