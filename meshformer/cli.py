@@ -6,7 +6,10 @@ import argparse
 import json
 import sys
 
+from meshformer.checkpointing import cli as checkpointing_cli
 from meshformer.config import ConfigError, load_config
+from meshformer.data import cli as data_cli
+from meshformer.launcher import cli as launcher_cli
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -14,7 +17,7 @@ def _train(args: argparse.Namespace) -> None:
         from meshformer.launcher.torchrun import launch_torchrun
 
         sys.exit(launch_torchrun(args.config, args.set, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
-                                 rdzv_endpoint=args.rdzv_endpoint))
+                                 rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts))
     from meshformer.train.__main__ import run
 
     run(args.config, args.set)
@@ -106,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc-per-node", type=int, default=1, help="start torchrun with this many processes")
     train.add_argument("--nnodes", type=int, default=1)
     train.add_argument("--rdzv-endpoint", default="127.0.0.1:29500", help="host:port of the first node")
+    train.add_argument("--max-restarts", type=int, default=0,
+                       help="torchrun restarts after a worker failure (the job resumes from its latest checkpoint)")
     train.set_defaults(func=_train)
 
     params = sub.add_parser("params", help="parameter count and training FLOPs per token of a config")
@@ -139,13 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     grad.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
     grad.set_defaults(func=_grad_report)
 
-    for module in ("meshformer.data.cli", "meshformer.checkpointing.cli",
-                   "meshformer.launcher.cli"):
-        try:
-            add_cli = __import__(module, fromlist=["add_cli"]).add_cli
-        except ModuleNotFoundError:
-            continue
-        add_cli(sub)
+    for add_cli in (data_cli.add_cli, checkpointing_cli.add_cli, launcher_cli.add_cli):
+        add_cli(sub)  # `data prepare`, `convert ...`, `submit` / `tensorboard` / `plot` / `diagnose`
     return parser
 
 

@@ -99,8 +99,7 @@ def test_rank_killed_during_save_leaves_previous_checkpoint(reference, tmp_path)
     manager.close()
 
 
-@pytest.mark.skipif(os.environ.get("MESHFORMER_TEST_8_RANKS") != "1",
-                    reason="8 + 4 gloo ranks take minutes on 2 cores; set MESHFORMER_TEST_8_RANKS=1")
+@pytest.mark.slow
 def test_pp2_dp2_tp2_to_dp4_to_one_process(reference, tmp_path):
     """The issue's chain: a 3-D layout's checkpoint continues as dp4, whose checkpoint continues in one process."""
     three_d = tmp_path / "pp2dp2tp2"

@@ -17,7 +17,7 @@ from _cluster_fixtures import ROOT, free_port, overrides
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from meshformer.cli import main
-from meshformer.config import load_config
+from meshformer.config import ConfigError, load_config
 from meshformer.launcher.plot import load_scalars
 from meshformer.train.trainer import Trainer
 
@@ -129,6 +129,6 @@ def test_unwritable_tensorboard_folder_fails_before_training(tmp_path_factory, t
     run_dir.mkdir()
     (run_dir / "tensorboard").write_text("a file where the event folder should be")
     cfg = load_config(None, overrides(tmp_path_factory.getbasetemp(), run_dir))
-    with pytest.raises(RuntimeError, match=r"TensorBoard folder .*tensorboard is not writable.*logging.run_dir"):
+    with pytest.raises(ConfigError, match=r"TensorBoard folder .*tensorboard is not writable.*logging.run_dir"):
         Trainer(cfg)
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "final").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict
 from pathlib import Path
 
@@ -27,9 +28,16 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     out = {}
-    for key, value in get_model_state_dict(model).items():
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        out[key] = full.detach().cpu()
+    # FSDP x TP weights gather in two steps; torch warns about that on every rank, which is noise here.
+    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute_log.level
+    redistribute_log.setLevel(logging.ERROR)
+    try:
+        for key, value in get_model_state_dict(model).items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            out[key] = full.detach().cpu()
+    finally:
+        redistribute_log.setLevel(level)
     return out
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from meshformer.config import ConfigError
+
 log = logging.getLogger("meshformer")
 
 # Dense bf16 tensor-core peaks (FLOP/s) of common accelerators; others are measured at start-up.
@@ -69,7 +71,7 @@ class RunLogger:
                 probe.write_text("ok")
                 probe.unlink()
             except OSError as err:
-                raise RuntimeError(f"TensorBoard folder {tb_dir} is not writable ({err}); "
+                raise ConfigError(f"TensorBoard folder {tb_dir} is not writable ({err}); "
                                    "set logging.run_dir to a writable folder or logging.tensorboard=false") from None
             self.writer = SummaryWriter(str(tb_dir))
 

@@ -147,6 +147,9 @@ class Trainer:
     def _fit(self) -> TrainResult:
         cfg, log = self.cfg, self.logger
         self.checkpoints.resume(self)  # model, optimizer, scheduler, step, data position, RNG: before iterating
+        if self.step >= cfg.train.steps:
+            log.info(f"the run in {self.run_dir} already reached step {self.step} >= train.steps={cfg.train.steps}; "
+                     "raise train.steps to train further, or use a new logging.run_dir for a fresh run")
         self.train_iter = iter(self.train_data)
         tokens_per_sample = cfg.data.seq_len + (self.target_len or 0)
         tokens_per_step = cfg.data.batch_size * tokens_per_sample * cfg.train.grad_accum * self.plan.dp_size
