@@ -14,13 +14,7 @@ from meshformer.model.flops import count_params, flops_per_token, training_flops
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP spin contention on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 

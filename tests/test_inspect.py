@@ -13,14 +13,7 @@ from meshformer.config import ModelConfig
 from meshformer.model import Transformer
 from meshformer.model.inspect import attention_heatmap, attention_weights, gradient_norms, gradient_report
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP spin contention on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 
