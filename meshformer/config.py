@@ -43,8 +43,10 @@ class ModelConfig:
     norm_position: Literal["pre", "post"] = "pre"
     final_norm: bool | None = None  # norm after each stack; None: only with pre-norm
     embedding_norm: bool = False  # norm right after the embeddings (BERT)
-    position: Literal["sinusoidal", "learned", "rope", "alibi", "none"] = "learned"
+    position: Literal["sinusoidal", "learned", "rope", "alibi", "t5_relative", "none"] = "learned"
     rope_theta: float = 10000.0
+    relative_buckets: int = 32  # t5_relative: learned bias buckets per stack (half per direction in the encoder)
+    relative_max_distance: int = 128  # t5_relative: distances beyond this share the last bucket
     max_seq_len: int = 256
     scale_embeddings: bool = False  # multiply token embeddings by sqrt(d_model)
     tie_embeddings: bool = True  # output projection shares the (target) token embedding
@@ -340,6 +342,10 @@ def validate(cfg: Config) -> None:
                           "n_kv_heads must divide n_heads (1 = multi-query)")
     if m.position == "rope" and m.head_dim % 2:
         raise ConfigError(f"RoPE needs an even head dimension, got d_model/n_heads={m.head_dim}")
+    if m.position == "t5_relative" and (m.relative_buckets < 4 or m.relative_max_distance <= m.relative_buckets // 2):
+        raise ConfigError(f"model.relative_buckets={m.relative_buckets} / model.relative_max_distance="
+                          f"{m.relative_max_distance}: t5_relative needs at least 4 buckets and a max distance above "
+                          "relative_buckets / 2 (the exactly bucketed range); T5 uses 32 and 128")
     if m.family in ("decoder", "encoder") and m.n_layers <= 0:
         raise ConfigError("model.n_layers must be positive")
     if m.family == "encoder_decoder" and (m.encoder_layers <= 0 or m.decoder_layers <= 0):

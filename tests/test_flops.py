@@ -34,6 +34,9 @@ SMALL = {
     "seq2seq-separate-untied": dict(family="encoder_decoder", share_embeddings=False, tie_embeddings=False,
                                     activation="swiglu", final_norm=False, norm_position="post"),
     "seq2seq-pooled-gqa": dict(family="encoder_decoder", cross_downsample=4, n_kv_heads=2, output_bias=True),
+    "t5-relative": dict(family="encoder_decoder", position="t5_relative", relative_buckets=16, norm="rmsnorm",
+                        bias=False),
+    "encoder-t5-relative": dict(family="encoder", position="t5_relative"),
 }
 
 
@@ -55,7 +58,7 @@ PUBLISHED = {  # config: (published parameter count, relative tolerance)
     "llama-7b": (6_738_415_616, 0.0),  # HF LlamaForCausalLM("huggyllama/llama-7b"); 6.7B in Touvron et al.
     "llama-1b": (1_235_814_400, 0.0),  # Llama 3.2 1B
     "bert-base": (109_514_298 - 1_536, 0.0),  # BertForMaskedLM minus the token-type table we fold away
-    "t5-small": (60_506_624 - 512, 0.0),  # t5-small minus its relative position bias
+    "t5-small": (60_506_624, 0.0),  # HF T5ForConditionalGeneration("t5-small")
 }
 
 

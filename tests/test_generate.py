@@ -10,7 +10,7 @@ from meshformer.model import Transformer
 from meshformer.model.generate import greedy_decode
 
 F64 = torch.float64
-POSITIONS = ["sinusoidal", "learned", "rope", "alibi", "none"]
+POSITIONS = ["sinusoidal", "learned", "rope", "alibi", "t5_relative", "none"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,6 +34,8 @@ def test_incremental_logits_equal_full_sequence_logits(family, position):
     extra = {"n_kv_heads": 2} if position == "rope" else {}
     if position == "alibi":
         extra["attention_window"] = 3
+    if position == "t5_relative":  # 9 tokens reach the log-spaced and the clipped buckets
+        extra.update(relative_buckets=6, relative_max_distance=6)
     model = model_for(family, position, **extra)
     ids = torch.randint(0, 40, (2, 9))
     memory = memory_padding = None

@@ -11,7 +11,15 @@ from meshformer.config import ModelConfig
 from meshformer.model import Transformer
 from meshformer.model.attention import Attention
 from meshformer.model.masks import build_mask, masked_avg_pool, pool_padding_mask
-from meshformer.model.positions import RotaryEmbedding, alibi_bias, alibi_slopes, apply_rope, sinusoidal_table
+from meshformer.model.positions import (
+    RelativePositionBias,
+    RotaryEmbedding,
+    alibi_bias,
+    alibi_slopes,
+    apply_rope,
+    relative_position_bucket,
+    sinusoidal_table,
+)
 
 F64 = torch.float64
 
@@ -130,6 +138,53 @@ def test_rope_scores_depend_only_on_relative_position():
 
     assert score(7, 3) == pytest.approx(score(40, 36), abs=1e-5)
     assert score(7, 3) != pytest.approx(score(7, 5), abs=1e-3)
+
+
+def t5_bucket(relative: int, *, bidirectional: bool, num_buckets: int, max_distance: int) -> int:
+    """Raffel et al.'s bucket of key-minus-query distance `relative`, in Python integers and float64 logs."""
+    half = num_buckets // 2 if bidirectional else num_buckets  # buckets per direction
+    base = half if bidirectional and relative > 0 else 0
+    n = abs(relative) if bidirectional else max(-relative, 0)
+    exact = half // 2
+    if n < exact:
+        return base + n
+    return base + min(half - 1, exact + int(math.log(n / exact) / math.log(max_distance / exact) * (half - exact)))
+
+
+@pytest.mark.parametrize(("num_buckets", "max_distance"), [(32, 128), (8, 10), (16, 64), (6, 7)])
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_t5_relative_buckets_follow_the_formula(num_buckets, max_distance, bidirectional):
+    relative = torch.arange(-400, 401)
+    got = relative_position_bucket(relative, bidirectional=bidirectional, num_buckets=num_buckets,
+                                   max_distance=max_distance)
+    expected = [t5_bucket(r, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance)
+                for r in relative.tolist()]
+    assert got.dtype == torch.int64 and got.tolist() == expected
+    assert got.min() == 0 and got.max() == num_buckets - 1  # every distance lands in a table row
+
+
+def test_t5_relative_buckets_known_values():
+    def bucket(r: int, bidirectional: bool) -> int:
+        return int(relative_position_bucket(torch.tensor(r), bidirectional=bidirectional, num_buckets=32,
+                                            max_distance=128))
+
+    # T5 defaults. Encoder: keys before (or at) the query use buckets 0-15, keys after it 16-31.
+    assert [bucket(r, True) for r in (0, -1, -7, -8, -16, -127, -128, -1000)] == [0, 1, 7, 8, 10, 15, 15, 15]
+    assert [bucket(r, True) for r in (1, 7, 8, 1000)] == [17, 23, 24, 31]
+    # Decoder: only the past counts, future keys share bucket 0; 16 exact buckets, then log-spaced.
+    assert [bucket(r, False) for r in (5, 0, -1, -15, -16, -32, -127, -128, -1000)] == [0, 0, 1, 15, 16, 21, 31, 31, 31]
+
+
+def test_relative_position_bias_indexes_its_table_per_head():
+    module = RelativePositionBias(n_heads=3, num_buckets=8, max_distance=10, bidirectional=True)
+    q, k = torch.arange(2, 6), torch.arange(7)
+    bias = module(q, k)
+    assert bias.shape == (3, 4, 7)
+    table = module.relative_bias.weight
+    for i, qi in enumerate(q.tolist()):
+        for j, kj in enumerate(k.tolist()):
+            row = t5_bucket(kj - qi, bidirectional=True, num_buckets=8, max_distance=10)
+            assert torch.equal(bias[:, i, j], table[row])
 
 
 def test_alibi_slopes_follow_press_et_al():

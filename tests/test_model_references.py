@@ -101,9 +101,11 @@ def _hf_llama():
         "rope_theta": 500.0}, bos_token_id=None, eos_token_id=None, pad_token_id=None))
 
 
-def _hf_t5():
+def _hf_t5(**extra):
+    # Few buckets and a short max distance, so 12-token sequences reach the log-spaced and the clipped buckets.
     return transformers.T5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4))
+        vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=10, **extra))
 
 
 def _random_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,23 +133,31 @@ def test_hf_single_stack_logits_match(make):
     assert expected.std() > 0.1  # logits are not trivially small, so 1e-4 is a real bound
 
 
-def test_hf_t5_without_relative_bias_matches():
+def test_hf_t5_with_relative_bias_matches():
     torch.manual_seed(0)
     hf = _hf_t5()
     perturb(hf)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "relative_attention_bias" in name:
-                p.zero_()  # the one T5 piece meshformer lacks
     hf.eval()
     ours = from_hf_model(hf).eval()
-    assert (ours.cfg.position, ours.cfg.attention_scale, ours.cfg.scale_output) == ("none", 1.0, True)
+    cfg = ours.cfg
+    assert (cfg.position, cfg.relative_buckets, cfg.relative_max_distance) == ("t5_relative", 8, 10)
+    assert (cfg.attention_scale, cfg.scale_output) == (1.0, True)
     ids, mask = _random_batch()
-    target = torch.randint(0, 97, (3, 7))
+    target, target_mask = _random_batch(seed=2)  # 12 target tokens: causal distances up to 11 > max distance 10
     with torch.no_grad():
-        expected = hf(input_ids=ids, attention_mask=mask, decoder_input_ids=target).logits
-        got = ours(ids, mask.bool(), target)
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+        expected = hf(input_ids=ids, attention_mask=mask, decoder_input_ids=target,
+                      decoder_attention_mask=target_mask).logits
+        got = ours(ids, mask.bool(), target, target_mask.bool())
+    real = target_mask.bool()  # padded target positions are don't-care outputs
+    torch.testing.assert_close(got[real], expected[real], rtol=0, atol=1e-4)
+    assert expected.std() > 0.1
+    # export: HF computes the same logits from our weights (the bias is real, not zero: a dropped table would show)
+    assert ours.encoder_relative_bias.relative_bias.weight.abs().min() > 0
+    exported = to_hf_model(ours).eval()
+    with torch.no_grad():
+        back = exported(input_ids=ids, attention_mask=mask, decoder_input_ids=target,
+                        decoder_attention_mask=target_mask).logits
+    torch.testing.assert_close(back[real], got[real], rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("make", [_hf_gpt2, _hf_bert, _hf_llama, _hf_t5], ids=["gpt2", "bert", "llama", "t5"])
@@ -155,11 +165,6 @@ def test_hf_state_dict_round_trip(make):
     torch.manual_seed(0)
     hf = make()
     perturb(hf)
-    if hf.config.model_type == "t5":
-        with torch.no_grad():
-            for name, p in hf.named_parameters():
-                if "relative_attention_bias" in name:
-                    p.zero_()
     ours = from_hf_model(hf)
     assert infer_arch(ours.cfg) == hf.config.model_type
     back = to_hf_model(ours).state_dict()
@@ -195,9 +200,8 @@ def test_incompatible_configs_and_stray_tensors_are_refused():
     state["model.layers.0.self_attn.extra.weight"] = torch.zeros(1)
     with pytest.raises(ValueError, match="no meshformer counterpart"):
         from_hf_state_dict(state, config_from_hf(hf.config), "llama")
-    t5 = _hf_t5()  # a real T5 has a non-zero relative position bias: refused, not silently dropped
-    with pytest.raises(ValueError, match="relative position bias"):
-        from_hf_model(t5)
+    with pytest.raises(ValueError, match="gated-gelu"):  # T5 v1.1's gelu_new gate is not our silu gate
+        from_hf_model(_hf_t5(feed_forward_proj="gated-gelu"))
 
 
 def test_llama_export_runs_in_hf_with_gqa():

@@ -106,3 +106,13 @@ def test_even_and_manual_layer_splits():
     assert [(s.start, s.stop) for s in split_layers(4, 2, [3])] == [(0, 3), (3, 4)]
     assert stage_ids_for_rank(1, 4, 2, v_shape=False) == [1, 5]
     assert stage_ids_for_rank(1, 4, 2, v_shape=True) == [1, 6]
+
+
+@pytest.mark.parametrize("parallel", [{"tp": 2}, {"pp": 2}])
+def test_t5_relative_bias_refuses_tensor_and_pipeline_parallel(parallel):
+    cfg = make_config("encdec", parallel)
+    cfg.model.position = "t5_relative"
+    with pytest.raises(ConfigError, match="t5_relative position bias is not supported with tensor/pipeline"):
+        validate_parallel(cfg, 2, "cpu")
+    cfg.parallel = make_config("encdec").parallel  # FSDP over both ranks: the tables are ordinary parameters
+    assert validate_parallel(cfg, 2, "cpu").fsdp_enabled

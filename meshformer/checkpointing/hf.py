@@ -11,8 +11,10 @@ What differs and how it is mapped:
   `token_type_embeddings[0]` into the position table (exact for token_type_ids = 0, HF's default);
   export writes zero token-type embeddings. The pooler / NSP head are not part of BertForMaskedLM.
 - Llama: RMSNorm, SwiGLU, half-split RoPE, grouped-query heads, no biases, untied head: names only.
-- T5: only T5 *without* its learned relative position bias matches meshformer (position="none",
-  attention_scale=1.0, scale_output=True): export writes a zero bias, import refuses a non-zero one.
+- T5: position="t5_relative" (one learned, bucketed bias per stack, which HF keeps in block 0's
+  SelfAttention), RMSNorm without bias, attention_scale=1.0, scale_output for the tied head; ReLU or
+  gated-SiLU feed-forward; gated-GELU (T5 v1.1) is refused. transformers 5 always ties T5's lm_head to
+  `shared` (tie_word_embeddings=False only turns off the output scaling), so lm_head is an alias.
 `transformers` is imported lazily: it is a development dependency.
 """
 
@@ -97,14 +99,16 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
         if c.d_kv * c.num_heads != c.d_model:
             raise ValueError("t5: d_kv * num_heads must equal d_model")
         if c.dense_act_fn != ("silu" if c.is_gated_act else "relu"):
-            raise ValueError(f"t5: feed_forward_proj {c.feed_forward_proj!r} unsupported (use 'relu' or 'gated-silu')")
+            raise ValueError(f"t5: feed_forward_proj {c.feed_forward_proj!r} unsupported (use 'relu' or 'gated-silu'; "
+                             "T5 v1.1's gated-gelu gates with gelu_new, meshformer's swiglu with silu)")
         return ModelConfig(
             family="encoder_decoder", vocab_size=c.vocab_size, d_model=c.d_model, n_heads=c.num_heads,
             n_encoder_layers=c.num_layers, n_decoder_layers=c.num_decoder_layers, d_ff=c.d_ff,
             activation="swiglu" if c.is_gated_act else "relu", norm="rmsnorm", norm_eps=c.layer_norm_epsilon,
-            norm_position="pre", final_norm=True, position="none", attention_scale=1.0,
-            scale_output=c.scale_decoder_outputs, tie_embeddings=True, share_embeddings=True, bias=False,
-            dropout=c.dropout_rate,
+            norm_position="pre", final_norm=True, position="t5_relative",
+            relative_buckets=c.relative_attention_num_buckets, relative_max_distance=c.relative_attention_max_distance,
+            attention_scale=1.0, scale_output=c.scale_decoder_outputs, tie_embeddings=True, share_embeddings=True,
+            bias=False, dropout=c.dropout_rate,
         )
     raise ValueError(f"unsupported Hugging Face model_type {arch!r}; supported: {list(ARCHS)}")
 
@@ -146,7 +150,8 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
     return transformers.T5Config(
         vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.head_dim, d_ff=cfg.d_ff,
         num_layers=cfg.encoder_layers, num_decoder_layers=cfg.decoder_layers, num_heads=cfg.n_heads,
-        dropout_rate=cfg.dropout, layer_norm_epsilon=cfg.norm_eps,
+        dropout_rate=cfg.dropout, layer_norm_epsilon=cfg.norm_eps, relative_attention_num_buckets=cfg.relative_buckets,
+        relative_attention_max_distance=cfg.relative_max_distance,
         feed_forward_proj="gated-silu" if cfg.activation == "swiglu" else "relu",
         tie_word_embeddings=cfg.scale_output,  # T5Config turns this into scale_decoder_outputs
     )
@@ -178,7 +183,7 @@ _REQUIREMENTS: dict[str, dict[str, Any]] = {  # a set: any of these values
              "activation": {"gelu_tanh", "gelu", "relu"}},
     "llama": {**_COMMON, "family": "decoder", "position": "rope", "norm": "rmsnorm", "activation": "swiglu",
               "grouped_query": {False, True}},
-    "t5": {**_COMMON, "family": "encoder_decoder", "position": "none", "norm": "rmsnorm", "bias": False,
+    "t5": {**_COMMON, "family": "encoder_decoder", "position": "t5_relative", "norm": "rmsnorm", "bias": False,
            "tie_embeddings": True, "share_embeddings": True, "attention_scale": 1.0, "scale_output": {False, True},
            "activation": {"relu", "swiglu"}},
 }
@@ -279,7 +284,10 @@ def _t5_rules(cfg: ModelConfig) -> list[Rule]:
              *[Rule(("tok_embeddings.weight",), name, alias=True)
                for name in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight")],
              *_norm("encoder_norm", "encoder.final_layer_norm", cfg),
-             *_norm("decoder_norm", "decoder.final_layer_norm", cfg)]
+             *_norm("decoder_norm", "decoder.final_layer_norm", cfg),
+             *[Rule((f"{stack}_relative_bias.relative_bias.weight",),
+                    f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
+               for stack in ("encoder", "decoder")]]
 
     def attention(ours: str, theirs: str) -> list[Rule]:
         return [r for p in "qkvo" for r in params(f"{ours}.{p}_proj", f"{theirs}.{p}", ("weight",))]
@@ -307,8 +315,6 @@ def _t5_rules(cfg: ModelConfig) -> list[Rule]:
 _RULES = {"gpt2": _gpt2_rules, "bert": _bert_rules, "llama": _llama_rules, "t5": _t5_rules}
 _BERT_POSITIONS = "bert.embeddings.position_embeddings.weight"
 _BERT_TOKEN_TYPES = "bert.embeddings.token_type_embeddings.weight"
-_T5_RELATIVE_BIAS = ("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-                     "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
 
 
 # ----------------------------------------------------------------------------- state dicts
@@ -325,9 +331,6 @@ def to_hf_state_dict(model: torch.nn.Module, arch: Arch | None = None) -> dict[s
         positions = ours["pos_embeddings.weight"].detach()
         out[_BERT_POSITIONS] = positions
         out[_BERT_TOKEN_TYPES] = positions.new_zeros(2, cfg.d_model)  # BertConfig's type_vocab_size
-    if arch == "t5":
-        for name in _T5_RELATIVE_BIAS:  # T5Config's default 32 buckets; zero = meshformer's position="none"
-            out[name] = ours["tok_embeddings.weight"].new_zeros(32, cfg.n_heads)
     return out
 
 
@@ -358,12 +361,6 @@ def from_hf_state_dict(hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig, a
         token_type = hf_state[_BERT_TOKEN_TYPES][0] if _BERT_TOKEN_TYPES in hf_state else 0.0
         out["pos_embeddings.weight"] = (hf_state[_BERT_POSITIONS] + token_type).contiguous()
         used |= {_BERT_POSITIONS, _BERT_TOKEN_TYPES}
-    if arch == "t5":
-        for name in _T5_RELATIVE_BIAS:
-            if name in hf_state and hf_state[name].abs().max() > 0:
-                raise ValueError(f"{name} is not zero: T5's learned relative position bias has no meshformer "
-                                 "equivalent (meshformer reproduces T5 only with that bias zeroed)")
-            used.add(name)
     leftovers = [k for k in hf_state if k not in used and not _IGNORED.search(k)]
     return finish_import(out, cfg, shapes, leftovers, f"Hugging Face {arch}")
 

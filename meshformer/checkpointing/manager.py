@@ -94,6 +94,12 @@ class CheckpointManager:
         if self.enabled and self.last_saved_step != trainer.step:
             self.save(trainer, blocking=True)
         self.close()
+        if self.group is not None:
+            # Every rank reaches this point on a clean finish. Tearing the save group down together keeps a rank
+            # that exits early from closing gloo connections a peer still holds (seen as a C++ terminate at exit).
+            dist.barrier(group=self.group)
+            dist.destroy_process_group(self.group)
+            self.group = None
 
     def close(self) -> None:
         """Wait for the save in flight and give SIGTERM back to whoever handled it before."""

@@ -42,7 +42,7 @@ def _ffn(cfg: ModelConfig) -> int:
 def count_params(cfg: ModelConfig) -> dict[str, int]:
     """Parameter counts of `Transformer(cfg)`.
 
-    embedding: input lookup tables (token, separate source, learned positions) plus a tied output
+    embedding: lookup tables (token, separate source, learned positions, T5 relative biases) plus a tied output
         projection, which is the same tensor. They cost no matmul FLOPs as lookups (Kaplan et al.'s N
         excludes them).
     non_embedding: everything else = total - embedding, including an untied output projection.
@@ -57,6 +57,8 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
         embedding += vocab * d
     if cfg.position == "learned":
         embedding += cfg.max_seq_len * d
+    if cfg.position == "t5_relative":  # one (buckets, heads) bias table per stack
+        embedding += (int(n_enc > 0) + int(n_dec > 0)) * cfg.relative_buckets * cfg.n_heads
     attention = (n_enc + n_dec * (2 if cross else 1)) * _attention(cfg)
     feed_forward = (n_enc + n_dec) * _ffn(cfg)
     stack_norms = int(n_enc > 0) + int(n_dec > 0) if cfg.use_final_norm else 0

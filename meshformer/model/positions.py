@@ -1,4 +1,4 @@
-"""Position schemes: absolute (sinusoidal, learned) added to embeddings; relative (RoPE, ALiBi) in attention."""
+"""Position schemes: absolute (sinusoidal, learned) added to embeddings; relative (RoPE, ALiBi, T5) in attention."""
 
 from __future__ import annotations
 
@@ -79,3 +79,44 @@ def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -
     """Bias (H, Tq, Tk) = -slope * |i - j|: symmetric, so it serves causal and bidirectional attention."""
     distance = (q_pos[:, None] - k_pos[None, :]).abs().to(slopes.dtype)
     return -slopes[:, None, None] * distance
+
+
+def relative_position_bucket(
+    relative: torch.Tensor, *, bidirectional: bool, num_buckets: int, max_distance: int
+) -> torch.Tensor:
+    """T5's bucket (int64) for each key-minus-query distance in `relative`.
+
+    Bidirectional: half the buckets for keys before the query (or at it), half for keys after it.
+    Causal: only keys before the query count; later ones (masked anyway) share bucket 0. Within a half,
+    distances below max_exact = half / 2 get a bucket each; larger ones share log-spaced buckets up to
+    max_distance, and everything beyond lands in the last bucket.
+    """
+    if bidirectional:
+        num_buckets //= 2
+        base = (relative > 0).long() * num_buckets
+        distance = relative.abs()
+    else:
+        base = torch.zeros_like(relative)
+        distance = (-relative).clamp(min=0)
+    max_exact = num_buckets // 2
+    # float32 logarithms, as in T5's reference implementation, so that bucket edges agree with trained checkpoints;
+    # the clamp keeps log() finite for the small distances that torch.where discards.
+    ratio = distance.clamp(min=max_exact).float() / max_exact
+    far = max_exact + (torch.log(ratio) / math.log(max_distance / max_exact) * (num_buckets - max_exact)).long()
+    far = far.clamp(max=num_buckets - 1)
+    return base + torch.where(distance < max_exact, distance, far)
+
+
+class RelativePositionBias(nn.Module):
+    """T5's learned relative position bias: one scalar per (distance bucket, head), shared by a stack's layers."""
+
+    def __init__(self, n_heads: int, num_buckets: int, max_distance: int, *, bidirectional: bool) -> None:
+        super().__init__()
+        self.num_buckets, self.max_distance, self.bidirectional = num_buckets, max_distance, bidirectional
+        self.relative_bias = nn.Embedding(num_buckets, n_heads)
+
+    def forward(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Bias (H, Tq, Tk) for integer query positions (Tq,) and key positions (Tk,)."""
+        buckets = relative_position_bucket(k_pos[None, :] - q_pos[:, None], bidirectional=self.bidirectional,
+                                           num_buckets=self.num_buckets, max_distance=self.max_distance)
+        return self.relative_bias(buckets).permute(2, 0, 1)

@@ -15,7 +15,14 @@ from torch import nn
 from meshformer.config import ModelConfig
 from meshformer.model.layers import BlockCache, TransformerBlock, activation_fn, make_norm
 from meshformer.model.masks import AttentionMask, build_mask, masked_avg_pool, pool_padding_mask
-from meshformer.model.positions import LearnedPositions, RotaryEmbedding, SinusoidalPositions, alibi_bias, alibi_slopes
+from meshformer.model.positions import (
+    LearnedPositions,
+    RelativePositionBias,
+    RotaryEmbedding,
+    SinusoidalPositions,
+    alibi_bias,
+    alibi_slopes,
+)
 
 
 class Transformer(nn.Module):
@@ -36,6 +43,16 @@ class Transformer(nn.Module):
             self.register_buffer("alibi_slopes", alibi_slopes(cfg.n_heads), persistent=False)
         else:
             self.alibi_slopes = None
+        # T5: one learned bias per stack (bidirectional in the encoder, causal in the decoder), shared by its layers;
+        # cross-attention gets none.
+        self.encoder_relative_bias: RelativePositionBias | None = None
+        self.decoder_relative_bias: RelativePositionBias | None = None
+        if cfg.position == "t5_relative":
+            shape = (cfg.n_heads, cfg.relative_buckets, cfg.relative_max_distance)
+            if has_encoder:
+                self.encoder_relative_bias = RelativePositionBias(*shape, bidirectional=True)
+            if has_decoder:
+                self.decoder_relative_bias = RelativePositionBias(*shape, bidirectional=False)
         self.embedding_norm = make_norm(cfg) if cfg.embedding_norm else None
 
         def stack(n: int, **kind) -> nn.ModuleDict:
@@ -95,14 +112,17 @@ class Transformer(nn.Module):
             h = self.embedding_norm(h)
         return nn.functional.dropout(h, self.cfg.dropout, self.training)
 
-    def _relative(self, q_len: int, k_len: int, offset: int, device: torch.device) -> dict:
-        """RoPE angles / ALiBi biases for self-attention, computed once per stack."""
+    def _relative(self, q_len: int, k_len: int, offset: int, device: torch.device, *, causal: bool) -> dict:
+        """RoPE angles / ALiBi or T5 biases for self-attention, computed once per stack (causal: the decoder's)."""
         positions = torch.arange(offset, offset + q_len, device=device)
         extra = {}
         if self.rope is not None:
             extra["rope"] = self.rope(positions)
         if self.alibi_slopes is not None:
             extra["bias"] = alibi_bias(self.alibi_slopes, positions, torch.arange(k_len, device=device))
+        t5_bias = self.decoder_relative_bias if causal else self.encoder_relative_bias
+        if t5_bias is not None:
+            extra["bias"] = t5_bias(positions, torch.arange(k_len, device=device))
         return extra
 
     def encode(
@@ -113,7 +133,7 @@ class Transformer(nn.Module):
         length = h.shape[1]
         mask = build_mask(length, length, causal=False, window=self.cfg.attention_window, key_padding=padding,
                           device=h.device)
-        extra = self._relative(length, length, 0, h.device)
+        extra = self._relative(length, length, 0, h.device, causal=False)
         for layer in self.encoder_layers.values():
             h = layer(h, mask, **extra)
         if self.encoder_norm is not None:
@@ -147,7 +167,7 @@ class Transformer(nn.Module):
         if memory is not None:
             memory_mask = build_mask(q_len, memory.shape[1], causal=False, key_padding=memory_padding,
                                      device=h.device)
-        extra = self._relative(q_len, k_len, offset, h.device)
+        extra = self._relative(q_len, k_len, offset, h.device, causal=True)
         for i, layer in enumerate(self.decoder_layers.values()):
             h = layer(h, mask, memory=memory, memory_mask=memory_mask, cache=cache[i] if cache else None, **extra)
         if self.decoder_norm is not None:

@@ -28,8 +28,10 @@ from torch import nn
 from meshformer.model import Transformer
 from meshformer.model.masks import build_mask, masked_avg_pool, pool_padding_mask
 
+# The T5 relative biases stay None in every stage: validate.py refuses position="t5_relative" with pp > 1.
 PIECES = ("tok_embeddings", "src_embeddings", "pos_embeddings", "rope", "embedding_norm", "encoder_layers",
-          "encoder_norm", "decoder_layers", "decoder_norm", "head_dense", "head_act", "head_norm", "output")
+          "encoder_norm", "decoder_layers", "decoder_norm", "head_dense", "head_act", "head_norm", "output",
+          "encoder_relative_bias", "decoder_relative_bias")
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,7 @@ class TransformerStage(Transformer):
             h = self.embed(ids, source=True)
         mask = build_mask(length, length, causal=False, window=self.cfg.attention_window, key_padding=padding,
                           device=ids.device)
-        extra = self._relative(length, length, 0, ids.device)
+        extra = self._relative(length, length, 0, ids.device, causal=False)
         for layer in self.encoder_layers.values():
             h = layer(h, mask, **extra)
         if not self.ends_encoder:
@@ -206,7 +208,7 @@ class TransformerStage(Transformer):
         if memory is not None:
             memory_mask = build_mask(length, memory.shape[1], causal=False, key_padding=memory_padding,
                                      device=ids.device)
-        extra = self._relative(length, length, 0, ids.device)
+        extra = self._relative(length, length, 0, ids.device, causal=True)
         for layer in self.decoder_layers.values():
             h = layer(h, mask, memory=memory, memory_mask=memory_mask, **extra)
         if self.decoder_norm is not None:

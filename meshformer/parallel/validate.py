@@ -39,6 +39,10 @@ def validate_parallel(cfg: Config, world_size: int, device: torch.device | str |
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     device_type = torch.device(device).type if device is not None else _configured_device_type(cfg)
     _check_context_parallel(dims, device_type)
+    if cfg.model.position == "t5_relative" and (dims.tp > 1 or dims.pp > 1):
+        # TP would have to slice the bias per rank's heads and PP to share each stack's table between stages.
+        raise ConfigError(f"parallel.tp={dims.tp}, parallel.pp={dims.pp}: t5_relative position bias is not supported "
+                          "with tensor/pipeline parallel yet; use FSDP/HSDP (tp=1, pp=1) or model.position='alibi'")
     _check_tensor_parallel(cfg, dims)
     _check_pipeline(cfg, dims)
     _check_precision(cfg, dims, device_type)
