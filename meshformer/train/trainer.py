@@ -71,7 +71,8 @@ class Trainer:
         model = Transformer(cfg.model)
         loss_fn = default_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss)
         self.plan: TrainingPlan = build_plan(model, cfg, self.device, loss_fn)
-        self.model = model
+        # The whole model, for decoded samples; pipeline stages hold copies of their pieces, so drop it there.
+        self.model = model if self.plan.supports_generation else None
         if cfg.train.dtype == "bf16":
             self.plan.autocast_dtype = torch.bfloat16
         self.optimizer, kernel = build_optimizer(self.plan.model_parts, cfg.optim)
