@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 
 import torch
@@ -24,10 +25,12 @@ from meshformer.train.metrics import measure_matmul_flops
 from meshformer.train.trainer import Trainer
 
 
-def reference_loop(cfg, tokens: torch.Tensor, steps: int, autocast_dtype: torch.dtype | None) -> float:
+def reference_loop(cfg, tokens: torch.Tensor, steps: int, autocast_dtype: torch.dtype | None,
+                   device: torch.device) -> float:
     """Tokens per second of the hand-written loop."""
     torch.manual_seed(cfg.train.seed)
-    model = Transformer(cfg.model)
+    model = Transformer(cfg.model).to(device)
+    tokens = tokens.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                             weight_decay=cfg.optim.weight_decay, fused=True)
     batch, length = cfg.data.batch_size, cfg.data.seq_len
@@ -36,11 +39,11 @@ def reference_loop(cfg, tokens: torch.Tensor, steps: int, autocast_dtype: torch.
     def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.randint(len(tokens) - length - 1, (batch,), generator=gen)
         window = torch.stack([tokens[s : s + length + 1] for s in starts.tolist()])
-        return window[:, :-1], window[:, 1:]
+        return window[:, :-1], window[:, 1:]  # already on the device: slicing a device tensor
 
     def step() -> None:
         x, y = get_batch()
-        with torch.autocast("cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
             logits = model(x)
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
         loss.backward()
@@ -53,6 +56,8 @@ def reference_loop(cfg, tokens: torch.Tensor, steps: int, autocast_dtype: torch.
     start = time.perf_counter()
     for _ in range(steps):
         step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return steps * batch * length / (time.perf_counter() - start)
 
 
@@ -67,6 +72,8 @@ def trainer_run(cfg, steps: int) -> float:
     start = time.perf_counter()
     trainer.fit()
     elapsed = time.perf_counter() - start
+    if trainer.step != cfg.train.steps:
+        raise RuntimeError(f"the trainer ran to step {trainer.step}, not {cfg.train.steps}: the timing is void")
     return steps * cfg.data.batch_size * cfg.data.seq_len / elapsed
 
 
@@ -77,22 +84,29 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     for dtype in ("fp32", "bf16"):
+        # No checkpoints and no resume: every round trains `steps` fresh steps in a folder of its own.
         overrides = [f"train.dtype={dtype}", "train.eval_interval=0", "train.sample_interval=0",
-                     f"logging.log_interval={args.steps}", "logging.run_dir=runs/bench-throughput"]
-        cfg = load_config(args.config, overrides)
-        trainer = Trainer(load_config(args.config, overrides))
+                     f"logging.log_interval={args.steps}", "checkpoint.interval=0", "checkpoint.resume=false"]
+        cfg = load_config(args.config, [*overrides, f"logging.run_dir={tempfile.mkdtemp(prefix='bench-')}"])
+        if cfg.model.family != "decoder":
+            raise SystemExit("the hand-written reference loop is a causal LM: pass a decoder-only config")
+        trainer = Trainer(cfg)
+        device = trainer.device
         batches = iter(trainer.train_data)
         stream = torch.cat([next(batches)["input_ids"].flatten() for _ in range(50)])
         autocast = torch.bfloat16 if dtype == "bf16" else None
         ours, ref = [], []
         for _ in range(args.rounds):
-            ref.append(reference_loop(cfg, stream, args.steps, autocast))
-            ours.append(trainer_run(load_config(args.config, overrides), args.steps))
-        gemm = measure_matmul_flops(torch.device("cpu"), torch.bfloat16 if autocast else torch.float32, seconds=1.0)
+            ref.append(reference_loop(cfg, stream, args.steps, autocast, device))
+            run_dir = tempfile.mkdtemp(prefix="bench-")
+            ours.append(trainer_run(load_config(args.config, [*overrides, f"logging.run_dir={run_dir}"]), args.steps))
+        gemm = measure_matmul_flops(device, torch.bfloat16 if autocast else torch.float32, seconds=0.5)
         fpt = flops_per_token(cfg.model, cfg.data.seq_len)
         ours_tps, ref_tps = statistics.median(ours), statistics.median(ref)
+        print(f"# {dtype} rounds: trainer {[round(x) for x in ours]}, reference {[round(x) for x in ref]}", flush=True)
         print(json.dumps({
-            "bench": "train_throughput", "config": args.config, "dtype": dtype, "threads": torch.get_num_threads(),
+            "bench": "train_throughput", "config": args.config, "dtype": dtype, "device": str(device),
+            "threads": torch.get_num_threads(),
             "trainer_tokens_per_s": round(ours_tps), "reference_tokens_per_s": round(ref_tps),
             "overhead_ratio": round(ours_tps / ref_tps, 3), "goal_ratio": 0.97,
             "gemm_flops": round(gemm), "trainer_mfu": round(fpt * ours_tps / gemm, 4),

@@ -350,9 +350,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError("model.n_layers must be positive")
     if m.family == "encoder_decoder" and (m.encoder_layers <= 0 or m.decoder_layers <= 0):
         raise ConfigError("model.n_encoder_layers and model.n_decoder_layers must be positive")
-    longest = max(d.seq_len, d.target_len if m.family == "encoder_decoder" else 0)
+    if m.family == "encoder_decoder" and d.target_len <= 0:
+        raise ConfigError(f"data.target_len must be positive for an encoder-decoder model, got {d.target_len}")
+    key, longest = max([("data.seq_len", d.seq_len)]
+                       + ([("data.target_len", d.target_len)] if m.family == "encoder_decoder" else []),
+                       key=lambda item: item[1])
     if m.position in ("learned", "sinusoidal", "rope") and longest > m.max_seq_len:
-        raise ConfigError(f"data.seq_len={longest} exceeds model.max_seq_len={m.max_seq_len}; "
+        raise ConfigError(f"{key}={longest} exceeds model.max_seq_len={m.max_seq_len}; "
                           "raise model.max_seq_len or shorten data.seq_len")
     if m.attention_window is not None:
         if m.attention_window <= 0:
@@ -375,8 +379,7 @@ def validate(cfg: Config) -> None:
                           f"use one of {sorted(allowed)} or 'auto'")
     if not 0 < d.mlm_probability < 1 or not 0 < d.span_noise_density < 1:
         raise ConfigError("data.mlm_probability and data.span_noise_density must lie in (0, 1)")
-    if cfg.schedule.warmup_steps < 0:
-        raise ConfigError("schedule.warmup_steps must be >= 0")
+    _check_training_ranges(cfg)
     if cfg.schedule.name == "noam" and cfg.schedule.warmup_steps == 0:
         raise ConfigError("schedule.name='noam' needs schedule.warmup_steps > 0")
     if cfg.profile.start_step < 0 or cfg.profile.steps <= 0:
@@ -385,6 +388,32 @@ def validate(cfg: Config) -> None:
                           "profile.steps=3")
     if t.dtype == "bf16" and not t.device.startswith(("auto", "cpu", "cuda")):
         raise ConfigError(f"train.dtype='bf16' is not supported on device {t.device!r}; use fp32")
+
+
+def _check_training_ranges(cfg: Config) -> None:
+    """Values that would otherwise train silently wrong (negative rates, no clipping) or fail late."""
+    sched, optim, t = cfg.schedule, cfg.optim, cfg.train
+    if sched.warmup_steps < 0:
+        raise ConfigError("schedule.warmup_steps must be >= 0")
+    if not 0 <= sched.min_lr_ratio <= 1:
+        raise ConfigError(f"schedule.min_lr_ratio={sched.min_lr_ratio} must lie in [0, 1] (a fraction of optim.lr)")
+    if not 0 <= sched.decay_fraction <= 1:
+        raise ConfigError(f"schedule.decay_fraction={sched.decay_fraction} must lie in [0, 1]")
+    if sched.name == "wsd" and int(t.steps * (1 - sched.decay_fraction)) < sched.warmup_steps:
+        raise ConfigError(f"schedule.name='wsd' would start decaying (step {int(t.steps * (1 - sched.decay_fraction))})"
+                          f" before warmup ends (step {sched.warmup_steps}); lower schedule.decay_fraction or "
+                          "schedule.warmup_steps")
+    if not all(0 <= beta < 1 for beta in optim.betas):
+        raise ConfigError(f"optim.betas={list(optim.betas)} must each lie in [0, 1), e.g. [0.9, 0.95]")
+    if optim.grad_clip < 0 or optim.weight_decay < 0 or optim.eps <= 0:
+        raise ConfigError("optim.grad_clip and optim.weight_decay must be >= 0 (grad_clip = 0 disables clipping) "
+                          "and optim.eps > 0")
+    if t.z_loss < 0:
+        raise ConfigError(f"train.z_loss={t.z_loss} must be >= 0 (0 disables it)")
+    if t.eval_interval > 0 and t.eval_batches <= 0:
+        raise ConfigError("train.eval_batches must be positive when train.eval_interval > 0 (0 disables evaluation)")
+    if t.eval_interval < 0 or t.sample_interval < 0:
+        raise ConfigError("train.eval_interval and train.sample_interval must be >= 0 (0 disables them)")
 
 
 def _positive(cfg: Config, keys: list[str]) -> None:

@@ -10,9 +10,9 @@ import torch
 from _checkpoint_fixtures import assert_bitwise
 from safetensors.torch import load_file
 
-from meshformer.checkpointing import CheckpointManager, ConversionError, read_checkpoint_model
+from meshformer.checkpointing import CheckpointManager, ConversionError, read_checkpoint_model, write_weights_checkpoint
 from meshformer.checkpointing.directory import step_dir_name
-from meshformer.checkpointing.weights import read_weights
+from meshformer.checkpointing.weights import read_weights, write_weights
 from meshformer.cli import main
 from meshformer.config import ModelConfig, load_config
 from meshformer.model import Transformer
@@ -45,10 +45,23 @@ def test_checkpoint_to_safetensors_and_back(tmp_path):
     assert cfg == model.cfg
     assert_bitwise(state, {k: v.detach() for k, v in model.state_dict().items()})
 
-    main(["convert", "to-checkpoint", str(tmp_path / "weights"), str(tmp_path / "ck2"), "--step", "5"])
+    main(["convert", "to-checkpoint", str(tmp_path / "weights"), str(tmp_path / "ck2")])
     cfg2, state2 = read_checkpoint_model(tmp_path / "ck2")
-    assert cfg2 == cfg and (tmp_path / "ck2" / step_dir_name(5) / "manifest.json").is_file()
+    assert cfg2 == cfg and (tmp_path / "ck2" / step_dir_name(0) / "manifest.json").is_file()
     assert_bitwise(state2, state)
+
+
+def test_weights_only_checkpoints_always_start_at_step_0(tmp_path):
+    """A weights-only checkpoint carries no step: no --step option that would promise a resume at step N."""
+    _, model = _training_checkpoint(tmp_path)
+    write_weights(model.state_dict(), model.cfg, tmp_path / "weights")
+    with pytest.raises(SystemExit):
+        main(["convert", "to-checkpoint", str(tmp_path / "weights"), str(tmp_path / "ck2"), "--step", "5"])
+    assert not (tmp_path / "ck2").exists()
+    with pytest.raises(TypeError):
+        write_weights_checkpoint(model.state_dict(), model.cfg, tmp_path / "ck3", step=5)
+    folder = write_weights_checkpoint(model.state_dict(), model.cfg, tmp_path / "ck3")
+    assert folder.name == step_dir_name(0)
 
 
 def test_verify_reports_corruption(tmp_path, capsys):

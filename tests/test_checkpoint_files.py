@@ -123,3 +123,54 @@ def test_rng_state_round_trips_through_json():
     restore_rng_state(state)
     again = (random.random(), np.random.rand(), torch.rand(3))
     assert expected[0] == again[0] and expected[1] == again[1] and torch.equal(expected[2], again[2])
+
+
+def _tiny_trainer(tmp_path, step: int, *overrides: str):
+    from types import SimpleNamespace
+
+    from meshformer.config import load_config
+    from meshformer.model import Transformer
+
+    cfg = load_config(None, ["model.d_model=16", "model.n_heads=2", "model.n_layers=1", "model.d_ff=32",
+                             "model.vocab_size=64", "checkpoint.interval=1", f'checkpoint.dir="{tmp_path}"',
+                             *overrides])
+    model = Transformer(cfg.model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return SimpleNamespace(plan=SimpleNamespace(model_parts=[model]), optimizer=optimizer, scheduler=scheduler,
+                           train_data=None, step=step, cfg=cfg)
+
+
+def test_retention_never_deletes_the_checkpoint_just_written(tmp_path):
+    """Steps 900/1000 from another run are in the folder; a new save at step 100 must survive retention."""
+    from meshformer.checkpointing import CheckpointManager
+
+    _committed(tmp_path, 900, {"x": torch.zeros(2)})
+    _committed(tmp_path, 1000, {"x": torch.zeros(2)})
+    trainer = _tiny_trainer(tmp_path, 100, "checkpoint.keep_last=1", "checkpoint.keep_every=0")
+    manager = CheckpointManager.from_config(trainer.cfg, tmp_path)
+    manager.save(trainer, blocking=True)
+    manager.close()
+    assert 100 in committed_steps(tmp_path)
+    latest = read_latest(tmp_path)
+    assert latest == step_dir_name(100) and (tmp_path / latest).is_dir()
+    verify_manifest(tmp_path / latest)
+
+
+def test_newer_manifest_version_stops_instead_of_being_moved_aside(tmp_path):
+    from meshformer.checkpointing import CheckpointManager
+
+    folder = _committed(tmp_path, 5, {"x": torch.zeros(2)})
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "version": manifest["version"] + 1}))
+    with pytest.raises(CheckpointError, match="newer meshformer") as info:
+        verify_manifest(folder)
+    assert not isinstance(info.value, CorruptCheckpointError)
+    trainer = _tiny_trainer(tmp_path, 0)
+    manager = CheckpointManager.from_config(trainer.cfg, tmp_path)
+    try:
+        with pytest.raises(CheckpointError, match="upgrade meshformer"):
+            manager.resume(trainer)
+    finally:
+        manager.close()
+    assert committed_steps(tmp_path) == [5] and not list(tmp_path.glob("*.corrupt-*"))

@@ -40,6 +40,12 @@ def test_resolved_config_round_trips(tmp_path):
         (["data.seq_len=4096"], "exceeds model.max_seq_len"),
         (["train.objective=mlm"], "does not fit model.family"),
         (["steps=3"], "unknown config key"),
+        (["schedule.min_lr_ratio=-0.5"], "min_lr_ratio"),
+        (["schedule.name=wsd", "schedule.decay_fraction=0.95"], "before warmup ends"),
+        (["optim.betas=[1.5, 0.9]"], "optim.betas"),
+        (["optim.grad_clip=-1"], "grad_clip"),
+        (["train.z_loss=-1"], "z_loss"),
+        (["train.eval_batches=0"], "eval_batches"),
         (["train.steps"], "section.key=value"),
     ],
 )
@@ -57,3 +63,8 @@ def test_objective_follows_family():
     assert config_from_dict({"model": {"family": "encoder"}}).objective == "mlm"
     assert config_from_dict({"model": {"family": "encoder_decoder"}}).objective == "span"
     assert config_from_dict({}).objective == "causal"
+
+
+def test_max_seq_len_error_names_the_longer_stream():
+    with pytest.raises(ConfigError, match="data.target_len=200 exceeds"):
+        load_config("configs/tiny-t5.toml", ["data.target_len=200"])

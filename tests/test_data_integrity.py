@@ -159,3 +159,35 @@ def test_loader_streams_from_an_object_store_url(clean):
     with pytest.raises(ShardError, match=r"memory://store/train-000000\.tar"):
         for _ in range(100):
             next(broken)
+
+
+def test_bad_shard_read_closes_its_stream_and_pipe(data, monkeypatch):
+    """The error path closes what it opened: no leaked file handle or `pipe:` child per bad shard."""
+    import meshformer.data.shards as shards_mod
+
+    garble(data / "train-000004.tar")
+    manifest = read_manifest(str(data))
+    info = manifest.splits["train"][4]
+    opened = []
+
+    def recording_open(url):
+        opened.append(open_url(url))
+        return opened[-1]
+
+    monkeypatch.setattr(shards_mod, "open_url", recording_open)
+    with pytest.raises(ShardError, match=r"train-000004\.tar"):
+        read_shard(f"pipe:cat {data / info.name}", info, manifest.dtype, None)
+    (pipe,) = opened
+    assert pipe.stream.closed
+    assert pipe.proc.returncode is not None  # the child was waited for (no zombie, no open pipe)
+
+
+def test_bad_shard_sets_are_united_across_ranks():
+    from meshformer.data.build import agree_on_bad_shards, union_bad_shards
+
+    merged = union_bad_shards([{"b.tar": "missing"}, {}, {"a.tar": "corrupt", "b.tar": "truncated"}])
+    assert list(merged) == ["a.tar", "b.tar"]
+    assert merged["b.tar"] == "missing" and "rank 2" in merged["a.tar"]
+    assert union_bad_shards([{}, {}]) == {}
+    problems = {"x.tar": "missing"}
+    assert agree_on_bad_shards(problems) is problems  # one process: unchanged, no collective

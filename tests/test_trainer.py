@@ -83,3 +83,31 @@ def test_tokenizer_larger_than_model_vocab_is_rejected(tmp_path):
     cfg = load_config("configs/tiny-gpt.toml", [*SMALL, "model.vocab_size=1000", f"logging.run_dir={tmp_path}"])
     with pytest.raises(ConfigError, match="raise model.vocab_size"):
         Trainer(cfg)
+
+
+def test_logged_learning_rate_is_the_one_each_step_used(tmp_path):
+    cfg = load_config("configs/tiny-gpt.toml", [*SMALL, "train.steps=3", "logging.log_interval=1",
+                                                 "schedule.name=constant", "schedule.warmup_steps=10",
+                                                 "optim.lr=1.0", "logging.tensorboard=false", "data.num_workers=0",
+                                                 "checkpoint.interval=0", f"logging.run_dir={tmp_path}"])
+    history = Trainer(cfg).fit().history
+    assert [round(h["train/lr"], 6) for h in history] == [0.1, 0.2, 0.3]  # warmup: (step + 1) / 10
+
+
+def test_tied_output_bias_starts_at_zero():
+    from meshformer.model import Transformer
+
+    model = Transformer(load_config("configs/tiny-bert.toml").model)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert torch.count_nonzero(model.output.bias) == 0
+
+
+def test_sample_clips_the_source_to_the_position_table(tmp_path):
+    from meshformer.data import load_tokenizer
+    from meshformer.model import Transformer
+    from meshformer.train.sampling import decoded_sample
+
+    for config in ("configs/tiny-bert.toml", "configs/tiny-t5.toml"):
+        cfg = load_config(config, ["model.max_seq_len=8", "data.seq_len=8", "data.target_len=8"])
+        text = decoded_sample(Transformer(cfg.model), load_tokenizer(cfg.data.tokenizer), cfg, torch.device("cpu"))
+        assert isinstance(text, str) and "->" in text

@@ -38,7 +38,7 @@ def _to_safetensors(args: argparse.Namespace) -> Path:
 def _to_checkpoint(args: argparse.Namespace) -> Path:
     from meshformer.checkpointing.safetensors_io import safetensors_to_checkpoint
 
-    return safetensors_to_checkpoint(Path(args.src), Path(args.out), step=args.step)
+    return safetensors_to_checkpoint(Path(args.src), Path(args.out))
 
 
 def _export_hf(args: argparse.Namespace) -> Path:
@@ -112,8 +112,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         return parser
 
     command("to-safetensors", _to_safetensors, "sharded checkpoint -> model.safetensors + model_config.json")
-    command("to-checkpoint", _to_checkpoint, "weights folder -> weights-only sharded checkpoint").add_argument(
-        "--step", type=int, default=0, help="step number of the written checkpoint")
+    command("to-checkpoint", _to_checkpoint, "weights folder -> weights-only sharded checkpoint (training starts "
+            "from it at step 0)")
     command("export-hf", _export_hf, "-> Hugging Face folder (GPT-2, BERT, Llama, T5)").add_argument(
         "--arch", choices=["gpt2", "bert", "llama", "t5"], help="default: the one matching the model config")
     command("import-hf", _import_hf, "Hugging Face folder -> weights folder").add_argument(

@@ -23,6 +23,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +51,16 @@ def _rank_world() -> tuple[int, int]:
 
 
 class CheckpointManager:
-    def __init__(self, root: Path, cfg: CheckpointConfig, *, total_steps: int = 0, log: Any = None) -> None:
+    def __init__(self, root: Path, cfg: CheckpointConfig, *, total_steps: int = 0, log: Any = None,
+                 timeout_s: float | None = None) -> None:
         self.root, self.cfg, self.total_steps = Path(root), cfg, total_steps
         self.rank, self.world_size = _rank_world()
         self.distributed = self.world_size > 1
         self.log = log or _log.info
         # A gloo group of its own: the async save thread runs collectives while training uses the default group.
-        self.group = dist.new_group(backend="gloo") if self.distributed else None
+        # timeout_s: the job's parallel.timeout_s (None: torch's default, 30 minutes for gloo).
+        timeout = timedelta(seconds=timeout_s) if timeout_s else None
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if self.distributed else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
         self._pending: Future | None = None
         self.last_saved_step: int | None = None
@@ -69,7 +73,7 @@ class CheckpointManager:
     @classmethod
     def from_config(cls, cfg: Config, run_dir: Path, log: Any = None) -> CheckpointManager:
         root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
-        return cls(root, cfg.checkpoint, total_steps=cfg.train.steps, log=log)
+        return cls(root, cfg.checkpoint, total_steps=cfg.train.steps, log=log, timeout_s=cfg.parallel.timeout_s)
 
     @property
     def enabled(self) -> bool:
@@ -162,10 +166,13 @@ class CheckpointManager:
             self.log(f"checkpoint step {step} saved asynchronously in {time.perf_counter() - start:.2f}s")
 
     def _commit(self, partial: Path, step: int) -> None:
-        """Rank 0, once every rank finished: commit step-N/, then retention."""
+        """Rank 0, once every rank finished: commit step-N/, then retention.
+
+        Retention never deletes the step just written, and only steps <= it count (or are deleted): higher
+        ones were left in this folder by another run and are not this run's to remove."""
         commit(partial, step, {"world_size": self.world_size})
-        for old_step in layout.steps_to_delete(layout.committed_steps(self.root), self.cfg.keep_last,
-                                               self.cfg.keep_every):
+        earlier = [s for s in layout.committed_steps(self.root) if s <= step]
+        for old_step in layout.steps_to_delete(earlier, self.cfg.keep_last, self.cfg.keep_every, protect={step}):
             layout.remove_tree(self.root / layout.step_dir_name(old_step))
 
     def _all_param_groups(self, trainer: Any) -> list[dict[str, Any]]:
@@ -205,7 +212,10 @@ class CheckpointManager:
     # ------------------------------------------------------------------ finding and loading
 
     def find_valid(self, verify: Verify | None = None) -> Path | None:
-        """Rank 0's scan: newest committed checkpoint whose manifest verifies; corrupt ones are set aside."""
+        """Rank 0's scan: newest committed checkpoint whose manifest verifies; corrupt ones are set aside.
+
+        Only a failed verification (missing manifest or file, size or hash mismatch) moves a folder aside; a
+        manifest from a newer meshformer raises CheckpointError, which stops the run before any work."""
         verify = verify or self.cfg.verify
         for step in reversed(layout.committed_steps(self.root)):
             path = self.root / layout.step_dir_name(step)
@@ -223,14 +233,19 @@ class CheckpointManager:
         """Load the newest valid checkpoint into `trainer` (collective); False when there is none."""
         if not self.cfg.resume:
             return False
-        name = None
+        name, error = None, None
         if self.rank == 0:
-            found = self.find_valid()
-            name = found.name if found is not None else None
+            try:
+                found = self.find_valid()
+                name = found.name if found is not None else None
+            except CheckpointError as err:  # e.g. written by a newer meshformer: every rank stops, none waits
+                error = str(err)
         if self.distributed:
-            box = [name]
+            box = [(name, error)]
             dist.broadcast_object_list(box, src=0, group=self.group)
-            name = box[0]
+            name, error = box[0]
+        if error is not None:
+            raise CheckpointError(error)
         if name is None:
             return False
         self.load(self.root / name, trainer)

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from meshformer.checkpointing.errors import CorruptCheckpointError
+from meshformer.checkpointing.errors import CheckpointError, CorruptCheckpointError
 
 MANIFEST = "manifest.json"
 FORMAT = "meshformer-checkpoint"
@@ -86,9 +86,9 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{path} is not valid JSON ({err}): the manifest is damaged") from None
     if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
         raise CorruptCheckpointError(f"{path} is not a {FORMAT} manifest")
-    if manifest.get("version", 0) > VERSION:
-        raise CorruptCheckpointError(f"{path} has format version {manifest['version']}; this meshformer reads up to "
-                                     f"{VERSION}: upgrade meshformer to load it")
+    if manifest.get("version", 0) > VERSION:  # not corrupt: must not be moved aside as if it were
+        raise CheckpointError(f"{path} was written by a newer meshformer (format version {manifest['version']}; "
+                              f"this one reads up to {VERSION}); upgrade meshformer to load it")
     return manifest
 
 

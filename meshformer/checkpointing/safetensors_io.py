@@ -1,8 +1,8 @@
 """Sharded training checkpoint <-> single-file safetensors weights folder (model.safetensors + model_config.json).
 
 Both directions run in one process without a process group: DCP reads and writes whole tensors whatever
-layout saved them. The reverse direction writes a weights-only checkpoint (step 0 by default) that training
-resumes from with a fresh optimizer: the way to start from imported (e.g. Hugging Face) weights.
+layout saved them. The reverse direction writes a weights-only checkpoint (always step 0) that training
+starts from at step 0 with a fresh optimizer and schedule: the way to start from imported (e.g. Hugging Face) weights.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from meshformer.checkpointing import directory as layout
 from meshformer.checkpointing.commit import commit, partial_dir
 from meshformer.checkpointing.dcp_io import read_full_tensors, read_metadata, save_tensors, tensor_entries
-from meshformer.checkpointing.errors import CheckpointError
+from meshformer.checkpointing.errors import CheckpointError, CorruptCheckpointError
 from meshformer.checkpointing.manifest import MANIFEST, verify_manifest, write_json_atomic
 from meshformer.checkpointing.progress import chunks, progress
 from meshformer.checkpointing.state import MODEL
@@ -37,7 +37,7 @@ def resolve_checkpoint(path: Path) -> Path:
         try:
             verify_manifest(candidate, "sha256")
             return candidate
-        except CheckpointError:
+        except CorruptCheckpointError:
             continue
     raise CheckpointError(f"{path} is neither a checkpoint (no {MANIFEST}) nor a directory holding a valid "
                           "step-N/ checkpoint; pass a run's checkpoints/ folder or one of its step folders")
@@ -73,8 +73,10 @@ def checkpoint_to_safetensors(checkpoint: Path, out_dir: Path, *, show_progress:
     return write_weights(state, cfg, out_dir)
 
 
-def write_weights_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig, root: Path, step: int = 0) -> Path:
-    """A committed, weights-only checkpoint step-N/ under `root` (training resumes from it at step N)."""
+def write_weights_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig, root: Path) -> Path:
+    """A committed, weights-only checkpoint step-00000000/ under `root`: training starts from these weights at
+    step 0 with a fresh optimizer, schedule and data order (a weights-only checkpoint carries no step)."""
+    step = 0
     from meshformer.model import Transformer
 
     with torch.device("meta"):
@@ -93,6 +95,7 @@ def write_weights_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig, r
     return commit(partial, step, {"world_size": 1})
 
 
-def safetensors_to_checkpoint(weights_dir: Path, root: Path, step: int = 0) -> Path:
+def safetensors_to_checkpoint(weights_dir: Path, root: Path) -> Path:
+    """A weights folder -> a weights-only checkpoint (step 0) under `root`."""
     cfg, state = read_weights(weights_dir)
-    return write_weights_checkpoint(state, cfg, root, step)
+    return write_weights_checkpoint(state, cfg, root)

@@ -109,6 +109,33 @@ def _hash_problem(url: str, info: ShardInfo) -> str:
     return ""
 
 
+def union_bad_shards(per_rank: list[dict[str, str]]) -> dict[str, str]:
+    """Shard name -> problem over every rank's findings (sorted by name; the first rank's reason wins)."""
+    merged: dict[str, str] = {}
+    for rank, problems in enumerate(per_rank):
+        for name, why in problems.items():
+            merged.setdefault(name, why if rank == 0 else f"{why} (seen by rank {rank})")
+    return dict(sorted(merged.items()))
+
+
+def agree_on_bad_shards(problems: dict[str, str]) -> dict[str, str]:
+    """The union of every rank's bad shards when torch.distributed is initialized (collective over the default
+    group), so that all ranks leave out the same shards; `problems` unchanged in a single process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return problems
+    everyone: list[dict[str, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problems)
+    return union_bad_shards([p or {} for p in everyone])
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def build_loader(cfg, tokenizer: Tokenizer, split: Literal["train", "eval"] = "train", dp_rank: int = 0,
                  dp_size: int = 1, *, with_sample_ids: bool = False) -> Loader:
     """Infinite, resumable batches of `cfg.data.batch_size` for one data-parallel rank (see API.md)."""
@@ -120,11 +147,13 @@ def build_loader(cfg, tokenizer: Tokenizer, split: Literal["train", "eval"] = "t
     manifest = read_manifest(ensure_shards(d, tokenizer, objective.raw_length))
     _check_manifest(manifest, tokenizer, objective, split)
     problems = verify_shards(manifest, split, full=d.bad_shards == "skip")
+    if d.bad_shards == "skip":
+        problems = agree_on_bad_shards(problems)  # every rank must skip the same shards: one sample order
     if problems and d.bad_shards == "error":
         name, why = next(iter(problems.items()))
         raise ShardError(f"shard {name} of {manifest.url} is unusable: {why}. Re-run `meshformer data prepare`, "
                          f"restore the file, or set data.bad_shards='skip' ({len(problems)} bad shard(s) in all)")
-    if problems:
+    if problems and _rank() == 0:
         lost = sum(s.samples for s in manifest.splits[split] if s.name in problems)
         log.warning("data: skipping %d bad shard(s) of %s split %s (%d samples lost): %s", len(problems),
                     manifest.url, split, lost, "; ".join(f"{k}: {v}" for k, v in problems.items()))
@@ -168,4 +197,5 @@ def _check_manifest(manifest: Manifest, tokenizer: Tokenizer, objective: Objecti
                             f"`meshformer data prepare --record-len {objective.raw_length}` or lower data.seq_len")
 
 
-__all__ = ["ShardSource", "build_loader", "cache_root", "ensure_shards", "verify_shards"]
+__all__ = ["ShardSource", "agree_on_bad_shards", "build_loader", "cache_root", "ensure_shards", "union_bad_shards",
+           "verify_shards"]

@@ -220,12 +220,22 @@ def read_shard(url: str, info: ShardInfo, dtype: str, wanted: set[int] | None) -
         raise ShardError(f"shard {url} is corrupt ({type(err).__name__}: {err}); re-run `meshformer data "
                          "prepare` or restore the file (or set data.bad_shards='skip')",
                          f"corrupt ({type(err).__name__}: {err})") from None
+    finally:
+        _close_quietly(raw)  # every error path too: no leaked file handle or pipe: child per bad shard
     problem = check_shard(stream.hash.hexdigest(), stream.nbytes, len(keys), info)
     if problem:
         raise ShardError(f"shard {url} does not match the manifest: {problem}; the file was truncated, replaced "
                          "or corrupted. Re-run `meshformer data prepare` or restore it (or set "
                          "data.bad_shards='skip')", problem)
     return out
+
+
+def _close_quietly(raw: IO[bytes]) -> None:
+    """Close a stream that may already be closed; errors here are secondary to the one being raised."""
+    try:
+        raw.close()
+    except Exception:  # a pipe: command's exit status was already reported (or is moot)
+        pass
 
 
 def check_shard(sha256: str, nbytes: int, samples: int, info: ShardInfo) -> str:

@@ -51,6 +51,9 @@ def greedy_decode(
         raise ValueError("greedy decoding needs a decoder: this model is encoder-only")
     if (cfg.family == "encoder_decoder") != (source_ids is not None):
         raise ValueError("pass source_ids for an encoder-decoder model, and only for one")
+    if source_ids is not None and cfg.position in TABLE_POSITIONS and source_ids.shape[1] > cfg.max_seq_len:
+        raise ValueError(f"the source has {source_ids.shape[1]} tokens but {cfg.position!r} positions stop at "
+                         f"model.max_seq_len={cfg.max_seq_len}; shorten the source")
     if prompt_ids is None:  # start every row from BOS: one row, or one per source
         if bos_id is None:
             raise ValueError("pass prompt_ids, or bos_id to start every row from BOS")

@@ -89,11 +89,10 @@ class Transformer(nn.Module):
             if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 module.reset_parameters()
             elif isinstance(module, (nn.Linear, nn.Embedding, LearnedPositions)):
-                if module is self.output and cfg.tie_embeddings:
-                    continue
-                if cfg.init == "xavier":
+                tied = module is self.output and cfg.tie_embeddings  # its weight is the embedding's; bias is its own
+                if not tied and cfg.init == "xavier":
                     nn.init.xavier_uniform_(module.weight)
-                else:
+                elif not tied:
                     residual = name.endswith(("o_proj", "down_proj"))
                     nn.init.normal_(module.weight, std=residual_std if residual else cfg.init_std)
                 if getattr(module, "bias", None) is not None:

@@ -12,7 +12,7 @@ from meshformer.config import OptimConfig, ScheduleConfig
 
 
 def build_optimizer(model_parts: Iterable[nn.Module], cfg: OptimConfig) -> tuple[torch.optim.AdamW, str]:
-    """AdamW without weight decay on biases, norms and position tables (1-D parameters).
+    """AdamW with weight decay on matrices (ndim >= 2: projections, embeddings, position tables) only.
 
     Returns the optimizer and the name of the kernel in use ("fused", "foreach" or "for-loop") for the run log.
     """

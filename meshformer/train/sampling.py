@@ -26,7 +26,7 @@ def decoded_sample(
             max_new = min(max_new, cfg.model.max_seq_len - prompt.shape[1])
             out = greedy_decode(model, prompt, max_new, eos_id=tokenizer.eos_id)
             return tokenizer.decode(out[0].tolist())
-        ids = tokenizer.encode(SOURCE)
+        ids = tokenizer.encode(SOURCE)[: cfg.data.seq_len]  # the encoder's position table ends at max_seq_len
         if family == "encoder":
             masked = list(ids)
             for i in range(2, len(masked), 4):  # hide every fourth token and let the model fill it in

@@ -56,6 +56,9 @@ class Trainer:
         self.device = resolve_device(cfg.train.device, local_rank)
         if cfg.train.dtype == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError("train.dtype='bf16' but this GPU has no bf16 support; use train.dtype='fp32'")
+        # Measured first, before data workers or other ranks' set-up compete for the device.
+        self.peak_flops, peak_source = peak_flops(self.device, torch.bfloat16 if cfg.train.dtype == "bf16"
+                                                  else torch.float32)
         self.run_dir = Path(cfg.logging.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if rank == 0:
@@ -85,8 +88,6 @@ class Trainer:
         self.tokens_seen = torch.zeros((), dtype=torch.long, device=self.device)  # target tokens trained on
         self.checkpoints = CheckpointManager.from_config(cfg, self.run_dir, log=self.logger.info)
 
-        dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
-        self.peak_flops, peak_source = peak_flops(self.device, dtype)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, self.target_len)
         n_params = sum(p.numel() for p in model.parameters())
         self.logger.info(
@@ -117,6 +118,7 @@ class Trainer:
         self.watchdog.phase("grad_norm")
         grad_norm = self.plan.clip_grad_norm(self.cfg.optim.grad_clip)
         self.watchdog.phase("optimizer")
+        self.last_lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used (the scheduler moves on)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -134,6 +136,7 @@ class Trainer:
             batch_loss, batch_tokens = self.plan.evaluate(to_device(next(eval_iter), self.device))
             loss_sum += float(batch_loss)
             tokens += float(batch_tokens)
+        self.eval_data.close()  # no idle eval workers holding prefetched batches until the next evaluation
         for part in self.plan.model_parts:
             part.train()
         return loss_sum / max(tokens, 1.0)
@@ -173,7 +176,7 @@ class Trainer:
                 tokens_per_s = tokens_per_step * window_steps / elapsed
                 record = {
                     "train/loss": last_loss,
-                    "train/lr": self.scheduler.get_last_lr()[0],
+                    "train/lr": self.last_lr,
                     "train/grad_norm": float(grad_norm),
                     "perf/tokens_per_s": tokens_per_s,
                     "perf/mfu": self.flops_per_token * tokens_per_s / _world_size() / self.peak_flops,
