@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -115,7 +116,8 @@ def _pipeline_plan(model: nn.Module, cfg: Config, dims: ParallelDims, meshes: Me
     for stage in stages:
         kernels = _finish_part(stage, cfg, dims, meshes, device)
     plan = PipelinePlan(stages, loss_fn, device, meshes, schedule=p.pp_schedule,
-                        n_microbatches=n_microbatches(cfg), stage_to_rank=stage_to_rank, shared=shared)
+                        n_microbatches=n_microbatches(cfg), stage_to_rank=stage_to_rank, shared=shared,
+                        timeout=timedelta(seconds=p.timeout_s))
     kernels["pipeline"] = (f"{p.pp_schedule}, {n_stages} stages "
                            f"({', '.join(f'{s.start}-{s.stop - 1}' for s in spans)}), "
                            f"{n_microbatches(cfg)} microbatches")

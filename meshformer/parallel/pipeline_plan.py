@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,7 @@ class PipelinePlan(MeshPlan):
         n_microbatches: int,
         stage_to_rank: dict[int, int],
         shared: dict[str, list[int]],
+        timeout: timedelta | None = None,
     ) -> None:
         super().__init__(stages[0], loss_fn, device, meshes)
         self.stages, self.schedule_name, self.n_microbatches = stages, schedule, n_microbatches
@@ -64,7 +66,7 @@ class PipelinePlan(MeshPlan):
         self._records: list[torch.Tensor] = []
         self._tokens: torch.Tensor | None = None
         self._schedules: OrderedDict[tuple, object] = OrderedDict()
-        self._shared = _SharedWeights(stages, shared, stage_to_rank, meshes)
+        self._shared = _SharedWeights(stages, shared, stage_to_rank, meshes, timeout)
         self._stage_to_rank, self.n_stages = stage_to_rank, stages[0].span.n_stages
 
     @property
@@ -171,7 +173,7 @@ class _SharedWeights:
     """Copies of one weight on several stages (tied embeddings): sum their gradient increments."""
 
     def __init__(self, stages: list[TransformerStage], shared: dict[str, list[int]], stage_to_rank: dict[int, int],
-                 meshes: Meshes) -> None:
+                 meshes: Meshes, timeout: timedelta | None = None) -> None:
         self.local: dict[str, list[nn.Parameter]] = {}
         self.primary: set[int] = set()  # id of the copy that counts in the global norm
         self.shared_ids: set[int] = set()
@@ -184,7 +186,7 @@ class _SharedWeights:
                     self.shared_ids.add(id(param))
                     if stage.span.index == shared[name][0]:
                         self.primary.add(id(param))
-        self.groups = _holder_groups(shared, stage_to_rank, meshes)
+        self.groups = _holder_groups(shared, stage_to_rank, meshes, timeout)
         self._stashed: dict[str, torch.Tensor | None] = {}
 
     def counts_in_norm(self, param: nn.Parameter) -> bool:
@@ -236,8 +238,8 @@ def shared_weights(model: nn.Module, spans: list[StageSpan]) -> dict[str, list[i
     return {name: stages for name, stages in holders.items() if len(stages) > 1}
 
 
-def _holder_groups(shared: dict[str, list[int]], stage_to_rank: dict[int, int],
-                   meshes: Meshes) -> dict[str, dist.ProcessGroup | None]:
+def _holder_groups(shared: dict[str, list[int]], stage_to_rank: dict[int, int], meshes: Meshes,
+                   timeout: timedelta | None = None) -> dict[str, dist.ProcessGroup | None]:
     """A process group over the pipeline ranks holding each shared weight, one per (dp, tp) coordinate.
 
     Every rank creates every group in the same order (new_group is collective); None when one rank holds
@@ -256,7 +258,7 @@ def _holder_groups(shared: dict[str, list[int]], stage_to_rank: dict[int, int],
         else:
             for coord in itertools.product(*(range(n) for n in world.shape[1:])):
                 members = [int(world[(r, *coord)]) for r in ranks]
-                group = dist.new_group(members)
+                group = dist.new_group(members, timeout=timeout)  # None would mean torch's 30 minutes
                 if me in members:
                     groups[ranks] = group
     return {name: groups.get(ranks) for name, ranks in rank_sets.items()}
