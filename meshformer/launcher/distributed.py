@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from meshformer.config import Config
+from meshformer.config import Config, ConfigError
 from meshformer.parallel.validate import validate_parallel
 
 _TIMEOUT_MARKERS = ("timed out", "timeout", "watchdog caught collective operation")
@@ -41,11 +41,14 @@ def backend_for(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
-def job_device(cfg: Config, local_rank: int) -> torch.device:
+def job_device(cfg: Config, local_rank: int = 0) -> torch.device:
+    """This rank's device from train.device: "auto" and a bare "cuda" pick the local rank's GPU."""
     spec = cfg.train.device
     if spec == "auto":
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={spec!r} but no CUDA device is visible; use train.device='cpu' or 'auto'")
     if device.type == "cuda" and device.index is None:
         device = torch.device(f"cuda:{local_rank}")
     return device

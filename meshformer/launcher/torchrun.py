@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Any
 
 
 def torchrun_command(
@@ -48,19 +49,9 @@ def torchrun_env(nproc_per_node: int) -> dict[str, str]:
     return env
 
 
-def launch_torchrun(
-    config: str,
-    overrides: list[str] | None = None,
-    *,
-    nproc_per_node: int,
-    nnodes: int = 1,
-    rdzv_endpoint: str = "127.0.0.1:29500",
-    rdzv_id: str = "meshformer",
-    max_restarts: int = 0,
-) -> int:
-    """Run torchrun in the foreground; returns its exit status (non-zero when any rank failed)."""
-    cmd = torchrun_command(config, overrides, nproc_per_node=nproc_per_node, nnodes=nnodes,
-                           rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts)
+def launch_torchrun(config: str, overrides: list[str] | None = None, *, nproc_per_node: int, **options: Any) -> int:
+    """Run torchrun in the foreground (`options` as for `torchrun_command`); returns its exit status."""
+    cmd = torchrun_command(config, overrides, nproc_per_node=nproc_per_node, **options)
     print("launching: " + " ".join(cmd), file=sys.stderr, flush=True)
     try:
         return subprocess.call(cmd, env=torchrun_env(nproc_per_node))

@@ -16,6 +16,7 @@ import torch
 from meshformer.checkpointing.manager import CheckpointManager
 from meshformer.config import Config, ConfigError
 from meshformer.data import build_loader, load_tokenizer
+from meshformer.launcher.distributed import job_device
 from meshformer.launcher.profiler import StepProfiler
 from meshformer.launcher.stragglers import rank_timings, straggler_scalars
 from meshformer.launcher.watchdog import HangWatchdog
@@ -37,15 +38,6 @@ class TrainResult:
     history: list[dict[str, float]] = field(default_factory=list)
 
 
-def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
-    if spec == "auto":
-        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(spec)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={spec!r} but no CUDA device is visible; use train.device='cpu' or 'auto'")
-    return device
-
-
 def to_device(batch: Batch, device: torch.device) -> Batch:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -53,7 +45,7 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 class Trainer:
     def __init__(self, cfg: Config, *, rank: int = 0, local_rank: int = 0) -> None:
         self.cfg, self.rank = cfg, rank
-        self.device = resolve_device(cfg.train.device, local_rank)
+        self.device = job_device(cfg, local_rank)
         if cfg.train.dtype == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError("train.dtype='bf16' but this GPU has no bf16 support; use train.dtype='fp32'")
         # Measured first, before data workers or other ranks' set-up compete for the device.
