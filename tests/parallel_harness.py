@@ -34,9 +34,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from meshformer.config import Config, config_from_dict, validate  # noqa: E402
+from meshformer.loss import IGNORE_INDEX  # noqa: E402
 from meshformer.model import Transformer  # noqa: E402
 from meshformer.parallel.plan import TrainingPlan, default_loss_fn  # noqa: E402
-from meshformer.train.loss import IGNORE_INDEX  # noqa: E402
 
 BATCH, SEQ, TARGET, VOCAB = 8, 16, 8, 64
 MAX_NORM = 0.05  # small enough that clipping is active in both steps
@@ -225,8 +225,8 @@ def scenario(name: str) -> tuple[Config, list]:
 
 def vocab_parallel_loss_check() -> dict[str, Any]:
     """The vocab-parallel cross-entropy alone against cross_entropy_sum on full logits (world = tp)."""
+    from meshformer.loss import cross_entropy_sum
     from meshformer.parallel.loss_parallel import vocab_parallel_cross_entropy
-    from meshformer.train.loss import cross_entropy_sum
 
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(7)

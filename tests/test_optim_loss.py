@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from meshformer.config import OptimConfig, ScheduleConfig
-from meshformer.train.loss import IGNORE_INDEX, cross_entropy_sum
+from meshformer.loss import IGNORE_INDEX, cross_entropy_sum
 from meshformer.train.optim import build_optimizer, lr_multiplier
 
 

@@ -3,7 +3,7 @@
 torch's `loss_parallel` rejects label smoothing, so this is the Megatron formulation: each rank holds the
 logits of its vocabulary rows; two all-reduces (max, then the stacked sums) give the log-partition function,
 the target logit and the smoothing term without ever materialising full-vocabulary logits. The result equals
-`meshformer.train.loss.cross_entropy_sum` on the gathered logits (summed, IGNORE_INDEX skipped, fp32 math).
+`meshformer.loss.cross_entropy_sum` on the gathered logits (summed, IGNORE_INDEX skipped, fp32 math).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from meshformer.loss import IGNORE_INDEX
 from meshformer.parallel.plan import LossFn
-from meshformer.train.loss import IGNORE_INDEX
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

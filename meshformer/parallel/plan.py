@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from meshformer.train.loss import count_tokens, cross_entropy_sum
+from meshformer.loss import count_tokens, cross_entropy_sum
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> summed loss
