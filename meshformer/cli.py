@@ -82,12 +82,12 @@ def _attention_map(args: argparse.Namespace) -> None:
 def _grad_report(args: argparse.Namespace) -> None:
     import torch
 
+    from meshformer.batch import model_inputs
     from meshformer.checkpointing.weights import load_weights
     from meshformer.data import build_loader, load_tokenizer
     from meshformer.loss import count_tokens, cross_entropy_sum
     from meshformer.model import Transformer
     from meshformer.model.inspect import gradient_report
-    from meshformer.parallel.plan import model_inputs
 
     cfg = load_config(args.config, [*args.set, "data.num_workers=0"])
     torch.manual_seed(cfg.train.seed)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from meshformer.batch import IGNORE_INDEX
 
 
 def cross_entropy_sum(

@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from meshformer.batch import IGNORE_INDEX  # noqa: E402
 from meshformer.config import Config, config_from_dict, validate  # noqa: E402
-from meshformer.loss import IGNORE_INDEX  # noqa: E402
 from meshformer.model import Transformer  # noqa: E402
 from meshformer.parallel.plan import TrainingPlan, default_loss_fn  # noqa: E402
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 from _data_fixtures import config, shards, tokenizer
 
+from meshformer.batch import IGNORE_INDEX
 from meshformer.config import DataConfig
-from meshformer.data import IGNORE, TokenizerError, build_loader, load_tokenizer
+from meshformer.data import TokenizerError, build_loader, load_tokenizer
 from meshformer.data.objectives import ObjectiveError, make_objective, span_lengths, span_raw_length
 
 
@@ -42,7 +43,7 @@ def test_mlm_statistics():
     rows = windows(400, 128)
     batch = obj.collate(rows, rngs(400))
     original = torch.tensor(np.stack(rows))
-    chosen = batch["labels"] != IGNORE
+    chosen = batch["labels"] != IGNORE_INDEX
     special = torch.isin(original, torch.tensor(tok.special_ids))
     assert not (chosen & special).any(), "special tokens must never be selected"
     assert torch.equal(batch["labels"][chosen], original[chosen])
@@ -87,7 +88,7 @@ def test_span_corruption_is_t5_and_invertible():
         mask = batch["attention_mask"][i]
         src = batch["input_ids"][i][mask].tolist()
         labels = batch["labels"][i]
-        tgt = labels[labels != IGNORE].tolist()
+        tgt = labels[labels != IGNORE_INDEX].tolist()
         assert src[-1] == tok.eos_id and tgt[-1] == tok.eos_id
         assert uncorrupt(src[:-1], tgt[:-1], tok.sentinel_ids) == row.tolist()
         n_spans = sum(t in tok.sentinel_ids for t in src)
@@ -96,7 +97,7 @@ def test_span_corruption_is_t5_and_invertible():
         spans.append(n_spans)
         dec = batch["decoder_input_ids"][i]
         assert dec[0] == tok.bos_id and dec[1:len(tgt)].tolist() == tgt[:-1]  # teacher forcing shift
-        assert (dec[len(tgt):] == tok.pad_id).all() and (labels[len(tgt):] == IGNORE).all()
+        assert (dec[len(tgt):] == tok.pad_id).all() and (labels[len(tgt):] == IGNORE_INDEX).all()
         assert batch["decoder_attention_mask"][i].sum() == len(tgt)
     assert abs(np.sum(noise) / (raw_len * len(rows)) - 0.15) < 0.01
     assert abs(np.sum(noise) / np.sum(spans) - 3.0) < 0.2  # mean span length
@@ -138,7 +139,7 @@ def test_loader_batch_contract(data_dir, family, objective):
     if objective == "seq2seq":  # synthetic task: the target is the reversed source
         for i in range(4):
             src = batch["input_ids"][i][batch["attention_mask"][i]].tolist()
-            labels = batch["labels"][i][batch["labels"][i] != IGNORE].tolist()
+            labels = batch["labels"][i][batch["labels"][i] != IGNORE_INDEX].tolist()
             assert labels[:-1] == src[:-1][::-1] and labels[-1] == tokenizer().eos_id
 
 

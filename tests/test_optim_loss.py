@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from meshformer.batch import IGNORE_INDEX
 from meshformer.config import OptimConfig, ScheduleConfig
-from meshformer.loss import IGNORE_INDEX, cross_entropy_sum
+from meshformer.loss import cross_entropy_sum
 from meshformer.train.optim import build_optimizer, lr_multiplier
 
 

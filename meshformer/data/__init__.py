@@ -8,13 +8,12 @@
 
 from .build import build_loader, cache_root, ensure_shards, verify_shards
 from .loader import DataStateError, Loader
-from .objectives import IGNORE, ObjectiveError
+from .objectives import ObjectiveError
 from .prepare import prepare
 from .shards import ManifestError, ShardError, read_manifest
 from .tokenizer import Tokenizer, TokenizerError, load_tokenizer, train_bpe
 
 __all__ = [
-           "IGNORE",
            "DataStateError",
            "Loader",
            "ManifestError",

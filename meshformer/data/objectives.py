@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from meshformer.batch import IGNORE_INDEX
+
 from .tokenizer import Tokenizer
 
-IGNORE = -100
 Sample = np.ndarray | tuple[np.ndarray, np.ndarray]
 
 
@@ -121,7 +122,7 @@ class Objective:
 
     def _mlm(self, rows: np.ndarray, rngs: list[np.random.Generator]) -> dict[str, torch.Tensor]:
         inputs = rows.copy()
-        labels = np.full_like(rows, IGNORE)
+        labels = np.full_like(rows, IGNORE_INDEX)
         for i, rng in enumerate(rngs):
             draw = rng.random((2, rows.shape[1]))
             chosen = (draw[0] < self.mlm_probability) & ~self._special[rows[i]]
@@ -158,7 +159,7 @@ class Objective:
         b, pad = len(pairs), self.tok.pad_id
         enc = np.full((b, self.seq_len), pad, dtype=np.int64)
         enc_mask = np.zeros((b, self.seq_len), dtype=bool)
-        labels = np.full((b, self.target_len), IGNORE, dtype=np.int64)
+        labels = np.full((b, self.target_len), IGNORE_INDEX, dtype=np.int64)
         dec = np.full((b, self.target_len), pad, dtype=np.int64)
         dec_mask = np.zeros((b, self.target_len), dtype=bool)
         for i, (src, tgt) in enumerate(pairs):

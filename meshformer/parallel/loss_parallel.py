@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from meshformer.loss import IGNORE_INDEX
+from meshformer.batch import IGNORE_INDEX
 from meshformer.parallel.plan import LossFn
 
 

@@ -27,11 +27,12 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from meshformer.batch import Batch, model_inputs
 from meshformer.loss import count_tokens
 from meshformer.parallel.grad_norm import local_tensor, settle_grad
 from meshformer.parallel.mesh import Meshes
 from meshformer.parallel.pipeline import StageSpan, TransformerStage, canonical_names, stage_pieces
-from meshformer.parallel.plan import Batch, LossFn, model_inputs
+from meshformer.parallel.plan import LossFn
 from meshformer.parallel.spmd_plan import MeshPlan, check_sequence_split
 
 SCHEDULES = {

@@ -13,16 +13,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from meshformer.batch import Batch, model_inputs
 from meshformer.loss import count_tokens, cross_entropy_sum
 
-Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> summed loss
-
-
-def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:
-    """The keyword arguments of `Transformer.forward` present in a batch."""
-    keys = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask")
-    return {k: batch[k] for k in keys if k in batch}
 
 
 class TrainingPlan:

@@ -11,10 +11,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshformer.batch import Batch, model_inputs
 from meshformer.loss import count_tokens
 from meshformer.parallel.grad_norm import clip_grads_, global_grad_norm, settle_grad
 from meshformer.parallel.mesh import Meshes
-from meshformer.parallel.plan import Batch, LossFn, TrainingPlan, model_inputs
+from meshformer.parallel.plan import LossFn, TrainingPlan
 
 
 class MeshPlan(TrainingPlan):

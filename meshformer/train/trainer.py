@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from meshformer.batch import Batch
 from meshformer.checkpointing.manager import CheckpointManager
 from meshformer.config import Config, ConfigError
 from meshformer.data import build_loader, load_tokenizer
@@ -23,7 +24,7 @@ from meshformer.launcher.watchdog import HangWatchdog
 from meshformer.model import Transformer
 from meshformer.model.flops import flops_per_token
 from meshformer.parallel import build_plan
-from meshformer.parallel.plan import Batch, TrainingPlan, default_loss_fn
+from meshformer.parallel.plan import TrainingPlan, default_loss_fn
 from meshformer.train.metrics import RunLogger, memory_gib, peak_flops
 from meshformer.train.optim import build_optimizer, build_scheduler
 from meshformer.train.sampling import decoded_sample
