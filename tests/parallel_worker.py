@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from parallel_harness import make_batches, make_config, new_model
 
-from meshformer.launcher.distributed import init_distributed, shutdown_distributed
+from meshformer.runtime.distributed import init_distributed, shutdown_distributed
 
 
 def main(mode: str) -> None:

@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from meshformer.cli import main
 from meshformer.launcher.torchrun import torchrun_command
-from meshformer.launcher.watchdog import explain, slowest_rank
+from meshformer.runtime.watchdog import explain, slowest_rank
 
 pytestmark = pytest.mark.slow
 HANG_STEP = 4

@@ -91,7 +91,7 @@ def test_bf16_rejected_on_a_device_without_it(monkeypatch):
 
 
 def test_init_distributed_validates_before_joining(monkeypatch):
-    from meshformer.launcher.distributed import init_distributed
+    from meshformer.runtime.distributed import init_distributed
 
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "0")

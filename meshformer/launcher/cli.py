@@ -48,7 +48,7 @@ def _plot(args: argparse.Namespace) -> None:
 
 
 def _diagnose(args: argparse.Namespace) -> None:
-    from meshformer.launcher.watchdog import explain, read_reports
+    from meshformer.runtime.watchdog import explain, read_reports
 
     folder = Path(args.run_dir) / "diagnostics"
     reports = read_reports(folder)

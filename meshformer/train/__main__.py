@@ -26,7 +26,7 @@ def run(config_path: str, overrides: list[str]) -> None:
     setup_console_logging(rank)
     distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1
     if distributed:
-        from meshformer.launcher.distributed import init_distributed, shutdown_distributed
+        from meshformer.runtime.distributed import init_distributed, shutdown_distributed
 
         init_distributed(cfg)
     try:

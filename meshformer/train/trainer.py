@@ -17,14 +17,14 @@ from meshformer.batch import Batch
 from meshformer.checkpointing.manager import CheckpointManager
 from meshformer.config import Config, ConfigError
 from meshformer.data import build_loader, load_tokenizer
-from meshformer.launcher.distributed import job_device
-from meshformer.launcher.profiler import StepProfiler
-from meshformer.launcher.stragglers import rank_timings, straggler_scalars
-from meshformer.launcher.watchdog import HangWatchdog
 from meshformer.model import Transformer
 from meshformer.model.flops import flops_per_token
 from meshformer.parallel import build_plan
 from meshformer.parallel.plan import TrainingPlan, default_loss_fn
+from meshformer.runtime.distributed import job_device
+from meshformer.runtime.profiler import StepProfiler
+from meshformer.runtime.stragglers import rank_timings, straggler_scalars
+from meshformer.runtime.watchdog import HangWatchdog
 from meshformer.train.metrics import RunLogger, memory_gib, peak_flops
 from meshformer.train.optim import build_optimizer, build_scheduler
 from meshformer.train.sampling import decoded_sample

@@ -39,7 +39,7 @@ def _run_id() -> str:
 def collectives_issued() -> tuple[int, dict[str, Any] | None]:
     """(collectives this rank issued, summed over process groups; the newest one) from the flight recorder."""
     try:
-        from meshformer.launcher.distributed import last_collectives
+        from meshformer.runtime.distributed import last_collectives
 
         entries = last_collectives(limit=2000)
     except Exception:  # recorder disabled or torch without it: step and phase still tell a lot
@@ -139,7 +139,7 @@ class HangWatchdog:
             if on_error is not None:
                 with contextlib.suppress(Exception):
                     on_error()
-            from meshformer.launcher.distributed import CollectiveTimeoutError, is_timeout
+            from meshformer.runtime.distributed import CollectiveTimeoutError, is_timeout
 
             if not self.enabled or not is_timeout(err) or isinstance(err, CollectiveTimeoutError):
                 raise
