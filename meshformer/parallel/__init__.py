@@ -5,6 +5,5 @@ The trainer calls `build_plan(model, cfg, device, loss_fn)` and talks only to th
 
 from meshformer.parallel.build import build_plan
 from meshformer.parallel.plan import TrainingPlan
-from meshformer.parallel.validate import validate_parallel
 
-__all__ = ["TrainingPlan", "build_plan", "validate_parallel"]
+__all__ = ["TrainingPlan", "build_plan"]

@@ -15,6 +15,13 @@ import torch.distributed as dist
 from torch import nn
 
 from meshformer.config import Config
+from meshformer.layout import (
+    ZERO_BUBBLE,
+    n_microbatches,
+    stages_per_rank,
+    total_layers,
+    validate_parallel,
+)
 from meshformer.parallel.fsdp import apply_fsdp
 from meshformer.parallel.kernels import compile_blocks, kernel_report, use_apex_norms
 from meshformer.parallel.loss_parallel import vocab_parallel_loss_fn
@@ -25,13 +32,6 @@ from meshformer.parallel.plan import LossFn, TrainingPlan, default_loss_fn
 from meshformer.parallel.recompute import apply_recompute
 from meshformer.parallel.spmd_plan import SPMDPlan
 from meshformer.parallel.tensor_parallel import apply_tensor_parallel, vocab_shard
-from meshformer.parallel.validate import (
-    ZERO_BUBBLE,
-    n_microbatches,
-    stages_per_rank,
-    total_layers,
-    validate_parallel,
-)
 
 log = logging.getLogger(__name__)
 

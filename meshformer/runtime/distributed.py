@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from meshformer.config import Config, ConfigError
-from meshformer.parallel.validate import validate_parallel
+from meshformer.layout import validate_parallel
 
 _TIMEOUT_MARKERS = ("timed out", "timeout", "watchdog caught collective operation")
 _FLIGHT_RECORDER_ENTRIES = "2000"
