@@ -391,7 +391,7 @@ def validate(cfg: Config) -> None:
 
 
 def _check_training_ranges(cfg: Config) -> None:
-    """Values that would otherwise train silently wrong (negative rates, no clipping) or fail late."""
+    """Values that would otherwise train silently wrong (negative rates, no clipping) or fail late (data loading)."""
     sched, optim, t = cfg.schedule, cfg.optim, cfg.train
     if sched.warmup_steps < 0:
         raise ConfigError("schedule.warmup_steps must be >= 0")
@@ -414,6 +414,13 @@ def _check_training_ranges(cfg: Config) -> None:
         raise ConfigError("train.eval_batches must be positive when train.eval_interval > 0 (0 disables evaluation)")
     if t.eval_interval < 0 or t.sample_interval < 0:
         raise ConfigError("train.eval_interval and train.sample_interval must be >= 0 (0 disables them)")
+    d = cfg.data
+    if d.num_workers < 0:
+        raise ConfigError(f"data.num_workers={d.num_workers} must be >= 0 (0 loads in the training process)")
+    if d.shuffle_shards < 1:
+        raise ConfigError(f"data.shuffle_shards={d.shuffle_shards} must be >= 1 (shards mixed per shuffle group)")
+    if not 0 <= d.eval_fraction < 1:
+        raise ConfigError(f"data.eval_fraction={d.eval_fraction} must lie in [0, 1)")
 
 
 def _positive(cfg: Config, keys: list[str]) -> None:

@@ -1,4 +1,5 @@
-"""Checks of a parallel layout against the model, the data and the device, run before any process group exists.
+"""The parallel layout of a run: its dimensions (`ParallelDims`, pure arithmetic on the config and the world size)
+and every check of it against the model, the data and the device, run before any process group or model exists.
 
 Every message names the config key and the fix, so a bad launch fails in seconds on every rank with the
 same explanation instead of hanging in a collective or failing deep inside DTensor.
@@ -6,13 +7,78 @@ same explanation instead of hanging in a collective or failing deep inside DTens
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from meshformer.config import Config, ConfigError
-from meshformer.parallel.mesh import ParallelDims
+from meshformer.config import Config, ConfigError, ParallelConfig
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 ZERO_BUBBLE = ("interleaved_zb", "zbv")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
+        """Resolve dp_shard = -1 ("the rest of the world") and check the product against the world size."""
+        for key in ("pp", "dp_replicate", "cp", "tp"):
+            if getattr(cfg, key) < 1:
+                raise ConfigError(f"parallel.{key} must be >= 1, got {getattr(cfg, key)}")
+        if cfg.dp_shard == 0 or cfg.dp_shard < -1:
+            raise ConfigError(f"parallel.dp_shard must be >= 1 or -1 (the rest of the world), got {cfg.dp_shard}")
+        others = cfg.pp * cfg.dp_replicate * cfg.cp * cfg.tp
+        dp_shard = cfg.dp_shard
+        if dp_shard == -1:
+            if world_size % others:
+                raise ConfigError(
+                    f"parallel.pp={cfg.pp} x dp_replicate={cfg.dp_replicate} x cp={cfg.cp} x tp={cfg.tp} = {others} "
+                    f"does not divide the world size {world_size}; choose dimensions whose product divides it"
+                )
+            dp_shard = world_size // others
+        product = others * dp_shard
+        if product != world_size:
+            raise ConfigError(
+                f"mesh pp={cfg.pp} x dp_replicate={cfg.dp_replicate} x dp_shard={dp_shard} x cp={cfg.cp} x "
+                f"tp={cfg.tp} = {product} processes, but the world has {world_size}; make the product equal the "
+                "number of processes (parallel.dp_shard=-1 takes whatever the other dimensions leave)"
+            )
+        return cls(cfg.pp, cfg.dp_replicate, dp_shard, cfg.cp, cfg.tp, world_size)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def hsdp(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def is_single(self) -> bool:
+        return self.world_size == 1
+
+    def describe(self) -> str:
+        parts = [f"{name}={getattr(self, name)}" for name in ("pp", "dp_replicate", "dp_shard", "tp")]
+        return " x ".join(parts) + f" (world {self.world_size})"
 
 
 def stages_per_rank(cfg: Config) -> int:

@@ -8,8 +8,7 @@ import torch.distributed as dist
 from parallel_harness import make_config
 
 from meshformer.config import ConfigError
-from meshformer.layout import bf16_supported, n_microbatches, validate_parallel
-from meshformer.parallel.mesh import ParallelDims
+from meshformer.layout import ParallelDims, bf16_supported, n_microbatches, validate_parallel
 from meshformer.parallel.pipeline import split_layers, stage_ids_for_rank
 
 

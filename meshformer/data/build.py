@@ -142,7 +142,6 @@ def build_loader(cfg, tokenizer: Tokenizer, split: Literal["train", "eval"] = "t
     d = cfg.data
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r}; use 'train' or 'eval'")
-    _check_data_config(d)
     objective: Objective = make_objective(cfg.objective, tokenizer, d)
     manifest = read_manifest(ensure_shards(d, tokenizer, objective.raw_length))
     _check_manifest(manifest, tokenizer, objective, split)
@@ -166,17 +165,6 @@ def build_loader(cfg, tokenizer: Tokenizer, split: Literal["train", "eval"] = "t
     loader.skipped_shards = sorted(problems)
     loader.manifest = manifest
     return loader
-
-
-def _check_data_config(d) -> None:
-    from meshformer.config import ConfigError
-
-    if d.num_workers < 0:
-        raise ConfigError(f"data.num_workers={d.num_workers} must be >= 0 (0 loads in the training process)")
-    if d.shuffle_shards < 1:
-        raise ConfigError(f"data.shuffle_shards={d.shuffle_shards} must be >= 1 (shards mixed per shuffle group)")
-    if not 0 <= d.eval_fraction < 1:
-        raise ConfigError(f"data.eval_fraction={d.eval_fraction} must lie in [0, 1)")
 
 
 def _check_manifest(manifest: Manifest, tokenizer: Tokenizer, objective: Objective, split: str) -> None:

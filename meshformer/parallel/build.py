@@ -17,6 +17,7 @@ from torch import nn
 from meshformer.config import Config
 from meshformer.layout import (
     ZERO_BUBBLE,
+    ParallelDims,
     n_microbatches,
     stages_per_rank,
     total_layers,
@@ -25,7 +26,7 @@ from meshformer.layout import (
 from meshformer.parallel.fsdp import apply_fsdp
 from meshformer.parallel.kernels import compile_blocks, kernel_report, use_apex_norms
 from meshformer.parallel.loss_parallel import vocab_parallel_loss_fn
-from meshformer.parallel.mesh import Meshes, ParallelDims, build_mesh
+from meshformer.parallel.mesh import Meshes, build_mesh
 from meshformer.parallel.pipeline import TransformerStage, split_layers, stage_ids_for_rank
 from meshformer.parallel.pipeline_plan import PipelinePlan, shared_weights
 from meshformer.parallel.plan import LossFn, TrainingPlan, default_loss_fn

@@ -1,7 +1,6 @@
-"""The parallel dimensions (pp × dp_replicate × dp_shard × cp × tp) and the device mesh built from them.
+"""The device mesh built from the parallel dimensions (`meshformer.layout.ParallelDims`).
 
-`ParallelDims` is pure arithmetic on the config and the world size, so every mistake in it is reported
-before any process-group work. `build_mesh` is the only place that talks to `init_device_mesh`.
+`build_mesh` is the only place that talks to `init_device_mesh`.
 """
 
 from __future__ import annotations
@@ -11,75 +10,11 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshformer.config import ConfigError, ParallelConfig
+from meshformer.layout import ParallelDims
 
 # Outer to inner: tp innermost keeps its (most frequent) collectives between neighbouring ranks,
 # i.e. inside one node when a node holds tp consecutive ranks, as in Megatron and torchtitan.
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    pp: int
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    tp: int
-    world_size: int
-
-    @classmethod
-    def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
-        """Resolve dp_shard = -1 ("the rest of the world") and check the product against the world size."""
-        for key in ("pp", "dp_replicate", "cp", "tp"):
-            if getattr(cfg, key) < 1:
-                raise ConfigError(f"parallel.{key} must be >= 1, got {getattr(cfg, key)}")
-        if cfg.dp_shard == 0 or cfg.dp_shard < -1:
-            raise ConfigError(f"parallel.dp_shard must be >= 1 or -1 (the rest of the world), got {cfg.dp_shard}")
-        others = cfg.pp * cfg.dp_replicate * cfg.cp * cfg.tp
-        dp_shard = cfg.dp_shard
-        if dp_shard == -1:
-            if world_size % others:
-                raise ConfigError(
-                    f"parallel.pp={cfg.pp} x dp_replicate={cfg.dp_replicate} x cp={cfg.cp} x tp={cfg.tp} = {others} "
-                    f"does not divide the world size {world_size}; choose dimensions whose product divides it"
-                )
-            dp_shard = world_size // others
-        product = others * dp_shard
-        if product != world_size:
-            raise ConfigError(
-                f"mesh pp={cfg.pp} x dp_replicate={cfg.dp_replicate} x dp_shard={dp_shard} x cp={cfg.cp} x "
-                f"tp={cfg.tp} = {product} processes, but the world has {world_size}; make the product equal the "
-                "number of processes (parallel.dp_shard=-1 takes whatever the other dimensions leave)"
-            )
-        return cls(cfg.pp, cfg.dp_replicate, dp_shard, cfg.cp, cfg.tp, world_size)
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def fsdp_enabled(self) -> bool:
-        return self.dp > 1
-
-    @property
-    def hsdp(self) -> bool:
-        return self.dp_replicate > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def is_single(self) -> bool:
-        return self.world_size == 1
-
-    def describe(self) -> str:
-        parts = [f"{name}={getattr(self, name)}" for name in ("pp", "dp_replicate", "dp_shard", "tp")]
-        return " x ".join(parts) + f" (world {self.world_size})"
 
 
 def device_type_of(device: torch.device | str) -> str:
