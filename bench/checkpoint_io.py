@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from meshformer.checkpointing import CheckpointManager
+from meshformer.checkpointing import Checkpointable, CheckpointManager, SchedulerState, TrainState
 from meshformer.checkpointing.directory import step_dir_name
 from meshformer.config import load_config
 from meshformer.model import Transformer
@@ -68,6 +68,7 @@ def folder_mb(path: Path) -> float:
 
 
 def make_trainer(args: argparse.Namespace, root: Path, async_save: bool) -> SimpleNamespace:
+    """A model, its AdamW and scheduler, and the `Checkpointable` a save holds (no data loader)."""
     cfg = load_config(None, [f"model.d_model={args.d_model}", f"model.n_layers={args.layers}",
                              f"model.n_heads={max(1, args.d_model // 64)}", f"model.d_ff={4 * args.d_model}",
                              "model.vocab_size=8192", "model.max_seq_len=128", "checkpoint.interval=1",
@@ -77,8 +78,8 @@ def make_trainer(args: argparse.Namespace, root: Path, async_save: bool) -> Simp
     model = Transformer(cfg.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return SimpleNamespace(plan=SimpleNamespace(model_parts=[model]), optimizer=optimizer, scheduler=scheduler,
-                           train_data=None, step=0, cfg=cfg, model=model)
+    run = Checkpointable(TrainState(), [model], optimizer, {"scheduler": SchedulerState(scheduler)}, cfg)
+    return SimpleNamespace(run=run, optimizer=optimizer, scheduler=scheduler, cfg=cfg, model=model)
 
 
 def train_step(trainer: SimpleNamespace, batch: torch.Tensor) -> None:
@@ -86,7 +87,7 @@ def train_step(trainer: SimpleNamespace, batch: torch.Tensor) -> None:
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer.scheduler.step()
-    trainer.step += 1
+    trainer.run.state.step += 1
 
 
 def stall(args: argparse.Namespace, root: Path, async_save: bool) -> dict[str, float]:
@@ -108,7 +109,7 @@ def stall(args: argparse.Namespace, root: Path, async_save: bool) -> dict[str, f
         train_step(trainer, batch)
         if i % args.save_every == args.save_every - 1:
             start = time.perf_counter()
-            manager.save(trainer)
+            manager.save(trainer.run)
             blocked += time.perf_counter() - start
             saves += 1
     manager.wait()
@@ -144,16 +145,16 @@ def run(args: argparse.Namespace, base: Path) -> dict[str, float]:
     train_step(trainer, torch.randint(0, 8192, (args.batch, args.seq)))
     manager = CheckpointManager(base / "save", trainer.cfg.checkpoint, log=lambda m: None)
     start = time.perf_counter()
-    manager.save(trainer, blocking=True)
+    manager.save(trainer.run, blocking=True)
     save_s = time.perf_counter() - start
-    folder = base / "save" / step_dir_name(trainer.step)
+    folder = base / "save" / step_dir_name(trainer.run.state.step)
     size = folder_mb(folder)
     write_bw, read_bw = disk_bandwidth(base, max(64, int(size)))
 
     fresh = make_trainer(args, base / "save", async_save=False)
     drop_cache(folder)
     start = time.perf_counter()
-    manager.load(folder, fresh)
+    manager.load(folder, fresh.run)
     load_s = time.perf_counter() - start
     manager.close()
 

@@ -265,7 +265,7 @@ def run_scenario(name: str) -> dict[str, Any]:
     checked = set().union(*(set(c) for _, c, _ in gathered))
     report["missing"] = sorted(set(report.pop("reference_params")) - checked)
     report["checked"] = len(checked)
-    report["kernels"] = plan.kernels
+    report["kernels"] = plan.report
     return report
 
 

@@ -30,7 +30,7 @@ def main(mode: str) -> None:
             batch = {k: v.chunk(plan.dp_size)[plan.dp_rank] for k, v in make_batches(cfg, 1)[0].items()}
             tokens = plan.global_token_count([batch])
             loss = plan.reduce_for_logging(plan.forward_backward(batch, tokens)) / float(tokens)
-            print(f"worker rank {rank} of {world}: loss {loss:.6f} layout {plan.kernels['layout']}", flush=True)
+            print(f"worker rank {rank} of {world}: loss {loss:.6f} layout {plan.report['layout']}", flush=True)
         elif mode == "fail":
             if rank == 1:
                 raise ValueError("injected failure on rank 1")

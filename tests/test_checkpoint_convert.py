@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from _checkpoint_fixtures import assert_bitwise
 from safetensors.torch import load_file
 
-from meshformer.checkpointing import CheckpointManager, ConversionError, read_checkpoint_model, write_weights_checkpoint
+from meshformer.checkpointing import (
+    Checkpointable,
+    CheckpointManager,
+    ConversionError,
+    SchedulerState,
+    TrainState,
+    read_checkpoint_model,
+    write_weights_checkpoint,
+)
 from meshformer.checkpointing.directory import step_dir_name
 from meshformer.checkpointing.weights import read_weights, write_weights
 from meshformer.cli import main
@@ -30,10 +37,9 @@ def _training_checkpoint(tmp_path: Path) -> tuple[Path, Transformer]:
     model(torch.randint(0, 128, (2, 8))).sum().backward()
     optimizer.step()
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    trainer = SimpleNamespace(plan=SimpleNamespace(model_parts=[model]), optimizer=optimizer, scheduler=scheduler,
-                              train_data=None, step=1, cfg=cfg)
+    run = Checkpointable(TrainState(step=1), [model], optimizer, {"scheduler": SchedulerState(scheduler)}, cfg)
     manager = CheckpointManager.from_config(cfg, tmp_path)
-    manager.save(trainer, blocking=True)
+    manager.save(run, blocking=True)
     manager.close()
     return tmp_path / "ck", model
 

@@ -125,9 +125,8 @@ def test_rng_state_round_trips_through_json():
     assert expected[0] == again[0] and expected[1] == again[1] and torch.equal(expected[2], again[2])
 
 
-def _tiny_trainer(tmp_path, step: int, *overrides: str):
-    from types import SimpleNamespace
-
+def _tiny_run(tmp_path, step: int, *overrides: str):
+    from meshformer.checkpointing import Checkpointable, SchedulerState, TrainState
     from meshformer.config import load_config
     from meshformer.model import Transformer
 
@@ -137,8 +136,7 @@ def _tiny_trainer(tmp_path, step: int, *overrides: str):
     model = Transformer(cfg.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    return SimpleNamespace(plan=SimpleNamespace(model_parts=[model]), optimizer=optimizer, scheduler=scheduler,
-                           train_data=None, step=step, cfg=cfg)
+    return Checkpointable(TrainState(step=step), [model], optimizer, {"scheduler": SchedulerState(scheduler)}, cfg)
 
 
 def test_retention_never_deletes_the_checkpoint_just_written(tmp_path):
@@ -147,9 +145,9 @@ def test_retention_never_deletes_the_checkpoint_just_written(tmp_path):
 
     _committed(tmp_path, 900, {"x": torch.zeros(2)})
     _committed(tmp_path, 1000, {"x": torch.zeros(2)})
-    trainer = _tiny_trainer(tmp_path, 100, "checkpoint.keep_last=1", "checkpoint.keep_every=0")
-    manager = CheckpointManager.from_config(trainer.cfg, tmp_path)
-    manager.save(trainer, blocking=True)
+    run = _tiny_run(tmp_path, 100, "checkpoint.keep_last=1", "checkpoint.keep_every=0")
+    manager = CheckpointManager.from_config(run.config, tmp_path)
+    manager.save(run, blocking=True)
     manager.close()
     assert 100 in committed_steps(tmp_path)
     latest = read_latest(tmp_path)
@@ -166,11 +164,55 @@ def test_newer_manifest_version_stops_instead_of_being_moved_aside(tmp_path):
     with pytest.raises(CheckpointError, match="newer meshformer") as info:
         verify_manifest(folder)
     assert not isinstance(info.value, CorruptCheckpointError)
-    trainer = _tiny_trainer(tmp_path, 0)
-    manager = CheckpointManager.from_config(trainer.cfg, tmp_path)
+    run = _tiny_run(tmp_path, 0)
+    manager = CheckpointManager.from_config(run.config, tmp_path)
     try:
         with pytest.raises(CheckpointError, match="upgrade meshformer"):
-            manager.resume(trainer)
+            manager.resume(run)
     finally:
         manager.close()
     assert committed_steps(tmp_path) == [5] and not list(tmp_path.glob("*.corrupt-*"))
+
+
+def test_a_component_without_state_is_an_error_not_a_skip(tmp_path):
+    """A loader without state_dict/load_state_dict would resume from its start: refused when the run is assembled."""
+    from meshformer.checkpointing import Checkpointable
+
+    run = _tiny_run(tmp_path, 0)
+
+    class Stateless:
+        def __iter__(self):
+            return iter(())
+
+    with pytest.raises(CheckpointError, match=r"component 'data' \(Stateless\) has no state_dict"):
+        Checkpointable(run.state, run.model_parts, run.optimizer, {"data": Stateless()}, run.config)
+
+
+def test_resume_needs_the_state_of_every_component(tmp_path):
+    """A checkpoint saved without a data position cannot silently restart this run's data from the beginning."""
+    from meshformer.checkpointing import Checkpointable, CheckpointManager, TrainState
+
+    saved = _tiny_run(tmp_path, 3)
+    manager = CheckpointManager.from_config(saved.config, tmp_path)
+    manager.save(saved, blocking=True)
+
+    class Position:
+        def __init__(self) -> None:
+            self.consumed = 0
+
+        def state_dict(self) -> dict:
+            return {"consumed": self.consumed}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.consumed = state["consumed"]
+
+    fresh = _tiny_run(tmp_path, 0)
+    components = {**fresh.components, "data": Position()}
+    wanting = Checkpointable(TrainState(), fresh.model_parts, fresh.optimizer, components, fresh.config)
+    try:
+        with pytest.raises(CheckpointError, match="holds no state for 'data'"):
+            manager.resume(wanting)
+        assert wanting.state.step == 0
+        assert manager.resume(fresh) and fresh.state.step == 3  # the same components: resumes
+    finally:
+        manager.close()

@@ -129,8 +129,7 @@ def test_sigterm_saves_and_stops(reference, tmp_path):
 
 def test_retention_keeps_last_and_every_mth(tmp_path):
     """Async saves at every step, keep the last 2 and every 2nd: the rest is deleted once a newer one commits."""
-    from types import SimpleNamespace
-
+    from meshformer.checkpointing import Checkpointable, TrainState
     from meshformer.config import load_config
     from meshformer.model import Transformer
 
@@ -139,15 +138,14 @@ def test_retention_keeps_last_and_every_mth(tmp_path):
                              "checkpoint.keep_every=2", "checkpoint.async_save=true", "train.steps=5"])
     model = Transformer(cfg.model)
     optimizer = torch.optim.AdamW(model.parameters())
-    trainer = SimpleNamespace(plan=SimpleNamespace(model_parts=[model]), optimizer=optimizer, scheduler=None,
-                              train_data=None, step=0, cfg=cfg)
+    run = Checkpointable(TrainState(), [model], optimizer, {}, cfg)
     manager = CheckpointManager.from_config(cfg, tmp_path)
     for _ in range(cfg.train.steps):
         model(torch.randint(0, 64, (2, 8))).sum().backward()
         optimizer.step()
-        trainer.step += 1
-        manager.after_step(trainer)
-    manager.finish(trainer)
+        run.state.step += 1
+        manager.after_step(run)
+    manager.finish(run)
     root = tmp_path / "checkpoints"
     assert committed_steps(root) == [2, 4, 5]
     assert read_latest(root) == step_dir_name(5)
@@ -185,7 +183,7 @@ def test_missing_rng_state_is_reported_and_seeded(reference, tmp_path):
 
     trainer = Trainer(cfg)
     trainer.checkpoints.log = messages.append
-    assert trainer.checkpoints.resume(trainer)
+    assert trainer.checkpoints.resume(trainer.checkpointable)
     trainer.checkpoints.close()
     assert trainer.step == 6
     assert any("no RNG state" in m for m in messages), messages
@@ -199,7 +197,7 @@ def test_training_starts_from_converted_weights(reference, tmp_path):
     converted = tmp_path / "converted"
     main(["convert", "to-checkpoint", str(reference["run_dir"] / "final"), str(converted)])
     trainer = Trainer(tiny_config(reference["shards"], tmp_path / "finetune", STEPS, f'checkpoint.dir="{converted}"'))
-    assert trainer.checkpoints.resume(trainer)
+    assert trainer.checkpoints.resume(trainer.checkpointable)
     trainer.checkpoints.close()
     assert trainer.step == 0 and not trainer.optimizer.state
     weights = {k: v for k, v in trainer.model.state_dict().items() if k != "output.weight"}  # tied

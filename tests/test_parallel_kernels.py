@@ -47,5 +47,5 @@ def test_apex_norms_swap_in_when_importable(monkeypatch):
 def test_single_device_plan_reports_kernels():
     cfg = make_config("decoder", {"recompute": "selective"})
     plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
-    assert plan.kernels["recompute"] == "selective (4 blocks)"
-    assert plan.kernels["compile"] == "eager" and plan.supports_generation
+    assert plan.report["recompute"] == "selective (4 blocks)"
+    assert plan.report["compile"] == "eager" and plan.supports_generation

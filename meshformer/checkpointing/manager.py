@@ -1,16 +1,15 @@
 """Resumable training checkpoints: sharded (DCP), optionally async, committed atomically, verified on resume.
 
     manager = CheckpointManager.from_config(cfg, run_dir)   # every rank
-    manager.resume(trainer)                                 # newest valid checkpoint, if any
-    ... each step: if manager.after_step(trainer): break    # interval saves; True after SIGTERM (saved)
-    manager.finish(trainer)                                 # final save, wait for the one in flight
+    manager.resume(run)                                     # newest valid checkpoint, if any
+    ... each step: if manager.after_step(run): break        # interval saves; True after SIGTERM (saved)
+    manager.finish(run)                                     # final save, wait for the one in flight
 
 A save writes into step-N.partial/: DCP shards of model and optimizer (any layout), one JSON file of RNG
-states per rank, and from rank 0 trainer_state.json (step, tokens, scheduler, optimizer hyperparameters,
-data-loader position, resolved config). When every rank finished, rank 0 writes manifest.json (size and
-sha256 of every file), renames the folder to step-N/, updates `latest`, and applies retention.
-`trainer` is anything with `plan.model_parts`, `optimizer`, `scheduler`, `train_data`, `step`, `cfg` and
-optionally `tokens_seen` (the Trainer, or a stand-in in tests).
+states per rank, and from rank 0 trainer_state.json (step, tokens, optimizer hyperparameters, each named
+component's state such as the scheduler and the data-loader position, resolved config). When every rank finished,
+rank 0 writes manifest.json (size and sha256 of every file), renames the folder to step-N/, updates `latest`, and
+applies retention. `run` is a `Checkpointable` (train_state.py): what is saved and restored, named explicitly.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from meshformer.checkpointing.dcp_io import SafeFileSystemReader, SafeLoadPlanne
 from meshformer.checkpointing.errors import CheckpointError, CorruptCheckpointError
 from meshformer.checkpointing.manifest import Verify, verify_manifest, write_json_atomic
 from meshformer.checkpointing.rng import capture_rng_state, restore_rng_state, seed_all
+from meshformer.checkpointing.train_state import Checkpointable
 from meshformer.config import CheckpointConfig, Config
 
 STATE_VERSION = 1
@@ -81,22 +81,23 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ the training loop's hooks
 
-    def after_step(self, trainer: Any) -> bool:
+    def after_step(self, run: Checkpointable) -> bool:
         """Save at the interval; after SIGTERM on any rank, save now (blocking) and return True to stop."""
         if not self.enabled:
             return False
-        if self._preemption_agreed(trainer):
-            self.log(f"SIGTERM received: saving a checkpoint at step {trainer.step} before stopping")
-            self.save(trainer, blocking=True)
+        step = run.state.step
+        if self._preemption_agreed(run):
+            self.log(f"SIGTERM received: saving a checkpoint at step {step} before stopping")
+            self.save(run, blocking=True)
             return True
-        if trainer.step % self.cfg.interval == 0 and trainer.step < self.total_steps:
-            self.save(trainer)
+        if step % self.cfg.interval == 0 and step < self.total_steps:
+            self.save(run)
         return False
 
-    def finish(self, trainer: Any) -> None:
+    def finish(self, run: Checkpointable) -> None:
         """Final checkpoint (blocking, unless this step was just saved), then wait for anything in flight."""
-        if self.enabled and self.last_saved_step != trainer.step:
-            self.save(trainer, blocking=True)
+        if self.enabled and self.last_saved_step != run.state.step:
+            self.save(run, blocking=True)
         self.close()
         if self.group is not None:
             # Every rank reaches this point on a clean finish. Tearing the save group down together keeps a rank
@@ -117,11 +118,11 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ saving
 
-    def save(self, trainer: Any, *, blocking: bool | None = None) -> None:
+    def save(self, run: Checkpointable, *, blocking: bool | None = None) -> None:
         """Write a checkpoint of the current step (collective: every rank calls it)."""
         blocking = not self.cfg.async_save if blocking is None else blocking
         self.wait()  # at most one save in flight
-        step = int(trainer.step)
+        step = run.state.step
         partial = partial_dir(self.root, step)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -130,13 +131,13 @@ class CheckpointManager:
             partial.mkdir()
         self._barrier()
         start = time.perf_counter()
-        tensors = st.training_tensors(trainer.plan.model_parts, trainer.optimizer)
+        tensors = st.training_tensors(run.model_parts, run.optimizer)
         rank_state = {"rank": self.rank, "world_size": self.world_size, "rng": capture_rng_state()}
         write_json_atomic(partial / layout.rank_file(self.rank), rank_state)
-        groups = self._all_param_groups(trainer)
+        groups = self._all_param_groups(run)
         if self.rank == 0:
-            write_json_atomic(partial / layout.TRAINER_STATE, self._trainer_state(trainer, groups))
-            (partial / layout.RUN_CONFIG).write_text(trainer.cfg.to_toml())
+            write_json_atomic(partial / layout.TRAINER_STATE, self._trainer_state(run, groups))
+            (partial / layout.RUN_CONFIG).write_text(run.config.to_toml())
         writer = dcp.FileSystemWriter(str(partial), thread_count=1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # DCP's notes on single-process saves and async use
@@ -175,9 +176,9 @@ class CheckpointManager:
         for old_step in layout.steps_to_delete(earlier, self.cfg.keep_last, self.cfg.keep_every, protect={step}):
             layout.remove_tree(self.root / layout.step_dir_name(old_step))
 
-    def _all_param_groups(self, trainer: Any) -> list[dict[str, Any]]:
+    def _all_param_groups(self, run: Checkpointable) -> list[dict[str, Any]]:
         """Optimizer groups with the names of every rank's parameters (pipeline stages hold different ones)."""
-        groups = st.param_groups_state(trainer.optimizer, trainer.plan.model_parts)
+        groups = st.param_groups_state(run.optimizer, run.model_parts)
         if not self.distributed:
             return groups
         everyone: list[Any] = [None] * self.world_size
@@ -187,25 +188,25 @@ class CheckpointManager:
             group["params"] = list(names)
         return groups
 
-    def _trainer_state(self, trainer: Any, param_groups: list[dict[str, Any]]) -> dict[str, Any]:
-        tokens = getattr(trainer, "tokens_seen", 0)
-        data = trainer.train_data.state_dict() if hasattr(trainer.train_data, "state_dict") else None
-        try:
-            json.dumps(data)
-        except TypeError as err:
-            raise CheckpointError(f"the data loader's state_dict() is not JSON ({err}); it must hold only plain "
-                                  "numbers, strings, lists and dicts") from None
+    def _trainer_state(self, run: Checkpointable, param_groups: list[dict[str, Any]]) -> dict[str, Any]:
+        components = {}
+        for name, component in run.components.items():
+            components[name] = component.state_dict()
+            try:
+                json.dumps(components[name])
+            except TypeError as err:
+                raise CheckpointError(f"the state_dict() of checkpoint component {name!r} is not JSON ({err}); it "
+                                      "must hold only plain numbers, strings, lists and dicts") from None
         return {
             "version": STATE_VERSION,
             "kind": "training",
-            "optimizer": type(trainer.optimizer).__name__,
-            "step": int(trainer.step),
-            "tokens_seen": int(tokens),
-            "scheduler": st.scheduler_state(trainer.scheduler),
+            "optimizer": type(run.optimizer).__name__,
+            **run.state.state_dict(),
             "param_groups": param_groups,
-            "data": data,
+            **components,
+            "components": sorted(components),
             "world_size": self.world_size,
-            "config": trainer.cfg.to_dict(),
+            "config": run.config.to_dict(),
             "saved_at": time.time(),
         }
 
@@ -229,8 +230,8 @@ class CheckpointManager:
                 os.replace(path, quarantine)
         return None
 
-    def resume(self, trainer: Any) -> bool:
-        """Load the newest valid checkpoint into `trainer` (collective); False when there is none."""
+    def resume(self, run: Checkpointable) -> bool:
+        """Load the newest valid checkpoint into `run` (collective); False when there is none."""
         if not self.cfg.resume:
             return False
         name, error = None, None
@@ -248,24 +249,26 @@ class CheckpointManager:
             raise CheckpointError(error)
         if name is None:
             return False
-        self.load(self.root / name, trainer)
+        self.load(self.root / name, run)
         return True
 
-    def load(self, path: Path, trainer: Any) -> dict[str, Any]:
+    def load(self, path: Path, run: Checkpointable) -> dict[str, Any]:
         """Load a checkpoint folder (any saved layout) into this layout; returns its trainer state."""
         path = Path(path)
         state = json.loads((path / layout.TRAINER_STATE).read_text())
         if state.get("version", 0) > STATE_VERSION:
             raise CheckpointError(f"{path} has trainer-state version {state['version']}; upgrade meshformer")
-        self._warn_config_changes(state.get("config"), trainer.cfg)
+        self._warn_config_changes(state.get("config"), run.config)
         start = time.perf_counter()
         saved = {k: (v.size, v.properties.dtype) for k, v in tensor_entries(read_metadata(path)).items()}
-        parts = trainer.plan.model_parts
+        parts, optimizer = run.model_parts, run.optimizer
         training = state.get("kind") == "training"
-        if training and state.get("optimizer", type(trainer.optimizer).__name__) != type(trainer.optimizer).__name__:
+        if training and state.get("optimizer", type(optimizer).__name__) != type(optimizer).__name__:
             raise CheckpointError(f"{path} holds {state['optimizer']} state but this run uses "
-                                  f"{type(trainer.optimizer).__name__}; resume with the same optimizer")
-        model_t, optim_t, per_param = st.load_templates(parts, trainer.optimizer if training else None, saved)
+                                  f"{type(optimizer).__name__}; resume with the same optimizer")
+        if training:
+            self._check_components(path, state, run)
+        model_t, optim_t, per_param = st.load_templates(parts, optimizer if training else None, saved)
         templates = {**model_t.tensors, **optim_t.tensors}
         st.check_shapes(model_t.tensors, {k: v[0] for k, v in saved.items()})
         with warnings.catch_warnings():
@@ -275,36 +278,35 @@ class CheckpointManager:
         st.apply_model(parts, model_t)
         optim_t.fill_copies()
         if training:
-            st.apply_optimizer(trainer.optimizer, parts, per_param, state["param_groups"])
-            st.load_scheduler(trainer.scheduler, state["scheduler"])
-            if state.get("data") is not None and hasattr(trainer.train_data, "load_state_dict"):
-                trainer.train_data.load_state_dict(state["data"])
-            trainer.step = int(state["step"])
-            self._set_tokens(trainer, int(state.get("tokens_seen", 0)))
-            self._restore_rng(path, trainer, state)
+            st.apply_optimizer(optimizer, parts, per_param, state["param_groups"])
+            for name, component in run.components.items():
+                component.load_state_dict(state[name])
+            run.state.load_state_dict(state)
+            self._restore_rng(path, run, state)
         self.loaded_from = path
-        self.last_saved_step = trainer.step if training else None
+        self.last_saved_step = run.state.step if training else None
         self.log(f"resumed from {path} (step {state['step']}, saved by {state.get('world_size', '?')} ranks, "
                  f"loaded by {self.world_size}) in {time.perf_counter() - start:.2f}s")
         return state
 
-    def _restore_rng(self, path: Path, trainer: Any, state: dict[str, Any]) -> None:
+    @staticmethod
+    def _check_components(path: Path, state: dict[str, Any], run: Checkpointable) -> None:
+        """Every component of this run must find its state: resuming it from scratch would be another run."""
+        missing = [name for name in run.components if state.get(name) is None]
+        if missing:
+            raise CheckpointError(f"{path} holds no state for {', '.join(map(repr, missing))} (saved by a run "
+                                  "without it); resume a run with the same components, or start from the weights "
+                                  "alone (meshformer convert to-safetensors, then to-checkpoint)")
+
+    def _restore_rng(self, path: Path, run: Checkpointable, state: dict[str, Any]) -> None:
         file = path / layout.rank_file(self.rank)
         if file.is_file():
             restore_rng_state(json.loads(file.read_text())["rng"])
             return
-        seed = hash((int(trainer.cfg.train.seed), int(state["step"]), self.rank)) % 2**31
+        seed = hash((int(run.config.train.seed), int(state["step"]), self.rank)) % 2**31
         self.log(f"rank {self.rank}: the checkpoint (saved by {state.get('world_size')} ranks) has no RNG state "
                  f"for this rank; seeding fresh streams from train.seed, step and rank")
         seed_all(seed)
-
-    @staticmethod
-    def _set_tokens(trainer: Any, tokens: int) -> None:
-        current = getattr(trainer, "tokens_seen", None)
-        if torch.is_tensor(current):
-            current.fill_(tokens)
-        elif current is not None:
-            trainer.tokens_seen = tokens
 
     def _warn_config_changes(self, saved: dict[str, Any] | None, cfg: Config) -> None:
         if not saved or self.rank != 0:
@@ -322,12 +324,12 @@ class CheckpointManager:
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self._preempted.set()
 
-    def _preemption_agreed(self, trainer: Any) -> bool:
+    def _preemption_agreed(self, run: Checkpointable) -> bool:
         if not self.distributed:
             return self._preempted.is_set()
-        if trainer.step % max(1, self.cfg.preempt_check_interval):
+        if run.state.step % max(1, self.cfg.preempt_check_interval):
             return False
-        flag = torch.tensor([1 if self._preempted.is_set() else 0], device=getattr(trainer, "device", "cpu"))
+        flag = torch.tensor([1 if self._preempted.is_set() else 0], device=run.state.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the default group: the checkpoint group may be busy
         return bool(flag.item())
 

@@ -58,22 +58,22 @@ def build_plan(
         model = model()
     model.to(device)
     loss_fn = loss_fn or default_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss)
+    autocast_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else None
     if dims.is_single:
-        plan = TrainingPlan(model, loss_fn, device)
-        plan.kernels = _finish_part(model, cfg, dims, None, device)
-        return plan
+        report = _finish_part(model, cfg, dims, None, device)
+        return TrainingPlan(model, loss_fn, device, autocast_dtype=autocast_dtype, report=report)
     meshes = build_mesh(dims, device)
     if dims.tp_enabled:
         start, _ = vocab_shard(cfg.model, meshes.tp)
         loss_fn = vocab_parallel_loss_fn(meshes.tp.get_group(), start, cfg.model.vocab_size,
                                          cfg.train.label_smoothing, cfg.train.z_loss)
+    plan: TrainingPlan
     if dims.pp_enabled:
-        plan = _pipeline_plan(model, cfg, dims, meshes, device, loss_fn)
+        plan = _pipeline_plan(model, cfg, dims, meshes, device, loss_fn, autocast_dtype)
     else:
-        plan = SPMDPlan(model, loss_fn, device, meshes)
-        plan.kernels = _finish_part(model, cfg, dims, meshes, device)
-    plan.kernels["layout"] = dims.describe()
-    log.info("parallel layout %s; kernels %s", dims.describe(), plan.kernels)
+        report = {**_finish_part(model, cfg, dims, meshes, device), "layout": dims.describe()}
+        plan = SPMDPlan(model, loss_fn, device, meshes, autocast_dtype=autocast_dtype, report=report)
+    log.info("parallel layout %s; %s", dims.describe(), plan.report)
     return plan
 
 
@@ -102,7 +102,7 @@ def _finish_part(part: nn.Module, cfg: Config, dims: ParallelDims, meshes: Meshe
 
 
 def _pipeline_plan(model: nn.Module, cfg: Config, dims: ParallelDims, meshes: Meshes, device: torch.device,
-                   loss_fn: LossFn) -> PipelinePlan:
+                   loss_fn: LossFn, autocast_dtype: torch.dtype | None) -> PipelinePlan:
     p = cfg.parallel
     spr = stages_per_rank(cfg)
     n_stages = dims.pp * spr
@@ -113,14 +113,13 @@ def _pipeline_plan(model: nn.Module, cfg: Config, dims: ParallelDims, meshes: Me
     shared = shared_weights(model, spans)
     stages = [TransformerStage(model, spans[s]) for s in local_ids]
     del model  # each stage holds copies of its pieces
-    kernels: dict[str, str] = {}
+    report: dict[str, str] = {}
     for stage in stages:
-        kernels = _finish_part(stage, cfg, dims, meshes, device)
-    plan = PipelinePlan(stages, loss_fn, device, meshes, schedule=p.pp_schedule,
+        report = _finish_part(stage, cfg, dims, meshes, device)
+    report["pipeline"] = (f"{p.pp_schedule}, {n_stages} stages "
+                          f"({', '.join(f'{s.start}-{s.stop - 1}' for s in spans)}), "
+                          f"{n_microbatches(cfg)} microbatches")
+    report["layout"] = dims.describe()
+    return PipelinePlan(stages, loss_fn, device, meshes, schedule=p.pp_schedule,
                         n_microbatches=n_microbatches(cfg), stage_to_rank=stage_to_rank, shared=shared,
-                        timeout=timedelta(seconds=p.timeout_s))
-    kernels["pipeline"] = (f"{p.pp_schedule}, {n_stages} stages "
-                           f"({', '.join(f'{s.start}-{s.stop - 1}' for s in spans)}), "
-                           f"{n_microbatches(cfg)} microbatches")
-    plan.kernels = kernels
-    return plan
+                        timeout=timedelta(seconds=p.timeout_s), autocast_dtype=autocast_dtype, report=report)

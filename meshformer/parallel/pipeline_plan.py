@@ -60,8 +60,10 @@ class PipelinePlan(MeshPlan):
         stage_to_rank: dict[int, int],
         shared: dict[str, list[int]],
         timeout: timedelta | None = None,
+        autocast_dtype: torch.dtype | None = None,
+        report: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(stages[0], loss_fn, device, meshes)
+        super().__init__(stages[0], loss_fn, device, meshes, autocast_dtype=autocast_dtype, report=report)
         self.stages, self.schedule_name, self.n_microbatches = stages, schedule, n_microbatches
         self._has_last = any(s.is_last for s in stages)
         self._records: list[torch.Tensor] = []

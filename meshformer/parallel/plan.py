@@ -22,11 +22,14 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels
 class TrainingPlan:
     """Single device: the reference every parallel layout must match."""
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, loss_fn: LossFn, device: torch.device, *,
+                 autocast_dtype: torch.dtype | None = None, report: dict[str, str] | None = None) -> None:
         self.model, self.loss_fn, self.device = model, loss_fn, device
         self.dp_rank, self.dp_size = 0, 1  # the data loader's view of this rank
-        self.autocast_dtype: torch.dtype | None = None
-        self.kernels: dict[str, str] = {}  # what runs where (layout, attention, norms, compile), for the run log
+        self.autocast_dtype = autocast_dtype  # None: the model's own dtype (fp32)
+        # How the run is laid out and which kernels run (layout, attention, norms, compile, recompute, FSDP,
+        # pipeline), for the run log.
+        self.report: dict[str, str] = dict(report or {})
 
     @property
     def model_parts(self) -> list[nn.Module]:
@@ -73,7 +76,7 @@ class TrainingPlan:
         """A per-rank sum made global (identity on one device)."""
         return float(value)
 
-    def _autocast(self):
+    def _autocast(self) -> torch.autocast:
         if self.autocast_dtype is None:
             return torch.autocast(self.device.type, enabled=False)
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)

@@ -21,11 +21,11 @@ from meshformer.parallel.plan import LossFn, TrainingPlan
 class MeshPlan(TrainingPlan):
     """Shared by the SPMD and pipeline plans: data-parallel bookkeeping, global norms, global reductions."""
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, device: torch.device, meshes: Meshes) -> None:
-        super().__init__(model, loss_fn, device)
+    def __init__(self, model: nn.Module, loss_fn: LossFn, device: torch.device, meshes: Meshes, *,
+                 autocast_dtype: torch.dtype | None = None, report: dict[str, str] | None = None) -> None:
+        super().__init__(model, loss_fn, device, autocast_dtype=autocast_dtype, report=report)
         self.meshes, self.dims = meshes, meshes.dims
         self.dp_rank, self.dp_size = meshes.dp_rank, self.dims.dp
-        self.kernels: dict[str, str] = {}
 
     @property
     def supports_generation(self) -> bool:

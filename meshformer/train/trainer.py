@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,8 +16,10 @@ import torch
 
 from meshformer.batch import Batch
 from meshformer.checkpointing.manager import CheckpointManager
+from meshformer.checkpointing.train_state import Checkpointable, SchedulerState, TrainState
 from meshformer.config import Config, ConfigError
 from meshformer.data import build_loader, load_tokenizer
+from meshformer.layout import validate_parallel
 from meshformer.model import Transformer
 from meshformer.model.flops import flops_per_token
 from meshformer.parallel import build_plan
@@ -47,6 +50,7 @@ class Trainer:
     def __init__(self, cfg: Config, *, rank: int = 0, local_rank: int = 0) -> None:
         self.cfg, self.rank = cfg, rank
         self.device = job_device(cfg, local_rank)
+        validate_parallel(cfg, _world_size(), self.device)  # before the model is built (and sharded)
         if cfg.train.dtype == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError("train.dtype='bf16' but this GPU has no bf16 support; use train.dtype='fp32'")
         # Measured first, before data workers or other ranks' set-up compete for the device.
@@ -66,19 +70,22 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank and layout
         model = Transformer(cfg.model)
         loss_fn = default_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss)
-        self.plan: TrainingPlan = build_plan(model, cfg, self.device, loss_fn)
+        self.plan: TrainingPlan = build_plan(model, cfg, self.device, loss_fn)  # autocasts when train.dtype=bf16
         # The whole model, for decoded samples; pipeline stages hold copies of their pieces, so drop it there.
         self.model = model if self.plan.supports_generation else None
-        if cfg.train.dtype == "bf16":
-            self.plan.autocast_dtype = torch.bfloat16
         self.optimizer, kernel = build_optimizer(self.plan.model_parts, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.steps, cfg.model.d_model)
         self.train_data = build_loader(cfg, self.tokenizer, "train", self.plan.dp_rank, self.plan.dp_size)
         self.eval_data = build_loader(cfg, self.tokenizer, "eval", self.plan.dp_rank, self.plan.dp_size)
-        self.step = 0
+        self.train_iter: Iterator[Batch] | None = None  # started at the first step, after a resume moved the loader
+        self.last_lr: float = self.optimizer.param_groups[0]["lr"]  # the rate the last step used
         # Encoder-decoder steps feed source and target tokens: both count towards tokens/s and MFU.
         self.target_len = cfg.data.target_len if cfg.model.family == "encoder_decoder" else None
-        self.tokens_seen = torch.zeros((), dtype=torch.long, device=self.device)  # target tokens trained on
+        self.state = TrainState(self.device)  # step, target tokens trained on
+        # Everything a checkpoint saves and a resume restores (RNG streams: per rank, by the manager).
+        self.checkpointable = Checkpointable(self.state, self.plan.model_parts, self.optimizer,
+                                             {"scheduler": SchedulerState(self.scheduler), "data": self.train_data},
+                                             cfg)
         self.checkpoints = CheckpointManager.from_config(cfg, self.run_dir, log=self.logger.info)
 
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, self.target_len)
@@ -95,13 +102,24 @@ class Trainer:
         self.profiler = StepProfiler(cfg.profile, self.run_dir, rank)
         self.data_wait_s = 0.0
 
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @property
+    def tokens_seen(self) -> torch.Tensor:
+        return self.state.tokens_seen
+
     # ------------------------------------------------------------------ steps
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One optimizer step over grad_accum micro-batches: (loss sum, global tokens, grad norm)."""
         self.watchdog.phase("data", self.step + 1)
         wait_start = time.perf_counter()
-        micro_batches = [to_device(next(self.train_iter), self.device) for _ in range(self.cfg.train.grad_accum)]
+        if self.train_iter is None:
+            self.train_iter = iter(self.train_data)
+        batches = self.train_iter
+        micro_batches = [to_device(next(batches), self.device) for _ in range(self.cfg.train.grad_accum)]
         self.data_wait_s += time.perf_counter() - wait_start
         self.watchdog.phase("forward_backward")
         global_tokens = self.plan.global_token_count(micro_batches)
@@ -115,8 +133,8 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        self.tokens_seen += global_tokens.to(torch.long)
+        self.state.step += 1
+        self.state.tokens_seen += global_tokens.to(torch.long)
         return loss_sum, global_tokens, grad_norm
 
     @torch.no_grad()
@@ -143,11 +161,11 @@ class Trainer:
 
     def _fit(self) -> TrainResult:
         cfg, log = self.cfg, self.logger
-        self.checkpoints.resume(self)  # model, optimizer, scheduler, step, data position, RNG: before iterating
+        self.checkpoints.resume(self.checkpointable)  # model, optimizer, scheduler, step, data, RNG: before iterating
         if self.step >= cfg.train.steps:
             log.info(f"the run in {self.run_dir} already reached step {self.step} >= train.steps={cfg.train.steps}; "
                      "raise train.steps to train further, or use a new logging.run_dir for a fresh run")
-        self.train_iter = iter(self.train_data)
+        self.train_iter = iter(self.train_data)  # from the position the resume restored
         tokens_per_sample = cfg.data.seq_len + (self.target_len or 0)
         tokens_per_step = cfg.data.batch_size * tokens_per_sample * cfg.train.grad_accum * self.plan.dp_size
         history: list[dict[str, float]] = []
@@ -202,7 +220,7 @@ class Trainer:
                     log.info(f"sample {step:>5} | {text!r}")
             self.watchdog.phase("checkpoint")
             save_start, saved_before = time.perf_counter(), self.checkpoints.last_saved_step
-            stop = self.checkpoints.after_step(self)  # SIGTERM: a checkpoint was saved; stop here
+            stop = self.checkpoints.after_step(self.checkpointable)  # SIGTERM: a checkpoint was saved; stop here
             if self.checkpoints.last_saved_step != saved_before:  # async saves: the part that blocks training
                 log.scalars(step, {"checkpoint/save_s": time.perf_counter() - save_start})
             self.profiler.step(step)
@@ -210,7 +228,7 @@ class Trainer:
                 break
         self.profiler.stop()
         self.watchdog.phase("finish")
-        self.checkpoints.finish(self)
+        self.checkpoints.finish(self.checkpointable)
         if self.step >= cfg.train.steps:
             self.save_final_weights()
         log.close()
