@@ -28,7 +28,7 @@ def _params(args: argparse.Namespace) -> None:
 
     cfg = load_config(args.config, args.set)
     counts = count_params(cfg.model)
-    report = {f"{key}_params": value for key, value in counts.items()}
+    report: dict[str, float] = {f"{key}_params": value for key, value in counts.items()}
     report["flops_per_token"] = flops_per_token(cfg.model, cfg.data.seq_len, cfg.data.target_len)
     report["seq_len"] = cfg.data.seq_len
     if args.json:

@@ -24,6 +24,7 @@ class ConfigError(ValueError):
 
 
 Family = Literal["decoder", "encoder", "encoder_decoder"]
+Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu"]
 
 
 @dataclass
@@ -37,7 +38,7 @@ class ModelConfig:
     n_encoder_layers: int | None = None  # encoder-decoder; None: n_layers
     n_decoder_layers: int | None = None  # encoder-decoder; None: n_layers
     d_ff: int = 512
-    activation: Literal["relu", "gelu", "gelu_tanh", "swiglu"] = "gelu"
+    activation: Activation = "gelu"
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     norm_eps: float = 1e-5
     norm_position: Literal["pre", "post"] = "pre"
@@ -287,7 +288,7 @@ def build_section(cls: type, raw: Any, prefix: str) -> Any:
 
 
 def _coerce(hint: Any, value: Any, where: str) -> Any:
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return build_section(hint, value, where)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):

@@ -13,6 +13,7 @@ import pathlib
 import pickle
 import warnings
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -80,9 +81,9 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         rank = kwargs.get("rank")
         metadata = read_metadata(Path(self.path), METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None) or dcp_metadata.StorageMeta()  # older files lack it
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
 
@@ -124,8 +125,8 @@ def read_full_tensors(path: Path, keys: list[str] | None = None) -> dict[str, to
     return state
 
 
-def save_tensors(state: dict[str, torch.Tensor], path: Path) -> None:
-    """Write whole tensors as a DCP folder from this one process (conversions, tests)."""
+def save_tensors(state: Mapping[str, object], path: Path) -> None:
+    """Write whole tensors (and DCP's plain objects) as a DCP folder from this one process (conversions, tests)."""
     Path(path).mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)

@@ -23,17 +23,21 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from meshformer.checkpointing.mapping import Rule, export_tensors, finish_import, import_tensors, our_shapes, params
-from meshformer.config import ModelConfig
+from meshformer.config import Activation, ModelConfig
+
+if TYPE_CHECKING:
+    from meshformer.model import Transformer
 
 Arch = Literal["gpt2", "bert", "llama", "t5"]
 ARCHS: tuple[Arch, ...] = ("gpt2", "bert", "llama", "t5")
 
-_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+_HF_ACTIVATIONS: dict[str, Activation] = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+                                          "relu": "relu"}
 _TO_HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
 
 # Foreign tensors that carry no weights (buffers of older checkpoints), or BERT pre-training parts that
@@ -47,7 +51,7 @@ _BASE_PREFIX = {"gpt2": "transformer.", "bert": "bert.", "llama": "model."}
 # ----------------------------------------------------------------------------- configs
 
 
-def _activation(name: str, arch: str) -> str:
+def _activation(name: str, arch: str) -> Activation:
     if name not in _HF_ACTIVATIONS:
         raise ValueError(f"{arch}: activation {name!r} has no meshformer equivalent (have {sorted(_HF_ACTIVATIONS)})")
     return _HF_ACTIVATIONS[name]
@@ -147,7 +151,7 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
             rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
             bos_token_id=None, eos_token_id=None, pad_token_id=None,
         )
-    return transformers.T5Config(
+    return transformers.T5Config(  # type: ignore[call-arg]  # tie_word_embeddings: a PretrainedConfig kwarg
         vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.head_dim, d_ff=cfg.d_ff,
         num_layers=cfg.encoder_layers, num_decoder_layers=cfg.decoder_layers, num_heads=cfg.n_heads,
         dropout_rate=cfg.dropout, layer_norm_epsilon=cfg.norm_eps, relative_attention_num_buckets=cfg.relative_buckets,
@@ -320,7 +324,7 @@ _BERT_TOKEN_TYPES = "bert.embeddings.token_type_embeddings.weight"
 # ----------------------------------------------------------------------------- state dicts
 
 
-def to_hf_state_dict(model: torch.nn.Module, arch: Arch | None = None) -> dict[str, torch.Tensor]:
+def to_hf_state_dict(model: Transformer, arch: Arch | None = None) -> dict[str, torch.Tensor]:
     """HF-named tensors for a meshformer `Transformer` (tied duplicates included, as HF state dicts have them)."""
     cfg: ModelConfig = model.cfg
     arch = arch or infer_arch(cfg)
@@ -369,7 +373,7 @@ _MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForMaskedLM", "llama":
                   "t5": "T5ForConditionalGeneration"}
 
 
-def to_hf_model(model: torch.nn.Module, arch: Arch | None = None) -> Any:
+def to_hf_model(model: Transformer, arch: Arch | None = None) -> Any:
     """A Hugging Face model (in `model`'s dtype and train/eval mode) holding copies of its weights."""
     import transformers
 
@@ -381,7 +385,7 @@ def to_hf_model(model: torch.nn.Module, arch: Arch | None = None) -> Any:
     return hf_model.train(model.training)
 
 
-def from_hf_model(hf_model: Any) -> torch.nn.Module:
+def from_hf_model(hf_model: Any) -> Transformer:
     """A meshformer `Transformer` computing what a GPT2LMHeadModel/BertForMaskedLM/LlamaForCausalLM/T5 computes."""
     from meshformer.model import Transformer
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
@@ -18,8 +19,11 @@ from meshformer.checkpointing.errors import ConversionError
 from meshformer.checkpointing.progress import progress
 from meshformer.config import ModelConfig
 
+if TYPE_CHECKING:
+    from meshformer.checkpointing.hf import Arch
 
-def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: Path, arch: str | None = None) -> Path:
+
+def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: Path, arch: Arch | None = None) -> Path:
     """Write a folder that transformers loads with AutoModelFor...from_pretrained; returns the folder."""
     from meshformer.checkpointing import hf
     from meshformer.model import Transformer

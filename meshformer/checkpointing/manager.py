@@ -24,7 +24,7 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -151,7 +151,8 @@ class CheckpointManager:
                 # Staging (a CPU copy of every tensor) happens here; the write runs in DCP's thread.
                 future = dcp.async_save(tensors, storage_writer=writer, process_group=self.group,
                                         no_dist=not self.distributed)
-                self._pending = self._executor.submit(self._finish_async, future, partial, step, start)
+                # Without an async stager DCP hands back a plain Future.
+                self._pending = self._executor.submit(self._finish_async, cast(Future, future), partial, step, start)
         self.last_saved_step = step
 
     def wait(self) -> None:

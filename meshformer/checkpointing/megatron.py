@@ -24,7 +24,7 @@ import torch
 from meshformer.checkpointing.dcp_io import read_full_tensors, read_metadata, save_tensors, tensor_entries
 from meshformer.checkpointing.errors import ConversionError
 from meshformer.checkpointing.progress import progress
-from meshformer.config import ModelConfig
+from meshformer.config import Activation, ModelConfig
 
 LAYER = "decoder.layers."
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -177,7 +177,7 @@ def resolve_megatron_dir(path: Path) -> Path:
                           "pass the iter_XXXXXXX folder or the save directory holding it")
 
 
-def infer_config(folder: Path, *, n_heads: int, vocab_size: int | None = None, activation: str | None = None,
+def infer_config(folder: Path, *, n_heads: int, vocab_size: int | None = None, activation: Activation | None = None,
                  norm_eps: float = 1e-5, rope_theta: float = 10000.0, max_seq_len: int | None = None) -> ModelConfig:
     """A ModelConfig from tensor shapes; only the head count (and the true vocabulary) cannot be read off them."""
     shapes = {k: tuple(v.size) for k, v in tensor_entries(read_metadata(folder)).items()}
@@ -255,7 +255,7 @@ def _put_norm(out: dict[str, torch.Tensor], module: str, param: str, tensor: tor
     out[f"{module}.{param}"] = tensor.contiguous()
 
 
-def import_megatron(path: Path, *, n_heads: int, vocab_size: int | None = None, activation: str | None = None,
+def import_megatron(path: Path, *, n_heads: int, vocab_size: int | None = None, activation: Activation | None = None,
                     norm_eps: float = 1e-5, rope_theta: float = 10000.0, max_seq_len: int | None = None,
                     show_progress: bool | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(our config, our full state dict) from a Megatron-Core GPT torch_dist checkpoint."""

@@ -23,7 +23,7 @@ def capture_rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "python": [version, list(internal), gauss],
-        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "numpy": [kind, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)],
         "torch": _tensor_to_text(torch.get_rng_state()),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -101,7 +101,7 @@ def model_tensors(model_parts: list[nn.Module]) -> TensorState:
     out = TensorState()
     for part in model_parts:
         for key, value in get_model_state_dict(part, options=StateDictOptions()).items():
-            out.add(MODEL + key, value)
+            out.add(MODEL + key, cast(torch.Tensor, value))  # a model's state dict holds tensors
     return out
 
 
@@ -144,7 +144,8 @@ def load_templates(model_parts: list[nn.Module], optimizer: torch.optim.Optimize
     if missing:
         raise CheckpointError(f"the checkpoint has no weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
                               "it was saved for a different model (check model.* settings)")
-    optim, per_param = TensorState(), []
+    optim = TensorState()
+    per_param: list[tuple[nn.Parameter, dict]] = []
     if optimizer is None or not any(k.startswith(OPTIM) for k in saved):
         return model, optim, per_param
     by_param: dict[str, list[str]] = {}
@@ -244,12 +245,9 @@ def param_groups_state(optimizer: torch.optim.Optimizer, model_parts: list[nn.Mo
     return groups
 
 
-def scheduler_state(scheduler: Any) -> dict[str, Any] | None:
-    if scheduler is None:
-        return None
+def scheduler_state(scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
     return {k: _to_json(v) for k, v in scheduler.state_dict().items()}
 
 
-def load_scheduler(scheduler: Any, saved: dict[str, Any] | None) -> None:
-    if scheduler is not None and saved is not None:
-        scheduler.load_state_dict({k: _from_json(v) for k, v in saved.items()})
+def load_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler, saved: dict[str, Any]) -> None:
+    scheduler.load_state_dict({k: _from_json(v) for k, v in saved.items()})

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from meshformer.checkpointing.mapping import Rule, export_tensors, import_tensors, our_shapes, params
-from meshformer.config import ModelConfig
+from meshformer.config import Activation, ModelConfig
+from meshformer.model import Transformer
 
 # Our tensors nn.Transformer does not have: left untouched by `load_torch_transformer`.
 _OURS_ONLY = ("tok_embeddings.", "src_embeddings.", "pos_embeddings.", "output.")
@@ -22,7 +23,7 @@ _OURS_ONLY = ("tok_embeddings.", "src_embeddings.", "pos_embeddings.", "output."
 def config_from_torch_transformer(module: nn.Transformer, vocab_size: int = 1) -> ModelConfig:
     """The encoder-decoder ModelConfig with the layer structure of `module` (no positions, no scaling)."""
     encoder_layer = module.encoder.layers[0]
-    kinds = {1: "relu", 2: "gelu"}  # nn.TransformerEncoderLayer's own code for its activation
+    kinds: dict[int, Activation] = {1: "relu", 2: "gelu"}  # nn.TransformerEncoderLayer's own code for its activation
     if encoder_layer.activation_relu_or_gelu not in kinds:
         raise ValueError("only ReLU and GELU activations of nn.Transformer are supported")
     if module.encoder.norm is None or module.decoder.norm is None:
@@ -70,11 +71,11 @@ def from_torch_transformer_state_dict(state: Mapping[str, torch.Tensor], cfg: Mo
     return out
 
 
-def to_torch_transformer_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def to_torch_transformer_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     return export_tensors(model.state_dict(), torch_transformer_rules(model.cfg))
 
 
-def load_torch_transformer(model: nn.Module, module: nn.Transformer) -> None:
+def load_torch_transformer(model: Transformer, module: nn.Transformer) -> None:
     """Copy `module`'s layers and final norms into our encoder-decoder `model`; embeddings and head stay."""
     result = model.load_state_dict(from_torch_transformer_state_dict(module.state_dict(), model.cfg), strict=False)
     unexpected_missing = [k for k in result.missing_keys if not k.startswith(_OURS_ONLY)]

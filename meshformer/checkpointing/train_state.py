@@ -12,7 +12,7 @@ trainer_state.json. The RNG streams are process-global and saved per rank by the
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -69,13 +69,12 @@ class Checkpointable:
     """Everything a training checkpoint saves and a resume restores."""
 
     state: TrainState
-    model_parts: Sequence[nn.Module]
+    model_parts: list[nn.Module]
     optimizer: torch.optim.Optimizer
     components: Mapping[str, Stateful]  # by name in trainer_state.json: scheduler, data loader, ...
     config: Config
 
     def __post_init__(self) -> None:
-        self.model_parts = list(self.model_parts)
         for name, component in self.components.items():
             if name in RESERVED:
                 raise CheckpointError(f"component name {name!r} is taken by trainer_state.json itself; rename it")

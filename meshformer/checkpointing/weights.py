@@ -6,12 +6,14 @@ import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from meshformer.config import ModelConfig
+from meshformer.model import Transformer
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "model_config.json"
@@ -35,7 +37,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     try:
         for key, value in get_model_state_dict(model).items():
             full = value.full_tensor() if isinstance(value, DTensor) else value
-            out[key] = full.detach().cpu()
+            out[key] = cast(torch.Tensor, full).detach().cpu()  # a model's state dict holds tensors
     finally:
         redistribute_log.setLevel(level)
     return out
@@ -63,7 +65,7 @@ def gather_full_state(plan) -> dict[str, torch.Tensor] | None:
     mine = {k: v for k, v in local.items() if owner[k] == rank}
     gathered: list[dict[str, torch.Tensor]] | None = [{} for _ in range(world)] if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
-    if rank != 0:
+    if gathered is None:  # every rank but 0
         return None
     return {k: v for part in gathered for k, v in part.items()}
 
@@ -104,9 +106,8 @@ def read_weights(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     return cfg, state
 
 
-def load_weights(directory: Path) -> nn.Module:
+def load_weights(directory: Path) -> Transformer:
     """Rebuild a Transformer from a folder written by `save_weights`."""
-    from meshformer.model import Transformer
 
     cfg, state = read_weights(directory)
     model = Transformer(cfg)

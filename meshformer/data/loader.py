@@ -87,6 +87,7 @@ class BatchStream(IterableDataset):
             for unit, rec, win in zip(mine.tolist(), records.tolist(), windows.tolist()):
                 sample = got[rec]
                 if self.window:  # packed record -> the unit's window
+                    assert isinstance(sample, np.ndarray)  # packed shards hold token arrays, not pairs
                     sample = sample[win * self.window:(win + 1) * self.window].astype(np.int64)
                 out[unit] = sample
         return out

@@ -106,7 +106,10 @@ class Objective:
         if self.name == "mlm":
             return self._mlm(np.stack(samples), rngs)
         if self.name == "span":
-            return self._encoder_decoder([self._corrupt(s, r) for s, r in zip(samples, rngs)])
+            windows = [s for s in samples if isinstance(s, np.ndarray)]  # span corruption reads token windows
+            if len(windows) != len(samples):
+                raise ObjectiveError("objective 'span' needs packed token windows, got source/target pairs")
+            return self._encoder_decoder([self._corrupt(s, r) for s, r in zip(windows, rngs)])
         pairs = [s if isinstance(s, tuple) else _synthetic_pair(s, r) for s, r in zip(samples, rngs)]
         return self._encoder_decoder([self._pair(src, tgt) for src, tgt in pairs])
 

@@ -71,8 +71,9 @@ class SampleOrder:
 
     def _build_epoch(self, epoch: int) -> tuple[list[Group], np.ndarray]:
         n = len(self.records)
-        order = np.random.default_rng([self.seed, epoch, _SHARD_SALT]).permutation(n) if self.shuffle else np.arange(n)
-        order = [int(s) for s in order if self.units[s] > 0]
+        rng = np.random.default_rng([self.seed, epoch, _SHARD_SALT])
+        shuffled = rng.permutation(n) if self.shuffle else np.arange(n)
+        order = [int(s) for s in shuffled if self.units[s] > 0]
         groups, start = [], 0
         for i in range(0, len(order), self.group_shards):
             shards = tuple(order[i:i + self.group_shards])

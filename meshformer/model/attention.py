@@ -62,7 +62,7 @@ class Attention(nn.Module):
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         q = self._heads(self.q_proj(x))
-        if self.cross and cache is not None and cache.k is not None:
+        if self.cross and cache is not None and cache.k is not None and cache.v is not None:
             k, v = cache.k, cache.v  # the encoder output does not change while decoding
         else:
             source = memory if self.cross else x
@@ -70,7 +70,7 @@ class Attention(nn.Module):
             if rope is not None:  # self-attention only: new queries and keys share positions
                 q, k = apply_rope(q, rope), apply_rope(k, rope)
             if cache is not None:
-                if not self.cross and cache.k is not None:
+                if not self.cross and cache.k is not None and cache.v is not None:
                     k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
                 cache.k, cache.v = k, v
         out = self._attend(q, k, v, mask, bias)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # the model imports nothing from here, but keep generate importable on its own
+    from meshformer.model.transformer import Transformer
 
 TABLE_POSITIONS = ("learned", "sinusoidal", "rope")  # position schemes backed by a max_seq_len table
 
@@ -25,7 +30,7 @@ def _check_length(cfg, prompt_len: int, max_new_tokens: int) -> None:
 
 @torch.no_grad()
 def greedy_decode(
-    model: nn.Module,
+    model: Transformer,
     prompt_ids: torch.Tensor | None,
     max_new_tokens: int,
     *,

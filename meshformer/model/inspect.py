@@ -14,16 +14,22 @@ from typing import Literal
 import torch
 from torch import nn
 
+from meshformer.model.attention import Attention
+from meshformer.model.layers import TransformerBlock
+from meshformer.model.transformer import Transformer
+
 Stack = Literal["encoder", "decoder", "cross"]
+DEFAULT_STACK: dict[str, Stack] = {"decoder": "decoder", "encoder": "encoder", "encoder_decoder": "cross"}
 
 
-def _attention_module(model: nn.Module, stack: Stack, layer: int) -> nn.Module:
+def _attention_module(model: Transformer, stack: Stack, layer: int) -> Attention:
     layers = model.encoder_layers if stack == "encoder" else model.decoder_layers
     if layers is None:
         raise ValueError(f"this {model.cfg.family} model has no {stack} stack")
     if str(layer) not in layers:
         raise ValueError(f"{stack} layer {layer} does not exist; layers are {', '.join(layers)}")
     block = layers[str(layer)]
+    assert isinstance(block, TransformerBlock)
     if stack == "cross":
         if block.cross_attn is None:
             raise ValueError("cross-attention exists only in encoder-decoder models")
@@ -33,7 +39,7 @@ def _attention_module(model: nn.Module, stack: Stack, layer: int) -> nn.Module:
 
 @torch.no_grad()
 def attention_weights(
-    model: nn.Module,
+    model: Transformer,
     input_ids: torch.Tensor,
     *,
     layer: int,
@@ -48,13 +54,15 @@ def attention_weights(
     Arguments after `layer` are those of `Transformer.forward`.
     """
     family = model.cfg.family
-    stack = stack or {"decoder": "decoder", "encoder": "encoder", "encoder_decoder": "cross"}[family]
+    stack = stack or DEFAULT_STACK[family]
     attention = _attention_module(model, stack, layer)
     was_training = model.training
     model.eval()
     attention.capture_weights = True  # routes this layer through the math path, which keeps the weights
     try:
         model(input_ids, attention_mask, decoder_input_ids=decoder_input_ids)
+        if attention.weights is None:
+            raise RuntimeError(f"{stack} attention of layer {layer} did not run in this forward pass")
         return attention.weights
     finally:
         attention.capture_weights = False
@@ -110,7 +118,7 @@ def save_attention_heatmap(
 
 
 def attention_heatmap(
-    model: nn.Module,
+    model: Transformer,
     input_ids: torch.Tensor,
     path: str | Path,
     *,
@@ -131,7 +139,7 @@ def attention_heatmap(
     """
     weights = attention_weights(model, input_ids, layer=layer, stack=stack, attention_mask=attention_mask,
                                 decoder_input_ids=decoder_input_ids)
-    stack = stack or {"decoder": "decoder", "encoder": "encoder", "encoder_decoder": "cross"}[model.cfg.family]
+    stack = stack or DEFAULT_STACK[model.cfg.family]
     if not 0 <= head < weights.shape[1]:
         raise ValueError(f"head {head} does not exist; the layer has {weights.shape[1]} heads")
     source_labels = tokens
@@ -161,7 +169,7 @@ def gradient_report(model: nn.Module, *, sort_by_norm: bool = False) -> tuple[st
     params = dict(model.named_parameters())
     names = list(norms)
     if sort_by_norm:
-        names.sort(key=lambda n: -1.0 if norms[n] is None else norms[n], reverse=True)
+        names.sort(key=lambda n: _or_lowest(norms[n]), reverse=True)
     width = max([len(n) for n in names] + [9])
     lines = [f"{'parameter':<{width}}  {'shape':>16}  {'grad_norm':>10}  {'weight_norm':>11}  {'ratio':>9}"]
     for name in names:
@@ -174,3 +182,8 @@ def gradient_report(model: nn.Module, *, sort_by_norm: bool = False) -> tuple[st
     total = math.sqrt(sum(g * g for g in norms.values() if g is not None))
     lines.append(f"{'total (global L2)':<{width}}  {'':>16}  {total:>10.4e}")
     return "\n".join(lines), norms
+
+
+def _or_lowest(norm: float | None) -> float:
+    """Sort key: parameters without a gradient go last."""
+    return -1.0 if norm is None else norm

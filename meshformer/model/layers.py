@@ -80,7 +80,7 @@ class TransformerBlock(nn.Module):
     ) -> torch.Tensor:
         x = self._branch(x, self.attn_norm, self.attn, mask, rope=rope, bias=bias,
                          cache=cache.self_attn if cache else None)
-        if self.cross_attn is not None:
+        if self.cross_attn is not None and self.cross_norm is not None:
             x = self._branch(x, self.cross_norm, self.cross_attn, memory_mask, memory=memory,
                              cache=cache.cross_attn if cache else None)
         return self._branch(x, self.ffn_norm, self.ffn)

@@ -19,6 +19,8 @@ def sinusoidal_table(n_positions: int, dim: int) -> torch.Tensor:
 
 
 class SinusoidalPositions(nn.Module):
+    table: torch.Tensor  # a buffer
+
     def __init__(self, max_len: int, dim: int) -> None:
         super().__init__()
         # Non-persistent: follows .to(device), is never trained and never checkpointed.
@@ -39,6 +41,9 @@ class LearnedPositions(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """RoPE with the half-split layout (pairs dimension i with i + d/2), as in GPT-NeoX / HF Llama."""
+
+    cos: torch.Tensor  # buffers
+    sin: torch.Tensor
 
     def __init__(self, head_dim: int, max_len: int, theta: float = 10000.0) -> None:
         super().__init__()

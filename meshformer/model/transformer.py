@@ -64,12 +64,13 @@ class Transformer(nn.Module):
         cross = cfg.family == "encoder_decoder"
         self.decoder_layers = stack(cfg.decoder_layers, causal=True, cross=cross) if has_decoder else None
         self.decoder_norm = make_norm(cfg) if has_decoder and final else None
+        self.head_dense: nn.Module | None = None
+        self.head_act: nn.Module | None = None
+        self.head_norm: nn.Module | None = None
         if cfg.head_transform:  # BERT's prediction head: dense -> activation -> norm
             self.head_dense = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
             self.head_act = activation_fn(cfg.activation)
             self.head_norm = make_norm(cfg)
-        else:
-            self.head_dense = self.head_act = self.head_norm = None
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.output_bias)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -95,8 +96,9 @@ class Transformer(nn.Module):
                 elif not tied:
                     residual = name.endswith(("o_proj", "down_proj"))
                     nn.init.normal_(module.weight, std=residual_std if residual else cfg.init_std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+                bias = getattr(module, "bias", None)
+                if isinstance(bias, torch.Tensor):
+                    nn.init.zeros_(bias)
 
     # ------------------------------------------------------------------ pieces
 
@@ -133,6 +135,8 @@ class Transformer(nn.Module):
         mask = build_mask(length, length, causal=False, window=self.cfg.attention_window, key_padding=padding,
                           device=h.device)
         extra = self._relative(length, length, 0, h.device, causal=False)
+        if self.encoder_layers is None:
+            raise ValueError(f"a {self.cfg.family} model has no encoder to encode with")
         for layer in self.encoder_layers.values():
             h = layer(h, mask, **extra)
         if self.encoder_norm is not None:
@@ -167,6 +171,8 @@ class Transformer(nn.Module):
             memory_mask = build_mask(q_len, memory.shape[1], causal=False, key_padding=memory_padding,
                                      device=h.device)
         extra = self._relative(q_len, k_len, offset, h.device, causal=True)
+        if self.decoder_layers is None:
+            raise ValueError(f"a {self.cfg.family} model has no decoder to decode with")
         for i, layer in enumerate(self.decoder_layers.values()):
             h = layer(h, mask, memory=memory, memory_mask=memory_mask, cache=cache[i] if cache else None, **extra)
         if self.decoder_norm is not None:
@@ -174,14 +180,14 @@ class Transformer(nn.Module):
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        if self.head_dense is not None:
+        if self.head_dense is not None and self.head_act is not None and self.head_norm is not None:
             h = self.head_norm(self.head_act(self.head_dense(h)))
         if self.cfg.scale_output:
             h = h * self.cfg.d_model**-0.5
         return self.output(h)
 
     def new_cache(self) -> list[BlockCache]:
-        return [BlockCache() for _ in self.decoder_layers]
+        return [BlockCache() for _ in self.decoder_layers or ()]
 
     # ------------------------------------------------------------------ forward
 

@@ -12,7 +12,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from meshformer.config import Config
 from meshformer.layout import (
@@ -23,6 +22,7 @@ from meshformer.layout import (
     total_layers,
     validate_parallel,
 )
+from meshformer.model import Transformer
 from meshformer.parallel.fsdp import apply_fsdp
 from meshformer.parallel.kernels import compile_blocks, kernel_report, use_apex_norms
 from meshformer.parallel.loss_parallel import vocab_parallel_loss_fn
@@ -36,7 +36,7 @@ from meshformer.parallel.tensor_parallel import apply_tensor_parallel, vocab_sha
 
 log = logging.getLogger(__name__)
 
-ModelOrFactory = nn.Module | Callable[[], nn.Module]
+ModelOrFactory = Transformer | Callable[[], Transformer]
 
 
 def world_size() -> int:
@@ -54,7 +54,7 @@ def build_plan(
     """
     device = torch.device(device)
     dims = validate_parallel(cfg, world_size(), device)
-    if not isinstance(model, nn.Module):
+    if not isinstance(model, Transformer):
         model = model()
     model.to(device)
     loss_fn = loss_fn or default_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss)
@@ -77,18 +77,18 @@ def build_plan(
     return plan
 
 
-def _finish_part(part: nn.Module, cfg: Config, dims: ParallelDims, meshes: Meshes | None,
+def _finish_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes: Meshes | None,
                  device: torch.device) -> dict[str, str]:
     """TP -> recompute -> compile -> FSDP on one model part (the whole model or one pipeline stage)."""
     apex_norms = 0
-    if dims.tp_enabled:
+    if meshes is not None and dims.tp_enabled:  # meshes exist whenever the world has more than one rank
         apply_tensor_parallel(part, meshes.tp)
     else:
         apex_norms = use_apex_norms(part, device)
     recomputed = apply_recompute(part, cfg.parallel.recompute, cfg.parallel.recompute_every)
     compiled = compile_blocks(part) if cfg.train.compile else 0
     report = kernel_report(cfg, device, apex_norms=apex_norms, compiled=compiled, recompute=recomputed)
-    if dims.fsdp_enabled:
+    if meshes is not None and dims.fsdp_enabled:
         reshard = cfg.parallel.reshard_after_forward
         if dims.pp_enabled and cfg.parallel.pp_schedule in ZERO_BUBBLE:
             # The deferred weight-gradient pass runs after FSDP would have resharded the block and reads freed
@@ -101,7 +101,7 @@ def _finish_part(part: nn.Module, cfg: Config, dims: ParallelDims, meshes: Meshe
     return report
 
 
-def _pipeline_plan(model: nn.Module, cfg: Config, dims: ParallelDims, meshes: Meshes, device: torch.device,
+def _pipeline_plan(model: Transformer, cfg: Config, dims: ParallelDims, meshes: Meshes, device: torch.device,
                    loss_fn: LossFn, autocast_dtype: torch.dtype | None) -> PipelinePlan:
     p = cfg.parallel
     spr = stages_per_rank(cfg)

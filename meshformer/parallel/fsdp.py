@@ -39,11 +39,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *, resha
     embeddings and the output head, which are used at the two ends of the forward pass, so it is never
     resharded after forward (it would be all-gathered again at once for the head / in backward).
     """
-    kwargs = {"mesh": mesh, "mp_policy": mixed_precision_policy(cfg)}
+    policy = mixed_precision_policy(cfg)
     reshard = cfg.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
     for block in blocks_of(model):
-        fully_shard(block, reshard_after_forward=reshard, **kwargs)
-    fully_shard(model, reshard_after_forward=False, **kwargs)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     sum_gradients(model)
     return model
 

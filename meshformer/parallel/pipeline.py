@@ -79,11 +79,11 @@ def stage_pieces(model: Transformer, span: StageSpan) -> dict[str, nn.Module | N
             pieces["tok_embeddings"] = model.tok_embeddings
         pieces["pos_embeddings"], pieces["embedding_norm"] = model.pos_embeddings, model.embedding_norm
     pieces["rope"] = model.rope
-    if enc:
+    if enc and model.encoder_layers is not None:
         pieces["encoder_layers"] = nn.ModuleDict({str(i): model.encoder_layers[str(i)] for i in enc})
         if n_enc - 1 in enc:
             pieces["encoder_norm"] = model.encoder_norm
-    if dec:
+    if dec and model.decoder_layers is not None:
         pieces["decoder_layers"] = nn.ModuleDict({str(j): model.decoder_layers[str(j)] for j in dec})
         if n_dec - 1 in dec:
             pieces["decoder_norm"] = model.decoder_norm
@@ -125,11 +125,11 @@ class TransformerStage(Transformer):
         n_enc = model.cfg.encoder_layers
         self.has_encoder = self.encoder_layers is not None
         self.has_decoder = self.decoder_layers is not None
-        self.ends_encoder = self.encoder_norm is not None or (self.has_encoder and str(n_enc - 1) in
+        self.ends_encoder = self.encoder_norm is not None or (self.encoder_layers is not None and str(n_enc - 1) in
                                                               self.encoder_layers)
         self.is_first, self.is_last = span.index == 0, span.index == span.n_stages - 1
 
-    def forward(
+    def forward(  # type: ignore[override]  # a stage also takes the packed stream of the previous stage
         self,
         *stream: torch.Tensor,
         input_ids: torch.Tensor,
@@ -178,6 +178,7 @@ class TransformerStage(Transformer):
         mask = build_mask(length, length, causal=False, window=self.cfg.attention_window, key_padding=padding,
                           device=ids.device)
         extra = self._relative(length, length, 0, ids.device, causal=False)
+        assert self.encoder_layers is not None  # callers run _encoder on stages that hold encoder layers
         for layer in self.encoder_layers.values():
             h = layer(h, mask, **extra)
         if not self.ends_encoder:
@@ -197,7 +198,8 @@ class TransformerStage(Transformer):
         memory: torch.Tensor | None,
         memory_padding: torch.Tensor | None,
     ) -> torch.Tensor:
-        if not self.has_decoder:
+        if self.decoder_layers is None:
+            assert h is not None  # a stage without decoder layers only passes its input on
             return h
         length = ids.shape[1]
         if h is None:

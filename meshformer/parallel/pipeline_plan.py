@@ -29,6 +29,7 @@ from torch.distributed.pipelining import (
 
 from meshformer.batch import Batch, model_inputs
 from meshformer.loss import count_tokens
+from meshformer.model import Transformer
 from meshformer.parallel.grad_norm import local_tensor, settle_grad
 from meshformer.parallel.mesh import Meshes
 from meshformer.parallel.pipeline import StageSpan, TransformerStage, canonical_names, stage_pieces
@@ -225,7 +226,7 @@ class _SharedWeights:
                 grad.copy_(delta if before is None else before + delta)
 
 
-def shared_weights(model: nn.Module, spans: list[StageSpan]) -> dict[str, list[int]]:
+def shared_weights(model: Transformer, spans: list[StageSpan]) -> dict[str, list[int]]:
     """Canonical names of parameters needed by more than one stage -> the stages holding them (sorted)."""
     names = canonical_names(model)
     holders: dict[str, list[int]] = {}

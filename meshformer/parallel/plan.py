@@ -48,7 +48,7 @@ class TrainingPlan:
 
     def global_token_count(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Target tokens in the whole step: every micro-batch, every data-parallel rank."""
-        return sum(count_tokens(b["labels"]) for b in micro_batches).to(self.device)
+        return torch.stack([count_tokens(b["labels"]) for b in micro_batches]).sum().to(self.device)
 
     def forward_backward(self, batch: Batch, global_tokens: torch.Tensor) -> torch.Tensor:
         """Accumulate gradients of (summed loss of this micro-batch / global_tokens); return the detached sum."""
@@ -70,7 +70,7 @@ class TrainingPlan:
         params = [p for part in self.model_parts for p in part.parameters() if p.grad is not None]
         if max_norm > 0:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
 
     def reduce_for_logging(self, value: torch.Tensor) -> float:
         """A per-rank sum made global (identity on one device)."""

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from meshformer.model import Transformer
+
 aten = torch.ops.aten
 
 
@@ -57,11 +59,12 @@ def checkpoint_block(block: nn.Module, *, selective: bool = False) -> None:
     def forward(*args, **kwargs):
         return checkpoint(original, *args, use_reentrant=False, **extra, **kwargs)
 
-    block.forward = forward
-    block._meshformer_recompute = "selective" if selective else "full"
+    block.forward = forward  # type: ignore[method-assign]  # the block's own forward, now recomputed
+    # A marker read above; nn.Module's __setattr__ stub admits only tensors and modules.
+    block._meshformer_recompute = "selective" if selective else "full"  # type: ignore[assignment]
 
 
-def numbered_blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
+def numbered_blocks(model: Transformer) -> list[tuple[int, nn.Module]]:
     """(global execution index, block) for the blocks this module holds; encoder layers come first."""
     cfg = model.cfg
     out: list[tuple[int, nn.Module]] = []
@@ -72,7 +75,7 @@ def numbered_blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
     return out
 
 
-def apply_recompute(model: nn.Module, mode: str, every: int = 2) -> int:
+def apply_recompute(model: Transformer, mode: str, every: int = 2) -> int:
     """Checkpoint blocks of `model` by `mode`; returns how many blocks recompute."""
     if mode == "none":
         return 0

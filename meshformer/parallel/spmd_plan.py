@@ -44,7 +44,7 @@ class MeshPlan(TrainingPlan):
         return value
 
     def global_token_count(self, micro_batches: list[Batch]) -> torch.Tensor:
-        local = sum(count_tokens(b["labels"]) for b in micro_batches).to(self.device)
+        local = torch.stack([count_tokens(b["labels"]) for b in micro_batches]).sum().to(self.device)
         return self._dp_sum(local)
 
     def reduce_for_logging(self, value: torch.Tensor) -> float:

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
@@ -33,14 +34,16 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshformer.config import ModelConfig
+from meshformer.model import Transformer
+from meshformer.model.layers import TransformerBlock
 
 
-def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh) -> nn.Module:
     """Parallelise a Transformer (or a pipeline stage of one: absent pieces are skipped) in place."""
     cfg: ModelConfig = model.cfg
     tp, rank = mesh.size(), mesh.get_local_rank()
     _shard_alibi_slopes(model, cfg, tp, rank)
-    plan: dict[str, object] = {}
+    plan: dict[str, ParallelStyle] = {}
     for name in ("tok_embeddings", "src_embeddings"):
         if getattr(model, name, None) is not None:
             plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
@@ -71,11 +74,11 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def _block_plan(block: nn.Module) -> dict[str, object]:
+def _block_plan(block: TransformerBlock) -> dict[str, ParallelStyle]:
     # Norm outputs are local tensors: with post-norm they become the residual stream itself.
     sequence_parallel = SequenceParallel(use_local_output=True)
     enter = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
-    plan: dict[str, object] = {
+    plan: dict[str, ParallelStyle] = {
         "attn_norm": sequence_parallel,
         "attn": enter,
         **_attention_plan("attn"),
@@ -96,7 +99,7 @@ def _block_plan(block: nn.Module) -> dict[str, object]:
     return plan
 
 
-def _attention_plan(prefix: str) -> dict[str, object]:
+def _attention_plan(prefix: str) -> dict[str, ParallelStyle]:
     # Colwise q/k/v shard whole heads (rows are head-major), so the attention module infers its local
     # head count from the shapes; GQA works whenever tp divides n_kv_heads.
     return {
@@ -132,7 +135,8 @@ def _replicate_rest(model: nn.Module, mesh: DeviceMesh) -> None:
                         replicated = DTensor.from_local(param.data, sub_mesh, [Replicate()], run_check=False)
                         sub.register_parameter(pname, nn.Parameter(replicated, param.requires_grad))
 
-        distribute_module(module, mesh, partition, _replicated_inputs, _local_outputs)
+        # torch's stub types input_fn as returning None; the returned inputs replace the module's (as in a pre-hook)
+        distribute_module(module, mesh, partition, _replicated_inputs, _local_outputs)  # type: ignore[arg-type]
 
 
 def _replicated_inputs(_module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:

@@ -95,7 +95,8 @@ def is_timeout(err: BaseException) -> bool:
 def last_collectives(limit: int = 3) -> list[dict]:
     """The most recent collectives this rank issued (flight recorder), newest last."""
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
+        # A private binding (no stub); absent from some builds, hence the broad except below.
+        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
 
         trace = json.loads(_dump_fr_trace_json(True, False))
     except Exception:  # recorder unavailable or disabled: nothing to add

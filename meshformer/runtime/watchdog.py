@@ -95,7 +95,7 @@ class HangWatchdog:
 
     def state(self, reason: str, error: str | None = None) -> dict[str, Any]:
         issued, collective = collectives_issued()
-        frame = sys._current_frames().get(self._main_thread_id)
+        frame = sys._current_frames().get(self._main_thread_id or 0)
         return {
             "rank": self.rank, "world_size": self.world_size, "host": socket.gethostname(), "pid": os.getpid(),
             "run": _run_id(), "step": self.step, "phase": self.phase_name,

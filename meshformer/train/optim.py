@@ -16,7 +16,9 @@ def build_optimizer(model_parts: Iterable[nn.Module], cfg: OptimConfig) -> tuple
 
     Returns the optimizer and the name of the kernel in use ("fused", "foreach" or "for-loop") for the run log.
     """
-    decay, no_decay, seen = [], [], set()
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    seen: set[int] = set()
     for part in model_parts:
         for param in part.parameters():
             if not param.requires_grad or id(param) in seen:

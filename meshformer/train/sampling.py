@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from meshformer.config import Config
+from meshformer.model import Transformer
 from meshformer.model.generate import greedy_decode
 
 PROMPT = "And God said unto"
@@ -13,7 +14,7 @@ SOURCE = "In the beginning God created the heaven and the earth."
 
 @torch.no_grad()
 def decoded_sample(
-    model: torch.nn.Module, tokenizer, cfg: Config, device: torch.device, max_new: int = 0
+    model: Transformer, tokenizer, cfg: Config, device: torch.device, max_new: int = 0
 ) -> str | None:
     """Greedy continuation (decoder-only), span filling (encoder-decoder) or mask filling (encoder-only)."""
     max_new = max_new or cfg.train.sample_tokens

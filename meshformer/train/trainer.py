@@ -212,7 +212,7 @@ class Trainer:
                 eval_loss = self.evaluate()
                 log.scalars(step, {"eval/loss": eval_loss, "eval/perplexity": math.exp(min(eval_loss, 50))})
                 log.info(f"eval  {step:>6} | loss {eval_loss:.4f} | ppl {math.exp(min(eval_loss, 50)):.2f}")
-            if cfg.train.sample_interval and step % cfg.train.sample_interval == 0 and self.plan.supports_generation:
+            if cfg.train.sample_interval and step % cfg.train.sample_interval == 0 and self.model is not None:
                 self.watchdog.phase("sample")
                 text = decoded_sample(self.model, self.tokenizer, self.cfg, self.device)
                 if text is not None:
