@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import tempfile
 from collections.abc import Callable
@@ -24,6 +23,7 @@ if str(ROOT) not in sys.path:
 
 from meshformer.config import Config, config_from_dict, validate  # noqa: E402
 from meshformer.model import Transformer  # noqa: E402
+from tests._common import free_port  # noqa: E402
 
 
 def bench_config(parallel: dict[str, Any] | None = None, *, d_model: int = 256, n_layers: int = 8, seq: int = 128,
@@ -53,12 +53,6 @@ def batches(cfg: Config, n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]
 def new_model(cfg: Config) -> Transformer:
     torch.manual_seed(cfg.train.seed)
     return Transformer(cfg.model)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out: str, threads: int) -> None:

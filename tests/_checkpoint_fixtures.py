@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from _common import free_port
 from safetensors.torch import load_file
 
 from meshformer.config import Config, load_config
@@ -108,12 +108,6 @@ def copy_steps(src_root: Path, dst_root: Path, *steps: int) -> Path:
     for step in steps:
         shutil.copytree(src_root / step_dir_name(step), dst_root / step_dir_name(step))
     return dst_root
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(script: Path, nproc: int, args: list[str], timeout: float = 120.0) -> list[subprocess.CompletedProcess]:

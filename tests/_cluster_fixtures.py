@@ -12,19 +12,18 @@ import gzip
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import torch
+from _common import CONFIGS, ROOT, free_port
 from safetensors.torch import load_file
 
 from meshformer.launcher.torchrun import torchrun_command, torchrun_env
 
-ROOT = Path(__file__).resolve().parents[1]
 INJECT = Path(__file__).resolve().parent / "_cluster_inject"  # sitecustomize.py: MF_TEST_* faults
-CONFIG = str(ROOT / "configs" / "tiny-gpt.toml")
+CONFIG = str(CONFIGS / "tiny-gpt.toml")
 CLUSTER_STEPS = 16
 CHECKPOINT_EVERY = 4
 
@@ -58,12 +57,6 @@ def overrides(base: Path, run_dir: Path, *extra: str) -> list[str]:
         f"checkpoint.interval={CHECKPOINT_EVERY}", "checkpoint.keep_last=10", "checkpoint.preempt_check_interval=1",
         *extra,
     ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_env(**faults: str) -> dict[str, str]:

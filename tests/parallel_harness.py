@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import traceback
@@ -32,6 +31,8 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from _common import free_port  # noqa: E402
 
 from meshformer.batch import IGNORE_INDEX  # noqa: E402
 from meshformer.config import Config, config_from_dict, validate  # noqa: E402
@@ -286,12 +287,6 @@ def worker(rank: int, world: int, port: int, names: list[str], out: str) -> None
         Path(out).write_text(json.dumps(results))
     dist.barrier()  # gloo sometimes aborts at exit without it
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(world: int, names: list[str]) -> dict[str, Any]:

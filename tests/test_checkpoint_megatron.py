@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _checkpoint_fixtures import assert_bitwise, free_port
+from _checkpoint_fixtures import assert_bitwise
+from _common import free_port
 
 from meshformer.checkpointing import ConversionError
 from meshformer.checkpointing.dcp_io import read_full_tensors, read_metadata, tensor_entries

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from _common import CONFIGS
 
 from meshformer.cli import main
 
@@ -13,16 +14,16 @@ SMALL = ["model.d_model=32", "model.n_layers=1", "model.d_ff=64", "data.seq_len=
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("run")
-    main(["train", "configs/tiny-gpt.toml", "--set", *SMALL, f"logging.run_dir={path}"])
+    main(["train", str(CONFIGS / "tiny-gpt.toml"), "--set", *SMALL, f"logging.run_dir={path}"])
     return path
 
 
 def test_params_json_reports_published_sizes(capsys):
-    main(["params", "configs/transformer-big.toml", "--json"])
+    main(["params", str(CONFIGS / "transformer-big.toml"), "--json"])
     report = json.loads(capsys.readouterr().out)
     assert abs(report["total_params"] / 213e6 - 1) < 0.03
     assert report["non_embedding_params"] < report["total_params"]
-    main(["params", "configs/gpt3-175b.toml", "--json"])
+    main(["params", str(CONFIGS / "gpt3-175b.toml"), "--json"])
     gpt3 = json.loads(capsys.readouterr().out)
     # 6N plus attention and the output head: Megatron's 72 l h^2 (1 + s/6h + V/12lh) = 1.076e12 at s = 2048
     assert gpt3["flops_per_token"] == pytest.approx(72 * 96 * 12288**2 * (1 + 2048 / (6 * 12288)
@@ -41,11 +42,11 @@ def test_attention_map_and_grad_report(run_dir, tmp_path, capsys):
     out = tmp_path / "attn.png"
     main(["attention-map", str(run_dir / "final"), "--text", "In the beginning", "--out", str(out)])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    main(["grad-report", "configs/tiny-gpt.toml", "--weights", str(run_dir / "final"), "--set", *SMALL])
+    main(["grad-report", str(CONFIGS / "tiny-gpt.toml"), "--weights", str(run_dir / "final"), "--set", *SMALL])
     report = capsys.readouterr().out
     assert "tok_embeddings.weight" in report and "decoder_layers.0.ffn.up_proj.weight" in report
 
 
 def test_bad_override_exits_with_the_fix():
     with pytest.raises(SystemExit, match="did you mean 'train.steps'"):
-        main(["train", "configs/tiny-gpt.toml", "--set", "train.step=3"])
+        main(["train", str(CONFIGS / "tiny-gpt.toml"), "--set", "train.step=3"])

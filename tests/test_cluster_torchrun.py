@@ -18,7 +18,6 @@ from _cluster_fixtures import (
     assert_same_weights,
     children,
     finish,
-    free_port,
     kill_tree,
     logs,
     overrides,
@@ -27,6 +26,7 @@ from _cluster_fixtures import (
     wait_for,
     worker_env,
 )
+from _common import free_port
 
 from meshformer.checkpointing.directory import committed_steps, step_dir_name
 from meshformer.launcher.torchrun import torchrun_env

@@ -1,27 +1,27 @@
-from pathlib import Path
 
 import pytest
+from _common import CONFIGS
 
 from meshformer.config import Config, ConfigError, config_from_dict, load_config
 
-CONFIGS = sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.toml"))
+SHIPPED = sorted(CONFIGS.glob("*.toml"))
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_shipped_configs_load(path):
     cfg = load_config(path)
     assert isinstance(cfg, Config)
 
 
 def test_overrides_apply_with_types():
-    cfg = load_config("configs/tiny-gpt.toml", ["train.steps=7", "model.n_layers=2", "model.norm=rmsnorm",
+    cfg = load_config(CONFIGS / "tiny-gpt.toml", ["train.steps=7", "model.n_layers=2", "model.norm=rmsnorm",
                                                "optim.betas=[0.8, 0.9]"])
     assert cfg.train.steps == 7 and cfg.model.n_layers == 2 and cfg.model.norm == "rmsnorm"
     assert cfg.optim.betas == (0.8, 0.9)
 
 
 def test_resolved_config_round_trips(tmp_path):
-    cfg = load_config("configs/tiny-t5.toml", ["train.seed=5"])
+    cfg = load_config(CONFIGS / "tiny-t5.toml", ["train.seed=5"])
     path = tmp_path / "resolved.toml"
     path.write_text(cfg.to_toml())
     assert load_config(path) == cfg
@@ -51,12 +51,12 @@ def test_resolved_config_round_trips(tmp_path):
 )
 def test_bad_config_names_key_and_fix(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config("configs/tiny-gpt.toml", overrides)
+        load_config(CONFIGS / "tiny-gpt.toml", overrides)
 
 
 def test_missing_file_is_clear():
     with pytest.raises(ConfigError, match="not found"):
-        load_config("configs/nope.toml")
+        load_config(CONFIGS / "nope.toml")
 
 
 def test_objective_follows_family():
@@ -67,4 +67,4 @@ def test_objective_follows_family():
 
 def test_max_seq_len_error_names_the_longer_stream():
     with pytest.raises(ConfigError, match="data.target_len=200 exceeds"):
-        load_config("configs/tiny-t5.toml", ["data.target_len=200"])
+        load_config(CONFIGS / "tiny-t5.toml", ["data.target_len=200"])

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from _common import CONFIGS
 
 from meshformer.config import ModelConfig, load_config
 from meshformer.model import Transformer
 from meshformer.model.flops import count_params, flops_per_token, training_flops
-
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

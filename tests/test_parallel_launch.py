@@ -8,11 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from parallel_harness import free_port
+from _common import CONFIGS, ROOT, free_port
 
 from meshformer.launcher.torchrun import torchrun_command, torchrun_env
 
-ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(Path(__file__).with_name("parallel_worker.py"))
 TINY = ["model.d_model=32", "model.n_layers=2", "model.d_ff=64", "data.seq_len=32", "data.batch_size=4",
         "train.steps=2", "train.eval_interval=2", "train.eval_batches=1", "train.sample_interval=0",
@@ -42,7 +41,7 @@ def test_torchrun_command_lines():
 
 @pytest.mark.slow
 def test_cli_starts_torchrun_and_only_rank0_logs(tmp_path):
-    cmd = [sys.executable, "-m", "meshformer.cli", "train", "configs/tiny-gpt.toml", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "meshformer.cli", "train", str(CONFIGS / "tiny-gpt.toml"), "--nproc-per-node", "2",
            "--set", *TINY, f"logging.run_dir={tmp_path}", "parallel.tp=2"]
     out = run(cmd)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -58,7 +57,7 @@ def test_two_agents_on_loopback_form_one_pipeline_job(tmp_path):
     port = free_port()
     common = torchrun("--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
                       f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=mf-{port}", "-m", "meshformer.train",
-                      "configs/tiny-gpt.toml", "--set", *TINY, f"logging.run_dir={tmp_path}", "parallel.pp=2")
+                      str(CONFIGS / "tiny-gpt.toml"), "--set", *TINY, f"logging.run_dir={tmp_path}", "parallel.pp=2")
     env = {**torchrun_env(1), "OMP_NUM_THREADS": "1"}
     agents = [subprocess.Popen(common, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True) for _ in range(2)]

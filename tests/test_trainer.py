@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from _common import CONFIGS
 
 from meshformer.checkpointing.weights import load_weights
 from meshformer.config import load_config
@@ -24,7 +25,7 @@ def unigram_entropy(batches) -> float:
 
 @pytest.mark.slow
 def test_tiny_gpt_learns_well_below_unigram_entropy(tmp_path):
-    cfg = load_config("configs/tiny-gpt.toml", [*SMALL, "train.steps=400", "train.eval_interval=400",
+    cfg = load_config(CONFIGS / "tiny-gpt.toml", [*SMALL, "train.steps=400", "train.eval_interval=400",
                                                  "data.batch_size=32", "optim.lr=5e-3", "schedule.warmup_steps=20",
                                                  f"logging.run_dir={tmp_path}"])
     trainer = Trainer(cfg)
@@ -40,7 +41,7 @@ def test_tiny_gpt_learns_well_below_unigram_entropy(tmp_path):
 
 
 def test_run_leaves_config_events_and_weights(tmp_path):
-    cfg = load_config("configs/tiny-gpt.toml", [*SMALL, "train.steps=4", "logging.log_interval=2",
+    cfg = load_config(CONFIGS / "tiny-gpt.toml", [*SMALL, "train.steps=4", "logging.log_interval=2",
                                                  "train.eval_interval=4", "train.sample_interval=4",
                                                  f"logging.run_dir={tmp_path}"])
     trainer = Trainer(cfg)
@@ -59,7 +60,7 @@ def test_run_leaves_config_events_and_weights(tmp_path):
 
 
 def _one_step_params(tmp_path, batch_size: int, accum: int) -> dict[str, torch.Tensor]:
-    cfg = load_config("configs/tiny-gpt.toml", [*SMALL, "train.steps=1", f"data.batch_size={batch_size}",
+    cfg = load_config(CONFIGS / "tiny-gpt.toml", [*SMALL, "train.steps=1", f"data.batch_size={batch_size}",
                                                  f"train.grad_accum={accum}", "data.num_workers=0",
                                                  f"logging.run_dir={tmp_path}/{batch_size}x{accum}",
                                                  "logging.tensorboard=false"])
@@ -80,13 +81,13 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
 def test_tokenizer_larger_than_model_vocab_is_rejected(tmp_path):
     from meshformer.config import ConfigError
 
-    cfg = load_config("configs/tiny-gpt.toml", [*SMALL, "model.vocab_size=1000", f"logging.run_dir={tmp_path}"])
+    cfg = load_config(CONFIGS / "tiny-gpt.toml", [*SMALL, "model.vocab_size=1000", f"logging.run_dir={tmp_path}"])
     with pytest.raises(ConfigError, match="raise model.vocab_size"):
         Trainer(cfg)
 
 
 def test_logged_learning_rate_is_the_one_each_step_used(tmp_path):
-    cfg = load_config("configs/tiny-gpt.toml", [*SMALL, "train.steps=3", "logging.log_interval=1",
+    cfg = load_config(CONFIGS / "tiny-gpt.toml", [*SMALL, "train.steps=3", "logging.log_interval=1",
                                                  "schedule.name=constant", "schedule.warmup_steps=10",
                                                  "optim.lr=1.0", "logging.tensorboard=false", "data.num_workers=0",
                                                  "checkpoint.interval=0", f"logging.run_dir={tmp_path}"])
@@ -97,7 +98,7 @@ def test_logged_learning_rate_is_the_one_each_step_used(tmp_path):
 def test_tied_output_bias_starts_at_zero():
     from meshformer.model import Transformer
 
-    model = Transformer(load_config("configs/tiny-bert.toml").model)
+    model = Transformer(load_config(CONFIGS / "tiny-bert.toml").model)
     assert model.output.weight is model.tok_embeddings.weight
     assert torch.count_nonzero(model.output.bias) == 0
 
@@ -107,7 +108,7 @@ def test_sample_clips_the_source_to_the_position_table(tmp_path):
     from meshformer.model import Transformer
     from meshformer.train.sampling import decoded_sample
 
-    for config in ("configs/tiny-bert.toml", "configs/tiny-t5.toml"):
+    for config in (CONFIGS / "tiny-bert.toml", CONFIGS / "tiny-t5.toml"):
         cfg = load_config(config, ["model.max_seq_len=8", "data.seq_len=8", "data.target_len=8"])
         text = decoded_sample(Transformer(cfg.model), load_tokenizer(cfg.data.tokenizer), cfg, torch.device("cpu"))
         assert isinstance(text, str) and "->" in text
