@@ -10,7 +10,6 @@ import torch
 
 IGNORE_INDEX = -100  # a label that contributes no loss (padding, unmasked MLM positions); torch's default
 MODEL_INPUTS = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask")
-LABELS = "labels"
 
 Batch = dict[str, torch.Tensor]
 

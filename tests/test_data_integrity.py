@@ -36,11 +36,6 @@ def garble(path) -> None:
     path.write_bytes(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
 
 
-def epoch_ids(loader, dp: int = 1) -> list[int]:
-    steps = math.ceil(loader.samples_per_epoch / (4 * dp))
-    return [i for _ in range(steps) for i in next(loader)["sample_ids"].tolist()][:loader.samples_per_epoch]
-
-
 def test_webdataset_alone_is_silently_short(data):
     # the trap this module guards against: a truncated shard just yields fewer samples
     shard = data / "train-000002.tar"

@@ -108,10 +108,6 @@ class SampleOrder:
         base, _ = self.group_span(epoch, g)
         return self._perm(epoch, g)[positions - base]
 
-    def unit_at(self, position: int) -> int:
-        epoch, g = self.locate(position)
-        return int(self.units_at(epoch, g, np.array([position]))[0])
-
 
 @dataclass(frozen=True)
 class RankView:

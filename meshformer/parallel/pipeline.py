@@ -216,7 +216,3 @@ class TransformerStage(Transformer):
         if self.decoder_norm is not None:
             h = self.decoder_norm(h)
         return self.head(h) if self.is_last else h
-
-
-def build_stages(model: Transformer, spans: list[StageSpan], stage_ids: list[int]) -> list[TransformerStage]:
-    return [TransformerStage(model, spans[s]) for s in stage_ids]
