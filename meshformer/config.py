@@ -73,8 +73,9 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    # Layers in each stack (0 without one); the model's `encoder_layers` / `decoder_layers` modules hold them.
     @property
-    def encoder_layers(self) -> int:
+    def encoder_depth(self) -> int:
         if self.family == "decoder":
             return 0
         if self.family == "encoder":
@@ -82,7 +83,7 @@ class ModelConfig:
         return self.n_encoder_layers if self.n_encoder_layers is not None else self.n_layers
 
     @property
-    def decoder_layers(self) -> int:
+    def decoder_depth(self) -> int:
         if self.family == "encoder":
             return 0
         if self.family == "decoder":
@@ -349,7 +350,7 @@ def validate(cfg: Config) -> None:
                           "relative_buckets / 2 (the exactly bucketed range); T5 uses 32 and 128")
     if m.family in ("decoder", "encoder") and m.n_layers <= 0:
         raise ConfigError("model.n_layers must be positive")
-    if m.family == "encoder_decoder" and (m.encoder_layers <= 0 or m.decoder_layers <= 0):
+    if m.family == "encoder_decoder" and (m.encoder_depth <= 0 or m.decoder_depth <= 0):
         raise ConfigError("model.n_encoder_layers and model.n_decoder_layers must be positive")
     if m.family == "encoder_decoder" and d.target_len <= 0:
         raise ConfigError(f"data.target_len must be positive for an encoder-decoder model, got {d.target_len}")

@@ -97,7 +97,7 @@ def n_microbatches(cfg: Config) -> int:
 
 
 def total_layers(cfg: Config) -> int:
-    return cfg.model.encoder_layers + cfg.model.decoder_layers
+    return cfg.model.encoder_depth + cfg.model.decoder_depth
 
 
 def validate_parallel(cfg: Config, world_size: int, device: torch.device | str | None = None) -> ParallelDims:

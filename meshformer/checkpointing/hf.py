@@ -153,7 +153,7 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
         )
     return transformers.T5Config(  # type: ignore[call-arg]  # tie_word_embeddings: a PretrainedConfig kwarg
         vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.head_dim, d_ff=cfg.d_ff,
-        num_layers=cfg.encoder_layers, num_decoder_layers=cfg.decoder_layers, num_heads=cfg.n_heads,
+        num_layers=cfg.encoder_depth, num_decoder_layers=cfg.decoder_depth, num_heads=cfg.n_heads,
         dropout_rate=cfg.dropout, layer_norm_epsilon=cfg.norm_eps, relative_attention_num_buckets=cfg.relative_buckets,
         relative_attention_max_distance=cfg.relative_max_distance,
         feed_forward_proj="gated-silu" if cfg.activation == "swiglu" else "relu",
@@ -303,11 +303,11 @@ def _t5_rules(cfg: ModelConfig) -> list[Rule]:
             names = {"up_proj": "wi", "down_proj": "wo"}
         return [r for a, b in names.items() for r in params(f"{ours}.{a}", f"{theirs}.{b}", ("weight",))]
 
-    for i in range(cfg.encoder_layers):
+    for i in range(cfg.encoder_depth):
         o, t = f"encoder_layers.{i}", f"encoder.block.{i}.layer"
         rules += [*_norm(f"{o}.attn_norm", f"{t}.0.layer_norm", cfg), *attention(f"{o}.attn", f"{t}.0.SelfAttention"),
                   *_norm(f"{o}.ffn_norm", f"{t}.1.layer_norm", cfg), *ffn(f"{o}.ffn", f"{t}.1.DenseReluDense")]
-    for i in range(cfg.decoder_layers):
+    for i in range(cfg.decoder_depth):
         o, t = f"decoder_layers.{i}", f"decoder.block.{i}.layer"
         rules += [*_norm(f"{o}.attn_norm", f"{t}.0.layer_norm", cfg), *attention(f"{o}.attn", f"{t}.0.SelfAttention"),
                   *_norm(f"{o}.cross_norm", f"{t}.1.layer_norm", cfg),

@@ -47,12 +47,12 @@ def torch_transformer_rules(cfg: ModelConfig) -> list[Rule]:
         return in_proj + params(f"{ours}.o_proj", f"{theirs}.out_proj", names)
 
     rules = params("encoder_norm", "encoder.norm", names) + params("decoder_norm", "decoder.norm", names)
-    for i in range(cfg.encoder_layers):
+    for i in range(cfg.encoder_depth):
         o, t = f"encoder_layers.{i}", f"encoder.layers.{i}"
         rules += [*attention(f"{o}.attn", f"{t}.self_attn"), *params(f"{o}.attn_norm", f"{t}.norm1", names),
                   *params(f"{o}.ffn.up_proj", f"{t}.linear1", names),
                   *params(f"{o}.ffn.down_proj", f"{t}.linear2", names), *params(f"{o}.ffn_norm", f"{t}.norm2", names)]
-    for i in range(cfg.decoder_layers):
+    for i in range(cfg.decoder_depth):
         o, t = f"decoder_layers.{i}", f"decoder.layers.{i}"
         rules += [*attention(f"{o}.attn", f"{t}.self_attn"), *params(f"{o}.attn_norm", f"{t}.norm1", names),
                   *attention(f"{o}.cross_attn", f"{t}.multihead_attn"),

@@ -50,7 +50,7 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
         untied output projection, output bias); embedding + attention + feed_forward + norms + head = total.
     """
     d, vocab = cfg.d_model, cfg.vocab_size
-    n_enc, n_dec = cfg.encoder_layers, cfg.decoder_layers
+    n_enc, n_dec = cfg.encoder_depth, cfg.decoder_depth
     cross = cfg.family == "encoder_decoder"
     embedding = vocab * d
     if cross and not cfg.share_embeddings:
@@ -119,7 +119,7 @@ def training_flops(cfg: ModelConfig, seq_len: int, target_len: int | None = None
         return 3 * forward
     source, target = seq_len, target_len if target_len is not None else seq_len
     memory = math.ceil(source / cfg.cross_downsample)
-    n_enc, n_dec = cfg.encoder_layers, cfg.decoder_layers
+    n_enc, n_dec = cfg.encoder_depth, cfg.decoder_depth
     forward = 2 * source * n_enc * (attn["q_o"] + attn["k_v"] + ffn)
     forward += 2 * target * (n_dec * (2 * attn["q_o"] + attn["k_v"] + ffn) + head)
     forward += 2 * memory * n_dec * attn["k_v"]

@@ -29,7 +29,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        has_encoder, has_decoder = cfg.encoder_layers > 0, cfg.decoder_layers > 0
+        has_encoder, has_decoder = cfg.encoder_depth > 0, cfg.decoder_depth > 0
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         separate_source = cfg.family == "encoder_decoder" and not cfg.share_embeddings
         self.src_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model) if separate_source else None
@@ -59,10 +59,10 @@ class Transformer(nn.Module):
             return nn.ModuleDict({str(i): TransformerBlock(cfg, **kind) for i in range(n)})
 
         final = cfg.use_final_norm
-        self.encoder_layers = stack(cfg.encoder_layers, causal=False) if has_encoder else None
+        self.encoder_layers = stack(cfg.encoder_depth, causal=False) if has_encoder else None
         self.encoder_norm = make_norm(cfg) if has_encoder and final else None
         cross = cfg.family == "encoder_decoder"
-        self.decoder_layers = stack(cfg.decoder_layers, causal=True, cross=cross) if has_decoder else None
+        self.decoder_layers = stack(cfg.decoder_depth, causal=True, cross=cross) if has_decoder else None
         self.decoder_norm = make_norm(cfg) if has_decoder and final else None
         self.head_dense: nn.Module | None = None
         self.head_act: nn.Module | None = None
@@ -85,7 +85,7 @@ class Transformer(nn.Module):
         Draws from the global RNG in a fixed order, so a seed fixes every weight.
         """
         cfg = self.cfg
-        residual_std = cfg.init_std / math.sqrt(2 * (cfg.encoder_layers + cfg.decoder_layers))
+        residual_std = cfg.init_std / math.sqrt(2 * (cfg.encoder_depth + cfg.decoder_depth))
         for name, module in self.named_modules():
             if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 module.reset_parameters()

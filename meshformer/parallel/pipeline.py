@@ -66,7 +66,7 @@ def stage_ids_for_rank(pp_rank: int, pp: int, stages_per_rank: int, v_shape: boo
 def stage_pieces(model: Transformer, span: StageSpan) -> dict[str, nn.Module | None]:
     """The modules (shared with `model`, not copied) that the stage covering `span` needs."""
     cfg = model.cfg
-    n_enc, n_dec = cfg.encoder_layers, cfg.decoder_layers
+    n_enc, n_dec = cfg.encoder_depth, cfg.decoder_depth
     enc = [i for i in range(n_enc) if span.start <= i < span.stop]
     dec = [j for j in range(n_dec) if span.start <= n_enc + j < span.stop]
     is_last = span.stop == n_enc + n_dec
@@ -122,7 +122,7 @@ class TransformerStage(Transformer):
         # last stage's output.weight is tok_embeddings.weight); keyed by name, which survives TP and FSDP.
         origin = {id(memo[pid]): name for pid, name in canonical_names(model).items() if pid in memo}
         self.canonical = {name: origin[id(p)] for name, p in self.named_parameters(remove_duplicate=False)}
-        n_enc = model.cfg.encoder_layers
+        n_enc = model.cfg.encoder_depth
         self.has_encoder = self.encoder_layers is not None
         self.has_decoder = self.decoder_layers is not None
         self.ends_encoder = self.encoder_norm is not None or (self.encoder_layers is not None and str(n_enc - 1) in

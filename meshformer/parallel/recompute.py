@@ -68,7 +68,7 @@ def numbered_blocks(model: Transformer) -> list[tuple[int, nn.Module]]:
     """(global execution index, block) for the blocks this module holds; encoder layers come first."""
     cfg = model.cfg
     out: list[tuple[int, nn.Module]] = []
-    for stack, offset in (("encoder_layers", 0), ("decoder_layers", cfg.encoder_layers)):
+    for stack, offset in (("encoder_layers", 0), ("decoder_layers", cfg.encoder_depth)):
         layers = getattr(model, stack, None)
         if layers is not None:
             out.extend((offset + int(key), block) for key, block in layers.items())

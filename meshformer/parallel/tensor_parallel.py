@@ -57,7 +57,7 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh) -> nn.Module:
         layers = getattr(model, stack, None)
         if layers is None:
             continue
-        n_total = cfg.encoder_layers if stack == "encoder_layers" else cfg.decoder_layers
+        n_total = cfg.encoder_depth if stack == "encoder_layers" else cfg.decoder_depth
         for key, block in layers.items():
             parallelize_module(block, mesh, _block_plan(block))
             if key == "0":  # enter sequence parallel: slice the replicated embedding output
