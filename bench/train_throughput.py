@@ -64,7 +64,6 @@ def reference_loop(cfg, tokens: torch.Tensor, steps: int, autocast_dtype: torch.
 def trainer_run(cfg, steps: int) -> float:
     """Tokens per second of `Trainer.fit` over `steps` steps after a 3-step warm-up (setup excluded)."""
     trainer = Trainer(cfg)
-    trainer.train_iter = iter(trainer.train_data)
     for _ in range(3):
         trainer.train_step()
     trainer.save_final_weights = lambda: None  # measure the loop, not the final file write

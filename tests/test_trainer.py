@@ -65,7 +65,6 @@ def _one_step_params(tmp_path, batch_size: int, accum: int) -> dict[str, torch.T
                                                  f"logging.run_dir={tmp_path}/{batch_size}x{accum}",
                                                  "logging.tensorboard=false"])
     trainer = Trainer(cfg)
-    trainer.train_iter = iter(trainer.train_data)
     trainer.train_step()
     return {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
