@@ -30,8 +30,7 @@ def test_gpu_peak_follows_dtype_and_tf32(monkeypatch, dtype, tf32, expected, sou
     assert flops == expected and source in where and "H100 datasheet" in where
 
 
-def test_tf32_enabled_reads_torch_settings(monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+def test_tf32_enabled_reads_torch_settings():
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")

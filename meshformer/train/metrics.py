@@ -46,7 +46,8 @@ def measure_matmul_flops(
 
 
 def tf32_enabled() -> bool:
-    return torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    """Whether fp32 matmuls may run on TF32 tensor cores (`allow_tf32` follows the matmul precision setting)."""
+    return torch.get_float32_matmul_precision() != "highest"
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
