@@ -38,8 +38,8 @@ def test_resolved_config_round_trips_any_string(tmp_path):
 
 
 def test_bundled_configs_load_by_name():
-    assert set(bundled_configs()) == {p.stem for p in CONFIGS}
-    assert load_config("tiny-gpt") == load_config("configs/tiny-gpt.toml")
+    assert set(bundled_configs()) == {p.stem for p in SHIPPED}
+    assert load_config("tiny-gpt") == load_config(CONFIGS / "tiny-gpt.toml")
     with pytest.raises(ConfigError, match="did you mean 'tiny-gpt'"):
         load_config("tiny-gtp")
 
@@ -64,6 +64,8 @@ def test_bundled_configs_load_by_name():
         (["train.z_loss=-1"], "z_loss"),
         (["train.eval_batches=0"], "eval_batches"),
         (["train.steps"], "section.key=value"),
+        (["data.num_workers=-1"], "data.num_workers"),  # data keys are checked on load, not when data is built
+        (["data.eval_fraction=1.0"], "data.eval_fraction"),
     ],
 )
 def test_bad_config_names_key_and_fix(overrides, message):
