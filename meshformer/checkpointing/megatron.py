@@ -25,6 +25,7 @@ from meshformer.checkpointing.dcp_io import read_full_tensors, read_metadata, sa
 from meshformer.checkpointing.errors import ConversionError
 from meshformer.checkpointing.progress import progress
 from meshformer.config import ModelConfig
+from meshformer.model.families import FAMILIES
 
 LAYER = "decoder.layers."
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -43,8 +44,9 @@ _ITER_DIR = re.compile(r"^iter_(\d+)$")
 
 
 def megatron_incompatibilities(cfg: ModelConfig) -> list[str]:
+    gpt_families = sorted(name for name, spec in FAMILIES.items() if spec.megatron == "GPTModel")
     checks = [
-        (cfg.family == "decoder", f"family={cfg.family!r} (needs 'decoder': Megatron GPTModel)"),
+        (cfg.family in gpt_families, f"family={cfg.family!r} (needs one of {gpt_families}: Megatron GPTModel)"),
         (cfg.norm_position == "pre" and cfg.use_final_norm, "post-norm or no final norm (needs pre-norm + final)"),
         (cfg.position in ("learned", "rope"), f"position={cfg.position!r} (needs 'learned' or 'rope')"),
         (cfg.activation in ("gelu", "gelu_tanh", "relu", "swiglu"), f"activation={cfg.activation!r}"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from meshformer.config import Config, ConfigError
+from meshformer.model.families import get_family_spec
 from meshformer.parallel.mesh import ParallelDims
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
@@ -31,7 +32,7 @@ def n_microbatches(cfg: Config) -> int:
 
 
 def total_layers(cfg: Config) -> int:
-    return cfg.model.encoder_layers + cfg.model.decoder_layers
+    return get_family_spec(cfg.model.family).total_layers(cfg.model)
 
 
 def validate_parallel(cfg: Config, world_size: int, device: torch.device | str | None = None) -> ParallelDims:
@@ -86,7 +87,7 @@ def _check_tensor_parallel(cfg: Config, dims: ParallelDims) -> None:
         ("model.vocab_size", m.vocab_size, "embeddings and the output head are split on the vocabulary"),
         ("data.seq_len", cfg.data.seq_len, "sequence parallel splits the sequence between blocks"),
     ]
-    if m.family == "encoder_decoder":
+    if get_family_spec(m.family).seq2seq:
         checks.append(("data.target_len", cfg.data.target_len, "sequence parallel splits the target sequence"))
     for key, value, why in checks:
         if value % tp:
