@@ -48,9 +48,9 @@ def _generate(args: argparse.Namespace) -> None:
     model = load_weights(args.weights).eval()
     tokenizer = load_tokenizer(args.tokenizer)
     ids = torch.tensor([tokenizer.encode(args.prompt)])
-    if model.cfg.family == "encoder":
+    if not model.spec.has_decoder:
         sys.exit("generate needs a decoder-only or encoder-decoder model; this one is encoder-only")
-    if model.cfg.family == "decoder":
+    if not model.spec.seq2seq:
         out = greedy_decode(model, ids, args.max_new_tokens, eos_id=tokenizer.eos_id, use_cache=not args.no_cache)
     else:
         out = greedy_decode(model, None, args.max_new_tokens, eos_id=tokenizer.eos_id, bos_id=tokenizer.bos_id,
@@ -70,7 +70,7 @@ def _attention_map(args: argparse.Namespace) -> None:
     ids = tokenizer.encode(args.text)
     labels = [tokenizer.decode([i]) for i in ids]
     decoder_ids = decoder_labels = None
-    if model.cfg.family == "encoder_decoder":
+    if model.spec.seq2seq:
         target = [tokenizer.bos_id, *tokenizer.encode(args.target or args.text)]
         decoder_ids, decoder_labels = torch.tensor([target]), [tokenizer.decode([i]) for i in target]
     path = attention_heatmap(model, torch.tensor([ids]), args.out, layer=args.layer, head=args.head,

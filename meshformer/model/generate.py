@@ -47,9 +47,9 @@ def greedy_decode(
     The model runs in eval mode; its previous mode is restored.
     """
     cfg = model.cfg
-    if cfg.family == "encoder":
+    if not model.spec.has_decoder:
         raise ValueError("greedy decoding needs a decoder: this model is encoder-only")
-    if (cfg.family == "encoder_decoder") != (source_ids is not None):
+    if model.spec.seq2seq != (source_ids is not None):
         raise ValueError("pass source_ids for an encoder-decoder model, and only for one")
     if source_ids is not None and cfg.position in TABLE_POSITIONS and source_ids.shape[1] > cfg.max_seq_len:
         raise ValueError(f"the source has {source_ids.shape[1]} tokens but {cfg.position!r} positions stop at "

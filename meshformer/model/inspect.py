@@ -17,6 +17,11 @@ from torch import nn
 Stack = Literal["encoder", "decoder", "cross"]
 
 
+def default_stack(model: nn.Module) -> Stack:
+    """Cross-attention where the decoder reads a source, else the model's one stack."""
+    return "cross" if model.spec.seq2seq else model.spec.stacks[-1].name
+
+
 def _attention_module(model: nn.Module, stack: Stack, layer: int) -> nn.Module:
     layers = model.encoder_layers if stack == "encoder" else model.decoder_layers
     if layers is None:
@@ -47,8 +52,7 @@ def attention_weights(
     for decoder-only, the encoder for encoder-only, cross-attention for encoder-decoder models.
     Arguments after `layer` are those of `Transformer.forward`.
     """
-    family = model.cfg.family
-    stack = stack or {"decoder": "decoder", "encoder": "encoder", "encoder_decoder": "cross"}[family]
+    stack = stack or default_stack(model)
     attention = _attention_module(model, stack, layer)
     was_training = model.training
     model.eval()
@@ -131,11 +135,11 @@ def attention_heatmap(
     """
     weights = attention_weights(model, input_ids, layer=layer, stack=stack, attention_mask=attention_mask,
                                 decoder_input_ids=decoder_input_ids)
-    stack = stack or {"decoder": "decoder", "encoder": "encoder", "encoder_decoder": "cross"}[model.cfg.family]
+    stack = stack or default_stack(model)
     if not 0 <= head < weights.shape[1]:
         raise ValueError(f"head {head} does not exist; the layer has {weights.shape[1]} heads")
     source_labels = tokens
-    target_labels = decoder_tokens if model.cfg.family == "encoder_decoder" else tokens
+    target_labels = decoder_tokens if model.spec.seq2seq else tokens
     query_labels = source_labels if stack == "encoder" else target_labels
     key_labels = target_labels if stack == "decoder" else source_labels
     if stack == "cross" and model.cfg.cross_downsample > 1:

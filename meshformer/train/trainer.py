@@ -21,6 +21,7 @@ from meshformer.launcher.profiler import StepProfiler
 from meshformer.launcher.stragglers import rank_timings, straggler_scalars
 from meshformer.launcher.watchdog import HangWatchdog
 from meshformer.model import Transformer
+from meshformer.model.families import get_family_spec
 from meshformer.model.flops import flops_per_token
 from meshformer.parallel import build_plan
 from meshformer.parallel.plan import Batch, TrainingPlan, default_loss_fn
@@ -76,7 +77,7 @@ class Trainer:
         self.eval_data = build_loader(cfg, self.tokenizer, "eval", self.plan.dp_rank, self.plan.dp_size)
         self.step = 0
         # Encoder-decoder steps feed source and target tokens: both count towards tokens/s and MFU.
-        self.target_len = cfg.data.target_len if cfg.model.family == "encoder_decoder" else None
+        self.target_len = cfg.data.target_len if get_family_spec(cfg.model.family).seq2seq else None
         self.tokens_seen = torch.zeros((), dtype=torch.long, device=self.device)  # target tokens trained on
         self.checkpoints = CheckpointManager.from_config(cfg, self.run_dir, log=self.logger.info)
 
