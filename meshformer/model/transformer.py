@@ -28,6 +28,13 @@ from meshformer.model.positions import (
 )
 
 
+# Every top-level piece a Transformer may hold; each may be None (not in the family or the config, or
+# held by another pipeline stage).
+PIECES = ("tok_embeddings", "src_embeddings", "pos_embeddings", "rope", "embedding_norm", "encoder_relative_bias",
+          "decoder_relative_bias", "encoder_layers", "encoder_norm", "decoder_layers", "decoder_norm", "head_dense",
+          "head_act", "head_norm", "output")
+
+
 @dataclass(frozen=True)
 class Streams:
     """Hidden states part-way through the model (what one pipeline stage hands the next)."""

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from meshformer.model import Transformer
-from meshformer.model.transformer import Streams
+from meshformer.model.transformer import PIECES, Streams
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def stage_pieces(model: Transformer, span: StageSpan) -> dict[str, nn.Module | N
     """The modules (shared with `model`, not copied) that the stage covering `span` needs."""
     spec = model.spec
     layout = spec.pipeline
-    pieces: dict[str, nn.Module | None] = dict.fromkeys(spec.pieces)
+    pieces: dict[str, nn.Module | None] = dict.fromkeys(PIECES)
     held = [*layout.every, *(layout.first if span.index == 0 else ())]
     offset = 0
     for stack in spec.stacks:

@@ -25,12 +25,11 @@ ENCODER = Stack("encoder", causal=False, count=lambda cfg: cfg.encoder_layers)
 DECODER = Stack("decoder", causal=True, count=lambda cfg: cfg.decoder_layers)
 CROSS_DECODER = Stack("decoder", causal=True, count=lambda cfg: cfg.decoder_layers, cross=True)
 
-# The T5 relative biases are shared by a whole stack: validate.py refuses position="t5_relative" with pp > 1.
+# No stage holds the T5 relative biases (shared by a whole stack): validate.py refuses t5_relative with pp > 1.
 PIPELINE = PipelineLayout(
     first=("tok_embeddings", "src_embeddings", "pos_embeddings", "embedding_norm"),
     every=("rope",),
     last=("head_dense", "head_act", "head_norm", "output"),
-    unsplit=("encoder_relative_bias", "decoder_relative_bias"),
 )
 
 

@@ -57,7 +57,6 @@ class PipelineLayout:
     first: tuple[str, ...]  # the first stage: everything that embeds
     every: tuple[str, ...]  # every stage: parameter-free helpers rebuilt locally
     last: tuple[str, ...]  # the last stage: the head
-    unsplit: tuple[str, ...] = ()  # pieces no stage may hold (validation refuses their configs with pp > 1)
 
 
 @dataclass(frozen=True)
@@ -98,13 +97,6 @@ class FamilySpec:
         """The model inputs a batch carries for this family."""
         target = ("decoder_input_ids", "decoder_attention_mask") if self.seq2seq else ()
         return ("input_ids", "attention_mask", *target)
-
-    @property
-    def pieces(self) -> tuple[str, ...]:
-        """Every top-level piece a pipeline stage can hold or lack."""
-        layout = self.pipeline
-        stacks = tuple(name for s in self.stacks for name in (s.layers, s.norm))
-        return (*layout.first, *layout.every, *stacks, *layout.last, *layout.unsplit)
 
     def total_layers(self, cfg: ModelConfig) -> int:
         return sum(s.count(cfg) for s in self.stacks)
