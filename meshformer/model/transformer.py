@@ -27,7 +27,6 @@ from meshformer.model.positions import (
     alibi_slopes,
 )
 
-
 # Every top-level piece a Transformer may hold; each may be None (not in the family or the config, or
 # held by another pipeline stage).
 PIECES = ("tok_embeddings", "src_embeddings", "pos_embeddings", "rope", "embedding_norm", "encoder_relative_bias",
