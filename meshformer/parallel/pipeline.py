@@ -113,17 +113,11 @@ class TransformerStage(Transformer):
         self.canonical = {name: origin[id(p)] for name, p in self.named_parameters(remove_duplicate=False)}
         self.is_first, self.is_last = span.index == 0, span.index == span.n_stages - 1
 
-    def forward(
-        self,
-        *stream: torch.Tensor,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        decoder_input_ids: torch.Tensor | None = None,
-        decoder_attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """Received tensors in, tensors to send out (logits on the last stage); the batch arrives as keywords."""
-        streams = self._unpack(stream, decoder_input_ids)
-        out = super().forward(input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, streams=streams)
+    def forward(self, *stream: torch.Tensor, **batch: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Received tensors in, tensors to send out (logits on the last stage); the batch's model inputs
+        (`Transformer.forward`'s arguments) arrive as keywords."""
+        streams = self._unpack(stream, batch.get("decoder_input_ids"))
+        out = super().forward(**batch, streams=streams)
         return out if isinstance(out, torch.Tensor) else self._pack(out, stream)
 
     def _unpack(self, stream: tuple[torch.Tensor, ...], target_ids: torch.Tensor | None) -> Streams:
