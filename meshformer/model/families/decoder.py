@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from meshformer.config import ModelConfig
 from meshformer.model.families.common import DECODER, PIPELINE, TP_PLAN, init_transformer
-from meshformer.model.families.naming import Rule, norm, params
+from meshformer.model.families.naming import MegatronNames, Rule, norm, params
 from meshformer.model.families.spec import FamilySpec
 from meshformer.model.flops import decoder_flops
 
@@ -52,5 +52,10 @@ SPEC = FamilySpec(
     tp_plan=TP_PLAN,
     training_flops=decoder_flops,
     name_maps={"gpt2": gpt2_rules, "llama": llama_rules},
-    megatron="GPTModel",
+    megatron=MegatronNames(
+        model="GPTModel", layers="decoder_layers", embedding="tok_embeddings.weight",
+        positions="pos_embeddings.weight", final_norm="decoder_norm", output="output.weight",
+        attn_norm="attn_norm", ffn_norm="ffn_norm", qkv=("attn.q_proj", "attn.k_proj", "attn.v_proj"),
+        attn_out="attn.o_proj", gate="ffn.gate_proj", up="ffn.up_proj", down="ffn.down_proj",
+    ),
 )

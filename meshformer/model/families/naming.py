@@ -27,6 +27,25 @@ def params(ours: str | tuple[str, ...], theirs: str, names: Iterable[str] = ("we
     return [Rule(tuple(f"{o}.{n}" for o in ours), f"{theirs}.{n}", transpose) for n in names]
 
 
+@dataclass(frozen=True)
+class MegatronNames:
+    """Our names for what a Megatron-Core model stacks per layer and packs (checkpointing/megatron.py)."""
+
+    model: str  # the Megatron-Core class, e.g. "GPTModel"
+    layers: str  # our stack: `<layers>.<i>.` prefixes every per-layer name below
+    embedding: str
+    positions: str
+    final_norm: str
+    output: str
+    attn_norm: str  # Megatron folds it into linear_qkv
+    ffn_norm: str  # ... and this one into linear_fc1
+    qkv: tuple[str, str, str]  # packed per query group into linear_qkv
+    attn_out: str
+    gate: str  # SwiGLU: linear_fc1 = [gate; up]
+    up: str
+    down: str
+
+
 def norm(ours: str, theirs: str, cfg: ModelConfig) -> list[Rule]:
     """A norm's weight, and its bias where it has one (LayerNorm with model.bias)."""
     has_bias = cfg.norm == "layernorm" and cfg.bias

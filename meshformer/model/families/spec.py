@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from meshformer.config import ModelConfig
-from meshformer.model.families.naming import Rule
+from meshformer.model.families.naming import MegatronNames, Rule
 
 # Tensor-parallel styles a plan may name; parallel/tensor_parallel.py gives each its DTensor layouts.
 VOCAB_ROWS = "vocab_rows"  # embedding table split on the vocabulary, output replicated
@@ -77,7 +77,7 @@ class FamilySpec:
     tp_plan: TPPlan
     training_flops: Callable[[ModelConfig, int, int | None], int]  # (cfg, seq_len, target_len) -> FLOPs
     name_maps: Mapping[str, RulesFn]  # foreign implementation -> weight-name rules (checkpointing/mapping.py)
-    megatron: str | None = None  # the Megatron-Core model class our weights map to, if any
+    megatron: MegatronNames | None = None  # how our weights map to a Megatron-Core model, if they do
 
     @property
     def has_encoder(self) -> bool:
