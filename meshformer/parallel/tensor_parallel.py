@@ -5,8 +5,8 @@ Layout of the activations (tp ranks, sequence T, hidden D):
   position embeddings, the embedding norm and dropout run unchanged on full sequences;
 - the first block of each stack slices the sequence (no communication): between blocks the residual stream
   is a plain local tensor (B, T/tp, D), and norms / dropout / residual adds run sequence-parallel;
-- attention and MLP all-gather the sequence on entry (q/k/v, gate/up colwise: each rank owns whole heads /
-  a slice of d_ff) and reduce-scatter it on exit (o_proj, down_proj rowwise);
+- attention and MLP all-gather the sequence on entry (their input projections colwise: each rank owns whole
+  heads / a slice of d_ff) and reduce-scatter it on exit (output projections rowwise);
 - each stack ends by all-gathering its output (after the final norm, or after the last block when there is
   none), so encoder memory is replicated for cross-attention pooling and every decoder layer, and the head
   sees full sequences;
