@@ -121,17 +121,7 @@ class TransformerStage(Transformer):
         return out if isinstance(out, torch.Tensor) else self._pack(out, stream)
 
     def _unpack(self, stream: tuple[torch.Tensor, ...], target_ids: torch.Tensor | None) -> Streams:
-        """What travels between stages, as positional tensors:
-        - decoder-only / encoder-only: the hidden states `h`;
-        - encoder-decoder: the first stage embeds *both* streams. Through the encoder stages `(h_enc, h_dec)`
-          travel together (the embedded target rides along untouched); once the encoder ends, its output
-          (`memory`) travels *with* the decoder stream, `(h_dec, memory)`, through every decoder stage: each
-          stage's cross-attention reads it and passes it on, and in backward its gradient accumulates stage
-          by stage on its way back to the encoder. Embedding the target on the first stage means no stage
-          mixes a received, differentiable input with a parameter-only branch, a graph shape torch's
-          zero-bubble weight pass cannot split (it re-runs a shared node and fails with "backward through
-          the graph a second time").
-        """
+        """The received tensors as `Streams` (see the module docstring for what travels)."""
         if not self.spec.seq2seq:
             if not stream:
                 return Streams()
