@@ -158,7 +158,7 @@ class Transformer(nn.Module):
         h: hidden states from an earlier pipeline stage instead of embedding `ids` (B, T) here.
         """
         h = self._hidden(ids, h, source=True)
-        length = h.shape[1]
+        length = ids.shape[1]  # not h's: a received h may be a sequence-parallel shard
         mask = build_mask(length, length, causal=False, window=self.cfg.attention_window, key_padding=padding,
                           device=h.device)
         extra = self._relative(length, length, 0, h.device, causal=False)
@@ -188,7 +188,7 @@ class Transformer(nn.Module):
         """
         offset = cache[0].self_attn.length if cache else 0
         h = self._hidden(ids, h, offset=offset)
-        q_len = h.shape[1]
+        q_len = ids.shape[1]  # not h's: a received h may be a sequence-parallel shard
         k_len = offset + q_len
         if padding is not None and padding.shape[1] != k_len:
             raise ValueError(f"decoder padding mask covers {padding.shape[1]} positions, expected {k_len} "
