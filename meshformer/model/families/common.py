@@ -5,6 +5,8 @@ A family built from other blocks (e.g. mixture-of-experts feed-forwards) declare
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from meshformer.model.families.spec import (
@@ -16,6 +18,7 @@ from meshformer.model.families.spec import (
     SEQUENCE,
     VOCAB_COLUMNS,
     VOCAB_ROWS,
+    FamilySpec,
     PipelineLayout,
     Stack,
     TPPlan,
@@ -57,3 +60,8 @@ TP_PLAN = TPPlan(
 def init_transformer(model: nn.Module) -> None:
     """The model's own initialisation (model/transformer.py: Transformer.init_weights)."""
     model.init_weights()
+
+
+def transformer_family(**fields: Any) -> FamilySpec:
+    """A family of `model/layers.py` blocks: the shared init, pipeline layout and TP plan, unless overridden."""
+    return FamilySpec(**{"init": init_transformer, "pipeline": PIPELINE, "tp_plan": TP_PLAN, **fields})

@@ -7,9 +7,8 @@ only); Megatron-Core GPTModel (checkpointing/megatron.py).
 from __future__ import annotations
 
 from meshformer.config import ModelConfig
-from meshformer.model.families.common import DECODER, PIPELINE, TP_PLAN, init_transformer
+from meshformer.model.families.common import DECODER, transformer_family
 from meshformer.model.families.naming import MegatronNames, Rule, norm, params
-from meshformer.model.families.spec import FamilySpec
 from meshformer.model.flops import decoder_flops
 
 
@@ -43,13 +42,10 @@ def llama_rules(cfg: ModelConfig) -> list[Rule]:
     return rules
 
 
-SPEC = FamilySpec(
+SPEC = transformer_family(
     name="decoder",
     stacks=(DECODER,),
     objectives=("causal",),
-    init=init_transformer,
-    pipeline=PIPELINE,
-    tp_plan=TP_PLAN,
     training_flops=decoder_flops,
     name_maps={"gpt2": gpt2_rules, "llama": llama_rules},
     megatron=MegatronNames(

@@ -7,9 +7,8 @@ checkpointing/hf.py folds in and out.
 from __future__ import annotations
 
 from meshformer.config import ModelConfig
-from meshformer.model.families.common import ENCODER, PIPELINE, TP_PLAN, init_transformer
+from meshformer.model.families.common import ENCODER, transformer_family
 from meshformer.model.families.naming import Rule, norm, params
-from meshformer.model.families.spec import FamilySpec
 from meshformer.model.flops import encoder_flops
 
 
@@ -35,13 +34,10 @@ def bert_rules(cfg: ModelConfig) -> list[Rule]:
     return rules
 
 
-SPEC = FamilySpec(
+SPEC = transformer_family(
     name="encoder",
     stacks=(ENCODER,),
     objectives=("mlm",),
-    init=init_transformer,
-    pipeline=PIPELINE,
-    tp_plan=TP_PLAN,
     training_flops=encoder_flops,
     name_maps={"bert": bert_rules},
 )

@@ -9,9 +9,8 @@ torch.nn.Transformer (layers and final norms only; q/k/v packed in `in_proj_*`, 
 from __future__ import annotations
 
 from meshformer.config import ModelConfig
-from meshformer.model.families.common import CROSS_DECODER, ENCODER, PIPELINE, TP_PLAN, init_transformer
+from meshformer.model.families.common import CROSS_DECODER, ENCODER, transformer_family
 from meshformer.model.families.naming import Rule, norm, params
-from meshformer.model.families.spec import FamilySpec
 from meshformer.model.flops import encoder_decoder_flops
 
 
@@ -74,13 +73,10 @@ def torch_transformer_rules(cfg: ModelConfig) -> list[Rule]:
     return rules
 
 
-SPEC = FamilySpec(
+SPEC = transformer_family(
     name="encoder_decoder",
     stacks=(ENCODER, CROSS_DECODER),
     objectives=("span", "seq2seq"),
-    init=init_transformer,
-    pipeline=PIPELINE,
-    tp_plan=TP_PLAN,
     training_flops=encoder_decoder_flops,
     name_maps={"t5": t5_rules, "torch.nn.Transformer": torch_transformer_rules},
 )
