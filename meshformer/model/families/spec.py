@@ -92,12 +92,6 @@ class FamilySpec:
         """Source and target are separate streams (decoder_input_ids / decoder_attention_mask)."""
         return any(s.cross for s in self.stacks)
 
-    @property
-    def batch_keys(self) -> tuple[str, ...]:
-        """The model inputs a batch carries for this family."""
-        target = ("decoder_input_ids", "decoder_attention_mask") if self.seq2seq else ()
-        return ("input_ids", "attention_mask", *target)
-
     def total_layers(self, cfg: ModelConfig) -> int:
         return sum(s.count(cfg) for s in self.stacks)
 
