@@ -29,31 +29,35 @@ class ActivationShape:
     batch: int  # sequences in one (pipeline) micro-batch
     seq: int
     tp: int
-    bytes: int  # element size of activations: 2 under bf16 autocast / FSDP bf16 params, else 4
+    bytes: int  # element size of matmul/attention activations: 2 under bf16 (autocast or FSDP params), else 4
+    residual_bytes: int  # element size of the residual stream: fp32 under autocast (fp32 weights), else `bytes`
 
 
-def activation_bytes_per_element(cfg: Config, fsdp: bool) -> int:
-    bf16 = cfg.train.dtype == "bf16" or (fsdp and cfg.parallel.mixed_precision_param == "bf16")
-    return 2 if bf16 else 4
+def activation_shape(cfg: Config, batch: int, tp: int, fsdp: bool) -> ActivationShape:
+    bf16_params = fsdp and cfg.parallel.mixed_precision_param == "bf16"
+    a = 2 if bf16_params or cfg.train.dtype == "bf16" else 4
+    return ActivationShape(batch, cfg.data.seq_len, tp, a, 2 if bf16_params else 4)
 
 
-def _norm(m: ModelConfig, residual: float, a: int, b: int, s_local: int) -> float:
-    stats = (1 if m.norm == "rmsnorm" else 2) * b * s_local * FP32
-    return residual * (2 if m.norm == "rmsnorm" else 1) + stats
+def _norm(m: ModelConfig, x: ActivationShape, s_local: int) -> float:
+    """A norm's saved input and statistics (RMSNorm upcasts: an fp32 input and an fp32 normalised copy)."""
+    rows = x.batch * s_local
+    if m.norm == "rmsnorm":
+        return rows * (2 * m.d_model + 1) * FP32
+    return rows * (m.d_model * x.residual_bytes + 2 * FP32)
 
 
 def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memory_len: int = 0) -> float:
     """Bytes one block keeps from forward to backward without recomputation."""
     b, s, t, a = x.batch, x.seq, x.tp, x.bytes
-    h, f = m.d_model, m.d_ff
+    h = m.d_model
     s_local = s // t if t > 1 else s
-    residual = b * s_local * h * a
     gathered = b * s * h * a  # the normalised input the projections read (all-gathered under SP)
     heads = m.n_heads // t
     qkv_out = b * s * heads * m.head_dim * a
     total = 0.0
     for branch_cross in ([False, True] if cross else [False]):
-        total += _norm(m, residual, a, b, s_local) + gathered
+        total += _norm(m, x, s_local) + gathered
         k_len = memory_len if branch_cross else s
         kv = b * k_len * heads * m.head_dim * a
         if m.attention_backend == "math":
@@ -65,12 +69,11 @@ def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memo
             total += 2 * qkv_out + 2 * kv + b * heads * s * FP32
         if m.dropout > 0:
             total += b * s_local * h
-    total += _norm(m, residual, a, b, s_local) + gathered
+    total += _norm(m, x, s_local) + gathered
     ffn = b * s * (m.d_ff // t) * a
     total += {"swiglu": 4, "relu": 1}.get(m.activation, 2) * ffn
     if m.dropout > 0:
         total += b * s_local * h
-    del f
     return total
 
 
@@ -81,7 +84,7 @@ def block_selective(m: ModelConfig, x: ActivationShape, *, cross: bool = False, 
     s_local = s // t if t > 1 else s
     heads, kv_heads = m.n_heads // t, m.kv_heads // t
     branches = 2 if cross else 1
-    total = b * s_local * h * a  # the checkpointed block's input
+    total = b * s_local * h * x.residual_bytes  # the checkpointed block's input
     for branch_cross in ([False, True] if cross else [False]):
         k_len = memory_len if branch_cross else s
         total += b * s * heads * m.head_dim * a * 2  # q projection and attention output
@@ -99,7 +102,7 @@ def block_selective(m: ModelConfig, x: ActivationShape, *, cross: bool = False, 
 
 def block_input(m: ModelConfig, x: ActivationShape) -> float:
     s_local = x.seq // x.tp if x.tp > 1 else x.seq
-    return x.batch * s_local * m.d_model * x.bytes
+    return x.batch * s_local * m.d_model * x.residual_bytes
 
 
 def block_backward_extra(m: ModelConfig, x: ActivationShape) -> float:
@@ -118,15 +121,14 @@ def head_saved(m: ModelConfig, x: ActivationShape, last: bool) -> float:
     if not last:
         return 0.0
     s_local = x.seq // x.tp if x.tp > 1 else x.seq
-    residual = x.batch * s_local * m.d_model * x.bytes
-    return _norm(m, residual, x.bytes, x.batch, s_local) + x.batch * x.seq * m.d_model * x.bytes
+    return _norm(m, x, s_local) + x.batch * x.seq * m.d_model * x.bytes
 
 
-def logits_peak(m: ModelConfig, x: ActivationShape) -> float:
-    """Logits and the loss's fp32 work at the start of backward: logits, log-softmax, and two fp32 gradients."""
-    local_vocab = m.vocab_size // x.tp
-    elements = x.batch * x.seq * local_vocab
-    return elements * x.bytes + 3 * elements * FP32
+def logits(m: ModelConfig, x: ActivationShape) -> tuple[float, float]:
+    """(kept, transient) of the loss: logits and the fp32 log-softmax (vocab-parallel: exp) kept per micro-batch
+    until its backward, and two fp32 logit-sized gradients alive while the loss back-propagates."""
+    elements = x.batch * x.seq * (m.vocab_size // x.tp)
+    return elements * (x.bytes + FP32), 2 * elements * FP32
 
 
 def recompute_mode_blocks(cfg: Config, layers: tuple[int, ...], mode: str) -> list[str]:

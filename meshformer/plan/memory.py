@@ -79,9 +79,8 @@ def pipeline_in_flight(cfg: Config, dims: ParallelDims, share: RankShare) -> flo
 def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory:
     m, p = cfg.model, cfg.parallel
     fsdp = dims.fsdp_enabled
-    a = act.activation_bytes_per_element(cfg, fsdp)
     micro = max(1, cfg.data.batch_size // (n_microbatches(cfg) if dims.pp > 1 else 1))
-    shape = act.ActivationShape(micro, cfg.data.seq_len, dims.tp, a)
+    shape = act.activation_shape(cfg, micro, dims.tp, fsdp)
     unsharded_bytes = 2 if p.mixed_precision_param == "bf16" else 4
     reduce_bytes = 2 if p.mixed_precision_reduce == "bf16" else 4
 
@@ -106,24 +105,26 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory
     head = act.head_saved(m, shape, share.last)
     per_microbatch = sum(kept) + head
     in_flight = pipeline_in_flight(cfg, dims, share)
-    logits = act.logits_peak(m, shape) if share.last else 0.0
+    logits_kept, logits_work = act.logits(m, shape) if share.last else (0.0, 0.0)
     # The last stage finishes each micro-batch's backward before the next forward (1F1B), except GPipe.
-    logits_live = logits * (in_flight if cfg.parallel.pp_schedule == "gpipe" and dims.pp > 1 else 1.0)
+    logits_live = logits_kept * (in_flight if p.pp_schedule == "gpipe" and dims.pp > 1 else 1.0) + logits_work
 
     root = share.root_numel * unsharded_bytes if fsdp else 0.0
     block_unit = share.block_numel * unsharded_bytes if fsdp else 0.0
     resharded = p.reshard_after_forward
     held_units = 0.0 if (not fsdp or resharded) else block_unit * len(share.layers)
     earlier = (in_flight - 1) * per_microbatch  # other micro-batches' activations (pipeline)
-    # Gradients exist during the step when micro-batches accumulate into them (pipeline, grad_accum).
-    accumulating = dims.pp > 1 or cfg.train.grad_accum > 1
+    # Gradients are whole during the worst backward when an earlier backward filled them: grad_accum > 1, or a
+    # 1F1B-like pipeline with more micro-batches than it holds in flight.
+    later = dims.pp > 1 and p.pp_schedule != "gpipe" and n_microbatches(cfg) > in_flight
+    accumulating = cfg.train.grad_accum > 1 or later
     static = params + optimizer + (grads if accumulating else 0.0)
     head_grad = (share.root_numel * (reduce_bytes if fsdp else 4)) if share.last else 0.0
 
     moments = {"forward end": static + root + held_units + earlier + per_microbatch + logits_live + head_grad}
     done_grads = head_grad
     for i in range(len(kept) - 1, -1, -1):
-        still_kept = earlier + sum(kept[:i + 1]) + head * 0
+        still_kept = earlier + sum(kept[:i + 1])
         unit = 0.0 if not fsdp else block_unit * (1 if resharded else 0) + block_unit + block_unit * reduce_bytes / max(
             unsharded_bytes, 1)
         moments[f"backward of block {share.layers[i]}"] = (

@@ -117,7 +117,7 @@ def rank_shares(cfg: Config, world_size: int, *, apply_fsdp: bool = True,
     meshes: Meshes = build_mesh(dims, "cpu")
     model = model if model is not None else meta_model(cfg)
     shares = []
-    for (sizes, first, last), ranks in _rank_layouts(cfg, dims).items():
+    for (_sizes, first, last), ranks in _rank_layouts(cfg, dims).items():
         parts = _parts_for_rank(model, cfg, dims, ranks[0])
         for part in parts:
             if apply_fsdp:
