@@ -130,24 +130,21 @@ def rank_shares(cfg: Config, world_size: int, *, apply_fsdp: bool = True,
 
 def _measure(parts: list[nn.Module], dims: ParallelDims, rank: int, fsdp_applied: bool, first: bool,
              last: bool) -> RankShare:
+    def sizes(param: torch.Tensor) -> tuple[int, int]:
+        """(this rank's shard, the padded unsharded tensor an FSDP all-gather returns), in elements."""
+        local = local_tensor(param)
+        if not fsdp_applied:
+            shard = _fsdp_shard(local.numel(), local.shape[0] if local.dim() else 1, dims.dp_shard)
+            return shard, shard * dims.dp_shard
+        return local.numel(), local.numel() * dims.dp_shard
+
     in_block = {id(p) for part in parts for block in blocks_of(part) for p in block.parameters()}
     sharded = root = 0
     for param in _unique_params(parts):
-        local = local_tensor(param)
-        if fsdp_applied:
-            shard = local.numel()
-            unsharded = shard * dims.dp_shard  # padded: what the all-gather returns
-        else:
-            unsharded = local.numel()
-            shard = _fsdp_shard(unsharded, local.shape[0] if local.dim() else 1, dims.dp_shard)
+        shard, unsharded = sizes(param)
         sharded += shard
-        if id(param) not in in_block:
-            root += unsharded
-    block = 0
-    for part in parts:
-        for candidate in blocks_of(part):
-            numel = sum(local_tensor(p).numel() * (dims.dp_shard if fsdp_applied else 1)
-                        for p in candidate.parameters())
-            block = max(block, numel)
+        root += 0 if id(param) in in_block else unsharded
+    block = max((sum(sizes(p)[1] for p in candidate.parameters()) for part in parts for candidate in blocks_of(part)),
+                default=0)
     layers = tuple(index for part in parts for index, _ in numbered_blocks(part))
     return RankShare(rank, layers, len(parts), sharded, root, block, first, last)
