@@ -11,7 +11,7 @@ import pytest
 from meshformer.config import load_config
 from meshformer.model.flops import count_params
 from meshformer.plan.search import plan_layout, search_layouts, with_layout
-from meshformer.plan.shard import fake_world, rank_shares
+from meshformer.plan.shard import fake_world, meta_model, rank_shares, template_shares, tp_template
 from meshformer.plan.validation import LAYOUTS, TOLERANCE, compare, measure_layouts, validation_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,15 +34,18 @@ def test_predicted_peak_within_tolerance_of_measured(world):
                               f"({100 * r['error']:+.1f}%)" for r in bad)
 
 
-@pytest.mark.parametrize("layout", [{"tp": 2, "pp": 2}, {"pp": 4, "pp_schedule": "interleaved_1f1b",
-                                                        "pp_stages_per_rank": 2, "pp_microbatches": 4}])
-def test_search_shards_equal_real_fsdp_shards(layout):
-    """The search derives FSDP's shards from tensor-parallel shapes; they must equal FSDP2's own."""
-    cfg = validation_config(layout, n_layers=8, vocab=500)  # 500 rows: FSDP pads them unevenly over 16 ranks
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"tp": 2, "pp": 2}, {"pp": 4, "pp_schedule": "interleaved_1f1b",
+                                                                   "pp_stages_per_rank": 2, "pp_microbatches": 4},
+                                    {"pp": 2, "pp_schedule": "zbv", "pp_microbatches": 2}])
+@pytest.mark.parametrize("tied", [False, True])
+def test_search_shards_equal_real_fsdp_shards(layout, tied):
+    """The search sizes layouts from one tensor-parallel block per stack; that must equal the real TP + FSDP path."""
+    # 500 vocabulary rows: FSDP pads them unevenly over 16 ranks
+    cfg = validation_config(layout, n_layers=8, vocab=500, tie_embeddings=tied)
     world = 64
     with fake_world(world):
         _, real = rank_shares(cfg, world)
-        _, derived = rank_shares(cfg, world, apply_fsdp=False)
+        _, derived = template_shares(cfg, world, meta_model(cfg), tp_template(cfg, world, cfg.parallel.tp))
     assert [(s.pp_rank, s.layers, s.sharded_numel, s.root_numel, s.block_numel) for s in real] == \
         [(s.pp_rank, s.layers, s.sharded_numel, s.root_numel, s.block_numel) for s in derived]
 

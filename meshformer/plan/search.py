@@ -1,8 +1,9 @@
 """The planner's two questions: what does this layout need per rank, and which layouts fit a device?
 
-Every answer comes from the real parallelised model on meta (`shard.rank_shares`) and the peak walk
-(`memory.rank_memory`). The search builds tensor parallel for real once per (pp, tp) and derives FSDP's shards
-for the remaining data-parallel ranks arithmetically; the reported layout itself goes through FSDP for real.
+Every answer comes from the parallelised model on meta and the peak walk (`memory.rank_memory`). The reported
+layout goes through the trainer's whole path (`shard.rank_shares`); the search applies the real tensor-parallel
+plan once per tp to one block per stack (`shard.tp_template`) and sizes each pipeline split and FSDP size from
+it (`shard.template_shares`); a test holds the two against each other.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from meshformer.config import Config, ConfigError
 from meshformer.parallel.mesh import ParallelDims
 from meshformer.plan.memory import RankMemory, rank_memory, usable_bytes
-from meshformer.plan.shard import fake_world, meta_model, rank_shares
+from meshformer.plan.shard import fake_world, meta_model, rank_shares, template_shares, tp_template
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 TP_SIZES = (1, 2, 4, 8)  # tensor parallel stays inside one 8-GPU node
@@ -86,10 +87,14 @@ def search_layouts(cfg: Config, world_size: int, device: str) -> list[LayoutMemo
         for tp in TP_SIZES:
             if world_size % tp:
                 continue
+            try:
+                template = tp_template(with_layout(cfg, world_size, 1, tp, "none"), world_size, tp)
+            except ConfigError:
+                continue
             for pp in _divisors_pow2(world_size // tp, layers):
                 base = with_layout(cfg, world_size, pp, tp, "none")
                 try:
-                    dims, shares = rank_shares(base, world_size, apply_fsdp=False, model=model)
+                    dims, shares = template_shares(base, world_size, model, template)
                 except (ConfigError, ValueError):
                     continue
                 for mode in RECOMPUTE_MODES:

@@ -27,7 +27,7 @@ from meshformer.parallel.build import _finish_part
 from meshformer.parallel.fsdp import blocks_of
 from meshformer.parallel.grad_norm import local_tensor
 from meshformer.parallel.mesh import Meshes, ParallelDims, build_mesh
-from meshformer.parallel.pipeline import TransformerStage, split_layers, stage_ids_for_rank
+from meshformer.parallel.pipeline import TransformerStage, split_layers, stage_ids_for_rank, stage_pieces
 from meshformer.parallel.recompute import numbered_blocks
 from meshformer.parallel.tensor_parallel import apply_tensor_parallel
 from meshformer.parallel.validate import stages_per_rank, total_layers, validate_parallel
@@ -109,8 +109,7 @@ def rank_shares(cfg: Config, world_size: int, *, apply_fsdp: bool = True,
     """Parallelise the meta model for `cfg.parallel` at `world_size`; one `RankShare` per distinct pipeline rank.
 
     With `apply_fsdp=False` only tensor parallel runs for real and FSDP's dim-0 sharding is applied to the
-    tensor-parallel local shapes arithmetically (the rule FSDP2 uses); the layout search uses this to cover many
-    data-parallel sizes with one build. Must run inside `fake_world(world_size)`.
+    tensor-parallel local shapes arithmetically (the rule FSDP2 uses). Must run inside `fake_world(world_size)`.
     """
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False))
     dims = validate_parallel(cfg, world_size, "cpu")
@@ -148,3 +147,65 @@ def _measure(parts: list[nn.Module], dims: ParallelDims, rank: int, fsdp_applied
                 default=0)
     layers = tuple(index for part in parts for index, _ in numbered_blocks(part))
     return RankShare(rank, layers, len(parts), sharded, root, block, first, last)
+
+
+# Tensor-parallel local (dim 0, numel) of each parameter, per model piece; blocks per stack.
+Template = dict[str, list[tuple[int, int]]]
+
+
+def tp_template(cfg: Config, world_size: int, tp: int) -> Template:
+    """Parameter shapes after the real tensor-parallel plan, read off a one-block-per-stack copy of the model.
+
+    Blocks of a stack are identical, so the layout search sizes any pipeline split from this one build per tp.
+    Must run inside `fake_world(world_size)`.
+    """
+    m = cfg.model
+    small = dataclasses.replace(m, n_layers=1, n_encoder_layers=1 if m.encoder_layers else None,
+                                n_decoder_layers=1 if m.decoder_layers else None)
+    model = meta_model(dataclasses.replace(cfg, model=small))
+    if tp > 1:
+        parallel = dataclasses.replace(cfg.parallel, pp=1, tp=tp, dp_replicate=1, dp_shard=-1)
+        dims = ParallelDims.from_config(parallel, world_size)
+        apply_tensor_parallel(model, build_mesh(dims, "cpu").tp)
+    template: Template = {}
+    for name, module in model.named_children():
+        if name in ("encoder_layers", "decoder_layers"):
+            module = module["0"]
+        params = [(p, n) for n, p in module.named_parameters()]
+        if name == "output" and m.tie_embeddings:
+            params = [(p, n) for p, n in params if n != "weight"]  # the embedding's; counted with it or copied
+        template[name] = [(local_tensor(p).shape[0] if p.dim() else 1, local_tensor(p).numel()) for p, _ in params]
+    if m.tie_embeddings:
+        template["tied_output"] = template["tok_embeddings"]
+    return template
+
+
+def template_shares(cfg: Config, world_size: int, model: Transformer, template: Template
+                    ) -> tuple[ParallelDims, list[RankShare]]:
+    """`rank_shares` for the search: pipeline split by `stage_pieces`, sizes from `tp_template`, FSDP by rule."""
+    dims = validate_parallel(cfg, world_size, "cpu")
+    spr = stages_per_rank(cfg) if dims.pp > 1 else 1
+    spans = split_layers(total_layers(cfg), dims.pp * spr, cfg.parallel.pp_split_points or None)
+    shares = []
+    for (_sizes, first, last), ranks in _rank_layouts(cfg, dims).items():
+        ids = stage_ids_for_rank(ranks[0], dims.pp, spr, cfg.parallel.pp_schedule == "zbv")
+        sharded = root = block = 0
+        layers: list[int] = []
+        for sid in ids:
+            pieces = {k: v for k, v in stage_pieces(model, spans[sid]).items() if v is not None}
+            if cfg.model.tie_embeddings and "output" in pieces and "tok_embeddings" not in pieces:
+                pieces["tied_output"] = pieces["output"]  # this stage holds its own copy of the table
+            for name, module in pieces.items():
+                blocks = len(module) if name in ("encoder_layers", "decoder_layers") else 0
+                sizes = [(_fsdp_shard(numel, dim0, dims.dp_shard), dims.dp_shard) for dim0, numel in template[name]]
+                shard = sum(x for x, _ in sizes)
+                padded = sum(x * dp for x, dp in sizes)
+                sharded += shard * max(blocks, 1)
+                if blocks:
+                    block = max(block, padded)
+                    offset = cfg.model.encoder_layers if name == "decoder_layers" else 0
+                    layers += [offset + int(key) for key in module]
+                else:
+                    root += padded
+        shares.append(RankShare(ranks[0], tuple(sorted(layers)), len(ids), sharded, root, block, first, last))
+    return dims, shares

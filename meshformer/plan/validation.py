@@ -25,11 +25,11 @@ TOLERANCE = 0.10
 
 
 def validation_config(parallel: dict[str, Any], *, d_model: int = 128, n_layers: int = 4, seq: int = 128,
-                      batch: int = 4, vocab: int = 512) -> Config:
+                      batch: int = 4, vocab: int = 512, tie_embeddings: bool = False) -> Config:
     raw = {
         "model": {"family": "decoder", "vocab_size": vocab, "d_model": d_model, "n_heads": 8, "n_kv_heads": 4,
                   "d_ff": 4 * d_model, "n_layers": n_layers, "max_seq_len": seq, "position": "rope",
-                  "norm": "rmsnorm", "activation": "swiglu", "bias": False, "tie_embeddings": False},
+                  "norm": "rmsnorm", "activation": "swiglu", "bias": False, "tie_embeddings": tie_embeddings},
         "data": {"seq_len": seq, "batch_size": batch},
         "train": {"device": "cpu", "seed": 0},
         "parallel": parallel,
