@@ -67,7 +67,9 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["none", "selective", "full", "every_k"])
     args = parser.parse_args()
     device = torch.device(args.device)
-    base = [f"train.device={device.type}", "train.dtype=bf16", f"data.batch_size={args.batch}", "data.seq_len=2048"]
+    # One micro-batch per step, as measured: no gradients held from an earlier micro-batch.
+    base = [f"train.device={device.type}", "train.dtype=bf16", "train.grad_accum=1", f"data.batch_size={args.batch}",
+            "data.seq_len=2048"]
     if device.type == "cpu":
         base += SMALL
     rows = []
