@@ -57,6 +57,9 @@ PUBLISHED = {  # config: (published parameter count, relative tolerance)
     "gpt3-175b": (175e9, 0.01),  # Brown et al. Table 2.1
     "llama-7b": (6_738_415_616, 0.0),  # HF LlamaForCausalLM("huggyllama/llama-7b"); 6.7B in Touvron et al.
     "llama-1b": (1_235_814_400, 0.0),  # Llama 3.2 1B
+    "llama-8b": (8_030_261_248, 0.0),  # Llama 3.1 8B (HF LlamaForCausalLM), "8B"
+    "llama-70b": (70_553_706_496, 0.0),  # Llama 3.1 70B, "70.6B"
+    "llama-405b": (405_853_388_800, 0.0),  # Llama 3.1 405B, "405.9B"
     "bert-base": (109_514_298 - 1_536, 0.0),  # BertForMaskedLM minus the token-type table we fold away
     "t5-small": (60_506_624, 0.0),  # HF T5ForConditionalGeneration("t5-small")
 }
