@@ -20,11 +20,8 @@ from pathlib import Path
 import torch
 
 from meshformer.config import load_config
-from meshformer.model import Transformer
-from meshformer.parallel import build_plan
-from meshformer.plan.measure import LiveTensorBytes, synthetic_batch
+from meshformer.plan.measure import LiveTensorBytes, TrainingStep
 from meshformer.plan.search import plan_layout
-from meshformer.train.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model.d_model=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4", "model.d_ff=1024",
@@ -32,32 +29,17 @@ SMALL = ["model.d_model=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv
 
 
 def measure(cfg, device: torch.device) -> int:
-    torch.manual_seed(0)
-    plan = build_plan(Transformer(cfg.model), cfg, device)
-    plan.autocast_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else None
-    optimizer, _ = build_optimizer(plan.model_parts, cfg.optim)
-    batch = {k: v.to(device) for k, v in synthetic_batch(cfg, 0).items()}
-
-    def step() -> None:
-        plan.forward_backward(batch, plan.global_token_count([batch]))
-        plan.clip_grad_norm(cfg.optim.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        existing = [t for part in plan.model_parts for t in [*part.parameters(), *part.buffers()]]
-        existing += [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        with LiveTensorBytes(*existing) as tracker:
+    step = TrainingStep(cfg, device)
+    step()  # the first step creates the optimizer state
+    if device.type != "cuda":
+        with LiveTensorBytes(*step.state_tensors()) as tracker:
             step()
-        peak = tracker.peak
-    return peak
+        return tracker.peak
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
 
 
 def main() -> None:

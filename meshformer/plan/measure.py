@@ -98,26 +98,36 @@ def synthetic_batch(cfg: Config, dp_rank: int, seed: int = 0) -> dict[str, torch
     return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
 
 
-def measure_step_peak(cfg: Config) -> dict[str, int]:
-    """Peak live tensor bytes of this rank over one training step under `cfg.parallel` (CPU)."""
-    device = torch.device("cpu")
-    torch.manual_seed(cfg.train.seed)
-    plan = build_plan(Transformer(cfg.model), cfg, device)
-    if cfg.train.dtype == "bf16":
-        plan.autocast_dtype = torch.bfloat16
-    optimizer, _ = build_optimizer(plan.model_parts, cfg.optim)
-    batch = synthetic_batch(cfg, plan.dp_rank)
+class TrainingStep:
+    """The trainer's step on a fixed synthetic micro-batch: forward_backward, clipping, AdamW, zero_grad."""
 
-    def step() -> None:
+    def __init__(self, cfg: Config, device: torch.device) -> None:
+        torch.manual_seed(cfg.train.seed)
+        self.cfg = cfg
+        self.plan = build_plan(Transformer(cfg.model), cfg, device)
+        if cfg.train.dtype == "bf16":
+            self.plan.autocast_dtype = torch.bfloat16
+        self.optimizer, _ = build_optimizer(self.plan.model_parts, cfg.optim)
+        self.batch = {k: v.to(device) for k, v in synthetic_batch(cfg, self.plan.dp_rank).items()}
+
+    def __call__(self) -> None:
+        plan, batch = self.plan, self.batch
         plan.forward_backward(batch, plan.global_token_count([batch]))
-        plan.clip_grad_norm(cfg.optim.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        plan.clip_grad_norm(self.cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
-    step()
-    existing = [t for part in plan.model_parts for t in [*part.parameters(), *part.buffers()]]
-    existing += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
-    tracker = LiveTensorBytes(*existing)
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Weights, buffers and optimizer state: what lives across steps."""
+        out = [t for part in self.plan.model_parts for t in [*part.parameters(), *part.buffers()]]
+        return out + [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+
+
+def measure_step_peak(cfg: Config) -> dict[str, int]:
+    """Peak live tensor bytes of this rank over its second training step under `cfg.parallel` (CPU)."""
+    step = TrainingStep(cfg, torch.device("cpu"))
+    step()  # the first step creates the optimizer state
+    tracker = LiveTensorBytes(*step.state_tensors())
     start = tracker.live
     with tracker:
         step()
