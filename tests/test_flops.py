@@ -95,7 +95,7 @@ def test_counts_equal_hugging_face_models(name, cls, config, kwargs):
 
 def test_gpt3_flops_match_megatron_and_the_gpt3_paper():
     cfg = load_config(CONFIGS / "gpt3-175b.toml").model
-    s, h, layers, vocab = 2048, 12288, 96, 50257
+    s, h, layers, vocab = 2048, 12288, 96, 50304  # padded GPT-2 vocabulary
     # Narayanan et al. 2021 (no recomputation): 72 B s l h^2 (1 + s/6h + V/12lh) per batch of B sequences.
     megatron = 72 * s * layers * h**2 * (1 + s / (6 * h) + vocab / (12 * layers * h))
     assert training_flops(cfg, s) == pytest.approx(megatron, rel=1e-12)

@@ -19,8 +19,6 @@ from meshformer.plan.memory import usable_bytes  # noqa: E402
 from meshformer.plan.search import plan_layout, search_layouts, with_layout  # noqa: E402
 
 GiB = 2**30
-# GPT-2's 50257-token vocabulary does not split over tp = 8: pad it as Megatron and nanoGPT do.
-OVERRIDES = {"gpt3-175b": ["model.vocab_size=50304"]}
 
 
 def main() -> None:
@@ -33,7 +31,7 @@ def main() -> None:
     print("| config | ranks | configured layout: GiB/rank, fits? | smallest layout that fits | GiB/rank | CPU s |")
     print("| --- | ---: | --- | --- | ---: | ---: |")
     for name in args.configs:
-        cfg = load_config(ROOT / "configs" / f"{name}.toml", OVERRIDES.get(name, []))
+        cfg = load_config(ROOT / "configs" / f"{name}.toml")
         for world in args.worlds:
             start = time.process_time()
             p = cfg.parallel
