@@ -95,13 +95,19 @@ class FamilySpec:
     def total_layers(self, cfg: ModelConfig) -> int:
         return sum(s.count(cfg) for s in self.stacks)
 
+    def layer_offsets(self, cfg: ModelConfig) -> dict[str, int]:
+        """Each stack's attribute -> the global execution index of its first block."""
+        offsets, offset = {}, 0
+        for stack in self.stacks:
+            offsets[stack.layers] = offset
+            offset += stack.count(cfg)
+        return offsets
+
     def blocks(self, model: nn.Module) -> list[tuple[int, nn.Module]]:
         """(global execution index, block) for the blocks `model` holds: the FSDP and recompute units."""
         out: list[tuple[int, nn.Module]] = []
-        offset = 0
-        for stack in self.stacks:
-            layers = getattr(model, stack.layers, None)
+        for name, offset in self.layer_offsets(model.cfg).items():
+            layers = getattr(model, name, None)
             if layers is not None:
                 out.extend((offset + int(key), block) for key, block in layers.items())
-            offset += stack.count(model.cfg)
         return out
