@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from meshformer.errors import MeshformerError
 
-class ConfigError(ValueError):
+
+class ConfigError(MeshformerError, ValueError):
     """A configuration problem, phrased as what is wrong and how to fix it."""
 
 
@@ -412,8 +414,10 @@ def _check_training_ranges(cfg: Config) -> None:
         raise ConfigError(f"train.z_loss={t.z_loss} must be >= 0 (0 disables it)")
     if t.eval_interval > 0 and t.eval_batches <= 0:
         raise ConfigError("train.eval_batches must be positive when train.eval_interval > 0 (0 disables evaluation)")
-    if t.eval_interval < 0 or t.sample_interval < 0:
-        raise ConfigError("train.eval_interval and train.sample_interval must be >= 0 (0 disables them)")
+    for key in ("train.eval_interval", "train.sample_interval", "checkpoint.interval", "checkpoint.keep_last",
+                "checkpoint.keep_every"):
+        if (value := getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])) < 0:
+            raise ConfigError(f"{key}={value} is negative", "use a value >= 0 (0 turns it off; keep_last=0 keeps all)")
 
 
 def _positive(cfg: Config, keys: list[str]) -> None:

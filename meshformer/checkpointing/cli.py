@@ -16,7 +16,6 @@ checkpoint that `train` resumes from (fresh optimizer) when checkpoint.dir point
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from meshformer.checkpointing.errors import CheckpointError
@@ -135,8 +134,5 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(func, args: argparse.Namespace) -> None:
-    try:
-        path = func(args)
-    except (CheckpointError, FileNotFoundError) as err:
-        sys.exit(f"convert {args.conversion}: {err}")
+    path = func(args)
     print(f"wrote {path}" if args.conversion != "verify" else "all checkpoints verified")

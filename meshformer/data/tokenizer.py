@@ -19,6 +19,8 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from meshformer.errors import MeshformerError
+
 BUNDLED_DIR = Path(__file__).resolve().parent / "tokenizers"
 N_SENTINELS = 32
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>", "<mask>"] + [f"<extra_id_{i}>" for i in range(N_SENTINELS)]
@@ -33,7 +35,7 @@ _ROLE_NAMES = {
 }
 
 
-class TokenizerError(ValueError):
+class TokenizerError(MeshformerError, ValueError):
     """A tokenizer that cannot be loaded or lacks a token an objective needs."""
 
 
