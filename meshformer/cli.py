@@ -115,8 +115,15 @@ def _grad_report(args: argparse.Namespace) -> None:
     print(f"loss {loss.item():.4f} on one batch of {cfg.data.batch_size} sequences\n{text}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes in the one-line form too (subcommands' parsers are of the same class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} — see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshformer", description=__doc__)
+    parser = _Parser(prog="meshformer", description=__doc__)
     parser.add_argument("--debug", action="store_true",
                         help=f"show the traceback of an error (also {DEBUG_ENV}=1); anywhere on the command line")
     sub = parser.add_subparsers(dest="command", required=True)

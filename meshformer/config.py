@@ -240,7 +240,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path}: not valid TOML ({err})") from None
+            raise ConfigError(f"{path}: not valid TOML ({err})", "fix the line it names") from None
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():

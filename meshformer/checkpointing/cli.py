@@ -91,9 +91,10 @@ def _verify(args: argparse.Namespace) -> Path:
     for partial in layout.partial_dirs(root):
         print(f"partial  {partial} (incomplete save; ignored by resume)")
     if not folders:
-        raise CheckpointError(f"{root} holds no committed checkpoints")
+        raise CheckpointError(f"{root} holds no committed checkpoints", "pass a checkpoint.dir or one step folder")
     if bad:
-        raise CheckpointError(f"{bad} of {len(folders)} checkpoints failed verification")
+        raise CheckpointError(f"{bad} of {len(folders)} checkpoints failed verification",
+                              "restore them from a copy, or delete them to resume from an older step")
     return root
 
 

@@ -39,7 +39,8 @@ def resolve_inputs(inputs: str | Path | list[str | Path]) -> list[Path]:
         if path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.is_file() and _is_text(p))
             if not found:
-                raise CorpusError(f"directory {path} holds no text files ({sorted(TEXT_SUFFIXES)}, optionally .gz)")
+                raise CorpusError(f"directory {path} holds no text files ({sorted(TEXT_SUFFIXES)}, optionally .gz)",
+                                  "add text files or point at another folder")
             files.extend(found)
         elif path.is_file():
             files.append(path)

@@ -121,7 +121,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
     try:
         hf = HFTokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception on bad JSON
-        raise TokenizerError(f"{path}: not a HF tokenizers JSON file ({err})") from None
+        raise TokenizerError(f"{path}: not a HF tokenizers JSON file ({err})",
+                             "pass the tokenizer.json written by `meshformer data prepare`") from None
     return Tokenizer(hf, str(path))
 
 

@@ -8,13 +8,14 @@ from pathlib import Path
 
 
 def _submit(args: argparse.Namespace) -> None:
-    from meshformer.launcher.slurm import SlurmJob, submit, warnings_for
+    from meshformer.launcher.slurm import SlurmJob, check_job, submit, warnings_for
 
     job = SlurmJob(args.config, args.set, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                    nproc_per_node=args.nproc_per_node, partition=args.partition, time=args.time,
                    account=args.account, qos=args.qos, cpus_per_task=args.cpus_per_task, mem=args.mem,
                    job_name=args.job_name, setup=args.setup, sbatch_args=args.sbatch_arg,
                    max_restarts=args.max_restarts, signal_before_s=args.signal_before)
+    check_job(job)  # a refusal comes before the warnings
     for warning in warnings_for(job):
         print(f"warning: {warning}", file=sys.stderr)
     script, job_id = submit(job, dry_run=args.dry_run)
