@@ -10,7 +10,7 @@ import sys
 from meshformer.checkpointing import cli as checkpointing_cli
 from meshformer.config import load_config
 from meshformer.data import cli as data_cli
-from meshformer.errors import DEBUG_ENV, UsageError, run_command
+from meshformer.errors import DEBUG_ENV, ArgumentParser, UsageError, run_command
 from meshformer.launcher import cli as launcher_cli
 
 
@@ -25,6 +25,8 @@ def _train(args: argparse.Namespace) -> None:
         cfg = load_config(args.config, args.set)  # one process checks before torchrun starts any rank
         validate_parallel(cfg, args.nproc_per_node * args.nnodes)
         preflight(cfg)
+        if args.debug:
+            os.environ[DEBUG_ENV] = "1"  # the ranks show tracebacks too (this process exits after torchrun)
         sys.exit(launch_torchrun(args.config, args.set, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
                                  rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts))
     from meshformer.train.__main__ import run
@@ -115,15 +117,8 @@ def _grad_report(args: argparse.Namespace) -> None:
     print(f"loss {loss.item():.4f} on one batch of {cfg.data.batch_size} sequences\n{text}")
 
 
-class _Parser(argparse.ArgumentParser):
-    """Usage mistakes in the one-line form too (subcommands' parsers are of the same class)."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message} — see `{self.prog} --help`\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="meshformer", description=__doc__)
+    parser = ArgumentParser(prog="meshformer", description=__doc__)
     parser.add_argument("--debug", action="store_true",
                         help=f"show the traceback of an error (also {DEBUG_ENV}=1); anywhere on the command line")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -178,8 +173,6 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv  # accepted anywhere on the command line, not only before the subcommand
     args = build_parser().parse_args(["--debug"] * debug + [a for a in argv if a != "--debug"])
-    if args.debug:
-        os.environ[DEBUG_ENV] = "1"  # torchrun's ranks inherit it
     run_command(args.func, args, debug=args.debug)
 
 

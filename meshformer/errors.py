@@ -15,6 +15,7 @@ others exit non-zero in silence. Several nodes can each print the line once (the
 
 from __future__ import annotations
 
+import argparse
 import errno
 import os
 import tempfile
@@ -37,6 +38,13 @@ class MeshformerError(Exception):
 
 class UsageError(MeshformerError, ValueError):
     """A command-line option out of range or contradicting another one."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Command-line usage mistakes in the same one-line form (subcommands' parsers are of this class too)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} — see `{self.prog} --help`\n")
 
 
 def _split(message: str) -> tuple[str, str | None]:

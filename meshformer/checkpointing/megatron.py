@@ -59,7 +59,8 @@ def megatron_incompatibilities(cfg: ModelConfig) -> list[str]:
 def check_megatron_compatible(cfg: ModelConfig) -> None:
     problems = megatron_incompatibilities(cfg)
     if problems:
-        raise ConversionError("this model cannot be written as a Megatron-Core GPT checkpoint: " + "; ".join(problems))
+        raise ConversionError("this model cannot be written as a Megatron-Core GPT checkpoint: " + ", ".join(problems),
+                              "export it to Hugging Face instead (`meshformer convert export-hf`)")
 
 
 # ----------------------------------------------------------------------------- qkv packing

@@ -12,7 +12,7 @@ import argparse
 import logging
 import sys
 
-from meshformer.errors import run_command
+from meshformer.errors import ArgumentParser, run_command
 
 from .prepare import prepare
 
@@ -61,7 +61,7 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="meshformer")
+    parser = ArgumentParser(prog="meshformer")
     add_cli(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return run_command(args.func, args)

@@ -6,11 +6,11 @@ import argparse
 import os
 
 from meshformer.config import load_config
-from meshformer.errors import run_command
+from meshformer.errors import ArgumentParser, run_command
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="meshformer.train", description=__doc__)
+    parser = ArgumentParser(prog="meshformer.train", description=__doc__)
     parser.add_argument("config", help="TOML config file, e.g. configs/tiny-gpt.toml")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="dotted overrides")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error (also MESHFORMER_DEBUG=1)")
