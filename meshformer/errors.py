@@ -8,9 +8,10 @@ any other exception is a bug and keeps its traceback.
 
 Under torchrun every rank runs the same checks, so a mistake usually fails on all of them at once, and some
 failures (a shard missing on one node) hit only some ranks. Exactly one rank per node reports: the first
-to claim a marker file keyed by the job, the node's torchrun agent and the restart attempt. It needs no
-process group (which may not exist yet, or be broken), does not depend on rank 0 failing too, and the
-others exit non-zero in silence. Several nodes can each print the line once (their temp folders differ).
+to create a marker file in the folder torchrun's agent keeps for this attempt (beside the ranks' error
+files). It needs no process group (which may not exist yet, or be broken), does not depend on rank 0
+failing too (a shard missing on one node fails only that node's ranks), and the others exit non-zero in
+silence. With several nodes, each node whose ranks fail prints the line once (their agents' folders differ).
 """
 
 from __future__ import annotations
@@ -97,8 +98,12 @@ def run_command(func: Callable[..., Any], *args: Any, debug: bool = False) -> An
 def _this_rank_reports() -> bool:
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return True
-    key = "-".join(os.environ.get(name, "") for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"))
-    marker = os.path.join(tempfile.gettempdir(), f"meshformer-error-{key}-{os.getppid()}")
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # <agent log dir>/<run id>/attempt_<n>/<rank>/error.json
+    if error_file:
+        marker = os.path.join(os.path.dirname(os.path.dirname(error_file)), "meshformer-error-reported")
+    else:  # launched without torchrun's agent: key the marker by the job and the parent process
+        key = "-".join(os.environ.get(name, "") for name in ("TORCHELASTIC_RUN_ID", "MASTER_PORT"))
+        marker = os.path.join(tempfile.gettempdir(), f"meshformer-error-{key}-{os.getppid()}")
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
     except FileExistsError:

@@ -265,6 +265,20 @@ def test_unexpected_errors_keep_their_traceback():
         run_command(lambda: (_ for _ in ()).throw(MeshformerError("what", "fix")))
 
 
+def test_the_first_failing_rank_reports_and_the_others_stay_quiet(tmp_path, monkeypatch):
+    """Ranks of one torchrun attempt share the agent's attempt folder: the first to claim it prints the line."""
+    attempt = tmp_path / "attempt_0"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    failing = lambda: (_ for _ in ()).throw(MeshformerError("shard x is missing", "restore it"))  # noqa: E731
+    for rank, expected in ((1, "error: shard x is missing — restore it"), (0, 1)):  # rank 1 fails first
+        (attempt / str(rank)).mkdir(parents=True)
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(attempt / str(rank) / "error.json"))
+        with pytest.raises(SystemExit) as info:
+            run_command(failing)
+        assert info.value.code == expected
+
+
 def test_single_file_corpus_gets_an_eval_split(world, tmp_path):
     from meshformer.data import prepare
 
