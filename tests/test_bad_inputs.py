@@ -202,6 +202,17 @@ CASES = [
      ["nothing", "Megatron"]),
     ("export-megatron-encoder", ["convert", "export-megatron", "{tmp}/encoder", "{tmp}/out7"],
      ["family='encoder'", "export-hf"]),
+    # an existing run's checkpoints and weights: refused, untouched
+    ("import-into-run", ["convert", "to-checkpoint", "{final}", "{ckpt}"],
+     ["already holds checkpoints", "empty folder"]),
+    ("export-over-weights", ["convert", "to-safetensors", "{ckpt}", "{final}"], ["already holds model.safetensors",
+                                                                                  "another output folder"]),
+    ("resume-vocab", ["train", CFG, "--set", *TINY, "logging.run_dir={run}", "data.shards={shards}",
+                      "model.vocab_size=100"], ["model.vocab_size=100", "raise model.vocab_size"]),
+    ("resume-bad-value", ["train", CFG, "--set", *TINY, "logging.run_dir={run}", "checkpoint.keep_last=-1"],
+     ["checkpoint.keep_last=-1", ">= 0"]),
+    ("resume-ckpt-dir-file", ["train", CFG, "--set", *TINY, "logging.run_dir={run}",
+                              "checkpoint.dir={final}/model.safetensors"], ["is a file", "checkpoint.dir"]),
     # generate / attention-map
     ("generate-no-weights", ["generate", "{tmp}/nothing", "--prompt", "x"], ["holds no model.safetensors", "final/"]),
     ("generate-vocab", ["generate", "{tmp}/small-vocab", "--prompt", "x"], ["model.vocab_size=64", "--tokenizer"]),

@@ -25,12 +25,23 @@ def _write(state: dict, cfg, out: Path, as_checkpoint: bool) -> Path:
     from meshformer.checkpointing.safetensors_io import write_weights_checkpoint
     from meshformer.checkpointing.weights import write_weights
 
-    return write_weights_checkpoint(state, cfg, out) if as_checkpoint else write_weights(state, cfg, out)
+    if as_checkpoint:
+        return write_weights_checkpoint(state, cfg, out)
+    _refuse_existing_weights(out)
+    return write_weights(state, cfg, out)
+
+
+def _refuse_existing_weights(out: Path) -> None:
+    from meshformer.checkpointing.weights import WEIGHTS_FILE
+
+    if (out / WEIGHTS_FILE).exists():
+        raise CheckpointError(f"{out} already holds {WEIGHTS_FILE}", "choose another output folder, or remove it first")
 
 
 def _to_safetensors(args: argparse.Namespace) -> Path:
     from meshformer.checkpointing.safetensors_io import checkpoint_to_safetensors
 
+    _refuse_existing_weights(Path(args.out))
     return checkpoint_to_safetensors(Path(args.src), Path(args.out), show_progress=None)
 
 
