@@ -31,7 +31,7 @@ class MeshformerError(Exception):
 
     def __init__(self, what: str, fix: str | None = None) -> None:
         super().__init__(what if fix is None else f"{what}; {fix}")
-        self.what, self.fix = (what, fix) if fix is not None else _split(what)
+        self.what, self.fix = (what, fix) if fix is not None else _split(_from_worker(what))
 
     def one_line(self) -> str:
         return _flat(f"{self.what} — {self.fix}" if self.fix else self.what)
@@ -46,6 +46,15 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"error: {message} — see `{self.prog} --help`\n")
+
+
+def _from_worker(message: str) -> str:
+    """torch's DataLoader re-raises a worker's error as `type("Caught X in DataLoader worker ...\\nOriginal
+    Traceback ...\\nmodule.X: message")`: keep the message."""
+    if not message.startswith("Caught ") or "\nOriginal Traceback" not in message:
+        return message
+    last = message.rstrip().splitlines()[-1]
+    return last.split(": ", 1)[1] if ": " in last else last
 
 
 def _split(message: str) -> tuple[str, str | None]:

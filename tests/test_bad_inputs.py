@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -288,6 +289,23 @@ def test_the_first_failing_rank_reports_and_the_others_stay_quiet(tmp_path, monk
         with pytest.raises(SystemExit) as info:
             run_command(failing)
         assert info.value.code == expected
+
+
+def test_a_shard_corrupted_on_disk_fails_in_one_line_from_a_loader_worker(world, protected, capsys, one_thread):
+    """Found by a DataLoader worker at step 1 (same size, wrong bytes): torch re-raises it wrapped in the worker's
+    traceback text; the user still gets the one line, after the run's start-up log."""
+    bad = world["tmp"] / "corrupt-shards"
+    shutil.copytree(world["shards"], bad)
+    for shard in bad.glob("train-*.tar"):
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2:len(data) // 2 + 64] = bytes(64)
+        shard.write_bytes(bytes(data))
+    err = run_main(["train", CFG, "--set", *TINY, f"logging.run_dir={world['tmp'] / 'runs' / 'corrupt'}",
+                    f"data.shards={bad}", "data.num_workers=1"], capsys)
+    last = err.splitlines()[-1]
+    assert "Traceback" not in err and last.startswith("error: shard ") and "corrupt-shards/train-" in last, err
+    assert "data.bad_shards='skip'" in last and "worker" not in last
+    assert {key: _digest(world[key]) for key in protected} == protected
 
 
 def test_single_file_corpus_gets_an_eval_split(world, tmp_path):
