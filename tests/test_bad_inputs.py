@@ -179,6 +179,9 @@ CASES = [
     ("layout-pp-layers", ["train", CFG, "--nproc-per-node", "4", "--set", "parallel.pp=4", "model.n_layers=2"],
      ["at least one layer", "lower parallel.pp"]),
     ("layout-dp-shard", _train("parallel.dp_shard=0"), ["parallel.dp_shard", ">= 1 or -1"]),
+    ("plan-world-zero", ["plan", CFG, "--world", "0"], ["--world", "positive number of ranks"]),
+    ("plan-layout", ["plan", CFG, "--world", "2", "--set", "parallel.tp=3"], ["does not divide", "choose"]),
+    ("plan-gpu", ["plan", CFG, "--world", "2", "--gpu", "nope"], ["invalid choice", "--help"]),
     # submit
     ("submit-nproc-zero", _submit("--nproc-per-node", "0"), ["--nproc-per-node (0)", "fix those options"]),
     ("submit-nodes-zero", _submit("--nodes", "0"), ["--nodes (0)", "must be >= 1"]),
