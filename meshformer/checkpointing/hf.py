@@ -203,7 +203,7 @@ def incompatibilities(cfg: ModelConfig, arch: Arch) -> list[str]:
 def check_compatible(cfg: ModelConfig, arch: Arch) -> None:
     problems = incompatibilities(cfg, arch)
     if problems:
-        raise ValueError(f"this model cannot be expressed as {arch}: " + "; ".join(problems))
+        raise ValueError(f"this model cannot be expressed as {arch}: " + ", ".join(problems))
 
 
 def infer_arch(cfg: ModelConfig) -> Arch:

@@ -64,7 +64,8 @@ def check_megatron_compatible(cfg: ModelConfig) -> MegatronNames:
     """Our names for the Megatron-Core GPT tensors (from the family spec), or a ConversionError saying why not."""
     problems = megatron_incompatibilities(cfg)
     if problems:
-        raise ConversionError("this model cannot be written as a Megatron-Core GPT checkpoint: " + "; ".join(problems))
+        raise ConversionError("this model cannot be written as a Megatron-Core GPT checkpoint: " + ", ".join(problems),
+                              "export it to Hugging Face instead (`meshformer convert export-hf`)")
     return FAMILIES[cfg.family].megatron
 
 

@@ -27,6 +27,7 @@ from meshformer.parallel import build_plan
 from meshformer.parallel.plan import Batch, TrainingPlan, default_loss_fn
 from meshformer.train.metrics import FlopsCeiling, RunLogger, memory_gib, peak_flops, synchronize
 from meshformer.train.optim import build_optimizer, build_scheduler
+from meshformer.train.preflight import check_vocab
 from meshformer.train.sampling import decoded_sample
 
 
@@ -59,9 +60,7 @@ class Trainer:
         self.logger = RunLogger(self.run_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
 
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        if self.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size="
-                              f"{cfg.model.vocab_size}; raise model.vocab_size to at least {self.tokenizer.vocab_size}")
+        check_vocab(self.tokenizer, cfg.model.vocab_size)
 
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank and layout
         model = Transformer(cfg.model)
