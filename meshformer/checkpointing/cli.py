@@ -91,6 +91,8 @@ def _verify(args: argparse.Namespace) -> Path:
             print(f"CORRUPT  {folder}: {err}")
     for partial in layout.partial_dirs(root):
         print(f"partial  {partial} (incomplete save; ignored by resume)")
+    for deleting in layout.deleting_dirs(root):
+        print(f"deleting {deleting} (interrupted removal by retention; ignored, removed at the next start)")
     if not folders:
         raise CheckpointError(f"{root} holds no committed checkpoints")
     if bad:
