@@ -231,3 +231,30 @@ def test_resume_with_more_steps_uses_the_new_schedule_from_its_first_step(refere
     assert trainer.last_lr == pytest.approx(fresh, rel=1e-12)
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(
         cfg.optim.lr * lr_multiplier(5, cfg.schedule, 12, cfg.model.d_model), rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- changed data.seed
+
+
+def test_changed_data_seed_names_the_option_and_reseed_continues_at_the_position(reference, tmp_path):
+    from meshformer.data import DataStateError, build_loader
+
+    run_dir = tmp_path / "run"
+    copy_steps(reference["run_dir"] / "checkpoints", run_dir / "checkpoints", 4)
+    with pytest.raises(DataStateError) as info:
+        run_trainer(tiny_config(reference["shards"], run_dir, STEPS, "data.seed=99"))
+    message = str(info.value)
+    assert "data.seed: 1234 -> 99" in message and "data.reseed_on_resume=true" in message and " — " in message
+
+    cfg = tiny_config(reference["shards"], run_dir, STEPS, "data.seed=99", "data.reseed_on_resume=true")
+    trainer = _trainer(cfg)
+    assert trainer.checkpoints.resume(trainer) and trainer.step == 4
+    trainer.checkpoints.close()
+    assert trainer.train_data.consumed == 4 * 4  # the checkpoint's position, kept
+    fresh = build_loader(cfg, trainer.tokenizer, "train", 0, 1)
+    fresh.consumed = 16  # the stream of seed 99 from position 16
+    got, want = next(trainer.train_data), next(fresh)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in got)
+    old_order = build_loader(tiny_config(reference["shards"], run_dir, STEPS), trainer.tokenizer, "train", 0, 1)
+    old_order.consumed = 16
+    assert not torch.equal(next(old_order)["input_ids"], got["input_ids"])  # the seed did change the order
