@@ -39,7 +39,7 @@ from meshformer.checkpointing.dcp_io import SafeFileSystemReader, SafeLoadPlanne
 from meshformer.checkpointing.errors import CheckpointError, CorruptCheckpointError
 from meshformer.checkpointing.manifest import Verify, verify_manifest, write_json_atomic
 from meshformer.checkpointing.rng import capture_rng_state, restore_rng_state, seed_all
-from meshformer.checkpointing.save_errors import SAVE_FAILURES, all_corrupt_error, save_failed_error
+from meshformer.checkpointing.save_errors import SAVE_FAILURES, all_corrupt_error, is_disk_full, save_failed_error
 from meshformer.config import CheckpointConfig, Config
 
 STATE_VERSION = 1
@@ -163,8 +163,9 @@ class CheckpointManager:
                 self._pending = self._executor.submit(self._finish_async, future, partial, step, start)
 
     def _save_failed(self, err: BaseException, step: int, partial: Path) -> CheckpointError:
-        """Remove the unfinished folder and say what failed, what is intact, and what to do."""
-        if self.rank == 0:
+        """Say what failed, what is intact, and what to do. A full disk also gets its space back at once; any other
+        unfinished folder stays until the next save clears it (as after a crash: resume never reads it)."""
+        if self.rank == 0 and is_disk_full(err):
             layout.remove_tree(partial)
         newest = [s for s in layout.committed_steps(self.root) if s < step]
         return save_failed_error(err, step, self.root, layout.step_dir_name(newest[-1]) if newest else None)

@@ -34,7 +34,7 @@ def is_disk_full(err: BaseException) -> bool:
 
 
 def save_failed_error(err: BaseException, step: int, root: Path, newest: str | None) -> CheckpointError:
-    """The unfinished step-N.partial/ is already removed; `newest` is the newest committed folder before step N."""
+    """`newest`: the newest committed folder before step N (a full disk's step-N.partial/ is already removed)."""
     if isinstance(err, CheckpointError) and not is_disk_full(err):
         return err
     intact = (f"{newest} (the newest checkpoint) is intact" if newest
@@ -47,8 +47,8 @@ def save_failed_error(err: BaseException, step: int, root: Path, newest: str | N
     causes = [e for e in root_causes(err) if not isinstance(e, CheckpointException)] or [err]
     cause = causes[-1]
     return CheckpointError(
-        f"saving checkpoint step {step} to {root} failed ({type(cause).__name__}: {cause}); {intact} and the "
-        "unfinished folder was removed — check that checkpoint.dir is writable and healthy")
+        f"saving checkpoint step {step} to {root} failed ({type(cause).__name__}: {cause}); {intact} (resume never "
+        "reads the unfinished .partial folder) — check that checkpoint.dir is writable and healthy")
 
 
 def all_corrupt_error(root: Path, corrupt: list[tuple[Path, BaseException]]) -> CheckpointError:
