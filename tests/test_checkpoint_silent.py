@@ -258,3 +258,16 @@ def test_changed_data_seed_names_the_option_and_reseed_continues_at_the_position
     old_order = build_loader(tiny_config(reference["shards"], run_dir, STEPS), trainer.tokenizer, "train", 0, 1)
     old_order.consumed = 16
     assert not torch.equal(next(old_order)["input_ids"], got["input_ids"])  # the seed did change the order
+
+
+def test_resume_with_another_peak_lr_uses_it_from_the_first_step(reference, tmp_path):
+    from meshformer.train.optim import lr_multiplier
+
+    run_dir = tmp_path / "run"
+    copy_steps(reference["run_dir"] / "checkpoints", run_dir / "checkpoints", 4)
+    cfg = tiny_config(reference["shards"], run_dir, STEPS, "optim.lr=0.001")
+    trainer = _trainer(cfg)
+    assert trainer.checkpoints.resume(trainer)
+    trainer.checkpoints.close()
+    want = 0.001 * lr_multiplier(4, cfg.schedule, STEPS, cfg.model.d_model)
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == pytest.approx([want, want], rel=1e-12)
