@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _checkpoint_fixtures import assert_bitwise, copy_steps, final_weights, run_trainer, tiny_config, tiny_shards
+from _checkpoint_fixtures import assert_bitwise, copy_steps, final_weights, reference_run, run_trainer, tiny_config
 
 from meshformer.checkpointing import CheckpointError
 from meshformer.checkpointing.dcp_io import read_full_tensors
@@ -25,9 +25,7 @@ STEPS = 6
 def reference(tmp_path_factory) -> dict:
     """An uninterrupted run of STEPS steps (2 layers) with blocking saves every 2 steps."""
     root = tmp_path_factory.mktemp("silent")
-    shards = tiny_shards(root)
-    run_dir = root / "reference"
-    run_trainer(tiny_config(shards, run_dir, STEPS))
+    shards, run_dir, _, _ = reference_run(root, STEPS)
     return {"root": root, "shards": shards, "run_dir": run_dir, "weights": final_weights(run_dir)}
 
 
