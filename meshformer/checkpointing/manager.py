@@ -342,7 +342,7 @@ class CheckpointManager:
         diff = compat.compare(compat.all_model_shapes(local, self.group), saved)
         if not diff:
             return set()
-        if getattr(self.cfg, "load_mode", "full") != "partial":
+        if self.cfg.load_mode != "partial":
             raise compat.refuse(path, diff)
         self.log(f"WARNING: checkpoint.load_mode=\"partial\": loading only the tensors of {path.name} that fit this "
                  f"model ({diff.describe(limit=12)}); the rest keep their initial values")
