@@ -20,13 +20,16 @@ from typing import Any, Literal
 
 import tomli_w
 
+from meshformer.errors import MeshformerError
 
-class ConfigError(ValueError):
+
+class ConfigError(MeshformerError, ValueError):
     """A configuration problem, phrased as what is wrong and how to fix it."""
 
 
 Family = Literal["decoder", "encoder", "encoder_decoder"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu"]
+Recompute = Literal["none", "full", "selective", "every_k"]
 
 
 @dataclass
@@ -115,6 +118,9 @@ class DataConfig:
     num_workers: int = 1  # DataLoader worker processes per rank (0: load in the training process)
     shuffle_shards: int = 4  # shards mixed into one shuffle group (memory: one group per worker)
     bad_shards: Literal["error", "skip"] = "error"  # corrupt/short/missing shard: raise, or skip and log
+    # true: a resume whose data order changed (data.seed, data.shuffle_shards, shards) keeps the checkpoint's sample
+    # count and continues the order of the current settings from that position (see data/README.md)
+    reseed_on_resume: bool = False
 
 
 @dataclass
@@ -163,7 +169,7 @@ class ParallelConfig:
     pp_microbatches: int = 0  # 0: one per pipeline stage
     pp_stages_per_rank: int = 1
     pp_split_points: list[int] = field(default_factory=list)  # manual layer split points
-    recompute: Literal["none", "full", "selective", "every_k"] = "none"
+    recompute: Recompute = "none"
     recompute_every: int = 2
     mixed_precision_param: Literal["fp32", "bf16"] = "fp32"
     mixed_precision_reduce: Literal["fp32", "bf16"] = "fp32"
@@ -180,6 +186,10 @@ class CheckpointConfig:
     async_save: bool = False  # write in a background thread (DCP thread mode); at most one save in flight
     resume: bool = True  # start from the newest valid checkpoint in checkpoint.dir, if any
     verify: Literal["sha256", "size"] = "sha256"  # how resume checks a checkpoint's files against its manifest
+    # "full": a checkpoint whose model tensors differ from this model's (names or shapes) is refused;
+    # "partial": load the tensors that fit (and their optimizer state), keep the rest as initialized, and resume
+    # the step, schedule and data position (retention keeps the other model's checkpoints)
+    load_mode: Literal["full", "partial"] = "full"
     save_on_sigterm: bool = True  # on SIGTERM: save at the next step boundary, then stop
     preempt_check_interval: int = 10  # steps between the cross-rank "did any rank get SIGTERM?" check
 
@@ -240,7 +250,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path}: not valid TOML ({err})") from None
+            raise ConfigError(f"{path}: not valid TOML ({err})", "fix the line it names") from None
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
@@ -437,8 +447,10 @@ def _check_training_ranges(cfg: Config) -> None:
         raise ConfigError(f"train.z_loss={t.z_loss} must be >= 0 (0 disables it)")
     if t.eval_interval > 0 and t.eval_batches <= 0:
         raise ConfigError("train.eval_batches must be positive when train.eval_interval > 0 (0 disables evaluation)")
-    if t.eval_interval < 0 or t.sample_interval < 0:
-        raise ConfigError("train.eval_interval and train.sample_interval must be >= 0 (0 disables them)")
+    for key in ("train.eval_interval", "train.sample_interval", "checkpoint.interval", "checkpoint.keep_last",
+                "checkpoint.keep_every"):
+        if (value := getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])) < 0:
+            raise ConfigError(f"{key}={value} is negative", "use a value >= 0 (0 turns it off; keep_last=0 keeps all)")
     d = cfg.data
     if d.num_workers < 0:
         raise ConfigError(f"data.num_workers={d.num_workers} must be >= 0 (0 loads in the training process)")

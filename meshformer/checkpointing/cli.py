@@ -5,7 +5,7 @@
     meshformer convert export-hf      runs/x/export hf/gpt2-tiny [--arch gpt2]
     meshformer convert import-hf      hf/gpt2-tiny runs/y/checkpoints --checkpoint
     meshformer convert export-megatron runs/x/export mcore/ [--pad-vocab-multiple 128]
-    meshformer convert import-megatron mcore/ runs/y/export --heads 12 [--vocab-size 50257]
+    meshformer convert import-megatron mcore/ runs/y/export [--heads 12 --vocab-size 50257]
     meshformer convert verify         runs/x/checkpoints
 
 SRC of the export commands is a weights folder (model.safetensors + model_config.json), a checkpoint step
@@ -16,7 +16,6 @@ checkpoint that `train` resumes from (fresh optimizer) when checkpoint.dir point
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from meshformer.checkpointing.errors import CheckpointError
@@ -26,12 +25,23 @@ def _write(state: dict, cfg, out: Path, as_checkpoint: bool) -> Path:
     from meshformer.checkpointing.safetensors_io import write_weights_checkpoint
     from meshformer.checkpointing.weights import write_weights
 
-    return write_weights_checkpoint(state, cfg, out) if as_checkpoint else write_weights(state, cfg, out)
+    if as_checkpoint:
+        return write_weights_checkpoint(state, cfg, out)
+    _refuse_existing_weights(out)
+    return write_weights(state, cfg, out)
+
+
+def _refuse_existing_weights(out: Path) -> None:
+    from meshformer.checkpointing.weights import WEIGHTS_FILE
+
+    if (out / WEIGHTS_FILE).exists():
+        raise CheckpointError(f"{out} already holds {WEIGHTS_FILE}", "choose another output folder, or remove it first")
 
 
 def _to_safetensors(args: argparse.Namespace) -> Path:
     from meshformer.checkpointing.safetensors_io import checkpoint_to_safetensors
 
+    _refuse_existing_weights(Path(args.out))
     return checkpoint_to_safetensors(Path(args.src), Path(args.out), show_progress=None)
 
 
@@ -91,10 +101,13 @@ def _verify(args: argparse.Namespace) -> Path:
             print(f"CORRUPT  {folder}: {err}")
     for partial in layout.partial_dirs(root):
         print(f"partial  {partial} (incomplete save; ignored by resume)")
+    for deleting in layout.deleting_dirs(root):
+        print(f"deleting {deleting} (interrupted removal by retention; ignored, removed at the next start)")
     if not folders:
-        raise CheckpointError(f"{root} holds no committed checkpoints")
+        raise CheckpointError(f"{root} holds no committed checkpoints", "pass a checkpoint.dir or one step folder")
     if bad:
-        raise CheckpointError(f"{bad} of {len(folders)} checkpoints failed verification")
+        raise CheckpointError(f"{bad} of {len(folders)} checkpoints failed verification",
+                              "restore them from a copy, or delete them to resume from an older step")
     return root
 
 
@@ -123,20 +136,18 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     megatron_out.add_argument("--pad-vocab-multiple", type=int, default=1,
                               help="pad the vocabulary as Megatron does (make_vocab_size_divisible_by x TP)")
     megatron_in = command("import-megatron", _import_megatron, "Megatron-Core torch_dist GPT checkpoint -> weights")
-    megatron_in.add_argument("--heads", type=int, required=True, help="attention heads (not stored in tensors)")
+    megatron_in.add_argument("--heads", type=int, help="attention heads (not stored in tensors); default: from the "
+                             "meshformer_model_config.json that export-megatron writes, required without one")
     megatron_in.add_argument("--vocab-size", type=int, help="true vocabulary; default: Megatron's padded size")
     megatron_in.add_argument("--activation", choices=["gelu", "gelu_tanh", "relu", "swiglu"],
                              help="non-gated MLP activation (default gelu; gated checkpoints are swiglu)")
-    megatron_in.add_argument("--norm-eps", type=float, default=1e-5)
-    megatron_in.add_argument("--rope-theta", type=float, default=10000.0)
+    megatron_in.add_argument("--norm-eps", type=float, help="default: the saved config's, else 1e-5")
+    megatron_in.add_argument("--rope-theta", type=float, help="default: the saved config's, else 10000")
     megatron_in.add_argument("--max-seq-len", type=int, help="RoPE models: the context length to record")
     megatron_in.add_argument("--checkpoint", action="store_true", help="write a weights-only checkpoint")
     command("verify", _verify, "check every checkpoint's files against its manifest (sizes and sha256)")
 
 
 def _run(func, args: argparse.Namespace) -> None:
-    try:
-        path = func(args)
-    except (CheckpointError, FileNotFoundError) as err:
-        sys.exit(f"convert {args.conversion}: {err}")
+    path = func(args)
     print(f"wrote {path}" if args.conversion != "verify" else "all checkpoints verified")

@@ -5,7 +5,9 @@
 
 What differs and how it is mapped:
 - GPT-2: Conv1D weights are stored (in, out), so they are transposed; `c_attn` packs q/k/v; gelu_new
-  is our "gelu_tanh"; learned positions, pre-norm, final norm `ln_f`, head tied to `wte`.
+  is our "gelu_tanh"; learned positions, pre-norm, final norm `ln_f`, head tied to `wte`;
+  scale_attn_weights=False is our attention_scale=1.0. reorder_and_upcast_attn only computes the scores in
+  fp32 (the same function); scale_attn_by_inverse_layer_idx (a per-layer scale) is refused.
 - BERT: post-norm, GELU (erf), embedding LayerNorm = our `embedding_norm`, MLM transform = our
   `head_transform`, decoder bias = our `output_bias`. We have no token types: import folds
   `token_type_embeddings[0]` into the position table (exact for token_type_ids = 0, HF's default);
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from meshformer.checkpointing.mapping import Rule, export_tensors, finish_import, import_tensors, our_shapes, params
+from meshformer.checkpointing.mapping import export_tensors, finish_import, import_tensors, name_map, our_shapes
 from meshformer.config import Activation, ModelConfig
 
 if TYPE_CHECKING:
@@ -53,26 +55,61 @@ _BASE_PREFIX = {"gpt2": "transformer.", "bert": "bert.", "llama": "model."}
 
 def _activation(name: str, arch: str) -> Activation:
     if name not in _HF_ACTIVATIONS:
-        raise ValueError(f"{arch}: activation {name!r} has no meshformer equivalent (have {sorted(_HF_ACTIVATIONS)})")
+        raise ValueError(f"{arch}: activation {name!r} has no meshformer equivalent — only checkpoints using one of "
+                         f"{sorted(_HF_ACTIVATIONS)} can be imported")
     return _HF_ACTIVATIONS[name]
+
+
+def _refuse(arch: str, setting: str, why: str) -> ValueError:
+    """A config flag that would make the imported model compute a different function than the original."""
+    return ValueError(f"{arch}: {setting} {why}, which meshformer cannot express — importing it would compute "
+                      "different logits; only checkpoints without it can be converted")
+
+
+def _check_gpt2(c: Any) -> None:
+    if getattr(c, "scale_attn_by_inverse_layer_idx", False):
+        raise _refuse("gpt2", "scale_attn_by_inverse_layer_idx=True", "divides each layer's attention scores by "
+                      "its depth")
+    if getattr(c, "add_cross_attention", False):
+        raise _refuse("gpt2", "add_cross_attention=True", "adds cross-attention to every block")
+
+
+def _check_llama(c: Any) -> None:
+    rope = getattr(c, "rope_parameters", None) or {}
+    scaling = getattr(c, "rope_scaling", None) or {}
+    for rope_spec in (rope, scaling):
+        kind = rope_spec.get("rope_type", rope_spec.get("type", "default"))
+        if kind != "default":
+            raise _refuse("llama", f"rope_type={kind!r}", "rescales the rotary frequencies")
+    if c.hidden_act != "silu":
+        raise _refuse("llama", f"hidden_act={c.hidden_act!r}", "changes the gated MLP (meshformer gates with silu)")
+    if c.attention_bias != getattr(c, "mlp_bias", c.attention_bias):
+        raise _refuse("llama", f"attention_bias={c.attention_bias} with mlp_bias={c.mlp_bias}",
+                      "puts biases on only some linears (meshformer's model.bias covers all of them)")
+    if c.head_dim != c.hidden_size // c.num_attention_heads:
+        raise _refuse("llama", f"head_dim={c.head_dim}", "differs from hidden_size / num_attention_heads")
+    if getattr(c, "pretraining_tp", 1) not in (None, 1):
+        raise _refuse("llama", f"pretraining_tp={c.pretraining_tp}", "splits the linears into slices")
 
 
 def config_from_hf(hf_config: Any) -> ModelConfig:
     """The meshformer ModelConfig computing the same function as a GPT-2/BERT/Llama/T5 HF config."""
     arch, c = hf_config.model_type, hf_config
     if arch == "gpt2":
-        if c.scale_attn_by_inverse_layer_idx or c.add_cross_attention:
-            raise ValueError("gpt2: scale_attn_by_inverse_layer_idx / add_cross_attention are not supported")
+        _check_gpt2(c)
         return ModelConfig(
             family="decoder", vocab_size=c.vocab_size, d_model=c.n_embd, n_heads=c.n_head, n_layers=c.n_layer,
             d_ff=c.n_inner or 4 * c.n_embd, activation=_activation(c.activation_function, arch), norm="layernorm",
             norm_eps=c.layer_norm_epsilon, norm_position="pre", position="learned", max_seq_len=c.n_positions,
             tie_embeddings=c.tie_word_embeddings, bias=True, dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop,
-            init_std=c.initializer_range,
+            init_std=c.initializer_range, attention_scale=None if getattr(c, "scale_attn_weights", True) else 1.0,
         )
     if arch == "bert":
-        if (getattr(c, "position_embedding_type", None) or "absolute") != "absolute" or c.is_decoder:
-            raise ValueError("bert: only absolute positions and a bidirectional encoder are supported")
+        position = getattr(c, "position_embedding_type", None) or "absolute"
+        if position != "absolute":
+            raise _refuse("bert", f"position_embedding_type={position!r}", "uses relative position scores")
+        if c.is_decoder or getattr(c, "add_cross_attention", False):
+            raise _refuse("bert", "is_decoder/add_cross_attention", "makes attention causal or adds cross-attention")
         return ModelConfig(
             family="encoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_heads=c.num_attention_heads,
             n_layers=c.num_hidden_layers, d_ff=c.intermediate_size, activation=_activation(c.hidden_act, arch),
@@ -83,13 +120,8 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
             init_std=c.initializer_range,
         )
     if arch == "llama":
+        _check_llama(c)
         rope = c.rope_parameters or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"llama: rope_type {rope.get('rope_type')!r} (scaled RoPE) is not supported")
-        if c.hidden_act != "silu" or c.attention_bias != c.mlp_bias:
-            raise ValueError("llama: needs hidden_act='silu' and attention_bias == mlp_bias")
-        if c.head_dim != c.hidden_size // c.num_attention_heads:
-            raise ValueError("llama: head_dim must equal hidden_size / num_attention_heads")
         kv = c.num_key_value_heads
         return ModelConfig(
             family="decoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_heads=c.num_attention_heads,
@@ -131,6 +163,7 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
             resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.attention_dropout,
             layer_norm_epsilon=cfg.norm_eps, initializer_range=cfg.init_std, bos_token_id=special,
             eos_token_id=special, tie_word_embeddings=cfg.tie_embeddings,
+            scale_attn_weights=_features(cfg)["attention_scale"] != 1.0,
         )
     if arch == "bert":
         return transformers.BertConfig(
@@ -181,7 +214,7 @@ _COMMON = {"scale_embeddings": False, "attention_window": None, "attention_scale
            "final_norm": True}
 _REQUIREMENTS: dict[str, dict[str, Any]] = {  # a set: any of these values
     "gpt2": {**_COMMON, "family": "decoder", "position": "learned", "bias": True,
-             "activation": {"gelu_tanh", "gelu", "relu"}},
+             "activation": {"gelu_tanh", "gelu", "relu"}, "attention_scale": {"1/sqrt(head_dim)", 1.0}},
     "bert": {**_COMMON, "family": "encoder", "position": "learned", "bias": True, "norm_position": "post",
              "final_norm": False, "embedding_norm": True, "head_transform": True, "output_bias": True,
              "activation": {"gelu_tanh", "gelu", "relu"}},
@@ -207,7 +240,7 @@ def incompatibilities(cfg: ModelConfig, arch: Arch) -> list[str]:
 def check_compatible(cfg: ModelConfig, arch: Arch) -> None:
     problems = incompatibilities(cfg, arch)
     if problems:
-        raise ValueError(f"this model cannot be expressed as {arch}: " + "; ".join(problems))
+        raise ValueError(f"this model cannot be expressed as {arch}: " + ", ".join(problems))
 
 
 def infer_arch(cfg: ModelConfig) -> Arch:
@@ -219,104 +252,6 @@ def infer_arch(cfg: ModelConfig) -> Arch:
                      + " | ".join(f"{a}: {'; '.join(p)}" for a, p in reasons.items()))
 
 
-# ----------------------------------------------------------------------------- weight names
-
-
-def _norm(ours: str, theirs: str, cfg: ModelConfig) -> list[Rule]:
-    has_bias = cfg.norm == "layernorm" and cfg.bias
-    return params(ours, theirs, ("weight", "bias") if has_bias else ("weight",))
-
-
-def _qkv(prefix: str) -> tuple[str, ...]:
-    return tuple(f"{prefix}.{p}_proj" for p in "qkv")
-
-
-def _gpt2_rules(cfg: ModelConfig) -> list[Rule]:
-    rules = [Rule(("tok_embeddings.weight",), "transformer.wte.weight"),
-             Rule(("pos_embeddings.weight",), "transformer.wpe.weight"),
-             Rule(("output.weight",), "lm_head.weight", alias=cfg.tie_embeddings),
-             *_norm("decoder_norm", "transformer.ln_f", cfg)]
-    for i in range(cfg.n_layers):
-        o, t = f"decoder_layers.{i}", f"transformer.h.{i}"
-        rules += [*_norm(f"{o}.attn_norm", f"{t}.ln_1", cfg), *_norm(f"{o}.ffn_norm", f"{t}.ln_2", cfg),
-                  *params(_qkv(f"{o}.attn"), f"{t}.attn.c_attn", transpose=True),
-                  *params(f"{o}.attn.o_proj", f"{t}.attn.c_proj", transpose=True),
-                  *params(f"{o}.ffn.up_proj", f"{t}.mlp.c_fc", transpose=True),
-                  *params(f"{o}.ffn.down_proj", f"{t}.mlp.c_proj", transpose=True)]
-    return rules
-
-
-def _bert_rules(cfg: ModelConfig) -> list[Rule]:
-    # The position table is handled in _fold_token_types: ours = positions + token_type[0].
-    rules = [Rule(("tok_embeddings.weight",), "bert.embeddings.word_embeddings.weight"),
-             *_norm("embedding_norm", "bert.embeddings.LayerNorm", cfg),
-             *params("head_dense", "cls.predictions.transform.dense"),
-             *_norm("head_norm", "cls.predictions.transform.LayerNorm", cfg),
-             Rule(("output.bias",), "cls.predictions.bias"),
-             Rule(("output.bias",), "cls.predictions.decoder.bias", alias=True)]
-    rules.append(Rule(("output.weight",), "cls.predictions.decoder.weight", alias=cfg.tie_embeddings))
-    for i in range(cfg.n_layers):
-        o, t = f"encoder_layers.{i}", f"bert.encoder.layer.{i}"
-        rules += [*params(f"{o}.attn.q_proj", f"{t}.attention.self.query"),
-                  *params(f"{o}.attn.k_proj", f"{t}.attention.self.key"),
-                  *params(f"{o}.attn.v_proj", f"{t}.attention.self.value"),
-                  *params(f"{o}.attn.o_proj", f"{t}.attention.output.dense"),
-                  *_norm(f"{o}.attn_norm", f"{t}.attention.output.LayerNorm", cfg),
-                  *params(f"{o}.ffn.up_proj", f"{t}.intermediate.dense"),
-                  *params(f"{o}.ffn.down_proj", f"{t}.output.dense"),
-                  *_norm(f"{o}.ffn_norm", f"{t}.output.LayerNorm", cfg)]
-    return rules
-
-
-def _llama_rules(cfg: ModelConfig) -> list[Rule]:
-    linear = ("weight", "bias") if cfg.bias else ("weight",)
-    rules = [Rule(("tok_embeddings.weight",), "model.embed_tokens.weight"), *_norm("decoder_norm", "model.norm", cfg),
-             Rule(("output.weight",), "lm_head.weight", alias=cfg.tie_embeddings)]
-    for i in range(cfg.n_layers):
-        o, t = f"decoder_layers.{i}", f"model.layers.{i}"
-        rules += [*_norm(f"{o}.attn_norm", f"{t}.input_layernorm", cfg),
-                  *_norm(f"{o}.ffn_norm", f"{t}.post_attention_layernorm", cfg)]
-        for p in ("q", "k", "v", "o"):
-            rules += params(f"{o}.attn.{p}_proj", f"{t}.self_attn.{p}_proj", linear)
-        for p in ("gate", "up", "down"):
-            rules += params(f"{o}.ffn.{p}_proj", f"{t}.mlp.{p}_proj", linear)
-    return rules
-
-
-def _t5_rules(cfg: ModelConfig) -> list[Rule]:
-    rules = [Rule(("tok_embeddings.weight",), "shared.weight"),
-             *[Rule(("tok_embeddings.weight",), name, alias=True)
-               for name in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight")],
-             *_norm("encoder_norm", "encoder.final_layer_norm", cfg),
-             *_norm("decoder_norm", "decoder.final_layer_norm", cfg),
-             *[Rule((f"{stack}_relative_bias.relative_bias.weight",),
-                    f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
-               for stack in ("encoder", "decoder")]]
-
-    def attention(ours: str, theirs: str) -> list[Rule]:
-        return [r for p in "qkvo" for r in params(f"{ours}.{p}_proj", f"{theirs}.{p}", ("weight",))]
-
-    def ffn(ours: str, theirs: str) -> list[Rule]:
-        if cfg.activation == "swiglu":
-            names = {"gate_proj": "wi_0", "up_proj": "wi_1", "down_proj": "wo"}
-        else:
-            names = {"up_proj": "wi", "down_proj": "wo"}
-        return [r for a, b in names.items() for r in params(f"{ours}.{a}", f"{theirs}.{b}", ("weight",))]
-
-    for i in range(cfg.encoder_depth):
-        o, t = f"encoder_layers.{i}", f"encoder.block.{i}.layer"
-        rules += [*_norm(f"{o}.attn_norm", f"{t}.0.layer_norm", cfg), *attention(f"{o}.attn", f"{t}.0.SelfAttention"),
-                  *_norm(f"{o}.ffn_norm", f"{t}.1.layer_norm", cfg), *ffn(f"{o}.ffn", f"{t}.1.DenseReluDense")]
-    for i in range(cfg.decoder_depth):
-        o, t = f"decoder_layers.{i}", f"decoder.block.{i}.layer"
-        rules += [*_norm(f"{o}.attn_norm", f"{t}.0.layer_norm", cfg), *attention(f"{o}.attn", f"{t}.0.SelfAttention"),
-                  *_norm(f"{o}.cross_norm", f"{t}.1.layer_norm", cfg),
-                  *attention(f"{o}.cross_attn", f"{t}.1.EncDecAttention"),
-                  *_norm(f"{o}.ffn_norm", f"{t}.2.layer_norm", cfg), *ffn(f"{o}.ffn", f"{t}.2.DenseReluDense")]
-    return rules
-
-
-_RULES = {"gpt2": _gpt2_rules, "bert": _bert_rules, "llama": _llama_rules, "t5": _t5_rules}
 _BERT_POSITIONS = "bert.embeddings.position_embeddings.weight"
 _BERT_TOKEN_TYPES = "bert.embeddings.token_type_embeddings.weight"
 
@@ -330,7 +265,7 @@ def to_hf_state_dict(model: Transformer, arch: Arch | None = None) -> dict[str, 
     arch = arch or infer_arch(cfg)
     check_compatible(cfg, arch)
     ours = model.state_dict()
-    out = export_tensors(ours, _RULES[arch](cfg))
+    out = export_tensors(ours, name_map(cfg, arch))
     if arch == "bert":
         positions = ours["pos_embeddings.weight"].detach()
         out[_BERT_POSITIONS] = positions
@@ -360,7 +295,7 @@ def from_hf_state_dict(hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig, a
     check_compatible(cfg, arch)
     hf_state = _normalize_names(hf_state, arch)
     shapes = our_shapes(cfg)
-    out, used = import_tensors(hf_state, _RULES[arch](cfg), shapes, f"Hugging Face {arch}")
+    out, used = import_tensors(hf_state, name_map(cfg, arch), shapes, f"Hugging Face {arch}")
     if arch == "bert":
         token_type = hf_state[_BERT_TOKEN_TYPES][0] if _BERT_TOKEN_TYPES in hf_state else 0.0
         out["pos_embeddings.weight"] = (hf_state[_BERT_POSITIONS] + token_type).contiguous()

@@ -18,6 +18,7 @@ import json
 import re
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,6 +26,8 @@ from meshformer.checkpointing.dcp_io import read_full_tensors, read_metadata, sa
 from meshformer.checkpointing.errors import ConversionError
 from meshformer.checkpointing.progress import progress
 from meshformer.config import Activation, ModelConfig
+from meshformer.model.families import FAMILIES
+from meshformer.model.families.naming import MegatronNames
 
 LAYER = "decoder.layers."
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -36,15 +39,23 @@ FC1, FC2 = LAYER + "mlp.linear_fc1.", LAYER + "mlp.linear_fc2."
 _EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 BACKEND_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                     "common_backend_version": 1}
+GPT = "GPTModel"  # the Megatron-Core model this module reads and writes
 _ITER_DIR = re.compile(r"^iter_(\d+)$")
+SAVED_CONFIG = "meshformer_model_config.json"  # written by export_megatron beside the iter_* folders
+# import_megatron's options, by the command-line flag that sets them
+_OPTIONS = {"n_heads": "--heads", "vocab_size": "--vocab-size", "activation": "--activation",
+            "norm_eps": "--norm-eps", "rope_theta": "--rope-theta", "max_seq_len": "--max-seq-len"}
+# what the tensors themselves determine, to check a saved config against
+_FROM_TENSORS = ("d_model", "n_layers", "d_ff", "kv_heads", "norm", "position", "bias", "tie_embeddings")
 
 
 # ----------------------------------------------------------------------------- compatibility
 
 
 def megatron_incompatibilities(cfg: ModelConfig) -> list[str]:
+    gpt_families = sorted(name for name, spec in FAMILIES.items() if spec.megatron and spec.megatron.model == GPT)
     checks = [
-        (cfg.family == "decoder", f"family={cfg.family!r} (needs 'decoder': Megatron GPTModel)"),
+        (cfg.family in gpt_families, f"family={cfg.family!r} (needs one of {gpt_families}: Megatron {GPT})"),
         (cfg.norm_position == "pre" and cfg.use_final_norm, "post-norm or no final norm (needs pre-norm + final)"),
         (cfg.position in ("learned", "rope"), f"position={cfg.position!r} (needs 'learned' or 'rope')"),
         (cfg.activation in ("gelu", "gelu_tanh", "relu", "swiglu"), f"activation={cfg.activation!r}"),
@@ -56,10 +67,15 @@ def megatron_incompatibilities(cfg: ModelConfig) -> list[str]:
     return [problem for ok, problem in checks if not ok]
 
 
-def check_megatron_compatible(cfg: ModelConfig) -> None:
+def check_megatron_compatible(cfg: ModelConfig) -> MegatronNames:
+    """Our names for the Megatron-Core GPT tensors (from the family spec), or a ConversionError saying why not."""
     problems = megatron_incompatibilities(cfg)
     if problems:
-        raise ConversionError("this model cannot be written as a Megatron-Core GPT checkpoint: " + "; ".join(problems))
+        raise ConversionError("this model cannot be written as a Megatron-Core GPT checkpoint: " + ", ".join(problems),
+                              "export it to Hugging Face instead (`meshformer convert export-hf`)")
+    names = FAMILIES[cfg.family].megatron
+    assert names is not None  # megatron_incompatibilities refused families without Megatron names
+    return names
 
 
 # ----------------------------------------------------------------------------- qkv packing
@@ -89,8 +105,8 @@ def unpack_qkv(qkv: torch.Tensor, n_heads: int, n_groups: int) -> tuple[torch.Te
 
 def to_megatron_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, *, padded_vocab: int | None = None,
                         show_progress: bool | None = None) -> dict[str, torch.Tensor]:
-    check_megatron_compatible(cfg)
-    layers = [f"decoder_layers.{i}." for i in range(cfg.n_layers)]
+    ours = check_megatron_compatible(cfg)
+    layers = [f"{ours.layers}.{i}." for i in range(cfg.n_layers)]
     norm_params = ("weight", "bias") if cfg.norm == "layernorm" else ("weight",)
     linear_params = ("weight", "bias") if cfg.bias else ("weight",)
     per_layer: dict[str, list[torch.Tensor]] = {}
@@ -100,25 +116,23 @@ def to_megatron_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, *, pad
 
     for prefix in progress(layers, desc="to megatron", enabled=show_progress, unit="layer"):
         for p in norm_params:
-            add(QKV + f"layer_norm_{p}", _norm_param(state, prefix + "attn_norm", p, cfg))
-            add(FC1 + f"layer_norm_{p}", _norm_param(state, prefix + "ffn_norm", p, cfg))
+            add(QKV + f"layer_norm_{p}", _norm_param(state, prefix + ours.attn_norm, p, cfg))
+            add(FC1 + f"layer_norm_{p}", _norm_param(state, prefix + ours.ffn_norm, p, cfg))
         for p in linear_params:
-            attn = prefix + "attn."
-            add(QKV + p, pack_qkv(state[attn + f"q_proj.{p}"], state[attn + f"k_proj.{p}"],
-                                  state[attn + f"v_proj.{p}"], cfg.n_heads, cfg.kv_heads))
-            add(PROJ + p, state[attn + f"o_proj.{p}"])
-            ffn = prefix + "ffn."
-            up = state[ffn + f"up_proj.{p}"]
-            add(FC1 + p, torch.cat([state[ffn + f"gate_proj.{p}"], up]) if cfg.activation == "swiglu" else up)
-            add(FC2 + p, state[ffn + f"down_proj.{p}"])
+            q, k, v = (state[f"{prefix}{name}.{p}"] for name in ours.qkv)
+            add(QKV + p, pack_qkv(q, k, v, cfg.n_heads, cfg.kv_heads))
+            add(PROJ + p, state[f"{prefix}{ours.attn_out}.{p}"])
+            up = state[f"{prefix}{ours.up}.{p}"]
+            add(FC1 + p, torch.cat([state[f"{prefix}{ours.gate}.{p}"], up]) if cfg.activation == "swiglu" else up)
+            add(FC2 + p, state[f"{prefix}{ours.down}.{p}"])
     out = {key: torch.stack(tensors).contiguous() for key, tensors in per_layer.items()}
-    out[EMBEDDING] = _pad_rows(state["tok_embeddings.weight"], padded_vocab)
+    out[EMBEDDING] = _pad_rows(state[ours.embedding], padded_vocab)
     if cfg.position == "learned":
-        out[POSITIONS] = state["pos_embeddings.weight"].contiguous()
+        out[POSITIONS] = state[ours.positions].contiguous()
     for p in norm_params:
-        out[FINAL_NORM + p] = _norm_param(state, "decoder_norm", p, cfg)
+        out[FINAL_NORM + p] = _norm_param(state, ours.final_norm, p, cfg)
     if not cfg.tie_embeddings:
-        out[OUTPUT] = _pad_rows(state["output.weight"], padded_vocab)
+        out[OUTPUT] = _pad_rows(state[ours.output], padded_vocab)
     return out
 
 
@@ -152,7 +166,7 @@ def export_megatron(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: P
     torch.save({}, folder / "common.pt")  # GPTModel has no non-sharded state; Megatron-LM adds its args here
     (folder / "metadata.json").write_text(json.dumps(BACKEND_METADATA))
     (Path(out_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
-    (Path(out_dir) / "meshformer_model_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    (Path(out_dir) / SAVED_CONFIG).write_text(json.dumps(asdict(cfg), indent=2))
     return folder
 
 
@@ -200,6 +214,9 @@ def infer_config(folder: Path, *, n_heads: int, vocab_size: int | None = None, a
                               "add_bias_linear); meshformer's model.bias covers both")
     learned = POSITIONS in shapes
     padded_vocab = shapes[EMBEDDING][0]
+    if vocab_size is not None and vocab_size > padded_vocab:
+        raise ConversionError(f"vocabulary {vocab_size} is larger than the checkpoint's {padded_vocab} embedding rows "
+                              "— pass the model's true --vocab-size (at most the padded size)")
     if glu and activation not in (None, "swiglu"):
         raise ConversionError(f"linear_fc1 is gated (2 x d_ff rows) but activation={activation!r} was asked")
     return ModelConfig(
@@ -214,34 +231,35 @@ def infer_config(folder: Path, *, n_heads: int, vocab_size: int | None = None, a
 
 
 def from_megatron_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    check_megatron_compatible(cfg)
-    out: dict[str, torch.Tensor] = {"tok_embeddings.weight": tensors[EMBEDDING][: cfg.vocab_size].contiguous()}
+    ours = check_megatron_compatible(cfg)
+    out: dict[str, torch.Tensor] = {ours.embedding: tensors[EMBEDDING][: cfg.vocab_size].contiguous()}
     if cfg.position == "learned":
-        out["pos_embeddings.weight"] = tensors[POSITIONS]
+        out[ours.positions] = tensors[POSITIONS]
     if not cfg.tie_embeddings:
-        out["output.weight"] = tensors[OUTPUT][: cfg.vocab_size].contiguous()
+        out[ours.output] = tensors[OUTPUT][: cfg.vocab_size].contiguous()
     else:
-        out["output.weight"] = out["tok_embeddings.weight"]
+        out[ours.output] = out[ours.embedding]
     norm_params = ("weight", "bias") if cfg.norm == "layernorm" else ("weight",)
     for p in norm_params:
-        _put_norm(out, "decoder_norm", p, tensors[FINAL_NORM + p], cfg)
+        _put_norm(out, ours.final_norm, p, tensors[FINAL_NORM + p], cfg)
     linear_params = ("weight", "bias") if cfg.bias else ("weight",)
     for i in range(cfg.n_layers):
-        o = f"decoder_layers.{i}."
+        o = f"{ours.layers}.{i}."
         for p in norm_params:
-            _put_norm(out, o + "attn_norm", p, tensors[QKV + f"layer_norm_{p}"][i], cfg)
-            _put_norm(out, o + "ffn_norm", p, tensors[FC1 + f"layer_norm_{p}"][i], cfg)
+            _put_norm(out, o + ours.attn_norm, p, tensors[QKV + f"layer_norm_{p}"][i], cfg)
+            _put_norm(out, o + ours.ffn_norm, p, tensors[FC1 + f"layer_norm_{p}"][i], cfg)
         for p in linear_params:
             q, k, v = unpack_qkv(tensors[QKV + p][i], cfg.n_heads, cfg.kv_heads)
-            out[o + f"attn.q_proj.{p}"], out[o + f"attn.k_proj.{p}"], out[o + f"attn.v_proj.{p}"] = q, k, v
-            out[o + f"attn.o_proj.{p}"] = tensors[PROJ + p][i].contiguous()
+            for name, tensor in zip(ours.qkv, (q, k, v), strict=True):
+                out[f"{o}{name}.{p}"] = tensor
+            out[f"{o}{ours.attn_out}.{p}"] = tensors[PROJ + p][i].contiguous()
             fc1 = tensors[FC1 + p][i]
             if cfg.activation == "swiglu":
                 gate, up = fc1.chunk(2, dim=0)
-                out[o + f"ffn.gate_proj.{p}"], out[o + f"ffn.up_proj.{p}"] = gate.contiguous(), up.contiguous()
+                out[f"{o}{ours.gate}.{p}"], out[f"{o}{ours.up}.{p}"] = gate.contiguous(), up.contiguous()
             else:
-                out[o + f"ffn.up_proj.{p}"] = fc1.contiguous()
-            out[o + f"ffn.down_proj.{p}"] = tensors[FC2 + p][i].contiguous()
+                out[f"{o}{ours.up}.{p}"] = fc1.contiguous()
+            out[f"{o}{ours.down}.{p}"] = tensors[FC2 + p][i].contiguous()
     return out
 
 
@@ -255,13 +273,51 @@ def _put_norm(out: dict[str, torch.Tensor], module: str, param: str, tensor: tor
     out[f"{module}.{param}"] = tensor.contiguous()
 
 
-def import_megatron(path: Path, *, n_heads: int, vocab_size: int | None = None, activation: Activation | None = None,
-                    norm_eps: float = 1e-5, rope_theta: float = 10000.0, max_seq_len: int | None = None,
-                    show_progress: bool | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(our config, our full state dict) from a Megatron-Core GPT torch_dist checkpoint."""
+def read_saved_config(folder: Path) -> tuple[Path, ModelConfig] | None:
+    """The model config that export_megatron wrote beside (or in) the torch_dist folder, if any."""
+    from meshformer.config import ConfigError, build_section
+
+    for file in (folder.parent / SAVED_CONFIG, folder / SAVED_CONFIG):
+        if file.is_file():
+            try:
+                return file, build_section(ModelConfig, json.loads(file.read_text()), "model")
+            except (ValueError, ConfigError) as err:
+                raise ConversionError(f"{file} is not a readable model config ({err}) — remove it and pass --heads "
+                                      "and the other options instead") from None
+    return None
+
+
+def resolve_import_config(folder: Path, options: dict[str, Any]) -> ModelConfig:
+    """The config to import with: the saved config (checked against the tensors and against every option that
+    was given), or without one the tensors plus the options, where --heads is required."""
+    saved = read_saved_config(folder)
+    given = {k: v for k, v in options.items() if v is not None}
+    if saved is None:
+        if "n_heads" not in given:
+            raise ConversionError(f"{folder} has no {SAVED_CONFIG} beside it and its tensors do not record the head "
+                                  "count — pass --heads with the model's number of attention heads")
+        return infer_config(folder, **{"norm_eps": 1e-5, "rope_theta": 10000.0, **given})
+    file, cfg = saved
+    inferred = infer_config(folder, **{**{k: getattr(cfg, k) for k in _OPTIONS}, **given})
+    contradictions = [f"{_OPTIONS[k]} {v!r} contradicts {k}={getattr(cfg, k)!r}" for k, v in given.items()
+                      if v != getattr(cfg, k)]
+    contradictions += [f"{k}={getattr(cfg, k)!r} in the file but {k}={getattr(inferred, k)!r} in the tensors"
+                       for k in _FROM_TENSORS if getattr(cfg, k) != getattr(inferred, k)]
+    if contradictions:
+        raise ConversionError(f"{file} and the checkpoint disagree: {'; '.join(contradictions)} — drop the "
+                              "options that contradict it (the saved config is used), or remove a stale file")
+    return cfg
+
+
+def import_megatron(path: Path, *, n_heads: int | None = None, vocab_size: int | None = None,
+                    activation: Activation | None = None, norm_eps: float | None = None,
+                    rope_theta: float | None = None, max_seq_len: int | None = None, show_progress: bool | None = None
+                    ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(our config, our full state dict) from a Megatron-Core GPT torch_dist checkpoint. Options left None come
+    from the model config that export_megatron writes beside the checkpoint; without one, n_heads is required."""
     folder = resolve_megatron_dir(path)
-    cfg = infer_config(folder, n_heads=n_heads, vocab_size=vocab_size, activation=activation, norm_eps=norm_eps,
-                       rope_theta=rope_theta, max_seq_len=max_seq_len)
+    cfg = resolve_import_config(folder, {"n_heads": n_heads, "vocab_size": vocab_size, "activation": activation,
+                                         "norm_eps": norm_eps, "rope_theta": rope_theta, "max_seq_len": max_seq_len})
     keys = [k for k in tensor_entries(read_metadata(folder)) if "_extra_state" not in k]
     tensors: dict[str, torch.Tensor] = {}
     for key in progress(keys, desc="reading megatron", enabled=show_progress):

@@ -25,13 +25,14 @@ import numpy as np
 import torch
 
 from meshformer.batch import IGNORE_INDEX
+from meshformer.errors import MeshformerError
 
 from .tokenizer import Tokenizer
 
 Sample = np.ndarray | tuple[np.ndarray, np.ndarray]
 
 
-class ObjectiveError(ValueError):
+class ObjectiveError(MeshformerError, ValueError):
     """An objective that cannot run with this configuration or data."""
 
 

@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from meshformer.config import ParallelConfig
+from meshformer.model import Transformer
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -21,17 +22,12 @@ def mixed_precision_policy(cfg: ParallelConfig) -> MixedPrecisionPolicy:
                                 reduce_dtype=_DTYPES[cfg.mixed_precision_reduce])
 
 
-def blocks_of(model: nn.Module) -> list[nn.Module]:
-    """Transformer blocks in execution order (encoder first), for per-block wrapping."""
-    blocks: list[nn.Module] = []
-    for stack in ("encoder_layers", "decoder_layers"):
-        layers = getattr(model, stack, None)
-        if layers is not None:
-            blocks.extend(layers.values())
-    return blocks
+def blocks_of(model: Transformer) -> list[nn.Module]:
+    """The blocks the family spec names as units, in execution order, for per-block wrapping."""
+    return [block for _, block in model.spec.blocks(model)]
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *, reshard_after_forward: bool | None = None
+def apply_fsdp(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, *, reshard_after_forward: bool | None = None
                ) -> nn.Module:
     """Shard every block, then the root (embeddings, norms, head: whatever is left).
 

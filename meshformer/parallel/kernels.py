@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshformer.model import Transformer
 from meshformer.parallel.fsdp import blocks_of
 
 
@@ -56,7 +57,7 @@ def _apex_norm(normalization: Any, norm: nn.Module) -> nn.Module | None:
     return fused.to(norm.weight.device)
 
 
-def compile_blocks(model: nn.Module) -> int:
+def compile_blocks(model: Transformer) -> int:
     """torch.compile each block in place (`Module.compile`): names keep no `_orig_mod.` prefix."""
     blocks = blocks_of(model)
     for block in blocks:

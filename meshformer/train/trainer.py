@@ -21,6 +21,7 @@ from meshformer.config import Config, ConfigError
 from meshformer.data import build_loader, load_tokenizer
 from meshformer.layout import validate_parallel
 from meshformer.model import Transformer
+from meshformer.model.families import get_family_spec
 from meshformer.model.flops import flops_per_token
 from meshformer.parallel import build_plan
 from meshformer.parallel.plan import TrainingPlan, default_loss_fn
@@ -30,6 +31,7 @@ from meshformer.runtime.stragglers import rank_timings, straggler_scalars
 from meshformer.runtime.watchdog import HangWatchdog
 from meshformer.train.metrics import FlopsCeiling, RunLogger, memory_gib, peak_flops, synchronize
 from meshformer.train.optim import build_optimizer, build_scheduler
+from meshformer.train.preflight import check_vocab
 from meshformer.train.sampling import decoded_sample
 
 
@@ -63,9 +65,7 @@ class Trainer:
         self.logger = RunLogger(self.run_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
 
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        if self.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size="
-                              f"{cfg.model.vocab_size}; raise model.vocab_size to at least {self.tokenizer.vocab_size}")
+        check_vocab(self.tokenizer, cfg.model.vocab_size)
 
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank and layout
         model = Transformer(cfg.model)
@@ -80,7 +80,7 @@ class Trainer:
         self.train_iter: Iterator[Batch] | None = None  # started at the first step, after a resume moved the loader
         self.last_lr: float = self.optimizer.param_groups[0]["lr"]  # the rate the last step used
         # Encoder-decoder steps feed source and target tokens: both count towards tokens/s and MFU.
-        self.target_len = cfg.data.target_len if cfg.model.family == "encoder_decoder" else None
+        self.target_len = cfg.data.target_len if get_family_spec(cfg.model.family).seq2seq else None
         self.state = TrainState(self.device)  # step, target tokens trained on
         # Everything a checkpoint saves and a resume restores (RNG streams: per rank, by the manager).
         self.checkpointable = Checkpointable(self.state, self.plan.model_parts, self.optimizer,
@@ -236,9 +236,11 @@ class Trainer:
                 break
         self.profiler.stop()
         self.watchdog.phase("finish")
-        self.checkpoints.finish(self.checkpointable)
-        if self.step >= cfg.train.steps:
-            self.save_final_weights()
+        try:
+            self.checkpoints.finish(self.checkpointable)  # raises if the final checkpoint cannot be written...
+        finally:
+            if self.step >= cfg.train.steps:  # ...but the trained weights are written first
+                self.save_final_weights()
         log.close()
         return TrainResult(self.step, last_loss, eval_loss, self.run_dir, history)
 
