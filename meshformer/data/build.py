@@ -16,7 +16,8 @@ import numpy as np
 from .loader import Loader
 from .objectives import Objective, Sample, make_objective
 from .prepare import prepare
-from .shards import Manifest, ManifestError, ShardError, ShardInfo, read_manifest, read_shard
+from .shard_index import index_name
+from .shards import Manifest, ManifestError, ShardError, ShardInfo, read_manifest, read_shard, read_shard_records
 from .sources import BUNDLED_CORPORA, resolve_inputs
 from .tokenizer import Tokenizer
 
@@ -34,12 +35,13 @@ class ShardSource:
         self.skipped = skip or {}  # shard name -> reason
         self.records_per_shard = [s.samples for s in self.shards]
         self.skip = frozenset(i for i, s in enumerate(self.shards) if s.name in self.skipped)
+        self.nbytes = 0  # bytes read from shards and indexes by this process (read-volume stats)
         spec = {"manifest": manifest.sha256, "split": split, "skipped": sorted(self.skipped)}
         self.fingerprint = hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]
 
     def read(self, shard: int, records: np.ndarray) -> dict[int, Sample]:
         info = self.shards[shard]
-        got = read_shard(self.manifest.shard_url(info), info, self.manifest.dtype, set(records.tolist()))
+        got = read_shard_records(self.manifest.shard_url(info), info, self.manifest.dtype, records, self)
         if self.kind == "pairs":
             return {i: (parts["src"].astype(np.int64), parts["tgt"].astype(np.int64)) for i, parts in got.items()}
         return {i: parts["tokens"] for i, parts in got.items()}
@@ -95,6 +97,10 @@ def verify_shards(manifest: Manifest, split: str, full: bool) -> dict[str, str]:
                 continue
             if path.stat().st_size != info.bytes:
                 problems[info.name] = f"{path.stat().st_size} bytes on disk, manifest says {info.bytes} (truncated?)"
+                continue
+            index = path.with_name(index_name(path.name))
+            if info.index_sha256 and (not index.is_file() or index.stat().st_size != info.index_bytes):
+                problems[info.name] = f"index {index.name} missing or of the wrong size; re-run prepare or restore it"
                 continue
         if full and (problem := _hash_problem(url, info)):
             problems[info.name] = problem
