@@ -21,8 +21,11 @@ def record_spans(manifest: Manifest, split: str) -> list[np.ndarray]:
 
 
 def planned_bytes(order: SampleOrder, shards: list[ShardInfo], spans: list[np.ndarray], rank: int, dp_size: int,
-                  batch_size: int, positions: int, num_workers: int = 1) -> int:
-    """Bytes rank `rank` reads for global stream positions [0, positions) (a whole number of global batches)."""
+                  batch_size: int, positions: int, num_workers: int = 1, ranged: bool = True) -> int:
+    """Bytes rank `rank` reads for global stream positions [0, positions) (a whole number of global batches).
+
+    ranged=False: the streaming fallback (`pipe:`, http, shards without index), which reads every shard that
+    holds any record the worker needs, front to back."""
     total = 0
     global_batch = dp_size * batch_size
     touched = sorted({order.locate(p) for p in range(positions)})
@@ -38,7 +41,7 @@ def planned_bytes(order: SampleOrder, shards: list[ShardInfo], spans: list[np.nd
             record = (units - order.unit_start[shard]) // order.windows
             for s in np.unique(shard):
                 records = np.unique(record[shard == s])
-                whole = len(records) == shards[s].samples  # every record wanted: streamed whole instead
+                whole = len(records) == shards[s].samples or not ranged  # streamed whole instead
                 total += shards[s].bytes if whole else int(spans[s][records].sum()) + len(records) * ENTRY.itemsize
     return total
 
