@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -31,19 +30,8 @@ def index_name(shard_name: str) -> str:
     return shard_name[:-4] + ".idx" if shard_name.endswith(".tar") else shard_name + ".idx"
 
 
-def build_index(tar_bytes: bytes) -> bytes:
-    """The index of one written shard (members grouped by sample key, in file order)."""
-    spans: list[list[int]] = []  # [offset, end] per sample
-    keys: list[str] = []
-    with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tf:
-        for member in tf.getmembers():
-            key = member.name.partition(".")[0]
-            end = member.offset_data + -(-member.size // 512) * 512
-            if keys and keys[-1] == key:
-                spans[-1][1] = end
-            else:
-                keys.append(key)
-                spans.append([member.offset, end])
+def build_index(tar_bytes: bytes, spans: list[tuple[int, int]]) -> bytes:
+    """The index of one written shard from its samples' (start, end) byte spans."""
     entries = np.zeros(len(spans), dtype=ENTRY)
     for i, (start, end) in enumerate(spans):
         entries[i] = (start, end - start, _digest(tar_bytes[start:end]))
@@ -157,8 +145,8 @@ def _parse(span: bytes, record: int, np_dtype: np.dtype) -> dict[str, np.ndarray
     return out
 
 
-def write_index(shard: Path, tar_bytes: bytes) -> tuple[int, str]:
+def write_index(shard: Path, tar_bytes: bytes, spans: list[tuple[int, int]]) -> tuple[int, str]:
     """Write NAME.idx next to the shard; (bytes, sha256) for the manifest."""
-    blob = build_index(tar_bytes)
+    blob = build_index(tar_bytes, spans)
     shard.with_name(index_name(shard.name)).write_bytes(blob)
     return len(blob), hashlib.sha256(blob).hexdigest()

@@ -158,20 +158,23 @@ class ShardWriter:
         self._fh = open(path, "wb")
         self._tar = wds.TarWriter(self._fh, user="meshformer", group="meshformer", mtime=0, encoder=False)
         self.samples = self.tokens = 0
+        self._spans: list[tuple[int, int]] = []  # each sample's bytes in the tar (headers + data + padding)
 
     def write(self, **arrays: np.ndarray) -> None:
         sample: dict[str, Any] = {"__key__": f"{self.samples:09d}"}
         for name, array in arrays.items():
             sample[f"{name}.{self.ext}"] = np.ascontiguousarray(array, dtype=self.dtype).tobytes()
             self.tokens += len(array)
+        start = self._tar.tarstream.offset
         self._tar.write(sample)
+        self._spans.append((start, self._tar.tarstream.offset))
         self.samples += 1
 
     def close(self) -> ShardInfo:
         self._tar.close()
         self._fh.close()
         data = self.path.read_bytes()
-        index_bytes, index_sha = write_index(self.path, data)
+        index_bytes, index_sha = write_index(self.path, data, self._spans)
         return ShardInfo(self.path.name, self.samples, self.tokens, len(data), hashlib.sha256(data).hexdigest(),
                          index_bytes, index_sha)
 
