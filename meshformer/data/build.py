@@ -58,7 +58,7 @@ def ensure_shards(data_cfg, tokenizer: Tokenizer, record_len: int) -> str:  # da
     files = resolve_inputs(data_cfg.corpus)
     key_src = {"corpus": data_cfg.corpus, "files": [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
                "field": data_cfg.text_field, "tokenizer": tokenizer.sha256, "record_len": record_len,
-               "eval_fraction": data_cfg.eval_fraction, "seed": data_cfg.seed, "format": 1}
+               "eval_fraction": data_cfg.eval_fraction, "seed": data_cfg.seed, "format": 2}
     if data_cfg.corpus in BUNDLED_CORPORA:  # the bundled file moves with the checkout; its content is fixed
         key_src["files"] = [f.stat().st_size for f in files]
     key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
