@@ -94,6 +94,15 @@ class ModelConfig:
 
 
 @dataclass
+class DataSourceConfig:
+    """One `[[data.sources]]` table of a mixture."""
+
+    shards: str = ""  # manifest.json (path or URL) of prepared shards
+    weight: float = 1.0  # share of samples, relative to the other sources' weights
+    name: str = ""  # label in logs (data/<name>/tokens); "": source<i>
+
+
+@dataclass
 class DataConfig:
     corpus: str = "bundled:kjv"  # "bundled:kjv", a text/JSONL(.gz) file or a directory
     text_field: str = "text"  # JSONL field holding the text
@@ -111,6 +120,7 @@ class DataConfig:
     num_workers: int = 1  # DataLoader worker processes per rank (0: load in the training process)
     shuffle_shards: int = 4  # shards mixed into one shuffle group (memory: one group per worker)
     bad_shards: Literal["error", "skip"] = "error"  # corrupt/short/missing shard: raise, or skip and log
+    sources: list[DataSourceConfig] = field(default_factory=list)  # [[data.sources]] mixture; []: data.shards
 
 
 @dataclass
@@ -431,10 +441,14 @@ def dump_toml(tree: dict[str, Any]) -> str:
     lines: list[str] = []
     for section, values in tree.items():
         lines.append(f"[{section}]")
+        tables = {k: v for k, v in values.items() if isinstance(v, list) and v and isinstance(v[0], dict)}
         for key, value in values.items():
-            if value is not None:
+            if value is not None and key not in tables:
                 lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")
+        for key, items in tables.items():  # arrays of tables ([[data.sources]]) follow their section's keys
+            for item in items:
+                lines += [f"[[{section}.{key}]]", *(f"{k} = {_toml_value(v)}" for k, v in item.items()), ""]
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ from typing import Literal
 import numpy as np
 
 from .loader import Loader
+from .mixture import MixtureLoader
 from .objectives import Objective, Sample, make_objective
 from .prepare import prepare
 from .shard_index import index_name
@@ -150,7 +151,26 @@ def build_loader(cfg, tokenizer: Tokenizer, split: Literal["train", "eval"] = "t
         raise ValueError(f"split={split!r}; use 'train' or 'eval'")
     _check_data_config(d)
     objective: Objective = make_objective(cfg.objective, tokenizer, d)
-    manifest = read_manifest(ensure_shards(d, tokenizer, objective.raw_length))
+    if d.sources:  # a mixture: [[data.sources]]
+        opened = [_open_source(src.shards, d, tokenizer, objective, split) for src in d.sources]
+        names = [src.name or f"source{i}" for i, src in enumerate(d.sources)]
+        loader: Loader = MixtureLoader([o[0] for o in opened], names, [src.weight for src in d.sources], objective,
+                                       split, dp_rank, dp_size, d.batch_size, d.num_workers, d.seed, d.shuffle_shards,
+                                       with_ids=with_sample_ids)
+        loader.skipped_shards = sorted(f"{o[1].url}:{name}" for o in opened for name in o[0].skipped)
+        loader.manifest = opened[0][1]
+        return loader
+    source, manifest = _open_source(ensure_shards(d, tokenizer, objective.raw_length), d, tokenizer, objective, split)
+    loader = Loader(source, objective, split, dp_rank, dp_size, d.batch_size, d.num_workers, d.seed,
+                    d.shuffle_shards, with_ids=with_sample_ids)
+    loader.skipped_shards = sorted(source.skipped)
+    loader.manifest = manifest
+    return loader
+
+
+def _open_source(spec: str, d, tokenizer: Tokenizer, objective: Objective, split: str) -> tuple[ShardSource, Manifest]:
+    """One manifest's split, checked against the run and verified (bad shards: error, or skipped and logged)."""
+    manifest = read_manifest(spec)
     _check_manifest(manifest, tokenizer, objective, split)
     problems = verify_shards(manifest, split, full=d.bad_shards == "skip")
     if d.bad_shards == "skip":
@@ -167,11 +187,7 @@ def build_loader(cfg, tokenizer: Tokenizer, split: Literal["train", "eval"] = "t
     if len(source.skip) == len(source.shards):
         raise ShardError(f"split {split!r} of {manifest.url} has no usable samples; prepare with a larger corpus "
                          "or eval_fraction, or repair the shards")
-    loader = Loader(source, objective, split, dp_rank, dp_size, d.batch_size, d.num_workers, d.seed,
-                    d.shuffle_shards, with_ids=with_sample_ids)
-    loader.skipped_shards = sorted(problems)
-    loader.manifest = manifest
-    return loader
+    return source, manifest
 
 
 def _check_data_config(d) -> None:
@@ -183,6 +199,12 @@ def _check_data_config(d) -> None:
         raise ConfigError(f"data.shuffle_shards={d.shuffle_shards} must be >= 1 (shards mixed per shuffle group)")
     if not 0 <= d.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction={d.eval_fraction} must lie in [0, 1)")
+    if d.sources and d.shards:
+        raise ConfigError("set either data.shards (one dataset) or [[data.sources]] (a mixture), not both")
+    for i, src in enumerate(d.sources):
+        if not src.shards or not src.weight > 0:
+            raise ConfigError(f"data.sources[{i}] needs shards = <manifest> and weight > 0 (got {src.shards!r}, "
+                              f"{src.weight})")
 
 
 def _check_manifest(manifest: Manifest, tokenizer: Tokenizer, objective: Objective, split: str) -> None:

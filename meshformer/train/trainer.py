@@ -177,6 +177,7 @@ class Trainer:
                 }
                 timings = rank_timings(elapsed / window_steps, self.data_wait_s / window_steps, self.device)
                 record |= straggler_scalars(timings)  # data wait; per-rank step-time spread (stragglers)
+                record |= self.train_data.source_scalars()  # mixtures: samples and tokens per source so far
                 self.data_wait_s = 0.0
                 history.append({"step": step, **record})
                 log.scalars(step, record)
