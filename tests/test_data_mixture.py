@@ -106,3 +106,20 @@ def test_mixture_config_errors(sources):
         build_loader(config("", 'data.sources=[{shards="x", weight=0}]'), tokenizer(), "train", 0, 1)
     cfg = load_config(None, ["data.sources=[{shards=\"a\", weight=2}]"])
     assert cfg.data.sources[0].weight == 2.0 and load_config(None).data.sources == []
+
+
+def test_trainer_logs_tokens_per_source(sources, tmp_path):
+    from test_trainer import SMALL
+
+    from meshformer.train.trainer import Trainer
+
+    a, b = sources
+    cfg = load_config("configs/tiny-gpt.toml", [*SMALL, "train.steps=3", "logging.log_interval=1",
+                                                "logging.tensorboard=false", "data.num_workers=0", "data.seq_len=32",
+                                                "data.batch_size=4", "checkpoint.interval=0", "model.max_seq_len=64",
+                                                f"logging.run_dir={tmp_path}",
+                                                f'data.sources=[{{shards="{a}", weight=3, name="web"}}, '
+                                                f'{{shards="{b}", weight=1, name="code"}}]'])
+    history = Trainer(cfg).fit().history
+    assert [h["data/web/tokens"] for h in history] == [3 * 32 * s for s in (1, 2, 3)]  # 3 of every 4 samples
+    assert [h["data/code/samples"] for h in history] == [1, 2, 3]
