@@ -2,8 +2,9 @@
 
     python bench/data_prepare.py [--mb 8] [--reference /work/main] [--json out.json]
 
-- MB/s of input text per core: one process with a single-threaded tokenizer, against `encode_batch` alone on
-  the same text in the same run (the ceiling), and the scaling from 1 to 2 processes (num_proc=2).
+- MB of input text per CPU-second (= MB/s per busy core, robust on a shared machine): one process with a
+  single-threaded tokenizer, against `encode_batch` alone on the same text in the same run (the ceiling),
+  and with num_proc=2; plus the wall-clock scaling from 1 to 2 processes (meaningful on an idle machine).
 - Peak RSS at corpus 1x and 10x (fresh process each), for this prepare and, with --reference, for the prepare
   of another checkout (e.g. the previous one, which held the corpus in memory).
 - Shuffle quality of the prepared stream: mean distance between consecutive documents in input order, as a
@@ -26,23 +27,27 @@ RUN = textwrap.dedent("""
     import json, resource, sys, time
     sys.path.insert(0, {root!r})
     from meshformer.data import prepare
+    cpu0 = sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(w) for w in (resource.RUSAGE_SELF,
+                                                                                   resource.RUSAGE_CHILDREN)))
     start = time.perf_counter()
     prepare({corpus!r}, {out!r}, tokenizer="bundled:kjv-bpe-4k", record_len=129, progress=False, **{kwargs!r})
     wall = time.perf_counter() - start
-    rss = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    print(json.dumps({{"wall": wall, "rss_kb": rss}}))
+    use = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    cpu = sum(u.ru_utime + u.ru_stime for u in use) - cpu0
+    print(json.dumps({{"wall": wall, "cpu": cpu, "rss_kb": max(u.ru_maxrss for u in use)}}))
 """)
 ENCODE = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
+    cpu = time.process_time
     sys.path.insert(0, {root!r})
     from meshformer.data import load_tokenizer
     tok = load_tokenizer("bundled:kjv-bpe-4k")
     texts = [json.loads(line)["text"] for f in sorted(Path({corpus!r}).iterdir()) for line in open(f)]
-    start = time.perf_counter()
+    start, cpu0 = time.perf_counter(), cpu()
     for i in range(0, len(texts), 4096):
         tok.encode_batch(texts[i:i + 4096])
-    print(json.dumps({{"wall": time.perf_counter() - start}}))
+    print(json.dumps({{"wall": time.perf_counter() - start, "cpu": cpu() - cpu0}}))
 """)
 
 
@@ -88,9 +93,10 @@ def main() -> None:
         enc = run(ENCODE.format(root=str(ROOT), corpus=str(c1)))
         one = run(RUN.format(root=str(ROOT), corpus=str(c1), out=str(tmp_path / "o1"), kwargs={**ours, "num_proc": 1}))
         two = run(RUN.format(root=str(ROOT), corpus=str(c1), out=str(tmp_path / "o2"), kwargs={**ours, "num_proc": 2}))
-        result["throughput"] = {"corpus_mb": mb, "encode_only_mb_s": mb / enc["wall"],
-                                "prepare_1proc_mb_s": mb / one["wall"], "prepare_2proc_mb_s": mb / two["wall"],
-                                "scaling_1_to_2": one["wall"] / two["wall"]}
+        result["throughput"] = {"corpus_mb": mb, "encode_only_mb_cpu_s": mb / enc["cpu"],
+                                "prepare_1proc_mb_cpu_s": mb / one["cpu"], "prepare_2proc_mb_cpu_s": mb / two["cpu"],
+                                "wall_1proc_s": one["wall"], "wall_2proc_s": two["wall"],
+                                "scaling_1_to_2": one["wall"] / two["wall"], "load_avg": os.getloadavg()[0]}
         total_docs = sum(1 for f in c1.iterdir() for _ in open(f))
         result["doc_gap"] = doc_gap(tmp_path / "o1", total_docs)
         c10 = write_corpus(tmp_path / "c10", 10 * args.mb, files=10 * args.files, seed=1)
@@ -105,9 +111,11 @@ def main() -> None:
                          "ratio": r10["rss_kb"] / r1["rss_kb"], "mb_s_10x_threads": 10 * mb / r10["wall"]}
         result["rss"] = rss
     t = result["throughput"]
-    print(f"corpus {t['corpus_mb']:.1f} MB: encode_batch alone {t['encode_only_mb_s']:.2f} MB/s/core; prepare "
-          f"1 process {t['prepare_1proc_mb_s']:.2f} MB/s/core ({t['prepare_1proc_mb_s'] / t['encode_only_mb_s']:.2f}x "
-          f"of encode alone); 2 processes {t['prepare_2proc_mb_s']:.2f} MB/s = {t['scaling_1_to_2']:.2f}x")
+    print(f"corpus {t['corpus_mb']:.1f} MB, MB of text per CPU-second (per core): encode_batch alone "
+          f"{t['encode_only_mb_cpu_s']:.2f}; prepare 1 process {t['prepare_1proc_mb_cpu_s']:.2f} "
+          f"({t['prepare_1proc_mb_cpu_s'] / t['encode_only_mb_cpu_s']:.2f}x of encode alone); 2 processes "
+          f"{t['prepare_2proc_mb_cpu_s']:.2f}. Wall 1 -> 2 processes: {t['wall_1proc_s']:.1f}s -> "
+          f"{t['wall_2proc_s']:.1f}s = {t['scaling_1_to_2']:.2f}x (load average {t['load_avg']:.1f})")
     for name, r in result["rss"].items():
         print(f"peak RSS ({name}): 1x {r['rss_1x_mib']:.0f} MiB, 10x {r['rss_10x_mib']:.0f} MiB = {r['ratio']:.2f}x")
     print(f"shuffle quality: mean gap between consecutive documents {result['doc_gap']:.3f} of the corpus "

@@ -85,10 +85,11 @@ def ensure_shards(data_cfg, tokenizer: Tokenizer, record_len: int) -> str:  # da
     return str(out)
 
 
-def verify_shards(manifest: Manifest, split: str, full: bool) -> dict[str, str]:
-    """Shard name -> problem. Local files: existence and size always; full=True also hashes every shard."""
+def verify_shards(manifest: Manifest, split: str, full: bool, rank: int = 0, world: int = 1) -> dict[str, str]:
+    """Shard name -> problem. Local files: existence and size always; full=True also hashes the shards i with
+    i % world == rank (each process hashes its share; `agree_on_bad_shards` unites the findings)."""
     problems: dict[str, str] = {}
-    for info in manifest.splits[split]:
+    for i, info in enumerate(manifest.splits[split]):
         url = manifest.shard_url(info)
         local = "://" not in url and not url.startswith("pipe:")
         if local:
@@ -103,7 +104,7 @@ def verify_shards(manifest: Manifest, split: str, full: bool) -> dict[str, str]:
             if info.index_sha256 and (not index.is_file() or index.stat().st_size != info.index_bytes):
                 problems[info.name] = f"index {index.name} missing or of the wrong size; re-run prepare or restore it"
                 continue
-        if full and (problem := _hash_problem(url, info)):
+        if full and i % world == rank and (problem := _hash_problem(url, info)):
             problems[info.name] = problem
     return problems
 
@@ -135,6 +136,12 @@ def agree_on_bad_shards(problems: dict[str, str]) -> dict[str, str]:
     everyone: list[dict[str, str] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, problems)
     return union_bad_shards([p or {} for p in everyone])
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _rank() -> int:
@@ -172,7 +179,7 @@ def _open_source(spec: str, d, tokenizer: Tokenizer, objective: Objective, split
     """One manifest's split, checked against the run and verified (bad shards: error, or skipped and logged)."""
     manifest = read_manifest(spec)
     _check_manifest(manifest, tokenizer, objective, split)
-    problems = verify_shards(manifest, split, full=d.bad_shards == "skip")
+    problems = verify_shards(manifest, split, d.bad_shards == "skip", _rank(), _world())
     if d.bad_shards == "skip":
         problems = agree_on_bad_shards(problems)  # every rank must skip the same shards: one sample order
     if problems and d.bad_shards == "error":
