@@ -99,13 +99,16 @@ def test_per_source_token_counts(sources):
     assert scalars["data/a/tokens"] == 32 * (src == 0).sum()
 
 
-def test_mixture_config_errors(sources):
+def test_mixture_config_errors(sources, tmp_path):
     with pytest.raises(ConfigError, match="not both"):
         build_loader(mix_config(sources, f'data.shards="{sources[0]}"'), tokenizer(), "train", 0, 1)
     with pytest.raises(ConfigError, match="weight > 0"):
         build_loader(config("", 'data.sources=[{shards="x", weight=0}]'), tokenizer(), "train", 0, 1)
     cfg = load_config(None, ["data.sources=[{shards=\"a\", weight=2}]"])
     assert cfg.data.sources[0].weight == 2.0 and load_config(None).data.sources == []
+    saved = tmp_path / "mix.toml"
+    saved.write_text(mix_config(sources).to_toml())  # [[data.sources]] tables survive the run's saved config
+    assert load_config(saved).data.sources == mix_config(sources).data.sources
 
 
 def test_trainer_logs_tokens_per_source(sources, tmp_path):
