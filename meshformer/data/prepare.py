@@ -25,6 +25,7 @@ import multiprocessing
 import os
 import shutil
 import time
+from multiprocessing.pool import Pool
 from pathlib import Path
 from typing import Literal
 
@@ -91,13 +92,17 @@ def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, token
     plan.update(tokenizer_spec=tokenizer, tokenizer_sha256=tok.sha256, dtype=token_dtype(tok.vocab_size).name,
                 shard_records=shard_records or max(1, (1 << 24) // (record_len if not pairs else 256)))
     _agree_on_plan(work, plan)
-    if stage in ("all", "map"):
-        units = list(range(index, len(files), count))
-        _run(map_unit, plan, work, tok, [(u,) for u in units], num_proc, progress, "tokenize")
-    if stage in ("all", "reduce"):
-        _require_maps(plan, work)
-        tasks = [(s, b) for s in SPLITS for b in range(plan["buckets"][s])][index::count]
-        _run(reduce_bucket, plan, work, tok, [(s, b, tok.eos_id) for s, b in tasks], num_proc, progress, "pack")
+    units = list(range(index, len(files), count)) if stage in ("all", "map") else []
+    buckets = [(s, b) for s in SPLITS for b in range(plan["buckets"][s])][index::count]
+    pool = _pool(tok, num_proc, max(len(units), len(buckets) if stage in ("all", "reduce") else 0))
+    try:
+        _run(pool, map_unit, plan, work, tok, [(u,) for u in units], progress, "tokenize")
+        if stage in ("all", "reduce"):
+            _require_maps(plan, work)
+            _run(pool, reduce_bucket, plan, work, tok, [(s, b, tok.eos_id) for s, b in buckets], progress, "pack")
+    finally:
+        if pool is not None:
+            pool.terminate()
     if stage not in ("all", "merge"):
         return None
     manifest = _merge(plan, work, out, tok, files)
@@ -135,20 +140,26 @@ def _require_maps(plan: dict, work: Path) -> None:
                          " run --stage map on every part before --stage reduce")
 
 
-def _run(fn, plan: dict, work: Path, tok: Tokenizer, tasks: list[tuple], num_proc: int, progress: bool,
+def _pool(tok: Tokenizer, num_proc: int, tasks: int) -> Pool | None:
+    """One process pool for both stages (starting workers costs an interpreter and imports each)."""
+    if num_proc <= 1 or tasks <= 1:
+        return None
+    # spawn: the parent's tokenizer thread pool must not be forked; each worker tokenizes single-threaded
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return multiprocessing.get_context("spawn").Pool(min(num_proc, tasks), initializer=_init_worker,
+                                                     initargs=(tok.json,))
+
+
+def _run(pool: Pool | None, fn, plan: dict, work: Path, tok: Tokenizer, tasks: list[tuple], progress: bool,
          what: str) -> None:
     bar = tqdm(total=len(tasks), desc=what, unit="task", disable=not progress or not tasks)
-    if num_proc <= 1 or len(tasks) <= 1:
+    if pool is None or len(tasks) <= 1:
         for task in tasks:
             fn(plan, work, *((tok,) if fn is map_unit else ()), *task)
             bar.update()
     else:
-        # spawn: the parent's tokenizer thread pool must not be forked; each worker tokenizes single-threaded
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        ctx = multiprocessing.get_context("spawn")
-        with ctx.Pool(min(num_proc, len(tasks)), initializer=_init_worker, initargs=(tok.json,)) as pool:
-            for _ in pool.imap_unordered(_call, [(fn.__name__, plan, str(work), task) for task in tasks]):
-                bar.update()
+        for _ in pool.imap_unordered(_call, [(fn.__name__, plan, str(work), task) for task in tasks]):
+            bar.update()
     bar.close()
 
 
