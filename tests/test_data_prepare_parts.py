@@ -108,3 +108,13 @@ def test_peak_memory_is_flat_in_corpus_size(tmp_path):
     small = peak_rss_kb(write_corpus(tmp_path / "c1", 1, files=4), tmp_path / "o1")
     large = peak_rss_kb(write_corpus(tmp_path / "c10", 10, files=40), tmp_path / "o10")
     assert large <= 1.2 * small, f"peak RSS {small / 1024:.0f} MiB at 1x but {large / 1024:.0f} MiB at 10x"
+
+
+def test_an_input_file_without_documents(corpus, tmp_path):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    for f in sorted(corpus.iterdir())[:2]:
+        (inputs / f.name).write_bytes(f.read_bytes())
+    (inputs / "part-9999.jsonl").write_text("\n")
+    m = prepare(inputs, tmp_path / "o", **KW)
+    assert m.meta["documents"]["train"] > 0 and len(m.meta["inputs"]) == 3

@@ -132,9 +132,10 @@ def _bucket_docs(plan: dict, work: Path, split: str, b: int) -> list[tuple[np.nd
     width = plan["buckets"][split] + 1
     docs = []
     for u in range(len(plan["files"])):
-        chunks = np.memmap(_spill(work, u, split, "chunks"), dtype=np.int64, mode="r").reshape(-1, 2, width)
-        if not chunks.size:
+        path = _spill(work, u, split, "chunks")
+        if path.stat().st_size == 0:  # a file without documents
             continue
+        chunks = np.memmap(path, dtype=np.int64, mode="r").reshape(-1, 2, width)
         where = np.array(chunks[:, :, b:b + 2])  # (chunk, rows|tokens, start|end)
         del chunks
         with open(_spill(work, u, split, "docs"), "rb") as table_fh, \
