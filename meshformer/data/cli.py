@@ -17,7 +17,7 @@ import logging
 import sys
 from pathlib import Path
 
-from meshformer.launcher.slurm import SubmitError
+from meshformer.errors import ArgumentParser, UsageError, run_command
 
 from .prepare import prepare
 from .submit import __doc__ as submit_doc
@@ -81,19 +81,14 @@ def _parse_part(spec: str) -> tuple[int, int]:
     try:
         index, count = (int(x) for x in spec.split("/"))
     except ValueError:
-        raise ValueError(f"--part {spec!r}: write i/N (e.g. 0/4) or 'slurm'") from None
+        raise UsageError(f"--part {spec!r} is not a part", "write i/N (e.g. 0/4) or 'slurm'") from None
     return index, count
 
 
 def run_prepare(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        manifest = prepare(args.inputs, args.out, pairs=args.pairs, part=_parse_part(args.part), stage=args.stage,
-                           progress=not args.quiet, overwrite=args.overwrite,
-                           **{k: getattr(args, k) for k in _FORWARDED})
-    except (ValueError, FileExistsError) as err:  # input problems: one clear line, exit status 2
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+    manifest = prepare(args.inputs, args.out, pairs=args.pairs, part=_parse_part(args.part), stage=args.stage,
+                       progress=not args.quiet, overwrite=args.overwrite, **{k: getattr(args, k) for k in _FORWARDED})
     if manifest is None:
         print(f"done: stage {args.stage} of part {args.part} for {args.out}")
         return 0
@@ -111,11 +106,7 @@ def run_submit_prepare(args: argparse.Namespace) -> int:
         if value is not None:
             forwarded += [f"--{key.replace('_', '-')}", str(value)]
     forwarded += ["--pairs"] * args.pairs + ["--overwrite"] * args.overwrite
-    try:
-        result = submit_prepare(forwarded, args.out, args.parts, args.sbatch, dry_run=args.dry_run)
-    except SubmitError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+    result = submit_prepare(forwarded, args.out, args.parts, args.sbatch, dry_run=args.dry_run)
     if args.dry_run:
         print("\n".join(result))
     else:
@@ -125,10 +116,10 @@ def run_submit_prepare(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="meshformer")
+    parser = ArgumentParser(prog="meshformer")
     add_cli(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    return args.func(args)
+    return run_command(args.func, args)
 
 
 if __name__ == "__main__":

@@ -29,15 +29,22 @@ from multiprocessing.pool import Pool
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 from tqdm import tqdm
 
+from meshformer.errors import MeshformerError, UsageError
+
 from .prepare_stages import SPLITS, map_unit, reduce_bucket, train_documents
-from .shards import Manifest, ShardInfo, token_dtype
-from .sources import BUNDLED_CORPORA, DocSplit, resolve_inputs
+from .shards import Manifest, ShardInfo, ShardWriter, read_shard, token_dtype
+from .sources import BUNDLED_CORPORA, CorpusError, DocSplit, check_corpus, resolve_inputs
 from .tokenizer import Tokenizer, load_tokenizer, train_bpe
 
 log = logging.getLogger("meshformer.data")
 Stage = Literal["all", "map", "reduce", "merge"]
+
+
+class OutputExistsError(MeshformerError, FileExistsError):
+    """The output folder already holds prepared shards."""
 
 
 def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, tokenizer: str = "train",
@@ -60,24 +67,25 @@ def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, token
     out = Path(out_dir)
     index, count = part
     if not 0 <= index < count:
-        raise ValueError(f"part {index}/{count}: the part index must lie in [0, {count})")
+        raise UsageError(f"part {index}/{count} does not exist", f"use a part index in [0, {count})")
     if stage == "all" and count > 1:
-        raise ValueError("with --part i/N run the stages one after the other: --stage map on every part, then "
+        raise UsageError("--part i/N needs --stage", "run --stage map on every part, then "
                          "--stage reduce on every part, then --stage merge once (`meshformer data submit-prepare` "
                          "does this on SLURM)")
     if (out / "manifest.json").exists() and not overwrite:
-        raise FileExistsError(f"{out} already holds prepared shards; pass overwrite=True (--overwrite) or "
-                              "choose another output folder")
+        raise OutputExistsError(f"{out} already holds prepared shards", "pass --overwrite (overwrite=True) or "
+                                "choose another output folder")
     if not 0 <= eval_fraction < 1:
-        raise ValueError(f"eval_fraction={eval_fraction} must lie in [0, 1)")
+        raise UsageError(f"eval_fraction={eval_fraction} is out of range", "use a value in [0, 1), e.g. 0.02")
     record_len = record_len or seq_len + 1
     if record_len < 2:
-        raise ValueError(f"record_len={record_len} must be >= 2")
+        raise UsageError(f"record_len={record_len} is too short", "use --seq-len >= 1 (--record-len >= 2)")
     if tokenizer == "train" and stage != "all":
-        raise ValueError("--tokenizer train needs the whole corpus in one process; train a tokenizer first "
+        raise UsageError("--tokenizer train needs the whole corpus in one process", "train a tokenizer first "
                          "(meshformer data prepare SAMPLE --tokenizer train) and pass its tokenizer.json")
     start = time.perf_counter()
     files = resolve_inputs(inputs if isinstance(inputs, list) else [inputs])
+    check_corpus(files, None if pairs else text_field)
     work = out.with_name(out.name + ".work")
     if stage == "all":
         shutil.rmtree(work, ignore_errors=True)
@@ -129,15 +137,15 @@ def _agree_on_plan(work: Path, plan: dict) -> None:
         tmp.write_text(text)
         tmp.replace(path)
     if path.read_text() != text:
-        raise ValueError(f"{path} was written by a part with other inputs or settings; run every part with the "
+        raise UsageError(f"{path} was written by a part with other inputs or settings", "run every part with the "
                          "same arguments (or delete the work folder to start over)")
 
 
 def _require_maps(plan: dict, work: Path) -> None:
     missing = [u for u in range(len(plan["files"])) if not (work / "map" / f"u{u:06d}.done.json").exists()]
     if missing:
-        raise ValueError(f"{len(missing)} map task(s) of {work} are not done (first: file {plan['files'][missing[0]]});"
-                         " run --stage map on every part before --stage reduce")
+        raise UsageError(f"{len(missing)} map task(s) of {work} are not done (first: file {plan['files'][missing[0]]})",
+                         "run --stage map on every part before --stage reduce")
 
 
 def _pool(tok: Tokenizer, num_proc: int, tasks: int) -> Pool | None:
@@ -194,7 +202,7 @@ def _merge(plan: dict, work: Path, out: Path, tok: Tokenizer, files: list[Path])
         for b in range(plan["buckets"][split]):
             path = work / "reduce" / f"{split}-{b:05d}.json"
             if not path.exists():
-                raise ValueError(f"reduce task {split} bucket {b} of {work} is not done; run --stage reduce on every "
+                raise UsageError(f"reduce task {split} bucket {b} of {work} is not done", "run --stage reduce on every "
                                  "part before --stage merge")
             done = json.loads(path.read_text())
             documents[split] += done["documents"]
@@ -206,7 +214,11 @@ def _merge(plan: dict, work: Path, out: Path, tok: Tokenizer, files: list[Path])
                 info.name = f"{name}.tar"
                 splits[split].append(info)
     if not documents["train"] + documents["eval"]:
-        raise ValueError(f"no documents found in {plan['files']}; check the inputs and --text-field")
+        raise CorpusError(f"no documents found in {plan['files'][:3]}", "check the inputs and --text-field")
+    held_out = "documents"
+    if plan["eval_fraction"] > 0 and not splits["eval"]:  # too few documents to hold one out: split the records
+        splits["train"], splits["eval"] = _hold_out_tail(tmp, splits["train"], plan)
+        held_out = "tokens" if plan["kind"] == "packed" else "documents"
     tok.save(tmp / "tokenizer.json")
     manifest = Manifest(
         kind=plan["kind"], record_len=plan["record_len"], dtype=plan["dtype"],
@@ -215,7 +227,8 @@ def _merge(plan: dict, work: Path, out: Path, tok: Tokenizer, files: list[Path])
         splits=splits,
         meta={"inputs": [_input_name(f) for f in files], "text_field": plan["text_field"],
               "doc_split": plan["doc_split"], "seed": plan["seed"], "eval_fraction": plan["eval_fraction"],
-              "documents": documents, "buckets": plan["buckets"], "created_by": "meshformer data prepare"})
+              "documents": documents, "eval_held_out": held_out, "buckets": plan["buckets"],
+              "created_by": "meshformer data prepare"})
     (tmp / "manifest.json").write_text(manifest.to_json())
     if out.exists():
         shutil.rmtree(out)
@@ -223,6 +236,34 @@ def _merge(plan: dict, work: Path, out: Path, tok: Tokenizer, files: list[Path])
     shutil.rmtree(work, ignore_errors=True)
     manifest.url = str(out / "manifest.json")
     return manifest
+
+
+def _hold_out_tail(folder: Path, train: list[ShardInfo], plan: dict) -> tuple[list[ShardInfo], list[ShardInfo]]:
+    """Move the last round(records * eval_fraction) (at least one) train records into an eval shard."""
+    total = sum(s.samples for s in train)
+    n_held = max(1, round(total * plan["eval_fraction"])) if total > 1 else 0
+    if not n_held:
+        return train, []
+    tail: list[dict] = []
+    while train and len(tail) < n_held:  # the trailing shards that hold the records to move
+        info = train.pop()
+        got = read_shard(str(folder / info.name), info, plan["dtype"], None)
+        tail = [got[i] for i in range(info.samples)] + tail
+        (folder / info.name).unlink()
+        (folder / info.name).with_suffix(".idx").unlink()
+    out = {"train": train, "eval": []}
+    for split, records in (("train", tail[:len(tail) - n_held]), ("eval", tail[len(tail) - n_held:])):
+        writer = None
+        for record in records:
+            if writer is None:
+                writer = ShardWriter(folder / f"{split}-{len(out[split]):06d}.tar", np.dtype(plan["dtype"]))
+            writer.write(**record)
+            if writer.samples == plan["shard_records"]:
+                out[split].append(writer.close())
+                writer = None
+        if writer is not None:
+            out[split].append(writer.close())
+    return out["train"], out["eval"]
 
 
 def _input_name(path: Path) -> str:

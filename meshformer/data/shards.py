@@ -27,6 +27,8 @@ import numpy as np
 import webdataset as wds
 from webdataset.tariterators import tar_file_iterator
 
+from meshformer.errors import MeshformerError
+
 from .shard_index import index_name, read_records, seekable, write_index
 
 FORMAT = "meshformer.shards"
@@ -34,7 +36,7 @@ FORMAT_VERSION = 1
 _WDS_SCHEMES = {"", "file", "pipe", "http", "https", "sftp", "ftps", "scp", "gs", "ais", "hf"}
 
 
-class ShardError(RuntimeError):
+class ShardError(MeshformerError, RuntimeError):
     """A shard that is missing, corrupt, truncated, or does not match its manifest."""
 
     def __init__(self, message: str, reason: str = "") -> None:
@@ -42,7 +44,7 @@ class ShardError(RuntimeError):
         self.reason = reason or message
 
 
-class ManifestError(ValueError):
+class ManifestError(MeshformerError, ValueError):
     """A manifest that is missing, malformed, or does not fit the requested run."""
 
 
