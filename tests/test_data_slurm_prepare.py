@@ -34,10 +34,10 @@ def test_dry_run_scripts_chain_three_stages(tmp_path, capsys):
 def test_part_slurm_reads_the_array_task(monkeypatch, tmp_path, capsys):
     corpus = write_corpus(tmp_path / "c", 0.05, files=2)
     monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         main(["data", "prepare", str(corpus), "--out", str(tmp_path / "o"), "--part", "slurm", "--stage", "map",
               *ARGS])
-    assert "SLURM_ARRAY_TASK_ID" in capsys.readouterr().err
+    assert "SLURM_ARRAY_TASK_ID" in str(exit_info.value.code)
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "1")
     monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "2")
     main(["data", "prepare", str(corpus), "--out", str(tmp_path / "o"), "--part", "slurm", "--stage", "map",

@@ -36,7 +36,7 @@ from meshformer.errors import MeshformerError, UsageError
 
 from .prepare_stages import SPLITS, map_unit, reduce_bucket, train_documents
 from .shards import Manifest, ShardInfo, ShardWriter, read_shard, token_dtype
-from .sources import BUNDLED_CORPORA, CorpusError, DocSplit, check_corpus, resolve_inputs
+from .sources import BUNDLED_CORPORA, CorpusError, DocSplit, check_corpus, iter_pairs, resolve_inputs
 from .tokenizer import Tokenizer, load_tokenizer, train_bpe
 
 log = logging.getLogger("meshformer.data")
@@ -86,6 +86,8 @@ def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, token
     start = time.perf_counter()
     files = resolve_inputs(inputs if isinstance(inputs, list) else [inputs])
     check_corpus(files, None if pairs else text_field)
+    for f in files if pairs else ():  # pairs need JSONL with both fields: say so before any work starts
+        next(iter_pairs([f], src_field, tgt_field), None)
     work = out.with_name(out.name + ".work")
     if stage == "all":
         shutil.rmtree(work, ignore_errors=True)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from meshformer.errors import UsageError
 from meshformer.launcher.slurm import SubmitError
 
 
@@ -24,8 +25,8 @@ def part_from_env() -> tuple[int, int]:
     try:
         return int(os.environ["SLURM_ARRAY_TASK_ID"]), int(os.environ["SLURM_ARRAY_TASK_COUNT"])
     except (KeyError, ValueError):
-        raise ValueError("--part slurm needs SLURM_ARRAY_TASK_ID and SLURM_ARRAY_TASK_COUNT (run it as an sbatch "
-                         "--array task, or pass --part i/N)") from None
+        raise UsageError("--part slurm needs SLURM_ARRAY_TASK_ID and SLURM_ARRAY_TASK_COUNT",
+                         "run it as an sbatch --array task, or pass --part i/N") from None
 
 
 def stage_script(prepare_args: list[str], out: str, stage: str, parts: int, options: list[str]) -> str:
