@@ -165,13 +165,13 @@ def build_loader(cfg, tokenizer: Tokenizer, split: Literal["train", "eval"] = "t
         names = [src.name or f"source{i}" for i, src in enumerate(d.sources)]
         loader: Loader = MixtureLoader([o[0] for o in opened], names, [src.weight for src in d.sources], objective,
                                        split, dp_rank, dp_size, d.batch_size, d.num_workers, d.seed, d.shuffle_shards,
-                                       with_ids=with_sample_ids)
+                                       with_ids=with_sample_ids, reseed_on_resume=d.reseed_on_resume)
         loader.skipped_shards = sorted(f"{o[1].url}:{name}" for o in opened for name in o[0].skipped)
         loader.manifest = opened[0][1]
         return loader
     source, manifest = _open_source(ensure_shards(d, tokenizer, objective.raw_length), d, tokenizer, objective, split)
     loader = Loader(source, objective, split, dp_rank, dp_size, d.batch_size, d.num_workers, d.seed,
-                    d.shuffle_shards, with_ids=with_sample_ids)
+                    d.shuffle_shards, with_ids=with_sample_ids, reseed_on_resume=d.reseed_on_resume)
     loader.skipped_shards = sorted(source.skipped)
     loader.manifest = manifest
     return loader

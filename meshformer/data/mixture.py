@@ -126,19 +126,19 @@ class MixtureLoader(Loader):
 
     def __init__(self, sources: list[Source], names: list[str], weights: list[float], objective: Objective,
                  split: str, dp_rank: int, dp_size: int, batch_size: int, num_workers: int, seed: int,
-                 shuffle_shards: int, with_ids: bool = False) -> None:
+                 shuffle_shards: int, with_ids: bool = False, reseed_on_resume: bool = False) -> None:
         super().__init__(sources[0], objective, split, dp_rank, dp_size, batch_size, num_workers, seed,
-                         shuffle_shards, with_ids)
+                         shuffle_shards, with_ids, reseed_on_resume)
         self.sources, self.names, self.mix = sources, names, Interleave(weights)
         self.orders = []
         for i, source in enumerate(sources):
             windows = source.record_len // objective.raw_length if source.kind == "packed" else 1
             self.orders.append(SampleOrder(source.records_per_shard, windows, seed + 7919 * i,
                                            shuffle=split == "train", group_shards=shuffle_shards, skip=source.skip))
-        spec = {"data": [s.fingerprint for s in sources], "weights": self.mix.weights.tolist(), "names": names,
-                "objective": objective.name, "raw": objective.raw_length, "split": split, "seed": seed,
-                "shuffle_shards": shuffle_shards}
-        self.fingerprint = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+        self.settings = {"data": [s.fingerprint for s in sources], "weights": self.mix.weights.tolist(),
+                         "names": names, "objective": objective.name, "raw": objective.raw_length, "split": split,
+                         "seed": seed, "shuffle_shards": shuffle_shards}
+        self.fingerprint = hashlib.sha256(json.dumps(self.settings, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def samples_per_epoch(self) -> int:
