@@ -8,6 +8,7 @@ hold just part of the model.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,6 +24,9 @@ from meshformer.model.positions import (
     alibi_bias,
     alibi_slopes,
 )
+
+if TYPE_CHECKING:
+    from meshformer.train.fused_loss import HeadLoss
 
 
 class Transformer(nn.Module):
@@ -173,11 +177,15 @@ class Transformer(nn.Module):
             h = self.decoder_norm(h)
         return h
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
+    def head(self, h: torch.Tensor, labels: torch.Tensor | None = None, head_loss: HeadLoss | None = None
+             ) -> torch.Tensor:
+        """Logits; or, given `head_loss` and labels, the summed loss straight from the final hidden states."""
         if self.head_dense is not None:
             h = self.head_norm(self.head_act(self.head_dense(h)))
         if self.cfg.scale_output:
             h = h * self.cfg.d_model**-0.5
+        if head_loss is not None:  # inside forward, so FSDP's hooks see the output weight in use
+            return head_loss(h, labels, self.output.weight, self.output.bias)
         return self.output(h)
 
     def new_cache(self) -> list[BlockCache]:
@@ -191,22 +199,27 @@ class Transformer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         decoder_input_ids: torch.Tensor | None = None,
         decoder_attention_mask: torch.Tensor | None = None,
+        *,
+        labels: torch.Tensor | None = None,
+        head_loss: HeadLoss | None = None,
     ) -> torch.Tensor:
-        """Logits (B, T, vocab). Masks are (B, T) with True (or 1) for real tokens, False for padding.
+        """Logits (B, T, vocab), or with `head_loss` the summed loss against `labels` (no full logits).
+
+        Masks are (B, T) with True (or 1) for real tokens, False for padding.
 
         decoder-only: input_ids are the (causal) sequence; encoder-only: input_ids are the (bidirectional)
         sequence; encoder-decoder: input_ids are the source, decoder_input_ids the teacher-forced target.
         """
         family = self.cfg.family
         if family == "decoder":
-            return self.head(self.decode(input_ids, attention_mask))
+            return self.head(self.decode(input_ids, attention_mask), labels, head_loss)
         if family == "encoder":
-            return self.head(self.encode(input_ids, attention_mask)[0])
+            return self.head(self.encode(input_ids, attention_mask)[0], labels, head_loss)
         if decoder_input_ids is None:
             raise ValueError("an encoder-decoder model needs decoder_input_ids (the shifted target)")
         memory, memory_padding = self.encode(input_ids, attention_mask)
         h = self.decode(decoder_input_ids, decoder_attention_mask, memory=memory, memory_padding=memory_padding)
-        return self.head(h)
+        return self.head(h, labels, head_loss)
 
 
 def count_parameters(model: nn.Module) -> int:
