@@ -15,7 +15,6 @@ torch path is the reference and runs everywhere, liger-kernel's Triton kernel is
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -26,10 +25,15 @@ from meshformer.train.loss import IGNORE_INDEX
 HeadLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
-def default_chunk_rows(n_rows: int, vocab: int, d_model: int) -> int:
-    """Rows per chunk so one chunk of logits is about as large as the hidden states (at least 64 rows)."""
-    chunks = max(1, math.ceil(vocab / max(d_model, 1)))
-    return max(64, math.ceil(n_rows / chunks))
+def default_chunk_rows(n_rows: int, vocab: int, device: torch.device) -> int:
+    """Rows per chunk: a chunk of fp32 logits of ~512 MiB on CUDA (~128 MiB elsewhere), at least 64 rows.
+
+    Every chunk also adds its share into the fp32 weight gradient (a pass over V x D), so chunks must stay
+    large enough for the three chunk GEMMs to dominate that pass; the saving comes from never holding
+    more than one chunk of logits, not from small chunks.
+    """
+    budget = 2**27 if device.type == "cuda" else 2**25
+    return min(n_rows, max(64, budget // vocab))
 
 
 def _compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -119,7 +123,7 @@ def chunked_linear_cross_entropy(
 ) -> torch.Tensor:
     """Summed loss of `hidden @ weight.T + bias` against labels, equal to cross_entropy_sum on the logits."""
     n_rows = hidden.numel() // hidden.shape[-1]
-    rows = chunk_rows or default_chunk_rows(n_rows, weight.shape[0], weight.shape[1])
+    rows = chunk_rows or default_chunk_rows(n_rows, weight.shape[0], hidden.device)
     # Decided here: autograd runs Function.forward with grad mode off. Evaluation skips the gradient work.
     want_grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, labels, rows, label_smoothing, z_loss, want_grads)
