@@ -38,7 +38,7 @@ def main() -> None:
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     record = {"bench": "gemm_ceiling", "n": n, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-              else "cpu", "bf16_tflops": round(rate(lambda: a @ b, flops, args.seconds, device) / 1e12, 1)}
+              else "cpu", "bf16_tflops": round(rate(lambda: a @ b, flops, args.seconds, device) / 1e12, 3)}
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
         a8 = a.to(torch.float8_e4m3fn)
         b8 = b.to(torch.float8_e4m3fn).t().contiguous().t()  # column-major second operand, as _scaled_mm wants
