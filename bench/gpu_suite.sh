@@ -15,7 +15,7 @@ SMOKE=${SMOKE:-0}
 OUT=${OUT:-$PWD/bench-out}
 mkdir -p "$OUT"
 RESULTS=$OUT/results.jsonl
-BUDGET=${SUITE_BUDGET_S:-465}
+BUDGET=${SUITE_BUDGET_S:-470}
 START=$(date +%s)
 export PYTHONUNBUFFERED=1 MESHFORMER_CACHE=${MESHFORMER_CACHE:-/tmp/meshformer-cache}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache}
@@ -66,17 +66,17 @@ if [[ "$SMOKE" == 1 ]]; then
   item llama_compiled 300 $VS --shape tiny-llama --compile blocks --reference none --device cpu --steps 2 \
     --rounds 1 --warmup 1
   item gpt2xl_eager 180 $VS --shape tiny --compile off --device cpu --steps 2 --rounds 1 --warmup 1
-  item gpt2xl_compiled 300 $VS --shape tiny --compile blocks --device cpu --steps 2 --rounds 1 --warmup 1
   item fp8 300 python3 bench/fp8_layers.py --shape tiny-llama --steps 4 --compile off --device cpu --emulate
+  item gpt2xl_compiled 300 $VS --shape tiny --compile blocks --device cpu --steps 2 --rounds 1 --warmup 1
 else
   item gemm 30 python3 bench/gemm_ceiling.py --n 8192 --seconds 1.5
   item fused_loss_head 50 python3 bench/fused_loss_memory.py --shape llama-1b-head --dtype bf16 --device cuda
   item llama_memory 60 $VS --shape llama-1b --compile off --loss plain chunked --reference none \
     --steps 3 --rounds 1 --warmup 2
-  item llama_compiled 80 $VS --shape llama-1b --compile blocks --loss chunked --reference none \
+  item llama_compiled 75 $VS --shape llama-1b --compile blocks --loss chunked --reference none \
     --steps 10 --rounds 2 --warmup 3
   item gpt2xl_eager 70 $VS --shape gpt2-xl --compile off --steps 8 --rounds 2 --warmup 2
+  item fp8 160 python3 bench/fp8_layers.py --shape llama8b-layers --steps 200 --compile blocks
   item gpt2xl_compiled 140 $VS --shape gpt2-xl --compile blocks --steps 8 --rounds 2 --warmup 3
-  item fp8 150 python3 bench/fp8_layers.py --shape llama8b-layers --steps 200 --compile blocks
 fi
 echo "suite done in $(( $(date +%s) - START ))s; results in $RESULTS" >&2
