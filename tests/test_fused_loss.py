@@ -138,11 +138,12 @@ def test_plan_uses_the_configured_loss():
 
 def test_loss_choice_is_checked_against_device_and_layout():
     cfg = make_config("decoder", loss="liger")
-    single, tp = ParallelDims(1, 1, 1, 1, 1, 1), ParallelDims(1, 1, 1, 1, 2, 2)
+    single, tp, pp = ParallelDims(1, 1, 1, 1, 1, 1), ParallelDims(1, 1, 1, 1, 2, 2), ParallelDims(2, 1, 1, 1, 1, 2)
     with pytest.raises(ConfigError, match="train.loss='liger' needs CUDA"):
         build_head_loss(cfg, single, torch.device("cpu"))
     cfg.train.loss = "chunked"
-    with pytest.raises(ConfigError, match="tensor or pipeline parallelism"):
-        build_head_loss(cfg, tp, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="does not support pipeline parallelism"):
+        build_head_loss(cfg, pp, torch.device("cpu"))
     cfg.train.loss = "auto"
-    assert build_head_loss(cfg, tp, torch.device("cpu")) is None  # vocab-parallel loss under TP
+    assert build_head_loss(cfg, pp, torch.device("cpu")) is None  # the last stage's logits loss
+    assert build_head_loss(cfg, tp, torch.device("cpu")) is None  # needs the rank's vocabulary rows first

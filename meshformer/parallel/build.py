@@ -33,7 +33,7 @@ from meshformer.parallel.validate import (
     total_layers,
     validate_parallel,
 )
-from meshformer.train.fused_loss import HeadLoss, head_loss_fn, liger_available
+from meshformer.train.fused_loss import HeadLoss, VocabShard, head_loss_fn, liger_available
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ def build_plan(
         model = model()
     model.to(device)
     check_fp8(cfg.train.fp8, device, tensor_parallel=dims.tp_enabled)
-    head_loss = None if loss_fn is not None else build_head_loss(cfg, dims, device)
+    custom_loss = loss_fn is not None
+    head_loss = None if custom_loss else build_head_loss(cfg, dims, device)
     loss_fn = loss_fn or default_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss)
     if dims.is_single:
         plan = TrainingPlan(model, loss_fn, device)
@@ -72,6 +73,9 @@ def build_plan(
         start, _ = vocab_shard(cfg.model, meshes.tp)
         loss_fn = vocab_parallel_loss_fn(meshes.tp.get_group(), start, cfg.model.vocab_size,
                                          cfg.train.label_smoothing, cfg.train.z_loss)
+        if not custom_loss:
+            shard = VocabShard(meshes.tp.get_group(), start, cfg.model.vocab_size)
+            head_loss = build_head_loss(cfg, dims, device, shard)
     if dims.pp_enabled:
         plan = _pipeline_plan(model, cfg, dims, meshes, device, loss_fn)
     else:
@@ -94,20 +98,26 @@ def compile_mode(cfg: Config, dims: ParallelDims) -> str:
     return mode
 
 
-def build_head_loss(cfg: Config, dims: ParallelDims, device: torch.device) -> HeadLoss | None:
-    """The fused output-projection + loss named by train.loss, or None for the plain full-logits loss."""
+def build_head_loss(cfg: Config, dims: ParallelDims, device: torch.device, shard: VocabShard | None = None
+                    ) -> HeadLoss | None:
+    """The fused output-projection + loss named by train.loss, or None for the plain full-logits loss.
+
+    Under tensor parallelism it is vocabulary-parallel (`shard`); pipeline stages keep the per-stage logits loss.
+    """
     kind = cfg.train.loss
-    fused_ok = not dims.tp_enabled and not dims.pp_enabled
     if kind == "auto":
-        kind = "chunked" if fused_ok else "plain"
+        kind = "plain" if dims.pp_enabled else "chunked"
     if kind == "plain":
         return None
-    if not fused_ok:
-        raise ConfigError(f"train.loss={kind!r} does not support tensor or pipeline parallelism yet (they use the "
-                          "vocab-parallel / per-stage loss); set train.loss='auto' or 'plain'")
-    if kind == "liger" and (device.type != "cuda" or not liger_available()):
-        raise ConfigError("train.loss='liger' needs CUDA and the liger-kernel package; use train.loss='chunked'")
-    return head_loss_fn(kind, cfg.train.label_smoothing, cfg.train.z_loss)
+    if dims.pp_enabled:
+        raise ConfigError(f"train.loss={kind!r} does not support pipeline parallelism yet (the last stage computes "
+                          "the loss from its logits); set train.loss='auto' or 'plain'")
+    if kind == "liger" and (device.type != "cuda" or not liger_available() or dims.tp_enabled):
+        raise ConfigError("train.loss='liger' needs CUDA, the liger-kernel package and parallel.tp=1; use "
+                          "train.loss='chunked'")
+    if dims.tp_enabled and shard is None:
+        return None  # decided once the tensor-parallel mesh (and so this rank's vocabulary rows) exists
+    return head_loss_fn(kind, cfg.train.label_smoothing, cfg.train.z_loss, shard)
 
 
 def _finish_part(part: nn.Module, cfg: Config, dims: ParallelDims, meshes: Meshes | None,
