@@ -95,7 +95,7 @@ def run(shape: str, dtype: str, compile: str, loss: str, args) -> dict:
             warmup_s[side] = warm(runner, args.warmup, device)
             times[side] = [timed(runner, args.steps, device) for _ in range(args.rounds)]
             memory[side] = peak_memory_gib(device)
-            peak = runner.trainer.peak_flops if side == "ours" else None
+            peak = runner.trainer.ceiling.flops if side == "ours" else None
             del runner
             reset_memory(device)
             if peak:
@@ -104,7 +104,7 @@ def run(shape: str, dtype: str, compile: str, loss: str, args) -> dict:
             for _ in range(args.rounds):
                 for s in sides:
                     times[s].append(timed(runners[s], args.steps, device))
-    peak_flops = memory.pop("peak_flops", None) or (runners["ours"].trainer.peak_flops if alternate else None)
+    peak_flops = memory.pop("peak_flops", None) or (runners["ours"].trainer.ceiling.flops if alternate else None)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     record = {"bench": "vs_nanogpt", "shape": shape, "dtype": dtype, "compile": compile, "loss": loss,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

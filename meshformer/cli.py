@@ -1,4 +1,4 @@
-"""The `meshformer` command: train, generate, inspect, prepare data, convert checkpoints."""
+"""The `meshformer` command: train, generate, inspect, prepare data, convert checkpoints, plan memory."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from meshformer.checkpointing import cli as checkpointing_cli
 from meshformer.config import ConfigError, load_config
 from meshformer.data import cli as data_cli
 from meshformer.launcher import cli as launcher_cli
+from meshformer.plan import cli as plan_cli
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -144,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     grad.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
     grad.set_defaults(func=_grad_report)
 
-    for add_cli in (data_cli.add_cli, checkpointing_cli.add_cli, launcher_cli.add_cli):
-        add_cli(sub)  # `data prepare`, `convert ...`, `submit` / `tensorboard` / `plot` / `diagnose`
+    for add_cli in (data_cli.add_cli, checkpointing_cli.add_cli, launcher_cli.add_cli, plan_cli.add_cli):
+        add_cli(sub)  # `data prepare`, `convert ...`, `submit` / `tensorboard` / `plot` / `diagnose`, `plan`
     return parser
 
 

@@ -1,6 +1,7 @@
 """One typed config tree, loaded from TOML with dotted command-line overrides.
 
     cfg = load_config("configs/tiny-gpt.toml", ["train.steps=200", "model.n_layers=4"])
+    cfg = load_config("tiny-gpt")  # a bundled config by name (shipped inside the package)
 
 Every section is a dataclass; unknown keys, wrong types and inconsistent values raise a
 `ConfigError` that names the key and the fix before any work starts.
@@ -10,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+import tomli_w
 
 
 class ConfigError(ValueError):
@@ -234,9 +236,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Read a TOML file (or defaults), apply `section.key=value` overrides, validate."""
     raw: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} not found; pass a TOML file such as configs/tiny-gpt.toml")
+        path = resolve_config_path(path)
         try:
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:
@@ -249,6 +249,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = config_from_dict(raw)
     validate(cfg)
     return cfg
+
+
+def bundled_configs() -> dict[str, Path]:
+    """The configs shipped inside the package, by name (`tiny-gpt`, `llama-8b`, ...)."""
+    folder = Path(__file__).parent / "configs"
+    return {p.stem: p for p in sorted(folder.glob("*.toml"))}
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A TOML file, or the name of a bundled config."""
+    candidate = Path(path)
+    if candidate.is_file():
+        return candidate
+    bundled = bundled_configs()
+    if str(path) in bundled:
+        return bundled[str(path)]
+    if candidate.is_dir():
+        raise ConfigError(f"config {str(path)!r} is a folder; pass a TOML file or a bundled config name "
+                          f"({', '.join(bundled)})")
+    hint = difflib.get_close_matches(candidate.stem, bundled, n=1)
+    fix = f"did you mean {hint[0]!r}? " if hint else ""
+    raise ConfigError(f"config file {str(path)!r} not found; {fix}pass a TOML file or a bundled config name "
+                      f"({', '.join(bundled)})")
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
@@ -429,24 +452,13 @@ def _positive(cfg: Config, keys: list[str]) -> None:
 
 
 def dump_toml(tree: dict[str, Any]) -> str:
-    """Minimal TOML writer for the config tree (tables of scalars and lists); None is omitted."""
-    lines: list[str] = []
-    for section, values in tree.items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if value is not None:
-                lines.append(f"{key} = {_toml_value(value)}")
-        lines.append("")
-    return "\n".join(lines)
+    """The config tree as TOML (None is omitted: it means "the default")."""
+    return tomli_w.dumps(_without_none(tree))
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
+def _without_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {value!r} as TOML")
+        return [_without_none(v) for v in value]
+    return value

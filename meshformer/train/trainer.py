@@ -24,7 +24,7 @@ from meshformer.model import Transformer
 from meshformer.model.flops import flops_per_token
 from meshformer.parallel import build_plan
 from meshformer.parallel.plan import Batch, TrainingPlan
-from meshformer.train.metrics import RunLogger, memory_gib, peak_flops
+from meshformer.train.metrics import FlopsCeiling, RunLogger, memory_gib, peak_flops, synchronize
 from meshformer.train.optim import build_optimizer, build_scheduler
 from meshformer.train.sampling import decoded_sample
 
@@ -49,8 +49,8 @@ class Trainer:
         if cfg.train.dtype == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError("train.dtype='bf16' but this GPU has no bf16 support; use train.dtype='fp32'")
         # Measured first, before data workers or other ranks' set-up compete for the device.
-        self.peak_flops, peak_source = peak_flops(self.device, torch.bfloat16 if cfg.train.dtype == "bf16"
-                                                  else torch.float32)
+        self.ceiling = FlopsCeiling(*peak_flops(self.device, torch.bfloat16 if cfg.train.dtype == "bf16"
+                                                else torch.float32))
         self.run_dir = Path(cfg.logging.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if rank == 0:
@@ -85,7 +85,8 @@ class Trainer:
         self.logger.info(
             f"model: {cfg.model.family}, {n_params / 1e6:.2f}M parameters, objective {cfg.objective}; "
             f"device {self.device}, dtype {cfg.train.dtype}; AdamW kernel: {kernel}; attention: "
-            f"{cfg.model.attention_backend}; peak {self.peak_flops / 1e12:.2f} TFLOP/s ({peak_source})"
+            f"{cfg.model.attention_backend}; MFU ceiling {self.ceiling.flops / 1e12:.2f} TFLOP/s "
+            f"({self.ceiling.source})"
         )
         # Cluster diagnostics: per-rank hang reports (stalls, collective timeouts), a profiled step range,
         # and the time this rank waits for batches (reset at each logging step).
@@ -163,15 +164,19 @@ class Trainer:
             step = self.step
             if step % cfg.logging.log_interval == 0 or step == cfg.train.steps:
                 self.watchdog.phase("logging")
+                synchronize(self.device)  # the window's queued device work is part of its time
                 elapsed = time.perf_counter() - window_start
                 last_loss = self.plan.reduce_for_logging(window_loss) / max(float(window_tokens), 1.0)
                 tokens_per_s = tokens_per_step * window_steps / elapsed
+                mfu, ceiling_note = self.ceiling.mfu(self.flops_per_token * tokens_per_s / _world_size())
+                if ceiling_note:
+                    log.info(ceiling_note)
                 record = {
                     "train/loss": last_loss,
                     "train/lr": self.last_lr,
                     "train/grad_norm": float(grad_norm),
                     "perf/tokens_per_s": tokens_per_s,
-                    "perf/mfu": self.flops_per_token * tokens_per_s / _world_size() / self.peak_flops,
+                    "perf/mfu": mfu,
                     "perf/memory_gib": memory_gib(self.device),
                     "perf/step_time_s": elapsed / window_steps,
                 }
@@ -187,7 +192,7 @@ class Trainer:
                 )
                 window_loss.zero_()
                 window_tokens.zero_()
-                window_start, window_steps = time.perf_counter(), 0
+                window_steps = 0
             if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == cfg.train.steps):
                 self.watchdog.phase("eval")
                 eval_loss = self.evaluate()
@@ -199,6 +204,9 @@ class Trainer:
                 if text is not None:
                     log.text(step, "sample", text)
                     log.info(f"sample {step:>5} | {text!r}")
+            if window_steps == 0:  # a window was just logged: the next starts here, evaluation and samples excluded
+                synchronize(self.device)
+                window_start = time.perf_counter()
             self.watchdog.phase("checkpoint")
             save_start, saved_before = time.perf_counter(), self.checkpoints.last_saved_step
             stop = self.checkpoints.after_step(self)  # SIGTERM: a checkpoint was saved; stop here
