@@ -21,7 +21,8 @@ def test_fp8_is_refused_without_fp8_tensor_cores():
         build_plan(new_model(cfg), cfg, torch.device("cpu"))
 
 
-torchao = pytest.importorskip("torchao.float8", reason="torchao is the optional 'fp8' extra: pip install .[fp8]")
+def needs_torchao() -> None:
+    pytest.importorskip("torchao.float8", reason="torchao is the optional 'fp8' extra: pip install .[fp8]")
 
 
 def llama_config(**train):
@@ -38,6 +39,7 @@ def bf16_step(plan, batches) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_emulated_fp8_converts_block_linears_and_trains_close_to_bf16(recipe, monkeypatch):
+    needs_torchao()
     cfg = llama_config()
     batches = make_batches(cfg, 2)
     ref_loss, ref_grads = bf16_step(build_plan(new_model(cfg), cfg, torch.device("cpu")), batches)
@@ -57,6 +59,7 @@ def test_emulated_fp8_converts_block_linears_and_trains_close_to_bf16(recipe, mo
 
 
 def test_linears_with_sizes_not_multiple_of_16_stay_high_precision():
+    needs_torchao()
     model = torch.nn.Module()
     model.decoder_layers = torch.nn.ModuleDict({"0": torch.nn.Sequential(torch.nn.Linear(32, 48),
                                                                           torch.nn.Linear(48, 20))})
