@@ -20,8 +20,10 @@ from typing import Any, Literal
 
 import tomli_w
 
+from meshformer.errors import MeshformerError
 
-class ConfigError(ValueError):
+
+class ConfigError(MeshformerError, ValueError):
     """A configuration problem, phrased as what is wrong and how to fix it."""
 
 
@@ -240,7 +242,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path}: not valid TOML ({err})") from None
+            raise ConfigError(f"{path}: not valid TOML ({err})", "fix the line it names") from None
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
@@ -437,8 +439,10 @@ def _check_training_ranges(cfg: Config) -> None:
         raise ConfigError(f"train.z_loss={t.z_loss} must be >= 0 (0 disables it)")
     if t.eval_interval > 0 and t.eval_batches <= 0:
         raise ConfigError("train.eval_batches must be positive when train.eval_interval > 0 (0 disables evaluation)")
-    if t.eval_interval < 0 or t.sample_interval < 0:
-        raise ConfigError("train.eval_interval and train.sample_interval must be >= 0 (0 disables them)")
+    for key in ("train.eval_interval", "train.sample_interval", "checkpoint.interval", "checkpoint.keep_last",
+                "checkpoint.keep_every"):
+        if (value := getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])) < 0:
+            raise ConfigError(f"{key}={value} is negative", "use a value >= 0 (0 turns it off; keep_last=0 keeps all)")
 
 
 def _positive(cfg: Config, keys: list[str]) -> None:

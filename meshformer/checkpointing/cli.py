@@ -16,7 +16,6 @@ checkpoint that `train` resumes from (fresh optimizer) when checkpoint.dir point
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from meshformer.checkpointing.errors import CheckpointError
@@ -26,12 +25,23 @@ def _write(state: dict, cfg, out: Path, as_checkpoint: bool) -> Path:
     from meshformer.checkpointing.safetensors_io import write_weights_checkpoint
     from meshformer.checkpointing.weights import write_weights
 
-    return write_weights_checkpoint(state, cfg, out) if as_checkpoint else write_weights(state, cfg, out)
+    if as_checkpoint:
+        return write_weights_checkpoint(state, cfg, out)
+    _refuse_existing_weights(out)
+    return write_weights(state, cfg, out)
+
+
+def _refuse_existing_weights(out: Path) -> None:
+    from meshformer.checkpointing.weights import WEIGHTS_FILE
+
+    if (out / WEIGHTS_FILE).exists():
+        raise CheckpointError(f"{out} already holds {WEIGHTS_FILE}", "choose another output folder, or remove it first")
 
 
 def _to_safetensors(args: argparse.Namespace) -> Path:
     from meshformer.checkpointing.safetensors_io import checkpoint_to_safetensors
 
+    _refuse_existing_weights(Path(args.out))
     return checkpoint_to_safetensors(Path(args.src), Path(args.out), show_progress=None)
 
 
@@ -92,9 +102,10 @@ def _verify(args: argparse.Namespace) -> Path:
     for partial in layout.partial_dirs(root):
         print(f"partial  {partial} (incomplete save; ignored by resume)")
     if not folders:
-        raise CheckpointError(f"{root} holds no committed checkpoints")
+        raise CheckpointError(f"{root} holds no committed checkpoints", "pass a checkpoint.dir or one step folder")
     if bad:
-        raise CheckpointError(f"{bad} of {len(folders)} checkpoints failed verification")
+        raise CheckpointError(f"{bad} of {len(folders)} checkpoints failed verification",
+                              "restore them from a copy, or delete them to resume from an older step")
     return root
 
 
@@ -135,8 +146,5 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(func, args: argparse.Namespace) -> None:
-    try:
-        path = func(args)
-    except (CheckpointError, FileNotFoundError) as err:
-        sys.exit(f"convert {args.conversion}: {err}")
+    path = func(args)
     print(f"wrote {path}" if args.conversion != "verify" else "all checkpoints verified")

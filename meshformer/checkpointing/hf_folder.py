@@ -28,7 +28,8 @@ def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: Path, a
         arch = arch or hf.infer_arch(cfg)
         hf.check_compatible(cfg, arch)
     except ValueError as err:
-        raise ConversionError(f"cannot export to Hugging Face: {err}") from None
+        raise ConversionError(f"cannot export to Hugging Face: {err}", "choose another --arch, or leave it out to "
+                              "pick the one that matches") from None
     model = Transformer(cfg)
     model.load_state_dict(state, strict=True)
     hf_model = hf.to_hf_model(model.eval(), arch)

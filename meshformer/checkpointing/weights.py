@@ -8,9 +8,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from meshformer.checkpointing.errors import CorruptCheckpointError
 from meshformer.config import ModelConfig
 
 WEIGHTS_FILE = "model.safetensors"
@@ -97,8 +99,13 @@ def read_weights(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     if not (directory / WEIGHTS_FILE).is_file() or not (directory / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{directory} holds no {WEIGHTS_FILE} + {CONFIG_FILE}; point at a run's final/ "
                                 "folder or the output of `meshformer convert to-safetensors`")
-    cfg = build_section(ModelConfig, json.loads((directory / CONFIG_FILE).read_text()), "model")
-    state = load_file(str(directory / WEIGHTS_FILE))
+    try:
+        cfg = build_section(ModelConfig, json.loads((directory / CONFIG_FILE).read_text()), "model")
+        state = load_file(str(directory / WEIGHTS_FILE))
+    except (ValueError, SafetensorError) as err:  # JSON, config keys, safetensors header
+        raise CorruptCheckpointError(f"{directory} is not a readable weights folder ({err})",
+                                     "re-export it (`meshformer convert to-safetensors`) or use the run's final/ "
+                                     "folder") from None
     if cfg.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
     return cfg, state

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from meshformer.config import Config
+from meshformer.model.families import get_family_spec
 from meshformer.parallel.mesh import ParallelDims
 from meshformer.parallel.validate import n_microbatches
 from meshformer.plan import activations as act
@@ -89,7 +90,7 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory
     grads = params
 
     modes = act.recompute_mode_blocks(cfg, share.layers, p.recompute)
-    cross = m.family == "encoder_decoder"
+    cross = get_family_spec(m.family).seq2seq  # decoder blocks also cross-attend the encoder memory
     enc = m.encoder_layers
     kept, rebuild = [], []  # per held block: bytes kept through forward, bytes rebuilt in its backward
     for index, mode in zip(share.layers, modes, strict=True):

@@ -28,7 +28,6 @@ from meshformer.parallel.fsdp import blocks_of
 from meshformer.parallel.grad_norm import local_tensor
 from meshformer.parallel.mesh import Meshes, ParallelDims, build_mesh
 from meshformer.parallel.pipeline import TransformerStage, split_layers, stage_ids_for_rank, stage_pieces
-from meshformer.parallel.recompute import numbered_blocks
 from meshformer.parallel.tensor_parallel import apply_tensor_parallel
 from meshformer.parallel.validate import stages_per_rank, total_layers, validate_parallel
 
@@ -145,7 +144,7 @@ def _measure(parts: list[nn.Module], dims: ParallelDims, rank: int, fsdp_applied
         root += 0 if id(param) in in_block else unsharded
     block = max((sum(sizes(p)[1] for p in candidate.parameters()) for part in parts for candidate in blocks_of(part)),
                 default=0)
-    layers = tuple(index for part in parts for index, _ in numbered_blocks(part))
+    layers = tuple(index for part in parts for index, _ in part.spec.blocks(part))
     return RankShare(rank, layers, len(parts), sharded, root, block, first, last)
 
 
@@ -168,8 +167,9 @@ def tp_template(cfg: Config, world_size: int, tp: int) -> Template:
         dims = ParallelDims.from_config(parallel, world_size)
         apply_tensor_parallel(model, build_mesh(dims, "cpu").tp)
     template: Template = {}
+    stacks = model.spec.layer_offsets(m)
     for name, module in model.named_children():
-        if name in ("encoder_layers", "decoder_layers"):
+        if name in stacks:
             module = module["0"]
         params = [(p, n) for n, p in module.named_parameters()]
         if name == "output" and m.tie_embeddings:
@@ -187,6 +187,7 @@ def template_shares(cfg: Config, world_size: int, model: Transformer, template: 
     spr = stages_per_rank(cfg) if dims.pp > 1 else 1
     spans = split_layers(total_layers(cfg), dims.pp * spr, cfg.parallel.pp_split_points or None)
     shares = []
+    offsets = model.spec.layer_offsets(cfg.model)
     for (_sizes, first, last), ranks in _rank_layouts(cfg, dims).items():
         ids = stage_ids_for_rank(ranks[0], dims.pp, spr, cfg.parallel.pp_schedule == "zbv")
         sharded = root = block = 0
@@ -196,15 +197,14 @@ def template_shares(cfg: Config, world_size: int, model: Transformer, template: 
             if cfg.model.tie_embeddings and "output" in pieces and "tok_embeddings" not in pieces:
                 pieces["tied_output"] = pieces["output"]  # this stage holds its own copy of the table
             for name, module in pieces.items():
-                blocks = len(module) if name in ("encoder_layers", "decoder_layers") else 0
+                blocks = len(module) if name in offsets else 0
                 sizes = [(_fsdp_shard(numel, dim0, dims.dp_shard), dims.dp_shard) for dim0, numel in template[name]]
                 shard = sum(x for x, _ in sizes)
                 padded = sum(x * dp for x, dp in sizes)
                 sharded += shard * max(blocks, 1)
                 if blocks:
                     block = max(block, padded)
-                    offset = cfg.model.encoder_layers if name == "decoder_layers" else 0
-                    layers += [offset + int(key) for key in module]
+                    layers += [offsets[name] + int(key) for key in module]
                 else:
                     root += padded
         shares.append(RankShare(ranks[0], tuple(sorted(layers)), len(ids), sharded, root, block, first, last))

@@ -21,11 +21,13 @@ from meshformer.launcher.profiler import StepProfiler
 from meshformer.launcher.stragglers import rank_timings, straggler_scalars
 from meshformer.launcher.watchdog import HangWatchdog
 from meshformer.model import Transformer
+from meshformer.model.families import get_family_spec
 from meshformer.model.flops import flops_per_token
 from meshformer.parallel import build_plan
 from meshformer.parallel.plan import Batch, TrainingPlan
 from meshformer.train.metrics import FlopsCeiling, RunLogger, memory_gib, peak_flops, synchronize
 from meshformer.train.optim import build_optimizer, build_scheduler
+from meshformer.train.preflight import check_vocab
 from meshformer.train.sampling import decoded_sample
 
 
@@ -58,9 +60,7 @@ class Trainer:
         self.logger = RunLogger(self.run_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
 
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        if self.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size="
-                              f"{cfg.model.vocab_size}; raise model.vocab_size to at least {self.tokenizer.vocab_size}")
+        check_vocab(self.tokenizer, cfg.model.vocab_size)
 
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank and layout
         model = Transformer(cfg.model)
@@ -76,7 +76,7 @@ class Trainer:
         self.eval_data = build_loader(cfg, self.tokenizer, "eval", self.plan.dp_rank, self.plan.dp_size)
         self.step = 0
         # Encoder-decoder steps feed source and target tokens: both count towards tokens/s and MFU.
-        self.target_len = cfg.data.target_len if cfg.model.family == "encoder_decoder" else None
+        self.target_len = cfg.data.target_len if get_family_spec(cfg.model.family).seq2seq else None
         self.tokens_seen = torch.zeros((), dtype=torch.long, device=self.device)  # target tokens trained on
         self.checkpoints = CheckpointManager.from_config(cfg, self.run_dir, log=self.logger.info)
 
