@@ -115,6 +115,9 @@ class DataConfig:
     num_workers: int = 1  # DataLoader worker processes per rank (0: load in the training process)
     shuffle_shards: int = 4  # shards mixed into one shuffle group (memory: one group per worker)
     bad_shards: Literal["error", "skip"] = "error"  # corrupt/short/missing shard: raise, or skip and log
+    # true: a resume whose data order changed (data.seed, data.shuffle_shards, shards) keeps the checkpoint's sample
+    # count and continues the order of the current settings from that position (see data/README.md)
+    reseed_on_resume: bool = False
 
 
 @dataclass
@@ -182,6 +185,10 @@ class CheckpointConfig:
     async_save: bool = False  # write in a background thread (DCP thread mode); at most one save in flight
     resume: bool = True  # start from the newest valid checkpoint in checkpoint.dir, if any
     verify: Literal["sha256", "size"] = "sha256"  # how resume checks a checkpoint's files against its manifest
+    # "full": a checkpoint whose model tensors differ from this model's (names or shapes) is refused;
+    # "partial": load the tensors that fit (and their optimizer state), keep the rest as initialized, and resume
+    # the step, schedule and data position (retention keeps the other model's checkpoints)
+    load_mode: Literal["full", "partial"] = "full"
     save_on_sigterm: bool = True  # on SIGTERM: save at the next step boundary, then stop
     preempt_check_interval: int = 10  # steps between the cross-rank "did any rank get SIGTERM?" check
 

@@ -164,7 +164,7 @@ def build_loader(cfg, tokenizer: Tokenizer, split: Literal["train", "eval"] = "t
         raise ShardError(f"split {split!r} of {manifest.url} has no usable samples; prepare with a larger corpus "
                          "or eval_fraction, or repair the shards")
     loader = Loader(source, objective, split, dp_rank, dp_size, d.batch_size, d.num_workers, d.seed,
-                    d.shuffle_shards, with_ids=with_sample_ids)
+                    d.shuffle_shards, with_ids=with_sample_ids, reseed_on_resume=d.reseed_on_resume)
     loader.skipped_shards = sorted(problems)
     loader.manifest = manifest
     return loader

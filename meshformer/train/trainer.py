@@ -217,9 +217,11 @@ class Trainer:
                 break
         self.profiler.stop()
         self.watchdog.phase("finish")
-        self.checkpoints.finish(self)
-        if self.step >= cfg.train.steps:
-            self.save_final_weights()
+        try:
+            self.checkpoints.finish(self)  # raises if the final checkpoint cannot be written...
+        finally:
+            if self.step >= cfg.train.steps:  # ...but the trained weights are written first
+                self.save_final_weights()
         log.close()
         return TrainResult(self.step, last_loss, eval_loss, self.run_dir, history)
 
