@@ -213,6 +213,8 @@ def scenario(name: str) -> tuple[Config, list]:
             parallel["reshard_after_forward"] = False
         elif key == "mp":  # FSDP all-gathers bf16 parameters, reduces in fp32
             parallel["mixed_precision_param"] = "bf16"
+        elif key == "loss":  # train.loss: the default (auto) is the chunked head loss, vocab-parallel under TP
+            extra["loss"] = value
         elif key == "single":
             pass
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,6 +27,9 @@ from meshformer.model.positions import (
     alibi_bias,
     alibi_slopes,
 )
+
+if TYPE_CHECKING:
+    from meshformer.train.fused_loss import HeadLoss
 
 # Every top-level piece a Transformer may hold; each may be None (not in the family or the config, or
 # held by another pipeline stage).
@@ -206,11 +210,15 @@ class Transformer(nn.Module):
             h = self.decoder_norm(h)
         return h
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
+    def head(self, h: torch.Tensor, labels: torch.Tensor | None = None, head_loss: HeadLoss | None = None
+             ) -> torch.Tensor:
+        """Logits; or, given `head_loss` and labels, the summed loss straight from the final hidden states."""
         if self.head_dense is not None:
             h = self.head_norm(self.head_act(self.head_dense(h)))
         if self.cfg.scale_output:
             h = h * self.cfg.d_model**-0.5
+        if head_loss is not None:  # inside forward, so FSDP's hooks see the output weight in use
+            return head_loss(h, labels, self.output.weight, self.output.bias)
         return self.output(h)
 
     def new_cache(self) -> list[BlockCache]:
@@ -226,8 +234,12 @@ class Transformer(nn.Module):
         decoder_attention_mask: torch.Tensor | None = None,
         *,
         streams: Streams | None = None,
+        labels: torch.Tensor | None = None,
+        head_loss: HeadLoss | None = None,
     ) -> torch.Tensor | Streams:
-        """Logits (B, T, vocab). Masks are (B, T) with True (or 1) for real tokens, False for padding.
+        """Logits (B, T, vocab), or with `head_loss` the summed loss against `labels` (no full logits).
+
+        Masks are (B, T) with True (or 1) for real tokens, False for padding.
 
         decoder-only: input_ids are the (causal) sequence; encoder-only: input_ids are the (bidirectional)
         sequence; encoder-decoder: input_ids are the source, decoder_input_ids the teacher-forced target.
@@ -251,7 +263,7 @@ class Transformer(nn.Module):
             s = replace(s, decoder=h)
         if self.output is None:
             return s
-        return self.head(s.decoder if spec.has_decoder else s.memory)
+        return self.head(s.decoder if spec.has_decoder else s.memory, labels, head_loss)
 
     def _ends_encoder(self) -> bool:
         """Whether this model (or pipeline stage) holds the encoder's last block."""

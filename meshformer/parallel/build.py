@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshformer.config import Config
+from meshformer.config import Config, ConfigError
+from meshformer.parallel.float8 import apply_float8, check_fp8, fp8_report
 from meshformer.parallel.fsdp import apply_fsdp
 from meshformer.parallel.kernels import compile_blocks, kernel_report, use_apex_norms
 from meshformer.parallel.loss_parallel import vocab_parallel_loss_fn
@@ -32,6 +33,7 @@ from meshformer.parallel.validate import (
     total_layers,
     validate_parallel,
 )
+from meshformer.train.fused_loss import HeadLoss, VocabShard, head_loss_fn, liger_available
 
 log = logging.getLogger(__name__)
 
@@ -56,37 +58,86 @@ def build_plan(
     if not isinstance(model, nn.Module):
         model = model()
     model.to(device)
+    check_fp8(cfg.train.fp8, device, tensor_parallel=dims.tp_enabled)
+    custom_loss = loss_fn is not None
+    head_loss = None if custom_loss else build_head_loss(cfg, dims, device)
     loss_fn = loss_fn or default_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss)
     if dims.is_single:
         plan = TrainingPlan(model, loss_fn, device)
         plan.kernels = _finish_part(model, cfg, dims, None, device)
+        plan.head_loss = head_loss
+        plan.kernels["loss"] = head_loss.kind if head_loss is not None else "plain (full logits)"
         return plan
     meshes = build_mesh(dims, device)
     if dims.tp_enabled:
         start, _ = vocab_shard(cfg.model, meshes.tp)
         loss_fn = vocab_parallel_loss_fn(meshes.tp.get_group(), start, cfg.model.vocab_size,
                                          cfg.train.label_smoothing, cfg.train.z_loss)
+        if not custom_loss:
+            shard = VocabShard(meshes.tp.get_group(), start, cfg.model.vocab_size)
+            head_loss = build_head_loss(cfg, dims, device, shard)
     if dims.pp_enabled:
         plan = _pipeline_plan(model, cfg, dims, meshes, device, loss_fn)
     else:
         plan = SPMDPlan(model, loss_fn, device, meshes)
         plan.kernels = _finish_part(model, cfg, dims, meshes, device)
+        plan.head_loss = head_loss
+    plan.kernels["loss"] = head_loss.kind if head_loss is not None else "plain (full logits)"
     plan.kernels["layout"] = dims.describe()
     log.info("parallel layout %s; kernels %s", dims.describe(), plan.kernels)
     return plan
+
+
+def compile_mode(cfg: Config, dims: ParallelDims) -> str:
+    """train.compile as "off" | "blocks" | "model" (a bool means off / blocks, as before)."""
+    mode = cfg.train.compile
+    mode = {True: "blocks", False: "off"}.get(mode, mode) if isinstance(mode, bool) else mode
+    if mode == "model" and not dims.is_single:
+        raise ConfigError("train.compile='model' is for a single device; with FSDP/TP/PP use train.compile='blocks' "
+                          "(each block compiled inside its FSDP unit)")
+    return mode
+
+
+def build_head_loss(cfg: Config, dims: ParallelDims, device: torch.device, shard: VocabShard | None = None
+                    ) -> HeadLoss | None:
+    """The fused output-projection + loss named by train.loss, or None for the plain full-logits loss.
+
+    Under tensor parallelism it is vocabulary-parallel (`shard`); pipeline stages keep the per-stage logits loss.
+    """
+    kind = cfg.train.loss
+    if kind == "auto":
+        kind = "plain" if dims.pp_enabled else "chunked"
+    if kind == "plain":
+        return None
+    if dims.pp_enabled:
+        raise ConfigError(f"train.loss={kind!r} does not support pipeline parallelism yet (the last stage computes "
+                          "the loss from its logits); set train.loss='auto' or 'plain'")
+    if kind == "liger" and (device.type != "cuda" or not liger_available() or dims.tp_enabled):
+        raise ConfigError("train.loss='liger' needs CUDA, the liger-kernel package and parallel.tp=1; use "
+                          "train.loss='chunked'")
+    if dims.tp_enabled and shard is None:
+        return None  # decided once the tensor-parallel mesh (and so this rank's vocabulary rows) exists
+    return head_loss_fn(kind, cfg.train.label_smoothing, cfg.train.z_loss, shard)
 
 
 def _finish_part(part: nn.Module, cfg: Config, dims: ParallelDims, meshes: Meshes | None,
                  device: torch.device) -> dict[str, str]:
     """TP -> recompute -> compile -> FSDP on one model part (the whole model or one pipeline stage)."""
     apex_norms = 0
+    fp8 = apply_float8(part, cfg.train.fp8, fsdp=dims.fsdp_enabled, emulate=device.type != "cuda") \
+        if cfg.train.fp8 != "off" else 0
     if dims.tp_enabled:
         apply_tensor_parallel(part, meshes.tp)
     else:
         apex_norms = use_apex_norms(part, device)
     recomputed = apply_recompute(part, cfg.parallel.recompute, cfg.parallel.recompute_every)
-    compiled = compile_blocks(part) if cfg.train.compile else 0
+    mode = compile_mode(cfg, dims)
+    compiled = compile_blocks(part) if mode == "blocks" else 0
     report = kernel_report(cfg, device, apex_norms=apex_norms, compiled=compiled, recompute=recomputed)
+    if mode == "model":
+        part.compile()
+        report["compile"] = "whole-model torch.compile"
+    report["fp8"] = fp8_report(cfg.train.fp8, fp8, dims.fsdp_enabled)
     if dims.fsdp_enabled:
         reshard = cfg.parallel.reshard_after_forward
         if dims.pp_enabled and cfg.parallel.pp_schedule in ZERO_BUBBLE:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from meshformer.train.fused_loss import HeadLoss
 from meshformer.train.loss import count_tokens, cross_entropy_sum
 
 Batch = dict[str, torch.Tensor]
@@ -32,6 +33,9 @@ class TrainingPlan:
         self.model, self.loss_fn, self.device = model, loss_fn, device
         self.dp_rank, self.dp_size = 0, 1  # the data loader's view of this rank
         self.autocast_dtype: torch.dtype | None = None
+        # Set by build_plan (train.loss): the model computes the loss from its final hidden states, chunked,
+        # instead of returning full-vocabulary logits to `loss_fn`.
+        self.head_loss: HeadLoss | None = None
         self.kernels: dict[str, str] = {}  # what runs where (layout, attention, norms, compile), for the run log
 
     @property
@@ -55,18 +59,22 @@ class TrainingPlan:
 
     def forward_backward(self, batch: Batch, global_tokens: torch.Tensor) -> torch.Tensor:
         """Accumulate gradients of (summed loss of this micro-batch / global_tokens); return the detached sum."""
-        with self._autocast():
-            logits = self.model(**model_inputs(batch))
-        loss_sum = self.loss_fn(logits, batch["labels"])
+        loss_sum = self._loss_sum(batch)
         (loss_sum / global_tokens).backward()
         return loss_sum.detach()
 
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, token count) of a batch, reduced over data-parallel ranks."""
+        return self._loss_sum(batch).float(), count_tokens(batch["labels"])
+
+    def _loss_sum(self, batch: Batch) -> torch.Tensor:
+        if self.head_loss is not None:
+            with self._autocast():
+                return self.model(**model_inputs(batch), labels=batch["labels"], head_loss=self.head_loss)
         with self._autocast():
             logits = self.model(**model_inputs(batch))
-        return self.loss_fn(logits, batch["labels"]).float(), count_tokens(batch["labels"])
+        return self.loss_fn(logits, batch["labels"])
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip by the global gradient norm (over every shard and stage); return the norm before clipping."""

@@ -24,7 +24,7 @@ from meshformer.model import Transformer
 from meshformer.model.families import get_family_spec
 from meshformer.model.flops import flops_per_token
 from meshformer.parallel import build_plan
-from meshformer.parallel.plan import Batch, TrainingPlan, default_loss_fn
+from meshformer.parallel.plan import Batch, TrainingPlan
 from meshformer.train.metrics import FlopsCeiling, RunLogger, memory_gib, peak_flops, synchronize
 from meshformer.train.optim import build_optimizer, build_scheduler
 from meshformer.train.preflight import check_vocab
@@ -64,8 +64,8 @@ class Trainer:
 
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank and layout
         model = Transformer(cfg.model)
-        loss_fn = default_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss)
-        self.plan: TrainingPlan = build_plan(model, cfg, self.device, loss_fn)
+        # The loss follows train.loss / label_smoothing / z_loss (fused head loss or full logits; vocab-parallel).
+        self.plan: TrainingPlan = build_plan(model, cfg, self.device)
         # The whole model, for decoded samples; pipeline stages hold copies of their pieces, so drop it there.
         self.model = model if self.plan.supports_generation else None
         if cfg.train.dtype == "bf16":
