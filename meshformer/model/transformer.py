@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from meshformer.config import ModelConfig
+from meshformer.model.init import init_weights, new_seed
 from meshformer.model.layers import BlockCache, TransformerBlock, activation_fn, make_norm
 from meshformer.model.masks import AttentionMask, build_mask, masked_avg_pool, pool_padding_mask
 from meshformer.model.positions import (
@@ -29,6 +30,9 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        # Drawn first, from the global CPU RNG (which building modules on the meta device leaves alone), so
+        # torch.manual_seed(s) fixes every weight of a model built on any device.
+        self.init_seed = new_seed()
         has_encoder, has_decoder = cfg.encoder_layers > 0, cfg.decoder_layers > 0
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         separate_source = cfg.family == "encoder_decoder" and not cfg.share_embeddings
@@ -77,26 +81,19 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ initialisation
 
-    @torch.no_grad()
     def init_weights(self) -> None:
-        """Xavier-uniform (original paper) or normal(std) with residual outputs scaled by 1/sqrt(2 * layers).
+        """Every weight from `init_seed` and its name alone (meshformer.model.init); a no-op on the meta device."""
+        init_weights(self, self.cfg, self.init_seed, getattr(self, "canonical", None))
 
-        Draws from the global RNG in a fixed order, so a seed fixes every weight.
-        """
-        cfg = self.cfg
-        residual_std = cfg.init_std / math.sqrt(2 * (cfg.encoder_layers + cfg.decoder_layers))
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-                module.reset_parameters()
-            elif isinstance(module, (nn.Linear, nn.Embedding, LearnedPositions)):
-                tied = module is self.output and cfg.tie_embeddings  # its weight is the embedding's; bias is its own
-                if not tied and cfg.init == "xavier":
-                    nn.init.xavier_uniform_(module.weight)
-                elif not tied:
-                    residual = name.endswith(("o_proj", "down_proj"))
-                    nn.init.normal_(module.weight, std=residual_std if residual else cfg.init_std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+    def reset_parameters(self) -> None:
+        self.init_weights()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recompute the ALiBi slopes where they live (this rank's heads under tensor parallel)."""
+        if self.alibi_slopes is not None:
+            slopes = alibi_slopes(self.cfg.n_heads, self.alibi_slopes.device)[getattr(self, "alibi_heads", slice(None))]
+            self.register_buffer("alibi_slopes", slopes, persistent=False)
 
     # ------------------------------------------------------------------ pieces
 

@@ -63,7 +63,9 @@ class Trainer:
                               f"{cfg.model.vocab_size}; raise model.vocab_size to at least {self.tokenizer.vocab_size}")
 
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank and layout
-        model = Transformer(cfg.model)
+        # Built on the meta device: build_plan shards it, then each rank allocates and initialises only its shards.
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
         loss_fn = default_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss)
         self.plan: TrainingPlan = build_plan(model, cfg, self.device, loss_fn)
         # The whole model, for decoded samples; pipeline stages hold copies of their pieces, so drop it there.
