@@ -178,6 +178,7 @@ class CheckpointConfig:
     verify: Literal["sha256", "size"] = "sha256"  # how resume checks a checkpoint's files against its manifest
     save_on_sigterm: bool = True  # on SIGTERM: save at the next step boundary, then stop
     preempt_check_interval: int = 10  # steps between the cross-rank "did any rank get SIGTERM?" check
+    max_shard_size: str = "5GB"  # final weights: largest safetensors file (HF-style shards + index beyond it)
 
 
 @dataclass

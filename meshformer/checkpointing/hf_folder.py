@@ -9,32 +9,53 @@ the HF model.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from meshformer.checkpointing.errors import ConversionError
+from meshformer.checkpointing.mapping import export_tensors
 from meshformer.checkpointing.progress import progress
+from meshformer.checkpointing.sharded_safetensors import DEFAULT_MAX_SHARD_SIZE, ShardedWriter
 from meshformer.config import ModelConfig
 
 
-def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: Path, arch: str | None = None) -> Path:
-    """Write a folder that transformers loads with AutoModelFor...from_pretrained; returns the folder."""
+def export_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: Path, arch: str | None = None,
+              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+    """Write a folder that transformers loads with AutoModelFor...from_pretrained; returns the folder.
+
+    Tensors go out one at a time (read from `state` on access, mapped, written into HF-style shards); tied
+    duplicates are left out, as save_pretrained leaves them out, and transformers re-ties them on load.
+    """
     from meshformer.checkpointing import hf
-    from meshformer.model import Transformer
 
     try:
         arch = arch or hf.infer_arch(cfg)
         hf.check_compatible(cfg, arch)
     except ValueError as err:
         raise ConversionError(f"cannot export to Hugging Face: {err}") from None
-    model = Transformer(cfg)
-    model.load_state_dict(state, strict=True)
-    hf_model = hf.to_hf_model(model.eval(), arch)
     out_dir = Path(out_dir)
-    hf_model.save_pretrained(str(out_dir), safe_serialization=True)
+    hf.config_to_hf(cfg, arch).save_pretrained(str(out_dir))
+    writer = ShardedWriter(out_dir, max_shard_size)
+    for name, tensor in hf_tensors(state, cfg, arch):
+        writer.add(name, tensor)
+    writer.close()
     return out_dir
+
+
+def hf_tensors(state: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) one at a time, tied aliases left out; BERT gets its folded position table back."""
+    from meshformer.checkpointing import hf
+
+    for rule in hf._RULES[arch](cfg):
+        if not rule.alias:
+            yield from export_tensors(state, [rule]).items()
+    if arch == "bert":
+        positions = state["pos_embeddings.weight"].detach()
+        yield hf._BERT_POSITIONS, positions
+        yield hf._BERT_TOKEN_TYPES, positions.new_zeros(2, cfg.d_model)  # BertConfig's type_vocab_size
 
 
 def read_hf_state(folder: Path, *, show_progress: bool | None = None) -> dict[str, torch.Tensor]:

@@ -20,14 +20,16 @@ def is_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
 
 
-def materialize(parts: list[nn.Module], device: torch.device) -> None:
-    """Allocate each part's local shards on `device`, then initialise them and recompute derived buffers."""
+def materialize(parts: list[nn.Module], device: torch.device, *, init: bool = True) -> None:
+    """Allocate each part's local shards on `device`, recompute derived buffers and (unless weights are about
+    to be loaded into them) initialise the parameters."""
     for part in parts:
         tied = _tied_slots(part)
         part.to_empty(device=device)
         _retie(tied)
         init_buffers(part)
-        init_weights(part, part.cfg, part.init_seed, getattr(part, "canonical", None))
+        if init:
+            init_weights(part, part.cfg, part.init_seed, getattr(part, "canonical", None))
 
 
 def _tied_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from meshformer.checkpointing.manager import CheckpointManager
+from meshformer.checkpointing.sharded_safetensors import parse_size
 from meshformer.config import Config, ConfigError
 from meshformer.data import build_loader, load_tokenizer
 from meshformer.launcher.distributed import job_device
@@ -62,6 +63,10 @@ class Trainer:
             raise ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size="
                               f"{cfg.model.vocab_size}; raise model.vocab_size to at least {self.tokenizer.vocab_size}")
 
+        try:  # checked now, not after training, when the final weights are written
+            parse_size(cfg.checkpoint.max_shard_size)
+        except ValueError as err:
+            raise ConfigError(f"checkpoint.max_shard_size: {err}") from None
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank and layout
         # Built on the meta device: build_plan shards it, then each rank allocates and initialises only its shards.
         with torch.device("meta"):
@@ -220,7 +225,7 @@ class Trainer:
     def save_final_weights(self) -> None:
         from meshformer.checkpointing.weights import save_weights
 
-        path = save_weights(self.plan, self.run_dir / "final")
+        path = save_weights(self.plan, self.run_dir / "final", self.cfg.checkpoint.max_shard_size)
         if path is not None:
             self.logger.info(f"final weights written to {path}")
 
