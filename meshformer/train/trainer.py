@@ -67,6 +67,7 @@ class Trainer:
             parse_size(cfg.checkpoint.max_shard_size)
         except ValueError as err:
             raise ConfigError(f"checkpoint.max_shard_size: {err}") from None
+        build_start = time.perf_counter()
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank and layout
         # Built on the meta device: build_plan shards it, then each rank allocates and initialises only its shards.
         with torch.device("meta"):
@@ -75,6 +76,7 @@ class Trainer:
         self.plan: TrainingPlan = build_plan(model, cfg, self.device, loss_fn)
         # The whole model, for decoded samples; pipeline stages hold copies of their pieces, so drop it there.
         self.model = model if self.plan.supports_generation else None
+        self.build_s = time.perf_counter() - build_start  # meta build, sharding, materialisation of this rank
         if cfg.train.dtype == "bf16":
             self.plan.autocast_dtype = torch.bfloat16
         self.optimizer, kernel = build_optimizer(self.plan.model_parts, cfg.optim)
@@ -92,7 +94,8 @@ class Trainer:
         self.logger.info(
             f"model: {cfg.model.family}, {n_params / 1e6:.2f}M parameters, objective {cfg.objective}; "
             f"device {self.device}, dtype {cfg.train.dtype}; AdamW kernel: {kernel}; attention: "
-            f"{cfg.model.attention_backend}; peak {self.peak_flops / 1e12:.2f} TFLOP/s ({peak_source})"
+            f"{cfg.model.attention_backend}; peak {self.peak_flops / 1e12:.2f} TFLOP/s ({peak_source}); model built "
+            f"and sharded in {self.build_s:.2f}s"
         )
         # Cluster diagnostics: per-rank hang reports (stalls, collective timeouts), a profiled step range,
         # and the time this rank waits for batches (reset at each logging step).
