@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
+import re
 import sys
 import tempfile
 import time
@@ -32,7 +32,7 @@ from parallel_common import free_port  # noqa: E402
 
 LAYOUTS = {"fsdp": {"dp_shard": 8}, "tp-fsdp": {"tp": 2, "dp_shard": 4}, "pp-fsdp": {"pp": 2, "dp_shard": 4},
            "single": {}}
-SIZES = {"150m": {"d_model": 1024, "n_heads": 16, "n_layers": 12, "d_ff": 4096},
+SIZES = {"150m": {"d_model": 1024, "n_heads": 16, "n_layers": 12, "d_ff": 2816},
          "tiny": {"d_model": 64, "n_heads": 4, "n_layers": 2, "d_ff": 256}}
 
 
@@ -55,7 +55,9 @@ def run_config(size: str, layout: str, run_dir: str, max_shard_size: str, steps:
 
 
 def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    """This process's RSS high-water mark (VmHWM; ru_maxrss would carry the parent's over fork + exec)."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
 
 
 def worker(rank: int, world: int, port: int, size: str, layout: str, run_dir: str, max_shard_size: str,

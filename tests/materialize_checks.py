@@ -110,6 +110,7 @@ def materialize_check(name: str) -> dict[str, Any]:
                 else ref_buffers[name_]
             if not torch.equal(buffer, expected):
                 mismatched.append(name_)
+    saved_mismatch = _save_round_trip(plan, reference)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (sorted(checked), mismatched, tracker.peak, local_bytes, largest))
     model_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
@@ -120,4 +121,23 @@ def materialize_check(name: str) -> dict[str, Any]:
         # per rank: (peak live bytes while building, local parameter + buffer bytes, largest full parameter bytes)
         "memory": [(g[2], g[3], g[4]) for g in gathered],
         "model_bytes": model_bytes,
+        "saved_mismatch": saved_mismatch,
     }
+
+
+def _save_round_trip(plan, reference) -> list[str] | None:
+    """Final weights written from this layout (several small files) read back equal the reference (rank 0)."""
+    import tempfile
+
+    from meshformer.checkpointing.weights import read_weights, save_weights
+
+    with tempfile.TemporaryDirectory() as tmp:  # only rank 0 writes, into its own folder
+        index = save_weights(plan, tmp, max_shard_size="16KB")
+        if index is None:
+            return None
+        if not index.name.endswith(".index.json"):
+            return ["expected several files"]
+        _, state = read_weights(tmp)
+    expected = reference.state_dict()
+    return sorted(set(expected) ^ set(state)) + [k for k in expected if k in state and
+                                                  not torch.equal(state[k], expected[k])]

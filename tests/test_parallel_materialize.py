@@ -1,5 +1,6 @@
 """Meta-device build + sharded materialisation: the same initial weights as one process, bitwise, for every
-family and layout, and no rank ever holds the whole model while building (see materialize_checks.py)."""
+family and layout, no rank ever holds the whole model while building, and the final weights saved from the
+layout (streamed, several files) read back equal (see materialize_checks.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def check(report: dict) -> None:
     assert "error" not in report, report.get("error")
     assert report["mismatched"] == [], "meta-built weights differ from the single-process model"
     assert report["missing"] == [], "parameters no rank holds"
+    assert report["saved_mismatch"] == [], "final weights saved from this layout differ"
     for peak, local, largest in report["memory"]:
         assert peak <= local + IN_FLIGHT * largest, (peak, local, largest)
         assert peak < 0.75 * report["model_bytes"], "a rank allocated (nearly) the whole model"

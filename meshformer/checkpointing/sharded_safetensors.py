@@ -112,7 +112,7 @@ class SafetensorsFolder:
                                         "copy every model-*-of-*.safetensors file of the folder")
         else:
             raise FileNotFoundError(f"{self.directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
-        self._handles: dict[str, object] = {}
+        self._open: tuple[str, object] | None = None
 
     def keys(self) -> list[str]:
         return list(self.weight_map)
@@ -121,10 +121,12 @@ class SafetensorsFolder:
         return name in self.weight_map
 
     def _handle(self, name: str):
+        """The file holding `name`, opened on demand. Only one is kept open: an open file is memory-mapped, and
+        the pages read from it would count towards this process's memory until it is closed."""
         file = self.weight_map[name]
-        if file not in self._handles:
-            self._handles[file] = safe_open(str(self.directory / file), framework="pt")
-        return self._handles[file]
+        if self._open is None or self._open[0] != file:
+            self._open = (file, safe_open(str(self.directory / file), framework="pt"))
+        return self._open[1]
 
     def get(self, name: str) -> torch.Tensor:
         return self._handle(name).get_tensor(name)
