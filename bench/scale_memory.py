@@ -44,7 +44,7 @@ def run_config(size: str, layout: str, run_dir: str, max_shard_size: str, steps:
                   "activation": "swiglu", "bias": False, "dropout": 0.0, **SIZES[size]},
         "data": {"corpus": "bundled:kjv", "tokenizer": "bundled:kjv-bpe-4k", "seq_len": 64, "batch_size": 1,
                  "num_workers": 0},
-        "train": {"device": "cpu", "steps": steps, "eval_interval": 0, "sample_interval": 0, "seed": 0},
+        "train": {"device": "cpu", "steps": max(steps, 1), "eval_interval": 0, "sample_interval": 0, "seed": 0},
         "checkpoint": {"interval": 0, "max_shard_size": max_shard_size},
         "logging": {"run_dir": run_dir, "log_interval": 1, "tensorboard": False},
         "parallel": {**LAYOUTS[layout], "pp_microbatches": 2} if "pp" in layout else LAYOUTS[layout],
