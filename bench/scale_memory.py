@@ -111,7 +111,12 @@ def main() -> None:
     parser.add_argument("--max-shard-size", default="32MB", help="final weights' largest file (checkpoint."
                         "max_shard_size)")
     parser.add_argument("--skip-single", action="store_true", help="no one-process start-up reference")
+    parser.add_argument("--mmap-threshold", type=int, default=0,
+                        help="glibc MALLOC_MMAP_THRESHOLD_ for the ranks (e.g. 1048576: large tensors are mapped and "
+                             "returned to the OS when freed, as jemalloc/tcmalloc would; 0: glibc's default)")
     args = parser.parse_args()
+    if args.mmap_threshold:  # read by glibc at process start: the spawned ranks inherit it
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     n_params = None
     single_startup = None
     if not args.skip_single:  # start-up only: one process building and initialising the whole model

@@ -7,8 +7,6 @@ within their own shards plus one full tensor in flight (never the whole model).
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import weakref
 from typing import Any
 
@@ -50,18 +48,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-@contextlib.contextmanager
-def _quiet_redistribute():
-    """FSDP x TP weights gather in two steps; torch warns about that on every rank, which is noise here."""
-    log = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
-
-
 def _local_bytes(t: torch.Tensor) -> int:
     from torch.distributed.tensor import DTensor
 
@@ -72,6 +58,7 @@ def _local_bytes(t: torch.Tensor) -> int:
 def materialize_check(name: str) -> dict[str, Any]:
     from parallel_harness import new_model, scenario
 
+    from meshformer.checkpointing.weights import quiet_redistribute
     from meshformer.model import Transformer
     from meshformer.model.init import canonical_name
     from meshformer.parallel import build_plan
@@ -98,7 +85,7 @@ def materialize_check(name: str) -> dict[str, Any]:
             largest = max(largest, param.numel() * param.element_size())
             name_ = canonical_name(local_name)
             name_ = canonical.get(name_, name_)
-            with _quiet_redistribute():
+            with quiet_redistribute():
                 value = _full(param.detach())  # a collective over the part's mesh: same order on its ranks
             checked.add(name_)
             if not torch.equal(value, ref_params[name_]):
