@@ -60,7 +60,7 @@ def materialize_check(name: str) -> dict[str, Any]:
 
     from meshformer.checkpointing.weights import quiet_redistribute
     from meshformer.model import Transformer
-    from meshformer.model.init import canonical_name
+    from meshformer.model.init import canonical_name, new_seed
     from meshformer.parallel import build_plan
 
     cfg, _ = scenario(name)
@@ -68,8 +68,9 @@ def materialize_check(name: str) -> dict[str, Any]:
     ref_params = dict(reference.named_parameters())
     ref_buffers = dict(reference.named_buffers())
     torch.manual_seed(cfg.train.seed)
+    init_seed = new_seed()  # what Transformer(cfg.model) draws after the same manual_seed
     with torch.device("meta"):
-        model = Transformer(cfg.model)
+        model = Transformer(cfg.model, init_seed=init_seed)
     tracker = LiveBytes()
     with tracker:
         plan = build_plan(model, cfg, torch.device("cpu"))

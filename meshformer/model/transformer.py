@@ -27,12 +27,15 @@ from meshformer.model.positions import (
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, *, init_seed: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        # Drawn first, from the global CPU RNG (which building modules on the meta device leaves alone), so
-        # torch.manual_seed(s) fixes every weight of a model built on any device.
-        self.init_seed = new_seed()
+        # Every weight follows from init_seed (meshformer.model.init). By default it is drawn first from the global
+        # CPU RNG, so torch.manual_seed(s) fixes every weight; a model built on the meta device (for shapes and
+        # names, or to be materialised later) draws nothing unless given a seed, leaving the RNG stream alone.
+        if init_seed is None and torch.get_default_device().type != "meta":
+            init_seed = new_seed()
+        self.init_seed = init_seed
         has_encoder, has_decoder = cfg.encoder_layers > 0, cfg.decoder_layers > 0
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         separate_source = cfg.family == "encoder_decoder" and not cfg.share_embeddings
@@ -83,6 +86,11 @@ class Transformer(nn.Module):
 
     def init_weights(self) -> None:
         """Every weight from `init_seed` and its name alone (meshformer.model.init); a no-op on the meta device."""
+        if self.init_seed is None:
+            if any(not p.is_meta for p in self.parameters()):
+                raise ValueError("this model was built on the meta device without init_seed, so it cannot be "
+                                 "initialised; build it with Transformer(cfg, init_seed=...) or load weights into it")
+            return
         init_weights(self, self.cfg, self.init_seed, getattr(self, "canonical", None))
 
     def reset_parameters(self) -> None:

@@ -13,7 +13,7 @@ import itertools
 import torch
 from torch import nn
 
-from meshformer.model.init import init_buffers, init_weights
+from meshformer.model.init import init_buffers
 
 
 def is_meta(model: nn.Module) -> bool:
@@ -29,7 +29,7 @@ def materialize(parts: list[nn.Module], device: torch.device, *, init: bool = Tr
         _retie(tied)
         init_buffers(part)
         if init:
-            init_weights(part, part.cfg, part.init_seed, getattr(part, "canonical", None))
+            part.init_weights()
 
 
 def _tied_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

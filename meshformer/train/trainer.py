@@ -23,6 +23,7 @@ from meshformer.launcher.stragglers import rank_timings, straggler_scalars
 from meshformer.launcher.watchdog import HangWatchdog
 from meshformer.model import Transformer
 from meshformer.model.flops import flops_per_token
+from meshformer.model.init import new_seed
 from meshformer.parallel import build_plan
 from meshformer.parallel.plan import Batch, TrainingPlan, default_loss_fn
 from meshformer.train.metrics import RunLogger, memory_gib, peak_flops
@@ -69,9 +70,10 @@ class Trainer:
             raise ConfigError(f"checkpoint.max_shard_size: {err}") from None
         build_start = time.perf_counter()
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank and layout
+        init_seed = new_seed()  # the seed Transformer(cfg.model) would draw here: the same weights as one process
         # Built on the meta device: build_plan shards it, then each rank allocates and initialises only its shards.
         with torch.device("meta"):
-            model = Transformer(cfg.model)
+            model = Transformer(cfg.model, init_seed=init_seed)
         loss_fn = default_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss)
         self.plan: TrainingPlan = build_plan(model, cfg, self.device, loss_fn)
         # The whole model, for decoded samples; pipeline stages hold copies of their pieces, so drop it there.
