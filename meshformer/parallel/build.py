@@ -128,6 +128,8 @@ def _pipeline_plan(model: nn.Module, cfg: Config, dims: ParallelDims, meshes: Me
     kernels: dict[str, str] = {}
     for stage in stages:
         kernels = _finish_part(stage, cfg, dims, meshes, device)
+    if is_meta(stages[0]):  # before the plan keeps references to the stages' (shared) parameters
+        materialize(stages, device)
     plan = PipelinePlan(stages, loss_fn, device, meshes, schedule=p.pp_schedule,
                         n_microbatches=n_microbatches(cfg), stage_to_rank=stage_to_rank, shared=shared,
                         timeout=timedelta(seconds=p.timeout_s))
