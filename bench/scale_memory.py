@@ -114,6 +114,16 @@ def launch(size: str, layout: str, max_shard_size: str, steps: int = 1) -> list[
         return json.loads(Path(out).read_text())
 
 
+def _param_count(max_shard_size: str) -> int:
+    import torch
+
+    from meshformer.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(run_config("150m", "single", "unused", max_shard_size, 1).model)
+    return sum(p.numel() for p in model.parameters())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layouts", nargs="+", default=["fsdp", "tp-fsdp", "pp-fsdp"], choices=list(LAYOUTS)[:-1])
@@ -137,7 +147,7 @@ def main() -> None:
     for layout in args.layouts:
         tiny = launch("tiny", layout, args.max_shard_size)
         big = launch("150m", layout, args.max_shard_size)
-        n_params = n_params or next(r["params"] for r in big if r["params"])
+        n_params = n_params or _param_count(args.max_shard_size)
         model_bytes = 4 * n_params
         base = max(r["peak_rss"] for r in tiny)
         worst = max(big, key=lambda r: r["peak_rss"])
