@@ -88,7 +88,7 @@ def main() -> None:
         overrides = [f"train.dtype={dtype}", "train.eval_interval=0", "train.sample_interval=0",
                      f"logging.log_interval={args.steps}", "checkpoint.interval=0", "checkpoint.resume=false"]
         cfg = load_config(args.config, [*overrides, f"logging.run_dir={tempfile.mkdtemp(prefix='bench-')}"])
-        if cfg.model.family != "decoder":
+        if cfg.objective != "causal":
             raise SystemExit("the hand-written reference loop is a causal LM: pass a decoder-only config")
         trainer = Trainer(cfg)
         device = trainer.device

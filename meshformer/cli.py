@@ -1,21 +1,33 @@
-"""The `meshformer` command: train, generate, inspect, prepare data, convert checkpoints."""
+"""The `meshformer` command: train, generate, inspect, prepare data, convert checkpoints, plan memory."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from meshformer.checkpointing import cli as checkpointing_cli
-from meshformer.config import ConfigError, load_config
+from meshformer.config import load_config
 from meshformer.data import cli as data_cli
+from meshformer.errors import DEBUG_ENV, ArgumentParser, UsageError, run_command
 from meshformer.launcher import cli as launcher_cli
+from meshformer.plan import cli as plan_cli
 
 
 def _train(args: argparse.Namespace) -> None:
-    if args.nproc_per_node > 1 or args.nnodes > 1:
-        from meshformer.launcher.torchrun import launch_torchrun
+    from meshformer.launcher.torchrun import check_launch_options, launch_torchrun
 
+    check_launch_options(args.nproc_per_node, args.nnodes, args.max_restarts)
+    if args.nproc_per_node > 1 or args.nnodes > 1:
+        from meshformer.parallel.validate import validate_parallel
+        from meshformer.train.preflight import preflight
+
+        cfg = load_config(args.config, args.set)  # one process checks before torchrun starts any rank
+        validate_parallel(cfg, args.nproc_per_node * args.nnodes)
+        preflight(cfg)
+        if args.debug:
+            os.environ[DEBUG_ENV] = "1"  # the ranks show tracebacks too (this process exits after torchrun)
         sys.exit(launch_torchrun(args.config, args.set, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
                                  rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts))
     from meshformer.train.__main__ import run
@@ -44,13 +56,18 @@ def _generate(args: argparse.Namespace) -> None:
     from meshformer.checkpointing.weights import load_weights
     from meshformer.data import load_tokenizer
     from meshformer.model.generate import greedy_decode
+    from meshformer.train.preflight import check_vocab
 
-    model = load_weights(args.weights).eval()
     tokenizer = load_tokenizer(args.tokenizer)
+    model = load_weights(args.weights).eval()
+    check_vocab(tokenizer, model.cfg.vocab_size, "--tokenizer")
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens={args.max_new_tokens}", "ask for at least 1 new token")
+    if not model.spec.has_decoder:
+        raise UsageError(f"{args.weights} holds an encoder-only model, which cannot generate text",
+                         "pass the weights of a decoder-only or encoder-decoder model")
     ids = torch.tensor([tokenizer.encode(args.prompt)])
-    if model.cfg.family == "encoder":
-        sys.exit("generate needs a decoder-only or encoder-decoder model; this one is encoder-only")
-    if model.cfg.family == "decoder":
+    if not model.spec.seq2seq:
         out = greedy_decode(model, ids, args.max_new_tokens, eos_id=tokenizer.eos_id, use_cache=not args.no_cache)
     else:
         out = greedy_decode(model, None, args.max_new_tokens, eos_id=tokenizer.eos_id, bos_id=tokenizer.bos_id,
@@ -64,13 +81,15 @@ def _attention_map(args: argparse.Namespace) -> None:
     from meshformer.checkpointing.weights import load_weights
     from meshformer.data import load_tokenizer
     from meshformer.model.inspect import attention_heatmap
+    from meshformer.train.preflight import check_vocab
 
-    model = load_weights(args.weights).eval()
     tokenizer = load_tokenizer(args.tokenizer)
+    model = load_weights(args.weights).eval()
+    check_vocab(tokenizer, model.cfg.vocab_size, "--tokenizer")
     ids = tokenizer.encode(args.text)
     labels = [tokenizer.decode([i]) for i in ids]
     decoder_ids = decoder_labels = None
-    if model.cfg.family == "encoder_decoder":
+    if model.spec.seq2seq:
         target = [tokenizer.bos_id, *tokenizer.encode(args.target or args.text)]
         decoder_ids, decoder_labels = torch.tensor([target]), [tokenizer.decode([i]) for i in target]
     path = attention_heatmap(model, torch.tensor([ids]), args.out, layer=args.layer, head=args.head,
@@ -100,7 +119,9 @@ def _grad_report(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshformer", description=__doc__)
+    parser = ArgumentParser(prog="meshformer", description=__doc__)
+    parser.add_argument("--debug", action="store_true",
+                        help=f"show the traceback of an error (also {DEBUG_ENV}=1); anywhere on the command line")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model from a TOML config")
@@ -144,17 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
     grad.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
     grad.set_defaults(func=_grad_report)
 
-    for add_cli in (data_cli.add_cli, checkpointing_cli.add_cli, launcher_cli.add_cli):
-        add_cli(sub)  # `data prepare`, `convert ...`, `submit` / `tensorboard` / `plot` / `diagnose`
+    for add_cli in (data_cli.add_cli, checkpointing_cli.add_cli, launcher_cli.add_cli, plan_cli.add_cli):
+        add_cli(sub)  # `data prepare`, `convert ...`, `submit` / `tensorboard` / `plot` / `diagnose`, `plan`
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    try:
-        args.func(args)
-    except ConfigError as err:
-        sys.exit(f"config error: {err}")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv  # accepted anywhere on the command line, not only before the subcommand
+    args = build_parser().parse_args(["--debug"] * debug + [a for a in argv if a != "--debug"])
+    run_command(args.func, args, debug=args.debug)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """One typed config tree, loaded from TOML with dotted command-line overrides.
 
     cfg = load_config("configs/tiny-gpt.toml", ["train.steps=200", "model.n_layers=4"])
+    cfg = load_config("tiny-gpt")  # a bundled config by name (shipped inside the package)
 
 Every section is a dataclass; unknown keys, wrong types and inconsistent values raise a
 `ConfigError` that names the key and the fix before any work starts.
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import tomllib
 import types
 import typing
@@ -18,8 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import tomli_w
 
-class ConfigError(ValueError):
+from meshformer.errors import MeshformerError
+
+
+class ConfigError(MeshformerError, ValueError):
     """A configuration problem, phrased as what is wrong and how to fix it."""
 
 
@@ -233,13 +237,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Read a TOML file (or defaults), apply `section.key=value` overrides, validate."""
     raw: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} not found; pass a TOML file such as configs/tiny-gpt.toml")
+        path = resolve_config_path(path)
         try:
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path}: not valid TOML ({err})") from None
+            raise ConfigError(f"{path}: not valid TOML ({err})", "fix the line it names") from None
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
@@ -248,6 +250,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = config_from_dict(raw)
     validate(cfg)
     return cfg
+
+
+def bundled_configs() -> dict[str, Path]:
+    """The configs shipped inside the package, by name (`tiny-gpt`, `llama-8b`, ...)."""
+    folder = Path(__file__).parent / "configs"
+    return {p.stem: p for p in sorted(folder.glob("*.toml"))}
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A TOML file, or the name of a bundled config."""
+    candidate = Path(path)
+    if candidate.is_file():
+        return candidate
+    bundled = bundled_configs()
+    if str(path) in bundled:
+        return bundled[str(path)]
+    if candidate.is_dir():
+        raise ConfigError(f"config {str(path)!r} is a folder; pass a TOML file or a bundled config name "
+                          f"({', '.join(bundled)})")
+    hint = difflib.get_close_matches(candidate.stem, bundled, n=1)
+    fix = f"did you mean {hint[0]!r}? " if hint else ""
+    raise ConfigError(f"config file {str(path)!r} not found; {fix}pass a TOML file or a bundled config name "
+                      f"({', '.join(bundled)})")
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
@@ -413,8 +438,10 @@ def _check_training_ranges(cfg: Config) -> None:
         raise ConfigError(f"train.z_loss={t.z_loss} must be >= 0 (0 disables it)")
     if t.eval_interval > 0 and t.eval_batches <= 0:
         raise ConfigError("train.eval_batches must be positive when train.eval_interval > 0 (0 disables evaluation)")
-    if t.eval_interval < 0 or t.sample_interval < 0:
-        raise ConfigError("train.eval_interval and train.sample_interval must be >= 0 (0 disables them)")
+    for key in ("train.eval_interval", "train.sample_interval", "checkpoint.interval", "checkpoint.keep_last",
+                "checkpoint.keep_every"):
+        if (value := getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])) < 0:
+            raise ConfigError(f"{key}={value} is negative", "use a value >= 0 (0 turns it off; keep_last=0 keeps all)")
 
 
 def _positive(cfg: Config, keys: list[str]) -> None:
@@ -428,24 +455,13 @@ def _positive(cfg: Config, keys: list[str]) -> None:
 
 
 def dump_toml(tree: dict[str, Any]) -> str:
-    """Minimal TOML writer for the config tree (tables of scalars and lists); None is omitted."""
-    lines: list[str] = []
-    for section, values in tree.items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if value is not None:
-                lines.append(f"{key} = {_toml_value(value)}")
-        lines.append("")
-    return "\n".join(lines)
+    """The config tree as TOML (None is omitted: it means "the default")."""
+    return tomli_w.dumps(_without_none(tree))
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
+def _without_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {value!r} as TOML")
+        return [_without_none(v) for v in value]
+    return value

@@ -51,8 +51,9 @@ def test_tensorboard_holds_every_metric_eval_and_samples(run):
     events = _events(run_dir)
     assert TAGS <= set(events.Tags()["scalars"]), TAGS - set(events.Tags()["scalars"])
     # The logged numbers are the ones the loop computed (console and TensorBoard agree).
-    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == pytest.approx(
-        [(h["step"], h["train/loss"]) for h in result.history])
+    logged = events.Scalars("train/loss")
+    assert [e.step for e in logged] == [h["step"] for h in result.history]
+    assert [e.value for e in logged] == pytest.approx([h["train/loss"] for h in result.history])
     assert [e.step for e in events.Scalars("eval/loss")] == [2, 4]
     assert all(math.isfinite(e.value) and e.value > 0 for e in events.Scalars("eval/loss"))
     assert [e.step for e in events.Scalars("checkpoint/save_s")] == [2]  # the final save is not in the loop

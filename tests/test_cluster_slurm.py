@@ -107,14 +107,14 @@ def test_missing_sbatch_is_a_clear_error(tmp_path, monkeypatch):
     job = SlurmJob(CONFIG, [f"logging.run_dir={tmp_path / 'run'}"], nodes=2)
     with pytest.raises(SubmitError, match="sbatch not found on PATH.*--dry-run"):
         submit(job)
-    with pytest.raises(SystemExit, match="submit error: sbatch not found"):
+    with pytest.raises(SystemExit, match="^error: sbatch not found"):
         main(["submit", CONFIG, "--nodes", "2", "--set", f"logging.run_dir={tmp_path / 'run'}"])
 
 
 def test_bad_node_counts_and_config_errors_stop_before_submission(tmp_path):
     with pytest.raises(SubmitError, match="--nodes"):
         sbatch_script(SlurmJob(CONFIG, [f"logging.run_dir={tmp_path}"], nodes=0))
-    with pytest.raises(SystemExit, match="config error: unknown config key 'train.step'"):
+    with pytest.raises(SystemExit, match="^error: unknown config key 'train.step'"):
         main(["submit", CONFIG, "--dry-run", "--set", "train.step=5"])
 
 

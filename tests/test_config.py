@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from meshformer.config import Config, ConfigError, config_from_dict, load_config
+from meshformer.config import Config, ConfigError, bundled_configs, config_from_dict, load_config
 
 CONFIGS = sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.toml"))
 
@@ -25,6 +25,23 @@ def test_resolved_config_round_trips(tmp_path):
     path = tmp_path / "resolved.toml"
     path.write_text(cfg.to_toml())
     assert load_config(path) == cfg
+
+
+def test_resolved_config_round_trips_any_string(tmp_path):
+    """Non-BMP characters, quotes, backslashes and control characters survive the written config.toml."""
+    cfg = load_config("tiny-gpt")
+    cfg.logging.run_dir = 'runs/\U0001f600 é "quoted" back\\slash\ttab\u0007bell'
+    cfg.data.corpus = "\U0001d4b3\U0001d4ae/日本語.txt"
+    path = tmp_path / "resolved.toml"
+    path.write_text(cfg.to_toml(), encoding="utf-8")
+    assert load_config(path) == cfg
+
+
+def test_bundled_configs_load_by_name():
+    assert set(bundled_configs()) == {p.stem for p in CONFIGS}
+    assert load_config("tiny-gpt") == load_config("configs/tiny-gpt.toml")
+    with pytest.raises(ConfigError, match="did you mean 'tiny-gpt'"):
+        load_config("tiny-gtp")
 
 
 @pytest.mark.parametrize(

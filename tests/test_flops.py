@@ -57,6 +57,9 @@ PUBLISHED = {  # config: (published parameter count, relative tolerance)
     "gpt3-175b": (175e9, 0.01),  # Brown et al. Table 2.1
     "llama-7b": (6_738_415_616, 0.0),  # HF LlamaForCausalLM("huggyllama/llama-7b"); 6.7B in Touvron et al.
     "llama-1b": (1_235_814_400, 0.0),  # Llama 3.2 1B
+    "llama-8b": (8_030_261_248, 0.0),  # Llama 3.1 8B (HF LlamaForCausalLM), "8B"
+    "llama-70b": (70_553_706_496, 0.0),  # Llama 3.1 70B, "70.6B"
+    "llama-405b": (405_853_388_800, 0.0),  # Llama 3.1 405B, "405.9B"
     "bert-base": (109_514_298 - 1_536, 0.0),  # BertForMaskedLM minus the token-type table we fold away
     "t5-small": (60_506_624, 0.0),  # HF T5ForConditionalGeneration("t5-small")
 }
@@ -92,7 +95,7 @@ def test_counts_equal_hugging_face_models(name, cls, config, kwargs):
 
 def test_gpt3_flops_match_megatron_and_the_gpt3_paper():
     cfg = load_config(CONFIGS / "gpt3-175b.toml").model
-    s, h, layers, vocab = 2048, 12288, 96, 50257
+    s, h, layers, vocab = 2048, 12288, 96, 50304  # padded GPT-2 vocabulary
     # Narayanan et al. 2021 (no recomputation): 72 B s l h^2 (1 + s/6h + V/12lh) per batch of B sequences.
     megatron = 72 * s * layers * h**2 * (1 + s / (6 * h) + vocab / (12 * layers * h))
     assert training_flops(cfg, s) == pytest.approx(megatron, rel=1e-12)

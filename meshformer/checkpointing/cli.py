@@ -18,7 +18,6 @@ Imports write a weights folder, or with --checkpoint a weights-only checkpoint t
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from meshformer.checkpointing.errors import CheckpointError
@@ -40,12 +39,22 @@ def _write(state, cfg, out: Path, as_checkpoint: bool, max_shard_size: str) -> P
 
     if as_checkpoint:
         return write_weights_checkpoint(state, cfg, out)
+    _refuse_existing_weights(out)
     return write_weights(state, cfg, out, max_shard_size)
+
+
+def _refuse_existing_weights(out: Path) -> None:
+    from meshformer.checkpointing.sharded_safetensors import has_safetensors
+
+    if has_safetensors(out):
+        raise CheckpointError(f"{out} already holds model weights (model.safetensors or a sharded index)",
+                              "choose another output folder, or remove it first")
 
 
 def _to_safetensors(args: argparse.Namespace) -> Path:
     from meshformer.checkpointing.safetensors_io import checkpoint_to_safetensors
 
+    _refuse_existing_weights(Path(args.out))
     return checkpoint_to_safetensors(Path(args.src), Path(args.out), show_progress=None,
                                      max_shard_size=args.max_shard_size)
 
@@ -107,9 +116,10 @@ def _verify(args: argparse.Namespace) -> Path:
     for partial in layout.partial_dirs(root):
         print(f"partial  {partial} (incomplete save; ignored by resume)")
     if not folders:
-        raise CheckpointError(f"{root} holds no committed checkpoints")
+        raise CheckpointError(f"{root} holds no committed checkpoints", "pass a checkpoint.dir or one step folder")
     if bad:
-        raise CheckpointError(f"{bad} of {len(folders)} checkpoints failed verification")
+        raise CheckpointError(f"{bad} of {len(folders)} checkpoints failed verification",
+                              "restore them from a copy, or delete them to resume from an older step")
     return root
 
 
@@ -154,8 +164,5 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(func, args: argparse.Namespace) -> None:
-    try:
-        path = func(args)
-    except (CheckpointError, FileNotFoundError) as err:  # ConversionError is a CheckpointError
-        sys.exit(f"convert {args.conversion}: {err}")
+    path = func(args)
     print(f"wrote {path}" if args.conversion != "verify" else "all checkpoints verified")

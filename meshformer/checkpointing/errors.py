@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from meshformer.errors import MeshformerError
 
-class CheckpointError(RuntimeError):
+
+class CheckpointError(MeshformerError, RuntimeError):
     """A checkpoint that cannot be written, found, verified or loaded."""
 
 

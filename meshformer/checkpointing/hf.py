@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import torch
 
-from meshformer.checkpointing.mapping import Rule, export_tensors, finish_import, import_tensors, our_shapes, params
+from meshformer.checkpointing.mapping import export_tensors, finish_import, import_tensors, name_map, our_shapes
 from meshformer.config import ModelConfig
 
 Arch = Literal["gpt2", "bert", "llama", "t5"]
@@ -203,7 +203,7 @@ def incompatibilities(cfg: ModelConfig, arch: Arch) -> list[str]:
 def check_compatible(cfg: ModelConfig, arch: Arch) -> None:
     problems = incompatibilities(cfg, arch)
     if problems:
-        raise ValueError(f"this model cannot be expressed as {arch}: " + "; ".join(problems))
+        raise ValueError(f"this model cannot be expressed as {arch}: " + ", ".join(problems))
 
 
 def infer_arch(cfg: ModelConfig) -> Arch:
@@ -215,104 +215,6 @@ def infer_arch(cfg: ModelConfig) -> Arch:
                      + " | ".join(f"{a}: {'; '.join(p)}" for a, p in reasons.items()))
 
 
-# ----------------------------------------------------------------------------- weight names
-
-
-def _norm(ours: str, theirs: str, cfg: ModelConfig) -> list[Rule]:
-    has_bias = cfg.norm == "layernorm" and cfg.bias
-    return params(ours, theirs, ("weight", "bias") if has_bias else ("weight",))
-
-
-def _qkv(prefix: str) -> tuple[str, ...]:
-    return tuple(f"{prefix}.{p}_proj" for p in "qkv")
-
-
-def _gpt2_rules(cfg: ModelConfig) -> list[Rule]:
-    rules = [Rule(("tok_embeddings.weight",), "transformer.wte.weight"),
-             Rule(("pos_embeddings.weight",), "transformer.wpe.weight"),
-             Rule(("output.weight",), "lm_head.weight", alias=cfg.tie_embeddings),
-             *_norm("decoder_norm", "transformer.ln_f", cfg)]
-    for i in range(cfg.n_layers):
-        o, t = f"decoder_layers.{i}", f"transformer.h.{i}"
-        rules += [*_norm(f"{o}.attn_norm", f"{t}.ln_1", cfg), *_norm(f"{o}.ffn_norm", f"{t}.ln_2", cfg),
-                  *params(_qkv(f"{o}.attn"), f"{t}.attn.c_attn", transpose=True),
-                  *params(f"{o}.attn.o_proj", f"{t}.attn.c_proj", transpose=True),
-                  *params(f"{o}.ffn.up_proj", f"{t}.mlp.c_fc", transpose=True),
-                  *params(f"{o}.ffn.down_proj", f"{t}.mlp.c_proj", transpose=True)]
-    return rules
-
-
-def _bert_rules(cfg: ModelConfig) -> list[Rule]:
-    # The position table is handled in _fold_token_types: ours = positions + token_type[0].
-    rules = [Rule(("tok_embeddings.weight",), "bert.embeddings.word_embeddings.weight"),
-             *_norm("embedding_norm", "bert.embeddings.LayerNorm", cfg),
-             *params("head_dense", "cls.predictions.transform.dense"),
-             *_norm("head_norm", "cls.predictions.transform.LayerNorm", cfg),
-             Rule(("output.bias",), "cls.predictions.bias"),
-             Rule(("output.bias",), "cls.predictions.decoder.bias", alias=True)]
-    rules.append(Rule(("output.weight",), "cls.predictions.decoder.weight", alias=cfg.tie_embeddings))
-    for i in range(cfg.n_layers):
-        o, t = f"encoder_layers.{i}", f"bert.encoder.layer.{i}"
-        rules += [*params(f"{o}.attn.q_proj", f"{t}.attention.self.query"),
-                  *params(f"{o}.attn.k_proj", f"{t}.attention.self.key"),
-                  *params(f"{o}.attn.v_proj", f"{t}.attention.self.value"),
-                  *params(f"{o}.attn.o_proj", f"{t}.attention.output.dense"),
-                  *_norm(f"{o}.attn_norm", f"{t}.attention.output.LayerNorm", cfg),
-                  *params(f"{o}.ffn.up_proj", f"{t}.intermediate.dense"),
-                  *params(f"{o}.ffn.down_proj", f"{t}.output.dense"),
-                  *_norm(f"{o}.ffn_norm", f"{t}.output.LayerNorm", cfg)]
-    return rules
-
-
-def _llama_rules(cfg: ModelConfig) -> list[Rule]:
-    linear = ("weight", "bias") if cfg.bias else ("weight",)
-    rules = [Rule(("tok_embeddings.weight",), "model.embed_tokens.weight"), *_norm("decoder_norm", "model.norm", cfg),
-             Rule(("output.weight",), "lm_head.weight", alias=cfg.tie_embeddings)]
-    for i in range(cfg.n_layers):
-        o, t = f"decoder_layers.{i}", f"model.layers.{i}"
-        rules += [*_norm(f"{o}.attn_norm", f"{t}.input_layernorm", cfg),
-                  *_norm(f"{o}.ffn_norm", f"{t}.post_attention_layernorm", cfg)]
-        for p in ("q", "k", "v", "o"):
-            rules += params(f"{o}.attn.{p}_proj", f"{t}.self_attn.{p}_proj", linear)
-        for p in ("gate", "up", "down"):
-            rules += params(f"{o}.ffn.{p}_proj", f"{t}.mlp.{p}_proj", linear)
-    return rules
-
-
-def _t5_rules(cfg: ModelConfig) -> list[Rule]:
-    rules = [Rule(("tok_embeddings.weight",), "shared.weight"),
-             *[Rule(("tok_embeddings.weight",), name, alias=True)
-               for name in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight")],
-             *_norm("encoder_norm", "encoder.final_layer_norm", cfg),
-             *_norm("decoder_norm", "decoder.final_layer_norm", cfg),
-             *[Rule((f"{stack}_relative_bias.relative_bias.weight",),
-                    f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
-               for stack in ("encoder", "decoder")]]
-
-    def attention(ours: str, theirs: str) -> list[Rule]:
-        return [r for p in "qkvo" for r in params(f"{ours}.{p}_proj", f"{theirs}.{p}", ("weight",))]
-
-    def ffn(ours: str, theirs: str) -> list[Rule]:
-        if cfg.activation == "swiglu":
-            names = {"gate_proj": "wi_0", "up_proj": "wi_1", "down_proj": "wo"}
-        else:
-            names = {"up_proj": "wi", "down_proj": "wo"}
-        return [r for a, b in names.items() for r in params(f"{ours}.{a}", f"{theirs}.{b}", ("weight",))]
-
-    for i in range(cfg.encoder_layers):
-        o, t = f"encoder_layers.{i}", f"encoder.block.{i}.layer"
-        rules += [*_norm(f"{o}.attn_norm", f"{t}.0.layer_norm", cfg), *attention(f"{o}.attn", f"{t}.0.SelfAttention"),
-                  *_norm(f"{o}.ffn_norm", f"{t}.1.layer_norm", cfg), *ffn(f"{o}.ffn", f"{t}.1.DenseReluDense")]
-    for i in range(cfg.decoder_layers):
-        o, t = f"decoder_layers.{i}", f"decoder.block.{i}.layer"
-        rules += [*_norm(f"{o}.attn_norm", f"{t}.0.layer_norm", cfg), *attention(f"{o}.attn", f"{t}.0.SelfAttention"),
-                  *_norm(f"{o}.cross_norm", f"{t}.1.layer_norm", cfg),
-                  *attention(f"{o}.cross_attn", f"{t}.1.EncDecAttention"),
-                  *_norm(f"{o}.ffn_norm", f"{t}.2.layer_norm", cfg), *ffn(f"{o}.ffn", f"{t}.2.DenseReluDense")]
-    return rules
-
-
-_RULES = {"gpt2": _gpt2_rules, "bert": _bert_rules, "llama": _llama_rules, "t5": _t5_rules}
 _BERT_POSITIONS = "bert.embeddings.position_embeddings.weight"
 _BERT_TOKEN_TYPES = "bert.embeddings.token_type_embeddings.weight"
 
@@ -326,7 +228,7 @@ def to_hf_state_dict(model: torch.nn.Module, arch: Arch | None = None) -> dict[s
     arch = arch or infer_arch(cfg)
     check_compatible(cfg, arch)
     ours = model.state_dict()
-    out = export_tensors(ours, _RULES[arch](cfg))
+    out = export_tensors(ours, name_map(cfg, arch))
     if arch == "bert":
         positions = ours["pos_embeddings.weight"].detach()
         out[_BERT_POSITIONS] = positions
@@ -356,7 +258,7 @@ def from_hf_state_dict(hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig, a
     check_compatible(cfg, arch)
     hf_state = _normalize_names(hf_state, arch)
     shapes = our_shapes(cfg)
-    out, used = import_tensors(hf_state, _RULES[arch](cfg), shapes, f"Hugging Face {arch}")
+    out, used = import_tensors(hf_state, name_map(cfg, arch), shapes, f"Hugging Face {arch}")
     if arch == "bert":
         token_type = hf_state[_BERT_TOKEN_TYPES][0] if _BERT_TOKEN_TYPES in hf_state else 0.0
         out["pos_embeddings.weight"] = (hf_state[_BERT_POSITIONS] + token_type).contiguous()

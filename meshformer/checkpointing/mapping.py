@@ -1,34 +1,28 @@
 """Rename/pack/transpose rules between our state dict and another implementation's, applied both ways.
 
-A `Rule` ties one foreign tensor to one or more of ours: several of ours are concatenated along dim 0
-(output features), e.g. q/k/v into GPT-2's `c_attn` or nn.MultiheadAttention's `in_proj_weight`.
-Importing needs our shapes to split packed tensors; they come from a model built on the meta device,
-which costs no memory even for 175B-parameter configs.
+The rules themselves are each family's name maps (model/families/, `FamilySpec.name_maps`); a `Rule` ties
+one foreign tensor to one or more of ours (model/families/naming.py). Importing needs our shapes to split
+packed tensors; they come from a model built on the meta device, which costs no memory even for
+175B-parameter configs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
 import torch
 
 from meshformer.config import ModelConfig
+from meshformer.model.families import get_family_spec
+from meshformer.model.families.naming import Rule
 
 
-@dataclass(frozen=True)
-class Rule:
-    ours: tuple[str, ...]  # our tensors, concatenated along dim 0 when several
-    theirs: str
-    transpose: bool = False  # foreign layout is (in, out), e.g. GPT-2's Conv1D
-    alias: bool = False  # a foreign duplicate of a tied tensor: written on export, ignored on import
-
-
-def params(ours: str | tuple[str, ...], theirs: str, names: Iterable[str] = ("weight", "bias"), *,
-           transpose: bool = False) -> list[Rule]:
-    """Rules for the weight/bias pair (or just the weight) of a module on both sides."""
-    ours = (ours,) if isinstance(ours, str) else ours
-    return [Rule(tuple(f"{o}.{n}" for o in ours), f"{theirs}.{n}", transpose) for n in names]
+def name_map(cfg: ModelConfig, foreign: str) -> list[Rule]:
+    """The rules between `cfg`'s model and the implementation named `foreign`, from its family's spec."""
+    spec = get_family_spec(cfg.family)
+    if foreign not in spec.name_maps:
+        raise ValueError(f"a {cfg.family} model has no {foreign} name map (it has {sorted(spec.name_maps)})")
+    return spec.name_maps[foreign](cfg)
 
 
 def our_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:

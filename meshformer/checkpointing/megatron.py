@@ -25,6 +25,8 @@ from meshformer.checkpointing.dcp_io import read_full_tensors, read_metadata, sa
 from meshformer.checkpointing.errors import ConversionError
 from meshformer.checkpointing.progress import progress
 from meshformer.config import ModelConfig
+from meshformer.model.families import FAMILIES
+from meshformer.model.families.naming import MegatronNames
 
 LAYER = "decoder.layers."
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -36,6 +38,7 @@ FC1, FC2 = LAYER + "mlp.linear_fc1.", LAYER + "mlp.linear_fc2."
 _EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 BACKEND_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                     "common_backend_version": 1}
+GPT = "GPTModel"  # the Megatron-Core model this module reads and writes
 _ITER_DIR = re.compile(r"^iter_(\d+)$")
 
 
@@ -43,8 +46,9 @@ _ITER_DIR = re.compile(r"^iter_(\d+)$")
 
 
 def megatron_incompatibilities(cfg: ModelConfig) -> list[str]:
+    gpt_families = sorted(name for name, spec in FAMILIES.items() if spec.megatron and spec.megatron.model == GPT)
     checks = [
-        (cfg.family == "decoder", f"family={cfg.family!r} (needs 'decoder': Megatron GPTModel)"),
+        (cfg.family in gpt_families, f"family={cfg.family!r} (needs one of {gpt_families}: Megatron {GPT})"),
         (cfg.norm_position == "pre" and cfg.use_final_norm, "post-norm or no final norm (needs pre-norm + final)"),
         (cfg.position in ("learned", "rope"), f"position={cfg.position!r} (needs 'learned' or 'rope')"),
         (cfg.activation in ("gelu", "gelu_tanh", "relu", "swiglu"), f"activation={cfg.activation!r}"),
@@ -56,10 +60,13 @@ def megatron_incompatibilities(cfg: ModelConfig) -> list[str]:
     return [problem for ok, problem in checks if not ok]
 
 
-def check_megatron_compatible(cfg: ModelConfig) -> None:
+def check_megatron_compatible(cfg: ModelConfig) -> MegatronNames:
+    """Our names for the Megatron-Core GPT tensors (from the family spec), or a ConversionError saying why not."""
     problems = megatron_incompatibilities(cfg)
     if problems:
-        raise ConversionError("this model cannot be written as a Megatron-Core GPT checkpoint: " + "; ".join(problems))
+        raise ConversionError("this model cannot be written as a Megatron-Core GPT checkpoint: " + ", ".join(problems),
+                              "export it to Hugging Face instead (`meshformer convert export-hf`)")
+    return FAMILIES[cfg.family].megatron
 
 
 # ----------------------------------------------------------------------------- qkv packing
@@ -89,8 +96,8 @@ def unpack_qkv(qkv: torch.Tensor, n_heads: int, n_groups: int) -> tuple[torch.Te
 
 def to_megatron_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, *, padded_vocab: int | None = None,
                         show_progress: bool | None = None) -> dict[str, torch.Tensor]:
-    check_megatron_compatible(cfg)
-    layers = [f"decoder_layers.{i}." for i in range(cfg.n_layers)]
+    ours = check_megatron_compatible(cfg)
+    layers = [f"{ours.layers}.{i}." for i in range(cfg.n_layers)]
     norm_params = ("weight", "bias") if cfg.norm == "layernorm" else ("weight",)
     linear_params = ("weight", "bias") if cfg.bias else ("weight",)
     per_layer: dict[str, list[torch.Tensor]] = {}
@@ -100,25 +107,23 @@ def to_megatron_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, *, pad
 
     for prefix in progress(layers, desc="to megatron", enabled=show_progress, unit="layer"):
         for p in norm_params:
-            add(QKV + f"layer_norm_{p}", _norm_param(state, prefix + "attn_norm", p, cfg))
-            add(FC1 + f"layer_norm_{p}", _norm_param(state, prefix + "ffn_norm", p, cfg))
+            add(QKV + f"layer_norm_{p}", _norm_param(state, prefix + ours.attn_norm, p, cfg))
+            add(FC1 + f"layer_norm_{p}", _norm_param(state, prefix + ours.ffn_norm, p, cfg))
         for p in linear_params:
-            attn = prefix + "attn."
-            add(QKV + p, pack_qkv(state[attn + f"q_proj.{p}"], state[attn + f"k_proj.{p}"],
-                                  state[attn + f"v_proj.{p}"], cfg.n_heads, cfg.kv_heads))
-            add(PROJ + p, state[attn + f"o_proj.{p}"])
-            ffn = prefix + "ffn."
-            up = state[ffn + f"up_proj.{p}"]
-            add(FC1 + p, torch.cat([state[ffn + f"gate_proj.{p}"], up]) if cfg.activation == "swiglu" else up)
-            add(FC2 + p, state[ffn + f"down_proj.{p}"])
+            q, k, v = (state[f"{prefix}{name}.{p}"] for name in ours.qkv)
+            add(QKV + p, pack_qkv(q, k, v, cfg.n_heads, cfg.kv_heads))
+            add(PROJ + p, state[f"{prefix}{ours.attn_out}.{p}"])
+            up = state[f"{prefix}{ours.up}.{p}"]
+            add(FC1 + p, torch.cat([state[f"{prefix}{ours.gate}.{p}"], up]) if cfg.activation == "swiglu" else up)
+            add(FC2 + p, state[f"{prefix}{ours.down}.{p}"])
     out = {key: torch.stack(tensors).contiguous() for key, tensors in per_layer.items()}
-    out[EMBEDDING] = _pad_rows(state["tok_embeddings.weight"], padded_vocab)
+    out[EMBEDDING] = _pad_rows(state[ours.embedding], padded_vocab)
     if cfg.position == "learned":
-        out[POSITIONS] = state["pos_embeddings.weight"].contiguous()
+        out[POSITIONS] = state[ours.positions].contiguous()
     for p in norm_params:
-        out[FINAL_NORM + p] = _norm_param(state, "decoder_norm", p, cfg)
+        out[FINAL_NORM + p] = _norm_param(state, ours.final_norm, p, cfg)
     if not cfg.tie_embeddings:
-        out[OUTPUT] = _pad_rows(state["output.weight"], padded_vocab)
+        out[OUTPUT] = _pad_rows(state[ours.output], padded_vocab)
     return out
 
 
@@ -214,34 +219,35 @@ def infer_config(folder: Path, *, n_heads: int, vocab_size: int | None = None, a
 
 
 def from_megatron_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    check_megatron_compatible(cfg)
-    out: dict[str, torch.Tensor] = {"tok_embeddings.weight": tensors[EMBEDDING][: cfg.vocab_size].contiguous()}
+    ours = check_megatron_compatible(cfg)
+    out: dict[str, torch.Tensor] = {ours.embedding: tensors[EMBEDDING][: cfg.vocab_size].contiguous()}
     if cfg.position == "learned":
-        out["pos_embeddings.weight"] = tensors[POSITIONS]
+        out[ours.positions] = tensors[POSITIONS]
     if not cfg.tie_embeddings:
-        out["output.weight"] = tensors[OUTPUT][: cfg.vocab_size].contiguous()
+        out[ours.output] = tensors[OUTPUT][: cfg.vocab_size].contiguous()
     else:
-        out["output.weight"] = out["tok_embeddings.weight"]
+        out[ours.output] = out[ours.embedding]
     norm_params = ("weight", "bias") if cfg.norm == "layernorm" else ("weight",)
     for p in norm_params:
-        _put_norm(out, "decoder_norm", p, tensors[FINAL_NORM + p], cfg)
+        _put_norm(out, ours.final_norm, p, tensors[FINAL_NORM + p], cfg)
     linear_params = ("weight", "bias") if cfg.bias else ("weight",)
     for i in range(cfg.n_layers):
-        o = f"decoder_layers.{i}."
+        o = f"{ours.layers}.{i}."
         for p in norm_params:
-            _put_norm(out, o + "attn_norm", p, tensors[QKV + f"layer_norm_{p}"][i], cfg)
-            _put_norm(out, o + "ffn_norm", p, tensors[FC1 + f"layer_norm_{p}"][i], cfg)
+            _put_norm(out, o + ours.attn_norm, p, tensors[QKV + f"layer_norm_{p}"][i], cfg)
+            _put_norm(out, o + ours.ffn_norm, p, tensors[FC1 + f"layer_norm_{p}"][i], cfg)
         for p in linear_params:
             q, k, v = unpack_qkv(tensors[QKV + p][i], cfg.n_heads, cfg.kv_heads)
-            out[o + f"attn.q_proj.{p}"], out[o + f"attn.k_proj.{p}"], out[o + f"attn.v_proj.{p}"] = q, k, v
-            out[o + f"attn.o_proj.{p}"] = tensors[PROJ + p][i].contiguous()
+            for name, tensor in zip(ours.qkv, (q, k, v), strict=True):
+                out[f"{o}{name}.{p}"] = tensor
+            out[f"{o}{ours.attn_out}.{p}"] = tensors[PROJ + p][i].contiguous()
             fc1 = tensors[FC1 + p][i]
             if cfg.activation == "swiglu":
                 gate, up = fc1.chunk(2, dim=0)
-                out[o + f"ffn.gate_proj.{p}"], out[o + f"ffn.up_proj.{p}"] = gate.contiguous(), up.contiguous()
+                out[f"{o}{ours.gate}.{p}"], out[f"{o}{ours.up}.{p}"] = gate.contiguous(), up.contiguous()
             else:
-                out[o + f"ffn.up_proj.{p}"] = fc1.contiguous()
-            out[o + f"ffn.down_proj.{p}"] = tensors[FC2 + p][i].contiguous()
+                out[f"{o}{ours.up}.{p}"] = fc1.contiguous()
+            out[f"{o}{ours.down}.{p}"] = tensors[FC2 + p][i].contiguous()
     return out
 
 

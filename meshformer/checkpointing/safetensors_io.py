@@ -122,6 +122,9 @@ def write_weights_checkpoint(state: Mapping[str, torch.Tensor], cfg: ModelConfig
     if missing or unexpected:
         raise CheckpointError(f"these weights do not fit the config: missing {missing[:5]}, unexpected "
                               f"{unexpected[:5]}")
+    if existing := layout.committed_steps(Path(root)):  # resume takes the newest step: the import would be ignored
+        raise CheckpointError(f"{root} already holds checkpoints (steps {existing[:5]})",
+                              "write the weights-only checkpoint into an empty folder")
     partial = partial_dir(root, step)
     layout.remove_tree(partial)
     partial.mkdir(parents=True)

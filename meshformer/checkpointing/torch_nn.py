@@ -12,9 +12,10 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from meshformer.checkpointing.mapping import Rule, export_tensors, import_tensors, our_shapes, params
+from meshformer.checkpointing.mapping import export_tensors, import_tensors, name_map, our_shapes
 from meshformer.config import ModelConfig
 
+TORCH_TRANSFORMER = "torch.nn.Transformer"  # its name map lives in model/families/encoder_decoder.py
 # Our tensors nn.Transformer does not have: left untouched by `load_torch_transformer`.
 _OURS_ONLY = ("tok_embeddings.", "src_embeddings.", "pos_embeddings.", "output.")
 
@@ -37,33 +38,9 @@ def config_from_torch_transformer(module: nn.Transformer, vocab_size: int = 1) -
     )
 
 
-def torch_transformer_rules(cfg: ModelConfig) -> list[Rule]:
-    names = ("weight", "bias") if cfg.bias else ("weight",)
-
-    def attention(ours: str, theirs: str) -> list[Rule]:
-        packed = (f"{ours}.q_proj", f"{ours}.k_proj", f"{ours}.v_proj")
-        in_proj = [Rule(tuple(f"{p}.{n}" for p in packed), f"{theirs}.in_proj_{n}") for n in names]
-        return in_proj + params(f"{ours}.o_proj", f"{theirs}.out_proj", names)
-
-    rules = params("encoder_norm", "encoder.norm", names) + params("decoder_norm", "decoder.norm", names)
-    for i in range(cfg.encoder_layers):
-        o, t = f"encoder_layers.{i}", f"encoder.layers.{i}"
-        rules += [*attention(f"{o}.attn", f"{t}.self_attn"), *params(f"{o}.attn_norm", f"{t}.norm1", names),
-                  *params(f"{o}.ffn.up_proj", f"{t}.linear1", names),
-                  *params(f"{o}.ffn.down_proj", f"{t}.linear2", names), *params(f"{o}.ffn_norm", f"{t}.norm2", names)]
-    for i in range(cfg.decoder_layers):
-        o, t = f"decoder_layers.{i}", f"decoder.layers.{i}"
-        rules += [*attention(f"{o}.attn", f"{t}.self_attn"), *params(f"{o}.attn_norm", f"{t}.norm1", names),
-                  *attention(f"{o}.cross_attn", f"{t}.multihead_attn"),
-                  *params(f"{o}.cross_norm", f"{t}.norm2", names),
-                  *params(f"{o}.ffn.up_proj", f"{t}.linear1", names),
-                  *params(f"{o}.ffn.down_proj", f"{t}.linear2", names), *params(f"{o}.ffn_norm", f"{t}.norm3", names)]
-    return rules
-
-
 def from_torch_transformer_state_dict(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our layer and final-norm tensors (no embeddings or head) from an nn.Transformer state dict."""
-    out, used = import_tensors(state, torch_transformer_rules(cfg), our_shapes(cfg), "nn.Transformer")
+    out, used = import_tensors(state, name_map(cfg, TORCH_TRANSFORMER), our_shapes(cfg), "nn.Transformer")
     leftovers = sorted(set(state) - used)
     if leftovers:
         raise ValueError(f"nn.Transformer tensors with no meshformer counterpart: {leftovers[:8]}")
@@ -71,7 +48,7 @@ def from_torch_transformer_state_dict(state: Mapping[str, torch.Tensor], cfg: Mo
 
 
 def to_torch_transformer_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    return export_tensors(model.state_dict(), torch_transformer_rules(model.cfg))
+    return export_tensors(model.state_dict(), name_map(model.cfg, TORCH_TRANSFORMER))
 
 
 def load_torch_transformer(model: nn.Module, module: nn.Transformer) -> None:

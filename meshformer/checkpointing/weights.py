@@ -16,8 +16,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from torch import nn
 
+from meshformer.checkpointing.errors import CorruptCheckpointError
 from meshformer.checkpointing.sharded_safetensors import (
     DEFAULT_MAX_SHARD_SIZE,
     SINGLE_FILE,
@@ -136,14 +138,24 @@ def open_weights(directory: Path) -> tuple[ModelConfig, SafetensorsFolder]:
     if not has_safetensors(directory) or not (directory / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{directory} holds no {WEIGHTS_FILE} (or sharded index) + {CONFIG_FILE}; point at "
                                 "a run's final/ folder or the output of `meshformer convert to-safetensors`")
-    cfg = build_section(ModelConfig, json.loads((directory / CONFIG_FILE).read_text()), "model")
-    return cfg, SafetensorsFolder(directory)
+    try:
+        cfg = build_section(ModelConfig, json.loads((directory / CONFIG_FILE).read_text()), "model")
+        return cfg, SafetensorsFolder(directory)
+    except (ValueError, SafetensorError) as err:  # JSON, config keys, safetensors header or index
+        raise CorruptCheckpointError(f"{directory} is not a readable weights folder ({err})",
+                                     "re-export it (`meshformer convert to-safetensors`) or use the run's final/ "
+                                     "folder") from None
 
 
 def read_weights(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(model config, full state dict with tied weights restored) of a weights folder: small models only."""
     cfg, folder = open_weights(directory)
-    state = dict(folder.items())
+    try:
+        state = dict(folder.items())
+    except SafetensorError as err:
+        raise CorruptCheckpointError(f"{directory} is not a readable weights folder ({err})",
+                                     "re-export it (`meshformer convert to-safetensors`) or use the run's final/ "
+                                     "folder") from None
     if cfg.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
     return cfg, state

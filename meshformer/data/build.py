@@ -13,11 +13,13 @@ from typing import Literal
 
 import numpy as np
 
+from meshformer.config import ConfigError
+
 from .loader import Loader
 from .objectives import Objective, Sample, make_objective
 from .prepare import prepare
 from .shards import Manifest, ManifestError, ShardError, ShardInfo, read_manifest, read_shard
-from .sources import BUNDLED_CORPORA, resolve_inputs
+from .sources import BUNDLED_CORPORA, check_corpus, resolve_inputs
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("meshformer.data")
@@ -168,9 +170,28 @@ def build_loader(cfg, tokenizer: Tokenizer, split: Literal["train", "eval"] = "t
     return loader
 
 
-def _check_data_config(d) -> None:
-    from meshformer.config import ConfigError
+def check_data(cfg, tokenizer: Tokenizer) -> None:
+    """What `build_loader` would refuse, checked cheaply before any model or process group exists: data
+    options, the objective against the tokenizer, prepared shards' manifest, or the raw corpus's files."""
+    d = cfg.data
+    _check_data_config(d)
+    objective = make_objective(cfg.objective, tokenizer, d)
+    if d.shards:
+        manifest = read_manifest(d.shards)
+        for split in ("train", "eval"):
+            _check_manifest(manifest, tokenizer, objective, split)
+        return
+    files = resolve_inputs(d.corpus)
+    check_corpus(files, d.text_field)
+    cache = cache_root(d.cache_dir)
+    parent = next(p for p in (cache, *cache.parents) if p.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"the shard cache {cache} cannot be created ({parent} is not a writable folder)",
+                          "set data.cache_dir (or MESHFORMER_CACHE) to a folder you can write, or prepare the "
+                          "shards elsewhere with `meshformer data prepare` and set data.shards")
 
+
+def _check_data_config(d) -> None:
     if d.num_workers < 0:
         raise ConfigError(f"data.num_workers={d.num_workers} must be >= 0 (0 loads in the training process)")
     if d.shuffle_shards < 1:
@@ -197,5 +218,5 @@ def _check_manifest(manifest: Manifest, tokenizer: Tokenizer, objective: Objecti
                             f"`meshformer data prepare --record-len {objective.raw_length}` or lower data.seq_len")
 
 
-__all__ = ["ShardSource", "agree_on_bad_shards", "build_loader", "cache_root", "ensure_shards", "union_bad_shards",
-           "verify_shards"]
+__all__ = ["ShardSource", "agree_on_bad_shards", "build_loader", "cache_root", "check_data", "ensure_shards",
+           "union_bad_shards", "verify_shards"]

@@ -12,6 +12,8 @@ import argparse
 import logging
 import sys
 
+from meshformer.errors import ArgumentParser, run_command
+
 from .prepare import prepare
 
 
@@ -45,16 +47,12 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run_prepare(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        manifest = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                           seq_len=args.seq_len, record_len=args.record_len, text_field=args.text_field,
-                           pairs=args.pairs, src_field=args.src_field, tgt_field=args.tgt_field,
-                           doc_split=args.doc_split, eval_fraction=args.eval_fraction, seed=args.seed,
-                           shard_records=args.shard_records, num_proc=args.num_proc, progress=not args.quiet,
-                           overwrite=args.overwrite)
-    except (ValueError, FileExistsError) as err:  # input problems: one clear line, exit status 2
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+    manifest = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                       seq_len=args.seq_len, record_len=args.record_len, text_field=args.text_field,
+                       pairs=args.pairs, src_field=args.src_field, tgt_field=args.tgt_field,
+                       doc_split=args.doc_split, eval_fraction=args.eval_fraction, seed=args.seed,
+                       shard_records=args.shard_records, num_proc=args.num_proc, progress=not args.quiet,
+                       overwrite=args.overwrite)
     train = manifest.splits["train"]
     print(f"wrote {manifest.url}: {len(train)} train shards, {sum(s.samples for s in train)} records, "
           f"{sum(s.tokens for s in train)} tokens, tokenizer sha256 {manifest.tokenizer['sha256'][:12]}")
@@ -63,10 +61,10 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="meshformer")
+    parser = ArgumentParser(prog="meshformer")
     add_cli(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    return args.func(args)
+    return run_command(args.func, args)
 
 
 if __name__ == "__main__":

@@ -18,13 +18,15 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from meshformer.errors import MeshformerError
+
 from .objectives import Objective, Sample
 from .order import RankView, SampleOrder
 
 _RNG_SALT = 0x4D46
 
 
-class DataStateError(ValueError):
+class DataStateError(MeshformerError, ValueError):
     """A loader state that does not belong to this data."""
 
 

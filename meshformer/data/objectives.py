@@ -24,13 +24,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from meshformer.errors import MeshformerError
+
 from .tokenizer import Tokenizer
 
 IGNORE = -100
 Sample = np.ndarray | tuple[np.ndarray, np.ndarray]
 
 
-class ObjectiveError(ValueError):
+class ObjectiveError(MeshformerError, ValueError):
     """An objective that cannot run with this configuration or data."""
 
 

@@ -24,11 +24,18 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from meshformer.errors import MeshformerError, UsageError
+
 from .shards import Manifest, ShardInfo, ShardWriter, token_dtype
-from .sources import BUNDLED_CORPORA, DocSplit, iter_documents, iter_pairs, resolve_inputs
+from .sources import BUNDLED_CORPORA, CorpusError, DocSplit, check_corpus, iter_documents, iter_pairs, resolve_inputs
 from .tokenizer import Tokenizer, load_tokenizer, train_bpe
 
 log = logging.getLogger("meshformer.data")
+
+
+class OutputExistsError(MeshformerError, FileExistsError):
+    """The output folder already holds prepared shards."""
+
 _CHUNK = 256  # documents per tokenization task
 
 
@@ -47,23 +54,27 @@ def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, token
     """
     out = Path(out_dir)
     if (out / "manifest.json").exists() and not overwrite:
-        raise FileExistsError(f"{out} already holds prepared shards; pass overwrite=True (--overwrite) or "
-                              "choose another output folder")
+        raise OutputExistsError(f"{out} already holds prepared shards", "pass --overwrite (overwrite=True) or "
+                                "choose another output folder")
     if not 0 <= eval_fraction < 1:
-        raise ValueError(f"eval_fraction={eval_fraction} must lie in [0, 1)")
+        raise UsageError(f"eval_fraction={eval_fraction} is out of range", "use a value in [0, 1), e.g. 0.02")
     record_len = record_len or seq_len + 1
     if record_len < 2:
-        raise ValueError(f"record_len={record_len} must be >= 2")
+        raise UsageError(f"record_len={record_len} is too short", "use --seq-len >= 1 (--record-len >= 2)")
     start = time.perf_counter()
     files = resolve_inputs(inputs if isinstance(inputs, list) else [inputs])
+    check_corpus(files, None if pairs else text_field)
     if pairs:
         docs: list = list(iter_pairs(files, src_field, tgt_field))
     else:
         docs = list(iter_documents(files, text_field, doc_split))
     if not docs:
-        raise ValueError(f"no documents found in {[str(f) for f in files]}; check the inputs and --text-field")
+        raise CorpusError(f"no documents found in {[str(f) for f in files][:3]}", "check the inputs and --text-field")
     order = np.random.default_rng(seed).permutation(len(docs))
     n_eval = round(len(docs) * eval_fraction) if len(docs) > 1 else 0
+    if pairs and eval_fraction > 0 and len(docs) > 1:
+        n_eval = max(1, n_eval)
+    hold_out_tokens = not pairs and eval_fraction > 0 and n_eval == 0  # too few documents: split the token stream
     split_docs = {"eval": [docs[i] for i in order[:n_eval]], "train": [docs[i] for i in order[n_eval:]]}
 
     tok = _tokenizer(tokenizer, split_docs["train"], vocab_size, pairs)
@@ -81,7 +92,14 @@ def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, token
             bar = tqdm(total=len(texts), desc=f"tokenize {name}", unit="doc", disable=not progress or not texts)
             encoded = _tokenize(tok, texts, pool, bar)
             samples = encoded if pairs else _pack(encoded, tok.eos_id, record_len)
-            splits[name] = _write_shards(tmp, name, samples, dtype, shard_records, pairs)
+            if hold_out_tokens and name == "train":
+                records = list(samples)
+                n_held = max(1, round(len(records) * eval_fraction)) if len(records) > 1 else 0
+                splits["eval"] = _write_shards(tmp, "eval", iter(records[len(records) - n_held:]), dtype,
+                                               shard_records, pairs)
+                samples = iter(records[:len(records) - n_held])
+            if name not in splits:
+                splits[name] = _write_shards(tmp, name, samples, dtype, shard_records, pairs)
             bar.close()
     finally:
         if pool is not None:
@@ -93,6 +111,7 @@ def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, token
         splits=splits,
         meta={"inputs": [_input_name(f) for f in files], "text_field": text_field, "doc_split": doc_split,
               "seed": seed, "eval_fraction": eval_fraction, "documents": {k: len(v) for k, v in split_docs.items()},
+              "eval_held_out": "tokens" if hold_out_tokens else "documents",
               "created_by": "meshformer data prepare"})
     (tmp / "manifest.json").write_text(manifest.to_json())
     if out.exists():

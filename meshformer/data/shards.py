@@ -27,12 +27,14 @@ import numpy as np
 import webdataset as wds
 from webdataset.tariterators import tar_file_iterator
 
+from meshformer.errors import MeshformerError
+
 FORMAT = "meshformer.shards"
 FORMAT_VERSION = 1
 _WDS_SCHEMES = {"", "file", "pipe", "http", "https", "sftp", "ftps", "scp", "gs", "ais", "hf"}
 
 
-class ShardError(RuntimeError):
+class ShardError(MeshformerError, RuntimeError):
     """A shard that is missing, corrupt, truncated, or does not match its manifest."""
 
     def __init__(self, message: str, reason: str = "") -> None:
@@ -40,7 +42,7 @@ class ShardError(RuntimeError):
         self.reason = reason or message
 
 
-class ManifestError(ValueError):
+class ManifestError(MeshformerError, ValueError):
     """A manifest that is missing, malformed, or does not fit the requested run."""
 
 

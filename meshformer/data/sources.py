@@ -7,6 +7,7 @@ sorted order so the document sequence, and hence every prepared shard, is reprod
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import io
 import json
@@ -14,12 +15,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
+from meshformer.errors import MeshformerError
+
 BUNDLED_CORPORA = {"bundled:kjv": Path(__file__).resolve().parent / "corpus" / "kjv-chapters.jsonl.gz"}
 TEXT_SUFFIXES = {".txt", ".text", ".md", ".rst", ".jsonl", ".json"}
 DocSplit = Literal["file", "paragraph", "line"]
+_SNIFF_BYTES = 1 << 16  # head of each file checked for binary content
 
 
-class CorpusError(ValueError):
+class CorpusError(MeshformerError, ValueError):
     """An input corpus that cannot be read as documents."""
 
 
@@ -35,7 +39,8 @@ def resolve_inputs(inputs: str | Path | list[str | Path]) -> list[Path]:
         if path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.is_file() and _is_text(p))
             if not found:
-                raise CorpusError(f"directory {path} holds no text files ({sorted(TEXT_SUFFIXES)}, optionally .gz)")
+                raise CorpusError(f"directory {path} holds no text files ({sorted(TEXT_SUFFIXES)}, optionally .gz)",
+                                  "add text files or point at another folder")
             files.extend(found)
         elif path.is_file():
             files.append(path)
@@ -43,6 +48,32 @@ def resolve_inputs(inputs: str | Path | list[str | Path]) -> list[Path]:
             raise CorpusError(f"corpus input {str(item)!r} does not exist; pass a file, a directory, or "
                               f"one of {sorted(BUNDLED_CORPORA)}")
     return list(dict.fromkeys(files))
+
+
+def check_corpus(files: list[Path], text_field: str | None = "text") -> None:
+    """Refuse, naming the file, what would tokenize as garbage or nothing: binary (or UTF-16) files, an
+    all-empty corpus, JSONL whose first record lacks the text field. Reads only the head of each file."""
+    has_text = False
+    for path in files:
+        try:
+            with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as fh:
+                head = fh.read(_SNIFF_BYTES)
+        except (OSError, EOFError) as err:
+            raise CorpusError(f"{path}: cannot be read ({err})", "repair or remove the file") from None
+        text = codecs.getincrementaldecoder("utf-8")(errors="replace").decode(head)
+        if b"\0" in head or text.count("\ufffd") > max(8, len(text) // 100):
+            raise CorpusError(f"{path} is not UTF-8 text (binary data or NUL bytes in its first {len(head)} bytes)",
+                              "remove it from the corpus or convert it to UTF-8 text")
+        has_text = has_text or bool(text.strip())
+        lines = text.splitlines()
+        complete = len(head) < _SNIFF_BYTES or len(lines) > 1  # the first record was read whole
+        if text_field and _is_jsonl(path) and complete:
+            lineno, first = next(((i, line) for i, line in enumerate(lines, 1) if line.strip()), (0, ""))
+            if first:
+                _field(path, lineno, first, text_field)
+    if not has_text:
+        raise CorpusError(f"the corpus {[str(f) for f in files][:3]} holds no text (empty files)",
+                          "point data.corpus (or the inputs of `data prepare`) at files that hold text")
 
 
 def _is_text(path: Path) -> bool:
@@ -95,7 +126,7 @@ def _field(path: Path, lineno: int, line: str, name: str) -> str:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
-        raise CorpusError(f"{path}:{lineno}: not valid JSON ({err})") from None
+        raise CorpusError(f"{path}:{lineno}: not valid JSON ({err})", "fix or remove that line") from None
     if not isinstance(record, dict) or not isinstance(record.get(name), str):
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
         raise CorpusError(f"{path}:{lineno}: no string field {name!r} (has {keys}); set data.text_field "

@@ -19,6 +19,8 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from meshformer.errors import MeshformerError
+
 BUNDLED_DIR = Path(__file__).resolve().parent / "tokenizers"
 N_SENTINELS = 32
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>", "<mask>"] + [f"<extra_id_{i}>" for i in range(N_SENTINELS)]
@@ -33,7 +35,7 @@ _ROLE_NAMES = {
 }
 
 
-class TokenizerError(ValueError):
+class TokenizerError(MeshformerError, ValueError):
     """A tokenizer that cannot be loaded or lacks a token an objective needs."""
 
 
@@ -119,7 +121,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
     try:
         hf = HFTokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception on bad JSON
-        raise TokenizerError(f"{path}: not a HF tokenizers JSON file ({err})") from None
+        raise TokenizerError(f"{path}: not a HF tokenizers JSON file ({err})",
+                             "pass the tokenizer.json written by `meshformer data prepare`") from None
     return Tokenizer(hf, str(path))
 
 

@@ -8,19 +8,17 @@ from pathlib import Path
 
 
 def _submit(args: argparse.Namespace) -> None:
-    from meshformer.launcher.slurm import SlurmJob, SubmitError, submit, warnings_for
+    from meshformer.launcher.slurm import SlurmJob, check_job, submit, warnings_for
 
     job = SlurmJob(args.config, args.set, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                    nproc_per_node=args.nproc_per_node, partition=args.partition, time=args.time,
                    account=args.account, qos=args.qos, cpus_per_task=args.cpus_per_task, mem=args.mem,
                    job_name=args.job_name, setup=args.setup, sbatch_args=args.sbatch_arg,
                    max_restarts=args.max_restarts, signal_before_s=args.signal_before)
-    try:
-        for warning in warnings_for(job):
-            print(f"warning: {warning}", file=sys.stderr)
-        script, job_id = submit(job, dry_run=args.dry_run)
-    except SubmitError as err:
-        sys.exit(f"submit error: {err}")
+    check_job(job)  # a refusal comes before the warnings
+    for warning in warnings_for(job):
+        print(f"warning: {warning}", file=sys.stderr)
+    script, job_id = submit(job, dry_run=args.dry_run)
     if args.dry_run:
         print(script, end="")
     else:
@@ -28,33 +26,28 @@ def _submit(args: argparse.Namespace) -> None:
 
 
 def _tensorboard(args: argparse.Namespace) -> None:
-    from meshformer.launcher.tensorboard import MonitorError, serve
+    from meshformer.launcher.tensorboard import serve
 
-    try:
-        serve(Path(args.run_dir), args.port)
-    except MonitorError as err:
-        sys.exit(f"tensorboard error: {err}")
+    serve(Path(args.run_dir), args.port)
 
 
 def _plot(args: argparse.Namespace) -> None:
     from meshformer.launcher.plot import plot_run
-    from meshformer.launcher.tensorboard import MonitorError
 
-    try:
-        for path in plot_run(Path(args.run_dir), Path(args.out) if args.out else None):
-            print(f"wrote {path}")
-    except MonitorError as err:
-        sys.exit(f"plot error: {err}")
+    for path in plot_run(Path(args.run_dir), Path(args.out) if args.out else None):
+        print(f"wrote {path}")
 
 
 def _diagnose(args: argparse.Namespace) -> None:
+    from meshformer.launcher.tensorboard import MonitorError
     from meshformer.launcher.watchdog import explain, read_reports
 
     folder = Path(args.run_dir) / "diagnostics"
     reports = read_reports(folder)
     if not reports:
-        sys.exit(f"no hang reports in {folder}: no rank stalled for more than half of parallel.timeout_s "
-                 "(reports are removed when a rank makes progress again)")
+        raise MonitorError(f"no hang reports in {folder}: no rank stalled for more than half of parallel.timeout_s",
+                           "nothing to diagnose (reports are removed when a rank makes progress again); check the "
+                           "run folder if a job did hang")
     world = args.world_size or max(int(r.get("world_size", 0)) for r in reports.values())
     print(explain(reports, world, folder))
 

@@ -23,14 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshformer.config import load_config
+from meshformer.errors import MeshformerError
 from meshformer.launcher.torchrun import torchrun_command
+from meshformer.parallel.validate import validate_parallel
 
 # Shell variables in the torchrun command: resolved on the nodes, not when the script is written.
 _RDZV_ENDPOINT = "@RDZV_ENDPOINT@"
 _RDZV_ID = "@RDZV_ID@"
 
 
-class SubmitError(RuntimeError):
+class SubmitError(MeshformerError, RuntimeError):
     """A job that cannot be submitted, phrased as the problem and its fix."""
 
 
@@ -56,7 +58,7 @@ class SlurmJob:
 
     @property
     def ranks_per_node(self) -> int:
-        return self.nproc_per_node or max(1, self.gpus_per_node)
+        return self.nproc_per_node if self.nproc_per_node is not None else max(1, self.gpus_per_node)
 
 
 def run_dir_of(job: SlurmJob) -> Path:
@@ -64,11 +66,25 @@ def run_dir_of(job: SlurmJob) -> Path:
     return Path(cfg.logging.run_dir).resolve()
 
 
-def sbatch_script(job: SlurmJob) -> str:
-    """The batch script for `job` (nothing is written or submitted)."""
+def check_job(job: SlurmJob) -> None:
+    """Options in range and a parallel layout that fits nodes x ranks per node: refused now, not after the queue."""
     if job.nodes < 1 or job.gpus_per_node < 0 or job.ranks_per_node < 1:
         raise SubmitError(f"--nodes ({job.nodes}) and --nproc-per-node ({job.ranks_per_node}) must be >= 1 and "
-                          f"--gpus-per-node ({job.gpus_per_node}) >= 0")
+                          f"--gpus-per-node ({job.gpus_per_node}) >= 0", "fix those options")
+    if job.gpus_per_node and job.ranks_per_node > job.gpus_per_node:
+        raise SubmitError(f"--nproc-per-node={job.ranks_per_node} ranks would share --gpus-per-node="
+                          f"{job.gpus_per_node} GPUs", "use one rank per GPU: leave --nproc-per-node out")
+    if job.max_restarts < 0 or job.signal_before_s < 0 or (job.cpus_per_task is not None and job.cpus_per_task < 1):
+        raise SubmitError(f"--max-restarts={job.max_restarts}, --signal-before={job.signal_before_s}, --cpus-per-task="
+                          f"{job.cpus_per_task}: out of range", "use --max-restarts >= 0, --signal-before >= 0 "
+                          "seconds (e.g. 120) and --cpus-per-task >= 1")
+    cfg = load_config(job.config, job.overrides)
+    validate_parallel(cfg, job.nodes * job.ranks_per_node, "cuda" if job.gpus_per_node else "cpu", on_this_host=False)
+
+
+def sbatch_script(job: SlurmJob) -> str:
+    """The batch script for `job` (nothing is written or submitted)."""
+    check_job(job)
     run_dir = run_dir_of(job)
     config = str(Path(job.config).resolve())
     overrides = [*job.overrides, f"logging.run_dir={run_dir}"]

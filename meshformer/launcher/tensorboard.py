@@ -5,10 +5,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from meshformer.errors import MeshformerError
+
 LOOPBACK = "127.0.0.1"  # never every interface: training metrics and text samples stay on this machine
 
 
-class MonitorError(RuntimeError):
+class MonitorError(MeshformerError, RuntimeError):
     """A run folder that cannot be shown, phrased as the problem and its fix."""
 
 

@@ -11,6 +11,14 @@ import subprocess
 import sys
 from typing import Any
 
+from meshformer.errors import UsageError
+
+
+def check_launch_options(nproc_per_node: int, nnodes: int, max_restarts: int) -> None:
+    if nproc_per_node < 1 or nnodes < 1 or max_restarts < 0:
+        raise UsageError(f"--nproc-per-node={nproc_per_node}, --nnodes={nnodes}, --max-restarts={max_restarts}: "
+                         "out of range", "use --nproc-per-node >= 1, --nnodes >= 1 and --max-restarts >= 0")
+
 
 def torchrun_command(
     config: str,
@@ -23,8 +31,7 @@ def torchrun_command(
     max_restarts: int = 0,
 ) -> list[str]:
     """The torchrun command line (`python -m torch.distributed.run ... -m meshformer.train CONFIG`)."""
-    if nproc_per_node < 1 or nnodes < 1:
-        raise ValueError(f"--nproc-per-node ({nproc_per_node}) and --nnodes ({nnodes}) must be >= 1")
+    check_launch_options(nproc_per_node, nnodes, max_restarts)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
     if nnodes == 1:
         cmd.append("--standalone")

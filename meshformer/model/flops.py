@@ -7,8 +7,18 @@ tensors once), and `flops_per_token` is the PaLM / Megatron-LM formula used for 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from meshformer.config import ModelConfig
+
+if TYPE_CHECKING:
+    from meshformer.model.families.spec import FamilySpec
+
+
+def _family(cfg: ModelConfig) -> FamilySpec:
+    from meshformer.model.families import get_family_spec  # the specs point back at this module's formulas
+
+    return get_family_spec(cfg.family)
 
 
 def _linear(n_in: int, n_out: int, bias: bool) -> int:
@@ -51,7 +61,7 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     """
     d, vocab = cfg.d_model, cfg.vocab_size
     n_enc, n_dec = cfg.encoder_layers, cfg.decoder_layers
-    cross = cfg.family == "encoder_decoder"
+    cross = _family(cfg).seq2seq
     embedding = vocab * d
     if cross and not cfg.share_embeddings:
         embedding += vocab * d
@@ -97,31 +107,46 @@ def training_flops(cfg: ModelConfig, seq_len: int, target_len: int | None = None
     attention adds QK^T and AV: 2 * 2 * T * keys * (n_heads * head_dim). Counted: every attention and
     FFN projection, the BERT head transform and the output projection over every position (the head
     matmul is counted, as in PaLM and Megatron-LM, tied or not). Not counted: embedding lookups, norms,
-    biases, activations, softmax, position encodings (each O(T * d), negligible).
+    biases, activations, softmax, position encodings (each O(T * d), negligible). Each family's spec
+    names its formula: `decoder_flops`, `encoder_flops` or `encoder_decoder_flops`.
+    """
+    return _family(cfg).training_flops(cfg, seq_len, target_len)
 
-    Decoder-only / encoder-only over T = seq_len tokens, N = matmul weights (no embeddings, with the head):
+
+def _single_stack_flops(cfg: ModelConfig, seq_len: int, *, causal: bool) -> int:
+    """Decoder-only / encoder-only over T = seq_len tokens, N = matmul weights (no embeddings, with the head):
         6 * N * T + 12 * n_layers * T * keys * d_attn          (keys = T without a window)
     which is PaLM's 6N + 12 L H Q T per token and, for GPT-3, Megatron-LM's 72 l h^2 (1 + s/6h + V/12lh).
-    Encoder-decoder with source S = seq_len and target T = target_len (default seq_len): encoder weights
-    see S tokens; decoder self-attention, FFN, cross-attention Q/O and the head see T; cross-attention K/V
-    see the S / cross_downsample pooled memory positions M; attention terms S*S (encoder), T*T (decoder)
-    and T*M (cross).
+    """
+    d_attn = cfg.n_heads * cfg.head_dim
+    attn = _attention_matmuls(cfg)
+    layers = cfg.n_layers
+    matmul = layers * (attn["q_o"] + attn["k_v"] + _ffn_matmuls(cfg)) + _head_matmuls(cfg)
+    forward = 2 * matmul * seq_len + layers * 4 * seq_len * _keys_per_query(cfg, seq_len, causal) * d_attn
+    return 3 * forward
+
+
+def decoder_flops(cfg: ModelConfig, seq_len: int, target_len: int | None = None) -> int:
+    return _single_stack_flops(cfg, seq_len, causal=True)
+
+
+def encoder_flops(cfg: ModelConfig, seq_len: int, target_len: int | None = None) -> int:
+    return _single_stack_flops(cfg, seq_len, causal=False)
+
+
+def encoder_decoder_flops(cfg: ModelConfig, seq_len: int, target_len: int | None = None) -> int:
+    """Source S = seq_len and target T = target_len (default seq_len): encoder weights see S tokens; decoder
+    self-attention, FFN, cross-attention Q/O and the head see T; cross-attention K/V see the
+    S / cross_downsample pooled memory positions M; attention terms S*S (encoder), T*T (decoder) and T*M (cross).
     """
     d_attn = cfg.n_heads * cfg.head_dim
     attn = _attention_matmuls(cfg)
     ffn = _ffn_matmuls(cfg)
-    head = cfg.vocab_size * cfg.d_model + (cfg.d_model * cfg.d_model if cfg.head_transform else 0)
-    if cfg.family != "encoder_decoder":
-        causal = cfg.family == "decoder"
-        layers = cfg.n_layers
-        matmul = layers * (attn["q_o"] + attn["k_v"] + ffn) + head
-        forward = 2 * matmul * seq_len + layers * 4 * seq_len * _keys_per_query(cfg, seq_len, causal) * d_attn
-        return 3 * forward
     source, target = seq_len, target_len if target_len is not None else seq_len
     memory = math.ceil(source / cfg.cross_downsample)
     n_enc, n_dec = cfg.encoder_layers, cfg.decoder_layers
     forward = 2 * source * n_enc * (attn["q_o"] + attn["k_v"] + ffn)
-    forward += 2 * target * (n_dec * (2 * attn["q_o"] + attn["k_v"] + ffn) + head)
+    forward += 2 * target * (n_dec * (2 * attn["q_o"] + attn["k_v"] + ffn) + _head_matmuls(cfg))
     forward += 2 * memory * n_dec * attn["k_v"]
     forward += 4 * d_attn * (
         n_enc * source * _keys_per_query(cfg, source, causal=False)
@@ -131,6 +156,10 @@ def training_flops(cfg: ModelConfig, seq_len: int, target_len: int | None = None
     return 3 * forward
 
 
+def _head_matmuls(cfg: ModelConfig) -> int:
+    return cfg.vocab_size * cfg.d_model + (cfg.d_model * cfg.d_model if cfg.head_transform else 0)
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int, target_len: int | None = None) -> float:
     """Training FLOPs per token: `training_flops` / tokens, tokens = seq_len (+ target_len for encoder-decoder).
 
@@ -138,6 +167,6 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, target_len: int | None = Non
     computed from source + target tokens per second. See `training_flops` for the formula.
     """
     tokens = seq_len
-    if cfg.family == "encoder_decoder":
+    if _family(cfg).seq2seq:
         tokens += target_len if target_len is not None else seq_len
     return training_flops(cfg, seq_len, target_len) / tokens

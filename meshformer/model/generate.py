@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshformer.errors import UsageError
+
 TABLE_POSITIONS = ("learned", "sinusoidal", "rope")  # position schemes backed by a max_seq_len table
 
 
@@ -16,7 +18,7 @@ def _check_length(cfg, prompt_len: int, max_new_tokens: int) -> None:
     # The last generated token is never fed back, so the decoder sees prompt_len + max_new_tokens - 1 positions.
     needed = prompt_len + max_new_tokens - 1
     if cfg.position in TABLE_POSITIONS and needed > cfg.max_seq_len:
-        raise ValueError(
+        raise UsageError(
             f"decoding {max_new_tokens} new tokens after a {prompt_len}-token prompt needs {needed} positions, but "
             f"{cfg.position!r} positions stop at model.max_seq_len={cfg.max_seq_len}; use max_new_tokens <= "
             f"{cfg.max_seq_len - prompt_len + 1}"
@@ -47,20 +49,20 @@ def greedy_decode(
     The model runs in eval mode; its previous mode is restored.
     """
     cfg = model.cfg
-    if cfg.family == "encoder":
-        raise ValueError("greedy decoding needs a decoder: this model is encoder-only")
-    if (cfg.family == "encoder_decoder") != (source_ids is not None):
-        raise ValueError("pass source_ids for an encoder-decoder model, and only for one")
+    if not model.spec.has_decoder:
+        raise UsageError("greedy decoding needs a decoder: this model is encoder-only")
+    if model.spec.seq2seq != (source_ids is not None):
+        raise UsageError("pass source_ids for an encoder-decoder model, and only for one")
     if source_ids is not None and cfg.position in TABLE_POSITIONS and source_ids.shape[1] > cfg.max_seq_len:
-        raise ValueError(f"the source has {source_ids.shape[1]} tokens but {cfg.position!r} positions stop at "
+        raise UsageError(f"the source has {source_ids.shape[1]} tokens but {cfg.position!r} positions stop at "
                          f"model.max_seq_len={cfg.max_seq_len}; shorten the source")
     if prompt_ids is None:  # start every row from BOS: one row, or one per source
         if bos_id is None:
-            raise ValueError("pass prompt_ids, or bos_id to start every row from BOS")
+            raise UsageError("pass prompt_ids, or bos_id to start every row from BOS")
         batch, device = (source_ids.shape[0], source_ids.device) if source_ids is not None else (1, _device(model))
         prompt_ids = torch.full((batch, 1), bos_id, dtype=torch.long, device=device)
     if prompt_ids.ndim != 2 or prompt_ids.shape[1] == 0:
-        raise ValueError(f"prompt_ids must be (batch, length >= 1), got shape {tuple(prompt_ids.shape)}")
+        raise UsageError(f"prompt_ids must be (batch, length >= 1), got shape {tuple(prompt_ids.shape)}")
     _check_length(cfg, prompt_ids.shape[1], max_new_tokens)
 
     was_training = model.training

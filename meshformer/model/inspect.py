@@ -14,19 +14,26 @@ from typing import Literal
 import torch
 from torch import nn
 
+from meshformer.errors import UsageError
+
 Stack = Literal["encoder", "decoder", "cross"]
+
+
+def default_stack(model: nn.Module) -> Stack:
+    """Cross-attention where the decoder reads a source, else the model's one stack."""
+    return "cross" if model.spec.seq2seq else model.spec.stacks[-1].name
 
 
 def _attention_module(model: nn.Module, stack: Stack, layer: int) -> nn.Module:
     layers = model.encoder_layers if stack == "encoder" else model.decoder_layers
     if layers is None:
-        raise ValueError(f"this {model.cfg.family} model has no {stack} stack")
+        raise UsageError(f"this {model.cfg.family} model has no {stack} stack")
     if str(layer) not in layers:
-        raise ValueError(f"{stack} layer {layer} does not exist; layers are {', '.join(layers)}")
+        raise UsageError(f"{stack} layer {layer} does not exist; layers are {', '.join(layers)}")
     block = layers[str(layer)]
     if stack == "cross":
         if block.cross_attn is None:
-            raise ValueError("cross-attention exists only in encoder-decoder models")
+            raise UsageError("cross-attention exists only in encoder-decoder models")
         return block.cross_attn
     return block.attn
 
@@ -47,8 +54,7 @@ def attention_weights(
     for decoder-only, the encoder for encoder-only, cross-attention for encoder-decoder models.
     Arguments after `layer` are those of `Transformer.forward`.
     """
-    family = model.cfg.family
-    stack = stack or {"decoder": "decoder", "encoder": "encoder", "encoder_decoder": "cross"}[family]
+    stack = stack or default_stack(model)
     attention = _attention_module(model, stack, layer)
     was_training = model.training
     model.eval()
@@ -84,12 +90,12 @@ def save_attention_heatmap(
 
     weights = weights.detach().float().cpu()
     if weights.ndim != 2:
-        raise ValueError(f"expected a (T_query, T_key) matrix, got shape {tuple(weights.shape)}")
+        raise UsageError(f"expected a (T_query, T_key) matrix, got shape {tuple(weights.shape)}")
     n_query, n_key = weights.shape
     query_labels = list(query_labels) if query_labels is not None else [str(i) for i in range(n_query)]
     key_labels = list(key_labels) if key_labels is not None else [str(i) for i in range(n_key)]
     if len(query_labels) != n_query or len(key_labels) != n_key:
-        raise ValueError(f"{len(query_labels)} query / {len(key_labels)} key labels for a {n_query}x{n_key} matrix")
+        raise UsageError(f"{len(query_labels)} query / {len(key_labels)} key labels for a {n_query}x{n_key} matrix")
 
     fig = Figure(figsize=(size_px[0] / dpi, size_px[1] / dpi), dpi=dpi)
     FigureCanvasAgg(fig)
@@ -131,11 +137,11 @@ def attention_heatmap(
     """
     weights = attention_weights(model, input_ids, layer=layer, stack=stack, attention_mask=attention_mask,
                                 decoder_input_ids=decoder_input_ids)
-    stack = stack or {"decoder": "decoder", "encoder": "encoder", "encoder_decoder": "cross"}[model.cfg.family]
+    stack = stack or default_stack(model)
     if not 0 <= head < weights.shape[1]:
-        raise ValueError(f"head {head} does not exist; the layer has {weights.shape[1]} heads")
+        raise UsageError(f"head {head} does not exist; the layer has {weights.shape[1]} heads")
     source_labels = tokens
-    target_labels = decoder_tokens if model.cfg.family == "encoder_decoder" else tokens
+    target_labels = decoder_tokens if model.spec.seq2seq else tokens
     query_labels = source_labels if stack == "encoder" else target_labels
     key_labels = target_labels if stack == "decoder" else source_labels
     if stack == "cross" and model.cfg.cross_downsample > 1:

@@ -1,18 +1,21 @@
 """One building kit, three assemblies: decoder-only (GPT), encoder-only (BERT), encoder-decoder (original/T5).
 
-Plain single-device PyTorch. Stacks are `nn.ModuleDict`s keyed "0", "1", ... so a pipeline split can
-delete layers and keep parameter names; every optional piece may be None so a pipeline stage can
-hold just part of the model.
+Plain single-device PyTorch; which stacks a model has comes from its family's spec (model/families/).
+Stacks are `nn.ModuleDict`s keyed "0", "1", ... so a pipeline split can delete layers and keep parameter
+names; every piece may be None, and `forward` runs whatever pieces are present, so a pipeline stage is this
+module with the other pieces removed (parallel/pipeline.py adds only the packing of its streams).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from meshformer.config import ModelConfig
+from meshformer.model.families import FamilySpec, get_family_spec
 from meshformer.model.init import init_weights, new_seed
 from meshformer.model.layers import BlockCache, TransformerBlock, activation_fn, make_norm
 from meshformer.model.masks import AttentionMask, build_mask, masked_avg_pool, pool_padding_mask
@@ -25,6 +28,21 @@ from meshformer.model.positions import (
     alibi_slopes,
 )
 
+# Every top-level piece a Transformer may hold; each may be None (not in the family or the config, or
+# held by another pipeline stage).
+PIECES = ("tok_embeddings", "src_embeddings", "pos_embeddings", "rope", "embedding_norm", "encoder_relative_bias",
+          "decoder_relative_bias", "encoder_layers", "encoder_norm", "decoder_layers", "decoder_norm", "head_dense",
+          "head_act", "head_norm", "output")
+
+
+@dataclass(frozen=True)
+class Streams:
+    """Hidden states part-way through the model (what one pipeline stage hands the next)."""
+
+    encoder: torch.Tensor | None = None  # inside the encoder stack
+    decoder: torch.Tensor | None = None  # inside the decoder stack, or its embedded input waiting for it
+    memory: torch.Tensor | None = None  # the finished encoder output
+
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, *, init_seed: int | None = None) -> None:
@@ -36,9 +54,10 @@ class Transformer(nn.Module):
         if init_seed is None and torch.get_default_device().type != "meta":
             init_seed = new_seed()
         self.init_seed = init_seed
-        has_encoder, has_decoder = cfg.encoder_layers > 0, cfg.decoder_layers > 0
+        spec = self.spec
+        has_encoder, has_decoder = spec.has_encoder, spec.has_decoder
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        separate_source = cfg.family == "encoder_decoder" and not cfg.share_embeddings
+        separate_source = spec.seq2seq and not cfg.share_embeddings
         self.src_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model) if separate_source else None
         self.pos_embeddings: nn.Module | None = None
         if cfg.position == "learned":
@@ -62,15 +81,11 @@ class Transformer(nn.Module):
                 self.decoder_relative_bias = RelativePositionBias(*shape, bidirectional=False)
         self.embedding_norm = make_norm(cfg) if cfg.embedding_norm else None
 
-        def stack(n: int, **kind) -> nn.ModuleDict:
-            return nn.ModuleDict({str(i): TransformerBlock(cfg, **kind) for i in range(n)})
-
-        final = cfg.use_final_norm
-        self.encoder_layers = stack(cfg.encoder_layers, causal=False) if has_encoder else None
-        self.encoder_norm = make_norm(cfg) if has_encoder and final else None
-        cross = cfg.family == "encoder_decoder"
-        self.decoder_layers = stack(cfg.decoder_layers, causal=True, cross=cross) if has_decoder else None
-        self.decoder_norm = make_norm(cfg) if has_decoder and final else None
+        self.encoder_layers = self.encoder_norm = self.decoder_layers = self.decoder_norm = None
+        for stack in spec.stacks:
+            blocks = [TransformerBlock(cfg, causal=stack.causal, cross=stack.cross) for _ in range(stack.count(cfg))]
+            setattr(self, stack.layers, nn.ModuleDict({str(i): block for i, block in enumerate(blocks)}))
+            setattr(self, stack.norm, make_norm(cfg) if cfg.use_final_norm else None)
         if cfg.head_transform:  # BERT's prediction head: dense -> activation -> norm
             self.head_dense = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
             self.head_act = activation_fn(cfg.activation)
@@ -80,7 +95,11 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.output_bias)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.init_weights()
+        spec.init(self)
+
+    @property
+    def spec(self) -> FamilySpec:
+        return get_family_spec(self.cfg.family)
 
     # ------------------------------------------------------------------ initialisation
 
@@ -116,6 +135,12 @@ class Transformer(nn.Module):
             h = self.embedding_norm(h)
         return nn.functional.dropout(h, self.cfg.dropout, self.training)
 
+    def _hidden(self, ids: torch.Tensor, h: torch.Tensor | None, **embed_kwargs) -> torch.Tensor:
+        """`h` if given, else `ids` embedded; a model built without embeddings reads `ids` as hidden states."""
+        if h is not None:
+            return h
+        return self.embed(ids, **embed_kwargs) if self.tok_embeddings is not None else ids
+
     def _relative(self, q_len: int, k_len: int, offset: int, device: torch.device, *, causal: bool) -> dict:
         """RoPE angles / ALiBi or T5 biases for self-attention, computed once per stack (causal: the decoder's)."""
         positions = torch.arange(offset, offset + q_len, device=device)
@@ -130,11 +155,15 @@ class Transformer(nn.Module):
         return extra
 
     def encode(
-        self, ids: torch.Tensor, padding: torch.Tensor | None = None, *, pool: bool = True
+        self, ids: torch.Tensor, padding: torch.Tensor | None = None, *, pool: bool = True,
+        h: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Encoder hidden states (B, T, D) and their padding mask; pooled for cross-attention if configured."""
-        h = self.embed(ids, source=True) if self.tok_embeddings is not None else ids
-        length = h.shape[1]
+        """Encoder hidden states (B, T, D) and their padding mask; pooled for cross-attention if configured.
+
+        h: hidden states from an earlier pipeline stage instead of embedding `ids` (B, T) here.
+        """
+        h = self._hidden(ids, h, source=True)
+        length = ids.shape[1]  # not h's: a received h may be a sequence-parallel shard
         mask = build_mask(length, length, causal=False, window=self.cfg.attention_window, key_padding=padding,
                           device=h.device)
         extra = self._relative(length, length, 0, h.device, causal=False)
@@ -156,11 +185,15 @@ class Transformer(nn.Module):
         memory: torch.Tensor | None = None,
         memory_padding: torch.Tensor | None = None,
         cache: list[BlockCache] | None = None,
+        h: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Causal stack over target ids (B, T); with a cache, ids are only the new tokens."""
+        """Causal stack over target ids (B, T); with a cache, ids are only the new tokens.
+
+        h: hidden states from an earlier pipeline stage instead of embedding `ids` here.
+        """
         offset = cache[0].self_attn.length if cache else 0
-        h = self.embed(ids, offset=offset) if self.tok_embeddings is not None else ids
-        q_len = h.shape[1]
+        h = self._hidden(ids, h, offset=offset)
+        q_len = ids.shape[1]  # not h's: a received h may be a sequence-parallel shard
         k_len = offset + q_len
         if padding is not None and padding.shape[1] != k_len:
             raise ValueError(f"decoder padding mask covers {padding.shape[1]} positions, expected {k_len} "
@@ -196,22 +229,38 @@ class Transformer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         decoder_input_ids: torch.Tensor | None = None,
         decoder_attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        *,
+        streams: Streams | None = None,
+    ) -> torch.Tensor | Streams:
         """Logits (B, T, vocab). Masks are (B, T) with True (or 1) for real tokens, False for padding.
 
         decoder-only: input_ids are the (causal) sequence; encoder-only: input_ids are the (bidirectional)
         sequence; encoder-decoder: input_ids are the source, decoder_input_ids the teacher-forced target.
+        The pieces present run in order; a model without its head (a pipeline stage) returns the `Streams`
+        it reached, and `streams` carries in those of the stage before.
         """
-        family = self.cfg.family
-        if family == "decoder":
-            return self.head(self.decode(input_ids, attention_mask))
-        if family == "encoder":
-            return self.head(self.encode(input_ids, attention_mask)[0])
-        if decoder_input_ids is None:
+        spec = self.spec
+        if spec.seq2seq and decoder_input_ids is None:
             raise ValueError("an encoder-decoder model needs decoder_input_ids (the shifted target)")
-        memory, memory_padding = self.encode(input_ids, attention_mask)
-        h = self.decode(decoder_input_ids, decoder_attention_mask, memory=memory, memory_padding=memory_padding)
-        return self.head(h)
+        target = (decoder_input_ids, decoder_attention_mask) if spec.seq2seq else (input_ids, attention_mask)
+        s = streams or Streams()
+        if self.encoder_layers is not None:
+            ends = self._ends_encoder()
+            h, _ = self.encode(input_ids, attention_mask, pool=ends, h=s.encoder)
+            s = replace(s, encoder=None, memory=h) if ends else replace(s, encoder=h)
+        if self.decoder_layers is not None:
+            memory_padding = attention_mask if s.memory is not None else None
+            if memory_padding is not None and self.cfg.cross_downsample > 1:
+                memory_padding = pool_padding_mask(memory_padding, self.cfg.cross_downsample)
+            h = self.decode(*target, memory=s.memory, memory_padding=memory_padding, h=s.decoder)
+            s = replace(s, decoder=h)
+        if self.output is None:
+            return s
+        return self.head(s.decoder if spec.has_decoder else s.memory)
+
+    def _ends_encoder(self) -> bool:
+        """Whether this model (or pipeline stage) holds the encoder's last block."""
+        return self.encoder_layers is not None and str(self.cfg.encoder_layers - 1) in self.encoder_layers
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -22,13 +22,8 @@ def mixed_precision_policy(cfg: ParallelConfig) -> MixedPrecisionPolicy:
 
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:
-    """Transformer blocks in execution order (encoder first), for per-block wrapping."""
-    blocks: list[nn.Module] = []
-    for stack in ("encoder_layers", "decoder_layers"):
-        layers = getattr(model, stack, None)
-        if layers is not None:
-            blocks.extend(layers.values())
-    return blocks
+    """The blocks the family spec names as units, in execution order, for per-block wrapping."""
+    return [block for _, block in model.spec.blocks(model)]
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, *, reshard_after_forward: bool | None = None

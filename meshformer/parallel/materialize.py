@@ -29,7 +29,7 @@ def materialize(parts: list[nn.Module], device: torch.device, *, init: bool = Tr
         _retie(tied)
         init_buffers(part)
         if init:
-            part.init_weights()
+            part.spec.init(part)  # the family's own initialisation (Transformer.init_weights by default)
 
 
 def _tied_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

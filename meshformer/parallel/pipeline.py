@@ -1,8 +1,9 @@
 """Pipeline stages of a Transformer: split by layers, encoder layers first, then decoder layers.
 
 A stage is a `TransformerStage`: a Transformer holding only its pieces (the others are None), under the
-same attribute names, so parameter names match the plain model (`decoder_layers.5.attn.q_proj.weight`) for
-checkpoints and parity checks, and the model's own `embed`/`head`/`_relative` do the work.
+same attribute names, so parameter names match the plain model for checkpoints and parity checks, and the
+model's own `forward` runs whatever the stage holds. Which pieces exist and where they go is the family
+spec's `pipeline` layout; this module adds only the packing of the streams between stages.
 
 What travels between stages (positional tensors; the batch's ids and masks reach every stage as keyword
 arguments, so masks, RoPE angles and ALiBi biases are rebuilt locally instead of being sent):
@@ -26,12 +27,7 @@ import torch
 from torch import nn
 
 from meshformer.model import Transformer
-from meshformer.model.masks import build_mask, masked_avg_pool, pool_padding_mask
-
-# The T5 relative biases stay None in every stage: validate.py refuses position="t5_relative" with pp > 1.
-PIECES = ("tok_embeddings", "src_embeddings", "pos_embeddings", "rope", "embedding_norm", "encoder_layers",
-          "encoder_norm", "decoder_layers", "decoder_norm", "head_dense", "head_act", "head_norm", "output",
-          "encoder_relative_bias", "decoder_relative_bias")
+from meshformer.model.transformer import PIECES, Streams
 
 
 @dataclass(frozen=True)
@@ -65,31 +61,24 @@ def stage_ids_for_rank(pp_rank: int, pp: int, stages_per_rank: int, v_shape: boo
 
 def stage_pieces(model: Transformer, span: StageSpan) -> dict[str, nn.Module | None]:
     """The modules (shared with `model`, not copied) that the stage covering `span` needs."""
-    cfg = model.cfg
-    n_enc, n_dec = cfg.encoder_layers, cfg.decoder_layers
-    enc = [i for i in range(n_enc) if span.start <= i < span.stop]
-    dec = [j for j in range(n_dec) if span.start <= n_enc + j < span.stop]
-    is_last = span.stop == n_enc + n_dec
+    spec = model.spec
+    layout = spec.pipeline
     pieces: dict[str, nn.Module | None] = dict.fromkeys(PIECES)
-    if span.index == 0:  # the first stage embeds every stream (enc-dec: source and target)
-        if enc:
-            source = "src_embeddings" if model.src_embeddings is not None else "tok_embeddings"
-            pieces[source] = getattr(model, source)
-        if cfg.family != "encoder":
-            pieces["tok_embeddings"] = model.tok_embeddings
-        pieces["pos_embeddings"], pieces["embedding_norm"] = model.pos_embeddings, model.embedding_norm
-    pieces["rope"] = model.rope
-    if enc:
-        pieces["encoder_layers"] = nn.ModuleDict({str(i): model.encoder_layers[str(i)] for i in enc})
-        if n_enc - 1 in enc:
-            pieces["encoder_norm"] = model.encoder_norm
-    if dec:
-        pieces["decoder_layers"] = nn.ModuleDict({str(j): model.decoder_layers[str(j)] for j in dec})
-        if n_dec - 1 in dec:
-            pieces["decoder_norm"] = model.decoder_norm
-    if is_last:
-        for name in ("head_dense", "head_act", "head_norm", "output"):
-            pieces[name] = getattr(model, name)
+    held = [*layout.every, *(layout.first if span.index == 0 else ())]
+    offset = 0
+    for stack in spec.stacks:
+        n = stack.count(model.cfg)
+        keys = [str(i) for i in range(n) if span.start <= offset + i < span.stop]
+        if keys:
+            layers = getattr(model, stack.layers)
+            pieces[stack.layers] = nn.ModuleDict({k: layers[k] for k in keys})
+            if str(n - 1) in keys:
+                held.append(stack.norm)
+        offset += n
+    if span.stop == offset:
+        held.extend(layout.last)
+    for name in held:
+        pieces[name] = getattr(model, name)
     return pieces
 
 
@@ -112,7 +101,7 @@ class TransformerStage(Transformer):
         # One deepcopy for all pieces: weights tied *within* the stage stay tied; every stage gets its own
         # copy of weights it shares with other stages (kept in sync by the plan's gradient all-reduce).
         copied = copy.deepcopy({k: v for k, v in pieces.items() if v is not None}, memo)
-        for name in PIECES:
+        for name in pieces:
             setattr(self, name, copied.get(name))
         if model.alibi_slopes is not None:
             self.register_buffer("alibi_slopes", model.alibi_slopes.clone(), persistent=False)
@@ -122,99 +111,32 @@ class TransformerStage(Transformer):
         # last stage's output.weight is tok_embeddings.weight); keyed by name, which survives TP and FSDP.
         origin = {id(memo[pid]): name for pid, name in canonical_names(model).items() if pid in memo}
         self.canonical = {name: origin[id(p)] for name, p in self.named_parameters(remove_duplicate=False)}
-        n_enc = model.cfg.encoder_layers
-        self.has_encoder = self.encoder_layers is not None
-        self.has_decoder = self.decoder_layers is not None
-        self.ends_encoder = self.encoder_norm is not None or (self.has_encoder and str(n_enc - 1) in
-                                                              self.encoder_layers)
         self.is_first, self.is_last = span.index == 0, span.index == span.n_stages - 1
 
-    def forward(
-        self,
-        *stream: torch.Tensor,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        decoder_input_ids: torch.Tensor | None = None,
-        decoder_attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        family = self.cfg.family
-        if family == "decoder":
-            return self._decoder(stream[0] if stream else None, input_ids, attention_mask, None, None)
-        if family == "encoder":
-            h = self._encoder(stream[0] if stream else None, input_ids, attention_mask)
-            return self.head(h) if self.is_last else h
-        return self._encoder_decoder(stream, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask)
+    def forward(self, *stream: torch.Tensor, **batch: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Received tensors in, tensors to send out (logits on the last stage); the batch's model inputs
+        (`Transformer.forward`'s arguments) arrive as keywords."""
+        streams = self._unpack(stream, batch.get("decoder_input_ids"))
+        out = super().forward(**batch, streams=streams)
+        return out if isinstance(out, torch.Tensor) else self._pack(out, stream)
 
-    def _encoder_decoder(self, stream, src_ids, src_padding, tgt_ids, tgt_padding):
+    def _unpack(self, stream: tuple[torch.Tensor, ...], target_ids: torch.Tensor | None) -> Streams:
+        """The received tensors as `Streams` (see the module docstring for what travels)."""
+        if not self.spec.seq2seq:
+            if not stream:
+                return Streams()
+            return Streams(decoder=stream[0]) if self.decoder_layers is not None else Streams(encoder=stream[0])
+        if not stream:
+            return Streams(decoder=self.embed(target_ids))
+        if self.encoder_layers is not None:
+            return Streams(encoder=stream[0], decoder=stream[1])
+        return Streams(decoder=stream[0], memory=stream[1])
+
+    def _pack(self, streams: Streams, received: tuple[torch.Tensor, ...]) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if not self.spec.seq2seq:
+            return next(h for h in (streams.decoder, streams.encoder, streams.memory) if h is not None)
+        out = (streams.encoder, streams.decoder) if streams.encoder is not None else (streams.decoder, streams.memory)
         # Received tensors passed on unchanged are sent as copies: zero-bubble schedules detach stage outputs in
         # place, and a copy's backward hands the next stage's gradient back to this stage's input.
-        memory = None
-        if self.is_first:
-            h_enc, h_dec = None, self.embed(tgt_ids)
-        elif self.has_encoder:
-            h_enc, h_dec = stream
-            h_dec = h_dec.clone()
-        else:
-            h_dec, memory = stream
-        if self.has_encoder:
-            h_enc = self._encoder(h_enc, src_ids, src_padding)
-            if not self.ends_encoder:
-                return h_enc, h_dec
-            memory = h_enc
-        if not self.has_decoder:
-            return h_dec, memory
-        memory_padding = src_padding
-        if src_padding is not None and self.cfg.cross_downsample > 1:
-            memory_padding = pool_padding_mask(src_padding, self.cfg.cross_downsample)
-        out = self._decoder(h_dec, tgt_ids, tgt_padding, memory, memory_padding)
-        if self.is_last:
-            return out
-        return out, memory if self.has_encoder else memory.clone()
-
-    def _encoder(self, h: torch.Tensor | None, ids: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
-        length = ids.shape[1]
-        if h is None:
-            h = self.embed(ids, source=True)
-        mask = build_mask(length, length, causal=False, window=self.cfg.attention_window, key_padding=padding,
-                          device=ids.device)
-        extra = self._relative(length, length, 0, ids.device, causal=False)
-        for layer in self.encoder_layers.values():
-            h = layer(h, mask, **extra)
-        if not self.ends_encoder:
-            return h
-        if self.encoder_norm is not None:
-            h = self.encoder_norm(h)
-        factor = self.cfg.cross_downsample
-        if self.cfg.family == "encoder_decoder" and factor > 1:
-            h = masked_avg_pool(h, padding, factor)
-        return h
-
-    def _decoder(
-        self,
-        h: torch.Tensor | None,
-        ids: torch.Tensor,
-        padding: torch.Tensor | None,
-        memory: torch.Tensor | None,
-        memory_padding: torch.Tensor | None,
-    ) -> torch.Tensor:
-        if not self.has_decoder:
-            return h
-        length = ids.shape[1]
-        if h is None:
-            h = self.embed(ids)
-        mask = build_mask(length, length, causal=True, window=self.cfg.attention_window, key_padding=padding,
-                          device=ids.device)
-        memory_mask = None
-        if memory is not None:
-            memory_mask = build_mask(length, memory.shape[1], causal=False, key_padding=memory_padding,
-                                     device=ids.device)
-        extra = self._relative(length, length, 0, ids.device, causal=True)
-        for layer in self.decoder_layers.values():
-            h = layer(h, mask, memory=memory, memory_mask=memory_mask, **extra)
-        if self.decoder_norm is not None:
-            h = self.decoder_norm(h)
-        return self.head(h) if self.is_last else h
-
-
-def build_stages(model: Transformer, spans: list[StageSpan], stage_ids: list[int]) -> list[TransformerStage]:
-    return [TransformerStage(model, spans[s]) for s in stage_ids]
+        passed_on = {id(t) for t in received}
+        return tuple(t.clone() if id(t) in passed_on else t for t in out)

@@ -61,17 +61,6 @@ def checkpoint_block(block: nn.Module, *, selective: bool = False) -> None:
     block._meshformer_recompute = "selective" if selective else "full"
 
 
-def numbered_blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
-    """(global execution index, block) for the blocks this module holds; encoder layers come first."""
-    cfg = model.cfg
-    out: list[tuple[int, nn.Module]] = []
-    for stack, offset in (("encoder_layers", 0), ("decoder_layers", cfg.encoder_layers)):
-        layers = getattr(model, stack, None)
-        if layers is not None:
-            out.extend((offset + int(key), block) for key, block in layers.items())
-    return out
-
-
 def apply_recompute(model: nn.Module, mode: str, every: int = 2) -> int:
     """Checkpoint blocks of `model` by `mode`; returns how many blocks recompute."""
     if mode == "none":
@@ -79,7 +68,7 @@ def apply_recompute(model: nn.Module, mode: str, every: int = 2) -> int:
     if mode not in ("full", "selective", "every_k"):
         raise ValueError(f"unknown recompute mode {mode!r}; use none, full, selective or every_k")
     count = 0
-    for index, block in numbered_blocks(model):
+    for index, block in model.spec.blocks(model):  # global execution index, block
         if mode == "every_k" and index % every:
             continue
         checkpoint_block(block, selective=mode == "selective")

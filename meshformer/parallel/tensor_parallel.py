@@ -1,12 +1,12 @@
-"""Tensor + sequence parallel through DTensor plans, for decoder-only, encoder-only and encoder-decoder models.
+"""Tensor + sequence parallel through DTensor plans: applies the family spec's `tp_plan` (model/families/).
 
 Layout of the activations (tp ranks, sequence T, hidden D):
 - embeddings: vocabulary-sharded tables; their output is all-reduced to a replicated (B, T, D) so that
   position embeddings, the embedding norm and dropout run unchanged on full sequences;
 - the first block of each stack slices the sequence (no communication): between blocks the residual stream
   is a plain local tensor (B, T/tp, D), and norms / dropout / residual adds run sequence-parallel;
-- attention and MLP all-gather the sequence on entry (q/k/v, gate/up colwise: each rank owns whole heads /
-  a slice of d_ff) and reduce-scatter it on exit (o_proj, down_proj rowwise);
+- attention and MLP all-gather the sequence on entry (their input projections colwise: each rank owns whole
+  heads / a slice of d_ff) and reduce-scatter it on exit (output projections rowwise);
 - each stack ends by all-gathering its output (after the final norm, or after the last block when there is
   none), so encoder memory is replicated for cross-attention pooling and every decoder layer, and the head
   sees full sequences;
@@ -33,35 +33,46 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshformer.config import ModelConfig
+from meshformer.model.families import spec as styles
+
+# Each style the family specs may name, as DTensor layouts. Vocabulary-sharded logits are kept local: the loss
+# is computed vocab-parallel.
+_STYLES = {
+    styles.VOCAB_ROWS: lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    styles.VOCAB_COLUMNS: lambda: ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+                                                  use_local_output=True),
+    styles.SEQUENCE: lambda: SequenceParallel(use_local_output=True),
+    styles.GATHER: lambda: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    styles.GATHER_MASKED: lambda: PrepareModuleInput(input_layouts=(Shard(1), None),
+                                                     desired_input_layouts=(Replicate(), None)),
+    styles.GATHER_MEMORY: lambda: PrepareModuleInput(
+        input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
+        input_kwarg_layouts={"memory": Replicate()}, desired_input_kwarg_layouts={"memory": Replicate()}),
+    styles.COLWISE: ColwiseParallel,
+    styles.ROWWISE: lambda: RowwiseParallel(output_layouts=Shard(1)),
+}
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """Parallelise a Transformer (or a pipeline stage of one: absent pieces are skipped) in place."""
     cfg: ModelConfig = model.cfg
+    spec = model.spec
     tp, rank = mesh.size(), mesh.get_local_rank()
     _shard_alibi_slopes(model, cfg, tp, rank)
-    plan: dict[str, object] = {}
-    for name in ("tok_embeddings", "src_embeddings"):
-        if getattr(model, name, None) is not None:
-            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if getattr(model, "output", None) is not None:
-        # Vocabulary-sharded logits, kept local: the loss is computed vocab-parallel.
-        plan["output"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=True)
-    parallelize_module(model, mesh, plan)
+    parallelize_module(model, mesh, _plan(model, spec.tp_plan.top))
     _retie(model, cfg)
 
-    for stack in ("encoder_layers", "decoder_layers"):
-        layers = getattr(model, stack, None)
+    for stack in spec.stacks:
+        layers = getattr(model, stack.layers, None)
         if layers is None:
             continue
-        n_total = cfg.encoder_layers if stack == "encoder_layers" else cfg.decoder_layers
         for key, block in layers.items():
-            parallelize_module(block, mesh, _block_plan(block))
+            parallelize_module(block, mesh, _plan(block, spec.tp_plan.block))
             if key == "0":  # enter sequence parallel: slice the replicated embedding output
                 parallelize_module(block, mesh, PrepareModuleInput(
                     input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None), use_local_output=True))
-        final_norm = getattr(model, "encoder_norm" if stack == "encoder_layers" else "decoder_norm", None)
-        last = str(n_total - 1)
+        final_norm = getattr(model, stack.norm, None)
+        last = str(stack.count(cfg) - 1)
         if final_norm is not None:
             parallelize_module(final_norm, mesh, SequenceParallel(use_local_output=True))
             _gather_sequence(final_norm, mesh)
@@ -71,40 +82,16 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def _block_plan(block: nn.Module) -> dict[str, object]:
-    # Norm outputs are local tensors: with post-norm they become the residual stream itself.
-    sequence_parallel = SequenceParallel(use_local_output=True)
-    enter = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
-    plan: dict[str, object] = {
-        "attn_norm": sequence_parallel,
-        "attn": enter,
-        **_attention_plan("attn"),
-        "ffn_norm": sequence_parallel,
-        "ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "ffn.up_proj": ColwiseParallel(),
-        "ffn.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-    }
-    if block.ffn.gate_proj is not None:  # SwiGLU: both input projections are split the same way
-        plan["ffn.gate_proj"] = ColwiseParallel()
-    if block.cross_attn is not None:
-        plan["cross_norm"] = sequence_parallel
-        # Encoder memory arrives replicated; as one DTensor its gradient is all-reduced once for k and v.
-        plan["cross_attn"] = PrepareModuleInput(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
-            input_kwarg_layouts={"memory": Replicate()}, desired_input_kwarg_layouts={"memory": Replicate()})
-        plan.update(_attention_plan("cross_attn"))
+def _plan(module: nn.Module, styles_by_path: dict[str, str]) -> dict[str, object]:
+    """The DTensor styles of the paths `module` has (a stage lacks pieces, a block without SwiGLU its gate)."""
+    plan: dict[str, object] = {}
+    for path, style in styles_by_path.items():
+        try:
+            module.get_submodule(path)
+        except AttributeError:  # absent, or None
+            continue
+        plan[path] = _STYLES[style]()
     return plan
-
-
-def _attention_plan(prefix: str) -> dict[str, object]:
-    # Colwise q/k/v shard whole heads (rows are head-major), so the attention module infers its local
-    # head count from the shapes; GQA works whenever tp divides n_kv_heads.
-    return {
-        f"{prefix}.q_proj": ColwiseParallel(),
-        f"{prefix}.k_proj": ColwiseParallel(),
-        f"{prefix}.v_proj": ColwiseParallel(),
-        f"{prefix}.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-    }
 
 
 def _gather_sequence(module: nn.Module, mesh: DeviceMesh) -> None:

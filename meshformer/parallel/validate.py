@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from meshformer.config import Config, ConfigError
+from meshformer.model.families import get_family_spec
 from meshformer.parallel.mesh import ParallelDims
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
@@ -31,11 +32,13 @@ def n_microbatches(cfg: Config) -> int:
 
 
 def total_layers(cfg: Config) -> int:
-    return cfg.model.encoder_layers + cfg.model.decoder_layers
+    return get_family_spec(cfg.model.family).total_layers(cfg.model)
 
 
-def validate_parallel(cfg: Config, world_size: int, device: torch.device | str | None = None) -> ParallelDims:
-    """Resolve and check the layout; returns the dimensions. Raises ConfigError naming the key to change."""
+def validate_parallel(cfg: Config, world_size: int, device: torch.device | str | None = None, *,
+                      on_this_host: bool = True) -> ParallelDims:
+    """Resolve and check the layout; returns the dimensions. Raises ConfigError naming the key to change.
+    on_this_host=False (e.g. `submit` on a login node): the device's features are not checked here."""
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     device_type = torch.device(device).type if device is not None else _configured_device_type(cfg)
     _check_context_parallel(dims, device_type)
@@ -45,7 +48,7 @@ def validate_parallel(cfg: Config, world_size: int, device: torch.device | str |
                           "with tensor/pipeline parallel yet; use FSDP/HSDP (tp=1, pp=1) or model.position='alibi'")
     _check_tensor_parallel(cfg, dims)
     _check_pipeline(cfg, dims)
-    _check_precision(cfg, dims, device_type)
+    _check_precision(cfg, dims, device_type, on_this_host)
     p = cfg.parallel
     if p.recompute == "every_k" and p.recompute_every < 1:
         raise ConfigError(f"parallel.recompute_every must be >= 1, got {p.recompute_every}")
@@ -86,7 +89,7 @@ def _check_tensor_parallel(cfg: Config, dims: ParallelDims) -> None:
         ("model.vocab_size", m.vocab_size, "embeddings and the output head are split on the vocabulary"),
         ("data.seq_len", cfg.data.seq_len, "sequence parallel splits the sequence between blocks"),
     ]
-    if m.family == "encoder_decoder":
+    if get_family_spec(m.family).seq2seq:
         checks.append(("data.target_len", cfg.data.target_len, "sequence parallel splits the target sequence"))
     for key, value, why in checks:
         if value % tp:
@@ -144,10 +147,10 @@ def _check_pipeline(cfg: Config, dims: ParallelDims) -> None:
                           "raise data.batch_size or lower parallel.pp_microbatches")
 
 
-def _check_precision(cfg: Config, dims: ParallelDims, device_type: str) -> None:
+def _check_precision(cfg: Config, dims: ParallelDims, device_type: str, on_this_host: bool) -> None:
     p = cfg.parallel
     wants_bf16 = cfg.train.dtype == "bf16" or p.mixed_precision_param == "bf16" or p.mixed_precision_reduce == "bf16"
-    if wants_bf16 and not bf16_supported(device_type):
+    if wants_bf16 and on_this_host and not bf16_supported(device_type):
         raise ConfigError(f"bf16 was requested (train.dtype / parallel.mixed_precision_*) but this {device_type} "
                           "device has no bf16 support; use fp32")
     if (p.mixed_precision_param != "fp32" or p.mixed_precision_reduce != "fp32") and not dims.fsdp_enabled:

@@ -4,24 +4,27 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-from meshformer.config import ConfigError, load_config
+from meshformer.config import load_config
+from meshformer.errors import ArgumentParser, run_command
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="meshformer.train", description=__doc__)
+    parser = ArgumentParser(prog="meshformer.train", description=__doc__)
     parser.add_argument("config", help="TOML config file, e.g. configs/tiny-gpt.toml")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="dotted overrides")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error (also MESHFORMER_DEBUG=1)")
     return parser.parse_args(argv)
 
 
 def run(config_path: str, overrides: list[str]) -> None:
     """Train on this process; joins the process group first when launched by torchrun."""
     from meshformer.train.metrics import setup_console_logging
+    from meshformer.train.preflight import preflight
     from meshformer.train.trainer import Trainer
 
     cfg = load_config(config_path, overrides)  # validated before any process-group work
+    preflight(cfg)  # folders, disk space, tokenizer, data: before the process group and the model
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     setup_console_logging(rank)
     distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1
@@ -38,10 +41,7 @@ def run(config_path: str, overrides: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    try:
-        run(args.config, args.set)
-    except ConfigError as err:
-        sys.exit(f"config error: {err}")
+    run_command(run, args.config, args.set, debug=args.debug)  # one rank reports a mistake, in one line
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from meshformer.config import Config
+from meshformer.model.families import get_family_spec
 from meshformer.model.generate import greedy_decode
 
 PROMPT = "And God said unto"
@@ -20,14 +21,14 @@ def decoded_sample(
     was_training = model.training
     model.eval()
     try:
-        family = cfg.model.family
-        if family == "decoder":
+        spec = get_family_spec(cfg.model.family)
+        if spec.has_decoder and not spec.seq2seq:
             prompt = torch.tensor([tokenizer.encode(PROMPT)], device=device)
             max_new = min(max_new, cfg.model.max_seq_len - prompt.shape[1])
             out = greedy_decode(model, prompt, max_new, eos_id=tokenizer.eos_id)
             return tokenizer.decode(out[0].tolist())
         ids = tokenizer.encode(SOURCE)[: cfg.data.seq_len]  # the encoder's position table ends at max_seq_len
-        if family == "encoder":
+        if not spec.has_decoder:
             masked = list(ids)
             for i in range(2, len(masked), 4):  # hide every fourth token and let the model fill it in
                 masked[i] = tokenizer.mask_id

@@ -22,12 +22,14 @@ from meshformer.launcher.profiler import StepProfiler
 from meshformer.launcher.stragglers import rank_timings, straggler_scalars
 from meshformer.launcher.watchdog import HangWatchdog
 from meshformer.model import Transformer
+from meshformer.model.families import get_family_spec
 from meshformer.model.flops import flops_per_token
 from meshformer.model.init import new_seed
 from meshformer.parallel import build_plan
 from meshformer.parallel.plan import Batch, TrainingPlan, default_loss_fn
-from meshformer.train.metrics import RunLogger, memory_gib, peak_flops
+from meshformer.train.metrics import FlopsCeiling, RunLogger, memory_gib, peak_flops, synchronize
 from meshformer.train.optim import build_optimizer, build_scheduler
+from meshformer.train.preflight import check_vocab
 from meshformer.train.sampling import decoded_sample
 
 
@@ -51,8 +53,8 @@ class Trainer:
         if cfg.train.dtype == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError("train.dtype='bf16' but this GPU has no bf16 support; use train.dtype='fp32'")
         # Measured first, before data workers or other ranks' set-up compete for the device.
-        self.peak_flops, peak_source = peak_flops(self.device, torch.bfloat16 if cfg.train.dtype == "bf16"
-                                                  else torch.float32)
+        self.ceiling = FlopsCeiling(*peak_flops(self.device, torch.bfloat16 if cfg.train.dtype == "bf16"
+                                                else torch.float32))
         self.run_dir = Path(cfg.logging.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if rank == 0:
@@ -60,9 +62,7 @@ class Trainer:
         self.logger = RunLogger(self.run_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
 
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        if self.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size="
-                              f"{cfg.model.vocab_size}; raise model.vocab_size to at least {self.tokenizer.vocab_size}")
+        check_vocab(self.tokenizer, cfg.model.vocab_size)
 
         try:  # checked now, not after training, when the final weights are written
             parse_size(cfg.checkpoint.max_shard_size)
@@ -87,7 +87,7 @@ class Trainer:
         self.eval_data = build_loader(cfg, self.tokenizer, "eval", self.plan.dp_rank, self.plan.dp_size)
         self.step = 0
         # Encoder-decoder steps feed source and target tokens: both count towards tokens/s and MFU.
-        self.target_len = cfg.data.target_len if cfg.model.family == "encoder_decoder" else None
+        self.target_len = cfg.data.target_len if get_family_spec(cfg.model.family).seq2seq else None
         self.tokens_seen = torch.zeros((), dtype=torch.long, device=self.device)  # target tokens trained on
         self.checkpoints = CheckpointManager.from_config(cfg, self.run_dir, log=self.logger.info)
 
@@ -96,8 +96,8 @@ class Trainer:
         self.logger.info(
             f"model: {cfg.model.family}, {n_params / 1e6:.2f}M parameters, objective {cfg.objective}; "
             f"device {self.device}, dtype {cfg.train.dtype}; AdamW kernel: {kernel}; attention: "
-            f"{cfg.model.attention_backend}; peak {self.peak_flops / 1e12:.2f} TFLOP/s ({peak_source}); model built "
-            f"and sharded in {self.build_s:.2f}s"
+            f"{cfg.model.attention_backend}; MFU ceiling {self.ceiling.flops / 1e12:.2f} TFLOP/s "
+            f"({self.ceiling.source}); model built and sharded in {self.build_s:.2f}s"
         )
         # Cluster diagnostics: per-rank hang reports (stalls, collective timeouts), a profiled step range,
         # and the time this rank waits for batches (reset at each logging step).
@@ -175,15 +175,19 @@ class Trainer:
             step = self.step
             if step % cfg.logging.log_interval == 0 or step == cfg.train.steps:
                 self.watchdog.phase("logging")
+                synchronize(self.device)  # the window's queued device work is part of its time
                 elapsed = time.perf_counter() - window_start
                 last_loss = self.plan.reduce_for_logging(window_loss) / max(float(window_tokens), 1.0)
                 tokens_per_s = tokens_per_step * window_steps / elapsed
+                mfu, ceiling_note = self.ceiling.mfu(self.flops_per_token * tokens_per_s / _world_size())
+                if ceiling_note:
+                    log.info(ceiling_note)
                 record = {
                     "train/loss": last_loss,
                     "train/lr": self.last_lr,
                     "train/grad_norm": float(grad_norm),
                     "perf/tokens_per_s": tokens_per_s,
-                    "perf/mfu": self.flops_per_token * tokens_per_s / _world_size() / self.peak_flops,
+                    "perf/mfu": mfu,
                     "perf/memory_gib": memory_gib(self.device),
                     "perf/step_time_s": elapsed / window_steps,
                 }
@@ -199,7 +203,7 @@ class Trainer:
                 )
                 window_loss.zero_()
                 window_tokens.zero_()
-                window_start, window_steps = time.perf_counter(), 0
+                window_steps = 0
             if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == cfg.train.steps):
                 self.watchdog.phase("eval")
                 eval_loss = self.evaluate()
@@ -211,6 +215,9 @@ class Trainer:
                 if text is not None:
                     log.text(step, "sample", text)
                     log.info(f"sample {step:>5} | {text!r}")
+            if window_steps == 0:  # a window was just logged: the next starts here, evaluation and samples excluded
+                synchronize(self.device)
+                window_start = time.perf_counter()
             self.watchdog.phase("checkpoint")
             save_start, saved_before = time.perf_counter(), self.checkpoints.last_saved_step
             stop = self.checkpoints.after_step(self)  # SIGTERM: a checkpoint was saved; stop here

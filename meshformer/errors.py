@@ -1,0 +1,122 @@
+"""One error surface for every command: a user's mistake ends as one line, `error: <what> — <how to fix>`.
+
+Every meshformer error type (config, data, tokenizer, shard, manifest, checkpoint, conversion, launch)
+derives from `MeshformerError`. The commands' entry points run through `run_command`, which turns such an
+error (and an OSError: a missing file, a full disk, a denied permission) into that line on stderr and a
+non-zero exit status, without a traceback. `--debug` or MESHFORMER_DEBUG=1 re-raises it with its traceback;
+any other exception is a bug and keeps its traceback.
+
+Under torchrun every rank runs the same checks, so a mistake usually fails on all of them at once, and some
+failures (a shard missing on one node) hit only some ranks. Exactly one rank per node reports: the first
+to create a marker file in the folder torchrun's agent keeps for this attempt (beside the ranks' error
+files). It needs no process group (which may not exist yet, or be broken), does not depend on rank 0
+failing too (a shard missing on one node fails only that node's ranks), and the others exit non-zero in
+silence. With several nodes, each node whose ranks fail prints the line once (their agents' folders differ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+DEBUG_ENV = "MESHFORMER_DEBUG"
+
+
+class MeshformerError(Exception):
+    """A problem the user can fix: `what` is wrong, `fix` says how (or the message says both, "what; fix")."""
+
+    def __init__(self, what: str, fix: str | None = None) -> None:
+        super().__init__(what if fix is None else f"{what}; {fix}")
+        self.what, self.fix = (what, fix) if fix is not None else _split(_from_worker(what))
+
+    def one_line(self) -> str:
+        return _flat(f"{self.what} — {self.fix}" if self.fix else self.what)
+
+
+class UsageError(MeshformerError, ValueError):
+    """A command-line option out of range or contradicting another one."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Command-line usage mistakes in the same one-line form (subcommands' parsers are of this class too)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} — see `{self.prog} --help`\n")
+
+
+def _from_worker(message: str) -> str:
+    """torch's DataLoader re-raises a worker's error as `type("Caught X in DataLoader worker ...\\nOriginal
+    Traceback ...\\nmodule.X: message")`: keep the message."""
+    if not message.startswith("Caught ") or "\nOriginal Traceback" not in message:
+        return message
+    last = message.rstrip().splitlines()[-1]
+    return last.split(": ", 1)[1] if ": " in last else last
+
+
+def _split(message: str) -> tuple[str, str | None]:
+    what, sep, fix = message.partition("; ")
+    return (what, fix) if sep else (message, None)
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+_OS_FIXES = {
+    errno.ENOSPC: "free disk space there or point the output at a larger filesystem",
+    errno.EACCES: "check the permissions, or choose a folder you can write",
+    errno.EPERM: "check the permissions, or choose a folder you can write",
+    errno.EROFS: "the filesystem is read-only; choose a writable folder",
+    errno.ENOENT: "check the path",
+    errno.ENOTDIR: "a part of the path is a file; choose another path",
+    errno.EISDIR: "pass a file, not a folder",
+    errno.EEXIST: "remove it or choose another path",
+}
+
+
+def describe(err: BaseException) -> str:
+    """The one line (without "error: ") for a meshformer error or an OSError."""
+    if isinstance(err, MeshformerError):
+        return err.one_line()
+    if isinstance(err, OSError) and err.errno is not None:
+        where = f": {err.filename}" if err.filename else ""
+        fix = _OS_FIXES.get(err.errno, "check the path and the disk")
+        return _flat(f"{err.strerror or err}{where} — {fix}")
+    return MeshformerError(str(err)).one_line()  # an OSError raised with a written message
+
+
+def debug_enabled(flag: bool = False) -> bool:
+    return flag or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def run_command(func: Callable[..., Any], *args: Any, debug: bool = False) -> Any:
+    """Call a command; a user-fixable error becomes SystemExit("error: ...") (exit status 1), or a silent
+    SystemExit(1) on a rank that leaves the report to another one."""
+    try:
+        return func(*args)
+    except (MeshformerError, OSError) as err:
+        if debug_enabled(debug):
+            raise
+        raise SystemExit(f"error: {describe(err)}" if _this_rank_reports() else 1) from None
+
+
+def _this_rank_reports() -> bool:
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return True
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # <agent log dir>/<run id>/attempt_<n>/<rank>/error.json
+    if error_file:
+        marker = os.path.join(os.path.dirname(os.path.dirname(error_file)), "meshformer-error-reported")
+    else:  # launched without torchrun's agent: key the marker by the job and the parent process
+        key = "-".join(os.environ.get(name, "") for name in ("TORCHELASTIC_RUN_ID", "MASTER_PORT"))
+        marker = os.path.join(tempfile.gettempdir(), f"meshformer-error-{key}-{os.getppid()}")
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return False  # a rank of this node and attempt already reported
+    except OSError:
+        return int(os.environ.get("LOCAL_RANK", "0")) == 0  # no temp folder: fall back to the node's first rank
+    return True

@@ -1,0 +1,67 @@
+"""What the three built-in families share: the blocks of `model/layers.py` and the pieces of `Transformer`.
+
+A family built from other blocks (e.g. mixture-of-experts feed-forwards) declares its own plan and layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from meshformer.model.families.spec import (
+    COLWISE,
+    GATHER,
+    GATHER_MASKED,
+    GATHER_MEMORY,
+    ROWWISE,
+    SEQUENCE,
+    VOCAB_COLUMNS,
+    VOCAB_ROWS,
+    FamilySpec,
+    PipelineLayout,
+    Stack,
+    TPPlan,
+)
+
+ENCODER = Stack("encoder", causal=False, count=lambda cfg: cfg.encoder_layers)
+DECODER = Stack("decoder", causal=True, count=lambda cfg: cfg.decoder_layers)
+CROSS_DECODER = Stack("decoder", causal=True, count=lambda cfg: cfg.decoder_layers, cross=True)
+
+# No stage holds the T5 relative biases (shared by a whole stack): validate.py refuses t5_relative with pp > 1.
+PIPELINE = PipelineLayout(
+    first=("tok_embeddings", "src_embeddings", "pos_embeddings", "embedding_norm"),
+    every=("rope",),
+    last=("head_dense", "head_act", "head_norm", "output"),
+)
+
+
+def _attention(prefix: str) -> dict[str, str]:
+    # Colwise q/k/v shard whole heads (rows are head-major), so the attention module infers its local
+    # head count from the shapes; GQA works whenever tp divides n_kv_heads.
+    return {f"{prefix}.q_proj": COLWISE, f"{prefix}.k_proj": COLWISE, f"{prefix}.v_proj": COLWISE,
+            f"{prefix}.o_proj": ROWWISE}
+
+
+# Between blocks the residual stream is a sequence shard; attention and feed-forward gather it on entry and
+# reduce-scatter it on exit. Norm outputs stay local tensors: with post-norm they are the residual stream.
+TP_PLAN = TPPlan(
+    top={"tok_embeddings": VOCAB_ROWS, "src_embeddings": VOCAB_ROWS, "output": VOCAB_COLUMNS},
+    block={
+        "attn_norm": SEQUENCE, "attn": GATHER_MASKED, **_attention("attn"),
+        # Encoder memory arrives replicated; as one DTensor its gradient is all-reduced once for k and v.
+        "cross_norm": SEQUENCE, "cross_attn": GATHER_MEMORY, **_attention("cross_attn"),
+        "ffn_norm": SEQUENCE, "ffn": GATHER,
+        "ffn.gate_proj": COLWISE, "ffn.up_proj": COLWISE, "ffn.down_proj": ROWWISE,  # SwiGLU splits gate as up
+    },
+)
+
+
+def init_transformer(model: nn.Module) -> None:
+    """The model's own initialisation (model/transformer.py: Transformer.init_weights)."""
+    model.init_weights()
+
+
+def transformer_family(**fields: Any) -> FamilySpec:
+    """A family of `model/layers.py` blocks: the shared init, pipeline layout and TP plan, unless overridden."""
+    return FamilySpec(**{"init": init_transformer, "pipeline": PIPELINE, "tp_plan": TP_PLAN, **fields})

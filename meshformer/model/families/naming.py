@@ -1,0 +1,52 @@
+"""`Rule`: one foreign tensor tied to one or more of ours; the families' name maps are lists of them.
+
+Several of ours are concatenated along dim 0 (output features), e.g. q/k/v into GPT-2's `c_attn` or
+nn.MultiheadAttention's `in_proj_weight`. checkpointing/mapping.py applies rules both ways.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from meshformer.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Rule:
+    ours: tuple[str, ...]  # our tensors, concatenated along dim 0 when several
+    theirs: str
+    transpose: bool = False  # foreign layout is (in, out), e.g. GPT-2's Conv1D
+    alias: bool = False  # a foreign duplicate of a tied tensor: written on export, ignored on import
+
+
+def params(ours: str | tuple[str, ...], theirs: str, names: Iterable[str] = ("weight", "bias"), *,
+           transpose: bool = False) -> list[Rule]:
+    """Rules for the weight/bias pair (or just the weight) of a module on both sides."""
+    ours = (ours,) if isinstance(ours, str) else ours
+    return [Rule(tuple(f"{o}.{n}" for o in ours), f"{theirs}.{n}", transpose) for n in names]
+
+
+@dataclass(frozen=True)
+class MegatronNames:
+    """Our names for what a Megatron-Core model stacks per layer and packs (checkpointing/megatron.py)."""
+
+    model: str  # the Megatron-Core class, e.g. "GPTModel"
+    layers: str  # our stack: `<layers>.<i>.` prefixes every per-layer name below
+    embedding: str
+    positions: str
+    final_norm: str
+    output: str
+    attn_norm: str  # Megatron folds it into linear_qkv
+    ffn_norm: str  # ... and this one into linear_fc1
+    qkv: tuple[str, str, str]  # packed per query group into linear_qkv
+    attn_out: str
+    gate: str  # SwiGLU: linear_fc1 = [gate; up]
+    up: str
+    down: str
+
+
+def norm(ours: str, theirs: str, cfg: ModelConfig) -> list[Rule]:
+    """A norm's weight, and its bias where it has one (LayerNorm with model.bias)."""
+    has_bias = cfg.norm == "layernorm" and cfg.bias
+    return params(ours, theirs, ("weight", "bias") if has_bias else ("weight",))

@@ -1,0 +1,113 @@
+"""`FamilySpec`: everything the rest of meshformer needs to know about one model family, in one place.
+
+A family says which layer stacks it has, how it trains (objectives), how it initialises, how a pipeline
+splits it, how tensor parallelism shards it, how its weights are named by other implementations, and how
+many FLOPs it costs. `parallel/`, `checkpointing/` and `train/` apply what a spec declares and name no
+module inside a block themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from torch import nn
+
+from meshformer.config import ModelConfig
+from meshformer.model.families.naming import MegatronNames, Rule
+
+# Tensor-parallel styles a plan may name; parallel/tensor_parallel.py gives each its DTensor layouts.
+VOCAB_ROWS = "vocab_rows"  # embedding table split on the vocabulary, output replicated
+VOCAB_COLUMNS = "vocab_columns"  # output projection split on the vocabulary, logits stay sharded
+SEQUENCE = "sequence"  # runs on this rank's slice of the sequence (norms)
+GATHER = "gather"  # all-gathers its one input from the sequence slices
+GATHER_MASKED = "gather_masked"  # all-gathers its first input; the second (the mask) passes untouched
+GATHER_MEMORY = "gather_memory"  # as GATHER_MASKED, and reads the (replicated) encoder memory keyword
+COLWISE = "colwise"  # splits output features: whole heads, or a slice of d_ff
+ROWWISE = "rowwise"  # splits input features; the output is reduce-scattered onto the sequence
+
+RulesFn = Callable[[ModelConfig], list[Rule]]
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One stack of blocks: held in `<name>_layers` (a ModuleDict "0", "1", ...) with final norm `<name>_norm`."""
+
+    name: str
+    causal: bool
+    count: Callable[[ModelConfig], int]  # how many blocks the config asks for
+    cross: bool = False  # blocks cross-attend the encoder's output
+
+    @property
+    def layers(self) -> str:
+        return f"{self.name}_layers"
+
+    @property
+    def norm(self) -> str:
+        return f"{self.name}_norm"
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Which model pieces (top-level attributes) a pipeline stage holds besides its range of blocks.
+
+    Each stack's final norm goes with the stack's last block.
+    """
+
+    first: tuple[str, ...]  # the first stage: everything that embeds
+    every: tuple[str, ...]  # every stage: parameter-free helpers rebuilt locally
+    last: tuple[str, ...]  # the last stage: the head
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """Tensor-parallel styles by module path; paths a model (or stage) lacks are skipped."""
+
+    top: Mapping[str, str]  # top-level attribute -> style
+    block: Mapping[str, str]  # path inside every block -> style
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: str
+    stacks: tuple[Stack, ...]  # in execution order
+    objectives: tuple[str, ...]  # train.objective values that fit; the first is what "auto" picks
+    init: Callable[[nn.Module], None]  # draws every weight of a freshly built model
+    pipeline: PipelineLayout
+    tp_plan: TPPlan
+    training_flops: Callable[[ModelConfig, int, int | None], int]  # (cfg, seq_len, target_len) -> FLOPs
+    name_maps: Mapping[str, RulesFn]  # foreign implementation -> weight-name rules (checkpointing/mapping.py)
+    megatron: MegatronNames | None = None  # how our weights map to a Megatron-Core model, if they do
+
+    @property
+    def has_encoder(self) -> bool:
+        return any(not s.causal for s in self.stacks)
+
+    @property
+    def has_decoder(self) -> bool:
+        return any(s.causal for s in self.stacks)
+
+    @property
+    def seq2seq(self) -> bool:
+        """Source and target are separate streams (decoder_input_ids / decoder_attention_mask)."""
+        return any(s.cross for s in self.stacks)
+
+    def total_layers(self, cfg: ModelConfig) -> int:
+        return sum(s.count(cfg) for s in self.stacks)
+
+    def layer_offsets(self, cfg: ModelConfig) -> dict[str, int]:
+        """Each stack's attribute -> the global execution index of its first block."""
+        offsets, offset = {}, 0
+        for stack in self.stacks:
+            offsets[stack.layers] = offset
+            offset += stack.count(cfg)
+        return offsets
+
+    def blocks(self, model: nn.Module) -> list[tuple[int, nn.Module]]:
+        """(global execution index, block) for the blocks `model` holds: the FSDP and recompute units."""
+        out: list[tuple[int, nn.Module]] = []
+        for name, offset in self.layer_offsets(model.cfg).items():
+            layers = getattr(model, name, None)
+            if layers is not None:
+                out.extend((offset + int(key), block) for key, block in layers.items())
+        return out

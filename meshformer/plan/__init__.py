@@ -1,0 +1,21 @@
+"""The memory planner: per-rank memory of a training step for any layout and world size, without a GPU.
+
+    dims, ranks = estimate(cfg, world_size=512)   # one RankMemory per distinct pipeline rank
+"""
+
+from __future__ import annotations
+
+from meshformer.config import Config
+from meshformer.parallel.mesh import ParallelDims
+from meshformer.plan.memory import RankMemory, rank_memory
+from meshformer.plan.shard import fake_world, rank_shares
+
+
+def estimate(cfg: Config, world_size: int) -> tuple[ParallelDims, list[RankMemory]]:
+    """Build and parallelise the model on meta under a fake `world_size`-rank group; memory per pipeline rank."""
+    with fake_world(world_size):
+        dims, shares = rank_shares(cfg, world_size)
+    return dims, [rank_memory(cfg, dims, share) for share in shares]
+
+
+__all__ = ["RankMemory", "estimate"]

@@ -1,0 +1,138 @@
+"""Activation bytes of our blocks, per micro-batch, from what their autograd graph actually keeps.
+
+Read off `torch.autograd.graph.saved_tensors_hooks` on our `TransformerBlock` (pre-norm; b = micro-batch,
+s = sequence, h = d_model, f = d_ff, a = activation bytes, t = tensor-parallel size; with t > 1 the residual
+stream is sequence-parallel, s/t, and each branch works on the all-gathered full sequence):
+- each norm keeps its input (RMSNorm a second (b, s, h) tensor) and fp32 statistics, and the linear after it
+  keeps the (gathered) normalised input: with sequence parallel that copy is full length, not s/t;
+- SDPA (CPU flash, CUDA flash / memory-efficient) keeps q, k, v (GQA: k and v repeated to every head), its
+  output and an fp32 log-sum-exp; the math backend keeps the fp32 softmax (b, heads, s, s) instead;
+- SwiGLU keeps gate, up, silu(gate) and their product; GELU / ReLU keep the input and output of the activation;
+- dropout keeps a one-byte mask per element.
+This is Korthikanti et al.'s (2022) accounting, 34 sbh + 5 a s^2 b per layer in their GPT, redone for these
+blocks. Selective recomputation keeps what our policy saves (`meshformer.parallel.recompute`): matmul outputs,
+the attention kernel's outputs and tensor-parallel reduce-scatters, plus the block input; full recomputation
+keeps only the block input, and a block's backward first rebuilds its whole activation set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshformer.config import Config, ModelConfig
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    batch: int  # sequences in one (pipeline) micro-batch
+    seq: int
+    tp: int
+    bytes: int  # element size of matmul/attention activations: 2 under bf16 (autocast or FSDP params), else 4
+    residual_bytes: int  # element size of the residual stream: fp32 under autocast (fp32 weights), else `bytes`
+
+
+def activation_shape(cfg: Config, batch: int, tp: int, fsdp: bool) -> ActivationShape:
+    bf16_params = fsdp and cfg.parallel.mixed_precision_param == "bf16"
+    a = 2 if bf16_params or cfg.train.dtype == "bf16" else 4
+    return ActivationShape(batch, cfg.data.seq_len, tp, a, 2 if bf16_params else 4)
+
+
+def _norm(m: ModelConfig, x: ActivationShape, s_local: int) -> float:
+    """A norm's saved input and statistics (RMSNorm upcasts: an fp32 input and an fp32 normalised copy)."""
+    rows = x.batch * s_local
+    if m.norm == "rmsnorm":
+        return rows * (2 * m.d_model + 1) * FP32
+    return rows * (m.d_model * x.residual_bytes + 2 * FP32)
+
+
+def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memory_len: int = 0) -> float:
+    """Bytes one block keeps from forward to backward without recomputation."""
+    b, s, t, a = x.batch, x.seq, x.tp, x.bytes
+    h = m.d_model
+    s_local = s // t if t > 1 else s
+    gathered = b * s * h * a  # the normalised input the projections read (all-gathered under SP)
+    heads = m.n_heads // t
+    qkv_out = b * s * heads * m.head_dim * a
+    total = 0.0
+    for branch_cross in ([False, True] if cross else [False]):
+        total += _norm(m, x, s_local) + gathered
+        k_len = memory_len if branch_cross else s
+        kv = b * k_len * heads * m.head_dim * a
+        if m.attention_backend == "math":
+            scores = b * heads * s * k_len
+            total += 2 * qkv_out + 2 * kv + scores * FP32 + (scores * a if a != FP32 else 0)
+            if m.attention_dropout > 0:
+                total += scores * (a + 1)
+        else:
+            total += 2 * qkv_out + 2 * kv + b * heads * s * FP32
+        if m.dropout > 0:
+            total += b * s_local * h
+    total += _norm(m, x, s_local) + gathered
+    ffn = b * s * (m.d_ff // t) * a
+    total += {"swiglu": 4, "relu": 1}.get(m.activation, 2) * ffn
+    if m.dropout > 0:
+        total += b * s_local * h
+    return total
+
+
+def block_selective(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memory_len: int = 0) -> float:
+    """Bytes one block keeps under our selective policy: block input, matmul and attention outputs."""
+    b, s, t, a = x.batch, x.seq, x.tp, x.bytes
+    h = m.d_model
+    s_local = s // t if t > 1 else s
+    heads, kv_heads = m.n_heads // t, m.kv_heads // t
+    branches = 2 if cross else 1
+    total = b * s_local * h * x.residual_bytes  # the checkpointed block's input
+    for branch_cross in ([False, True] if cross else [False]):
+        k_len = memory_len if branch_cross else s
+        total += b * s * heads * m.head_dim * a * 2  # q projection and attention output
+        total += 2 * b * k_len * kv_heads * m.head_dim * a  # k, v projections
+        total += b * heads * s * FP32  # log-sum-exp
+        if m.attention_backend == "math":
+            total += 2 * b * heads * s * k_len * a  # the two attention matmuls' outputs (scores, weighted values)
+    ffn = b * s * (m.d_ff // t) * a
+    total += (2 if m.activation == "swiglu" else 1) * ffn
+    total += (branches + 1) * b * s * h * a  # o_proj / down_proj outputs before the reduce-scatter
+    if t > 1:
+        total += (branches + 1) * b * s_local * h * a  # reduce-scatter outputs
+    return total
+
+
+def block_input(m: ModelConfig, x: ActivationShape) -> float:
+    s_local = x.seq // x.tp if x.tp > 1 else x.seq
+    return x.batch * s_local * m.d_model * x.residual_bytes
+
+
+def block_backward_extra(m: ModelConfig, x: ActivationShape) -> float:
+    """Gradients of a block's activations alive at once while it back-propagates (its largest branch)."""
+    b, s, t, a = x.batch, x.seq, x.tp, x.bytes
+    ffn = b * s * (m.d_ff // t) * a
+    heads = m.n_heads // t
+    attention = 4 * b * s * heads * m.head_dim * a
+    if m.attention_backend == "math":
+        attention += 2 * b * heads * s * s * FP32
+    return max((3 if m.activation == "swiglu" else 2) * ffn, attention) + 2 * b * s * m.d_model * a
+
+
+def head_saved(m: ModelConfig, x: ActivationShape, last: bool) -> float:
+    """Final norm and the (gathered) input of the output projection; on the first stage, the token ids."""
+    if not last:
+        return 0.0
+    s_local = x.seq // x.tp if x.tp > 1 else x.seq
+    return _norm(m, x, s_local) + x.batch * x.seq * m.d_model * x.bytes
+
+
+def logits(m: ModelConfig, x: ActivationShape) -> tuple[float, float]:
+    """(kept, transient) of the loss: logits and the fp32 log-softmax (vocab-parallel: exp) kept per micro-batch
+    until its backward, and two fp32 logit-sized gradients alive while the loss back-propagates."""
+    elements = x.batch * x.seq * (m.vocab_size // x.tp)
+    return elements * (x.bytes + FP32), 2 * elements * FP32
+
+
+def recompute_mode_blocks(cfg: Config, layers: tuple[int, ...], mode: str) -> list[str]:
+    """Per held block: 'none', 'selective' or 'full', as `apply_recompute` assigns them."""
+    if mode == "every_k":
+        return ["full" if index % cfg.parallel.recompute_every == 0 else "none" for index in layers]
+    return [mode] * len(layers)

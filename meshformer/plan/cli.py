@@ -1,0 +1,95 @@
+"""`meshformer plan CONFIG --world N [--gpu h100-80gb] [--set ...] [--json]`: memory per rank, fit, and the
+smallest layouts that fit, printed as tables (or one JSON object)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from meshformer.config import Config, ConfigError, load_config
+from meshformer.plan.memory import CUDA_CONTEXT, DEVICES, SAFETY_FRACTION, as_dict, usable_bytes
+from meshformer.plan.search import LayoutMemory, plan_layout, search_layouts
+
+GiB = 2**30
+
+
+def _gib(value: float) -> str:
+    return f"{value / GiB:.2f}"
+
+
+def layout_name(layout: LayoutMemory) -> str:
+    return f"pp{layout.pp} tp{layout.tp} dp{layout.dp_shard}" + (
+        f"x{layout.dp_replicate}" if layout.dp_replicate > 1 else "")
+
+
+def report(cfg: Config, world: int, device: str, *, search: bool = True, top: int = 5) -> dict:
+    start = time.perf_counter()
+    chosen = plan_layout(cfg, world)
+    layouts = search_layouts(cfg, world, device) if search else []
+    budget = usable_bytes(device)
+    return {
+        "world_size": world,
+        "device": device,
+        "capacity_gib": DEVICES[device] / GiB,
+        "usable_gib": budget / GiB,
+        "margin": f"{SAFETY_FRACTION:.0%} of capacity" + (f" + {CUDA_CONTEXT / GiB:.0f} GiB CUDA context"
+                                                           if device != "cpu" else ""),
+        "layout": {"name": layout_name(chosen), "recompute": chosen.recompute, "peak_gib": chosen.peak / GiB,
+                   "fits": chosen.peak <= budget, "ranks": [as_dict(rank) for rank in chosen.ranks]},
+        "fitting_layouts": [{"name": layout_name(lay), "recompute": lay.recompute, "peak_gib": lay.peak / GiB}
+                            for lay in layouts if lay.peak <= budget][:top],
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def print_report(result: dict, title: str) -> None:
+    lay = result["layout"]
+    print(f"{title}: {lay['name']} ({result['world_size']} ranks), recompute={lay['recompute']}; "
+          f"{result['device']}: {result['capacity_gib']:.1f} GiB, usable {result['usable_gib']:.1f} GiB "
+          f"(margin {result['margin']})")
+    columns = ["pp rank", "layers", "params", "grads", "optim", "fsdp bufs", "act/mb", "in flight", "act",
+               "logits", "peak GiB", "peak at"]
+    rows = [[str(r["pp_rank"]), str(r["layers"]), _gib(r["params"]), _gib(r["grads"]), _gib(r["optimizer"]),
+             _gib(r["fsdp_buffers"]), _gib(r["activations_per_microbatch"]), f"{r['in_flight']:.1f}",
+             _gib(r["activations"]), _gib(r["logits"]), _gib(r["peak"]), r["peak_at"]] for r in lay["ranks"]]
+    _table(columns, rows)
+    verdict = "fits" if lay["fits"] else "does NOT fit"
+    print(f"peak {lay['peak_gib']:.2f} GiB per rank: {verdict} in {result['usable_gib']:.1f} GiB")
+    if result["fitting_layouts"]:
+        print("smallest layouts that fit (FSDP over the remaining ranks):")
+        _table(["layout", "recompute", "peak GiB"],
+               [[f["name"], f["recompute"], f"{f['peak_gib']:.2f}"] for f in result["fitting_layouts"]])
+    else:
+        print("no layout with tp <= 8 fits; add ranks, shorten data.seq_len or lower data.batch_size")
+    print(f"({result['seconds']:.1f} s)")
+
+
+def _table(columns: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
+    for row in rows:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))
+
+
+def _plan(args: argparse.Namespace) -> None:
+    if args.world < 1:
+        raise ConfigError(f"--world must be a positive number of ranks, got {args.world}")
+    cfg = load_config(args.config, args.set)
+    result = report(cfg, args.world, args.gpu, search=not args.no_search, top=args.top)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_report(result, args.config)
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser("plan", help="memory per rank of a layout at any world size, and the layouts that fit")
+    plan.add_argument("config")
+    plan.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
+    plan.add_argument("--gpu", choices=sorted(DEVICES), default="h100-80gb", help="device whose memory to fit")
+    plan.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="e.g. parallel.tp=8")
+    plan.add_argument("--top", type=int, default=5, help="how many fitting layouts to list")
+    plan.add_argument("--no-search", action="store_true", help="only the configured layout")
+    plan.add_argument("--json", action="store_true")
+    plan.set_defaults(func=_plan)

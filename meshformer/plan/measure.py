@@ -1,0 +1,136 @@
+"""Measured peak memory of one real training step, to hold the planner's predictions against.
+
+"Measured" means live tensor bytes, not RSS: `LiveTensorBytes` (a dispatch mode that also sees storage
+resizes, which FSDP2 uses to free and re-allocate unsharded weights) follows every tensor storage created
+during the step, plus the parameters, gradients and optimizer state alive when it starts, and records the
+highest total. That is the quantity the planner predicts; the allocator's caching, fragmentation and the
+Python runtime are excluded. (torch's `MemTracker` does the same but refuses modules called more than once
+per step, as pipeline microbatches are.)
+
+The step is the trainer's: `forward_backward` of one micro-batch, gradient clipping, AdamW, `zero_grad`,
+measured on the second step (the first creates the optimizer state).
+"""
+
+from __future__ import annotations
+
+import weakref
+from functools import wraps
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+
+from meshformer.config import Config
+from meshformer.model import Transformer
+from meshformer.parallel import build_plan
+from meshformer.train.optim import build_optimizer
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Peak bytes of live tensor storages while active (weakly referenced, so freeing is seen at once)."""
+
+    def __init__(self, *existing: torch.Tensor) -> None:
+        super().__init__()
+        self._sizes: dict[int, int] = {}  # id(storage) -> bytes counted
+        self._refs: dict[int, weakref.ref] = {}
+        self.live = self.peak = 0
+        for tensor in existing:
+            self._track(tensor)
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        if isinstance(tensor, DTensor):
+            tensor = tensor._local_tensor
+        if isinstance(tensor, FakeTensor) or tensor.device.type == "meta":
+            return
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._sizes and self._refs[key]() is storage:
+            return
+        self._sizes[key] = storage.nbytes()
+        self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._forget(key))
+        self._add(self._sizes[key])
+
+    def _forget(self, key: int) -> None:
+        self._refs.pop(key, None)
+        self._add(-self._sizes.pop(key, 0))
+
+    def _add(self, delta: int) -> None:
+        self.live += delta
+        self.peak = max(self.peak, self.live)
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        if key in self._sizes and self._refs[key]() is storage:
+            old, self._sizes[key] = self._sizes[key], storage.nbytes()
+            self._add(self._sizes[key] - old)
+
+    def __enter__(self):
+        original = self._original_resize = torch.UntypedStorage.resize_
+
+        @wraps(original)
+        def resize_(storage: torch.UntypedStorage, size: int):
+            out = original(storage, size)
+            self._resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._original_resize
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor lower to plain tensor ops, which are what allocate
+        out = func(*args, **(kwargs or {}))
+        tree_map_only(torch.Tensor, self._track, out)
+        return out
+
+
+def synthetic_batch(cfg: Config, dp_rank: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """This data-parallel rank's micro-batch of random tokens (decoder / encoder: ids and labels)."""
+    g = torch.Generator().manual_seed(seed + dp_rank)
+    ids = torch.randint(0, cfg.model.vocab_size, (cfg.data.batch_size, cfg.data.seq_len + 1), generator=g)
+    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+
+
+class TrainingStep:
+    """The trainer's step on a fixed synthetic micro-batch: forward_backward, clipping, AdamW, zero_grad."""
+
+    def __init__(self, cfg: Config, device: torch.device) -> None:
+        torch.manual_seed(cfg.train.seed)
+        self.cfg = cfg
+        self.plan = build_plan(Transformer(cfg.model), cfg, device)
+        if cfg.train.dtype == "bf16":
+            self.plan.autocast_dtype = torch.bfloat16
+        self.optimizer, _ = build_optimizer(self.plan.model_parts, cfg.optim)
+        self.batch = {k: v.to(device) for k, v in synthetic_batch(cfg, self.plan.dp_rank).items()}
+
+    def __call__(self) -> None:
+        plan, batch = self.plan, self.batch
+        plan.forward_backward(batch, plan.global_token_count([batch]))
+        plan.clip_grad_norm(self.cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Weights, buffers and optimizer state: what lives across steps."""
+        out = [t for part in self.plan.model_parts for t in [*part.parameters(), *part.buffers()]]
+        return out + [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+
+
+def measure_step_peak(cfg: Config) -> dict[str, int]:
+    """Peak live tensor bytes of this rank over its second training step under `cfg.parallel` (CPU)."""
+    step = TrainingStep(cfg, torch.device("cpu"))
+    step()  # the first step creates the optimizer state
+    tracker = LiveTensorBytes(*step.state_tensors())
+    start = tracker.live
+    with tracker:
+        step()
+    if dist.is_initialized():
+        dist.barrier()
+    return {"start": start, "peak": tracker.peak}

@@ -1,0 +1,144 @@
+"""Peak memory of one rank over a training step, from its `RankShare` and the activation accounting.
+
+The step is walked in the order things are allocated, and the peak is the largest of these moments:
+- forward end / backward start: master weights, optimizer state, FSDP's unsharded root unit, every in-flight
+  micro-batch's saved activations, the logits and the loss's fp32 work, the head's gradient;
+- each block's backward (last to first): the activations still held, the block's re-gathered weights and
+  unsharded gradients, its recomputed activations, gradients of its activations, finished gradient shards;
+- the optimizer step: weights, gradients, both AdamW moments.
+Master weights, gradient shards and AdamW moments are fp32 (FSDP keeps fp32 shards whatever its policy);
+unsharded weights/gradients use `parallel.mixed_precision_param` under FSDP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from meshformer.config import Config
+from meshformer.model.families import get_family_spec
+from meshformer.parallel.mesh import ParallelDims
+from meshformer.parallel.validate import n_microbatches
+from meshformer.plan import activations as act
+from meshformer.plan.shard import RankShare
+
+GiB = 2**30
+DEVICES = {  # usable bytes as the driver reports them
+    "h100-80gb": 79.6 * GiB,
+    "h200": 139.8 * GiB,
+    "a100-80gb": 79.2 * GiB,
+    "a100-40gb": 39.4 * GiB,
+    "cpu": 24 * GiB,
+}
+SAFETY_FRACTION = 0.10  # fragmentation and allocator slack
+CUDA_CONTEXT = 1.0 * GiB  # CUDA context, cuBLAS / NCCL workspaces
+
+
+@dataclass
+class RankMemory:
+    """Bytes on one pipeline rank (the worst data/tensor-parallel rank of it)."""
+
+    pp_rank: int
+    layers: int
+    params: float  # fp32 master shards
+    grads: float  # fp32 gradient shards
+    optimizer: float  # AdamW exp_avg + exp_avg_sq
+    fsdp_buffers: float  # unsharded root unit + one block's all-gathered weights and unsharded gradients
+    activations: float  # all in-flight micro-batches, saved for backward
+    activations_per_microbatch: float
+    in_flight: float  # micro-batches (of one stage's layers) alive at the worst moment
+    logits: float  # logits + loss work at the start of backward (last stage)
+    peak: float
+    peak_at: str
+
+
+def usable_bytes(device: str) -> float:
+    """What a rank may plan for: capacity less the safety fraction and (on GPUs) the CUDA context."""
+    capacity = DEVICES[device]
+    return capacity * (1 - SAFETY_FRACTION) - (CUDA_CONTEXT if device != "cpu" else 0)
+
+
+def pipeline_in_flight(cfg: Config, dims: ParallelDims, share: RankShare) -> float:
+    """Micro-batches whose activations a pipeline rank holds at once, in units of one stage's worth.
+
+    GPipe runs every forward first (all micro-batches); 1F1B holds pp - rank; interleaved schedules warm up
+    (chunks - 1) * pp + 2 * (pp - rank - 1) + 1 chunk-forwards (Narayanan et al. 2021), each 1/chunks of
+    the rank's layers; zero-bubble schedules are counted like their 1F1B counterpart.
+    """
+    if dims.pp == 1:
+        return 1.0
+    m, pp, r = n_microbatches(cfg), dims.pp, share.pp_rank
+    schedule = cfg.parallel.pp_schedule
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(m, pp - r))
+    chunks = share.chunks
+    warmup = min(m * chunks, (chunks - 1) * pp + 2 * (pp - r - 1) + 1)
+    return warmup / chunks
+
+
+def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory:
+    m, p = cfg.model, cfg.parallel
+    fsdp = dims.fsdp_enabled
+    micro = max(1, cfg.data.batch_size // (n_microbatches(cfg) if dims.pp > 1 else 1))
+    shape = act.activation_shape(cfg, micro, dims.tp, fsdp)
+    unsharded_bytes = 2 if p.mixed_precision_param == "bf16" else 4
+    reduce_bytes = 2 if p.mixed_precision_reduce == "bf16" else 4
+
+    params = share.sharded_numel * 4.0
+    optimizer = 2 * params
+    grads = params
+
+    modes = act.recompute_mode_blocks(cfg, share.layers, p.recompute)
+    cross = get_family_spec(m.family).seq2seq  # decoder blocks also cross-attend the encoder memory
+    enc = m.encoder_layers
+    kept, rebuild = [], []  # per held block: bytes kept through forward, bytes rebuilt in its backward
+    for index, mode in zip(share.layers, modes, strict=True):
+        is_cross = cross and index >= enc
+        full = act.block_saved(m, shape, cross=is_cross, memory_len=cfg.data.seq_len)
+        if mode == "none":
+            kept.append(full), rebuild.append(0.0)
+        elif mode == "selective":
+            kept.append(act.block_selective(m, shape, cross=is_cross, memory_len=cfg.data.seq_len))
+            rebuild.append(full - kept[-1])
+        else:
+            kept.append(act.block_input(m, shape)), rebuild.append(full)
+    head = act.head_saved(m, shape, share.last)
+    per_microbatch = sum(kept) + head
+    in_flight = pipeline_in_flight(cfg, dims, share)
+    logits_kept, logits_work = act.logits(m, shape) if share.last else (0.0, 0.0)
+    # The last stage finishes each micro-batch's backward before the next forward (1F1B), except GPipe.
+    logits_live = logits_kept * (in_flight if p.pp_schedule == "gpipe" and dims.pp > 1 else 1.0) + logits_work
+
+    root = share.root_numel * unsharded_bytes if fsdp else 0.0
+    block_unit = share.block_numel * unsharded_bytes if fsdp else 0.0
+    resharded = p.reshard_after_forward
+    held_units = 0.0 if (not fsdp or resharded) else block_unit * len(share.layers)
+    earlier = (in_flight - 1) * per_microbatch  # other micro-batches' activations (pipeline)
+    # Gradients are whole during the worst backward when an earlier backward filled them: grad_accum > 1, or a
+    # 1F1B-like pipeline with more micro-batches than it holds in flight.
+    later = dims.pp > 1 and p.pp_schedule != "gpipe" and n_microbatches(cfg) > in_flight
+    accumulating = cfg.train.grad_accum > 1 or later
+    static = params + optimizer + (grads if accumulating else 0.0)
+    head_grad = (share.root_numel * (reduce_bytes if fsdp else 4)) if share.last else 0.0
+
+    moments = {"forward end": static + root + held_units + earlier + per_microbatch + logits_live + head_grad}
+    done_grads = head_grad
+    for i in range(len(kept) - 1, -1, -1):
+        still_kept = earlier + sum(kept[:i + 1])
+        unit = 0.0 if not fsdp else block_unit * (1 if resharded else 0) + block_unit + block_unit * reduce_bytes / max(
+            unsharded_bytes, 1)
+        moments[f"backward of block {share.layers[i]}"] = (
+            static + root + held_units + still_kept + rebuild[i] + act.block_backward_extra(m, shape) + unit
+            + done_grads)
+        shard_grad = (share.block_numel / max(dims.dp_shard, 1) * 4) if fsdp else share.block_numel * 4
+        done_grads += 0 if accumulating else shard_grad
+    moments["optimizer step"] = params + optimizer + grads
+    peak_at = max(moments, key=moments.get)
+    fsdp_buffers = root + (block_unit * 3 if fsdp else 0.0)
+    return RankMemory(share.pp_rank, len(share.layers), params, grads, optimizer, fsdp_buffers,
+                      in_flight * per_microbatch, per_microbatch, in_flight, logits_live, moments[peak_at], peak_at)
+
+
+def as_dict(memory: RankMemory) -> dict:
+    return asdict(memory)

@@ -1,0 +1,105 @@
+"""The planner's two questions: what does this layout need per rank, and which layouts fit a device?
+
+Every answer comes from the parallelised model on meta and the peak walk (`memory.rank_memory`). The reported
+layout goes through the trainer's whole path (`shard.rank_shares`); the search applies the real tensor-parallel
+plan once per tp to one block per stack (`shard.tp_template`) and sizes each pipeline split and FSDP size from
+it (`shard.template_shares`); a test holds the two against each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from meshformer.config import Config, ConfigError
+from meshformer.parallel.mesh import ParallelDims
+from meshformer.plan.memory import RankMemory, rank_memory, usable_bytes
+from meshformer.plan.shard import fake_world, meta_model, rank_shares, template_shares, tp_template
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+TP_SIZES = (1, 2, 4, 8)  # tensor parallel stays inside one 8-GPU node
+
+
+@dataclass
+class LayoutMemory:
+    pp: int
+    tp: int
+    dp_shard: int
+    dp_replicate: int
+    recompute: str
+    ranks: list[RankMemory]
+
+    @property
+    def peak(self) -> float:
+        return max(rank.peak for rank in self.ranks)
+
+    @property
+    def worst(self) -> RankMemory:
+        return max(self.ranks, key=lambda rank: rank.peak)
+
+
+def with_layout(cfg: Config, world_size: int, pp: int, tp: int, recompute: str) -> Config:
+    """`cfg` with another layout and FSDP over the remaining ranks, same micro-batch size.
+
+    A pipeline gets pp micro-batches (the 1F1B minimum) of the config's micro-batch size; without data
+    parallelism FSDP's mixed precision becomes bf16 autocast (same activations, fp32 weights).
+    """
+    p, data, train = cfg.parallel, cfg.data, cfg.train
+    micro = max(1, data.batch_size // (p.pp_microbatches or p.pp)) if p.pp > 1 else data.batch_size
+    parallel = dataclasses.replace(p, pp=pp, tp=tp, dp_shard=-1, dp_replicate=1, recompute=recompute,
+                                   pp_split_points=p.pp_split_points if pp == p.pp else [])
+    if pp > 1:
+        schedule = p.pp_schedule if p.pp > 1 else "1f1b"
+        parallel = dataclasses.replace(parallel, pp_schedule=schedule, pp_microbatches=pp)
+    data = dataclasses.replace(data, batch_size=micro * (pp if pp > 1 else 1))
+    if world_size // (pp * tp) == 1 and "bf16" in (p.mixed_precision_param, p.mixed_precision_reduce):
+        parallel = dataclasses.replace(parallel, mixed_precision_param="fp32", mixed_precision_reduce="fp32")
+        train = dataclasses.replace(train, dtype="bf16")
+    return dataclasses.replace(cfg, parallel=parallel, data=data, train=train)
+
+
+def plan_layout(cfg: Config, world_size: int) -> LayoutMemory:
+    """Memory per pipeline rank of `cfg`'s own layout, through the real TP + FSDP path on meta."""
+    with fake_world(world_size):
+        dims, shares = rank_shares(cfg, world_size)
+    return _layout(cfg, dims, [rank_memory(cfg, dims, share) for share in shares])
+
+
+def _layout(cfg: Config, dims: ParallelDims, ranks: list[RankMemory]) -> LayoutMemory:
+    return LayoutMemory(dims.pp, dims.tp, dims.dp_shard, dims.dp_replicate, cfg.parallel.recompute, ranks)
+
+
+def _divisors_pow2(n: int, limit: int) -> list[int]:
+    out, k = [], 1
+    while k <= limit and n % k == 0:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def search_layouts(cfg: Config, world_size: int, device: str) -> list[LayoutMemory]:
+    """Every (pp, tp, recompute) with FSDP over the remaining ranks, smallest first: least model parallelism
+    (tp x pp), then least recomputation, then lowest peak. Layouts the config cannot run are skipped."""
+    layers = cfg.model.encoder_layers + cfg.model.decoder_layers
+    results: list[LayoutMemory] = []
+    with fake_world(world_size):
+        model = meta_model(cfg)
+        for tp in TP_SIZES:
+            if world_size % tp:
+                continue
+            try:
+                template = tp_template(with_layout(cfg, world_size, 1, tp, "none"), world_size, tp)
+            except ConfigError:
+                continue
+            for pp in _divisors_pow2(world_size // tp, layers):
+                base = with_layout(cfg, world_size, pp, tp, "none")
+                try:
+                    dims, shares = template_shares(base, world_size, model, template)
+                except (ConfigError, ValueError):
+                    continue
+                for mode in RECOMPUTE_MODES:
+                    layout_cfg = with_layout(cfg, world_size, pp, tp, mode)
+                    results.append(_layout(layout_cfg, dims, [rank_memory(layout_cfg, dims, s) for s in shares]))
+    budget = usable_bytes(device)
+    results.sort(key=lambda r: (r.peak > budget, r.tp * r.pp, RECOMPUTE_MODES.index(r.recompute), r.peak))
+    return results

@@ -1,0 +1,86 @@
+"""Checks before step 1: everything a run needs that can be checked before a model or process group exists.
+
+A mistake found here costs seconds; found at the first checkpoint or evaluation it costs the run so far.
+Every check raises a meshformer error naming the problem and the config key that fixes it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from meshformer.config import Config, ConfigError
+from meshformer.data import Tokenizer, load_tokenizer
+from meshformer.data.build import check_data
+from meshformer.model.flops import count_params
+
+# One checkpoint holds fp32 parameters and AdamW's two fp32 moments; the rest (data and RNG state, manifest)
+# is small. The margin covers filesystem overhead and the files of a save that is being replaced.
+BYTES_PER_PARAM = 3 * 4
+DISK_MARGIN = 1.1
+DISK_SLACK_BYTES = 64 << 20
+
+
+def preflight(cfg: Config) -> Tokenizer:
+    """Run folders, tokenizer against model.vocab_size, data, free disk space; returns the loaded tokenizer."""
+    run_dir = Path(cfg.logging.run_dir)
+    checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    check_folder(run_dir, "logging.run_dir")
+    check_folder(checkpoint_dir, "checkpoint.dir" if cfg.checkpoint.dir else "logging.run_dir")
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    check_vocab(tokenizer, cfg.model.vocab_size)
+    check_data(cfg, tokenizer)
+    check_disk_space(cfg, run_dir, checkpoint_dir)
+    return tokenizer
+
+
+def check_folder(path: Path, key: str) -> None:
+    """`path` exists as a folder (created if needed) and accepts a new file."""
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ConfigError(f"{key}: {path} cannot be a folder because {blocker} is a file",
+                          f"set {key} to another path, or move {blocker} away")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{key}: cannot write into {path} ({err.strerror or err})",
+                          f"set {key} to a folder you can write, or fix its permissions") from None
+
+
+def check_vocab(tokenizer: Tokenizer, vocab_size: int, tokenizer_key: str = "data.tokenizer") -> None:
+    """Token ids beyond the embedding table would fail deep in the model (or index out of bounds on GPU)."""
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(f"the tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but model.vocab_size="
+                          f"{vocab_size}", f"raise model.vocab_size to at least {tokenizer.vocab_size}, or set "
+                          f"{tokenizer_key} to the tokenizer the model was trained with")
+
+
+def checkpoint_bytes(cfg: Config) -> int:
+    """Estimated size of one training checkpoint: fp32 parameters + two AdamW moments."""
+    return count_params(cfg.model)["total"] * BYTES_PER_PARAM
+
+
+def check_disk_space(cfg: Config, run_dir: Path, checkpoint_dir: Path) -> None:
+    """Room for one more checkpoint (when the run saves them) and the final weights, with a margin."""
+    n_params = count_params(cfg.model)["total"]
+    needs = {run_dir: n_params * 4}  # final/model.safetensors
+    if cfg.checkpoint.interval > 0:  # (a SIGTERM save also needs interval > 0)
+        same_disk = os.stat(run_dir).st_dev == os.stat(checkpoint_dir).st_dev
+        target = run_dir if same_disk else checkpoint_dir
+        needs[target] = needs.get(target, 0) + checkpoint_bytes(cfg)
+    for folder, nbytes in needs.items():
+        required = int(nbytes * DISK_MARGIN) + DISK_SLACK_BYTES
+        free = shutil.disk_usage(folder).free
+        if free < required:
+            saves = "one checkpoint and the final weights" if nbytes > n_params * 4 else "the final weights"
+            raise ConfigError(f"no space left for this run: {folder} has {_gib(free)} free but {saves} of this "
+                              f"{n_params / 1e6:,.1f}M-parameter model need about {_gib(required)}",
+                              "free disk space, or point logging.run_dir / checkpoint.dir at a larger filesystem")
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:,.2f} GiB"

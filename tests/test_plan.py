@@ -1,0 +1,89 @@
+"""The memory planner: its view of a rank equals the real parallel path, and its peaks match measured ones."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from meshformer.config import load_config
+from meshformer.model.flops import count_params
+from meshformer.plan.search import plan_layout, search_layouts, with_layout
+from meshformer.plan.shard import fake_world, meta_model, rank_shares, template_shares, tp_template
+from meshformer.plan.validation import LAYOUTS, TOLERANCE, compare, measure_layouts, validation_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _spawn(world, fn, *args):
+    sys.path.insert(0, str(ROOT / "bench"))
+    from parallel_common import spawn
+
+    return spawn(world, fn, *args)
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_predicted_peak_within_tolerance_of_measured(world):
+    layouts = LAYOUTS[world]
+    per_rank = [measure_layouts(layouts)] if world == 1 else _spawn(world, measure_layouts, layouts)
+    rows = compare(world, layouts, per_rank)
+    bad = [r for r in rows if abs(r["error"]) > TOLERANCE]
+    assert not bad, "\n".join(f"{r['layout']}: predicted {r['predicted']:.0f} B, measured {r['measured']} B "
+                              f"({100 * r['error']:+.1f}%)" for r in bad)
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"tp": 2, "pp": 2}, {"pp": 4, "pp_schedule": "interleaved_1f1b",
+                                                                   "pp_stages_per_rank": 2, "pp_microbatches": 4},
+                                    {"pp": 2, "pp_schedule": "zbv", "pp_microbatches": 2}])
+@pytest.mark.parametrize("tied", [False, True])
+def test_search_shards_equal_real_fsdp_shards(layout, tied):
+    """The search sizes layouts from one tensor-parallel block per stack; that must equal the real TP + FSDP path."""
+    # 500 vocabulary rows: FSDP pads them unevenly over 16 ranks
+    cfg = validation_config(layout, n_layers=8, vocab=500, tie_embeddings=tied)
+    world = 64
+    with fake_world(world):
+        _, real = rank_shares(cfg, world)
+        _, derived = template_shares(cfg, world, meta_model(cfg), tp_template(cfg, world, cfg.parallel.tp))
+    assert [(s.pp_rank, s.layers, s.sharded_numel, s.root_numel, s.block_numel) for s in real] == \
+        [(s.pp_rank, s.layers, s.sharded_numel, s.root_numel, s.block_numel) for s in derived]
+
+
+def test_405b_at_4096_ranks_plans_fast_and_shards_every_parameter():
+    cfg = load_config(ROOT / "configs" / "llama-405b.toml")
+    start = time.process_time()
+    layout = plan_layout(cfg, 4096)
+    assert time.process_time() - start < 30  # CPU seconds: one fake rank, not 4096
+    total = count_params(cfg.model)["total"]
+    # Every rank holds about 1/4096 of the model (fp32 masters): its blocks, plus its stage's end pieces.
+    assert layout.pp == 8 and layout.tp == 8 and layout.dp_shard == 64
+    assert total / 4096 < max(rank.params / 4 for rank in layout.ranks) < 1.3 * total / 4096
+    # Full recomputation keeps one (s/tp, h) bf16 input per block on the worst rank: 16 layers here.
+    worst = layout.worst
+    assert worst.activations_per_microbatch >= 16 * 8192 // 8 * 16384 * 2
+
+
+def test_search_orders_fitting_layouts_and_respects_the_device():
+    cfg = with_layout(validation_config({}), 8, 1, 1, "none")
+    results = search_layouts(cfg, 8, "h100-80gb")
+    assert results[0].tp * results[0].pp == 1 and results[0].recompute == "none"
+    peaks = {(r.pp, r.tp, r.recompute): r.peak for r in results}
+    assert peaks[(1, 1, "full")] < peaks[(1, 1, "selective")] < peaks[(1, 1, "none")]
+    assert peaks[(1, 2, "none")] < peaks[(1, 1, "none")]
+
+
+def test_cli_prints_table_and_json(capsys):
+    import json
+
+    from meshformer.cli import main
+
+    config = str(ROOT / "configs" / "llama-8b.toml")
+    main(["plan", config, "--world", "8", "--gpu", "h100-80gb", "--no-search", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["layout"]["name"] == "pp1 tp1 dp8" and result["world_size"] == 8
+    main(["plan", config, "--world", "8", "--gpu", "a100-80gb", "--no-search"])
+    out = capsys.readouterr().out
+    assert "peak GiB" in out and "usable" in out
+    with pytest.raises(SystemExit, match="does not divide"):
+        main(["plan", config, "--world", "12", "--set", "parallel.tp=8"])
