@@ -64,9 +64,14 @@ def gathered_tensors(plan) -> Iterator[tuple[str, torch.Tensor]]:
     from torch.distributed.tensor import DTensor
 
     from meshformer.checkpointing.state import named_parameters
+    from meshformer.model import Transformer
 
     local = dict(named_parameters(plan.model_parts))
-    names = saved_names(plan.model_parts[0].cfg)
+    cfg = plan.model_parts[0].cfg
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items()}  # of tensors other ranks send
+    names = saved_names(cfg)
+    dtype = next(iter(local.values())).dtype
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     owner = dict.fromkeys(local, 0)
@@ -90,22 +95,10 @@ def gathered_tensors(plan) -> Iterator[tuple[str, torch.Tensor]]:
                 dist.send(full.contiguous(), dst=0)
             if rank == 0:
                 if owner[name] != 0:
-                    meta = _remote_meta(plan, name)
-                    full = torch.empty(meta.shape, dtype=meta.dtype, device=plan.device)
+                    full = torch.empty(shapes[name], dtype=dtype, device=plan.device)
                     dist.recv(full, src=owner[name])
                 yield name, full
             del full
-
-
-def _remote_meta(plan, name: str) -> torch.Tensor:
-    """Shape and dtype of a tensor another rank holds: the model's own, in the parameters' dtype."""
-    from meshformer.model import Transformer
-
-    cfg = plan.model_parts[0].cfg
-    with torch.device("meta"):
-        shape = Transformer(cfg).state_dict()[name].shape
-    dtype = next(iter(plan.model_parts[0].parameters())).dtype
-    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def save_weights(plan, directory: Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path | None:
