@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from meshformer.checkpointing.errors import ConversionError
-from meshformer.checkpointing.mapping import export_tensors
+from meshformer.checkpointing.mapping import export_tensors, name_map
 from meshformer.checkpointing.progress import progress
 from meshformer.checkpointing.sharded_safetensors import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -53,7 +53,7 @@ def hf_tensors(state: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: str) -
     """(HF name, tensor) one at a time, tied aliases left out; BERT gets its folded position table back."""
     from meshformer.checkpointing import hf
 
-    for rule in hf._RULES[arch](cfg):
+    for rule in name_map(cfg, arch):
         if not rule.alias:
             yield from export_tensors(state, [rule]).items()
     if arch == "bert":
@@ -98,7 +98,7 @@ def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: str
     shapes = our_shapes(cfg)
     source = f"Hugging Face {arch}"
     rule_of, used = {}, set()
-    for rule in hf._RULES[arch](cfg):
+    for rule in name_map(cfg, arch):
         used.add(rule.theirs)
         if rule.alias:
             continue
