@@ -98,6 +98,15 @@ class ModelConfig:
 
 
 @dataclass
+class DataSourceConfig:
+    """One `[[data.sources]]` table of a mixture."""
+
+    shards: str = ""  # manifest.json (path or URL) of prepared shards
+    weight: float = 1.0  # share of samples, relative to the other sources' weights
+    name: str = ""  # label in logs (data/<name>/tokens); "": source<i>
+
+
+@dataclass
 class DataConfig:
     corpus: str = "bundled:kjv"  # "bundled:kjv", a text/JSONL(.gz) file or a directory
     text_field: str = "text"  # JSONL field holding the text
@@ -115,6 +124,10 @@ class DataConfig:
     num_workers: int = 1  # DataLoader worker processes per rank (0: load in the training process)
     shuffle_shards: int = 4  # shards mixed into one shuffle group (memory: one group per worker)
     bad_shards: Literal["error", "skip"] = "error"  # corrupt/short/missing shard: raise, or skip and log
+    # true: a resume whose data order changed (data.seed, data.shuffle_shards, shards) keeps the checkpoint's sample
+    # count and continues the order of the current settings from that position (see data/README.md)
+    reseed_on_resume: bool = False
+    sources: list[DataSourceConfig] = field(default_factory=list)  # [[data.sources]] mixture; []: data.shards
 
 
 @dataclass
@@ -180,6 +193,10 @@ class CheckpointConfig:
     async_save: bool = False  # write in a background thread (DCP thread mode); at most one save in flight
     resume: bool = True  # start from the newest valid checkpoint in checkpoint.dir, if any
     verify: Literal["sha256", "size"] = "sha256"  # how resume checks a checkpoint's files against its manifest
+    # "full": a checkpoint whose model tensors differ from this model's (names or shapes) is refused;
+    # "partial": load the tensors that fit (and their optimizer state), keep the rest as initialized, and resume
+    # the step, schedule and data position (retention keeps the other model's checkpoints)
+    load_mode: Literal["full", "partial"] = "full"
     save_on_sigterm: bool = True  # on SIGTERM: save at the next step boundary, then stop
     preempt_check_interval: int = 10  # steps between the cross-rank "did any rank get SIGTERM?" check
     max_shard_size: str = "5GB"  # final weights: largest safetensors file (HF-style shards + index beyond it)

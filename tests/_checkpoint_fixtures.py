@@ -86,6 +86,15 @@ def run_trainer(cfg: Config, *, crash_after: int | None = None, sigterm_after: i
     return trainer, result
 
 
+def reference_run(root: Path, steps: int):
+    """An uninterrupted run of `steps` steps with blocking saves every 2 steps under `root`:
+    (shards, run_dir, trainer, result)."""
+    shards = tiny_shards(root)
+    run_dir = root / "reference"
+    trainer, result = run_trainer(tiny_config(shards, run_dir, steps))
+    return shards, run_dir, trainer, result
+
+
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(Path(run_dir) / "final" / "model.safetensors"))
 

@@ -11,9 +11,9 @@ from _checkpoint_fixtures import (
     assert_bitwise,
     copy_steps,
     final_weights,
+    reference_run,
     run_trainer,
     tiny_config,
-    tiny_shards,
 )
 
 from meshformer.checkpointing import CheckpointError, CheckpointManager
@@ -26,9 +26,7 @@ STEPS = 6
 def reference(tmp_path_factory) -> dict:
     """An uninterrupted run of STEPS steps with blocking saves every 2 steps."""
     root = tmp_path_factory.mktemp("resume")
-    shards = tiny_shards(root)
-    run_dir = root / "reference"
-    trainer, result = run_trainer(tiny_config(shards, run_dir, STEPS))
+    shards, run_dir, trainer, result = reference_run(root, STEPS)
     return {"root": root, "shards": shards, "run_dir": run_dir, "history": result.history,
             "weights": final_weights(run_dir), "optimizer": _optimizer_state(trainer),
             "data": trainer.train_data.state_dict(), "tokens": int(trainer.tokens_seen),

@@ -5,7 +5,7 @@
     meshformer convert export-hf      runs/x/export hf/gpt2-tiny [--arch gpt2]
     meshformer convert import-hf      hf/gpt2-tiny runs/y/checkpoints --checkpoint
     meshformer convert export-megatron runs/x/export mcore/ [--pad-vocab-multiple 128]
-    meshformer convert import-megatron mcore/ runs/y/export --heads 12 [--vocab-size 50257]
+    meshformer convert import-megatron mcore/ runs/y/export [--heads 12 --vocab-size 50257]
     meshformer convert verify         runs/x/checkpoints
 
 SRC of the export commands is a weights folder (model.safetensors, or model-*-of-*.safetensors shards with
@@ -115,6 +115,8 @@ def _verify(args: argparse.Namespace) -> Path:
             print(f"CORRUPT  {folder}: {err}")
     for partial in layout.partial_dirs(root):
         print(f"partial  {partial} (incomplete save; ignored by resume)")
+    for deleting in layout.deleting_dirs(root):
+        print(f"deleting {deleting} (interrupted removal by retention; ignored, removed at the next start)")
     if not folders:
         raise CheckpointError(f"{root} holds no committed checkpoints", "pass a checkpoint.dir or one step folder")
     if bad:
@@ -152,12 +154,13 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     megatron_out.add_argument("--pad-vocab-multiple", type=int, default=1,
                               help="pad the vocabulary as Megatron does (make_vocab_size_divisible_by x TP)")
     megatron_in = command("import-megatron", _import_megatron, "Megatron-Core torch_dist GPT checkpoint -> weights")
-    megatron_in.add_argument("--heads", type=int, required=True, help="attention heads (not stored in tensors)")
+    megatron_in.add_argument("--heads", type=int, help="attention heads (not stored in tensors); default: from the "
+                             "meshformer_model_config.json that export-megatron writes, required without one")
     megatron_in.add_argument("--vocab-size", type=int, help="true vocabulary; default: Megatron's padded size")
     megatron_in.add_argument("--activation", choices=["gelu", "gelu_tanh", "relu", "swiglu"],
                              help="non-gated MLP activation (default gelu; gated checkpoints are swiglu)")
-    megatron_in.add_argument("--norm-eps", type=float, default=1e-5)
-    megatron_in.add_argument("--rope-theta", type=float, default=10000.0)
+    megatron_in.add_argument("--norm-eps", type=float, help="default: the saved config's, else 1e-5")
+    megatron_in.add_argument("--rope-theta", type=float, help="default: the saved config's, else 10000")
     megatron_in.add_argument("--max-seq-len", type=int, help="RoPE models: the context length to record")
     megatron_in.add_argument("--checkpoint", action="store_true", help="write a weights-only checkpoint")
     command("verify", _verify, "check every checkpoint's files against its manifest (sizes and sha256)")

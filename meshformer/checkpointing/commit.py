@@ -21,9 +21,7 @@ def commit(partial: Path, step: int, extra: dict[str, Any] | None = None) -> Pat
     write_manifest(partial, step, extra)
     final = root / layout.step_dir_name(step)
     if final.exists():  # an older save of this step (e.g. one found corrupt): replace it
-        old = final.with_name(final.name + ".replaced" + layout.PARTIAL_SUFFIX)
-        os.replace(final, old)
-        layout.remove_tree(old)
+        layout.remove_tree(final)
     os.replace(partial, final)
     fsync_dir(root)
     layout.write_latest(root, final.name)

@@ -2,6 +2,8 @@
 
     <dir>/step-00000200/          committed (renamed from .partial after the manifest was written)
     <dir>/step-00000300.partial/  being written, or left behind by a crash: always ignored
+    <dir>/step-00000100.deleting/ being removed by retention (renamed first, so no committed name is ever
+                                  left half-deleted); leftovers of a crash are removed at the next start
     <dir>/latest                  name of the newest committed folder, updated last (for people and tools)
 """
 
@@ -14,6 +16,7 @@ from pathlib import Path
 from meshformer.checkpointing.manifest import fsync_dir
 
 PARTIAL_SUFFIX = ".partial"
+DELETING_SUFFIX = ".deleting"
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"  # rank 0: step, counters, scheduler, optimizer groups, data, config
 RUN_CONFIG = "config.toml"  # the resolved config, for people
@@ -71,5 +74,30 @@ def steps_to_delete(steps: list[int], keep_last: int, keep_every: int, protect: 
     return [s for s in ordered if s not in keep]
 
 
+def deleting_dirs(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.endswith(DELETING_SUFFIX))
+
+
 def remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    """Delete a folder so that a crash part-way never leaves a half-deleted folder under its old name: rename it
+    to <name>.deleting (atomic) first, then remove the files; `remove_leftovers` finishes the job after a crash."""
+    path = Path(path)
+    if not path.exists():
+        return
+    doomed = path if path.name.endswith(DELETING_SUFFIX) else path.with_name(path.name + DELETING_SUFFIX)
+    if doomed != path:
+        if doomed.exists():  # an earlier interrupted delete of the same name
+            shutil.rmtree(doomed, ignore_errors=True)
+        path.replace(doomed)
+        fsync_dir(path.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def remove_leftovers(root: Path) -> list[Path]:
+    """Remove what a crash left behind: unfinished saves (*.partial) and unfinished deletes (*.deleting)."""
+    leftovers = partial_dirs(root) + deleting_dirs(root)
+    for path in leftovers:
+        remove_tree(path)
+    return leftovers

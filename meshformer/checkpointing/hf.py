@@ -5,7 +5,9 @@
 
 What differs and how it is mapped:
 - GPT-2: Conv1D weights are stored (in, out), so they are transposed; `c_attn` packs q/k/v; gelu_new
-  is our "gelu_tanh"; learned positions, pre-norm, final norm `ln_f`, head tied to `wte`.
+  is our "gelu_tanh"; learned positions, pre-norm, final norm `ln_f`, head tied to `wte`;
+  scale_attn_weights=False is our attention_scale=1.0. reorder_and_upcast_attn only computes the scores in
+  fp32 (the same function); scale_attn_by_inverse_layer_idx (a per-layer scale) is refused.
 - BERT: post-norm, GELU (erf), embedding LayerNorm = our `embedding_norm`, MLM transform = our
   `head_transform`, decoder bias = our `output_bias`. We have no token types: import folds
   `token_type_embeddings[0]` into the position table (exact for token_type_ids = 0, HF's default);
@@ -49,26 +51,61 @@ _BASE_PREFIX = {"gpt2": "transformer.", "bert": "bert.", "llama": "model."}
 
 def _activation(name: str, arch: str) -> str:
     if name not in _HF_ACTIVATIONS:
-        raise ValueError(f"{arch}: activation {name!r} has no meshformer equivalent (have {sorted(_HF_ACTIVATIONS)})")
+        raise ValueError(f"{arch}: activation {name!r} has no meshformer equivalent — only checkpoints using one of "
+                         f"{sorted(_HF_ACTIVATIONS)} can be imported")
     return _HF_ACTIVATIONS[name]
+
+
+def _refuse(arch: str, setting: str, why: str) -> ValueError:
+    """A config flag that would make the imported model compute a different function than the original."""
+    return ValueError(f"{arch}: {setting} {why}, which meshformer cannot express — importing it would compute "
+                      "different logits; only checkpoints without it can be converted")
+
+
+def _check_gpt2(c: Any) -> None:
+    if getattr(c, "scale_attn_by_inverse_layer_idx", False):
+        raise _refuse("gpt2", "scale_attn_by_inverse_layer_idx=True", "divides each layer's attention scores by "
+                      "its depth")
+    if getattr(c, "add_cross_attention", False):
+        raise _refuse("gpt2", "add_cross_attention=True", "adds cross-attention to every block")
+
+
+def _check_llama(c: Any) -> None:
+    rope = getattr(c, "rope_parameters", None) or {}
+    scaling = getattr(c, "rope_scaling", None) or {}
+    for rope_spec in (rope, scaling):
+        kind = rope_spec.get("rope_type", rope_spec.get("type", "default"))
+        if kind != "default":
+            raise _refuse("llama", f"rope_type={kind!r}", "rescales the rotary frequencies")
+    if c.hidden_act != "silu":
+        raise _refuse("llama", f"hidden_act={c.hidden_act!r}", "changes the gated MLP (meshformer gates with silu)")
+    if c.attention_bias != getattr(c, "mlp_bias", c.attention_bias):
+        raise _refuse("llama", f"attention_bias={c.attention_bias} with mlp_bias={c.mlp_bias}",
+                      "puts biases on only some linears (meshformer's model.bias covers all of them)")
+    if c.head_dim != c.hidden_size // c.num_attention_heads:
+        raise _refuse("llama", f"head_dim={c.head_dim}", "differs from hidden_size / num_attention_heads")
+    if getattr(c, "pretraining_tp", 1) not in (None, 1):
+        raise _refuse("llama", f"pretraining_tp={c.pretraining_tp}", "splits the linears into slices")
 
 
 def config_from_hf(hf_config: Any) -> ModelConfig:
     """The meshformer ModelConfig computing the same function as a GPT-2/BERT/Llama/T5 HF config."""
     arch, c = hf_config.model_type, hf_config
     if arch == "gpt2":
-        if c.scale_attn_by_inverse_layer_idx or c.add_cross_attention:
-            raise ValueError("gpt2: scale_attn_by_inverse_layer_idx / add_cross_attention are not supported")
+        _check_gpt2(c)
         return ModelConfig(
             family="decoder", vocab_size=c.vocab_size, d_model=c.n_embd, n_heads=c.n_head, n_layers=c.n_layer,
             d_ff=c.n_inner or 4 * c.n_embd, activation=_activation(c.activation_function, arch), norm="layernorm",
             norm_eps=c.layer_norm_epsilon, norm_position="pre", position="learned", max_seq_len=c.n_positions,
             tie_embeddings=c.tie_word_embeddings, bias=True, dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop,
-            init_std=c.initializer_range,
+            init_std=c.initializer_range, attention_scale=None if getattr(c, "scale_attn_weights", True) else 1.0,
         )
     if arch == "bert":
-        if (getattr(c, "position_embedding_type", None) or "absolute") != "absolute" or c.is_decoder:
-            raise ValueError("bert: only absolute positions and a bidirectional encoder are supported")
+        position = getattr(c, "position_embedding_type", None) or "absolute"
+        if position != "absolute":
+            raise _refuse("bert", f"position_embedding_type={position!r}", "uses relative position scores")
+        if c.is_decoder or getattr(c, "add_cross_attention", False):
+            raise _refuse("bert", "is_decoder/add_cross_attention", "makes attention causal or adds cross-attention")
         return ModelConfig(
             family="encoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_heads=c.num_attention_heads,
             n_layers=c.num_hidden_layers, d_ff=c.intermediate_size, activation=_activation(c.hidden_act, arch),
@@ -79,13 +116,8 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
             init_std=c.initializer_range,
         )
     if arch == "llama":
+        _check_llama(c)
         rope = c.rope_parameters or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"llama: rope_type {rope.get('rope_type')!r} (scaled RoPE) is not supported")
-        if c.hidden_act != "silu" or c.attention_bias != c.mlp_bias:
-            raise ValueError("llama: needs hidden_act='silu' and attention_bias == mlp_bias")
-        if c.head_dim != c.hidden_size // c.num_attention_heads:
-            raise ValueError("llama: head_dim must equal hidden_size / num_attention_heads")
         kv = c.num_key_value_heads
         return ModelConfig(
             family="decoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_heads=c.num_attention_heads,
@@ -127,6 +159,7 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
             resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.attention_dropout,
             layer_norm_epsilon=cfg.norm_eps, initializer_range=cfg.init_std, bos_token_id=special,
             eos_token_id=special, tie_word_embeddings=cfg.tie_embeddings,
+            scale_attn_weights=_features(cfg)["attention_scale"] != 1.0,
         )
     if arch == "bert":
         return transformers.BertConfig(
@@ -177,7 +210,7 @@ _COMMON = {"scale_embeddings": False, "attention_window": None, "attention_scale
            "final_norm": True}
 _REQUIREMENTS: dict[str, dict[str, Any]] = {  # a set: any of these values
     "gpt2": {**_COMMON, "family": "decoder", "position": "learned", "bias": True,
-             "activation": {"gelu_tanh", "gelu", "relu"}},
+             "activation": {"gelu_tanh", "gelu", "relu"}, "attention_scale": {"1/sqrt(head_dim)", 1.0}},
     "bert": {**_COMMON, "family": "encoder", "position": "learned", "bias": True, "norm_position": "post",
              "final_norm": False, "embedding_norm": True, "head_transform": True, "output_bias": True,
              "activation": {"gelu_tanh", "gelu", "relu"}},

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from meshformer.checkpointing import compat
 from meshformer.checkpointing import directory as layout
 from meshformer.checkpointing import state as st
 from meshformer.checkpointing.commit import commit, partial_dir
@@ -38,6 +39,7 @@ from meshformer.checkpointing.dcp_io import SafeFileSystemReader, SafeLoadPlanne
 from meshformer.checkpointing.errors import CheckpointError, CorruptCheckpointError
 from meshformer.checkpointing.manifest import Verify, verify_manifest, write_json_atomic
 from meshformer.checkpointing.rng import capture_rng_state, restore_rng_state, seed_all
+from meshformer.checkpointing.save_errors import SAVE_FAILURES, all_corrupt_error, is_disk_full, save_failed_error
 from meshformer.config import CheckpointConfig, Config
 
 STATE_VERSION = 1
@@ -64,6 +66,7 @@ class CheckpointManager:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
         self._pending: Future | None = None
         self.last_saved_step: int | None = None
+        self.failed_saves = 0  # asynchronous saves that failed (each reported at the next step)
         self.loaded_from: Path | None = None
         self._preempted = threading.Event()
         self._previous_handler: Any = None
@@ -85,6 +88,7 @@ class CheckpointManager:
         """Save at the interval; after SIGTERM on any rank, save now (blocking) and return True to stop."""
         if not self.enabled:
             return False
+        self._report_failed_save(block=False)
         if self._preemption_agreed(trainer):
             self.log(f"SIGTERM received: saving a checkpoint at step {trainer.step} before stopping")
             self.save(trainer, blocking=True)
@@ -123,10 +127,16 @@ class CheckpointManager:
         self.wait()  # at most one save in flight
         step = int(trainer.step)
         partial = partial_dir(self.root, step)
+        try:
+            self._write(trainer, step, partial, blocking)
+        except SAVE_FAILURES as err:
+            raise self._save_failed(err, step, partial) from None
+        self.last_saved_step = step
+
+    def _write(self, trainer: Any, step: int, partial: Path, blocking: bool) -> None:
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            for stale in layout.partial_dirs(self.root):  # left behind by a crash; never trusted
-                layout.remove_tree(stale)
+            layout.remove_leftovers(self.root)  # unfinished saves and deletes of a crash; never trusted
             partial.mkdir()
         self._barrier()
         start = time.perf_counter()
@@ -151,18 +161,40 @@ class CheckpointManager:
                 future = dcp.async_save(tensors, storage_writer=writer, process_group=self.group,
                                         no_dist=not self.distributed)
                 self._pending = self._executor.submit(self._finish_async, future, partial, step, start)
-        self.last_saved_step = step
+
+    def _save_failed(self, err: BaseException, step: int, partial: Path) -> CheckpointError:
+        """Say what failed, what is intact, and what to do. A full disk also gets its space back at once; any other
+        unfinished folder stays until the next save clears it (as after a crash: resume never reads it)."""
+        if self.rank == 0 and is_disk_full(err):
+            layout.remove_tree(partial)
+        newest = [s for s in layout.committed_steps(self.root) if s < step]
+        return save_failed_error(err, step, self.root, layout.step_dir_name(newest[-1]) if newest else None)
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is written and committed; re-raise its error."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()
+        """Block until the save in flight (if any) is written and committed; a failure is reported, not raised."""
+        self._report_failed_save(block=True)
+
+    def _report_failed_save(self, *, block: bool) -> None:
+        """Policy for a failed asynchronous save: a loud warning at the first step after it failed, and training
+        goes on. The previous checkpoint is still the newest valid one, the next save tries again, and the final
+        save is blocking, so a run that cannot save at all still fails at the end (after its final weights are
+        written). Stopping at once would throw away the steps trained since the last good checkpoint."""
+        if self._pending is None or not (block or self._pending.done()):
+            return
+        pending, self._pending = self._pending, None
+        error = pending.exception()
+        if error is not None:
+            self.failed_saves += 1
+            self.log(f"WARNING: {error} (asynchronous save; training continues, the next save tries again)")
 
     def _finish_async(self, future: Future, partial: Path, step: int, start: float) -> None:
-        future.result()  # on rank 0 this returns after every rank's shards are written (DCP's finish step)
+        try:
+            future.result()  # on rank 0 this returns after every rank's shards are written (DCP's finish step)
+            if self.rank == 0:
+                self._commit(partial, step)
+        except SAVE_FAILURES as err:
+            raise self._save_failed(err, step, partial) from None
         if self.rank == 0:
-            self._commit(partial, step)
             self.log(f"checkpoint step {step} saved asynchronously in {time.perf_counter() - start:.2f}s")
 
     def _commit(self, partial: Path, step: int) -> None:
@@ -170,10 +202,15 @@ class CheckpointManager:
 
         Retention never deletes the step just written, and only steps <= it count (or are deleted): higher
         ones were left in this folder by another run and are not this run's to remove."""
-        commit(partial, step, {"world_size": self.world_size})
+        final = commit(partial, step, {"world_size": self.world_size})
         earlier = [s for s in layout.committed_steps(self.root) if s <= step]
+        ours = _model_signature(final)
         for old_step in layout.steps_to_delete(earlier, self.cfg.keep_last, self.cfg.keep_every, protect={step}):
-            layout.remove_tree(self.root / layout.step_dir_name(old_step))
+            old = self.root / layout.step_dir_name(old_step)
+            if _model_signature(old) != ours:  # another model's checkpoint (e.g. before a partial load): keep it
+                self.log(f"retention keeps {old.name}: it holds a different model than this run's")
+                continue
+            layout.remove_tree(old)
 
     def _all_param_groups(self, trainer: Any) -> list[dict[str, Any]]:
         """Optimizer groups with the names of every rank's parameters (pipeline stages hold different ones)."""
@@ -217,17 +254,23 @@ class CheckpointManager:
         Only a failed verification (missing manifest or file, size or hash mismatch) moves a folder aside; a
         manifest from a newer meshformer raises CheckpointError, which stops the run before any work."""
         verify = verify or self.cfg.verify
+        found, corrupt = None, []
         for step in reversed(layout.committed_steps(self.root)):
             path = self.root / layout.step_dir_name(step)
             try:
                 verify_manifest(path, verify)
-                return path
+                found = path
+                break
             except CorruptCheckpointError as err:
-                quarantine = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
-                self.log(f"checkpoint {path.name} is not usable ({err}); moved aside to {quarantine.name}, "
-                         "falling back to the previous checkpoint")
-                os.replace(path, quarantine)
-        return None
+                corrupt.append((path, err))
+        if found is None and corrupt:  # starting at step 0 here would silently throw the run away
+            raise all_corrupt_error(self.root, corrupt)
+        for path, err in corrupt:
+            quarantine = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
+            self.log(f"checkpoint {path.name} is not usable ({err}); moved aside to {quarantine.name}, "
+                     "falling back to the previous checkpoint")
+            os.replace(path, quarantine)
+        return found
 
     def resume(self, trainer: Any) -> bool:
         """Load the newest valid checkpoint into `trainer` (collective); False when there is none."""
@@ -236,6 +279,8 @@ class CheckpointManager:
         name, error = None, None
         if self.rank == 0:
             try:
+                for leftover in layout.remove_leftovers(self.root):
+                    self.log(f"removed {leftover.name}, left behind by an interrupted save or delete")
                 found = self.find_valid()
                 name = found.name if found is not None else None
             except CheckpointError as err:  # e.g. written by a newer meshformer: every rank stops, none waits
@@ -265,9 +310,11 @@ class CheckpointManager:
         if training and state.get("optimizer", type(trainer.optimizer).__name__) != type(trainer.optimizer).__name__:
             raise CheckpointError(f"{path} holds {state['optimizer']} state but this run uses "
                                   f"{type(trainer.optimizer).__name__}; resume with the same optimizer")
-        model_t, optim_t, per_param = st.load_templates(parts, trainer.optimizer if training else None, saved)
-        templates = {**model_t.tensors, **optim_t.tensors}
-        st.check_shapes(model_t.tensors, {k: v[0] for k, v in saved.items()})
+        skip = self._check_fit(path, trainer, {k: tuple(v[0]) for k, v in saved.items()})
+        model_t, optim_t, per_param = st.load_templates(parts, trainer.optimizer if training else None, saved, skip)
+        templates = {k: v for k, v in {**model_t.tensors, **optim_t.tensors}.items() if k not in skip}
+        st.check_shapes({k: v for k, v in model_t.tensors.items() if k not in skip},
+                        {k: v[0] for k, v in saved.items()})
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(templates, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
@@ -275,7 +322,7 @@ class CheckpointManager:
         st.apply_model(parts, model_t)
         optim_t.fill_copies()
         if training:
-            st.apply_optimizer(trainer.optimizer, parts, per_param, state["param_groups"])
+            st.apply_optimizer(trainer.optimizer, parts, per_param, state["param_groups"], allow_new=bool(skip))
             st.load_scheduler(trainer.scheduler, state["scheduler"])
             if state.get("data") is not None and hasattr(trainer.train_data, "load_state_dict"):
                 trainer.train_data.load_state_dict(state["data"])
@@ -287,6 +334,19 @@ class CheckpointManager:
         self.log(f"resumed from {path} (step {state['step']}, saved by {state.get('world_size', '?')} ranks, "
                  f"loaded by {self.world_size}) in {time.perf_counter() - start:.2f}s")
         return state
+
+    def _check_fit(self, path: Path, trainer: Any, saved: compat.Shapes) -> set[str]:
+        """Refuse a checkpoint of another model shape (collective: every rank decides alike), unless
+        checkpoint.load_mode="partial": then the model keys to leave as initialized."""
+        local = compat.model_shapes(st.model_tensors(trainer.plan.model_parts).tensors)
+        diff = compat.compare(compat.all_model_shapes(local, self.group), saved)
+        if not diff:
+            return set()
+        if self.cfg.load_mode != "partial":
+            raise compat.refuse(path, diff)
+        self.log(f"WARNING: checkpoint.load_mode=\"partial\": loading only the tensors of {path.name} that fit this "
+                 f"model ({diff.describe(limit=12)}); the rest keep their initial values")
+        return diff.skipped & set(local)
 
     def _restore_rng(self, path: Path, trainer: Any, state: dict[str, Any]) -> None:
         file = path / layout.rank_file(self.rank)
@@ -334,6 +394,15 @@ class CheckpointManager:
     def _barrier(self) -> None:
         if self.distributed:
             dist.barrier(group=self.group)
+
+
+def _model_signature(folder: Path) -> dict[str, tuple[int, ...]] | None:
+    """The model tensors of a checkpoint folder and their shapes (None when its index cannot be read)."""
+    try:
+        entries = tensor_entries(read_metadata(folder))
+    except CheckpointError:
+        return None
+    return {k: tuple(v.size) for k, v in entries.items() if k.startswith(st.MODEL)}
 
 
 def _normal(value: Any) -> Any:

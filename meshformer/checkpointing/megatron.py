@@ -18,6 +18,7 @@ import json
 import re
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,6 +41,12 @@ BACKEND_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 
                     "common_backend_version": 1}
 GPT = "GPTModel"  # the Megatron-Core model this module reads and writes
 _ITER_DIR = re.compile(r"^iter_(\d+)$")
+SAVED_CONFIG = "meshformer_model_config.json"  # written by export_megatron beside the iter_* folders
+# import_megatron's options, by the command-line flag that sets them
+_OPTIONS = {"n_heads": "--heads", "vocab_size": "--vocab-size", "activation": "--activation",
+            "norm_eps": "--norm-eps", "rope_theta": "--rope-theta", "max_seq_len": "--max-seq-len"}
+# what the tensors themselves determine, to check a saved config against
+_FROM_TENSORS = ("d_model", "n_layers", "d_ff", "kv_heads", "norm", "position", "bias", "tie_embeddings")
 
 
 # ----------------------------------------------------------------------------- compatibility
@@ -157,7 +164,7 @@ def export_megatron(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: P
     torch.save({}, folder / "common.pt")  # GPTModel has no non-sharded state; Megatron-LM adds its args here
     (folder / "metadata.json").write_text(json.dumps(BACKEND_METADATA))
     (Path(out_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
-    (Path(out_dir) / "meshformer_model_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    (Path(out_dir) / SAVED_CONFIG).write_text(json.dumps(asdict(cfg), indent=2))
     return folder
 
 
@@ -205,6 +212,9 @@ def infer_config(folder: Path, *, n_heads: int, vocab_size: int | None = None, a
                               "add_bias_linear); meshformer's model.bias covers both")
     learned = POSITIONS in shapes
     padded_vocab = shapes[EMBEDDING][0]
+    if vocab_size is not None and vocab_size > padded_vocab:
+        raise ConversionError(f"vocabulary {vocab_size} is larger than the checkpoint's {padded_vocab} embedding rows "
+                              "— pass the model's true --vocab-size (at most the padded size)")
     if glu and activation not in (None, "swiglu"):
         raise ConversionError(f"linear_fc1 is gated (2 x d_ff rows) but activation={activation!r} was asked")
     return ModelConfig(
@@ -261,13 +271,51 @@ def _put_norm(out: dict[str, torch.Tensor], module: str, param: str, tensor: tor
     out[f"{module}.{param}"] = tensor.contiguous()
 
 
-def import_megatron(path: Path, *, n_heads: int, vocab_size: int | None = None, activation: str | None = None,
-                    norm_eps: float = 1e-5, rope_theta: float = 10000.0, max_seq_len: int | None = None,
-                    show_progress: bool | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(our config, our full state dict) from a Megatron-Core GPT torch_dist checkpoint."""
+def read_saved_config(folder: Path) -> tuple[Path, ModelConfig] | None:
+    """The model config that export_megatron wrote beside (or in) the torch_dist folder, if any."""
+    from meshformer.config import ConfigError, build_section
+
+    for file in (folder.parent / SAVED_CONFIG, folder / SAVED_CONFIG):
+        if file.is_file():
+            try:
+                return file, build_section(ModelConfig, json.loads(file.read_text()), "model")
+            except (ValueError, ConfigError) as err:
+                raise ConversionError(f"{file} is not a readable model config ({err}) — remove it and pass --heads "
+                                      "and the other options instead") from None
+    return None
+
+
+def resolve_import_config(folder: Path, options: dict[str, Any]) -> ModelConfig:
+    """The config to import with: the saved config (checked against the tensors and against every option that
+    was given), or without one the tensors plus the options, where --heads is required."""
+    saved = read_saved_config(folder)
+    given = {k: v for k, v in options.items() if v is not None}
+    if saved is None:
+        if "n_heads" not in given:
+            raise ConversionError(f"{folder} has no {SAVED_CONFIG} beside it and its tensors do not record the head "
+                                  "count — pass --heads with the model's number of attention heads")
+        return infer_config(folder, **{"norm_eps": 1e-5, "rope_theta": 10000.0, **given})
+    file, cfg = saved
+    inferred = infer_config(folder, **{**{k: getattr(cfg, k) for k in _OPTIONS}, **given})
+    contradictions = [f"{_OPTIONS[k]} {v!r} contradicts {k}={getattr(cfg, k)!r}" for k, v in given.items()
+                      if v != getattr(cfg, k)]
+    contradictions += [f"{k}={getattr(cfg, k)!r} in the file but {k}={getattr(inferred, k)!r} in the tensors"
+                       for k in _FROM_TENSORS if getattr(cfg, k) != getattr(inferred, k)]
+    if contradictions:
+        raise ConversionError(f"{file} and the checkpoint disagree: {'; '.join(contradictions)} — drop the "
+                              "options that contradict it (the saved config is used), or remove a stale file")
+    return cfg
+
+
+def import_megatron(path: Path, *, n_heads: int | None = None, vocab_size: int | None = None,
+                    activation: str | None = None, norm_eps: float | None = None, rope_theta: float | None = None,
+                    max_seq_len: int | None = None, show_progress: bool | None = None
+                    ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(our config, our full state dict) from a Megatron-Core GPT torch_dist checkpoint. Options left None come
+    from the model config that export_megatron writes beside the checkpoint; without one, n_heads is required."""
     folder = resolve_megatron_dir(path)
-    cfg = infer_config(folder, n_heads=n_heads, vocab_size=vocab_size, activation=activation, norm_eps=norm_eps,
-                       rope_theta=rope_theta, max_seq_len=max_seq_len)
+    cfg = resolve_import_config(folder, {"n_heads": n_heads, "vocab_size": vocab_size, "activation": activation,
+                                         "norm_eps": norm_eps, "rope_theta": rope_theta, "max_seq_len": max_seq_len})
     keys = [k for k in tensor_entries(read_metadata(folder)) if "_extra_state" not in k]
     tensors: dict[str, torch.Tensor] = {}
     for key in progress(keys, desc="reading megatron", enabled=show_progress):

@@ -125,15 +125,17 @@ SavedEntry = tuple[torch.Size, torch.dtype]  # a tensor's global shape and dtype
 
 
 def load_templates(model_parts: list[nn.Module], optimizer: torch.optim.Optimizer | None,
-                   saved: dict[str, SavedEntry]) -> tuple[TensorState, TensorState, list[tuple[nn.Parameter, dict]]]:
+                   saved: dict[str, SavedEntry], skip: frozenset[str] | set[str] = frozenset()
+                   ) -> tuple[TensorState, TensorState, list[tuple[nn.Parameter, dict]]]:
     """Tensors of the current layout for DCP to fill in place: model, optimizer, and optimizer state by parameter.
 
     Optimizer state is created from the checkpoint's own index: a tensor shaped like its parameter takes the
     parameter's sharding (DTensor under FSDP/TP); anything else (AdamW's scalar step) is a plain CPU tensor.
     Parameters the checkpoint has no state for stay without state, as they were when saved.
+    `skip`: model keys a partial load leaves as initialized (no optimizer state is loaded for them either).
     """
     model = model_tensors(model_parts)
-    missing = sorted(k[len(MODEL):] for k in model.tensors if k not in saved)
+    missing = sorted(k[len(MODEL):] for k in model.tensors if k not in saved and k not in skip)
     if missing:
         raise CheckpointError(f"the checkpoint has no weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
                               "it was saved for a different model (check model.* settings)")
@@ -146,7 +148,7 @@ def load_templates(model_parts: list[nn.Module], optimizer: torch.optim.Optimize
             by_param.setdefault(key[len(OPTIM):].rsplit(".", 1)[0], []).append(key)
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for name, param in named_parameters(model_parts):
-        if id(param) not in owned:
+        if id(param) not in owned or MODEL + name in skip:
             continue
         tensors = {}
         for key in by_param.get(name, []):
@@ -164,7 +166,8 @@ def load_templates(model_parts: list[nn.Module], optimizer: torch.optim.Optimize
 
 
 def apply_optimizer(optimizer: torch.optim.Optimizer, model_parts: list[nn.Module],
-                    per_param: list[tuple[nn.Parameter, dict]], saved_groups: list[dict[str, Any]]) -> None:
+                    per_param: list[tuple[nn.Parameter, dict]], saved_groups: list[dict[str, Any]],
+                    allow_new: bool = False) -> None:
     """Hand the loaded state and the saved hyperparameters to the optimizer's own `load_state_dict`
     (which applies its device and dtype policy, e.g. where AdamW keeps `step`)."""
     if len(saved_groups) != len(optimizer.param_groups):
@@ -175,7 +178,7 @@ def apply_optimizer(optimizer: torch.optim.Optimizer, model_parts: list[nn.Modul
     groups = []
     for i, (group, entry) in enumerate(zip(optimizer.param_groups, saved_groups)):
         ours = {names[id(p)] for p in group["params"]}
-        if not ours <= set(entry["params"]):  # a pipeline stage holds a subset of the saved group
+        if not allow_new and not ours <= set(entry["params"]):  # a pipeline stage holds a subset of the group
             extra = sorted(ours - set(entry["params"]))[:3]
             raise CheckpointError(f"optimizer group {i} holds {extra} here but not in the checkpoint: the "
                                   "grouping of parameters (weight decay or not) changed")
@@ -194,6 +197,8 @@ def apply_model(model_parts: list[nn.Module], loaded: TensorState) -> None:
 
 def check_shapes(templates: dict[str, torch.Tensor], saved_shapes: dict[str, torch.Size]) -> None:
     for key, tensor in templates.items():
+        if key not in saved_shapes:
+            continue  # left out of a partial load
         if tuple(tensor.shape) != tuple(saved_shapes[key]):
             raise CheckpointError(f"{key} has shape {tuple(saved_shapes[key])} in the checkpoint but "
                                   f"{tuple(tensor.shape)} here: the checkpoint was saved for a different model "
@@ -244,5 +249,15 @@ def scheduler_state(scheduler: Any) -> dict[str, Any] | None:
 
 
 def load_scheduler(scheduler: Any, saved: dict[str, Any] | None) -> None:
-    if scheduler is not None and saved is not None:
-        scheduler.load_state_dict({k: _from_json(v) for k, v in saved.items()})
+    """Restore the schedule's position. A LambdaLR schedule itself (optim.lr, schedule.*, train.steps) comes from
+    this run's config, so a resume with another train.steps follows the new schedule from its first step."""
+    if scheduler is None or saved is None:
+        return
+    configured = list(getattr(scheduler, "base_lrs", []))
+    scheduler.load_state_dict({k: _from_json(v) for k, v in saved.items()})
+    if hasattr(scheduler, "lr_lambdas") and configured:
+        scheduler.base_lrs = configured
+        lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(configured, scheduler.lr_lambdas)]
+        for group, base, lr in zip(scheduler.optimizer.param_groups, configured, lrs):
+            group["initial_lr"], group["lr"] = base, lr
+        scheduler._last_lr = lrs

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any, Protocol
@@ -18,16 +19,17 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from meshformer.errors import MeshformerError
+from meshformer.config import ConfigError
 
 from .objectives import Objective, Sample
 from .order import RankView, SampleOrder
 
 _RNG_SALT = 0x4D46
+_log = logging.getLogger("meshformer.data")
 
 
-class DataStateError(MeshformerError, ValueError):
-    """A loader state that does not belong to this data."""
+class DataStateError(ConfigError):
+    """A loader state that does not belong to this data (a ConfigError: the fix is a setting)."""
 
 
 class Source(Protocol):
@@ -75,23 +77,29 @@ class BatchStream(IterableDataset):
             j += view.num_workers
 
     def _load_group(self, view: RankView, j: int, epoch: int, g: int) -> dict[int, Sample]:
-        """Read the group's shards front to back, keeping only the units this worker will use."""
+        """The group's units this worker will use (its batches j, j + num_workers, ... inside the group)."""
         lo, hi = self.order.group_span(epoch, g)
         units = self.order.units_at(epoch, g, view.positions_in(j, lo, hi))
-        out: dict[int, Sample] = {}
-        for shard in self.order.groups(epoch)[g].shards:
-            first = int(self.order.unit_start[shard])
-            mine = units[(units >= first) & (units < int(self.order.unit_start[shard + 1]))]
-            records, windows = np.divmod(mine - first, self.order.windows)
-            if not len(mine):
-                continue
-            got = self.source.read(shard, np.unique(records))
-            for unit, rec, win in zip(mine.tolist(), records.tolist(), windows.tolist()):
-                sample = got[rec]
-                if self.window:  # packed record -> the unit's window
-                    sample = sample[win * self.window:(win + 1) * self.window].astype(np.int64)
-                out[unit] = sample
-        return out
+        return read_units(self.source, self.order, self.order.groups(epoch)[g].shards, units, self.window)
+
+
+def read_units(source: Source, order: SampleOrder, shards: tuple[int, ...], units: np.ndarray,
+               window: int) -> dict[int, Sample]:
+    """Unit id -> sample for `units` of a group, reading from each shard only the records they lie in."""
+    out: dict[int, Sample] = {}
+    for shard in shards:
+        first = int(order.unit_start[shard])
+        mine = units[(units >= first) & (units < int(order.unit_start[shard + 1]))]
+        records, windows = np.divmod(mine - first, order.windows)
+        if not len(mine):
+            continue
+        got = source.read(shard, np.unique(records))
+        for unit, rec, win in zip(mine.tolist(), records.tolist(), windows.tolist()):
+            sample = got[rec]
+            if window:  # packed record -> the unit's window
+                sample = sample[win * window:(win + 1) * window].astype(np.int64)
+            out[unit] = sample
+    return out
 
 
 class Loader:
@@ -102,7 +110,8 @@ class Loader:
     """
 
     def __init__(self, source: Source, objective: Objective, split: str, dp_rank: int, dp_size: int,
-                 batch_size: int, num_workers: int, seed: int, shuffle_shards: int, with_ids: bool = False) -> None:
+                 batch_size: int, num_workers: int, seed: int, shuffle_shards: int, with_ids: bool = False,
+                 reseed_on_resume: bool = False) -> None:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size})")
         self.source, self.objective, self.split = source, objective, split
@@ -110,14 +119,14 @@ class Loader:
         windows = source.record_len // objective.raw_length if source.kind == "packed" else 1
         self.order = SampleOrder(source.records_per_shard, windows, seed, shuffle=split == "train",
                                  group_shards=shuffle_shards, skip=source.skip)
-        self.with_ids = with_ids
+        self.with_ids, self.seed, self.reseed_on_resume = with_ids, seed, reseed_on_resume
         self.consumed = 0  # stream positions consumed by all ranks together
         self.skipped_shards: list[str] = []  # bad shards left out (data.bad_shards="skip")
         self.manifest: Any = None  # the shards' Manifest, set by build_loader
         self._it: Iterator[dict[str, torch.Tensor]] | None = None
-        spec = {"data": source.fingerprint, "objective": objective.name, "raw": objective.raw_length,
-                "split": split, "seed": seed, "shuffle_shards": shuffle_shards}
-        self.fingerprint = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+        self.settings = {"data": source.fingerprint, "objective": objective.name, "raw": objective.raw_length,
+                         "split": split, "seed": seed, "shuffle_shards": shuffle_shards}
+        self.fingerprint = hashlib.sha256(json.dumps(self.settings, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def samples_per_epoch(self) -> int:
@@ -147,14 +156,20 @@ class Loader:
     def _start(self) -> Iterator[dict[str, torch.Tensor]]:
         # The loader owns the torch iterator directly (no generator holding `self`), so dropping the loader
         # shuts its workers down at once instead of at a later garbage collection with queues half torn down.
-        view = RankView(self.consumed, self.dp_rank, self.dp_size, self.batch_size)
-        stream = BatchStream(self.source, self.order, self.objective, view, self.with_ids)
+        stream = self._stream(RankView(self.consumed, self.dp_rank, self.dp_size, self.batch_size))
         workers: dict[str, Any] = {"num_workers": self.num_workers}
         if self.num_workers:
             workers.update(prefetch_factor=4, persistent_workers=False)
         # A private generator: seeding workers from the global RNG would shift dropout after a resume.
         return iter(DataLoader(stream, batch_size=None, pin_memory=torch.cuda.is_available(),
                                generator=torch.Generator(), **workers))
+
+    def _stream(self, view: RankView) -> IterableDataset:
+        return BatchStream(self.source, self.order, self.objective, view, self.with_ids)
+
+    def source_scalars(self) -> dict[str, float]:
+        """Per-source sample/token counts for logging (mixtures only)."""
+        return {}
 
     def close(self) -> None:
         """Stop worker processes (they restart from the current position on the next batch)."""
@@ -164,14 +179,34 @@ class Loader:
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": 1, "consumed": self.consumed, "epoch": self.epoch,
-                "samples_per_epoch": self.samples_per_epoch, "fingerprint": self.fingerprint}
+                "samples_per_epoch": self.samples_per_epoch, "fingerprint": self.fingerprint,
+                "settings": self.settings}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from the saved position. When the order changed (data.seed, data.shuffle_shards, the shards)
+        this is refused, or with data.reseed_on_resume=true the saved sample count is kept and the order of the
+        current settings continues from that position (see README.md, "Changing the order on resume")."""
         if state.get("fingerprint") != self.fingerprint:
-            raise DataStateError(
-                f"data loader state was saved for different data or settings (fingerprint "
-                f"{state.get('fingerprint')} != {self.fingerprint}: corpus, shards, tokenizer, objective, "
-                "seq_len, seed or shuffle_shards changed); resuming would not be exact. Restore those settings, "
-                "or drop the data state to restart the data stream")
+            changed = self._changed_settings(state.get("settings"))
+            if not self.reseed_on_resume:
+                raise DataStateError(
+                    f"the checkpoint's data position was saved for another data order ({changed}) — restore "
+                    "those settings for an exact resume, or set data.reseed_on_resume=true to keep its position "
+                    f"({int(state['consumed'])} samples consumed) and continue the order of the current settings")
+            _log.warning("data: data.reseed_on_resume=true and the data order changed (%s): continuing the new order "
+                         "at sample %d (epoch %d); samples of the current epoch may repeat or be left out",
+                         changed, int(state["consumed"]), int(state["consumed"]) // self.samples_per_epoch)
         self.consumed = int(state["consumed"])
         self.close()  # the next batch is built from the restored position
+
+    def _changed_settings(self, saved: dict[str, Any] | None) -> str:
+        names = {"data": "the shards (data.corpus/data.shards, the tokenizer, or data.seed when the corpus is "
+                         "prepared automatically)", "objective": "train.objective", "raw": "data.seq_len",
+                 "seed": "data.seed", "shuffle_shards": "data.shuffle_shards", "split": "the split"}
+        if not saved:
+            return ("corpus, shards, tokenizer, objective, seq_len, data.seed or data.shuffle_shards; the checkpoint "
+                    "does not record which")
+        names |= {"weights": "the mixture weights", "names": "the mixture's source names"}
+        return ", ".join(f"{names[k]}: {saved.get(k)!r} -> {v!r}" if k in ("objective", "raw", "seed",
+                                                                         "shuffle_shards") else names[k]
+                         for k, v in self.settings.items() if saved.get(k) != v)

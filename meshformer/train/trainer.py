@@ -193,6 +193,7 @@ class Trainer:
                 }
                 timings = rank_timings(elapsed / window_steps, self.data_wait_s / window_steps, self.device)
                 record |= straggler_scalars(timings)  # data wait; per-rank step-time spread (stragglers)
+                record |= self.train_data.source_scalars()  # mixtures: samples and tokens per source so far
                 self.data_wait_s = 0.0
                 history.append({"step": step, **record})
                 log.scalars(step, record)
@@ -228,9 +229,11 @@ class Trainer:
                 break
         self.profiler.stop()
         self.watchdog.phase("finish")
-        self.checkpoints.finish(self)
-        if self.step >= cfg.train.steps:
-            self.save_final_weights()
+        try:
+            self.checkpoints.finish(self)  # raises if the final checkpoint cannot be written...
+        finally:
+            if self.step >= cfg.train.steps:  # ...but the trained weights are written first
+                self.save_final_weights()
         log.close()
         return TrainResult(self.step, last_loss, eval_loss, self.run_dir, history)
 

@@ -1,0 +1,134 @@
+"""Imports never build a different function in silence: foreign config flags are mapped or refused, and
+`import-megatron --heads` is checked against the model config that export writes beside the checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from meshformer.checkpointing import ConversionError
+from meshformer.checkpointing.hf_folder import import_hf
+from meshformer.checkpointing.megatron import export_megatron, import_megatron
+from meshformer.checkpointing.weights import read_weights
+from meshformer.cli import main
+from meshformer.config import ModelConfig
+from meshformer.model import Transformer
+
+transformers = pytest.importorskip("transformers")
+
+
+def _gpt2(**flags):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4, **flags)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def _logits_agree(hf_model, folder) -> None:
+    cfg, state = import_hf(folder)
+    ours = Transformer(cfg).eval()
+    ours.load_state_dict(state, strict=True)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf_model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_gpt2_without_attention_scaling_is_mapped_both_ways(tmp_path):
+    hf_model = _gpt2(scale_attn_weights=False)
+    hf_model.save_pretrained(str(tmp_path / "hf"))
+    _logits_agree(hf_model, tmp_path / "hf")
+    cfg, _ = import_hf(tmp_path / "hf")
+    assert cfg.attention_scale == 1.0
+    main(["convert", "import-hf", str(tmp_path / "hf"), str(tmp_path / "ours")])
+    main(["convert", "export-hf", str(tmp_path / "ours"), str(tmp_path / "back")])
+    back = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "back")).eval()
+    assert back.config.scale_attn_weights is False
+    _logits_agree(back, tmp_path / "hf")
+
+
+def test_gpt2_upcast_attention_is_the_same_function(tmp_path):
+    hf_model = _gpt2(reorder_and_upcast_attn=True)
+    hf_model.save_pretrained(str(tmp_path / "hf"))
+    _logits_agree(hf_model, tmp_path / "hf")
+
+
+@pytest.mark.parametrize(("arch", "flags", "named"), [
+    ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
+    ("gpt2", {"add_cross_attention": True}, "add_cross_attention=True"),
+    ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}, "rope_type='linear'"),
+    ("llama", {"attention_bias": True, "mlp_bias": False}, "attention_bias=True with mlp_bias=False"),
+    ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("bert", {"position_embedding_type": "relative_key"}, "position_embedding_type='relative_key'"),
+    ("bert", {"hidden_act": "tanh"}, "activation 'tanh'"),
+])
+def test_flags_that_change_the_function_are_refused(arch, flags, named, tmp_path):
+    if arch == "gpt2":
+        config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=1, n_head=4, **flags)
+        model = transformers.GPT2LMHeadModel(config)
+    elif arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            max_position_embeddings=32, **flags))
+    else:
+        model = transformers.BertForMaskedLM(transformers.BertConfig(
+            vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=32, **flags))
+    model.save_pretrained(str(tmp_path / "hf"))
+    with pytest.raises(ConversionError) as info:
+        import_hf(tmp_path / "hf")
+    message = str(info.value)
+    assert named in message and " — " in message and "\n" not in message
+
+
+# ----------------------------------------------------------------------------- Megatron head count
+
+_CFG = ModelConfig(family="decoder", vocab_size=100, d_model=32, n_heads=4, n_layers=2, d_ff=64, activation="relu",
+                   position="learned", max_seq_len=16)
+
+
+def _export(tmp_path):
+    torch.manual_seed(0)
+    model = Transformer(_CFG)
+    export_megatron(model.state_dict(), _CFG, tmp_path / "mcore", pad_vocab_multiple=128, show_progress=False)
+    return model
+
+
+def test_megatron_import_reads_the_saved_config_without_heads(tmp_path):
+    model = _export(tmp_path)
+    main(["convert", "import-megatron", str(tmp_path / "mcore"), str(tmp_path / "back")])
+    cfg, state = read_weights(tmp_path / "back")
+    assert cfg == _CFG  # heads, true vocabulary and the non-gated activation come from the saved config
+    imported = Transformer(cfg).eval()
+    imported.load_state_dict(state, strict=True)
+    ids = torch.randint(0, 100, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(imported(ids), model.eval()(ids))
+
+
+def test_megatron_heads_that_contradict_the_checkpoint_are_refused(tmp_path):
+    _export(tmp_path)
+    # 8 heads of width 4 fit the tensors too (multi-head q/k/v is 3 x d_model rows for any head count)
+    with pytest.raises(ConversionError) as info:
+        import_megatron(tmp_path / "mcore", n_heads=8, show_progress=False)
+    message = str(info.value)
+    assert "--heads 8" in message and "n_heads=4" in message and " — " in message
+    with pytest.raises(ConversionError, match=r"--activation 'gelu'.*activation='relu'"):
+        import_megatron(tmp_path / "mcore", activation="gelu", show_progress=False)
+
+
+def test_megatron_saved_config_that_contradicts_the_tensors_is_refused(tmp_path):
+    _export(tmp_path)
+    file = tmp_path / "mcore" / "meshformer_model_config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), "d_ff": 128}))
+    with pytest.raises(ConversionError, match=r"d_ff=128.*d_ff=64"):
+        import_megatron(tmp_path / "mcore", show_progress=False)
+
+
+def test_megatron_without_saved_config_needs_heads(tmp_path):
+    _export(tmp_path)
+    (tmp_path / "mcore" / "meshformer_model_config.json").unlink()
+    with pytest.raises(ConversionError, match=r"--heads"):
+        import_megatron(tmp_path / "mcore", show_progress=False)
+    cfg, _ = import_megatron(tmp_path / "mcore", n_heads=4, vocab_size=100, activation="relu", show_progress=False)
+    assert cfg.n_heads == 4
