@@ -256,6 +256,10 @@ def run_scenario(name: str) -> dict[str, Any]:
 
     if name == "loss/vocab_parallel":
         return vocab_parallel_loss_check()
+    if name.startswith("materialize:"):
+        from materialize_checks import materialize_check
+
+        return materialize_check(name.removeprefix("materialize:"))
     cfg, steps = scenario(name)
     plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
     result = train_steps(plan, steps, plan.dp_rank, plan.dp_size)

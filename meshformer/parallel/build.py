@@ -19,6 +19,7 @@ from meshformer.parallel.float8 import apply_float8, check_fp8, fp8_report
 from meshformer.parallel.fsdp import apply_fsdp
 from meshformer.parallel.kernels import compile_blocks, kernel_report, use_apex_norms
 from meshformer.parallel.loss_parallel import vocab_parallel_loss_fn
+from meshformer.parallel.materialize import is_meta, materialize
 from meshformer.parallel.mesh import Meshes, ParallelDims, build_mesh
 from meshformer.parallel.pipeline import TransformerStage, split_layers, stage_ids_for_rank
 from meshformer.parallel.pipeline_plan import PipelinePlan, shared_weights
@@ -49,6 +50,9 @@ def build_plan(
 ) -> TrainingPlan:
     """Shard `model` (built identically on every rank) by `cfg.parallel` and return the plan.
 
+    A model built on the meta device is sharded first and then materialised: each rank allocates and
+    initialises only its own shards (meshformer.parallel.materialize).
+
     World size 1 gives the single-device plan (recomputation and compile still apply). With tensor parallel
     the loss is computed vocab-parallel from `cfg.train.label_smoothing` / `cfg.train.z_loss`, so a custom
     `loss_fn` is only honoured without tensor parallel.
@@ -57,7 +61,16 @@ def build_plan(
     dims = validate_parallel(cfg, world_size(), device)
     if not isinstance(model, nn.Module):
         model = model()
-    model.to(device)
+    plan = _build(model, cfg, dims, device, loss_fn)
+    if is_meta(plan.model_parts[0]):
+        materialize(plan.model_parts, device)
+    return plan
+
+
+def _build(model: nn.Module, cfg: Config, dims: ParallelDims, device: torch.device,
+           loss_fn: LossFn | None) -> TrainingPlan:
+    if not is_meta(model):
+        model.to(device)
     check_fp8(cfg.train.fp8, device, tensor_parallel=dims.tp_enabled)
     custom_loss = loss_fn is not None
     head_loss = None if custom_loss else build_head_loss(cfg, dims, device)
@@ -166,6 +179,8 @@ def _pipeline_plan(model: nn.Module, cfg: Config, dims: ParallelDims, meshes: Me
     kernels: dict[str, str] = {}
     for stage in stages:
         kernels = _finish_part(stage, cfg, dims, meshes, device)
+    if is_meta(stages[0]):  # before the plan keeps references to the stages' (shared) parameters
+        materialize(stages, device)
     plan = PipelinePlan(stages, loss_fn, device, meshes, schedule=p.pp_schedule,
                         n_microbatches=n_microbatches(cfg), stage_to_rank=stage_to_rank, shared=shared,
                         timeout=timedelta(seconds=p.timeout_s))

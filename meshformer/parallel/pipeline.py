@@ -95,7 +95,7 @@ class TransformerStage(Transformer):
 
     def __init__(self, model: Transformer, span: StageSpan) -> None:
         nn.Module.__init__(self)
-        self.cfg, self.span = model.cfg, span
+        self.cfg, self.span, self.init_seed = model.cfg, span, model.init_seed
         pieces = stage_pieces(model, span)
         memo: dict[int, object] = {}
         # One deepcopy for all pieces: weights tied *within* the stage stay tied; every stage gets its own
