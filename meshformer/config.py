@@ -101,6 +101,15 @@ class ModelConfig:
 
 
 @dataclass
+class DataSourceConfig:
+    """One `[[data.sources]]` table of a mixture."""
+
+    shards: str = ""  # manifest.json (path or URL) of prepared shards
+    weight: float = 1.0  # share of samples, relative to the other sources' weights
+    name: str = ""  # label in logs (data/<name>/tokens); "": source<i>
+
+
+@dataclass
 class DataConfig:
     corpus: str = "bundled:kjv"  # "bundled:kjv", a text/JSONL(.gz) file or a directory
     text_field: str = "text"  # JSONL field holding the text
@@ -121,6 +130,7 @@ class DataConfig:
     # true: a resume whose data order changed (data.seed, data.shuffle_shards, shards) keeps the checkpoint's sample
     # count and continues the order of the current settings from that position (see data/README.md)
     reseed_on_resume: bool = False
+    sources: list[DataSourceConfig] = field(default_factory=list)  # [[data.sources]] mixture; []: data.shards
 
 
 @dataclass
@@ -155,7 +165,9 @@ class TrainConfig:
     eval_batches: int = 8
     sample_interval: int = 100  # decode a text sample this often (0: never)
     sample_tokens: int = 48
-    compile: bool = False
+    compile: bool | Literal["off", "blocks", "model"] = False  # true = "blocks" (each block compiled)
+    loss: Literal["auto", "plain", "chunked", "liger"] = "auto"  # auto: chunked head loss where the layout allows
+    fp8: Literal["off", "tensorwise", "rowwise"] = "off"  # torchao float8 linears; FP8 tensor cores (sm 8.9+)
 
 
 @dataclass
@@ -192,6 +204,7 @@ class CheckpointConfig:
     load_mode: Literal["full", "partial"] = "full"
     save_on_sigterm: bool = True  # on SIGTERM: save at the next step boundary, then stop
     preempt_check_interval: int = 10  # steps between the cross-rank "did any rank get SIGTERM?" check
+    max_shard_size: str = "5GB"  # final weights: largest safetensors file (HF-style shards + index beyond it)
 
 
 @dataclass
@@ -458,6 +471,12 @@ def _check_training_ranges(cfg: Config) -> None:
         raise ConfigError(f"data.shuffle_shards={d.shuffle_shards} must be >= 1 (shards mixed per shuffle group)")
     if not 0 <= d.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction={d.eval_fraction} must lie in [0, 1)")
+    if d.sources and d.shards:
+        raise ConfigError("set either data.shards (one dataset) or [[data.sources]] (a mixture), not both")
+    for i, src in enumerate(d.sources):
+        if not src.shards or not src.weight > 0:
+            raise ConfigError(f"data.sources[{i}] needs shards = <manifest> and weight > 0 (got {src.shards!r}, "
+                              f"{src.weight})")
 
 
 def _positive(cfg: Config, keys: list[str]) -> None:

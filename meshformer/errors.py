@@ -41,6 +41,10 @@ class UsageError(MeshformerError, ValueError):
     """A command-line option out of range or contradicting another one."""
 
 
+class SubmitError(MeshformerError, RuntimeError):
+    """A job that cannot be submitted (SLURM training runs, `data submit-prepare`): the problem and its fix."""
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """Command-line usage mistakes in the same one-line form (subcommands' parsers are of this class too)."""
 

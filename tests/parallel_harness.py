@@ -214,6 +214,8 @@ def scenario(name: str) -> tuple[Config, list]:
             parallel["reshard_after_forward"] = False
         elif key == "mp":  # FSDP all-gathers bf16 parameters, reduces in fp32
             parallel["mixed_precision_param"] = "bf16"
+        elif key == "loss":  # train.loss: the default (auto) is the chunked head loss, vocab-parallel under TP
+            extra["loss"] = value
         elif key == "single":
             pass
         else:
@@ -255,6 +257,10 @@ def run_scenario(name: str) -> dict[str, Any]:
 
     if name == "loss/vocab_parallel":
         return vocab_parallel_loss_check()
+    if name.startswith("materialize:"):
+        from materialize_checks import materialize_check
+
+        return materialize_check(name.removeprefix("materialize:"))
     cfg, steps = scenario(name)
     plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
     result = train_steps(plan, steps, plan.dp_rank, plan.dp_size)

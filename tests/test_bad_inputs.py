@@ -209,7 +209,7 @@ CASES = [
     # an existing run's checkpoints and weights: refused, untouched
     ("import-into-run", ["convert", "to-checkpoint", "{final}", "{ckpt}"],
      ["already holds checkpoints", "empty folder"]),
-    ("export-over-weights", ["convert", "to-safetensors", "{ckpt}", "{final}"], ["already holds model.safetensors",
+    ("export-over-weights", ["convert", "to-safetensors", "{ckpt}", "{final}"], ["already holds model weights",
                                                                                   "another output folder"]),
     ("resume-vocab", ["train", CFG, "--set", *TINY, "logging.run_dir={run}", "data.shards={shards}",
                       "model.vocab_size=100"], ["model.vocab_size=100", "raise model.vocab_size"]),

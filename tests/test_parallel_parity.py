@@ -28,6 +28,8 @@ WORLD2 = [
     "decoder/fsdp-recompute=selective", "encdec/tp-recompute=full", "decoder/pp-recompute=every_k",
     "decoder/pp-sched=interleaved_zb-spr=2-recompute=full",
     "loss/vocab_parallel",
+    # the plain full-logits loss (layouts above use the chunked head loss, vocab-parallel under TP)
+    "decoder/fsdp-loss=plain", "decoder/tp-loss=plain",
 ]
 WORLD4 = [
     "decoder/hsdp", "encoder/hsdp",
@@ -94,3 +96,5 @@ def test_layout_report_names_the_kernels(world2):
     assert kernels["layout"].startswith("pp=2")
     assert "zbv, 4 stages" in kernels["pipeline"]
     assert world2["decoder/fsdp-recompute=selective"]["kernels"]["recompute"].startswith("selective")
+    assert world2["decoder/tp"]["kernels"]["loss"] == "chunked"  # vocab-parallel chunked head loss
+    assert world2["decoder/tp-loss=plain"]["kernels"]["loss"].startswith("plain")

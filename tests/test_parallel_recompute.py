@@ -7,7 +7,10 @@ import torch
 from parallel_harness import make_batches, make_config, new_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from meshformer.config import ConfigError
+from meshformer.layout import ParallelDims
 from meshformer.parallel import build_plan
+from meshformer.parallel.build import compile_mode
 from meshformer.parallel.recompute import apply_recompute
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
@@ -72,3 +75,25 @@ def test_per_block_compile_keeps_names_and_numbers():
     assert torch.allclose(loss, ref_loss, rtol=1e-5)
     for name in grads:
         assert torch.allclose(grads[name], ref_grads[name], rtol=1e-4, atol=1e-7), name
+
+
+@pytest.mark.slow
+def test_whole_model_compile_keeps_names_and_numbers():
+    """train.compile='model': one graph for the model (the chunked head loss runs eagerly behind a graph break)."""
+    _, ref_loss, ref_grads = step("decoder", "none")
+    plan, loss, grads = step("decoder", "none", compile="model")
+    assert plan.report["compile"] == "whole-model torch.compile"
+    assert grads.keys() == ref_grads.keys()
+    assert torch.allclose(loss, ref_loss, rtol=1e-5)
+    for name in grads:
+        assert torch.allclose(grads[name], ref_grads[name], rtol=1e-4, atol=1e-7), name
+
+
+def test_compile_modes_accept_the_old_bool_and_refuse_model_compile_when_sharded():
+    cfg = make_config("decoder", compile=True)
+    assert compile_mode(cfg, ParallelDims(1, 1, 1, 1, 1, 1)) == "blocks"
+    cfg.train.compile = False
+    assert compile_mode(cfg, ParallelDims(1, 1, 1, 1, 1, 1)) == "off"
+    cfg.train.compile = "model"
+    with pytest.raises(ConfigError, match="train.compile='model' is for a single device"):
+        compile_mode(cfg, ParallelDims(1, 1, 2, 1, 1, 2))

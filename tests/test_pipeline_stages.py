@@ -11,9 +11,9 @@ import pytest
 import torch
 from parallel_harness import make_batches, make_config, new_model
 
+from meshformer.batch import model_inputs
 from meshformer.model.families import FAMILIES, get_family_spec
 from meshformer.parallel.pipeline import TransformerStage, split_layers, stage_pieces
-from meshformer.parallel.plan import model_inputs
 
 
 def run_stages(stages: list[TransformerStage], inputs: dict[str, torch.Tensor]) -> torch.Tensor:

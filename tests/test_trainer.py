@@ -59,22 +59,25 @@ def test_run_leaves_config_events_and_weights(tmp_path):
         assert torch.equal(tensor, model.state_dict()[name]), name
 
 
-def _one_step_params(tmp_path, batch_size: int, accum: int) -> dict[str, torch.Tensor]:
+def _one_step_params(tmp_path, batch_size: int, accum: int, loss: str = "plain") -> dict[str, torch.Tensor]:
     cfg = load_config(CONFIGS / "tiny-gpt.toml", [*SMALL, "train.steps=1", f"data.batch_size={batch_size}",
                                                  f"train.grad_accum={accum}", "data.num_workers=0",
-                                                 f"logging.run_dir={tmp_path}/{batch_size}x{accum}",
-                                                 "logging.tensorboard=false"])
+                                                 f"train.loss={loss}", "logging.tensorboard=false",
+                                                 f"logging.run_dir={tmp_path}/{batch_size}x{accum}"])
     trainer = Trainer(cfg)
     trainer.train_step()
     return {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
 
-def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+@pytest.mark.parametrize("loss,atol", [("plain", 1e-6), ("chunked", 3e-6)])
+def test_gradient_accumulation_equals_one_big_batch(tmp_path, loss, atol):
     # The loader's global sample order does not depend on the batch size, so 2 x 8 sees the same 16 sequences.
-    big = _one_step_params(tmp_path, 16, 1)
-    accumulated = _one_step_params(tmp_path, 8, 2)
+    # Chunked: the 1/tokens scale is applied after the head GEMMs rather than before, a last-bit difference that
+    # Adam's first step (update ~ lr * g / |g|) magnifies on near-zero gradients to a few 1e-6.
+    big = _one_step_params(tmp_path / loss, 16, 1, loss)
+    accumulated = _one_step_params(tmp_path / loss, 8, 2, loss)
     for name in big:
-        torch.testing.assert_close(accumulated[name], big[name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(accumulated[name], big[name], rtol=1e-5, atol=atol, msg=name)
 
 
 def test_tokenizer_larger_than_model_vocab_is_rejected(tmp_path):

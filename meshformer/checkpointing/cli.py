@@ -8,9 +8,11 @@
     meshformer convert import-megatron mcore/ runs/y/export [--heads 12 --vocab-size 50257]
     meshformer convert verify         runs/x/checkpoints
 
-SRC of the export commands is a weights folder (model.safetensors + model_config.json), a checkpoint step
-folder, or a checkpoint directory. Imports write a weights folder, or with --checkpoint a weights-only
-checkpoint that `train` resumes from (fresh optimizer) when checkpoint.dir points at it.
+SRC of the export commands is a weights folder (model.safetensors, or model-*-of-*.safetensors shards with
+model.safetensors.index.json, + model_config.json), a checkpoint step folder, or a checkpoint directory.
+Imports write a weights folder, or with --checkpoint a weights-only checkpoint that `train` resumes from
+(fresh optimizer) when checkpoint.dir points at it. Every conversion streams: one tensor in memory at a time
+(plus, when writing safetensors, at most one output file's worth: --max-shard-size).
 """
 
 from __future__ import annotations
@@ -19,30 +21,42 @@ import argparse
 from pathlib import Path
 
 from meshformer.checkpointing.errors import CheckpointError
+from meshformer.checkpointing.sharded_safetensors import DEFAULT_MAX_SHARD_SIZE, parse_size
 
 
-def _write(state: dict, cfg, out: Path, as_checkpoint: bool) -> Path:
+def _shard_size(text: str) -> str:
+    try:
+        parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def _write(state, cfg, out: Path, as_checkpoint: bool, max_shard_size: str) -> Path:
+    """A weights folder or a weights-only checkpoint, written tensor by tensor as `state` is read."""
     from meshformer.checkpointing.safetensors_io import write_weights_checkpoint
     from meshformer.checkpointing.weights import write_weights
 
     if as_checkpoint:
         return write_weights_checkpoint(state, cfg, out)
     _refuse_existing_weights(out)
-    return write_weights(state, cfg, out)
+    return write_weights(state, cfg, out, max_shard_size)
 
 
 def _refuse_existing_weights(out: Path) -> None:
-    from meshformer.checkpointing.weights import WEIGHTS_FILE
+    from meshformer.checkpointing.sharded_safetensors import has_safetensors
 
-    if (out / WEIGHTS_FILE).exists():
-        raise CheckpointError(f"{out} already holds {WEIGHTS_FILE}", "choose another output folder, or remove it first")
+    if has_safetensors(out):
+        raise CheckpointError(f"{out} already holds model weights (model.safetensors or a sharded index)",
+                              "choose another output folder, or remove it first")
 
 
 def _to_safetensors(args: argparse.Namespace) -> Path:
     from meshformer.checkpointing.safetensors_io import checkpoint_to_safetensors
 
     _refuse_existing_weights(Path(args.out))
-    return checkpoint_to_safetensors(Path(args.src), Path(args.out), show_progress=None)
+    return checkpoint_to_safetensors(Path(args.src), Path(args.out), show_progress=None,
+                                     max_shard_size=args.max_shard_size)
 
 
 def _to_checkpoint(args: argparse.Namespace) -> Path:
@@ -56,14 +70,14 @@ def _export_hf(args: argparse.Namespace) -> Path:
     from meshformer.checkpointing.safetensors_io import read_model_source
 
     cfg, state = read_model_source(Path(args.src))
-    return export_hf(state, cfg, Path(args.out), args.arch)
+    return export_hf(state, cfg, Path(args.out), args.arch, args.max_shard_size)
 
 
 def _import_hf(args: argparse.Namespace) -> Path:
     from meshformer.checkpointing.hf_folder import import_hf
 
     cfg, state = import_hf(Path(args.src))
-    return _write(state, cfg, Path(args.out), args.checkpoint)
+    return _write(state, cfg, Path(args.out), args.checkpoint, args.max_shard_size)
 
 
 def _export_megatron(args: argparse.Namespace) -> Path:
@@ -81,7 +95,7 @@ def _import_megatron(args: argparse.Namespace) -> Path:
     cfg, state = import_megatron(Path(args.src), n_heads=args.heads, vocab_size=args.vocab_size,
                                  activation=args.activation, norm_eps=args.norm_eps, rope_theta=args.rope_theta,
                                  max_seq_len=args.max_seq_len)
-    return _write(state, cfg, Path(args.out), args.checkpoint)
+    return _write(state, cfg, Path(args.out), args.checkpoint, args.max_shard_size)
 
 
 def _verify(args: argparse.Namespace) -> Path:
@@ -121,6 +135,10 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         parser.add_argument("src")
         if name != "verify":
             parser.add_argument("out")
+        if name in ("to-safetensors", "export-hf", "import-hf", "import-megatron"):
+            parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, type=_shard_size,
+                                help="largest safetensors file written (e.g. 5GB, 500MB; HF-style shards + index "
+                                     f"beyond it; default {DEFAULT_MAX_SHARD_SIZE})")
         parser.set_defaults(func=lambda args: _run(func, args))
         return parser
 

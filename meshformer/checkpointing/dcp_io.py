@@ -13,7 +13,7 @@ import pathlib
 import pickle
 import warnings
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +22,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint import planner as dcp_planner
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import ReadItem, WriteItem, WriteItemType
 
 from meshformer.checkpointing.errors import CheckpointError
 
@@ -131,3 +131,26 @@ def save_tensors(state: Mapping[str, object], path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+
+
+class _StreamingSavePlanner(DefaultSavePlanner):
+    """Plans from meta templates; each tensor's data is read only when the writer comes to it."""
+
+    def __init__(self, read: Callable[[str], torch.Tensor]) -> None:
+        super().__init__()
+        self._read = read
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if write_item.type == WriteItemType.BYTE_IO:
+            return super().resolve_data(write_item)
+        return self._read(write_item.index.fqn).contiguous()
+
+
+def save_tensors_streamed(templates: dict[str, torch.Tensor], read: Callable[[str], torch.Tensor], path: Path) -> None:
+    """Write a DCP folder from this one process holding one tensor at a time: `templates` (meta tensors) give
+    shapes and dtypes, `read(name)` the data when it is written."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(templates, storage_writer=dcp.FileSystemWriter(str(path)), planner=_StreamingSavePlanner(read),
+                 no_dist=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from meshformer.model import Transformer
 
 Arch = Literal["gpt2", "bert", "llama", "t5"]
+V = TypeVar("V")  # what a state dict maps names to (tensors, or the names themselves)
 ARCHS: tuple[Arch, ...] = ("gpt2", "bert", "llama", "t5")
 
 _HF_ACTIVATIONS: dict[str, Activation] = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
@@ -273,7 +274,7 @@ def to_hf_state_dict(model: Transformer, arch: Arch | None = None) -> dict[str, 
     return out
 
 
-def _normalize_names(hf_state: Mapping[str, torch.Tensor], arch: Arch) -> Mapping[str, torch.Tensor]:
+def _normalize_names(hf_state: Mapping[str, V], arch: Arch) -> Mapping[str, V]:
     """Names as the *ForCausalLM / *ForMaskedLM models of transformers 5 use them."""
     prefix = _BASE_PREFIX.get(arch)
     if prefix and not any(k.startswith(prefix) for k in hf_state):

@@ -8,25 +8,35 @@ the HF model.
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import load_file
 
 from meshformer.checkpointing.errors import ConversionError
+from meshformer.checkpointing.mapping import export_tensors, name_map
 from meshformer.checkpointing.progress import progress
+from meshformer.checkpointing.sharded_safetensors import (
+    DEFAULT_MAX_SHARD_SIZE,
+    SafetensorsFolder,
+    ShardedWriter,
+    has_safetensors,
+)
 from meshformer.config import ModelConfig
 
 if TYPE_CHECKING:
     from meshformer.checkpointing.hf import Arch
 
 
-def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: Path, arch: Arch | None = None) -> Path:
-    """Write a folder that transformers loads with AutoModelFor...from_pretrained; returns the folder."""
+def export_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: Path, arch: Arch | None = None,
+              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+    """Write a folder that transformers loads with AutoModelFor...from_pretrained; returns the folder.
+
+    Tensors go out one at a time (read from `state` on access, mapped, written into HF-style shards); tied
+    duplicates are left out, as save_pretrained leaves them out, and transformers re-ties them on load.
+    """
     from meshformer.checkpointing import hf
-    from meshformer.model import Transformer
 
     try:
         arch = arch or hf.infer_arch(cfg)
@@ -34,35 +44,99 @@ def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: Path, a
     except ValueError as err:
         raise ConversionError(f"cannot export to Hugging Face: {err}", "choose another --arch, or leave it out to "
                               "pick the one that matches") from None
-    model = Transformer(cfg)
-    model.load_state_dict(state, strict=True)
-    hf_model = hf.to_hf_model(model.eval(), arch)
     out_dir = Path(out_dir)
-    hf_model.save_pretrained(str(out_dir), safe_serialization=True)
+    hf.config_to_hf(cfg, arch).save_pretrained(str(out_dir))
+    writer = ShardedWriter(out_dir, max_shard_size)
+    for name, tensor in hf_tensors(state, cfg, arch):
+        writer.add(name, tensor)
+    writer.close()
     return out_dir
 
 
-def read_hf_state(folder: Path, *, show_progress: bool | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF folder: model.safetensors, a sharded safetensors index, or pytorch_model.bin."""
+def hf_tensors(state: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arch) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) one at a time, tied aliases left out; BERT gets its folded position table back."""
+    from meshformer.checkpointing import hf
+
+    for rule in name_map(cfg, arch):
+        if not rule.alias:
+            yield from export_tensors(state, [rule]).items()
+    if arch == "bert":
+        positions = state["pos_embeddings.weight"].detach()
+        yield hf._BERT_POSITIONS, positions
+        yield hf._BERT_TOKEN_TYPES, positions.new_zeros(2, cfg.d_model)  # BertConfig's type_vocab_size
+
+
+def hf_source(folder: Path) -> Mapping[str, torch.Tensor]:
+    """The tensors of an HF folder, read on access: model.safetensors or a sharded index (pytorch_model.bin,
+    a single pickle, is loaded whole with weights_only=True)."""
+    from meshformer.checkpointing.safetensors_io import LazyState
+
     folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if (folder / "model.safetensors").is_file():
-        files = [folder / "model.safetensors"]
-    elif index.is_file():
-        files = sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
-    elif (folder / "pytorch_model.bin").is_file():
+    if has_safetensors(folder):
+        files = SafetensorsFolder(folder)
+        return LazyState(files.keys(), files.get, files.meta)
+    if (folder / "pytorch_model.bin").is_file():
         return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    else:
-        raise ConversionError(f"{folder} has no model.safetensors, model.safetensors.index.json or "
-                              "pytorch_model.bin; point at a folder written by save_pretrained")
-    state: dict[str, torch.Tensor] = {}
-    for file in progress(files, desc="reading safetensors", enabled=show_progress, unit="file"):
-        state.update(load_file(str(file)))
-    return state
+    raise ConversionError(f"{folder} has no model.safetensors, model.safetensors.index.json or "
+                          "pytorch_model.bin; point at a folder written by save_pretrained")
 
 
-def import_hf(folder: Path, *, show_progress: bool | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(our config, our full state dict) from an HF GPT-2 / BERT / Llama / T5 folder."""
+def read_hf_state(folder: Path, *, show_progress: bool | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF folder at once (small models; conversions use `hf_source`)."""
+    source = hf_source(folder)
+    return {k: source[k] for k in progress(list(source), desc="reading", enabled=show_progress)}
+
+
+def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arch) -> Mapping[str, torch.Tensor]:
+    """Our tensors computed from `theirs` on access (one foreign tensor read per tensor of ours).
+
+    Names are checked up front, without reading data: every foreign tensor must be used (or be a known
+    weightless buffer), every tensor of ours must have a source.
+    """
+    from meshformer.checkpointing import hf
+    from meshformer.checkpointing.mapping import import_tensors, our_shapes
+    from meshformer.checkpointing.safetensors_io import LazyState
+
+    hf.check_compatible(cfg, arch)
+    original = hf._normalize_names({k: k for k in theirs}, arch)  # normalised name -> name in the files
+    shapes = our_shapes(cfg)
+    source = f"Hugging Face {arch}"
+    rule_of, used = {}, set()
+    for rule in name_map(cfg, arch):
+        used.add(rule.theirs)
+        if rule.alias:
+            continue
+        if rule.theirs not in original:
+            raise KeyError(f"{source} state dict lacks {rule.theirs!r} (needed for {', '.join(rule.ours)})")
+        rule_of.update(dict.fromkeys(rule.ours, rule))
+    if arch == "bert":
+        used |= {hf._BERT_POSITIONS, hf._BERT_TOKEN_TYPES}
+    leftovers = sorted(k for k in original if k not in used and not hf._IGNORED.search(k))
+    if leftovers:
+        raise ValueError(f"{source} tensors with no meshformer counterpart (not loaded): {leftovers[:8]}")
+    tied = cfg.tie_embeddings and "output.weight" in shapes
+
+    def read(name: str) -> torch.Tensor:
+        if tied and name == "output.weight":
+            name = "tok_embeddings.weight"
+        if arch == "bert" and name == "pos_embeddings.weight":  # token type 0 folded into the positions
+            types = original.get(hf._BERT_TOKEN_TYPES)
+            return (theirs[original[hf._BERT_POSITIONS]] + (theirs[types][0] if types else 0.0)).contiguous()
+        rule = rule_of[name]
+        try:
+            return import_tensors({rule.theirs: theirs[original[rule.theirs]]}, [rule], shapes, source)[0][name]
+        except ValueError as err:  # a shape that does not fit the config
+            raise ConversionError(str(err)) from None
+
+    missing = sorted(n for n in shapes if n not in rule_of and not (tied and n == "output.weight")
+                     and not (arch == "bert" and n == "pos_embeddings.weight"))
+    if missing:
+        raise ValueError(f"conversion from {source} left meshformer tensors unset: {missing[:8]}")
+    return LazyState(list(shapes), read)
+
+
+def import_hf(folder: Path, *, show_progress: bool | None = None) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
+    """(our config, our tensors read on access) from an HF GPT-2 / BERT / Llama / T5 folder."""
     from transformers import AutoConfig
 
     from meshformer.checkpointing import hf
@@ -73,7 +147,7 @@ def import_hf(folder: Path, *, show_progress: bool | None = None) -> tuple[Model
     hf_config = AutoConfig.from_pretrained(str(folder))
     try:
         cfg = hf.config_from_hf(hf_config)
-        state = hf.from_hf_state_dict(read_hf_state(folder, show_progress=show_progress), cfg, hf_config.model_type)
+        state = lazy_from_hf(hf_source(folder), cfg, hf_config.model_type)
     except (ValueError, KeyError) as err:
         raise ConversionError(f"cannot import {folder}: {err}") from None
     return cfg, state

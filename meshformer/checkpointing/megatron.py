@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,7 @@ def unpack_qkv(qkv: torch.Tensor, n_heads: int, n_groups: int) -> tuple[torch.Te
 # ----------------------------------------------------------------------------- export
 
 
-def to_megatron_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, *, padded_vocab: int | None = None,
+def to_megatron_tensors(state: Mapping[str, torch.Tensor], cfg: ModelConfig, *, padded_vocab: int | None = None,
                         show_progress: bool | None = None) -> dict[str, torch.Tensor]:
     ours = check_megatron_compatible(cfg)
     layers = [f"{ours.layers}.{i}." for i in range(cfg.n_layers)]
@@ -136,7 +137,7 @@ def to_megatron_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, *, pad
     return out
 
 
-def _norm_param(state: dict[str, torch.Tensor], module: str, param: str, cfg: ModelConfig) -> torch.Tensor:
+def _norm_param(state: Mapping[str, torch.Tensor], module: str, param: str, cfg: ModelConfig) -> torch.Tensor:
     key = f"{module}.{param}"
     if key in state:
         return state[key]
@@ -152,7 +153,7 @@ def _pad_rows(table: torch.Tensor, rows: int | None) -> torch.Tensor:
     return torch.cat([table, table.new_zeros(rows - table.shape[0], *table.shape[1:])])
 
 
-def export_megatron(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: Path, *, iteration: int = 0,
+def export_megatron(state: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: Path, *, iteration: int = 0,
                     pad_vocab_multiple: int = 1, show_progress: bool | None = None) -> Path:
     """Write `out_dir/iter_<N>/` (torch_dist) and `latest_checkpointed_iteration.txt`; returns the iter folder."""
     padded = -(-cfg.vocab_size // pad_vocab_multiple) * pad_vocab_multiple

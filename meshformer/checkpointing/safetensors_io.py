@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,12 +17,12 @@ import torch
 
 from meshformer.checkpointing import directory as layout
 from meshformer.checkpointing.commit import commit, partial_dir
-from meshformer.checkpointing.dcp_io import read_full_tensors, read_metadata, save_tensors, tensor_entries
+from meshformer.checkpointing.dcp_io import read_full_tensors, read_metadata, save_tensors_streamed, tensor_entries
 from meshformer.checkpointing.errors import CheckpointError, CorruptCheckpointError
 from meshformer.checkpointing.manifest import MANIFEST, verify_manifest, write_json_atomic
-from meshformer.checkpointing.progress import chunks, progress
+from meshformer.checkpointing.sharded_safetensors import DEFAULT_MAX_SHARD_SIZE, has_safetensors
 from meshformer.checkpointing.state import MODEL
-from meshformer.checkpointing.weights import CONFIG_FILE, WEIGHTS_FILE, read_weights, write_weights
+from meshformer.checkpointing.weights import CONFIG_FILE, open_weights, write_weights
 from meshformer.config import ModelConfig, build_section
 
 
@@ -48,32 +49,67 @@ def checkpoint_model_config(path: Path) -> ModelConfig:
     return build_section(ModelConfig, state["config"]["model"], "model")
 
 
-def read_checkpoint_model(path: Path, *, show_progress: bool | None = None) -> tuple[ModelConfig, dict]:
-    """(model config, full model state dict) of a sharded checkpoint, whatever layout wrote it."""
+class LazyState(Mapping[str, torch.Tensor]):
+    """Name -> tensor, read from disk on each access and not cached: conversions stream tensor by tensor."""
+
+    def __init__(self, names: list[str], read: Callable[[str], torch.Tensor],
+                 meta: Callable[[str], torch.Tensor] | None = None) -> None:
+        self._names, self._read, self._meta = list(names), read, meta
+
+    def meta(self, name: str) -> torch.Tensor:
+        """A meta tensor of the entry's shape and dtype (read from the file's index where it has one)."""
+        return self._meta(name) if self._meta else self[name].to("meta")
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._read(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def read_checkpoint_model(path: Path, *, show_progress: bool | None = None) -> tuple[ModelConfig, LazyState]:
+    """(model config, model tensors read one at a time on access) of a sharded checkpoint, whatever layout."""
     path = resolve_checkpoint(path)
     cfg = checkpoint_model_config(path)
-    keys = sorted(k for k in tensor_entries(read_metadata(path)) if k.startswith(MODEL))
-    state: dict[str, torch.Tensor] = {}
-    for group in progress(chunks(keys, 32), total=(len(keys) + 31) // 32, desc="reading checkpoint",
-                          enabled=show_progress, unit="chunk"):
-        state.update({k[len(MODEL):]: v for k, v in read_full_tensors(path, group).items()})
-    return cfg, state
+    entries = {k[len(MODEL):]: v for k, v in tensor_entries(read_metadata(path)).items() if k.startswith(MODEL)}
+    return cfg, LazyState(sorted(entries), lambda name: read_full_tensors(path, [MODEL + name])[MODEL + name],
+                          lambda name: torch.empty(entries[name].size, dtype=entries[name].properties.dtype,
+                                                   device="meta"))
 
 
-def read_model_source(path: Path, *, show_progress: bool | None = None) -> tuple[ModelConfig, dict]:
-    """A weights folder (model.safetensors + model_config.json) or a sharded checkpoint."""
+def lazy_weights(path: Path) -> tuple[ModelConfig, LazyState]:
+    """(model config, tensors read on access) of a weights folder, single-file or sharded; tied output restored."""
+    cfg, folder = open_weights(path)
+    names = folder.keys()
+    tied = cfg.tie_embeddings and "output.weight" not in folder
+
+    def stored(name: str) -> str:
+        return "tok_embeddings.weight" if tied and name == "output.weight" else name
+
+    return cfg, LazyState([*names, "output.weight"] if tied else names, lambda name: folder.get(stored(name)),
+                          lambda name: folder.meta(stored(name)))
+
+
+def read_model_source(path: Path, *, show_progress: bool | None = None) -> tuple[ModelConfig, Mapping]:
+    """A weights folder (safetensors + model_config.json) or a sharded checkpoint, read lazily."""
     path = Path(path)
-    if (path / WEIGHTS_FILE).is_file() and (path / CONFIG_FILE).is_file():
-        return read_weights(path)
+    if has_safetensors(path) and (path / CONFIG_FILE).is_file():
+        return lazy_weights(path)
     return read_checkpoint_model(path, show_progress=show_progress)
 
 
-def checkpoint_to_safetensors(checkpoint: Path, out_dir: Path, *, show_progress: bool | None = None) -> Path:
+def checkpoint_to_safetensors(checkpoint: Path, out_dir: Path, *, show_progress: bool | None = None,
+                              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
     cfg, state = read_checkpoint_model(checkpoint, show_progress=show_progress)
-    return write_weights(state, cfg, out_dir)
+    return write_weights(state, cfg, out_dir, max_shard_size)
 
 
-def write_weights_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig, root: Path) -> Path:
+def write_weights_checkpoint(state: Mapping[str, torch.Tensor], cfg: ModelConfig, root: Path) -> Path:
     """A committed, weights-only checkpoint step-00000000/ under `root`: training starts from these weights at
     step 0 with a fresh optimizer, schedule and data order (a weights-only checkpoint carries no step)."""
     step = 0
@@ -92,7 +128,9 @@ def write_weights_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig, r
     partial = partial_dir(root, step)
     layout.remove_tree(partial)
     partial.mkdir(parents=True)
-    save_tensors({MODEL + k: state[k].contiguous() for k in expected}, partial)
+    # Streamed: a LazyState is read one tensor at a time as DCP writes it.
+    templates = {MODEL + k: state.meta(k) if isinstance(state, LazyState) else state[k] for k in expected}
+    save_tensors_streamed(templates, lambda key: state[key[len(MODEL):]], partial)
     write_json_atomic(partial / layout.TRAINER_STATE, {"version": 1, "kind": "weights", "step": step, "tokens_seen": 0,
                                                 "config": {"model": asdict(cfg)}, "saved_at": time.time()})
     return commit(partial, step, {"world_size": 1})
@@ -100,5 +138,5 @@ def write_weights_checkpoint(state: dict[str, torch.Tensor], cfg: ModelConfig, r
 
 def safetensors_to_checkpoint(weights_dir: Path, root: Path) -> Path:
     """A weights folder -> a weights-only checkpoint (step 0) under `root`."""
-    cfg, state = read_weights(weights_dir)
+    cfg, state = lazy_weights(weights_dir)
     return write_weights_checkpoint(state, cfg, root)

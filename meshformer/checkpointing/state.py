@@ -21,17 +21,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from meshformer.checkpointing.errors import CheckpointError
 from meshformer.config import ModelConfig
+from meshformer.model.init import canonical_name
 
 MODEL = "model."
 OPTIM = "optim."
-# Name pieces that wrappers add and that are not part of the plain model's FQNs.
-_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
-
-
-def canonical_name(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
 
 
 @functools.lru_cache(maxsize=8)

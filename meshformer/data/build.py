@@ -16,9 +16,11 @@ import numpy as np
 from meshformer.config import ConfigError
 
 from .loader import Loader
+from .mixture import MixtureLoader
 from .objectives import Objective, Sample, make_objective
 from .prepare import prepare
-from .shards import Manifest, ManifestError, ShardError, ShardInfo, read_manifest, read_shard
+from .shard_index import index_name
+from .shards import Manifest, ManifestError, ShardError, ShardInfo, read_manifest, read_shard, read_shard_records
 from .sources import BUNDLED_CORPORA, check_corpus, resolve_inputs
 from .tokenizer import Tokenizer
 
@@ -36,12 +38,13 @@ class ShardSource:
         self.skipped = skip or {}  # shard name -> reason
         self.records_per_shard = [s.samples for s in self.shards]
         self.skip = frozenset(i for i, s in enumerate(self.shards) if s.name in self.skipped)
+        self.nbytes = 0  # bytes read from shards and indexes by this process (read-volume stats)
         spec = {"manifest": manifest.sha256, "split": split, "skipped": sorted(self.skipped)}
         self.fingerprint = hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]
 
     def read(self, shard: int, records: np.ndarray) -> dict[int, Sample]:
         info = self.shards[shard]
-        got = read_shard(self.manifest.shard_url(info), info, self.manifest.dtype, set(records.tolist()))
+        got = read_shard_records(self.manifest.shard_url(info), info, self.manifest.dtype, records, self)
         if self.kind == "pairs":
             return {i: (parts["src"].astype(np.int64), parts["tgt"].astype(np.int64)) for i, parts in got.items()}
         return {i: parts["tokens"] for i, parts in got.items()}
@@ -58,7 +61,7 @@ def ensure_shards(data_cfg, tokenizer: Tokenizer, record_len: int) -> str:  # da
     files = resolve_inputs(data_cfg.corpus)
     key_src = {"corpus": data_cfg.corpus, "files": [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
                "field": data_cfg.text_field, "tokenizer": tokenizer.sha256, "record_len": record_len,
-               "eval_fraction": data_cfg.eval_fraction, "seed": data_cfg.seed, "format": 1}
+               "eval_fraction": data_cfg.eval_fraction, "seed": data_cfg.seed, "format": 2}
     if data_cfg.corpus in BUNDLED_CORPORA:  # the bundled file moves with the checkout; its content is fixed
         key_src["files"] = [f.stat().st_size for f in files]
     key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
@@ -84,10 +87,11 @@ def ensure_shards(data_cfg, tokenizer: Tokenizer, record_len: int) -> str:  # da
     return str(out)
 
 
-def verify_shards(manifest: Manifest, split: str, full: bool) -> dict[str, str]:
-    """Shard name -> problem. Local files: existence and size always; full=True also hashes every shard."""
+def verify_shards(manifest: Manifest, split: str, full: bool, rank: int = 0, world: int = 1) -> dict[str, str]:
+    """Shard name -> problem. Local files: existence and size always; full=True also hashes the shards i with
+    i % world == rank (each process hashes its share; `agree_on_bad_shards` unites the findings)."""
     problems: dict[str, str] = {}
-    for info in manifest.splits[split]:
+    for i, info in enumerate(manifest.splits[split]):
         url = manifest.shard_url(info)
         local = "://" not in url and not url.startswith("pipe:")
         if local:
@@ -98,7 +102,11 @@ def verify_shards(manifest: Manifest, split: str, full: bool) -> dict[str, str]:
             if path.stat().st_size != info.bytes:
                 problems[info.name] = f"{path.stat().st_size} bytes on disk, manifest says {info.bytes} (truncated?)"
                 continue
-        if full and (problem := _hash_problem(url, info)):
+            index = path.with_name(index_name(path.name))
+            if info.index_sha256 and (not index.is_file() or index.stat().st_size != info.index_bytes):
+                problems[info.name] = f"index {index.name} missing or of the wrong size; re-run prepare or restore it"
+                continue
+        if full and i % world == rank and (problem := _hash_problem(url, info)):
             problems[info.name] = problem
     return problems
 
@@ -132,6 +140,12 @@ def agree_on_bad_shards(problems: dict[str, str]) -> dict[str, str]:
     return union_bad_shards([p or {} for p in everyone])
 
 
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _rank() -> int:
     import torch.distributed as dist
 
@@ -145,9 +159,28 @@ def build_loader(cfg, tokenizer: Tokenizer, split: Literal["train", "eval"] = "t
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r}; use 'train' or 'eval'")
     objective: Objective = make_objective(cfg.objective, tokenizer, d)
-    manifest = read_manifest(ensure_shards(d, tokenizer, objective.raw_length))
+    if d.sources:  # a mixture: [[data.sources]]
+        opened = [_open_source(src.shards, d, tokenizer, objective, split) for src in d.sources]
+        names = [src.name or f"source{i}" for i, src in enumerate(d.sources)]
+        loader: Loader = MixtureLoader([o[0] for o in opened], names, [src.weight for src in d.sources], objective,
+                                       split, dp_rank, dp_size, d.batch_size, d.num_workers, d.seed, d.shuffle_shards,
+                                       with_ids=with_sample_ids, reseed_on_resume=d.reseed_on_resume)
+        loader.skipped_shards = sorted(f"{o[1].url}:{name}" for o in opened for name in o[0].skipped)
+        loader.manifest = opened[0][1]
+        return loader
+    source, manifest = _open_source(ensure_shards(d, tokenizer, objective.raw_length), d, tokenizer, objective, split)
+    loader = Loader(source, objective, split, dp_rank, dp_size, d.batch_size, d.num_workers, d.seed,
+                    d.shuffle_shards, with_ids=with_sample_ids, reseed_on_resume=d.reseed_on_resume)
+    loader.skipped_shards = sorted(source.skipped)
+    loader.manifest = manifest
+    return loader
+
+
+def _open_source(spec: str, d, tokenizer: Tokenizer, objective: Objective, split: str) -> tuple[ShardSource, Manifest]:
+    """One manifest's split, checked against the run and verified (bad shards: error, or skipped and logged)."""
+    manifest = read_manifest(spec)
     _check_manifest(manifest, tokenizer, objective, split)
-    problems = verify_shards(manifest, split, full=d.bad_shards == "skip")
+    problems = verify_shards(manifest, split, d.bad_shards == "skip", _rank(), _world())
     if d.bad_shards == "skip":
         problems = agree_on_bad_shards(problems)  # every rank must skip the same shards: one sample order
     if problems and d.bad_shards == "error":
@@ -162,11 +195,7 @@ def build_loader(cfg, tokenizer: Tokenizer, split: Literal["train", "eval"] = "t
     if len(source.skip) == len(source.shards):
         raise ShardError(f"split {split!r} of {manifest.url} has no usable samples; prepare with a larger corpus "
                          "or eval_fraction, or repair the shards")
-    loader = Loader(source, objective, split, dp_rank, dp_size, d.batch_size, d.num_workers, d.seed,
-                    d.shuffle_shards, with_ids=with_sample_ids, reseed_on_resume=d.reseed_on_resume)
-    loader.skipped_shards = sorted(problems)
-    loader.manifest = manifest
-    return loader
+    return source, manifest
 
 
 def check_data(cfg, tokenizer: Tokenizer) -> None:
@@ -175,6 +204,11 @@ def check_data(cfg, tokenizer: Tokenizer) -> None:
     checked when the config is loaded)."""
     d = cfg.data
     objective = make_objective(cfg.objective, tokenizer, d)
+    for src in d.sources:  # a mixture: every source's manifest
+        for split in ("train", "eval"):
+            _check_manifest(read_manifest(src.shards), tokenizer, objective, split)
+    if d.sources:
+        return
     if d.shards:
         manifest = read_manifest(d.shards)
         for split in ("train", "eval"):

@@ -3,6 +3,10 @@
     meshformer data prepare bundled:kjv --out data/kjv --tokenizer train --vocab-size 4096 --seq-len 128
     meshformer data prepare /usr/share/doc/python3.11/html/_sources --out data/pydocs --tokenizer gpt2
     meshformer data prepare pairs.jsonl --pairs --out data/pairs --tokenizer bundled:kjv-bpe-4k
+    meshformer data prepare corpus/ --out data/big --tokenizer tok.json --part 0/4 --stage map   # ... parts 1-3,
+    meshformer data prepare corpus/ --out data/big --tokenizer tok.json --part 0/4 --stage reduce  # then merge:
+    meshformer data prepare corpus/ --out data/big --tokenizer tok.json --stage merge
+    meshformer data submit-prepare corpus/ --out data/big --tokenizer tok.json --parts 16   # the same on SLURM
 Then train with `data.shards=<out>` and `data.tokenizer=<out>/tokenizer.json`.
 """
 
@@ -11,10 +15,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
-from meshformer.errors import ArgumentParser, run_command
+from meshformer.errors import ArgumentParser, UsageError, run_command
 
 from .prepare import prepare
+from .submit import __doc__ as submit_doc
+from .submit import part_from_env, submit_prepare
 
 
 def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -22,6 +29,26 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     sub = data.add_subparsers(dest="data_command", required=True)
     p = sub.add_parser("prepare", help="corpus -> tokenizer -> WebDataset shards + manifest",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _prepare_arguments(p)
+    p.add_argument("--part", default="0/1",
+                   help="i/N: this process's slice of the stage (any N gives the same output), or 'slurm' for "
+                        "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT")
+    p.add_argument("--stage", choices=["all", "map", "reduce", "merge"], default="all",
+                   help="with --part i/N: map on every part, then reduce on every part, then merge once")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=run_prepare)
+    s = sub.add_parser("submit-prepare", help="run a prepare as SLURM array jobs (map, reduce, merge)",
+                       description=submit_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _prepare_arguments(s)
+    s.add_argument("--parts", type=int, required=True, help="array tasks per stage (machines sharing the work)")
+    s.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
+                   help="extra #SBATCH option for every job, e.g. --sbatch=--partition=cpu (repeatable)")
+    s.add_argument("--dry-run", action="store_true", help="print the three batch scripts, submit nothing")
+    s.set_defaults(func=run_submit_prepare)
+    return data
+
+
+def _prepare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="+", help="text/JSONL files (.gz ok), directories, or bundled:kjv")
     p.add_argument("--out", required=True, help="output folder for shards, tokenizer.json and manifest.json")
     p.add_argument("--tokenizer", default="train",
@@ -38,25 +65,53 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--eval-fraction", type=float, default=0.02, help="share of documents held out")
     p.add_argument("--seed", type=int, default=1234, help="document shuffle seed")
     p.add_argument("--shard-records", type=int, default=None, help="records per shard (default ~16M tokens)")
-    p.add_argument("--num-proc", type=int, default=0, help="tokenizer processes (0: in-process, multithreaded)")
+    p.add_argument("--bucket-mb", type=float, default=128,
+                   help="input text per shuffle bucket (reduce memory is about 2-3x this)")
+    p.add_argument("--num-proc", type=int, default=0, help="processes for tokenizing/packing (0: in-process)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=run_prepare)
-    return data
+
+
+_FORWARDED = ("tokenizer", "vocab_size", "seq_len", "record_len", "text_field", "doc_split", "src_field", "tgt_field",
+              "eval_fraction", "seed", "shard_records", "bucket_mb", "num_proc")
+
+
+def _parse_part(spec: str) -> tuple[int, int]:
+    if spec == "slurm":
+        return part_from_env()
+    try:
+        index, count = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise UsageError(f"--part {spec!r} is not a part", "write i/N (e.g. 0/4) or 'slurm'") from None
+    return index, count
 
 
 def run_prepare(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    manifest = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                       seq_len=args.seq_len, record_len=args.record_len, text_field=args.text_field,
-                       pairs=args.pairs, src_field=args.src_field, tgt_field=args.tgt_field,
-                       doc_split=args.doc_split, eval_fraction=args.eval_fraction, seed=args.seed,
-                       shard_records=args.shard_records, num_proc=args.num_proc, progress=not args.quiet,
-                       overwrite=args.overwrite)
+    manifest = prepare(args.inputs, args.out, pairs=args.pairs, part=_parse_part(args.part), stage=args.stage,
+                       progress=not args.quiet, overwrite=args.overwrite, **{k: getattr(args, k) for k in _FORWARDED})
+    if manifest is None:
+        print(f"done: stage {args.stage} of part {args.part} for {args.out}")
+        return 0
     train = manifest.splits["train"]
     print(f"wrote {manifest.url}: {len(train)} train shards, {sum(s.samples for s in train)} records, "
           f"{sum(s.tokens for s in train)} tokens, tokenizer sha256 {manifest.tokenizer['sha256'][:12]}")
     print(f"train with: data.shards={manifest.url} data.tokenizer={manifest.base}/tokenizer.json")
+    return 0
+
+
+def run_submit_prepare(args: argparse.Namespace) -> int:
+    forwarded = [*args.inputs, "--out", str(Path(args.out).resolve())]
+    for key in _FORWARDED:
+        value = getattr(args, key)
+        if value is not None:
+            forwarded += [f"--{key.replace('_', '-')}", str(value)]
+    forwarded += ["--pairs"] * args.pairs + ["--overwrite"] * args.overwrite
+    result = submit_prepare(forwarded, args.out, args.parts, args.sbatch, dry_run=args.dry_run)
+    if args.dry_run:
+        print("\n".join(result))
+    else:
+        print(f"submitted map {result[0]}, reduce {result[1]}, merge {result[2]}; the manifest appears at "
+              f"{Path(args.out).resolve()}/manifest.json when the merge job ends")
     return 0
 
 

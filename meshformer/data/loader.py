@@ -77,24 +77,30 @@ class BatchStream(IterableDataset):
             j += view.num_workers
 
     def _load_group(self, view: RankView, j: int, epoch: int, g: int) -> dict[int, Sample]:
-        """Read the group's shards front to back, keeping only the units this worker will use."""
+        """The group's units this worker will use (its batches j, j + num_workers, ... inside the group)."""
         lo, hi = self.order.group_span(epoch, g)
         units = self.order.units_at(epoch, g, view.positions_in(j, lo, hi))
-        out: dict[int, Sample] = {}
-        for shard in self.order.groups(epoch)[g].shards:
-            first = int(self.order.unit_start[shard])
-            mine = units[(units >= first) & (units < int(self.order.unit_start[shard + 1]))]
-            records, windows = np.divmod(mine - first, self.order.windows)
-            if not len(mine):
-                continue
-            got = self.source.read(shard, np.unique(records))
-            for unit, rec, win in zip(mine.tolist(), records.tolist(), windows.tolist()):
-                sample = got[rec]
-                if self.window:  # packed record -> the unit's window
-                    assert isinstance(sample, np.ndarray)  # packed shards hold token arrays, not pairs
-                    sample = sample[win * self.window:(win + 1) * self.window].astype(np.int64)
-                out[unit] = sample
-        return out
+        return read_units(self.source, self.order, self.order.groups(epoch)[g].shards, units, self.window)
+
+
+def read_units(source: Source, order: SampleOrder, shards: tuple[int, ...], units: np.ndarray,
+               window: int) -> dict[int, Sample]:
+    """Unit id -> sample for `units` of a group, reading from each shard only the records they lie in."""
+    out: dict[int, Sample] = {}
+    for shard in shards:
+        first = int(order.unit_start[shard])
+        mine = units[(units >= first) & (units < int(order.unit_start[shard + 1]))]
+        records, windows = np.divmod(mine - first, order.windows)
+        if not len(mine):
+            continue
+        got = source.read(shard, np.unique(records))
+        for unit, rec, win in zip(mine.tolist(), records.tolist(), windows.tolist()):
+            sample = got[rec]
+            if window:  # packed record -> the unit's window
+                assert isinstance(sample, np.ndarray)  # packed shards hold token arrays, not pairs
+                sample = sample[win * window:(win + 1) * window].astype(np.int64)
+            out[unit] = sample
+    return out
 
 
 class Loader:
@@ -114,7 +120,7 @@ class Loader:
         windows = source.record_len // objective.raw_length if source.kind == "packed" else 1
         self.order = SampleOrder(source.records_per_shard, windows, seed, shuffle=split == "train",
                                  group_shards=shuffle_shards, skip=source.skip)
-        self.with_ids, self.reseed_on_resume = with_ids, reseed_on_resume
+        self.with_ids, self.seed, self.reseed_on_resume = with_ids, seed, reseed_on_resume
         self.consumed = 0  # stream positions consumed by all ranks together
         self.skipped_shards: list[str] = []  # bad shards left out (data.bad_shards="skip")
         self.manifest: Any = None  # the shards' Manifest, set by build_loader
@@ -151,14 +157,20 @@ class Loader:
     def _start(self) -> Iterator[dict[str, torch.Tensor]]:
         # The loader owns the torch iterator directly (no generator holding `self`), so dropping the loader
         # shuts its workers down at once instead of at a later garbage collection with queues half torn down.
-        view = RankView(self.consumed, self.dp_rank, self.dp_size, self.batch_size)
-        stream = BatchStream(self.source, self.order, self.objective, view, self.with_ids)
+        stream = self._stream(RankView(self.consumed, self.dp_rank, self.dp_size, self.batch_size))
         workers: dict[str, Any] = {"num_workers": self.num_workers}
         if self.num_workers:
             workers.update(prefetch_factor=4, persistent_workers=False)
         # A private generator: seeding workers from the global RNG would shift dropout after a resume.
         return iter(DataLoader(stream, batch_size=None, pin_memory=torch.cuda.is_available(),
                                generator=torch.Generator(), **workers))
+
+    def _stream(self, view: RankView) -> IterableDataset:
+        return BatchStream(self.source, self.order, self.objective, view, self.with_ids)
+
+    def source_scalars(self) -> dict[str, float]:
+        """Per-source sample/token counts for logging (mixtures only)."""
+        return {}
 
     def close(self) -> None:
         """Stop worker processes (they restart from the current position on the next batch)."""
@@ -195,6 +207,7 @@ class Loader:
         if not saved:
             return ("corpus, shards, tokenizer, objective, seq_len, data.seed or data.shuffle_shards; the checkpoint "
                     "does not record which")
+        names |= {"weights": "the mixture weights", "names": "the mixture's source names"}
         return ", ".join(f"{names[k]}: {saved.get(k)!r} -> {v!r}" if k in ("objective", "raw", "seed",
                                                                          "shuffle_shards") else names[k]
                          for k, v in self.settings.items() if saved.get(k) != v)

@@ -9,9 +9,9 @@ defined before anyone reads, and exact resume needs that order to be addressable
 - Epoch e: the shards are permuted with rng(seed, e); consecutive runs of `group_shards` shards
   form a *group*, and the group's units are permuted with rng(seed, e, g). The epoch stream is the
   groups in order; the infinite stream is epoch 0, epoch 1, ...
-- Streaming trade-off: a reader holds at most one group (`group_shards` shards) and reads shards
-  front to back, never seeking, so tar shards work from pipes and object stores. Mixing is global
-  across documents (prepare shuffles documents before packing) but only group-local across epochs.
+- Reading: a worker holds at most one group (`group_shards` shards) and reads from it only the records
+  of its own batches (ranged reads, shard_index.py), or streams the shards whole where the store cannot
+  seek. Mixing is global across documents (prepare's buckets) but only group-local across epochs.
 - Batches are cut from the stream without regard to epoch ends: global batch b is positions
   [b*G, (b+1)*G) with G = dp_size * batch_size, and rank r takes [b*G + r*B, b*G + (r+1)*B).
   So every rank gets the same number of batches, every epoch holds every unit exactly once, the

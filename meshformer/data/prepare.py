@@ -1,58 +1,77 @@
-"""`meshformer data prepare`: corpus -> tokenizer -> packed WebDataset shards + manifest.json.
+"""`meshformer data prepare`: corpus -> tokenizer -> packed WebDataset shards + manifest.json, in bounded memory,
+split over processes (`num_proc`) and machines (`part=(i, N)`), with the same output for any split.
 
-Steps, all deterministic for the same inputs and seed:
-1. read documents (sources.py), shuffle them with rng(seed), hold out `eval_fraction` of them;
-2. train a byte-level BPE on the training documents, or load a tokenizer (saved as tokenizer.json);
-3. tokenize with `num_proc` processes (ordered map, so the process count does not change the output);
-4. packed: concatenate documents with EOS separators and cut `record_len`-token records (the ragged tail
-   is dropped); pairs: one sample per (src, tgt);
-5. write tar shards of `shard_records` records plus manifest.json (counts, sha256, tokenizer hash).
-Documents are held in memory for the shuffle: fine for corpora of a few GB of text; split larger ones.
+Stages (prepare_stages.py), all deterministic for the same inputs and seed:
+1. plan: the input files, and the number of buckets per split from the input size (`bucket_mb` of input
+   text per bucket); saved as <out>.work/plan.json so that every part checks it runs the same plan;
+2. map, one task per input file: stream documents, hold out `eval_fraction` of them, spread them over the
+   buckets at random, tokenize in batches and spill token ids to <out>.work/map/;
+3. reduce, one task per bucket: gather the bucket's documents, shuffle them, join them with EOS and cut
+   `record_len`-token records (ragged tail dropped per bucket; pairs: one sample per (src, tgt)), write shards;
+4. merge: number the shards in bucket order, write tokenizer.json and manifest.json (counts, sha256,
+   tokenizer hash), move everything into <out> and remove the work folder.
+Part i of N runs the map tasks u with u % N == i, then (after every map is done) the reduce tasks k with
+k % N == i; a document's split, bucket and place in the shuffle depend only on its file, its index in that
+file and the seed, so N (and num_proc) never changes a byte of the output. Two-level shuffle: random buckets
+mix the whole corpus into every shard at any scale; the loader then permutes shards and samples per epoch.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import multiprocessing
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from multiprocessing.pool import Pool
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from tqdm import tqdm
 
 from meshformer.errors import MeshformerError, UsageError
 
-from .shards import Manifest, ShardInfo, ShardWriter, token_dtype
-from .sources import BUNDLED_CORPORA, CorpusError, DocSplit, check_corpus, iter_documents, iter_pairs, resolve_inputs
+from .prepare_stages import SPLITS, map_unit, reduce_bucket, train_documents
+from .shards import Manifest, ShardInfo, ShardWriter, read_shard, token_dtype
+from .sources import BUNDLED_CORPORA, CorpusError, DocSplit, check_corpus, iter_pairs, resolve_inputs
 from .tokenizer import Tokenizer, load_tokenizer, train_bpe
 
 log = logging.getLogger("meshformer.data")
+Stage = Literal["all", "map", "reduce", "merge"]
 
 
 class OutputExistsError(MeshformerError, FileExistsError):
     """The output folder already holds prepared shards."""
-
-_CHUNK = 256  # documents per tokenization task
 
 
 def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, tokenizer: str = "train",
             vocab_size: int = 4096, seq_len: int = 128, record_len: int | None = None, text_field: str = "text",
             pairs: bool = False, src_field: str = "src", tgt_field: str = "tgt", doc_split: DocSplit = "file",
             eval_fraction: float = 0.02, seed: int = 1234, shard_records: int | None = None, num_proc: int = 0,
-            progress: bool = True, overwrite: bool = False) -> Manifest:
+            bucket_mb: float = 128, part: tuple[int, int] = (0, 1), stage: Stage = "all", progress: bool = True,
+            overwrite: bool = False) -> Manifest | None:
     """Prepare shards in `out_dir` and return the manifest (also written to out_dir/manifest.json).
 
-    tokenizer: "train" (byte-level BPE of `vocab_size` on the training documents), "bundled:<name>",
-    "gpt2", or a tokenizer.json path. Records hold `record_len` tokens (default seq_len + 1: one causal
-    sequence plus its shifted label; longer records are cut into several samples at load time).
-    shard_records: records per shard (default: about 16M tokens per shard). num_proc: tokenizer
-    processes (0: in-process, using the tokenizer's own threads).
+    tokenizer: "train" (byte-level BPE of `vocab_size` on the training documents; only with stage "all"),
+    "bundled:<name>", "gpt2", or a tokenizer.json path. Records hold `record_len` tokens (default seq_len + 1:
+    one causal sequence plus its shifted label; longer records are cut into several samples at load time).
+    shard_records: records per shard (default: about 16M tokens per shard). num_proc: processes for the map
+    and reduce tasks (0/1: in-process; the tokenizer's own threads still use every core). bucket_mb: input
+    text per bucket, which bounds reduce memory. part=(i, N), stage: run one slice of one stage (`--part i/N
+    --stage map|reduce|merge`); stage "all" runs every stage of the part (for N == 1: the whole prepare).
+    Returns None for the map and reduce stages.
     """
     out = Path(out_dir)
+    index, count = part
+    if not 0 <= index < count:
+        raise UsageError(f"part {index}/{count} does not exist", f"use a part index in [0, {count})")
+    if stage == "all" and count > 1:
+        raise UsageError("--part i/N needs --stage", "run --stage map on every part, then "
+                         "--stage reduce on every part, then --stage merge once (`meshformer data submit-prepare` "
+                         "does this on SLURM)")
     if (out / "manifest.json").exists() and not overwrite:
         raise OutputExistsError(f"{out} already holds prepared shards", "pass --overwrite (overwrite=True) or "
                                 "choose another output folder")
@@ -61,84 +80,99 @@ def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, token
     record_len = record_len or seq_len + 1
     if record_len < 2:
         raise UsageError(f"record_len={record_len} is too short", "use --seq-len >= 1 (--record-len >= 2)")
+    if tokenizer == "train" and stage != "all":
+        raise UsageError("--tokenizer train needs the whole corpus in one process", "train a tokenizer first "
+                         "(meshformer data prepare SAMPLE --tokenizer train) and pass its tokenizer.json")
     start = time.perf_counter()
     files = resolve_inputs(inputs if isinstance(inputs, list) else [inputs])
     check_corpus(files, None if pairs else text_field)
-    if pairs:
-        docs: list = list(iter_pairs(files, src_field, tgt_field))
+    for f in files if pairs else ():  # pairs need JSONL with both fields: say so before any work starts
+        next(iter_pairs([f], src_field, tgt_field), None)
+    work = out.with_name(out.name + ".work")
+    if stage == "all":
+        shutil.rmtree(work, ignore_errors=True)
+    bucket_counts = _bucket_counts(files, eval_fraction, bucket_mb)
+    plan = {"files": [str(f) for f in files], "kind": "pairs" if pairs else "packed",
+            "record_len": 0 if pairs else record_len, "text_field": text_field, "src_field": src_field,
+            "tgt_field": tgt_field, "doc_split": doc_split, "eval_fraction": eval_fraction, "seed": seed,
+            "buckets": bucket_counts, "bucket_mb": bucket_mb}
+    if tokenizer == "train":
+        tok = train_bpe(train_documents(plan), vocab_size=vocab_size)
     else:
-        docs = list(iter_documents(files, text_field, doc_split))
-    if not docs:
-        raise CorpusError(f"no documents found in {[str(f) for f in files][:3]}", "check the inputs and --text-field")
-    order = np.random.default_rng(seed).permutation(len(docs))
-    n_eval = round(len(docs) * eval_fraction) if len(docs) > 1 else 0
-    if pairs and eval_fraction > 0 and len(docs) > 1:
-        n_eval = max(1, n_eval)
-    hold_out_tokens = not pairs and eval_fraction > 0 and n_eval == 0  # too few documents: split the token stream
-    split_docs = {"eval": [docs[i] for i in order[:n_eval]], "train": [docs[i] for i in order[n_eval:]]}
-
-    tok = _tokenizer(tokenizer, split_docs["train"], vocab_size, pairs)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tok.save(tmp / "tokenizer.json")
-    dtype = token_dtype(tok.vocab_size)
-    shard_records = shard_records or max(1, (1 << 24) // (record_len if not pairs else 256))
-    splits: dict[str, list[ShardInfo]] = {}
-    pool = _pool(tok, num_proc)
+        tok = load_tokenizer(tokenizer)
+    plan.update(tokenizer_spec=tokenizer, tokenizer_sha256=tok.sha256, dtype=token_dtype(tok.vocab_size).name,
+                shard_records=shard_records or max(1, (1 << 24) // (record_len if not pairs else 256)))
+    _agree_on_plan(work, plan)
+    units = list(range(index, len(files), count)) if stage in ("all", "map") else []
+    buckets = [(s, b) for s in SPLITS for b in range(bucket_counts[s])][index::count]
+    pool = _pool(tok, num_proc, max(len(units), len(buckets) if stage in ("all", "reduce") else 0))
     try:
-        for name in ("train", "eval"):
-            texts = split_docs[name]
-            bar = tqdm(total=len(texts), desc=f"tokenize {name}", unit="doc", disable=not progress or not texts)
-            encoded = _tokenize(tok, texts, pool, bar)
-            samples = encoded if pairs else _pack(encoded, tok.eos_id, record_len)
-            if hold_out_tokens and name == "train":
-                records = list(samples)
-                n_held = max(1, round(len(records) * eval_fraction)) if len(records) > 1 else 0
-                splits["eval"] = _write_shards(tmp, "eval", iter(records[len(records) - n_held:]), dtype,
-                                               shard_records, pairs)
-                samples = iter(records[:len(records) - n_held])
-            if name not in splits:
-                splits[name] = _write_shards(tmp, name, samples, dtype, shard_records, pairs)
-            bar.close()
+        _run(pool, map_unit, plan, work, tok, [(u,) for u in units], progress, "tokenize")
+        if stage in ("all", "reduce"):
+            _require_maps(plan, work)
+            _run(pool, reduce_bucket, plan, work, tok, [(s, b, tok.eos_id) for s, b in buckets], progress, "pack")
     finally:
         if pool is not None:
             pool.terminate()
-    manifest = Manifest(
-        kind="pairs" if pairs else "packed", record_len=0 if pairs else record_len, dtype=dtype.name,
-        tokenizer={"spec": tokenizer, "file": "tokenizer.json", "sha256": tok.sha256, "vocab_size": tok.vocab_size,
-                   "eos_id": tok.eos_id, "pad_id": tok.pad_id},
-        splits=splits,
-        meta={"inputs": [_input_name(f) for f in files], "text_field": text_field, "doc_split": doc_split,
-              "seed": seed, "eval_fraction": eval_fraction, "documents": {k: len(v) for k, v in split_docs.items()},
-              "eval_held_out": "tokens" if hold_out_tokens else "documents",
-              "created_by": "meshformer data prepare"})
-    (tmp / "manifest.json").write_text(manifest.to_json())
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)  # readers never see a half-written folder
-    manifest.url = str(out / "manifest.json")
-    tokens = sum(s.tokens for s in splits["train"])
-    log.info("prepared %s: %d train shards, %d train tokens, %d eval shards in %.1fs", out, len(splits["train"]),
-             tokens, len(splits["eval"]), time.perf_counter() - start)
+    if stage not in ("all", "merge"):
+        return None
+    manifest = _merge(plan, work, out, tok, files)
+    tokens = sum(s.tokens for s in manifest.splits["train"])
+    log.info("prepared %s: %d train shards, %d train tokens, %d eval shards in %.1fs", out,
+             len(manifest.splits["train"]), tokens, len(manifest.splits["eval"]), time.perf_counter() - start)
     return manifest
 
 
-def _input_name(path: Path) -> str:
-    for name, bundled in BUNDLED_CORPORA.items():
-        if path == bundled:
-            return name
-    return str(path)
+def _bucket_counts(files: list[Path], eval_fraction: float, bucket_mb: float) -> dict[str, int]:
+    total = sum(f.stat().st_size for f in files)
+    per = bucket_mb * (1 << 20)
+    return {"train": max(1, math.ceil(total * (1 - eval_fraction) / per)),
+            "eval": max(1, math.ceil(total * eval_fraction / per))}
 
 
-def _tokenizer(spec: str, train_docs: list, vocab_size: int, pairs: bool) -> Tokenizer:
-    if spec != "train":
-        return load_tokenizer(spec)
-    texts = [t for pair in train_docs for t in pair] if pairs else train_docs
-    return train_bpe(texts, vocab_size=vocab_size)
+def _agree_on_plan(work: Path, plan: dict) -> None:
+    """The first part writes plan.json; every other part must compute the same plan."""
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / "plan.json"
+    text = json.dumps(plan, indent=1, sort_keys=True)
+    if not path.exists():
+        tmp = work / f"plan.json.{os.getpid()}"
+        tmp.write_text(text)
+        tmp.replace(path)
+    if path.read_text() != text:
+        raise UsageError(f"{path} was written by a part with other inputs or settings", "run every part with the "
+                         "same arguments (or delete the work folder to start over)")
 
 
-# ----------------------------------------------------------------------------- tokenizing
+def _require_maps(plan: dict, work: Path) -> None:
+    missing = [u for u in range(len(plan["files"])) if not (work / "map" / f"u{u:06d}.done.json").exists()]
+    if missing:
+        raise UsageError(f"{len(missing)} map task(s) of {work} are not done (first: file {plan['files'][missing[0]]})",
+                         "run --stage map on every part before --stage reduce")
+
+
+def _pool(tok: Tokenizer, num_proc: int, tasks: int) -> Pool | None:
+    """One process pool for both stages (starting workers costs an interpreter and imports each)."""
+    if num_proc <= 1 or tasks <= 1:
+        return None
+    # spawn: the parent's tokenizer thread pool must not be forked; each worker tokenizes single-threaded
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return multiprocessing.get_context("spawn").Pool(min(num_proc, tasks), initializer=_init_worker,
+                                                     initargs=(tok.json,))
+
+
+def _run(pool: Pool | None, fn, plan: dict, work: Path, tok: Tokenizer, tasks: list[tuple], progress: bool,
+         what: str) -> None:
+    bar = tqdm(total=len(tasks), desc=what, unit="task", disable=not progress or not tasks)
+    if pool is None or len(tasks) <= 1:
+        for task in tasks:
+            fn(plan, work, *((tok,) if fn is map_unit else ()), *task)
+            bar.update()
+    else:
+        for _ in pool.imap_unordered(_call, [(fn.__name__, plan, str(work), task) for task in tasks]):
+            bar.update()
+    bar.close()
+
 
 _WORKER_TOK: Tokenizer | None = None
 
@@ -150,60 +184,94 @@ def _init_worker(tokenizer_json: str) -> None:
     _WORKER_TOK = Tokenizer(HFTokenizer.from_str(tokenizer_json), "worker")
 
 
-def _encode_chunk(texts: list) -> list:
-    assert _WORKER_TOK is not None
-    return _encode(_WORKER_TOK, texts)
+def _call(args: tuple) -> None:
+    name, plan, work, task = args
+    if name == "map_unit":
+        assert _WORKER_TOK is not None  # set by the pool's initializer
+        map_unit(plan, Path(work), _WORKER_TOK, *task)
+    else:
+        reduce_bucket(plan, Path(work), *task)
 
 
-def _encode(tok: Tokenizer, texts: list) -> list:
-    if texts and isinstance(texts[0], tuple):
-        src = tok.encode_batch([s for s, _ in texts])
-        tgt = tok.encode_batch([t for _, t in texts])
-        return list(zip(src, tgt))
-    return tok.encode_batch(texts)
+def _merge(plan: dict, work: Path, out: Path, tok: Tokenizer, files: list[Path]) -> Manifest:
+    """Number the buckets' shards, write tokenizer.json + manifest.json, move into `out`, drop the work folder."""
+    _require_maps(plan, work)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    splits: dict[str, list[ShardInfo]] = {}
+    documents = {}
+    for split in SPLITS:
+        splits[split], documents[split] = [], 0
+        for b in range(plan["buckets"][split]):
+            path = work / "reduce" / f"{split}-{b:05d}.json"
+            if not path.exists():
+                raise UsageError(f"reduce task {split} bucket {b} of {work} is not done", "run --stage reduce on every "
+                                 "part before --stage merge")
+            done = json.loads(path.read_text())
+            documents[split] += done["documents"]
+            for info in map(lambda s: ShardInfo(**s), done["shards"]):
+                name = f"{split}-{len(splits[split]):06d}"
+                src = work / "reduce" / f"{split}-{b:05d}" / info.name
+                src.rename(tmp / f"{name}.tar")
+                src.with_suffix(".idx").rename(tmp / f"{name}.idx")
+                info.name = f"{name}.tar"
+                splits[split].append(info)
+    if not documents["train"] + documents["eval"]:
+        raise CorpusError(f"no documents found in {plan['files'][:3]}", "check the inputs and --text-field")
+    held_out = "documents"
+    if plan["eval_fraction"] > 0 and not splits["eval"]:  # too few documents to hold one out: split the records
+        splits["train"], splits["eval"] = _hold_out_tail(tmp, splits["train"], plan)
+        held_out = "tokens" if plan["kind"] == "packed" else "documents"
+    tok.save(tmp / "tokenizer.json")
+    manifest = Manifest(
+        kind=plan["kind"], record_len=plan["record_len"], dtype=plan["dtype"],
+        tokenizer={"spec": plan["tokenizer_spec"], "file": "tokenizer.json", "sha256": tok.sha256,
+                   "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "pad_id": tok.pad_id},
+        splits=splits,
+        meta={"inputs": [_input_name(f) for f in files], "text_field": plan["text_field"],
+              "doc_split": plan["doc_split"], "seed": plan["seed"], "eval_fraction": plan["eval_fraction"],
+              "documents": documents, "eval_held_out": held_out, "buckets": plan["buckets"],
+              "created_by": "meshformer data prepare"})
+    (tmp / "manifest.json").write_text(manifest.to_json())
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)  # readers never see a half-written folder
+    shutil.rmtree(work, ignore_errors=True)
+    manifest.url = str(out / "manifest.json")
+    return manifest
 
 
-def _pool(tok: Tokenizer, num_proc: int) -> Pool | None:
-    if num_proc <= 1:
-        return None
-    # spawn: the parent's tokenizer thread pool must not be forked.
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return multiprocessing.get_context("spawn").Pool(num_proc, initializer=_init_worker, initargs=(tok.json,))
+def _hold_out_tail(folder: Path, train: list[ShardInfo], plan: dict) -> tuple[list[ShardInfo], list[ShardInfo]]:
+    """Move the last round(records * eval_fraction) (at least one) train records into an eval shard."""
+    total = sum(s.samples for s in train)
+    n_held = max(1, round(total * plan["eval_fraction"])) if total > 1 else 0
+    if not n_held:
+        return train, []
+    tail: list[dict] = []
+    while train and len(tail) < n_held:  # the trailing shards that hold the records to move
+        info = train.pop()
+        got = read_shard(str(folder / info.name), info, plan["dtype"], None)
+        tail = [got[i] for i in range(info.samples)] + tail
+        (folder / info.name).unlink()
+        (folder / info.name).with_suffix(".idx").unlink()
+    out = {"train": train, "eval": []}
+    for split, records in (("train", tail[:len(tail) - n_held]), ("eval", tail[len(tail) - n_held:])):
+        writer = None
+        for record in records:
+            if writer is None:
+                writer = ShardWriter(folder / f"{split}-{len(out[split]):06d}.tar", np.dtype(plan["dtype"]))
+            writer.write(**record)
+            if writer.samples == plan["shard_records"]:
+                out[split].append(writer.close())
+                writer = None
+        if writer is not None:
+            out[split].append(writer.close())
+    return out["train"], out["eval"]
 
 
-def _tokenize(tok: Tokenizer, texts: list, pool: Pool | None, bar: tqdm) -> Iterator:
-    chunks = [texts[i:i + _CHUNK] for i in range(0, len(texts), _CHUNK)]
-    results = pool.imap(_encode_chunk, chunks) if pool is not None else (_encode(tok, c) for c in chunks)
-    for chunk, encoded in zip(chunks, results):  # imap keeps input order: output independent of num_proc
-        yield from encoded
-        bar.update(len(chunk))
-
-
-def _pack(encoded: Iterator[list[int]], eos: int, record_len: int) -> Iterator[np.ndarray]:
-    """Documents joined by EOS, cut into record_len-token records; the ragged tail is dropped."""
-    buf: list[int] = []
-    for ids in encoded:
-        buf.extend(ids)
-        buf.append(eos)
-        while len(buf) >= record_len:
-            yield np.asarray(buf[:record_len], dtype=np.int64)
-            del buf[:record_len]
-
-
-def _write_shards(folder: Path, split: str, samples: Iterator, dtype: np.dtype, per_shard: int,
-                  pairs: bool) -> list[ShardInfo]:
-    shards: list[ShardInfo] = []
-    writer: ShardWriter | None = None
-    for sample in samples:
-        if writer is None:
-            writer = ShardWriter(folder / f"{split}-{len(shards):06d}.tar", dtype)
-        if pairs:
-            writer.write(src=np.asarray(sample[0]), tgt=np.asarray(sample[1]))
-        else:
-            writer.write(tokens=sample)
-        if writer.samples == per_shard:
-            shards.append(writer.close())
-            writer = None
-    if writer is not None:
-        shards.append(writer.close())
-    return shards
+def _input_name(path: Path) -> str:
+    for name, bundled in BUNDLED_CORPORA.items():
+        if path == bundled:
+            return name
+    return str(path)

@@ -29,6 +29,8 @@ from webdataset.tariterators import tar_file_iterator
 
 from meshformer.errors import MeshformerError
 
+from .shard_index import index_name, read_records, seekable, write_index
+
 FORMAT = "meshformer.shards"
 FORMAT_VERSION = 1
 _WDS_SCHEMES = {"", "file", "pipe", "http", "https", "sftp", "ftps", "scp", "gs", "ais", "hf"}
@@ -85,6 +87,8 @@ class ShardInfo:
     tokens: int
     bytes: int
     sha256: str
+    index_bytes: int = 0  # NAME.idx sidecar (shard_index.py); 0: no index, the shard is always streamed
+    index_sha256: str = ""
 
 
 @dataclass
@@ -156,20 +160,25 @@ class ShardWriter:
         self._fh = open(path, "wb")
         self._tar = wds.TarWriter(self._fh, user="meshformer", group="meshformer", mtime=0, encoder=False)
         self.samples = self.tokens = 0
+        self._spans: list[tuple[int, int]] = []  # each sample's bytes in the tar (headers + data + padding)
 
     def write(self, **arrays: np.ndarray) -> None:
         sample: dict[str, Any] = {"__key__": f"{self.samples:09d}"}
         for name, array in arrays.items():
             sample[f"{name}.{self.ext}"] = np.ascontiguousarray(array, dtype=self.dtype).tobytes()
             self.tokens += len(array)
+        start = self._tar.tarstream.offset
         self._tar.write(sample)
+        self._spans.append((start, self._tar.tarstream.offset))
         self.samples += 1
 
     def close(self) -> ShardInfo:
         self._tar.close()
         self._fh.close()
         data = self.path.read_bytes()
-        return ShardInfo(self.path.name, self.samples, self.tokens, len(data), hashlib.sha256(data).hexdigest())
+        index_bytes, index_sha = write_index(self.path, data, self._spans)
+        return ShardInfo(self.path.name, self.samples, self.tokens, len(data), hashlib.sha256(data).hexdigest(),
+                         index_bytes, index_sha)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -197,8 +206,12 @@ class _Hashing(io.RawIOBase):
             pass
 
 
-def read_shard(url: str, info: ShardInfo, dtype: str, wanted: set[int] | None) -> dict[int, dict[str, np.ndarray]]:
-    """Stream one shard; return the wanted records (all if None) after checking count and sha256."""
+def read_shard(url: str, info: ShardInfo, dtype: str, wanted: set[int] | None,
+               counter: Any = None) -> dict[int, dict[str, np.ndarray]]:
+    """Stream one shard; return the wanted records (all if None) after checking count and sha256.
+
+    counter: an object with an `nbytes` attribute to which the bytes read are added (read-volume stats).
+    """
     np_dtype = np.dtype("<u2") if dtype == "uint16" else np.dtype("<u4")
     out: dict[int, dict[str, np.ndarray]] = {}
     keys: list[str] = []
@@ -224,12 +237,33 @@ def read_shard(url: str, info: ShardInfo, dtype: str, wanted: set[int] | None) -
                          f"corrupt ({type(err).__name__}: {err})") from None
     finally:
         _close_quietly(raw)  # every error path too: no leaked file handle or pipe: child per bad shard
+        if counter is not None and "stream" in locals():
+            counter.nbytes += stream.nbytes
     problem = check_shard(stream.hash.hexdigest(), stream.nbytes, len(keys), info)
     if problem:
         raise ShardError(f"shard {url} does not match the manifest: {problem}; the file was truncated, replaced "
                          "or corrupted. Re-run `meshformer data prepare` or restore it (or set "
                          "data.bad_shards='skip')", problem)
     return out
+
+
+def read_shard_records(url: str, info: ShardInfo, dtype: str, records: np.ndarray,
+                       counter: Any = None) -> dict[int, dict[str, np.ndarray]]:
+    """The given records of one shard: ranged reads of just those when the store can seek and the shard has an
+    index, else the whole shard streamed (also when every record is wanted: then the whole-file sha256 is
+    checked too)."""
+    if not info.index_sha256 or not seekable(url) or len(np.unique(records)) == info.samples:
+        return read_shard(url, info, dtype, set(np.asarray(records).tolist()), counter)
+    np_dtype = np.dtype("<u2") if dtype == "uint16" else np.dtype("<u4")
+    try:
+        return read_records(url, index_name(url), info.samples, np_dtype, records, counter)
+    except (FileNotFoundError, OSError) as err:
+        raise ShardError(f"shard {url} cannot be read ({err}); restore it or re-run `meshformer data prepare` "
+                         "(or set data.bad_shards='skip' to train without it)", f"cannot be read ({err})") from None
+    except (ValueError, tarfile.TarError, EOFError) as err:
+        raise ShardError(f"shard {url} does not match the manifest: {err}; the file was truncated, replaced or "
+                         "corrupted. Re-run `meshformer data prepare` or restore it (or set "
+                         "data.bad_shards='skip')", str(err)) from None
 
 
 def _close_quietly(raw: IO[bytes]) -> None:

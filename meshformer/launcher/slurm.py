@@ -23,17 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshformer.config import load_config
-from meshformer.errors import MeshformerError
+from meshformer.errors import SubmitError
 from meshformer.launcher.torchrun import torchrun_command
 from meshformer.layout import validate_parallel
 
 # Shell variables in the torchrun command: resolved on the nodes, not when the script is written.
 _RDZV_ENDPOINT = "@RDZV_ENDPOINT@"
 _RDZV_ID = "@RDZV_ID@"
-
-
-class SubmitError(MeshformerError, RuntimeError):
-    """A job that cannot be submitted, phrased as the problem and its fix."""
 
 
 @dataclass

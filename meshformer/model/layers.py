@@ -39,6 +39,18 @@ class FeedForward(nn.Module):
         return self.down_proj(self.act(self.up_proj(x)))
 
 
+def autocast_once(h: torch.Tensor) -> torch.Tensor:
+    """Cast a branch input to the autocast dtype once, where Q/K/V (or gate/up) projections would each cast it.
+
+    Same forward values; in backward their input gradients are summed in the autocast dtype before the one
+    cast back. A no-op without autocast.
+    """
+    device = h.device.type
+    if h.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        return h.to(torch.get_autocast_dtype(device))
+    return h
+
+
 @dataclass
 class BlockCache:
     self_attn: KVCache = field(default_factory=KVCache)
@@ -64,8 +76,8 @@ class TransformerBlock(nn.Module):
 
     def _branch(self, x: torch.Tensor, norm: nn.Module, fn, *args, **kwargs) -> torch.Tensor:
         if self.pre_norm:
-            return x + F.dropout(fn(norm(x), *args, **kwargs), self.dropout, self.training)
-        return norm(x + F.dropout(fn(x, *args, **kwargs), self.dropout, self.training))
+            return x + F.dropout(fn(autocast_once(norm(x)), *args, **kwargs), self.dropout, self.training)
+        return norm(x + F.dropout(fn(autocast_once(x), *args, **kwargs), self.dropout, self.training))
 
     def forward(
         self,

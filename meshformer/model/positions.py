@@ -8,11 +8,11 @@ import torch
 from torch import nn
 
 
-def sinusoidal_table(n_positions: int, dim: int) -> torch.Tensor:
+def sinusoidal_table(n_positions: int, dim: int, device: torch.device | None = None) -> torch.Tensor:
     """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d))."""
-    position = torch.arange(n_positions, dtype=torch.float64).unsqueeze(1)
-    inv_freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float64) * (-math.log(10000.0) / dim))
-    table = torch.zeros(n_positions, dim, dtype=torch.float64)
+    position = torch.arange(n_positions, dtype=torch.float64, device=device).unsqueeze(1)
+    inv_freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float64, device=device) * (-math.log(10000.0) / dim))
+    table = torch.zeros(n_positions, dim, dtype=torch.float64, device=device)
     table[:, 0::2] = torch.sin(position * inv_freq)
     table[:, 1::2] = torch.cos(position * inv_freq)[:, : dim // 2]
     return table.float()
@@ -23,8 +23,13 @@ class SinusoidalPositions(nn.Module):
 
     def __init__(self, max_len: int, dim: int) -> None:
         super().__init__()
+        self.max_len, self.dim = max_len, dim
         # Non-persistent: follows .to(device), is never trained and never checkpointed.
         self.register_buffer("table", sinusoidal_table(max_len, dim), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute the table where it lives (after a meta-device build)."""
+        self.register_buffer("table", sinusoidal_table(self.max_len, self.dim, self.table.device), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         return self.table[positions]
@@ -47,11 +52,20 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_len: int, theta: float = 10000.0) -> None:
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+        self.head_dim, self.max_len, self.theta = head_dim, max_len, theta
+        self._tables(None)
+
+    def _tables(self, device: torch.device | None) -> None:
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device)
+                                        / self.head_dim)
+        angles = torch.outer(torch.arange(self.max_len, dtype=torch.float64, device=device), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute the tables where they live (after a meta-device build)."""
+        self._tables(self.cos.device)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) tables of shape (T, D) for integer positions (T,), shared by every layer."""
@@ -66,7 +80,7 @@ def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> t
     return x * cos + rotated * sin
 
 
-def alibi_slopes(n_heads: int) -> torch.Tensor:
+def alibi_slopes(n_heads: int, device: torch.device | None = None) -> torch.Tensor:
     """Geometric slopes 2^(-8i/n) (Press et al.); non-powers of two interleave the next power's slopes."""
 
     def power_of_two(n: int) -> list[float]:
@@ -74,10 +88,10 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
         return [start ** (i + 1) for i in range(n)]
 
     if math.log2(n_heads).is_integer():
-        return torch.tensor(power_of_two(n_heads))
+        return torch.tensor(power_of_two(n_heads), device=device)
     closest = 2 ** math.floor(math.log2(n_heads))
     extra = power_of_two(2 * closest)[0::2][: n_heads - closest]
-    return torch.tensor(power_of_two(closest) + extra)
+    return torch.tensor(power_of_two(closest) + extra, device=device)
 
 
 def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:

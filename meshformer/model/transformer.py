@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from meshformer.config import ModelConfig
 from meshformer.model.families import FamilySpec, get_family_spec
+from meshformer.model.init import init_weights, new_seed
 from meshformer.model.layers import BlockCache, TransformerBlock, activation_fn, make_norm
 from meshformer.model.masks import AttentionMask, build_mask, masked_avg_pool, pool_padding_mask
 from meshformer.model.positions import (
@@ -26,6 +28,9 @@ from meshformer.model.positions import (
     alibi_bias,
     alibi_slopes,
 )
+
+if TYPE_CHECKING:
+    from meshformer.fused_loss import HeadLoss
 
 # Every top-level piece a Transformer may hold; each may be None (not in the family or the config, or
 # held by another pipeline stage).
@@ -44,9 +49,15 @@ class Streams:
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, *, init_seed: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        # Every weight follows from init_seed (meshformer.model.init). By default it is drawn first from the global
+        # CPU RNG, so torch.manual_seed(s) fixes every weight; a model built on the meta device (for shapes and
+        # names, or to be materialised later) draws nothing unless given a seed, leaving the RNG stream alone.
+        if init_seed is None and torch.get_default_device().type != "meta":
+            init_seed = new_seed()
+        self.init_seed = init_seed
         spec = self.spec
         has_encoder, has_decoder = spec.has_encoder, spec.has_decoder
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -100,27 +111,24 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ initialisation
 
-    @torch.no_grad()
     def init_weights(self) -> None:
-        """Xavier-uniform (original paper) or normal(std) with residual outputs scaled by 1/sqrt(2 * layers).
+        """Every weight from `init_seed` and its name alone (meshformer.model.init); a no-op on the meta device."""
+        if self.init_seed is None:
+            if any(not p.is_meta for p in self.parameters()):
+                raise ValueError("this model was built on the meta device without init_seed, so it cannot be "
+                                 "initialised; build it with Transformer(cfg, init_seed=...) or load weights into it")
+            return
+        init_weights(self, self.cfg, self.init_seed, getattr(self, "canonical", None))
 
-        Draws from the global RNG in a fixed order, so a seed fixes every weight.
-        """
-        cfg = self.cfg
-        residual_std = cfg.init_std / math.sqrt(2 * (cfg.encoder_depth + cfg.decoder_depth))
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-                module.reset_parameters()
-            elif isinstance(module, (nn.Linear, nn.Embedding, LearnedPositions)):
-                tied = module is self.output and cfg.tie_embeddings  # its weight is the embedding's; bias is its own
-                if not tied and cfg.init == "xavier":
-                    nn.init.xavier_uniform_(module.weight)
-                elif not tied:
-                    residual = name.endswith(("o_proj", "down_proj"))
-                    nn.init.normal_(module.weight, std=residual_std if residual else cfg.init_std)
-                bias = getattr(module, "bias", None)
-                if isinstance(bias, torch.Tensor):
-                    nn.init.zeros_(bias)
+    def reset_parameters(self) -> None:
+        self.init_weights()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recompute the ALiBi slopes where they live (this rank's heads under tensor parallel)."""
+        if self.alibi_slopes is not None:
+            slopes = alibi_slopes(self.cfg.n_heads, self.alibi_slopes.device)[getattr(self, "alibi_heads", slice(None))]
+            self.register_buffer("alibi_slopes", slopes, persistent=False)
 
     # ------------------------------------------------------------------ pieces
 
@@ -215,11 +223,17 @@ class Transformer(nn.Module):
             h = self.decoder_norm(h)
         return h
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
+    def head(self, h: torch.Tensor, labels: torch.Tensor | None = None, head_loss: HeadLoss | None = None
+             ) -> torch.Tensor:
+        """Logits; or, given `head_loss` and labels, the summed loss straight from the final hidden states."""
         if self.head_dense is not None and self.head_act is not None and self.head_norm is not None:
             h = self.head_norm(self.head_act(self.head_dense(h)))
         if self.cfg.scale_output:
             h = h * self.cfg.d_model**-0.5
+        if head_loss is not None:  # inside forward, so FSDP's hooks see the output weight in use
+            if labels is None:
+                raise ValueError("a fused head loss needs the labels")
+            return head_loss(h, labels, self.output.weight, self.output.bias)
         return self.output(h)
 
     def new_cache(self) -> list[BlockCache]:
@@ -235,8 +249,12 @@ class Transformer(nn.Module):
         decoder_attention_mask: torch.Tensor | None = None,
         *,
         streams: Streams | None = None,
+        labels: torch.Tensor | None = None,
+        head_loss: HeadLoss | None = None,
     ) -> torch.Tensor | Streams:
-        """Logits (B, T, vocab). Masks are (B, T) with True (or 1) for real tokens, False for padding.
+        """Logits (B, T, vocab), or with `head_loss` the summed loss against `labels` (no full logits).
+
+        Masks are (B, T) with True (or 1) for real tokens, False for padding.
 
         decoder-only: input_ids are the (causal) sequence; encoder-only: input_ids are the (bidirectional)
         sequence; encoder-decoder: input_ids are the source, decoder_input_ids the teacher-forced target.
@@ -264,7 +282,7 @@ class Transformer(nn.Module):
             return s
         last = s.decoder if spec.has_decoder else s.memory
         assert last is not None  # a model with its head holds the last stack, which just ran
-        return self.head(last)
+        return self.head(last, labels, head_loss)
 
     def _ends_encoder(self) -> bool:
         """Whether this model (or pipeline stage) holds the encoder's last block."""

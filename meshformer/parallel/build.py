@@ -13,7 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from meshformer.config import Config
+from meshformer.config import Config, ConfigError
+from meshformer.fused_loss import HeadLoss, VocabShard, head_loss_fn, liger_available
 from meshformer.layout import (
     ZERO_BUBBLE,
     ParallelDims,
@@ -23,9 +24,11 @@ from meshformer.layout import (
     validate_parallel,
 )
 from meshformer.model import Transformer
+from meshformer.parallel.float8 import apply_float8, check_fp8, fp8_report
 from meshformer.parallel.fsdp import apply_fsdp
 from meshformer.parallel.kernels import compile_blocks, kernel_report, use_apex_norms
 from meshformer.parallel.loss_parallel import vocab_parallel_loss_fn
+from meshformer.parallel.materialize import is_meta, materialize
 from meshformer.parallel.mesh import Meshes, build_mesh
 from meshformer.parallel.pipeline import TransformerStage, split_layers, stage_ids_for_rank
 from meshformer.parallel.pipeline_plan import PipelinePlan, shared_weights
@@ -48,6 +51,9 @@ def build_plan(
 ) -> TrainingPlan:
     """Shard `model` (built identically on every rank) by `cfg.parallel` and return the plan.
 
+    A model built on the meta device is sharded first and then materialised: each rank allocates and
+    initialises only its own shards (meshformer.parallel.materialize).
+
     World size 1 gives the single-device plan (recomputation and compile still apply). With tensor parallel
     the loss is computed vocab-parallel from `cfg.train.label_smoothing` / `cfg.train.z_loss`, so a custom
     `loss_fn` is only honoured without tensor parallel.
@@ -56,38 +62,100 @@ def build_plan(
     dims = validate_parallel(cfg, world_size(), device)
     if not isinstance(model, Transformer):
         model = model()
-    model.to(device)
+    plan = _build(model, cfg, dims, device, loss_fn)
+    if is_meta(plan.model_parts[0]):
+        materialize(plan.model_parts, device)
+    return plan
+
+
+def _build(model: Transformer, cfg: Config, dims: ParallelDims, device: torch.device,
+           loss_fn: LossFn | None) -> TrainingPlan:
+    if not is_meta(model):
+        model.to(device)
+    check_fp8(cfg.train.fp8, device, tensor_parallel=dims.tp_enabled)
+    custom_loss = loss_fn is not None
+    head_loss = None if custom_loss else build_head_loss(cfg, dims, device)
     loss_fn = loss_fn or default_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss)
     autocast_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else None
     if dims.is_single:
-        report = _finish_part(model, cfg, dims, None, device)
-        return TrainingPlan(model, loss_fn, device, autocast_dtype=autocast_dtype, report=report)
+        report = {**_finish_part(model, cfg, dims, None, device), "loss": _loss_report(head_loss)}
+        return TrainingPlan(model, loss_fn, device, autocast_dtype=autocast_dtype, head_loss=head_loss,
+                            report=report)
     meshes = build_mesh(dims, device)
     if dims.tp_enabled:
         start, _ = vocab_shard(cfg.model, meshes.tp)
         loss_fn = vocab_parallel_loss_fn(meshes.tp.get_group(), start, cfg.model.vocab_size,
                                          cfg.train.label_smoothing, cfg.train.z_loss)
+        if not custom_loss:
+            shard = VocabShard(meshes.tp.get_group(), start, cfg.model.vocab_size)
+            head_loss = build_head_loss(cfg, dims, device, shard)
     plan: TrainingPlan
-    if dims.pp_enabled:
+    if dims.pp_enabled:  # build_head_loss refused a fused loss: the last stage computes it from its logits
         plan = _pipeline_plan(model, cfg, dims, meshes, device, loss_fn, autocast_dtype)
     else:
-        report = {**_finish_part(model, cfg, dims, meshes, device), "layout": dims.describe()}
-        plan = SPMDPlan(model, loss_fn, device, meshes, autocast_dtype=autocast_dtype, report=report)
+        report = {**_finish_part(model, cfg, dims, meshes, device), "loss": _loss_report(head_loss),
+                  "layout": dims.describe()}
+        plan = SPMDPlan(model, loss_fn, device, meshes, autocast_dtype=autocast_dtype, head_loss=head_loss,
+                        report=report)
     log.info("parallel layout %s; %s", dims.describe(), plan.report)
     return plan
+
+
+def _loss_report(head_loss: HeadLoss | None) -> str:
+    # head_loss_fn labels the function it returns with its kind ("chunked" or "liger")
+    return getattr(head_loss, "kind", "fused") if head_loss is not None else "plain (full logits)"
+
+
+def compile_mode(cfg: Config, dims: ParallelDims) -> str:
+    """train.compile as "off" | "blocks" | "model" (a bool means off / blocks, as before)."""
+    setting = cfg.train.compile
+    mode: str = ("blocks" if setting else "off") if isinstance(setting, bool) else setting
+    if mode == "model" and not dims.is_single:
+        raise ConfigError("train.compile='model' is for a single device; with FSDP/TP/PP use train.compile='blocks' "
+                          "(each block compiled inside its FSDP unit)")
+    return mode
+
+
+def build_head_loss(cfg: Config, dims: ParallelDims, device: torch.device, shard: VocabShard | None = None
+                    ) -> HeadLoss | None:
+    """The fused output-projection + loss named by train.loss, or None for the plain full-logits loss.
+
+    Under tensor parallelism it is vocabulary-parallel (`shard`); pipeline stages keep the per-stage logits loss.
+    """
+    kind = cfg.train.loss
+    if kind == "auto":
+        kind = "plain" if dims.pp_enabled else "chunked"
+    if kind == "plain":
+        return None
+    if dims.pp_enabled:
+        raise ConfigError(f"train.loss={kind!r} does not support pipeline parallelism yet (the last stage computes "
+                          "the loss from its logits); set train.loss='auto' or 'plain'")
+    if kind == "liger" and (device.type != "cuda" or not liger_available() or dims.tp_enabled):
+        raise ConfigError("train.loss='liger' needs CUDA, the liger-kernel package and parallel.tp=1; use "
+                          "train.loss='chunked'")
+    if dims.tp_enabled and shard is None:
+        return None  # decided once the tensor-parallel mesh (and so this rank's vocabulary rows) exists
+    return head_loss_fn(kind, cfg.train.label_smoothing, cfg.train.z_loss, shard)
 
 
 def _finish_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes: Meshes | None,
                  device: torch.device) -> dict[str, str]:
     """TP -> recompute -> compile -> FSDP on one model part (the whole model or one pipeline stage)."""
     apex_norms = 0
+    fp8 = apply_float8(part, cfg.train.fp8, fsdp=dims.fsdp_enabled, emulate=device.type != "cuda") \
+        if cfg.train.fp8 != "off" else 0
     if meshes is not None and dims.tp_enabled:  # meshes exist whenever the world has more than one rank
         apply_tensor_parallel(part, meshes.tp)
     else:
         apex_norms = use_apex_norms(part, device)
     recomputed = apply_recompute(part, cfg.parallel.recompute, cfg.parallel.recompute_every)
-    compiled = compile_blocks(part) if cfg.train.compile else 0
+    mode = compile_mode(cfg, dims)
+    compiled = compile_blocks(part) if mode == "blocks" else 0
     report = kernel_report(cfg, device, apex_norms=apex_norms, compiled=compiled, recompute=recomputed)
+    if mode == "model":
+        part.compile()
+        report["compile"] = "whole-model torch.compile"
+    report["fp8"] = fp8_report(cfg.train.fp8, fp8, dims.fsdp_enabled)
     if meshes is not None and dims.fsdp_enabled:
         reshard = cfg.parallel.reshard_after_forward
         if dims.pp_enabled and cfg.parallel.pp_schedule in ZERO_BUBBLE:
@@ -116,6 +184,9 @@ def _pipeline_plan(model: Transformer, cfg: Config, dims: ParallelDims, meshes: 
     report: dict[str, str] = {}
     for stage in stages:
         report = _finish_part(stage, cfg, dims, meshes, device)
+    if is_meta(stages[0]):  # before the plan keeps references to the stages' (shared) parameters
+        materialize(stages, device)
+    report["loss"] = _loss_report(None)
     report["pipeline"] = (f"{p.pp_schedule}, {n_stages} stages "
                           f"({', '.join(f'{s.start}-{s.stop - 1}' for s in spans)}), "
                           f"{n_microbatches(cfg)} microbatches")

@@ -95,7 +95,7 @@ class TransformerStage(Transformer):
 
     def __init__(self, model: Transformer, span: StageSpan) -> None:
         nn.Module.__init__(self)
-        self.cfg, self.span = model.cfg, span
+        self.cfg, self.span, self.init_seed = model.cfg, span, model.init_seed
         pieces = stage_pieces(model, span)
         memo: dict[int, object] = {}
         # One deepcopy for all pieces: weights tied *within* the stage stay tied; every stage gets its own
@@ -119,7 +119,7 @@ class TransformerStage(Transformer):
         """Received tensors in, tensors to send out (logits on the last stage); the batch's model inputs
         (`Transformer.forward`'s arguments) arrive as keywords."""
         streams = self._unpack(stream, batch.get("decoder_input_ids"))
-        out = super().forward(**batch, streams=streams)
+        out = super().forward(**batch, streams=streams)  # type: ignore[arg-type]  # batch: model-input tensors
         return out if isinstance(out, torch.Tensor) else self._pack(out, stream)
 
     def _unpack(self, stream: tuple[torch.Tensor, ...], target_ids: torch.Tensor | None) -> Streams:

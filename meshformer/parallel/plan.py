@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from meshformer.batch import Batch, model_inputs
+from meshformer.fused_loss import HeadLoss
 from meshformer.loss import count_tokens, cross_entropy_sum
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> summed loss
@@ -23,12 +24,16 @@ class TrainingPlan:
     """Single device: the reference every parallel layout must match."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, device: torch.device, *,
-                 autocast_dtype: torch.dtype | None = None, report: dict[str, str] | None = None) -> None:
+                 autocast_dtype: torch.dtype | None = None, head_loss: HeadLoss | None = None,
+                 report: dict[str, str] | None = None) -> None:
         self.model, self.loss_fn, self.device = model, loss_fn, device
         self.dp_rank, self.dp_size = 0, 1  # the data loader's view of this rank
         self.autocast_dtype = autocast_dtype  # None: the model's own dtype (fp32)
+        # train.loss: the model computes the loss from its final hidden states, chunked, instead of returning
+        # full-vocabulary logits to `loss_fn` (None: the plain path).
+        self.head_loss = head_loss
         # How the run is laid out and which kernels run (layout, attention, norms, compile, recompute, FSDP,
-        # pipeline), for the run log.
+        # pipeline, loss), for the run log.
         self.report: dict[str, str] = dict(report or {})
 
     @property
@@ -52,18 +57,22 @@ class TrainingPlan:
 
     def forward_backward(self, batch: Batch, global_tokens: torch.Tensor) -> torch.Tensor:
         """Accumulate gradients of (summed loss of this micro-batch / global_tokens); return the detached sum."""
-        with self._autocast():
-            logits = self.model(**model_inputs(batch))
-        loss_sum = self.loss_fn(logits, batch["labels"])
+        loss_sum = self._loss_sum(batch)
         (loss_sum / global_tokens).backward()
         return loss_sum.detach()
 
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, token count) of a batch, reduced over data-parallel ranks."""
+        return self._loss_sum(batch).float(), count_tokens(batch["labels"])
+
+    def _loss_sum(self, batch: Batch) -> torch.Tensor:
+        if self.head_loss is not None:
+            with self._autocast():
+                return self.model(**model_inputs(batch), labels=batch["labels"], head_loss=self.head_loss)
         with self._autocast():
             logits = self.model(**model_inputs(batch))
-        return self.loss_fn(logits, batch["labels"]).float(), count_tokens(batch["labels"])
+        return self.loss_fn(logits, batch["labels"])
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip by the global gradient norm (over every shard and stage); return the norm before clipping."""

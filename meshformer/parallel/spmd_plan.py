@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshformer.batch import Batch, model_inputs
+from meshformer.fused_loss import HeadLoss
 from meshformer.loss import count_tokens
 from meshformer.parallel.grad_norm import clip_grads_, global_grad_norm, settle_grad
 from meshformer.parallel.mesh import Meshes
@@ -22,8 +23,9 @@ class MeshPlan(TrainingPlan):
     """Shared by the SPMD and pipeline plans: data-parallel bookkeeping, global norms, global reductions."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, device: torch.device, meshes: Meshes, *,
-                 autocast_dtype: torch.dtype | None = None, report: dict[str, str] | None = None) -> None:
-        super().__init__(model, loss_fn, device, autocast_dtype=autocast_dtype, report=report)
+                 autocast_dtype: torch.dtype | None = None, head_loss: HeadLoss | None = None,
+                 report: dict[str, str] | None = None) -> None:
+        super().__init__(model, loss_fn, device, autocast_dtype=autocast_dtype, head_loss=head_loss, report=report)
         self.meshes, self.dims = meshes, meshes.dims
         self.dp_rank, self.dp_size = meshes.dp_rank, self.dims.dp
 

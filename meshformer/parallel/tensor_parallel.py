@@ -144,7 +144,10 @@ def _shard_alibi_slopes(model: nn.Module, cfg: ModelConfig, tp: int, rank: int) 
     per_rank = cfg.n_heads // tp
     if slopes.shape[0] == per_rank:
         return  # already local (parallelised twice)
-    model.register_buffer("alibi_slopes", slopes[rank * per_rank:(rank + 1) * per_rank].clone(), persistent=False)
+    heads = slice(rank * per_rank, (rank + 1) * per_rank)
+    # reset_buffers recomputes these heads; a plain attribute, which nn.Module's __setattr__ stub does not admit
+    model.alibi_heads = heads  # type: ignore[assignment]
+    model.register_buffer("alibi_slopes", slopes[heads].clone(), persistent=False)
 
 
 def _retie(model: nn.Module, cfg: ModelConfig) -> None:

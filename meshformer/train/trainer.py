@@ -16,6 +16,7 @@ import torch
 
 from meshformer.batch import Batch
 from meshformer.checkpointing.manager import CheckpointManager
+from meshformer.checkpointing.sharded_safetensors import parse_size
 from meshformer.checkpointing.train_state import Checkpointable, SchedulerState, TrainState
 from meshformer.config import Config, ConfigError
 from meshformer.data import build_loader, load_tokenizer
@@ -23,8 +24,9 @@ from meshformer.layout import validate_parallel
 from meshformer.model import Transformer
 from meshformer.model.families import get_family_spec
 from meshformer.model.flops import flops_per_token
+from meshformer.model.init import new_seed
 from meshformer.parallel import build_plan
-from meshformer.parallel.plan import TrainingPlan, default_loss_fn
+from meshformer.parallel.plan import TrainingPlan
 from meshformer.runtime.distributed import job_device
 from meshformer.runtime.profiler import StepProfiler
 from meshformer.runtime.stragglers import rank_timings, straggler_scalars
@@ -67,12 +69,22 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         check_vocab(self.tokenizer, cfg.model.vocab_size)
 
+        try:  # checked now, not after training, when the final weights are written
+            parse_size(cfg.checkpoint.max_shard_size)
+        except ValueError as err:
+            raise ConfigError(f"checkpoint.max_shard_size: {err}") from None
+        build_start = time.perf_counter()
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank and layout
-        model = Transformer(cfg.model)
-        loss_fn = default_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss)
-        self.plan: TrainingPlan = build_plan(model, cfg, self.device, loss_fn)  # autocasts when train.dtype=bf16
+        init_seed = new_seed()  # the seed Transformer(cfg.model) would draw here: the same weights as one process
+        # Built on the meta device: build_plan shards it, then each rank allocates and initialises only its shards.
+        with torch.device("meta"):
+            model = Transformer(cfg.model, init_seed=init_seed)
+        # The loss follows train.loss / label_smoothing / z_loss (fused head loss or full logits; vocab-parallel);
+        # the plan autocasts when train.dtype=bf16.
+        self.plan: TrainingPlan = build_plan(model, cfg, self.device)
         # The whole model, for decoded samples; pipeline stages hold copies of their pieces, so drop it there.
         self.model = model if self.plan.supports_generation else None
+        self.build_s = time.perf_counter() - build_start  # meta build, sharding, materialisation of this rank
         self.optimizer, kernel = build_optimizer(self.plan.model_parts, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.steps, cfg.model.d_model)
         self.train_data = build_loader(cfg, self.tokenizer, "train", self.plan.dp_rank, self.plan.dp_size)
@@ -94,7 +106,7 @@ class Trainer:
             f"model: {cfg.model.family}, {n_params / 1e6:.2f}M parameters, objective {cfg.objective}; "
             f"device {self.device}, dtype {cfg.train.dtype}; AdamW kernel: {kernel}; attention: "
             f"{cfg.model.attention_backend}; MFU ceiling {self.ceiling.flops / 1e12:.2f} TFLOP/s "
-            f"({self.ceiling.source})"
+            f"({self.ceiling.source}); model built and sharded in {self.build_s:.2f}s"
         )
         # Cluster diagnostics: per-rank hang reports (stalls, collective timeouts), a profiled step range,
         # and the time this rank waits for batches (reset at each logging step).
@@ -201,6 +213,7 @@ class Trainer:
                 }
                 timings = rank_timings(elapsed / window_steps, self.data_wait_s / window_steps, self.device)
                 record |= straggler_scalars(timings)  # data wait; per-rank step-time spread (stragglers)
+                record |= self.train_data.source_scalars()  # mixtures: samples and tokens per source so far
                 self.data_wait_s = 0.0
                 history.append({"step": step, **record})
                 log.scalars(step, record)
@@ -247,7 +260,7 @@ class Trainer:
     def save_final_weights(self) -> None:
         from meshformer.checkpointing.weights import save_weights
 
-        path = save_weights(self.plan, self.run_dir / "final")
+        path = save_weights(self.plan, self.run_dir / "final", self.cfg.checkpoint.max_shard_size)
         if path is not None:
             self.logger.info(f"final weights written to {path}")
 

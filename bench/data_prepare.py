@@ -1,0 +1,128 @@
+"""`data prepare` throughput and memory on a generated corpus (no downloads).
+
+    python bench/data_prepare.py [--mb 8] [--reference /work/main] [--json out.json]
+
+- MB of input text per CPU-second (= MB/s per busy core, robust on a shared machine): one process with a
+  single-threaded tokenizer, against `encode_batch` alone on the same text in the same run (the ceiling),
+  and with num_proc=2; plus the wall-clock scaling from 1 to 2 processes (meaningful on an idle machine).
+- Peak RSS at corpus 1x and 10x (fresh process each), for this prepare and, with --reference, for the prepare
+  of another checkout (e.g. the previous one, which held the corpus in memory).
+- Shuffle quality of the prepared stream: mean distance between consecutive documents in input order, as a
+  fraction of the corpus (a global shuffle gives 1/3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = textwrap.dedent("""
+    import json, resource, sys, time
+    sys.path.insert(0, {root!r})
+    from meshformer.data import prepare
+    cpu0 = sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(w) for w in (resource.RUSAGE_SELF,
+                                                                                   resource.RUSAGE_CHILDREN)))
+    start = time.perf_counter()
+    prepare({corpus!r}, {out!r}, tokenizer="bundled:kjv-bpe-4k", record_len=129, progress=False, **{kwargs!r})
+    wall = time.perf_counter() - start
+    use = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    cpu = sum(u.ru_utime + u.ru_stime for u in use) - cpu0
+    print(json.dumps({{"wall": wall, "cpu": cpu, "rss_kb": max(u.ru_maxrss for u in use)}}))
+""")
+ENCODE = textwrap.dedent("""
+    import json, sys, time
+    from pathlib import Path
+    cpu = time.process_time
+    sys.path.insert(0, {root!r})
+    from meshformer.data import load_tokenizer
+    tok = load_tokenizer("bundled:kjv-bpe-4k")
+    texts = [json.loads(line)["text"] for f in sorted(Path({corpus!r}).iterdir()) for line in open(f)]
+    start, cpu0 = time.perf_counter(), cpu()
+    for i in range(0, len(texts), 4096):
+        tok.encode_batch(texts[i:i + 4096])
+    print(json.dumps({{"wall": time.perf_counter() - start, "cpu": cpu() - cpu0}}))
+""")
+
+
+def run(code: str, threads: bool = False) -> dict:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "true" if threads else "false", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def doc_gap(out: Path, total_docs: int) -> float:
+    sys.path.insert(0, str(ROOT))
+    import numpy as np
+
+    from meshformer.data import load_tokenizer, read_manifest
+    from meshformer.data.shards import read_shard
+
+    tok, m = load_tokenizer("bundled:kjv-bpe-4k"), read_manifest(str(out))
+    ids = []
+    for info in m.splits["train"]:
+        records = read_shard(m.shard_url(info), info, m.dtype, None)
+        text = tok.decode([t for i in range(info.samples) for t in records[i]["tokens"].tolist()])
+        ids += [int(w[:7]) for w in text.split("doc ")[1:] if w[:7].isdigit()]
+    return float(np.mean(np.abs(np.diff(ids))) / total_docs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mb", type=float, default=8, help="corpus size at 1x (10x is also measured)")
+    ap.add_argument("--files", type=int, default=8)
+    ap.add_argument("--bucket-mb", type=float, default=4)
+    ap.add_argument("--reference", default="", help="another checkout whose prepare to measure alongside")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from meshformer.data.synthetic import write_corpus
+
+    result: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        c1 = write_corpus(tmp_path / "c1", args.mb, files=args.files)
+        mb = sum(f.stat().st_size for f in c1.iterdir()) / 2**20
+        ours = {"bucket_mb": args.bucket_mb}
+        enc = run(ENCODE.format(root=str(ROOT), corpus=str(c1)))
+        one = run(RUN.format(root=str(ROOT), corpus=str(c1), out=str(tmp_path / "o1"), kwargs={**ours, "num_proc": 1}))
+        two = run(RUN.format(root=str(ROOT), corpus=str(c1), out=str(tmp_path / "o2"), kwargs={**ours, "num_proc": 2}))
+        result["throughput"] = {"corpus_mb": mb, "encode_only_mb_cpu_s": mb / enc["cpu"],
+                                "prepare_1proc_mb_cpu_s": mb / one["cpu"], "prepare_2proc_mb_cpu_s": mb / two["cpu"],
+                                "wall_1proc_s": one["wall"], "wall_2proc_s": two["wall"],
+                                "scaling_1_to_2": one["wall"] / two["wall"], "load_avg": os.getloadavg()[0]}
+        total_docs = sum(1 for f in c1.iterdir() for _ in open(f))
+        result["doc_gap"] = doc_gap(tmp_path / "o1", total_docs)
+        c10 = write_corpus(tmp_path / "c10", 10 * args.mb, files=10 * args.files, seed=1)
+        rss = {}
+        for name, root, kwargs in [("this", ROOT, ours), ("reference", args.reference, {})]:
+            if not root:
+                continue
+            r1 = run(RUN.format(root=str(root), corpus=str(c1), out=str(tmp_path / f"{name}1"), kwargs=kwargs), True)
+            r10 = run(RUN.format(root=str(root), corpus=str(c10), out=str(tmp_path / f"{name}10"), kwargs=kwargs),
+                      True)
+            rss[name] = {"rss_1x_mib": r1["rss_kb"] / 1024, "rss_10x_mib": r10["rss_kb"] / 1024,
+                         "ratio": r10["rss_kb"] / r1["rss_kb"], "mb_s_10x_threads": 10 * mb / r10["wall"]}
+        result["rss"] = rss
+    t = result["throughput"]
+    print(f"corpus {t['corpus_mb']:.1f} MB, MB of text per CPU-second (per core): encode_batch alone "
+          f"{t['encode_only_mb_cpu_s']:.2f}; prepare 1 process {t['prepare_1proc_mb_cpu_s']:.2f} "
+          f"({t['prepare_1proc_mb_cpu_s'] / t['encode_only_mb_cpu_s']:.2f}x of encode alone); 2 processes "
+          f"{t['prepare_2proc_mb_cpu_s']:.2f}. Wall 1 -> 2 processes: {t['wall_1proc_s']:.1f}s -> "
+          f"{t['wall_2proc_s']:.1f}s = {t['scaling_1_to_2']:.2f}x (load average {t['load_avg']:.1f})")
+    for name, r in result["rss"].items():
+        print(f"peak RSS ({name}): 1x {r['rss_1x_mib']:.0f} MiB, 10x {r['rss_10x_mib']:.0f} MiB = {r['ratio']:.2f}x")
+    print(f"shuffle quality: mean gap between consecutive documents {result['doc_gap']:.3f} of the corpus "
+          "(global shuffle 0.333)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

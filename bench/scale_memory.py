@@ -1,0 +1,175 @@
+"""Peak host memory of a real training run at the largest size this machine allows: a ~150M decoder trains
+one step and saves its final weights over 8 gloo ranks (FSDP, TP x FSDP, PP x FSDP), through the trainer.
+
+Reported per layout: the highest peak RSS of any rank over the whole run (start-up, step, save), minus the
+same for a tiny model in the same layout (the Python/torch runtime, gloo buffers), over the model's fp32
+size. FSDP-8 training state alone (fp32 weights, gradients, AdamW moments, each 1/8) is 0.5 of it; the goal
+is <= 0.75. Also the start-up time of the slowest rank (model build: meta build, sharding, materialisation;
+and the whole Trainer construction) against one process building the whole model.
+
+    python bench/scale_memory.py [--layouts fsdp tp-fsdp pp-fsdp] [--max-shard-size 32MB] [--mmap-threshold 1048576]
+
+With glibc's default allocator the freed all-gather and gradient buffers of each FSDP unit stay in the heap
+(its mmap threshold grows to 32 MB after the first large free), so RSS over-states what is live; measured
+here: FSDP-8 1.33 with the default, 0.75 with --mmap-threshold 1048576 (what jemalloc/tcmalloc give).
+
+Runs one 8-process job at a time; each needs about 1.5 GiB per rank at most.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from parallel_common import free_port  # noqa: E402
+
+LAYOUTS = {"fsdp": {"dp_shard": 8}, "tp-fsdp": {"tp": 2, "dp_shard": 4}, "pp-fsdp": {"pp": 2, "dp_shard": 4},
+           "single": {}}
+SIZES = {"150m": {"d_model": 1024, "n_heads": 16, "n_layers": 12, "d_ff": 2816},
+         "tiny": {"d_model": 64, "n_heads": 4, "n_layers": 2, "d_ff": 256}}
+
+
+def run_config(size: str, layout: str, run_dir: str, max_shard_size: str, steps: int):
+    from meshformer.config import config_from_dict, validate
+
+    raw = {
+        "model": {"family": "decoder", "vocab_size": 4096, "max_seq_len": 64, "position": "rope", "norm": "rmsnorm",
+                  "activation": "swiglu", "bias": False, "dropout": 0.0, **SIZES[size]},
+        "data": {"corpus": "bundled:kjv", "tokenizer": "bundled:kjv-bpe-4k", "seq_len": 64,
+                 "batch_size": 2 if "pp" in layout else 1,
+                 "num_workers": 0},
+        "train": {"device": "cpu", "steps": max(steps, 1), "eval_interval": 0, "sample_interval": 0, "seed": 0},
+        "checkpoint": {"interval": 0, "max_shard_size": max_shard_size},
+        "logging": {"run_dir": run_dir, "log_interval": 1, "tensorboard": False},
+        "parallel": {**LAYOUTS[layout], "pp_microbatches": 2} if "pp" in layout else LAYOUTS[layout],
+    }
+    cfg = config_from_dict(raw)
+    validate(cfg)
+    return cfg
+
+
+def _peak_rss_bytes() -> int:
+    """This process's RSS high-water mark (VmHWM; ru_maxrss would carry the parent's over fork + exec)."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
+
+
+def worker(rank: int, world: int, port: int, size: str, layout: str, run_dir: str, max_shard_size: str,
+           steps: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    import torch
+    import torch.distributed as dist
+
+    from meshformer.runtime.distributed import init_distributed, shutdown_distributed
+    from meshformer.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    cfg = run_config(size, layout, run_dir, max_shard_size, steps)
+    if world > 1:
+        init_distributed(cfg)
+    start = time.perf_counter()
+    trainer = Trainer(cfg, rank=rank, local_rank=rank)
+    startup_s = time.perf_counter() - start
+    params = sum(p.numel() for p in trainer.model.parameters()) if trainer.model is not None else None
+    rss_after_startup = _peak_rss_bytes()
+    phases = {}
+    save = trainer.save_final_weights
+
+    def timed_save() -> None:  # the peak before saving is the training step's
+        phases["peak_rss_before_save"] = _peak_rss_bytes()
+        save()
+
+    trainer.save_final_weights = timed_save
+    if steps:
+        trainer.fit()
+    result = {"rank": rank, "startup_s": startup_s, "build_s": trainer.build_s, "peak_rss": _peak_rss_bytes(),
+              "peak_rss_startup": rss_after_startup, "params": params, **phases}
+    if world > 1:
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            Path(out).write_text(json.dumps(gathered))
+        shutdown_distributed()
+    else:
+        Path(out).write_text(json.dumps([result]))
+
+
+def launch(size: str, layout: str, max_shard_size: str, steps: int = 1) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    world = 1 if layout == "single" else 8
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        mp.start_processes(worker, args=(world, free_port(), size, layout, os.path.join(tmp, "run"), max_shard_size,
+                                         steps, out), nprocs=world, start_method="spawn")
+        return json.loads(Path(out).read_text())
+
+
+def _param_count(max_shard_size: str) -> int:
+    import torch
+
+    from meshformer.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(run_config("150m", "single", "unused", max_shard_size, 1).model)
+    return sum(p.numel() for p in model.parameters())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layouts", nargs="+", default=["fsdp", "tp-fsdp", "pp-fsdp"], choices=list(LAYOUTS)[:-1])
+    parser.add_argument("--max-shard-size", default="32MB", help="final weights' largest file (checkpoint."
+                        "max_shard_size)")
+    parser.add_argument("--skip-single", action="store_true", help="no one-process start-up reference")
+    parser.add_argument("--mmap-threshold", type=int, default=0,
+                        help="glibc MALLOC_MMAP_THRESHOLD_ for the ranks (e.g. 1048576: large tensors are mapped and "
+                             "returned to the OS when freed, as jemalloc/tcmalloc would; 0: glibc's default)")
+    args = parser.parse_args()
+    if args.mmap_threshold:  # read by glibc at process start: the spawned ranks inherit it
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    n_params = None
+    single_startup = None
+    if not args.skip_single:  # start-up only: one process building and initialising the whole model
+        single = launch("150m", "single", args.max_shard_size, steps=0)[0]
+        single_startup, n_params = single["build_s"], single["params"]
+        print(json.dumps({"layout": "single (start-up only)", "build_s": round(single_startup, 2),
+                          "trainer_init_s": round(single["startup_s"], 2), "params_M": round(n_params / 1e6, 1)}),
+              flush=True)
+    for layout in args.layouts:
+        tiny = launch("tiny", layout, args.max_shard_size)
+        big = launch("150m", layout, args.max_shard_size)
+        n_params = n_params or _param_count(args.max_shard_size)
+        model_bytes = 4 * n_params
+        base = max(r["peak_rss"] for r in tiny)
+        worst = max(big, key=lambda r: r["peak_rss"])
+        row = {
+            "layout": f"{layout} x8", "params_M": round(n_params / 1e6, 1),
+            "fp32_model_GiB": round(model_bytes / 2**30, 3),
+            "max_rank_peak_rss_GiB": round(worst["peak_rss"] / 2**30, 3), "worst_rank": worst["rank"],
+            "tiny_peak_rss_GiB": round(base / 2**30, 3),
+            "ratio": round((worst["peak_rss"] - base) / model_bytes, 3), "goal": "<= 0.75",
+            "startup_rss_ratio": round((max(r["peak_rss_startup"] for r in big) - base) / model_bytes, 3),
+            "train_rss_ratio": round((max(r["peak_rss_before_save"] for r in big) - base) / model_bytes, 3),
+            "max_rank_build_s": round(max(r["build_s"] for r in big), 2),
+            "max_rank_trainer_init_s": round(max(r["startup_s"] for r in big), 2),
+        }
+        if single_startup:
+            row["build_vs_single"] = round(row["max_rank_build_s"] / single_startup, 2)
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Our `Trainer.train_step` against a nanoGPT-style reference (bench/nanogpt_ref.py), side by side in one run.
+
+Same shape, seed, optimizer settings (AdamW lr 6e-4, betas 0.9/0.95, decay 0.1 on matrices, clip 1.0) and
+in-memory data for both; FLOPs/token = 6N + 12·L·d·T for both. On CPU the two alternate round by round so
+machine noise hits both alike; on CUDA (large shapes: two models would not fit together) each side runs its
+rounds in turn, synchronised. Prints one JSON line per (shape, dtype, compile):
+
+    python bench/vs_nanogpt.py --shape S M G --dtype fp32 bf16 [--compile off] [--steps 10] [--rounds 3]
+    python bench/vs_nanogpt.py --shape llama-1b --dtype bf16 --compile blocks --reference none   # ours only
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from nanogpt_ref import GPTShape, ReferenceStep
+from step_common import (
+    GPT_SHAPES,
+    MemoryBatches,
+    bench_config,
+    emit,
+    peak_memory_gib,
+    random_tokens,
+    reset_memory,
+    timed,
+)
+
+from meshformer.model.flops import flops_per_token
+from meshformer.train.trainer import Trainer
+
+
+class Ours:
+    def __init__(self, cfg, tokens: torch.Tensor) -> None:
+        self.trainer = Trainer(cfg)
+        self.trainer.train_iter = MemoryBatches(tokens, cfg.data.batch_size, cfg.data.seq_len)
+        self.trainer.step = 0
+
+    def __call__(self) -> None:
+        self.trainer.train_step()
+
+
+class Reference:
+    def __init__(self, cfg, tokens: torch.Tensor, device: torch.device, compile: bool) -> None:
+        m = cfg.model
+        torch.manual_seed(cfg.train.seed)
+        shape = GPTShape(m.n_layers, m.n_heads, m.d_model, cfg.data.seq_len, m.vocab_size)
+        self.step = ReferenceStep(shape, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                  weight_decay=cfg.optim.weight_decay, grad_clip=cfg.optim.grad_clip,
+                                  dtype=torch.bfloat16 if cfg.train.dtype == "bf16" else None, device=device,
+                                  compile=compile)
+        self.batches = MemoryBatches(tokens, cfg.data.batch_size, cfg.data.seq_len)
+
+    def __call__(self) -> None:
+        self.step(*self.batches.xy())
+
+
+def warm(fn, steps: int, device: torch.device) -> float:
+    """Warm-up (compilation happens here); returns its seconds."""
+    return timed(fn, steps, device) * steps
+
+
+def run(shape: str, dtype: str, compile: str, loss: str, args) -> dict:
+    cfg = bench_config(shape, dtype=dtype, device=args.device, compile=compile, loss=loss, batch=args.batch)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    tokens = random_tokens(cfg.model.vocab_size, device)
+    with_ref = args.reference == "nanogpt" and shape in GPT_SHAPES
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    times: dict[str, list[float]] = {"ours": [], "reference": []}
+    memory: dict[str, float | None] = {}
+    warmup_s: dict[str, float] = {}
+
+    def make(side: str):
+        reset_memory(device)
+        if side == "ours":
+            return Ours(cfg, tokens)
+        return Reference(cfg, tokens, device, compile != "off")
+
+    sides = ["reference", "ours"] if with_ref else ["ours"]
+    alternate = device.type == "cpu"
+    runners = {side: make(side) for side in sides} if alternate else {}
+    for side in sides:
+        if alternate:
+            warmup_s[side] = warm(runners[side], args.warmup, device)
+    for side in sides if not alternate else [None]:
+        if not alternate:  # one side at a time: build, warm up, time its rounds, free
+            runner = make(side)
+            warmup_s[side] = warm(runner, args.warmup, device)
+            times[side] = [timed(runner, args.steps, device) for _ in range(args.rounds)]
+            memory[side] = peak_memory_gib(device)
+            peak = runner.trainer.ceiling.flops if side == "ours" else None
+            del runner
+            reset_memory(device)
+            if peak:
+                memory["peak_flops"] = peak
+        else:
+            for _ in range(args.rounds):
+                for s in sides:
+                    times[s].append(timed(runners[s], args.steps, device))
+    peak_flops = memory.pop("peak_flops", None) or (runners["ours"].trainer.ceiling.flops if alternate else None)
+    fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+    record = {"bench": "vs_nanogpt", "shape": shape, "dtype": dtype, "compile": compile, "loss": loss,
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "threads": torch.get_num_threads(), "batch": cfg.data.batch_size, "seq_len": cfg.data.seq_len,
+              "flops_per_token": fpt, "peak_flops": peak_flops, "torch": torch.__version__}
+    for side in sides:
+        tps = tokens_per_step / statistics.median(times[side])
+        record[f"{side}_tokens_per_s"] = round(tps, 1)
+        record[f"{side}_rounds_tokens_per_s"] = [round(tokens_per_step / t) for t in times[side]]
+        record[f"{side}_mfu"] = round(fpt * tps / peak_flops, 4) if peak_flops else None
+        record[f"{side}_warmup_s"] = round(warmup_s[side], 2)
+        if memory.get(side) is not None:
+            record[f"{side}_peak_memory_gib"] = round(memory[side], 2)
+    if with_ref:
+        record["ratio"] = round(record["ours_tokens_per_s"] / record["reference_tokens_per_s"], 3)
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", nargs="+", default=["S", "M", "G"])
+    parser.add_argument("--dtype", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--compile", nargs="+", default=["off"], choices=["off", "blocks", "model"])
+    parser.add_argument("--loss", nargs="+", default=["auto"], choices=["auto", "plain", "chunked", "liger"])
+    parser.add_argument("--reference", default="nanogpt", choices=["nanogpt", "none"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--batch", type=int, default=None, help="override the shape's batch size")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    for shape in args.shape:
+        for dtype in args.dtype:
+            for compile in args.compile:
+                for loss in args.loss:
+                    start = time.perf_counter()
+                    record = run(shape, dtype, compile, loss, args)
+                    record["wall_s"] = round(time.perf_counter() - start, 1)
+                    emit(record)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Mixtures: several prepared datasets, each with a weight, as one exact, resumable stream.
+
+The global stream position p names a source and a position in that source's own stream (its SampleOrder,
+with its own epochs). Which source: a smooth weighted round-robin over integer weights w_s (sum W), the same
+for any dp_size or worker count. It is periodic in W, so the source of p and how many samples each source
+has had before p are O(1) table lookups (exact resume from the one integer, as for a single dataset), and
+it stays within one sample of the ideal count p * w_s / W for every p and source, so any window of positions
+holds each source's share to within one sample (exactly, where the window's share is a whole number).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import replace
+from fractions import Fraction
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from .loader import _RNG_SALT, Loader, Source, read_units
+from .objectives import Objective
+from .order import RankView, SampleOrder
+
+_MAX_PERIOD = 1 << 20
+
+
+class Interleave:
+    """Source of each stream position (smooth weighted round-robin), and its inverse."""
+
+    def __init__(self, weights: list[float]) -> None:
+        if not weights or any(not w > 0 for w in weights):
+            raise ValueError(f"mixture weights {weights} must all be > 0")
+        fracs = [Fraction(w).limit_denominator(1000) for w in weights]
+        scale = math.lcm(*(f.denominator for f in fracs))
+        ints = [int(f * scale) for f in fracs]
+        g = math.gcd(*ints)
+        self.weights = np.array([i // g for i in ints], dtype=np.int64)
+        self.period = int(self.weights.sum())
+        if self.period > _MAX_PERIOD:
+            raise ValueError(f"mixture weights {weights} need a period of {self.period} positions; use simpler "
+                             "ratios (e.g. 0.7/0.3 or 5/3/2)")
+        current = np.zeros(len(ints), dtype=np.int64)
+        self.source = np.empty(self.period, dtype=np.int64)
+        for p in range(self.period):
+            current += self.weights
+            s = int(np.argmax(current))  # largest deficit; ties go to the first source
+            current[s] -= self.period
+            self.source[p] = s
+        # before[s, r]: samples of source s among the first r positions of a period
+        self.before = np.zeros((len(ints), self.period + 1), dtype=np.int64)
+        for s in range(len(ints)):
+            self.before[s, 1:] = np.cumsum(self.source == s)
+        self.slots = [np.flatnonzero(self.source == s) for s in range(len(ints))]
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Global positions -> (source, position within that source's stream)."""
+        k, r = np.divmod(np.asarray(positions, dtype=np.int64), self.period)
+        src = self.source[r]
+        return src, k * self.weights[src] + self.before[src, r]
+
+    def positions_of(self, s: int, q: np.ndarray) -> np.ndarray:
+        """Positions within source s's stream -> global positions."""
+        k, r = np.divmod(np.asarray(q, dtype=np.int64), self.weights[s])
+        return k * self.period + self.slots[s][r]
+
+    def counts(self, position: int) -> np.ndarray:
+        """Samples each source contributed to global positions [0, position)."""
+        k, r = divmod(position, self.period)
+        return k * self.weights + self.before[:, r]
+
+
+class MixtureStream(IterableDataset):
+    """One rank's batches of the mixture from `view.start`, split across DataLoader workers."""
+
+    def __init__(self, sources: list[Source], orders: list[SampleOrder], mix: Interleave, objective: Objective,
+                 view: RankView, seed: int, with_ids: bool = False) -> None:
+        self.sources, self.orders, self.mix, self.objective = sources, orders, mix, objective
+        self.view, self.seed, self.with_ids = view, seed, with_ids
+        self.windows = [objective.raw_length if s.kind == "packed" else 0 for s in sources]
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        info = get_worker_info()
+        view = replace(self.view, worker=info.id, num_workers=info.num_workers) if info else self.view
+        keys: dict[int, tuple[int, int]] = {}
+        caches: dict[int, dict] = {}
+        j = view.worker
+        while True:
+            src, q = self.mix.locate(view.batch_positions(j))
+            samples, units, rngs = [], [], []
+            for s, qs in zip(src.tolist(), q.tolist()):
+                order = self.orders[s]
+                epoch, g = order.locate(qs)
+                if keys.get(s) != (epoch, g):
+                    caches[s] = self._load(s, view, j, epoch, g)
+                    keys[s] = (epoch, g)
+                unit = int(order.units_at(epoch, g, np.array([qs]))[0])
+                samples.append(caches[s][unit])
+                units.append(unit)
+                if self.objective.needs_rng:
+                    rngs.append(np.random.default_rng([self.seed, s, epoch, unit, _RNG_SALT]))
+            batch = self.objective.collate(samples, rngs if self.objective.needs_rng else None)
+            if self.with_ids:
+                batch["sample_ids"] = torch.tensor(units, dtype=torch.long)
+                batch["source_ids"] = torch.from_numpy(src)
+            yield batch
+            j += view.num_workers
+
+    def _load(self, s: int, view: RankView, j: int, epoch: int, g: int) -> dict:
+        """The units of source s's group that this worker uses in batches j, j + num_workers, ..."""
+        order = self.orders[s]
+        lo, hi = order.group_span(epoch, g)
+        q = np.arange(lo, hi, dtype=np.int64)
+        p = self.mix.positions_of(s, q) - view.start
+        mine = (p >= j * view.global_batch) & ((p // view.global_batch) % view.num_workers == view.worker) & \
+               ((p % view.global_batch) // view.batch_size == view.rank)
+        units = order.units_at(epoch, g, q[mine])
+        return read_units(self.sources[s], order, order.groups(epoch)[g].shards, units, self.windows[s])
+
+
+class MixtureLoader(Loader):
+    """A `Loader` over several sources mixed by weight; state is still the positions consumed globally."""
+
+    def __init__(self, sources: list[Source], names: list[str], weights: list[float], objective: Objective,
+                 split: str, dp_rank: int, dp_size: int, batch_size: int, num_workers: int, seed: int,
+                 shuffle_shards: int, with_ids: bool = False, reseed_on_resume: bool = False) -> None:
+        super().__init__(sources[0], objective, split, dp_rank, dp_size, batch_size, num_workers, seed,
+                         shuffle_shards, with_ids, reseed_on_resume)
+        self.sources, self.names, self.mix = sources, names, Interleave(weights)
+        self.orders = []
+        for i, source in enumerate(sources):
+            windows = source.record_len // objective.raw_length if source.kind == "packed" else 1
+            self.orders.append(SampleOrder(source.records_per_shard, windows, seed + 7919 * i,
+                                           shuffle=split == "train", group_shards=shuffle_shards, skip=source.skip))
+        self.settings = {"data": [s.fingerprint for s in sources], "weights": self.mix.weights.tolist(),
+                         "names": names, "objective": objective.name, "raw": objective.raw_length, "split": split,
+                         "seed": seed, "shuffle_shards": shuffle_shards}
+        self.fingerprint = hashlib.sha256(json.dumps(self.settings, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def samples_per_epoch(self) -> int:
+        """Positions until every source has been through at least one epoch."""
+        return max(math.ceil(o.epoch_size * self.mix.period / int(w)) for o, w in zip(self.orders, self.mix.weights))
+
+    def source_scalars(self) -> dict[str, float]:
+        """Samples and tokens each source has contributed to the global stream so far (all ranks together)."""
+        counts = self.mix.counts(self.consumed)
+        out: dict[str, float] = {}
+        for name, n, source in zip(self.names, counts.tolist(), self.sources):
+            out[f"data/{name}/samples"] = float(n)
+            if source.kind == "packed":
+                out[f"data/{name}/tokens"] = float(n * self.objective.seq_len)
+        return out
+
+    def _stream(self, view: RankView) -> IterableDataset:
+        return MixtureStream(self.sources, self.orders, self.mix, self.objective, view, self.seed, self.with_ids)

@@ -1,0 +1,221 @@
+"""Output projection + cross-entropy without full-vocabulary logits.
+
+The plain path materialises logits (B·T·V, autocast dtype), upcasts them to fp32 and keeps softmax-sized
+buffers for backward: at a 128k vocabulary that is the largest activation in the model. Here the rows are
+processed in chunks: each chunk's logits are computed, turned into the loss and the gradient of the loss
+w.r.t. those logits, and immediately folded into the gradients of the hidden states, weight and bias
+(the approach of Liger's fused linear cross-entropy). Backward then only scales the stored gradients by the
+incoming scalar, so peak memory holds one chunk of logits instead of all of them.
+
+Same maths as `meshformer.loss.cross_entropy_sum` (sum over non-ignored tokens, label smoothing,
+PaLM z-loss, fp32 softmax); under autocast the projection runs in the autocast dtype like `nn.Linear` does.
+`HeadLoss` is the interface the model calls (`Transformer.forward(..., labels=, head_loss=)`); the chunked
+torch path is the reference and runs everywhere, liger-kernel's Triton kernel is an option on CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from meshformer.batch import IGNORE_INDEX
+
+# (hidden (..., D), labels (...), weight (V, D), bias (V,) | None) -> summed token loss (fp32 scalar)
+HeadLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def default_chunk_rows(n_rows: int, vocab: int, device: torch.device) -> int:
+    """Rows per chunk: a chunk of fp32 logits of ~512 MiB on CUDA (~128 MiB elsewhere), at least 64 rows.
+
+    Every chunk also adds its share into the fp32 weight gradient (a pass over V x D), so chunks must stay
+    large enough for the three chunk GEMMs to dominate that pass; the saving comes from never holding
+    more than one chunk of logits, not from small chunks.
+    """
+    budget = 2**27 if device.type == "cuda" else 2**25
+    return min(n_rows, max(64, budget // vocab))
+
+
+def _compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype `nn.Linear` would run in here: the autocast dtype if autocast is on, else the input's."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return dtype
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Tensor parallel: this rank holds weight rows [start, start + local rows) of a `total`-row vocabulary."""
+
+    group: dist.ProcessGroup
+    start: int
+    total: int
+
+
+def _chunk_statistics(logits, labels, valid, shard: VocabShard | None, need_sum: bool):
+    """Per row: log-partition, target logit, sum of logits (label smoothing), local target index, target here.
+
+    Vocabulary-parallel (as `meshformer.parallel.loss_parallel`): one all-reduce for the row max, one for the
+    stacked sums, so no rank ever holds more than its own columns of a chunk.
+    """
+    local_vocab = logits.shape[1]
+    if shard is None:
+        index = labels.clamp(min=0)
+        target = logits.gather(1, index[:, None]).squeeze(1)
+        total = logits.sum(dim=-1) if need_sum else None
+        return torch.logsumexp(logits, dim=-1), target, total, index, valid
+    local = labels - shard.start
+    here = valid & (local >= 0) & (local < local_vocab)
+    index = local.clamp(0, local_vocab - 1)
+    row_max = logits.max(dim=-1).values
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=shard.group)
+    target = logits.gather(1, index[:, None]).squeeze(1) * here
+    total = logits.sum(dim=-1) if need_sum else torch.zeros_like(row_max)
+    sums = torch.stack([(logits - row_max[:, None]).exp().sum(dim=-1), target, total])
+    dist.all_reduce(sums, group=shard.group)
+    return row_max + sums[0].log(), sums[1], sums[2], index, here
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, chunk_rows, label_smoothing, z_loss, want_grads, shard):
+        shape = hidden.shape
+        h = hidden.reshape(-1, shape[-1])
+        y = labels.reshape(-1)
+        n_rows = h.shape[0]
+        vocab = shard.total if shard is not None else weight.shape[0]
+        dtype = _compute_dtype(h.device, h.dtype)
+        w = weight.to(dtype)
+        b = bias.float() if bias is not None else None
+        grad_h = torch.empty_like(h) if want_grads and ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if want_grads and ctx.needs_input_grad[1] else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
+            if want_grads and bias is not None and ctx.needs_input_grad[2] else None
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        eps = label_smoothing
+        for start in range(0, n_rows, chunk_rows):
+            h_c = h[start : start + chunk_rows].to(dtype)
+            y_c = y[start : start + chunk_rows]
+            logits = (h_c @ w.t()).float()
+            if b is not None:
+                logits = logits + b
+            valid = y_c != IGNORE_INDEX
+            lse, target, total, index, here = _chunk_statistics(logits, y_c, valid, shard, eps > 0)
+            per_token = (1.0 - eps) * (lse - target)
+            if eps > 0:
+                per_token = per_token + eps * (lse - total / vocab)
+            if z_loss > 0:
+                per_token = per_token + z_loss * lse.square()
+            loss += (per_token * valid).sum()
+            if not want_grads:
+                continue
+            # d loss / d logits = softmax * (1 + 2 z lse) - (1 - eps) onehot - eps / V, zero on ignored rows;
+            # computed in place over the logits buffer so the chunk holds a single V-wide fp32 tensor.
+            grad = logits.sub_(lse[:, None]).exp_()
+            if z_loss > 0:
+                grad.mul_((1.0 + 2.0 * z_loss * lse)[:, None])
+            grad.scatter_add_(1, index[:, None], ((eps - 1.0) * here.to(grad.dtype))[:, None])
+            if eps > 0:
+                grad.sub_(eps / vocab)
+            grad.mul_(valid[:, None])
+            if grad_b is not None:
+                grad_b += grad.sum(dim=0)
+            grad = grad.to(dtype)
+            if grad_h is not None:
+                grad_h[start : start + chunk_rows] = grad @ w
+            if grad_w is not None:
+                if dtype == torch.float32:
+                    grad_w.addmm_(grad.t(), h_c)
+                else:
+                    grad_w += (grad.t() @ h_c).float()
+        if shard is not None and grad_h is not None:  # each rank's vocabulary columns gave a partial sum
+            dist.all_reduce(grad_h, group=shard.group)
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.shape = shape
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        scale = grad_loss.float()
+        out_h = (grad_h * scale).to(grad_h.dtype).view(ctx.shape) if grad_h is not None else None
+        out_w = grad_w * scale if grad_w is not None else None
+        out_b = grad_b * scale if grad_b is not None else None
+        return out_h, out_w, out_b, None, None, None, None, None, None
+
+
+@torch.compiler.disable  # a graph break under whole-model compile: the chunk loop runs eagerly, as tested
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    chunk_rows: int | None = None,
+    shard: VocabShard | None = None,
+) -> torch.Tensor:
+    """Summed loss of `hidden @ weight.T + bias` against labels, equal to cross_entropy_sum on the logits.
+
+    With `shard` (tensor parallel) the weight/bias are this rank's vocabulary rows (DTensors are used through
+    their local shard) and the hidden states are replicated; the loss is identical on every rank.
+    """
+    weight = weight.to_local() if isinstance(weight, DTensor) else weight
+    bias = bias.to_local() if isinstance(bias, DTensor) else bias
+    n_rows = hidden.numel() // hidden.shape[-1]
+    rows = chunk_rows or default_chunk_rows(n_rows, weight.shape[0], hidden.device)
+    # Decided here: autograd runs Function.forward with grad mode off. Evaluation skips the gradient work.
+    want_grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, labels, rows, label_smoothing, z_loss, want_grads,
+                                            shard)
+
+
+def liger_available() -> bool:
+    try:
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def liger_linear_cross_entropy(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+) -> torch.Tensor:
+    """liger-kernel's Triton fused linear cross-entropy (CUDA), summed over non-ignored tokens."""
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    dtype = _compute_dtype(hidden.device, hidden.dtype)
+    h = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
+    loss = LigerFusedLinearCrossEntropyFunction.apply(
+        h, weight.to(dtype), labels.reshape(-1), bias, None, IGNORE_INDEX, z_loss, label_smoothing, "sum",
+        None, False, torch.float32)
+    return (loss[0] if isinstance(loss, tuple) else loss).float()
+
+
+def head_loss_fn(kind: str, label_smoothing: float, z_loss: float, shard: VocabShard | None = None) -> HeadLoss:
+    """The fused head loss named by train.loss ("chunked" or "liger"; vocabulary-parallel with `shard`)."""
+    if kind == "liger":
+        if shard is not None:
+            raise ValueError("liger's fused linear cross-entropy is not vocabulary-parallel; use 'chunked'")
+
+        def head_loss(hidden, labels, weight, bias):
+            return liger_linear_cross_entropy(hidden, labels, weight, bias, label_smoothing=label_smoothing,
+                                              z_loss=z_loss)
+    else:
+        def head_loss(hidden, labels, weight, bias):
+            return chunked_linear_cross_entropy(hidden, labels, weight, bias, label_smoothing=label_smoothing,
+                                                z_loss=z_loss, shard=shard)
+
+    head_loss.kind = kind  # type: ignore[attr-defined]  # a label for the run report
+    return head_loss

@@ -1,0 +1,99 @@
+"""Initial weights as a function of (seed, parameter name) alone: the same values whatever layout holds them.
+
+Each parameter draws from its own generator, seeded from the model's `init_seed` and the parameter's
+canonical name, so a tensor-parallel shard, an FSDP shard, a pipeline stage's copy and the single-process
+model all hold the same numbers. The full tensor of one parameter is generated on the target device and
+this rank keeps its shard (`distribute_tensor` without communication), so at most one full tensor is in
+flight and nothing loops over elements on the host.
+
+The rules: norm weights 1, every bias 0; other weights Xavier-uniform (`init="xavier"`, the original paper)
+or normal(init_std), with residual outputs (o_proj, down_proj) scaled by 1/sqrt(2 * layers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+
+from meshformer.config import ModelConfig
+
+InitFn = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+# Name pieces that wrappers add and that are not part of the plain model's FQNs.
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def new_seed() -> int:
+    """A model's init seed, drawn from the global CPU RNG: `torch.manual_seed(s)` then fixes every weight."""
+    return int(torch.randint(0, 2**62, (), device="cpu"))
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def init_rule(name: str, cfg: ModelConfig) -> InitFn:
+    """How the parameter called `name` (canonical FQN) is initialised."""
+    module, _, kind = name.rpartition(".")
+    if kind == "bias":
+        return lambda t, g: t.zero_()
+    if module.endswith("norm"):
+        return lambda t, g: t.fill_(1.0)
+    if cfg.init == "xavier":
+        return lambda t, g: nn.init.xavier_uniform_(t, generator=g)
+    std = cfg.init_std
+    if module.endswith(("o_proj", "down_proj")):
+        std = cfg.init_std / math.sqrt(2 * (cfg.encoder_depth + cfg.decoder_depth))
+    return lambda t, g: nn.init.normal_(t, std=std, generator=g)
+
+
+@torch.no_grad()
+def init_parameter(param: torch.Tensor, name: str, cfg: ModelConfig, seed: int) -> None:
+    """Fill `param` (plain or DTensor) with its share of the full tensor the rules give `name`."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    local = param.to_local() if isinstance(param, DTensor) else param
+    generator = torch.Generator(device=local.device).manual_seed(parameter_seed(seed, name))
+    rule = init_rule(name, cfg)
+    if not isinstance(param, DTensor):
+        rule(param, generator)
+        return
+    full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
+    rule(full, generator)
+    # src_data_rank=None: every rank generated the same full tensor, so each keeps its slice, no communication.
+    local.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local())
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, cfg: ModelConfig, seed: int, names: Mapping[str, str] | None = None) -> None:
+    """Initialise every parameter of `model` (a whole model or a stage; sharded or not), each object once.
+
+    `names` maps a part's parameter names to the whole model's where they differ (a pipeline stage's untied
+    copy of a tied weight); a tied weight's first name is its canonical one.
+    """
+    seen: set[int] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen or param.is_meta:
+            continue
+        seen.add(id(param))
+        name = canonical_name(name)
+        init_parameter(param, (names or {}).get(name, name), cfg, seed)
+
+
+@torch.no_grad()
+def init_buffers(model: nn.Module) -> None:
+    """Recompute the derived buffers (RoPE tables, ALiBi slopes, sinusoidal tables) where they now live."""
+    for module in model.modules():
+        reset = getattr(module, "reset_buffers", None)
+        if callable(reset):
+            reset()

@@ -1,0 +1,75 @@
+"""FP8 training through torchao's float8 linears (train.fp8 = "tensorwise" | "rowwise").
+
+The block projections become `Float8Linear`s: inputs, weights and output gradients are scaled to float8
+per tensor (tensorwise) or per row (rowwise) and multiplied on the FP8 tensor cores (`torch._scaled_mm`);
+master weights, optimizer state and everything else stay as they were. Under FSDP2 the tensorwise recipe
+all-gathers weights already cast to float8 (half the bytes of bf16). The output head and projections whose
+sizes are not multiples of 16 (a `_scaled_mm` requirement) stay in high precision, as in torchtitan.
+
+torchao's emulation mode runs the same scaling maths with ordinary matmuls, which is how CPU tests cover
+the wiring; a real run needs CUDA compute capability 8.9+ (Ada, Hopper, Blackwell).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from meshformer.config import ConfigError
+
+FP8_RECIPES = ("tensorwise", "rowwise")
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """Whether this device has FP8 tensor cores."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def check_fp8(recipe: str, device: torch.device, *, tensor_parallel: bool) -> None:
+    """Refuse train.fp8 where it cannot run, before any work is done."""
+    if recipe == "off":
+        return
+    if not fp8_supported(device):
+        where = (f"CUDA compute capability {torch.cuda.get_device_capability(device)}" if device.type == "cuda"
+                 else f"device {device.type!r}")
+        raise ConfigError(f"train.fp8={recipe!r} needs FP8 tensor cores (CUDA compute capability 8.9+: Ada, Hopper, "
+                          f"Blackwell) but this run is on {where}; set train.fp8='off'")
+    if tensor_parallel:
+        raise ConfigError(f"train.fp8={recipe!r} is not wired up with tensor parallelism yet; set parallel.tp=1 "
+                          "or train.fp8='off'")
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"train.fp8={recipe!r} needs torchao: pip install 'meshformer[fp8]' (torchao>=0.17)"
+                          ) from None
+
+
+def _convertible(module: nn.Module, fqn: str) -> bool:
+    if not isinstance(module, nn.Linear):
+        return False
+    in_block = fqn.startswith(("decoder_layers.", "encoder_layers.", "layers."))
+    return in_block and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def apply_float8(model: nn.Module, recipe: str, *, fsdp: bool = False, emulate: bool = False) -> int:
+    """Swap the block linears of `model` for torchao Float8Linear in place; returns how many were swapped."""
+    if recipe not in FP8_RECIPES:
+        raise ConfigError(f"train.fp8={recipe!r} is not one of {list(FP8_RECIPES)}")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    # FP8 all-gather is a tensorwise feature (rowwise scales depend on the full tensor layout).
+    config = dataclasses.replace(config, emulate=emulate, enable_fsdp_float8_all_gather=fsdp and recipe == "tensorwise")
+    before = sum(isinstance(m, nn.Linear) for m in model.modules())
+    convert_to_float8_training(model, config=config, module_filter_fn=_convertible)
+    after = sum(type(m) is nn.Linear for m in model.modules())
+    return before - after
+
+
+def fp8_report(recipe: str, converted: int, fsdp: bool) -> str:
+    if recipe == "off":
+        return "off"
+    gather = ", float8 all-gather" if fsdp and recipe == "tensorwise" else ""
+    return f"torchao float8 {recipe} ({converted} linears{gather})"

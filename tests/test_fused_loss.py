@@ -1,0 +1,149 @@
+"""The chunked head loss equals the plain full-logits loss (values and gradients) and never holds full logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from parallel_harness import make_batches, make_config, new_model
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from meshformer.batch import IGNORE_INDEX, model_inputs
+from meshformer.config import ConfigError
+from meshformer.fused_loss import chunked_linear_cross_entropy, head_loss_fn
+from meshformer.layout import ParallelDims
+from meshformer.loss import cross_entropy_sum
+from meshformer.parallel import build_plan
+from meshformer.parallel.build import build_head_loss
+
+
+def head_inputs(rows: int = 90, d: int = 24, vocab: int = 301, bias: bool = False, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(3, rows // 3, d, generator=gen).requires_grad_()
+    w = (torch.randn(vocab, d, generator=gen) * 0.3).requires_grad_()
+    b = (torch.randn(vocab, generator=gen) * 0.1).requires_grad_() if bias else None
+    y = torch.randint(vocab, (3, rows // 3), generator=gen)
+    y[:, ::5] = IGNORE_INDEX
+    return h, w, b, y
+
+
+def loss_and_grads(fn, h, w, b, y, scale: float = 0.37):
+    loss = fn(h, w, b, y)
+    params = [h, w] + ([b] if b is not None else [])
+    return loss.detach(), torch.autograd.grad(loss * scale, params)  # a non-unit upstream gradient, as 1/tokens
+
+
+def plain(label_smoothing, z_loss):
+    return lambda h, w, b, y: cross_entropy_sum(F.linear(h, w, b), y, label_smoothing=label_smoothing, z_loss=z_loss)
+
+
+def chunked(label_smoothing, z_loss, rows):
+    return lambda h, w, b, y: chunked_linear_cross_entropy(h, y, w, b, label_smoothing=label_smoothing,
+                                                           z_loss=z_loss, chunk_rows=rows)
+
+
+@pytest.mark.parametrize("label_smoothing,z_loss", [(0.0, 0.0), (0.1, 0.0), (0.0, 1e-3), (0.2, 1e-2)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [7, 64, 1000])  # uneven chunks, several chunks, a single chunk
+def test_chunked_equals_plain_fp32(label_smoothing, z_loss, bias, rows):
+    inputs = head_inputs(bias=bias)
+    ref_loss, ref_grads = loss_and_grads(plain(label_smoothing, z_loss), *inputs)
+    loss, grads = loss_and_grads(chunked(label_smoothing, z_loss, rows), *inputs)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-4)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_equals_plain_under_bf16_autocast():
+    """bf16 projection like nn.Linear under autocast; stated tolerance: loss 1e-3 relative, gradients 2% of norm."""
+    inputs = head_inputs(rows=240, d=64, vocab=1000, bias=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss, ref_grads = loss_and_grads(plain(0.1, 1e-3), *inputs)
+        loss, grads = loss_and_grads(chunked(0.1, 1e-3, 64), *inputs)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-3, atol=0)
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert got.dtype == want.dtype
+        assert (got.float() - want.float()).norm() <= 0.02 * want.float().norm()
+
+
+def test_all_ignored_rows_give_zero_loss_and_gradients():
+    h, w, b, y = head_inputs(bias=True)
+    y.fill_(IGNORE_INDEX)
+    loss, grads = loss_and_grads(chunked(0.1, 1e-3, 16), h, w, b, y)
+    assert loss.item() == 0.0 and all(g.abs().max().item() == 0.0 for g in grads)
+
+
+def test_evaluation_computes_no_gradients_and_the_same_loss():
+    h, w, b, y = head_inputs(bias=True)
+    with torch.no_grad():
+        loss = chunked_linear_cross_entropy(h, y, w, b, label_smoothing=0.1, chunk_rows=8)
+        ref = cross_entropy_sum(F.linear(h, w, b), y, label_smoothing=0.1)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-4)
+
+
+def test_peak_memory_stays_below_one_full_logits_tensor():
+    """Live-tensor accounting at a Llama-1B-like head (V/D ~ 63, rows/D = 4), scaled down: plain holds several
+    B·T·V tensors, chunked never one."""
+    rows, d, vocab = 513, 128, 8016
+    h, w, _, y = head_inputs(rows=rows, d=d, vocab=vocab)
+    full_fp32_logits = h.numel() // d * vocab * 4
+
+    def peak(fn) -> int:
+        tracker = MemTracker()
+        tracker.track_external(h, w, y)
+        with tracker:
+            fn(h, w, None, y).backward()
+        h.grad = w.grad = None
+        snapshot = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+        other = next(k for k in snapshot if str(k).endswith("OTH"))  # the tracked inputs themselves
+        return snapshot["Total"] - snapshot[other]
+
+    plain_peak, chunked_peak = peak(plain(0.0, 0.0)), peak(chunked(0.0, 0.0, 64))
+    assert plain_peak > 2 * full_fp32_logits
+    assert chunked_peak < full_fp32_logits
+    assert chunked_peak < 0.75 * plain_peak
+
+
+@pytest.mark.parametrize("family", ["decoder", "encoder", "encdec"])
+def test_model_head_loss_matches_logits_loss(family):
+    """Through the whole model (tied embeddings; BERT head transform + output bias; T5 output scaling)."""
+    cfg = make_config(family)
+    batch = make_batches(cfg, 1)[0]
+    ls, z = cfg.train.label_smoothing, cfg.train.z_loss
+
+    def run(fused: bool):
+        model = new_model(cfg)
+        if fused:
+            loss = model(**model_inputs(batch), labels=batch["labels"], head_loss=head_loss_fn("chunked", ls, z))
+        else:
+            loss = cross_entropy_sum(model(**model_inputs(batch)), batch["labels"], label_smoothing=ls, z_loss=z)
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    (ref_loss, ref_grads), (loss, grads) = run(False), run(True)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-4)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_plan_uses_the_configured_loss():
+    cfg = make_config("decoder")
+    assert build_plan(new_model(cfg), cfg, torch.device("cpu")).report["loss"] == "chunked"
+    cfg.train.loss = "plain"
+    plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
+    assert plan.head_loss is None and plan.report["loss"].startswith("plain")
+
+
+def test_loss_choice_is_checked_against_device_and_layout():
+    cfg = make_config("decoder", loss="liger")
+    single, tp, pp = ParallelDims(1, 1, 1, 1, 1, 1), ParallelDims(1, 1, 1, 1, 2, 2), ParallelDims(2, 1, 1, 1, 1, 2)
+    with pytest.raises(ConfigError, match="train.loss='liger' needs CUDA"):
+        build_head_loss(cfg, single, torch.device("cpu"))
+    cfg.train.loss = "chunked"
+    with pytest.raises(ConfigError, match="does not support pipeline parallelism"):
+        build_head_loss(cfg, pp, torch.device("cpu"))
+    cfg.train.loss = "auto"
+    assert build_head_loss(cfg, pp, torch.device("cpu")) is None  # the last stage's logits loss
+    assert build_head_loss(cfg, tp, torch.device("cpu")) is None  # needs the rank's vocabulary rows first
