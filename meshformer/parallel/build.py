@@ -116,15 +116,20 @@ def compile_mode(cfg: Config, dims: ParallelDims) -> str:
     return mode
 
 
+def head_loss_kind(cfg: Config, dims: ParallelDims) -> str:
+    """train.loss with "auto" resolved: the chunked head loss, except under pipeline parallelism (plain)."""
+    if cfg.train.loss == "auto":
+        return "plain" if dims.pp_enabled else "chunked"
+    return cfg.train.loss
+
+
 def build_head_loss(cfg: Config, dims: ParallelDims, device: torch.device, shard: VocabShard | None = None
                     ) -> HeadLoss | None:
     """The fused output-projection + loss named by train.loss, or None for the plain full-logits loss.
 
     Under tensor parallelism it is vocabulary-parallel (`shard`); pipeline stages keep the per-stage logits loss.
     """
-    kind = cfg.train.loss
-    if kind == "auto":
-        kind = "plain" if dims.pp_enabled else "chunked"
+    kind = head_loss_kind(cfg, dims)
     if kind == "plain":
         return None
     if dims.pp_enabled:

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from meshformer.config import Config, ModelConfig
+from meshformer.fused_loss import default_chunk_rows
 
 FP32 = 4
 
@@ -125,10 +128,31 @@ def head_saved(m: ModelConfig, x: ActivationShape, last: bool) -> float:
 
 
 def logits(m: ModelConfig, x: ActivationShape) -> tuple[float, float]:
-    """(kept, transient) of the loss: logits and the fp32 log-softmax (vocab-parallel: exp) kept per micro-batch
-    until its backward, and two fp32 logit-sized gradients alive while the loss back-propagates."""
+    """(kept, transient) of the plain loss: logits and the fp32 log-softmax (vocab-parallel: exp) kept per
+    micro-batch until its backward, and two fp32 logit-sized gradients alive while the loss back-propagates."""
     elements = x.batch * x.seq * (m.vocab_size // x.tp)
     return elements * (x.bytes + FP32), 2 * elements * FP32
+
+
+def chunked_loss(m: ModelConfig, x: ActivationShape, device_type: str) -> tuple[float, float]:
+    """(kept, transient) of the chunked head loss (meshformer.fused_loss), which computes its gradients in
+    the forward: kept until backward are the hidden-state gradient and the fp32 weight gradient; transient are
+    one chunk of fp32 logits (and its low-precision copy), the low-precision weight copy, each chunk's
+    weight-gradient product and its fp32 copy, and the scaled weight gradient returned by the backward."""
+    rows, vocab = x.batch * x.seq, m.vocab_size // x.tp
+    chunk = min(rows, default_chunk_rows(rows, vocab, torch.device(device_type)))
+    weight = vocab * m.d_model
+    kept = rows * m.d_model * x.bytes + weight * FP32
+    low = x.bytes < FP32
+    transient = chunk * vocab * (FP32 + (x.bytes if low else 0)) + weight * FP32
+    if low:
+        transient += weight * x.bytes + weight * (x.bytes + FP32)
+    return kept, transient
+
+
+def loss_memory(m: ModelConfig, x: ActivationShape, kind: str, device_type: str) -> tuple[float, float]:
+    """(kept, transient) of the configured loss; liger's fused kernel is counted like the chunked loss."""
+    return logits(m, x) if kind == "plain" else chunked_loss(m, x, device_type)
 
 
 def recompute_mode_blocks(cfg: Config, layers: tuple[int, ...], mode: str) -> list[str]:

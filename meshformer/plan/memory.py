@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from meshformer.config import Config
 from meshformer.layout import ParallelDims, n_microbatches
 from meshformer.model.families import get_family_spec
+from meshformer.parallel.build import head_loss_kind
 from meshformer.plan import activations as act
 from meshformer.plan.shard import RankShare
 
@@ -108,7 +109,9 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory
     head = act.head_saved(m, shape, share.last)
     per_microbatch = sum(kept) + head
     in_flight = pipeline_in_flight(cfg, dims, share)
-    logits_kept, logits_work = act.logits(m, shape) if share.last else (0.0, 0.0)
+    device_type = "cpu" if cfg.train.device == "cpu" else "cuda"  # "auto": planning for GPUs
+    loss_kind = head_loss_kind(cfg, dims)
+    logits_kept, logits_work = act.loss_memory(m, shape, loss_kind, device_type) if share.last else (0.0, 0.0)
     # The last stage finishes each micro-batch's backward before the next forward (1F1B), except GPipe.
     logits_live = logits_kept * (in_flight if p.pp_schedule == "gpipe" and dims.pp > 1 else 1.0) + logits_work
 
