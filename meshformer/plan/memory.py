@@ -110,7 +110,7 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory
     per_microbatch = sum(kept) + head
     in_flight = pipeline_in_flight(cfg, dims, share)
     device_type = "cpu" if cfg.train.device == "cpu" else "cuda"  # "auto": planning for GPUs
-    loss_kind = head_loss_kind(cfg, dims)
+    loss_kind = head_loss_kind(cfg, dims, device_type)
     logits_kept, logits_work = act.loss_memory(m, shape, loss_kind, device_type) if share.last else (0.0, 0.0)
     # The last stage finishes each micro-batch's backward before the next forward (1F1B), except GPipe.
     logits_live = logits_kept * (in_flight if p.pp_schedule == "gpipe" and dims.pp > 1 else 1.0) + logits_work
