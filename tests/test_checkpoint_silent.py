@@ -191,7 +191,9 @@ def test_sigkill_during_retention_leaves_no_half_deleted_checkpoint(reference, t
     script = tmp_path / "killed.py"
     script.write_text(_KILLED_DURING_RETENTION)
     tests_dir = Path(__file__).resolve().parent
-    env = {"PYTHONPATH": str(tests_dir.parent), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    # The killed run trains steps 1-4 with this process's thread count: bitwise equality needs the same reductions.
+    env = {"PYTHONPATH": str(tests_dir.parent), "OMP_NUM_THREADS": str(torch.get_num_threads()),
+           "PATH": "/usr/bin:/bin"}
     proc = subprocess.Popen([sys.executable, str(script), str(tests_dir), str(reference["shards"]), str(run_dir),
                              str(marker)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120

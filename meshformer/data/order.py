@@ -108,6 +108,11 @@ class SampleOrder:
         base, _ = self.group_span(epoch, g)
         return self._perm(epoch, g)[positions - base]
 
+    def unit_at(self, position: int) -> int:
+        """The unit (record) at one global position: the shuffle-quality measure walks the order with it."""
+        epoch, g = self.locate(position)
+        return int(self.units_at(epoch, g, np.array([position]))[0])
+
 
 @dataclass(frozen=True)
 class RankView:
