@@ -16,7 +16,6 @@ import torch
 
 from meshformer.checkpointing.errors import ConversionError
 from meshformer.checkpointing.mapping import export_tensors, name_map
-from meshformer.checkpointing.progress import progress
 from meshformer.checkpointing.sharded_safetensors import (
     DEFAULT_MAX_SHARD_SIZE,
     SafetensorsFolder,
@@ -79,12 +78,6 @@ def hf_source(folder: Path) -> Mapping[str, torch.Tensor]:
         return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
     raise ConversionError(f"{folder} has no model.safetensors, model.safetensors.index.json or "
                           "pytorch_model.bin; point at a folder written by save_pretrained")
-
-
-def read_hf_state(folder: Path, *, show_progress: bool | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF folder at once (small models; conversions use `hf_source`)."""
-    source = hf_source(folder)
-    return {k: source[k] for k in progress(list(source), desc="reading", enabled=show_progress)}
 
 
 def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arch) -> Mapping[str, torch.Tensor]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
 
@@ -35,11 +35,12 @@ CONFIG_FILE = "model_config.json"
 _METADATA = {"format": "meshformer"}
 
 
-def saved_names(cfg: ModelConfig) -> list[str]:
-    """The tensors a weights folder holds, in model order: the state dict less the tied output weight."""
-
-    with torch.device("meta"):
-        names = list(Transformer(cfg).state_dict())
+def saved_names(cfg: ModelConfig, names: Iterable[str] | None = None) -> list[str]:
+    """The tensors a weights folder holds, in model order: the state dict (`names`, else built on meta) less the
+    tied output weight."""
+    if names is None:
+        with torch.device("meta"):
+            names = list(Transformer(cfg).state_dict())
     return [n for n in names if not (cfg.tie_embeddings and n == "output.weight")]
 
 
@@ -69,7 +70,7 @@ def gathered_tensors(plan) -> Iterator[tuple[str, torch.Tensor]]:
     cfg = plan.model_parts[0].cfg
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items()}  # of tensors other ranks send
-    names = saved_names(cfg)
+    names = saved_names(cfg, shapes)
     dtype = next(iter(local.values())).dtype
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0

@@ -111,7 +111,7 @@ class TransformerStage(Transformer):
         # last stage's output.weight is tok_embeddings.weight); keyed by name, which survives TP and FSDP.
         origin = {id(memo[pid]): name for pid, name in canonical_names(model).items() if pid in memo}
         self.canonical = {name: origin[id(p)] for name, p in self.named_parameters(remove_duplicate=False)}
-        self.is_first, self.is_last = span.index == 0, span.index == span.n_stages - 1
+        self.is_last = span.index == span.n_stages - 1
 
     def forward(  # type: ignore[override]  # a stage takes the previous stage's tensors positionally
         self, *stream: torch.Tensor, **batch: torch.Tensor

@@ -105,8 +105,6 @@ class TrainingStep:
         torch.manual_seed(cfg.train.seed)
         self.cfg = cfg
         self.plan = build_plan(Transformer(cfg.model), cfg, device)
-        if cfg.train.dtype == "bf16":
-            self.plan.autocast_dtype = torch.bfloat16
         self.optimizer, _ = build_optimizer(self.plan.model_parts, cfg.optim)
         self.batch = {k: v.to(device) for k, v in synthetic_batch(cfg, self.plan.dp_rank).items()}
 

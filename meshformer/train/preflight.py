@@ -59,11 +59,6 @@ def check_vocab(tokenizer: Tokenizer, vocab_size: int, tokenizer_key: str = "dat
                           f"{tokenizer_key} to the tokenizer the model was trained with")
 
 
-def checkpoint_bytes(cfg: Config) -> int:
-    """Estimated size of one training checkpoint: fp32 parameters + two AdamW moments."""
-    return count_params(cfg.model)["total"] * BYTES_PER_PARAM
-
-
 def check_disk_space(cfg: Config, run_dir: Path, checkpoint_dir: Path) -> None:
     """Room for one more checkpoint (when the run saves them) and the final weights, with a margin."""
     n_params = count_params(cfg.model)["total"]
@@ -71,7 +66,7 @@ def check_disk_space(cfg: Config, run_dir: Path, checkpoint_dir: Path) -> None:
     if cfg.checkpoint.interval > 0:  # (a SIGTERM save also needs interval > 0)
         same_disk = os.stat(run_dir).st_dev == os.stat(checkpoint_dir).st_dev
         target = run_dir if same_disk else checkpoint_dir
-        needs[target] = needs.get(target, 0) + checkpoint_bytes(cfg)
+        needs[target] = needs.get(target, 0) + n_params * BYTES_PER_PARAM
     for folder, nbytes in needs.items():
         required = int(nbytes * DISK_MARGIN) + DISK_SLACK_BYTES
         free = shutil.disk_usage(folder).free

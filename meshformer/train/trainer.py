@@ -26,6 +26,7 @@ from meshformer.model.families import get_family_spec
 from meshformer.model.flops import flops_per_token
 from meshformer.model.init import new_seed
 from meshformer.parallel import build_plan
+from meshformer.parallel.build import world_size
 from meshformer.parallel.plan import TrainingPlan
 from meshformer.runtime.distributed import job_device
 from meshformer.runtime.profiler import StepProfiler
@@ -54,7 +55,7 @@ class Trainer:
     def __init__(self, cfg: Config, *, rank: int = 0, local_rank: int = 0) -> None:
         self.cfg, self.rank = cfg, rank
         self.device = job_device(cfg, local_rank)
-        validate_parallel(cfg, _world_size(), self.device)  # before the model is built (and sharded)
+        validate_parallel(cfg, world_size(), self.device)  # before the model is built (and sharded)
         if cfg.train.dtype == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError("train.dtype='bf16' but this GPU has no bf16 support; use train.dtype='fp32'")
         # Measured first, before data workers or other ranks' set-up compete for the device.
@@ -110,8 +111,8 @@ class Trainer:
         )
         # Cluster diagnostics: per-rank hang reports (stalls, collective timeouts), a profiled step range,
         # and the time this rank waits for batches (reset at each logging step).
-        self.watchdog = HangWatchdog(self.run_dir, rank=rank, world_size=_world_size(),
-                                     timeout_s=cfg.parallel.timeout_s, enabled=_world_size() > 1)
+        self.watchdog = HangWatchdog(self.run_dir, rank=rank, world_size=world_size(),
+                                     timeout_s=cfg.parallel.timeout_s, enabled=world_size() > 1)
         self.profiler = StepProfiler(cfg.profile, self.run_dir, rank)
         self.data_wait_s = 0.0
 
@@ -199,7 +200,7 @@ class Trainer:
                 elapsed = time.perf_counter() - window_start
                 last_loss = self.plan.reduce_for_logging(window_loss) / max(float(window_tokens), 1.0)
                 tokens_per_s = tokens_per_step * window_steps / elapsed
-                mfu, ceiling_note = self.ceiling.mfu(self.flops_per_token * tokens_per_s / _world_size())
+                mfu, ceiling_note = self.ceiling.mfu(self.flops_per_token * tokens_per_s / world_size())
                 if ceiling_note:
                     log.info(ceiling_note)
                 record = {
@@ -265,8 +266,6 @@ class Trainer:
             self.logger.info(f"final weights written to {path}")
 
 
-def _world_size() -> int:
-    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
 def train(cfg: Config) -> TrainResult:
