@@ -204,15 +204,12 @@ def check_data(cfg, tokenizer: Tokenizer) -> None:
     checked when the config is loaded)."""
     d = cfg.data
     objective = make_objective(cfg.objective, tokenizer, d)
-    for src in d.sources:  # a mixture: every source's manifest
-        for split in ("train", "eval"):
-            _check_manifest(read_manifest(src.shards), tokenizer, objective, split)
-    if d.sources:
-        return
-    if d.shards:
-        manifest = read_manifest(d.shards)
+    prepared = [src.shards for src in d.sources] or ([d.shards] if d.shards else [])  # a mixture: every source
+    for spec in prepared:
+        manifest = read_manifest(spec)  # read once (it may be remote), checked for both splits
         for split in ("train", "eval"):
             _check_manifest(manifest, tokenizer, objective, split)
+    if prepared:
         return
     files = resolve_inputs(d.corpus)
     check_corpus(files, d.text_field)

@@ -35,6 +35,7 @@ from tqdm import tqdm
 from meshformer.errors import MeshformerError, UsageError
 
 from .prepare_stages import SPLITS, map_unit, reduce_bucket, train_documents
+from .shard_index import index_name
 from .shards import Manifest, ShardInfo, ShardWriter, read_shard, token_dtype
 from .sources import BUNDLED_CORPORA, CorpusError, DocSplit, check_corpus, iter_pairs, resolve_inputs
 from .tokenizer import Tokenizer, load_tokenizer, train_bpe
@@ -214,7 +215,7 @@ def _merge(plan: dict, work: Path, out: Path, tok: Tokenizer, files: list[Path])
                 name = f"{split}-{len(splits[split]):06d}"
                 src = work / "reduce" / f"{split}-{b:05d}" / info.name
                 src.rename(tmp / f"{name}.tar")
-                src.with_suffix(".idx").rename(tmp / f"{name}.idx")
+                src.with_name(index_name(src.name)).rename(tmp / index_name(f"{name}.tar"))
                 info.name = f"{name}.tar"
                 splits[split].append(info)
     if not documents["train"] + documents["eval"]:
@@ -254,7 +255,7 @@ def _hold_out_tail(folder: Path, train: list[ShardInfo], plan: dict) -> tuple[li
         got = read_shard(str(folder / info.name), info, plan["dtype"], None)
         tail = [got[i] for i in range(info.samples)] + tail
         (folder / info.name).unlink()
-        (folder / info.name).with_suffix(".idx").unlink()
+        (folder / index_name(info.name)).unlink()
     out = {"train": train, "eval": []}
     for split, records in (("train", tail[:len(tail) - n_held]), ("eval", tail[len(tail) - n_held:])):
         writer = None

@@ -46,18 +46,13 @@ def planned_bytes(order: SampleOrder, shards: list[ShardInfo], spans: list[np.nd
     return total
 
 
-def shuffle_quality(unit_ids: np.ndarray, unit_start: np.ndarray, doc_of_unit: np.ndarray | None = None) -> dict:
+def shuffle_quality(unit_ids: np.ndarray, unit_start: np.ndarray) -> dict:
     """How well consecutive samples of a stream are mixed.
 
     same_shard: fraction of adjacent pairs drawn from the same shard (lower is better; about
     1/len(shards) for a perfect shuffle over all shards). unit_gap: mean |id_a - id_b| / epoch size of adjacent
     samples, where ids count in prepare's output order (1/3 for a perfect shuffle, 0 for sequential reading).
-    doc_gap, with `doc_of_unit` (the input-order document each unit begins in, normalized to [0, 1)): the
-    same gap over source documents, so it also sees how well prepare spread the corpus.
     """
     shard = np.searchsorted(unit_start, unit_ids, side="right") - 1
-    out = {"same_shard": float(np.mean(shard[1:] == shard[:-1])),
-           "unit_gap": float(np.mean(np.abs(np.diff(unit_ids))) / max(int(unit_start[-1]), 1))}
-    if doc_of_unit is not None:
-        out["doc_gap"] = float(np.mean(np.abs(np.diff(doc_of_unit[unit_ids]))))
-    return out
+    return {"same_shard": float(np.mean(shard[1:] == shard[:-1])),
+            "unit_gap": float(np.mean(np.abs(np.diff(unit_ids))) / max(int(unit_start[-1]), 1))}
