@@ -40,7 +40,7 @@ class Ours:
     def __init__(self, cfg, tokens: torch.Tensor) -> None:
         self.trainer = Trainer(cfg)
         self.trainer.train_iter = MemoryBatches(tokens, cfg.data.batch_size, cfg.data.seq_len)
-        self.trainer.step = 0
+        self.trainer.state.step = 0
 
     def __call__(self) -> None:
         self.trainer.train_step()
