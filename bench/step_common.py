@@ -101,14 +101,20 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(step: Callable[[], object], steps: int, device: torch.device) -> float:
-    """Seconds per step over `steps` calls, synchronised on CUDA."""
+def timed(step: Callable[[], object], steps: int, device: torch.device, clock: str = "wall") -> float:
+    """Seconds per step over `steps` calls, synchronised on CUDA.
+
+    clock="cpu": this process's CPU time instead of wall time (CPU only). With one thread
+    (torch.set_num_threads(1)) it counts only the work done, so it stays comparable on a loaded machine,
+    where wall time also counts the time other processes held the cores.
+    """
+    read = time.process_time if clock == "cpu" else time.perf_counter
     sync(device)
-    start = time.perf_counter()
+    start = read()
     for _ in range(steps):
         step()
     sync(device)
-    return (time.perf_counter() - start) / steps
+    return (read() - start) / steps
 
 
 def peak_memory_gib(device: torch.device) -> float | None:

@@ -2,16 +2,20 @@
 
 Same shape, seed, optimizer settings (AdamW lr 6e-4, betas 0.9/0.95, decay 0.1 on matrices, clip 1.0) and
 in-memory data for both; FLOPs/token = 6N + 12·L·d·T for both. On CPU the two alternate round by round so
-machine noise hits both alike; on CUDA (large shapes: two models would not fit together) each side runs its
-rounds in turn, synchronised. Prints one JSON line per (shape, dtype, compile):
+machine noise hits both alike, each in a process of its own by default (as two programs would run: neither
+inherits the other's allocator settings, thread pool or caches); on CUDA (large shapes: two models would not
+fit together) each side runs its rounds in turn, synchronised. Prints one JSON line per (shape, dtype, compile):
 
     python bench/vs_nanogpt.py --shape S M G --dtype fp32 bf16 [--compile off] [--steps 10] [--rounds 3]
+    python bench/vs_nanogpt.py --shape S --threads 1 --clock cpu   # a loaded machine: CPU time of one thread
     python bench/vs_nanogpt.py --shape llama-1b --dtype bf16 --compile blocks --reference none   # ours only
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -62,53 +66,103 @@ class Reference:
 
 
 def warm(fn, steps: int, device: torch.device) -> float:
-    """Warm-up (compilation happens here); returns its seconds."""
+    """Warm-up (compilation happens here); returns its wall seconds."""
     return timed(fn, steps, device) * steps
+
+
+def make(side: str, cfg, tokens: torch.Tensor, device: torch.device, compile: str):
+    reset_memory(device)
+    if side == "ours":
+        return Ours(cfg, tokens)
+    return Reference(cfg, tokens, device, compile != "off")
+
+
+def serve_side(conn, side: str, cfg, device: torch.device, compile: str, args) -> None:
+    """One side in its own process: build, warm up, report; then time a round per request until told to stop."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    runner = make(side, cfg, random_tokens(cfg.model.vocab_size, device), device, compile)
+    warmup = warm(runner, args.warmup, device)
+    conn.send((warmup, runner.trainer.ceiling.flops if side == "ours" else None))
+    while conn.recv():
+        conn.send(timed(runner, args.steps, device, args.clock))
+
+
+def alternate_in_processes(sides: list[str], cfg, device: torch.device, compile: str, args):
+    """CPU: each side in a process of its own (its own allocator state, thread pool and compile caches, as
+    two separate programs would have), timed round by round in turn, so machine noise hits both alike."""
+    context = mp.get_context("spawn")
+    conns, procs, warmup_s, times = {}, [], {}, {side: [] for side in sides}
+    peak_flops = None
+    for side in sides:  # one after the other: a side's set-up (our FLOP-ceiling probe) runs undisturbed
+        conns[side], child = context.Pipe()
+        procs.append(context.Process(target=serve_side, args=(child, side, cfg, device, compile, args), daemon=True))
+        procs[-1].start()
+        try:
+            warmup_s[side], peak = conns[side].recv()
+        except EOFError:
+            raise SystemExit(f"the {side} side's process died while building or warming up (exit code "
+                             f"{procs[-1].exitcode}); run with --isolate none to see its traceback here") from None
+        peak_flops = peak_flops or peak
+    for _ in range(args.rounds):
+        for side in sides:
+            conns[side].send(True)
+            times[side].append(conns[side].recv())
+    for side in sides:
+        conns[side].send(False)
+    for proc in procs:
+        proc.join()
+    return times, warmup_s, peak_flops
+
+
+def alternate_in_process(sides: list[str], cfg, tokens: torch.Tensor, device: torch.device, compile: str, args):
+    """CPU, --isolate none: both sides in this process (sharing its allocator and threads), alternating rounds."""
+    runners = {side: make(side, cfg, tokens, device, compile) for side in sides}
+    warmup_s = {side: warm(runners[side], args.warmup, device) for side in sides}
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    for _ in range(args.rounds):
+        for side in sides:
+            times[side].append(timed(runners[side], args.steps, device, args.clock))
+    return times, warmup_s, runners["ours"].trainer.ceiling.flops
+
+
+def one_side_at_a_time(sides: list[str], cfg, tokens: torch.Tensor, device: torch.device, compile: str, args):
+    """CUDA (two large models would not fit together): build, warm up, time its rounds and free, side by side."""
+    times, warmup_s, memory, peak_flops = {}, {}, {}, None
+    for side in sides:
+        runner = make(side, cfg, tokens, device, compile)
+        warmup_s[side] = warm(runner, args.warmup, device)
+        times[side] = [timed(runner, args.steps, device, args.clock) for _ in range(args.rounds)]
+        memory[side] = peak_memory_gib(device)
+        if side == "ours":
+            peak_flops = runner.trainer.ceiling.flops
+        del runner
+        reset_memory(device)
+    return times, warmup_s, memory, peak_flops
 
 
 def run(shape: str, dtype: str, compile: str, loss: str, args) -> dict:
     cfg = bench_config(shape, dtype=dtype, device=args.device, compile=compile, loss=loss, batch=args.batch)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
-    tokens = random_tokens(cfg.model.vocab_size, device)
     with_ref = args.reference == "nanogpt" and shape in GPT_SHAPES
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-    times: dict[str, list[float]] = {"ours": [], "reference": []}
-    memory: dict[str, float | None] = {}
-    warmup_s: dict[str, float] = {}
-
-    def make(side: str):
-        reset_memory(device)
-        if side == "ours":
-            return Ours(cfg, tokens)
-        return Reference(cfg, tokens, device, compile != "off")
-
     sides = ["reference", "ours"] if with_ref else ["ours"]
-    alternate = device.type == "cpu"
-    runners = {side: make(side) for side in sides} if alternate else {}
-    for side in sides:
-        if alternate:
-            warmup_s[side] = warm(runners[side], args.warmup, device)
-    for side in sides if not alternate else [None]:
-        if not alternate:  # one side at a time: build, warm up, time its rounds, free
-            runner = make(side)
-            warmup_s[side] = warm(runner, args.warmup, device)
-            times[side] = [timed(runner, args.steps, device) for _ in range(args.rounds)]
-            memory[side] = peak_memory_gib(device)
-            peak = runner.trainer.ceiling.flops if side == "ours" else None
-            del runner
-            reset_memory(device)
-            if peak:
-                memory["peak_flops"] = peak
-        else:
-            for _ in range(args.rounds):
-                for s in sides:
-                    times[s].append(timed(runners[s], args.steps, device))
-    peak_flops = memory.pop("peak_flops", None) or (runners["ours"].trainer.ceiling.flops if alternate else None)
+    memory: dict[str, float | None] = {}
+    if device.type == "cpu" and args.isolate == "process":
+        times, warmup_s, peak_flops = alternate_in_processes(sides, cfg, device, compile, args)
+    elif device.type == "cpu":
+        tokens = random_tokens(cfg.model.vocab_size, device)
+        times, warmup_s, peak_flops = alternate_in_process(sides, cfg, tokens, device, compile, args)
+    else:
+        tokens = random_tokens(cfg.model.vocab_size, device)
+        times, warmup_s, memory, peak_flops = one_side_at_a_time(sides, cfg, tokens, device, compile, args)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     record = {"bench": "vs_nanogpt", "shape": shape, "dtype": dtype, "compile": compile, "loss": loss,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "threads": torch.get_num_threads(), "batch": cfg.data.batch_size, "seq_len": cfg.data.seq_len,
+              "threads": torch.get_num_threads(), "clock": args.clock,
+              "isolate": args.isolate if device.type == "cpu" else "none", "load_1min": round(os.getloadavg()[0], 2),
+              "batch": cfg.data.batch_size, "seq_len": cfg.data.seq_len,
               "flops_per_token": fpt, "peak_flops": peak_flops, "torch": torch.__version__}
     for side in sides:
         tps = tokens_per_step / statistics.median(times[side])
@@ -135,7 +189,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--isolate", default="process", choices=["process", "none"],
+                        help="CPU: each side in its own process (default), or both in this one (sharing its "
+                             "allocator settings and thread pool)")
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                        help="cpu: process CPU time (CPU device; use with --threads 1 on a loaded machine)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and args.device not in ("auto", "cpu"):
+        raise SystemExit("--clock cpu measures CPU steps; use --device cpu (or auto on a machine without CUDA)")
     for shape in args.shape:
         for dtype in args.dtype:
             for compile in args.compile:
