@@ -186,6 +186,7 @@ class ParallelConfig:
     mixed_precision_param: Literal["fp32", "bf16"] = "fp32"
     mixed_precision_reduce: Literal["fp32", "bf16"] = "fp32"
     reshard_after_forward: bool = True
+    pp_fsdp_unsharded_microbatches: bool = False  # PP x FSDP: keep stage params+grads whole across microbatches
     timeout_s: float = 600.0
 
 

@@ -65,6 +65,9 @@ class LazyState(Mapping[str, torch.Tensor]):
             raise KeyError(name)
         return self._read(name)
 
+    def __contains__(self, name: object) -> bool:  # without reading the tensor, as Mapping's default would
+        return name in self._names
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
 

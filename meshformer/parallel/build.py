@@ -204,4 +204,5 @@ def _pipeline_plan(model: Transformer, cfg: Config, dims: ParallelDims, meshes: 
     report["layout"] = dims.describe()
     return PipelinePlan(stages, loss_fn, device, meshes, schedule=p.pp_schedule,
                         n_microbatches=n_microbatches(cfg), stage_to_rank=stage_to_rank, shared=shared,
-                        timeout=timedelta(seconds=p.timeout_s), autocast_dtype=autocast_dtype, report=report)
+                        timeout=timedelta(seconds=p.timeout_s), autocast_dtype=autocast_dtype, report=report,
+                        unsharded_microbatches=p.pp_fsdp_unsharded_microbatches)

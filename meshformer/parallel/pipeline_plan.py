@@ -33,6 +33,7 @@ from meshformer.model import Transformer
 from meshformer.parallel.grad_norm import local_tensor, settle_grad
 from meshformer.parallel.mesh import Meshes
 from meshformer.parallel.pipeline import StageSpan, TransformerStage, canonical_names, stage_pieces
+from meshformer.parallel.pipeline_stage import ShardedMicrobatchStage
 from meshformer.parallel.plan import LossFn
 from meshformer.parallel.spmd_plan import MeshPlan, check_sequence_split
 
@@ -63,9 +64,12 @@ class PipelinePlan(MeshPlan):
         timeout: timedelta | None = None,
         autocast_dtype: torch.dtype | None = None,
         report: dict[str, str] | None = None,
+        unsharded_microbatches: bool = False,
     ) -> None:
         super().__init__(stages[0], loss_fn, device, meshes, autocast_dtype=autocast_dtype, report=report)
         self.stages, self.schedule_name, self.n_microbatches = stages, schedule, n_microbatches
+        # FSDP stages: keep parameters and gradients whole across microbatches (torch's way; pipeline_stage.py)
+        self.unsharded_microbatches = unsharded_microbatches
         self._has_last = any(s.is_last for s in stages)
         self._records: list[torch.Tensor] = []
         self._tokens: torch.Tensor | None = None
@@ -96,7 +100,8 @@ class PipelinePlan(MeshPlan):
             self._schedules.move_to_end(key)
             return self._schedules[key]
         group = self.meshes.pp.get_group()
-        pipeline_stages = [PipelineStage(stage, stage.span.index, stage.span.n_stages, self.device, group=group)
+        stage_cls = PipelineStage if self.unsharded_microbatches else ShardedMicrobatchStage
+        pipeline_stages = [stage_cls(stage, stage.span.index, stage.span.n_stages, self.device, group=group)
                            for stage in self.stages]
         cls = SCHEDULES[self.schedule_name]
         first = pipeline_stages[0] if cls in (ScheduleGPipe, Schedule1F1B) else pipeline_stages

@@ -29,6 +29,7 @@ from meshformer.parallel import build_plan
 from meshformer.parallel.build import world_size
 from meshformer.parallel.plan import TrainingPlan
 from meshformer.runtime.distributed import job_device
+from meshformer.runtime.host_memory import map_large_host_tensors, release_free_host_memory
 from meshformer.runtime.profiler import StepProfiler
 from meshformer.runtime.stragglers import rank_timings, straggler_scalars
 from meshformer.runtime.watchdog import HangWatchdog
@@ -55,6 +56,7 @@ class Trainer:
     def __init__(self, cfg: Config, *, rank: int = 0, local_rank: int = 0) -> None:
         self.cfg, self.rank = cfg, rank
         self.device = job_device(cfg, local_rank)
+        map_large_host_tensors(self.device.type)  # before any large tensor: see runtime/host_memory.py
         validate_parallel(cfg, world_size(), self.device)  # before the model is built (and sharded)
         if cfg.train.dtype == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError("train.dtype='bf16' but this GPU has no bf16 support; use train.dtype='fp32'")
@@ -85,6 +87,7 @@ class Trainer:
         self.plan: TrainingPlan = build_plan(model, cfg, self.device)
         # The whole model, for decoded samples; pipeline stages hold copies of their pieces, so drop it there.
         self.model = model if self.plan.supports_generation else None
+        release_free_host_memory()  # what materialisation's transient full tensors left in the heap
         self.build_s = time.perf_counter() - build_start  # meta build, sharding, materialisation of this rank
         self.optimizer, kernel = build_optimizer(self.plan.model_parts, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.steps, cfg.model.d_model)

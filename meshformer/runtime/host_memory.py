@@ -1,0 +1,63 @@
+"""Host-memory hygiene for CPU-device runs on glibc: freed tensors go back to the OS instead of staying in the heap.
+
+glibc's malloc serves requests below its mmap threshold from the heap and raises that threshold (up to 32 MiB)
+each time a large mapped block is freed, so FSDP's per-unit all-gather and gradient buffers, freed every block,
+end up in the heap and stay resident: measured on an 8-rank FSDP run, peak RSS 1.33x the fp32 model against
+0.75x when they are mapped. A fixed threshold (which also turns glibc's adjustment off) maps every tensor of a
+MiB or more and unmaps it on free, as jemalloc and tcmalloc do; `malloc_trim` hands back what a large transient
+phase (materialisation, gathering the final weights) left free in the heap.
+
+Only for CPU devices: on an accelerator the large tensors live in device memory, and the host-side staging
+buffers there are pinned by the device runtime, not by malloc. Elsewhere (musl, macOS, Windows) these are
+no-ops. `MESHFORMER_MMAP_THRESHOLD` overrides the threshold in bytes; 0 leaves glibc's default.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import os
+import platform
+
+M_MMAP_THRESHOLD = -3  # mallopt parameter number in glibc's malloc.h
+DEFAULT_MMAP_THRESHOLD = 1 << 20  # 1 MiB: per-token activations of toy models stay in the heap, weights do not
+ENV_MMAP_THRESHOLD = "MESHFORMER_MMAP_THRESHOLD"
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+
+
+def mmap_threshold() -> int:
+    """The threshold to set: MESHFORMER_MMAP_THRESHOLD if given (0: leave glibc alone), else 1 MiB."""
+    text = os.environ.get(ENV_MMAP_THRESHOLD, "").strip()
+    try:
+        return int(text) if text else DEFAULT_MMAP_THRESHOLD
+    except ValueError:
+        raise ValueError(f"{ENV_MMAP_THRESHOLD}={text!r} is not a number of bytes; unset it or give e.g. 1048576"
+                         ) from None
+
+
+def map_large_host_tensors(device_type: str) -> bool:
+    """Before the model is built: tensors of `mmap_threshold()` bytes or more are mapped, so freeing one returns
+    it to the OS. True if set (CPU device, glibc, threshold not 0)."""
+    libc = _glibc()
+    threshold = mmap_threshold()
+    if device_type != "cpu" or libc is None or threshold <= 0:
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(threshold)))
+
+
+def release_free_host_memory() -> None:
+    """Return the heap's free pages to the OS (glibc's malloc_trim); a no-op without glibc."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(ctypes.c_size_t(0))
