@@ -2,7 +2,8 @@
 # Every GPU measurement of issue 13 in one run (one H100/H200, bf16), from the source tree:
 #   GEMM ceiling; fused-loss head memory/time/parity; Llama-1B shape step memory (plain vs chunked loss) and
 #   compiled tokens/s + MFU; GPT-2 XL shape eager and compiled vs the nanoGPT-style reference; FP8 vs bf16 at a
-#   Llama-3-8B layer shape (tokens/s and loss after the steps).
+#   Llama-3-8B layer shape (tokens/s and loss after the steps); issue 11's initialisation seconds per billion
+#   parameters at Llama-3-8B layer shapes (up to 16 layers, 4.5B) against the GPU's RNG throughput.
 # Each result is one JSON line appended to $OUT/results.jsonl as soon as it exists; each item has its own
 # timeout, capped by what is left of SUITE_BUDGET_S, so one hang cannot eat the run. Logs: $OUT/<item>.log.
 #
@@ -60,6 +61,7 @@ EOF
 VS="python3 bench/vs_nanogpt.py --dtype bf16"
 if [[ "$SMOKE" == 1 ]]; then
   item gemm 60 python3 bench/gemm_ceiling.py --n 256 --seconds 0.2 --device cpu
+  item init_speed 60 python3 bench/init_speed.py --device cpu --shape tiny --layers 1 2
   item fused_loss_head 120 python3 bench/fused_loss_memory.py --shape tiny --dtype bf16 --device cpu
   item llama_memory 180 $VS --shape tiny-llama --compile off --loss plain chunked --reference none \
     --device cpu --steps 2 --rounds 1 --warmup 1
@@ -70,6 +72,7 @@ if [[ "$SMOKE" == 1 ]]; then
   item gpt2xl_compiled 300 $VS --shape tiny --compile blocks --device cpu --steps 2 --rounds 1 --warmup 1
 else
   item gemm 30 python3 bench/gemm_ceiling.py --n 8192 --seconds 1.5
+  item init_speed 25 python3 bench/init_speed.py --layers 1 4 16
   item fused_loss_head 50 python3 bench/fused_loss_memory.py --shape llama-1b-head --dtype bf16 --device cuda
   item llama_memory 60 $VS --shape llama-1b --compile off --loss plain chunked --reference none \
     --steps 3 --rounds 1 --warmup 2

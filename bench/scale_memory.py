@@ -7,13 +7,15 @@ size. FSDP-8 training state alone (fp32 weights, gradients, AdamW moments, each 
 is <= 0.75. Also the start-up time of the slowest rank (model build: meta build, sharding, materialisation;
 and the whole Trainer construction) against one process building the whole model.
 
-    python bench/scale_memory.py [--layouts fsdp tp-fsdp pp-fsdp] [--max-shard-size 32MB] [--mmap-threshold 1048576]
+    python bench/scale_memory.py [--layouts fsdp tp-fsdp pp-fsdp] [--max-shard-size 32MB] [--mmap-threshold 0]
+                                 [--pp-unsharded-microbatches]
 
-With glibc's default allocator the freed all-gather and gradient buffers of each FSDP unit stay in the heap
-(its mmap threshold grows to 32 MB after the first large free), so RSS over-states what is live; measured
-here: FSDP-8 1.33 with the default, 0.75 with --mmap-threshold 1048576 (what jemalloc/tcmalloc give).
+Each row also splits the peak by phase (start-up, forward/backward, optimizer step, final save) and says what
+the worst rank still held after each. Measured on the 2-core machine (memory ratios; times are noisy there):
+FSDP-8 0.75, TP2 x FSDP4 0.54, PP2 x FSDP4 0.75 (1.36 with --pp-unsharded-microbatches, torch's own way); with
+--mmap-threshold 0 (glibc's adaptive threshold: freed FSDP buffers stay in its heap) FSDP-8 is 1.31.
 
-Runs one 8-process job at a time; each needs about 1.5 GiB per rank at most.
+Runs one 8-process job at a time; each rank needs under 1 GiB (about 1.2 GiB with the options above).
 """
 
 from __future__ import annotations

@@ -115,14 +115,21 @@ def megatron_layer_sources(state: Mapping[str, torch.Tensor], cfg: ModelConfig, 
         out[QKV + f"layer_norm_{p}"] = functools.partial(_norm_param, state, prefix + ours.attn_norm, p)
         out[FC1 + f"layer_norm_{p}"] = functools.partial(_norm_param, state, prefix + ours.ffn_norm, p)
     for p in ("weight", "bias") if cfg.bias else ("weight",):
-        q, k, v = (f"{prefix}{name}.{p}" for name in ours.qkv)
-        out[QKV + p] = lambda q=q, k=k, v=v: pack_qkv(state[q], state[k], state[v], cfg.n_heads, cfg.kv_heads)
+        out[QKV + p] = functools.partial(_packed_qkv, state, [f"{prefix}{name}.{p}" for name in ours.qkv], cfg)
         out[PROJ + p] = functools.partial(state.__getitem__, f"{prefix}{ours.attn_out}.{p}")
         gate, up = f"{prefix}{ours.gate}.{p}", f"{prefix}{ours.up}.{p}"
-        out[FC1 + p] = (lambda gate=gate, up=up: torch.cat([state[gate], state[up]])) if cfg.activation == "swiglu" \
-            else functools.partial(state.__getitem__, up)
+        out[FC1 + p] = functools.partial(_concatenated, state, [gate, up] if cfg.activation == "swiglu" else [up])
         out[FC2 + p] = functools.partial(state.__getitem__, f"{prefix}{ours.down}.{p}")
     return out
+
+
+def _packed_qkv(state: Mapping[str, torch.Tensor], names: list[str], cfg: ModelConfig) -> torch.Tensor:
+    q, k, v = (state[name] for name in names)
+    return pack_qkv(q, k, v, cfg.n_heads, cfg.kv_heads)
+
+
+def _concatenated(state: Mapping[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+    return torch.cat([state[name] for name in names]) if len(names) > 1 else state[names[0]]
 
 
 def megatron_global_sources(state: Mapping[str, torch.Tensor], cfg: ModelConfig, padded_vocab: int | None
@@ -174,12 +181,16 @@ def export_megatron(state: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir
             templates[f"{LAYER}{module}._extra_state/shard_{i}_{cfg.n_layers}"] = [None]
     folder = Path(out_dir) / f"iter_{iteration:07d}"
     save_tensors_streamed(templates, lambda key: singles[key](), folder,
-                          read_row={key: (lambda i, key=key: layers[i][key]()) for key in layers[0]})
+                          read_row={key: functools.partial(_layer_tensor, layers, key) for key in layers[0]})
     torch.save({}, folder / "common.pt")  # GPTModel has no non-sharded state; Megatron-LM adds its args here
     (folder / "metadata.json").write_text(json.dumps(BACKEND_METADATA))
     (Path(out_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     (Path(out_dir) / SAVED_CONFIG).write_text(json.dumps(asdict(cfg), indent=2))
     return folder
+
+
+def _layer_tensor(layers: list[dict[str, Callable[[], torch.Tensor]]], key: str, layer: int) -> torch.Tensor:
+    return layers[layer][key]()
 
 
 class _MetaState(Mapping[str, torch.Tensor]):
