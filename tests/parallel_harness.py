@@ -212,6 +212,8 @@ def scenario(name: str) -> tuple[Config, list]:
             extra["dtype"] = "bf16"
         elif key == "noreshard":
             parallel["reshard_after_forward"] = False
+        elif key == "wholestage":  # PP x FSDP the torch way: stage weights/gradients unsharded across microbatches
+            parallel["pp_fsdp_unsharded_microbatches"] = True
         elif key == "mp":  # FSDP all-gathers bf16 parameters, reduces in fp32
             parallel["mixed_precision_param"] = "bf16"
         elif key == "loss":  # train.loss: the default (auto) is the chunked head loss, vocab-parallel under TP

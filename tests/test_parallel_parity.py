@@ -35,6 +35,7 @@ WORLD4 = [
     "decoder/hsdp", "encoder/hsdp",
     "decoder/tp-fsdp", "encoder/tp-fsdp", "encdec/tp-fsdp",
     "decoder/pp-fsdp", "encoder/pp-fsdp", "encdec/pp-fsdp-sched=zbv", "decoder/pp-fsdp-sched=interleaved_zb-spr=2",
+    "decoder/pp-fsdp-wholestage",  # parallel.pp_fsdp_unsharded_microbatches: torch's own PP x FSDP
     "decoder/pp-tp", "encoder/pp-tp", "encdec/pp-tp",
     # 4 stages: the tied embedding/output pair lives on pipeline ranks 0 and 3, synced over their own group
     "decoder/pp=4-sched=1f1b", "encdec/pp=4-sched=gpipe",
