@@ -63,7 +63,7 @@ class ModelConfig:
     dropout: float = 0.0
     attention_dropout: float = 0.0
     attention_window: int | None = None  # sliding window: keys with |i - j| < window
-    attention_backend: Literal["sdpa", "math"] = "sdpa"
+    attention_backend: Literal["sdpa", "math", "flash", "cudnn", "efficient"] = "sdpa"  # or that SDPA kernel first
     attention_scale: float | None = None  # score multiplier; None: 1/sqrt(head_dim) (T5 folds it into init: 1.0)
     scale_output: bool = False  # multiply final hidden states by d_model**-0.5 before the output projection (T5)
     cross_downsample: int = 1  # pool encoder output by this factor before cross-attention
@@ -168,6 +168,8 @@ class TrainConfig:
     compile: bool | Literal["off", "blocks", "model"] = False  # true = "blocks" (each block compiled)
     loss: Literal["auto", "plain", "chunked", "liger"] = "auto"  # auto: a fused head loss where the layout allows
     fp8: Literal["off", "tensorwise", "rowwise"] = "off"  # torchao float8 linears; FP8 tensor cores (sm 8.9+)
+    fp8_keep_ends: bool = False  # the first and last block of each stack keep high-precision linears
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"  # inductor mode for train.compile
 
 
 @dataclass

@@ -24,9 +24,9 @@ from meshformer.layout import (
     validate_parallel,
 )
 from meshformer.model import Transformer
-from meshformer.parallel.float8 import apply_float8, check_fp8, fp8_report
+from meshformer.parallel.float8 import apply_float8, check_fp8, end_blocks, fp8_report
 from meshformer.parallel.fsdp import apply_fsdp
-from meshformer.parallel.kernels import compile_blocks, kernel_report, use_apex_norms
+from meshformer.parallel.kernels import compile_blocks, compile_kwargs, compile_mode_note, kernel_report, use_apex_norms
 from meshformer.parallel.loss_parallel import vocab_parallel_loss_fn
 from meshformer.parallel.materialize import is_meta, materialize
 from meshformer.parallel.mesh import Meshes, build_mesh
@@ -153,7 +153,8 @@ def _finish_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes: Mes
                  device: torch.device) -> dict[str, str]:
     """TP -> recompute -> compile -> FSDP on one model part (the whole model or one pipeline stage)."""
     apex_norms = 0
-    fp8 = apply_float8(part, cfg.train.fp8, fsdp=dims.fsdp_enabled, emulate=device.type != "cuda") \
+    keep = end_blocks(cfg.model) if cfg.train.fp8_keep_ends else frozenset()
+    fp8 = apply_float8(part, cfg.train.fp8, fsdp=dims.fsdp_enabled, emulate=device.type != "cuda", keep=keep) \
         if cfg.train.fp8 != "off" else 0
     if meshes is not None and dims.tp_enabled:  # meshes exist whenever the world has more than one rank
         apply_tensor_parallel(part, meshes.tp)
@@ -161,12 +162,14 @@ def _finish_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes: Mes
         apex_norms = use_apex_norms(part, device)
     recomputed = apply_recompute(part, cfg.parallel.recompute, cfg.parallel.recompute_every)
     mode = compile_mode(cfg, dims)
-    compiled = compile_blocks(part) if mode == "blocks" else 0
+    compiled = compile_blocks(part, cfg.train.compile_mode) if mode == "blocks" else 0
     report = kernel_report(cfg, device, apex_norms=apex_norms, compiled=compiled, recompute=recomputed)
     if mode == "model":
-        part.compile()
-        report["compile"] = "whole-model torch.compile"
+        part.compile(**compile_kwargs(cfg.train.compile_mode))
+        report["compile"] = "whole-model torch.compile" + compile_mode_note(cfg.train.compile_mode)
     report["fp8"] = fp8_report(cfg.train.fp8, fp8, dims.fsdp_enabled)
+    if fp8 and keep:
+        report["fp8"] += f"; high precision: {', '.join(sorted(keep))}"
     if meshes is not None and dims.fsdp_enabled:
         reshard = cfg.parallel.reshard_after_forward
         if dims.pp_enabled and cfg.parallel.pp_schedule in ZERO_BUBBLE:

@@ -13,11 +13,13 @@ the wiring; a real run needs CUDA compute capability 8.9+ (Ada, Hopper, Blackwel
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Collection
 
 import torch
 from torch import nn
 
-from meshformer.config import ConfigError
+from meshformer.config import ConfigError, ModelConfig
 
 FP8_RECIPES = ("tensorwise", "rowwise")
 
@@ -46,15 +48,30 @@ def check_fp8(recipe: str, device: torch.device, *, tensor_parallel: bool) -> No
                           ) from None
 
 
-def _convertible(module: nn.Module, fqn: str) -> bool:
+def end_blocks(model_cfg: ModelConfig) -> frozenset[str]:
+    """The first and last block of each stack (train.fp8_keep_ends keeps their linears in high precision: the
+    layers nearest the embeddings and the head are the ones most sensitive to quantisation error)."""
+    ends = set()
+    for stack, depth in (("encoder_layers", model_cfg.encoder_depth), ("decoder_layers", model_cfg.decoder_depth)):
+        if depth:
+            ends |= {f"{stack}.0", f"{stack}.{depth - 1}"}
+    return frozenset(ends)
+
+
+def _convertible(module: nn.Module, fqn: str, keep: Collection[str] = ()) -> bool:
     if not isinstance(module, nn.Linear):
         return False
     in_block = fqn.startswith(("decoder_layers.", "encoder_layers.", "layers."))
+    if ".".join(fqn.split(".")[:2]) in keep:
+        return False
     return in_block and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def apply_float8(model: nn.Module, recipe: str, *, fsdp: bool = False, emulate: bool = False) -> int:
-    """Swap the block linears of `model` for torchao Float8Linear in place; returns how many were swapped."""
+def apply_float8(model: nn.Module, recipe: str, *, fsdp: bool = False, emulate: bool = False,
+                 keep: Collection[str] = ()) -> int:
+    """Swap the block linears of `model` for torchao Float8Linear in place; returns how many were swapped.
+
+    `keep`: blocks ("decoder_layers.0", ...) whose linears stay in high precision (see `end_blocks`)."""
     if recipe not in FP8_RECIPES:
         raise ConfigError(f"train.fp8={recipe!r} is not one of {list(FP8_RECIPES)}")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -63,7 +80,7 @@ def apply_float8(model: nn.Module, recipe: str, *, fsdp: bool = False, emulate: 
     # FP8 all-gather is a tensorwise feature (rowwise scales depend on the full tensor layout).
     config = dataclasses.replace(config, emulate=emulate, enable_fsdp_float8_all_gather=fsdp and recipe == "tensorwise")
     before = sum(isinstance(m, nn.Linear) for m in model.modules())
-    convert_to_float8_training(model, config=config, module_filter_fn=_convertible)
+    convert_to_float8_training(model, config=config, module_filter_fn=functools.partial(_convertible, keep=keep))
     after = sum(type(m) is nn.Linear for m in model.modules())
     return before - after
 
