@@ -133,3 +133,20 @@ def test_multi_tensor_grad_norm_matches_per_tensor_sum():
     # replicated copies count once: two ranks per stage holding whole tensors halve the squared sum
     torch.testing.assert_close(global_grad_norm(grads, 2, torch.device("cpu")).double(), expected / 2**0.5,
                                rtol=1e-6, atol=0)
+
+
+def test_compiled_run_compiles_the_plain_loss_with_equal_values_and_gradients(monkeypatch):
+    monkeypatch.setattr(nn.Module, "compile", lambda self, **kwargs: None)  # blocks stay eager: only the loss compiles
+    cfg = make_config("decoder", compile="blocks", loss="plain")  # label smoothing 0.1 and z-loss 1e-3
+    plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
+    assert plan.report["loss"] == "plain (full logits, compiled)"
+    eager = build_plan(new_model(cfg), make_config("decoder", loss="plain"), torch.device("cpu"))
+    assert eager.report["loss"] == "plain (full logits)"
+    labels = make_batches(cfg, 1)[0]["labels"]  # with ignored positions
+    logits = torch.randn(*labels.shape, cfg.model.vocab_size, dtype=torch.bfloat16, requires_grad=True)
+    expected = eager.loss_fn(logits, labels)
+    (grad_expected,) = torch.autograd.grad(expected, logits)
+    got = plan.loss_fn(logits, labels)
+    (grad_got,) = torch.autograd.grad(got, logits)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grad_got.float(), grad_expected.float(), rtol=1e-2, atol=1e-3)

@@ -76,9 +76,16 @@ def _build(model: Transformer, cfg: Config, dims: ParallelDims, device: torch.de
     custom_loss = loss_fn is not None
     head_loss = None if custom_loss else build_head_loss(cfg, dims, device)
     loss_fn = loss_fn or default_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss)
+    loss_note = ""
+    if head_loss is None and not custom_loss and not (dims.tp_enabled or dims.pp_enabled) \
+            and compile_mode(cfg, dims) != "off":
+        # A whole-model-compiled reference (nanoGPT) fuses the fp32 upcast and cross-entropy over the full logits
+        # into its graph; compiling the plain loss does the same here instead of several eager passes over B*T*V.
+        loss_fn = torch.compile(loss_fn, **compile_kwargs(cfg.train.compile_mode))
+        loss_note = ", compiled"
     autocast_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else None
     if dims.is_single:
-        report = {**_finish_part(model, cfg, dims, None, device), "loss": _loss_report(head_loss)}
+        report = {**_finish_part(model, cfg, dims, None, device), "loss": _loss_report(head_loss, loss_note)}
         return TrainingPlan(model, loss_fn, device, autocast_dtype=autocast_dtype, head_loss=head_loss,
                             report=report)
     meshes = build_mesh(dims, device)
@@ -93,7 +100,7 @@ def _build(model: Transformer, cfg: Config, dims: ParallelDims, device: torch.de
     if dims.pp_enabled:  # build_head_loss refused a fused loss: the last stage computes it from its logits
         plan = _pipeline_plan(model, cfg, dims, meshes, device, loss_fn, autocast_dtype)
     else:
-        report = {**_finish_part(model, cfg, dims, meshes, device), "loss": _loss_report(head_loss),
+        report = {**_finish_part(model, cfg, dims, meshes, device), "loss": _loss_report(head_loss, loss_note),
                   "layout": dims.describe()}
         plan = SPMDPlan(model, loss_fn, device, meshes, autocast_dtype=autocast_dtype, head_loss=head_loss,
                         report=report)
@@ -101,9 +108,9 @@ def _build(model: Transformer, cfg: Config, dims: ParallelDims, device: torch.de
     return plan
 
 
-def _loss_report(head_loss: HeadLoss | None) -> str:
+def _loss_report(head_loss: HeadLoss | None, note: str = "") -> str:
     # head_loss_fn labels the function it returns with its kind ("chunked" or "liger")
-    return getattr(head_loss, "kind", "fused") if head_loss is not None else "plain (full logits)"
+    return getattr(head_loss, "kind", "fused") if head_loss is not None else f"plain (full logits{note})"
 
 
 def compile_mode(cfg: Config, dims: ParallelDims) -> str:
