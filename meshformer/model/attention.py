@@ -14,8 +14,9 @@ from meshformer.config import ModelConfig
 from meshformer.model.masks import AttentionMask
 from meshformer.model.positions import apply_rope
 
-# model.attention_backend -> the SDPA kernel tried first. torch's other kernels follow in its usual order, so a call
-# the preferred kernel cannot serve (a mask it does not take, a CPU run for cuDNN) still runs on the next one.
+# model.attention_backend -> the SDPA kernel tried first. torch's other kernels follow in its default order (flash,
+# efficient, math, cuDNN), so a call the preferred kernel cannot serve (a mask it does not take, a CPU run for
+# cuDNN) still runs on the next one. `set_priority` needs torch >= 2.6 (respected under torch.compile from 2.7).
 _PREFERRED_SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                    "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
@@ -25,7 +26,7 @@ def sdpa_order(backend: str) -> list[SDPBackend] | None:
     first = _PREFERRED_SDPA.get(backend)
     if first is None:
         return None
-    rest = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+    rest = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION]
     return [first, *(b for b in rest if b != first)]
 
 
