@@ -4,7 +4,7 @@
 #      fused loss, cuDNN attention first, inductor max-autotune: tokens/s and ratio to the reference each;
 #   2. Llama-1B shape: MFU per candidate (per-block compile, plain loss, cuDNN attention, whole-model compile);
 #   3. FP8 loss gap at the Llama-3-8B layer shape: bf16, bf16 with another seed (the noise floor), tensorwise,
-#      tensorwise with the first/last blocks in bf16.
+#      tensorwise with the first/last blocks in bf16, rowwise (e4m3 gradients, power-of-2 scales).
 # JSON lines go to $OUT/results.jsonl as soon as they exist; each item has its own timeout, capped by what is left
 # of SWEEP_BUDGET_S. Logs: $OUT/<item>.log (tar them: the device tool brings back at most 8 files).
 #
@@ -68,7 +68,7 @@ SWEEP="python3 bench/speed_sweep.py --dtype bf16"
 # XL) and max-autotune (GEMM tuning, time unknown) last. The last item gets whatever budget the others left.
 GPT_VARIANTS="blocks+plain blocks blocks+cudnn+plain model+plain blocks+autotune+plain"
 LLAMA_VARIANTS="blocks+plain blocks+cudnn+plain blocks model+plain"
-FP8_RECIPES="off off@seed1 tensorwise tensorwise+ends"
+FP8_RECIPES="off off@seed1 tensorwise tensorwise+ends rowwise"
 if [[ "$SMOKE" == 1 ]]; then
   item gpt2xl 400 $SWEEP --shape tiny --device cpu --variants $GPT_VARIANTS --steps 2 --rounds 1 --warmup 1
   item llama 300 $SWEEP --shape tiny-llama --reference none --device cpu --variants $LLAMA_VARIANTS --steps 2 \
