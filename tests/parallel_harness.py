@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
 from _common import free_port  # noqa: E402
 
 from meshformer.batch import IGNORE_INDEX  # noqa: E402
-from meshformer.config import Config, config_from_dict, validate  # noqa: E402
+from meshformer.config import Config, config_from_dict  # noqa: E402
 from meshformer.model import Transformer  # noqa: E402
 from meshformer.parallel.plan import TrainingPlan, default_loss_fn  # noqa: E402
 
@@ -67,9 +67,7 @@ def make_config(family: str, parallel: dict[str, Any] | None = None, **train: An
         "train": {"label_smoothing": 0.1, "z_loss": 1e-3, "seed": 0, "device": "cpu", **train},
         "parallel": parallel or {},
     }
-    cfg = config_from_dict(raw)
-    validate(cfg)
-    return cfg
+    return config_from_dict(raw)  # validated
 
 
 def make_batches(cfg: Config, n: int, seed: int = 1234) -> list[dict[str, torch.Tensor]]:
