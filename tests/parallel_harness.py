@@ -78,11 +78,10 @@ def make_batches(cfg: Config, n: int, seed: int = 1234) -> list[dict[str, torch.
         lengths = torch.randint(SEQ // 2, SEQ + 1, (BATCH,), generator=g)
         real = torch.arange(SEQ)[None, :] < lengths[:, None]
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-        family = cfg.model.family
-        if family == "decoder":
+        if cfg.objective == "causal":
             labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).masked_fill(~real, IGNORE_INDEX)
             out.append({"input_ids": ids, "labels": labels})
-        elif family == "encoder":
+        elif cfg.objective == "mlm":
             chosen = (torch.rand(BATCH, SEQ, generator=g) < 0.3) & real
             out.append({"input_ids": ids, "attention_mask": real,
                         "labels": torch.where(chosen, ids, torch.full_like(ids, IGNORE_INDEX))})
