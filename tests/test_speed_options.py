@@ -103,7 +103,7 @@ def test_fp8_keep_ends_leaves_end_blocks_in_high_precision(monkeypatch):
     cfg = make_config("decoder", fp8="tensorwise", fp8_keep_ends=True)
     plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
     layers = plan.model.decoder_layers
-    last = str(cfg.model.decoder_depth - 1)
+    last = str(cfg.model.n_layers - 1)
     kinds = {name: {type(m).__name__ for m in block.modules() if isinstance(m, nn.Linear)}
              for name, block in layers.items()}
     assert kinds["0"] == kinds[last] == {"Linear"}

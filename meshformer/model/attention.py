@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from meshformer.config import ModelConfig
+from meshformer.model.config import ModelConfig
 from meshformer.model.masks import AttentionMask
 from meshformer.model.positions import apply_rope
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from meshformer.config import ConfigError, ModelConfig
+from meshformer.model.families import get_family_spec
 
 FP8_RECIPES = ("tensorwise", "rowwise")
 
@@ -51,10 +52,11 @@ def check_fp8(recipe: str, device: torch.device, *, tensor_parallel: bool) -> No
 def end_blocks(model_cfg: ModelConfig) -> frozenset[str]:
     """The first and last block of each stack (train.fp8_keep_ends keeps their linears in high precision: the
     layers nearest the embeddings and the head are the ones most sensitive to quantisation error)."""
-    ends = set()
-    for stack, depth in (("encoder_layers", model_cfg.encoder_depth), ("decoder_layers", model_cfg.decoder_depth)):
+    ends: set[str] = set()
+    for stack in get_family_spec(model_cfg.family).stacks:
+        depth = stack.count(model_cfg)
         if depth:
-            ends |= {f"{stack}.0", f"{stack}.{depth - 1}"}
+            ends |= {f"{stack.layers}.0", f"{stack.layers}.{depth - 1}"}
     return frozenset(ends)
 
 
