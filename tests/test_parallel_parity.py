@@ -28,14 +28,16 @@ WORLD2 = [
     "decoder/fsdp-recompute=selective", "encdec/tp-recompute=full", "decoder/pp-recompute=every_k",
     "decoder/pp-sched=interleaved_zb-spr=2-recompute=full",
     "loss/vocab_parallel",
-    # the plain full-logits loss (layouts above use the chunked head loss, vocab-parallel under TP)
-    "decoder/fsdp-loss=plain", "decoder/tp-loss=plain",
+    # the plain full-logits loss (layouts above use the chunked head loss, vocab-parallel under TP, run by the
+    # last stage under PP)
+    "decoder/fsdp-loss=plain", "decoder/tp-loss=plain", "decoder/pp-sched=1f1b-loss=plain",
+    "encdec/pp-sched=zbv-loss=plain",
 ]
 WORLD4 = [
     "decoder/hsdp", "encoder/hsdp",
     "decoder/tp-fsdp", "encoder/tp-fsdp", "encdec/tp-fsdp",
     "decoder/pp-fsdp", "encoder/pp-fsdp", "encdec/pp-fsdp-sched=zbv", "decoder/pp-fsdp-sched=interleaved_zb-spr=2",
-    "decoder/pp-tp", "encoder/pp-tp", "encdec/pp-tp",
+    "decoder/pp-tp", "encoder/pp-tp", "encdec/pp-tp", "decoder/pp-tp-sched=zbv",
     # 4 stages: the tied embedding/output pair lives on pipeline ranks 0 and 3, synced over their own group
     "decoder/pp=4-sched=1f1b", "encdec/pp=4-sched=gpipe",
 ]
@@ -98,3 +100,5 @@ def test_layout_report_names_the_kernels(world2):
     assert world2["decoder/fsdp-recompute=selective"]["kernels"]["recompute"].startswith("selective")
     assert world2["decoder/tp"]["kernels"]["loss"] == "chunked"  # vocab-parallel chunked head loss
     assert world2["decoder/tp-loss=plain"]["kernels"]["loss"].startswith("plain")
+    assert world2["decoder/pp-sched=zbv"]["kernels"]["loss"] == "chunked"  # computed by the last stage
+    assert world2["decoder/pp-sched=1f1b-loss=plain"]["kernels"]["loss"].startswith("plain")

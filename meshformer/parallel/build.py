@@ -90,8 +90,8 @@ def _build(model: Transformer, cfg: Config, dims: ParallelDims, device: torch.de
             shard = VocabShard(meshes.tp.get_group(), start, cfg.model.vocab_size)
             head_loss = build_head_loss(cfg, dims, device, shard)
     plan: TrainingPlan
-    if dims.pp_enabled:  # build_head_loss refused a fused loss: the last stage computes it from its logits
-        plan = _pipeline_plan(model, cfg, dims, meshes, device, loss_fn, autocast_dtype)
+    if dims.pp_enabled:  # the last stage computes the fused head loss in its forward
+        plan = _pipeline_plan(model, cfg, dims, meshes, device, loss_fn, head_loss, autocast_dtype)
     else:
         report = {**_finish_part(model, cfg, dims, meshes, device), "loss": _loss_report(head_loss),
                   "layout": dims.describe()}
@@ -117,13 +117,11 @@ def compile_mode(cfg: Config, dims: ParallelDims) -> str:
 
 
 def head_loss_kind(cfg: Config, dims: ParallelDims, device_type: str) -> str:
-    """train.loss with "auto" resolved: plain under pipeline parallelism; liger's fused kernel on one CUDA device
-    when installed (on an H200 at the Llama-1B shape: 26% less peak memory than plain at 94% of its speed, where
-    the chunked loss gave 22% at 90%); else the chunked loss (sharded layouts: tested on gloo)."""
+    """train.loss with "auto" resolved: liger's fused kernel on one CUDA device when installed (on an H200 at the
+    Llama-1B shape: 26% less peak memory than plain at 94% of its speed, where the chunked loss gave 22% at 90%);
+    else the chunked loss (sharded and pipelined layouts, every schedule: tested on gloo)."""
     if cfg.train.loss != "auto":
         return cfg.train.loss
-    if dims.pp_enabled:
-        return "plain"
     if device_type == "cuda" and dims.is_single and liger_available():
         return "liger"
     return "chunked"
@@ -133,14 +131,11 @@ def build_head_loss(cfg: Config, dims: ParallelDims, device: torch.device, shard
                     ) -> HeadLoss | None:
     """The fused output-projection + loss named by train.loss, or None for the plain full-logits loss.
 
-    Under tensor parallelism it is vocabulary-parallel (`shard`); pipeline stages keep the per-stage logits loss.
+    Under tensor parallelism it is vocabulary-parallel (`shard`); under pipeline parallelism the last stage runs it.
     """
     kind = head_loss_kind(cfg, dims, device.type)
     if kind == "plain":
         return None
-    if dims.pp_enabled:
-        raise ConfigError(f"train.loss={kind!r} does not support pipeline parallelism yet (the last stage computes "
-                          "the loss from its logits); set train.loss='auto' or 'plain'")
     if kind == "liger" and (device.type != "cuda" or not liger_available() or dims.tp_enabled):
         raise ConfigError("train.loss='liger' needs CUDA, the liger-kernel package and parallel.tp=1; use "
                           "train.loss='chunked'")
@@ -181,7 +176,7 @@ def _finish_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes: Mes
 
 
 def _pipeline_plan(model: Transformer, cfg: Config, dims: ParallelDims, meshes: Meshes, device: torch.device,
-                   loss_fn: LossFn, autocast_dtype: torch.dtype | None) -> PipelinePlan:
+                   loss_fn: LossFn, head_loss: HeadLoss | None, autocast_dtype: torch.dtype | None) -> PipelinePlan:
     p = cfg.parallel
     spr = stages_per_rank(cfg)
     n_stages = dims.pp * spr
@@ -197,11 +192,12 @@ def _pipeline_plan(model: Transformer, cfg: Config, dims: ParallelDims, meshes: 
         report = _finish_part(stage, cfg, dims, meshes, device)
     if is_meta(stages[0]):  # before the plan keeps references to the stages' (shared) parameters
         materialize(stages, device)
-    report["loss"] = _loss_report(None)
+    report["loss"] = _loss_report(head_loss)
     report["pipeline"] = (f"{p.pp_schedule}, {n_stages} stages "
                           f"({', '.join(f'{s.start}-{s.stop - 1}' for s in spans)}), "
                           f"{n_microbatches(cfg)} microbatches")
     report["layout"] = dims.describe()
     return PipelinePlan(stages, loss_fn, device, meshes, schedule=p.pp_schedule,
                         n_microbatches=n_microbatches(cfg), stage_to_rank=stage_to_rank, shared=shared,
-                        timeout=timedelta(seconds=p.timeout_s), autocast_dtype=autocast_dtype, report=report)
+                        timeout=timedelta(seconds=p.timeout_s), autocast_dtype=autocast_dtype, head_loss=head_loss,
+                        report=report)
