@@ -72,7 +72,7 @@ def _build(model: Transformer, cfg: Config, dims: ParallelDims, device: torch.de
            loss_fn: LossFn | None) -> TrainingPlan:
     if not is_meta(model):
         model.to(device)
-    check_fp8(cfg.train.fp8, device, tensor_parallel=dims.tp_enabled)
+    check_fp8(cfg.train.fp8, device)
     custom_loss = loss_fn is not None
     head_loss = None if custom_loss else build_head_loss(cfg, dims, device)
     loss_fn = loss_fn or default_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss)
@@ -148,10 +148,11 @@ def _finish_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes: Mes
                  device: torch.device) -> dict[str, str]:
     """TP -> recompute -> compile -> FSDP on one model part (the whole model or one pipeline stage)."""
     apex_norms = 0
-    fp8 = apply_float8(part, cfg.train.fp8, fsdp=dims.fsdp_enabled, emulate=device.type != "cuda") \
+    fsdp_gather = dims.fsdp_enabled and not dims.tp_enabled  # see meshformer/parallel/float8.py
+    fp8 = apply_float8(part, cfg.train.fp8, fsdp_gather=fsdp_gather, emulate=device.type != "cuda") \
         if cfg.train.fp8 != "off" else 0
     if meshes is not None and dims.tp_enabled:  # meshes exist whenever the world has more than one rank
-        apply_tensor_parallel(part, meshes.tp)
+        apply_tensor_parallel(part, meshes.tp, float8_gather=cfg.train.fp8 == "tensorwise")
     else:
         apex_norms = use_apex_norms(part, device)
     recomputed = apply_recompute(part, cfg.parallel.recompute, cfg.parallel.recompute_every)
@@ -161,7 +162,7 @@ def _finish_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes: Mes
     if mode == "model":
         part.compile()
         report["compile"] = "whole-model torch.compile"
-    report["fp8"] = fp8_report(cfg.train.fp8, fp8, dims.fsdp_enabled)
+    report["fp8"] = fp8_report(cfg.train.fp8, fp8, dims.fsdp_enabled, dims.tp_enabled)
     if meshes is not None and dims.fsdp_enabled:
         reshard = cfg.parallel.reshard_after_forward
         if dims.pp_enabled and cfg.parallel.pp_schedule in ZERO_BUBBLE:
