@@ -136,6 +136,10 @@ def build_head_loss(cfg: Config, dims: ParallelDims, device: torch.device, shard
     kind = head_loss_kind(cfg, dims, device.type)
     if kind == "plain":
         return None
+    if kind == "liger" and dims.pp_enabled and cfg.parallel.pp_schedule in ZERO_BUBBLE:
+        raise ConfigError(f"train.loss='liger' cannot run under parallel.pp_schedule={cfg.parallel.pp_schedule!r}: "
+                          "its backward scales its stored gradients in place and the deferred weight pass runs it "
+                          "again; use train.loss='chunked' or a non-zero-bubble schedule")
     if kind == "liger" and (device.type != "cuda" or not liger_available() or dims.tp_enabled):
         raise ConfigError("train.loss='liger' needs CUDA, the liger-kernel package and parallel.tp=1; use "
                           "train.loss='chunked'")
