@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
@@ -300,9 +300,14 @@ def from_hf_state_dict(hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig, a
     if arch == "bert":
         token_type = hf_state[_BERT_TOKEN_TYPES][0] if _BERT_TOKEN_TYPES in hf_state else 0.0
         out["pos_embeddings.weight"] = (hf_state[_BERT_POSITIONS] + token_type).contiguous()
-        used |= {_BERT_POSITIONS, _BERT_TOKEN_TYPES}
-    leftovers = [k for k in hf_state if k not in used and not _IGNORED.search(k)]
-    return finish_import(out, cfg, shapes, leftovers, f"Hugging Face {arch}")
+    return finish_import(out, cfg, shapes, unused_names(hf_state, used, arch), f"Hugging Face {arch}")
+
+
+def unused_names(names: Iterable[str], used: set[str], arch: Arch) -> list[str]:
+    """HF names no rule reads, other than weightless buffers and parts BertForMaskedLM lacks too (`_IGNORED`);
+    BERT's position and token-type tables are read together into our positions."""
+    used = used | ({_BERT_POSITIONS, _BERT_TOKEN_TYPES} if arch == "bert" else set())
+    return [k for k in names if k not in used and not _IGNORED.search(k)]
 
 
 _MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForMaskedLM", "llama": "LlamaForCausalLM",
