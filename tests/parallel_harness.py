@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
 from _common import free_port  # noqa: E402
 
 from meshformer.batch import IGNORE_INDEX  # noqa: E402
-from meshformer.config import Config, config_from_dict, validate  # noqa: E402
+from meshformer.config import Config, config_from_dict  # noqa: E402
 from meshformer.model import Transformer  # noqa: E402
 from meshformer.parallel.plan import TrainingPlan, default_loss_fn  # noqa: E402
 
@@ -67,9 +67,7 @@ def make_config(family: str, parallel: dict[str, Any] | None = None, **train: An
         "train": {"label_smoothing": 0.1, "z_loss": 1e-3, "seed": 0, "device": "cpu", **train},
         "parallel": parallel or {},
     }
-    cfg = config_from_dict(raw)
-    validate(cfg)
-    return cfg
+    return config_from_dict(raw)  # validated
 
 
 def make_batches(cfg: Config, n: int, seed: int = 1234) -> list[dict[str, torch.Tensor]]:
@@ -80,11 +78,10 @@ def make_batches(cfg: Config, n: int, seed: int = 1234) -> list[dict[str, torch.
         lengths = torch.randint(SEQ // 2, SEQ + 1, (BATCH,), generator=g)
         real = torch.arange(SEQ)[None, :] < lengths[:, None]
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-        family = cfg.model.family
-        if family == "decoder":
+        if cfg.objective == "causal":
             labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).masked_fill(~real, IGNORE_INDEX)
             out.append({"input_ids": ids, "labels": labels})
-        elif family == "encoder":
+        elif cfg.objective == "mlm":
             chosen = (torch.rand(BATCH, SEQ, generator=g) < 0.3) & real
             out.append({"input_ids": ids, "attention_mask": real,
                         "labels": torch.where(chosen, ids, torch.full_like(ids, IGNORE_INDEX))})

@@ -31,6 +31,7 @@ import torch
 
 from meshformer.checkpointing.mapping import export_tensors, finish_import, import_tensors, name_map, our_shapes
 from meshformer.config import Activation, ModelConfig
+from meshformer.model.families import get_family_spec
 
 if TYPE_CHECKING:
     from meshformer.model import Transformer
@@ -185,9 +186,10 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
             rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
             bos_token_id=None, eos_token_id=None, pad_token_id=None,
         )
+    spec = get_family_spec(cfg.family)
     return transformers.T5Config(  # type: ignore[call-arg]  # tie_word_embeddings: a PretrainedConfig kwarg
         vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.head_dim, d_ff=cfg.d_ff,
-        num_layers=cfg.encoder_depth, num_decoder_layers=cfg.decoder_depth, num_heads=cfg.n_heads,
+        num_layers=spec.depth(cfg, "encoder"), num_decoder_layers=spec.depth(cfg, "decoder"), num_heads=cfg.n_heads,
         dropout_rate=cfg.dropout, layer_norm_epsilon=cfg.norm_eps, relative_attention_num_buckets=cfg.relative_buckets,
         relative_attention_max_distance=cfg.relative_max_distance,
         feed_forward_proj="gated-silu" if cfg.activation == "swiglu" else "relu",

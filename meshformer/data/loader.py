@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from meshformer.config import ConfigError
+from meshformer.errors import ConfigError
 
 from .objectives import Objective, Sample
 from .order import RankView, SampleOrder

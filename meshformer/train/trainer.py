@@ -16,7 +16,6 @@ import torch
 
 from meshformer.batch import Batch
 from meshformer.checkpointing.manager import CheckpointManager
-from meshformer.checkpointing.sharded_safetensors import parse_size
 from meshformer.checkpointing.train_state import Checkpointable, SchedulerState, TrainState
 from meshformer.config import Config, ConfigError
 from meshformer.data import Tokenizer, build_loader
@@ -70,10 +69,6 @@ class Trainer:
 
         self.tokenizer = tokenizer if tokenizer is not None else checked_tokenizer(cfg)
 
-        try:  # checked now, not after training, when the final weights are written
-            parse_size(cfg.checkpoint.max_shard_size)
-        except ValueError as err:
-            raise ConfigError(f"checkpoint.max_shard_size: {err}") from None
         build_start = time.perf_counter()
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank and layout
         init_seed = new_seed()  # the seed Transformer(cfg.model) would draw here: the same weights as one process
