@@ -9,6 +9,7 @@
 #
 #   bash bench/gpu_suite.sh                   # on the GPU machine (wheels from .whl/ installed to /tmp/site)
 #   SMOKE=1 bash bench/gpu_suite.sh           # CPU dry run with tiny shapes (also: --dry-run)
+# The speed candidates (compile modes, SDPA kernel, loss kind, FP8 recipe variants) have their own run: gpu_sweep.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [[ "${1:-}" == "--dry-run" ]] && SMOKE=1

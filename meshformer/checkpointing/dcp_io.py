@@ -80,9 +80,17 @@ def read_metadata(path: Path, name: str = METADATA_FILE) -> dcp_metadata.Metadat
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
+    def __init__(self, path: str | Path, metadata: dcp_metadata.Metadata | None = None) -> None:
+        """metadata: the folder's index when the caller has already read it (it is then not read again)."""
+        super().__init__(path)
+        self._metadata = metadata
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         rank = kwargs.get("rank")
-        metadata = read_metadata(Path(self.path), METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
+        if rank is None and self._metadata is not None:
+            metadata = self._metadata
+        else:
+            metadata = read_metadata(Path(self.path), METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
         storage_meta = getattr(metadata, "storage_meta", None) or dcp_metadata.StorageMeta()  # older files lack it
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
@@ -106,15 +114,21 @@ def tensor_entries(metadata: dcp_metadata.Metadata) -> dict[str, dcp_metadata.Te
 
 
 def load_in_place(state: dict[str, Any], path: Path, *, no_dist: bool = False,
-                  process_group: torch.distributed.ProcessGroup | None = None) -> None:
-    """Fill `state` (flat keys -> tensors/DTensors of the current layout) from a DCP folder; reshards."""
-    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=no_dist,
+                  process_group: torch.distributed.ProcessGroup | None = None,
+                  metadata: dcp_metadata.Metadata | None = None) -> None:
+    """Fill `state` (flat keys -> tensors/DTensors of the current layout) from a DCP folder; reshards.
+    metadata: the folder's index, if already read."""
+    dcp.load(state, storage_reader=SafeFileSystemReader(path, metadata), planner=SafeLoadPlanner(), no_dist=no_dist,
              process_group=process_group)
 
 
-def read_full_tensors(path: Path, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """Whole (unsharded) CPU tensors from a DCP folder in this one process, without a process group."""
-    entries = tensor_entries(read_metadata(path))
+def read_full_tensors(path: Path, keys: list[str] | None = None,
+                      metadata: dcp_metadata.Metadata | None = None) -> dict[str, torch.Tensor]:
+    """Whole (unsharded) CPU tensors from a DCP folder in this one process, without a process group.
+    metadata: the folder's index, if already read (a caller reading tensor by tensor reads it once)."""
+    if metadata is None:
+        metadata = read_metadata(path)
+    entries = tensor_entries(metadata)
     wanted = list(entries) if keys is None else keys
     missing = [k for k in wanted if k not in entries]
     if missing:
@@ -123,7 +137,7 @@ def read_full_tensors(path: Path, keys: list[str] | None = None) -> dict[str, to
     if state:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            load_in_place(state, path, no_dist=True)
+            load_in_place(state, path, no_dist=True, metadata=metadata)
     return state
 
 

@@ -79,8 +79,10 @@ def read_checkpoint_model(path: Path, *, show_progress: bool | None = None) -> t
     """(model config, model tensors read one at a time on access) of a sharded checkpoint, whatever layout."""
     path = resolve_checkpoint(path)
     cfg = checkpoint_model_config(path)
-    entries = {k[len(MODEL):]: v for k, v in tensor_entries(read_metadata(path)).items() if k.startswith(MODEL)}
-    return cfg, LazyState(sorted(entries), lambda name: read_full_tensors(path, [MODEL + name])[MODEL + name],
+    metadata = read_metadata(path)  # once: each tensor's read below reuses it
+    entries = {k[len(MODEL):]: v for k, v in tensor_entries(metadata).items() if k.startswith(MODEL)}
+    return cfg, LazyState(sorted(entries),
+                          lambda name: read_full_tensors(path, [MODEL + name], metadata)[MODEL + name],
                           lambda name: torch.empty(entries[name].size, dtype=entries[name].properties.dtype,
                                                    device="meta"))
 

@@ -90,8 +90,9 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory
     grads = params
 
     modes = act.recompute_mode_blocks(cfg, share.layers, p.recompute)
-    cross = get_family_spec(m.family).seq2seq  # decoder blocks also cross-attend the encoder memory
-    enc = m.encoder_depth
+    spec = get_family_spec(m.family)
+    cross = spec.seq2seq  # decoder blocks also cross-attend the encoder memory
+    enc = spec.depth(m, "encoder")
     kept: list[float] = []  # per held block: bytes kept through forward
     rebuild: list[float] = []  # per held block: bytes rebuilt in its backward
     for index, mode in zip(share.layers, modes, strict=True):

@@ -16,10 +16,9 @@ import torch
 
 from meshformer.batch import Batch
 from meshformer.checkpointing.manager import CheckpointManager
-from meshformer.checkpointing.sharded_safetensors import parse_size
 from meshformer.checkpointing.train_state import Checkpointable, SchedulerState, TrainState
 from meshformer.config import Config, ConfigError
-from meshformer.data import build_loader, load_tokenizer
+from meshformer.data import Tokenizer, build_loader
 from meshformer.layout import validate_parallel
 from meshformer.model import Transformer
 from meshformer.model.families import get_family_spec
@@ -35,7 +34,7 @@ from meshformer.runtime.stragglers import rank_timings, straggler_scalars
 from meshformer.runtime.watchdog import HangWatchdog
 from meshformer.train.metrics import FlopsCeiling, RunLogger, memory_gib, peak_flops, synchronize
 from meshformer.train.optim import build_optimizer, build_scheduler
-from meshformer.train.preflight import check_vocab
+from meshformer.train.preflight import checked_tokenizer
 from meshformer.train.sampling import decoded_sample
 
 
@@ -53,7 +52,8 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, *, rank: int = 0, local_rank: int = 0) -> None:
+    def __init__(self, cfg: Config, *, rank: int = 0, local_rank: int = 0, tokenizer: Tokenizer | None = None) -> None:
+        """tokenizer: the one preflight loaded and checked, when the caller ran preflight (else loaded here)."""
         self.cfg, self.rank = cfg, rank
         self.device = job_device(cfg, local_rank)
         map_large_host_tensors(self.device.type)  # before any large tensor: see runtime/host_memory.py
@@ -69,13 +69,8 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(cfg.to_toml())
         self.logger = RunLogger(self.run_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
 
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        check_vocab(self.tokenizer, cfg.model.vocab_size)
+        self.tokenizer = tokenizer if tokenizer is not None else checked_tokenizer(cfg)
 
-        try:  # checked now, not after training, when the final weights are written
-            parse_size(cfg.checkpoint.max_shard_size)
-        except ValueError as err:
-            raise ConfigError(f"checkpoint.max_shard_size: {err}") from None
         build_start = time.perf_counter()
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank and layout
         init_seed = new_seed()  # the seed Transformer(cfg.model) would draw here: the same weights as one process
