@@ -85,3 +85,21 @@ def test_fsdp_run_and_final_save_never_hold_the_model():
     ratios = [round(r["ratio"], 3) for r in results]
     print("peak RSS over base, in fp32 models, per rank:", ratios)
     assert max(ratios) < BOUND, ratios
+
+
+def test_host_memory_policy(monkeypatch):
+    """Large host tensors are mapped by default only in multi-process CPU runs; the variable overrides it."""
+    import pytest
+
+    from meshformer.runtime.host_memory import ENV_MMAP_THRESHOLD, map_large_host_tensors, mmap_threshold
+
+    monkeypatch.delenv(ENV_MMAP_THRESHOLD, raising=False)
+    assert mmap_threshold(1) == 0 and mmap_threshold(8) == 2**20
+    assert not map_large_host_tensors("cuda", 8) and not map_large_host_tensors("cpu", 1)
+    monkeypatch.setenv(ENV_MMAP_THRESHOLD, "0")
+    assert mmap_threshold(8) == 0 and not map_large_host_tensors("cpu", 8)
+    monkeypatch.setenv(ENV_MMAP_THRESHOLD, "4194304")
+    assert mmap_threshold(1) == 4 * 2**20
+    monkeypatch.setenv(ENV_MMAP_THRESHOLD, "lots")
+    with pytest.raises(ValueError, match="MESHFORMER_MMAP_THRESHOLD='lots' is not a number of bytes"):
+        mmap_threshold(8)

@@ -2,14 +2,17 @@
 
 glibc's malloc serves requests below its mmap threshold from the heap and raises that threshold (up to 32 MiB)
 each time a large mapped block is freed, so FSDP's per-unit all-gather and gradient buffers, freed every block,
-end up in the heap and stay resident: measured on an 8-rank FSDP run, peak RSS 1.33x the fp32 model against
-0.75x when they are mapped. A fixed threshold (which also turns glibc's adjustment off) maps every tensor of a
-MiB or more and unmaps it on free, as jemalloc and tcmalloc do; `malloc_trim` hands back what a large transient
+end up in the heap and stay resident: measured on an 8-rank FSDP run (bench/scale_memory.py), peak RSS 1.31x
+the fp32 model against 0.75x when they are mapped (a `malloc_trim` after materialisation alone: still 1.31x).
+A fixed threshold (which also turns glibc's adjustment off) maps every tensor of a MiB or more and unmaps it
+on free, as jemalloc and tcmalloc do; `malloc_trim` hands back what a large transient
 phase (materialisation, gathering the final weights) left free in the heap.
 
-Only for CPU devices: on an accelerator the large tensors live in device memory, and the host-side staging
-buffers there are pinned by the device runtime, not by malloc. Elsewhere (musl, macOS, Windows) these are
-no-ops. `MESHFORMER_MMAP_THRESHOLD` overrides the threshold in bytes; 0 leaves glibc's default.
+By default only for multi-process runs on CPU devices. On an accelerator the large tensors live in device
+memory (host staging buffers are pinned by the device runtime, not malloc'd). One process holds no FSDP buffers,
+and there mapping costs speed: every large activation is then page-faulted in afresh each step (tiny-gpt on
+this 2-core machine: 18% fewer tokens/s, 4.9k vs 6.0k). Elsewhere (musl, macOS, Windows) these are no-ops.
+`MESHFORMER_MMAP_THRESHOLD` sets the threshold in bytes for any CPU run; 0 leaves glibc's default.
 """
 
 from __future__ import annotations
@@ -36,21 +39,22 @@ def _glibc() -> ctypes.CDLL | None:
     return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
 
 
-def mmap_threshold() -> int:
-    """The threshold to set: MESHFORMER_MMAP_THRESHOLD if given (0: leave glibc alone), else 1 MiB."""
+def mmap_threshold(world_size: int) -> int:
+    """The threshold to set: MESHFORMER_MMAP_THRESHOLD if given (0: leave glibc alone), else 1 MiB for a
+    multi-process run and 0 for one process."""
     text = os.environ.get(ENV_MMAP_THRESHOLD, "").strip()
     try:
-        return int(text) if text else DEFAULT_MMAP_THRESHOLD
+        return int(text) if text else (DEFAULT_MMAP_THRESHOLD if world_size > 1 else 0)
     except ValueError:
         raise ValueError(f"{ENV_MMAP_THRESHOLD}={text!r} is not a number of bytes; unset it or give e.g. 1048576"
                          ) from None
 
 
-def map_large_host_tensors(device_type: str) -> bool:
+def map_large_host_tensors(device_type: str, world_size: int) -> bool:
     """Before the model is built: tensors of `mmap_threshold()` bytes or more are mapped, so freeing one returns
     it to the OS. True if set (CPU device, glibc, threshold not 0)."""
     libc = _glibc()
-    threshold = mmap_threshold()
+    threshold = mmap_threshold(world_size)
     if device_type != "cpu" or libc is None or threshold <= 0:
         return False
     return bool(libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(threshold)))

@@ -56,7 +56,7 @@ class Trainer:
         """tokenizer: the one preflight loaded and checked, when the caller ran preflight (else loaded here)."""
         self.cfg, self.rank = cfg, rank
         self.device = job_device(cfg, local_rank)
-        map_large_host_tensors(self.device.type)  # before any large tensor: see runtime/host_memory.py
+        map_large_host_tensors(self.device.type, world_size())  # before any large tensor: see runtime/host_memory.py
         validate_parallel(cfg, world_size(), self.device)  # before the model is built (and sharded)
         if cfg.train.dtype == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError("train.dtype='bf16' but this GPU has no bf16 support; use train.dtype='fp32'")
