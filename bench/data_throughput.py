@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from meshformer.config import ModelConfig, load_config
 from meshformer.data import build_loader, load_tokenizer
+from meshformer.model.families import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
 HUNDRED_M = dict(d_model=768, n_heads=12, n_layers=14, d_ff=3072)  # ~100M parameters with a 4k vocabulary
@@ -79,7 +80,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    family = {"causal": "decoder", "mlm": "encoder"}.get(args.objective, "encoder_decoder")
+    family = next(name for name, spec in FAMILIES.items() if args.objective in spec.objectives)  # trains with it
     overrides = [f'train.objective="{args.objective}"', f'model.family="{family}"']
     cfg = load_config(args.config, overrides)
     b, t = cfg.data.batch_size, cfg.data.seq_len

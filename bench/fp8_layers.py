@@ -2,9 +2,11 @@
 
 Each recipe trains the same model (same seed, same real-text batches from memory) for `--steps` steps with
 `Trainer.train_step`; prints one JSON line per recipe as soon as it finishes: tokens/s over the last steps,
-speed-up over bf16, mean loss over the last 10 steps and its relative difference from bf16.
+speed-up over bf16, mean loss over the last 10 steps and its relative difference from bf16. A recipe may add
+`+ends` (train.fp8_keep_ends: first and last block in bf16) and `@seedN` (another initialisation): `off@seed1`
+is the noise floor, the loss difference bf16 itself shows from a different seed.
 
-    python bench/fp8_layers.py --steps 200 [--recipes off tensorwise rowwise] [--compile blocks]
+    python bench/fp8_layers.py --steps 200 [--recipes off off@seed1 tensorwise tensorwise+ends rowwise]
     python bench/fp8_layers.py --shape tiny-llama --steps 5 --device cpu --emulate   # CPU dry run
 """
 
@@ -25,9 +27,19 @@ from meshformer.model.flops import flops_per_token
 from meshformer.train.trainer import Trainer
 
 
+def recipe_config(recipe: str, args):
+    """'tensorwise+ends@seed1' -> the run config (fp8 recipe, keep_ends, seed)."""
+    name, _, seed = recipe.partition("@seed")
+    fp8, *flags = name.split("+")
+    if fp8 not in ("off", *float8.FP8_RECIPES) or set(flags) - {"ends"} or (seed and not seed.isdigit()):
+        raise SystemExit(f"bad recipe {recipe!r}: off | tensorwise | rowwise, optionally +ends and @seedN")
+    extra = [*(["train.fp8_keep_ends=true"] if "ends" in flags else []), *([f"train.seed={seed}"] if seed else [])]
+    return bench_config(args.shape, dtype="bf16", device=args.device, compile=args.compile, fp8=fp8,
+                        batch=args.batch, extra=extra)
+
+
 def run(recipe: str, tokens: torch.Tensor | None, args) -> tuple[dict, torch.Tensor]:
-    cfg = bench_config(args.shape, dtype="bf16", device=args.device, compile=args.compile, fp8=recipe,
-                       batch=args.batch)
+    cfg = recipe_config(recipe, args)
     reset_memory(torch.device(args.device))
     trainer = Trainer(cfg)
     if tokens is None:
@@ -69,6 +81,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.emulate:  # let the hardware check pass; apply_float8 emulates off CUDA
         float8.fp8_supported = lambda device: True
+    for recipe in args.recipes:  # refuse a typo before any work
+        recipe_config(recipe, args)
     tokens, baseline = None, None
     for recipe in args.recipes:
         record, tokens = run(recipe, tokens, args)

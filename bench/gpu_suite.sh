@@ -2,64 +2,23 @@
 # Every GPU measurement of issue 13 in one run (one H100/H200, bf16), from the source tree:
 #   GEMM ceiling; fused-loss head memory/time/parity; Llama-1B shape step memory (plain vs chunked loss) and
 #   compiled tokens/s + MFU; GPT-2 XL shape eager and compiled vs the nanoGPT-style reference; FP8 vs bf16 at a
-#   Llama-3-8B layer shape (tokens/s and loss after the steps).
+#   Llama-3-8B layer shape (tokens/s and loss after the steps); issue 11's initialisation seconds per billion
+#   parameters at Llama-3-8B layer shapes (up to 16 layers, 4.5B) against the GPU's RNG throughput.
 # Each result is one JSON line appended to $OUT/results.jsonl as soon as it exists; each item has its own
 # timeout, capped by what is left of SUITE_BUDGET_S, so one hang cannot eat the run. Logs: $OUT/<item>.log.
 #
 #   bash bench/gpu_suite.sh                   # on the GPU machine (wheels from .whl/ installed to /tmp/site)
 #   SMOKE=1 bash bench/gpu_suite.sh           # CPU dry run with tiny shapes (also: --dry-run)
+# The speed candidates (compile modes, SDPA kernel, loss kind, FP8 recipe variants) have their own run: gpu_sweep.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[[ "${1:-}" == "--dry-run" ]] && SMOKE=1
-SMOKE=${SMOKE:-0}
-OUT=${OUT:-$PWD/bench-out}
-mkdir -p "$OUT"
-RESULTS=$OUT/results.jsonl
 BUDGET=${SUITE_BUDGET_S:-470}
-START=$(date +%s)
-export PYTHONUNBUFFERED=1 MESHFORMER_CACHE=${MESHFORMER_CACHE:-/tmp/meshformer-cache}
-export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache}
-if [[ -d .whl ]] && ls .whl/*.whl >/dev/null 2>&1 && [[ "$SMOKE" != 1 ]]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
-
-item() {  # item NAME TIMEOUT_S command...: run with a timeout, keep its JSON lines, note failures as JSON too
-  local name=$1 limit=$2; shift 2
-  local left=$(( BUDGET - ($(date +%s) - START) ))
-  if (( left < 15 )); then
-    echo "{\"item\": \"$name\", \"status\": \"skipped\", \"reason\": \"suite budget spent\"}" >> "$RESULTS"; return
-  fi
-  (( limit > left )) && limit=$left
-  local t0=$(date +%s)
-  echo "== $name (timeout ${limit}s)" >&2
-  timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep --line-buffered '^{"bench"' >> "$RESULTS"
-  local rc=${PIPESTATUS[0]} status=ok
-  (( rc == 124 || rc == 137 )) && status=timeout
-  (( rc != 0 && rc != 124 && rc != 137 )) && status=error
-  echo "{\"item\": \"$name\", \"status\": \"$status\", \"rc\": $rc, \"seconds\": $(( $(date +%s) - t0 ))}" >> "$RESULTS"
-  [[ $status != ok ]] && tail -5 "$OUT/$name.log" >&2
-}
-
-python3 - >> "$RESULTS" <<'EOF'
-import json, platform, torch
-info = {"bench": "environment", "torch": torch.__version__, "python": platform.python_version(),
-        "cuda": torch.cuda.is_available()}
-if torch.cuda.is_available():
-    info |= {"gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability())}
-for mod in ("torchao", "liger_kernel", "triton"):
-    try:
-        info[mod] = getattr(__import__(mod), "__version__", "importable")
-    except Exception as err:
-        info[mod] = f"unavailable: {type(err).__name__}"
-print(json.dumps(info))
-EOF
+source bench/gpu_common.sh "$@"
 
 VS="python3 bench/vs_nanogpt.py --dtype bf16"
 if [[ "$SMOKE" == 1 ]]; then
   item gemm 60 python3 bench/gemm_ceiling.py --n 256 --seconds 0.2 --device cpu
+  item init_speed 60 python3 bench/init_speed.py --device cpu --shape tiny --layers 1 2
   item fused_loss_head 120 python3 bench/fused_loss_memory.py --shape tiny --dtype bf16 --device cpu
   item llama_memory 180 $VS --shape tiny-llama --compile off --loss plain chunked --reference none \
     --device cpu --steps 2 --rounds 1 --warmup 1
@@ -70,6 +29,7 @@ if [[ "$SMOKE" == 1 ]]; then
   item gpt2xl_compiled 300 $VS --shape tiny --compile blocks --device cpu --steps 2 --rounds 1 --warmup 1
 else
   item gemm 30 python3 bench/gemm_ceiling.py --n 8192 --seconds 1.5
+  item init_speed 25 python3 bench/init_speed.py --layers 1 4 16
   item fused_loss_head 50 python3 bench/fused_loss_memory.py --shape llama-1b-head --dtype bf16 --device cuda
   item llama_memory 60 $VS --shape llama-1b --compile off --loss plain chunked --reference none \
     --steps 3 --rounds 1 --warmup 2

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from meshformer.config import Config, config_from_dict, validate  # noqa: E402
+from meshformer.config import Config, config_from_dict  # noqa: E402
 from meshformer.model import Transformer  # noqa: E402
 from tests._common import free_port  # noqa: E402
 
@@ -36,9 +36,7 @@ def bench_config(parallel: dict[str, Any] | None = None, *, d_model: int = 256, 
         "train": {"device": "cpu", "seed": 0, **train},
         "parallel": parallel or {},
     }
-    cfg = config_from_dict(raw)
-    validate(cfg)
-    return cfg
+    return config_from_dict(raw)  # validated
 
 
 def batches(cfg: Config, n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:

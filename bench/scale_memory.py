@@ -7,18 +7,21 @@ size. FSDP-8 training state alone (fp32 weights, gradients, AdamW moments, each 
 is <= 0.75. Also the start-up time of the slowest rank (model build: meta build, sharding, materialisation;
 and the whole Trainer construction) against one process building the whole model.
 
-    python bench/scale_memory.py [--layouts fsdp tp-fsdp pp-fsdp] [--max-shard-size 32MB] [--mmap-threshold 1048576]
+    python bench/scale_memory.py [--layouts fsdp tp-fsdp pp-fsdp] [--max-shard-size 32MB] [--mmap-threshold 0]
+                                 [--pp-unsharded-microbatches]
 
-With glibc's default allocator the freed all-gather and gradient buffers of each FSDP unit stay in the heap
-(its mmap threshold grows to 32 MB after the first large free), so RSS over-states what is live; measured
-here: FSDP-8 1.33 with the default, 0.75 with --mmap-threshold 1048576 (what jemalloc/tcmalloc give).
+Each row also splits the peak by phase (start-up, forward/backward, optimizer step, final save) and says what
+the worst rank still held after each. Measured on the 2-core machine (memory ratios; times are noisy there):
+FSDP-8 0.75, TP2 x FSDP4 0.54, PP2 x FSDP4 0.75 (1.36 with --pp-unsharded-microbatches, torch's own way); with
+--mmap-threshold 0 (glibc's adaptive threshold: freed FSDP buffers stay in its heap) FSDP-8 is 1.31.
 
-Runs one 8-process job at a time; each needs about 1.5 GiB per rank at most.
+Runs one 8-process job at a time; each rank needs under 1 GiB (about 1.2 GiB with the options above).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -59,14 +62,41 @@ def run_config(size: str, layout: str, run_dir: str, max_shard_size: str, steps:
     return cfg
 
 
-def _peak_rss_bytes() -> int:
-    """This process's RSS high-water mark (VmHWM; ru_maxrss would carry the parent's over fork + exec)."""
+def _status_bytes(field: str) -> int:
     status = Path("/proc/self/status").read_text()
-    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
+    return int(re.search(rf"{field}:\s+(\d+) kB", status).group(1)) * 1024
+
+
+class PhasePeaks:
+    """Peak RSS per phase (start-up, forward/backward, optimizer step, final save) and what each phase leaves
+    resident. VmHWM is this process's own high-water mark (ru_maxrss would carry the parent's over fork + exec);
+    writing 5 to /proc/self/clear_refs resets it to the current RSS, so each phase's peak is its own."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, int] = {}
+        self.held: dict[str, int] = {}
+        self.overall = 0
+
+    def end(self, phase: str) -> None:
+        peak = _status_bytes("VmHWM")
+        self.overall = max(self.overall, peak)
+        self.peaks[phase] = max(self.peaks.get(phase, 0), peak)
+        self.held[phase] = _status_bytes("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")
+
+    def wrap(self, phase: str, func):
+        @functools.wraps(func)  # keeps the LR scheduler's mark on optimizer.step
+        def wrapped(*args, **kwargs):
+            self.end("between")  # data loading, gradient clipping, logging
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.end(phase)
+        return wrapped
 
 
 def worker(rank: int, world: int, port: int, size: str, layout: str, run_dir: str, max_shard_size: str,
-           steps: int, out: str) -> None:
+           steps: int, out: str, overrides: dict[str, Any]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     import torch
@@ -77,25 +107,24 @@ def worker(rank: int, world: int, port: int, size: str, layout: str, run_dir: st
 
     torch.set_num_threads(1)
     cfg = run_config(size, layout, run_dir, max_shard_size, steps)
+    for key, value in overrides.items():
+        setattr(cfg.parallel, key, value)
+    phases = PhasePeaks()
     if world > 1:
         init_distributed(cfg)
     start = time.perf_counter()
     trainer = Trainer(cfg, rank=rank, local_rank=rank)
     startup_s = time.perf_counter() - start
+    phases.end("startup")
     params = sum(p.numel() for p in trainer.model.parameters()) if trainer.model is not None else None
-    rss_after_startup = _peak_rss_bytes()
-    phases = {}
-    save = trainer.save_final_weights
-
-    def timed_save() -> None:  # the peak before saving is the training step's
-        phases["peak_rss_before_save"] = _peak_rss_bytes()
-        save()
-
-    trainer.save_final_weights = timed_save
+    trainer.plan.forward_backward = phases.wrap("forward_backward", trainer.plan.forward_backward)
+    trainer.optimizer.step = phases.wrap("optimizer_step", trainer.optimizer.step)
+    trainer.save_final_weights = phases.wrap("final_save", trainer.save_final_weights)
     if steps:
         trainer.fit()
-    result = {"rank": rank, "startup_s": startup_s, "build_s": trainer.build_s, "peak_rss": _peak_rss_bytes(),
-              "peak_rss_startup": rss_after_startup, "params": params, **phases}
+    phases.end("between")
+    result = {"rank": rank, "startup_s": startup_s, "build_s": trainer.build_s, "peak_rss": phases.overall,
+              "params": params, "phase_peaks": phases.peaks, "phase_held": phases.held}
     if world > 1:
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, result)
@@ -106,7 +135,8 @@ def worker(rank: int, world: int, port: int, size: str, layout: str, run_dir: st
         Path(out).write_text(json.dumps([result]))
 
 
-def launch(size: str, layout: str, max_shard_size: str, steps: int = 1) -> list[dict[str, Any]]:
+def launch(size: str, layout: str, max_shard_size: str, steps: int = 1, overrides: dict[str, Any] | None = None
+           ) -> list[dict[str, Any]]:
     import torch.multiprocessing as mp
 
     world = 1 if layout == "single" else 8
@@ -114,7 +144,7 @@ def launch(size: str, layout: str, max_shard_size: str, steps: int = 1) -> list[
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         mp.start_processes(worker, args=(world, free_port(), size, layout, os.path.join(tmp, "run"), max_shard_size,
-                                         steps, out), nprocs=world, start_method="spawn")
+                                         steps, out, overrides or {}), nprocs=world, start_method="spawn")
         return json.loads(Path(out).read_text())
 
 
@@ -134,12 +164,15 @@ def main() -> None:
     parser.add_argument("--max-shard-size", default="32MB", help="final weights' largest file (checkpoint."
                         "max_shard_size)")
     parser.add_argument("--skip-single", action="store_true", help="no one-process start-up reference")
-    parser.add_argument("--mmap-threshold", type=int, default=0,
-                        help="glibc MALLOC_MMAP_THRESHOLD_ for the ranks (e.g. 1048576: large tensors are mapped and "
-                             "returned to the OS when freed, as jemalloc/tcmalloc would; 0: glibc's default)")
+    parser.add_argument("--mmap-threshold", type=int, default=None,
+                        help="the ranks' MESHFORMER_MMAP_THRESHOLD (meshformer/runtime/host_memory.py; default: the "
+                             "trainer's 1 MiB; 0: glibc's own adaptive threshold, as before the trainer set one)")
+    parser.add_argument("--pp-unsharded-microbatches", action="store_true",
+                        help="parallel.pp_fsdp_unsharded_microbatches=true: torch's own PP x FSDP behaviour")
     args = parser.parse_args()
-    if args.mmap_threshold:  # read by glibc at process start: the spawned ranks inherit it
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    if args.mmap_threshold is not None:  # the spawned ranks inherit it
+        os.environ["MESHFORMER_MMAP_THRESHOLD"] = str(args.mmap_threshold)
+    overrides = {"pp_fsdp_unsharded_microbatches": True} if args.pp_unsharded_microbatches else {}
     n_params = None
     single_startup = None
     if not args.skip_single:  # start-up only: one process building and initialising the whole model
@@ -149,8 +182,8 @@ def main() -> None:
                           "trainer_init_s": round(single["startup_s"], 2), "params_M": round(n_params / 1e6, 1)}),
               flush=True)
     for layout in args.layouts:
-        tiny = launch("tiny", layout, args.max_shard_size)
-        big = launch("150m", layout, args.max_shard_size)
+        tiny = launch("tiny", layout, args.max_shard_size, overrides=overrides)
+        big = launch("150m", layout, args.max_shard_size, overrides=overrides)
         n_params = n_params or _param_count(args.max_shard_size)
         model_bytes = 4 * n_params
         base = max(r["peak_rss"] for r in tiny)
@@ -161,8 +194,11 @@ def main() -> None:
             "max_rank_peak_rss_GiB": round(worst["peak_rss"] / 2**30, 3), "worst_rank": worst["rank"],
             "tiny_peak_rss_GiB": round(base / 2**30, 3),
             "ratio": round((worst["peak_rss"] - base) / model_bytes, 3), "goal": "<= 0.75",
-            "startup_rss_ratio": round((max(r["peak_rss_startup"] for r in big) - base) / model_bytes, 3),
-            "train_rss_ratio": round((max(r["peak_rss_before_save"] for r in big) - base) / model_bytes, 3),
+            # per phase: the highest peak of any rank in it, and what the worst rank still held after it
+            "phase_ratio": {phase: round((max(r["phase_peaks"][phase] for r in big) - base) / model_bytes, 3)
+                            for phase in big[0]["phase_peaks"]},
+            "held_after_ratio": {phase: round((max(r["phase_held"][phase] for r in big) - base) / model_bytes, 3)
+                                 for phase in big[0]["phase_held"]},
             "max_rank_build_s": round(max(r["build_s"] for r in big), 2),
             "max_rank_trainer_init_s": round(max(r["startup_s"] for r in big), 2),
         }

@@ -37,6 +37,10 @@ class MeshformerError(Exception):
         return _flat(f"{self.what} — {self.fix}" if self.fix else self.what)
 
 
+class ConfigError(MeshformerError, ValueError):
+    """A configuration problem, phrased as what is wrong and how to fix it."""
+
+
 class UsageError(MeshformerError, ValueError):
     """A command-line option out of range or contradicting another one."""
 

@@ -55,11 +55,12 @@ class VocabShard:
     total: int
 
 
-def _chunk_statistics(logits, labels, valid, shard: VocabShard | None, need_sum: bool):
-    """Per row: log-partition, target logit, sum of logits (label smoothing), local target index, target here.
+def vocab_statistics(logits, labels, valid, shard: VocabShard | None, need_sum: bool):
+    """Per row of fp32 logits: log-partition, target logit, sum of logits (label smoothing), local target index,
+    target on this rank.
 
-    Vocabulary-parallel (as `meshformer.parallel.loss_parallel`): one all-reduce for the row max, one for the
-    stacked sums, so no rank ever holds more than its own columns of a chunk.
+    Vocabulary-parallel (`shard`): one all-reduce for the row max, one for the stacked sums, so no rank ever
+    holds more than its own columns (the Megatron formulation; `meshformer.parallel.loss_parallel` uses it too).
     """
     local_vocab = logits.shape[1]
     if shard is None:
@@ -77,6 +78,28 @@ def _chunk_statistics(logits, labels, valid, shard: VocabShard | None, need_sum:
     sums = torch.stack([(logits - row_max[:, None]).exp().sum(dim=-1), target, total])
     dist.all_reduce(sums, group=shard.group)
     return row_max + sums[0].log(), sums[1], sums[2], index, here
+
+
+def token_losses(lse, target, total, vocab: int, label_smoothing: float, z_loss: float) -> torch.Tensor:
+    """Per-token loss from `vocab_statistics`: smoothed cross-entropy plus PaLM's z-loss (ignored rows not masked)."""
+    per_token = (1.0 - label_smoothing) * (lse - target)
+    if label_smoothing > 0:  # smoothing term: mean over the vocabulary of -log p
+        per_token = per_token + label_smoothing * (lse - total / vocab)
+    if z_loss > 0:
+        per_token = per_token + z_loss * lse.square()
+    return per_token
+
+
+def logits_grad_(logits, lse, index, here, valid, vocab: int, label_smoothing: float, z_loss: float) -> torch.Tensor:
+    """d loss / d logits = softmax * (1 + 2 z lse) - (1 - eps) onehot - eps / V, zero on ignored rows; computed in
+    place over the fp32 logits buffer (which it returns), so a chunk holds a single V-wide fp32 tensor."""
+    grad = logits.sub_(lse[:, None]).exp_()
+    if z_loss > 0:
+        grad.mul_((1.0 + 2.0 * z_loss * lse)[:, None])
+    grad.scatter_add_(1, index[:, None], ((label_smoothing - 1.0) * here.to(grad.dtype))[:, None])
+    if label_smoothing > 0:
+        grad.sub_(label_smoothing / vocab)
+    return grad.mul_(valid[:, None])
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -104,24 +127,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if b is not None:
                 logits = logits + b
             valid = y_c != IGNORE_INDEX
-            lse, target, total, index, here = _chunk_statistics(logits, y_c, valid, shard, eps > 0)
-            per_token = (1.0 - eps) * (lse - target)
-            if eps > 0:
-                per_token = per_token + eps * (lse - total / vocab)
-            if z_loss > 0:
-                per_token = per_token + z_loss * lse.square()
-            loss += (per_token * valid).sum()
+            lse, target, total, index, here = vocab_statistics(logits, y_c, valid, shard, eps > 0)
+            loss += (token_losses(lse, target, total, vocab, eps, z_loss) * valid).sum()
             if not want_grads:
                 continue
-            # d loss / d logits = softmax * (1 + 2 z lse) - (1 - eps) onehot - eps / V, zero on ignored rows;
-            # computed in place over the logits buffer so the chunk holds a single V-wide fp32 tensor.
-            grad = logits.sub_(lse[:, None]).exp_()
-            if z_loss > 0:
-                grad.mul_((1.0 + 2.0 * z_loss * lse)[:, None])
-            grad.scatter_add_(1, index[:, None], ((eps - 1.0) * here.to(grad.dtype))[:, None])
-            if eps > 0:
-                grad.sub_(eps / vocab)
-            grad.mul_(valid[:, None])
+            grad = logits_grad_(logits, lse, index, here, valid, vocab, eps, z_loss)
             if grad_b is not None:
                 grad_b += grad.sum(dim=0)
             grad = grad.to(dtype)

@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
 from _common import free_port  # noqa: E402
 
 from meshformer.batch import IGNORE_INDEX  # noqa: E402
-from meshformer.config import Config, config_from_dict, validate  # noqa: E402
+from meshformer.config import Config, config_from_dict  # noqa: E402
 from meshformer.model import Transformer  # noqa: E402
 from meshformer.parallel.plan import TrainingPlan, default_loss_fn  # noqa: E402
 
@@ -67,9 +67,7 @@ def make_config(family: str, parallel: dict[str, Any] | None = None, **train: An
         "train": {"label_smoothing": 0.1, "z_loss": 1e-3, "seed": 0, "device": "cpu", **train},
         "parallel": parallel or {},
     }
-    cfg = config_from_dict(raw)
-    validate(cfg)
-    return cfg
+    return config_from_dict(raw)  # validated
 
 
 def make_batches(cfg: Config, n: int, seed: int = 1234) -> list[dict[str, torch.Tensor]]:
@@ -80,11 +78,10 @@ def make_batches(cfg: Config, n: int, seed: int = 1234) -> list[dict[str, torch.
         lengths = torch.randint(SEQ // 2, SEQ + 1, (BATCH,), generator=g)
         real = torch.arange(SEQ)[None, :] < lengths[:, None]
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-        family = cfg.model.family
-        if family == "decoder":
+        if cfg.objective == "causal":
             labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).masked_fill(~real, IGNORE_INDEX)
             out.append({"input_ids": ids, "labels": labels})
-        elif family == "encoder":
+        elif cfg.objective == "mlm":
             chosen = (torch.rand(BATCH, SEQ, generator=g) < 0.3) & real
             out.append({"input_ids": ids, "attention_mask": real,
                         "labels": torch.where(chosen, ids, torch.full_like(ids, IGNORE_INDEX))})
@@ -151,9 +148,31 @@ def gathered_grads(plan: TrainingPlan) -> dict[str, torch.Tensor]:
 
 
 def reference(cfg: Config, steps) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
-    plan = TrainingPlan(new_model(cfg), default_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss),
-                        torch.device("cpu"))
+    model = new_model(cfg)
+    if cfg.train.fp8 != "off":
+        from meshformer.parallel.float8 import apply_float8
+
+        apply_float8(model, cfg.train.fp8, emulate=True)
+        if cfg.train.fp8 == "tensorwise":
+            steps = [[piece for batch in micro for piece in rank_pieces(cfg, batch)] for micro in steps]
+    plan = TrainingPlan(model, default_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss), torch.device("cpu"))
     return train_steps(plan, steps, 0, 1)
+
+
+def rank_pieces(cfg: Config, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """The pieces of a micro-batch that data-parallel ranks and pipeline microbatches run separately.
+
+    Tensorwise FP8 scales each activation by its amax over the tensor at hand, so a layout that splits the batch
+    (data or pipeline parallel) quantises differently from one process on the whole batch; a reference running
+    the same pieces one by one (their losses and gradients add up) quantises exactly as the layout does.
+    """
+    from meshformer.layout import n_microbatches
+
+    p = cfg.parallel
+    dp = p.dp_replicate * p.dp_shard
+    n_mb = n_microbatches(cfg) if p.pp > 1 else 1
+    shards = [{k: v.chunk(dp)[r] for k, v in batch.items()} for r in range(dp)]
+    return [{k: v.tensor_split(n_mb)[m] for k, v in shard.items()} for shard in shards for m in range(n_mb)]
 
 
 def compare(cfg: Config, steps, result) -> dict[str, Any]:
@@ -212,8 +231,12 @@ def scenario(name: str) -> tuple[Config, list]:
             extra["dtype"] = "bf16"
         elif key == "noreshard":
             parallel["reshard_after_forward"] = False
+        elif key == "wholestage":  # PP x FSDP the torch way: stage weights/gradients unsharded across microbatches
+            parallel["pp_fsdp_unsharded_microbatches"] = True
         elif key == "mp":  # FSDP all-gathers bf16 parameters, reduces in fp32
             parallel["mixed_precision_param"] = "bf16"
+        elif key == "fp8":  # train.fp8 through torchao's emulated float8 (the reference is converted alike)
+            extra["fp8"] = value
         elif key == "loss":  # train.loss: the default (auto) is the chunked head loss, vocab-parallel under TP
             extra["loss"] = value
         elif key == "single":
@@ -252,6 +275,32 @@ def vocab_parallel_loss_check() -> dict[str, Any]:
             "worst": "logits", "kernels": {}}
 
 
+FLOAT8_GATHERS = [0]  # float8 all-gathers of torchao tensors (tensor-parallel activations and gradients) so far
+
+
+def gather_float8_as_bytes() -> None:
+    """gloo has no float8 type ("Invalid scalar type"); NCCL all-gathers float8 as bytes (torch maps it to
+    ncclUint8). Make torchao's float8 all-gather (tensor-parallel activations and gradients) do the same here."""
+    from torchao.float8.float8_ops import FLOAT8_OPS_TABLE
+
+    ops = torch.ops._c10d_functional
+    gather = ops.all_gather_into_tensor.default
+    original = FLOAT8_OPS_TABLE[gather]
+    if getattr(original, "as_bytes", False):
+        return
+
+    def as_bytes(data: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        FLOAT8_GATHERS[0] += 1
+        out = gather(data.view(torch.uint8), *args, **kwargs)
+        return ops.wait_tensor.default(out).view(data.dtype)  # waited here; the later wait finds nothing pending
+
+    def patched(aten_op, args, kwargs=None):
+        return original(as_bytes, args, kwargs)
+
+    patched.as_bytes = True  # type: ignore[attr-defined]
+    FLOAT8_OPS_TABLE[gather] = patched
+
+
 def run_scenario(name: str) -> dict[str, Any]:
     from meshformer.parallel import build_plan
 
@@ -262,8 +311,15 @@ def run_scenario(name: str) -> dict[str, Any]:
 
         return materialize_check(name.removeprefix("materialize:"))
     cfg, steps = scenario(name)
+    if cfg.train.fp8 != "off":  # CPU: torchao's emulation stands in for FP8 tensor cores
+        from meshformer.parallel import float8
+
+        float8.fp8_supported = lambda device: True
+        gather_float8_as_bytes()
     plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
+    gathers_before = FLOAT8_GATHERS[0]
     result = train_steps(plan, steps, plan.dp_rank, plan.dp_size)
+    float8_gathers = FLOAT8_GATHERS[0] - gathers_before
     report = compare(cfg, steps, result)
     # Union of what every rank checked: each pipeline stage checks its own parameters.
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -273,6 +329,7 @@ def run_scenario(name: str) -> dict[str, Any]:
     report["missing"] = sorted(set(report.pop("reference_params")) - checked)
     report["checked"] = len(checked)
     report["kernels"] = plan.report
+    report["float8_gathers"] = float8_gathers
     return report
 
 

@@ -15,6 +15,7 @@ from meshformer.checkpointing import (
     ConversionError,
     SchedulerState,
     TrainState,
+    dcp_io,
     read_checkpoint_model,
     write_weights_checkpoint,
 )
@@ -55,6 +56,16 @@ def test_checkpoint_to_safetensors_and_back(tmp_path):
     cfg2, state2 = read_checkpoint_model(tmp_path / "ck2")
     assert cfg2 == cfg and (tmp_path / "ck2" / step_dir_name(0) / "manifest.json").is_file()
     assert_bitwise(state2, state)
+
+
+def test_reading_a_checkpoint_tensor_by_tensor_unpickles_its_index_once(tmp_path, monkeypatch):
+    root, model = _training_checkpoint(tmp_path)
+    loads = []
+    unpickle = dcp_io._MetadataUnpickler.load
+    monkeypatch.setattr(dcp_io._MetadataUnpickler, "load", lambda self: loads.append(1) or unpickle(self))
+    _, state = read_checkpoint_model(root)
+    assert_bitwise({k: state[k] for k in state}, {k: v.detach() for k, v in model.state_dict().items()})
+    assert len(state) > 3 and len(loads) == 1
 
 
 def test_weights_only_checkpoints_always_start_at_step_0(tmp_path):

@@ -90,7 +90,7 @@ _CFG = ModelConfig(family="decoder", vocab_size=100, d_model=32, n_heads=4, n_la
 def _export(tmp_path):
     torch.manual_seed(0)
     model = Transformer(_CFG)
-    export_megatron(model.state_dict(), _CFG, tmp_path / "mcore", pad_vocab_multiple=128, show_progress=False)
+    export_megatron(model.state_dict(), _CFG, tmp_path / "mcore", pad_vocab_multiple=128)
     return model
 
 
@@ -110,11 +110,11 @@ def test_megatron_heads_that_contradict_the_checkpoint_are_refused(tmp_path):
     _export(tmp_path)
     # 8 heads of width 4 fit the tensors too (multi-head q/k/v is 3 x d_model rows for any head count)
     with pytest.raises(ConversionError) as info:
-        import_megatron(tmp_path / "mcore", n_heads=8, show_progress=False)
+        import_megatron(tmp_path / "mcore", n_heads=8)
     message = str(info.value)
     assert "--heads 8" in message and "n_heads=4" in message and " — " in message
     with pytest.raises(ConversionError, match=r"--activation 'gelu'.*activation='relu'"):
-        import_megatron(tmp_path / "mcore", activation="gelu", show_progress=False)
+        import_megatron(tmp_path / "mcore", activation="gelu")
 
 
 def test_megatron_saved_config_that_contradicts_the_tensors_is_refused(tmp_path):
@@ -122,13 +122,13 @@ def test_megatron_saved_config_that_contradicts_the_tensors_is_refused(tmp_path)
     file = tmp_path / "mcore" / "meshformer_model_config.json"
     file.write_text(json.dumps({**json.loads(file.read_text()), "d_ff": 128}))
     with pytest.raises(ConversionError, match=r"d_ff=128.*d_ff=64"):
-        import_megatron(tmp_path / "mcore", show_progress=False)
+        import_megatron(tmp_path / "mcore")
 
 
 def test_megatron_without_saved_config_needs_heads(tmp_path):
     _export(tmp_path)
     (tmp_path / "mcore" / "meshformer_model_config.json").unlink()
     with pytest.raises(ConversionError, match=r"--heads"):
-        import_megatron(tmp_path / "mcore", show_progress=False)
-    cfg, _ = import_megatron(tmp_path / "mcore", n_heads=4, vocab_size=100, activation="relu", show_progress=False)
+        import_megatron(tmp_path / "mcore")
+    cfg, _ = import_megatron(tmp_path / "mcore", n_heads=4, vocab_size=100, activation="relu")
     assert cfg.n_heads == 4

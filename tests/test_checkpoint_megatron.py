@@ -89,7 +89,7 @@ def test_mismatches_are_explained(tmp_path):
     with pytest.raises(SystemExit, match="cannot be written as a Megatron-Core GPT checkpoint: family='encoder'"):
         main(["convert", "export-megatron", str(tmp_path / "bert"), str(tmp_path / "out")])
     cfg = CASES["llama"]
-    export_megatron(_random_model(cfg).state_dict(), cfg, tmp_path / "mcore", show_progress=False)
+    export_megatron(_random_model(cfg).state_dict(), cfg, tmp_path / "mcore")
     with pytest.raises(ConversionError, match=r"does not fit n_heads=3|does not divide"):
         import_megatron(tmp_path / "mcore", n_heads=3)
     with pytest.raises(ConversionError, match="not a Megatron torch_dist checkpoint"):
@@ -154,8 +154,7 @@ def _megatron_reference(out_dir: str, port: str) -> None:
                             share_embeddings_and_output_weights=cfg.tie_embeddings).eval()
 
         ours = _random_model(cfg)
-        export_megatron(ours.state_dict(), cfg, Path(out_dir) / f"export_{name}", pad_vocab_multiple=128,
-                        show_progress=False)
+        export_megatron(ours.state_dict(), cfg, Path(out_dir) / f"export_{name}", pad_vocab_multiple=128)
         megatron = megatron_model(2)
         loaded = dist_checkpointing.load(megatron.sharded_state_dict(),
                                          str(Path(out_dir) / f"export_{name}" / "iter_0000000"))
@@ -171,7 +170,7 @@ def _megatron_reference(out_dir: str, port: str) -> None:
         folder.mkdir()
         dist_checkpointing.save(megatron.sharded_state_dict(), str(folder))
         imported_cfg, state = import_megatron(folder, n_heads=cfg.n_heads, vocab_size=100,
-                                              max_seq_len=cfg.max_seq_len, show_progress=False)
+                                              max_seq_len=cfg.max_seq_len)
         imported = Transformer(imported_cfg).eval()
         imported.load_state_dict(state, strict=True)
         with torch.no_grad():

@@ -105,8 +105,9 @@ def _peak_rss(args: list[str]) -> int:
 
 
 def test_conversions_never_hold_the_whole_model(tmp_path):
-    """Peak RSS of import-hf and to-safetensors on a 60 MiB model, less the same on a tiny one, stays well under
-    the model (a full state dict would be 1-2x): one tensor (1 MiB) and one output file (2 MB) at a time."""
+    """Peak RSS of import-hf, to-safetensors and import-megatron on a 60 MiB model, less the same
+    on a tiny one, stays well under the model (a full state dict would be 1-2x): one tensor (1 MiB; for Megatron
+    one layer of a stacked tensor) and one output file (2 MB) at a time."""
     from meshformer.checkpointing.hf_folder import export_hf
 
     peaks = {}
@@ -114,17 +115,22 @@ def test_conversions_never_hold_the_whole_model(tmp_path):
         model = _model("gpt2", layers, width)
         hf = tmp_path / size / "hf"
         export_hf(model.state_dict(), model.cfg, hf, max_shard_size="4MB")
+        write_weights(model.state_dict(), model.cfg, tmp_path / size / "ours", max_shard_size="4MB")
         main(["convert", "import-hf", str(hf), str(tmp_path / size / "w"), "--checkpoint"])
+        main(["convert", "export-megatron", str(tmp_path / size / "ours"), str(tmp_path / size / "mcore")])
         peaks[size] = {
             "import": _peak_rss(["convert", "import-hf", str(hf), str(tmp_path / size / "w2"),
                                  "--max-shard-size", "2MB"]),
             "to_safetensors": _peak_rss(["convert", "to-safetensors", str(tmp_path / size / "w"),
                                          str(tmp_path / size / "out"), "--max-shard-size", "2MB"]),
+            "import_megatron": _peak_rss(["convert", "import-megatron", str(tmp_path / size / "mcore"),
+                                          str(tmp_path / size / "w3"), "--max-shard-size", "2MB"]),
         }
         model_bytes = sum(p.numel() * 4 for p in model.parameters())
         del model
     assert model_bytes > 55 * 2**20
     print({k: {kind: round((v - peaks["tiny"][kind]) / model_bytes, 3) for kind, v in p.items()}
            for k, p in peaks.items()})
-    for kind in ("import", "to_safetensors"):
+    assert_bitwise(read_weights(tmp_path / "big" / "w3")[1], read_weights(tmp_path / "big" / "ours")[1])
+    for kind in peaks["big"]:
         assert peaks["big"][kind] - peaks["tiny"][kind] < 0.4 * model_bytes, (kind, peaks, model_bytes)

@@ -18,6 +18,19 @@ def run_dir(tmp_path_factory):
     return path
 
 
+def test_the_trainer_uses_the_tokenizer_preflight_loaded(tmp_path, monkeypatch):
+    from meshformer.train import preflight as preflight_module
+    from meshformer.train.__main__ import run
+    from meshformer.train.trainer import Trainer
+
+    checked, used = [], []
+    real = preflight_module.preflight
+    monkeypatch.setattr(preflight_module, "preflight", lambda cfg: checked.append(real(cfg)) or checked[-1])
+    monkeypatch.setattr(Trainer, "fit", lambda self: used.append(self.tokenizer))
+    run(str(CONFIGS / "tiny-gpt.toml"), [*SMALL, f"logging.run_dir={tmp_path}"])
+    assert len(checked) == 1 and len(used) == 1 and used[0] is checked[0]
+
+
 def test_params_json_reports_published_sizes(capsys):
     main(["params", str(CONFIGS / "transformer-big.toml"), "--json"])
     report = json.loads(capsys.readouterr().out)

@@ -29,6 +29,7 @@ from _cluster_fixtures import (
 
 from meshformer.checkpointing.directory import committed_steps
 from meshformer.cli import main
+from meshformer.launcher import slurm as slurm_module
 from meshformer.launcher.slurm import SlurmJob, SubmitError, sbatch_script, submit
 from meshformer.launcher.torchrun import torchrun_command
 
@@ -100,6 +101,14 @@ def test_settings_that_lose_work_on_requeue_are_warned_about(tmp_path, capsys):
     main(["submit", CONFIG, "--dry-run", "--set", f"logging.run_dir={tmp_path}", "checkpoint.interval=0"])
     assert "warning: checkpoint.interval=0: a requeued or restarted job starts again from step 0" in \
         capsys.readouterr().err
+
+
+def test_submit_loads_the_config_once(tmp_path, capsys, monkeypatch):
+    loads = []
+    load = slurm_module.load_config
+    monkeypatch.setattr(slurm_module, "load_config", lambda *args: loads.append(args) or load(*args))
+    main(["submit", CONFIG, "--nodes", "2", "--dry-run", "--set", f"logging.run_dir={tmp_path}"])
+    assert "#SBATCH --nodes=2" in capsys.readouterr().out and len(loads) == 1
 
 
 def test_missing_sbatch_is_a_clear_error(tmp_path, monkeypatch):

@@ -66,6 +66,9 @@ def test_bundled_configs_load_by_name():
         (["train.steps"], "section.key=value"),
         (["data.num_workers=-1"], "data.num_workers"),  # data keys are checked on load, not when data is built
         (["data.eval_fraction=1.0"], "data.eval_fraction"),
+        (["checkpoint.max_shard_size=lots"], "checkpoint.max_shard_size: cannot read the size"),  # not after training
+        (["model.family=decodr"], "did you mean 'decoder'\\? registered families"),
+        (["model.cross_downsample=2"], "cross_downsample only applies"),
     ],
 )
 def test_bad_config_names_key_and_fix(overrides, message):

@@ -14,8 +14,8 @@ from meshformer.parallel.float8 import apply_float8, check_fp8
 
 def test_fp8_is_refused_without_fp8_tensor_cores():
     with pytest.raises(ConfigError, match=r"train.fp8='tensorwise' needs FP8 tensor cores .* set train.fp8='off'"):
-        check_fp8("tensorwise", torch.device("cpu"), tensor_parallel=False)
-    check_fp8("off", torch.device("cpu"), tensor_parallel=False)  # off is always fine
+        check_fp8("tensorwise", torch.device("cpu"))
+    check_fp8("off", torch.device("cpu"))  # off is always fine
     cfg = make_config("decoder", fp8="rowwise")
     with pytest.raises(ConfigError, match="needs FP8 tensor cores"):
         build_plan(new_model(cfg), cfg, torch.device("cpu"))

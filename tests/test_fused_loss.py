@@ -141,9 +141,11 @@ def test_loss_choice_is_checked_against_device_and_layout():
     single, tp, pp = ParallelDims(1, 1, 1, 1, 1, 1), ParallelDims(1, 1, 1, 1, 2, 2), ParallelDims(2, 1, 1, 1, 1, 2)
     with pytest.raises(ConfigError, match="train.loss='liger' needs CUDA"):
         build_head_loss(cfg, single, torch.device("cpu"))
-    cfg.train.loss = "chunked"
-    with pytest.raises(ConfigError, match="does not support pipeline parallelism"):
-        build_head_loss(cfg, pp, torch.device("cpu"))
+    cfg.parallel.pp_schedule = "zbv"
+    with pytest.raises(ConfigError, match="train.loss='liger' cannot run under parallel.pp_schedule='zbv'"):
+        build_head_loss(cfg, pp, torch.device("cuda"))
     cfg.train.loss = "auto"
-    assert build_head_loss(cfg, pp, torch.device("cpu")) is None  # the last stage's logits loss
+    assert build_head_loss(cfg, pp, torch.device("cpu")).kind == "chunked"  # the last pipeline stage runs it
     assert build_head_loss(cfg, tp, torch.device("cpu")) is None  # needs the rank's vocabulary rows first
+    cfg.train.loss = "plain"
+    assert build_head_loss(cfg, pp, torch.device("cpu")) is None

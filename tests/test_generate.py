@@ -39,7 +39,7 @@ def test_incremental_logits_equal_full_sequence_logits(family, position):
     model = model_for(family, position, **extra)
     ids = torch.randint(0, 40, (2, 9))
     memory = memory_padding = None
-    if family == "encoder_decoder":
+    if model.spec.seq2seq:
         source_padding = torch.ones(2, 6, dtype=torch.bool)
         source_padding[1, 4:] = False
         memory, memory_padding = model.encode(torch.randint(0, 40, (2, 6)), source_padding)

@@ -51,7 +51,7 @@ def test_heatmap_png_has_the_requested_size(tmp_path, family, stack):
     ids = torch.randint(0, 30, (1, 9))
     tokens = [f"tok{i}" for i in range(9)]
     kwargs = {}
-    if family == "encoder_decoder":
+    if model.spec.seq2seq:
         kwargs = dict(decoder_input_ids=ids[:, :5], decoder_tokens=tokens[:5])
     path = attention_heatmap(model, ids, tmp_path / "maps" / "attn.png", layer=1, head=3, stack=stack,
                              tokens=tokens, size_px=(640, 480), **kwargs)

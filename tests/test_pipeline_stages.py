@@ -12,6 +12,7 @@ import torch
 from parallel_harness import make_batches, make_config, new_model
 
 from meshformer.batch import model_inputs
+from meshformer.fused_loss import head_loss_fn
 from meshformer.model.families import FAMILIES, get_family_spec
 from meshformer.parallel.pipeline import TransformerStage, split_layers, stage_pieces
 
@@ -21,7 +22,7 @@ def run_stages(stages: list[TransformerStage], inputs: dict[str, torch.Tensor]) 
     for stage in stages:
         out = stage(*carry, **inputs)
         carry = out if isinstance(out, tuple) else (out,)
-    assert len(carry) == 1, "the last stage returns logits only"
+    assert len(carry) == 1, "the last stage returns logits (or the loss) only"
     return carry[0]
 
 
@@ -47,6 +48,10 @@ def test_stages_chained_equal_the_whole_model(family, n_stages, split):
 
     expected.square().mean().backward()
     got.square().mean().backward()
+    assert_stage_grads_equal(model, stages)
+
+
+def assert_stage_grads_equal(model: torch.nn.Module, stages: list[TransformerStage]) -> None:
     grads = {name: p.grad for name, p in model.named_parameters()}
     seen: dict[str, torch.Tensor] = {}
     for stage in stages:  # a weight held by several stages (tied) gets the sum of their gradients
@@ -56,6 +61,26 @@ def test_stages_chained_equal_the_whole_model(family, n_stages, split):
     assert seen.keys() == grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(seen[name], grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize(("family", "n_stages"), [("decoder", 3), ("encoder", 2), ("encdec", 4)])
+def test_last_stage_with_head_loss_returns_the_models_loss(family, n_stages):
+    """With a fused head loss the last stage computes the loss from the labels (other stages ignore them)."""
+    cfg = make_config(family)
+    model = new_model(cfg).double()
+    batch = make_batches(cfg, 1)[0]
+    inputs = {**model_inputs(batch), "labels": batch["labels"]}
+    head_loss = head_loss_fn("chunked", cfg.train.label_smoothing, cfg.train.z_loss)
+    stages = [TransformerStage(model, span) for span in split_layers(model.spec.total_layers(cfg.model), n_stages)]
+    stages[-1].head_loss = head_loss
+
+    expected = model(**model_inputs(batch), labels=batch["labels"], head_loss=head_loss)
+    got = run_stages(stages, inputs)
+    assert got.dim() == 0
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    expected.backward()
+    got.backward()
+    assert_stage_grads_equal(model, stages)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

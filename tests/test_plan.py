@@ -85,3 +85,22 @@ def test_cli_prints_table_and_json(capsys):
     assert "peak GiB" in out and "usable" in out
     with pytest.raises(SystemExit, match="does not divide"):
         main(["plan", config, "--world", "12", "--set", "parallel.tp=8"])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zbv"])
+def test_planner_counts_the_last_stages_fused_head_loss_under_pipeline_parallelism(schedule):
+    """train.loss=auto is the chunked loss under PP too: the last pipeline rank holds no full-vocabulary logits."""
+    from meshformer.plan.activations import activation_shape, chunked_loss
+
+    cfg = validation_config({"pp": 2, "pp_schedule": schedule, "pp_microbatches": 4}, vocab=32000)
+    last, first = (0, 1) if schedule == "zbv" else (1, 0)  # ZBV's V places the last stage on rank 0
+
+    def last_rank_loss(loss: str) -> float:
+        cfg.train.loss = loss
+        return next(r for r in plan_layout(cfg, 2).ranks if r.pp_rank == last).logits
+
+    auto, chunked, plain = last_rank_loss("auto"), last_rank_loss("chunked"), last_rank_loss("plain")
+    assert auto == chunked < plain
+    kept, transient = chunked_loss(cfg.model, activation_shape(cfg, 1, 1, False), "cpu")
+    assert chunked == kept * (4 if schedule == "gpipe" else 1) + transient  # GPipe keeps every micro-batch's
+    assert next(r for r in plan_layout(cfg, 2).ranks if r.pp_rank == first).logits == 0.0

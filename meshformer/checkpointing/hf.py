@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
 from meshformer.checkpointing.mapping import export_tensors, finish_import, import_tensors, name_map, our_shapes
 from meshformer.config import Activation, ModelConfig
+from meshformer.model.families import get_family_spec
 
 if TYPE_CHECKING:
     from meshformer.model import Transformer
@@ -185,9 +186,10 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
             rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
             bos_token_id=None, eos_token_id=None, pad_token_id=None,
         )
+    spec = get_family_spec(cfg.family)
     return transformers.T5Config(  # type: ignore[call-arg]  # tie_word_embeddings: a PretrainedConfig kwarg
         vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.head_dim, d_ff=cfg.d_ff,
-        num_layers=cfg.encoder_depth, num_decoder_layers=cfg.decoder_depth, num_heads=cfg.n_heads,
+        num_layers=spec.depth(cfg, "encoder"), num_decoder_layers=spec.depth(cfg, "decoder"), num_heads=cfg.n_heads,
         dropout_rate=cfg.dropout, layer_norm_epsilon=cfg.norm_eps, relative_attention_num_buckets=cfg.relative_buckets,
         relative_attention_max_distance=cfg.relative_max_distance,
         feed_forward_proj="gated-silu" if cfg.activation == "swiglu" else "relu",
@@ -300,9 +302,14 @@ def from_hf_state_dict(hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig, a
     if arch == "bert":
         token_type = hf_state[_BERT_TOKEN_TYPES][0] if _BERT_TOKEN_TYPES in hf_state else 0.0
         out["pos_embeddings.weight"] = (hf_state[_BERT_POSITIONS] + token_type).contiguous()
-        used |= {_BERT_POSITIONS, _BERT_TOKEN_TYPES}
-    leftovers = [k for k in hf_state if k not in used and not _IGNORED.search(k)]
-    return finish_import(out, cfg, shapes, leftovers, f"Hugging Face {arch}")
+    return finish_import(out, cfg, shapes, unused_names(hf_state, used, arch), f"Hugging Face {arch}")
+
+
+def unused_names(names: Iterable[str], used: set[str], arch: Arch) -> list[str]:
+    """HF names no rule reads, other than weightless buffers and parts BertForMaskedLM lacks too (`_IGNORED`);
+    BERT's position and token-type tables are read together into our positions."""
+    used = used | ({_BERT_POSITIONS, _BERT_TOKEN_TYPES} if arch == "bert" else set())
+    return [k for k in names if k not in used and not _IGNORED.search(k)]
 
 
 _MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForMaskedLM", "llama": "LlamaForCausalLM",

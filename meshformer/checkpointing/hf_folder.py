@@ -87,26 +87,23 @@ def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arc
     weightless buffer), every tensor of ours must have a source.
     """
     from meshformer.checkpointing import hf
-    from meshformer.checkpointing.mapping import import_tensors, our_shapes
+    from meshformer.checkpointing.mapping import check_names, import_tensors, our_shapes
     from meshformer.checkpointing.safetensors_io import LazyState
 
     hf.check_compatible(cfg, arch)
     original = hf._normalize_names({k: k for k in theirs}, arch)  # normalised name -> name in the files
     shapes = our_shapes(cfg)
     source = f"Hugging Face {arch}"
-    rule_of, used = {}, set()
-    for rule in name_map(cfg, arch):
-        used.add(rule.theirs)
+    rules = name_map(cfg, arch)
+    rule_of = {}
+    for rule in rules:
         if rule.alias:
             continue
         if rule.theirs not in original:
             raise KeyError(f"{source} state dict lacks {rule.theirs!r} (needed for {', '.join(rule.ours)})")
         rule_of.update(dict.fromkeys(rule.ours, rule))
-    if arch == "bert":
-        used |= {hf._BERT_POSITIONS, hf._BERT_TOKEN_TYPES}
-    leftovers = sorted(k for k in original if k not in used and not hf._IGNORED.search(k))
-    if leftovers:
-        raise ValueError(f"{source} tensors with no meshformer counterpart (not loaded): {leftovers[:8]}")
+    ours = [*rule_of, *(["pos_embeddings.weight"] if arch == "bert" else [])]
+    check_names(ours, cfg, shapes, hf.unused_names(original, {r.theirs for r in rules}, arch), source)
     tied = cfg.tie_embeddings and "output.weight" in shapes
 
     def read(name: str) -> torch.Tensor:
@@ -121,10 +118,6 @@ def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arc
         except ValueError as err:  # a shape that does not fit the config
             raise ConversionError(str(err)) from None
 
-    missing = sorted(n for n in shapes if n not in rule_of and not (tied and n == "output.weight")
-                     and not (arch == "bert" and n == "pos_embeddings.weight"))
-    if missing:
-        raise ValueError(f"conversion from {source} left meshformer tensors unset: {missing[:8]}")
     return LazyState(list(shapes), read)
 
 

@@ -307,7 +307,8 @@ class CheckpointManager:
             raise CheckpointError(f"{path} has trainer-state version {state['version']}; upgrade meshformer")
         self._warn_config_changes(state.get("config"), run.config)
         start = time.perf_counter()
-        saved = {k: (v.size, v.properties.dtype) for k, v in tensor_entries(read_metadata(path)).items()}
+        metadata = read_metadata(path)  # once: the load below reuses it
+        saved = {k: (v.size, v.properties.dtype) for k, v in tensor_entries(metadata).items()}
         parts, optimizer = run.model_parts, run.optimizer
         training = state.get("kind") == "training"
         if training and state.get("optimizer", type(optimizer).__name__) != type(optimizer).__name__:
@@ -322,7 +323,7 @@ class CheckpointManager:
                         {k: v[0] for k, v in saved.items()})
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(templates, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
+            dcp.load(templates, storage_reader=SafeFileSystemReader(path, metadata), planner=SafeLoadPlanner(),
                      process_group=self.group, no_dist=not self.distributed)
         st.apply_model(parts, model_t)
         optim_t.fill_copies()

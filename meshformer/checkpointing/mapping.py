@@ -64,16 +64,24 @@ def import_tensors(theirs: Mapping[str, torch.Tensor], rules: Iterable[Rule], sh
     return out, used
 
 
-def finish_import(out: dict[str, torch.Tensor], cfg: ModelConfig, shapes: Mapping[str, torch.Size],
-                  leftovers: Iterable[str], source: str) -> dict[str, torch.Tensor]:
-    """Restore tied names and refuse to drop foreign weights silently or to return an incomplete state dict."""
+def check_names(ours: Iterable[str], cfg: ModelConfig, shapes: Mapping[str, torch.Size], leftovers: Iterable[str],
+                source: str) -> None:
+    """Refuse to drop foreign weights silently (`leftovers`) or to leave a tensor of ours without a source (`ours`:
+    the names the conversion produces; the tied output needs none)."""
     leftovers = sorted(leftovers)
     if leftovers:
         raise ValueError(f"{source} tensors with no meshformer counterpart (not loaded): {leftovers[:8]}"
                          f"{' ...' if len(leftovers) > 8 else ''}")
-    if cfg.tie_embeddings and "output.weight" in shapes:
-        out["output.weight"] = out["tok_embeddings.weight"]
-    missing = sorted(set(shapes) - set(out))
+    tied = {"output.weight"} if cfg.tie_embeddings else set()
+    missing = sorted(set(shapes) - set(ours) - tied)
     if missing:
         raise ValueError(f"conversion from {source} left meshformer tensors unset: {missing[:8]}")
+
+
+def finish_import(out: dict[str, torch.Tensor], cfg: ModelConfig, shapes: Mapping[str, torch.Size],
+                  leftovers: Iterable[str], source: str) -> dict[str, torch.Tensor]:
+    """Check the names (`check_names`) and restore the tied output."""
+    check_names(out, cfg, shapes, leftovers, source)
+    if cfg.tie_embeddings and "output.weight" in shapes:
+        out["output.weight"] = out["tok_embeddings.weight"]
     return out

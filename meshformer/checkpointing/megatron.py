@@ -14,18 +14,19 @@ learned absolute positions or RoPE, MHA/GQA/MQA, tied or untied output, with or 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from meshformer.checkpointing.dcp_io import read_full_tensors, read_metadata, save_tensors, tensor_entries
+from meshformer.checkpointing.dcp_io import read_box, read_metadata, save_tensors_streamed, tensor_entries
 from meshformer.checkpointing.errors import ConversionError
-from meshformer.checkpointing.progress import progress
+from meshformer.checkpointing.safetensors_io import LazyState
 from meshformer.config import Activation, ModelConfig
 from meshformer.model.families import FAMILIES
 from meshformer.model.families.naming import MegatronNames
@@ -104,40 +105,48 @@ def unpack_qkv(qkv: torch.Tensor, n_heads: int, n_groups: int) -> tuple[torch.Te
 # ----------------------------------------------------------------------------- export
 
 
-def to_megatron_tensors(state: Mapping[str, torch.Tensor], cfg: ModelConfig, *, padded_vocab: int | None = None,
-                        show_progress: bool | None = None) -> dict[str, torch.Tensor]:
+def megatron_layer_sources(state: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int
+                           ) -> dict[str, Callable[[], torch.Tensor]]:
+    """Megatron's stacked keys -> how to make layer `layer` of each from our tensors (read when called)."""
     ours = check_megatron_compatible(cfg)
-    layers = [f"{ours.layers}.{i}." for i in range(cfg.n_layers)]
-    norm_params = ("weight", "bias") if cfg.norm == "layernorm" else ("weight",)
-    linear_params = ("weight", "bias") if cfg.bias else ("weight",)
-    per_layer: dict[str, list[torch.Tensor]] = {}
-
-    def add(key: str, tensor: torch.Tensor) -> None:
-        per_layer.setdefault(key, []).append(tensor)
-
-    for prefix in progress(layers, desc="to megatron", enabled=show_progress, unit="layer"):
-        for p in norm_params:
-            add(QKV + f"layer_norm_{p}", _norm_param(state, prefix + ours.attn_norm, p, cfg))
-            add(FC1 + f"layer_norm_{p}", _norm_param(state, prefix + ours.ffn_norm, p, cfg))
-        for p in linear_params:
-            q, k, v = (state[f"{prefix}{name}.{p}"] for name in ours.qkv)
-            add(QKV + p, pack_qkv(q, k, v, cfg.n_heads, cfg.kv_heads))
-            add(PROJ + p, state[f"{prefix}{ours.attn_out}.{p}"])
-            up = state[f"{prefix}{ours.up}.{p}"]
-            add(FC1 + p, torch.cat([state[f"{prefix}{ours.gate}.{p}"], up]) if cfg.activation == "swiglu" else up)
-            add(FC2 + p, state[f"{prefix}{ours.down}.{p}"])
-    out = {key: torch.stack(tensors).contiguous() for key, tensors in per_layer.items()}
-    out[EMBEDDING] = _pad_rows(state[ours.embedding], padded_vocab)
-    if cfg.position == "learned":
-        out[POSITIONS] = state[ours.positions].contiguous()
-    for p in norm_params:
-        out[FINAL_NORM + p] = _norm_param(state, ours.final_norm, p, cfg)
-    if not cfg.tie_embeddings:
-        out[OUTPUT] = _pad_rows(state[ours.output], padded_vocab)
+    prefix = f"{ours.layers}.{layer}."
+    out: dict[str, Callable[[], torch.Tensor]] = {}
+    for p in ("weight", "bias") if cfg.norm == "layernorm" else ("weight",):
+        out[QKV + f"layer_norm_{p}"] = functools.partial(_norm_param, state, prefix + ours.attn_norm, p)
+        out[FC1 + f"layer_norm_{p}"] = functools.partial(_norm_param, state, prefix + ours.ffn_norm, p)
+    for p in ("weight", "bias") if cfg.bias else ("weight",):
+        out[QKV + p] = functools.partial(_packed_qkv, state, [f"{prefix}{name}.{p}" for name in ours.qkv], cfg)
+        out[PROJ + p] = functools.partial(state.__getitem__, f"{prefix}{ours.attn_out}.{p}")
+        gate, up = f"{prefix}{ours.gate}.{p}", f"{prefix}{ours.up}.{p}"
+        out[FC1 + p] = functools.partial(_concatenated, state, [gate, up] if cfg.activation == "swiglu" else [up])
+        out[FC2 + p] = functools.partial(state.__getitem__, f"{prefix}{ours.down}.{p}")
     return out
 
 
-def _norm_param(state: Mapping[str, torch.Tensor], module: str, param: str, cfg: ModelConfig) -> torch.Tensor:
+def _packed_qkv(state: Mapping[str, torch.Tensor], names: list[str], cfg: ModelConfig) -> torch.Tensor:
+    q, k, v = (state[name] for name in names)
+    return pack_qkv(q, k, v, cfg.n_heads, cfg.kv_heads)
+
+
+def _concatenated(state: Mapping[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+    return torch.cat([state[name] for name in names]) if len(names) > 1 else state[names[0]]
+
+
+def megatron_global_sources(state: Mapping[str, torch.Tensor], cfg: ModelConfig, padded_vocab: int | None
+                            ) -> dict[str, Callable[[], torch.Tensor]]:
+    """Megatron's unstacked keys (embeddings, final norm, output layer) -> how to make each from our tensors."""
+    ours = check_megatron_compatible(cfg)
+    out: dict[str, Callable[[], torch.Tensor]] = {EMBEDDING: lambda: _pad_rows(state[ours.embedding], padded_vocab)}
+    if cfg.position == "learned":
+        out[POSITIONS] = lambda: state[ours.positions].contiguous()
+    for p in ("weight", "bias") if cfg.norm == "layernorm" else ("weight",):
+        out[FINAL_NORM + p] = functools.partial(_norm_param, state, ours.final_norm, p)
+    if not cfg.tie_embeddings:
+        out[OUTPUT] = lambda: _pad_rows(state[ours.output], padded_vocab)
+    return out
+
+
+def _norm_param(state: Mapping[str, torch.Tensor], module: str, param: str) -> torch.Tensor:
     key = f"{module}.{param}"
     if key in state:
         return state[key]
@@ -154,21 +163,54 @@ def _pad_rows(table: torch.Tensor, rows: int | None) -> torch.Tensor:
 
 
 def export_megatron(state: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: Path, *, iteration: int = 0,
-                    pad_vocab_multiple: int = 1, show_progress: bool | None = None) -> Path:
-    """Write `out_dir/iter_<N>/` (torch_dist) and `latest_checkpointed_iteration.txt`; returns the iter folder."""
+                    pad_vocab_multiple: int = 1) -> Path:
+    """Write `out_dir/iter_<N>/` (torch_dist) and `latest_checkpointed_iteration.txt`; returns the iter folder.
+
+    Streamed, as Megatron itself saves: each stacked tensor is written one chunk per layer, each chunk made from
+    our tensors when the writer comes to it, so at most one layer's tensor is in memory."""
     padded = -(-cfg.vocab_size // pad_vocab_multiple) * pad_vocab_multiple
-    tensors: dict[str, object] = dict(to_megatron_tensors(state, cfg, padded_vocab=padded,
-                                                          show_progress=show_progress))
+    singles = megatron_global_sources(state, cfg, padded)
+    layers = [megatron_layer_sources(state, cfg, i) for i in range(cfg.n_layers)]
+    shapes = _MetaState(state)  # templates: the same recipes on meta tensors
+    templates: dict[str, object] = {key: make() for key, make in megatron_global_sources(shapes, cfg, padded).items()}
+    for key, make in megatron_layer_sources(shapes, cfg, 0).items():
+        row = make()
+        templates[key] = row.new_empty(cfg.n_layers, *row.shape)
     for module in _EXTRA_STATE_MODULES:  # local-spec linears carry an empty extra state per layer
         for i in range(cfg.n_layers):  # Megatron stores each sharded object as a one-item list
-            tensors[f"{LAYER}{module}._extra_state/shard_{i}_{cfg.n_layers}"] = [None]
+            templates[f"{LAYER}{module}._extra_state/shard_{i}_{cfg.n_layers}"] = [None]
     folder = Path(out_dir) / f"iter_{iteration:07d}"
-    save_tensors(tensors, folder)
+    save_tensors_streamed(templates, lambda key: singles[key](), folder,
+                          read_row={key: functools.partial(_layer_tensor, layers, key) for key in layers[0]})
     torch.save({}, folder / "common.pt")  # GPTModel has no non-sharded state; Megatron-LM adds its args here
     (folder / "metadata.json").write_text(json.dumps(BACKEND_METADATA))
     (Path(out_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     (Path(out_dir) / SAVED_CONFIG).write_text(json.dumps(asdict(cfg), indent=2))
     return folder
+
+
+def _layer_tensor(layers: list[dict[str, Callable[[], torch.Tensor]]], key: str, layer: int) -> torch.Tensor:
+    return layers[layer][key]()
+
+
+class _MetaState(Mapping[str, torch.Tensor]):
+    """Meta tensors of the shapes and dtypes in `state`, without reading a lazily read state's data."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
+        self._state = state
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        meta = getattr(self._state, "meta", None)
+        return meta(name) if callable(meta) else self._state[name].to("meta")
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._state
+
+    def __iter__(self):
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
 
 
 # ----------------------------------------------------------------------------- import
@@ -231,47 +273,62 @@ def infer_config(folder: Path, *, n_heads: int, vocab_size: int | None = None, a
     )
 
 
-def from_megatron_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def megatron_sources(cfg: ModelConfig, read: Callable[[str, int | None], torch.Tensor]
+                     ) -> dict[str, Callable[[], torch.Tensor]]:
+    """Our tensor names -> how to make each from Megatron's: `read(key, None)` reads a whole tensor and
+    `read(key, i)` layer i of a stacked one, so a conversion holds one layer's tensor at a time."""
     ours = check_megatron_compatible(cfg)
-    out: dict[str, torch.Tensor] = {ours.embedding: tensors[EMBEDDING][: cfg.vocab_size].contiguous()}
+    out: dict[str, Callable[[], torch.Tensor]] = {
+        ours.embedding: lambda: read(EMBEDDING, None)[: cfg.vocab_size].contiguous()}
     if cfg.position == "learned":
-        out[ours.positions] = tensors[POSITIONS]
+        out[ours.positions] = lambda: read(POSITIONS, None)
     if not cfg.tie_embeddings:
-        out[ours.output] = tensors[OUTPUT][: cfg.vocab_size].contiguous()
+        out[ours.output] = lambda: read(OUTPUT, None)[: cfg.vocab_size].contiguous()
     else:
         out[ours.output] = out[ours.embedding]
-    norm_params = ("weight", "bias") if cfg.norm == "layernorm" else ("weight",)
+    # A norm bias with model.bias=False is checked to be zero (check_norm_biases) and left out.
+    norm_params = ("weight", "bias") if cfg.norm == "layernorm" and cfg.bias else ("weight",)
     for p in norm_params:
-        _put_norm(out, ours.final_norm, p, tensors[FINAL_NORM + p], cfg)
+        out[f"{ours.final_norm}.{p}"] = functools.partial(read, FINAL_NORM + p, None)
     linear_params = ("weight", "bias") if cfg.bias else ("weight",)
+
+    def part(key: str, layer: int, pick: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        return lambda: pick(read(key, layer)).contiguous()
+
+    def qkv_part(j: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda t: unpack_qkv(t, cfg.n_heads, cfg.kv_heads)[j]
+
     for i in range(cfg.n_layers):
         o = f"{ours.layers}.{i}."
         for p in norm_params:
-            _put_norm(out, o + ours.attn_norm, p, tensors[QKV + f"layer_norm_{p}"][i], cfg)
-            _put_norm(out, o + ours.ffn_norm, p, tensors[FC1 + f"layer_norm_{p}"][i], cfg)
+            out[f"{o}{ours.attn_norm}.{p}"] = part(QKV + f"layer_norm_{p}", i, _same)
+            out[f"{o}{ours.ffn_norm}.{p}"] = part(FC1 + f"layer_norm_{p}", i, _same)
         for p in linear_params:
-            q, k, v = unpack_qkv(tensors[QKV + p][i], cfg.n_heads, cfg.kv_heads)
-            for name, tensor in zip(ours.qkv, (q, k, v), strict=True):
-                out[f"{o}{name}.{p}"] = tensor
-            out[f"{o}{ours.attn_out}.{p}"] = tensors[PROJ + p][i].contiguous()
-            fc1 = tensors[FC1 + p][i]
-            if cfg.activation == "swiglu":
-                gate, up = fc1.chunk(2, dim=0)
-                out[f"{o}{ours.gate}.{p}"], out[f"{o}{ours.up}.{p}"] = gate.contiguous(), up.contiguous()
+            for j, name in enumerate(ours.qkv):
+                out[f"{o}{name}.{p}"] = part(QKV + p, i, qkv_part(j))
+            out[f"{o}{ours.attn_out}.{p}"] = part(PROJ + p, i, _same)
+            if cfg.activation == "swiglu":  # linear_fc1 is [gate; up]
+                out[f"{o}{ours.gate}.{p}"] = part(FC1 + p, i, lambda t: t.chunk(2, dim=0)[0])
+                out[f"{o}{ours.up}.{p}"] = part(FC1 + p, i, lambda t: t.chunk(2, dim=0)[1])
             else:
-                out[f"{o}{ours.up}.{p}"] = fc1.contiguous()
-            out[f"{o}{ours.down}.{p}"] = tensors[FC2 + p][i].contiguous()
+                out[f"{o}{ours.up}.{p}"] = part(FC1 + p, i, _same)
+            out[f"{o}{ours.down}.{p}"] = part(FC2 + p, i, _same)
     return out
 
 
-def _put_norm(out: dict[str, torch.Tensor], module: str, param: str, tensor: torch.Tensor, cfg: ModelConfig) -> None:
-    if param == "bias" and not cfg.bias:
-        if tensor.abs().max() > 0:
-            raise ConversionError(f"{module}: Megatron's norm bias is non-zero but the linears have no biases; "
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def check_norm_biases(cfg: ModelConfig, read: Callable[[str, int | None], torch.Tensor]) -> None:
+    """Megatron's LayerNorm always has a bias; without linear biases ours has none, so it must be zero."""
+    if cfg.norm != "layernorm" or cfg.bias:
+        return
+    for key in (QKV + "layer_norm_bias", FC1 + "layer_norm_bias", FINAL_NORM + "bias"):  # small: L x d at most
+        if read(key, None).abs().max() > 0:
+            raise ConversionError(f"{key}: Megatron's norm bias is non-zero but the linears have no biases; "
                                   "meshformer's model.bias covers norms and linears together, so this model "
                                   "cannot be represented exactly")
-        return
-    out[f"{module}.{param}"] = tensor.contiguous()
 
 
 def read_saved_config(folder: Path) -> tuple[Path, ModelConfig] | None:
@@ -312,15 +369,30 @@ def resolve_import_config(folder: Path, options: dict[str, Any]) -> ModelConfig:
 
 def import_megatron(path: Path, *, n_heads: int | None = None, vocab_size: int | None = None,
                     activation: Activation | None = None, norm_eps: float | None = None,
-                    rope_theta: float | None = None, max_seq_len: int | None = None, show_progress: bool | None = None
-                    ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(our config, our full state dict) from a Megatron-Core GPT torch_dist checkpoint. Options left None come
-    from the model config that export_megatron writes beside the checkpoint; without one, n_heads is required."""
+                    rope_theta: float | None = None, max_seq_len: int | None = None) -> tuple[ModelConfig, LazyState]:
+    """(our config, our tensors read on access) from a Megatron-Core GPT torch_dist checkpoint. Options left None
+    come from the model config that export_megatron writes beside the checkpoint; without one, n_heads is required.
+
+    Streamed: each of our tensors is read when asked for, from one layer of Megatron's stacked tensor (only the
+    saved chunks that hold that layer; the last two layer reads are kept, so q/k/v and gate/up read once)."""
+    from meshformer.model import Transformer
+
     folder = resolve_megatron_dir(path)
     cfg = resolve_import_config(folder, {"n_heads": n_heads, "vocab_size": vocab_size, "activation": activation,
                                          "norm_eps": norm_eps, "rope_theta": rope_theta, "max_seq_len": max_seq_len})
-    keys = [k for k in tensor_entries(read_metadata(folder)) if "_extra_state" not in k]
-    tensors: dict[str, torch.Tensor] = {}
-    for key in progress(keys, desc="reading megatron", enabled=show_progress):
-        tensors.update(read_full_tensors(folder, [key]))
-    return cfg, from_megatron_tensors(tensors, cfg)
+    entries = tensor_entries(read_metadata(folder))
+
+    @functools.lru_cache(maxsize=2)
+    def read(key: str, layer: int | None) -> torch.Tensor:
+        size = tuple(entries[key].size)
+        if layer is None:
+            return read_box(folder, key, (0,) * len(size), size)
+        return read_box(folder, key, (layer,) + (0,) * (len(size) - 1), (1, *size[1:]))[0]
+
+    check_norm_biases(cfg, read)
+    sources = megatron_sources(cfg, read)
+    dtype = entries[EMBEDDING].properties.dtype
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items()}
+    return cfg, LazyState(list(sources), lambda name: sources[name](),
+                          lambda name: torch.empty(shapes[name], dtype=dtype, device="meta"))

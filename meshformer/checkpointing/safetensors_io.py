@@ -65,6 +65,9 @@ class LazyState(Mapping[str, torch.Tensor]):
             raise KeyError(name)
         return self._read(name)
 
+    def __contains__(self, name: object) -> bool:  # without reading the tensor, as Mapping's default would
+        return name in self._names
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
 
@@ -76,8 +79,10 @@ def read_checkpoint_model(path: Path, *, show_progress: bool | None = None) -> t
     """(model config, model tensors read one at a time on access) of a sharded checkpoint, whatever layout."""
     path = resolve_checkpoint(path)
     cfg = checkpoint_model_config(path)
-    entries = {k[len(MODEL):]: v for k, v in tensor_entries(read_metadata(path)).items() if k.startswith(MODEL)}
-    return cfg, LazyState(sorted(entries), lambda name: read_full_tensors(path, [MODEL + name])[MODEL + name],
+    metadata = read_metadata(path)  # once: each tensor's read below reuses it
+    entries = {k[len(MODEL):]: v for k, v in tensor_entries(metadata).items() if k.startswith(MODEL)}
+    return cfg, LazyState(sorted(entries),
+                          lambda name: read_full_tensors(path, [MODEL + name], metadata)[MODEL + name],
                           lambda name: torch.empty(entries[name].size, dtype=entries[name].properties.dtype,
                                                    device="meta"))
 

@@ -9,7 +9,6 @@ never the whole model at once.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,25 +16,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from meshformer.config import parse_size  # one reader of sizes: config validation checks them with it
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes from 5000000, "5GB" (10^9, as Hugging Face counts) or "4GiB" (2^30)."""
-    if isinstance(size, int):
-        return size
-    match = _SIZE.match(size)
-    if not match:
-        raise ValueError(f"cannot read the size {size!r}; write e.g. 5GB, 500MB or 2GiB")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()])
 
 
 class ShardedWriter:

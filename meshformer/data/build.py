@@ -13,7 +13,7 @@ from typing import Literal
 
 import numpy as np
 
-from meshformer.config import ConfigError
+from meshformer.errors import ConfigError
 
 from .loader import Loader
 from .mixture import MixtureLoader

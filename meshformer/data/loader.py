@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from meshformer.config import ConfigError
+from meshformer.errors import ConfigError
 
 from .objectives import Objective, Sample
 from .order import RankView, SampleOrder
@@ -45,42 +45,63 @@ class Source(Protocol):
 
 
 class BatchStream(IterableDataset):
-    """One rank's batches from stream position `view.start`, split across DataLoader workers."""
+    """One rank's batches from stream position `view.start`, split across DataLoader workers.
 
-    def __init__(self, source: Source, order: SampleOrder, objective: Objective, view: RankView,
+    One loop for a single source and for mixtures: a mixture (MixtureStream) overrides how a stream position
+    maps to (source, position in that source's own stream) and back, each sample's rng key, and the ids."""
+
+    def __init__(self, sources: list[Source], orders: list[SampleOrder], objective: Objective, view: RankView,
                  with_ids: bool = False) -> None:
-        self.source, self.order, self.objective, self.view, self.with_ids = source, order, objective, view, with_ids
-        self.window = objective.raw_length if source.kind == "packed" else 0
+        self.sources, self.orders, self.objective, self.view, self.with_ids = sources, orders, objective, view, with_ids
+        self.windows = [objective.raw_length if s.kind == "packed" else 0 for s in sources]
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         info = get_worker_info()
         view = replace(self.view, worker=info.id, num_workers=info.num_workers) if info else self.view
-        group_key, cache = None, {}
+        keys: dict[int, tuple[int, int]] = {}  # per source: the (epoch, group) held in caches
+        caches: dict[int, dict[int, Sample]] = {}
         j = view.worker
         while True:
-            positions = view.batch_positions(j)
+            src, q = self._locate(view.batch_positions(j))
             samples, units, rngs = [], [], []
-            for p in positions.tolist():
-                epoch, g = self.order.locate(p)
-                if (epoch, g) != group_key:
-                    cache = self._load_group(view, j, epoch, g)
-                    group_key = (epoch, g)
-                unit = int(self.order.units_at(epoch, g, np.array([p]))[0])
-                samples.append(cache[unit])
+            for s, qs in zip(src.tolist(), q.tolist()):
+                order = self.orders[s]
+                epoch, g = order.locate(qs)
+                if keys.get(s) != (epoch, g):
+                    caches[s] = self._load_group(s, view, j, epoch, g)
+                    keys[s] = (epoch, g)
+                unit = int(order.units_at(epoch, g, np.array([qs]))[0])
+                samples.append(caches[s][unit])
                 units.append(unit)
                 if self.objective.needs_rng:
-                    rngs.append(np.random.default_rng([self.order.seed, epoch, unit, _RNG_SALT]))
+                    rngs.append(np.random.default_rng(self._rng_key(s, epoch, unit)))
             batch = self.objective.collate(samples, rngs if self.objective.needs_rng else None)
             if self.with_ids:
-                batch["sample_ids"] = torch.tensor(units, dtype=torch.long)
+                batch.update(self._ids(units, src))
             yield batch
             j += view.num_workers
 
-    def _load_group(self, view: RankView, j: int, epoch: int, g: int) -> dict[int, Sample]:
-        """The group's units this worker will use (its batches j, j + num_workers, ... inside the group)."""
-        lo, hi = self.order.group_span(epoch, g)
-        units = self.order.units_at(epoch, g, view.positions_in(j, lo, hi))
-        return read_units(self.source, self.order, self.order.groups(epoch)[g].shards, units, self.window)
+    def _locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Stream positions -> (source, position within that source's stream)."""
+        return np.zeros(len(positions), dtype=np.int64), positions
+
+    def _positions_of(self, s: int, q: np.ndarray) -> np.ndarray:
+        """Positions within source s's stream -> stream positions (the inverse of `_locate`)."""
+        return q
+
+    def _rng_key(self, s: int, epoch: int, unit: int) -> list[int]:
+        return [self.orders[s].seed, epoch, unit, _RNG_SALT]
+
+    def _ids(self, units: list[int], src: np.ndarray) -> dict[str, torch.Tensor]:
+        return {"sample_ids": torch.tensor(units, dtype=torch.long)}
+
+    def _load_group(self, s: int, view: RankView, j: int, epoch: int, g: int) -> dict[int, Sample]:
+        """Source s's units in the group that this worker will use (its batches j, j + num_workers, ...)."""
+        order = self.orders[s]
+        lo, hi = order.group_span(epoch, g)
+        q = np.arange(lo, hi, dtype=np.int64)
+        units = order.units_at(epoch, g, q[view.owns(self._positions_of(s, q), j)])
+        return read_units(self.sources[s], order, order.groups(epoch)[g].shards, units, self.windows[s])
 
 
 def read_units(source: Source, order: SampleOrder, shards: tuple[int, ...], units: np.ndarray,
@@ -166,7 +187,7 @@ class Loader:
                                generator=torch.Generator(), **workers))
 
     def _stream(self, view: RankView) -> IterableDataset:
-        return BatchStream(self.source, self.order, self.objective, view, self.with_ids)
+        return BatchStream([self.source], [self.order], self.objective, view, self.with_ids)
 
     def source_scalars(self) -> dict[str, float]:
         """Per-source sample/token counts for logging (mixtures only)."""

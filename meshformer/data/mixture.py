@@ -13,15 +13,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterator
-from dataclasses import replace
 from fractions import Fraction
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset
 
-from .loader import _RNG_SALT, Loader, Source, read_units
+from .loader import _RNG_SALT, BatchStream, Loader, Source
 from .objectives import Objective
 from .order import RankView, SampleOrder
 
@@ -73,52 +71,25 @@ class Interleave:
         return k * self.weights + self.before[:, r]
 
 
-class MixtureStream(IterableDataset):
-    """One rank's batches of the mixture from `view.start`, split across DataLoader workers."""
+class MixtureStream(BatchStream):
+    """One rank's batches of the mixture from `view.start`: BatchStream's loop, positions placed by `mix`."""
 
     def __init__(self, sources: list[Source], orders: list[SampleOrder], mix: Interleave, objective: Objective,
                  view: RankView, seed: int, with_ids: bool = False) -> None:
-        self.sources, self.orders, self.mix, self.objective = sources, orders, mix, objective
-        self.view, self.seed, self.with_ids = view, seed, with_ids
-        self.windows = [objective.raw_length if s.kind == "packed" else 0 for s in sources]
+        super().__init__(sources, orders, objective, view, with_ids)
+        self.mix, self.seed = mix, seed
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        info = get_worker_info()
-        view = replace(self.view, worker=info.id, num_workers=info.num_workers) if info else self.view
-        keys: dict[int, tuple[int, int]] = {}
-        caches: dict[int, dict] = {}
-        j = view.worker
-        while True:
-            src, q = self.mix.locate(view.batch_positions(j))
-            samples, units, rngs = [], [], []
-            for s, qs in zip(src.tolist(), q.tolist()):
-                order = self.orders[s]
-                epoch, g = order.locate(qs)
-                if keys.get(s) != (epoch, g):
-                    caches[s] = self._load(s, view, j, epoch, g)
-                    keys[s] = (epoch, g)
-                unit = int(order.units_at(epoch, g, np.array([qs]))[0])
-                samples.append(caches[s][unit])
-                units.append(unit)
-                if self.objective.needs_rng:
-                    rngs.append(np.random.default_rng([self.seed, s, epoch, unit, _RNG_SALT]))
-            batch = self.objective.collate(samples, rngs if self.objective.needs_rng else None)
-            if self.with_ids:
-                batch["sample_ids"] = torch.tensor(units, dtype=torch.long)
-                batch["source_ids"] = torch.from_numpy(src)
-            yield batch
-            j += view.num_workers
+    def _locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.mix.locate(positions)
 
-    def _load(self, s: int, view: RankView, j: int, epoch: int, g: int) -> dict:
-        """The units of source s's group that this worker uses in batches j, j + num_workers, ..."""
-        order = self.orders[s]
-        lo, hi = order.group_span(epoch, g)
-        q = np.arange(lo, hi, dtype=np.int64)
-        p = self.mix.positions_of(s, q) - view.start
-        mine = (p >= j * view.global_batch) & ((p // view.global_batch) % view.num_workers == view.worker) & \
-               ((p % view.global_batch) // view.batch_size == view.rank)
-        units = order.units_at(epoch, g, q[mine])
-        return read_units(self.sources[s], order, order.groups(epoch)[g].shards, units, self.windows[s])
+    def _positions_of(self, s: int, q: np.ndarray) -> np.ndarray:
+        return self.mix.positions_of(s, q)
+
+    def _rng_key(self, s: int, epoch: int, unit: int) -> list[int]:
+        return [self.seed, s, epoch, unit, _RNG_SALT]
+
+    def _ids(self, units: list[int], src: np.ndarray) -> dict[str, torch.Tensor]:
+        return {**super()._ids(units, src), "source_ids": torch.from_numpy(src)}
 
 
 class MixtureLoader(Loader):

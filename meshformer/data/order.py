@@ -134,14 +134,10 @@ class RankView:
         first = self.start + j * self.global_batch + self.rank * self.batch_size
         return np.arange(first, first + self.batch_size, dtype=np.int64)
 
-    def positions_in(self, j_from: int, lo: int, hi: int) -> np.ndarray:
-        """All positions in [lo, hi) of our batches j >= j_from (j_from must be one of ours)."""
-        out = []
-        j = j_from
-        while True:
-            pos = self.batch_positions(j)
-            if pos[0] >= hi:
-                break
-            out.append(pos[(pos >= lo) & (pos < hi)])
-            j += self.num_workers
-        return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
+    def owns(self, positions: np.ndarray, from_batch: int = 0) -> np.ndarray:
+        """Mask of the global `positions` that lie in this (rank, worker)'s batches j >= from_batch: global batch
+        j (counted from `start`) belongs to worker j % num_workers, and rank r takes its r-th batch_size slice."""
+        p = np.asarray(positions, dtype=np.int64) - self.start
+        batch = p // self.global_batch
+        return (batch >= from_batch) & (batch % self.num_workers == self.worker) & \
+            ((p % self.global_batch) // self.batch_size == self.rank)

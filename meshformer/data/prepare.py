@@ -36,7 +36,7 @@ from meshformer.errors import MeshformerError, UsageError
 
 from .prepare_stages import SPLITS, map_unit, reduce_bucket, train_documents
 from .shard_index import index_name
-from .shards import Manifest, ShardInfo, ShardWriter, read_shard, token_dtype
+from .shards import Manifest, ShardInfo, read_shard, token_dtype, write_shards
 from .sources import BUNDLED_CORPORA, CorpusError, DocSplit, check_corpus, iter_pairs, resolve_inputs
 from .tokenizer import Tokenizer, load_tokenizer, train_bpe
 
@@ -256,19 +256,11 @@ def _hold_out_tail(folder: Path, train: list[ShardInfo], plan: dict) -> tuple[li
         tail = [got[i] for i in range(info.samples)] + tail
         (folder / info.name).unlink()
         (folder / index_name(info.name)).unlink()
-    out = {"train": train, "eval": []}
-    for split, records in (("train", tail[:len(tail) - n_held]), ("eval", tail[len(tail) - n_held:])):
-        writer = None
-        for record in records:
-            if writer is None:
-                writer = ShardWriter(folder / f"{split}-{len(out[split]):06d}.tar", np.dtype(plan["dtype"]))
-            writer.write(**record)
-            if writer.samples == plan["shard_records"]:
-                out[split].append(writer.close())
-                writer = None
-        if writer is not None:
-            out[split].append(writer.close())
-    return out["train"], out["eval"]
+    kept, held = tail[:len(tail) - n_held], tail[len(tail) - n_held:]
+    dtype, per_shard = np.dtype(plan["dtype"]), plan["shard_records"]
+    first = len(train)  # the untouched train shards keep their names; the rewritten ones follow them
+    train += write_shards(kept, dtype, per_shard, lambda k: folder / f"train-{first + k:06d}.tar")
+    return train, write_shards(held, dtype, per_shard, lambda k: folder / f"eval-{k:06d}.tar")
 
 
 def _input_name(path: Path) -> str:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .shards import ShardInfo, ShardWriter
+from .shards import write_shards
 from .sources import iter_documents, iter_pairs
 from .tokenizer import Tokenizer
 
@@ -162,28 +162,16 @@ def reduce_bucket(plan: dict, work: Path, split: str, b: int, eos: int) -> dict[
     folder.mkdir(parents=True, exist_ok=True)
     for stale in folder.iterdir():
         stale.unlink()
-    dtype, per_shard = np.dtype(plan["dtype"]), plan["shard_records"]
+    dtype = np.dtype(plan["dtype"])
+    records: Iterable[dict[str, np.ndarray]]
     if plan["kind"] == "pairs":
-        records: Any = ((docs[i][0], docs[i][1]) for i in perm.tolist())
+        records = ({"src": docs[i][0], "tgt": docs[i][1]} for i in perm.tolist())
     else:
         pieces = [x for i in perm.tolist() for x in (docs[i][0], np.array([eos], dtype=dtype))]
         stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
         n = len(stream) // plan["record_len"]
-        records = stream[:n * plan["record_len"]].reshape(n, plan["record_len"])
-    shards: list[ShardInfo] = []
-    writer: ShardWriter | None = None
-    for record in records:
-        if writer is None:
-            writer = ShardWriter(folder / f"{len(shards):06d}.tar", dtype)
-        if plan["kind"] == "pairs":
-            writer.write(src=record[0], tgt=record[1])
-        else:
-            writer.write(tokens=record)
-        if writer.samples == per_shard:
-            shards.append(writer.close())
-            writer = None
-    if writer is not None:
-        shards.append(writer.close())
+        records = ({"tokens": r} for r in stream[:n * plan["record_len"]].reshape(n, plan["record_len"]))
+    shards = write_shards(records, dtype, plan["shard_records"], lambda k: folder / f"{k:06d}.tar")
     result = {"documents": len(docs), "shards": [vars(s) for s in shards]}
     (work / "reduce" / f"{split}-{b:05d}.json").write_text(json.dumps(result))
     return result

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .order import SampleOrder
+from .order import RankView, SampleOrder
 from .shard_index import ENTRY, index_name
 from .shards import Manifest, ShardInfo
 
@@ -27,13 +27,13 @@ def planned_bytes(order: SampleOrder, shards: list[ShardInfo], spans: list[np.nd
     ranged=False: the streaming fallback (`pipe:`, http, shards without index), which reads every shard that
     holds any record the worker needs, front to back."""
     total = 0
-    global_batch = dp_size * batch_size
     touched = sorted({order.locate(p) for p in range(positions)})
     for worker in range(num_workers):
+        view = RankView(0, rank, dp_size, batch_size, worker, num_workers)
         for epoch, g in touched:  # a worker loads its share of a whole group when it first needs the group
             lo, hi = order.group_span(epoch, g)
             p = np.arange(lo, hi, dtype=np.int64)
-            mine = p[((p // global_batch) % num_workers == worker) & ((p % global_batch) // batch_size == rank)]
+            mine = p[view.owns(p)]
             if not len(mine) or mine[0] >= positions:
                 continue
             units = order.units_at(epoch, g, mine)

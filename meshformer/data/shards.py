@@ -18,6 +18,7 @@ import io
 import json
 import posixpath
 import tarfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -179,6 +180,24 @@ class ShardWriter:
         index_bytes, index_sha = write_index(self.path, data, self._spans)
         return ShardInfo(self.path.name, self.samples, self.tokens, len(data), hashlib.sha256(data).hexdigest(),
                          index_bytes, index_sha)
+
+
+def write_shards(records: Iterable[dict[str, np.ndarray]], dtype: np.dtype, per_shard: int,
+                 path: Callable[[int], Path]) -> list[ShardInfo]:
+    """Write records (each a dict of named token arrays) into shards of `per_shard` records, the k-th shard at
+    path(k); returns their ShardInfos."""
+    shards: list[ShardInfo] = []
+    writer: ShardWriter | None = None
+    for record in records:
+        if writer is None:
+            writer = ShardWriter(path(len(shards)), dtype)
+        writer.write(**record)
+        if writer.samples == per_shard:
+            shards.append(writer.close())
+            writer = None
+    if writer is not None:
+        shards.append(writer.close())
+    return shards
 
 
 # ----------------------------------------------------------------------------- reading

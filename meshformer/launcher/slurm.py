@@ -15,6 +15,7 @@ Surviving interruptions, without losing work:
 from __future__ import annotations
 
 import datetime
+import functools
 import shlex
 import shutil
 import subprocess
@@ -22,7 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshformer.config import load_config
+from meshformer.config import Config, load_config
 from meshformer.errors import SubmitError
 from meshformer.launcher.torchrun import torchrun_command
 from meshformer.layout import validate_parallel
@@ -56,10 +57,14 @@ class SlurmJob:
     def ranks_per_node(self) -> int:
         return self.nproc_per_node if self.nproc_per_node is not None else max(1, self.gpus_per_node)
 
+    @functools.cached_property
+    def cfg(self) -> Config:
+        """The run's config, loaded once on first use: a config error stops the submission, not the queued job."""
+        return load_config(self.config, self.overrides)
+
 
 def run_dir_of(job: SlurmJob) -> Path:
-    cfg = load_config(job.config, job.overrides)  # a config error stops here, not after hours in the queue
-    return Path(cfg.logging.run_dir).resolve()
+    return Path(job.cfg.logging.run_dir).resolve()
 
 
 def check_job(job: SlurmJob) -> None:
@@ -74,8 +79,8 @@ def check_job(job: SlurmJob) -> None:
         raise SubmitError(f"--max-restarts={job.max_restarts}, --signal-before={job.signal_before_s}, --cpus-per-task="
                           f"{job.cpus_per_task}: out of range", "use --max-restarts >= 0, --signal-before >= 0 "
                           "seconds (e.g. 120) and --cpus-per-task >= 1")
-    cfg = load_config(job.config, job.overrides)
-    validate_parallel(cfg, job.nodes * job.ranks_per_node, "cuda" if job.gpus_per_node else "cpu", on_this_host=False)
+    validate_parallel(job.cfg, job.nodes * job.ranks_per_node, "cuda" if job.gpus_per_node else "cpu",
+                      on_this_host=False)
 
 
 def sbatch_script(job: SlurmJob) -> str:
@@ -175,7 +180,7 @@ def check_partition(partition: str) -> None:
 
 def warnings_for(job: SlurmJob) -> list[str]:
     """Settings that make a requeued or restarted job lose work (the job is still submitted)."""
-    cfg = load_config(job.config, job.overrides)
+    cfg = job.cfg
     if cfg.checkpoint.interval <= 0:
         return ["checkpoint.interval=0: a requeued or restarted job starts again from step 0 and a SIGTERM "
                 "saves nothing; set e.g. --set checkpoint.interval=500"]

@@ -9,10 +9,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from meshformer.config import ModelConfig
+from meshformer.model.config import ModelConfig
 from meshformer.model.masks import AttentionMask
 from meshformer.model.positions import apply_rope
+
+# model.attention_backend -> the SDPA kernel tried first. torch's other kernels follow in its default order (flash,
+# efficient, math, cuDNN), so a call the preferred kernel cannot serve (a mask it does not take, a CPU run for
+# cuDNN) still runs on the next one. `set_priority` needs torch >= 2.6 (respected under torch.compile from 2.7).
+_PREFERRED_SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                   "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def sdpa_order(backend: str) -> list[SDPBackend] | None:
+    """SDPA kernels in priority order for `backend`, or None to leave torch's own choice ("sdpa", "math")."""
+    first = _PREFERRED_SDPA.get(backend)
+    if first is None:
+        return None
+    rest = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION]
+    return [first, *(b for b in rest if b != first)]
 
 
 @dataclass
@@ -45,6 +61,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.dropout_p = cfg.attention_dropout
         self.use_math = cfg.attention_backend == "math"
+        self.sdpa_order = sdpa_order(cfg.attention_backend)
         self.capture_weights = False  # inspection hook: keep the last attention weights in `.weights`
         self.weights: torch.Tensor | None = None
 
@@ -112,6 +129,13 @@ class Attention(nn.Module):
         dropout_p = self.dropout_p if self.training else 0.0
         if self.use_math or self.capture_weights:
             return self._math(q, k, v, mask, bias, dropout_p)
+        if self.sdpa_order is None:
+            return self._sdpa(q, k, v, mask, bias, dropout_p)
+        with sdpa_kernel(self.sdpa_order, set_priority=True):
+            return self._sdpa(q, k, v, mask, bias, dropout_p)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, bias: torch.Tensor | None,
+              dropout_p: float) -> torch.Tensor:
         if bias is None:
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask.mask, dropout_p=dropout_p, is_causal=mask.is_causal, scale=self.scale

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from meshformer.config import ModelConfig
+from meshformer.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from meshformer.model.families.spec import FamilySpec
@@ -60,19 +60,19 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
         untied output projection, output bias); embedding + attention + feed_forward + norms + head = total.
     """
     d, vocab = cfg.d_model, cfg.vocab_size
-    n_enc, n_dec = cfg.encoder_depth, cfg.decoder_depth
-    cross = _family(cfg).seq2seq
+    spec = _family(cfg)
+    stacks = [(stack.count(cfg), stack.cross) for stack in spec.stacks]
     embedding = vocab * d
-    if cross and not cfg.share_embeddings:
+    if spec.seq2seq and not cfg.share_embeddings:
         embedding += vocab * d
     if cfg.position == "learned":
         embedding += cfg.max_seq_len * d
     if cfg.position == "t5_relative":  # one (buckets, heads) bias table per stack
-        embedding += (int(n_enc > 0) + int(n_dec > 0)) * cfg.relative_buckets * cfg.n_heads
-    attention = (n_enc + n_dec * (2 if cross else 1)) * _attention(cfg)
-    feed_forward = (n_enc + n_dec) * _ffn(cfg)
-    stack_norms = int(n_enc > 0) + int(n_dec > 0) if cfg.use_final_norm else 0
-    norms_per_block = 2 * n_enc + (3 if cross else 2) * n_dec
+        embedding += (int(spec.has_encoder) + int(spec.has_decoder)) * cfg.relative_buckets * cfg.n_heads
+    attention = sum(n * (2 if cross else 1) for n, cross in stacks) * _attention(cfg)  # + cross-attention
+    feed_forward = sum(n for n, _ in stacks) * _ffn(cfg)
+    stack_norms = len(stacks) if cfg.use_final_norm else 0
+    norms_per_block = sum(n * (3 if cross else 2) for n, cross in stacks)
     norms = (norms_per_block + stack_norms + int(cfg.embedding_norm)) * _norm(cfg)
     head = 0
     if cfg.head_transform:
@@ -144,7 +144,8 @@ def encoder_decoder_flops(cfg: ModelConfig, seq_len: int, target_len: int | None
     ffn = _ffn_matmuls(cfg)
     source, target = seq_len, target_len if target_len is not None else seq_len
     memory = math.ceil(source / cfg.cross_downsample)
-    n_enc, n_dec = cfg.encoder_depth, cfg.decoder_depth
+    spec = _family(cfg)
+    n_enc, n_dec = spec.depth(cfg, "encoder"), spec.depth(cfg, "decoder")
     forward = 2 * source * n_enc * (attn["q_o"] + attn["k_v"] + ffn)
     forward += 2 * target * (n_dec * (2 * attn["q_o"] + attn["k_v"] + ffn) + _head_matmuls(cfg))
     forward += 2 * memory * n_dec * attn["k_v"]

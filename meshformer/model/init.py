@@ -19,7 +19,8 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from meshformer.config import ModelConfig
+from meshformer.model.config import ModelConfig
+from meshformer.model.families import get_family_spec
 
 InitFn = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
 # Name pieces that wrappers add and that are not part of the plain model's FQNs.
@@ -53,7 +54,7 @@ def init_rule(name: str, cfg: ModelConfig) -> InitFn:
         return lambda t, g: nn.init.xavier_uniform_(t, generator=g)
     std = cfg.init_std
     if module.endswith(("o_proj", "down_proj")):
-        std = cfg.init_std / math.sqrt(2 * (cfg.encoder_depth + cfg.decoder_depth))
+        std = cfg.init_std / math.sqrt(2 * get_family_spec(cfg.family).total_layers(cfg))
     return lambda t, g: nn.init.normal_(t, std=std, generator=g)
 
 

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshformer.config import ModelConfig
 from meshformer.model.attention import Attention, KVCache
+from meshformer.model.config import ModelConfig
 from meshformer.model.masks import AttentionMask
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from meshformer.config import ModelConfig
+from meshformer.model.config import ModelConfig
 from meshformer.model.families import FamilySpec, get_family_spec
 from meshformer.model.init import init_weights, new_seed
 from meshformer.model.layers import BlockCache, TransformerBlock, activation_fn, make_norm
@@ -286,7 +286,7 @@ class Transformer(nn.Module):
 
     def _ends_encoder(self) -> bool:
         """Whether this model (or pipeline stage) holds the encoder's last block."""
-        return self.encoder_layers is not None and str(self.cfg.encoder_depth - 1) in self.encoder_layers
+        return self.encoder_layers is not None and str(self.spec.depth(self.cfg, "encoder") - 1) in self.encoder_layers
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -24,9 +24,9 @@ from meshformer.layout import (
     validate_parallel,
 )
 from meshformer.model import Transformer
-from meshformer.parallel.float8 import apply_float8, check_fp8, fp8_report
+from meshformer.parallel.float8 import apply_float8, check_fp8, end_blocks, fp8_report
 from meshformer.parallel.fsdp import apply_fsdp
-from meshformer.parallel.kernels import compile_blocks, kernel_report, use_apex_norms
+from meshformer.parallel.kernels import compile_blocks, compile_kwargs, compile_mode_note, kernel_report, use_apex_norms
 from meshformer.parallel.loss_parallel import vocab_parallel_loss_fn
 from meshformer.parallel.materialize import is_meta, materialize
 from meshformer.parallel.mesh import Meshes, build_mesh
@@ -72,13 +72,20 @@ def _build(model: Transformer, cfg: Config, dims: ParallelDims, device: torch.de
            loss_fn: LossFn | None) -> TrainingPlan:
     if not is_meta(model):
         model.to(device)
-    check_fp8(cfg.train.fp8, device, tensor_parallel=dims.tp_enabled)
+    check_fp8(cfg.train.fp8, device)
     custom_loss = loss_fn is not None
     head_loss = None if custom_loss else build_head_loss(cfg, dims, device)
     loss_fn = loss_fn or default_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss)
+    loss_note = ""
+    if head_loss is None and not custom_loss and not (dims.tp_enabled or dims.pp_enabled) \
+            and compile_mode(cfg, dims) != "off":
+        # A whole-model-compiled reference (nanoGPT) fuses the fp32 upcast and cross-entropy over the full logits
+        # into its graph; compiling the plain loss does the same here instead of several eager passes over B*T*V.
+        loss_fn = torch.compile(loss_fn, **compile_kwargs(cfg.train.compile_mode))
+        loss_note = ", compiled"
     autocast_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else None
     if dims.is_single:
-        report = {**_finish_part(model, cfg, dims, None, device), "loss": _loss_report(head_loss)}
+        report = {**_finish_part(model, cfg, dims, None, device), "loss": _loss_report(head_loss, loss_note)}
         return TrainingPlan(model, loss_fn, device, autocast_dtype=autocast_dtype, head_loss=head_loss,
                             report=report)
     meshes = build_mesh(dims, device)
@@ -90,10 +97,10 @@ def _build(model: Transformer, cfg: Config, dims: ParallelDims, device: torch.de
             shard = VocabShard(meshes.tp.get_group(), start, cfg.model.vocab_size)
             head_loss = build_head_loss(cfg, dims, device, shard)
     plan: TrainingPlan
-    if dims.pp_enabled:  # build_head_loss refused a fused loss: the last stage computes it from its logits
-        plan = _pipeline_plan(model, cfg, dims, meshes, device, loss_fn, autocast_dtype)
+    if dims.pp_enabled:  # the last stage computes the fused head loss in its forward
+        plan = _pipeline_plan(model, cfg, dims, meshes, device, loss_fn, head_loss, autocast_dtype)
     else:
-        report = {**_finish_part(model, cfg, dims, meshes, device), "loss": _loss_report(head_loss),
+        report = {**_finish_part(model, cfg, dims, meshes, device), "loss": _loss_report(head_loss, loss_note),
                   "layout": dims.describe()}
         plan = SPMDPlan(model, loss_fn, device, meshes, autocast_dtype=autocast_dtype, head_loss=head_loss,
                         report=report)
@@ -101,9 +108,9 @@ def _build(model: Transformer, cfg: Config, dims: ParallelDims, device: torch.de
     return plan
 
 
-def _loss_report(head_loss: HeadLoss | None) -> str:
+def _loss_report(head_loss: HeadLoss | None, note: str = "") -> str:
     # head_loss_fn labels the function it returns with its kind ("chunked" or "liger")
-    return getattr(head_loss, "kind", "fused") if head_loss is not None else "plain (full logits)"
+    return getattr(head_loss, "kind", "fused") if head_loss is not None else f"plain (full logits{note})"
 
 
 def compile_mode(cfg: Config, dims: ParallelDims) -> str:
@@ -117,13 +124,11 @@ def compile_mode(cfg: Config, dims: ParallelDims) -> str:
 
 
 def head_loss_kind(cfg: Config, dims: ParallelDims, device_type: str) -> str:
-    """train.loss with "auto" resolved: plain under pipeline parallelism; liger's fused kernel on one CUDA device
-    when installed (on an H200 at the Llama-1B shape: 26% less peak memory than plain at 94% of its speed, where
-    the chunked loss gave 22% at 90%); else the chunked loss (sharded layouts: tested on gloo)."""
+    """train.loss with "auto" resolved: liger's fused kernel on one CUDA device when installed (on an H200 at the
+    Llama-1B shape: 26% less peak memory than plain at 94% of its speed, where the chunked loss gave 22% at 90%);
+    else the chunked loss (sharded and pipelined layouts, every schedule: tested on gloo)."""
     if cfg.train.loss != "auto":
         return cfg.train.loss
-    if dims.pp_enabled:
-        return "plain"
     if device_type == "cuda" and dims.is_single and liger_available():
         return "liger"
     return "chunked"
@@ -133,14 +138,15 @@ def build_head_loss(cfg: Config, dims: ParallelDims, device: torch.device, shard
                     ) -> HeadLoss | None:
     """The fused output-projection + loss named by train.loss, or None for the plain full-logits loss.
 
-    Under tensor parallelism it is vocabulary-parallel (`shard`); pipeline stages keep the per-stage logits loss.
+    Under tensor parallelism it is vocabulary-parallel (`shard`); under pipeline parallelism the last stage runs it.
     """
     kind = head_loss_kind(cfg, dims, device.type)
     if kind == "plain":
         return None
-    if dims.pp_enabled:
-        raise ConfigError(f"train.loss={kind!r} does not support pipeline parallelism yet (the last stage computes "
-                          "the loss from its logits); set train.loss='auto' or 'plain'")
+    if kind == "liger" and dims.pp_enabled and cfg.parallel.pp_schedule in ZERO_BUBBLE:
+        raise ConfigError(f"train.loss='liger' cannot run under parallel.pp_schedule={cfg.parallel.pp_schedule!r}: "
+                          "its backward scales its stored gradients in place and the deferred weight pass runs it "
+                          "again; use train.loss='chunked' or a non-zero-bubble schedule")
     if kind == "liger" and (device.type != "cuda" or not liger_available() or dims.tp_enabled):
         raise ConfigError("train.loss='liger' needs CUDA, the liger-kernel package and parallel.tp=1; use "
                           "train.loss='chunked'")
@@ -153,20 +159,24 @@ def _finish_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes: Mes
                  device: torch.device) -> dict[str, str]:
     """TP -> recompute -> compile -> FSDP on one model part (the whole model or one pipeline stage)."""
     apex_norms = 0
-    fp8 = apply_float8(part, cfg.train.fp8, fsdp=dims.fsdp_enabled, emulate=device.type != "cuda") \
+    keep = end_blocks(cfg.model) if cfg.train.fp8_keep_ends else frozenset()
+    fsdp_gather = dims.fsdp_enabled and not dims.tp_enabled  # see meshformer/parallel/float8.py
+    fp8 = apply_float8(part, cfg.train.fp8, fsdp_gather=fsdp_gather, emulate=device.type != "cuda", keep=keep) \
         if cfg.train.fp8 != "off" else 0
     if meshes is not None and dims.tp_enabled:  # meshes exist whenever the world has more than one rank
-        apply_tensor_parallel(part, meshes.tp)
+        apply_tensor_parallel(part, meshes.tp, float8_gather=cfg.train.fp8 == "tensorwise")
     else:
         apex_norms = use_apex_norms(part, device)
     recomputed = apply_recompute(part, cfg.parallel.recompute, cfg.parallel.recompute_every)
     mode = compile_mode(cfg, dims)
-    compiled = compile_blocks(part) if mode == "blocks" else 0
+    compiled = compile_blocks(part, cfg.train.compile_mode) if mode == "blocks" else 0
     report = kernel_report(cfg, device, apex_norms=apex_norms, compiled=compiled, recompute=recomputed)
     if mode == "model":
-        part.compile()
-        report["compile"] = "whole-model torch.compile"
-    report["fp8"] = fp8_report(cfg.train.fp8, fp8, dims.fsdp_enabled)
+        part.compile(**compile_kwargs(cfg.train.compile_mode))
+        report["compile"] = "whole-model torch.compile" + compile_mode_note(cfg.train.compile_mode)
+    report["fp8"] = fp8_report(cfg.train.fp8, fp8, dims.fsdp_enabled, dims.tp_enabled)
+    if fp8 and keep:
+        report["fp8"] += f"; high precision: {', '.join(sorted(keep))}"
     if meshes is not None and dims.fsdp_enabled:
         reshard = cfg.parallel.reshard_after_forward
         if dims.pp_enabled and cfg.parallel.pp_schedule in ZERO_BUBBLE:
@@ -181,7 +191,7 @@ def _finish_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes: Mes
 
 
 def _pipeline_plan(model: Transformer, cfg: Config, dims: ParallelDims, meshes: Meshes, device: torch.device,
-                   loss_fn: LossFn, autocast_dtype: torch.dtype | None) -> PipelinePlan:
+                   loss_fn: LossFn, head_loss: HeadLoss | None, autocast_dtype: torch.dtype | None) -> PipelinePlan:
     p = cfg.parallel
     spr = stages_per_rank(cfg)
     n_stages = dims.pp * spr
@@ -197,11 +207,12 @@ def _pipeline_plan(model: Transformer, cfg: Config, dims: ParallelDims, meshes: 
         report = _finish_part(stage, cfg, dims, meshes, device)
     if is_meta(stages[0]):  # before the plan keeps references to the stages' (shared) parameters
         materialize(stages, device)
-    report["loss"] = _loss_report(None)
+    report["loss"] = _loss_report(head_loss)
     report["pipeline"] = (f"{p.pp_schedule}, {n_stages} stages "
                           f"({', '.join(f'{s.start}-{s.stop - 1}' for s in spans)}), "
                           f"{n_microbatches(cfg)} microbatches")
     report["layout"] = dims.describe()
     return PipelinePlan(stages, loss_fn, device, meshes, schedule=p.pp_schedule,
                         n_microbatches=n_microbatches(cfg), stage_to_rank=stage_to_rank, shared=shared,
-                        timeout=timedelta(seconds=p.timeout_s), autocast_dtype=autocast_dtype, report=report)
+                        timeout=timedelta(seconds=p.timeout_s), autocast_dtype=autocast_dtype, head_loss=head_loss,
+                        report=report, unsharded_microbatches=p.pp_fsdp_unsharded_microbatches)

@@ -57,17 +57,24 @@ def _apex_norm(normalization: Any, norm: nn.Module) -> nn.Module | None:
     return fused.to(norm.weight.device)
 
 
-def compile_blocks(model: Transformer) -> int:
+def compile_kwargs(mode: str) -> dict[str, Any]:
+    """torch.compile arguments for train.compile_mode ("default": inductor's defaults)."""
+    return {} if mode == "default" else {"mode": mode}
+
+
+def compile_blocks(model: Transformer, mode: str = "default") -> int:
     """torch.compile each block in place (`Module.compile`): names keep no `_orig_mod.` prefix."""
     blocks = blocks_of(model)
     for block in blocks:
-        block.compile()
+        block.compile(**compile_kwargs(mode))
     return len(blocks)
 
 
 def attention_kernels(device: torch.device, backend: str) -> str:
     if backend == "math":
         return "math (explicit softmax; returns attention weights)"
+    if backend != "sdpa":
+        return f"SDPA, {backend} kernel first (torch's order after it)"
     if device.type == "cuda":
         enabled = [name for name, on in (("flash", torch.backends.cuda.flash_sdp_enabled()),
                                          ("mem-efficient", torch.backends.cuda.mem_efficient_sdp_enabled()),
@@ -77,13 +84,18 @@ def attention_kernels(device: torch.device, backend: str) -> str:
     return "SDPA (CPU flash kernel)"
 
 
+def compile_mode_note(mode: str) -> str:
+    return "" if mode == "default" else f", mode {mode}"
+
+
 def kernel_report(cfg, device: torch.device, *, apex_norms: int, compiled: int, recompute: int) -> dict[str, str]:
     """What runs where, for the run log."""
     norm = f"apex fused ({apex_norms} modules)" if apex_norms else "torch"
     return {
         "attention": attention_kernels(device, cfg.model.attention_backend),
         "norms": norm,
-        "compile": f"per-block torch.compile ({compiled} blocks)" if compiled else "eager",
+        "compile": (f"per-block torch.compile ({compiled} blocks{compile_mode_note(cfg.train.compile_mode)})"
+                    if compiled else "eager"),
         "recompute": f"{cfg.parallel.recompute} ({recompute} blocks)" if recompute else "none",
         "apex": "importable" if apex_available() else "not installed (torch kernels)",
     }

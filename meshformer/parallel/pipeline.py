@@ -15,6 +15,11 @@ arguments, so masks, RoPE angles and ALiBi biases are rebuilt locally instead of
   encoder. Embedding the target on the first stage means no stage mixes a received, differentiable input
   with a parameter-only branch, a graph shape torch's zero-bubble weight pass cannot split (it re-runs a
   shared node and fails with "backward through the graph a second time").
+
+With a fused head loss (train.loss chunked/liger) the last stage computes the loss itself, from its final
+hidden states and the batch's `labels` (a keyword like the model inputs), and returns the summed token loss
+instead of logits: the output projection runs inside the stage's forward, where FSDP's unshard/reshard hooks
+and tensor parallelism's vocabulary sharding apply exactly as without pipelining.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from meshformer.fused_loss import HeadLoss
 from meshformer.model import Transformer
 from meshformer.model.transformer import PIECES, Streams
 
@@ -112,14 +118,19 @@ class TransformerStage(Transformer):
         origin = {id(memo[pid]): name for pid, name in canonical_names(model).items() if pid in memo}
         self.canonical = {name: origin[id(p)] for name, p in self.named_parameters(remove_duplicate=False)}
         self.is_last = span.index == span.n_stages - 1
+        # The fused head loss of the last stage (set by the plan); None: the last stage returns logits.
+        self.head_loss: HeadLoss | None = None
 
     def forward(  # type: ignore[override]  # a stage takes the previous stage's tensors positionally
-        self, *stream: torch.Tensor, **batch: torch.Tensor
+        self, *stream: torch.Tensor, labels: torch.Tensor | None = None, **batch: torch.Tensor
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """Received tensors in, tensors to send out (logits on the last stage); the batch's model inputs
-        (`Transformer.forward`'s arguments) arrive as keywords."""
+        """Received tensors in, tensors to send out; the batch's model inputs (`Transformer.forward`'s
+        arguments) arrive as keywords. The last stage returns logits, or with `head_loss` the summed loss
+        against `labels` (which the other stages ignore)."""
         streams = self._unpack(stream, batch.get("decoder_input_ids"))
-        out = super().forward(**batch, streams=streams)  # type: ignore[arg-type]  # batch: model-input tensors
+        head_loss = self.head_loss if self.is_last else None
+        out = super().forward(**batch, streams=streams,  # type: ignore[arg-type]  # batch: model-input tensors
+                              labels=labels if head_loss is not None else None, head_loss=head_loss)
         return out if isinstance(out, torch.Tensor) else self._pack(out, stream)
 
     def _unpack(self, stream: tuple[torch.Tensor, ...], target_ids: torch.Tensor | None) -> Streams:

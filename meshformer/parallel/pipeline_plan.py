@@ -3,6 +3,8 @@
 One `forward_backward` call is one schedule step over `parallel.pp_microbatches` microbatches of the
 trainer's micro-batch. Losses are summed token losses divided by the global token count and the schedule
 does not rescale gradients (`scale_grads=False`), so gradient accumulation composes as without pipelining.
+With a fused head loss the last stage returns each microbatch's summed loss itself (the labels travel with
+the model inputs) and the schedule's loss function only divides it by the global token count.
 
 Weights held by several stages (tied embedding/output, an embedding shared by encoder and decoder) are
 separate copies; after every step their gradient *increments* are summed over the holders, so the copies
@@ -28,11 +30,13 @@ from torch.distributed.pipelining import (
 )
 
 from meshformer.batch import Batch, model_inputs
+from meshformer.fused_loss import HeadLoss
 from meshformer.loss import count_tokens
 from meshformer.model import Transformer
 from meshformer.parallel.grad_norm import local_tensor, settle_grad
 from meshformer.parallel.mesh import Meshes
 from meshformer.parallel.pipeline import StageSpan, TransformerStage, canonical_names, stage_pieces
+from meshformer.parallel.pipeline_stage import ShardedMicrobatchStage
 from meshformer.parallel.plan import LossFn
 from meshformer.parallel.spmd_plan import MeshPlan, check_sequence_split
 
@@ -62,10 +66,17 @@ class PipelinePlan(MeshPlan):
         shared: dict[str, list[int]],
         timeout: timedelta | None = None,
         autocast_dtype: torch.dtype | None = None,
+        head_loss: HeadLoss | None = None,
         report: dict[str, str] | None = None,
+        unsharded_microbatches: bool = False,
     ) -> None:
-        super().__init__(stages[0], loss_fn, device, meshes, autocast_dtype=autocast_dtype, report=report)
+        super().__init__(stages[0], loss_fn, device, meshes, autocast_dtype=autocast_dtype, head_loss=head_loss,
+                         report=report)
+        for stage in stages:
+            stage.head_loss = head_loss if stage.is_last else None
         self.stages, self.schedule_name, self.n_microbatches = stages, schedule, n_microbatches
+        # FSDP stages: keep parameters and gradients whole across microbatches (torch's way; pipeline_stage.py)
+        self.unsharded_microbatches = unsharded_microbatches
         self._has_last = any(s.is_last for s in stages)
         self._records: list[torch.Tensor] = []
         self._tokens: torch.Tensor | None = None
@@ -84,7 +95,8 @@ class PipelinePlan(MeshPlan):
     # ------------------------------------------------------------------ schedule
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss_sum = self.loss_fn(output, target)
+        # With a fused head loss the last stage's output already is the summed loss.
+        loss_sum = output if self.head_loss is not None else self.loss_fn(output, target)
         self._records.append(loss_sum.detach().float())
         if self._tokens is None:  # evaluation: nothing to differentiate
             return loss_sum
@@ -96,7 +108,8 @@ class PipelinePlan(MeshPlan):
             self._schedules.move_to_end(key)
             return self._schedules[key]
         group = self.meshes.pp.get_group()
-        pipeline_stages = [PipelineStage(stage, stage.span.index, stage.span.n_stages, self.device, group=group)
+        stage_cls = PipelineStage if self.unsharded_microbatches else ShardedMicrobatchStage
+        pipeline_stages = [stage_cls(stage, stage.span.index, stage.span.n_stages, self.device, group=group)
                            for stage in self.stages]
         cls = SCHEDULES[self.schedule_name]
         first = pipeline_stages[0] if cls in (ScheduleGPipe, Schedule1F1B) else pipeline_stages
@@ -111,7 +124,7 @@ class PipelinePlan(MeshPlan):
         schedule = self._schedule(batch)
         self._records.clear()
         with self._autocast():
-            schedule.step(**model_inputs(batch), target=batch["labels"], return_outputs=False)
+            schedule.step(**_stage_inputs(batch), target=batch["labels"], return_outputs=False)
         if not self._has_last:
             return torch.zeros((), device=self.device)
         # Shape inference on a new schedule also calls the loss once: keep the last n_microbatches records.
@@ -124,16 +137,15 @@ class PipelinePlan(MeshPlan):
         "can't steal_bwd_input"), and evaluation needs no overlap, so this simple loop serves every schedule.
         """
         check_sequence_split(batch, self.dims.tp)
-        inputs = model_inputs(batch)
+        inputs = _stage_inputs(batch)
         n_chunks = min(self.n_microbatches, batch["labels"].shape[0])  # a short last eval batch: no empty chunks
         chunks = [dict(zip(inputs, parts)) for parts in
                   zip(*(torch.tensor_split(v, n_chunks) for v in inputs.values()))]
-        labels = torch.tensor_split(batch["labels"], n_chunks)
         local = {stage.span.index: stage for stage in self.stages}
         me, group = self.meshes.pp_rank, self.meshes.pp.get_group()
         total = torch.zeros((), device=self.device)
         with self._autocast():
-            for mb, kwargs in enumerate(chunks):
+            for kwargs in chunks:
                 carry: tuple[torch.Tensor, ...] = ()
                 for index in range(self.n_stages):
                     if self._stage_to_rank[index] != me:
@@ -142,7 +154,8 @@ class PipelinePlan(MeshPlan):
                         carry = recv_tensors(self._stage_to_rank[index - 1], group, self.device)
                     out = local[index](*carry, **kwargs)
                     if index == self.n_stages - 1:
-                        total += self.loss_fn(out, labels[mb]).float()
+                        loss_sum = out if self.head_loss is not None else self.loss_fn(out, kwargs["labels"])
+                        total += loss_sum.float()
                         continue
                     carry = out if isinstance(out, tuple) else (out,)
                     if self._stage_to_rank[index + 1] != me:
@@ -171,6 +184,11 @@ class PipelinePlan(MeshPlan):
 
     def _counts_in_norm(self, part: nn.Module, param: nn.Parameter) -> bool:
         return self._shared.counts_in_norm(param)
+
+
+def _stage_inputs(batch: Batch) -> dict[str, torch.Tensor]:
+    """Keyword inputs of every stage: the model inputs and the labels (used by a last stage with a head loss)."""
+    return {**model_inputs(batch), "labels": batch["labels"]}
 
 
 class _SharedWeights:

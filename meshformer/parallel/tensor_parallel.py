@@ -15,11 +15,17 @@ Layout of the activations (tp ranks, sequence T, hidden D):
 
 Parameters that are not split (position tables, embedding norm, BERT head transform) only ever see
 replicated activations and replicated gradients, so they stay plain tensors and need no extra reduction.
+
+With train.fp8 the block linears are torchao `Float8Linear`s before this runs. Under the tensorwise recipe they
+get torchao's float8 styles: activations are cast to float8 *before* the sequence all-gather (half the bytes of
+bf16; one cast serves q/k/v or gate/up) and output gradients before theirs, with each scale taken over the whole
+tensor (an all-reduced amax), so the numbers equal the unsharded model's. Rowwise scales do not survive that
+all-gather, so the rowwise recipe keeps the ordinary styles (gathers in high precision, each linear casts).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -57,8 +63,11 @@ _STYLES = {
 }
 
 
-def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh) -> nn.Module:
-    """Parallelise a Transformer (or a pipeline stage of one: absent pieces are skipped) in place."""
+def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, *, float8_gather: bool = False) -> nn.Module:
+    """Parallelise a Transformer (or a pipeline stage of one: absent pieces are skipped) in place.
+
+    `float8_gather`: the tensorwise FP8 recipe, whose block linears take torchao's float8 styles.
+    """
     cfg: ModelConfig = model.cfg
     spec = model.spec
     tp, rank = mesh.size(), mesh.get_local_rank()
@@ -71,7 +80,7 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh) -> nn.Module:
         if layers is None:
             continue
         for key, block in layers.items():
-            parallelize_module(block, mesh, _plan(block, spec.tp_plan.block))
+            parallelize_module(block, mesh, _plan(block, spec.tp_plan.block, float8_gather))
             if key == "0":  # enter sequence parallel: slice the replicated embedding output
                 parallelize_module(block, mesh, PrepareModuleInput(
                     input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None), use_local_output=True))
@@ -86,16 +95,49 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def _plan(module: nn.Module, styles_by_path: Mapping[str, str]) -> dict[str, ParallelStyle]:
+def _plan(module: nn.Module, styles_by_path: Mapping[str, str], float8_gather: bool = False
+          ) -> dict[str, ParallelStyle]:
     """The DTensor styles of the paths `module` has (a stage lacks pieces, a block without SwiGLU its gate)."""
     plan: dict[str, ParallelStyle] = {}
+    float8_styles = _float8_styles() if float8_gather else {}
     for path, style in styles_by_path.items():
         try:
-            module.get_submodule(path)
+            target = module.get_submodule(path)
         except AttributeError:  # absent, or None
             continue
-        plan[path] = _STYLES[style]()
+        plan[path] = float8_styles[style]() if style in float8_styles and _all_float8(target) else _STYLES[style]()
     return plan
+
+
+def _float8_styles() -> dict[str, Callable[[], ParallelStyle]]:
+    """torchao's float8 counterparts of the block styles (tensorwise scaling only)."""
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    return {
+        styles.COLWISE: Float8ColwiseParallel,
+        styles.ROWWISE: lambda: Float8RowwiseParallel(output_layouts=Shard(1)),
+        styles.GATHER: lambda: PrepareFloat8ModuleInput(input_layouts=(Shard(1),),
+                                                        desired_input_layouts=(Replicate(),)),
+        styles.GATHER_MASKED: lambda: PrepareFloat8ModuleInput(input_layouts=(Shard(1), None),
+                                                               desired_input_layouts=(Replicate(), None)),
+        # cross-attention keeps GATHER_MEMORY: the memory is no block linear's alone to cast
+    }
+
+
+def _all_float8(module: nn.Module) -> bool:
+    """Whether every linear in `module` is a Float8Linear (a float8-cast input may only meet those), and a linear
+    itself has no bias: torchao's linear styles cast the output gradient before the bias sees it, so a bias would
+    get a float8-rounded gradient that the unsharded Float8Linear does not give it."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        return False
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    return bool(linears) and all(isinstance(m, Float8Linear) for m in linears)
 
 
 def _gather_sequence(module: nn.Module, mesh: DeviceMesh) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from meshformer.config import Config
-from meshformer.layout import ParallelDims, n_microbatches
+from meshformer.layout import ZERO_BUBBLE, ParallelDims, n_microbatches
 from meshformer.model.families import get_family_spec
 from meshformer.parallel.build import head_loss_kind
 from meshformer.plan import activations as act
@@ -90,8 +90,9 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory
     grads = params
 
     modes = act.recompute_mode_blocks(cfg, share.layers, p.recompute)
-    cross = get_family_spec(m.family).seq2seq  # decoder blocks also cross-attend the encoder memory
-    enc = m.encoder_depth
+    spec = get_family_spec(m.family)
+    cross = spec.seq2seq  # decoder blocks also cross-attend the encoder memory
+    enc = spec.depth(m, "encoder")
     kept: list[float] = []  # per held block: bytes kept through forward
     rebuild: list[float] = []  # per held block: bytes rebuilt in its backward
     for index, mode in zip(share.layers, modes, strict=True):
@@ -125,6 +126,10 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory
     later = dims.pp > 1 and p.pp_schedule != "gpipe" and n_microbatches(cfg) > in_flight
     accumulating = cfg.train.grad_accum > 1 or later
     static = params + optimizer + (grads if accumulating else 0.0)
+    if fsdp and dims.pp > 1 and (p.pp_fsdp_unsharded_microbatches or p.pp_schedule in ZERO_BUBBLE):
+        # torch's own PP x FSDP (and zero-bubble schedules always) keeps every block's weights and gradients
+        # unsharded from the first micro-batch's backward to the step's end (parallel/pipeline_stage.py)
+        static += share.block_numel * len(share.layers) * (unsharded_bytes + reduce_bytes)
     head_grad = (share.root_numel * (reduce_bytes if fsdp else 4)) if share.last else 0.0
 
     moments = {"forward end": static + root + held_units + earlier + per_microbatch + logits_live + head_grad}

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from meshformer.config import Config, ConfigError, Recompute
 from meshformer.layout import ParallelDims
+from meshformer.model.families import get_family_spec
 from meshformer.plan.memory import RankMemory, rank_memory, usable_bytes
 from meshformer.plan.shard import fake_world, meta_model, rank_shares, template_shares, tp_template
 
@@ -80,7 +81,7 @@ def _divisors_pow2(n: int, limit: int) -> list[int]:
 def search_layouts(cfg: Config, world_size: int, device: str) -> list[LayoutMemory]:
     """Every (pp, tp, recompute) with FSDP over the remaining ranks, smallest first: least model parallelism
     (tp x pp), then least recomputation, then lowest peak. Layouts the config cannot run are skipped."""
-    layers = cfg.model.encoder_depth + cfg.model.decoder_depth
+    layers = get_family_spec(cfg.model.family).total_layers(cfg.model)
     results: list[LayoutMemory] = []
     with fake_world(world_size):
         model = meta_model(cfg)

@@ -159,8 +159,7 @@ def tp_template(cfg: Config, world_size: int, tp: int) -> Template:
     Must run inside `fake_world(world_size)`.
     """
     m = cfg.model
-    small = dataclasses.replace(m, n_layers=1, n_encoder_layers=1 if m.encoder_depth else None,
-                                n_decoder_layers=1 if m.decoder_depth else None)
+    small = dataclasses.replace(m, n_layers=1, n_encoder_layers=1, n_decoder_layers=1)  # whichever a stack reads
     model = meta_model(dataclasses.replace(cfg, model=small))
     if tp > 1:
         parallel = dataclasses.replace(cfg.parallel, pp=1, tp=tp, dp_replicate=1, dp_shard=-1)

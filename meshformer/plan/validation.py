@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshformer.config import Config, config_from_dict, validate
+from meshformer.config import Config, config_from_dict
 
 # world size -> layouts (parallel-section overrides); one process launch per world size.
 LAYOUTS: dict[int, list[dict[str, Any]]] = {
@@ -34,9 +34,7 @@ def validation_config(parallel: dict[str, Any], *, d_model: int = 128, n_layers:
         "train": {"device": "cpu", "seed": 0},
         "parallel": parallel,
     }
-    cfg = config_from_dict(raw)
-    validate(cfg)
-    return cfg
+    return config_from_dict(raw)  # validated
 
 
 def measure_layouts(layouts: list[dict[str, Any]]) -> list[int]:

@@ -24,7 +24,7 @@ def run(config_path: str, overrides: list[str]) -> None:
     from meshformer.train.trainer import Trainer
 
     cfg = load_config(config_path, overrides)  # validated before any process-group work
-    preflight(cfg)  # folders, disk space, tokenizer, data: before the process group and the model
+    tokenizer = preflight(cfg)  # folders, disk space, tokenizer, data: before the process group and the model
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     setup_console_logging(rank)
     distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1
@@ -33,7 +33,7 @@ def run(config_path: str, overrides: list[str]) -> None:
 
         init_distributed(cfg)
     try:
-        Trainer(cfg, rank=rank, local_rank=local_rank).fit()
+        Trainer(cfg, rank=rank, local_rank=local_rank, tokenizer=tokenizer).fit()
     finally:
         if distributed:
             shutdown_distributed()

@@ -29,10 +29,16 @@ def preflight(cfg: Config) -> Tokenizer:
     checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     check_folder(run_dir, "logging.run_dir")
     check_folder(checkpoint_dir, "checkpoint.dir" if cfg.checkpoint.dir else "logging.run_dir")
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    check_vocab(tokenizer, cfg.model.vocab_size)
+    tokenizer = checked_tokenizer(cfg)
     check_data(cfg, tokenizer)
     check_disk_space(cfg, run_dir, checkpoint_dir)
+    return tokenizer
+
+
+def checked_tokenizer(cfg: Config) -> Tokenizer:
+    """data.tokenizer, loaded and checked against model.vocab_size."""
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    check_vocab(tokenizer, cfg.model.vocab_size)
     return tokenizer
 
 

@@ -16,10 +16,9 @@ import torch
 
 from meshformer.batch import Batch
 from meshformer.checkpointing.manager import CheckpointManager
-from meshformer.checkpointing.sharded_safetensors import parse_size
 from meshformer.checkpointing.train_state import Checkpointable, SchedulerState, TrainState
 from meshformer.config import Config, ConfigError
-from meshformer.data import build_loader, load_tokenizer
+from meshformer.data import Tokenizer, build_loader
 from meshformer.layout import validate_parallel
 from meshformer.model import Transformer
 from meshformer.model.families import get_family_spec
@@ -29,13 +28,13 @@ from meshformer.parallel import build_plan
 from meshformer.parallel.build import world_size
 from meshformer.parallel.plan import TrainingPlan
 from meshformer.runtime.distributed import job_device
-from meshformer.runtime.heap_reuse import reuse_freed_host_memory
+from meshformer.runtime.host_memory import map_large_host_tensors, release_free_host_memory, reuse_freed_host_memory
 from meshformer.runtime.profiler import StepProfiler
 from meshformer.runtime.stragglers import rank_timings, straggler_scalars
 from meshformer.runtime.watchdog import HangWatchdog
 from meshformer.train.metrics import FlopsCeiling, RunLogger, memory_gib, peak_flops, synchronize
 from meshformer.train.optim import build_optimizer, build_scheduler
-from meshformer.train.preflight import check_vocab
+from meshformer.train.preflight import checked_tokenizer
 from meshformer.train.sampling import decoded_sample
 
 
@@ -53,12 +52,15 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, *, rank: int = 0, local_rank: int = 0) -> None:
+    def __init__(self, cfg: Config, *, rank: int = 0, local_rank: int = 0, tokenizer: Tokenizer | None = None) -> None:
+        """tokenizer: the one preflight loaded and checked, when the caller ran preflight (else loaded here)."""
         self.cfg, self.rank = cfg, rank
         self.device = job_device(cfg, local_rank)
+        # Before any large tensor (runtime/host_memory.py): CPU ranks of a multi-process run map large tensors so
+        # freed FSDP buffers leave RSS; one CPU process reuses what it frees instead of re-faulting it each step.
+        host_memory = ("large blocks mapped" if map_large_host_tensors(self.device.type, world_size()) else
+                       "freed blocks reused" if reuse_freed_host_memory(self.device.type, world_size()) else "default")
         validate_parallel(cfg, world_size(), self.device)  # before the model is built (and sharded)
-        # One CPU process: steps reuse the pages they free rather than faulting them in again (~10% of a step).
-        host_memory = "freed memory reused" if reuse_freed_host_memory(self.device.type, world_size()) else "default"
         if cfg.train.dtype == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError("train.dtype='bf16' but this GPU has no bf16 support; use train.dtype='fp32'")
         # Measured first, before data workers or other ranks' set-up compete for the device.
@@ -70,13 +72,8 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(cfg.to_toml())
         self.logger = RunLogger(self.run_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
 
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        check_vocab(self.tokenizer, cfg.model.vocab_size)
+        self.tokenizer = tokenizer if tokenizer is not None else checked_tokenizer(cfg)
 
-        try:  # checked now, not after training, when the final weights are written
-            parse_size(cfg.checkpoint.max_shard_size)
-        except ValueError as err:
-            raise ConfigError(f"checkpoint.max_shard_size: {err}") from None
         build_start = time.perf_counter()
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank and layout
         init_seed = new_seed()  # the seed Transformer(cfg.model) would draw here: the same weights as one process
@@ -88,6 +85,7 @@ class Trainer:
         self.plan: TrainingPlan = build_plan(model, cfg, self.device)
         # The whole model, for decoded samples; pipeline stages hold copies of their pieces, so drop it there.
         self.model = model if self.plan.supports_generation else None
+        release_free_host_memory()  # what materialisation's transient full tensors left in the heap
         self.build_s = time.perf_counter() - build_start  # meta build, sharding, materialisation of this rank
         self.optimizer, kernel = build_optimizer(self.plan.model_parts, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.steps, cfg.model.d_model)

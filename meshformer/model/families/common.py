@@ -18,16 +18,11 @@ from meshformer.model.families.spec import (
     VOCAB_ROWS,
     FamilySpec,
     PipelineLayout,
-    Stack,
     TPPlan,
 )
 
 if TYPE_CHECKING:
     from meshformer.model.transformer import Transformer
-
-ENCODER = Stack("encoder", causal=False, count=lambda cfg: cfg.encoder_depth)
-DECODER = Stack("decoder", causal=True, count=lambda cfg: cfg.decoder_depth)
-CROSS_DECODER = Stack("decoder", causal=True, count=lambda cfg: cfg.decoder_depth, cross=True)
 
 # No stage holds the T5 relative biases (shared by a whole stack): meshformer/layout.py refuses t5_relative with pp > 1.
 PIPELINE = PipelineLayout(

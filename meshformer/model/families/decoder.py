@@ -6,9 +6,10 @@ only); Megatron-Core GPTModel (checkpointing/megatron.py).
 
 from __future__ import annotations
 
-from meshformer.config import ModelConfig
-from meshformer.model.families.common import DECODER, transformer_family
+from meshformer.model.config import ModelConfig
+from meshformer.model.families.common import transformer_family
 from meshformer.model.families.naming import MegatronNames, Rule, norm, params
+from meshformer.model.families.spec import Stack
 from meshformer.model.flops import decoder_flops
 
 
@@ -44,7 +45,7 @@ def llama_rules(cfg: ModelConfig) -> list[Rule]:
 
 SPEC = transformer_family(
     name="decoder",
-    stacks=(DECODER,),
+    stacks=(Stack("decoder", causal=True, count=lambda cfg: cfg.n_layers, depth_key="model.n_layers"),),
     objectives=("causal",),
     training_flops=decoder_flops,
     name_maps={"gpt2": gpt2_rules, "llama": llama_rules},

@@ -6,9 +6,10 @@ checkpointing/hf.py folds in and out.
 
 from __future__ import annotations
 
-from meshformer.config import ModelConfig
-from meshformer.model.families.common import ENCODER, transformer_family
+from meshformer.model.config import ModelConfig
+from meshformer.model.families.common import transformer_family
 from meshformer.model.families.naming import Rule, norm, params
+from meshformer.model.families.spec import Stack
 from meshformer.model.flops import encoder_flops
 
 
@@ -36,7 +37,7 @@ def bert_rules(cfg: ModelConfig) -> list[Rule]:
 
 SPEC = transformer_family(
     name="encoder",
-    stacks=(ENCODER,),
+    stacks=(Stack("encoder", causal=False, count=lambda cfg: cfg.n_layers, depth_key="model.n_layers"),),
     objectives=("mlm",),
     training_flops=encoder_flops,
     name_maps={"bert": bert_rules},

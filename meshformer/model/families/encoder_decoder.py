@@ -8,10 +8,17 @@ torch.nn.Transformer (layers and final norms only; q/k/v packed in `in_proj_*`, 
 
 from __future__ import annotations
 
-from meshformer.config import ModelConfig
-from meshformer.model.families.common import CROSS_DECODER, ENCODER, transformer_family
+from meshformer.model.config import ModelConfig
+from meshformer.model.families.common import transformer_family
 from meshformer.model.families.naming import Rule, norm, params
+from meshformer.model.families.spec import Stack
 from meshformer.model.flops import encoder_decoder_flops
+
+# Each stack's depth: its own key, or model.n_layers when that is unset.
+ENCODER = Stack("encoder", causal=False, depth_key="model.n_encoder_layers (or model.n_layers)",
+                count=lambda cfg: cfg.n_layers if cfg.n_encoder_layers is None else cfg.n_encoder_layers)
+DECODER = Stack("decoder", causal=True, cross=True, depth_key="model.n_decoder_layers (or model.n_layers)",
+                count=lambda cfg: cfg.n_layers if cfg.n_decoder_layers is None else cfg.n_decoder_layers)
 
 
 def t5_rules(cfg: ModelConfig) -> list[Rule]:
@@ -34,11 +41,11 @@ def t5_rules(cfg: ModelConfig) -> list[Rule]:
             names = {"up_proj": "wi", "down_proj": "wo"}
         return [r for a, b in names.items() for r in params(f"{ours}.{a}", f"{theirs}.{b}", ("weight",))]
 
-    for i in range(cfg.encoder_depth):
+    for i in range(ENCODER.count(cfg)):
         o, t = f"encoder_layers.{i}", f"encoder.block.{i}.layer"
         rules += [*norm(f"{o}.attn_norm", f"{t}.0.layer_norm", cfg), *attention(f"{o}.attn", f"{t}.0.SelfAttention"),
                   *norm(f"{o}.ffn_norm", f"{t}.1.layer_norm", cfg), *ffn(f"{o}.ffn", f"{t}.1.DenseReluDense")]
-    for i in range(cfg.decoder_depth):
+    for i in range(DECODER.count(cfg)):
         o, t = f"decoder_layers.{i}", f"decoder.block.{i}.layer"
         rules += [*norm(f"{o}.attn_norm", f"{t}.0.layer_norm", cfg), *attention(f"{o}.attn", f"{t}.0.SelfAttention"),
                   *norm(f"{o}.cross_norm", f"{t}.1.layer_norm", cfg),
@@ -61,11 +68,11 @@ def torch_transformer_rules(cfg: ModelConfig) -> list[Rule]:
                 *params(f"{o}.ffn_norm", f"{t}.norm{norm_index}", names)]
 
     rules = params("encoder_norm", "encoder.norm", names) + params("decoder_norm", "decoder.norm", names)
-    for i in range(cfg.encoder_depth):
+    for i in range(ENCODER.count(cfg)):
         o, t = f"encoder_layers.{i}", f"encoder.layers.{i}"
         rules += [*attention(f"{o}.attn", f"{t}.self_attn"), *params(f"{o}.attn_norm", f"{t}.norm1", names),
                   *ffn(o, t, 2)]
-    for i in range(cfg.decoder_depth):
+    for i in range(DECODER.count(cfg)):
         o, t = f"decoder_layers.{i}", f"decoder.layers.{i}"
         rules += [*attention(f"{o}.attn", f"{t}.self_attn"), *params(f"{o}.attn_norm", f"{t}.norm1", names),
                   *attention(f"{o}.cross_attn", f"{t}.multihead_attn"),
@@ -75,7 +82,7 @@ def torch_transformer_rules(cfg: ModelConfig) -> list[Rule]:
 
 SPEC = transformer_family(
     name="encoder_decoder",
-    stacks=(ENCODER, CROSS_DECODER),
+    stacks=(ENCODER, DECODER),
     objectives=("span", "seq2seq"),
     training_flops=encoder_decoder_flops,
     name_maps={"t5": t5_rules, "torch.nn.Transformer": torch_transformer_rules},

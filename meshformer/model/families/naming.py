@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from meshformer.config import ModelConfig
+from meshformer.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """`FamilySpec`: everything the rest of meshformer needs to know about one model family, in one place.
 
-A family says which layer stacks it has, how it trains (objectives), how it initialises, how a pipeline
-splits it, how tensor parallelism shards it, how its weights are named by other implementations, and how
-many FLOPs it costs. `parallel/`, `checkpointing/` and `train/` apply what a spec declares and name no
-module inside a block themselves.
+A family says which layer stacks it has and how deep the config makes them, how it trains (objectives),
+what else it asks of a config, how it initialises, how a pipeline splits it, how tensor parallelism shards
+it, how its weights are named by other implementations, and how many FLOPs it costs. `config/`, `parallel/`,
+`checkpointing/` and `train/` apply what a spec declares and name no family and no module inside a block.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from meshformer.config import ModelConfig
+from meshformer.model.config import ModelConfig
 from meshformer.model.families.naming import MegatronNames, Rule
 
 if TYPE_CHECKING:  # the Transformer is built from a spec, so it is imported for the type hints only
@@ -37,9 +37,10 @@ RulesFn = Callable[[ModelConfig], list[Rule]]
 class Stack:
     """One stack of blocks: held in `<name>_layers` (a ModuleDict "0", "1", ...) with final norm `<name>_norm`."""
 
-    name: str
+    name: str  # "encoder" or "decoder": the Transformer's attributes that hold it
     causal: bool
     count: Callable[[ModelConfig], int]  # how many blocks the config asks for
+    depth_key: str  # the [model] key(s) `count` reads, named when the depth is not positive
     cross: bool = False  # blocks cross-attend the encoder's output
 
     @property
@@ -82,6 +83,9 @@ class FamilySpec:
     training_flops: Callable[[ModelConfig, int, int | None], int]  # (cfg, seq_len, target_len) -> FLOPs
     name_maps: Mapping[str, RulesFn]  # foreign implementation -> weight-name rules (checkpointing/mapping.py)
     megatron: MegatronNames | None = None  # how our weights map to a Megatron-Core model, if they do
+    # What else the family asks of the [model] section (config validation runs it after the generic checks,
+    # before any work): raise meshformer.errors.ConfigError naming the key and the fix.
+    check: Callable[[ModelConfig], None] | None = None
 
     @property
     def has_encoder(self) -> bool:
@@ -95,6 +99,10 @@ class FamilySpec:
     def seq2seq(self) -> bool:
         """Source and target are separate streams (decoder_input_ids / decoder_attention_mask)."""
         return any(s.cross for s in self.stacks)
+
+    def depth(self, cfg: ModelConfig, stack: str) -> int:
+        """Blocks in the stack called `stack` ("encoder" / "decoder"); 0 if the family has none."""
+        return sum(s.count(cfg) for s in self.stacks if s.name == stack)
 
     def total_layers(self, cfg: ModelConfig) -> int:
         return sum(s.count(cfg) for s in self.stacks)

@@ -1,0 +1,82 @@
+"""The one way in: `load_config` reads TOML (a file or a bundled config's name), applies `section.key=value`
+overrides and validates; `config_from_dict` does the same for a tree already in memory.
+
+    cfg = load_config("configs/tiny-gpt.toml", ["train.steps=200", "model.n_layers=4"])
+    cfg = load_config("tiny-gpt")  # a bundled config by name (shipped inside the package)
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from meshformer.config.parse import build_section
+from meshformer.config.sections import Config
+from meshformer.config.validate import validate
+from meshformer.errors import ConfigError
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file (or defaults), apply `section.key=value` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = resolve_config_path(path)
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: not valid TOML ({err})", "fix the line it names") from None
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.steps=200")
+        _set_dotted(raw, key.strip(), _parse_value(value.strip()))
+    return config_from_dict(raw)
+
+
+def bundled_configs() -> dict[str, Path]:
+    """The configs shipped inside the package, by name (`tiny-gpt`, `llama-8b`, ...)."""
+    folder = Path(__file__).parents[1] / "configs"
+    return {p.stem: p for p in sorted(folder.glob("*.toml"))}
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A TOML file, or the name of a bundled config."""
+    candidate = Path(path)
+    if candidate.is_file():
+        return candidate
+    bundled = bundled_configs()
+    if str(path) in bundled:
+        return bundled[str(path)]
+    if candidate.is_dir():
+        raise ConfigError(f"config {str(path)!r} is a folder; pass a TOML file or a bundled config name "
+                          f"({', '.join(bundled)})")
+    hint = difflib.get_close_matches(candidate.stem, bundled, n=1)
+    fix = f"did you mean {hint[0]!r}? " if hint else ""
+    raise ConfigError(f"config file {str(path)!r} not found; {fix}pass a TOML file or a bundled config name "
+                      f"({', '.join(bundled)})")
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """A validated config from a TOML-shaped tree of sections (what `load_config` reads from a file)."""
+    cfg = build_section(Config, raw, "")
+    validate(cfg)
+    return cfg
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # a bare word such as rmsnorm or a path
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key!r}: {part!r} is a value, not a section")
+    node[parts[-1]] = value

@@ -1,0 +1,173 @@
+"""The config tree's sections: one dataclass per TOML table, with its defaults.
+
+`ModelConfig` (the `[model]` table) lives with the model (meshformer/model/config.py), which reads nothing else;
+the rest are here. Loading is in `load.py`, checks in `validate.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from meshformer.config.write import dump_toml
+from meshformer.model.config import ModelConfig
+from meshformer.model.families import get_family_spec
+
+Recompute = Literal["none", "full", "selective", "every_k"]
+
+
+@dataclass
+class DataSourceConfig:
+    """One `[[data.sources]]` table of a mixture."""
+
+    shards: str = ""  # manifest.json (path or URL) of prepared shards
+    weight: float = 1.0  # share of samples, relative to the other sources' weights
+    name: str = ""  # label in logs (data/<name>/tokens); "": source<i>
+
+
+@dataclass
+class DataConfig:
+    corpus: str = "bundled:kjv"  # "bundled:kjv", a text/JSONL(.gz) file or a directory
+    text_field: str = "text"  # JSONL field holding the text
+    tokenizer: str = "bundled:kjv-bpe-4k"  # bundled name, "gpt2", or a tokenizer.json path
+    seq_len: int = 128  # tokens per training sequence (decoder input length)
+    target_len: int = 64  # encoder-decoder target length
+    batch_size: int = 16  # sequences per micro-batch per data-parallel rank
+    eval_fraction: float = 0.02  # share of documents held out for evaluation
+    mlm_probability: float = 0.15
+    span_noise_density: float = 0.15
+    span_mean_length: float = 3.0
+    seed: int = 1234
+    shards: str = ""  # manifest.json (path or URL) of prepared shards; "": prepare data.corpus into cache_dir
+    cache_dir: str = ""  # "": $MESHFORMER_CACHE or ~/.cache/meshformer
+    num_workers: int = 1  # DataLoader worker processes per rank (0: load in the training process)
+    shuffle_shards: int = 4  # shards mixed into one shuffle group (memory: one group per worker)
+    bad_shards: Literal["error", "skip"] = "error"  # corrupt/short/missing shard: raise, or skip and log
+    # true: a resume whose data order changed (data.seed, data.shuffle_shards, shards) keeps the checkpoint's sample
+    # count and continues the order of the current settings from that position (see data/README.md)
+    reseed_on_resume: bool = False
+    sources: list[DataSourceConfig] = field(default_factory=list)  # [[data.sources]] mixture; []: data.shards
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
+
+
+@dataclass
+class ScheduleConfig:
+    name: Literal["cosine", "noam", "wsd", "constant"] = "cosine"  # noam: optim.lr is the scale factor
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # cosine / wsd floor as a fraction of optim.lr
+    decay_fraction: float = 0.2  # wsd: share of the run spent decaying
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    objective: Literal["auto", "causal", "mlm", "span", "seq2seq"] = "auto"
+    grad_accum: int = 1
+    seed: int = 0
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
+    dtype: Literal["fp32", "bf16"] = "fp32"  # bf16 = autocast with fp32 master weights
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    eval_interval: int = 100
+    eval_batches: int = 8
+    sample_interval: int = 100  # decode a text sample this often (0: never)
+    sample_tokens: int = 48
+    compile: bool | Literal["off", "blocks", "model"] = False  # true = "blocks" (each block compiled)
+    loss: Literal["auto", "plain", "chunked", "liger"] = "auto"  # auto: a fused head loss where the layout allows
+    fp8: Literal["off", "tensorwise", "rowwise"] = "off"  # torchao float8 linears; FP8 tensor cores (sm 8.9+)
+    fp8_keep_ends: bool = False  # the first and last block of each stack keep high-precision linears
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"  # inductor mode for train.compile
+
+
+@dataclass
+class ParallelConfig:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: whatever the other dimensions leave of the world
+    cp: int = 1
+    tp: int = 1
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = "1f1b"
+    pp_microbatches: int = 0  # 0: one per pipeline stage
+    pp_stages_per_rank: int = 1
+    pp_split_points: list[int] = field(default_factory=list)  # manual layer split points
+    recompute: Recompute = "none"
+    recompute_every: int = 2
+    mixed_precision_param: Literal["fp32", "bf16"] = "fp32"
+    mixed_precision_reduce: Literal["fp32", "bf16"] = "fp32"
+    reshard_after_forward: bool = True
+    pp_fsdp_unsharded_microbatches: bool = False  # PP x FSDP: keep stage params+grads whole across microbatches
+    timeout_s: float = 600.0
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""  # "": <run_dir>/checkpoints
+    interval: int = 0  # steps between saves; 0: only the final weights
+    keep_last: int = 2
+    keep_every: int = 0  # also keep every M-th step (0: none)
+    async_save: bool = False  # write in a background thread (DCP thread mode); at most one save in flight
+    resume: bool = True  # start from the newest valid checkpoint in checkpoint.dir, if any
+    verify: Literal["sha256", "size"] = "sha256"  # how resume checks a checkpoint's files against its manifest
+    # "full": a checkpoint whose model tensors differ from this model's (names or shapes) is refused;
+    # "partial": load the tensors that fit (and their optimizer state), keep the rest as initialized, and resume
+    # the step, schedule and data position (retention keeps the other model's checkpoints)
+    load_mode: Literal["full", "partial"] = "full"
+    save_on_sigterm: bool = True  # on SIGTERM: save at the next step boundary, then stop
+    preempt_check_interval: int = 10  # steps between the cross-rank "did any rank get SIGTERM?" check
+    max_shard_size: str = "5GB"  # final weights: largest safetensors file (HF-style shards + index beyond it)
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/default"
+    log_interval: int = 10
+    tensorboard: bool = True
+
+
+@dataclass
+class ProfileConfig:
+    """torch.profiler traces of a step range (Perfetto / chrome://tracing / TensorBoard), written per rank."""
+
+    start_step: int = 0  # first profiled optimizer step (1-based); 0: profiling off
+    steps: int = 3  # how many steps to record from start_step
+    ranks: list[int] = field(default_factory=list)  # ranks that record; []: every rank
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False  # Python stacks per op (large traces)
+    dir: str = ""  # "": <run_dir>/profile
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+    @property
+    def objective(self) -> str:
+        """train.objective, with "auto" resolved to the family's first objective."""
+        if self.train.objective != "auto":
+            return self.train.objective
+        return get_family_spec(self.model.family).objectives[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        return dump_toml(self.to_dict())

@@ -1,0 +1,142 @@
+"""`validate`: every cross-field check of a config tree, before any work starts; each message names the key
+and the fix. Family-dependent checks ask the family's spec (model/families/); nothing here names a family.
+"""
+
+from __future__ import annotations
+
+from meshformer.config.parse import parse_size
+from meshformer.config.sections import Config
+from meshformer.errors import ConfigError
+from meshformer.model.families import get_family_spec
+
+
+def validate(cfg: Config) -> None:
+    """Check cross-field consistency; every message names the key and the fix."""
+    m, d, t = cfg.model, cfg.data, cfg.train
+    _positive(cfg, ["model.vocab_size", "model.d_model", "model.n_heads", "model.d_ff", "model.max_seq_len",
+                    "data.seq_len", "data.batch_size", "train.steps", "train.grad_accum", "optim.lr",
+                    "logging.log_interval"])
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
+                          "choose n_heads that divides d_model")
+    if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
+        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}; "
+                          "n_kv_heads must divide n_heads (1 = multi-query)")
+    if m.position == "rope" and m.head_dim % 2:
+        raise ConfigError(f"RoPE needs an even head dimension, got d_model/n_heads={m.head_dim}")
+    if m.position == "t5_relative" and (m.relative_buckets < 4 or m.relative_max_distance <= m.relative_buckets // 2):
+        raise ConfigError(f"model.relative_buckets={m.relative_buckets} / model.relative_max_distance="
+                          f"{m.relative_max_distance}: t5_relative needs at least 4 buckets and a max distance above "
+                          "relative_buckets / 2 (the exactly bucketed range); T5 uses 32 and 128")
+    _check_family(cfg)
+    if m.attention_window is not None:
+        if m.attention_window <= 0:
+            raise ConfigError("model.attention_window must be positive (or omitted for full attention)")
+        if m.attention_window > d.seq_len:
+            raise ConfigError(f"model.attention_window={m.attention_window} is larger than data.seq_len="
+                              f"{d.seq_len}; use a smaller window or remove it for full attention")
+    if m.cross_downsample < 1:
+        raise ConfigError("model.cross_downsample must be >= 1 (1 disables pooling)")
+    if not 0 <= m.dropout < 1 or not 0 <= m.attention_dropout < 1:
+        raise ConfigError("model.dropout and model.attention_dropout must lie in [0, 1)")
+    if not 0 <= t.label_smoothing < 1:
+        raise ConfigError("train.label_smoothing must lie in [0, 1)")
+    if not 0 < d.mlm_probability < 1 or not 0 < d.span_noise_density < 1:
+        raise ConfigError("data.mlm_probability and data.span_noise_density must lie in (0, 1)")
+    _check_training_ranges(cfg)
+    if cfg.schedule.name == "noam" and cfg.schedule.warmup_steps == 0:
+        raise ConfigError("schedule.name='noam' needs schedule.warmup_steps > 0")
+    if cfg.profile.start_step < 0 or cfg.profile.steps <= 0:
+        raise ConfigError(f"profile.start_step={cfg.profile.start_step} and profile.steps={cfg.profile.steps}: "
+                          "start_step must be >= 0 (0: off) and steps positive, e.g. profile.start_step=10 "
+                          "profile.steps=3")
+    if t.dtype == "bf16" and not t.device.startswith(("auto", "cpu", "cuda")):
+        raise ConfigError(f"train.dtype='bf16' is not supported on device {t.device!r}; use fp32")
+    _check_shard_size(cfg.checkpoint.max_shard_size)
+
+
+def _check_family(cfg: Config) -> None:
+    """What the family's spec asks of the config: a registered name, its objectives, positive stack depths,
+    the target stream of a source/target family, and the family's own checks (`FamilySpec.check`)."""
+    m, d = cfg.model, cfg.data
+    spec = get_family_spec(m.family)
+    if cfg.objective not in spec.objectives:
+        raise ConfigError(f"train.objective={cfg.objective!r} does not fit model.family={m.family!r}; "
+                          f"use one of {sorted(spec.objectives)} or 'auto'")
+    for stack in spec.stacks:
+        if (depth := stack.count(m)) <= 0:
+            raise ConfigError(f"{stack.depth_key} must be positive, got {depth} ({stack.name} stack of "
+                              f"family {m.family!r})")
+    lengths = [("data.seq_len", d.seq_len)]
+    if spec.seq2seq:
+        if d.target_len <= 0:
+            raise ConfigError(f"data.target_len must be positive for a source/target family ({m.family!r}), "
+                              f"got {d.target_len}")
+        lengths.append(("data.target_len", d.target_len))
+    elif m.cross_downsample > 1:
+        raise ConfigError(f"model.cross_downsample only applies to a family whose decoder cross-attends an "
+                          f"encoder (not {m.family!r}); leave it at 1")
+    key, longest = max(lengths, key=lambda item: item[1])
+    if m.position in ("learned", "sinusoidal", "rope") and longest > m.max_seq_len:
+        raise ConfigError(f"{key}={longest} exceeds model.max_seq_len={m.max_seq_len}; "
+                          "raise model.max_seq_len or shorten data.seq_len")
+    if spec.check is not None:
+        spec.check(m)
+
+
+def _check_shard_size(size: str) -> None:
+    """checkpoint.max_shard_size is read when the final weights are written: check it now, not after training."""
+    try:
+        n = parse_size(size)
+    except ValueError as err:
+        raise ConfigError(f"checkpoint.max_shard_size: {err}") from None
+    if n <= 0:
+        raise ConfigError(f"checkpoint.max_shard_size={size!r} must be positive, e.g. 5GB")
+
+
+def _check_training_ranges(cfg: Config) -> None:
+    """Values that would otherwise train silently wrong (negative rates, no clipping) or fail late (data loading)."""
+    sched, optim, t = cfg.schedule, cfg.optim, cfg.train
+    if sched.warmup_steps < 0:
+        raise ConfigError("schedule.warmup_steps must be >= 0")
+    if not 0 <= sched.min_lr_ratio <= 1:
+        raise ConfigError(f"schedule.min_lr_ratio={sched.min_lr_ratio} must lie in [0, 1] (a fraction of optim.lr)")
+    if not 0 <= sched.decay_fraction <= 1:
+        raise ConfigError(f"schedule.decay_fraction={sched.decay_fraction} must lie in [0, 1]")
+    if sched.name == "wsd" and int(t.steps * (1 - sched.decay_fraction)) < sched.warmup_steps:
+        raise ConfigError(f"schedule.name='wsd' would start decaying (step {int(t.steps * (1 - sched.decay_fraction))})"
+                          f" before warmup ends (step {sched.warmup_steps}); lower schedule.decay_fraction or "
+                          "schedule.warmup_steps")
+    if not all(0 <= beta < 1 for beta in optim.betas):
+        raise ConfigError(f"optim.betas={list(optim.betas)} must each lie in [0, 1), e.g. [0.9, 0.95]")
+    if optim.grad_clip < 0 or optim.weight_decay < 0 or optim.eps <= 0:
+        raise ConfigError("optim.grad_clip and optim.weight_decay must be >= 0 (grad_clip = 0 disables clipping) "
+                          "and optim.eps > 0")
+    if t.z_loss < 0:
+        raise ConfigError(f"train.z_loss={t.z_loss} must be >= 0 (0 disables it)")
+    if t.eval_interval > 0 and t.eval_batches <= 0:
+        raise ConfigError("train.eval_batches must be positive when train.eval_interval > 0 (0 disables evaluation)")
+    for key in ("train.eval_interval", "train.sample_interval", "checkpoint.interval", "checkpoint.keep_last",
+                "checkpoint.keep_every"):
+        if (value := getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])) < 0:
+            raise ConfigError(f"{key}={value} is negative", "use a value >= 0 (0 turns it off; keep_last=0 keeps all)")
+    d = cfg.data
+    if d.num_workers < 0:
+        raise ConfigError(f"data.num_workers={d.num_workers} must be >= 0 (0 loads in the training process)")
+    if d.shuffle_shards < 1:
+        raise ConfigError(f"data.shuffle_shards={d.shuffle_shards} must be >= 1 (shards mixed per shuffle group)")
+    if not 0 <= d.eval_fraction < 1:
+        raise ConfigError(f"data.eval_fraction={d.eval_fraction} must lie in [0, 1)")
+    if d.sources and d.shards:
+        raise ConfigError("set either data.shards (one dataset) or [[data.sources]] (a mixture), not both")
+    for i, src in enumerate(d.sources):
+        if not src.shards or not src.weight > 0:
+            raise ConfigError(f"data.sources[{i}] needs shards = <manifest> and weight > 0 (got {src.shards!r}, "
+                              f"{src.weight})")
+
+
+def _positive(cfg: Config, keys: list[str]) -> None:
+    for key in keys:
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) <= 0:
+            raise ConfigError(f"{key} must be positive, got {getattr(getattr(cfg, section), name)}")

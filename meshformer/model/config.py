@@ -1,0 +1,65 @@
+"""`ModelConfig`: the `[model]` section, everything a `Transformer` is built from.
+
+It lives with the model, which reads no other section; `meshformer/config/` loads the whole tree from TOML,
+validates it (against the family registry too) and re-exports this class. Which stacks a family has and how
+deep they are is the family's business (`model/families/`), not this section's: `family` names a registered
+family and the layer counts below are read by its stacks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu"]
+
+
+@dataclass
+class ModelConfig:
+    family: str = "decoder"  # a registered family (meshformer/model/families/__init__.py)
+    vocab_size: int = 4096
+    d_model: int = 128
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: multi-head; 1: multi-query; else grouped-query
+    n_layers: int = 4  # stack depth (each stack's, unless the family reads a key of its own below)
+    n_encoder_layers: int | None = None  # encoder stack of a two-stack family; None: n_layers
+    n_decoder_layers: int | None = None  # decoder stack of a two-stack family; None: n_layers
+    d_ff: int = 512
+    activation: Activation = "gelu"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_eps: float = 1e-5
+    norm_position: Literal["pre", "post"] = "pre"
+    final_norm: bool | None = None  # norm after each stack; None: only with pre-norm
+    embedding_norm: bool = False  # norm right after the embeddings (BERT)
+    position: Literal["sinusoidal", "learned", "rope", "alibi", "t5_relative", "none"] = "learned"
+    rope_theta: float = 10000.0
+    relative_buckets: int = 32  # t5_relative: learned bias buckets per stack (half per direction in the encoder)
+    relative_max_distance: int = 128  # t5_relative: distances beyond this share the last bucket
+    max_seq_len: int = 256
+    scale_embeddings: bool = False  # multiply token embeddings by sqrt(d_model)
+    tie_embeddings: bool = True  # output projection shares the (target) token embedding
+    share_embeddings: bool = True  # source/target families: one embedding for source and target
+    bias: bool = True  # biases in linear layers and norms
+    head_transform: bool = False  # BERT prediction head: dense + act + norm before output
+    output_bias: bool = False
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    attention_window: int | None = None  # sliding window: keys with |i - j| < window
+    attention_backend: Literal["sdpa", "math", "flash", "cudnn", "efficient"] = "sdpa"  # or that SDPA kernel first
+    attention_scale: float | None = None  # score multiplier; None: 1/sqrt(head_dim) (T5 folds it into init: 1.0)
+    scale_output: bool = False  # multiply final hidden states by d_model**-0.5 before the output projection (T5)
+    cross_downsample: int = 1  # pool encoder output by this factor before cross-attention
+    init: Literal["normal", "xavier"] = "normal"
+    init_std: float = 0.02
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def use_final_norm(self) -> bool:
+        return self.norm_position == "pre" if self.final_norm is None else self.final_norm
