@@ -102,6 +102,36 @@ def logits_grad_(logits, lse, index, here, valid, vocab: int, label_smoothing: f
     return grad.mul_(valid[:, None])
 
 
+def _chunk_loss_and_grad_(logits, labels, valid, vocab: int, label_smoothing: float, z_loss: float,
+                          want_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Summed loss of one chunk of fp32 logits and, if wanted, d loss / d logits, both from one in-place
+    `log_softmax` (single vocabulary): log-probabilities, then their exp is the softmax, so the chunk takes
+    ~3 elementwise passes (log_softmax, exp, the cast for the GEMMs) instead of the ~8 of `vocab_statistics`
+    + `logits_grad_` (logsumexp's max, subtract, exp and sum, then subtract and exp again, then the mask).
+    Same formulas as `token_losses`/`logits_grad_`; the logits buffer is overwritten and returned as the grad."""
+    lse = torch.logsumexp(logits, dim=-1) if z_loss > 0 else None
+    index = labels.clamp(min=0)[:, None]
+    logp = torch.log_softmax(logits, dim=-1, out=logits)
+    per_token = -(1.0 - label_smoothing) * logp.gather(1, index).squeeze(1)
+    if label_smoothing > 0:  # smoothing term: mean over the vocabulary of -log p
+        per_token = per_token - (label_smoothing / vocab) * logp.sum(dim=-1)
+    if lse is not None:
+        per_token = per_token + z_loss * lse.square()
+    loss = (per_token * valid).sum()
+    if not want_grad:
+        return loss, None
+    grad = logp.exp_()
+    # Row scale: 0 on ignored rows, (1 + 2 z lse) with z-loss. Skipped when it is all ones; checking that is a
+    # host sync, so only on CPU, where it is free and the skipped pass over the chunk is not.
+    if lse is not None or logits.device.type != "cpu" or not bool(valid.all()):
+        scale = valid.to(grad.dtype) if lse is None else valid * (1.0 + 2.0 * z_loss * lse)
+        grad.mul_(scale[:, None])
+    grad.scatter_add_(1, index, ((label_smoothing - 1.0) * valid.to(grad.dtype))[:, None])
+    if label_smoothing > 0:
+        grad.sub_((label_smoothing / vocab) * valid.to(grad.dtype)[:, None])
+    return loss, grad
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk_rows, label_smoothing, z_loss, want_grads, shard):
@@ -114,8 +144,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         w = weight.to(dtype)
         b = bias.float() if bias is not None else None
         grad_h = torch.empty_like(h) if want_grads and ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if want_grads and ctx.needs_input_grad[1] else None
+        need_w = want_grads and ctx.needs_input_grad[1]
+        grad_w = None  # fp32; the first chunk's product initialises it (no zero fill and add pass)
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
             if want_grads and bias is not None and ctx.needs_input_grad[2] else None
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -125,23 +155,31 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             y_c = y[start : start + chunk_rows]
             logits = (h_c @ w.t()).float()
             if b is not None:
-                logits = logits + b
+                logits.add_(b)
             valid = y_c != IGNORE_INDEX
-            lse, target, total, index, here = vocab_statistics(logits, y_c, valid, shard, eps > 0)
-            loss += (token_losses(lse, target, total, vocab, eps, z_loss) * valid).sum()
-            if not want_grads:
+            if shard is None:
+                chunk_loss, grad = _chunk_loss_and_grad_(logits, y_c, valid, vocab, eps, z_loss, want_grads)
+            else:
+                lse, target, total, index, here = vocab_statistics(logits, y_c, valid, shard, eps > 0)
+                chunk_loss = (token_losses(lse, target, total, vocab, eps, z_loss) * valid).sum()
+                grad = logits_grad_(logits, lse, index, here, valid, vocab, eps, z_loss) if want_grads else None
+            loss += chunk_loss
+            if grad is None:
                 continue
-            grad = logits_grad_(logits, lse, index, here, valid, vocab, eps, z_loss)
             if grad_b is not None:
                 grad_b += grad.sum(dim=0)
             grad = grad.to(dtype)
             if grad_h is not None:
                 grad_h[start : start + chunk_rows] = grad @ w
-            if grad_w is not None:
-                if dtype == torch.float32:
+            if need_w:
+                if grad_w is None:
+                    grad_w = (grad.t() @ h_c).float()
+                elif dtype == torch.float32:
                     grad_w.addmm_(grad.t(), h_c)
                 else:
                     grad_w += (grad.t() @ h_c).float()
+        if need_w and grad_w is None:  # no rows at all
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         if shard is not None and grad_h is not None:  # each rank's vocabulary columns gave a partial sum
             dist.all_reduce(grad_h, group=shard.group)
         ctx.save_for_backward(grad_h, grad_w, grad_b)
