@@ -28,15 +28,19 @@ from meshformer.batch import IGNORE_INDEX
 HeadLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
-def default_chunk_rows(n_rows: int, vocab: int, device: torch.device) -> int:
-    """Rows per chunk: a chunk of fp32 logits of ~512 MiB on CUDA (~128 MiB elsewhere), at least 64 rows.
+def default_chunk_rows(n_rows: int, vocab: int, d_model: int, device: torch.device) -> int:
+    """Rows per chunk, at least 64. CUDA: a chunk of fp32 logits of ~512 MiB.
 
     Every chunk also adds its share into the fp32 weight gradient (a pass over V x D), so chunks must stay
-    large enough for the three chunk GEMMs to dominate that pass; the saving comes from never holding
-    more than one chunk of logits, not from small chunks.
+    large enough for the three chunk GEMMs to dominate that pass. CPU: the chunk's elementwise passes are
+    fastest when it stays in cache (~8 MiB of fp32 logits), but not below 2·d_model rows, where the V x D
+    weight-gradient pass takes over; at most 512 MiB. Head-only, 1 thread, vs 128 MiB chunks: S/M
+    (V 4096, 512 rows) 1.1-1.4x faster, G (V 50304, D 768, 1536 rows) 1.1x.
     """
-    budget = 2**27 if device.type == "cuda" else 2**25
-    return min(n_rows, max(64, budget // vocab))
+    if device.type == "cuda":
+        return min(n_rows, max(64, 2**27 // vocab))
+    rows = min(max(2**21 // vocab, 2 * d_model), 2**27 // vocab)
+    return min(n_rows, max(64, rows))
 
 
 def _compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -216,7 +220,7 @@ def chunked_linear_cross_entropy(
     weight = weight.to_local() if isinstance(weight, DTensor) else weight
     bias = bias.to_local() if isinstance(bias, DTensor) else bias
     n_rows = hidden.numel() // hidden.shape[-1]
-    rows = chunk_rows or default_chunk_rows(n_rows, weight.shape[0], hidden.device)
+    rows = chunk_rows or default_chunk_rows(n_rows, weight.shape[0], weight.shape[1], hidden.device)
     # Decided here: autograd runs Function.forward with grad mode off. Evaluation skips the gradient work.
     want_grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, labels, rows, label_smoothing, z_loss, want_grads,

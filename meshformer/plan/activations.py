@@ -140,7 +140,7 @@ def chunked_loss(m: ModelConfig, x: ActivationShape, device_type: str) -> tuple[
     one chunk of fp32 logits (and its low-precision copy), the low-precision weight copy, each chunk's
     weight-gradient product and its fp32 copy, and the scaled weight gradient returned by the backward."""
     rows, vocab = x.batch * x.seq, m.vocab_size // x.tp
-    chunk = min(rows, default_chunk_rows(rows, vocab, torch.device(device_type)))
+    chunk = min(rows, default_chunk_rows(rows, vocab, m.d_model, torch.device(device_type)))
     weight = vocab * m.d_model
     kept = rows * m.d_model * x.bytes + weight * FP32
     low = x.bytes < FP32
