@@ -11,9 +11,10 @@ save adds 1x; glibc keeping FSDP's freed buffers (MESHFORMER_MMAP_THRESHOLD=0) m
 Resume: start-up + load measured 0.78x (weights and moments straight into their 1/4 shards; RSS after it 0.76x,
 nothing left to trim), the resumed run 1.80x (the step rises 1.04x above the loaded state, as the fresh run's
 does above its weights); the weights-only start 0.35x, its run 1.29x. A rank that also reads the full model
-state dict while loading adds 1.0x: checked by holding `read_full_tensors(path, model keys)` across
-`apply_model` in CheckpointManager.load, which failed the load bounds (see LOAD_BOUNDS); kept to the end of the
-run it would pass 2.25x too. A full optimizer state dict adds 2.0x more. About 80 s on the 2-core machine.
+state dict while loading adds 1.0x: holding `read_full_tensors(path, model keys)` across `apply_model` in
+CheckpointManager.load measured 1.84x for the resume load and 1.35x for the weights-only one, failing
+LOAD_BOUNDS (the whole runs' peaks were those same figures, under RESUME_BOUND: a transient full copy is caught
+by the load bounds only). A full optimizer state dict adds 2.0x more. About 80 s on the 2-core machine.
 """
 
 from __future__ import annotations
