@@ -29,6 +29,8 @@ import functools
 import os
 import platform
 
+from meshformer.errors import UsageError
+
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # mallopt parameter numbers in glibc's malloc.h
 NEVER_TRIM = 2**31 - 1  # mallopt takes an int: the largest trim threshold it holds (2 GiB)
 DEFAULT_MMAP_THRESHOLD = 1 << 20  # 1 MiB: per-token activations of toy models stay in the heap, weights do not
@@ -53,8 +55,8 @@ def mmap_threshold(world_size: int) -> int:
     try:
         return int(text) if text else (DEFAULT_MMAP_THRESHOLD if world_size > 1 else 0)
     except ValueError:
-        raise ValueError(f"{ENV_MMAP_THRESHOLD}={text!r} is not a number of bytes; unset it or give e.g. 1048576"
-                         ) from None
+        raise UsageError(f"{ENV_MMAP_THRESHOLD}={text!r} is not a number of bytes",
+                         "unset it, or give e.g. 1048576 (0 leaves glibc's default)") from None
 
 
 def map_large_host_tensors(device_type: str, world_size: int) -> bool:
@@ -76,6 +78,13 @@ def reuse_freed_host_memory(device_type: str, world_size: int) -> bool:
     # Trimming off first: with mapping off, large blocks come from the heap, which must then not shrink.
     return bool(libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(NEVER_TRIM))) and bool(libc.mallopt(M_MMAP_MAX,
                                                                                               ctypes.c_int(0)))
+
+
+def apply_host_memory_policy(device_type: str, world_size: int) -> str:
+    """Before any large tensor: the one allocator policy of this run (see the module docstring); says which."""
+    if map_large_host_tensors(device_type, world_size):
+        return "large blocks mapped"
+    return "freed blocks reused" if reuse_freed_host_memory(device_type, world_size) else "default"
 
 
 def release_free_host_memory() -> None:

@@ -28,7 +28,7 @@ from meshformer.parallel import build_plan
 from meshformer.parallel.build import world_size
 from meshformer.parallel.plan import TrainingPlan
 from meshformer.runtime.distributed import job_device
-from meshformer.runtime.host_memory import map_large_host_tensors, release_free_host_memory, reuse_freed_host_memory
+from meshformer.runtime.host_memory import apply_host_memory_policy, release_free_host_memory
 from meshformer.runtime.profiler import StepProfiler
 from meshformer.runtime.stragglers import rank_timings, straggler_scalars
 from meshformer.runtime.watchdog import HangWatchdog
@@ -58,8 +58,7 @@ class Trainer:
         self.device = job_device(cfg, local_rank)
         # Before any large tensor (runtime/host_memory.py): CPU ranks of a multi-process run map large tensors so
         # freed FSDP buffers leave RSS; one CPU process reuses what it frees instead of re-faulting it each step.
-        host_memory = ("large blocks mapped" if map_large_host_tensors(self.device.type, world_size()) else
-                       "freed blocks reused" if reuse_freed_host_memory(self.device.type, world_size()) else "default")
+        host_memory = apply_host_memory_policy(self.device.type, world_size())
         validate_parallel(cfg, world_size(), self.device)  # before the model is built (and sharded)
         if cfg.train.dtype == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError("train.dtype='bf16' but this GPU has no bf16 support; use train.dtype='fp32'")
