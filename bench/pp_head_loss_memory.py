@@ -1,9 +1,12 @@
-"""Peak memory of a pipeline step with the plain and the chunked head loss, side by side in one launch (CPU/gloo).
+"""Peak memory of a pipeline step with the plain, the chunked and the recomputing chunked head loss, side by side
+in one launch (CPU/gloo).
 
 The last stage holds the output projection; with train.loss=plain it keeps each micro-batch's B·T·V logits
-and their fp32 softmax for backward, with the chunked loss one chunk of logits. Peak = live tensor bytes of
-one training step (meshformer.plan.measure), the worst pipeline rank and the last stage's rank; prints one
-JSON line per schedule with the chunked / plain ratios.
+and their fp32 softmax for backward; the chunked loss keeps each micro-batch's gradients (hidden states and the
+fp32 V x D weight gradient) from its forward to its backward; chunked_recompute keeps one fp32 log-partition
+per row and recomputes the logits in the backward. Peak = live tensor bytes of one training step
+(meshformer.plan.measure), the worst pipeline rank and the last stage's rank; prints one JSON line per
+schedule with the ratios against plain and recompute / chunked.
 
     python bench/pp_head_loss_memory.py [--vocab 32000] [--schedules 1f1b gpipe zbv]
 """
@@ -17,17 +20,17 @@ from parallel_common import spawn
 
 from meshformer.plan.validation import validation_config
 
-GiB = 2**30
+LOSSES = ("plain", "chunked", "chunked_recompute")
 
 
-def measure(schedules: list[str], vocab: int) -> dict[str, dict[str, int]]:
+def measure(schedules: list[str], vocab: int, microbatches: int) -> dict[str, dict[str, int]]:
     """This rank's peak (bytes) per schedule and loss."""
     from meshformer.plan.measure import measure_step_peak
 
     out: dict[str, dict[str, int]] = {}
     for schedule in schedules:
-        for loss in ("plain", "chunked"):
-            cfg = validation_config({"pp": 2, "pp_schedule": schedule, "pp_microbatches": 4}, vocab=vocab)
+        for loss in LOSSES:
+            cfg = validation_config({"pp": 2, "pp_schedule": schedule, "pp_microbatches": microbatches}, vocab=vocab)
             cfg.train.loss = loss
             out.setdefault(schedule, {})[loss] = measure_step_peak(cfg)["peak"]
     return out
@@ -36,17 +39,20 @@ def measure(schedules: list[str], vocab: int) -> dict[str, dict[str, int]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe", "zbv"])
     args = parser.parse_args()
-    per_rank = spawn(2, measure, args.schedules, args.vocab)
+    per_rank = spawn(2, measure, args.schedules, args.vocab, args.microbatches)
     for schedule in args.schedules:
         last = 0 if schedule == "zbv" else 1  # ZBV's V places the last stage on rank 0
-        peaks = {loss: [rank[schedule][loss] for rank in per_rank] for loss in ("plain", "chunked")}
+        peaks = {loss: [rank[schedule][loss] for rank in per_rank] for loss in LOSSES}
         print(json.dumps({
             "bench": "pp_head_loss_memory", "schedule": schedule, "vocab": args.vocab,
+            "microbatches": args.microbatches,
             "last_stage_mib": {loss: round(p[last] / 2**20, 2) for loss, p in peaks.items()},
-            "last_stage_ratio": round(peaks["chunked"][last] / peaks["plain"][last], 3),
-            "worst_rank_ratio": round(max(peaks["chunked"]) / max(peaks["plain"]), 3),
+            "last_stage_vs_plain": {loss: round(p[last] / peaks["plain"][last], 3) for loss, p in peaks.items()},
+            "last_stage_recompute_vs_chunked": round(peaks["chunked_recompute"][last] / peaks["chunked"][last], 3),
+            "worst_rank_vs_plain": {loss: round(max(p) / max(peaks["plain"]), 3) for loss, p in peaks.items()},
         }))
 
 

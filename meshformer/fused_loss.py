@@ -59,6 +59,15 @@ class VocabShard:
     total: int
 
 
+def local_targets(labels, valid, shard: VocabShard | None, local_vocab: int):
+    """Per row: the target's column in this rank's logits (clamped, so ignored rows gather safely) and whether
+    the target is here (single vocabulary: wherever the row is valid)."""
+    if shard is None:
+        return labels.clamp(min=0), valid
+    local = labels - shard.start
+    return local.clamp(0, local_vocab - 1), valid & (local >= 0) & (local < local_vocab)
+
+
 def vocab_statistics(logits, labels, valid, shard: VocabShard | None, need_sum: bool):
     """Per row of fp32 logits: log-partition, target logit, sum of logits (label smoothing), local target index,
     target on this rank.
@@ -66,15 +75,11 @@ def vocab_statistics(logits, labels, valid, shard: VocabShard | None, need_sum: 
     Vocabulary-parallel (`shard`): one all-reduce for the row max, one for the stacked sums, so no rank ever
     holds more than its own columns (the Megatron formulation; `meshformer.parallel.loss_parallel` uses it too).
     """
-    local_vocab = logits.shape[1]
+    index, here = local_targets(labels, valid, shard, logits.shape[1])
     if shard is None:
-        index = labels.clamp(min=0)
         target = logits.gather(1, index[:, None]).squeeze(1)
         total = logits.sum(dim=-1) if need_sum else None
-        return torch.logsumexp(logits, dim=-1), target, total, index, valid
-    local = labels - shard.start
-    here = valid & (local >= 0) & (local < local_vocab)
-    index = local.clamp(0, local_vocab - 1)
+        return torch.logsumexp(logits, dim=-1), target, total, index, here
     row_max = logits.max(dim=-1).values
     dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=shard.group)
     target = logits.gather(1, index[:, None]).squeeze(1) * here
@@ -95,8 +100,9 @@ def token_losses(lse, target, total, vocab: int, label_smoothing: float, z_loss:
 
 
 def logits_grad_(logits, lse, index, here, valid, vocab: int, label_smoothing: float, z_loss: float) -> torch.Tensor:
-    """d loss / d logits = softmax * (1 + 2 z lse) - (1 - eps) onehot - eps / V, zero on ignored rows; computed in
-    place over the fp32 logits buffer (which it returns), so a chunk holds a single V-wide fp32 tensor."""
+    """d loss / d logits = softmax * (1 + 2 z lse) - (1 - eps) onehot - eps / V, times each row's `valid` (the
+    mask, or the mask times the incoming gradient); computed in place over the fp32 logits buffer (which it
+    returns), so a chunk holds a single V-wide fp32 tensor."""
     grad = logits.sub_(lse[:, None]).exp_()
     if z_loss > 0:
         grad.mul_((1.0 + 2.0 * z_loss * lse)[:, None])
@@ -136,30 +142,70 @@ def _chunk_loss_and_grad_(logits, labels, valid, vocab: int, label_smoothing: fl
     return loss, grad
 
 
+def _chunk_logits(h_c: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """fp32 logits of one chunk of rows; the projection runs in the compute dtype, like `nn.Linear`."""
+    logits = (h_c @ w.t()).float()
+    return logits.add_(b) if b is not None else logits
+
+
+def _operands(hidden, weight, bias, dtype: torch.dtype):
+    """Rows of hidden states, the weight in the compute dtype (a transient copy under autocast), the fp32 bias."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    return h, weight.to(dtype), bias.float() if bias is not None else None
+
+
+def _chunks(n_rows: int, chunk_rows: int) -> list[slice]:
+    return [slice(start, start + chunk_rows) for start in range(0, n_rows, chunk_rows)]
+
+
+class _HeadGradients:
+    """Gradients of the hidden states, the weight (fp32) and the bias (fp32), summed chunk by chunk from each
+    chunk's d loss / d logits: shared by the path that stores them and the path that recomputes them."""
+
+    def __init__(self, h: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, need_h: bool, need_w: bool,
+                 need_b: bool) -> None:
+        self.dtype, self.need_w, self.weight_shape, self.device = dtype, need_w, weight.shape, weight.device
+        self.h = torch.empty_like(h) if need_h else None
+        self.w: torch.Tensor | None = None  # the first chunk's product initialises it (no zero fill and add pass)
+        self.b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+
+    def add(self, grad: torch.Tensor, rows: slice, h_c: torch.Tensor, w: torch.Tensor) -> None:
+        if self.b is not None:
+            self.b += grad.sum(dim=0)
+        grad = grad.to(self.dtype)
+        if self.h is not None:
+            self.h[rows] = grad @ w
+        if not self.need_w:
+            return
+        if self.w is None:
+            self.w = (grad.t() @ h_c).float()
+        elif self.dtype == torch.float32:
+            self.w.addmm_(grad.t(), h_c)
+        else:
+            self.w += (grad.t() @ h_c).float()
+
+    def finish(self, shard: VocabShard | None) -> tuple[torch.Tensor | None, ...]:
+        if self.need_w and self.w is None:  # no rows at all
+            self.w = torch.zeros(self.weight_shape, dtype=torch.float32, device=self.device)
+        if shard is not None and self.h is not None:  # each rank's vocabulary columns gave a partial sum
+            dist.all_reduce(self.h, group=shard.group)
+        return self.h, self.w, self.b
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Gradients computed in the forward and stored; the backward scales them."""
+
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk_rows, label_smoothing, z_loss, want_grads, shard):
-        shape = hidden.shape
-        h = hidden.reshape(-1, shape[-1])
+        dtype = _compute_dtype(hidden.device, hidden.dtype)
+        h, w, b = _operands(hidden, weight, bias, dtype)
         y = labels.reshape(-1)
-        n_rows = h.shape[0]
-        vocab = shard.total if shard is not None else weight.shape[0]
-        dtype = _compute_dtype(h.device, h.dtype)
-        w = weight.to(dtype)
-        b = bias.float() if bias is not None else None
-        grad_h = torch.empty_like(h) if want_grads and ctx.needs_input_grad[0] else None
-        need_w = want_grads and ctx.needs_input_grad[1]
-        grad_w = None  # fp32; the first chunk's product initialises it (no zero fill and add pass)
-        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
-            if want_grads and bias is not None and ctx.needs_input_grad[2] else None
+        vocab, eps = shard.total if shard is not None else weight.shape[0], label_smoothing
+        grads = _HeadGradients(h, weight, dtype, *(want_grads and ctx.needs_input_grad[i] for i in range(3)))
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        eps = label_smoothing
-        for start in range(0, n_rows, chunk_rows):
-            h_c = h[start : start + chunk_rows].to(dtype)
-            y_c = y[start : start + chunk_rows]
-            logits = (h_c @ w.t()).float()
-            if b is not None:
-                logits.add_(b)
+        for rows in _chunks(h.shape[0], chunk_rows):
+            h_c, y_c = h[rows].to(dtype), y[rows]
+            logits = _chunk_logits(h_c, w, b)
             valid = y_c != IGNORE_INDEX
             if shard is None:
                 chunk_loss, grad = _chunk_loss_and_grad_(logits, y_c, valid, vocab, eps, z_loss, want_grads)
@@ -168,26 +214,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 chunk_loss = (token_losses(lse, target, total, vocab, eps, z_loss) * valid).sum()
                 grad = logits_grad_(logits, lse, index, here, valid, vocab, eps, z_loss) if want_grads else None
             loss += chunk_loss
-            if grad is None:
-                continue
-            if grad_b is not None:
-                grad_b += grad.sum(dim=0)
-            grad = grad.to(dtype)
-            if grad_h is not None:
-                grad_h[start : start + chunk_rows] = grad @ w
-            if need_w:
-                if grad_w is None:
-                    grad_w = (grad.t() @ h_c).float()
-                elif dtype == torch.float32:
-                    grad_w.addmm_(grad.t(), h_c)
-                else:
-                    grad_w += (grad.t() @ h_c).float()
-        if need_w and grad_w is None:  # no rows at all
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        if shard is not None and grad_h is not None:  # each rank's vocabulary columns gave a partial sum
-            dist.all_reduce(grad_h, group=shard.group)
-        ctx.save_for_backward(grad_h, grad_w, grad_b)
-        ctx.shape = shape
+            if grad is not None:
+                grads.add(grad, rows, h_c, w)
+        ctx.save_for_backward(*grads.finish(shard))
+        ctx.shape = hidden.shape
         return loss
 
     @staticmethod
@@ -198,6 +228,64 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         out_w = grad_w * scale if grad_w is not None else None
         out_b = grad_b * scale if grad_b is not None else None
         return out_h, out_w, out_b, None, None, None, None, None, None
+
+
+def _wanted(ctx, index: int) -> bool:
+    """Whether this backward pass uses the gradient of input `index` (0 hidden, 1 weight, 2 bias).
+
+    A zero-bubble schedule runs the loss's backward twice: for the stage input, then (deferred) for the
+    weights; each pass recomputes only what it uses. torch 2.13 answers for a leaf that `autograd.grad`
+    captures with a RuntimeError instead of True, and that leaf is used.
+    """
+    if not ctx.needs_input_grad[index]:
+        return False
+    try:
+        return torch._C._will_engine_execute_node(ctx.next_functions[index][0])
+    except RuntimeError:
+        return True
+
+
+class _RecomputedLinearCrossEntropy(torch.autograd.Function):
+    """Forward: the loss and each row's log-partition only. Backward: each chunk's logits again, then the same
+    gradients as the stored path, scaled by the incoming gradient through the row weights."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, chunk_rows, label_smoothing, z_loss, want_grads, shard):
+        dtype = _compute_dtype(hidden.device, hidden.dtype)
+        h, w, b = _operands(hidden, weight, bias, dtype)
+        y = labels.reshape(-1)
+        vocab, eps = shard.total if shard is not None else weight.shape[0], label_smoothing
+        lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        for rows in _chunks(h.shape[0], chunk_rows):
+            logits = _chunk_logits(h[rows].to(dtype), w, b)
+            valid = y[rows] != IGNORE_INDEX
+            row_lse, target, total, _, _ = vocab_statistics(logits, y[rows], valid, shard, eps > 0)
+            loss += (token_losses(row_lse, target, total, vocab, eps, z_loss) * valid).sum()
+            lse[rows] = row_lse
+        if want_grads:
+            ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.settings = (dtype, vocab, chunk_rows, eps, z_loss, shard)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        dtype, vocab, chunk_rows, eps, z_loss, shard = ctx.settings  # autocast is off here: the forward's dtype
+        h, w, b = _operands(hidden, weight, bias, dtype)
+        y = labels.reshape(-1)
+        grads = _HeadGradients(h, weight, dtype, *(_wanted(ctx, i) for i in range(3)))
+        scale = grad_loss.float()
+        for rows in _chunks(h.shape[0], chunk_rows):
+            h_c, y_c = h[rows].to(dtype), y[rows]
+            logits = _chunk_logits(h_c, w, b)
+            valid = y_c != IGNORE_INDEX
+            index, here = local_targets(y_c, valid, shard, logits.shape[1])
+            grad = logits_grad_(logits, lse[rows], index, here, valid * scale, vocab, eps, z_loss)
+            grads.add(grad, rows, h_c, w)
+        grad_h, grad_w, grad_b = grads.finish(shard)
+        out_h = grad_h.view(hidden.shape) if grad_h is not None else None
+        return out_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 @torch.compiler.disable  # a graph break under whole-model compile: the chunk loop runs eagerly, as tested
@@ -211,11 +299,13 @@ def chunked_linear_cross_entropy(
     z_loss: float = 0.0,
     chunk_rows: int | None = None,
     shard: VocabShard | None = None,
+    recompute: bool = False,
 ) -> torch.Tensor:
     """Summed loss of `hidden @ weight.T + bias` against labels, equal to cross_entropy_sum on the logits.
 
     With `shard` (tensor parallel) the weight/bias are this rank's vocabulary rows (DTensors are used through
-    their local shard) and the hidden states are replicated; the loss is identical on every rank.
+    their local shard) and the hidden states are replicated; the loss is identical on every rank. `recompute`:
+    the backward recomputes the logits instead of the forward storing the gradients (see the module notes).
     """
     weight = weight.to_local() if isinstance(weight, DTensor) else weight
     bias = bias.to_local() if isinstance(bias, DTensor) else bias
@@ -223,8 +313,8 @@ def chunked_linear_cross_entropy(
     rows = chunk_rows or default_chunk_rows(n_rows, weight.shape[0], weight.shape[1], hidden.device)
     # Decided here: autograd runs Function.forward with grad mode off. Evaluation skips the gradient work.
     want_grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, labels, rows, label_smoothing, z_loss, want_grads,
-                                            shard)
+    function = _RecomputedLinearCrossEntropy if recompute else _ChunkedLinearCrossEntropy
+    return function.apply(hidden, weight, bias, labels, rows, label_smoothing, z_loss, want_grads, shard)
 
 
 def liger_available() -> bool:
@@ -256,7 +346,8 @@ def liger_linear_cross_entropy(
 
 
 def head_loss_fn(kind: str, label_smoothing: float, z_loss: float, shard: VocabShard | None = None) -> HeadLoss:
-    """The fused head loss named by train.loss ("chunked" or "liger"; vocabulary-parallel with `shard`)."""
+    """The fused head loss named by train.loss ("chunked", "chunked_recompute" or "liger"; vocabulary-parallel with
+    `shard`)."""
     if kind == "liger":
         if shard is not None:
             raise ValueError("liger's fused linear cross-entropy is not vocabulary-parallel; use 'chunked'")
@@ -265,9 +356,11 @@ def head_loss_fn(kind: str, label_smoothing: float, z_loss: float, shard: VocabS
             return liger_linear_cross_entropy(hidden, labels, weight, bias, label_smoothing=label_smoothing,
                                               z_loss=z_loss)
     else:
+        recompute = kind == "chunked_recompute"
+
         def head_loss(hidden, labels, weight, bias):
             return chunked_linear_cross_entropy(hidden, labels, weight, bias, label_smoothing=label_smoothing,
-                                                z_loss=z_loss, shard=shard)
+                                                z_loss=z_loss, shard=shard, recompute=recompute)
 
     head_loss.kind = kind  # type: ignore[attr-defined]  # a label for the run report
     return head_loss

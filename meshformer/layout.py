@@ -97,6 +97,21 @@ def n_microbatches(cfg: Config) -> int:
     return p.pp_microbatches or p.pp * stages_per_rank(cfg)
 
 
+def last_stage_losses_in_flight(cfg: Config) -> int:
+    """Micro-batches whose head loss the last pipeline stage holds between its forward and its weight backward,
+    in torch 2.13's schedule orders: GPipe runs every forward first; interleaved zero-bubble defers the last
+    stage's weight passes by a round of pp micro-batches; 1F1B, interleaved 1F1B and ZBV run each last-stage
+    backward (ZBV: input and weight pass) right after its forward."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return 1
+    if p.pp_schedule == "gpipe":
+        return n_microbatches(cfg)
+    if p.pp_schedule == "interleaved_zb":
+        return min(n_microbatches(cfg), p.pp)
+    return 1
+
+
 def total_layers(cfg: Config) -> int:
     return get_family_spec(cfg.model.family).total_layers(cfg.model)
 

@@ -37,46 +37,64 @@ def plain(label_smoothing, z_loss):
     return lambda h, w, b, y: cross_entropy_sum(F.linear(h, w, b), y, label_smoothing=label_smoothing, z_loss=z_loss)
 
 
-def chunked(label_smoothing, z_loss, rows):
+def chunked(label_smoothing, z_loss, rows, recompute=False):
     return lambda h, w, b, y: chunked_linear_cross_entropy(h, y, w, b, label_smoothing=label_smoothing,
-                                                           z_loss=z_loss, chunk_rows=rows)
+                                                           z_loss=z_loss, chunk_rows=rows, recompute=recompute)
+
+
+# both chunked paths: gradients stored by the forward, or recomputed by the backward
+RECOMPUTE = pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute"])
 
 
 @pytest.mark.parametrize("label_smoothing,z_loss", [(0.0, 0.0), (0.1, 0.0), (0.0, 1e-3), (0.2, 1e-2)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [7, 64, 1000])  # uneven chunks, several chunks, a single chunk
-def test_chunked_equals_plain_fp32(label_smoothing, z_loss, bias, rows):
+@RECOMPUTE
+def test_chunked_equals_plain_fp32(label_smoothing, z_loss, bias, rows, recompute):
     inputs = head_inputs(bias=bias)
     ref_loss, ref_grads = loss_and_grads(plain(label_smoothing, z_loss), *inputs)
-    loss, grads = loss_and_grads(chunked(label_smoothing, z_loss, rows), *inputs)
+    loss, grads = loss_and_grads(chunked(label_smoothing, z_loss, rows, recompute), *inputs)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-4)
     for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_chunked_equals_plain_under_bf16_autocast():
+@pytest.mark.parametrize("label_smoothing,z_loss,bias", [(0.0, 0.0, False), (0.2, 1e-2, True)])
+def test_recompute_equals_stored_chunked_fp32(label_smoothing, z_loss, bias):
+    inputs = head_inputs(bias=bias)
+    ref_loss, ref_grads = loss_and_grads(chunked(label_smoothing, z_loss, 16), *inputs)
+    loss, grads = loss_and_grads(chunked(label_smoothing, z_loss, 16, recompute=True), *inputs)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-4)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@RECOMPUTE
+def test_chunked_equals_plain_under_bf16_autocast(recompute):
     """bf16 projection like nn.Linear under autocast; stated tolerance: loss 1e-3 relative, gradients 2% of norm."""
     inputs = head_inputs(rows=240, d=64, vocab=1000, bias=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref_loss, ref_grads = loss_and_grads(plain(0.1, 1e-3), *inputs)
-        loss, grads = loss_and_grads(chunked(0.1, 1e-3, 64), *inputs)
+        loss, grads = loss_and_grads(chunked(0.1, 1e-3, 64, recompute), *inputs)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-3, atol=0)
     for got, want in zip(grads, ref_grads, strict=True):
         assert got.dtype == want.dtype
         assert (got.float() - want.float()).norm() <= 0.02 * want.float().norm()
 
 
-def test_all_ignored_rows_give_zero_loss_and_gradients():
+@RECOMPUTE
+def test_all_ignored_rows_give_zero_loss_and_gradients(recompute):
     h, w, b, y = head_inputs(bias=True)
     y.fill_(IGNORE_INDEX)
-    loss, grads = loss_and_grads(chunked(0.1, 1e-3, 16), h, w, b, y)
+    loss, grads = loss_and_grads(chunked(0.1, 1e-3, 16, recompute), h, w, b, y)
     assert loss.item() == 0.0 and all(g.abs().max().item() == 0.0 for g in grads)
 
 
-def test_evaluation_computes_no_gradients_and_the_same_loss():
+@RECOMPUTE
+def test_evaluation_computes_no_gradients_and_the_same_loss(recompute):
     h, w, b, y = head_inputs(bias=True)
     with torch.no_grad():
-        loss = chunked_linear_cross_entropy(h, y, w, b, label_smoothing=0.1, chunk_rows=8)
+        loss = chunked_linear_cross_entropy(h, y, w, b, label_smoothing=0.1, chunk_rows=8, recompute=recompute)
         ref = cross_entropy_sum(F.linear(h, w, b), y, label_smoothing=0.1)
     assert not loss.requires_grad
     torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-4)
@@ -105,8 +123,9 @@ def test_peak_memory_stays_below_one_full_logits_tensor():
     assert chunked_peak < 0.75 * plain_peak
 
 
+@pytest.mark.parametrize("kind", ["chunked", "chunked_recompute"])
 @pytest.mark.parametrize("family", ["decoder", "encoder", "encdec"])
-def test_model_head_loss_matches_logits_loss(family):
+def test_model_head_loss_matches_logits_loss(family, kind):
     """Through the whole model (tied embeddings; BERT head transform + output bias; T5 output scaling)."""
     cfg = make_config(family)
     batch = make_batches(cfg, 1)[0]
@@ -115,7 +134,7 @@ def test_model_head_loss_matches_logits_loss(family):
     def run(fused: bool):
         model = new_model(cfg)
         if fused:
-            loss = model(**model_inputs(batch), labels=batch["labels"], head_loss=head_loss_fn("chunked", ls, z))
+            loss = model(**model_inputs(batch), labels=batch["labels"], head_loss=head_loss_fn(kind, ls, z))
         else:
             loss = cross_entropy_sum(model(**model_inputs(batch)), batch["labels"], label_smoothing=ls, z_loss=z)
         loss.backward()

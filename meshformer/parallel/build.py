@@ -18,6 +18,7 @@ from meshformer.fused_loss import HeadLoss, VocabShard, head_loss_fn, liger_avai
 from meshformer.layout import (
     ZERO_BUBBLE,
     ParallelDims,
+    last_stage_losses_in_flight,
     n_microbatches,
     stages_per_rank,
     total_layers,
@@ -128,11 +129,19 @@ def head_loss_kind(cfg: Config, dims: ParallelDims, device_type: str) -> str:
     Llama-1B shape: 26% less peak memory than plain at 94% of its speed, where the chunked loss gave 22% at 90%);
     else the chunked loss (sharded and pipelined layouts, every schedule: tested on gloo). On one CPU process the
     chunked loss is also the faster one (head only, 1 thread: 1.1-1.4x plain at S/M/G, fp32 and bf16) and holds
-    one chunk of logits instead of all of them, so CPU keeps it too."""
+    one chunk of logits instead of all of them, so CPU keeps it too.
+
+    Where the last pipeline stage holds several micro-batches' losses at once (GPipe, interleaved zero-bubble:
+    `last_stage_losses_in_flight`), the stored gradients (an fp32 V x D weight gradient each) pile up, so auto
+    recomputes the logits in the backward instead ("chunked_recompute"): one more head GEMM per chunk for a
+    last-stage peak 0.77x (GPipe) / 0.87x (interleaved_zb) of the stored path's at V 32000 (see
+    bench/pp_head_loss_memory.py)."""
     if cfg.train.loss != "auto":
         return cfg.train.loss
     if device_type == "cuda" and dims.is_single and liger_available():
         return "liger"
+    if dims.pp_enabled and last_stage_losses_in_flight(cfg) > 1:
+        return "chunked_recompute"
     return "chunked"
 
 

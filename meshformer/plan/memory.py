@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from meshformer.config import Config
-from meshformer.layout import ZERO_BUBBLE, ParallelDims, n_microbatches
+from meshformer.config import Config, ModelConfig
+from meshformer.layout import ZERO_BUBBLE, ParallelDims, last_stage_losses_in_flight, n_microbatches
 from meshformer.model.families import get_family_spec
 from meshformer.parallel.build import head_loss_kind
 from meshformer.plan import activations as act
@@ -77,6 +77,28 @@ def pipeline_in_flight(cfg: Config, dims: ParallelDims, share: RankShare) -> flo
     return warmup / chunks
 
 
+def head_loss_memory(m: ModelConfig, x: act.ActivationShape, kind: str, device_type: str) -> tuple[float, float]:
+    """(kept, transient) of the configured loss (`activations.loss_memory`). The recomputing chunked loss keeps
+    one fp32 log-partition per row until its backward, which then holds what the stored path's forward did."""
+    if kind != "chunked_recompute":
+        return act.loss_memory(m, x, kind, device_type)
+    _, transient = act.chunked_loss(m, x, device_type)
+    return x.batch * x.seq * act.FP32, transient
+
+
+def head_loss_live(cfg: Config, x: act.ActivationShape, kind: str, device_type: str) -> float:
+    """The last stage's loss memory at its worst moment: what the loss keeps per micro-batch, times the
+    micro-batches holding it, plus one backward's work. A fused loss keeps its saved tensors until the weight
+    backward (`last_stage_losses_in_flight`); the plain loss's logits go with the stage output at the (input)
+    backward, so only GPipe keeps several, but a zero-bubble schedule holds the fp32 logits gradient that its
+    input pass captured for each deferred weight pass (measured: bench/pp_head_loss_memory.py)."""
+    kept, work = head_loss_memory(cfg.model, x, kind, device_type)
+    held = last_stage_losses_in_flight(cfg)
+    if kind != "plain" or cfg.parallel.pp_schedule == "gpipe":
+        return kept * held + work
+    return kept + (held - 1) * x.batch * x.seq * (cfg.model.vocab_size // x.tp) * act.FP32 + work
+
+
 def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory:
     m, p = cfg.model, cfg.parallel
     fsdp = dims.fsdp_enabled
@@ -112,9 +134,7 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory
     in_flight = pipeline_in_flight(cfg, dims, share)
     device_type = "cpu" if cfg.train.device == "cpu" else "cuda"  # "auto": planning for GPUs
     loss_kind = head_loss_kind(cfg, dims, device_type)
-    logits_kept, logits_work = act.loss_memory(m, shape, loss_kind, device_type) if share.last else (0.0, 0.0)
-    # The last stage finishes each micro-batch's backward before the next forward (1F1B), except GPipe.
-    logits_live = logits_kept * (in_flight if p.pp_schedule == "gpipe" and dims.pp > 1 else 1.0) + logits_work
+    logits_live = head_loss_live(cfg, shape, loss_kind, device_type) if share.last else 0.0
 
     root = share.root_numel * unsharded_bytes if fsdp else 0.0
     block_unit = share.block_numel * unsharded_bytes if fsdp else 0.0
@@ -130,7 +150,9 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory
         # torch's own PP x FSDP (and zero-bubble schedules always) keeps every block's weights and gradients
         # unsharded from the first micro-batch's backward to the step's end (parallel/pipeline_stage.py)
         static += share.block_numel * len(share.layers) * (unsharded_bytes + reduce_bytes)
-    head_grad = (share.root_numel * (reduce_bytes if fsdp else 4)) if share.last else 0.0
+    # The head's gradient (under FSDP the unsharded one); without FSDP an accumulated one is already in `grads`.
+    head_grad = (share.root_numel * (reduce_bytes if fsdp else 4)) if share.last and (fsdp or not accumulating) \
+        else 0.0
 
     moments = {"forward end": static + root + held_units + earlier + per_microbatch + logits_live + head_grad}
     done_grads = head_grad
