@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from parallel_harness import make_batches, make_config, new_model
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshformer.batch import IGNORE_INDEX, model_inputs
 from meshformer.config import ConfigError
@@ -100,7 +101,8 @@ def test_evaluation_computes_no_gradients_and_the_same_loss(recompute):
     torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-4)
 
 
-def test_peak_memory_stays_below_one_full_logits_tensor():
+@RECOMPUTE
+def test_peak_memory_stays_below_one_full_logits_tensor(recompute):
     """Live-tensor accounting at a Llama-1B-like head (V/D ~ 63, rows/D = 4), scaled down: plain holds several
     B·T·V tensors, chunked never one."""
     rows, d, vocab = 513, 128, 8016
@@ -117,7 +119,7 @@ def test_peak_memory_stays_below_one_full_logits_tensor():
         other = next(k for k in snapshot if str(k).endswith("OTH"))  # the tracked inputs themselves
         return snapshot["Total"] - snapshot[other]
 
-    plain_peak, chunked_peak = peak(plain(0.0, 0.0)), peak(chunked(0.0, 0.0, 64))
+    plain_peak, chunked_peak = peak(plain(0.0, 0.0)), peak(chunked(0.0, 0.0, 64, recompute))
     assert plain_peak > 2 * full_fp32_logits
     assert chunked_peak < full_fp32_logits
     assert chunked_peak < 0.75 * plain_peak
@@ -168,3 +170,59 @@ def test_loss_choice_is_checked_against_device_and_layout():
     assert build_head_loss(cfg, tp, torch.device("cpu")) is None  # needs the rank's vocabulary rows first
     cfg.train.loss = "plain"
     assert build_head_loss(cfg, pp, torch.device("cpu")) is None
+
+
+class CountGemms(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default)
+        return func(*args, **(kwargs or {}))
+
+
+@RECOMPUTE
+def test_zero_bubble_split_backward_matches_and_recomputes_only_what_each_pass_uses(recompute):
+    """torch's zero-bubble stage backward: an input pass, then a deferred weight pass that runs the loss's node
+    again. Recomputing, each pass does 2 GEMMs per chunk (logits + its own gradient), not 3."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    x, w, b, y = head_inputs(bias=True)  # x: the stage input; the stage computes hidden = 1.5 x
+    ref = torch.autograd.grad(plain(0.1, 1e-3)(1.5 * x, w, b, y), [x, w, b])
+    loss = chunked(0.1, 1e-3, 16, recompute)(1.5 * x, w, b, y)
+    chunks = -(-y.numel() // 16)
+    with CountGemms() as input_pass:
+        _, param_groups = stage_backward_input([loss], None, [x], iter([w, b]))
+    with CountGemms() as weight_pass:
+        stage_backward_weight(iter([w, b]), param_groups)
+    for got, want in zip((x.grad, w.grad, b.grad), ref, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    expected = 2 * chunks if recompute else 0  # the stored path only scales its stored gradients
+    assert (input_pass.count, weight_pass.count) == (expected, expected)
+
+
+def test_recompute_keeps_no_weight_gradient_per_microbatch_in_flight():
+    """GPipe-like: four forwards before their backwards. The stored path keeps an fp32 V x D weight gradient
+    (and the hidden-state gradient) per micro-batch in flight, the recomputing one an fp32 log-partition per row."""
+    from meshformer.plan.measure import LiveTensorBytes
+
+    rows, d, vocab, in_flight = 66, 32, 4000, 4
+    micro = [head_inputs(rows=rows, d=d, vocab=vocab, seed=s) for s in range(in_flight)]
+    weight = micro[0][1]
+
+    def peak(recompute: bool) -> int:
+        with LiveTensorBytes(weight, *(t for h, _, _, y in micro for t in (h, y))) as tracker:
+            start = tracker.live
+            losses = [chunked(0.1, 1e-3, 16, recompute)(h, weight, None, y) for h, _, _, y in micro]
+            after_forwards = tracker.live - start
+            for loss in losses:
+                loss.backward()
+        weight.grad = None
+        for h, *_ in micro:
+            h.grad = None
+        return after_forwards
+
+    stored, recomputed = peak(False), peak(True)
+    assert stored >= in_flight * (vocab * d + rows * d) * 4
+    assert recomputed <= in_flight * (rows * 4 + 64)  # lse and the scalar loss (+ storage rounding)
