@@ -32,6 +32,10 @@ WORLD2 = [
     # last stage under PP)
     "decoder/fsdp-loss=plain", "decoder/tp-loss=plain", "decoder/pp-sched=1f1b-loss=plain",
     "encdec/pp-sched=zbv-loss=plain",
+    # the chunked loss that recomputes its logits in the backward (auto under gpipe and interleaved_zb above):
+    # vocab-parallel, and under ZBV's split backward; the stored-gradient chunked loss under GPipe
+    "decoder/tp-loss=chunked_recompute", "decoder/pp-sched=zbv-loss=chunked_recompute",
+    "decoder/pp-sched=gpipe-loss=chunked",
 ]
 WORLD4 = [
     "decoder/hsdp", "encoder/hsdp",
@@ -39,6 +43,7 @@ WORLD4 = [
     "decoder/pp-fsdp", "encoder/pp-fsdp", "encdec/pp-fsdp-sched=zbv", "decoder/pp-fsdp-sched=interleaved_zb-spr=2",
     "decoder/pp-fsdp-wholestage",  # parallel.pp_fsdp_unsharded_microbatches: torch's own PP x FSDP
     "decoder/pp-tp", "encoder/pp-tp", "encdec/pp-tp", "decoder/pp-tp-sched=zbv",
+    "decoder/pp-tp-sched=interleaved_zb-spr=2",  # vocab-parallel recomputing head loss, split backward
     # 4 stages: the tied embedding/output pair lives on pipeline ranks 0 and 3, synced over their own group
     "decoder/pp=4-sched=1f1b", "encdec/pp=4-sched=gpipe",
 ]
@@ -123,4 +128,7 @@ def test_layout_report_names_the_kernels(world2):
     assert world2["decoder/tp"]["kernels"]["loss"] == "chunked"  # vocab-parallel chunked head loss
     assert world2["decoder/tp-loss=plain"]["kernels"]["loss"].startswith("plain")
     assert world2["decoder/pp-sched=zbv"]["kernels"]["loss"] == "chunked"  # computed by the last stage
+    # auto recomputes where the last stage holds several micro-batches' losses
+    assert world2["decoder/pp-sched=gpipe"]["kernels"]["loss"] == "chunked_recompute"
+    assert world2["decoder/pp-sched=interleaved_zb-spr=2"]["kernels"]["loss"] == "chunked_recompute"
     assert world2["decoder/pp-sched=1f1b-loss=plain"]["kernels"]["loss"].startswith("plain")
