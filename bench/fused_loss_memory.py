@@ -1,9 +1,12 @@
-"""Peak memory and time of the output projection + loss: full logits (plain) vs chunked vs liger, in one run.
+"""Peak memory and time of the output projection + loss: full logits (plain) vs chunked (gradients stored by the
+forward, or recomputed by the backward) vs liger, in one run.
 
 Forward and backward of `hidden (B·T, D) -> logits (B·T, V) -> summed cross-entropy` with the weight as a
 parameter, like the model's head. Peak memory is what the head adds on top of its inputs: on CUDA from the
 allocator (`max_memory_allocated`), on CPU from torch's live-tensor accounting (`MemTracker`, every tensor
-created while the head runs). Each variant also reports its loss and gradient error against plain fp32.
+created while the head runs). Time: the fastest of --repeat untracked runs (CPU: process CPU time; run with
+OMP_NUM_THREADS=1 for one thread). --zero-bubble runs the backward as a zero-bubble pipeline stage does (an input
+pass, then the weight pass). Each variant also reports its loss and gradient error against plain fp32.
 
     python bench/fused_loss_memory.py --shape llama-1b-head-small     # CPU: Llama-1B head ratios, scaled down
     python bench/fused_loss_memory.py --shape llama-1b-head --dtype bf16 --device cuda
@@ -32,8 +35,10 @@ SHAPES = {
 def head_loss(kind: str, h, w, y, label_smoothing: float, z_loss: float) -> torch.Tensor:
     if kind == "plain":
         return cross_entropy_sum(F.linear(h, w), y, label_smoothing=label_smoothing, z_loss=z_loss)
-    fn = chunked_linear_cross_entropy if kind == "chunked" else liger_linear_cross_entropy
-    return fn(h, y, w, label_smoothing=label_smoothing, z_loss=z_loss)
+    if kind == "liger":
+        return liger_linear_cross_entropy(h, y, w, label_smoothing=label_smoothing, z_loss=z_loss)
+    return chunked_linear_cross_entropy(h, y, w, label_smoothing=label_smoothing, z_loss=z_loss,
+                                        recompute=kind == "chunked_recompute")
 
 
 def measure(kind: str, h0, w0, y, dtype, device, args) -> dict:
@@ -42,35 +47,45 @@ def measure(kind: str, h0, w0, y, dtype, device, args) -> dict:
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
     def run() -> torch.Tensor:
-        with autocast:
-            loss = head_loss(kind, h, w, y, args.label_smoothing, args.z_loss)
-        (loss / y.numel()).backward()
-        return loss.detach()
-
-    if device.type == "cuda":
-        run()  # warm-up (kernels, autotuning)
         h.grad = w.grad = None
-        torch.cuda.synchronize()
+        with autocast:
+            loss = head_loss(kind, h, w, y, args.label_smoothing, args.z_loss) / y.numel()
+        if args.zero_bubble:  # as torch's zero-bubble stage: gradients of the input, then of the weight
+            from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+            _, groups = stage_backward_input([loss], None, [h], iter([w]))
+            stage_backward_weight(iter([w]), groups)
+        else:
+            loss.backward()
+        return loss.detach() * y.numel()
+
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
+    seconds = []
+    for _ in range(args.repeat + (device.type == "cuda")):  # CUDA: one warm-up (kernels, autotuning)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = clock()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(clock() - start)
+    if device.type == "cuda":
+        seconds = seconds[1:]
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        start = time.perf_counter()
         loss = run()
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated() - base
     else:
         from torch.distributed._tools.mem_tracker import MemTracker
 
         tracker = MemTracker()
         tracker.track_external(h, w, y)
-        start = time.perf_counter()
         with tracker:
             loss = run()
-        seconds = time.perf_counter() - start
         snapshot = tracker.get_tracker_snapshot("peak")[device]
         peak = snapshot["Total"] - snapshot[next(k for k in snapshot if str(k).endswith("OTH"))]
     return {"loss": float(loss), "grad_h": h.grad.float(), "grad_w": w.grad.float(), "peak_bytes": peak,
-            "seconds": seconds}
+            "seconds": min(seconds)}
 
 
 def main() -> None:
@@ -80,6 +95,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--label-smoothing", type=float, default=0.0)
     parser.add_argument("--z-loss", type=float, default=0.0)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--zero-bubble", action="store_true")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -88,7 +105,8 @@ def main() -> None:
     h0 = torch.randn(rows, d, generator=gen).to(device)
     w0 = (torch.randn(vocab, d, generator=gen) * 0.02).to(device)
     y = torch.randint(vocab, (rows,), generator=gen).to(device)
-    kinds = ["plain", "chunked"] + (["liger"] if device.type == "cuda" and liger_available() else [])
+    kinds = ["plain", "chunked", "chunked_recompute"]
+    kinds += ["liger"] if device.type == "cuda" and liger_available() and not args.zero_bubble else []
     results = {k: measure(k, h0, w0, y, dtype, device, args) for k in kinds}
     plain = results["plain"]
     for kind, r in results.items():
@@ -96,7 +114,8 @@ def main() -> None:
         print(json.dumps({
             "bench": "fused_loss_memory", "shape": args.shape, "rows": rows, "d_model": d, "vocab": vocab,
             "dtype": args.dtype, "device": str(device), "kind": kind, "peak_mib": round(r["peak_bytes"] / 2**20, 1),
-            "peak_vs_plain": round(r["peak_bytes"] / plain["peak_bytes"], 3), "seconds": round(r["seconds"], 4),
+            "zero_bubble": args.zero_bubble, "peak_vs_plain": round(r["peak_bytes"] / plain["peak_bytes"], 3),
+            "seconds": round(r["seconds"], 4), "time_vs_plain": round(r["seconds"] / plain["seconds"], 3),
             "loss": r["loss"], "loss_rel_err": abs(r["loss"] - plain["loss"]) / abs(plain["loss"]),
             "grad_h_rel_err": rel["grad_h"], "grad_w_rel_err": rel["grad_w"],
         }), flush=True)

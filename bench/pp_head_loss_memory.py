@@ -8,7 +8,7 @@ per row and recomputes the logits in the backward. Peak = live tensor bytes of o
 (meshformer.plan.measure), the worst pipeline rank and the last stage's rank; prints one JSON line per
 schedule with the ratios against plain and recompute / chunked.
 
-    python bench/pp_head_loss_memory.py [--vocab 32000] [--schedules 1f1b gpipe zbv]
+    python bench/pp_head_loss_memory.py [--vocab 32000] [--seq 128] [--schedules 1f1b gpipe zbv interleaved_zb]
 """
 
 from __future__ import annotations
@@ -23,14 +23,15 @@ from meshformer.plan.validation import validation_config
 LOSSES = ("plain", "chunked", "chunked_recompute")
 
 
-def measure(schedules: list[str], vocab: int, microbatches: int) -> dict[str, dict[str, int]]:
+def measure(schedules: list[str], vocab: int, microbatches: int, seq: int = 128) -> dict[str, dict[str, int]]:
     """This rank's peak (bytes) per schedule and loss."""
     from meshformer.plan.measure import measure_step_peak
 
     out: dict[str, dict[str, int]] = {}
     for schedule in schedules:
         for loss in LOSSES:
-            cfg = validation_config({"pp": 2, "pp_schedule": schedule, "pp_microbatches": microbatches}, vocab=vocab)
+            cfg = validation_config({"pp": 2, "pp_schedule": schedule, "pp_microbatches": microbatches}, vocab=vocab,
+                                    seq=seq)
             cfg.train.loss = loss
             out.setdefault(schedule, {})[loss] = measure_step_peak(cfg)["peak"]
     return out
@@ -40,14 +41,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe", "zbv"])
+    parser.add_argument("--seq", type=int, default=128, help="tokens per micro-batch (one sequence; d_model 128)")
+    parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe", "zbv", "interleaved_zb"])
     args = parser.parse_args()
-    per_rank = spawn(2, measure, args.schedules, args.vocab, args.microbatches)
+    per_rank = spawn(2, measure, args.schedules, args.vocab, args.microbatches, args.seq)
     for schedule in args.schedules:
         last = 0 if schedule == "zbv" else 1  # ZBV's V places the last stage on rank 0
         peaks = {loss: [rank[schedule][loss] for rank in per_rank] for loss in LOSSES}
         print(json.dumps({
-            "bench": "pp_head_loss_memory", "schedule": schedule, "vocab": args.vocab,
+            "bench": "pp_head_loss_memory", "schedule": schedule, "vocab": args.vocab, "seq": args.seq,
             "microbatches": args.microbatches,
             "last_stage_mib": {loss: round(p[last] / 2**20, 2) for loss, p in peaks.items()},
             "last_stage_vs_plain": {loss: round(p[last] / peaks["plain"][last], 3) for loss, p in peaks.items()},
