@@ -7,6 +7,17 @@ w.r.t. those logits, and immediately folded into the gradients of the hidden sta
 (the approach of Liger's fused linear cross-entropy). Backward then only scales the stored gradients by the
 incoming scalar, so peak memory holds one chunk of logits instead of all of them.
 
+Storing costs an fp32 V x D weight gradient (and a hidden-state gradient) per loss between its forward and
+backward: 1 GiB at Llama-1B's head. Where a pipeline's last stage runs several micro-batches' forwards before
+their backwards (GPipe; interleaved zero-bubble defers weight passes), these pile up, past the plain loss's
+logits for small micro-batches. `recompute=True` (train.loss="chunked_recompute", picked by "auto" there: see
+`meshformer.parallel.build.head_loss_kind`) keeps only each row's fp32 log-partition from the forward and
+recomputes each chunk's logits in the backward: one more head GEMM per chunk, 1.4x the stored path's head time
+on CPU (a zero-bubble split backward, which recomputes in both its passes: 1.8x). Measured last-stage peak at
+V 32000 / 128000 vs the stored path: GPipe 0.77x / 0.76x, interleaved_zb 0.87x / 0.86x, 1F1B and ZBV (one
+micro-batch held) 1.0x (bench/pp_head_loss_memory.py). Both paths share the chunk projection, the
+logits-gradient maths and its folding into the hidden/weight/bias gradients (`_HeadGradients`).
+
 Same maths as `meshformer.loss.cross_entropy_sum` (sum over non-ignored tokens, label smoothing,
 PaLM z-loss, fp32 softmax); under autocast the projection runs in the autocast dtype like `nn.Linear` does.
 `HeadLoss` is the interface the model calls (`Transformer.forward(..., labels=, head_loss=)`); the chunked
