@@ -159,10 +159,12 @@ def _chunk_logits(h_c: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) ->
     return logits.add_(b) if b is not None else logits
 
 
-def _operands(hidden, weight, bias, dtype: torch.dtype):
-    """Rows of hidden states, the weight in the compute dtype (a transient copy under autocast), the fp32 bias."""
-    h = hidden.reshape(-1, hidden.shape[-1])
-    return h, weight.to(dtype), bias.float() if bias is not None else None
+def _operands(hidden, weight, bias, labels, dtype: torch.dtype, shard: VocabShard | None):
+    """Rows of hidden states and labels, the weight in the compute dtype (a transient copy under autocast), the
+    fp32 bias, and the whole vocabulary's size."""
+    h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    vocab = shard.total if shard is not None else weight.shape[0]
+    return h, y, weight.to(dtype), bias.float() if bias is not None else None, vocab
 
 
 def _chunks(n_rows: int, chunk_rows: int) -> list[slice]:
@@ -208,10 +210,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk_rows, label_smoothing, z_loss, want_grads, shard):
-        dtype = _compute_dtype(hidden.device, hidden.dtype)
-        h, w, b = _operands(hidden, weight, bias, dtype)
-        y = labels.reshape(-1)
-        vocab, eps = shard.total if shard is not None else weight.shape[0], label_smoothing
+        dtype, eps = _compute_dtype(hidden.device, hidden.dtype), label_smoothing
+        h, y, w, b, vocab = _operands(hidden, weight, bias, labels, dtype, shard)
         grads = _HeadGradients(h, weight, dtype, *(want_grads and ctx.needs_input_grad[i] for i in range(3)))
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         for rows in _chunks(h.shape[0], chunk_rows):
@@ -262,10 +262,8 @@ class _RecomputedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk_rows, label_smoothing, z_loss, want_grads, shard):
-        dtype = _compute_dtype(hidden.device, hidden.dtype)
-        h, w, b = _operands(hidden, weight, bias, dtype)
-        y = labels.reshape(-1)
-        vocab, eps = shard.total if shard is not None else weight.shape[0], label_smoothing
+        dtype, eps = _compute_dtype(hidden.device, hidden.dtype), label_smoothing
+        h, y, w, b, vocab = _operands(hidden, weight, bias, labels, dtype, shard)
         lse = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         for rows in _chunks(h.shape[0], chunk_rows):
@@ -276,15 +274,14 @@ class _RecomputedLinearCrossEntropy(torch.autograd.Function):
             lse[rows] = row_lse
         if want_grads:
             ctx.save_for_backward(hidden, weight, bias, labels, lse)
-        ctx.settings = (dtype, vocab, chunk_rows, eps, z_loss, shard)
+        ctx.settings = (dtype, chunk_rows, eps, z_loss, shard)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         hidden, weight, bias, labels, lse = ctx.saved_tensors
-        dtype, vocab, chunk_rows, eps, z_loss, shard = ctx.settings  # autocast is off here: the forward's dtype
-        h, w, b = _operands(hidden, weight, bias, dtype)
-        y = labels.reshape(-1)
+        dtype, chunk_rows, eps, z_loss, shard = ctx.settings  # autocast is off here: the forward's dtype
+        h, y, w, b, vocab = _operands(hidden, weight, bias, labels, dtype, shard)
         grads = _HeadGradients(h, weight, dtype, *(_wanted(ctx, i) for i in range(3)))
         scale = grad_loss.float()
         for rows in _chunks(h.shape[0], chunk_rows):
