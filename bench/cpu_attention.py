@@ -50,7 +50,7 @@ def _errors(fn, q, k, v, grad) -> float:
 
 
 def measure(shape: str, dtype: str, rounds: int) -> dict:
-    n_layer, d, heads, seq, _, batch = GPT_SHAPES[shape]
+    _, d, heads, seq, _, batch = GPT_SHAPES[shape]
     head_dim = d // heads
     q, k, v, grad = _inputs(batch, heads, seq, head_dim, DTYPES[dtype])
     sides = _sides(head_dim)

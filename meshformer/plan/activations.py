@@ -127,7 +127,7 @@ def block_backward_extra(m: ModelConfig, x: ActivationShape) -> float:
     b, s, t, a = x.batch, x.seq, x.tp, x.bytes
     ffn = b * s * (m.d_ff // t) * a
     heads = m.n_heads // t
-    attention = 4 * b * s * heads * m.head_dim * a
+    attention: float = 4 * b * s * heads * m.head_dim * a
     if m.attention_backend == "math":
         attention += 2 * b * heads * s * s * FP32
     elif x.blockwise:
