@@ -63,3 +63,9 @@ def test_fused_loss_memory_tiny_cpu():
 def test_gemm_ceiling_cpu():
     (record,) = run_bench("gemm_ceiling.py", "--n", "128", "--seconds", "0.1", "--device", "cpu")
     assert record["bench"] == "gemm_ceiling" and record["bf16_tflops"] > 0
+
+
+def test_cpu_attention_tiny():
+    (record,) = run_bench("cpu_attention.py", "--shape", "tiny", "--dtype", "bf16", "--rounds", "1")
+    assert record["bench"] == "cpu_attention" and record["sdpa_ms"] > 0 and record["blockwise_ms"] > 0
+    assert record["blockwise_error"] < 2 * record["sdpa_error"]  # flash's accuracy (fp32 scores)

@@ -69,11 +69,13 @@ def _one_step_params(tmp_path, batch_size: int, accum: int, loss: str = "plain")
     return {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
 
-@pytest.mark.parametrize("loss,atol", [("plain", 1e-6), ("chunked", 3e-6)])
+@pytest.mark.parametrize("loss,atol", [("plain", 3e-6), ("chunked", 3e-6)])
 def test_gradient_accumulation_equals_one_big_batch(tmp_path, loss, atol):
     # The loader's global sample order does not depend on the batch size, so 2 x 8 sees the same 16 sequences.
-    # Chunked: the 1/tokens scale is applied after the head GEMMs rather than before, a last-bit difference that
-    # Adam's first step (update ~ lr * g / |g|) magnifies on near-zero gradients to a few 1e-6.
+    # Last-bit differences, which Adam's first step (update ~ lr * g / |g|) magnifies on near-zero gradients to a
+    # few 1e-6: the chunked loss applies the 1/tokens scale after the head GEMMs rather than before, and the CPU
+    # attention kernel's batched GEMMs split their sums differently at another batch size (measured: 1.8e-6 above
+    # rtol; SDPA 0.4e-6).
     big = _one_step_params(tmp_path / loss, 16, 1, loss)
     accumulated = _one_step_params(tmp_path / loss, 8, 2, loss)
     for name in big:

@@ -1,4 +1,4 @@
-"""Multi-head attention with grouped-query heads, RoPE/ALiBi, a KV cache, and SDPA or math backends."""
+"""Multi-head attention with grouped-query heads, RoPE/ALiBi, a KV cache, and SDPA, blockwise or math backends."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from meshformer.model.blockwise_attention import blockwise_attention, picks_blockwise
 from meshformer.model.config import ModelConfig
 from meshformer.model.masks import AttentionMask
 from meshformer.model.positions import apply_rope
@@ -60,6 +61,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=cfg.bias)
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.dropout_p = cfg.attention_dropout
+        self.backend = cfg.attention_backend
         self.use_math = cfg.attention_backend == "math"
         self.sdpa_order = sdpa_order(cfg.attention_backend)
         self.capture_weights = False  # inspection hook: keep the last attention weights in `.weights`
@@ -129,6 +131,10 @@ class Attention(nn.Module):
         dropout_p = self.dropout_p if self.training else 0.0
         if self.use_math or self.capture_weights:
             return self._math(q, k, v, mask, bias, dropout_p)
+        plain = (mask.mask is None and bias is None and dropout_p == 0.0 and not isinstance(q, DTensor)
+                 and not torch.compiler.is_compiling())
+        if picks_blockwise(self.backend, q.device.type, max(q.shape[2], k.shape[2]), self.head_dim, plain):
+            return blockwise_attention(q, k, v, scale=self.scale, causal=mask.is_causal)
         if self.sdpa_order is None:
             return self._sdpa(q, k, v, mask, bias, dropout_p)
         with sdpa_kernel(self.sdpa_order, set_priority=True):

@@ -45,7 +45,9 @@ class ModelConfig:
     dropout: float = 0.0
     attention_dropout: float = 0.0
     attention_window: int | None = None  # sliding window: keys with |i - j| < window
-    attention_backend: Literal["sdpa", "math", "flash", "cudnn", "efficient"] = "sdpa"  # or that SDPA kernel first
+    # auto: blockwise on a CPU where it applies (model/blockwise_attention.py), else SDPA; sdpa: torch picks;
+    # flash | cudnn | efficient: that SDPA kernel first; blockwise: ours wherever it applies; math: explicit softmax
+    attention_backend: Literal["auto", "sdpa", "math", "flash", "cudnn", "efficient", "blockwise"] = "auto"
     attention_scale: float | None = None  # score multiplier; None: 1/sqrt(head_dim) (T5 folds it into init: 1.0)
     scale_output: bool = False  # multiply final hidden states by d_model**-0.5 before the output projection (T5)
     cross_downsample: int = 1  # pool encoder output by this factor before cross-attention

@@ -27,7 +27,14 @@ from meshformer.layout import (
 from meshformer.model import Transformer
 from meshformer.parallel.float8 import apply_float8, check_fp8, end_blocks, fp8_report
 from meshformer.parallel.fsdp import apply_fsdp
-from meshformer.parallel.kernels import compile_blocks, compile_kwargs, compile_mode_note, kernel_report, use_apex_norms
+from meshformer.parallel.kernels import (
+    attention_kernels,
+    compile_blocks,
+    compile_kwargs,
+    compile_mode_note,
+    kernel_report,
+    use_apex_norms,
+)
 from meshformer.parallel.loss_parallel import vocab_parallel_loss_fn
 from meshformer.parallel.materialize import is_meta, materialize
 from meshformer.parallel.mesh import Meshes, build_mesh
@@ -185,6 +192,7 @@ def _finish_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes: Mes
     if mode == "model":
         part.compile(**compile_kwargs(cfg.train.compile_mode))
         report["compile"] = "whole-model torch.compile" + compile_mode_note(cfg.train.compile_mode)
+        report["attention"] = attention_kernels(cfg, device, compiled=True)
     report["fp8"] = fp8_report(cfg.train.fp8, fp8, dims.fsdp_enabled, dims.tp_enabled)
     if fp8 and keep:
         report["fp8"] += f"; high precision: {', '.join(sorted(keep))}"

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from meshformer.model import Transformer
+from meshformer.model.blockwise_attention import picks_blockwise
+from meshformer.model.families import get_family_spec
 from meshformer.parallel.fsdp import blocks_of
 
 
@@ -70,10 +72,24 @@ def compile_blocks(model: Transformer, mode: str = "default") -> int:
     return len(blocks)
 
 
-def attention_kernels(device: torch.device, backend: str) -> str:
+def runs_blockwise_attention(cfg, device_type: str, compiled: bool) -> bool:
+    """Whether `Attention` picks the blockwise CPU kernel for this run's unpadded batches (it decides per call:
+    an explicit mask, a position bias, dropout or torch.compile send a call to SDPA)."""
+    m = cfg.model
+    plain = (m.attention_dropout == 0 and m.attention_window is None and m.position not in ("alibi", "t5_relative")
+             and not compiled)
+    longest = max(cfg.data.seq_len, cfg.data.target_len if get_family_spec(m.family).seq2seq else 0)
+    return picks_blockwise(m.attention_backend, device_type, longest, m.head_dim, plain)
+
+
+def attention_kernels(cfg, device: torch.device, compiled: bool) -> str:
+    backend = cfg.model.attention_backend
     if backend == "math":
         return "math (explicit softmax; returns attention weights)"
-    if backend != "sdpa":
+    if runs_blockwise_attention(cfg, device.type, compiled):
+        return ("blockwise (meshformer's CPU kernel; padded batches go to SDPA)" if device.type == "cpu"
+                else "blockwise (meshformer's kernel, as configured)")
+    if backend not in ("sdpa", "auto"):
         return f"SDPA, {backend} kernel first (torch's order after it)"
     if device.type == "cuda":
         enabled = [name for name, on in (("flash", torch.backends.cuda.flash_sdp_enabled()),
@@ -92,7 +108,7 @@ def kernel_report(cfg, device: torch.device, *, apex_norms: int, compiled: int, 
     """What runs where, for the run log."""
     norm = f"apex fused ({apex_norms} modules)" if apex_norms else "torch"
     return {
-        "attention": attention_kernels(device, cfg.model.attention_backend),
+        "attention": attention_kernels(cfg, device, compiled=compiled > 0),
         "norms": norm,
         "compile": (f"per-block torch.compile ({compiled} blocks{compile_mode_note(cfg.train.compile_mode)})"
                     if compiled else "eager"),

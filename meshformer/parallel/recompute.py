@@ -30,6 +30,7 @@ def _save_list() -> set:
         (aten, "mm"), (aten, "addmm"), (aten, "bmm"), (aten, "baddbmm"),
         (aten, "_scaled_dot_product_flash_attention_for_cpu"), (aten, "_scaled_dot_product_flash_attention"),
         (aten, "_scaled_dot_product_efficient_attention"), (aten, "_scaled_dot_product_cudnn_attention"),
+        (torch.ops.meshformer, "blockwise_attention"),  # our CPU kernel: its output, q/k/v rows, probabilities
         (torch.ops._c10d_functional, "reduce_scatter_tensor"),  # do not repeat tensor-parallel communication
     ]
     ops = set()

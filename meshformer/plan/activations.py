@@ -6,7 +6,8 @@ stream is sequence-parallel, s/t, and each branch works on the all-gathered full
 - each norm keeps its input (RMSNorm a second (b, s, h) tensor) and fp32 statistics, and the linear after it
   keeps the (gathered) normalised input: with sequence parallel that copy is full length, not s/t;
 - SDPA (CPU flash, CUDA flash / memory-efficient) keeps q, k, v (GQA: k and v repeated to every head), its
-  output and an fp32 log-sum-exp; the math backend keeps the fp32 softmax (b, heads, s, s) instead;
+  output and an fp32 log-sum-exp; the math backend keeps the fp32 softmax (b, heads, s, s) instead; the
+  blockwise CPU kernel (`meshformer.model.blockwise_attention`) the probabilities of its query blocks;
 - SwiGLU keeps gate, up, silu(gate) and their product; GELU / ReLU keep the input and output of the activation;
 - dropout keeps a one-byte mask per element.
 This is Korthikanti et al.'s (2022) accounting, 34 sbh + 5 a s^2 b per layer in their GPT, redone for these
@@ -23,6 +24,8 @@ import torch
 
 from meshformer.config import Config, ModelConfig
 from meshformer.fused_loss import default_chunk_rows
+from meshformer.model.blockwise_attention import backward_workspace, stored_probabilities
+from meshformer.parallel.kernels import runs_blockwise_attention
 
 FP32 = 4
 
@@ -34,12 +37,15 @@ class ActivationShape:
     tp: int
     bytes: int  # element size of matmul/attention activations: 2 under bf16 (autocast or FSDP params), else 4
     residual_bytes: int  # element size of the residual stream: fp32 under autocast (fp32 weights), else `bytes`
+    blockwise: bool = False  # attention runs the blockwise CPU kernel (keeps probabilities, not a log-sum-exp)
 
 
-def activation_shape(cfg: Config, batch: int, tp: int, fsdp: bool) -> ActivationShape:
+def activation_shape(cfg: Config, batch: int, tp: int, fsdp: bool, *, device_type: str = "cuda",
+                     compiled: bool = False) -> ActivationShape:
     bf16_params = fsdp and cfg.parallel.mixed_precision_param == "bf16"
     a = 2 if bf16_params or cfg.train.dtype == "bf16" else 4
-    return ActivationShape(batch, cfg.data.seq_len, tp, a, 2 if bf16_params else 4)
+    return ActivationShape(batch, cfg.data.seq_len, tp, a, 2 if bf16_params else 4,
+                           runs_blockwise_attention(cfg, device_type, compiled))
 
 
 def _norm(m: ModelConfig, x: ActivationShape, s_local: int) -> float:
@@ -50,7 +56,8 @@ def _norm(m: ModelConfig, x: ActivationShape, s_local: int) -> float:
     return rows * (m.d_model * x.residual_bytes + 2 * FP32)
 
 
-def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memory_len: int = 0) -> float:
+def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memory_len: int = 0,
+                causal: bool = True) -> float:
     """Bytes one block keeps from forward to backward without recomputation."""
     b, s, t, a = x.batch, x.seq, x.tp, x.bytes
     h = m.d_model
@@ -68,6 +75,8 @@ def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memo
             total += 2 * qkv_out + 2 * kv + scores * FP32 + (scores * a if a != FP32 else 0)
             if m.attention_dropout > 0:
                 total += scores * (a + 1)
+        elif x.blockwise:
+            total += 2 * qkv_out + 2 * kv + stored_probabilities(b * heads, s, k_len, causal and not branch_cross) * a
         else:
             total += 2 * qkv_out + 2 * kv + b * heads * s * FP32
         if m.dropout > 0:
@@ -80,7 +89,8 @@ def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memo
     return total
 
 
-def block_selective(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memory_len: int = 0) -> float:
+def block_selective(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memory_len: int = 0,
+                    causal: bool = True) -> float:
     """Bytes one block keeps under our selective policy: block input, matmul and attention outputs."""
     b, s, t, a = x.batch, x.seq, x.tp, x.bytes
     h = m.d_model
@@ -92,7 +102,11 @@ def block_selective(m: ModelConfig, x: ActivationShape, *, cross: bool = False, 
         k_len = memory_len if branch_cross else s
         total += b * s * heads * m.head_dim * a * 2  # q projection and attention output
         total += 2 * b * k_len * kv_heads * m.head_dim * a  # k, v projections
-        total += b * heads * s * FP32  # log-sum-exp
+        if x.blockwise:  # the kernel's own q/k/v rows (GQA: repeated) and probabilities
+            total += (s + 2 * k_len) * b * heads * m.head_dim * a
+            total += stored_probabilities(b * heads, s, k_len, causal and not branch_cross) * a
+        else:
+            total += b * heads * s * FP32  # log-sum-exp
         if m.attention_backend == "math":
             total += 2 * b * heads * s * k_len * a  # the two attention matmuls' outputs (scores, weighted values)
     ffn = b * s * (m.d_ff // t) * a
@@ -113,9 +127,14 @@ def block_backward_extra(m: ModelConfig, x: ActivationShape) -> float:
     b, s, t, a = x.batch, x.seq, x.tp, x.bytes
     ffn = b * s * (m.d_ff // t) * a
     heads = m.n_heads // t
-    attention = 4 * b * s * heads * m.head_dim * a
+    attention: float = 4 * b * s * heads * m.head_dim * a
     if m.attention_backend == "math":
         attention += 2 * b * heads * s * s * FP32
+    elif x.blockwise:
+        # its workspace is large, but by then the feed-forward branch has back-propagated and freed what it kept
+        s_local = s // t if t > 1 else s
+        ffn_kept = _norm(m, x, s_local) + b * s * m.d_model * a + {"swiglu": 4, "relu": 1}.get(m.activation, 2) * ffn
+        attention = backward_workspace(b * heads, s, m.head_dim, a) - ffn_kept
     return max((3 if m.activation == "swiglu" else 2) * ffn, attention) + 2 * b * s * m.d_model * a
 
 

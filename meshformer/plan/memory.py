@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from meshformer.config import Config, ModelConfig
 from meshformer.layout import ZERO_BUBBLE, ParallelDims, last_stage_losses_in_flight, n_microbatches
 from meshformer.model.families import get_family_spec
-from meshformer.parallel.build import head_loss_kind
+from meshformer.parallel.build import compile_mode, head_loss_kind
 from meshformer.plan import activations as act
 from meshformer.plan.shard import RankShare
 
@@ -103,7 +103,9 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory
     m, p = cfg.model, cfg.parallel
     fsdp = dims.fsdp_enabled
     micro = max(1, cfg.data.batch_size // (n_microbatches(cfg) if dims.pp > 1 else 1))
-    shape = act.activation_shape(cfg, micro, dims.tp, fsdp)
+    device_type = "cpu" if cfg.train.device == "cpu" else "cuda"  # "auto": planning for GPUs
+    shape = act.activation_shape(cfg, micro, dims.tp, fsdp, device_type=device_type,
+                                 compiled=compile_mode(cfg, dims) != "off")
     unsharded_bytes = 2 if p.mixed_precision_param == "bf16" else 4
     reduce_bytes = 2 if p.mixed_precision_reduce == "bf16" else 4
 
@@ -119,12 +121,13 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory
     rebuild: list[float] = []  # per held block: bytes rebuilt in its backward
     for index, mode in zip(share.layers, modes, strict=True):
         is_cross = cross and index >= enc
-        full = act.block_saved(m, shape, cross=is_cross, memory_len=cfg.data.seq_len)
+        causal = spec.stacks[min(int(index >= enc), len(spec.stacks) - 1)].causal
+        full = act.block_saved(m, shape, cross=is_cross, memory_len=cfg.data.seq_len, causal=causal)
         if mode == "none":
             kept.append(full)
             rebuild.append(0.0)
         elif mode == "selective":
-            kept.append(act.block_selective(m, shape, cross=is_cross, memory_len=cfg.data.seq_len))
+            kept.append(act.block_selective(m, shape, cross=is_cross, memory_len=cfg.data.seq_len, causal=causal))
             rebuild.append(full - kept[-1])
         else:
             kept.append(act.block_input(m, shape))
@@ -132,7 +135,6 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory
     head = act.head_saved(m, shape, share.last)
     per_microbatch = sum(kept) + head
     in_flight = pipeline_in_flight(cfg, dims, share)
-    device_type = "cpu" if cfg.train.device == "cpu" else "cuda"  # "auto": planning for GPUs
     loss_kind = head_loss_kind(cfg, dims, device_type)
     logits_live = head_loss_live(cfg, shape, loss_kind, device_type) if share.last else 0.0
 
