@@ -69,7 +69,7 @@ def _one_step_params(tmp_path, batch_size: int, accum: int, loss: str = "plain")
     return {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
 
-@pytest.mark.parametrize("loss,atol", [("plain", 3e-6), ("chunked", 3e-6)])
+@pytest.mark.parametrize("loss,atol", [("plain", 3e-6), ("chunked", 3e-6), ("chunked_recompute", 3e-6)])
 def test_gradient_accumulation_equals_one_big_batch(tmp_path, loss, atol):
     # The loader's global sample order does not depend on the batch size, so 2 x 8 sees the same 16 sequences.
     # Last-bit differences, which Adam's first step (update ~ lr * g / |g|) magnifies on near-zero gradients to a
