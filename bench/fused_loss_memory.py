@@ -47,7 +47,6 @@ def measure(kind: str, h0, w0, y, dtype, device, args) -> dict:
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
     def run() -> torch.Tensor:
-        h.grad = w.grad = None
         with autocast:
             loss = head_loss(kind, h, w, y, args.label_smoothing, args.z_loss) / y.numel()
         if args.zero_bubble:  # as torch's zero-bubble stage: gradients of the input, then of the weight
@@ -61,7 +60,8 @@ def measure(kind: str, h0, w0, y, dtype, device, args) -> dict:
 
     clock = time.perf_counter if device.type == "cuda" else time.process_time
     seconds = []
-    for _ in range(args.repeat + (device.type == "cuda")):  # CUDA: one warm-up (kernels, autotuning)
+    for _ in range(max(args.repeat, 1) + (device.type == "cuda")):  # CUDA: one warm-up (kernels, autotuning)
+        h.grad = w.grad = None
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = clock()
@@ -69,6 +69,7 @@ def measure(kind: str, h0, w0, y, dtype, device, args) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds.append(clock() - start)
+    h.grad = w.grad = None  # the peak run starts from no gradients, as the timed ones did
     if device.type == "cuda":
         seconds = seconds[1:]
         torch.cuda.reset_peak_memory_stats()
