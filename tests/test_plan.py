@@ -92,7 +92,7 @@ def test_planner_counts_the_last_stages_fused_head_loss_under_pipeline_paralleli
     """train.loss=auto is a chunked loss under PP too: the last pipeline rank holds no full-vocabulary logits.
     Where it holds several micro-batches' losses (GPipe: all 4; interleaved zero-bubble defers the weight pass
     by pp = 2) auto recomputes the logits in the backward instead of keeping a weight gradient for each."""
-    from meshformer.plan.activations import activation_shape, chunked_loss
+    from meshformer.plan.activations import activation_shape, chunked_loss, recomputed_chunked_loss
 
     cfg = validation_config({"pp": 2, "pp_schedule": schedule, "pp_microbatches": 4}, vocab=32000)
     last, first = (0, 1) if schedule == "zbv" else (1, 0)  # ZBV's V places the last stage on rank 0
@@ -105,17 +105,19 @@ def test_planner_counts_the_last_stages_fused_head_loss_under_pipeline_paralleli
     held = {"gpipe": 4, "interleaved_zb": 2}.get(schedule, 1)
     assert auto == (recomputed if held > 1 else chunked)
     assert chunked < plain and recomputed < plain
-    kept, transient = chunked_loss(cfg.model, activation_shape(cfg, 1, 1, False), "cpu")
+    shape = activation_shape(cfg, 1, 1, False)
+    kept, transient = chunked_loss(cfg.model, shape, "cpu")
     assert chunked == kept * held + transient  # the stored gradients of every micro-batch held
-    assert recomputed == held * cfg.data.seq_len * 4 + transient  # one fp32 log-partition per row held
+    kept, transient = recomputed_chunked_loss(cfg.model, shape, "cpu")
+    assert kept == cfg.data.seq_len * 4 and recomputed == held * kept + transient  # a log-partition per row
     assert next(r for r in plan_layout(cfg, 2).ranks if r.pp_rank == first).logits == 0.0
 
 
 def test_recomputed_head_loss_lowers_the_last_stage_peak_as_planned():
     """Measured at V 32000 (bench/pp_head_loss_memory.py): under GPipe the stored path's last stage holds 4 fp32
     V x D weight gradients at its peak (the last forward), the recomputing path one (building it in the
-    backward); stated margin: at least 1.5 of them lower (2.1 measured). The planner predicts the
-    recomputing path within TOLERANCE under GPipe and interleaved zero-bubble."""
+    backward); stated margin: at least 1.5 of them lower (2.1 measured). The planner predicts both paths within
+    TOLERANCE under GPipe and interleaved zero-bubble."""
     sys.path.insert(0, str(ROOT / "bench"))
     from pp_head_loss_memory import measure
 
@@ -125,8 +127,9 @@ def test_recomputed_head_loss_lowers_the_last_stage_peak_as_planned():
     weight_gradient = vocab * 128 * 4
     assert last["gpipe"]["chunked"] - last["gpipe"]["chunked_recompute"] >= 1.5 * weight_gradient
     for schedule in schedules:
-        cfg = validation_config({"pp": 2, "pp_schedule": schedule, "pp_microbatches": 4}, vocab=vocab)
-        assert cfg.train.loss == "auto"  # resolves to chunked_recompute here
-        predicted = next(r for r in plan_layout(cfg, 2).ranks if r.pp_rank == 1).peak
-        measured = last[schedule]["chunked_recompute"]
-        assert abs(predicted / measured - 1) < TOLERANCE, (schedule, predicted, measured)
+        for loss in ("chunked_recompute", "chunked"):  # auto resolves to chunked_recompute here
+            cfg = validation_config({"pp": 2, "pp_schedule": schedule, "pp_microbatches": 4}, vocab=vocab)
+            cfg.train.loss = loss
+            predicted = next(r for r in plan_layout(cfg, 2).ranks if r.pp_rank == 1).peak
+            measured = last[schedule][loss]
+            assert abs(predicted / measured - 1) < TOLERANCE, (schedule, loss, predicted, measured)

@@ -153,25 +153,41 @@ def logits(m: ModelConfig, x: ActivationShape) -> tuple[float, float]:
     return elements * (x.bytes + FP32), 2 * elements * FP32
 
 
-def chunked_loss(m: ModelConfig, x: ActivationShape, device_type: str) -> tuple[float, float]:
-    """(kept, transient) of the chunked head loss (meshformer.fused_loss), which computes its gradients in
-    the forward: kept until backward are the hidden-state gradient and the fp32 weight gradient; transient are
-    one chunk of fp32 logits (and its low-precision copy), the low-precision weight copy, each chunk's
-    weight-gradient product and its fp32 copy, and the scaled weight gradient returned by the backward."""
+def _chunk_work(m: ModelConfig, x: ActivationShape, device_type: str) -> tuple[float, float]:
+    """(chunk work, weight gradient) of the chunked head loss: one chunk of fp32 logits (and its low-precision
+    copy), the low-precision weight copy, a chunk's weight-gradient product and its fp32 copy; one fp32 V x D."""
     rows, vocab = x.batch * x.seq, m.vocab_size // x.tp
     chunk = min(rows, default_chunk_rows(rows, vocab, m.d_model, torch.device(device_type)))
     weight = vocab * m.d_model
-    kept = rows * m.d_model * x.bytes + weight * FP32
     low = x.bytes < FP32
-    transient = chunk * vocab * (FP32 + (x.bytes if low else 0)) + weight * FP32
+    work = chunk * vocab * (FP32 + (x.bytes if low else 0))
     if low:
-        transient += weight * x.bytes + weight * (x.bytes + FP32)
-    return kept, transient
+        work += weight * x.bytes + weight * (x.bytes + FP32)
+    return work, weight * FP32
+
+
+def chunked_loss(m: ModelConfig, x: ActivationShape, device_type: str) -> tuple[float, float]:
+    """(kept, transient) of the chunked head loss (meshformer.fused_loss), which computes its gradients in the
+    forward: kept until backward are the hidden-state gradient and the fp32 weight gradient; transient is the
+    forward's chunk work or, later, the scaled weight gradient its backward returns, whichever is larger."""
+    work, weight_grad = _chunk_work(m, x, device_type)
+    return x.batch * x.seq * m.d_model * x.bytes + weight_grad, max(work, weight_grad)
+
+
+def recomputed_chunked_loss(m: ModelConfig, x: ActivationShape, device_type: str) -> tuple[float, float]:
+    """(kept, transient) of the recomputing chunked loss: one fp32 log-partition per row until its backward,
+    which does the chunk work while it builds the fp32 weight gradient."""
+    work, weight_grad = _chunk_work(m, x, device_type)
+    return x.batch * x.seq * FP32, work + weight_grad
 
 
 def loss_memory(m: ModelConfig, x: ActivationShape, kind: str, device_type: str) -> tuple[float, float]:
     """(kept, transient) of the configured loss; liger's fused kernel is counted like the chunked loss."""
-    return logits(m, x) if kind == "plain" else chunked_loss(m, x, device_type)
+    if kind == "plain":
+        return logits(m, x)
+    if kind == "chunked_recompute":
+        return recomputed_chunked_loss(m, x, device_type)
+    return chunked_loss(m, x, device_type)
 
 
 def recompute_mode_blocks(cfg: Config, layers: tuple[int, ...], mode: str) -> list[str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from meshformer.config import Config, ModelConfig
+from meshformer.config import Config
 from meshformer.layout import ZERO_BUBBLE, ParallelDims, last_stage_losses_in_flight, n_microbatches
 from meshformer.model.families import get_family_spec
 from meshformer.parallel.build import compile_mode, head_loss_kind
@@ -77,22 +77,13 @@ def pipeline_in_flight(cfg: Config, dims: ParallelDims, share: RankShare) -> flo
     return warmup / chunks
 
 
-def head_loss_memory(m: ModelConfig, x: act.ActivationShape, kind: str, device_type: str) -> tuple[float, float]:
-    """(kept, transient) of the configured loss (`activations.loss_memory`). The recomputing chunked loss keeps
-    one fp32 log-partition per row until its backward, which then holds what the stored path's forward did."""
-    if kind != "chunked_recompute":
-        return act.loss_memory(m, x, kind, device_type)
-    _, transient = act.chunked_loss(m, x, device_type)
-    return x.batch * x.seq * act.FP32, transient
-
-
 def head_loss_live(cfg: Config, x: act.ActivationShape, kind: str, device_type: str) -> float:
     """The last stage's loss memory at its worst moment: what the loss keeps per micro-batch, times the
     micro-batches holding it, plus one backward's work. A fused loss keeps its saved tensors until the weight
     backward (`last_stage_losses_in_flight`); the plain loss's logits go with the stage output at the (input)
     backward, so only GPipe keeps several, but a zero-bubble schedule holds the fp32 logits gradient that its
     input pass captured for each deferred weight pass (measured: bench/pp_head_loss_memory.py)."""
-    kept, work = head_loss_memory(cfg.model, x, kind, device_type)
+    kept, work = act.loss_memory(cfg.model, x, kind, device_type)
     held = last_stage_losses_in_flight(cfg)
     if kind != "plain" or cfg.parallel.pp_schedule == "gpipe":
         return kept * held + work
@@ -156,7 +147,12 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory
     head_grad = (share.root_numel * (reduce_bytes if fsdp else 4)) if share.last and (fsdp or not accumulating) \
         else 0.0
 
-    moments = {"forward end": static + root + held_units + earlier + per_microbatch + logits_live + head_grad}
+    # GPipe's last forward comes before any backward of the step: no head gradient exists yet (the recomputing
+    # loss's worst moment is its backward, accumulating into the head gradient: counted)
+    gpipe_first_pass = (dims.pp > 1 and p.pp_schedule == "gpipe" and not accumulating
+                        and loss_kind != "chunked_recompute")
+    moments = {"forward end": static + root + held_units + earlier + per_microbatch + logits_live
+               + (0.0 if gpipe_first_pass else head_grad)}
     done_grads = head_grad
     for i in range(len(kept) - 1, -1, -1):
         still_kept = earlier + sum(kept[:i + 1])
