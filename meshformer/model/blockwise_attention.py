@@ -6,8 +6,9 @@ of queries is one batched GEMM against its keys (causal: none of the masked tria
 a fused softmax, and one GEMM with the values; backward reuses the stored probabilities instead of recomputing
 them. Scores and their gradients are fp32 (fp32 GEMMs on the upcast operands, as flash accumulates in fp32), so
 the accuracy is flash's; the probabilities are stored in the input dtype (flash also rounds them to it before
-multiplying by V). Measured fwd+bwd against the CPU flash kernel, 2 threads: 1.5-1.6x faster at (B8, H8, T512),
-1.5x at (B8, H12, T256), 1.8x in fp32; even at T 1024, equal at T 2048.
+multiplying by V). Measured fwd+bwd against the CPU flash kernel (bench/cpu_attention.py, 2 threads): bf16 1.47x
+at (B8, H8, T512), 1.31x at (B8, H12, T256), 1.16x at (B16, H4, T256); fp32 1.03-1.33x; errors against float64
+equal or lower; about even at T 1024 (B2, H8), no gain at T 2048.
 
 The cost is memory: B*H*T*(T+block)/2 stored probabilities per layer instead of flash's B*H*T statistics. Relative
 to the ~17*d_model activation elements a block keeps per token that is about T / (34 * head_dim), so `auto` picks
@@ -49,10 +50,11 @@ def picks_blockwise(backend: str, device_type: str, seq_len: int, head_dim: int,
 
 
 def backward_workspace(batch_heads: int, seq_len: int, head_dim: int, elem_bytes: int) -> int:
-    """Bytes alive while one layer back-propagates, the input gradients included (measured with the planner's
-    live-tensor count: exact at two shapes and both dtypes): per (T, D) element the fp32 key/value gradients
-    and upcast values (12 B) and eight input-dtype tensors (output gradient, partial products, results); per
-    query block one score gradient in fp32 and in the input dtype, and the row sums."""
+    """Bytes alive while one layer back-propagates, the input gradients included: per (T, D) element the fp32
+    key/value gradients and upcast values (12 B) and eight input-dtype tensors (output gradient, partial
+    products, results); per query block one score gradient in fp32 and in the input dtype, and the row sums.
+    Calibrated against the live-tensor count (plan/measure.py) of one attention backward, held by the
+    planner's predicted-vs-measured layouts (tests/test_plan.py)."""
     return batch_heads * (seq_len * head_dim * (12 + 8 * elem_bytes) + block_rows(seq_len) * seq_len * (5 + elem_bytes))
 
 
