@@ -163,6 +163,18 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory
             + done_grads)
         shard_grad = (share.block_numel / max(dims.dp_shard, 1) * 4) if fsdp else share.block_numel * 4
         done_grads += 0 if accumulating else shard_grad
+    if share.first and not share.last:
+        # The input embedding back-propagates last in each micro-batch: a dense gradient the size of its table (fp32;
+        # under FSDP unsharded, in the reduce dtype). Without accumulation the first one becomes the gradient and a
+        # later micro-batch's is added to it (both alive, one micro-batch fewer in flight); with accumulation the
+        # gradient is already counted in `static`.
+        embedding_grad = share.root_numel * (reduce_bytes if fsdp else 4)
+        at_embedding = static + root + held_units + done_grads
+        several = dims.pp > 1 and n_microbatches(cfg) > 1
+        moments["embedding backward"] = max(
+            at_embedding + earlier + embedding_grad,
+            at_embedding + max(0.0, earlier - per_microbatch) + 2 * embedding_grad if several and not accumulating
+            else 0.0)
     moments["optimizer step"] = params + optimizer + grads
     peak_at = max(moments, key=lambda moment: moments[moment])
     fsdp_buffers = root + (block_unit * 3 if fsdp else 0.0)
