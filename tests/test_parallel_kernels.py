@@ -22,8 +22,14 @@ def test_without_apex_torch_kernels_are_used():
         return
     model = new_model(make_config("encoder"))
     assert use_apex_norms(model, torch.device("cuda")) == 0
-    report = kernel_report(make_config("encoder"), torch.device("cpu"), apex_norms=0, compiled=0, recompute=0)
+    cfg = make_config("encoder")
+    report = kernel_report(cfg, torch.device("cpu"), apex_norms=0, compiled=0, recompute=0)
     assert report["norms"] == "torch" and "not installed" in report["apex"]
+    assert report["attention"].startswith("blockwise (meshformer's CPU kernel")  # model.attention_backend=auto
+    assert kernel_report(cfg, torch.device("cpu"), apex_norms=0, compiled=1, recompute=0)["attention"] == \
+        "SDPA (CPU flash kernel)"  # compiled blocks: inductor takes SDPA
+    cfg.model.attention_backend = "sdpa"
+    report = kernel_report(cfg, torch.device("cpu"), apex_norms=0, compiled=0, recompute=0)
     assert report["attention"] == "SDPA (CPU flash kernel)"
 
 
