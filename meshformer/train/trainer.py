@@ -106,7 +106,8 @@ class Trainer:
         self.logger.info(
             f"model: {cfg.model.family}, {n_params / 1e6:.2f}M parameters, objective {cfg.objective}; "
             f"device {self.device}, dtype {cfg.train.dtype}; AdamW kernel: {kernel}; attention: "
-            f"{cfg.model.attention_backend}; host malloc: {host_memory}; MFU ceiling "
+            f"{self.plan.report.get('attention', cfg.model.attention_backend)}; host malloc: {host_memory}; "
+            f"MFU ceiling "
             f"{self.ceiling.flops / 1e12:.2f} TFLOP/s ({self.ceiling.source}); model built and sharded in "
             f"{self.build_s:.2f}s"
         )
