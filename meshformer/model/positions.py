@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+BIASED_POSITIONS = ("alibi", "t5_relative")  # schemes that add a bias to the attention scores
+
 
 def sinusoidal_table(n_positions: int, dim: int, device: torch.device | None = None) -> torch.Tensor:
     """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d))."""

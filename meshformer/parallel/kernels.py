@@ -16,6 +16,7 @@ from torch import nn
 from meshformer.model import Transformer
 from meshformer.model.blockwise_attention import picks_blockwise
 from meshformer.model.families import get_family_spec
+from meshformer.model.positions import BIASED_POSITIONS
 from meshformer.parallel.fsdp import blocks_of
 
 
@@ -76,8 +77,8 @@ def runs_blockwise_attention(cfg, device_type: str, compiled: bool) -> bool:
     """Whether `Attention` picks the blockwise CPU kernel for this run's unpadded batches (it decides per call:
     an explicit mask, a position bias, dropout or torch.compile send a call to SDPA)."""
     m = cfg.model
-    plain = (m.attention_dropout == 0 and m.attention_window is None and m.position not in ("alibi", "t5_relative")
-             and not compiled)
+    plain = m.attention_dropout == 0 and m.attention_window is None and m.position not in BIASED_POSITIONS \
+        and not compiled
     longest = max(cfg.data.seq_len, cfg.data.target_len if get_family_spec(m.family).seq2seq else 0)
     return picks_blockwise(m.attention_backend, device_type, longest, m.head_dim, plain)
 

@@ -56,6 +56,13 @@ def _norm(m: ModelConfig, x: ActivationShape, s_local: int) -> float:
     return rows * (m.d_model * x.residual_bytes + 2 * FP32)
 
 
+def _ffn_branch_saved(m: ModelConfig, x: ActivationShape, s_local: int) -> float:
+    """What the feed-forward branch keeps: its norm, the (gathered) normalised input, the activation's tensors."""
+    ffn = x.batch * x.seq * (m.d_ff // x.tp) * x.bytes
+    gathered = x.batch * x.seq * m.d_model * x.bytes
+    return _norm(m, x, s_local) + gathered + {"swiglu": 4, "relu": 1}.get(m.activation, 2) * ffn
+
+
 def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memory_len: int = 0,
                 causal: bool = True) -> float:
     """Bytes one block keeps from forward to backward without recomputation."""
@@ -81,9 +88,7 @@ def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memo
             total += 2 * qkv_out + 2 * kv + b * heads * s * FP32
         if m.dropout > 0:
             total += b * s_local * h
-    total += _norm(m, x, s_local) + gathered
-    ffn = b * s * (m.d_ff // t) * a
-    total += {"swiglu": 4, "relu": 1}.get(m.activation, 2) * ffn
+    total += _ffn_branch_saved(m, x, s_local)
     if m.dropout > 0:
         total += b * s_local * h
     return total
@@ -132,9 +137,7 @@ def block_backward_extra(m: ModelConfig, x: ActivationShape) -> float:
         attention += 2 * b * heads * s * s * FP32
     elif x.blockwise:
         # its workspace is large, but by then the feed-forward branch has back-propagated and freed what it kept
-        s_local = s // t if t > 1 else s
-        ffn_kept = _norm(m, x, s_local) + b * s * m.d_model * a + {"swiglu": 4, "relu": 1}.get(m.activation, 2) * ffn
-        attention = backward_workspace(b * heads, s, m.head_dim, a) - ffn_kept
+        attention = backward_workspace(b * heads, s, m.head_dim, a) - _ffn_branch_saved(m, x, s // t if t > 1 else s)
     return max((3 if m.activation == "swiglu" else 2) * ffn, attention) + 2 * b * s * m.d_model * a
 
 

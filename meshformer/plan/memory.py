@@ -170,11 +170,10 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory
         # gradient is already counted in `static`.
         embedding_grad = share.root_numel * (reduce_bytes if fsdp else 4)
         at_embedding = static + root + held_units + done_grads
-        several = dims.pp > 1 and n_microbatches(cfg) > 1
         moments["embedding backward"] = max(
             at_embedding + earlier + embedding_grad,
-            at_embedding + max(0.0, earlier - per_microbatch) + 2 * embedding_grad if several and not accumulating
-            else 0.0)
+            at_embedding + max(0.0, earlier - per_microbatch) + 2 * embedding_grad
+            if n_microbatches(cfg) > 1 and not accumulating else 0.0)
     moments["optimizer step"] = params + optimizer + grads
     peak_at = max(moments, key=lambda moment: moments[moment])
     fsdp_buffers = root + (block_unit * 3 if fsdp else 0.0)
