@@ -1,10 +1,13 @@
 """Where a training step's time goes: torch.profiler over our Trainer step and the nanoGPT-style reference.
 
-Groups CPU self time by operator family (matmuls, attention, softmax/cross-entropy, norms, elementwise,
-casts, optimizer, clipping, ...) for both sides, so the difference between them can be read off directly;
-lists the top operators by self time, and times each phase of the step (bench/step_phases.py).
+On CPU: groups self CPU time by operator family (matmuls, attention, softmax/cross-entropy, norms, elementwise,
+casts, optimizer, clipping, ...) for both sides, so the difference between them can be read off directly; lists
+the top operators by self time, and times each phase of the step (bench/step_phases.py).
+On CUDA: the same for GPU kernel time, by kernel family (GEMMs, attention, inductor's fused Triton kernels,
+optimizer, ...), and how much of the synchronised step the GPU was busy (the rest: launch or host bound).
 
-    python bench/profile_step.py --shape S --dtype bf16 [--steps 5] [--loss auto]
+    python bench/profile_step.py --shape S --dtype bf16 [--steps 5] [--variant off+chunked]
+    python bench/profile_step.py --shape llama-1b --device cuda --variant blocks+cudnn+plain --sides ours --steps 3
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_common import bench_config, random_tokens, timed
+from step_common import bench_config, random_tokens, reset_memory, sync, timed
+from speed_sweep import parse_variant
 from step_phases import phase_breakdown
 from vs_nanogpt import Ours, Reference
 
@@ -36,28 +40,47 @@ FAMILIES = [  # first match wins
     ("embedding", ("embedding",)),
     ("elementwise", ("add", "mul", "sub", "div", "exp", "sum", "fill", "zero", "where", "mean")),
 ]
+KERNEL_FAMILIES = [  # CUDA kernel names; first match wins
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "wgmma", "matmul")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("triton_fused", ("triton",)),
+    ("softmax_ce", ("softmax", "cross_entropy", "nll", "logsumexp")),
+    ("norm", ("layer_norm", "rms_norm", "layernorm", "rmsnorm")),
+    ("memcpy_memset", ("memcpy", "memset")),
+    ("elementwise_reduce", ("elementwise", "vectorized", "reduce", "copy", "fill")),
+]
 
 
-def family(name: str) -> str:
+def family(name: str, families: list[tuple[str, tuple[str, ...]]] = FAMILIES) -> str:
     low = name.lower()
-    for fam, keys in FAMILIES:
+    for fam, keys in families:
         if any(k in low for k in keys):
             return fam
     return "other"
 
 
-def breakdown(step, steps: int, top: int) -> tuple[dict[str, float], dict[str, float]]:
-    """Self CPU milliseconds per step by operator family, and the `top` operators by self time."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+def breakdown(step, steps: int, top: int, device: torch.device) -> tuple[dict[str, float], dict[str, float]]:
+    """Milliseconds per step by family (self CPU time of operators; on CUDA, GPU time of kernels), and the `top`
+    operators or kernels by that time."""
+    gpu = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]) as prof:
         for _ in range(steps):
             step()
+        sync(device)
     totals: dict[str, float] = defaultdict(float)
     ops: dict[str, float] = {}
     for event in prof.key_averages():
-        ms = event.self_cpu_time_total / 1e3 / steps
-        if event.key.startswith("aten::") or "Optimizer" in event.key:
-            totals[family(event.key.removeprefix("aten::"))] += ms
-        ops[event.key] = ms
+        if gpu:
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            ms = event.self_device_time_total / 1e3 / steps
+            totals[family(event.key, KERNEL_FAMILIES)] += ms
+        else:
+            ms = event.self_cpu_time_total / 1e3 / steps
+            if event.key.startswith("aten::") or "Optimizer" in event.key:
+                totals[family(event.key.removeprefix("aten::"))] += ms
+        ops[event.key[:120]] = ms
     by_family = {k: round(v, 2) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
     top_ops = {k: round(v, 2) for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:top]}
     return by_family, top_ops
@@ -67,7 +90,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="S")
     parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
-    parser.add_argument("--loss", default="auto")
+    parser.add_argument("--variant", default="off", help="ours: compile, loss, kernels as in bench/speed_sweep.py")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--sides", nargs="+", default=["reference", "ours"], choices=["reference", "ours"])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=15, help="operators listed by self time")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -76,19 +101,30 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = bench_config(args.shape, dtype=args.dtype, device="cpu", loss=args.loss)
-    device = torch.device("cpu")
+    compile, loss, extra = parse_variant(args.variant)
+    cfg = bench_config(args.shape, dtype=args.dtype, device=args.device, compile=compile, loss=loss, extra=extra)
+    device = torch.device(args.device)
     tokens = random_tokens(cfg.model.vocab_size, device)
-    sides = {"reference": Reference(cfg, tokens, device, compile=False), "ours": Ours(cfg, tokens)}
-    for name, step in sides.items():
-        timed(step, 2, device)  # warm-up
+    makers = {"reference": lambda: Reference(cfg, tokens, device, compile=compile != "off"),
+              "ours": lambda: Ours(cfg, tokens)}
+    for name in args.sides:
+        reset_memory(device)
+        step = makers[name]()
+        timed(step, 2, device)  # warm-up (compilation happens here)
         ms = timed(step, args.steps, device, args.clock) * 1e3
-        by_family, top_ops = breakdown(step, args.steps, args.top)
-        print(json.dumps({"bench": "profile_step", "side": name, "shape": args.shape, "dtype": args.dtype,
-                          "loss": args.loss, "threads": torch.get_num_threads(), "clock": args.clock,
-                          "load_1min": round(os.getloadavg()[0], 2), "step_ms": round(ms, 1),
-                          "phase_ms_per_step": phase_breakdown(name, step, args.steps, args.clock),
-                          "self_cpu_ms_per_step": by_family, "top_ops_ms_per_step": top_ops}), flush=True)
+        by_family, top_ops = breakdown(step, args.steps, args.top, device)
+        record = {"bench": "profile_step", "side": name, "shape": args.shape, "dtype": args.dtype,
+                  "variant": args.variant, "clock": args.clock, "step_ms": round(ms, 1)}
+        if device.type == "cuda":
+            record |= {"device": torch.cuda.get_device_name(device),
+                       "gpu_busy_ms_per_step": round(sum(by_family.values()), 1),
+                       "gpu_ms_per_step": by_family, "top_kernels_ms_per_step": top_ops}
+        else:
+            record |= {"threads": torch.get_num_threads(), "load_1min": round(os.getloadavg()[0], 2),
+                       "phase_ms_per_step": phase_breakdown(name, step, args.steps, args.clock),
+                       "self_cpu_ms_per_step": by_family, "top_ops_ms_per_step": top_ops}
+        print(json.dumps(record), flush=True)
+        del step
 
 
 if __name__ == "__main__":

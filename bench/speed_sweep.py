@@ -3,7 +3,8 @@ measurement of the nanoGPT-style reference (compiled whole-model when any varian
 
 A variant is tokens joined by "+": compile `off` | `blocks` | `model`; loss `plain` | `chunked` | `liger` (default
 `auto`); attention kernel first `flash` | `cudnn` | `efficient`; `autotune` (inductor max-autotune without CUDA
-graphs). The reference is measured once, first; each variant then prints one JSON line as soon as it is done
+graphs); FP8 recipe `tensorwise` | `rowwise` (torchao float8; bf16 otherwise, so an FP8 ratio against the bf16
+reference is a different precision, named in its variant). The reference is measured once, first; each variant then prints one JSON line as soon as it is done
 (a failing variant prints its error and the sweep goes on):
 
     python bench/speed_sweep.py --shape gpt2-xl --variants blocks blocks+plain model+plain blocks+cudnn+plain
@@ -26,6 +27,7 @@ from step_common import GPT_SHAPES, bench_config, emit, peak_memory_gib, random_
 from vs_nanogpt import Ours, Reference
 
 from meshformer.model.flops import flops_per_token
+import meshformer.parallel.float8 as float8
 
 COMPILE = ("off", "blocks", "model")
 LOSS = ("auto", "plain", "chunked", "liger")
@@ -44,8 +46,11 @@ def parse_variant(name: str) -> tuple[str, str, list[str]]:
             extra.append(f"model.attention_backend={token}")
         elif token == "autotune":
             extra.append("train.compile_mode=max-autotune-no-cudagraphs")
+        elif token in float8.FP8_RECIPES:
+            extra.append(f"train.fp8={token}")
         else:
-            raise SystemExit(f"unknown variant token {token!r} in {name!r}; use {COMPILE} {LOSS} {ATTENTION} autotune")
+            raise SystemExit(f"unknown variant token {token!r} in {name!r}; "
+                             f"use {COMPILE} {LOSS} {ATTENTION} {float8.FP8_RECIPES} autotune")
     return compile, loss, extra
 
 
@@ -68,7 +73,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--emulate", action="store_true", help="CPU dry run of FP8 variants: torchao's emulation")
     args = parser.parse_args()
+    if args.emulate:  # let the hardware check pass; apply_float8 emulates off CUDA
+        float8.fp8_supported = lambda device: True
     variants = [(name, *parse_variant(name)) for name in args.variants]  # refuse a typo before any work
     device_name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device_name)
