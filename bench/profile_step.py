@@ -23,8 +23,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_common import bench_config, random_tokens, reset_memory, sync, timed
 from speed_sweep import parse_variant
+from step_common import bench_config, random_tokens, reset_memory, sync, timed
 from step_phases import phase_breakdown
 from vs_nanogpt import Ours, Reference
 

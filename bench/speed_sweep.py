@@ -4,8 +4,8 @@ measurement of the nanoGPT-style reference (compiled whole-model when any varian
 A variant is tokens joined by "+": compile `off` | `blocks` | `model`; loss `plain` | `chunked` | `liger` (default
 `auto`); attention kernel first `flash` | `cudnn` | `efficient`; `autotune` (inductor max-autotune without CUDA
 graphs); FP8 recipe `tensorwise` | `rowwise` (torchao float8; bf16 otherwise, so an FP8 ratio against the bf16
-reference is a different precision, named in its variant). The reference is measured once, first; each variant then prints one JSON line as soon as it is done
-(a failing variant prints its error and the sweep goes on):
+reference is a different precision, named in its variant). The reference is measured once, first; each variant
+then prints one JSON line as soon as it is done (a failing variant prints its error and the sweep goes on):
 
     python bench/speed_sweep.py --shape gpt2-xl --variants blocks blocks+plain model+plain blocks+cudnn+plain
     python bench/speed_sweep.py --shape llama-1b --reference none --variants blocks+plain blocks+cudnn+plain
@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_common import GPT_SHAPES, bench_config, emit, peak_memory_gib, random_tokens, reset_memory, timed
 from vs_nanogpt import Ours, Reference
 
-from meshformer.model.flops import flops_per_token
 import meshformer.parallel.float8 as float8
+from meshformer.model.flops import flops_per_token
 
 COMPILE = ("off", "blocks", "model")
 LOSS = ("auto", "plain", "chunked", "liger")
