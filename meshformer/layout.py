@@ -59,7 +59,13 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp > 1
+        """FSDP shards over dp_shard x cp (context-parallel ranks hold the same parameters) and replicates over
+        dp_replicate."""
+        return self.dp * self.cp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def hsdp(self) -> bool:
@@ -78,7 +84,8 @@ class ParallelDims:
         return self.world_size == 1
 
     def describe(self) -> str:
-        parts = [f"{name}={getattr(self, name)}" for name in ("pp", "dp_replicate", "dp_shard", "tp")]
+        parts = [f"{name}={getattr(self, name)}" for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+                 if name != "cp" or self.cp > 1]
         return " x ".join(parts) + f" (world {self.world_size})"
 
 
@@ -122,7 +129,7 @@ def validate_parallel(cfg: Config, world_size: int, device: torch.device | str |
     on_this_host=False (e.g. `submit` on a login node): the device's features are not checked here."""
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     device_type = torch.device(device).type if device is not None else _configured_device_type(cfg)
-    _check_context_parallel(dims, device_type)
+    _check_context_parallel(cfg, dims)
     if cfg.model.position == "t5_relative" and (dims.tp > 1 or dims.pp > 1):
         # TP would have to slice the bias per rank's heads and PP to share each stack's table between stages.
         raise ConfigError(f"parallel.tp={dims.tp}, parallel.pp={dims.pp}: t5_relative position bias is not supported "
@@ -145,18 +152,20 @@ def _configured_device_type(cfg: Config) -> str:
     return torch.device(spec).type
 
 
-def _check_context_parallel(dims: ParallelDims, device_type: str) -> None:
+def _check_context_parallel(cfg: Config, dims: ParallelDims) -> None:
     if dims.cp == 1:
         return
-    if device_type == "cpu":
-        raise ConfigError(
-            f"parallel.cp={dims.cp}: context parallel is not supported on this device (cpu): torch 2.13 has no "
-            "DTensor sharding strategy for the CPU flash-attention kernel; set parallel.cp=1"
-        )
-    raise ConfigError(
-        f"parallel.cp={dims.cp}: context parallel is not implemented by meshformer yet on {device_type}; "
-        "set parallel.cp=1 and use tensor/sequence parallel (parallel.tp) for long sequences"
-    )
+    m, key = cfg.model, f"parallel.cp={dims.cp}"
+    spec = get_family_spec(m.family)
+    if spec.has_encoder or not spec.has_decoder:
+        raise ConfigError(f"{key}: context parallel is implemented for decoder-only models (causal self-attention), "
+                          f"not {m.family!r}; set parallel.cp=1 (tp or FSDP for {m.family!r})")
+    if dims.tp > 1 or dims.pp > 1:
+        raise ConfigError(f"{key} with parallel.tp={dims.tp}, parallel.pp={dims.pp}: context parallel composes with "
+                          "FSDP/HSDP only so far; set tp=1 and pp=1 (shard over dp_shard x cp), or cp=1")
+    if cfg.data.seq_len % dims.cp:
+        raise ConfigError(f"{key} splits each sequence into {dims.cp} equal chunks, but data.seq_len="
+                          f"{cfg.data.seq_len} is not divisible by it; choose a seq_len that is a multiple of cp")
 
 
 def _check_tensor_parallel(cfg: Config, dims: ParallelDims) -> None:

@@ -215,6 +215,8 @@ def scenario(name: str) -> tuple[Config, list]:
             parallel["dp_replicate"], parallel["dp_shard"] = 2, 2
         elif key == "tp":
             parallel["tp"] = int(value or 2)
+        elif key == "cp":
+            parallel["cp"] = int(value or 2)
         elif key == "pp":
             parallel["pp"] = int(value or 2)
         elif key == "sched":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from meshformer.model.blockwise_attention import blockwise_attention, picks_blockwise
 from meshformer.model.config import ModelConfig
@@ -30,6 +32,17 @@ def sdpa_order(backend: str) -> list[SDPBackend] | None:
         return None
     rest = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION]
     return [first, *(b for b in rest if b != first)]
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """Context parallel, applied from outside (meshformer/parallel/context.py): this rank holds chunk `index` of
+    `count` equal, contiguous chunks of every sequence, and `gather` turns this chunk's keys or values
+    (B, H_kv, T/count, D) into the whole sequence's (B, H_kv, T, D), differentiably."""
+
+    index: int
+    count: int
+    gather: Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -66,6 +79,7 @@ class Attention(nn.Module):
         self.sdpa_order = sdpa_order(cfg.attention_backend)
         self.capture_weights = False  # inspection hook: keep the last attention weights in `.weights`
         self.weights: torch.Tensor | None = None
+        self.chunk: SequenceChunk | None = None  # context parallel (self-attention only)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
@@ -114,6 +128,9 @@ class Attention(nn.Module):
                 k, v = self._heads(self.k_proj(source)), self._heads(self.v_proj(source))
             if rope is not None:  # self-attention only: new queries and keys share positions
                 q, k = apply_rope(q, rope), apply_rope(k, rope)
+            if self.chunk is not None:  # every chunk's keys and values, up to this chunk's last position
+                visible = (self.chunk.index + 1) * k.shape[2]
+                k, v = (self.chunk.gather(t)[:, :, :visible] for t in (k, v))
             if cache is not None:
                 if not self.cross and cache.k is not None and cache.v is not None:
                     k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
@@ -132,7 +149,7 @@ class Attention(nn.Module):
         if self.use_math or self.capture_weights:
             return self._math(q, k, v, mask, bias, dropout_p)
         plain = (mask.mask is None and bias is None and dropout_p == 0.0 and not isinstance(q, DTensor)
-                 and not torch.compiler.is_compiling())
+                 and not torch.compiler.is_compiling() and (not mask.is_causal or q.shape[2] == k.shape[2]))
         if picks_blockwise(self.backend, q.device.type, max(q.shape[2], k.shape[2]), self.head_dim, plain):
             return blockwise_attention(q, k, v, scale=self.scale, causal=mask.is_causal)
         if self.sdpa_order is None:
@@ -143,6 +160,9 @@ class Attention(nn.Module):
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, bias: torch.Tensor | None,
               dropout_p: float) -> torch.Tensor:
         if bias is None:
+            if mask.is_causal and q.shape[2] != k.shape[2]:  # SDPA's is_causal aligns at the top left
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
+                                                      dropout_p=dropout_p, scale=self.scale)
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask.mask, dropout_p=dropout_p, is_causal=mask.is_causal, scale=self.scale
             )

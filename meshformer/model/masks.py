@@ -15,12 +15,14 @@ import torch
 @dataclass
 class AttentionMask:
     mask: torch.Tensor | None  # bool (B|1, 1, Tq, Tk); None: no masking beyond `is_causal`
-    is_causal: bool = False  # plain aligned causal with no explicit mask: lets SDPA use its fast path
+    # Causal with no explicit mask: the queries are the last Tq of the Tk key positions (aligned at the bottom
+    # right: all of them when Tq == Tk; a KV-cache decode step or a context-parallel chunk otherwise).
+    is_causal: bool = False
 
     def materialize(self, q_len: int, k_len: int, device: torch.device) -> torch.Tensor | None:
         """The mask as a tensor, for code paths that cannot take `is_causal` (math path, biases)."""
         if self.mask is None and self.is_causal:
-            return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril()[None, None]
+            return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)[None, None]
         return self.mask
 
 
@@ -37,12 +39,13 @@ def build_mask(
     """Causal / sliding-window structure plus a key padding mask (B, Tk), True = real token.
 
     Keys sit at positions 0..k_len-1 and queries at q_offset..q_offset+q_len-1 (q_offset > 0 when
-    decoding with a KV cache). Plain aligned causal attention needs no tensor at all.
+    decoding with a KV cache, or on a context-parallel rank's chunk). Causal attention whose queries are the
+    last keys needs no tensor at all.
     """
     if window is None and key_padding is None:
         if not causal:
             return AttentionMask(None)
-        if q_offset == 0 and q_len == k_len:
+        if q_offset + q_len == k_len:
             return AttentionMask(None, is_causal=True)
     if key_padding is not None:
         device = key_padding.device

@@ -17,6 +17,7 @@ from torch import nn
 
 from meshformer.model.config import ModelConfig
 from meshformer.model.families import FamilySpec, get_family_spec
+from meshformer.model.attention import SequenceChunk
 from meshformer.model.init import init_weights, new_seed
 from meshformer.model.layers import BlockCache, TransformerBlock, activation_fn, make_norm
 from meshformer.model.masks import AttentionMask, build_mask, masked_avg_pool, pool_padding_mask
@@ -52,6 +53,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, *, init_seed: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.chunk: SequenceChunk | None = None  # context parallel: which chunk of each sequence this rank holds
         # Every weight follows from init_seed (meshformer.model.init). By default it is drawn first from the global
         # CPU RNG, so torch.manual_seed(s) fixes every weight; a model built on the meta device (for shapes and
         # names, or to be materialised later) draws nothing unless given a seed, leaving the RNG stream alone.
@@ -201,9 +203,9 @@ class Transformer(nn.Module):
 
         h: hidden states from an earlier pipeline stage instead of embedding `ids` here.
         """
-        offset = cache[0].self_attn.length if cache else 0
-        h = self._hidden(ids, h, offset=offset)
         q_len = ids.shape[1]  # not h's: a received h may be a sequence-parallel shard
+        offset = cache[0].self_attn.length if cache else (self.chunk.index * q_len if self.chunk else 0)
+        h = self._hidden(ids, h, offset=offset)
         k_len = offset + q_len
         if padding is not None and padding.shape[1] != k_len:
             raise ValueError(f"decoder padding mask covers {padding.shape[1]} positions, expected {k_len} "

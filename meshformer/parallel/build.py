@@ -25,6 +25,7 @@ from meshformer.layout import (
     validate_parallel,
 )
 from meshformer.model import Transformer
+from meshformer.parallel.context import apply_context_parallel
 from meshformer.parallel.float8 import apply_float8, check_fp8, end_blocks, fp8_report
 from meshformer.parallel.fsdp import apply_fsdp
 from meshformer.parallel.kernels import (
@@ -177,6 +178,7 @@ def _finish_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes: Mes
                  device: torch.device) -> dict[str, str]:
     """TP -> recompute -> compile -> FSDP on one model part (the whole model or one pipeline stage)."""
     apex_norms = 0
+    context_layers = apply_context_parallel(part, meshes.cp) if meshes is not None and dims.cp_enabled else 0
     keep = end_blocks(cfg.model) if cfg.train.fp8_keep_ends else frozenset()
     fsdp_gather = dims.fsdp_enabled and not dims.tp_enabled  # see meshformer/parallel/float8.py
     fp8 = apply_float8(part, cfg.train.fp8, fsdp_gather=fsdp_gather, emulate=device.type != "cuda", keep=keep) \
@@ -194,6 +196,9 @@ def _finish_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes: Mes
         report["compile"] = "whole-model torch.compile" + compile_mode_note(cfg.train.compile_mode)
         report["attention"] = attention_kernels(cfg, device, compiled=True)
     report["fp8"] = fp8_report(cfg.train.fp8, fp8, dims.fsdp_enabled, dims.tp_enabled)
+    if context_layers:
+        report["context"] = (f"{dims.cp} contiguous chunks per sequence, {context_layers} layers all-gather "
+                             "keys/values")
     if fp8 and keep:
         report["fp8"] += f"; high precision: {', '.join(sorted(keep))}"
     if meshes is not None and dims.fsdp_enabled:
@@ -203,7 +208,7 @@ def _finish_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes: Mes
             # unsharded weights (wrong or missing gradients in torch 2.13), so blocks stay unsharded.
             reshard = False
         apply_fsdp(part, meshes.fsdp, cfg.parallel, reshard_after_forward=reshard)
-        report["fsdp"] = (f"{'HSDP' if dims.hsdp else 'FSDP2'} over {dims.dp} ranks, reshard_after_forward="
+        report["fsdp"] = (f"{'HSDP' if dims.hsdp else 'FSDP2'} over {dims.dp * dims.cp} ranks, reshard_after_forward="
                           f"{reshard}, params {cfg.parallel.mixed_precision_param}, reduce "
                           f"{cfg.parallel.mixed_precision_reduce}")
     return report

@@ -13,8 +13,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from meshformer.layout import ParallelDims
 
 # Outer to inner: tp innermost keeps its (most frequent) collectives between neighbouring ranks,
-# i.e. inside one node when a node holds tp consecutive ranks, as in Megatron and torchtitan.
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+# i.e. inside one node when a node holds tp consecutive ranks, as in Megatron and torchtitan; cp next to it
+# (a K/V all-gather per layer).
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def device_type_of(device: torch.device | str) -> str:
@@ -37,19 +38,42 @@ class Meshes:
         return self.world["tp"]
 
     @property
+    def cp(self) -> DeviceMesh:
+        return self.world["cp"]
+
+    @property
     def fsdp(self) -> DeviceMesh:
-        """1-D (dp_shard) mesh for FSDP, 2-D (dp_replicate, dp_shard) for HSDP."""
-        if self.dims.hsdp:
+        """1-D (dp_shard x cp) mesh for FSDP, 2-D (dp_replicate, dp_shard x cp) for HSDP: context-parallel ranks
+        hold the same parameters, so they shard them too and the gradient reduce-scatter sums their chunks."""
+        shard = self._shard_cp if self.dims.cp_enabled else self.world["dp_shard"]
+        if not self.dims.hsdp:
+            return shard
+        if not self.dims.cp_enabled:
             return self.world["dp_replicate", "dp_shard"]
-        return self.world["dp_shard"]
+        # torch 2.13 joins a flattened dimension to another by concatenation (slicing it from the root mesh is
+        # deprecated); torch 2.11 (the GPU machine) slices.
+        concatenate = getattr(DeviceMesh, "_concatenate", None)
+        if concatenate is not None:
+            return concatenate([self.world["dp_replicate"], shard])
+        return self.world["dp_replicate", "dp_shard_cp"]
 
     @property
     def dp(self) -> DeviceMesh:
-        """All data-parallel ranks flattened into one dimension (token counts, loss reductions)."""
+        """The data-parallel ranks (each reads its own samples) flattened into one dimension."""
         return self._dp
+
+    @property
+    def tokens(self) -> DeviceMesh:
+        """Every rank holding different tokens of the step (data and context parallel): token counts and losses
+        are summed over it."""
+        return self._tokens
 
     def __post_init__(self) -> None:
         self._dp = self.world["dp_replicate", "dp_shard"]._flatten("dp")
+        self._tokens, self._shard_cp = self._dp, self._dp
+        if self.dims.cp_enabled:
+            self._tokens = self.world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+            self._shard_cp = self.world["dp_shard", "cp"]._flatten("dp_shard_cp")
 
     @property
     def dp_rank(self) -> int:
@@ -65,6 +89,6 @@ class Meshes:
 
 
 def build_mesh(dims: ParallelDims, device: torch.device | str) -> Meshes:
-    """The 4-D world mesh on this job's device type (gloo on CPU, nccl on CUDA: the process group's choice)."""
+    """The 5-D world mesh on this job's device type (gloo on CPU, nccl on CUDA: the process group's choice)."""
     shape = tuple(getattr(dims, name) for name in MESH_DIMS)
     return Meshes(init_device_mesh(device_type_of(device), shape, mesh_dim_names=MESH_DIMS), dims)

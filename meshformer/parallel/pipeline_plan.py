@@ -270,7 +270,7 @@ def _holder_groups(shared: dict[str, list[int]], stage_to_rank: dict[int, int], 
     pp = meshes.dims.pp
     rank_sets = {name: tuple(sorted({stage_to_rank[s] for s in stages})) for name, stages in shared.items()}
     groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-    world = meshes.world.mesh  # (pp, dp_replicate, dp_shard, tp) tensor of global ranks
+    world = meshes.world.mesh  # (pp, dp_replicate, dp_shard, cp, tp) tensor of global ranks
     me = dist.get_rank()
     for ranks in sorted(set(rank_sets.values())):
         if len(ranks) == 1:

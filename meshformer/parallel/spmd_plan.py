@@ -1,8 +1,9 @@
 """The distributed `TrainingPlan` without pipelining: FSDP / HSDP / TP(+SP) and their combinations.
 
-Every rank runs the whole model on its data-parallel shard of the batch. Losses are sums divided by the
-*global* token count and FSDP sums (not averages) gradients, so gradients equal one process on the global
-batch; tensor-parallel ranks of one data-parallel replica see the same batch and report the same loss.
+Every rank runs the whole model on its data-parallel shard of the batch (under context parallel: its chunk of
+each sequence). Losses are sums divided by the *global* token count and FSDP sums (not averages) gradients, so
+gradients equal one process on the global batch; tensor-parallel ranks of one data-parallel replica see the same
+batch and report the same loss.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 from meshformer.batch import Batch, model_inputs
 from meshformer.fused_loss import HeadLoss
 from meshformer.loss import count_tokens
+from meshformer.parallel.context import sequence_chunk
 from meshformer.parallel.grad_norm import clip_grads_, global_grad_norm, settle_grad
 from meshformer.parallel.mesh import Meshes
 from meshformer.parallel.plan import LossFn, TrainingPlan
@@ -32,7 +34,7 @@ class MeshPlan(TrainingPlan):
     @property
     def supports_generation(self) -> bool:
         # Pure data parallel: every rank runs the same greedy decode in lockstep (FSDP all-gathers match).
-        return not (self.dims.tp_enabled or self.dims.pp_enabled)
+        return not (self.dims.tp_enabled or self.dims.pp_enabled or self.dims.cp_enabled)
 
     @property
     def _logging_representative(self) -> bool:
@@ -40,13 +42,20 @@ class MeshPlan(TrainingPlan):
         return self.reports_loss and self.meshes.tp_rank == 0
 
     def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over every rank holding other tokens of the step (data- and context-parallel ranks)."""
         value = value.detach().clone()
-        if self.dims.dp > 1:
-            dist.all_reduce(value, group=self.meshes.dp.get_group())
+        if self.dims.dp * self.dims.cp > 1:
+            dist.all_reduce(value, group=self.meshes.tokens.get_group())
         return value
 
+    def _local(self, batch: Batch) -> Batch:
+        """This rank's tokens of a data-parallel batch: all of it, or its chunk of each sequence under cp."""
+        if not self.dims.cp_enabled:
+            return batch
+        return sequence_chunk(batch, self.meshes.cp.get_local_rank(), self.dims.cp)
+
     def global_token_count(self, micro_batches: list[Batch]) -> torch.Tensor:
-        local = torch.stack([count_tokens(b["labels"]) for b in micro_batches]).sum().to(self.device)
+        local = torch.stack([count_tokens(self._local(b)["labels"]) for b in micro_batches]).sum().to(self.device)
         return self._dp_sum(local)
 
     def reduce_for_logging(self, value: torch.Tensor) -> float:
@@ -92,16 +101,29 @@ class MeshPlan(TrainingPlan):
 class SPMDPlan(MeshPlan):
     def forward_backward(self, batch: Batch, global_tokens: torch.Tensor) -> torch.Tensor:
         self._check_sequence(batch)
-        return super().forward_backward(batch, global_tokens)
+        return super().forward_backward(self._local(batch), global_tokens)
 
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_sequence(batch)
-        loss_sum, tokens = super().evaluate(batch)
+        loss_sum, tokens = super().evaluate(self._local(batch))
         return self._dp_sum(loss_sum), self._dp_sum(tokens.to(self.device))
 
     def _check_sequence(self, batch: Batch) -> None:
         check_sequence_split(batch, self.dims.tp)
+        if self.dims.cp_enabled:
+            check_context_split(batch, self.dims.cp)
+
+
+def check_context_split(batch: Batch, cp: int) -> None:
+    """Context parallel splits every sequence into cp equal chunks and has no padding masks to split."""
+    if "attention_mask" in batch:
+        raise ValueError(f"parallel.cp={cp}: context parallel runs unpadded (packed) causal batches, but this batch "
+                         "has an attention_mask; pack the data (the causal objective does) or set parallel.cp=1")
+    length = batch["input_ids"].shape[1]
+    if length % cp:
+        raise ValueError(f"parallel.cp={cp} needs sequences whose length divides by it, got {length}; "
+                         "set data.seq_len to a multiple of cp")
 
 
 def check_sequence_split(batch: Batch, tp: int) -> None:
