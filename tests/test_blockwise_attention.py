@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from meshformer.model import Transformer
 from meshformer.model import attention as attention_module
@@ -27,6 +28,7 @@ CASES = [  # (batch, heads, q_len, k_len, head_dim, causal)
     (2, 3, 100, 100, 16, True),  # a last block shorter than the others
     (1, 2, 600, 600, 8, True),  # 128-row blocks above T 512
     (2, 2, 37, 70, 16, False),  # unmasked, more keys than queries (cross-attention)
+    (2, 2, 40, 100, 16, True),  # causal, queries are the last 40 of 100 positions (a context-parallel chunk)
 ]
 
 
@@ -41,13 +43,14 @@ def test_outputs_and_gradients_as_accurate_as_sdpa(dtype, batch, heads, q_len, k
     v = torch.randn(batch, heads, k_len, head_dim).to(dtype).requires_grad_()
     grad = torch.randn(batch, heads, q_len, head_dim).to(dtype)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out64 = F.scaled_dot_product_attention(q64, k64, v64, is_causal=causal)
+    mask = causal_lower_right(q_len, k_len) if causal else None  # SDPA's is_causal would align at the top left
+    out64 = F.scaled_dot_product_attention(q64, k64, v64, attn_mask=mask)
     out64.backward(grad.double())
     reference = [out64, q64.grad, k64.grad, v64.grad]
     scale = head_dim**-0.5
     ours = _relative_errors(lambda a, b, c: blockwise_attention(a, b, c, scale=scale, causal=causal), q, k, v, grad,
                             reference)
-    sdpa = _relative_errors(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=causal), q, k, v, grad,
+    sdpa = _relative_errors(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=mask), q, k, v, grad,
                             reference)
     if dtype == torch.float32:
         assert max(ours) < 1e-5, ours
@@ -55,9 +58,9 @@ def test_outputs_and_gradients_as_accurate_as_sdpa(dtype, batch, heads, q_len, k
         assert all(o < 2 * s for o, s in zip(ours, sdpa, strict=True)), (ours, sdpa)
 
 
-def test_causal_needs_aligned_queries_and_keys():
-    q, k = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 6, 8)
-    with pytest.raises(ValueError, match="as many queries as keys"):
+def test_causal_needs_at_least_as_many_keys_as_queries():
+    q, k = torch.randn(1, 1, 6, 8), torch.randn(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="at least as many keys as queries"):
         blockwise_attention(q, k, k, scale=1.0, causal=True)
 
 

@@ -75,9 +75,15 @@ def test_selective_recompute_rejected_with_zero_bubble():
     assert "zero-bubble" in bad(pp=2, pp_schedule="zbv", recompute="selective")
 
 
-def test_context_parallel_is_not_supported_on_cpu():
-    message = bad(cp=2, dp_shard=1)
-    assert "not supported on this device (cpu)" in message
+def test_context_parallel_layouts():
+    dims = validate_parallel(make_config("decoder", {"cp": 2}), 8, "cpu")
+    assert (dims.dp_shard, dims.cp, dims.dp) == (4, 2, 4) and dims.fsdp_enabled and dims.cp_enabled
+    only_cp = validate_parallel(make_config("decoder", {"cp": 2}), 2, "cpu")
+    assert only_cp.dp == 1 and only_cp.fsdp_enabled  # FSDP over the 2 context-parallel ranks
+    assert "decoder-only" in bad("encoder", cp=2) and "decoder-only" in bad("encdec", cp=2)
+    assert "composes with FSDP/HSDP only" in bad(world=4, cp=2, tp=2)
+    assert "composes with FSDP/HSDP only" in bad(world=4, cp=2, pp=2)
+    assert "not divisible" in bad(world=3, cp=3)  # the harness's seq_len is 16
 
 
 def test_bf16_rejected_on_a_device_without_it(monkeypatch):

@@ -149,7 +149,7 @@ class Attention(nn.Module):
         if self.use_math or self.capture_weights:
             return self._math(q, k, v, mask, bias, dropout_p)
         plain = (mask.mask is None and bias is None and dropout_p == 0.0 and not isinstance(q, DTensor)
-                 and not torch.compiler.is_compiling() and (not mask.is_causal or q.shape[2] == k.shape[2]))
+                 and not torch.compiler.is_compiling())
         if picks_blockwise(self.backend, q.device.type, max(q.shape[2], k.shape[2]), self.head_dim, plain):
             return blockwise_attention(q, k, v, scale=self.scale, causal=mask.is_causal)
         if self.sdpa_order is None:

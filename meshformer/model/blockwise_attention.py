@@ -34,7 +34,7 @@ def stored_probabilities(batch_heads: int, q_len: int, k_len: int, causal: bool)
     rows, total = block_rows(q_len), 0
     for start in range(0, q_len, rows):
         end = min(start + rows, q_len)
-        total += (end - start) * (end if causal else k_len)
+        total += (end - start) * (end + k_len - q_len if causal else k_len)
     return batch_heads * total
 
 
@@ -69,9 +69,11 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("meshformer::blockwise_attention", mutates_args=())
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> list[torch.Tensor]:
     """[output, q, k, v as (B*H, T, D) rows, probabilities of each query block]; q (B, H, Tq, D), k and v
-    (B, H, Tk, D). Backward keeps the rows (no second copy of the heads) and the probabilities."""
+    (B, H, Tk, D). Backward keeps the rows (no second copy of the heads) and the probabilities. Causal: the
+    queries are the last Tq of the Tk positions (a KV-cache step or a context-parallel chunk when Tq < Tk)."""
     batch, heads, q_len, head_dim = q.shape
     k_len = k.shape[2]
+    shift = k_len - q_len  # causal: query i sits at key position i + shift
     q, k, v = (_rows(t) for t in (q, k, v))  # (N, T, D), N = batch x heads
     rows = block_rows(q_len)
     wide = torch.promote_types(q.dtype, torch.float32)  # scores in at least fp32 (fp64 stays fp64)
@@ -83,11 +85,11 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     probs = []
     for start in range(0, q_len, rows):
         end = min(start + rows, q_len)
-        keys = end if causal else k_len
+        keys = end + shift if causal else k_len
         scores = torch.bmm(q_wide[:, start:end], k_wide_t[:, :, :keys])
         if causal:
             n = end - start
-            scores[:, :, start:].masked_fill_(above_diagonal[:n, :n], float("-inf"))
+            scores[:, :, start + shift:].masked_fill_(above_diagonal[:n, :n], float("-inf"))
         p = torch.softmax(scores, dim=-1).to(q.dtype)
         out[:, :, start:end] = torch.bmm(p, v[:, :keys]).view(batch, heads, end - start, head_dim)
         probs.append(p)
@@ -98,7 +100,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> list[torch.Tensor]:
     batch, heads, q_len, head_dim = q.shape
     rows, k_len = block_rows(q_len), k.shape[2]
-    probs = [q.new_empty(batch * heads, min(rows, q_len - start), min(start + rows, q_len) if causal else k_len)
+    probs = [q.new_empty(batch * heads, min(rows, q_len - start),
+                         min(start + rows, q_len) + k_len - q_len if causal else k_len)
              for start in range(0, q_len, rows)]
     rows_of = [t.new_empty(batch * heads, t.shape[2], head_dim) for t in (q, k, v)]
     return [q.new_empty(batch, q_len, heads, head_dim).transpose(1, 2), *rows_of, *probs]
@@ -116,6 +119,7 @@ def _backward(ctx, grads: list[torch.Tensor | None]):
     heads = ctx.heads
     batch = q.shape[0] // heads
     rows = block_rows(q_len)
+    shift = k_len - q_len
     wide = torch.promote_types(q.dtype, torch.float32)
     grad_out = grads[0].reshape(batch * heads, q_len, head_dim)  # type: ignore[union-attr]
     v_wide_t = v.to(wide).transpose(1, 2).contiguous()
@@ -124,7 +128,7 @@ def _backward(ctx, grads: list[torch.Tensor | None]):
     grad_v = torch.zeros(k.shape, dtype=wide, device=k.device)
     for p, start in zip(probs, range(0, q_len, rows), strict=True):
         end = min(start + rows, q_len)
-        keys = end if ctx.causal else k_len
+        keys = end + shift if ctx.causal else k_len
         grad_v[:, :keys] += torch.bmm(p.transpose(1, 2), grad_out[:, start:end])
         # softmax backward in fp32: dS = P*dP - P*rowsum(P*dP), with dP = dO V^T
         grad_scores = torch.bmm(grad_out[:, start:end].to(wide), v_wide_t[:, :, :keys]).mul_(p)
@@ -142,8 +146,9 @@ _attention.register_autograd(_backward, setup_context=_save)
 
 def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                         causal: bool) -> torch.Tensor:
-    """softmax(q k^T * scale [+ causal mask]) v for q (B, H, Tq, D), k and v (B, H, Tk, D) with the same heads."""
-    if causal and q.shape[2] != k.shape[2]:
-        raise ValueError(f"blockwise causal attention needs as many queries as keys, got {q.shape[2]} and "
-                         f"{k.shape[2]}")
+    """softmax(q k^T * scale [+ causal mask]) v for q (B, H, Tq, D), k and v (B, H, Tk, D) with the same heads;
+    causal aligns the queries with the last Tq keys."""
+    if causal and q.shape[2] > k.shape[2]:
+        raise ValueError(f"blockwise causal attention needs at least as many keys as queries, got {k.shape[2]} "
+                         f"keys for {q.shape[2]} queries")
     return _attention(q, k, v, scale, causal)[0]
