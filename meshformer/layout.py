@@ -160,9 +160,6 @@ def _check_context_parallel(cfg: Config, dims: ParallelDims) -> None:
     if spec.has_encoder or not spec.has_decoder:
         raise ConfigError(f"{key}: context parallel is implemented for decoder-only models (causal self-attention), "
                           f"not {m.family!r}; set parallel.cp=1 (tp or FSDP for {m.family!r})")
-    if dims.tp > 1 or dims.pp > 1:
-        raise ConfigError(f"{key} with parallel.tp={dims.tp}, parallel.pp={dims.pp}: context parallel composes with "
-                          "FSDP/HSDP only so far; set tp=1 and pp=1 (shard over dp_shard x cp), or cp=1")
     if cfg.data.seq_len % dims.cp:
         raise ConfigError(f"{key} splits each sequence into {dims.cp} equal chunks, but data.seq_len="
                           f"{cfg.data.seq_len} is not divisible by it; choose a seq_len that is a multiple of cp")

@@ -48,10 +48,11 @@ WORLD4 = [
     "decoder/pp-tp-sched=interleaved_zb-spr=2",  # vocab-parallel recomputing head loss, split backward
     # 4 stages: the tied embedding/output pair lives on pipeline ranks 0 and 3, synced over their own group
     "decoder/pp=4-sched=1f1b", "encdec/pp=4-sched=gpipe",
-    # context parallel x FSDP: parameters sharded over dp_shard x cp; selective recompute keeps the gathered K/V
-    "decoder/cp-fsdp", "decoder_alibi/cp-fsdp-recompute=selective",
+    # context parallel x FSDP (parameters sharded over dp_shard x cp; selective recompute), x TP+SP, x PP
+    "decoder/cp-fsdp", "decoder_alibi/cp-fsdp-recompute=selective", "decoder/cp-tp", "decoder/cp-pp-sched=zbv",
 ]
-WORLD8 = ["decoder/pp-fsdp-tp", "encdec/pp-fsdp-tp-sched=interleaved_1f1b-spr=2", "decoder/cp-hsdp"]
+WORLD8 = ["decoder/pp-fsdp-tp", "encdec/pp-fsdp-tp-sched=interleaved_1f1b-spr=2",
+          "decoder/cp-hsdp", "decoder/cp-pp-tp"]  # context parallel with HSDP; all of pp x cp x tp
 MIXED_PRECISION = ["decoder/fsdp-mp"]  # bf16 all-gathers: close, not equal
 # train.fp8 through torchao's emulation against a single process with the same float8 linears. Tensorwise scales
 # are per tensor, so the reference runs each data-parallel shard and pipeline microbatch as its own piece. Under

@@ -76,13 +76,14 @@ def test_selective_recompute_rejected_with_zero_bubble():
 
 
 def test_context_parallel_layouts():
+    """decoder-only, any composition with FSDP/HSDP, TP and PP; sequences split evenly."""
     dims = validate_parallel(make_config("decoder", {"cp": 2}), 8, "cpu")
     assert (dims.dp_shard, dims.cp, dims.dp) == (4, 2, 4) and dims.fsdp_enabled and dims.cp_enabled
     only_cp = validate_parallel(make_config("decoder", {"cp": 2}), 2, "cpu")
     assert only_cp.dp == 1 and only_cp.fsdp_enabled  # FSDP over the 2 context-parallel ranks
     assert "decoder-only" in bad("encoder", cp=2) and "decoder-only" in bad("encdec", cp=2)
-    assert "composes with FSDP/HSDP only" in bad(world=4, cp=2, tp=2)
-    assert "composes with FSDP/HSDP only" in bad(world=4, cp=2, pp=2)
+    full = validate_parallel(make_config("decoder", {"cp": 2, "tp": 2, "pp": 2}), 16, "cpu")
+    assert (full.pp, full.dp_shard, full.cp, full.tp) == (2, 2, 2, 2)
     assert "not divisible" in bad(world=3, cp=3)  # the harness's seq_len is 16
 
 
@@ -134,3 +135,15 @@ def test_trainer_checks_the_layout_before_building_the_model(monkeypatch, tmp_pa
     with pytest.raises(ConfigError, match="does not divide the world size 1"):
         trainer_module.Trainer(cfg)
     assert not built
+
+
+def test_context_parallel_chunks_refuse_padded_or_uneven_batches():
+    from meshformer.parallel.context import sequence_chunk
+
+    ids = torch.arange(12).view(2, 6)
+    chunk = sequence_chunk({"input_ids": ids, "labels": ids + 1}, 1, 3)
+    assert chunk["input_ids"].tolist() == [[2, 3], [8, 9]] and chunk["labels"].tolist() == [[3, 4], [9, 10]]
+    with pytest.raises(ValueError, match="attention_mask"):
+        sequence_chunk({"input_ids": ids, "attention_mask": ids > 0}, 0, 2)
+    with pytest.raises(ValueError, match="multiple of cp"):
+        sequence_chunk({"input_ids": ids}, 0, 4)

@@ -45,4 +45,11 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:
 
 def sequence_chunk(batch: Batch, index: int, count: int) -> Batch:
     """This rank's contiguous chunk of every per-token tensor in the batch (all of them are (B, T, ...))."""
+    if "attention_mask" in batch:
+        raise ValueError(f"parallel.cp={count}: context parallel runs unpadded (packed) causal batches, but this "
+                         "batch has an attention_mask; pack the data (the causal objective does) or set parallel.cp=1")
+    length = batch["input_ids"].shape[1]
+    if length % count:
+        raise ValueError(f"parallel.cp={count} splits each sequence into {count} equal chunks, but this batch's "
+                         f"length is {length}; set data.seq_len to a multiple of cp")
     return {key: value.chunk(count, dim=1)[index].contiguous() for key, value in batch.items()}

@@ -101,7 +101,7 @@ class TransformerStage(Transformer):
 
     def __init__(self, model: Transformer, span: StageSpan) -> None:
         nn.Module.__init__(self)
-        self.cfg, self.span, self.init_seed = model.cfg, span, model.init_seed
+        self.cfg, self.span, self.init_seed, self.chunk = model.cfg, span, model.init_seed, model.chunk
         pieces = stage_pieces(model, span)
         memo: dict[int, object] = {}
         # One deepcopy for all pieces: weights tied *within* the stage stay tied; every stage gets its own

@@ -168,7 +168,7 @@ class PipelinePlan(MeshPlan):
         self._tokens = global_tokens
         self._shared.stash()
         try:
-            loss_sum = self._train_step(batch)
+            loss_sum = self._train_step(self._local(batch))
         finally:
             self._tokens = None
         self._shared.sync()
@@ -176,6 +176,7 @@ class PipelinePlan(MeshPlan):
 
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self._local(batch)
         loss_sum = self._forward_only(batch)
         if not self._logging_representative:
             loss_sum = torch.zeros_like(loss_sum)

@@ -111,19 +111,6 @@ class SPMDPlan(MeshPlan):
 
     def _check_sequence(self, batch: Batch) -> None:
         check_sequence_split(batch, self.dims.tp)
-        if self.dims.cp_enabled:
-            check_context_split(batch, self.dims.cp)
-
-
-def check_context_split(batch: Batch, cp: int) -> None:
-    """Context parallel splits every sequence into cp equal chunks and has no padding masks to split."""
-    if "attention_mask" in batch:
-        raise ValueError(f"parallel.cp={cp}: context parallel runs unpadded (packed) causal batches, but this batch "
-                         "has an attention_mask; pack the data (the causal objective does) or set parallel.cp=1")
-    length = batch["input_ids"].shape[1]
-    if length % cp:
-        raise ValueError(f"parallel.cp={cp} needs sequences whose length divides by it, got {length}; "
-                         "set data.seq_len to a multiple of cp")
 
 
 def check_sequence_split(batch: Batch, tp: int) -> None:
