@@ -87,6 +87,16 @@ def test_fsdp_checkpoint_resumes_as_pipeline(reference, tmp_path):
     assert diff < LAYOUT_CHANGE_TOLERANCE, diff
 
 
+def test_fsdp_checkpoint_resumes_as_context_parallel(reference, tmp_path):
+    """dp2 (FSDP) -> cp2 (one data-parallel replica, each sequence split over two ranks): the same run, the
+    trainer's whole step under context parallel (data, token counts, loss, FSDP over the cp ranks)."""
+    run_dir = tmp_path / "context"
+    copy_steps(reference["run_dir"] / "checkpoints", run_dir / "checkpoints", 4)
+    _check(_launch(run_dir, reference["shards"], "parallel.cp=2", "parallel.dp_shard=1", "data.batch_size=8"))
+    diff = max_diff(final_weights(run_dir), reference["weights"])
+    assert diff < LAYOUT_CHANGE_TOLERANCE, diff
+
+
 def test_rank_killed_during_save_leaves_previous_checkpoint(reference, tmp_path):
     run_dir = tmp_path / "killed"
     root = copy_steps(reference["run_dir"] / "checkpoints", run_dir / "checkpoints", 2)
