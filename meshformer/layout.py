@@ -68,6 +68,11 @@ class ParallelDims:
         return self.cp > 1
 
     @property
+    def fsdp_shard(self) -> int:
+        """Ranks one FSDP shard group spans (parameters are split this many ways)."""
+        return self.dp_shard * self.cp
+
+    @property
     def hsdp(self) -> bool:
         return self.dp_replicate > 1
 

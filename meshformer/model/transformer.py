@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from meshformer.model.attention import SequenceChunk
 from meshformer.model.config import ModelConfig
 from meshformer.model.families import FamilySpec, get_family_spec
-from meshformer.model.attention import SequenceChunk
 from meshformer.model.init import init_weights, new_seed
 from meshformer.model.layers import BlockCache, TransformerBlock, activation_fn, make_norm
 from meshformer.model.masks import AttentionMask, build_mask, masked_avg_pool, pool_padding_mask

@@ -2,7 +2,8 @@
 
 Read off `torch.autograd.graph.saved_tensors_hooks` on our `TransformerBlock` (pre-norm; b = micro-batch,
 s = sequence, h = d_model, f = d_ff, a = activation bytes, t = tensor-parallel size; with t > 1 the residual
-stream is sequence-parallel, s/t, and each branch works on the all-gathered full sequence):
+stream is sequence-parallel, s/t, and each branch works on the all-gathered full sequence; under context parallel
+s is this rank's chunk and self-attention keeps keys and values of the whole sequence on the last chunk's rank):
 - each norm keeps its input (RMSNorm a second (b, s, h) tensor) and fp32 statistics, and the linear after it
   keeps the (gathered) normalised input: with sequence parallel that copy is full length, not s/t;
 - SDPA (CPU flash, CUDA flash / memory-efficient) keeps q, k, v (GQA: k and v repeated to every head), its
@@ -33,19 +34,24 @@ FP32 = 4
 @dataclass(frozen=True)
 class ActivationShape:
     batch: int  # sequences in one (pipeline) micro-batch
-    seq: int
+    seq: int  # this rank's tokens of each sequence (a context-parallel chunk)
     tp: int
     bytes: int  # element size of matmul/attention activations: 2 under bf16 (autocast or FSDP params), else 4
     residual_bytes: int  # element size of the residual stream: fp32 under autocast (fp32 weights), else `bytes`
     blockwise: bool = False  # attention runs the blockwise CPU kernel (keeps probabilities, not a log-sum-exp)
+    kv_seq: int = 0  # keys self-attention sees: the whole sequence on the last context-parallel rank (0: seq)
+
+    @property
+    def keys(self) -> int:
+        return self.kv_seq or self.seq
 
 
 def activation_shape(cfg: Config, batch: int, tp: int, fsdp: bool, *, device_type: str = "cuda",
-                     compiled: bool = False) -> ActivationShape:
+                     compiled: bool = False, cp: int = 1) -> ActivationShape:
     bf16_params = fsdp and cfg.parallel.mixed_precision_param == "bf16"
     a = 2 if bf16_params or cfg.train.dtype == "bf16" else 4
-    return ActivationShape(batch, cfg.data.seq_len, tp, a, 2 if bf16_params else 4,
-                           runs_blockwise_attention(cfg, device_type, compiled))
+    return ActivationShape(batch, cfg.data.seq_len // cp, tp, a, 2 if bf16_params else 4,
+                           runs_blockwise_attention(cfg, device_type, compiled), cfg.data.seq_len)
 
 
 def _norm(m: ModelConfig, x: ActivationShape, s_local: int) -> float:
@@ -75,7 +81,7 @@ def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memo
     total = 0.0
     for branch_cross in ([False, True] if cross else [False]):
         total += _norm(m, x, s_local) + gathered
-        k_len = memory_len if branch_cross else s
+        k_len = memory_len if branch_cross else x.keys
         kv = b * k_len * heads * m.head_dim * a
         if m.attention_backend == "math":
             scores = b * heads * s * k_len
@@ -104,9 +110,9 @@ def block_selective(m: ModelConfig, x: ActivationShape, *, cross: bool = False, 
     branches = 2 if cross else 1
     total = b * s_local * h * x.residual_bytes  # the checkpointed block's input
     for branch_cross in ([False, True] if cross else [False]):
-        k_len = memory_len if branch_cross else s
+        k_len = memory_len if branch_cross else x.keys  # what attention reads (all chunks' keys under cp)
         total += b * s * heads * m.head_dim * a * 2  # q projection and attention output
-        total += 2 * b * k_len * kv_heads * m.head_dim * a  # k, v projections
+        total += 2 * b * (memory_len if branch_cross else s) * kv_heads * m.head_dim * a  # k, v projections
         if x.blockwise:  # the kernel's own q/k/v rows (GQA: repeated) and probabilities
             total += (s + 2 * k_len) * b * heads * m.head_dim * a
             total += stored_probabilities(b * heads, s, k_len, causal and not branch_cross) * a
@@ -132,7 +138,7 @@ def block_backward_extra(m: ModelConfig, x: ActivationShape) -> float:
     b, s, t, a = x.batch, x.seq, x.tp, x.bytes
     ffn = b * s * (m.d_ff // t) * a
     heads = m.n_heads // t
-    attention: float = 4 * b * s * heads * m.head_dim * a
+    attention: float = 2 * b * (s + x.keys) * heads * m.head_dim * a  # gradients of q and output, k and v
     if m.attention_backend == "math":
         attention += 2 * b * heads * s * s * FP32
     elif x.blockwise:

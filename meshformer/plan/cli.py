@@ -19,8 +19,8 @@ def _gib(value: float) -> str:
 
 
 def layout_name(layout: LayoutMemory) -> str:
-    return f"pp{layout.pp} tp{layout.tp} dp{layout.dp_shard}" + (
-        f"x{layout.dp_replicate}" if layout.dp_replicate > 1 else "")
+    replicas = f"x{layout.dp_replicate}" if layout.dp_replicate > 1 else ""
+    return f"pp{layout.pp} tp{layout.tp} dp{layout.dp_shard}{replicas}" + (f" cp{layout.cp}" if layout.cp > 1 else "")
 
 
 def report(cfg: Config, world: int, device: str, *, search: bool = True, top: int = 5) -> dict:

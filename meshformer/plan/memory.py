@@ -96,7 +96,7 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory
     micro = max(1, cfg.data.batch_size // (n_microbatches(cfg) if dims.pp > 1 else 1))
     device_type = "cpu" if cfg.train.device == "cpu" else "cuda"  # "auto": planning for GPUs
     shape = act.activation_shape(cfg, micro, dims.tp, fsdp, device_type=device_type,
-                                 compiled=compile_mode(cfg, dims) != "off")
+                                 compiled=compile_mode(cfg, dims) != "off", cp=dims.cp)
     unsharded_bytes = 2 if p.mixed_precision_param == "bf16" else 4
     reduce_bytes = 2 if p.mixed_precision_reduce == "bf16" else 4
 
@@ -161,7 +161,7 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory
         moments[f"backward of block {share.layers[i]}"] = (
             static + root + held_units + still_kept + rebuild[i] + act.block_backward_extra(m, shape) + unit
             + done_grads)
-        shard_grad = (share.block_numel / max(dims.dp_shard, 1) * 4) if fsdp else share.block_numel * 4
+        shard_grad = (share.block_numel / dims.fsdp_shard * 4) if fsdp else share.block_numel * 4
         done_grads += 0 if accumulating else shard_grad
     if share.first and not share.last:
         # The input embedding back-propagates last in each micro-batch: a dense gradient the size of its table (fp32;

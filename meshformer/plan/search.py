@@ -29,6 +29,7 @@ class LayoutMemory:
     dp_replicate: int
     recompute: str
     ranks: list[RankMemory]
+    cp: int = 1
 
     @property
     def peak(self) -> float:
@@ -67,7 +68,7 @@ def plan_layout(cfg: Config, world_size: int) -> LayoutMemory:
 
 
 def _layout(cfg: Config, dims: ParallelDims, ranks: list[RankMemory]) -> LayoutMemory:
-    return LayoutMemory(dims.pp, dims.tp, dims.dp_shard, dims.dp_replicate, cfg.parallel.recompute, ranks)
+    return LayoutMemory(dims.pp, dims.tp, dims.dp_shard, dims.dp_replicate, cfg.parallel.recompute, ranks, dims.cp)
 
 
 def _divisors_pow2(n: int, limit: int) -> list[int]:

@@ -132,9 +132,9 @@ def _measure(parts: list[Transformer], dims: ParallelDims, rank: int, fsdp_appli
         """(this rank's shard, the padded unsharded tensor an FSDP all-gather returns), in elements."""
         local = local_tensor(param)
         if not fsdp_applied:
-            shard = _fsdp_shard(local.numel(), local.shape[0] if local.dim() else 1, dims.dp_shard)
-            return shard, shard * dims.dp_shard
-        return local.numel(), local.numel() * dims.dp_shard
+            shard = _fsdp_shard(local.numel(), local.shape[0] if local.dim() else 1, dims.fsdp_shard)
+            return shard, shard * dims.fsdp_shard
+        return local.numel(), local.numel() * dims.fsdp_shard
 
     in_block = {id(p) for part in parts for block in blocks_of(part) for p in block.parameters()}
     sharded = root = 0
@@ -199,7 +199,7 @@ def template_shares(cfg: Config, world_size: int, model: Transformer, template: 
             for name, module in pieces.items():
                 keys = list(module.keys()) if name in offsets and isinstance(module, nn.ModuleDict) else []
                 blocks = len(keys)
-                sizes = [(_fsdp_shard(numel, dim0, dims.dp_shard), dims.dp_shard) for dim0, numel in template[name]]
+                sizes = [(_fsdp_shard(numel, dim0, dims.fsdp_shard), dims.fsdp_shard) for dim0, numel in template[name]]
                 shard = sum(x for x, _ in sizes)
                 padded = sum(x * dp for x, dp in sizes)
                 sharded += shard * max(blocks, 1)

@@ -16,10 +16,10 @@ from meshformer.config import Config, config_from_dict
 LAYOUTS: dict[int, list[dict[str, Any]]] = {
     1: [{}, {"recompute": "selective"}, {"recompute": "full"}],
     2: [{"dp_shard": 2}, {"tp": 2}, {"pp": 2}, {"pp": 2, "pp_schedule": "gpipe", "pp_microbatches": 4},
-        {"dp_shard": 2, "recompute": "full", "mixed_precision_param": "bf16"}],
+        {"dp_shard": 2, "recompute": "full", "mixed_precision_param": "bf16"}, {"cp": 2}],
     4: [{"tp": 2, "recompute": "selective"}, {"pp": 2, "tp": 2},
         {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 2},
-        {"dp_replicate": 2, "recompute": "every_k"}],
+        {"dp_replicate": 2, "recompute": "every_k"}, {"cp": 2, "recompute": "selective"}, {"cp": 4}],
 }
 TOLERANCE = 0.10
 
