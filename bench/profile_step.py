@@ -70,9 +70,13 @@ def breakdown(step, steps: int, top: int, device: torch.device) -> tuple[dict[st
         sync(device)
     totals: dict[str, float] = defaultdict(float)
     ops: dict[str, float] = {}
-    for event in prof.key_averages():
+    events = prof.key_averages()
+    # record_function ranges (e.g. "Optimizer.step#AdamW.step") also appear on the GPU timeline, spanning kernels
+    # already counted: only kernels, whose names no CPU event has, are summed.
+    cpu_names = {e.key for e in events if e.device_type == torch.autograd.DeviceType.CPU}
+    for event in events:
         if gpu:
-            if event.device_type != torch.autograd.DeviceType.CUDA:
+            if event.device_type != torch.autograd.DeviceType.CUDA or event.key in cpu_names:
                 continue
             ms = event.self_device_time_total / 1e3 / steps
             totals[family(event.key, KERNEL_FAMILIES)] += ms
