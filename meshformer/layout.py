@@ -165,9 +165,13 @@ def _check_context_parallel(cfg: Config, dims: ParallelDims) -> None:
     if spec.has_encoder or not spec.has_decoder:
         raise ConfigError(f"{key}: context parallel is implemented for decoder-only models (causal self-attention), "
                           f"not {m.family!r}; set parallel.cp=1 (tp or FSDP for {m.family!r})")
-    if cfg.data.seq_len % dims.cp:
-        raise ConfigError(f"{key} splits each sequence into {dims.cp} equal chunks, but data.seq_len="
-                          f"{cfg.data.seq_len} is not divisible by it; choose a seq_len that is a multiple of cp")
+    if cfg.data.seq_len % (2 * dims.cp):
+        raise ConfigError(f"{key} cuts each sequence into {2 * dims.cp} equal pieces (2 per rank, for balanced "
+                          f"causal work), but data.seq_len={cfg.data.seq_len} is not divisible by {2 * dims.cp}; "
+                          "choose a seq_len that is a multiple of 2 x cp")
+    if m.attention_window is not None:
+        raise ConfigError(f"{key}: sliding-window attention (model.attention_window={m.attention_window}) is not "
+                          "supported under context parallel yet; set parallel.cp=1 or model.attention_window=None")
 
 
 def _check_tensor_parallel(cfg: Config, dims: ParallelDims) -> None:

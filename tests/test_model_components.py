@@ -107,7 +107,7 @@ def test_absolute_positions_are_added_to_scaled_token_embeddings(position):
     ids = torch.randint(0, 50, (2, 7))
     table = sinusoidal_table(24, 32).double() if position == "sinusoidal" else model.pos_embeddings.weight
     expected = model.tok_embeddings.weight[ids] * math.sqrt(32) + table[3:10]
-    torch.testing.assert_close(model.embed(ids, offset=3), expected)
+    torch.testing.assert_close(model.embed(ids, positions=torch.arange(3, 10)), expected)
     names = dict(model.named_buffers(remove_duplicate=False))
     assert (position == "sinusoidal") == ("pos_embeddings.table" in names)
     assert "pos_embeddings.table" not in model.state_dict()  # a non-persistent buffer, never trained or saved

@@ -50,6 +50,7 @@ WORLD4 = [
     "decoder/pp=4-sched=1f1b", "encdec/pp=4-sched=gpipe",
     # context parallel x FSDP (parameters sharded over dp_shard x cp; selective recompute), x TP+SP, x PP
     "decoder/cp-fsdp", "decoder_alibi/cp-fsdp-recompute=selective", "decoder/cp-tp", "decoder/cp-pp-sched=zbv",
+    "decoder/cp=4",  # 8 pieces of 2 tokens
 ]
 WORLD8 = ["decoder/pp-fsdp-tp", "encdec/pp-fsdp-tp-sched=interleaved_1f1b-spr=2",
           "decoder/cp-hsdp", "decoder/cp-pp-tp"]  # context parallel with HSDP; all of pp x cp x tp
@@ -82,8 +83,10 @@ def world8():
 
 def check(report: dict, tol: float = TOL, grad_tol: float | None = None, name: str = "") -> None:
     assert "error" not in report, report.get("error")
-    if "cp" in name.split("/")[-1].split("-"):  # equal results alone would not show that sequences were split
-        assert report["kernels"]["context"].startswith("2 contiguous chunks per sequence"), report["kernels"]
+    cp = [int(part.partition("=")[2] or 2) for part in name.split("/")[-1].split("-") if part.partition("=")[0] == "cp"]
+    if cp:  # equal results alone would not show that sequences were split
+        expected = f"{cp[0]} ranks, each holding 2 of {2 * cp[0]} pieces"
+        assert report["kernels"]["context"].startswith(expected), report["kernels"]
     assert report["missing"] == [], f"parameters no rank checked: {report['missing']}"
     assert max(report["loss_rel"]) < tol, f"loss relative diffs {report['loss_rel']}"
     assert report["grad_rel"] < (grad_tol or tol), \

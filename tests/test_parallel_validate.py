@@ -84,7 +84,7 @@ def test_context_parallel_layouts():
     assert "decoder-only" in bad("encoder", cp=2) and "decoder-only" in bad("encdec", cp=2)
     full = validate_parallel(make_config("decoder", {"cp": 2, "tp": 2, "pp": 2}), 16, "cpu")
     assert (full.pp, full.dp_shard, full.cp, full.tp) == (2, 2, 2, 2)
-    assert "not divisible" in bad(world=3, cp=3)  # the harness's seq_len is 16
+    assert "not divisible" in bad(world=3, cp=3)  # the harness's seq_len is 16: not 6 pieces
 
 
 def test_bf16_rejected_on_a_device_without_it(monkeypatch):
@@ -141,9 +141,23 @@ def test_context_parallel_chunks_refuse_padded_or_uneven_batches():
     from meshformer.parallel.context import sequence_chunk
 
     ids = torch.arange(12).view(2, 6)
-    chunk = sequence_chunk({"input_ids": ids, "labels": ids + 1}, 1, 3)
-    assert chunk["input_ids"].tolist() == [[2, 3], [8, 9]] and chunk["labels"].tolist() == [[3, 4], [9, 10]]
+    chunk = sequence_chunk({"input_ids": ids, "labels": ids + 1}, 0, 3)  # 6 pieces of one token: 0 and 5
+    assert chunk["input_ids"].tolist() == [[0, 5], [6, 11]] and chunk["labels"].tolist() == [[1, 6], [7, 12]]
     with pytest.raises(ValueError, match="attention_mask"):
         sequence_chunk({"input_ids": ids, "attention_mask": ids > 0}, 0, 2)
-    with pytest.raises(ValueError, match="multiple of cp"):
-        sequence_chunk({"input_ids": ids}, 0, 4)
+    with pytest.raises(ValueError, match="multiple of 2 x cp"):
+        sequence_chunk({"input_ids": ids}, 0, 2)
+
+
+def test_context_parallel_pieces_balance_causal_work():
+    """Every rank's queries see the same number of keys in total (contiguous chunks would give rank r 2r+1 times
+    rank 0's), and the pieces of all ranks tile the sequence once."""
+    from meshformer.model.attention import pieces_held
+
+    for cp in (2, 4, 8):
+        local = 2 * 16
+        spans = [pieces_held(rank, cp, local) for rank in range(cp)]
+        work = {sum(n * (at + n) for _, n, at in rank_spans) for rank_spans in spans}
+        assert len(work) == 1, work
+        starts = sorted(at for rank_spans in spans for _, _, at in rank_spans)
+        assert starts == list(range(0, cp * local, 16))

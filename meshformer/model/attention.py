@@ -36,13 +36,34 @@ def sdpa_order(backend: str) -> list[SDPBackend] | None:
 
 @dataclass(frozen=True)
 class SequenceChunk:
-    """Context parallel, applied from outside (meshformer/parallel/context.py): this rank holds chunk `index` of
-    `count` equal, contiguous chunks of every sequence, and `gather` turns this chunk's keys or values
-    (B, H_kv, T/count, D) into the whole sequence's (B, H_kv, T, D), differentiably."""
+    """Context parallel, applied from outside (meshformer/parallel/context.py): each sequence is cut into 2 x count
+    equal pieces and this rank (`index` of `count`) holds pieces index and 2 x count - 1 - index, an early and a
+    late one, so that every rank does the same causal attention work. `gather` all-gathers a (B, H, T/count, D)
+    tensor along dim 2 in rank order, differentiably."""
 
     index: int
     count: int
     gather: Callable[[torch.Tensor], torch.Tensor]
+
+    def spans(self, local_len: int) -> list[tuple[int, int, int]]:
+        """(start in this rank's tokens, length, start in the sequence) of each piece it holds."""
+        return pieces_held(self.index, self.count, local_len)
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """The sequence positions of this rank's tokens."""
+        return torch.cat([torch.arange(at, at + n, device=device) for _, n, at in self.spans(local_len)])
+
+    def whole(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's (B, H, T/count, D) pieces gathered and put in sequence order: (B, H, T, D)."""
+        pieces = self.gather(t.contiguous()).chunk(2 * self.count, dim=2)  # rank r's early piece, then its late one
+        n = self.count
+        return torch.cat([pieces[2 * p if p < n else 2 * (2 * n - 1 - p) + 1] for p in range(2 * n)], dim=2)
+
+
+def pieces_held(index: int, count: int, local_len: int) -> list[tuple[int, int, int]]:
+    """`SequenceChunk.spans` as a function (the planner counts the keys each piece's queries see)."""
+    half = local_len // 2
+    return [(0, half, index * half), (half, half, (2 * count - 1 - index) * half)]
 
 
 @dataclass
@@ -128,14 +149,19 @@ class Attention(nn.Module):
                 k, v = self._heads(self.k_proj(source)), self._heads(self.v_proj(source))
             if rope is not None:  # self-attention only: new queries and keys share positions
                 q, k = apply_rope(q, rope), apply_rope(k, rope)
-            if self.chunk is not None:  # every chunk's keys and values, up to this chunk's last position
-                visible = (self.chunk.index + 1) * k.shape[2]
-                k, v = (self.chunk.gather(t)[:, :, :visible] for t in (k, v))
+            if self.chunk is not None:  # the whole sequence's keys and values (after RoPE: each keeps its position)
+                k, v = self.chunk.whole(k), self.chunk.whole(v)
             if cache is not None:
                 if not self.cross and cache.k is not None and cache.v is not None:
                     k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
                 cache.k, cache.v = k, v
-        out = self._attend(q, k, v, mask, bias)
+        if self.chunk is not None and not self.cross:
+            # each piece's queries against the keys up to its end: causal, aligned at the bottom right
+            out = torch.cat([self._attend(q[:, :, start:start + n], k[:, :, :at + n], v[:, :, :at + n], mask,
+                                          None if bias is None else bias[..., start:start + n, :at + n])
+                             for start, n, at in self.chunk.spans(q.shape[2])], dim=2)
+        else:
+            out = self._attend(q, k, v, mask, bias)
         batch, _, length, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 

@@ -134,13 +134,15 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ pieces
 
-    def embed(self, ids: torch.Tensor, *, source: bool = False, offset: int = 0) -> torch.Tensor:
+    def embed(self, ids: torch.Tensor, *, source: bool = False, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token (+ absolute position) embeddings; `positions` of the ids in their sequence (default 0, 1, ...)."""
         table = self.src_embeddings if source and self.src_embeddings is not None else self.tok_embeddings
         h = table(ids)
         if self.cfg.scale_embeddings:
             h = h * math.sqrt(self.cfg.d_model)
         if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(torch.arange(offset, offset + ids.shape[1], device=ids.device))
+            h = h + self.pos_embeddings(torch.arange(ids.shape[1], device=ids.device) if positions is None
+                                        else positions)
         if self.embedding_norm is not None:
             h = self.embedding_norm(h)
         return nn.functional.dropout(h, self.cfg.dropout, self.training)
@@ -151,9 +153,10 @@ class Transformer(nn.Module):
             return h
         return self.embed(ids, **embed_kwargs) if self.tok_embeddings is not None else ids
 
-    def _relative(self, q_len: int, k_len: int, offset: int, device: torch.device, *, causal: bool) -> dict:
-        """RoPE angles / ALiBi or T5 biases for self-attention, computed once per stack (causal: the decoder's)."""
-        positions = torch.arange(offset, offset + q_len, device=device)
+    def _relative(self, positions: torch.Tensor, k_len: int, *, causal: bool) -> dict:
+        """RoPE angles / ALiBi or T5 biases for self-attention from the queries' positions (keys at 0..k_len-1),
+        computed once per stack (causal: the decoder's)."""
+        device = positions.device
         extra = {}
         if self.rope is not None:
             extra["rope"] = self.rope(positions)
@@ -176,7 +179,7 @@ class Transformer(nn.Module):
         length = ids.shape[1]  # not h's: a received h may be a sequence-parallel shard
         mask = build_mask(length, length, causal=False, window=self.cfg.attention_window, key_padding=padding,
                           device=h.device)
-        extra = self._relative(length, length, 0, h.device, causal=False)
+        extra = self._relative(torch.arange(length, device=h.device), length, causal=False)
         if self.encoder_layers is None:
             raise ValueError(f"a {self.cfg.family} model has no encoder to encode with")
         for layer in self.encoder_layers.values():
@@ -204,19 +207,22 @@ class Transformer(nn.Module):
         h: hidden states from an earlier pipeline stage instead of embedding `ids` here.
         """
         q_len = ids.shape[1]  # not h's: a received h may be a sequence-parallel shard
-        offset = cache[0].self_attn.length if cache else (self.chunk.index * q_len if self.chunk else 0)
-        h = self._hidden(ids, h, offset=offset)
-        k_len = offset + q_len
+        offset = cache[0].self_attn.length if cache else 0
+        if self.chunk is not None:  # context parallel: this rank's pieces of the sequence (attention splits by piece)
+            positions, k_len = self.chunk.positions(q_len, ids.device), q_len * self.chunk.count
+        else:
+            positions, k_len = torch.arange(offset, offset + q_len, device=ids.device), offset + q_len
+        h = self._hidden(ids, h, positions=positions)
         if padding is not None and padding.shape[1] != k_len:
             raise ValueError(f"decoder padding mask covers {padding.shape[1]} positions, expected {k_len} "
                              "(cached + new tokens)")
-        mask = build_mask(q_len, k_len, q_offset=offset, causal=True, window=self.cfg.attention_window,
-                          key_padding=padding, device=h.device)
+        mask = build_mask(q_len, q_len + offset, q_offset=offset, causal=True, window=self.cfg.attention_window,
+                          key_padding=padding, device=h.device)  # under cp: each piece is causal at the bottom right
         memory_mask = None
         if memory is not None:
             memory_mask = build_mask(q_len, memory.shape[1], causal=False, key_padding=memory_padding,
                                      device=h.device)
-        extra = self._relative(q_len, k_len, offset, h.device, causal=True)
+        extra = self._relative(positions, k_len, causal=True)
         if self.decoder_layers is None:
             raise ValueError(f"a {self.cfg.family} model has no decoder to decode with")
         for i, layer in enumerate(self.decoder_layers.values()):

@@ -197,8 +197,8 @@ def _finish_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes: Mes
         report["attention"] = attention_kernels(cfg, device, compiled=True)
     report["fp8"] = fp8_report(cfg.train.fp8, fp8, dims.fsdp_enabled, dims.tp_enabled)
     if context_layers:
-        report["context"] = (f"{dims.cp} contiguous chunks per sequence, {context_layers} layers all-gather "
-                             "keys/values")
+        report["context"] = (f"{dims.cp} ranks, each holding 2 of {2 * dims.cp} pieces of every sequence; "
+                             f"{context_layers} layers all-gather keys/values")
     if fp8 and keep:
         report["fp8"] += f"; high precision: {', '.join(sorted(keep))}"
     if meshes is not None and dims.fsdp_enabled:

@@ -1,18 +1,19 @@
-"""Context parallel: each sequence split into `cp` contiguous chunks, one per rank of the cp mesh dimension.
+"""Context parallel: each sequence split over the `cp` ranks of the cp mesh dimension.
 
-Every layer works on this rank's chunk of tokens; only attention needs the others: each self-attention layer
-all-gathers the chunks' keys and values (after RoPE, so every key keeps its own position) and attends from its
-queries to every key up to its chunk's end, causally aligned at the bottom right. This is the all-gather flavour
-of context parallelism (Llama 3's choice for long context: with grouped-query attention K/V are a fraction of
-the activations); its backward reduce-scatters the K/V gradients back to the chunks' owners. Parameters are
-replicated over cp, so FSDP shards them over dp_shard x cp and its reduce-scatter sums the chunks' gradients.
-
-Chunks are contiguous, so with causal attention rank r does (2r + 1) / cp of the mean attention work (the
-projections and MLPs, most of the FLOPs at moderate length, are balanced).
+The sequence is cut into 2 x cp equal pieces and rank r holds pieces r and 2cp - 1 - r: under causal attention
+an early piece sees few keys and a late one many, so every rank does the same attention work (contiguous chunks
+would give rank r (2r + 1) / cp of the mean). Every layer works on this rank's tokens; only attention needs the
+others: each self-attention layer all-gathers the pieces' keys and values (after RoPE, so every key keeps its own
+position), puts them in sequence order, and attends from each piece's queries to every key up to that piece's
+end, causally aligned at the bottom right (`model.attention.SequenceChunk`). This is the all-gather flavour of
+context parallelism (Llama 3's choice for long context: with grouped-query attention K/V are a fraction of the
+activations); its backward reduce-scatters the K/V gradients back to their owners. Parameters are replicated
+over cp, so FSDP shards them over dp_shard x cp and its reduce-scatter sums the pieces' gradients.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -43,12 +44,13 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:
 
 
 def sequence_chunk(batch: Batch, index: int, count: int) -> Batch:
-    """This rank's contiguous chunk of every per-token tensor in the batch (all of them are (B, T, ...))."""
+    """This rank's two pieces of every per-token tensor in the batch (all of them are (B, T, ...))."""
     if "attention_mask" in batch:
         raise ValueError(f"parallel.cp={count}: context parallel runs unpadded (packed) causal batches, but this "
                          "batch has an attention_mask; pack the data (the causal objective does) or set parallel.cp=1")
-    length = batch["input_ids"].shape[1]
-    if length % count:
-        raise ValueError(f"parallel.cp={count} splits each sequence into {count} equal chunks, but this batch's "
-                         f"length is {length}; set data.seq_len to a multiple of cp")
-    return {key: value.chunk(count, dim=1)[index].contiguous() for key, value in batch.items()}
+    length, pieces = batch["input_ids"].shape[1], 2 * count
+    if length % pieces:
+        raise ValueError(f"parallel.cp={count} cuts each sequence into {pieces} equal pieces, but this batch's "
+                         f"length is {length}; set data.seq_len to a multiple of 2 x cp")
+    return {key: torch.cat([value.chunk(pieces, dim=1)[index], value.chunk(pieces, dim=1)[pieces - 1 - index]], dim=1)
+            for key, value in batch.items()}

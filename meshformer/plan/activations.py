@@ -3,7 +3,8 @@
 Read off `torch.autograd.graph.saved_tensors_hooks` on our `TransformerBlock` (pre-norm; b = micro-batch,
 s = sequence, h = d_model, f = d_ff, a = activation bytes, t = tensor-parallel size; with t > 1 the residual
 stream is sequence-parallel, s/t, and each branch works on the all-gathered full sequence; under context parallel
-s is this rank's chunk and self-attention keeps keys and values of the whole sequence on the last chunk's rank):
+s is this rank's share of the sequence, and self-attention runs once per piece it holds, against every key up to
+the piece's end):
 - each norm keeps its input (RMSNorm a second (b, s, h) tensor) and fp32 statistics, and the linear after it
   keeps the (gathered) normalised input: with sequence parallel that copy is full length, not s/t;
 - SDPA (CPU flash, CUDA flash / memory-efficient) keeps q, k, v (GQA: k and v repeated to every head), its
@@ -25,6 +26,7 @@ import torch
 
 from meshformer.config import Config, ModelConfig
 from meshformer.fused_loss import default_chunk_rows
+from meshformer.model.attention import pieces_held
 from meshformer.model.blockwise_attention import backward_workspace, stored_probabilities
 from meshformer.parallel.kernels import runs_blockwise_attention
 
@@ -39,11 +41,25 @@ class ActivationShape:
     bytes: int  # element size of matmul/attention activations: 2 under bf16 (autocast or FSDP params), else 4
     residual_bytes: int  # element size of the residual stream: fp32 under autocast (fp32 weights), else `bytes`
     blockwise: bool = False  # attention runs the blockwise CPU kernel (keeps probabilities, not a log-sum-exp)
-    kv_seq: int = 0  # keys self-attention sees: the whole sequence on the last context-parallel rank (0: seq)
+    cp: int = 1  # context-parallel ranks sharing each sequence
 
-    @property
-    def keys(self) -> int:
-        return self.kv_seq or self.seq
+
+def _attention_calls(x: ActivationShape, cross: bool, memory_len: int) -> list[tuple[int, int]]:
+    """(queries, keys) of each attention call of a branch: one call, or under context parallel one per sequence
+    piece this rank holds (the same totals on every rank: that is what the pieces are chosen for)."""
+    if cross:
+        return [(x.seq, memory_len)]
+    if x.cp == 1:
+        return [(x.seq, x.seq)]
+    return [(n, at + n) for _, n, at in pieces_held(0, x.cp, x.seq)]
+
+
+def _keys_kept(m: ModelConfig, x: ActivationShape, calls: list[tuple[int, int]]) -> int:
+    """Key (and value) rows attention keeps: every call's, except SDPA without grouped-query repetition under
+    context parallel, whose calls keep views of one gathered tensor."""
+    if len(calls) > 1 and not x.blockwise and m.kv_heads == m.n_heads:
+        return max(k for _, k in calls)
+    return sum(k for _, k in calls)
 
 
 def activation_shape(cfg: Config, batch: int, tp: int, fsdp: bool, *, device_type: str = "cuda",
@@ -51,7 +67,7 @@ def activation_shape(cfg: Config, batch: int, tp: int, fsdp: bool, *, device_typ
     bf16_params = fsdp and cfg.parallel.mixed_precision_param == "bf16"
     a = 2 if bf16_params or cfg.train.dtype == "bf16" else 4
     return ActivationShape(batch, cfg.data.seq_len // cp, tp, a, 2 if bf16_params else 4,
-                           runs_blockwise_attention(cfg, device_type, compiled), cfg.data.seq_len)
+                           runs_blockwise_attention(cfg, device_type, compiled), cp)
 
 
 def _norm(m: ModelConfig, x: ActivationShape, s_local: int) -> float:
@@ -81,15 +97,17 @@ def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memo
     total = 0.0
     for branch_cross in ([False, True] if cross else [False]):
         total += _norm(m, x, s_local) + gathered
-        k_len = memory_len if branch_cross else x.keys
-        kv = b * k_len * heads * m.head_dim * a
+        calls = _attention_calls(x, branch_cross, memory_len)
+        kv = b * _keys_kept(m, x, calls) * heads * m.head_dim * a
         if m.attention_backend == "math":
-            scores = b * heads * s * k_len
+            scores = b * heads * sum(q * k for q, k in calls)
             total += 2 * qkv_out + 2 * kv + scores * FP32 + (scores * a if a != FP32 else 0)
             if m.attention_dropout > 0:
                 total += scores * (a + 1)
         elif x.blockwise:
-            total += 2 * qkv_out + 2 * kv + stored_probabilities(b * heads, s, k_len, causal and not branch_cross) * a
+            causal_here = causal and not branch_cross
+            total += 2 * qkv_out + 2 * kv + sum(stored_probabilities(b * heads, q, k, causal_here)
+                                                for q, k in calls) * a
         else:
             total += 2 * qkv_out + 2 * kv + b * heads * s * FP32
         if m.dropout > 0:
@@ -110,16 +128,16 @@ def block_selective(m: ModelConfig, x: ActivationShape, *, cross: bool = False, 
     branches = 2 if cross else 1
     total = b * s_local * h * x.residual_bytes  # the checkpointed block's input
     for branch_cross in ([False, True] if cross else [False]):
-        k_len = memory_len if branch_cross else x.keys  # what attention reads (all chunks' keys under cp)
+        calls = _attention_calls(x, branch_cross, memory_len)
         total += b * s * heads * m.head_dim * a * 2  # q projection and attention output
         total += 2 * b * (memory_len if branch_cross else s) * kv_heads * m.head_dim * a  # k, v projections
         if x.blockwise:  # the kernel's own q/k/v rows (GQA: repeated) and probabilities
-            total += (s + 2 * k_len) * b * heads * m.head_dim * a
-            total += stored_probabilities(b * heads, s, k_len, causal and not branch_cross) * a
+            total += (s + 2 * sum(k for _, k in calls)) * b * heads * m.head_dim * a
+            total += sum(stored_probabilities(b * heads, q, k, causal and not branch_cross) for q, k in calls) * a
         else:
             total += b * heads * s * FP32  # log-sum-exp
-        if m.attention_backend == "math":
-            total += 2 * b * heads * s * k_len * a  # the two attention matmuls' outputs (scores, weighted values)
+        if m.attention_backend == "math":  # the two attention matmuls' outputs (scores, weighted values)
+            total += 2 * b * heads * sum(q * k for q, k in calls) * a
     ffn = b * s * (m.d_ff // t) * a
     total += (2 if m.activation == "swiglu" else 1) * ffn
     total += (branches + 1) * b * s * h * a  # o_proj / down_proj outputs before the reduce-scatter
@@ -138,7 +156,8 @@ def block_backward_extra(m: ModelConfig, x: ActivationShape) -> float:
     b, s, t, a = x.batch, x.seq, x.tp, x.bytes
     ffn = b * s * (m.d_ff // t) * a
     heads = m.n_heads // t
-    attention: float = 2 * b * (s + x.keys) * heads * m.head_dim * a  # gradients of q and output, k and v
+    keys = sum(k for _, k in _attention_calls(x, False, 0))
+    attention: float = 2 * b * (s + keys) * heads * m.head_dim * a  # gradients of q and output, k and v
     if m.attention_backend == "math":
         attention += 2 * b * heads * s * s * FP32
     elif x.blockwise:
