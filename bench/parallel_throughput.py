@@ -25,10 +25,12 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "tp2": (2, {"tp": 2, "dp_shard": 1}),
     "pp2_1f1b": (2, {"pp": 2, "dp_shard": 1, "pp_microbatches": 4}),
     "pp2_zbv": (2, {"pp": 2, "dp_shard": 1, "pp_schedule": "zbv", "pp_microbatches": 4}),
+    "cp2": (2, {"cp": 2, "dp_shard": 1}),
     "hsdp2x2": (4, {"dp_replicate": 2, "dp_shard": 2}),
     "tp2_fsdp2": (4, {"tp": 2, "dp_shard": 2}),
     "pp2_fsdp2": (4, {"pp": 2, "dp_shard": 2, "pp_microbatches": 4}),
     "pp2_tp2": (4, {"pp": 2, "tp": 2, "dp_shard": 1, "pp_microbatches": 4}),
+    "cp2_fsdp2": (4, {"cp": 2, "dp_shard": 2}),
     "pp2_dp2_tp2": (8, {"pp": 2, "tp": 2, "dp_shard": 2, "pp_microbatches": 2}),
 }
 GLOBAL_BATCH, SEQ = 16, 128
@@ -39,7 +41,7 @@ def measure(parallel: dict, steps: int) -> dict[str, float]:
     from meshformer.parallel import build_plan
 
     world = torch.distributed.get_world_size()
-    dp = world // (parallel.get("pp", 1) * parallel.get("tp", 1))
+    dp = world // (parallel.get("pp", 1) * parallel.get("tp", 1) * parallel.get("cp", 1))
     cfg = bench_config(parallel, d_model=256, n_layers=8, seq=SEQ, batch=GLOBAL_BATCH // dp)
     plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
     params = list({id(p): p for part in plan.model_parts for p in part.parameters()}.values())

@@ -32,7 +32,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:
     layers that gather keys and values."""
     group = cp_mesh.get_group()
     chunk = SequenceChunk(cp_mesh.get_local_rank(), cp_mesh.size(),
-                          lambda t: _all_gather(t.contiguous(), gather_dim=2, group=group))
+                          lambda t: _all_gather(t, gather_dim=2, group=group))
     layers = 0
     for module in model.modules():
         if isinstance(module, Transformer):

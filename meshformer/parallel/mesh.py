@@ -45,16 +45,15 @@ class Meshes:
     def fsdp(self) -> DeviceMesh:
         """1-D (dp_shard x cp) mesh for FSDP, 2-D (dp_replicate, dp_shard x cp) for HSDP: context-parallel ranks
         hold the same parameters, so they shard them too and the gradient reduce-scatter sums their chunks."""
-        shard = self._shard_cp if self.dims.cp_enabled else self.world["dp_shard"]
+        if self._shard_cp is None:
+            return self.world["dp_replicate", "dp_shard"] if self.dims.hsdp else self.world["dp_shard"]
         if not self.dims.hsdp:
-            return shard
-        if not self.dims.cp_enabled:
-            return self.world["dp_replicate", "dp_shard"]
+            return self._shard_cp
         # torch 2.13 joins a flattened dimension to another by concatenation (slicing it from the root mesh is
         # deprecated); torch 2.11 (the GPU machine) slices.
         concatenate = getattr(DeviceMesh, "_concatenate", None)
         if concatenate is not None:
-            return concatenate([self.world["dp_replicate"], shard])
+            return concatenate([self.world["dp_replicate"], self._shard_cp])
         return self.world["dp_replicate", "dp_shard_cp"]
 
     @property
@@ -70,7 +69,8 @@ class Meshes:
 
     def __post_init__(self) -> None:
         self._dp = self.world["dp_replicate", "dp_shard"]._flatten("dp")
-        self._tokens, self._shard_cp = self._dp, self._dp
+        self._tokens = self._dp
+        self._shard_cp: DeviceMesh | None = None  # (dp_shard, cp) flattened, under context parallel
         if self.dims.cp_enabled:
             self._tokens = self.world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
             self._shard_cp = self.world["dp_shard", "cp"]._flatten("dp_shard_cp")
