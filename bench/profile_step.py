@@ -8,6 +8,9 @@ optimizer, ...), and how much of the synchronised step the GPU was busy (the res
 
     python bench/profile_step.py --shape S --dtype bf16 [--steps 5] [--variant off+chunked]
     python bench/profile_step.py --shape llama-1b --device cuda --variant blocks+cudnn+plain --sides ours --steps 3
+
+The variant configures our side; the reference takes only its compile setting (an FP8 variant profiles our FP8 step
+against the bf16 reference).
 """
 
 from __future__ import annotations

@@ -169,6 +169,10 @@ def _check_context_parallel(cfg: Config, dims: ParallelDims) -> None:
         raise ConfigError(f"{key} cuts each sequence into {2 * dims.cp} equal pieces (2 per rank, for balanced "
                           f"causal work), but data.seq_len={cfg.data.seq_len} is not divisible by {2 * dims.cp}; "
                           "choose a seq_len that is a multiple of 2 x cp")
+    if dims.tp > 1 and (cfg.data.seq_len // dims.cp) % dims.tp:
+        raise ConfigError(f"{key} with parallel.tp={dims.tp}: each rank's {cfg.data.seq_len // dims.cp} tokens must "
+                          f"split evenly over the tensor-parallel ranks (sequence parallel); choose a data.seq_len "
+                          f"that is a multiple of cp x tp = {dims.cp * dims.tp} (and of 2 x cp)")
     if m.attention_window is not None:
         raise ConfigError(f"{key}: sliding-window attention (model.attention_window={m.attention_window}) is not "
                           "supported under context parallel yet; set parallel.cp=1 or model.attention_window=None")

@@ -49,6 +49,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # GPT-2-like with ALiBi (per-head slopes must follow tensor-parallel head sharding) and biases
     "decoder_alibi": dict(family="decoder", n_layers=4, position="alibi", activation="gelu", bias=True,
                           tie_embeddings=False, output_bias=True),
+    # GPT-2-like: learned absolute positions, LayerNorm, GELU; T5-style relative buckets in a decoder-only model
+    # (context parallel checks both follow each token's place in the sequence)
+    "gpt": dict(family="decoder", n_layers=2, position="learned", activation="gelu", norm="layernorm", bias=True),
+    "decoder_t5": dict(family="decoder", n_layers=2, position="t5_relative", n_kv_heads=2, bias=False),
     # BERT-like: learned positions, embedding norm, prediction-head transform, post-norm
     "encoder": dict(family="encoder", n_layers=4, position="learned", embedding_norm=True, head_transform=True,
                     norm_position="post", activation="gelu"),

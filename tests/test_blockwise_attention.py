@@ -28,7 +28,7 @@ CASES = [  # (batch, heads, q_len, k_len, head_dim, causal)
     (2, 3, 100, 100, 16, True),  # a last block shorter than the others
     (1, 2, 600, 600, 8, True),  # 128-row blocks above T 512
     (2, 2, 37, 70, 16, False),  # unmasked, more keys than queries (cross-attention)
-    (2, 2, 40, 100, 16, True),  # causal, queries are the last 40 of 100 positions (a context-parallel chunk)
+    (2, 2, 40, 100, 16, True),  # causal, queries are the last 40 of 100 positions (a context-parallel piece)
 ]
 
 

@@ -87,6 +87,7 @@ def test_context_parallel_layouts():
     assert "not divisible" in bad(world=3, cp=3)  # the harness's seq_len is 16: not 6 pieces
 
 
+
 def test_bf16_rejected_on_a_device_without_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not bf16_supported("cuda") and bf16_supported("cpu")
@@ -135,6 +136,15 @@ def test_trainer_checks_the_layout_before_building_the_model(monkeypatch, tmp_pa
     with pytest.raises(ConfigError, match="does not divide the world size 1"):
         trainer_module.Trainer(cfg)
     assert not built
+
+
+def test_context_parallel_with_sequence_parallel_needs_an_even_split_per_rank():
+    from meshformer.config import load_config
+
+    cfg = load_config("meshformer/configs/llama-8b.toml", ["parallel.cp=2", "parallel.tp=8", "data.seq_len=8136"])
+    with pytest.raises(ConfigError, match="multiple of cp x tp = 16"):  # 4068 tokens per rank over 8 TP ranks
+        validate_parallel(cfg, 16, "cpu")
+    validate_parallel(load_config("meshformer/configs/llama-8b.toml", ["parallel.cp=2", "parallel.tp=8"]), 16, "cpu")
 
 
 def test_context_parallel_chunks_refuse_padded_or_uneven_batches():

@@ -151,12 +151,16 @@ class Attention(nn.Module):
                 q, k = apply_rope(q, rope), apply_rope(k, rope)
             if self.chunk is not None:  # the whole sequence's keys and values (after RoPE: each keeps its position)
                 k, v = self.chunk.whole(k), self.chunk.whole(v)
+                if k.shape[1] != q.shape[1]:  # grouped-query heads repeated once, not once per piece
+                    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
             if cache is not None:
                 if not self.cross and cache.k is not None and cache.v is not None:
                     k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
                 cache.k, cache.v = k, v
-        if self.chunk is not None and not self.cross:
-            # each piece's queries against the keys up to its end: causal, aligned at the bottom right
+        if self.chunk is not None:
+            # each piece's queries against the keys up to its end: causal, aligned at the bottom right (layout.py
+            # refuses what would need another mask: padding, sliding windows)
+            assert mask.mask is None and mask.is_causal, "context parallel runs unpadded causal attention only"
             out = torch.cat([self._attend(q[:, :, start:start + n], k[:, :, :at + n], v[:, :, :at + n], mask,
                                           None if bias is None else bias[..., start:start + n, :at + n])
                              for start, n, at in self.chunk.spans(q.shape[2])], dim=2)
@@ -187,8 +191,12 @@ class Attention(nn.Module):
               dropout_p: float) -> torch.Tensor:
         if bias is None:
             if mask.is_causal and q.shape[2] != k.shape[2]:  # SDPA's is_causal aligns at the top left
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
-                                                      dropout_p=dropout_p, scale=self.scale)
+                # torch's lower-right causal bias lets flash kernels run, but dynamo cannot build it (a graph break
+                # per call): compiled code passes the boolean mask instead
+                lower_right = (mask.materialize(q.shape[2], k.shape[2], q.device) if torch.compiler.is_compiling()
+                               else causal_lower_right(q.shape[2], k.shape[2]))
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=lower_right, dropout_p=dropout_p,
+                                                      scale=self.scale)
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask.mask, dropout_p=dropout_p, is_causal=mask.is_causal, scale=self.scale
             )

@@ -70,7 +70,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> list[torch.Tensor]:
     """[output, q, k, v as (B*H, T, D) rows, probabilities of each query block]; q (B, H, Tq, D), k and v
     (B, H, Tk, D). Backward keeps the rows (no second copy of the heads) and the probabilities. Causal: the
-    queries are the last Tq of the Tk positions (a KV-cache step or a context-parallel chunk when Tq < Tk)."""
+    queries are the last Tq of the Tk positions (a KV-cache step or a context-parallel piece when Tq < Tk)."""
     batch, heads, q_len, head_dim = q.shape
     k_len = k.shape[2]
     shift = k_len - q_len  # causal: query i sits at key position i + shift

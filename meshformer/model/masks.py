@@ -16,7 +16,7 @@ import torch
 class AttentionMask:
     mask: torch.Tensor | None  # bool (B|1, 1, Tq, Tk); None: no masking beyond `is_causal`
     # Causal with no explicit mask: the queries are the last Tq of the Tk key positions (aligned at the bottom
-    # right: all of them when Tq == Tk; a KV-cache decode step or a context-parallel chunk otherwise).
+    # right: all of them when Tq == Tk; a KV-cache decode step or a context-parallel piece otherwise).
     is_causal: bool = False
 
     def materialize(self, q_len: int, k_len: int, device: torch.device) -> torch.Tensor | None:
@@ -39,8 +39,7 @@ def build_mask(
     """Causal / sliding-window structure plus a key padding mask (B, Tk), True = real token.
 
     Keys sit at positions 0..k_len-1 and queries at q_offset..q_offset+q_len-1 (q_offset > 0 when
-    decoding with a KV cache, or on a context-parallel rank's chunk). Causal attention whose queries are the
-    last keys needs no tensor at all.
+    decoding with a KV cache). Causal attention whose queries are the last keys needs no tensor at all.
     """
     if window is None and key_padding is None:
         if not causal:

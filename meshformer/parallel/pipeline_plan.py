@@ -181,7 +181,7 @@ class PipelinePlan(MeshPlan):
         if not self._logging_representative:
             loss_sum = torch.zeros_like(loss_sum)
         dist.all_reduce(loss_sum)  # the last stages hold the loss; every rank returns it
-        return loss_sum, self._dp_sum(count_tokens(batch["labels"]).to(self.device))
+        return loss_sum, self._token_sum(count_tokens(batch["labels"]).to(self.device))
 
     def _counts_in_norm(self, part: nn.Module, param: nn.Parameter) -> bool:
         return self._shared.counts_in_norm(param)
@@ -263,7 +263,8 @@ def shared_weights(model: Transformer, spans: list[StageSpan]) -> dict[str, list
 
 def _holder_groups(shared: dict[str, list[int]], stage_to_rank: dict[int, int], meshes: Meshes,
                    timeout: timedelta | None = None) -> dict[str, dist.ProcessGroup | None]:
-    """A process group over the pipeline ranks holding each shared weight, one per (dp, tp) coordinate.
+    """A process group over the pipeline ranks holding each shared weight, one per coordinate of the other mesh
+    dimensions (dp_replicate, dp_shard, cp, tp).
 
     Every rank creates every group in the same order (new_group is collective); None when one rank holds
     all the copies (then the increments are summed locally).

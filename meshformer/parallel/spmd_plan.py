@@ -41,7 +41,7 @@ class MeshPlan(TrainingPlan):
         """One rank per data-parallel replica: the last pipeline stage's first tensor-parallel rank."""
         return self.reports_loss and self.meshes.tp_rank == 0
 
-    def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+    def _token_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over every rank holding other tokens of the step (data- and context-parallel ranks)."""
         value = value.detach().clone()
         if self.dims.dp * self.dims.cp > 1:
@@ -56,10 +56,12 @@ class MeshPlan(TrainingPlan):
 
     def global_token_count(self, micro_batches: list[Batch]) -> torch.Tensor:
         local = torch.stack([count_tokens(self._local(b)["labels"]) for b in micro_batches]).sum().to(self.device)
-        return self._dp_sum(local)
+        return self._token_sum(local)
 
     def reduce_for_logging(self, value: torch.Tensor) -> float:
-        """Sum of a per-replica quantity over data-parallel replicas, identical on every rank (a collective)."""
+        """Sum of a per-rank quantity (a loss sum of this rank's tokens) over the ranks holding distinct tokens: every
+        data- and context-parallel rank, one tensor-parallel rank each, the last pipeline stage; identical on every
+        rank (a collective)."""
         value = torch.as_tensor(value, device=self.device, dtype=torch.float32).detach().clone()
         if not self._logging_representative:
             value.zero_()
@@ -100,17 +102,18 @@ class MeshPlan(TrainingPlan):
 
 class SPMDPlan(MeshPlan):
     def forward_backward(self, batch: Batch, global_tokens: torch.Tensor) -> torch.Tensor:
-        self._check_sequence(batch)
-        return super().forward_backward(self._local(batch), global_tokens)
+        return super().forward_backward(self._sequence_parallel_ready(batch), global_tokens)
 
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check_sequence(batch)
-        loss_sum, tokens = super().evaluate(self._local(batch))
-        return self._dp_sum(loss_sum), self._dp_sum(tokens.to(self.device))
+        loss_sum, tokens = super().evaluate(self._sequence_parallel_ready(batch))
+        return self._token_sum(loss_sum), self._token_sum(tokens.to(self.device))
 
-    def _check_sequence(self, batch: Batch) -> None:
-        check_sequence_split(batch, self.dims.tp)
+    def _sequence_parallel_ready(self, batch: Batch) -> Batch:
+        """This rank's tokens, checked to split evenly over tensor-parallel ranks."""
+        local = self._local(batch)
+        check_sequence_split(local, self.dims.tp)
+        return local
 
 
 def check_sequence_split(batch: Batch, tp: int) -> None:

@@ -36,7 +36,7 @@ FP32 = 4
 @dataclass(frozen=True)
 class ActivationShape:
     batch: int  # sequences in one (pipeline) micro-batch
-    seq: int  # this rank's tokens of each sequence (a context-parallel chunk)
+    seq: int  # this rank's tokens of each sequence (under context parallel, its two pieces)
     tp: int
     bytes: int  # element size of matmul/attention activations: 2 under bf16 (autocast or FSDP params), else 4
     residual_bytes: int  # element size of the residual stream: fp32 under autocast (fp32 weights), else `bytes`
@@ -54,10 +54,10 @@ def _attention_calls(x: ActivationShape, cross: bool, memory_len: int) -> list[t
     return [(n, at + n) for _, n, at in pieces_held(0, x.cp, x.seq)]
 
 
-def _keys_kept(m: ModelConfig, x: ActivationShape, calls: list[tuple[int, int]]) -> int:
-    """Key (and value) rows attention keeps: every call's, except SDPA without grouped-query repetition under
-    context parallel, whose calls keep views of one gathered tensor."""
-    if len(calls) > 1 and not x.blockwise and m.kv_heads == m.n_heads:
+def _keys_kept(x: ActivationShape, calls: list[tuple[int, int]]) -> int:
+    """Key (and value) rows attention keeps: every call's, except SDPA under context parallel, whose calls keep
+    views of one gathered (and grouped-query repeated) tensor."""
+    if len(calls) > 1 and not x.blockwise:
         return max(k for _, k in calls)
     return sum(k for _, k in calls)
 
@@ -98,7 +98,7 @@ def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memo
     for branch_cross in ([False, True] if cross else [False]):
         total += _norm(m, x, s_local) + gathered
         calls = _attention_calls(x, branch_cross, memory_len)
-        kv = b * _keys_kept(m, x, calls) * heads * m.head_dim * a
+        kv = b * _keys_kept(x, calls) * heads * m.head_dim * a
         if m.attention_backend == "math":
             scores = b * heads * sum(q * k for q, k in calls)
             total += 2 * qkv_out + 2 * kv + scores * FP32 + (scores * a if a != FP32 else 0)
@@ -156,13 +156,16 @@ def block_backward_extra(m: ModelConfig, x: ActivationShape) -> float:
     b, s, t, a = x.batch, x.seq, x.tp, x.bytes
     ffn = b * s * (m.d_ff // t) * a
     heads = m.n_heads // t
-    keys = sum(k for _, k in _attention_calls(x, False, 0))
+    calls = _attention_calls(x, False, 0)
+    keys = max(k for _, k in calls)  # under context parallel: the gathered sequence's key/value gradients
     attention: float = 2 * b * (s + keys) * heads * m.head_dim * a  # gradients of q and output, k and v
     if m.attention_backend == "math":
-        attention += 2 * b * heads * s * s * FP32
+        attention += 2 * b * heads * sum(q * k for q, k in calls) * FP32
     elif x.blockwise:
-        # its workspace is large, but by then the feed-forward branch has back-propagated and freed what it kept
-        attention = backward_workspace(b * heads, s, m.head_dim, a) - _ffn_branch_saved(m, x, s // t if t > 1 else s)
+        # its workspace is large, but by then the feed-forward branch has back-propagated and freed what it kept;
+        # under context parallel the pieces back-propagate one after the other (the larger one counts)
+        attention = (backward_workspace(b * heads, keys, m.head_dim, a)
+                     - _ffn_branch_saved(m, x, s // t if t > 1 else s))
     return max((3 if m.activation == "swiglu" else 2) * ffn, attention) + 2 * b * s * m.d_model * a
 
 
