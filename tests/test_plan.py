@@ -10,6 +10,7 @@ from _common import CONFIGS, ROOT
 
 from meshformer.config import load_config
 from meshformer.model.flops import count_params
+from meshformer.plan.memory import usable_bytes
 from meshformer.plan.search import plan_layout, search_layouts, with_layout
 from meshformer.plan.shard import fake_world, meta_model, rank_shares, template_shares, tp_template
 from meshformer.plan.validation import LAYOUTS, TOLERANCE, compare, measure_layouts, validation_config
@@ -65,10 +66,26 @@ def test_405b_at_4096_ranks_plans_fast_and_shards_every_parameter():
 def test_search_orders_fitting_layouts_and_respects_the_device():
     cfg = with_layout(validation_config({}), 8, 1, 1, "none")
     results = search_layouts(cfg, 8, "h100-80gb")
-    assert results[0].tp * results[0].pp == 1 and results[0].recompute == "none"
-    peaks = {(r.pp, r.tp, r.recompute): r.peak for r in results}
-    assert peaks[(1, 1, "full")] < peaks[(1, 1, "selective")] < peaks[(1, 1, "none")]
-    assert peaks[(1, 2, "none")] < peaks[(1, 1, "none")]
+    assert results[0].tp * results[0].pp * results[0].cp == 1 and results[0].recompute == "none"
+    peaks = {(r.pp, r.tp, r.cp, r.recompute): r.peak for r in results}
+    assert peaks[(1, 1, 1, "full")] < peaks[(1, 1, 1, "selective")] < peaks[(1, 1, 1, "none")]
+    assert peaks[(1, 2, 1, "none")] < peaks[(1, 1, 1, "none")]
+    assert peaks[(1, 1, 4, "none")] < peaks[(1, 1, 2, "none")] < peaks[(1, 1, 1, "none")]  # cp cuts activations
+
+
+def test_search_offers_context_parallel_where_only_it_fits():
+    """Llama-3-8B at 128k tokens on 64 H100s: no layout fits without cutting the sequence or the heads, and the
+    fitting ones come in order of tp x pp x cp; encoder models are never offered cp."""
+    cfg = load_config(CONFIGS / "llama-8b.toml", ["data.seq_len=131072", "model.max_seq_len=131072",
+                                                  "data.batch_size=1"])
+    results = search_layouts(cfg, 64, "h100-80gb")
+    budget = usable_bytes("h100-80gb")
+    fitting = [r for r in results if r.peak <= budget]
+    assert not [r for r in fitting if r.tp * r.pp * r.cp == 1]
+    assert any(r.cp > 1 and r.tp == r.pp == 1 for r in fitting)
+    assert [r.tp * r.pp * r.cp for r in fitting] == sorted(r.tp * r.pp * r.cp for r in fitting)
+    bert = search_layouts(load_config(CONFIGS / "tiny-bert.toml"), 8, "h100-80gb")
+    assert {r.cp for r in bert} == {1}
 
 
 def test_cli_prints_table_and_json(capsys):

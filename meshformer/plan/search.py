@@ -19,6 +19,7 @@ from meshformer.plan.shard import fake_world, meta_model, rank_shares, template_
 
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 TP_SIZES = (1, 2, 4, 8)  # tensor parallel stays inside one 8-GPU node
+CP_SIZES = (1, 2, 4, 8, 16)  # context parallel (decoder-only): Llama 3 trained 128k-token sequences at cp 16
 
 
 @dataclass
@@ -40,8 +41,10 @@ class LayoutMemory:
         return max(self.ranks, key=lambda rank: rank.peak)
 
 
-def with_layout(cfg: Config, world_size: int, pp: int, tp: int, recompute: Recompute) -> Config:
-    """`cfg` with another layout and FSDP over the remaining ranks, same micro-batch size.
+def with_layout(cfg: Config, world_size: int, pp: int, tp: int, recompute: Recompute, cp: int | None = None
+                ) -> Config:
+    """`cfg` with another layout (cp None: the configured one) and FSDP over the remaining ranks, same micro-batch
+    size.
 
     A pipeline gets pp micro-batches (the 1F1B minimum) of the config's micro-batch size; without data
     parallelism FSDP's mixed precision becomes bf16 autocast (same activations, fp32 weights).
@@ -49,7 +52,8 @@ def with_layout(cfg: Config, world_size: int, pp: int, tp: int, recompute: Recom
     p, data, train = cfg.parallel, cfg.data, cfg.train
     micro = max(1, data.batch_size // (p.pp_microbatches or p.pp)) if p.pp > 1 else data.batch_size
     parallel = dataclasses.replace(p, pp=pp, tp=tp, dp_shard=-1, dp_replicate=1, recompute=recompute,
-                                   pp_split_points=p.pp_split_points if pp == p.pp else [])
+                                   pp_split_points=p.pp_split_points if pp == p.pp else [],
+                                   cp=p.cp if cp is None else cp)
     if pp > 1:
         schedule = p.pp_schedule if p.pp > 1 else "1f1b"
         parallel = dataclasses.replace(parallel, pp_schedule=schedule, pp_microbatches=pp)
@@ -79,9 +83,18 @@ def _divisors_pow2(n: int, limit: int) -> list[int]:
     return out
 
 
+def _context_sizes(cfg: Config, ranks: int, tp: int) -> list[int]:
+    """cp values to try with `ranks` ranks left after pp x tp: decoder-only models, whole pieces per rank."""
+    spec, seq = get_family_spec(cfg.model.family), cfg.data.seq_len
+    if spec.has_encoder or cfg.model.attention_window is not None:
+        return [1]
+    return [cp for cp in CP_SIZES if ranks % cp == 0 and seq % (2 * cp) == 0 and (seq // cp) % tp == 0] or [1]
+
+
 def search_layouts(cfg: Config, world_size: int, device: str) -> list[LayoutMemory]:
-    """Every (pp, tp, recompute) with FSDP over the remaining ranks, smallest first: least model parallelism
-    (tp x pp), then least recomputation, then lowest peak. Layouts the config cannot run are skipped."""
+    """Every (pp, tp, cp, recompute) with FSDP over the remaining ranks, smallest first: least model and sequence
+    parallelism (tp x pp x cp), then least recomputation, then lowest peak. Layouts the config cannot run are
+    skipped. FSDP shards over dp_shard x cp, so each (pp, tp) split's parameter shards serve every cp."""
     layers = get_family_spec(cfg.model.family).total_layers(cfg.model)
     results: list[LayoutMemory] = []
     with fake_world(world_size):
@@ -90,18 +103,21 @@ def search_layouts(cfg: Config, world_size: int, device: str) -> list[LayoutMemo
             if world_size % tp:
                 continue
             try:
-                template = tp_template(with_layout(cfg, world_size, 1, tp, "none"), world_size, tp)
+                template = tp_template(with_layout(cfg, world_size, 1, tp, "none", cp=1), world_size, tp)
             except ConfigError:
                 continue
             for pp in _divisors_pow2(world_size // tp, layers):
-                base = with_layout(cfg, world_size, pp, tp, "none")
+                base = with_layout(cfg, world_size, pp, tp, "none", cp=1)  # shards: the same for every cp
                 try:
-                    dims, shares = template_shares(base, world_size, model, template)
+                    _, shares = template_shares(base, world_size, model, template)
                 except (ConfigError, ValueError):
                     continue
-                for mode in RECOMPUTE_MODES:
-                    layout_cfg = with_layout(cfg, world_size, pp, tp, mode)
-                    results.append(_layout(layout_cfg, dims, [rank_memory(layout_cfg, dims, s) for s in shares]))
+                for cp in _context_sizes(cfg, world_size // (tp * pp), tp):
+                    for mode in RECOMPUTE_MODES:
+                        layout_cfg = with_layout(cfg, world_size, pp, tp, mode, cp)
+                        cp_dims = ParallelDims.from_config(layout_cfg.parallel, world_size)
+                        results.append(_layout(layout_cfg, cp_dims,
+                                               [rank_memory(layout_cfg, cp_dims, s) for s in shares]))
     budget = usable_bytes(device)
-    results.sort(key=lambda r: (r.peak > budget, r.tp * r.pp, RECOMPUTE_MODES.index(r.recompute), r.peak))
+    results.sort(key=lambda r: (r.peak > budget, r.tp * r.pp * r.cp, RECOMPUTE_MODES.index(r.recompute), r.peak))
     return results
