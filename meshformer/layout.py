@@ -173,9 +173,6 @@ def _check_context_parallel(cfg: Config, dims: ParallelDims) -> None:
         raise ConfigError(f"{key} with parallel.tp={dims.tp}: each rank's {cfg.data.seq_len // dims.cp} tokens must "
                           f"split evenly over the tensor-parallel ranks (sequence parallel); choose a data.seq_len "
                           f"that is a multiple of cp x tp = {dims.cp * dims.tp} (and of 2 x cp)")
-    if m.attention_window is not None:
-        raise ConfigError(f"{key}: sliding-window attention (model.attention_window={m.attention_window}) is not "
-                          "supported under context parallel yet; set parallel.cp=1 or model.attention_window=None")
 
 
 def _check_tensor_parallel(cfg: Config, dims: ParallelDims) -> None:

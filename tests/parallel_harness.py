@@ -53,6 +53,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # (context parallel checks both follow each token's place in the sequence)
     "gpt": dict(family="decoder", n_layers=2, position="learned", activation="gelu", norm="layernorm", bias=True),
     "decoder_t5": dict(family="decoder", n_layers=2, position="t5_relative", n_kv_heads=2, bias=False),
+    "decoder_window": dict(family="decoder", n_layers=2, attention_window=5, n_kv_heads=2, bias=False),
     # BERT-like: learned positions, embedding norm, prediction-head transform, post-norm
     "encoder": dict(family="encoder", n_layers=4, position="learned", embedding_norm=True, head_transform=True,
                     norm_position="post", activation="gelu"),

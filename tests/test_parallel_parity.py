@@ -36,9 +36,9 @@ WORLD2 = [
     # vocab-parallel, and under ZBV's split backward; the stored-gradient chunked loss under GPipe
     "decoder/tp-loss=chunked_recompute", "decoder/pp-sched=zbv-loss=chunked_recompute",
     "decoder/pp-sched=gpipe-loss=chunked",
-    # context parallel: each sequence in 4 pieces, 2 per rank, K/V all-gathered; RoPE, ALiBi, learned positions and
-    # T5 buckets at each token's place in the sequence
-    "decoder/cp", "decoder_alibi/cp-loss=plain", "gpt/cp", "decoder_t5/cp",
+    # context parallel: each sequence in 4 pieces, 2 per rank, K/V all-gathered; RoPE, ALiBi, learned positions,
+    # T5 buckets and a sliding window at each token's place in the sequence
+    "decoder/cp", "decoder_alibi/cp-loss=plain", "gpt/cp", "decoder_t5/cp", "decoder_window/cp",
 ]
 WORLD4 = [
     "decoder/hsdp", "encoder/hsdp",

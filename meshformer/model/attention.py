@@ -158,10 +158,11 @@ class Attention(nn.Module):
                     k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
                 cache.k, cache.v = k, v
         if self.chunk is not None:
-            # each piece's queries against the keys up to its end: causal, aligned at the bottom right (layout.py
-            # refuses what would need another mask: padding, sliding windows)
-            assert mask.mask is None and mask.is_causal, "context parallel runs unpadded causal attention only"
-            out = torch.cat([self._attend(q[:, :, start:start + n], k[:, :, :at + n], v[:, :, :at + n], mask,
+            # each piece's queries against the keys up to its end: causal, aligned at the bottom right, or the rows
+            # of a sliding-window mask over the whole sequence (layout.py refuses padded batches)
+            out = torch.cat([self._attend(q[:, :, start:start + n], k[:, :, :at + n], v[:, :, :at + n],
+                                          mask if mask.mask is None else AttentionMask(
+                                              mask.mask[..., start:start + n, :at + n]),
                                           None if bias is None else bias[..., start:start + n, :at + n])
                              for start, n, at in self.chunk.spans(q.shape[2])], dim=2)
         else:

@@ -31,6 +31,7 @@ def build_mask(
     k_len: int,
     *,
     q_offset: int = 0,
+    q_positions: torch.Tensor | None = None,
     causal: bool,
     window: int | None = None,
     key_padding: torch.Tensor | None = None,
@@ -39,16 +40,17 @@ def build_mask(
     """Causal / sliding-window structure plus a key padding mask (B, Tk), True = real token.
 
     Keys sit at positions 0..k_len-1 and queries at q_offset..q_offset+q_len-1 (q_offset > 0 when
-    decoding with a KV cache). Causal attention whose queries are the last keys needs no tensor at all.
+    decoding with a KV cache), or at `q_positions` (a context-parallel rank's pieces). Causal attention whose
+    queries are the last keys needs no tensor at all.
     """
-    if window is None and key_padding is None:
+    if window is None and key_padding is None and q_positions is None:
         if not causal:
             return AttentionMask(None)
         if q_offset + q_len == k_len:
             return AttentionMask(None, is_causal=True)
     if key_padding is not None:
         device = key_padding.device
-    q_pos = torch.arange(q_offset, q_offset + q_len, device=device)
+    q_pos = torch.arange(q_offset, q_offset + q_len, device=device) if q_positions is None else q_positions
     k_pos = torch.arange(k_len, device=device)
     delta = q_pos[:, None] - k_pos[None, :]  # > 0: the key lies in the past
     structure = torch.ones(q_len, k_len, dtype=torch.bool, device=device)

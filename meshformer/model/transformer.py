@@ -216,8 +216,12 @@ class Transformer(nn.Module):
         if padding is not None and padding.shape[1] != k_len:
             raise ValueError(f"decoder padding mask covers {padding.shape[1]} positions, expected {k_len} "
                              "(cached + new tokens)")
-        mask = build_mask(q_len, q_len + offset, q_offset=offset, causal=True, window=self.cfg.attention_window,
-                          key_padding=padding, device=h.device)  # under cp: each piece is causal at the bottom right
+        if self.chunk is not None and self.cfg.attention_window is not None:  # each piece slices its own rows
+            mask = build_mask(q_len, k_len, q_positions=positions, causal=True, window=self.cfg.attention_window,
+                              device=h.device)
+        else:  # under cp each piece is causal at the bottom right: no tensor
+            mask = build_mask(q_len, q_len + offset, q_offset=offset, causal=True, window=self.cfg.attention_window,
+                              key_padding=padding, device=h.device)
         memory_mask = None
         if memory is not None:
             memory_mask = build_mask(q_len, memory.shape[1], causal=False, key_padding=memory_padding,

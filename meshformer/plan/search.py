@@ -86,7 +86,7 @@ def _divisors_pow2(n: int, limit: int) -> list[int]:
 def _context_sizes(cfg: Config, ranks: int, tp: int) -> list[int]:
     """cp values to try with `ranks` ranks left after pp x tp: decoder-only models, whole pieces per rank."""
     spec, seq = get_family_spec(cfg.model.family), cfg.data.seq_len
-    if spec.has_encoder or cfg.model.attention_window is not None:
+    if spec.has_encoder:
         return [1]
     return [cp for cp in CP_SIZES if ranks % cp == 0 and seq % (2 * cp) == 0 and (seq // cp) % tp == 0] or [1]
 
