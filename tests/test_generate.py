@@ -124,3 +124,16 @@ def test_training_mode_is_restored():
     model = model_for("decoder", "none").train()
     greedy_decode(model, torch.zeros(1, 1, dtype=torch.long), 2)
     assert model.training
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "math", "blockwise"])
+def test_cached_steps_align_causal_attention_at_the_bottom_right(backend):
+    """A KV-cache step's queries are the last of its keys: SDPA gets torch's lower-right causal bias, the math path a
+    tril(k - q) mask, the blockwise kernel its offset; each must equal the full-sequence pass."""
+    model = model_for("decoder", "rope", n_kv_heads=2, attention_backend=backend)
+    ids = torch.randint(0, 40, (2, 9))
+    with torch.no_grad():
+        full = model.head(model.decode(ids))
+        cache = model.new_cache()
+        steps = [model.head(model.decode(ids[:, :5], cache=cache)), model.head(model.decode(ids[:, 5:], cache=cache))]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-9, atol=1e-10)
