@@ -161,10 +161,10 @@ def _check_context_parallel(cfg: Config, dims: ParallelDims) -> None:
     if dims.cp == 1:
         return
     m, key = cfg.model, f"parallel.cp={dims.cp}"
-    spec = get_family_spec(m.family)
-    if spec.has_encoder or not spec.has_decoder:
-        raise ConfigError(f"{key}: context parallel is implemented for decoder-only models (causal self-attention), "
-                          f"not {m.family!r}; set parallel.cp=1 (tp or FSDP for {m.family!r})")
+    if get_family_spec(m.family).seq2seq:
+        raise ConfigError(f"{key}: context parallel is implemented for decoder-only and encoder-only models, not "
+                          f"{m.family!r} (its cross-attention would need the whole encoder output on every rank); "
+                          "set parallel.cp=1 (tp or FSDP)")
     if cfg.data.seq_len % (2 * dims.cp):
         raise ConfigError(f"{key} cuts each sequence into {2 * dims.cp} equal pieces (2 per rank, for balanced "
                           f"causal work), but data.seq_len={cfg.data.seq_len} is not divisible by {2 * dims.cp}; "

@@ -246,13 +246,20 @@ def scenario(name: str) -> tuple[Config, list]:
             extra["fp8"] = value
         elif key == "loss":  # train.loss: the default (auto) is the chunked head loss, vocab-parallel under TP
             extra["loss"] = value
+        elif key == "padded":  # decoder batches carry a key mask that hides earlier keys too (the first one kept)
+            extra["_padded"] = True
         elif key == "single":
             pass
         else:
             raise ValueError(f"unknown layout part {part!r} in {name!r}")
     parallel.setdefault("dp_shard", 1)
+    padded = extra.pop("_padded", False)
     cfg = make_config(family, parallel, **extra)
     batches = make_batches(cfg, 4)
+    if padded:
+        g = torch.Generator().manual_seed(5)
+        keep = [torch.rand(b["input_ids"].shape, generator=g) > 0.3 for b in batches]
+        batches = [{**b, "attention_mask": k.index_fill(1, torch.tensor([0]), True)} for b, k in zip(batches, keep)]
     return cfg, [batches[0:2], batches[2:4]]
 
 

@@ -39,6 +39,9 @@ WORLD2 = [
     # context parallel: each sequence in 4 pieces, 2 per rank, K/V all-gathered; RoPE, ALiBi, learned positions,
     # T5 buckets and a sliding window at each token's place in the sequence
     "decoder/cp", "decoder_alibi/cp-loss=plain", "gpt/cp", "decoder_t5/cp", "decoder_window/cp",
+    # bidirectional (BERT-like, padded batches: the padding mask stays whole, each piece attends to every key);
+    # a causal batch with its padding mask
+    "encoder/cp", "decoder/cp-padded",
 ]
 WORLD4 = [
     "decoder/hsdp", "encoder/hsdp",
@@ -52,6 +55,7 @@ WORLD4 = [
     # context parallel x FSDP (parameters sharded over dp_shard x cp; selective recompute), x TP+SP, x PP
     "decoder/cp-fsdp", "decoder_alibi/cp-fsdp-recompute=selective", "decoder/cp-tp", "decoder/cp-pp-sched=zbv",
     "decoder/cp=4",  # 8 pieces of 2 tokens
+    "encoder/cp-fsdp",
 ]
 WORLD8 = ["decoder/pp-fsdp-tp", "encdec/pp-fsdp-tp-sched=interleaved_1f1b-spr=2",
           "decoder/cp-hsdp", "decoder/cp-pp-tp"]  # context parallel with HSDP; all of pp x cp x tp

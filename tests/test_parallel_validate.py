@@ -76,12 +76,13 @@ def test_selective_recompute_rejected_with_zero_bubble():
 
 
 def test_context_parallel_layouts():
-    """decoder-only, any composition with FSDP/HSDP, TP and PP; sequences split evenly."""
+    """decoder- and encoder-only, any composition with FSDP/HSDP, TP and PP; sequences split evenly."""
     dims = validate_parallel(make_config("decoder", {"cp": 2}), 8, "cpu")
     assert (dims.dp_shard, dims.cp, dims.dp) == (4, 2, 4) and dims.fsdp_enabled and dims.cp_enabled
     only_cp = validate_parallel(make_config("decoder", {"cp": 2}), 2, "cpu")
     assert only_cp.dp == 1 and only_cp.fsdp_enabled  # FSDP over the 2 context-parallel ranks
-    assert "decoder-only" in bad("encoder", cp=2) and "decoder-only" in bad("encdec", cp=2)
+    assert "not 'encoder_decoder'" in bad("encdec", cp=2)
+    assert validate_parallel(make_config("encoder", {"cp": 2}), 2, "cpu").cp_enabled
     full = validate_parallel(make_config("decoder", {"cp": 2, "tp": 2, "pp": 2}), 16, "cpu")
     assert (full.pp, full.dp_shard, full.cp, full.tp) == (2, 2, 2, 2)
     assert "not divisible" in bad(world=3, cp=3)  # the harness's seq_len is 16: not 6 pieces
@@ -147,14 +148,14 @@ def test_context_parallel_with_sequence_parallel_needs_an_even_split_per_rank():
     validate_parallel(load_config("meshformer/configs/llama-8b.toml", ["parallel.cp=2", "parallel.tp=8"]), 16, "cpu")
 
 
-def test_context_parallel_chunks_refuse_padded_or_uneven_batches():
+def test_context_parallel_chunks_keep_the_padding_mask_and_refuse_uneven_batches():
     from meshformer.parallel.context import sequence_chunk
 
     ids = torch.arange(12).view(2, 6)
     chunk = sequence_chunk({"input_ids": ids, "labels": ids + 1}, 0, 3)  # 6 pieces of one token: 0 and 5
     assert chunk["input_ids"].tolist() == [[0, 5], [6, 11]] and chunk["labels"].tolist() == [[1, 6], [7, 12]]
-    with pytest.raises(ValueError, match="attention_mask"):
-        sequence_chunk({"input_ids": ids, "attention_mask": ids > 0}, 0, 2)
+    padding = ids > 0
+    assert sequence_chunk({"input_ids": ids, "attention_mask": padding}, 0, 3)["attention_mask"] is padding  # keys
     with pytest.raises(ValueError, match="multiple of 2 x cp"):
         sequence_chunk({"input_ids": ids}, 0, 2)
 

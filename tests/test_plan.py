@@ -75,7 +75,7 @@ def test_search_orders_fitting_layouts_and_respects_the_device():
 
 def test_search_offers_context_parallel_where_only_it_fits():
     """Llama-3-8B at 128k tokens on 64 H100s: no layout fits without cutting the sequence or the heads, and the
-    fitting ones come in order of tp x pp x cp; encoder models are never offered cp."""
+    fitting ones come in order of tp x pp x cp; encoder-decoder models are never offered cp."""
     cfg = load_config(CONFIGS / "llama-8b.toml", ["data.seq_len=131072", "model.max_seq_len=131072",
                                                   "data.batch_size=1"])
     results = search_layouts(cfg, 64, "h100-80gb")
@@ -84,8 +84,8 @@ def test_search_offers_context_parallel_where_only_it_fits():
     assert not [r for r in fitting if r.tp * r.pp * r.cp == 1]
     assert any(r.cp > 1 and r.tp == r.pp == 1 for r in fitting)
     assert [r.tp * r.pp * r.cp for r in fitting] == sorted(r.tp * r.pp * r.cp for r in fitting)
-    bert = search_layouts(load_config(CONFIGS / "tiny-bert.toml"), 8, "h100-80gb")
-    assert {r.cp for r in bert} == {1}
+    t5 = search_layouts(load_config(CONFIGS / "tiny-t5.toml"), 8, "h100-80gb")
+    assert {r.cp for r in t5} == {1}
 
 
 def test_cli_prints_table_and_json(capsys):

@@ -94,7 +94,7 @@ class ParallelConfig:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: whatever the other dimensions leave of the world
-    cp: int = 1  # context parallel (decoder-only): each sequence split over cp ranks (meshformer/parallel/context.py)
+    cp: int = 1  # context parallel (decoder/encoder-only): each sequence split over cp ranks (parallel/context.py)
     tp: int = 1
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = "1f1b"
     pp_microbatches: int = 0  # 0: one per pipeline stage

@@ -158,13 +158,16 @@ class Attention(nn.Module):
                     k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
                 cache.k, cache.v = k, v
         if self.chunk is not None:
-            # each piece's queries against the keys up to its end: causal, aligned at the bottom right, or the rows
-            # of a sliding-window mask over the whole sequence (layout.py refuses padded batches)
-            out = torch.cat([self._attend(q[:, :, start:start + n], k[:, :, :at + n], v[:, :, :at + n],
-                                          mask if mask.mask is None else AttentionMask(
-                                              mask.mask[..., start:start + n, :at + n]),
-                                          None if bias is None else bias[..., start:start + n, :at + n])
-                             for start, n, at in self.chunk.spans(q.shape[2])], dim=2)
+            # each piece's queries against the keys it may see (causal: up to its end, aligned at the bottom right;
+            # bidirectional: all), with its rows of a padding or window mask over the whole sequence
+            pieces = []
+            for start, n, at in self.chunk.spans(q.shape[2]):
+                keys = at + n if self.causal else k.shape[2]
+                piece_mask = mask if mask.mask is None else AttentionMask(mask.mask[..., start:start + n, :keys])
+                piece_bias = None if bias is None else bias[..., start:start + n, :keys]
+                pieces.append(self._attend(q[:, :, start:start + n], k[:, :, :keys], v[:, :, :keys], piece_mask,
+                                           piece_bias))
+            out = torch.cat(pieces, dim=2)
         else:
             out = self._attend(q, k, v, mask, bias)
         batch, _, length, _ = out.shape

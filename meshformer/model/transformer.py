@@ -153,6 +153,13 @@ class Transformer(nn.Module):
             return h
         return self.embed(ids, **embed_kwargs) if self.tok_embeddings is not None else ids
 
+    def _positions(self, q_len: int, offset: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        """(positions of these q_len tokens, keys attention sees): offset.. after a KV cache; under context parallel
+        this rank's pieces (attention splits by piece) against the whole sequence."""
+        if self.chunk is not None:
+            return self.chunk.positions(q_len, device), q_len * self.chunk.count
+        return torch.arange(offset, offset + q_len, device=device), offset + q_len
+
     def _relative(self, positions: torch.Tensor, k_len: int, *, causal: bool) -> dict:
         """RoPE angles / ALiBi or T5 biases for self-attention from the queries' positions (keys at 0..k_len-1),
         computed once per stack (causal: the decoder's)."""
@@ -175,11 +182,16 @@ class Transformer(nn.Module):
 
         h: hidden states from an earlier pipeline stage instead of embedding `ids` (B, T) here.
         """
-        h = self._hidden(ids, h, source=True)
         length = ids.shape[1]  # not h's: a received h may be a sequence-parallel shard
-        mask = build_mask(length, length, causal=False, window=self.cfg.attention_window, key_padding=padding,
-                          device=h.device)
-        extra = self._relative(torch.arange(length, device=h.device), length, causal=False)
+        positions, k_len = self._positions(length, 0, ids.device)
+        h = self._hidden(ids, h, source=True, positions=positions)
+        if self.chunk is None:
+            mask = build_mask(length, length, causal=False, window=self.cfg.attention_window, key_padding=padding,
+                              device=h.device)
+        else:  # every piece's rows against the whole sequence's keys
+            mask = build_mask(length, k_len, q_positions=positions, causal=False, window=self.cfg.attention_window,
+                              key_padding=padding, device=h.device)
+        extra = self._relative(positions, k_len, causal=False)
         if self.encoder_layers is None:
             raise ValueError(f"a {self.cfg.family} model has no encoder to encode with")
         for layer in self.encoder_layers.values():
@@ -208,17 +220,15 @@ class Transformer(nn.Module):
         """
         q_len = ids.shape[1]  # not h's: a received h may be a sequence-parallel shard
         offset = cache[0].self_attn.length if cache else 0
-        if self.chunk is not None:  # context parallel: this rank's pieces of the sequence (attention splits by piece)
-            positions, k_len = self.chunk.positions(q_len, ids.device), q_len * self.chunk.count
-        else:
-            positions, k_len = torch.arange(offset, offset + q_len, device=ids.device), offset + q_len
+        positions, k_len = self._positions(q_len, offset, ids.device)
         h = self._hidden(ids, h, positions=positions)
         if padding is not None and padding.shape[1] != k_len:
             raise ValueError(f"decoder padding mask covers {padding.shape[1]} positions, expected {k_len} "
                              "(cached + new tokens)")
-        if self.chunk is not None and self.cfg.attention_window is not None:  # each piece slices its own rows
+        if self.chunk is not None and (self.cfg.attention_window is not None or padding is not None):
+            # each piece takes its rows of the mask over the whole sequence
             mask = build_mask(q_len, k_len, q_positions=positions, causal=True, window=self.cfg.attention_window,
-                              device=h.device)
+                              key_padding=padding, device=h.device)
         else:  # under cp each piece is causal at the bottom right: no tensor
             mask = build_mask(q_len, q_len + offset, q_offset=offset, causal=True, window=self.cfg.attention_window,
                               key_padding=padding, device=h.device)

@@ -5,7 +5,8 @@ an early piece sees few keys and a late one many, so every rank does the same at
 would give rank r (2r + 1) / cp of the mean). Every layer works on this rank's tokens; only attention needs the
 others: each self-attention layer all-gathers the pieces' keys and values (after RoPE, so every key keeps its own
 position), puts them in sequence order, and attends from each piece's queries to every key up to that piece's
-end, causally aligned at the bottom right (`model.attention.SequenceChunk`). This is the all-gather flavour of
+end, causally aligned at the bottom right (an encoder's pieces: to every key; `model.attention.SequenceChunk`).
+A padding mask is not split: it masks keys, and every rank reads the whole sequence's keys. This is the all-gather flavour of
 context parallelism (Llama 3's choice for long context: with grouped-query attention K/V are a fraction of the
 activations); its backward reduce-scatters the K/V gradients back to their owners. Parameters are replicated
 over cp, so FSDP shards them over dp_shard x cp and its reduce-scatter sums the pieces' gradients.
@@ -44,13 +45,12 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:
 
 
 def sequence_chunk(batch: Batch, index: int, count: int) -> Batch:
-    """This rank's two pieces of every per-token tensor in the batch (all of them are (B, T, ...))."""
-    if "attention_mask" in batch:
-        raise ValueError(f"parallel.cp={count}: context parallel runs unpadded (packed) causal batches, but this "
-                         "batch has an attention_mask; pack the data (the causal objective does) or set parallel.cp=1")
+    """This rank's two pieces of every per-token tensor in the batch (all of them are (B, T, ...)); a padding mask
+    stays whole: it masks keys, and every rank's attention reads the whole sequence's keys."""
     length, pieces = batch["input_ids"].shape[1], 2 * count
     if length % pieces:
         raise ValueError(f"parallel.cp={count} cuts each sequence into {pieces} equal pieces, but this batch's "
                          f"length is {length}; set data.seq_len to a multiple of 2 x cp")
-    return {key: torch.cat([value.chunk(pieces, dim=1)[index], value.chunk(pieces, dim=1)[pieces - 1 - index]], dim=1)
+    return {key: value if key == "attention_mask" else
+            torch.cat([value.chunk(pieces, dim=1)[index], value.chunk(pieces, dim=1)[pieces - 1 - index]], dim=1)
             for key, value in batch.items()}

@@ -44,14 +44,15 @@ class ActivationShape:
     cp: int = 1  # context-parallel ranks sharing each sequence
 
 
-def _attention_calls(x: ActivationShape, cross: bool, memory_len: int) -> list[tuple[int, int]]:
+def _attention_calls(x: ActivationShape, cross: bool, memory_len: int, causal: bool = True) -> list[tuple[int, int]]:
     """(queries, keys) of each attention call of a branch: one call, or under context parallel one per sequence
-    piece this rank holds (the same totals on every rank: that is what the pieces are chosen for)."""
+    piece this rank holds, against the keys up to its end (causal: the same totals on every rank, which is what
+    the pieces are chosen for) or all of them."""
     if cross:
         return [(x.seq, memory_len)]
     if x.cp == 1:
         return [(x.seq, x.seq)]
-    return [(n, at + n) for _, n, at in pieces_held(0, x.cp, x.seq)]
+    return [(n, at + n if causal else x.seq * x.cp) for _, n, at in pieces_held(0, x.cp, x.seq)]
 
 
 def _keys_kept(x: ActivationShape, calls: list[tuple[int, int]]) -> int:
@@ -97,7 +98,7 @@ def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memo
     total = 0.0
     for branch_cross in ([False, True] if cross else [False]):
         total += _norm(m, x, s_local) + gathered
-        calls = _attention_calls(x, branch_cross, memory_len)
+        calls = _attention_calls(x, branch_cross, memory_len, causal)
         kv = b * _keys_kept(x, calls) * heads * m.head_dim * a
         if m.attention_backend == "math":
             scores = b * heads * sum(q * k for q, k in calls)
@@ -128,7 +129,7 @@ def block_selective(m: ModelConfig, x: ActivationShape, *, cross: bool = False, 
     branches = 2 if cross else 1
     total = b * s_local * h * x.residual_bytes  # the checkpointed block's input
     for branch_cross in ([False, True] if cross else [False]):
-        calls = _attention_calls(x, branch_cross, memory_len)
+        calls = _attention_calls(x, branch_cross, memory_len, causal)
         total += b * s * heads * m.head_dim * a * 2  # q projection and attention output
         total += 2 * b * (memory_len if branch_cross else s) * kv_heads * m.head_dim * a  # k, v projections
         if x.blockwise:  # the kernel's own q/k/v rows (GQA: repeated) and probabilities

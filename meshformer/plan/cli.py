@@ -61,8 +61,7 @@ def print_report(result: dict, title: str) -> None:
         _table(["layout", "recompute", "peak GiB"],
                [[f["name"], f["recompute"], f"{f['peak_gib']:.2f}"] for f in result["fitting_layouts"]])
     else:
-        print("no layout with tp <= 8 (and, decoder-only, cp <= 16) fits; add ranks, shorten data.seq_len or lower "
-              "data.batch_size")
+        print("no layout with tp <= 8 and cp <= 16 fits; add ranks, shorten data.seq_len or lower data.batch_size")
     print(f"({result['seconds']:.1f} s)")
 
 

@@ -19,7 +19,7 @@ from meshformer.plan.shard import fake_world, meta_model, rank_shares, template_
 
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 TP_SIZES = (1, 2, 4, 8)  # tensor parallel stays inside one 8-GPU node
-CP_SIZES = (1, 2, 4, 8, 16)  # context parallel (decoder-only): Llama 3 trained 128k-token sequences at cp 16
+CP_SIZES = (1, 2, 4, 8, 16)  # context parallel (not encoder-decoder): Llama 3 trained 128k-token sequences at cp 16
 
 
 @dataclass
@@ -84,9 +84,10 @@ def _divisors_pow2(n: int, limit: int) -> list[int]:
 
 
 def _context_sizes(cfg: Config, ranks: int, tp: int) -> list[int]:
-    """cp values to try with `ranks` ranks left after pp x tp: decoder-only models, whole pieces per rank."""
+    """cp values to try with `ranks` ranks left after pp x tp: decoder- or encoder-only models, whole pieces per
+    rank."""
     spec, seq = get_family_spec(cfg.model.family), cfg.data.seq_len
-    if spec.has_encoder:
+    if spec.seq2seq:
         return [1]
     return [cp for cp in CP_SIZES if ranks % cp == 0 and seq % (2 * cp) == 0 and (seq // cp) % tp == 0] or [1]
 
