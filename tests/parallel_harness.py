@@ -246,6 +246,8 @@ def scenario(name: str) -> tuple[Config, list]:
             extra["fp8"] = value
         elif key == "loss":  # train.loss: the default (auto) is the chunked head loss, vocab-parallel under TP
             extra["loss"] = value
+        elif key == "compile":  # per-block torch.compile (the reference runs eager)
+            extra["compile"] = "blocks"
         elif key == "padded":  # decoder batches carry a key mask that hides earlier keys too (the first one kept)
             extra["_padded"] = True
         elif key == "single":

@@ -42,6 +42,7 @@ WORLD2 = [
     # bidirectional (BERT-like, padded batches: the padding mask stays whole, each piece attends to every key);
     # a causal batch with its padding mask
     "encoder/cp", "decoder/cp-padded",
+    "decoder/cp-compile",  # per-block torch.compile: the lower-right causal mask as a tensor inside the graph
 ]
 WORLD4 = [
     "decoder/hsdp", "encoder/hsdp",
