@@ -134,7 +134,7 @@ def validate_parallel(cfg: Config, world_size: int, device: torch.device | str |
     on_this_host=False (e.g. `submit` on a login node): the device's features are not checked here."""
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     device_type = torch.device(device).type if device is not None else _configured_device_type(cfg)
-    _check_context_parallel(cfg, dims)
+    check_context_parallel(cfg, dims)
     if cfg.model.position == "t5_relative" and (dims.tp > 1 or dims.pp > 1):
         # TP would have to slice the bias per rank's heads and PP to share each stack's table between stages.
         raise ConfigError(f"parallel.tp={dims.tp}, parallel.pp={dims.pp}: t5_relative position bias is not supported "
@@ -157,7 +157,7 @@ def _configured_device_type(cfg: Config) -> str:
     return torch.device(spec).type
 
 
-def _check_context_parallel(cfg: Config, dims: ParallelDims) -> None:
+def check_context_parallel(cfg: Config, dims: ParallelDims) -> None:
     if dims.cp == 1:
         return
     m, key = cfg.model, f"parallel.cp={dims.cp}"

@@ -43,10 +43,10 @@ def build_mask(
     decoding with a KV cache), or at `q_positions` (a context-parallel rank's pieces). Causal attention whose
     queries are the last keys needs no tensor at all.
     """
-    if window is None and key_padding is None and q_positions is None:
+    if window is None and key_padding is None:
         if not causal:
             return AttentionMask(None)
-        if q_offset + q_len == k_len:
+        if q_positions is None and q_offset + q_len == k_len:
             return AttentionMask(None, is_causal=True)
     if key_padding is not None:
         device = key_padding.device

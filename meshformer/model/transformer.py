@@ -185,12 +185,8 @@ class Transformer(nn.Module):
         length = ids.shape[1]  # not h's: a received h may be a sequence-parallel shard
         positions, k_len = self._positions(length, 0, ids.device)
         h = self._hidden(ids, h, source=True, positions=positions)
-        if self.chunk is None:
-            mask = build_mask(length, length, causal=False, window=self.cfg.attention_window, key_padding=padding,
-                              device=h.device)
-        else:  # every piece's rows against the whole sequence's keys
-            mask = build_mask(length, k_len, q_positions=positions, causal=False, window=self.cfg.attention_window,
-                              key_padding=padding, device=h.device)
+        mask = build_mask(length, k_len, q_positions=positions, causal=False, window=self.cfg.attention_window,
+                          key_padding=padding, device=h.device)  # under cp: each piece takes its rows
         extra = self._relative(positions, k_len, causal=False)
         if self.encoder_layers is None:
             raise ValueError(f"a {self.cfg.family} model has no encoder to encode with")
@@ -225,12 +221,13 @@ class Transformer(nn.Module):
         if padding is not None and padding.shape[1] != k_len:
             raise ValueError(f"decoder padding mask covers {padding.shape[1]} positions, expected {k_len} "
                              "(cached + new tokens)")
-        if self.chunk is not None and (self.cfg.attention_window is not None or padding is not None):
-            # each piece takes its rows of the mask over the whole sequence
-            mask = build_mask(q_len, k_len, q_positions=positions, causal=True, window=self.cfg.attention_window,
+        if self.chunk is None:
+            mask = build_mask(q_len, k_len, q_offset=offset, causal=True, window=self.cfg.attention_window,
                               key_padding=padding, device=h.device)
-        else:  # under cp each piece is causal at the bottom right: no tensor
-            mask = build_mask(q_len, q_len + offset, q_offset=offset, causal=True, window=self.cfg.attention_window,
+        elif self.cfg.attention_window is None and padding is None:
+            mask = AttentionMask(None, is_causal=True)  # each piece: causal at the bottom right, no tensor
+        else:  # each piece takes its rows of the mask over the whole sequence
+            mask = build_mask(q_len, k_len, q_positions=positions, causal=True, window=self.cfg.attention_window,
                               key_padding=padding, device=h.device)
         memory_mask = None
         if memory is not None:

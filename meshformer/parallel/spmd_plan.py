@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from meshformer.batch import Batch, model_inputs
 from meshformer.fused_loss import HeadLoss
@@ -41,12 +42,16 @@ class MeshPlan(TrainingPlan):
         """One rank per data-parallel replica: the last pipeline stage's first tensor-parallel rank."""
         return self.reports_loss and self.meshes.tp_rank == 0
 
+    @staticmethod
+    def _sum(value: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        value = value.detach().clone()
+        if mesh.size() > 1:
+            dist.all_reduce(value, group=mesh.get_group())
+        return value
+
     def _token_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over every rank holding other tokens of the step (data- and context-parallel ranks)."""
-        value = value.detach().clone()
-        if self.dims.dp * self.dims.cp > 1:
-            dist.all_reduce(value, group=self.meshes.tokens.get_group())
-        return value
+        return self._sum(value, self.meshes.tokens)
 
     def _local(self, batch: Batch) -> Batch:
         """This rank's tokens of a data-parallel batch: all of it, or its chunk of each sequence under cp."""
@@ -55,8 +60,9 @@ class MeshPlan(TrainingPlan):
         return sequence_chunk(batch, self.meshes.cp.get_local_rank(), self.dims.cp)
 
     def global_token_count(self, micro_batches: list[Batch]) -> torch.Tensor:
-        local = torch.stack([count_tokens(self._local(b)["labels"]) for b in micro_batches]).sum().to(self.device)
-        return self._token_sum(local)
+        # the context-parallel ranks of a replica share its samples: count whole batches, sum over data parallel
+        local = torch.stack([count_tokens(b["labels"]) for b in micro_batches]).sum().to(self.device)
+        return self._sum(local, self.meshes.dp)
 
     def reduce_for_logging(self, value: torch.Tensor) -> float:
         """Sum of a per-rank quantity (a loss sum of this rank's tokens) over the ranks holding distinct tokens: every

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from meshformer.config import Config, ConfigError, Recompute
-from meshformer.layout import ParallelDims
+from meshformer.layout import ParallelDims, check_context_parallel
 from meshformer.model.families import get_family_spec
 from meshformer.plan.memory import RankMemory, rank_memory, usable_bytes
 from meshformer.plan.shard import fake_world, meta_model, rank_shares, template_shares, tp_template
@@ -83,13 +83,19 @@ def _divisors_pow2(n: int, limit: int) -> list[int]:
     return out
 
 
-def _context_sizes(cfg: Config, ranks: int, tp: int) -> list[int]:
-    """cp values to try with `ranks` ranks left after pp x tp: decoder- or encoder-only models, whole pieces per
-    rank."""
-    spec, seq = get_family_spec(cfg.model.family), cfg.data.seq_len
-    if spec.seq2seq:
-        return [1]
-    return [cp for cp in CP_SIZES if ranks % cp == 0 and seq % (2 * cp) == 0 and (seq // cp) % tp == 0] or [1]
+def _context_layouts(cfg: Config, world_size: int, pp: int, tp: int) -> list[tuple[int, ParallelDims]]:
+    """(cp, dimensions) for every cp the ranks left after pp x tp and the layout's context-parallel rules allow."""
+    layouts = []
+    for cp in CP_SIZES:
+        if (world_size // (pp * tp)) % cp:
+            continue
+        dims = ParallelDims.from_config(with_layout(cfg, world_size, pp, tp, "none", cp).parallel, world_size)
+        try:
+            check_context_parallel(cfg, dims)
+        except ConfigError:
+            continue
+        layouts.append((cp, dims))
+    return layouts
 
 
 def search_layouts(cfg: Config, world_size: int, device: str) -> list[LayoutMemory]:
@@ -113,10 +119,9 @@ def search_layouts(cfg: Config, world_size: int, device: str) -> list[LayoutMemo
                     _, shares = template_shares(base, world_size, model, template)
                 except (ConfigError, ValueError):
                     continue
-                for cp in _context_sizes(cfg, world_size // (tp * pp), tp):
+                for cp, cp_dims in _context_layouts(cfg, world_size, pp, tp):
                     for mode in RECOMPUTE_MODES:
                         layout_cfg = with_layout(cfg, world_size, pp, tp, mode, cp)
-                        cp_dims = ParallelDims.from_config(layout_cfg.parallel, world_size)
                         results.append(_layout(layout_cfg, cp_dims,
                                                [rank_memory(layout_cfg, cp_dims, s) for s in shares]))
     budget = usable_bytes(device)
