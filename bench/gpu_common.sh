@@ -18,8 +18,9 @@ else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 
-item() {  # item NAME TIMEOUT_S command...: run with a timeout, keep its JSON lines, note failures as JSON too
-  local name=$1 limit=$2; shift 2
+item() {  # item NAME TIMEOUT_S command...: run with a timeout (TIMEOUT_<NAME> overrides it), keep its JSON lines,
+  # note failures as JSON too
+  local name=$1 override="TIMEOUT_$1"; local limit=${!override:-$2}; shift 2
   [[ -z "$ITEMS" || " $ITEMS " == *" $name "* ]] || return 0
   local left=$(( BUDGET - ($(date +%s) - START) ))
   if (( left < 15 )); then

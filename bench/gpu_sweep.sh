@@ -14,6 +14,7 @@
 #   bash bench/gpu_sweep.sh                   # on the GPU machine (wheels from .whl/ installed to /tmp/site)
 #   SMOKE=1 bash bench/gpu_sweep.sh           # CPU dry run with tiny shapes (also: --dry-run)
 #   ITEMS="llama fp8" bash bench/gpu_sweep.sh # a subset: gemm fp8 llama gpt2xl profile
+#   TIMEOUT_gpt2xl=300 bash bench/gpu_sweep.sh  # an item's own time limit
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ITEMS=${ITEMS:-gemm fp8 llama gpt2xl profile}
@@ -28,6 +29,7 @@ SWEEP="python3 bench/speed_sweep.py --dtype bf16"
 GPT_VARIANTS=${GPT_VARIANTS:-"blocks+plain blocks+cudnn+plain blocks+cudnn+plain+tensorwise model+cudnn+plain"}
 LLAMA_VARIANTS=${LLAMA_VARIANTS:-"blocks+plain blocks+cudnn+plain blocks+cudnn+plain+tensorwise model+cudnn+plain"}
 FP8_RECIPES=${FP8_RECIPES:-"off off@seed1 tensorwise tensorwise+ends"}
+FP8_COMPILE=${FP8_COMPILE:-blocks}  # or model: whole-model compile of the four layers
 if [[ "$SMOKE" == 1 ]]; then
   item gemm 60 python3 bench/gemm_ceiling.py --n 256 --seconds 0.2 --device cpu
   item fp8 200 python3 bench/fp8_layers.py --shape tiny-llama --steps 12 --compile off --device cpu --emulate \
@@ -39,7 +41,8 @@ if [[ "$SMOKE" == 1 ]]; then
     --steps 2
 else
   item gemm 25 python3 bench/gemm_ceiling.py --n 8192 --seconds 1
-  item fp8 150 python3 bench/fp8_layers.py --shape llama8b-layers --steps 200 --compile blocks --recipes $FP8_RECIPES
+  item fp8 150 python3 bench/fp8_layers.py --shape llama8b-layers --steps 200 --compile "$FP8_COMPILE" \
+    --recipes $FP8_RECIPES
   item llama 130 $SWEEP --shape llama-1b --reference none --variants $LLAMA_VARIANTS --steps 6 --rounds 2 --warmup 3
   item gpt2xl 230 $SWEEP --shape gpt2-xl --variants $GPT_VARIANTS --steps 8 --rounds 2 --warmup 3
   item profile 60 python3 bench/profile_step.py --shape llama-1b --device cuda --variant blocks+cudnn+plain \

@@ -53,7 +53,7 @@ def measure(parallel: dict, steps: int) -> dict[str, float]:
         torch.distributed.barrier()
         start = time.perf_counter()
         plan.forward_backward(batch, plan.global_token_count([batch]))
-        plan.clip_grad_norm(1.0)
+        plan.clip_grad_norm(1.0, optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)

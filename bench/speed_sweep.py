@@ -4,8 +4,10 @@ measurement of the nanoGPT-style reference (compiled whole-model when any varian
 A variant is tokens joined by "+": compile `off` | `blocks` | `model`; loss `plain` | `chunked` | `liger` (default
 `auto`); attention kernel first `flash` | `cudnn` | `efficient`; `autotune` (inductor max-autotune without CUDA
 graphs); FP8 recipe `tensorwise` | `rowwise` (torchao float8; bf16 otherwise, so an FP8 ratio against the bf16
-reference is a different precision, named in its variant). The reference is measured once, first; each variant
-then prints one JSON line as soon as it is done (a failing variant prints its error and the sweep goes on):
+reference is a different precision, named in its variant); `clippass` clips the gradients in a pass of their own
+instead of inside the fused AdamW update (the step before the fold, to measure what it saves). The reference is
+measured once, first; each variant then prints one JSON line as soon as it is done (a failing variant prints its
+error and the sweep goes on):
 
     python bench/speed_sweep.py --shape gpt2-xl --variants blocks blocks+plain model+plain blocks+cudnn+plain
     python bench/speed_sweep.py --shape llama-1b --reference none --variants blocks+plain blocks+cudnn+plain
@@ -48,10 +50,19 @@ def parse_variant(name: str) -> tuple[str, str, list[str]]:
             extra.append("train.compile_mode=max-autotune-no-cudagraphs")
         elif token in float8.FP8_RECIPES:
             extra.append(f"train.fp8={token}")
+        elif token == "clippass":
+            pass  # applied to the built trainer: see clip_in_own_pass
         else:
             raise SystemExit(f"unknown variant token {token!r} in {name!r}; "
-                             f"use {COMPILE} {LOSS} {ATTENTION} {float8.FP8_RECIPES} autotune")
+                             f"use {COMPILE} {LOSS} {ATTENTION} {float8.FP8_RECIPES} autotune clippass")
     return compile, loss, extra
+
+
+def clip_in_own_pass(trainer) -> None:
+    """Clip without handing the factor to the optimizer: one more read and write of every gradient."""
+    plan = trainer.plan
+    clip = plan.clip_grad_norm
+    plan.clip_grad_norm = lambda max_norm, optimizer=None: clip(max_norm)
 
 
 def measure(runner, args, device: torch.device) -> dict:
@@ -104,6 +115,8 @@ def main() -> None:
                                batch=args.batch, extra=extra)
             reset_memory(device)
             ours = Ours(cfg, tokens)
+            if "clippass" in name.split("+"):
+                clip_in_own_pass(ours.trainer)
             result = measure(ours, args, device)
             tps = tokens_per_step / result["seconds_per_step"]
             peak = ours.trainer.ceiling.flops

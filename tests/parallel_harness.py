@@ -114,7 +114,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def train_steps(plan: TrainingPlan, steps: list[list[dict[str, torch.Tensor]]], dp_rank: int, dp_size: int):
     """Two optimizer steps; returns (global losses, step-0 grads by canonical name, pre-clip norms)."""
     params = [p for part in plan.model_parts for p in part.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
+    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
     losses, norms, grads0 = [], [], {}
     for i, micro in enumerate(steps):
         local = [{k: v.chunk(dp_size)[dp_rank] for k, v in b.items()} for b in micro]
@@ -124,7 +124,7 @@ def train_steps(plan: TrainingPlan, steps: list[list[dict[str, torch.Tensor]]], 
             loss_sum += plan.forward_backward(batch, tokens)
         if i == 0:
             grads0 = gathered_grads(plan)
-        norms.append(float(plan.clip_grad_norm(MAX_NORM)))
+        norms.append(float(plan.clip_grad_norm(MAX_NORM, optimizer)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         total = plan.reduce_for_logging(loss_sum) if dist.is_initialized() else float(loss_sum)

@@ -1,6 +1,7 @@
 """GPU speed options, wired and checked on CPU: the preferred SDPA kernel (model.attention_backend), the inductor
-mode (train.compile_mode), FP8 with the end blocks in high precision (train.fp8_keep_ends) and the multi-tensor
-gradient norm. Their speed is measured by bench/gpu_sweep.sh, not here."""
+mode (train.compile_mode), FP8 with the end blocks in high precision (train.fp8_keep_ends), the multi-tensor
+gradient norm and clipping folded into the fused AdamW update. Their speed is measured by bench/gpu_sweep.sh, not
+here."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from meshformer.parallel import build_plan
 from meshformer.parallel import float8 as float8_module
 from meshformer.parallel.float8 import apply_float8, end_blocks
 from meshformer.parallel.grad_norm import global_grad_norm
+from meshformer.parallel.plan import divides_gradients
 
 
 def attention_pair(backend: str, **model) -> tuple[nn.Module, nn.Module]:
@@ -133,6 +135,39 @@ def test_multi_tensor_grad_norm_matches_per_tensor_sum():
     # replicated copies count once: two ranks per stage holding whole tensors halve the squared sum
     torch.testing.assert_close(global_grad_norm(grads, 2, torch.device("cpu")).double(), expected / 2**0.5,
                                rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e3])  # clipping on every step / never
+def test_clip_folded_into_fused_adamw_equals_clipping_the_gradients(max_norm):
+    cfg = make_config("decoder")
+    batches = make_batches(cfg, 3)
+    weights = {}
+    for fold in (True, False):
+        plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
+        params = list(plan.model.parameters())
+        optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+        for batch in batches:
+            plan.forward_backward(batch, plan.global_token_count([batch]))
+            before = [p.grad.clone() for p in params]
+            norm = plan.clip_grad_norm(max_norm, optimizer if fold else None)
+            clipped = max_norm < float(norm)
+            # folded: the gradients stay as they are and the update divides them by the clip factor
+            assert all(torch.equal(p.grad, g) for p, g in zip(params, before)) == (fold or not clipped)
+            if fold and clipped:
+                torch.testing.assert_close(optimizer.grad_scale, norm / max_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        weights[fold] = [p.detach().clone() for p in params]
+    for folded, clipped in zip(weights[True], weights[False]):
+        torch.testing.assert_close(folded, clipped, rtol=1e-5, atol=1e-6)  # unclipped: 1.6e-2 apart
+
+
+def test_only_fused_adam_divides_gradients_in_its_update():
+    params = [nn.Parameter(torch.ones(2))]
+    assert divides_gradients(torch.optim.AdamW(params, fused=True))
+    assert divides_gradients(torch.optim.Adam(params, fused=True))
+    assert not divides_gradients(torch.optim.AdamW(params, foreach=True))  # its update asserts grad_scale is None
+    assert not divides_gradients(torch.optim.SGD(params, lr=0.1))
 
 
 def test_compiled_run_compiles_the_plain_loss_with_equal_values_and_gradients(monkeypatch):

@@ -58,9 +58,8 @@ def global_grad_norm(grads: Iterable[torch.Tensor], ranks_per_stage: int, device
     return total.sqrt()
 
 
-def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
-    """Scale gradients in place by min(1, max_norm / (norm + 1e-6)), exactly as torch's clip_grad_norm_."""
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+def scale_grads_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply gradients (DTensor or plain) in place by a scalar tensor, one multi-tensor kernel."""
     locals_ = [local_tensor(g) for g in grads]
     if locals_:
         torch._foreach_mul_(locals_, coef.to(locals_[0].device))

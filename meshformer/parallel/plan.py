@@ -16,6 +16,7 @@ from torch import nn
 from meshformer.batch import Batch, model_inputs
 from meshformer.fused_loss import HeadLoss
 from meshformer.loss import count_tokens, cross_entropy_sum
+from meshformer.parallel.grad_norm import scale_grads_
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> summed loss
 
@@ -74,12 +75,38 @@ class TrainingPlan:
             logits = self.model(**model_inputs(batch))
         return self.loss_fn(logits, batch["labels"])
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip by the global gradient norm (over every shard and stage); return the norm before clipping."""
-        params = [p for part in self.model_parts for p in part.parameters() if p.grad is not None]
-        if max_norm > 0:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
+    def clip_grad_norm(self, max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+        """Clip by the global gradient norm (over every shard and stage); return the norm before clipping.
+
+        Given a fused Adam/AdamW, the clip factor goes to its kernel (`grad_scale`, which the update divides each
+        gradient by) instead of a separate pass that reads and writes every gradient once more: ~2% of a GPU step.
+        """
+        norm = self.grad_norm()
+        if max_norm <= 0:
+            return norm
+        if optimizer is not None and divides_gradients(optimizer):
+            optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)  # type: ignore[attr-defined]
+        else:
+            self.scale_grads_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return norm
+
+    def grad_norm(self) -> torch.Tensor:
+        """L2 norm of the whole gradient."""
+        return torch.nn.utils.get_total_norm(self._all_grads(), foreach=True)
+
+    def scale_grads_(self, coef: torch.Tensor) -> None:
+        """Multiply every gradient by `coef` (a scalar tensor) in place."""
+        scale_grads_(self._all_grads(), coef)
+
+    def _all_grads(self) -> list[torch.Tensor]:
+        """Every gradient once, duplicates of shared weights included (under pipelines they are separate tensors)."""
+        seen, grads = set(), []
+        for part in self.model_parts:
+            for param in part.parameters():
+                if param.grad is not None and id(param) not in seen:
+                    seen.add(id(param))
+                    grads.append(param.grad)
+        return grads
 
     def reduce_for_logging(self, value: torch.Tensor) -> float:
         """A per-rank sum made global (identity on one device)."""
@@ -89,6 +116,12 @@ class TrainingPlan:
         if self.autocast_dtype is None:
             return torch.autocast(self.device.type, enabled=False)
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+
+def divides_gradients(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` divides gradients by `optimizer.grad_scale` (torch's fused Adam and AdamW do)."""
+    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and all(
+        group.get("fused") for group in optimizer.param_groups)
 
 
 def default_loss_fn(label_smoothing: float = 0.0, z_loss: float = 0.0) -> LossFn:

@@ -17,7 +17,7 @@ from meshformer.batch import Batch, model_inputs
 from meshformer.fused_loss import HeadLoss
 from meshformer.loss import count_tokens
 from meshformer.parallel.context import sequence_chunk
-from meshformer.parallel.grad_norm import clip_grads_, global_grad_norm, settle_grad
+from meshformer.parallel.grad_norm import global_grad_norm, settle_grad
 from meshformer.parallel.mesh import Meshes
 from meshformer.parallel.plan import LossFn, TrainingPlan
 
@@ -88,22 +88,8 @@ class MeshPlan(TrainingPlan):
     def _counts_in_norm(self, part: nn.Module, param: nn.Parameter) -> bool:
         return True
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        grads = self._grads()
-        norm = global_grad_norm(grads, self.dims.world_size // self.dims.pp, self.device)
-        if max_norm > 0:
-            clip_grads_(self._all_grads(), max_norm, norm)
-        return norm
-
-    def _all_grads(self) -> list[torch.Tensor]:
-        """Every gradient to scale, duplicates of shared weights included (they are separate tensors)."""
-        seen, grads = set(), []
-        for part in self.model_parts:
-            for param in part.parameters():
-                if param.grad is not None and id(param) not in seen:
-                    seen.add(id(param))
-                    grads.append(param.grad)
-        return grads
+    def grad_norm(self) -> torch.Tensor:
+        return global_grad_norm(self._grads(), self.dims.world_size // self.dims.pp, self.device)
 
 
 class SPMDPlan(MeshPlan):

@@ -111,7 +111,7 @@ class TrainingStep:
     def __call__(self) -> None:
         plan, batch = self.plan, self.batch
         plan.forward_backward(batch, plan.global_token_count([batch]))
-        plan.clip_grad_norm(self.cfg.optim.grad_clip)
+        plan.clip_grad_norm(self.cfg.optim.grad_clip, self.optimizer)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 

@@ -143,7 +143,7 @@ class Trainer:
         for batch in micro_batches:
             loss_sum += self.plan.forward_backward(batch, global_tokens)
         self.watchdog.phase("grad_norm")
-        grad_norm = self.plan.clip_grad_norm(self.cfg.optim.grad_clip)
+        grad_norm = self.plan.clip_grad_norm(self.cfg.optim.grad_clip, self.optimizer)
         self.watchdog.phase("optimizer")
         self.last_lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used (the scheduler moves on)
         self.optimizer.step()
