@@ -334,6 +334,9 @@ def liger_available() -> bool:
     return True
 
 
+# A graph break under whole-model compile, like the chunked loss: dynamo cannot trace liger's autograd Function (torch
+# 2.11 on an H200: its fake-tensor addmm with out_dtype fails), and the kernel is fused already.
+@torch.compiler.disable
 def liger_linear_cross_entropy(
     hidden: torch.Tensor,
     labels: torch.Tensor,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -155,6 +158,31 @@ def test_plan_uses_the_configured_loss():
     cfg.train.loss = "plain"
     plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
     assert plan.head_loss is None and plan.report["loss"].startswith("plain")
+
+
+def test_liger_loss_runs_eagerly_inside_a_compiled_model(monkeypatch):
+    """Whole-model compile must not trace into liger's kernel (dynamo failed on it under torch 2.11 on an H200)."""
+    traced = []
+
+    class FakeLiger(torch.autograd.Function):  # stands in for liger's Triton kernel: plain cross-entropy
+        @staticmethod
+        def forward(ctx, hidden, weight, labels, bias, *rest):
+            traced.append(torch.compiler.is_compiling())
+            return F.cross_entropy(hidden @ weight.t(), labels, reduction="sum")
+
+        @staticmethod
+        def backward(ctx, grad):
+            return (None,) * 12
+
+    module = types.ModuleType("liger_kernel.ops.fused_linear_cross_entropy")
+    module.LigerFusedLinearCrossEntropyFunction = FakeLiger
+    monkeypatch.setitem(sys.modules, "liger_kernel.ops.fused_linear_cross_entropy", module)
+    head_loss = head_loss_fn("liger", 0.0, 0.0)
+    hidden, weight, labels = torch.randn(2, 3, 8), torch.randn(11, 8), torch.randint(0, 11, (2, 3))
+    compiled = torch.compile(lambda h: head_loss(h.relu(), labels, weight, None), backend="eager")
+    expected = F.cross_entropy(hidden.relu().reshape(-1, 8) @ weight.t(), labels.reshape(-1), reduction="sum")
+    torch.testing.assert_close(compiled(hidden), expected)
+    assert traced == [False]  # called once, by the eager graph break
 
 
 def test_loss_choice_is_checked_against_device_and_layout():
