@@ -45,6 +45,10 @@ class UsageError(MeshformerError, ValueError):
     """A command-line option out of range or contradicting another one."""
 
 
+class DivergenceError(MeshformerError, RuntimeError):
+    """Training cannot go on: every recent step's gradient was inf/nan."""
+
+
 class SubmitError(MeshformerError, RuntimeError):
     """A job that cannot be submitted (SLURM training runs, `data submit-prepare`): the problem and its fix."""
 

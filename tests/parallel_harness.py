@@ -38,6 +38,7 @@ from meshformer.batch import IGNORE_INDEX  # noqa: E402
 from meshformer.config import Config, config_from_dict  # noqa: E402
 from meshformer.model import Transformer  # noqa: E402
 from meshformer.parallel.plan import TrainingPlan, default_loss_fn  # noqa: E402
+from meshformer.train.optim import SkippedUpdates  # noqa: E402
 
 BATCH, SEQ, TARGET, VOCAB = 8, 16, 8, 64
 MAX_NORM = 0.05  # small enough that clipping is active in both steps
@@ -115,6 +116,7 @@ def train_steps(plan: TrainingPlan, steps: list[list[dict[str, torch.Tensor]]], 
     """Two optimizer steps; returns (global losses, step-0 grads by canonical name, pre-clip norms)."""
     params = [p for part in plan.model_parts for p in part.parameters()]
     optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+    updates = SkippedUpdates(optimizer, limit=0)  # the trainer's update: clip factor and skip flag in the kernel
     losses, norms, grads0 = [], [], {}
     for i, micro in enumerate(steps):
         local = [{k: v.chunk(dp_size)[dp_rank] for k, v in b.items()} for b in micro]
@@ -124,8 +126,9 @@ def train_steps(plan: TrainingPlan, steps: list[list[dict[str, torch.Tensor]]], 
             loss_sum += plan.forward_backward(batch, tokens)
         if i == 0:
             grads0 = gathered_grads(plan)
-        norms.append(float(plan.clip_grad_norm(MAX_NORM, optimizer)))
-        optimizer.step()
+        norm = plan.clip_grad_norm(MAX_NORM, optimizer)
+        norms.append(float(norm))
+        updates.step(norm)
         optimizer.zero_grad(set_to_none=True)
         total = plan.reduce_for_logging(loss_sum) if dist.is_initialized() else float(loss_sum)
         losses.append(total / float(tokens))
@@ -265,6 +268,33 @@ def scenario(name: str) -> tuple[Config, list]:
     return cfg, [batches[0:2], batches[2:4]]
 
 
+def nan_step_check() -> dict[str, Any]:
+    """One rank's NaN gradient under FSDP: the global norm carries it to every rank and every rank skips the update
+    (then trains on at the next finite step)."""
+    from meshformer.parallel import build_plan
+
+    cfg, steps = scenario("decoder/fsdp")
+    plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
+    params = [p for part in plan.model_parts for p in part.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+    updates = SkippedUpdates(optimizer, limit=1)
+    changed = []
+    for i, micro in enumerate(steps):
+        before = [full(p).detach().clone() for p in params]
+        batch = {k: v.chunk(plan.dp_size)[plan.dp_rank] for k, v in micro[0].items()}
+        plan.forward_backward(batch, plan.global_token_count([batch]))
+        if i == 0 and dist.get_rank() == 1:
+            params[-1].grad.to_local().view(-1)[0] = float("nan")  # one element of one shard on one rank
+        updates.step(plan.clip_grad_norm(MAX_NORM, optimizer))
+        optimizer.zero_grad(set_to_none=True)
+        after = [full(p).detach() for p in params]
+        changed.append(sum(not torch.equal(a, b) for a, b in zip(after, before)))
+    finite = all(bool(torch.isfinite(full(p)).all()) for p in params)
+    per_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, {"changed": changed, "skipped": updates.check(len(steps)), "finite": finite})
+    return {"ranks": per_rank, "params": len(params)}
+
+
 def vocab_parallel_loss_check() -> dict[str, Any]:
     """The vocab-parallel cross-entropy alone against cross_entropy_sum on full logits (world = tp)."""
     from meshformer.loss import cross_entropy_sum
@@ -322,6 +352,8 @@ def run_scenario(name: str) -> dict[str, Any]:
 
     if name == "loss/vocab_parallel":
         return vocab_parallel_loss_check()
+    if name == "skip/nan":
+        return nan_step_check()
     if name.startswith("materialize:"):
         from materialize_checks import materialize_check
 

@@ -7,8 +7,44 @@ import torch.nn.functional as F
 
 from meshformer.batch import IGNORE_INDEX
 from meshformer.config import OptimConfig, ScheduleConfig
+from meshformer.errors import DivergenceError
 from meshformer.loss import cross_entropy_sum
-from meshformer.train.optim import build_optimizer, lr_multiplier
+from meshformer.train.optim import SkippedUpdates, build_optimizer, lr_multiplier
+
+
+def _adamw_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t.clone() for state in optimizer.state.values() for t in state.values()]
+
+
+@pytest.mark.parametrize("kernel", ["fused", "foreach"])
+def test_inf_nan_gradient_norm_skips_the_whole_update(kernel):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+    optimizer, _ = build_optimizer([torch.nn.ParameterList(params)], OptimConfig(implementation=kernel))
+    updates = SkippedUpdates(optimizer, limit=1)
+
+    def step(bad: float | None) -> None:
+        for p in params:
+            p.grad = torch.randn_like(p)
+        if bad is not None:
+            params[1].grad[0] = bad
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        updates.step(norm)
+        optimizer.zero_grad(set_to_none=True)
+
+    step(None)
+    weights, state = [p.detach().clone() for p in params], _adamw_state(optimizer)
+    for bad in (float("nan"), float("inf")):
+        step(bad)
+        assert all(torch.equal(p, w) for p, w in zip(params, weights))  # no NaN, no decay: untouched
+        assert all(torch.equal(a, b) for a, b in zip(_adamw_state(optimizer), state))  # moments and step count too
+        if bad != bad:  # the first of two in a row is within the limit of 1
+            assert updates.check(step=2) == 1
+    with pytest.raises(DivergenceError, match="the last 2 steps .* all had an inf/nan gradient norm"):
+        updates.check(step=3)
+    step(None)
+    assert not any(torch.equal(p, w) for p, w in zip(params, weights))  # a finite step updates again
+    assert updates.check(step=4) == 0 and updates.total == 2
 
 
 def test_noam_matches_paper_formula():

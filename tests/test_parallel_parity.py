@@ -74,7 +74,7 @@ FP8_TOL, FP8_GRAD_TOL = 1e-4, 2e-2
 
 @pytest.fixture(scope="module")
 def world2():
-    return launch(2, WORLD2 + MIXED_PRECISION + FP8_WORLD2)
+    return launch(2, WORLD2 + MIXED_PRECISION + FP8_WORLD2 + ["skip/nan"])  # skip/nan: a NaN gradient on one rank
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +136,13 @@ def test_fp8_layouts_match_single_process_fp8(world2, world4, name):
 
 
 @pytest.mark.slow
+def test_a_nan_on_one_rank_skips_the_update_on_every_rank(world2):
+    report = world2["skip/nan"]
+    assert "error" not in report, report.get("error")
+    for rank in report["ranks"]:  # step 0 poisoned on rank 1 only; step 1 trains every parameter again
+        assert rank == {"changed": [0, report["params"]], "skipped": 1, "finite": True}
+
+
 def test_layout_report_names_the_kernels(world2):
     kernels = world2["decoder/pp-sched=zbv"]["kernels"]
     assert kernels["layout"].startswith("pp=2")

@@ -19,8 +19,7 @@ from meshformer.model.masks import build_mask
 from meshformer.parallel import build_plan
 from meshformer.parallel import float8 as float8_module
 from meshformer.parallel.float8 import apply_float8, end_blocks
-from meshformer.parallel.grad_norm import global_grad_norm
-from meshformer.parallel.plan import divides_gradients
+from meshformer.parallel.grad_norm import global_grad_norm, is_fused_adam
 
 
 def attention_pair(backend: str, **model) -> tuple[nn.Module, nn.Module]:
@@ -162,12 +161,12 @@ def test_clip_folded_into_fused_adamw_equals_clipping_the_gradients(max_norm):
         torch.testing.assert_close(folded, clipped, rtol=1e-5, atol=1e-6)  # unclipped: 1.6e-2 apart
 
 
-def test_only_fused_adam_divides_gradients_in_its_update():
+def test_only_fused_adam_scales_gradients_in_its_update():
     params = [nn.Parameter(torch.ones(2))]
-    assert divides_gradients(torch.optim.AdamW(params, fused=True))
-    assert divides_gradients(torch.optim.Adam(params, fused=True))
-    assert not divides_gradients(torch.optim.AdamW(params, foreach=True))  # its update asserts grad_scale is None
-    assert not divides_gradients(torch.optim.SGD(params, lr=0.1))
+    assert is_fused_adam(torch.optim.AdamW(params, fused=True))
+    assert is_fused_adam(torch.optim.Adam(params, fused=True))
+    assert not is_fused_adam(torch.optim.AdamW(params, foreach=True))  # its update asserts grad_scale is None
+    assert not is_fused_adam(torch.optim.SGD(params, lr=0.1))
 
 
 def test_compiled_run_compiles_the_plain_loss_with_equal_values_and_gradients(monkeypatch):

@@ -116,3 +116,38 @@ def test_sample_clips_the_source_to_the_position_table(tmp_path):
         cfg = load_config(config, ["model.max_seq_len=8", "data.seq_len=8", "data.target_len=8"])
         text = decoded_sample(Transformer(cfg.model), load_tokenizer(cfg.data.tokenizer), cfg, torch.device("cpu"))
         assert isinstance(text, str) and "->" in text
+
+
+def test_a_nan_step_updates_nothing_and_a_run_of_them_stops_training(tmp_path, monkeypatch):
+    from meshformer.errors import DivergenceError
+    from meshformer.parallel.plan import TrainingPlan
+
+    overrides = [*SMALL, "train.steps=6", "logging.log_interval=1", "logging.tensorboard=false", "data.num_workers=0",
+                 "checkpoint.interval=0", "optim.max_nonfinite_in_a_row=2", f"logging.run_dir={tmp_path}"]
+    trainer = Trainer(load_config(CONFIGS / "tiny-gpt.toml", overrides))
+    poisoned = {2, 4, 5, 6}  # steps whose loss is NaN (1-based): one alone, then three in a row
+    forward_backward = TrainingPlan.forward_backward
+
+    def nan_loss(plan, batch, global_tokens):
+        if trainer.step + 1 in poisoned:
+            global_tokens = global_tokens * float("nan")
+        return forward_backward(plan, batch, global_tokens)
+
+    monkeypatch.setattr(TrainingPlan, "forward_backward", nan_loss)
+    weights: dict[int, list[torch.Tensor]] = {}
+    logged = []
+    trainer.logger.info = logged.append
+    real_step = trainer.train_step
+
+    def recorded_step():
+        result = real_step()
+        weights[trainer.step] = [p.detach().clone() for p in trainer.model.parameters()]
+        return result
+
+    trainer.train_step = recorded_step
+    with pytest.raises(DivergenceError, match="the last 3 steps \\(up to step 6\\)"):
+        trainer.fit()
+    assert all(torch.equal(a, b) for a, b in zip(weights[1], weights[2]))  # step 2 skipped
+    assert not any(torch.equal(a, b) for a, b in zip(weights[2], weights[3]))  # step 3 trained
+    assert all(torch.isfinite(p).all() for p in weights[6])
+    assert any("1 of the last 1 steps had an inf/nan gradient norm" in line for line in logged)

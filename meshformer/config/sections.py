@@ -58,6 +58,9 @@ class OptimConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
+    # A step whose gradient norm is inf/nan updates nothing (train/optim.py: SkippedUpdates); the run stops once more
+    # than this many come in a row (0: at the first).
+    max_nonfinite_in_a_row: int = 10
 
 
 @dataclass

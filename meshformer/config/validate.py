@@ -112,6 +112,9 @@ def _check_training_ranges(cfg: Config) -> None:
     if optim.grad_clip < 0 or optim.weight_decay < 0 or optim.eps <= 0:
         raise ConfigError("optim.grad_clip and optim.weight_decay must be >= 0 (grad_clip = 0 disables clipping) "
                           "and optim.eps > 0")
+    if optim.max_nonfinite_in_a_row < 0:
+        raise ConfigError(f"optim.max_nonfinite_in_a_row={optim.max_nonfinite_in_a_row} must be >= 0 (0: stop at the "
+                          "first step with an inf/nan gradient norm)")
     if t.z_loss < 0:
         raise ConfigError(f"train.z_loss={t.z_loss} must be >= 0 (0 disables it)")
     if t.eval_interval > 0 and t.eval_batches <= 0:

@@ -16,7 +16,7 @@ from torch import nn
 from meshformer.batch import Batch, model_inputs
 from meshformer.fused_loss import HeadLoss
 from meshformer.loss import count_tokens, cross_entropy_sum
-from meshformer.parallel.grad_norm import scale_grads_
+from meshformer.parallel.grad_norm import is_fused_adam, scale_grads_
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> summed loss
 
@@ -84,7 +84,7 @@ class TrainingPlan:
         norm = self.grad_norm()
         if max_norm <= 0:
             return norm
-        if optimizer is not None and divides_gradients(optimizer):
+        if optimizer is not None and is_fused_adam(optimizer):
             optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)  # type: ignore[attr-defined]
         else:
             self.scale_grads_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
@@ -116,12 +116,6 @@ class TrainingPlan:
         if self.autocast_dtype is None:
             return torch.autocast(self.device.type, enabled=False)
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
-
-def divides_gradients(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer.step()` divides gradients by `optimizer.grad_scale` (torch's fused Adam and AdamW do)."""
-    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and all(
-        group.get("fused") for group in optimizer.param_groups)
 
 
 def default_loss_fn(label_smoothing: float = 0.0, z_loss: float = 0.0) -> LossFn:

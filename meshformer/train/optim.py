@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from meshformer.config import OptimConfig, ScheduleConfig
+from meshformer.errors import DivergenceError
+from meshformer.parallel.grad_norm import is_fused_adam
 
 
 def build_optimizer(model_parts: Iterable[nn.Module], cfg: OptimConfig) -> tuple[torch.optim.AdamW, str]:
@@ -33,6 +35,52 @@ def build_optimizer(model_parts: Iterable[nn.Module], cfg: OptimConfig) -> tuple
     flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[kernel]
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **flags)
     return optimizer, kernel
+
+
+class SkippedUpdates:
+    """Optimizer steps that leave everything as it was when the global gradient norm is inf/nan (a bf16 or FP8
+    overflow, a corrupt batch): weights and AdamW moments never take a NaN, so no checkpoint can hold one. The run
+    stops with one line once more than `limit` such steps come in a row (checked when the trainer logs).
+
+    Torch's fused AdamW skips inside its kernel (`found_inf`, AMP loss scaling's flag): no host sync per step. The
+    foreach and for-loop implementations read the norm on the host first. The norm is global (every shard, replica and
+    stage), so every rank skips the same steps.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, limit: int) -> None:
+        self.optimizer, self.limit = optimizer, limit
+        self.total = 0  # skipped steps counted by `check`
+        # On the gradients' device, read by `check` only: skipped since the last check, and the current streak.
+        self._skipped: torch.Tensor | None = None
+        self._in_a_row: torch.Tensor | None = None
+
+    def step(self, grad_norm: torch.Tensor) -> None:
+        """`optimizer.step()` unless `grad_norm` is inf/nan."""
+        skipped = (~torch.isfinite(grad_norm)).to(torch.float32)
+        if is_fused_adam(self.optimizer):
+            self.optimizer.found_inf = skipped  # type: ignore[attr-defined]
+            self.optimizer.step()
+        elif not skipped.item():
+            self.optimizer.step()
+        if self._skipped is None or self._in_a_row is None:
+            self._skipped, self._in_a_row = torch.zeros_like(skipped), torch.zeros_like(skipped)
+        self._skipped += skipped
+        self._in_a_row = (self._in_a_row + 1) * skipped
+
+    def check(self, step: int) -> int:
+        """The number of steps skipped since the last check (one host read); raises once too many came in a row."""
+        if self._skipped is None or self._in_a_row is None:
+            return 0
+        skipped, in_a_row = (int(v) for v in torch.stack([self._skipped, self._in_a_row]).tolist())
+        self._skipped.zero_()
+        self.total += skipped
+        if in_a_row > self.limit:
+            raise DivergenceError(
+                f"the last {in_a_row} steps (up to step {step}) all had an inf/nan gradient norm, so none updated the "
+                f"weights (optim.max_nonfinite_in_a_row={self.limit})",
+                "lower optim.lr or raise schedule.warmup_steps, check the data for corrupt samples, or resume from "
+                "the last checkpoint")
+        return skipped
 
 
 def lr_multiplier(step: int, cfg: ScheduleConfig, total_steps: int, d_model: int) -> float:

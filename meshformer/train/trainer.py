@@ -33,7 +33,7 @@ from meshformer.runtime.profiler import StepProfiler
 from meshformer.runtime.stragglers import rank_timings, straggler_scalars
 from meshformer.runtime.watchdog import HangWatchdog
 from meshformer.train.metrics import FlopsCeiling, RunLogger, memory_gib, peak_flops, synchronize
-from meshformer.train.optim import build_optimizer, build_scheduler
+from meshformer.train.optim import SkippedUpdates, build_optimizer, build_scheduler
 from meshformer.train.preflight import checked_tokenizer
 from meshformer.train.sampling import decoded_sample
 
@@ -88,6 +88,7 @@ class Trainer:
         self.build_s = time.perf_counter() - build_start  # meta build, sharding, materialisation of this rank
         self.optimizer, kernel = build_optimizer(self.plan.model_parts, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.steps, cfg.model.d_model)
+        self.skipped_updates = SkippedUpdates(self.optimizer, cfg.optim.max_nonfinite_in_a_row)
         self.train_data = build_loader(cfg, self.tokenizer, "train", self.plan.dp_rank, self.plan.dp_size)
         self.eval_data = build_loader(cfg, self.tokenizer, "eval", self.plan.dp_rank, self.plan.dp_size)
         self.train_iter: Iterator[Batch] | None = None  # started at the first step, after a resume moved the loader
@@ -146,7 +147,7 @@ class Trainer:
         grad_norm = self.plan.clip_grad_norm(self.cfg.optim.grad_clip, self.optimizer)
         self.watchdog.phase("optimizer")
         self.last_lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used (the scheduler moves on)
-        self.optimizer.step()
+        self.skipped_updates.step(grad_norm)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
@@ -214,6 +215,12 @@ class Trainer:
                     "perf/memory_gib": memory_gib(self.device),
                     "perf/step_time_s": elapsed / window_steps,
                 }
+                skipped = self.skipped_updates.check(step)  # raises once too many steps in a row were skipped
+                if skipped or self.skipped_updates.total:
+                    record["train/skipped_steps"] = self.skipped_updates.total
+                if skipped:
+                    log.info(f"warning: {skipped} of the last {window_steps} steps had an inf/nan gradient norm; "
+                             f"their updates were skipped ({self.skipped_updates.total} in this run so far)")
                 timings = rank_timings(elapsed / window_steps, self.data_wait_s / window_steps, self.device)
                 record |= straggler_scalars(timings)  # data wait; per-rank step-time spread (stragglers)
                 record |= self.train_data.source_scalars()  # mixtures: samples and tokens per source so far
