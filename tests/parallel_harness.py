@@ -21,6 +21,8 @@ import os
 import sys
 import tempfile
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -117,13 +119,15 @@ def train_steps(plan: TrainingPlan, steps: list[list[dict[str, torch.Tensor]]], 
     params = [p for part in plan.model_parts for p in part.parameters()]
     optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
     updates = SkippedUpdates(optimizer, limit=0)  # the trainer's update: clip factor and skip flag in the kernel
-    losses, norms, grads0 = [], [], {}
+    losses, norms, grads0, replica_all_reduces = [], [], {}, []
     for i, micro in enumerate(steps):
         local = [{k: v.chunk(dp_size)[dp_rank] for k, v in b.items()} for b in micro]
         tokens = plan.global_token_count(local)
         loss_sum = torch.zeros(())
-        for batch in local:
-            loss_sum += plan.forward_backward(batch, tokens)
+        for j, batch in enumerate(local):
+            with counted_replica_all_reduces(plan) as count:
+                loss_sum += plan.forward_backward(batch, tokens, last_micro_batch=j == len(local) - 1)
+            replica_all_reduces.append(count[0])
         if i == 0:
             grads0 = gathered_grads(plan)
         norm = plan.clip_grad_norm(MAX_NORM, optimizer)
@@ -136,7 +140,31 @@ def train_steps(plan: TrainingPlan, steps: list[list[dict[str, torch.Tensor]]], 
     with torch.no_grad():
         evals = [plan.evaluate({k: v.chunk(dp_size)[dp_rank] for k, v in b.items()}) for b in steps[0]]
     losses.append(float(sum(e[0] for e in evals)) / float(sum(e[1] for e in evals)))
-    return losses, grads0, norms
+    return losses, grads0, norms, replica_all_reduces
+
+
+@contextmanager
+def counted_replica_all_reduces(plan: TrainingPlan) -> Iterator[list[int]]:
+    """Counts the all-reduces over the data-replicate ranks (HSDP's gradient sum across replicas) in the block."""
+    count = [0]
+    meshes = getattr(plan, "meshes", None)
+    if meshes is None or not meshes.dims.hsdp:
+        yield count
+        return
+    replicas = dist.get_process_group_ranks(meshes.world["dp_replicate"].get_group())
+    original = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        group = kwargs.get("group")
+        if group is not None and dist.get_process_group_ranks(group) == replicas:
+            count[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        yield count
+    finally:
+        dist.all_reduce = original
 
 
 def gathered_grads(plan: TrainingPlan) -> dict[str, torch.Tensor]:
@@ -164,7 +192,7 @@ def reference(cfg: Config, steps) -> tuple[list[float], dict[str, torch.Tensor],
         if cfg.train.fp8 == "tensorwise":
             steps = [[piece for batch in micro for piece in rank_pieces(cfg, batch)] for micro in steps]
     plan = TrainingPlan(model, default_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss), torch.device("cpu"))
-    return train_steps(plan, steps, 0, 1)
+    return train_steps(plan, steps, 0, 1)[:3]
 
 
 def rank_pieces(cfg: Config, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -366,7 +394,7 @@ def run_scenario(name: str) -> dict[str, Any]:
         gather_float8_as_bytes()
     plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
     gathers_before = FLOAT8_GATHERS[0]
-    result = train_steps(plan, steps, plan.dp_rank, plan.dp_size)
+    *result, replica_all_reduces = train_steps(plan, steps, plan.dp_rank, plan.dp_size)
     float8_gathers = FLOAT8_GATHERS[0] - gathers_before
     report = compare(cfg, steps, result)
     # Union of what every rank checked: each pipeline stage checks its own parameters.
@@ -378,6 +406,7 @@ def run_scenario(name: str) -> dict[str, Any]:
     report["checked"] = len(checked)
     report["kernels"] = plan.report
     report["float8_gathers"] = float8_gathers
+    report["replica_all_reduces"] = replica_all_reduces
     return report
 
 

@@ -143,6 +143,14 @@ def test_a_nan_on_one_rank_skips_the_update_on_every_rank(world2):
         assert rank == {"changed": [0, report["params"]], "skipped": 1, "finite": True}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["decoder/hsdp", "encoder/hsdp", "decoder/cp-hsdp"])
+def test_hsdp_all_reduces_over_replicas_once_per_step(request, name):
+    """Two micro-batches a step: the first only reduce-scatters, the last all-reduces the sum (parity above)."""
+    counts = request.getfixturevalue("world8" if name in WORLD8 else "world4")[name]["replica_all_reduces"]
+    assert counts[0] == counts[2] == 0 and counts[1] == counts[3] > 0, counts
+
+
 def test_layout_report_names_the_kernels(world2):
     kernels = world2["decoder/pp-sched=zbv"]["kernels"]
     assert kernels["layout"].startswith("pp=2")

@@ -164,7 +164,9 @@ class PipelinePlan(MeshPlan):
 
     # ------------------------------------------------------------------ contract
 
-    def forward_backward(self, batch: Batch, global_tokens: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, batch: Batch, global_tokens: torch.Tensor, last_micro_batch: bool = True
+                         ) -> torch.Tensor:
+        self._all_reduce_replicas_after(last_micro_batch)
         self._tokens = global_tokens
         self._shared.stash()
         try:

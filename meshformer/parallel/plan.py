@@ -56,8 +56,11 @@ class TrainingPlan:
         """Target tokens in the whole step: every micro-batch, every data-parallel rank."""
         return torch.stack([count_tokens(b["labels"]) for b in micro_batches]).sum().to(self.device)
 
-    def forward_backward(self, batch: Batch, global_tokens: torch.Tensor) -> torch.Tensor:
-        """Accumulate gradients of (summed loss of this micro-batch / global_tokens); return the detached sum."""
+    def forward_backward(self, batch: Batch, global_tokens: torch.Tensor, last_micro_batch: bool = True
+                         ) -> torch.Tensor:
+        """Accumulate gradients of (summed loss of this micro-batch / global_tokens); return the detached sum.
+
+        `last_micro_batch`: whether the step's gradients are complete after this one (gradient accumulation)."""
         loss_sum = self._loss_sum(batch)
         (loss_sum / global_tokens).backward()
         return loss_sum.detach()

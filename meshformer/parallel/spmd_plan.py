@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from meshformer.batch import Batch, model_inputs
 from meshformer.fused_loss import HeadLoss
@@ -88,12 +89,23 @@ class MeshPlan(TrainingPlan):
     def _counts_in_norm(self, part: nn.Module, param: nn.Parameter) -> bool:
         return True
 
+    def _all_reduce_replicas_after(self, last_micro_batch: bool) -> None:
+        """HSDP with gradient accumulation: every micro-batch reduce-scatters its gradients within a replica, but only
+        the step's last all-reduces them over replicas (usually the slow inter-node links): grad_accum - 1 fewer
+        all-reduces a step. FSDP keeps the running sum meanwhile (1/dp_shard of the gradients, reduce dtype)."""
+        if self.dims.hsdp:
+            for part in self.model_parts:
+                if isinstance(part, FSDPModule):
+                    part.set_requires_all_reduce(last_micro_batch)
+
     def grad_norm(self) -> torch.Tensor:
         return global_grad_norm(self._grads(), self.dims.world_size // self.dims.pp, self.device)
 
 
 class SPMDPlan(MeshPlan):
-    def forward_backward(self, batch: Batch, global_tokens: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, batch: Batch, global_tokens: torch.Tensor, last_micro_batch: bool = True
+                         ) -> torch.Tensor:
+        self._all_reduce_replicas_after(last_micro_batch)
         return super().forward_backward(self._sequence_parallel_ready(batch), global_tokens)
 
     @torch.no_grad()

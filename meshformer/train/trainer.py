@@ -141,8 +141,8 @@ class Trainer:
         self.watchdog.phase("forward_backward")
         global_tokens = self.plan.global_token_count(micro_batches)
         loss_sum = torch.zeros((), device=self.device)
-        for batch in micro_batches:
-            loss_sum += self.plan.forward_backward(batch, global_tokens)
+        for i, batch in enumerate(micro_batches):
+            loss_sum += self.plan.forward_backward(batch, global_tokens, last_micro_batch=i == len(micro_batches) - 1)
         self.watchdog.phase("grad_norm")
         grad_norm = self.plan.clip_grad_norm(self.cfg.optim.grad_clip, self.optimizer)
         self.watchdog.phase("optimizer")
