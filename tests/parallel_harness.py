@@ -120,6 +120,8 @@ def train_steps(plan: TrainingPlan, steps: list[list[dict[str, torch.Tensor]]], 
     optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
     updates = SkippedUpdates(optimizer, limit=0)  # the trainer's update: clip factor and skip flag in the kernel
     losses, norms, grads0, replica_all_reduces = [], [], {}, []
+    float8_amax_reduces: list[int] = []  # per step: torchao's per-weight amax all-reduces (float8 FSDP all-gather)
+    FLOAT8_AMAX_REDUCES[0] = 0
     for i, micro in enumerate(steps):
         local = [{k: v.chunk(dp_size)[dp_rank] for k, v in b.items()} for b in micro]
         tokens = plan.global_token_count(local)
@@ -133,6 +135,8 @@ def train_steps(plan: TrainingPlan, steps: list[list[dict[str, torch.Tensor]]], 
         norm = plan.clip_grad_norm(MAX_NORM, optimizer)
         norms.append(float(norm))
         updates.step(norm)
+        plan.weights_updated()
+        float8_amax_reduces.append(FLOAT8_AMAX_REDUCES[0] - sum(float8_amax_reduces))
         optimizer.zero_grad(set_to_none=True)
         total = plan.reduce_for_logging(loss_sum) if dist.is_initialized() else float(loss_sum)
         losses.append(total / float(tokens))
@@ -140,7 +144,8 @@ def train_steps(plan: TrainingPlan, steps: list[list[dict[str, torch.Tensor]]], 
     with torch.no_grad():
         evals = [plan.evaluate({k: v.chunk(dp_size)[dp_rank] for k, v in b.items()}) for b in steps[0]]
     losses.append(float(sum(e[0] for e in evals)) / float(sum(e[1] for e in evals)))
-    return losses, grads0, norms, replica_all_reduces
+    return losses, grads0, norms, {"replica_all_reduces": replica_all_reduces, "float8_amax_all_reduces":
+                                   float8_amax_reduces}
 
 
 @contextmanager
@@ -350,6 +355,7 @@ def vocab_parallel_loss_check() -> dict[str, Any]:
 
 
 FLOAT8_GATHERS = [0]  # float8 all-gathers of torchao tensors (tensor-parallel activations and gradients) so far
+FLOAT8_AMAX_REDUCES = [0]  # all-reduces of one tensor's amax by torchao (dynamic float8 scaling) so far
 
 
 def gather_float8_as_bytes() -> None:
@@ -374,6 +380,16 @@ def gather_float8_as_bytes() -> None:
     patched.as_bytes = True  # type: ignore[attr-defined]
     FLOAT8_OPS_TABLE[gather] = patched
 
+    from torchao.float8 import float8_utils
+
+    reduce = float8_utils.all_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        FLOAT8_AMAX_REDUCES[0] += 1
+        return reduce(*args, **kwargs)
+
+    float8_utils.all_reduce = counted
+
 
 def run_scenario(name: str) -> dict[str, Any]:
     from meshformer.parallel import build_plan
@@ -394,7 +410,7 @@ def run_scenario(name: str) -> dict[str, Any]:
         gather_float8_as_bytes()
     plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
     gathers_before = FLOAT8_GATHERS[0]
-    *result, replica_all_reduces = train_steps(plan, steps, plan.dp_rank, plan.dp_size)
+    *result, counts = train_steps(plan, steps, plan.dp_rank, plan.dp_size)
     float8_gathers = FLOAT8_GATHERS[0] - gathers_before
     report = compare(cfg, steps, result)
     # Union of what every rank checked: each pipeline stage checks its own parameters.
@@ -406,7 +422,7 @@ def run_scenario(name: str) -> dict[str, Any]:
     report["checked"] = len(checked)
     report["kernels"] = plan.report
     report["float8_gathers"] = float8_gathers
-    report["replica_all_reduces"] = replica_all_reduces
+    report |= counts
     return report
 
 

@@ -151,6 +151,13 @@ def test_hsdp_all_reduces_over_replicas_once_per_step(request, name):
     assert counts[0] == counts[2] == 0 and counts[1] == counts[3] > 0, counts
 
 
+def test_fsdp_float8_weight_scales_come_from_one_all_reduce_after_each_step(world2):
+    """Step 1 scales each float8 weight at its all-gathers (an amax all-reduce each, forward and backward); from
+    step 2 on every scale is ready (computed after the optimizer step), and the parity test above still holds."""
+    counts = world2["decoder/fsdp-fp8=tensorwise"]["float8_amax_all_reduces"]
+    assert counts[0] > 0 and counts[1] == 0, counts
+
+
 def test_layout_report_names_the_kernels(world2):
     kernels = world2["decoder/pp-sched=zbv"]["kernels"]
     assert kernels["layout"].startswith("pp=2")

@@ -43,7 +43,7 @@ from meshformer.parallel.pipeline import TransformerStage, split_layers, stage_i
 from meshformer.parallel.pipeline_plan import PipelinePlan, shared_weights
 from meshformer.parallel.plan import LossFn, TrainingPlan, default_loss_fn
 from meshformer.parallel.recompute import apply_recompute
-from meshformer.parallel.spmd_plan import SPMDPlan
+from meshformer.parallel.spmd_plan import MeshPlan, SPMDPlan
 from meshformer.parallel.tensor_parallel import apply_tensor_parallel, vocab_shard
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def _build(model: Transformer, cfg: Config, dims: ParallelDims, device: torch.de
         if not custom_loss:
             shard = VocabShard(meshes.tp.get_group(), start, cfg.model.vocab_size)
             head_loss = build_head_loss(cfg, dims, device, shard)
-    plan: TrainingPlan
+    plan: MeshPlan
     if dims.pp_enabled:  # the last stage computes the fused head loss in its forward
         plan = _pipeline_plan(model, cfg, dims, meshes, device, loss_fn, head_loss, autocast_dtype)
     else:
@@ -113,8 +113,14 @@ def _build(model: Transformer, cfg: Config, dims: ParallelDims, device: torch.de
                   "layout": dims.describe()}
         plan = SPMDPlan(model, loss_fn, device, meshes, autocast_dtype=autocast_dtype, head_loss=head_loss,
                         report=report)
+    plan.float8_weight_gather = float8_weight_gather(cfg, dims)
     log.info("parallel layout %s; %s", dims.describe(), plan.report)
     return plan
+
+
+def float8_weight_gather(cfg: Config, dims: ParallelDims) -> bool:
+    """Whether FSDP all-gathers weights in float8 (tensorwise only; not under TP: see meshformer/parallel/float8.py)."""
+    return cfg.train.fp8 == "tensorwise" and dims.fsdp_enabled and not dims.tp_enabled
 
 
 def _loss_report(head_loss: HeadLoss | None, note: str = "") -> str:
@@ -180,9 +186,8 @@ def _finish_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes: Mes
     apex_norms = 0
     context_layers = apply_context_parallel(part, meshes.cp) if meshes is not None and dims.cp_enabled else 0
     keep = end_blocks(cfg.model) if cfg.train.fp8_keep_ends else frozenset()
-    fsdp_gather = dims.fsdp_enabled and not dims.tp_enabled  # see meshformer/parallel/float8.py
-    fp8 = apply_float8(part, cfg.train.fp8, fsdp_gather=fsdp_gather, emulate=device.type != "cuda", keep=keep) \
-        if cfg.train.fp8 != "off" else 0
+    fp8 = apply_float8(part, cfg.train.fp8, fsdp_gather=float8_weight_gather(cfg, dims), emulate=device.type != "cuda",
+                       keep=keep) if cfg.train.fp8 != "off" else 0
     if meshes is not None and dims.tp_enabled:  # meshes exist whenever the world has more than one rank
         apply_tensor_parallel(part, meshes.tp, float8_gather=cfg.train.fp8 == "tensorwise")
     else:

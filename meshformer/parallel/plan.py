@@ -93,6 +93,9 @@ class TrainingPlan:
             self.scale_grads_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         return norm
 
+    def weights_updated(self) -> None:
+        """The optimizer has just changed the weights (the trainer calls this after every step)."""
+
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the whole gradient."""
         return torch.nn.utils.get_total_norm(self._all_grads(), foreach=True)

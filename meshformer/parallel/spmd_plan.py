@@ -18,6 +18,7 @@ from meshformer.batch import Batch, model_inputs
 from meshformer.fused_loss import HeadLoss
 from meshformer.loss import count_tokens
 from meshformer.parallel.context import sequence_chunk
+from meshformer.parallel.float8 import refresh_weight_scales
 from meshformer.parallel.grad_norm import global_grad_norm, settle_grad
 from meshformer.parallel.mesh import Meshes
 from meshformer.parallel.plan import LossFn, TrainingPlan
@@ -32,6 +33,7 @@ class MeshPlan(TrainingPlan):
         super().__init__(model, loss_fn, device, autocast_dtype=autocast_dtype, head_loss=head_loss, report=report)
         self.meshes, self.dims = meshes, meshes.dims
         self.dp_rank, self.dp_size = meshes.dp_rank, self.dims.dp
+        self.float8_weight_gather = False  # FSDP all-gathers float8 weights (set by build_plan)
 
     @property
     def supports_generation(self) -> bool:
@@ -88,6 +90,10 @@ class MeshPlan(TrainingPlan):
 
     def _counts_in_norm(self, part: nn.Module, param: nn.Parameter) -> bool:
         return True
+
+    def weights_updated(self) -> None:
+        if self.float8_weight_gather:
+            refresh_weight_scales(self.model_parts)  # one all-reduce instead of one per weight and all-gather
 
     def _all_reduce_replicas_after(self, last_micro_batch: bool) -> None:
         """HSDP with gradient accumulation: every micro-batch reduce-scatters its gradients within a replica, but only

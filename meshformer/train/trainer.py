@@ -148,6 +148,7 @@ class Trainer:
         self.watchdog.phase("optimizer")
         self.last_lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used (the scheduler moves on)
         self.skipped_updates.step(grad_norm)
+        self.plan.weights_updated()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
