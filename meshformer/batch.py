@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 IGNORE_INDEX = -100  # a label that contributes no loss (padding, unmasked MLM positions); torch's default
-MODEL_INPUTS = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask")
+MODEL_INPUTS = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask", "doc_ids")
 
 Batch = dict[str, torch.Tensor]
 

@@ -57,6 +57,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gpt": dict(family="decoder", n_layers=2, position="learned", activation="gelu", norm="layernorm", bias=True),
     "decoder_t5": dict(family="decoder", n_layers=2, position="t5_relative", n_kv_heads=2, bias=False),
     "decoder_window": dict(family="decoder", n_layers=2, attention_window=5, n_kv_heads=2, bias=False),
+    # packed documents: causal attention within each (the batches carry doc_ids)
+    "decoder_docs": dict(family="decoder", n_layers=2, position="rope", n_kv_heads=2, bias=False, document_mask=True),
     # BERT-like: learned positions, embedding norm, prediction-head transform, post-norm
     "encoder": dict(family="encoder", n_layers=4, position="learned", embedding_norm=True, head_transform=True,
                     norm_position="post", activation="gelu"),
@@ -89,6 +91,9 @@ def make_batches(cfg: Config, n: int, seed: int = 1234) -> list[dict[str, torch.
         if cfg.objective == "causal":
             labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).masked_fill(~real, IGNORE_INDEX)
             out.append({"input_ids": ids, "labels": labels})
+            if cfg.model.document_mask:  # documents end at random places (the last token of each: its EOS)
+                ends = (torch.rand(BATCH, SEQ, generator=g) < 0.2).long()
+                out[-1]["doc_ids"] = ends.cumsum(1) - ends
         elif cfg.objective == "mlm":
             chosen = (torch.rand(BATCH, SEQ, generator=g) < 0.3) & real
             out.append({"input_ids": ids, "attention_mask": real,

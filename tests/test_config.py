@@ -69,6 +69,8 @@ def test_bundled_configs_load_by_name():
         (["checkpoint.max_shard_size=lots"], "checkpoint.max_shard_size: cannot read the size"),  # not after training
         (["model.family=decodr"], "did you mean 'decoder'\\? registered families"),
         (["model.cross_downsample=2"], "cross_downsample only applies"),
+        (["model.family=encoder", "model.document_mask=true"], "document_mask needs the causal objective"),
+        (["optim.max_nonfinite_in_a_row=-1"], "max_nonfinite_in_a_row"),
     ],
 )
 def test_bad_config_names_key_and_fix(overrides, message):

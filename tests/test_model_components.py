@@ -389,3 +389,36 @@ def test_pooling_of_encoder_output_and_source_mask():
     memory, memory_padding = model.encode(ids, padding)
     assert memory.shape == (2, 3, 32) and memory_padding.tolist() == pooled_mask.tolist()
     torch.testing.assert_close(memory[0, 1], full[0, 3:5].mean(0))
+
+
+@pytest.mark.parametrize("backend", ["auto", "math"])
+def test_document_mask_makes_a_packed_row_equal_its_documents_run_alone(backend):
+    """RoPE scores depend only on relative positions, so with attention kept inside each document every document
+    of a packed row gets exactly the outputs it gets alone; without the mask the later ones see the earlier."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, d_ff=64, max_seq_len=24,
+                      position="rope", norm="rmsnorm", activation="swiglu", bias=False, document_mask=True,
+                      attention_backend=backend)
+    model = Transformer(cfg).eval()
+    lengths = [5, 9, 3]
+    docs = [torch.randint(0, 50, (1, n)) for n in lengths]
+    packed = torch.cat(docs, dim=1)
+    doc_ids = torch.cat([torch.full((1, n), i) for i, n in enumerate(lengths)], dim=1)
+    with torch.no_grad():
+        together = model(packed, doc_ids=doc_ids)
+        alone = torch.cat([model(d) for d in docs], dim=1)
+        model.cfg.document_mask = False
+        unmasked = model(packed, doc_ids=doc_ids)
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+    assert (unmasked[:, lengths[0]:] - alone[:, lengths[0]:]).abs().max() > 1e-2
+
+
+def test_document_mask_keeps_causality_and_the_other_masks():
+    documents = torch.tensor([[0, 0, 1, 1, 1, 2]])
+    mask = build_mask(6, 6, causal=True, window=2, documents=documents).mask
+    q, k = torch.meshgrid(torch.arange(6), torch.arange(6), indexing="ij")
+    expected = (k <= q) & (q - k < 2) & (documents[0][q] == documents[0][k])
+    assert torch.equal(mask[0, 0], expected)
+    # a context-parallel piece (queries at positions 3, 4) reads the rows of the whole sequence's mask
+    piece = build_mask(2, 6, q_positions=torch.tensor([3, 4]), causal=True, documents=documents).mask
+    assert torch.equal(piece[0, 0], ((k <= q) & (documents[0][q] == documents[0][k]))[3:5])

@@ -43,6 +43,8 @@ WORLD2 = [
     # a causal batch with its padding mask
     "encoder/cp", "decoder/cp-padded",
     "decoder/cp-compile",  # per-block torch.compile: the lower-right causal mask as a tensor inside the graph
+    # packed documents (model.document_mask): doc_ids travel to every pipeline stage and stay whole under cp
+    "decoder_docs/fsdp", "decoder_docs/tp", "decoder_docs/pp-sched=1f1b", "decoder_docs/cp",
 ]
 WORLD4 = [
     "decoder/hsdp", "encoder/hsdp",

@@ -76,6 +76,9 @@ def _check_family(cfg: Config) -> None:
     elif m.cross_downsample > 1:
         raise ConfigError(f"model.cross_downsample only applies to a family whose decoder cross-attends an "
                           f"encoder (not {m.family!r}); leave it at 1")
+    if m.document_mask and cfg.objective != "causal":
+        raise ConfigError(f"model.document_mask needs the causal objective (packed documents, each sample's doc_ids), "
+                          f"not {cfg.objective!r}; leave it false for model.family={m.family!r}")
     key, longest = max(lengths, key=lambda item: item[1])
     if m.position in ("learned", "sinusoidal", "rope") and longest > m.max_seq_len:
         raise ConfigError(f"{key}={longest} exceeds model.max_seq_len={m.max_seq_len}; "

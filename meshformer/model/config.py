@@ -45,6 +45,8 @@ class ModelConfig:
     dropout: float = 0.0
     attention_dropout: float = 0.0
     attention_window: int | None = None  # sliding window: keys with |i - j| < window
+    # Causal attention stays within each packed document (Llama 3's pretraining mask): from the batches' doc_ids
+    document_mask: bool = False
     # auto: blockwise on a CPU where it applies (model/blockwise_attention.py), else SDPA; sdpa: torch picks;
     # flash | cudnn | efficient: that SDPA kernel first; blockwise: ours wherever it applies; math: explicit softmax
     attention_backend: Literal["auto", "sdpa", "math", "flash", "cudnn", "efficient", "blockwise"] = "auto"

@@ -1,4 +1,4 @@
-"""Attention masks: padding, causal, their combination, and local sliding windows.
+"""Attention masks: padding, causal, their combination, local sliding windows and packed documents.
 
 A mask is boolean, True = may attend, shaped (B or 1, 1, Tq, Tk) to broadcast over heads.
 Rows with no allowed key (a query whose keys are all padding) are opened to every key so that
@@ -35,21 +35,23 @@ def build_mask(
     causal: bool,
     window: int | None = None,
     key_padding: torch.Tensor | None = None,
+    documents: torch.Tensor | None = None,
     device: torch.device | str | None = None,
 ) -> AttentionMask:
-    """Causal / sliding-window structure plus a key padding mask (B, Tk), True = real token.
+    """Causal / sliding-window structure plus a key padding mask (B, Tk), True = real token, and the keys'
+    document ids (B, Tk): a query attends only to keys of its own document.
 
     Keys sit at positions 0..k_len-1 and queries at q_offset..q_offset+q_len-1 (q_offset > 0 when
     decoding with a KV cache), or at `q_positions` (a context-parallel rank's pieces). Causal attention whose
     queries are the last keys needs no tensor at all.
     """
-    if window is None and key_padding is None:
+    if window is None and key_padding is None and documents is None:
         if not causal:
             return AttentionMask(None)
         if q_positions is None and q_offset + q_len == k_len:
             return AttentionMask(None, is_causal=True)
-    if key_padding is not None:
-        device = key_padding.device
+    if key_padding is not None or documents is not None:
+        device = (key_padding if key_padding is not None else documents).device  # type: ignore[union-attr]
     q_pos = torch.arange(q_offset, q_offset + q_len, device=device) if q_positions is None else q_positions
     k_pos = torch.arange(k_len, device=device)
     delta = q_pos[:, None] - k_pos[None, :]  # > 0: the key lies in the past
@@ -61,6 +63,8 @@ def build_mask(
     mask = structure[None, None]
     if key_padding is not None:
         mask = mask & key_padding[:, None, None, :].bool()
+    if documents is not None:
+        mask = mask & (documents[:, None, q_pos, None] == documents[:, None, None, :])
     mask = mask | ~mask.any(dim=-1, keepdim=True)  # never an empty row
     return AttentionMask(mask)
 

@@ -209,26 +209,29 @@ class Transformer(nn.Module):
         memory_padding: torch.Tensor | None = None,
         cache: list[BlockCache] | None = None,
         h: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal stack over target ids (B, T); with a cache, ids are only the new tokens.
 
         h: hidden states from an earlier pipeline stage instead of embedding `ids` here.
+        documents: each key position's document id (B, T), for attention within documents only.
         """
         q_len = ids.shape[1]  # not h's: a received h may be a sequence-parallel shard
         offset = cache[0].self_attn.length if cache else 0
         positions, k_len = self._positions(q_len, offset, ids.device)
         h = self._hidden(ids, h, positions=positions)
-        if padding is not None and padding.shape[1] != k_len:
-            raise ValueError(f"decoder padding mask covers {padding.shape[1]} positions, expected {k_len} "
-                             "(cached + new tokens)")
+        for name, keys in (("padding mask", padding), ("doc_ids", documents)):
+            if keys is not None and keys.shape[1] != k_len:
+                raise ValueError(f"decoder {name} covers {keys.shape[1]} positions, expected {k_len} (cached + new "
+                                 "tokens; under context parallel the whole sequence)")
         if self.chunk is None:
             mask = build_mask(q_len, k_len, q_offset=offset, causal=True, window=self.cfg.attention_window,
-                              key_padding=padding, device=h.device)
-        elif self.cfg.attention_window is None and padding is None:
+                              key_padding=padding, documents=documents, device=h.device)
+        elif self.cfg.attention_window is None and padding is None and documents is None:
             mask = AttentionMask(None, is_causal=True)  # each piece: causal at the bottom right, no tensor
         else:  # each piece takes its rows of the mask over the whole sequence
             mask = build_mask(q_len, k_len, q_positions=positions, causal=True, window=self.cfg.attention_window,
-                              key_padding=padding, device=h.device)
+                              key_padding=padding, documents=documents, device=h.device)
         memory_mask = None
         if memory is not None:
             memory_mask = build_mask(q_len, memory.shape[1], causal=False, key_padding=memory_padding,
@@ -266,6 +269,7 @@ class Transformer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         decoder_input_ids: torch.Tensor | None = None,
         decoder_attention_mask: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
         *,
         streams: Streams | None = None,
         labels: torch.Tensor | None = None,
@@ -273,7 +277,8 @@ class Transformer(nn.Module):
     ) -> torch.Tensor | Streams:
         """Logits (B, T, vocab), or with `head_loss` the summed loss against `labels` (no full logits).
 
-        Masks are (B, T) with True (or 1) for real tokens, False for padding.
+        Masks are (B, T) with True (or 1) for real tokens, False for padding. doc_ids (B, T): the packed document
+        each token belongs to; with model.document_mask, causal attention stays within documents (ignored otherwise).
 
         decoder-only: input_ids are the (causal) sequence; encoder-only: input_ids are the (bidirectional)
         sequence; encoder-decoder: input_ids are the source, decoder_input_ids the teacher-forced target.
@@ -295,7 +300,9 @@ class Transformer(nn.Module):
             memory_padding = attention_mask if s.memory is not None else None
             if memory_padding is not None and self.cfg.cross_downsample > 1:
                 memory_padding = pool_padding_mask(memory_padding, self.cfg.cross_downsample)
-            h = self.decode(target_ids, target_padding, memory=s.memory, memory_padding=memory_padding, h=s.decoder)
+            documents = doc_ids if self.cfg.document_mask and not spec.seq2seq else None
+            h = self.decode(target_ids, target_padding, memory=s.memory, memory_padding=memory_padding, h=s.decoder,
+                            documents=documents)
             s = replace(s, decoder=h)
         if self.output is None:
             return s

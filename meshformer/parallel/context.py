@@ -46,12 +46,12 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:
 
 
 def sequence_chunk(batch: Batch, index: int, count: int) -> Batch:
-    """This rank's two pieces of every per-token tensor in the batch (all of them are (B, T, ...)); a padding mask
-    stays whole: it masks keys, and every rank's attention reads the whole sequence's keys."""
+    """This rank's two pieces of every per-token tensor in the batch (all of them are (B, T, ...)); a padding mask and
+    the document ids stay whole: they describe keys, and every rank's attention reads the whole sequence's keys."""
     length, pieces = batch["input_ids"].shape[1], 2 * count
     if length % pieces:
         raise ValueError(f"parallel.cp={count} cuts each sequence into {pieces} equal pieces, but this batch's "
                          f"length is {length}; set data.seq_len to a multiple of 2 x cp")
-    return {key: value if key == "attention_mask" else
+    return {key: value if key in ("attention_mask", "doc_ids") else
             torch.cat([value.chunk(pieces, dim=1)[index], value.chunk(pieces, dim=1)[pieces - 1 - index]], dim=1)
             for key, value in batch.items()}
