@@ -77,8 +77,8 @@ def runs_blockwise_attention(cfg, device_type: str, compiled: bool) -> bool:
     """Whether `Attention` picks the blockwise CPU kernel for this run's unpadded batches (it decides per call:
     an explicit mask, a position bias, dropout or torch.compile send a call to SDPA)."""
     m = cfg.model
-    plain = m.attention_dropout == 0 and m.attention_window is None and m.position not in BIASED_POSITIONS \
-        and not compiled
+    plain = m.attention_dropout == 0 and m.attention_window is None and not m.document_mask \
+        and m.position not in BIASED_POSITIONS and not compiled
     longest = max(cfg.data.seq_len, cfg.data.target_len if get_family_spec(m.family).seq2seq else 0)
     return picks_blockwise(m.attention_backend, device_type, longest, m.head_dim, plain)
 

@@ -8,8 +8,10 @@ the piece's end):
 - each norm keeps its input (RMSNorm a second (b, s, h) tensor) and fp32 statistics, and the linear after it
   keeps the (gathered) normalised input: with sequence parallel that copy is full length, not s/t;
 - SDPA (CPU flash, CUDA flash / memory-efficient) keeps q, k, v (GQA: k and v repeated to every head), its
-  output and an fp32 log-sum-exp; the math backend keeps the fp32 softmax (b, heads, s, s) instead; the
-  blockwise CPU kernel (`meshformer.model.blockwise_attention`) the probabilities of its query blocks;
+  output and an fp32 log-sum-exp, and a mask tensor where there is one (padding, a sliding window, packed
+  documents, cross-attention), converted to the activation dtype: (b, 1, s, s) per layer; the math backend
+  keeps the fp32 softmax (b, heads, s, s) instead; the blockwise CPU kernel
+  (`meshformer.model.blockwise_attention`) the probabilities of its query blocks;
 - SwiGLU keeps gate, up, silu(gate) and their product; GELU / ReLU keep the input and output of the activation;
 - dropout keeps a one-byte mask per element.
 This is Korthikanti et al.'s (2022) accounting, 34 sbh + 5 a s^2 b per layer in their GPT, redone for these
@@ -42,6 +44,7 @@ class ActivationShape:
     residual_bytes: int  # element size of the residual stream: fp32 under autocast (fp32 weights), else `bytes`
     blockwise: bool = False  # attention runs the blockwise CPU kernel (keeps probabilities, not a log-sum-exp)
     cp: int = 1  # context-parallel ranks sharing each sequence
+    masked: bool = False  # self-attention gets a mask tensor (see `self_attention_masked`)
 
 
 def _attention_calls(x: ActivationShape, cross: bool, memory_len: int, causal: bool = True) -> list[tuple[int, int]]:
@@ -63,12 +66,25 @@ def _keys_kept(x: ActivationShape, calls: list[tuple[int, int]]) -> int:
     return sum(k for _, k in calls)
 
 
+def self_attention_masked(cfg: Config) -> bool:
+    """Whether self-attention runs with a mask tensor rather than none or `is_causal`: the padded batches of every
+    objective but packed causal LM, sliding windows, packed-document masks."""
+    m = cfg.model
+    return cfg.objective != "causal" or m.attention_window is not None or m.document_mask
+
+
 def activation_shape(cfg: Config, batch: int, tp: int, fsdp: bool, *, device_type: str = "cuda",
                      compiled: bool = False, cp: int = 1) -> ActivationShape:
     bf16_params = fsdp and cfg.parallel.mixed_precision_param == "bf16"
     a = 2 if bf16_params or cfg.train.dtype == "bf16" else 4
     return ActivationShape(batch, cfg.data.seq_len // cp, tp, a, 2 if bf16_params else 4,
-                           runs_blockwise_attention(cfg, device_type, compiled), cp)
+                           runs_blockwise_attention(cfg, device_type, compiled), cp, self_attention_masked(cfg))
+
+
+def _sdpa_mask(x: ActivationShape, calls: list[tuple[int, int]], cross: bool) -> float:
+    """The mask SDPA keeps for its backward, in the activation dtype: one (b, 1, q, k) per call (cross-attention
+    always masks the source's padding)."""
+    return x.batch * sum(q * k for q, k in calls) * x.bytes if cross or x.masked else 0.0
 
 
 def _norm(m: ModelConfig, x: ActivationShape, s_local: int) -> float:
@@ -110,7 +126,7 @@ def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memo
             total += 2 * qkv_out + 2 * kv + sum(stored_probabilities(b * heads, q, k, causal_here)
                                                 for q, k in calls) * a
         else:
-            total += 2 * qkv_out + 2 * kv + b * heads * s * FP32
+            total += 2 * qkv_out + 2 * kv + b * heads * s * FP32 + _sdpa_mask(x, calls, branch_cross)
         if m.dropout > 0:
             total += b * s_local * h
     total += _ffn_branch_saved(m, x, s_local)
@@ -127,7 +143,7 @@ def block_selective(m: ModelConfig, x: ActivationShape, *, cross: bool = False, 
     s_local = s // t if t > 1 else s
     heads, kv_heads = m.n_heads // t, m.kv_heads // t
     branches = 2 if cross else 1
-    total = b * s_local * h * x.residual_bytes  # the checkpointed block's input
+    total: float = b * s_local * h * x.residual_bytes  # the checkpointed block's input
     for branch_cross in ([False, True] if cross else [False]):
         calls = _attention_calls(x, branch_cross, memory_len, causal)
         total += b * s * heads * m.head_dim * a * 2  # q projection and attention output
@@ -136,7 +152,7 @@ def block_selective(m: ModelConfig, x: ActivationShape, *, cross: bool = False, 
             total += (s + 2 * sum(k for _, k in calls)) * b * heads * m.head_dim * a
             total += sum(stored_probabilities(b * heads, q, k, causal and not branch_cross) for q, k in calls) * a
         else:
-            total += b * heads * s * FP32  # log-sum-exp
+            total += b * heads * s * FP32 + _sdpa_mask(x, calls, branch_cross)  # log-sum-exp, mask
         if m.attention_backend == "math":  # the two attention matmuls' outputs (scores, weighted values)
             total += 2 * b * heads * sum(q * k for q, k in calls) * a
     ffn = b * s * (m.d_ff // t) * a

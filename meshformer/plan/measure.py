@@ -95,7 +95,10 @@ def synthetic_batch(cfg: Config, dp_rank: int, seed: int = 0) -> dict[str, torch
     """This data-parallel rank's micro-batch of random tokens (decoder / encoder: ids and labels)."""
     g = torch.Generator().manual_seed(seed + dp_rank)
     ids = torch.randint(0, cfg.model.vocab_size, (cfg.data.batch_size, cfg.data.seq_len + 1), generator=g)
-    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+    batch = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+    if cfg.model.document_mask:  # eight documents a row
+        batch["doc_ids"] = (torch.arange(cfg.data.seq_len) * 8 // cfg.data.seq_len).expand(cfg.data.batch_size, -1)
+    return batch
 
 
 class TrainingStep:
