@@ -128,10 +128,10 @@ def test_a_nan_step_updates_nothing_and_a_run_of_them_stops_training(tmp_path, m
     poisoned = {2, 4, 5, 6}  # steps whose loss is NaN (1-based): one alone, then three in a row
     forward_backward = TrainingPlan.forward_backward
 
-    def nan_loss(plan, batch, global_tokens):
+    def nan_loss(plan, batch, global_tokens, last_micro_batch=True):
         if trainer.step + 1 in poisoned:
             global_tokens = global_tokens * float("nan")
-        return forward_backward(plan, batch, global_tokens)
+        return forward_backward(plan, batch, global_tokens, last_micro_batch)
 
     monkeypatch.setattr(TrainingPlan, "forward_backward", nan_loss)
     weights: dict[int, list[torch.Tensor]] = {}
