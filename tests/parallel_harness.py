@@ -16,6 +16,7 @@ Run by hand: python tests/parallel_harness.py --world 2 decoder/fsdp decoder/tp
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -435,9 +436,11 @@ def worker(rank: int, world: int, port: int, names: list[str], out: str) -> None
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    faulthandler.enable()  # a crash in native code names its Python stack (and the scenario printed below)
     dist.init_process_group("gloo", timeout=timedelta(seconds=int(os.environ.get("HARNESS_TIMEOUT", 90))))
     results: dict[str, Any] = {}
     for name in names:
+        print(f"rank {rank}: {name}", file=sys.stderr, flush=True)
         try:
             results[name] = run_scenario(name)
         except Exception as err:  # record and go on: one broken layout should not hide the others
@@ -448,6 +451,9 @@ def worker(rank: int, world: int, port: int, names: list[str], out: str) -> None
         Path(out).write_text(json.dumps(results))
     dist.barrier()  # gloo sometimes aborts at exit without it
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the work is done and written: skip interpreter teardown, where gloo has aborted before
 
 
 def launch(world: int, names: list[str]) -> dict[str, Any]:
