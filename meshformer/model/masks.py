@@ -50,8 +50,9 @@ def build_mask(
             return AttentionMask(None)
         if q_positions is None and q_offset + q_len == k_len:
             return AttentionMask(None, is_causal=True)
-    if key_padding is not None or documents is not None:
-        device = (key_padding if key_padding is not None else documents).device  # type: ignore[union-attr]
+    per_key = key_padding if key_padding is not None else documents
+    if per_key is not None:
+        device = per_key.device
     q_pos = torch.arange(q_offset, q_offset + q_len, device=device) if q_positions is None else q_positions
     k_pos = torch.arange(k_len, device=device)
     delta = q_pos[:, None] - k_pos[None, :]  # > 0: the key lies in the past

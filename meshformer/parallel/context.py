@@ -52,6 +52,9 @@ def sequence_chunk(batch: Batch, index: int, count: int) -> Batch:
     if length % pieces:
         raise ValueError(f"parallel.cp={count} cuts each sequence into {pieces} equal pieces, but this batch's "
                          f"length is {length}; set data.seq_len to a multiple of 2 x cp")
-    return {key: value if key in ("attention_mask", "doc_ids") else
-            torch.cat([value.chunk(pieces, dim=1)[index], value.chunk(pieces, dim=1)[pieces - 1 - index]], dim=1)
-            for key, value in batch.items()}
+
+    def mine(value: torch.Tensor) -> torch.Tensor:
+        parts = value.chunk(pieces, dim=1)
+        return torch.cat([parts[index], parts[pieces - 1 - index]], dim=1)
+
+    return {key: value if key in ("attention_mask", "doc_ids") else mine(value) for key, value in batch.items()}

@@ -34,6 +34,7 @@ class MeshPlan(TrainingPlan):
         self.meshes, self.dims = meshes, meshes.dims
         self.dp_rank, self.dp_size = meshes.dp_rank, self.dims.dp
         self.float8_weight_gather = False  # FSDP all-gathers float8 weights (set by build_plan)
+        self._replicas_all_reduce = True  # FSDP's setting for HSDP's all-reduce over replicas (its default)
 
     @property
     def supports_generation(self) -> bool:
@@ -99,10 +100,11 @@ class MeshPlan(TrainingPlan):
         """HSDP with gradient accumulation: every micro-batch reduce-scatters its gradients within a replica, but only
         the step's last all-reduces them over replicas (usually the slow inter-node links): grad_accum - 1 fewer
         all-reduces a step. FSDP keeps the running sum meanwhile (1/dp_shard of the gradients, reduce dtype)."""
-        if self.dims.hsdp:
+        if self.dims.hsdp and last_micro_batch != self._replicas_all_reduce:  # set on change: it walks every module
             for part in self.model_parts:
                 if isinstance(part, FSDPModule):
                     part.set_requires_all_reduce(last_micro_batch)
+            self._replicas_all_reduce = last_micro_batch
 
     def grad_norm(self) -> torch.Tensor:
         return global_grad_norm(self._grads(), self.dims.world_size // self.dims.pp, self.device)
