@@ -42,6 +42,7 @@ def world(tmp_path_factory):
     tmp = paths["tmp"]
     tmp.mkdir()
     (tmp / "afile").write_text("x")
+    # files for the cli/config cases (#25)
     (tmp / "bad.toml").write_text("[model\nd_model = 4\n")
     (tmp / "empty.txt").write_text("")
     (tmp / "binary.txt").write_bytes(bytes(range(256)) * 64)
@@ -49,6 +50,7 @@ def world(tmp_path_factory):
     (tmp / "notgz.txt.gz").write_bytes(b"this is not gzip data at all")
     (tmp / "nofield.jsonl").write_text('{"body": "some text"}\n')
     (tmp / "badjson.jsonl").write_text('{"text": "unterminated\n')
+    # files for the data cases (#25)
     (tmp / "plain.txt").write_text("a plain text document\n")
     (tmp / "mixed").mkdir()
     (tmp / "mixed" / "a.txt").write_text("good text here\n" * 20)
@@ -56,6 +58,7 @@ def world(tmp_path_factory):
     (tmp / "nothing").mkdir()
     (tmp / "nothing" / "image.png").write_bytes(b"\x89PNG")
     (tmp / "tok.json").write_text("{not a tokenizer")
+    # files for the checkpoint/convert cases (#25)
     (tmp / "broken-weights").mkdir()
     (tmp / "broken-weights" / "model.safetensors").write_bytes(b"garbage")
     (tmp / "broken-weights" / "model_config.json").write_text("{")
@@ -123,6 +126,7 @@ CASES = [
     ("profile-steps", _train("profile.start_step=1", "profile.steps=0"), ["profile.steps", "e.g."]),
     ("no-cuda", _train("train.device=cuda"), ["no CUDA device", "train.device='cpu'"]),
     ("grad-clip-negative", _train("optim.grad_clip=-1"), ["optim.grad_clip", ">= 0"]),
+    # (#25) values
     # run folder, checkpoint folder, cache, disk space
     ("run-dir-under-file", _train("logging.run_dir={tmp}/afile/run"), ["is a file", "set logging.run_dir"]),
     ("run-dir-is-file", _train("logging.run_dir={tmp}/afile"), ["is a file", "set logging.run_dir"]),
@@ -131,6 +135,7 @@ CASES = [
     ("disk-space", _train("model.n_layers=400", "model.d_model=8192", "model.d_ff=32768"),
      ["no space left", "free disk space"]),
     ("cache-under-file", _corpus("{corpus}", "data.cache_dir={tmp}/afile/cache"), ["shard cache", "data.cache_dir"]),
+    # (#25) run folder
     # corpus
     ("corpus-missing", _corpus("{tmp}/nowhere.txt"), ["does not exist", "pass a file"]),
     ("corpus-empty", _corpus("{tmp}/empty.txt"), ["holds no text", "point data.corpus"]),
@@ -142,6 +147,7 @@ CASES = [
     ("jsonl-no-field", _corpus("{tmp}/nofield.jsonl"), ["no string field 'text'", "data.text_field"]),
     ("jsonl-wrong-field", _corpus("{corpus}", "data.text_field=body"), ["no string field 'body'", "text_field"]),
     ("jsonl-bad-json", _corpus("{tmp}/badjson.jsonl"), ["not valid JSON", "fix or remove"]),
+    # (#25) corpus
     # tokenizer
     ("tokenizer-missing", _train("data.tokenizer={tmp}/none.json"), ["neither", "fix data.tokenizer"]),
     ("tokenizer-bundled", _train("data.tokenizer=bundled:nope"), ["no bundled tokenizer", "available"]),
@@ -170,6 +176,7 @@ CASES = [
                             "bundled:kjv-bpe-4k"], ["must come from JSONL", "'src'"]),
     ("prepare-vocab-small", ["data", "prepare", "{corpus}", "--out", "{tmp}/p7", "--vocab-size", "10"],
      ["too small", "at least"]),
+    # (#25) data prepare
     # parallel layout and launch options
     ("launch-nproc-zero", ["train", CFG, "--nproc-per-node", "0"], ["--nproc-per-node=0", "use --nproc-per-node >= 1"]),
     ("launch-restarts", ["train", CFG, "--max-restarts", "-1"], ["--max-restarts=-1", ">= 0"]),
@@ -182,6 +189,7 @@ CASES = [
     ("plan-world-zero", ["plan", CFG, "--world", "0"], ["--world", "positive number of ranks"]),
     ("plan-layout", ["plan", CFG, "--world", "2", "--set", "parallel.tp=3"], ["does not divide", "choose"]),
     ("plan-gpu", ["plan", CFG, "--world", "2", "--gpu", "nope"], ["invalid choice", "--help"]),
+    # (#25) planner
     # submit
     ("submit-nproc-zero", _submit("--nproc-per-node", "0"), ["--nproc-per-node (0)", "fix those options"]),
     ("submit-nodes-zero", _submit("--nodes", "0"), ["--nodes (0)", "must be >= 1"]),
@@ -192,6 +200,7 @@ CASES = [
     ("submit-layout", _submit("--nodes", "2", "--nproc-per-node", "3", overrides=("parallel.tp=4",)),
      ["does not divide the world size 6", "choose"]),
     ("submit-config", _submit(overrides=("train.step=5",)), ["unknown config key", "did you mean"]),
+    # (#25) submit
     # convert / import / verify
     ("convert-missing", ["convert", "to-safetensors", "{tmp}/nock", "{tmp}/out1"], ["nock", "check"]),
     ("convert-no-weights", ["convert", "to-checkpoint", "{tmp}/nothing", "{tmp}/out2"],
@@ -206,6 +215,7 @@ CASES = [
      ["nothing", "Megatron"]),
     ("export-megatron-encoder", ["convert", "export-megatron", "{tmp}/encoder", "{tmp}/out7"],
      ["family='encoder'", "export-hf"]),
+    # (#25) convert / import
     # an existing run's checkpoints and weights: refused, untouched
     ("import-into-run", ["convert", "to-checkpoint", "{final}", "{ckpt}"],
      ["already holds checkpoints", "empty folder"]),
@@ -233,6 +243,7 @@ CASES = [
     ("plot-no-events", ["plot", "{tmp}/nothing"], ["no TensorBoard event files", "logging.tensorboard"]),
     ("tensorboard-missing", ["tensorboard", "{tmp}/norun"], ["does not exist", "logging.run_dir"]),
     ("diagnose-none", ["diagnose", "{tmp}/nothing"], ["no hang reports", "nothing to diagnose"]),
+    # (#25) monitoring
     # command-line usage
     ("usage-no-command", [], ["required", "--help"]),
     ("usage-unknown-command", ["fly"], ["invalid choice", "--help"]),

@@ -1,0 +1,131 @@
+"""Folders meshformer writes, and the rule that keeps it from destroying anyone else's.
+
+A command that writes a folder (prepared shards, converted weights, a run's final weights, and their scratch
+folders) marks it with `.meshformer` and replaces an existing folder only when that folder is one of ours (it
+holds the marker, or the files an older meshformer left there) or the user passed `--overwrite`; the folder
+it reads from is never an output, with or without `--overwrite`. Scratch folders beside an output
+(`<out>.work`, `<out>.partial`) are removed only if they hold our marker: a folder of that name that someone
+else made is reported, not deleted.
+
+Folders are also closed worlds: a manifest or weights index names files *inside* its folder (`inside`), never
+an absolute path, `..`, a URL or a `pipe:` command; remote or command sources come only from the user's config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+from meshformer.errors import MeshformerError
+
+MARKER = ".meshformer"
+
+
+class OutputFolderError(MeshformerError, FileExistsError):
+    """An output folder we may not write: someone else's, the input itself, or ours without --overwrite."""
+
+
+class UnsafePathError(MeshformerError, ValueError):
+    """A manifest or index names a file outside its own folder (or a URL / shell command)."""
+
+
+def mark(folder: Path, kind: str) -> None:
+    """Declare `folder` ours: `kind` says what wrote it (e.g. "prepared shards", "weights")."""
+    (Path(folder) / MARKER).write_text(json.dumps({"kind": kind, "pid": os.getpid()}) + "\n")
+
+
+def is_ours(folder: Path, legacy: Iterable[str] = ()) -> bool:
+    """True if `folder` holds our marker, or every file in `legacy` (what an older meshformer left there)."""
+    folder = Path(folder)
+    legacy = list(legacy)
+    return (folder / MARKER).is_file() or (bool(legacy) and all((folder / name).is_file() for name in legacy))
+
+
+def _overlaps(a: Path, b: Path) -> bool:
+    a, b = a.resolve(), b.resolve()
+    return a == b or a in b.parents or b in a.parents
+
+
+def check_output(out: Path, *, what: str, overwrite: bool, inputs: Iterable[Path] = (),
+                 legacy: Iterable[str] = (), option: str = "--overwrite") -> None:
+    """Refuse, before any work, an output folder we may not write. Allowed: a missing or empty folder; one of ours
+    (marker or `legacy` files) when `overwrite`; someone else's only when `overwrite` too. Never a folder that is,
+    holds, or lies inside one of `inputs`."""
+    out = Path(out)
+    for source in inputs:
+        if _overlaps(out, Path(source)):
+            raise OutputFolderError(f"the output folder {out} overlaps the input {source}",
+                                    "write the output to a folder of its own, outside the input")
+    if out.is_file() or (out.is_symlink() and not out.is_dir()):
+        raise OutputFolderError(f"the output {out} is a file", "choose a folder path for the output")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if overwrite:
+        return
+    if is_ours(out, legacy):
+        raise OutputFolderError(f"{out} already holds {what}", f"pass {option} to replace it, or choose another "
+                                "output folder")
+    raise OutputFolderError(f"{out} exists and holds files meshformer did not write", "choose another output "
+                            f"folder (or pass {option} if you mean to delete everything in it)")
+
+
+def scratch(path: Path, kind: str, *, fresh: bool = True) -> Path:
+    """A scratch folder of ours at `path` (e.g. `<out>.work`): made and marked if missing; if it exists it must
+    hold our marker (someone else's folder of that name is reported, never deleted). `fresh` empties it first."""
+    path = Path(path)
+    if path.exists():
+        if not path.is_dir() or not (path / MARKER).is_file():
+            raise OutputFolderError(f"{path} exists and was not made by meshformer", "move it away or choose "
+                                    "another output folder (meshformer keeps its scratch files there)")
+        if fresh:
+            remove(path)
+    if not path.exists():
+        path.mkdir(parents=True)
+        mark(path, kind)
+    return path
+
+
+def remove(folder: Path) -> None:
+    """Delete a folder of ours; one without our marker is refused, so a bug can never delete a user's folder."""
+    folder = Path(folder)
+    if not folder.exists():
+        return
+    if not (folder / MARKER).is_file():
+        raise OutputFolderError(f"refusing to delete {folder}: it was not made by meshformer",
+                                "move it away yourself if it should go")
+    shutil.rmtree(folder)
+
+
+def replace(staged: Path, out: Path) -> None:
+    """Move the finished folder `staged` to `out`, replacing what is there (already checked by `check_output`):
+    readers see the old folder or the new one, never a half-written one."""
+    staged, out = Path(staged), Path(out)
+    if out.exists():
+        old = out.with_name(out.name + ".replaced")
+        remove(old)  # a leftover of ours from a crash mid-replace; anything else is refused
+        out.rename(old)
+        staged.rename(out)
+        shutil.rmtree(old)
+    else:
+        staged.rename(out)
+
+
+def inside(folder: Path, name: object, *, what: str, fix: str) -> Path:
+    """The path of `name` in `folder`, if `name` is a plain relative file name that stays inside it; otherwise
+    one line naming `what` lists it (an absolute path, `..`, a URL, a `pipe:` command, a non-string)."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise UnsafePathError(f"{what} names {name!r}, which is not a file name", fix)
+    if ":" in name.split("/", 1)[0] or name.startswith(("/", "\\", "~")) or os.path.isabs(name):
+        raise UnsafePathError(f"{what} names {name!r}, which is not a file inside its folder (absolute paths, "
+                              "URLs and pipe: commands are refused)", fix)
+    parts = Path(name).parts
+    if ".." in parts:
+        raise UnsafePathError(f"{what} names {name!r}, which leaves its folder", fix)
+    root = Path(folder).resolve()
+    path = (root / name).resolve()
+    if root not in path.parents:
+        raise UnsafePathError(f"{what} names {name!r}, which resolves outside {folder} (a link?)", fix)
+    return Path(folder) / name
