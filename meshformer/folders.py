@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -77,15 +78,31 @@ def scratch(path: Path, kind: str, *, fresh: bool = True) -> Path:
     hold our marker (someone else's folder of that name is reported, never deleted). `fresh` empties it first."""
     path = Path(path)
     if path.exists():
-        if not path.is_dir() or not (path / MARKER).is_file():
-            raise OutputFolderError(f"{path} exists and was not made by meshformer", "move it away or choose "
-                                    "another output folder (meshformer keeps its scratch files there)")
+        _check_scratch(path)
         if fresh:
             remove(path)
     if not path.exists():
-        path.mkdir(parents=True)
-        mark(path, kind)
+        _make_marked(path, kind)
     return path
+
+
+def _check_scratch(path: Path) -> None:
+    if not path.is_dir() or not (path / MARKER).is_file():
+        raise OutputFolderError(f"{path} exists and was not made by meshformer", "move it away or choose "
+                                "another output folder (meshformer keeps its scratch files there)")
+
+
+def _make_marked(path: Path, kind: str) -> None:
+    """Create `path` already holding our marker: parts of one job (machines sharing `<out>.work`) may create it
+    at the same moment, and none of them may see it unmarked."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(prefix=f"{path.name}.", suffix=".new", dir=path.parent))
+    mark(staged, kind)
+    try:
+        staged.rename(path)
+    except OSError:  # another process made it first (a non-empty folder cannot be renamed onto)
+        shutil.rmtree(staged)
+        _check_scratch(path)
 
 
 def remove(folder: Path) -> None:

@@ -32,7 +32,8 @@ from typing import Literal
 import numpy as np
 from tqdm import tqdm
 
-from meshformer.errors import MeshformerError, UsageError
+from meshformer.errors import UsageError
+from meshformer.folders import check_output, remove, replace, scratch
 
 from .prepare_stages import SPLITS, map_unit, reduce_bucket, train_documents
 from .shard_index import index_name
@@ -42,10 +43,6 @@ from .tokenizer import Tokenizer, load_tokenizer, train_bpe
 
 log = logging.getLogger("meshformer.data")
 Stage = Literal["all", "map", "reduce", "merge"]
-
-
-class OutputExistsError(MeshformerError, FileExistsError):
-    """The output folder already holds prepared shards."""
 
 
 def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, tokenizer: str = "train",
@@ -68,14 +65,12 @@ def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, token
     out = Path(out_dir)
     index, count = part
     if not 0 <= index < count:
-        raise UsageError(f"part {index}/{count} does not exist", f"use a part index in [0, {count})")
+        raise UsageError(f"--part {index}/{count} does not exist", "write --part i/N with N >= 1 and i from 0 to "
+                         "N - 1 (e.g. 0/4, 1/4, 2/4, 3/4)")
     if stage == "all" and count > 1:
         raise UsageError("--part i/N needs --stage", "run --stage map on every part, then "
                          "--stage reduce on every part, then --stage merge once (`meshformer data submit-prepare` "
                          "does this on SLURM)")
-    if (out / "manifest.json").exists() and not overwrite:
-        raise OutputExistsError(f"{out} already holds prepared shards", "pass --overwrite (overwrite=True) or "
-                                "choose another output folder")
     if not 0 <= eval_fraction < 1:
         raise UsageError(f"eval_fraction={eval_fraction} is out of range", "use a value in [0, 1), e.g. 0.02")
     record_len = record_len or seq_len + 1
@@ -85,13 +80,14 @@ def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, token
         raise UsageError("--tokenizer train needs the whole corpus in one process", "train a tokenizer first "
                          "(meshformer data prepare SAMPLE --tokenizer train) and pass its tokenizer.json")
     start = time.perf_counter()
-    files = resolve_inputs(inputs if isinstance(inputs, list) else [inputs])
+    items = inputs if isinstance(inputs, list) else [inputs]
+    files = resolve_inputs(items)
+    check_output_folder(items, out, overwrite)
     check_corpus(files, None if pairs else text_field)
     for f in files if pairs else ():  # pairs need JSONL with both fields: say so before any work starts
         next(iter_pairs([f], src_field, tgt_field), None)
-    work = out.with_name(out.name + ".work")
-    if stage == "all":
-        shutil.rmtree(work, ignore_errors=True)
+    # parts share the work folder: only a whole prepare (one part, every stage) starts it afresh
+    work = scratch(work_folder(out), "data prepare work", fresh=stage == "all")
     bucket_counts = _bucket_counts(files, eval_fraction, bucket_mb)
     plan = {"files": [str(f) for f in files], "kind": "pairs" if pairs else "packed",
             "record_len": 0 if pairs else record_len, "text_field": text_field, "src_field": src_field,
@@ -124,6 +120,17 @@ def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, token
     return manifest
 
 
+def work_folder(out: Path) -> Path:
+    return out.with_name(out.name + ".work")
+
+
+def check_output_folder(inputs: list[str | Path], out: Path, overwrite: bool) -> None:
+    """Refuse, before any work, an --out that is (or holds, or lies in) an input, someone else's folder, or
+    prepared shards without --overwrite."""
+    roots = [BUNDLED_CORPORA.get(str(item), Path(item).expanduser()) for item in inputs]
+    check_output(out, what="prepared shards", overwrite=overwrite, inputs=roots, legacy=["manifest.json"])
+
+
 def _bucket_counts(files: list[Path], eval_fraction: float, bucket_mb: float) -> dict[str, int]:
     total = sum(f.stat().st_size for f in files)
     per = bucket_mb * (1 << 20)
@@ -133,7 +140,6 @@ def _bucket_counts(files: list[Path], eval_fraction: float, bucket_mb: float) ->
 
 def _agree_on_plan(work: Path, plan: dict) -> None:
     """The first part writes plan.json; every other part must compute the same plan."""
-    work.mkdir(parents=True, exist_ok=True)
     path = work / "plan.json"
     text = json.dumps(plan, indent=1, sort_keys=True)
     if not path.exists():
@@ -197,9 +203,9 @@ def _call(args: tuple) -> None:
 def _merge(plan: dict, work: Path, out: Path, tok: Tokenizer, files: list[Path]) -> Manifest:
     """Number the buckets' shards, write tokenizer.json + manifest.json, move into `out`, drop the work folder."""
     _require_maps(plan, work)
-    tmp = out.with_name(out.name + ".partial")
+    tmp = work / "merged"  # staged inside our work folder: no folder beside `out` is ever touched
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp.mkdir()
     splits: dict[str, list[ShardInfo]] = {}
     documents = {}
     for split in SPLITS:
@@ -235,10 +241,8 @@ def _merge(plan: dict, work: Path, out: Path, tok: Tokenizer, files: list[Path])
               "documents": documents, "eval_held_out": held_out, "buckets": plan["buckets"],
               "created_by": "meshformer data prepare"})
     (tmp / "manifest.json").write_text(manifest.to_json())
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)  # readers never see a half-written folder
-    shutil.rmtree(work, ignore_errors=True)
+    replace(tmp, out)  # readers never see a half-written folder
+    remove(work)
     manifest.url = str(out / "manifest.json")
     return manifest
 
