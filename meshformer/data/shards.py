@@ -29,6 +29,7 @@ import webdataset as wds
 from webdataset.tariterators import tar_file_iterator
 
 from meshformer.errors import MeshformerError
+from meshformer.folders import inside
 
 from .shard_index import index_name, read_records, seekable, write_index
 
@@ -73,8 +74,6 @@ def open_url(url: str) -> IO[bytes]:
 
 
 def join_url(base: str, name: str) -> str:
-    if "://" in name or name.startswith(("/", "pipe:")):
-        return name
     return posixpath.join(base, name) if base else name
 
 
@@ -144,10 +143,23 @@ def read_manifest(spec: str) -> Manifest:
                             f"needs {FORMAT!r} version {FORMAT_VERSION}; re-run `meshformer data prepare`")
     try:
         splits = {name: [ShardInfo(**s) for s in split["shards"]] for name, split in tree["splits"].items()}
-        return Manifest(tree["kind"], tree["record_len"], tree["dtype"], tree["tokenizer"], splits,
-                        tree.get("meta", {}), url)
+        manifest = Manifest(tree["kind"], tree["record_len"], tree["dtype"], tree["tokenizer"], splits,
+                            tree.get("meta", {}), url)
+        files = [info.name for shards in splits.values() for info in shards] + [tree["tokenizer"]["file"]]
     except (KeyError, TypeError) as err:
         raise ManifestError(f"{url}: manifest is missing a field ({err}); re-run `meshformer data prepare`") from None
+    for name in files:
+        _inside_manifest_folder(manifest, name)
+    return manifest
+
+
+def _inside_manifest_folder(manifest: Manifest, name: object) -> None:
+    """A manifest names files in its own folder only: a shard or tokenizer named by an absolute path, `..`, a URL
+    or a `pipe:` command would let a downloaded dataset read anywhere or run commands. (A remote folder has no
+    local links to follow, so there the check is on the name alone.)"""
+    inside(Path(manifest.base or "."), name, what=f"the manifest {manifest.url}",
+           fix="a prepared dataset names only files in its own folder; re-run `meshformer data prepare`, or set "
+               "data.shards to the dataset's folder or URL yourself")
 
 
 # ----------------------------------------------------------------------------- writing
