@@ -11,7 +11,9 @@ import codecs
 import gzip
 import io
 import json
-from collections.abc import Iterator
+import zlib
+from collections.abc import Generator, Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Literal
 
@@ -20,7 +22,9 @@ from meshformer.errors import MeshformerError
 BUNDLED_CORPORA = {"bundled:kjv": Path(__file__).resolve().parent / "corpus" / "kjv-chapters.jsonl.gz"}
 TEXT_SUFFIXES = {".txt", ".text", ".md", ".rst", ".jsonl", ".json"}
 DocSplit = Literal["file", "paragraph", "line"]
-_SNIFF_BYTES = 1 << 16  # head of each file checked for binary content
+_HEAD_BYTES = 1 << 16  # head of each file checked before any work starts
+_CHUNK_BYTES = 1 << 22  # pieces in which files are read and checked
+BOM = "\ufeff"
 
 
 class CorpusError(MeshformerError, ValueError):
@@ -52,21 +56,15 @@ def resolve_inputs(inputs: str | Path | list[str | Path]) -> list[Path]:
 
 def check_corpus(files: list[Path], text_field: str | None = "text") -> None:
     """Refuse, naming the file, what would tokenize as garbage or nothing: binary (or UTF-16) files, an
-    all-empty corpus, JSONL whose first record lacks the text field. Reads only the head of each file."""
+    all-empty corpus, JSONL whose first record lacks the text field. Reads only the head of each file (the rest
+    is checked as it is read: `read_text`)."""
     has_text = False
     for path in files:
-        try:
-            with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as fh:
-                head = fh.read(_SNIFF_BYTES)
-        except (OSError, EOFError) as err:
-            raise CorpusError(f"{path}: cannot be read ({err})", "repair or remove the file") from None
-        text = codecs.getincrementaldecoder("utf-8")(errors="replace").decode(head)
-        if b"\0" in head or text.count("\ufffd") > max(8, len(text) // 100):
-            raise CorpusError(f"{path} is not UTF-8 text (binary data or NUL bytes in its first {len(head)} bytes)",
-                              "remove it from the corpus or convert it to UTF-8 text")
-        has_text = has_text or bool(text.strip())
-        lines = text.splitlines()
-        complete = len(head) < _SNIFF_BYTES or len(lines) > 1  # the first record was read whole
+        with closing(read_text(path, _HEAD_BYTES)) as pieces:
+            head = next(pieces, "")
+            lines = head.splitlines()
+            complete = len(lines) > 1 or next(pieces, None) is None  # the first record was read whole
+        has_text = has_text or bool(head.strip())
         if text_field and _is_jsonl(path) and complete:
             lineno, first = next(((i, line) for i, line in enumerate(lines, 1) if line.strip()), (0, ""))
             if first:
@@ -76,15 +74,59 @@ def check_corpus(files: list[Path], text_field: str | None = "text") -> None:
                           "point data.corpus (or the inputs of `data prepare`) at files that hold text")
 
 
+def read_text(path: Path, chunk_bytes: int = _CHUNK_BYTES) -> Generator[str, None, None]:
+    """The file's text in pieces of about `chunk_bytes` bytes (decompressed if .gz), newlines as "\n", without a
+    leading UTF-8 byte-order mark. Every byte is checked: a byte that is not UTF-8, or a NUL, stops the read
+    with the file and its byte offset (in the decompressed text)."""
+    decoder = io.IncrementalNewlineDecoder(codecs.getincrementaldecoder("utf-8")(), translate=True)
+    offset = 0  # bytes of the file decoded before `raw`
+    first = True
+    try:
+        with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as fh:
+            while raw := fh.read(chunk_bytes):
+                yield from _decode(path, decoder, raw, offset, first)
+                offset += len(raw)
+                first = False
+            yield from _decode(path, decoder, b"", offset, first, final=True)
+    except (OSError, EOFError, zlib.error) as err:
+        raise CorpusError(f"{path}: cannot be read ({err})", "repair or remove the file") from None
+
+
+def _decode(path: Path, decoder: io.IncrementalNewlineDecoder, raw: bytes, offset: int, first: bool,
+            final: bool = False) -> Iterator[str]:
+    pending = len(decoder.getstate()[0])  # bytes of a character cut by the previous piece
+    try:
+        text = decoder.decode(raw, final)
+    except UnicodeDecodeError as err:
+        raise _not_text(path, offset - pending + err.start, f"byte {err.object[err.start]:#04x}") from None
+    if "\0" in text:
+        raise _not_text(path, offset + raw.index(b"\0"), "a NUL byte")
+    if first and text.startswith(BOM):  # a UTF-8 byte-order mark says how the file is encoded; it is not text
+        text = text[1:]
+    if text:
+        yield text
+
+
+def _not_text(path: Path, offset: int, what: str) -> CorpusError:
+    return CorpusError(f"{path} is not UTF-8 text ({what} at byte offset {offset})",
+                       "remove it from the corpus or convert it to UTF-8 text (binary data, Latin-1 or UTF-16 "
+                       "files tokenize as garbage)")
+
+
+def _lines(path: Path) -> Iterator[str]:
+    """The file's lines (each with its "\n", except perhaps the last), read piece by piece."""
+    rest = ""
+    for text in read_text(path):
+        lines = (rest + text).split("\n")
+        rest = lines.pop()
+        yield from (line + "\n" for line in lines)
+    if rest:
+        yield rest
+
+
 def _is_text(path: Path) -> bool:
     name = path.name[:-3] if path.suffix == ".gz" else path.name
     return Path(name).suffix in TEXT_SUFFIXES
-
-
-def _open_text(path: Path) -> io.TextIOBase:
-    if path.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", errors="replace")
-    return open(path, encoding="utf-8", errors="replace")
 
 
 def _is_jsonl(path: Path) -> bool:
@@ -94,21 +136,20 @@ def _is_jsonl(path: Path) -> bool:
 
 def iter_documents(files: list[Path], text_field: str = "text", doc_split: DocSplit = "file") -> Iterator[str]:
     for path in files:
-        with _open_text(path) as fh:
-            if _is_jsonl(path):
-                for lineno, line in enumerate(fh, 1):
-                    if line.strip():
-                        text = _field(path, lineno, line, text_field)
-                        if text.strip():
-                            yield text
-            elif doc_split == "file":
-                text = fh.read()
-                if text.strip():
-                    yield text
-            elif doc_split == "line":
-                yield from (line.rstrip("\n") for line in fh if line.strip())
-            else:
-                yield from (p.strip() for p in fh.read().split("\n\n") if p.strip())
+        if _is_jsonl(path):
+            for lineno, line in enumerate(_lines(path), 1):
+                if line.strip():
+                    text = _field(path, lineno, line, text_field)
+                    if text.strip():
+                        yield text
+        elif doc_split == "file":
+            text = "".join(read_text(path))
+            if text.strip():
+                yield text
+        elif doc_split == "line":
+            yield from (line.rstrip("\n") for line in _lines(path) if line.strip())
+        else:
+            yield from (p.strip() for p in "".join(read_text(path)).split("\n\n") if p.strip())
 
 
 def iter_pairs(files: list[Path], src_field: str = "src", tgt_field: str = "tgt") -> Iterator[tuple[str, str]]:
@@ -116,19 +157,25 @@ def iter_pairs(files: list[Path], src_field: str = "src", tgt_field: str = "tgt"
         if not _is_jsonl(path):
             raise CorpusError(f"{path}: source/target pairs must come from JSONL with {src_field!r} and "
                               f"{tgt_field!r} fields")
-        with _open_text(path) as fh:
-            for lineno, line in enumerate(fh, 1):
-                if line.strip():
-                    yield _field(path, lineno, line, src_field), _field(path, lineno, line, tgt_field)
+        for lineno, line in enumerate(_lines(path), 1):
+            if line.strip():
+                yield _field(path, lineno, line, src_field), _field(path, lineno, line, tgt_field)
 
 
 def _field(path: Path, lineno: int, line: str, name: str) -> str:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
-        raise CorpusError(f"{path}:{lineno}: not valid JSON ({err})", "fix or remove that line") from None
-    if not isinstance(record, dict) or not isinstance(record.get(name), str):
-        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise CorpusError(f"{path}:{lineno}: no string field {name!r} (has {keys}); set data.text_field "
+        if line.strip() in ("[", "{"):  # the first line of a pretty-printed JSON document or array
+            raise CorpusError(f"{path}:{lineno}: not JSONL ({line.strip()!r} alone on a line: a pretty-printed JSON "
+                              "file?)", "JSONL holds one JSON object per line: rewrite the file that way (jq -c "
+                              "'.[]' for an array of objects, jq -c . for a stream of objects)") from None
+        raise CorpusError(f"{path}:{lineno}: not valid JSON ({err})", "fix or remove that line (JSONL holds one "
+                          "complete JSON object per line)") from None
+    if not isinstance(record, dict):
+        raise CorpusError(f"{path}:{lineno}: a JSON {type(record).__name__}, not an object",
+                          f"JSONL holds one JSON object per line, e.g. {{\"{name}\": \"...\"}}")
+    if not isinstance(record.get(name), str):
+        raise CorpusError(f"{path}:{lineno}: no string field {name!r} (has {sorted(record)}); set data.text_field "
                           "or --text-field")
     return record[name]
