@@ -16,7 +16,7 @@ import numpy as np
 from meshformer.errors import ConfigError
 
 from .loader import Loader
-from .mixture import MixtureLoader
+from .mixture import MixtureLoader, check_mixture
 from .objectives import Objective, Sample, make_objective
 from .prepare import prepare
 from .shard_index import index_name
@@ -160,8 +160,9 @@ def build_loader(cfg, tokenizer: Tokenizer, split: Literal["train", "eval"] = "t
         raise ValueError(f"split={split!r}; use 'train' or 'eval'")
     objective: Objective = make_objective(cfg.objective, tokenizer, d)
     if d.sources:  # a mixture: [[data.sources]]
+        names = _source_names(d)
+        check_mixture([src.weight for src in d.sources], names)
         opened = [_open_source(src.shards, d, tokenizer, objective, split) for src in d.sources]
-        names = [src.name or f"source{i}" for i, src in enumerate(d.sources)]
         loader: Loader = MixtureLoader([o[0] for o in opened], names, [src.weight for src in d.sources], objective,
                                        split, dp_rank, dp_size, d.batch_size, d.num_workers, d.seed, d.shuffle_shards,
                                        with_ids=with_sample_ids, reseed_on_resume=d.reseed_on_resume)
@@ -204,6 +205,8 @@ def check_data(cfg, tokenizer: Tokenizer) -> None:
     checked when the config is loaded)."""
     d = cfg.data
     objective = make_objective(cfg.objective, tokenizer, d)
+    if d.sources:
+        check_mixture([src.weight for src in d.sources], _source_names(d))
     prepared = [src.shards for src in d.sources] or ([d.shards] if d.shards else [])  # a mixture: every source
     for spec in prepared:
         manifest = read_manifest(spec)  # read once (it may be remote), checked for both splits
@@ -219,6 +222,11 @@ def check_data(cfg, tokenizer: Tokenizer) -> None:
         raise ConfigError(f"the shard cache {cache} cannot be created ({parent} is not a writable folder)",
                           "set data.cache_dir (or MESHFORMER_CACHE) to a folder you can write, or prepare the "
                           "shards elsewhere with `meshformer data prepare` and set data.shards")
+
+
+def _source_names(d) -> list[str]:  # d: config.DataConfig
+    """The mixture's source names as logged (data/<name>/...): each source's name, or source<i>."""
+    return [src.name or f"source{i}" for i, src in enumerate(d.sources)]
 
 
 def _check_manifest(manifest: Manifest, tokenizer: Tokenizer, objective: Objective, split: str) -> None:

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
+from meshformer.errors import ConfigError
+
 from .loader import _RNG_SALT, BatchStream, Loader, Source
 from .objectives import Objective
 from .order import RankView, SampleOrder
@@ -26,21 +28,50 @@ from .order import RankView, SampleOrder
 _MAX_PERIOD = 1 << 20
 
 
+def integer_weights(weights: list[float]) -> list[int]:
+    """The whole numbers the round-robin mixes by, in the ratio of `weights` (each to 1/1000). Refused in one line:
+    a weight that is not a finite positive number, or one these numbers cannot carry (a source would get too few
+    samples, or none: 0.0001 next to 1), or ratios whose period is too long."""
+    if not weights:
+        raise ConfigError("data.sources is empty", "list at least one [[data.sources]] table, or set data.shards")
+    for i, w in enumerate(weights):
+        if not (isinstance(w, (int, float)) and math.isfinite(w) and w > 0):
+            raise ConfigError(f"data.sources[{i}].weight={w} is not a positive number",
+                              "give every source a finite weight > 0 (its share is weight / sum of weights)")
+    fracs = [Fraction(w).limit_denominator(1000) for w in weights]
+    scale = math.lcm(*(f.denominator for f in fracs))
+    ints = [int(f * scale) for f in fracs]
+    g = math.gcd(*ints)
+    ints = [i // g for i in ints] if g else ints
+    total, period = sum(weights), sum(ints)
+    for i, (w, n) in enumerate(zip(weights, ints)):
+        if abs(n / period - w / total) > 0.01 * (w / total):  # the source would not get its share
+            raise ConfigError(f"data.sources[{i}].weight={w} cannot be mixed in at its share next to the other "
+                              f"weights {weights} (weights count in steps of 0.001)", "scale the weights up, e.g. "
+                              "10000 and 1 rather than 1 and 0.0001")
+    if period > _MAX_PERIOD:
+        raise ConfigError(f"the mixture weights {weights} repeat only every {period} samples",
+                          "use simpler ratios (e.g. 0.7/0.3 or 5/3/2)")
+    return ints
+
+
+def check_mixture(weights: list[float], names: list[str]) -> None:
+    """Refuse, before any work, weights the mixture cannot follow and two sources of one name (their sample
+    counts would be logged as one)."""
+    integer_weights(weights)
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ConfigError(f"data.sources[{names.index(name)}] and data.sources[{i}] are both named {name!r}",
+                              "give each source its own name (it labels the source's counts in the logs)")
+
+
 class Interleave:
     """Source of each stream position (smooth weighted round-robin), and its inverse."""
 
     def __init__(self, weights: list[float]) -> None:
-        if not weights or any(not w > 0 for w in weights):
-            raise ValueError(f"mixture weights {weights} must all be > 0")
-        fracs = [Fraction(w).limit_denominator(1000) for w in weights]
-        scale = math.lcm(*(f.denominator for f in fracs))
-        ints = [int(f * scale) for f in fracs]
-        g = math.gcd(*ints)
-        self.weights = np.array([i // g for i in ints], dtype=np.int64)
+        ints = integer_weights(weights)
+        self.weights = np.array(ints, dtype=np.int64)
         self.period = int(self.weights.sum())
-        if self.period > _MAX_PERIOD:
-            raise ValueError(f"mixture weights {weights} need a period of {self.period} positions; use simpler "
-                             "ratios (e.g. 0.7/0.3 or 5/3/2)")
         current = np.zeros(len(ints), dtype=np.int64)
         self.source = np.empty(self.period, dtype=np.int64)
         for p in range(self.period):
