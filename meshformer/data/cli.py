@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from pathlib import Path
 
 from meshformer.errors import ArgumentParser, UsageError, run_command
 
-from .prepare import prepare
+from .prepare import check_output_folder, prepare
 from .submit import __doc__ as submit_doc
 from .submit import part_from_env, submit_prepare
+
+_PART_OR_NUMBER = re.compile(r"^-\d+(/\d+)?$|^-\d*\.\d+$")  # argparse's negative numbers, and -i/N
 
 
 def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -30,6 +33,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("prepare", help="corpus -> tokenizer -> WebDataset shards + manifest",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _prepare_arguments(p)
+    p._negative_number_matcher = _PART_OR_NUMBER  # `--part -1/2` is a (wrong) value, not an unknown option
     p.add_argument("--part", default="0/1",
                    help="i/N: this process's slice of the stage (any N gives the same output), or 'slurm' for "
                         "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT")
@@ -100,6 +104,7 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 
 def run_submit_prepare(args: argparse.Namespace) -> int:
+    check_output_folder(args.inputs, Path(args.out), args.overwrite)  # refused now, not in every array task
     forwarded = [*args.inputs, "--out", str(Path(args.out).resolve())]
     for key in _FORWARDED:
         value = getattr(args, key)
