@@ -51,6 +51,14 @@ def world(tmp_path_factory):
     (tmp / "nofield.jsonl").write_text('{"body": "some text"}\n')
     (tmp / "badjson.jsonl").write_text('{"text": "unterminated\n')
     # files for the data cases (#25)
+    (tmp / "late-binary.txt").write_bytes(b"good text\n" * 7000 + b"\x00\x01\x02" * 100)  # past the 64 KiB head
+    (tmp / "pretty.jsonl").write_text('[\n  {"text": "one"},\n  {"text": "two"}\n]\n')
+    (tmp / "users-folder").mkdir()
+    (tmp / "users-folder" / "notes.txt").write_text("not shards")
+    (tmp / "p9.work").mkdir()
+    (tmp / "p9.work" / "keep.txt").write_text("someone else's")
+    (tmp / "corpus-folder").mkdir()
+    (tmp / "corpus-folder" / "a.txt").write_text("In the beginning was the word.\n" * 40)
     (tmp / "plain.txt").write_text("a plain text document\n")
     (tmp / "mixed").mkdir()
     (tmp / "mixed" / "a.txt").write_text("good text here\n" * 20)
@@ -148,6 +156,13 @@ CASES = [
     ("jsonl-wrong-field", _corpus("{corpus}", "data.text_field=body"), ["no string field 'body'", "text_field"]),
     ("jsonl-bad-json", _corpus("{tmp}/badjson.jsonl"), ["not valid JSON", "fix or remove"]),
     # (#25) corpus
+    ("jsonl-pretty-printed", _corpus("{tmp}/pretty.jsonl"), ["pretty.jsonl:1: not JSONL", "one JSON object per line"]),
+    ("mixture-weight-vanishes", _train('data.sources=[{{shards="{shards}", weight=1}}, {{shards="{shards}", '
+                                       'weight=0.0001}}]'), ["data.sources[1].weight=0.0001", "scale the weights"]),
+    ("mixture-weight-inf", _train('data.sources=[{{shards="{shards}", weight=inf}}]'),
+     ["data.sources[0].weight=inf", "finite weight > 0"]),
+    ("mixture-same-name", _train('data.sources=[{{shards="{shards}", name="web"}}, {{shards="{shards}", '
+                                 'name="web"}}]'), ["both named 'web'", "its own name"]),
     # tokenizer
     ("tokenizer-missing", _train("data.tokenizer={tmp}/none.json"), ["neither", "fix data.tokenizer"]),
     ("tokenizer-bundled", _train("data.tokenizer=bundled:nope"), ["no bundled tokenizer", "available"]),
@@ -177,6 +192,19 @@ CASES = [
     ("prepare-vocab-small", ["data", "prepare", "{corpus}", "--out", "{tmp}/p7", "--vocab-size", "10"],
      ["too small", "at least"]),
     # (#25) data prepare
+    ("prepare-part-zero", ["data", "prepare", "{corpus}", "--out", "{tmp}/p8", "--part", "0/0", "--stage", "map"],
+     ["--part 0/0 does not exist", "i from 0 to N - 1"]),
+    ("prepare-part-negative", ["data", "prepare", "{corpus}", "--out", "{tmp}/p8", "--part", "-1/2", "--stage", "map"],
+     ["--part -1/2 does not exist", "i from 0 to N - 1"]),
+    ("prepare-late-binary", ["data", "prepare", "{tmp}/late-binary.txt", "--out", "{tmp}/p10", "--quiet",
+                             "--tokenizer", "bundled:kjv-bpe-4k"],
+     ["late-binary.txt is not UTF-8", "byte offset 70000"]),
+    ("prepare-over-users-folder", ["data", "prepare", "{corpus}", "--out", "{tmp}/users-folder"],
+     ["users-folder exists and holds files meshformer did not write", "choose another output folder"]),
+    ("prepare-into-its-input", ["data", "prepare", "{tmp}/corpus-folder", "--out", "{tmp}/corpus-folder",
+                                "--overwrite"], ["overlaps the input", "outside the input"]),
+    ("prepare-foreign-work-folder", ["data", "prepare", "{corpus}", "--out", "{tmp}/p9"],
+     ["p9.work exists and was not made by meshformer", "move it away"]),
     # parallel layout and launch options
     ("launch-nproc-zero", ["train", CFG, "--nproc-per-node", "0"], ["--nproc-per-node=0", "use --nproc-per-node >= 1"]),
     ("launch-restarts", ["train", CFG, "--max-restarts", "-1"], ["--max-restarts=-1", ">= 0"]),
