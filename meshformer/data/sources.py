@@ -95,12 +95,15 @@ def read_text(path: Path, chunk_bytes: int = _CHUNK_BYTES) -> Generator[str, Non
 def _decode(path: Path, decoder: io.IncrementalNewlineDecoder, raw: bytes, offset: int, first: bool,
             final: bool = False) -> Iterator[str]:
     pending = len(decoder.getstate()[0])  # bytes of a character cut by the previous piece
+    nul = raw.find(b"\0")  # valid UTF-8, but no text holds it
     try:
         text = decoder.decode(raw, final)
     except UnicodeDecodeError as err:
-        raise _not_text(path, offset - pending + err.start, f"byte {err.object[err.start]:#04x}") from None
-    if "\0" in text:
-        raise _not_text(path, offset + raw.index(b"\0"), "a NUL byte")
+        at = offset - pending + err.start
+        if nul < 0 or offset + nul > at:  # report whichever comes first
+            raise _not_text(path, at, f"byte {err.object[err.start]:#04x}") from None
+    if nul >= 0:
+        raise _not_text(path, offset + nul, "a NUL byte")
     if first and text.startswith(BOM):  # a UTF-8 byte-order mark says how the file is encoded; it is not text
         text = text[1:]
     if text:
