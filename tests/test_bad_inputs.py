@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from _common import ROOT
+from _convert_fixtures import convert_case_files
 from _data_fixtures import shards, small_corpus
 
 from meshformer.checkpointing.weights import write_weights
@@ -67,6 +68,7 @@ def world(tmp_path_factory):
     (tmp / "nothing" / "image.png").write_bytes(b"\x89PNG")
     (tmp / "tok.json").write_text("{not a tokenizer")
     # files for the checkpoint/convert cases (#25)
+    convert_case_files(tmp)
     (tmp / "broken-weights").mkdir()
     (tmp / "broken-weights" / "model.safetensors").write_bytes(b"garbage")
     (tmp / "broken-weights" / "model_config.json").write_text("{")
@@ -244,6 +246,42 @@ CASES = [
     ("export-megatron-encoder", ["convert", "export-megatron", "{tmp}/encoder", "{tmp}/out7"],
      ["family='encoder'", "export-hf"]),
     # (#25) convert / import
+    ("convert-out-is-input", ["convert", "export-hf", "{tmp}/cv-weights", "{tmp}/cv-weights"],
+     ["overlaps the input", "outside the input"]),
+    ("convert-out-inside-input", ["convert", "import-hf", "{tmp}/cv-hf", "{tmp}/cv-hf/sub", "--overwrite"],
+     ["overlaps the input", "outside the input"]),
+    ("convert-over-user-files", ["convert", "to-safetensors", "{ckpt}", "{tmp}/cv-user"],
+     ["cv-user exists and holds files meshformer did not write", "choose another output folder"]),
+    ("export-megatron-over-user-files", ["convert", "export-megatron", "{tmp}/cv-weights", "{tmp}/cv-user"],
+     ["meshformer did not write", "--overwrite"]),
+    ("convert-shard-size-zero", ["convert", "import-hf", "{tmp}/cv-hf", "{tmp}/cv-o1", "--max-shard-size", "0"],
+     ["--max-shard-size", "not a positive size"]),
+    ("index-outside", ["convert", "to-checkpoint", "{tmp}/cv-index-outside", "{tmp}/cv-o2"],
+     ["'../cv-elsewhere.safetensors', which leaves its folder", "re-export"]),
+    ("index-absolute", ["convert", "export-hf", "{tmp}/cv-index-absolute", "{tmp}/cv-o3"],
+     ["not a file inside its folder", "re-export"]),
+    ("hf-index-outside", ["convert", "import-hf", "{tmp}/cv-hf-outside", "{tmp}/cv-o4"],
+     ["model.safetensors.index.json names '../cv-hf-elsewhere.safetensors'", "copy it again"]),
+    ("index-missing-tensor", ["convert", "export-hf", "{tmp}/cv-index-drops", "{tmp}/cv-o5"],
+     ["index.json has no tensor 'tok_embeddings.weight'", "re-export"]),
+    ("index-tensor-not-in-file", ["convert", "export-megatron", "{tmp}/cv-index-lies", "{tmp}/cv-o6"],
+     ["'tok_embeddings.weight' in", "model-00001-of-00001.safetensors, which does not hold it", "re-export"]),
+    ("import-hf-zero-heads", ["convert", "import-hf", "{tmp}/cv-hf-zero-heads", "{tmp}/cv-o7"],
+     ["config.json: n_head=0 is not a positive integer", "fix that value"]),
+    ("import-hf-zero-width", ["convert", "import-hf", "{tmp}/cv-hf-zero-width", "{tmp}/cv-o8"],
+     ["n_embd=0 is not a positive integer", "fix that value"]),
+    ("import-hf-list", ["convert", "import-hf", "{tmp}/cv-hf-list", "{tmp}/cv-o9"],
+     ["n_layer=[2] is not a positive integer", "config.json"]),
+    ("import-hf-string", ["convert", "import-hf", "{tmp}/cv-hf-string", "{tmp}/cv-o10"],
+     ["n_embd='32' is not a positive integer", "config.json"]),
+    ("import-hf-eps-string", ["convert", "import-hf", "{tmp}/cv-hf-eps-string", "{tmp}/cv-o11"],
+     ["'layer_norm_epsilon'", "fix that value in config.json"]),
+    ("import-hf-heads-divide", ["convert", "import-hf", "{tmp}/cv-hf-heads-divide", "{tmp}/cv-o12"],
+     ["n_embd=32 is not divisible by n_head=5", "config.json"]),
+    ("import-megatron-heads-zero", ["convert", "import-megatron", "{tmp}/cv-mc", "{tmp}/cv-o13", "--heads", "0"],
+     ["--heads", ">= 1"]),
+    ("import-megatron-outside", ["convert", "import-megatron", "{tmp}/cv-mc-outside", "{tmp}/cv-o14"],
+     ["iter_0000000/.metadata names '../../cv-mc/", "leaves its folder"]),
     # an existing run's checkpoints and weights: refused, untouched
     ("import-into-run", ["convert", "to-checkpoint", "{final}", "{ckpt}"],
      ["already holds checkpoints", "empty folder"]),

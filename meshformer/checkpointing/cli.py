@@ -13,80 +13,127 @@ model.safetensors.index.json, + model_config.json), a checkpoint step folder, or
 Imports write a weights folder, or with --checkpoint a weights-only checkpoint that `train` resumes from
 (fresh optimizer) when checkpoint.dir points at it. Every conversion streams: one tensor in memory at a time
 (plus, when writing safetensors, at most one output file's worth: --max-shard-size).
+
+OUT is written as OUT.partial beside it and renamed into place when complete. An existing OUT that is not
+empty is replaced only with --overwrite; OUT may never be SRC, hold it, or lie inside it.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import torch
+
 from meshformer.checkpointing.errors import CheckpointError
-from meshformer.checkpointing.sharded_safetensors import DEFAULT_MAX_SHARD_SIZE, parse_size
+from meshformer.checkpointing.sharded_safetensors import DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, SINGLE_FILE, parse_size
+from meshformer.config import ModelConfig
+from meshformer.folders import check_output, remove, replace, scratch
+
+WEIGHTS, CHECKPOINTS = "model weights", "checkpoints"
 
 
 def _shard_size(text: str) -> str:
     try:
-        parse_size(text)
+        size = parse_size(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size; write e.g. 5GB, 500MB or 2GiB")
     return text
 
 
-def _write(state, cfg, out: Path, as_checkpoint: bool, max_shard_size: str) -> Path:
-    """A weights folder or a weights-only checkpoint, written tensor by tensor as `state` is read."""
+def _count(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is too small; use a value >= {minimum}")
+        return value
+    return parse
+
+
+def _weights_legacy(folder: Path, *beside: str) -> list[str]:
+    """The files an older meshformer left in a folder it wrote weights to (no marker then)."""
+    return [INDEX_FILE if (folder / INDEX_FILE).is_file() else SINGLE_FILE, *beside]
+
+
+def _into(args: argparse.Namespace, what: str, legacy: list[str], write: Callable[[Path], Path]) -> Path:
+    """Run `write` into a scratch folder beside `args.out` and swap it in when done: an existing output is
+    replaced only as `check_output` allows (checked before any work), and never left half-written."""
+    out, src = Path(args.out), Path(args.src)
+    if what == CHECKPOINTS and not args.overwrite:
+        from meshformer.checkpointing.safetensors_io import refuse_existing_checkpoints
+
+        refuse_existing_checkpoints(out, "write the weights-only checkpoint into an empty folder, or pass "
+                                    "--overwrite to replace them")
+    check_output(out, what=what, overwrite=args.overwrite, inputs=[src], legacy=legacy)
+    staged = scratch(out.resolve().with_name(out.resolve().name + ".partial"), what)
+    try:
+        written = write(staged)
+    except BaseException:
+        remove(staged)
+        raise
+    replace(staged, out)
+    return out / written.relative_to(staged)
+
+
+def _write(args: argparse.Namespace, cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> Path:
+    """A weights folder or (--checkpoint) a weights-only checkpoint, written tensor by tensor as `state` is read."""
     from meshformer.checkpointing.safetensors_io import write_weights_checkpoint
-    from meshformer.checkpointing.weights import write_weights
+    from meshformer.checkpointing.weights import CONFIG_FILE, write_weights
 
-    if as_checkpoint:
-        return write_weights_checkpoint(state, cfg, out)
-    _refuse_existing_weights(out)
-    return write_weights(state, cfg, out, max_shard_size)
-
-
-def _refuse_existing_weights(out: Path) -> None:
-    from meshformer.checkpointing.sharded_safetensors import has_safetensors
-
-    if has_safetensors(out):
-        raise CheckpointError(f"{out} already holds model weights (model.safetensors or a sharded index)",
-                              "choose another output folder, or remove it first")
+    if args.checkpoint:
+        return _into(args, CHECKPOINTS, ["latest"], lambda out: write_weights_checkpoint(state, cfg, out))
+    return _into(args, WEIGHTS, _weights_legacy(Path(args.out), CONFIG_FILE),
+                 lambda out: write_weights(state, cfg, out, args.max_shard_size))
 
 
 def _to_safetensors(args: argparse.Namespace) -> Path:
     from meshformer.checkpointing.safetensors_io import checkpoint_to_safetensors
+    from meshformer.checkpointing.weights import CONFIG_FILE
 
-    _refuse_existing_weights(Path(args.out))
-    return checkpoint_to_safetensors(Path(args.src), Path(args.out), show_progress=None,
-                                     max_shard_size=args.max_shard_size)
+    return _into(args, WEIGHTS, _weights_legacy(Path(args.out), CONFIG_FILE),
+                 lambda out: checkpoint_to_safetensors(Path(args.src), out, show_progress=None,
+                                                       max_shard_size=args.max_shard_size))
 
 
 def _to_checkpoint(args: argparse.Namespace) -> Path:
     from meshformer.checkpointing.safetensors_io import safetensors_to_checkpoint
 
-    return safetensors_to_checkpoint(Path(args.src), Path(args.out))
+    return _into(args, CHECKPOINTS, ["latest"], lambda out: safetensors_to_checkpoint(Path(args.src), out))
 
 
 def _export_hf(args: argparse.Namespace) -> Path:
     from meshformer.checkpointing.hf_folder import export_hf
     from meshformer.checkpointing.safetensors_io import read_model_source
 
-    cfg, state = read_model_source(Path(args.src))
-    return export_hf(state, cfg, Path(args.out), args.arch, args.max_shard_size)
+    def write(out: Path) -> Path:
+        cfg, state = read_model_source(Path(args.src))
+        return export_hf(state, cfg, out, args.arch, args.max_shard_size)
+
+    return _into(args, "a Hugging Face model", _weights_legacy(Path(args.out), "config.json"), write)
 
 
 def _import_hf(args: argparse.Namespace) -> Path:
     from meshformer.checkpointing.hf_folder import import_hf
 
     cfg, state = import_hf(Path(args.src))
-    return _write(state, cfg, Path(args.out), args.checkpoint, args.max_shard_size)
+    return _write(args, cfg, state)
 
 
 def _export_megatron(args: argparse.Namespace) -> Path:
-    from meshformer.checkpointing.megatron import export_megatron
+    from meshformer.checkpointing.megatron import SAVED_CONFIG, TRACKER, export_megatron
     from meshformer.checkpointing.safetensors_io import read_model_source
 
-    cfg, state = read_model_source(Path(args.src))
-    return export_megatron(state, cfg, Path(args.out), iteration=args.iteration,
-                           pad_vocab_multiple=args.pad_vocab_multiple)
+    def write(out: Path) -> Path:
+        cfg, state = read_model_source(Path(args.src))
+        return export_megatron(state, cfg, out, iteration=args.iteration, pad_vocab_multiple=args.pad_vocab_multiple)
+
+    return _into(args, "a Megatron checkpoint", [TRACKER, SAVED_CONFIG], write)
 
 
 def _import_megatron(args: argparse.Namespace) -> Path:
@@ -95,7 +142,7 @@ def _import_megatron(args: argparse.Namespace) -> Path:
     cfg, state = import_megatron(Path(args.src), n_heads=args.heads, vocab_size=args.vocab_size,
                                  activation=args.activation, norm_eps=args.norm_eps, rope_theta=args.rope_theta,
                                  max_seq_len=args.max_seq_len)
-    return _write(state, cfg, Path(args.out), args.checkpoint, args.max_shard_size)
+    return _write(args, cfg, state)
 
 
 def _verify(args: argparse.Namespace) -> Path:
@@ -139,6 +186,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
             parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, type=_shard_size,
                                 help="largest safetensors file written (e.g. 5GB, 500MB; HF-style shards + index "
                                      f"beyond it; default {DEFAULT_MAX_SHARD_SIZE})")
+        if name != "verify":
+            parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (it may not be, "
+                                "hold or lie inside SRC)")
         parser.set_defaults(func=lambda args: _run(func, args))
         return parser
 
@@ -150,18 +200,18 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     command("import-hf", _import_hf, "Hugging Face folder -> weights folder").add_argument(
         "--checkpoint", action="store_true", help="write a weights-only checkpoint instead of a weights folder")
     megatron_out = command("export-megatron", _export_megatron, "-> Megatron-Core torch_dist GPT checkpoint")
-    megatron_out.add_argument("--iteration", type=int, default=0)
-    megatron_out.add_argument("--pad-vocab-multiple", type=int, default=1,
+    megatron_out.add_argument("--iteration", type=_count(0), default=0)
+    megatron_out.add_argument("--pad-vocab-multiple", type=_count(1), default=1,
                               help="pad the vocabulary as Megatron does (make_vocab_size_divisible_by x TP)")
     megatron_in = command("import-megatron", _import_megatron, "Megatron-Core torch_dist GPT checkpoint -> weights")
-    megatron_in.add_argument("--heads", type=int, help="attention heads (not stored in tensors); default: from the "
-                             "meshformer_model_config.json that export-megatron writes, required without one")
-    megatron_in.add_argument("--vocab-size", type=int, help="true vocabulary; default: Megatron's padded size")
+    megatron_in.add_argument("--heads", type=_count(1), help="attention heads (not stored in tensors); default: from "
+                             "the meshformer_model_config.json that export-megatron writes, required without one")
+    megatron_in.add_argument("--vocab-size", type=_count(1), help="true vocabulary; default: Megatron's padded size")
     megatron_in.add_argument("--activation", choices=["gelu", "gelu_tanh", "relu", "swiglu"],
                              help="non-gated MLP activation (default gelu; gated checkpoints are swiglu)")
     megatron_in.add_argument("--norm-eps", type=float, help="default: the saved config's, else 1e-5")
     megatron_in.add_argument("--rope-theta", type=float, help="default: the saved config's, else 10000")
-    megatron_in.add_argument("--max-seq-len", type=int, help="RoPE models: the context length to record")
+    megatron_in.add_argument("--max-seq-len", type=_count(1), help="RoPE models: the context length to record")
     megatron_in.add_argument("--checkpoint", action="store_true", help="write a weights-only checkpoint")
     command("verify", _verify, "check every checkpoint's files against its manifest (sizes and sha256)")
 

@@ -54,6 +54,38 @@ _BASE_PREFIX = {"gpt2": "transformer.", "bert": "bert.", "llama": "model."}
 
 # ----------------------------------------------------------------------------- configs
 
+# Each architecture's sizes in config.json (a key left out or null gets transformers' default), and its layer counts.
+_SIZE_KEYS: dict[str, tuple[str, ...]] = {
+    "gpt2": ("vocab_size", "n_embd", "n_head", "n_layer", "n_positions", "n_inner"),
+    "bert": ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
+             "max_position_embeddings"),
+    "llama": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "max_position_embeddings", "head_dim"),
+    "t5": ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
+           "relative_attention_num_buckets", "relative_attention_max_distance"),
+}
+_LAYER_KEYS = {"gpt2": ("n_layer",), "bert": ("num_hidden_layers",), "llama": ("num_hidden_layers",),
+               "t5": ("num_layers", "num_decoder_layers")}
+_WIDTH_AND_HEADS = {"gpt2": ("n_embd", "n_head"), "bert": ("hidden_size", "num_attention_heads"),
+                    "llama": ("hidden_size", "num_attention_heads")}
+
+
+def check_sizes(raw: Mapping[str, Any], n_tensors: int) -> None:
+    """The sizes of a config.json, before transformers or meshformer builds anything from them: positive
+    integers, and no stack deeper than the checkpoint has tensors (every layer holds some), so an absurd depth
+    is refused instead of building that many layers."""
+    arch = raw.get("model_type")
+    for key in _SIZE_KEYS.get(arch, ()):  # type: ignore[arg-type]  # an unknown model_type is refused later
+        value = raw.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{key}={value!r} is not a positive integer")
+    for key in _LAYER_KEYS.get(arch, ()):  # type: ignore[arg-type]
+        if (raw.get(key) or 0) > n_tensors:
+            raise ValueError(f"{key}={raw[key]} layers, but the checkpoint holds only {n_tensors} tensors")
+    width, heads = _WIDTH_AND_HEADS.get(arch, ("", ""))  # type: ignore[arg-type]
+    if width in raw and heads in raw and raw[width] % raw[heads]:
+        raise ValueError(f"{width}={raw[width]} is not divisible by {heads}={raw[heads]}")
+
 
 def _activation(name: str, arch: str) -> Activation:
     if name not in _HF_ACTIVATIONS:

@@ -8,9 +8,10 @@ the HF model.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -123,17 +124,39 @@ def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arc
 
 def import_hf(folder: Path, *, show_progress: bool | None = None) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
     """(our config, our tensors read on access) from an HF GPT-2 / BERT / Llama / T5 folder."""
-    from transformers import AutoConfig
-
     from meshformer.checkpointing import hf
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise ConversionError(f"{folder} has no config.json; point at a Hugging Face model folder")
-    hf_config = AutoConfig.from_pretrained(str(folder))
+    theirs = hf_source(folder)
+    hf_config = _read_config(folder / "config.json", len(theirs))
     try:
         cfg = hf.config_from_hf(hf_config)
-        state = lazy_from_hf(hf_source(folder), cfg, hf_config.model_type)
+        state = lazy_from_hf(theirs, cfg, hf_config.model_type)
     except (ValueError, KeyError) as err:
         raise ConversionError(f"cannot import {folder}: {err}") from None
     return cfg, state
+
+
+def _read_config(path: Path, n_tensors: int) -> Any:
+    """transformers' config of `path`, its sizes checked first; a value transformers rejects is named too."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    from meshformer.checkpointing import hf
+
+    fix = "fix that value in config.json, or point at the folder save_pretrained wrote"
+    try:
+        raw = json.loads(path.read_text())
+        if not isinstance(raw, dict):
+            raise ValueError("it is not a JSON object")
+        hf.check_sizes(raw, n_tensors)
+        return AutoConfig.from_pretrained(str(path.parent))
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as err:
+        raise ConversionError(f"{path}: {_first_line(err)}", fix) from None
+
+
+def _first_line(err: BaseException) -> str:
+    """transformers' validation errors span lines (the key on the first); the one-line form keeps it."""
+    return " ".join(str(err).split("\n", 2)[:2])

@@ -26,7 +26,7 @@ import torch
 
 from meshformer.checkpointing.dcp_io import read_box, read_metadata, save_tensors_streamed, tensor_entries
 from meshformer.checkpointing.errors import ConversionError
-from meshformer.checkpointing.safetensors_io import LazyState
+from meshformer.checkpointing.safetensors_io import LazyState, read_closed_metadata
 from meshformer.config import Activation, ModelConfig
 from meshformer.model.families import FAMILIES
 from meshformer.model.families.naming import MegatronNames
@@ -44,6 +44,7 @@ BACKEND_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 
 GPT = "GPTModel"  # the Megatron-Core model this module reads and writes
 _ITER_DIR = re.compile(r"^iter_(\d+)$")
 SAVED_CONFIG = "meshformer_model_config.json"  # written by export_megatron beside the iter_* folders
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's pointer to the newest iter_* folder
 # import_megatron's options, by the command-line flag that sets them
 _OPTIONS = {"n_heads": "--heads", "vocab_size": "--vocab-size", "activation": "--activation",
             "norm_eps": "--norm-eps", "rope_theta": "--rope-theta", "max_seq_len": "--max-seq-len"}
@@ -184,7 +185,7 @@ def export_megatron(state: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir
                           read_row={key: functools.partial(_layer_tensor, layers, key) for key in layers[0]})
     torch.save({}, folder / "common.pt")  # GPTModel has no non-sharded state; Megatron-LM adds its args here
     (folder / "metadata.json").write_text(json.dumps(BACKEND_METADATA))
-    (Path(out_dir) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    (Path(out_dir) / TRACKER).write_text(str(iteration))
     (Path(out_dir) / SAVED_CONFIG).write_text(json.dumps(asdict(cfg), indent=2))
     return folder
 
@@ -221,7 +222,7 @@ def resolve_megatron_dir(path: Path) -> Path:
     path = Path(path)
     if (path / ".metadata").is_file():
         return path
-    tracker = path / "latest_checkpointed_iteration.txt"
+    tracker = path / TRACKER
     if tracker.is_file():
         text = tracker.read_text().strip()
         folder = path / ("release" if text == "release" else f"iter_{int(text):07d}")
@@ -378,9 +379,10 @@ def import_megatron(path: Path, *, n_heads: int | None = None, vocab_size: int |
     from meshformer.model import Transformer
 
     folder = resolve_megatron_dir(path)
+    metadata = read_closed_metadata(folder)
     cfg = resolve_import_config(folder, {"n_heads": n_heads, "vocab_size": vocab_size, "activation": activation,
                                          "norm_eps": norm_eps, "rope_theta": rope_theta, "max_seq_len": max_seq_len})
-    entries = tensor_entries(read_metadata(folder))
+    entries = tensor_entries(metadata)
 
     @functools.lru_cache(maxsize=2)
     def read(key: str, layer: int | None) -> torch.Tensor:

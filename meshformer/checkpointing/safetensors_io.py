@@ -14,16 +14,24 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 
 from meshformer.checkpointing import directory as layout
 from meshformer.checkpointing.commit import commit, partial_dir
-from meshformer.checkpointing.dcp_io import read_full_tensors, read_metadata, save_tensors_streamed, tensor_entries
+from meshformer.checkpointing.dcp_io import (
+    METADATA_FILE,
+    read_full_tensors,
+    read_metadata,
+    save_tensors_streamed,
+    tensor_entries,
+)
 from meshformer.checkpointing.errors import CheckpointError, CorruptCheckpointError
 from meshformer.checkpointing.manifest import MANIFEST, verify_manifest, write_json_atomic
 from meshformer.checkpointing.sharded_safetensors import DEFAULT_MAX_SHARD_SIZE, has_safetensors
 from meshformer.checkpointing.state import MODEL
-from meshformer.checkpointing.weights import CONFIG_FILE, open_weights, write_weights
+from meshformer.checkpointing.weights import CONFIG_FILE, open_weights, saved_names, write_weights
 from meshformer.config import ModelConfig, build_section
+from meshformer.folders import inside
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -42,6 +50,16 @@ def resolve_checkpoint(path: Path) -> Path:
             continue
     raise CheckpointError(f"{path} is neither a checkpoint (no {MANIFEST}) nor a directory holding a valid "
                           "step-N/ checkpoint; pass a run's checkpoints/ folder or one of its step folders")
+
+
+def read_closed_metadata(folder: Path) -> Metadata:
+    """A DCP folder's index, every data file it names checked to lie inside the folder (DCP would open an absolute
+    or `../` path as given)."""
+    metadata = read_metadata(folder)
+    for info in (metadata.storage_data or {}).values():
+        inside(folder, getattr(info, "relative_path", None), what=str(Path(folder) / METADATA_FILE),
+               fix="copy the checkpoint folder again whole from where it was written")
+    return metadata
 
 
 def checkpoint_model_config(path: Path) -> ModelConfig:
@@ -79,7 +97,7 @@ def read_checkpoint_model(path: Path, *, show_progress: bool | None = None) -> t
     """(model config, model tensors read one at a time on access) of a sharded checkpoint, whatever layout."""
     path = resolve_checkpoint(path)
     cfg = checkpoint_model_config(path)
-    metadata = read_metadata(path)  # once: each tensor's read below reuses it
+    metadata = read_closed_metadata(path)  # once: each tensor's read below reuses it
     entries = {k[len(MODEL):]: v for k, v in tensor_entries(metadata).items() if k.startswith(MODEL)}
     return cfg, LazyState(sorted(entries),
                           lambda name: read_full_tensors(path, [MODEL + name], metadata)[MODEL + name],
@@ -91,6 +109,11 @@ def lazy_weights(path: Path) -> tuple[ModelConfig, LazyState]:
     """(model config, tensors read on access) of a weights folder, single-file or sharded; tied output restored."""
     cfg, folder = open_weights(path)
     names = folder.keys()
+    if missing := [name for name in saved_names(cfg) if name not in folder]:
+        raise CorruptCheckpointError(f"{folder.source} has no tensor {missing[0]!r}"
+                                     f"{f' (nor {len(missing) - 1} more)' if missing[1:] else ''}, which the model "
+                                     f"of {Path(path) / CONFIG_FILE} needs", "re-export the folder, or put the "
+                                     f"{CONFIG_FILE} that belongs to these weights beside them")
     tied = cfg.tie_embeddings and "output.weight" not in folder
 
     def stored(name: str) -> str:
@@ -127,9 +150,7 @@ def write_weights_checkpoint(state: Mapping[str, torch.Tensor], cfg: ModelConfig
     if missing or unexpected:
         raise CheckpointError(f"these weights do not fit the config: missing {missing[:5]}, unexpected "
                               f"{unexpected[:5]}")
-    if existing := layout.committed_steps(Path(root)):  # resume takes the newest step: the import would be ignored
-        raise CheckpointError(f"{root} already holds checkpoints (steps {existing[:5]})",
-                              "write the weights-only checkpoint into an empty folder")
+    refuse_existing_checkpoints(root)
     partial = partial_dir(root, step)
     layout.remove_tree(partial)
     partial.mkdir(parents=True)
@@ -139,6 +160,13 @@ def write_weights_checkpoint(state: Mapping[str, torch.Tensor], cfg: ModelConfig
     write_json_atomic(partial / layout.TRAINER_STATE, {"version": 1, "kind": "weights", "step": step, "tokens_seen": 0,
                                                 "config": {"model": asdict(cfg)}, "saved_at": time.time()})
     return commit(partial, step, {"world_size": 1})
+
+
+def refuse_existing_checkpoints(root: Path, fix: str = "write the weights-only checkpoint into an empty folder"
+                                ) -> None:
+    """Resume takes the newest step: a weights-only step 0 written beside committed steps would be ignored."""
+    if existing := layout.committed_steps(Path(root)):
+        raise CheckpointError(f"{root} already holds checkpoints (steps {existing[:5]})", fix)
 
 
 def safetensors_to_checkpoint(weights_dir: Path, root: Path) -> Path:

@@ -13,10 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from meshformer.checkpointing.errors import CorruptCheckpointError
 from meshformer.config import parse_size  # one reader of sizes: config validation checks them with it
+from meshformer.folders import inside
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -90,14 +92,12 @@ class SafetensorsFolder:
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
         if (self.directory / SINGLE_FILE).is_file():
-            with safe_open(str(self.directory / SINGLE_FILE), framework="pt") as f:
+            self.source = self.directory / SINGLE_FILE  # the file naming the tensors: the one file or the index
+            with safe_open(str(self.source), framework="pt") as f:
                 self.weight_map = dict.fromkeys(f.keys(), SINGLE_FILE)
         elif (self.directory / INDEX_FILE).is_file():
-            self.weight_map = json.loads((self.directory / INDEX_FILE).read_text())["weight_map"]
-            missing = sorted({f for f in self.weight_map.values() if not (self.directory / f).is_file()})
-            if missing:
-                raise FileNotFoundError(f"{self.directory / INDEX_FILE} lists {missing[:3]}, which are missing; "
-                                        "copy every model-*-of-*.safetensors file of the folder")
+            self.source = self.directory / INDEX_FILE
+            self.weight_map = _read_index(self.source)
         else:
             raise FileNotFoundError(f"{self.directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
         self._open: tuple[str, object] | None = None
@@ -131,3 +131,35 @@ class SafetensorsFolder:
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.weight_map:
             yield name, self.get(name)
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """The index's tensor -> file map, checked before any tensor is read: every file lies inside the folder and
+    exists, and holds the tensors the index assigns to it."""
+    fix = "re-export the folder, or copy it again whole (every model-*-of-*.safetensors file and the index)"
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise CorruptCheckpointError(f"{index} is not a safetensors index ({err!r})", fix) from None
+    if not isinstance(weight_map, dict):
+        raise CorruptCheckpointError(f"{index}: weight_map is not a mapping of tensor names to files", fix)
+    by_file: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        inside(index.parent, file, what=str(index), fix=fix)
+        by_file.setdefault(file, []).append(name)
+    missing = sorted(file for file in by_file if not (index.parent / file).is_file())
+    if missing:
+        raise FileNotFoundError(f"{index} lists {missing[:3]}, which are missing; copy every "
+                                "model-*-of-*.safetensors file of the folder")
+    for file, names in by_file.items():
+        try:
+            with safe_open(str(index.parent / file), framework="pt") as f:
+                held = set(f.keys())
+        except SafetensorError as err:
+            raise CorruptCheckpointError(f"{index.parent / file} is not a readable safetensors file ({err})",
+                                         fix) from None
+        if lacking := [name for name in names if name not in held]:
+            raise CorruptCheckpointError(f"{index} puts the tensor {lacking[0]!r} in {index.parent / file}, which "
+                                         f"does not hold it{f' (nor {len(lacking) - 1} more)' if lacking[1:] else ''}",
+                                         fix)
+    return weight_map

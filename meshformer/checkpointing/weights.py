@@ -28,6 +28,7 @@ from meshformer.checkpointing.sharded_safetensors import (
     has_safetensors,
 )
 from meshformer.config import ModelConfig
+from meshformer.errors import MeshformerError
 from meshformer.model import Transformer
 
 WEIGHTS_FILE = SINGLE_FILE
@@ -137,6 +138,8 @@ def open_weights(directory: Path) -> tuple[ModelConfig, SafetensorsFolder]:
     try:
         cfg = build_section(ModelConfig, json.loads((directory / CONFIG_FILE).read_text()), "model")
         return cfg, SafetensorsFolder(directory)
+    except MeshformerError:  # already one line naming the file (e.g. an index naming files outside the folder)
+        raise
     except (ValueError, SafetensorError) as err:  # JSON, config keys, safetensors header or index
         raise CorruptCheckpointError(f"{directory} is not a readable weights folder ({err})",
                                      "re-export it (`meshformer convert to-safetensors`) or use the run's final/ "

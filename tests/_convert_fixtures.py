@@ -1,0 +1,80 @@
+"""Folders for the conversion cases of #25: a tiny model as a weights folder, a Hugging Face folder and a
+Megatron checkpoint, plus hostile or damaged copies (indexes naming files outside their folder, tensors the
+index or the file lacks, absurd config.json values) and a folder of someone else's files."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from meshformer.checkpointing.dcp_io import read_metadata
+from meshformer.checkpointing.hf_folder import export_hf
+from meshformer.checkpointing.megatron import export_megatron
+from meshformer.checkpointing.weights import CONFIG_FILE, write_weights
+from meshformer.config import ModelConfig
+from meshformer.model import Transformer
+
+CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=64, max_seq_len=64)
+SHARD = "model-00001-of-00001.safetensors"
+
+
+def _indexed(src: Path, folder: Path, weight_map: dict[str, str], tensors: dict | None = None) -> Path:
+    """A copy of the weights or HF folder `src` as one shard (`tensors`, default all) and an index `weight_map`."""
+    shutil.copytree(src, folder, ignore=shutil.ignore_patterns("model.safetensors"))
+    save_file(load_file(src / "model.safetensors") if tensors is None else tensors, str(folder / SHARD))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+def _hf_with(src: Path, folder: Path, **values: object) -> Path:
+    shutil.copytree(src, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **values}))
+    return folder
+
+
+def _megatron_outside(src: Path, folder: Path) -> Path:
+    """A copy of the Megatron checkpoint `src` whose .metadata names the original's data files by `../` paths."""
+    shutil.copytree(src, folder)
+    step = folder / "iter_0000000"
+    metadata = read_metadata(step)
+    metadata.storage_data = {index: dataclasses.replace(info, relative_path=f"../../{src.name}/iter_0000000/"
+                                                                                f"{info.relative_path}")
+                             for index, info in metadata.storage_data.items()}
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    for data in step.glob("*.distcp"):
+        data.unlink()
+    return folder
+
+
+def convert_case_files(tmp: Path) -> None:
+    """The folders, named cv-*, under `tmp`."""
+    state = Transformer(CFG).state_dict()
+    weights, hf = tmp / "cv-weights", tmp / "cv-hf"
+    write_weights(state, CFG, weights)
+    export_hf(state, CFG, hf)
+    export_megatron(state, CFG, tmp / "cv-mc")
+    _megatron_outside(tmp / "cv-mc", tmp / "cv-mc-outside")
+    tensors = load_file(weights / "model.safetensors")
+    shutil.copy(weights / "model.safetensors", tmp / "cv-elsewhere.safetensors")
+    _indexed(weights, tmp / "cv-index-outside", dict.fromkeys(tensors, "../cv-elsewhere.safetensors"))
+    _indexed(weights, tmp / "cv-index-absolute", dict.fromkeys(tensors, str(tmp / "cv-elsewhere.safetensors")))
+    _indexed(weights, tmp / "cv-index-drops", {k: SHARD for k in tensors if k != "tok_embeddings.weight"})
+    _indexed(weights, tmp / "cv-index-lies", dict.fromkeys(tensors, SHARD),
+             {k: v for k, v in tensors.items() if k != "tok_embeddings.weight"})
+    shutil.copy(hf / "model.safetensors", tmp / "cv-hf-elsewhere.safetensors")
+    _indexed(hf, tmp / "cv-hf-outside", dict.fromkeys(load_file(hf / "model.safetensors"),
+                                                       "../cv-hf-elsewhere.safetensors"))
+    for name, values in {"zero-heads": {"n_head": 0}, "zero-width": {"n_embd": 0}, "list": {"n_layer": [2]},
+                         "string": {"n_embd": "32"}, "eps-string": {"layer_norm_epsilon": "small"},
+                         "heads-divide": {"n_head": 5}, "layers": {"n_layer": 10**9}}.items():
+        _hf_with(hf, tmp / f"cv-hf-{name}", **values)
+    user = tmp / "cv-user"
+    user.mkdir()
+    (user / "thesis.tex").write_text("years of work\n")
+    (user / CONFIG_FILE).write_text("{}\n")  # a name of ours, in a folder we did not write
