@@ -284,7 +284,7 @@ CASES = [
     ("diagnose-huge-world", ["diagnose", "{tmp}/hang-huge-world"],
      ["give world_size=1000000000000", "pass the job's --world-size"]),
     ("diagnose-world-flag", ["diagnose", "{tmp}/hang-badjson", "--world-size", "0"], ["--world-size gives 0 ranks",
-                                                                                       "from 1 to 1,048,576"]),
+                                                                                       "from 1 to 262,144"]),
     ("generate-empty-prompt", ["generate", "{final}", "--prompt", ""],
      ["--prompt '' holds no tokens", "pass some text"]),
     # command-line usage

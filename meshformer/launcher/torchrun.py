@@ -16,7 +16,7 @@ from typing import Any
 
 from meshformer.errors import REPORTED_MARKER, MeshformerError, UsageError
 
-MAX_WORLD_SIZE = 2**20  # ranks: ten times today's largest training jobs; more is a typo, not a cluster
+MAX_WORLD_SIZE = 2**18  # ranks: twice today's largest training jobs (and a plan in under a minute); more is a typo
 MAX_RANKS_PER_NODE = 1024  # processes one node starts: beyond any node's GPUs or cores
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
