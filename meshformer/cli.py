@@ -66,7 +66,10 @@ def _generate(args: argparse.Namespace) -> None:
     if not model.spec.has_decoder:
         raise UsageError(f"{args.weights} holds an encoder-only model, which cannot generate text",
                          "pass the weights of a decoder-only or encoder-decoder model")
-    ids = torch.tensor([tokenizer.encode(args.prompt)])
+    ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
+    if ids.shape[1] == 0:
+        raise UsageError(f"--prompt {args.prompt!r} holds no tokens",
+                         "pass some text, e.g. --prompt 'In the beginning'")
     if not model.spec.seq2seq:
         out = greedy_decode(model, ids, args.max_new_tokens, eos_id=tokenizer.eos_id, use_cache=not args.no_cache)
     else:

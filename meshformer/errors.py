@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 DEBUG_ENV = "MESHFORMER_DEBUG"
+REPORTED_MARKER = "meshformer-error-reported"  # in torchrun's attempt folder: a rank of it printed the line
 
 
 class MeshformerError(Exception):
@@ -102,7 +103,7 @@ def describe(err: BaseException) -> str:
 
 
 def debug_enabled(flag: bool = False) -> bool:
-    return flag or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    return flag or os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def run_command(func: Callable[..., Any], *args: Any, debug: bool = False) -> Any:
@@ -121,7 +122,7 @@ def _this_rank_reports() -> bool:
         return True
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # <agent log dir>/<run id>/attempt_<n>/<rank>/error.json
     if error_file:
-        marker = os.path.join(os.path.dirname(os.path.dirname(error_file)), "meshformer-error-reported")
+        marker = os.path.join(os.path.dirname(os.path.dirname(error_file)), REPORTED_MARKER)
     else:  # launched without torchrun's agent: key the marker by the job and the parent process
         key = "-".join(os.environ.get(name, "") for name in ("TORCHELASTIC_RUN_ID", "MASTER_PORT"))
         marker = os.path.join(tempfile.gettempdir(), f"meshformer-error-{key}-{os.getppid()}")

@@ -44,6 +44,14 @@ def world(tmp_path_factory):
     tmp.mkdir()
     (tmp / "afile").write_text("x")
     # files for the cli/config cases (#25)
+    good = {"rank": 0, "world_size": 2, "host": "a", "pid": 1, "step": 3, "phase": "data", "seconds_in_phase": 40.0,
+            "collectives_issued": 9, "reason": "no progress"}
+    for name, text in {"hang-badjson": "{not json", "hang-list": "[1, 2]",
+                       "hang-no-step": json.dumps({**good, "step": "three"}),
+                       "hang-rank-range": json.dumps({**good, "rank": 5}),
+                       "hang-huge-world": json.dumps({**good, "world_size": 10**12})}.items():
+        (tmp / name / "diagnostics").mkdir(parents=True)
+        (tmp / name / "diagnostics" / "hang-rank0.json").write_text(text)
     (tmp / "bad.toml").write_text("[model\nd_model = 4\n")
     (tmp / "empty.txt").write_text("")
     (tmp / "binary.txt").write_bytes(bytes(range(256)) * 64)
@@ -137,6 +145,14 @@ CASES = [
     ("no-cuda", _train("train.device=cuda"), ["no CUDA device", "train.device='cpu'"]),
     ("grad-clip-negative", _train("optim.grad_clip=-1"), ["optim.grad_clip", ">= 0"]),
     # (#25) values
+    ("lr-inf", _train("optim.lr=inf"), ["optim.lr=inf is not a finite number", "e.g. the default optim.lr="]),
+    ("lr-nan", _train("optim.lr=nan"), ["optim.lr=nan is not a finite number", "give a finite value"]),
+    ("betas-nan", _train("optim.betas=[0.9,nan]"), ["optim.betas=[0.9, nan]", "optim.betas=[0.9, 0.95]"]),
+    ("clip-inf", _train("optim.grad_clip=inf"), ["optim.grad_clip=inf", "give a finite value"]),
+    ("norm-eps-zero", _train("model.norm_eps=0"), ["model.norm_eps must be positive", "model.norm_eps=1e-05"]),
+    ("run-dir-empty", _train("logging.run_dir="), ["logging.run_dir is empty", "logging.run_dir=runs/default"]),
+    ("tokenizer-empty", _train("data.tokenizer= "), ["data.tokenizer is empty", "give it a value"]),
+    ("corpus-empty-path", _train("data.corpus="), ["data.corpus is empty", "data.corpus=bundled:kjv"]),
     # run folder, checkpoint folder, cache, disk space
     ("run-dir-under-file", _train("logging.run_dir={tmp}/afile/run"), ["is a file", "set logging.run_dir"]),
     ("run-dir-is-file", _train("logging.run_dir={tmp}/afile"), ["is a file", "set logging.run_dir"]),
@@ -220,6 +236,10 @@ CASES = [
     ("plan-layout", ["plan", CFG, "--world", "2", "--set", "parallel.tp=3"], ["does not divide", "choose"]),
     ("plan-gpu", ["plan", CFG, "--world", "2", "--gpu", "nope"], ["invalid choice", "--help"]),
     # (#25) planner
+    ("plan-world-huge", ["plan", CFG, "--world", "100000000"], ["--world gives 100000000 ranks", "from 1 to"]),
+    ("launch-nproc-huge", ["train", CFG, "--nproc-per-node", "100000"], ["--nproc-per-node=100000", "at most 1024"]),
+    ("launch-world-huge", ["train", CFG, "--nproc-per-node", "1024", "--nnodes", "100000"],
+     ["--nproc-per-node x --nnodes gives 102400000 ranks", "from 1 to"]),
     # submit
     ("submit-nproc-zero", _submit("--nproc-per-node", "0"), ["--nproc-per-node (0)", "fix those options"]),
     ("submit-nodes-zero", _submit("--nodes", "0"), ["--nodes (0)", "must be >= 1"]),
@@ -231,6 +251,16 @@ CASES = [
      ["does not divide the world size 6", "choose"]),
     ("submit-config", _submit(overrides=("train.step=5",)), ["unknown config key", "did you mean"]),
     # (#25) submit
+    ("submit-nodes-huge", _submit("--nodes", "1000000", "--nproc-per-node", "8"),
+     ["--nodes x --nproc-per-node gives 8000000 ranks", "from 1 to"]),
+    ("submit-time", _submit("--time", "yesterday"), ["--time 'yesterday' is not a SLURM time limit", "HH:MM:SS"]),
+    ("submit-time-hours", _submit("--time", "4h"), ["--time '4h'", "e.g. --time 04:00:00"]),
+    ("submit-mem", _submit("--mem", "lots"), ["--mem 'lots' is not a SLURM memory size", "e.g. --mem 200G"]),
+    ("submit-partition-newline", _submit("--partition", "gpu\nrm -rf ~"),
+     ["--partition 'gpu\\nrm -rf ~'", "choose a --partition without them"]),
+    ("submit-job-name-quote", _submit("--job-name", 'a"b'), ["--job-name", "#SBATCH line cannot carry"]),
+    ("submit-account-space", _submit("--account", "my lab"), ["--account 'my lab'", "without them"]),
+    ("submit-sbatch-arg", _submit("--sbatch-arg=--exclusive\necho pwned"), ["--sbatch-arg", "one option per"]),
     # convert / import / verify
     ("convert-missing", ["convert", "to-safetensors", "{tmp}/nock", "{tmp}/out1"], ["nock", "check"]),
     ("convert-no-weights", ["convert", "to-checkpoint", "{tmp}/nothing", "{tmp}/out2"],
@@ -310,6 +340,19 @@ CASES = [
     ("tensorboard-missing", ["tensorboard", "{tmp}/norun"], ["does not exist", "logging.run_dir"]),
     ("diagnose-none", ["diagnose", "{tmp}/nothing"], ["no hang reports", "nothing to diagnose"]),
     # (#25) monitoring
+    ("tensorboard-port-negative", ["tensorboard", "{run}", "--port", "-1"],
+     ["--port -1 is not a TCP port", "1 to 65535"]),
+    ("tensorboard-port-big", ["tensorboard", "{run}", "--port", "70000"], ["--port 70000", "0 for any free port"]),
+    ("diagnose-bad-json", ["diagnose", "{tmp}/hang-badjson"], ["hang-rank0.json cannot be read as JSON", "remove it"]),
+    ("diagnose-not-object", ["diagnose", "{tmp}/hang-list"], ["is not a JSON object", "run diagnose again"]),
+    ("diagnose-wrong-field", ["diagnose", "{tmp}/hang-no-step"], ["no valid 'step' field", "remove it"]),
+    ("diagnose-rank-range", ["diagnose", "{tmp}/hang-rank-range"], ["names rank 5 of a world of 2", "remove it"]),
+    ("diagnose-huge-world", ["diagnose", "{tmp}/hang-huge-world"],
+     ["give world_size=1000000000000", "pass the job's --world-size"]),
+    ("diagnose-world-flag", ["diagnose", "{tmp}/hang-badjson", "--world-size", "0"], ["--world-size gives 0 ranks",
+                                                                                       "from 1 to 262,144"]),
+    ("generate-empty-prompt", ["generate", "{final}", "--prompt", ""],
+     ["--prompt '' holds no tokens", "pass some text"]),
     # command-line usage
     ("usage-no-command", [], ["required", "--help"]),
     ("usage-unknown-command", ["fly"], ["invalid choice", "--help"]),

@@ -75,6 +75,25 @@ def test_405b_at_4096_ranks_plans_fast_and_shards_every_parameter():
     assert worst.activations_per_microbatch >= 16 * 8192 // 8 * 16384 * 2
 
 
+def test_fsdp_by_rule_equals_fully_shard(monkeypatch):
+    """Beyond REAL_FSDP_SHARDS the reported layout is sized by FSDP2's rule; below it, by fully_shard itself."""
+    from meshformer.plan import search
+
+    cfg = load_config(CONFIGS / "tiny-gpt.toml", ["parallel.tp=2", "model.vocab_size=500"])
+    real = plan_layout(cfg, 256)
+    monkeypatch.setattr(search, "REAL_FSDP_SHARDS", 1)
+    ruled = plan_layout(cfg, 256)
+    assert [(r.params, r.fsdp_buffers, r.peak) for r in real.ranks] == \
+        [(r.params, r.fsdp_buffers, r.peak) for r in ruled.ranks]
+
+
+def test_a_large_world_plans_in_seconds():
+    cfg = load_config(CONFIGS / "tiny-gpt.toml")
+    start = time.process_time()
+    layout = plan_layout(cfg, 65536)
+    assert time.process_time() - start < 25 and layout.dp_shard == 65536  # CPU seconds (fully_shard: ~50)
+
+
 def test_search_orders_fitting_layouts_and_respects_the_device():
     cfg = with_layout(validation_config({}), 8, 1, 1, "none")
     results = search_layouts(cfg, 8, "h100-80gb")

@@ -4,6 +4,9 @@ and the fix. Family-dependent checks ask the family's spec (model/families/); no
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from meshformer.config.parse import parse_size
 from meshformer.config.sections import Config
 from meshformer.errors import ConfigError
@@ -13,9 +16,12 @@ from meshformer.model.families import get_family_spec
 def validate(cfg: Config) -> None:
     """Check cross-field consistency; every message names the key and the fix."""
     m, d, t = cfg.model, cfg.data, cfg.train
+    _finite(cfg)
+    _not_empty(cfg, ["logging.run_dir", "data.corpus", "data.tokenizer", "data.text_field", "train.device"])
     _positive(cfg, ["model.vocab_size", "model.d_model", "model.n_heads", "model.d_ff", "model.max_seq_len",
                     "data.seq_len", "data.batch_size", "train.steps", "train.grad_accum", "optim.lr",
-                    "logging.log_interval"])
+                    "logging.log_interval", "model.norm_eps", "model.rope_theta", "model.init_std",
+                    "data.span_mean_length", "parallel.timeout_s"])
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
                           "choose n_heads that divides d_model")
@@ -141,8 +147,36 @@ def _check_training_ranges(cfg: Config) -> None:
                               f"{src.weight})")
 
 
+def _finite(cfg: Config) -> None:
+    """No float key takes inf or nan: an inf learning rate trains every weight into nan without an error.
+    Mixture weights (data.sources) are checked with the mixture."""
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        for key in dataclasses.fields(values):
+            value = getattr(values, key.name)
+            numbers = value if isinstance(value, tuple) else (value,)
+            if any(isinstance(x, float) and not math.isfinite(x) for x in numbers):
+                default = key.default_factory() if callable(key.default_factory) else key.default
+                shown, example = (list(x) if isinstance(x, tuple) else x for x in (value, default))
+                raise ConfigError(f"{section.name}.{key.name}={shown} is not a finite number",
+                                  f"give a finite value, e.g. the default {section.name}.{key.name}={example}")
+
+
+def _not_empty(cfg: Config, keys: list[str]) -> None:
+    """Keys where "" has no meaning (an empty logging.run_dir would write the run into the current folder)."""
+    for key in keys:
+        section, name = key.split(".")
+        if not getattr(getattr(cfg, section), name).strip():
+            raise ConfigError(f"{key} is empty", f"give it a value, e.g. the default {key}={_default(cfg, key)}")
+
+
 def _positive(cfg: Config, keys: list[str]) -> None:
     for key in keys:
         section, name = key.split(".")
-        if getattr(getattr(cfg, section), name) <= 0:
-            raise ConfigError(f"{key} must be positive, got {getattr(getattr(cfg, section), name)}")
+        if (value := getattr(getattr(cfg, section), name)) <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}", f"e.g. the default {key}={_default(cfg, key)}")
+
+
+def _default(cfg: Config, key: str) -> object:
+    section, name = key.split(".")
+    return next(f.default for f in dataclasses.fields(getattr(cfg, section)) if f.name == name)

@@ -40,15 +40,20 @@ def _plot(args: argparse.Namespace) -> None:
 
 def _diagnose(args: argparse.Namespace) -> None:
     from meshformer.launcher.tensorboard import MonitorError
+    from meshformer.launcher.torchrun import MAX_WORLD_SIZE, check_world_size
     from meshformer.runtime.watchdog import explain, read_reports
 
+    if args.world_size is not None:
+        check_world_size(args.world_size, "--world-size")
     folder = Path(args.run_dir) / "diagnostics"
-    reports = read_reports(folder)
+    reports = read_reports(folder, strict=True)
     if not reports:
         raise MonitorError(f"no hang reports in {folder}: no rank stalled for more than half of parallel.timeout_s",
                            "nothing to diagnose (reports are removed when a rank makes progress again); check the "
                            "run folder if a job did hang")
-    world = args.world_size or max(int(r.get("world_size", 0)) for r in reports.values())
+    world = args.world_size or max(r["world_size"] for r in reports.values())
+    if not 1 <= world <= MAX_WORLD_SIZE:  # explain() lists every rank without a report
+        raise MonitorError(f"the hang reports in {folder} give world_size={world}", "pass the job's --world-size")
     print(explain(reports, world, folder))
 
 

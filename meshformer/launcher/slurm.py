@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import re
 import shlex
 import shutil
 import subprocess
@@ -25,12 +26,17 @@ from pathlib import Path
 
 from meshformer.config import Config, load_config
 from meshformer.errors import SubmitError
-from meshformer.launcher.torchrun import torchrun_command
+from meshformer.launcher.torchrun import check_world_size, torchrun_command
 from meshformer.layout import validate_parallel
 
 # Shell variables in the torchrun command: resolved on the nodes, not when the script is written.
 _RDZV_ENDPOINT = "@RDZV_ENDPOINT@"
 _RDZV_ID = "@RDZV_ID@"
+
+# sbatch's forms (man sbatch): minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS; and no limit.
+_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE", re.IGNORECASE)
+_MEM = re.compile(r"\d+[KMGT]?", re.IGNORECASE)  # megabytes, or a K/M/G/T suffix
+_HEADER_UNSAFE = re.compile(r"[\s'\"\\#$`;]")  # would split, end or inject a line of the script
 
 
 @dataclass
@@ -79,8 +85,31 @@ def check_job(job: SlurmJob) -> None:
         raise SubmitError(f"--max-restarts={job.max_restarts}, --signal-before={job.signal_before_s}, --cpus-per-task="
                           f"{job.cpus_per_task}: out of range", "use --max-restarts >= 0, --signal-before >= 0 "
                           "seconds (e.g. 120) and --cpus-per-task >= 1")
+    check_world_size(job.nodes * job.ranks_per_node, "--nodes x --nproc-per-node")
+    _check_header_values(job)
     validate_parallel(job.cfg, job.nodes * job.ranks_per_node, "cuda" if job.gpus_per_node else "cpu",
                       on_this_host=False)
+
+
+def _check_header_values(job: SlurmJob) -> None:
+    """What goes into an #SBATCH line verbatim: sbatch's syntax for --time and --mem, one word for the names,
+    so that no value can end the line and inject a command into the script."""
+    if job.time is not None and not _TIME.fullmatch(job.time):
+        raise SubmitError(f"--time {job.time!r} is not a SLURM time limit",
+                          "write minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, e.g. --time 04:00:00")
+    if job.mem is not None and not _MEM.fullmatch(job.mem):
+        raise SubmitError(f"--mem {job.mem!r} is not a SLURM memory size",
+                          "write a whole number of megabytes or one with a K, M, G or T suffix, e.g. --mem 200G")
+    for option, value in (("--partition", job.partition), ("--account", job.account), ("--qos", job.qos),
+                          ("--job-name", job.job_name), ("logging.run_dir", str(run_dir_of(job))),
+                          ("the current folder", str(Path.cwd()))):
+        if value is not None and (not value or _HEADER_UNSAFE.search(value)):
+            raise SubmitError(f"{option} {value!r} is empty or holds a space, quote, newline or shell character, "
+                              "which an #SBATCH line cannot carry", f"choose a {option} without them")
+    for extra in job.sbatch_args:
+        if not extra.startswith("-") or "\n" in extra or "\r" in extra:
+            raise SubmitError(f"--sbatch-arg {extra!r} is not one sbatch option",
+                              "pass one option per --sbatch-arg on one line, e.g. --sbatch-arg=--exclusive")
 
 
 def sbatch_script(job: SlurmJob) -> str:

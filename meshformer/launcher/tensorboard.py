@@ -32,6 +32,8 @@ def start_tensorboard(run_dir: Path, port: int = 6006) -> str:
     """Start TensorBoard in background threads of this process; returns its URL."""
     from tensorboard import program
 
+    if not 0 <= port <= 65535:
+        raise MonitorError(f"--port {port} is not a TCP port", "use a port from 1 to 65535, or 0 for any free port")
     board = program.TensorBoard()
     board.configure(argv=[None, "--logdir", str(check_run_dir(run_dir)), "--host", LOOPBACK, "--port", str(port),
                           "--reload_interval", "5", "--load_fast", "false"])

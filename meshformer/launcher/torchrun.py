@@ -6,18 +6,39 @@ rendezvous, run the same command on every node with the first node's address as 
 
 from __future__ import annotations
 
+import logging
 import os
-import subprocess
+import signal
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
-from meshformer.errors import UsageError
+from meshformer.errors import REPORTED_MARKER, MeshformerError, UsageError
+
+MAX_WORLD_SIZE = 2**18  # ranks: twice today's largest training jobs (and a plan in under a minute); more is a typo
+MAX_RANKS_PER_NODE = 1024  # processes one node starts: beyond any node's GPUs or cores
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+class LaunchError(MeshformerError, RuntimeError):
+    """A rank that died without saying why (a signal: out of memory, killed), or a rendezvous that failed."""
 
 
 def check_launch_options(nproc_per_node: int, nnodes: int, max_restarts: int) -> None:
     if nproc_per_node < 1 or nnodes < 1 or max_restarts < 0:
         raise UsageError(f"--nproc-per-node={nproc_per_node}, --nnodes={nnodes}, --max-restarts={max_restarts}: "
                          "out of range", "use --nproc-per-node >= 1, --nnodes >= 1 and --max-restarts >= 0")
+    if nproc_per_node > MAX_RANKS_PER_NODE:
+        raise UsageError(f"--nproc-per-node={nproc_per_node} would start that many processes on this node",
+                         f"use at most {MAX_RANKS_PER_NODE}, usually one per GPU")
+    check_world_size(nproc_per_node * nnodes, "--nproc-per-node x --nnodes")
+
+
+def check_world_size(world_size: int, option: str) -> None:
+    """A world of ranks we can plan and launch: positive and at most MAX_WORLD_SIZE (refused before allocating)."""
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise UsageError(f"{option} gives {world_size} ranks", f"use a number of ranks from 1 to {MAX_WORLD_SIZE:,}")
 
 
 def torchrun_command(
@@ -32,7 +53,7 @@ def torchrun_command(
 ) -> list[str]:
     """The torchrun command line (`python -m torch.distributed.run ... -m meshformer.train CONFIG`)."""
     check_launch_options(nproc_per_node, nnodes, max_restarts)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
+    cmd = [*TORCHRUN, f"--nproc-per-node={nproc_per_node}"]
     if nnodes == 1:
         cmd.append("--standalone")
     else:
@@ -57,10 +78,45 @@ def torchrun_env(nproc_per_node: int) -> dict[str, str]:
 
 
 def launch_torchrun(config: str, overrides: list[str] | None = None, *, nproc_per_node: int, **options: Any) -> int:
-    """Run torchrun in the foreground (`options` as for `torchrun_command`); returns its exit status."""
+    """Run torchrun's agent in this process (`options` as for `torchrun_command`); returns the exit status.
+
+    A failed rank ends as one line, not torchrun's failure report: the line the ranks printed (a rank that
+    reports leaves a marker in the agent's attempt folder, see meshformer.errors), or a LaunchError naming the
+    rank that died without one.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.run import parse_args, run
+
     cmd = torchrun_command(config, overrides, nproc_per_node=nproc_per_node, **options)
     print("launching: " + " ".join(cmd), file=sys.stderr, flush=True)
-    try:
-        return subprocess.call(cmd, env=torchrun_env(nproc_per_node))
-    except KeyboardInterrupt:
-        return 130
+    os.environ.update(torchrun_env(nproc_per_node))
+    with tempfile.TemporaryDirectory(prefix="meshformer-torchrun-") as log_dir:
+        args = parse_args([f"--log-dir={log_dir}", *cmd[len(TORCHRUN):]])
+        logging.disable(logging.CRITICAL)  # the agent's own log repeats each failure in many lines
+        try:
+            run(args)
+        except ChildFailedError as err:
+            if not any(Path(log_dir).rglob(REPORTED_MARKER)):
+                raise LaunchError(*_unreported_failure(err.failures)) from None
+            return 1
+        except RendezvousError as err:
+            raise LaunchError(f"the ranks could not meet ({err})",
+                              "check --rdzv-endpoint and that every node runs the same command") from None
+        except KeyboardInterrupt:
+            return 130
+        finally:
+            logging.disable(logging.NOTSET)
+    return 0
+
+
+def _unreported_failure(failures: dict[int, Any]) -> tuple[str, str]:
+    """(what, fix) for the first rank that failed without printing an error line: a signal first."""
+    rank, failure = min(failures.items(), key=lambda item: (item[1].exitcode >= 0, item[1].timestamp))
+    where = f"rank {rank} (pid {failure.pid})"
+    if failure.exitcode < 0:
+        name = failure.signal_name()
+        fix = ("SIGKILL is usually the out-of-memory killer (see `dmesg`): lower data.batch_size or --nproc-per-node"
+               if -failure.exitcode == signal.SIGKILL else "its output above shows what it was doing")
+        return f"{where} was killed by {name} before it could report an error", fix
+    return f"{where} exited with status {failure.exitcode}", "its output above says why"

@@ -8,6 +8,7 @@ import json
 import time
 
 from meshformer.config import Config, ConfigError, load_config
+from meshformer.launcher.torchrun import check_world_size
 from meshformer.plan.memory import CUDA_CONTEXT, DEVICES, SAFETY_FRACTION, as_dict, usable_bytes
 from meshformer.plan.search import LayoutMemory, plan_layout, search_layouts
 
@@ -75,6 +76,7 @@ def _table(columns: list[str], rows: list[list[str]]) -> None:
 def _plan(args: argparse.Namespace) -> None:
     if args.world < 1:
         raise ConfigError(f"--world must be a positive number of ranks, got {args.world}")
+    check_world_size(args.world, "--world")
     cfg = load_config(args.config, args.set)
     result = report(cfg, args.world, args.gpu, search=not args.no_search, top=args.top)
     if args.json:

@@ -18,6 +18,9 @@ from meshformer.plan.memory import RankMemory, rank_memory, usable_bytes
 from meshformer.plan.shard import fake_world, meta_model, rank_shares, template_shares, tp_template
 
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
+# FSDP shard groups larger than this are sized by FSDP2's dim-0 rule (`shard._fsdp_shard`), not by fully_shard:
+# torch builds one meta chunk per shard and parameter, minutes at 100k ranks.
+REAL_FSDP_SHARDS = 4096
 TP_SIZES = (1, 2, 4, 8)  # tensor parallel stays inside one 8-GPU node
 CP_SIZES = (1, 2, 4, 8, 16)  # context parallel (not encoder-decoder): Llama 3 trained 128k-token sequences at cp 16
 
@@ -65,9 +68,11 @@ def with_layout(cfg: Config, world_size: int, pp: int, tp: int, recompute: Recom
 
 
 def plan_layout(cfg: Config, world_size: int) -> LayoutMemory:
-    """Memory per pipeline rank of `cfg`'s own layout, through the real TP + FSDP path on meta."""
+    """Memory per pipeline rank of `cfg`'s own layout, through the real TP + FSDP path on meta (FSDP by its rule
+    beyond REAL_FSDP_SHARDS)."""
+    real_fsdp = ParallelDims.from_config(cfg.parallel, world_size).fsdp_shard <= REAL_FSDP_SHARDS
     with fake_world(world_size):
-        dims, shares = rank_shares(cfg, world_size)
+        dims, shares = rank_shares(cfg, world_size, apply_fsdp=real_fsdp)
     return _layout(cfg, dims, [rank_memory(cfg, dims, share) for share in shares])
 
 

@@ -25,10 +25,20 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from meshformer.errors import MeshformerError
+
 # Order of the phases within one step: a rank in an earlier phase of the same step is behind.
 PHASES = ("startup", "data", "forward_backward", "grad_norm", "optimizer", "logging", "eval", "sample",
           "checkpoint", "finish")
 REPORT_GLOB = "hang-rank*.json"
+# What `explain` reads from a report, and its JSON type.
+REPORT_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "rank": int, "world_size": int, "host": str, "pid": int, "step": int, "phase": str,
+    "seconds_in_phase": (int, float), "collectives_issued": int, "reason": str}
+
+
+class HangReportError(MeshformerError, ValueError):
+    """A hang report that is not one this watchdog wrote (edited, truncated, another tool's file)."""
 
 
 def _run_id() -> str:
@@ -168,17 +178,37 @@ def _record_for_torchrun(error: BaseException) -> None:
         ErrorHandler().record_exception(error)
 
 
-def read_reports(folder: Path, run: str | None = None) -> dict[int, dict[str, Any]]:
-    """Every rank's report in `folder` (of one job attempt when `run` is given), by rank."""
+def read_reports(folder: Path, run: str | None = None, *, strict: bool = False) -> dict[int, dict[str, Any]]:
+    """Every rank's report in `folder` (of one job attempt when `run` is given), by rank. A malformed report is
+    skipped (a timed-out job still explains what it can), or refused with `strict` (`meshformer diagnose`)."""
     reports: dict[int, dict[str, Any]] = {}
     for path in sorted(Path(folder).glob(REPORT_GLOB)):
         try:
-            report = json.loads(path.read_text())
-        except (OSError, ValueError):
+            report = _checked_report(path)
+        except HangReportError:
+            if strict:
+                raise
             continue
         if run is None or report.get("run") == run:
-            reports[int(report["rank"])] = report
+            reports[report["rank"]] = report
     return reports
+
+
+def _checked_report(path: Path) -> dict[str, Any]:
+    fix = "remove it (or restore the file the job wrote) and run diagnose again"
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise HangReportError(f"hang report {path} cannot be read as JSON ({err})", fix) from None
+    if not isinstance(report, dict):
+        raise HangReportError(f"hang report {path} is not a JSON object", fix)
+    for key, kind in REPORT_FIELDS.items():
+        if not isinstance(report.get(key), kind) or isinstance(report.get(key), bool):
+            raise HangReportError(f"hang report {path} has no valid {key!r} field", fix)
+    if not 0 <= report["rank"] < report["world_size"]:
+        raise HangReportError(f"hang report {path} names rank {report['rank']} of a world of {report['world_size']}",
+                              fix)
+    return report
 
 
 def wait_for_reports(folder: Path, world_size: int, run: str, grace_s: float) -> dict[int, dict[str, Any]]:
