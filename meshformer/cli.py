@@ -21,11 +21,12 @@ def _train(args: argparse.Namespace) -> None:
     check_launch_options(args.nproc_per_node, args.nnodes, args.max_restarts)
     if args.nproc_per_node > 1 or args.nnodes > 1:
         from meshformer.layout import validate_parallel
-        from meshformer.train.preflight import preflight
+        from meshformer.train.preflight import preflight, run_folders_claimed
 
         cfg = load_config(args.config, args.set)  # one process checks before torchrun starts any rank
         validate_parallel(cfg, args.nproc_per_node * args.nnodes)
-        preflight(cfg)
+        with run_folders_claimed(cfg):  # a run folder in use is refused here; rank 0 holds it for the job
+            preflight(cfg)
         if args.debug:
             os.environ[DEBUG_ENV] = "1"  # the ranks show tracebacks too (this process exits after torchrun)
         sys.exit(launch_torchrun(args.config, args.set, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,

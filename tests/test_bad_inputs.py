@@ -7,6 +7,7 @@ subprocess runs prove the same end to end, and one torchrun job that only one ra
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -25,6 +26,7 @@ from meshformer.cli import main
 from meshformer.config import ModelConfig
 from meshformer.errors import MeshformerError, run_command
 from meshformer.model import Transformer
+from meshformer.runtime.run_lock import run_folder_lock
 
 CFG = "configs/tiny-gpt.toml"
 TINY = ["model.d_model=32", "model.n_layers=1", "model.d_ff=64", "data.seq_len=32", "model.max_seq_len=64",
@@ -84,6 +86,13 @@ def world(tmp_path_factory):
                       "encoder": ModelConfig(family="encoder", vocab_size=4096, d_model=32, n_heads=4, n_layers=1,
                                              d_ff=64)}.items():
         write_weights(Transformer(cfg).state_dict(), cfg, tmp / name)
+    # files for the run folder cases (#25)
+    (tmp / "runs" / "foreign" / "final").mkdir(parents=True)
+    (tmp / "runs" / "foreign" / "final" / "notes.txt").write_text("someone else's")
+    (tmp / "runs" / "final-file").mkdir(parents=True)
+    (tmp / "runs" / "final-file" / "final").write_text("x")
+    paths["busy"] = contextlib.ExitStack()  # held for the module: another run training in {tmp}/runs/busy
+    paths["busy"].enter_context(run_folder_lock(tmp / "runs" / "busy", "logging.run_dir"))
     return paths
 
 
@@ -162,6 +171,11 @@ CASES = [
      ["no space left", "free disk space"]),
     ("cache-under-file", _corpus("{corpus}", "data.cache_dir={tmp}/afile/cache"), ["shard cache", "data.cache_dir"]),
     # (#25) run folder
+    ("run-dir-in-use", _train(name="busy"), ["runs/busy is in use by pid", "on host", "set logging.run_dir"]),
+    ("run-dir-in-use-torchrun", ["train", CFG, "--nproc-per-node", "2", *_train(name="busy")[2:]],
+     ["is in use by pid", "wait for it to finish"]),
+    ("final-foreign", _train(name="foreign"), ["final holds files meshformer did not write", "logging.run_dir"]),
+    ("final-is-file", _train(name="final-file"), ["final is a file", "folder"]),
     # corpus
     ("corpus-missing", _corpus("{tmp}/nowhere.txt"), ["does not exist", "pass a file"]),
     ("corpus-empty", _corpus("{tmp}/empty.txt"), ["holds no text", "point data.corpus"]),

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from meshformer.checkpointing import directory as layout
+from meshformer.checkpointing.errors import CheckpointError
 from meshformer.checkpointing.manifest import fsync_dir, write_manifest
 
 
@@ -20,8 +21,11 @@ def commit(partial: Path, step: int, extra: dict[str, Any] | None = None) -> Pat
     root = partial.parent
     write_manifest(partial, step, extra)
     final = root / layout.step_dir_name(step)
-    if final.exists():  # an older save of this step (e.g. one found corrupt): replace it
-        layout.remove_tree(final)
+    if final.exists():  # committed by someone else (another run on this folder): never ours to replace
+        raise CheckpointError(f"{final} already holds a committed checkpoint of step {step} that this run did not "
+                              f"write; it was left as it is, and this save stays unfinished in {partial.name}",
+                              "make sure only one run writes to this folder (logging.run_dir / checkpoint.dir), "
+                              f"or move {final.name} away")
     os.replace(partial, final)
     fsync_dir(root)
     layout.write_latest(root, final.name)

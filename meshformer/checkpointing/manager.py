@@ -286,6 +286,8 @@ class CheckpointManager:
                     self.log(f"removed {leftover.name}, left behind by an interrupted save or delete")
                 found = self.find_valid()
                 name = found.name if found is not None else None
+                if found is not None and self.cfg.verify == "size":
+                    self._warn_size_only(found)
             except CheckpointError as err:  # e.g. written by a newer meshformer: every rank stops, none waits
                 error = str(err)
         if self.distributed:
@@ -298,6 +300,12 @@ class CheckpointManager:
             return False
         self.load(self.root / name, run)
         return True
+
+    def _warn_size_only(self, found: Path) -> None:
+        """checkpoint.verify="size" trades the content check for speed: say so at every resume it applies to."""
+        self.log(f"WARNING: resuming from step {int(found.name.removeprefix('step-'))} ({found}), checked by file "
+                 "sizes only (checkpoint.verify=\"size\"): its content was not checked; set "
+                 f"checkpoint.verify=\"sha256\" or run `meshformer convert verify {self.root}` to check it")
 
     def load(self, path: Path, run: Checkpointable) -> dict[str, Any]:
         """Load a checkpoint folder (any saved layout) into this layout; returns its trainer state."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,6 +15,8 @@ from meshformer.checkpointing.errors import CheckpointError
 # DCP reports a failed write as CheckpointException, which derives from BaseException: name it to catch it.
 SAVE_FAILURES = (Exception, CheckpointException)
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+# safetensors (Rust) reports an I/O error as text only: "... No space left on device (os error 28)".
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
 def root_causes(err: BaseException) -> list[BaseException]:
@@ -32,8 +36,16 @@ def root_causes(err: BaseException) -> list[BaseException]:
     return out
 
 
+def os_errno(err: BaseException) -> int | None:
+    """The errno of an OSError, or of an I/O error a Rust extension reported as text."""
+    if isinstance(err, OSError):
+        return err.errno
+    match = _RUST_OS_ERROR.search(str(err))
+    return int(match.group(1)) if match else None
+
+
 def is_disk_full(err: BaseException) -> bool:
-    return any(isinstance(e, OSError) and e.errno in _DISK_FULL for e in root_causes(err))
+    return any(os_errno(e) in _DISK_FULL for e in root_causes(err))
 
 
 def save_failed_error(err: BaseException, step: int, root: Path, newest: str | None) -> CheckpointError:
@@ -61,3 +73,15 @@ def all_corrupt_error(root: Path, corrupt: Sequence[tuple[Path, BaseException]])
     return CheckpointError(
         f"every checkpoint in {root} failed verification ({why}{more}); nothing was moved or deleted — restore "
         f"them from a backup, or move them out of {root} (or set checkpoint.resume=false) to start from step 0")
+
+
+def final_weights_failed_error(err: BaseException, final: Path) -> BaseException | None:
+    """A failed write of the run's final weights as one line (None: not an I/O failure, a bug to show in full).
+    The weights were written beside `final` (`final.partial`), so an earlier final/ is unchanged."""
+    if is_disk_full(err):
+        return CheckpointError(
+            f"no space left on device while writing the final weights to {final}; the checkpoints and any earlier "
+            f"{final.name}/ are unchanged — free space on that disk (or point logging.run_dir at a larger one) and "
+            "run the same command again: it resumes from the newest checkpoint and writes them")
+    code = next((os_errno(e) for e in root_causes(err) if os_errno(e) is not None), None)
+    return None if code is None else OSError(code, os.strerror(code), str(final))

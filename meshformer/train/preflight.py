@@ -9,12 +9,17 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+from meshformer import folders
 from meshformer.config import Config, ConfigError
 from meshformer.data import Tokenizer, load_tokenizer
 from meshformer.data.build import check_data
 from meshformer.model.flops import count_params
+from meshformer.runtime.distributed import env_rank
+from meshformer.runtime.run_lock import run_folder_lock
 
 # One checkpoint holds fp32 parameters and AdamW's two fp32 moments; the rest (data and RNG state, manifest)
 # is small. The margin covers filesystem overhead and the files of a save that is being replaced.
@@ -23,12 +28,43 @@ DISK_MARGIN = 1.1
 DISK_SLACK_BYTES = 64 << 20
 
 
+FINAL_WEIGHTS = "final"
+# What an older meshformer left in a run's final/ (before the marker): the config and one file or an index.
+FINAL_LEGACY = (("model_config.json", "model.safetensors"), ("model_config.json", "model.safetensors.index.json"))
+
+
+def _checkpoint_dir(cfg: Config) -> tuple[Path, str]:
+    """The checkpoint folder and the option that chooses it."""
+    if cfg.checkpoint.dir:
+        return Path(cfg.checkpoint.dir), "checkpoint.dir"
+    return Path(cfg.logging.run_dir) / "checkpoints", "logging.run_dir"
+
+
+@contextmanager
+def run_folders_claimed(cfg: Config) -> Iterator[None]:
+    """Hold the run folder (and a checkpoint.dir outside it) for the block, so no second run writes there at the
+    same time; taken before any work. Only global rank 0 takes it: its job's other ranks are covered by it."""
+    if env_rank()[0] != 0:
+        yield
+        return
+    run_dir = Path(cfg.logging.run_dir)
+    checkpoint_dir, key = _checkpoint_dir(cfg)
+    check_folder(run_dir, "logging.run_dir")
+    with ExitStack() as held:
+        held.enter_context(run_folder_lock(run_dir, "logging.run_dir"))
+        if run_dir.resolve() not in (checkpoint_dir.resolve(), *checkpoint_dir.resolve().parents):
+            check_folder(checkpoint_dir, key)
+            held.enter_context(run_folder_lock(checkpoint_dir, key))
+        yield
+
+
 def preflight(cfg: Config) -> Tokenizer:
     """Run folders, tokenizer against model.vocab_size, data, free disk space; returns the loaded tokenizer."""
     run_dir = Path(cfg.logging.run_dir)
-    checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    checkpoint_dir, key = _checkpoint_dir(cfg)
     check_folder(run_dir, "logging.run_dir")
-    check_folder(checkpoint_dir, "checkpoint.dir" if cfg.checkpoint.dir else "logging.run_dir")
+    check_folder(checkpoint_dir, key)
+    check_final_folder(run_dir / FINAL_WEIGHTS)
     tokenizer = checked_tokenizer(cfg)
     check_data(cfg, tokenizer)
     check_disk_space(cfg, run_dir, checkpoint_dir)
@@ -55,6 +91,22 @@ def check_folder(path: Path, key: str) -> None:
     except OSError as err:
         raise ConfigError(f"{key}: cannot write into {path} ({err.strerror or err})",
                           f"set {key} to a folder you can write, or fix its permissions") from None
+
+
+def is_final_ours(final: Path) -> bool:
+    return any(folders.is_ours(final, legacy) for legacy in FINAL_LEGACY)
+
+
+def check_final_folder(final: Path) -> None:
+    """The run's final weights replace final/ at the end only if it is ours (or missing, or empty): refuse at
+    start, not after the training, a final/ holding someone else's files."""
+    if is_final_ours(final):
+        return
+    if final.is_dir() and any(final.iterdir()):
+        raise folders.OutputFolderError(f"{final} holds files meshformer did not write, and this run would replace "
+                                        "it with its final weights", "move them away, or set logging.run_dir to "
+                                        "another folder")
+    folders.check_output(final, what="final weights", overwrite=False)  # a file in its place
 
 
 def check_vocab(tokenizer: Tokenizer, vocab_size: int, tokenizer_key: str = "data.tokenizer") -> None:

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch
 
+from meshformer import folders
 from meshformer.batch import Batch
 from meshformer.checkpointing.manager import CheckpointManager
+from meshformer.checkpointing.save_errors import final_weights_failed_error
 from meshformer.checkpointing.train_state import Checkpointable, SchedulerState, TrainState
 from meshformer.config import Config, ConfigError
 from meshformer.data import Tokenizer, build_loader
@@ -34,7 +36,7 @@ from meshformer.runtime.stragglers import rank_timings, straggler_scalars
 from meshformer.runtime.watchdog import HangWatchdog
 from meshformer.train.metrics import FlopsCeiling, RunLogger, memory_gib, peak_flops, synchronize
 from meshformer.train.optim import SkippedUpdates, build_optimizer, build_scheduler
-from meshformer.train.preflight import checked_tokenizer
+from meshformer.train.preflight import FINAL_WEIGHTS, check_final_folder, checked_tokenizer, run_folders_claimed
 from meshformer.train.sampling import decoded_sample
 
 
@@ -269,15 +271,30 @@ class Trainer:
         return TrainResult(self.step, last_loss, eval_loss, self.run_dir, history)
 
     def save_final_weights(self) -> None:
+        """Write the weights beside final/ (final.partial/, ours) and then swap them in: a failed write leaves
+        an earlier final/ as it was, and a final/ someone else filled during the run is refused, not replaced."""
         from meshformer.checkpointing.weights import save_weights
 
-        path = save_weights(self.plan, self.run_dir / "final", self.cfg.checkpoint.max_shard_size)
+        final = self.run_dir / FINAL_WEIGHTS
+        staged = final.with_name(final.name + ".partial")
+        if self.rank == 0:
+            folders.scratch(staged, "final weights")
+        try:
+            path = save_weights(self.plan, staged, self.cfg.checkpoint.max_shard_size)
+        except Exception as err:
+            if self.rank == 0:
+                folders.remove(staged)
+            one_line = final_weights_failed_error(err, final)
+            if one_line is None:
+                raise
+            raise one_line from None
         if path is not None:
-            self.logger.info(f"final weights written to {path}")
-
-
+            check_final_folder(final)
+            folders.replace(staged, final)
+            self.logger.info(f"final weights written to {final / path.name}")
 
 
 def train(cfg: Config) -> TrainResult:
     """Single-process entry point; distributed runs go through meshformer.train.__main__ under torchrun."""
-    return Trainer(cfg).fit()
+    with run_folders_claimed(cfg):
+        return Trainer(cfg).fit()
