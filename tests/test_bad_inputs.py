@@ -333,6 +333,8 @@ CASES = [
                                                                                   "another output folder"]),
     ("resume-vocab", ["train", CFG, "--set", *TINY, "logging.run_dir={run}", "data.shards={shards}",
                       "model.vocab_size=100"], ["model.vocab_size=100", "raise model.vocab_size"]),
+    ("resume-false-over-checkpoints", ["train", CFG, "--set", *TINY, "logging.run_dir={run}", "data.shards={shards}",
+                                       "checkpoint.resume=false"], ["checkpoint.resume=false", "move them out"]),
     ("resume-bad-value", ["train", CFG, "--set", *TINY, "logging.run_dir={run}", "checkpoint.keep_last=-1"],
      ["checkpoint.keep_last=-1", ">= 0"]),
     ("resume-ckpt-dir-file", ["train", CFG, "--set", *TINY, "logging.run_dir={run}",

@@ -71,3 +71,27 @@ def test_debug_switch_takes_only_yes_words():
     for value in ("1", "true", "yes", "ON"):
         out = _meshformer(*bad, env={"MESHFORMER_DEBUG": value})
         assert out.returncode != 0 and "Traceback" in out.stderr and "ConfigError" in out.stderr, value
+
+
+def test_ctrl_c_stops_the_job_without_a_launcher_traceback(tmp_path):
+    """The agent runs in our process and turns SIGINT into its SignalException: the launcher exits 130, quietly."""
+    import signal
+    import time
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    started = tmp_path / "rank0-started"
+    (hook / "sitecustomize.py").write_text(
+        f"import os, pathlib\nif os.environ.get('RANK') == '0':\n    pathlib.Path({str(started)!r}).touch()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(hook), str(ROOT))), "OMP_NUM_THREADS": "1"}
+    env.pop("MESHFORMER_DEBUG", None)
+    proc = subprocess.Popen([sys.executable, "-m", "meshformer.cli", "train", CFG, "--nproc-per-node", "2", "--set",
+                             *TINY, "train.steps=100000", f"logging.run_dir={tmp_path / 'run'}"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert started.exists() and proc.returncode == 128 + signal.SIGINT, (proc.returncode, err[-3000:])
+    assert "SignalException" not in err and "ChildFailedError" not in err, err[-3000:]

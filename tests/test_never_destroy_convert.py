@@ -112,3 +112,13 @@ def test_an_absurd_depth_in_config_json_is_refused_before_building_it(world):
     assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
     assert "n_layer=1000000000 layers, but the checkpoint holds only 16 tensors" in out.stderr
     assert not (world / "cv-o-layers").exists()
+
+
+def test_every_checkpoint_reader_refuses_an_index_naming_files_outside(world):
+    """Resume and every conversion read a checkpoint's .metadata through one reader: a step whose index names
+    `../` files is refused there, not only in import-megatron."""
+    from meshformer.checkpointing.dcp_io import SafeFileSystemReader
+    from meshformer.folders import UnsafePathError
+
+    with pytest.raises(UnsafePathError, match=r"\.metadata names '\.\./"):
+        SafeFileSystemReader(world / "cv-mc-outside" / "iter_0000000").read_metadata()

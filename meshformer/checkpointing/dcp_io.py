@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, W
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from meshformer.checkpointing.errors import CheckpointError
+from meshformer.folders import inside
 
 METADATA_FILE = ".metadata"
 
@@ -76,6 +77,9 @@ def read_metadata(path: Path, name: str = METADATA_FILE) -> dcp_metadata.Metadat
         raise CheckpointError(f"cannot read {file}: {err}") from None
     if not isinstance(metadata, dcp_metadata.Metadata):
         raise CheckpointError(f"{file} does not hold DCP metadata")
+    for info in (metadata.storage_data or {}).values():  # DCP would open an absolute or `../` path as given
+        inside(Path(path), getattr(info, "relative_path", None), what=str(file),
+               fix="copy the checkpoint folder again whole from where it was written")
     return metadata
 
 

@@ -278,6 +278,7 @@ class CheckpointManager:
     def resume(self, run: Checkpointable) -> bool:
         """Load the newest valid checkpoint into `run` (collective); False when there is none."""
         if not self.cfg.resume:
+            refuse_earlier_checkpoints(self.root)
             return False
         name, error = None, None
         if self.rank == 0:
@@ -420,3 +421,15 @@ def _model_signature(folder: Path) -> dict[str, tuple[int, ...]] | None:
 
 def _normal(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
+
+
+def refuse_earlier_checkpoints(root: Path) -> None:
+    """checkpoint.resume=false starts at step 0, and its saves could not commit over the steps an earlier run left
+    in `root` (a commit never replaces a checkpoint it did not write): say so before any work, not at the first
+    save."""
+    steps = layout.committed_steps(Path(root))
+    if steps:
+        raise CheckpointError(f"checkpoint.resume=false, but {root} holds checkpoints of an earlier run (steps "
+                              f"{steps[0]}..{steps[-1]}) that this run's saves would collide with",
+                              "move them out of that folder (or set checkpoint.dir to an empty folder) to start from "
+                              "step 0, or set checkpoint.resume=true to continue from them")

@@ -26,7 +26,7 @@ import torch
 
 from meshformer.checkpointing.dcp_io import read_box, read_metadata, save_tensors_streamed, tensor_entries
 from meshformer.checkpointing.errors import ConversionError
-from meshformer.checkpointing.safetensors_io import LazyState, read_closed_metadata
+from meshformer.checkpointing.safetensors_io import LazyState
 from meshformer.config import Activation, ModelConfig
 from meshformer.model.families import FAMILIES
 from meshformer.model.families.naming import MegatronNames
@@ -379,7 +379,7 @@ def import_megatron(path: Path, *, n_heads: int | None = None, vocab_size: int |
     from meshformer.model import Transformer
 
     folder = resolve_megatron_dir(path)
-    metadata = read_closed_metadata(folder)
+    metadata = read_metadata(folder)
     cfg = resolve_import_config(folder, {"n_heads": n_heads, "vocab_size": vocab_size, "activation": activation,
                                          "norm_eps": norm_eps, "rope_theta": rope_theta, "max_seq_len": max_seq_len})
     entries = tensor_entries(metadata)

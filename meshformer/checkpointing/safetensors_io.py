@@ -14,12 +14,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
 
 from meshformer.checkpointing import directory as layout
 from meshformer.checkpointing.commit import commit, partial_dir
 from meshformer.checkpointing.dcp_io import (
-    METADATA_FILE,
     read_full_tensors,
     read_metadata,
     save_tensors_streamed,
@@ -31,7 +29,6 @@ from meshformer.checkpointing.sharded_safetensors import DEFAULT_MAX_SHARD_SIZE,
 from meshformer.checkpointing.state import MODEL
 from meshformer.checkpointing.weights import CONFIG_FILE, open_weights, saved_names, write_weights
 from meshformer.config import ModelConfig, build_section
-from meshformer.folders import inside
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -50,16 +47,6 @@ def resolve_checkpoint(path: Path) -> Path:
             continue
     raise CheckpointError(f"{path} is neither a checkpoint (no {MANIFEST}) nor a directory holding a valid "
                           "step-N/ checkpoint; pass a run's checkpoints/ folder or one of its step folders")
-
-
-def read_closed_metadata(folder: Path) -> Metadata:
-    """A DCP folder's index, every data file it names checked to lie inside the folder (DCP would open an absolute
-    or `../` path as given)."""
-    metadata = read_metadata(folder)
-    for info in (metadata.storage_data or {}).values():
-        inside(folder, getattr(info, "relative_path", None), what=str(Path(folder) / METADATA_FILE),
-               fix="copy the checkpoint folder again whole from where it was written")
-    return metadata
 
 
 def checkpoint_model_config(path: Path) -> ModelConfig:
@@ -97,7 +84,7 @@ def read_checkpoint_model(path: Path, *, show_progress: bool | None = None) -> t
     """(model config, model tensors read one at a time on access) of a sharded checkpoint, whatever layout."""
     path = resolve_checkpoint(path)
     cfg = checkpoint_model_config(path)
-    metadata = read_closed_metadata(path)  # once: each tensor's read below reuses it
+    metadata = read_metadata(path)  # once: each tensor's read below reuses it
     entries = {k[len(MODEL):]: v for k, v in tensor_entries(metadata).items() if k.startswith(MODEL)}
     return cfg, LazyState(sorted(entries),
                           lambda name: read_full_tensors(path, [MODEL + name], metadata)[MODEL + name],

@@ -72,7 +72,7 @@ def all_corrupt_error(root: Path, corrupt: Sequence[tuple[Path, BaseException]])
     more = f" (+{len(corrupt) - 4} more)" if len(corrupt) > 4 else ""
     return CheckpointError(
         f"every checkpoint in {root} failed verification ({why}{more}); nothing was moved or deleted — restore "
-        f"them from a backup, or move them out of {root} (or set checkpoint.resume=false) to start from step 0")
+        f"them from a backup, or move them out of {root} to start from step 0")
 
 
 def final_weights_failed_error(err: BaseException, final: Path) -> BaseException | None:

@@ -19,6 +19,7 @@ from meshformer.errors import REPORTED_MARKER, MeshformerError, UsageError
 MAX_WORLD_SIZE = 2**18  # ranks: twice today's largest training jobs (and a plan in under a minute); more is a typo
 MAX_RANKS_PER_NODE = 1024  # processes one node starts: beyond any node's GPUs or cores
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+_AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # torchrun's agent handles these
 
 
 class LaunchError(MeshformerError, RuntimeError):
@@ -84,6 +85,7 @@ def launch_torchrun(config: str, overrides: list[str] | None = None, *, nproc_pe
     reports leaves a marker in the agent's attempt folder, see meshformer.errors), or a LaunchError naming the
     rank that died without one.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
@@ -94,6 +96,7 @@ def launch_torchrun(config: str, overrides: list[str] | None = None, *, nproc_pe
     with tempfile.TemporaryDirectory(prefix="meshformer-torchrun-") as log_dir:
         args = parse_args([f"--log-dir={log_dir}", *cmd[len(TORCHRUN):]])
         logging.disable(logging.CRITICAL)  # the agent's own log repeats each failure in many lines
+        handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}  # the agent replaces them: put them back
         try:
             run(args)
         except ChildFailedError as err:
@@ -105,8 +108,13 @@ def launch_torchrun(config: str, overrides: list[str] | None = None, *, nproc_pe
                               "check --rdzv-endpoint and that every node runs the same command") from None
         except KeyboardInterrupt:
             return 130
+        except SignalException as err:  # Ctrl-C or a scheduler's SIGTERM: the agent stopped the ranks
+            return 128 + int(err.sigval)
         finally:
             logging.disable(logging.NOTSET)
+            for sig, handler in handlers.items():
+                if handler is not None:  # None: installed outside Python, nothing to restore
+                    signal.signal(sig, handler)
     return 0
 
 

@@ -14,6 +14,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from meshformer import folders
+from meshformer.checkpointing.manager import refuse_earlier_checkpoints
 from meshformer.config import Config, ConfigError
 from meshformer.data import Tokenizer, load_tokenizer
 from meshformer.data.build import check_data
@@ -65,6 +66,8 @@ def preflight(cfg: Config) -> Tokenizer:
     check_folder(run_dir, "logging.run_dir")
     check_folder(checkpoint_dir, key)
     check_final_folder(run_dir / FINAL_WEIGHTS)
+    if not cfg.checkpoint.resume:
+        refuse_earlier_checkpoints(checkpoint_dir)
     tokenizer = checked_tokenizer(cfg)
     check_data(cfg, tokenizer)
     check_disk_space(cfg, run_dir, checkpoint_dir)
