@@ -95,6 +95,12 @@ def reference_run(root: Path, steps: int):
     return shards, run_dir, trainer, result
 
 
+def reference_files(root: Path, steps: int) -> dict:
+    """`reference_run`'s files for a module fixture: root, shards, run_dir and its final weights."""
+    shards, run_dir, _, _ = reference_run(root, steps)
+    return {"root": root, "shards": shards, "run_dir": run_dir, "weights": final_weights(run_dir)}
+
+
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(Path(run_dir) / "final" / "model.safetensors"))
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _checkpoint_fixtures import assert_bitwise, copy_steps, final_weights, reference_run, run_trainer, tiny_config
+from _checkpoint_fixtures import assert_bitwise, copy_steps, final_weights, reference_files, run_trainer, tiny_config
 
 from meshformer.checkpointing import CheckpointError
 from meshformer.checkpointing.dcp_io import read_full_tensors
@@ -24,9 +24,7 @@ STEPS = 6
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
     """An uninterrupted run of STEPS steps (2 layers) with blocking saves every 2 steps."""
-    root = tmp_path_factory.mktemp("silent")
-    shards, run_dir, _, _ = reference_run(root, STEPS)
-    return {"root": root, "shards": shards, "run_dir": run_dir, "weights": final_weights(run_dir)}
+    return reference_files(tmp_path_factory.mktemp("silent"), STEPS)
 
 
 def _trainer(cfg, messages: list[str] | None = None):

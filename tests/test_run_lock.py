@@ -16,7 +16,7 @@ import pytest
 from _checkpoint_fixtures import (
     assert_bitwise,
     final_weights,
-    reference_run,
+    reference_files,
     run_trainer,
     tiny_config,
     tiny_overrides,
@@ -37,9 +37,7 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("run_lock")
-    shards, run_dir, _, _ = reference_run(root, STEPS)
-    return {"root": root, "shards": shards, "run_dir": run_dir, "weights": final_weights(run_dir)}
+    return reference_files(tmp_path_factory.mktemp("run_lock"), STEPS)
 
 
 def _train_process(shards: Path, run_dir: Path, steps: int) -> subprocess.Popen:
