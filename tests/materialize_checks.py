@@ -60,7 +60,7 @@ def materialize_check(name: str) -> dict[str, Any]:
 
     from meshformer.checkpointing.weights import quiet_redistribute
     from meshformer.model import Transformer
-    from meshformer.model.init import canonical_name, new_seed
+    from meshformer.model.init import new_seed
     from meshformer.parallel import build_plan
 
     cfg, _ = scenario(name)
@@ -76,7 +76,7 @@ def materialize_check(name: str) -> dict[str, Any]:
         plan = build_plan(model, cfg, torch.device("cpu"))
     mismatched, checked, local_bytes, largest = [], set(), 0, 0
     for part in plan.model_parts:
-        canonical = getattr(part, "canonical", {})
+        assert isinstance(part, Transformer)  # a whole model or a pipeline stage of one
         seen: set[int] = set()
         for local_name, param in part.named_parameters():
             if id(param) in seen:
@@ -84,8 +84,7 @@ def materialize_check(name: str) -> dict[str, Any]:
             seen.add(id(param))
             local_bytes += _local_bytes(param)
             largest = max(largest, param.numel() * param.element_size())
-            name_ = canonical_name(local_name)
-            name_ = canonical.get(name_, name_)
+            name_ = part.canonical_name(local_name)
             with quiet_redistribute():
                 value = _full(param.detach())  # a collective over the part's mesh: same order on its ranks
             checked.add(name_)
@@ -93,8 +92,8 @@ def materialize_check(name: str) -> dict[str, Any]:
                 mismatched.append(name_)
         for local_name, buffer in part.named_buffers():
             local_bytes += _local_bytes(buffer)
-            name_ = canonical_name(local_name)
-            expected = ref_buffers[name_][getattr(part, "alibi_heads", slice(None))] if name_ == "alibi_slopes" \
+            name_ = local_name
+            expected = ref_buffers[name_][part.parallel_context.alibi_heads] if name_ == "alibi_slopes" \
                 else ref_buffers[name_]
             if not torch.equal(buffer, expected):
                 mismatched.append(name_)

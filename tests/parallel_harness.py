@@ -181,7 +181,6 @@ def counted_replica_all_reduces(plan: TrainingPlan) -> Iterator[list[int]]:
 def gathered_grads(plan: TrainingPlan) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for part in plan.model_parts:
-        canonical = getattr(part, "canonical", None)
         seen: set[int] = set()
         for name, param in part.named_parameters():
             if id(param) in seen:
@@ -190,7 +189,7 @@ def gathered_grads(plan: TrainingPlan) -> dict[str, torch.Tensor]:
             if param.grad is None:
                 continue
             grad = full(param.grad).detach().clone()  # a collective for DTensors: same order on every rank
-            out[canonical[name] if canonical else name] = grad
+            out[part.canonical_name(name) if isinstance(part, Transformer) else name] = grad
     return out
 
 

@@ -1,6 +1,6 @@
 """One forward: pipeline stages chained in one process compute exactly what the whole model computes.
 
-A stage is the Transformer with the other pieces removed plus the packing of its streams, so any split
+A stage is the Transformer built for its span (holding only its pieces) plus the packing of its streams, so any split
 (inside a stack, at the encoder/decoder boundary, one layer per stage) gives the same logits and the same
 gradients as the unsplit model.
 """
@@ -13,6 +13,7 @@ from parallel_harness import make_batches, make_config, new_model
 
 from meshformer.batch import model_inputs
 from meshformer.fused_loss import head_loss_fn
+from meshformer.model import Transformer
 from meshformer.model.families import FAMILIES, get_family_spec
 from meshformer.parallel.pipeline import TransformerStage, split_layers, stage_pieces
 
@@ -56,7 +57,7 @@ def assert_stage_grads_equal(model: torch.nn.Module, stages: list[TransformerSta
     seen: dict[str, torch.Tensor] = {}
     for stage in stages:  # a weight held by several stages (tied) gets the sum of their gradients
         for name, p in stage.named_parameters():
-            canonical = stage.canonical[name]
+            canonical = stage.canonical_name(name)
             seen[canonical] = seen[canonical] + p.grad if canonical in seen else p.grad
     assert seen.keys() == grads.keys()
     for name, grad in grads.items():
@@ -93,3 +94,26 @@ def test_stages_hold_every_piece_once_except_shared_embeddings(name):
     assert {piece for piece in spec.pipeline.first if getattr(model, piece) is not None} <= held[0]
     assert {"output"} <= held[-1] and "output" not in held[0]
     assert {s.layers for s in spec.stacks} <= held[0] | held[1]
+
+
+def test_a_stage_has_every_attribute_the_model_sets_in_init(monkeypatch):
+    """A stage is built by Transformer.__init__: an attribute added there reaches every stage, and a stage has
+    the model's attributes, buffers and submodule slots (pieces it does not hold are None)."""
+    original = Transformer.__init__
+
+    def init_with_a_new_attribute(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.new_attribute = ("set in __init__", self.cfg.d_model)
+
+    monkeypatch.setattr(Transformer, "__init__", init_with_a_new_attribute)
+    cfg = make_config("decoder_alibi")
+    model = new_model(cfg)
+    stages = [TransformerStage(model, span) for span in split_layers(model.spec.total_layers(cfg.model), 3)]
+    def attribute_names(module: torch.nn.Module) -> set[str]:  # plain attributes, submodule slots, buffers
+        return set(vars(module)) | set(module._modules) | set(module._buffers)
+
+    for stage in stages:
+        assert stage.new_attribute == model.new_attribute
+        assert attribute_names(model) <= attribute_names(stage)
+        assert stage._buffers.keys() == model._buffers.keys()
+        torch.testing.assert_close(stage.alibi_slopes, model.alibi_slopes, rtol=0, atol=0)

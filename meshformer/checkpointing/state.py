@@ -9,9 +9,6 @@ parameter's FQN, not by the optimizer's positional ids.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import json
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -20,50 +17,26 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from meshformer.checkpointing.errors import CheckpointError
-from meshformer.config import ModelConfig
-from meshformer.model.init import canonical_name
+from meshformer.model import Transformer
 
 MODEL = "model."
 OPTIM = "optim."
-
-
-@functools.lru_cache(maxsize=8)
-def _tied_aliases(cfg_json: str) -> dict[str, str]:
-    """Second names of tied weights in the plain model -> their first name (e.g. output.weight -> tok_embeddings)."""
-    from meshformer.model import Transformer
-
-    with torch.device("meta"):
-        model = Transformer(ModelConfig(**json.loads(cfg_json)))
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            aliases[name] = first[id(param)]
-        else:
-            first[id(param)] = name
-    return aliases
-
-
-def _aliases(part: nn.Module) -> dict[str, str]:
-    cfg = getattr(part, "cfg", None)
-    return _tied_aliases(json.dumps(dataclasses.asdict(cfg), sort_keys=True)) if isinstance(cfg, ModelConfig) else {}
 
 
 def named_parameters(model_parts: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
     """(canonical FQN, parameter) over every part, each parameter object once.
 
     A weight tied in the plain model gets its first name even where a pipeline stage holds an untied copy
-    under the other name, so optimizer state matches across layouts. Two copies on one rank (first and last
-    stage of a V schedule) share a name: the first is saved, both are loaded.
+    under the other name (`Transformer.canonical_name`), so optimizer state matches across layouts. Two copies
+    on one rank (first and last stage of a V schedule) share a name: the first is saved, both are loaded.
     """
     out, seen = [], set()
     for part in model_parts:
-        aliases = _aliases(part)
-        for name, param in part.named_parameters():
+        named = part.canonical_parameters() if isinstance(part, Transformer) else part.named_parameters()
+        for name, param in named:
             if id(param) not in seen:
                 seen.add(id(param))
-                name = canonical_name(name)
-                out.append((aliases.get(name, name), param))
+                out.append((name, param))
     return out
 
 

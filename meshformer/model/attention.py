@@ -36,7 +36,7 @@ def sdpa_order(backend: str) -> list[SDPBackend] | None:
 
 @dataclass(frozen=True)
 class SequenceChunk:
-    """Context parallel, applied from outside (meshformer/parallel/context.py): each sequence is cut into 2 x count
+    """Context parallel, set up from outside (meshformer/parallel/context.py): each sequence is cut into 2 x count
     equal pieces and this rank (`index` of `count`) holds pieces index and 2 x count - 1 - index, an early and a
     late one, so that every rank does the same causal attention work. `gather` all-gathers a (B, H, T/count, D)
     tensor along dim 2 in rank order, differentiably."""
@@ -100,7 +100,6 @@ class Attention(nn.Module):
         self.sdpa_order = sdpa_order(cfg.attention_backend)
         self.capture_weights = False  # inspection hook: keep the last attention weights in `.weights`
         self.weights: torch.Tensor | None = None
-        self.chunk: SequenceChunk | None = None  # context parallel (self-attention only)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
@@ -136,7 +135,9 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         bias: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        chunk: SequenceChunk | None = None,
     ) -> torch.Tensor:
+        """chunk: under context parallel (self-attention only), the pieces of the sequence `x` holds."""
         if self.cross and cache is not None and cache.k is not None and cache.v is not None:
             q = self._heads(self.q_proj(x))
             k, v = cache.k, cache.v  # the encoder output does not change while decoding
@@ -149,19 +150,19 @@ class Attention(nn.Module):
                 k, v = self._heads(self.k_proj(source)), self._heads(self.v_proj(source))
             if rope is not None:  # self-attention only: new queries and keys share positions
                 q, k = apply_rope(q, rope), apply_rope(k, rope)
-            if self.chunk is not None:  # the whole sequence's keys and values (after RoPE: each keeps its position)
-                k, v = self.chunk.whole(k), self.chunk.whole(v)
+            if chunk is not None:  # the whole sequence's keys and values (after RoPE: each keeps its position)
+                k, v = chunk.whole(k), chunk.whole(v)
                 if k.shape[1] != q.shape[1]:  # grouped-query heads repeated once, not once per piece
                     k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
             if cache is not None:
                 if not self.cross and cache.k is not None and cache.v is not None:
                     k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
                 cache.k, cache.v = k, v
-        if self.chunk is not None:
+        if chunk is not None:
             # each piece's queries against the keys it may see (causal: up to its end, aligned at the bottom right;
             # bidirectional: all), with its rows of a padding or window mask over the whole sequence
             pieces = []
-            for start, n, at in self.chunk.spans(q.shape[2]):
+            for start, n, at in chunk.spans(q.shape[2]):
                 keys = at + n if self.causal else k.shape[2]
                 piece_mask = mask if mask.mask is None else AttentionMask(mask.mask[..., start:start + n, :keys])
                 piece_bias = None if bias is None else bias[..., start:start + n, :keys]

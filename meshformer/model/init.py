@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -23,14 +23,6 @@ from meshformer.model.config import ModelConfig
 from meshformer.model.families import get_family_spec
 
 InitFn = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
-# Name pieces that wrappers add and that are not part of the plain model's FQNs.
-_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
-
-
-def canonical_name(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
 
 
 def new_seed() -> int:
@@ -76,19 +68,15 @@ def init_parameter(param: torch.Tensor, name: str, cfg: ModelConfig, seed: int) 
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, cfg: ModelConfig, seed: int, names: Mapping[str, str] | None = None) -> None:
-    """Initialise every parameter of `model` (a whole model or a stage; sharded or not), each object once.
+def init_weights(parameters: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, seed: int) -> None:
+    """Initialise each (canonical name, parameter) of a model or a part of one (sharded or not); meta ones stay.
 
-    `names` maps a part's parameter names to the whole model's where they differ (a pipeline stage's untied
-    copy of a tied weight); a tied weight's first name is its canonical one.
+    The names are the whole model's (`Transformer.canonical_parameters`), so a pipeline stage's copy of a tied
+    weight draws the same numbers as the original.
     """
-    seen: set[int] = set()
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in seen or param.is_meta:
-            continue
-        seen.add(id(param))
-        name = canonical_name(name)
-        init_parameter(param, (names or {}).get(name, name), cfg, seed)
+    for name, param in parameters:
+        if not param.is_meta:
+            init_parameter(param, name, cfg, seed)
 
 
 @torch.no_grad()

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshformer.model.attention import Attention, KVCache
+from meshformer.model.attention import Attention, KVCache, SequenceChunk
 from meshformer.model.config import ModelConfig
 from meshformer.model.masks import AttentionMask
 
@@ -89,9 +89,11 @@ class TransformerBlock(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         bias: torch.Tensor | None = None,
         cache: BlockCache | None = None,
+        chunk: SequenceChunk | None = None,
     ) -> torch.Tensor:
+        """chunk: under context parallel, the pieces of the sequence `x` holds (self-attention gathers the rest)."""
         x = self._branch(x, self.attn_norm, self.attn, mask, rope=rope, bias=bias,
-                         cache=cache.self_attn if cache else None)
+                         cache=cache.self_attn if cache else None, chunk=chunk)
         if self.cross_attn is not None and self.cross_norm is not None:
             x = self._branch(x, self.cross_norm, self.cross_attn, memory_mask, memory=memory,
                              cache=cache.cross_attn if cache else None)

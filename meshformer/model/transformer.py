@@ -3,24 +3,27 @@
 Plain single-device PyTorch; which stacks a model has comes from its family's spec (model/families/).
 Stacks are `nn.ModuleDict`s keyed "0", "1", ... so a pipeline split can delete layers and keep parameter
 names; every piece may be None, and `forward` runs whatever pieces are present, so a pipeline stage is this
-module with the other pieces removed (parallel/pipeline.py adds only the packing of its streams).
+module built for a `StageSpan`, holding only its pieces (parallel/pipeline.py adds only the packing of its
+streams). What a part knows about the parallel layout is its `ParallelContext` (model/parallel_context.py).
 """
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from meshformer.model.attention import SequenceChunk
 from meshformer.model.config import ModelConfig
 from meshformer.model.families import FamilySpec, get_family_spec
 from meshformer.model.init import init_weights, new_seed
 from meshformer.model.layers import BlockCache, TransformerBlock, activation_fn, make_norm
 from meshformer.model.masks import AttentionMask, build_mask, masked_avg_pool, pool_padding_mask
+from meshformer.model.parallel_context import ParallelContext, StageSpan
 from meshformer.model.positions import (
     LearnedPositions,
     RelativePositionBias,
@@ -49,11 +52,46 @@ class Streams:
     memory: torch.Tensor | None = None  # the finished encoder output
 
 
+def tied_weights(cfg: ModelConfig) -> dict[str, str]:
+    """Second names of the weights a model ties -> their first (canonical) name; a pipeline stage holding only the
+    second piece holds its own copy under the second name."""
+    return {"output.weight": "tok_embeddings.weight"} if cfg.tie_embeddings else {}
+
+
+def stage_holdings(spec: FamilySpec, cfg: ModelConfig, span: StageSpan | None) -> tuple[set[str], dict[str, list[str]]]:
+    """(top-level pieces, block keys per stack) of the part covering `span`; everything when `span` is None.
+
+    Which pieces a stage holds besides its blocks is the family spec's `pipeline` layout; a stack's final norm
+    goes with its last block.
+    """
+    blocks = {stack.layers: [str(i) for i in range(stack.count(cfg))] for stack in spec.stacks}
+    if span is None:
+        return set(PIECES), blocks
+    layout = spec.pipeline
+    held = {*layout.every, *(layout.first if span.index == 0 else ())}
+    offset = 0
+    for stack in spec.stacks:
+        keys = [k for k in blocks[stack.layers] if span.start <= offset + int(k) < span.stop]
+        blocks[stack.layers] = keys
+        if keys:
+            held.add(stack.layers)
+            if keys[-1] == str(stack.count(cfg) - 1):
+                held.add(stack.norm)
+        offset += stack.count(cfg)
+    if span.stop == offset:
+        held.update(layout.last)
+    return held, blocks
+
+
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, init_seed: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, *, init_seed: int | None = None, span: StageSpan | None = None) -> None:
+        """The whole model, or with `span` one pipeline stage of it: the same module holding only that stage's
+        pieces (the others None), under the whole model's attribute names."""
         super().__init__()
         self.cfg = cfg
-        self.chunk: SequenceChunk | None = None  # context parallel: which chunk of each sequence this rank holds
+        self.span = span
+        # The layout this part runs under; parallel code changes it only through `set_parallel_context`.
+        self.parallel_context = ParallelContext()
         # Every weight follows from init_seed (meshformer.model.init). By default it is drawn first from the global
         # CPU RNG, so torch.manual_seed(s) fixes every weight; a model built on the meta device (for shapes and
         # names, or to be materialised later) draws nothing unless given a seed, leaving the RNG stream alone.
@@ -61,16 +99,18 @@ class Transformer(nn.Module):
             init_seed = new_seed()
         self.init_seed = init_seed
         spec = self.spec
+        held, blocks = stage_holdings(spec, cfg, span)
         has_encoder, has_decoder = spec.has_encoder, spec.has_decoder
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        separate_source = spec.seq2seq and not cfg.share_embeddings
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model) if "tok_embeddings" in held else None
+        separate_source = spec.seq2seq and not cfg.share_embeddings and "src_embeddings" in held
         self.src_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model) if separate_source else None
         self.pos_embeddings: nn.Module | None = None
-        if cfg.position == "learned":
+        if cfg.position == "learned" and "pos_embeddings" in held:
             self.pos_embeddings = LearnedPositions(cfg.max_seq_len, cfg.d_model)
-        elif cfg.position == "sinusoidal":
+        elif cfg.position == "sinusoidal" and "pos_embeddings" in held:
             self.pos_embeddings = SinusoidalPositions(cfg.max_seq_len, cfg.d_model)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta) if cfg.position == "rope" else None
+        self.rope = (RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+                     if cfg.position == "rope" and "rope" in held else None)
         if cfg.position == "alibi":
             self.register_buffer("alibi_slopes", alibi_slopes(cfg.n_heads), persistent=False)
         else:
@@ -81,31 +121,71 @@ class Transformer(nn.Module):
         self.decoder_relative_bias: RelativePositionBias | None = None
         if cfg.position == "t5_relative":
             shape = (cfg.n_heads, cfg.relative_buckets, cfg.relative_max_distance)
-            if has_encoder:
+            if has_encoder and "encoder_relative_bias" in held:
                 self.encoder_relative_bias = RelativePositionBias(*shape, bidirectional=True)
-            if has_decoder:
+            if has_decoder and "decoder_relative_bias" in held:
                 self.decoder_relative_bias = RelativePositionBias(*shape, bidirectional=False)
-        self.embedding_norm = make_norm(cfg) if cfg.embedding_norm else None
+        self.embedding_norm = make_norm(cfg) if cfg.embedding_norm and "embedding_norm" in held else None
 
         self.encoder_layers: nn.ModuleDict | None = None
         self.decoder_layers: nn.ModuleDict | None = None
         self.encoder_norm: nn.Module | None = None
         self.decoder_norm: nn.Module | None = None
         for stack in spec.stacks:
-            blocks = [TransformerBlock(cfg, causal=stack.causal, cross=stack.cross) for _ in range(stack.count(cfg))]
-            setattr(self, stack.layers, nn.ModuleDict({str(i): block for i, block in enumerate(blocks)}))
-            setattr(self, stack.norm, make_norm(cfg) if cfg.use_final_norm else None)
+            if stack.layers in held:
+                keys = blocks[stack.layers]
+                setattr(self, stack.layers, nn.ModuleDict(
+                    {key: TransformerBlock(cfg, causal=stack.causal, cross=stack.cross) for key in keys}))
+            setattr(self, stack.norm, make_norm(cfg) if cfg.use_final_norm and stack.norm in held else None)
         self.head_dense: nn.Module | None = None
         self.head_act: nn.Module | None = None
         self.head_norm: nn.Module | None = None
-        if cfg.head_transform:  # BERT's prediction head: dense -> activation -> norm
+        if cfg.head_transform and "head_dense" in held:  # BERT's prediction head: dense -> activation -> norm
             self.head_dense = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
             self.head_act = activation_fn(cfg.activation)
             self.head_norm = make_norm(cfg)
-        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.output_bias)
-        if cfg.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.output_bias) if "output" in held else None
+        if cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight  # tied_weights(cfg) names this tie
         spec.init(self)
+
+    def hold_copies_of(self, model: Transformer) -> None:
+        """Swap this part's pieces for copies of `model`'s (values, dtype and device as they are there), and its
+        top-level buffers and parallel context for `model`'s: how a pipeline stage takes its share of a model.
+
+        One deepcopy for all pieces: weights tied *within* this part stay tied; a weight this part shares with
+        another part is a copy of its own.
+        """
+        sources: dict[str, nn.Module] = {}
+        for name in PIECES:
+            mine = getattr(self, name)
+            if mine is None:
+                continue
+            theirs = getattr(model, name)
+            sources[name] = nn.ModuleDict({k: theirs[k] for k in mine}) if isinstance(mine, nn.ModuleDict) else theirs
+        for name, module in copy.deepcopy(sources).items():
+            setattr(self, name, module)
+        for name, buffer in model.named_buffers(recurse=False):
+            self.register_buffer(name, buffer.clone(), persistent=name not in model._non_persistent_buffers_set)
+        self.parallel_context = model.parallel_context
+
+    def set_parallel_context(self, context: ParallelContext) -> None:
+        """The one way parallel code tells this model (or stage) its layout; the ALiBi slopes follow the heads."""
+        self.parallel_context = context
+        self.reset_buffers()
+
+    def canonical_name(self, name: str) -> str:
+        """The whole model's name of this part's parameter `name` (a stage's copy of a tied weight has the
+        tie's first name): what initialisation, checkpoints and shared-weight gradients key by."""
+        return tied_weights(self.cfg).get(name, name)
+
+    def canonical_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(canonical name, parameter) of every parameter object once; a tied weight by its first name."""
+        seen: set[int] = set()
+        for name, param in self.named_parameters(remove_duplicate=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield self.canonical_name(name), param
 
     @property
     def spec(self) -> FamilySpec:
@@ -120,7 +200,7 @@ class Transformer(nn.Module):
                 raise ValueError("this model was built on the meta device without init_seed, so it cannot be "
                                  "initialised; build it with Transformer(cfg, init_seed=...) or load weights into it")
             return
-        init_weights(self, self.cfg, self.init_seed, getattr(self, "canonical", None))
+        init_weights(self.canonical_parameters(), self.cfg, self.init_seed)
 
     def reset_parameters(self) -> None:
         self.init_weights()
@@ -129,7 +209,7 @@ class Transformer(nn.Module):
     def reset_buffers(self) -> None:
         """Recompute the ALiBi slopes where they live (this rank's heads under tensor parallel)."""
         if self.alibi_slopes is not None:
-            slopes = alibi_slopes(self.cfg.n_heads, self.alibi_slopes.device)[getattr(self, "alibi_heads", slice(None))]
+            slopes = alibi_slopes(self.cfg.n_heads, self.alibi_slopes.device)[self.parallel_context.alibi_heads]
             self.register_buffer("alibi_slopes", slopes, persistent=False)
 
     # ------------------------------------------------------------------ pieces
@@ -137,6 +217,8 @@ class Transformer(nn.Module):
     def embed(self, ids: torch.Tensor, *, source: bool = False, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token (+ absolute position) embeddings; `positions` of the ids in their sequence (default 0, 1, ...)."""
         table = self.src_embeddings if source and self.src_embeddings is not None else self.tok_embeddings
+        if table is None:
+            raise ValueError("this pipeline stage holds no embeddings to embed with")
         h = table(ids)
         if self.cfg.scale_embeddings:
             h = h * math.sqrt(self.cfg.d_model)
@@ -156,8 +238,9 @@ class Transformer(nn.Module):
     def _positions(self, q_len: int, offset: int, device: torch.device) -> tuple[torch.Tensor, int]:
         """(positions of these q_len tokens, keys attention sees): offset.. after a KV cache; under context parallel
         this rank's pieces (attention splits by piece) against the whole sequence."""
-        if self.chunk is not None:
-            return self.chunk.positions(q_len, device), q_len * self.chunk.count
+        chunk = self.parallel_context.chunk
+        if chunk is not None:
+            return chunk.positions(q_len, device), q_len * chunk.count
         return torch.arange(offset, offset + q_len, device=device), offset + q_len
 
     def _relative(self, positions: torch.Tensor, k_len: int, *, causal: bool) -> dict:
@@ -191,7 +274,7 @@ class Transformer(nn.Module):
         if self.encoder_layers is None:
             raise ValueError(f"a {self.cfg.family} model has no encoder to encode with")
         for layer in self.encoder_layers.values():
-            h = layer(h, mask, **extra)
+            h = layer(h, mask, chunk=self.parallel_context.chunk, **extra)
         if self.encoder_norm is not None:
             h = self.encoder_norm(h)
         factor = self.cfg.cross_downsample
@@ -224,7 +307,7 @@ class Transformer(nn.Module):
             if keys is not None and keys.shape[1] != k_len:
                 raise ValueError(f"decoder {name} covers {keys.shape[1]} positions, expected {k_len} (cached + new "
                                  "tokens; under context parallel the whole sequence)")
-        if self.chunk is None:
+        if self.parallel_context.chunk is None:
             mask = build_mask(q_len, k_len, q_offset=offset, causal=True, window=self.cfg.attention_window,
                               key_padding=padding, documents=documents, device=h.device)
         elif self.cfg.attention_window is None and padding is None and documents is None:
@@ -240,7 +323,8 @@ class Transformer(nn.Module):
         if self.decoder_layers is None:
             raise ValueError(f"a {self.cfg.family} model has no decoder to decode with")
         for i, layer in enumerate(self.decoder_layers.values()):
-            h = layer(h, mask, memory=memory, memory_mask=memory_mask, cache=cache[i] if cache else None, **extra)
+            h = layer(h, mask, memory=memory, memory_mask=memory_mask, cache=cache[i] if cache else None,
+                      chunk=self.parallel_context.chunk, **extra)
         if self.decoder_norm is not None:
             h = self.decoder_norm(h)
         return h
@@ -248,6 +332,8 @@ class Transformer(nn.Module):
     def head(self, h: torch.Tensor, labels: torch.Tensor | None = None, head_loss: HeadLoss | None = None
              ) -> torch.Tensor:
         """Logits; or, given `head_loss` and labels, the summed loss straight from the final hidden states."""
+        if self.output is None:
+            raise ValueError("this pipeline stage holds no output head")
         if self.head_dense is not None and self.head_act is not None and self.head_norm is not None:
             h = self.head_norm(self.head_act(self.head_dense(h)))
         if self.cfg.scale_output:

@@ -15,34 +15,29 @@ gradients.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed._functional_collectives as funcol
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshformer.batch import Batch
 from meshformer.model.attention import Attention, SequenceChunk
 from meshformer.model.transformer import Transformer
 
-# The differentiable all-gather (its backward reduce-scatters, summing); torch 2.13 renamed it, the GPU machine's
-# torch 2.11 has only the old name.
+# The differentiable all-gather (its backward reduce-scatters, summing); torch 2.13 renamed it, earlier releases
+# have only the old name.
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> int:
-    """Give the model and each of its self-attention layers this rank's `SequenceChunk`; returns the number of
-    layers that gather keys and values."""
+def apply_context_parallel(model: Transformer, cp_mesh: DeviceMesh) -> int:
+    """Give the model (or pipeline stage) this rank's `SequenceChunk`, which it hands its self-attention layers;
+    returns the number of layers that gather keys and values."""
     group = cp_mesh.get_group()
     chunk = SequenceChunk(cp_mesh.get_local_rank(), cp_mesh.size(),
                           lambda t: _all_gather(t, gather_dim=2, group=group))
-    layers = 0
-    for module in model.modules():
-        if isinstance(module, Transformer):
-            module.chunk = chunk
-        elif isinstance(module, Attention) and not module.cross:
-            module.chunk = chunk
-            layers += 1
-    return layers
+    model.set_parallel_context(replace(model.parallel_context, chunk=chunk))
+    return sum(1 for module in model.modules() if isinstance(module, Attention) and not module.cross)
 
 
 def sequence_chunk(batch: Batch, index: int, count: int) -> Batch:

@@ -1,9 +1,11 @@
 """Pipeline stages of a Transformer: split by layers, encoder layers first, then decoder layers.
 
-A stage is a `TransformerStage`: a Transformer holding only its pieces (the others are None), under the
-same attribute names, so parameter names match the plain model for checkpoints and parity checks, and the
-model's own `forward` runs whatever the stage holds. Which pieces exist and where they go is the family
-spec's `pipeline` layout; this module adds only the packing of the streams between stages.
+A stage is a `TransformerStage`: a Transformer built by its own `__init__` for the stage's `StageSpan`, so it
+holds only its pieces (the others are None) under the same attribute names, and then copies of the model's
+values. Parameter names match the plain model for checkpoints and parity checks (a copy of a tied weight is
+named by `Transformer.canonical_name`), and the model's own `forward` runs whatever the stage holds. Which
+pieces exist and where they go is the family spec's `pipeline` layout; this module adds only the packing of
+the streams between stages.
 
 What travels between stages (positional tensors; the batch's ids and masks reach every stage as keyword
 arguments, so masks, RoPE angles and ALiBi biases are rebuilt locally instead of being sent):
@@ -24,24 +26,15 @@ and tensor parallelism's vocabulary sharding apply exactly as without pipelining
 
 from __future__ import annotations
 
-import copy
 import itertools
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from meshformer.fused_loss import HeadLoss
 from meshformer.model import Transformer
-from meshformer.model.transformer import PIECES, Streams
-
-
-@dataclass(frozen=True)
-class StageSpan:
-    index: int
-    n_stages: int
-    start: int  # first global layer index (encoder layers are 0..E-1, decoder layers E..E+D-1)
-    stop: int  # one past the last
+from meshformer.model.parallel_context import StageSpan
+from meshformer.model.transformer import PIECES, Streams, stage_holdings
 
 
 def split_layers(n_layers: int, n_stages: int, split_points: list[int] | None = None) -> list[StageSpan]:
@@ -67,56 +60,23 @@ def stage_ids_for_rank(pp_rank: int, pp: int, stages_per_rank: int, v_shape: boo
 
 def stage_pieces(model: Transformer, span: StageSpan) -> dict[str, nn.Module | None]:
     """The modules (shared with `model`, not copied) that the stage covering `span` needs."""
-    spec = model.spec
-    layout = spec.pipeline
+    held, blocks = stage_holdings(model.spec, model.cfg, span)
     pieces: dict[str, nn.Module | None] = dict.fromkeys(PIECES)
-    held = [*layout.every, *(layout.first if span.index == 0 else ())]
-    offset = 0
-    for stack in spec.stacks:
-        n = stack.count(model.cfg)
-        keys = [str(i) for i in range(n) if span.start <= offset + i < span.stop]
-        if keys:
-            layers = getattr(model, stack.layers)
-            pieces[stack.layers] = nn.ModuleDict({k: layers[k] for k in keys})
-            if str(n - 1) in keys:
-                held.append(stack.norm)
-        offset += n
-    if span.stop == offset:
-        held.extend(layout.last)
     for name in held:
-        pieces[name] = getattr(model, name)
+        piece = getattr(model, name)
+        pieces[name] = nn.ModuleDict({k: piece[k] for k in blocks[name]}) if name in blocks else piece
     return pieces
-
-
-def canonical_names(model: nn.Module) -> dict[int, str]:
-    """id(parameter) -> its first name; a tied weight has one canonical name (tok_embeddings.weight)."""
-    names: dict[int, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), name)
-    return names
 
 
 class TransformerStage(Transformer):
     """One pipeline stage: a Transformer that holds only the pieces of its layer range."""
 
+    span: StageSpan  # always set: Transformer.__init__ is given one
+
     def __init__(self, model: Transformer, span: StageSpan) -> None:
-        nn.Module.__init__(self)
-        self.cfg, self.span, self.init_seed, self.chunk = model.cfg, span, model.init_seed, model.chunk
-        pieces = stage_pieces(model, span)
-        memo: dict[int, object] = {}
-        # One deepcopy for all pieces: weights tied *within* the stage stay tied; every stage gets its own
-        # copy of weights it shares with other stages (kept in sync by the plan's gradient all-reduce).
-        copied = copy.deepcopy({k: v for k, v in pieces.items() if v is not None}, memo)
-        for name in pieces:
-            setattr(self, name, copied.get(name))
-        if model.alibi_slopes is not None:
-            self.register_buffer("alibi_slopes", model.alibi_slopes.clone(), persistent=False)
-        else:
-            self.alibi_slopes = None
-        # Full-model name of each of this stage's parameter names (they differ only for tied weights, e.g. the
-        # last stage's output.weight is tok_embeddings.weight); keyed by name, which survives TP and FSDP.
-        origin = {id(memo[pid]): name for pid, name in canonical_names(model).items() if pid in memo}
-        self.canonical = {name: origin[id(p)] for name, p in self.named_parameters(remove_duplicate=False)}
+        with torch.device("meta"):  # the pieces built here only stand in for the copies of the model's below
+            super().__init__(model.cfg, init_seed=model.init_seed, span=span)
+        self.hold_copies_of(model)
         self.is_last = span.index == span.n_stages - 1
         # The fused head loss of the last stage (set by the plan); None: the last stage returns logits.
         self.head_loss: HeadLoss | None = None

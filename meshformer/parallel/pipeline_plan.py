@@ -35,7 +35,7 @@ from meshformer.loss import count_tokens
 from meshformer.model import Transformer
 from meshformer.parallel.grad_norm import local_tensor, settle_grad
 from meshformer.parallel.mesh import Meshes
-from meshformer.parallel.pipeline import StageSpan, TransformerStage, canonical_names, stage_pieces
+from meshformer.parallel.pipeline import StageSpan, TransformerStage, stage_pieces
 from meshformer.parallel.pipeline_stage import ShardedMicrobatchStage
 from meshformer.parallel.plan import LossFn
 from meshformer.parallel.spmd_plan import MeshPlan, check_sequence_split
@@ -205,7 +205,7 @@ class _SharedWeights:
         self.groups: dict[str, dist.ProcessGroup | None] = {}
         for stage in stages:
             for local_name, param in stage.named_parameters():
-                name = stage.canonical[local_name]
+                name = stage.canonical_name(local_name)
                 if name in shared:
                     self.local.setdefault(name, []).append(param)
                     self.shared_ids.add(id(param))
@@ -249,15 +249,14 @@ class _SharedWeights:
 
 def shared_weights(model: Transformer, spans: list[StageSpan]) -> dict[str, list[int]]:
     """Canonical names of parameters needed by more than one stage -> the stages holding them (sorted)."""
-    names = canonical_names(model)
     holders: dict[str, list[int]] = {}
     for span in spans:
         seen: set[str] = set()
-        for piece in stage_pieces(model, span).values():
+        for piece_name, piece in stage_pieces(model, span).items():
             if piece is None:
                 continue
-            for param in piece.parameters():
-                seen.add(names[id(param)])
+            for name, _ in piece.named_parameters(prefix=piece_name, remove_duplicate=False):
+                seen.add(model.canonical_name(name))
         for name in seen:
             holders.setdefault(name, []).append(span.index)
     return {name: stages for name, stages in holders.items() if len(stages) > 1}

@@ -26,6 +26,7 @@ all-gather, so the rowwise recipe keeps the ordinary styles (gathers in high pre
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -178,18 +179,13 @@ def _local_outputs(_module: nn.Module, output, _mesh: DeviceMesh):
     return output.to_local() if isinstance(output, DTensor) else output
 
 
-def _shard_alibi_slopes(model: nn.Module, cfg: ModelConfig, tp: int, rank: int) -> None:
+def _shard_alibi_slopes(model: Transformer, cfg: ModelConfig, tp: int, rank: int) -> None:
     """Each rank attends with its own heads, so it must bias them with its own slopes."""
-    slopes = getattr(model, "alibi_slopes", None)
-    if slopes is None:
+    if model.alibi_slopes is None:
         return
     per_rank = cfg.n_heads // tp
-    if slopes.shape[0] == per_rank:
-        return  # already local (parallelised twice)
     heads = slice(rank * per_rank, (rank + 1) * per_rank)
-    # reset_buffers recomputes these heads; a plain attribute, which nn.Module's __setattr__ stub does not admit
-    model.alibi_heads = heads  # type: ignore[assignment]
-    model.register_buffer("alibi_slopes", slopes[heads].clone(), persistent=False)
+    model.set_parallel_context(replace(model.parallel_context, alibi_heads=heads))
 
 
 def _retie(model: nn.Module, cfg: ModelConfig) -> None:
