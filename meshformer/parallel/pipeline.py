@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from meshformer.fused_loss import HeadLoss
+from meshformer.loss.fused import HeadLoss
 from meshformer.model import Transformer
 from meshformer.model.transformer import PIECES, Streams
 
