@@ -51,8 +51,8 @@ def run(recipe: str, tokens: torch.Tensor | None, args) -> tuple[dict, torch.Ten
         if i == timed_from:
             sync(trainer.device)
             t0 = time.perf_counter()
-        loss_sum, tokens_in_step, _ = trainer.train_step()
-        losses.append(loss_sum / tokens_in_step)
+        stats = trainer.train_step()
+        losses.append(stats.loss_sum / stats.global_tokens)
     sync(trainer.device)
     elapsed = time.perf_counter() - t0
     per_step = cfg.data.batch_size * cfg.data.seq_len

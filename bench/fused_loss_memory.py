@@ -21,8 +21,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from meshformer.fused_loss import chunked_linear_cross_entropy, liger_available, liger_linear_cross_entropy
-from meshformer.loss import cross_entropy_sum
+from meshformer.loss.cross_entropy import cross_entropy_sum
+from meshformer.loss.fused import chunked_linear_cross_entropy, liger_available, liger_linear_cross_entropy
 
 # rows (B·T), d_model, vocab
 SHAPES = {

@@ -15,7 +15,7 @@ import json
 import time
 
 import torch
-from parallel_common import batches, bench_config, new_model, spawn
+from parallel_common import batches, bench_config, build_cpu_plan, spawn
 
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "interleaved_zb": 2, "zbv": 2}
 
@@ -36,7 +36,6 @@ def _timed(cls, name: str, clock: list[float]) -> None:
 def measure(schedule: str, microbatches: int, steps: int) -> dict[str, float]:
     from torch.distributed.pipelining import schedules, stage
 
-    from meshformer.parallel import build_plan
 
     clock = [0.0]
     for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
@@ -44,7 +43,7 @@ def measure(schedule: str, microbatches: int, steps: int) -> dict[str, float]:
     _timed(schedules._PipelineSchedule, "_compute_loss", clock)
     cfg = bench_config({"pp": 2, "dp_shard": 1, "pp_schedule": schedule, "pp_microbatches": microbatches,
                         "pp_stages_per_rank": SCHEDULES[schedule]}, d_model=256, n_layers=8, seq=128, batch=16)
-    plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
+    plan = build_cpu_plan(cfg)
     data = batches(cfg, 1)[0]
     tokens = plan.global_token_count([data])
     plan.forward_backward(data, tokens)  # warm-up: shape inference, allocator

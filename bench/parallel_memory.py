@@ -12,7 +12,7 @@ import argparse
 import json
 
 import torch
-from parallel_common import batches, bench_config, new_model, spawn
+from parallel_common import batches, bench_config, build_cpu_plan, spawn
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -23,10 +23,9 @@ def local_bytes(t: torch.Tensor) -> int:
 
 
 def measure(d_model: int, layers: int) -> dict[str, int]:
-    from meshformer.parallel import build_plan
 
     cfg = bench_config({"dp_shard": -1}, d_model=d_model, n_layers=layers, batch=4, seq=64)
-    plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
+    plan = build_cpu_plan(cfg)
     params = {id(p): p for part in plan.model_parts for p in part.parameters()}.values()
     optimizer = torch.optim.AdamW(params, lr=1e-3, fused=True)
     batch = {k: v.chunk(plan.dp_size)[plan.dp_rank] for k, v in batches(cfg, 1)[0].items()}

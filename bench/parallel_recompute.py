@@ -17,7 +17,7 @@ import sys
 import time
 
 import torch
-from parallel_common import ROOT, batches, bench_config, new_model
+from parallel_common import ROOT, batches, bench_config, build_cpu_plan
 
 MODES = ("none", "selective", "every_k", "full")
 
@@ -30,11 +30,10 @@ def rss_peak_mib() -> float:
 
 
 def run_mode(mode: str, seq: int, batch: int, steps: int) -> dict[str, float]:
-    from meshformer.parallel import build_plan
 
     torch.set_num_threads(2)
     cfg = bench_config({"recompute": mode, "recompute_every": 2}, d_model=256, n_layers=4, seq=seq, batch=batch)
-    plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
+    plan = build_cpu_plan(cfg)
     data = batches(cfg, 1)[0]
     tokens = plan.global_token_count([data])
     with open("/proc/self/clear_refs", "w") as f:

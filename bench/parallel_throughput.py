@@ -17,7 +17,7 @@ import os
 import time
 
 import torch
-from parallel_common import batches, bench_config, new_model, spawn
+from parallel_common import batches, bench_config, build_cpu_plan, spawn
 
 LAYOUTS: dict[str, tuple[int, dict]] = {
     "single": (1, {}),
@@ -38,24 +38,22 @@ CORES = os.cpu_count() or 1
 
 
 def measure(parallel: dict, steps: int) -> dict[str, float]:
-    from meshformer.parallel import build_plan
+    from meshformer.config import OptimConfig, ScheduleConfig
+    from meshformer.train.step import TrainStep
 
     world = torch.distributed.get_world_size()
     dp = world // (parallel.get("pp", 1) * parallel.get("tp", 1) * parallel.get("cp", 1))
     cfg = bench_config(parallel, d_model=256, n_layers=8, seq=SEQ, batch=GLOBAL_BATCH // dp)
-    plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
-    params = list({id(p): p for part in plan.model_parts for p in part.parameters()}.values())
-    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    plan = build_cpu_plan(cfg)
+    training = TrainStep(plan, OptimConfig(lr=1e-4, weight_decay=0.0, grad_clip=1.0, implementation="fused"),
+                         ScheduleConfig(name="constant", warmup_steps=0), steps + 1, cfg.model.d_model)
     data = [{k: v.chunk(dp)[plan.dp_rank] for k, v in b.items()} for b in batches(bench_config(
         {}, d_model=256, n_layers=8, seq=SEQ, batch=GLOBAL_BATCH), steps + 1)]
     times = []
     for batch in data:
         torch.distributed.barrier()
         start = time.perf_counter()
-        plan.forward_backward(batch, plan.global_token_count([batch]))
-        plan.clip_grad_norm(1.0, optimizer)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        training.step([batch])
         times.append(time.perf_counter() - start)
     return {"step_s": min(times[1:])}  # the first step warms up (and infers pipeline shapes)
 

@@ -79,7 +79,7 @@ def instrument_ours(clock: PhaseClock, ours: Any) -> None:
     plan.model.forward = around(clock, model.forward, "data/setup", None)
     model.head = around(clock, model.head, "forward", "head (+ fused loss)")
     plan.loss_fn = around(clock, plan.loss_fn, None, "loss")
-    plan.clip_grad_norm = around(clock, plan.clip_grad_norm, "backward", "clip_grad")
+    plan.grad_norm = around(clock, plan.grad_norm, "backward", "clip_grad")
     _wrap_optimizer(clock, trainer.optimizer)
 
 

@@ -108,7 +108,7 @@ def _grad_report(args: argparse.Namespace) -> None:
     from meshformer.batch import model_inputs
     from meshformer.checkpointing.weights import load_weights
     from meshformer.data import build_loader, load_tokenizer
-    from meshformer.loss import count_tokens, cross_entropy_sum
+    from meshformer.loss.cross_entropy import count_tokens, cross_entropy_sum
     from meshformer.model import Transformer
     from meshformer.model.inspect import gradient_report
 

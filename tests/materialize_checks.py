@@ -56,12 +56,11 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 
 def materialize_check(name: str) -> dict[str, Any]:
-    from parallel_harness import new_model, scenario
+    from parallel_harness import build_cpu_plan, new_model, scenario
 
     from meshformer.checkpointing.weights import quiet_redistribute
     from meshformer.model import Transformer
     from meshformer.model.init import new_seed
-    from meshformer.parallel import build_plan
 
     cfg, _ = scenario(name)
     reference = new_model(cfg)
@@ -73,7 +72,7 @@ def materialize_check(name: str) -> dict[str, Any]:
         model = Transformer(cfg.model, init_seed=init_seed)
     tracker = LiveBytes()
     with tracker:
-        plan = build_plan(model, cfg, torch.device("cpu"))
+        plan = build_cpu_plan(cfg, model)
     mismatched, checked, local_bytes, largest = [], set(), 0, 0
     for part in plan.model_parts:
         assert isinstance(part, Transformer)  # a whole model or a pipeline stage of one

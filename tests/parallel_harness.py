@@ -38,10 +38,13 @@ if str(ROOT) not in sys.path:
 from _common import free_port  # noqa: E402
 
 from meshformer.batch import IGNORE_INDEX  # noqa: E402
-from meshformer.config import Config, config_from_dict  # noqa: E402
+from meshformer.config import Config, OptimConfig, ScheduleConfig, config_from_dict  # noqa: E402
+from meshformer.layout import ParallelDims  # noqa: E402
+from meshformer.loss.cross_entropy import plain_loss_fn  # noqa: E402
 from meshformer.model import Transformer  # noqa: E402
-from meshformer.parallel.plan import TrainingPlan, default_loss_fn  # noqa: E402
-from meshformer.train.optim import SkippedUpdates  # noqa: E402
+from meshformer.parallel.plan import TrainingPlan  # noqa: E402
+from meshformer.train.loss_choice import resolve_loss  # noqa: E402
+from meshformer.train.step import TrainStep  # noqa: E402
 
 BATCH, SEQ, TARGET, VOCAB = 8, 16, 8, 64
 MAX_NORM = 0.05  # small enough that clipping is active in both steps
@@ -120,32 +123,52 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def build_cpu_plan(cfg: Config, model: Transformer | None = None) -> TrainingPlan:
+    """`build_plan` on CPU for this world, with the loss the trainer resolves from `cfg`."""
+    from meshformer.parallel import build_plan
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    loss = resolve_loss(cfg, ParallelDims.from_config(cfg.parallel, world), "cpu")
+    return build_plan(model if model is not None else new_model(cfg), cfg, torch.device("cpu"), loss)
+
+
+def harness_step(plan: TrainingPlan, steps: int, nonfinite_limit: int = 0) -> TrainStep:
+    """The trainer's update (fused AdamW: clip factor and skip flag in the kernel) at a constant rate."""
+    optim = OptimConfig(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, grad_clip=MAX_NORM,
+                        implementation="fused", max_nonfinite_in_a_row=nonfinite_limit)
+    return TrainStep(plan, optim, ScheduleConfig(name="constant", warmup_steps=0), steps, d_model=1)
+
+
 def train_steps(plan: TrainingPlan, steps: list[list[dict[str, torch.Tensor]]], dp_rank: int, dp_size: int):
     """Two optimizer steps; returns (global losses, step-0 grads by canonical name, pre-clip norms)."""
-    params = [p for part in plan.model_parts for p in part.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
-    updates = SkippedUpdates(optimizer, limit=0)  # the trainer's update: clip factor and skip flag in the kernel
+    training = harness_step(plan, len(steps))
     losses, norms, grads0, replica_all_reduces = [], [], {}, []
     float8_amax_reduces: list[int] = []  # per step: torchao's per-weight amax all-reduces (float8 FSDP all-gather)
     FLOAT8_AMAX_REDUCES[0] = 0
-    for i, micro in enumerate(steps):
-        local = [{k: v.chunk(dp_size)[dp_rank] for k, v in b.items()} for b in micro]
-        tokens = plan.global_token_count(local)
-        loss_sum = torch.zeros(())
-        for j, batch in enumerate(local):
-            with counted_replica_all_reduces(plan) as count:
-                loss_sum += plan.forward_backward(batch, tokens, last_micro_batch=j == len(local) - 1)
-            replica_all_reduces.append(count[0])
-        if i == 0:
-            grads0 = gathered_grads(plan)
-        norm = plan.clip_grad_norm(MAX_NORM, optimizer)
-        norms.append(float(norm))
-        updates.step(norm)
-        plan.weights_updated()
-        float8_amax_reduces.append(FLOAT8_AMAX_REDUCES[0] - sum(float8_amax_reduces))
-        optimizer.zero_grad(set_to_none=True)
-        total = plan.reduce_for_logging(loss_sum) if dist.is_initialized() else float(loss_sum)
-        losses.append(total / float(tokens))
+    forward_backward, grad_norm = plan.forward_backward, plan.grad_norm
+
+    def counted_forward_backward(*args, **kwargs):
+        with counted_replica_all_reduces(plan) as count:
+            out = forward_backward(*args, **kwargs)
+        replica_all_reduces.append(count[0])
+        return out
+
+    def first_grads_kept():  # the step's gradients are complete when the step asks for their norm
+        if not grads0:
+            grads0.update(gathered_grads(plan))
+        return grad_norm()
+
+    plan.forward_backward, plan.grad_norm = counted_forward_backward, first_grads_kept  # type: ignore[method-assign]
+    try:
+        for micro in steps:
+            local = [{k: v.chunk(dp_size)[dp_rank] for k, v in b.items()} for b in micro]
+            stats = training.step(local)
+            norms.append(float(stats.grad_norm))
+            float8_amax_reduces.append(FLOAT8_AMAX_REDUCES[0] - sum(float8_amax_reduces))
+            total = plan.reduce_for_logging(stats.loss_sum) if dist.is_initialized() else float(stats.loss_sum)
+            losses.append(total / float(stats.global_tokens))
+    finally:
+        plan.forward_backward, plan.grad_norm = forward_backward, grad_norm  # type: ignore[method-assign]
     # Evaluation (no gradients) on the first step's batches with the updated weights.
     with torch.no_grad():
         evals = [plan.evaluate({k: v.chunk(dp_size)[dp_rank] for k, v in b.items()}) for b in steps[0]]
@@ -201,7 +224,7 @@ def reference(cfg: Config, steps) -> tuple[list[float], dict[str, torch.Tensor],
         apply_float8(model, cfg.train.fp8, emulate=True)
         if cfg.train.fp8 == "tensorwise":
             steps = [[piece for batch in micro for piece in rank_pieces(cfg, batch)] for micro in steps]
-    plan = TrainingPlan(model, default_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss), torch.device("cpu"))
+    plan = TrainingPlan(model, plain_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss), torch.device("cpu"))
     return train_steps(plan, steps, 0, 1)[:3]
 
 
@@ -309,34 +332,36 @@ def scenario(name: str) -> tuple[Config, list]:
 def nan_step_check() -> dict[str, Any]:
     """One rank's NaN gradient under FSDP: the global norm carries it to every rank and every rank skips the update
     (then trains on at the next finite step)."""
-    from meshformer.parallel import build_plan
-
     cfg, steps = scenario("decoder/fsdp")
-    plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
+    plan = build_cpu_plan(cfg)
     params = [p for part in plan.model_parts for p in part.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
-    updates = SkippedUpdates(optimizer, limit=1)
+    training = harness_step(plan, len(steps), nonfinite_limit=1)
+    grad_norm, step_index = plan.grad_norm, [0]
+
+    def one_nan_on_rank_1():
+        if step_index[0] == 0 and dist.get_rank() == 1:
+            params[-1].grad.to_local().view(-1)[0] = float("nan")  # one element of one shard on one rank
+        return grad_norm()
+
+    plan.grad_norm = one_nan_on_rank_1  # type: ignore[method-assign]
     changed = []
     for i, micro in enumerate(steps):
+        step_index[0] = i
         before = [full(p).detach().clone() for p in params]
-        batch = {k: v.chunk(plan.dp_size)[plan.dp_rank] for k, v in micro[0].items()}
-        plan.forward_backward(batch, plan.global_token_count([batch]))
-        if i == 0 and dist.get_rank() == 1:
-            params[-1].grad.to_local().view(-1)[0] = float("nan")  # one element of one shard on one rank
-        updates.step(plan.clip_grad_norm(MAX_NORM, optimizer))
-        optimizer.zero_grad(set_to_none=True)
+        training.step([{k: v.chunk(plan.dp_size)[plan.dp_rank] for k, v in micro[0].items()}])
         after = [full(p).detach() for p in params]
         changed.append(sum(not torch.equal(a, b) for a, b in zip(after, before)))
     finite = all(bool(torch.isfinite(full(p)).all()) for p in params)
     per_rank: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, {"changed": changed, "skipped": updates.check(len(steps)), "finite": finite})
+    skipped = training.skipped_updates.check(len(steps))
+    dist.all_gather_object(per_rank, {"changed": changed, "skipped": skipped, "finite": finite})
     return {"ranks": per_rank, "params": len(params)}
 
 
 def vocab_parallel_loss_check() -> dict[str, Any]:
     """The vocab-parallel cross-entropy alone against cross_entropy_sum on full logits (world = tp)."""
-    from meshformer.loss import cross_entropy_sum
-    from meshformer.parallel.loss_parallel import vocab_parallel_cross_entropy
+    from meshformer.loss.cross_entropy import cross_entropy_sum
+    from meshformer.loss.vocab_parallel import vocab_parallel_cross_entropy
 
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(7)
@@ -397,8 +422,6 @@ def gather_float8_as_bytes() -> None:
 
 
 def run_scenario(name: str) -> dict[str, Any]:
-    from meshformer.parallel import build_plan
-
     if name == "loss/vocab_parallel":
         return vocab_parallel_loss_check()
     if name == "skip/nan":
@@ -413,7 +436,7 @@ def run_scenario(name: str) -> dict[str, Any]:
 
         float8.fp8_supported = lambda device: True
         gather_float8_as_bytes()
-    plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
+    plan = build_cpu_plan(cfg)
     gathers_before = FLOAT8_GATHERS[0]
     *result, counts = train_steps(plan, steps, plan.dp_rank, plan.dp_size)
     float8_gathers = FLOAT8_GATHERS[0] - gathers_before

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
-from parallel_harness import make_batches, make_config, new_model
+from parallel_harness import build_cpu_plan, make_batches, make_config
 
 from meshformer.runtime.distributed import init_distributed, shutdown_distributed
 
@@ -24,9 +24,7 @@ def main(mode: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         if mode == "ok":
-            from meshformer.parallel import build_plan
-
-            plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
+            plan = build_cpu_plan(cfg)
             batch = {k: v.chunk(plan.dp_size)[plan.dp_rank] for k, v in make_batches(cfg, 1)[0].items()}
             tokens = plan.global_token_count([batch])
             loss = plan.reduce_for_logging(plan.forward_backward(batch, tokens)) / float(tokens)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parallel_harness import make_batches, make_config, new_model
+from parallel_harness import build_cpu_plan, make_batches, make_config
 
 from meshformer.config import ConfigError
-from meshformer.parallel import build_plan
 from meshformer.parallel import float8 as float8_module
 from meshformer.parallel.float8 import apply_float8, check_fp8
 
@@ -18,7 +17,7 @@ def test_fp8_is_refused_without_fp8_tensor_cores():
     check_fp8("off", torch.device("cpu"))  # off is always fine
     cfg = make_config("decoder", fp8="rowwise")
     with pytest.raises(ConfigError, match="needs FP8 tensor cores"):
-        build_plan(new_model(cfg), cfg, torch.device("cpu"))
+        build_cpu_plan(cfg)
 
 
 def needs_torchao() -> None:
@@ -42,11 +41,11 @@ def test_emulated_fp8_converts_block_linears_and_trains_close_to_bf16(recipe, mo
     needs_torchao()
     cfg = llama_config()
     batches = make_batches(cfg, 2)
-    ref_loss, ref_grads = bf16_step(build_plan(new_model(cfg), cfg, torch.device("cpu")), batches)
+    ref_loss, ref_grads = bf16_step(build_cpu_plan(cfg), batches)
 
     monkeypatch.setattr(float8_module, "fp8_supported", lambda device: True)  # CPU: torchao emulation
     cfg.train.fp8 = recipe
-    plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
+    plan = build_cpu_plan(cfg)
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in plan.model.decoder_layers.modules())
     assert plan.report["fp8"] == f"torchao float8 {recipe} ({n_linear} linears)"
     assert type(plan.model.output) is torch.nn.Linear  # the head stays in high precision

@@ -8,17 +8,16 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from parallel_harness import make_batches, make_config, new_model
+from parallel_harness import build_cpu_plan, make_batches, make_config, new_model
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshformer.batch import IGNORE_INDEX, model_inputs
 from meshformer.config import ConfigError
-from meshformer.fused_loss import chunked_linear_cross_entropy, head_loss_fn
 from meshformer.layout import ParallelDims
-from meshformer.loss import cross_entropy_sum
-from meshformer.parallel import build_plan
-from meshformer.parallel.build import build_head_loss
+from meshformer.loss.cross_entropy import cross_entropy_sum
+from meshformer.loss.fused import VocabShard, chunked_linear_cross_entropy, head_loss_fn
+from meshformer.train.loss_choice import resolve_loss
 
 
 def head_inputs(rows: int = 90, d: int = 24, vocab: int = 301, bias: bool = False, seed: int = 0):
@@ -154,9 +153,9 @@ def test_model_head_loss_matches_logits_loss(family, kind):
 
 def test_plan_uses_the_configured_loss():
     cfg = make_config("decoder")
-    assert build_plan(new_model(cfg), cfg, torch.device("cpu")).report["loss"] == "chunked"
+    assert build_cpu_plan(cfg).report["loss"] == "chunked"
     cfg.train.loss = "plain"
-    plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
+    plan = build_cpu_plan(cfg)
     assert plan.head_loss is None and plan.report["loss"].startswith("plain")
 
 
@@ -189,15 +188,28 @@ def test_loss_choice_is_checked_against_device_and_layout():
     cfg = make_config("decoder", loss="liger")
     single, tp, pp = ParallelDims(1, 1, 1, 1, 1, 1), ParallelDims(1, 1, 1, 1, 2, 2), ParallelDims(2, 1, 1, 1, 1, 2)
     with pytest.raises(ConfigError, match="train.loss='liger' needs CUDA"):
-        build_head_loss(cfg, single, torch.device("cpu"))
+        resolve_loss(cfg, single, "cpu")
     cfg.parallel.pp_schedule = "zbv"
     with pytest.raises(ConfigError, match="train.loss='liger' cannot run under parallel.pp_schedule='zbv'"):
-        build_head_loss(cfg, pp, torch.device("cuda"))
+        resolve_loss(cfg, pp, "cuda")
     cfg.train.loss = "auto"
-    assert build_head_loss(cfg, pp, torch.device("cpu")).kind == "chunked"  # the last pipeline stage runs it
-    assert build_head_loss(cfg, tp, torch.device("cpu")) is None  # needs the rank's vocabulary rows first
+    assert resolve_loss(cfg, pp, "cpu").kind == "chunked"  # the last pipeline stage runs it
+    assert resolve_loss(cfg, tp, "cpu").kind == "chunked"  # bound to the rank's vocabulary rows by build_plan
     cfg.train.loss = "plain"
-    assert build_head_loss(cfg, pp, torch.device("cpu")) is None
+    assert resolve_loss(cfg, pp, "cpu").bind(None).head_loss is None
+
+
+def test_custom_loss_is_used_as_given_and_refused_under_tensor_parallel():
+    cfg = make_config("decoder")
+    custom = cross_entropy_sum
+    spec = resolve_loss(cfg, ParallelDims(1, 1, 1, 1, 1, 1), "cpu", custom=custom)
+    bound = spec.bind(None)
+    assert bound.logits_loss is custom and bound.head_loss is None
+    shard = VocabShard(None, 0, cfg.model.vocab_size)  # type: ignore[arg-type]  # binding runs no collective
+    with pytest.raises(ConfigError) as err:
+        spec.bind(shard)
+    assert "\n" not in err.value.one_line() and "custom loss_fn" in err.value.one_line()
+    assert "parallel.tp=1" in err.value.one_line()
 
 
 class CountGemms(TorchDispatchMode):

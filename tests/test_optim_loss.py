@@ -1,5 +1,7 @@
 import itertools
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,29 +10,49 @@ import torch.nn.functional as F
 from meshformer.batch import IGNORE_INDEX
 from meshformer.config import OptimConfig, ScheduleConfig
 from meshformer.errors import DivergenceError
-from meshformer.loss import cross_entropy_sum
-from meshformer.train.optim import SkippedUpdates, build_optimizer, lr_multiplier
+from meshformer.loss.cross_entropy import cross_entropy_sum
+from meshformer.parallel.plan import TrainingPlan
+from meshformer.train.optim import build_optimizer, lr_multiplier
+from meshformer.train.step import TrainStep
 
 
 def _adamw_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [t.clone() for state in optimizer.state.values() for t in state.values()]
 
 
+class GivenGradients(TrainingPlan):
+    """A plan whose backward sets the gradients a test hands it (random, with `bad` in one element)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(torch.nn.ParameterList(params), cross_entropy_sum, torch.device("cpu"))
+        self.params, self.bad = params, None
+
+    def global_token_count(self, micro_batches):
+        return torch.tensor(1.0)
+
+    def forward_backward(self, batch, global_tokens, last_micro_batch=True):
+        for p in self.params:
+            p.grad = torch.randn_like(p)
+        if self.bad is not None:
+            self.params[1].grad[0] = self.bad
+        return torch.zeros(())
+
+
+def given_gradients_step(kernel: str = "fused", limit: int = 1) -> tuple[GivenGradients, TrainStep]:
+    torch.manual_seed(0)
+    plan = GivenGradients([torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))])
+    optim = OptimConfig(implementation=kernel, max_nonfinite_in_a_row=limit)
+    return plan, TrainStep(plan, optim, ScheduleConfig(name="constant", warmup_steps=0), 10, d_model=1)
+
+
 @pytest.mark.parametrize("kernel", ["fused", "foreach"])
 def test_inf_nan_gradient_norm_skips_the_whole_update(kernel):
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
-    optimizer, _ = build_optimizer([torch.nn.ParameterList(params)], OptimConfig(implementation=kernel))
-    updates = SkippedUpdates(optimizer, limit=1)
+    plan, training = given_gradients_step(kernel)
+    params, optimizer, updates = plan.params, training.optimizer, training.skipped_updates
 
     def step(bad: float | None) -> None:
-        for p in params:
-            p.grad = torch.randn_like(p)
-        if bad is not None:
-            params[1].grad[0] = bad
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        updates.step(norm)
-        optimizer.zero_grad(set_to_none=True)
+        plan.bad = bad
+        training.step([{}])
 
     step(None)
     weights, state = [p.detach().clone() for p in params], _adamw_state(optimizer)
@@ -45,6 +67,34 @@ def test_inf_nan_gradient_norm_skips_the_whole_update(kernel):
     step(None)
     assert not any(torch.equal(p, w) for p, w in zip(params, weights))  # a finite step updates again
     assert updates.check(step=4) == 0 and updates.total == 2
+
+
+def test_post_step_hooks_run_after_the_optimizer_step_in_order():
+    plan, training = given_gradients_step()
+    seen: list[tuple[str, int, bool]] = []
+    before = plan.params[0].detach().clone()
+
+    def hook(name: str):
+        def run() -> None:  # after the update, before zero_grad and the scheduler
+            updated = not torch.equal(plan.params[0], before)
+            seen.append((name, len(training.optimizer.state), updated and plan.params[0].grad is not None))
+        return run
+
+    training.add_post_step_hook(hook("first"))
+    training.add_post_step_hook(hook("second"))
+    stats = training.step([{}])
+    assert seen == [("first", 2, True), ("second", 2, True)]
+    assert plan.params[0].grad is None and stats.lr == training.optimizer.param_groups[0]["lr"]
+
+
+def test_only_the_step_owner_writes_the_optimizers_private_attributes():
+    package = Path(__file__).resolve().parents[1] / "meshformer"
+    owner = package / "train" / "step.py"
+    writes = re.compile(r"\.(grad_scale|found_inf)\s*=[^=]")
+    found = [f"{path.relative_to(package)}:{n}" for path in sorted(package.rglob("*.py")) if path != owner
+             for n, line in enumerate(path.read_text().splitlines(), 1) if writes.search(line)]
+    assert found == []
+    assert writes.search(owner.read_text())  # the rule would notice
 
 
 def test_noam_matches_paper_formula():

@@ -6,10 +6,9 @@ import sys
 import types
 
 import torch
-from parallel_harness import make_config, new_model
+from parallel_harness import build_cpu_plan, make_config, new_model
 from torch import nn
 
-from meshformer.parallel import build_plan
 from meshformer.parallel.kernels import apex_available, kernel_report, use_apex_norms
 
 
@@ -52,6 +51,6 @@ def test_apex_norms_swap_in_when_importable(monkeypatch):
 
 def test_single_device_plan_reports_kernels():
     cfg = make_config("decoder", {"recompute": "selective"})
-    plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
+    plan = build_cpu_plan(cfg)
     assert plan.report["recompute"] == "selective (4 blocks)"
     assert plan.report["compile"] == "eager" and plan.supports_generation

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parallel_harness import make_batches, make_config, new_model
+from parallel_harness import build_cpu_plan, make_batches, make_config, new_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshformer.config import ConfigError
 from meshformer.layout import ParallelDims
-from meshformer.parallel import build_plan
 from meshformer.parallel.build import compile_mode
 from meshformer.parallel.recompute import apply_recompute
 
@@ -19,7 +18,7 @@ MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.at
 def step(family: str, mode: str, **train):
     cfg = make_config(family, {"recompute": mode, "recompute_every": 2}, **train)
     batches = make_batches(cfg, 2)
-    plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
+    plan = build_cpu_plan(cfg)
     tokens = plan.global_token_count(batches)
     loss = sum(plan.forward_backward(b, tokens) for b in batches)
     return plan, loss, {n: p.grad.clone() for n, p in plan.model.named_parameters()}

@@ -12,7 +12,7 @@ import torch
 from parallel_harness import make_batches, make_config, new_model
 
 from meshformer.batch import model_inputs
-from meshformer.fused_loss import head_loss_fn
+from meshformer.loss.fused import head_loss_fn
 from meshformer.model import Transformer
 from meshformer.model.families import FAMILIES, get_family_spec
 from meshformer.parallel.pipeline import TransformerStage, split_layers, stage_pieces

@@ -8,18 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from parallel_harness import make_batches, make_config, new_model
+from parallel_harness import build_cpu_plan, make_batches, make_config, new_model
 from torch import nn
 from torch.nn.attention import SDPBackend
 
-from meshformer.config import ConfigError, ModelConfig, load_config
+from meshformer.config import ConfigError, ModelConfig, OptimConfig, ScheduleConfig, load_config
 from meshformer.model import Transformer
 from meshformer.model.attention import sdpa_order
 from meshformer.model.masks import build_mask
-from meshformer.parallel import build_plan
 from meshformer.parallel import float8 as float8_module
 from meshformer.parallel.float8 import apply_float8, end_blocks
-from meshformer.parallel.grad_norm import global_grad_norm, is_fused_adam
+from meshformer.parallel.grad_norm import global_grad_norm
+from meshformer.train.optim import is_fused_adam
+from meshformer.train.step import TrainStep
 
 
 def attention_pair(backend: str, **model) -> tuple[nn.Module, nn.Module]:
@@ -77,12 +78,12 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
     calls: list[dict] = []
     monkeypatch.setattr(nn.Module, "compile", lambda self, **kwargs: calls.append(kwargs))
     cfg = make_config("decoder", compile="blocks", compile_mode="max-autotune-no-cudagraphs")
-    plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
+    plan = build_cpu_plan(cfg)
     assert calls and all(c == {"mode": "max-autotune-no-cudagraphs"} for c in calls)
     assert plan.report["compile"].endswith("blocks, mode max-autotune-no-cudagraphs)")
     calls.clear()
     cfg = make_config("decoder", compile="model")
-    plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
+    plan = build_cpu_plan(cfg)
     assert calls == [{}] and plan.report["compile"] == "whole-model torch.compile"
 
 
@@ -102,7 +103,7 @@ def test_fp8_keep_ends_leaves_end_blocks_in_high_precision(monkeypatch):
     pytest.importorskip("torchao.float8", reason="torchao is the optional 'fp8' extra: pip install .[fp8]")
     monkeypatch.setattr(float8_module, "fp8_supported", lambda device: True)  # CPU: torchao emulation
     cfg = make_config("decoder", fp8="tensorwise", fp8_keep_ends=True)
-    plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
+    plan = build_cpu_plan(cfg)
     layers = plan.model.decoder_layers
     last = str(cfg.model.n_layers - 1)
     kinds = {name: {type(m).__name__ for m in block.modules() if isinstance(m, nn.Linear)}
@@ -136,28 +137,35 @@ def test_multi_tensor_grad_norm_matches_per_tensor_sum():
                                rtol=1e-6, atol=0)
 
 
+def record_scales(plan, scaled: list[float]):
+    def scale_grads_(coef: torch.Tensor) -> None:
+        scaled.append(float(coef))
+        type(plan).scale_grads_(plan, coef)
+
+    return scale_grads_
+
+
 @pytest.mark.parametrize("max_norm", [0.05, 1e3])  # clipping on every step / never
 def test_clip_folded_into_fused_adamw_equals_clipping_the_gradients(max_norm):
     cfg = make_config("decoder")
     batches = make_batches(cfg, 3)
     weights = {}
-    for fold in (True, False):
-        plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
-        params = list(plan.model.parameters())
-        optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+    for kernel in ("fused", "foreach"):
+        plan = build_cpu_plan(cfg)
+        optim = OptimConfig(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, grad_clip=max_norm,
+                            implementation=kernel)
+        training = TrainStep(plan, optim, ScheduleConfig(name="constant", warmup_steps=0), len(batches), d_model=1)
+        scaled: list[float] = []
+        plan.scale_grads_ = record_scales(plan, scaled)
         for batch in batches:
-            plan.forward_backward(batch, plan.global_token_count([batch]))
-            before = [p.grad.clone() for p in params]
-            norm = plan.clip_grad_norm(max_norm, optimizer if fold else None)
-            clipped = max_norm < float(norm)
-            # folded: the gradients stay as they are and the update divides them by the clip factor
-            assert all(torch.equal(p.grad, g) for p, g in zip(params, before)) == (fold or not clipped)
-            if fold and clipped:
-                torch.testing.assert_close(optimizer.grad_scale, norm / max_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        weights[fold] = [p.detach().clone() for p in params]
-    for folded, clipped in zip(weights[True], weights[False]):
+            norm = training.step([batch]).grad_norm
+            if kernel == "fused":  # the gradients stay as they are and the update divides them by the clip factor
+                assert not scaled
+                torch.testing.assert_close(training.optimizer.grad_scale, torch.clamp(norm / max_norm, min=1.0))
+            else:  # a separate pass scales the gradients
+                assert scaled.pop() == pytest.approx(min(1.0, max_norm / float(norm)), rel=1e-5)
+        weights[kernel] = [p.detach().clone() for p in plan.model.parameters()]
+    for folded, clipped in zip(weights["fused"], weights["foreach"]):
         torch.testing.assert_close(folded, clipped, rtol=1e-5, atol=1e-6)  # unclipped: 1.6e-2 apart
 
 
@@ -172,9 +180,9 @@ def test_only_fused_adam_scales_gradients_in_its_update():
 def test_compiled_run_compiles_the_plain_loss_with_equal_values_and_gradients(monkeypatch):
     monkeypatch.setattr(nn.Module, "compile", lambda self, **kwargs: None)  # blocks stay eager: only the loss compiles
     cfg = make_config("decoder", compile="blocks", loss="plain")  # label smoothing 0.1 and z-loss 1e-3
-    plan = build_plan(new_model(cfg), cfg, torch.device("cpu"))
+    plan = build_cpu_plan(cfg)
     assert plan.report["loss"] == "plain (full logits, compiled)"
-    eager = build_plan(new_model(cfg), make_config("decoder", loss="plain"), torch.device("cpu"))
+    eager = build_cpu_plan(make_config("decoder", loss="plain"), new_model(cfg))
     assert eager.report["loss"] == "plain (full logits)"
     labels = make_batches(cfg, 1)[0]["labels"]  # with ignored positions
     logits = torch.randn(*labels.shape, cfg.model.vocab_size, dtype=torch.bfloat16, requires_grad=True)

@@ -86,7 +86,7 @@ class TrainConfig:
     sample_interval: int = 100  # decode a text sample this often (0: never)
     sample_tokens: int = 48
     compile: bool | Literal["off", "blocks", "model"] = False  # true = "blocks" (each block compiled)
-    loss: Literal["auto", "plain", "chunked", "chunked_recompute", "liger"] = "auto"  # auto: build.head_loss_kind
+    loss: Literal["auto", "plain", "chunked", "chunked_recompute", "liger"] = "auto"  # auto: train/loss_choice.py
     fp8: Literal["off", "tensorwise", "rowwise"] = "off"  # torchao float8 linears; FP8 tensor cores (sm 8.9+)
     fp8_keep_ends: bool = False  # the first and last block of each stack keep high-precision linears
     compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"  # inductor mode for train.compile

@@ -34,7 +34,7 @@ from meshformer.model.positions import (
 )
 
 if TYPE_CHECKING:
-    from meshformer.fused_loss import HeadLoss
+    from meshformer.loss.fused import HeadLoss
 
 # Every top-level piece a Transformer may hold; each may be None (not in the family or the config, or
 # held by another pipeline stage).

@@ -14,16 +14,17 @@ import torch
 import torch.distributed as dist
 
 from meshformer.config import Config, ConfigError
-from meshformer.fused_loss import HeadLoss, VocabShard, head_loss_fn, liger_available
 from meshformer.layout import (
     ZERO_BUBBLE,
     ParallelDims,
-    last_stage_losses_in_flight,
     n_microbatches,
     stages_per_rank,
     total_layers,
     validate_parallel,
 )
+from meshformer.loss.cross_entropy import LossFn
+from meshformer.loss.fused import HeadLoss, VocabShard
+from meshformer.loss.spec import LossSpec
 from meshformer.model import Transformer
 from meshformer.parallel.context import apply_context_parallel
 from meshformer.parallel.float8 import apply_float8, check_fp8, end_blocks, fp8_report
@@ -36,12 +37,11 @@ from meshformer.parallel.kernels import (
     kernel_report,
     use_apex_norms,
 )
-from meshformer.parallel.loss_parallel import vocab_parallel_loss_fn
 from meshformer.parallel.materialize import is_meta, materialize
 from meshformer.parallel.mesh import Meshes, build_mesh
 from meshformer.parallel.pipeline import TransformerStage, split_layers, stage_ids_for_rank
 from meshformer.parallel.pipeline_plan import PipelinePlan, shared_weights
-from meshformer.parallel.plan import LossFn, TrainingPlan, default_loss_fn
+from meshformer.parallel.plan import TrainingPlan
 from meshformer.parallel.recompute import apply_recompute
 from meshformer.parallel.spmd_plan import MeshPlan, SPMDPlan
 from meshformer.parallel.tensor_parallel import apply_tensor_parallel, vocab_shard
@@ -55,61 +55,55 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def build_plan(
-    model: ModelOrFactory, cfg: Config, device: torch.device, loss_fn: LossFn | None = None
-) -> TrainingPlan:
-    """Shard `model` (built identically on every rank) by `cfg.parallel` and return the plan.
+def build_plan(model: ModelOrFactory, cfg: Config, device: torch.device, loss: LossSpec) -> TrainingPlan:
+    """Shard `model` (built identically on every rank) by `cfg.parallel` and return the plan training it with `loss`
+    (meshformer.train.loss_choice.resolve_loss), bound to this rank's vocabulary shard under tensor parallel.
 
     A model built on the meta device is sharded first and then materialised: each rank allocates and
     initialises only its own shards (meshformer.parallel.materialize).
 
-    World size 1 gives the single-device plan (recomputation and compile still apply). With tensor parallel
-    the loss is computed vocab-parallel from `cfg.train.label_smoothing` / `cfg.train.z_loss`, so a custom
-    `loss_fn` is only honoured without tensor parallel.
+    World size 1 gives the single-device plan (recomputation and compile still apply).
     """
     device = torch.device(device)
     dims = validate_parallel(cfg, world_size(), device)
     if not isinstance(model, Transformer):
         model = model()
-    plan = _build(model, cfg, dims, device, loss_fn)
+    plan = _build(model, cfg, dims, device, loss)
     if is_meta(plan.model_parts[0]):
         materialize(plan.model_parts, device)
     return plan
 
 
-def _build(model: Transformer, cfg: Config, dims: ParallelDims, device: torch.device,
-           loss_fn: LossFn | None) -> TrainingPlan:
+def _build(model: Transformer, cfg: Config, dims: ParallelDims, device: torch.device, loss: LossSpec
+           ) -> TrainingPlan:
     if not is_meta(model):
         model.to(device)
     check_fp8(cfg.train.fp8, device)
-    custom_loss = loss_fn is not None
-    head_loss = None if custom_loss else build_head_loss(cfg, dims, device)
-    loss_fn = loss_fn or default_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss)
-    loss_note = ""
-    if head_loss is None and not custom_loss and not (dims.tp_enabled or dims.pp_enabled) \
+    meshes = None if dims.is_single else build_mesh(dims, device)
+    shard = None
+    if meshes is not None and dims.tp_enabled:
+        start, _ = vocab_shard(cfg.model, meshes.tp)
+        shard = VocabShard(meshes.tp.get_group(), start, cfg.model.vocab_size)
+    bound = loss.bind(shard)
+    loss_fn, loss_note = bound.logits_loss, ""
+    if bound.head_loss is None and loss.custom is None and not (dims.tp_enabled or dims.pp_enabled) \
             and compile_mode(cfg, dims) != "off":
         # A whole-model-compiled reference (nanoGPT) fuses the fp32 upcast and cross-entropy over the full logits
         # into its graph; compiling the plain loss does the same here instead of several eager passes over B*T*V.
         loss_fn = torch.compile(loss_fn, **compile_kwargs(cfg.train.compile_mode))
         loss_note = ", compiled"
+    head_loss = bound.head_loss
     autocast_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else None
-    if dims.is_single:
-        report = {**_finish_part(model, cfg, dims, None, device), "loss": _loss_report(head_loss, loss_note)}
+    if meshes is None:
+        report = {**_finish_part(model, cfg, dims, None, device), "loss": _loss_report(loss, loss_note)}
         return TrainingPlan(model, loss_fn, device, autocast_dtype=autocast_dtype, head_loss=head_loss,
                             report=report)
-    meshes = build_mesh(dims, device)
-    if dims.tp_enabled:
-        start, _ = vocab_shard(cfg.model, meshes.tp)
-        loss_fn = vocab_parallel_loss_fn(meshes.tp.get_group(), start, cfg.model.vocab_size,
-                                         cfg.train.label_smoothing, cfg.train.z_loss)
-        if not custom_loss:
-            shard = VocabShard(meshes.tp.get_group(), start, cfg.model.vocab_size)
-            head_loss = build_head_loss(cfg, dims, device, shard)
     plan: MeshPlan
     if dims.pp_enabled:  # the last stage computes the fused head loss in its forward
         plan = _pipeline_plan(model, cfg, dims, meshes, device, loss_fn, head_loss, autocast_dtype)
+        plan.report["loss"] = _loss_report(loss)
     else:
-        report = {**_finish_part(model, cfg, dims, meshes, device), "loss": _loss_report(head_loss, loss_note),
+        report = {**_finish_part(model, cfg, dims, meshes, device), "loss": _loss_report(loss, loss_note),
                   "layout": dims.describe()}
         plan = SPMDPlan(model, loss_fn, device, meshes, autocast_dtype=autocast_dtype, head_loss=head_loss,
                         report=report)
@@ -123,9 +117,10 @@ def float8_weight_gather(cfg: Config, dims: ParallelDims) -> bool:
     return cfg.train.fp8 == "tensorwise" and dims.fsdp_enabled and not dims.tp_enabled
 
 
-def _loss_report(head_loss: HeadLoss | None, note: str = "") -> str:
-    # head_loss_fn labels the function it returns with its kind ("chunked" or "liger")
-    return getattr(head_loss, "kind", "fused") if head_loss is not None else f"plain (full logits{note})"
+def _loss_report(loss: LossSpec, note: str = "") -> str:
+    if loss.custom is not None:
+        return "custom (full logits)"
+    return f"plain (full logits{note})" if loss.kind == "plain" else loss.kind
 
 
 def compile_mode(cfg: Config, dims: ParallelDims) -> str:
@@ -136,48 +131,6 @@ def compile_mode(cfg: Config, dims: ParallelDims) -> str:
         raise ConfigError("train.compile='model' is for a single device; with FSDP/TP/PP use train.compile='blocks' "
                           "(each block compiled inside its FSDP unit)")
     return mode
-
-
-def head_loss_kind(cfg: Config, dims: ParallelDims, device_type: str) -> str:
-    """train.loss with "auto" resolved: liger's fused kernel on one CUDA device when installed (on an H200 at the
-    Llama-1B shape: 26% less peak memory than plain at 94% of its speed, where the chunked loss gave 22% at 90%);
-    else the chunked loss (sharded and pipelined layouts, every schedule: tested on gloo). On one CPU process the
-    chunked loss is also the faster one (head only, 1 thread: 1.1-1.4x plain at S/M/G, fp32 and bf16) and holds
-    one chunk of logits instead of all of them, so CPU keeps it too.
-
-    Where the last pipeline stage holds several micro-batches' losses at once (GPipe, interleaved zero-bubble:
-    `last_stage_losses_in_flight`), the stored gradients (an fp32 V x D weight gradient each) pile up, so auto
-    recomputes the logits in the backward instead ("chunked_recompute"): one more head GEMM per chunk for a
-    last-stage peak 0.77x (GPipe) / 0.87x (interleaved_zb) of the stored path's at V 32000 (see
-    bench/pp_head_loss_memory.py)."""
-    if cfg.train.loss != "auto":
-        return cfg.train.loss
-    if device_type == "cuda" and dims.is_single and liger_available():
-        return "liger"
-    if dims.pp_enabled and last_stage_losses_in_flight(cfg) > 1:
-        return "chunked_recompute"
-    return "chunked"
-
-
-def build_head_loss(cfg: Config, dims: ParallelDims, device: torch.device, shard: VocabShard | None = None
-                    ) -> HeadLoss | None:
-    """The fused output-projection + loss named by train.loss, or None for the plain full-logits loss.
-
-    Under tensor parallelism it is vocabulary-parallel (`shard`); under pipeline parallelism the last stage runs it.
-    """
-    kind = head_loss_kind(cfg, dims, device.type)
-    if kind == "plain":
-        return None
-    if kind == "liger" and dims.pp_enabled and cfg.parallel.pp_schedule in ZERO_BUBBLE:
-        raise ConfigError(f"train.loss='liger' cannot run under parallel.pp_schedule={cfg.parallel.pp_schedule!r}: "
-                          "its backward scales its stored gradients in place and the deferred weight pass runs it "
-                          "again; use train.loss='chunked' or a non-zero-bubble schedule")
-    if kind == "liger" and (device.type != "cuda" or not liger_available() or dims.tp_enabled):
-        raise ConfigError("train.loss='liger' needs CUDA, the liger-kernel package and parallel.tp=1; use "
-                          "train.loss='chunked'")
-    if dims.tp_enabled and shard is None:
-        return None  # decided once the tensor-parallel mesh (and so this rank's vocabulary rows) exists
-    return head_loss_fn(kind, cfg.train.label_smoothing, cfg.train.z_loss, shard)
 
 
 def _finish_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes: Meshes | None,
@@ -236,7 +189,6 @@ def _pipeline_plan(model: Transformer, cfg: Config, dims: ParallelDims, meshes: 
         report = _finish_part(stage, cfg, dims, meshes, device)
     if is_meta(stages[0]):  # before the plan keeps references to the stages' (shared) parameters
         materialize(stages, device)
-    report["loss"] = _loss_report(head_loss)
     report["pipeline"] = (f"{p.pp_schedule}, {n_stages} stages "
                           f"({', '.join(f'{s.start}-{s.stop - 1}' for s in spans)}), "
                           f"{n_microbatches(cfg)} microbatches")

@@ -64,9 +64,3 @@ def scale_grads_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
     if locals_:
         torch._foreach_mul_(locals_, coef.to(locals_[0].device))
 
-
-def is_fused_adam(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer.step()` is torch's fused Adam/AdamW kernel, which reads AMP loss scaling's two tensors: it
-    divides every gradient by `optimizer.grad_scale` and skips the whole update where `optimizer.found_inf` is 1."""
-    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and all(
-        group.get("fused") for group in optimizer.param_groups)

@@ -31,7 +31,7 @@ import itertools
 import torch
 from torch import nn
 
-from meshformer.fused_loss import HeadLoss
+from meshformer.loss.fused import HeadLoss
 from meshformer.model import Transformer
 from meshformer.model.parallel_context import StageSpan
 from meshformer.model.transformer import PIECES, Streams, stage_holdings

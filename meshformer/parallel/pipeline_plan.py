@@ -30,14 +30,13 @@ from torch.distributed.pipelining import (
 )
 
 from meshformer.batch import Batch, model_inputs
-from meshformer.fused_loss import HeadLoss
-from meshformer.loss import count_tokens
+from meshformer.loss.cross_entropy import LossFn, count_tokens
+from meshformer.loss.fused import HeadLoss
 from meshformer.model import Transformer
 from meshformer.parallel.grad_norm import local_tensor, settle_grad
 from meshformer.parallel.mesh import Meshes
 from meshformer.parallel.pipeline import StageSpan, TransformerStage, stage_pieces
 from meshformer.parallel.pipeline_stage import ShardedMicrobatchStage
-from meshformer.parallel.plan import LossFn
 from meshformer.parallel.spmd_plan import MeshPlan, check_sequence_split
 
 SCHEDULES = {

@@ -15,13 +15,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from meshformer.batch import Batch, model_inputs
-from meshformer.fused_loss import HeadLoss
-from meshformer.loss import count_tokens
+from meshformer.loss.cross_entropy import LossFn, count_tokens
+from meshformer.loss.fused import HeadLoss
 from meshformer.parallel.context import sequence_chunk
-from meshformer.parallel.float8 import refresh_weight_scales
 from meshformer.parallel.grad_norm import global_grad_norm, settle_grad
 from meshformer.parallel.mesh import Meshes
-from meshformer.parallel.plan import LossFn, TrainingPlan
+from meshformer.parallel.plan import TrainingPlan
 
 
 class MeshPlan(TrainingPlan):
@@ -33,7 +32,6 @@ class MeshPlan(TrainingPlan):
         super().__init__(model, loss_fn, device, autocast_dtype=autocast_dtype, head_loss=head_loss, report=report)
         self.meshes, self.dims = meshes, meshes.dims
         self.dp_rank, self.dp_size = meshes.dp_rank, self.dims.dp
-        self.float8_weight_gather = False  # FSDP all-gathers float8 weights (set by build_plan)
         self._replicas_all_reduce = True  # FSDP's setting for HSDP's all-reduce over replicas (its default)
 
     @property
@@ -91,10 +89,6 @@ class MeshPlan(TrainingPlan):
 
     def _counts_in_norm(self, part: nn.Module, param: nn.Parameter) -> bool:
         return True
-
-    def weights_updated(self) -> None:
-        if self.float8_weight_gather:
-            refresh_weight_scales(self.model_parts)  # one all-reduce instead of one per weight and all-gather
 
     def _all_reduce_replicas_after(self, last_micro_batch: bool) -> None:
         """HSDP with gradient accumulation: every micro-batch reduce-scatters its gradients within a replica, but only

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from meshformer.config import Config, ModelConfig
-from meshformer.fused_loss import default_chunk_rows
+from meshformer.loss.fused import default_chunk_rows
 from meshformer.model.attention import pieces_held
 from meshformer.model.blockwise_attention import backward_workspace, stored_probabilities
 from meshformer.parallel.kernels import runs_blockwise_attention
@@ -214,7 +214,7 @@ def _chunk_work(m: ModelConfig, x: ActivationShape, device_type: str) -> tuple[f
 
 
 def chunked_loss(m: ModelConfig, x: ActivationShape, device_type: str) -> tuple[float, float]:
-    """(kept, transient) of the chunked head loss (meshformer.fused_loss), which computes its gradients in the
+    """(kept, transient) of the chunked head loss (meshformer.loss.fused), which computes its gradients in the
     forward: kept until backward are the hidden-state gradient and the fp32 weight gradient; transient is the
     forward's chunk work or, later, the scaled weight gradient its backward returns, whichever is larger."""
     work, weight_grad = _chunk_work(m, x, device_type)

@@ -24,9 +24,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from meshformer.config import Config
+from meshformer.layout import ParallelDims
 from meshformer.model import Transformer
 from meshformer.parallel import build_plan
-from meshformer.train.optim import build_optimizer
+from meshformer.parallel.build import world_size
+from meshformer.train.loss_choice import resolve_loss
+from meshformer.train.step import TrainStep
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -102,21 +105,18 @@ def synthetic_batch(cfg: Config, dp_rank: int, seed: int = 0) -> dict[str, torch
 
 
 class TrainingStep:
-    """The trainer's step on a fixed synthetic micro-batch: forward_backward, clipping, AdamW, zero_grad."""
+    """The trainer's step (`TrainStep`) on a fixed synthetic micro-batch."""
 
     def __init__(self, cfg: Config, device: torch.device) -> None:
         torch.manual_seed(cfg.train.seed)
-        self.cfg = cfg
-        self.plan = build_plan(Transformer(cfg.model), cfg, device)
-        self.optimizer, _ = build_optimizer(self.plan.model_parts, cfg.optim)
+        dims = ParallelDims.from_config(cfg.parallel, world_size())
+        self.plan = build_plan(Transformer(cfg.model), cfg, device, resolve_loss(cfg, dims, device.type))
+        self.training_step = TrainStep(self.plan, cfg.optim, cfg.schedule, cfg.train.steps, cfg.model.d_model)
+        self.optimizer = self.training_step.optimizer
         self.batch = {k: v.to(device) for k, v in synthetic_batch(cfg, self.plan.dp_rank).items()}
 
     def __call__(self) -> None:
-        plan, batch = self.plan, self.batch
-        plan.forward_backward(batch, plan.global_token_count([batch]))
-        plan.clip_grad_norm(self.cfg.optim.grad_clip, self.optimizer)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.training_step.step([self.batch])
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Weights, buffers and optimizer state: what lives across steps."""

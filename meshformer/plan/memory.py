@@ -17,9 +17,10 @@ from dataclasses import asdict, dataclass
 from meshformer.config import Config
 from meshformer.layout import ZERO_BUBBLE, ParallelDims, last_stage_losses_in_flight, n_microbatches
 from meshformer.model.families import get_family_spec
-from meshformer.parallel.build import compile_mode, head_loss_kind
+from meshformer.parallel.build import compile_mode
 from meshformer.plan import activations as act
 from meshformer.plan.shard import RankShare
+from meshformer.train import loss_choice
 
 GiB = 2**30
 DEVICES = {  # usable bytes as the driver reports them
@@ -126,7 +127,7 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory
     head = act.head_saved(m, shape, share.last)
     per_microbatch = sum(kept) + head
     in_flight = pipeline_in_flight(cfg, dims, share)
-    loss_kind = head_loss_kind(cfg, dims, device_type)
+    loss_kind = loss_choice.loss_kind(cfg, dims, device_type)
     logits_live = head_loss_live(cfg, shape, loss_kind, device_type) if share.last else 0.0
 
     root = share.root_numel * unsharded_bytes if fsdp else 0.0

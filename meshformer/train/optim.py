@@ -10,7 +10,6 @@ from torch import nn
 
 from meshformer.config import OptimConfig, ScheduleConfig
 from meshformer.errors import DivergenceError
-from meshformer.parallel.grad_norm import is_fused_adam
 
 
 def build_optimizer(model_parts: Iterable[nn.Module], cfg: OptimConfig) -> tuple[torch.optim.AdamW, str]:
@@ -37,31 +36,28 @@ def build_optimizer(model_parts: Iterable[nn.Module], cfg: OptimConfig) -> tuple
     return optimizer, kernel
 
 
-class SkippedUpdates:
-    """Optimizer steps that leave everything as it was when the global gradient norm is inf/nan (a bf16 or FP8
-    overflow, a corrupt batch): weights and AdamW moments never take a NaN, so no checkpoint can hold one. The run
-    stops with one line once more than `limit` such steps come in a row (checked when the trainer logs).
+def is_fused_adam(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` is torch's fused Adam/AdamW kernel, which reads AMP loss scaling's two tensors: it
+    divides every gradient by `optimizer.grad_scale` and skips the whole update where `optimizer.found_inf` is 1."""
+    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and all(
+        group.get("fused") for group in optimizer.param_groups)
 
-    Torch's fused AdamW skips inside its kernel (`found_inf`, AMP loss scaling's flag): no host sync per step. The
-    foreach and for-loop implementations read the norm on the host first. The norm is global (every shard, replica and
-    stage), so every rank skips the same steps.
+
+class SkippedUpdates:
+    """The count of optimizer steps skipped because the global gradient norm was inf/nan (a bf16 or FP8 overflow, a
+    corrupt batch; `meshformer.train.step.TrainStep` skips them). The run stops with one line once more than `limit`
+    such steps come in a row (checked when the trainer logs, so recording costs no host sync).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, limit: int) -> None:
-        self.optimizer, self.limit = optimizer, limit
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
         self.total = 0  # skipped steps counted by `check`
         # On the gradients' device, read by `check` only: skipped since the last check, and the current streak.
         self._skipped: torch.Tensor | None = None
         self._in_a_row: torch.Tensor | None = None
 
-    def step(self, grad_norm: torch.Tensor) -> None:
-        """`optimizer.step()` unless `grad_norm` is inf/nan."""
-        skipped = (~torch.isfinite(grad_norm)).to(torch.float32)
-        if is_fused_adam(self.optimizer):
-            self.optimizer.found_inf = skipped  # type: ignore[attr-defined]
-            self.optimizer.step()
-        elif not skipped.item():
-            self.optimizer.step()
+    def record(self, skipped: torch.Tensor) -> None:
+        """One step: `skipped` is 1.0 where its update was skipped, else 0.0 (a scalar tensor)."""
         if self._skipped is None or self._in_a_row is None:
             self._skipped, self._in_a_row = torch.zeros_like(skipped), torch.zeros_like(skipped)
         self._skipped += skipped

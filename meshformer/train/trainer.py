@@ -1,7 +1,8 @@
 """The training loop: one path for every family, device and parallel layout.
 
-The loop knows nothing about sharding: it hands micro-batches to a `TrainingPlan` (meshformer.parallel)
-and steps the optimizer. Host-device syncs happen only at logging, evaluation and sampling intervals.
+The loop knows nothing about sharding or the update: it hands each step's micro-batches to a `TrainStep`
+(meshformer.train.step), which owns the parallelized model, the optimizer and the schedule. Host-device syncs
+happen only at logging, evaluation and sampling intervals.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ from meshformer.runtime.host_memory import apply_host_memory_policy, release_fre
 from meshformer.runtime.profiler import StepProfiler
 from meshformer.runtime.stragglers import rank_timings, straggler_scalars
 from meshformer.runtime.watchdog import HangWatchdog
+from meshformer.train.loss_choice import resolve_loss
 from meshformer.train.metrics import FlopsCeiling, RunLogger, memory_gib, peak_flops, synchronize
-from meshformer.train.optim import SkippedUpdates, build_optimizer, build_scheduler
+from meshformer.train.optim import SkippedUpdates
 from meshformer.train.preflight import FINAL_WEIGHTS, check_final_folder, checked_tokenizer, run_folders_claimed
 from meshformer.train.sampling import decoded_sample
+from meshformer.train.step import StepStats, TrainStep
 
 
 @dataclass
@@ -61,7 +64,7 @@ class Trainer:
         # Before any large tensor (runtime/host_memory.py): CPU ranks of a multi-process run map large tensors so
         # freed FSDP buffers leave RSS; one CPU process reuses what it frees instead of re-faulting it each step.
         host_memory = apply_host_memory_policy(self.device.type, world_size())
-        validate_parallel(cfg, world_size(), self.device)  # before the model is built (and sharded)
+        dims = validate_parallel(cfg, world_size(), self.device)  # before the model is built (and sharded)
         if cfg.train.dtype == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ConfigError("train.dtype='bf16' but this GPU has no bf16 support; use train.dtype='fp32'")
         # Measured first, before data workers or other ranks' set-up compete for the device.
@@ -83,14 +86,16 @@ class Trainer:
             model = Transformer(cfg.model, init_seed=init_seed)
         # The loss follows train.loss / label_smoothing / z_loss (fused head loss or full logits; vocab-parallel);
         # the plan autocasts when train.dtype=bf16.
-        self.plan: TrainingPlan = build_plan(model, cfg, self.device)
+        self.plan: TrainingPlan = build_plan(model, cfg, self.device, resolve_loss(cfg, dims, self.device.type))
         # The whole model, for decoded samples; pipeline stages hold copies of their pieces, so drop it there.
         self.model = model if self.plan.supports_generation else None
         release_free_host_memory()  # what materialisation's transient full tensors left in the heap
         self.build_s = time.perf_counter() - build_start  # meta build, sharding, materialisation of this rank
-        self.optimizer, kernel = build_optimizer(self.plan.model_parts, cfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.steps, cfg.model.d_model)
-        self.skipped_updates = SkippedUpdates(self.optimizer, cfg.optim.max_nonfinite_in_a_row)
+        # Cluster diagnostics: per-rank hang reports (stalls, collective timeouts) name the phase of the step.
+        self.watchdog = HangWatchdog(self.run_dir, rank=rank, world_size=world_size(),
+                                     timeout_s=cfg.parallel.timeout_s, enabled=world_size() > 1)
+        self.training_step = TrainStep(self.plan, cfg.optim, cfg.schedule, cfg.train.steps, cfg.model.d_model,
+                                       on_phase=self.watchdog.phase)
         self.train_data = build_loader(cfg, self.tokenizer, "train", self.plan.dp_rank, self.plan.dp_size)
         self.eval_data = build_loader(cfg, self.tokenizer, "eval", self.plan.dp_rank, self.plan.dp_size)
         self.train_iter: Iterator[Batch] | None = None  # started at the first step, after a resume moved the loader
@@ -108,16 +113,13 @@ class Trainer:
         n_params = sum(p.numel() for p in model.parameters())
         self.logger.info(
             f"model: {cfg.model.family}, {n_params / 1e6:.2f}M parameters, objective {cfg.objective}; "
-            f"device {self.device}, dtype {cfg.train.dtype}; AdamW kernel: {kernel}; attention: "
+            f"device {self.device}, dtype {cfg.train.dtype}; AdamW kernel: {self.training_step.kernel}; attention: "
             f"{self.plan.report.get('attention', cfg.model.attention_backend)}; host malloc: {host_memory}; "
             f"MFU ceiling "
             f"{self.ceiling.flops / 1e12:.2f} TFLOP/s ({self.ceiling.source}); model built and sharded in "
             f"{self.build_s:.2f}s"
         )
-        # Cluster diagnostics: per-rank hang reports (stalls, collective timeouts), a profiled step range,
-        # and the time this rank waits for batches (reset at each logging step).
-        self.watchdog = HangWatchdog(self.run_dir, rank=rank, world_size=world_size(),
-                                     timeout_s=cfg.parallel.timeout_s, enabled=world_size() > 1)
+        # A profiled step range, and the time this rank waits for batches (reset at each logging step).
         self.profiler = StepProfiler(cfg.profile, self.run_dir, rank)
         self.data_wait_s = 0.0
 
@@ -129,10 +131,22 @@ class Trainer:
     def tokens_seen(self) -> torch.Tensor:
         return self.state.tokens_seen
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.training_step.optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
+        return self.training_step.scheduler
+
+    @property
+    def skipped_updates(self) -> SkippedUpdates:
+        return self.training_step.skipped_updates
+
     # ------------------------------------------------------------------ steps
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One optimizer step over grad_accum micro-batches: (loss sum, global tokens, grad norm)."""
+    def train_step(self) -> StepStats:
+        """One optimizer step over grad_accum micro-batches of the training data."""
         self.watchdog.phase("data", self.step + 1)
         wait_start = time.perf_counter()
         if self.train_iter is None:
@@ -140,22 +154,11 @@ class Trainer:
         batches = self.train_iter
         micro_batches = [to_device(next(batches), self.device) for _ in range(self.cfg.train.grad_accum)]
         self.data_wait_s += time.perf_counter() - wait_start
-        self.watchdog.phase("forward_backward")
-        global_tokens = self.plan.global_token_count(micro_batches)
-        loss_sum = torch.zeros((), device=self.device)
-        for i, batch in enumerate(micro_batches):
-            loss_sum += self.plan.forward_backward(batch, global_tokens, last_micro_batch=i == len(micro_batches) - 1)
-        self.watchdog.phase("grad_norm")
-        grad_norm = self.plan.clip_grad_norm(self.cfg.optim.grad_clip, self.optimizer)
-        self.watchdog.phase("optimizer")
-        self.last_lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used (the scheduler moves on)
-        self.skipped_updates.step(grad_norm)
-        self.plan.weights_updated()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        stats = self.training_step.step(micro_batches)
+        self.last_lr = stats.lr
         self.state.step += 1
-        self.state.tokens_seen += global_tokens.to(torch.long)
-        return loss_sum, global_tokens, grad_norm
+        self.state.tokens_seen += stats.global_tokens.to(torch.long)
+        return stats
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -195,9 +198,9 @@ class Trainer:
         last_loss, eval_loss = float("nan"), None
         self.profiler.step(self.step)  # starts here when profile.start_step is the first step of this run
         while self.step < cfg.train.steps:
-            loss_sum, global_tokens, grad_norm = self.train_step()
-            window_loss += loss_sum
-            window_tokens += global_tokens
+            stats = self.train_step()
+            window_loss += stats.loss_sum
+            window_tokens += stats.global_tokens
             window_steps += 1
             step = self.step
             if step % cfg.logging.log_interval == 0 or step == cfg.train.steps:
@@ -212,7 +215,7 @@ class Trainer:
                 record = {
                     "train/loss": last_loss,
                     "train/lr": self.last_lr,
-                    "train/grad_norm": float(grad_norm),
+                    "train/grad_norm": float(stats.grad_norm),
                     "perf/tokens_per_s": tokens_per_s,
                     "perf/mfu": mfu,
                     "perf/memory_gib": memory_gib(self.device),

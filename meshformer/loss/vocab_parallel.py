@@ -3,9 +3,9 @@
 torch's `loss_parallel` rejects label smoothing, so this is the Megatron formulation: each rank holds the
 logits of its vocabulary rows; two all-reduces (max, then the stacked sums) give the log-partition function,
 the target logit and the smoothing term without ever materialising full-vocabulary logits. The statistics and
-the gradient are the chunked head loss's (`meshformer.fused_loss`), applied here to logits the model returned.
-The result equals `meshformer.loss.cross_entropy_sum` on the gathered logits (summed, IGNORE_INDEX skipped,
-fp32 math).
+the gradient are the chunked head loss's (`meshformer.loss.fused`), applied here to logits the model returned.
+The result equals `cross_entropy_sum` (meshformer.loss.cross_entropy) on the gathered logits (summed,
+IGNORE_INDEX skipped, fp32 math).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from meshformer.batch import IGNORE_INDEX
-from meshformer.fused_loss import VocabShard, logits_grad_, token_losses, vocab_statistics
-from meshformer.parallel.plan import LossFn
+from meshformer.loss.cross_entropy import LossFn
+from meshformer.loss.fused import VocabShard, logits_grad_, token_losses, vocab_statistics
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -54,11 +54,9 @@ def vocab_parallel_cross_entropy(
     return _VocabParallelCrossEntropy.apply(logits, labels, shard, label_smoothing, z_loss)
 
 
-def vocab_parallel_loss_fn(
-    group: dist.ProcessGroup, vocab_start: int, vocab_size: int, label_smoothing: float, z_loss: float
-) -> LossFn:
+def vocab_parallel_loss_fn(shard: VocabShard, label_smoothing: float, z_loss: float) -> LossFn:
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, labels, group=group, vocab_start=vocab_start,
-                                            vocab_size=vocab_size, label_smoothing=label_smoothing, z_loss=z_loss)
+        return vocab_parallel_cross_entropy(logits, labels, group=shard.group, vocab_start=shard.start,
+                                            vocab_size=shard.total, label_smoothing=label_smoothing, z_loss=z_loss)
 
     return loss_fn

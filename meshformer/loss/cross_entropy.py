@@ -7,10 +7,14 @@ however the tokens are split across micro-batches, ranks or pipeline stages.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from meshformer.batch import IGNORE_INDEX
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, labels) -> summed loss
 
 
 def cross_entropy_sum(
@@ -35,3 +39,11 @@ def cross_entropy_sum(
 
 def count_tokens(labels: torch.Tensor) -> torch.Tensor:
     return (labels != IGNORE_INDEX).sum()
+
+
+def plain_loss_fn(label_smoothing: float = 0.0, z_loss: float = 0.0) -> LossFn:
+    """`cross_entropy_sum` on full-vocabulary logits with these options."""
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_sum(logits, labels, label_smoothing=label_smoothing, z_loss=z_loss)
+
+    return loss_fn

@@ -11,14 +11,14 @@ Storing costs an fp32 V x D weight gradient (and a hidden-state gradient) per lo
 backward: 1 GiB at Llama-1B's head. Where a pipeline's last stage runs several micro-batches' forwards before
 their backwards (GPipe; interleaved zero-bubble defers weight passes), these pile up, past the plain loss's
 logits for small micro-batches. `recompute=True` (train.loss="chunked_recompute", picked by "auto" there: see
-`meshformer.parallel.build.head_loss_kind`) keeps only each row's fp32 log-partition from the forward and
+`meshformer.train.loss.loss_kind`) keeps only each row's fp32 log-partition from the forward and
 recomputes each chunk's logits in the backward: one more head GEMM per chunk, 1.4x the stored path's head time
 on CPU (a zero-bubble split backward, which recomputes in both its passes: 1.8x). Measured last-stage peak at
 V 32000 / 128000 vs the stored path: GPipe 0.77x / 0.76x, interleaved_zb 0.87x / 0.86x, 1F1B and ZBV (one
 micro-batch held) 1.0x (bench/pp_head_loss_memory.py). Both paths share the chunk projection, the
 logits-gradient maths and its folding into the hidden/weight/bias gradients (`_HeadGradients`).
 
-Same maths as `meshformer.loss.cross_entropy_sum` (sum over non-ignored tokens, label smoothing,
+Same maths as `meshformer.loss.cross_entropy.cross_entropy_sum` (sum over non-ignored tokens, label smoothing,
 PaLM z-loss, fp32 softmax); under autocast the projection runs in the autocast dtype like `nn.Linear` does.
 `HeadLoss` is the interface the model calls (`Transformer.forward(..., labels=, head_loss=)`); the chunked
 torch path is the reference and runs everywhere, liger-kernel's Triton kernel is an option on CUDA.
@@ -84,7 +84,7 @@ def vocab_statistics(logits, labels, valid, shard: VocabShard | None, need_sum: 
     target on this rank.
 
     Vocabulary-parallel (`shard`): one all-reduce for the row max, one for the stacked sums, so no rank ever
-    holds more than its own columns (the Megatron formulation; `meshformer.parallel.loss_parallel` uses it too).
+    holds more than its own columns (the Megatron formulation; `meshformer.loss.vocab_parallel` uses it too).
     """
     index, here = local_targets(labels, valid, shard, logits.shape[1])
     if shard is None:
@@ -357,9 +357,10 @@ def liger_linear_cross_entropy(
     return (loss[0] if isinstance(loss, tuple) else loss).float()
 
 
-def head_loss_fn(kind: str, label_smoothing: float, z_loss: float, shard: VocabShard | None = None) -> HeadLoss:
+def head_loss_fn(kind: str, label_smoothing: float, z_loss: float, shard: VocabShard | None = None,
+                 chunk_rows: int | None = None) -> HeadLoss:
     """The fused head loss named by train.loss ("chunked", "chunked_recompute" or "liger"; vocabulary-parallel with
-    `shard`)."""
+    `shard`; `chunk_rows` None: `default_chunk_rows`)."""
     if kind == "liger":
         if shard is not None:
             raise ValueError("liger's fused linear cross-entropy is not vocabulary-parallel; use 'chunked'")
@@ -372,7 +373,8 @@ def head_loss_fn(kind: str, label_smoothing: float, z_loss: float, shard: VocabS
 
         def head_loss(hidden, labels, weight, bias):
             return chunked_linear_cross_entropy(hidden, labels, weight, bias, label_smoothing=label_smoothing,
-                                                z_loss=z_loss, shard=shard, recompute=recompute)
+                                                z_loss=z_loss, chunk_rows=chunk_rows, shard=shard,
+                                                recompute=recompute)
 
     head_loss.kind = kind  # type: ignore[attr-defined]  # a label for the run report
     return head_loss

@@ -1,0 +1,5 @@
+"""Token losses, summed so callers normalise by the global token count.
+
+`cross_entropy` (full-vocabulary logits), `fused` (output projection + loss in chunks), `vocab_parallel`
+(logits sharded over tensor-parallel ranks) and `spec` (which of them a run uses, bound to this rank's shard).
+"""

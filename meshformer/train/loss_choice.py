@@ -1,0 +1,43 @@
+"""Which loss a run trains with, decided once from the configuration and the layout."""
+
+from __future__ import annotations
+
+from meshformer.config import Config, ConfigError
+from meshformer.layout import ZERO_BUBBLE, ParallelDims, last_stage_losses_in_flight
+from meshformer.loss.cross_entropy import LossFn
+from meshformer.loss.fused import liger_available
+from meshformer.loss.spec import LossKind, LossSpec
+
+
+def loss_kind(cfg: Config, dims: ParallelDims, device_type: str) -> LossKind:
+    """train.loss with "auto" resolved: liger's fused kernel on one CUDA device when installed (less peak memory
+    than the chunked loss at about its speed); else the chunked loss, which runs under every layout and schedule
+    and on CPU is also faster than the plain loss while holding one chunk of logits instead of all of them.
+
+    Where the last pipeline stage holds several micro-batches' losses at once (GPipe, interleaved zero-bubble:
+    `last_stage_losses_in_flight`), their stored fp32 V x D weight gradients pile up, so auto recomputes the
+    logits in the backward instead ("chunked_recompute": one more head GEMM per chunk for a lower last-stage peak;
+    bench/pp_head_loss_memory.py)."""
+    if cfg.train.loss != "auto":
+        return cfg.train.loss
+    if device_type == "cuda" and dims.is_single and liger_available():
+        return "liger"
+    if dims.pp_enabled and last_stage_losses_in_flight(cfg) > 1:
+        return "chunked_recompute"
+    return "chunked"
+
+
+def resolve_loss(cfg: Config, dims: ParallelDims, device_type: str, custom: LossFn | None = None) -> LossSpec:
+    """The run's loss: train.loss / label_smoothing / z_loss checked against device and layout, or `custom` (a loss
+    on full-vocabulary logits, used as given; refused under tensor parallel when bound)."""
+    if custom is not None:
+        return LossSpec("plain", custom=custom)
+    kind = loss_kind(cfg, dims, device_type)
+    if kind == "liger" and dims.pp_enabled and cfg.parallel.pp_schedule in ZERO_BUBBLE:
+        raise ConfigError(f"train.loss='liger' cannot run under parallel.pp_schedule={cfg.parallel.pp_schedule!r}: "
+                          "its backward scales its stored gradients in place and the deferred weight pass runs it "
+                          "again; use train.loss='chunked' or a non-zero-bubble schedule")
+    if kind == "liger" and (device_type != "cuda" or not liger_available() or dims.tp_enabled):
+        raise ConfigError("train.loss='liger' needs CUDA, the liger-kernel package and parallel.tp=1; use "
+                          "train.loss='chunked'")
+    return LossSpec(kind, cfg.train.label_smoothing, cfg.train.z_loss)
