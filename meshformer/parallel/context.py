@@ -24,8 +24,8 @@ from meshformer.batch import Batch
 from meshformer.model.attention import Attention, SequenceChunk
 from meshformer.model.transformer import Transformer
 
-# The differentiable all-gather (its backward reduce-scatters, summing); torch 2.13 renamed it, the GPU machine's
-# torch 2.11 has only the old name.
+# The differentiable all-gather (its backward reduce-scatters, summing); torch 2.13 renamed it, torch 2.11
+# has only the old name.
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 
