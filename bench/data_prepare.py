@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from meshformer.data.synthetic import write_corpus
+    from tests._data_fixtures import write_corpus
 
     result: dict = {}
     with tempfile.TemporaryDirectory() as tmp:

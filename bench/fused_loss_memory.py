@@ -8,6 +8,9 @@ created while the head runs). Time: the fastest of --repeat untracked runs (CPU:
 OMP_NUM_THREADS=1 for one thread). --zero-bubble runs the backward as a zero-bubble pipeline stage does (an input
 pass, then the weight pass). Each variant also reports its loss and gradient error against plain fp32.
 
+The CPU default chunk size (`default_chunk_rows`: in cache, at least 2·d_model rows) against 128 MiB chunks,
+head only, 1 thread: S/M (V 4096, 512 rows) 1.1-1.4x faster, G (V 50304, D 768, 1536 rows) 1.1x.
+
     python bench/fused_loss_memory.py --shape llama-1b-head-small     # CPU: Llama-1B head ratios, scaled down
     python bench/fused_loss_memory.py --shape llama-1b-head --dtype bf16 --device cuda
 """

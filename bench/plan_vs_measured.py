@@ -1,6 +1,6 @@
 """Planner predictions vs measured peak memory (live tensor bytes per rank, see meshformer/plan/measure.py).
 
-CPU/gloo: every layout of meshformer.plan.validation.LAYOUTS, one launch per world size; prints one row per
+CPU/gloo: every layout of plan_validation.LAYOUTS, one launch per world size; prints one row per
 layout (worst rank) and the largest error. For a GPU, see bench/plan_vs_measured_gpu.py.
 
     python bench/plan_vs_measured.py [--worlds 1 2 4]
@@ -12,8 +12,7 @@ import argparse
 import json
 
 from parallel_common import spawn
-
-from meshformer.plan.validation import LAYOUTS, TOLERANCE, compare, measure_layouts
+from plan_validation import LAYOUTS, TOLERANCE, compare, measure_layouts
 
 
 def main() -> None:

@@ -1,5 +1,11 @@
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+# Tests import bench/'s measurement helpers (plan_validation, data_read_volume, parallel_common) by module name.
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
 
 
 @pytest.fixture(scope="module")

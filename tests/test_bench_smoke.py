@@ -32,7 +32,7 @@ VS_NANOGPT_KEYS = {"shape", "dtype", "compile", "loss", "threads", "clock", "iso
                    "reference_rounds_tokens_per_s", "ours_mfu", "ratio"}
 
 
-@pytest.mark.parametrize("isolate", ["none", "process"])
+@pytest.mark.parametrize("isolate", ["none", pytest.param("process", marks=pytest.mark.slow)])  # same script twice
 def test_vs_nanogpt_tiny(isolate):
     (record,) = run_bench("vs_nanogpt.py", "--shape", "tiny", "--dtype", "fp32", "--steps", "1", "--rounds", "1",
                           "--warmup", "1", "--threads", "1", "--clock", "cpu", "--isolate", isolate)

@@ -9,11 +9,10 @@ import textwrap
 
 import numpy as np
 import pytest
-from _data_fixtures import ROOT_DIR, config, tokenizer
+from _data_fixtures import ROOT_DIR, config, tokenizer, write_corpus
 
 from meshformer.data import build_loader, prepare, read_manifest
 from meshformer.data.shards import read_shard
-from meshformer.data.synthetic import write_corpus
 
 KW = dict(tokenizer="bundled:kjv-bpe-4k", record_len=65, shard_records=20, eval_fraction=0.05, seed=3,
           bucket_mb=0.03, progress=False)

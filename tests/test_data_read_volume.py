@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _data_fixtures import config, shards, tokenizer
+from data_read_volume import planned_bytes, record_spans, shuffle_quality
 
 from meshformer.data import build_loader
-from meshformer.data.read_volume import planned_bytes, record_spans, shuffle_quality
 
 
 @pytest.fixture(scope="module")

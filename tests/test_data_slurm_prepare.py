@@ -10,11 +10,11 @@ from __future__ import annotations
 import time
 
 import pytest
+from _data_fixtures import write_corpus
 from test_cluster_slurm import slurm  # noqa: F401  (the running-scheduler fixture)
 
 from meshformer.cli import main
 from meshformer.data import prepare, read_manifest
-from meshformer.data.synthetic import write_corpus
 
 ARGS = ["--tokenizer", "bundled:kjv-bpe-4k", "--record-len", "65", "--shard-records", "20", "--bucket-mb", "0.03",
         "--seed", "5"]

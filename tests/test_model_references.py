@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from _torch_nn_weights import config_from_torch_transformer, load_torch_transformer, to_torch_transformer_state_dict
 from torch import nn
 
 from meshformer.checkpointing.hf import (
@@ -20,11 +21,6 @@ from meshformer.checkpointing.hf import (
     infer_arch,
     to_hf_model,
     to_hf_state_dict,
-)
-from meshformer.checkpointing.torch_nn import (
-    config_from_torch_transformer,
-    load_torch_transformer,
-    to_torch_transformer_state_dict,
 )
 from meshformer.config import ModelConfig
 from meshformer.model import Transformer

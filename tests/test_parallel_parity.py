@@ -102,8 +102,7 @@ def check(report: dict, tol: float = TOL, grad_tol: float | None = None, name: s
     assert report["norm_rel"] < tol, f"global grad norm relative diff {report['norm_rel']:.3e}"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", WORLD2)
+@pytest.mark.parametrize("name", WORLD2)  # not slow: the default run launches world2 anyway (tests below)
 def test_parity_world2(world2, name):
     check(world2[name], name=name)
 
@@ -120,7 +119,6 @@ def test_parity_world8_4d(world8, name):
     check(world8[name], name=name)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", MIXED_PRECISION)
 def test_fsdp_bf16_params_close(world2, name):
     check(world2[name], tol=3e-2)
@@ -137,7 +135,6 @@ def test_fp8_layouts_match_single_process_fp8(world2, world4, name):
     assert report["kernels"]["fp8"].startswith("torchao float8")
 
 
-@pytest.mark.slow
 def test_a_nan_on_one_rank_skips_the_update_on_every_rank(world2):
     report = world2["skip/nan"]
     assert "error" not in report, report.get("error")

@@ -154,7 +154,7 @@ def _rank() -> int:
 
 def build_loader(cfg, tokenizer: Tokenizer, split: Literal["train", "eval"] = "train", dp_rank: int = 0,
                  dp_size: int = 1, *, with_sample_ids: bool = False) -> Loader:
-    """Infinite, resumable batches of `cfg.data.batch_size` for one data-parallel rank (see API.md)."""
+    """Infinite, resumable batches of `cfg.data.batch_size` for one data-parallel rank (meshformer/data/README.md)."""
     d = cfg.data
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r}; use 'train' or 'eval'")

@@ -11,11 +11,10 @@ Storing costs an fp32 V x D weight gradient (and a hidden-state gradient) per lo
 backward: 1 GiB at Llama-1B's head. Where a pipeline's last stage runs several micro-batches' forwards before
 their backwards (GPipe; interleaved zero-bubble defers weight passes), these pile up, past the plain loss's
 logits for small micro-batches. `recompute=True` (train.loss="chunked_recompute", picked by "auto" there: see
-`meshformer.train.loss.loss_kind`) keeps only each row's fp32 log-partition from the forward and
-recomputes each chunk's logits in the backward: one more head GEMM per chunk, 1.4x the stored path's head time
-on CPU (a zero-bubble split backward, which recomputes in both its passes: 1.8x). Measured last-stage peak at
-V 32000 / 128000 vs the stored path: GPipe 0.77x / 0.76x, interleaved_zb 0.87x / 0.86x, 1F1B and ZBV (one
-micro-batch held) 1.0x (bench/pp_head_loss_memory.py). Both paths share the chunk projection, the
+`meshformer.train.loss_choice.loss_kind`) keeps only each row's fp32 log-partition from the forward and
+recomputes each chunk's logits in the backward: one more head GEMM per chunk (more in a zero-bubble split
+backward, which recomputes in both its passes), for a lower last-stage peak where micro-batches pile up
+(figures: parallel/README.md, bench/pp_head_loss_memory.py). Both paths share the chunk projection, the
 logits-gradient maths and its folding into the hidden/weight/bias gradients (`_HeadGradients`).
 
 Same maths as `meshformer.loss.cross_entropy.cross_entropy_sum` (sum over non-ignored tokens, label smoothing,
@@ -45,8 +44,7 @@ def default_chunk_rows(n_rows: int, vocab: int, d_model: int, device: torch.devi
     Every chunk also adds its share into the fp32 weight gradient (a pass over V x D), so chunks must stay
     large enough for the three chunk GEMMs to dominate that pass. CPU: the chunk's elementwise passes are
     fastest when it stays in cache (~8 MiB of fp32 logits), but not below 2·d_model rows, where the V x D
-    weight-gradient pass takes over; at most 512 MiB. Head-only, 1 thread, vs 128 MiB chunks: S/M
-    (V 4096, 512 rows) 1.1-1.4x faster, G (V 50304, D 768, 1536 rows) 1.1x.
+    weight-gradient pass takes over; at most 512 MiB (faster than 128 MiB chunks: bench/fused_loss_memory.py).
     """
     if device.type == "cuda":
         return min(n_rows, max(64, 2**27 // vocab))
@@ -335,7 +333,7 @@ def liger_available() -> bool:
 
 
 # A graph break under whole-model compile, like the chunked loss: dynamo cannot trace liger's autograd Function (torch
-# 2.11 on an H200: its fake-tensor addmm with out_dtype fails), and the kernel is fused already.
+# 2.11: its fake-tensor addmm with out_dtype fails), and the kernel is fused already.
 @torch.compiler.disable
 def liger_linear_cross_entropy(
     hidden: torch.Tensor,

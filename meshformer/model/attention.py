@@ -119,7 +119,7 @@ class Attention(nn.Module):
 
     def _packed_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x @ [Wq; Wk; Wv]^T (+ biases) in one GEMM; the parameters stay three. On CPU at GPT-2 widths three
-        GEMMs of width d cost ~25% more than one of width 3d, forward and backward. Same products, same dtype."""
+        GEMMs of width d cost more than one of width 3d, forward and backward. Same products, same dtype."""
         projections = (self.q_proj, self.k_proj, self.v_proj)
         weight = torch.cat([p.weight for p in projections])
         bias = torch.cat([p.bias for p in projections]) if self.q_proj.bias is not None else None  # type: ignore

@@ -1,14 +1,12 @@
 """Attention for CPUs: query blocks against the keys they may see, probabilities kept for backward.
 
-Why not SDPA on a CPU: torch's CPU flash-attention kernel runs its backward at 2.3-2.9x its forward, and the pair
-at ~70 GFLOP/s where this machine's GEMMs reach ~390 (GPT-2-like heads of 64, T 256-512, bf16). Here each block
+Why not SDPA on a CPU: torch's CPU flash-attention kernel recomputes in a slow backward and runs well below the
+CPU's GEMM rate (`bench/cpu_attention.py`). Here each block
 of queries is one batched GEMM against its keys (causal: none of the masked triangle beyond the diagonal block),
 a fused softmax, and one GEMM with the values; backward reuses the stored probabilities instead of recomputing
 them. Scores and their gradients are fp32 (fp32 GEMMs on the upcast operands, as flash accumulates in fp32), so
 the accuracy is flash's; the probabilities are stored in the input dtype (flash also rounds them to it before
-multiplying by V). Measured fwd+bwd against the CPU flash kernel (bench/cpu_attention.py, 2 threads): bf16 1.47x
-at (B8, H8, T512), 1.31x at (B8, H12, T256), 1.16x at (B16, H4, T256); fp32 1.03-1.33x; errors against float64
-equal or lower; about even at T 1024 (B2, H8), no gain at T 2048.
+multiplying by V). Speed and error against the CPU flash kernel: README's benchmark table.
 
 The cost is memory: B*H*T*(T+block)/2 stored probabilities per layer instead of flash's B*H*T statistics. Relative
 to the ~17*d_model activation elements a block keeps per token that is about T / (34 * head_dim), so `auto` picks
@@ -24,7 +22,7 @@ MAX_SEQ_PER_HEAD_DIM = 16  # `auto`: sequence length up to 16 x head_dim (probab
 
 
 def block_rows(seq_len: int) -> int:
-    """Queries per block: 64 up to T 512, then 128 (measured best: small blocks skip more of the masked
+    """Queries per block: 64 up to T 512, then 128 (small blocks skip more of the masked
     triangle, larger ones run larger GEMMs)."""
     return 64 if seq_len <= 512 else 128
 

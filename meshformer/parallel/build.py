@@ -1,7 +1,8 @@
 """`build_plan`: the one call the trainer makes to get a `TrainingPlan` for this process's world.
 
-Order of application on each model part (as in torchtitan): tensor parallel -> activation recomputation ->
-torch.compile per block -> FSDP. Pipeline splitting comes first, so every stage goes through the same steps.
+Order of application on each model part (as in torchtitan): context parallel -> float8 linears -> tensor
+parallel -> activation recomputation -> torch.compile (per block or whole model) -> FSDP. Pipeline splitting
+comes first, so every stage goes through the same steps.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def compile_mode(cfg: Config, dims: ParallelDims) -> str:
 
 def _finish_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes: Meshes | None,
                  device: torch.device) -> dict[str, str]:
-    """TP -> recompute -> compile -> FSDP on one model part (the whole model or one pipeline stage)."""
+    """CP -> FP8 -> TP -> recompute -> compile -> FSDP on one model part (the whole model or one pipeline stage)."""
     apex_norms = 0
     context_layers = apply_context_parallel(part, meshes.cp) if meshes is not None and dims.cp_enabled else 0
     keep = end_blocks(cfg.model) if cfg.train.fp8_keep_ends else frozenset()

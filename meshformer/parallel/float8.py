@@ -9,8 +9,7 @@ sizes are not multiples of 16 (a `_scaled_mm` requirement) stay in high precisio
 Under tensor parallelism the tensorwise recipe all-gathers activations (and output gradients) in float8
 instead (tensor_parallel.py), and FSDP gathers weights in high precision: torchao's FSDP float8 all-gather
 takes the weight's amax over the data-parallel shards only, so on a 2-D mesh each tensor-parallel shard would
-get its own scale (gradients 14% off the single-process FP8 reference in the parity harness, vs <1%
-without it).
+get its own scale and its gradients would leave the single-process FP8 reference (parallel/README.md).
 
 torchao's emulation mode runs the same scaling maths with ordinary matmuls, which is how CPU tests cover
 the wiring; a real run needs CUDA compute capability 8.9+ (Ada, Hopper, Blackwell).

@@ -50,7 +50,7 @@ class Meshes:
         if not self.dims.hsdp:
             return self._shard_cp
         # torch 2.13 joins a flattened dimension to another by concatenation (slicing it from the root mesh is
-        # deprecated); torch 2.11 (the GPU machine) slices.
+        # deprecated); torch 2.11 has no `_concatenate` and slices.
         concatenate = getattr(DeviceMesh, "_concatenate", None)
         if concatenate is not None:
             return concatenate([self.world["dp_replicate"], self._shard_cp])

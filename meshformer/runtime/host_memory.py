@@ -2,21 +2,21 @@
 
 glibc's malloc serves requests below its mmap threshold from the heap and raises that threshold (up to 32 MiB)
 each time a large mapped block is freed, so FSDP's per-unit all-gather and gradient buffers, freed every block,
-end up in the heap and stay resident: measured on an 8-rank FSDP run (bench/scale_memory.py), peak RSS 1.31x
-the fp32 model against 0.75x when they are mapped (a `malloc_trim` after materialisation alone: still 1.31x).
+end up in the heap and stay resident (README's `bench/scale_memory.py` table: FSDP-8 before and now; a
+`malloc_trim` after materialisation alone does not help).
 A fixed threshold (which also turns glibc's adjustment off) maps every tensor of a MiB or more and unmaps it
 on free, as jemalloc and tcmalloc do; `malloc_trim` hands back what a large transient
 phase (materialisation, gathering the final weights) left free in the heap.
 
 By default only for multi-process runs on CPU devices. On an accelerator the large tensors live in device
 memory (host staging buffers are pinned by the device runtime, not malloc'd). One process holds no FSDP buffers,
-and there mapping costs speed: every large activation is then page-faulted in afresh each step (tiny-gpt on
-this 2-core machine: 18% fewer tokens/s, 4.9k vs 6.0k). Elsewhere (musl, macOS, Windows) these are no-ops.
+and there mapping costs speed: every large activation is then page-faulted in afresh each step.
+Elsewhere (musl, macOS, Windows) these are no-ops.
 `MESHFORMER_MMAP_THRESHOLD` sets the threshold in bytes for any CPU run; 0 leaves glibc's default.
 
 One CPU process goes the other way (`reuse_freed_host_memory`): glibc still maps blocks above its (at most
 32 MiB) threshold afresh and trims its heap top, so every step page-faults its logits and largest activations
-back in (S shape, bf16, 2 cores: ~50k faults, ~10% of the step; 7% at M). With mapping and trimming off,
+back in (figures in README, after the `bench/scale_memory.py` table). With mapping and trimming off,
 freed blocks stay on malloc's free lists and the next step reuses them (0 faults a step); the process keeps
 its high-water mark, which a training step reaches every step anyway. Not when MESHFORMER_MMAP_THRESHOLD is set.
 """
