@@ -19,8 +19,6 @@ from meshformer.layout import (
     ZERO_BUBBLE,
     ParallelDims,
     n_microbatches,
-    stages_per_rank,
-    total_layers,
     validate_parallel,
 )
 from meshformer.loss.cross_entropy import LossFn
@@ -40,7 +38,7 @@ from meshformer.parallel.kernels import (
 )
 from meshformer.parallel.materialize import is_meta, materialize
 from meshformer.parallel.mesh import Meshes, build_mesh
-from meshformer.parallel.pipeline import TransformerStage, split_layers, stage_ids_for_rank
+from meshformer.parallel.pipeline import TransformerStage, stage_placement
 from meshformer.parallel.pipeline_plan import PipelinePlan, shared_weights
 from meshformer.parallel.plan import TrainingPlan
 from meshformer.parallel.recompute import apply_recompute
@@ -56,9 +54,13 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def build_plan(model: ModelOrFactory, cfg: Config, device: torch.device, loss: LossSpec) -> TrainingPlan:
+def build_plan(model: ModelOrFactory, cfg: Config, device: torch.device, loss: LossSpec,
+               dims: ParallelDims | None = None) -> TrainingPlan:
     """Shard `model` (built identically on every rank) by `cfg.parallel` and return the plan training it with `loss`
     (meshformer.train.loss_choice.resolve_loss), bound to this rank's vocabulary shard under tensor parallel.
+
+    `dims`: the layout the run validated where it started (the trainer passes its own); without it the layout is
+    validated here, for callers that start with this function (tests, benchmarks).
 
     A model built on the meta device is sharded first and then materialised: each rank allocates and
     initialises only its own shards (meshformer.parallel.materialize).
@@ -66,7 +68,8 @@ def build_plan(model: ModelOrFactory, cfg: Config, device: torch.device, loss: L
     World size 1 gives the single-device plan (recomputation and compile still apply).
     """
     device = torch.device(device)
-    dims = validate_parallel(cfg, world_size(), device)
+    if dims is None:
+        dims = validate_parallel(cfg, world_size(), device)
     if not isinstance(model, Transformer):
         model = model()
     plan = _build(model, cfg, dims, device, loss)
@@ -96,7 +99,7 @@ def _build(model: Transformer, cfg: Config, dims: ParallelDims, device: torch.de
     head_loss = bound.head_loss
     autocast_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else None
     if meshes is None:
-        report = {**_finish_part(model, cfg, dims, None, device), "loss": _loss_report(loss, loss_note)}
+        report = {**parallelize_part(model, cfg, dims, None, device), "loss": _loss_report(loss, loss_note)}
         return TrainingPlan(model, loss_fn, device, autocast_dtype=autocast_dtype, head_loss=head_loss,
                             report=report)
     plan: MeshPlan
@@ -104,7 +107,7 @@ def _build(model: Transformer, cfg: Config, dims: ParallelDims, device: torch.de
         plan = _pipeline_plan(model, cfg, dims, meshes, device, loss_fn, head_loss, autocast_dtype)
         plan.report["loss"] = _loss_report(loss)
     else:
-        report = {**_finish_part(model, cfg, dims, meshes, device), "loss": _loss_report(loss, loss_note),
+        report = {**parallelize_part(model, cfg, dims, meshes, device), "loss": _loss_report(loss, loss_note),
                   "layout": dims.describe()}
         plan = SPMDPlan(model, loss_fn, device, meshes, autocast_dtype=autocast_dtype, head_loss=head_loss,
                         report=report)
@@ -134,7 +137,7 @@ def compile_mode(cfg: Config, dims: ParallelDims) -> str:
     return mode
 
 
-def _finish_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes: Meshes | None,
+def parallelize_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes: Meshes | None,
                  device: torch.device) -> dict[str, str]:
     """CP -> FP8 -> TP -> recompute -> compile -> FSDP on one model part (the whole model or one pipeline stage)."""
     apex_norms = 0
@@ -176,25 +179,21 @@ def _finish_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes: Mes
 def _pipeline_plan(model: Transformer, cfg: Config, dims: ParallelDims, meshes: Meshes, device: torch.device,
                    loss_fn: LossFn, head_loss: HeadLoss | None, autocast_dtype: torch.dtype | None) -> PipelinePlan:
     p = cfg.parallel
-    spr = stages_per_rank(cfg)
-    n_stages = dims.pp * spr
-    spans = split_layers(total_layers(cfg), n_stages, p.pp_split_points or None)
-    v_shape = p.pp_schedule == "zbv"
-    stage_to_rank = {s: r for r in range(dims.pp) for s in stage_ids_for_rank(r, dims.pp, spr, v_shape)}
-    local_ids = stage_ids_for_rank(meshes.pp_rank, dims.pp, spr, v_shape)
+    placement = stage_placement(cfg, dims)
+    spans = placement.spans
     shared = shared_weights(model, spans)
-    stages = [TransformerStage(model, spans[s]) for s in local_ids]
+    stages = [TransformerStage(model, spans[s]) for s in placement.ids_for_rank(meshes.pp_rank)]
     del model  # each stage holds copies of its pieces
     report: dict[str, str] = {}
     for stage in stages:
-        report = _finish_part(stage, cfg, dims, meshes, device)
+        report = parallelize_part(stage, cfg, dims, meshes, device)
     if is_meta(stages[0]):  # before the plan keeps references to the stages' (shared) parameters
         materialize(stages, device)
-    report["pipeline"] = (f"{p.pp_schedule}, {n_stages} stages "
+    report["pipeline"] = (f"{p.pp_schedule}, {len(spans)} stages "
                           f"({', '.join(f'{s.start}-{s.stop - 1}' for s in spans)}), "
                           f"{n_microbatches(cfg)} microbatches")
     report["layout"] = dims.describe()
     return PipelinePlan(stages, loss_fn, device, meshes, schedule=p.pp_schedule,
-                        n_microbatches=n_microbatches(cfg), stage_to_rank=stage_to_rank, shared=shared,
+                        n_microbatches=n_microbatches(cfg), stage_to_rank=placement.stage_to_rank, shared=shared,
                         timeout=timedelta(seconds=p.timeout_s), autocast_dtype=autocast_dtype, head_loss=head_loss,
                         report=report, unsharded_microbatches=p.pp_fsdp_unsharded_microbatches)

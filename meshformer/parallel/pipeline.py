@@ -27,10 +27,13 @@ and tensor parallelism's vocabulary sharding apply exactly as without pipelining
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from meshformer.config import Config
+from meshformer.layout import ParallelDims, stages_per_rank, total_layers
 from meshformer.loss.fused import HeadLoss
 from meshformer.model import Transformer
 from meshformer.model.parallel_context import StageSpan
@@ -56,6 +59,27 @@ def stage_ids_for_rank(pp_rank: int, pp: int, stages_per_rank: int, v_shape: boo
     if v_shape:
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(stages_per_rank)]
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """Which layers each pipeline stage holds and which pipeline rank runs it."""
+
+    spans: list[StageSpan]  # indexed by stage id
+    stage_to_rank: dict[int, int]
+
+    def ids_for_rank(self, pp_rank: int) -> list[int]:
+        """The stages `pp_rank` holds, in ascending order (the order its schedule runs them)."""
+        return sorted(s for s, r in self.stage_to_rank.items() if r == pp_rank)
+
+
+def stage_placement(cfg: Config, dims: ParallelDims) -> StagePlacement:
+    """The layer split and stage-to-rank placement of `cfg.parallel` (one stage on one rank without pipelining)."""
+    spr = stages_per_rank(cfg) if dims.pp > 1 else 1
+    spans = split_layers(total_layers(cfg), dims.pp * spr, cfg.parallel.pp_split_points or None)
+    v_shape = dims.pp > 1 and cfg.parallel.pp_schedule == "zbv"
+    stage_to_rank = {s: r for r in range(dims.pp) for s in stage_ids_for_rank(r, dims.pp, spr, v_shape)}
+    return StagePlacement(spans, stage_to_rank)
 
 
 def stage_pieces(model: Transformer, span: StageSpan) -> dict[str, nn.Module | None]:

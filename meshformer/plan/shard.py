@@ -2,7 +2,7 @@
 
 No memory is allocated and no other process exists: torch's fake process group answers every collective, so a
 single process can play rank 0 of a 4096-rank world. The model goes through the trainer's own path (pipeline
-split -> tensor parallel -> recompute -> FSDP, `meshformer.parallel.build._finish_part`) and the shapes of the
+split -> tensor parallel -> recompute -> FSDP, `meshformer.parallel.build.parallelize_part`) and the shapes of the
 local shards are read off the resulting DTensors. Rank 0 of every data/tensor-parallel group holds the largest
 shard (FSDP pads dim 0 to a multiple of the group size and gives the remainder to the first ranks), so its
 figures are the worst case; each distinct pipeline stage is built once.
@@ -22,13 +22,13 @@ import torch.distributed as dist
 from torch import nn
 
 from meshformer.config import Config
-from meshformer.layout import ParallelDims, stages_per_rank, total_layers, validate_parallel
+from meshformer.layout import ParallelDims, validate_parallel
 from meshformer.model import Transformer
-from meshformer.parallel.build import _finish_part
+from meshformer.parallel.build import parallelize_part
 from meshformer.parallel.fsdp import blocks_of
 from meshformer.parallel.grad_norm import local_tensor
 from meshformer.parallel.mesh import Meshes, build_mesh
-from meshformer.parallel.pipeline import TransformerStage, split_layers, stage_ids_for_rank, stage_pieces
+from meshformer.parallel.pipeline import StagePlacement, TransformerStage, stage_pieces, stage_placement
 from meshformer.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -73,27 +73,22 @@ def _unique_params(parts: Sequence[nn.Module]) -> list[torch.Tensor]:
     return list(seen.values())
 
 
-def _rank_layouts(cfg: Config, dims: ParallelDims) -> dict[tuple, list[int]]:
+def _rank_layouts(placement: StagePlacement, pp: int) -> dict[tuple, list[int]]:
     """Pipeline ranks grouped by what they hold: (stage ids' layer spans, first, last) -> ranks."""
-    spr = stages_per_rank(cfg) if dims.pp > 1 else 1
-    spans = split_layers(total_layers(cfg), dims.pp * spr, cfg.parallel.pp_split_points or None)
+    spans = placement.spans
     kinds: dict[tuple, list[int]] = {}
-    for rank in range(dims.pp):
-        ids = stage_ids_for_rank(rank, dims.pp, spr, cfg.parallel.pp_schedule == "zbv")
-        own = [spans[s] for s in ids]
+    for rank in range(pp):
+        own = [spans[s] for s in placement.ids_for_rank(rank)]
         key = (tuple(s.stop - s.start for s in own), any(s.index == 0 for s in own),
                any(s.index == len(spans) - 1 for s in own))
         kinds.setdefault(key, []).append(rank)
     return kinds
 
 
-def _parts_for_rank(model: Transformer, cfg: Config, dims: ParallelDims, rank: int) -> list[Transformer]:
-    if dims.pp == 1:
+def _parts_for_rank(model: Transformer, placement: StagePlacement, pp: int, rank: int) -> list[Transformer]:
+    if pp == 1:
         return [copy.deepcopy(model)]
-    spr = stages_per_rank(cfg)
-    spans = split_layers(total_layers(cfg), dims.pp * spr, cfg.parallel.pp_split_points or None)
-    ids = stage_ids_for_rank(rank, dims.pp, spr, cfg.parallel.pp_schedule == "zbv")
-    return [TransformerStage(model, spans[s]) for s in ids]
+    return [TransformerStage(model, placement.spans[s]) for s in placement.ids_for_rank(rank)]
 
 
 def _fsdp_shard(numel_tp: int, dim0: int, dp_shard: int) -> int:
@@ -114,12 +109,13 @@ def rank_shares(cfg: Config, world_size: int, *, apply_fsdp: bool = True,
     dims = validate_parallel(cfg, world_size, "cpu")
     meshes: Meshes = build_mesh(dims, "cpu")
     model = model if model is not None else meta_model(cfg)
+    placement = stage_placement(cfg, dims)
     shares = []
-    for (_sizes, first, last), ranks in _rank_layouts(cfg, dims).items():
-        parts = _parts_for_rank(model, cfg, dims, ranks[0])
+    for (_sizes, first, last), ranks in _rank_layouts(placement, dims.pp).items():
+        parts = _parts_for_rank(model, placement, dims.pp, ranks[0])
         for part in parts:
             if apply_fsdp:
-                _finish_part(part, cfg, dims, meshes, torch.device("cpu"))
+                parallelize_part(part, cfg, dims, meshes, torch.device("cpu"))
             elif dims.tp_enabled:
                 apply_tensor_parallel(part, meshes.tp)
         shares.append(_measure(parts, dims, ranks[0], apply_fsdp, first, last))
@@ -184,16 +180,15 @@ def template_shares(cfg: Config, world_size: int, model: Transformer, template: 
                     ) -> tuple[ParallelDims, list[RankShare]]:
     """`rank_shares` for the search: pipeline split by `stage_pieces`, sizes from `tp_template`, FSDP by rule."""
     dims = validate_parallel(cfg, world_size, "cpu")
-    spr = stages_per_rank(cfg) if dims.pp > 1 else 1
-    spans = split_layers(total_layers(cfg), dims.pp * spr, cfg.parallel.pp_split_points or None)
+    placement = stage_placement(cfg, dims)
     shares = []
     offsets = model.spec.layer_offsets(cfg.model)
-    for (_sizes, first, last), ranks in _rank_layouts(cfg, dims).items():
-        ids = stage_ids_for_rank(ranks[0], dims.pp, spr, cfg.parallel.pp_schedule == "zbv")
+    for (_sizes, first, last), ranks in _rank_layouts(placement, dims.pp).items():
+        ids = placement.ids_for_rank(ranks[0])
         sharded = root = block = 0
         layers: list[int] = []
         for sid in ids:
-            pieces = {k: v for k, v in stage_pieces(model, spans[sid]).items() if v is not None}
+            pieces = {k: v for k, v in stage_pieces(model, placement.spans[sid]).items() if v is not None}
             if cfg.model.tie_embeddings and "output" in pieces and "tok_embeddings" not in pieces:
                 pieces["tied_output"] = pieces["output"]  # this stage holds its own copy of the table
             for name, module in pieces.items():

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from meshformer.config import Config, ConfigError
-from meshformer.layout import validate_parallel
+from meshformer.layout import ParallelDims, validate_parallel
 
 _TIMEOUT_MARKERS = ("timed out", "timeout", "watchdog caught collective operation")
 _FLIGHT_RECORDER_ENTRIES = "2000"
@@ -54,19 +54,19 @@ def job_device(cfg: Config, local_rank: int = 0) -> torch.device:
     return device
 
 
-def init_distributed(cfg: Config) -> torch.device:
-    """Validate the layout, then join the process group; returns this rank's device."""
+def init_distributed(cfg: Config) -> ParallelDims:
+    """Validate the layout, then join the process group; returns the validated layout (the trainer's `dims`)."""
     rank, local_rank, world = env_rank()
     device = job_device(cfg, local_rank)
-    validate_parallel(cfg, world, device)  # before any process-group work
+    dims = validate_parallel(cfg, world, device)  # before any process-group work
     if dist.is_initialized():
-        return device
+        return dims
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", _FLIGHT_RECORDER_ENTRIES)  # names a stuck collective
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend_for(device), timeout=timedelta(seconds=cfg.parallel.timeout_s))
     install_error_hook(rank, world)
-    return device
+    return dims
 
 
 def shutdown_distributed(timeout_s: float = 60.0) -> None:

@@ -29,12 +29,13 @@ def run(config_path: str, overrides: list[str]) -> None:
         rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
         setup_console_logging(rank)
         distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1
+        dims = None  # one process: the trainer validates the layout
         if distributed:
             from meshformer.runtime.distributed import init_distributed, shutdown_distributed
 
-            init_distributed(cfg)
+            dims = init_distributed(cfg)
         try:
-            Trainer(cfg, rank=rank, local_rank=local_rank, tokenizer=tokenizer).fit()
+            Trainer(cfg, rank=rank, local_rank=local_rank, tokenizer=tokenizer, dims=dims).fit()
         finally:
             if distributed:
                 shutdown_distributed()

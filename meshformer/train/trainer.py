@@ -20,9 +20,9 @@ from meshformer.batch import Batch
 from meshformer.checkpointing.manager import CheckpointManager
 from meshformer.checkpointing.save_errors import final_weights_failed_error
 from meshformer.checkpointing.train_state import Checkpointable, SchedulerState, TrainState
-from meshformer.config import Config, ConfigError
+from meshformer.config import Config
 from meshformer.data import Tokenizer, build_loader
-from meshformer.layout import validate_parallel
+from meshformer.layout import ParallelDims, validate_parallel
 from meshformer.model import Transformer
 from meshformer.model.families import get_family_spec
 from meshformer.model.flops import flops_per_token
@@ -57,16 +57,17 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, *, rank: int = 0, local_rank: int = 0, tokenizer: Tokenizer | None = None) -> None:
-        """tokenizer: the one preflight loaded and checked, when the caller ran preflight (else loaded here)."""
+    def __init__(self, cfg: Config, *, rank: int = 0, local_rank: int = 0, tokenizer: Tokenizer | None = None,
+                 dims: ParallelDims | None = None) -> None:
+        """tokenizer: the one preflight loaded and checked, when the caller ran preflight (else loaded here).
+        dims: the layout `init_distributed` validated when it joined the process group (else validated here)."""
         self.cfg, self.rank = cfg, rank
         self.device = job_device(cfg, local_rank)
         # Before any large tensor (runtime/host_memory.py): CPU ranks of a multi-process run map large tensors so
         # freed FSDP buffers leave RSS; one CPU process reuses what it frees instead of re-faulting it each step.
         host_memory = apply_host_memory_policy(self.device.type, world_size())
-        dims = validate_parallel(cfg, world_size(), self.device)  # before the model is built (and sharded)
-        if cfg.train.dtype == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise ConfigError("train.dtype='bf16' but this GPU has no bf16 support; use train.dtype='fp32'")
+        if dims is None:
+            dims = validate_parallel(cfg, world_size(), self.device)  # before the model is built (and sharded)
         # Measured first, before data workers or other ranks' set-up compete for the device.
         self.ceiling = FlopsCeiling(*peak_flops(self.device, torch.bfloat16 if cfg.train.dtype == "bf16"
                                                 else torch.float32))
@@ -86,7 +87,7 @@ class Trainer:
             model = Transformer(cfg.model, init_seed=init_seed)
         # The loss follows train.loss / label_smoothing / z_loss (fused head loss or full logits; vocab-parallel);
         # the plan autocasts when train.dtype=bf16.
-        self.plan: TrainingPlan = build_plan(model, cfg, self.device, resolve_loss(cfg, dims, self.device.type))
+        self.plan: TrainingPlan = build_plan(model, cfg, self.device, resolve_loss(cfg, dims, self.device.type), dims)
         # The whole model, for decoded samples; pipeline stages hold copies of their pieces, so drop it there.
         self.model = model if self.plan.supports_generation else None
         release_free_host_memory()  # what materialisation's transient full tensors left in the heap
