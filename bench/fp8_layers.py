@@ -62,7 +62,7 @@ def run(recipe: str, tokens: torch.Tensor | None, args) -> tuple[dict, torch.Ten
               "device": torch.cuda.get_device_name() if trainer.device.type == "cuda" else "cpu",
               "steps": args.steps, "tokens_per_s": round(tps, 1),
               "mfu": round(flops_per_token(cfg.model, cfg.data.seq_len) * tps / trainer.ceiling.flops, 4),
-              "loss_last10": round(last, 5), "fp8": trainer.plan.report.get("fp8"),
+              "loss_last10": round(last, 5), "fp8": trainer.parallel_model.report.get("fp8"),
               "peak_memory_gib": peak_memory_gib(trainer.device), "wall_s": round(time.perf_counter() - start, 1)}
     del trainer
     reset_memory(torch.device(args.device))

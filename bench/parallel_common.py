@@ -22,9 +22,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from meshformer.config import Config, config_from_dict  # noqa: E402
-from meshformer.layout import ParallelDims  # noqa: E402
 from meshformer.model import Transformer  # noqa: E402
-from meshformer.parallel import TrainingPlan, build_plan  # noqa: E402
+from meshformer.parallel import ParallelModel, parallelize  # noqa: E402
+from meshformer.parallel_dims import ParallelDims  # noqa: E402
 from meshformer.train.loss_choice import resolve_loss  # noqa: E402
 from tests._common import free_port  # noqa: E402
 
@@ -56,11 +56,11 @@ def new_model(cfg: Config) -> Transformer:
     return Transformer(cfg.model)
 
 
-def build_cpu_plan(cfg: Config) -> TrainingPlan:
-    """`build_plan` on CPU for this world, with the loss the trainer resolves from `cfg`."""
+def build_cpu_plan(cfg: Config) -> ParallelModel:
+    """`parallelize` on CPU for this world, with the loss the trainer resolves from `cfg`."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     loss = resolve_loss(cfg, ParallelDims.from_config(cfg.parallel, world), "cpu")
-    return build_plan(new_model(cfg), cfg, torch.device("cpu"), loss)
+    return parallelize(new_model(cfg), cfg, torch.device("cpu"), loss)
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out: str, threads: int) -> None:

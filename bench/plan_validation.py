@@ -39,13 +39,13 @@ def validation_config(parallel: dict[str, Any], *, d_model: int = 128, n_layers:
 
 def measure_layouts(layouts: list[dict[str, Any]]) -> list[int]:
     """This rank's measured peak (bytes) for each layout, one after another in this process group."""
-    from meshformer.plan.measure import measure_step_peak
+    from meshformer.planner.measure import measure_step_peak
 
     return [measure_step_peak(validation_config(layout))["peak"] for layout in layouts]
 
 
 def predicted_peak(layout: dict[str, Any], world: int) -> float:
-    from meshformer.plan.search import plan_layout
+    from meshformer.planner.search import plan_layout
 
     return plan_layout(validation_config(layout), world).peak
 

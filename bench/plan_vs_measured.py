@@ -1,4 +1,4 @@
-"""Planner predictions vs measured peak memory (live tensor bytes per rank, see meshformer/plan/measure.py).
+"""Planner predictions vs measured peak memory (live tensor bytes per rank, see meshformer/planner/measure.py).
 
 CPU/gloo: every layout of plan_validation.LAYOUTS, one launch per world size; prints one row per
 layout (worst rank) and the largest error. For a GPU, see bench/plan_vs_measured_gpu.py.

@@ -3,7 +3,7 @@
 Each mode trains two steps (bf16 autocast, fused AdamW) of configs/llama-1b.toml at seq 2048; the peak of the
 second step, as the CUDA caching allocator counts it (bytes handed to live tensors), is compared with the
 planner's prediction for world size 1. `--device cpu` dry-runs the same path on a small model, measuring live
-tensor bytes instead (see meshformer/plan/measure.py).
+tensor bytes instead (see meshformer/planner/measure.py).
 
     python bench/plan_vs_measured_gpu.py                      # on a GPU
     python bench/plan_vs_measured_gpu.py --device cpu         # dry run
@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from meshformer.config import load_config
-from meshformer.plan.measure import LiveTensorBytes, TrainingStep
-from meshformer.plan.search import plan_layout
+from meshformer.planner.measure import LiveTensorBytes, TrainingStep
+from meshformer.planner.search import plan_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model.d_model=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4", "model.d_ff=1024",

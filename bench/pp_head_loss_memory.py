@@ -5,7 +5,7 @@ The last stage holds the output projection; with train.loss=plain it keeps each 
 and their fp32 softmax for backward; the chunked loss keeps each micro-batch's gradients (hidden states and the
 fp32 V x D weight gradient) from its forward to its backward; chunked_recompute keeps one fp32 log-partition
 per row and recomputes the logits in the backward. Peak = live tensor bytes of one training step
-(meshformer.plan.measure), the worst pipeline rank and the last stage's rank; prints one JSON line per
+(meshformer.planner.measure), the worst pipeline rank and the last stage's rank; prints one JSON line per
 schedule with the ratios against plain and recompute / chunked.
 
 Recomputing vs stored chunked loss, last-stage peak at V 32000 / 128000: GPipe 0.77x / 0.76x, interleaved_zb
@@ -27,7 +27,7 @@ LOSSES = ("plain", "chunked", "chunked_recompute")
 
 def measure(schedules: list[str], vocab: int, microbatches: int, seq: int = 128) -> dict[str, dict[str, int]]:
     """This rank's peak (bytes) per schedule and loss."""
-    from meshformer.plan.measure import measure_step_peak
+    from meshformer.planner.measure import measure_step_peak
 
     out: dict[str, dict[str, int]] = {}
     for schedule in schedules:

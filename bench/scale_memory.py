@@ -117,7 +117,7 @@ def worker(rank: int, world: int, port: int, size: str, layout: str, run_dir: st
     startup_s = time.perf_counter() - start
     phases.end("startup")
     params = sum(p.numel() for p in trainer.model.parameters()) if trainer.model is not None else None
-    trainer.plan.forward_backward = phases.wrap("forward_backward", trainer.plan.forward_backward)
+    trainer.parallel_model.forward_backward = phases.wrap("forward_backward", trainer.parallel_model.forward_backward)
     trainer.optimizer.step = phases.wrap("optimizer_step", trainer.optimizer.step)
     trainer.save_final_weights = phases.wrap("final_save", trainer.save_final_weights)
     if steps:

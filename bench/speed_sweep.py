@@ -123,7 +123,7 @@ def main() -> None:
                        "mfu": round(fpt * tps / peak, 4) if peak else None, "peak_flops": peak,
                        "ratio_vs_reference": round(tps / reference_tps, 3) if reference_tps else None,
                        "warmup_s": round(result["warmup_s"], 1), "peak_memory_gib": result["peak_memory_gib"],
-                       "kernels": ours.trainer.plan.report, "wall_s": round(result["wall_s"], 1)}
+                       "kernels": ours.trainer.parallel_model.report, "wall_s": round(result["wall_s"], 1)}
             del ours
         except Exception as err:  # one failing candidate must not hide the others' numbers
             record |= {"error": f"{type(err).__name__}: {err}"[:500]}

@@ -74,7 +74,7 @@ def _wrap_optimizer(clock: PhaseClock, optimizer: torch.optim.Optimizer) -> None
 def instrument_ours(clock: PhaseClock, ours: Any) -> None:
     """Marks in our Trainer step: data, forward (blocks), head + loss, backward, clip, optimizer, zero_grad."""
     trainer = ours.trainer
-    plan, model = trainer.plan, trainer.plan.model
+    plan, model = trainer.parallel_model, trainer.parallel_model.model
     trainer.train_iter = _TimedIterator(clock, trainer.train_iter)
     plan.model.forward = around(clock, model.forward, "data/setup", None)
     model.head = around(clock, model.head, "forward", "head (+ fused loss)")

@@ -12,7 +12,7 @@ from meshformer.config import load_config
 from meshformer.data import cli as data_cli
 from meshformer.errors import DEBUG_ENV, ArgumentParser, UsageError, run_command
 from meshformer.launcher import cli as launcher_cli
-from meshformer.plan import cli as plan_cli
+from meshformer.planner import cli as plan_cli
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -20,7 +20,7 @@ def _train(args: argparse.Namespace) -> None:
 
     check_launch_options(args.nproc_per_node, args.nnodes, args.max_restarts)
     if args.nproc_per_node > 1 or args.nnodes > 1:
-        from meshformer.layout import validate_parallel
+        from meshformer.parallel_dims import validate_parallel
         from meshformer.train.preflight import preflight, run_folders_claimed
 
         cfg = load_config(args.config, args.set)  # one process checks before torchrun starts any rank

@@ -39,10 +39,10 @@ from _common import free_port  # noqa: E402
 
 from meshformer.batch import IGNORE_INDEX  # noqa: E402
 from meshformer.config import Config, OptimConfig, ScheduleConfig, config_from_dict  # noqa: E402
-from meshformer.layout import ParallelDims  # noqa: E402
 from meshformer.loss.cross_entropy import plain_loss_fn  # noqa: E402
 from meshformer.model import Transformer  # noqa: E402
-from meshformer.parallel.plan import TrainingPlan  # noqa: E402
+from meshformer.parallel.parallel_model import ParallelModel  # noqa: E402
+from meshformer.parallel_dims import ParallelDims  # noqa: E402
 from meshformer.train.loss_choice import resolve_loss  # noqa: E402
 from meshformer.train.step import TrainStep  # noqa: E402
 
@@ -123,23 +123,23 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def build_cpu_plan(cfg: Config, model: Transformer | None = None) -> TrainingPlan:
-    """`build_plan` on CPU for this world, with the loss the trainer resolves from `cfg`."""
-    from meshformer.parallel import build_plan
+def build_cpu_plan(cfg: Config, model: Transformer | None = None) -> ParallelModel:
+    """`parallelize` on CPU for this world, with the loss the trainer resolves from `cfg`."""
+    from meshformer.parallel import parallelize
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     loss = resolve_loss(cfg, ParallelDims.from_config(cfg.parallel, world), "cpu")
-    return build_plan(model if model is not None else new_model(cfg), cfg, torch.device("cpu"), loss)
+    return parallelize(model if model is not None else new_model(cfg), cfg, torch.device("cpu"), loss)
 
 
-def harness_step(plan: TrainingPlan, steps: int, nonfinite_limit: int = 0) -> TrainStep:
+def harness_step(plan: ParallelModel, steps: int, nonfinite_limit: int = 0) -> TrainStep:
     """The trainer's update (fused AdamW: clip factor and skip flag in the kernel) at a constant rate."""
     optim = OptimConfig(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, grad_clip=MAX_NORM,
                         implementation="fused", max_nonfinite_in_a_row=nonfinite_limit)
     return TrainStep(plan, optim, ScheduleConfig(name="constant", warmup_steps=0), steps, d_model=1)
 
 
-def train_steps(plan: TrainingPlan, steps: list[list[dict[str, torch.Tensor]]], dp_rank: int, dp_size: int):
+def train_steps(plan: ParallelModel, steps: list[list[dict[str, torch.Tensor]]], dp_rank: int, dp_size: int):
     """Two optimizer steps; returns (global losses, step-0 grads by canonical name, pre-clip norms)."""
     training = harness_step(plan, len(steps))
     losses, norms, grads0, replica_all_reduces = [], [], {}, []
@@ -178,7 +178,7 @@ def train_steps(plan: TrainingPlan, steps: list[list[dict[str, torch.Tensor]]], 
 
 
 @contextmanager
-def counted_replica_all_reduces(plan: TrainingPlan) -> Iterator[list[int]]:
+def counted_replica_all_reduces(plan: ParallelModel) -> Iterator[list[int]]:
     """Counts the all-reduces over the data-replicate ranks (HSDP's gradient sum across replicas) in the block."""
     count = [0]
     meshes = getattr(plan, "meshes", None)
@@ -201,7 +201,7 @@ def counted_replica_all_reduces(plan: TrainingPlan) -> Iterator[list[int]]:
         dist.all_reduce = original
 
 
-def gathered_grads(plan: TrainingPlan) -> dict[str, torch.Tensor]:
+def gathered_grads(plan: ParallelModel) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for part in plan.model_parts:
         seen: set[int] = set()
@@ -224,7 +224,7 @@ def reference(cfg: Config, steps) -> tuple[list[float], dict[str, torch.Tensor],
         apply_float8(model, cfg.train.fp8, emulate=True)
         if cfg.train.fp8 == "tensorwise":
             steps = [[piece for batch in micro for piece in rank_pieces(cfg, batch)] for micro in steps]
-    plan = TrainingPlan(model, plain_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss), torch.device("cpu"))
+    plan = ParallelModel(model, plain_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss), torch.device("cpu"))
     return train_steps(plan, steps, 0, 1)[:3]
 
 
@@ -235,7 +235,7 @@ def rank_pieces(cfg: Config, batch: dict[str, torch.Tensor]) -> list[dict[str, t
     (data or pipeline parallel) quantises differently from one process on the whole batch; a reference running
     the same pieces one by one (their losses and gradients add up) quantises exactly as the layout does.
     """
-    from meshformer.layout import n_microbatches
+    from meshformer.parallel_dims import n_microbatches
 
     p = cfg.parallel
     dp = p.dp_replicate * p.dp_shard

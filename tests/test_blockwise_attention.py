@@ -135,7 +135,7 @@ def _saved_bytes(model: Transformer, ids: torch.Tensor) -> int:
 def test_planner_counts_the_kept_probabilities():
     """What one decoder block keeps more under this kernel than under SDPA, measured with saved-tensor hooks,
     equals the planner's difference (the stored probabilities minus SDPA's log-sum-exp) within 2%."""
-    from meshformer.plan.activations import ActivationShape, block_saved
+    from meshformer.planner.activations import ActivationShape, block_saved
 
     cfg = _tiny(n_layers=1, n_heads=4, d_model=64)  # head_dim 16
     batch, seq = 4, 200

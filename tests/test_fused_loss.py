@@ -14,9 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshformer.batch import IGNORE_INDEX, model_inputs
 from meshformer.config import ConfigError
-from meshformer.layout import ParallelDims
 from meshformer.loss.cross_entropy import cross_entropy_sum
 from meshformer.loss.fused import VocabShard, chunked_linear_cross_entropy, head_loss_fn
+from meshformer.parallel_dims import ParallelDims
 from meshformer.train.loss_choice import resolve_loss
 
 
@@ -194,7 +194,7 @@ def test_loss_choice_is_checked_against_device_and_layout():
         resolve_loss(cfg, pp, "cuda")
     cfg.train.loss = "auto"
     assert resolve_loss(cfg, pp, "cpu").kind == "chunked"  # the last pipeline stage runs it
-    assert resolve_loss(cfg, tp, "cpu").kind == "chunked"  # bound to the rank's vocabulary rows by build_plan
+    assert resolve_loss(cfg, tp, "cpu").kind == "chunked"  # bound to the rank's vocabulary rows by parallelize
     cfg.train.loss = "plain"
     assert resolve_loss(cfg, pp, "cpu").bind(None).head_loss is None
 
@@ -245,7 +245,7 @@ def test_zero_bubble_split_backward_matches_and_recomputes_only_what_each_pass_u
 def test_recompute_keeps_no_weight_gradient_per_microbatch_in_flight():
     """GPipe-like: four forwards before their backwards. The stored path keeps an fp32 V x D weight gradient
     (and the hidden-state gradient) per micro-batch in flight, the recomputing one an fp32 log-partition per row."""
-    from meshformer.plan.measure import LiveTensorBytes
+    from meshformer.planner.measure import LiveTensorBytes
 
     rows, d, vocab, in_flight = 66, 32, 4000, 4
     micro = [head_inputs(rows=rows, d=d, vocab=vocab, seed=s) for s in range(in_flight)]

@@ -102,7 +102,7 @@ def test_model_is_built_from_the_spec(family):
 
 
 def test_planner_parallelises_it_on_a_fake_world(family):
-    from meshformer.plan import estimate
+    from meshformer.planner import estimate
 
     cfg = load_config("tiny-gpt", [*SMALL, "parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=2"])
     dims, ranks = estimate(cfg, world_size=8)

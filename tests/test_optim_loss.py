@@ -11,7 +11,7 @@ from meshformer.batch import IGNORE_INDEX
 from meshformer.config import OptimConfig, ScheduleConfig
 from meshformer.errors import DivergenceError
 from meshformer.loss.cross_entropy import cross_entropy_sum
-from meshformer.parallel.plan import TrainingPlan
+from meshformer.parallel.parallel_model import ParallelModel
 from meshformer.train.optim import build_optimizer, lr_multiplier
 from meshformer.train.step import TrainStep
 
@@ -20,7 +20,7 @@ def _adamw_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [t.clone() for state in optimizer.state.values() for t in state.values()]
 
 
-class GivenGradients(TrainingPlan):
+class GivenGradients(ParallelModel):
     """A plan whose backward sets the gradients a test hands it (random, with `bad` in one element)."""
 
     def __init__(self, params: list[torch.nn.Parameter]) -> None:

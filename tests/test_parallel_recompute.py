@@ -8,9 +8,9 @@ from parallel_harness import build_cpu_plan, make_batches, make_config, new_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshformer.config import ConfigError
-from meshformer.layout import ParallelDims
-from meshformer.parallel.build import compile_mode
+from meshformer.parallel.parallelize import compile_mode
 from meshformer.parallel.recompute import apply_recompute
+from meshformer.parallel_dims import ParallelDims
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 

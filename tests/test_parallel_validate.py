@@ -8,8 +8,8 @@ import torch.distributed as dist
 from parallel_harness import make_config
 
 from meshformer.config import ConfigError
-from meshformer.layout import ParallelDims, bf16_supported, n_microbatches, validate_parallel
-from meshformer.parallel.pipeline import split_layers, stage_ids_for_rank
+from meshformer.parallel.pipeline.stages import split_layers, stage_ids_for_rank
+from meshformer.parallel_dims import ParallelDims, bf16_supported, n_microbatches, validate_parallel
 
 
 def bad(family: str = "decoder", world: int = 2, device: str = "cpu", **parallel) -> str:

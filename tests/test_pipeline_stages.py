@@ -15,7 +15,7 @@ from meshformer.batch import model_inputs
 from meshformer.loss.fused import head_loss_fn
 from meshformer.model import Transformer
 from meshformer.model.families import FAMILIES, get_family_spec
-from meshformer.parallel.pipeline import TransformerStage, split_layers, stage_pieces
+from meshformer.parallel.pipeline.stages import TransformerStage, split_layers, stage_pieces
 
 
 def run_stages(stages: list[TransformerStage], inputs: dict[str, torch.Tensor]) -> torch.Tensor:

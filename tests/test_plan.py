@@ -11,9 +11,9 @@ from plan_validation import LAYOUTS, TOLERANCE, compare, measure_layouts, valida
 
 from meshformer.config import load_config
 from meshformer.model.flops import count_params
-from meshformer.plan.memory import usable_bytes
-from meshformer.plan.search import plan_layout, search_layouts, with_layout
-from meshformer.plan.shard import fake_world, meta_model, rank_shares, template_shares, tp_template
+from meshformer.planner.memory import usable_bytes
+from meshformer.planner.search import plan_layout, search_layouts, with_layout
+from meshformer.planner.shard import fake_world, meta_model, rank_shares, template_shares, tp_template
 
 
 # world 4 (four processes on the default run's 2 cores) runs with the slow tests; worlds 1 and 2 by default
@@ -30,8 +30,8 @@ def test_predicted_peak_within_tolerance_of_measured(world):
 def test_packed_document_masks_are_planned():
     """With model.document_mask, SDPA keeps a (b, 1, s, s) mask per layer for its backward: at s 512 leaving it
     out would under-predict by 8%."""
-    from meshformer.plan.measure import measure_step_peak
-    from meshformer.plan.search import plan_layout
+    from meshformer.planner.measure import measure_step_peak
+    from meshformer.planner.search import plan_layout
 
     cfg = validation_config({}, seq=512)
     cfg.model.document_mask = True
@@ -71,7 +71,7 @@ def test_405b_at_4096_ranks_plans_fast_and_shards_every_parameter():
 
 def test_fsdp_by_rule_equals_fully_shard(monkeypatch):
     """Beyond REAL_FSDP_SHARDS the reported layout is sized by FSDP2's rule; below it, by fully_shard itself."""
-    from meshformer.plan import search
+    from meshformer.planner import search
 
     cfg = load_config(CONFIGS / "tiny-gpt.toml", ["parallel.tp=2", "model.vocab_size=500"])
     real = plan_layout(cfg, 256)
@@ -134,7 +134,7 @@ def test_planner_counts_the_last_stages_fused_head_loss_under_pipeline_paralleli
     """train.loss=auto is a chunked loss under PP too: the last pipeline rank holds no full-vocabulary logits.
     Where it holds several micro-batches' losses (GPipe: all 4; interleaved zero-bubble defers the weight pass
     by pp = 2) auto recomputes the logits in the backward instead of keeping a weight gradient for each."""
-    from meshformer.plan.activations import activation_shape, chunked_loss, recomputed_chunked_loss
+    from meshformer.planner.activations import activation_shape, chunked_loss, recomputed_chunked_loss
 
     cfg = validation_config({"pp": 2, "pp_schedule": schedule, "pp_microbatches": 4}, vocab=32000)
     last, first = (0, 1) if schedule == "zbv" else (1, 0)  # ZBV's V places the last stage on rank 0

@@ -120,20 +120,20 @@ def test_sample_clips_the_source_to_the_position_table(tmp_path):
 
 def test_a_nan_step_updates_nothing_and_a_run_of_them_stops_training(tmp_path, monkeypatch):
     from meshformer.errors import DivergenceError
-    from meshformer.parallel.plan import TrainingPlan
+    from meshformer.parallel.parallel_model import ParallelModel
 
     overrides = [*SMALL, "train.steps=6", "logging.log_interval=1", "logging.tensorboard=false", "data.num_workers=0",
                  "checkpoint.interval=0", "optim.max_nonfinite_in_a_row=2", f"logging.run_dir={tmp_path}"]
     trainer = Trainer(load_config(CONFIGS / "tiny-gpt.toml", overrides))
     poisoned = {2, 4, 5, 6}  # steps whose loss is NaN (1-based): one alone, then three in a row
-    forward_backward = TrainingPlan.forward_backward
+    forward_backward = ParallelModel.forward_backward
 
     def nan_loss(plan, batch, global_tokens, last_micro_batch=True):
         if trainer.step + 1 in poisoned:
             global_tokens = global_tokens * float("nan")
         return forward_backward(plan, batch, global_tokens, last_micro_batch)
 
-    monkeypatch.setattr(TrainingPlan, "forward_backward", nan_loss)
+    monkeypatch.setattr(ParallelModel, "forward_backward", nan_loss)
     weights: dict[int, list[torch.Tensor]] = {}
     logged = []
     trainer.logger.info = logged.append

@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from meshformer.config import ConfigError, load_config  # noqa: E402
-from meshformer.plan.cli import layout_name  # noqa: E402
-from meshformer.plan.memory import usable_bytes  # noqa: E402
-from meshformer.plan.search import plan_layout, search_layouts, with_layout  # noqa: E402
+from meshformer.planner.cli import layout_name  # noqa: E402
+from meshformer.planner.memory import usable_bytes  # noqa: E402
+from meshformer.planner.search import plan_layout, search_layouts, with_layout  # noqa: E402
 
 GiB = 2**30
 

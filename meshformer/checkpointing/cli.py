@@ -146,12 +146,12 @@ def _import_megatron(args: argparse.Namespace) -> Path:
 
 
 def _verify(args: argparse.Namespace) -> Path:
-    from meshformer.checkpointing import directory as layout
+    from meshformer.checkpointing import directory
     from meshformer.checkpointing.manifest import verify_manifest
 
     root = Path(args.src)
     folders = [root] if (root / "manifest.json").is_file() else [
-        root / layout.step_dir_name(s) for s in layout.committed_steps(root)]
+        root / directory.step_dir_name(s) for s in directory.committed_steps(root)]
     bad = 0
     for folder in folders:
         try:
@@ -160,9 +160,9 @@ def _verify(args: argparse.Namespace) -> Path:
         except CheckpointError as err:
             bad += 1
             print(f"CORRUPT  {folder}: {err}")
-    for partial in layout.partial_dirs(root):
+    for partial in directory.partial_dirs(root):
         print(f"partial  {partial} (incomplete save; ignored by resume)")
-    for deleting in layout.deleting_dirs(root):
+    for deleting in directory.deleting_dirs(root):
         print(f"deleting {deleting} (interrupted removal by retention; ignored, removed at the next start)")
     if not folders:
         raise CheckpointError(f"{root} holds no committed checkpoints", "pass a checkpoint.dir or one step folder")

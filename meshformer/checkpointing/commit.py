@@ -6,13 +6,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from meshformer.checkpointing import directory as layout
+from meshformer.checkpointing import directory
 from meshformer.checkpointing.errors import CheckpointError
 from meshformer.checkpointing.manifest import fsync_dir, write_manifest
 
 
 def partial_dir(root: Path, step: int) -> Path:
-    return Path(root) / (layout.step_dir_name(step) + layout.PARTIAL_SUFFIX)
+    return Path(root) / (directory.step_dir_name(step) + directory.PARTIAL_SUFFIX)
 
 
 def commit(partial: Path, step: int, extra: dict[str, Any] | None = None) -> Path:
@@ -20,7 +20,7 @@ def commit(partial: Path, step: int, extra: dict[str, Any] | None = None) -> Pat
     previous checkpoint as the newest valid one, or the new one complete."""
     root = partial.parent
     write_manifest(partial, step, extra)
-    final = root / layout.step_dir_name(step)
+    final = root / directory.step_dir_name(step)
     if final.exists():  # committed by someone else (another run on this folder): never ours to replace
         raise CheckpointError(f"{final} already holds a committed checkpoint of step {step} that this run did not "
                               f"write; it was left as it is, and this save stays unfinished in {partial.name}",
@@ -28,5 +28,5 @@ def commit(partial: Path, step: int, extra: dict[str, Any] | None = None) -> Pat
                               f"or move {final.name} away")
     os.replace(partial, final)
     fsync_dir(root)
-    layout.write_latest(root, final.name)
+    directory.write_latest(root, final.name)
     return final

@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from meshformer.checkpointing import compat
-from meshformer.checkpointing import directory as layout
+from meshformer.checkpointing import compat, directory
 from meshformer.checkpointing import state as st
 from meshformer.checkpointing.commit import commit, partial_dir
 from meshformer.checkpointing.dcp_io import SafeFileSystemReader, SafeLoadPlanner, read_metadata, tensor_entries
@@ -137,17 +136,17 @@ class CheckpointManager:
     def _write(self, run: Checkpointable, step: int, partial: Path, blocking: bool) -> None:
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            layout.remove_leftovers(self.root)  # unfinished saves and deletes of a crash; never trusted
+            directory.remove_leftovers(self.root)  # unfinished saves and deletes of a crash; never trusted
             partial.mkdir()
         self._barrier()
         start = time.perf_counter()
         tensors = st.training_tensors(run.model_parts, run.optimizer)
         rank_state = {"rank": self.rank, "world_size": self.world_size, "rng": capture_rng_state()}
-        write_json_atomic(partial / layout.rank_file(self.rank), rank_state)
+        write_json_atomic(partial / directory.rank_file(self.rank), rank_state)
         groups = self._all_param_groups(run)
         if self.rank == 0:
-            write_json_atomic(partial / layout.TRAINER_STATE, self._trainer_state(run, groups))
-            (partial / layout.RUN_CONFIG).write_text(run.config.to_toml())
+            write_json_atomic(partial / directory.TRAINER_STATE, self._trainer_state(run, groups))
+            (partial / directory.RUN_CONFIG).write_text(run.config.to_toml())
         writer = dcp.FileSystemWriter(str(partial), thread_count=1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # DCP's notes on single-process saves and async use
@@ -168,9 +167,9 @@ class CheckpointManager:
         """Say what failed, what is intact, and what to do. A full disk also gets its space back at once; any other
         unfinished folder stays until the next save clears it (as after a crash: resume never reads it)."""
         if self.rank == 0 and is_disk_full(err):
-            layout.remove_tree(partial)
-        newest = [s for s in layout.committed_steps(self.root) if s < step]
-        return save_failed_error(err, step, self.root, layout.step_dir_name(newest[-1]) if newest else None)
+            directory.remove_tree(partial)
+        newest = [s for s in directory.committed_steps(self.root) if s < step]
+        return save_failed_error(err, step, self.root, directory.step_dir_name(newest[-1]) if newest else None)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written and committed; a failure is reported, not raised."""
@@ -205,14 +204,14 @@ class CheckpointManager:
         Retention never deletes the step just written, and only steps <= it count (or are deleted): higher
         ones were left in this folder by another run and are not this run's to remove."""
         final = commit(partial, step, {"world_size": self.world_size})
-        earlier = [s for s in layout.committed_steps(self.root) if s <= step]
+        earlier = [s for s in directory.committed_steps(self.root) if s <= step]
         ours = _model_signature(final)
-        for old_step in layout.steps_to_delete(earlier, self.cfg.keep_last, self.cfg.keep_every, protect={step}):
-            old = self.root / layout.step_dir_name(old_step)
+        for old_step in directory.steps_to_delete(earlier, self.cfg.keep_last, self.cfg.keep_every, protect={step}):
+            old = self.root / directory.step_dir_name(old_step)
             if _model_signature(old) != ours:  # another model's checkpoint (e.g. before a partial load): keep it
                 self.log(f"retention keeps {old.name}: it holds a different model than this run's")
                 continue
-            layout.remove_tree(old)
+            directory.remove_tree(old)
 
     def _all_param_groups(self, run: Checkpointable) -> list[dict[str, Any]]:
         """Optimizer groups with the names of every rank's parameters (pipeline stages hold different ones)."""
@@ -258,8 +257,8 @@ class CheckpointManager:
         verify = verify or self.cfg.verify
         found: Path | None = None
         corrupt: list[tuple[Path, CorruptCheckpointError]] = []
-        for step in reversed(layout.committed_steps(self.root)):
-            path = self.root / layout.step_dir_name(step)
+        for step in reversed(directory.committed_steps(self.root)):
+            path = self.root / directory.step_dir_name(step)
             try:
                 verify_manifest(path, verify)
                 found = path
@@ -283,7 +282,7 @@ class CheckpointManager:
         name, error = None, None
         if self.rank == 0:
             try:
-                for leftover in layout.remove_leftovers(self.root):
+                for leftover in directory.remove_leftovers(self.root):
                     self.log(f"removed {leftover.name}, left behind by an interrupted save or delete")
                 found = self.find_valid()
                 name = found.name if found is not None else None
@@ -311,7 +310,7 @@ class CheckpointManager:
     def load(self, path: Path, run: Checkpointable) -> dict[str, Any]:
         """Load a checkpoint folder (any saved layout) into this layout; returns its trainer state."""
         path = Path(path)
-        state = json.loads((path / layout.TRAINER_STATE).read_text())
+        state = json.loads((path / directory.TRAINER_STATE).read_text())
         if state.get("version", 0) > STATE_VERSION:
             raise CheckpointError(f"{path} has trainer-state version {state['version']}; upgrade meshformer")
         self._warn_config_changes(state.get("config"), run.config)
@@ -371,7 +370,7 @@ class CheckpointManager:
         return diff.skipped & set(local)
 
     def _restore_rng(self, path: Path, run: Checkpointable, state: dict[str, Any]) -> None:
-        file = path / layout.rank_file(self.rank)
+        file = path / directory.rank_file(self.rank)
         if file.is_file():
             restore_rng_state(json.loads(file.read_text())["rng"])
             return
@@ -427,7 +426,7 @@ def refuse_earlier_checkpoints(root: Path) -> None:
     """checkpoint.resume=false starts at step 0, and its saves could not commit over the steps an earlier run left
     in `root` (a commit never replaces a checkpoint it did not write): say so before any work, not at the first
     save."""
-    steps = layout.committed_steps(Path(root))
+    steps = directory.committed_steps(Path(root))
     if steps:
         raise CheckpointError(f"checkpoint.resume=false, but {root} holds checkpoints of an earlier run (steps "
                               f"{steps[0]}..{steps[-1]}) that this run's saves would collide with",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from meshformer.checkpointing import directory as layout
+from meshformer.checkpointing import directory
 from meshformer.checkpointing.commit import commit, partial_dir
 from meshformer.checkpointing.dcp_io import (
     read_full_tensors,
@@ -37,9 +37,9 @@ def resolve_checkpoint(path: Path) -> Path:
     if (path / MANIFEST).is_file():
         verify_manifest(path, "sha256")
         return path
-    steps = layout.committed_steps(path)
+    steps = directory.committed_steps(path)
     for step in reversed(steps):
-        candidate = path / layout.step_dir_name(step)
+        candidate = path / directory.step_dir_name(step)
         try:
             verify_manifest(candidate, "sha256")
             return candidate
@@ -50,7 +50,7 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def checkpoint_model_config(path: Path) -> ModelConfig:
-    state = json.loads((Path(path) / layout.TRAINER_STATE).read_text())
+    state = json.loads((Path(path) / directory.TRAINER_STATE).read_text())
     return build_section(ModelConfig, state["config"]["model"], "model")
 
 
@@ -139,20 +139,21 @@ def write_weights_checkpoint(state: Mapping[str, torch.Tensor], cfg: ModelConfig
                               f"{unexpected[:5]}")
     refuse_existing_checkpoints(root)
     partial = partial_dir(root, step)
-    layout.remove_tree(partial)
+    directory.remove_tree(partial)
     partial.mkdir(parents=True)
     # Streamed: a LazyState is read one tensor at a time as DCP writes it.
     templates = {MODEL + k: state.meta(k) if isinstance(state, LazyState) else state[k] for k in expected}
     save_tensors_streamed(templates, lambda key: state[key[len(MODEL):]], partial)
-    write_json_atomic(partial / layout.TRAINER_STATE, {"version": 1, "kind": "weights", "step": step, "tokens_seen": 0,
-                                                "config": {"model": asdict(cfg)}, "saved_at": time.time()})
+    write_json_atomic(partial / directory.TRAINER_STATE,
+                      {"version": 1, "kind": "weights", "step": step, "tokens_seen": 0,
+                       "config": {"model": asdict(cfg)}, "saved_at": time.time()})
     return commit(partial, step, {"world_size": 1})
 
 
 def refuse_existing_checkpoints(root: Path, fix: str = "write the weights-only checkpoint into an empty folder"
                                 ) -> None:
     """Resume takes the newest step: a weights-only step 0 written beside committed steps would be ignored."""
-    if existing := layout.committed_steps(Path(root)):
+    if existing := directory.committed_steps(Path(root)):
         raise CheckpointError(f"{root} already holds checkpoints (steps {existing[:5]})", fix)
 
 

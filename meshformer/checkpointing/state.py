@@ -77,7 +77,7 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, model_parts: list[nn.Mod
     for param, state in optimizer.state.items():
         if id(param) not in names:
             raise CheckpointError("the optimizer holds a parameter that no model part owns; build the optimizer "
-                                  "from plan.model_parts")
+                                  "from parallel_model.model_parts")
         for key, value in state.items():
             if not torch.is_tensor(value):
                 raise CheckpointError(f"optimizer state {names[id(param)]}.{key} is a {type(value).__name__}, "

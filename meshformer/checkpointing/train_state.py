@@ -1,7 +1,7 @@
 """What a training checkpoint holds, named explicitly: the run's counters and its stateful components.
 
     state = TrainState(device)                                   # step, tokens seen
-    run = Checkpointable(state, plan.model_parts, optimizer,
+    run = Checkpointable(state, parallel_model.model_parts, optimizer,
                          {"scheduler": SchedulerState(scheduler), "data": loader}, cfg)
     manager.resume(run); manager.after_step(run); manager.finish(run)
 

@@ -57,7 +57,7 @@ def quiet_redistribute() -> Iterator[None]:
         log.setLevel(level)
 
 
-def gathered_tensors(plan) -> Iterator[tuple[str, torch.Tensor]]:
+def gathered_tensors(parallel_model) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) on rank 0, in model order, one at a time; a collective every rank iterates.
 
     Each tensor is gathered by the ranks holding it and sent once, by the lowest of them: pipeline stages
@@ -67,8 +67,8 @@ def gathered_tensors(plan) -> Iterator[tuple[str, torch.Tensor]]:
 
     from meshformer.checkpointing.state import named_parameters
 
-    local = dict(named_parameters(plan.model_parts))
-    cfg = plan.model_parts[0].cfg
+    local = dict(named_parameters(parallel_model.model_parts))
+    cfg = parallel_model.model_parts[0].cfg
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items()}  # of tensors other ranks send
     names = saved_names(cfg, shapes)
@@ -85,7 +85,7 @@ def gathered_tensors(plan) -> Iterator[tuple[str, torch.Tensor]]:
                 owner.setdefault(key, r)
     missing = [n for n in names if n not in owner]
     if missing:
-        raise RuntimeError(f"no rank holds {missing[:5]}: the plan's model parts do not cover the model")
+        raise RuntimeError(f"no rank holds {missing[:5]}: the parallel model's parts do not cover the model")
     with quiet_redistribute(), torch.no_grad():
         for name in names:
             full = None
@@ -97,23 +97,23 @@ def gathered_tensors(plan) -> Iterator[tuple[str, torch.Tensor]]:
                 dist.send(full.contiguous(), dst=0)
             if rank == 0:
                 if owner[name] != 0:
-                    full = torch.empty(shapes[name], dtype=dtype, device=plan.device)
+                    full = torch.empty(shapes[name], dtype=dtype, device=parallel_model.device)
                     dist.recv(full, src=owner[name])
                 assert full is not None  # rank 0 holds it or has just received it
                 yield name, full
             del full
 
 
-def save_weights(plan, directory: Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path | None:
+def save_weights(parallel_model, directory: Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path | None:
     """Write the weights folder from rank 0 (a collective); returns the file or index path on rank 0."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     writer = ShardedWriter(directory, max_shard_size, _METADATA) if rank == 0 else None
-    for name, tensor in gathered_tensors(plan):
+    for name, tensor in gathered_tensors(parallel_model):
         assert writer is not None  # only rank 0 is handed tensors
         writer.add(name, tensor)
     if writer is None:
         return None
-    (Path(directory) / CONFIG_FILE).write_text(json.dumps(asdict(plan.model_parts[0].cfg), indent=2))
+    (Path(directory) / CONFIG_FILE).write_text(json.dumps(asdict(parallel_model.model_parts[0].cfg), indent=2))
     return writer.close()
 
 

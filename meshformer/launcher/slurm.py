@@ -27,7 +27,7 @@ from pathlib import Path
 from meshformer.config import Config, load_config
 from meshformer.errors import SubmitError
 from meshformer.launcher.torchrun import check_world_size, torchrun_command
-from meshformer.layout import validate_parallel
+from meshformer.parallel_dims import validate_parallel
 
 # Shell variables in the torchrun command: resolved on the nodes, not when the script is written.
 _RDZV_ENDPOINT = "@RDZV_ENDPOINT@"

@@ -1,6 +1,6 @@
 """The training loss as one value: which loss, with which options, and the functions that compute it on this rank.
 
-`meshformer.train.loss_choice.resolve_loss` turns the configuration into a `LossSpec` once; `build_plan` binds it to
+`meshformer.train.loss_choice.resolve_loss` turns the configuration into a `LossSpec` once; `parallelize` binds it to
 this rank's vocabulary shard (tensor parallel) once the mesh exists.
 """
 

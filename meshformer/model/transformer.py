@@ -3,7 +3,7 @@
 Plain single-device PyTorch; which stacks a model has comes from its family's spec (model/families/).
 Stacks are `nn.ModuleDict`s keyed "0", "1", ... so a pipeline split can delete layers and keep parameter
 names; every piece may be None, and `forward` runs whatever pieces are present, so a pipeline stage is this
-module built for a `StageSpan`, holding only its pieces (parallel/pipeline.py adds only the packing of its
+module built for a `StageSpan`, holding only its pieces (parallel/pipeline/stages.py adds only the packing of its
 streams). What a part knows about the parallel layout is its `ParallelContext` (model/parallel_context.py).
 """
 
@@ -61,14 +61,14 @@ def tied_weights(cfg: ModelConfig) -> dict[str, str]:
 def stage_holdings(spec: FamilySpec, cfg: ModelConfig, span: StageSpan | None) -> tuple[set[str], dict[str, list[str]]]:
     """(top-level pieces, block keys per stack) of the part covering `span`; everything when `span` is None.
 
-    Which pieces a stage holds besides its blocks is the family spec's `pipeline` layout; a stack's final norm
+    Which pieces a stage holds besides its blocks is the family spec's `pipeline` (`StagePieces`); a stack's final norm
     goes with its last block.
     """
     blocks = {stack.layers: [str(i) for i in range(stack.count(cfg))] for stack in spec.stacks}
     if span is None:
         return set(PIECES), blocks
-    layout = spec.pipeline
-    held = {*layout.every, *(layout.first if span.index == 0 else ())}
+    pieces = spec.pipeline
+    held = {*pieces.every, *(pieces.first if span.index == 0 else ())}
     offset = 0
     for stack in spec.stacks:
         keys = [k for k in blocks[stack.layers] if span.start <= offset + int(k) < span.stop]
@@ -79,7 +79,7 @@ def stage_holdings(spec: FamilySpec, cfg: ModelConfig, span: StageSpan | None) -
                 held.add(stack.norm)
         offset += stack.count(cfg)
     if span.stop == offset:
-        held.update(layout.last)
+        held.update(pieces.last)
     return held, blocks
 
 

@@ -1,9 +1,9 @@
 """Parallel layouts applied from outside the model: mesh, FSDP2/HSDP, tensor/sequence and pipeline parallel.
 
-The trainer calls `build_plan(model, cfg, device, loss_fn)` and talks only to the returned `TrainingPlan`.
+The trainer calls `parallelize(model, cfg, device, loss_fn)` and talks only to the returned `ParallelModel`.
 """
 
-from meshformer.parallel.build import build_plan
-from meshformer.parallel.plan import TrainingPlan
+from meshformer.parallel.parallel_model import ParallelModel
+from meshformer.parallel.parallelize import parallelize
 
-__all__ = ["TrainingPlan", "build_plan"]
+__all__ = ["ParallelModel", "parallelize"]

@@ -47,7 +47,7 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, *, res
 def sum_gradients(model: nn.Module) -> None:
     """Make FSDP sum gradients over data-parallel ranks instead of averaging them.
 
-    Each rank's loss is already divided by the *global* token count (see TrainingPlan.forward_backward), so the
+    Each rank's loss is already divided by the *global* token count (see ParallelModel.forward_backward), so the
     sum over ranks is exactly the gradient of the global mean. Forcing SUM-only collectives keeps gloo (which has
     no PREMUL_SUM) and NCCL on the same path.
     """

@@ -1,6 +1,6 @@
 """Sharded materialisation: a model built on the meta device gets only this rank's shards, initialised in place.
 
-`build_plan` applies the layout (pipeline split, tensor parallel, FSDP) to the meta model first, so every
+`parallelize` applies the layout (pipeline split, tensor parallel, FSDP) to the meta model first, so every
 parameter already has its final (sharded) shape; `to_empty` then allocates just those shards on the device
 and the model's own init rules fill them (meshformer.model.init): the values equal the single-process
 model's bitwise, whatever the layout and world size.

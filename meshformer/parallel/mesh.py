@@ -1,4 +1,4 @@
-"""The device mesh built from the parallel dimensions (`meshformer.layout.ParallelDims`).
+"""The device mesh built from the parallel dimensions (`meshformer.parallel_dims.ParallelDims`).
 
 `build_mesh` is the only place that talks to `init_device_mesh`.
 """
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from meshformer.layout import ParallelDims
+from meshformer.parallel_dims import ParallelDims
 
 # Outer to inner: tp innermost keeps its (most frequent) collectives between neighbouring ranks,
 # i.e. inside one node when a node holds tp consecutive ranks, as in Megatron and torchtitan; cp next to it
@@ -24,7 +24,7 @@ def device_type_of(device: torch.device | str) -> str:
 
 @dataclass
 class Meshes:
-    """The world mesh and the sub-meshes the plans use; sub-meshes of size 1 are still valid meshes."""
+    """The world mesh and the sub-meshes the parallel models use; sub-meshes of size 1 are still valid meshes."""
 
     world: DeviceMesh
     dims: ParallelDims

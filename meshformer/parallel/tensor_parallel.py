@@ -1,4 +1,4 @@
-"""Tensor + sequence parallel through DTensor plans: applies the family spec's `tp_plan` (model/families/).
+"""Tensor + sequence parallel through DTensor plans: applies the family spec's `tp_rules` (model/families/).
 
 Layout of the activations (tp ranks, sequence T, hidden D):
 - embeddings: vocabulary-sharded tables; their output is all-reduced to a replicated (B, T, D) so that
@@ -73,7 +73,7 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, *, float8_gather
     spec = model.spec
     tp, rank = mesh.size(), mesh.get_local_rank()
     _shard_alibi_slopes(model, cfg, tp, rank)
-    parallelize_module(model, mesh, _plan(model, spec.tp_plan.top))
+    parallelize_module(model, mesh, _plan(model, spec.tp_rules.top))
     _retie(model, cfg)
 
     for stack in spec.stacks:
@@ -81,7 +81,7 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, *, float8_gather
         if layers is None:
             continue
         for key, block in layers.items():
-            parallelize_module(block, mesh, _plan(block, spec.tp_plan.block, float8_gather))
+            parallelize_module(block, mesh, _plan(block, spec.tp_rules.block, float8_gather))
             if key == "0":  # enter sequence parallel: slice the replicated embedding output
                 parallelize_module(block, mesh, PrepareModuleInput(
                     input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None), use_local_output=True))

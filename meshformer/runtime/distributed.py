@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from meshformer.config import Config, ConfigError
-from meshformer.layout import ParallelDims, validate_parallel
+from meshformer.parallel_dims import ParallelDims, validate_parallel
 
 _TIMEOUT_MARKERS = ("timed out", "timeout", "watchdog caught collective operation")
 _FLIGHT_RECORDER_ENTRIES = "2000"

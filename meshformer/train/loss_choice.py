@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from meshformer.config import Config, ConfigError
-from meshformer.layout import ZERO_BUBBLE, ParallelDims, last_stage_losses_in_flight
 from meshformer.loss.cross_entropy import LossFn
 from meshformer.loss.fused import liger_available
 from meshformer.loss.spec import LossKind, LossSpec
+from meshformer.parallel_dims import ZERO_BUBBLE, ParallelDims, last_stage_losses_in_flight
 
 
 def loss_kind(cfg: Config, dims: ParallelDims, device_type: str) -> LossKind:

@@ -1,6 +1,6 @@
 """`TrainStep`: the one owner of an optimizer step, from micro-batches to updated weights.
 
-It holds the parallelized model (a `TrainingPlan` from `build_plan`), builds and owns the optimizer, the learning-
+It holds the parallelized model (a `ParallelModel` from `parallelize`), builds and owns the optimizer, the learning-
 rate schedule and the count of skipped updates, and runs the whole update in one fixed order:
 
 1. forward/backward of every micro-batch (gradients of summed token losses / the step's global token count);
@@ -25,7 +25,7 @@ import torch
 from meshformer.batch import Batch
 from meshformer.config import OptimConfig, ScheduleConfig
 from meshformer.parallel.float8 import refresh_weight_scales
-from meshformer.parallel.plan import TrainingPlan
+from meshformer.parallel.parallel_model import ParallelModel
 from meshformer.train.optim import SkippedUpdates, build_optimizer, build_scheduler, is_fused_adam
 
 PostStepHook = Callable[[], None]  # runs after each optimizer step (skipped ones too), before the scheduler moves
@@ -35,7 +35,7 @@ PostStepHook = Callable[[], None]  # runs after each optimizer step (skipped one
 class StepStats:
     """What one step reports; tensors stay on the device (reading them is a host sync)."""
 
-    loss_sum: torch.Tensor  # summed token loss of this rank's tokens (plan.reduce_for_logging makes it global)
+    loss_sum: torch.Tensor  # summed token loss of this rank's tokens (reduce_for_logging makes it global)
     global_tokens: torch.Tensor  # target tokens of the whole step, every rank and micro-batch
     grad_norm: torch.Tensor  # the global gradient norm before clipping (inf/nan: the update was skipped)
     lr: float  # the learning rate the update used (the scheduler has moved on since)
@@ -44,12 +44,12 @@ class StepStats:
 class TrainStep:
     """The training step of a run: `step(micro_batches)` runs one whole optimizer update (see the module notes)."""
 
-    def __init__(self, plan: TrainingPlan, optim: OptimConfig, schedule: ScheduleConfig, total_steps: int,
+    def __init__(self, parallel_model: ParallelModel, optim: OptimConfig, schedule: ScheduleConfig, total_steps: int,
                  d_model: int, *, on_phase: Callable[[str], None] | None = None) -> None:
         """`total_steps`, `d_model`: the schedule's length and (noam) scale. `on_phase(name)`: told as each phase
         starts ("forward_backward", "grad_norm", "optimizer"), e.g. for hang reports."""
-        self.plan = plan
-        self.optimizer, self.kernel = build_optimizer(plan.model_parts, optim)
+        self.parallel_model = parallel_model
+        self.optimizer, self.kernel = build_optimizer(parallel_model.model_parts, optim)
         self.scheduler = build_scheduler(self.optimizer, schedule, total_steps, d_model)
         self.skipped_updates = SkippedUpdates(optim.max_nonfinite_in_a_row)
         self.grad_clip = optim.grad_clip  # <= 0: no clipping
@@ -57,7 +57,7 @@ class TrainStep:
         self.clip_in_update = self._fused  # the clip factor as fused AdamW's grad_scale (False: a scaling pass)
         self._on_phase = on_phase or (lambda name: None)
         self._post_step_hooks: list[PostStepHook] = []
-        if plan.float8_weight_gather:
+        if parallel_model.float8_weight_gather:
             self.add_post_step_hook(self._refresh_float8_scales)
 
     def add_post_step_hook(self, hook: PostStepHook) -> None:
@@ -66,15 +66,15 @@ class TrainStep:
 
     def step(self, micro_batches: Sequence[Batch]) -> StepStats:
         """One optimizer step over the micro-batches of this rank (gradient accumulation: several)."""
-        plan = self.plan
+        parallel_model = self.parallel_model
         self._on_phase("forward_backward")
-        global_tokens = plan.global_token_count(list(micro_batches))
-        loss_sum = torch.zeros((), device=plan.device)
+        global_tokens = parallel_model.global_token_count(list(micro_batches))
+        loss_sum = torch.zeros((), device=parallel_model.device)
         last = len(micro_batches) - 1
         for i, batch in enumerate(micro_batches):
-            loss_sum += plan.forward_backward(batch, global_tokens, last_micro_batch=i == last)
+            loss_sum += parallel_model.forward_backward(batch, global_tokens, last_micro_batch=i == last)
         self._on_phase("grad_norm")
-        grad_norm = plan.grad_norm()
+        grad_norm = parallel_model.grad_norm()
         self._clip(grad_norm)
         self._on_phase("optimizer")
         lr = self.optimizer.param_groups[0]["lr"]
@@ -92,7 +92,7 @@ class TrainStep:
             self.optimizer.grad_scale = torch.clamp(  # type: ignore[attr-defined]
                 (grad_norm + 1e-6) / self.grad_clip, min=1.0)
         else:
-            self.plan.scale_grads_(torch.clamp(self.grad_clip / (grad_norm + 1e-6), max=1.0))
+            self.parallel_model.scale_grads_(torch.clamp(self.grad_clip / (grad_norm + 1e-6), max=1.0))
 
     def _optimizer_step(self, grad_norm: torch.Tensor) -> None:
         """`optimizer.step()` unless `grad_norm` is inf/nan."""
@@ -106,4 +106,4 @@ class TrainStep:
 
     def _refresh_float8_scales(self) -> None:
         # FSDP all-gathers float8 weights: one all-reduce refreshes every weight's scale instead of one per weight.
-        refresh_weight_scales(self.plan.model_parts)
+        refresh_weight_scales(self.parallel_model.model_parts)

@@ -22,14 +22,14 @@ from meshformer.checkpointing.save_errors import final_weights_failed_error
 from meshformer.checkpointing.train_state import Checkpointable, SchedulerState, TrainState
 from meshformer.config import Config
 from meshformer.data import Tokenizer, build_loader
-from meshformer.layout import ParallelDims, validate_parallel
 from meshformer.model import Transformer
 from meshformer.model.families import get_family_spec
 from meshformer.model.flops import flops_per_token
 from meshformer.model.init import new_seed
-from meshformer.parallel import build_plan
-from meshformer.parallel.build import world_size
-from meshformer.parallel.plan import TrainingPlan
+from meshformer.parallel import parallelize
+from meshformer.parallel.parallel_model import ParallelModel
+from meshformer.parallel.parallelize import world_size
+from meshformer.parallel_dims import ParallelDims, validate_parallel
 from meshformer.runtime.distributed import job_device
 from meshformer.runtime.host_memory import apply_host_memory_policy, release_free_host_memory
 from meshformer.runtime.profiler import StepProfiler
@@ -82,30 +82,32 @@ class Trainer:
         build_start = time.perf_counter()
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank and layout
         init_seed = new_seed()  # the seed Transformer(cfg.model) would draw here: the same weights as one process
-        # Built on the meta device: build_plan shards it, then each rank allocates and initialises only its shards.
+        # Built on the meta device: parallelize shards it, then each rank allocates and initialises only its shards.
         with torch.device("meta"):
             model = Transformer(cfg.model, init_seed=init_seed)
         # The loss follows train.loss / label_smoothing / z_loss (fused head loss or full logits; vocab-parallel);
-        # the plan autocasts when train.dtype=bf16.
-        self.plan: TrainingPlan = build_plan(model, cfg, self.device, resolve_loss(cfg, dims, self.device.type), dims)
+        # the parallel model autocasts when train.dtype=bf16.
+        self.parallel_model: ParallelModel = parallelize(model, cfg, self.device,
+                                                         resolve_loss(cfg, dims, self.device.type), dims)
         # The whole model, for decoded samples; pipeline stages hold copies of their pieces, so drop it there.
-        self.model = model if self.plan.supports_generation else None
+        self.model = model if self.parallel_model.supports_generation else None
         release_free_host_memory()  # what materialisation's transient full tensors left in the heap
         self.build_s = time.perf_counter() - build_start  # meta build, sharding, materialisation of this rank
         # Cluster diagnostics: per-rank hang reports (stalls, collective timeouts) name the phase of the step.
         self.watchdog = HangWatchdog(self.run_dir, rank=rank, world_size=world_size(),
                                      timeout_s=cfg.parallel.timeout_s, enabled=world_size() > 1)
-        self.training_step = TrainStep(self.plan, cfg.optim, cfg.schedule, cfg.train.steps, cfg.model.d_model,
+        self.training_step = TrainStep(self.parallel_model, cfg.optim, cfg.schedule, cfg.train.steps, cfg.model.d_model,
                                        on_phase=self.watchdog.phase)
-        self.train_data = build_loader(cfg, self.tokenizer, "train", self.plan.dp_rank, self.plan.dp_size)
-        self.eval_data = build_loader(cfg, self.tokenizer, "eval", self.plan.dp_rank, self.plan.dp_size)
+        dp_rank, dp_size = self.parallel_model.dp_rank, self.parallel_model.dp_size
+        self.train_data = build_loader(cfg, self.tokenizer, "train", dp_rank, dp_size)
+        self.eval_data = build_loader(cfg, self.tokenizer, "eval", dp_rank, dp_size)
         self.train_iter: Iterator[Batch] | None = None  # started at the first step, after a resume moved the loader
         self.last_lr: float = self.optimizer.param_groups[0]["lr"]  # the rate the last step used
         # Encoder-decoder steps feed source and target tokens: both count towards tokens/s and MFU.
         self.target_len = cfg.data.target_len if get_family_spec(cfg.model.family).seq2seq else None
         self.state = TrainState(self.device)  # step, target tokens trained on
         # Everything a checkpoint saves and a resume restores (RNG streams: per rank, by the manager).
-        self.checkpointable = Checkpointable(self.state, self.plan.model_parts, self.optimizer,
+        self.checkpointable = Checkpointable(self.state, self.parallel_model.model_parts, self.optimizer,
                                              {"scheduler": SchedulerState(self.scheduler), "data": self.train_data},
                                              cfg)
         self.checkpoints = CheckpointManager.from_config(cfg, self.run_dir, log=self.logger.info)
@@ -115,7 +117,7 @@ class Trainer:
         self.logger.info(
             f"model: {cfg.model.family}, {n_params / 1e6:.2f}M parameters, objective {cfg.objective}; "
             f"device {self.device}, dtype {cfg.train.dtype}; AdamW kernel: {self.training_step.kernel}; attention: "
-            f"{self.plan.report.get('attention', cfg.model.attention_backend)}; host malloc: {host_memory}; "
+            f"{self.parallel_model.report.get('attention', cfg.model.attention_backend)}; host malloc: {host_memory}; "
             f"MFU ceiling "
             f"{self.ceiling.flops / 1e12:.2f} TFLOP/s ({self.ceiling.source}); model built and sharded in "
             f"{self.build_s:.2f}s"
@@ -163,16 +165,16 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        for part in self.plan.model_parts:
+        for part in self.parallel_model.model_parts:
             part.eval()
         loss_sum, tokens = 0.0, 0.0
         eval_iter = iter(self.eval_data)  # the same held-out batches at every evaluation
         for _ in range(self.cfg.train.eval_batches):
-            batch_loss, batch_tokens = self.plan.evaluate(to_device(next(eval_iter), self.device))
+            batch_loss, batch_tokens = self.parallel_model.evaluate(to_device(next(eval_iter), self.device))
             loss_sum += float(batch_loss)
             tokens += float(batch_tokens)
         self.eval_data.close()  # no idle eval workers holding prefetched batches until the next evaluation
-        for part in self.plan.model_parts:
+        for part in self.parallel_model.model_parts:
             part.train()
         return loss_sum / max(tokens, 1.0)
 
@@ -191,7 +193,7 @@ class Trainer:
                      "raise train.steps to train further, or use a new logging.run_dir for a fresh run")
         self.train_iter = iter(self.train_data)  # from the position the resume restored
         tokens_per_sample = cfg.data.seq_len + (self.target_len or 0)
-        tokens_per_step = cfg.data.batch_size * tokens_per_sample * cfg.train.grad_accum * self.plan.dp_size
+        tokens_per_step = cfg.data.batch_size * tokens_per_sample * cfg.train.grad_accum * self.parallel_model.dp_size
         history: list[dict[str, float]] = []
         window_loss = torch.zeros((), device=self.device)
         window_tokens = torch.zeros((), device=self.device)
@@ -208,7 +210,7 @@ class Trainer:
                 self.watchdog.phase("logging")
                 synchronize(self.device)  # the window's queued device work is part of its time
                 elapsed = time.perf_counter() - window_start
-                last_loss = self.plan.reduce_for_logging(window_loss) / max(float(window_tokens), 1.0)
+                last_loss = self.parallel_model.reduce_for_logging(window_loss) / max(float(window_tokens), 1.0)
                 tokens_per_s = tokens_per_step * window_steps / elapsed
                 mfu, ceiling_note = self.ceiling.mfu(self.flops_per_token * tokens_per_s / world_size())
                 if ceiling_note:
@@ -284,7 +286,7 @@ class Trainer:
         if self.rank == 0:
             folders.scratch(staged, "final weights")
         try:
-            path = save_weights(self.plan, staged, self.cfg.checkpoint.max_shard_size)
+            path = save_weights(self.parallel_model, staged, self.cfg.checkpoint.max_shard_size)
         except Exception as err:
             if self.rank == 0:
                 folders.remove(staged)

@@ -1,6 +1,7 @@
 """What the three built-in families share: the blocks of `model/layers.py` and the pieces of `Transformer`.
 
-A family built from other blocks (e.g. mixture-of-experts feed-forwards) declares its own plan and layout.
+A family built from other blocks (e.g. mixture-of-experts feed-forwards) declares its own tensor-parallel rules
+and stage pieces.
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ from meshformer.model.families.spec import (
     VOCAB_COLUMNS,
     VOCAB_ROWS,
     FamilySpec,
-    PipelineLayout,
-    TPPlan,
+    StagePieces,
+    TensorParallelRules,
 )
 
 if TYPE_CHECKING:
     from meshformer.model.transformer import Transformer
 
-# No stage holds the T5 relative biases (shared by a whole stack): meshformer/layout.py refuses t5_relative with pp > 1.
-PIPELINE = PipelineLayout(
+# No stage holds the T5 relative biases (shared by a whole stack): meshformer/parallel_dims.py refuses
+# t5_relative with pp > 1.
+STAGE_PIECES = StagePieces(
     first=("tok_embeddings", "src_embeddings", "pos_embeddings", "embedding_norm"),
     every=("rope",),
     last=("head_dense", "head_act", "head_norm", "output"),
@@ -41,7 +43,7 @@ def _attention(prefix: str) -> dict[str, str]:
 
 # Between blocks the residual stream is a sequence shard; attention and feed-forward gather it on entry and
 # reduce-scatter it on exit. Norm outputs stay local tensors: with post-norm they are the residual stream.
-TP_PLAN = TPPlan(
+TP_RULES = TensorParallelRules(
     top={"tok_embeddings": VOCAB_ROWS, "src_embeddings": VOCAB_ROWS, "output": VOCAB_COLUMNS},
     block={
         "attn_norm": SEQUENCE, "attn": GATHER_MASKED, **_attention("attn"),
@@ -59,5 +61,5 @@ def init_transformer(model: Transformer) -> None:
 
 
 def transformer_family(**fields: Any) -> FamilySpec:
-    """A family of `model/layers.py` blocks: the shared init, pipeline layout and TP plan, unless overridden."""
-    return FamilySpec(**{"init": init_transformer, "pipeline": PIPELINE, "tp_plan": TP_PLAN, **fields})
+    """A family of `model/layers.py` blocks: the shared init, stage pieces and TP rules, unless overridden."""
+    return FamilySpec(**{"init": init_transformer, "pipeline": STAGE_PIECES, "tp_rules": TP_RULES, **fields})

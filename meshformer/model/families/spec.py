@@ -20,7 +20,7 @@ from meshformer.model.families.naming import MegatronNames, Rule
 if TYPE_CHECKING:  # the Transformer is built from a spec, so it is imported for the type hints only
     from meshformer.model.transformer import Transformer
 
-# Tensor-parallel styles a plan may name; parallel/tensor_parallel.py gives each its DTensor layouts.
+# Tensor-parallel styles the rules may name; parallel/tensor_parallel.py gives each its DTensor layouts.
 VOCAB_ROWS = "vocab_rows"  # embedding table split on the vocabulary, output replicated
 VOCAB_COLUMNS = "vocab_columns"  # output projection split on the vocabulary, logits stay sharded
 SEQUENCE = "sequence"  # runs on this rank's slice of the sequence (norms)
@@ -53,7 +53,7 @@ class Stack:
 
 
 @dataclass(frozen=True)
-class PipelineLayout:
+class StagePieces:
     """Which model pieces (top-level attributes) a pipeline stage holds besides its range of blocks.
 
     Each stack's final norm goes with the stack's last block.
@@ -65,7 +65,7 @@ class PipelineLayout:
 
 
 @dataclass(frozen=True)
-class TPPlan:
+class TensorParallelRules:
     """Tensor-parallel styles by module path; paths a model (or stage) lacks are skipped."""
 
     top: Mapping[str, str]  # top-level attribute -> style
@@ -78,8 +78,8 @@ class FamilySpec:
     stacks: tuple[Stack, ...]  # in execution order
     objectives: tuple[str, ...]  # train.objective values that fit; the first is what "auto" picks
     init: Callable[[Transformer], None]  # draws every weight of a freshly built model
-    pipeline: PipelineLayout
-    tp_plan: TPPlan
+    pipeline: StagePieces
+    tp_rules: TensorParallelRules
     training_flops: Callable[[ModelConfig, int, int | None], int]  # (cfg, seq_len, target_len) -> FLOPs
     name_maps: Mapping[str, RulesFn]  # foreign implementation -> weight-name rules (checkpointing/mapping.py)
     megatron: MegatronNames | None = None  # how our weights map to a Megatron-Core model, if they do

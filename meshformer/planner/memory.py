@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from meshformer.config import Config
-from meshformer.layout import ZERO_BUBBLE, ParallelDims, last_stage_losses_in_flight, n_microbatches
 from meshformer.model.families import get_family_spec
-from meshformer.parallel.build import compile_mode
-from meshformer.plan import activations as act
-from meshformer.plan.shard import RankShare
+from meshformer.parallel.parallelize import compile_mode
+from meshformer.parallel_dims import ZERO_BUBBLE, ParallelDims, last_stage_losses_in_flight, n_microbatches
+from meshformer.planner import activations as act
+from meshformer.planner.shard import RankShare
 from meshformer.train import loss_choice
 
 GiB = 2**30
@@ -142,7 +142,7 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory
     static = params + optimizer + (grads if accumulating else 0.0)
     if fsdp and dims.pp > 1 and (p.pp_fsdp_unsharded_microbatches or p.pp_schedule in ZERO_BUBBLE):
         # torch's own PP x FSDP (and zero-bubble schedules always) keeps every block's weights and gradients
-        # unsharded from the first micro-batch's backward to the step's end (parallel/pipeline_stage.py)
+        # unsharded from the first micro-batch's backward to the step's end (parallel/pipeline/sharded_stage.py)
         static += share.block_numel * len(share.layers) * (unsharded_bytes + reduce_bytes)
     # The head's gradient (under FSDP the unsharded one); without FSDP an accumulated one is already in `grads`.
     head_grad = (share.root_numel * (reduce_bytes if fsdp else 4)) if share.last and (fsdp or not accumulating) \

@@ -33,11 +33,11 @@ import torch
 from torch import nn
 
 from meshformer.config import Config
-from meshformer.layout import ParallelDims, stages_per_rank, total_layers
 from meshformer.loss.fused import HeadLoss
 from meshformer.model import Transformer
 from meshformer.model.parallel_context import StageSpan
 from meshformer.model.transformer import PIECES, Streams, stage_holdings
+from meshformer.parallel_dims import ParallelDims, stages_per_rank, total_layers
 
 
 def split_layers(n_layers: int, n_stages: int, split_points: list[int] | None = None) -> list[StageSpan]:
@@ -102,7 +102,7 @@ class TransformerStage(Transformer):
             super().__init__(model.cfg, init_seed=model.init_seed, span=span)
         self.hold_copies_of(model)
         self.is_last = span.index == span.n_stages - 1
-        # The fused head loss of the last stage (set by the plan); None: the last stage returns logits.
+        # The fused head loss of the last stage (set by the pipelined model); None: the last stage returns logits.
         self.head_loss: HeadLoss | None = None
 
     def forward(  # type: ignore[override]  # a stage takes the previous stage's tensors positionally

@@ -12,10 +12,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from meshformer.config import Config, ConfigError, Recompute
-from meshformer.layout import ParallelDims, check_context_parallel
 from meshformer.model.families import get_family_spec
-from meshformer.plan.memory import RankMemory, rank_memory, usable_bytes
-from meshformer.plan.shard import fake_world, meta_model, rank_shares, template_shares, tp_template
+from meshformer.parallel_dims import ParallelDims, check_context_parallel
+from meshformer.planner.memory import RankMemory, rank_memory, usable_bytes
+from meshformer.planner.shard import fake_world, meta_model, rank_shares, template_shares, tp_template
 
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 # FSDP shard groups larger than this are sized by FSDP2's dim-0 rule (`shard._fsdp_shard`), not by fully_shard:

@@ -1,6 +1,6 @@
 """The contract between the trainer and a parallel layout.
 
-The trainer only ever talks to a `TrainingPlan`: it hands over micro-batches and the global count of
+The trainer only ever talks to a `ParallelModel`: it hands over micro-batches and the global count of
 target tokens, and gets back gradients that equal d(sum of token losses / global tokens) — the same
 gradients a single process computes on the whole global batch. How the model is sharded (FSDP, TP,
 PP) is hidden behind this object.
@@ -17,7 +17,7 @@ from meshformer.loss.fused import HeadLoss
 from meshformer.parallel.grad_norm import scale_grads_
 
 
-class TrainingPlan:
+class ParallelModel:
     """Single device: the reference every parallel layout must match."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, device: torch.device, *,
@@ -32,7 +32,7 @@ class TrainingPlan:
         # How the run is laid out and which kernels run (layout, attention, norms, compile, recompute, FSDP,
         # pipeline, loss), for the run log.
         self.report: dict[str, str] = dict(report or {})
-        # FSDP all-gathers float8 weights, whose scales must be refreshed after every optimizer step (build_plan).
+        # FSDP all-gathers float8 weights, whose scales must be refreshed after every optimizer step (parallelize).
         self.float8_weight_gather = False
 
     @property

@@ -2,7 +2,7 @@
 
 No memory is allocated and no other process exists: torch's fake process group answers every collective, so a
 single process can play rank 0 of a 4096-rank world. The model goes through the trainer's own path (pipeline
-split -> tensor parallel -> recompute -> FSDP, `meshformer.parallel.build.parallelize_part`) and the shapes of the
+split -> tensor parallel -> recompute -> FSDP, `meshformer.parallel.parallelize.parallelize_part`) and the shapes of the
 local shards are read off the resulting DTensors. Rank 0 of every data/tensor-parallel group holds the largest
 shard (FSDP pads dim 0 to a multiple of the group size and gives the remainder to the first ranks), so its
 figures are the worst case; each distinct pipeline stage is built once.
@@ -22,14 +22,14 @@ import torch.distributed as dist
 from torch import nn
 
 from meshformer.config import Config
-from meshformer.layout import ParallelDims, validate_parallel
 from meshformer.model import Transformer
-from meshformer.parallel.build import parallelize_part
 from meshformer.parallel.fsdp import blocks_of
 from meshformer.parallel.grad_norm import local_tensor
 from meshformer.parallel.mesh import Meshes, build_mesh
-from meshformer.parallel.pipeline import StagePlacement, TransformerStage, stage_pieces, stage_placement
+from meshformer.parallel.parallelize import parallelize_part
+from meshformer.parallel.pipeline.stages import StagePlacement, TransformerStage, stage_pieces, stage_placement
 from meshformer.parallel.tensor_parallel import apply_tensor_parallel
+from meshformer.parallel_dims import ParallelDims, validate_parallel
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""`build_plan`: the one call the trainer makes to get a `TrainingPlan` for this process's world.
+"""`parallelize`: the one call the trainer makes to get a `ParallelModel` for this process's world.
 
 Order of application on each model part (as in torchtitan): context parallel -> float8 linears -> tensor
 parallel -> activation recomputation -> torch.compile (per block or whole model) -> FSDP. Pipeline splitting
@@ -15,12 +15,6 @@ import torch
 import torch.distributed as dist
 
 from meshformer.config import Config, ConfigError
-from meshformer.layout import (
-    ZERO_BUBBLE,
-    ParallelDims,
-    n_microbatches,
-    validate_parallel,
-)
 from meshformer.loss.cross_entropy import LossFn
 from meshformer.loss.fused import HeadLoss, VocabShard
 from meshformer.loss.spec import LossSpec
@@ -38,12 +32,18 @@ from meshformer.parallel.kernels import (
 )
 from meshformer.parallel.materialize import is_meta, materialize
 from meshformer.parallel.mesh import Meshes, build_mesh
-from meshformer.parallel.pipeline import TransformerStage, stage_placement
-from meshformer.parallel.pipeline_plan import PipelinePlan, shared_weights
-from meshformer.parallel.plan import TrainingPlan
+from meshformer.parallel.mesh_model import MeshParallelModel, MultiRankParallelModel
+from meshformer.parallel.parallel_model import ParallelModel
+from meshformer.parallel.pipeline.model import PipelineParallelModel, shared_weights
+from meshformer.parallel.pipeline.stages import TransformerStage, stage_placement
 from meshformer.parallel.recompute import apply_recompute
-from meshformer.parallel.spmd_plan import MeshPlan, SPMDPlan
 from meshformer.parallel.tensor_parallel import apply_tensor_parallel, vocab_shard
+from meshformer.parallel_dims import (
+    ZERO_BUBBLE,
+    ParallelDims,
+    n_microbatches,
+    validate_parallel,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,11 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def build_plan(model: ModelOrFactory, cfg: Config, device: torch.device, loss: LossSpec,
-               dims: ParallelDims | None = None) -> TrainingPlan:
-    """Shard `model` (built identically on every rank) by `cfg.parallel` and return the plan training it with `loss`
-    (meshformer.train.loss_choice.resolve_loss), bound to this rank's vocabulary shard under tensor parallel.
+def parallelize(model: ModelOrFactory, cfg: Config, device: torch.device, loss: LossSpec,
+               dims: ParallelDims | None = None) -> ParallelModel:
+    """Shard `model` (built identically on every rank) by `cfg.parallel` and return this rank's `ParallelModel`,
+    training with `loss` (meshformer.train.loss_choice.resolve_loss), bound to this rank's vocabulary shard under
+    tensor parallel.
 
     `dims`: the layout the run validated where it started (the trainer passes its own); without it the layout is
     validated here, for callers that start with this function (tests, benchmarks).
@@ -65,21 +66,21 @@ def build_plan(model: ModelOrFactory, cfg: Config, device: torch.device, loss: L
     A model built on the meta device is sharded first and then materialised: each rank allocates and
     initialises only its own shards (meshformer.parallel.materialize).
 
-    World size 1 gives the single-device plan (recomputation and compile still apply).
+    World size 1 gives the single-device `ParallelModel` (recomputation and compile still apply).
     """
     device = torch.device(device)
     if dims is None:
         dims = validate_parallel(cfg, world_size(), device)
     if not isinstance(model, Transformer):
         model = model()
-    plan = _build(model, cfg, dims, device, loss)
-    if is_meta(plan.model_parts[0]):
-        materialize(plan.model_parts, device)
-    return plan
+    parallel_model = _build(model, cfg, dims, device, loss)
+    if is_meta(parallel_model.model_parts[0]):
+        materialize(parallel_model.model_parts, device)
+    return parallel_model
 
 
 def _build(model: Transformer, cfg: Config, dims: ParallelDims, device: torch.device, loss: LossSpec
-           ) -> TrainingPlan:
+           ) -> ParallelModel:
     if not is_meta(model):
         model.to(device)
     check_fp8(cfg.train.fp8, device)
@@ -100,20 +101,20 @@ def _build(model: Transformer, cfg: Config, dims: ParallelDims, device: torch.de
     autocast_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else None
     if meshes is None:
         report = {**parallelize_part(model, cfg, dims, None, device), "loss": _loss_report(loss, loss_note)}
-        return TrainingPlan(model, loss_fn, device, autocast_dtype=autocast_dtype, head_loss=head_loss,
+        return ParallelModel(model, loss_fn, device, autocast_dtype=autocast_dtype, head_loss=head_loss,
                             report=report)
-    plan: MeshPlan
+    parallel_model: MultiRankParallelModel
     if dims.pp_enabled:  # the last stage computes the fused head loss in its forward
-        plan = _pipeline_plan(model, cfg, dims, meshes, device, loss_fn, head_loss, autocast_dtype)
-        plan.report["loss"] = _loss_report(loss)
+        parallel_model = _pipeline_model(model, cfg, dims, meshes, device, loss_fn, head_loss, autocast_dtype)
+        parallel_model.report["loss"] = _loss_report(loss)
     else:
         report = {**parallelize_part(model, cfg, dims, meshes, device), "loss": _loss_report(loss, loss_note),
                   "layout": dims.describe()}
-        plan = SPMDPlan(model, loss_fn, device, meshes, autocast_dtype=autocast_dtype, head_loss=head_loss,
-                        report=report)
-    plan.float8_weight_gather = float8_weight_gather(cfg, dims)
-    log.info("parallel layout %s; %s", dims.describe(), plan.report)
-    return plan
+        parallel_model = MeshParallelModel(model, loss_fn, device, meshes, autocast_dtype=autocast_dtype,
+                                           head_loss=head_loss, report=report)
+    parallel_model.float8_weight_gather = float8_weight_gather(cfg, dims)
+    log.info("parallel layout %s; %s", dims.describe(), parallel_model.report)
+    return parallel_model
 
 
 def float8_weight_gather(cfg: Config, dims: ParallelDims) -> bool:
@@ -176,8 +177,9 @@ def parallelize_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes:
     return report
 
 
-def _pipeline_plan(model: Transformer, cfg: Config, dims: ParallelDims, meshes: Meshes, device: torch.device,
-                   loss_fn: LossFn, head_loss: HeadLoss | None, autocast_dtype: torch.dtype | None) -> PipelinePlan:
+def _pipeline_model(model: Transformer, cfg: Config, dims: ParallelDims, meshes: Meshes, device: torch.device,
+                    loss_fn: LossFn, head_loss: HeadLoss | None, autocast_dtype: torch.dtype | None
+                    ) -> PipelineParallelModel:
     p = cfg.parallel
     placement = stage_placement(cfg, dims)
     spans = placement.spans
@@ -187,13 +189,13 @@ def _pipeline_plan(model: Transformer, cfg: Config, dims: ParallelDims, meshes: 
     report: dict[str, str] = {}
     for stage in stages:
         report = parallelize_part(stage, cfg, dims, meshes, device)
-    if is_meta(stages[0]):  # before the plan keeps references to the stages' (shared) parameters
+    if is_meta(stages[0]):  # before the pipelined model keeps references to the stages' (shared) parameters
         materialize(stages, device)
     report["pipeline"] = (f"{p.pp_schedule}, {len(spans)} stages "
                           f"({', '.join(f'{s.start}-{s.stop - 1}' for s in spans)}), "
                           f"{n_microbatches(cfg)} microbatches")
     report["layout"] = dims.describe()
-    return PipelinePlan(stages, loss_fn, device, meshes, schedule=p.pp_schedule,
+    return PipelineParallelModel(stages, loss_fn, device, meshes, schedule=p.pp_schedule,
                         n_microbatches=n_microbatches(cfg), stage_to_rank=placement.stage_to_rank, shared=shared,
                         timeout=timedelta(seconds=p.timeout_s), autocast_dtype=autocast_dtype, head_loss=head_loss,
                         report=report, unsharded_microbatches=p.pp_fsdp_unsharded_microbatches)

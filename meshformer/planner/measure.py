@@ -24,10 +24,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from meshformer.config import Config
-from meshformer.layout import ParallelDims
 from meshformer.model import Transformer
-from meshformer.parallel import build_plan
-from meshformer.parallel.build import world_size
+from meshformer.parallel import parallelize
+from meshformer.parallel.parallelize import world_size
+from meshformer.parallel_dims import ParallelDims
 from meshformer.train.loss_choice import resolve_loss
 from meshformer.train.step import TrainStep
 
@@ -110,17 +110,17 @@ class TrainingStep:
     def __init__(self, cfg: Config, device: torch.device) -> None:
         torch.manual_seed(cfg.train.seed)
         dims = ParallelDims.from_config(cfg.parallel, world_size())
-        self.plan = build_plan(Transformer(cfg.model), cfg, device, resolve_loss(cfg, dims, device.type))
-        self.training_step = TrainStep(self.plan, cfg.optim, cfg.schedule, cfg.train.steps, cfg.model.d_model)
+        self.parallel_model = parallelize(Transformer(cfg.model), cfg, device, resolve_loss(cfg, dims, device.type))
+        self.training_step = TrainStep(self.parallel_model, cfg.optim, cfg.schedule, cfg.train.steps, cfg.model.d_model)
         self.optimizer = self.training_step.optimizer
-        self.batch = {k: v.to(device) for k, v in synthetic_batch(cfg, self.plan.dp_rank).items()}
+        self.batch = {k: v.to(device) for k, v in synthetic_batch(cfg, self.parallel_model.dp_rank).items()}
 
     def __call__(self) -> None:
         self.training_step.step([self.batch])
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Weights, buffers and optimizer state: what lives across steps."""
-        out = [t for part in self.plan.model_parts for t in [*part.parameters(), *part.buffers()]]
+        out = [t for part in self.parallel_model.model_parts for t in [*part.parameters(), *part.buffers()]]
         return out + [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
 
 

@@ -1,4 +1,4 @@
-"""The pipeline-parallel `TrainingPlan` (optionally with FSDP and TP inside each stage).
+"""The pipeline-parallel `ParallelModel` (optionally with FSDP and TP inside each stage).
 
 One `forward_backward` call is one schedule step over `parallel.pp_microbatches` microbatches of the
 trainer's micro-batch. Losses are summed token losses divided by the global token count and the schedule
@@ -35,9 +35,9 @@ from meshformer.loss.fused import HeadLoss
 from meshformer.model import Transformer
 from meshformer.parallel.grad_norm import local_tensor, settle_grad
 from meshformer.parallel.mesh import Meshes
-from meshformer.parallel.pipeline import StageSpan, TransformerStage, stage_pieces
-from meshformer.parallel.pipeline_stage import ShardedMicrobatchStage
-from meshformer.parallel.spmd_plan import MeshPlan, check_sequence_split
+from meshformer.parallel.mesh_model import MultiRankParallelModel, check_sequence_split
+from meshformer.parallel.pipeline.sharded_stage import ShardedMicrobatchStage
+from meshformer.parallel.pipeline.stages import StageSpan, TransformerStage, stage_pieces
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -51,7 +51,7 @@ _HEADER = 64  # int64 slots describing the tensors of one forward-only P2P messa
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.bool]
 
 
-class PipelinePlan(MeshPlan):
+class PipelineParallelModel(MultiRankParallelModel):
     def __init__(
         self,
         stages: list[TransformerStage],

@@ -1,4 +1,4 @@
-"""The distributed `TrainingPlan` without pipelining: FSDP / HSDP / TP(+SP) and their combinations.
+"""The distributed `ParallelModel` without pipelining: FSDP / HSDP / TP(+SP) and their combinations.
 
 Every rank runs the whole model on its data-parallel shard of the batch (under context parallel: its chunk of
 each sequence). Losses are sums divided by the *global* token count and FSDP sums (not averages) gradients, so
@@ -20,11 +20,11 @@ from meshformer.loss.fused import HeadLoss
 from meshformer.parallel.context import sequence_chunk
 from meshformer.parallel.grad_norm import global_grad_norm, settle_grad
 from meshformer.parallel.mesh import Meshes
-from meshformer.parallel.plan import TrainingPlan
+from meshformer.parallel.parallel_model import ParallelModel
 
 
-class MeshPlan(TrainingPlan):
-    """Shared by the SPMD and pipeline plans: data-parallel bookkeeping, global norms, global reductions."""
+class MultiRankParallelModel(ParallelModel):
+    """Shared by the mesh- and pipeline-parallel models: data-parallel bookkeeping, global norms, global reductions."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, device: torch.device, meshes: Meshes, *,
                  autocast_dtype: torch.dtype | None = None, head_loss: HeadLoss | None = None,
@@ -104,7 +104,7 @@ class MeshPlan(TrainingPlan):
         return global_grad_norm(self._grads(), self.dims.world_size // self.dims.pp, self.device)
 
 
-class SPMDPlan(MeshPlan):
+class MeshParallelModel(MultiRankParallelModel):
     def forward_backward(self, batch: Batch, global_tokens: torch.Tensor, last_micro_batch: bool = True
                          ) -> torch.Tensor:
         self._all_reduce_replicas_after(last_micro_batch)

@@ -9,8 +9,8 @@ import time
 
 from meshformer.config import Config, ConfigError, load_config
 from meshformer.launcher.torchrun import check_world_size
-from meshformer.plan.memory import CUDA_CONTEXT, DEVICES, SAFETY_FRACTION, as_dict, usable_bytes
-from meshformer.plan.search import LayoutMemory, plan_layout, search_layouts
+from meshformer.planner.memory import CUDA_CONTEXT, DEVICES, SAFETY_FRACTION, as_dict, usable_bytes
+from meshformer.planner.search import LayoutMemory, plan_layout, search_layouts
 
 GiB = 2**30
 

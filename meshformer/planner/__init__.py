@@ -6,9 +6,9 @@
 from __future__ import annotations
 
 from meshformer.config import Config
-from meshformer.layout import ParallelDims
-from meshformer.plan.memory import RankMemory, rank_memory
-from meshformer.plan.shard import fake_world, rank_shares
+from meshformer.parallel_dims import ParallelDims
+from meshformer.planner.memory import RankMemory, rank_memory
+from meshformer.planner.shard import fake_world, rank_shares
 
 
 def estimate(cfg: Config, world_size: int) -> tuple[ParallelDims, list[RankMemory]]:
