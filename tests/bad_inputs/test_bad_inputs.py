@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from _common import ROOT
-from _convert_fixtures import convert_case_files
-from _data_fixtures import shards, small_corpus
+from helpers.common import ROOT
+from helpers.convert import convert_case_files
+from helpers.data import shards, small_corpus
 
 from meshformer.checkpointing.weights import write_weights
 from meshformer.cli import main

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _common import ROOT
-from _data_fixtures import shards
+from helpers.common import ROOT
+from helpers.data import shards
 
 CFG = "configs/tiny-gpt.toml"
 TINY = ["model.d_model=32", "model.n_layers=1", "model.d_ff=64", "data.seq_len=32", "model.max_seq_len=64",

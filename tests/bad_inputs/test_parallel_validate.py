@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from parallel_harness import make_config
+from helpers.parallel import make_config
 
 from meshformer.config import ConfigError
 from meshformer.layout import ParallelDims, bf16_supported, n_microbatches, validate_parallel

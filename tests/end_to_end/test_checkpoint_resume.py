@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from _checkpoint_fixtures import (
+from helpers.checkpoints import (
     assert_bitwise,
     copy_steps,
     final_weights,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _checkpoint_fixtures import assert_bitwise, copy_steps, final_weights, reference_files, run_trainer, tiny_config
+from helpers.checkpoints import assert_bitwise, copy_steps, final_weights, reference_files, run_trainer, tiny_config
 
 from meshformer.checkpointing import CheckpointError
 from meshformer.checkpointing.dcp_io import read_full_tensors
@@ -163,7 +163,7 @@ _KILLED_DURING_RETENTION = """
 import shutil, sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from _checkpoint_fixtures import run_trainer, tiny_config
+from helpers.checkpoints import run_trainer, tiny_config
 
 real_rmtree = shutil.rmtree
 
@@ -188,7 +188,7 @@ def test_sigkill_during_retention_leaves_no_half_deleted_checkpoint(reference, t
     run_dir, marker = tmp_path / "run", tmp_path / "deleting"
     script = tmp_path / "killed.py"
     script.write_text(_KILLED_DURING_RETENTION)
-    tests_dir = Path(__file__).resolve().parent
+    tests_dir = Path(__file__).resolve().parents[1]
     # The killed run trains steps 1-4 with this process's thread count: bitwise equality needs the same reductions.
     env = {"PYTHONPATH": str(tests_dir.parent), "OMP_NUM_THREADS": str(torch.get_num_threads()),
            "PATH": "/usr/bin:/bin"}

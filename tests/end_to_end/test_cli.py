@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from _common import CONFIGS
+from helpers.common import CONFIGS
 
 from meshformer.cli import main
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from _cluster_fixtures import CONFIG, finish, overrides, start, worker_env
+from helpers.cluster import CONFIG, finish, overrides, start, worker_env
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from meshformer.cli import main

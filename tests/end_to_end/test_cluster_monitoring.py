@@ -13,8 +13,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from _cluster_fixtures import overrides
-from _common import ROOT, free_port
+from helpers.cluster import overrides
+from helpers.common import ROOT, free_port
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from meshformer.cli import main

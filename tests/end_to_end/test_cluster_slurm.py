@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _cluster_fixtures import (
+from helpers.cluster import (
     CLUSTER_STEPS,
     CONFIG,
     INJECT,
@@ -140,7 +140,7 @@ def test_two_node_job_checkpoints_requeues_and_resumes_at_the_time_limit_signal(
     base = tmp_path_factory.getbasetemp()
     reference = reference_run(base)
     run_dir = tmp_path / "run"
-    # Slow steps (test-only sitecustomize, see tests/_cluster_inject) leave time to signal mid-run.
+    # Slow steps (test-only sitecustomize, see tests/helpers/cluster_inject) leave time to signal mid-run.
     job = SlurmJob(CONFIG, overrides(base, run_dir), nodes=2, gpus_per_node=0, nproc_per_node=1, max_restarts=0,
                    setup=[f"export PYTHONPATH={INJECT}:{ROOT} MF_TEST_STEP_SLEEP_S=0.2 OMP_NUM_THREADS=1"])
     _, job_id = submit(job)

@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from _cluster_fixtures import (
+from helpers.cluster import (
     CLUSTER_STEPS,
     agent_command,
     assert_same_weights,
@@ -26,7 +26,7 @@ from _cluster_fixtures import (
     wait_for,
     worker_env,
 )
-from _common import free_port
+from helpers.common import free_port
 
 from meshformer.checkpointing.directory import committed_steps, step_dir_name
 from meshformer.launcher.torchrun import torchrun_env

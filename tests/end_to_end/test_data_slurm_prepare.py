@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from _data_fixtures import write_corpus
+from helpers.data import write_corpus
 from test_cluster_slurm import slurm  # noqa: F401  (the running-scheduler fixture)
 
 from meshformer.cli import main

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from _common import ROOT
-from _convert_fixtures import convert_case_files
+from helpers.common import ROOT
+from helpers.convert import convert_case_files
 
 from meshformer.checkpointing.safetensors_io import safetensors_to_checkpoint
 from meshformer.cli import main

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from _common import ROOT
-from _data_fixtures import kjv_docs, shards, small_corpus
+from helpers.common import ROOT
+from helpers.data import kjv_docs, shards, small_corpus
 
 from meshformer.cli import main
 from meshformer.data import prepare

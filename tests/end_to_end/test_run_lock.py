@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _checkpoint_fixtures import (
+from helpers.checkpoints import (
     assert_bitwise,
     final_weights,
     reference_files,
@@ -22,7 +22,7 @@ from _checkpoint_fixtures import (
     tiny_overrides,
     tiny_shards,
 )
-from _common import CONFIGS, ROOT
+from helpers.common import CONFIGS, ROOT
 from safetensors import SafetensorError
 
 from meshformer.checkpointing import CheckpointError

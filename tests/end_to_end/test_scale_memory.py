@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from _common import free_port
+from helpers.common import free_port
 
 WORLD = 4
 BOUND = 1.5  # peak RSS over the base, in fp32 models

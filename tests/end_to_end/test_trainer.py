@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from _common import CONFIGS
+from helpers.common import CONFIGS
 
 from meshformer.checkpointing.weights import load_weights
 from meshformer.config import load_config

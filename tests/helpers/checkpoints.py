@@ -1,4 +1,4 @@
-"""Shared pieces of the tests/test_checkpoint_*.py files: tiny data, tiny configs, interrupted runs, launches."""
+"""Shared pieces of the test_checkpoint_*.py files: tiny data, tiny configs, interrupted runs, launches."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 import torch
-from _common import free_port
 from safetensors.torch import load_file
 
+from helpers.common import ROOT, TESTS, free_port
 from meshformer.config import Config, load_config
 
 _SHARDS: dict[str, Path] = {}
@@ -135,8 +135,7 @@ def launch(script: Path, nproc: int, args: list[str], timeout: float = 120.0) ->
     for rank in range(nproc):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                              os.environ.get("PYTHONPATH", "")])}
+               "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")])}
         procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     results = []

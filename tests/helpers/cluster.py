@@ -1,4 +1,4 @@
-"""Shared pieces of tests/test_cluster_*.py: tiny data and config, torchrun agents, the reference run.
+"""Shared pieces of the test_cluster_*.py files: tiny data and config, torchrun agents, the reference run.
 
 Every multi-process test trains the same tiny 2-rank job (CLUSTER_STEPS steps, a checkpoint every 4) and
 compares its final weights bitwise with one uninterrupted run of two torchrun agents over 127.0.0.1
@@ -17,12 +17,12 @@ import time
 from pathlib import Path
 
 import torch
-from _common import CONFIGS, ROOT, free_port
 from safetensors.torch import load_file
 
+from helpers.common import CONFIGS, ROOT, free_port
 from meshformer.launcher.torchrun import torchrun_command, torchrun_env
 
-INJECT = Path(__file__).resolve().parent / "_cluster_inject"  # sitecustomize.py: MF_TEST_* faults
+INJECT = Path(__file__).resolve().parent / "cluster_inject"  # sitecustomize.py: MF_TEST_* faults
 CONFIG = str(CONFIGS / "tiny-gpt.toml")
 CLUSTER_STEPS = 16
 CHECKPOINT_EVERY = 4

@@ -5,7 +5,8 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = ROOT / "tests"  # on sys.path (conftest.py), so test modules import `helpers.<name>`
 CONFIGS = ROOT / "configs"  # the shipped configs; tests name them through this, whatever the working directory
 
 

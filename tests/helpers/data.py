@@ -1,4 +1,4 @@
-"""Small prepared shard sets shared by the tests/test_data_*.py files (cached per test session)."""
+"""Small prepared shard sets shared by the test_data_*.py files (cached per test session)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from meshformer.data import load_tokenizer, prepare
 from meshformer.data.sources import BUNDLED_CORPORA
 
 _ROOT: Path | None = None
-ROOT_DIR = Path(__file__).resolve().parents[1]  # the checkout (its meshformer, not an installed one)
+ROOT_DIR = Path(__file__).resolve().parents[2]  # the checkout (its meshformer, not an installed one)
 
 
 def kjv_docs(n: int) -> list[str]:

@@ -56,7 +56,7 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 
 def materialize_check(name: str) -> dict[str, Any]:
-    from parallel_harness import build_cpu_plan, new_model, scenario
+    from helpers.parallel import build_cpu_plan, new_model, scenario
 
     from meshformer.checkpointing.weights import quiet_redistribute
     from meshformer.model import Transformer

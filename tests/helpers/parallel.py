@@ -10,7 +10,7 @@ smoothing and z-loss, and reports, relative to the single-process reference:
 - norm_rel: the clip_grad_norm global norm against torch's on the full model;
 - missing: reference parameters no rank checked (a layout that silently drops a parameter fails).
 
-Run by hand: python tests/parallel_harness.py --world 2 decoder/fsdp decoder/tp
+Run by hand: python tests/helpers/parallel.py --world 2 decoder/fsdp decoder/tp
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
+for path in (ROOT, ROOT / "tests"):  # also run as a script: the checkout's meshformer, and helpers/
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
-from _common import free_port  # noqa: E402
-
+from helpers.common import free_port  # noqa: E402
 from meshformer.batch import IGNORE_INDEX  # noqa: E402
 from meshformer.config import Config, OptimConfig, ScheduleConfig, config_from_dict  # noqa: E402
 from meshformer.layout import ParallelDims  # noqa: E402
@@ -427,7 +427,7 @@ def run_scenario(name: str) -> dict[str, Any]:
     if name == "skip/nan":
         return nan_step_check()
     if name.startswith("materialize:"):
-        from materialize_checks import materialize_check
+        from helpers.materialize import materialize_check
 
         return materialize_check(name.removeprefix("materialize:"))
     cfg, steps = scenario(name)

@@ -1,4 +1,4 @@
-"""A tiny torchrun entry point for launch tests: `torchrun ... tests/parallel_worker.py MODE`.
+"""A tiny torchrun entry point for launch tests: `torchrun ... tests/helpers/parallel_worker.py MODE`.
 
 MODE: ok (an FSDP step, prints the world), fail (rank 1 raises), hang (rank 1 skips a collective).
 """
@@ -9,12 +9,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers importable
 
 import torch
 import torch.distributed as dist
-from parallel_harness import build_cpu_plan, make_batches, make_config
 
+from helpers.parallel import build_cpu_plan, make_batches, make_config
 from meshformer.runtime.distributed import init_distributed, shutdown_distributed
 
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _checkpoint_fixtures import (
+from helpers.checkpoints import (
     assert_bitwise,
     copy_steps,
     final_weights,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parallel_harness import build_cpu_plan, make_batches, make_config
+from helpers.parallel import build_cpu_plan, make_batches, make_config
 
 from meshformer.config import ConfigError
 from meshformer.parallel import float8 as float8_module

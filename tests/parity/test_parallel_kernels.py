@@ -6,7 +6,7 @@ import sys
 import types
 
 import torch
-from parallel_harness import build_cpu_plan, make_config, new_model
+from helpers.parallel import build_cpu_plan, make_config, new_model
 from torch import nn
 
 from meshformer.parallel.kernels import apex_available, kernel_report, use_apex_norms

@@ -1,11 +1,11 @@
 """Meta-device build + sharded materialisation: the same initial weights as one process, bitwise, for every
 family and layout, no rank ever holds the whole model while building, and the final weights saved from the
-layout (streamed, several files) read back equal (see materialize_checks.py)."""
+layout (streamed, several files) read back equal (see helpers/materialize.py)."""
 
 from __future__ import annotations
 
 import pytest
-from parallel_harness import launch
+from helpers.parallel import launch
 
 WORLD2 = ["decoder/fsdp", "encoder/fsdp", "encdec/fsdp",
           "decoder/tp", "decoder_alibi/tp", "encoder/tp", "encdec/tp",

@@ -1,13 +1,13 @@
 """Every parallel layout against a single process: loss, step-0 gradients and the global norm within 1e-5.
 
 Three launches (2, 4 and 8 gloo processes on CPU) run all layouts, one process group each; see
-parallel_harness.py for what is compared. fp32 throughout, except the FSDP mixed-precision check.
+helpers/parallel.py for what is compared. fp32 throughout, except the FSDP mixed-precision check.
 """
 
 from __future__ import annotations
 
 import pytest
-from parallel_harness import launch
+from helpers.parallel import launch
 
 TOL = 1e-5
 

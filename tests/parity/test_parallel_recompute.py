@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parallel_harness import build_cpu_plan, make_batches, make_config, new_model
+from helpers.parallel import build_cpu_plan, make_batches, make_config, new_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshformer.config import ConfigError

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parallel_harness import make_batches, make_config, new_model
+from helpers.parallel import make_batches, make_config, new_model
 
 from meshformer.batch import model_inputs
 from meshformer.loss.fused import head_loss_fn

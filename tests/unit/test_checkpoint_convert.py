@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _checkpoint_fixtures import assert_bitwise
+from helpers.checkpoints import assert_bitwise
 from safetensors.torch import load_file
 
 from meshformer.checkpointing import (

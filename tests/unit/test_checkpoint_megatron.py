@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _checkpoint_fixtures import assert_bitwise
-from _common import free_port
+from helpers.checkpoints import assert_bitwise
+from helpers.common import free_port
 
 from meshformer.checkpointing import ConversionError
 from meshformer.checkpointing.dcp_io import read_full_tensors, read_metadata, tensor_entries
@@ -101,8 +102,9 @@ def test_mismatches_are_explained(tmp_path):
                     "(pip install megatron-core==0.16.1 psutil)")
 def test_against_megatron_core(tmp_path):
     """Megatron loads our export and computes our logits; we import Megatron's own save and compute its logits."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(THIS.parents[2]), str(THIS.parents[1])))}
     proc = subprocess.run([sys.executable, str(THIS), str(tmp_path), str(free_port())], capture_output=True,
-                          text=True, timeout=240)
+                          text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     results = json.loads((tmp_path / "results.json").read_text())
     for name, diffs in results.items():
@@ -182,5 +184,5 @@ def _megatron_reference(out_dir: str, port: str) -> None:
 
 
 if __name__ == "__main__":  # the main guard matters: megatron's saver starts multiprocessing helpers
-    sys.path.insert(0, str(THIS.parent))
+    sys.path.insert(0, str(THIS.parents[1]))
     _megatron_reference(*sys.argv[1:])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _checkpoint_fixtures import assert_bitwise
+from helpers.checkpoints import assert_bitwise
 
 from meshformer.checkpointing.hf import config_from_hf
 from meshformer.checkpointing.sharded_safetensors import INDEX_FILE, SINGLE_FILE, parse_size
@@ -19,7 +19,7 @@ from meshformer.cli import main
 from meshformer.model import Transformer
 
 transformers = pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _model(arch: str, layers: int = 3, width: int = 32) -> Transformer:

@@ -1,6 +1,6 @@
 
 import pytest
-from _common import CONFIGS
+from helpers.common import CONFIGS
 
 from meshformer.config import Config, ConfigError, bundled_configs, config_from_dict, load_config
 

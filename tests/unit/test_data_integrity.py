@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-from _data_fixtures import config, copy_shards, shards, tokenizer
+from helpers.data import config, copy_shards, shards, tokenizer
 
 from meshformer.data import ManifestError, ShardError, build_loader, read_manifest
 from meshformer.data.shards import open_url, read_shard

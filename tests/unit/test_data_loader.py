@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from _data_fixtures import config, shards, tokenizer
+from helpers.data import config, shards, tokenizer
 
 from meshformer.data import DataStateError, build_loader
 from meshformer.data.shards import read_shard

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _common import CONFIGS
-from _data_fixtures import config, shards, tokenizer
+from helpers.common import CONFIGS
+from helpers.data import config, shards, tokenizer
 
 from meshformer.config import ConfigError, load_config
 from meshformer.data import DataStateError, build_loader

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _data_fixtures import config, shards, tokenizer
+from helpers.data import config, shards, tokenizer
 
 from meshformer.batch import IGNORE_INDEX
 from meshformer.config import DataConfig

@@ -9,7 +9,7 @@ import logging
 
 import numpy as np
 import pytest
-from _data_fixtures import config, kjv_docs, small_corpus, tokenizer
+from helpers.data import config, kjv_docs, small_corpus, tokenizer
 
 from meshformer.config import Config
 from meshformer.data import ManifestError, build_loader, prepare, read_manifest

@@ -9,7 +9,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from _data_fixtures import ROOT_DIR, config, tokenizer, write_corpus
+from helpers.data import ROOT_DIR, config, tokenizer, write_corpus
 
 from meshformer.data import build_loader, prepare, read_manifest
 from meshformer.data.shards import read_shard

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _data_fixtures import config, shards, tokenizer
 from data_read_volume import planned_bytes, record_spans, shuffle_quality
+from helpers.data import config, shards, tokenizer
 
 from meshformer.data import build_loader
 

@@ -6,7 +6,7 @@ import hashlib
 import importlib.util
 
 import pytest
-from _data_fixtures import kjv_docs, tokenizer
+from helpers.data import kjv_docs, tokenizer
 
 from meshformer.data import TokenizerError, load_tokenizer, train_bpe
 from meshformer.data.tokenizer import BUNDLED_DIR, SPECIAL_TOKENS

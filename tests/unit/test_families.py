@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from parallel_harness import make_config
+from helpers.parallel import make_config
 
 from meshformer.model.families import FAMILIES, get_family_spec
 from meshformer.model.flops import count_params

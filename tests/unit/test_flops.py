@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _common import CONFIGS
+from helpers.common import CONFIGS
 
 from meshformer.config import ModelConfig, load_config
 from meshformer.model import Transformer

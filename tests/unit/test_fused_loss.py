@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from parallel_harness import build_cpu_plan, make_batches, make_config, new_model
+from helpers.parallel import build_cpu_plan, make_batches, make_config, new_model
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from _torch_nn_weights import config_from_torch_transformer, load_torch_transformer, to_torch_transformer_state_dict
+from helpers.torch_nn import config_from_torch_transformer, load_torch_transformer, to_torch_transformer_state_dict
 from torch import nn
 
 from meshformer.checkpointing.hf import (

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _common import ROOT
+from helpers.common import ROOT
 
 from meshformer.config import ConfigError, ModelConfig, load_config
 from meshformer.model import Transformer

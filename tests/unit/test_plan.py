@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from _common import CONFIGS
+from helpers.common import CONFIGS
 from parallel_common import spawn
 from plan_validation import LAYOUTS, TOLERANCE, compare, measure_layouts, validation_config
 

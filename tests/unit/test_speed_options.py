@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from parallel_harness import build_cpu_plan, make_batches, make_config, new_model
+from helpers.parallel import build_cpu_plan, make_batches, make_config, new_model
 from torch import nn
 from torch.nn.attention import SDPBackend
 

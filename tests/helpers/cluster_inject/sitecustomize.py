@@ -1,4 +1,4 @@
-"""Test-only faults for tests/test_cluster_*.py, injected into the real entry point (`-m meshformer.train`).
+"""Test-only faults for tests/end_to_end/test_cluster_*.py, injected into the real entry point (`-m meshformer.train`).
 
 Python imports this file at start-up when its folder is on PYTHONPATH. It does nothing unless MF_TEST_* variables
 are set, and then only patches meshformer.train.trainer when that module is first imported, so torchrun, srun and
