@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from tests._data_fixtures import write_corpus
+    from tests.helpers.data import write_corpus
 
     result: dict = {}
     with tempfile.TemporaryDirectory() as tmp:

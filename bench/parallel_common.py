@@ -26,7 +26,7 @@ from meshformer.model import Transformer  # noqa: E402
 from meshformer.parallel import ParallelModel, parallelize  # noqa: E402
 from meshformer.parallel_dims import ParallelDims  # noqa: E402
 from meshformer.train.loss_choice import resolve_loss  # noqa: E402
-from tests._common import free_port  # noqa: E402
+from tests.helpers.common import free_port  # noqa: E402
 
 
 def bench_config(parallel: dict[str, Any] | None = None, *, d_model: int = 256, n_layers: int = 8, seq: int = 128,

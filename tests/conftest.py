@@ -4,8 +4,12 @@ from pathlib import Path
 import pytest
 import torch
 
-# Tests import bench/'s measurement helpers (plan_validation, data_read_volume, parallel_common) by module name.
-sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
+TESTS = Path(__file__).resolve().parent
+# Test modules import shared code as `helpers.<name>`, and bench/'s measurement helpers (plan_validation,
+# data_read_volume, parallel_common) by module name.
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+sys.path.append(str(TESTS.parent / "bench"))
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Weights and configs between meshformer's `Transformer` and Hugging Face GPT-2, BERT, Llama and T5.
 
     hf_model = to_hf_model(model)            # GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / T5...
-    model = from_hf_model(hf_model)          # and back; logits agree (tests/test_model_references.py)
+    model = from_hf_model(hf_model)          # and back; logits agree (tests/unit/test_model_references.py)
 
 What differs and how it is mapped:
 - GPT-2: Conv1D weights are stored (in, out), so they are transposed; `c_attn` packs q/k/v; gelu_new

@@ -1,0 +1,97 @@
+"""`meshformer train --nproc-per-node N` runs torchrun's agent itself: a failed rank ends as one `error:` line, never
+torchrun's ChildFailedError report; real processes, as a user runs them. Also the debug switch's values."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers.common import ROOT
+from helpers.data import shards
+
+CFG = "configs/tiny-gpt.toml"
+TINY = ["model.d_model=32", "model.n_layers=1", "model.d_ff=64", "data.seq_len=32", "model.max_seq_len=64",
+        "train.steps=2", "train.eval_interval=0", "train.sample_interval=0", "logging.tensorboard=false",
+        "data.num_workers=0"]
+
+
+def _meshformer(*args: str, env: dict[str, str] | None = None, pythonpath: tuple[Path, ...] = ()
+                ) -> subprocess.CompletedProcess:
+    path = os.pathsep.join(str(p) for p in (*pythonpath, ROOT))
+    inherited = {key: value for key, value in os.environ.items() if key != "MESHFORMER_DEBUG"}
+    full_env = {**inherited, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "meshformer.cli", *args], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _one_error_line(out: subprocess.CompletedProcess) -> str:
+    text = out.stdout + out.stderr
+    lines = [line for line in text.splitlines() if "error:" in line]
+    assert out.returncode != 0 and len(lines) == 1, text[-4000:]
+    assert "Traceback" not in text and "ChildFailedError" not in text, text[-4000:]
+    assert lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def test_a_rank_that_reports_leaves_the_only_line(tmp_path):
+    """A shard corrupted on disk (same size) passes the launcher's checks and fails in the ranks at step 1."""
+    bad = shutil.copytree(shards(tmp_path), tmp_path / "corrupt")
+    for shard in bad.glob("train-*.tar"):
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2:len(data) // 2 + 64] = bytes(64)
+        shard.write_bytes(bytes(data))
+    out = _meshformer("train", CFG, "--nproc-per-node", "2", "--set", *TINY, f"logging.run_dir={tmp_path / 'run'}",
+                      f"data.shards={bad}")
+    line = _one_error_line(out)
+    assert line.startswith("error: shard ") and "data.bad_shards='skip'" in line, line
+
+
+def test_a_rank_killed_by_a_signal_is_named_in_one_line(tmp_path):
+    """Rank 1 dies of SIGKILL as it starts (a sitecustomize stands in for the out-of-memory killer)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, signal\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    out = _meshformer("train", CFG, "--nproc-per-node", "2", "--set", *TINY, f"logging.run_dir={tmp_path / 'run'}",
+                      pythonpath=(hook,))
+    line = _one_error_line(out)
+    assert "rank 1" in line and "killed by SIGKILL" in line and "out-of-memory" in line, line
+
+
+def test_debug_switch_takes_only_yes_words():
+    bad = ("train", CFG, "--set", "train.steps=0")
+    for value in ("0", "no", "false", "off", ""):
+        out = _meshformer(*bad, env={"MESHFORMER_DEBUG": value})
+        assert _one_error_line(out).startswith("error: train.steps must be positive"), value
+    for value in ("1", "true", "yes", "ON"):
+        out = _meshformer(*bad, env={"MESHFORMER_DEBUG": value})
+        assert out.returncode != 0 and "Traceback" in out.stderr and "ConfigError" in out.stderr, value
+
+
+def test_ctrl_c_stops_the_job_without_a_launcher_traceback(tmp_path):
+    """The agent runs in our process and turns SIGINT into its SignalException: the launcher exits 130, quietly."""
+    import signal
+    import time
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    started = tmp_path / "rank0-started"
+    (hook / "sitecustomize.py").write_text(
+        f"import os, pathlib\nif os.environ.get('RANK') == '0':\n    pathlib.Path({str(started)!r}).touch()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(hook), str(ROOT))), "OMP_NUM_THREADS": "1"}
+    env.pop("MESHFORMER_DEBUG", None)
+    proc = subprocess.Popen([sys.executable, "-m", "meshformer.cli", "train", CFG, "--nproc-per-node", "2", "--set",
+                             *TINY, "train.steps=100000", f"logging.run_dir={tmp_path / 'run'}"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert started.exists() and proc.returncode == 128 + signal.SIGINT, (proc.returncode, err[-3000:])
+    assert "SignalException" not in err and "ChildFailedError" not in err, err[-3000:]

@@ -1,0 +1,153 @@
+"""The single-process trainer: it learns, its accounting is exact, and it leaves logs, events and weights."""
+
+import math
+
+import pytest
+import torch
+from helpers.common import CONFIGS
+
+from meshformer.checkpointing.weights import load_weights
+from meshformer.config import load_config
+from meshformer.train.trainer import Trainer
+
+SMALL = ["model.d_model=64", "model.n_heads=4", "model.n_layers=2", "model.d_ff=256", "data.seq_len=64",
+         "model.max_seq_len=64", "train.sample_interval=0", "train.eval_interval=0"]
+
+
+def unigram_entropy(batches) -> float:
+    counts = torch.zeros(4096, dtype=torch.float64)
+    for batch in batches:
+        labels = batch["labels"][batch["labels"] >= 0]
+        counts += torch.bincount(labels, minlength=4096).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
+@pytest.mark.slow
+def test_tiny_gpt_learns_well_below_unigram_entropy(tmp_path):
+    cfg = load_config(CONFIGS / "tiny-gpt.toml", [*SMALL, "train.steps=400", "train.eval_interval=400",
+                                                 "data.batch_size=32", "optim.lr=5e-3", "schedule.warmup_steps=20",
+                                                 f"logging.run_dir={tmp_path}"])
+    trainer = Trainer(cfg)
+    # Estimated on a separate loader so the trainer's stream is untouched; 100 batches = 200k tokens.
+    from meshformer.data import build_loader
+
+    stream = iter(build_loader(cfg, trainer.tokenizer, "train", 0, 1))
+    entropy = unigram_entropy(next(stream) for _ in range(100))
+    result = trainer.fit()
+    # No unigram model beats its entropy (about 6.0 nats here); context must buy at least a nat.
+    assert result.eval_loss < entropy - 1.0, (result.eval_loss, entropy)
+    assert math.isfinite(result.final_loss)
+
+
+def test_run_leaves_config_events_and_weights(tmp_path):
+    cfg = load_config(CONFIGS / "tiny-gpt.toml", [*SMALL, "train.steps=4", "logging.log_interval=2",
+                                                 "train.eval_interval=4", "train.sample_interval=4",
+                                                 f"logging.run_dir={tmp_path}"])
+    trainer = Trainer(cfg)
+    trainer.fit()
+    assert load_config(tmp_path / "config.toml") == cfg
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu", "eval/loss"} <= tags
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 4]
+    model = load_weights(tmp_path / "final")
+    for name, tensor in trainer.model.state_dict().items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
+
+
+def _one_step_params(tmp_path, batch_size: int, accum: int, loss: str = "plain") -> dict[str, torch.Tensor]:
+    cfg = load_config(CONFIGS / "tiny-gpt.toml", [*SMALL, "train.steps=1", f"data.batch_size={batch_size}",
+                                                 f"train.grad_accum={accum}", "data.num_workers=0",
+                                                 f"train.loss={loss}", "logging.tensorboard=false",
+                                                 f"logging.run_dir={tmp_path}/{batch_size}x{accum}"])
+    trainer = Trainer(cfg)
+    trainer.train_step()
+    return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("loss,atol", [("plain", 3e-6), ("chunked", 3e-6), ("chunked_recompute", 3e-6)])
+def test_gradient_accumulation_equals_one_big_batch(tmp_path, loss, atol):
+    # The loader's global sample order does not depend on the batch size, so 2 x 8 sees the same 16 sequences.
+    # Last-bit differences, which Adam's first step (update ~ lr * g / |g|) magnifies on near-zero gradients to a
+    # few 1e-6: the chunked loss applies the 1/tokens scale after the head GEMMs rather than before, and the CPU
+    # attention kernel's batched GEMMs split their sums differently at another batch size (measured: 1.8e-6 above
+    # rtol; SDPA 0.4e-6).
+    big = _one_step_params(tmp_path / loss, 16, 1, loss)
+    accumulated = _one_step_params(tmp_path / loss, 8, 2, loss)
+    for name in big:
+        torch.testing.assert_close(accumulated[name], big[name], rtol=1e-5, atol=atol, msg=name)
+
+
+def test_tokenizer_larger_than_model_vocab_is_rejected(tmp_path):
+    from meshformer.config import ConfigError
+
+    cfg = load_config(CONFIGS / "tiny-gpt.toml", [*SMALL, "model.vocab_size=1000", f"logging.run_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="raise model.vocab_size"):
+        Trainer(cfg)
+
+
+def test_logged_learning_rate_is_the_one_each_step_used(tmp_path):
+    cfg = load_config(CONFIGS / "tiny-gpt.toml", [*SMALL, "train.steps=3", "logging.log_interval=1",
+                                                 "schedule.name=constant", "schedule.warmup_steps=10",
+                                                 "optim.lr=1.0", "logging.tensorboard=false", "data.num_workers=0",
+                                                 "checkpoint.interval=0", f"logging.run_dir={tmp_path}"])
+    history = Trainer(cfg).fit().history
+    assert [round(h["train/lr"], 6) for h in history] == [0.1, 0.2, 0.3]  # warmup: (step + 1) / 10
+
+
+def test_tied_output_bias_starts_at_zero():
+    from meshformer.model import Transformer
+
+    model = Transformer(load_config(CONFIGS / "tiny-bert.toml").model)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert torch.count_nonzero(model.output.bias) == 0
+
+
+def test_sample_clips_the_source_to_the_position_table(tmp_path):
+    from meshformer.data import load_tokenizer
+    from meshformer.model import Transformer
+    from meshformer.train.sampling import decoded_sample
+
+    for config in (CONFIGS / "tiny-bert.toml", CONFIGS / "tiny-t5.toml"):
+        cfg = load_config(config, ["model.max_seq_len=8", "data.seq_len=8", "data.target_len=8"])
+        text = decoded_sample(Transformer(cfg.model), load_tokenizer(cfg.data.tokenizer), cfg, torch.device("cpu"))
+        assert isinstance(text, str) and "->" in text
+
+
+def test_a_nan_step_updates_nothing_and_a_run_of_them_stops_training(tmp_path, monkeypatch):
+    from meshformer.errors import DivergenceError
+    from meshformer.parallel.parallel_model import ParallelModel
+
+    overrides = [*SMALL, "train.steps=6", "logging.log_interval=1", "logging.tensorboard=false", "data.num_workers=0",
+                 "checkpoint.interval=0", "optim.max_nonfinite_in_a_row=2", f"logging.run_dir={tmp_path}"]
+    trainer = Trainer(load_config(CONFIGS / "tiny-gpt.toml", overrides))
+    poisoned = {2, 4, 5, 6}  # steps whose loss is NaN (1-based): one alone, then three in a row
+    forward_backward = ParallelModel.forward_backward
+
+    def nan_loss(plan, batch, global_tokens, last_micro_batch=True):
+        if trainer.step + 1 in poisoned:
+            global_tokens = global_tokens * float("nan")
+        return forward_backward(plan, batch, global_tokens, last_micro_batch)
+
+    monkeypatch.setattr(ParallelModel, "forward_backward", nan_loss)
+    weights: dict[int, list[torch.Tensor]] = {}
+    logged = []
+    trainer.logger.info = logged.append
+    real_step = trainer.train_step
+
+    def recorded_step():
+        result = real_step()
+        weights[trainer.step] = [p.detach().clone() for p in trainer.model.parameters()]
+        return result
+
+    trainer.train_step = recorded_step
+    with pytest.raises(DivergenceError, match="the last 3 steps \\(up to step 6\\)"):
+        trainer.fit()
+    assert all(torch.equal(a, b) for a, b in zip(weights[1], weights[2]))  # step 2 skipped
+    assert not any(torch.equal(a, b) for a, b in zip(weights[2], weights[3]))  # step 3 trained
+    assert all(torch.isfinite(p).all() for p in weights[6])
+    assert any("1 of the last 1 steps had an inf/nan gradient norm" in line for line in logged)

@@ -1,0 +1,1 @@
+"""Shared test code (fixtures, harnesses, scripts launched by path), imported as `helpers.<name>`."""

@@ -1,0 +1,76 @@
+"""Test-only faults for tests/end_to_end/test_cluster_*.py, injected into the real entry point (`-m meshformer.train`).
+
+Python imports this file at start-up when its folder is on PYTHONPATH. It does nothing unless MF_TEST_* variables
+are set, and then only patches meshformer.train.trainer when that module is first imported, so torchrun, srun and
+SLURM launch the unmodified command line:
+- MF_TEST_STEP_SLEEP_S=S: every rank sleeps S seconds per step (a run long enough to interrupt mid-way);
+- MF_TEST_SLOW_RANK=R with MF_TEST_SLOW_DATA_S=S: rank R waits S seconds for every batch (a data straggler);
+- MF_TEST_SLOW_RANK=R with MF_TEST_HANG_STEP=N, MF_TEST_HANG_S=S: rank R waits S seconds for the batch of step N.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+import time
+
+TARGET = "meshformer.train.trainer"
+
+
+class SlowLoader:
+    """Wraps the training loader: sleeps before handing out each batch."""
+
+    def __init__(self, loader, trainer) -> None:
+        self.loader, self.trainer = loader, trainer
+
+    def __iter__(self):
+        delay = float(os.environ.get("MF_TEST_SLOW_DATA_S", "0"))
+        hang_step, hang_s = int(os.environ.get("MF_TEST_HANG_STEP", "0")), float(os.environ.get("MF_TEST_HANG_S", "0"))
+        for batch in self.loader:
+            time.sleep(hang_s if self.trainer.step + 1 == hang_step else delay)
+            yield batch
+
+    def __getattr__(self, name):  # state_dict / load_state_dict for checkpoints
+        return getattr(self.loader, name)
+
+
+def patch(module) -> None:
+    trainer_cls = module.Trainer
+    init, train_step = trainer_cls.__init__, trainer_cls.train_step
+    step_sleep = float(os.environ.get("MF_TEST_STEP_SLEEP_S", "0"))
+    slow_rank = int(os.environ.get("MF_TEST_SLOW_RANK", "-1"))
+
+    def patched_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if self.rank == slow_rank:
+            self.train_data = SlowLoader(self.train_data, self)
+
+    def patched_step(self):
+        time.sleep(step_sleep)
+        return train_step(self)
+
+    trainer_cls.__init__ = patched_init
+    if step_sleep:
+        trainer_cls.train_step = patched_step
+
+
+class PatchOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if any(key.startswith("MF_TEST_") for key in os.environ):
+    sys.meta_path.insert(0, PatchOnImport())

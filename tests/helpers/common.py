@@ -1,0 +1,17 @@
+"""What several test modules (and bench/) share: the repository's folders and a free port for a rendezvous."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = ROOT / "tests"  # on sys.path (conftest.py), so test modules import `helpers.<name>`
+CONFIGS = ROOT / "configs"  # the shipped configs; tests name them through this, whatever the working directory
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now, for a process group's MASTER_PORT."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

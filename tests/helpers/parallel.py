@@ -1,0 +1,507 @@
+"""Parity harness: every parallel layout against one process on the same init and data (CPU, gloo).
+
+One launch of N spawned processes runs a whole list of scenarios (process-group start-up dominates the cost
+on 2 cores). Each scenario trains 2 optimizer steps of 2 accumulated micro-batches with padding, label
+smoothing and z-loss, and reports, relative to the single-process reference:
+- loss_rel: |loss - ref| / |ref| for both steps (step 1 checks the sharded optimizer update and clipping)
+  and for an evaluation pass after them;
+- grad_rel: max over parameters of max|g - g_ref| / max|g_ref| (the scale floored at 1e-4 of the model's
+  largest), step-0 gradients gathered with full_tensor();
+- norm_rel: the clip_grad_norm global norm against torch's on the full model;
+- missing: reference parameters no rank checked (a layout that silently drops a parameter fails).
+
+Run by hand: python tests/helpers/parallel.py --world 2 decoder/fsdp decoder/tp
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import sys
+import tempfile
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+for path in (ROOT, ROOT / "tests"):  # also run as a script: the checkout's meshformer, and helpers/
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from helpers.common import free_port  # noqa: E402
+from meshformer.batch import IGNORE_INDEX  # noqa: E402
+from meshformer.config import Config, OptimConfig, ScheduleConfig, config_from_dict  # noqa: E402
+from meshformer.loss.cross_entropy import plain_loss_fn  # noqa: E402
+from meshformer.model import Transformer  # noqa: E402
+from meshformer.parallel.parallel_model import ParallelModel  # noqa: E402
+from meshformer.parallel_dims import ParallelDims  # noqa: E402
+from meshformer.train.loss_choice import resolve_loss  # noqa: E402
+from meshformer.train.step import TrainStep  # noqa: E402
+
+BATCH, SEQ, TARGET, VOCAB = 8, 16, 8, 64
+MAX_NORM = 0.05  # small enough that clipping is active in both steps
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    # Llama-like: RMSNorm, SwiGLU, RoPE, GQA, tied embeddings
+    "decoder": dict(family="decoder", n_layers=4, norm="rmsnorm", activation="swiglu", position="rope",
+                    n_kv_heads=2, bias=False),
+    # GPT-2-like with ALiBi (per-head slopes must follow tensor-parallel head sharding) and biases
+    "decoder_alibi": dict(family="decoder", n_layers=4, position="alibi", activation="gelu", bias=True,
+                          tie_embeddings=False, output_bias=True),
+    # GPT-2-like: learned absolute positions, LayerNorm, GELU; T5-style relative buckets in a decoder-only model
+    # (context parallel checks both follow each token's place in the sequence)
+    "gpt": dict(family="decoder", n_layers=2, position="learned", activation="gelu", norm="layernorm", bias=True),
+    "decoder_t5": dict(family="decoder", n_layers=2, position="t5_relative", n_kv_heads=2, bias=False),
+    "decoder_window": dict(family="decoder", n_layers=2, attention_window=5, n_kv_heads=2, bias=False),
+    # packed documents: causal attention within each (the batches carry doc_ids)
+    "decoder_docs": dict(family="decoder", n_layers=2, position="rope", n_kv_heads=2, bias=False, document_mask=True),
+    # BERT-like: learned positions, embedding norm, prediction-head transform, post-norm
+    "encoder": dict(family="encoder", n_layers=4, position="learned", embedding_norm=True, head_transform=True,
+                    norm_position="post", activation="gelu"),
+    # original-Transformer-like: shared + tied embeddings, sinusoidal, cross-attention over pooled memory
+    "encdec": dict(family="encoder_decoder", n_encoder_layers=2, n_decoder_layers=2, position="sinusoidal",
+                   activation="relu", cross_downsample=2),
+}
+
+
+def make_config(family: str, parallel: dict[str, Any] | None = None, **train: Any) -> Config:
+    model = dict(vocab_size=VOCAB, d_model=32, n_heads=4, d_ff=64, max_seq_len=32, dropout=0.0)
+    model.update(FAMILIES[family])
+    raw = {
+        "model": model,
+        "data": {"seq_len": SEQ, "target_len": TARGET, "batch_size": BATCH},
+        "train": {"label_smoothing": 0.1, "z_loss": 1e-3, "seed": 0, "device": "cpu", **train},
+        "parallel": parallel or {},
+    }
+    return config_from_dict(raw)  # validated
+
+
+def make_batches(cfg: Config, n: int, seed: int = 1234) -> list[dict[str, torch.Tensor]]:
+    """Deterministic batches for the family's objective, with padding and ignored labels."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        lengths = torch.randint(SEQ // 2, SEQ + 1, (BATCH,), generator=g)
+        real = torch.arange(SEQ)[None, :] < lengths[:, None]
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        if cfg.objective == "causal":
+            labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).masked_fill(~real, IGNORE_INDEX)
+            out.append({"input_ids": ids, "labels": labels})
+            if cfg.model.document_mask:  # documents end at random places (the last token of each: its EOS)
+                ends = (torch.rand(BATCH, SEQ, generator=g) < 0.2).long()
+                out[-1]["doc_ids"] = ends.cumsum(1) - ends
+        elif cfg.objective == "mlm":
+            chosen = (torch.rand(BATCH, SEQ, generator=g) < 0.3) & real
+            out.append({"input_ids": ids, "attention_mask": real,
+                        "labels": torch.where(chosen, ids, torch.full_like(ids, IGNORE_INDEX))})
+        else:
+            t_len = torch.randint(TARGET // 2, TARGET + 1, (BATCH,), generator=g)
+            t_real = torch.arange(TARGET)[None, :] < t_len[:, None]
+            target = torch.randint(0, VOCAB, (BATCH, TARGET + 1), generator=g)
+            out.append({"input_ids": ids, "attention_mask": real, "decoder_input_ids": target[:, :-1],
+                        "decoder_attention_mask": t_real,
+                        "labels": target[:, 1:].masked_fill(~t_real, IGNORE_INDEX)})
+    return out
+
+
+def new_model(cfg: Config) -> Transformer:
+    torch.manual_seed(cfg.train.seed)
+    return Transformer(cfg.model)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def build_cpu_plan(cfg: Config, model: Transformer | None = None) -> ParallelModel:
+    """`parallelize` on CPU for this world, with the loss the trainer resolves from `cfg`."""
+    from meshformer.parallel import parallelize
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    loss = resolve_loss(cfg, ParallelDims.from_config(cfg.parallel, world), "cpu")
+    return parallelize(model if model is not None else new_model(cfg), cfg, torch.device("cpu"), loss)
+
+
+def harness_step(plan: ParallelModel, steps: int, nonfinite_limit: int = 0) -> TrainStep:
+    """The trainer's update (fused AdamW: clip factor and skip flag in the kernel) at a constant rate."""
+    optim = OptimConfig(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, grad_clip=MAX_NORM,
+                        implementation="fused", max_nonfinite_in_a_row=nonfinite_limit)
+    return TrainStep(plan, optim, ScheduleConfig(name="constant", warmup_steps=0), steps, d_model=1)
+
+
+def train_steps(plan: ParallelModel, steps: list[list[dict[str, torch.Tensor]]], dp_rank: int, dp_size: int):
+    """Two optimizer steps; returns (global losses, step-0 grads by canonical name, pre-clip norms)."""
+    training = harness_step(plan, len(steps))
+    losses, norms, grads0, replica_all_reduces = [], [], {}, []
+    float8_amax_reduces: list[int] = []  # per step: torchao's per-weight amax all-reduces (float8 FSDP all-gather)
+    FLOAT8_AMAX_REDUCES[0] = 0
+    forward_backward, grad_norm = plan.forward_backward, plan.grad_norm
+
+    def counted_forward_backward(*args, **kwargs):
+        with counted_replica_all_reduces(plan) as count:
+            out = forward_backward(*args, **kwargs)
+        replica_all_reduces.append(count[0])
+        return out
+
+    def first_grads_kept():  # the step's gradients are complete when the step asks for their norm
+        if not grads0:
+            grads0.update(gathered_grads(plan))
+        return grad_norm()
+
+    plan.forward_backward, plan.grad_norm = counted_forward_backward, first_grads_kept  # type: ignore[method-assign]
+    try:
+        for micro in steps:
+            local = [{k: v.chunk(dp_size)[dp_rank] for k, v in b.items()} for b in micro]
+            stats = training.step(local)
+            norms.append(float(stats.grad_norm))
+            float8_amax_reduces.append(FLOAT8_AMAX_REDUCES[0] - sum(float8_amax_reduces))
+            total = plan.reduce_for_logging(stats.loss_sum) if dist.is_initialized() else float(stats.loss_sum)
+            losses.append(total / float(stats.global_tokens))
+    finally:
+        plan.forward_backward, plan.grad_norm = forward_backward, grad_norm  # type: ignore[method-assign]
+    # Evaluation (no gradients) on the first step's batches with the updated weights.
+    with torch.no_grad():
+        evals = [plan.evaluate({k: v.chunk(dp_size)[dp_rank] for k, v in b.items()}) for b in steps[0]]
+    losses.append(float(sum(e[0] for e in evals)) / float(sum(e[1] for e in evals)))
+    return losses, grads0, norms, {"replica_all_reduces": replica_all_reduces, "float8_amax_all_reduces":
+                                   float8_amax_reduces}
+
+
+@contextmanager
+def counted_replica_all_reduces(plan: ParallelModel) -> Iterator[list[int]]:
+    """Counts the all-reduces over the data-replicate ranks (HSDP's gradient sum across replicas) in the block."""
+    count = [0]
+    meshes = getattr(plan, "meshes", None)
+    if meshes is None or not meshes.dims.hsdp:
+        yield count
+        return
+    replicas = dist.get_process_group_ranks(meshes.world["dp_replicate"].get_group())
+    original = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        group = kwargs.get("group")
+        if group is not None and dist.get_process_group_ranks(group) == replicas:
+            count[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        yield count
+    finally:
+        dist.all_reduce = original
+
+
+def gathered_grads(plan: ParallelModel) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for part in plan.model_parts:
+        seen: set[int] = set()
+        for name, param in part.named_parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            if param.grad is None:
+                continue
+            grad = full(param.grad).detach().clone()  # a collective for DTensors: same order on every rank
+            out[part.canonical_name(name) if isinstance(part, Transformer) else name] = grad
+    return out
+
+
+def reference(cfg: Config, steps) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    model = new_model(cfg)
+    if cfg.train.fp8 != "off":
+        from meshformer.parallel.float8 import apply_float8
+
+        apply_float8(model, cfg.train.fp8, emulate=True)
+        if cfg.train.fp8 == "tensorwise":
+            steps = [[piece for batch in micro for piece in rank_pieces(cfg, batch)] for micro in steps]
+    plan = ParallelModel(model, plain_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss), torch.device("cpu"))
+    return train_steps(plan, steps, 0, 1)[:3]
+
+
+def rank_pieces(cfg: Config, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """The pieces of a micro-batch that data-parallel ranks and pipeline microbatches run separately.
+
+    Tensorwise FP8 scales each activation by its amax over the tensor at hand, so a layout that splits the batch
+    (data or pipeline parallel) quantises differently from one process on the whole batch; a reference running
+    the same pieces one by one (their losses and gradients add up) quantises exactly as the layout does.
+    """
+    from meshformer.parallel_dims import n_microbatches
+
+    p = cfg.parallel
+    dp = p.dp_replicate * p.dp_shard
+    n_mb = n_microbatches(cfg) if p.pp > 1 else 1
+    shards = [{k: v.chunk(dp)[r] for k, v in batch.items()} for r in range(dp)]
+    return [{k: v.tensor_split(n_mb)[m] for k, v in shard.items()} for shard in shards for m in range(n_mb)]
+
+
+def compare(cfg: Config, steps, result) -> dict[str, Any]:
+    ref_losses, ref_grads, ref_norms = reference(cfg, steps)
+    losses, grads, norms = result
+    grad_rel, checked, worst = 0.0, set(), ""
+    # Floor the scale: a key-projection bias has an exactly-zero true gradient (softmax ignores a per-query
+    # shift), so its reference is pure rounding noise; compare it against the model's gradient scale instead.
+    floor = 1e-4 * max(g.abs().max().item() for g in ref_grads.values())
+    for name, grad in grads.items():
+        ref = ref_grads[name]
+        scale = max(ref.abs().max().item(), floor)
+        rel = (grad - ref).abs().max().item() / scale
+        if rel > grad_rel:
+            grad_rel, worst = rel, name
+        checked.add(name)
+    return {
+        "loss_rel": [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)],
+        "grad_rel": grad_rel,
+        "worst": worst,
+        "norm_rel": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
+        "checked": sorted(checked),
+        "reference_params": sorted(ref_grads),
+        "losses": losses,
+    }
+
+
+# ----------------------------------------------------------------------------- scenarios
+
+def scenario(name: str) -> tuple[Config, list]:
+    """'family/layout' -> config; the layout names the parallel dimensions and the schedule."""
+    family, layout = name.split("/")
+    parallel: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for part in layout.split("-"):
+        key, _, value = part.partition("=")
+        if key in ("fsdp", "dp"):
+            parallel["dp_shard"] = int(value or 2)
+        elif key == "hsdp":
+            parallel["dp_replicate"], parallel["dp_shard"] = 2, 2
+        elif key == "tp":
+            parallel["tp"] = int(value or 2)
+        elif key == "cp":
+            parallel["cp"] = int(value or 2)
+        elif key == "pp":
+            parallel["pp"] = int(value or 2)
+        elif key == "sched":
+            parallel["pp_schedule"] = value
+        elif key == "spr":
+            parallel["pp_stages_per_rank"] = int(value)
+        elif key == "mb":
+            parallel["pp_microbatches"] = int(value)
+        elif key == "split":
+            parallel["pp_split_points"] = [int(v) for v in value.split(",")]
+        elif key == "recompute":
+            parallel["recompute"] = value
+        elif key == "bf16":
+            extra["dtype"] = "bf16"
+        elif key == "noreshard":
+            parallel["reshard_after_forward"] = False
+        elif key == "wholestage":  # PP x FSDP the torch way: stage weights/gradients unsharded across microbatches
+            parallel["pp_fsdp_unsharded_microbatches"] = True
+        elif key == "mp":  # FSDP all-gathers bf16 parameters, reduces in fp32
+            parallel["mixed_precision_param"] = "bf16"
+        elif key == "fp8":  # train.fp8 through torchao's emulated float8 (the reference is converted alike)
+            extra["fp8"] = value
+        elif key == "loss":  # train.loss: the default (auto) is the chunked head loss, vocab-parallel under TP
+            extra["loss"] = value
+        elif key == "compile":  # per-block torch.compile (the reference runs eager)
+            extra["compile"] = "blocks"
+        elif key == "padded":  # decoder batches carry a key mask that hides earlier keys too (the first one kept)
+            extra["_padded"] = True
+        elif key == "single":
+            pass
+        else:
+            raise ValueError(f"unknown layout part {part!r} in {name!r}")
+    parallel.setdefault("dp_shard", 1)
+    padded = extra.pop("_padded", False)
+    cfg = make_config(family, parallel, **extra)
+    batches = make_batches(cfg, 4)
+    if padded:
+        g = torch.Generator().manual_seed(5)
+        keep = [torch.rand(b["input_ids"].shape, generator=g) > 0.3 for b in batches]
+        batches = [{**b, "attention_mask": k.index_fill(1, torch.tensor([0]), True)} for b, k in zip(batches, keep)]
+    return cfg, [batches[0:2], batches[2:4]]
+
+
+def nan_step_check() -> dict[str, Any]:
+    """One rank's NaN gradient under FSDP: the global norm carries it to every rank and every rank skips the update
+    (then trains on at the next finite step)."""
+    cfg, steps = scenario("decoder/fsdp")
+    plan = build_cpu_plan(cfg)
+    params = [p for part in plan.model_parts for p in part.parameters()]
+    training = harness_step(plan, len(steps), nonfinite_limit=1)
+    grad_norm, step_index = plan.grad_norm, [0]
+
+    def one_nan_on_rank_1():
+        if step_index[0] == 0 and dist.get_rank() == 1:
+            params[-1].grad.to_local().view(-1)[0] = float("nan")  # one element of one shard on one rank
+        return grad_norm()
+
+    plan.grad_norm = one_nan_on_rank_1  # type: ignore[method-assign]
+    changed = []
+    for i, micro in enumerate(steps):
+        step_index[0] = i
+        before = [full(p).detach().clone() for p in params]
+        training.step([{k: v.chunk(plan.dp_size)[plan.dp_rank] for k, v in micro[0].items()}])
+        after = [full(p).detach() for p in params]
+        changed.append(sum(not torch.equal(a, b) for a, b in zip(after, before)))
+    finite = all(bool(torch.isfinite(full(p)).all()) for p in params)
+    per_rank: list[Any] = [None] * dist.get_world_size()
+    skipped = training.skipped_updates.check(len(steps))
+    dist.all_gather_object(per_rank, {"changed": changed, "skipped": skipped, "finite": finite})
+    return {"ranks": per_rank, "params": len(params)}
+
+
+def vocab_parallel_loss_check() -> dict[str, Any]:
+    """The vocab-parallel cross-entropy alone against cross_entropy_sum on full logits (world = tp)."""
+    from meshformer.loss.cross_entropy import cross_entropy_sum
+    from meshformer.loss.vocab_parallel import vocab_parallel_cross_entropy
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(7)
+    logits = (3 * torch.randn(6, 5, VOCAB, generator=g)).requires_grad_()
+    labels = torch.randint(0, VOCAB, (6, 5), generator=g)
+    labels[0, :2] = IGNORE_INDEX
+    worst_loss = worst_grad = 0.0
+    for smoothing, z_loss in ((0.0, 0.0), (0.1, 0.0), (0.2, 1e-3)):
+        ref = cross_entropy_sum(logits, labels, label_smoothing=smoothing, z_loss=z_loss)
+        (ref_grad,) = torch.autograd.grad(ref, logits)
+        shard = VOCAB // world
+        local = logits.detach()[..., rank * shard:(rank + 1) * shard].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(local, labels, group=dist.group.WORLD, vocab_start=rank * shard,
+                                            vocab_size=VOCAB, label_smoothing=smoothing, z_loss=z_loss)
+        loss.backward()
+        worst_loss = max(worst_loss, abs(loss.item() - ref.item()) / abs(ref.item()))
+        expected = ref_grad[..., rank * shard:(rank + 1) * shard]
+        worst_grad = max(worst_grad, ((local.grad - expected).abs().max() / expected.abs().max()).item())
+    return {"loss_rel": [worst_loss], "grad_rel": worst_grad, "norm_rel": 0.0, "missing": [], "checked": 1,
+            "worst": "logits", "kernels": {}}
+
+
+FLOAT8_GATHERS = [0]  # float8 all-gathers of torchao tensors (tensor-parallel activations and gradients) so far
+FLOAT8_AMAX_REDUCES = [0]  # all-reduces of one tensor's amax by torchao (dynamic float8 scaling) so far
+
+
+def gather_float8_as_bytes() -> None:
+    """gloo has no float8 type ("Invalid scalar type"); NCCL all-gathers float8 as bytes (torch maps it to
+    ncclUint8). Make torchao's float8 all-gather (tensor-parallel activations and gradients) do the same here."""
+    from torchao.float8.float8_ops import FLOAT8_OPS_TABLE
+
+    ops = torch.ops._c10d_functional
+    gather = ops.all_gather_into_tensor.default
+    original = FLOAT8_OPS_TABLE[gather]
+    if getattr(original, "as_bytes", False):
+        return
+
+    def as_bytes(data: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        FLOAT8_GATHERS[0] += 1
+        out = gather(data.view(torch.uint8), *args, **kwargs)
+        return ops.wait_tensor.default(out).view(data.dtype)  # waited here; the later wait finds nothing pending
+
+    def patched(aten_op, args, kwargs=None):
+        return original(as_bytes, args, kwargs)
+
+    patched.as_bytes = True  # type: ignore[attr-defined]
+    FLOAT8_OPS_TABLE[gather] = patched
+
+    from torchao.float8 import float8_utils
+
+    reduce = float8_utils.all_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        FLOAT8_AMAX_REDUCES[0] += 1
+        return reduce(*args, **kwargs)
+
+    float8_utils.all_reduce = counted
+
+
+def run_scenario(name: str) -> dict[str, Any]:
+    if name == "loss/vocab_parallel":
+        return vocab_parallel_loss_check()
+    if name == "skip/nan":
+        return nan_step_check()
+    if name.startswith("materialize:"):
+        from helpers.materialize import materialize_check
+
+        return materialize_check(name.removeprefix("materialize:"))
+    cfg, steps = scenario(name)
+    if cfg.train.fp8 != "off":  # CPU: torchao's emulation stands in for FP8 tensor cores
+        from meshformer.parallel import float8
+
+        float8.fp8_supported = lambda device: True
+        gather_float8_as_bytes()
+    plan = build_cpu_plan(cfg)
+    gathers_before = FLOAT8_GATHERS[0]
+    *result, counts = train_steps(plan, steps, plan.dp_rank, plan.dp_size)
+    float8_gathers = FLOAT8_GATHERS[0] - gathers_before
+    report = compare(cfg, steps, result)
+    # Union of what every rank checked: each pipeline stage checks its own parameters.
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (report["grad_rel"], report["checked"], report["worst"]))
+    report["grad_rel"], _, report["worst"] = max(gathered, key=lambda g: g[0])
+    checked = set().union(*(set(c) for _, c, _ in gathered))
+    report["missing"] = sorted(set(report.pop("reference_params")) - checked)
+    report["checked"] = len(checked)
+    report["kernels"] = plan.report
+    report["float8_gathers"] = float8_gathers
+    report |= counts
+    return report
+
+
+def worker(rank: int, world: int, port: int, names: list[str], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    faulthandler.enable()  # a crash in native code names its Python stack (and the scenario printed below)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=int(os.environ.get("HARNESS_TIMEOUT", 90))))
+    results: dict[str, Any] = {}
+    for name in names:
+        print(f"rank {rank}: {name}", file=sys.stderr, flush=True)
+        try:
+            results[name] = run_scenario(name)
+        except Exception as err:  # record and go on: one broken layout should not hide the others
+            results[name] = {"error": f"rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()}"}
+            print(results[name]["error"], file=sys.stderr, flush=True)
+        dist.barrier()
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.barrier()  # gloo sometimes aborts at exit without it
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the work is done and written: skip interpreter teardown, where gloo has aborted before
+
+
+def launch(world: int, names: list[str]) -> dict[str, Any]:
+    """Run the scenarios on `world` spawned processes; returns rank 0's report per scenario."""
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.json")
+        mp.start_processes(worker, args=(world, free_port(), names, out), nprocs=world, start_method="spawn")
+        return json.loads(Path(out).read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("names", nargs="+")
+    args = parser.parse_args()
+    for name, report in launch(args.world, args.names).items():
+        if "error" in report:
+            print(f"{name}: ERROR {report['error']}")
+        else:
+            print(f"{name}: loss_rel={max(report['loss_rel']):.2e} grad_rel={report['grad_rel']:.2e} "
+                  f"({report['worst']}) norm_rel={report['norm_rel']:.2e} checked={report['checked']} "
+                  f"missing={report['missing']}")
+
+
+if __name__ == "__main__":
+    main()

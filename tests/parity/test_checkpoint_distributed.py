@@ -1,0 +1,155 @@
+"""Two gloo processes (FSDP2): exact restart, resharding to other layouts, and a rank killed during a save.
+
+Each launch starts this file as a script on every rank (see `_worker` at the bottom).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from helpers.checkpoints import (
+    assert_bitwise,
+    copy_steps,
+    final_weights,
+    launch,
+    max_diff,
+    run_trainer,
+    tiny_config,
+    tiny_shards,
+)
+
+from meshformer.checkpointing import CheckpointManager
+from meshformer.checkpointing.directory import committed_steps, partial_dirs, step_dir_name
+
+STEPS = 6
+THIS = Path(__file__).resolve()
+# Two optimizer steps of AdamW amplify fp32 reduction-order differences (~1e-7 in gradients) to ~1e-6 in weights.
+LAYOUT_CHANGE_TOLERANCE = 1e-5
+
+pytestmark = pytest.mark.slow
+
+
+def _launch(run_dir: Path, shards: Path, *extra: str, kill_at_save: int = 0, timeout: float = 180.0, nproc: int = 2):
+    return launch(THIS, nproc, [str(run_dir), str(shards), str(kill_at_save), *extra], timeout=timeout)
+
+
+def _check(results) -> None:
+    for rank, result in enumerate(results):
+        assert result.returncode == 0, f"rank {rank} failed:\n{result.stdout[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """Two ranks, FSDP2 over both, blocking saves every 2 steps."""
+    root = tmp_path_factory.mktemp("dist")
+    shards = tiny_shards(root)
+    run_dir = root / "reference"
+    _check(_launch(run_dir, shards))
+    return {"shards": shards, "run_dir": run_dir, "weights": final_weights(run_dir)}
+
+
+def test_two_process_restart_is_bitwise(reference, tmp_path):
+    """Restart from step 2 (same layout, async saves): identical to the uninterrupted run."""
+    run_dir = tmp_path / "restart"
+    copy_steps(reference["run_dir"] / "checkpoints", run_dir / "checkpoints", 2)
+    _check(_launch(run_dir, reference["shards"], "checkpoint.async_save=true"))
+    assert_bitwise(final_weights(run_dir), reference["weights"])
+    state = json.loads((run_dir / "checkpoints" / step_dir_name(STEPS) / "trainer_state.json").read_text())
+    ref_state = json.loads((reference["run_dir"] / "checkpoints" / step_dir_name(STEPS) / "trainer_state.json")
+                           .read_text())
+    assert state["data"] == ref_state["data"] and state["tokens_seen"] == ref_state["tokens_seen"]
+
+
+def test_fsdp_checkpoint_resumes_in_one_process(reference, tmp_path):
+    """dp2 (FSDP) -> one process with the same global batch: same run within fp32 reduction-order noise."""
+    run_dir = tmp_path / "single"
+    copy_steps(reference["run_dir"] / "checkpoints", run_dir / "checkpoints", 4)
+    trainer, result = run_trainer(tiny_config(reference["shards"], run_dir, STEPS, "data.batch_size=8"))
+    assert result.steps == STEPS and trainer.train_data.dp_size == 1
+    diff = max_diff(final_weights(run_dir), reference["weights"])
+    assert diff < LAYOUT_CHANGE_TOLERANCE, diff
+    ref_state = json.loads((reference["run_dir"] / "checkpoints" / step_dir_name(STEPS) / "trainer_state.json")
+                           .read_text())
+    assert trainer.train_data.state_dict()["consumed"] == ref_state["data"]["consumed"]
+
+
+def test_fsdp_checkpoint_resumes_as_pipeline(reference, tmp_path):
+    """dp2 (FSDP) -> pp2 (two pipeline stages, each holding part of the model and optimizer)."""
+    run_dir = tmp_path / "pipeline"
+    copy_steps(reference["run_dir"] / "checkpoints", run_dir / "checkpoints", 4)
+    _check(_launch(run_dir, reference["shards"], "parallel.pp=2", "parallel.dp_shard=1", "data.batch_size=8"))
+    diff = max_diff(final_weights(run_dir), reference["weights"])
+    assert diff < LAYOUT_CHANGE_TOLERANCE, diff
+
+
+def test_fsdp_checkpoint_resumes_as_context_parallel(reference, tmp_path):
+    """dp2 (FSDP) -> cp2 (one data-parallel replica, each sequence split over two ranks): the same run, the
+    trainer's whole step under context parallel (data, token counts, loss, FSDP over the cp ranks)."""
+    run_dir = tmp_path / "context"
+    copy_steps(reference["run_dir"] / "checkpoints", run_dir / "checkpoints", 4)
+    _check(_launch(run_dir, reference["shards"], "parallel.cp=2", "parallel.dp_shard=1", "data.batch_size=8"))
+    diff = max_diff(final_weights(run_dir), reference["weights"])
+    assert diff < LAYOUT_CHANGE_TOLERANCE, diff
+
+
+def test_rank_killed_during_save_leaves_previous_checkpoint(reference, tmp_path):
+    run_dir = tmp_path / "killed"
+    root = copy_steps(reference["run_dir"] / "checkpoints", run_dir / "checkpoints", 2)
+    results = _launch(run_dir, reference["shards"], kill_at_save=4, timeout=90.0)
+    assert results[1].returncode == -signal.SIGKILL, results[1].stdout[-2000:]
+    assert committed_steps(root) == [2]
+    assert [p.name for p in partial_dirs(root)] == [step_dir_name(4) + ".partial"]
+    manager = CheckpointManager.from_config(tiny_config(reference["shards"], run_dir, STEPS), run_dir)
+    assert manager.find_valid() == root / step_dir_name(2)
+    manager.close()
+
+
+@pytest.mark.slow
+def test_pp2_dp2_tp2_to_dp4_to_one_process(reference, tmp_path):
+    """The issue's chain: a 3-D layout's checkpoint continues as dp4, whose checkpoint continues in one process."""
+    three_d = tmp_path / "pp2dp2tp2"
+    _check(_launch(three_d, reference["shards"], "parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2",
+                   "checkpoint.keep_last=3", nproc=8, timeout=600.0))
+    dp4 = tmp_path / "dp4"
+    copy_steps(three_d / "checkpoints", dp4 / "checkpoints", 2)
+    _check(_launch(dp4, reference["shards"], "data.batch_size=2", "checkpoint.keep_last=3", nproc=4, timeout=600.0))
+    single = tmp_path / "single"
+    copy_steps(dp4 / "checkpoints", single / "checkpoints", 4)
+    run_trainer(tiny_config(reference["shards"], single, STEPS, "data.batch_size=8"))
+    for run in (dp4, single):
+        diff = max_diff(final_weights(run), final_weights(three_d))
+        assert diff < LAYOUT_CHANGE_TOLERANCE, (run.name, diff)
+
+
+# ----------------------------------------------------------------------------- one rank of a launch
+
+
+def _worker(run_dir: str, shards: str, kill_at_save: str, *extra: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    if int(kill_at_save) and rank == 1:
+        write_data = dcp.FileSystemWriter.write_data
+
+        def write_then_die(self, plan, planner):
+            if step_dir_name(int(kill_at_save)) in str(self.path):
+                os.kill(os.getpid(), signal.SIGKILL)  # mid-save: this rank's shard is never written
+            return write_data(self, plan, planner)
+
+        dcp.FileSystemWriter.write_data = write_then_die
+    run_trainer(tiny_config(Path(shards), Path(run_dir), STEPS, *extra), rank=rank)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(*sys.argv[1:])

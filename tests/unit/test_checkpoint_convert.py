@@ -1,0 +1,162 @@
+"""Conversions: sharded checkpoint <-> safetensors, Hugging Face import/export (GPT-2, BERT, Llama, T5)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.checkpoints import assert_bitwise
+from safetensors.torch import load_file
+
+from meshformer.checkpointing import (
+    Checkpointable,
+    CheckpointManager,
+    ConversionError,
+    SchedulerState,
+    TrainState,
+    dcp_io,
+    read_checkpoint_model,
+    write_weights_checkpoint,
+)
+from meshformer.checkpointing.directory import step_dir_name
+from meshformer.checkpointing.weights import read_weights, write_weights
+from meshformer.cli import main
+from meshformer.config import ModelConfig, load_config
+from meshformer.model import Transformer
+
+transformers = pytest.importorskip("transformers")
+
+
+def _training_checkpoint(tmp_path: Path) -> tuple[Path, Transformer]:
+    """A checkpoint as the trainer writes it (model, AdamW state, scheduler), made without a training run."""
+    cfg = load_config(None, ["model.d_model=32", "model.n_heads=2", "model.n_layers=2", "model.d_ff=64",
+                             "model.vocab_size=128", "checkpoint.interval=1", f'checkpoint.dir="{tmp_path / "ck"}"'])
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randint(0, 128, (2, 8))).sum().backward()
+    optimizer.step()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    run = Checkpointable(TrainState(step=1), [model], optimizer, {"scheduler": SchedulerState(scheduler)}, cfg)
+    manager = CheckpointManager.from_config(cfg, tmp_path)
+    manager.save(run, blocking=True)
+    manager.close()
+    return tmp_path / "ck", model
+
+
+def test_checkpoint_to_safetensors_and_back(tmp_path):
+    root, model = _training_checkpoint(tmp_path)
+    main(["convert", "to-safetensors", str(root), str(tmp_path / "weights")])
+    cfg, state = read_weights(tmp_path / "weights")
+    assert cfg == model.cfg
+    assert_bitwise(state, {k: v.detach() for k, v in model.state_dict().items()})
+
+    main(["convert", "to-checkpoint", str(tmp_path / "weights"), str(tmp_path / "ck2")])
+    cfg2, state2 = read_checkpoint_model(tmp_path / "ck2")
+    assert cfg2 == cfg and (tmp_path / "ck2" / step_dir_name(0) / "manifest.json").is_file()
+    assert_bitwise(state2, state)
+
+
+def test_reading_a_checkpoint_tensor_by_tensor_unpickles_its_index_once(tmp_path, monkeypatch):
+    root, model = _training_checkpoint(tmp_path)
+    loads = []
+    unpickle = dcp_io._MetadataUnpickler.load
+    monkeypatch.setattr(dcp_io._MetadataUnpickler, "load", lambda self: loads.append(1) or unpickle(self))
+    _, state = read_checkpoint_model(root)
+    assert_bitwise({k: state[k] for k in state}, {k: v.detach() for k, v in model.state_dict().items()})
+    assert len(state) > 3 and len(loads) == 1
+
+
+def test_weights_only_checkpoints_always_start_at_step_0(tmp_path):
+    """A weights-only checkpoint carries no step: no --step option that would promise a resume at step N."""
+    _, model = _training_checkpoint(tmp_path)
+    write_weights(model.state_dict(), model.cfg, tmp_path / "weights")
+    with pytest.raises(SystemExit):
+        main(["convert", "to-checkpoint", str(tmp_path / "weights"), str(tmp_path / "ck2"), "--step", "5"])
+    assert not (tmp_path / "ck2").exists()
+    with pytest.raises(TypeError):
+        write_weights_checkpoint(model.state_dict(), model.cfg, tmp_path / "ck3", step=5)
+    folder = write_weights_checkpoint(model.state_dict(), model.cfg, tmp_path / "ck3")
+    assert folder.name == step_dir_name(0)
+
+
+def test_verify_reports_corruption(tmp_path, capsys):
+    root, _ = _training_checkpoint(tmp_path)
+    main(["convert", "verify", str(root)])
+    shard = root / step_dir_name(1) / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 1]))
+    with pytest.raises(SystemExit, match="failed verification"):
+        main(["convert", "verify", str(root)])
+    assert "CORRUPT" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+
+def _hf_model(arch: str):
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32,
+                                                                     n_layer=2, n_head=4))
+    elif arch == "bert":
+        model = transformers.BertForMaskedLM(transformers.BertConfig(
+            vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=32))
+        with torch.no_grad():  # we fold token type 0 into the positions; a zero table makes the round trip exact
+            model.bert.embeddings.token_type_embeddings.weight.zero_()
+    elif arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False))
+    else:
+        model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+            feed_forward_proj="gated-silu"))
+        assert model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.abs().min() > 0
+    return model.eval()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "t5"])
+def test_hugging_face_import_export(arch, tmp_path):
+    original = tmp_path / "hf"
+    _hf_model(arch).save_pretrained(str(original))
+    main(["convert", "import-hf", str(original), str(tmp_path / "ours")])
+    main(["convert", "export-hf", str(tmp_path / "ours"), str(tmp_path / "exported")])
+    # import -> export is bitwise, tensor for tensor
+    assert_bitwise(load_file(str(tmp_path / "exported" / "model.safetensors")),
+                   load_file(str(original / "model.safetensors")))
+    # the exported folder loads in transformers and computes our logits
+    cls = {"gpt2": transformers.GPT2LMHeadModel, "bert": transformers.BertForMaskedLM,
+           "llama": transformers.LlamaForCausalLM, "t5": transformers.T5ForConditionalGeneration}[arch]
+    hf_model = cls.from_pretrained(str(tmp_path / "exported")).eval()
+    cfg, state = read_weights(tmp_path / "ours")
+    ours = Transformer(cfg).eval()
+    ours.load_state_dict(state)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        if arch == "t5":
+            target = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(2))
+            expected = hf_model(input_ids=ids, decoder_input_ids=target).logits
+            got = ours(ids, decoder_input_ids=target)
+        else:
+            expected, got = hf_model(input_ids=ids).logits, ours(ids)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_hugging_face_errors_name_the_mismatch(tmp_path):
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, feed_forward_proj="gated-gelu"))
+    model.save_pretrained(str(tmp_path / "t5"))
+    with pytest.raises(SystemExit, match="gated-gelu"):
+        main(["convert", "import-hf", str(tmp_path / "t5"), str(tmp_path / "out")])
+
+    from meshformer.checkpointing.hf_folder import export_hf
+    from meshformer.checkpointing.weights import write_weights
+
+    cfg = ModelConfig(family="decoder", vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=64, position="alibi")
+    write_weights(Transformer(cfg).state_dict(), cfg, tmp_path / "alibi")
+    with pytest.raises(SystemExit, match="no Hugging Face architecture matches"):
+        main(["convert", "export-hf", str(tmp_path / "alibi"), str(tmp_path / "out2")])
+    with pytest.raises(ConversionError, match="position='alibi'"):
+        export_hf(Transformer(cfg).state_dict(), cfg, tmp_path / "out3", arch="gpt2")

@@ -1,0 +1,188 @@
+"""Megatron-Core torch_dist GPT checkpoints: our layout checked through plain DCP, and (when megatron-core is
+installed) against Megatron's own loader, saver and forward pass."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.checkpoints import assert_bitwise
+from helpers.common import free_port
+
+from meshformer.checkpointing import ConversionError
+from meshformer.checkpointing.dcp_io import read_full_tensors, read_metadata, tensor_entries
+from meshformer.checkpointing.megatron import export_megatron, import_megatron, pack_qkv
+from meshformer.checkpointing.weights import read_weights, write_weights
+from meshformer.cli import main
+from meshformer.config import ModelConfig
+from meshformer.model import Transformer
+
+THIS = Path(__file__).resolve()
+CASES = {
+    "llama": ModelConfig(family="decoder", vocab_size=100, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, d_ff=64,
+                         activation="swiglu", norm="rmsnorm", position="rope", tie_embeddings=False, bias=False,
+                         max_seq_len=64),
+    "gpt2": ModelConfig(family="decoder", vocab_size=100, d_model=32, n_heads=4, n_layers=2, d_ff=64,
+                        activation="gelu", norm="layernorm", position="learned", tie_embeddings=True, bias=True,
+                        max_seq_len=64),
+}
+
+
+def _random_model(cfg: ModelConfig, seed: int = 1) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.2)
+    return model
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_export_layout_and_round_trip(name, tmp_path):
+    cfg = CASES[name]
+    model = _random_model(cfg)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    write_weights(state, cfg, tmp_path / "ours")
+    main(["convert", "export-megatron", str(tmp_path / "ours"), str(tmp_path / "mcore"), "--pad-vocab-multiple", "128"])
+    folder = tmp_path / "mcore" / "iter_0000000"
+    assert (tmp_path / "mcore" / "latest_checkpointed_iteration.txt").read_text() == "0"
+    assert json.loads((folder / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+
+    # Read back with plain DCP: Megatron's names, layers stacked on dim 0, QKV interleaved per query group.
+    shapes = {k: tuple(v.size) for k, v in tensor_entries(read_metadata(folder)).items()}
+    fc1_rows = 2 * cfg.d_ff if cfg.activation == "swiglu" else cfg.d_ff
+    qkv_rows = (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim
+    assert shapes["embedding.word_embeddings.weight"] == (128, cfg.d_model)  # padded vocabulary
+    assert shapes["decoder.layers.self_attention.linear_qkv.weight"] == (cfg.n_layers, qkv_rows, cfg.d_model)
+    assert shapes["decoder.layers.self_attention.linear_qkv.layer_norm_weight"] == (cfg.n_layers, cfg.d_model)
+    assert shapes["decoder.layers.mlp.linear_fc1.weight"] == (cfg.n_layers, fc1_rows, cfg.d_model)
+    assert ("decoder.layers.mlp.linear_fc1.layer_norm_bias" in shapes) == (cfg.norm == "layernorm")
+    assert ("output_layer.weight" in shapes) == (not cfg.tie_embeddings)
+    qkv = read_full_tensors(folder, ["decoder.layers.self_attention.linear_qkv.weight"])[
+        "decoder.layers.self_attention.linear_qkv.weight"]
+    attn = model.decoder_layers["1"].attn
+    group_rows = (cfg.n_heads // cfg.kv_heads + 2) * cfg.head_dim
+    first_group = qkv[1, :group_rows]  # layer 1, query group 0: its query heads, then its key head, then value
+    per_group_q = cfg.n_heads // cfg.kv_heads * cfg.head_dim
+    assert torch.equal(first_group[:per_group_q], attn.q_proj.weight[:per_group_q])
+    assert torch.equal(first_group[per_group_q:per_group_q + cfg.head_dim], attn.k_proj.weight[:cfg.head_dim])
+    assert torch.equal(qkv[1], pack_qkv(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
+                                        cfg.n_heads, cfg.kv_heads))
+
+    # ... and back, bitwise.
+    main(["convert", "import-megatron", str(tmp_path / "mcore"), str(tmp_path / "back"), "--heads", str(cfg.n_heads),
+          "--vocab-size", str(cfg.vocab_size), "--max-seq-len", str(cfg.max_seq_len)])
+    cfg_back, state_back = read_weights(tmp_path / "back")
+    assert cfg_back.kv_heads == cfg.kv_heads and cfg_back.norm == cfg.norm and cfg_back.activation == cfg.activation
+    assert_bitwise(state_back, state)
+
+
+def test_mismatches_are_explained(tmp_path):
+    bert = ModelConfig(family="encoder", vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=64,
+                       norm_position="post", embedding_norm=True, head_transform=True, output_bias=True)
+    write_weights(Transformer(bert).state_dict(), bert, tmp_path / "bert")
+    with pytest.raises(SystemExit, match="cannot be written as a Megatron-Core GPT checkpoint: family='encoder'"):
+        main(["convert", "export-megatron", str(tmp_path / "bert"), str(tmp_path / "out")])
+    cfg = CASES["llama"]
+    export_megatron(_random_model(cfg).state_dict(), cfg, tmp_path / "mcore")
+    with pytest.raises(ConversionError, match=r"does not fit n_heads=3|does not divide"):
+        import_megatron(tmp_path / "mcore", n_heads=3)
+    with pytest.raises(ConversionError, match="not a Megatron torch_dist checkpoint"):
+        import_megatron(tmp_path, n_heads=4)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed "
+                    "(pip install megatron-core==0.16.1 psutil)")
+def test_against_megatron_core(tmp_path):
+    """Megatron loads our export and computes our logits; we import Megatron's own save and compute its logits."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(THIS.parents[2]), str(THIS.parents[1])))}
+    proc = subprocess.run([sys.executable, str(THIS), str(tmp_path), str(free_port())], capture_output=True,
+                          text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    for name, diffs in results.items():
+        assert diffs["export_then_megatron"] < 1e-5, (name, diffs)
+        assert diffs["megatron_then_import"] < 1e-5, (name, diffs)
+
+
+# ----------------------------------------------------------------------------- the megatron side (a subprocess)
+
+
+def _megatron_reference(out_dir: str, port: str) -> None:
+    import contextlib
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+
+    # megatron-core 0.16.1 calls these unconditionally; on a CPU-only torch they must be stubbed.
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel_state.initialize_model_parallel(1, 1)
+    get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # no CUDA RNG states on CPU
+    options = {
+        "llama": (dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                       add_bias_linear=False, num_query_groups=2), "rope"),
+        "gpt2": (dict(normalization="LayerNorm", add_bias_linear=True), "learned_absolute"),
+    }
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16)[None].expand(2, -1)
+    causal = torch.triu(torch.ones(16, 16), 1).bool()[None, None]  # Megatron's default mask is built on CUDA
+    results = {}
+    for name, cfg in CASES.items():
+        extra, position = options[name]
+
+        def megatron_model(seed: int, cfg=cfg, extra=extra, position=position) -> GPTModel:
+            torch.manual_seed(seed)
+            tcfg = TransformerConfig(num_layers=cfg.n_layers, hidden_size=cfg.d_model, num_attention_heads=cfg.n_heads,
+                                     ffn_hidden_size=cfg.d_ff, use_cpu_initialization=True, hidden_dropout=0.0,
+                                     attention_dropout=0.0, params_dtype=torch.float32, **extra)
+            return GPTModel(tcfg, get_gpt_layer_local_spec(normalization=extra["normalization"]), vocab_size=128,
+                            max_sequence_length=cfg.max_seq_len, position_embedding_type=position,
+                            share_embeddings_and_output_weights=cfg.tie_embeddings).eval()
+
+        ours = _random_model(cfg)
+        export_megatron(ours.state_dict(), cfg, Path(out_dir) / f"export_{name}", pad_vocab_multiple=128)
+        megatron = megatron_model(2)
+        loaded = dist_checkpointing.load(megatron.sharded_state_dict(),
+                                         str(Path(out_dir) / f"export_{name}" / "iter_0000000"))
+        megatron.load_state_dict(loaded, strict=False)
+        with torch.no_grad():
+            export_diff = (megatron(ids, positions, attention_mask=causal)[..., :100] - ours(ids)).abs().max().item()
+
+        megatron = megatron_model(3)
+        with torch.no_grad():
+            for param in megatron.parameters():
+                param.normal_(0, 0.2)
+        folder = Path(out_dir) / f"megatron_{name}"
+        folder.mkdir()
+        dist_checkpointing.save(megatron.sharded_state_dict(), str(folder))
+        imported_cfg, state = import_megatron(folder, n_heads=cfg.n_heads, vocab_size=100,
+                                              max_seq_len=cfg.max_seq_len)
+        imported = Transformer(imported_cfg).eval()
+        imported.load_state_dict(state, strict=True)
+        with torch.no_grad():
+            reference = megatron(ids, positions, attention_mask=causal)[..., :100]
+            import_diff = (reference - imported(ids)).abs().max().item()
+        results[name] = {"export_then_megatron": export_diff, "megatron_then_import": import_diff}
+    (Path(out_dir) / "results.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # the main guard matters: megatron's saver starts multiprocessing helpers
+    sys.path.insert(0, str(THIS.parents[1]))
+    _megatron_reference(*sys.argv[1:])

@@ -1,0 +1,236 @@
+"""meshformer models against torch.nn.Transformer and Hugging Face GPT-2 / BERT / Llama / T5 given the same weights.
+
+HF models are built from small configs with random init (no download). Every parameter, norms and biases
+included, is perturbed first so that swapping any two tensors of the same shape would be caught.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from helpers.torch_nn import config_from_torch_transformer, load_torch_transformer, to_torch_transformer_state_dict
+from torch import nn
+
+from meshformer.checkpointing.hf import (
+    check_compatible,
+    config_from_hf,
+    from_hf_model,
+    from_hf_state_dict,
+    infer_arch,
+    to_hf_model,
+    to_hf_state_dict,
+)
+from meshformer.config import ModelConfig
+from meshformer.model import Transformer
+
+transformers = pytest.importorskip("transformers")
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+
+@torch.no_grad()
+def perturb(module: nn.Module, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in module.parameters():
+        p.add_(0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+
+# ----------------------------------------------------------------------------- torch.nn.Transformer
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_encoder_decoder_equals_torch_nn_transformer(norm_first):
+    torch.manual_seed(0)
+    ref = nn.Transformer(d_model=32, nhead=4, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=64,
+                         dropout=0.0, batch_first=True, norm_first=norm_first, dtype=torch.float64)
+    perturb(ref)
+    ref.train()  # dropout is 0; train mode keeps nn.Transformer off its nested-tensor fast path
+    cfg = config_from_torch_transformer(ref, vocab_size=8)
+    assert (cfg.norm_position, cfg.activation, cfg.use_final_norm) == ("pre" if norm_first else "post", "relu", True)
+    ours = Transformer(cfg).double().eval()
+    load_torch_transformer(ours, ref)
+    ours.tok_embeddings = None  # embedding-free: both stacks take the same embedded tensors
+
+    src, tgt = torch.randn(3, 9, 32, dtype=torch.float64), torch.randn(3, 6, 32, dtype=torch.float64)
+    src_real = torch.ones(3, 9, dtype=torch.bool)
+    src_real[0, 5:] = False
+    src_real[2, 2:] = False
+    tgt_real = torch.ones(3, 6, dtype=torch.bool)
+    tgt_real[1, 4:] = False
+    causal = torch.ones(6, 6, dtype=torch.bool).triu(1)  # nn.Transformer: True = may NOT attend
+    expected = ref(src, tgt, tgt_mask=causal, src_key_padding_mask=~src_real, tgt_key_padding_mask=~tgt_real,
+                   memory_key_padding_mask=~src_real)
+    expected_memory = ref.encoder(src, src_key_padding_mask=~src_real)
+    memory, memory_padding = ours.encode(src, src_real)
+    hidden = ours.decode(tgt, tgt_real, memory=memory, memory_padding=memory_padding)
+    torch.testing.assert_close(memory[src_real], expected_memory[src_real], rtol=0, atol=1e-5)
+    torch.testing.assert_close(hidden[tgt_real], expected[tgt_real], rtol=0, atol=1e-5)
+    assert (hidden[tgt_real] - expected[tgt_real]).abs().max() < 1e-10  # float64: agreement to rounding
+    back = to_torch_transformer_state_dict(ours)
+    assert back.keys() == ref.state_dict().keys()
+    assert all(torch.equal(back[k], v) for k, v in ref.state_dict().items())
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+
+def _hf_gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=None, eos_token_id=None))
+
+
+def _hf_bert():
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=32))
+
+
+def _hf_llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=32, rope_parameters={"rope_type": "default",
+        "rope_theta": 500.0}, bos_token_id=None, eos_token_id=None, pad_token_id=None))
+
+
+def _hf_t5(**extra):
+    # Few buckets and a short max distance, so 12-token sequences reach the log-spaced and the clipped buckets.
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=10, **extra))
+
+
+def _random_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 97, (3, 12), generator=gen)
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, 8:] = 0  # right padding
+    mask[2, 3:] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("make", [_hf_gpt2, _hf_bert, _hf_llama], ids=["gpt2", "bert", "llama"])
+def test_hf_single_stack_logits_match(make):
+    torch.manual_seed(0)
+    hf = make()
+    perturb(hf)
+    hf.eval()
+    ours = from_hf_model(hf).eval()
+    ids, mask = _random_batch()
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask).logits
+        got = ours(ids, mask.bool())
+    real = mask.bool()  # padded positions are don't-care outputs
+    torch.testing.assert_close(got[real], expected[real], rtol=0, atol=1e-4)
+    assert expected.std() > 0.1  # logits are not trivially small, so 1e-4 is a real bound
+
+
+def test_hf_t5_with_relative_bias_matches():
+    torch.manual_seed(0)
+    hf = _hf_t5()
+    perturb(hf)
+    hf.eval()
+    ours = from_hf_model(hf).eval()
+    cfg = ours.cfg
+    assert (cfg.position, cfg.relative_buckets, cfg.relative_max_distance) == ("t5_relative", 8, 10)
+    assert (cfg.attention_scale, cfg.scale_output) == (1.0, True)
+    ids, mask = _random_batch()
+    target, target_mask = _random_batch(seed=2)  # 12 target tokens: causal distances up to 11 > max distance 10
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, decoder_input_ids=target,
+                      decoder_attention_mask=target_mask).logits
+        got = ours(ids, mask.bool(), target, target_mask.bool())
+    real = target_mask.bool()  # padded target positions are don't-care outputs
+    torch.testing.assert_close(got[real], expected[real], rtol=0, atol=1e-4)
+    assert expected.std() > 0.1
+    # export: HF computes the same logits from our weights (the bias is real, not zero: a dropped table would show)
+    assert ours.encoder_relative_bias.relative_bias.weight.abs().min() > 0
+    exported = to_hf_model(ours).eval()
+    with torch.no_grad():
+        back = exported(input_ids=ids, attention_mask=mask, decoder_input_ids=target,
+                        decoder_attention_mask=target_mask).logits
+    torch.testing.assert_close(back[real], got[real], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("make", [_hf_gpt2, _hf_bert, _hf_llama, _hf_t5], ids=["gpt2", "bert", "llama", "t5"])
+def test_hf_state_dict_round_trip(make):
+    torch.manual_seed(0)
+    hf = make()
+    perturb(hf)
+    ours = from_hf_model(hf)
+    assert infer_arch(ours.cfg) == hf.config.model_type
+    back = to_hf_model(ours).state_dict()
+    original = hf.state_dict()
+    assert back.keys() == original.keys()
+    for key, value in original.items():
+        if "token_type_embeddings" in key or "position_embeddings" in key:
+            continue  # BERT: token type 0 is folded into the positions (checked below)
+        assert torch.equal(back[key], value), key
+    if hf.config.model_type == "bert":
+        folded = original["bert.embeddings.position_embeddings.weight"]
+        folded = folded + original["bert.embeddings.token_type_embeddings.weight"][0]
+        torch.testing.assert_close(back["bert.embeddings.position_embeddings.weight"], folded)
+
+
+def test_gpt2_conv1d_transpose_and_qkv_packing():
+    torch.manual_seed(0)
+    hf = _hf_gpt2()
+    ours = from_hf_model(hf)
+    c_attn = hf.transformer.h[1].attn.c_attn.weight  # (in, 3 * out): y = x @ W
+    torch.testing.assert_close(ours.decoder_layers["1"].attn.k_proj.weight, c_attn[:, 32:64].T)
+    assert ours.cfg.activation == "gelu_tanh" and ours.output.weight is ours.tok_embeddings.weight
+
+
+def test_incompatible_configs_and_stray_tensors_are_refused():
+    cfg = ModelConfig(vocab_size=97, d_model=32, n_heads=4, n_layers=2, d_ff=64, position="rope")
+    with pytest.raises(ValueError, match="position='rope'"):
+        check_compatible(cfg, "gpt2")
+    with pytest.raises(ValueError, match="no Hugging Face architecture"):
+        infer_arch(ModelConfig(position="alibi"))
+    hf = _hf_llama()
+    state = dict(hf.state_dict())
+    state["model.layers.0.self_attn.extra.weight"] = torch.zeros(1)
+    with pytest.raises(ValueError, match="no meshformer counterpart"):
+        from_hf_state_dict(state, config_from_hf(hf.config), "llama")
+    with pytest.raises(ValueError, match="gated-gelu"):  # T5 v1.1's gelu_new gate is not our silu gate
+        from_hf_model(_hf_t5(feed_forward_proj="gated-gelu"))
+
+
+def test_llama_export_runs_in_hf_with_gqa():
+    cfg = ModelConfig(vocab_size=97, d_model=32, n_heads=4, n_kv_heads=1, n_layers=2, d_ff=48, activation="swiglu",
+                      norm="rmsnorm", position="rope", tie_embeddings=False, bias=False, max_seq_len=32)
+    torch.manual_seed(0)
+    ours = Transformer(cfg).eval()
+    perturb(ours)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = to_hf_model(ours).eval()
+    ids = torch.randint(0, 97, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(input_ids=ids).logits, rtol=0, atol=1e-4)
+    assert to_hf_state_dict(ours)["model.layers.0.self_attn.k_proj.weight"].shape == (8, 32)
+
+
+def test_base_model_checkpoint_names_are_accepted():
+    """Hub-style files: GPT2Model names without "transformer.", TF-era BERT gamma/beta plus pooler and NSP head."""
+    torch.manual_seed(0)
+    gpt2 = _hf_gpt2()
+    base = {k.removeprefix("transformer."): v for k, v in gpt2.state_dict().items() if k != "lm_head.weight"}
+    base["h.0.attn.bias"] = torch.ones(1, 1, 32, 32)  # the causal-mask buffer old checkpoints carry
+    cfg = config_from_hf(gpt2.config)
+    expected = from_hf_state_dict(gpt2.state_dict(), cfg, "gpt2")
+    got = from_hf_state_dict(base, cfg, "gpt2")
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+
+    bert = _hf_bert()
+    old = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+           for k, v in bert.state_dict().items()}
+    old["bert.pooler.dense.weight"] = torch.zeros(32, 32)
+    old["cls.seq_relationship.weight"] = torch.zeros(2, 32)
+    cfg = config_from_hf(bert.config)
+    got, expected = from_hf_state_dict(old, cfg, "bert"), from_hf_state_dict(bert.state_dict(), cfg, "bert")
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
