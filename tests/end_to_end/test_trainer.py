@@ -4,14 +4,11 @@ import math
 
 import pytest
 import torch
-from helpers.common import CONFIGS
+from helpers.common import CONFIGS, SMALL
 
 from meshformer.checkpointing.weights import load_weights
 from meshformer.config import load_config
 from meshformer.train.trainer import Trainer
-
-SMALL = ["model.d_model=64", "model.n_heads=4", "model.n_layers=2", "model.d_ff=256", "data.seq_len=64",
-         "model.max_seq_len=64", "train.sample_interval=0", "train.eval_interval=0"]
 
 
 def unigram_entropy(batches) -> float:

@@ -15,3 +15,7 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+# A small tiny-gpt for trainer runs (overrides of configs/tiny-gpt.toml).
+SMALL = ["model.d_model=64", "model.n_heads=4", "model.n_layers=2", "model.d_ff=256", "data.seq_len=64",
+         "model.max_seq_len=64", "train.sample_interval=0", "train.eval_interval=0"]

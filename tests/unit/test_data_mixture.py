@@ -113,7 +113,7 @@ def test_mixture_config_errors(sources, tmp_path):
 
 
 def test_trainer_logs_tokens_per_source(sources, tmp_path):
-    from test_trainer import SMALL
+    from helpers.common import SMALL
 
     from meshformer.train.trainer import Trainer
 
