@@ -158,18 +158,19 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
 
 
 class Router(nn.Module):
-    """Linear scores without bias, computed in fp32; `expert_bias` steers selection only (checkpointed)."""
+    """Linear scores without bias, computed in fp32; `expert_bias` steers selection only."""
 
     expert_bias: torch.Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model))
-        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
+        # Not in state_dict yet: checkpoints hold parameters only; saving the bias comes with the training hook
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts), persistent=False)
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
-        """After a meta build: the bias starts at zero (a checkpoint may load another)."""
+        """After a meta build: the bias starts at zero."""
         self.expert_bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

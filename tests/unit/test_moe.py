@@ -217,7 +217,6 @@ def test_bias_update_follows_the_sign_of_the_load_gap():
     update_expert_bias(model, {name: torch.tensor([3.0, 1.0, 0.0, 4.0])})  # mean 2
     bias = dict(model.named_buffers())[f"{name}.router.expert_bias"]
     torch.testing.assert_close(bias, torch.tensor([-0.1, 0.1, 0.1, -0.1]))
-    assert "decoder_layers.0.ffn.router.expert_bias" in model.state_dict()  # checkpointed with the weights
 
 
 # ------------------------------------------------------------------------------------------------------ model
