@@ -306,6 +306,8 @@ def test_bad_moe_configs_fail_with_one_line():
         with pytest.raises(ConfigError, match=message) as err:
             config_from_dict({"model": model})
         assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="data parallel and FSDP only"):
+        config_from_dict({"model": {"n_experts": 4}, "parallel": {"tp": 2}})
 
 
 def test_tiny_moe_trains_with_falling_loss():
