@@ -212,7 +212,7 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
         return transformers.LlamaConfig(
             vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
             num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
-            head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
+            head_dim=cfg.attention_head_dim, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
             rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, attention_bias=cfg.bias,
             mlp_bias=cfg.bias, attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_std,
             rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
@@ -220,7 +220,7 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
         )
     spec = get_family_spec(cfg.family)
     return transformers.T5Config(  # type: ignore[call-arg]  # tie_word_embeddings: a PretrainedConfig kwarg
-        vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.head_dim, d_ff=cfg.d_ff,
+        vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.attention_head_dim, d_ff=cfg.d_ff,
         num_layers=spec.depth(cfg, "encoder"), num_decoder_layers=spec.depth(cfg, "decoder"), num_heads=cfg.n_heads,
         dropout_rate=cfg.dropout, layer_norm_epsilon=cfg.norm_eps, relative_attention_num_buckets=cfg.relative_buckets,
         relative_attention_max_distance=cfg.relative_max_distance,
@@ -231,7 +231,8 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
 
 def _features(cfg: ModelConfig) -> dict[str, Any]:
     """The config facts an architecture constrains, normalised (e.g. default attention scale, GQA or not)."""
-    default_scale = cfg.attention_scale is None or math.isclose(cfg.attention_scale, cfg.head_dim**-0.5)
+    default_scale = cfg.attention_scale is None or math.isclose(cfg.attention_scale, cfg.attention_head_dim**-0.5)
+    default_head_dim = cfg.attention_head_dim * cfg.n_heads == cfg.d_model
     return {
         "family": cfg.family, "norm": cfg.norm, "norm_position": cfg.norm_position, "final_norm": cfg.use_final_norm,
         "embedding_norm": cfg.embedding_norm, "position": cfg.position, "scale_embeddings": cfg.scale_embeddings,
@@ -240,13 +241,16 @@ def _features(cfg: ModelConfig) -> dict[str, Any]:
         "grouped_query": cfg.kv_heads != cfg.n_heads, "attention_window": cfg.attention_window,
         "attention_scale": "1/sqrt(head_dim)" if default_scale else cfg.attention_scale,
         "scale_output": cfg.scale_output, "cross_downsample": cfg.cross_downsample,
+        "rope_scaling": cfg.rope_scaling, "head_dim": "d_model/n_heads" if default_head_dim else cfg.head_dim,
+        "qk_norm": cfg.qk_norm, "qkv_bias": "as bias" if cfg.use_qkv_bias == cfg.bias else cfg.use_qkv_bias,
     }
 
 
 _COMMON = {"scale_embeddings": False, "attention_window": None, "attention_scale": "1/sqrt(head_dim)",
            "scale_output": False, "cross_downsample": 1, "embedding_norm": False, "head_transform": False,
            "output_bias": False, "grouped_query": False, "norm": "layernorm", "norm_position": "pre",
-           "final_norm": True}
+           "final_norm": True, "rope_scaling": "none", "head_dim": "d_model/n_heads", "qk_norm": False,
+           "qkv_bias": "as bias"}
 _REQUIREMENTS: dict[str, dict[str, Any]] = {  # a set: any of these values
     "gpt2": {**_COMMON, "family": "decoder", "position": "learned", "bias": True,
              "activation": {"gelu_tanh", "gelu", "relu"}, "attention_scale": {"1/sqrt(head_dim)", 1.0}},

@@ -22,14 +22,18 @@ def validate(cfg: Config) -> None:
                     "data.seq_len", "data.batch_size", "train.steps", "train.grad_accum", "optim.lr",
                     "logging.log_interval", "model.norm_eps", "model.rope_theta", "model.init_std",
                     "data.span_mean_length", "parallel.timeout_s"])
-    if m.d_model % m.n_heads:
+    if m.head_dim is not None and m.head_dim <= 0:
+        raise ConfigError(f"model.head_dim={m.head_dim} must be positive (or omitted: d_model / n_heads)")
+    if m.head_dim is None and m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
-                          "choose n_heads that divides d_model")
+                          "choose n_heads that divides d_model, or set model.head_dim")
     if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
         raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}; "
                           "n_kv_heads must divide n_heads (1 = multi-query)")
-    if m.position == "rope" and m.head_dim % 2:
-        raise ConfigError(f"RoPE needs an even head dimension, got d_model/n_heads={m.head_dim}")
+    if m.position == "rope" and m.attention_head_dim % 2:
+        raise ConfigError(f"RoPE needs an even head dimension, got {m.attention_head_dim}; set model.head_dim "
+                          "(or d_model / n_heads) even")
+    _check_rope_scaling(cfg)
     if m.position == "t5_relative" and (m.relative_buckets < 4 or m.relative_max_distance <= m.relative_buckets // 2):
         raise ConfigError(f"model.relative_buckets={m.relative_buckets} / model.relative_max_distance="
                           f"{m.relative_max_distance}: t5_relative needs at least 4 buckets and a max distance above "
@@ -126,6 +130,33 @@ def _check_moe(cfg: Config) -> None:
         raise ConfigError(f"model.router_groups_per_token={m.router_groups_per_token} groups of "
                           f"{m.n_experts // groups} experts hold fewer than model.experts_per_token="
                           f"{m.experts_per_token}", "raise router_groups_per_token or lower experts_per_token")
+
+
+def _check_rope_scaling(cfg: Config) -> None:
+    """The rope_* keys of a scaled RoPE, with the ranges Hugging Face accepts."""
+    m = cfg.model
+    if m.rope_scaling == "none":
+        return
+    if m.position != "rope":
+        raise ConfigError(f"model.rope_scaling={m.rope_scaling!r} rescales RoPE but model.position={m.position!r}; "
+                          "set model.position='rope' or model.rope_scaling='none'")
+    if not m.rope_scaling_factor >= 1:
+        raise ConfigError(f"model.rope_scaling_factor={m.rope_scaling_factor} must be >= 1 (e.g. 8 for Llama 3.1)")
+    if m.rope_scaling == "linear":
+        return
+    if m.rope_original_max_seq_len is None or m.rope_original_max_seq_len <= 0:
+        raise ConfigError(f"model.rope_scaling={m.rope_scaling!r} needs model.rope_original_max_seq_len, the "
+                          "pretraining context length (original_max_position_embeddings; 8192 for Llama 3.1)")
+    if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+        raise ConfigError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} and model.rope_high_freq_factor="
+                          f"{m.rope_high_freq_factor}: need 0 < low < high (Llama 3.1: 1 and 4)")
+    if m.rope_scaling == "yarn":
+        if not 0 < m.rope_beta_slow < m.rope_beta_fast:
+            raise ConfigError(f"model.rope_beta_slow={m.rope_beta_slow} and model.rope_beta_fast={m.rope_beta_fast}: "
+                              "need 0 < beta_slow < beta_fast (YaRN: 1 and 32)")
+        if m.rope_attention_factor is not None and m.rope_attention_factor <= 0:
+            raise ConfigError(f"model.rope_attention_factor={m.rope_attention_factor} must be positive (or omitted: "
+                              "0.1 * ln(factor) + 1)")
 
 
 def _check_shard_size(size: str) -> None:

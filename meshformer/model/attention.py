@@ -87,13 +87,16 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False) -> None:
         super().__init__()
-        self.head_dim = cfg.head_dim
-        self.scale = cfg.attention_scale if cfg.attention_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
+        self.head_dim = cfg.attention_head_dim
+        self.scale = cfg.attention_scale if cfg.attention_scale is not None else 1.0 / math.sqrt(cfg.attention_head_dim)
         self.causal, self.cross = causal, cross
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=cfg.bias)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=cfg.bias)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=cfg.bias)
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=cfg.use_qkv_bias)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=cfg.use_qkv_bias)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=cfg.use_qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
+        # QK-norm (Qwen3): one weight of size head_dim shared by every head, so a head shard holds all of it
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.dropout_p = cfg.attention_dropout
         self.backend = cfg.attention_backend
         self.use_math = cfg.attention_backend == "math"
@@ -104,6 +107,11 @@ class Attention(nn.Module):
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
         return x.view(batch, length, -1, self.head_dim).transpose(1, 2)
+
+    @staticmethod
+    def _normed(norm: nn.Module | None, heads: torch.Tensor) -> torch.Tensor:
+        """QK-norm of (B, H, T, D) heads over D; the identity without QK-norm."""
+        return heads if norm is None else norm(heads)
 
     def _packable(self) -> bool:
         """Whether Q, K and V can run as one GEMM: plain, unhooked nn.Linear projections with plain-tensor weights
@@ -139,7 +147,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """chunk: under context parallel (self-attention only), the pieces of the sequence `x` holds."""
         if self.cross and cache is not None and cache.k is not None and cache.v is not None:
-            q = self._heads(self.q_proj(x))
+            q = self._normed(self.q_norm, self._heads(self.q_proj(x)))
             k, v = cache.k, cache.v  # the encoder output does not change while decoding
         else:
             if not self.cross and self._packable():
@@ -148,6 +156,7 @@ class Attention(nn.Module):
                 source = memory if self.cross else x
                 q = self._heads(self.q_proj(x))
                 k, v = self._heads(self.k_proj(source)), self._heads(self.v_proj(source))
+            q, k = self._normed(self.q_norm, q), self._normed(self.k_norm, k)
             if rope is not None:  # self-attention only: new queries and keys share positions
                 q, k = apply_rope(q, rope), apply_rope(k, rope)
             if chunk is not None:  # the whole sequence's keys and values (after RoPE: each keeps its position)

@@ -33,6 +33,19 @@ class ModelConfig:
     embedding_norm: bool = False  # norm right after the embeddings (BERT)
     position: Literal["sinusoidal", "learned", "rope", "alibi", "t5_relative", "none"] = "learned"
     rope_theta: float = 10000.0
+    # Attention options of the models people continue pretraining (Llama 3.x, Qwen2/3), as Hugging Face defines them.
+    # RoPE frequency scaling (HF's rope_type); the tables are recomputed from these keys, never checkpointed.
+    rope_scaling: Literal["none", "linear", "llama3", "yarn"] = "none"
+    rope_scaling_factor: float = 1.0  # linear, llama3, yarn: how many times longer the context gets
+    rope_original_max_seq_len: int | None = None  # llama3, yarn: the pretraining context length
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original / this are divided by the factor
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original / this are kept
+    rope_beta_fast: float = 32.0  # yarn: rotations above which frequencies are kept
+    rope_beta_slow: float = 1.0  # yarn: rotations below which frequencies are divided by the factor
+    rope_attention_factor: float | None = None  # yarn: cos/sin multiplier; None: 0.1 * ln(factor) + 1
+    head_dim: int | None = None  # width of each attention head; None: d_model // n_heads
+    qk_norm: bool = False  # RMSNorm on each query and key head (weight of size head_dim) before RoPE (Qwen3)
+    qkv_bias: bool | None = None  # biases on the Q/K/V projections only; None: follows `bias` (Qwen2: true)
     relative_buckets: int = 32  # t5_relative: learned bias buckets per stack (half per direction in the encoder)
     relative_max_distance: int = 128  # t5_relative: distances beyond this share the last bucket
     max_seq_len: int = 256
@@ -71,7 +84,7 @@ class ModelConfig:
     moe_aux_per_sequence: bool = False  # the balance loss per sequence, averaged (else per micro-batch)
     router_z_loss: float = 0.0  # coefficient of mean(logsumexp(router logits)^2)
     router_bias_update_rate: float = 0.0  # auxiliary-loss-free balancing (DeepSeek-V3); 0: off
-    # auto: grouped_mm where the device runs it fastest, else the faster of loop / padded there
+    # auto: grouped_mm for bf16 on CUDA where it runs, else the loop (as fast as padded on CPU, or faster)
     moe_backend: Literal["auto", "loop", "padded", "grouped_mm"] = "auto"
 
     @property
@@ -79,8 +92,12 @@ class ModelConfig:
         return self.n_kv_heads or self.n_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def attention_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def use_qkv_bias(self) -> bool:
+        return self.bias if self.qkv_bias is None else self.qkv_bias
 
     @property
     def expert_d_ff(self) -> int:

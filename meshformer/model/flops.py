@@ -32,13 +32,15 @@ def _norm(cfg: ModelConfig) -> int:
 
 def _attention_matmuls(cfg: ModelConfig) -> dict[str, int]:
     """Weights (no biases) of the four projections, keyed by what they read: queries/outputs or keys/values."""
-    d, q_dim, kv_dim = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    d, q_dim, kv_dim = cfg.d_model, cfg.n_heads * cfg.attention_head_dim, cfg.kv_heads * cfg.attention_head_dim
     return {"q_o": 2 * d * q_dim, "k_v": 2 * d * kv_dim}
 
 
 def _attention(cfg: ModelConfig) -> int:
-    d, q_dim, kv_dim = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    return _linear(d, q_dim, cfg.bias) + 2 * _linear(d, kv_dim, cfg.bias) + _linear(q_dim, d, cfg.bias)
+    d, q_dim, kv_dim = cfg.d_model, cfg.n_heads * cfg.attention_head_dim, cfg.kv_heads * cfg.attention_head_dim
+    qk_norm = 2 * cfg.attention_head_dim if cfg.qk_norm else 0  # one RMSNorm weight each for queries and keys
+    qkv_bias = cfg.use_qkv_bias
+    return _linear(d, q_dim, qkv_bias) + 2 * _linear(d, kv_dim, qkv_bias) + _linear(q_dim, d, cfg.bias) + qk_norm
 
 
 def _dense_ffn_matmuls(cfg: ModelConfig, width: int) -> int:
@@ -84,7 +86,8 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
         excludes them).
     non_embedding: everything else = total - embedding, including an untied output projection.
     attention / feed_forward / norms / head: a breakdown of non_embedding (head = BERT head transform,
-        untied output projection, output bias); embedding + attention + feed_forward + norms + head = total.
+        untied output projection, output bias; attention includes its QK-norm weights);
+        embedding + attention + feed_forward + norms + head = total.
     active: the parameters one token uses: total less the routed experts an MoE block does not pick for it
         (= total for a dense model).
     """
@@ -151,7 +154,7 @@ def _single_stack_flops(cfg: ModelConfig, seq_len: int, *, causal: bool) -> int:
         6 * N * T + 12 * n_layers * T * keys * d_attn          (keys = T without a window)
     which is PaLM's 6N + 12 L H Q T per token and, for GPT-3, Megatron-LM's 72 l h^2 (1 + s/6h + V/12lh).
     """
-    d_attn = cfg.n_heads * cfg.head_dim
+    d_attn = cfg.n_heads * cfg.attention_head_dim
     attn = _attention_matmuls(cfg)
     layers = cfg.n_layers
     matmul = layers * (attn["q_o"] + attn["k_v"]) + _stack_ffn_matmuls(cfg, layers) + _head_matmuls(cfg)
@@ -172,7 +175,7 @@ def encoder_decoder_flops(cfg: ModelConfig, seq_len: int, target_len: int | None
     self-attention, FFN, cross-attention Q/O and the head see T; cross-attention K/V see the
     S / cross_downsample pooled memory positions M; attention terms S*S (encoder), T*T (decoder) and T*M (cross).
     """
-    d_attn = cfg.n_heads * cfg.head_dim
+    d_attn = cfg.n_heads * cfg.attention_head_dim
     attn = _attention_matmuls(cfg)
     source, target = seq_len, target_len if target_len is not None else seq_len
     memory = math.ceil(source / cfg.cross_downsample)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from meshformer.model.config import ModelConfig
 
 BIASED_POSITIONS = ("alibi", "t5_relative")  # schemes that add a bias to the attention scores
 
@@ -46,24 +49,81 @@ class LearnedPositions(nn.Module):
         return self.weight[positions]
 
 
+@dataclass(frozen=True)
+class RopeScaling:
+    """How the rotary frequencies are rescaled for a longer context: Hugging Face's rope_type and its parameters
+    (the `rope_*` keys of `ModelConfig`)."""
+
+    kind: str = "none"  # none | linear | llama3 | yarn
+    factor: float = 1.0
+    original_max_len: int | None = None  # llama3, yarn
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn; None: 0.1 * ln(factor) + 1
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> RopeScaling:
+        return cls(cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_original_max_seq_len, cfg.rope_low_freq_factor,
+                   cfg.rope_high_freq_factor, cfg.rope_beta_fast, cfg.rope_beta_slow, cfg.rope_attention_factor)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeScaling(),
+                     device: torch.device | None = None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies (head_dim / 2,) in float64, cos/sin multiplier), as transformers'
+    `modeling_rope_utils` computes them for rope_type default, linear, llama3 and yarn."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
+    inv_freq = 1.0 / theta ** exponents
+    factor = scaling.factor
+    if scaling.kind == "linear":
+        return inv_freq / factor, 1.0
+    if scaling.kind == "llama3":
+        assert scaling.original_max_len is not None  # config/validate.py requires it
+        original = scaling.original_max_len
+        wavelen = 2 * math.pi / inv_freq
+        # long wavelengths are divided by the factor, short ones kept, the band between interpolated smoothly
+        smooth = (original / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        scaled = torch.where(wavelen > original / scaling.low_freq_factor, inv_freq / factor, inv_freq)
+        medium = (wavelen >= original / scaling.high_freq_factor) & (wavelen <= original / scaling.low_freq_factor)
+        return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled), 1.0
+    if scaling.kind == "yarn":
+        assert scaling.original_max_len is not None
+        attention_factor = scaling.attention_factor
+        if attention_factor is None:
+            attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+        def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times in the context
+            return (head_dim * math.log(scaling.original_max_len / (rotations * 2 * math.pi))  # type: ignore[operator]
+                    / (2 * math.log(theta)))
+
+        low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(scaling.beta_slow)), head_dim - 1)
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float64, device=device) - low)
+                / (high - low if high != low else 0.001)).clamp(0, 1)
+        keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide it by the factor)
+        return inv_freq / factor * (1 - keep) + inv_freq * keep, attention_factor
+    return inv_freq, 1.0
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE with the half-split layout (pairs dimension i with i + d/2), as in GPT-NeoX / HF Llama."""
 
     cos: torch.Tensor  # buffers
     sin: torch.Tensor
 
-    def __init__(self, head_dim: int, max_len: int, theta: float = 10000.0) -> None:
+    def __init__(self, head_dim: int, max_len: int, theta: float = 10000.0,
+                 scaling: RopeScaling = RopeScaling()) -> None:
         super().__init__()
-        self.head_dim, self.max_len, self.theta = head_dim, max_len, theta
+        self.head_dim, self.max_len, self.theta, self.scaling = head_dim, max_len, theta, scaling
         self._tables(None)
 
     def _tables(self, device: torch.device | None) -> None:
-        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device)
-                                        / self.head_dim)
+        inv_freq, attention_factor = rope_frequencies(self.head_dim, self.theta, self.scaling, device)
         angles = torch.outer(torch.arange(self.max_len, dtype=torch.float64, device=device), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.register_buffer("cos", (angles.cos() * attention_factor).float(), persistent=False)
+        self.register_buffer("sin", (angles.sin() * attention_factor).float(), persistent=False)
 
     def reset_buffers(self) -> None:
         """Recompute the tables where they live (after a meta-device build)."""

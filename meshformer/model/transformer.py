@@ -28,6 +28,7 @@ from meshformer.model.parallel_context import ParallelContext, StageSpan
 from meshformer.model.positions import (
     LearnedPositions,
     RelativePositionBias,
+    RopeScaling,
     RotaryEmbedding,
     SinusoidalPositions,
     alibi_bias,
@@ -110,7 +111,8 @@ class Transformer(nn.Module):
             self.pos_embeddings = LearnedPositions(cfg.max_seq_len, cfg.d_model)
         elif cfg.position == "sinusoidal" and "pos_embeddings" in held:
             self.pos_embeddings = SinusoidalPositions(cfg.max_seq_len, cfg.d_model)
-        self.rope = (RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.rope = (RotaryEmbedding(cfg.attention_head_dim, cfg.max_seq_len, cfg.rope_theta,
+                                     RopeScaling.from_config(cfg))
                      if cfg.position == "rope" and "rope" in held else None)
         if cfg.position == "alibi":
             self.register_buffer("alibi_slopes", alibi_slopes(cfg.n_heads), persistent=False)

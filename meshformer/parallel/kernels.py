@@ -80,7 +80,7 @@ def runs_blockwise_attention(cfg, device_type: str, compiled: bool) -> bool:
     plain = m.attention_dropout == 0 and m.attention_window is None and not m.document_mask \
         and m.position not in BIASED_POSITIONS and not compiled
     longest = max(cfg.data.seq_len, cfg.data.target_len if get_family_spec(m.family).seq2seq else 0)
-    return picks_blockwise(m.attention_backend, device_type, longest, m.head_dim, plain)
+    return picks_blockwise(m.attention_backend, device_type, longest, m.attention_head_dim, plain)
 
 
 def attention_kernels(cfg, device: torch.device, compiled: bool) -> str:

@@ -53,6 +53,7 @@ _STYLES = {
     styles.VOCAB_COLUMNS: lambda: ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
                                                   use_local_output=True),
     styles.SEQUENCE: lambda: SequenceParallel(use_local_output=True),
+    styles.HEADS: lambda: SequenceParallel(sequence_dim=1, use_local_output=True),
     styles.GATHER: lambda: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
     styles.GATHER_MASKED: lambda: PrepareModuleInput(input_layouts=(Shard(1), None),
                                                      desired_input_layouts=(Replicate(), None)),

@@ -110,12 +110,12 @@ def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memo
     s_local = s // t if t > 1 else s
     gathered = b * s * h * a  # the normalised input the projections read (all-gathered under SP)
     heads = m.n_heads // t
-    qkv_out = b * s * heads * m.head_dim * a
+    qkv_out = b * s * heads * m.attention_head_dim * a
     total = 0.0
     for branch_cross in ([False, True] if cross else [False]):
         total += _norm(m, x, s_local) + gathered
         calls = _attention_calls(x, branch_cross, memory_len, causal)
-        kv = b * _keys_kept(x, calls) * heads * m.head_dim * a
+        kv = b * _keys_kept(x, calls) * heads * m.attention_head_dim * a
         if m.attention_backend == "math":
             scores = b * heads * sum(q * k for q, k in calls)
             total += 2 * qkv_out + 2 * kv + scores * FP32 + (scores * a if a != FP32 else 0)
@@ -146,10 +146,10 @@ def block_selective(m: ModelConfig, x: ActivationShape, *, cross: bool = False, 
     total: float = b * s_local * h * x.residual_bytes  # the checkpointed block's input
     for branch_cross in ([False, True] if cross else [False]):
         calls = _attention_calls(x, branch_cross, memory_len, causal)
-        total += b * s * heads * m.head_dim * a * 2  # q projection and attention output
-        total += 2 * b * (memory_len if branch_cross else s) * kv_heads * m.head_dim * a  # k, v projections
+        total += b * s * heads * m.attention_head_dim * a * 2  # q projection and attention output
+        total += 2 * b * (memory_len if branch_cross else s) * kv_heads * m.attention_head_dim * a  # k, v projections
         if x.blockwise:  # the kernel's own q/k/v rows (GQA: repeated) and probabilities
-            total += (s + 2 * sum(k for _, k in calls)) * b * heads * m.head_dim * a
+            total += (s + 2 * sum(k for _, k in calls)) * b * heads * m.attention_head_dim * a
             total += sum(stored_probabilities(b * heads, q, k, causal and not branch_cross) for q, k in calls) * a
         else:
             total += b * heads * s * FP32 + _sdpa_mask(x, calls, branch_cross)  # log-sum-exp, mask
@@ -175,13 +175,14 @@ def block_backward_extra(m: ModelConfig, x: ActivationShape) -> float:
     heads = m.n_heads // t
     calls = _attention_calls(x, False, 0)
     keys = max(k for _, k in calls)  # under context parallel: the gathered sequence's key/value gradients
-    attention: float = 2 * b * (s + keys) * heads * m.head_dim * a  # gradients of q and output, k and v
+    attention: float = 2 * b * (s + keys) * heads * m.attention_head_dim * a  # gradients of q and output, k and v
     if m.attention_backend == "math":
         attention += 2 * b * heads * sum(q * k for q, k in calls) * FP32
     elif x.blockwise:
         # its workspace is large, but by then the feed-forward branch has back-propagated and freed what it kept
         # (under context parallel counted at this rank's length: within 6% of measured, see README)
-        attention = backward_workspace(b * heads, s, m.head_dim, a) - _ffn_branch_saved(m, x, s // t if t > 1 else s)
+        attention = (backward_workspace(b * heads, s, m.attention_head_dim, a)
+                     - _ffn_branch_saved(m, x, s // t if t > 1 else s))
     return max((3 if m.activation == "swiglu" else 2) * ffn, attention) + 2 * b * s * m.d_model * a
 
 

@@ -53,6 +53,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # Llama-like: RMSNorm, SwiGLU, RoPE, GQA, tied embeddings
     "decoder": dict(family="decoder", n_layers=4, norm="rmsnorm", activation="swiglu", position="rope",
                     n_kv_heads=2, bias=False),
+    # Qwen3-like attention on Llama 3.1's scaled RoPE: head_dim != d_model / n_heads, QK-norm (its weights replicated
+    # across the head shards), biases on Q/K/V only
+    "decoder_qwen": dict(family="decoder", n_layers=2, norm="rmsnorm", activation="swiglu", position="rope",
+                         n_kv_heads=2, bias=False, head_dim=12, qk_norm=True, qkv_bias=True, rope_scaling="llama3",
+                         rope_scaling_factor=4.0, rope_original_max_seq_len=16),
     # GPT-2-like with ALiBi (per-head slopes must follow tensor-parallel head sharding) and biases
     "decoder_alibi": dict(family="decoder", n_layers=4, position="alibi", activation="gelu", bias=True,
                           tie_embeddings=False, output_bias=True),

@@ -16,6 +16,7 @@ WORLD2 = [
     "decoder/fsdp", "encoder/fsdp", "encdec/fsdp",
     # tensor + sequence parallel, vocab-parallel loss; ALiBi slopes follow the head sharding
     "decoder/tp", "decoder_alibi/tp", "encoder/tp", "encdec/tp",
+    "decoder_qwen/tp",  # head_dim, QK-norm, Q/K/V-only biases, llama3 RoPE scaling under head sharding
     # pipeline: every schedule (2 stages per rank for the interleaved / V ones)
     "decoder/pp-sched=gpipe", "decoder/pp-sched=1f1b", "decoder/pp-sched=interleaved_1f1b-spr=2",
     "decoder/pp-sched=interleaved_zb-spr=2", "decoder/pp-sched=zbv",

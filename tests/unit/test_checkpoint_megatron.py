@@ -57,7 +57,7 @@ def test_export_layout_and_round_trip(name, tmp_path):
     # Read back with plain DCP: Megatron's names, layers stacked on dim 0, QKV interleaved per query group.
     shapes = {k: tuple(v.size) for k, v in tensor_entries(read_metadata(folder)).items()}
     fc1_rows = 2 * cfg.d_ff if cfg.activation == "swiglu" else cfg.d_ff
-    qkv_rows = (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim
+    qkv_rows = (cfg.n_heads + 2 * cfg.kv_heads) * cfg.attention_head_dim
     assert shapes["embedding.word_embeddings.weight"] == (128, cfg.d_model)  # padded vocabulary
     assert shapes["decoder.layers.self_attention.linear_qkv.weight"] == (cfg.n_layers, qkv_rows, cfg.d_model)
     assert shapes["decoder.layers.self_attention.linear_qkv.layer_norm_weight"] == (cfg.n_layers, cfg.d_model)
@@ -67,11 +67,12 @@ def test_export_layout_and_round_trip(name, tmp_path):
     qkv = read_full_tensors(folder, ["decoder.layers.self_attention.linear_qkv.weight"])[
         "decoder.layers.self_attention.linear_qkv.weight"]
     attn = model.decoder_layers["1"].attn
-    group_rows = (cfg.n_heads // cfg.kv_heads + 2) * cfg.head_dim
+    group_rows = (cfg.n_heads // cfg.kv_heads + 2) * cfg.attention_head_dim
     first_group = qkv[1, :group_rows]  # layer 1, query group 0: its query heads, then its key head, then value
-    per_group_q = cfg.n_heads // cfg.kv_heads * cfg.head_dim
+    per_group_q = cfg.n_heads // cfg.kv_heads * cfg.attention_head_dim
     assert torch.equal(first_group[:per_group_q], attn.q_proj.weight[:per_group_q])
-    assert torch.equal(first_group[per_group_q:per_group_q + cfg.head_dim], attn.k_proj.weight[:cfg.head_dim])
+    head_dim = cfg.attention_head_dim
+    assert torch.equal(first_group[per_group_q:per_group_q + head_dim], attn.k_proj.weight[:head_dim])
     assert torch.equal(qkv[1], pack_qkv(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
                                         cfg.n_heads, cfg.kv_heads))
 

@@ -13,6 +13,7 @@ from meshformer.model.families.spec import (
     GATHER,
     GATHER_MASKED,
     GATHER_MEMORY,
+    HEADS,
     ROWWISE,
     SEQUENCE,
     VOCAB_COLUMNS,
@@ -36,9 +37,10 @@ STAGE_PIECES = StagePieces(
 
 def _attention(prefix: str) -> dict[str, str]:
     # Colwise q/k/v shard whole heads (rows are head-major), so the attention module infers its local
-    # head count from the shapes; GQA works whenever tp divides n_kv_heads.
+    # head count from the shapes; GQA works whenever tp divides n_kv_heads. QK-norm weights are per head
+    # dimension, replicated; their gradients sum over the heads of every rank.
     return {f"{prefix}.q_proj": COLWISE, f"{prefix}.k_proj": COLWISE, f"{prefix}.v_proj": COLWISE,
-            f"{prefix}.o_proj": ROWWISE}
+            f"{prefix}.o_proj": ROWWISE, f"{prefix}.q_norm": HEADS, f"{prefix}.k_norm": HEADS}
 
 
 # Between blocks the residual stream is a sequence shard; attention and feed-forward gather it on entry and
