@@ -39,6 +39,7 @@ def validate(cfg: Config) -> None:
                           f"{m.relative_max_distance}: t5_relative needs at least 4 buckets and a max distance above "
                           "relative_buckets / 2 (the exactly bucketed range); T5 uses 32 and 128")
     _check_family(cfg)
+    _check_moe(cfg)
     if m.attention_window is not None:
         if m.attention_window <= 0:
             raise ConfigError("model.attention_window must be positive (or omitted for full attention)")
@@ -95,6 +96,40 @@ def _check_family(cfg: Config) -> None:
                           "raise model.max_seq_len or shorten data.seq_len")
     if spec.check is not None:
         spec.check(m)
+
+
+def _check_moe(cfg: Config) -> None:
+    """The mixture-of-experts keys (model/moe.py); none matters while model.n_experts = 0."""
+    m = cfg.model
+    if m.n_experts < 0:
+        raise ConfigError(f"model.n_experts={m.n_experts} is negative", "use 0 (dense) or the number of experts")
+    if m.n_experts == 0:
+        return
+    par = cfg.parallel
+    if par.tp > 1 or par.pp > 1:  # the TP rules shard dense FFNs only; pipelines would skip the balance losses
+        raise ConfigError(f"model.n_experts={m.n_experts} with parallel.tp={par.tp} / parallel.pp={par.pp}: MoE "
+                          "blocks run under data parallel and FSDP only so far",
+                          "use parallel.tp=1 and parallel.pp=1 (scale with parallel.dp_shard / dp_replicate)")
+    if not 1 <= m.experts_per_token <= m.n_experts:
+        raise ConfigError(f"model.experts_per_token={m.experts_per_token} must lie in [1, model.n_experts="
+                          f"{m.n_experts}]", "choose how many experts each token uses, e.g. 2")
+    for key in ("moe_d_ff", "n_shared_experts", "moe_first_dense", "capacity_factor", "moe_aux_loss",
+                "router_z_loss", "router_bias_update_rate"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key}={getattr(m, key)} is negative", "use a value >= 0 (0: the default)")
+    if m.moe_every < 1:
+        raise ConfigError(f"model.moe_every={m.moe_every} must be >= 1", "1: every block is MoE; k: every k-th")
+    groups = m.router_groups
+    if groups < 1 or m.n_experts % groups:
+        raise ConfigError(f"model.router_groups={groups} does not divide model.n_experts={m.n_experts}",
+                          "use a divisor of n_experts (1: no group-limited routing)")
+    if not 1 <= m.router_groups_per_token <= groups:
+        raise ConfigError(f"model.router_groups_per_token={m.router_groups_per_token} must lie in [1, "
+                          f"model.router_groups={groups}]", "choose how many expert groups a token may use")
+    if m.router_groups_per_token * (m.n_experts // groups) < m.experts_per_token:
+        raise ConfigError(f"model.router_groups_per_token={m.router_groups_per_token} groups of "
+                          f"{m.n_experts // groups} experts hold fewer than model.experts_per_token="
+                          f"{m.experts_per_token}", "raise router_groups_per_token or lower experts_per_token")
 
 
 def _check_rope_scaling(cfg: Config) -> None:

@@ -68,6 +68,24 @@ class ModelConfig:
     cross_downsample: int = 1  # pool encoder output by this factor before cross-attention
     init: Literal["normal", "xavier"] = "normal"
     init_std: float = 0.02
+    # Mixture-of-experts feed-forward (model/moe.py). n_experts = 0: every block dense.
+    n_experts: int = 0
+    experts_per_token: int = 2  # top-k
+    moe_d_ff: int = 0  # each expert's width; 0: d_ff
+    n_shared_experts: int = 0  # always-on experts of width moe_d_ff each (DeepSeek, Qwen2-MoE)
+    moe_every: int = 1  # block i (from 0) of a stack is MoE when (i + 1) % moe_every == 0 ...
+    moe_first_dense: int = 0  # ... and i >= moe_first_dense (DeepSeek keeps its first blocks dense)
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    router_renormalize: bool = True  # the top-k weights sum to 1
+    router_groups: int = 1  # group-limited routing (DeepSeek-V3): experts in this many groups ...
+    router_groups_per_token: int = 1  # ... of which each token picks its best this many first
+    capacity_factor: float = 0.0  # 0: dropless; > 0: each expert takes ceil(factor * tokens * k / n_experts)
+    moe_aux_loss: float = 0.0  # Switch/GShard load-balancing loss coefficient
+    moe_aux_per_sequence: bool = False  # the balance loss per sequence, averaged (else per micro-batch)
+    router_z_loss: float = 0.0  # coefficient of mean(logsumexp(router logits)^2)
+    router_bias_update_rate: float = 0.0  # auxiliary-loss-free balancing (DeepSeek-V3); 0: off
+    # auto: grouped_mm for bf16 on CUDA where it runs, else the loop (as fast as padded on CPU, or faster)
+    moe_backend: Literal["auto", "loop", "padded", "grouped_mm"] = "auto"
 
     @property
     def kv_heads(self) -> int:
@@ -80,6 +98,10 @@ class ModelConfig:
     @property
     def use_qkv_bias(self) -> bool:
         return self.bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def expert_d_ff(self) -> int:
+        return self.moe_d_ff or self.d_ff
 
     @property
     def use_final_norm(self) -> bool:

@@ -10,6 +10,7 @@ import math
 from typing import TYPE_CHECKING
 
 from meshformer.model.config import ModelConfig
+from meshformer.model.moe import is_moe_block
 
 if TYPE_CHECKING:
     from meshformer.model.families.spec import FamilySpec
@@ -42,13 +43,39 @@ def _attention(cfg: ModelConfig) -> int:
     return _linear(d, q_dim, qkv_bias) + 2 * _linear(d, kv_dim, qkv_bias) + _linear(q_dim, d, cfg.bias) + qk_norm
 
 
-def _ffn_matmuls(cfg: ModelConfig) -> int:
-    return (3 if cfg.activation == "swiglu" else 2) * cfg.d_model * cfg.d_ff
+def _dense_ffn_matmuls(cfg: ModelConfig, width: int) -> int:
+    return (3 if cfg.activation == "swiglu" else 2) * cfg.d_model * width
 
 
-def _ffn(cfg: ModelConfig) -> int:
-    gate = _linear(cfg.d_model, cfg.d_ff, cfg.bias) if cfg.activation == "swiglu" else 0
-    return gate + _linear(cfg.d_model, cfg.d_ff, cfg.bias) + _linear(cfg.d_ff, cfg.d_model, cfg.bias)
+def _dense_ffn(cfg: ModelConfig, width: int) -> int:
+    if not width:
+        return 0
+    gate = _linear(cfg.d_model, width, cfg.bias) if cfg.activation == "swiglu" else 0
+    return gate + _linear(cfg.d_model, width, cfg.bias) + _linear(width, cfg.d_model, cfg.bias)
+
+
+def _ffn_matmuls(cfg: ModelConfig, index: int) -> int:
+    """Matmul weights one token passes through in the feed-forward of block `index`: an MoE block's router, its
+    experts_per_token routed experts and its shared experts."""
+    if not is_moe_block(cfg, index):
+        return _dense_ffn_matmuls(cfg, cfg.d_ff)
+    experts = cfg.experts_per_token + cfg.n_shared_experts
+    return cfg.n_experts * cfg.d_model + experts * _dense_ffn_matmuls(cfg, cfg.expert_d_ff)
+
+
+def _stack_ffn_matmuls(cfg: ModelConfig, n_layers: int) -> int:
+    return sum(_ffn_matmuls(cfg, i) for i in range(n_layers))
+
+
+def _ffn(cfg: ModelConfig, index: int) -> tuple[int, int]:
+    """(all, active) parameters of the feed-forward of block `index`; active: those one token uses (the router,
+    experts_per_token routed experts, the shared experts). Experts have no biases."""
+    if not is_moe_block(cfg, index):
+        dense = _dense_ffn(cfg, cfg.d_ff)
+        return dense, dense
+    expert = _dense_ffn_matmuls(cfg, cfg.expert_d_ff)
+    common = cfg.n_experts * cfg.d_model + _dense_ffn(cfg, cfg.n_shared_experts * cfg.expert_d_ff)
+    return common + cfg.n_experts * expert, common + cfg.experts_per_token * expert
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
@@ -61,6 +88,8 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     attention / feed_forward / norms / head: a breakdown of non_embedding (head = BERT head transform,
         untied output projection, output bias; attention includes its QK-norm weights);
         embedding + attention + feed_forward + norms + head = total.
+    active: the parameters one token uses: total less the routed experts an MoE block does not pick for it
+        (= total for a dense model).
     """
     d, vocab = cfg.d_model, cfg.vocab_size
     spec = _family(cfg)
@@ -73,7 +102,9 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     if cfg.position == "t5_relative":  # one (buckets, heads) bias table per stack
         embedding += (int(spec.has_encoder) + int(spec.has_decoder)) * cfg.relative_buckets * cfg.n_heads
     attention = sum(n * (2 if cross else 1) for n, cross in stacks) * _attention(cfg)  # + cross-attention
-    feed_forward = sum(n for n, _ in stacks) * _ffn(cfg)
+    ffn = [_ffn(cfg, i) for n, _ in stacks for i in range(n)]
+    feed_forward = sum(all_ for all_, _ in ffn)
+    inactive = feed_forward - sum(active for _, active in ffn)
     stack_norms = len(stacks) if cfg.use_final_norm else 0
     norms_per_block = sum(n * (3 if cross else 2) for n, cross in stacks)
     norms = (norms_per_block + stack_norms + int(cfg.embedding_norm)) * _norm(cfg)
@@ -93,6 +124,7 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
         "feed_forward": feed_forward,
         "norms": norms,
         "head": head,
+        "active": total - inactive,
     }
 
 
@@ -109,7 +141,8 @@ def training_flops(cfg: ModelConfig, seq_len: int, target_len: int | None = None
     Matmuls cost 2 FLOPs per weight per token forward. Per sequence of T tokens and per layer,
     attention adds QK^T and AV: 2 * 2 * T * keys * (n_heads * head_dim). Counted: every attention and
     FFN projection, the BERT head transform and the output projection over every position (the head
-    matmul is counted, as in PaLM and Megatron-LM, tied or not). Not counted: embedding lookups, norms,
+    matmul is counted, as in PaLM and Megatron-LM, tied or not); an MoE block counts its router and the experts
+    one token passes (experts_per_token routed + the shared ones). Not counted: embedding lookups, norms,
     biases, activations, softmax, position encodings (each O(T * d), negligible). Each family's spec
     names its formula: `decoder_flops`, `encoder_flops` or `encoder_decoder_flops`.
     """
@@ -124,7 +157,7 @@ def _single_stack_flops(cfg: ModelConfig, seq_len: int, *, causal: bool) -> int:
     d_attn = cfg.n_heads * cfg.attention_head_dim
     attn = _attention_matmuls(cfg)
     layers = cfg.n_layers
-    matmul = layers * (attn["q_o"] + attn["k_v"] + _ffn_matmuls(cfg)) + _head_matmuls(cfg)
+    matmul = layers * (attn["q_o"] + attn["k_v"]) + _stack_ffn_matmuls(cfg, layers) + _head_matmuls(cfg)
     forward = 2 * matmul * seq_len + layers * 4 * seq_len * _keys_per_query(cfg, seq_len, causal) * d_attn
     return 3 * forward
 
@@ -144,13 +177,13 @@ def encoder_decoder_flops(cfg: ModelConfig, seq_len: int, target_len: int | None
     """
     d_attn = cfg.n_heads * cfg.attention_head_dim
     attn = _attention_matmuls(cfg)
-    ffn = _ffn_matmuls(cfg)
     source, target = seq_len, target_len if target_len is not None else seq_len
     memory = math.ceil(source / cfg.cross_downsample)
     spec = _family(cfg)
     n_enc, n_dec = spec.depth(cfg, "encoder"), spec.depth(cfg, "decoder")
-    forward = 2 * source * n_enc * (attn["q_o"] + attn["k_v"] + ffn)
-    forward += 2 * target * (n_dec * (2 * attn["q_o"] + attn["k_v"] + ffn) + _head_matmuls(cfg))
+    forward = 2 * source * (n_enc * (attn["q_o"] + attn["k_v"]) + _stack_ffn_matmuls(cfg, n_enc))
+    forward += 2 * target * (n_dec * (2 * attn["q_o"] + attn["k_v"]) + _stack_ffn_matmuls(cfg, n_dec)
+                             + _head_matmuls(cfg))
     forward += 2 * memory * n_dec * attn["k_v"]
     forward += 4 * d_attn * (
         n_enc * source * _keys_per_query(cfg, source, causal=False)

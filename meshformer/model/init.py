@@ -7,7 +7,7 @@ this rank keeps its shard (`distribute_tensor` without communication), so at mos
 flight and nothing loops over elements on the host.
 
 The rules: norm weights 1, every bias 0; other weights Xavier-uniform (`init="xavier"`, the original paper)
-or normal(init_std), with residual outputs (o_proj, down_proj) scaled by 1/sqrt(2 * layers).
+or normal(init_std), with residual outputs (o_proj, down_proj, the experts' down_proj) scaled by 1/sqrt(2 * layers).
 """
 
 from __future__ import annotations
@@ -43,11 +43,18 @@ def init_rule(name: str, cfg: ModelConfig) -> InitFn:
     if module.endswith("norm"):
         return lambda t, g: t.fill_(1.0)
     if cfg.init == "xavier":
-        return lambda t, g: nn.init.xavier_uniform_(t, generator=g)
+        return _xavier
     std = cfg.init_std
-    if module.endswith(("o_proj", "down_proj")):
+    if name.removesuffix(".weight").endswith(("o_proj", "down_proj")):  # experts' stacked down_proj too
         std = cfg.init_std / math.sqrt(2 * get_family_spec(cfg.family).total_layers(cfg))
     return lambda t, g: nn.init.normal_(t, std=std, generator=g)
+
+
+def _xavier(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """Xavier-uniform; stacked experts (E, in, out) each over their own fans."""
+    for matrix in t if t.dim() == 3 else (t,):
+        nn.init.xavier_uniform_(matrix, generator=g)
+    return t
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ from torch import nn
 from meshformer.model.attention import Attention, KVCache, SequenceChunk
 from meshformer.model.config import ModelConfig
 from meshformer.model.masks import AttentionMask
+from meshformer.model.moe import MoEFeedForward
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -58,12 +59,14 @@ class BlockCache:
 
 
 class TransformerBlock(nn.Module):
-    """Self-attention, optional cross-attention, feed-forward; each a residual branch with dropout.
+    """Self-attention, optional cross-attention, feed-forward (dense or mixture-of-experts); each a residual
+    branch with dropout.
 
     Pre-norm: x + drop(f(norm(x))).  Post-norm (the original paper): norm(x + drop(f(x))).
     """
 
-    def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False, moe: bool = False) -> None:
+        """moe: a mixture-of-experts feed-forward (model/moe.py) instead of the dense one."""
         super().__init__()
         self.pre_norm = cfg.norm_position == "pre"
         self.attn_norm = make_norm(cfg)
@@ -71,7 +74,7 @@ class TransformerBlock(nn.Module):
         self.cross_norm = make_norm(cfg) if cross else None
         self.cross_attn = Attention(cfg, causal=False, cross=True) if cross else None
         self.ffn_norm = make_norm(cfg)
-        self.ffn = FeedForward(cfg)
+        self.ffn = MoEFeedForward(cfg) if moe else FeedForward(cfg)
         self.dropout = cfg.dropout
 
     def _branch(self, x: torch.Tensor, norm: nn.Module, fn, *args, **kwargs) -> torch.Tensor:

@@ -23,6 +23,7 @@ from meshformer.model.families import FamilySpec, get_family_spec
 from meshformer.model.init import init_weights, new_seed
 from meshformer.model.layers import BlockCache, TransformerBlock, activation_fn, make_norm
 from meshformer.model.masks import AttentionMask, build_mask, masked_avg_pool, pool_padding_mask
+from meshformer.model.moe import is_moe_block
 from meshformer.model.parallel_context import ParallelContext, StageSpan
 from meshformer.model.positions import (
     LearnedPositions,
@@ -137,7 +138,8 @@ class Transformer(nn.Module):
             if stack.layers in held:
                 keys = blocks[stack.layers]
                 setattr(self, stack.layers, nn.ModuleDict(
-                    {key: TransformerBlock(cfg, causal=stack.causal, cross=stack.cross) for key in keys}))
+                    {key: TransformerBlock(cfg, causal=stack.causal, cross=stack.cross, moe=is_moe_block(cfg, int(key)))
+                     for key in keys}))
             setattr(self, stack.norm, make_norm(cfg) if cfg.use_final_norm and stack.norm in held else None)
         self.head_dense: nn.Module | None = None
         self.head_act: nn.Module | None = None

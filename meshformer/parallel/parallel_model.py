@@ -14,6 +14,7 @@ from torch import nn
 from meshformer.batch import Batch, model_inputs
 from meshformer.loss.cross_entropy import LossFn, count_tokens
 from meshformer.loss.fused import HeadLoss
+from meshformer.model.moe import balance_loss
 from meshformer.parallel.grad_norm import scale_grads_
 
 
@@ -60,7 +61,11 @@ class ParallelModel:
 
         `last_micro_batch`: whether the step's gradients are complete after this one (gradient accumulation)."""
         loss_sum = self._loss_sum(batch)
-        (loss_sum / global_tokens).backward()
+        objective = loss_sum
+        # MoE balance terms are per-micro-batch means: weighted by this micro-batch's share of the step's tokens
+        if (balance := balance_loss(self.model_parts)) is not None:
+            objective = objective + balance * count_tokens(batch["labels"]).to(balance)
+        (objective / global_tokens).backward()
         return loss_sum.detach()
 
     @torch.no_grad()

@@ -1,0 +1,329 @@
+"""The mixture-of-experts feed-forward (model/moe.py): routing against hand-computed examples, every compute path
+equal, capacity dropping, shared experts, balance quantities against their formulas, bias balancing, counts and
+FLOPs, and a tiny MoE decoder that trains."""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshformer.config import ConfigError, config_from_dict, load_config
+from meshformer.loss.cross_entropy import plain_loss_fn
+from meshformer.model import Transformer
+from meshformer.model.config import ModelConfig
+from meshformer.model.flops import count_params, flops_per_token
+from meshformer.model.init import init_buffers, init_weights
+from meshformer.model.layers import FeedForward
+from meshformer.model.moe import (
+    BACKENDS,
+    MoEFeedForward,
+    balance_aux_loss,
+    balance_loss,
+    expert_loads,
+    grouped_mm_runs,
+    is_moe_block,
+    moe_layers,
+    route,
+    update_expert_bias,
+)
+from meshformer.model.parallel_context import StageSpan
+from meshformer.parallel.parallel_model import ParallelModel
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SMALL = ModelConfig(vocab_size=101, d_model=32, n_heads=4, n_layers=3, d_ff=48, max_seq_len=16, n_experts=4,
+                    experts_per_token=2, moe_d_ff=24, activation="swiglu")
+
+
+def layer(cfg: ModelConfig, seed: int = 0) -> MoEFeedForward:
+    moe = MoEFeedForward(cfg)
+    init_weights(moe.named_parameters(), cfg, seed)
+    return moe
+
+
+def log_probs(*p: float) -> torch.Tensor:
+    return torch.tensor([p]).log()
+
+
+# ------------------------------------------------------------------------------------------------------ routing
+
+
+def test_softmax_top_k_with_and_without_renormalisation():
+    logits = log_probs(0.1, 0.2, 0.3, 0.4)  # softmax gives these back
+    plain = route(logits, 2, renormalize=False)
+    assert plain.experts.tolist() == [[3, 2]]
+    torch.testing.assert_close(plain.weights, torch.tensor([[0.4, 0.3]]))
+    torch.testing.assert_close(route(logits, 2).weights, torch.tensor([[0.4 / 0.7, 0.3 / 0.7]]))
+
+
+def test_sigmoid_scores_pick_and_weight():
+    logits = torch.tensor([[0.0, 1.0, -1.0, 2.0]])
+    r = route(logits, 2, score="sigmoid", renormalize=False)
+    assert r.experts.tolist() == [[3, 1]]
+    s = torch.sigmoid(torch.tensor([2.0, 1.0]))
+    torch.testing.assert_close(r.weights, s.unsqueeze(0))
+    torch.testing.assert_close(route(logits, 2, score="sigmoid").weights, (s / s.sum()).unsqueeze(0))
+
+
+def test_group_limited_routing_picks_the_best_group_first():
+    # groups {0, 1} and {2, 3}: expert 0 is the best single expert, but group {2, 3} has the larger top-2 sum
+    logits = log_probs(0.35, 0.0001, 0.33, 0.3199)
+    assert route(logits, 2).experts.tolist() == [[0, 2]]
+    assert route(logits, 2, groups=2, groups_per_token=1).experts.tolist() == [[2, 3]]
+    assert sorted(route(logits, 2, groups=2, groups_per_token=2).experts.tolist()[0]) == [0, 2]
+
+
+def test_expert_bias_changes_selection_but_not_weighting():
+    logits = log_probs(0.4, 0.3, 0.2, 0.1)
+    r = route(logits, 2, renormalize=False, bias=torch.tensor([0.0, 0.0, 0.5, 0.0]))
+    assert r.experts.tolist() == [[2, 0]]
+    torch.testing.assert_close(r.weights, torch.tensor([[0.2, 0.4]]))  # the unbiased scores
+
+
+# ------------------------------------------------------------------------------------------------------ compute
+
+
+def backends() -> list[str]:
+    return [b for b in BACKENDS if b != "grouped_mm" or grouped_mm_runs("cpu")]
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(activation="gelu"), dict(capacity_factor=1.0),
+                                   dict(n_shared_experts=1, router_score="sigmoid", n_experts=8,
+                                        experts_per_token=3, router_groups=4, router_groups_per_token=2)],
+                         ids=["swiglu", "gelu", "capacity", "shared-sigmoid-groups"])
+def test_every_compute_path_gives_the_same_output_and_gradients(extra):
+    cfg = replace(SMALL, **extra)
+    x = torch.randn(3, 7, cfg.d_model, generator=torch.Generator().manual_seed(1))
+    results = {}
+    for backend in backends():
+        moe = layer(replace(cfg, moe_backend=backend))
+        xb = x.clone().requires_grad_()
+        out = moe(xb)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results[backend] = (out, xb.grad, {n: p.grad for n, p in moe.named_parameters()})
+    ref_out, ref_dx, ref_grads = results["loop"]
+    for out, dx, grads in results.values():
+        torch.testing.assert_close(out, ref_out)
+        torch.testing.assert_close(dx, ref_dx)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ref_grads[name], msg=name)
+
+
+def test_capacity_drops_tokens_beyond_it_and_counts_them():
+    cfg = replace(SMALL, experts_per_token=1, capacity_factor=1.0, activation="gelu")
+    moe = layer(cfg)
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.expert_bias.copy_(torch.tensor([1.0, 0.0, 0.0, 0.0]))  # every token chooses expert 0
+    x = torch.randn(1, 8, cfg.d_model)
+    out = moe(x)  # capacity = ceil(1.0 * 8 tokens * 1 / 4 experts) = 2: tokens 0 and 1 kept
+    stats = moe.last_stats
+    assert stats is not None
+    assert stats.tokens_per_expert.tolist() == [8.0, 0.0, 0.0, 0.0]
+    assert stats.dropped_fraction.item() == pytest.approx(6 / 8)
+    assert out[0, 2:].abs().max() == 0
+    e = moe.experts
+    expected = F.gelu(x[0, :2] @ e.up_proj[0]) @ e.down_proj[0]  # weight 1: one expert, renormalised
+    torch.testing.assert_close(out[0, :2], expected)
+
+
+def test_shared_experts_add_a_dense_ffn_of_their_total_width():
+    cfg = replace(SMALL, n_shared_experts=2)
+    moe = layer(cfg)
+    assert moe.shared_experts is not None and moe.shared_experts.up_proj.out_features == 2 * cfg.expert_d_ff
+    x = torch.randn(2, 5, cfg.d_model)
+    routed_only = copy.deepcopy(moe)
+    routed_only.shared_experts = None
+    torch.testing.assert_close(moe(x), routed_only(x) + moe.shared_experts(x))
+    # one FFN of width 2f is the sum of two experts of width f (its halves)
+    f, ffn = cfg.expert_d_ff, moe.shared_experts
+    halves = []
+    for part in (slice(0, f), slice(f, 2 * f)):
+        half = FeedForward(replace(cfg, d_ff=f))
+        with torch.no_grad():
+            for name in ("gate_proj", "up_proj"):
+                getattr(half, name).weight.copy_(getattr(ffn, name).weight[part])
+                getattr(half, name).bias.copy_(getattr(ffn, name).bias[part])
+            half.down_proj.weight.copy_(ffn.down_proj.weight[:, part])
+            half.down_proj.bias.copy_(ffn.down_proj.bias / 2)
+        halves.append(half(x))
+    torch.testing.assert_close(ffn(x), halves[0] + halves[1])
+
+
+# ------------------------------------------------------------------------------------------------------ balance
+
+
+def direct_aux(scores: torch.Tensor, experts: torch.Tensor) -> float:
+    n, e = scores.shape
+    k = experts.shape[1]
+    total = 0.0
+    for i in range(e):
+        fraction = (experts == i).sum().item() / (n * k)
+        mean_score = sum(scores[t, i].item() / scores[t].sum().item() for t in range(n)) / n
+        total += fraction * mean_score
+    return e * total
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_aux_and_z_losses_follow_their_formulas(score):
+    cfg = replace(SMALL, router_score=score, moe_aux_per_sequence=False)
+    moe = layer(cfg)
+    x = torch.randn(2, 6, cfg.d_model)
+    moe(x)
+    stats = moe.last_stats
+    assert stats is not None
+    logits = x.reshape(-1, cfg.d_model) @ moe.router.weight.T
+    r = route(logits, cfg.experts_per_token, score=score)
+    assert stats.aux_loss.item() == pytest.approx(direct_aux(r.scores, r.experts), rel=1e-5)
+    z = sum(torch.logsumexp(row, 0).item() ** 2 for row in logits) / logits.shape[0]
+    assert stats.z_loss.item() == pytest.approx(z, rel=1e-5)
+    # per sequence: the formula on each sequence's tokens, averaged
+    per_sequence = [direct_aux(r.scores[i * 6:(i + 1) * 6], r.experts[i * 6:(i + 1) * 6]) for i in range(2)]
+    assert balance_aux_loss(r.scores, r.experts, sequences=2).item() == pytest.approx(sum(per_sequence) / 2,
+                                                                                       rel=1e-5)
+    per_seq_layer = layer(replace(cfg, moe_aux_per_sequence=True))
+    per_seq_layer(x)
+    assert per_seq_layer.last_stats is not None
+    assert per_seq_layer.last_stats.aux_loss.item() == pytest.approx(sum(per_sequence) / 2, rel=1e-5)
+
+
+def test_balance_loss_weights_each_layers_terms_and_reaches_the_router():
+    cfg = replace(SMALL, moe_aux_loss=0.01, router_z_loss=0.001)
+    model = Transformer(cfg, init_seed=3)
+    model(torch.randint(0, cfg.vocab_size, (2, 8)))
+    layers = [moe for _, moe in moe_layers(model)]
+    assert len(layers) == cfg.n_layers
+    expected = sum(0.01 * m.last_stats.aux_loss + 0.001 * m.last_stats.z_loss for m in layers if m.last_stats)
+    total = balance_loss([model])
+    assert total is not None
+    torch.testing.assert_close(total, expected)
+    total.backward()
+    assert all(m.router.weight.grad is not None and m.router.weight.grad.abs().sum() > 0 for m in layers)
+    assert balance_loss([Transformer(replace(cfg, moe_aux_loss=0, router_z_loss=0), init_seed=3)]) is None
+
+
+def test_bias_update_follows_the_sign_of_the_load_gap():
+    cfg = replace(SMALL, router_bias_update_rate=0.1)
+    model = Transformer(cfg, init_seed=3)
+    model(torch.randint(0, cfg.vocab_size, (2, 8)))
+    loads = expert_loads(model)
+    assert set(loads) == {name for name, _ in moe_layers(model)}
+    name = next(iter(loads))
+    update_expert_bias(model, {name: torch.tensor([3.0, 1.0, 0.0, 4.0])})  # mean 2
+    bias = dict(model.named_buffers())[f"{name}.router.expert_bias"]
+    torch.testing.assert_close(bias, torch.tensor([-0.1, 0.1, 0.1, -0.1]))
+
+
+# ------------------------------------------------------------------------------------------------------ model
+
+
+def test_which_blocks_are_moe():
+    cfg = replace(SMALL, n_layers=6, moe_every=2, moe_first_dense=2)
+    assert [is_moe_block(cfg, i) for i in range(6)] == [False, False, False, True, False, True]
+    assert not any(is_moe_block(replace(cfg, n_experts=0), i) for i in range(6))
+    model = Transformer(cfg, init_seed=0)
+    assert model.decoder_layers is not None
+    assert [isinstance(b.ffn, MoEFeedForward) for b in model.decoder_layers.values()] == [is_moe_block(cfg, i)
+                                                                                         for i in range(6)]
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(n_shared_experts=2, moe_first_dense=1, bias=False),
+                                   dict(family="encoder_decoder", activation="gelu", moe_every=2)])
+def test_total_and_active_params_and_flops(extra):
+    cfg = replace(SMALL, **extra)
+    counts = count_params(cfg)
+    with torch.device("meta"):
+        built = Transformer(cfg)
+    assert counts["total"] == sum(p.numel() for p in built.parameters())
+    moe_blocks = [m for _, m in moe_layers(built)]
+    per_expert = sum(p[0].numel() for p in built.parameters() if p.dim() == 3) // len(moe_blocks)
+    unused = cfg.n_experts - cfg.experts_per_token
+    assert counts["active"] == counts["total"] - len(moe_blocks) * unused * per_expert
+    # FLOPs: a dense model whose FFN is the active one, plus the router, where each MoE block's FFN is
+    width = cfg.experts_per_token * cfg.expert_d_ff
+    if cfg.n_shared_experts == 0 and cfg.moe_first_dense == 0 and cfg.moe_every == 1 and width == cfg.d_ff:
+        dense = replace(cfg, n_experts=0)
+        routers = 6 * len(moe_blocks) * cfg.n_experts * cfg.d_model
+        assert flops_per_token(cfg, 16) == flops_per_token(dense, 16) + routers
+
+
+def test_dense_config_counts_are_unchanged():
+    cfg = replace(SMALL, n_experts=0)
+    assert count_params(cfg)["active"] == count_params(cfg)["total"]
+
+
+@pytest.mark.parametrize("family", ["decoder", "encoder", "encoder_decoder"])
+def test_every_family_builds_and_trains_with_moe_blocks(family):
+    cfg = replace(SMALL, family=family, n_shared_experts=1, moe_aux_loss=0.01)
+    model = Transformer(cfg, init_seed=1)
+    ids = torch.randint(0, cfg.vocab_size, (2, 8))
+    extra = {"decoder_input_ids": ids} if family == "encoder_decoder" else {}
+    logits = model(ids, **extra)
+    assert isinstance(logits, torch.Tensor)
+    loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten()) + balance_loss([model])
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_initial_weights_do_not_depend_on_how_the_model_is_built():
+    cfg = replace(SMALL, n_shared_experts=1, init="xavier")
+    eager = Transformer(cfg, init_seed=7)
+    with torch.device("meta"):
+        meta = Transformer(cfg, init_seed=7)
+    meta.to_empty(device="cpu")
+    meta.init_weights()
+    init_buffers(meta)
+    stage = Transformer(cfg, init_seed=7, span=StageSpan(index=1, n_stages=2, start=2, stop=3))
+    whole = eager.state_dict()
+    for name, value in meta.state_dict().items():
+        assert torch.equal(value, whole[name]), name
+    for name, value in stage.state_dict().items():
+        assert torch.equal(value, whole[name]), name
+    experts = eager.decoder_layers["0"].ffn.experts  # type: ignore[index]
+    assert not torch.equal(experts.up_proj[0], experts.up_proj[1])  # each expert its own draw
+    normal = Transformer(replace(cfg, init="normal", d_model=64, moe_d_ff=64), init_seed=7).decoder_layers
+    experts = normal["0"].ffn.experts  # type: ignore[index]
+    assert experts.up_proj.std().item() == pytest.approx(cfg.init_std, rel=0.05)
+    residual = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # scaled down as a residual output
+    assert experts.down_proj.std().item() == pytest.approx(residual, rel=0.05)
+
+
+def test_bad_moe_configs_fail_with_one_line():
+    cases = [
+        (dict(n_experts=4, experts_per_token=5), "experts_per_token=5"),
+        (dict(n_experts=6, router_groups=4), "router_groups=4 does not divide"),
+        (dict(n_experts=8, router_groups=4, router_groups_per_token=5), "router_groups_per_token=5"),
+        (dict(n_experts=8, experts_per_token=4, router_groups=4, router_groups_per_token=1), "fewer than"),
+        (dict(n_experts=4, capacity_factor=-1.0), "capacity_factor"),
+        (dict(n_experts=4, moe_every=0), "moe_every"),
+    ]
+    for model, message in cases:
+        with pytest.raises(ConfigError, match=message) as err:
+            config_from_dict({"model": model})
+        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="data parallel and FSDP only"):
+        config_from_dict({"model": {"n_experts": 4}, "parallel": {"tp": 2}})
+
+
+def test_tiny_moe_trains_with_falling_loss():
+    cfg = load_config("tiny-moe").model
+    cfg = replace(cfg, d_model=64, n_layers=2, max_seq_len=32)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    trainer = ParallelModel(model, plain_loss_fn(), torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.randint(0, cfg.vocab_size, (4, 33))
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+    tokens = torch.tensor(float(batch["labels"].numel()))
+    losses = []
+    for _ in range(8):
+        losses.append(float(trainer.forward_backward(batch, tokens)) / tokens.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    assert losses[-1] < losses[0] - 0.5
+    assert math.isfinite(losses[-1])
