@@ -8,13 +8,15 @@ PP) is hidden behind this object.
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 from torch import nn
 
 from meshformer.batch import Batch, model_inputs
 from meshformer.loss.cross_entropy import LossFn, count_tokens
 from meshformer.loss.fused import HeadLoss
-from meshformer.model.moe import balance_loss
+from meshformer.model.moe import balance_loss, moe_layers
 from meshformer.parallel.grad_norm import scale_grads_
 
 
@@ -63,10 +65,15 @@ class ParallelModel:
         loss_sum = self._loss_sum(batch)
         objective = loss_sum
         # MoE balance terms are per-micro-batch means: weighted by this micro-batch's share of the step's tokens
-        if (balance := balance_loss(self.model_parts)) is not None:
+        if self._moe_layers and (balance := balance_loss(self._moe_layers)) is not None:
             objective = objective + balance * count_tokens(batch["labels"]).to(balance)
         (objective / global_tokens).backward()
         return loss_sum.detach()
+
+    @cached_property
+    def _moe_layers(self) -> list[nn.Module]:
+        """This rank's MoE layers, found once: no walk over every module per micro-batch (none for a dense model)."""
+        return [layer for part in self.model_parts for _, layer in moe_layers(part)]
 
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
