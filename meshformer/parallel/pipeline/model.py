@@ -163,6 +163,10 @@ class PipelineParallelModel(MultiRankParallelModel):
 
     # ------------------------------------------------------------------ contract
 
+    @property
+    def forwards_per_micro_batch(self) -> int:
+        return self.n_microbatches
+
     def forward_backward(self, batch: Batch, global_tokens: torch.Tensor, last_micro_batch: bool = True
                          ) -> torch.Tensor:
         self._all_reduce_replicas_after(last_micro_batch)
