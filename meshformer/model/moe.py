@@ -208,10 +208,13 @@ class Experts(nn.Module):
 
     def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         gate, up, down = _local(self.gate_proj), _local(self.up_proj), _local(self.down_proj)
-        assert up is not None and down is not None
         dtype = xs.dtype  # under autocast the routed rows are cast once; the weights follow them
-        return COMPUTE[resolve_backend(self.backend, xs)](
-            xs, counts.tolist(), None if gate is None else gate.to(dtype), up.to(dtype), down.to(dtype), self.act)
+        gate, up, down = (None if w is None else w.to(dtype) for w in (gate, up, down))
+        out = COMPUTE[resolve_backend(self.backend, xs)](xs, counts.tolist(), gate, up, down, self.act)
+        if xs.shape[0] == 0:  # no rows here (expert parallel): keep rows and weights in the graph, so the backward
+            # runs the same exchanges and gradient reductions (of zeros) as on every other rank
+            out = out + (xs.sum() + sum(w.sum() for w in (gate, up, down) if w is not None)) * 0
+        return out
 
 
 class _WithBalanceLoss(torch.autograd.Function):

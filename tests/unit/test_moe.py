@@ -329,8 +329,19 @@ def test_bad_moe_configs_fail_with_one_line():
         with pytest.raises(ConfigError, match=message) as err:
             config_from_dict({"model": model})
         assert "\n" not in str(err.value)
-    with pytest.raises(ConfigError, match="data parallel and FSDP only"):
-        config_from_dict({"model": {"n_experts": 4}, "parallel": {"tp": 2}})
+    from meshformer.parallel_dims import validate_parallel
+
+    layouts = [({"tp": 2}, 2, "set parallel.ep to a multiple of tp"),
+               ({"ep": 3}, 4, "parallel.ep=3 does not divide model.n_experts=4"),
+               ({"ep": 2, "cp": 4}, 4, r"choose ep in \[4\]"),
+               ({"ep": 4}, 2, r"choose ep in \[1, 2\]")]
+    for parallel, world, message in layouts:
+        cfg = config_from_dict({"model": {"n_experts": 4}, "parallel": parallel, "data": {"seq_len": 16}})
+        with pytest.raises(ConfigError, match=message) as err:
+            validate_parallel(cfg, world, "cpu")
+        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="the model has none"):
+        validate_parallel(config_from_dict({"parallel": {"ep": 2}}), 2, "cpu")
 
 
 def test_tiny_moe_trains_with_falling_loss():
