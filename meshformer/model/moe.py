@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import cache
 from typing import Protocol
@@ -254,6 +255,7 @@ class MoEFeedForward(nn.Module):
         self.token_group: TokenGroup | None = None  # set by Transformer.set_parallel_context; None: one process
         self.balance_weight = 1.0
         self.last_stats: MoEStats | None = None  # the latest forward's
+        self.counts_load = True  # off for forwards that are not training (a pipeline's shape inference)
         # Token-slots per expert over the training forwards since the last reset (every rank of the token group):
         # the load that auxiliary-loss-free balancing reads after each optimizer step.
         self.register_buffer("tokens_this_step", torch.zeros(cfg.n_experts), persistent=False)
@@ -319,7 +321,7 @@ class MoEFeedForward(nn.Module):
             aux_value = n_experts * (fraction * prob_sum).sum() / tokens
         self.last_stats = MoEStats(tokens_per_expert=counts, aux_loss=aux_value, z_loss=lse_sq_sum / tokens,
                                    dropped_fraction=1 - kept_total / (tokens * k))
-        if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        if self.counts_load and self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             self.tokens_this_step += counts  # not again when activation recomputation reruns this in backward
         if cfg.moe_aux_loss == 0 and cfg.router_z_loss == 0:
             return None
@@ -352,6 +354,19 @@ def moe_layers(model: nn.Module) -> Iterator[tuple[str, MoEFeedForward]]:
     for name, module in model.named_modules():
         if isinstance(module, MoEFeedForward):
             yield name, module
+
+
+@contextmanager
+def loads_not_counted(layers: Iterable[MoEFeedForward]) -> Iterator[None]:
+    """Forwards inside this block add nothing to the layers' step loads."""
+    layers = list(layers)
+    for layer in layers:
+        layer.counts_load = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.counts_load = True
 
 
 def set_balance_weight(layers: Iterable[MoEFeedForward], weight: float) -> None:

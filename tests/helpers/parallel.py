@@ -495,6 +495,8 @@ def run_scenario(name: str) -> dict[str, Any]:
     report["checked"] = len(checked)
     report["kernels"] = plan.report
     report["float8_gathers"] = float8_gathers
+    if family in SELECTION_BIAS:  # the step loads (global: summed over every rank) of this rank's first MoE layer
+        report["expert_loads"] = plan.moe_layers[0].tokens_this_step.tolist()
     report |= counts
     return report
 
