@@ -170,8 +170,8 @@ class Router(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model))
-        # Not in state_dict yet: checkpoints hold parameters only; saving the bias comes with the training hook
-        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts), persistent=False)
+        # Part of the model's state (checkpoints, final weights): trained by bias balancing, it changes the function
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
