@@ -84,9 +84,31 @@ class ParallelModel:
         update_expert_bias(self.moe_layers)
 
     @cached_property
+    def named_moe_layers(self) -> list[tuple[str, MoEFeedForward]]:
+        """This rank's MoE layers by their name in the whole model, found once: no walk over every module per step
+        (none for a dense model)."""
+        return [item for part in self.model_parts for item in moe_layers(part)]
+
+    @cached_property
     def moe_layers(self) -> list[MoEFeedForward]:
-        """This rank's MoE layers, found once: no walk over every module per step (none for a dense model)."""
-        return [layer for part in self.model_parts for _, layer in moe_layers(part)]
+        return [layer for _, layer in self.named_moe_layers]
+
+    def moe_scalars(self) -> dict[str, float]:
+        """Per MoE layer, of its latest training forward over the whole micro-batch: the busiest expert's load over
+        the mean load (1 = perfectly balanced), the fraction of token-slots dropped for capacity, the aux and z
+        balance losses (unweighted)."""
+        out: dict[str, float] = {}
+        for name, layer in self.named_moe_layers:
+            stats = layer.last_stats
+            if stats is None:
+                continue
+            load = stats.tokens_per_expert
+            prefix = f"moe/{name.removesuffix('.ffn')}"
+            out[f"{prefix}/load_max_over_mean"] = float(load.max() / load.mean().clamp(min=1e-9))
+            out[f"{prefix}/dropped_fraction"] = float(stats.dropped_fraction)
+            out[f"{prefix}/aux_loss"] = float(stats.aux_loss)
+            out[f"{prefix}/z_loss"] = float(stats.z_loss)
+        return out
 
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -495,6 +495,8 @@ def run_scenario(name: str) -> dict[str, Any]:
     report["checked"] = len(checked)
     report["kernels"] = plan.report
     report["float8_gathers"] = float8_gathers
+    if cfg.model.n_experts:  # what the run log shows of the MoE layers: every layer, whichever stage holds it
+        report["moe_scalars"] = sorted(plan.moe_scalars())
     if family in SELECTION_BIAS:  # the step loads (global: summed over every rank) of this rank's first MoE layer
         report["expert_loads"] = plan.moe_layers[0].tokens_this_step.tolist()
     report |= counts

@@ -178,6 +178,12 @@ def test_fsdp_float8_weight_scales_come_from_one_all_reduce_after_each_step(worl
     assert counts[0] > 0 and counts[1] == 0, counts
 
 
+@pytest.mark.parametrize("name", ["moe/pp", "moe/tp-ep"])
+def test_every_moe_layer_reaches_the_run_log(world2, name):
+    layers = {key.split("/")[1] for key in world2[name]["moe_scalars"]}
+    assert layers == {"decoder_layers.1", "decoder_layers.2", "decoder_layers.3"}  # block 0 is dense
+
+
 def test_layout_report_names_the_kernels(world2):
     kernels = world2["decoder/pp-sched=zbv"]["kernels"]
     assert kernels["layout"].startswith("pp=2")
