@@ -173,8 +173,10 @@ def parallelize_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes:
     report["fp8"] = fp8_report(cfg.train.fp8, fp8, dims.fsdp_enabled, dims.tp_enabled)
     if expert_layers:
         report["experts"] = (f"{expert_layers} MoE layers, experts split over ep={dims.ep} ranks (all-to-all "
-                             f"dispatch), FSDP over the {dims.dp_replicate * dims.dp_shard_mod_ep} data-parallel "
-                             f"ranks left")
+                             "dispatch)")
+        if dims.fsdp_enabled:
+            report["experts"] += (f", then by {'HSDP' if dims.hsdp else 'FSDP'} over the "
+                                  f"{dims.dp_replicate * dims.dp_shard_mod_ep} data-parallel ranks ep leaves")
     if context_layers:
         report["context"] = (f"{dims.cp} ranks, each holding 2 of {2 * dims.cp} pieces of every sequence; "
                              f"{context_layers} layers all-gather keys/values")

@@ -80,6 +80,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "moe_bias": dict(family="decoder", n_layers=2, norm="rmsnorm", activation="swiglu", position="rope", bias=False,
                      n_experts=8, experts_per_token=2, moe_d_ff=16, router_score="sigmoid", router_groups=4,
                      router_groups_per_token=2, router_bias_update_rate=0.05),
+    # the original Transformer with MoE feed-forwards in both stacks (cross-attention over the encoder's output)
+    "moe_encdec": dict(family="encoder_decoder", n_encoder_layers=2, n_decoder_layers=2, position="sinusoidal",
+                       activation="relu", n_experts=4, experts_per_token=2, moe_d_ff=24, moe_aux_loss=0.01),
     # every token chooses experts 0 and 1 (a fixed selection bias): under ep=2 rank 1's experts receive nothing
     "moe_skew": dict(family="decoder", n_layers=2, norm="rmsnorm", activation="swiglu", position="rope", bias=False,
                      n_experts=4, experts_per_token=2, moe_d_ff=24, moe_aux_loss=0.01),

@@ -68,7 +68,8 @@ WORLD8 = ["decoder/pp-fsdp-tp", "encdec/pp-fsdp-tp-sched=interleaved_1f1b-spr=2"
 # (ep spans the tensor-parallel ranks), CP and every pipeline schedule; a rank whose experts receive no token
 # (moe_skew); per-sequence balance loss; the bias balancing after each step with its global loads (moe_bias)
 MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "moe_skew/fsdp-ep", "moe_seq/fsdp-ep",
-              "moe_bias/fsdp-ep", "moe_bias/tp-ep", "moe/fsdp-ep-recompute=full", "moe/tp-ep-recompute=selective"]
+              "moe_bias/fsdp-ep", "moe_bias/tp-ep", "moe/fsdp-ep-recompute=full", "moe/tp-ep-recompute=selective",
+              "moe_encdec/fsdp-ep", "moe_encdec/tp-ep", "moe_encdec/pp"]  # MoE in both stacks
 MOE_WORLD4 = ["moe/fsdp=4-ep", "moe/fsdp=4-ep=4", "moe/hsdp-ep", "moe/tp-fsdp-ep", "moe/tp-fsdp-ep=4",
               "moe/cp-fsdp-ep=4", "moe/pp-tp-ep", "moe/pp-fsdp-ep", "moe/pp-fsdp-ep-sched=gpipe",
               "moe/pp-fsdp-ep-sched=zbv", "moe/pp-fsdp-ep-sched=interleaved_1f1b-spr=2",
