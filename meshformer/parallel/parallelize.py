@@ -1,7 +1,8 @@
 """`parallelize`: the one call the trainer makes to get a `ParallelModel` for this process's world.
 
-Order of application on each model part (as in torchtitan): context parallel -> float8 linears -> tensor
-parallel -> activation recomputation -> torch.compile (per block or whole model) -> FSDP. Pipeline splitting
+Order of application on each model part (as in torchtitan): context parallel -> expert parallel -> float8 linears
+-> tensor parallel -> activation recomputation -> torch.compile (per block or whole model) -> FSDP (the experts'
+units first). Pipeline splitting
 comes first, so every stage goes through the same steps.
 """
 
@@ -147,7 +148,8 @@ def compile_mode(cfg: Config, dims: ParallelDims) -> str:
 
 def parallelize_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes: Meshes | None,
                  device: torch.device) -> dict[str, str]:
-    """CP -> FP8 -> TP -> recompute -> compile -> FSDP on one model part (the whole model or one pipeline stage)."""
+    """CP -> EP -> FP8 -> TP -> recompute -> compile -> FSDP on one model part (the whole model or one pipeline
+    stage)."""
     apex_norms = 0
     context_layers = apply_context_parallel(part, meshes.cp) if meshes is not None and dims.cp_enabled else 0
     moe = meshes is not None and has_moe(part)
