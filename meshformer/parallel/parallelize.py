@@ -2,8 +2,7 @@
 
 Order of application on each model part (as in torchtitan): context parallel -> expert parallel -> float8 linears
 -> tensor parallel -> activation recomputation -> torch.compile (per block or whole model) -> FSDP (the experts'
-units first). Pipeline splitting
-comes first, so every stage goes through the same steps.
+units first). Pipeline splitting comes first, so every stage goes through the same steps.
 """
 
 from __future__ import annotations
