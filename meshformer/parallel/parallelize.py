@@ -151,11 +151,12 @@ def parallelize_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes:
     stage)."""
     apex_norms = 0
     context_layers = apply_context_parallel(part, meshes.cp) if meshes is not None and dims.cp_enabled else 0
-    moe = meshes is not None and has_moe(part)
-    if moe:  # MoE balance statistics cover the micro-batch: every rank of the stage holding other tokens of it
+    expert_layers = 0
+    if meshes is not None and has_moe(part):
+        # MoE balance statistics cover the micro-batch: every rank of the stage holding other tokens of it
         part.set_parallel_context(replace(part.parallel_context,
                                           token_group=MeshTokenGroup(meshes.moe_tokens, meshes.sequence)))
-    expert_layers = apply_expert_parallel(part, meshes.ep) if moe and dims.ep_enabled else 0
+        expert_layers = apply_expert_parallel(part, meshes.ep) if dims.ep_enabled else 0
     keep = end_blocks(cfg.model) if cfg.train.fp8_keep_ends else frozenset()
     fp8 = apply_float8(part, cfg.train.fp8, fsdp_gather=float8_weight_gather(cfg, dims), emulate=device.type != "cuda",
                        keep=keep) if cfg.train.fp8 != "off" else 0
