@@ -176,7 +176,7 @@ def parallelize_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes:
     if expert_layers:
         report["experts"] = (f"{expert_layers} MoE layers, experts split over ep={dims.ep} ranks (all-to-all "
                              "dispatch)")
-        if dims.fsdp_enabled:
+        if dims.fsdp_enabled and dims.dp_replicate * dims.dp_shard_mod_ep > 1:
             report["experts"] += (f", then by {'HSDP' if dims.hsdp else 'FSDP'} over the "
                                   f"{dims.dp_replicate * dims.dp_shard_mod_ep} data-parallel ranks ep leaves")
     if context_layers:
