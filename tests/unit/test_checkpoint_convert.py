@@ -1,4 +1,5 @@
-"""Conversions: sharded checkpoint <-> safetensors, Hugging Face import/export (GPT-2, BERT, Llama, T5)."""
+"""Conversions: sharded checkpoint <-> safetensors, Hugging Face import/export (GPT-2, BERT, Llama, T5, Mixtral,
+Qwen3-MoE)."""
 
 from __future__ import annotations
 
@@ -109,6 +110,16 @@ def _hf_model(arch: str):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False))
+    elif arch == "mixtral":  # a window shorter than the 12-token test sequences
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+            sliding_window=6))
+    elif arch == "qwen3_moe":
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+            mlp_only_layers=[0], max_position_embeddings=32))
     else:
         model = transformers.T5ForConditionalGeneration(transformers.T5Config(
             vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
@@ -117,7 +128,7 @@ def _hf_model(arch: str):
     return model.eval()
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "t5"])
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "t5", "mixtral", "qwen3_moe"])
 def test_hugging_face_import_export(arch, tmp_path):
     original = tmp_path / "hf"
     _hf_model(arch).save_pretrained(str(original))
@@ -128,7 +139,8 @@ def test_hugging_face_import_export(arch, tmp_path):
                    load_file(str(original / "model.safetensors")))
     # the exported folder loads in transformers and computes our logits
     cls = {"gpt2": transformers.GPT2LMHeadModel, "bert": transformers.BertForMaskedLM,
-           "llama": transformers.LlamaForCausalLM, "t5": transformers.T5ForConditionalGeneration}[arch]
+           "llama": transformers.LlamaForCausalLM, "t5": transformers.T5ForConditionalGeneration,
+           "mixtral": transformers.MixtralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM}[arch]
     hf_model = cls.from_pretrained(str(tmp_path / "exported")).eval()
     cfg, state = read_weights(tmp_path / "ours")
     ours = Transformer(cfg).eval()
