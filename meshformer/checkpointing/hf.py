@@ -43,10 +43,11 @@ from meshformer.model.families import get_family_spec
 if TYPE_CHECKING:
     from meshformer.model import Transformer
 
-Arch = Literal["gpt2", "bert", "llama", "t5", "mixtral", "qwen3_moe"]
+Arch = Literal["gpt2", "bert", "llama", "t5", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
 V = TypeVar("V")  # what a state dict maps names to (tensors, or the names themselves)
-ARCHS: tuple[Arch, ...] = ("gpt2", "bert", "llama", "t5", "mixtral", "qwen3_moe")
-_LLAMA_LIKE = ("llama", "mixtral", "qwen3_moe")  # Llama's blocks and names, with what differs mapped below
+ARCHS: tuple[Arch, ...] = ("gpt2", "bert", "llama", "t5", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+# Llama's blocks and names, with what differs mapped below
+_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 
 _HF_ACTIVATIONS: dict[str, Activation] = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                                           "relu": "relu"}
@@ -69,6 +70,9 @@ _SIZE_KEYS: dict[str, tuple[str, ...]] = {
              "max_position_embeddings"),
     "llama": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "max_position_embeddings", "head_dim"),
+    **dict.fromkeys(("mistral", "qwen2", "qwen3"), (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "max_position_embeddings", "head_dim", "sliding_window")),
     "mixtral": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "max_position_embeddings", "head_dim", "num_local_experts",
                 "num_experts_per_tok", "sliding_window"),
@@ -122,19 +126,62 @@ def _check_gpt2(c: Any) -> None:
         raise _refuse("gpt2", "add_cross_attention=True", "adds cross-attention to every block")
 
 
+# The rope_parameters keys each rope_type may carry (rope_theta aside), and ours for them.
+_ROPE_KEYS = {"linear": {"factor": "rope_scaling_factor"},
+              "llama3": {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_seq_len",
+                         "low_freq_factor": "rope_low_freq_factor", "high_freq_factor": "rope_high_freq_factor"},
+              "yarn": {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_seq_len",
+                       "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow",
+                       "attention_factor": "rope_attention_factor", "truncate": ""}}
+
+
+def _rope_from_hf(c: Any, arch: str) -> dict[str, Any]:
+    """Our rope_* keys for HF's rope_parameters (transformers 5; rope_scaling in older configs)."""
+    rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    fields: dict[str, Any] = {"rope_theta": float(rope.pop("rope_theta", getattr(c, "rope_theta", 10000.0)))}
+    if kind == "default":
+        return fields
+    if kind not in _ROPE_KEYS:
+        raise _refuse(arch, f"rope_type={kind!r}", "rescales the rotary frequencies its own way")
+    if rope.get("truncate", True) is not True:
+        raise _refuse(arch, "rope_parameters.truncate=False", "widens yarn's frequency ramp to fractional dimensions")
+    for key, value in rope.items():
+        if key not in _ROPE_KEYS[kind] and value is not None:
+            raise _refuse(arch, f"rope_parameters.{key}={value!r}", f"changes {kind} frequency scaling")
+    return {**fields, "rope_scaling": kind, **{ours: rope[key] for key, ours in _ROPE_KEYS[kind].items()
+                                               if ours and rope.get(key) is not None}}
+
+
+def _rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    rope: dict[str, Any] = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling,
+                            "rope_theta": cfg.rope_theta}
+    for key, ours in _ROPE_KEYS.get(cfg.rope_scaling, {}).items():
+        if ours and getattr(cfg, ours) is not None:
+            rope[key] = getattr(cfg, ours)
+    return rope
+
+
+def _window_from_hf(c: Any, arch: str) -> int | None:
+    """HF's sliding window keeps key j for query i when i - j < sliding_window, as our attention_window does;
+    Qwen2/Qwen3 use it only in the blocks from max_window_layers on (their layer_types)."""
+    window = getattr(c, "sliding_window", None)
+    kinds = set(getattr(c, "layer_types", None) or ["sliding_attention"])
+    if window is None or kinds == {"full_attention"}:
+        return None
+    if kinds != {"sliding_attention"}:
+        raise _refuse(arch, f"sliding_window={window} with max_window_layers={getattr(c, 'max_window_layers', None)}",
+                      "mixes sliding-window and full-attention blocks (meshformer's attention_window covers all)")
+    return int(window)
+
+
 def _check_llama_like(c: Any, arch: str) -> None:
-    rope = getattr(c, "rope_parameters", None) or {}
-    scaling = getattr(c, "rope_scaling", None) or {}
-    for rope_spec in (rope, scaling):
-        kind = rope_spec.get("rope_type", rope_spec.get("type", "default"))
-        if kind != "default":
-            raise _refuse(arch, f"rope_type={kind!r}", "rescales the rotary frequencies")
     if c.hidden_act != "silu":
         raise _refuse(arch, f"hidden_act={c.hidden_act!r}", "changes the gated MLP (meshformer gates with silu)")
     if arch == "llama" and c.attention_bias != getattr(c, "mlp_bias", c.attention_bias):
         raise _refuse(arch, f"attention_bias={c.attention_bias} with mlp_bias={c.mlp_bias}",
                       "puts biases on only some linears (meshformer's model.bias covers all of them)")
-    if arch == "qwen3_moe" and c.attention_bias:
+    if arch in ("qwen3", "qwen3_moe") and c.attention_bias:
         raise _refuse(arch, "attention_bias=True", "puts biases on the attention linears but not on the MLPs "
                       "(meshformer's model.bias covers all of them)")
     if getattr(c, "pretraining_tp", 1) not in (None, 1):
@@ -146,9 +193,9 @@ def _check_llama_like(c: Any, arch: str) -> None:
 
 
 def _llama_like_from_hf(c: Any, arch: str) -> ModelConfig:
-    """Llama, Mixtral and Qwen3-MoE: what they share, then what each adds (experts, QK-norm, sliding window)."""
+    """Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE: what they share, then what each adds (rotary
+    scaling, sliding window, Q/K/V biases, QK-norm, experts)."""
     _check_llama_like(c, arch)
-    rope = c.rope_parameters or {}
     kv = c.num_key_value_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     fields: dict[str, Any] = dict(
@@ -156,12 +203,14 @@ def _llama_like_from_hf(c: Any, arch: str) -> ModelConfig:
         n_kv_heads=None if kv in (None, c.num_attention_heads) else kv, n_layers=c.num_hidden_layers,
         head_dim=None if head_dim * c.num_attention_heads == c.hidden_size else head_dim,
         d_ff=c.intermediate_size, activation="swiglu", norm="rmsnorm", norm_eps=c.rms_norm_eps, norm_position="pre",
-        position="rope", rope_theta=float(rope.get("rope_theta", 10000.0)), max_seq_len=c.max_position_embeddings,
+        position="rope", **_rope_from_hf(c, arch), max_seq_len=c.max_position_embeddings,
         tie_embeddings=c.tie_word_embeddings, bias=getattr(c, "attention_bias", False),
-        attention_dropout=c.attention_dropout, init_std=c.initializer_range,
-        # HF's sliding window keeps key j for query i when i - j < sliding_window, as ours does
-        attention_window=getattr(c, "sliding_window", None),
+        attention_dropout=c.attention_dropout, init_std=c.initializer_range, attention_window=_window_from_hf(c, arch),
     )
+    if arch == "qwen2":  # biases on Q/K/V only, always
+        fields.update(qkv_bias=True)
+    if arch == "qwen3":
+        fields.update(qk_norm=True)
     if arch == "mixtral":  # every block MoE; top-k of the softmax, renormalised (= softmax over the top-k logits)
         # router_jitter_noise is training-only input noise, like dropout: not part of the function, not carried
         fields.update(n_experts=c.num_local_experts, experts_per_token=c.num_experts_per_tok,
@@ -252,9 +301,18 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
             num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.attention_head_dim,
             hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
             tie_word_embeddings=cfg.tie_embeddings, attention_dropout=cfg.attention_dropout,
-            initializer_range=cfg.init_std, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+            initializer_range=cfg.init_std, rope_parameters=_rope_to_hf(cfg),
             bos_token_id=None, eos_token_id=None, pad_token_id=None,
         )
+        # Qwen2/Qwen3: the window in every block (from max_window_layers = 0 on)
+        qwen_window = dict(use_sliding_window=cfg.attention_window is not None, sliding_window=cfg.attention_window,
+                           max_window_layers=0)
+        if arch == "mistral":
+            return transformers.MistralConfig(**shared, intermediate_size=cfg.d_ff, sliding_window=cfg.attention_window)
+        if arch == "qwen2":
+            return transformers.Qwen2Config(**shared, **qwen_window, intermediate_size=cfg.d_ff)
+        if arch == "qwen3":
+            return transformers.Qwen3Config(**shared, **qwen_window, intermediate_size=cfg.d_ff, attention_bias=False)
         if arch == "mixtral":
             return transformers.MixtralConfig(
                 **shared, intermediate_size=cfg.expert_d_ff, sliding_window=cfg.attention_window,
@@ -315,7 +373,7 @@ _COMMON = {"scale_embeddings": False, "attention_window": None, "attention_scale
            "router_renormalize": True, "router_groups": 1, "capacity_factor": 0.0, "moe_blocks": "every block"}
 ANY = "any value"  # a requirement that every value meets
 _LLAMA = {**_COMMON, "family": "decoder", "position": "rope", "norm": "rmsnorm", "activation": "swiglu",
-          "grouped_query": {False, True}, "head_dim": ANY}
+          "grouped_query": {False, True}, "head_dim": ANY, "rope_scaling": ANY}
 _REQUIREMENTS: dict[str, dict[str, Any]] = {  # a set: any of these values
     "gpt2": {**_COMMON, "family": "decoder", "position": "learned", "bias": True,
              "activation": {"gelu_tanh", "gelu", "relu"}, "attention_scale": {"1/sqrt(head_dim)", 1.0}},
@@ -323,6 +381,9 @@ _REQUIREMENTS: dict[str, dict[str, Any]] = {  # a set: any of these values
              "final_norm": False, "embedding_norm": True, "head_transform": True, "output_bias": True,
              "activation": {"gelu_tanh", "gelu", "relu"}},
     "llama": _LLAMA,
+    "mistral": {**_LLAMA, "bias": False, "attention_window": ANY},
+    "qwen2": {**_LLAMA, "bias": False, "qkv_bias": True, "attention_window": ANY},
+    "qwen3": {**_LLAMA, "bias": False, "qk_norm": True, "attention_window": ANY},
     "mixtral": {**_LLAMA, "bias": False, "moe": True, "attention_window": ANY},
     "qwen3_moe": {**_LLAMA, "bias": False, "moe": True, "attention_window": ANY, "qk_norm": True,
                   "router_renormalize": {True, False}, "moe_blocks": {"every block", "some"}},
@@ -429,7 +490,8 @@ def unused_names(names: Iterable[str], used: set[str], arch: Arch) -> list[str]:
 
 
 _MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForMaskedLM", "llama": "LlamaForCausalLM",
-                  "t5": "T5ForConditionalGeneration", "mixtral": "MixtralForCausalLM",
+                  "t5": "T5ForConditionalGeneration", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 

@@ -1,8 +1,9 @@
-"""Conversions: sharded checkpoint <-> safetensors, Hugging Face import/export (GPT-2, BERT, Llama, T5, Mixtral,
-Qwen3-MoE)."""
+"""Conversions: sharded checkpoint <-> safetensors, Hugging Face import/export (GPT-2, BERT, Llama, T5, Mistral,
+Qwen2, Qwen3, Mixtral, Qwen3-MoE)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,25 @@ def _hf_model(arch: str):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False))
+    elif arch == "llama3":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, rope_parameters={
+                "rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8}))
+    elif arch == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, sliding_window=5))
+    elif arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True))
+    elif arch == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=32, use_sliding_window=True,
+            sliding_window=6, max_window_layers=0))
     elif arch == "mixtral":  # a window shorter than the 12-token test sequences
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -128,18 +148,24 @@ def _hf_model(arch: str):
     return model.eval()
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "t5", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "t5", "llama3", "mistral", "qwen2", "qwen3", "mixtral",
+                                  "qwen3_moe"])
 def test_hugging_face_import_export(arch, tmp_path):
     original = tmp_path / "hf"
     _hf_model(arch).save_pretrained(str(original))
     main(["convert", "import-hf", str(original), str(tmp_path / "ours")])
     main(["convert", "export-hf", str(tmp_path / "ours"), str(tmp_path / "exported")])
+    if arch == "llama3":  # export writes the rotary scaling back
+        hf_config = json.loads((tmp_path / "exported" / "config.json").read_text())
+        assert hf_config["rope_parameters"]["rope_type"] == "llama3"
     # import -> export is bitwise, tensor for tensor
     assert_bitwise(load_file(str(tmp_path / "exported" / "model.safetensors")),
                    load_file(str(original / "model.safetensors")))
     # the exported folder loads in transformers and computes our logits
     cls = {"gpt2": transformers.GPT2LMHeadModel, "bert": transformers.BertForMaskedLM,
            "llama": transformers.LlamaForCausalLM, "t5": transformers.T5ForConditionalGeneration,
+           "llama3": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
+           "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
            "mixtral": transformers.MixtralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM}[arch]
     hf_model = cls.from_pretrained(str(tmp_path / "exported")).eval()
     cfg, state = read_weights(tmp_path / "ours")

@@ -1,5 +1,5 @@
-"""meshformer models against torch.nn.Transformer and Hugging Face GPT-2 / BERT / Llama / T5 / Mixtral / Qwen3-MoE
-given the same weights.
+"""meshformer models against torch.nn.Transformer and Hugging Face GPT-2 / BERT / Llama (3.x rotary scaling) / T5 /
+Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE given the same weights.
 
 HF models are built from small configs with random init (no download). Every parameter, norms and biases
 included, is perturbed first so that swapping any two tensors of the same shape would be caught.
@@ -99,6 +99,37 @@ def _hf_llama():
         "rope_theta": 500.0}, bos_token_id=None, eos_token_id=None, pad_token_id=None))
 
 
+def _hf_llama3():
+    # Llama 3.1's scaling with an 8-token original context: head_dim 8's four frequencies fall in all three bands
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8}, bos_token_id=None, eos_token_id=None, pad_token_id=None))
+
+
+def _hf_mistral():
+    return transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=32, sliding_window=4, bos_token_id=None,
+        eos_token_id=None))
+
+
+def _hf_qwen2():
+    # the window in every block (max_window_layers=0)
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, use_sliding_window=True, sliding_window=5,
+        max_window_layers=0, tie_word_embeddings=True))
+
+
+def _hf_qwen3():
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=32, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8}))
+
+
 def _hf_mixtral(**extra):
     # a 5-token sliding window on 12-token sequences: the window's boundary is crossed
     return transformers.MixtralForCausalLM(transformers.MixtralConfig(**{
@@ -132,8 +163,9 @@ def _random_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-_SINGLE_STACK = [_hf_gpt2, _hf_bert, _hf_llama, _hf_mixtral, _hf_qwen3_moe]
-_SINGLE_IDS = ["gpt2", "bert", "llama", "mixtral", "qwen3_moe"]
+_SINGLE_STACK = [_hf_gpt2, _hf_bert, _hf_llama, _hf_llama3, _hf_mistral, _hf_qwen2, _hf_qwen3, _hf_mixtral,
+                 _hf_qwen3_moe]
+_SINGLE_IDS = ["gpt2", "bert", "llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("make", _SINGLE_STACK, ids=_SINGLE_IDS)
@@ -259,22 +291,36 @@ def test_base_model_checkpoint_names_are_accepted():
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
-def _moe_config(**extra) -> ModelConfig:
+def _llama_config(**extra) -> ModelConfig:
     return ModelConfig(**{"vocab_size": 97, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "n_layers": 2, "d_ff": 48,
                           "activation": "swiglu", "norm": "rmsnorm", "position": "rope", "tie_embeddings": False,
-                          "bias": False, "max_seq_len": 32, "n_experts": 4, "experts_per_token": 2,
-                          **extra})
+                          "bias": False, "max_seq_len": 32, **extra})
 
 
-@pytest.mark.parametrize(("arch", "extra"), [
-    ("mixtral", {"attention_window": 4}),
-    ("qwen3_moe", {"qk_norm": True, "head_dim": 16, "n_layers": 4, "moe_every": 2, "moe_first_dense": 2,
-                   "moe_d_ff": 16, "router_renormalize": False}),
-])
-def test_moe_export_logits_and_round_trip(arch, extra):
+def _moe_config(**extra) -> ModelConfig:
+    return _llama_config(**{"n_experts": 4, "experts_per_token": 2, **extra})
+
+
+_LLAMA3_ROPE = {"rope_scaling": "llama3", "rope_scaling_factor": 8.0, "rope_original_max_seq_len": 8,
+                "rope_theta": 500.0}
+_YARN_ROPE = {"rope_scaling": "yarn", "rope_scaling_factor": 4.0, "rope_original_max_seq_len": 8,
+              "rope_attention_factor": 1.2}
+
+
+@pytest.mark.parametrize(("arch", "cfg"), [
+    ("llama", _llama_config(**_LLAMA3_ROPE)),
+    ("llama", _llama_config(rope_scaling="linear", rope_scaling_factor=2.0, head_dim=16)),
+    ("mistral", _llama_config(attention_window=4, head_dim=16)),
+    ("qwen2", _llama_config(qkv_bias=True, attention_window=5, tie_embeddings=True)),
+    ("qwen3", _llama_config(qk_norm=True, head_dim=16, **_YARN_ROPE)),
+    ("mixtral", _moe_config(attention_window=4)),
+    ("qwen3_moe", _moe_config(qk_norm=True, head_dim=16, n_layers=4, moe_every=2, moe_first_dense=2, moe_d_ff=16,
+                              router_renormalize=False)),
+], ids=["llama3", "llama-linear", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
+def test_export_logits_and_round_trip(arch, cfg):
     """Ours -> HF computes our logits (padded batch, sequences longer than the window) and comes back bitwise."""
     torch.manual_seed(0)
-    ours = Transformer(_moe_config(**extra)).eval()
+    ours = Transformer(cfg).eval()
     perturb(ours)
     assert infer_arch(ours.cfg) == arch
     hf = to_hf_model(ours).eval()

@@ -1,7 +1,7 @@
 """Decoder-only (GPT, Llama): one causal stack; next-token prediction.
 
-Name maps: Hugging Face GPT-2 (Conv1D weights stored (in, out), q/k/v packed in `c_attn`), Llama (names
-only), Mixtral and Qwen3-MoE (one (out, in) linear per expert, as their checkpoints store them); Megatron-Core
+Name maps: Hugging Face GPT-2 (Conv1D weights stored (in, out), q/k/v packed in `c_attn`), Llama, Mistral,
+Qwen2 and Qwen3 (names only), Mixtral and Qwen3-MoE (one (out, in) linear per expert, as their checkpoints store them); Megatron-Core
 GPTModel (checkpointing/megatron.py).
 """
 
@@ -38,7 +38,8 @@ _HF_EXPERTS = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{j
 
 
 def llama_rules(cfg: ModelConfig, arch: str = "llama") -> list[Rule]:
-    """Llama and the architectures that share its names: Mixtral, Qwen3-MoE (QK-norm, expert blocks)."""
+    """Llama and the architectures that share its names: Mistral, Qwen2 (Q/K/V biases), Qwen3 (QK-norm), Mixtral
+    and Qwen3-MoE (expert blocks)."""
     linear = ("weight", "bias") if cfg.bias else ("weight",)
     qkv_linear = ("weight", "bias") if cfg.use_qkv_bias else ("weight",)
     rules = [Rule(("tok_embeddings.weight",), "model.embed_tokens.weight"), *norm("decoder_norm", "model.norm", cfg),
@@ -67,8 +68,8 @@ SPEC = transformer_family(
     stacks=(Stack("decoder", causal=True, count=lambda cfg: cfg.n_layers, depth_key="model.n_layers"),),
     objectives=("causal",),
     training_flops=decoder_flops,
-    name_maps={"gpt2": gpt2_rules, "llama": llama_rules, "mixtral": partial(llama_rules, arch="mixtral"),
-               "qwen3_moe": partial(llama_rules, arch="qwen3_moe")},
+    name_maps={"gpt2": gpt2_rules, **{arch: partial(llama_rules, arch=arch)
+                                      for arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")}},
     megatron=MegatronNames(
         model="GPTModel", layers="decoder_layers", embedding="tok_embeddings.weight",
         positions="pos_embeddings.weight", final_norm="decoder_norm", output="output.weight",
