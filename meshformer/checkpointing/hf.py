@@ -127,11 +127,12 @@ def _check_gpt2(c: Any) -> None:
 
 
 # The rope_parameters keys each rope_type may carry (rope_theta aside), and ours for them.
+# yarn's truncate: only True (the default), checked apart.
+_SCALED = {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_seq_len"}
 _ROPE_KEYS = {"linear": {"factor": "rope_scaling_factor"},
-              "llama3": {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_seq_len",
-                         "low_freq_factor": "rope_low_freq_factor", "high_freq_factor": "rope_high_freq_factor"},
-              "yarn": {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_seq_len",
-                       "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow",
+              "llama3": {**_SCALED, "low_freq_factor": "rope_low_freq_factor",
+                         "high_freq_factor": "rope_high_freq_factor"},
+              "yarn": {**_SCALED, "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow",
                        "attention_factor": "rope_attention_factor", "truncate": ""}}
 
 
@@ -296,7 +297,7 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
             pad_token_id=0,
         )
     if arch in _LLAMA_LIKE:
-        shared = dict(
+        shared: dict[str, Any] = dict(
             vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
             num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.attention_head_dim,
             hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
@@ -305,8 +306,8 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
             bos_token_id=None, eos_token_id=None, pad_token_id=None,
         )
         # Qwen2/Qwen3: the window in every block (from max_window_layers = 0 on)
-        qwen_window = dict(use_sliding_window=cfg.attention_window is not None, sliding_window=cfg.attention_window,
-                           max_window_layers=0)
+        qwen_window: dict[str, Any] = dict(use_sliding_window=cfg.attention_window is not None,
+                                           sliding_window=cfg.attention_window, max_window_layers=0)
         if arch == "mistral":
             return transformers.MistralConfig(**shared, intermediate_size=cfg.d_ff, sliding_window=cfg.attention_window)
         if arch == "qwen2":

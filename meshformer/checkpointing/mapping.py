@@ -17,7 +17,6 @@ from meshformer.config import ModelConfig
 from meshformer.model.families import get_family_spec
 from meshformer.model.families.naming import Rule
 
-
 # Our buffers no foreign implementation has: zeros on import (DeepSeek-V3's expert selection bias starts at zero;
 # export refuses a nonzero one, checkpointing/hf.py).
 ZERO_ON_IMPORT = re.compile(r"\.router\.expert_bias$")

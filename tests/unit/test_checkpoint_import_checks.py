@@ -56,7 +56,7 @@ def test_gpt2_upcast_attention_is_the_same_function(tmp_path):
 @pytest.mark.parametrize(("arch", "flags", "named"), [
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
     ("gpt2", {"add_cross_attention": True}, "add_cross_attention=True"),
-    ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "rope_type='dynamic'"),
+    ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope_type='dynamic'"),
     ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                                    "rope_theta": 10000.0, "mscale": 0.707, "mscale_all_dim": 0.707}},
      "rope_parameters.mscale=0.707"),
