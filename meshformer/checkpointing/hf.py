@@ -1,7 +1,11 @@
-"""Weights and configs between meshformer's `Transformer` and Hugging Face GPT-2, BERT, Llama and T5.
+"""Weights and configs between meshformer's `Transformer` and Hugging Face GPT-2, BERT, Llama, T5, Mistral, Qwen2,
+Qwen3, Mixtral and Qwen3-MoE.
 
     hf_model = to_hf_model(model)            # GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / T5...
     model = from_hf_model(hf_model)          # and back; logits agree (tests/unit/test_model_references.py)
+
+The name maps read and write tensors as save_pretrained stores them (what Hub checkpoints hold); in-memory models
+go through transformers' own conversion to its modules' layout (from_pretrained / revert_weight_conversion).
 
 What differs and how it is mapped:
 - GPT-2: Conv1D weights are stored (in, out), so they are transposed; `c_attn` packs q/k/v; gelu_new
@@ -12,7 +16,25 @@ What differs and how it is mapped:
   `head_transform`, decoder bias = our `output_bias`. We have no token types: import folds
   `token_type_embeddings[0]` into the position table (exact for token_type_ids = 0, HF's default);
   export writes zero token-type embeddings. The pooler / NSP head are not part of BertForMaskedLM.
-- Llama: RMSNorm, SwiGLU, half-split RoPE, grouped-query heads, no biases, untied head: names only.
+- Llama: RMSNorm, SwiGLU, half-split RoPE, grouped-query heads, untied head: names only. head_dim = ours;
+  rope_parameters of rope_type linear / llama3 / yarn = our rope_scaling and rope_* keys (Llama 3.1/3.2's
+  llama3); other rope types, keys we lack (yarn's mscale, partial_rotary_factor) and yarn truncate=False are
+  refused; attention_bias must equal mlp_bias (our `bias` covers every linear).
+- Mistral: Llama plus sliding_window = our attention_window (both keep key j for query i when i - j < window).
+- Qwen2: biases on Q/K/V only = our qkv_bias=True with bias=False. Qwen2/Qwen3 use the window only in blocks
+  from max_window_layers on: all or none of them maps (export writes max_window_layers=0), a mix is refused.
+- Qwen3: QK-norm (one RMSNorm of width head_dim per query / key head) = our qk_norm; attention_bias=True (on
+  Q/K/V/O but not the MLP) is refused.
+- Mixtral / Qwen3-MoE: each expert's gate / up / down nn.Linear (out, in) (Mixtral's w1 / w3 / w2) is one slice
+  of our stacked (n_experts, in, out) tensor, transposed; the router `gate` = our router. Both take the top-k
+  of the softmax over all experts; Mixtral renormalises them (= a softmax over the top-k logits), Qwen3-MoE
+  when norm_topk_prob (= our router_renormalize). Qwen3-MoE's decoder_sparse_step = our moe_every and
+  mlp_only_layers = our moe_first_dense when it lists the first blocks (else refused); dense blocks are
+  intermediate_size wide, experts moe_intermediate_size (= our d_ff, moe_d_ff). router_aux_loss_coef <->
+  moe_aux_loss (a training knob, carried as is). router_jitter_noise is training-only input noise, like
+  dropout, so it is not part of the function: import ignores it, export writes 0. Neither has shared experts,
+  sigmoid scores, group-limited routing, capacity dropping or a selection bias: our expert_bias is zeros on
+  import and a nonzero one is refused on export, the others by `check_compatible`.
 - T5: position="t5_relative" (one learned, bucketed bias per stack, which HF keeps in block 0's
   SelfAttention), RMSNorm without bias, attention_scale=1.0, scale_output for the tied head; ReLU or
   gated-SiLU feed-forward; gated-GELU (T5 v1.1) is refused. transformers 5 always ties T5's lm_head to
