@@ -198,3 +198,18 @@ def test_hugging_face_errors_name_the_mismatch(tmp_path):
         main(["convert", "export-hf", str(tmp_path / "alibi"), str(tmp_path / "out2")])
     with pytest.raises(ConversionError, match="position='alibi'"):
         export_hf(Transformer(cfg).state_dict(), cfg, tmp_path / "out3", arch="gpt2")
+
+
+def test_export_refuses_a_nonzero_expert_selection_bias(tmp_path):
+    """DeepSeek-V3's selection bias has no place in Mixtral / Qwen3-MoE: refused by name, nothing written."""
+    from meshformer.checkpointing.hf_folder import export_hf
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=32, activation="swiglu", norm="rmsnorm",
+                      position="rope", bias=False, n_experts=4)
+    state = dict(Transformer(cfg).state_dict())
+    state["decoder_layers.0.ffn.router.expert_bias"] = torch.tensor([0.0, 0.5, 0.0, -0.5])
+    with pytest.raises(ConversionError, match=r"decoder_layers\.0\.ffn\.router\.expert_bias is nonzero"):
+        export_hf(state, cfg, tmp_path / "out", arch="mixtral")
+    assert not (tmp_path / "out").exists()
+    state["decoder_layers.0.ffn.router.expert_bias"] = torch.zeros(4)  # never trained with bias balancing: fine
+    export_hf(state, cfg, tmp_path / "out", arch="mixtral")
