@@ -375,3 +375,17 @@ def test_nonzero_expert_bias_is_refused_on_export():
 def test_mixtral_refuses_what_it_cannot_express(extra, named):
     with pytest.raises(ValueError, match=re.escape(named)):
         check_compatible(_moe_config(**extra), "mixtral")
+
+
+def test_llama31_rope_parameters_map_both_ways():
+    """Llama 3.1 8B's published config.json rope block (no download: its values) to our keys and back."""
+    from meshformer.checkpointing.hf import config_to_hf
+
+    published = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    cfg = config_from_hf(transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=published))
+    assert (cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_original_max_seq_len) == ("llama3", 8.0, 8192)
+    assert (cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_theta) == (1.0, 4.0, 500000.0)
+    assert config_to_hf(cfg).rope_parameters == published
