@@ -247,7 +247,7 @@ def _llama_like_from_hf(c: Any, arch: str) -> ModelConfig:
 
 
 def config_from_hf(hf_config: Any) -> ModelConfig:
-    """The meshformer ModelConfig computing the same function as a GPT-2/BERT/Llama/T5 HF config."""
+    """The meshformer ModelConfig computing the same function as an HF config of one of `ARCHS`."""
     arch, c = hf_config.model_type, hf_config
     if arch == "gpt2":
         _check_gpt2(c)

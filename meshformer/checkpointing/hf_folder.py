@@ -126,7 +126,7 @@ def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arc
 
 
 def import_hf(folder: Path, *, show_progress: bool | None = None) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
-    """(our config, our tensors read on access) from an HF GPT-2 / BERT / Llama / T5 folder."""
+    """(our config, our tensors read on access) from a Hugging Face folder of one of `hf.ARCHS`."""
     from meshformer.checkpointing import hf
 
     folder = Path(folder)
