@@ -2,7 +2,7 @@
 
     meshformer convert to-safetensors runs/x/checkpoints runs/x/export        # newest valid step
     meshformer convert to-checkpoint  runs/x/export runs/y/checkpoints        # weights-only step 0
-    meshformer convert export-hf      runs/x/export hf/gpt2-tiny [--arch gpt2]
+    meshformer convert export-hf      runs/x/export hf/gpt2-tiny [--arch gpt2|bert|llama|t5|mixtral|qwen3_moe]
     meshformer convert import-hf      hf/gpt2-tiny runs/y/checkpoints --checkpoint
     meshformer convert export-megatron runs/x/export mcore/ [--pad-vocab-multiple 128]
     meshformer convert import-megatron mcore/ runs/y/export [--heads 12 --vocab-size 50257]
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from meshformer.checkpointing.errors import CheckpointError
+from meshformer.checkpointing.hf import ARCHS
 from meshformer.checkpointing.sharded_safetensors import DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, SINGLE_FILE, parse_size
 from meshformer.config import ModelConfig
 from meshformer.folders import check_output, remove, replace, scratch
@@ -195,8 +196,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     command("to-safetensors", _to_safetensors, "sharded checkpoint -> model.safetensors + model_config.json")
     command("to-checkpoint", _to_checkpoint, "weights folder -> weights-only sharded checkpoint (training starts "
             "from it at step 0)")
-    command("export-hf", _export_hf, "-> Hugging Face folder (GPT-2, BERT, Llama, T5)").add_argument(
-        "--arch", choices=["gpt2", "bert", "llama", "t5"], help="default: the one matching the model config")
+    command("export-hf", _export_hf, "-> Hugging Face folder (GPT-2, BERT, Llama, T5, Mistral, Qwen2/3, Mixtral, "
+            "Qwen3-MoE)").add_argument("--arch", choices=ARCHS, help="default: the one matching the model config")
     command("import-hf", _import_hf, "Hugging Face folder -> weights folder").add_argument(
         "--checkpoint", action="store_true", help="write a weights-only checkpoint instead of a weights folder")
     megatron_out = command("export-megatron", _export_megatron, "-> Megatron-Core torch_dist GPT checkpoint")

@@ -1,7 +1,11 @@
-"""Weights and configs between meshformer's `Transformer` and Hugging Face GPT-2, BERT, Llama and T5.
+"""Weights and configs between meshformer's `Transformer` and Hugging Face GPT-2, BERT, Llama, T5, Mistral, Qwen2,
+Qwen3, Mixtral and Qwen3-MoE.
 
     hf_model = to_hf_model(model)            # GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / T5...
     model = from_hf_model(hf_model)          # and back; logits agree (tests/unit/test_model_references.py)
+
+The name maps read and write tensors as save_pretrained stores them (what Hub checkpoints hold); in-memory models
+go through transformers' own conversion to its modules' layout (from_pretrained / revert_weight_conversion).
 
 What differs and how it is mapped:
 - GPT-2: Conv1D weights are stored (in, out), so they are transposed; `c_attn` packs q/k/v; gelu_new
@@ -12,7 +16,25 @@ What differs and how it is mapped:
   `head_transform`, decoder bias = our `output_bias`. We have no token types: import folds
   `token_type_embeddings[0]` into the position table (exact for token_type_ids = 0, HF's default);
   export writes zero token-type embeddings. The pooler / NSP head are not part of BertForMaskedLM.
-- Llama: RMSNorm, SwiGLU, half-split RoPE, grouped-query heads, no biases, untied head: names only.
+- Llama: RMSNorm, SwiGLU, half-split RoPE, grouped-query heads, untied head: names only. head_dim = ours;
+  rope_parameters of rope_type linear / llama3 / yarn = our rope_scaling and rope_* keys (Llama 3.1/3.2's
+  llama3); other rope types, keys we lack (yarn's mscale, partial_rotary_factor) and yarn truncate=False are
+  refused; attention_bias must equal mlp_bias (our `bias` covers every linear).
+- Mistral: Llama plus sliding_window = our attention_window (both keep key j for query i when i - j < window).
+- Qwen2: biases on Q/K/V only = our qkv_bias=True with bias=False. Qwen2/Qwen3 use the window only in blocks
+  from max_window_layers on: all or none of them maps (export writes max_window_layers=0), a mix is refused.
+- Qwen3: QK-norm (one RMSNorm of width head_dim per query / key head) = our qk_norm; attention_bias=True (on
+  Q/K/V/O but not the MLP) is refused.
+- Mixtral / Qwen3-MoE: each expert's gate / up / down nn.Linear (out, in) (Mixtral's w1 / w3 / w2) is one slice
+  of our stacked (n_experts, in, out) tensor, transposed; the router `gate` = our router. Both take the top-k
+  of the softmax over all experts; Mixtral renormalises them (= a softmax over the top-k logits), Qwen3-MoE
+  when norm_topk_prob (= our router_renormalize). Qwen3-MoE's decoder_sparse_step = our moe_every and
+  mlp_only_layers = our moe_first_dense when it lists the first blocks (else refused); dense blocks are
+  intermediate_size wide, experts moe_intermediate_size (= our d_ff, moe_d_ff). router_aux_loss_coef <->
+  moe_aux_loss (a training knob, carried as is). router_jitter_noise is training-only input noise, like
+  dropout, so it is not part of the function: import ignores it, export writes 0. Neither has shared experts,
+  sigmoid scores, group-limited routing, capacity dropping or a selection bias: our expert_bias is zeros on
+  import and a nonzero one is refused on export, the others by `check_compatible`.
 - T5: position="t5_relative" (one learned, bucketed bias per stack, which HF keeps in block 0's
   SelfAttention), RMSNorm without bias, attention_scale=1.0, scale_output for the tied head; ReLU or
   gated-SiLU feed-forward; gated-GELU (T5 v1.1) is refused. transformers 5 always ties T5's lm_head to
@@ -29,16 +51,25 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
-from meshformer.checkpointing.mapping import export_tensors, finish_import, import_tensors, name_map, our_shapes
+from meshformer.checkpointing.mapping import (
+    ZERO_ON_IMPORT,
+    export_tensors,
+    finish_import,
+    import_tensors,
+    name_map,
+    our_shapes,
+)
 from meshformer.config import Activation, ModelConfig
 from meshformer.model.families import get_family_spec
 
 if TYPE_CHECKING:
     from meshformer.model import Transformer
 
-Arch = Literal["gpt2", "bert", "llama", "t5"]
+Arch = Literal["gpt2", "bert", "llama", "t5", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
 V = TypeVar("V")  # what a state dict maps names to (tensors, or the names themselves)
-ARCHS: tuple[Arch, ...] = ("gpt2", "bert", "llama", "t5")
+ARCHS: tuple[Arch, ...] = ("gpt2", "bert", "llama", "t5", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+# Llama's blocks and names, with what differs mapped below
+_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 
 _HF_ACTIVATIONS: dict[str, Activation] = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                                           "relu": "relu"}
@@ -49,7 +80,7 @@ _TO_HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
 _IGNORED = re.compile(r"(\.attn\.(masked_)?bias|position_ids|token_type_ids|rotary_emb\.inv_freq)$"
                       r"|^(bert\.pooler\.|cls\.seq_relationship\.)")
 # Base-model checkpoints (GPT2Model, BertModel, LlamaModel; e.g. the original "gpt2" files) lack this prefix.
-_BASE_PREFIX = {"gpt2": "transformer.", "bert": "bert.", "llama": "model."}
+_BASE_PREFIX = {"gpt2": "transformer.", "bert": "bert.", **dict.fromkeys(_LLAMA_LIKE, "model.")}
 
 
 # ----------------------------------------------------------------------------- configs
@@ -61,13 +92,22 @@ _SIZE_KEYS: dict[str, tuple[str, ...]] = {
              "max_position_embeddings"),
     "llama": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "max_position_embeddings", "head_dim"),
+    **dict.fromkeys(("mistral", "qwen2", "qwen3"), (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "max_position_embeddings", "head_dim", "sliding_window")),
+    "mixtral": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "head_dim", "num_local_experts",
+                "num_experts_per_tok", "sliding_window"),
+    "qwen3_moe": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "max_position_embeddings", "head_dim", "num_experts", "num_experts_per_tok",
+                  "moe_intermediate_size", "decoder_sparse_step"),
     "t5": ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
            "relative_attention_num_buckets", "relative_attention_max_distance"),
 }
-_LAYER_KEYS = {"gpt2": ("n_layer",), "bert": ("num_hidden_layers",), "llama": ("num_hidden_layers",),
-               "t5": ("num_layers", "num_decoder_layers")}
+_LAYER_KEYS = {"gpt2": ("n_layer",), "bert": ("num_hidden_layers",), "t5": ("num_layers", "num_decoder_layers"),
+               **dict.fromkeys(_LLAMA_LIKE, ("num_hidden_layers",))}
 _WIDTH_AND_HEADS = {"gpt2": ("n_embd", "n_head"), "bert": ("hidden_size", "num_attention_heads"),
-                    "llama": ("hidden_size", "num_attention_heads")}
+                    "llama": ("hidden_size", "num_attention_heads")}  # the others may set head_dim
 
 
 def check_sizes(raw: Mapping[str, Any], n_tensors: int) -> None:
@@ -108,26 +148,106 @@ def _check_gpt2(c: Any) -> None:
         raise _refuse("gpt2", "add_cross_attention=True", "adds cross-attention to every block")
 
 
-def _check_llama(c: Any) -> None:
-    rope = getattr(c, "rope_parameters", None) or {}
-    scaling = getattr(c, "rope_scaling", None) or {}
-    for rope_spec in (rope, scaling):
-        kind = rope_spec.get("rope_type", rope_spec.get("type", "default"))
-        if kind != "default":
-            raise _refuse("llama", f"rope_type={kind!r}", "rescales the rotary frequencies")
+# The rope_parameters keys each rope_type may carry (rope_theta aside), and ours for them.
+# yarn's truncate: only True (the default), checked apart.
+_SCALED = {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_seq_len"}
+_ROPE_KEYS = {"linear": {"factor": "rope_scaling_factor"},
+              "llama3": {**_SCALED, "low_freq_factor": "rope_low_freq_factor",
+                         "high_freq_factor": "rope_high_freq_factor"},
+              "yarn": {**_SCALED, "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow",
+                       "attention_factor": "rope_attention_factor", "truncate": ""}}
+
+
+def _rope_from_hf(c: Any, arch: str) -> dict[str, Any]:
+    """Our rope_* keys for HF's rope_parameters (transformers 5; rope_scaling in older configs)."""
+    rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    fields: dict[str, Any] = {"rope_theta": float(rope.pop("rope_theta", getattr(c, "rope_theta", 10000.0)))}
+    if kind == "default":
+        return fields
+    if kind not in _ROPE_KEYS:
+        raise _refuse(arch, f"rope_type={kind!r}", "rescales the rotary frequencies its own way")
+    if rope.get("truncate", True) is not True:
+        raise _refuse(arch, "rope_parameters.truncate=False", "widens yarn's frequency ramp to fractional dimensions")
+    for key, value in rope.items():
+        if key not in _ROPE_KEYS[kind] and value is not None:
+            raise _refuse(arch, f"rope_parameters.{key}={value!r}", f"changes {kind} frequency scaling")
+    return {**fields, "rope_scaling": kind, **{ours: rope[key] for key, ours in _ROPE_KEYS[kind].items()
+                                               if ours and rope.get(key) is not None}}
+
+
+def _rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    rope: dict[str, Any] = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling,
+                            "rope_theta": cfg.rope_theta}
+    for key, ours in _ROPE_KEYS.get(cfg.rope_scaling, {}).items():
+        if ours and getattr(cfg, ours) is not None:
+            rope[key] = getattr(cfg, ours)
+    return rope
+
+
+def _window_from_hf(c: Any, arch: str) -> int | None:
+    """HF's sliding window keeps key j for query i when i - j < sliding_window, as our attention_window does;
+    Qwen2/Qwen3 use it only in the blocks from max_window_layers on (their layer_types)."""
+    window = getattr(c, "sliding_window", None)
+    kinds = set(getattr(c, "layer_types", None) or ["sliding_attention"])
+    if window is None or kinds == {"full_attention"}:
+        return None
+    if kinds != {"sliding_attention"}:
+        raise _refuse(arch, f"sliding_window={window} with max_window_layers={getattr(c, 'max_window_layers', None)}",
+                      "mixes sliding-window and full-attention blocks (meshformer's attention_window covers all)")
+    return int(window)
+
+
+def _check_llama_like(c: Any, arch: str) -> None:
     if c.hidden_act != "silu":
-        raise _refuse("llama", f"hidden_act={c.hidden_act!r}", "changes the gated MLP (meshformer gates with silu)")
-    if c.attention_bias != getattr(c, "mlp_bias", c.attention_bias):
-        raise _refuse("llama", f"attention_bias={c.attention_bias} with mlp_bias={c.mlp_bias}",
+        raise _refuse(arch, f"hidden_act={c.hidden_act!r}", "changes the gated MLP (meshformer gates with silu)")
+    if arch == "llama" and c.attention_bias != getattr(c, "mlp_bias", c.attention_bias):
+        raise _refuse(arch, f"attention_bias={c.attention_bias} with mlp_bias={c.mlp_bias}",
                       "puts biases on only some linears (meshformer's model.bias covers all of them)")
-    if c.head_dim != c.hidden_size // c.num_attention_heads:
-        raise _refuse("llama", f"head_dim={c.head_dim}", "differs from hidden_size / num_attention_heads")
+    if arch in ("qwen3", "qwen3_moe") and c.attention_bias:
+        raise _refuse(arch, "attention_bias=True", "puts biases on the attention linears but not on the MLPs "
+                      "(meshformer's model.bias covers all of them)")
     if getattr(c, "pretraining_tp", 1) not in (None, 1):
-        raise _refuse("llama", f"pretraining_tp={c.pretraining_tp}", "splits the linears into slices")
+        raise _refuse(arch, f"pretraining_tp={c.pretraining_tp}", "splits the linears into slices")
+    dense = list(getattr(c, "mlp_only_layers", None) or [])
+    if dense != list(range(len(dense))):
+        raise _refuse(arch, f"mlp_only_layers={dense}", "makes blocks other than the first ones dense (meshformer's "
+                      "moe_first_dense keeps a prefix dense)")
+
+
+def _llama_like_from_hf(c: Any, arch: str) -> ModelConfig:
+    """Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE: what they share, then what each adds (rotary
+    scaling, sliding window, Q/K/V biases, QK-norm, experts)."""
+    _check_llama_like(c, arch)
+    kv = c.num_key_value_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    fields: dict[str, Any] = dict(
+        family="decoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_heads=c.num_attention_heads,
+        n_kv_heads=None if kv in (None, c.num_attention_heads) else kv, n_layers=c.num_hidden_layers,
+        head_dim=None if head_dim * c.num_attention_heads == c.hidden_size else head_dim,
+        d_ff=c.intermediate_size, activation="swiglu", norm="rmsnorm", norm_eps=c.rms_norm_eps, norm_position="pre",
+        position="rope", **_rope_from_hf(c, arch), max_seq_len=c.max_position_embeddings,
+        tie_embeddings=c.tie_word_embeddings, bias=getattr(c, "attention_bias", False),
+        attention_dropout=c.attention_dropout, init_std=c.initializer_range, attention_window=_window_from_hf(c, arch),
+    )
+    if arch == "qwen2":  # biases on Q/K/V only, always
+        fields.update(qkv_bias=True)
+    if arch == "qwen3":
+        fields.update(qk_norm=True)
+    if arch == "mixtral":  # every block MoE; top-k of the softmax, renormalised (= softmax over the top-k logits)
+        # router_jitter_noise is training-only input noise, like dropout: not part of the function, not carried
+        fields.update(n_experts=c.num_local_experts, experts_per_token=c.num_experts_per_tok,
+                      router_renormalize=True, moe_aux_loss=c.router_aux_loss_coef)
+    if arch == "qwen3_moe":
+        fields.update(qk_norm=True, n_experts=c.num_experts, experts_per_token=c.num_experts_per_tok,
+                      moe_d_ff=c.moe_intermediate_size, router_renormalize=c.norm_topk_prob,
+                      moe_every=c.decoder_sparse_step, moe_first_dense=len(c.mlp_only_layers or []),
+                      moe_aux_loss=c.router_aux_loss_coef)
+    return ModelConfig(**fields)
 
 
 def config_from_hf(hf_config: Any) -> ModelConfig:
-    """The meshformer ModelConfig computing the same function as a GPT-2/BERT/Llama/T5 HF config."""
+    """The meshformer ModelConfig computing the same function as an HF config of one of `ARCHS`."""
     arch, c = hf_config.model_type, hf_config
     if arch == "gpt2":
         _check_gpt2(c)
@@ -153,18 +273,8 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
             dropout=c.hidden_dropout_prob, attention_dropout=c.attention_probs_dropout_prob,
             init_std=c.initializer_range,
         )
-    if arch == "llama":
-        _check_llama(c)
-        rope = c.rope_parameters or {}
-        kv = c.num_key_value_heads
-        return ModelConfig(
-            family="decoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_heads=c.num_attention_heads,
-            n_kv_heads=None if kv in (None, c.num_attention_heads) else kv, n_layers=c.num_hidden_layers,
-            d_ff=c.intermediate_size, activation="swiglu", norm="rmsnorm", norm_eps=c.rms_norm_eps,
-            norm_position="pre", position="rope", rope_theta=float(rope.get("rope_theta", 10000.0)),
-            max_seq_len=c.max_position_embeddings, tie_embeddings=c.tie_word_embeddings, bias=c.attention_bias,
-            attention_dropout=c.attention_dropout, init_std=c.initializer_range,
-        )
+    if arch in _LLAMA_LIKE:
+        return _llama_like_from_hf(c, arch)
     if arch == "t5":
         if c.d_kv * c.num_heads != c.d_model:
             raise ValueError("t5: d_kv * num_heads must equal d_model")
@@ -208,16 +318,41 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
             layer_norm_eps=cfg.norm_eps, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
             pad_token_id=0,
         )
-    if arch == "llama":
-        return transformers.LlamaConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
-            num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
-            head_dim=cfg.attention_head_dim, hidden_act="silu", max_position_embeddings=cfg.max_seq_len,
-            rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, attention_bias=cfg.bias,
-            mlp_bias=cfg.bias, attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_std,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+    if arch in _LLAMA_LIKE:
+        shared: dict[str, Any] = dict(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
+            num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.attention_head_dim,
+            hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+            tie_word_embeddings=cfg.tie_embeddings, attention_dropout=cfg.attention_dropout,
+            initializer_range=cfg.init_std, rope_parameters=_rope_to_hf(cfg),
             bos_token_id=None, eos_token_id=None, pad_token_id=None,
         )
+        # Qwen2/Qwen3: the window in every block (from max_window_layers = 0 on)
+        qwen_window: dict[str, Any] = dict(use_sliding_window=cfg.attention_window is not None,
+                                           sliding_window=cfg.attention_window, max_window_layers=0)
+        if arch == "mistral":
+            return transformers.MistralConfig(**shared, intermediate_size=cfg.d_ff, sliding_window=cfg.attention_window)
+        if arch == "qwen2":
+            return transformers.Qwen2Config(**shared, **qwen_window, intermediate_size=cfg.d_ff)
+        if arch == "qwen3":
+            return transformers.Qwen3Config(**shared, **qwen_window, intermediate_size=cfg.d_ff, attention_bias=False)
+        if arch == "mixtral":
+            return transformers.MixtralConfig(
+                **shared, intermediate_size=cfg.expert_d_ff, sliding_window=cfg.attention_window,
+                num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
+                router_aux_loss_coef=cfg.moe_aux_loss, router_jitter_noise=0.0,
+            )
+        if arch == "qwen3_moe":
+            return transformers.Qwen3MoeConfig(
+                **shared, intermediate_size=cfg.d_ff, moe_intermediate_size=cfg.expert_d_ff,
+                use_sliding_window=cfg.attention_window is not None, sliding_window=cfg.attention_window,
+                num_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
+                norm_topk_prob=cfg.router_renormalize, decoder_sparse_step=cfg.moe_every,
+                mlp_only_layers=list(range(cfg.moe_first_dense)), router_aux_loss_coef=cfg.moe_aux_loss,
+                attention_bias=False,
+            )
+        return transformers.LlamaConfig(**shared, intermediate_size=cfg.d_ff, attention_bias=cfg.bias,
+                                        mlp_bias=cfg.bias)
     spec = get_family_spec(cfg.family)
     return transformers.T5Config(  # type: ignore[call-arg]  # tie_word_embeddings: a PretrainedConfig kwarg
         vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.attention_head_dim, d_ff=cfg.d_ff,
@@ -233,7 +368,14 @@ def _features(cfg: ModelConfig) -> dict[str, Any]:
     """The config facts an architecture constrains, normalised (e.g. default attention scale, GQA or not)."""
     default_scale = cfg.attention_scale is None or math.isclose(cfg.attention_scale, cfg.attention_head_dim**-0.5)
     default_head_dim = cfg.attention_head_dim * cfg.n_heads == cfg.d_model
+    moe = cfg.n_experts > 0
     return {
+        # MoE: the router settings only matter where there are experts
+        "moe": moe, "n_shared_experts": cfg.n_shared_experts if moe else 0,
+        "router_score": cfg.router_score if moe else "softmax",
+        "router_renormalize": cfg.router_renormalize if moe else True,
+        "router_groups": cfg.router_groups if moe else 1, "capacity_factor": cfg.capacity_factor if moe else 0.0,
+        "moe_blocks": "every block" if not moe or (cfg.moe_every, cfg.moe_first_dense) == (1, 0) else "some",
         "family": cfg.family, "norm": cfg.norm, "norm_position": cfg.norm_position, "final_norm": cfg.use_final_norm,
         "embedding_norm": cfg.embedding_norm, "position": cfg.position, "scale_embeddings": cfg.scale_embeddings,
         "tie_embeddings": cfg.tie_embeddings, "share_embeddings": cfg.share_embeddings, "bias": cfg.bias,
@@ -250,15 +392,24 @@ _COMMON = {"scale_embeddings": False, "attention_window": None, "attention_scale
            "scale_output": False, "cross_downsample": 1, "embedding_norm": False, "head_transform": False,
            "output_bias": False, "grouped_query": False, "norm": "layernorm", "norm_position": "pre",
            "final_norm": True, "rope_scaling": "none", "head_dim": "d_model/n_heads", "qk_norm": False,
-           "qkv_bias": "as bias"}
+           "qkv_bias": "as bias", "moe": False, "n_shared_experts": 0, "router_score": "softmax",
+           "router_renormalize": True, "router_groups": 1, "capacity_factor": 0.0, "moe_blocks": "every block"}
+ANY = "any value"  # a requirement that every value meets
+_LLAMA = {**_COMMON, "family": "decoder", "position": "rope", "norm": "rmsnorm", "activation": "swiglu",
+          "grouped_query": {False, True}, "head_dim": ANY, "rope_scaling": ANY}
 _REQUIREMENTS: dict[str, dict[str, Any]] = {  # a set: any of these values
     "gpt2": {**_COMMON, "family": "decoder", "position": "learned", "bias": True,
              "activation": {"gelu_tanh", "gelu", "relu"}, "attention_scale": {"1/sqrt(head_dim)", 1.0}},
     "bert": {**_COMMON, "family": "encoder", "position": "learned", "bias": True, "norm_position": "post",
              "final_norm": False, "embedding_norm": True, "head_transform": True, "output_bias": True,
              "activation": {"gelu_tanh", "gelu", "relu"}},
-    "llama": {**_COMMON, "family": "decoder", "position": "rope", "norm": "rmsnorm", "activation": "swiglu",
-              "grouped_query": {False, True}},
+    "llama": _LLAMA,
+    "mistral": {**_LLAMA, "bias": False, "attention_window": ANY},
+    "qwen2": {**_LLAMA, "bias": False, "qkv_bias": True, "attention_window": ANY},
+    "qwen3": {**_LLAMA, "bias": False, "qk_norm": True, "attention_window": ANY},
+    "mixtral": {**_LLAMA, "bias": False, "moe": True, "attention_window": ANY},
+    "qwen3_moe": {**_LLAMA, "bias": False, "moe": True, "attention_window": ANY, "qk_norm": True,
+                  "router_renormalize": {True, False}, "moe_blocks": {"every block", "some"}},
     "t5": {**_COMMON, "family": "encoder_decoder", "position": "t5_relative", "norm": "rmsnorm", "bias": False,
            "tie_embeddings": True, "share_embeddings": True, "attention_scale": 1.0, "scale_output": {False, True},
            "activation": {"relu", "swiglu"}},
@@ -270,6 +421,8 @@ def incompatibilities(cfg: ModelConfig, arch: Arch) -> list[str]:
     have = _features(cfg)
     problems = []
     for key, need in _REQUIREMENTS[arch].items():
+        if need == ANY:
+            continue
         allowed = need if isinstance(need, set) else {need}
         if have[key] not in allowed:
             problems.append(f"{key}={have[key]!r} (needs {' or '.join(map(repr, sorted(allowed, key=str)))})")
@@ -304,12 +457,23 @@ def to_hf_state_dict(model: Transformer, arch: Arch | None = None) -> dict[str, 
     arch = arch or infer_arch(cfg)
     check_compatible(cfg, arch)
     ours = model.state_dict()
+    check_exportable(ours, arch)
     out = export_tensors(ours, name_map(cfg, arch))
     if arch == "bert":
         positions = ours["pos_embeddings.weight"].detach()
         out[_BERT_POSITIONS] = positions
         out[_BERT_TOKEN_TYPES] = positions.new_zeros(2, cfg.d_model)  # BertConfig's type_vocab_size
     return out
+
+
+def check_exportable(state: Mapping[str, torch.Tensor], arch: Arch) -> None:
+    """Values no Hugging Face architecture here can hold: a nonzero expert selection bias (DeepSeek-V3's
+    auxiliary-loss-free balancing shifts which experts a token picks; these routers have no such term)."""
+    for name in state:
+        if ZERO_ON_IMPORT.search(name) and state[name].any():
+            raise ValueError(f"{arch}: {name} is nonzero (a selection bias from model.router_bias_update_rate), "
+                             f"which {arch} has no place for — exporting it would pick other experts; only a model "
+                             "trained without bias balancing can be converted")
 
 
 def _normalize_names(hf_state: Mapping[str, V], arch: Arch) -> Mapping[str, V]:
@@ -349,27 +513,40 @@ def unused_names(names: Iterable[str], used: set[str], arch: Arch) -> list[str]:
 
 
 _MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForMaskedLM", "llama": "LlamaForCausalLM",
-                  "t5": "T5ForConditionalGeneration"}
+                  "t5": "T5ForConditionalGeneration", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def to_hf_model(model: Transformer, arch: Arch | None = None) -> Any:
-    """A Hugging Face model (in `model`'s dtype and train/eval mode) holding copies of its weights."""
+    """A Hugging Face model (in `model`'s dtype and train/eval mode) holding copies of its weights.
+
+    Loaded by transformers' own from_pretrained from the checkpoint-named tensors, so its conversions to the
+    modules' layout apply exactly as for a folder (e.g. Mixtral's per-expert linears into one fused tensor)."""
     import transformers
 
     arch = arch or infer_arch(model.cfg)
-    hf_model = getattr(transformers, _MODEL_CLASSES[arch])(config_to_hf(model.cfg, arch))
     state = to_hf_state_dict(model, arch)
-    hf_model.to(next(iter(state.values())).dtype)
-    hf_model.load_state_dict(state, strict=True)
+    hf_model, info = getattr(transformers, _MODEL_CLASSES[arch]).from_pretrained(
+        None, config=config_to_hf(model.cfg, arch), state_dict=state, output_loading_info=True,
+        dtype=next(iter(state.values())).dtype)
+    problems = {kind: names for kind, names in info.items() if names}
+    if problems:  # a bug in our name maps: transformers would leave such weights random or drop them
+        raise ValueError(f"transformers did not load the exported {arch} tensors exactly: {problems}")
     return hf_model.train(model.training)
 
 
 def from_hf_model(hf_model: Any) -> Transformer:
-    """A meshformer `Transformer` computing what a GPT2LMHeadModel/BertForMaskedLM/LlamaForCausalLM/T5 computes."""
+    """A meshformer `Transformer` computing what a GPT2LMHeadModel/BertForMaskedLM/LlamaForCausalLM/T5/
+    MixtralForCausalLM/Qwen3MoeForCausalLM computes."""
+    from transformers.core_model_loading import revert_weight_conversion
+
     from meshformer.model import Transformer
 
     cfg = config_from_hf(hf_model.config)
-    state = from_hf_state_dict(hf_model.state_dict(), cfg, hf_model.config.model_type)
+    # the tensors as save_pretrained writes them (checkpoint names and layout), which is what the name maps read
+    hf_state = revert_weight_conversion(hf_model, dict(hf_model.state_dict()))
+    state = from_hf_state_dict(hf_state, cfg, hf_model.config.model_type)
     model = Transformer(cfg).to(next(iter(state.values())).dtype)
     model.load_state_dict(state, strict=True)
     return model.train(hf_model.training)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from meshformer.checkpointing.errors import ConversionError
-from meshformer.checkpointing.mapping import export_tensors, name_map
+from meshformer.checkpointing.mapping import iter_export, name_map
 from meshformer.checkpointing.sharded_safetensors import (
     DEFAULT_MAX_SHARD_SIZE,
     SafetensorsFolder,
@@ -27,6 +27,7 @@ from meshformer.config import ModelConfig
 
 if TYPE_CHECKING:
     from meshformer.checkpointing.hf import Arch
+    from meshformer.model.families.naming import Rule
 
 
 def export_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: Path, arch: Arch | None = None,
@@ -41,6 +42,7 @@ def export_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: Path
     try:
         arch = arch or hf.infer_arch(cfg)
         hf.check_compatible(cfg, arch)
+        hf.check_exportable(state, arch)
     except ValueError as err:
         raise ConversionError(f"cannot export to Hugging Face: {err}", "choose another --arch, or leave it out to "
                               "pick the one that matches") from None
@@ -57,9 +59,7 @@ def hf_tensors(state: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arch) 
     """(HF name, tensor) one at a time, tied aliases left out; BERT gets its folded position table back."""
     from meshformer.checkpointing import hf
 
-    for rule in name_map(cfg, arch):
-        if not rule.alias:
-            yield from export_tensors(state, [rule]).items()
+    yield from iter_export(state, [rule for rule in name_map(cfg, arch) if not rule.alias])
     if arch == "bert":
         positions = state["pos_embeddings.weight"].detach()
         yield hf._BERT_POSITIONS, positions
@@ -88,7 +88,7 @@ def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arc
     weightless buffer), every tensor of ours must have a source.
     """
     from meshformer.checkpointing import hf
-    from meshformer.checkpointing.mapping import check_names, import_tensors, our_shapes
+    from meshformer.checkpointing.mapping import ZERO_ON_IMPORT, check_names, import_tensors, our_shapes
     from meshformer.checkpointing.safetensors_io import LazyState
 
     hf.check_compatible(cfg, arch)
@@ -96,14 +96,15 @@ def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arc
     shapes = our_shapes(cfg)
     source = f"Hugging Face {arch}"
     rules = name_map(cfg, arch)
-    rule_of = {}
+    rules_of: dict[str, list[Rule]] = {}  # our tensor -> the rules giving it (one, or one per expert)
     for rule in rules:
         if rule.alias:
             continue
         if rule.theirs not in original:
             raise KeyError(f"{source} state dict lacks {rule.theirs!r} (needed for {', '.join(rule.ours)})")
-        rule_of.update(dict.fromkeys(rule.ours, rule))
-    ours = [*rule_of, *(["pos_embeddings.weight"] if arch == "bert" else [])]
+        for name in rule.ours:
+            rules_of.setdefault(name, []).append(rule)
+    ours = [*rules_of, *(["pos_embeddings.weight"] if arch == "bert" else [])]
     check_names(ours, cfg, shapes, hf.unused_names(original, {r.theirs for r in rules}, arch), source)
     tied = cfg.tie_embeddings and "output.weight" in shapes
 
@@ -113,9 +114,11 @@ def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arc
         if arch == "bert" and name == "pos_embeddings.weight":  # token type 0 folded into the positions
             types = original.get(hf._BERT_TOKEN_TYPES)
             return (theirs[original[hf._BERT_POSITIONS]] + (theirs[types][0] if types else 0.0)).contiguous()
-        rule = rule_of[name]
+        if ZERO_ON_IMPORT.search(name):
+            return torch.zeros(shapes[name])
+        mine = rules_of[name]
         try:
-            return import_tensors({rule.theirs: theirs[original[rule.theirs]]}, [rule], shapes, source)[0][name]
+            return import_tensors({r.theirs: theirs[original[r.theirs]] for r in mine}, mine, shapes, source)[0][name]
         except ValueError as err:  # a shape that does not fit the config
             raise ConversionError(str(err)) from None
 
@@ -123,7 +126,7 @@ def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arc
 
 
 def import_hf(folder: Path, *, show_progress: bool | None = None) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
-    """(our config, our tensors read on access) from an HF GPT-2 / BERT / Llama / T5 folder."""
+    """(our config, our tensors read on access) from a Hugging Face folder of one of `hf.ARCHS`."""
     from meshformer.checkpointing import hf
 
     folder = Path(folder)

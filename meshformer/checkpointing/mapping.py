@@ -8,13 +8,18 @@ packed tensors; they come from a model built on the meta device, which costs no 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
 from meshformer.config import ModelConfig
 from meshformer.model.families import get_family_spec
 from meshformer.model.families.naming import Rule
+
+# Our buffers no foreign implementation has: zeros on import (DeepSeek-V3's expert selection bias starts at zero;
+# export refuses a nonzero one, checkpointing/hf.py).
+ZERO_ON_IMPORT = re.compile(r"\.router\.expert_bias$")
 
 
 def name_map(cfg: ModelConfig, foreign: str) -> list[Rule]:
@@ -33,12 +38,18 @@ def our_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
 
 
 def export_tensors(ours: Mapping[str, torch.Tensor], rules: Iterable[Rule]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
+    return dict(iter_export(ours, rules))
+
+
+def iter_export(ours: Mapping[str, torch.Tensor], rules: Iterable[Rule]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(foreign name, tensor) one rule at a time; the experts of one stacked tensor of ours read it once."""
+    cached: tuple[tuple[str, ...], list[torch.Tensor]] | None = None
     for rule in rules:
-        parts = [ours[name].detach() for name in rule.ours]
+        if cached is None or cached[0] != rule.ours:
+            cached = (rule.ours, [ours[name].detach() for name in rule.ours])
+        parts = cached[1] if rule.expert is None else [cached[1][0][rule.expert]]
         tensor = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
-        out[rule.theirs] = tensor.t().contiguous() if rule.transpose else tensor
-    return out
+        yield rule.theirs, (tensor.t().contiguous() if rule.transpose else tensor)
 
 
 def import_tensors(theirs: Mapping[str, torch.Tensor], rules: Iterable[Rule], shapes: Mapping[str, torch.Size],
@@ -46,6 +57,7 @@ def import_tensors(theirs: Mapping[str, torch.Tensor], rules: Iterable[Rule], sh
     """Our tensors from foreign ones, and the foreign names used (aliases count as used, unread)."""
     out: dict[str, torch.Tensor] = {}
     used: set[str] = set()
+    experts: dict[str, list[torch.Tensor]] = {}  # our stacked tensor -> its experts' slices, in order
     for rule in rules:
         used.add(rule.theirs)
         if rule.alias:
@@ -54,6 +66,9 @@ def import_tensors(theirs: Mapping[str, torch.Tensor], rules: Iterable[Rule], sh
             raise KeyError(f"{source} state dict lacks {rule.theirs!r} (needed for {', '.join(rule.ours)})")
         tensor = theirs[rule.theirs].detach()
         tensor = tensor.t() if rule.transpose else tensor
+        if rule.expert is not None:
+            experts.setdefault(rule.ours[0], []).append(tensor)
+            continue
         sizes = [shapes[name][0] for name in rule.ours]
         pieces = tensor.split(sizes, dim=0) if len(sizes) > 1 else (tensor,)
         for name, piece in zip(rule.ours, pieces, strict=True):
@@ -61,6 +76,11 @@ def import_tensors(theirs: Mapping[str, torch.Tensor], rules: Iterable[Rule], sh
                 raise ValueError(f"{source} tensor {rule.theirs!r} gives {name} the shape {tuple(piece.shape)}, "
                                  f"expected {tuple(shapes[name])}; does the config match the checkpoint?")
             out[name] = piece.contiguous()
+    for name, pieces in experts.items():
+        if len({p.shape for p in pieces}) > 1 or (len(pieces), *pieces[0].shape) != tuple(shapes[name]):
+            raise ValueError(f"{source} experts give {name} the shape {(len(pieces), *pieces[0].shape)}, expected "
+                             f"{tuple(shapes[name])}; does the config match the checkpoint?")
+        out[name] = torch.stack(pieces)
     return out, used
 
 
@@ -73,15 +93,16 @@ def check_names(ours: Iterable[str], cfg: ModelConfig, shapes: Mapping[str, torc
         raise ValueError(f"{source} tensors with no meshformer counterpart (not loaded): {leftovers[:8]}"
                          f"{' ...' if len(leftovers) > 8 else ''}")
     tied = {"output.weight"} if cfg.tie_embeddings else set()
-    missing = sorted(set(shapes) - set(ours) - tied)
+    missing = sorted(k for k in set(shapes) - set(ours) - tied if not ZERO_ON_IMPORT.search(k))
     if missing:
         raise ValueError(f"conversion from {source} left meshformer tensors unset: {missing[:8]}")
 
 
 def finish_import(out: dict[str, torch.Tensor], cfg: ModelConfig, shapes: Mapping[str, torch.Size],
                   leftovers: Iterable[str], source: str) -> dict[str, torch.Tensor]:
-    """Check the names (`check_names`) and restore the tied output."""
+    """Check the names (`check_names`), restore the tied output and zero what no foreign model has."""
     check_names(out, cfg, shapes, leftovers, source)
+    out.update({k: torch.zeros(shape) for k, shape in shapes.items() if ZERO_ON_IMPORT.search(k)})
     if cfg.tie_embeddings and "output.weight" in shapes:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out

@@ -20,6 +20,8 @@ from meshformer.config import ModelConfig
 from meshformer.model import Transformer
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=64, max_seq_len=64)
+MOE_CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, d_ff=32, activation="swiglu", norm="rmsnorm",
+                      position="rope", bias=False, max_seq_len=64, n_experts=4, qk_norm=True)
 SHARD = "model-00001-of-00001.safetensors"
 
 
@@ -74,6 +76,11 @@ def convert_case_files(tmp: Path) -> None:
                          "string": {"n_embd": "32"}, "eps-string": {"layer_norm_epsilon": "small"},
                          "heads-divide": {"n_head": 5}, "layers": {"n_layer": 10**9}}.items():
         _hf_with(hf, tmp / f"cv-hf-{name}", **values)
+    # an MoE model (exported as Qwen3-MoE: it has QK-norm), and a Qwen3-MoE whose dense block is not a prefix
+    moe = Transformer(MOE_CFG).state_dict()
+    write_weights(moe, MOE_CFG, tmp / "cv-moe-weights")
+    export_hf(moe, MOE_CFG, tmp / "cv-moe-hf")
+    _hf_with(tmp / "cv-moe-hf", tmp / "cv-moe-hf-dense-last", mlp_only_layers=[1])
     user = tmp / "cv-user"
     user.mkdir()
     (user / "thesis.tex").write_text("years of work\n")

@@ -212,11 +212,14 @@ def test_head_dim_lifts_the_divisibility_rule():
     assert config_with(d_model=30, head_dim=8).model.attention_head_dim == 8
 
 
-@pytest.mark.parametrize("extra", [dict(head_dim=16), dict(qk_norm=True), dict(qkv_bias=True),
-                                   dict(rope_scaling="linear", rope_scaling_factor=2.0)])
-def test_llama_export_refuses_what_it_cannot_express(extra):
-    from meshformer.checkpointing.hf import incompatibilities
+@pytest.mark.parametrize(("extra", "arch"), [(dict(head_dim=16), "llama"), (dict(qk_norm=True), "qwen3"),
+                                             (dict(qkv_bias=True), "qwen2"),
+                                             (dict(rope_scaling="linear", rope_scaling_factor=2.0), "llama")])
+def test_each_option_exports_as_the_architecture_that_has_it(extra, arch):
+    """Llama maps head_dim and rotary scaling; QK-norm is Qwen3's, Q/K/V-only biases Qwen2's (checkpointing/hf.py)."""
+    from meshformer.checkpointing.hf import incompatibilities, infer_arch
 
     cfg = small(**extra)
     assert incompatibilities(small(), "llama") == []
-    assert incompatibilities(cfg, "llama") != []
+    assert infer_arch(cfg) == arch
+    assert (incompatibilities(cfg, "llama") == []) == (arch == "llama")

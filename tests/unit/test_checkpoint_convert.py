@@ -1,7 +1,9 @@
-"""Conversions: sharded checkpoint <-> safetensors, Hugging Face import/export (GPT-2, BERT, Llama, T5)."""
+"""Conversions: sharded checkpoint <-> safetensors, Hugging Face import/export (GPT-2, BERT, Llama, T5, Mistral,
+Qwen2, Qwen3, Mixtral, Qwen3-MoE)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -109,6 +111,35 @@ def _hf_model(arch: str):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False))
+    elif arch == "llama3":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, rope_parameters={
+                "rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8}))
+    elif arch == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, sliding_window=5))
+    elif arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True))
+    elif arch == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=32, use_sliding_window=True,
+            sliding_window=6, max_window_layers=0))
+    elif arch == "mixtral":  # a window shorter than the 12-token test sequences
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+            sliding_window=6))
+    elif arch == "qwen3_moe":
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+            mlp_only_layers=[0], max_position_embeddings=32))
     else:
         model = transformers.T5ForConditionalGeneration(transformers.T5Config(
             vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
@@ -117,18 +148,25 @@ def _hf_model(arch: str):
     return model.eval()
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "t5"])
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "t5", "llama3", "mistral", "qwen2", "qwen3", "mixtral",
+                                  "qwen3_moe"])
 def test_hugging_face_import_export(arch, tmp_path):
     original = tmp_path / "hf"
     _hf_model(arch).save_pretrained(str(original))
     main(["convert", "import-hf", str(original), str(tmp_path / "ours")])
     main(["convert", "export-hf", str(tmp_path / "ours"), str(tmp_path / "exported")])
+    if arch == "llama3":  # export writes the rotary scaling back
+        hf_config = json.loads((tmp_path / "exported" / "config.json").read_text())
+        assert hf_config["rope_parameters"]["rope_type"] == "llama3"
     # import -> export is bitwise, tensor for tensor
     assert_bitwise(load_file(str(tmp_path / "exported" / "model.safetensors")),
                    load_file(str(original / "model.safetensors")))
     # the exported folder loads in transformers and computes our logits
     cls = {"gpt2": transformers.GPT2LMHeadModel, "bert": transformers.BertForMaskedLM,
-           "llama": transformers.LlamaForCausalLM, "t5": transformers.T5ForConditionalGeneration}[arch]
+           "llama": transformers.LlamaForCausalLM, "t5": transformers.T5ForConditionalGeneration,
+           "llama3": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
+           "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+           "mixtral": transformers.MixtralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM}[arch]
     hf_model = cls.from_pretrained(str(tmp_path / "exported")).eval()
     cfg, state = read_weights(tmp_path / "ours")
     ours = Transformer(cfg).eval()
@@ -160,3 +198,18 @@ def test_hugging_face_errors_name_the_mismatch(tmp_path):
         main(["convert", "export-hf", str(tmp_path / "alibi"), str(tmp_path / "out2")])
     with pytest.raises(ConversionError, match="position='alibi'"):
         export_hf(Transformer(cfg).state_dict(), cfg, tmp_path / "out3", arch="gpt2")
+
+
+def test_export_refuses_a_nonzero_expert_selection_bias(tmp_path):
+    """DeepSeek-V3's selection bias has no place in Mixtral / Qwen3-MoE: refused by name, nothing written."""
+    from meshformer.checkpointing.hf_folder import export_hf
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=32, activation="swiglu", norm="rmsnorm",
+                      position="rope", bias=False, n_experts=4)
+    state = dict(Transformer(cfg).state_dict())
+    state["decoder_layers.0.ffn.router.expert_bias"] = torch.tensor([0.0, 0.5, 0.0, -0.5])
+    with pytest.raises(ConversionError, match=r"decoder_layers\.0\.ffn\.router\.expert_bias is nonzero"):
+        export_hf(state, cfg, tmp_path / "out", arch="mixtral")
+    assert not (tmp_path / "out").exists()
+    state["decoder_layers.0.ffn.router.expert_bias"] = torch.zeros(4)  # never trained with bias balancing: fine
+    export_hf(state, cfg, tmp_path / "out", arch="mixtral")

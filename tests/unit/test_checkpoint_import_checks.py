@@ -56,11 +56,23 @@ def test_gpt2_upcast_attention_is_the_same_function(tmp_path):
 @pytest.mark.parametrize(("arch", "flags", "named"), [
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
     ("gpt2", {"add_cross_attention": True}, "add_cross_attention=True"),
-    ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}, "rope_type='linear'"),
+    ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope_type='dynamic'"),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                   "rope_theta": 10000.0, "mscale": 0.707, "mscale_all_dim": 0.707}},
+     "rope_parameters.mscale=0.707"),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                   "rope_theta": 10000.0, "truncate": False}}, "truncate=False"),
     ("llama", {"attention_bias": True, "mlp_bias": False}, "attention_bias=True with mlp_bias=False"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ("bert", {"position_embedding_type": "relative_key"}, "position_embedding_type='relative_key'"),
     ("bert", {"hidden_act": "tanh"}, "activation 'tanh'"),
+    ("mixtral", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("mixtral", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6,
+                                     "partial_rotary_factor": 0.5}}, "rope_parameters.partial_rotary_factor=0.5"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+     "sliding_window=4 with max_window_layers=1"),
+    ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers=[1]"),
+    ("qwen3_moe", {"attention_bias": True}, "attention_bias=True"),
 ])
 def test_flags_that_change_the_function_are_refused(arch, flags, named, tmp_path):
     if arch == "gpt2":
@@ -69,6 +81,19 @@ def test_flags_that_change_the_function_are_refused(arch, flags, named, tmp_path
     elif arch == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            max_position_embeddings=32, **flags))
+    elif arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=32, **flags))
+    elif arch == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32, **flags))
+    elif arch == "qwen3_moe":
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
             max_position_embeddings=32, **flags))
     else:
         model = transformers.BertForMaskedLM(transformers.BertConfig(

@@ -58,7 +58,30 @@ PUBLISHED = {  # config: (published parameter count, relative tolerance)
     "llama-405b": (405_853_388_800, 0.0),  # Llama 3.1 405B, "405.9B"
     "bert-base": (109_514_298 - 1_536, 0.0),  # BertForMaskedLM minus the token-type table we fold away
     "t5-small": (60_506_624, 0.0),  # HF T5ForConditionalGeneration("t5-small")
+    "mistral-7b": (7.24e9, 0.01),  # Jiang et al. 2023 ("7.24B")
+    "qwen3-0.6b": (0.6e9, 0.01),  # Qwen3 Technical Report, Table 1 ("0.6B")
+    "qwen3-8b": (8.2e9, 0.01),  # ("8.2B")
 }
+
+# MoE configs: (published total, published active). Totals within 1%; the active counts are published with one
+# decimal (Qwen3-30B-A3B's 3,353,032,704 is "3.3B", OLMoE's 1,281,955,840 "1.3B"), so within 0.1B of the figure,
+# and exactly what the Hugging Face model's experts give (test_new_configs_count_...). OLMoE: its QK-norm weights
+# span the whole projection (2 x 2048 per layer), ours one head (2 x 128): 61,440 fewer, far below 1%.
+PUBLISHED_MOE = {
+    "mixtral-8x7b": (46.7e9, 12.9e9),  # Jiang et al. 2024, "Mixtral of Experts"
+    "qwen3-30b-a3b": (30.5e9, 3.3e9),  # Qwen3 Technical Report, Table 2
+    "olmoe-1b-7b": (6.9e9, 1.3e9),  # Muennighoff et al. 2024, "OLMoE" (6.9B total, 1.3B active)
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_MOE))
+def test_moe_configs_reproduce_published_total_and_active(name):
+    cfg = load_config(name)  # by bundled name: the shipped file is found without a path
+    counts = count_params(cfg.model)
+    total, active = PUBLISHED_MOE[name]
+    assert counts["total"] == pytest.approx(total, rel=0.01), f"{counts['total']:,}"
+    assert abs(counts["active"] - active) < 0.1e9, f"{counts['active']:,}"
+    assert counts["total"] == built_params(cfg.model)
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -87,6 +110,37 @@ def test_counts_equal_hugging_face_models(name, cls, config, kwargs):
     theirs = sum(p.numel() for p in hf.parameters())
     folded = 1_536 if name == "bert-base" else 0  # token-type embeddings (2 x 768)
     assert count_params(cfg)["total"] == theirs - folded
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "mistral-7b", "qwen3-0.6b", "qwen3-8b"])
+def test_new_configs_count_what_their_hugging_face_export_builds(name):
+    """The exported architecture (config_to_hf), built on the meta device, has exactly our parameter count."""
+    transformers = pytest.importorskip("transformers")
+    from meshformer.checkpointing.hf import _MODEL_CLASSES, config_to_hf, infer_arch
+
+    cfg = load_config(name).model
+    arch = infer_arch(cfg)
+    with torch.device("meta"):
+        hf = getattr(transformers, _MODEL_CLASSES[arch])(config_to_hf(cfg, arch))
+    counts = count_params(cfg)
+    assert counts["total"] == sum(p.numel() for p in hf.parameters())
+    if cfg.n_experts:  # active: every block's experts but experts_per_token of them left out, per their shapes
+        experts = [layer.mlp.experts for layer in hf.model.layers if hasattr(layer.mlp, "experts")]
+        unused = sum((cfg.n_experts - cfg.experts_per_token) * (e.gate_up_proj[0].numel() + e.down_proj[0].numel())
+                     for e in experts)
+        assert counts["active"] == counts["total"] - unused
+
+
+def test_olmoe_count_differs_from_hugging_face_by_the_qk_norm_width_only():
+    transformers = pytest.importorskip("transformers")
+    cfg = load_config("olmoe-1b-7b").model
+    with torch.device("meta"):
+        hf = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+            vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
+            num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, tie_word_embeddings=False))
+    theirs = sum(p.numel() for p in hf.parameters())
+    assert theirs == 6_919_161_856  # allenai/OLMoE-1B-7B-0924
+    assert theirs - count_params(cfg)["total"] == 16 * 2 * (2048 - 128)
 
 
 def test_gpt3_flops_match_megatron_and_the_gpt3_paper():

@@ -1,4 +1,5 @@
-"""meshformer models against torch.nn.Transformer and Hugging Face GPT-2 / BERT / Llama / T5 given the same weights.
+"""meshformer models against torch.nn.Transformer and Hugging Face GPT-2 / BERT / Llama (3.x rotary scaling) / T5 /
+Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE given the same weights.
 
 HF models are built from small configs with random init (no download). Every parameter, norms and biases
 included, is perturbed first so that swapping any two tensors of the same shape would be caught.
@@ -6,6 +7,7 @@ included, is perturbed first so that swapping any two tensors of the same shape 
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -97,6 +99,54 @@ def _hf_llama():
         "rope_theta": 500.0}, bos_token_id=None, eos_token_id=None, pad_token_id=None))
 
 
+def _hf_llama3():
+    # Llama 3.1's scaling with an 8-token original context: head_dim 8's four frequencies fall in all three bands
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8}, bos_token_id=None, eos_token_id=None, pad_token_id=None))
+
+
+def _hf_mistral():
+    return transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=32, sliding_window=4, bos_token_id=None,
+        eos_token_id=None))
+
+
+def _hf_qwen2():
+    # the window in every block (max_window_layers=0)
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, use_sliding_window=True, sliding_window=5,
+        max_window_layers=0, tie_word_embeddings=True))
+
+
+def _hf_qwen3():
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=32, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8}))
+
+
+def _hf_mixtral(**extra):
+    # a 5-token sliding window on 12-token sequences: the window's boundary is crossed
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**{
+        "vocab_size": 97, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "max_position_embeddings": 32, "sliding_window": 5, "bos_token_id": None, "eos_token_id": None, **extra}))
+
+
+def _hf_qwen3_moe(**extra):
+    # head_dim 16 != 32 / 4, block 0 dense (mlp_only_layers), top-k weights not renormalised (Qwen3's default)
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{
+        "vocab_size": 97, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 24,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "num_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": [0], "max_position_embeddings": 32,
+        "norm_topk_prob": False, **extra}))
+
+
 def _hf_t5(**extra):
     # Few buckets and a short max distance, so 12-token sequences reach the log-spaced and the clipped buckets.
     return transformers.T5ForConditionalGeneration(transformers.T5Config(
@@ -113,7 +163,12 @@ def _random_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-@pytest.mark.parametrize("make", [_hf_gpt2, _hf_bert, _hf_llama], ids=["gpt2", "bert", "llama"])
+_SINGLE_STACK = [_hf_gpt2, _hf_bert, _hf_llama, _hf_llama3, _hf_mistral, _hf_qwen2, _hf_qwen3, _hf_mixtral,
+                 _hf_qwen3_moe]
+_SINGLE_IDS = ["gpt2", "bert", "llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+
+
+@pytest.mark.parametrize("make", _SINGLE_STACK, ids=_SINGLE_IDS)
 def test_hf_single_stack_logits_match(make):
     torch.manual_seed(0)
     hf = make()
@@ -156,7 +211,7 @@ def test_hf_t5_with_relative_bias_matches():
     torch.testing.assert_close(back[real], got[real], rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("make", [_hf_gpt2, _hf_bert, _hf_llama, _hf_t5], ids=["gpt2", "bert", "llama", "t5"])
+@pytest.mark.parametrize("make", [*_SINGLE_STACK, _hf_t5], ids=[*_SINGLE_IDS, "t5"])
 def test_hf_state_dict_round_trip(make):
     torch.manual_seed(0)
     hf = make()
@@ -234,3 +289,103 @@ def test_base_model_checkpoint_names_are_accepted():
     cfg = config_from_hf(bert.config)
     got, expected = from_hf_state_dict(old, cfg, "bert"), from_hf_state_dict(bert.state_dict(), cfg, "bert")
     assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def _llama_config(**extra) -> ModelConfig:
+    return ModelConfig(**{"vocab_size": 97, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "n_layers": 2, "d_ff": 48,
+                          "activation": "swiglu", "norm": "rmsnorm", "position": "rope", "tie_embeddings": False,
+                          "bias": False, "max_seq_len": 32, **extra})
+
+
+def _moe_config(**extra) -> ModelConfig:
+    return _llama_config(**{"n_experts": 4, "experts_per_token": 2, **extra})
+
+
+_LLAMA3_ROPE = {"rope_scaling": "llama3", "rope_scaling_factor": 8.0, "rope_original_max_seq_len": 8,
+                "rope_theta": 500.0}
+_YARN_ROPE = {"rope_scaling": "yarn", "rope_scaling_factor": 4.0, "rope_original_max_seq_len": 8,
+              "rope_attention_factor": 1.2}
+
+
+@pytest.mark.parametrize(("arch", "cfg"), [
+    ("llama", _llama_config(**_LLAMA3_ROPE)),
+    ("llama", _llama_config(rope_scaling="linear", rope_scaling_factor=2.0, head_dim=16)),
+    ("mistral", _llama_config(attention_window=4, head_dim=16)),
+    ("qwen2", _llama_config(qkv_bias=True, attention_window=5, tie_embeddings=True)),
+    ("qwen3", _llama_config(qk_norm=True, head_dim=16, **_YARN_ROPE)),
+    ("mixtral", _moe_config(attention_window=4)),
+    ("qwen3_moe", _moe_config(qk_norm=True, head_dim=16, n_layers=4, moe_every=2, moe_first_dense=2, moe_d_ff=16,
+                              router_renormalize=False)),
+], ids=["llama3", "llama-linear", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
+def test_export_logits_and_round_trip(arch, cfg):
+    """Ours -> HF computes our logits (padded batch, sequences longer than the window) and comes back bitwise."""
+    torch.manual_seed(0)
+    ours = Transformer(cfg).eval()
+    perturb(ours)
+    assert infer_arch(ours.cfg) == arch
+    hf = to_hf_model(ours).eval()
+    ids, mask = _random_batch()
+    with torch.no_grad():
+        got, expected = ours(ids, mask.bool()), hf(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(expected[real], got[real], rtol=0, atol=1e-4)
+    assert expected.std() > 0.1
+    back = from_hf_model(hf)
+    assert back.cfg == ours.cfg
+    mine = ours.state_dict()
+    assert back.state_dict().keys() == mine.keys()
+    assert all(torch.equal(v, mine[k]) for k, v in back.state_dict().items())
+
+
+def test_moe_expert_layout():
+    """Expert j of Mixtral's w1 (out, in) is slice j of our stacked gate_proj (in, out), transposed."""
+    torch.manual_seed(0)
+    hf = _hf_mixtral()
+    perturb(hf)
+    ours = from_hf_model(hf)
+    state = to_hf_state_dict(ours)
+    gate = ours.decoder_layers["1"].ffn.experts.gate_proj
+    torch.testing.assert_close(state["model.layers.1.block_sparse_moe.experts.2.w1.weight"], gate[2].T, rtol=0,
+                               atol=0)
+    fused = hf.model.layers[1].mlp.experts.gate_up_proj  # transformers 5 keeps [gate; up] fused in memory
+    torch.testing.assert_close(fused[2, :48], gate[2].T, rtol=0, atol=0)
+
+
+def test_nonzero_expert_bias_is_refused_on_export():
+    ours = Transformer(_moe_config())
+    bias = ours.decoder_layers["0"].ffn.router.expert_bias
+    state = {**ours.state_dict(), "decoder_layers.0.ffn.router.expert_bias": bias}  # persistent or not
+    from meshformer.checkpointing.hf import check_exportable
+
+    check_exportable(state, "mixtral")  # zeros: nothing to refuse
+    state["decoder_layers.0.ffn.router.expert_bias"] = bias + torch.arange(4.0)
+    with pytest.raises(ValueError, match=r"decoder_layers\.0\.ffn\.router\.expert_bias is nonzero"):
+        check_exportable(state, "mixtral")
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    ({"n_shared_experts": 1}, "n_shared_experts=1"),
+    ({"router_score": "sigmoid"}, "router_score='sigmoid'"),
+    ({"router_groups": 2, "router_groups_per_token": 1}, "router_groups=2"),
+    ({"capacity_factor": 1.25}, "capacity_factor=1.25"),
+    ({"moe_every": 2}, "moe_blocks='some'"),
+    ({"router_renormalize": False}, "router_renormalize=False"),
+    ({"qk_norm": True}, "qk_norm=True"),
+])
+def test_mixtral_refuses_what_it_cannot_express(extra, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        check_compatible(_moe_config(**extra), "mixtral")
+
+
+def test_llama31_rope_parameters_map_both_ways():
+    """Llama 3.1 8B's published config.json rope block (no download: its values) to our keys and back."""
+    from meshformer.checkpointing.hf import config_to_hf
+
+    published = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    cfg = config_from_hf(transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=published))
+    assert (cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_original_max_seq_len) == ("llama3", 8.0, 8192)
+    assert (cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_theta) == (1.0, 4.0, 500000.0)
+    assert config_to_hf(cfg).rope_parameters == published

@@ -1,16 +1,20 @@
 """Decoder-only (GPT, Llama): one causal stack; next-token prediction.
 
-Name maps: Hugging Face GPT-2 (Conv1D weights stored (in, out), q/k/v packed in `c_attn`) and Llama (names
-only); Megatron-Core GPTModel (checkpointing/megatron.py).
+Name maps: Hugging Face GPT-2 (Conv1D weights stored (in, out), q/k/v packed in `c_attn`), Llama, Mistral,
+Qwen2 and Qwen3 (names only), Mixtral and Qwen3-MoE (one (out, in) linear per expert, as their checkpoints
+store them); Megatron-Core GPTModel (checkpointing/megatron.py).
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 from meshformer.model.config import ModelConfig
 from meshformer.model.families.common import transformer_family
-from meshformer.model.families.naming import MegatronNames, Rule, norm, params
+from meshformer.model.families.naming import MegatronNames, Rule, expert_params, norm, params
 from meshformer.model.families.spec import Stack
 from meshformer.model.flops import decoder_flops
+from meshformer.model.moe import is_moe_block
 
 
 def gpt2_rules(cfg: ModelConfig) -> list[Rule]:
@@ -28,8 +32,16 @@ def gpt2_rules(cfg: ModelConfig) -> list[Rule]:
     return rules
 
 
-def llama_rules(cfg: ModelConfig) -> list[Rule]:
+# An MoE block's router and expert j's gate / up / down linears, as each architecture's checkpoints name them.
+_HF_EXPERTS = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.", ("w1", "w3", "w2")),
+               "qwen3_moe": ("mlp.gate", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj"))}
+
+
+def llama_rules(cfg: ModelConfig, arch: str = "llama") -> list[Rule]:
+    """Llama and the architectures that share its names: Mistral, Qwen2 (Q/K/V biases), Qwen3 (QK-norm), Mixtral
+    and Qwen3-MoE (expert blocks)."""
     linear = ("weight", "bias") if cfg.bias else ("weight",)
+    qkv_linear = ("weight", "bias") if cfg.use_qkv_bias else ("weight",)
     rules = [Rule(("tok_embeddings.weight",), "model.embed_tokens.weight"), *norm("decoder_norm", "model.norm", cfg),
              Rule(("output.weight",), "lm_head.weight", alias=cfg.tie_embeddings)]
     for i in range(cfg.n_layers):
@@ -37,9 +49,17 @@ def llama_rules(cfg: ModelConfig) -> list[Rule]:
         rules += [*norm(f"{o}.attn_norm", f"{t}.input_layernorm", cfg),
                   *norm(f"{o}.ffn_norm", f"{t}.post_attention_layernorm", cfg)]
         for p in ("q", "k", "v", "o"):
-            rules += params(f"{o}.attn.{p}_proj", f"{t}.self_attn.{p}_proj", linear)
-        for p in ("gate", "up", "down"):
-            rules += params(f"{o}.ffn.{p}_proj", f"{t}.mlp.{p}_proj", linear)
+            rules += params(f"{o}.attn.{p}_proj", f"{t}.self_attn.{p}_proj", linear if p == "o" else qkv_linear)
+        if cfg.qk_norm:
+            rules += [Rule((f"{o}.attn.{p}_norm.weight",), f"{t}.self_attn.{p}_norm.weight") for p in "qk"]
+        if is_moe_block(cfg, i):
+            router, expert, (gate, up, down) = _HF_EXPERTS[arch]
+            rules += [Rule((f"{o}.ffn.router.weight",), f"{t}.{router}.weight")]
+            for ours, theirs in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+                rules += expert_params(f"{o}.ffn.experts.{ours}", f"{t}.{expert}{theirs}.weight", cfg.n_experts)
+        else:
+            for p in ("gate", "up", "down"):
+                rules += params(f"{o}.ffn.{p}_proj", f"{t}.mlp.{p}_proj", linear)
     return rules
 
 
@@ -48,7 +68,8 @@ SPEC = transformer_family(
     stacks=(Stack("decoder", causal=True, count=lambda cfg: cfg.n_layers, depth_key="model.n_layers"),),
     objectives=("causal",),
     training_flops=decoder_flops,
-    name_maps={"gpt2": gpt2_rules, "llama": llama_rules},
+    name_maps={"gpt2": gpt2_rules, **{arch: partial(llama_rules, arch=arch)
+                                      for arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")}},
     megatron=MegatronNames(
         model="GPTModel", layers="decoder_layers", embedding="tok_embeddings.weight",
         positions="pos_embeddings.weight", final_norm="decoder_norm", output="output.weight",

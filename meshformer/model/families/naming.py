@@ -1,7 +1,8 @@
 """`Rule`: one foreign tensor tied to one or more of ours; the families' name maps are lists of them.
 
 Several of ours are concatenated along dim 0 (output features), e.g. q/k/v into GPT-2's `c_attn` or
-nn.MultiheadAttention's `in_proj_weight`. checkpointing/mapping.py applies rules both ways.
+nn.MultiheadAttention's `in_proj_weight`; one expert's linear is a slice of our stacked (n_experts, in, out)
+expert tensor (Mixtral's `experts.3.w1.weight`). checkpointing/mapping.py applies rules both ways.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ class Rule:
     theirs: str
     transpose: bool = False  # foreign layout is (in, out), e.g. GPT-2's Conv1D
     alias: bool = False  # a foreign duplicate of a tied tensor: written on export, ignored on import
+    expert: int | None = None  # the foreign tensor is this slice of our (single, stacked) tensor along dim 0
 
 
 def params(ours: str | tuple[str, ...], theirs: str, names: Iterable[str] = ("weight", "bias"), *,
@@ -44,6 +46,12 @@ class MegatronNames:
     gate: str  # SwiGLU: linear_fc1 = [gate; up]
     up: str
     down: str
+
+
+def expert_params(ours: str, theirs: str, n_experts: int) -> list[Rule]:
+    """One (out, in) nn.Linear weight per expert (`theirs` holds "{j}") from our stacked (n_experts, in, out)
+    tensor, in expert order (so a one-entry cache reads the stacked tensor once on export)."""
+    return [Rule((ours,), theirs.format(j=j), transpose=True, expert=j) for j in range(n_experts)]
 
 
 def norm(ours: str, theirs: str, cfg: ModelConfig) -> list[Rule]:
