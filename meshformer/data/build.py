@@ -75,14 +75,9 @@ def ensure_shards(data_cfg, tokenizer: Tokenizer, record_len: int) -> str:  # da
         if not (out / "manifest.json").exists():
             log.info("data: no shards for corpus %r yet; preparing them into %s", data_cfg.corpus, out)
             start = time.perf_counter()
-            tmp_tok = out.parent / f"{out.name}.tokenizer.json"
-            tokenizer.save(tmp_tok)
-            try:
-                prepare(data_cfg.corpus, out, tokenizer=str(tmp_tok), record_len=record_len,
-                        text_field=data_cfg.text_field, eval_fraction=data_cfg.eval_fraction, seed=data_cfg.seed,
-                        shard_records=max(1, (1 << 17) // record_len), progress=False, overwrite=True)
-            finally:
-                tmp_tok.unlink(missing_ok=True)
+            prepare(data_cfg.corpus, out, tokenizer=tokenizer, record_len=record_len,
+                    text_field=data_cfg.text_field, eval_fraction=data_cfg.eval_fraction, seed=data_cfg.seed,
+                    shard_records=max(1, (1 << 17) // record_len), progress=False, overwrite=True)
             log.info("data: prepared %s in %.1fs", out, time.perf_counter() - start)
     return str(out)
 

@@ -666,8 +666,8 @@ def _as_ids(path: Path, tokens: np.ndarray, where: str, base: int = 0) -> np.nda
     else:
         ids = np.asarray(tokens, dtype=np.int64)
     if len(ids) and int(ids.min()) < 0:
-        bad = int(np.flatnonzero(ids < 0)[0])
-        raise CorpusError(f"{path}: {where}: negative token id {int(ids[bad])} (token {base + bad})",
+        neg = int(np.flatnonzero(ids < 0)[0])
+        raise CorpusError(f"{path}: {where}: negative token id {int(ids[neg])} (token {base + neg})",
                           "check the dtype of the file (--token-dtype) or re-tokenize it")
     return ids
 
