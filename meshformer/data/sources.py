@@ -122,16 +122,13 @@ def resolve_inputs(inputs: str | Path | list[str | Path]) -> list[Path]:
 
 
 def _walk(folder: Path) -> list[Path]:
+    """A folder's input files in sorted order; a `datasets` folder's Arrow files in its own order, at its place."""
     hf = {p.parent: p for p in folder.rglob("state.json") if (p.parent / "dataset_info.json").is_file()}
-    found: list[Path] = []
-    for p in sorted(folder.rglob("*")):
-        if not p.is_file() or p.parent in hf or p.name == "dataset_dict.json":
-            continue  # a datasets folder's files are listed below, in its own order
-        if _is_input(p):
-            found.append(p)
-    for parent, state in sorted(hf.items()):
-        found.extend(_hf_files(parent, state))
-    return sorted(found)
+    found: list[tuple[Path, list[Path]]] = [(parent, _hf_files(parent, state)) for parent, state in hf.items()]
+    for p in folder.rglob("*"):
+        if p.is_file() and p.name != "dataset_dict.json" and not hf.keys() & set(p.parents) and _is_input(p):
+            found.append((p, [p]))
+    return [f for _, files in sorted(found) for f in files]
 
 
 def _hf_files(folder: Path, state: Path) -> list[Path]:
