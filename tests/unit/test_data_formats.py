@@ -379,3 +379,37 @@ def test_bad_data_names_the_file_and_position(tmp_path):
     garbage.write_bytes(b"\x28\xb5\x2f\xfd" + b"\xff" * 200)
     with pytest.raises(CorpusError, match=r"g.jsonl.zst: cannot be read: corrupt zstd data .* byte offset 0"):
         prepare(garbage, tmp_path / "o4", **KW)
+
+
+# --- where the same reader is used: zero setup, submit-prepare; the optional extra ------------------------------
+
+def test_zero_setup_prepares_a_parquet_corpus(tmp_path):
+    path = parquet(tmp_path / "c" / "corpus.parquet", DOCS)
+    cfg = config("", f"data.corpus={path}", f"data.cache_dir={tmp_path / 'cache'}")
+    loader = build_loader(cfg, tokenizer(), "train", 0, 1)
+    assert next(loader)["input_ids"].shape == (4, 32)
+    ref = prepare(jsonl(tmp_path / "j" / "corpus.jsonl", DOCS), tmp_path / "ref", tokenizer="bundled:kjv-bpe-4k",
+                  record_len=33, eval_fraction=cfg.data.eval_fraction, seed=cfg.data.seed, progress=False)
+    assert loader.manifest.meta["documents"] == ref.meta["documents"]
+
+
+def test_submit_prepare_forwards_the_new_options(tmp_path, capsys):
+    from meshformer.cli import main
+
+    parquet(tmp_path / "c" / "a.parquet", DOCS[:5])
+    main(["data", "submit-prepare", str(tmp_path / "c"), "--out", str(tmp_path / "o"), "--parts", "2", "--dry-run",
+          "--tokenizer", "bundled:kjv-bpe-4k", "--text-field", "body", "--token-dtype", "uint32"])
+    scripts = capsys.readouterr().out.split("#!/bin/bash")[1:]
+    assert len(scripts) == 3 and all("--text-field body" in s and "--token-dtype uint32" in s for s in scripts)
+
+
+def test_a_missing_extra_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    from meshformer.cli import main
+
+    path = parquet(tmp_path / "a.parquet", DOCS[:5])
+    for name in ("pyarrow", "pyarrow.parquet"):  # None in sys.modules: `import` raises ImportError, as if missing
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(SystemExit) as info:
+        main(["data", "prepare", str(path), "--out", str(tmp_path / "o"), "--tokenizer", "bundled:kjv-bpe-4k"])
+    assert info.value.code == ("error: reading this input needs the Python package 'pyarrow', which is not installed "
+                               "— install the data extra: pip install 'meshformer[data]'")
