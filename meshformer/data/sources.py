@@ -16,6 +16,7 @@ datasets (a range of documents): a large file becomes several map tasks.
 from __future__ import annotations
 
 import codecs
+import functools
 import gzip
 import io
 import itertools
@@ -187,8 +188,7 @@ def plan_units(files: list[Path]) -> list[Unit]:
             sizes = [g.total_byte_size for g in _parquet(path)[1]]
             units += [Unit(str(path), fmt, a, b) for a, b in _ranges(sizes)]
         elif fmt == "megatron":
-            index = MegatronIndex(path)
-            per_doc = index.document_bytes()
+            per_doc = megatron_index(path).document_bytes()
             units += [Unit(str(path), fmt, a, b) for a, b in _ranges(per_doc)]
         else:
             units.append(Unit(str(path), fmt))
@@ -216,7 +216,7 @@ def unit_bytes(unit: Unit) -> int:
         groups = _parquet(path)[1]
         return sum(groups[g].total_byte_size for g in range(unit.start, unit.stop))
     if unit.format == "megatron":
-        return int(MegatronIndex(path).document_bytes()[unit.start:unit.stop].sum())
+        return int(megatron_index(path).document_bytes()[unit.start:unit.stop].sum())
     return path.stat().st_size
 
 
@@ -236,7 +236,7 @@ def check_corpus(files: list[Path], text_field: str | None = "text") -> None:
             continue
         if fmt in TOKEN_FORMATS:
             if fmt == "megatron":
-                MegatronIndex(path)
+                megatron_index(path)
             else:
                 token_array(path, np.dtype("<u2"))  # checks the header / size; the real dtype is checked in prepare
             has_text = True
@@ -406,7 +406,7 @@ def iter_unit(unit: Unit, text_field: str = "text", doc_split: DocSplit = "file"
     elif unit.format == "arrow":
         yield from _table_texts(path, text_field)
     elif unit.format == "megatron":
-        yield from MegatronIndex(path).documents(unit.start, unit.stop, eos_id)
+        yield from megatron_index(path).documents(unit.start, unit.stop, eos_id)
     elif unit.format == "tokens":
         yield from _split_at_eos(path, token_array(path, np.dtype(token_dtype)), eos_id)
     elif unit.format == "jsonl":
@@ -539,6 +539,18 @@ def _short(err: BaseException) -> str:
 
 
 # --- pre-tokenized inputs ----------------------------------------------------------------------------------------
+
+def megatron_index(idx: Path) -> MegatronIndex:
+    """The dataset's index, opened and checked once per process while its files are unchanged (a large dataset is
+    many map tasks, each of which would otherwise check the whole index again)."""
+    stats = [(p.stat().st_size, p.stat().st_mtime_ns) if p.exists() else None for p in (idx, idx.with_suffix(".bin"))]
+    return _cached_index(str(idx), tuple(stats))
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_index(idx: str, stats: tuple) -> MegatronIndex:
+    return MegatronIndex(Path(idx))
+
 
 class MegatronIndex:
     """A Megatron-LM indexed dataset (`MMIDIDX` `.idx` + `.bin`), checked against its `.bin` when opened:
