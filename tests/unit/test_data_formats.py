@@ -245,6 +245,8 @@ def test_megatron_import_keeps_ids_documents_and_parts(tmp_path, monkeypatch):
             prepare(prefix.with_suffix(".idx"), out, part=(i, 3), stage=stage, **KW)
     prepare(prefix.with_suffix(".idx"), out, part=(0, 3), stage="merge", **KW)
     assert folder_bytes(out) == folder_bytes(tmp_path / "n1")
+    prepare(prefix, tmp_path / "p2", num_proc=2, **KW)  # map tasks in worker processes
+    assert folder_bytes(tmp_path / "p2") == folder_bytes(tmp_path / "n1")
 
 
 def test_flat_bin_and_npy_split_at_eos(tmp_path):
