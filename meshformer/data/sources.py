@@ -53,7 +53,6 @@ _MEGATRON = b"MMIDIDX\x00\x00"
 _NPY = b"\x93NUMPY"
 _MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
                     8: np.uint16}
-_HF_FOLDER_FILES = {"state.json", "dataset_info.json", "dataset_dict.json"}  # save_to_disk's metadata, not text
 EXTRA_HINT = "pip install 'meshformer[data]'"
 
 
@@ -262,7 +261,7 @@ def _open_raw(path: Path) -> Any:
         return gzip.open(path, "rb")
     if head.startswith(_ZSTD):
         return _ZstdReader(path)
-    if path.suffix in (".gz", ".zst", ".zstd") and head:
+    if path.suffix in COMPRESSED_SUFFIXES and head:
         raise CorpusError(f"{path}: cannot be read (named {path.suffix} but not {path.suffix[1:]} data: starts "
                           f"with {head!r})", "repair or remove the file (or rename it if it is plain text)")
     return open(path, "rb")
