@@ -59,7 +59,9 @@ def ensure_shards(data_cfg, tokenizer: Tokenizer, record_len: int) -> str:  # da
     if data_cfg.shards:
         return data_cfg.shards
     files = resolve_inputs(data_cfg.corpus)
-    key_src = {"corpus": data_cfg.corpus, "files": [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
+    data_files = [g for f in files for g in ((f, f.with_suffix(".bin")) if f.suffix == ".idx" else (f,))]  # Megatron
+    key_src = {"corpus": data_cfg.corpus, "files": [(str(f), f.stat().st_size, f.stat().st_mtime_ns)
+                                                    for f in data_files],
                "field": data_cfg.text_field, "tokenizer": tokenizer.sha256, "record_len": record_len,
                "eval_fraction": data_cfg.eval_fraction, "seed": data_cfg.seed, "format": 2}
     if data_cfg.corpus in BUNDLED_CORPORA:  # the bundled file moves with the checkout; its content is fixed
