@@ -34,6 +34,10 @@ RUN = textwrap.dedent("""
     import json, resource, sys, time
     sys.path.insert(0, {root!r})
     from meshformer.data import prepare
+    import pyarrow, pyarrow.parquet, zstandard  # imported before the baseline, as torch is
+    open("/proc/self/clear_refs", "w").write("5")  # peak RSS (VmHWM) := current RSS: growth is prepare's own
+    status = lambda key: int(__import__("re").search(key + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+    base = status("VmRSS")
     cpu0 = sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(w) for w in (resource.RUSAGE_SELF,
                                                                                    resource.RUSAGE_CHILDREN)))
     start = time.perf_counter()
@@ -41,7 +45,8 @@ RUN = textwrap.dedent("""
     wall = time.perf_counter() - start
     use = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     cpu = sum(u.ru_utime + u.ru_stime for u in use) - cpu0
-    print(json.dumps({{"wall": wall, "cpu": cpu, "rss_kb": max(u.ru_maxrss for u in use)}}))
+    print(json.dumps({{"wall": wall, "cpu": cpu, "rss_kb": max(u.ru_maxrss for u in use),
+                      "growth_kb": status("VmHWM") - base}}))
 """)
 ENCODE = textwrap.dedent("""
     import json, sys, time
@@ -94,7 +99,7 @@ ALONE = textwrap.dedent("""
 """)
 
 
-def write_formats(jsonl_dir: Path, root: Path) -> dict[str, Path]:
+def write_formats(jsonl_dir: Path, root: Path, text_only: bool = False) -> dict[str, Path]:
     """The JSONL corpus in every format, file for file (Megatron and flat .bin: tokenized by the bundled BPE)."""
     import numpy as np
     import pyarrow as pa
@@ -156,32 +161,41 @@ def formats(args: argparse.Namespace) -> dict:
         jsonl_cpu = 0.0
         for fmt, folder in corpora.items():
             inputs = str(folder) if fmt != "flat" else sorted(str(p) for p in folder.iterdir())
-            got = run(RUN.format(root=str(ROOT), corpus=inputs, out=str(tmp_path / f"o-{fmt}"), kwargs=kwargs))
+            text = fmt in ("jsonl", "zst", "parquet", "arrow")
+            prep, alone = [], []
+            for r in range(args.repeat):  # alternating, the least CPU of each: a shared machine only adds time
+                prep.append(run(RUN.format(root=str(ROOT), corpus=inputs, out=str(tmp_path / f"o-{fmt}-{r}"),
+                                           kwargs=kwargs))["cpu"])
+                if text:
+                    files = sorted(str(p) for p in folder.iterdir())
+                    alone.append(run(ALONE.format(root=str(ROOT), fmt=fmt, files=files))["cpu"])
+            got = {"cpu": min(prep)}
             row = {"prepare_cpu_s": got["cpu"], "prepare_mb_cpu_s": mb / got["cpu"]}
-            if fmt in ("jsonl", "zst", "parquet", "arrow"):
-                files = sorted(str(p) for p in folder.iterdir())
-                alone = run(ALONE.format(root=str(ROOT), fmt=fmt, files=files))
-                row.update(alone_mb_cpu_s=mb / alone["cpu"], ratio=alone["cpu"] / got["cpu"])
+            if text:
+                row.update(alone_mb_cpu_s=mb / min(alone), ratio=min(alone) / got["cpu"])
                 jsonl_cpu = got["cpu"] if fmt == "jsonl" else jsonl_cpu
             else:
                 row.update(vs_jsonl_prepare=jsonl_cpu / got["cpu"])
             result["throughput"][fmt] = row
         c10 = write_corpus(tmp_path / "c10", 10 * args.mb, files=10 * args.files, seed=1)
-        corpora10 = write_formats(c10, tmp_path / "f10")
+        corpora10 = write_formats(c10, tmp_path / "f10", text_only=True)
         for fmt in ("jsonl", "zst", "parquet"):
-            rss = []
+            rss, growth = [], []
             for name, corpus in (("1x", corpora[fmt]), ("10x", corpora10[fmt])):
                 got = run(RUN.format(root=str(ROOT), corpus=str(corpus), out=str(tmp_path / f"r-{fmt}-{name}"),
                                      kwargs={"bucket_mb": args.bucket_mb}), True)
                 rss.append(got["rss_kb"] / 1024)
-            result["rss"][fmt] = {"rss_1x_mib": rss[0], "rss_10x_mib": rss[1], "ratio": rss[1] / rss[0]}
+                growth.append(got["growth_kb"] / 1024)
+            result["rss"][fmt] = {"rss_1x_mib": rss[0], "rss_10x_mib": rss[1], "ratio": rss[1] / rss[0],
+                                  "growth_1x_mib": growth[0], "growth_10x_mib": growth[1]}
     result["corpus_mb"], result["load_avg"] = mb, os.getloadavg()[0]
     for fmt, row in result["throughput"].items():
         extra = (f"read + tokenize alone {row['alone_mb_cpu_s']:.2f} -> {row['ratio']:.2f}x" if "ratio" in row else
                  f"{row['vs_jsonl_prepare']:.2f}x the JSONL prepare's speed (no tokenizing)")
         print(f"{fmt:9s} prepare {row['prepare_mb_cpu_s']:.2f} MB of text per CPU-second; {extra}")
     for fmt, r in result["rss"].items():
-        print(f"peak RSS {fmt}: 1x {r['rss_1x_mib']:.0f} MiB, 10x {r['rss_10x_mib']:.0f} MiB = {r['ratio']:.2f}x")
+        print(f"peak RSS {fmt}: 1x {r['rss_1x_mib']:.0f} MiB, 10x {r['rss_10x_mib']:.0f} MiB = {r['ratio']:.2f}x; "
+              f"growth above the imports {r['growth_1x_mib']:.0f} -> {r['growth_10x_mib']:.0f} MiB")
     return result
 
 
@@ -215,6 +229,7 @@ def main() -> None:
     ap.add_argument("--reference", default="", help="another checkout whose prepare to measure alongside")
     ap.add_argument("--json", default="")
     ap.add_argument("--formats", action="store_true", help="per input format (Parquet, zstd, Arrow, Megatron, .bin)")
+    ap.add_argument("--repeat", type=int, default=1, help="--formats: runs per measurement (the least CPU counts)")
     args = ap.parse_args()
     if args.formats:
         out = formats(args)
