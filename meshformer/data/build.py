@@ -59,7 +59,9 @@ def ensure_shards(data_cfg, tokenizer: Tokenizer, record_len: int) -> str:  # da
     if data_cfg.shards:
         return data_cfg.shards
     files = resolve_inputs(data_cfg.corpus)
-    key_src = {"corpus": data_cfg.corpus, "files": [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
+    data_files = [g for f in files for g in ((f, f.with_suffix(".bin")) if f.suffix == ".idx" else (f,))]  # Megatron
+    key_src = {"corpus": data_cfg.corpus, "files": [(str(f), f.stat().st_size, f.stat().st_mtime_ns)
+                                                    for f in data_files],
                "field": data_cfg.text_field, "tokenizer": tokenizer.sha256, "record_len": record_len,
                "eval_fraction": data_cfg.eval_fraction, "seed": data_cfg.seed, "format": 2}
     if data_cfg.corpus in BUNDLED_CORPORA:  # the bundled file moves with the checkout; its content is fixed
@@ -75,14 +77,9 @@ def ensure_shards(data_cfg, tokenizer: Tokenizer, record_len: int) -> str:  # da
         if not (out / "manifest.json").exists():
             log.info("data: no shards for corpus %r yet; preparing them into %s", data_cfg.corpus, out)
             start = time.perf_counter()
-            tmp_tok = out.parent / f"{out.name}.tokenizer.json"
-            tokenizer.save(tmp_tok)
-            try:
-                prepare(data_cfg.corpus, out, tokenizer=str(tmp_tok), record_len=record_len,
-                        text_field=data_cfg.text_field, eval_fraction=data_cfg.eval_fraction, seed=data_cfg.seed,
-                        shard_records=max(1, (1 << 17) // record_len), progress=False, overwrite=True)
-            finally:
-                tmp_tok.unlink(missing_ok=True)
+            prepare(data_cfg.corpus, out, tokenizer=tokenizer, record_len=record_len,
+                    text_field=data_cfg.text_field, eval_fraction=data_cfg.eval_fraction, seed=data_cfg.seed,
+                    shard_records=max(1, (1 << 17) // record_len), progress=False, overwrite=True)
             log.info("data: prepared %s in %.1fs", out, time.perf_counter() - start)
     return str(out)
 

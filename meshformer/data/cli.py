@@ -3,6 +3,8 @@
     meshformer data prepare bundled:kjv --out data/kjv --tokenizer train --vocab-size 4096 --seq-len 128
     meshformer data prepare /usr/share/doc/python3.11/html/_sources --out data/pydocs --tokenizer gpt2
     meshformer data prepare pairs.jsonl --pairs --out data/pairs --tokenizer bundled:kjv-bpe-4k
+    meshformer data prepare fineweb/*.parquet --out data/fw --tokenizer hf/llama3/ --text-field text
+    meshformer data prepare megatron/my_text_document --out data/mt --tokenizer hf/gpt2/   # ids kept as they are
     meshformer data prepare corpus/ --out data/big --tokenizer tok.json --part 0/4 --stage map   # ... parts 1-3,
     meshformer data prepare corpus/ --out data/big --tokenizer tok.json --part 0/4 --stage reduce  # then merge:
     meshformer data prepare corpus/ --out data/big --tokenizer tok.json --stage merge
@@ -53,14 +55,19 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _prepare_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("inputs", nargs="+", help="text/JSONL files (.gz ok), directories, or bundled:kjv")
+    p.add_argument("inputs", nargs="+",
+                   help="text/JSONL files (.gz, .zst ok), Parquet, Arrow, datasets folders, Megatron .idx/.bin "
+                        "datasets (or their prefix), flat .bin / .npy token files, directories, or bundled:kjv")
     p.add_argument("--out", required=True, help="output folder for shards, tokenizer.json and manifest.json")
     p.add_argument("--tokenizer", default="train",
-                   help="'train' (byte-level BPE on the input), 'gpt2', 'bundled:kjv-bpe-4k' or a tokenizer.json")
+                   help="'train' (byte-level BPE on the input), 'gpt2', 'bundled:kjv-bpe-4k', a tokenizer.json or a "
+                        "Hugging Face tokenizer folder (pre-tokenized inputs: the tokenizer of their ids)")
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary when --tokenizer train")
     p.add_argument("--seq-len", type=int, default=128, help="training sequence length; records hold seq-len + 1")
     p.add_argument("--record-len", type=int, default=None, help="tokens per record (overrides --seq-len + 1)")
-    p.add_argument("--text-field", default="text", help="JSONL field holding the document text")
+    p.add_argument("--text-field", default="text", help="JSONL field / Parquet or Arrow column holding the text")
+    p.add_argument("--token-dtype", choices=["auto", "uint16", "uint32"], default="auto",
+                   help="token type of flat .bin files (auto: uint16 up to 65536 tokens, else uint32)")
     p.add_argument("--doc-split", choices=["file", "paragraph", "line"], default="file",
                    help="what counts as one document in plain-text files")
     p.add_argument("--pairs", action="store_true", help="JSONL source/target pairs for seq2seq")
@@ -76,7 +83,7 @@ def _prepare_arguments(p: argparse.ArgumentParser) -> None:
 
 
 _FORWARDED = ("tokenizer", "vocab_size", "seq_len", "record_len", "text_field", "doc_split", "src_field", "tgt_field",
-              "eval_fraction", "seed", "shard_records", "bucket_mb", "num_proc")
+              "eval_fraction", "seed", "shard_records", "bucket_mb", "num_proc", "token_dtype")
 
 
 def _parse_part(spec: str) -> tuple[int, int]:

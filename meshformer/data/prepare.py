@@ -35,26 +35,45 @@ from tqdm import tqdm
 from meshformer.errors import UsageError
 from meshformer.folders import check_output, remove, replace, scratch
 
-from .prepare_stages import SPLITS, map_unit, reduce_bucket, train_documents
+from .prepare_stages import SPLITS, map_unit, reduce_bucket, train_documents, unit_done
 from .shard_index import index_name
-from .shards import Manifest, ShardInfo, read_shard, token_dtype, write_shards
-from .sources import BUNDLED_CORPORA, CorpusError, DocSplit, check_corpus, iter_pairs, resolve_inputs
+from .shards import Manifest, ShardInfo, read_shard, write_shards
+from .shards import token_dtype as shard_dtype
+from .sources import (
+    BUNDLED_CORPORA,
+    TOKEN_FORMATS,
+    CorpusError,
+    DocSplit,
+    Unit,
+    check_corpus,
+    detect,
+    iter_pairs,
+    plan_units,
+    resolve_inputs,
+    unit_bytes,
+)
 from .tokenizer import Tokenizer, load_tokenizer, train_bpe
 
 log = logging.getLogger("meshformer.data")
 Stage = Literal["all", "map", "reduce", "merge"]
 
 
-def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, tokenizer: str = "train",
+def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, tokenizer: str | Tokenizer = "train",
             vocab_size: int = 4096, seq_len: int = 128, record_len: int | None = None, text_field: str = "text",
             pairs: bool = False, src_field: str = "src", tgt_field: str = "tgt", doc_split: DocSplit = "file",
             eval_fraction: float = 0.02, seed: int = 1234, shard_records: int | None = None, num_proc: int = 0,
             bucket_mb: float = 128, part: tuple[int, int] = (0, 1), stage: Stage = "all", progress: bool = True,
-            overwrite: bool = False) -> Manifest | None:
+            overwrite: bool = False, token_dtype: str = "auto") -> Manifest | None:
     """Prepare shards in `out_dir` and return the manifest (also written to out_dir/manifest.json).
 
+    inputs: text / JSONL / Parquet / Arrow files (gzip or zstd compressed text too), `datasets` folders, and
+    pre-tokenized Megatron datasets (`.idx` + `.bin`), flat token files (`.bin`, of `token_dtype`: "auto" is
+    uint16 for vocabularies up to 65536, else uint32) and `.npy` token arrays, whose ids are kept as they are.
     tokenizer: "train" (byte-level BPE of `vocab_size` on the training documents; only with stage "all"),
-    "bundled:<name>", "gpt2", or a tokenizer.json path. Records hold `record_len` tokens (default seq_len + 1:
+    "bundled:<name>", "gpt2", a tokenizer.json path, a Hugging Face tokenizer folder, or a loaded Tokenizer.
+    Map tasks finished by an earlier run of the same plan (same inputs and settings) are kept: after a failed
+    prepare, fix the file it names and run the same command again.
+    Records hold `record_len` tokens (default seq_len + 1:
     one causal sequence plus its shifted label; longer records are cut into several samples at load time).
     shard_records: records per shard (default: about 16M tokens per shard). num_proc: processes for the map
     and reduce tasks (0/1: in-process; the tokenizer's own threads still use every core). bucket_mb: input
@@ -76,6 +95,8 @@ def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, token
     record_len = record_len or seq_len + 1
     if record_len < 2:
         raise UsageError(f"record_len={record_len} is too short", "use --seq-len >= 1 (--record-len >= 2)")
+    if token_dtype not in ("auto", "uint16", "uint32"):
+        raise UsageError(f"--token-dtype {token_dtype!r} is not a token type", "use auto, uint16 or uint32")
     if tokenizer == "train" and stage != "all":
         raise UsageError("--tokenizer train needs the whole corpus in one process", "train a tokenizer first "
                          "(meshformer data prepare SAMPLE --tokenizer train) and pass its tokenizer.json")
@@ -86,25 +107,39 @@ def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, token
     check_corpus(files, None if pairs else text_field)
     for f in files if pairs else ():  # pairs need JSONL with both fields: say so before any work starts
         next(iter_pairs([f], src_field, tgt_field), None)
-    # parts share the work folder: only a whole prepare (one part, every stage) starts it afresh
-    work = scratch(work_folder(out), "data prepare work", fresh=stage == "all")
-    bucket_counts = _bucket_counts(files, eval_fraction, bucket_mb)
-    plan = {"files": [str(f) for f in files], "kind": "pairs" if pairs else "packed",
+    units = [Unit(str(f), detect(f)) for f in files] if pairs else plan_units(files)
+    pretokenized = [u.path for u in units if u.format in TOKEN_FORMATS]
+    if pretokenized and tokenizer == "train":
+        raise UsageError(f"{pretokenized[0]} holds token ids, which need the tokenizer they come from",
+                         "pass it with --tokenizer (a tokenizer.json or a Hugging Face tokenizer folder)")
+    # parts share the work folder; a rerun of the same plan keeps its finished map tasks (resume)
+    work = scratch(work_folder(out), "data prepare work", fresh=False)
+    bucket_counts = _bucket_counts(units, eval_fraction, bucket_mb)
+    plan = {"units": [u.as_list() for u in units], "kind": "pairs" if pairs else "packed",
             "record_len": 0 if pairs else record_len, "text_field": text_field, "src_field": src_field,
             "tgt_field": tgt_field, "doc_split": doc_split, "eval_fraction": eval_fraction, "seed": seed,
             "buckets": bucket_counts, "bucket_mb": bucket_mb}
-    if tokenizer == "train":
+    if isinstance(tokenizer, Tokenizer):
+        tok = tokenizer
+    elif tokenizer == "train":
+        plan.update(eos_id=-1, token_dtype="uint16")
         tok = train_bpe(train_documents(plan), vocab_size=vocab_size)
     else:
         tok = load_tokenizer(tokenizer)
-    plan.update(tokenizer_spec=tokenizer, tokenizer_sha256=tok.sha256, dtype=token_dtype(tok.vocab_size).name,
+    plan.update(tokenizer_spec=tokenizer if isinstance(tokenizer, str) else tok.name, tokenizer_sha256=tok.sha256,
+                dtype=shard_dtype(tok.vocab_size).name, eos_id=tok.eos_id,
+                token_dtype=shard_dtype(tok.vocab_size).name if token_dtype == "auto" else token_dtype,
                 shard_records=shard_records or max(1, (1 << 24) // (record_len if not pairs else 256)))
-    _agree_on_plan(work, plan)
-    units = list(range(index, len(files), count)) if stage in ("all", "map") else []
+    _agree_on_plan(work, plan, restart=stage == "all")
+    todo = [u for u in range(index, len(units), count) if not unit_done(plan, work, u)]
+    if stage in ("all", "map") and len(todo) < len(range(index, len(units), count)):
+        log.info("resuming %s: %d of %d map tasks already done", work, len(range(index, len(units), count)) -
+                 len(todo), len(range(index, len(units), count)))
+    map_tasks = todo if stage in ("all", "map") else []
     buckets = [(s, b) for s in SPLITS for b in range(bucket_counts[s])][index::count]
-    pool = _pool(tok, num_proc, max(len(units), len(buckets) if stage in ("all", "reduce") else 0))
+    pool = _pool(tok, num_proc, max(len(map_tasks), len(buckets) if stage in ("all", "reduce") else 0))
     try:
-        _run(pool, map_unit, plan, work, tok, [(u,) for u in units], progress, "tokenize")
+        _run(pool, map_unit, plan, work, tok, [(u,) for u in map_tasks], progress, "tokenize")
         if stage in ("all", "reduce"):
             _require_maps(plan, work)
             _run(pool, reduce_bucket, plan, work, tok, [(s, b, tok.eos_id) for s, b in buckets], progress, "pack")
@@ -131,17 +166,20 @@ def check_output_folder(inputs: list[str | Path], out: Path, overwrite: bool) ->
     check_output(out, what="prepared shards", overwrite=overwrite, inputs=roots, legacy=["manifest.json"])
 
 
-def _bucket_counts(files: list[Path], eval_fraction: float, bucket_mb: float) -> dict[str, int]:
-    total = sum(f.stat().st_size for f in files)
+def _bucket_counts(units: list[Unit], eval_fraction: float, bucket_mb: float) -> dict[str, int]:
+    total = sum(map(unit_bytes, units))
     per = bucket_mb * (1 << 20)
     return {"train": max(1, math.ceil(total * (1 - eval_fraction) / per)),
             "eval": max(1, math.ceil(total * eval_fraction / per))}
 
 
-def _agree_on_plan(work: Path, plan: dict) -> None:
-    """The first part writes plan.json; every other part must compute the same plan."""
+def _agree_on_plan(work: Path, plan: dict, restart: bool) -> None:
+    """The first part writes plan.json; every other part must compute the same plan. A whole prepare (`restart`)
+    whose plan differs from the work folder's starts that folder afresh."""
     path = work / "plan.json"
     text = json.dumps(plan, indent=1, sort_keys=True)
+    if restart and path.exists() and path.read_text() != text:
+        scratch(work, "data prepare work", fresh=True)
     if not path.exists():
         tmp = work / f"plan.json.{os.getpid()}"
         tmp.write_text(text)
@@ -152,9 +190,10 @@ def _agree_on_plan(work: Path, plan: dict) -> None:
 
 
 def _require_maps(plan: dict, work: Path) -> None:
-    missing = [u for u in range(len(plan["files"])) if not (work / "map" / f"u{u:06d}.done.json").exists()]
+    missing = [u for u in range(len(plan["units"])) if not unit_done(plan, work, u)]
     if missing:
-        raise UsageError(f"{len(missing)} map task(s) of {work} are not done (first: file {plan['files'][missing[0]]})",
+        raise UsageError(f"{len(missing)} map task(s) of {work} are not done (first: "
+                         f"{Unit(*plan['units'][missing[0]]).where()})",
                          "run --stage map on every part before --stage reduce")
 
 
@@ -225,7 +264,7 @@ def _merge(plan: dict, work: Path, out: Path, tok: Tokenizer, files: list[Path])
                 info.name = f"{name}.tar"
                 splits[split].append(info)
     if not documents["train"] + documents["eval"]:
-        raise CorpusError(f"no documents found in {plan['files'][:3]}", "check the inputs and --text-field")
+        raise CorpusError(f"no documents found in {[f.name for f in files][:3]}", "check the inputs and --text-field")
     held_out = "documents"
     if plan["eval_fraction"] > 0 and not splits["eval"]:  # too few documents to hold one out: split the records
         splits["train"], splits["eval"] = _hold_out_tail(tmp, splits["train"], plan)

@@ -1,9 +1,11 @@
 """The two stages of `data prepare`, each a deterministic function of (plan, one unit of work).
 
-map (one input file): stream its documents, choose each one's split and bucket, tokenize in batches
-(`encode_batch`), and append the token ids to the file's spill (`<work>/map/uNNNNNN.<split>.tok`, with a
-`.docs` table of (bucket, length, target length) per document). Documents are buffered a chunk at a time and
-written grouped by bucket (a stable sort), so a bucket's documents keep their input order.
+map (one unit: an input file, or a row-group range of a large Parquet file or a document range of a Megatron
+dataset): stream its documents, choose each one's split and bucket, tokenize in batches (`encode_batch`;
+pre-tokenized inputs keep their ids, checked against the vocabulary), and append the token ids to the unit's
+spill (`<work>/map/uNNNNNN.<split>.tok`, with a `.docs` table of (bucket, length, target length) per
+document). Documents are buffered a chunk at a time and written grouped by bucket (a stable sort), so a
+bucket's documents keep their input order.
 
 reduce (one bucket of one split): gather the bucket's documents from every file's spill in file order,
 shuffle them with rng(seed, split, bucket), join them with EOS and cut records (or keep pairs), and write the
@@ -26,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from .shards import write_shards
-from .sources import iter_documents, iter_pairs
+from .sources import CorpusError, Unit, iter_pairs, iter_unit
 from .tokenizer import Tokenizer
 
 _SPLIT_SALT, _SHUFFLE_SALT = 0x5350, 0x5348
@@ -36,10 +38,25 @@ SPLITS = ("train", "eval")
 
 
 def unit_docs(plan: dict, u: int) -> Iterator:
-    path = Path(plan["files"][u])
+    """The documents of map task u: strings, (src, tgt) pairs, or token arrays of a pre-tokenized input."""
+    unit = Unit(*plan["units"][u])
     if plan["kind"] == "pairs":
-        return iter_pairs([path], plan["src_field"], plan["tgt_field"])
-    return iter_documents([path], plan["text_field"], plan["doc_split"])
+        return iter_pairs([Path(unit.path)], plan["src_field"], plan["tgt_field"])
+    return iter_unit(unit, plan["text_field"], plan["doc_split"], plan["eos_id"], plan["token_dtype"])
+
+
+def unit_fingerprint(plan: dict, u: int) -> list[int]:
+    """What a finished map task records of its input, so that a resumed prepare redoes it if the file changed."""
+    stat = Path(plan["units"][u][0]).stat()
+    return [stat.st_size, stat.st_mtime_ns]
+
+
+def unit_done(plan: dict, work: Path, u: int) -> bool:
+    path = work / "map" / f"u{u:06d}.done.json"
+    try:
+        return json.loads(path.read_text()).get("input") == unit_fingerprint(plan, u)
+    except (OSError, ValueError):
+        return False
 
 
 def split_and_bucket(plan: dict, u: int) -> Iterator[tuple[str, float]]:
@@ -57,7 +74,7 @@ def split_and_bucket(plan: dict, u: int) -> Iterator[tuple[str, float]]:
 
 def train_documents(plan: dict) -> Iterator[str]:
     """The training split's texts in input order (for training a tokenizer)."""
-    for u in range(len(plan["files"])):
+    for u in range(len(plan["units"])):
         for doc, (split, _) in zip(unit_docs(plan, u), split_and_bucket(plan, u)):
             if split == "train":
                 yield from (doc if isinstance(doc, tuple) else (doc,))
@@ -81,7 +98,9 @@ def map_unit(plan: dict, work: Path, tok: Tokenizer, u: int) -> dict[str, Any]:
     try:
         chunk: list = []
         chars = 0
-        for doc, (split, r) in zip(unit_docs(plan, u), split_and_bucket(plan, u)):
+        for i, (doc, (split, r)) in enumerate(zip(unit_docs(plan, u), split_and_bucket(plan, u))):
+            if isinstance(doc, np.ndarray) and int(doc.max()) >= tok.vocab_size:
+                _too_large(plan, u, i, doc, tok)
             chunk.append((doc, split, int(r * plan["buckets"][split])))
             chars += sum(map(len, doc)) if isinstance(doc, tuple) else len(doc)
             if len(chunk) >= _CHUNK_DOCS or chars >= _CHUNK_CHARS:
@@ -94,17 +113,29 @@ def map_unit(plan: dict, work: Path, tok: Tokenizer, u: int) -> dict[str, Any]:
             fh.close()
     for (s, e) in handles:  # complete files only: a rerun of a killed task starts over
         _part(_spill(work, u, s, e)).rename(_spill(work, u, s, e))
-    done = {"documents": counts, "tokens": tokens}
+    done = {"documents": counts, "tokens": tokens, "input": unit_fingerprint(plan, u)}
     (work / "map" / f"u{u:06d}.done.json").write_text(json.dumps(done))
     return done
+
+
+def _too_large(plan: dict, u: int, i: int, doc: np.ndarray, tok: Tokenizer) -> None:
+    unit = Unit(*plan["units"][u])
+    at = int(np.flatnonzero(doc >= tok.vocab_size)[0])
+    first = f"document {unit.start + i}" if unit.format == "megatron" else f"document {i} (EOS-separated)"
+    raise CorpusError(f"{unit.path}: {first} holds token id {int(doc[at])} (its token {at}), but tokenizer "
+                      f"{tok.name!r} has {tok.vocab_size} tokens", "pass the tokenizer these ids come from "
+                      "(--tokenizer; data.tokenizer), or check --token-dtype for flat .bin files")
 
 
 def _write_chunk(chunk: list, tok: Tokenizer, dtype: np.dtype, handles: dict, counts: dict,
                  buckets: dict[str, int]) -> int:
     """Append one chunk, grouped by bucket; `.chunks` gets where each bucket's rows and tokens start."""
     pairs = isinstance(chunk[0][0], tuple)
+    src: list
     if pairs:
         src, tgt = tok.encode_batch([d[0] for d, _, _ in chunk]), tok.encode_batch([d[1] for d, _, _ in chunk])
+    elif isinstance(chunk[0][0], np.ndarray):  # pre-tokenized: the ids are taken as they are
+        src, tgt = [d for d, _, _ in chunk], [[] for _ in chunk]
     else:
         src, tgt = tok.encode_batch([d for d, _, _ in chunk]), [[] for _ in chunk]
     tokens = 0
@@ -131,7 +162,7 @@ def _bucket_docs(plan: dict, work: Path, split: str, b: int) -> list[tuple[np.nd
     dtype = np.dtype(plan["dtype"])
     width = plan["buckets"][split] + 1
     docs = []
-    for u in range(len(plan["files"])):
+    for u in range(len(plan["units"])):
         path = _spill(work, u, split, "chunks")
         if path.stat().st_size == 0:  # a file without documents
             continue

@@ -1,6 +1,6 @@
 """Tokenizers: one small wrapper over HF `tokenizers` with the special ids the objectives need.
 
-    tok = load_tokenizer("bundled:kjv-bpe-4k")   # or "gpt2", or "path/to/tokenizer.json"
+    tok = load_tokenizer("bundled:kjv-bpe-4k")   # or "gpt2", "path/to/tokenizer.json", or a HF tokenizer folder
     ids = tok.encode("In the beginning"); text = tok.decode(ids)
 
 Special tokens of the bundled tokenizer (ids 0..36): <pad> <bos> <eos> <unk> <mask> <extra_id_0..31>.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from meshformer.errors import MeshformerError
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "tokenizers"
+CONFIG_FILE = "tokenizer_config.json"  # a Hugging Face folder's special tokens, read beside tokenizer.json
 N_SENTINELS = 32
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>", "<mask>"] + [f"<extra_id_{i}>" for i in range(N_SENTINELS)]
 
@@ -60,6 +62,7 @@ class Tokenizer:
         while (tid := hf.token_to_id(f"<extra_id_{len(sentinels)}>")) is not None:
             sentinels.append(tid)
         self.sentinel_ids: list[int] = sentinels
+        self.config_roles: dict[str, int] | None = None  # roles read from a tokenizer_config.json, saved with it
         self.json: str = hf.to_str()
         self.sha256: str = hashlib.sha256(self.json.encode("utf-8")).hexdigest()
         self.special_ids: list[int] = sorted({self.pad_id, self.bos_id, self.eos_id, *sentinels}
@@ -76,7 +79,12 @@ class Tokenizer:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def save(self, path: str | Path) -> None:
+        """Write tokenizer.json; a tokenizer whose special tokens came from a tokenizer_config.json gets one beside
+        it, so that loading the saved file gives the same BOS/EOS/pad."""
         Path(path).write_text(self.json, encoding="utf-8")
+        if self.config_roles:
+            tokens = {f"{role}_token": self.hf.id_to_token(tid) for role, tid in self.config_roles.items()}
+            Path(path).with_name(CONFIG_FILE).write_text(json.dumps(tokens, indent=1) + "\n", encoding="utf-8")
 
     def require(self, what: str, objective: str) -> None:
         """Raise a clear error when `objective` needs a token (`mask` or `sentinels`) this tokenizer lacks."""
@@ -103,7 +111,8 @@ def _added_special_ids(hf: HFTokenizer) -> list[int]:
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
-    """"bundled:<name>", "gpt2", or a path to a tokenizer.json."""
+    """"bundled:<name>", "gpt2", a path to a tokenizer.json, or a Hugging Face tokenizer folder (tokenizer.json +
+    tokenizer_config.json: BOS/EOS/pad/unk/mask as its config names them)."""
     if spec.startswith("bundled:"):
         name = spec.split(":", 1)[1]
         path = BUNDLED_DIR / f"{name}.json"
@@ -115,15 +124,47 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if spec == "gpt2":
         return _gpt2()
     path = Path(spec).expanduser()
+    if path.is_dir():  # a Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json)
+        if not (path / "tokenizer.json").is_file():
+            raise TokenizerError(f"tokenizer folder {path} holds no tokenizer.json (only the fast-tokenizer format is "
+                                 "read)", "save it with tokenizer.save_pretrained(folder) from transformers, or pass "
+                                 "a tokenizer.json")
+        path = path / "tokenizer.json"
     if not path.is_file():
         raise TokenizerError(f"tokenizer {spec!r} is neither 'bundled:kjv-bpe-4k', 'gpt2' nor an existing "
-                             "tokenizer.json file; fix data.tokenizer")
+                             "tokenizer.json file or tokenizer folder; fix data.tokenizer")
     try:
         hf = HFTokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception on bad JSON
         raise TokenizerError(f"{path}: not a HF tokenizers JSON file ({err})",
                              "pass the tokenizer.json written by `meshformer data prepare`") from None
-    return Tokenizer(hf, str(path))
+    config = path.with_name(CONFIG_FILE)
+    roles = _config_roles(config, hf) if config.is_file() else None
+    tok = Tokenizer(hf, str(path.parent if Path(spec).expanduser().is_dir() else path), roles)
+    tok.config_roles = roles
+    return tok
+
+
+def _config_roles(config: Path, hf: HFTokenizer) -> dict[str, int]:
+    """The special tokens a model's tokenizer_config.json names (bos_token, eos_token, ...: strings, or objects
+    with "content"), as ids; the file's roles win over the names `Tokenizer` guesses (Llama 3's
+    <|begin_of_text|> / <|end_of_text|>, which no common name matches)."""
+    try:
+        raw = json.loads(config.read_text(encoding="utf-8"))
+    except ValueError as err:
+        raise TokenizerError(f"{config}: not valid JSON ({err})", "fix or remove the file") from None
+    roles: dict[str, int] = {}
+    for role in _ROLE_NAMES:
+        value = raw.get(f"{role}_token") if isinstance(raw, dict) else None
+        text = value.get("content") if isinstance(value, dict) else value
+        if not isinstance(text, str):
+            continue
+        tid = hf.token_to_id(text)
+        if tid is None:
+            raise TokenizerError(f"{config} names {role}_token {text!r}, which is not in its tokenizer.json",
+                                 "fix tokenizer_config.json or save the tokenizer again with save_pretrained")
+        roles[role] = tid
+    return roles
 
 
 def _gpt2() -> Tokenizer:

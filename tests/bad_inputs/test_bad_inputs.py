@@ -77,6 +77,7 @@ def world(tmp_path_factory):
     (tmp / "nothing").mkdir()
     (tmp / "nothing" / "image.png").write_bytes(b"\x89PNG")
     (tmp / "tok.json").write_text("{not a tokenizer")
+    _bad_format_files(tmp)  # (#23)
     # files for the checkpoint/convert cases (#25)
     convert_case_files(tmp)
     (tmp / "broken-weights").mkdir()
@@ -94,6 +95,40 @@ def world(tmp_path_factory):
     paths["busy"] = contextlib.ExitStack()  # held for the module: another run training in {tmp}/runs/busy
     paths["busy"].enter_context(run_folder_lock(tmp / "runs" / "busy", "logging.run_dir"))
     return paths
+
+
+def _bad_format_files(tmp: Path) -> None:
+    """Broken files of the formats corpora ship in (#23): compressed, Parquet, Megatron, token files."""
+    import gzip
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+    import zstandard
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    lines = b"".join(json.dumps({"text": f"document {i} " * 20}).encode() + b"\n" for i in range(400))
+    (tmp / "trunc.jsonl.gz").write_bytes(gzip.compress(lines[:2000])[:-30])
+    (tmp / "trunc.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines[:2000])[:-30])
+    (tmp / "corrupt.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + b"\xff" * 100)
+    frames = [zstandard.ZstdCompressor().compress(lines[i:i + 70000]) for i in range(0, len(lines), 70000)]
+    (tmp / "late.jsonl.zst").write_bytes(b"".join(frames)[:-10])  # the head reads whole; the last frame is cut
+    pq.write_table(pa.table({"text": ["some text"] * 50}), tmp / "good.parquet", row_group_size=10)
+    (tmp / "broken.parquet").write_bytes((tmp / "good.parquet").read_bytes()[:300])
+    (tmp / "fake.parquet").write_text("id,text\n1,hello\n")
+    pq.write_table(pa.table({"content": ["some text"] * 5}), tmp / "nocol.parquet")
+    (tmp / "mt").mkdir()
+    builder = IndexedDatasetBuilder(str(tmp / "mt" / "bad.bin"), dtype=np.uint16)
+    for doc in ([5, 6, 7], [8, 9], [10, 11, 12, 13]):
+        builder.add_item(torch.tensor(doc))
+        builder.end_document()
+    builder.finalize(str(tmp / "mt" / "bad.idx"))
+    with open(tmp / "mt" / "bad.bin", "ab") as fh:
+        fh.write(b"\0\0")  # a .bin that is not the one the index was written with
+    np.array([10, 11, 12, 2, 7, 5000, 2], dtype=np.uint16).tofile(tmp / "big-ids.bin")  # id 2: EOS of kjv-bpe-4k
+    (tmp / "tokdir").mkdir()
+    (tmp / "tokdir" / "tokenizer_config.json").write_text("{}")
 
 
 def _digest(folder: Path) -> dict[str, str]:
@@ -237,6 +272,34 @@ CASES = [
                                 "--overwrite"], ["overlaps the input", "outside the input"]),
     ("prepare-foreign-work-folder", ["data", "prepare", "{corpus}", "--out", "{tmp}/p9"],
      ["p9.work exists and was not made by meshformer", "move it away"]),
+    # (#23) corpora in their real formats, before training and during prepare
+    ("corpus-truncated-gzip", _corpus("{tmp}/trunc.jsonl.gz"),
+     ["trunc.jsonl.gz: cannot be read", "bytes of text", "repair or remove"]),
+    ("corpus-truncated-zstd", _corpus("{tmp}/trunc.jsonl.zst"),
+     ["trunc.jsonl.zst: cannot be read", "ends inside a zstd frame", "compressed byte offset", "repair or remove"]),
+    ("corpus-corrupt-zstd", _corpus("{tmp}/corrupt.jsonl.zst"),
+     ["corrupt.jsonl.zst: cannot be read: corrupt zstd data", "byte offset 0", "recompress"]),
+    ("corpus-parquet-unreadable", _corpus("{tmp}/broken.parquet"),
+     ["broken.parquet: unreadable Parquet", "repair or remove"]),
+    ("corpus-parquet-not-parquet", _corpus("{tmp}/fake.parquet"), ["fake.parquet is not a parquet file", "repair"]),
+    ("corpus-parquet-no-column", _corpus("{tmp}/nocol.parquet"),
+     ["nocol.parquet: no column 'text' (has ['content'])", "data.text_field"]),
+    ("corpus-megatron-mismatch", _corpus("{tmp}/mt/bad"),
+     ["bad.idx does not match bad.bin", "byte offset", "preprocess_data.py"]),
+    ("tokenizer-folder-without-json", _train("data.tokenizer={tmp}/tokdir"),
+     ["tokdir holds no tokenizer.json", "save_pretrained"]),
+    ("prepare-late-truncated-zstd", ["data", "prepare", "{tmp}/late.jsonl.zst", "--out", "{tmp}/p11", "--quiet",
+                                     "--tokenizer", "bundled:kjv-bpe-4k"],
+     ["late.jsonl.zst: cannot be read: the file ends inside a zstd frame", "compressed byte offset", "repair"]),
+    ("prepare-token-id-too-large", ["data", "prepare", "{tmp}/big-ids.bin", "--out", "{tmp}/p12", "--quiet",
+                                    "--tokenizer", "bundled:kjv-bpe-4k"],
+     ["big-ids.bin: document 1", "token id 5000", "has 4096 tokens", "pass the tokenizer these ids come from"]),
+    ("prepare-megatron-mismatch", ["data", "prepare", "{tmp}/mt/bad.idx", "--out", "{tmp}/p13", "--tokenizer",
+                                   "bundled:kjv-bpe-4k"], ["bad.idx does not match bad.bin", "byte offset"]),
+    ("prepare-parquet-no-column", ["data", "prepare", "{tmp}/nocol.parquet", "--out", "{tmp}/p14", "--tokenizer",
+                                   "bundled:kjv-bpe-4k"], ["no column 'text'", "--text-field"]),
+    ("prepare-tokens-need-their-tokenizer", ["data", "prepare", "{tmp}/big-ids.bin", "--out", "{tmp}/p15"],
+     ["big-ids.bin holds token ids", "pass it with --tokenizer"]),
     # parallel layout and launch options
     ("launch-nproc-zero", ["train", CFG, "--nproc-per-node", "0"], ["--nproc-per-node=0", "use --nproc-per-node >= 1"]),
     ("launch-restarts", ["train", CFG, "--max-restarts", "-1"], ["--max-restarts=-1", ">= 0"]),
