@@ -26,11 +26,12 @@ class ParallelDims:
     cp: int
     tp: int
     world_size: int
+    ep: int = 1  # expert parallel: taken from dp_shard x cp x tp, not a dimension of its own in the product
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
         """Resolve dp_shard = -1 ("the rest of the world") and check the product against the world size."""
-        for key in ("pp", "dp_replicate", "cp", "tp"):
+        for key in ("pp", "dp_replicate", "cp", "tp", "ep"):
             if getattr(cfg, key) < 1:
                 raise ConfigError(f"parallel.{key} must be >= 1, got {getattr(cfg, key)}")
         if cfg.dp_shard == 0 or cfg.dp_shard < -1:
@@ -51,7 +52,7 @@ class ParallelDims:
                 f"tp={cfg.tp} = {product} processes, but the world has {world_size}; make the product equal the "
                 "number of processes (parallel.dp_shard=-1 takes whatever the other dimensions leave)"
             )
-        return cls(cfg.pp, cfg.dp_replicate, dp_shard, cfg.cp, cfg.tp, world_size)
+        return cls(cfg.pp, cfg.dp_replicate, dp_shard, cfg.cp, cfg.tp, world_size, cfg.ep)
 
     @property
     def dp(self) -> int:
@@ -88,10 +89,25 @@ class ParallelDims:
     def is_single(self) -> bool:
         return self.world_size == 1
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def dp_shard_in_ep(self) -> int:
+        """The part of dp_shard that expert parallelism spans (with every cp and tp rank)."""
+        return self.ep // (self.cp * self.tp) if self.ep_enabled else 1
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        """The rest of dp_shard: FSDP shards the experts over it (with dp_replicate: HSDP)."""
+        return self.dp_shard // self.dp_shard_in_ep
+
     def describe(self) -> str:
         parts = [f"{name}={getattr(self, name)}" for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")
                  if name != "cp" or self.cp > 1]
-        return " x ".join(parts) + f" (world {self.world_size})"
+        experts = f", ep={self.ep}" if self.ep_enabled else ""
+        return " x ".join(parts) + f" (world {self.world_size}{experts})"
 
 
 def stages_per_rank(cfg: Config) -> int:
@@ -140,6 +156,7 @@ def validate_parallel(cfg: Config, world_size: int, device: torch.device | str |
         raise ConfigError(f"parallel.tp={dims.tp}, parallel.pp={dims.pp}: t5_relative position bias is not supported "
                           "with tensor/pipeline parallel yet; use FSDP/HSDP (tp=1, pp=1) or model.position='alibi'")
     _check_tensor_parallel(cfg, dims)
+    _check_expert_parallel(cfg, dims)
     _check_pipeline(cfg, dims)
     _check_precision(cfg, dims, device_type, on_this_host)
     p = cfg.parallel
@@ -192,6 +209,38 @@ def _check_tensor_parallel(cfg: Config, dims: ParallelDims) -> None:
         if value % tp:
             raise ConfigError(f"parallel.tp={tp} does not divide {key}={value} ({why}); choose a tp that divides "
                               f"{key} or change {key}")
+
+
+def _check_expert_parallel(cfg: Config, dims: ParallelDims) -> None:
+    m, ep = cfg.model, dims.ep
+    if m.n_experts == 0:
+        if ep > 1:
+            raise ConfigError(f"parallel.ep={ep} splits experts, but the model has none (model.n_experts=0); set "
+                              "parallel.ep=1, or give the model experts (model.n_experts)")
+        return
+    if dims.tp > 1 and ep % dims.tp:
+        raise ConfigError(f"parallel.tp={dims.tp} with experts: under sequence parallel each tensor-parallel rank "
+                          f"routes its own tokens, so the experts are split over those ranks too; set parallel.ep to "
+                          f"a multiple of tp (ep={dims.tp * dims.cp} or more)")
+    if ep == 1:
+        return
+    if m.n_experts % ep:
+        raise ConfigError(f"parallel.ep={ep} does not divide model.n_experts={m.n_experts} (each rank holds "
+                          "n_experts / ep whole experts); choose an ep that divides n_experts")
+    if cfg.parallel.recompute == "selective" and dims.fsdp_enabled:
+        raise ConfigError(f"parallel.recompute='selective' with parallel.ep={ep} and FSDP: the experts' own FSDP unit "
+                          "all-gathers inside each recomputed block, which torch's selective checkpointing cannot "
+                          "replay; use parallel.recompute='full' or 'every_k'")
+    inner = dims.cp * dims.tp
+    if ep % inner or dims.dp_shard % (ep // inner):
+        raise ConfigError(f"parallel.ep={ep} must be taken from dp_shard={dims.dp_shard} x cp={dims.cp} x "
+                          f"tp={dims.tp}: a multiple of cp x tp = {inner} whose quotient divides dp_shard; choose ep "
+                          f"in {_ep_choices(dims)}")
+
+
+def _ep_choices(dims: ParallelDims) -> list[int]:
+    inner = dims.cp * dims.tp
+    return [inner * d for d in range(1, dims.dp_shard + 1) if dims.dp_shard % d == 0]
 
 
 def _check_pipeline(cfg: Config, dims: ParallelDims) -> None:

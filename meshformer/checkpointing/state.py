@@ -40,6 +40,17 @@ def named_parameters(model_parts: list[nn.Module]) -> list[tuple[str, nn.Paramet
     return out
 
 
+def named_buffers(model_parts: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """(FQN, buffer) of the buffers a state dict holds (persistent ones: e.g. MoE routers' selection bias)."""
+    out = []
+    for part in model_parts:
+        for module_name, module in part.named_modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer is not None and name not in module._non_persistent_buffers_set:
+                    out.append((f"{module_name}.{name}" if module_name else name, buffer))
+    return out
+
+
 # ----------------------------------------------------------------------------- tensors
 
 

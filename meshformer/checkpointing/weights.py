@@ -65,9 +65,9 @@ def gathered_tensors(parallel_model) -> Iterator[tuple[str, torch.Tensor]]:
     """
     from torch.distributed.tensor import DTensor
 
-    from meshformer.checkpointing.state import named_parameters
+    from meshformer.checkpointing.state import named_buffers, named_parameters
 
-    local = dict(named_parameters(parallel_model.model_parts))
+    local = dict(named_parameters(parallel_model.model_parts)) | dict(named_buffers(parallel_model.model_parts))
     cfg = parallel_model.model_parts[0].cfg
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items()}  # of tensors other ranks send
@@ -163,14 +163,16 @@ def read_weights(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
 @torch.no_grad()
 def load_into(parts: list[nn.Module], folder: SafetensorsFolder) -> None:
     """Fill (possibly sharded) model parts from a weights folder, reading only each parameter's local slice."""
-    from meshformer.checkpointing.state import named_parameters
+    from meshformer.checkpointing.state import named_buffers, named_parameters
 
     for part in parts:
-        aliases = dict(named_parameters([part]))
-        for name, param in aliases.items():
+        for name, param in named_parameters([part]):
             if name not in folder:
                 raise KeyError(f"the weights folder has no {name!r}; it was saved for a different model")
             _copy_local(param, folder, name)
+        for name, buffer in named_buffers([part]):  # weights saved before a buffer was kept leave it as built
+            if name in folder:
+                buffer.copy_(folder.get(name))
 
 
 def _copy_local(param: torch.Tensor, folder: SafetensorsFolder, name: str) -> None:

@@ -99,6 +99,9 @@ class ParallelConfig:
     dp_shard: int = -1  # -1: whatever the other dimensions leave of the world
     cp: int = 1  # context parallel (decoder/encoder-only): each sequence split over cp ranks (parallel/context.py)
     tp: int = 1
+    # expert parallel (MoE): each MoE layer's experts split over ep ranks holding other tokens, which exchange
+    # tokens all-to-all; ep is taken from dp_shard x cp x tp (a multiple of cp x tp; parallel/expert_parallel.py)
+    ep: int = 1
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = "1f1b"
     pp_microbatches: int = 0  # 0: one per pipeline stage
     pp_stages_per_rank: int = 1

@@ -105,11 +105,6 @@ def _check_moe(cfg: Config) -> None:
         raise ConfigError(f"model.n_experts={m.n_experts} is negative", "use 0 (dense) or the number of experts")
     if m.n_experts == 0:
         return
-    par = cfg.parallel
-    if par.tp > 1 or par.pp > 1:  # the TP rules shard dense FFNs only; pipelines would skip the balance losses
-        raise ConfigError(f"model.n_experts={m.n_experts} with parallel.tp={par.tp} / parallel.pp={par.pp}: MoE "
-                          "blocks run under data parallel and FSDP only so far",
-                          "use parallel.tp=1 and parallel.pp=1 (scale with parallel.dp_shard / dp_replicate)")
     if not 1 <= m.experts_per_token <= m.n_experts:
         raise ConfigError(f"model.experts_per_token={m.experts_per_token} must lie in [1, model.n_experts="
                           f"{m.n_experts}]", "choose how many experts each token uses, e.g. 2")

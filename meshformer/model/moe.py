@@ -4,20 +4,24 @@ shared experts see every token.
 Plain single-device PyTorch. The experts' weights are stacked 3-D parameters (n_experts, in, out), so expert
 parallelism can shard dim 0. Tokens are sorted by expert and run by one compute path (`moe_backend`): a loop over
 each expert's contiguous slice, one padded batched matmul, or `torch._grouped_mm`; every path gives the same
-result. Each forward records its load-balancing quantities (`MoEStats`) on the layer: `balance_loss` turns them
-into the objective's auxiliary terms, `update_expert_bias` applies DeepSeek-V3's auxiliary-loss-free balancing.
+result. Each forward records its load-balancing statistics (`MoEStats`, over the whole micro-batch) and adds its
+balance losses to the objective through its output's backward; `update_expert_bias` applies DeepSeek-V3's
+auxiliary-loss-free balancing after each optimizer step.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import cache
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshformer.model.config import ModelConfig
 
@@ -31,8 +35,8 @@ def is_moe_block(cfg: ModelConfig, index: int) -> bool:
 
 @dataclass(frozen=True)
 class MoEStats:
-    """What one forward of an MoE layer measured. The losses are unweighted and carry gradients; the rest is
-    detached."""
+    """What one forward of an MoE layer measured over its whole micro-batch (every rank of its token group); detached,
+    the losses unweighted."""
 
     tokens_per_expert: torch.Tensor  # (n_experts,) routed token-slots per expert, before any dropping
     aux_loss: torch.Tensor  # Switch/GShard balance loss: n_experts * sum_i fraction_i * mean_score_i
@@ -66,21 +70,6 @@ def route(logits: torch.Tensor, k: int, *, score: str = "softmax", renormalize: 
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return Routing(experts, weights, scores)
-
-
-def balance_aux_loss(scores: torch.Tensor, experts: torch.Tensor, sequences: int = 1) -> torch.Tensor:
-    """n_experts * sum_i f_i * P_i (Switch Transformer), f_i the fraction of token-slots routed to expert i and P_i
-    the mean score of expert i (scores normalised per token); with sequences > 1 per sequence, then averaged."""
-    n, e = scores.shape
-    probs = scores / scores.sum(-1, keepdim=True)
-    one_hot = F.one_hot(experts, e).sum(1).float()  # (N, E) slots per token and expert
-    fraction = one_hot.view(sequences, n // sequences, e).mean(1) / experts.shape[1]
-    mean_score = probs.view(sequences, n // sequences, e).mean(1)
-    return e * (fraction * mean_score).sum(-1).mean()
-
-
-def z_loss(logits: torch.Tensor) -> torch.Tensor:
-    return logits.logsumexp(-1).square().mean()
 
 
 # ---------------------------------------------------------------------------------------------------- compute
@@ -157,6 +146,22 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
 # ---------------------------------------------------------------------------------------------------- modules
 
 
+class TokenGroup(Protocol):
+    """The ranks holding other tokens of the same micro-batch (data-, context- and, under sequence parallel,
+    tensor-parallel ranks of one pipeline stage). Parallel code supplies it through `Transformer.set_parallel_context`
+    so that balance statistics are those of the whole micro-batch, whatever the layout."""
+
+    sequence_shards: int  # ranks holding pieces of each sequence (context x tensor parallel)
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum of `t` (detached) over every rank of the group."""
+        ...
+
+    def sum_within_sequences(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum of `t` (detached) over the ranks holding other pieces of this rank's sequences."""
+        ...
+
+
 class Router(nn.Module):
     """Linear scores without bias, computed in fp32; `expert_bias` steers selection only."""
 
@@ -165,8 +170,8 @@ class Router(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model))
-        # Not in state_dict yet: checkpoints hold parameters only; saving the bias comes with the training hook
-        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts), persistent=False)
+        # Part of the model's state (checkpoints, final weights): trained by bias balancing, it changes the function
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
@@ -178,32 +183,86 @@ class Router(nn.Module):
             return F.linear(x.float(), self.weight.float())
 
 
+def _local(weight: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's experts of a stacked weight: expert parallelism shards dim 0 as a distributed tensor."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
 class Experts(nn.Module):
     """n_experts feed-forward networks without biases, stacked: gate/up (E, d_model, width), down (E, width,
-    d_model)."""
+    d_model).
+
+    `forward(xs, counts)` runs the token rows `xs`, sorted by expert, `counts[e]` of them for expert e. Expert
+    parallelism wraps this module (meshformer/parallel/expert_parallel.py): it sends each expert's rows to the rank
+    holding it before the forward and brings the results back after it."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        from meshformer.model.layers import activation_fn  # layers builds this module
+
         e, d, f = cfg.n_experts, cfg.d_model, cfg.expert_d_ff
         self.gate_proj = nn.Parameter(torch.empty(e, d, f)) if cfg.activation == "swiglu" else None
         self.up_proj = nn.Parameter(torch.empty(e, d, f))
         self.down_proj = nn.Parameter(torch.empty(e, f, d))
+        self.act = activation_fn(cfg.activation)
+        self.backend = cfg.moe_backend
+
+    def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        gate, up, down = _local(self.gate_proj), _local(self.up_proj), _local(self.down_proj)
+        dtype = xs.dtype  # under autocast the routed rows are cast once; the weights follow them
+        gate, up, down = (None if w is None else w.to(dtype) for w in (gate, up, down))
+        out = COMPUTE[resolve_backend(self.backend, xs)](xs, counts.tolist(), gate, up, down, self.act)
+        if xs.shape[0] == 0:  # no rows here (expert parallel): keep rows and weights in the graph, so the backward
+            # runs the same exchanges and gradient reductions (of zeros) as on every other rank
+            out = out + (xs.sum() + sum(w.sum() for w in (gate, up, down) if w is not None)) * 0
+        return out
+
+
+class _WithBalanceLoss(torch.autograd.Function):
+    """Identity on the layer's output whose backward also starts `weight` * d(balance)/d(router): the balance terms
+    join the objective wherever this forward runs (a pipeline stage included) without being returned from it."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, balance: torch.Tensor, weight: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(balance)
+        ctx.weight = weight
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        (balance,) = ctx.saved_tensors
+        return grad, torch.full_like(balance, ctx.weight), None
 
 
 class MoEFeedForward(nn.Module):
-    """router -> top-k -> tokens sorted by expert -> experts -> weighted sum back per token (+ shared experts)."""
+    """router -> top-k -> tokens sorted by expert -> experts -> weighted sum back per token (+ shared experts).
+
+    The balance losses (moe_aux_loss x aux + router_z_loss x z) of each forward join the objective with weight
+    `balance_weight`: the trainer sets 1 / (forwards per optimizer step), so the step optimises their mean over its
+    micro-batches. Their statistics cover the whole micro-batch (every rank of `token_group`)."""
+
+    tokens_this_step: torch.Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        from meshformer.model.layers import FeedForward, activation_fn  # layers builds this module
+        from meshformer.model.layers import FeedForward  # layers builds this module
 
         self.cfg = cfg
         self.router = Router(cfg)
         self.experts = Experts(cfg)
-        self.act = activation_fn(cfg.activation)
         shared_width = cfg.n_shared_experts * cfg.expert_d_ff  # the shared experts as one wide FFN: same sum
         self.shared_experts = FeedForward(replace(cfg, d_ff=shared_width)) if shared_width else None
+        self.token_group: TokenGroup | None = None  # set by Transformer.set_parallel_context; None: one process
+        self.balance_weight = 1.0
         self.last_stats: MoEStats | None = None  # the latest forward's
+        self.counts_load = True  # off for forwards that are not training (a pipeline's shape inference)
+        # Token-slots per expert over the training forwards since the last reset (every rank of the token group):
+        # the load that auxiliary-loss-free balancing reads after each optimizer step.
+        self.register_buffer("tokens_this_step", torch.zeros(cfg.n_experts), persistent=False)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        self.tokens_this_step.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -218,29 +277,74 @@ class MoEFeedForward(nn.Module):
         order = torch.argsort(slots, stable=True)  # by expert, then by token
         routed = torch.bincount(slots, minlength=n_experts)
         counts = routed
-        if cfg.capacity_factor > 0:  # each expert keeps its earliest tokens up to capacity
+        if cfg.capacity_factor > 0:  # each expert keeps its earliest tokens up to capacity (this rank's tokens)
             capacity = math.ceil(cfg.capacity_factor * n * k / n_experts)
             rank = torch.arange(order.numel(), device=x.device) - (routed.cumsum(0) - routed)[slots[order]]
             order = order[rank < capacity]
             counts = routed.clamp(max=capacity)
         tokens = order // k
-        experts = self.experts
-        out = COMPUTE[resolve_backend(cfg.moe_backend, flat)](
-            flat[tokens], counts.tolist(), None if experts.gate_proj is None else experts.gate_proj.to(flat.dtype),
-            experts.up_proj.to(flat.dtype), experts.down_proj.to(flat.dtype), self.act)  # autocast cast x once
+        out = self.experts(flat[tokens], counts)
         weights = routing.weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
         combined = flat.new_zeros(n, flat.shape[1]).index_add(0, tokens, out * weights)
-        sequences = x.shape[0] if cfg.moe_aux_per_sequence and x.dim() == 3 else 1
-        self.last_stats = MoEStats(
-            tokens_per_expert=routed.detach().float(),
-            aux_loss=balance_aux_loss(routing.scores, routing.experts, sequences),
-            z_loss=z_loss(logits),
-            dropped_fraction=(1 - order.numel() / slots.numel()) * torch.ones((), device=x.device),
-        )
         result = combined.view_as(x)
+        balance = self._balance(x, logits, routing, routed, order.numel())
+        if balance is not None:
+            result = _WithBalanceLoss.apply(result, balance, self.balance_weight)
         if self.shared_experts is not None:
             result = result + self.shared_experts(x)
         return result
+
+    def _balance(self, x: torch.Tensor, logits: torch.Tensor, routing: Routing, routed: torch.Tensor, kept: int
+                 ) -> torch.Tensor | None:
+        """Record this forward's `MoEStats` and return its weighted balance terms (None when both are off).
+
+        Every statistic is of the whole micro-batch: counts and sums are added over the token group first, and each
+        rank's term is its tokens' share of the global one, so the terms summed over ranks (as gradients are) give
+        exactly the single-process value."""
+        cfg, group = self.cfg, self.token_group
+        k, n_experts = cfg.experts_per_token, cfg.n_experts
+        n = logits.shape[0]
+        probs = routing.scores / routing.scores.sum(-1, keepdim=True)  # (N, E), per token summing to 1
+        lse_sq = logits.logsumexp(-1).square()
+        local = torch.cat([routed.float(), probs.detach().sum(0),
+                           torch.stack([lse_sq.detach().sum(), torch.tensor(float(n), device=x.device),
+                                        torch.tensor(float(kept), device=x.device)])])
+        total = local if group is None else group.sum(local)
+        counts, prob_sum = total[:n_experts], total[n_experts:2 * n_experts]
+        lse_sq_sum, tokens, kept_total = total[2 * n_experts:].unbind()
+        z = lse_sq.sum() / tokens
+        if cfg.moe_aux_per_sequence and x.dim() == 3:
+            aux, aux_value = self._aux_per_sequence(x, probs, routing.experts)
+        else:
+            fraction = counts / (tokens * k)
+            aux = n_experts * (fraction * probs.sum(0)).sum() / tokens
+            aux_value = n_experts * (fraction * prob_sum).sum() / tokens
+        self.last_stats = MoEStats(tokens_per_expert=counts, aux_loss=aux_value, z_loss=lse_sq_sum / tokens,
+                                   dropped_fraction=1 - kept_total / (tokens * k))
+        if self.counts_load and self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            self.tokens_this_step += counts  # not again when activation recomputation reruns this in backward
+        if cfg.moe_aux_loss == 0 and cfg.router_z_loss == 0:
+            return None
+        return cfg.moe_aux_loss * aux + cfg.router_z_loss * z
+
+    def _aux_per_sequence(self, x: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The balance loss of each sequence, averaged over the micro-batch's sequences: (this rank's term, the
+        global value)."""
+        group, n_experts, k = self.token_group, self.cfg.n_experts, self.cfg.experts_per_token
+        b, t = x.shape[0], x.shape[1]
+        slots = F.one_hot(experts, n_experts).sum(1).float().view(b, t, n_experts).sum(1)  # (B, E)
+        probs_by_sequence = probs.view(b, t, n_experts).sum(1)
+        local = torch.cat([slots, probs_by_sequence.detach(), torch.full((b, 1), float(t), device=x.device)], 1)
+        total = local if group is None else group.sum_within_sequences(local)
+        counts, prob_sum, tokens = total[:, :n_experts], total[:, n_experts:2 * n_experts], total[:, -1:]
+        sequences = torch.tensor(float(b), device=x.device)
+        if group is not None:
+            sequences = group.sum(sequences) / group.sequence_shards
+        fraction = counts / (tokens * k)
+        aux = n_experts * (fraction * probs_by_sequence / tokens).sum() / sequences
+        value = n_experts * (fraction * prob_sum / tokens).sum() / sequences
+        return aux, value
 
 
 # ---------------------------------------------------------------------------------------------------- balancing
@@ -252,33 +356,32 @@ def moe_layers(model: nn.Module) -> Iterator[tuple[str, MoEFeedForward]]:
             yield name, module
 
 
-def balance_loss(parts: Iterable[nn.Module]) -> torch.Tensor | None:
-    """moe_aux_loss * aux + router_z_loss * z summed over the MoE layers' latest forward (None: nothing to add).
-
-    A per-micro-batch mean: the caller weights it by the micro-batch's share of the step's tokens."""
-    total: torch.Tensor | None = None
-    for part in parts:
-        for _, layer in moe_layers(part):
-            cfg, stats = layer.cfg, layer.last_stats
-            if stats is None or (cfg.moe_aux_loss == 0 and cfg.router_z_loss == 0):
-                continue
-            term = cfg.moe_aux_loss * stats.aux_loss + cfg.router_z_loss * stats.z_loss
-            total = term if total is None else total + term
-    return total
+@contextmanager
+def loads_not_counted(layers: Iterable[MoEFeedForward]) -> Iterator[None]:
+    """Forwards inside this block add nothing to the layers' step loads."""
+    layers = list(layers)
+    for layer in layers:
+        layer.counts_load = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.counts_load = True
 
 
-def expert_loads(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Each MoE layer's tokens per expert in its latest forward, by module name."""
-    return {name: layer.last_stats.tokens_per_expert for name, layer in moe_layers(model)
-            if layer.last_stats is not None}
+def set_balance_weight(layers: Iterable[MoEFeedForward], weight: float) -> None:
+    """The weight of each forward's balance terms in the objective: 1 / (forwards per optimizer step)."""
+    for layer in layers:
+        layer.balance_weight = weight
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, loads: Mapping[str, torch.Tensor]) -> None:
-    """DeepSeek-V3's auxiliary-loss-free balancing: bias += rate * sign(mean load - load), per layer in `loads`
-    (the step's tokens per expert; summed over ranks by the caller)."""
-    for name, layer in moe_layers(model):
+def update_expert_bias(layers: Iterable[MoEFeedForward]) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing, after an optimizer step: bias += rate * sign(mean load - load)
+    per layer, from the step's token-slots per expert over every rank (`tokens_this_step`), which restart at zero."""
+    for layer in layers:
         rate = layer.cfg.router_bias_update_rate
-        if rate > 0 and name in loads:
-            load = loads[name].to(layer.router.expert_bias)
+        load = layer.tokens_this_step
+        if rate > 0:
             layer.router.expert_bias += rate * torch.sign(load.mean() - load)
+        load.zero_()

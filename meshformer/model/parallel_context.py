@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshformer.model.attention import SequenceChunk
+from meshformer.model.moe import TokenGroup
 
 
 @dataclass(frozen=True)
@@ -29,3 +30,5 @@ class ParallelContext:
     chunk: SequenceChunk | None = None  # context parallel: which pieces of each sequence this rank holds
     # tensor parallel: the attention heads (so the ALiBi slopes) this rank holds
     alibi_heads: slice = field(default_factory=lambda: slice(None))
+    # the ranks holding other tokens of a micro-batch, over which MoE layers add up their balance statistics
+    token_group: TokenGroup | None = None

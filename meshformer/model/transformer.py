@@ -23,7 +23,7 @@ from meshformer.model.families import FamilySpec, get_family_spec
 from meshformer.model.init import init_weights, new_seed
 from meshformer.model.layers import BlockCache, TransformerBlock, activation_fn, make_norm
 from meshformer.model.masks import AttentionMask, build_mask, masked_avg_pool, pool_padding_mask
-from meshformer.model.moe import is_moe_block
+from meshformer.model.moe import MoEFeedForward, is_moe_block
 from meshformer.model.parallel_context import ParallelContext, StageSpan
 from meshformer.model.positions import (
     LearnedPositions,
@@ -174,9 +174,13 @@ class Transformer(nn.Module):
         self.parallel_context = model.parallel_context
 
     def set_parallel_context(self, context: ParallelContext) -> None:
-        """The one way parallel code tells this model (or stage) its layout; the ALiBi slopes follow the heads."""
+        """The one way parallel code tells this model (or stage) its layout; the ALiBi slopes follow the heads, the
+        MoE layers take the token group."""
         self.parallel_context = context
         self.reset_buffers()
+        for module in self.modules():
+            if isinstance(module, MoEFeedForward):
+                module.token_group = context.token_group
 
     def canonical_name(self, name: str) -> str:
         """The whole model's name of this part's parameter `name` (a stage's copy of a tied weight has the

@@ -100,6 +100,15 @@ class MultiRankParallelModel(ParallelModel):
                     part.set_requires_all_reduce(last_micro_batch)
             self._replicas_all_reduce = last_micro_batch
 
+    def moe_scalars(self) -> dict[str, float]:
+        # The statistics are already global over a stage's ranks; pipeline stages hold different layers.
+        local = super().moe_scalars()
+        if not self.dims.pp_enabled:
+            return local
+        stages: list[dict[str, float] | None] = [None] * self.dims.pp
+        dist.all_gather_object(stages, local, group=self.meshes.pp.get_group())
+        return {key: value for stage in stages for key, value in (stage or {}).items()}
+
     def grad_norm(self) -> torch.Tensor:
         return global_grad_norm(self._grads(), self.dims.world_size // self.dims.pp, self.device)
 

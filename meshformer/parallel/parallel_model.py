@@ -16,7 +16,7 @@ from torch import nn
 from meshformer.batch import Batch, model_inputs
 from meshformer.loss.cross_entropy import LossFn, count_tokens
 from meshformer.loss.fused import HeadLoss
-from meshformer.model.moe import balance_loss, moe_layers
+from meshformer.model.moe import MoEFeedForward, moe_layers, set_balance_weight, update_expert_bias
 from meshformer.parallel.grad_norm import scale_grads_
 
 
@@ -37,6 +37,7 @@ class ParallelModel:
         self.report: dict[str, str] = dict(report or {})
         # FSDP all-gathers float8 weights, whose scales must be refreshed after every optimizer step (parallelize).
         self.float8_weight_gather = False
+        self._balance_weight = 1.0  # the MoE layers' (their default)
 
     @property
     def model_parts(self) -> list[nn.Module]:
@@ -63,17 +64,51 @@ class ParallelModel:
 
         `last_micro_batch`: whether the step's gradients are complete after this one (gradient accumulation)."""
         loss_sum = self._loss_sum(batch)
-        objective = loss_sum
-        # MoE balance terms are per-micro-batch means: weighted by this micro-batch's share of the step's tokens
-        if self._moe_layers and (balance := balance_loss(self._moe_layers)) is not None:
-            objective = objective + balance * count_tokens(batch["labels"]).to(balance)
-        (objective / global_tokens).backward()
+        (loss_sum / global_tokens).backward()  # MoE layers add their balance terms in this backward
         return loss_sum.detach()
 
+    @property
+    def forwards_per_micro_batch(self) -> int:
+        """Model forwards one micro-batch takes (the pipeline's microbatches under pipeline parallel)."""
+        return 1
+
+    def begin_step(self, micro_batches: int) -> None:
+        """Told before each step: MoE balance terms are averaged over the step's forwards."""
+        weight = 1.0 / (micro_batches * self.forwards_per_micro_batch)
+        if self.moe_layers and weight != self._balance_weight:
+            set_balance_weight(self.moe_layers, weight)
+            self._balance_weight = weight
+
+    def update_expert_bias(self) -> None:
+        """After an optimizer step: auxiliary-loss-free balancing from the step's expert loads (model/moe.py)."""
+        update_expert_bias(self.moe_layers)
+
     @cached_property
-    def _moe_layers(self) -> list[nn.Module]:
-        """This rank's MoE layers, found once: no walk over every module per micro-batch (none for a dense model)."""
-        return [layer for part in self.model_parts for _, layer in moe_layers(part)]
+    def named_moe_layers(self) -> list[tuple[str, MoEFeedForward]]:
+        """This rank's MoE layers by their name in the whole model, found once: no walk over every module per step
+        (none for a dense model)."""
+        return [item for part in self.model_parts for item in moe_layers(part)]
+
+    @cached_property
+    def moe_layers(self) -> list[MoEFeedForward]:
+        return [layer for _, layer in self.named_moe_layers]
+
+    def moe_scalars(self) -> dict[str, float]:
+        """Per MoE layer, of its latest training forward over the whole micro-batch: the busiest expert's load over
+        the mean load (1 = perfectly balanced), the fraction of token-slots dropped for capacity, the aux and z
+        balance losses (unweighted)."""
+        out: dict[str, float] = {}
+        for name, layer in self.named_moe_layers:
+            stats = layer.last_stats
+            if stats is None:
+                continue
+            load = stats.tokens_per_expert
+            prefix = f"moe/{name.removesuffix('.ffn')}"
+            out[f"{prefix}/load_max_over_mean"] = float(load.max() / load.mean().clamp(min=1e-9))
+            out[f"{prefix}/dropped_fraction"] = float(stats.dropped_fraction)
+            out[f"{prefix}/aux_loss"] = float(stats.aux_loss)
+            out[f"{prefix}/z_loss"] = float(stats.z_loss)
+        return out
 
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -20,8 +21,14 @@ from meshformer.loss.fused import HeadLoss, VocabShard
 from meshformer.loss.spec import LossSpec
 from meshformer.model import Transformer
 from meshformer.parallel.context import apply_context_parallel
+from meshformer.parallel.expert_parallel import (
+    MeshTokenGroup,
+    apply_expert_parallel,
+    has_moe,
+    shard_experts_with_fsdp,
+)
 from meshformer.parallel.float8 import apply_float8, check_fp8, end_blocks, fp8_report
-from meshformer.parallel.fsdp import apply_fsdp
+from meshformer.parallel.fsdp import apply_fsdp, mixed_precision_policy
 from meshformer.parallel.kernels import (
     attention_kernels,
     compile_blocks,
@@ -143,6 +150,11 @@ def parallelize_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes:
     """CP -> FP8 -> TP -> recompute -> compile -> FSDP on one model part (the whole model or one pipeline stage)."""
     apex_norms = 0
     context_layers = apply_context_parallel(part, meshes.cp) if meshes is not None and dims.cp_enabled else 0
+    moe = meshes is not None and has_moe(part)
+    if moe:  # MoE balance statistics cover the micro-batch: every rank of the stage holding other tokens of it
+        part.set_parallel_context(replace(part.parallel_context,
+                                          token_group=MeshTokenGroup(meshes.moe_tokens, meshes.sequence)))
+    expert_layers = apply_expert_parallel(part, meshes.ep) if moe and dims.ep_enabled else 0
     keep = end_blocks(cfg.model) if cfg.train.fp8_keep_ends else frozenset()
     fp8 = apply_float8(part, cfg.train.fp8, fsdp_gather=float8_weight_gather(cfg, dims), emulate=device.type != "cuda",
                        keep=keep) if cfg.train.fp8 != "off" else 0
@@ -159,6 +171,12 @@ def parallelize_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes:
         report["compile"] = "whole-model torch.compile" + compile_mode_note(cfg.train.compile_mode)
         report["attention"] = attention_kernels(cfg, device, compiled=True)
     report["fp8"] = fp8_report(cfg.train.fp8, fp8, dims.fsdp_enabled, dims.tp_enabled)
+    if expert_layers:
+        report["experts"] = (f"{expert_layers} MoE layers, experts split over ep={dims.ep} ranks (all-to-all "
+                             "dispatch)")
+        if dims.fsdp_enabled:
+            report["experts"] += (f", then by {'HSDP' if dims.hsdp else 'FSDP'} over the "
+                                  f"{dims.dp_replicate * dims.dp_shard_mod_ep} data-parallel ranks ep leaves")
     if context_layers:
         report["context"] = (f"{dims.cp} ranks, each holding 2 of {2 * dims.cp} pieces of every sequence; "
                              f"{context_layers} layers all-gather keys/values")
@@ -170,6 +188,8 @@ def parallelize_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes:
             # The deferred weight-gradient pass runs after FSDP would have resharded the block and reads freed
             # unsharded weights (wrong or missing gradients in torch 2.13), so blocks stay unsharded.
             reshard = False
+        if expert_layers:
+            shard_experts_with_fsdp(part, meshes.expert_fsdp, mixed_precision_policy(cfg.parallel), reshard)
         apply_fsdp(part, meshes.fsdp, cfg.parallel, reshard_after_forward=reshard)
         report["fsdp"] = (f"{'HSDP' if dims.hsdp else 'FSDP2'} over {dims.dp * dims.cp} ranks, reshard_after_forward="
                           f"{reshard}, params {cfg.parallel.mixed_precision_param}, reduce "

@@ -45,6 +45,8 @@ from torch.distributed.tensor.parallel import (
 from meshformer.config import ModelConfig
 from meshformer.model import Transformer
 from meshformer.model.families import spec as styles
+from meshformer.model.families.spec import TensorParallelRules
+from meshformer.model.moe import MoEFeedForward
 
 # Each style the family specs may name, as DTensor layouts. Vocabulary-sharded logits are kept local: the loss
 # is computed vocab-parallel.
@@ -53,6 +55,7 @@ _STYLES = {
     styles.VOCAB_COLUMNS: lambda: ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
                                                   use_local_output=True),
     styles.SEQUENCE: lambda: SequenceParallel(use_local_output=True),
+    styles.TOKENS: lambda: SequenceParallel(sequence_dim=0, use_local_output=True),
     styles.HEADS: lambda: SequenceParallel(sequence_dim=1, use_local_output=True),
     styles.GATHER: lambda: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
     styles.GATHER_MASKED: lambda: PrepareModuleInput(input_layouts=(Shard(1), None),
@@ -82,7 +85,8 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, *, float8_gather
         if layers is None:
             continue
         for key, block in layers.items():
-            parallelize_module(block, mesh, _plan(block, spec.tp_rules.block, float8_gather))
+            parallelize_module(block, mesh, _plan(block, _block_rules(block, spec.tp_rules), float8_gather))
+            _local_buffers(block)
             if key == "0":  # enter sequence parallel: slice the replicated embedding output
                 parallelize_module(block, mesh, PrepareModuleInput(
                     input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None), use_local_output=True))
@@ -95,6 +99,21 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, *, float8_gather
             _gather_sequence(layers[last], mesh)
     _replicate_rest(model, mesh)
     return model
+
+
+def _block_rules(block: nn.Module, rules: TensorParallelRules) -> Mapping[str, str]:
+    if not isinstance(getattr(block, "ffn", None), MoEFeedForward):
+        return rules.block
+    return {**{path: style for path, style in rules.block.items() if path.split(".")[0] != "ffn"}, **rules.moe_block}
+
+
+def _local_buffers(module: nn.Module) -> None:
+    """torch's styles replicate a module's buffers as well; a router's selection bias and load counts are updated
+    in place from global loads, identical on every rank, so they stay plain tensors."""
+    for sub in module.modules():
+        for name, buffer in list(sub.named_buffers(recurse=False)):
+            if isinstance(buffer, DTensor):
+                sub.register_buffer(name, buffer.to_local(), persistent=name not in sub._non_persistent_buffers_set)
 
 
 def _plan(module: nn.Module, styles_by_path: Mapping[str, str], float8_gather: bool = False

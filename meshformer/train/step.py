@@ -59,6 +59,8 @@ class TrainStep:
         self._post_step_hooks: list[PostStepHook] = []
         if parallel_model.float8_weight_gather:
             self.add_post_step_hook(self._refresh_float8_scales)
+        if any(layer.cfg.router_bias_update_rate > 0 for layer in parallel_model.moe_layers):
+            self.add_post_step_hook(parallel_model.update_expert_bias)
 
     def add_post_step_hook(self, hook: PostStepHook) -> None:
         """Run `hook()` after every optimizer step, after the hooks added before it."""
@@ -68,6 +70,7 @@ class TrainStep:
         """One optimizer step over the micro-batches of this rank (gradient accumulation: several)."""
         parallel_model = self.parallel_model
         self._on_phase("forward_backward")
+        parallel_model.begin_step(len(micro_batches))
         global_tokens = parallel_model.global_token_count(list(micro_batches))
         loss_sum = torch.zeros((), device=parallel_model.device)
         last = len(micro_batches) - 1

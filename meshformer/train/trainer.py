@@ -233,13 +233,17 @@ class Trainer:
                 timings = rank_timings(elapsed / window_steps, self.data_wait_s / window_steps, self.device)
                 record |= straggler_scalars(timings)  # data wait; per-rank step-time spread (stragglers)
                 record |= self.train_data.source_scalars()  # mixtures: samples and tokens per source so far
+                moe = self.parallel_model.moe_scalars() if cfg.model.n_experts else {}  # every rank: a collective
+                record |= moe  # per MoE layer: expert load max/mean, dropped fraction, aux and z losses
                 self.data_wait_s = 0.0
                 history.append({"step": step, **record})
                 log.scalars(step, record)
+                loads = [v for k, v in moe.items() if k.endswith("/load_max_over_mean")]
                 log.info(
                     f"step {step:>6}/{cfg.train.steps} | loss {last_loss:.4f} | lr {record['train/lr']:.2e} | "
                     f"grad {record['train/grad_norm']:.3f} | {tokens_per_s:,.0f} tok/s | "
                     f"mfu {100 * record['perf/mfu']:.1f}% | mem {record['perf/memory_gib']:.2f} GiB"
+                    + (f" | expert load max/mean {max(loads):.2f}" if loads else "")
                 )
                 window_loss.zero_()
                 window_tokens.zero_()

@@ -1,12 +1,13 @@
-"""A mixture-of-experts decoder through the trainer: it trains, saves, and a crash and restart is the same run, bit
-for bit (the balance losses in the objective, the experts' stacked weights in the checkpoint)."""
+"""A mixture-of-experts decoder through the trainer: it trains, logs its balance per layer, saves, and a crash and
+restart is the same run, bit for bit (the balance losses in the objective, the experts' stacked weights and the
+routers' bias-balancing state in the checkpoint)."""
 
 from __future__ import annotations
 
 from helpers.checkpoints import assert_bitwise, final_weights, run_trainer, tiny_config, tiny_shards
 
 MOE = ("model.n_experts=4", "model.experts_per_token=2", "model.n_shared_experts=1", "model.moe_d_ff=32",
-       "model.moe_aux_loss=0.01", "model.router_z_loss=0.001")
+       "model.moe_aux_loss=0.01", "model.router_z_loss=0.001", "model.router_bias_update_rate=0.01")
 STEPS = 6
 
 
@@ -14,6 +15,13 @@ def test_moe_run_trains_and_resumes_bitwise(tmp_path):
     shards = tiny_shards(tmp_path)
     _, reference = run_trainer(tiny_config(shards, tmp_path / "reference", STEPS, *MOE))
     assert reference.history[-1]["train/loss"] < reference.history[0]["train/loss"]
+    logged = reference.history[-1]
+    for layer in ("decoder_layers.0", "decoder_layers.1"):  # both blocks are MoE
+        assert logged[f"moe/{layer}/load_max_over_mean"] >= 1.0
+        assert 0 < logged[f"moe/{layer}/aux_loss"] < 4  # n_experts at worst, about 1 when balanced
+        assert logged[f"moe/{layer}/z_loss"] > 0
+        assert logged[f"moe/{layer}/dropped_fraction"] == 0.0  # dropless
+    assert final_weights(tmp_path / "reference")["decoder_layers.0.ffn.router.expert_bias"].abs().max() > 0
     cfg = tiny_config(shards, tmp_path / "interrupted", STEPS, *MOE)
     trainer, result = run_trainer(cfg, crash_after=3)
     assert result is None and trainer.step == 3

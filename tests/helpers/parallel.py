@@ -41,6 +41,7 @@ from meshformer.batch import IGNORE_INDEX  # noqa: E402
 from meshformer.config import Config, OptimConfig, ScheduleConfig, config_from_dict  # noqa: E402
 from meshformer.loss.cross_entropy import plain_loss_fn  # noqa: E402
 from meshformer.model import Transformer  # noqa: E402
+from meshformer.model.moe import moe_layers  # noqa: E402
 from meshformer.parallel.parallel_model import ParallelModel  # noqa: E402
 from meshformer.parallel_dims import ParallelDims  # noqa: E402
 from meshformer.train.loss_choice import resolve_loss  # noqa: E402
@@ -68,6 +69,23 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "decoder_window": dict(family="decoder", n_layers=2, attention_window=5, n_kv_heads=2, bias=False),
     # packed documents: causal attention within each (the batches carry doc_ids)
     "decoder_docs": dict(family="decoder", n_layers=2, position="rope", n_kv_heads=2, bias=False, document_mask=True),
+    # Llama-like mixture of experts: the first block dense, then MoE blocks of 4 experts (top-2) and a shared expert,
+    # aux and z balance losses in the objective; per-sequence balance loss; DeepSeek-V3's sigmoid, group-limited
+    # routing with the bias balancing that updates after each step
+    "moe": dict(family="decoder", n_layers=4, norm="rmsnorm", activation="swiglu", position="rope", n_kv_heads=2,
+                bias=False, n_experts=4, experts_per_token=2, moe_d_ff=24, n_shared_experts=1, moe_first_dense=1,
+                moe_aux_loss=0.01, router_z_loss=1e-3),
+    "moe_seq": dict(family="decoder", n_layers=2, norm="rmsnorm", activation="gelu", position="rope", bias=False,
+                    n_experts=4, experts_per_token=1, moe_d_ff=24, moe_aux_loss=0.05, moe_aux_per_sequence=True),
+    "moe_bias": dict(family="decoder", n_layers=2, norm="rmsnorm", activation="swiglu", position="rope", bias=False,
+                     n_experts=8, experts_per_token=2, moe_d_ff=16, router_score="sigmoid", router_groups=4,
+                     router_groups_per_token=2, router_bias_update_rate=0.05),
+    # the original Transformer with MoE feed-forwards in both stacks (cross-attention over the encoder's output)
+    "moe_encdec": dict(family="encoder_decoder", n_encoder_layers=2, n_decoder_layers=2, position="sinusoidal",
+                       activation="relu", n_experts=4, experts_per_token=2, moe_d_ff=24, moe_aux_loss=0.01),
+    # every token chooses experts 0 and 1 (a fixed selection bias): under ep=2 rank 1's experts receive nothing
+    "moe_skew": dict(family="decoder", n_layers=2, norm="rmsnorm", activation="swiglu", position="rope", bias=False,
+                     n_experts=4, experts_per_token=2, moe_d_ff=24, moe_aux_loss=0.01),
     # BERT-like: learned positions, embedding norm, prediction-head transform, post-norm
     "encoder": dict(family="encoder", n_layers=4, position="learned", embedding_norm=True, head_transform=True,
                     norm_position="post", activation="gelu"),
@@ -117,9 +135,17 @@ def make_batches(cfg: Config, n: int, seed: int = 1234) -> list[dict[str, torch.
     return out
 
 
-def new_model(cfg: Config) -> Transformer:
+# Families whose routers start with a fixed selection bias (the harness sets it on both the reference and the layout)
+SELECTION_BIAS = {"moe_skew": [10.0, 10.0, -10.0, -10.0]}
+
+
+def new_model(cfg: Config, family: str = "") -> Transformer:
     torch.manual_seed(cfg.train.seed)
-    return Transformer(cfg.model)
+    model = Transformer(cfg.model)
+    if family in SELECTION_BIAS:
+        for _, layer in moe_layers(model):
+            layer.router.expert_bias.copy_(torch.tensor(SELECTION_BIAS[family]))
+    return model
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -221,14 +247,16 @@ def gathered_grads(plan: ParallelModel) -> dict[str, torch.Tensor]:
     return out
 
 
-def reference(cfg: Config, steps) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
-    model = new_model(cfg)
+def reference(cfg: Config, steps, family: str = "") -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    model = new_model(cfg, family)
     if cfg.train.fp8 != "off":
         from meshformer.parallel.float8 import apply_float8
 
         apply_float8(model, cfg.train.fp8, emulate=True)
         if cfg.train.fp8 == "tensorwise":
             steps = [[piece for batch in micro for piece in rank_pieces(cfg, batch)] for micro in steps]
+    if cfg.model.n_experts and cfg.parallel.pp > 1:  # MoE balance statistics are per pipeline microbatch
+        steps = [[piece for batch in micro for piece in pipeline_pieces(cfg, batch)] for micro in steps]
     plan = ParallelModel(model, plain_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss), torch.device("cpu"))
     return train_steps(plan, steps, 0, 1)[:3]
 
@@ -249,8 +277,20 @@ def rank_pieces(cfg: Config, batch: dict[str, torch.Tensor]) -> list[dict[str, t
     return [{k: v.tensor_split(n_mb)[m] for k, v in shard.items()} for shard in shards for m in range(n_mb)]
 
 
-def compare(cfg: Config, steps, result) -> dict[str, Any]:
-    ref_losses, ref_grads, ref_norms = reference(cfg, steps)
+def pipeline_pieces(cfg: Config, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """The pipeline microbatches of a micro-batch as the layout runs them: microbatch j of every data-parallel shard
+    together (their MoE statistics are summed over the data-parallel ranks)."""
+    from meshformer.parallel_dims import n_microbatches
+
+    p = cfg.parallel
+    shards = [{k: v.chunk(p.dp_replicate * p.dp_shard)[r] for k, v in batch.items()}
+              for r in range(p.dp_replicate * p.dp_shard)]
+    n_mb = n_microbatches(cfg)
+    return [{k: torch.cat([s[k].tensor_split(n_mb)[m] for s in shards]) for k in batch} for m in range(n_mb)]
+
+
+def compare(cfg: Config, steps, result, family: str = "") -> dict[str, Any]:
+    ref_losses, ref_grads, ref_norms = reference(cfg, steps, family)
     losses, grads, norms = result
     grad_rel, checked, worst = 0.0, set(), ""
     # Floor the scale: a key-projection bias has an exactly-zero true gradient (softmax ignores a per-query
@@ -293,6 +333,8 @@ def scenario(name: str) -> tuple[Config, list]:
             parallel["cp"] = int(value or 2)
         elif key == "pp":
             parallel["pp"] = int(value or 2)
+        elif key == "ep":
+            parallel["ep"] = int(value or 2)
         elif key == "sched":
             parallel["pp_schedule"] = value
         elif key == "spr":
@@ -441,11 +483,12 @@ def run_scenario(name: str) -> dict[str, Any]:
 
         float8.fp8_supported = lambda device: True
         gather_float8_as_bytes()
-    plan = build_cpu_plan(cfg)
+    family = name.split("/")[0]
+    plan = build_cpu_plan(cfg, new_model(cfg, family))
     gathers_before = FLOAT8_GATHERS[0]
     *result, counts = train_steps(plan, steps, plan.dp_rank, plan.dp_size)
     float8_gathers = FLOAT8_GATHERS[0] - gathers_before
-    report = compare(cfg, steps, result)
+    report = compare(cfg, steps, result, family)
     # Union of what every rank checked: each pipeline stage checks its own parameters.
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (report["grad_rel"], report["checked"], report["worst"]))
@@ -455,6 +498,10 @@ def run_scenario(name: str) -> dict[str, Any]:
     report["checked"] = len(checked)
     report["kernels"] = plan.report
     report["float8_gathers"] = float8_gathers
+    if cfg.model.n_experts:  # what the run log shows of the MoE layers: every layer, whichever stage holds it
+        report["moe_scalars"] = sorted(plan.moe_scalars())
+    if family in SELECTION_BIAS:  # the step loads (global: summed over every rank) of this rank's first MoE layer
+        report["expert_loads"] = plan.moe_layers[0].tokens_this_step.tolist()
     report |= counts
     return report
 

@@ -126,6 +126,30 @@ def test_pp2_dp2_tp2_to_dp4_to_one_process(reference, tmp_path):
         assert diff < LAYOUT_CHANGE_TOLERANCE, (run.name, diff)
 
 
+MOE = ("model.n_experts=4", "model.experts_per_token=2", "model.moe_d_ff=32", "model.moe_aux_loss=0.01",
+       "model.router_bias_update_rate=0.01")
+
+
+@pytest.mark.slow
+def test_moe_checkpoint_reshards_across_expert_parallel_degrees(reference, tmp_path):
+    """Experts split 4 ways (one per rank) resume split 2 ways, then in one process: each expert, its AdamW state and
+    the routers' trained selection bias arrive whole (the bias is part of the final weights)."""
+    ep4 = tmp_path / "ep4"
+    _check(_launch(ep4, reference["shards"], *MOE, "parallel.ep=4", "data.batch_size=2", nproc=4, timeout=600.0))
+    ep2 = tmp_path / "ep2"
+    copy_steps(ep4 / "checkpoints", ep2 / "checkpoints", 2)
+    _check(_launch(ep2, reference["shards"], *MOE, "parallel.ep=2"))
+    single = tmp_path / "single"
+    copy_steps(ep2 / "checkpoints", single / "checkpoints", 4)
+    run_trainer(tiny_config(reference["shards"], single, STEPS, *MOE, "data.batch_size=8"))
+    weights = final_weights(ep4)
+    bias = weights["decoder_layers.1.ffn.router.expert_bias"]
+    assert bias.abs().max() > 0, "the bias balancing never moved the routers' bias"
+    for run in (ep2, single):
+        diff = max_diff(final_weights(run), weights)
+        assert diff < LAYOUT_CHANGE_TOLERANCE, (run.name, diff)
+
+
 # ----------------------------------------------------------------------------- one rank of a launch
 
 

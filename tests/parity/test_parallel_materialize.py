@@ -9,10 +9,11 @@ from helpers.parallel import launch
 
 WORLD2 = ["decoder/fsdp", "encoder/fsdp", "encdec/fsdp",
           "decoder/tp", "decoder_alibi/tp", "encoder/tp", "encdec/tp",
-          "decoder/pp-sched=1f1b", "encoder/pp-sched=1f1b", "encdec/pp-sched=1f1b"]
+          "decoder/pp-sched=1f1b", "encoder/pp-sched=1f1b", "encdec/pp-sched=1f1b",
+          "moe/fsdp", "moe/fsdp-ep", "moe/tp-ep"]  # initial experts equal whatever ep holds them
 WORLD4 = ["decoder/tp-fsdp", "decoder_alibi/tp-fsdp", "encoder/tp-fsdp", "encdec/tp-fsdp",
           "decoder/pp-fsdp", "encoder/pp-fsdp", "encdec/pp-fsdp-sched=zbv", "decoder/hsdp", "decoder/pp-tp",
-          "decoder/pp=4-sched=1f1b"]
+          "decoder/pp=4-sched=1f1b", "moe/fsdp=4-ep", "moe/tp-fsdp-ep", "moe/pp-fsdp-ep"]
 # Transient copies while one parameter is generated and sliced (the full tensor, a chunk, the local copy).
 IN_FLIGHT = 3
 

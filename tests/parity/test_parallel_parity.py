@@ -63,6 +63,22 @@ WORLD4 = [
 ]
 WORLD8 = ["decoder/pp-fsdp-tp", "encdec/pp-fsdp-tp-sched=interleaved_1f1b-spr=2",
           "decoder/cp-hsdp", "decoder/cp-pp-tp"]  # context parallel with HSDP; all of pp x cp x tp
+# Mixture of experts (helpers/parallel.py: moe*): balance losses over the whole micro-batch; expert parallelism (ep)
+# over dp_shard x cp x tp, composed with FSDP/HSDP (experts sharded over the data-parallel ranks ep leaves), TP+SP
+# (ep spans the tensor-parallel ranks), CP and every pipeline schedule; a rank whose experts receive no token
+# (moe_skew); per-sequence balance loss; the bias balancing after each step with its global loads (moe_bias)
+MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "moe_skew/fsdp-ep", "moe_seq/fsdp-ep",
+              "moe_bias/fsdp-ep", "moe_bias/tp-ep", "moe/fsdp-ep-recompute=full", "moe/tp-ep-recompute=selective",
+              "moe_encdec/fsdp-ep", "moe_encdec/tp-ep", "moe_encdec/pp"]  # MoE in both stacks
+MOE_WORLD4 = ["moe/fsdp=4-ep", "moe/fsdp=4-ep=4", "moe/hsdp-ep", "moe/tp-fsdp-ep", "moe/tp-fsdp-ep=4",
+              "moe/cp-fsdp-ep=4", "moe/pp-tp-ep", "moe/pp-fsdp-ep", "moe/pp-fsdp-ep-sched=gpipe",
+              "moe/pp-fsdp-ep-sched=zbv", "moe/pp-fsdp-ep-sched=interleaved_1f1b-spr=2",
+              "moe/pp-fsdp-ep-sched=interleaved_zb-spr=2", "moe_skew/fsdp=4-ep=4", "moe_seq/cp-fsdp-ep",
+              "moe_bias/pp-fsdp-ep"]
+MOE_WORLD8 = ["moe/pp-fsdp-tp-ep", "moe/cp-tp-fsdp-ep=4", "moe/hsdp-tp-ep"]
+WORLD2 += MOE_WORLD2
+WORLD4 += MOE_WORLD4
+WORLD8 += MOE_WORLD8
 MIXED_PRECISION = ["decoder/fsdp-mp"]  # bf16 all-gathers: close, not equal
 # train.fp8 through torchao's emulation against a single process with the same float8 linears. Tensorwise scales
 # are per tensor, so the reference runs each data-parallel shard and pipeline microbatch as its own piece. Under
@@ -96,7 +112,12 @@ def check(report: dict, tol: float = TOL, grad_tol: float | None = None, name: s
     if cp:  # equal results alone would not show that sequences were split
         expected = f"{cp[0]} ranks, each holding 2 of {2 * cp[0]} pieces"
         assert report["kernels"]["context"].startswith(expected), report["kernels"]
+    ep = [int(part.partition("=")[2] or 2) for part in name.split("/")[-1].split("-") if part.partition("=")[0] == "ep"]
+    if ep:  # equal results alone would not show that experts were split
+        assert f"experts split over ep={ep[0]} ranks" in report["kernels"]["experts"], report["kernels"]
     assert report["missing"] == [], f"parameters no rank checked: {report['missing']}"
+    if name.startswith("moe_skew/"):  # the case it stands for happened: experts 2 and 3 saw no token on any rank
+        assert report["expert_loads"][2:] == [0.0, 0.0] and min(report["expert_loads"][:2]) > 0
     assert max(report["loss_rel"]) < tol, f"loss relative diffs {report['loss_rel']}"
     assert report["grad_rel"] < (grad_tol or tol), \
         f"gradient relative diff {report['grad_rel']:.3e} at {report['worst']}"
@@ -156,6 +177,12 @@ def test_fsdp_float8_weight_scales_come_from_one_all_reduce_after_each_step(worl
     step 2 on every scale is ready (computed after the optimizer step), and the parity test above still holds."""
     counts = world2["decoder/fsdp-fp8=tensorwise"]["float8_amax_all_reduces"]
     assert counts[0] > 0 and counts[1] == 0, counts
+
+
+@pytest.mark.parametrize("name", ["moe/pp", "moe/tp-ep"])
+def test_every_moe_layer_reaches_the_run_log(world2, name):
+    layers = {key.split("/")[1] for key in world2[name]["moe_scalars"]}
+    assert layers == {"decoder_layers.1", "decoder_layers.2", "decoder_layers.3"}  # block 0 is dense
 
 
 def test_layout_report_names_the_kernels(world2):

@@ -22,9 +22,6 @@ from meshformer.model.layers import FeedForward
 from meshformer.model.moe import (
     BACKENDS,
     MoEFeedForward,
-    balance_aux_loss,
-    balance_loss,
-    expert_loads,
     grouped_mm_runs,
     is_moe_block,
     moe_layers,
@@ -184,39 +181,66 @@ def test_aux_and_z_losses_follow_their_formulas(score):
     assert stats.z_loss.item() == pytest.approx(z, rel=1e-5)
     # per sequence: the formula on each sequence's tokens, averaged
     per_sequence = [direct_aux(r.scores[i * 6:(i + 1) * 6], r.experts[i * 6:(i + 1) * 6]) for i in range(2)]
-    assert balance_aux_loss(r.scores, r.experts, sequences=2).item() == pytest.approx(sum(per_sequence) / 2,
-                                                                                       rel=1e-5)
     per_seq_layer = layer(replace(cfg, moe_aux_per_sequence=True))
     per_seq_layer(x)
     assert per_seq_layer.last_stats is not None
     assert per_seq_layer.last_stats.aux_loss.item() == pytest.approx(sum(per_sequence) / 2, rel=1e-5)
 
 
-def test_balance_loss_weights_each_layers_terms_and_reaches_the_router():
-    cfg = replace(SMALL, moe_aux_loss=0.01, router_z_loss=0.001)
-    model = Transformer(cfg, init_seed=3)
-    model(torch.randint(0, cfg.vocab_size, (2, 8)))
-    layers = [moe for _, moe in moe_layers(model)]
-    assert len(layers) == cfg.n_layers
-    expected = sum(0.01 * m.last_stats.aux_loss + 0.001 * m.last_stats.z_loss for m in layers if m.last_stats)
-    total = balance_loss([model])
-    assert total is not None
-    torch.testing.assert_close(total, expected)
-    total.backward()
-    assert all(m.router.weight.grad is not None and m.router.weight.grad.abs().sum() > 0 for m in layers)
-    assert balance_loss([Transformer(replace(cfg, moe_aux_loss=0, router_z_loss=0), init_seed=3)]) is None
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_the_backward_adds_the_weighted_balance_terms(per_sequence):
+    cfg = replace(SMALL, moe_aux_loss=0.01, router_z_loss=0.001, moe_aux_per_sequence=per_sequence)
+    moe = layer(cfg)
+    moe.balance_weight = 0.25  # e.g. 4 micro-batches in the step
+    x = torch.randn(2, 6, cfg.d_model)
+    (moe(x) * 0).sum().backward()  # only the balance terms reach the router
+    weight = moe.router.weight.detach().clone().requires_grad_()
+    logits = x.reshape(-1, cfg.d_model) @ weight.T
+    r = route(logits, cfg.experts_per_token)
+    probs = r.scores / r.scores.sum(-1, keepdim=True)
+    slots = F.one_hot(r.experts, cfg.n_experts).sum(1).float()
+    pieces = 2 if per_sequence else 1
+    aux = sum(cfg.n_experts * (s.mean(0) / cfg.experts_per_token * p.mean(0)).sum()
+              for s, p in zip(slots.chunk(pieces), probs.chunk(pieces))) / pieces
+    z = logits.logsumexp(-1).square().mean()
+    (0.25 * (0.01 * aux + 0.001 * z)).backward()
+    assert moe.router.weight.grad is not None and moe.router.weight.grad.abs().sum() > 0
+    torch.testing.assert_close(moe.router.weight.grad, weight.grad)
+    assert moe.last_stats is not None
+    assert moe.last_stats.aux_loss.item() == pytest.approx(aux.item(), rel=1e-5)
 
 
-def test_bias_update_follows_the_sign_of_the_load_gap():
+def test_no_balance_terms_leave_the_router_without_a_gradient_from_them():
+    moe = layer(SMALL)
+    (moe(torch.randn(2, 6, SMALL.d_model)) * 0).sum().backward()
+    assert moe.router.weight.grad is None or moe.router.weight.grad.abs().sum() == 0
+
+
+def test_training_forwards_accumulate_the_load_that_the_bias_update_reads():
     cfg = replace(SMALL, router_bias_update_rate=0.1)
-    model = Transformer(cfg, init_seed=3)
-    model(torch.randint(0, cfg.vocab_size, (2, 8)))
-    loads = expert_loads(model)
-    assert set(loads) == {name for name, _ in moe_layers(model)}
-    name = next(iter(loads))
-    update_expert_bias(model, {name: torch.tensor([3.0, 1.0, 0.0, 4.0])})  # mean 2
-    bias = dict(model.named_buffers())[f"{name}.router.expert_bias"]
-    torch.testing.assert_close(bias, torch.tensor([-0.1, 0.1, 0.1, -0.1]))
+    moe = layer(cfg)
+    x = torch.randn(2, 6, cfg.d_model)
+    with torch.no_grad():
+        moe(x)  # evaluation: not a training load
+    assert moe.tokens_this_step.sum() == 0
+    moe(x)
+    moe(x)
+    assert moe.last_stats is not None
+    torch.testing.assert_close(moe.tokens_this_step, 2 * moe.last_stats.tokens_per_expert)
+    assert moe.tokens_this_step.sum() == 2 * 12 * cfg.experts_per_token
+    moe.tokens_this_step.copy_(torch.tensor([3.0, 1.0, 0.0, 4.0]))  # mean 2
+    update_expert_bias([moe])
+    torch.testing.assert_close(moe.router.expert_bias, torch.tensor([-0.1, 0.1, 0.1, -0.1]))
+    assert moe.tokens_this_step.sum() == 0  # the next step starts afresh
+
+
+def test_recomputation_in_backward_does_not_count_the_load_twice():
+    from torch.utils.checkpoint import checkpoint
+
+    moe = layer(SMALL)
+    x = torch.randn(2, 6, SMALL.d_model, requires_grad=True)
+    checkpoint(moe, x, use_reentrant=False).sum().backward()
+    assert moe.tokens_this_step.sum() == 12 * SMALL.experts_per_token
 
 
 # ------------------------------------------------------------------------------------------------------ model
@@ -265,8 +289,7 @@ def test_every_family_builds_and_trains_with_moe_blocks(family):
     extra = {"decoder_input_ids": ids} if family == "encoder_decoder" else {}
     logits = model(ids, **extra)
     assert isinstance(logits, torch.Tensor)
-    loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten()) + balance_loss([model])
-    loss.backward()
+    F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()  # the balance term joins in the backward
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
@@ -306,8 +329,19 @@ def test_bad_moe_configs_fail_with_one_line():
         with pytest.raises(ConfigError, match=message) as err:
             config_from_dict({"model": model})
         assert "\n" not in str(err.value)
-    with pytest.raises(ConfigError, match="data parallel and FSDP only"):
-        config_from_dict({"model": {"n_experts": 4}, "parallel": {"tp": 2}})
+    from meshformer.parallel_dims import validate_parallel
+
+    layouts = [({"tp": 2}, 2, "set parallel.ep to a multiple of tp"),
+               ({"ep": 3}, 4, "parallel.ep=3 does not divide model.n_experts=4"),
+               ({"ep": 2, "cp": 4}, 4, r"choose ep in \[4\]"),
+               ({"ep": 4}, 2, r"choose ep in \[1, 2\]")]
+    for parallel, world, message in layouts:
+        cfg = config_from_dict({"model": {"n_experts": 4}, "parallel": parallel, "data": {"seq_len": 16}})
+        with pytest.raises(ConfigError, match=message) as err:
+            validate_parallel(cfg, world, "cpu")
+        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="the model has none"):
+        validate_parallel(config_from_dict({"parallel": {"ep": 2}}), 2, "cpu")
 
 
 def test_tiny_moe_trains_with_falling_loss():

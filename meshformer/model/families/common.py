@@ -16,6 +16,7 @@ from meshformer.model.families.spec import (
     HEADS,
     ROWWISE,
     SEQUENCE,
+    TOKENS,
     VOCAB_COLUMNS,
     VOCAB_ROWS,
     FamilySpec,
@@ -54,6 +55,10 @@ TP_RULES = TensorParallelRules(
         "ffn_norm": SEQUENCE, "ffn": GATHER,
         "ffn.gate_proj": COLWISE, "ffn.up_proj": COLWISE, "ffn.down_proj": ROWWISE,  # SwiGLU splits gate as up
     },
+    # An MoE feed-forward stays sequence parallel: each rank routes its own tokens and expert parallelism spans the
+    # tensor-parallel ranks; the router and shared experts hold replicated weights whose gradients sum over ranks.
+    moe_block={"ffn.router": TOKENS, **{f"ffn.shared_experts.{name}": SEQUENCE
+                                        for name in ("gate_proj", "up_proj", "down_proj")}},
 )
 
 

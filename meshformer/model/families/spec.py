@@ -9,7 +9,7 @@ it, how its weights are named by other implementations, and how many FLOPs it co
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -30,6 +30,7 @@ GATHER_MASKED = "gather_masked"  # all-gathers its first input; the second (the 
 GATHER_MEMORY = "gather_memory"  # as GATHER_MASKED, and reads the (replicated) encoder memory keyword
 COLWISE = "colwise"  # splits output features: whole heads, or a slice of d_ff
 ROWWISE = "rowwise"  # splits input features; the output is reduce-scattered onto the sequence
+TOKENS = "tokens"  # runs on this rank's tokens flattened to (N, D) with a replicated weight (the MoE router)
 
 RulesFn = Callable[[ModelConfig], list[Rule]]
 
@@ -71,6 +72,9 @@ class TensorParallelRules:
 
     top: Mapping[str, str]  # top-level attribute -> style
     block: Mapping[str, str]  # path inside every block -> style
+    # A block whose feed-forward is mixture-of-experts: these paths replace the block's "ffn" ones (its experts are
+    # split by expert parallelism instead)
+    moe_block: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from meshformer.batch import Batch, model_inputs
 from meshformer.loss.cross_entropy import LossFn, count_tokens
 from meshformer.loss.fused import HeadLoss
 from meshformer.model import Transformer
+from meshformer.model.moe import MoEFeedForward, loads_not_counted
 from meshformer.parallel.grad_norm import local_tensor, settle_grad
 from meshformer.parallel.mesh import Meshes
 from meshformer.parallel.mesh_model import MultiRankParallelModel, check_sequence_split
@@ -110,6 +111,8 @@ class PipelineParallelModel(MultiRankParallelModel):
         stage_cls = PipelineStage if self.unsharded_microbatches else ShardedMicrobatchStage
         pipeline_stages = [stage_cls(stage, stage.span.index, stage.span.n_stages, self.device, group=group)
                            for stage in self.stages]
+        for pipeline_stage in pipeline_stages:
+            _shape_inference_uncounted(pipeline_stage, self.moe_layers)
         cls = SCHEDULES[self.schedule_name]
         first = pipeline_stages[0] if cls in (ScheduleGPipe, Schedule1F1B) else pipeline_stages
         schedule = cls(first, n_microbatches=self.n_microbatches, loss_fn=self._loss, scale_grads=False)
@@ -163,6 +166,10 @@ class PipelineParallelModel(MultiRankParallelModel):
 
     # ------------------------------------------------------------------ contract
 
+    @property
+    def forwards_per_micro_batch(self) -> int:
+        return self.n_microbatches
+
     def forward_backward(self, batch: Batch, global_tokens: torch.Tensor, last_micro_batch: bool = True
                          ) -> torch.Tensor:
         self._all_reduce_replicas_after(last_micro_batch)
@@ -186,6 +193,23 @@ class PipelineParallelModel(MultiRankParallelModel):
 
     def _counts_in_norm(self, part: nn.Module, param: nn.Parameter) -> bool:
         return self._shared.counts_in_norm(param)
+
+
+def _shape_inference_uncounted(stage: PipelineStage, layers: list[MoEFeedForward]) -> None:
+    """torch's stages infer shapes with one real forward (grad enabled) on the first step; MoE layers must not count
+    its tokens as load (the method's name differs between torch releases)."""
+    if not layers:
+        return
+    for name in ("_forward_metadata_inference", "_shape_inference"):
+        original = getattr(stage, name, None)
+        if original is None:
+            continue
+
+        def uncounted(*args, original=original, **kwargs):
+            with loads_not_counted(layers):
+                return original(*args, **kwargs)
+
+        setattr(stage, name, uncounted)
 
 
 def _stage_inputs(batch: Batch) -> dict[str, torch.Tensor]:
