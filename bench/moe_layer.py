@@ -135,11 +135,11 @@ def measure(shape: str, routing: str, device: torch.device, dtype: torch.dtype, 
             continue
 
         def layer_side(b: str = backend) -> torch.Tensor:
-            moe.cfg = replace(moe_cfg, moe_backend=b)
+            ex.backend = b  # the layer's experts read their backend from here, set from moe_backend when built
             return moe(xin)
 
         def compute_side(b: str = backend) -> torch.Tensor:
-            return COMPUTE[b](xs, count_list, ex.gate_proj, ex.up_proj, ex.down_proj, moe.act)
+            return COMPUTE[b](xs, count_list, ex.gate_proj, ex.up_proj, ex.down_proj, ex.act)
 
         sides[f"layer:{backend}"] = fwd_bwd(layer_side, grad)
         sides[f"compute:{backend}"] = fwd_bwd(compute_side, grad_slots)
