@@ -35,13 +35,18 @@ def train(config: str, steps: int, eval_interval: int, run_dir: Path, overrides:
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "console.log"  # streamed, so a long run can be watched with tail -f
     with log_path.open("w") as out:
-        done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
-    log = log_path.read_text()
-    if done.returncode != 0:
-        raise SystemExit(f"{config} failed ({done.returncode}):\n{log[-3000:]}")
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    return {"config": config, "proc": proc, "log": log_path, "t0": t0}
+
+
+def finish(run: dict) -> dict:
+    returncode = run.pop("proc").wait()
+    log = run["log"].read_text()
+    if returncode != 0:
+        raise SystemExit(f"{run['config']} failed ({returncode}):\n{log[-3000:]}")
     train_curve = [(int(s), float(v)) for s, v in STEP_LINE.findall(log)]
     eval_curve = [(int(s), float(v)) for s, v in EVAL_LINE.findall(log)]
-    return {"config": config, "train": train_curve, "eval": eval_curve, "seconds": time.perf_counter() - t0}
+    return run | {"train": train_curve, "eval": eval_curve, "seconds": time.perf_counter() - run["t0"]}
 
 
 def active_params(config: str, overrides: list[str]) -> tuple[int, int]:
@@ -85,6 +90,8 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], help="overrides applied to both runs (e.g. data.batch_size=4)")
     parser.add_argument("--moe-set", nargs="*", default=[], help="overrides for the MoE run only")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--concurrent", action="store_true", help="train both at once (on a shared, busy machine "
+                        "both then see the same load; the curves are per token, so timing does not enter them)")
     parser.add_argument("--png", type=Path, default=None)
     parser.add_argument("--work", type=Path, default=None, help="folder for the runs' temporary folders")
     args = parser.parse_args()
@@ -95,11 +102,16 @@ def main() -> None:
     tokens_per_step = base.data.batch_size * base.data.seq_len
     runs = []
     with tempfile.TemporaryDirectory(prefix="moe-vs-dense-", dir=args.work) as tmp:
+        started = []
         for config, extra in ((args.dense, args.set), (args.moe, [*args.set, *args.moe_set])):
-            run = train(config, args.steps, args.eval_interval, Path(tmp) / config, extra, args.threads)
-            run["total"], run["active"] = active_params(config, extra)
+            started.append(train(config, args.steps, args.eval_interval, Path(tmp) / config, extra, args.threads))
+            if not args.concurrent:
+                started[-1] = finish(started[-1])
+            started[-1]["total"], started[-1]["active"] = active_params(config, extra)
+        for run in started:
+            run = run if "train" in run else finish(run)
             runs.append(run)
-            print(json.dumps({"bench": "moe_vs_dense", "config": config, "total_params": run["total"],
+            print(json.dumps({"bench": "moe_vs_dense", "config": run["config"], "total_params": run["total"],
                               "active_params": run["active"], "tokens_per_step": tokens_per_step,
                               "seconds": round(run["seconds"], 1), "eval": run["eval"], "train": run["train"]}),
                   flush=True)
@@ -109,6 +121,9 @@ def main() -> None:
     print(f"\n| tokens | {dense['config']} eval loss | {moe['config']} eval loss |\n| ---: | ---: | ---: |")
     for (step, d), (_, m) in zip(dense["eval"], moe["eval"], strict=True):
         print(f"| {step * tokens_per_step:,} | {d:.3f} | {m:.3f} |")
+    print(json.dumps({"bench": "moe_vs_dense_summary", "tokens": dense["eval"][-1][0] * tokens_per_step,
+                      "dense_eval_loss": dense["eval"][-1][1], "moe_eval_loss": moe["eval"][-1][1],
+                      "moe_minus_dense": round(moe["eval"][-1][1] - dense["eval"][-1][1], 4)}))
 
 
 if __name__ == "__main__":
