@@ -66,6 +66,13 @@ def megatron_incompatibilities(cfg: ModelConfig) -> list[str]:
         (not cfg.scale_embeddings and not cfg.embedding_norm, "scale_embeddings / embedding_norm"),
         (not cfg.head_transform and not cfg.output_bias and not cfg.scale_output, "a BERT/T5-style output head"),
         (cfg.attention_window is None, "attention_window (sliding window)"),
+        # options whose Megatron-Core counterparts (MoE layer, qk_layernorm, kv_channels, add_qkv_bias, rope
+        # scaling) have no name mapping here yet: refused rather than written without them
+        (cfg.n_experts == 0, "mixture-of-experts blocks (n_experts > 0)"),
+        (not cfg.qk_norm, "qk_norm"),
+        (cfg.attention_head_dim == cfg.d_model // cfg.n_heads, f"head_dim={cfg.head_dim} (not d_model / n_heads)"),
+        (cfg.use_qkv_bias == cfg.bias, "qkv_bias different from bias"),
+        (cfg.rope_scaling == "none", f"rope_scaling={cfg.rope_scaling!r}"),
     ]
     return [problem for ok, problem in checks if not ok]
 

@@ -183,7 +183,7 @@ class Router(nn.Module):
             return F.linear(x.float(), self.weight.float())
 
 
-def _local(weight: torch.Tensor | None) -> torch.Tensor | None:
+def _local(weight: torch.Tensor) -> torch.Tensor:
     """This rank's experts of a stacked weight: expert parallelism shards dim 0 as a distributed tensor."""
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
@@ -208,9 +208,9 @@ class Experts(nn.Module):
         self.backend = cfg.moe_backend
 
     def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        gate, up, down = _local(self.gate_proj), _local(self.up_proj), _local(self.down_proj)
         dtype = xs.dtype  # under autocast the routed rows are cast once; the weights follow them
-        gate, up, down = (None if w is None else w.to(dtype) for w in (gate, up, down))
+        gate = None if self.gate_proj is None else _local(self.gate_proj).to(dtype)
+        up, down = _local(self.up_proj).to(dtype), _local(self.down_proj).to(dtype)
         out = COMPUTE[resolve_backend(self.backend, xs)](xs, counts.tolist(), gate, up, down, self.act)
         if xs.shape[0] == 0:  # no rows here (expert parallel): keep rows and weights in the graph, so the backward
             # runs the same exchanges and gradient reductions (of zeros) as on every other rank

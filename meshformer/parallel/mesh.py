@@ -125,6 +125,7 @@ def _join(world: DeviceMesh, replicate: DeviceMesh, shard: DeviceMesh) -> Device
 def build_mesh(dims: ParallelDims, device: torch.device | str) -> Meshes:
     """The world mesh on this job's device type (gloo on CPU, nccl on CUDA: the process group's choice): 5-D, or
     6-D with expert parallelism (dp_shard split in two)."""
+    names: tuple[str, ...]
     if dims.ep_enabled:
         names = EP_MESH_DIMS
         shape = tuple(dims.dp_shard_mod_ep if n == "dp_shard_mod_ep" else dims.dp_shard_in_ep

@@ -1,8 +1,8 @@
 """`parallelize`: the one call the trainer makes to get a `ParallelModel` for this process's world.
 
-Order of application on each model part (as in torchtitan): context parallel -> float8 linears -> tensor
-parallel -> activation recomputation -> torch.compile (per block or whole model) -> FSDP. Pipeline splitting
-comes first, so every stage goes through the same steps.
+Order of application on each model part (as in torchtitan): context parallel -> expert parallel -> float8 linears
+-> tensor parallel -> activation recomputation -> torch.compile (per block or whole model) -> FSDP (the experts'
+units first). Pipeline splitting comes first, so every stage goes through the same steps.
 """
 
 from __future__ import annotations
@@ -147,14 +147,16 @@ def compile_mode(cfg: Config, dims: ParallelDims) -> str:
 
 def parallelize_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes: Meshes | None,
                  device: torch.device) -> dict[str, str]:
-    """CP -> FP8 -> TP -> recompute -> compile -> FSDP on one model part (the whole model or one pipeline stage)."""
+    """CP -> EP -> FP8 -> TP -> recompute -> compile -> FSDP on one model part (the whole model or one pipeline
+    stage)."""
     apex_norms = 0
     context_layers = apply_context_parallel(part, meshes.cp) if meshes is not None and dims.cp_enabled else 0
-    moe = meshes is not None and has_moe(part)
-    if moe:  # MoE balance statistics cover the micro-batch: every rank of the stage holding other tokens of it
+    expert_layers = 0
+    if meshes is not None and has_moe(part):
+        # MoE balance statistics cover the micro-batch: every rank of the stage holding other tokens of it
         part.set_parallel_context(replace(part.parallel_context,
                                           token_group=MeshTokenGroup(meshes.moe_tokens, meshes.sequence)))
-    expert_layers = apply_expert_parallel(part, meshes.ep) if moe and dims.ep_enabled else 0
+        expert_layers = apply_expert_parallel(part, meshes.ep) if dims.ep_enabled else 0
     keep = end_blocks(cfg.model) if cfg.train.fp8_keep_ends else frozenset()
     fp8 = apply_float8(part, cfg.train.fp8, fsdp_gather=float8_weight_gather(cfg, dims), emulate=device.type != "cuda",
                        keep=keep) if cfg.train.fp8 != "off" else 0
@@ -174,7 +176,7 @@ def parallelize_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes:
     if expert_layers:
         report["experts"] = (f"{expert_layers} MoE layers, experts split over ep={dims.ep} ranks (all-to-all "
                              "dispatch)")
-        if dims.fsdp_enabled:
+        if dims.fsdp_enabled and dims.dp_replicate * dims.dp_shard_mod_ep > 1:
             report["experts"] += (f", then by {'HSDP' if dims.hsdp else 'FSDP'} over the "
                                   f"{dims.dp_replicate * dims.dp_shard_mod_ep} data-parallel ranks ep leaves")
     if context_layers:

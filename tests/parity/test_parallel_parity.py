@@ -79,7 +79,8 @@ MOE_WORLD8 = ["moe/pp-fsdp-tp-ep", "moe/cp-tp-fsdp-ep=4", "moe/hsdp-tp-ep"]
 WORLD2 += MOE_WORLD2
 WORLD4 += MOE_WORLD4
 WORLD8 += MOE_WORLD8
-MIXED_PRECISION = ["decoder/fsdp-mp"]  # bf16 all-gathers: close, not equal
+# bf16 all-gathers; bf16 autocast with bf16 rows through the experts' all-to-all: close, not equal
+MIXED_PRECISION = ["decoder/fsdp-mp", "moe/tp-ep-bf16"]
 # train.fp8 through torchao's emulation against a single process with the same float8 linears. Tensorwise scales
 # are per tensor, so the reference runs each data-parallel shard and pipeline microbatch as its own piece. Under
 # TP the tensorwise recipe all-gathers activations and gradients in float8 (gloo carries them as bytes here).

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from helpers.common import free_port
 
 from meshformer.checkpointing import ConversionError
 from meshformer.checkpointing.dcp_io import read_full_tensors, read_metadata, tensor_entries
-from meshformer.checkpointing.megatron import export_megatron, import_megatron, pack_qkv
+from meshformer.checkpointing.megatron import export_megatron, import_megatron, megatron_incompatibilities, pack_qkv
 from meshformer.checkpointing.weights import read_weights, write_weights
 from meshformer.cli import main
 from meshformer.config import ModelConfig
@@ -90,6 +91,12 @@ def test_mismatches_are_explained(tmp_path):
     write_weights(Transformer(bert).state_dict(), bert, tmp_path / "bert")
     with pytest.raises(SystemExit, match="cannot be written as a Megatron-Core GPT checkpoint: family='encoder'"):
         main(["convert", "export-megatron", str(tmp_path / "bert"), str(tmp_path / "out")])
+    unmapped = [({"n_experts": 4}, "mixture-of-experts"), ({"qk_norm": True}, "qk_norm"),
+                ({"head_dim": 12}, "head_dim"), ({"qkv_bias": True}, "qkv_bias"),
+                ({"rope_scaling": "llama3"}, "rope_scaling='llama3'")]
+    for option, named in unmapped:  # options with no Megatron-Core name mapping: refused by name, not dropped
+        problems = megatron_incompatibilities(replace(CASES["llama"], **option))
+        assert len(problems) == 1 and named in problems[0], problems
     cfg = CASES["llama"]
     export_megatron(_random_model(cfg).state_dict(), cfg, tmp_path / "mcore")
     with pytest.raises(ConversionError, match=r"does not fit n_heads=3|does not divide"):

@@ -1,0 +1,56 @@
+"""Load balance of `configs/tiny-moe.toml` after N steps on the bundled corpus: the busiest expert's load over the mean
+(1.0 = perfect), averaged over MoE layers and the last logged steps, for each way of balancing:
+none, the auxiliary loss (Switch/GShard), and DeepSeek-V3's auxiliary-loss-free bias (sign rule after each step).
+Same data, seed and steps for each; the final training loss shows what balancing costs or gains.
+
+    python bench/moe_balance.py [--steps 200] [--out runs/bench-moe-balance]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from meshformer.config import load_config  # noqa: E402
+from meshformer.train.trainer import Trainer  # noqa: E402
+
+VARIANTS = {
+    "none": ["model.moe_aux_loss=0", "model.router_z_loss=0"],
+    "aux_loss": ["model.moe_aux_loss=0.01", "model.router_z_loss=0"],
+    "bias": ["model.moe_aux_loss=0", "model.router_z_loss=0", "model.router_bias_update_rate=0.001"],
+}
+
+
+def run(name: str, steps: int, out: Path, extra: list[str]) -> dict[str, float]:
+    overrides = [f"train.steps={steps}", "train.eval_interval=0", "train.sample_interval=0", "checkpoint.interval=0",
+                 "logging.tensorboard=false", "logging.log_interval=10", "train.device=cpu",
+                 f'logging.run_dir="{out / name}"', "checkpoint.resume=false", *VARIANTS[name], *extra]
+    trainer = Trainer(load_config("tiny-moe", overrides))
+    history = trainer.fit().history
+    last = history[-max(1, len(history) // 4):]  # the last quarter of the logged steps
+    loads = [v for h in last for k, v in h.items() if k.endswith("/load_max_over_mean")]
+    return {"load_max_over_mean": round(statistics.mean(loads), 3), "worst_layer": round(max(loads), 3),
+            "final_loss": round(history[-1]["train/loss"], 4)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--out", type=Path, default=Path("runs/bench-moe-balance"))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--set", nargs="*", default=[], help="extra config overrides (e.g. a smaller model)")
+    args = parser.parse_args()
+    for name in args.variants:
+        print(json.dumps({"balancing": name, "steps": args.steps, **run(name, args.steps, args.out, args.set)}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

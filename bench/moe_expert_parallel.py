@@ -1,0 +1,91 @@
+"""Expert-parallel dispatch overhead on gloo: a training step of an MoE decoder at ep = 1, 2, 4 on the same world
+and global batch, as a ratio to ep = 1 (every expert on every rank, FSDP-sharded like the other weights).
+
+CAVEAT: this machine has 2 CPU cores shared by every process, so the figures are the *overhead* of the exchange
+(counts and rows all-to-all, regrouping by expert, a host sync per layer), not the memory and compute that EP saves
+on GPUs. `exchange_share` is the fraction of the step spent inside the all-to-all calls (forward and backward).
+
+    python bench/moe_expert_parallel.py [--world 4] [--steps 4] [--ep 1 2 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from parallel_common import batches, spawn
+
+from meshformer.config import Config, OptimConfig, ScheduleConfig, config_from_dict
+
+GLOBAL_BATCH, SEQ, D_MODEL = 16, 128, 256
+
+
+def moe_config(parallel: dict, batch: int) -> Config:
+    return config_from_dict({
+        "model": {"family": "decoder", "vocab_size": 4096, "d_model": D_MODEL, "n_heads": 8, "d_ff": 4 * D_MODEL,
+                  "n_layers": 4, "max_seq_len": SEQ, "position": "rope", "norm": "rmsnorm", "activation": "swiglu",
+                  "bias": False, "dropout": 0.0, "n_experts": 8, "experts_per_token": 2, "moe_d_ff": 2 * D_MODEL,
+                  "moe_aux_loss": 0.01},
+        "data": {"seq_len": SEQ, "batch_size": batch},
+        "train": {"device": "cpu", "seed": 0},
+        "parallel": parallel,
+    })
+
+
+def measure(ep: int, steps: int) -> dict[str, float]:
+    import torch.distributed as dist
+
+    from meshformer.parallel import expert_parallel
+    from meshformer.train.step import TrainStep
+    from tests.helpers.parallel import build_cpu_plan
+
+    world = dist.get_world_size()
+    cfg = moe_config({"dp_shard": world, "ep": ep}, GLOBAL_BATCH // world)
+    plan = build_cpu_plan(cfg)
+    training = TrainStep(plan, OptimConfig(lr=1e-4, weight_decay=0.0, grad_clip=1.0, implementation="fused"),
+                         ScheduleConfig(name="constant", warmup_steps=0), steps + 1, D_MODEL)
+    exchange = [0.0]
+    original = expert_parallel.dist.all_to_all_single
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        out = original(*args, **kwargs)
+        exchange[0] += time.perf_counter() - start
+        return out
+
+    expert_parallel.dist.all_to_all_single = timed
+    data = [{k: v.chunk(world)[plan.dp_rank] for k, v in b.items()}
+            for b in batches(moe_config({}, GLOBAL_BATCH), steps + 1)]
+    results = []
+    for batch in data:
+        dist.barrier()
+        exchange[0] = 0.0
+        start = time.perf_counter()
+        training.step([batch])
+        results.append((time.perf_counter() - start, exchange[0]))
+    step, spent = min(results[1:])  # the first step warms up
+    return {"step_s": step, "exchange_s": spent}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4])
+    args = parser.parse_args()
+    base = None
+    for ep in args.ep:
+        ranks = spawn(args.world, measure, ep, args.steps, threads=1)
+        step = max(r["step_s"] for r in ranks)
+        exchange = max(r["exchange_s"] for r in ranks)
+        base = base or step
+        print(json.dumps({"ep": ep, "processes": args.world, "tokens_per_s": round(GLOBAL_BATCH * SEQ / step),
+                          "ratio_to_ep1": round(base / step, 3), "exchange_share": round(exchange / step, 3),
+                          "note": "shared CPU cores: overhead, not scaling"}), flush=True)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()
