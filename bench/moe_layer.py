@@ -23,6 +23,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Literal, cast
 
 import torch
 
@@ -33,7 +34,8 @@ from meshformer.model.moe import BACKENDS, COMPUTE, MoEFeedForward, grouped_mm_r
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # name: (d_model, n_experts, experts_per_token, moe_d_ff, n_shared_experts, activation, tokens)
-SHAPES: dict[str, tuple[int, int, int, int, int, str, int]] = {
+Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu"]
+SHAPES: dict[str, tuple[int, int, int, int, int, Activation, int]] = {
     "tiny": (32, 4, 2, 48, 0, "swiglu", 64),  # tests only
     "small": (128, 8, 2, 256, 0, "gelu", 2048),  # tiny-moe's layer, one batch of 16 x 128
     "cpu-512": (512, 8, 2, 1024, 0, "swiglu", 4096),  # realistic proportions at a CPU-sized width
@@ -135,7 +137,8 @@ def measure(shape: str, routing: str, device: torch.device, dtype: torch.dtype, 
             continue
 
         def layer_side(b: str = backend) -> torch.Tensor:
-            ex.backend = b  # the layer's experts read their backend from here, set from moe_backend when built
+            # the layer's experts read their backend from here (set from moe_backend when built)
+            ex.backend = cast(Literal["loop", "padded", "grouped_mm"], b)
             return moe(xin)
 
         def compute_side(b: str = backend) -> torch.Tensor:
