@@ -3,7 +3,9 @@
 #   GEMM ceiling; fused-loss head memory/time/parity; Llama-1B shape step memory (plain vs chunked loss) and
 #   compiled tokens/s + MFU; GPT-2 XL shape eager and compiled vs the nanoGPT-style reference; FP8 vs bf16 at a
 #   Llama-3-8B layer shape (tokens/s and loss after the steps); issue 11's initialisation seconds per billion
-#   parameters at Llama-3-8B layer shapes (up to 16 layers, 4.5B) against the GPU's RNG throughput.
+#   parameters at Llama-3-8B layer shapes (up to 16 layers, 4.5B) against the GPU's RNG throughput; issue 21's MoE
+#   layer (grouped_mm / padded / loop vs the dense FFN of the same active FLOPs) at a Mixtral-like and a
+#   Qwen3-MoE-like shape (last, so the earlier items keep their budget; bench/gpu_moe.sh runs them alone).
 # Each result is one JSON line appended to $OUT/results.jsonl as soon as it exists; each item has its own
 # timeout, capped by what is left of SUITE_BUDGET_S, so one hang cannot eat the run. Logs: $OUT/<item>.log.
 #
@@ -27,6 +29,9 @@ if [[ "$SMOKE" == 1 ]]; then
   item gpt2xl_eager 180 $VS --shape tiny --compile off --device cpu --steps 2 --rounds 1 --warmup 1
   item fp8 300 python3 bench/fp8_layers.py --shape tiny-llama --steps 4 --compile off --device cpu --emulate
   item gpt2xl_compiled 300 $VS --shape tiny --compile blocks --device cpu --steps 2 --rounds 1 --warmup 1
+  item moe_mixtral 120 python3 bench/moe_layer.py --device cpu --dtype fp32 --shape tiny --rounds 1 --threads 1
+  item moe_qwen3 120 python3 bench/moe_layer.py --device cpu --dtype bf16 --shape tiny --rounds 1 --threads 1 \
+    --routing skewed
 else
   item gemm 30 python3 bench/gemm_ceiling.py --n 8192 --seconds 1.5
   item init_speed 25 python3 bench/init_speed.py --layers 1 4 16
@@ -38,5 +43,7 @@ else
   item gpt2xl_eager 70 $VS --shape gpt2-xl --compile off --steps 8 --rounds 2 --warmup 2
   item fp8 160 python3 bench/fp8_layers.py --shape llama8b-layers --steps 200 --compile blocks
   item gpt2xl_compiled 140 $VS --shape gpt2-xl --compile blocks --steps 8 --rounds 2 --warmup 3
+  item moe_mixtral 100 python3 bench/moe_layer.py --device cuda --dtype bf16 --shape mixtral-reduced --rounds 5
+  item moe_qwen3 100 python3 bench/moe_layer.py --device cuda --dtype bf16 --shape qwen3-moe --rounds 5
 fi
 echo "suite done in $(( $(date +%s) - START ))s; results in $RESULTS" >&2

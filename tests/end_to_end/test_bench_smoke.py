@@ -69,3 +69,48 @@ def test_cpu_attention_tiny():
     (record,) = run_bench("cpu_attention.py", "--shape", "tiny", "--dtype", "bf16", "--rounds", "1")
     assert record["bench"] == "cpu_attention" and record["sdpa_ms"] > 0 and record["blockwise_ms"] > 0
     assert record["blockwise_error"] < 2 * record["sdpa_error"]  # flash's accuracy (fp32 scores)
+
+
+def test_moe_layer_tiny():
+    records = run_bench("moe_layer.py", "--shape", "tiny", "--rounds", "1", "--threads", "1")
+    assert [r["routing"] for r in records] == ["balanced", "skewed"]
+    for record in records:
+        assert record["bench"] == "moe_layer" and record["dense_d_ff"] == 2 * record["moe_d_ff"]  # same active FLOPs
+        ran = record["backends"]
+        assert {"loop", "padded"} <= ran.keys() and ran.keys() | record["skipped"].keys() == {"loop", "padded",
+                                                                                          "grouped_mm"}
+        for side in ran.values():
+            assert side["ratio"] == pytest.approx(record["dense_ms"] / side["layer_ms"], rel=0.01, abs=2e-3)
+            assert 0 <= side["permute_share"] < 1
+        assert record["best_ratio"] == max(side["ratio"] for side in ran.values())
+    assert records[1]["max_over_mean_load"] >= 1.8  # the skew bias did skew the load (target 2)
+
+
+@pytest.mark.slow  # two trainings through the CLI: ~1 min each on a busy 2-core box
+def test_moe_vs_dense_tiny(tmp_path):
+    records = run_bench("moe_vs_dense.py", "--steps", "2", "--eval-interval", "1", "--threads", "1", "--concurrent",
+                        "--set", "data.batch_size=2", "train.eval_batches=1", "--png", str(tmp_path / "curves.png"),
+                        "--work", str(tmp_path), timeout=600)
+    runs = {r["config"]: r for r in records if r["bench"] == "moe_vs_dense"}
+    assert runs.keys() == {"tiny-gpt", "tiny-moe"}
+    assert abs(runs["tiny-moe"]["active_params"] / runs["tiny-gpt"]["active_params"] - 1) < 0.01  # equal active
+    assert runs["tiny-moe"]["total_params"] > 2 * runs["tiny-moe"]["active_params"]
+    for run in runs.values():
+        assert [s for s, _ in run["eval"]] == [1, 2] and [s for s, _ in run["train"]] == [1, 2]
+        assert run["tokens_per_step"] == 2 * 128
+    (summary,) = [r for r in records if r["bench"] == "moe_vs_dense_summary"]
+    assert summary["tokens"] == 2 * 2 * 128
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow  # the GPU script's CPU dry run: an environment line, then both MoE items on tiny shapes
+def test_gpu_moe_smoke(tmp_path):
+    env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env.pop("SUITE_BUDGET_S", None)
+    done = subprocess.run(["bash", "bench/gpu_moe.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert lines[0]["bench"] == "environment"
+    assert {r["item"]: r["status"] for r in lines if "item" in r} == {"moe_mixtral": "ok", "moe_qwen3": "ok"}
+    assert len([r for r in lines if r.get("bench") == "moe_layer"]) == 3  # balanced + skewed, then skewed

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 21's MoE layer items alone, for a short lent GPU (one H100/H200, bf16): bench/moe_layer.py at a
+# Mixtral-like layer (d 4096, 8 experts of 7168 = half of Mixtral's 14336, top-2, 8192 tokens) and a Qwen3-MoE-like
+# fine-grained one (d 2048, 128 experts of 768, top-8, 8192 tokens), balanced and skewed routing, grouped_mm vs
+# padded vs loop vs the dense FFN of the same active FLOPs, synchronised timing, ratios in one run.
+# Each result is one JSON line appended to $OUT/results.jsonl as soon as it exists; each item has its own timeout,
+# capped by what is left of SUITE_BUDGET_S (240 s), so one hang cannot eat the run. Logs: $OUT/<item>.log.
+#
+#   OUT=/tmp/moe-out bash bench/gpu_moe.sh      # on the GPU machine, from the repository root (~2-3 min)
+#   SMOKE=1 bash bench/gpu_moe.sh               # CPU dry run with tiny shapes (also: --dry-run)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+[[ "${1:-}" == "--dry-run" || "${SMOKE:-0}" == 1 ]] && DRY=1 || DRY=0
+# 240 s on the GPU; the CPU dry run only proves the items run, on a possibly busy machine: no tight budget there
+BUDGET=${SUITE_BUDGET_S:-$(( DRY ? 900 : 240 ))}
+source bench/gpu_common.sh "$@"
+
+ML="python3 bench/moe_layer.py"
+if [[ "$SMOKE" == 1 ]]; then
+  item moe_mixtral 120 $ML --device cpu --dtype fp32 --shape tiny --rounds 1 --threads 1
+  item moe_qwen3 120 $ML --device cpu --dtype bf16 --shape tiny --rounds 1 --threads 1 --routing skewed
+else
+  # CUDA init + first cuBLAS/grouped-GEMM calls are in each item's warm-up round; 5 timed rounds per side
+  item moe_mixtral 100 $ML --device cuda --dtype bf16 --shape mixtral-reduced --rounds 5
+  item moe_qwen3 100 $ML --device cuda --dtype bf16 --shape qwen3-moe --rounds 5
+fi
+echo "moe items done in $(( $(date +%s) - START ))s; results in $RESULTS" >&2

@@ -1,0 +1,221 @@
+"""The MoE feed-forward (model/moe.py) against a dense FFN of the same active FLOPs, forward + backward tokens/s,
+for each compute backend, side by side (issue 21, item 7).
+
+Per shape and routing: the dense FeedForward has d_ff = experts_per_token * moe_d_ff (+ the shared experts' width),
+so both sides do the same matmul FLOPs per token (the router's E x d projection is on the MoE side only, as it is in
+a model). Rounds alternate dense / each backend (the first round warms up); the median per side gives tokens/s and
+the ratio MoE / dense. Each backend is timed twice: the whole layer (router, top-k, sort, gather, experts, weighted
+scatter back) and its compute function alone on already-sorted tokens, so `layer_ms - compute_ms` is the
+permutation's share. Routing "balanced" is the random router's; "skewed" adds a per-expert selection bias (the
+layer's `expert_bias`) calibrated so the busiest expert gets ~`--skew` times the mean load. One JSON line per
+(shape, routing).
+
+    PYTHONPATH=$PWD python bench/moe_layer.py --device cpu --dtype fp32 --shape small cpu-512
+    PYTHONPATH=$PWD python bench/moe_layer.py --device cuda --dtype bf16 --shape mixtral-reduced qwen3-moe
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Literal, cast
+
+import torch
+
+from meshformer.model.config import ModelConfig
+from meshformer.model.init import init_weights
+from meshformer.model.layers import FeedForward
+from meshformer.model.moe import BACKENDS, COMPUTE, MoEFeedForward, grouped_mm_runs, route
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# name: (d_model, n_experts, experts_per_token, moe_d_ff, n_shared_experts, activation, tokens)
+Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu"]
+SHAPES: dict[str, tuple[int, int, int, int, int, Activation, int]] = {
+    "tiny": (32, 4, 2, 48, 0, "swiglu", 64),  # tests only
+    "small": (128, 8, 2, 256, 0, "gelu", 2048),  # tiny-moe's layer, one batch of 16 x 128
+    "cpu-512": (512, 8, 2, 1024, 0, "swiglu", 4096),  # realistic proportions at a CPU-sized width
+    "cpu-fine": (512, 32, 4, 256, 1, "swiglu", 4096),  # fine-grained + a shared expert
+    "mixtral-reduced": (4096, 8, 2, 7168, 0, "swiglu", 8192),  # Mixtral d 4096, 8 x top-2; width 14336 halved
+    "qwen3-moe": (2048, 128, 8, 768, 0, "swiglu", 8192),  # Qwen3-30B-A3B's layer: 128 experts of 768, top-8
+}
+
+
+def configs(shape: str) -> tuple[ModelConfig, ModelConfig]:
+    d, e, k, width, shared, act, _ = SHAPES[shape]
+    moe = ModelConfig(vocab_size=128, d_model=d, n_heads=max(1, d // 64), n_layers=1, d_ff=width, max_seq_len=16,
+                      activation=act, bias=False, n_experts=e, experts_per_token=k, moe_d_ff=width,
+                      n_shared_experts=shared)
+    dense = replace(moe, n_experts=0, n_shared_experts=0, moe_d_ff=0, d_ff=(k + shared) * width)
+    return moe, dense
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def skew_bias(moe: MoEFeedForward, x: torch.Tensor, target: float) -> torch.Tensor:
+    """A selection bias, a ramp over the experts, scaled by bisection until max/mean load reaches ~target."""
+    cfg = moe.cfg
+    with torch.no_grad():
+        logits = moe.router(x)
+        ramp = -torch.linspace(0, 1, cfg.n_experts, device=x.device) * logits.softmax(-1).std()
+
+        def ratio(scale: float) -> float:
+            load = torch.bincount(route(logits, cfg.experts_per_token, bias=scale * ramp).experts.reshape(-1),
+                                  minlength=cfg.n_experts).float()
+            return (load.max() / load.mean()).item()
+
+        lo, hi = 0.0, 1.0
+        while ratio(hi) < target and hi < 1e4:
+            hi *= 2
+        for _ in range(20):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if ratio(mid) < target else (lo, mid)
+    return hi * ramp
+
+
+def backend_runs(backend: str, device: torch.device, dtype: torch.dtype, cfg: ModelConfig) -> str | None:
+    """None when the backend can run here, else why not (torch._grouped_mm's CUDA kernel: sm90+, bf16, row strides
+    a multiple of 16 bytes)."""
+    if backend != "grouped_mm":
+        return None
+    if not grouped_mm_runs(device.type):
+        return f"torch._grouped_mm does not run on {device.type} here"
+    if device.type == "cuda":
+        if dtype != torch.bfloat16:
+            return "torch._grouped_mm on CUDA takes bf16 only"
+        if any(n * dtype.itemsize % 16 for n in (cfg.d_model, cfg.expert_d_ff)):
+            return "d_model and moe_d_ff must be multiples of 16 bytes for torch._grouped_mm"
+    return None
+
+
+def measure(shape: str, routing: str, device: torch.device, dtype: torch.dtype, rounds: int, skew: float,
+            backends: list[str]) -> dict:
+    moe_cfg, dense_cfg = configs(shape)
+    tokens = SHAPES[shape][-1]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, moe_cfg.d_model, generator=g).to(device, dtype)
+    grad = torch.randn(tokens, moe_cfg.d_model, generator=g).to(device, dtype)
+    moe = MoEFeedForward(moe_cfg)
+    init_weights(moe.named_parameters(), moe_cfg, 0)
+    moe.to(device, dtype)
+    dense = FeedForward(dense_cfg)
+    init_weights(dense.named_parameters(), dense_cfg, 0)
+    dense.to(device, dtype)
+    if routing == "skewed":
+        moe.router.expert_bias.copy_(skew_bias(moe, x.float(), skew))
+
+    # the compute functions alone, on the tokens sorted as the layer sorts them
+    with torch.no_grad():
+        r = route(moe.router(x), moe_cfg.experts_per_token, bias=moe.router.expert_bias)
+        slots = r.experts.reshape(-1)
+        counts = torch.bincount(slots, minlength=moe_cfg.n_experts)
+        xs = x[torch.argsort(slots, stable=True) // moe_cfg.experts_per_token].detach()
+    xs.requires_grad_()
+    count_list = counts.tolist()
+    ex = moe.experts
+    xin = x.detach().requires_grad_()
+
+    def fwd_bwd(fn: Callable[[], torch.Tensor], g: torch.Tensor) -> Callable[[], None]:
+        def step() -> None:
+            fn().backward(g)
+        return step
+
+    sides: dict[str, Callable[[], None]] = {"dense": fwd_bwd(lambda: dense(xin), grad)}
+    skipped: dict[str, str] = {}
+    grad_slots = torch.randn(xs.shape, generator=g).to(device, dtype)
+    for backend in backends:
+        why = backend_runs(backend, device, dtype, moe_cfg)
+        if why:
+            skipped[backend] = why
+            continue
+
+        def layer_side(b: str = backend) -> torch.Tensor:
+            # the layer's experts read their backend from here (set from moe_backend when built)
+            ex.backend = cast(Literal["loop", "padded", "grouped_mm"], b)
+            return moe(xin)
+
+        def compute_side(b: str = backend) -> torch.Tensor:
+            return COMPUTE[b](xs, count_list, ex.gate_proj, ex.up_proj, ex.down_proj, ex.act)
+
+        sides[f"layer:{backend}"] = fwd_bwd(layer_side, grad)
+        sides[f"compute:{backend}"] = fwd_bwd(compute_side, grad_slots)
+
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for rnd in range(rounds + 1):
+        for name, step in list(sides.items()):
+            for p in (*moe.parameters(), *dense.parameters(), xin, xs):
+                p.grad = None
+            synchronize(device)
+            start = time.perf_counter()
+            try:
+                step()
+                synchronize(device)
+            except (RuntimeError, NotImplementedError) as err:
+                if rnd or name == "dense":  # only a backend's first call may fail (e.g. a kernel this torch lacks)
+                    raise
+                skipped[name.split(":")[1]] = f"{type(err).__name__}: {str(err)[:300]}"
+                for side in (f"layer:{name.split(':')[1]}", f"compute:{name.split(':')[1]}"):
+                    sides.pop(side, None)
+                    times.pop(side, None)
+                continue
+            if rnd:  # the first round warms up (allocator, kernels, autotuning)
+                times[name].append(time.perf_counter() - start)
+    ms = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    dense_tps = tokens / ms["dense"] * 1e3
+    record: dict = {
+        "bench": "moe_layer", "shape": shape, "routing": routing, "device": device.type, "dtype": str(dtype)[6:],
+        "d_model": moe_cfg.d_model, "n_experts": moe_cfg.n_experts, "experts_per_token": moe_cfg.experts_per_token,
+        "moe_d_ff": moe_cfg.expert_d_ff, "n_shared_experts": moe_cfg.n_shared_experts, "dense_d_ff": dense_cfg.d_ff,
+        "tokens": tokens, "threads": torch.get_num_threads(), "load_1min": round(os.getloadavg()[0], 2),
+        "rounds": rounds, "max_over_mean_load": round((counts.max() / counts.float().mean()).item(), 3),
+        "dense_ms": round(ms["dense"], 3), "dense_tokens_per_s": round(dense_tps, 1), "backends": {},
+        "skipped": skipped,
+    }
+    for backend in backends:
+        if backend in skipped:
+            continue
+        layer_ms, compute_ms = ms[f"layer:{backend}"], ms[f"compute:{backend}"]
+        record["backends"][backend] = {
+            "layer_ms": round(layer_ms, 3), "compute_ms": round(compute_ms, 3),
+            "tokens_per_s": round(tokens / layer_ms * 1e3, 1), "ratio": round(ms["dense"] / layer_ms, 3),
+            "compute_ratio": round(ms["dense"] / compute_ms, 3),
+            "permute_share": round(max(0.0, layer_ms - compute_ms) / layer_ms, 3),
+        }
+    ran = record["backends"]
+    if ran:
+        best = max(ran, key=lambda b: ran[b]["ratio"])
+        record |= {"best_backend": best, "best_ratio": ran[best]["ratio"]}
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", nargs="+", default=["small", "cpu-512"], choices=sorted(SHAPES))
+    parser.add_argument("--routing", nargs="+", default=["balanced", "skewed"], choices=["balanced", "skewed"])
+    parser.add_argument("--backend", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--skew", type=float, default=2.0, help="skewed routing's target max/mean expert load")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 runs as the trainer runs it
+    for shape in args.shape:
+        for routing in args.routing:
+            print(json.dumps(measure(shape, routing, device, DTYPES[args.dtype], args.rounds, args.skew,
+                                     args.backend)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
