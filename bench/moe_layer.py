@@ -118,7 +118,6 @@ def measure(shape: str, routing: str, device: torch.device, dtype: torch.dtype, 
         counts = torch.bincount(slots, minlength=moe_cfg.n_experts)
         xs = x[torch.argsort(slots, stable=True) // moe_cfg.experts_per_token].detach()
     xs.requires_grad_()
-    count_list = counts.tolist()
     ex = moe.experts
     xin = x.detach().requires_grad_()
 
@@ -142,7 +141,7 @@ def measure(shape: str, routing: str, device: torch.device, dtype: torch.dtype, 
             return moe(xin)
 
         def compute_side(b: str = backend) -> torch.Tensor:
-            return COMPUTE[b](xs, count_list, ex.gate_proj, ex.up_proj, ex.down_proj, ex.act)
+            return COMPUTE[b](xs, counts, ex.gate_proj, ex.up_proj, ex.down_proj, ex.act)
 
         sides[f"layer:{backend}"] = fwd_bwd(layer_side, grad)
         sides[f"compute:{backend}"] = fwd_bwd(compute_side, grad_slots)

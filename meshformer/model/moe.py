@@ -81,34 +81,37 @@ def _ffn(x: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor, down: tor
     return matmul(h, down)
 
 
-def experts_loop(xs: torch.Tensor, counts: list[int], gate: torch.Tensor | None, up: torch.Tensor,
+def experts_loop(xs: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor,
                  down: torch.Tensor, act: nn.Module) -> torch.Tensor:
-    """Each expert on its contiguous slice of the sorted tokens."""
+    """Each expert on its contiguous slice of the sorted tokens (the slice sizes are read on the host)."""
+    sizes = counts.tolist()
     # unbind: one gradient stack per weight in backward, where indexing would add E zero-filled full-size grads
-    gates = [None] * len(counts) if gate is None else gate.unbind(0)
+    gates = [None] * len(sizes) if gate is None else gate.unbind(0)
     outs, start = [], 0
-    for n, g, u, d in zip(counts, gates, up.unbind(0), down.unbind(0), strict=True):
+    for n, g, u, d in zip(sizes, gates, up.unbind(0), down.unbind(0), strict=True):
         if n:
             outs.append(_ffn(xs[start:start + n], g, u, d, act, torch.matmul))
             start += n
     return torch.cat(outs) if outs else xs.new_zeros(0, down.shape[-1])
 
 
-def experts_padded(xs: torch.Tensor, counts: list[int], gate: torch.Tensor | None, up: torch.Tensor,
+def experts_padded(xs: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor,
                    down: torch.Tensor, act: nn.Module) -> torch.Tensor:
     """All experts in one batched matmul over (n_experts, most tokens of any expert, d); the zero padding rows
     stay zero (no biases, act(0) = 0) and are dropped."""
-    sizes = torch.tensor(counts, device=xs.device)
-    expert = torch.repeat_interleave(torch.arange(len(counts), device=xs.device), sizes)
+    sizes = counts.to(xs.device)
+    expert = torch.repeat_interleave(torch.arange(len(sizes), device=xs.device), sizes, output_size=xs.shape[0])
     row = torch.arange(xs.shape[0], device=xs.device) - (sizes.cumsum(0) - sizes)[expert]
-    padded = xs.new_zeros(len(counts), max(counts, default=0), xs.shape[1]).index_put((expert, row), xs)
+    longest = int(sizes.max()) if len(sizes) else 0  # the padded size: one host read
+    padded = xs.new_zeros(len(sizes), longest, xs.shape[1]).index_put((expert, row), xs)
     return _ffn(padded, gate, up, down, act, torch.bmm)[expert, row]
 
 
-def experts_grouped_mm(xs: torch.Tensor, counts: list[int], gate: torch.Tensor | None, up: torch.Tensor,
+def experts_grouped_mm(xs: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor,
                        down: torch.Tensor, act: nn.Module) -> torch.Tensor:
-    """`torch._grouped_mm`: one kernel per projection over every expert's slice."""
-    offsets = torch.tensor(counts, device=xs.device).cumsum(0).to(torch.int32)
+    """`torch._grouped_mm`: one kernel per projection over every expert's slice; the slice ends stay on the device
+    (no host sync)."""
+    offsets = counts.cumsum(0).to(torch.int32)
 
     def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch._grouped_mm(x, w, offs=offsets)
@@ -211,7 +214,7 @@ class Experts(nn.Module):
         dtype = xs.dtype  # under autocast the routed rows are cast once; the weights follow them
         gate = None if self.gate_proj is None else _local(self.gate_proj).to(dtype)
         up, down = _local(self.up_proj).to(dtype), _local(self.down_proj).to(dtype)
-        out = COMPUTE[resolve_backend(self.backend, xs)](xs, counts.tolist(), gate, up, down, self.act)
+        out = COMPUTE[resolve_backend(self.backend, xs)](xs, counts, gate, up, down, self.act)
         if xs.shape[0] == 0:  # no rows here (expert parallel): keep rows and weights in the graph, so the backward
             # runs the same exchanges and gradient reductions (of zeros) as on every other rank
             out = out + (xs.sum() + sum(w.sum() for w in (gate, up, down) if w is not None)) * 0
@@ -275,18 +278,18 @@ class MoEFeedForward(nn.Module):
                         bias=self.router.expert_bias)
         slots = routing.experts.reshape(-1)  # token-slot s = token * k + j
         order = torch.argsort(slots, stable=True)  # by expert, then by token
-        routed = torch.bincount(slots, minlength=n_experts)
+        routed = slots.new_zeros(n_experts).scatter_add_(0, slots, torch.ones_like(slots))  # bincount: a host sync
         counts = routed
         if cfg.capacity_factor > 0:  # each expert keeps its earliest tokens up to capacity (this rank's tokens)
             capacity = math.ceil(cfg.capacity_factor * n * k / n_experts)
             rank = torch.arange(order.numel(), device=x.device) - (routed.cumsum(0) - routed)[slots[order]]
             order = order[rank < capacity]
             counts = routed.clamp(max=capacity)
-        tokens = order // k
-        out = self.experts(flat[tokens], counts)
-        weights = routing.weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-        combined = flat.new_zeros(n, flat.shape[1]).index_add(0, tokens, out * weights)
-        result = combined.view_as(x)
+        out = self.experts(flat[order // k], counts)
+        # Each result back to its token-slot (token * k + j), a permutation (dropped slots stay zero), then each
+        # token's k slots weighted and summed: no atomic scatter-add
+        by_slot = out.new_zeros(n * k, out.shape[1]).index_copy(0, order, out).view(n, k, -1)
+        result = (by_slot * routing.weights.unsqueeze(-1).to(out.dtype)).sum(1).view_as(x)
         balance = self._balance(x, logits, routing, routed, order.numel())
         if balance is not None:
             result = _WithBalanceLoss.apply(result, balance, self.balance_weight)
@@ -306,9 +309,9 @@ class MoEFeedForward(nn.Module):
         n = logits.shape[0]
         probs = routing.scores / routing.scores.sum(-1, keepdim=True)  # (N, E), per token summing to 1
         lse_sq = logits.logsumexp(-1).square()
-        local = torch.cat([routed.float(), probs.detach().sum(0),
-                           torch.stack([lse_sq.detach().sum(), torch.tensor(float(n), device=x.device),
-                                        torch.tensor(float(kept), device=x.device)])])
+        counted = torch.full((2,), float(n), device=x.device)  # filled on the device: no host-to-device copy
+        counted[1] = kept
+        local = torch.cat([routed.float(), probs.detach().sum(0), lse_sq.detach().sum().view(1), counted])
         total = local if group is None else group.sum(local)
         counts, prob_sum = total[:n_experts], total[n_experts:2 * n_experts]
         lse_sq_sum, tokens, kept_total = total[2 * n_experts:].unbind()
