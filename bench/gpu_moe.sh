@@ -23,5 +23,10 @@ else
   # CUDA init + first cuBLAS/grouped-GEMM calls are in each item's warm-up round; 5 timed rounds per side
   item moe_mixtral 100 $ML --device cuda --dtype bf16 --shape mixtral-reduced --rounds 5
   item moe_qwen3 100 $ML --device cuda --dtype bf16 --shape qwen3-moe --rounds 5
+  # The training-side items, where the GPU makes minutes of CPU training take seconds (their JSON is in the logs):
+  # tiny-moe vs tiny-gpt at equal active parameters, and the load balance with none / aux loss / bias balancing.
+  item moe_vs_dense 170 python3 bench/moe_vs_dense.py --steps ${CURVE_STEPS:-1000} --eval-interval 100 --concurrent \
+    --set train.device=cuda --moe-set ${MOE_SET:-} --png "$OUT/moe_vs_dense.png" --work /tmp/moe-vs-dense
+  item moe_balance 120 python3 bench/moe_balance.py --steps 200 --set train.device=cuda --out /tmp/moe-balance
 fi
 echo "moe items done in $(( $(date +%s) - START ))s; results in $RESULTS" >&2
