@@ -95,6 +95,8 @@ def main() -> None:
     parser.add_argument("--png", type=Path, default=None)
     parser.add_argument("--work", type=Path, default=None, help="folder for the runs' temporary folders")
     args = parser.parse_args()
+    if args.work is not None:
+        args.work.mkdir(parents=True, exist_ok=True)
 
     from meshformer.config.load import load_config
 
