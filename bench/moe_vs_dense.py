@@ -30,7 +30,8 @@ def train(config: str, steps: int, eval_interval: int, run_dir: Path, overrides:
            "train.dtype=fp32", "train.device=cpu", f"logging.run_dir={run_dir}", "checkpoint.interval=0",
            "checkpoint.resume=false", "logging.tensorboard=false", f"logging.log_interval={max(1, eval_interval // 4)}",
            *overrides]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep extra site folders
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(threads)}
     t0 = time.perf_counter()
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "console.log"  # streamed, so a long run can be watched with tail -f
