@@ -244,7 +244,7 @@ def block_backward_extra(m: ModelConfig, x: ActivationShape, moe: bool = False) 
     branch: its experts' activation gradients, those of the received rows and, arriving back all-to-all, of the
     sent ones."""
     b, s, t, a = x.batch, x.seq, x.tp, x.bytes
-    ffn_grads = (3 if m.activation == "swiglu" else 2) * b * s * (m.d_ff // t) * a
+    ffn_grads: float = (3 if m.activation == "swiglu" else 2) * b * s * (m.d_ff // t) * a
     if moe:
         sent, received = moe_rows(m, x)
         # the loop back-propagates one expert's rows at a time (the balanced share of the received ones)

@@ -86,7 +86,7 @@ def _plan(args: argparse.Namespace) -> None:
     check_world_size(args.world, "--world")
     cfg = load_config(args.config, args.set)
     if args.moe_imbalance < 1:
-        raise ConfigError(f"--moe-imbalance is the received tokens over the balanced load, >= 1; got {args.moe_imbalance}")
+        raise ConfigError(f"--moe-imbalance is received tokens over the balanced load, >= 1; got {args.moe_imbalance}")
     result = report(cfg, args.world, args.gpu, search=not args.no_search, top=args.top,
                     moe_imbalance=args.moe_imbalance)
     if args.json:

@@ -68,7 +68,7 @@ def test_expert_parallel_shards_are_the_local_shards(ep):
     cfg = load_config(CONFIGS / "tiny-moe.toml", [f"parallel.ep={ep}"])
     total = count_params(cfg.model)["total"]
     with fake_world(8):
-        dims, (share,) = rank_shares(cfg, 8)
+        _, (share,) = rank_shares(cfg, 8)
     assert share.sharded_numel * 8 == total
     block = meta_model(cfg).decoder_layers["0"]
     experts = sum(p.numel() for _, layer in moe_layers(block) for p in layer.experts.parameters())
