@@ -18,7 +18,8 @@ MOE: dict[str, Any] = {"n_experts": 4, "experts_per_token": 2, "moe_d_ff": 256, 
                        "router_z_loss": 0.001}
 # world size -> layouts (parallel-section overrides; under "model", model overrides); one process launch per world.
 LAYOUTS: dict[int, list[dict[str, Any]]] = {
-    1: [{}, {"recompute": "selective"}, {"recompute": "full"}, {"model": MOE}],
+    1: [{}, {"recompute": "selective"}, {"recompute": "full"}, {"model": MOE},
+        {"recompute": "selective", "model": MOE}, {"recompute": "full", "model": MOE}],
     2: [{"dp_shard": 2}, {"tp": 2}, {"pp": 2}, {"pp": 2, "pp_schedule": "gpipe", "pp_microbatches": 4},
         {"dp_shard": 2, "recompute": "full", "mixed_precision_param": "bf16"}, {"cp": 2},
         {"ep": 2, "model": MOE}, {"ep": 2, "recompute": "full", "model": MOE}],
