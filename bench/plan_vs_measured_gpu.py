@@ -7,6 +7,7 @@ tensor bytes instead (see meshformer/planner/measure.py).
 
     python bench/plan_vs_measured_gpu.py                      # on a GPU
     python bench/plan_vs_measured_gpu.py --device cpu         # dry run
+    python bench/plan_vs_measured_gpu.py --config olmoe-1b-7b --set model.n_layers=4 --modes none full   # MoE
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--modes", nargs="+", default=["none", "selective", "full", "every_k"])
+    parser.add_argument("--config", default="llama-1b", help="a config under configs/")
+    parser.add_argument("--set", nargs="*", default=[], help="more overrides, e.g. model.n_layers=4")
     args = parser.parse_args()
     device = torch.device(args.device)
     # One micro-batch per step, as measured: no gradients held from an earlier micro-batch.
@@ -54,10 +57,11 @@ def main() -> None:
             "data.seq_len=2048"]
     if device.type == "cpu":
         base += SMALL
+    base += args.set
     rows = []
     for mode in args.modes:
         start = time.perf_counter()
-        cfg = load_config(ROOT / "configs" / "llama-1b.toml", [*base, f"parallel.recompute={mode}"])
+        cfg = load_config(ROOT / "configs" / f"{args.config}.toml", [*base, f"parallel.recompute={mode}"])
         predicted = plan_layout(cfg, 1).peak
         measured = measure(cfg, device)
         gc.collect()  # the previous mode's model and optimizer are gone before the next one is built

@@ -156,7 +156,7 @@ def validate_parallel(cfg: Config, world_size: int, device: torch.device | str |
         raise ConfigError(f"parallel.tp={dims.tp}, parallel.pp={dims.pp}: t5_relative position bias is not supported "
                           "with tensor/pipeline parallel yet; use FSDP/HSDP (tp=1, pp=1) or model.position='alibi'")
     _check_tensor_parallel(cfg, dims)
-    _check_expert_parallel(cfg, dims)
+    check_expert_parallel(cfg, dims)
     _check_pipeline(cfg, dims)
     _check_precision(cfg, dims, device_type, on_this_host)
     p = cfg.parallel
@@ -211,7 +211,7 @@ def _check_tensor_parallel(cfg: Config, dims: ParallelDims) -> None:
                               f"{key} or change {key}")
 
 
-def _check_expert_parallel(cfg: Config, dims: ParallelDims) -> None:
+def check_expert_parallel(cfg: Config, dims: ParallelDims) -> None:
     m, ep = cfg.model, dims.ep
     if m.n_experts == 0:
         if ep > 1:

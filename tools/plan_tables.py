@@ -1,6 +1,7 @@
 """Markdown tables of `meshformer plan` for the large configs at 8, 64, 512 and 4096 ranks (README section).
 
     python tools/plan_tables.py [--gpu h100-80gb]
+    python tools/plan_tables.py --configs mixtral-8x7b qwen3-30b-a3b olmoe-1b-7b --worlds 8 64 512   # MoE table
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from meshformer.config import ConfigError, load_config  # noqa: E402
+from meshformer.planner.activations import MOE_IMBALANCE  # noqa: E402
 from meshformer.planner.cli import layout_name  # noqa: E402
 from meshformer.planner.memory import usable_bytes  # noqa: E402
 from meshformer.planner.search import plan_layout, search_layouts, with_layout  # noqa: E402
@@ -26,6 +28,7 @@ def main() -> None:
     parser.add_argument("--gpu", default="h100-80gb")
     parser.add_argument("--configs", nargs="+", default=["llama-8b", "llama-70b", "llama-405b", "gpt3-175b"])
     parser.add_argument("--worlds", type=int, nargs="+", default=[8, 64, 512, 4096])
+    parser.add_argument("--moe-imbalance", type=float, default=MOE_IMBALANCE)
     args = parser.parse_args()
     budget = usable_bytes(args.gpu)
     print("| config | ranks | configured layout: GiB/rank, fits? | smallest layout that fits | GiB/rank | CPU s |")
@@ -36,12 +39,12 @@ def main() -> None:
             start = time.process_time()
             p = cfg.parallel
             try:  # the configured pp x tp with FSDP over the rest (bf16 autocast where no data-parallel ranks)
-                own = plan_layout(with_layout(cfg, world, p.pp, p.tp, p.recompute), world)
+                own = plan_layout(with_layout(cfg, world, p.pp, p.tp, p.recompute), world, args.moe_imbalance)
                 configured = (f"{layout_name(own)} {own.recompute}: {own.peak / GiB:.1f}, "
                               f"{'yes' if own.peak <= budget else 'no'}")
             except ConfigError:
-                configured = f"needs pp x tp = {p.pp * p.tp} ranks"
-            fitting = [lay for lay in search_layouts(cfg, world, args.gpu) if lay.peak <= budget]
+                configured = f"needs pp x tp = {p.pp * p.tp} ranks" if world < p.pp * p.tp else f"needs ep = {p.ep}"
+            fitting = [lay for lay in search_layouts(cfg, world, args.gpu, args.moe_imbalance) if lay.peak <= budget]
             best = (f"{layout_name(fitting[0])} {fitting[0].recompute}", f"{fitting[0].peak / GiB:.1f}") \
                 if fitting else ("none fits", "—")
             print(f"| {name} | {world} | {configured} | {best[0]} | {best[1]} | {time.process_time() - start:.0f} |",

@@ -14,6 +14,15 @@ the piece's end):
   (`meshformer.model.blockwise_attention`) the probabilities of its query blocks;
 - SwiGLU keeps gate, up, silu(gate) and their product; GELU / ReLU keep the input and output of the activation;
 - dropout keeps a one-byte mask per element.
+- a mixture-of-experts feed-forward (model/moe.py, on this rank's N = b s/t tokens: sequence parallel routes
+  locally) keeps its norm, the router's fp32 input, the fp32 scores (N x E) and, with a balance loss, the fp32
+  logits; the top-k and sort indices; the rows its experts receive (R x h) and their activations (R x f_e, the
+  same factor as the dense feed-forward); the N k expert outputs and weights the combine multiplies; shared experts
+  like a dense feed-forward of width n_shared x f_e. R, the rows this rank's experts receive (`moe_rows`): N k
+  without expert parallelism (however unbalanced, the rank runs all its tokens' slots); under ep, the balanced
+  N k times `moe_imbalance` (default MOE_IMBALANCE), capped by the dropless worst case, every token of the ep group
+  sending min(k, E / ep) slots here (ep N min(k, E/ep)); with `capacity_factor` c > 0, exactly the capacity
+  bound: E ceil(c N k / E) rows (each source rank sends each expert at most its capacity).
 This is Korthikanti et al.'s (2022) accounting, 34 sbh + 5 a s^2 b per layer in their GPT, redone for these
 blocks. Selective recomputation keeps what our policy saves (`meshformer.parallel.recompute`): matmul outputs,
 the attention kernel's outputs and tensor-parallel reduce-scatters, plus the block input; full recomputation
@@ -22,6 +31,7 @@ keeps only the block input, and a block's backward first rebuilds its whole acti
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +43,11 @@ from meshformer.model.blockwise_attention import backward_workspace, stored_prob
 from meshformer.parallel.kernels import runs_blockwise_attention
 
 FP32 = 4
+INDEX = 8  # int64 routing indices
+# Rows an expert-parallel rank's experts receive, over the balanced N k: the planning default. Routing at
+# initialisation and with balancing on stays near it; plan for more (`--moe-imbalance`) for unbalanced routers, up to
+# the dropless worst case (see `moe_rows`), which is ep x the balanced load.
+MOE_IMBALANCE = 1.5
 
 
 @dataclass(frozen=True)
@@ -45,6 +60,9 @@ class ActivationShape:
     blockwise: bool = False  # attention runs the blockwise CPU kernel (keeps probabilities, not a log-sum-exp)
     cp: int = 1  # context-parallel ranks sharing each sequence
     masked: bool = False  # self-attention gets a mask tensor (see `self_attention_masked`)
+    ep: int = 1  # expert-parallel ranks sharing each MoE layer's experts
+    moe_imbalance: float = MOE_IMBALANCE  # received rows over the balanced load, under expert parallelism
+    experts_loop: bool = False  # experts run one at a time (`moe_backend` loop), so back-propagate one at a time
 
 
 def _attention_calls(x: ActivationShape, cross: bool, memory_len: int, causal: bool = True) -> list[tuple[int, int]]:
@@ -74,11 +92,57 @@ def self_attention_masked(cfg: Config) -> bool:
 
 
 def activation_shape(cfg: Config, batch: int, tp: int, fsdp: bool, *, device_type: str = "cuda",
-                     compiled: bool = False, cp: int = 1) -> ActivationShape:
+                     compiled: bool = False, cp: int = 1, ep: int = 1,
+                     moe_imbalance: float = MOE_IMBALANCE) -> ActivationShape:
     bf16_params = fsdp and cfg.parallel.mixed_precision_param == "bf16"
     a = 2 if bf16_params or cfg.train.dtype == "bf16" else 4
+    # moe_backend "auto" takes grouped_mm for bf16 on CUDA (sm90+: what the planner plans for), the loop elsewhere
+    backend = cfg.model.moe_backend
+    loop = backend == "loop" or (backend == "auto" and not (device_type == "cuda" and a == 2))
     return ActivationShape(batch, cfg.data.seq_len // cp, tp, a, 2 if bf16_params else 4,
-                           runs_blockwise_attention(cfg, device_type, compiled), cp, self_attention_masked(cfg))
+                           runs_blockwise_attention(cfg, device_type, compiled), cp, self_attention_masked(cfg), ep,
+                           moe_imbalance, loop)
+
+
+def moe_rows(m: ModelConfig, x: ActivationShape) -> tuple[int, float]:
+    """(rows this rank sends to experts, rows its experts receive) per MoE layer and micro-batch (see the module
+    docstring): N k sent (capped by capacity); received as sent without expert parallelism, else the imbalance
+    times sent, or the capacity bound, never above the dropless worst case ep N min(k, E / ep)."""
+    n, k, experts = x.batch * (x.seq // x.tp if x.tp > 1 else x.seq), m.experts_per_token, m.n_experts
+    sent = n * k
+    capacity = math.ceil(m.capacity_factor * n * k / experts) if m.capacity_factor > 0 else 0
+    if capacity:
+        sent = min(sent, experts * capacity)
+    if x.ep == 1:
+        return sent, float(sent)
+    local = experts // x.ep
+    most = x.ep * n * min(k, local)
+    if capacity:
+        return sent, float(min(most, x.ep * local * capacity))
+    return sent, min(x.moe_imbalance * sent, float(most))
+
+
+def _activation_factor(m: ModelConfig) -> int:
+    """Tensors of the feed-forward's width its activation keeps: SwiGLU gate, up, silu(gate), product; GELU input
+    and output; ReLU its output."""
+    return {"swiglu": 4, "relu": 1}.get(m.activation, 2)
+
+
+def _moe_branch_saved(m: ModelConfig, x: ActivationShape, s_local: int) -> float:
+    """What an MoE feed-forward branch keeps (module docstring)."""
+    n, h, a = x.batch * s_local, m.d_model, x.bytes
+    sent, received = moe_rows(m, x)
+    factor = _activation_factor(m)
+    total = _norm(m, x, s_local) + n * h * FP32  # the router's fp32 input (the normalised tokens when fp32)
+    total += n * m.n_experts * FP32 * (2 if m.moe_aux_loss or m.router_z_loss else 1)  # scores (+ logits)
+    total += n * m.experts_per_token * (INDEX + FP32) + 2 * sent * INDEX  # top-k, weights; sort order, tokens
+    if x.ep > 1:
+        total += 2 * received * INDEX  # the regrouping of received rows and its inverse
+    total += received * (h + factor * m.expert_d_ff) * a  # expert input rows and activations
+    total += sent * (h * a + FP32)  # expert outputs and their weights, multiplied in the combine
+    if m.n_shared_experts:
+        total += factor * n * m.n_shared_experts * m.expert_d_ff * a + (n * h * a if a != FP32 else 0)
+    return total
 
 
 def _sdpa_mask(x: ActivationShape, calls: list[tuple[int, int]], cross: bool) -> float:
@@ -99,11 +163,11 @@ def _ffn_branch_saved(m: ModelConfig, x: ActivationShape, s_local: int) -> float
     """What the feed-forward branch keeps: its norm, the (gathered) normalised input, the activation's tensors."""
     ffn = x.batch * x.seq * (m.d_ff // x.tp) * x.bytes
     gathered = x.batch * x.seq * m.d_model * x.bytes
-    return _norm(m, x, s_local) + gathered + {"swiglu": 4, "relu": 1}.get(m.activation, 2) * ffn
+    return _norm(m, x, s_local) + gathered + _activation_factor(m) * ffn
 
 
 def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memory_len: int = 0,
-                causal: bool = True) -> float:
+                causal: bool = True, moe: bool = False) -> float:
     """Bytes one block keeps from forward to backward without recomputation."""
     b, s, t, a = x.batch, x.seq, x.tp, x.bytes
     h = m.d_model
@@ -129,14 +193,14 @@ def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memo
             total += 2 * qkv_out + 2 * kv + b * heads * s * FP32 + _sdpa_mask(x, calls, branch_cross)
         if m.dropout > 0:
             total += b * s_local * h
-    total += _ffn_branch_saved(m, x, s_local)
+    total += _moe_branch_saved(m, x, s_local) if moe else _ffn_branch_saved(m, x, s_local)
     if m.dropout > 0:
         total += b * s_local * h
     return total
 
 
 def block_selective(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memory_len: int = 0,
-                    causal: bool = True) -> float:
+                    causal: bool = True, moe: bool = False) -> float:
     """Bytes one block keeps under our selective policy: block input, matmul and attention outputs."""
     b, s, t, a = x.batch, x.seq, x.tp, x.bytes
     h = m.d_model
@@ -155,11 +219,18 @@ def block_selective(m: ModelConfig, x: ActivationShape, *, cross: bool = False, 
             total += b * heads * s * FP32 + _sdpa_mask(x, calls, branch_cross)  # log-sum-exp, mask
         if m.attention_backend == "math":  # the two attention matmuls' outputs (scores, weighted values)
             total += 2 * b * heads * sum(q * k for q, k in calls) * a
-    ffn = b * s * (m.d_ff // t) * a
-    total += (2 if m.activation == "swiglu" else 1) * ffn
-    total += (branches + 1) * b * s * h * a  # o_proj / down_proj outputs before the reduce-scatter
+    widths = 2 if m.activation == "swiglu" else 1  # gate and up (or up) projection outputs
+    if moe:  # the router's and experts' matmul outputs, on this rank's tokens (sequence parallel routes locally)
+        n = b * s_local
+        _, received = moe_rows(m, x)
+        total += n * m.n_experts * FP32 + received * (widths * m.expert_d_ff + h) * a
+        total += n * (widths * m.n_shared_experts * m.expert_d_ff + h) * a if m.n_shared_experts else 0
+    else:
+        total += widths * b * s * (m.d_ff // t) * a
+    outputs = branches + (0 if moe else 1)
+    total += outputs * b * s * h * a  # o_proj / down_proj outputs before the reduce-scatter
     if t > 1:
-        total += (branches + 1) * b * s_local * h * a  # reduce-scatter outputs
+        total += outputs * b * s_local * h * a  # reduce-scatter outputs
     return total
 
 
@@ -168,10 +239,18 @@ def block_input(m: ModelConfig, x: ActivationShape) -> float:
     return x.batch * s_local * m.d_model * x.residual_bytes
 
 
-def block_backward_extra(m: ModelConfig, x: ActivationShape) -> float:
-    """Gradients of a block's activations alive at once while it back-propagates (its largest branch)."""
+def block_backward_extra(m: ModelConfig, x: ActivationShape, moe: bool = False) -> float:
+    """Gradients of a block's activations alive at once while it back-propagates (its largest branch); an MoE
+    branch: its experts' activation gradients, those of the received rows and, arriving back all-to-all, of the
+    sent ones."""
     b, s, t, a = x.batch, x.seq, x.tp, x.bytes
-    ffn = b * s * (m.d_ff // t) * a
+    ffn_grads: float = (3 if m.activation == "swiglu" else 2) * b * s * (m.d_ff // t) * a
+    if moe:
+        sent, received = moe_rows(m, x)
+        # the loop back-propagates one expert's rows at a time (the balanced share of the received ones)
+        rows = received / max(1, m.n_experts // x.ep) if x.experts_loop else received
+        ffn_grads = ((3 if m.activation == "swiglu" else 2) * rows * m.expert_d_ff + (received + sent) * m.d_model
+                     ) * a
     heads = m.n_heads // t
     calls = _attention_calls(x, False, 0)
     keys = max(k for _, k in calls)  # under context parallel: the gathered sequence's key/value gradients
@@ -181,9 +260,9 @@ def block_backward_extra(m: ModelConfig, x: ActivationShape) -> float:
     elif x.blockwise:
         # its workspace is large, but by then the feed-forward branch has back-propagated and freed what it kept
         # (under context parallel counted at this rank's length: within 6% of measured, see README)
-        attention = (backward_workspace(b * heads, s, m.attention_head_dim, a)
-                     - _ffn_branch_saved(m, x, s // t if t > 1 else s))
-    return max((3 if m.activation == "swiglu" else 2) * ffn, attention) + 2 * b * s * m.d_model * a
+        branch = _moe_branch_saved if moe else _ffn_branch_saved
+        attention = backward_workspace(b * heads, s, m.attention_head_dim, a) - branch(m, x, s // t if t > 1 else s)
+    return max(ffn_grads, attention) + 2 * b * s * m.d_model * a
 
 
 def head_saved(m: ModelConfig, x: ActivationShape, last: bool) -> float:

@@ -1,5 +1,5 @@
-"""`meshformer plan CONFIG --world N [--gpu h100-80gb] [--set ...] [--json]`: memory per rank, fit, and the
-smallest layouts that fit, printed as tables (or one JSON object)."""
+"""`meshformer plan CONFIG --world N [--gpu h100-80gb] [--set ...] [--moe-imbalance 1.5] [--json]`: memory per rank,
+fit, and the smallest layouts that fit, printed as tables (or one JSON object)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 
 from meshformer.config import Config, ConfigError, load_config
 from meshformer.launcher.torchrun import check_world_size
+from meshformer.planner.activations import MOE_IMBALANCE
 from meshformer.planner.memory import CUDA_CONTEXT, DEVICES, SAFETY_FRACTION, as_dict, usable_bytes
 from meshformer.planner.search import LayoutMemory, plan_layout, search_layouts
 
@@ -21,13 +22,15 @@ def _gib(value: float) -> str:
 
 def layout_name(layout: LayoutMemory) -> str:
     replicas = f"x{layout.dp_replicate}" if layout.dp_replicate > 1 else ""
-    return f"pp{layout.pp} tp{layout.tp} dp{layout.dp_shard}{replicas}" + (f" cp{layout.cp}" if layout.cp > 1 else "")
+    return (f"pp{layout.pp} tp{layout.tp} dp{layout.dp_shard}{replicas}" + (f" cp{layout.cp}" if layout.cp > 1 else "")
+            + (f" ep{layout.ep}" if layout.ep > 1 else ""))
 
 
-def report(cfg: Config, world: int, device: str, *, search: bool = True, top: int = 5) -> dict:
+def report(cfg: Config, world: int, device: str, *, search: bool = True, top: int = 5,
+           moe_imbalance: float = MOE_IMBALANCE) -> dict:
     start = time.perf_counter()
-    chosen = plan_layout(cfg, world)
-    layouts = search_layouts(cfg, world, device) if search else []
+    chosen = plan_layout(cfg, world, moe_imbalance)
+    layouts = search_layouts(cfg, world, device, moe_imbalance) if search else []
     budget = usable_bytes(device)
     return {
         "world_size": world,
@@ -40,6 +43,7 @@ def report(cfg: Config, world: int, device: str, *, search: bool = True, top: in
                    "fits": chosen.peak <= budget, "ranks": [as_dict(rank) for rank in chosen.ranks]},
         "fitting_layouts": [{"name": layout_name(lay), "recompute": lay.recompute, "peak_gib": lay.peak / GiB}
                             for lay in layouts if lay.peak <= budget][:top],
+        "moe_imbalance": moe_imbalance if cfg.model.n_experts else None,
         "seconds": time.perf_counter() - start,
     }
 
@@ -57,6 +61,9 @@ def print_report(result: dict, title: str) -> None:
     _table(columns, rows)
     verdict = "fits" if lay["fits"] else "does NOT fit"
     print(f"peak {lay['peak_gib']:.2f} GiB per rank: {verdict} in {result['usable_gib']:.1f} GiB")
+    if result["moe_imbalance"] is not None:
+        print(f"experts planned at {result['moe_imbalance']:g}x the balanced tokens per expert-parallel rank "
+              "(--moe-imbalance; dropless worst case: ep x)")
     if result["fitting_layouts"]:
         print("smallest layouts that fit (FSDP over the remaining ranks):")
         _table(["layout", "recompute", "peak GiB"],
@@ -78,7 +85,10 @@ def _plan(args: argparse.Namespace) -> None:
         raise ConfigError(f"--world must be a positive number of ranks, got {args.world}")
     check_world_size(args.world, "--world")
     cfg = load_config(args.config, args.set)
-    result = report(cfg, args.world, args.gpu, search=not args.no_search, top=args.top)
+    if args.moe_imbalance < 1:
+        raise ConfigError(f"--moe-imbalance is received tokens over the balanced load, >= 1; got {args.moe_imbalance}")
+    result = report(cfg, args.world, args.gpu, search=not args.no_search, top=args.top,
+                    moe_imbalance=args.moe_imbalance)
     if args.json:
         print(json.dumps(result))
     else:
@@ -92,6 +102,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--gpu", choices=sorted(DEVICES), default="h100-80gb", help="device whose memory to fit")
     plan.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="e.g. parallel.tp=8")
     plan.add_argument("--top", type=int, default=5, help="how many fitting layouts to list")
+    plan.add_argument("--moe-imbalance", type=float, default=MOE_IMBALANCE,
+                      help="MoE: tokens an expert-parallel rank's experts receive, over the balanced load "
+                           f"(default {MOE_IMBALANCE}; dropless worst case: ep)")
     plan.add_argument("--no-search", action="store_true", help="only the configured layout")
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_plan)

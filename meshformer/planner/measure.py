@@ -7,6 +7,10 @@ highest total. That is the quantity the planner predicts; the allocator's cachin
 Python runtime are excluded. (torch's `MemTracker` does the same but refuses modules called more than once
 per step, as pipeline microbatches are.)
 
+For mixture-of-experts models it also reports the routing the step saw: the rows this rank's experts received
+over the N k token-slots the rank sent, over the step's MoE layer forwards (`moe_imbalance`, the planner's input of
+the same name; 1.0 without experts).
+
 The step is the trainer's: `forward_backward` of one micro-batch, gradient clipping, AdamW, `zero_grad`,
 measured on the second step (the first creates the optimizer state).
 """
@@ -18,6 +22,7 @@ from functools import partial, wraps
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -25,6 +30,7 @@ from torch.utils._pytree import tree_map_only
 
 from meshformer.config import Config
 from meshformer.model import Transformer
+from meshformer.model.moe import moe_layers
 from meshformer.parallel import parallelize
 from meshformer.parallel.parallelize import world_size
 from meshformer.parallel_dims import ParallelDims
@@ -124,14 +130,35 @@ class TrainingStep:
         return out + [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
 
 
-def measure_step_peak(cfg: Config) -> dict[str, int]:
-    """Peak live tensor bytes of this rank over its second training step under `cfg.parallel` (CPU)."""
+class RoutedRows:
+    """Rows each MoE layer forward sends (N k) and its experts receive (after any expert-parallel dispatch)."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        self.sent: list[int] = []
+        self.received: list[int] = []
+        for part in parts:
+            for _, layer in moe_layers(part):
+                k = layer.cfg.experts_per_token
+                layer.register_forward_pre_hook(
+                    lambda mod, args, k=k: self.sent.append(args[0].numel() // args[0].shape[-1] * k))
+                # registered after the dispatch hook, so it sees the rows this rank's experts run
+                layer.experts.register_forward_pre_hook(lambda mod, args: self.received.append(args[0].shape[0]))
+
+    def imbalance(self) -> float:
+        """Received over sent rows, over the step's MoE forwards (the load its saved activations hold)."""
+        return sum(self.received) / sum(self.sent) if sum(self.sent) else 1.0
+
+
+def measure_step_peak(cfg: Config) -> dict[str, float]:
+    """Peak live tensor bytes of this rank over its second training step under `cfg.parallel` (CPU), and the
+    routing imbalance the step saw (`RoutedRows.imbalance`)."""
     step = TrainingStep(cfg, torch.device("cpu"))
     step()  # the first step creates the optimizer state
+    rows = RoutedRows(step.parallel_model.model_parts)
     tracker = LiveTensorBytes(*step.state_tensors())
     start = tracker.live
     with tracker:
         step()
     if dist.is_initialized():
         dist.barrier()
-    return {"start": start, "peak": tracker.peak}
+    return {"start": start, "peak": tracker.peak, "moe_imbalance": rows.imbalance()}

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 from meshformer.config import Config
 from meshformer.model.families import get_family_spec
+from meshformer.model.moe import is_moe_block
 from meshformer.parallel.parallelize import compile_mode
 from meshformer.parallel_dims import ZERO_BUBBLE, ParallelDims, last_stage_losses_in_flight, n_microbatches
 from meshformer.planner import activations as act
@@ -91,13 +92,16 @@ def head_loss_live(cfg: Config, x: act.ActivationShape, kind: str, device_type: 
     return kept + (held - 1) * x.batch * x.seq * (cfg.model.vocab_size // x.tp) * act.FP32 + work
 
 
-def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory:
+def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare, moe_imbalance: float = act.MOE_IMBALANCE
+                ) -> RankMemory:
+    """`moe_imbalance`: rows an expert-parallel rank's experts receive over the balanced load (`act.moe_rows`)."""
     m, p = cfg.model, cfg.parallel
     fsdp = dims.fsdp_enabled
     micro = max(1, cfg.data.batch_size // (n_microbatches(cfg) if dims.pp > 1 else 1))
     device_type = "cpu" if cfg.train.device == "cpu" else "cuda"  # "auto": planning for GPUs
     shape = act.activation_shape(cfg, micro, dims.tp, fsdp, device_type=device_type,
-                                 compiled=compile_mode(cfg, dims) != "off", cp=dims.cp)
+                                 compiled=compile_mode(cfg, dims) != "off", cp=dims.cp, ep=dims.ep,
+                                 moe_imbalance=moe_imbalance)
     unsharded_bytes = 2 if p.mixed_precision_param == "bf16" else 4
     reduce_bytes = 2 if p.mixed_precision_reduce == "bf16" else 4
 
@@ -109,17 +113,22 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory
     spec = get_family_spec(m.family)
     cross = spec.seq2seq  # decoder blocks also cross-attend the encoder memory
     enc = spec.depth(m, "encoder")
+    offsets = sorted(spec.layer_offsets(m).values())
     kept: list[float] = []  # per held block: bytes kept through forward
     rebuild: list[float] = []  # per held block: bytes rebuilt in its backward
+    moes: list[bool] = []  # per held block: a mixture-of-experts feed-forward
     for index, mode in zip(share.layers, modes, strict=True):
         is_cross = cross and index >= enc
         causal = spec.stacks[min(int(index >= enc), len(spec.stacks) - 1)].causal
-        full = act.block_saved(m, shape, cross=is_cross, memory_len=cfg.data.seq_len, causal=causal)
+        moe = is_moe_block(m, index - max(o for o in offsets if o <= index))  # its index within its stack
+        moes.append(moe)
+        full = act.block_saved(m, shape, cross=is_cross, memory_len=cfg.data.seq_len, causal=causal, moe=moe)
         if mode == "none":
             kept.append(full)
             rebuild.append(0.0)
         elif mode == "selective":
-            kept.append(act.block_selective(m, shape, cross=is_cross, memory_len=cfg.data.seq_len, causal=causal))
+            kept.append(act.block_selective(m, shape, cross=is_cross, memory_len=cfg.data.seq_len, causal=causal,
+                                            moe=moe))
             rebuild.append(full - kept[-1])
         else:
             kept.append(act.block_input(m, shape))
@@ -160,7 +169,7 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare) -> RankMemory
         unit = 0.0 if not fsdp else block_unit * (1 if resharded else 0) + block_unit + block_unit * reduce_bytes / max(
             unsharded_bytes, 1)
         moments[f"backward of block {share.layers[i]}"] = (
-            static + root + held_units + still_kept + rebuild[i] + act.block_backward_extra(m, shape) + unit
+            static + root + held_units + still_kept + rebuild[i] + act.block_backward_extra(m, shape, moes[i]) + unit
             + done_grads)
         shard_grad = (share.block_numel / dims.fsdp_shard * 4) if fsdp else share.block_numel * 4
         done_grads += 0 if accumulating else shard_grad

@@ -4,6 +4,10 @@ Every answer comes from the parallelised model on meta and the peak walk (`memor
 layout goes through the trainer's whole path (`shard.rank_shares`); the search applies the real tensor-parallel
 plan once per tp to one block per stack (`shard.tp_template`) and sizes each pipeline split and FSDP size from
 it (`shard.template_shares`); a test holds the two against each other.
+
+Mixture-of-experts models are also searched over `parallel.ep` (every divisor of n_experts the rules of
+`parallel_dims.check_expert_parallel` allow: a multiple of cp x tp taken from the data-parallel ranks); expert
+activations are planned at `moe_imbalance` times the balanced load (`activations.moe_rows`).
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from dataclasses import dataclass
 
 from meshformer.config import Config, ConfigError, Recompute
 from meshformer.model.families import get_family_spec
-from meshformer.parallel_dims import ParallelDims, check_context_parallel
+from meshformer.parallel_dims import ParallelDims, check_context_parallel, check_expert_parallel
+from meshformer.planner.activations import MOE_IMBALANCE
 from meshformer.planner.memory import RankMemory, rank_memory, usable_bytes
 from meshformer.planner.shard import fake_world, meta_model, rank_shares, template_shares, tp_template
 
@@ -34,6 +39,7 @@ class LayoutMemory:
     recompute: str
     ranks: list[RankMemory]
     cp: int = 1
+    ep: int = 1
 
     @property
     def peak(self) -> float:
@@ -44,10 +50,10 @@ class LayoutMemory:
         return max(self.ranks, key=lambda rank: rank.peak)
 
 
-def with_layout(cfg: Config, world_size: int, pp: int, tp: int, recompute: Recompute, cp: int | None = None
-                ) -> Config:
-    """`cfg` with another layout (cp None: the configured one) and FSDP over the remaining ranks, same micro-batch
-    size.
+def with_layout(cfg: Config, world_size: int, pp: int, tp: int, recompute: Recompute, cp: int | None = None,
+                ep: int | None = None) -> Config:
+    """`cfg` with another layout (cp, ep None: the configured ones) and FSDP over the remaining ranks, same
+    micro-batch size.
 
     A pipeline gets pp micro-batches (the 1F1B minimum) of the config's micro-batch size; without data
     parallelism FSDP's mixed precision becomes bf16 autocast (same activations, fp32 weights).
@@ -56,7 +62,7 @@ def with_layout(cfg: Config, world_size: int, pp: int, tp: int, recompute: Recom
     micro = max(1, data.batch_size // (p.pp_microbatches or p.pp)) if p.pp > 1 else data.batch_size
     parallel = dataclasses.replace(p, pp=pp, tp=tp, dp_shard=-1, dp_replicate=1, recompute=recompute,
                                    pp_split_points=p.pp_split_points if pp == p.pp else [],
-                                   cp=p.cp if cp is None else cp)
+                                   cp=p.cp if cp is None else cp, ep=p.ep if ep is None else ep)
     if pp > 1:
         schedule = p.pp_schedule if p.pp > 1 else "1f1b"
         parallel = dataclasses.replace(parallel, pp_schedule=schedule, pp_microbatches=pp)
@@ -67,17 +73,18 @@ def with_layout(cfg: Config, world_size: int, pp: int, tp: int, recompute: Recom
     return dataclasses.replace(cfg, parallel=parallel, data=data, train=train)
 
 
-def plan_layout(cfg: Config, world_size: int) -> LayoutMemory:
+def plan_layout(cfg: Config, world_size: int, moe_imbalance: float = MOE_IMBALANCE) -> LayoutMemory:
     """Memory per pipeline rank of `cfg`'s own layout, through the real TP + FSDP path on meta (FSDP by its rule
-    beyond REAL_FSDP_SHARDS)."""
+    beyond REAL_FSDP_SHARDS). `moe_imbalance`: see `activations.moe_rows`."""
     real_fsdp = ParallelDims.from_config(cfg.parallel, world_size).fsdp_shard <= REAL_FSDP_SHARDS
     with fake_world(world_size):
         dims, shares = rank_shares(cfg, world_size, apply_fsdp=real_fsdp)
-    return _layout(cfg, dims, [rank_memory(cfg, dims, share) for share in shares])
+    return _layout(cfg, dims, [rank_memory(cfg, dims, share, moe_imbalance) for share in shares])
 
 
 def _layout(cfg: Config, dims: ParallelDims, ranks: list[RankMemory]) -> LayoutMemory:
-    return LayoutMemory(dims.pp, dims.tp, dims.dp_shard, dims.dp_replicate, cfg.parallel.recompute, ranks, dims.cp)
+    return LayoutMemory(dims.pp, dims.tp, dims.dp_shard, dims.dp_replicate, cfg.parallel.recompute, ranks, dims.cp,
+                        dims.ep)
 
 
 def _divisors_pow2(n: int, limit: int) -> list[int]:
@@ -103,10 +110,28 @@ def _context_layouts(cfg: Config, world_size: int, pp: int, tp: int) -> list[tup
     return layouts
 
 
-def search_layouts(cfg: Config, world_size: int, device: str) -> list[LayoutMemory]:
-    """Every (pp, tp, cp, recompute) with FSDP over the remaining ranks, smallest first: least model and sequence
-    parallelism (tp x pp x cp), then least recomputation, then lowest peak. Layouts the config cannot run are
-    skipped. FSDP shards over dp_shard x cp, so each (pp, tp) split's parameter shards serve every cp."""
+def _expert_choices(cfg: Config, world_size: int, pp: int, tp: int, cp: int, recompute: Recompute) -> list[int]:
+    """The ep values the expert-parallel rules allow for this layout ([1] for a dense model)."""
+    n = cfg.model.n_experts
+    if not n:
+        return [1]
+    choices = []
+    for ep in (d for d in range(1, n + 1) if n % d == 0):
+        layout = with_layout(cfg, world_size, pp, tp, recompute, cp, ep)
+        try:
+            check_expert_parallel(layout, ParallelDims.from_config(layout.parallel, world_size))
+        except ConfigError:
+            continue
+        choices.append(ep)
+    return choices
+
+
+def search_layouts(cfg: Config, world_size: int, device: str, moe_imbalance: float = MOE_IMBALANCE
+                   ) -> list[LayoutMemory]:
+    """Every (pp, tp, cp, ep, recompute) with FSDP over the remaining ranks, smallest first: least model and sequence
+    parallelism (tp x pp x cp), then least recomputation, then fewest expert-parallel ranks (all-to-all peers), then
+    lowest peak. Layouts the config cannot run are skipped. FSDP shards over dp_shard x cp and the experts over ep x
+    the data-parallel ranks ep leaves, so each (pp, tp, ep) split's parameter shards serve every cp."""
     layers = get_family_spec(cfg.model.family).total_layers(cfg.model)
     results: list[LayoutMemory] = []
     with fake_world(world_size):
@@ -119,16 +144,22 @@ def search_layouts(cfg: Config, world_size: int, device: str) -> list[LayoutMemo
             except ConfigError:
                 continue
             for pp in _divisors_pow2(world_size // tp, layers):
-                base = with_layout(cfg, world_size, pp, tp, "none", cp=1)  # shards: the same for every cp
-                try:
-                    _, shares = template_shares(base, world_size, model, template)
-                except (ConfigError, ValueError):
-                    continue
-                for cp, cp_dims in _context_layouts(cfg, world_size, pp, tp):
+                shares = {}
+                for ep in _expert_choices(cfg, world_size, pp, tp, 1, "none"):
+                    base = with_layout(cfg, world_size, pp, tp, "none", cp=1, ep=ep)  # the same for every cp
+                    try:
+                        shares[ep] = template_shares(base, world_size, model, template)[1]
+                    except (ConfigError, ValueError):
+                        continue
+                for cp, _ in _context_layouts(cfg, world_size, pp, tp):
                     for mode in RECOMPUTE_MODES:
-                        layout_cfg = with_layout(cfg, world_size, pp, tp, mode, cp)
-                        results.append(_layout(layout_cfg, cp_dims,
-                                               [rank_memory(layout_cfg, cp_dims, s) for s in shares]))
+                        for ep in _expert_choices(cfg, world_size, pp, tp, cp, mode):
+                            if ep not in shares:
+                                continue
+                            layout_cfg = with_layout(cfg, world_size, pp, tp, mode, cp, ep)
+                            dims = ParallelDims.from_config(layout_cfg.parallel, world_size)
+                            results.append(_layout(layout_cfg, dims, [rank_memory(layout_cfg, dims, s, moe_imbalance)
+                                                                      for s in shares[ep]]))
     budget = usable_bytes(device)
-    results.sort(key=lambda r: (r.peak > budget, r.tp * r.pp * r.cp, RECOMPUTE_MODES.index(r.recompute), r.peak))
+    results.sort(key=lambda r: (r.peak > budget, r.tp * r.pp * r.cp, RECOMPUTE_MODES.index(r.recompute), r.ep, r.peak))
     return results

@@ -6,6 +6,11 @@ split -> tensor parallel -> recompute -> FSDP, `meshformer.parallel.parallelize.
 local shards are read off the resulting DTensors. Rank 0 of every data/tensor-parallel group holds the largest
 shard (FSDP pads dim 0 to a multiple of the group size and gives the remainder to the first ranks), so its
 figures are the worst case; each distinct pipeline stage is built once.
+
+Expert weights (MoE layers under `parallel.ep`) are split over the ep ranks first (whole experts, dim 0) and then
+by their own FSDP unit over the data-parallel ranks ep leaves (`dp_shard_mod_ep`; dim 1 when fewer local experts
+than those ranks, `parallel/expert_parallel.py`); their all-gathered size is this ep rank's experts, not all of
+them. Every other weight is sharded over dp_shard x cp as before.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from torch import nn
 
 from meshformer.config import Config
 from meshformer.model import Transformer
+from meshformer.model.moe import is_moe_block, moe_layers
 from meshformer.parallel.fsdp import blocks_of
 from meshformer.parallel.grad_norm import local_tensor
 from meshformer.parallel.mesh import Meshes, build_mesh
@@ -98,6 +104,25 @@ def _fsdp_shard(numel_tp: int, dim0: int, dp_shard: int) -> int:
     return math.ceil(dim0 / dp_shard) * (numel_tp // dim0)
 
 
+def _sizes_by_rule(shape: tuple[int, ...], dims: ParallelDims, expert: bool) -> tuple[int, int]:
+    """(the first rank's shard, the padded tensor FSDP all-gathers) of a tensor-parallel local `shape`, in elements,
+    by FSDP2's rule. Expert weights: n_experts / ep whole experts, then dim 0 (or dim 1 when fewer local experts
+    than ranks, as `shard_experts_with_fsdp` chooses) chunked over `dp_shard_mod_ep`."""
+    numel = math.prod(shape)
+    if not (expert and dims.ep_enabled):
+        shard = _fsdp_shard(numel, shape[0] if shape else 1, dims.fsdp_shard)
+        return shard, shard * dims.fsdp_shard
+    local = (shape[0] // dims.ep, *shape[1:])
+    shards = dims.dp_shard_mod_ep
+    dim = 0 if local[0] % shards == 0 else 1
+    shard = math.ceil(local[dim] / shards) * (math.prod(local) // local[dim])
+    return shard, shard * shards
+
+
+def _expert_params(parts: Sequence[nn.Module]) -> set[int]:
+    return {id(p) for part in parts for _, layer in moe_layers(part) for p in layer.experts.parameters()}
+
+
 def rank_shares(cfg: Config, world_size: int, *, apply_fsdp: bool = True,
                 model: Transformer | None = None) -> tuple[ParallelDims, list[RankShare]]:
     """Parallelise the meta model for `cfg.parallel` at `world_size`; one `RankShare` per distinct pipeline rank.
@@ -124,13 +149,15 @@ def rank_shares(cfg: Config, world_size: int, *, apply_fsdp: bool = True,
 
 def _measure(parts: list[Transformer], dims: ParallelDims, rank: int, fsdp_applied: bool, first: bool,
              last: bool) -> RankShare:
+    experts = _expert_params(parts) if dims.ep_enabled else set()
+
     def sizes(param: torch.Tensor) -> tuple[int, int]:
         """(this rank's shard, the padded unsharded tensor an FSDP all-gather returns), in elements."""
         local = local_tensor(param)
-        if not fsdp_applied:
-            shard = _fsdp_shard(local.numel(), local.shape[0] if local.dim() else 1, dims.fsdp_shard)
-            return shard, shard * dims.fsdp_shard
-        return local.numel(), local.numel() * dims.fsdp_shard
+        if not fsdp_applied:  # tensor parallel only: experts still whole here (expert parallel runs with FSDP)
+            return _sizes_by_rule(tuple(local.shape), dims, id(param) in experts)
+        # the experts' FSDP unit gathers this ep rank's experts over the data-parallel ranks ep leaves
+        return local.numel(), local.numel() * (dims.dp_shard_mod_ep if id(param) in experts else dims.fsdp_shard)
 
     in_block = {id(p) for part in parts for block in blocks_of(part) for p in block.parameters()}
     sharded = root = 0
@@ -144,33 +171,45 @@ def _measure(parts: list[Transformer], dims: ParallelDims, rank: int, fsdp_appli
     return RankShare(rank, layers, len(parts), sharded, root, block, first, last)
 
 
-# Tensor-parallel local (dim 0, numel) of each parameter, per model piece; blocks per stack.
-Template = dict[str, list[tuple[int, int]]]
+# Tensor-parallel local shape of each parameter and whether it is an expert weight, per model piece; blocks per
+# stack, under "<stack>" (dense) and "<stack>/moe" (a mixture-of-experts block).
+Template = dict[str, list[tuple[tuple[int, ...], bool]]]
+
+
+def _block_key(cfg: Config, stack: str, index: int) -> str:
+    return f"{stack}/moe" if is_moe_block(cfg.model, index) else stack
 
 
 def tp_template(cfg: Config, world_size: int, tp: int) -> Template:
-    """Parameter shapes after the real tensor-parallel plan, read off a one-block-per-stack copy of the model.
+    """Parameter shapes after the real tensor-parallel plan, read off a one-block-per-stack copy of the model (and
+    one with a mixture-of-experts block, for MoE models).
 
-    Blocks of a stack are identical, so the layout search sizes any pipeline split from this one build per tp.
-    Must run inside `fake_world(world_size)`.
+    Dense blocks of a stack are identical, and so are MoE blocks, so the layout search sizes any pipeline split from
+    these builds per tp. Must run inside `fake_world(world_size)`.
     """
     m = cfg.model
-    small = dataclasses.replace(m, n_layers=1, n_encoder_layers=1, n_decoder_layers=1)  # whichever a stack reads
-    model = meta_model(dataclasses.replace(cfg, model=small))
-    if tp > 1:
-        parallel = dataclasses.replace(cfg.parallel, pp=1, tp=tp, dp_replicate=1, dp_shard=-1)
-        dims = ParallelDims.from_config(parallel, world_size)
-        apply_tensor_parallel(model, build_mesh(dims, "cpu").tp)
     template: Template = {}
-    stacks = model.spec.layer_offsets(m)
-    for name, module in model.named_children():
-        if name in stacks:
-            assert isinstance(module, nn.ModuleDict)  # a stack of blocks "0", "1", ...
-            module = module["0"]
-        params = [(p, n) for n, p in module.named_parameters()]
-        if name == "output" and m.tie_embeddings:
-            params = [(p, n) for p, n in params if n != "weight"]  # the embedding's; counted with it or copied
-        template[name] = [(local_tensor(p).shape[0] if p.dim() else 1, local_tensor(p).numel()) for p, _ in params]
+    variants = [("", 0)] + ([("/moe", m.n_experts)] if m.n_experts else [])
+    for suffix, experts in variants:
+        small = dataclasses.replace(m, n_layers=1, n_encoder_layers=1, n_decoder_layers=1,  # whichever a stack reads
+                                    n_experts=experts, moe_every=1, moe_first_dense=0)
+        model = meta_model(dataclasses.replace(cfg, model=small))
+        if tp > 1:
+            parallel = dataclasses.replace(cfg.parallel, pp=1, tp=tp, dp_replicate=1, dp_shard=-1, ep=1, cp=1)
+            dims = ParallelDims.from_config(parallel, world_size)
+            apply_tensor_parallel(model, build_mesh(dims, "cpu").tp)
+        experts_of = _expert_params([model])
+        stacks = model.spec.layer_offsets(m)
+        for name, module in model.named_children():
+            if name in stacks:
+                assert isinstance(module, nn.ModuleDict)  # a stack of blocks "0", "1", ...
+                module, name = module["0"], name + suffix
+            elif suffix:
+                continue  # the rest of the model is the dense build's
+            params = [(p, n) for n, p in module.named_parameters()]
+            if name == "output" and m.tie_embeddings:
+                params = [(p, n) for p, n in params if n != "weight"]  # the embedding's; counted with it or copied
+            template[name] = [(tuple(local_tensor(p).shape), id(p) in experts_of) for p, _ in params]
     if m.tie_embeddings:
         template["tied_output"] = template["tok_embeddings"]
     return template
@@ -183,6 +222,12 @@ def template_shares(cfg: Config, world_size: int, model: Transformer, template: 
     placement = stage_placement(cfg, dims)
     shares = []
     offsets = model.spec.layer_offsets(cfg.model)
+
+    def sizes(key: str) -> tuple[int, int]:
+        """(shard, all-gathered) elements of one piece (or block) on the first rank."""
+        both = [_sizes_by_rule(shape, dims, expert) for shape, expert in template[key]]
+        return sum(x for x, _ in both), sum(x for _, x in both)
+
     for (_sizes, first, last), ranks in _rank_layouts(placement, dims.pp).items():
         ids = placement.ids_for_rank(ranks[0])
         sharded = root = block = 0
@@ -192,16 +237,15 @@ def template_shares(cfg: Config, world_size: int, model: Transformer, template: 
             if cfg.model.tie_embeddings and "output" in pieces and "tok_embeddings" not in pieces:
                 pieces["tied_output"] = pieces["output"]  # this stage holds its own copy of the table
             for name, module in pieces.items():
-                keys = list(module.keys()) if name in offsets and isinstance(module, nn.ModuleDict) else []
-                blocks = len(keys)
-                sizes = [(_fsdp_shard(numel, dim0, dims.fsdp_shard), dims.fsdp_shard) for dim0, numel in template[name]]
-                shard = sum(x for x, _ in sizes)
-                padded = sum(x * dp for x, dp in sizes)
-                sharded += shard * max(blocks, 1)
-                if blocks:
-                    block = max(block, padded)
-                    layers += [offsets[name] + int(key) for key in keys]
+                if name in offsets and isinstance(module, nn.ModuleDict):
+                    for key in module.keys():
+                        shard, gathered = sizes(_block_key(cfg, name, int(key)))
+                        sharded += shard
+                        block = max(block, gathered)
+                        layers.append(offsets[name] + int(key))
                 else:
-                    root += padded
+                    shard, gathered = sizes(name)
+                    sharded += shard
+                    root += gathered
         shares.append(RankShare(ranks[0], tuple(sorted(layers)), len(ids), sharded, root, block, first, last))
     return dims, shares

@@ -7,7 +7,7 @@ import time
 import pytest
 from helpers.common import CONFIGS
 from parallel_common import spawn
-from plan_validation import LAYOUTS, TOLERANCE, compare, measure_layouts, validation_config
+from plan_validation import LAYOUTS, MOE, TOLERANCE, compare, measure_layouts, validation_config
 
 from meshformer.config import load_config
 from meshformer.model.flops import count_params
@@ -41,7 +41,11 @@ def test_packed_document_masks_are_planned():
 
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"tp": 2, "pp": 2}, {"pp": 4, "pp_schedule": "interleaved_1f1b",
                                                                    "pp_stages_per_rank": 2, "pp_microbatches": 4},
-                                    {"pp": 2, "pp_schedule": "zbv", "pp_microbatches": 2}])
+                                    {"pp": 2, "pp_schedule": "zbv", "pp_microbatches": 2},
+                                    # experts: 2 local of 4 over 32 FSDP ranks (dim 1), every other block MoE
+                                    {"ep": 2, "model": MOE}, {"ep": 4, "tp": 2, "model": MOE},
+                                    {"ep": 1, "pp": 2, "model": {**MOE, "moe_every": 2}},
+                                    {"ep": 4, "pp": 2, "model": {**MOE, "moe_every": 2}}])
 @pytest.mark.parametrize("tied", [False, True])
 def test_search_shards_equal_real_fsdp_shards(layout, tied):
     """The search sizes layouts from one tensor-parallel block per stack; that must equal the real TP + FSDP path."""
@@ -53,6 +57,62 @@ def test_search_shards_equal_real_fsdp_shards(layout, tied):
         _, derived = template_shares(cfg, world, meta_model(cfg), tp_template(cfg, world, cfg.parallel.tp))
     assert [(s.pp_rank, s.layers, s.sharded_numel, s.root_numel, s.block_numel) for s in real] == \
         [(s.pp_rank, s.layers, s.sharded_numel, s.root_numel, s.block_numel) for s in derived]
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4, 8])
+def test_expert_parallel_shards_are_the_local_shards(ep):
+    """tiny-moe (8 experts) at 8 ranks: every parameter divides evenly, so each rank holds exactly 1/8 of the model
+    whatever ep; a block's FSDP units all-gather its dense weights and this ep rank's 8/ep experts."""
+    from meshformer.model.moe import moe_layers
+
+    cfg = load_config(CONFIGS / "tiny-moe.toml", [f"parallel.ep={ep}"])
+    total = count_params(cfg.model)["total"]
+    with fake_world(8):
+        _, (share,) = rank_shares(cfg, 8)
+    assert share.sharded_numel * 8 == total
+    block = meta_model(cfg).decoder_layers["0"]
+    experts = sum(p.numel() for _, layer in moe_layers(block) for p in layer.experts.parameters())
+    dense = sum(p.numel() for p in block.parameters()) - experts
+    assert share.block_numel == dense + experts // ep
+
+
+def test_expert_rows_planned_by_imbalance_capacity_and_the_dropless_bound():
+    from meshformer.planner.activations import ActivationShape, moe_rows
+
+    cfg = validation_config({"ep": 2, "model": MOE})
+    m = cfg.model  # 4 experts, top-2
+    x = ActivationShape(batch=4, seq=128, tp=1, bytes=4, residual_bytes=4, ep=2, moe_imbalance=1.5)
+    assert moe_rows(m, x) == (1024, 1536.0)  # N k sent, 1.5 x that received
+    # without expert parallelism a rank runs its own token-slots, however unbalanced
+    assert moe_rows(m, ActivationShape(4, 128, 1, 4, 4, ep=1, moe_imbalance=3.0)) == (1024, 1024.0)
+    # dropless worst case: every token of both ranks picks both of this rank's experts
+    assert moe_rows(m, ActivationShape(4, 128, 1, 4, 4, ep=2, moe_imbalance=10.0)) == (1024, 2048.0)
+    m.capacity_factor = 1.25  # each expert takes ceil(1.25 * 512 * 2 / 4) = 320 rows from each rank
+    assert moe_rows(m, x) == (1024, 2 * 2 * 320.0)
+    planned = [plan_layout(validation_config({"ep": 2, "model": MOE}), 2, imbalance).peak for imbalance in (1, 1.5, 2)]
+    assert planned[0] < planned[1] < planned[2]
+
+
+def test_search_offers_expert_parallel_layouts_for_moe_models(capsys):
+    from meshformer.cli import main
+
+    cfg = load_config(CONFIGS / "mixtral-8x7b.toml")
+    results = search_layouts(cfg, 64, "h100-80gb")
+    assert {r.ep for r in results} == {1, 2, 4, 8}
+    # selective recomputation is refused with ep x FSDP (allowed where tp x pp leave no data-parallel ranks)
+    assert not [r for r in results if r.ep > 1 and r.recompute == "selective" and r.dp_shard * r.cp > 1]
+    assert [r for r in results if r.ep > 1 and r.recompute == "selective"]
+    budget = usable_bytes("h100-80gb")
+    fitting = [r for r in results if r.peak <= budget]
+    # Mixtral's 47B parameters do not fit one node's 8 ranks; at 64 they do, whole experts gathered or not
+    assert fitting and [(r.tp * r.pp * r.cp, r.recompute, r.ep) for r in fitting] == sorted(
+        ((r.tp * r.pp * r.cp, r.recompute, r.ep) for r in fitting), key=lambda k: (k[0], ("none", "selective",
+                                                                                        "full").index(k[1]), k[2]))
+    peaks = {(r.ep, r.recompute): r.peak for r in results if r.tp == r.pp == r.cp == 1}
+    assert peaks[(8, "full")] < peaks[(1, "full")]  # ep=8 gathers one expert per block, not all eight
+    main(["plan", str(CONFIGS / "olmoe-1b-7b.toml"), "--world", "16", "--moe-imbalance", "2"])
+    out = capsys.readouterr().out
+    assert "pp1 tp1 dp16 ep8" in out and "2x the balanced tokens" in out
 
 
 def test_405b_at_4096_ranks_plans_fast_and_shards_every_parameter():
