@@ -16,6 +16,9 @@ WORLD4 = ["decoder/tp-fsdp", "decoder_alibi/tp-fsdp", "encoder/tp-fsdp", "encdec
           "decoder/pp=4-sched=1f1b", "moe/fsdp=4-ep", "moe/tp-fsdp-ep", "moe/pp-fsdp-ep"]
 # Transient copies while one parameter is generated and sliced (the full tensor, a chunk, the local copy).
 IN_FLIGHT = 3
+# Bookkeeping tensors that are not weights (scalars, index tensors of a few elements; an ep layout's build holds 8
+# such bytes beyond the rest at this tiny size)
+SMALL_BYTES = 1024
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +34,7 @@ def check(report: dict) -> None:
     assert report["missing"] == [], "parameters no rank holds"
     assert report["saved_mismatch"] == [], "final weights saved from this layout differ"
     for peak, local, largest in report["memory"]:
-        assert peak <= local + IN_FLIGHT * largest, (peak, local, largest)
+        assert peak <= local + IN_FLIGHT * largest + SMALL_BYTES, (peak, local, largest)
         assert peak < 0.75 * report["model_bytes"], "a rank allocated (nearly) the whole model"
 
 
