@@ -88,8 +88,9 @@ FP8_WORLD2 = ["decoder/tp-fp8=tensorwise", "decoder_alibi/tp-fp8=tensorwise", "e
               "decoder/tp-fp8=rowwise", "decoder/fsdp-fp8=tensorwise"]
 FP8_WORLD4 = ["decoder/tp-fsdp-fp8=tensorwise", "decoder/pp-tp-fp8=tensorwise", "encdec/tp-fsdp-fp8=rowwise"]
 # Summation-order differences of ~1e-7 can move a value across a float8 rounding boundary (a step of 1/16 of
-# it): gradients agree to 1e-2 (float8 against fp32 differs by 10-25%), losses and norms to 1e-4.
-FP8_TOL, FP8_GRAD_TOL = 1e-4, 2e-2
+# it): gradients agree to 1e-2 (float8 against fp32 differs by 10-25%), losses to 1e-4. The second step's global
+# norm sums gradients of weights that already moved apart by such crossings: 1e-3 (2.8e-4 seen, decoder_alibi/tp).
+FP8_TOL, FP8_GRAD_TOL, FP8_NORM_TOL = 1e-4, 2e-2, 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,8 @@ def world8():
     return launch(8, WORLD8)
 
 
-def check(report: dict, tol: float = TOL, grad_tol: float | None = None, name: str = "") -> None:
+def check(report: dict, tol: float = TOL, grad_tol: float | None = None, name: str = "",
+          norm_tol: float | None = None) -> None:
     assert "error" not in report, report.get("error")
     cp = [int(part.partition("=")[2] or 2) for part in name.split("/")[-1].split("-") if part.partition("=")[0] == "cp"]
     if cp:  # equal results alone would not show that sequences were split
@@ -122,7 +124,7 @@ def check(report: dict, tol: float = TOL, grad_tol: float | None = None, name: s
     assert max(report["loss_rel"]) < tol, f"loss relative diffs {report['loss_rel']}"
     assert report["grad_rel"] < (grad_tol or tol), \
         f"gradient relative diff {report['grad_rel']:.3e} at {report['worst']}"
-    assert report["norm_rel"] < tol, f"global grad norm relative diff {report['norm_rel']:.3e}"
+    assert report["norm_rel"] < (norm_tol or tol), f"global grad norm relative diff {report['norm_rel']:.3e}"
 
 
 @pytest.mark.parametrize("name", WORLD2)  # not slow: the default run launches world2 anyway (tests below)
@@ -151,7 +153,7 @@ def test_fsdp_bf16_params_close(world2, name):
 @pytest.mark.parametrize("name", FP8_WORLD2 + FP8_WORLD4)
 def test_fp8_layouts_match_single_process_fp8(world2, world4, name):
     report = (world2 if name in FP8_WORLD2 else world4)[name]
-    check(report, tol=FP8_TOL, grad_tol=FP8_GRAD_TOL)
+    check(report, tol=FP8_TOL, grad_tol=FP8_GRAD_TOL, norm_tol=FP8_NORM_TOL)
     tensorwise_tp = "tp" in name.split("/")[1].split("-") and name.endswith("tensorwise")
     # torchao's float8 styles ran: activations (and their gradients) were all-gathered in float8
     assert (report["float8_gathers"] > 0) == tensorwise_tp, report["float8_gathers"]
