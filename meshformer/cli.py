@@ -19,11 +19,14 @@ def _train(args: argparse.Namespace) -> None:
     from meshformer.launcher.torchrun import check_launch_options, launch_torchrun
 
     check_launch_options(args.nproc_per_node, args.nnodes, args.max_restarts)
+    if args.init_from:
+        args.set = [*args.set, f"checkpoint.init_from=hf:{args.init_from}"]
     if args.nproc_per_node > 1 or args.nnodes > 1:
+        from meshformer.checkpointing.init_from import resolve_init_from
         from meshformer.parallel_dims import validate_parallel
         from meshformer.train.preflight import preflight, run_folders_claimed
 
-        cfg = load_config(args.config, args.set)  # one process checks before torchrun starts any rank
+        cfg = resolve_init_from(load_config(args.config, args.set))  # one process checks before torchrun starts any rank
         validate_parallel(cfg, args.nproc_per_node * args.nnodes)
         with run_folders_claimed(cfg):  # a run folder in use is refused here; rank 0 holds it for the job
             preflight(cfg)
@@ -134,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc-per-node", type=int, default=1, help="start torchrun with this many processes")
     train.add_argument("--nnodes", type=int, default=1)
     train.add_argument("--rdzv-endpoint", default="127.0.0.1:29500", help="host:port of the first node")
+    train.add_argument("--init-from", metavar="HF_FOLDER",
+                       help="start from a Hugging Face model folder (= --set checkpoint.init_from=hf:HF_FOLDER)")
     train.add_argument("--max-restarts", type=int, default=0,
                        help="torchrun restarts after a worker failure (the job resumes from its latest checkpoint)")
     train.set_defaults(func=_train)

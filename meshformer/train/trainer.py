@@ -17,6 +17,7 @@ import torch
 
 from meshformer import folders
 from meshformer.batch import Batch
+from meshformer.checkpointing.init_from import load_init_weights, resolve_init_from
 from meshformer.checkpointing.manager import CheckpointManager
 from meshformer.checkpointing.save_errors import final_weights_failed_error
 from meshformer.checkpointing.train_state import Checkpointable, SchedulerState, TrainState
@@ -61,6 +62,7 @@ class Trainer:
                  dims: ParallelDims | None = None) -> None:
         """tokenizer: the one preflight loaded and checked, when the caller ran preflight (else loaded here).
         dims: the layout `init_distributed` validated when it joined the process group (else validated here)."""
+        cfg = resolve_init_from(cfg)  # checkpoint.init_from: the model config of the HF folder (a no-op if resolved)
         self.cfg, self.rank = cfg, rank
         self.device = job_device(cfg, local_rank)
         # Before any large tensor (runtime/host_memory.py): CPU ranks of a multi-process run map large tensors so
@@ -187,7 +189,12 @@ class Trainer:
 
     def _fit(self) -> TrainResult:
         cfg, log = self.cfg, self.logger
-        self.checkpoints.resume(self.checkpointable)  # model, optimizer, scheduler, step, data, RNG: before iterating
+        # model, optimizer, scheduler, step, data, RNG: before iterating; a run started from an HF folder reads it only
+        # while it has no checkpoint of its own
+        if not self.checkpoints.resume(self.checkpointable) and cfg.checkpoint.init_from:
+            start = time.perf_counter()
+            load_init_weights(self.parallel_model.model_parts, cfg)
+            log.info(f"step 0 weights read from {cfg.checkpoint.init_from} in {time.perf_counter() - start:.2f}s")
         if self.step >= cfg.train.steps:
             log.info(f"the run in {self.run_dir} already reached step {self.step} >= train.steps={cfg.train.steps}; "
                      "raise train.steps to train further, or use a new logging.run_dir for a fresh run")
