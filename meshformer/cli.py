@@ -54,14 +54,30 @@ def _params(args: argparse.Namespace) -> None:
             print(f"{key:>22}: {value:,}" if isinstance(value, int) else f"{key:>22}: {value:,.4g}")
 
 
+def _prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts of `generate`: each --prompt, then each non-empty line of --prompts-file."""
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        try:
+            text = open(args.prompts_file, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as err:
+            raise UsageError(f"--prompts-file {args.prompts_file}: {err}", "pass a UTF-8 text file, one prompt a line"
+                             ) from None
+        prompts += [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise UsageError("no prompt to continue", "pass --prompt TEXT (repeat it for several) or --prompts-file")
+    return prompts
+
+
 def _generate(args: argparse.Namespace) -> None:
     import torch
 
     from meshformer.checkpointing.weights import load_weights
     from meshformer.data import load_tokenizer
-    from meshformer.model.generate import greedy_decode
+    from meshformer.model.generate import greedy_decode, left_pad
     from meshformer.train.preflight import check_vocab
 
+    prompts = _prompts(args)
     tokenizer = load_tokenizer(args.tokenizer)
     model = load_weights(args.weights).eval()
     check_vocab(tokenizer, model.cfg.vocab_size, "--tokenizer")
@@ -70,16 +86,23 @@ def _generate(args: argparse.Namespace) -> None:
     if not model.spec.has_decoder:
         raise UsageError(f"{args.weights} holds an encoder-only model, which cannot generate text",
                          "pass the weights of a decoder-only or encoder-decoder model")
-    ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
-    if ids.shape[1] == 0:
-        raise UsageError(f"--prompt {args.prompt!r} holds no tokens",
-                         "pass some text, e.g. --prompt 'In the beginning'")
+    rows = [tokenizer.encode_prompt(prompt) for prompt in prompts]  # BOS where the tokenizer adds one
+    for prompt, row in zip(prompts, rows, strict=True):
+        if not row:
+            raise UsageError(f"--prompt {prompt!r} holds no tokens", "pass some text, e.g. --prompt 'In the beginning'")
+    ids, padding = left_pad(rows, tokenizer.pad_id)
     if not model.spec.seq2seq:
-        out = greedy_decode(model, ids, args.max_new_tokens, eos_id=tokenizer.eos_id, use_cache=not args.no_cache)
+        out = greedy_decode(model, ids, args.max_new_tokens, eos_id=tokenizer.eos_id, prompt_padding=padding,
+                            use_cache=not args.no_cache)
     else:
         out = greedy_decode(model, None, args.max_new_tokens, eos_id=tokenizer.eos_id, bos_id=tokenizer.bos_id,
-                            source_ids=ids, use_cache=not args.no_cache)
-    print(tokenizer.decode(out[0].tolist()))
+                            source_ids=ids, source_padding=padding, use_cache=not args.no_cache)
+    for i, row in enumerate(out.tolist()):
+        prompt = rows[i] if not model.spec.seq2seq else []
+        new = row[ids.shape[1] if not model.spec.seq2seq else 0:]
+        if tokenizer.eos_id in new:  # the text ends at the model's EOS
+            new = new[:new.index(tokenizer.eos_id)]
+        print(tokenizer.decode(prompt + new, skip_special_tokens=True))
 
 
 def _attention_map(args: argparse.Namespace) -> None:
@@ -151,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="greedy decoding (KV cache) from a run's final weights")
     gen.add_argument("weights", help="folder with model.safetensors, e.g. runs/tiny-gpt/final")
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", action="append", help="text to continue; repeat for a batch (one output line each)")
+    gen.add_argument("--prompts-file", help="more prompts, one a line (blank lines skipped)")
     gen.add_argument("--max-new-tokens", type=int, default=48)
     gen.add_argument("--tokenizer", default="bundled:kjv-bpe-4k")
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each step")
