@@ -26,7 +26,8 @@ def _train(args: argparse.Namespace) -> None:
         from meshformer.parallel_dims import validate_parallel
         from meshformer.train.preflight import preflight, run_folders_claimed
 
-        cfg = resolve_init_from(load_config(args.config, args.set))  # one process checks before torchrun starts any rank
+        # one process checks before torchrun starts any rank
+        cfg = resolve_init_from(load_config(args.config, args.set))
         validate_parallel(cfg, args.nproc_per_node * args.nnodes)
         with run_folders_claimed(cfg):  # a run folder in use is refused here; rank 0 holds it for the job
             preflight(cfg)
@@ -70,8 +71,6 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    import torch
-
     from meshformer.checkpointing.weights import load_weights
     from meshformer.data import load_tokenizer
     from meshformer.model.generate import greedy_decode, left_pad
@@ -97,12 +96,12 @@ def _generate(args: argparse.Namespace) -> None:
     else:
         out = greedy_decode(model, None, args.max_new_tokens, eos_id=tokenizer.eos_id, bos_id=tokenizer.bos_id,
                             source_ids=ids, source_padding=padding, use_cache=not args.no_cache)
-    for i, row in enumerate(out.tolist()):
-        prompt = rows[i] if not model.spec.seq2seq else []
-        new = row[ids.shape[1] if not model.spec.seq2seq else 0:]
+    seq2seq = model.spec.seq2seq
+    for prompt_ids, row in zip(rows, out.tolist(), strict=True):
+        new = row[0 if seq2seq else ids.shape[1]:]
         if tokenizer.eos_id in new:  # the text ends at the model's EOS
             new = new[:new.index(tokenizer.eos_id)]
-        print(tokenizer.decode(prompt + new, skip_special_tokens=True))
+        print(tokenizer.decode(([] if seq2seq else prompt_ids) + new, skip_special_tokens=True))
 
 
 def _attention_map(args: argparse.Namespace) -> None:

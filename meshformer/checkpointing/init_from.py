@@ -22,10 +22,14 @@ import torch
 
 from meshformer.checkpointing import directory
 from meshformer.checkpointing.errors import ConversionError
+from meshformer.checkpointing.hf import ARCHS, Arch
 from meshformer.config import Config, DataConfig, ModelConfig, build_section
 from meshformer.errors import ConfigError
 
 PREFIX = "hf:"
+# Beside the run's final weights: the architecture the run started from, which `convert export-hf` writes by default
+# (a Mistral folder without a sliding window is also a Llama, for instance)
+SOURCE_FILE = "hf_source.json"
 # [model] keys that change how the model trains (or which kernel computes it), not the function it computes
 FUNCTION_NEUTRAL = ("dropout", "attention_dropout", "attention_backend", "moe_backend", "document_mask", "init",
                     "init_std", "moe_aux_loss", "moe_aux_per_sequence", "router_z_loss", "router_bias_update_rate")
@@ -109,6 +113,7 @@ class HFInitWeights:
 
         self.cfg, self.state = import_hf(folder)  # names and shapes checked here, before any data is read
         _, arch, theirs = open_hf(folder)
+        self.arch: str = arch
         original = hf._normalize_names({k: k for k in theirs}, arch)  # normalised name -> name in the files
         self.files = SafetensorsFolder(folder) if has_safetensors(folder) else None
         self.renamed = {rule.ours[0]: original[rule.theirs] for rule in name_map(self.cfg, arch)
@@ -128,8 +133,9 @@ class HFInitWeights:
         return self.state[name]
 
 
-def load_init_weights(parts: list[torch.nn.Module], cfg: Config) -> None:
-    """Fill this rank's (sharded) model parts from checkpoint.init_from's folder (every rank calls it)."""
+def load_init_weights(parts: list[torch.nn.Module], cfg: Config) -> str:
+    """Fill this rank's (sharded) model parts from checkpoint.init_from's folder (every rank calls it); returns
+    the folder's architecture (its model_type)."""
     from meshformer.checkpointing.weights import load_into
 
     folder = hf_folder(cfg)
@@ -139,3 +145,20 @@ def load_init_weights(parts: list[torch.nn.Module], cfg: Config) -> None:
         raise ConversionError(f"{folder} now holds another model than the one this run was configured from",
                               "point checkpoint.init_from at the folder the run started with")
     load_into(parts, source)
+    return source.arch
+
+
+def record_source(run_dir: Path, cfg: Config, arch: str) -> None:
+    """Note in the run folder which architecture the run started from (for its final weights)."""
+    (Path(run_dir) / SOURCE_FILE).write_text(json.dumps({"init_from": cfg.checkpoint.init_from, "model_type": arch}))
+
+
+def source_arch(folder: Path) -> Arch | None:
+    """The architecture a weights folder's run started from (None: not started from a Hugging Face folder, or an
+    unreadable note: export then infers the architecture, as for any weights folder)."""
+    path = Path(folder) / SOURCE_FILE
+    try:
+        arch = json.loads(path.read_text())["model_type"] if path.is_file() else None
+    except (ValueError, KeyError, TypeError):
+        return None
+    return next((known for known in ARCHS if known == arch), None)

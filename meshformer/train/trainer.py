@@ -8,6 +8,7 @@ happen only at logging, evaluation and sampling intervals.
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ import torch
 
 from meshformer import folders
 from meshformer.batch import Batch
-from meshformer.checkpointing.init_from import load_init_weights, resolve_init_from
+from meshformer.checkpointing.init_from import SOURCE_FILE, load_init_weights, record_source, resolve_init_from
 from meshformer.checkpointing.manager import CheckpointManager
 from meshformer.checkpointing.save_errors import final_weights_failed_error
 from meshformer.checkpointing.train_state import Checkpointable, SchedulerState, TrainState
@@ -193,7 +194,9 @@ class Trainer:
         # while it has no checkpoint of its own
         if not self.checkpoints.resume(self.checkpointable) and cfg.checkpoint.init_from:
             start = time.perf_counter()
-            load_init_weights(self.parallel_model.model_parts, cfg)
+            arch = load_init_weights(self.parallel_model.model_parts, cfg)
+            if self.rank == 0:
+                record_source(self.run_dir, cfg, arch)
             log.info(f"step 0 weights read from {cfg.checkpoint.init_from} in {time.perf_counter() - start:.2f}s")
         if self.step >= cfg.train.steps:
             log.info(f"the run in {self.run_dir} already reached step {self.step} >= train.steps={cfg.train.steps}; "
@@ -306,6 +309,8 @@ class Trainer:
                 raise
             raise one_line from None
         if path is not None:
+            if (self.run_dir / SOURCE_FILE).is_file():  # from an HF folder: export goes back to its architecture
+                shutil.copy(self.run_dir / SOURCE_FILE, staged / SOURCE_FILE)
             check_final_folder(final)
             folders.replace(staged, final)
             self.logger.info(f"final weights written to {final / path.name}")

@@ -81,7 +81,7 @@ def test_continued_pretraining_under_fsdp_x_tp(arch, shards, tmp_path):
 
 
 def test_first_step_matches_transformers_and_a_restart_never_reads_the_folder_again(shards, tmp_path):
-    hf_model, folder = hf_folder("qwen3", tmp_path / "hf")
+    hf_model, folder = hf_folder("mistral", tmp_path / "hf")
     run_dir = tmp_path / "run"
     overrides = _overrides(shards, run_dir, folder, 2, "checkpoint.interval=2", "model.dropout=0.0")
     _, result = run_trainer(load_config(None, overrides))

@@ -21,6 +21,9 @@ ARCHS: dict[str, dict[str, Any]] = {
                   rope_parameters={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
                                    "rope_theta": 10000.0}),
+    # no sliding window: the function of a Llama, so only a run's note says to export it as Mistral again
+    "mistral": dict(config="MistralConfig", model="MistralForCausalLM", tie_word_embeddings=False,
+                    sliding_window=None),
     # head_dim != hidden_size / heads, QK-norm, tied embeddings
     "qwen3": dict(config="Qwen3Config", model="Qwen3ForCausalLM", tie_word_embeddings=True, head_dim=16),
 }
