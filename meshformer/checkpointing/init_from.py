@@ -23,6 +23,7 @@ import torch
 from meshformer.checkpointing import directory
 from meshformer.checkpointing.errors import ConversionError
 from meshformer.checkpointing.hf import ARCHS, Arch
+from meshformer.checkpointing.manager import checkpoint_root
 from meshformer.config import Config, DataConfig, ModelConfig, build_section
 from meshformer.errors import ConfigError
 
@@ -41,10 +42,6 @@ def hf_folder(cfg: Config) -> Path | None:
     return Path(source.removeprefix(PREFIX)).expanduser() if source.startswith(PREFIX) else None
 
 
-def checkpoint_root(cfg: Config) -> Path:
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.logging.run_dir) / "checkpoints"
-
-
 def resolve_init_from(cfg: Config) -> Config:
     """`cfg` with its model config from the HF folder (or, once this run has checkpoints, from the newest one) and
     data.tokenizer the folder's when left at its default; unchanged without checkpoint.init_from."""
@@ -58,7 +55,8 @@ def resolve_init_from(cfg: Config) -> Config:
     model = _merge(source_model, cfg.model, f"{PREFIX}{folder}" if saved is None else "this run's checkpoints")
     data = cfg.data
     if data.tokenizer == DataConfig.tokenizer:  # left at its default: the model's own tokenizer
-        data = dataclasses.replace(data, tokenizer=saved["data"]["tokenizer"] if saved is not None else str(folder))
+        tokenizer = saved.get("data", {}).get("tokenizer", str(folder)) if saved is not None else str(folder)
+        data = dataclasses.replace(data, tokenizer=tokenizer)
     resolved = dataclasses.replace(cfg, model=model, data=data)
     validate(resolved)
     return resolved
