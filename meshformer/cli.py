@@ -73,7 +73,7 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 def _generate(args: argparse.Namespace) -> None:
     from meshformer.checkpointing.weights import load_weights
     from meshformer.data import load_tokenizer
-    from meshformer.model.generate import greedy_decode, left_pad
+    from meshformer.model.generate import greedy_decode, pad_rows
     from meshformer.train.preflight import check_vocab
 
     prompts = _prompts(args)
@@ -89,14 +89,14 @@ def _generate(args: argparse.Namespace) -> None:
     for prompt, row in zip(prompts, rows, strict=True):
         if not row:
             raise UsageError(f"--prompt {prompt!r} holds no tokens", "pass some text, e.g. --prompt 'In the beginning'")
-    ids, padding = left_pad(rows, tokenizer.pad_id)
-    if not model.spec.seq2seq:
+    seq2seq = model.spec.seq2seq
+    ids, padding = pad_rows(rows, tokenizer.pad_id, left=not seq2seq)  # sources: padded on the right, as in training
+    if not seq2seq:
         out = greedy_decode(model, ids, args.max_new_tokens, eos_id=tokenizer.eos_id, prompt_padding=padding,
                             use_cache=not args.no_cache)
     else:
         out = greedy_decode(model, None, args.max_new_tokens, eos_id=tokenizer.eos_id, bos_id=tokenizer.bos_id,
                             source_ids=ids, source_padding=padding, use_cache=not args.no_cache)
-    seq2seq = model.spec.seq2seq
     for prompt_ids, row in zip(rows, out.tolist(), strict=True):
         new = row[0 if seq2seq else ids.shape[1]:]
         if tokenizer.eos_id in new:  # the text ends at the model's EOS

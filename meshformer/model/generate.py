@@ -30,18 +30,19 @@ def _check_length(cfg, prompt_len: int, max_new_tokens: int) -> None:
         )
 
 
-def left_pad(rows: list[list[int]], pad_id: int, device: torch.device | None = None
+def pad_rows(rows: list[list[int]], pad_id: int, *, left: bool = True, device: torch.device | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, padding) of token rows of different lengths padded on the left, as `greedy_decode` takes them; the
-    padding mask is True for real tokens."""
+    """(ids, padding) of token rows of different lengths, padded on the left (decoder prompts, as `greedy_decode`
+    takes them) or the right (encoder sources); the padding mask is True for real tokens."""
     if not rows or not all(rows):
         raise UsageError("every prompt needs at least one token")
     width = max(map(len, rows))
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
     padding = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
     for i, row in enumerate(rows):
-        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-        padding[i, width - len(row):] = True
+        span = slice(width - len(row), width) if left else slice(0, len(row))
+        ids[i, span] = torch.tensor(row, dtype=torch.long)
+        padding[i, span] = True
     return ids, padding
 
 
@@ -63,7 +64,7 @@ def greedy_decode(
     prompt_ids: (B, T) decoder prompt; None starts from `bos_id` (the usual encoder-decoder start; one row per
         source, or a single row for decoder-only).
     prompt_padding: (B, T) True for real prompt tokens, for prompts of different lengths padded on the left
-        (`left_pad`): padding is never attended to, and positions count from each row's first real token.
+        (`pad_rows`): padding is never attended to, and positions count from each row's first real token.
     eos_id: a row stops at its first EOS; its later positions are filled with `eos_id`. Decoding ends
         early once every row has stopped.
     source_ids / source_padding: encoder input (B, S) and its mask (True = real) for encoder-decoder models.

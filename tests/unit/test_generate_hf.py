@@ -9,7 +9,7 @@ import torch
 from helpers.hf_models import hf_folder, hf_model
 
 from meshformer.checkpointing.hf import from_hf_model
-from meshformer.model.generate import greedy_decode, left_pad
+from meshformer.model.generate import greedy_decode, pad_rows
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -22,7 +22,7 @@ def test_batched_greedy_equals_transformers_generate(arch):
     ours = from_hf_model(theirs).eval()
     generator = torch.Generator().manual_seed(2)
     rows = [torch.randint(3, 4096, (n,), generator=generator).tolist() for n in (3, 9, 6)]
-    ids, padding = left_pad(rows, pad_id=0)
+    ids, padding = pad_rows(rows, pad_id=0)
     expected = theirs.generate(input_ids=ids, attention_mask=padding.long(), max_new_tokens=NEW_TOKENS,
                                min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
     for use_cache in (True, False):
@@ -44,7 +44,7 @@ def test_generate_cli_adds_the_tokenizers_bos_batches_prompts_and_stops_at_its_e
     prompts = ["In the beginning God created", "And the earth was", "Let there be light: and there was"]
     rows = [tokenizer.encode(p).ids for p in prompts]
     assert all(row[0] == bos for row in rows)
-    ids, padding = left_pad(rows, pad_id=0)
+    ids, padding = pad_rows(rows, pad_id=0)
     free = theirs.generate(input_ids=ids, attention_mask=padding.long(), max_new_tokens=NEW_TOKENS,
                            min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[:, ids.shape[1]:].tolist()
     eos = free[1][3]  # the tokenizer's EOS: the second prompt's 4th new token
