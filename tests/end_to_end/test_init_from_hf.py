@@ -111,3 +111,20 @@ def test_a_model_key_that_changes_the_function_is_refused_by_name(shards, tmp_pa
     assert line.startswith("error: checkpoint.init_from: ") and "\n" not in line, line
     for named in ("model.max_seq_len=128 (it has 64)", "model.n_layers=3 (it has 2)", "remove those [model] keys"):
         assert named in line, line
+
+
+def test_renamed_tensors_are_read_by_slices_and_the_rest_whole(tmp_path):
+    """What keeps an init_from load from holding the whole model on a rank: a tensor that is only renamed comes
+    as a lazy safetensors slice (this rank's rows alone are read), and every tensor equals the imported one."""
+    from meshformer.checkpointing.hf import from_hf_model
+    from meshformer.checkpointing.init_from import HFInitWeights
+
+    hf_model, folder = hf_folder("qwen3", tmp_path / "hf")
+    source = HFInitWeights(folder)
+    assert source.arch == "qwen3"
+    expected = from_hf_model(hf_model).state_dict()
+    assert all(name in source for name in expected)
+    sliced = [name for name in expected if not isinstance(source.get_slice(name), torch.Tensor)]
+    assert "tok_embeddings.weight" in sliced and len(sliced) == len(expected)  # Qwen3: renames only
+    for name, tensor in expected.items():
+        torch.testing.assert_close(source.get_slice(name)[1:3], tensor[1:3], rtol=0, atol=0)
