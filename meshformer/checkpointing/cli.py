@@ -110,11 +110,14 @@ def _to_checkpoint(args: argparse.Namespace) -> Path:
 
 def _export_hf(args: argparse.Namespace) -> Path:
     from meshformer.checkpointing.hf_folder import export_hf
+    from meshformer.checkpointing.init_from import source_arch
     from meshformer.checkpointing.safetensors_io import read_model_source
 
     def write(out: Path) -> Path:
         cfg, state = read_model_source(Path(args.src))
-        return export_hf(state, cfg, out, args.arch, args.max_shard_size)
+        # default: the architecture a run from checkpoint.init_from started from, else the one that matches
+        arch = args.arch or source_arch(Path(args.src))
+        return export_hf(state, cfg, out, arch, args.max_shard_size)
 
     return _into(args, "a Hugging Face model", _weights_legacy(Path(args.out), "config.json"), write)
 
