@@ -141,7 +141,7 @@ def test_cached_steps_align_causal_attention_at_the_bottom_right(backend):
 
 @pytest.mark.parametrize("use_cache", [True, False])
 @pytest.mark.parametrize("position", POSITIONS)
-def test_pad_rowsded_prompts_decode_as_each_prompt_alone(position, use_cache):
+def test_left_padded_prompts_decode_as_each_prompt_alone(position, use_cache):
     """Padding is never attended to and positions count from each row's first real token: a row of a left-padded
     batch gets the tokens its prompt gets unpadded (learned / sinusoidal tables and RoPE read per-row positions)."""
     extra = {"n_kv_heads": 2} if position == "rope" else {}
