@@ -42,10 +42,13 @@ def export_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: Path
     try:
         arch = arch or hf.infer_arch(cfg)
         hf.check_compatible(cfg, arch)
-        hf.check_exportable(state, arch)
     except ValueError as err:
         raise ConversionError(f"cannot export to Hugging Face: {err}", "choose another --arch, or leave it out to "
                               "pick the one that matches") from None
+    try:
+        hf.check_exportable(state, arch)
+    except ValueError as err:  # no architecture holds these values: the message carries its own fix
+        raise ConversionError(f"cannot export to Hugging Face: {err}") from None
     out_dir = Path(out_dir)
     hf.config_to_hf(cfg, arch).save_pretrained(str(out_dir))
     writer = ShardedWriter(out_dir, max_shard_size)

@@ -46,9 +46,11 @@ def unit_docs(plan: dict, u: int) -> Iterator:
 
 
 def unit_fingerprint(plan: dict, u: int) -> list[int]:
-    """What a finished map task records of its input, so that a resumed prepare redoes it if the file changed."""
-    stat = Path(plan["units"][u][0]).stat()
-    return [stat.st_size, stat.st_mtime_ns]
+    """What a finished map task records of its input, so that a resumed prepare redoes it if the file changed (a
+    Megatron dataset: its .idx and the .bin holding the tokens)."""
+    path, fmt = Path(plan["units"][u][0]), plan["units"][u][1]
+    files = (path, path.with_suffix(".bin")) if fmt == "megatron" else (path,)
+    return [n for f in files for n in (f.stat().st_size, f.stat().st_mtime_ns)]
 
 
 def unit_done(plan: dict, work: Path, u: int) -> bool:
