@@ -10,8 +10,8 @@ the block norms where these models put them (model/families/decoder.py). checkpo
   window on every block but each full_attention_every-th (layer_types), the windowed blocks' own RoPE base
   (rope_local_theta, unscaled) and the global blocks' (rope_theta, with rope scaling), final-logit soft-capping.
   transformers' Gemma 3 reads attn_logit_softcapping but never applies it, so import ignores it too and export
-  refuses our attention_softcap (Gemma 2 has it; Gemma 3 uses none). Refused: layer_types other than that pattern, a scaled sliding-window RoPE,
-  use_bidirectional_attention, attention_bias, another activation.
+  refuses our attention_softcap (Gemma 2 has it; Gemma 3 uses none). Refused: layer_types other than that
+  pattern, a scaled sliding-window RoPE, use_bidirectional_attention, attention_bias, another activation.
 """
 
 from __future__ import annotations
@@ -122,4 +122,5 @@ def gemma3_to_hf(cfg: ModelConfig, shared: dict[str, Any]) -> Any:
         rope_parameters={"full_attention": _rope_to_hf(cfg),
                          "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
         sliding_window=cfg.attention_window, layer_types=layer_types,
-        query_pre_attn_scalar=_query_pre_attn_scalar(cfg), final_logit_softcapping=cfg.logit_softcap, use_bidirectional_attention=False)
+        query_pre_attn_scalar=_query_pre_attn_scalar(cfg), final_logit_softcapping=cfg.logit_softcap,
+        use_bidirectional_attention=False)

@@ -6,8 +6,9 @@ model all hold the same numbers. The full tensor of one parameter is generated o
 this rank keeps its shard (`distribute_tensor` without communication), so at most one full tensor is in
 flight and nothing loops over elements on the host.
 
-The rules: norm weights 1 (less model.norm_weight_offset), every bias 0; other weights Xavier-uniform (`init="xavier"`, the original paper)
-or normal(init_std), with residual outputs (o_proj, down_proj, the experts' down_proj) scaled by 1/sqrt(2 * layers).
+The rules: norm weights 1 (less model.norm_weight_offset), every bias 0; other weights Xavier-uniform
+(`init="xavier"`, the original paper) or normal(init_std), with residual outputs (o_proj, down_proj, the experts'
+down_proj) scaled by 1/sqrt(2 * layers).
 """
 
 from __future__ import annotations

@@ -40,9 +40,9 @@ if TYPE_CHECKING:
 
 # Every top-level piece a Transformer may hold; each may be None (not in the family or the config, or
 # held by another pipeline stage).
-PIECES = ("tok_embeddings", "src_embeddings", "pos_embeddings", "rope", "local_rope", "embedding_norm", "encoder_relative_bias",
-          "decoder_relative_bias", "encoder_layers", "encoder_norm", "decoder_layers", "decoder_norm", "head_dense",
-          "head_act", "head_norm", "output")
+PIECES = ("tok_embeddings", "src_embeddings", "pos_embeddings", "rope", "local_rope", "embedding_norm",
+          "encoder_relative_bias", "decoder_relative_bias", "encoder_layers", "encoder_norm", "decoder_layers",
+          "decoder_norm", "head_dense", "head_act", "head_norm", "output")
 
 
 @dataclass(frozen=True)
