@@ -36,7 +36,7 @@ def olmo2_from_hf(c: Any) -> ModelConfig:
         family="decoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_heads=c.num_attention_heads,
         n_kv_heads=None if kv in (None, c.num_attention_heads) else kv, n_layers=c.num_hidden_layers,
         d_ff=c.intermediate_size, activation="swiglu", norm="rmsnorm", norm_eps=c.rms_norm_eps,
-        norm_position="post_sublayer", final_norm=True, qk_norm=True, qk_norm_scope="projection", position="rope",
+        norm_position="post_sublayer", qk_norm=True, qk_norm_scope="projection", position="rope",
         **_rope_from_hf(c, OLMO2), max_seq_len=c.max_position_embeddings, tie_embeddings=c.tie_word_embeddings,
         bias=False, attention_dropout=c.attention_dropout, init_std=c.initializer_range)
 
@@ -81,7 +81,7 @@ def gemma3_from_hf(c: Any) -> ModelConfig:
         n_kv_heads=None if kv in (None, c.num_attention_heads) else kv, n_layers=c.num_hidden_layers,
         head_dim=None if head_dim * c.num_attention_heads == c.hidden_size else head_dim,
         d_ff=c.intermediate_size, activation="geglu", norm="rmsnorm", norm_eps=c.rms_norm_eps,
-        norm_position="sandwich", norm_weight_offset=1.0, final_norm=True, qk_norm=True, scale_embeddings=True,
+        norm_position="sandwich", norm_weight_offset=1.0, qk_norm=True, scale_embeddings=True,
         position="rope", **_rope_from_hf(SimpleNamespace(rope_parameters=rope["full_attention"]), GEMMA3),
         rope_local_theta=float(local["rope_theta"]) if window is not None else None,
         attention_window=window, full_attention_every=every,
