@@ -59,7 +59,8 @@ def megatron_incompatibilities(cfg: ModelConfig) -> list[str]:
     gpt_families = sorted(name for name, spec in FAMILIES.items() if spec.megatron and spec.megatron.model == GPT)
     checks = [
         (cfg.family in gpt_families, f"family={cfg.family!r} (needs one of {gpt_families}: Megatron {GPT})"),
-        (cfg.norm_position == "pre" and cfg.use_final_norm, "post-norm or no final norm (needs pre-norm + final)"),
+        (cfg.norm_position == "pre" and cfg.use_final_norm,
+         "post-norm, post-sublayer or sandwich norms or no final norm (needs pre-norm + final)"),
         (cfg.position in ("learned", "rope"), f"position={cfg.position!r} (needs 'learned' or 'rope')"),
         (cfg.activation in ("gelu", "gelu_tanh", "relu", "swiglu"), f"activation={cfg.activation!r}"),
         (cfg.attention_scale is None, "a custom attention_scale (Megatron uses 1/sqrt(head_dim))"),
@@ -73,6 +74,8 @@ def megatron_incompatibilities(cfg: ModelConfig) -> list[str]:
         (cfg.attention_head_dim == cfg.d_model // cfg.n_heads, f"head_dim={cfg.head_dim} (not d_model / n_heads)"),
         (cfg.use_qkv_bias == cfg.bias, "qkv_bias different from bias"),
         (cfg.rope_scaling == "none", f"rope_scaling={cfg.rope_scaling!r}"),
+        (cfg.norm_weight_offset == 0, f"norm_weight_offset={cfg.norm_weight_offset} (RMSNorm by offset + weight)"),
+        (cfg.attention_softcap is None and cfg.logit_softcap is None, "attention_softcap / logit_softcap"),
     ]
     return [problem for ok, problem in checks if not ok]
 

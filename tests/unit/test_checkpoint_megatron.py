@@ -93,7 +93,10 @@ def test_mismatches_are_explained(tmp_path):
         main(["convert", "export-megatron", str(tmp_path / "bert"), str(tmp_path / "out")])
     unmapped = [({"n_experts": 4}, "mixture-of-experts"), ({"qk_norm": True}, "qk_norm"),
                 ({"head_dim": 12}, "head_dim"), ({"qkv_bias": True}, "qkv_bias"),
-                ({"rope_scaling": "llama3"}, "rope_scaling='llama3'")]
+                ({"rope_scaling": "llama3"}, "rope_scaling='llama3'"),
+                ({"norm_weight_offset": 1.0}, "norm_weight_offset=1.0"),
+                ({"logit_softcap": 30.0}, "logit_softcap"), ({"attention_softcap": 50.0}, "attention_softcap"),
+                ({"norm_position": "sandwich"}, "post-norm"), ({"activation": "geglu"}, "activation='geglu'")]
     for option, named in unmapped:  # options with no Megatron-Core name mapping: refused by name, not dropped
         problems = megatron_incompatibilities(replace(CASES["llama"], **option))
         assert len(problems) == 1 and named in problems[0], problems
