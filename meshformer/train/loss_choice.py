@@ -37,7 +37,7 @@ def resolve_loss(cfg: Config, dims: ParallelDims, device_type: str, custom: Loss
     kind = loss_kind(cfg, dims, device_type)
     if kind != "plain" and cfg.model.logit_softcap is not None:
         raise ConfigError(f"train.loss={kind!r} computes the logits inside the loss, without "
-                          f"model.logit_softcap={cfg.model.logit_softcap}; use train.loss='plain' (or 'auto')")
+                          f"model.logit_softcap={cfg.model.logit_softcap}", "use train.loss='plain' (or 'auto')")
     if kind == "liger" and dims.pp_enabled and cfg.parallel.pp_schedule in ZERO_BUBBLE:
         raise ConfigError(f"train.loss='liger' cannot run under parallel.pp_schedule={cfg.parallel.pp_schedule!r}: "
                           "its backward scales its stored gradients in place and the deferred weight pass runs it "

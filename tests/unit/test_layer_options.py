@@ -129,18 +129,18 @@ def config_with(**model: Any):
 
 
 @pytest.mark.parametrize("model,match", [
-    (dict(full_attention_every=2), "model.full_attention_every=2 .* needs model.attention_window"),
+    (dict(full_attention_every=2), "model.full_attention_every=2 .* needs model.attention_window .*; set both"),
     (dict(attention_window=4, full_attention_every=0), "a value >= 1"),
     (dict(rope_local_theta=1e4), "model.rope_local_theta=10000.0 .* needs .*model.attention_window"),
     (dict(attention_softcap=0.0), "model.attention_softcap=0.0 must be positive"),
     (dict(logit_softcap=-1.0), "model.logit_softcap=-1.0 must be positive"),
     (dict(norm="layernorm", norm_weight_offset=1.0), "set model.norm='rmsnorm'"),
-    (dict(qk_norm_scope="projection"), "needs model.qk_norm=true"),
+    (dict(qk_norm_scope="projection"), "has no QK-norm to place; set model.qk_norm=true"),
 ])
 def test_bad_options_get_one_line(model, match):
     with pytest.raises(ConfigError, match=match) as caught:
         config_with(**model)
-    assert "\n" not in str(caught.value)
+    assert "\n" not in caught.value.one_line()
 
 
 def test_logit_softcap_trains_with_the_plain_loss_only():
@@ -161,5 +161,5 @@ def test_whole_projection_qk_norm_refuses_tensor_parallel():
 
     cfg = config_with(**OLMO2)
     cfg.parallel.tp = 2
-    with pytest.raises(ConfigError, match="qk_norm_scope='projection'.*use parallel.tp=1"):
+    with pytest.raises(ConfigError, match="qk_norm_scope='projection'.*; use parallel.tp=1"):
         validate_parallel(cfg, 2, "cpu")
