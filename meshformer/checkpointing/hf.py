@@ -1,5 +1,5 @@
 """Weights and configs between meshformer's `Transformer` and Hugging Face GPT-2, BERT, Llama, T5, Mistral, Qwen2,
-Qwen3, Mixtral, Qwen3-MoE, OLMo 2 and Gemma 3 (text; the last two's configs in hf_gemma_olmo.py).
+Qwen3, Mixtral, Qwen3-MoE, OLMo 2, Gemma 2 and Gemma 3 (text; the last three's configs in hf_gemma_olmo.py).
 
     hf_model = to_hf_model(model)            # GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / T5...
     model = from_hf_model(hf_model)          # and back; logits agree (tests/unit/test_model_references.py)
@@ -66,13 +66,13 @@ from meshformer.model.families import get_family_spec
 if TYPE_CHECKING:
     from meshformer.model import Transformer
 
-Arch = Literal["gpt2", "bert", "llama", "t5", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2",
+Arch = Literal["gpt2", "bert", "llama", "t5", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2", "gemma2",
                "gemma3_text"]
 V = TypeVar("V")  # what a state dict maps names to (tensors, or the names themselves)
 ARCHS: tuple[Arch, ...] = ("gpt2", "bert", "llama", "t5", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2",
-                           "gemma3_text")
+                           "gemma2", "gemma3_text")
 # Llama's blocks and names, with what differs mapped below
-_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2", "gemma3_text")
+_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2", "gemma2", "gemma3_text")
 
 _HF_ACTIVATIONS: dict[str, Activation] = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                                           "relu": "relu"}
@@ -106,9 +106,9 @@ _SIZE_KEYS: dict[str, tuple[str, ...]] = {
                   "moe_intermediate_size", "decoder_sparse_step"),
     "olmo2": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "max_position_embeddings"),
-    "gemma3_text": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "max_position_embeddings", "head_dim", "sliding_window",
-                    "query_pre_attn_scalar"),
+    **dict.fromkeys(("gemma2", "gemma3_text"), (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "max_position_embeddings", "head_dim", "sliding_window", "query_pre_attn_scalar")),
     "t5": ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
            "relative_attention_num_buckets", "relative_attention_max_distance"),
 }
@@ -284,8 +284,8 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
         )
     if arch == "olmo2":
         return hf_gemma_olmo.olmo2_from_hf(c)
-    if arch == "gemma3_text":
-        return hf_gemma_olmo.gemma3_from_hf(c)
+    if arch in ("gemma2", "gemma3_text"):
+        return hf_gemma_olmo.gemma_from_hf(c, arch)
     if arch in _LLAMA_LIKE:
         return _llama_like_from_hf(c, arch)
     if arch == "t5":
@@ -345,8 +345,8 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
                                            sliding_window=cfg.attention_window, max_window_layers=0)
         if arch == "olmo2":
             return hf_gemma_olmo.olmo2_to_hf(cfg, shared)
-        if arch == "gemma3_text":
-            return hf_gemma_olmo.gemma3_to_hf(cfg, shared)
+        if arch in ("gemma2", "gemma3_text"):
+            return hf_gemma_olmo.gemma_to_hf(cfg, shared, arch)
         if arch == "mistral":
             return transformers.MistralConfig(**shared, intermediate_size=cfg.d_ff, sliding_window=cfg.attention_window)
         if arch == "qwen2":
@@ -406,6 +406,7 @@ def _features(cfg: ModelConfig) -> dict[str, Any]:
         "full_attention_every": cfg.full_attention_every if cfg.attention_window is not None else None,
         "rope_local_theta": cfg.rope_local_theta if cfg.attention_window is not None else None,
         "attention_softcap": cfg.attention_softcap, "logit_softcap": cfg.logit_softcap,
+        "query_pre_attn_scalar": "integer" if hf_gemma_olmo.query_pre_attn_scalar(cfg) else "none",
     }
 
 
@@ -420,6 +421,10 @@ _COMMON = {"scale_embeddings": False, "attention_window": None, "attention_scale
 ANY = "any value"  # a requirement that every value meets
 _LLAMA = {**_COMMON, "family": "decoder", "position": "rope", "norm": "rmsnorm", "activation": "swiglu",
           "grouped_query": {False, True}, "head_dim": ANY, "rope_scaling": ANY}
+# attention_scale = query_pre_attn_scalar^-0.5 (an integer)
+_GEMMA2 = {**_LLAMA, "bias": False, "activation": "geglu", "norm_position": "sandwich", "norm_weight_offset": 1.0,
+           "scale_embeddings": True, "attention_scale": ANY, "query_pre_attn_scalar": "integer",
+           "attention_window": ANY, "full_attention_every": ANY, "attention_softcap": ANY, "logit_softcap": ANY}
 _REQUIREMENTS: dict[str, dict[str, Any]] = {  # a set: any of these values
     "gpt2": {**_COMMON, "family": "decoder", "position": "learned", "bias": True,
              "activation": {"gelu_tanh", "gelu", "relu"}, "attention_scale": {"1/sqrt(head_dim)", 1.0}},
@@ -435,10 +440,8 @@ _REQUIREMENTS: dict[str, dict[str, Any]] = {  # a set: any of these values
                   "router_renormalize": {True, False}, "moe_blocks": {"every block", "some"}},
     "olmo2": {**_LLAMA, "bias": False, "norm_position": "post_sublayer", "qk_norm": True,
               "qk_norm_scope": "projection", "head_dim": "d_model/n_heads"},
-    "gemma3_text": {**_LLAMA, "bias": False, "activation": "geglu", "norm_position": "sandwich",
-                    "norm_weight_offset": 1.0, "qk_norm": True, "scale_embeddings": True, "attention_scale": ANY,
-                    "attention_window": ANY, "full_attention_every": ANY, "rope_local_theta": ANY,
-                    "logit_softcap": ANY},
+    "gemma2": _GEMMA2,
+    "gemma3_text": {**_GEMMA2, "qk_norm": True, "attention_softcap": None, "rope_local_theta": ANY},
     "t5": {**_COMMON, "family": "encoder_decoder", "position": "t5_relative", "norm": "rmsnorm", "bias": False,
            "tie_embeddings": True, "share_embeddings": True, "attention_scale": 1.0, "scale_output": {False, True},
            "activation": {"relu", "swiglu"}},
@@ -545,7 +548,7 @@ _MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForMaskedLM", "llama":
                   "t5": "T5ForConditionalGeneration", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                  "gemma3_text": "Gemma3ForCausalLM"}
+                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def to_hf_model(model: Transformer, arch: Arch | None = None) -> Any:

@@ -1,5 +1,5 @@
 """meshformer models against torch.nn.Transformer and Hugging Face GPT-2 / BERT / Llama (3.x rotary scaling) / T5 /
-Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / OLMo 2 / Gemma 3 given the same weights.
+Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / OLMo 2 / Gemma 2 / Gemma 3 given the same weights.
 
 HF models are built from small configs with random init (no download). Every parameter, norms and biases
 included, is perturbed first so that swapping any two tensors of the same shape would be caught.
@@ -157,6 +157,18 @@ def _hf_olmo2(**extra):
         "pad_token_id": None, "eos_token_id": None, **extra}))
 
 
+def _hf_gemma2(**extra):
+    # every 2nd block global (Gemma 2's default layer_types), attention- and final-logit soft-capping with caps
+    # below the scores' and logits' ranges (so they bend them), yarn rope scaling for every block
+    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**{
+        "vocab_size": 97, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 32,
+        "sliding_window": 4, "query_pre_attn_scalar": 8, "attn_logit_softcapping": 0.5,
+        "final_logit_softcapping": 2.0, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                            "original_max_position_embeddings": 8},
+        "pad_token_id": None, "eos_token_id": None, "bos_token_id": None, **extra}))
+
+
 def _hf_gemma3(**extra):
     # 4 blocks, every 2nd global: windowed blocks (window 4 < 12 tokens) rotate with base 10k unscaled, global ones
     # with 1M and linear scaling; head_dim 16 != 32 / 4, a query_pre_attn_scalar other than head_dim, final-logit
@@ -187,9 +199,9 @@ def _random_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _SINGLE_STACK = [_hf_gpt2, _hf_bert, _hf_llama, _hf_llama3, _hf_mistral, _hf_qwen2, _hf_qwen3, _hf_mixtral,
-                 _hf_qwen3_moe, _hf_olmo2, _hf_gemma3]
+                 _hf_qwen3_moe, _hf_olmo2, _hf_gemma2, _hf_gemma3]
 _SINGLE_IDS = ["gpt2", "bert", "llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2",
-               "gemma3"]
+               "gemma2", "gemma3"]
 
 
 @pytest.mark.parametrize("make", _SINGLE_STACK, ids=_SINGLE_IDS)
@@ -347,8 +359,9 @@ _GEMMA3 = {"n_layers": 4, "head_dim": 16, "activation": "geglu", "norm_position"
     ("qwen3_moe", _moe_config(qk_norm=True, head_dim=16, n_layers=4, moe_every=2, moe_first_dense=2, moe_d_ff=16,
                               router_renormalize=False)),
     ("olmo2", _llama_config(norm_position="post_sublayer", qk_norm=True, qk_norm_scope="projection", **_LLAMA3_ROPE)),
+    ("gemma2", _llama_config(**{**_GEMMA3, "qk_norm": False, "rope_local_theta": None, "attention_softcap": 1.0})),
     ("gemma3_text", _llama_config(**_GEMMA3)),
-], ids=["llama3", "llama-linear", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2", "gemma3"])
+], ids=["llama3", "llama-linear", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2", "gemma2", "gemma3"])
 def test_export_logits_and_round_trip(arch, cfg):
     """Ours -> HF computes our logits (padded batch, sequences longer than the window) and comes back bitwise."""
     torch.manual_seed(0)
@@ -444,8 +457,9 @@ def test_olmo2_gemma3_refuse_what_they_cannot_express(make, extra, named):
 @pytest.mark.parametrize(("cfg", "named"), [
     (_llama_config(**{**_GEMMA3, "attention_softcap": 20.0}), "attention_softcap=20.0"),  # Gemma 3 would ignore it
     (_llama_config(**{**_GEMMA3, "norm_weight_offset": 0.0}), "norm_weight_offset=0.0"),
+    (_llama_config(**{**_GEMMA3, "attention_scale": 0.3}), "query_pre_attn_scalar='none'"),
     (_llama_config(norm_position="post_sublayer", qk_norm=True), "qk_norm_scope='head'"),
-], ids=["gemma3-attention-softcap", "gemma3-offset", "olmo2-per-head-qk-norm"])
+], ids=["gemma3-attention-softcap", "gemma3-offset", "gemma3-scale", "olmo2-per-head-qk-norm"])
 def test_export_refuses_what_gemma3_and_olmo2_lack(cfg, named):
     arch = "gemma3_text" if cfg.norm_position == "sandwich" else "olmo2"
     with pytest.raises(ValueError, match=re.escape(named)):

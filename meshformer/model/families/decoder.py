@@ -1,7 +1,7 @@
 """Decoder-only (GPT, Llama): one causal stack; next-token prediction.
 
 Name maps: Hugging Face GPT-2 (Conv1D weights stored (in, out), q/k/v packed in `c_attn`), Llama, Mistral,
-Qwen2, Qwen3, OLMo 2 and Gemma 3 (names only), Mixtral and Qwen3-MoE (one (out, in) linear per expert, as their
+Qwen2, Qwen3, OLMo 2, Gemma 2 and 3 (names only), Mixtral and Qwen3-MoE (one (out, in) linear per expert, as their
 checkpoints store them); Megatron-Core GPTModel (checkpointing/megatron.py).
 """
 
@@ -49,7 +49,7 @@ _HF_BLOCK_NORMS = {
 
 def llama_rules(cfg: ModelConfig, arch: str = "llama") -> list[Rule]:
     """Llama and the architectures that share its names: Mistral, Qwen2 (Q/K/V biases), Qwen3 (QK-norm), Mixtral
-    and Qwen3-MoE (expert blocks), OLMo 2 and Gemma 3 (their block norms)."""
+    and Qwen3-MoE (expert blocks), OLMo 2 and Gemma 2 / 3 (their block norms)."""
     linear = ("weight", "bias") if cfg.bias else ("weight",)
     qkv_linear = ("weight", "bias") if cfg.use_qkv_bias else ("weight",)
     rules = [Rule(("tok_embeddings.weight",), "model.embed_tokens.weight"), *norm("decoder_norm", "model.norm", cfg),
@@ -80,7 +80,7 @@ SPEC = transformer_family(
     training_flops=decoder_flops,
     name_maps={"gpt2": gpt2_rules, **{arch: partial(llama_rules, arch=arch)
                                       for arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe",
-                                                   "olmo2", "gemma3_text")}},
+                                                   "olmo2", "gemma2", "gemma3_text")}},
     megatron=MegatronNames(
         model="GPTModel", layers="decoder_layers", embedding="tok_embeddings.weight",
         positions="pos_embeddings.weight", final_norm="decoder_norm", output="output.weight",
