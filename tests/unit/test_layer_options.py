@@ -163,3 +163,15 @@ def test_whole_projection_qk_norm_refuses_tensor_parallel():
     cfg.parallel.tp = 2
     with pytest.raises(ConfigError, match="qk_norm_scope='projection'.*; use parallel.tp=1"):
         validate_parallel(cfg, 2, "cpu")
+
+
+def test_planner_counts_the_sandwich_norms_and_the_capped_scores():
+    from meshformer.planner.activations import FP32, ActivationShape, block_saved
+
+    x = ActivationShape(batch=2, seq=16, tp=1, bytes=4, residual_bytes=4)
+    pre = block_saved(small(), x)
+    norm = 2 * 16 * (2 * 32 + 1) * FP32  # one RMSNorm's saved input and statistics
+    assert block_saved(small(norm_position="sandwich"), x) == pre + 2 * norm
+    math = block_saved(small(attention_backend="math"), x)
+    scores = 2 * 4 * 16 * 16  # batch x heads x queries x keys
+    assert block_saved(small(attention_softcap=50.0), x) == math + scores * 4  # the tanh of the capped scores
