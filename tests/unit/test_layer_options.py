@@ -1,7 +1,8 @@
 """Block options of Gemma and OLMo 2, as data in the model config: per-layer attention pattern (sliding window on some
 blocks, global on others, each kind with its own RoPE base), post-sublayer and sandwich norms, RMSNorm by
 (offset + weight), GeGLU, attention- and final-logit soft-capping, QK-norm over the whole projection. Transformers
-parity for them is in test_model_references.py (OLMo 2, Gemma 3); here: the formulas, the KV cache, init, checks."""
+parity for them is in test_model_references.py (OLMo 2, Gemma 2 / 3), the KV cache in test_attention_options.py;
+here: the formulas, init, checks, counts."""
 
 from __future__ import annotations
 
@@ -70,28 +71,6 @@ def test_window_pattern_gives_global_blocks_every_key_and_their_own_rope():
         h = one.embed(torch.randint(0, 40, (1, 8))).detach().requires_grad_()
         one.decode(torch.zeros(1, 8, dtype=torch.long), h=h)[0, -1].sum().backward()
         assert (h.grad[0, 0].abs().sum() > 0) == reaches
-
-
-@pytest.mark.parametrize("family", ["decoder", "encoder_decoder"])
-@pytest.mark.parametrize("extra", [GEMMA, OLMO2], ids=["gemma", "olmo2"])
-def test_kv_cache_decoding_equals_full_forward(family, extra):
-    """Cached decoding builds each block's own mask (window or none) and RoPE tables at every offset."""
-    torch.manual_seed(0)
-    model = Transformer(small(family=family, **extra)).to(F64).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-        ids = torch.randint(0, 40, (2, 9))
-        memory = memory_padding = None
-        if model.spec.seq2seq:
-            memory, memory_padding = model.encode(torch.randint(0, 40, (2, 6)), torch.ones(2, 6, dtype=torch.bool))
-        full = model.head(model.decode(ids, memory=memory, memory_padding=memory_padding))
-        cache = model.new_cache()
-        pieces = [model.head(model.decode(ids[:, :4], memory=memory, memory_padding=memory_padding, cache=cache))]
-        for t in range(4, 9):
-            pieces.append(model.head(model.decode(ids[:, t:t + 1], memory=memory, memory_padding=memory_padding,
-                                                  cache=cache)))
-    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-9, atol=1e-10)
 
 
 def test_norms_sit_where_norm_position_says():
