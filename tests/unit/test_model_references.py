@@ -464,3 +464,23 @@ def test_export_refuses_what_gemma3_and_olmo2_lack(cfg, named):
     arch = "gemma3_text" if cfg.norm_position == "sandwich" else "olmo2"
     with pytest.raises(ValueError, match=re.escape(named)):
         check_compatible(cfg, arch)
+
+
+def test_gemma3_1b_published_config_maps_both_ways():
+    """Gemma 3 1B's published config.json values (no download): 5 windowed blocks to 1 global, two RoPE bases; the
+    model built from it on the meta device has our parameter count, and the config comes back."""
+    from meshformer.checkpointing.hf import config_to_hf
+    from meshformer.model.flops import count_params
+
+    published = transformers.Gemma3TextConfig(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6, sliding_window=512,
+        sliding_window_pattern=6, query_pre_attn_scalar=256, rope_theta=1e6, rope_local_base_freq=10000.0)
+    cfg = config_from_hf(published)
+    assert (cfg.attention_window, cfg.full_attention_every, cfg.rope_theta, cfg.rope_local_theta) == (512, 6, 1e6, 1e4)
+    assert [cfg.window(i) for i in range(6)] == [512] * 5 + [None] and cfg.attention_scale is None
+    with torch.device("meta"):
+        hf = transformers.Gemma3ForCausalLM(published)
+    assert count_params(cfg)["total"] == sum(p.numel() for p in hf.parameters())  # 999,885,952
+    back = config_to_hf(cfg)
+    assert back.layer_types == published.layer_types and back.rope_parameters == published.rope_parameters
