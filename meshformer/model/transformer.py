@@ -255,15 +255,20 @@ class Transformer(nn.Module):
             return chunk.positions(q_len, device), q_len * chunk.count
         return torch.arange(offset, offset + q_len, device=device), offset + q_len
 
-    def _relative(self, positions: torch.Tensor, k_len: int, *, causal: bool) -> dict:
+    def _relative(self, positions: torch.Tensor, k_len: int, *, causal: bool,
+                  position_ids: torch.Tensor | None = None) -> dict:
         """RoPE angles / ALiBi or T5 biases for self-attention from the queries' positions (keys at 0..k_len-1),
-        computed once per stack (causal: the decoder's)."""
+        computed once per stack (causal: the decoder's); RoPE from each row's `position_ids` (B, T) when given."""
         device = positions.device
-        extra = {}
+        extra: dict = {}
+
+        def tables(rope: RotaryEmbedding) -> tuple[torch.Tensor, ...]:
+            return rope(positions) if position_ids is None else tuple(t[:, None] for t in rope(position_ids))
+
         if self.rope is not None:
-            extra["rope"] = self.rope(positions)
+            extra["rope"] = tables(self.rope)  # (T, D), or (B, 1, T, D) from each row's position_ids
         if self.local_rope is not None:
-            extra["local_rope"] = self.local_rope(positions)
+            extra["local_rope"] = tables(self.local_rope)
         if self.alibi_slopes is not None:
             extra["bias"] = alibi_bias(self.alibi_slopes, positions, torch.arange(k_len, device=device))
         t5_bias = self.decoder_relative_bias if causal else self.encoder_relative_bias
@@ -318,16 +323,20 @@ class Transformer(nn.Module):
         cache: list[BlockCache] | None = None,
         h: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal stack over target ids (B, T); with a cache, ids are only the new tokens.
 
         h: hidden states from an earlier pipeline stage instead of embedding `ids` here.
         documents: each key position's document id (B, T), for attention within documents only.
+        position_ids: each token's position in its row (B, T) for absolute positions and RoPE, e.g. counted from a
+            row's first real token under left padding; relative schemes and masks need none (padding shifts a
+            row's tokens alike). Default: their place in the sequence.
         """
         q_len = ids.shape[1]  # not h's: a received h may be a sequence-parallel shard
         offset = cache[0].self_attn.length if cache else 0
         positions, k_len = self._positions(q_len, offset, ids.device)
-        h = self._hidden(ids, h, positions=positions)
+        h = self._hidden(ids, h, positions=positions if position_ids is None else position_ids)
         for name, keys in (("padding mask", padding), ("doc_ids", documents)):
             if keys is not None and keys.shape[1] != k_len:
                 raise ValueError(f"decoder {name} covers {keys.shape[1]} positions, expected {k_len} (cached + new "
@@ -348,7 +357,7 @@ class Transformer(nn.Module):
         if memory is not None:
             memory_mask = build_mask(q_len, memory.shape[1], causal=False, key_padding=memory_padding,
                                      device=h.device)
-        extra = self._relative(positions, k_len, causal=True)
+        extra = self._relative(positions, k_len, causal=True, position_ids=position_ids)
         for i, (key, layer) in enumerate(self.decoder_layers.items()):
             mask, kwargs = self._block_inputs(int(key), masks, extra)
             h = layer(h, mask, memory=memory, memory_mask=memory_mask, cache=cache[i] if cache else None,
