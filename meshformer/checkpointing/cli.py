@@ -201,7 +201,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     command("to-checkpoint", _to_checkpoint, "weights folder -> weights-only sharded checkpoint (training starts "
             "from it at step 0)")
     command("export-hf", _export_hf, "-> Hugging Face folder (GPT-2, BERT, Llama, T5, Mistral, Qwen2/3, Mixtral, "
-            "Qwen3-MoE)").add_argument("--arch", choices=ARCHS, help="default: the one matching the model config")
+            "Qwen3-MoE, OLMo 2, Gemma 2/3)").add_argument("--arch", choices=ARCHS,
+                                                          help="default: the one matching the model config")
     command("import-hf", _import_hf, "Hugging Face folder -> weights folder").add_argument(
         "--checkpoint", action="store_true", help="write a weights-only checkpoint instead of a weights folder")
     megatron_out = command("export-megatron", _export_megatron, "-> Megatron-Core torch_dist GPT checkpoint")

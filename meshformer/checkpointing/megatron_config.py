@@ -53,7 +53,8 @@ def megatron_incompatibilities(cfg: ModelConfig) -> list[str]:
     gpt_families = sorted(name for name, spec in FAMILIES.items() if spec.megatron and spec.megatron.model == GPT)
     checks = [
         (cfg.family in gpt_families, f"family={cfg.family!r} (needs one of {gpt_families}: Megatron {GPT})"),
-        (cfg.norm_position == "pre" and cfg.use_final_norm, "post-norm or no final norm (needs pre-norm + final)"),
+        (cfg.norm_position == "pre" and cfg.use_final_norm,
+         "post-norm, post-sublayer or sandwich norms or no final norm (needs pre-norm + final)"),
         (cfg.position in ("learned", "rope"), f"position={cfg.position!r} (needs 'learned' or 'rope')"),
         (cfg.activation in ACTIVATION_FUNC, f"activation={cfg.activation!r}"),
         (cfg.attention_scale is None, "a custom attention_scale (Megatron uses 1/sqrt(head_dim))"),
@@ -65,6 +66,9 @@ def megatron_incompatibilities(cfg: ModelConfig) -> list[str]:
         # Megatron's q/k layernorm is the model's norm type; ours is RMSNorm
         (not cfg.qk_norm or cfg.norm == "rmsnorm", "qk_norm with LayerNorm blocks (Megatron would use LayerNorm)"),
         (cfg.rope_scaling == "none", f"rope_scaling={cfg.rope_scaling!r} (no Megatron-Core mapping here)"),
+        (cfg.qk_norm_scope == "head" or not cfg.qk_norm, "qk_norm_scope='projection' (Megatron normalises per head)"),
+        (cfg.norm_weight_offset == 0, f"norm_weight_offset={cfg.norm_weight_offset} (RMSNorm by offset + weight)"),
+        (cfg.attention_softcap is None and cfg.logit_softcap is None, "attention_softcap / logit_softcap"),
     ]
     return [problem for ok, problem in checks if not ok] + (_router_incompatibilities(cfg) if cfg.n_experts else [])
 

@@ -26,6 +26,12 @@ ARCHS: dict[str, dict[str, Any]] = {
                     sliding_window=None),
     # head_dim != hidden_size / heads, QK-norm, tied embeddings
     "qwen3": dict(config="Qwen3Config", model="Qwen3ForCausalLM", tie_word_embeddings=True, head_dim=16),
+    # post-sublayer norms, QK-norm over the whole projections
+    "olmo2": dict(config="Olmo2Config", model="Olmo2ForCausalLM", tie_word_embeddings=False),
+    # a windowed block (window 4, RoPE base 10k) then a global one (base 1M), sandwich norms, final-logit soft-capping
+    "gemma3": dict(config="Gemma3TextConfig", model="Gemma3ForCausalLM", tie_word_embeddings=True, head_dim=16,
+                   sliding_window=4, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
+                   final_logit_softcapping=30.0),
 }
 
 

@@ -59,6 +59,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "decoder_qwen": dict(family="decoder", n_layers=2, norm="rmsnorm", activation="swiglu", position="rope",
                          n_kv_heads=2, bias=False, head_dim=12, qk_norm=True, qkv_bias=True, rope_scaling="llama3",
                          rope_scaling_factor=4.0, rope_original_max_seq_len=16),
+    # Gemma-like: sandwich (1 + weight) RMSNorms, GeGLU, scaled embeddings, per-head QK-norm, every 2nd block global
+    # (RoPE base 1M, linear scaling) and the others windowed (base 10k), attention and final-logit soft-capping
+    "decoder_gemma": dict(family="decoder", n_layers=4, norm="rmsnorm", activation="geglu", position="rope",
+                          n_kv_heads=2, bias=False, norm_position="sandwich", norm_weight_offset=1.0, qk_norm=True,
+                          scale_embeddings=True, attention_window=5, full_attention_every=2, rope_theta=1e6,
+                          rope_scaling="linear", rope_scaling_factor=2.0, rope_local_theta=1e4, attention_softcap=20.0,
+                          logit_softcap=30.0),
+    # OLMo-2-like: each sub-layer's output normalised before the residual add, QK-norm over the whole projections
+    "decoder_olmo2": dict(family="decoder", n_layers=2, norm="rmsnorm", activation="swiglu", position="rope",
+                          n_kv_heads=2, bias=False, norm_position="post_sublayer", qk_norm=True,
+                          qk_norm_scope="projection"),
     # GPT-2-like with ALiBi (per-head slopes must follow tensor-parallel head sharding) and biases
     "decoder_alibi": dict(family="decoder", n_layers=4, position="alibi", activation="gelu", bias=True,
                           tie_embeddings=False, output_bias=True),

@@ -17,6 +17,9 @@ WORLD2 = [
     # tensor + sequence parallel, vocab-parallel loss; ALiBi slopes follow the head sharding
     "decoder/tp", "decoder_alibi/tp", "encoder/tp", "encdec/tp",
     "decoder_qwen/tp",  # head_dim, QK-norm, Q/K/V-only biases, llama3 RoPE scaling under head sharding
+    # Gemma's block options (sandwich norms, window pattern with two RoPE bases, soft-capping) under every axis;
+    # OLMo 2's whole-projection QK-norm and post-sublayer norms with each sequence split
+    "decoder_gemma/tp", "decoder_gemma/fsdp", "decoder_gemma/cp", "decoder_gemma/pp-sched=1f1b", "decoder_olmo2/cp",
     # pipeline: every schedule (2 stages per rank for the interleaved / V ones)
     "decoder/pp-sched=gpipe", "decoder/pp-sched=1f1b", "decoder/pp-sched=interleaved_1f1b-spr=2",
     "decoder/pp-sched=interleaved_zb-spr=2", "decoder/pp-sched=zbv",

@@ -147,6 +147,13 @@ def test_mismatches_are_explained(tmp_path):
     moe = MOE_CASES["qwen3_moe"]
     unmapped = [  # what Megatron-Core's GPTModel cannot express: refused by name, never dropped
         (replace(CASES["llama"], rope_scaling="llama3"), "rope_scaling='llama3'"),
+        # Gemma's and OLMo 2's block options
+        (replace(CASES["llama"], norm_weight_offset=1.0), "norm_weight_offset=1.0"),
+        (replace(CASES["llama"], logit_softcap=30.0), "logit_softcap"),
+        (replace(CASES["llama"], attention_softcap=50.0), "attention_softcap"),
+        (replace(CASES["llama"], norm_position="sandwich"), "sandwich"),
+        (replace(CASES["llama"], activation="geglu"), "activation='geglu'"),
+        (replace(CASES["llama"], qk_norm=True, qk_norm_scope="projection"), "qk_norm_scope='projection'"),
         (replace(CASES["gpt2"], qk_norm=True), "qk_norm with LayerNorm"),
         (replace(CASES["gpt2"], qkv_bias=False), "linear biases without Q/K/V biases"),
         (replace(moe, bias=True), "mixture-of-experts with model.bias"),
