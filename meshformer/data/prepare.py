@@ -295,7 +295,7 @@ def _hold_out_tail(folder: Path, train: list[ShardInfo], plan: dict) -> tuple[li
     tail: list[dict] = []
     while train and len(tail) < n_held:  # the trailing shards that hold the records to move
         info = train.pop()
-        got = read_shard(str(folder / info.name), info, plan["dtype"], None)
+        got = read_shard(str(folder / info.name), info, plan["dtype"], None, kind=plan["kind"])
         tail = [got[i] for i in range(info.samples)] + tail
         (folder / info.name).unlink()
         (folder / index_name(info.name)).unlink()
