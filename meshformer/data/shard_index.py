@@ -64,7 +64,7 @@ def _tar_members(fileobj: IO[bytes], ext: str) -> Iterator[tuple[str, str, bytes
             data = tar.extractfile(member)
             assert data is not None  # a regular file always has data
             yield match[1], match[2], data.read()
-            tar.members = []  # a stream of any length: keep no TarInfo list
+            tar.members = []  # type: ignore[attr-defined]  # a stream of any length: keep no TarInfo list
 
 
 def shard_records(fileobj: IO[bytes], np_dtype: np.dtype, kind: str | None, first: int = 0
