@@ -431,7 +431,8 @@ CASES = [
     # generate / attention-map
     ("generate-no-weights", ["generate", "{tmp}/nothing", "--prompt", "x"], ["holds no model.safetensors", "final/"]),
     # (#24) data prepare: numbers, parts
-    *[(f"prepare-{option[2:]}-{value}", ["data", "prepare", "{corpus}", "--out", "{tmp}/p8", option, value], words)
+    *[(f"prepare-{option[2:]}-{value}", ["data", "prepare", "{corpus}", "--out", f"{{tmp}}/p-{option[2:]}-{value}",
+                                          option, value], words)
       for option, value, words in [
           ("--bucket-mb", "0", ["--bucket-mb 0 is not a positive size", "--bucket-mb 128"]),
           ("--bucket-mb", "nan", ["--bucket-mb nan is not a positive size", "MB"]),
@@ -553,11 +554,11 @@ def test_a_shard_corrupted_on_disk_fails_in_one_line_from_a_loader_worker(world,
     assert {key: _digest(world[key]) for key in protected} == protected
 
 
-@pytest.mark.parametrize("case, member, words", [
+@pytest.mark.parametrize("case, member, words", [pytest.param(*case, id=case[0]) for case in [
     ("dotdot", "../000000000.tokens.u16", "member '../000000000.tokens.u16' names a path outside the shard"),
     ("absolute", "/000000000.tokens.u16", "member '/000000000.tokens.u16' names a path outside the shard"),
     ("symlink", tar_member("000000000.tokens.u16", tarfile.SYMTYPE, "/etc/passwd"),
-     "member '000000000.tokens.u16' is a symbolic link, not a regular file")])
+     "member '000000000.tokens.u16' is a symbolic link, not a regular file")]])
 def test_a_crafted_tar_member_fails_in_one_line(world, protected, capsys, one_thread, case, member, words):
     """(#24) A shard whose member is a link or names a path (index, sha256 and counts forged to match): one line
     naming the shard and the member at step 1, from a loader worker, not a raw `KeyError: 'tokens'`."""
