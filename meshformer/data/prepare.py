@@ -299,13 +299,13 @@ def _merge(plan: dict, work: Path, out: Path, tok: Tokenizer, files: list[Path])
             done = json.loads(path.read_text())
             documents[split] += done["documents"]
             for info in map(lambda s: ShardInfo(**s), done["shards"]):
-                name = f"{split}-{len(splits[split]):06d}"
+                name = f"{split}-{len(splits[split]):06d}.tar"
                 src = work / "reduce" / f"{split}-{b:05d}" / info.name
-                for file, staged in ((src, f"{name}.tar"), (src.with_name(index_name(src.name)), index_name(name))):
+                for file, staged in ((src, name), (src.with_name(index_name(src.name)), index_name(name))):
                     if not file.is_file():
                         raise UsageError(f"{task} lost its file {file.name}", rerun)
                     _link(file, tmp / staged)
-                info.name = f"{name}.tar"
+                info.name = name
                 splits[split].append(info)
     if not documents["train"] + documents["eval"]:
         raise CorpusError(f"no documents found in {[f.name for f in files][:3]}", "check the inputs and --text-field")

@@ -146,7 +146,9 @@ def read_manifest(spec: str, allow_remote_shards: bool = False) -> Manifest:
         splits = {name: [ShardInfo(**s) for s in split["shards"]] for name, split in tree["splits"].items()}
         manifest = Manifest(tree["kind"], tree["record_len"], tree["dtype"], tree["tokenizer"], splits,
                             tree.get("meta", {}), url, allow_remote_shards)
-        files = [info.name for shards in splits.values() for info in shards] + [tree["tokenizer"]["file"]]
+        shards = [info for infos in splits.values() for info in infos]
+        files = [info.name for info in shards] + [tree["tokenizer"]["file"]]
+        files += [index_name(info.name) for info in shards if info.index_sha256 and isinstance(info.name, str)]
     except (KeyError, TypeError) as err:
         raise ManifestError(f"{url}: manifest is missing a field ({err}); re-run `meshformer data prepare`") from None
     for name in files if not allow_remote_shards else ():

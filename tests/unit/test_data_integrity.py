@@ -309,3 +309,16 @@ def test_each_mixture_source_opts_in_on_its_own(data, clean, tmp_path):
                  'data.shards=""')
     with pytest.raises(UnsafePathError, match=f"the manifest {data / 'manifest.json'} names"):
         check_data(cfg, tokenizer())
+
+
+@pytest.mark.parametrize("name", ["train-000001.tar", "train-000001.idx"])
+def test_a_shard_or_index_linked_out_of_the_folder_is_refused(data, tmp_path, name):
+    """A link inside the dataset to a file elsewhere: the shard, or the index a ranged read would trust."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.move(data / name, elsewhere / name)
+    (data / name).symlink_to(elsewhere / name)
+    with pytest.raises(UnsafePathError, match=f"names '{name}', which resolves outside"):
+        read_manifest(str(data))
+    loader = build_loader(config(data, "data.allow_remote_shards=true"), tokenizer(), "train", 0, 1)
+    assert next(loader)["input_ids"].shape == (4, 32)  # the user's own config may vouch for it
