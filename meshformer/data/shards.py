@@ -95,14 +95,14 @@ class Manifest:
     splits: dict[str, list[ShardInfo]]
     meta: dict[str, Any] = field(default_factory=dict)  # inputs, seed, eval_fraction, document counts, ...
     url: str = ""  # where it was read from; shard names resolve against its folder
-    names_anywhere: bool = False  # the user's config allows its shard names to be paths, URLs or commands
+    allow_remote_shards: bool = False  # set by the user's config only: its shard names may be paths, URLs, commands
 
     @property
     def base(self) -> str:
         return posixpath.dirname(self.url) if "://" in self.url else str(Path(self.url).parent) if self.url else ""
 
     def shard_url(self, info: ShardInfo) -> str:
-        if self.names_anywhere and (_names_a_place(info.name) or posixpath.isabs(info.name)):
+        if self.allow_remote_shards and (_names_a_place(info.name) or posixpath.isabs(info.name)):
             return info.name
         return join_url(self.base, info.name)
 
@@ -167,7 +167,8 @@ def _inside_manifest_folder(manifest: Manifest, name: object) -> None:
     local links to follow, so there the check is on the name alone.)"""
     inside(Path(manifest.base or "."), name, what=f"the manifest {manifest.url}",
            fix="a prepared dataset names only files in its own folder; re-run `meshformer data prepare`, or, if "
-               "you wrote this manifest yourself, set data.allow_remote_shards=true for it")
+               "you wrote this manifest yourself, set data.allow_remote_shards=true (in a mixture: "
+               "allow_remote_shards = true in its [[data.sources]] table)")
 
 
 # ----------------------------------------------------------------------------- writing
