@@ -230,10 +230,10 @@ def _check_training_ranges(cfg: Config) -> None:
         raise ConfigError(f"data.eval_fraction={d.eval_fraction} must lie in [0, 1)")
     if d.sources and d.shards:
         raise ConfigError("set either data.shards (one dataset) or [[data.sources]] (a mixture), not both")
-    for i, src in enumerate(d.sources):
-        if not src.shards or not src.weight > 0:
-            raise ConfigError(f"data.sources[{i}] needs shards = <manifest> and weight > 0 (got {src.shards!r}, "
-                              f"{src.weight})")
+    for i, src in enumerate(d.sources):  # (weights are checked with the mixture: data/mixture.py)
+        if not src.shards:
+            raise ConfigError(f"data.sources[{i}] names no shards", "set shards = <prepared folder or its "
+                              "manifest.json> in every [[data.sources]] table")
 
 
 def _finite(cfg: Config) -> None:

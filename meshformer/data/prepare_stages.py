@@ -193,6 +193,8 @@ def reduce_bucket(plan: dict, work: Path, split: str, b: int, eos: int) -> dict[
     perm = np.random.default_rng([plan["seed"], SPLITS.index(split), b, _SHUFFLE_SALT]).permutation(len(docs))
     folder = work / "reduce" / f"{split}-{b:05d}"
     folder.mkdir(parents=True, exist_ok=True)
+    result_path = work / "reduce" / f"{split}-{b:05d}.json"
+    result_path.unlink(missing_ok=True)  # first: a rerun killed below must not look done to the merge
     for stale in folder.iterdir():
         stale.unlink()
     dtype = np.dtype(plan["dtype"])
@@ -206,5 +208,7 @@ def reduce_bucket(plan: dict, work: Path, split: str, b: int, eos: int) -> dict[
         records = ({"tokens": r} for r in stream[:n * plan["record_len"]].reshape(n, plan["record_len"]))
     shards = write_shards(records, dtype, plan["shard_records"], lambda k: folder / f"{k:06d}.tar")
     result = {"documents": len(docs), "shards": [vars(s) for s in shards]}
-    (work / "reduce" / f"{split}-{b:05d}.json").write_text(json.dumps(result))
+    staged = result_path.with_name(result_path.name + ".part")
+    staged.write_text(json.dumps(result))
+    staged.replace(result_path)  # whole or absent: a kill while writing leaves the task not done
     return result
