@@ -19,3 +19,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def restore_root_logging():
+    """Commands run in-process (`main([...])`) configure the root logger with the stderr of that moment, which
+    pytest closes after the test: a later test's log line would then print '--- Logging error ---'."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
