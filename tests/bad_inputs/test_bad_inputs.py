@@ -76,6 +76,9 @@ def world(tmp_path_factory):
     (tmp / "mixed" / "b.txt").write_bytes(b"\x00\x01\x02\x03" * 500)
     (tmp / "nothing").mkdir()
     (tmp / "nothing" / "image.png").write_bytes(b"\x89PNG")
+    (tmp / "unnamed").mkdir()  # (#24) text a folder holds under names that do not say so
+    (tmp / "unnamed" / "a.txt").write_text("named text\n")
+    (tmp / "unnamed" / "NEWS").write_text("unnamed text\n")
     (tmp / "tok.json").write_text("{not a tokenizer")
     _bad_format_files(tmp)  # (#23)
     # files for the checkpoint/convert cases (#25)
@@ -300,6 +303,8 @@ CASES = [
                                    "bundled:kjv-bpe-4k"], ["no column 'text'", "--text-field"]),
     ("prepare-tokens-need-their-tokenizer", ["data", "prepare", "{tmp}/big-ids.bin", "--out", "{tmp}/p15"],
      ["big-ids.bin holds token ids", "pass it with --tokenizer"]),
+    ("prepare-unnamed-text-in-folder", ["data", "prepare", "{tmp}/unnamed", "--out", "{tmp}/p16"],
+     ["1 file(s) hold text but are not named as a corpus format", "NEWS", "--include GLOB"]),
     # parallel layout and launch options
     ("launch-nproc-zero", ["train", CFG, "--nproc-per-node", "0"], ["--nproc-per-node=0", "use --nproc-per-node >= 1"]),
     ("launch-restarts", ["train", CFG, "--max-restarts", "-1"], ["--max-restarts=-1", ">= 0"]),
