@@ -7,6 +7,7 @@ subprocess runs prove the same end to end, and one torchrun job that only one ra
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import json
@@ -79,6 +80,7 @@ def world(tmp_path_factory):
     (tmp / "unnamed").mkdir()  # (#24) text a folder holds under names that do not say so
     (tmp / "unnamed" / "a.txt").write_text("named text\n")
     (tmp / "unnamed" / "NEWS").write_text("unnamed text\n")
+    (tmp / "bytes.tiktoken").write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
     (tmp / "tok.json").write_text("{not a tokenizer")
     _bad_format_files(tmp)  # (#23)
     # files for the checkpoint/convert cases (#25)
@@ -289,6 +291,10 @@ CASES = [
      ["nocol.parquet: no column 'text' (has ['content'])", "data.text_field"]),
     ("corpus-megatron-mismatch", _corpus("{tmp}/mt/bad"),
      ["bad.idx does not match bad.bin", "byte offset", "preprocess_data.py"]),
+    ("tokenizer-tiktoken-unnamed-pattern", _train("data.tokenizer={tmp}/bytes.tiktoken"),
+     ["bytes.tiktoken: its name is not one of", "tiktoken:PATTERN:"]),
+    ("tokenizer-tiktoken-vocab", _train("data.tokenizer=tiktoken:cl100k:{tmp}/bytes.tiktoken", "model.vocab_size=100"),
+     ["257 tokens", "raise model.vocab_size"]),
     ("tokenizer-folder-without-json", _train("data.tokenizer={tmp}/tokdir"),
      ["tokdir holds no tokenizer.json", "save_pretrained"]),
     ("prepare-late-truncated-zstd", ["data", "prepare", "{tmp}/late.jsonl.zst", "--out", "{tmp}/p11", "--quiet",
