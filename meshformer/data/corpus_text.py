@@ -123,7 +123,7 @@ def _decode(path: Path, decoder: io.IncrementalNewlineDecoder, raw: bytes, offse
         yield text
 
 
-def not_text(path: Path, offset: int, what: str) -> CorpusError:
+def not_text(path: Path | str, offset: int, what: str) -> CorpusError:
     return CorpusError(f"{path} is not UTF-8 text ({what} at byte offset {offset})",
                        "remove it from the corpus or convert it to UTF-8 text (binary data, Latin-1 or UTF-16 "
                        "files tokenize as garbage)")
@@ -140,7 +140,7 @@ def lines(path: Path) -> Iterator[str]:
         yield rest
 
 
-def field(path: Path, lineno: int, line: str, name: str) -> str:
+def field(path: Path | str, lineno: int, line: str, name: str) -> str:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
@@ -157,3 +157,101 @@ def field(path: Path, lineno: int, line: str, name: str) -> str:
         raise CorpusError(f"{path}:{lineno}: no string field {name!r} (has {sorted(record)}); set data.text_field "
                           "or --text-field")
     return record[name]
+
+
+# --- multi-frame zstd, split by frames ---------------------------------------------------------------------------
+# pzstd and `zstd --long`-style tools write several independent frames, so a map task can start decompressing at
+# any frame. Frame boundaries fall anywhere in a line, so a task owns the lines that *start* in its frames: it
+# skips a first line begun in the frame before (whose last byte it decompresses to know), and reads past its last
+# frame to finish its last line. One gzip stream (or one zstd frame) cannot be entered in the middle: such files
+# stay one map task each (decompressing from the start to skip would cost each task every earlier task's work).
+
+_SKIPPABLE = range(0x184D2A50, 0x184D2A60)
+
+
+def zstd_frames(path: Path) -> list[tuple[int, int, int]]:
+    """(compressed offset, compressed size, decompressed size or -1 where the header does not say) of each frame,
+    from frame and block headers only; [] when the file is not a clean sequence of frames (it is then read whole,
+    and reading reports what is wrong)."""
+    frames = []
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        offset = 0
+        while offset < size:
+            fh.seek(offset)
+            header = fh.read(18)
+            if len(header) >= 8 and int.from_bytes(header[:4], "little") in _SKIPPABLE:
+                offset += 8 + int.from_bytes(header[4:8], "little")
+                continue
+            if not header.startswith(ZSTD_MAGIC) or len(header) < 6:
+                return []
+            descriptor = header[4]
+            single_segment = descriptor >> 5 & 1
+            size_bytes = (single_segment, 2, 4, 8)[descriptor >> 6]
+            at = 5 + (1 - single_segment) + (0, 1, 2, 4)[descriptor & 3]
+            content = int.from_bytes(header[at:at + size_bytes], "little") + (256 if size_bytes == 2 else 0)
+            block = offset + at + size_bytes
+            while True:  # block headers: 3 bytes, last-block flag, type (1: RLE, one byte), size
+                fh.seek(block)
+                raw = fh.read(3)
+                if len(raw) < 3:
+                    return []
+                bits = int.from_bytes(raw, "little")
+                block += 3 + (1 if bits >> 1 & 3 == 1 else bits >> 3)
+                if bits & 1:
+                    break
+            end = block + 4 * (descriptor >> 2 & 1)  # content checksum
+            frames.append((offset, end - offset, content if size_bytes else -1))
+            offset = end
+    return frames if offset == size else []
+
+
+def zstd_frame_lines(path: Path, start: int, stop: int) -> Iterator[tuple[int, str]]:
+    """(line number in the range, line) of the lines that start in frames start..stop-1 of a multi-frame zstd
+    file; the same lines, in order, as reading the whole file gives, split between the ranges."""
+    frames = zstd_frames(path)
+    where = f"{path} (zstd frames {start}-{stop - 1})"
+    with open(path, "rb") as fh:
+        before = b"".join(_frame_output(fh, path, frames[start - 1]))[-1:] if start > 0 else b"\n"
+        skip = before != b"\n"  # the first line began in the frame before: its task reads it
+        pending, offset, lineno = b"", 0, 0
+        for k in range(start, len(frames)):
+            if k == stop and (not pending or skip):
+                return  # the range ends on a line boundary, or its only line began before it
+            for piece in _frame_output(fh, path, frames[k]):
+                *complete, rest = (pending + piece).split(b"\n")
+                for raw in complete[:1] if k >= stop else complete:
+                    if not skip:
+                        lineno += 1
+                        yield lineno, _line_text(where, raw, offset, start == 0 and lineno == 1)
+                    skip = False
+                    offset += len(raw) + 1
+                if k >= stop and complete:
+                    return
+                pending = rest
+        if pending and not skip:
+            yield lineno + 1, _line_text(where, pending, offset, start == 0 and lineno == 0)
+
+
+def _frame_output(fh: Any, path: Path, frame: tuple[int, int, int]) -> Iterator[bytes]:
+    zstd = need("zstandard")
+    offset, size, _ = frame
+    decompressor = zstd.ZstdDecompressor().decompressobj()
+    fh.seek(offset)
+    for at in range(0, size, 1 << 20):
+        try:
+            yield decompressor.decompress(fh.read(min(1 << 20, size - at)))
+        except zstd.ZstdError as err:
+            raise CorpusError(f"{path}: cannot be read: corrupt zstd data ({err}) in the frame at compressed byte "
+                              f"offset {offset}", "repair or remove the file (re-download it, or recompress it with "
+                              "zstd)") from None
+
+
+def _line_text(where: str, raw: bytes, offset: int, first: bool) -> str:
+    if b"\0" in raw:
+        raise not_text(where, offset + raw.index(b"\0"), "a NUL byte")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise not_text(where, offset + err.start, f"byte {raw[err.start]:#04x}") from None
+    return (text[1:] if first and text.startswith(BOM) else text).removesuffix("\r") + "\n"

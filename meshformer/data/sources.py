@@ -21,10 +21,10 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .corpus_base import BUNDLED_CORPORA, TOKEN_FORMATS, CorpusError, detect
+from .corpus_base import BUNDLED_CORPORA, TOKEN_FORMATS, ZSTD_MAGIC, CorpusError, detect, head
 from .corpus_discovery import resolve_inputs
 from .corpus_tables import arrow_columns, parquet_meta, require_column, table_texts
-from .corpus_text import field, lines, read_text
+from .corpus_text import field, lines, read_text, zstd_frame_lines, zstd_frames
 from .corpus_tokens import MegatronIndex, megatron_index, split_at_eos, token_array
 
 __all__ = ["BUNDLED_CORPORA", "TOKEN_FORMATS", "CorpusError", "DocSplit", "MegatronIndex", "Unit", "check_corpus",
@@ -52,14 +52,15 @@ class Unit:
     def where(self) -> str:
         if self.start < 0:
             return self.path
-        what = "row groups" if self.format == "parquet" else "documents"
+        what = {"parquet": "row groups", "jsonl": "zstd frames"}.get(self.format, "documents")
         return f"{self.path} ({what} {self.start}-{self.stop - 1})"
 
 
 
 
 def plan_units(files: list[Path]) -> list[Unit]:
-    """The map tasks of these files: one per file, several per large Parquet file or Megatron dataset."""
+    """The map tasks of these files: one per file, several per large Parquet file, Megatron dataset or multi-frame
+    zstd JSONL file."""
     units: list[Unit] = []
     for path in files:
         fmt = detect(path)
@@ -69,6 +70,8 @@ def plan_units(files: list[Path]) -> list[Unit]:
         elif fmt == "megatron":
             per_doc = megatron_index(path).document_bytes()
             units += [Unit(str(path), fmt, a, b) for a, b in _ranges(per_doc)]
+        elif fmt == "jsonl" and head(path, 4) == ZSTD_MAGIC and len(ranges := _ranges(_frame_sizes(path))) > 1:
+            units += [Unit(str(path), fmt, a, b) for a, b in ranges]
         else:
             units.append(Unit(str(path), fmt))
     return units
@@ -88,6 +91,11 @@ def _ranges(sizes: Any) -> list[tuple[int, int]]:
     return list(itertools.pairwise(cuts))
 
 
+def _frame_sizes(path: Path) -> list[int]:
+    """Decompressed bytes per zstd frame (4x the compressed size where a frame's header does not say)."""
+    return [content if content >= 0 else 4 * size for _, size, content in zstd_frames(path)]
+
+
 def unit_bytes(unit: Unit) -> int:
     """About how much input a unit holds (for the number of shuffle buckets)."""
     path = Path(unit.path)
@@ -96,6 +104,8 @@ def unit_bytes(unit: Unit) -> int:
         return sum(groups[g].total_byte_size for g in range(unit.start, unit.stop))
     if unit.format == "megatron":
         return int(megatron_index(path).document_bytes()[unit.start:unit.stop].sum())
+    if unit.start >= 0:  # frames of a zstd file: their compressed bytes, as a whole file counts
+        return sum(size for _, size, _ in zstd_frames(path)[unit.start:unit.stop])
     return path.stat().st_size
 
 
@@ -157,9 +167,11 @@ def iter_unit(unit: Unit, text_field: str = "text", doc_split: DocSplit = "file"
     elif unit.format == "tokens":
         yield from split_at_eos(path, token_array(path, np.dtype(token_dtype)), eos_id)
     elif unit.format == "jsonl":
-        for lineno, line in enumerate(lines(path), 1):
+        whole = unit.start < 0
+        numbered = enumerate(lines(path), 1) if whole else zstd_frame_lines(path, unit.start, unit.stop)
+        for lineno, line in numbered:
             if line.strip():
-                text = field(path, lineno, line, text_field)
+                text = field(path if whole else unit.where(), lineno, line, text_field)
                 if text.strip():
                     yield text
     elif doc_split == "file":
