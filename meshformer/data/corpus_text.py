@@ -62,7 +62,7 @@ class _ZstdReader:
                 self.buf += self.dec.decompress(data)
             except self.zstd.ZstdError as err:
                 raise self._error(f"corrupt zstd data ({err})") from None
-            if self.dec.eof:  # a frame ended; another may follow (pzstd and zstd -T write several)
+            if self.dec.eof:  # a frame ended; another may follow (pzstd writes several)
                 rest = self.dec.unused_data
                 self.offset += len(data) - len(rest)
                 self.dec = self.zstd.ZstdDecompressor().decompressobj()
@@ -160,8 +160,8 @@ def field(path: Path | str, lineno: int, line: str, name: str) -> str:
 
 
 # --- multi-frame zstd, split by frames ---------------------------------------------------------------------------
-# pzstd and `zstd --long`-style tools write several independent frames, so a map task can start decompressing at
-# any frame. Frame boundaries fall anywhere in a line, so a task owns the lines that *start* in its frames: it
+# pzstd (and concatenated zstd outputs) hold several independent frames, so a map task can start decompressing
+# at any frame. Frame boundaries fall anywhere in a line, so a task owns the lines that *start* in its frames: it
 # skips a first line begun in the frame before (whose last byte it decompresses to know), and reads past its last
 # frame to finish its last line. One gzip stream (or one zstd frame) cannot be entered in the middle: such files
 # stay one map task each (decompressing from the start to skip would cost each task every earlier task's work).
