@@ -4,15 +4,14 @@ document sequence, and hence every prepared shard, is reproducible.
 Nothing in a folder is dropped in silence: a file is read when its name or its first bytes say it is a corpus
 format, skipped with a reason when it cannot be corpus text (binary, empty, hidden, a flat `.bin` whose token
 type only the user knows), and refused when it holds text that is not named as a corpus (`NEWS.gz`, `README`):
-`--include GLOB` says which files of a folder to read, whatever their names. The log line lists what was read
-and what was skipped, with counts and the first few names.
+`--include GLOB` says which files of a folder to read, whatever their names. The report (logged by prepare)
+lists what was read and what was skipped, with counts and the first few names.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import json
-import logging
 import zlib
 from collections import Counter
 from contextlib import closing
@@ -30,20 +29,22 @@ from .corpus_base import (
 )
 from .corpus_text import open_raw
 
-log = logging.getLogger("meshformer.data")
 _PROBE_BYTES = 1 << 12  # decompressed bytes read to tell text from binary
 _NAMES_SHOWN = 5
 _HF_METADATA = {"dataset_dict.json"}  # a DatasetDict's index of its splits (each split folder is read)
 
 
-def resolve_inputs(inputs: str | Path | list[str | Path], include: list[str] | None = None) -> list[Path]:
+def resolve_inputs(inputs: str | Path | list[str | Path], include: list[str] | None = None,
+                   report: list[str] | None = None) -> list[Path]:
     """Expand bundled names, directories and Megatron prefixes into a sorted, de-duplicated list of files.
 
     In a directory (`include` unset): text/JSONL files (optionally .gz/.zst), Parquet, Arrow, `.npy` and Megatron
     `.idx` (its `.bin` goes with it), by name or by first bytes; flat `.bin` token files only when named (a
     folder's .bin may be anything); a Hugging Face `save_to_disk` folder contributes its Arrow files in the order
     its state.json lists them. With `include` (glob patterns matched against the file name or its path in the
-    folder), exactly the matching files are read. Files named directly are always read."""
+    folder), exactly the matching files are read. Files named directly are always read. `report` gets a line
+    per folder saying what was read and skipped (logged by the caller once the inputs are checked, so that an
+    error stays the only line)."""
     items = inputs if isinstance(inputs, list) else [inputs]
     files: list[Path] = []
     for item in items:
@@ -52,7 +53,7 @@ def resolve_inputs(inputs: str | Path | list[str | Path], include: list[str] | N
             continue
         path = Path(item).expanduser()
         if path.is_dir():
-            files.extend(_walk(path, include or []))
+            files.extend(_walk(path, include or [], report if report is not None else []))
         elif path.is_file():
             files.append(_data_file(path))
         elif path.with_name(path.name + ".idx").is_file():  # a Megatron prefix, as Megatron's --data-path names it
@@ -68,9 +69,9 @@ def _data_file(path: Path) -> Path:
     return path.with_suffix(".idx") if path.suffix == ".bin" and path.with_suffix(".idx").is_file() else path
 
 
-def _walk(folder: Path, include: list[str]) -> list[Path]:
+def _walk(folder: Path, include: list[str], report: list[str]) -> list[Path]:
     """A folder's input files in sorted order (a `datasets` folder's Arrow files in its own order, at its place);
-    logs what was read and skipped; refuses text files that are not named as corpus files."""
+    says in `report` what was read and skipped; refuses text files that are not named as corpus files."""
     hf = {p.parent: p for p in folder.rglob("state.json") if (p.parent / "dataset_info.json").is_file()}
     found: list[tuple[Path, list[Path]]] = [(parent, _hf_files(parent, state)) for parent, state in hf.items()]
     skipped: dict[str, list[Path]] = {}
@@ -97,8 +98,8 @@ def _walk(folder: Path, include: list[str]) -> list[Path]:
                           f".zst), Parquet, Arrow or token files (.idx, .npy){_skipped_note(skipped)}",
                           "add text files (or other corpus files), pass --include GLOB, or point at another folder")
     formats = Counter(detect(f) for f in files)
-    log.info("%s: reading %d file(s) (%s)%s", folder, len(files), ", ".join(f"{n} {k}" for k, n in formats.items()),
-             _skipped_note(skipped))
+    report.append(f"{folder}: reading {len(files)} file(s) ({', '.join(f'{n} {k}' for k, n in formats.items())})"
+                  f"{_skipped_note(skipped)}")
     return files
 
 

@@ -104,11 +104,14 @@ def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, token
                          "(meshformer data prepare SAMPLE --tokenizer train) and pass its tokenizer.json")
     start = time.perf_counter()
     items = inputs if isinstance(inputs, list) else [inputs]
-    files = resolve_inputs(items, include)
     check_output_folder(items, out, overwrite)
+    report: list[str] = []
+    files = resolve_inputs(items, include, report)
     check_corpus(files, None if pairs else text_field)
     for f in files if pairs else ():  # pairs need JSONL with both fields: say so before any work starts
         next(iter_pairs([f], src_field, tgt_field), None)
+    for line in report:  # after the checks: a refused input stays a one-line error
+        log.info(line)
     units = [Unit(str(f), detect(f)) for f in files] if pairs else plan_units(files)
     pretokenized = [u.path for u in units if u.format in TOKEN_FORMATS]
     if pretokenized and tokenizer == "train":

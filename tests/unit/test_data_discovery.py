@@ -56,9 +56,10 @@ def test_a_folder_reports_what_it_read_and_skipped(tmp_path, caplog):
     (folder / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR" + bytes(range(256)))
     (folder / "empty").write_bytes(b"")
     (folder / ".hidden.txt").write_text("not read")
-    with caplog.at_level(logging.INFO, logger="meshformer.data"):
-        files = resolve_inputs(folder)
+    files = resolve_inputs(folder)
     assert [p.relative_to(folder).as_posix() for p in files] == ["a.txt", "sub/b.jsonl"]
+    with caplog.at_level(logging.INFO, logger="meshformer.data"):
+        prepare(folder, tmp_path / "out", **KW)
     report = next(r.getMessage() for r in caplog.records if "reading 2 file(s)" in r.getMessage())
     assert "1 text" in report and "1 jsonl" in report and "skipped 3" in report
     assert "not text (logo.png)" in report and "empty (empty)" in report and "hidden (.hidden.txt)" in report
