@@ -70,6 +70,10 @@ def _prepare_arguments(p: argparse.ArgumentParser) -> None:
                    help="token type of flat .bin files (auto: uint16 up to 65536 tokens, else uint32)")
     p.add_argument("--doc-split", choices=["file", "paragraph", "line"], default="file",
                    help="what counts as one document in plain-text files")
+    p.add_argument("--include", action="append", metavar="GLOB",
+                   help="read exactly the files of input folders that match (name or path in the folder; "
+                        "repeatable), e.g. --include '*' or --include '*.log' (default: files named as a corpus "
+                        "format or recognised by content; other text files are an error)")
     p.add_argument("--pairs", action="store_true", help="JSONL source/target pairs for seq2seq")
     p.add_argument("--src-field", default="src")
     p.add_argument("--tgt-field", default="tgt")
@@ -83,7 +87,7 @@ def _prepare_arguments(p: argparse.ArgumentParser) -> None:
 
 
 _FORWARDED = ("tokenizer", "vocab_size", "seq_len", "record_len", "text_field", "doc_split", "src_field", "tgt_field",
-              "eval_fraction", "seed", "shard_records", "bucket_mb", "num_proc", "token_dtype")
+              "eval_fraction", "seed", "shard_records", "bucket_mb", "num_proc", "token_dtype", "include")
 
 
 def _parse_part(spec: str) -> tuple[int, int]:
@@ -117,8 +121,8 @@ def run_submit_prepare(args: argparse.Namespace) -> int:
     forwarded = [*args.inputs, "--out", str(Path(args.out).resolve())]
     for key in _FORWARDED:
         value = getattr(args, key)
-        if value is not None:
-            forwarded += [f"--{key.replace('_', '-')}", str(value)]
+        for one in value if isinstance(value, list) else [] if value is None else [value]:
+            forwarded += [f"--{key.replace('_', '-')}", str(one)]
     forwarded += ["--pairs"] * args.pairs + ["--overwrite"] * args.overwrite
     result = submit_prepare(forwarded, args.out, args.parts, args.sbatch, dry_run=args.dry_run)
     if args.dry_run:

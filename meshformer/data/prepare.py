@@ -64,12 +64,14 @@ def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, token
             pairs: bool = False, src_field: str = "src", tgt_field: str = "tgt", doc_split: DocSplit = "file",
             eval_fraction: float = 0.02, seed: int = 1234, shard_records: int | None = None, num_proc: int = 0,
             bucket_mb: float = 128, part: tuple[int, int] = (0, 1), stage: Stage = "all", progress: bool = True,
-            overwrite: bool = False, token_dtype: str = "auto") -> Manifest | None:
+            overwrite: bool = False, token_dtype: str = "auto", include: list[str] | None = None) -> Manifest | None:
     """Prepare shards in `out_dir` and return the manifest (also written to out_dir/manifest.json).
 
     inputs: text / JSONL / Parquet / Arrow files (gzip or zstd compressed text too), `datasets` folders, and
     pre-tokenized Megatron datasets (`.idx` + `.bin`), flat token files (`.bin`, of `token_dtype`: "auto" is
     uint16 for vocabularies up to 65536, else uint32) and `.npy` token arrays, whose ids are kept as they are.
+    include: glob patterns choosing the files of input folders to read, whatever their names (default: the files
+    named or recognised as a corpus format; other text files are refused, binary ones skipped and logged).
     tokenizer: "train" (byte-level BPE of `vocab_size` on the training documents; only with stage "all"),
     "bundled:<name>", "gpt2", a tokenizer.json path, a Hugging Face tokenizer folder, or a loaded Tokenizer.
     Map tasks finished by an earlier run of the same plan (same inputs and settings) are kept: after a failed
@@ -101,11 +103,14 @@ def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, token
                          "(meshformer data prepare SAMPLE --tokenizer train) and pass its tokenizer.json")
     start = time.perf_counter()
     items = inputs if isinstance(inputs, list) else [inputs]
-    files = resolve_inputs(items)
     check_output_folder(items, out, overwrite)
+    report: list[str] = []
+    files = resolve_inputs(items, include, report)
     check_corpus(files, None if pairs else text_field)
     for f in files if pairs else ():  # pairs need JSONL with both fields: say so before any work starts
         next(iter_pairs([f], src_field, tgt_field), None)
+    for line in report:  # after the checks: a refused input stays a one-line error
+        log.info(line)
     units = [Unit(str(f), detect(f)) for f in files] if pairs else plan_units(files)
     pretokenized = [u.path for u in units if u.format in TOKEN_FORMATS]
     if pretokenized and tokenizer == "train":

@@ -1,6 +1,7 @@
 """Tokenizers: one small wrapper over HF `tokenizers` with the special ids the objectives need.
 
-    tok = load_tokenizer("bundled:kjv-bpe-4k")   # or "gpt2", "path/to/tokenizer.json", or a HF tokenizer folder
+    tok = load_tokenizer("bundled:kjv-bpe-4k")   # or "gpt2", "path/to/tokenizer.json", a HF tokenizer folder,
+    # or a tiktoken BPE file: "cl100k_base.tiktoken", "tiktoken:o200k:PATH"
     ids = tok.encode("In the beginning"); text = tok.decode(ids)
 
 Special tokens of the bundled tokenizer (ids 0..36): <pad> <bos> <eos> <unk> <mask> <extra_id_0..31>.
@@ -21,6 +22,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from meshformer.errors import MeshformerError
+
+from .tiktoken_files import is_tiktoken_spec, load_tiktoken
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "tokenizers"
 CONFIG_FILE = "tokenizer_config.json"  # a Hugging Face folder's special tokens, read beside tokenizer.json
@@ -116,8 +119,9 @@ def _added_special_ids(hf: HFTokenizer) -> list[int]:
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
-    """"bundled:<name>", "gpt2", a path to a tokenizer.json, or a Hugging Face tokenizer folder (tokenizer.json +
-    tokenizer_config.json: BOS/EOS/pad/unk/mask as its config names them)."""
+    """"bundled:<name>", "gpt2", a path to a tokenizer.json, a Hugging Face tokenizer folder (tokenizer.json +
+    tokenizer_config.json: BOS/EOS/pad/unk/mask as its config names them), or a tiktoken BPE file: a path to a
+    known one (`cl100k_base.tiktoken`) or "tiktoken:<pattern>:<path>" (tiktoken_files.py)."""
     if spec.startswith("bundled:"):
         name = spec.split(":", 1)[1]
         path = BUNDLED_DIR / f"{name}.json"
@@ -128,6 +132,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
         return Tokenizer(HFTokenizer.from_file(str(path)), spec)
     if spec == "gpt2":
         return _gpt2()
+    if is_tiktoken_spec(spec):
+        return Tokenizer(load_tiktoken(spec), spec)
     path = Path(spec).expanduser()
     if path.is_dir():  # a Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json)
         if not (path / "tokenizer.json").is_file():
@@ -137,7 +143,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
         path = path / "tokenizer.json"
     if not path.is_file():
         raise TokenizerError(f"tokenizer {spec!r} is neither 'bundled:kjv-bpe-4k', 'gpt2' nor an existing "
-                             "tokenizer.json file or tokenizer folder; fix data.tokenizer")
+                             "tokenizer.json file, tokenizer folder or tiktoken file; fix data.tokenizer")
     try:
         hf = HFTokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception on bad JSON

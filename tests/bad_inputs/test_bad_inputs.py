@@ -7,6 +7,7 @@ subprocess runs prove the same end to end, and one torchrun job that only one ra
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import json
@@ -78,6 +79,10 @@ def world(tmp_path_factory):
     (tmp / "mixed" / "b.txt").write_bytes(b"\x00\x01\x02\x03" * 500)
     (tmp / "nothing").mkdir()
     (tmp / "nothing" / "image.png").write_bytes(b"\x89PNG")
+    (tmp / "unnamed").mkdir()  # (#24) text a folder holds under names that do not say so
+    (tmp / "unnamed" / "a.txt").write_text("named text\n")
+    (tmp / "unnamed" / "NEWS").write_text("unnamed text\n")
+    (tmp / "bytes.tiktoken").write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
     (tmp / "tok.json").write_text("{not a tokenizer")
     _bad_format_files(tmp)  # (#23)
     # files for the data cases (#24)
@@ -311,6 +316,10 @@ CASES = [
      ["nocol.parquet: no column 'text' (has ['content'])", "data.text_field"]),
     ("corpus-megatron-mismatch", _corpus("{tmp}/mt/bad"),
      ["bad.idx does not match bad.bin", "byte offset", "preprocess_data.py"]),
+    ("tokenizer-tiktoken-unnamed-pattern", _train("data.tokenizer={tmp}/bytes.tiktoken"),
+     ["bytes.tiktoken: its name is not one of", "tiktoken:PATTERN:"]),
+    ("tokenizer-tiktoken-vocab", _train("data.tokenizer=tiktoken:cl100k:{tmp}/bytes.tiktoken", "model.vocab_size=100"),
+     ["257 tokens", "raise model.vocab_size"]),
     ("tokenizer-folder-without-json", _train("data.tokenizer={tmp}/tokdir"),
      ["tokdir holds no tokenizer.json", "save_pretrained"]),
     ("prepare-late-truncated-zstd", ["data", "prepare", "{tmp}/late.jsonl.zst", "--out", "{tmp}/p11", "--quiet",
@@ -325,6 +334,8 @@ CASES = [
                                    "bundled:kjv-bpe-4k"], ["no column 'text'", "--text-field"]),
     ("prepare-tokens-need-their-tokenizer", ["data", "prepare", "{tmp}/big-ids.bin", "--out", "{tmp}/p15"],
      ["big-ids.bin holds token ids", "pass it with --tokenizer"]),
+    ("prepare-unnamed-text-in-folder", ["data", "prepare", "{tmp}/unnamed", "--out", "{tmp}/p16"],
+     ["1 file(s) hold text but are not named as a corpus format", "NEWS", "--include GLOB"]),
     # parallel layout and launch options
     ("launch-nproc-zero", ["train", CFG, "--nproc-per-node", "0"], ["--nproc-per-node=0", "use --nproc-per-node >= 1"]),
     ("launch-restarts", ["train", CFG, "--max-restarts", "-1"], ["--max-restarts=-1", ">= 0"]),

@@ -42,6 +42,17 @@ def same_shards(a: Path, b: Path) -> bool:
     return files_a == files_b and meta[0] == meta[1]
 
 
+def same_for_any_parts(corpus: Path, tmp_path: Path, whole: Path) -> None:
+    """Prepared in 2 and in 3 parts (map, reduce, merge), the output is byte for byte `whole`'s."""
+    for n in (2, 3):
+        out = tmp_path / f"n{n}"
+        for stage in ("map", "reduce"):
+            for i in range(n):
+                prepare(corpus, out, part=(i, n), stage=stage, **KW)
+        prepare(corpus, out, part=(0, n), stage="merge", **KW)
+        assert folder_bytes(out) == folder_bytes(whole)
+
+
 def jsonl(path: Path, docs: list[str]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
@@ -110,13 +121,7 @@ def test_parquet_gives_the_jsonl_output_and_splits_by_row_group(tmp_path, monkey
     assert [d for u in units for d in iter_unit(u)] == DOCS
     split = prepare(pq_file, tmp_path / "n1", **KW)
     assert split.meta["documents"] == ref.meta["documents"]
-    for n in (2, 3):
-        out = tmp_path / f"n{n}"
-        for stage in ("map", "reduce"):
-            for i in range(n):
-                prepare(pq_file, out, part=(i, n), stage=stage, **KW)
-        prepare(pq_file, out, part=(0, n), stage="merge", **KW)
-        assert folder_bytes(out) == folder_bytes(tmp_path / "n1")
+    same_for_any_parts(pq_file, tmp_path, tmp_path / "n1")
 
 
 def test_parquet_text_column_is_configurable(tmp_path):
@@ -125,6 +130,24 @@ def test_parquet_text_column_is_configurable(tmp_path):
         prepare(path, tmp_path / "o", **KW)
     m = prepare(path, tmp_path / "o", text_field="content", **KW)
     assert m.meta["documents"]["train"] + m.meta["documents"]["eval"] == 10
+
+
+def test_a_multi_frame_zstd_file_is_split_by_frames(tmp_path, monkeypatch):
+    """Frames cut lines anywhere (mid-line, mid-character, on a line end); each line is read once, in order."""
+    docs = [*DOCS[:30], "café 東京 " * 40, *DOCS[30:]]
+    data = "".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs).encode()
+    cuts = sorted({*range(0, len(data), 997), data.index(b"\n", 5000) + 1, data.index(b"\n", 9000) + 1, len(data)})
+    path = tmp_path / "z" / "c.jsonl.zst"
+    path.parent.mkdir()
+    path.write_bytes(b"".join(zstandard.ZstdCompressor().compress(data[a:b]) for a, b in itertools.pairwise(cuts)))
+    ref = prepare(jsonl(tmp_path / "j" / "c.jsonl", docs), tmp_path / "ref", **KW)
+    monkeypatch.setattr(sources, "UNIT_BYTES", 2500)
+    units = plan_units([path])
+    assert len(units) > 5 and units[0].start == 0 and units[-1].stop == len(cuts) - 1
+    assert [d for u in units for d in iter_unit(u)] == docs
+    split = prepare(path, tmp_path / "n1", **KW).meta["documents"]  # each task holds out its own eval share
+    assert sum(split.values()) == sum(ref.meta["documents"].values()) and split["eval"] > 0
+    same_for_any_parts(path, tmp_path, tmp_path / "n1")
 
 
 def test_zstd_and_gzip_by_content(tmp_path):

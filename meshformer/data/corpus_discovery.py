@@ -1,0 +1,167 @@
+"""Which files a corpus is: bundled names, files, Megatron prefixes and folders, walked in sorted order so the
+document sequence, and hence every prepared shard, is reproducible.
+
+Nothing in a folder is dropped in silence: a file is read when its name or its first bytes say it is a corpus
+format, skipped with a reason when it cannot be corpus text (binary, empty, hidden, a flat `.bin` whose token
+type only the user knows), and refused when it holds text that is not named as a corpus (`NEWS.gz`, `README`):
+`--include GLOB` says which files of a folder to read, whatever their names. The report (logged by prepare)
+lists what was read and what was skipped, with counts and the first few names.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import zlib
+from collections import Counter
+from contextlib import closing
+from pathlib import Path
+
+from .corpus_base import (
+    BUNDLED_CORPORA,
+    TABLE_SUFFIXES,
+    TEXT_SUFFIXES,
+    CorpusError,
+    binary_format,
+    detect,
+    head,
+    named_as_text,
+)
+from .corpus_text import open_raw
+
+_PROBE_BYTES = 1 << 12  # decompressed bytes read to tell text from binary
+_NAMES_SHOWN = 5
+_HF_METADATA = {"dataset_dict.json"}  # a DatasetDict's index of its splits (each split folder is read)
+
+
+def resolve_inputs(inputs: str | Path | list[str | Path], include: list[str] | None = None,
+                   report: list[str] | None = None) -> list[Path]:
+    """Expand bundled names, directories and Megatron prefixes into a sorted, de-duplicated list of files.
+
+    In a directory (`include` unset): text/JSONL files (optionally .gz/.zst), Parquet, Arrow, `.npy` and Megatron
+    `.idx` (its `.bin` goes with it), by name or by first bytes; flat `.bin` token files only when named (a
+    folder's .bin may be anything); a Hugging Face `save_to_disk` folder contributes its Arrow files in the order
+    its state.json lists them. With `include` (glob patterns matched against the file name or its path in the
+    folder), exactly the matching files are read. Files named directly are always read. `report` gets a line
+    per folder saying what was read and skipped (logged by the caller once the inputs are checked, so that an
+    error stays the only line)."""
+    items = inputs if isinstance(inputs, list) else [inputs]
+    files: list[Path] = []
+    for item in items:
+        if str(item) in BUNDLED_CORPORA:
+            files.append(BUNDLED_CORPORA[str(item)])
+            continue
+        path = Path(item).expanduser()
+        if path.is_dir():
+            files.extend(_walk(path, include or [], report if report is not None else []))
+        elif path.is_file():
+            files.append(_data_file(path))
+        elif path.with_name(path.name + ".idx").is_file():  # a Megatron prefix, as Megatron's --data-path names it
+            files.append(path.with_name(path.name + ".idx"))
+        else:
+            raise CorpusError(f"corpus input {str(item)!r} does not exist; pass a file, a directory, a Megatron "
+                              f"dataset prefix, or one of {sorted(BUNDLED_CORPORA)}")
+    return list(dict.fromkeys(files))
+
+
+def _data_file(path: Path) -> Path:
+    """The file to read for `path`: a Megatron dataset's `.bin` is read through its `.idx`."""
+    return path.with_suffix(".idx") if path.suffix == ".bin" and path.with_suffix(".idx").is_file() else path
+
+
+def _walk(folder: Path, include: list[str], report: list[str]) -> list[Path]:
+    """A folder's input files in sorted order (a `datasets` folder's Arrow files in its own order, at its place);
+    says in `report` what was read and skipped; refuses text files that are not named as corpus files."""
+    hf = {p.parent: p for p in folder.rglob("state.json") if (p.parent / "dataset_info.json").is_file()}
+    found: list[tuple[Path, list[Path]]] = [(parent, _hf_files(parent, state)) for parent, state in hf.items()]
+    skipped: dict[str, list[Path]] = {}
+    unnamed_text: list[Path] = []
+    for p in sorted(folder.rglob("*")):
+        if not p.is_file() or hf.keys() & set(p.parents):
+            continue
+        rel = p.relative_to(folder)
+        verdict = _classify(p, rel, include)
+        if verdict == "read":
+            found.append((p, [_data_file(p)]))
+        elif verdict == "text":
+            unnamed_text.append(rel)
+        elif verdict:
+            skipped.setdefault(verdict, []).append(rel)
+    files = list(dict.fromkeys(f for _, group in sorted(found) for f in group))
+    if unnamed_text:
+        raise CorpusError(f"{folder}: {len(unnamed_text)} file(s) hold text but are not named as a corpus format "
+                          f"({', '.join(sorted(TEXT_SUFFIXES))}, optionally .gz/.zst): {_first(unnamed_text)}",
+                          "read them with --include GLOB (e.g. --include '*' for every file of the folder, or "
+                          "--include '*.txt' --include NEWS.gz), or move them out of the folder")
+    if not files:
+        raise CorpusError(f"directory {folder} holds no text files ({sorted(TEXT_SUFFIXES)}, optionally .gz or "
+                          f".zst), Parquet, Arrow or token files (.idx, .npy){_skipped_note(skipped)}",
+                          "add text files (or other corpus files), pass --include GLOB, or point at another folder")
+    formats = Counter(detect(f) for f in files)
+    report.append(f"{folder}: reading {len(files)} file(s) ({', '.join(f'{n} {k}' for k, n in formats.items())})"
+                  f"{_skipped_note(skipped)}")
+    return files
+
+
+def _classify(path: Path, rel: Path, include: list[str]) -> str:
+    """"read", "text" (text not named as a corpus: refused), "" (read through another file), or why it is
+    skipped."""
+    if any(part.startswith(".") for part in rel.parts):
+        return "hidden"
+    if include:
+        matched = any(fnmatch.fnmatch(path.name, g) or fnmatch.fnmatch(rel.as_posix(), g) for g in include)
+        return "read" if matched else "not matched by --include"
+    if path.name in _HF_METADATA:
+        return "datasets metadata"
+    if path.suffix == ".bin":
+        if path.with_suffix(".idx").is_file():
+            return ""  # the .bin of a Megatron dataset: read through its .idx
+        return "flat token file (read only when named, with --token-dtype)"
+    if path.suffix in TABLE_SUFFIXES or path.suffix in (".idx", ".npy") or named_as_text(path):
+        return "read"
+    if binary_format(head(path, 9), path.suffix):
+        return "read"
+    return _probe_text(path)
+
+
+def _probe_text(path: Path) -> str:
+    """"text" when the file's first bytes (decompressed if gzip or zstd) are UTF-8 text, else why it is skipped."""
+    try:
+        with closing(open_raw(path)) as fh:
+            data = fh.read(_PROBE_BYTES)
+    except (CorpusError, OSError, EOFError, zlib.error):
+        return "unreadable or not text"
+    if not data:
+        return "empty"
+    if b"\0" in data:
+        return "not text"
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if err.start < len(data) - 3:  # not only a character cut by the probe's end
+            return "not text"
+    return "text"
+
+
+def _first(paths: list[Path]) -> str:
+    names = ", ".join(str(p) for p in paths[:_NAMES_SHOWN])
+    return names + (f" and {len(paths) - _NAMES_SHOWN} more" if len(paths) > _NAMES_SHOWN else "")
+
+
+def _skipped_note(skipped: dict[str, list[Path]]) -> str:
+    if not skipped:
+        return "; skipped none"
+    total = sum(map(len, skipped.values()))
+    return f"; skipped {total}: " + "; ".join(f"{len(p)} {why} ({_first(p)})" for why, p in skipped.items())
+
+
+def _hf_files(folder: Path, state: Path) -> list[Path]:
+    """The Arrow files of a `datasets` save_to_disk folder, in its own order (state.json's `_data_files`)."""
+    try:
+        names = [f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+    except (ValueError, KeyError, TypeError):
+        raise CorpusError(f"{state}: not a Hugging Face datasets state.json (no _data_files list)",
+                          "save the dataset again with save_to_disk, or pass its .arrow files") from None
+    from meshformer.folders import inside
+
+    return [inside(folder, n, what=str(state), fix="save the dataset again with save_to_disk") for n in names]
