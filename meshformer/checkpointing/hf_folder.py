@@ -9,7 +9,7 @@ the HF model.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,11 +48,20 @@ def export_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: Path
                               "pick the one that matches") from None
     out_dir = Path(out_dir)
     hf.config_to_hf(cfg, arch).save_pretrained(str(out_dir))
-    writer = ShardedWriter(out_dir, max_shard_size)
+    # the files are planned from a pass on meta tensors (shapes only), then each tensor streams to disk
+    writer = ShardedWriter(out_dir, dict(hf_tensors(_meta_view(state), cfg, arch)), max_shard_size)
     for name, tensor in hf_tensors(state, cfg, arch):
         writer.add(name, tensor)
     writer.close()
     return out_dir
+
+
+def _meta_view(state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """`state` as meta tensors of the same shapes and dtypes, read from file headers where `state` can."""
+    from meshformer.checkpointing.safetensors_io import LazyState
+
+    meta = state.meta if isinstance(state, LazyState) else (lambda name: state[name].to("meta"))
+    return LazyState(list(state), meta)
 
 
 def hf_tensors(state: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arch) -> Iterator[tuple[str, torch.Tensor]]:
@@ -108,21 +117,26 @@ def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arc
     check_names(ours, cfg, shapes, hf.unused_names(original, {r.theirs for r in rules}, arch), source)
     tied = cfg.tie_embeddings and "output.weight" in shapes
 
-    def read(name: str) -> torch.Tensor:
-        if tied and name == "output.weight":
-            name = "tok_embeddings.weight"
-        if arch == "bert" and name == "pos_embeddings.weight":  # token type 0 folded into the positions
-            types = original.get(hf._BERT_TOKEN_TYPES)
-            return (theirs[original[hf._BERT_POSITIONS]] + (theirs[types][0] if types else 0.0)).contiguous()
-        if ZERO_ON_IMPORT.search(name):
-            return torch.zeros(shapes[name])
-        mine = rules_of[name]
-        try:
-            return import_tensors({r.theirs: theirs[original[r.theirs]] for r in mine}, mine, shapes, source)[0][name]
-        except ValueError as err:  # a shape that does not fit the config
-            raise ConversionError(str(err)) from None
+    def reader(theirs: Mapping[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
+        def read(name: str) -> torch.Tensor:
+            if tied and name == "output.weight":
+                name = "tok_embeddings.weight"
+            if arch == "bert" and name == "pos_embeddings.weight":  # token type 0 folded into the positions
+                types = original.get(hf._BERT_TOKEN_TYPES)
+                positions = theirs[original[hf._BERT_POSITIONS]]
+                return (positions + (theirs[types][0] if types else 0.0)).contiguous()
+            if ZERO_ON_IMPORT.search(name):
+                return torch.zeros(shapes[name])
+            mine = rules_of[name]
+            try:
+                return import_tensors({r.theirs: theirs[original[r.theirs]] for r in mine}, mine, shapes,
+                                      source)[0][name]
+            except ValueError as err:  # a shape that does not fit the config
+                raise ConversionError(str(err)) from None
+        return read
 
-    return LazyState(list(shapes), read)
+    # shapes and dtypes come from the same mapping run on meta tensors: writers plan files without reading data
+    return LazyState(list(shapes), reader(theirs), reader(_meta_view(theirs)))
 
 
 def import_hf(folder: Path, *, show_progress: bool | None = None) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:

@@ -1,8 +1,10 @@
 """Final model weights as safetensors (one file, or HF-style shards + index) plus the model config.
 
 Saving streams: every tensor is gathered on its own (`full_tensor()`, a collective over the ranks that hold
-it), sent to rank 0 by the lowest rank holding it, and rank 0 writes each file once, holding at most one
-file's worth. Loading reads tensor by tensor (or only this rank's slice of each), never a whole state dict.
+it), sent to rank 0 by the lowest rank holding it, and rank 0 writes it to disk at once (headers first), so no
+process holds more than one whole tensor beyond its own shards, whatever the file size. The folder carries the
+model's tokenizer (tokenizer.json, its fingerprint in the safetensors metadata); model_config.json is written
+last. Loading reads tensor by tensor (or only this rank's slice of each), never a whole state dict.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from meshformer.checkpointing.errors import CorruptCheckpointError
+from meshformer.checkpointing.manifest import write_json_atomic
 from meshformer.checkpointing.sharded_safetensors import (
     DEFAULT_MAX_SHARD_SIZE,
     SINGLE_FILE,
@@ -28,11 +31,14 @@ from meshformer.checkpointing.sharded_safetensors import (
     has_safetensors,
 )
 from meshformer.config import ModelConfig
+from meshformer.data import Tokenizer
 from meshformer.errors import MeshformerError
 from meshformer.model import Transformer
 
 WEIGHTS_FILE = SINGLE_FILE
 CONFIG_FILE = "model_config.json"
+TOKENIZER_FILE = "tokenizer.json"  # the run's tokenizer, beside the weights it was trained with
+TOKENIZER_SHA256 = "tokenizer_sha256"  # safetensors metadata: the fingerprint of that tokenizer
 _METADATA = {"format": "meshformer"}
 
 
@@ -57,37 +63,45 @@ def quiet_redistribute() -> Iterator[None]:
         log.setLevel(level)
 
 
-def gathered_tensors(parallel_model) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, whole tensor) on rank 0, in model order, one at a time; a collective every rank iterates.
-
-    Each tensor is gathered by the ranks holding it and sent once, by the lowest of them: pipeline stages
-    contribute their own layers, data- and tensor-parallel replicas send nothing twice.
-    """
-    from torch.distributed.tensor import DTensor
-
+def gather_plan(parallel_model) -> tuple[dict[str, torch.Tensor], dict[str, int], dict[str, torch.Tensor]]:
+    """(this rank's tensors, name -> lowest rank holding it, name -> meta tensor of the whole tensor, in saving
+    order); a collective every rank calls."""
     from meshformer.checkpointing.state import named_buffers, named_parameters
 
     local = dict(named_parameters(parallel_model.model_parts)) | dict(named_buffers(parallel_model.model_parts))
     cfg = parallel_model.model_parts[0].cfg
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items()}  # of tensors other ranks send
-    names = saved_names(cfg, shapes)
-    dtype = next(iter(local.values())).dtype
-    distributed = dist.is_initialized()
-    rank = dist.get_rank() if distributed else 0
+    dtypes = {name: tensor.dtype for name, tensor in local.items()}
     owner = dict.fromkeys(local, 0)
-    if distributed:
-        held: list[list[str] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(held, sorted(local))
+    if dist.is_initialized():
+        held: list[dict[str, torch.dtype] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(held, dtypes)
         owner = {}
-        for r, keys in enumerate(held):
-            for key in keys or []:
+        for r, rank_dtypes in enumerate(held):
+            for key, dtype in sorted((rank_dtypes or {}).items()):
                 owner.setdefault(key, r)
-    missing = [n for n in names if n not in owner]
-    if missing:
+                dtypes.setdefault(key, dtype)
+    names = saved_names(cfg, shapes)
+    if missing := [n for n in names if n not in owner]:
         raise RuntimeError(f"no rank holds {missing[:5]}: the parallel model's parts do not cover the model")
+    layout = {name: torch.empty(shapes[name], dtype=dtypes[name], device="meta") for name in names}
+    return local, owner, layout
+
+
+def gathered_tensors(parallel_model, plan: tuple | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) on rank 0, in model order, one at a time; a collective every rank iterates.
+
+    Each tensor is gathered by the ranks holding it and sent once, by the lowest of them: pipeline stages
+    contribute their own layers, data- and tensor-parallel replicas send nothing twice. `plan`: `gather_plan`'s
+    answer, when the caller already asked for it.
+    """
+    from torch.distributed.tensor import DTensor
+
+    local, owner, layout = plan or gather_plan(parallel_model)
+    rank = dist.get_rank() if dist.is_initialized() else 0
     with quiet_redistribute(), torch.no_grad():
-        for name in names:
+        for name, template in layout.items():
             full = None
             if name in local:
                 value = local[name].detach()
@@ -97,34 +111,60 @@ def gathered_tensors(parallel_model) -> Iterator[tuple[str, torch.Tensor]]:
                 dist.send(full.contiguous(), dst=0)
             if rank == 0:
                 if owner[name] != 0:
-                    full = torch.empty(shapes[name], dtype=dtype, device=parallel_model.device)
+                    full = torch.empty(template.shape, dtype=template.dtype, device=parallel_model.device)
                     dist.recv(full, src=owner[name])
                 assert full is not None  # rank 0 holds it or has just received it
                 yield name, full
             del full
 
 
-def save_weights(parallel_model, directory: Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path | None:
-    """Write the weights folder from rank 0 (a collective); returns the file or index path on rank 0."""
+def save_weights(parallel_model, directory: Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                 tokenizer: Tokenizer | None = None) -> Path | None:
+    """Write the weights folder from rank 0 (a collective), each tensor streamed to disk as it is gathered;
+    returns the file or index path on rank 0."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    writer = ShardedWriter(directory, max_shard_size, _METADATA) if rank == 0 else None
-    for name, tensor in gathered_tensors(parallel_model):
+    plan = gather_plan(parallel_model)
+    writer = ShardedWriter(directory, plan[2], max_shard_size, _metadata(tokenizer)) if rank == 0 else None
+    for name, tensor in gathered_tensors(parallel_model, plan):
         assert writer is not None  # only rank 0 is handed tensors
         writer.add(name, tensor)
+        del tensor  # written: the next one may take its memory
     if writer is None:
         return None
-    (Path(directory) / CONFIG_FILE).write_text(json.dumps(asdict(parallel_model.model_parts[0].cfg), indent=2))
-    return writer.close()
+    return _finish(writer, parallel_model.model_parts[0].cfg, tokenizer)
 
 
 def write_weights(state: Mapping[str, torch.Tensor], cfg: ModelConfig, directory: Path,
-                  max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
-    """The weights folder format from a state dict (or any name -> tensor mapping), tied output dropped."""
-    writer = ShardedWriter(directory, max_shard_size, _METADATA)
-    for name in saved_names(cfg):
+                  max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, tokenizer: Tokenizer | None = None) -> Path:
+    """The weights folder format from a state dict (or any name -> tensor mapping, e.g. read lazily: one tensor
+    in memory at a time), tied output dropped; `tokenizer`, the model's, travels with it."""
+    names = saved_names(cfg)
+    layout = {name: _template(state, name) for name in names}
+    writer = ShardedWriter(directory, layout, max_shard_size, _metadata(tokenizer))
+    for name in names:
         writer.add(name, state[name])
-    (Path(directory) / CONFIG_FILE).write_text(json.dumps(asdict(cfg), indent=2))
-    return writer.close()
+    return _finish(writer, cfg, tokenizer)
+
+
+def _template(state: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    """Shape and dtype of `state[name]` without reading it where `state` can tell (a LazyState)."""
+    meta = getattr(state, "meta", None)
+    return meta(name) if callable(meta) else state[name]
+
+
+def _metadata(tokenizer: Tokenizer | None) -> dict[str, str]:
+    return {**_METADATA, **({TOKENIZER_SHA256: tokenizer.sha256} if tokenizer is not None else {})}
+
+
+def _finish(writer: ShardedWriter, cfg: ModelConfig, tokenizer: Tokenizer | None) -> Path:
+    """Close the files, then the tokenizer, then model_config.json last: a folder without it is unfinished, and
+    every reader refuses it."""
+    path = writer.close()
+    directory = Path(writer.directory)
+    if tokenizer is not None:
+        tokenizer.save(directory / TOKENIZER_FILE)
+    write_json_atomic(directory / CONFIG_FILE, asdict(cfg))
+    return path
 
 
 def open_weights(directory: Path) -> tuple[ModelConfig, SafetensorsFolder]:
