@@ -2,8 +2,8 @@
 `model.safetensors.index.json` (name -> file), or one `model.safetensors` when everything fits one file.
 
 `ShardedWriter` plans the files from the tensors' shapes, writes each header first and streams each tensor to
-disk as it comes, holding none; `SafetensorsFolder` reads either layout tensor by tensor, or by slices (`safe_open(...).get_slice`),
-never the whole model at once.
+disk as it comes, holding none; `SafetensorsFolder` reads either layout tensor by tensor, or by slices
+(`safe_open(...).get_slice`), never the whole model at once.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class ShardedWriter:
             offset += size
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-        self._out = open(self._partial(self._file_index), "wb")  # noqa: SIM115 (closed in _finish_file)
+        self._out = open(self._partial(self._file_index), "wb")
         self._out.write(struct.pack("<Q", len(encoded)) + encoded)
 
     def _partial(self, index: int) -> Path:
@@ -158,9 +158,14 @@ class SafetensorsFolder:
             self.source = self.directory / SINGLE_FILE  # the file naming the tensors: the one file or the index
             with safe_open(str(self.source), framework="pt") as f:
                 self.weight_map = dict.fromkeys(f.keys(), SINGLE_FILE)
+                self.metadata: dict[str, str] = f.metadata() or {}
         elif (self.directory / INDEX_FILE).is_file():
             self.source = self.directory / INDEX_FILE
             self.weight_map = _read_index(self.source)
+            self.metadata = {}
+            for file in sorted(set(self.weight_map.values()))[:1]:  # every file carries the same metadata
+                with safe_open(str(self.directory / file), framework="pt") as f:
+                    self.metadata = f.metadata() or {}
         else:
             raise FileNotFoundError(f"{self.directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
         self._open: tuple[str, object] | None = None

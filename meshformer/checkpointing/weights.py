@@ -186,6 +186,32 @@ def open_weights(directory: Path) -> tuple[ModelConfig, SafetensorsFolder]:
                                      "folder") from None
 
 
+def weights_tokenizer(directory: Path, spec: str | None = None, option: str = "--tokenizer") -> Tokenizer:
+    """The tokenizer the weights in `directory` were trained with: the folder's own tokenizer.json, or `spec`
+    (e.g. a --tokenizer option) if it is the same tokenizer. A tokenizer whose fingerprint differs from the one
+    saved with the weights is refused, whatever its size: decoding with it gives wrong text, silently."""
+    from meshformer.data import load_tokenizer
+    from meshformer.data.tokenizer import TokenizerError, check_vocab
+
+    directory = Path(directory)
+    cfg, folder = open_weights(directory)
+    own = directory / TOKENIZER_FILE
+    if spec is None and not own.is_file():
+        raise TokenizerError(f"{directory} carries no {TOKENIZER_FILE} (weights written before tokenizers travelled "
+                             "with them, or copied without it)", f"pass {option} with the tokenizer the model was "
+                             "trained with (its data.tokenizer)")
+    tokenizer = load_tokenizer(str(directory) if spec is None else spec)
+    recorded = folder.metadata.get(TOKENIZER_SHA256)
+    if recorded and tokenizer.sha256 != recorded:
+        whose = f"{option} {spec!r}" if spec is not None else str(own)
+        fix = (f"set {option} to the tokenizer the model was trained with ({own})" if spec is not None
+               else f"restore {own} from the run's final/ folder")
+        raise TokenizerError(f"{whose} (sha256 {tokenizer.sha256[:12]}) is not the tokenizer the weights in "
+                             f"{directory} were trained with (sha256 {recorded[:12]})", fix)
+    check_vocab(tokenizer, cfg.vocab_size, option)
+    return tokenizer
+
+
 def read_weights(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(model config, full state dict with tied weights restored) of a weights folder: small models only."""
     cfg, folder = open_weights(directory)

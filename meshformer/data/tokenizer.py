@@ -20,7 +20,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from meshformer.errors import MeshformerError
+from meshformer.errors import ConfigError, MeshformerError
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "tokenizers"
 CONFIG_FILE = "tokenizer_config.json"  # a Hugging Face folder's special tokens, read beside tokenizer.json
@@ -97,6 +97,14 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, sha256={self.sha256[:12]})"
+
+
+def check_vocab(tokenizer: Tokenizer, vocab_size: int, tokenizer_key: str = "data.tokenizer") -> None:
+    """Token ids beyond the embedding table would fail deep in the model (or index out of bounds on GPU)."""
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(f"the tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but model.vocab_size="
+                          f"{vocab_size}", f"raise model.vocab_size to at least {tokenizer.vocab_size}, or set "
+                          f"{tokenizer_key} to the tokenizer the model was trained with")
 
 
 def _find(hf: HFTokenizer, names: list[str]) -> int | None:

@@ -178,6 +178,12 @@ class Trainer:
             part.train()
         return loss_sum / max(tokens, 1.0)
 
+    def sample_batch(self) -> dict[str, torch.Tensor]:
+        """The first held-out batch: samples start from the run's own data."""
+        batch = next(iter(self.eval_data))  # eval batches are the same at every pass: training order is untouched
+        self.eval_data.close()
+        return batch
+
     # ------------------------------------------------------------------ loop
 
     def fit(self) -> TrainResult:
@@ -255,7 +261,7 @@ class Trainer:
                 log.info(f"eval  {step:>6} | loss {eval_loss:.4f} | ppl {math.exp(min(eval_loss, 50)):.2f}")
             if cfg.train.sample_interval and step % cfg.train.sample_interval == 0 and self.model is not None:
                 self.watchdog.phase("sample")
-                text = decoded_sample(self.model, self.tokenizer, self.cfg, self.device)
+                text = decoded_sample(self.model, self.tokenizer, self.cfg, self.device, self.sample_batch())
                 if text is not None:
                     log.text(step, "sample", text)
                     log.info(f"sample {step:>5} | {text!r}")
@@ -290,7 +296,7 @@ class Trainer:
         if self.rank == 0:
             folders.scratch(staged, "final weights")
         try:
-            path = save_weights(self.parallel_model, staged, self.cfg.checkpoint.max_shard_size)
+            path = save_weights(self.parallel_model, staged, self.cfg.checkpoint.max_shard_size, self.tokenizer)
         except Exception as err:
             if self.rank == 0:
                 folders.remove(staged)
