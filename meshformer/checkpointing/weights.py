@@ -32,13 +32,14 @@ from meshformer.checkpointing.sharded_safetensors import (
 )
 from meshformer.config import ModelConfig
 from meshformer.data import Tokenizer
+from meshformer.data.tokenizer import CONFIG_FILE as TOKENIZER_CONFIG_FILE
 from meshformer.errors import MeshformerError
 from meshformer.model import Transformer
 
 WEIGHTS_FILE = SINGLE_FILE
 CONFIG_FILE = "model_config.json"
 TOKENIZER_FILE = "tokenizer.json"  # the run's tokenizer, beside the weights it was trained with
-TOKENIZER_SHA256 = "tokenizer_sha256"  # safetensors metadata: the fingerprint of that tokenizer
+TOKENIZER_FINGERPRINT = "tokenizer_fingerprint"  # safetensors metadata: `Tokenizer.fingerprint` of that tokenizer
 _METADATA = {"format": "meshformer"}
 
 
@@ -124,7 +125,7 @@ def save_weights(parallel_model, directory: Path, max_shard_size: int | str = DE
     returns the file or index path on rank 0."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     plan = gather_plan(parallel_model)
-    writer = ShardedWriter(directory, plan[2], max_shard_size, _metadata(tokenizer)) if rank == 0 else None
+    writer = _writer(directory, plan[2], max_shard_size, tokenizer) if rank == 0 else None
     for name, tensor in gathered_tensors(parallel_model, plan):
         assert writer is not None  # only rank 0 is handed tensors
         writer.add(name, tensor)
@@ -140,7 +141,7 @@ def write_weights(state: Mapping[str, torch.Tensor], cfg: ModelConfig, directory
     in memory at a time), tied output dropped; `tokenizer`, the model's, travels with it."""
     names = saved_names(cfg)
     layout = {name: _template(state, name) for name in names}
-    writer = ShardedWriter(directory, layout, max_shard_size, _metadata(tokenizer))
+    writer = _writer(directory, layout, max_shard_size, tokenizer)
     for name in names:
         writer.add(name, state[name])
     return _finish(writer, cfg, tokenizer)
@@ -152,8 +153,14 @@ def _template(state: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
     return meta(name) if callable(meta) else state[name]
 
 
-def _metadata(tokenizer: Tokenizer | None) -> dict[str, str]:
-    return {**_METADATA, **({TOKENIZER_SHA256: tokenizer.sha256} if tokenizer is not None else {})}
+def _writer(directory: Path, layout: dict[str, torch.Tensor], max_shard_size: int | str,
+            tokenizer: Tokenizer | None) -> ShardedWriter:
+    """A writer into `directory`, whose older config and tokenizer go first: until `_finish`, the folder holds no
+    model_config.json, and never one (or a tokenizer) beside weights it does not describe."""
+    for stale in (CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
+        (Path(directory) / stale).unlink(missing_ok=True)
+    metadata = {**_METADATA, **({TOKENIZER_FINGERPRINT: tokenizer.fingerprint} if tokenizer is not None else {})}
+    return ShardedWriter(directory, layout, max_shard_size, metadata)
 
 
 def _finish(writer: ShardedWriter, cfg: ModelConfig, tokenizer: Tokenizer | None) -> Path:
@@ -201,13 +208,13 @@ def weights_tokenizer(directory: Path, spec: str | None = None, option: str = "-
                              "with them, or copied without it)", f"pass {option} with the tokenizer the model was "
                              "trained with (its data.tokenizer)")
     tokenizer = load_tokenizer(str(directory) if spec is None else spec)
-    recorded = folder.metadata.get(TOKENIZER_SHA256)
-    if recorded and tokenizer.sha256 != recorded:
+    recorded = folder.metadata.get(TOKENIZER_FINGERPRINT)
+    if recorded and tokenizer.fingerprint != recorded:
         whose = f"{option} {spec!r}" if spec is not None else str(own)
         fix = (f"set {option} to the tokenizer the model was trained with ({own})" if spec is not None
                else f"restore {own} from the run's final/ folder")
-        raise TokenizerError(f"{whose} (sha256 {tokenizer.sha256[:12]}) is not the tokenizer the weights in "
-                             f"{directory} were trained with (sha256 {recorded[:12]})", fix)
+        raise TokenizerError(f"{whose} (fingerprint {tokenizer.fingerprint[:12]}) is not the tokenizer the weights in "
+                             f"{directory} were trained with (fingerprint {recorded[:12]})", fix)
     check_vocab(tokenizer, cfg.vocab_size, option)
     return tokenizer
 

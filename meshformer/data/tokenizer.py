@@ -69,6 +69,15 @@ class Tokenizer:
                                              | {i for i in (self.unk_id, self.mask_id) if i is not None}
                                              | set(_added_special_ids(hf)))
 
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of what decides ids and text (vocabulary, merges, normalizer, pre-tokenizer, decoder, added
+        tokens), not of settings meshformer never applies (post-processor, padding, truncation): the same
+        tokenizer saved by transformers' save_pretrained keeps its fingerprint."""
+        raw = json.loads(self.json)
+        kept = {k: v for k, v in raw.items() if k not in ("post_processor", "padding", "truncation")}
+        return hashlib.sha256(json.dumps(kept, sort_keys=True).encode("utf-8")).hexdigest()
+
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False).ids
 
