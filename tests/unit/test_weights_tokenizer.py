@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 import transformers
+from helpers.convert import same_size_other_tokenizer
 
 from meshformer.checkpointing.safetensors_io import read_model_source
 from meshformer.checkpointing.weights import (
@@ -33,19 +34,6 @@ from meshformer.model import Transformer
 
 CFG = ModelConfig(vocab_size=4096, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_seq_len=64)
 TEXT = "In the beginning God created the heaven and the earth."
-
-
-def _same_size_other_tokenizer(tmp_path):
-    """The bundled tokenizer with two tokens' ids swapped: the same 4096 tokens, a different tokenizer."""
-    raw = json.loads(load_tokenizer("bundled:kjv-bpe-4k").json)
-    vocab = raw["model"]["vocab"]
-    a, b = "\u0120the", "\u0120and"  # byte-level BPE spells a leading space \u0120
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    path = tmp_path / "other.json"
-    path.write_text(json.dumps(raw))
-    other = load_tokenizer(str(path))
-    assert other.vocab_size == 4096 and other.encode(" the") != load_tokenizer("bundled:kjv-bpe-4k").encode(" the")
-    return path
 
 
 def _one_line(argv: list[str], capsys) -> str:
@@ -70,7 +58,8 @@ def test_weights_carry_their_tokenizer_and_refuse_another_of_the_same_size(weigh
     own = weights_tokenizer(weights)
     assert (weights / TOKENIZER_FILE).is_file() and own.sha256 == load_tokenizer("bundled:kjv-bpe-4k").sha256
     assert weights_tokenizer(weights, "bundled:kjv-bpe-4k").sha256 == own.sha256  # the same one, named otherwise
-    other = _same_size_other_tokenizer(tmp_path)
+    other = same_size_other_tokenizer(tmp_path / "other.json")
+    assert load_tokenizer(str(other)).vocab_size == 4096
     with pytest.raises(TokenizerError, match="is not the tokenizer the weights in .* were trained with"):
         weights_tokenizer(weights, str(other))
     line = _one_line(["generate", str(weights), "--prompt", "And God said", "--tokenizer", str(other)], capsys)
