@@ -152,12 +152,13 @@ def _export_hf(args: argparse.Namespace) -> Path:
     def write(out: Path) -> Path:
         cfg, state = read_model_source(Path(args.src))
         tokenizer = _source_tokenizer(args)
-        if tokenizer is None:  # the export still loads as a model; say why AutoTokenizer will not
+        if tokenizer is not None:
+            check_vocab(tokenizer, cfg.vocab_size, "--tokenizer")
+        written = export_hf(state, cfg, out, args.arch, args.max_shard_size, tokenizer)
+        if tokenizer is None:  # the export loads as a model; say why AutoTokenizer will not
             print(f"note: {args.src} carries no tokenizer, so the export has none; pass --tokenizer with the one the "
                   "model was trained with to include it", file=sys.stderr)
-        else:
-            check_vocab(tokenizer, cfg.vocab_size, "--tokenizer")
-        return export_hf(state, cfg, out, args.arch, args.max_shard_size, tokenizer)
+        return written
 
     return _into(args, "a Hugging Face model", _weights_legacy(Path(args.out), "config.json"), write)
 
