@@ -62,20 +62,37 @@ class ShardedWriter:
         self._file_of = {name: i for i, names in enumerate(self._files) for name in names}
         self._file_index = -1
         self._out: BinaryIO | None = None
+        self._current: str | None = None  # the tensor being written, and its bytes still to come
+        self._remaining = 0
         self.total_bytes = sum(_nbytes(*entry) for entry in self._layout.values())
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        expected = next(self._order, None)
-        shape, dtype = self._layout.get(name, ((), None))
-        if name != expected or tuple(tensor.shape) != shape or tensor.dtype != dtype:
-            raise ValueError(f"the writer expected {expected!r} {self._layout.get(expected or '')} next, got {name!r} "
-                             f"{(tuple(tensor.shape), tensor.dtype)}")
-        if self._file_of[name] != self._file_index:
-            self._next_file()
-        assert self._out is not None  # opened just above
-        data = tensor.detach().contiguous().reshape(-1)
-        if data.numel():  # raw little-endian bytes, without a copy on the CPU
+        """The whole tensor `name`, the next one in the layout's order."""
+        if tuple(tensor.shape) != self._layout.get(name, (None,))[0]:
+            raise ValueError(f"{name!r} has the shape {tuple(tensor.shape)}, the layout {self._layout.get(name)}")
+        self.add_part(name, tensor)
+
+    def add_part(self, name: str, piece: torch.Tensor) -> None:
+        """The next piece of `name` (pieces along dim 0, in order, make the tensor): a tensor can be written as
+        its shards arrive, without ever being whole in memory."""
+        if self._current is None:
+            expected = next(self._order, None)
+            if name != expected:
+                raise ValueError(f"the writer expected {expected!r} next, got {name!r}")
+            if self._file_of[name] != self._file_index:
+                self._next_file()
+            self._current, self._remaining = name, _nbytes(*self._layout[name])
+        data = piece.detach().contiguous().reshape(-1)
+        size = data.numel() * data.element_size()
+        if name != self._current or piece.dtype != self._layout[name][1] or size > self._remaining:
+            raise ValueError(f"{name!r} {piece.dtype} ({size} bytes) does not continue {self._current!r} "
+                             f"{self._layout[self._current][1]} ({self._remaining} bytes to go)")
+        assert self._out is not None  # opened with the tensor's first piece
+        if size:  # raw little-endian bytes, without a copy on the CPU
             self._out.write(data.to("cpu").view(torch.uint8).numpy().data)
+        self._remaining -= size
+        if self._remaining == 0:
+            self._current = None
 
     def _next_file(self) -> None:
         self._finish_file()
@@ -104,8 +121,8 @@ class ShardedWriter:
 
     def close(self) -> Path:
         """Rename the complete files into place and write the index; returns the index or the one file."""
-        if (missing := next(self._order, None)) is not None:
-            raise ValueError(f"the writer was closed before {missing!r} was added")
+        if (missing := self._current or next(self._order, None)) is not None:
+            raise ValueError(f"the writer was closed before {missing!r} was written whole")
         if not self._files[0]:  # nothing to write: still a valid, empty file
             self._next_file()
         self._finish_file()

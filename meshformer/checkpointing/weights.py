@@ -1,8 +1,9 @@
 """Final model weights as safetensors (one file, or HF-style shards + index) plus the model config.
 
 Saving streams: every tensor is gathered on its own (`full_tensor()`, a collective over the ranks that hold
-it), sent to rank 0 by the lowest rank holding it, and rank 0 writes it to disk at once (headers first), so no
-process holds more than one whole tensor beyond its own shards, whatever the file size. The folder carries the
+it), sent to rank 0 by the lowest rank holding it, or (FSDP row shards) sent block by block, and rank 0 writes
+it to disk at once (headers first): no process holds more than one tensor beyond its own shards, whatever the
+file size. The folder carries the
 model's tokenizer (tokenizer.json, its fingerprint in the safetensors metadata); model_config.json is written
 last. Loading reads tensor by tensor (or only this rank's slice of each), never a whole state dict.
 """
@@ -12,8 +13,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -64,59 +66,109 @@ def quiet_redistribute() -> Iterator[None]:
         log.setLevel(level)
 
 
-def gather_plan(parallel_model) -> tuple[dict[str, torch.Tensor], dict[str, int], dict[str, torch.Tensor]]:
-    """(this rank's tensors, name -> lowest rank holding it, name -> meta tensor of the whole tensor, in saving
-    order); a collective every rank calls."""
+@dataclass
+class GatherPlan:
+    """Who holds what, the same on every rank (a collective builds it)."""
+
+    local: dict[str, torch.Tensor]  # this rank's tensors (DTensors or plain)
+    owner: dict[str, int]  # the lowest rank holding each tensor
+    layout: dict[str, torch.Tensor]  # name -> meta tensor of the whole tensor, in saving order
+    # name -> (rank, local shape) of each row block, in order, for tensors rank 0 holds as a row shard on a 1-D
+    # mesh (FSDP): rank 0 writes the blocks as they arrive, the tensor is never whole anywhere
+    row_blocks: dict[str, list[tuple[int, tuple[int, ...]]]]
+
+
+def _row_shard_ranks(value: torch.Tensor) -> list[int] | None:
+    """The ranks holding `value`'s row blocks in order, if it is sharded by rows over a 1-D mesh."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(value, DTensor) and value.device_mesh.ndim == 1 and tuple(value.placements) == (Shard(0),):
+        return value.device_mesh.mesh.flatten().tolist()
+    return None
+
+
+def gather_plan(parallel_model) -> GatherPlan:
+    """The plan of a final save: a collective every rank calls."""
     from meshformer.checkpointing.state import named_buffers, named_parameters
+    from meshformer.parallel.grad_norm import local_tensor
 
     local = dict(named_parameters(parallel_model.model_parts)) | dict(named_buffers(parallel_model.model_parts))
     cfg = parallel_model.model_parts[0].cfg
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items()}  # of tensors other ranks send
-    dtypes = {name: tensor.dtype for name, tensor in local.items()}
-    owner = dict.fromkeys(local, 0)
+    mine = {name: (t.dtype, _row_shard_ranks(t), tuple(local_tensor(t).shape))
+            for name, t in local.items()}
+    held: list[dict | None] = [mine]
     if dist.is_initialized():
-        held: list[dict[str, torch.dtype] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(held, dtypes)
-        owner = {}
-        for r, rank_dtypes in enumerate(held):
-            for key, dtype in sorted((rank_dtypes or {}).items()):
-                owner.setdefault(key, r)
-                dtypes.setdefault(key, dtype)
+        held = [None] * dist.get_world_size()
+        dist.all_gather_object(held, mine)
+    owner: dict[str, int] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for r, report in enumerate(held):
+        for key, (dtype, _, _) in sorted((report or {}).items()):
+            owner.setdefault(key, r)
+            dtypes.setdefault(key, dtype)
     names = saved_names(cfg, shapes)
     if missing := [n for n in names if n not in owner]:
         raise RuntimeError(f"no rank holds {missing[:5]}: the parallel model's parts do not cover the model")
     layout = {name: torch.empty(shapes[name], dtype=dtypes[name], device="meta") for name in names}
-    return local, owner, layout
+    rank0 = held[0] or {}
+    row_blocks = {name: [(r, (held[r] or {})[name][2]) for r in rank0[name][1]]
+                  for name in names if name in rank0 and rank0[name][1] is not None}
+    return GatherPlan(local, owner, layout, row_blocks)
 
 
-def gathered_tensors(parallel_model, plan: tuple | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, whole tensor) on rank 0, in model order, one at a time; a collective every rank iterates.
+def gathered_pieces(parallel_model, plan: GatherPlan | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, piece) on rank 0, in model order: a tensor's pieces, in order along dim 0, make it whole. A
+    collective every rank iterates.
 
-    Each tensor is gathered by the ranks holding it and sent once, by the lowest of them: pipeline stages
-    contribute their own layers, data- and tensor-parallel replicas send nothing twice. `plan`: `gather_plan`'s
-    answer, when the caller already asked for it.
+    A row-sharded (FSDP) tensor comes as its blocks, each sent by its rank: no rank ever holds it whole. Any other
+    is gathered by the ranks holding it and sent once, by the lowest of them: pipeline stages contribute their
+    own layers, data- and tensor-parallel replicas send nothing twice.
     """
     from torch.distributed.tensor import DTensor
 
-    local, owner, layout = plan or gather_plan(parallel_model)
+    plan = plan or gather_plan(parallel_model)
     rank = dist.get_rank() if dist.is_initialized() else 0
     with quiet_redistribute(), torch.no_grad():
-        for name, template in layout.items():
+        for name, template in plan.layout.items():
+            if name in plan.row_blocks:
+                yield from _row_blocks(name, plan, rank, parallel_model.device)
+                continue
             full = None
-            if name in local:
-                value = local[name].detach()
+            if name in plan.local:
+                value = plan.local[name].detach()
                 full = value.full_tensor() if isinstance(value, DTensor) else value
-            if owner[name] != 0 and rank == owner[name]:
+            if plan.owner[name] != 0 and rank == plan.owner[name]:
                 assert full is not None  # the owner holds it
                 dist.send(full.contiguous(), dst=0)
             if rank == 0:
-                if owner[name] != 0:
+                if plan.owner[name] != 0:
                     full = torch.empty(template.shape, dtype=template.dtype, device=parallel_model.device)
-                    dist.recv(full, src=owner[name])
+                    dist.recv(full, src=plan.owner[name])
                 assert full is not None  # rank 0 holds it or has just received it
                 yield name, full
             del full
+
+
+def _row_blocks(name: str, plan: GatherPlan, rank: int, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rank 0 yields its own block and receives the others' in turn, one at a time; empty blocks never travel."""
+    from meshformer.parallel.grad_norm import local_tensor
+
+    blocks = [(r, shape) for r, shape in plan.row_blocks[name] if math.prod(shape) > 0]
+    if rank == 0 and not blocks:  # an empty tensor: one empty piece says it is written
+        yield name, torch.empty(plan.layout[name].shape, dtype=plan.layout[name].dtype)
+    for source, shape in blocks:
+        if rank == 0:
+            if source == 0:
+                yield name, local_tensor(plan.local[name])
+            else:
+                block = torch.empty(shape, dtype=plan.layout[name].dtype, device=device)
+                dist.recv(block, src=source)
+                yield name, block
+                del block
+        elif rank == source:
+            dist.send(local_tensor(plan.local[name]).contiguous(), dst=0)
 
 
 def save_weights(parallel_model, directory: Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
@@ -125,11 +177,11 @@ def save_weights(parallel_model, directory: Path, max_shard_size: int | str = DE
     returns the file or index path on rank 0."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     plan = gather_plan(parallel_model)
-    writer = _writer(directory, plan[2], max_shard_size, tokenizer) if rank == 0 else None
-    for name, tensor in gathered_tensors(parallel_model, plan):
-        assert writer is not None  # only rank 0 is handed tensors
-        writer.add(name, tensor)
-        del tensor  # written: the next one may take its memory
+    writer = _writer(directory, plan.layout, max_shard_size, tokenizer) if rank == 0 else None
+    for name, piece in gathered_pieces(parallel_model, plan):
+        assert writer is not None  # only rank 0 is handed pieces
+        writer.add_part(name, piece)
+        del piece  # written: the next one may take its memory
     if writer is None:
         return None
     return _finish(writer, parallel_model.model_parts[0].cfg, tokenizer)
