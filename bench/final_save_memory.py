@@ -60,8 +60,8 @@ def main() -> None:
                          threads=1)
     model, largest = per_rank[0]["model"], per_rank[0]["largest"]
     worst = max(r["growth"] for r in per_rank)
-    result = {"fsdp_ranks": args.ranks, "max_shard_size": args.max_shard_size, "model_fp32_MiB": round(model / 2**20, 1),
-              "largest_tensor_MiB": round(largest / 2**20, 1),
+    result = {"fsdp_ranks": args.ranks, "max_shard_size": args.max_shard_size,
+              "model_fp32_MiB": round(model / 2**20, 1), "largest_tensor_MiB": round(largest / 2**20, 1),
               "rank0_growth_MiB": round(per_rank[0]["growth"] / 2**20, 1),
               "max_rank_growth_MiB": round(worst / 2**20, 1),
               "max_rank_growth_over_model": round(worst / model, 3),
