@@ -106,17 +106,28 @@ def _write(args: argparse.Namespace, cfg: ModelConfig, state: Mapping[str, torch
 
 
 def _source_tokenizer(args: argparse.Namespace) -> Tokenizer | None:
-    """The tokenizer that goes with the output: a weights folder's own (or --tokenizer, if it is the same one),
-    else --tokenizer (a checkpoint carries none); None when there is neither (tools reading the output then ask
-    for --tokenizer)."""
-    from meshformer.checkpointing.weights import CONFIG_FILE, TOKENIZER_FILE, weights_tokenizer
+    """The tokenizer that goes with the output: the one saved in SRC (a weights folder or checkpoint), or
+    --tokenizer if it is the same one or SRC has none (older runs); None when there is neither (tools reading the
+    output then ask for --tokenizer)."""
+    from meshformer.checkpointing import directory
+    from meshformer.checkpointing.manifest import MANIFEST
+    from meshformer.checkpointing.weights import CONFIG_FILE, TOKENIZER_FILE, refuse_other_tokenizer, weights_tokenizer
     from meshformer.data import load_tokenizer
 
     src = Path(args.src)
-    is_weights = has_safetensors(src) and (src / CONFIG_FILE).is_file()
-    if is_weights and (args.tokenizer or (src / TOKENIZER_FILE).is_file()):
-        return weights_tokenizer(src, args.tokenizer)
-    return load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
+    if has_safetensors(src) and (src / CONFIG_FILE).is_file():
+        return weights_tokenizer(src, args.tokenizer) if args.tokenizer or (src / TOKENIZER_FILE).is_file() else None
+    given = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
+    # the step the conversion reads (its manifest is verified there, not twice); the run's tokenizer is the same
+    # in each of its steps
+    steps = directory.committed_steps(src)
+    step = src / directory.step_dir_name(steps[-1]) if steps and not (src / MANIFEST).is_file() else src
+    if not (step / TOKENIZER_FILE).is_file():  # a checkpoint of an older run
+        return given
+    saved = load_tokenizer(str(step / TOKENIZER_FILE))
+    if given is not None:
+        refuse_other_tokenizer(given, saved.fingerprint, step, args.tokenizer, "--tokenizer")
+    return saved
 
 
 def _to_safetensors(args: argparse.Namespace) -> Path:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from torch import nn
 
+from meshformer.checkpointing import directory as directory_layout
 from meshformer.checkpointing.errors import CorruptCheckpointError
 from meshformer.checkpointing.manifest import write_json_atomic
 from meshformer.checkpointing.sharded_safetensors import (
@@ -40,7 +41,7 @@ from meshformer.model import Transformer
 
 WEIGHTS_FILE = SINGLE_FILE
 CONFIG_FILE = "model_config.json"
-TOKENIZER_FILE = "tokenizer.json"  # the run's tokenizer, beside the weights it was trained with
+TOKENIZER_FILE = directory_layout.TOKENIZER_FILE  # the run's tokenizer, beside the weights it was trained with
 TOKENIZER_FINGERPRINT = "tokenizer_fingerprint"  # safetensors metadata: `Tokenizer.fingerprint` of that tokenizer
 _METADATA = {"format": "meshformer"}
 
@@ -260,15 +261,23 @@ def weights_tokenizer(directory: Path, spec: str | None = None, option: str = "-
                              "with them, or copied without it)", f"pass {option} with the tokenizer the model was "
                              "trained with (its data.tokenizer)")
     tokenizer = load_tokenizer(str(directory) if spec is None else spec)
-    recorded = folder.metadata.get(TOKENIZER_FINGERPRINT)
+    refuse_other_tokenizer(tokenizer, folder.metadata.get(TOKENIZER_FINGERPRINT), directory, spec, option)
+    check_vocab(tokenizer, cfg.vocab_size, option)
+    return tokenizer
+
+
+def refuse_other_tokenizer(tokenizer: Tokenizer, recorded: str | None, directory: Path, spec: str | None,
+                           option: str) -> None:
+    """One line naming both when `tokenizer` is not the one (`recorded` fingerprint) saved in `directory`."""
+    from meshformer.data.tokenizer import TokenizerError
+
     if recorded and tokenizer.fingerprint != recorded:
+        own = Path(directory) / TOKENIZER_FILE
         whose = f"{option} {spec!r}" if spec is not None else str(own)
         fix = (f"set {option} to the tokenizer the model was trained with ({own})" if spec is not None
                else f"restore {own} from the run's final/ folder")
         raise TokenizerError(f"{whose} (fingerprint {tokenizer.fingerprint[:12]}) is not the tokenizer the weights in "
                              f"{directory} were trained with (fingerprint {recorded[:12]})", fix)
-    check_vocab(tokenizer, cfg.vocab_size, option)
-    return tokenizer
 
 
 def read_weights(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -111,6 +111,7 @@ class Trainer:
                                              {"scheduler": SchedulerState(self.scheduler), "data": self.train_data},
                                              cfg)
         self.checkpoints = CheckpointManager.from_config(cfg, self.run_dir, log=self.logger.info)
+        self.checkpoints.tokenizer = self.tokenizer  # checkpoints carry it, as final/ does
 
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, self.target_len)
         n_params = sum(p.numel() for p in model.parameters())
