@@ -151,6 +151,10 @@ def validate_parallel(cfg: Config, world_size: int, device: torch.device | str |
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     device_type = torch.device(device).type if device is not None else _configured_device_type(cfg)
     check_context_parallel(cfg, dims)
+    if cfg.model.qk_norm_scope == "projection" and dims.tp > 1:
+        raise ConfigError(f"parallel.tp={dims.tp}: model.qk_norm_scope='projection' (OLMo 2) normalises over every "
+                          "head at once, which tensor parallel splits across ranks",
+                          "use parallel.tp=1 (FSDP, HSDP, CP and PP run it)")
     if cfg.model.position == "t5_relative" and (dims.tp > 1 or dims.pp > 1):
         # TP would have to slice the bias per rank's heads and PP to share each stack's table between stages.
         raise ConfigError(f"parallel.tp={dims.tp}, parallel.pp={dims.pp}: t5_relative position bias is not supported "
@@ -159,6 +163,7 @@ def validate_parallel(cfg: Config, world_size: int, device: torch.device | str |
     check_expert_parallel(cfg, dims)
     _check_pipeline(cfg, dims)
     _check_precision(cfg, dims, device_type, on_this_host)
+    _check_moe_backend(cfg, device_type, on_this_host)
     p = cfg.parallel
     if p.recompute == "every_k" and p.recompute_every < 1:
         raise ConfigError(f"parallel.recompute_every must be >= 1, got {p.recompute_every}")
@@ -302,6 +307,23 @@ def _check_precision(cfg: Config, dims: ParallelDims, device_type: str, on_this_
     if (p.mixed_precision_param != "fp32" or p.mixed_precision_reduce != "fp32") and not dims.fsdp_enabled:
         raise ConfigError("parallel.mixed_precision_param/_reduce configure FSDP, which is off with a data-parallel "
                           "size of 1; use train.dtype='bf16' (autocast) instead, or add data-parallel ranks")
+
+
+def _check_moe_backend(cfg: Config, device_type: str, on_this_host: bool) -> None:
+    """An explicit moe_backend='grouped_mm' that torch._grouped_mm cannot run fails here, not in the first forward."""
+    from meshformer.model import moe
+
+    m, p = cfg.model, cfg.parallel
+    if m.n_experts == 0 or m.moe_backend != "grouped_mm":
+        return
+    if device_type == "cuda" and cfg.train.dtype != "bf16" and p.mixed_precision_param != "bf16":
+        raise ConfigError("model.moe_backend='grouped_mm' runs bf16 rows on CUDA, but this run computes in fp32",
+                          "set train.dtype='bf16' (or parallel.mixed_precision_param='bf16'), or use "
+                          "model.moe_backend='auto' (grouped_mm where it runs, else the loop)")
+    if on_this_host and not moe.grouped_mm_runs(device_type):
+        raise ConfigError(f"model.moe_backend='grouped_mm', but torch._grouped_mm does not run on this {device_type} "
+                          "(CUDA needs compute capability 9.0 or newer)", "use model.moe_backend='auto' (grouped_mm "
+                          "where it runs, else the loop) or 'padded'")
 
 
 def bf16_supported(device_type: str) -> bool:

@@ -156,6 +156,7 @@ def _require_transformers(command: str) -> None:
 
 def _export_hf(args: argparse.Namespace) -> Path:
     from meshformer.checkpointing.hf_folder import export_hf
+    from meshformer.checkpointing.init_from import source_arch
     from meshformer.checkpointing.safetensors_io import read_model_source
 
     _require_transformers("export-hf")
@@ -165,7 +166,9 @@ def _export_hf(args: argparse.Namespace) -> Path:
         tokenizer = _source_tokenizer(args)
         if tokenizer is not None:
             check_vocab(tokenizer, cfg.vocab_size, "--tokenizer")
-        written = export_hf(state, cfg, out, args.arch, args.max_shard_size, tokenizer)
+        # default: the architecture a run from checkpoint.init_from started from, else the one that matches
+        arch = args.arch or source_arch(Path(args.src))
+        written = export_hf(state, cfg, out, arch, args.max_shard_size, tokenizer)
         if tokenizer is None:  # the export loads as a model; say why AutoTokenizer will not
             print(f"note: {args.src} carries no tokenizer, so the export has none; pass --tokenizer with the one the "
                   "model was trained with to include it", file=sys.stderr)
@@ -186,14 +189,14 @@ def _import_hf(args: argparse.Namespace) -> Path:
 
 
 def _export_megatron(args: argparse.Namespace) -> Path:
-    from meshformer.checkpointing.megatron import SAVED_CONFIG, TRACKER, export_megatron
+    from meshformer.checkpointing.megatron import WRITTEN_BESIDE, export_megatron
     from meshformer.checkpointing.safetensors_io import read_model_source
 
     def write(out: Path) -> Path:
         cfg, state = read_model_source(Path(args.src))
         return export_megatron(state, cfg, out, iteration=args.iteration, pad_vocab_multiple=args.pad_vocab_multiple)
 
-    return _into(args, "a Megatron checkpoint", [TRACKER, SAVED_CONFIG], write)
+    return _into(args, "a Megatron checkpoint", list(WRITTEN_BESIDE), write)
 
 
 def _import_megatron(args: argparse.Namespace) -> Path:
@@ -201,7 +204,8 @@ def _import_megatron(args: argparse.Namespace) -> Path:
 
     cfg, state = import_megatron(Path(args.src), n_heads=args.heads, vocab_size=args.vocab_size,
                                  activation=args.activation, norm_eps=args.norm_eps, rope_theta=args.rope_theta,
-                                 max_seq_len=args.max_seq_len)
+                                 max_seq_len=args.max_seq_len, experts_per_token=args.experts_per_token,
+                                 router_score=args.router_score)
     return _write(args, cfg, state)
 
 
@@ -259,7 +263,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     command("to-checkpoint", _to_checkpoint, "weights folder -> weights-only sharded checkpoint (training starts "
             "from it at step 0)")
     command("export-hf", _export_hf, "-> Hugging Face folder (GPT-2, BERT, Llama, T5, Mistral, Qwen2/3, Mixtral, "
-            "Qwen3-MoE)").add_argument("--arch", choices=ARCHS, help="default: the one matching the model config")
+            "Qwen3-MoE, OLMo 2, Gemma 2/3)").add_argument("--arch", choices=ARCHS,
+                                                          help="default: the one matching the model config")
     command("import-hf", _import_hf, "Hugging Face folder -> weights folder").add_argument(
         "--checkpoint", action="store_true", help="write a weights-only checkpoint instead of a weights folder")
     megatron_out = command("export-megatron", _export_megatron, "-> Megatron-Core torch_dist GPT checkpoint")
@@ -275,6 +280,10 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     megatron_in.add_argument("--norm-eps", type=float, help="default: the saved config's, else 1e-5")
     megatron_in.add_argument("--rope-theta", type=float, help="default: the saved config's, else 10000")
     megatron_in.add_argument("--max-seq-len", type=_count(1), help="RoPE models: the context length to record")
+    megatron_in.add_argument("--experts-per-token", type=_count(1), help="MoE: the router's top-k (not stored in "
+                             "tensors; Megatron's --moe-router-topk); default: the saved config's")
+    megatron_in.add_argument("--router-score", choices=["softmax", "sigmoid"], help="MoE: default the saved "
+                             "config's, else sigmoid where routers carry a bias (Megatron allows it only there)")
     megatron_in.add_argument("--checkpoint", action="store_true", help="write a weights-only checkpoint")
     command("verify", _verify, "check every checkpoint's files against its manifest (sizes and sha256)")
 

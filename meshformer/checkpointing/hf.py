@@ -1,5 +1,5 @@
 """Weights and configs between meshformer's `Transformer` and Hugging Face GPT-2, BERT, Llama, T5, Mistral, Qwen2,
-Qwen3, Mixtral and Qwen3-MoE.
+Qwen3, Mixtral, Qwen3-MoE, OLMo 2, Gemma 2 and Gemma 3 (text; the last three's configs in hf_gemma_olmo.py).
 
     hf_model = to_hf_model(model)            # GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / T5...
     model = from_hf_model(hf_model)          # and back; logits agree (tests/unit/test_model_references.py)
@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
+from meshformer.checkpointing import hf_gemma_olmo
 from meshformer.checkpointing.mapping import (
     ZERO_ON_IMPORT,
     export_tensors,
@@ -65,11 +66,13 @@ from meshformer.model.families import get_family_spec
 if TYPE_CHECKING:
     from meshformer.model import Transformer
 
-Arch = Literal["gpt2", "bert", "llama", "t5", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+Arch = Literal["gpt2", "bert", "llama", "t5", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2", "gemma2",
+               "gemma3_text"]
 V = TypeVar("V")  # what a state dict maps names to (tensors, or the names themselves)
-ARCHS: tuple[Arch, ...] = ("gpt2", "bert", "llama", "t5", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+ARCHS: tuple[Arch, ...] = ("gpt2", "bert", "llama", "t5", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2",
+                           "gemma2", "gemma3_text")
 # Llama's blocks and names, with what differs mapped below
-_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2", "gemma2", "gemma3_text")
 
 _HF_ACTIVATIONS: dict[str, Activation] = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                                           "relu": "relu"}
@@ -101,13 +104,19 @@ _SIZE_KEYS: dict[str, tuple[str, ...]] = {
     "qwen3_moe": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "max_position_embeddings", "head_dim", "num_experts", "num_experts_per_tok",
                   "moe_intermediate_size", "decoder_sparse_step"),
+    "olmo2": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "max_position_embeddings"),
+    **dict.fromkeys(("gemma2", "gemma3_text"), (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "max_position_embeddings", "head_dim", "sliding_window", "query_pre_attn_scalar")),
     "t5": ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
            "relative_attention_num_buckets", "relative_attention_max_distance"),
 }
 _LAYER_KEYS = {"gpt2": ("n_layer",), "bert": ("num_hidden_layers",), "t5": ("num_layers", "num_decoder_layers"),
                **dict.fromkeys(_LLAMA_LIKE, ("num_hidden_layers",))}
 _WIDTH_AND_HEADS = {"gpt2": ("n_embd", "n_head"), "bert": ("hidden_size", "num_attention_heads"),
-                    "llama": ("hidden_size", "num_attention_heads")}  # the others may set head_dim
+                    "llama": ("hidden_size", "num_attention_heads"),
+                    "olmo2": ("hidden_size", "num_attention_heads")}  # the others may set head_dim
 
 
 def check_sizes(raw: Mapping[str, Any], n_tensors: int) -> None:
@@ -273,6 +282,10 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
             dropout=c.hidden_dropout_prob, attention_dropout=c.attention_probs_dropout_prob,
             init_std=c.initializer_range,
         )
+    if arch == "olmo2":
+        return hf_gemma_olmo.olmo2_from_hf(c)
+    if arch in ("gemma2", "gemma3_text"):
+        return hf_gemma_olmo.gemma_from_hf(c, arch)
     if arch in _LLAMA_LIKE:
         return _llama_like_from_hf(c, arch)
     if arch == "t5":
@@ -330,6 +343,10 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
         # Qwen2/Qwen3: the window in every block (from max_window_layers = 0 on)
         qwen_window: dict[str, Any] = dict(use_sliding_window=cfg.attention_window is not None,
                                            sliding_window=cfg.attention_window, max_window_layers=0)
+        if arch == "olmo2":
+            return hf_gemma_olmo.olmo2_to_hf(cfg, shared)
+        if arch in ("gemma2", "gemma3_text"):
+            return hf_gemma_olmo.gemma_to_hf(cfg, shared, arch)
         if arch == "mistral":
             return transformers.MistralConfig(**shared, intermediate_size=cfg.d_ff, sliding_window=cfg.attention_window)
         if arch == "qwen2":
@@ -385,6 +402,11 @@ def _features(cfg: ModelConfig) -> dict[str, Any]:
         "scale_output": cfg.scale_output, "cross_downsample": cfg.cross_downsample,
         "rope_scaling": cfg.rope_scaling, "head_dim": "d_model/n_heads" if default_head_dim else cfg.head_dim,
         "qk_norm": cfg.qk_norm, "qkv_bias": "as bias" if cfg.use_qkv_bias == cfg.bias else cfg.use_qkv_bias,
+        "qk_norm_scope": cfg.qk_norm_scope if cfg.qk_norm else "head", "norm_weight_offset": cfg.norm_weight_offset,
+        "full_attention_every": cfg.full_attention_every if cfg.attention_window is not None else None,
+        "rope_local_theta": cfg.rope_local_theta if cfg.attention_window is not None else None,
+        "attention_softcap": cfg.attention_softcap, "logit_softcap": cfg.logit_softcap,
+        "query_pre_attn_scalar": "integer" if hf_gemma_olmo.query_pre_attn_scalar(cfg) else "none",
     }
 
 
@@ -393,10 +415,16 @@ _COMMON = {"scale_embeddings": False, "attention_window": None, "attention_scale
            "output_bias": False, "grouped_query": False, "norm": "layernorm", "norm_position": "pre",
            "final_norm": True, "rope_scaling": "none", "head_dim": "d_model/n_heads", "qk_norm": False,
            "qkv_bias": "as bias", "moe": False, "n_shared_experts": 0, "router_score": "softmax",
-           "router_renormalize": True, "router_groups": 1, "capacity_factor": 0.0, "moe_blocks": "every block"}
+           "router_renormalize": True, "router_groups": 1, "capacity_factor": 0.0, "moe_blocks": "every block",
+           "qk_norm_scope": "head", "norm_weight_offset": 0.0, "full_attention_every": None, "rope_local_theta": None,
+           "attention_softcap": None, "logit_softcap": None}
 ANY = "any value"  # a requirement that every value meets
 _LLAMA = {**_COMMON, "family": "decoder", "position": "rope", "norm": "rmsnorm", "activation": "swiglu",
           "grouped_query": {False, True}, "head_dim": ANY, "rope_scaling": ANY}
+# attention_scale = query_pre_attn_scalar^-0.5 (an integer)
+_GEMMA2 = {**_LLAMA, "bias": False, "activation": "geglu", "norm_position": "sandwich", "norm_weight_offset": 1.0,
+           "scale_embeddings": True, "attention_scale": ANY, "query_pre_attn_scalar": "integer",
+           "attention_window": ANY, "full_attention_every": ANY, "attention_softcap": ANY, "logit_softcap": ANY}
 _REQUIREMENTS: dict[str, dict[str, Any]] = {  # a set: any of these values
     "gpt2": {**_COMMON, "family": "decoder", "position": "learned", "bias": True,
              "activation": {"gelu_tanh", "gelu", "relu"}, "attention_scale": {"1/sqrt(head_dim)", 1.0}},
@@ -410,6 +438,10 @@ _REQUIREMENTS: dict[str, dict[str, Any]] = {  # a set: any of these values
     "mixtral": {**_LLAMA, "bias": False, "moe": True, "attention_window": ANY},
     "qwen3_moe": {**_LLAMA, "bias": False, "moe": True, "attention_window": ANY, "qk_norm": True,
                   "router_renormalize": {True, False}, "moe_blocks": {"every block", "some"}},
+    "olmo2": {**_LLAMA, "bias": False, "norm_position": "post_sublayer", "qk_norm": True,
+              "qk_norm_scope": "projection", "head_dim": "d_model/n_heads"},
+    "gemma2": _GEMMA2,
+    "gemma3_text": {**_GEMMA2, "qk_norm": True, "attention_softcap": None, "rope_local_theta": ANY},
     "t5": {**_COMMON, "family": "encoder_decoder", "position": "t5_relative", "norm": "rmsnorm", "bias": False,
            "tie_embeddings": True, "share_embeddings": True, "attention_scale": 1.0, "scale_output": {False, True},
            "activation": {"relu", "swiglu"}},
@@ -471,9 +503,9 @@ def check_exportable(state: Mapping[str, torch.Tensor], arch: Arch) -> None:
     auxiliary-loss-free balancing shifts which experts a token picks; these routers have no such term)."""
     for name in state:
         if ZERO_ON_IMPORT.search(name) and state[name].any():
-            raise ValueError(f"{arch}: {name} is nonzero (a selection bias from model.router_bias_update_rate), "
-                             f"which {arch} has no place for — exporting it would pick other experts; only a model "
-                             "trained without bias balancing can be converted")
+            raise ValueError(f"{arch}: {name} is nonzero (a selection bias from model.router_bias_update_rate, "
+                             f"which {arch} has no place for: without it the model would pick other experts); only "
+                             "a model trained without bias balancing can be converted")
 
 
 def _normalize_names(hf_state: Mapping[str, V], arch: Arch) -> Mapping[str, V]:
@@ -515,7 +547,8 @@ def unused_names(names: Iterable[str], used: set[str], arch: Arch) -> list[str]:
 _MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForMaskedLM", "llama": "LlamaForCausalLM",
                   "t5": "T5ForConditionalGeneration", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM"}
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def to_hf_model(model: Transformer, arch: Arch | None = None) -> Any:

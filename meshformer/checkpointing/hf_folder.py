@@ -44,10 +44,13 @@ def export_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: Path
     try:
         arch = arch or hf.infer_arch(cfg)
         hf.check_compatible(cfg, arch)
-        hf.check_exportable(state, arch)
     except ValueError as err:
         raise ConversionError(f"cannot export to Hugging Face: {err}", "choose another --arch, or leave it out to "
                               "pick the one that matches") from None
+    try:
+        hf.check_exportable(state, arch)
+    except ValueError as err:  # no architecture holds these values: the message carries its own fix
+        raise ConversionError(f"cannot export to Hugging Face: {err}") from None
     out_dir = Path(out_dir)
     hf_config = hf.config_to_hf(cfg, arch)
     if tokenizer is not None:
@@ -164,8 +167,9 @@ def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arc
     return LazyState(list(shapes), reader(theirs), reader(_meta_view(theirs)))
 
 
-def import_hf(folder: Path, *, show_progress: bool | None = None) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
-    """(our config, our tensors read on access) from a Hugging Face folder of one of `hf.ARCHS`."""
+def open_hf(folder: Path) -> tuple[ModelConfig, Arch, Mapping[str, torch.Tensor]]:
+    """(our config, the architecture, its tensors read on access under their own names) of a Hugging Face
+    folder: only config.json and the files' headers are read."""
     from meshformer.checkpointing import hf
 
     folder = Path(folder)
@@ -174,11 +178,18 @@ def import_hf(folder: Path, *, show_progress: bool | None = None) -> tuple[Model
     theirs = hf_source(folder)
     hf_config = _read_config(folder / "config.json", len(theirs))
     try:
-        cfg = hf.config_from_hf(hf_config)
-        state = lazy_from_hf(theirs, cfg, hf_config.model_type)
+        return hf.config_from_hf(hf_config), hf_config.model_type, theirs
     except (ValueError, KeyError) as err:
         raise ConversionError(f"cannot import {folder}: {err}") from None
-    return cfg, state
+
+
+def import_hf(folder: Path, *, show_progress: bool | None = None) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
+    """(our config, our tensors read on access) from a Hugging Face folder of one of `hf.ARCHS`."""
+    cfg, arch, theirs = open_hf(folder)
+    try:
+        return cfg, lazy_from_hf(theirs, cfg, arch)
+    except (ValueError, KeyError) as err:
+        raise ConversionError(f"cannot import {folder}: {err}") from None
 
 
 def _read_config(path: Path, n_tensors: int) -> Any:

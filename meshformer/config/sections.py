@@ -24,6 +24,7 @@ class DataSourceConfig:
     shards: str = ""  # manifest.json (path or URL) of prepared shards
     weight: float = 1.0  # share of samples, relative to the other sources' weights
     name: str = ""  # label in logs (data/<name>/tokens); "": source<i>
+    allow_remote_shards: bool = False  # as data.allow_remote_shards, for this source's manifest
 
 
 @dataclass
@@ -40,6 +41,9 @@ class DataConfig:
     span_mean_length: float = 3.0
     seed: int = 1234
     shards: str = ""  # manifest.json (path or URL) of prepared shards; "": prepare data.corpus into cache_dir
+    # true: the manifest of data.shards may name shards outside its folder (absolute paths, URLs, `pipe:` commands,
+    # which are then read or run); only for a manifest you wrote yourself. false: only files in its folder
+    allow_remote_shards: bool = False
     cache_dir: str = ""  # "": $MESHFORMER_CACHE or ~/.cache/meshformer
     num_workers: int = 1  # DataLoader worker processes per rank (0: load in the training process)
     shuffle_shards: int = 4  # shards mixed into one shuffle group (memory: one group per worker)
@@ -131,6 +135,9 @@ class CheckpointConfig:
     save_on_sigterm: bool = True  # on SIGTERM: save at the next step boundary, then stop
     preempt_check_interval: int = 10  # steps between the cross-rank "did any rank get SIGTERM?" check
     max_shard_size: str = "5GB"  # final weights: largest safetensors file (HF-style shards + index beyond it)
+    # "hf:PATH": step 0 starts from a Hugging Face folder's weights (streamed into this rank's shards), model config
+    # and tokenizer (checkpointing/init_from.py); a resume continues from this run's own checkpoints instead
+    init_from: str = ""
 
 
 @dataclass

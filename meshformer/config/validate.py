@@ -34,6 +34,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"RoPE needs an even head dimension, got {m.attention_head_dim}; set model.head_dim "
                           "(or d_model / n_heads) even")
     _check_rope_scaling(cfg)
+    _check_layer_options(cfg)
     if m.position == "t5_relative" and (m.relative_buckets < 4 or m.relative_max_distance <= m.relative_buckets // 2):
         raise ConfigError(f"model.relative_buckets={m.relative_buckets} / model.relative_max_distance="
                           f"{m.relative_max_distance}: t5_relative needs at least 4 buckets and a max distance above "
@@ -64,6 +65,9 @@ def validate(cfg: Config) -> None:
     if t.dtype == "bf16" and not t.device.startswith(("auto", "cpu", "cuda")):
         raise ConfigError(f"train.dtype='bf16' is not supported on device {t.device!r}; use fp32")
     _check_shard_size(cfg.checkpoint.max_shard_size)
+    if cfg.checkpoint.init_from and not cfg.checkpoint.init_from.startswith("hf:"):
+        raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from!r} is not a source meshformer starts from",
+                          "write hf:PATH for a Hugging Face model folder (config.json + safetensors)")
 
 
 def _check_family(cfg: Config) -> None:
@@ -154,6 +158,30 @@ def _check_rope_scaling(cfg: Config) -> None:
                               "0.1 * ln(factor) + 1)")
 
 
+def _check_layer_options(cfg: Config) -> None:
+    """The per-layer attention pattern, soft-capping and norm options (Gemma, OLMo 2)."""
+    m = cfg.model
+    if m.full_attention_every is not None and (m.attention_window is None or m.full_attention_every < 1):
+        raise ConfigError(f"model.full_attention_every={m.full_attention_every} picks the blocks that skip the sliding "
+                          "window, but needs model.attention_window and a value >= 1",
+                          "set both (Gemma 3: attention_window=512, full_attention_every=6) or drop it")
+    if m.rope_local_theta is not None and (m.position != "rope" or m.attention_window is None
+                                           or m.rope_local_theta <= 0):
+        raise ConfigError(f"model.rope_local_theta={m.rope_local_theta} is the windowed blocks' RoPE base, but needs "
+                          "model.position='rope', model.attention_window and a positive value",
+                          "set them (Gemma 3: rope_local_theta=10000) or drop it")
+    for key in ("attention_softcap", "logit_softcap"):
+        value = getattr(m, key)
+        if value is not None and not value > 0:
+            raise ConfigError(f"model.{key}={value} must be positive", "give a cap such as 30.0, or drop it for none")
+    if m.norm_weight_offset and m.norm != "rmsnorm":
+        raise ConfigError(f"model.norm_weight_offset={m.norm_weight_offset} scales RMSNorm by (offset + weight), but "
+                          f"model.norm={m.norm!r}", "set model.norm='rmsnorm' or leave the offset at 0")
+    if m.qk_norm_scope != "head" and not m.qk_norm:
+        raise ConfigError(f"model.qk_norm_scope={m.qk_norm_scope!r} has no QK-norm to place",
+                          "set model.qk_norm=true, or drop qk_norm_scope")
+
+
 def _check_shard_size(size: str) -> None:
     """checkpoint.max_shard_size is read when the final weights are written: check it now, not after training."""
     try:
@@ -202,10 +230,10 @@ def _check_training_ranges(cfg: Config) -> None:
         raise ConfigError(f"data.eval_fraction={d.eval_fraction} must lie in [0, 1)")
     if d.sources and d.shards:
         raise ConfigError("set either data.shards (one dataset) or [[data.sources]] (a mixture), not both")
-    for i, src in enumerate(d.sources):
-        if not src.shards or not src.weight > 0:
-            raise ConfigError(f"data.sources[{i}] needs shards = <manifest> and weight > 0 (got {src.shards!r}, "
-                              f"{src.weight})")
+    for i, src in enumerate(d.sources):  # (weights are checked with the mixture: data/mixture.py)
+        if not src.shards:
+            raise ConfigError(f"data.sources[{i}] names no shards", "set shards = <prepared folder or its "
+                              "manifest.json> in every [[data.sources]] table")
 
 
 def _finite(cfg: Config) -> None:

@@ -44,7 +44,7 @@ class ShardSource:
 
     def read(self, shard: int, records: np.ndarray) -> dict[int, Sample]:
         info = self.shards[shard]
-        got = read_shard_records(self.manifest.shard_url(info), info, self.manifest.dtype, records, self)
+        got = read_shard_records(self.manifest.shard_url(info), info, self.manifest.dtype, records, self, self.kind)
         if self.kind == "pairs":
             return {i: (parts["src"].astype(np.int64), parts["tgt"].astype(np.int64)) for i, parts in got.items()}
         return {i: parts["tokens"] for i, parts in got.items()}
@@ -103,14 +103,14 @@ def verify_shards(manifest: Manifest, split: str, full: bool, rank: int = 0, wor
             if info.index_sha256 and (not index.is_file() or index.stat().st_size != info.index_bytes):
                 problems[info.name] = f"index {index.name} missing or of the wrong size; re-run prepare or restore it"
                 continue
-        if full and i % world == rank and (problem := _hash_problem(url, info)):
+        if full and i % world == rank and (problem := _hash_problem(url, info, manifest)):
             problems[info.name] = problem
     return problems
 
 
-def _hash_problem(url: str, info: ShardInfo) -> str:
+def _hash_problem(url: str, info: ShardInfo, manifest: Manifest) -> str:
     try:
-        read_shard(url, info, "uint16", wanted=set())
+        read_shard(url, info, manifest.dtype, wanted=set(), kind=manifest.kind)
     except ShardError as err:
         return err.reason
     return ""
@@ -159,14 +159,16 @@ def build_loader(cfg, tokenizer: Tokenizer, split: Literal["train", "eval"] = "t
     if d.sources:  # a mixture: [[data.sources]]
         names = _source_names(d)
         check_mixture([src.weight for src in d.sources], names)
-        opened = [_open_source(src.shards, d, tokenizer, objective, split) for src in d.sources]
+        opened = [_open_source(src.shards, src.allow_remote_shards, d, tokenizer, objective, split)
+                  for src in d.sources]
         loader: Loader = MixtureLoader([o[0] for o in opened], names, [src.weight for src in d.sources], objective,
                                        split, dp_rank, dp_size, d.batch_size, d.num_workers, d.seed, d.shuffle_shards,
                                        with_ids=with_sample_ids, reseed_on_resume=d.reseed_on_resume)
         loader.skipped_shards = sorted(f"{o[1].url}:{name}" for o in opened for name in o[0].skipped)
         loader.manifest = opened[0][1]
         return loader
-    source, manifest = _open_source(ensure_shards(d, tokenizer, objective.raw_length), d, tokenizer, objective, split)
+    source, manifest = _open_source(ensure_shards(d, tokenizer, objective.raw_length), d.allow_remote_shards, d,
+                                    tokenizer, objective, split)
     loader = Loader(source, objective, split, dp_rank, dp_size, d.batch_size, d.num_workers, d.seed,
                     d.shuffle_shards, with_ids=with_sample_ids, reseed_on_resume=d.reseed_on_resume)
     loader.skipped_shards = sorted(source.skipped)
@@ -174,9 +176,10 @@ def build_loader(cfg, tokenizer: Tokenizer, split: Literal["train", "eval"] = "t
     return loader
 
 
-def _open_source(spec: str, d, tokenizer: Tokenizer, objective: Objective, split: str) -> tuple[ShardSource, Manifest]:
+def _open_source(spec: str, allow_remote_shards: bool, d, tokenizer: Tokenizer, objective: Objective,
+                 split: str) -> tuple[ShardSource, Manifest]:
     """One manifest's split, checked against the run and verified (bad shards: error, or skipped and logged)."""
-    manifest = read_manifest(spec)
+    manifest = read_manifest(spec, allow_remote_shards)
     _check_manifest(manifest, tokenizer, objective, split)
     problems = verify_shards(manifest, split, d.bad_shards == "skip", _rank(), _world())
     if d.bad_shards == "skip":
@@ -204,9 +207,10 @@ def check_data(cfg, tokenizer: Tokenizer) -> None:
     objective = make_objective(cfg.objective, tokenizer, d)
     if d.sources:
         check_mixture([src.weight for src in d.sources], _source_names(d))
-    prepared = [src.shards for src in d.sources] or ([d.shards] if d.shards else [])  # a mixture: every source
-    for spec in prepared:
-        manifest = read_manifest(spec)  # read once (it may be remote), checked for both splits
+    prepared = [(src.shards, src.allow_remote_shards) for src in d.sources] or (  # a mixture: every source
+        [(d.shards, d.allow_remote_shards)] if d.shards else [])
+    for spec, allow_remote_shards in prepared:
+        manifest = read_manifest(spec, allow_remote_shards)  # read once (it may be remote), checked for both splits
         for split in ("train", "eval"):
             _check_manifest(manifest, tokenizer, objective, split)
     if prepared:

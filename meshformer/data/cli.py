@@ -22,7 +22,7 @@ from pathlib import Path
 
 from meshformer.errors import ArgumentParser, UsageError, run_command
 
-from .prepare import check_output_folder, prepare
+from .prepare import check_numbers, check_output_folder, prepare
 from .submit import __doc__ as submit_doc
 from .submit import part_from_env, submit_prepare
 
@@ -112,6 +112,8 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 def run_submit_prepare(args: argparse.Namespace) -> int:
     check_output_folder(args.inputs, Path(args.out), args.overwrite)  # refused now, not in every array task
+    check_numbers(**{k: getattr(args, k) for k in ("eval_fraction", "seq_len", "record_len", "vocab_size", "seed",
+                                                   "shard_records", "bucket_mb", "num_proc")})
     forwarded = [*args.inputs, "--out", str(Path(args.out).resolve())]
     for key in _FORWARDED:
         value = getattr(args, key)

@@ -50,7 +50,7 @@ def integer_weights(weights: list[float]) -> list[int]:
                               f"weights {weights} (weights count in steps of 0.001)", "scale the weights up, e.g. "
                               "10000 and 1 rather than 1 and 0.0001")
     if period > _MAX_PERIOD:
-        raise ConfigError(f"the mixture weights {weights} repeat only every {period} samples",
+        raise ConfigError(f"the mixture weights {weights} repeat only every {period:.3g} samples",
                           "use simpler ratios (e.g. 0.7/0.3 or 5/3/2)")
     return ints
 

@@ -56,6 +56,7 @@ from .tokenizer import Tokenizer, load_tokenizer, train_bpe
 
 log = logging.getLogger("meshformer.data")
 Stage = Literal["all", "map", "reduce", "merge"]
+_MAX_BUCKETS = 1 << 20  # every map task keeps a row per bucket per chunk, every bucket is a reduce task
 
 
 def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, tokenizer: str | Tokenizer = "train",
@@ -90,11 +91,9 @@ def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, token
         raise UsageError("--part i/N needs --stage", "run --stage map on every part, then "
                          "--stage reduce on every part, then --stage merge once (`meshformer data submit-prepare` "
                          "does this on SLURM)")
-    if not 0 <= eval_fraction < 1:
-        raise UsageError(f"eval_fraction={eval_fraction} is out of range", "use a value in [0, 1), e.g. 0.02")
-    record_len = record_len or seq_len + 1
-    if record_len < 2:
-        raise UsageError(f"record_len={record_len} is too short", "use --seq-len >= 1 (--record-len >= 2)")
+    check_numbers(eval_fraction=eval_fraction, seq_len=seq_len, record_len=record_len, vocab_size=vocab_size,
+                  seed=seed, shard_records=shard_records, bucket_mb=bucket_mb, num_proc=num_proc)
+    record_len = record_len if record_len is not None else seq_len + 1
     if token_dtype not in ("auto", "uint16", "uint32"):
         raise UsageError(f"--token-dtype {token_dtype!r} is not a token type", "use auto, uint16 or uint32")
     if tokenizer == "train" and stage != "all":
@@ -131,6 +130,8 @@ def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, token
                 token_dtype=shard_dtype(tok.vocab_size).name if token_dtype == "auto" else token_dtype,
                 shard_records=shard_records or max(1, (1 << 24) // (record_len if not pairs else 256)))
     _agree_on_plan(work, plan, restart=stage == "all")
+    if stage in ("map", "reduce"):
+        _write_atomic(work / f"{stage}.parts", str(count))  # for naming the part to rerun if a task goes missing
     todo = [u for u in range(index, len(units), count) if not unit_done(plan, work, u)]
     if stage in ("all", "map") and len(todo) < len(range(index, len(units), count)):
         log.info("resuming %s: %d of %d map tasks already done", work, len(range(index, len(units), count)) -
@@ -155,6 +156,24 @@ def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, token
     return manifest
 
 
+def check_numbers(*, eval_fraction: float, seq_len: int, record_len: int | None, vocab_size: int, seed: int,
+                  shard_records: int | None, bucket_mb: float, num_proc: int) -> None:
+    """Refuse, before any work, a numeric option out of range (a zero --bucket-mb divided by zero at the plan, a
+    zero --shard-records or --record-len meant the default, a negative seed failed in numpy)."""
+    if not 0 <= eval_fraction < 1:
+        raise UsageError(f"eval_fraction={eval_fraction} is out of range", "use a value in [0, 1), e.g. 0.02")
+    if (record_len if record_len is not None else seq_len + 1) < 2:
+        raise UsageError(f"record_len={record_len if record_len is not None else seq_len + 1} is too short",
+                         "use --seq-len >= 1 (--record-len >= 2)")
+    for option, value, least in (("--vocab-size", vocab_size, 1), ("--seed", seed, 0),
+                                 ("--shard-records", shard_records, 1), ("--num-proc", num_proc, 0)):
+        if value is not None and value < least:
+            raise UsageError(f"{option} {value} is out of range", f"use {option} >= {least}")
+    if not (math.isfinite(bucket_mb) and bucket_mb > 0):
+        raise UsageError(f"--bucket-mb {bucket_mb:g} is not a positive size", "give the input text per shuffle bucket "
+                         "in MB, e.g. --bucket-mb 128 (reduce memory is about 2-3x this)")
+
+
 def work_folder(out: Path) -> Path:
     return out.with_name(out.name + ".work")
 
@@ -169,8 +188,12 @@ def check_output_folder(inputs: list[str | Path], out: Path, overwrite: bool) ->
 def _bucket_counts(units: list[Unit], eval_fraction: float, bucket_mb: float) -> dict[str, int]:
     total = sum(map(unit_bytes, units))
     per = bucket_mb * (1 << 20)
-    return {"train": max(1, math.ceil(total * (1 - eval_fraction) / per)),
-            "eval": max(1, math.ceil(total * eval_fraction / per))}
+    counts = {"train": max(1, math.ceil(total * (1 - eval_fraction) / per)),
+              "eval": max(1, math.ceil(total * eval_fraction / per))}
+    if sum(counts.values()) > _MAX_BUCKETS:
+        raise UsageError(f"--bucket-mb {bucket_mb:g} cuts {total} bytes of input into {sum(counts.values())} buckets",
+                         f"use a larger --bucket-mb (at most {_MAX_BUCKETS} buckets; the default is 128)")
+    return counts
 
 
 def _agree_on_plan(work: Path, plan: dict, restart: bool) -> None:
@@ -181,20 +204,35 @@ def _agree_on_plan(work: Path, plan: dict, restart: bool) -> None:
     if restart and path.exists() and path.read_text() != text:
         scratch(work, "data prepare work", fresh=True)
     if not path.exists():
-        tmp = work / f"plan.json.{os.getpid()}"
-        tmp.write_text(text)
-        tmp.replace(path)
+        _write_atomic(path, text)
     if path.read_text() != text:
         raise UsageError(f"{path} was written by a part with other inputs or settings", "run every part with the "
                          "same arguments (or delete the work folder to start over)")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _rerun(work: Path, stage: str, task: int) -> str:
+    """The options that redo task number `task` of `stage` (map: input unit; reduce: bucket, train then eval):
+    with N parts, part i runs the tasks t with t % N == i."""
+    try:
+        count = int((work / f"{stage}.parts").read_text())
+    except (OSError, ValueError):  # the stage ran whole (or never)
+        count = 1
+    return f"`--stage {stage} --part {task % count}/{count}`" if count > 1 else f"`--stage {stage}`"
 
 
 def _require_maps(plan: dict, work: Path) -> None:
     missing = [u for u in range(len(plan["units"])) if not unit_done(plan, work, u)]
     if missing:
         raise UsageError(f"{len(missing)} map task(s) of {work} are not done (first: "
-                         f"{Unit(*plan['units'][missing[0]]).where()})",
-                         "run --stage map on every part before --stage reduce")
+                         f"{Unit(*plan['units'][missing[0]]).where()}; killed, or not run yet?)",
+                         f"rerun the same command with {_rerun(work, 'map', missing[0])} (every part of the map "
+                         "stage must finish before --stage reduce and --stage merge)")
 
 
 def _pool(tok: Tokenizer, num_proc: int, tasks: int) -> Pool | None:
@@ -242,7 +280,9 @@ def _call(args: tuple) -> None:
 def _merge(plan: dict, work: Path, out: Path, tok: Tokenizer, files: list[Path]) -> Manifest:
     """Number the buckets' shards, write tokenizer.json + manifest.json, move into `out`, drop the work folder."""
     _require_maps(plan, work)
-    tmp = work / "merged"  # staged inside our work folder: no folder beside `out` is ever touched
+    # Staged inside our work folder (no folder beside `out` is ever touched), as links to the reduce stage's files,
+    # which stay in place until the end: a killed merge is simply run again.
+    tmp = work / "merged"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     splits: dict[str, list[ShardInfo]] = {}
@@ -250,18 +290,22 @@ def _merge(plan: dict, work: Path, out: Path, tok: Tokenizer, files: list[Path])
     for split in SPLITS:
         splits[split], documents[split] = [], 0
         for b in range(plan["buckets"][split]):
+            task = f"reduce task {split} bucket {b} of {work}"
+            number = b + (plan["buckets"]["train"] if split == "eval" else 0)  # the order parts take them in
+            rerun = f"rerun the same command with {_rerun(work, 'reduce', number)}, then --stage merge"
             path = work / "reduce" / f"{split}-{b:05d}.json"
             if not path.exists():
-                raise UsageError(f"reduce task {split} bucket {b} of {work} is not done", "run --stage reduce on every "
-                                 "part before --stage merge")
+                raise UsageError(f"{task} is not done (killed, or not run yet?)", rerun)
             done = json.loads(path.read_text())
             documents[split] += done["documents"]
             for info in map(lambda s: ShardInfo(**s), done["shards"]):
-                name = f"{split}-{len(splits[split]):06d}"
+                name = f"{split}-{len(splits[split]):06d}.tar"
                 src = work / "reduce" / f"{split}-{b:05d}" / info.name
-                src.rename(tmp / f"{name}.tar")
-                src.with_name(index_name(src.name)).rename(tmp / index_name(f"{name}.tar"))
-                info.name = f"{name}.tar"
+                for file, staged in ((src, name), (src.with_name(index_name(src.name)), index_name(name))):
+                    if not file.is_file():
+                        raise UsageError(f"{task} lost its file {file.name}", rerun)
+                    _link(file, tmp / staged)
+                info.name = name
                 splits[split].append(info)
     if not documents["train"] + documents["eval"]:
         raise CorpusError(f"no documents found in {[f.name for f in files][:3]}", "check the inputs and --text-field")
@@ -286,6 +330,13 @@ def _merge(plan: dict, work: Path, out: Path, tok: Tokenizer, files: list[Path])
     return manifest
 
 
+def _link(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # a file system without hard links
+        shutil.copyfile(src, dst)
+
+
 def _hold_out_tail(folder: Path, train: list[ShardInfo], plan: dict) -> tuple[list[ShardInfo], list[ShardInfo]]:
     """Move the last round(records * eval_fraction) (at least one) train records into an eval shard."""
     total = sum(s.samples for s in train)
@@ -295,7 +346,7 @@ def _hold_out_tail(folder: Path, train: list[ShardInfo], plan: dict) -> tuple[li
     tail: list[dict] = []
     while train and len(tail) < n_held:  # the trailing shards that hold the records to move
         info = train.pop()
-        got = read_shard(str(folder / info.name), info, plan["dtype"], None)
+        got = read_shard(str(folder / info.name), info, plan["dtype"], None, kind=plan["kind"])
         tail = [got[i] for i in range(info.samples)] + tail
         (folder / info.name).unlink()
         (folder / index_name(info.name)).unlink()

@@ -46,9 +46,11 @@ def unit_docs(plan: dict, u: int) -> Iterator:
 
 
 def unit_fingerprint(plan: dict, u: int) -> list[int]:
-    """What a finished map task records of its input, so that a resumed prepare redoes it if the file changed."""
-    stat = Path(plan["units"][u][0]).stat()
-    return [stat.st_size, stat.st_mtime_ns]
+    """What a finished map task records of its input, so that a resumed prepare redoes it if the file changed (a
+    Megatron dataset: its .idx and the .bin holding the tokens)."""
+    path, fmt = Path(plan["units"][u][0]), plan["units"][u][1]
+    files = (path, path.with_suffix(".bin")) if fmt == "megatron" else (path,)
+    return [n for f in files for n in (f.stat().st_size, f.stat().st_mtime_ns)]
 
 
 def unit_done(plan: dict, work: Path, u: int) -> bool:
@@ -191,6 +193,8 @@ def reduce_bucket(plan: dict, work: Path, split: str, b: int, eos: int) -> dict[
     perm = np.random.default_rng([plan["seed"], SPLITS.index(split), b, _SHUFFLE_SALT]).permutation(len(docs))
     folder = work / "reduce" / f"{split}-{b:05d}"
     folder.mkdir(parents=True, exist_ok=True)
+    result_path = work / "reduce" / f"{split}-{b:05d}.json"
+    result_path.unlink(missing_ok=True)  # first: a rerun killed below must not look done to the merge
     for stale in folder.iterdir():
         stale.unlink()
     dtype = np.dtype(plan["dtype"])
@@ -204,5 +208,7 @@ def reduce_bucket(plan: dict, work: Path, split: str, b: int, eos: int) -> dict[
         records = ({"tokens": r} for r in stream[:n * plan["record_len"]].reshape(n, plan["record_len"]))
     shards = write_shards(records, dtype, plan["shard_records"], lambda k: folder / f"{k:06d}.tar")
     result = {"documents": len(docs), "shards": [vars(s) for s in shards]}
-    (work / "reduce" / f"{split}-{b:05d}.json").write_text(json.dumps(result))
+    staged = result_path.with_name(result_path.name + ".part")
+    staged.write_text(json.dumps(result))
+    staged.replace(result_path)  # whole or absent: a kill while writing leaves the task not done
     return result

@@ -9,6 +9,10 @@ then just their spans, coalescing neighbours into one read; every span is checke
 its tar member names against the record number before any sample is used. The shard's whole-file sha256
 (manifest) is checked whenever a whole shard is streamed instead: `pipe:` and http(s) URLs (no seeking),
 shards without an index (older manifests), and readers that want every record anyway.
+
+Either way every tar member is checked by type and name as it is read (`shard_records`): a shard is data, so
+it holds only regular files named `<record>.<key>.<u16|u32>` with the keys of its kind; a link, device,
+folder, absolute or `..` name, or an unexpected key is refused by name, never skipped or looked up blindly.
 """
 
 from __future__ import annotations
@@ -16,14 +20,77 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
+import tarfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
-from webdataset.tariterators import tar_file_iterator
 
 ENTRY = np.dtype([("offset", "<u8"), ("length", "<u8"), ("digest", "V16")])
 _STREAM_ONLY = ("pipe:", "http://", "https://")
+RECORD_KEYS = {"packed": ("tokens",), "pairs": ("src", "tgt")}  # the members of one record, by manifest kind
+_MEMBER_NAME = re.compile(r"(\d{9})\.([a-z]+)\.(u16|u32)")
+
+
+class MemberError(ValueError):
+    """A tar member that a prepared shard cannot hold (the message names it and says why)."""
+
+
+def dtype_ext(np_dtype: np.dtype) -> str:
+    return {2: "u16", 4: "u32"}[np.dtype(np_dtype).itemsize]
+
+
+def _member_kind(member: tarfile.TarInfo) -> str:
+    kinds = [(member.issym(), "symbolic link"), (member.islnk(), "hard link"), (member.isdir(), "folder"),
+             (member.isdev(), "device or pipe")]
+    return next((name for found, name in kinds if found), "special file")
+
+
+def _tar_members(fileobj: IO[bytes], ext: str) -> Iterator[tuple[str, str, bytes]]:
+    """(record key, member key, bytes) of each member of a shard's tar stream, each checked first: a regular
+    file named `<9-digit record>.<key>.<ext>`; anything else raises MemberError naming it."""
+    with tarfile.open(fileobj=fileobj, mode="r|") as tar:
+        for member in tar:
+            name = member.name
+            if not member.isreg():
+                raise MemberError(f"member {name!r} is a {_member_kind(member)}, not a regular file")
+            if name.startswith("/") or ".." in name.split("/"):
+                raise MemberError(f"member {name!r} names a path outside the shard")
+            match = _MEMBER_NAME.fullmatch(name)
+            if match is None or match[3] != ext:
+                raise MemberError(f"member {name!r} is not named <record>.<key>.{ext}")
+            data = tar.extractfile(member)
+            assert data is not None  # a regular file always has data
+            yield match[1], match[2], data.read()
+            tar.members = []  # type: ignore[attr-defined]  # a stream of any length: keep no TarInfo list
+
+
+def shard_records(fileobj: IO[bytes], np_dtype: np.dtype, kind: str | None, first: int = 0
+                  ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+    """(record number, {key: tokens}) of each record in a shard's tar stream, numbered from `first`, after checking
+    each member (`_tar_members`), that records come in order, and that each holds exactly the keys of `kind`
+    ("packed" or "pairs"; None: either). MemberError names the first member or record that breaks a rule."""
+    expected = [RECORD_KEYS[kind]] if kind else list(RECORD_KEYS.values())
+    record = first
+    arrays: dict[str, np.ndarray] = {}
+    for key, part, data in _tar_members(fileobj, dtype_ext(np_dtype)):
+        if arrays and key != f"{record:09d}":
+            yield record, _complete(record, arrays, expected)
+            record, arrays = record + 1, {}
+        if key != f"{record:09d}" or part in arrays:
+            raise MemberError(f"member '{key}.{part}.{dtype_ext(np_dtype)}' found where record {record:09d} belongs")
+        arrays[part] = np.frombuffer(data, dtype=np_dtype)
+    if arrays:
+        yield record, _complete(record, arrays, expected)
+
+
+def _complete(record: int, arrays: dict[str, np.ndarray], expected: list[tuple[str, ...]]) -> dict[str, np.ndarray]:
+    if tuple(sorted(arrays)) not in [tuple(sorted(keys)) for keys in expected]:
+        raise MemberError(f"record {record:09d} holds the keys {sorted(arrays)}, not "
+                          f"{' or '.join(str(list(keys)) for keys in expected)}")
+    return arrays
 
 
 def index_name(shard_name: str) -> str:
@@ -87,8 +154,9 @@ def _runs(sorted_ids: np.ndarray) -> list[tuple[int, int]]:
 
 
 def read_records(url: str, index_url: str, samples: int, np_dtype: np.dtype, wanted: np.ndarray,
-                 counter: Any = None) -> dict[int, dict[str, np.ndarray]]:
-    """Records `wanted` (indices within the shard) by ranged reads; raises ValueError on any mismatch.
+                 counter: Any = None, kind: str | None = None) -> dict[int, dict[str, np.ndarray]]:
+    """Records `wanted` (indices within the shard) by ranged reads; raises ValueError on any mismatch (MemberError:
+    a member that breaks the rules of `shard_records`, whose `kind` this is).
 
     counter: an object with an `nbytes` attribute to which the bytes read are added (read-volume stats).
     """
@@ -125,7 +193,7 @@ def read_records(url: str, index_url: str, samples: int, np_dtype: np.dtype, wan
                 if _digest(span) != entry["digest"].tobytes():
                     raise ValueError(f"record {a + k} (bytes {int(entry['offset'])}+{len(span)}) does not match "
                                      "its index digest")
-                out[a + k] = _parse(span, a + k, np_dtype)
+                out[a + k] = _parse(span, a + k, np_dtype, kind)
         return out
     finally:
         if counter is not None:
@@ -134,15 +202,11 @@ def read_records(url: str, index_url: str, samples: int, np_dtype: np.dtype, wan
         data.close()
 
 
-def _parse(span: bytes, record: int, np_dtype: np.dtype) -> dict[str, np.ndarray]:
-    out: dict[str, np.ndarray] = {}
-    key = f"{record:09d}"
-    for member in tar_file_iterator(io.BytesIO(span)):
-        name_key, _, part = member["fname"].partition(".")
-        if name_key != key:
-            raise ValueError(f"member {member['fname']!r} found where record {key} belongs")
-        out[part.rsplit(".", 1)[0]] = np.frombuffer(member["data"], dtype=np_dtype)
-    return out
+def _parse(span: bytes, record: int, np_dtype: np.dtype, kind: str | None) -> dict[str, np.ndarray]:
+    records = list(shard_records(io.BytesIO(span), np_dtype, kind, first=record))
+    if len(records) != 1:
+        raise ValueError(f"record {record} spans {len(records)} records in the tar")
+    return records[0][1]
 
 
 def write_index(shard: Path, tar_bytes: bytes, spans: list[tuple[int, int]]) -> tuple[int, str]:

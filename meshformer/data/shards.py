@@ -26,12 +26,11 @@ from urllib.parse import urlparse
 
 import numpy as np
 import webdataset as wds
-from webdataset.tariterators import tar_file_iterator
 
 from meshformer.errors import MeshformerError
 from meshformer.folders import inside
 
-from .shard_index import index_name, read_records, seekable, write_index
+from .shard_index import MemberError, dtype_ext, index_name, read_records, seekable, shard_records, write_index
 
 FORMAT = "meshformer.shards"
 FORMAT_VERSION = 1
@@ -52,10 +51,6 @@ class ManifestError(MeshformerError, ValueError):
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
-
-
-def dtype_ext(dtype: np.dtype) -> str:
-    return {2: "u16", 4: "u32"}[np.dtype(dtype).itemsize]
 
 
 # ----------------------------------------------------------------------------- opening
@@ -100,12 +95,15 @@ class Manifest:
     splits: dict[str, list[ShardInfo]]
     meta: dict[str, Any] = field(default_factory=dict)  # inputs, seed, eval_fraction, document counts, ...
     url: str = ""  # where it was read from; shard names resolve against its folder
+    allow_remote_shards: bool = False  # set by the user's config only: its shard names may be paths, URLs, commands
 
     @property
     def base(self) -> str:
         return posixpath.dirname(self.url) if "://" in self.url else str(Path(self.url).parent) if self.url else ""
 
     def shard_url(self, info: ShardInfo) -> str:
+        if self.allow_remote_shards and (_names_a_place(info.name) or posixpath.isabs(info.name)):
+            return info.name
         return join_url(self.base, info.name)
 
     def to_json(self) -> str:
@@ -128,7 +126,10 @@ def manifest_url(spec: str) -> str:
     return join_url(spec.rstrip("/"), "manifest.json")
 
 
-def read_manifest(spec: str) -> Manifest:
+def read_manifest(spec: str, allow_remote_shards: bool = False) -> Manifest:
+    """The manifest at `spec` (a folder or its manifest.json). Its shard and tokenizer names must be files in its
+    own folder, unless `allow_remote_shards` (only ever from the user's own config, data.allow_remote_shards):
+    then they may also be absolute paths, URLs or `pipe:` commands, read or run as they are."""
     url = manifest_url(spec)
     try:
         with open_url(url) as fh:
@@ -144,13 +145,20 @@ def read_manifest(spec: str) -> Manifest:
     try:
         splits = {name: [ShardInfo(**s) for s in split["shards"]] for name, split in tree["splits"].items()}
         manifest = Manifest(tree["kind"], tree["record_len"], tree["dtype"], tree["tokenizer"], splits,
-                            tree.get("meta", {}), url)
-        files = [info.name for shards in splits.values() for info in shards] + [tree["tokenizer"]["file"]]
+                            tree.get("meta", {}), url, allow_remote_shards)
+        shards = [info for infos in splits.values() for info in infos]
+        files = [info.name for info in shards] + [tree["tokenizer"]["file"]]
+        files += [index_name(info.name) for info in shards if info.index_sha256 and isinstance(info.name, str)]
     except (KeyError, TypeError) as err:
         raise ManifestError(f"{url}: manifest is missing a field ({err}); re-run `meshformer data prepare`") from None
-    for name in files:
+    for name in files if not allow_remote_shards else ():
         _inside_manifest_folder(manifest, name)
     return manifest
+
+
+def _names_a_place(name: str) -> bool:
+    """A URL or command (`s3://..`, `pipe:cmd`) rather than a file name: a scheme before the first `/`."""
+    return ":" in name.split("/", 1)[0]
 
 
 def _inside_manifest_folder(manifest: Manifest, name: object) -> None:
@@ -158,8 +166,9 @@ def _inside_manifest_folder(manifest: Manifest, name: object) -> None:
     or a `pipe:` command would let a downloaded dataset read anywhere or run commands. (A remote folder has no
     local links to follow, so there the check is on the name alone.)"""
     inside(Path(manifest.base or "."), name, what=f"the manifest {manifest.url}",
-           fix="a prepared dataset names only files in its own folder; re-run `meshformer data prepare`, or set "
-               "data.shards to the dataset's folder or URL yourself")
+           fix="a prepared dataset names only files in its own folder; re-run `meshformer data prepare`, or, if "
+               "you wrote this manifest yourself, set data.allow_remote_shards=true (in a mixture: "
+               "allow_remote_shards = true in its [[data.sources]] table)")
 
 
 # ----------------------------------------------------------------------------- writing
@@ -238,14 +247,15 @@ class _Hashing(io.RawIOBase):
 
 
 def read_shard(url: str, info: ShardInfo, dtype: str, wanted: set[int] | None,
-               counter: Any = None) -> dict[int, dict[str, np.ndarray]]:
-    """Stream one shard; return the wanted records (all if None) after checking count and sha256.
+               counter: Any = None, kind: str | None = None) -> dict[int, dict[str, np.ndarray]]:
+    """Stream one shard; return the wanted records (all if None) after checking count and sha256, and every tar
+    member as it is read (`shard_records`: regular files with the keys of `kind`, the manifest's kind).
 
     counter: an object with an `nbytes` attribute to which the bytes read are added (read-volume stats).
     """
     np_dtype = np.dtype("<u2") if dtype == "uint16" else np.dtype("<u4")
     out: dict[int, dict[str, np.ndarray]] = {}
-    keys: list[str] = []
+    samples = 0
     try:
         raw = open_url(url)
     except (FileNotFoundError, OSError) as err:
@@ -253,15 +263,14 @@ def read_shard(url: str, info: ShardInfo, dtype: str, wanted: set[int] | None,
                          "(or set data.bad_shards='skip' to train without it)", f"cannot be opened ({err})") from None
     try:
         stream = _Hashing(raw)
-        for member in tar_file_iterator(io.BufferedReader(stream, 1 << 20)):
-            key, _, part = member["fname"].partition(".")
-            if not keys or keys[-1] != key:
-                keys.append(key)
-            index = len(keys) - 1
+        for index, arrays in shard_records(io.BufferedReader(stream, 1 << 20), np_dtype, kind):
+            samples = index + 1
             if wanted is None or index in wanted:
-                out.setdefault(index, {})[part.rsplit(".", 1)[0]] = np.frombuffer(member["data"], dtype=np_dtype)
+                out[index] = arrays
         stream.drain()
         raw.close()  # a pipe: URL reports a failed command here
+    except MemberError as err:
+        raise _member_error(url, err) from None
     except (tarfile.TarError, OSError, EOFError, ValueError) as err:
         raise ShardError(f"shard {url} is corrupt ({type(err).__name__}: {err}); re-run `meshformer data "
                          "prepare` or restore the file (or set data.bad_shards='skip')",
@@ -270,7 +279,7 @@ def read_shard(url: str, info: ShardInfo, dtype: str, wanted: set[int] | None,
         _close_quietly(raw)  # every error path too: no leaked file handle or pipe: child per bad shard
         if counter is not None and "stream" in locals():
             counter.nbytes += stream.nbytes
-    problem = check_shard(stream.hash.hexdigest(), stream.nbytes, len(keys), info)
+    problem = check_shard(stream.hash.hexdigest(), stream.nbytes, samples, info)
     if problem:
         raise ShardError(f"shard {url} does not match the manifest: {problem}; the file was truncated, replaced "
                          "or corrupted. Re-run `meshformer data prepare` or restore it (or set "
@@ -279,15 +288,17 @@ def read_shard(url: str, info: ShardInfo, dtype: str, wanted: set[int] | None,
 
 
 def read_shard_records(url: str, info: ShardInfo, dtype: str, records: np.ndarray,
-                       counter: Any = None) -> dict[int, dict[str, np.ndarray]]:
+                       counter: Any = None, kind: str | None = None) -> dict[int, dict[str, np.ndarray]]:
     """The given records of one shard: ranged reads of just those when the store can seek and the shard has an
     index, else the whole shard streamed (also when every record is wanted: then the whole-file sha256 is
-    checked too)."""
+    checked too). Every member read is checked either way (`read_shard`)."""
     if not info.index_sha256 or not seekable(url) or len(np.unique(records)) == info.samples:
-        return read_shard(url, info, dtype, set(np.asarray(records).tolist()), counter)
+        return read_shard(url, info, dtype, set(np.asarray(records).tolist()), counter, kind)
     np_dtype = np.dtype("<u2") if dtype == "uint16" else np.dtype("<u4")
     try:
-        return read_records(url, index_name(url), info.samples, np_dtype, records, counter)
+        return read_records(url, index_name(url), info.samples, np_dtype, records, counter, kind)
+    except MemberError as err:
+        raise _member_error(url, err) from None
     except (FileNotFoundError, OSError) as err:
         raise ShardError(f"shard {url} cannot be read ({err}); restore it or re-run `meshformer data prepare` "
                          "(or set data.bad_shards='skip' to train without it)", f"cannot be read ({err})") from None
@@ -295,6 +306,12 @@ def read_shard_records(url: str, info: ShardInfo, dtype: str, records: np.ndarra
         raise ShardError(f"shard {url} does not match the manifest: {err}; the file was truncated, replaced or "
                          "corrupted. Re-run `meshformer data prepare` or restore it (or set "
                          "data.bad_shards='skip')", str(err)) from None
+
+
+def _member_error(url: str, err: MemberError) -> ShardError:
+    return ShardError(f"shard {url}: {err} (a prepared shard holds only regular files named "
+                      "<record>.<key>.<u16|u32>); re-run `meshformer data prepare` or restore the file (or set "
+                      "data.bad_shards='skip')", str(err))
 
 
 def _close_quietly(raw: IO[bytes]) -> None:

@@ -16,6 +16,7 @@ from torch.nn.attention.bias import causal_lower_right
 from meshformer.model.blockwise_attention import blockwise_attention, picks_blockwise
 from meshformer.model.config import ModelConfig
 from meshformer.model.masks import AttentionMask
+from meshformer.model.norms import make_rms_norm
 from meshformer.model.positions import apply_rope
 
 # model.attention_backend -> the SDPA kernel tried first. torch's other kernels follow in its default order (flash,
@@ -94,9 +95,15 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=cfg.use_qkv_bias)
         self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=cfg.use_qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
-        # QK-norm (Qwen3): one weight of size head_dim shared by every head, so a head shard holds all of it
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        # QK-norm per head (Qwen3): one weight of size head_dim shared by every head, so a head shard holds all of
+        # it; over the whole projection (OLMo 2): one weight as wide as q (k), the mean square over all its heads
+        self.qk_norm_scope = cfg.qk_norm_scope
+        per_head = cfg.qk_norm_scope == "head"
+        self.q_norm = make_rms_norm(cfg, self.head_dim if per_head else cfg.n_heads * self.head_dim) \
+            if cfg.qk_norm else None
+        self.k_norm = make_rms_norm(cfg, self.head_dim if per_head else cfg.kv_heads * self.head_dim) \
+            if cfg.qk_norm else None
+        self.softcap = cfg.attention_softcap
         self.dropout_p = cfg.attention_dropout
         self.backend = cfg.attention_backend
         self.use_math = cfg.attention_backend == "math"
@@ -108,10 +115,14 @@ class Attention(nn.Module):
         batch, length, _ = x.shape
         return x.view(batch, length, -1, self.head_dim).transpose(1, 2)
 
-    @staticmethod
-    def _normed(norm: nn.Module | None, heads: torch.Tensor) -> torch.Tensor:
-        """QK-norm of (B, H, T, D) heads over D; the identity without QK-norm."""
-        return heads if norm is None else norm(heads)
+    def _normed_heads(self, norm: nn.Module | None, projected: torch.Tensor) -> torch.Tensor:
+        """(B, T, H x D) projected queries or keys as (B, H, T, D) heads, QK-normed over each head's D or over the
+        whole H x D (qk_norm_scope); only split without QK-norm."""
+        if norm is None:
+            return self._heads(projected)
+        if self.qk_norm_scope == "projection":
+            return self._heads(norm(projected))
+        return norm(self._heads(projected))
 
     def _packable(self) -> bool:
         """Whether Q, K and V can run as one GEMM: plain, unhooked nn.Linear projections with plain-tensor weights
@@ -132,7 +143,7 @@ class Attention(nn.Module):
         weight = torch.cat([p.weight for p in projections])
         bias = torch.cat([p.bias for p in projections]) if self.q_proj.bias is not None else None  # type: ignore
         q, k, v = F.linear(x, weight, bias).split([p.out_features for p in projections], dim=-1)
-        return self._heads(q), self._heads(k), self._heads(v)
+        return q, k, v
 
     def forward(
         self,
@@ -147,16 +158,15 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """chunk: under context parallel (self-attention only), the pieces of the sequence `x` holds."""
         if self.cross and cache is not None and cache.k is not None and cache.v is not None:
-            q = self._normed(self.q_norm, self._heads(self.q_proj(x)))
+            q = self._normed_heads(self.q_norm, self.q_proj(x))
             k, v = cache.k, cache.v  # the encoder output does not change while decoding
         else:
             if not self.cross and self._packable():
                 q, k, v = self._packed_qkv(x)
             else:
                 source = memory if self.cross else x
-                q = self._heads(self.q_proj(x))
-                k, v = self._heads(self.k_proj(source)), self._heads(self.v_proj(source))
-            q, k = self._normed(self.q_norm, q), self._normed(self.k_norm, k)
+                q, k, v = self.q_proj(x), self.k_proj(source), self.v_proj(source)
+            q, k, v = self._normed_heads(self.q_norm, q), self._normed_heads(self.k_norm, k), self._heads(v)
             if rope is not None:  # self-attention only: new queries and keys share positions
                 q, k = apply_rope(q, rope), apply_rope(k, rope)
             if chunk is not None:  # the whole sequence's keys and values (after RoPE: each keeps its position)
@@ -190,7 +200,7 @@ class Attention(nn.Module):
             repeat = q.shape[1] // k.shape[1]
             k, v = (t.repeat_interleave(repeat, dim=1) for t in (k, v))
         dropout_p = self.dropout_p if self.training else 0.0
-        if self.use_math or self.capture_weights:
+        if self.use_math or self.capture_weights or self.softcap is not None:  # no fused kernel soft-caps scores
             return self._math(q, k, v, mask, bias, dropout_p)
         plain = (mask.mask is None and bias is None and dropout_p == 0.0 and not isinstance(q, DTensor)
                  and not torch.compiler.is_compiling())
@@ -230,6 +240,8 @@ class Attention(nn.Module):
         dropout_p: float,
     ) -> torch.Tensor:
         scores = (q @ k.transpose(-2, -1)) * self.scale
+        if self.softcap is not None:
+            scores = self.softcap * torch.tanh(scores / self.softcap)
         if bias is not None:
             scores = scores + bias.to(scores.dtype)
         allowed = mask.materialize(q.shape[2], k.shape[2], q.device)

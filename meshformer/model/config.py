@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu"]
+# swiglu: down(silu(gate(x)) * up(x)) (Llama); geglu: the same gated by gelu's tanh approximation (Gemma)
+Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu", "geglu"]
+GATED_ACTIVATIONS = ("swiglu", "geglu")
 
 
 @dataclass
@@ -28,8 +30,11 @@ class ModelConfig:
     activation: Activation = "gelu"
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     norm_eps: float = 1e-5
-    norm_position: Literal["pre", "post"] = "pre"
-    final_norm: bool | None = None  # norm after each stack; None: only with pre-norm
+    # Where each sub-layer's (attention's, feed-forward's) norm goes: pre: x + f(norm(x)); post: norm(x + f(x))
+    # (the original paper, BERT); post_sublayer: x + norm(f(x)) (OLMo 2); sandwich: x + norm2(f(norm1(x))) (Gemma)
+    norm_position: Literal["pre", "post", "post_sublayer", "sandwich"] = "pre"
+    final_norm: bool | None = None  # norm after each stack; None: except with post-norm
+    norm_weight_offset: float = 0.0  # RMSNorm multiplies by (offset + weight); Gemma: 1 (its weights start at 0)
     embedding_norm: bool = False  # norm right after the embeddings (BERT)
     position: Literal["sinusoidal", "learned", "rope", "alibi", "t5_relative", "none"] = "learned"
     rope_theta: float = 10000.0
@@ -44,7 +49,8 @@ class ModelConfig:
     rope_beta_slow: float = 1.0  # yarn: rotations below which frequencies are divided by the factor
     rope_attention_factor: float | None = None  # yarn: cos/sin multiplier; None: 0.1 * ln(factor) + 1
     head_dim: int | None = None  # width of each attention head; None: d_model // n_heads
-    qk_norm: bool = False  # RMSNorm on each query and key head (weight of size head_dim) before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm on the queries and keys before RoPE ...
+    qk_norm_scope: Literal["head", "projection"] = "head"  # ... of each head (Qwen3, Gemma 3) or whole q/k (OLMo 2)
     qkv_bias: bool | None = None  # biases on the Q/K/V projections only; None: follows `bias` (Qwen2: true)
     relative_buckets: int = 32  # t5_relative: learned bias buckets per stack (half per direction in the encoder)
     relative_max_distance: int = 128  # t5_relative: distances beyond this share the last bucket
@@ -58,6 +64,12 @@ class ModelConfig:
     dropout: float = 0.0
     attention_dropout: float = 0.0
     attention_window: int | None = None  # sliding window: keys with |i - j| < window
+    # With a window, block i (from 0) attends globally when (i + 1) % full_attention_every == 0 (Gemma 3: 6); None:
+    # every block is windowed. rope_local_theta: the windowed blocks' RoPE base, unscaled (None: as the global ones)
+    full_attention_every: int | None = None
+    rope_local_theta: float | None = None
+    attention_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax (Gemma 2)
+    logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     # Causal attention stays within each packed document (Llama 3's pretraining mask): from the batches' doc_ids
     document_mask: bool = False
     # auto: blockwise on a CPU where it applies (model/blockwise_attention.py), else SDPA; sdpa: torch picks;
@@ -100,9 +112,24 @@ class ModelConfig:
         return self.bias if self.qkv_bias is None else self.qkv_bias
 
     @property
+    def gated(self) -> bool:
+        """A gated feed-forward (gate, up and down projections)."""
+        return self.activation in GATED_ACTIVATIONS
+
+    def window(self, block: int) -> int | None:
+        """The sliding window of block `block` of a stack (None: global attention)."""
+        if self.full_attention_every is not None and (block + 1) % self.full_attention_every == 0:
+            return None
+        return self.attention_window
+
+    def local_rope(self, block: int) -> bool:
+        """Whether block `block` rotates with the windowed blocks' own RoPE base."""
+        return self.rope_local_theta is not None and self.window(block) is not None
+
+    @property
     def expert_d_ff(self) -> int:
         return self.moe_d_ff or self.d_ff
 
     @property
     def use_final_norm(self) -> bool:
-        return self.norm_position == "pre" if self.final_norm is None else self.final_norm
+        return self.norm_position != "post" if self.final_norm is None else self.final_norm

@@ -38,19 +38,20 @@ def _attention_matmuls(cfg: ModelConfig) -> dict[str, int]:
 
 def _attention(cfg: ModelConfig) -> int:
     d, q_dim, kv_dim = cfg.d_model, cfg.n_heads * cfg.attention_head_dim, cfg.kv_heads * cfg.attention_head_dim
-    qk_norm = 2 * cfg.attention_head_dim if cfg.qk_norm else 0  # one RMSNorm weight each for queries and keys
+    # one RMSNorm weight each for queries and keys: per head (shared by the heads) or over the whole projection
+    qk_norm = 0 if not cfg.qk_norm else 2 * cfg.attention_head_dim if cfg.qk_norm_scope == "head" else q_dim + kv_dim
     qkv_bias = cfg.use_qkv_bias
     return _linear(d, q_dim, qkv_bias) + 2 * _linear(d, kv_dim, qkv_bias) + _linear(q_dim, d, cfg.bias) + qk_norm
 
 
 def _dense_ffn_matmuls(cfg: ModelConfig, width: int) -> int:
-    return (3 if cfg.activation == "swiglu" else 2) * cfg.d_model * width
+    return (3 if cfg.gated else 2) * cfg.d_model * width
 
 
 def _dense_ffn(cfg: ModelConfig, width: int) -> int:
     if not width:
         return 0
-    gate = _linear(cfg.d_model, width, cfg.bias) if cfg.activation == "swiglu" else 0
+    gate = _linear(cfg.d_model, width, cfg.bias) if cfg.gated else 0
     return gate + _linear(cfg.d_model, width, cfg.bias) + _linear(width, cfg.d_model, cfg.bias)
 
 
@@ -106,7 +107,8 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     feed_forward = sum(all_ for all_, _ in ffn)
     inactive = feed_forward - sum(active for _, active in ffn)
     stack_norms = len(stacks) if cfg.use_final_norm else 0
-    norms_per_block = sum(n * (3 if cross else 2) for n, cross in stacks)
+    sublayers = sum(n * (3 if cross else 2) for n, cross in stacks)
+    norms_per_block = sublayers * (2 if cfg.norm_position == "sandwich" else 1)
     norms = (norms_per_block + stack_norms + int(cfg.embedding_norm)) * _norm(cfg)
     head = 0
     if cfg.head_transform:
@@ -128,11 +130,14 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     }
 
 
-def _keys_per_query(cfg: ModelConfig, length: int, causal: bool) -> int:
-    """Keys each query scores against. Causal attention is not halved (PaLM's convention: dense kernels)."""
-    if cfg.attention_window is None:
-        return length
-    return min(length, cfg.attention_window if causal else 2 * cfg.attention_window - 1)
+def _keys_per_query(cfg: ModelConfig, length: int, causal: bool, n_layers: int) -> int:
+    """Keys each query scores against, summed over a stack's n_layers blocks (each with its own window or none).
+    Causal attention is not halved (PaLM's convention: dense kernels)."""
+    total = 0
+    for block in range(n_layers):
+        window = cfg.window(block)
+        total += length if window is None else min(length, window if causal else 2 * window - 1)
+    return total
 
 
 def training_flops(cfg: ModelConfig, seq_len: int, target_len: int | None = None) -> int:
@@ -151,14 +156,14 @@ def training_flops(cfg: ModelConfig, seq_len: int, target_len: int | None = None
 
 def _single_stack_flops(cfg: ModelConfig, seq_len: int, *, causal: bool) -> int:
     """Decoder-only / encoder-only over T = seq_len tokens, N = matmul weights (no embeddings, with the head):
-        6 * N * T + 12 * n_layers * T * keys * d_attn          (keys = T without a window)
+        6 * N * T + 12 * T * keys * d_attn          (keys: summed over the blocks, T each without a window)
     which is PaLM's 6N + 12 L H Q T per token and, for GPT-3, Megatron-LM's 72 l h^2 (1 + s/6h + V/12lh).
     """
     d_attn = cfg.n_heads * cfg.attention_head_dim
     attn = _attention_matmuls(cfg)
     layers = cfg.n_layers
     matmul = layers * (attn["q_o"] + attn["k_v"]) + _stack_ffn_matmuls(cfg, layers) + _head_matmuls(cfg)
-    forward = 2 * matmul * seq_len + layers * 4 * seq_len * _keys_per_query(cfg, seq_len, causal) * d_attn
+    forward = 2 * matmul * seq_len + 4 * seq_len * _keys_per_query(cfg, seq_len, causal, layers) * d_attn
     return 3 * forward
 
 
@@ -186,8 +191,8 @@ def encoder_decoder_flops(cfg: ModelConfig, seq_len: int, target_len: int | None
                              + _head_matmuls(cfg))
     forward += 2 * memory * n_dec * attn["k_v"]
     forward += 4 * d_attn * (
-        n_enc * source * _keys_per_query(cfg, source, causal=False)
-        + n_dec * target * _keys_per_query(cfg, target, causal=True)
+        source * _keys_per_query(cfg, source, False, n_enc)
+        + target * _keys_per_query(cfg, target, True, n_dec)
         + n_dec * target * memory
     )
     return 3 * forward

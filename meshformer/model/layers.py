@@ -1,4 +1,4 @@
-"""Norms, feed-forward networks and the Transformer block (encoder, decoder, or decoder with cross-attention)."""
+"""Feed-forward networks and the Transformer block (encoder, decoder, or decoder with cross-attention)."""
 
 from __future__ import annotations
 
@@ -12,24 +12,20 @@ from meshformer.model.attention import Attention, KVCache, SequenceChunk
 from meshformer.model.config import ModelConfig
 from meshformer.model.masks import AttentionMask
 from meshformer.model.moe import MoEFeedForward
-
-
-def make_norm(cfg: ModelConfig) -> nn.Module:
-    if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+from meshformer.model.norms import make_norm
 
 
 def activation_fn(name: str) -> nn.Module:
-    return {"relu": nn.ReLU(), "gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"), "swiglu": nn.SiLU()}[name]
+    return {"relu": nn.ReLU(), "gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"), "swiglu": nn.SiLU(),
+            "geglu": nn.GELU(approximate="tanh")}[name]
 
 
 class FeedForward(nn.Module):
-    """d_model -> d_ff -> d_model; SwiGLU adds a gate projection: down(silu(gate(x)) * up(x))."""
+    """d_model -> d_ff -> d_model; SwiGLU / GeGLU add a gate projection: down(act(gate(x)) * up(x))."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias) if cfg.activation == "swiglu" else None
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias) if cfg.gated else None
         self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
         self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
         self.act = activation_fn(cfg.activation)
@@ -63,24 +59,38 @@ class TransformerBlock(nn.Module):
     branch with dropout.
 
     Pre-norm: x + drop(f(norm(x))).  Post-norm (the original paper): norm(x + drop(f(x))).
+    Post-sublayer (OLMo 2): x + drop(norm(f(x))).  Sandwich (Gemma): x + drop(out_norm(f(norm(x)))).
     """
 
     def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False, moe: bool = False) -> None:
         """moe: a mixture-of-experts feed-forward (model/moe.py) instead of the dense one."""
         super().__init__()
-        self.pre_norm = cfg.norm_position == "pre"
+        self.norm_position = cfg.norm_position
+        sandwich = cfg.norm_position == "sandwich"
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg, causal=causal)
+        self.attn_out_norm = make_norm(cfg) if sandwich else None
         self.cross_norm = make_norm(cfg) if cross else None
         self.cross_attn = Attention(cfg, causal=False, cross=True) if cross else None
+        self.cross_out_norm = make_norm(cfg) if cross and sandwich else None
         self.ffn_norm = make_norm(cfg)
         self.ffn = MoEFeedForward(cfg) if moe else FeedForward(cfg)
+        self.ffn_out_norm = make_norm(cfg) if sandwich else None
         self.dropout = cfg.dropout
 
-    def _branch(self, x: torch.Tensor, norm: nn.Module, fn, *args, **kwargs) -> torch.Tensor:
-        if self.pre_norm:
-            return x + F.dropout(fn(autocast_once(norm(x)), *args, **kwargs), self.dropout, self.training)
-        return norm(x + F.dropout(fn(autocast_once(x), *args, **kwargs), self.dropout, self.training))
+    def _branch(self, x: torch.Tensor, norm: nn.Module, out_norm: nn.Module | None, fn, *args, **kwargs
+                ) -> torch.Tensor:
+        """x plus the sub-layer `fn`'s output, with `norm` (and the sandwich's `out_norm`) where norm_position puts
+        them."""
+        position = self.norm_position
+        if position == "post":
+            return norm(x + F.dropout(fn(autocast_once(x), *args, **kwargs), self.dropout, self.training))
+        if position == "post_sublayer":
+            return x + F.dropout(norm(fn(autocast_once(x), *args, **kwargs)), self.dropout, self.training)
+        out = fn(autocast_once(norm(x)), *args, **kwargs)
+        if out_norm is not None:
+            out = out_norm(out)
+        return x + F.dropout(out, self.dropout, self.training)
 
     def forward(
         self,
@@ -95,9 +105,9 @@ class TransformerBlock(nn.Module):
         chunk: SequenceChunk | None = None,
     ) -> torch.Tensor:
         """chunk: under context parallel, the pieces of the sequence `x` holds (self-attention gathers the rest)."""
-        x = self._branch(x, self.attn_norm, self.attn, mask, rope=rope, bias=bias,
+        x = self._branch(x, self.attn_norm, self.attn_out_norm, self.attn, mask, rope=rope, bias=bias,
                          cache=cache.self_attn if cache else None, chunk=chunk)
         if self.cross_attn is not None and self.cross_norm is not None:
-            x = self._branch(x, self.cross_norm, self.cross_attn, memory_mask, memory=memory,
+            x = self._branch(x, self.cross_norm, self.cross_out_norm, self.cross_attn, memory_mask, memory=memory,
                              cache=cache.cross_attn if cache else None)
-        return self._branch(x, self.ffn_norm, self.ffn)
+        return self._branch(x, self.ffn_norm, self.ffn_out_norm, self.ffn)

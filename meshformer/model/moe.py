@@ -204,7 +204,7 @@ class Experts(nn.Module):
         from meshformer.model.layers import activation_fn  # layers builds this module
 
         e, d, f = cfg.n_experts, cfg.d_model, cfg.expert_d_ff
-        self.gate_proj = nn.Parameter(torch.empty(e, d, f)) if cfg.activation == "swiglu" else None
+        self.gate_proj = nn.Parameter(torch.empty(e, d, f)) if cfg.gated else None
         self.up_proj = nn.Parameter(torch.empty(e, d, f))
         self.down_proj = nn.Parameter(torch.empty(e, f, d))
         self.act = activation_fn(cfg.activation)

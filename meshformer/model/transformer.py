@@ -40,9 +40,9 @@ if TYPE_CHECKING:
 
 # Every top-level piece a Transformer may hold; each may be None (not in the family or the config, or
 # held by another pipeline stage).
-PIECES = ("tok_embeddings", "src_embeddings", "pos_embeddings", "rope", "embedding_norm", "encoder_relative_bias",
-          "decoder_relative_bias", "encoder_layers", "encoder_norm", "decoder_layers", "decoder_norm", "head_dense",
-          "head_act", "head_norm", "output")
+PIECES = ("tok_embeddings", "src_embeddings", "pos_embeddings", "rope", "local_rope", "embedding_norm",
+          "encoder_relative_bias", "decoder_relative_bias", "encoder_layers", "encoder_norm", "decoder_layers",
+          "decoder_norm", "head_dense", "head_act", "head_norm", "output")
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,10 @@ class Transformer(nn.Module):
         self.rope = (RotaryEmbedding(cfg.attention_head_dim, cfg.max_seq_len, cfg.rope_theta,
                                      RopeScaling.from_config(cfg))
                      if cfg.position == "rope" and "rope" in held else None)
+        # the windowed blocks' own unscaled rotation (Gemma 3: base 10k locally, 1M globally)
+        self.local_rope = (RotaryEmbedding(cfg.attention_head_dim, cfg.max_seq_len, cfg.rope_local_theta)
+                           if cfg.position == "rope" and cfg.rope_local_theta is not None and "local_rope" in held
+                           else None)
         if cfg.position == "alibi":
             self.register_buffer("alibi_slopes", alibi_slopes(cfg.n_heads), persistent=False)
         else:
@@ -228,8 +232,8 @@ class Transformer(nn.Module):
         if table is None:
             raise ValueError("this pipeline stage holds no embeddings to embed with")
         h = table(ids)
-        if self.cfg.scale_embeddings:
-            h = h * math.sqrt(self.cfg.d_model)
+        if self.cfg.scale_embeddings:  # the factor rounded to the model dtype first, as Gemma scales
+            h = h * torch.tensor(math.sqrt(self.cfg.d_model), dtype=torch.float32).to(h.dtype)
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(torch.arange(ids.shape[1], device=ids.device) if positions is None
                                         else positions)
@@ -251,19 +255,35 @@ class Transformer(nn.Module):
             return chunk.positions(q_len, device), q_len * chunk.count
         return torch.arange(offset, offset + q_len, device=device), offset + q_len
 
-    def _relative(self, positions: torch.Tensor, k_len: int, *, causal: bool) -> dict:
+    def _relative(self, positions: torch.Tensor, k_len: int, *, causal: bool,
+                  position_ids: torch.Tensor | None = None) -> dict:
         """RoPE angles / ALiBi or T5 biases for self-attention from the queries' positions (keys at 0..k_len-1),
-        computed once per stack (causal: the decoder's)."""
+        computed once per stack (causal: the decoder's); RoPE from each row's `position_ids` (B, T) when given."""
         device = positions.device
-        extra = {}
+        extra: dict = {}
+
+        def tables(rope: RotaryEmbedding) -> tuple[torch.Tensor, ...]:
+            return rope(positions) if position_ids is None else tuple(t[:, None] for t in rope(position_ids))
+
         if self.rope is not None:
-            extra["rope"] = self.rope(positions)
+            extra["rope"] = tables(self.rope)  # (T, D), or (B, 1, T, D) from each row's position_ids
+        if self.local_rope is not None:
+            extra["local_rope"] = tables(self.local_rope)
         if self.alibi_slopes is not None:
             extra["bias"] = alibi_bias(self.alibi_slopes, positions, torch.arange(k_len, device=device))
         t5_bias = self.decoder_relative_bias if causal else self.encoder_relative_bias
         if t5_bias is not None:
             extra["bias"] = t5_bias(positions, torch.arange(k_len, device=device))
         return extra
+
+    def _block_inputs(self, block: int, masks: dict[int | None, AttentionMask], extra: dict
+                      ) -> tuple[AttentionMask, dict]:
+        """(mask, relative-position keywords) of block `block`: its window's mask, and the windowed blocks' own
+        RoPE tables where they have them."""
+        kwargs = {k: v for k, v in extra.items() if k != "local_rope"}
+        if self.cfg.local_rope(block):
+            kwargs["rope"] = extra["local_rope"]
+        return masks[self.cfg.window(block)], kwargs
 
     def encode(
         self, ids: torch.Tensor, padding: torch.Tensor | None = None, *, pool: bool = True,
@@ -276,13 +296,15 @@ class Transformer(nn.Module):
         length = ids.shape[1]  # not h's: a received h may be a sequence-parallel shard
         positions, k_len = self._positions(length, 0, ids.device)
         h = self._hidden(ids, h, source=True, positions=positions)
-        mask = build_mask(length, k_len, q_positions=positions, causal=False, window=self.cfg.attention_window,
-                          key_padding=padding, device=h.device)  # under cp: each piece takes its rows
-        extra = self._relative(positions, k_len, causal=False)
         if self.encoder_layers is None:
             raise ValueError(f"a {self.cfg.family} model has no encoder to encode with")
-        for layer in self.encoder_layers.values():
-            h = layer(h, mask, chunk=self.parallel_context.chunk, **extra)
+        masks = {window: build_mask(length, k_len, q_positions=positions, causal=False, window=window,
+                                    key_padding=padding, device=h.device)  # under cp: each piece takes its rows
+                 for window in {self.cfg.window(int(key)) for key in self.encoder_layers}}
+        extra = self._relative(positions, k_len, causal=False)
+        for key, layer in self.encoder_layers.items():
+            mask, kwargs = self._block_inputs(int(key), masks, extra)
+            h = layer(h, mask, chunk=self.parallel_context.chunk, **kwargs)
         if self.encoder_norm is not None:
             h = self.encoder_norm(h)
         factor = self.cfg.cross_downsample
@@ -301,38 +323,45 @@ class Transformer(nn.Module):
         cache: list[BlockCache] | None = None,
         h: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal stack over target ids (B, T); with a cache, ids are only the new tokens.
 
         h: hidden states from an earlier pipeline stage instead of embedding `ids` here.
         documents: each key position's document id (B, T), for attention within documents only.
+        position_ids: each token's position in its row (B, T) for absolute positions and RoPE, e.g. counted from a
+            row's first real token under left padding; relative schemes and masks need none (padding shifts a
+            row's tokens alike). Default: their place in the sequence.
         """
         q_len = ids.shape[1]  # not h's: a received h may be a sequence-parallel shard
         offset = cache[0].self_attn.length if cache else 0
         positions, k_len = self._positions(q_len, offset, ids.device)
-        h = self._hidden(ids, h, positions=positions)
+        h = self._hidden(ids, h, positions=positions if position_ids is None else position_ids)
         for name, keys in (("padding mask", padding), ("doc_ids", documents)):
             if keys is not None and keys.shape[1] != k_len:
                 raise ValueError(f"decoder {name} covers {keys.shape[1]} positions, expected {k_len} (cached + new "
                                  "tokens; under context parallel the whole sequence)")
-        if self.parallel_context.chunk is None:
-            mask = build_mask(q_len, k_len, q_offset=offset, causal=True, window=self.cfg.attention_window,
-                              key_padding=padding, documents=documents, device=h.device)
-        elif self.cfg.attention_window is None and padding is None and documents is None:
-            mask = AttentionMask(None, is_causal=True)  # each piece: causal at the bottom right, no tensor
-        else:  # each piece takes its rows of the mask over the whole sequence
-            mask = build_mask(q_len, k_len, q_positions=positions, causal=True, window=self.cfg.attention_window,
-                              key_padding=padding, documents=documents, device=h.device)
+        if self.decoder_layers is None:
+            raise ValueError(f"a {self.cfg.family} model has no decoder to decode with")
+        masks: dict[int | None, AttentionMask] = {}
+        for window in {self.cfg.window(int(key)) for key in self.decoder_layers}:
+            if self.parallel_context.chunk is None:
+                masks[window] = build_mask(q_len, k_len, q_offset=offset, causal=True, window=window,
+                                           key_padding=padding, documents=documents, device=h.device)
+            elif window is None and padding is None and documents is None:
+                masks[window] = AttentionMask(None, is_causal=True)  # each piece: causal at the bottom right
+            else:  # each piece takes its rows of the mask over the whole sequence
+                masks[window] = build_mask(q_len, k_len, q_positions=positions, causal=True, window=window,
+                                           key_padding=padding, documents=documents, device=h.device)
         memory_mask = None
         if memory is not None:
             memory_mask = build_mask(q_len, memory.shape[1], causal=False, key_padding=memory_padding,
                                      device=h.device)
-        extra = self._relative(positions, k_len, causal=True)
-        if self.decoder_layers is None:
-            raise ValueError(f"a {self.cfg.family} model has no decoder to decode with")
-        for i, layer in enumerate(self.decoder_layers.values()):
+        extra = self._relative(positions, k_len, causal=True, position_ids=position_ids)
+        for i, (key, layer) in enumerate(self.decoder_layers.items()):
+            mask, kwargs = self._block_inputs(int(key), masks, extra)
             h = layer(h, mask, memory=memory, memory_mask=memory_mask, cache=cache[i] if cache else None,
-                      chunk=self.parallel_context.chunk, **extra)
+                      chunk=self.parallel_context.chunk, **kwargs)
         if self.decoder_norm is not None:
             h = self.decoder_norm(h)
         return h
@@ -350,7 +379,10 @@ class Transformer(nn.Module):
             if labels is None:
                 raise ValueError("a fused head loss needs the labels")
             return head_loss(h, labels, self.output.weight, self.output.bias)
-        return self.output(h)
+        logits = self.output(h)
+        if self.cfg.logit_softcap is not None:
+            logits = self.cfg.logit_softcap * torch.tanh(logits / self.cfg.logit_softcap)
+        return logits
 
     def new_cache(self) -> list[BlockCache]:
         return [BlockCache() for _ in self.decoder_layers or ()]

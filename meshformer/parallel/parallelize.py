@@ -152,11 +152,15 @@ def parallelize_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes:
     apex_norms = 0
     context_layers = apply_context_parallel(part, meshes.cp) if meshes is not None and dims.cp_enabled else 0
     expert_layers = 0
-    if meshes is not None and has_moe(part):
-        # MoE balance statistics cover the micro-batch: every rank of the stage holding other tokens of it
-        part.set_parallel_context(replace(part.parallel_context,
-                                          token_group=MeshTokenGroup(meshes.moe_tokens, meshes.sequence)))
-        expert_layers = apply_expert_parallel(part, meshes.ep) if dims.ep_enabled else 0
+    if meshes is not None and cfg.model.n_experts:
+        # Flattened meshes are new process groups, which every rank must create in the same order: built here on
+        # every rank, whether or not its pipeline stage holds an MoE layer
+        tokens, sequence = meshes.moe_tokens, meshes.sequence
+        ep_mesh = meshes.ep if dims.ep_enabled else None
+        if has_moe(part):
+            # MoE balance statistics cover the micro-batch: every rank of the stage holding other tokens of it
+            part.set_parallel_context(replace(part.parallel_context, token_group=MeshTokenGroup(tokens, sequence)))
+            expert_layers = apply_expert_parallel(part, ep_mesh) if ep_mesh is not None else 0
     keep = end_blocks(cfg.model) if cfg.train.fp8_keep_ends else frozenset()
     fp8 = apply_float8(part, cfg.train.fp8, fsdp_gather=float8_weight_gather(cfg, dims), emulate=device.type != "cuda",
                        keep=keep) if cfg.train.fp8 != "off" else 0

@@ -84,6 +84,11 @@ def _keys_kept(x: ActivationShape, calls: list[tuple[int, int]]) -> int:
     return sum(k for _, k in calls)
 
 
+def uses_math_attention(m: ModelConfig) -> bool:
+    """Whether attention runs as explicit matmuls and softmax: the math backend, or soft-capped scores."""
+    return m.attention_backend == "math" or m.attention_softcap is not None
+
+
 def self_attention_masked(cfg: Config) -> bool:
     """Whether self-attention runs with a mask tensor rather than none or `is_causal`: the padded batches of every
     objective but packed causal LM, sliding windows, packed-document masks."""
@@ -125,7 +130,7 @@ def moe_rows(m: ModelConfig, x: ActivationShape) -> tuple[int, float]:
 def _activation_factor(m: ModelConfig) -> int:
     """Tensors of the feed-forward's width its activation keeps: SwiGLU gate, up, silu(gate), product; GELU input
     and output; ReLU its output."""
-    return {"swiglu": 4, "relu": 1}.get(m.activation, 2)
+    return 4 if m.gated else {"relu": 1}.get(m.activation, 2)
 
 
 def _moe_branch_saved(m: ModelConfig, x: ActivationShape, s_local: int) -> float:
@@ -176,13 +181,16 @@ def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memo
     heads = m.n_heads // t
     qkv_out = b * s * heads * m.attention_head_dim * a
     total = 0.0
+    out_norms = _norm(m, x, s_local) if m.norm_position == "sandwich" else 0.0  # each branch's output norm
     for branch_cross in ([False, True] if cross else [False]):
-        total += _norm(m, x, s_local) + gathered
+        total += _norm(m, x, s_local) + out_norms + gathered
         calls = _attention_calls(x, branch_cross, memory_len, causal)
         kv = b * _keys_kept(x, calls) * heads * m.attention_head_dim * a
-        if m.attention_backend == "math":
+        if uses_math_attention(m):
             scores = b * heads * sum(q * k for q, k in calls)
             total += 2 * qkv_out + 2 * kv + scores * FP32 + (scores * a if a != FP32 else 0)
+            if m.attention_softcap is not None:  # the capped scores' tanh, kept for its backward
+                total += scores * a
             if m.attention_dropout > 0:
                 total += scores * (a + 1)
         elif x.blockwise:
@@ -193,7 +201,7 @@ def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memo
             total += 2 * qkv_out + 2 * kv + b * heads * s * FP32 + _sdpa_mask(x, calls, branch_cross)
         if m.dropout > 0:
             total += b * s_local * h
-    total += _moe_branch_saved(m, x, s_local) if moe else _ffn_branch_saved(m, x, s_local)
+    total += out_norms + (_moe_branch_saved(m, x, s_local) if moe else _ffn_branch_saved(m, x, s_local))
     if m.dropout > 0:
         total += b * s_local * h
     return total
@@ -217,9 +225,9 @@ def block_selective(m: ModelConfig, x: ActivationShape, *, cross: bool = False, 
             total += sum(stored_probabilities(b * heads, q, k, causal and not branch_cross) for q, k in calls) * a
         else:
             total += b * heads * s * FP32 + _sdpa_mask(x, calls, branch_cross)  # log-sum-exp, mask
-        if m.attention_backend == "math":  # the two attention matmuls' outputs (scores, weighted values)
+        if uses_math_attention(m):  # the two attention matmuls' outputs (scores, weighted values)
             total += 2 * b * heads * sum(q * k for q, k in calls) * a
-    widths = 2 if m.activation == "swiglu" else 1  # gate and up (or up) projection outputs
+    widths = 2 if m.gated else 1  # gate and up (or up) projection outputs
     if moe:  # the router's and experts' matmul outputs, on this rank's tokens (sequence parallel routes locally)
         n = b * s_local
         _, received = moe_rows(m, x)
@@ -244,12 +252,12 @@ def block_backward_extra(m: ModelConfig, x: ActivationShape, moe: bool = False) 
     branch: its experts' activation gradients, those of the received rows and, arriving back all-to-all, of the
     sent ones."""
     b, s, t, a = x.batch, x.seq, x.tp, x.bytes
-    ffn_grads: float = (3 if m.activation == "swiglu" else 2) * b * s * (m.d_ff // t) * a
+    ffn_grads: float = (3 if m.gated else 2) * b * s * (m.d_ff // t) * a
     if moe:
         sent, received = moe_rows(m, x)
         # the loop back-propagates one expert's rows at a time (the balanced share of the received ones)
         rows = received / max(1, m.n_experts // x.ep) if x.experts_loop else received
-        ffn_grads = ((3 if m.activation == "swiglu" else 2) * rows * m.expert_d_ff + (received + sent) * m.d_model
+        ffn_grads = ((3 if m.gated else 2) * rows * m.expert_d_ff + (received + sent) * m.d_model
                      ) * a
     heads = m.n_heads // t
     calls = _attention_calls(x, False, 0)

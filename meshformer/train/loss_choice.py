@@ -20,6 +20,8 @@ def loss_kind(cfg: Config, dims: ParallelDims, device_type: str) -> LossKind:
     bench/pp_head_loss_memory.py)."""
     if cfg.train.loss != "auto":
         return cfg.train.loss
+    if cfg.model.logit_softcap is not None:  # the fused losses compute raw logits: only the model's head caps them
+        return "plain"
     if device_type == "cuda" and dims.is_single and liger_available():
         return "liger"
     if dims.pp_enabled and last_stage_losses_in_flight(cfg) > 1:
@@ -33,6 +35,9 @@ def resolve_loss(cfg: Config, dims: ParallelDims, device_type: str, custom: Loss
     if custom is not None:
         return LossSpec("plain", custom=custom)
     kind = loss_kind(cfg, dims, device_type)
+    if kind != "plain" and cfg.model.logit_softcap is not None:
+        raise ConfigError(f"train.loss={kind!r} computes the logits inside the loss, without "
+                          f"model.logit_softcap={cfg.model.logit_softcap}", "use train.loss='plain' (or 'auto')")
     if kind == "liger" and dims.pp_enabled and cfg.parallel.pp_schedule in ZERO_BUBBLE:
         raise ConfigError(f"train.loss='liger' cannot run under parallel.pp_schedule={cfg.parallel.pp_schedule!r}: "
                           "its backward scales its stored gradients in place and the deferred weight pass runs it "

@@ -14,16 +14,18 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 from helpers.common import ROOT
 from helpers.convert import convert_case_files
-from helpers.data import shards, small_corpus
+from helpers.data import forge_shard, shards, small_corpus, tar_member
 
 from meshformer.checkpointing.weights import write_weights
 from meshformer.cli import main
 from meshformer.config import ModelConfig
+from meshformer.data import prepare
 from meshformer.errors import MeshformerError, run_command
 from meshformer.model import Transformer
 from meshformer.runtime.run_lock import run_folder_lock
@@ -78,6 +80,12 @@ def world(tmp_path_factory):
     (tmp / "nothing" / "image.png").write_bytes(b"\x89PNG")
     (tmp / "tok.json").write_text("{not a tokenizer")
     _bad_format_files(tmp)  # (#23)
+    # files for the data cases (#24)
+    (tmp / "two-files").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp / "two-files" / name).write_text("In the beginning was the word.\n" * 40)
+    prepare(tmp / "two-files", tmp / "map-killed", tokenizer="bundled:kjv-bpe-4k", part=(0, 2), stage="map",
+            progress=False)  # part 1/2 of the map stage never finished
     # files for the checkpoint/convert cases (#25)
     convert_case_files(tmp)
     (tmp / "broken-weights").mkdir()
@@ -168,6 +176,9 @@ CASES = [
     ("unknown-key", _train("train.step=3"), ["unknown config key", "did you mean 'train.steps'"]),
     ("unknown-section", _train("trainer.steps=3"), ["trainer", "valid"]),
     ("override-syntax", ["train", CFG, "--set", "train.steps"], ["train.steps", "section.key=value"]),
+    ("init-from-not-hf", _train("checkpoint.init_from=runs/x"), ["checkpoint.init_from='runs/x'", "hf:PATH"]),
+    ("init-from-no-folder", ["train", CFG, "--init-from", "{tmp}/nope", *_train(name="i")[2:]],
+     ["nope has no config.json", "point at a Hugging Face model folder"]),
     ("wrong-type", _train("model.d_model=abc"), ["model.d_model", "must be int"]),
     ("not-a-choice", _train("model.norm=batchnorm"), ["model.norm", "not one of"]),
     ("list-expected", _train("optim.betas=0.9"), ["optim.betas", "must be a list"]),
@@ -185,6 +196,10 @@ CASES = [
     ("objective-family", _train("train.objective=mlm"), ["does not fit model.family", "use one of"]),
     ("noam-warmup", _train("schedule.name=noam", "schedule.warmup_steps=0"), ["noam", "warmup_steps > 0"]),
     ("window-too-big", _train("model.attention_window=100"), ["attention_window", "smaller window"]),
+    ("window-pattern-no-window", _train("model.full_attention_every=6"),
+     ["model.full_attention_every=6", "needs model.attention_window", "set both"]),
+    ("logit-softcap-fused-loss", _train("model.logit_softcap=30", "train.loss=chunked"),
+     ["without model.logit_softcap=30.0", "use train.loss='plain'"]),
     ("profile-steps", _train("profile.start_step=1", "profile.steps=0"), ["profile.steps", "e.g."]),
     ("no-cuda", _train("train.device=cuda"), ["no CUDA device", "train.device='cpu'"]),
     ("grad-clip-negative", _train("optim.grad_clip=-1"), ["optim.grad_clip", ">= 0"]),
@@ -230,6 +245,16 @@ CASES = [
      ["data.sources[0].weight=inf", "finite weight > 0"]),
     ("mixture-same-name", _train('data.sources=[{{shards="{shards}", name="web"}}, {{shards="{shards}", '
                                  'name="web"}}]'), ["both named 'web'", "its own name"]),
+    # (#24) mixture weights, prepared shards
+    ("mixture-weight-nan", _train('data.sources=[{{shards="{shards}", weight=1}}, {{shards="{shards}", weight=nan}}]'),
+     ["data.sources[1].weight=nan is not a positive number", "finite weight > 0"]),
+    ("mixture-weight-negative", _train('data.sources=[{{shards="{shards}", weight=-1}}]'),
+     ["data.sources[0].weight=-1", "finite weight > 0"]),
+    ("mixture-weight-zero", _train('data.sources=[{{shards="{shards}", weight=0}}, {{shards="{shards}"}}]'),
+     ["data.sources[0].weight=0", "finite weight > 0"]),
+    ("mixture-weight-huge", _train('data.sources=[{{shards="{shards}", weight=1}}, {{shards="{shards}", '
+                                   'weight=1e300}}]'), ["repeat only every 1e+300 samples", "simpler ratios"]),
+    ("mixture-no-shards", _train("data.sources=[{{weight=2}}]"), ["data.sources[0] names no shards", "set shards ="]),
     # tokenizer
     ("tokenizer-missing", _train("data.tokenizer={tmp}/none.json"), ["neither", "fix data.tokenizer"]),
     ("tokenizer-bundled", _train("data.tokenizer=bundled:nope"), ["no bundled tokenizer", "available"]),
@@ -427,6 +452,24 @@ CASES = [
      ["data.tokenizer", "is not the tokenizer the weights in", "set data.tokenizer"]),
     ("export-hf-other-tokenizer", ["convert", "export-hf", "{final}", "{tmp}/hf-other", "--tokenizer",
                                    "{tmp}/cv-other-tokenizer.json"], ["is not the tokenizer the weights in"]),
+    # (#24) data prepare: numbers, parts
+    *[(f"prepare-{option[2:]}-{value}", ["data", "prepare", "{corpus}", "--out", f"{{tmp}}/p-{option[2:]}-{value}",
+                                          option, value], words)
+      for option, value, words in [
+          ("--bucket-mb", "0", ["--bucket-mb 0 is not a positive size", "--bucket-mb 128"]),
+          ("--bucket-mb", "nan", ["--bucket-mb nan is not a positive size", "MB"]),
+          ("--bucket-mb", "1e-12", ["into 1", "buckets", "use a larger --bucket-mb"]),
+          ("--shard-records", "0", ["--shard-records 0 is out of range", "--shard-records >= 1"]),
+          ("--record-len", "0", ["record_len=0 is too short", "--record-len >= 2"]),
+          ("--seed", "-1", ["--seed -1 is out of range", "--seed >= 0"]),
+          ("--num-proc", "-2", ["--num-proc -2 is out of range", "--num-proc >= 0"]),
+          ("--vocab-size", "0", ["--vocab-size 0 is out of range", "--vocab-size >= 1"])]],
+    ("submit-prepare-bucket-mb", ["data", "submit-prepare", "{corpus}", "--out", "{tmp}/p10", "--parts", "2",
+                                  "--dry-run", "--tokenizer", "bundled:kjv-bpe-4k", "--bucket-mb", "0"],
+     ["--bucket-mb 0 is not a positive size", "--bucket-mb 128"]),
+    ("merge-after-killed-map", ["data", "prepare", "{tmp}/two-files", "--out", "{tmp}/map-killed", "--stage", "merge",
+                                "--part", "0/2", "--tokenizer", "bundled:kjv-bpe-4k"],
+     ["1 map task(s)", "b.txt; killed", "rerun the same command with `--stage map --part 1/2`"]),
     ("generate-zero-tokens", ["generate", "{final}", "--prompt", "x", "--max-new-tokens", "0"],
      ["--max-new-tokens=0", "at least 1"]),
     ("generate-too-long", ["generate", "{final}", "--prompt", "x", "--max-new-tokens", "500"],
@@ -530,6 +573,24 @@ def test_a_shard_corrupted_on_disk_fails_in_one_line_from_a_loader_worker(world,
     last = err.splitlines()[-1]
     assert "Traceback" not in err and last.startswith("error: shard ") and "corrupt-shards/train-" in last, err
     assert "data.bad_shards='skip'" in last and "worker" not in last
+    assert {key: _digest(world[key]) for key in protected} == protected
+
+
+@pytest.mark.parametrize("case, member, words", [pytest.param(*case, id=case[0]) for case in [
+    ("dotdot", "../000000000.tokens.u16", "member '../000000000.tokens.u16' names a path outside the shard"),
+    ("absolute", "/000000000.tokens.u16", "member '/000000000.tokens.u16' names a path outside the shard"),
+    ("symlink", tar_member("000000000.tokens.u16", tarfile.SYMTYPE, "/etc/passwd"),
+     "member '000000000.tokens.u16' is a symbolic link, not a regular file")]])
+def test_a_crafted_tar_member_fails_in_one_line(world, protected, capsys, one_thread, case, member, words):
+    """(#24) A shard whose member is a link or names a path (index, sha256 and counts forged to match): one line
+    naming the shard and the member at step 1, from a loader worker, not a raw `KeyError: 'tokens'`."""
+    forged = shutil.copytree(world["shards"], world["tmp"] / f"forged-{case}")
+    name = forge_shard(forged, [[member], *([f"{i:09d}.tokens.u16"] for i in (1, 2, 3))])
+    err = run_main(["train", CFG, "--set", *TINY, f"logging.run_dir={forged}-run", f"data.shards={forged}",
+                    "data.num_workers=1", "data.shuffle_shards=7"], capsys)
+    last = err.splitlines()[-1]
+    assert "Traceback" not in err and last.startswith(f"error: shard {forged / name}: {words}"), err
+    assert "re-run `meshformer data prepare`" in last
     assert {key: _digest(world[key]) for key in protected} == protected
 
 

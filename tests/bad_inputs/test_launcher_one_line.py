@@ -9,8 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers.common import ROOT
-from helpers.data import shards
+from helpers.data import forge_shard, shards
 
 CFG = "configs/tiny-gpt.toml"
 TINY = ["model.d_model=32", "model.n_layers=1", "model.d_ff=64", "data.seq_len=32", "model.max_seq_len=64",
@@ -47,6 +48,20 @@ def test_a_rank_that_reports_leaves_the_only_line(tmp_path):
                       f"data.shards={bad}")
     line = _one_error_line(out)
     assert line.startswith("error: shard ") and "data.bad_shards='skip'" in line, line
+
+
+@pytest.mark.slow  # two ranks; the single-process case runs by default (test_bad_inputs.py)
+def test_a_crafted_shard_member_is_one_line_at_two_ranks(tmp_path):
+    """(#24) A member named `../...` (index and manifest forged to match) ended in torchrun's failure banner over
+    each rank's `KeyError: 'tokens'`; now one line names the shard and the member."""
+    forged = shutil.copytree(shards(tmp_path), tmp_path / "forged")
+    for shard in range(len(list(forged.glob("train-*.tar")))):  # every shard: both ranks meet one at step 1
+        forge_shard(forged, [["../000000000.tokens.u16"], *([f"{i:09d}.tokens.u16"] for i in (1, 2, 3))], shard)
+    out = _meshformer("train", CFG, "--nproc-per-node", "2", "--set", *TINY, f"logging.run_dir={tmp_path / 'run'}",
+                      f"data.shards={forged}")
+    line = _one_error_line(out)
+    assert line.startswith(f"error: shard {forged}/train-") and (": member '../000000000.tokens.u16' names a path "
+                                                                 "outside the shard") in line, line
 
 
 def test_a_rank_killed_by_a_signal_is_named_in_one_line(tmp_path):

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
+import io
 import json
 import shutil
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -91,3 +94,40 @@ def write_corpus(folder: Path, megabytes: float, files: int = 8, seed: int = 0, 
                 size += len(line)
                 doc += 1
     return folder
+
+
+def forge_shard(folder: Path, records: list[list[tarfile.TarInfo | str]], shard: int = 0) -> str:
+    """Replace train shard `shard` of the prepared `folder` by a tar of `records` (each a list of members: a
+    TarInfo, or the name of a regular member holding 33 tokens), with an index and a manifest entry that match
+    it, as someone handing over a crafted dataset could; returns the shard's file name."""
+    from meshformer.data.shard_index import build_index, index_name
+
+    manifest_path = folder / "manifest.json"
+    tree = json.loads(manifest_path.read_text())
+    entry = tree["splits"]["train"]["shards"][shard]
+    buffer, spans = io.BytesIO(), []
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for record in records:
+            start = tar.offset
+            for member in record:
+                info = member if isinstance(member, tarfile.TarInfo) else tarfile.TarInfo(member)
+                data = np.arange(33, dtype="<u2").tobytes() if info.isreg() else b""
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data) if data else None)
+            spans.append((start, tar.offset))
+    blob = buffer.getvalue()
+    index = build_index(blob, spans)
+    (folder / entry["name"]).write_bytes(blob)
+    (folder / index_name(entry["name"])).write_bytes(index)
+    entry.update(samples=len(records), tokens=33 * len(records), bytes=len(blob),
+                 sha256=hashlib.sha256(blob).hexdigest(), index_bytes=len(index),
+                 index_sha256=hashlib.sha256(index).hexdigest())
+    manifest_path.write_text(json.dumps(tree))
+    return entry["name"]
+
+
+def tar_member(name: str, kind: bytes, linkname: str = "") -> tarfile.TarInfo:
+    """A tar member of type `kind` (tarfile.SYMTYPE, LNKTYPE, DIRTYPE, FIFOTYPE, CHRTYPE, REGTYPE)."""
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, linkname
+    return info

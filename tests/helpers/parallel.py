@@ -59,6 +59,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "decoder_qwen": dict(family="decoder", n_layers=2, norm="rmsnorm", activation="swiglu", position="rope",
                          n_kv_heads=2, bias=False, head_dim=12, qk_norm=True, qkv_bias=True, rope_scaling="llama3",
                          rope_scaling_factor=4.0, rope_original_max_seq_len=16),
+    # Gemma-like: sandwich (1 + weight) RMSNorms, GeGLU, scaled embeddings, per-head QK-norm, every 2nd block global
+    # (RoPE base 1M, linear scaling) and the others windowed (base 10k), attention and final-logit soft-capping
+    "decoder_gemma": dict(family="decoder", n_layers=4, norm="rmsnorm", activation="geglu", position="rope",
+                          n_kv_heads=2, bias=False, norm_position="sandwich", norm_weight_offset=1.0, qk_norm=True,
+                          scale_embeddings=True, attention_window=5, full_attention_every=2, rope_theta=1e6,
+                          rope_scaling="linear", rope_scaling_factor=2.0, rope_local_theta=1e4, attention_softcap=20.0,
+                          logit_softcap=30.0),
+    # OLMo-2-like: each sub-layer's output normalised before the residual add, QK-norm over the whole projections
+    "decoder_olmo2": dict(family="decoder", n_layers=2, norm="rmsnorm", activation="swiglu", position="rope",
+                          n_kv_heads=2, bias=False, norm_position="post_sublayer", qk_norm=True,
+                          qk_norm_scope="projection"),
     # GPT-2-like with ALiBi (per-head slopes must follow tensor-parallel head sharding) and biases
     "decoder_alibi": dict(family="decoder", n_layers=4, position="alibi", activation="gelu", bias=True,
                           tie_embeddings=False, output_bias=True),
@@ -86,6 +97,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # every token chooses experts 0 and 1 (a fixed selection bias): under ep=2 rank 1's experts receive nothing
     "moe_skew": dict(family="decoder", n_layers=2, norm="rmsnorm", activation="swiglu", position="rope", bias=False,
                      n_experts=4, experts_per_token=2, moe_d_ff=24, moe_aux_loss=0.01),
+    # the first block dense, the second MoE: under pp=2 the first stage holds no MoE layer
+    "moe_late": dict(family="decoder", n_layers=2, norm="rmsnorm", activation="swiglu", position="rope", bias=False,
+                     n_experts=4, experts_per_token=2, moe_d_ff=24, moe_first_dense=1, moe_aux_loss=0.01),
     # BERT-like: learned positions, embedding norm, prediction-head transform, post-norm
     "encoder": dict(family="encoder", n_layers=4, position="learned", embedding_norm=True, head_transform=True,
                     norm_position="post", activation="gelu"),
@@ -498,6 +512,11 @@ def run_scenario(name: str) -> dict[str, Any]:
     report["checked"] = len(checked)
     report["kernels"] = plan.report
     report["float8_gathers"] = float8_gathers
+    # Process groups each rank created so far: new_group is collective and names groups by a per-rank counter, so
+    # a rank that created fewer (e.g. a pipeline stage without MoE layers) would hang the next group's rendezvous
+    group_counts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(group_counts, dist.distributed_c10d._world.group_count)
+    report["group_counts"] = group_counts
     if cfg.model.n_experts:  # what the run log shows of the MoE layers: every layer, whichever stage holds it
         report["moe_scalars"] = sorted(plan.moe_scalars())
     if family in SELECTION_BIAS:  # the step loads (global: summed over every rank) of this rank's first MoE layer
@@ -552,7 +571,7 @@ def main() -> None:
         else:
             print(f"{name}: loss_rel={max(report['loss_rel']):.2e} grad_rel={report['grad_rel']:.2e} "
                   f"({report['worst']}) norm_rel={report['norm_rel']:.2e} checked={report['checked']} "
-                  f"missing={report['missing']}")
+                  f"missing={report['missing']} group_counts={report['group_counts']}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ WORLD2 = [
     # tensor + sequence parallel, vocab-parallel loss; ALiBi slopes follow the head sharding
     "decoder/tp", "decoder_alibi/tp", "encoder/tp", "encdec/tp",
     "decoder_qwen/tp",  # head_dim, QK-norm, Q/K/V-only biases, llama3 RoPE scaling under head sharding
+    # Gemma's block options (sandwich norms, window pattern with two RoPE bases, soft-capping) under every axis;
+    # OLMo 2's whole-projection QK-norm and post-sublayer norms with each sequence split
+    "decoder_gemma/tp", "decoder_gemma/fsdp", "decoder_gemma/cp", "decoder_gemma/pp-sched=1f1b", "decoder_olmo2/cp",
     # pipeline: every schedule (2 stages per rank for the interleaved / V ones)
     "decoder/pp-sched=gpipe", "decoder/pp-sched=1f1b", "decoder/pp-sched=interleaved_1f1b-spr=2",
     "decoder/pp-sched=interleaved_zb-spr=2", "decoder/pp-sched=zbv",
@@ -66,9 +69,11 @@ WORLD8 = ["decoder/pp-fsdp-tp", "encdec/pp-fsdp-tp-sched=interleaved_1f1b-spr=2"
 # Mixture of experts (helpers/parallel.py: moe*): balance losses over the whole micro-batch; expert parallelism (ep)
 # over dp_shard x cp x tp, composed with FSDP/HSDP (experts sharded over the data-parallel ranks ep leaves), TP+SP
 # (ep spans the tensor-parallel ranks), CP and every pipeline schedule; a rank whose experts receive no token
-# (moe_skew); per-sequence balance loss; the bias balancing after each step with its global loads (moe_bias)
-MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "moe_skew/fsdp-ep", "moe_seq/fsdp-ep",
-              "moe_bias/fsdp-ep", "moe_bias/tp-ep", "moe/fsdp-ep-recompute=full", "moe/tp-ep-recompute=selective",
+# (moe_skew); per-sequence balance loss; the bias balancing after each step with its global loads (moe_bias);
+# a pipeline stage without MoE layers (moe_late: every rank still creates the MoE meshes' process groups)
+MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "moe_late/pp", "moe_skew/fsdp-ep",
+              "moe_seq/fsdp-ep", "moe_bias/fsdp-ep", "moe_bias/tp-ep", "moe/fsdp-ep-recompute=full",
+              "moe/tp-ep-recompute=selective",
               "moe_encdec/fsdp-ep", "moe_encdec/tp-ep", "moe_encdec/pp"]  # MoE in both stacks
 MOE_WORLD4 = ["moe/fsdp=4-ep", "moe/fsdp=4-ep=4", "moe/hsdp-ep", "moe/tp-fsdp-ep", "moe/tp-fsdp-ep=4",
               "moe/cp-fsdp-ep=4", "moe/pp-tp-ep", "moe/pp-fsdp-ep", "moe/pp-fsdp-ep-sched=gpipe",
@@ -119,6 +124,8 @@ def check(report: dict, tol: float = TOL, grad_tol: float | None = None, name: s
     if ep:  # equal results alone would not show that experts were split
         assert f"experts split over ep={ep[0]} ranks" in report["kernels"]["experts"], report["kernels"]
     assert report["missing"] == [], f"parameters no rank checked: {report['missing']}"
+    # every rank created the same process groups (moe_late/pp: a pipeline stage without MoE layers)
+    assert len(set(report["group_counts"])) == 1, f"process groups created per rank: {report['group_counts']}"
     if name.startswith("moe_skew/"):  # the case it stands for happened: experts 2 and 3 saw no token on any rank
         assert report["expert_loads"][2:] == [0.0, 0.0] and min(report["expert_loads"][:2]) > 0
     assert max(report["loss_rel"]) < tol, f"loss relative diffs {report['loss_rel']}"

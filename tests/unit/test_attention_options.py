@@ -1,5 +1,6 @@
 """Attention options of the models people continue pretraining: RoPE scaling against transformers' definitions,
-explicit head_dim, QK-norm, Q/K/V-only biases; each counted, trainable, and equal with and without the KV cache."""
+explicit head_dim, QK-norm, Q/K/V-only biases; each counted, trainable, and equal with and without the KV cache
+(Gemma's and OLMo 2's block options too)."""
 
 from __future__ import annotations
 
@@ -148,7 +149,12 @@ OPTIONS = [dict(head_dim=12), dict(qk_norm=True), dict(qkv_bias=True),
            dict(rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_seq_len=8),
            dict(rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_seq_len=8),
            dict(head_dim=12, qk_norm=True, qkv_bias=True, rope_scaling="llama3", rope_scaling_factor=4.0,
-                rope_original_max_seq_len=8)]
+                rope_original_max_seq_len=8),
+           # Gemma's block options: each block's own mask (window or none) and RoPE tables at every cache offset
+           dict(activation="geglu", norm_position="sandwich", norm_weight_offset=1.0, qk_norm=True,
+                scale_embeddings=True, attention_window=3, full_attention_every=2, rope_theta=1e6,
+                rope_local_theta=1e4, attention_softcap=2.0, logit_softcap=3.0),
+           dict(norm_position="post_sublayer", qk_norm=True, qk_norm_scope="projection")]  # OLMo 2's
 
 
 @pytest.mark.parametrize("family", ["decoder", "encoder_decoder"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from meshformer.checkpointing import ConversionError
-from meshformer.checkpointing.hf_folder import import_hf
+from meshformer.checkpointing.hf_folder import export_hf, import_hf
 from meshformer.checkpointing.megatron import export_megatron, import_megatron
 from meshformer.checkpointing.weights import read_weights
 from meshformer.cli import main
@@ -104,6 +104,21 @@ def test_flags_that_change_the_function_are_refused(arch, flags, named, tmp_path
         import_hf(tmp_path / "hf")
     message = str(info.value)
     assert named in message and " — " in message and "\n" not in message
+
+
+def test_trained_selection_bias_is_refused_on_export_with_its_own_fix(tmp_path):
+    """No architecture holds the bias: the line must not send the user to another --arch."""
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=32, activation="swiglu",
+                      norm="rmsnorm", position="rope", bias=False, max_seq_len=16, n_experts=4, experts_per_token=2)
+    state = Transformer(cfg).state_dict()
+    state["decoder_layers.0.ffn.router.expert_bias"] = torch.tensor([0.1, 0.0, 0.0, -0.1])
+    with pytest.raises(ConversionError) as info:
+        export_hf(state, cfg, tmp_path / "hf", "mixtral")
+    line = info.value.one_line()
+    assert "decoder_layers.0.ffn.router.expert_bias is nonzero" in line and "\n" not in line
+    assert "--arch" not in line and line.count(" — ") == 1 and line.endswith("trained without bias balancing can be "
+                                                                           "converted")
+    assert not (tmp_path / "hf").exists()  # refused before anything is written
 
 
 # ----------------------------------------------------------------------------- Megatron head count

@@ -6,6 +6,7 @@ import argparse
 import gzip
 import json
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -148,3 +149,18 @@ def test_default_config_prepares_bundled_corpus_once(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="meshformer.data"):
         evals = build_loader(cfg, tokenizer(), "eval", 0, 1)
     assert "preparing" not in caplog.text and evals.samples_per_epoch > 100
+
+
+def test_a_resumed_prepare_redoes_a_megatron_unit_whose_data_file_changed(tmp_path):
+    """A Megatron unit is named by its .idx, but its tokens live in the .bin: rewriting only the .bin (same size,
+    e.g. regenerated ids) must not leave the finished map task of the old tokens in place."""
+    from meshformer.data.prepare_stages import unit_fingerprint
+
+    idx, data = tmp_path / "ds.idx", tmp_path / "ds.bin"
+    idx.write_bytes(b"index")
+    data.write_bytes(b"\x01\x00\x02\x00")
+    plan = {"units": [[str(idx), "megatron", -1, -1]]}
+    before = unit_fingerprint(plan, 0)
+    data.write_bytes(b"\x03\x00\x04\x00")
+    os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 10**9))
+    assert unit_fingerprint(plan, 0) != before

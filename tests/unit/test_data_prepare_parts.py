@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from helpers.data import ROOT_DIR, config, tokenizer, write_corpus
 
 from meshformer.data import build_loader, prepare, read_manifest
 from meshformer.data.shards import read_shard
+from meshformer.errors import UsageError
 
 KW = dict(tokenizer="bundled:kjv-bpe-4k", record_len=65, shard_records=20, eval_fraction=0.05, seed=3,
           bucket_mb=0.03, progress=False)
@@ -60,6 +62,68 @@ def test_parts_refuse_mismatched_or_unfinished_work(corpus, tmp_path):
         prepare(corpus, out, part=(1, 2), **KW)
     with pytest.raises(ValueError, match="tokenizer first"):
         prepare(corpus, out, part=(1, 2), stage="map", **{**KW, "tokenizer": "train"})
+
+
+class Killed(BaseException):
+    """Stands in for SIGKILL: nothing after it in the task runs (not an Exception, so nothing catches it)."""
+
+
+def _killed_at(monkeypatch, module, name: str, call: int) -> None:
+    """Make the `call`-th call of module.name (counted from 1) end the process, as a kill there would."""
+    original, calls = getattr(module, name), []
+
+    def dies(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            raise Killed
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, dies)
+
+
+def test_a_killed_map_part_is_named(corpus, tmp_path, monkeypatch):
+    """#24: a merge (or reduce) after a map part was killed names the part to rerun."""
+    from meshformer.data import prepare_stages
+
+    out = tmp_path / "o"
+    prepare(corpus, out, part=(0, 2), stage="map", **KW)
+    with monkeypatch.context() as patch:
+        _killed_at(patch, prepare_stages, "_write_chunk", 1)  # part 1's first map task dies mid-way
+        with pytest.raises(Killed):
+            prepare(corpus, out, part=(1, 2), stage="map", **KW)
+    for stage in ("reduce", "merge"):
+        with pytest.raises(UsageError, match=r"map task\(s\) of .* are not done \(first: .*part-0001.jsonl; killed.*"
+                                              r"rerun the same command with `--stage map --part 1/2`"):
+            prepare(corpus, out, part=(0, 2), stage=stage, **KW)
+
+
+@pytest.mark.parametrize("killed", ["merge", "reduce-rerun"])
+def test_a_killed_merge_or_reduce_reruns_to_the_same_shards(corpus, tmp_path, monkeypatch, killed):
+    """A merge killed while staging shards left the next merge a missing `.tar` (and the staged shards deleted);
+    a reduce rerun killed after clearing its old shards left its old result, naming them, to the merge."""
+    from meshformer.data import prepare_stages
+
+    prepare_module = importlib.import_module("meshformer.data.prepare")  # the package exports the function
+    out = tmp_path / "o"
+    for stage in ("map", "reduce"):
+        for i in range(2):
+            prepare(corpus, out, part=(i, 2), stage=stage, **KW)
+    with monkeypatch.context() as patch:
+        if killed == "merge":
+            _killed_at(patch, prepare_module, "ShardInfo", 3)  # two shards staged, then the merge dies
+            with pytest.raises(Killed):
+                prepare(corpus, out, part=(0, 2), stage="merge", **KW)
+        else:
+            _killed_at(patch, prepare_stages, "write_shards", 1)
+            with pytest.raises(Killed):
+                prepare(corpus, out, part=(1, 2), stage="reduce", **KW)
+            with pytest.raises(UsageError, match=r"reduce task train bucket 1 of .* is not done .*rerun the same "
+                                                  r"command with `--stage reduce --part 1/2`, then --stage merge"):
+                prepare(corpus, out, part=(0, 2), stage="merge", **KW)
+            prepare(corpus, out, part=(1, 2), stage="reduce", **KW)
+    merged = prepare(corpus, out, part=(0, 2), stage="merge", **KW)
+    whole = prepare(corpus, tmp_path / "whole", **KW)
+    assert merged.to_json() == whole.to_json() and folder_bytes(out) == folder_bytes(tmp_path / "whole")
 
 
 def test_buckets_mix_the_whole_corpus(corpus, tmp_path):

@@ -33,6 +33,12 @@ SMALL = {
     "t5-relative": dict(family="encoder_decoder", position="t5_relative", relative_buckets=16, norm="rmsnorm",
                         bias=False),
     "encoder-t5-relative": dict(family="encoder", position="t5_relative"),
+    # Gemma's sandwich norms (4 per block, 6 with cross-attention), GeGLU's gate; OLMo 2's whole-projection QK-norm
+    "gemma-sandwich-geglu": dict(family="decoder", activation="geglu", norm="rmsnorm", norm_position="sandwich",
+                                 norm_weight_offset=1.0, qk_norm=True, position="rope", bias=False),
+    "seq2seq-sandwich": dict(family="encoder_decoder", norm_position="sandwich"),
+    "olmo2-projection-qk-norm": dict(family="decoder", activation="swiglu", norm="rmsnorm", n_kv_heads=2,
+                                     norm_position="post_sublayer", qk_norm=True, qk_norm_scope="projection"),
 }
 
 
@@ -61,6 +67,9 @@ PUBLISHED = {  # config: (published parameter count, relative tolerance)
     "mistral-7b": (7.24e9, 0.01),  # Jiang et al. 2023 ("7.24B")
     "qwen3-0.6b": (0.6e9, 0.01),  # Qwen3 Technical Report, Table 1 ("0.6B")
     "qwen3-8b": (8.2e9, 0.01),  # ("8.2B")
+    "llama3.2-1b": (1_235_814_400, 0.0),  # HF meta-llama/Llama-3.2-1B, "1.24B"
+    "llama3.1-8b": (8_030_261_248, 0.0),  # HF meta-llama/Llama-3.1-8B, "8.03B"
+    "olmo2-7b": (7.3e9, 0.01),  # HF allenai/OLMo-2-1124-7B ("7.3B")
 }
 
 # MoE configs: (published total, published active). Totals within 1%; the active counts are published with one
@@ -112,7 +121,8 @@ def test_counts_equal_hugging_face_models(name, cls, config, kwargs):
     assert count_params(cfg)["total"] == theirs - folded
 
 
-@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "mistral-7b", "qwen3-0.6b", "qwen3-8b"])
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "mistral-7b", "qwen3-0.6b", "qwen3-8b",
+                                  "llama3.2-1b", "llama3.1-8b", "olmo2-7b"])
 def test_new_configs_count_what_their_hugging_face_export_builds(name):
     """The exported architecture (config_to_hf), built on the meta device, has exactly our parameter count."""
     transformers = pytest.importorskip("transformers")
@@ -182,4 +192,13 @@ def test_sliding_window_reduces_attention_flops():
     cfg = ModelConfig(d_model=64, n_heads=4, n_layers=2)
     windowed = ModelConfig(d_model=64, n_heads=4, n_layers=2, attention_window=16)
     gap = flops_per_token(cfg, 256) - flops_per_token(windowed, 256)
+    assert gap == 12 * 2 * (256 - 16) * 64
+
+
+def test_global_blocks_of_a_window_pattern_count_every_key():
+    """Gemma 3's pattern: 1 of every 3 blocks global, so 2 of 6 blocks see all 256 keys and 4 see 16."""
+    kwargs = dict(d_model=64, n_heads=4, n_layers=6, attention_window=16)
+    windowed = ModelConfig(**kwargs)
+    pattern = ModelConfig(**kwargs, full_attention_every=3, rope_local_theta=1e4, position="rope")
+    gap = flops_per_token(pattern, 256) - flops_per_token(windowed, 256)
     assert gap == 12 * 2 * (256 - 16) * 64

@@ -1,5 +1,5 @@
 """meshformer models against torch.nn.Transformer and Hugging Face GPT-2 / BERT / Llama (3.x rotary scaling) / T5 /
-Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE given the same weights.
+Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / OLMo 2 / Gemma 2 / Gemma 3 given the same weights.
 
 HF models are built from small configs with random init (no download). Every parameter, norms and biases
 included, is perturbed first so that swapping any two tensors of the same shape would be caught.
@@ -147,6 +147,41 @@ def _hf_qwen3_moe(**extra):
         "norm_topk_prob": False, **extra}))
 
 
+def _hf_olmo2(**extra):
+    # post-sublayer norms, QK-norm over the whole q / k projections, llama3 rope scaling
+    return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**{
+        "vocab_size": 97, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32, "rope_parameters": {
+            "rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8},
+        "pad_token_id": None, "eos_token_id": None, **extra}))
+
+
+def _hf_gemma2(**extra):
+    # every 2nd block global (Gemma 2's default layer_types), attention- and final-logit soft-capping with caps
+    # below the scores' and logits' ranges (so they bend them), yarn rope scaling for every block
+    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**{
+        "vocab_size": 97, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 32,
+        "sliding_window": 4, "query_pre_attn_scalar": 8, "attn_logit_softcapping": 0.5,
+        "final_logit_softcapping": 2.0, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                            "original_max_position_embeddings": 8},
+        "pad_token_id": None, "eos_token_id": None, "bos_token_id": None, **extra}))
+
+
+def _hf_gemma3(**extra):
+    # 4 blocks, every 2nd global: windowed blocks (window 4 < 12 tokens) rotate with base 10k unscaled, global ones
+    # with 1M and linear scaling; head_dim 16 != 32 / 4, a query_pre_attn_scalar other than head_dim, final-logit
+    # soft-capping (3 < the logits' range, so it bends them)
+    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**{
+        "vocab_size": 97, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 32,
+        "sliding_window": 4, "sliding_window_pattern": 2, "query_pre_attn_scalar": 12, "final_logit_softcapping": 3.0,
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        "pad_token_id": None, "eos_token_id": None, "bos_token_id": None, **extra}))
+
+
 def _hf_t5(**extra):
     # Few buckets and a short max distance, so 12-token sequences reach the log-spaced and the clipped buckets.
     return transformers.T5ForConditionalGeneration(transformers.T5Config(
@@ -164,8 +199,9 @@ def _random_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _SINGLE_STACK = [_hf_gpt2, _hf_bert, _hf_llama, _hf_llama3, _hf_mistral, _hf_qwen2, _hf_qwen3, _hf_mixtral,
-                 _hf_qwen3_moe]
-_SINGLE_IDS = ["gpt2", "bert", "llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+                 _hf_qwen3_moe, _hf_olmo2, _hf_gemma2, _hf_gemma3]
+_SINGLE_IDS = ["gpt2", "bert", "llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2",
+               "gemma2", "gemma3"]
 
 
 @pytest.mark.parametrize("make", _SINGLE_STACK, ids=_SINGLE_IDS)
@@ -305,6 +341,12 @@ _LLAMA3_ROPE = {"rope_scaling": "llama3", "rope_scaling_factor": 8.0, "rope_orig
                 "rope_theta": 500.0}
 _YARN_ROPE = {"rope_scaling": "yarn", "rope_scaling_factor": 4.0, "rope_original_max_seq_len": 8,
               "rope_attention_factor": 1.2}
+# Gemma 3's options: sandwich (1 + weight) RMSNorms, per-head QK-norm, scaled embeddings, GeGLU, every 3rd of 4 blocks
+# global with its own RoPE base, a query_pre_attn_scalar of 8, final-logit soft-capping
+_GEMMA3 = {"n_layers": 4, "head_dim": 16, "activation": "geglu", "norm_position": "sandwich", "norm_weight_offset": 1.0,
+           "qk_norm": True, "scale_embeddings": True, "tie_embeddings": True, "attention_window": 4,
+           "full_attention_every": 3, "rope_theta": 1e6, "rope_local_theta": 1e4, "attention_scale": 8**-0.5,
+           "logit_softcap": 4.0, **_YARN_ROPE}
 
 
 @pytest.mark.parametrize(("arch", "cfg"), [
@@ -316,7 +358,10 @@ _YARN_ROPE = {"rope_scaling": "yarn", "rope_scaling_factor": 4.0, "rope_original
     ("mixtral", _moe_config(attention_window=4)),
     ("qwen3_moe", _moe_config(qk_norm=True, head_dim=16, n_layers=4, moe_every=2, moe_first_dense=2, moe_d_ff=16,
                               router_renormalize=False)),
-], ids=["llama3", "llama-linear", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
+    ("olmo2", _llama_config(norm_position="post_sublayer", qk_norm=True, qk_norm_scope="projection", **_LLAMA3_ROPE)),
+    ("gemma2", _llama_config(**{**_GEMMA3, "qk_norm": False, "rope_local_theta": None, "attention_softcap": 1.0})),
+    ("gemma3_text", _llama_config(**_GEMMA3)),
+], ids=["llama3", "llama-linear", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2", "gemma2", "gemma3"])
 def test_export_logits_and_round_trip(arch, cfg):
     """Ours -> HF computes our logits (padded batch, sequences longer than the window) and comes back bitwise."""
     torch.manual_seed(0)
@@ -389,3 +434,53 @@ def test_llama31_rope_parameters_map_both_ways():
     assert (cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_original_max_seq_len) == ("llama3", 8.0, 8192)
     assert (cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_theta) == (1.0, 4.0, 500000.0)
     assert config_to_hf(cfg).rope_parameters == published
+
+
+@pytest.mark.parametrize(("make", "extra", "named"), [
+    (_hf_olmo2, {"attention_bias": True}, "attention_bias=True"),
+    (_hf_olmo2, {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    (_hf_gemma3, {"layer_types": ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]},
+     "layer_types=["),
+    (_hf_gemma3, {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                      "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     "rope_parameters.sliding_attention="),
+    (_hf_gemma3, {"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+    (_hf_gemma3, {"attention_bias": True}, "attention_bias=True"),
+    (_hf_gemma3, {"hidden_activation": "silu"}, "hidden_activation='silu'"),
+], ids=["olmo2-attention-bias", "olmo2-act", "gemma3-layer-types", "gemma3-local-rope-scaling", "gemma3-bidirectional",
+        "gemma3-attention-bias", "gemma3-act"])
+def test_olmo2_gemma3_refuse_what_they_cannot_express(make, extra, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        config_from_hf(make(**extra).config)
+
+
+@pytest.mark.parametrize(("cfg", "named"), [
+    (_llama_config(**{**_GEMMA3, "attention_softcap": 20.0}), "attention_softcap=20.0"),  # Gemma 3 would ignore it
+    (_llama_config(**{**_GEMMA3, "norm_weight_offset": 0.0}), "norm_weight_offset=0.0"),
+    (_llama_config(**{**_GEMMA3, "attention_scale": 0.3}), "query_pre_attn_scalar='none'"),
+    (_llama_config(norm_position="post_sublayer", qk_norm=True), "qk_norm_scope='head'"),
+], ids=["gemma3-attention-softcap", "gemma3-offset", "gemma3-scale", "olmo2-per-head-qk-norm"])
+def test_export_refuses_what_gemma3_and_olmo2_lack(cfg, named):
+    arch = "gemma3_text" if cfg.norm_position == "sandwich" else "olmo2"
+    with pytest.raises(ValueError, match=re.escape(named)):
+        check_compatible(cfg, arch)
+
+
+def test_gemma3_1b_published_config_maps_both_ways():
+    """Gemma 3 1B's published config.json values (no download): 5 windowed blocks to 1 global, two RoPE bases; the
+    model built from it on the meta device has our parameter count, and the config comes back."""
+    from meshformer.checkpointing.hf import config_to_hf
+    from meshformer.model.flops import count_params
+
+    published = transformers.Gemma3TextConfig(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6, sliding_window=512,
+        sliding_window_pattern=6, query_pre_attn_scalar=256, rope_theta=1e6, rope_local_base_freq=10000.0)
+    cfg = config_from_hf(published)
+    assert (cfg.attention_window, cfg.full_attention_every, cfg.rope_theta, cfg.rope_local_theta) == (512, 6, 1e6, 1e4)
+    assert [cfg.window(i) for i in range(6)] == [512] * 5 + [None] and cfg.attention_scale is None
+    with torch.device("meta"):
+        hf = transformers.Gemma3ForCausalLM(published)
+    assert count_params(cfg)["total"] == sum(p.numel() for p in hf.parameters())  # 999,885,952
+    back = config_to_hf(cfg)
+    assert back.layer_types == published.layer_types and back.rope_parameters == published.rope_parameters

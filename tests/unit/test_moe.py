@@ -344,6 +344,24 @@ def test_bad_moe_configs_fail_with_one_line():
         validate_parallel(config_from_dict({"parallel": {"ep": 2}}), 2, "cpu")
 
 
+def test_a_grouped_mm_backend_that_cannot_run_fails_at_validation_in_one_line(monkeypatch):
+    from meshformer.model import moe
+    from meshformer.parallel_dims import validate_parallel
+
+    def grouped_mm(dtype: str) -> dict:
+        return {"model": {"n_experts": 4, "moe_backend": "grouped_mm"}, "train": {"dtype": dtype}}
+
+    with pytest.raises(ConfigError, match="runs bf16 rows on CUDA, but this run computes in fp32") as err:
+        validate_parallel(config_from_dict(grouped_mm("fp32")), 1, "cuda", on_this_host=False)
+    assert "\n" not in str(err.value) and "moe_backend='auto'" in err.value.one_line()
+    validate_parallel(config_from_dict(grouped_mm("bf16")), 1, "cuda", on_this_host=False)  # not checked off-host
+    monkeypatch.setattr(moe, "grouped_mm_runs", lambda device_type: False)  # e.g. an A100, or a CPU build without it
+    with pytest.raises(ConfigError, match="torch._grouped_mm does not run on this cpu") as err:
+        validate_parallel(config_from_dict(grouped_mm("fp32")), 1, "cpu")
+    assert "\n" not in str(err.value) and "moe_backend='auto'" in err.value.one_line()
+    validate_parallel(config_from_dict({"model": {"n_experts": 4, "moe_backend": "auto"}}), 1, "cpu")
+
+
 def test_tiny_moe_trains_with_falling_loss():
     cfg = load_config("tiny-moe").model
     cfg = replace(cfg, d_model=64, n_layers=2, max_seq_len=32)

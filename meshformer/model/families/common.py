@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 # t5_relative with pp > 1.
 STAGE_PIECES = StagePieces(
     first=("tok_embeddings", "src_embeddings", "pos_embeddings", "embedding_norm"),
-    every=("rope",),
+    every=("rope", "local_rope"),
     last=("head_dense", "head_act", "head_norm", "output"),
 )
 
@@ -49,10 +49,11 @@ def _attention(prefix: str) -> dict[str, str]:
 TP_RULES = TensorParallelRules(
     top={"tok_embeddings": VOCAB_ROWS, "src_embeddings": VOCAB_ROWS, "output": VOCAB_COLUMNS},
     block={
-        "attn_norm": SEQUENCE, "attn": GATHER_MASKED, **_attention("attn"),
+        # the sandwich's output norms see the reduce-scattered sub-layer output, a sequence shard
+        "attn_norm": SEQUENCE, "attn": GATHER_MASKED, **_attention("attn"), "attn_out_norm": SEQUENCE,
         # Encoder memory arrives replicated; as one DTensor its gradient is all-reduced once for k and v.
-        "cross_norm": SEQUENCE, "cross_attn": GATHER_MEMORY, **_attention("cross_attn"),
-        "ffn_norm": SEQUENCE, "ffn": GATHER,
+        "cross_norm": SEQUENCE, "cross_attn": GATHER_MEMORY, **_attention("cross_attn"), "cross_out_norm": SEQUENCE,
+        "ffn_norm": SEQUENCE, "ffn": GATHER, "ffn_out_norm": SEQUENCE,
         "ffn.gate_proj": COLWISE, "ffn.up_proj": COLWISE, "ffn.down_proj": ROWWISE,  # SwiGLU splits gate as up
     },
     # An MoE feed-forward stays sequence parallel: each rank routes its own tokens and expert parallelism spans the
