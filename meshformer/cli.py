@@ -14,6 +14,9 @@ from meshformer.errors import DEBUG_ENV, ArgumentParser, UsageError, run_command
 from meshformer.launcher import cli as launcher_cli
 from meshformer.planner import cli as plan_cli
 
+TOKENIZER_HELP = ("default: the tokenizer saved with the weights (WEIGHTS/tokenizer.json); another one is refused "
+                  "unless it is the same tokenizer")
+
 
 def _train(args: argparse.Namespace) -> None:
     from meshformer.launcher.torchrun import check_launch_options, launch_torchrun
@@ -71,15 +74,12 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from meshformer.checkpointing.weights import load_weights
-    from meshformer.data import load_tokenizer
+    from meshformer.checkpointing.weights import load_weights, weights_tokenizer
     from meshformer.model.generate import greedy_decode, pad_rows
-    from meshformer.train.preflight import check_vocab
 
     prompts = _prompts(args)
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = weights_tokenizer(args.weights, args.tokenizer)
     model = load_weights(args.weights).eval()
-    check_vocab(tokenizer, model.cfg.vocab_size, "--tokenizer")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens={args.max_new_tokens}", "ask for at least 1 new token")
     if not model.spec.has_decoder:
@@ -107,14 +107,11 @@ def _generate(args: argparse.Namespace) -> None:
 def _attention_map(args: argparse.Namespace) -> None:
     import torch
 
-    from meshformer.checkpointing.weights import load_weights
-    from meshformer.data import load_tokenizer
+    from meshformer.checkpointing.weights import load_weights, weights_tokenizer
     from meshformer.model.inspect import attention_heatmap
-    from meshformer.train.preflight import check_vocab
 
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = weights_tokenizer(args.weights, args.tokenizer)
     model = load_weights(args.weights).eval()
-    check_vocab(tokenizer, model.cfg.vocab_size, "--tokenizer")
     ids = tokenizer.encode(args.text)
     labels = [tokenizer.decode([i]) for i in ids]
     decoder_ids = decoder_labels = None
@@ -131,7 +128,7 @@ def _grad_report(args: argparse.Namespace) -> None:
     import torch
 
     from meshformer.batch import model_inputs
-    from meshformer.checkpointing.weights import load_weights
+    from meshformer.checkpointing.weights import load_weights, weights_tokenizer
     from meshformer.data import build_loader, load_tokenizer
     from meshformer.loss.cross_entropy import count_tokens, cross_entropy_sum
     from meshformer.model import Transformer
@@ -140,7 +137,10 @@ def _grad_report(args: argparse.Namespace) -> None:
     cfg = load_config(args.config, [*args.set, "data.num_workers=0"])
     torch.manual_seed(cfg.train.seed)
     model = load_weights(args.weights) if args.weights else Transformer(cfg.model)
-    batch = next(iter(build_loader(cfg, load_tokenizer(cfg.data.tokenizer), "train", 0, 1)))
+    # the batch is tokenized with data.tokenizer: it must be the one the weights were trained with
+    tokenizer = (weights_tokenizer(args.weights, cfg.data.tokenizer, "data.tokenizer") if args.weights
+                 else load_tokenizer(cfg.data.tokenizer))
+    batch = next(iter(build_loader(cfg, tokenizer, "train", 0, 1)))
     loss = cross_entropy_sum(model(**model_inputs(batch)), batch["labels"]) / count_tokens(batch["labels"])
     loss.backward()
     text, _ = gradient_report(model, sort_by_norm=True)
@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", help="text to continue; repeat for a batch (one output line each)")
     gen.add_argument("--prompts-file", help="more prompts, one a line (blank lines skipped)")
     gen.add_argument("--max-new-tokens", type=int, default=48)
-    gen.add_argument("--tokenizer", default="bundled:kjv-bpe-4k")
+    gen.add_argument("--tokenizer", help=TOKENIZER_HELP)
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each step")
     gen.set_defaults(func=_generate)
 
@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     attn.add_argument("--head", type=int, default=0)
     attn.add_argument("--stack", choices=["encoder", "decoder", "cross"], help="default: the model's main stack")
     attn.add_argument("--out", default="attention.png")
-    attn.add_argument("--tokenizer", default="bundled:kjv-bpe-4k")
+    attn.add_argument("--tokenizer", help=TOKENIZER_HELP)
     attn.set_defaults(func=_attention_map)
 
     grad = sub.add_parser("grad-report", help="per-parameter gradient norms on one training batch")

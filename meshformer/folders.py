@@ -97,12 +97,27 @@ def _make_marked(path: Path, kind: str) -> None:
     at the same moment, and none of them may see it unmarked."""
     path.parent.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f"{path.name}.", suffix=".new", dir=path.parent))
+    staged.chmod(0o777 & ~umask())  # mkdtemp makes it private (700); outputs are for the user's team to read
     mark(staged, kind)
     try:
         staged.rename(path)
     except OSError:  # another process made it first (a non-empty folder cannot be renamed onto)
         shutil.rmtree(staged)
         _check_scratch(path)
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where Linux says it (setting it, even briefly, would race
+    with other threads creating files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def remove(folder: Path) -> None:

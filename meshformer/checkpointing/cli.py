@@ -21,6 +21,7 @@ empty is replaced only with --overwrite; OUT may never be SRC, hold it, or lie i
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -28,11 +29,21 @@ import torch
 
 from meshformer.checkpointing.errors import CheckpointError
 from meshformer.checkpointing.hf import ARCHS
-from meshformer.checkpointing.sharded_safetensors import DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, SINGLE_FILE, parse_size
+from meshformer.checkpointing.sharded_safetensors import (
+    DEFAULT_MAX_SHARD_SIZE,
+    INDEX_FILE,
+    SINGLE_FILE,
+    has_safetensors,
+    parse_size,
+)
 from meshformer.config import ModelConfig
+from meshformer.data import Tokenizer
+from meshformer.data.tokenizer import check_vocab
+from meshformer.errors import UsageError
 from meshformer.folders import check_output, remove, replace, scratch
 
 WEIGHTS, CHECKPOINTS = "model weights", "checkpoints"
+HF_EXTRA = "pip install 'meshformer[hf]'"
 
 
 def _shard_size(text: str) -> str:
@@ -82,7 +93,8 @@ def _into(args: argparse.Namespace, what: str, legacy: list[str], write: Callabl
     return out / written.relative_to(staged)
 
 
-def _write(args: argparse.Namespace, cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> Path:
+def _write(args: argparse.Namespace, cfg: ModelConfig, state: Mapping[str, torch.Tensor],
+           tokenizer: Tokenizer | None = None) -> Path:
     """A weights folder or (--checkpoint) a weights-only checkpoint, written tensor by tensor as `state` is read."""
     from meshformer.checkpointing.safetensors_io import write_weights_checkpoint
     from meshformer.checkpointing.weights import CONFIG_FILE, write_weights
@@ -90,7 +102,32 @@ def _write(args: argparse.Namespace, cfg: ModelConfig, state: Mapping[str, torch
     if args.checkpoint:
         return _into(args, CHECKPOINTS, ["latest"], lambda out: write_weights_checkpoint(state, cfg, out))
     return _into(args, WEIGHTS, _weights_legacy(Path(args.out), CONFIG_FILE),
-                 lambda out: write_weights(state, cfg, out, args.max_shard_size))
+                 lambda out: write_weights(state, cfg, out, args.max_shard_size, tokenizer))
+
+
+def _source_tokenizer(args: argparse.Namespace) -> Tokenizer | None:
+    """The tokenizer that goes with the output: the one saved in SRC (a weights folder or checkpoint), or
+    --tokenizer if it is the same one or SRC has none (older runs); None when there is neither (tools reading the
+    output then ask for --tokenizer)."""
+    from meshformer.checkpointing import directory
+    from meshformer.checkpointing.manifest import MANIFEST
+    from meshformer.checkpointing.weights import CONFIG_FILE, TOKENIZER_FILE, refuse_other_tokenizer, weights_tokenizer
+    from meshformer.data import load_tokenizer
+
+    src = Path(args.src)
+    if has_safetensors(src) and (src / CONFIG_FILE).is_file():
+        return weights_tokenizer(src, args.tokenizer) if args.tokenizer or (src / TOKENIZER_FILE).is_file() else None
+    given = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
+    # the step the conversion reads (its manifest is verified there, not twice); the run's tokenizer is the same
+    # in each of its steps
+    steps = directory.committed_steps(src)
+    step = src / directory.step_dir_name(steps[-1]) if steps and not (src / MANIFEST).is_file() else src
+    if not (step / TOKENIZER_FILE).is_file():  # a checkpoint of an older run
+        return given
+    saved = load_tokenizer(str(step / TOKENIZER_FILE))
+    if given is not None:
+        refuse_other_tokenizer(given, saved.fingerprint, step, args.tokenizer, "--tokenizer")
+    return saved
 
 
 def _to_safetensors(args: argparse.Namespace) -> Path:
@@ -99,7 +136,8 @@ def _to_safetensors(args: argparse.Namespace) -> Path:
 
     return _into(args, WEIGHTS, _weights_legacy(Path(args.out), CONFIG_FILE),
                  lambda out: checkpoint_to_safetensors(Path(args.src), out, show_progress=None,
-                                                       max_shard_size=args.max_shard_size))
+                                                       max_shard_size=args.max_shard_size,
+                                                       tokenizer=_source_tokenizer(args)))
 
 
 def _to_checkpoint(args: argparse.Namespace) -> Path:
@@ -108,25 +146,46 @@ def _to_checkpoint(args: argparse.Namespace) -> Path:
     return _into(args, CHECKPOINTS, ["latest"], lambda out: safetensors_to_checkpoint(Path(args.src), out))
 
 
+def _require_transformers(command: str) -> None:
+    try:
+        import transformers  # noqa: F401 (only whether it is installed)
+    except ImportError:
+        raise UsageError(f"`meshformer convert {command}` needs Hugging Face transformers, which is not installed",
+                         f"install it: {HF_EXTRA}") from None
+
+
 def _export_hf(args: argparse.Namespace) -> Path:
     from meshformer.checkpointing.hf_folder import export_hf
     from meshformer.checkpointing.init_from import source_arch
     from meshformer.checkpointing.safetensors_io import read_model_source
 
+    _require_transformers("export-hf")
+
     def write(out: Path) -> Path:
         cfg, state = read_model_source(Path(args.src))
+        tokenizer = _source_tokenizer(args)
+        if tokenizer is not None:
+            check_vocab(tokenizer, cfg.vocab_size, "--tokenizer")
         # default: the architecture a run from checkpoint.init_from started from, else the one that matches
         arch = args.arch or source_arch(Path(args.src))
-        return export_hf(state, cfg, out, arch, args.max_shard_size)
+        written = export_hf(state, cfg, out, arch, args.max_shard_size, tokenizer)
+        if tokenizer is None:  # the export loads as a model; say why AutoTokenizer will not
+            print(f"note: {args.src} carries no tokenizer, so the export has none; pass --tokenizer with the one the "
+                  "model was trained with to include it", file=sys.stderr)
+        return written
 
     return _into(args, "a Hugging Face model", _weights_legacy(Path(args.out), "config.json"), write)
 
 
 def _import_hf(args: argparse.Namespace) -> Path:
     from meshformer.checkpointing.hf_folder import import_hf
+    from meshformer.data import load_tokenizer
 
+    _require_transformers("import-hf")
     cfg, state = import_hf(Path(args.src))
-    return _write(args, cfg, state)
+    # the folder's own tokenizer (tokenizer.json + tokenizer_config.json) travels into the weights folder
+    tokenizer = load_tokenizer(args.src) if (Path(args.src) / "tokenizer.json").is_file() else None
+    return _write(args, cfg, state, tokenizer)
 
 
 def _export_megatron(args: argparse.Namespace) -> Path:
@@ -191,6 +250,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
             parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, type=_shard_size,
                                 help="largest safetensors file written (e.g. 5GB, 500MB; HF-style shards + index "
                                      f"beyond it; default {DEFAULT_MAX_SHARD_SIZE})")
+        if name in ("to-safetensors", "export-hf"):
+            parser.add_argument("--tokenizer", help="the tokenizer the model was trained with, written with the "
+                                "output; default: the one saved with SRC's weights (a checkpoint carries none)")
         if name != "verify":
             parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (it may not be, "
                                 "hold or lie inside SRC)")

@@ -20,6 +20,7 @@ DELETING_SUFFIX = ".deleting"
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"  # rank 0: step, counters, scheduler, optimizer groups, data, config
 RUN_CONFIG = "config.toml"  # the resolved config, for people
+TOKENIZER_FILE = "tokenizer.json"  # the run's tokenizer (checkpoints and weights folders carry it)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 

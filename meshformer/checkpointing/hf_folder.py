@@ -9,7 +9,7 @@ the HF model.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +24,7 @@ from meshformer.checkpointing.sharded_safetensors import (
     has_safetensors,
 )
 from meshformer.config import ModelConfig
+from meshformer.data import Tokenizer
 
 if TYPE_CHECKING:
     from meshformer.checkpointing.hf import Arch
@@ -31,11 +32,12 @@ if TYPE_CHECKING:
 
 
 def export_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: Path, arch: Arch | None = None,
-              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, tokenizer: Tokenizer | None = None) -> Path:
     """Write a folder that transformers loads with AutoModelFor...from_pretrained; returns the folder.
 
     Tensors go out one at a time (read from `state` on access, mapped, written into HF-style shards); tied
     duplicates are left out, as save_pretrained leaves them out, and transformers re-ties them on load.
+    `tokenizer` (the model's) goes with them, for AutoTokenizer, and names BOS/EOS/pad in both configs.
     """
     from meshformer.checkpointing import hf
 
@@ -50,12 +52,44 @@ def export_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: Path
     except ValueError as err:  # no architecture holds these values: the message carries its own fix
         raise ConversionError(f"cannot export to Hugging Face: {err}") from None
     out_dir = Path(out_dir)
-    hf.config_to_hf(cfg, arch).save_pretrained(str(out_dir))
-    writer = ShardedWriter(out_dir, max_shard_size)
+    hf_config = hf.config_to_hf(cfg, arch)
+    if tokenizer is not None:
+        _export_tokenizer(tokenizer, hf_config, cfg, out_dir)
+    hf_config.save_pretrained(str(out_dir))
+    # the files are planned from a pass on meta tensors (shapes only), then each tensor streams to disk
+    writer = ShardedWriter(out_dir, dict(hf_tensors(_meta_view(state), cfg, arch)), max_shard_size)
     for name, tensor in hf_tensors(state, cfg, arch):
         writer.add(name, tensor)
     writer.close()
     return out_dir
+
+
+def _export_tokenizer(tokenizer: Tokenizer, hf_config: Any, cfg: ModelConfig, out_dir: Path) -> None:
+    """tokenizer.json + tokenizer_config.json (BOS/EOS/pad/unk/mask by name) through transformers' own fast
+    tokenizer, generation_config.json, and the special ids in `hf_config` (saved by the caller)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    ids = {"bos": tokenizer.bos_id, "eos": tokenizer.eos_id, "pad": tokenizer.pad_id, "unk": tokenizer.unk_id,
+           "mask": tokenizer.mask_id}
+    tokens = {f"{role}_token": tokenizer.hf.id_to_token(i) for role, i in ids.items() if i is not None}
+    fast = PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(tokenizer.json),
+                                   model_max_length=cfg.max_seq_len, **tokens)
+    fast.save_pretrained(str(out_dir))
+    special = {f"{role}_token_id": ids[role] for role in ("bos", "eos", "pad")}
+    if getattr(hf_config, "is_encoder_decoder", False):  # T5 starts decoding from BOS, as meshformer does
+        special["decoder_start_token_id"] = tokenizer.bos_id
+    for key, value in special.items():
+        setattr(hf_config, key, value)
+    GenerationConfig(**special).save_pretrained(str(out_dir))
+
+
+def _meta_view(state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """`state` as meta tensors of the same shapes and dtypes, read from file headers where `state` can."""
+    from meshformer.checkpointing.safetensors_io import LazyState
+
+    meta = state.meta if isinstance(state, LazyState) else (lambda name: state[name].to("meta"))
+    return LazyState(list(state), meta)
 
 
 def hf_tensors(state: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arch) -> Iterator[tuple[str, torch.Tensor]]:
@@ -111,21 +145,26 @@ def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arc
     check_names(ours, cfg, shapes, hf.unused_names(original, {r.theirs for r in rules}, arch), source)
     tied = cfg.tie_embeddings and "output.weight" in shapes
 
-    def read(name: str) -> torch.Tensor:
-        if tied and name == "output.weight":
-            name = "tok_embeddings.weight"
-        if arch == "bert" and name == "pos_embeddings.weight":  # token type 0 folded into the positions
-            types = original.get(hf._BERT_TOKEN_TYPES)
-            return (theirs[original[hf._BERT_POSITIONS]] + (theirs[types][0] if types else 0.0)).contiguous()
-        if ZERO_ON_IMPORT.search(name):
-            return torch.zeros(shapes[name])
-        mine = rules_of[name]
-        try:
-            return import_tensors({r.theirs: theirs[original[r.theirs]] for r in mine}, mine, shapes, source)[0][name]
-        except ValueError as err:  # a shape that does not fit the config
-            raise ConversionError(str(err)) from None
+    def reader(theirs: Mapping[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
+        def read(name: str) -> torch.Tensor:
+            if tied and name == "output.weight":
+                name = "tok_embeddings.weight"
+            if arch == "bert" and name == "pos_embeddings.weight":  # token type 0 folded into the positions
+                types = original.get(hf._BERT_TOKEN_TYPES)
+                positions = theirs[original[hf._BERT_POSITIONS]]
+                return (positions + (theirs[types][0] if types else 0.0)).contiguous()
+            if ZERO_ON_IMPORT.search(name):
+                return torch.zeros(shapes[name])
+            mine = rules_of[name]
+            try:
+                return import_tensors({r.theirs: theirs[original[r.theirs]] for r in mine}, mine, shapes,
+                                      source)[0][name]
+            except ValueError as err:  # a shape that does not fit the config
+                raise ConversionError(str(err)) from None
+        return read
 
-    return LazyState(list(shapes), read)
+    # shapes and dtypes come from the same mapping run on meta tensors: writers plan files without reading data
+    return LazyState(list(shapes), reader(theirs), reader(_meta_view(theirs)))
 
 
 def open_hf(folder: Path) -> tuple[ModelConfig, Arch, Mapping[str, torch.Tensor]]:

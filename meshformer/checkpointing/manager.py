@@ -40,6 +40,7 @@ from meshformer.checkpointing.rng import capture_rng_state, restore_rng_state, s
 from meshformer.checkpointing.save_errors import SAVE_FAILURES, all_corrupt_error, is_disk_full, save_failed_error
 from meshformer.checkpointing.train_state import Checkpointable
 from meshformer.config import CheckpointConfig, Config
+from meshformer.data import Tokenizer
 
 STATE_VERSION = 1
 _log = logging.getLogger("meshformer.checkpointing")
@@ -67,6 +68,7 @@ class CheckpointManager:
         self.last_saved_step: int | None = None
         self.failed_saves = 0  # asynchronous saves that failed (each reported at the next step)
         self.loaded_from: Path | None = None
+        self.tokenizer: Tokenizer | None = None  # the run's, saved in every checkpoint (conversions carry it on)
         self._preempted = threading.Event()
         self._previous_handler: Any = None
         if cfg.save_on_sigterm and cfg.interval > 0 and threading.current_thread() is threading.main_thread():
@@ -147,6 +149,8 @@ class CheckpointManager:
         if self.rank == 0:
             write_json_atomic(partial / directory.TRAINER_STATE, self._trainer_state(run, groups))
             (partial / directory.RUN_CONFIG).write_text(run.config.to_toml())
+            if self.tokenizer is not None:
+                self.tokenizer.save(partial / directory.TOKENIZER_FILE)
         writer = dcp.FileSystemWriter(str(partial), thread_count=1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # DCP's notes on single-process saves and async use

@@ -29,6 +29,8 @@ from meshformer.checkpointing.sharded_safetensors import DEFAULT_MAX_SHARD_SIZE,
 from meshformer.checkpointing.state import MODEL
 from meshformer.checkpointing.weights import CONFIG_FILE, open_weights, saved_names, write_weights
 from meshformer.config import ModelConfig, build_section
+from meshformer.data import Tokenizer
+from meshformer.data.tokenizer import check_vocab
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -119,9 +121,12 @@ def read_model_source(path: Path, *, show_progress: bool | None = None) -> tuple
 
 
 def checkpoint_to_safetensors(checkpoint: Path, out_dir: Path, *, show_progress: bool | None = None,
-                              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+                              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, tokenizer: Tokenizer | None = None
+                              ) -> Path:
     cfg, state = read_checkpoint_model(checkpoint, show_progress=show_progress)
-    return write_weights(state, cfg, out_dir, max_shard_size)
+    if tokenizer is not None:
+        check_vocab(tokenizer, cfg.vocab_size, "--tokenizer")
+    return write_weights(state, cfg, out_dir, max_shard_size, tokenizer)
 
 
 def write_weights_checkpoint(state: Mapping[str, torch.Tensor], cfg: ModelConfig, root: Path) -> Path:

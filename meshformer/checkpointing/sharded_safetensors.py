@@ -1,22 +1,26 @@
 """Sharded safetensors folders as the ecosystem writes large models: `model-0000i-of-0000N.safetensors` plus
 `model.safetensors.index.json` (name -> file), or one `model.safetensors` when everything fits one file.
 
-`ShardedWriter` takes tensors one at a time and holds at most one output file's worth before writing that
-file; `SafetensorsFolder` reads either layout tensor by tensor, or by slices (`safe_open(...).get_slice`),
-never the whole model at once.
+`ShardedWriter` plans the files from the tensors' shapes, writes each header first and streams each tensor to
+disk as it comes, holding none; `SafetensorsFolder` reads either layout tensor by tensor, or by slices
+(`safe_open(...).get_slice`), never the whole model at once.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import math
+import os
+import struct
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from meshformer.checkpointing.errors import CorruptCheckpointError
+from meshformer.checkpointing.manifest import fsync_dir
 from meshformer.config import parse_size  # one reader of sizes: config validation checks them with it
 from meshformer.folders import inside
 
@@ -26,59 +30,135 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 class ShardedWriter:
-    """Append tensors in order; a file is written (once, whole) as soon as the next tensor would overflow it."""
+    """Stream tensors into safetensors files: the files are planned from `layout` (name -> tensor of the shape
+    and dtype to come, e.g. on the meta device; in writing order), each file's header is written first and each
+    tensor goes to disk as it is added, so the writer holds no tensor. A file is split off as soon as the next
+    tensor would overflow `max_shard_size`.
 
-    def __init__(self, directory: Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                 metadata: dict[str, str] | None = None) -> None:
+    Files are written under `<name>.partial` names and renamed, fsynced, when `close` has every tensor: a folder
+    left by a kill holds no `model.safetensors` or index, and every reader refuses it.
+    """
+
+    def __init__(self, directory: Path, layout: Mapping[str, torch.Tensor],
+                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, metadata: dict[str, str] | None = None) -> None:
         self.directory = Path(directory)
         self.max_bytes = parse_size(max_shard_size)
         if self.max_bytes <= 0:
             raise ValueError(f"max shard size must be positive, got {max_shard_size!r}")
-        self.metadata = metadata or {}
+        self.metadata = {"format": "pt", **(metadata or {})}
         self.directory.mkdir(parents=True, exist_ok=True)
-        for stale in [*self.directory.glob("model-*-of-*.safetensors"), self.directory / SINGLE_FILE,
+        for stale in [*self.directory.glob("model-*-of-*.safetensors*"), *self.directory.glob(SINGLE_FILE + "*"),
                       self.directory / INDEX_FILE]:  # a rewrite must not mix with an older layout
             stale.unlink(missing_ok=True)
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
-        self._files: list[tuple[Path, list[str]]] = []
-        self.total_bytes = 0
+        self._layout = {name: (tuple(t.shape), t.dtype) for name, t in layout.items()}
+        self._files = _plan_files(self._layout, self.max_bytes)
+        n = len(self._files)
+        self._names = [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        self._order = iter([name for names in self._files for name in names])
+        self._file_of = {name: i for i, names in enumerate(self._files) for name in names}
+        self._file_index = -1
+        self._out: BinaryIO | None = None
+        self._current: str | None = None  # the tensor being written, and its bytes still to come
+        self._remaining = 0
+        self.total_bytes = sum(_nbytes(*entry) for entry in self._layout.values())
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + size > self.max_bytes:
-            self._flush()
-        self._pending[name] = tensor.detach().to("cpu").contiguous()
-        self._pending_bytes += size
-        self.total_bytes += size
+        """The whole tensor `name`, the next one in the layout's order."""
+        if tuple(tensor.shape) != self._layout.get(name, (None,))[0]:
+            raise ValueError(f"{name!r} has the shape {tuple(tensor.shape)}, the layout {self._layout.get(name)}")
+        self.add_part(name, tensor)
 
-    def _flush(self) -> None:
-        path = self.directory / f"model-{len(self._files) + 1:05d}.partial.safetensors"
-        save_file(self._pending, str(path), metadata={"format": "pt", **self.metadata})
-        self._files.append((path, list(self._pending)))
-        self._pending, self._pending_bytes = {}, 0
+    def add_part(self, name: str, piece: torch.Tensor) -> None:
+        """The next piece of `name` (pieces along dim 0, in order, make the tensor): a tensor can be written as
+        its shards arrive, without ever being whole in memory."""
+        if self._current is None:
+            expected = next(self._order, None)
+            if name != expected:
+                raise ValueError(f"the writer expected {expected!r} next, got {name!r}")
+            if self._file_of[name] != self._file_index:
+                self._next_file()
+            self._current, self._remaining = name, _nbytes(*self._layout[name])
+        data = piece.detach().contiguous().reshape(-1)
+        size = data.numel() * data.element_size()
+        if name != self._current or piece.dtype != self._layout[name][1] or size > self._remaining:
+            raise ValueError(f"{name!r} {piece.dtype} ({size} bytes) does not continue {self._current!r} "
+                             f"{self._layout[self._current][1]} ({self._remaining} bytes to go)")
+        assert self._out is not None  # opened with the tensor's first piece
+        if size:  # raw little-endian bytes, without a copy on the CPU
+            self._out.write(data.to("cpu").view(torch.uint8).numpy().data)
+        self._remaining -= size
+        if self._remaining == 0:
+            self._current = None
+
+    def _next_file(self) -> None:
+        self._finish_file()
+        self._file_index += 1
+        header: dict[str, object] = {"__metadata__": self.metadata}
+        offset = 0
+        for name in self._files[self._file_index]:
+            shape, dtype = self._layout[name]
+            size = _nbytes(shape, dtype)
+            header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        self._out = open(self._partial(self._file_index), "wb")
+        self._out.write(struct.pack("<Q", len(encoded)) + encoded)
+
+    def _partial(self, index: int) -> Path:
+        return self.directory / (self._names[index] + ".partial")
+
+    def _finish_file(self) -> None:
+        if self._out is not None:
+            self._out.flush()
+            os.fsync(self._out.fileno())
+            self._out.close()
+            self._out = None
 
     def close(self) -> Path:
-        """Name the files (-of-N now that N is known) and write the index; returns the index or the one file."""
-        if self._pending or not self._files:
-            self._flush()
-        if len(self._files) == 1:
-            target = self.directory / SINGLE_FILE
-            self._files[0][0].rename(target)
-            return target
-        weight_map = {}
-        n = len(self._files)
-        for i, (path, names) in enumerate(self._files, start=1):
-            final = f"model-{i:05d}-of-{n:05d}.safetensors"
-            path.rename(self.directory / final)
-            weight_map.update(dict.fromkeys(names, final))
-        index = self.directory / INDEX_FILE
-        index.write_text(json.dumps({"metadata": {"total_size": self.total_bytes, **self.metadata},
-                                     "weight_map": weight_map}, indent=2))
-        return index
+        """Rename the complete files into place and write the index; returns the index or the one file."""
+        if (missing := self._current or next(self._order, None)) is not None:
+            raise ValueError(f"the writer was closed before {missing!r} was written whole")
+        if not self._files[0]:  # nothing to write: still a valid, empty file
+            self._next_file()
+        self._finish_file()
+        for i, name in enumerate(self._names):
+            self._partial(i).rename(self.directory / name)
+        if len(self._names) > 1:
+            weight_map = {name: self._names[i] for i, names in enumerate(self._files) for name in names}
+            _write_synced(self.directory / INDEX_FILE, json.dumps(
+                {"metadata": {"total_size": self.total_bytes, **self.metadata}, "weight_map": weight_map}, indent=2))
+        fsync_dir(self.directory)
+        return self.directory / (INDEX_FILE if len(self._names) > 1 else SINGLE_FILE)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def _plan_files(layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]], max_bytes: int) -> list[list[str]]:
+    """Tensor names per file, in order: a new file starts when the next tensor would overflow `max_bytes`."""
+    files: list[list[str]] = [[]]
+    used = 0
+    for name, (shape, dtype) in layout.items():
+        size = _nbytes(shape, dtype)
+        if files[-1] and used + size > max_bytes:
+            files.append([])
+            used = 0
+        files[-1].append(name)
+        used += size
+    return files
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def has_safetensors(directory: Path) -> bool:
@@ -95,9 +175,14 @@ class SafetensorsFolder:
             self.source = self.directory / SINGLE_FILE  # the file naming the tensors: the one file or the index
             with safe_open(str(self.source), framework="pt") as f:
                 self.weight_map = dict.fromkeys(f.keys(), SINGLE_FILE)
+                self.metadata: dict[str, str] = f.metadata() or {}
         elif (self.directory / INDEX_FILE).is_file():
             self.source = self.directory / INDEX_FILE
             self.weight_map = _read_index(self.source)
+            self.metadata = {}
+            for file in sorted(set(self.weight_map.values()))[:1]:  # every file carries the same metadata
+                with safe_open(str(self.directory / file), framework="pt") as f:
+                    self.metadata = f.metadata() or {}
         else:
             raise FileNotFoundError(f"{self.directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
         self._open: tuple[str, object] | None = None

@@ -1,8 +1,11 @@
 """Final model weights as safetensors (one file, or HF-style shards + index) plus the model config.
 
 Saving streams: every tensor is gathered on its own (`full_tensor()`, a collective over the ranks that hold
-it), sent to rank 0 by the lowest rank holding it, and rank 0 writes each file once, holding at most one
-file's worth. Loading reads tensor by tensor (or only this rank's slice of each), never a whole state dict.
+it), sent to rank 0 by the lowest rank holding it, or (FSDP row shards) sent block by block, and rank 0 writes
+it to disk at once (headers first): no process holds more than one tensor beyond its own shards, whatever the
+file size. The folder carries the
+model's tokenizer (tokenizer.json, its fingerprint in the safetensors metadata); model_config.json is written
+last. Loading reads tensor by tensor (or only this rank's slice of each), never a whole state dict.
 """
 
 from __future__ import annotations
@@ -10,8 +13,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,7 +24,9 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from torch import nn
 
+from meshformer.checkpointing import directory as directory_layout
 from meshformer.checkpointing.errors import CorruptCheckpointError
+from meshformer.checkpointing.manifest import write_json_atomic
 from meshformer.checkpointing.sharded_safetensors import (
     DEFAULT_MAX_SHARD_SIZE,
     SINGLE_FILE,
@@ -29,11 +35,15 @@ from meshformer.checkpointing.sharded_safetensors import (
     has_safetensors,
 )
 from meshformer.config import ModelConfig
+from meshformer.data import Tokenizer
+from meshformer.data.tokenizer import CONFIG_FILE as TOKENIZER_CONFIG_FILE
 from meshformer.errors import MeshformerError
 from meshformer.model import Transformer
 
 WEIGHTS_FILE = SINGLE_FILE
 CONFIG_FILE = "model_config.json"
+TOKENIZER_FILE = directory_layout.TOKENIZER_FILE  # the run's tokenizer, beside the weights it was trained with
+TOKENIZER_FINGERPRINT = "tokenizer_fingerprint"  # safetensors metadata: `Tokenizer.fingerprint` of that tokenizer
 _METADATA = {"format": "meshformer"}
 
 
@@ -58,74 +68,164 @@ def quiet_redistribute() -> Iterator[None]:
         log.setLevel(level)
 
 
-def gathered_tensors(parallel_model) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, whole tensor) on rank 0, in model order, one at a time; a collective every rank iterates.
+@dataclass
+class GatherPlan:
+    """Who holds what, the same on every rank (a collective builds it)."""
 
-    Each tensor is gathered by the ranks holding it and sent once, by the lowest of them: pipeline stages
-    contribute their own layers, data- and tensor-parallel replicas send nothing twice.
-    """
-    from torch.distributed.tensor import DTensor
+    local: dict[str, torch.Tensor]  # this rank's tensors (DTensors or plain)
+    owner: dict[str, int]  # the lowest rank holding each tensor
+    layout: dict[str, torch.Tensor]  # name -> meta tensor of the whole tensor, in saving order
+    # name -> (rank, local shape) of each row block, in order, for tensors rank 0 holds as a row shard on a 1-D
+    # mesh (FSDP): rank 0 writes the blocks as they arrive, the tensor is never whole anywhere
+    row_blocks: dict[str, list[tuple[int, tuple[int, ...]]]]
 
+
+def _row_shard_ranks(value: torch.Tensor) -> list[int] | None:
+    """The ranks holding `value`'s row blocks in order, if it is sharded by rows over a 1-D mesh."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(value, DTensor) and value.device_mesh.ndim == 1 and tuple(value.placements) == (Shard(0),):
+        return value.device_mesh.mesh.flatten().tolist()
+    return None
+
+
+def gather_plan(parallel_model) -> GatherPlan:
+    """The plan of a final save: a collective every rank calls."""
     from meshformer.checkpointing.state import named_buffers, named_parameters
+    from meshformer.parallel.grad_norm import local_tensor
 
     local = dict(named_parameters(parallel_model.model_parts)) | dict(named_buffers(parallel_model.model_parts))
     cfg = parallel_model.model_parts[0].cfg
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items()}  # of tensors other ranks send
+    mine = {name: (t.dtype, _row_shard_ranks(t), tuple(local_tensor(t).shape))
+            for name, t in local.items()}
+    held: list[dict | None] = [mine]
+    if dist.is_initialized():
+        held = [None] * dist.get_world_size()
+        dist.all_gather_object(held, mine)
+    owner: dict[str, int] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for r, report in enumerate(held):
+        for key, (dtype, _, _) in sorted((report or {}).items()):
+            owner.setdefault(key, r)
+            dtypes.setdefault(key, dtype)
     names = saved_names(cfg, shapes)
-    dtype = next(iter(local.values())).dtype
-    distributed = dist.is_initialized()
-    rank = dist.get_rank() if distributed else 0
-    owner = dict.fromkeys(local, 0)
-    if distributed:
-        held: list[list[str] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(held, sorted(local))
-        owner = {}
-        for r, keys in enumerate(held):
-            for key in keys or []:
-                owner.setdefault(key, r)
-    missing = [n for n in names if n not in owner]
-    if missing:
+    if missing := [n for n in names if n not in owner]:
         raise RuntimeError(f"no rank holds {missing[:5]}: the parallel model's parts do not cover the model")
+    layout = {name: torch.empty(shapes[name], dtype=dtypes[name], device="meta") for name in names}
+    rank0 = held[0] or {}
+    row_blocks = {name: [(r, (held[r] or {})[name][2]) for r in rank0[name][1]]
+                  for name in names if name in rank0 and rank0[name][1] is not None}
+    return GatherPlan(local, owner, layout, row_blocks)
+
+
+def gathered_pieces(parallel_model, plan: GatherPlan | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, piece) on rank 0, in model order: a tensor's pieces, in order along dim 0, make it whole. A
+    collective every rank iterates.
+
+    A row-sharded (FSDP) tensor comes as its blocks, each sent by its rank: no rank ever holds it whole. Any other
+    is gathered by the ranks holding it and sent once, by the lowest of them: pipeline stages contribute their
+    own layers, data- and tensor-parallel replicas send nothing twice.
+    """
+    from torch.distributed.tensor import DTensor
+
+    plan = plan or gather_plan(parallel_model)
+    rank = dist.get_rank() if dist.is_initialized() else 0
     with quiet_redistribute(), torch.no_grad():
-        for name in names:
+        for name, template in plan.layout.items():
+            if name in plan.row_blocks:
+                yield from _row_blocks(name, plan, rank, parallel_model.device)
+                continue
             full = None
-            if name in local:
-                value = local[name].detach()
+            if name in plan.local:
+                value = plan.local[name].detach()
                 full = value.full_tensor() if isinstance(value, DTensor) else value
-            if owner[name] != 0 and rank == owner[name]:
+            if plan.owner[name] != 0 and rank == plan.owner[name]:
                 assert full is not None  # the owner holds it
                 dist.send(full.contiguous(), dst=0)
             if rank == 0:
-                if owner[name] != 0:
-                    full = torch.empty(shapes[name], dtype=dtype, device=parallel_model.device)
-                    dist.recv(full, src=owner[name])
+                if plan.owner[name] != 0:
+                    full = torch.empty(template.shape, dtype=template.dtype, device=parallel_model.device)
+                    dist.recv(full, src=plan.owner[name])
                 assert full is not None  # rank 0 holds it or has just received it
                 yield name, full
             del full
 
 
-def save_weights(parallel_model, directory: Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path | None:
-    """Write the weights folder from rank 0 (a collective); returns the file or index path on rank 0."""
+def _row_blocks(name: str, plan: GatherPlan, rank: int, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rank 0 yields its own block and receives the others' in turn, one at a time; empty blocks never travel."""
+    from meshformer.parallel.grad_norm import local_tensor
+
+    blocks = [(r, shape) for r, shape in plan.row_blocks[name] if math.prod(shape) > 0]
+    if rank == 0 and not blocks:  # an empty tensor: one empty piece says it is written
+        yield name, torch.empty(plan.layout[name].shape, dtype=plan.layout[name].dtype)
+    for source, shape in blocks:
+        if rank == 0:
+            if source == 0:
+                yield name, local_tensor(plan.local[name])
+            else:
+                block = torch.empty(shape, dtype=plan.layout[name].dtype, device=device)
+                dist.recv(block, src=source)
+                yield name, block
+                del block
+        elif rank == source:
+            dist.send(local_tensor(plan.local[name]).contiguous(), dst=0)
+
+
+def save_weights(parallel_model, directory: Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                 tokenizer: Tokenizer | None = None) -> Path | None:
+    """Write the weights folder from rank 0 (a collective), each tensor streamed to disk as it is gathered;
+    returns the file or index path on rank 0."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    writer = ShardedWriter(directory, max_shard_size, _METADATA) if rank == 0 else None
-    for name, tensor in gathered_tensors(parallel_model):
-        assert writer is not None  # only rank 0 is handed tensors
-        writer.add(name, tensor)
+    plan = gather_plan(parallel_model)
+    writer = _writer(directory, plan.layout, max_shard_size, tokenizer) if rank == 0 else None
+    for name, piece in gathered_pieces(parallel_model, plan):
+        assert writer is not None  # only rank 0 is handed pieces
+        writer.add_part(name, piece)
+        del piece  # written: the next one may take its memory
     if writer is None:
         return None
-    (Path(directory) / CONFIG_FILE).write_text(json.dumps(asdict(parallel_model.model_parts[0].cfg), indent=2))
-    return writer.close()
+    return _finish(writer, parallel_model.model_parts[0].cfg, tokenizer)
 
 
 def write_weights(state: Mapping[str, torch.Tensor], cfg: ModelConfig, directory: Path,
-                  max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
-    """The weights folder format from a state dict (or any name -> tensor mapping), tied output dropped."""
-    writer = ShardedWriter(directory, max_shard_size, _METADATA)
-    for name in saved_names(cfg):
+                  max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, tokenizer: Tokenizer | None = None) -> Path:
+    """The weights folder format from a state dict (or any name -> tensor mapping, e.g. read lazily: one tensor
+    in memory at a time), tied output dropped; `tokenizer`, the model's, travels with it."""
+    names = saved_names(cfg)
+    layout = {name: _template(state, name) for name in names}
+    writer = _writer(directory, layout, max_shard_size, tokenizer)
+    for name in names:
         writer.add(name, state[name])
-    (Path(directory) / CONFIG_FILE).write_text(json.dumps(asdict(cfg), indent=2))
-    return writer.close()
+    return _finish(writer, cfg, tokenizer)
+
+
+def _template(state: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    """Shape and dtype of `state[name]` without reading it where `state` can tell (a LazyState)."""
+    meta = getattr(state, "meta", None)
+    return meta(name) if callable(meta) else state[name]
+
+
+def _writer(directory: Path, layout: dict[str, torch.Tensor], max_shard_size: int | str,
+            tokenizer: Tokenizer | None) -> ShardedWriter:
+    """A writer into `directory`, whose older config and tokenizer go first: until `_finish`, the folder holds no
+    model_config.json, and never one (or a tokenizer) beside weights it does not describe."""
+    for stale in (CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
+        (Path(directory) / stale).unlink(missing_ok=True)
+    metadata = {**_METADATA, **({TOKENIZER_FINGERPRINT: tokenizer.fingerprint} if tokenizer is not None else {})}
+    return ShardedWriter(directory, layout, max_shard_size, metadata)
+
+
+def _finish(writer: ShardedWriter, cfg: ModelConfig, tokenizer: Tokenizer | None) -> Path:
+    """Close the files, then the tokenizer, then model_config.json last: a folder without it is unfinished, and
+    every reader refuses it."""
+    path = writer.close()
+    directory = Path(writer.directory)
+    if tokenizer is not None:
+        tokenizer.save(directory / TOKENIZER_FILE)
+    write_json_atomic(directory / CONFIG_FILE, asdict(cfg))
+    return path
 
 
 def open_weights(directory: Path) -> tuple[ModelConfig, SafetensorsFolder]:
@@ -145,6 +245,40 @@ def open_weights(directory: Path) -> tuple[ModelConfig, SafetensorsFolder]:
         raise CorruptCheckpointError(f"{directory} is not a readable weights folder ({err})",
                                      "re-export it (`meshformer convert to-safetensors`) or use the run's final/ "
                                      "folder") from None
+
+
+def weights_tokenizer(directory: Path, spec: str | None = None, option: str = "--tokenizer") -> Tokenizer:
+    """The tokenizer the weights in `directory` were trained with: the folder's own tokenizer.json, or `spec`
+    (e.g. a --tokenizer option) if it is the same tokenizer. A tokenizer whose fingerprint differs from the one
+    saved with the weights is refused, whatever its size: decoding with it gives wrong text, silently."""
+    from meshformer.data import load_tokenizer
+    from meshformer.data.tokenizer import TokenizerError, check_vocab
+
+    directory = Path(directory)
+    cfg, folder = open_weights(directory)
+    own = directory / TOKENIZER_FILE
+    if spec is None and not own.is_file():
+        raise TokenizerError(f"{directory} carries no {TOKENIZER_FILE} (weights written before tokenizers travelled "
+                             "with them, or copied without it)", f"pass {option} with the tokenizer the model was "
+                             "trained with (its data.tokenizer)")
+    tokenizer = load_tokenizer(str(directory) if spec is None else spec)
+    refuse_other_tokenizer(tokenizer, folder.metadata.get(TOKENIZER_FINGERPRINT), directory, spec, option)
+    check_vocab(tokenizer, cfg.vocab_size, option)
+    return tokenizer
+
+
+def refuse_other_tokenizer(tokenizer: Tokenizer, recorded: str | None, directory: Path, spec: str | None,
+                           option: str) -> None:
+    """One line naming both when `tokenizer` is not the one (`recorded` fingerprint) saved in `directory`."""
+    from meshformer.data.tokenizer import TokenizerError
+
+    if recorded and tokenizer.fingerprint != recorded:
+        own = Path(directory) / TOKENIZER_FILE
+        whose = f"{option} {spec!r}" if spec is not None else str(own)
+        fix = (f"set {option} to the tokenizer the model was trained with ({own})" if spec is not None
+               else f"restore {own} from the run's final/ folder")
+        raise TokenizerError(f"{whose} (fingerprint {tokenizer.fingerprint[:12]}) is not the tokenizer the weights in "
+                             f"{directory} were trained with (fingerprint {recorded[:12]})", fix)
 
 
 def read_weights(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -21,7 +21,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from meshformer.errors import MeshformerError
+from meshformer.errors import ConfigError, MeshformerError
 
 from .tiktoken_files import is_tiktoken_spec, load_tiktoken
 
@@ -72,6 +72,15 @@ class Tokenizer:
                                              | {i for i in (self.unk_id, self.mask_id) if i is not None}
                                              | set(_added_special_ids(hf)))
 
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of what decides ids and text (vocabulary, merges, normalizer, pre-tokenizer, decoder, added
+        tokens), not of settings meshformer never applies (post-processor, padding, truncation): the same
+        tokenizer saved by transformers' save_pretrained keeps its fingerprint."""
+        raw = json.loads(self.json)
+        kept = {k: v for k, v in raw.items() if k not in ("post_processor", "padding", "truncation")}
+        return hashlib.sha256(json.dumps(kept, sort_keys=True).encode("utf-8")).hexdigest()
+
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False).ids
 
@@ -105,6 +114,14 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, sha256={self.sha256[:12]})"
+
+
+def check_vocab(tokenizer: Tokenizer, vocab_size: int, tokenizer_key: str = "data.tokenizer") -> None:
+    """Token ids beyond the embedding table would fail deep in the model (or index out of bounds on GPU)."""
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(f"the tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but model.vocab_size="
+                          f"{vocab_size}", f"raise model.vocab_size to at least {tokenizer.vocab_size}, or set "
+                          f"{tokenizer_key} to the tokenizer the model was trained with")
 
 
 def _find(hf: HFTokenizer, names: list[str]) -> int | None:

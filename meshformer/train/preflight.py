@@ -18,6 +18,7 @@ from meshformer.checkpointing.manager import refuse_earlier_checkpoints
 from meshformer.config import Config, ConfigError
 from meshformer.data import Tokenizer, load_tokenizer
 from meshformer.data.build import check_data
+from meshformer.data.tokenizer import check_vocab
 from meshformer.model.flops import count_params
 from meshformer.runtime.distributed import env_rank
 from meshformer.runtime.run_lock import run_folder_lock
@@ -110,14 +111,6 @@ def check_final_folder(final: Path) -> None:
                                         "it with its final weights", "move them away, or set logging.run_dir to "
                                         "another folder")
     folders.check_output(final, what="final weights", overwrite=False)  # a file in its place
-
-
-def check_vocab(tokenizer: Tokenizer, vocab_size: int, tokenizer_key: str = "data.tokenizer") -> None:
-    """Token ids beyond the embedding table would fail deep in the model (or index out of bounds on GPU)."""
-    if tokenizer.vocab_size > vocab_size:
-        raise ConfigError(f"the tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but model.vocab_size="
-                          f"{vocab_size}", f"raise model.vocab_size to at least {tokenizer.vocab_size}, or set "
-                          f"{tokenizer_key} to the tokenizer the model was trained with")
 
 
 def check_disk_space(cfg: Config, run_dir: Path, checkpoint_dir: Path) -> None:

@@ -114,6 +114,7 @@ class Trainer:
                                              {"scheduler": SchedulerState(self.scheduler), "data": self.train_data},
                                              cfg)
         self.checkpoints = CheckpointManager.from_config(cfg, self.run_dir, log=self.logger.info)
+        self.checkpoints.tokenizer = self.tokenizer  # checkpoints carry it, as final/ does
 
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, self.target_len)
         n_params = sum(p.numel() for p in model.parameters())
@@ -180,6 +181,12 @@ class Trainer:
         for part in self.parallel_model.model_parts:
             part.train()
         return loss_sum / max(tokens, 1.0)
+
+    def sample_batch(self) -> dict[str, torch.Tensor]:
+        """The first held-out batch: samples start from the run's own data."""
+        batch = next(iter(self.eval_data))  # eval batches are the same at every pass: training order is untouched
+        self.eval_data.close()
+        return batch
 
     # ------------------------------------------------------------------ loop
 
@@ -265,7 +272,7 @@ class Trainer:
                 log.info(f"eval  {step:>6} | loss {eval_loss:.4f} | ppl {math.exp(min(eval_loss, 50)):.2f}")
             if cfg.train.sample_interval and step % cfg.train.sample_interval == 0 and self.model is not None:
                 self.watchdog.phase("sample")
-                text = decoded_sample(self.model, self.tokenizer, self.cfg, self.device)
+                text = decoded_sample(self.model, self.tokenizer, self.cfg, self.device, self.sample_batch())
                 if text is not None:
                     log.text(step, "sample", text)
                     log.info(f"sample {step:>5} | {text!r}")
@@ -300,7 +307,7 @@ class Trainer:
         if self.rank == 0:
             folders.scratch(staged, "final weights")
         try:
-            path = save_weights(self.parallel_model, staged, self.cfg.checkpoint.max_shard_size)
+            path = save_weights(self.parallel_model, staged, self.cfg.checkpoint.max_shard_size, self.tokenizer)
         except Exception as err:
             if self.rank == 0:
                 folders.remove(staged)

@@ -51,6 +51,35 @@ def test_generate_is_identical_with_and_without_cache(run_dir, capsys):
     assert cached.startswith("And God said")
 
 
+def test_final_weights_carry_the_run_tokenizer(run_dir):
+    """final/ holds the run's tokenizer and its fingerprint in the safetensors header (#24)."""
+    from meshformer.checkpointing.weights import TOKENIZER_FINGERPRINT, open_weights, weights_tokenizer
+    from meshformer.data import load_tokenizer
+
+    used = load_tokenizer("bundled:kjv-bpe-4k")  # tiny-gpt's data.tokenizer
+    assert (run_dir / "final" / "tokenizer.json").read_text() == used.json
+    assert open_weights(run_dir / "final")[1].metadata[TOKENIZER_FINGERPRINT] == used.fingerprint
+    assert weights_tokenizer(run_dir / "final").fingerprint == used.fingerprint
+
+
+
+def test_checkpoints_carry_the_run_tokenizer_into_conversions(run_dir, tmp_path, capsys):
+    """A checkpoint holds the run's tokenizer: to-safetensors and export-hf carry it on, and refuse another one
+    (#24)."""
+    from helpers.convert import same_size_other_tokenizer
+
+    from meshformer.checkpointing.weights import weights_tokenizer
+    from meshformer.data import load_tokenizer
+
+    used = load_tokenizer("bundled:kjv-bpe-4k")
+    main(["convert", "to-safetensors", str(run_dir / "checkpoints"), str(tmp_path / "export")])
+    assert weights_tokenizer(tmp_path / "export").fingerprint == used.fingerprint
+    other = same_size_other_tokenizer(tmp_path / "other.json")
+    with pytest.raises(SystemExit) as info:
+        main(["convert", "export-hf", str(run_dir / "checkpoints"), str(tmp_path / "hf"), "--tokenizer", str(other)])
+    assert "is not the tokenizer the weights in" in str(info.value.code) and not (tmp_path / "hf").exists()
+
+
 def test_attention_map_and_grad_report(run_dir, tmp_path, capsys):
     out = tmp_path / "attn.png"
     main(["attention-map", str(run_dir / "final"), "--text", "In the beginning", "--out", str(out)])

@@ -111,8 +111,32 @@ def test_sample_clips_the_source_to_the_position_table(tmp_path):
 
     for config in (CONFIGS / "tiny-bert.toml", CONFIGS / "tiny-t5.toml"):
         cfg = load_config(config, ["model.max_seq_len=8", "data.seq_len=8", "data.target_len=8"])
-        text = decoded_sample(Transformer(cfg.model), load_tokenizer(cfg.data.tokenizer), cfg, torch.device("cpu"))
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        ids = torch.tensor([tokenizer.encode("In the beginning God created the heaven and the earth." * 2)])
+        text = decoded_sample(Transformer(cfg.model), tokenizer, cfg, torch.device("cpu"),
+                              {"input_ids": ids, "labels": torch.full_like(ids, -100)})
         assert isinstance(text, str) and "->" in text
+
+
+def test_the_sample_prompt_comes_from_the_data(tmp_path):
+    """The prompt is the opening of the first held-out sequence (a foreign corpus gets a foreign prompt), with
+    MLM's hidden tokens put back from the labels; never the KJV phrase meshformer once hard-coded."""
+    from meshformer.data import load_tokenizer
+    from meshformer.model import Transformer
+    from meshformer.train.sampling import decoded_sample, prompt_ids
+
+    tokenizer = load_tokenizer("bundled:kjv-bpe-4k")
+    words = tokenizer.encode("Der Zug nach Berlin fährt um neun Uhr")
+    ids = torch.tensor([[*words, tokenizer.eos_id, *tokenizer.encode("other document")]])
+    assert prompt_ids({"input_ids": ids, "labels": ids}, tokenizer) == words
+    masked = ids.clone()
+    masked[0, 1] = tokenizer.mask_id
+    labels = torch.full_like(ids, -100)
+    labels[0, 1] = ids[0, 1]
+    assert prompt_ids({"input_ids": masked, "labels": labels}, tokenizer) == words
+    cfg = load_config(CONFIGS / "tiny-gpt.toml", ["model.d_model=32", "model.n_layers=1", "model.d_ff=64"])
+    text = decoded_sample(Transformer(cfg.model), tokenizer, cfg, torch.device("cpu"), {"input_ids": ids}, max_new=4)
+    assert text is not None and text.startswith("Der Zug nach") and "God" not in text
 
 
 def test_a_nan_step_updates_nothing_and_a_run_of_them_stops_training(tmp_path, monkeypatch):

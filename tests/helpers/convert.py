@@ -25,6 +25,19 @@ MOE_CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, d_ff=32,
 SHARD = "model-00001-of-00001.safetensors"
 
 
+def same_size_other_tokenizer(path: Path) -> Path:
+    """The bundled tokenizer with two tokens' ids swapped, written to `path`: the same 4096 tokens, a different
+    tokenizer (a size check alone cannot tell it from the bundled one)."""
+    from meshformer.data import load_tokenizer
+
+    raw = json.loads(load_tokenizer("bundled:kjv-bpe-4k").json)
+    vocab = raw["model"]["vocab"]
+    a, b = "\u0120the", "\u0120and"  # byte-level BPE spells a leading space \u0120
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    path.write_text(json.dumps(raw))
+    return path
+
+
 def _indexed(src: Path, folder: Path, weight_map: dict[str, str], tensors: dict | None = None) -> Path:
     """A copy of the weights or HF folder `src` as one shard (`tensors`, default all) and an index `weight_map`."""
     shutil.copytree(src, folder, ignore=shutil.ignore_patterns("model.safetensors"))
@@ -85,3 +98,4 @@ def convert_case_files(tmp: Path) -> None:
     user.mkdir()
     (user / "thesis.tex").write_text("years of work\n")
     (user / CONFIG_FILE).write_text("{}\n")  # a name of ours, in a folder we did not write
+    same_size_other_tokenizer(tmp / "cv-other-tokenizer.json")
