@@ -14,6 +14,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from meshformer import folders
+from meshformer.checkpointing.directory import check_latest
 from meshformer.checkpointing.manager import refuse_earlier_checkpoints
 from meshformer.config import Config, ConfigError
 from meshformer.data import Tokenizer, load_tokenizer
@@ -66,6 +67,7 @@ def preflight(cfg: Config) -> Tokenizer:
     check_folder(run_dir, "logging.run_dir")
     check_folder(checkpoint_dir, key)
     check_final_folder(run_dir / FINAL_WEIGHTS)
+    check_latest(checkpoint_dir)
     if not cfg.checkpoint.resume:
         refuse_earlier_checkpoints(checkpoint_dir)
     tokenizer = checked_tokenizer(cfg)
