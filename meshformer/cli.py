@@ -19,21 +19,27 @@ def _train(args: argparse.Namespace) -> None:
     from meshformer.launcher.torchrun import check_launch_options, launch_torchrun
 
     check_launch_options(args.nproc_per_node, args.nnodes, args.max_restarts)
+    overrides = args.set
+    if args.new_run:  # a fresh run beside the one in logging.run_dir, which stays as it is
+        from meshformer.train.run_record import new_run_overrides
+
+        overrides, fresh = new_run_overrides(load_config(args.config, overrides), overrides)
+        print(f"--new-run: this run goes into {fresh}", file=sys.stderr)
     if args.nproc_per_node > 1 or args.nnodes > 1:
         from meshformer.parallel_dims import validate_parallel
         from meshformer.train.preflight import preflight, run_folders_claimed
 
-        cfg = load_config(args.config, args.set)  # one process checks before torchrun starts any rank
+        cfg = load_config(args.config, overrides)  # one process checks before torchrun starts any rank
         validate_parallel(cfg, args.nproc_per_node * args.nnodes)
         with run_folders_claimed(cfg):  # a run folder in use is refused here; rank 0 holds it for the job
             preflight(cfg)
         if args.debug:
             os.environ[DEBUG_ENV] = "1"  # the ranks show tracebacks too (this process exits after torchrun)
-        sys.exit(launch_torchrun(args.config, args.set, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
+        sys.exit(launch_torchrun(args.config, overrides, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
                                  rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts))
     from meshformer.train.__main__ import run
 
-    run(args.config, args.set)
+    run(args.config, overrides)
 
 
 def _params(args: argparse.Namespace) -> None:
@@ -136,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--rdzv-endpoint", default="127.0.0.1:29500", help="host:port of the first node")
     train.add_argument("--max-restarts", type=int, default=0,
                        help="torchrun restarts after a worker failure (the job resumes from its latest checkpoint)")
+    train.add_argument("--new-run", action="store_true",
+                       help="start a fresh run in a new folder beside logging.run_dir (e.g. runs/tiny-gpt-2) when "
+                       "that folder already holds a run; the earlier run is left as it is")
     train.set_defaults(func=_train)
 
     params = sub.add_parser("params", help="parameter count and training FLOPs per token of a config")

@@ -14,7 +14,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from meshformer import folders
-from meshformer.checkpointing.directory import check_latest
+from meshformer.checkpointing.directory import check_latest, committed_steps
 from meshformer.checkpointing.manager import refuse_earlier_checkpoints
 from meshformer.config import Config, ConfigError
 from meshformer.data import Tokenizer, load_tokenizer
@@ -22,6 +22,7 @@ from meshformer.data.build import check_data
 from meshformer.model.flops import count_params
 from meshformer.runtime.distributed import env_rank
 from meshformer.runtime.run_lock import run_folder_lock
+from meshformer.train.run_record import check_rerun
 
 # One checkpoint holds fp32 parameters and AdamW's two fp32 moments; the rest (data and RNG state, manifest)
 # is small. The margin covers filesystem overhead and the files of a save that is being replaced.
@@ -73,6 +74,9 @@ def preflight(cfg: Config) -> Tokenizer:
     tokenizer = checked_tokenizer(cfg)
     check_data(cfg, tokenizer)
     check_disk_space(cfg, run_dir, checkpoint_dir)
+    # The newest checkpoint is where a resume starts (the trainer checks again with the step it resumed).
+    steps = committed_steps(checkpoint_dir) if cfg.checkpoint.resume else []
+    check_rerun(cfg, run_dir, steps[-1] if steps else 0, has_final_weights(run_dir))
     return tokenizer
 
 
@@ -100,6 +104,12 @@ def check_folder(path: Path, key: str) -> None:
 
 def is_final_ours(final: Path) -> bool:
     return any(folders.is_ours(final, legacy) for legacy in FINAL_LEGACY)
+
+
+def has_final_weights(run_dir: Path) -> bool:
+    """Whether the run folder holds final weights this (or an earlier) run wrote."""
+    final = Path(run_dir) / FINAL_WEIGHTS
+    return final.is_dir() and is_final_ours(final) and any(p.suffix == ".safetensors" for p in final.iterdir())
 
 
 def check_final_folder(final: Path) -> None:

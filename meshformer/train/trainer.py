@@ -38,7 +38,9 @@ from meshformer.runtime.watchdog import HangWatchdog
 from meshformer.train.loss_choice import resolve_loss
 from meshformer.train.metrics import FlopsCeiling, RunLogger, memory_gib, peak_flops, synchronize
 from meshformer.train.optim import SkippedUpdates
-from meshformer.train.preflight import FINAL_WEIGHTS, check_final_folder, checked_tokenizer, run_folders_claimed
+from meshformer.train.preflight import (FINAL_WEIGHTS, check_final_folder, checked_tokenizer, has_final_weights,
+                                        run_folders_claimed)
+from meshformer.train.run_record import check_rerun, record_config
 from meshformer.train.sampling import decoded_sample
 from meshformer.train.step import StepStats, TrainStep
 
@@ -72,9 +74,7 @@ class Trainer:
         self.ceiling = FlopsCeiling(*peak_flops(self.device, torch.bfloat16 if cfg.train.dtype == "bf16"
                                                 else torch.float32))
         self.run_dir = Path(cfg.logging.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if rank == 0:
-            (self.run_dir / "config.toml").write_text(cfg.to_toml())
+        self.run_dir.mkdir(parents=True, exist_ok=True)  # config.toml is written when training starts (_fit)
         self.logger = RunLogger(self.run_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
 
         self.tokenizer = tokenizer if tokenizer is not None else checked_tokenizer(cfg)
@@ -188,9 +188,14 @@ class Trainer:
     def _fit(self) -> TrainResult:
         cfg, log = self.cfg, self.logger
         self.checkpoints.resume(self.checkpointable)  # model, optimizer, scheduler, step, data, RNG: before iterating
+        start_step, had_final = self.step, has_final_weights(self.run_dir)
+        # The run folder is a record: a changed config that trains nothing (or retrains a finished run) is refused.
+        changes = check_rerun(cfg, self.run_dir, start_step, had_final)
         if self.step >= cfg.train.steps:
             log.info(f"the run in {self.run_dir} already reached step {self.step} >= train.steps={cfg.train.steps}; "
-                     "raise train.steps to train further, or use a new logging.run_dir for a fresh run")
+                     "raise train.steps to train further, or pass --new-run for a fresh run")
+        elif self.rank == 0:
+            record_config(cfg, self.run_dir, start_step, changes, log.info)
         self.train_iter = iter(self.train_data)  # from the position the resume restored
         tokens_per_sample = cfg.data.seq_len + (self.target_len or 0)
         tokens_per_step = cfg.data.batch_size * tokens_per_sample * cfg.train.grad_accum * self.parallel_model.dp_size
@@ -275,7 +280,8 @@ class Trainer:
         try:
             self.checkpoints.finish(self.checkpointable)  # raises if the final checkpoint cannot be written...
         finally:
-            if self.step >= cfg.train.steps:  # ...but the trained weights are written first
+            # ...but the trained weights are written first (again only if this run trained, or they are missing)
+            if self.step >= cfg.train.steps and (self.step > start_step or not had_final):
                 self.save_final_weights()
         log.close()
         return TrainResult(self.step, last_loss, eval_loss, self.run_dir, history)
