@@ -138,6 +138,11 @@ class LoggingConfig:
     run_dir: str = "runs/default"
     log_interval: int = 10
     tensorboard: bool = True
+    # Weights & Biases (the [wandb] extra): the same scalars as TensorBoard and metrics.jsonl; "offline" needs no
+    # network (`wandb sync <run_dir>/wandb/offline-run-*` uploads later)
+    wandb: bool = False
+    wandb_project: str = "meshformer"
+    wandb_mode: Literal["online", "offline"] = "online"
 
 
 @dataclass

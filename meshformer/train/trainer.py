@@ -36,7 +36,8 @@ from meshformer.runtime.profiler import StepProfiler
 from meshformer.runtime.stragglers import rank_timings, straggler_scalars
 from meshformer.runtime.watchdog import HangWatchdog
 from meshformer.train.loss_choice import resolve_loss
-from meshformer.train.metrics import FlopsCeiling, RunLogger, memory_gib, peak_flops, synchronize
+from meshformer.train.metrics import (FlopsCeiling, RunLogger, current_memory_gib, memory_gib, peak_flops,
+                                      synchronize)
 from meshformer.train.optim import SkippedUpdates
 from meshformer.train.preflight import (FINAL_WEIGHTS, check_final_folder, checked_tokenizer, has_final_weights,
                                         run_folders_claimed)
@@ -75,7 +76,8 @@ class Trainer:
                                                 else torch.float32))
         self.run_dir = Path(cfg.logging.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)  # config.toml is written when training starts (_fit)
-        self.logger = RunLogger(self.run_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
+        self.logger = RunLogger(self.run_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard,
+                                wandb=cfg.logging if cfg.logging.wandb else None, run_config=cfg.to_dict())
 
         self.tokenizer = tokenizer if tokenizer is not None else checked_tokenizer(cfg)
 
@@ -216,8 +218,9 @@ class Trainer:
                 synchronize(self.device)  # the window's queued device work is part of its time
                 elapsed = time.perf_counter() - window_start
                 last_loss = self.parallel_model.reduce_for_logging(window_loss) / max(float(window_tokens), 1.0)
-                tokens_per_s = tokens_per_step * window_steps / elapsed
-                mfu, ceiling_note = self.ceiling.mfu(self.flops_per_token * tokens_per_s / world_size())
+                tokens_per_s = tokens_per_step * window_steps / elapsed  # the whole job's
+                tokens_per_s_per_rank = tokens_per_s / world_size()
+                mfu, ceiling_note = self.ceiling.mfu(self.flops_per_token * tokens_per_s_per_rank)
                 if ceiling_note:
                     log.info(ceiling_note)
                 record = {
@@ -225,8 +228,10 @@ class Trainer:
                     "train/lr": self.last_lr,
                     "train/grad_norm": float(stats.grad_norm),
                     "perf/tokens_per_s": tokens_per_s,
-                    "perf/mfu": mfu,
-                    "perf/memory_gib": memory_gib(self.device),
+                    "perf/tokens_per_s_per_rank": tokens_per_s_per_rank,
+                    "perf/mfu": mfu if mfu is not None else math.nan,  # n/a: a window the ceiling misjudged
+                    "perf/memory_gib": memory_gib(self.device),  # peak (rank 0)
+                    "perf/memory_now_gib": current_memory_gib(self.device),
                     "perf/step_time_s": elapsed / window_steps,
                 }
                 skipped = self.skipped_updates.check(step)  # raises once too many steps in a row were skipped
@@ -246,8 +251,10 @@ class Trainer:
                 loads = [v for k, v in moe.items() if k.endswith("/load_max_over_mean")]
                 log.info(
                     f"step {step:>6}/{cfg.train.steps} | loss {last_loss:.4f} | lr {record['train/lr']:.2e} | "
-                    f"grad {record['train/grad_norm']:.3f} | {tokens_per_s:,.0f} tok/s | "
-                    f"mfu {100 * record['perf/mfu']:.1f}% | mem {record['perf/memory_gib']:.2f} GiB"
+                    f"grad {record['train/grad_norm']:.3f} | {tokens_per_s:,.0f} tok/s global, "
+                    f"{tokens_per_s_per_rank:,.0f} per rank | mfu "
+                    + (f"{100 * mfu:.1f}%" if mfu is not None else "n/a") + " | "
+                    f"mem peak {record['perf/memory_gib']:.2f} GiB, now {record['perf/memory_now_gib']:.2f} GiB"
                     + (f" | expert load max/mean {max(loads):.2f}" if loads else "")
                 )
                 window_loss.zero_()

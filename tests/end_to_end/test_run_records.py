@@ -5,6 +5,7 @@ Ctrl-C saves and stops like SIGTERM, in a line instead of a traceback."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -54,6 +55,14 @@ def test_changed_config_that_trains_nothing_is_refused_and_rewrites_nothing(fini
     assert line.startswith("error: ") and "already reached step 2" in line and "optim.lr" in line, line
     assert "--new-run" in line and "\n" not in line
     assert _snapshot(run) == before
+
+
+def test_every_run_writes_metrics_jsonl_one_object_per_logged_step(finished):
+    run, _ = finished
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]  # logging.log_interval=1
+    assert {"train/loss", "perf/tokens_per_s", "perf/tokens_per_s_per_rank", "perf/memory_gib",
+            "perf/memory_now_gib"} <= rows[0].keys()
 
 
 def test_same_config_again_rewrites_nothing(finished):
