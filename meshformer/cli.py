@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import sys
+from pathlib import Path
 
 from meshformer.checkpointing import cli as checkpointing_cli
 from meshformer.config import load_config
@@ -128,6 +130,38 @@ def _grad_report(args: argparse.Namespace) -> None:
     print(f"loss {loss.item():.4f} on one batch of {cfg.data.batch_size} sequences\n{text}")
 
 
+def _bundled_config(name: str) -> Path:
+    from meshformer.config import bundled_configs
+
+    bundled = bundled_configs()
+    if name not in bundled:
+        hint = difflib.get_close_matches(name, bundled, n=1)
+        raise UsageError(f"no bundled config named {name!r}" + (f"; did you mean {hint[0]!r}?" if hint else ""),
+                         f"choose one of {', '.join(bundled)}")
+    return bundled[name]
+
+
+def _config_list(args: argparse.Namespace) -> None:
+    from meshformer.config import bundled_configs
+
+    print("\n".join(bundled_configs()))
+
+
+def _config_show(args: argparse.Namespace) -> None:
+    print(_bundled_config(args.name).read_text(), end="")
+
+
+def _config_copy(args: argparse.Namespace) -> None:
+    source = _bundled_config(args.name)
+    dest = Path(args.dest or source.name)
+    if dest.is_dir():
+        dest = dest / source.name
+    if dest.exists() and not args.overwrite:
+        raise UsageError(f"{dest} already exists", "pass --overwrite to replace it, or another DEST")
+    dest.write_text(source.read_text())
+    print(f"wrote {dest}; edit it, then: meshformer train {dest}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="meshformer", description=__doc__)
     parser.add_argument("--debug", action="store_true",
@@ -177,6 +211,18 @@ def build_parser() -> argparse.ArgumentParser:
     grad.add_argument("--weights", help="folder with model.safetensors (default: fresh init from the config)")
     grad.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
     grad.set_defaults(func=_grad_report)
+
+    config = sub.add_parser("config", help="list the bundled configs, or write one out for reading or editing")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    config_sub.add_parser("list", help="the names of the bundled configs").set_defaults(func=_config_list)
+    show = config_sub.add_parser("show", help="print a bundled config's TOML")
+    show.add_argument("name", help="e.g. tiny-gpt (`meshformer config list` lists them)")
+    show.set_defaults(func=_config_show)
+    copy = config_sub.add_parser("copy", help="write a bundled config to a file to edit and train with")
+    copy.add_argument("name", help="e.g. tiny-gpt (`meshformer config list` lists them)")
+    copy.add_argument("dest", nargs="?", help="file or folder (default: NAME.toml here)")
+    copy.add_argument("--overwrite", action="store_true", help="replace DEST if it exists")
+    copy.set_defaults(func=_config_copy)
 
     for add_cli in (data_cli.add_cli, checkpointing_cli.add_cli, launcher_cli.add_cli, plan_cli.add_cli):
         add_cli(sub)  # `data prepare`, `convert ...`, `submit` / `tensorboard` / `plot` / `diagnose`, `plan`
