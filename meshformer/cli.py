@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
 import json
 import os
 import sys
 from pathlib import Path
 
-from meshformer.checkpointing import cli as checkpointing_cli
-from meshformer.config import load_config
-from meshformer.data import cli as data_cli
 from meshformer.errors import DEBUG_ENV, ArgumentParser, UsageError, run_command
-from meshformer.launcher import cli as launcher_cli
-from meshformer.planner import cli as plan_cli
+from meshformer.launcher import cli as launcher_cli  # light: its commands import what they need when they run
+
+# Command groups whose modules import torch: imported only when the command line names one, so that `--help` and
+# `--version` start at once. command -> (module with add_cli, its line in `meshformer --help`).
+LAZY_COMMANDS = {
+    "data": ("meshformer.data.cli", "prepare training data"),
+    "convert": ("meshformer.checkpointing.cli", "convert checkpoints: safetensors, Hugging Face, Megatron-Core"),
+    "plan": ("meshformer.planner.cli", "memory per rank of a layout at any world size, and the layouts that fit"),
+}
 
 
 def _train(args: argparse.Namespace) -> None:
+    from meshformer.config import load_config
     from meshformer.launcher.torchrun import check_launch_options, launch_torchrun
 
     check_launch_options(args.nproc_per_node, args.nnodes, args.max_restarts)
@@ -45,6 +51,7 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _params(args: argparse.Namespace) -> None:
+    from meshformer.config import load_config
     from meshformer.model.flops import count_params, flops_per_token
 
     cfg = load_config(args.config, args.set)
@@ -115,6 +122,7 @@ def _grad_report(args: argparse.Namespace) -> None:
 
     from meshformer.batch import model_inputs
     from meshformer.checkpointing.weights import load_weights
+    from meshformer.config import load_config
     from meshformer.data import build_loader, load_tokenizer
     from meshformer.loss.cross_entropy import count_tokens, cross_entropy_sum
     from meshformer.model import Transformer
@@ -162,8 +170,28 @@ def _config_copy(args: argparse.Namespace) -> None:
     print(f"wrote {dest}; edit it, then: meshformer train {dest}")
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _VersionAction(argparse.Action):
+    """--version: the installed package's version, read only when asked (importlib.metadata is slow to import)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print meshformer's version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        from importlib import metadata
+
+        try:
+            version = metadata.version("meshformer")
+        except metadata.PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
+            version = "unknown (not installed)"
+        print(f"meshformer {version}")
+        parser.exit()
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with `command`, only that command's group of LAZY_COMMANDS is imported (the
+    others are listed by name and help only)."""
     parser = ArgumentParser(prog="meshformer", description=__doc__)
+    parser.add_argument("--version", action=_VersionAction)
     parser.add_argument("--debug", action="store_true",
                         help=f"show the traceback of an error (also {DEBUG_ENV}=1); anywhere on the command line")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -224,15 +252,22 @@ def build_parser() -> argparse.ArgumentParser:
     copy.add_argument("--overwrite", action="store_true", help="replace DEST if it exists")
     copy.set_defaults(func=_config_copy)
 
-    for add_cli in (data_cli.add_cli, checkpointing_cli.add_cli, launcher_cli.add_cli, plan_cli.add_cli):
-        add_cli(sub)  # `data prepare`, `convert ...`, `submit` / `tensorboard` / `plot` / `diagnose`, `plan`
+    for name, (module, help_text) in LAZY_COMMANDS.items():  # `data prepare`, `convert ...`, `plan`
+        if command is None or command == name:
+            importlib.import_module(module).add_cli(sub)
+        else:
+            sub.add_parser(name, help=help_text, add_help=False)
+        if name == "convert":
+            launcher_cli.add_cli(sub)  # `submit` / `tensorboard` / `plot` / `diagnose`, listed after `convert`
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv  # accepted anywhere on the command line, not only before the subcommand
-    args = build_parser().parse_args(["--debug"] * debug + [a for a in argv if a != "--debug"])
+    argv = [a for a in argv if a != "--debug"]
+    command = next((a for a in argv if not a.startswith("-")), "")  # "": --help, --version, nothing
+    args = build_parser(command).parse_args(["--debug"] * debug + argv)
     run_command(args.func, args, debug=args.debug)
 
 
