@@ -36,11 +36,15 @@ from meshformer.runtime.profiler import StepProfiler
 from meshformer.runtime.stragglers import rank_timings, straggler_scalars
 from meshformer.runtime.watchdog import HangWatchdog
 from meshformer.train.loss_choice import resolve_loss
-from meshformer.train.metrics import (FlopsCeiling, RunLogger, current_memory_gib, memory_gib, peak_flops,
-                                      synchronize)
+from meshformer.train.metrics import FlopsCeiling, RunLogger, current_memory_gib, memory_gib, peak_flops, synchronize
 from meshformer.train.optim import SkippedUpdates
-from meshformer.train.preflight import (FINAL_WEIGHTS, check_final_folder, checked_tokenizer, has_final_weights,
-                                        run_folders_claimed)
+from meshformer.train.preflight import (
+    FINAL_WEIGHTS,
+    check_final_folder,
+    checked_tokenizer,
+    has_final_weights,
+    run_folders_claimed,
+)
 from meshformer.train.run_record import check_rerun, record_config
 from meshformer.train.sampling import decoded_sample
 from meshformer.train.step import StepStats, TrainStep

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from meshformer.config import ConfigError, LoggingConfig
-
 from meshformer.train import metrics
 from meshformer.train.metrics import FlopsCeiling, peak_flops
 
