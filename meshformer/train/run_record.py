@@ -70,7 +70,9 @@ def record_config(cfg: Config, run_dir: Path, start_step: int, changes: list[str
         log(f"continuing the run in {run_dir} from step {start_step} to {cfg.train.steps} with a changed config "
             f"({'; '.join(changes)}); the config that trained it so far is kept as "
             f"{CONFIG_HISTORY}/{kept.name}")
-    path.write_text(cfg.to_toml())
+    staged = path.with_name(path.name + ".tmp")  # other ranks may be reading it: replaced whole, never half-written
+    staged.write_text(cfg.to_toml())
+    staged.replace(path)
 
 
 def new_run_dir(run_dir: Path) -> Path:
