@@ -28,16 +28,20 @@ def _train(args: argparse.Namespace) -> None:
 
     check_launch_options(args.nproc_per_node, args.nnodes, args.max_restarts)
     overrides = args.set
+    if args.init_from:
+        overrides = [*overrides, f"checkpoint.init_from=hf:{args.init_from}"]
     if args.new_run:  # a fresh run beside the one in logging.run_dir, which stays as it is
         from meshformer.train.run_record import new_run_overrides
 
         overrides, fresh = new_run_overrides(load_config(args.config, overrides), overrides)
         print(f"--new-run: this run goes into {fresh}", file=sys.stderr)
     if args.nproc_per_node > 1 or args.nnodes > 1:
+        from meshformer.checkpointing.init_from import resolve_init_from
         from meshformer.parallel_dims import validate_parallel
         from meshformer.train.preflight import preflight, run_folders_claimed
 
-        cfg = load_config(args.config, overrides)  # one process checks before torchrun starts any rank
+        # one process checks before torchrun starts any rank
+        cfg = resolve_init_from(load_config(args.config, overrides))
         validate_parallel(cfg, args.nproc_per_node * args.nnodes)
         with run_folders_claimed(cfg):  # a run folder in use is refused here; rank 0 holds it for the job
             preflight(cfg)
@@ -66,14 +70,28 @@ def _params(args: argparse.Namespace) -> None:
             print(f"{key:>22}: {value:,}" if isinstance(value, int) else f"{key:>22}: {value:,.4g}")
 
 
-def _generate(args: argparse.Namespace) -> None:
-    import torch
+def _prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts of `generate`: each --prompt, then each non-empty line of --prompts-file."""
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        try:
+            text = open(args.prompts_file, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as err:
+            raise UsageError(f"--prompts-file {args.prompts_file}: {err}", "pass a UTF-8 text file, one prompt a line"
+                             ) from None
+        prompts += [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise UsageError("no prompt to continue", "pass --prompt TEXT (repeat it for several) or --prompts-file")
+    return prompts
 
+
+def _generate(args: argparse.Namespace) -> None:
     from meshformer.checkpointing.weights import load_weights
     from meshformer.data import load_tokenizer
-    from meshformer.model.generate import greedy_decode
+    from meshformer.model.generate import greedy_decode, pad_rows
     from meshformer.train.preflight import check_vocab
 
+    prompts = _prompts(args)
     tokenizer = load_tokenizer(args.tokenizer)
     model = load_weights(args.weights).eval()
     check_vocab(tokenizer, model.cfg.vocab_size, "--tokenizer")
@@ -82,16 +100,23 @@ def _generate(args: argparse.Namespace) -> None:
     if not model.spec.has_decoder:
         raise UsageError(f"{args.weights} holds an encoder-only model, which cannot generate text",
                          "pass the weights of a decoder-only or encoder-decoder model")
-    ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
-    if ids.shape[1] == 0:
-        raise UsageError(f"--prompt {args.prompt!r} holds no tokens",
-                         "pass some text, e.g. --prompt 'In the beginning'")
-    if not model.spec.seq2seq:
-        out = greedy_decode(model, ids, args.max_new_tokens, eos_id=tokenizer.eos_id, use_cache=not args.no_cache)
+    rows = [tokenizer.encode_prompt(prompt) for prompt in prompts]  # BOS where the tokenizer adds one
+    for prompt, row in zip(prompts, rows, strict=True):
+        if not row:
+            raise UsageError(f"--prompt {prompt!r} holds no tokens", "pass some text, e.g. --prompt 'In the beginning'")
+    seq2seq = model.spec.seq2seq
+    ids, padding = pad_rows(rows, tokenizer.pad_id, left=not seq2seq)  # sources: padded on the right, as in training
+    if not seq2seq:
+        out = greedy_decode(model, ids, args.max_new_tokens, eos_id=tokenizer.eos_id, prompt_padding=padding,
+                            use_cache=not args.no_cache)
     else:
         out = greedy_decode(model, None, args.max_new_tokens, eos_id=tokenizer.eos_id, bos_id=tokenizer.bos_id,
-                            source_ids=ids, use_cache=not args.no_cache)
-    print(tokenizer.decode(out[0].tolist()))
+                            source_ids=ids, source_padding=padding, use_cache=not args.no_cache)
+    for prompt_ids, row in zip(rows, out.tolist(), strict=True):
+        new = row[0 if seq2seq else ids.shape[1]:]
+        if tokenizer.eos_id in new:  # the text ends at the model's EOS
+            new = new[:new.index(tokenizer.eos_id)]
+        print(tokenizer.decode(([] if seq2seq else prompt_ids) + new, skip_special_tokens=True))
 
 
 def _attention_map(args: argparse.Namespace) -> None:
@@ -202,6 +227,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     train.add_argument("--nproc-per-node", type=int, default=1, help="start torchrun with this many processes")
     train.add_argument("--nnodes", type=int, default=1)
     train.add_argument("--rdzv-endpoint", default="127.0.0.1:29500", help="host:port of the first node")
+    train.add_argument("--init-from", metavar="HF_FOLDER",
+                       help="start from a Hugging Face model folder (= --set checkpoint.init_from=hf:HF_FOLDER)")
     train.add_argument("--max-restarts", type=int, default=0,
                        help="torchrun restarts after a worker failure (the job resumes from its latest checkpoint)")
     train.add_argument("--new-run", action="store_true",
@@ -217,7 +244,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="greedy decoding (KV cache) from a run's final weights")
     gen.add_argument("weights", help="folder with model.safetensors, e.g. runs/tiny-gpt/final")
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", action="append", help="text to continue; repeat for a batch (one output line each)")
+    gen.add_argument("--prompts-file", help="more prompts, one a line (blank lines skipped)")
     gen.add_argument("--max-new-tokens", type=int, default=48)
     gen.add_argument("--tokenizer", default="bundled:kjv-bpe-4k")
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each step")

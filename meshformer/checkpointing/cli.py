@@ -110,11 +110,14 @@ def _to_checkpoint(args: argparse.Namespace) -> Path:
 
 def _export_hf(args: argparse.Namespace) -> Path:
     from meshformer.checkpointing.hf_folder import export_hf
+    from meshformer.checkpointing.init_from import source_arch
     from meshformer.checkpointing.safetensors_io import read_model_source
 
     def write(out: Path) -> Path:
         cfg, state = read_model_source(Path(args.src))
-        return export_hf(state, cfg, out, args.arch, args.max_shard_size)
+        # default: the architecture a run from checkpoint.init_from started from, else the one that matches
+        arch = args.arch or source_arch(Path(args.src))
+        return export_hf(state, cfg, out, arch, args.max_shard_size)
 
     return _into(args, "a Hugging Face model", _weights_legacy(Path(args.out), "config.json"), write)
 
@@ -127,14 +130,14 @@ def _import_hf(args: argparse.Namespace) -> Path:
 
 
 def _export_megatron(args: argparse.Namespace) -> Path:
-    from meshformer.checkpointing.megatron import SAVED_CONFIG, TRACKER, export_megatron
+    from meshformer.checkpointing.megatron import WRITTEN_BESIDE, export_megatron
     from meshformer.checkpointing.safetensors_io import read_model_source
 
     def write(out: Path) -> Path:
         cfg, state = read_model_source(Path(args.src))
         return export_megatron(state, cfg, out, iteration=args.iteration, pad_vocab_multiple=args.pad_vocab_multiple)
 
-    return _into(args, "a Megatron checkpoint", [TRACKER, SAVED_CONFIG], write)
+    return _into(args, "a Megatron checkpoint", list(WRITTEN_BESIDE), write)
 
 
 def _import_megatron(args: argparse.Namespace) -> Path:
@@ -142,7 +145,8 @@ def _import_megatron(args: argparse.Namespace) -> Path:
 
     cfg, state = import_megatron(Path(args.src), n_heads=args.heads, vocab_size=args.vocab_size,
                                  activation=args.activation, norm_eps=args.norm_eps, rope_theta=args.rope_theta,
-                                 max_seq_len=args.max_seq_len)
+                                 max_seq_len=args.max_seq_len, experts_per_token=args.experts_per_token,
+                                 router_score=args.router_score)
     return _write(args, cfg, state)
 
 
@@ -213,6 +217,10 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     megatron_in.add_argument("--norm-eps", type=float, help="default: the saved config's, else 1e-5")
     megatron_in.add_argument("--rope-theta", type=float, help="default: the saved config's, else 10000")
     megatron_in.add_argument("--max-seq-len", type=_count(1), help="RoPE models: the context length to record")
+    megatron_in.add_argument("--experts-per-token", type=_count(1), help="MoE: the router's top-k (not stored in "
+                             "tensors; Megatron's --moe-router-topk); default: the saved config's")
+    megatron_in.add_argument("--router-score", choices=["softmax", "sigmoid"], help="MoE: default the saved "
+                             "config's, else sigmoid where routers carry a bias (Megatron allows it only there)")
     megatron_in.add_argument("--checkpoint", action="store_true", help="write a weights-only checkpoint")
     command("verify", _verify, "check every checkpoint's files against its manifest (sizes and sha256)")
 

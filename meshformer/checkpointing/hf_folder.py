@@ -125,8 +125,9 @@ def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arc
     return LazyState(list(shapes), read)
 
 
-def import_hf(folder: Path, *, show_progress: bool | None = None) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
-    """(our config, our tensors read on access) from a Hugging Face folder of one of `hf.ARCHS`."""
+def open_hf(folder: Path) -> tuple[ModelConfig, Arch, Mapping[str, torch.Tensor]]:
+    """(our config, the architecture, its tensors read on access under their own names) of a Hugging Face
+    folder: only config.json and the files' headers are read."""
     from meshformer.checkpointing import hf
 
     folder = Path(folder)
@@ -135,11 +136,18 @@ def import_hf(folder: Path, *, show_progress: bool | None = None) -> tuple[Model
     theirs = hf_source(folder)
     hf_config = _read_config(folder / "config.json", len(theirs))
     try:
-        cfg = hf.config_from_hf(hf_config)
-        state = lazy_from_hf(theirs, cfg, hf_config.model_type)
+        return hf.config_from_hf(hf_config), hf_config.model_type, theirs
     except (ValueError, KeyError) as err:
         raise ConversionError(f"cannot import {folder}: {err}") from None
-    return cfg, state
+
+
+def import_hf(folder: Path, *, show_progress: bool | None = None) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
+    """(our config, our tensors read on access) from a Hugging Face folder of one of `hf.ARCHS`."""
+    cfg, arch, theirs = open_hf(folder)
+    try:
+        return cfg, lazy_from_hf(theirs, cfg, arch)
+    except (ValueError, KeyError) as err:
+        raise ConversionError(f"cannot import {folder}: {err}") from None
 
 
 def _read_config(path: Path, n_tensors: int) -> Any:

@@ -77,8 +77,8 @@ class CheckpointManager:
 
     @classmethod
     def from_config(cls, cfg: Config, run_dir: Path, log: Any = None) -> CheckpointManager:
-        root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / "checkpoints"
-        return cls(root, cfg.checkpoint, total_steps=cfg.train.steps, log=log, timeout_s=cfg.parallel.timeout_s)
+        return cls(checkpoint_root(cfg, run_dir), cfg.checkpoint, total_steps=cfg.train.steps, log=log,
+                   timeout_s=cfg.parallel.timeout_s)
 
     @property
     def enabled(self) -> bool:
@@ -416,6 +416,11 @@ class CheckpointManager:
     def _barrier(self) -> None:
         if self.distributed:
             dist.barrier(group=self.group)
+
+
+def checkpoint_root(cfg: Config, run_dir: Path | None = None) -> Path:
+    """checkpoint.dir, or <run_dir>/checkpoints (run_dir: logging.run_dir unless given)."""
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir or cfg.logging.run_dir) / "checkpoints"
 
 
 def _model_signature(folder: Path) -> dict[str, tuple[int, ...]] | None:

@@ -1,15 +1,13 @@
 """Megatron-Core `torch_dist` checkpoints of GPT models <-> meshformer weights, without importing megatron.
 
 A torch_dist checkpoint is a DCP folder (.metadata, __R_T.distcp) plus common.pt and metadata.json. Its GPT
-tensors are global (any TP/PP layout that saved them): per-layer weights are stacked on a leading layer
-axis; linear_qkv packs, for each query group, that group's query heads, then its key head, then its value
-head; the local spec names the pre-attention and pre-MLP norms linear_qkv.layer_norm_* and
-linear_fc1.layer_norm_*; SwiGLU's linear_fc1 is [gate; up]. Megatron's RoPE rotates halves (not pairs), as
-ours does. Vocabulary rows beyond the model's vocabulary are Megatron's padding.
-
-What maps: decoder-only, pre-norm with a final norm, LayerNorm or RMSNorm, GELU / tanh-GELU / ReLU / SwiGLU,
-learned absolute positions or RoPE, MHA/GQA/MQA, tied or untied output, with or without linear biases
-(`model.bias` covers q/k/v/o and MLP biases together, so Megatron's add_qkv_bias must equal add_bias_linear).
+tensors are global (any TP/PP/EP layout that saved them): per-layer weights are stacked on a leading layer
+axis when all layers are alike, else saved per layer ("decoder.layers.<i>.", dense and MoE layers mixed);
+linear_qkv packs, for each query group, that group's query heads, then its key head, then its value head; the
+local spec names the pre-attention and pre-MLP norms linear_qkv.layer_norm_* and linear_fc1.layer_norm_* (MoE
+layers too); SwiGLU's linear_fc1 is [gate; up], each expert's too; experts are stacked on an expert axis after
+the layer axis. Megatron's RoPE rotates halves (not pairs), as ours does. Vocabulary rows beyond the model's
+vocabulary are Megatron's padding. megatron_config.py says which models map.
 """
 
 from __future__ import annotations
@@ -18,74 +16,49 @@ import functools
 import json
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from meshformer.checkpointing.dcp_io import read_box, read_metadata, save_tensors_streamed, tensor_entries
 from meshformer.checkpointing.errors import ConversionError
+from meshformer.checkpointing.megatron_config import (
+    EMBEDDING,
+    EXPERT_BIAS,
+    EXPERTS_FC1,
+    EXPERTS_FC2,
+    FC1,
+    FC2,
+    K_NORM,
+    LAYER,
+    MEGATRON_CONFIG,
+    OUTPUT,
+    POSITIONS,
+    PROJ,
+    Q_NORM,
+    QKV,
+    ROUTER,
+    SAVED_CONFIG,
+    SHARED_FC1,
+    SHARED_FC2,
+    check_megatron_compatible,
+    expert_bias_kept,
+    layer_key,
+    resolve_import_config,
+    stacked_layers,
+    write_configs,
+)
 from meshformer.checkpointing.safetensors_io import LazyState
-from meshformer.config import Activation, ModelConfig
-from meshformer.model.families import FAMILIES
+from meshformer.config import ModelConfig
 from meshformer.model.families.naming import MegatronNames
+from meshformer.model.moe import is_moe_block
 
-LAYER = "decoder.layers."
-EMBEDDING = "embedding.word_embeddings.weight"
-POSITIONS = "embedding.position_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm."
-OUTPUT = "output_layer.weight"
-QKV, PROJ = LAYER + "self_attention.linear_qkv.", LAYER + "self_attention.linear_proj."
-FC1, FC2 = LAYER + "mlp.linear_fc1.", LAYER + "mlp.linear_fc2."
-_EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 BACKEND_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                     "common_backend_version": 1}
-GPT = "GPTModel"  # the Megatron-Core model this module reads and writes
 _ITER_DIR = re.compile(r"^iter_(\d+)$")
-SAVED_CONFIG = "meshformer_model_config.json"  # written by export_megatron beside the iter_* folders
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's pointer to the newest iter_* folder
-# import_megatron's options, by the command-line flag that sets them
-_OPTIONS = {"n_heads": "--heads", "vocab_size": "--vocab-size", "activation": "--activation",
-            "norm_eps": "--norm-eps", "rope_theta": "--rope-theta", "max_seq_len": "--max-seq-len"}
-# what the tensors themselves determine, to check a saved config against
-_FROM_TENSORS = ("d_model", "n_layers", "d_ff", "kv_heads", "norm", "position", "bias", "tie_embeddings")
-
-
-# ----------------------------------------------------------------------------- compatibility
-
-
-def megatron_incompatibilities(cfg: ModelConfig) -> list[str]:
-    gpt_families = sorted(name for name, spec in FAMILIES.items() if spec.megatron and spec.megatron.model == GPT)
-    checks = [
-        (cfg.family in gpt_families, f"family={cfg.family!r} (needs one of {gpt_families}: Megatron {GPT})"),
-        (cfg.norm_position == "pre" and cfg.use_final_norm, "post-norm or no final norm (needs pre-norm + final)"),
-        (cfg.position in ("learned", "rope"), f"position={cfg.position!r} (needs 'learned' or 'rope')"),
-        (cfg.activation in ("gelu", "gelu_tanh", "relu", "swiglu"), f"activation={cfg.activation!r}"),
-        (cfg.attention_scale is None, "a custom attention_scale (Megatron uses 1/sqrt(head_dim))"),
-        (not cfg.scale_embeddings and not cfg.embedding_norm, "scale_embeddings / embedding_norm"),
-        (not cfg.head_transform and not cfg.output_bias and not cfg.scale_output, "a BERT/T5-style output head"),
-        (cfg.attention_window is None, "attention_window (sliding window)"),
-        # options whose Megatron-Core counterparts (MoE layer, qk_layernorm, kv_channels, add_qkv_bias, rope
-        # scaling) have no name mapping here yet: refused rather than written without them
-        (cfg.n_experts == 0, "mixture-of-experts blocks (n_experts > 0)"),
-        (not cfg.qk_norm, "qk_norm"),
-        (cfg.attention_head_dim == cfg.d_model // cfg.n_heads, f"head_dim={cfg.head_dim} (not d_model / n_heads)"),
-        (cfg.use_qkv_bias == cfg.bias, "qkv_bias different from bias"),
-        (cfg.rope_scaling == "none", f"rope_scaling={cfg.rope_scaling!r}"),
-    ]
-    return [problem for ok, problem in checks if not ok]
-
-
-def check_megatron_compatible(cfg: ModelConfig) -> MegatronNames:
-    """Our names for the Megatron-Core GPT tensors (from the family spec), or a ConversionError saying why not."""
-    problems = megatron_incompatibilities(cfg)
-    if problems:
-        raise ConversionError("this model cannot be written as a Megatron-Core GPT checkpoint: " + ", ".join(problems),
-                              "export it to Hugging Face instead (`meshformer convert export-hf`)")
-    names = FAMILIES[cfg.family].megatron
-    assert names is not None  # megatron_incompatibilities refused families without Megatron names
-    return names
+WRITTEN_BESIDE = (TRACKER, SAVED_CONFIG, MEGATRON_CONFIG)  # what export_megatron writes beside iter_*
 
 
 # ----------------------------------------------------------------------------- qkv packing
@@ -115,19 +88,45 @@ def unpack_qkv(qkv: torch.Tensor, n_heads: int, n_groups: int) -> tuple[torch.Te
 
 def megatron_layer_sources(state: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int
                            ) -> dict[str, Callable[[], torch.Tensor]]:
-    """Megatron's stacked keys -> how to make layer `layer` of each from our tensors (read when called)."""
+    """Megatron's per-layer names (after "decoder.layers.") -> how to make layer `layer`'s from our tensors."""
     ours = check_megatron_compatible(cfg)
     prefix = f"{ours.layers}.{layer}."
     out: dict[str, Callable[[], torch.Tensor]] = {}
     for p in ("weight", "bias") if cfg.norm == "layernorm" else ("weight",):
         out[QKV + f"layer_norm_{p}"] = functools.partial(_norm_param, state, prefix + ours.attn_norm, p)
         out[FC1 + f"layer_norm_{p}"] = functools.partial(_norm_param, state, prefix + ours.ffn_norm, p)
-    for p in ("weight", "bias") if cfg.bias else ("weight",):
+    for p in ("weight", "bias") if cfg.use_qkv_bias else ("weight",):
         out[QKV + p] = functools.partial(_packed_qkv, state, [f"{prefix}{name}.{p}" for name in ours.qkv], cfg)
+    if cfg.qk_norm:
+        out[Q_NORM] = functools.partial(state.__getitem__, f"{prefix}{ours.q_norm}.weight")
+        out[K_NORM] = functools.partial(state.__getitem__, f"{prefix}{ours.k_norm}.weight")
+    for p in ("weight", "bias") if cfg.bias else ("weight",):
         out[PROJ + p] = functools.partial(state.__getitem__, f"{prefix}{ours.attn_out}.{p}")
-        gate, up = f"{prefix}{ours.gate}.{p}", f"{prefix}{ours.up}.{p}"
-        out[FC1 + p] = functools.partial(_concatenated, state, [gate, up] if cfg.activation == "swiglu" else [up])
-        out[FC2 + p] = functools.partial(state.__getitem__, f"{prefix}{ours.down}.{p}")
+    if not is_moe_block(cfg, layer):
+        out.update(_ffn_sources(state, cfg, prefix, ours.gate, ours.up, ours.down, FC1, FC2))
+        return out
+    moe = prefix + ours.moe
+    out[ROUTER] = functools.partial(state.__getitem__, f"{moe}.router.weight")
+    if expert_bias_kept(cfg):
+        out[EXPERT_BIAS] = functools.partial(state.__getitem__, f"{moe}.router.expert_bias")
+    # ours: (E, in, out) stacks applied as x @ w; Megatron's: one (out, in) linear per expert
+    experts = [f"{moe}.experts.{w}_proj" for w in (("gate", "up") if cfg.activation == "swiglu" else ("up",))]
+    out[EXPERTS_FC1] = lambda: torch.cat([state[name].transpose(1, 2) for name in experts], dim=1).contiguous()
+    out[EXPERTS_FC2] = lambda: state[f"{moe}.experts.down_proj"].transpose(1, 2).contiguous()
+    if cfg.n_shared_experts:
+        leaf = {name: f"shared_experts.{name.rpartition('.')[2]}" for name in (ours.gate, ours.up, ours.down)}
+        out.update(_ffn_sources(state, cfg, f"{moe}.", leaf[ours.gate], leaf[ours.up], leaf[ours.down],
+                                SHARED_FC1, SHARED_FC2))
+    return out
+
+
+def _ffn_sources(state: Mapping[str, torch.Tensor], cfg: ModelConfig, prefix: str, gate: str, up: str, down: str,
+                 fc1: str, fc2: str) -> dict[str, Callable[[], torch.Tensor]]:
+    out: dict[str, Callable[[], torch.Tensor]] = {}
+    for p in ("weight", "bias") if cfg.bias else ("weight",):
+        ins = [f"{prefix}{gate}.{p}", f"{prefix}{up}.{p}"] if cfg.activation == "swiglu" else [f"{prefix}{up}.{p}"]
+        out[fc1 + p] = functools.partial(_concatenated, state, ins)
+        out[fc2 + p] = functools.partial(state.__getitem__, f"{prefix}{down}.{p}")
     return out
 
 
@@ -170,35 +169,75 @@ def _pad_rows(table: torch.Tensor, rows: int | None) -> torch.Tensor:
     return torch.cat([table, table.new_zeros(rows - table.shape[0], *table.shape[1:])])
 
 
+def check_router_biases(state: Mapping[str, torch.Tensor], cfg: ModelConfig, ours: MegatronNames) -> None:
+    """A router bias Megatron would not keep (no bias balancing) must be zero, or the export would route otherwise."""
+    if not cfg.n_experts or expert_bias_kept(cfg):
+        return
+    for i in (i for i in range(cfg.n_layers) if is_moe_block(cfg, i)):
+        name = f"{ours.layers}.{i}.{ours.moe}.router.expert_bias"
+        if state[name].abs().max() > 0:  # E floats a layer
+            raise ConversionError(f"{name} is non-zero but Megatron keeps a router bias only with bias balancing "
+                                  "(router_score = 'sigmoid', router_bias_update_rate > 0)",
+                                  "export it to Hugging Face instead, or set those options in the model config")
+
+
+def _extra_state_names(cfg: ModelConfig) -> list[str]:
+    """The one-item objects Megatron's local-spec linears save per layer (and per expert): keys with the global
+    offset and shape of each ("<key>/shard_<offset>_<shape>", dots between axes)."""
+    stacked, names = stacked_layers(cfg), []
+    for i in range(cfg.n_layers):
+        modules = ["self_attention.linear_qkv", "self_attention.linear_proj"]
+        moe = is_moe_block(cfg, i)
+        modules += (["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"] if cfg.n_shared_experts
+                    else []) if moe else ["mlp.linear_fc1", "mlp.linear_fc2"]
+        key = LAYER if stacked else f"{LAYER}{i}."
+        axes = [(i, cfg.n_layers)] if stacked else [(0, 1)]
+        for module in modules:
+            names.append(_shard_name(f"{key}{module}._extra_state", axes))
+        for module, e in ((m, e) for m in ("linear_fc1", "linear_fc2") for e in range(cfg.n_experts if moe else 0)):
+            expert_axes = ([(i, cfg.n_layers)] if stacked else []) + [(e, cfg.n_experts)]
+            names.append(_shard_name(f"{key}mlp.experts.experts.{module}._extra_state", expert_axes))
+    return names
+
+
+def _shard_name(key: str, axes: list[tuple[int, int]]) -> str:
+    return f"{key}/shard_{'.'.join(str(o) for o, _ in axes)}_{'.'.join(str(n) for _, n in axes)}"
+
+
 def export_megatron(state: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: Path, *, iteration: int = 0,
                     pad_vocab_multiple: int = 1) -> Path:
-    """Write `out_dir/iter_<N>/` (torch_dist) and `latest_checkpointed_iteration.txt`; returns the iter folder.
+    """Write `out_dir/iter_<N>/` (torch_dist), `latest_checkpointed_iteration.txt` and both sides' configs;
+    returns the iter folder.
 
     Streamed, as Megatron itself saves: each stacked tensor is written one chunk per layer, each chunk made from
     our tensors when the writer comes to it, so at most one layer's tensor is in memory."""
+    check_router_biases(state, cfg, check_megatron_compatible(cfg))
     padded = -(-cfg.vocab_size // pad_vocab_multiple) * pad_vocab_multiple
     singles = megatron_global_sources(state, cfg, padded)
     layers = [megatron_layer_sources(state, cfg, i) for i in range(cfg.n_layers)]
     shapes = _MetaState(state)  # templates: the same recipes on meta tensors
     templates: dict[str, object] = {key: make() for key, make in megatron_global_sources(shapes, cfg, padded).items()}
-    for key, make in megatron_layer_sources(shapes, cfg, 0).items():
-        row = make()
-        templates[key] = row.new_empty(cfg.n_layers, *row.shape)
-    for module in _EXTRA_STATE_MODULES:  # local-spec linears carry an empty extra state per layer
-        for i in range(cfg.n_layers):  # Megatron stores each sharded object as a one-item list
-            templates[f"{LAYER}{module}._extra_state/shard_{i}_{cfg.n_layers}"] = [None]
+    rows: dict[str, Callable[[int], torch.Tensor]] = {}
+    for i in range(cfg.n_layers):
+        for name, make in megatron_layer_sources(shapes, cfg, i).items():
+            key, row = layer_key(cfg, name, i)
+            if row is None:
+                templates[key], singles[key] = make(), layers[i][name]
+            elif row == 0:
+                templates[key] = make().new_empty(cfg.n_layers, *make().shape)
+                rows[key] = functools.partial(_layer_tensor, layers, name)
+    templates.update({name: [None] for name in _extra_state_names(cfg)})  # Megatron saves each as a 1-item list
     folder = Path(out_dir) / f"iter_{iteration:07d}"
-    save_tensors_streamed(templates, lambda key: singles[key](), folder,
-                          read_row={key: functools.partial(_layer_tensor, layers, key) for key in layers[0]})
+    save_tensors_streamed(templates, lambda key: singles[key](), folder, read_row=rows)
     torch.save({}, folder / "common.pt")  # GPTModel has no non-sharded state; Megatron-LM adds its args here
     (folder / "metadata.json").write_text(json.dumps(BACKEND_METADATA))
     (Path(out_dir) / TRACKER).write_text(str(iteration))
-    (Path(out_dir) / SAVED_CONFIG).write_text(json.dumps(asdict(cfg), indent=2))
+    write_configs(cfg, Path(out_dir), padded)
     return folder
 
 
-def _layer_tensor(layers: list[dict[str, Callable[[], torch.Tensor]]], key: str, layer: int) -> torch.Tensor:
-    return layers[layer][key]()
+def _layer_tensor(layers: list[dict[str, Callable[[], torch.Tensor]]], name: str, layer: int) -> torch.Tensor:
+    return layers[layer][name]()
 
 
 class _MetaState(Mapping[str, torch.Tensor]):
@@ -242,47 +281,10 @@ def resolve_megatron_dir(path: Path) -> Path:
                           "pass the iter_XXXXXXX folder or the save directory holding it")
 
 
-def infer_config(folder: Path, *, n_heads: int, vocab_size: int | None = None, activation: Activation | None = None,
-                 norm_eps: float = 1e-5, rope_theta: float = 10000.0, max_seq_len: int | None = None) -> ModelConfig:
-    """A ModelConfig from tensor shapes; only the head count (and the true vocabulary) cannot be read off them."""
-    shapes = {k: tuple(v.size) for k, v in tensor_entries(read_metadata(folder)).items()}
-    if QKV + "weight" not in shapes or EMBEDDING not in shapes:
-        raise ConversionError(f"{folder} holds no Megatron GPT tensors ({QKV}weight, {EMBEDDING}); the TE spec "
-                              "and other models are not supported")
-    n_layers, qkv_rows, d_model = shapes[QKV + "weight"]
-    d_ff = shapes[FC2 + "weight"][2]
-    glu = shapes[FC1 + "weight"][1] == 2 * d_ff
-    head_dim = shapes[PROJ + "weight"][2] // n_heads
-    if head_dim * n_heads != shapes[PROJ + "weight"][2]:
-        raise ConversionError(f"n_heads={n_heads} does not divide the attention width {shapes[PROJ + 'weight'][2]}")
-    n_groups = (qkv_rows // head_dim - n_heads) // 2
-    if n_groups <= 0 or n_heads % n_groups or (n_heads + 2 * n_groups) * head_dim != qkv_rows:
-        raise ConversionError(f"linear_qkv has {qkv_rows} rows, which does not fit n_heads={n_heads}; pass the "
-                              "model's true number of attention heads")
-    has_bias = PROJ + "bias" in shapes
-    if has_bias != (QKV + "bias" in shapes):
-        raise ConversionError("the checkpoint has biases on linear_qkv xor the other linears (add_qkv_bias != "
-                              "add_bias_linear); meshformer's model.bias covers both")
-    learned = POSITIONS in shapes
-    padded_vocab = shapes[EMBEDDING][0]
-    if vocab_size is not None and vocab_size > padded_vocab:
-        raise ConversionError(f"vocabulary {vocab_size} is larger than the checkpoint's {padded_vocab} embedding rows "
-                              "— pass the model's true --vocab-size (at most the padded size)")
-    if glu and activation not in (None, "swiglu"):
-        raise ConversionError(f"linear_fc1 is gated (2 x d_ff rows) but activation={activation!r} was asked")
-    return ModelConfig(
-        family="decoder", vocab_size=vocab_size or padded_vocab, d_model=d_model, n_heads=n_heads,
-        n_kv_heads=None if n_groups == n_heads else n_groups, n_layers=n_layers, d_ff=d_ff,
-        activation="swiglu" if glu else (activation or "gelu"),
-        norm="layernorm" if QKV + "layer_norm_bias" in shapes else "rmsnorm", norm_eps=norm_eps,
-        norm_position="pre", final_norm=True, position="learned" if learned else "rope", rope_theta=rope_theta,
-        max_seq_len=shapes[POSITIONS][0] if learned else (max_seq_len or 4096),
-        tie_embeddings=OUTPUT not in shapes, bias=has_bias, init="normal",
-    )
+Reader = Callable[[str, "int | None"], torch.Tensor]  # (key, row or None for the whole tensor) -> tensor
 
 
-def megatron_sources(cfg: ModelConfig, read: Callable[[str, int | None], torch.Tensor]
-                     ) -> dict[str, Callable[[], torch.Tensor]]:
+def megatron_sources(cfg: ModelConfig, read: Reader) -> dict[str, Callable[[], torch.Tensor]]:
     """Our tensor names -> how to make each from Megatron's: `read(key, None)` reads a whole tensor and
     `read(key, i)` layer i of a stacked one, so a conversion holds one layer's tensor at a time."""
     ours = check_megatron_compatible(cfg)
@@ -298,29 +300,62 @@ def megatron_sources(cfg: ModelConfig, read: Callable[[str, int | None], torch.T
     norm_params = ("weight", "bias") if cfg.norm == "layernorm" and cfg.bias else ("weight",)
     for p in norm_params:
         out[f"{ours.final_norm}.{p}"] = functools.partial(read, FINAL_NORM + p, None)
-    linear_params = ("weight", "bias") if cfg.bias else ("weight",)
+    for i in range(cfg.n_layers):
+        out.update(_layer_sources_from(cfg, ours, read, i, norm_params))
+    return out
 
-    def part(key: str, layer: int, pick: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        return lambda: pick(read(key, layer)).contiguous()
+
+def _layer_sources_from(cfg: ModelConfig, ours: MegatronNames, read: Reader, i: int, norm_params: tuple[str, ...]
+                        ) -> dict[str, Callable[[], torch.Tensor]]:
+    o = f"{ours.layers}.{i}."
+
+    def part(name: str, pick: Callable[[torch.Tensor], torch.Tensor] = _same) -> Callable[[], torch.Tensor]:
+        return lambda: pick(read(*layer_key(cfg, name, i))).contiguous()
 
     def qkv_part(j: int) -> Callable[[torch.Tensor], torch.Tensor]:
         return lambda t: unpack_qkv(t, cfg.n_heads, cfg.kv_heads)[j]
 
-    for i in range(cfg.n_layers):
-        o = f"{ours.layers}.{i}."
-        for p in norm_params:
-            out[f"{o}{ours.attn_norm}.{p}"] = part(QKV + f"layer_norm_{p}", i, _same)
-            out[f"{o}{ours.ffn_norm}.{p}"] = part(FC1 + f"layer_norm_{p}", i, _same)
-        for p in linear_params:
-            for j, name in enumerate(ours.qkv):
-                out[f"{o}{name}.{p}"] = part(QKV + p, i, qkv_part(j))
-            out[f"{o}{ours.attn_out}.{p}"] = part(PROJ + p, i, _same)
-            if cfg.activation == "swiglu":  # linear_fc1 is [gate; up]
-                out[f"{o}{ours.gate}.{p}"] = part(FC1 + p, i, lambda t: t.chunk(2, dim=0)[0])
-                out[f"{o}{ours.up}.{p}"] = part(FC1 + p, i, lambda t: t.chunk(2, dim=0)[1])
-            else:
-                out[f"{o}{ours.up}.{p}"] = part(FC1 + p, i, _same)
-            out[f"{o}{ours.down}.{p}"] = part(FC2 + p, i, _same)
+    out: dict[str, Callable[[], torch.Tensor]] = {}
+    for p in norm_params:
+        out[f"{o}{ours.attn_norm}.{p}"] = part(QKV + f"layer_norm_{p}")
+        out[f"{o}{ours.ffn_norm}.{p}"] = part(FC1 + f"layer_norm_{p}")
+    for p in ("weight", "bias") if cfg.use_qkv_bias else ("weight",):
+        for j, name in enumerate(ours.qkv):
+            out[f"{o}{name}.{p}"] = part(QKV + p, qkv_part(j))
+    if cfg.qk_norm:
+        out[f"{o}{ours.q_norm}.weight"], out[f"{o}{ours.k_norm}.weight"] = part(Q_NORM), part(K_NORM)
+    for p in ("weight", "bias") if cfg.bias else ("weight",):
+        out[f"{o}{ours.attn_out}.{p}"] = part(PROJ + p)
+    if not is_moe_block(cfg, i):
+        out.update(_ffn_from(cfg, part, o, ours.gate, ours.up, ours.down, FC1, FC2))
+        return out
+    moe = f"{o}{ours.moe}."
+    out[moe + "router.weight"] = part(ROUTER)
+    # Without bias balancing Megatron keeps no router bias: ours starts at zero, as a fresh model's does
+    out[moe + "router.expert_bias"] = part(EXPERT_BIAS) if expert_bias_kept(cfg) else (
+        lambda: torch.zeros(cfg.n_experts))
+    glu = cfg.activation == "swiglu"
+    if glu:
+        out[moe + "experts.gate_proj"] = part(EXPERTS_FC1, lambda t: t.chunk(2, dim=1)[0].transpose(1, 2))
+    out[moe + "experts.up_proj"] = part(EXPERTS_FC1, lambda t: (t.chunk(2, dim=1)[1] if glu else t).transpose(1, 2))
+    out[moe + "experts.down_proj"] = part(EXPERTS_FC2, lambda t: t.transpose(1, 2))
+    if cfg.n_shared_experts:
+        leaf = {name: f"shared_experts.{name.rpartition('.')[2]}" for name in (ours.gate, ours.up, ours.down)}
+        out.update(_ffn_from(cfg, part, moe, leaf[ours.gate], leaf[ours.up], leaf[ours.down], SHARED_FC1,
+                             SHARED_FC2))
+    return out
+
+
+def _ffn_from(cfg: ModelConfig, part: Callable[..., Callable[[], torch.Tensor]], prefix: str, gate: str, up: str,
+              down: str, fc1: str, fc2: str) -> dict[str, Callable[[], torch.Tensor]]:
+    out: dict[str, Callable[[], torch.Tensor]] = {}
+    for p in ("weight", "bias") if cfg.bias else ("weight",):
+        if cfg.activation == "swiglu":  # linear_fc1 is [gate; up]
+            out[f"{prefix}{gate}.{p}"] = part(fc1 + p, lambda t: t.chunk(2, dim=0)[0])
+            out[f"{prefix}{up}.{p}"] = part(fc1 + p, lambda t: t.chunk(2, dim=0)[1])
+        else:
+            out[f"{prefix}{up}.{p}"] = part(fc1 + p)
+        out[f"{prefix}{down}.{p}"] = part(fc2 + p)
     return out
 
 
@@ -328,58 +363,26 @@ def _same(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def check_norm_biases(cfg: ModelConfig, read: Callable[[str, int | None], torch.Tensor]) -> None:
+def check_norm_biases(cfg: ModelConfig, read: Reader) -> None:
     """Megatron's LayerNorm always has a bias; without linear biases ours has none, so it must be zero."""
     if cfg.norm != "layernorm" or cfg.bias:
         return
-    for key in (QKV + "layer_norm_bias", FC1 + "layer_norm_bias", FINAL_NORM + "bias"):  # small: L x d at most
-        if read(key, None).abs().max() > 0:
+    keys = [layer_key(cfg, name, i) for name in (QKV + "layer_norm_bias", FC1 + "layer_norm_bias")
+            for i in range(cfg.n_layers)] + [(FINAL_NORM + "bias", None)]
+    for key, row in keys:  # small: d floats each
+        if read(key, row).abs().max() > 0:
             raise ConversionError(f"{key}: Megatron's norm bias is non-zero but the linears have no biases; "
                                   "meshformer's model.bias covers norms and linears together, so this model "
                                   "cannot be represented exactly")
 
 
-def read_saved_config(folder: Path) -> tuple[Path, ModelConfig] | None:
-    """The model config that export_megatron wrote beside (or in) the torch_dist folder, if any."""
-    from meshformer.config import ConfigError, build_section
-
-    for file in (folder.parent / SAVED_CONFIG, folder / SAVED_CONFIG):
-        if file.is_file():
-            try:
-                return file, build_section(ModelConfig, json.loads(file.read_text()), "model")
-            except (ValueError, ConfigError) as err:
-                raise ConversionError(f"{file} is not a readable model config ({err}) — remove it and pass --heads "
-                                      "and the other options instead") from None
-    return None
-
-
-def resolve_import_config(folder: Path, options: dict[str, Any]) -> ModelConfig:
-    """The config to import with: the saved config (checked against the tensors and against every option that
-    was given), or without one the tensors plus the options, where --heads is required."""
-    saved = read_saved_config(folder)
-    given = {k: v for k, v in options.items() if v is not None}
-    if saved is None:
-        if "n_heads" not in given:
-            raise ConversionError(f"{folder} has no {SAVED_CONFIG} beside it and its tensors do not record the head "
-                                  "count — pass --heads with the model's number of attention heads")
-        return infer_config(folder, **{"norm_eps": 1e-5, "rope_theta": 10000.0, **given})
-    file, cfg = saved
-    inferred = infer_config(folder, **{**{k: getattr(cfg, k) for k in _OPTIONS}, **given})
-    contradictions = [f"{_OPTIONS[k]} {v!r} contradicts {k}={getattr(cfg, k)!r}" for k, v in given.items()
-                      if v != getattr(cfg, k)]
-    contradictions += [f"{k}={getattr(cfg, k)!r} in the file but {k}={getattr(inferred, k)!r} in the tensors"
-                       for k in _FROM_TENSORS if getattr(cfg, k) != getattr(inferred, k)]
-    if contradictions:
-        raise ConversionError(f"{file} and the checkpoint disagree: {'; '.join(contradictions)} — drop the "
-                              "options that contradict it (the saved config is used), or remove a stale file")
-    return cfg
-
-
 def import_megatron(path: Path, *, n_heads: int | None = None, vocab_size: int | None = None,
-                    activation: Activation | None = None, norm_eps: float | None = None,
-                    rope_theta: float | None = None, max_seq_len: int | None = None) -> tuple[ModelConfig, LazyState]:
+                    activation: str | None = None, norm_eps: float | None = None, rope_theta: float | None = None,
+                    max_seq_len: int | None = None, experts_per_token: int | None = None,
+                    router_score: str | None = None) -> tuple[ModelConfig, LazyState]:
     """(our config, our tensors read on access) from a Megatron-Core GPT torch_dist checkpoint. Options left None
-    come from the model config that export_megatron writes beside the checkpoint; without one, n_heads is required.
+    come from the model config that export_megatron writes beside the checkpoint; without one, n_heads is required
+    (and experts_per_token for MoE layers).
 
     Streamed: each of our tensors is read when asked for, from one layer of Megatron's stacked tensor (only the
     saved chunks that hold that layer; the last two layer reads are kept, so q/k/v and gate/up read once)."""
@@ -388,7 +391,8 @@ def import_megatron(path: Path, *, n_heads: int | None = None, vocab_size: int |
     folder = resolve_megatron_dir(path)
     metadata = read_metadata(folder)
     cfg = resolve_import_config(folder, {"n_heads": n_heads, "vocab_size": vocab_size, "activation": activation,
-                                         "norm_eps": norm_eps, "rope_theta": rope_theta, "max_seq_len": max_seq_len})
+                                         "norm_eps": norm_eps, "rope_theta": rope_theta, "max_seq_len": max_seq_len,
+                                         "experts_per_token": experts_per_token, "router_score": router_score})
     entries = tensor_entries(metadata)
 
     @functools.lru_cache(maxsize=2)
@@ -402,6 +406,8 @@ def import_megatron(path: Path, *, n_heads: int | None = None, vocab_size: int |
     sources = megatron_sources(cfg, read)
     dtype = entries[EMBEDDING].properties.dtype
     with torch.device("meta"):
-        shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items()}
+        shapes = {k: (v.shape, v.dtype) for k, v in Transformer(cfg).state_dict().items()}
+    router_bias = {k for k in shapes if k.endswith(".router.expert_bias")}  # fp32 whatever the weights are
     return cfg, LazyState(list(sources), lambda name: sources[name](),
-                          lambda name: torch.empty(shapes[name], dtype=dtype, device="meta"))
+                          lambda name: torch.empty(shapes[name][0], dtype=torch.float32 if name in router_bias
+                                                   else dtype, device="meta"))

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -160,8 +161,16 @@ def read_weights(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     return cfg, state
 
 
+class TensorSource(Protocol):
+    """What `load_into` reads from: a weights folder (`SafetensorsFolder`), or an HF folder under our names."""
+
+    def __contains__(self, name: str) -> bool: ...
+    def get(self, name: str) -> torch.Tensor: ...
+    def get_slice(self, name: str) -> Any: ...  # indexable by a tuple of slices, reading only those
+
+
 @torch.no_grad()
-def load_into(parts: list[nn.Module], folder: SafetensorsFolder) -> None:
+def load_into(parts: list[nn.Module], folder: TensorSource) -> None:
     """Fill (possibly sharded) model parts from a weights folder, reading only each parameter's local slice."""
     from meshformer.checkpointing.state import named_buffers, named_parameters
 
@@ -175,7 +184,7 @@ def load_into(parts: list[nn.Module], folder: SafetensorsFolder) -> None:
                 buffer.copy_(folder.get(name))
 
 
-def _copy_local(param: torch.Tensor, folder: SafetensorsFolder, name: str) -> None:
+def _copy_local(param: torch.Tensor, folder: TensorSource, name: str) -> None:
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

@@ -131,6 +131,9 @@ class CheckpointConfig:
     save_on_sigterm: bool = True  # on SIGTERM or Ctrl-C: save at the next step boundary, then stop
     preempt_check_interval: int = 10  # steps between the cross-rank "did any rank get SIGTERM?" check
     max_shard_size: str = "5GB"  # final weights: largest safetensors file (HF-style shards + index beyond it)
+    # "hf:PATH": step 0 starts from a Hugging Face folder's weights (streamed into this rank's shards), model config
+    # and tokenizer (checkpointing/init_from.py); a resume continues from this run's own checkpoints instead
+    init_from: str = ""
 
 
 @dataclass

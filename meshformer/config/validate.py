@@ -64,6 +64,9 @@ def validate(cfg: Config) -> None:
     if t.dtype == "bf16" and not t.device.startswith(("auto", "cpu", "cuda")):
         raise ConfigError(f"train.dtype='bf16' is not supported on device {t.device!r}; use fp32")
     _check_shard_size(cfg.checkpoint.max_shard_size)
+    if cfg.checkpoint.init_from and not cfg.checkpoint.init_from.startswith("hf:"):
+        raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from!r} is not a source meshformer starts from",
+                          "write hf:PATH for a Hugging Face model folder (config.json + safetensors)")
 
 
 def _check_family(cfg: Config) -> None:

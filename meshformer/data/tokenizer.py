@@ -72,6 +72,11 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False).ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt's ids framed as the model's tokenizer frames its input (e.g. Llama 3's <|begin_of_text|> first:
+        whatever its post-processor adds); unlike `encode`, which packs training documents."""
+        return self.hf.encode(text, add_special_tokens=True).ids
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
 

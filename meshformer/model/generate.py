@@ -30,6 +30,22 @@ def _check_length(cfg, prompt_len: int, max_new_tokens: int) -> None:
         )
 
 
+def pad_rows(rows: list[list[int]], pad_id: int, *, left: bool = True, device: torch.device | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, padding) of token rows of different lengths, padded on the left (decoder prompts, as `greedy_decode`
+    takes them) or the right (encoder sources); the padding mask is True for real tokens."""
+    if not rows or not all(rows):
+        raise UsageError("every prompt needs at least one token")
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
+    padding = torch.zeros(len(rows), width, dtype=torch.bool, device=device)
+    for i, row in enumerate(rows):
+        span = slice(width - len(row), width) if left else slice(0, len(row))
+        ids[i, span] = torch.tensor(row, dtype=torch.long)
+        padding[i, span] = True
+    return ids, padding
+
+
 @torch.no_grad()
 def greedy_decode(
     model: Transformer,
@@ -40,12 +56,15 @@ def greedy_decode(
     bos_id: int | None = None,
     source_ids: torch.Tensor | None = None,
     source_padding: torch.Tensor | None = None,
+    prompt_padding: torch.Tensor | None = None,
     use_cache: bool = True,
 ) -> torch.Tensor:
     """Prompt followed by up to `max_new_tokens` argmax tokens, shape (B, T_prompt + n_new).
 
-    prompt_ids: (B, T) decoder prompt of equal-length rows (no padding); None starts from `bos_id`
-        (the usual encoder-decoder start; one row per source, or a single row for decoder-only).
+    prompt_ids: (B, T) decoder prompt; None starts from `bos_id` (the usual encoder-decoder start; one row per
+        source, or a single row for decoder-only).
+    prompt_padding: (B, T) True for real prompt tokens, for prompts of different lengths padded on the left
+        (`pad_rows`): padding is never attended to, and positions count from each row's first real token.
     eos_id: a row stops at its first EOS; its later positions are filled with `eos_id`. Decoding ends
         early once every row has stopped.
     source_ids / source_padding: encoder input (B, S) and its mask (True = real) for encoder-decoder models.
@@ -68,7 +87,14 @@ def greedy_decode(
         prompt_ids = torch.full((batch, 1), bos_id, dtype=torch.long, device=device)
     if prompt_ids.ndim != 2 or prompt_ids.shape[1] == 0:
         raise UsageError(f"prompt_ids must be (batch, length >= 1), got shape {tuple(prompt_ids.shape)}")
-    _check_length(cfg, prompt_ids.shape[1], max_new_tokens)
+    if prompt_padding is not None:
+        prompt_padding = prompt_padding.bool()
+        if prompt_padding.shape != prompt_ids.shape or not prompt_padding[:, -1].all() or \
+                (prompt_padding[:, :-1] & ~prompt_padding[:, 1:]).any():
+            raise UsageError("prompt_padding must be prompt_ids' shape, True from each row's first real token to "
+                             "its end (padding on the left only)")
+    _check_length(cfg, prompt_ids.shape[1] if prompt_padding is None else int(prompt_padding.sum(1).max()),
+                  max_new_tokens)
 
     was_training = model.training
     model.eval()
@@ -79,16 +105,23 @@ def greedy_decode(
         tokens = prompt_ids
         finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
         cache = model.new_cache() if use_cache else None
-        step_input = tokens
+        padding = prompt_padding
+        positions = None if padding is None else (padding.long().cumsum(1) - 1).clamp(min=0)
+        step_input, step_positions = tokens, positions
         for _ in range(max_new_tokens):
-            hidden = model.decode(step_input if use_cache else tokens, memory=memory, memory_padding=memory_padding,
-                                  cache=cache)
+            hidden = model.decode(step_input if use_cache else tokens, padding, memory=memory,
+                                  memory_padding=memory_padding, cache=cache,
+                                  position_ids=step_positions if use_cache else positions)
             next_token = model.head(hidden[:, -1]).argmax(dim=-1)
             if eos_id is not None:
                 next_token = next_token.masked_fill(finished, eos_id)
                 finished |= next_token == eos_id
             tokens = torch.cat([tokens, next_token[:, None]], dim=1)
             step_input = next_token[:, None]
+            if padding is not None and positions is not None:  # the new token is real, one place after the last
+                padding = torch.cat([padding, padding.new_ones(padding.shape[0], 1)], dim=1)
+                step_positions = positions[:, -1:] + 1
+                positions = torch.cat([positions, step_positions], dim=1)
             if eos_id is not None and bool(finished.all()):
                 break
         return tokens

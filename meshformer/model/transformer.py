@@ -251,13 +251,15 @@ class Transformer(nn.Module):
             return chunk.positions(q_len, device), q_len * chunk.count
         return torch.arange(offset, offset + q_len, device=device), offset + q_len
 
-    def _relative(self, positions: torch.Tensor, k_len: int, *, causal: bool) -> dict:
+    def _relative(self, positions: torch.Tensor, k_len: int, *, causal: bool,
+                  position_ids: torch.Tensor | None = None) -> dict:
         """RoPE angles / ALiBi or T5 biases for self-attention from the queries' positions (keys at 0..k_len-1),
-        computed once per stack (causal: the decoder's)."""
+        computed once per stack (causal: the decoder's); RoPE from each row's `position_ids` (B, T) when given."""
         device = positions.device
         extra = {}
         if self.rope is not None:
-            extra["rope"] = self.rope(positions)
+            extra["rope"] = (self.rope(positions) if position_ids is None
+                             else tuple(t[:, None] for t in self.rope(position_ids)))  # (B, 1, T, D): per row
         if self.alibi_slopes is not None:
             extra["bias"] = alibi_bias(self.alibi_slopes, positions, torch.arange(k_len, device=device))
         t5_bias = self.decoder_relative_bias if causal else self.encoder_relative_bias
@@ -301,16 +303,20 @@ class Transformer(nn.Module):
         cache: list[BlockCache] | None = None,
         h: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal stack over target ids (B, T); with a cache, ids are only the new tokens.
 
         h: hidden states from an earlier pipeline stage instead of embedding `ids` here.
         documents: each key position's document id (B, T), for attention within documents only.
+        position_ids: each token's position in its row (B, T) for absolute positions and RoPE, e.g. counted from a
+            row's first real token under left padding; relative schemes and masks need none (padding shifts a
+            row's tokens alike). Default: their place in the sequence.
         """
         q_len = ids.shape[1]  # not h's: a received h may be a sequence-parallel shard
         offset = cache[0].self_attn.length if cache else 0
         positions, k_len = self._positions(q_len, offset, ids.device)
-        h = self._hidden(ids, h, positions=positions)
+        h = self._hidden(ids, h, positions=positions if position_ids is None else position_ids)
         for name, keys in (("padding mask", padding), ("doc_ids", documents)):
             if keys is not None and keys.shape[1] != k_len:
                 raise ValueError(f"decoder {name} covers {keys.shape[1]} positions, expected {k_len} (cached + new "
@@ -327,7 +333,7 @@ class Transformer(nn.Module):
         if memory is not None:
             memory_mask = build_mask(q_len, memory.shape[1], causal=False, key_padding=memory_padding,
                                      device=h.device)
-        extra = self._relative(positions, k_len, causal=True)
+        extra = self._relative(positions, k_len, causal=True, position_ids=position_ids)
         if self.decoder_layers is None:
             raise ValueError(f"a {self.cfg.family} model has no decoder to decode with")
         for i, layer in enumerate(self.decoder_layers.values()):

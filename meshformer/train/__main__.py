@@ -19,11 +19,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(config_path: str, overrides: list[str]) -> None:
     """Train on this process; joins the process group first when launched by torchrun."""
+    from meshformer.checkpointing.init_from import resolve_init_from
     from meshformer.train.metrics import setup_console_logging
     from meshformer.train.preflight import preflight, run_folders_claimed
     from meshformer.train.trainer import Trainer
 
-    cfg = load_config(config_path, overrides)  # validated before any process-group work
+    cfg = resolve_init_from(load_config(config_path, overrides))  # validated before any process-group work
     with run_folders_claimed(cfg):  # one run per folder, before any work; rank 0 holds it for the job
         tokenizer = preflight(cfg)  # folders, disk space, tokenizer, data: before the process group and the model
         rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))

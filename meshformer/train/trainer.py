@@ -8,6 +8,7 @@ happen only at logging, evaluation and sampling intervals.
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ import torch
 
 from meshformer import folders
 from meshformer.batch import Batch
+from meshformer.checkpointing.init_from import SOURCE_FILE, load_init_weights, record_source, resolve_init_from
 from meshformer.checkpointing.manager import CheckpointManager
 from meshformer.checkpointing.save_errors import final_weights_failed_error
 from meshformer.checkpointing.train_state import Checkpointable, SchedulerState, TrainState
@@ -68,6 +70,7 @@ class Trainer:
                  dims: ParallelDims | None = None) -> None:
         """tokenizer: the one preflight loaded and checked, when the caller ran preflight (else loaded here).
         dims: the layout `init_distributed` validated when it joined the process group (else validated here)."""
+        cfg = resolve_init_from(cfg)  # checkpoint.init_from: the model config of the HF folder (a no-op if resolved)
         self.cfg, self.rank = cfg, rank
         self.device = job_device(cfg, local_rank)
         # Before any large tensor (runtime/host_memory.py): CPU ranks of a multi-process run map large tensors so
@@ -193,10 +196,18 @@ class Trainer:
 
     def _fit(self) -> TrainResult:
         cfg, log = self.cfg, self.logger
-        self.checkpoints.resume(self.checkpointable)  # model, optimizer, scheduler, step, data, RNG: before iterating
+        # model, optimizer, scheduler, step, data, RNG: before iterating
+        resumed = self.checkpoints.resume(self.checkpointable)
         start_step, had_final = self.step, has_final_weights(self.run_dir)
         # The run folder is a record: a changed config that trains nothing (or retrains a finished run) is refused.
         changes = check_rerun(cfg, self.run_dir, start_step, had_final)
+        # a run started from an HF folder reads it only while it has no checkpoint of its own
+        if not resumed and cfg.checkpoint.init_from:
+            start = time.perf_counter()
+            arch = load_init_weights(self.parallel_model.model_parts, cfg)
+            if self.rank == 0:
+                record_source(self.run_dir, cfg, arch)
+            log.info(f"step 0 weights read from {cfg.checkpoint.init_from} in {time.perf_counter() - start:.2f}s")
         if self.step >= cfg.train.steps:
             log.info(f"the run in {self.run_dir} already reached step {self.step} >= train.steps={cfg.train.steps}; "
                      "raise train.steps to train further, or pass --new-run for a fresh run")
@@ -316,6 +327,8 @@ class Trainer:
                 raise
             raise one_line from None
         if path is not None:
+            if (self.run_dir / SOURCE_FILE).is_file():  # from an HF folder: export goes back to its architecture
+                shutil.copy(self.run_dir / SOURCE_FILE, staged / SOURCE_FILE)
             check_final_folder(final)
             folders.replace(staged, final)
             self.logger.info(f"final weights written to {final / path.name}")

@@ -18,11 +18,13 @@ from helpers.common import free_port
 
 from meshformer.checkpointing import ConversionError
 from meshformer.checkpointing.dcp_io import read_full_tensors, read_metadata, tensor_entries
-from meshformer.checkpointing.megatron import export_megatron, import_megatron, megatron_incompatibilities, pack_qkv
+from meshformer.checkpointing.megatron import export_megatron, import_megatron, pack_qkv
+from meshformer.checkpointing.megatron_config import megatron_incompatibilities
 from meshformer.checkpointing.weights import read_weights, write_weights
 from meshformer.cli import main
 from meshformer.config import ModelConfig
 from meshformer.model import Transformer
+from meshformer.model.moe import is_moe_block
 
 THIS = Path(__file__).resolve()
 CASES = {
@@ -33,6 +35,17 @@ CASES = {
                         activation="gelu", norm="layernorm", position="learned", tie_embeddings=True, bias=True,
                         max_seq_len=64),
 }
+MOE_CASES = {  # every layer MoE (Megatron stacks layers), and dense + MoE mixed (Megatron saves each layer apart)
+    "qwen3_moe": ModelConfig(family="decoder", vocab_size=100, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2,
+                             d_ff=64, head_dim=16, qk_norm=True, activation="swiglu", norm="rmsnorm", position="rope",
+                             tie_embeddings=False, bias=False, max_seq_len=64, n_experts=4, experts_per_token=2,
+                             moe_d_ff=24),
+    "deepseek_like": ModelConfig(family="decoder", vocab_size=100, d_model=32, n_heads=4, n_layers=3, d_ff=64,
+                                 qkv_bias=True, activation="swiglu", norm="rmsnorm", position="rope",
+                                 tie_embeddings=True, bias=False, max_seq_len=64, n_experts=4, experts_per_token=2,
+                                 moe_d_ff=24, n_shared_experts=2, moe_first_dense=1, router_score="sigmoid",
+                                 router_groups=2, router_groups_per_token=1, router_bias_update_rate=1e-3),
+}
 
 
 def _random_model(cfg: ModelConfig, seed: int = 1) -> Transformer:
@@ -41,6 +54,10 @@ def _random_model(cfg: ModelConfig, seed: int = 1) -> Transformer:
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.2)
+        if cfg.router_bias_update_rate:  # a bias that bias balancing has moved, so export must carry it
+            for name, buffer in model.named_buffers():
+                if name.endswith("expert_bias"):
+                    buffer.normal_(0, 0.2)
     return model
 
 
@@ -85,24 +102,66 @@ def test_export_layout_and_round_trip(name, tmp_path):
     assert_bitwise(state_back, state)
 
 
+@pytest.mark.parametrize("name", list(MOE_CASES))
+def test_moe_export_layout_and_round_trip(name, tmp_path):
+    cfg = MOE_CASES[name]
+    model = _random_model(cfg)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    write_weights(state, cfg, tmp_path / "ours")
+    main(["convert", "export-megatron", str(tmp_path / "ours"), str(tmp_path / "mcore")])
+    folder = tmp_path / "mcore" / "iter_0000000"
+    shapes = {k: tuple(v.size) for k, v in tensor_entries(read_metadata(folder)).items()}
+    e, f, d = cfg.n_experts, cfg.expert_d_ff, cfg.d_model
+    if name == "qwen3_moe":  # all layers alike: stacked on a layer axis, experts on the next
+        assert shapes["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == (2, e, 2 * f, d)
+        assert shapes["decoder.layers.self_attention.q_layernorm.weight"] == (2, 16)
+        assert shapes["decoder.layers.self_attention.linear_proj.weight"] == (2, d, 4 * 16)
+        layer1 = read_full_tensors(folder, ["decoder.layers.mlp.experts.experts.linear_fc1.weight"])[
+            "decoder.layers.mlp.experts.experts.linear_fc1.weight"][1]
+    else:  # block 0 dense, 1 and 2 MoE: a key per layer, as Megatron saves mixed layers
+        assert "decoder.layers.0.mlp.linear_fc1.weight" in shapes and "decoder.layers.0.mlp.router.weight" not in shapes
+        assert shapes["decoder.layers.1.mlp.router.expert_bias"] == (e,)
+        assert shapes["decoder.layers.2.mlp.shared_experts.linear_fc1.weight"] == (2 * 2 * f, d)
+        assert shapes["decoder.layers.1.self_attention.linear_qkv.bias"] == (3 * d,)
+        assert "decoder.layers.1.self_attention.linear_proj.bias" not in shapes
+        layer1 = read_full_tensors(folder, ["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"])[
+            "decoder.layers.1.mlp.experts.experts.linear_fc1.weight"]
+    experts = model.decoder_layers["1"].ffn.experts  # expert 3's linear_fc1 is [gate; up] as (out, in) rows
+    assert torch.equal(layer1[3], torch.cat([experts.gate_proj[3].T, experts.up_proj[3].T]))
+    megatron_side = json.loads((tmp_path / "mcore" / "megatron_model_config.json").read_text())["transformer_config"]
+    layers = [int(is_moe_block(cfg, i)) for i in range(cfg.n_layers)]
+    assert megatron_side["moe_layer_freq"] == (1 if name == "qwen3_moe" else layers)
+
+    main(["convert", "import-megatron", str(tmp_path / "mcore"), str(tmp_path / "back")])
+    cfg_back, state_back = read_weights(tmp_path / "back")
+    assert cfg_back == cfg
+    assert_bitwise(state_back, state)
+
+
 def test_mismatches_are_explained(tmp_path):
     bert = ModelConfig(family="encoder", vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=64,
                        norm_position="post", embedding_norm=True, head_transform=True, output_bias=True)
     write_weights(Transformer(bert).state_dict(), bert, tmp_path / "bert")
     with pytest.raises(SystemExit, match="cannot be written as a Megatron-Core GPT checkpoint: family='encoder'"):
         main(["convert", "export-megatron", str(tmp_path / "bert"), str(tmp_path / "out")])
-    unmapped = [({"n_experts": 4}, "mixture-of-experts"), ({"qk_norm": True}, "qk_norm"),
-                ({"head_dim": 12}, "head_dim"), ({"qkv_bias": True}, "qkv_bias"),
-                ({"rope_scaling": "llama3"}, "rope_scaling='llama3'")]
-    for option, named in unmapped:  # options with no Megatron-Core name mapping: refused by name, not dropped
-        problems = megatron_incompatibilities(replace(CASES["llama"], **option))
-        assert len(problems) == 1 and named in problems[0], problems
-    cfg = CASES["llama"]
-    export_megatron(_random_model(cfg).state_dict(), cfg, tmp_path / "mcore")
-    with pytest.raises(ConversionError, match=r"does not fit n_heads=3|does not divide"):
-        import_megatron(tmp_path / "mcore", n_heads=3)
-    with pytest.raises(ConversionError, match="not a Megatron torch_dist checkpoint"):
-        import_megatron(tmp_path, n_heads=4)
+    moe = MOE_CASES["qwen3_moe"]
+    unmapped = [  # what Megatron-Core's GPTModel cannot express: refused by name, never dropped
+        (replace(CASES["llama"], rope_scaling="llama3"), "rope_scaling='llama3'"),
+        (replace(CASES["gpt2"], qk_norm=True), "qk_norm with LayerNorm"),
+        (replace(CASES["gpt2"], qkv_bias=False), "linear biases without Q/K/V biases"),
+        (replace(moe, bias=True), "mixture-of-experts with model.bias"),
+        (replace(moe, router_score="sigmoid", router_renormalize=False), "router_score='sigmoid'"),
+        (replace(moe, router_bias_update_rate=1e-3), "bias balancing"),
+        (replace(moe, router_groups=2, router_renormalize=False, experts_per_token=4), "router_groups_per_token=1"),
+        (replace(moe, router_groups=2), "group-limited softmax routing with router_renormalize"),
+    ]
+    for cfg, named in unmapped:
+        problems = megatron_incompatibilities(cfg)
+        assert len(problems) == 1 and named in problems[0], (named, problems)
+    model = Transformer(moe)  # a router bias Megatron would not keep (no bias balancing) is not dropped
+    model.decoder_layers["1"].ffn.router.expert_bias.fill_(0.5)
+    with pytest.raises(ConversionError, match=r"decoder_layers.1.ffn.router.expert_bias is non-zero"):
+        export_megatron(model.state_dict(), moe, tmp_path / "biased")
 
 
 @pytest.mark.slow
@@ -115,6 +174,7 @@ def test_against_megatron_core(tmp_path):
                           text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results) == set(CASES) | set(MOE_CASES)
     for name, diffs in results.items():
         assert diffs["export_then_megatron"] < 1e-5, (name, diffs)
         assert diffs["megatron_then_import"] < 1e-5, (name, diffs)
@@ -126,6 +186,9 @@ def test_against_megatron_core(tmp_path):
 def _megatron_reference(out_dir: str, port: str) -> None:
     import contextlib
     import warnings
+    from functools import partial
+
+    import torch.nn.functional as F
 
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
@@ -136,38 +199,41 @@ def _megatron_reference(out_dir: str, port: str) -> None:
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     parallel_state.initialize_model_parallel(1, 1)
     get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # no CUDA RNG states on CPU
-    options = {
-        "llama": (dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-                       add_bias_linear=False, num_query_groups=2), "rope"),
-        "gpt2": (dict(normalization="LayerNorm", add_bias_linear=True), "learned_absolute"),
-    }
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    moe_utils.te_general_gemm = None  # 0.16.1 names it only where Transformer Engine is installed
+    functions = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(16)[None].expand(2, -1)
     causal = torch.triu(torch.ones(16, 16), 1).bool()[None, None]  # Megatron's default mask is built on CUDA
     results = {}
-    for name, cfg in CASES.items():
-        extra, position = options[name]
-
-        def megatron_model(seed: int, cfg=cfg, extra=extra, position=position) -> GPTModel:
-            torch.manual_seed(seed)
-            tcfg = TransformerConfig(num_layers=cfg.n_layers, hidden_size=cfg.d_model, num_attention_heads=cfg.n_heads,
-                                     ffn_hidden_size=cfg.d_ff, use_cpu_initialization=True, hidden_dropout=0.0,
-                                     attention_dropout=0.0, params_dtype=torch.float32, **extra)
-            return GPTModel(tcfg, get_gpt_layer_local_spec(normalization=extra["normalization"]), vocab_size=128,
-                            max_sequence_length=cfg.max_seq_len, position_embedding_type=position,
-                            share_embeddings_and_output_weights=cfg.tie_embeddings).eval()
-
+    for name, cfg in {**CASES, **MOE_CASES}.items():
         ours = _random_model(cfg)
-        export_megatron(ours.state_dict(), cfg, Path(out_dir) / f"export_{name}", pad_vocab_multiple=128)
+        export = Path(out_dir) / f"export_{name}"
+        export_megatron(ours.state_dict(), cfg, export, pad_vocab_multiple=128)
+        # The Megatron model is the one our export describes (megatron_model_config.json), as a user would build it
+        described = json.loads((export / "megatron_model_config.json").read_text())
+        transformer = {**described["transformer_config"], "use_cpu_initialization": True, "hidden_dropout": 0.0,
+                       "attention_dropout": 0.0, "params_dtype": torch.float32}
+        transformer["activation_func"] = functions[transformer["activation_func"]]
+        if cfg.n_experts:
+            transformer["moe_token_dispatcher_type"] = "allgather"  # alltoall makes CUDA streams
+
+        def megatron_model(seed: int, transformer=transformer, gpt=described["gpt_model"]) -> GPTModel:
+            torch.manual_seed(seed)
+            tcfg = TransformerConfig(**transformer)
+            spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=False,
+                                              normalization=tcfg.normalization)
+            return GPTModel(tcfg, spec, **gpt).eval()
+
         megatron = megatron_model(2)
-        loaded = dist_checkpointing.load(megatron.sharded_state_dict(),
-                                         str(Path(out_dir) / f"export_{name}" / "iter_0000000"))
+        loaded = dist_checkpointing.load(megatron.sharded_state_dict(), str(export / "iter_0000000"))
         megatron.load_state_dict(loaded, strict=False)
         with torch.no_grad():
             export_diff = (megatron(ids, positions, attention_mask=causal)[..., :100] - ours(ids)).abs().max().item()
@@ -176,11 +242,19 @@ def _megatron_reference(out_dir: str, port: str) -> None:
         with torch.no_grad():
             for param in megatron.parameters():
                 param.normal_(0, 0.2)
+            for buffer_name, buffer in megatron.named_buffers():
+                if buffer_name.endswith("expert_bias"):
+                    buffer.normal_(0, 0.2)
         folder = Path(out_dir) / f"megatron_{name}"
         folder.mkdir()
         dist_checkpointing.save(megatron.sharded_state_dict(), str(folder))
-        imported_cfg, state = import_megatron(folder, n_heads=cfg.n_heads, vocab_size=100,
-                                              max_seq_len=cfg.max_seq_len)
+        if cfg.router_groups > 1:  # what tensors cannot say (grouped routing): the config saved beside them
+            (folder / "meshformer_model_config.json").write_text((export / "meshformer_model_config.json").read_text())
+            imported_cfg, state = import_megatron(folder)
+        else:
+            imported_cfg, state = import_megatron(folder, n_heads=cfg.n_heads, vocab_size=100,
+                                                  max_seq_len=cfg.max_seq_len, norm_eps=cfg.norm_eps,
+                                                  experts_per_token=cfg.experts_per_token if cfg.n_experts else None)
         imported = Transformer(imported_cfg).eval()
         imported.load_state_dict(state, strict=True)
         with torch.no_grad():

@@ -7,7 +7,7 @@ import torch
 
 from meshformer.config import ModelConfig
 from meshformer.model import Transformer
-from meshformer.model.generate import greedy_decode
+from meshformer.model.generate import greedy_decode, pad_rows
 
 F64 = torch.float64
 POSITIONS = ["sinusoidal", "learned", "rope", "alibi", "t5_relative", "none"]
@@ -137,3 +137,42 @@ def test_cached_steps_align_causal_attention_at_the_bottom_right(backend):
         cache = model.new_cache()
         steps = [model.head(model.decode(ids[:, :5], cache=cache)), model.head(model.decode(ids[:, 5:], cache=cache))]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("position", POSITIONS)
+def test_left_padded_prompts_decode_as_each_prompt_alone(position, use_cache):
+    """Padding is never attended to and positions count from each row's first real token: a row of a left-padded
+    batch gets the tokens its prompt gets unpadded (learned / sinusoidal tables and RoPE read per-row positions)."""
+    extra = {"n_kv_heads": 2} if position == "rope" else {}
+    model = model_for("decoder", position, **extra)
+    torch.manual_seed(1)
+    rows = [torch.randint(3, 40, (n,)).tolist() for n in (2, 6, 4)]
+    ids, padding = pad_rows(rows, pad_id=0)
+    assert padding.tolist()[0] == [False] * 4 + [True] * 2
+    out = greedy_decode(model, ids, 7, prompt_padding=padding, use_cache=use_cache)
+    assert out.shape == (3, 13) and torch.equal(out[:, :6], ids)
+    for row, prompt in zip(out, rows):
+        alone = greedy_decode(model, torch.tensor([prompt]), 7)
+        assert row[6:].tolist() == alone[0, len(prompt):].tolist()
+
+
+def test_bad_prompt_padding_is_refused():
+    model = model_for("decoder", "rope")
+    ids = torch.ones(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="padding on the left only"):
+        greedy_decode(model, ids, 2, prompt_padding=torch.tensor([[True, True, False, True]] * 2))
+    with pytest.raises(ValueError, match="at least one token"):
+        pad_rows([[1, 2], []], pad_id=0)
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_right_padded_sources_decode_as_each_source_alone(position):
+    model = model_for("encoder_decoder", position)
+    torch.manual_seed(2)
+    rows = [torch.randint(3, 40, (n,)).tolist() for n in (5, 2, 7)]
+    ids, padding = pad_rows(rows, pad_id=0, left=False)
+    assert padding.tolist()[1] == [True] * 2 + [False] * 5
+    out = greedy_decode(model, None, 6, bos_id=1, source_ids=ids, source_padding=padding)
+    for row, source in zip(out, rows):
+        assert row.tolist() == greedy_decode(model, None, 6, bos_id=1, source_ids=torch.tensor([source]))[0].tolist()

@@ -74,6 +74,7 @@ SPEC = transformer_family(
         model="GPTModel", layers="decoder_layers", embedding="tok_embeddings.weight",
         positions="pos_embeddings.weight", final_norm="decoder_norm", output="output.weight",
         attn_norm="attn_norm", ffn_norm="ffn_norm", qkv=("attn.q_proj", "attn.k_proj", "attn.v_proj"),
-        attn_out="attn.o_proj", gate="ffn.gate_proj", up="ffn.up_proj", down="ffn.down_proj",
+        q_norm="attn.q_norm", k_norm="attn.k_norm", attn_out="attn.o_proj", gate="ffn.gate_proj",
+        up="ffn.up_proj", down="ffn.down_proj", moe="ffn",
     ),
 )

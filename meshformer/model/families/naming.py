@@ -42,10 +42,13 @@ class MegatronNames:
     attn_norm: str  # Megatron folds it into linear_qkv
     ffn_norm: str  # ... and this one into linear_fc1
     qkv: tuple[str, str, str]  # packed per query group into linear_qkv
+    q_norm: str  # QK-norm: self_attention.q_layernorm / k_layernorm
+    k_norm: str
     attn_out: str
     gate: str  # SwiGLU: linear_fc1 = [gate; up]
     up: str
     down: str
+    moe: str  # an MoE block's feed-forward module: router, experts and shared experts (their gate/up/down leaves)
 
 
 def expert_params(ours: str, theirs: str, n_experts: int) -> list[Rule]:

@@ -1,0 +1,162 @@
+"""`checkpoint.init_from = "hf:PATH"`: continued pretraining from a Hugging Face model folder.
+
+    cfg = resolve_init_from(cfg)                 # model config (and tokenizer) from the folder; idempotent
+    ... after a resume found no checkpoint of this run:
+    load_init_weights(parallel_model.model_parts, cfg)   # this rank's shards, read tensor by tensor
+
+The model config comes from the folder's config.json (as `convert import-hf` reads it); a `[model]` key the
+user set is kept only where it leaves the function alone (dropout, attention kernel, training-only MoE terms),
+any other that differs is refused by name. The tokenizer is the folder's unless data.tokenizer names another.
+Once this run holds a checkpoint, its model config comes from there and its weights from a resume: the HF
+folder is never read again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshformer.checkpointing import directory
+from meshformer.checkpointing.errors import ConversionError
+from meshformer.checkpointing.hf import ARCHS, Arch
+from meshformer.checkpointing.manager import checkpoint_root
+from meshformer.config import Config, DataConfig, ModelConfig, build_section
+from meshformer.errors import ConfigError
+
+PREFIX = "hf:"
+# Beside the run's final weights: the architecture the run started from, which `convert export-hf` writes by default
+# (a Mistral folder without a sliding window is also a Llama, for instance)
+SOURCE_FILE = "hf_source.json"
+# [model] keys that change how the model trains (or which kernel computes it), not the function it computes
+FUNCTION_NEUTRAL = ("dropout", "attention_dropout", "attention_backend", "moe_backend", "document_mask", "init",
+                    "init_std", "moe_aux_loss", "moe_aux_per_sequence", "router_z_loss", "router_bias_update_rate")
+
+
+def hf_folder(cfg: Config) -> Path | None:
+    """The folder checkpoint.init_from names (None: a run from scratch)."""
+    source = cfg.checkpoint.init_from
+    return Path(source.removeprefix(PREFIX)).expanduser() if source.startswith(PREFIX) else None
+
+
+def resolve_init_from(cfg: Config) -> Config:
+    """`cfg` with its model config from the HF folder (or, once this run has checkpoints, from the newest one) and
+    data.tokenizer the folder's when left at its default; unchanged without checkpoint.init_from."""
+    folder = hf_folder(cfg)
+    if folder is None:
+        return cfg
+    from meshformer.config.validate import validate
+
+    saved = _newest_saved_config(cfg)
+    source_model = saved["model"] if saved is not None else _hf_model_config(folder)
+    model = _merge(source_model, cfg.model, f"{PREFIX}{folder}" if saved is None else "this run's checkpoints")
+    data = cfg.data
+    if data.tokenizer == DataConfig.tokenizer:  # left at its default: the model's own tokenizer
+        tokenizer = saved.get("data", {}).get("tokenizer", str(folder)) if saved is not None else str(folder)
+        data = dataclasses.replace(data, tokenizer=tokenizer)
+    resolved = dataclasses.replace(cfg, model=model, data=data)
+    validate(resolved)
+    return resolved
+
+
+def _newest_saved_config(cfg: Config) -> dict[str, Any] | None:
+    """The config this run's newest committed checkpoint was saved with (None: no checkpoint, or resume off)."""
+    root = checkpoint_root(cfg)
+    steps = directory.committed_steps(root)
+    if not cfg.checkpoint.resume or not steps:
+        return None
+    state_file = root / directory.step_dir_name(steps[-1]) / directory.TRAINER_STATE
+    try:
+        return json.loads(state_file.read_text())["config"]
+    except (OSError, ValueError, KeyError) as err:
+        raise ConfigError(f"checkpoint.init_from: cannot read the model config of {state_file} ({err})",
+                          "resume checks that checkpoint; move a damaged one out of checkpoint.dir") from None
+
+
+def _hf_model_config(folder: Path) -> ModelConfig:
+    from meshformer.checkpointing.hf_folder import open_hf
+
+    return open_hf(folder)[0]
+
+
+def _merge(source: ModelConfig | dict[str, Any], user: ModelConfig, where: str) -> ModelConfig:
+    """The source's model config with the user's function-neutral keys; any other key the user set (differs from
+    ModelConfig's default) and that differs from the source's is refused by name."""
+    base = source if isinstance(source, ModelConfig) else build_section(ModelConfig, source, "model")
+    default = ModelConfig()
+    changed = {f.name: getattr(user, f.name) for f in dataclasses.fields(ModelConfig)
+               if getattr(user, f.name) != getattr(default, f.name) and getattr(user, f.name) != getattr(base, f.name)}
+    refused = {key: value for key, value in changed.items() if key not in FUNCTION_NEUTRAL}
+    if refused:
+        listed = ", ".join(f"model.{k}={v!r} (it has {getattr(base, k)!r})" for k, v in refused.items())
+        raise ConfigError(f"checkpoint.init_from: {listed} would change the function of the model from {where}",
+                          "remove those [model] keys (the model config comes from the folder); only "
+                          f"{', '.join(FUNCTION_NEUTRAL)} may be set")
+    return dataclasses.replace(base, **changed)
+
+
+class HFInitWeights:
+    """An HF folder's tensors under our names, read the way `weights.load_into` reads a weights folder: a tensor
+    that is only renamed is read by slices (this rank's shard alone), any other (transposed, split or stacked
+    experts) whole, one at a time."""
+
+    def __init__(self, folder: Path) -> None:
+        from meshformer.checkpointing import hf
+        from meshformer.checkpointing.hf_folder import import_hf, open_hf
+        from meshformer.checkpointing.mapping import name_map
+        from meshformer.checkpointing.sharded_safetensors import SafetensorsFolder, has_safetensors
+
+        self.cfg, self.state = import_hf(folder)  # names and shapes checked here, before any data is read
+        _, arch, theirs = open_hf(folder)
+        self.arch: str = arch
+        original = hf._normalize_names({k: k for k in theirs}, arch)  # normalised name -> name in the files
+        self.files = SafetensorsFolder(folder) if has_safetensors(folder) else None
+        self.renamed = {rule.ours[0]: original[rule.theirs] for rule in name_map(self.cfg, arch)
+                        if not rule.alias and len(rule.ours) == 1 and not rule.transpose and rule.expert is None}
+        if self.cfg.tie_embeddings and "tok_embeddings.weight" in self.renamed:
+            self.renamed["output.weight"] = self.renamed["tok_embeddings.weight"]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.state
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.state[name]
+
+    def get_slice(self, name: str) -> Any:
+        if self.files is not None and name in self.renamed:
+            return self.files.get_slice(self.renamed[name])
+        return self.state[name]
+
+
+def load_init_weights(parts: list[torch.nn.Module], cfg: Config) -> str:
+    """Fill this rank's (sharded) model parts from checkpoint.init_from's folder (every rank calls it); returns
+    the folder's architecture (its model_type)."""
+    from meshformer.checkpointing.weights import load_into
+
+    folder = hf_folder(cfg)
+    assert folder is not None, "load_init_weights needs checkpoint.init_from"
+    source = HFInitWeights(folder)
+    if source.cfg != dataclasses.replace(cfg.model, **{k: getattr(source.cfg, k) for k in FUNCTION_NEUTRAL}):
+        raise ConversionError(f"{folder} now holds another model than the one this run was configured from",
+                              "point checkpoint.init_from at the folder the run started with")
+    load_into(parts, source)
+    return source.arch
+
+
+def record_source(run_dir: Path, cfg: Config, arch: str) -> None:
+    """Note in the run folder which architecture the run started from (for its final weights)."""
+    (Path(run_dir) / SOURCE_FILE).write_text(json.dumps({"init_from": cfg.checkpoint.init_from, "model_type": arch}))
+
+
+def source_arch(folder: Path) -> Arch | None:
+    """The architecture a weights folder's run started from (None: not started from a Hugging Face folder, or an
+    unreadable note: export then infers the architecture, as for any weights folder)."""
+    path = Path(folder) / SOURCE_FILE
+    try:
+        arch = json.loads(path.read_text())["model_type"] if path.is_file() else None
+    except (ValueError, KeyError, TypeError):
+        return None
+    return next((known for known in ARCHS if known == arch), None)

@@ -1,0 +1,130 @@
+"""Continued pretraining from a Hugging Face folder (`checkpoint.init_from = "hf:PATH"`): the first step's loss is
+transformers' loss on the same batch, under FSDP x TP too; the final weights export back to the architecture and
+load in transformers; a restart resumes from the run's own checkpoints without reading the folder's weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.checkpoints import launch, run_trainer, tiny_shards
+from helpers.common import TESTS
+from helpers.hf_models import hf_folder
+
+from meshformer.checkpointing.init_from import resolve_init_from
+from meshformer.checkpointing.weights import load_weights
+from meshformer.cli import main
+from meshformer.config import load_config
+from meshformer.data import build_loader, load_tokenizer
+
+transformers = pytest.importorskip("transformers")
+LOSS_TOLERANCE = 1e-4  # absolute, fp32: reduction order differs between the layouts and transformers
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    return tiny_shards(tmp_path_factory.mktemp("init_from"))
+
+
+def _overrides(shards: Path, run_dir: Path, folder: Path, steps: int, *extra: str) -> list[str]:
+    return [f'data.shards="{shards}"', "data.seq_len=32", "data.batch_size=4", "data.num_workers=0",
+            "data.shuffle_shards=2", f"train.steps={steps}", "train.eval_interval=0", "train.sample_interval=0",
+            "train.device=cpu", "schedule.warmup_steps=1", "logging.tensorboard=false", "logging.log_interval=1",
+            f'logging.run_dir="{run_dir}"', f'checkpoint.init_from="hf:{folder}"', *extra]
+
+
+def _transformers_loss(hf_model, overrides: list[str], dp_size: int) -> float:
+    """transformers' mean token loss on the first step's batches of every data-parallel rank together."""
+    cfg = resolve_init_from(load_config(None, overrides))
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    loss_sum, tokens = 0.0, 0
+    for dp_rank in range(dp_size):
+        batch = next(iter(build_loader(cfg, tokenizer, "train", dp_rank, dp_size)))
+        with torch.no_grad():
+            logits = hf_model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+        labels = batch["labels"]
+        loss_sum += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), labels.flatten(),
+                                                           reduction="sum"))
+        tokens += int((labels != -100).sum())
+    return loss_sum / tokens
+
+
+def _check_export(hf_model, run_dir: Path, out: Path) -> None:
+    """The final weights export to the same architecture, and transformers computes our logits from them."""
+    main(["convert", "export-hf", str(run_dir / "final"), str(out)])
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert type(exported) is type(hf_model)
+    ours = load_weights(run_dir / "final").eval()
+    ids = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=ids).logits, ours(ids), rtol=0, atol=1e-4)
+        moved = max((a - b).abs().max().item() for a, b in zip(exported.state_dict().values(),
+                                                                   hf_model.state_dict().values(), strict=True))
+    assert moved > 1e-4, "training did not change the weights"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_continued_pretraining_under_fsdp_x_tp(arch, shards, tmp_path):
+    hf_model, folder = hf_folder(arch, tmp_path / "hf")
+    overrides = _overrides(shards, tmp_path / "run", folder, 3, "parallel.dp_shard=2", "parallel.tp=2")
+    results = launch(TESTS / "helpers" / "init_from_worker.py", 4, overrides, timeout=240)
+    assert all(r.returncode == 0 for r in results), "\n".join(r.stdout[-3000:] for r in results)
+    line = next(li for li in results[0].stdout.splitlines() if li.startswith("HISTORY "))
+    losses = [record["train/loss"] for record in json.loads(line.removeprefix("HISTORY "))]
+    assert len(losses) == 3 and all(map(torch.isfinite, torch.tensor(losses)))
+    assert abs(losses[0] - _transformers_loss(hf_model, overrides, dp_size=2)) < LOSS_TOLERANCE  # measured: 5e-7
+    _check_export(hf_model, tmp_path / "run", tmp_path / "exported")
+
+
+def test_first_step_matches_transformers_and_a_restart_never_reads_the_folder_again(shards, tmp_path):
+    hf_model, folder = hf_folder("mistral", tmp_path / "hf")
+    run_dir = tmp_path / "run"
+    overrides = _overrides(shards, run_dir, folder, 2, "checkpoint.interval=2", "model.dropout=0.0")
+    _, result = run_trainer(load_config(None, overrides))
+    assert result is not None and result.steps == 2
+    assert abs(result.history[0]["train/loss"] - _transformers_loss(hf_model, overrides, dp_size=1)) < LOSS_TOLERANCE
+    _check_export(hf_model, run_dir, tmp_path / "exported")
+
+    # The restart takes its model config and weights from step 2: without the folder's weights and config.json it
+    # still runs (only the tokenizer is read there), and it continues from step 2, not from the imported weights.
+    for name in ("model.safetensors", "config.json"):
+        (folder / name).unlink()
+    shutil.rmtree(run_dir / "final")
+    trainer, result = run_trainer(load_config(None, _overrides(shards, run_dir, folder, 4, "checkpoint.interval=2")))
+    assert result is not None and result.steps == 4 and len(result.history) == 2
+    assert trainer.checkpoints.loaded_from == run_dir / "checkpoints" / "step-00000002"
+
+
+def test_a_model_key_that_changes_the_function_is_refused_by_name(shards, tmp_path, capsys):
+    _, folder = hf_folder("llama", tmp_path / "hf")
+    base = _overrides(shards, tmp_path / "run", folder, 1)
+    cfg = resolve_init_from(load_config(None, [*base, "model.attention_dropout=0.1"]))  # training-only: kept
+    assert cfg.model.attention_dropout == 0.1 and cfg.model.rope_scaling == "llama3" and cfg.model.d_model == 32
+    assert cfg.data.tokenizer == str(folder)
+    with pytest.raises(SystemExit) as info:
+        main(["train", "tiny-gpt", "--init-from", str(folder), "--set", *base[:-1], "model.n_layers=3"])
+    line = str(info.value.code)
+    assert line.startswith("error: checkpoint.init_from: ") and "\n" not in line, line
+    for named in ("model.max_seq_len=128 (it has 64)", "model.n_layers=3 (it has 2)", "remove those [model] keys"):
+        assert named in line, line
+
+
+def test_renamed_tensors_are_read_by_slices_and_the_rest_whole(tmp_path):
+    """What keeps an init_from load from holding the whole model on a rank: a tensor that is only renamed comes
+    as a lazy safetensors slice (this rank's rows alone are read), and every tensor equals the imported one."""
+    from meshformer.checkpointing.hf import from_hf_model
+    from meshformer.checkpointing.init_from import HFInitWeights
+
+    hf_model, folder = hf_folder("qwen3", tmp_path / "hf")
+    source = HFInitWeights(folder)
+    assert source.arch == "qwen3"
+    expected = from_hf_model(hf_model).state_dict()
+    assert all(name in source for name in expected)
+    sliced = [name for name in expected if not isinstance(source.get_slice(name), torch.Tensor)]
+    assert "tok_embeddings.weight" in sliced and len(sliced) == len(expected)  # Qwen3: renames only
+    for name, tensor in expected.items():
+        torch.testing.assert_close(source.get_slice(name)[1:3], tensor[1:3], rtol=0, atol=0)

@@ -1,0 +1,52 @@
+"""Tiny random-initialised Hugging Face models (built from their config classes, nothing downloaded), saved as
+folders with the bundled tokenizer beside them: what `checkpoint.init_from` and `generate` tests start from."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshformer.data.tokenizer import BUNDLED_DIR
+
+VOCAB = 4096  # the bundled tokenizer's size
+SHARED = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=None,
+              pad_token_id=0)
+ARCHS: dict[str, dict[str, Any]] = {
+    # Llama 3.1-style rotary scaling, untied head
+    "llama": dict(config="LlamaConfig", model="LlamaForCausalLM", tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+                                   "rope_theta": 10000.0}),
+    # no sliding window: the function of a Llama, so only a run's note says to export it as Mistral again
+    "mistral": dict(config="MistralConfig", model="MistralForCausalLM", tie_word_embeddings=False,
+                    sliding_window=None),
+    # head_dim != hidden_size / heads, QK-norm, tied embeddings
+    "qwen3": dict(config="Qwen3Config", model="Qwen3ForCausalLM", tie_word_embeddings=True, head_dim=16),
+}
+
+
+def hf_model(arch: str, seed: int = 0) -> Any:
+    import transformers
+
+    spec = dict(ARCHS[arch])
+    config_class, model_class = spec.pop("config"), spec.pop("model")
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_class)(**SHARED, **spec)
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():  # sharper than the init's 0.02, so greedy choices are far from ties
+        for param in model.parameters():
+            if param.ndim > 1:
+                param.normal_(0.0, 0.15)
+    return model
+
+
+def hf_folder(arch: str, folder: Path, seed: int = 0) -> tuple[Any, Path]:
+    """(the HF model, its save_pretrained folder holding the bundled tokenizer as tokenizer.json)."""
+    model = hf_model(arch, seed)
+    model.save_pretrained(str(folder))
+    shutil.copy(BUNDLED_DIR / "kjv-bpe-4k.json", folder / "tokenizer.json")
+    return model, folder
