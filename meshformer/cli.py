@@ -3,47 +3,62 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib
 import json
 import os
 import sys
+from pathlib import Path
 
-from meshformer.checkpointing import cli as checkpointing_cli
-from meshformer.config import load_config
-from meshformer.data import cli as data_cli
 from meshformer.errors import DEBUG_ENV, ArgumentParser, UsageError, run_command
-from meshformer.launcher import cli as launcher_cli
-from meshformer.planner import cli as plan_cli
+from meshformer.launcher import cli as launcher_cli  # light: its commands import what they need when they run
+
+# Command groups whose modules import torch: imported only when the command line names one, so that `--help` and
+# `--version` start at once. command -> (module with add_cli, its line in `meshformer --help`).
+LAZY_COMMANDS = {
+    "data": ("meshformer.data.cli", "prepare training data"),
+    "convert": ("meshformer.checkpointing.cli", "convert checkpoints: safetensors, Hugging Face, Megatron-Core"),
+    "plan": ("meshformer.planner.cli", "memory per rank of a layout at any world size, and the layouts that fit"),
+}
 
 TOKENIZER_HELP = ("default: the tokenizer saved with the weights (WEIGHTS/tokenizer.json); another one is refused "
                   "unless it is the same tokenizer")
 
 
 def _train(args: argparse.Namespace) -> None:
+    from meshformer.config import load_config
     from meshformer.launcher.torchrun import check_launch_options, launch_torchrun
 
     check_launch_options(args.nproc_per_node, args.nnodes, args.max_restarts)
+    overrides = args.set
     if args.init_from:
-        args.set = [*args.set, f"checkpoint.init_from=hf:{args.init_from}"]
+        overrides = [*overrides, f"checkpoint.init_from=hf:{args.init_from}"]
+    if args.new_run:  # a fresh run beside the one in logging.run_dir, which stays as it is
+        from meshformer.train.run_record import new_run_overrides
+
+        overrides, fresh = new_run_overrides(load_config(args.config, overrides), overrides)
+        print(f"--new-run: this run goes into {fresh}", file=sys.stderr)
     if args.nproc_per_node > 1 or args.nnodes > 1:
         from meshformer.checkpointing.init_from import resolve_init_from
         from meshformer.parallel_dims import validate_parallel
         from meshformer.train.preflight import preflight, run_folders_claimed
 
         # one process checks before torchrun starts any rank
-        cfg = resolve_init_from(load_config(args.config, args.set))
+        cfg = resolve_init_from(load_config(args.config, overrides))
         validate_parallel(cfg, args.nproc_per_node * args.nnodes)
         with run_folders_claimed(cfg):  # a run folder in use is refused here; rank 0 holds it for the job
             preflight(cfg)
         if args.debug:
             os.environ[DEBUG_ENV] = "1"  # the ranks show tracebacks too (this process exits after torchrun)
-        sys.exit(launch_torchrun(args.config, args.set, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
+        sys.exit(launch_torchrun(args.config, overrides, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
                                  rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts))
     from meshformer.train.__main__ import run
 
-    run(args.config, args.set)
+    run(args.config, overrides)
 
 
 def _params(args: argparse.Namespace) -> None:
+    from meshformer.config import load_config
     from meshformer.model.flops import count_params, flops_per_token
 
     cfg = load_config(args.config, args.set)
@@ -129,6 +144,7 @@ def _grad_report(args: argparse.Namespace) -> None:
 
     from meshformer.batch import model_inputs
     from meshformer.checkpointing.weights import load_weights, weights_tokenizer
+    from meshformer.config import load_config
     from meshformer.data import build_loader, load_tokenizer
     from meshformer.loss.cross_entropy import count_tokens, cross_entropy_sum
     from meshformer.model import Transformer
@@ -147,8 +163,60 @@ def _grad_report(args: argparse.Namespace) -> None:
     print(f"loss {loss.item():.4f} on one batch of {cfg.data.batch_size} sequences\n{text}")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _bundled_config(name: str) -> Path:
+    from meshformer.config import bundled_configs
+
+    bundled = bundled_configs()
+    if name not in bundled:
+        hint = difflib.get_close_matches(name, bundled, n=1)
+        raise UsageError(f"no bundled config named {name!r}" + (f"; did you mean {hint[0]!r}?" if hint else ""),
+                         f"choose one of {', '.join(bundled)}")
+    return bundled[name]
+
+
+def _config_list(args: argparse.Namespace) -> None:
+    from meshformer.config import bundled_configs
+
+    print("\n".join(bundled_configs()))
+
+
+def _config_show(args: argparse.Namespace) -> None:
+    print(_bundled_config(args.name).read_text(), end="")
+
+
+def _config_copy(args: argparse.Namespace) -> None:
+    source = _bundled_config(args.name)
+    dest = Path(args.dest or source.name)
+    if dest.is_dir():
+        dest = dest / source.name
+    if dest.exists() and not args.overwrite:
+        raise UsageError(f"{dest} already exists", "pass --overwrite to replace it, or another DEST")
+    dest.write_text(source.read_text())
+    print(f"wrote {dest}; edit it, then: meshformer train {dest}")
+
+
+class _VersionAction(argparse.Action):
+    """--version: the installed package's version, read only when asked (importlib.metadata is slow to import)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print meshformer's version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        from importlib import metadata
+
+        try:
+            version = metadata.version("meshformer")
+        except metadata.PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
+            version = "unknown (not installed)"
+        print(f"meshformer {version}")
+        parser.exit()
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with `command`, only that command's group of LAZY_COMMANDS is imported (the
+    others are listed by name and help only)."""
     parser = ArgumentParser(prog="meshformer", description=__doc__)
+    parser.add_argument("--version", action=_VersionAction)
     parser.add_argument("--debug", action="store_true",
                         help=f"show the traceback of an error (also {DEBUG_ENV}=1); anywhere on the command line")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -163,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="start from a Hugging Face model folder (= --set checkpoint.init_from=hf:HF_FOLDER)")
     train.add_argument("--max-restarts", type=int, default=0,
                        help="torchrun restarts after a worker failure (the job resumes from its latest checkpoint)")
+    train.add_argument("--new-run", action="store_true",
+                       help="start a fresh run in a new folder beside logging.run_dir (e.g. runs/tiny-gpt-2) when "
+                       "that folder already holds a run; the earlier run is left as it is")
     train.set_defaults(func=_train)
 
     params = sub.add_parser("params", help="parameter count and training FLOPs per token of a config")
@@ -197,15 +268,34 @@ def build_parser() -> argparse.ArgumentParser:
     grad.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
     grad.set_defaults(func=_grad_report)
 
-    for add_cli in (data_cli.add_cli, checkpointing_cli.add_cli, launcher_cli.add_cli, plan_cli.add_cli):
-        add_cli(sub)  # `data prepare`, `convert ...`, `submit` / `tensorboard` / `plot` / `diagnose`, `plan`
+    config = sub.add_parser("config", help="list the bundled configs, or write one out for reading or editing")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    config_sub.add_parser("list", help="the names of the bundled configs").set_defaults(func=_config_list)
+    show = config_sub.add_parser("show", help="print a bundled config's TOML")
+    show.add_argument("name", help="e.g. tiny-gpt (`meshformer config list` lists them)")
+    show.set_defaults(func=_config_show)
+    copy = config_sub.add_parser("copy", help="write a bundled config to a file to edit and train with")
+    copy.add_argument("name", help="e.g. tiny-gpt (`meshformer config list` lists them)")
+    copy.add_argument("dest", nargs="?", help="file or folder (default: NAME.toml here)")
+    copy.add_argument("--overwrite", action="store_true", help="replace DEST if it exists")
+    copy.set_defaults(func=_config_copy)
+
+    for name, (module, help_text) in LAZY_COMMANDS.items():  # `data prepare`, `convert ...`, `plan`
+        if command is None or command == name:
+            importlib.import_module(module).add_cli(sub)
+        else:
+            sub.add_parser(name, help=help_text, add_help=False)
+        if name == "convert":
+            launcher_cli.add_cli(sub)  # `submit` / `tensorboard` / `plot` / `diagnose`, listed after `convert`
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv  # accepted anywhere on the command line, not only before the subcommand
-    args = build_parser().parse_args(["--debug"] * debug + [a for a in argv if a != "--debug"])
+    argv = [a for a in argv if a != "--debug"]
+    command = next((a for a in argv if not a.startswith("-")), "")  # "": --help, --version, nothing
+    args = build_parser(command).parse_args(["--debug"] * debug + argv)
     run_command(args.func, args, debug=args.debug)
 
 

@@ -19,11 +19,13 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
 DEBUG_ENV = "MESHFORMER_DEBUG"
+INTERRUPTED_EXIT = 130  # the shell's status for a process ended by Ctrl-C (128 + SIGINT)
 REPORTED_MARKER = "meshformer-error-reported"  # in torchrun's attempt folder: a rank of it printed the line
 
 
@@ -115,6 +117,12 @@ def run_command(func: Callable[..., Any], *args: Any, debug: bool = False) -> An
         if debug_enabled(debug):
             raise
         raise SystemExit(f"error: {describe(err)}" if _this_rank_reports() else 1) from None
+    except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever the interrupt landed
+        if debug_enabled(debug):
+            raise
+        if _this_rank_reports():
+            print("interrupted (Ctrl-C)", file=sys.stderr)
+        raise SystemExit(INTERRUPTED_EXIT) from None
 
 
 def _this_rank_reports() -> bool:

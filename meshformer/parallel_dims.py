@@ -296,6 +296,10 @@ def _check_pipeline(cfg: Config, dims: ParallelDims) -> None:
     if cfg.data.batch_size < n_mb:
         raise ConfigError(f"data.batch_size={cfg.data.batch_size} is smaller than the {n_mb} pipeline microbatches; "
                           "raise data.batch_size or lower parallel.pp_microbatches")
+    if cfg.data.batch_size % n_mb:  # the schedule splits each batch into equal microbatches
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size} does not split into the {n_mb} pipeline "
+                          "microbatches", f"set data.batch_size to a multiple of {n_mb}, or set "
+                          "parallel.pp_microbatches to a divisor of it")
 
 
 def _check_precision(cfg: Config, dims: ParallelDims, device_type: str, on_this_host: bool) -> None:

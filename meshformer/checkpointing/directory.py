@@ -9,10 +9,12 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
 
+from meshformer.checkpointing.errors import CheckpointError
 from meshformer.checkpointing.manifest import fsync_dir
 
 PARTIAL_SUFFIX = ".partial"
@@ -54,6 +56,22 @@ def partial_dirs(root: Path) -> list[Path]:
 def read_latest(root: Path) -> str | None:
     path = root / LATEST
     return path.read_text().strip() if path.is_file() else None
+
+
+def check_latest(root: Path) -> None:
+    """A `latest` that the next save could not replace (a folder, a dangling link) or that names no step folder
+    (garbage): refused before step 1, not at the first save. One naming a step since moved aside is fine."""
+    path = root / LATEST
+    if not (path.exists() or path.is_symlink()):
+        return
+    fix = f"remove it (meshformer writes {LATEST} at each save), or set checkpoint.dir to another folder"
+    if path.is_symlink() and not path.exists():
+        raise CheckpointError(f"{path} is a link to {os.readlink(path)}, which does not exist", fix)
+    if not path.is_file():
+        raise CheckpointError(f"{path} is not a file (a folder or a special file)", fix)
+    name = path.read_text(errors="replace").strip()  # an unreadable file: an OSError, one line as well
+    if not _STEP_DIR.match(name):
+        raise CheckpointError(f"{path} should name a step folder (e.g. step-00000100) but holds {name[:40]!r}", fix)
 
 
 def write_latest(root: Path, name: str) -> None:

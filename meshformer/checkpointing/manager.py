@@ -2,7 +2,7 @@
 
     manager = CheckpointManager.from_config(cfg, run_dir)   # every rank
     manager.resume(run)                                     # newest valid checkpoint, if any
-    ... each step: if manager.after_step(run): break        # interval saves; True after SIGTERM (saved)
+    ... each step: if manager.after_step(run): break        # interval saves; True after SIGTERM/Ctrl-C (saved)
     manager.finish(run)                                     # final save, wait for the one in flight
 
 A save writes into step-N.partial/: DCP shards of model and optimizer (any layout), one JSON file of RNG
@@ -43,6 +43,7 @@ from meshformer.config import CheckpointConfig, Config
 from meshformer.data import Tokenizer
 
 STATE_VERSION = 1
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # save at the next step boundary, then stop
 _log = logging.getLogger("meshformer.checkpointing")
 
 
@@ -70,9 +71,11 @@ class CheckpointManager:
         self.loaded_from: Path | None = None
         self.tokenizer: Tokenizer | None = None  # the run's, saved in every checkpoint (conversions carry it on)
         self._preempted = threading.Event()
-        self._previous_handler: Any = None
+        self._stop_signal = "SIGTERM"  # the signal that asked for the stop, for the log line
+        self._previous_handlers: dict[int, Any] = {}
         if cfg.save_on_sigterm and cfg.interval > 0 and threading.current_thread() is threading.main_thread():
-            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+            # Ctrl-C (SIGINT) saves and stops like a scheduler's SIGTERM; a second Ctrl-C interrupts at once.
+            self._previous_handlers = {sig: signal.signal(sig, self._on_stop_signal) for sig in STOP_SIGNALS}
 
     @classmethod
     def from_config(cls, cfg: Config, run_dir: Path, log: Any = None) -> CheckpointManager:
@@ -86,13 +89,13 @@ class CheckpointManager:
     # ------------------------------------------------------------------ the training loop's hooks
 
     def after_step(self, run: Checkpointable) -> bool:
-        """Save at the interval; after SIGTERM on any rank, save now (blocking) and return True to stop."""
+        """Save at the interval; after SIGTERM or Ctrl-C on any rank, save now (blocking) and return True."""
         if not self.enabled:
             return False
         self._report_failed_save(block=False)
         step = run.state.step
         if self._preemption_agreed(run):
-            self.log(f"SIGTERM received: saving a checkpoint at step {step} before stopping")
+            self.log(f"{self._stop_signal} received: saving a checkpoint at step {step} before stopping")
             self.save(run, blocking=True)
             return True
         if step % self.cfg.interval == 0 and step < self.total_steps:
@@ -112,14 +115,15 @@ class CheckpointManager:
             self.group = None
 
     def close(self) -> None:
-        """Wait for the save in flight and give SIGTERM back to whoever handled it before."""
+        """Wait for the save in flight and give SIGTERM and SIGINT back to whoever handled them before."""
         try:
             self.wait()
         finally:
             self._executor.shutdown(wait=True)
-            if self._previous_handler is not None:
-                signal.signal(signal.SIGTERM, self._previous_handler)
-                self._previous_handler = None
+            for sig, handler in self._previous_handlers.items():
+                if handler is not None:  # None: installed outside Python, nothing to restore
+                    signal.signal(sig, handler)
+            self._previous_handlers = {}
 
     # ------------------------------------------------------------------ saving
 
@@ -396,7 +400,12 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ preemption
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
+    def _on_stop_signal(self, signum: int, frame: Any) -> None:
+        self._stop_signal = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            self.log("Ctrl-C: saving a checkpoint at the end of this step, then stopping (Ctrl-C again to stop "
+                     "at once, without saving)")
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         self._preempted.set()
 
     def _preemption_agreed(self, run: Checkpointable) -> bool:

@@ -1,24 +1,10 @@
-"""Progress bars for conversions (tqdm on stderr; silent when disabled or when stderr is not a terminal)."""
+"""Progress of conversions: `progress` (meshformer/progress.py: a bar on a terminal, a line per interval in a log)."""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterable, Iterator
-from typing import TypeVar
+from meshformer.progress import progress
 
-T = TypeVar("T")
-
-
-def progress(items: Iterable[T], *, total: int | None = None, desc: str = "", enabled: bool | None = None,
-             unit: str = "tensor") -> Iterator[T]:
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    if not enabled:
-        yield from items
-        return
-    from tqdm import tqdm
-
-    yield from tqdm(items, total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
+__all__ = ["chunks", "progress"]
 
 
 def chunks(keys: list[str], size: int) -> list[list[str]]:

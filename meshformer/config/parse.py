@@ -42,13 +42,18 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        options = [a for a in args if a is not type(None)]
         errors = []
-        for option in (a for a in args if a is not type(None)):
+        for option in options:
             try:
                 return _coerce(option, value, where)
             except ConfigError as err:
                 errors.append(str(err))
-        raise ConfigError(errors[0])
+        if len(options) == 1:
+            raise ConfigError(errors[0])
+        # e.g. bool | Literal["off", "blocks", "model"]: name every valid value, not only the first type's
+        valid = [v for option in options for v in _valid_values(option)]
+        raise ConfigError(f"{where} = {value!r} is not valid", f"use one of {', '.join(valid)}")
     if origin is Literal:
         if value not in args:
             close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
@@ -72,6 +77,15 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where} must be {hint.__name__}, got {type(value).__name__} {value!r}")
         return value
     return value
+
+
+def _valid_values(hint: Any) -> list[str]:
+    """How a union member is written in TOML: its literal values, true/false, or its type's name."""
+    if typing.get_origin(hint) is Literal:
+        return [repr(v) for v in typing.get_args(hint)]
+    if hint is bool:
+        return ["true", "false"]
+    return [getattr(hint, "__name__", str(hint))]
 
 
 def parse_size(size: int | str) -> int:

@@ -132,7 +132,7 @@ class CheckpointConfig:
     # "partial": load the tensors that fit (and their optimizer state), keep the rest as initialized, and resume
     # the step, schedule and data position (retention keeps the other model's checkpoints)
     load_mode: Literal["full", "partial"] = "full"
-    save_on_sigterm: bool = True  # on SIGTERM: save at the next step boundary, then stop
+    save_on_sigterm: bool = True  # on SIGTERM or Ctrl-C: save at the next step boundary, then stop
     preempt_check_interval: int = 10  # steps between the cross-rank "did any rank get SIGTERM?" check
     max_shard_size: str = "5GB"  # final weights: largest safetensors file (HF-style shards + index beyond it)
     # "hf:PATH": step 0 starts from a Hugging Face folder's weights (streamed into this rank's shards), model config
@@ -145,6 +145,11 @@ class LoggingConfig:
     run_dir: str = "runs/default"
     log_interval: int = 10
     tensorboard: bool = True
+    # Weights & Biases (the [wandb] extra): the same scalars as TensorBoard and metrics.jsonl; "offline" needs no
+    # network (`wandb sync <run_dir>/wandb/offline-run-*` uploads later)
+    wandb: bool = False
+    wandb_project: str = "meshformer"
+    wandb_mode: Literal["online", "offline"] = "online"
 
 
 @dataclass

@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from tqdm import tqdm
 
 from meshformer.errors import UsageError
 from meshformer.folders import check_output, remove, replace, scratch
+from meshformer.progress import Progress
 
 from .prepare_stages import SPLITS, map_unit, reduce_bucket, train_documents, unit_done
 from .shard_index import index_name
@@ -252,7 +252,7 @@ def _pool(tok: Tokenizer, num_proc: int, tasks: int) -> Pool | None:
 
 def _run(pool: Pool | None, fn, plan: dict, work: Path, tok: Tokenizer, tasks: list[tuple], progress: bool,
          what: str) -> None:
-    bar = tqdm(total=len(tasks), desc=what, unit="task", disable=not progress or not tasks)
+    bar = Progress(len(tasks), what, "task", enabled=progress and bool(tasks))  # a bar on a terminal, else lines
     if pool is None or len(tasks) <= 1:
         for task in tasks:
             fn(plan, work, *((tok,) if fn is map_unit else ()), *task)

@@ -13,9 +13,9 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on cluster login nodes
 import matplotlib.pyplot as plt
-from tqdm import tqdm
 
 from meshformer.launcher.tensorboard import MonitorError, check_run_dir, event_files
+from meshformer.progress import progress
 
 Series = dict[str, tuple[list[int], list[float]]]
 
@@ -37,7 +37,8 @@ def load_scalars(run_dir: Path) -> Series:
 
     by_tag: dict[str, dict[int, float]] = {}
     folders = sorted({path.parent for path in event_files(check_run_dir(run_dir))})
-    for folder in tqdm(folders, desc="reading events", unit="folder", disable=len(folders) < 2):
+    for folder in progress(folders, total=len(folders), desc="reading events", unit="folder",
+                           enabled=len(folders) > 1):
         events = EventAccumulator(str(folder), size_guidance={"scalars": 0})  # 0: keep every point
         events.Reload()
         for tag in events.Tags()["scalars"]:

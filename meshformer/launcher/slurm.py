@@ -116,7 +116,9 @@ def sbatch_script(job: SlurmJob) -> str:
     """The batch script for `job` (nothing is written or submitted)."""
     check_job(job)
     run_dir = run_dir_of(job)
-    config = str(Path(job.config).resolve())
+    # A file by its absolute path (on the cluster's shared filesystem, like the run folder); a bundled config by its
+    # name, which meshformer resolves on the nodes: this machine's package folder need not exist there.
+    config = str(Path(job.config).resolve()) if Path(job.config).is_file() else job.config
     overrides = [*job.overrides, f"logging.run_dir={run_dir}"]
     command = torchrun_command(config, overrides, nproc_per_node=job.ranks_per_node, nnodes=job.nodes,
                                rdzv_endpoint=_RDZV_ENDPOINT, rdzv_id=_RDZV_ID, max_restarts=job.max_restarts)

@@ -1,16 +1,20 @@
-"""Run logging: a concise console line and TensorBoard scalars for the same numbers, plus MFU and memory."""
+"""Run logging: a concise console line, and the same scalars in metrics.jsonl, TensorBoard and (optionally)
+Weights & Biases; plus MFU and memory."""
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import resource
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from meshformer.config import ConfigError
+from meshformer.config import ConfigError, LoggingConfig
 
 log = logging.getLogger("meshformer")
 
@@ -66,20 +70,22 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
 
 
 class FlopsCeiling:
-    """The FLOP/s that MFU is relative to. MFU never exceeds 100%: a measured ceiling that a training window
-    beats (the start-up measurement ran on a loaded machine) is raised to the window's rate, and that is said."""
+    """The FLOP/s that MFU is relative to. A measured ceiling (CPU, unknown GPUs) that a training window beats
+    was low (the start-up measurement ran on a loaded machine): that window has no MFU (not a made-up 100%), the
+    ceiling is raised to the window's rate for later windows, and both are said."""
 
     def __init__(self, flops: float, source: str) -> None:
         self.flops, self.source = flops, source
 
-    def mfu(self, achieved_flops: float) -> tuple[float, str | None]:
-        """(MFU, a note when the ceiling was raised)."""
+    def mfu(self, achieved_flops: float) -> tuple[float | None, str | None]:
+        """(MFU, or None when the ceiling proved unreliable; a note when it was raised)."""
         if achieved_flops <= self.flops:
             return achieved_flops / self.flops, None
-        note = (f"MFU ceiling raised from {self.flops / 1e12:.3f} to {achieved_flops / 1e12:.3f} TFLOP/s: "
-                f"training beat the {self.source}, so that measurement was low (a loaded machine)")
+        note = (f"MFU n/a for this window: training ran at {achieved_flops / 1e12:.3f} TFLOP/s, above the "
+                f"{self.source} ({self.flops / 1e12:.3f}), so that ceiling was unreliable (measured on a loaded "
+                "machine); later windows are measured against this window's rate")
         self.flops, self.source = achieved_flops, "highest rate seen in training"
-        return 1.0, note
+        return None, note
 
 
 def memory_gib(device: torch.device) -> float:
@@ -89,19 +95,42 @@ def memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
+def current_memory_gib(device: torch.device) -> float:
+    """Memory this process holds now: accelerator allocations, or resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**30
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):  # not Linux: the peak is the best figure there is
+        return memory_gib(device)
+    return resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work, so a clock read afterwards covers it (no-op on the CPU)."""
     if device.type not in ("cpu", "meta"):
         torch.accelerator.synchronize(device)
 
 
-class RunLogger:
-    """Console + TensorBoard, active on rank 0 only (other ranks get a silent logger)."""
+METRICS_FILE = "metrics.jsonl"  # one JSON object per logged step, in every run folder
 
-    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool) -> None:
+
+class RunLogger:
+    """Console, metrics.jsonl, TensorBoard and Weights & Biases, active on rank 0 only (other ranks get a silent
+    logger). Every sink gets the same scalars; metrics.jsonl gets one object per step (its scalars merged)."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool, wandb: LoggingConfig | None = None,
+                 run_config: dict[str, Any] | None = None) -> None:
+        """wandb: the logging settings when logging.wandb is on; run_config: the config W&B shows."""
         self.enabled = enabled
         self.writer = None
-        if enabled and tensorboard:
+        self.wandb: Any = None
+        self._pending: dict[str, Any] = {}  # the scalars of the step being logged (metrics.jsonl)
+        self.jsonl = None
+        if not enabled:
+            return
+        self.jsonl = (run_dir / METRICS_FILE).open("a", encoding="utf-8")  # appended across resumes
+        if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             tb_dir = run_dir / "tensorboard"
@@ -114,24 +143,69 @@ class RunLogger:
                 raise ConfigError(f"TensorBoard folder {tb_dir} is not writable ({err}); "
                                    "set logging.run_dir to a writable folder or logging.tensorboard=false") from None
             self.writer = SummaryWriter(str(tb_dir))
+        if wandb is not None:
+            self.wandb = start_wandb(wandb, run_dir, run_config or {})
 
     def info(self, message: str) -> None:
         if self.enabled:
             log.info(message)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        if self._pending and self._pending["step"] != step:
+            self._flush()
+        self._pending = {"step": step, **self._pending, **values}
         if self.writer is not None:
             for key, value in values.items():
                 self.writer.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
 
     def text(self, step: int, tag: str, value: str) -> None:
         if self.writer is not None:
             self.writer.add_text(tag, value, step)
 
+    def _flush(self) -> None:
+        if self.jsonl is not None and self._pending:
+            # JSON has no NaN/inf: those are written as null (a diverged loss stays visible as a gap, not a crash)
+            row = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in self._pending.items()}
+            self.jsonl.write(json.dumps(row) + "\n")
+            self.jsonl.flush()
+        self._pending = {}
+
     def close(self) -> None:
+        self._flush()
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.jsonl = None
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def start_wandb(settings: LoggingConfig, run_dir: Path, run_config: dict[str, Any]) -> Any:
+    """A Weights & Biases run for logging.wandb=true; offline mode writes under the run folder, no network."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("logging.wandb=true needs Weights & Biases, which is not installed",
+                          "pip install 'meshformer[wandb]', or set logging.wandb=false") from None
+    return wandb.init(project=settings.wandb_project, name=run_dir.name, dir=str(run_dir), config=run_config,
+                      mode=settings.wandb_mode, resume="allow", id=_wandb_id(run_dir))
+
+
+def _wandb_id(run_dir: Path) -> str:
+    """One W&B run per run folder, so a resume continues its curves (kept in the run folder)."""
+    path = run_dir / "wandb-run-id"
+    if path.is_file():
+        return path.read_text().strip()
+    run_id = os.urandom(6).hex()
+    path.write_text(run_id + "\n")
+    return run_id
 
 
 def setup_console_logging(rank: int) -> None:

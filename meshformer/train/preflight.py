@@ -14,6 +14,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from meshformer import folders
+from meshformer.checkpointing.directory import check_latest, committed_steps
 from meshformer.checkpointing.manager import refuse_earlier_checkpoints
 from meshformer.config import Config, ConfigError
 from meshformer.data import Tokenizer, load_tokenizer
@@ -22,6 +23,7 @@ from meshformer.data.tokenizer import check_vocab
 from meshformer.model.flops import count_params
 from meshformer.runtime.distributed import env_rank
 from meshformer.runtime.run_lock import run_folder_lock
+from meshformer.train.run_record import check_rerun
 
 # One checkpoint holds fp32 parameters and AdamW's two fp32 moments; the rest (data and RNG state, manifest)
 # is small. The margin covers filesystem overhead and the files of a save that is being replaced.
@@ -67,11 +69,15 @@ def preflight(cfg: Config) -> Tokenizer:
     check_folder(run_dir, "logging.run_dir")
     check_folder(checkpoint_dir, key)
     check_final_folder(run_dir / FINAL_WEIGHTS)
+    check_latest(checkpoint_dir)
     if not cfg.checkpoint.resume:
         refuse_earlier_checkpoints(checkpoint_dir)
     tokenizer = checked_tokenizer(cfg)
     check_data(cfg, tokenizer)
     check_disk_space(cfg, run_dir, checkpoint_dir)
+    # The newest checkpoint is where a resume starts (the trainer checks again with the step it resumed).
+    steps = committed_steps(checkpoint_dir) if cfg.checkpoint.resume else []
+    check_rerun(cfg, run_dir, steps[-1] if steps else 0, has_final_weights(run_dir))
     return tokenizer
 
 
@@ -99,6 +105,12 @@ def check_folder(path: Path, key: str) -> None:
 
 def is_final_ours(final: Path) -> bool:
     return any(folders.is_ours(final, legacy) for legacy in FINAL_LEGACY)
+
+
+def has_final_weights(run_dir: Path) -> bool:
+    """Whether the run folder holds final weights this (or an earlier) run wrote."""
+    final = Path(run_dir) / FINAL_WEIGHTS
+    return final.is_dir() and is_final_ours(final) and any(p.suffix == ".safetensors" for p in final.iterdir())
 
 
 def check_final_folder(final: Path) -> None:

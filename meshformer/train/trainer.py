@@ -38,9 +38,16 @@ from meshformer.runtime.profiler import StepProfiler
 from meshformer.runtime.stragglers import rank_timings, straggler_scalars
 from meshformer.runtime.watchdog import HangWatchdog
 from meshformer.train.loss_choice import resolve_loss
-from meshformer.train.metrics import FlopsCeiling, RunLogger, memory_gib, peak_flops, synchronize
+from meshformer.train.metrics import FlopsCeiling, RunLogger, current_memory_gib, memory_gib, peak_flops, synchronize
 from meshformer.train.optim import SkippedUpdates
-from meshformer.train.preflight import FINAL_WEIGHTS, check_final_folder, checked_tokenizer, run_folders_claimed
+from meshformer.train.preflight import (
+    FINAL_WEIGHTS,
+    check_final_folder,
+    checked_tokenizer,
+    has_final_weights,
+    run_folders_claimed,
+)
+from meshformer.train.run_record import check_rerun, record_config
 from meshformer.train.sampling import decoded_sample
 from meshformer.train.step import StepStats, TrainStep
 
@@ -75,10 +82,9 @@ class Trainer:
         self.ceiling = FlopsCeiling(*peak_flops(self.device, torch.bfloat16 if cfg.train.dtype == "bf16"
                                                 else torch.float32))
         self.run_dir = Path(cfg.logging.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if rank == 0:
-            (self.run_dir / "config.toml").write_text(cfg.to_toml())
-        self.logger = RunLogger(self.run_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard)
+        self.run_dir.mkdir(parents=True, exist_ok=True)  # config.toml is written when training starts (_fit)
+        self.logger = RunLogger(self.run_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard,
+                                wandb=cfg.logging if cfg.logging.wandb else None, run_config=cfg.to_dict())
 
         self.tokenizer = tokenizer if tokenizer is not None else checked_tokenizer(cfg)
 
@@ -197,9 +203,13 @@ class Trainer:
 
     def _fit(self) -> TrainResult:
         cfg, log = self.cfg, self.logger
-        # model, optimizer, scheduler, step, data, RNG: before iterating; a run started from an HF folder reads it only
-        # while it has no checkpoint of its own
-        if not self.checkpoints.resume(self.checkpointable) and cfg.checkpoint.init_from:
+        # model, optimizer, scheduler, step, data, RNG: before iterating
+        resumed = self.checkpoints.resume(self.checkpointable)
+        start_step, had_final = self.step, has_final_weights(self.run_dir)
+        # The run folder is a record: a changed config that trains nothing (or retrains a finished run) is refused.
+        changes = check_rerun(cfg, self.run_dir, start_step, had_final)
+        # a run started from an HF folder reads it only while it has no checkpoint of its own
+        if not resumed and cfg.checkpoint.init_from:
             start = time.perf_counter()
             arch = load_init_weights(self.parallel_model.model_parts, cfg)
             if self.rank == 0:
@@ -207,7 +217,9 @@ class Trainer:
             log.info(f"step 0 weights read from {cfg.checkpoint.init_from} in {time.perf_counter() - start:.2f}s")
         if self.step >= cfg.train.steps:
             log.info(f"the run in {self.run_dir} already reached step {self.step} >= train.steps={cfg.train.steps}; "
-                     "raise train.steps to train further, or use a new logging.run_dir for a fresh run")
+                     "raise train.steps to train further, or pass --new-run for a fresh run")
+        elif self.rank == 0:
+            record_config(cfg, self.run_dir, start_step, changes, log.info)
         self.train_iter = iter(self.train_data)  # from the position the resume restored
         tokens_per_sample = cfg.data.seq_len + (self.target_len or 0)
         tokens_per_step = cfg.data.batch_size * tokens_per_sample * cfg.train.grad_accum * self.parallel_model.dp_size
@@ -228,8 +240,9 @@ class Trainer:
                 synchronize(self.device)  # the window's queued device work is part of its time
                 elapsed = time.perf_counter() - window_start
                 last_loss = self.parallel_model.reduce_for_logging(window_loss) / max(float(window_tokens), 1.0)
-                tokens_per_s = tokens_per_step * window_steps / elapsed
-                mfu, ceiling_note = self.ceiling.mfu(self.flops_per_token * tokens_per_s / world_size())
+                tokens_per_s = tokens_per_step * window_steps / elapsed  # the whole job's
+                tokens_per_s_per_rank = tokens_per_s / world_size()
+                mfu, ceiling_note = self.ceiling.mfu(self.flops_per_token * tokens_per_s_per_rank)
                 if ceiling_note:
                     log.info(ceiling_note)
                 record = {
@@ -237,8 +250,10 @@ class Trainer:
                     "train/lr": self.last_lr,
                     "train/grad_norm": float(stats.grad_norm),
                     "perf/tokens_per_s": tokens_per_s,
-                    "perf/mfu": mfu,
-                    "perf/memory_gib": memory_gib(self.device),
+                    "perf/tokens_per_s_per_rank": tokens_per_s_per_rank,
+                    "perf/mfu": mfu if mfu is not None else math.nan,  # n/a: a window the ceiling misjudged
+                    "perf/memory_gib": memory_gib(self.device),  # peak (rank 0)
+                    "perf/memory_now_gib": current_memory_gib(self.device),
                     "perf/step_time_s": elapsed / window_steps,
                 }
                 skipped = self.skipped_updates.check(step)  # raises once too many steps in a row were skipped
@@ -258,8 +273,10 @@ class Trainer:
                 loads = [v for k, v in moe.items() if k.endswith("/load_max_over_mean")]
                 log.info(
                     f"step {step:>6}/{cfg.train.steps} | loss {last_loss:.4f} | lr {record['train/lr']:.2e} | "
-                    f"grad {record['train/grad_norm']:.3f} | {tokens_per_s:,.0f} tok/s | "
-                    f"mfu {100 * record['perf/mfu']:.1f}% | mem {record['perf/memory_gib']:.2f} GiB"
+                    f"grad {record['train/grad_norm']:.3f} | {tokens_per_s:,.0f} tok/s global, "
+                    f"{tokens_per_s_per_rank:,.0f} per rank | mfu "
+                    + (f"{100 * mfu:.1f}%" if mfu is not None else "n/a") + " | "
+                    f"mem peak {record['perf/memory_gib']:.2f} GiB, now {record['perf/memory_now_gib']:.2f} GiB"
                     + (f" | expert load max/mean {max(loads):.2f}" if loads else "")
                 )
                 window_loss.zero_()
@@ -292,7 +309,8 @@ class Trainer:
         try:
             self.checkpoints.finish(self.checkpointable)  # raises if the final checkpoint cannot be written...
         finally:
-            if self.step >= cfg.train.steps:  # ...but the trained weights are written first
+            # ...but the trained weights are written first (again only if this run trained, or they are missing)
+            if self.step >= cfg.train.steps and (self.step > start_step or not had_final):
                 self.save_final_weights()
         log.close()
         return TrainResult(self.step, last_loss, eval_loss, self.run_dir, history)

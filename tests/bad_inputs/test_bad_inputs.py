@@ -105,6 +105,11 @@ def world(tmp_path_factory):
     (tmp / "runs" / "foreign" / "final" / "notes.txt").write_text("someone else's")
     (tmp / "runs" / "final-file").mkdir(parents=True)
     (tmp / "runs" / "final-file" / "final").write_text("x")
+    for name in ("latest-dir", "latest-dangling", "latest-garbage"):  # a damaged `latest` pointer (#24)
+        (tmp / "runs" / name / "checkpoints").mkdir(parents=True)
+    (tmp / "runs" / "latest-dir" / "checkpoints" / "latest").mkdir()
+    (tmp / "runs" / "latest-dangling" / "checkpoints" / "latest").symlink_to(tmp / "gone")
+    (tmp / "runs" / "latest-garbage" / "checkpoints" / "latest").write_bytes(b"\x00\xffnot a step")
     paths["busy"] = contextlib.ExitStack()  # held for the module: another run training in {tmp}/runs/busy
     paths["busy"].enter_context(run_folder_lock(tmp / "runs" / "busy", "logging.run_dir"))
     return paths
@@ -231,6 +236,11 @@ CASES = [
      ["is in use by pid", "wait for it to finish"]),
     ("final-foreign", _train(name="foreign"), ["final holds files meshformer did not write", "logging.run_dir"]),
     ("final-is-file", _train(name="final-file"), ["final is a file", "folder"]),
+    # (#24) a damaged `latest` pointer: refused before step 1, not at the first save
+    ("latest-is-folder", _train(name="latest-dir"), ["checkpoints/latest is not a file", "remove it"]),
+    ("latest-dangling", _train(name="latest-dangling"), ["is a link to", "does not exist", "remove it"]),
+    ("latest-garbage", _train(name="latest-garbage"), ["should name a step folder", "remove it"]),
+    ("compile-yes", _train("train.compile=yes"), ["train.compile = 'yes' is not valid", "'blocks', 'model'"]),
     # corpus
     ("corpus-missing", _corpus("{tmp}/nowhere.txt"), ["does not exist", "pass a file"]),
     ("corpus-empty", _corpus("{tmp}/empty.txt"), ["holds no text", "point data.corpus"]),
@@ -344,6 +354,8 @@ CASES = [
      ["context parallel is implemented for decoder-only and encoder-only", "set parallel.cp=1"]),
     ("layout-pp-layers", ["train", CFG, "--nproc-per-node", "4", "--set", "parallel.pp=4", "model.n_layers=2"],
      ["at least one layer", "lower parallel.pp"]),
+    ("layout-pp-batch", ["train", CFG, "--nproc-per-node", "2", "--set", "parallel.pp=2", "data.batch_size=3"],
+     ["data.batch_size=3 does not split into the 2 pipeline microbatches", "a multiple of 2"]),
     ("layout-dp-shard", _train("parallel.dp_shard=0"), ["parallel.dp_shard", ">= 1 or -1"]),
     ("plan-world-zero", ["plan", CFG, "--world", "0"], ["--world", "positive number of ranks"]),
     ("plan-layout", ["plan", CFG, "--world", "2", "--set", "parallel.tp=3"], ["does not divide", "choose"]),

@@ -10,6 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from helpers.readme import readme_commands
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,11 +37,14 @@ def test_wheel_ships_configs_corpus_and_tokenizer(wheel):
     assert any(n.startswith("meshformer/data/tokenizers/") for n in names)
 
 
-def test_wheel_install_trains_a_bundled_config_from_an_empty_folder(wheel, tmp_path):
-    venv = tmp_path / "venv"
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> tuple[Path, dict[str, str], Path]:
+    """(the venv's bin folder, the environment to run it in, an empty folder) with the wheel installed."""
+    root = tmp_path_factory.mktemp("installed")
+    venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
-    empty = tmp_path / "empty"
+    empty = root / "empty"
     empty.mkdir()
     clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", str(wheel)],
@@ -48,15 +52,43 @@ def test_wheel_install_trains_a_bundled_config_from_an_empty_folder(wheel, tmp_p
     # torch and the other dependencies come from this interpreter's site-packages, put on the path without
     # running its .pth files, so the repository's editable install (a .pth import hook) cannot shadow the wheel.
     deps = os.pathsep.join(dict.fromkeys([sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]))
-    env = {**os.environ, "MESHFORMER_CACHE": str(tmp_path / "cache"), "PYTHONPATH": deps}
+    env = {**os.environ, "MESHFORMER_CACHE": str(root / "cache"), "PYTHONPATH": deps, "OMP_NUM_THREADS": "2"}
     where = subprocess.run([python, "-c", "import meshformer; print(meshformer.__file__)"], cwd=empty, env=env,
                            capture_output=True, text=True, check=True).stdout
     assert where.startswith(str(venv)), where
-    run = subprocess.run(
-        [venv / "bin" / "meshformer", "train", "tiny-gpt", "--set", "train.steps=3", "logging.log_interval=1",
-         "train.eval_interval=3", "train.eval_batches=1", "train.sample_interval=0", "checkpoint.interval=0",
-         "data.num_workers=0"],
-        cwd=empty, env=env, capture_output=True, text=True, timeout=600)
+    return venv / "bin", env, empty
+
+
+# A quick-start run cut to a few steps: the README's `meshformer train tiny-gpt` with these overrides.
+SHORT_RUN = ["train.steps=3", "logging.log_interval=1", "train.eval_interval=3", "train.eval_batches=1",
+             "train.sample_interval=0", "checkpoint.interval=0", "data.num_workers=0"]
+
+
+def test_wheel_install_trains_a_bundled_config_from_an_empty_folder(installed):
+    bin_dir, env, empty = installed
+    run = subprocess.run([bin_dir / "meshformer", "train", "tiny-gpt", "--set", *SHORT_RUN],
+                         cwd=empty, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "step      3/3" in run.stderr + run.stdout
     assert (empty / "runs" / "tiny-gpt" / "final").is_dir()
+
+
+@pytest.mark.slow
+def test_readme_commands_run_from_an_installed_wheel_in_an_empty_folder(installed, tmp_path):
+    """The quick start, "Looking at a run" and the bundled-config commands, verbatim from the README (a training
+    run cut to a few steps), in a folder with nothing but what they write."""
+    bin_dir, env, _ = installed
+    folder = tmp_path / "user"
+    folder.mkdir()
+    commands = readme_commands()
+    quick_start = next(words for words in commands if words[1:3] == ["train", "tiny-gpt"] and len(words) == 3)
+    after = [words for words in commands if words[1] in ("generate", "attention-map", "grad-report", "params",
+                                                         "config")]
+    assert {words[1] for words in after} == {"generate", "attention-map", "grad-report", "params", "config"}
+    for words in [[*quick_start, "--set", *SHORT_RUN], *after, ["meshformer", "train", "tiny-gpt.toml", "--set",
+                                                                 *SHORT_RUN, "--new-run"]]:
+        out = subprocess.run([bin_dir / words[0], *words[1:]], cwd=folder, env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, (words, out.stderr[-3000:])
+    assert (folder / "runs" / "tiny-gpt" / "final").is_dir() and (folder / "attn.png").is_file()
+    assert (folder / "runs" / "tiny-gpt-2" / "final").is_dir()  # the copied config, trained beside the first run

@@ -1,0 +1,106 @@
+"""A run folder is a record: its config.toml describes the weights beside it.
+
+A re-run with another config either continues the run (more steps to train: the earlier config is kept as
+configs/config-step<N>.toml, the config that trained the run up to step N) or is refused before it rewrites
+anything. `--new-run` starts a fresh run in a new folder beside the old one instead.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from meshformer.config import Config, ConfigError
+from meshformer.errors import UsageError
+
+RUN_CONFIG = "config.toml"
+CONFIG_HISTORY = "configs"
+NEW_RUN_HINT = "pass --new-run (or set logging.run_dir to a new folder) to start a fresh run"
+
+
+def history_name(step: int) -> str:
+    """The config that trained the run up to `step`."""
+    return f"config-step{step:08d}.toml"
+
+
+def config_changes(run_dir: Path, cfg: Config) -> list[str]:
+    """`section.key: old -> new` for each key where `cfg` differs from the run's config.toml (none without one)."""
+    path = Path(run_dir) / RUN_CONFIG
+    try:
+        saved = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return [f"{path} cannot be read as TOML"]
+    old, new = _flat(saved), _flat(tomllib.loads(cfg.to_toml()))  # both through TOML: tuples read back as lists
+    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(old.keys() | new.keys())
+            if old.get(key) != new.get(key)]
+
+
+def check_rerun(cfg: Config, run_dir: Path, reached_step: int, has_final: bool) -> list[str]:
+    """The changes from the run's config.toml; refuses a changed config that would leave the run's record
+    describing other weights: one that trains nothing (the run already reached train.steps), or one that
+    would retrain a finished run from step 0 (no checkpoint to continue from) and replace its final weights."""
+    changes = config_changes(run_dir, cfg)
+    if not changes:
+        return []
+    listed = "; ".join(changes[:4]) + ("; ..." if len(changes) > 4 else "")
+    if reached_step >= cfg.train.steps:
+        raise ConfigError(f"the run in {run_dir} already reached step {reached_step}, so train.steps="
+                          f"{cfg.train.steps} trains nothing, yet this config differs from its config.toml ({listed})",
+                          f"raise train.steps above {reached_step} to continue the run, or {NEW_RUN_HINT}")
+    if reached_step == 0 and has_final:
+        raise ConfigError(f"{run_dir} holds the final weights of a finished run with another config ({listed}) and "
+                          "no checkpoint to continue from; this run would replace them",
+                          f"{NEW_RUN_HINT} (checkpoint.interval > 0 lets a later run continue one)")
+    return changes
+
+
+def record_config(cfg: Config, run_dir: Path, start_step: int, changes: list[str],
+                  log: Callable[[str], None]) -> None:
+    """Rank 0, when training starts at `start_step`: config.toml becomes this config; a changed earlier one that
+    trained steps is kept in configs/, and the continuation is said in one log line."""
+    path = Path(run_dir) / RUN_CONFIG
+    if changes and start_step > 0 and path.is_file():
+        kept = Path(run_dir) / CONFIG_HISTORY / history_name(start_step)
+        kept.parent.mkdir(exist_ok=True)
+        kept.write_text(path.read_text())
+        log(f"continuing the run in {run_dir} from step {start_step} to {cfg.train.steps} with a changed config "
+            f"({'; '.join(changes)}); the config that trained it so far is kept as "
+            f"{CONFIG_HISTORY}/{kept.name}")
+    staged = path.with_name(path.name + ".tmp")  # other ranks may be reading it: replaced whole, never half-written
+    staged.write_text(cfg.to_toml())
+    staged.replace(path)
+
+
+def new_run_dir(run_dir: Path) -> Path:
+    """`run_dir` when it holds no run yet, else the first free `<run_dir>-<n>` beside it (n = 2, 3, ...)."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir())):
+        return run_dir
+    n = 2
+    while run_dir.with_name(f"{run_dir.name}-{n}").exists():
+        n += 1
+    return run_dir.with_name(f"{run_dir.name}-{n}")
+
+
+def new_run_overrides(cfg: Config, overrides: list[str]) -> tuple[list[str], Path]:
+    """`--new-run`: the overrides that put this run in a fresh folder, and that folder."""
+    if cfg.checkpoint.dir:
+        raise UsageError(f"--new-run picks a new logging.run_dir, but checkpoint.dir={cfg.checkpoint.dir!r} is set "
+                         "and would be shared with the earlier run", "set checkpoint.dir to a new folder as well, or "
+                         "leave it empty (checkpoints then go into the run folder)")
+    fresh = new_run_dir(Path(cfg.logging.run_dir))
+    return [*overrides, f"logging.run_dir={fresh}"], fresh
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -1,0 +1,65 @@
+"""Bundled configs usable everywhere (#24): `config list|show|copy`, `submit` by name, and README commands that
+name configs the way an installed wheel can resolve them."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+from helpers.readme import readme_commands
+
+from meshformer.cli import main
+from meshformer.config import bundled_configs, load_config
+
+# Commands whose first argument is a config (a TOML file or a bundled name).
+CONFIG_COMMANDS = ("train", "params", "plan", "submit", "grad-report")
+
+
+def test_readme_commands_name_configs_an_installed_wheel_can_find():
+    names = bundled_configs()
+    configs = []
+    for words in readme_commands():
+        if "meshformer.train" in words:
+            configs.append(words[words.index("meshformer.train") + 1])
+        elif len(words) > 2 and words[1] in CONFIG_COMMANDS:
+            configs.append(words[2])
+    assert len(configs) >= 10, configs
+    assert [c for c in configs if c not in names] == [], "README commands must name bundled configs"
+
+
+def test_config_show_prints_the_bundled_file(capsys):
+    main(["config", "show", "tiny-gpt"])
+    assert capsys.readouterr().out == bundled_configs()["tiny-gpt"].read_text()
+    main(["config", "list"])
+    assert capsys.readouterr().out.split() == list(bundled_configs())
+
+
+def test_config_copy_writes_a_file_to_edit_and_never_replaces_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    main(["config", "copy", "tiny-gpt"])
+    assert "meshformer train tiny-gpt.toml" in capsys.readouterr().out
+    assert load_config("tiny-gpt.toml") == load_config("tiny-gpt")
+    (tmp_path / "tiny-gpt.toml").write_text("# my edits\n")
+    with pytest.raises(SystemExit) as info:
+        main(["config", "copy", "tiny-gpt"])
+    assert str(info.value.code).startswith("error: tiny-gpt.toml already exists") and "--overwrite" in str(
+        info.value.code)
+    assert (tmp_path / "tiny-gpt.toml").read_text() == "# my edits\n"
+    (tmp_path / "mine").mkdir()
+    main(["config", "copy", "tiny-bert", "mine"])
+    assert (tmp_path / "mine" / "tiny-bert.toml").read_text() == bundled_configs()["tiny-bert"].read_text()
+    with pytest.raises(SystemExit) as info:
+        main(["config", "show", "tiny-gp"])
+    assert "did you mean 'tiny-gpt'" in str(info.value.code)
+
+
+def test_submit_with_a_bundled_name_names_it_not_a_local_path(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # a folder without configs/: the script must not point at a path that is not there
+    main(["submit", "tiny-gpt", "--dry-run", "--set", "checkpoint.interval=10"])
+    script = capsys.readouterr().out
+    train = shlex.split(script[script.index("-m meshformer.train"):].split("\\\n")[0])
+    assert train[:3] == ["-m", "meshformer.train", "tiny-gpt"], train
+    assert str(tmp_path / "tiny-gpt") not in script
+    (tmp_path / "mine.toml").write_text(bundled_configs()["tiny-gpt"].read_text())
+    main(["submit", "mine.toml", "--dry-run", "--set", "checkpoint.interval=10"])
+    assert f"-m meshformer.train {tmp_path / 'mine.toml'}" in capsys.readouterr().out  # a file: its full path

@@ -1,0 +1,55 @@
+"""`meshformer --help` and `--version` start without importing torch (#24): the command groups that need it are
+imported only when the command line names them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers.common import ROOT
+
+from meshformer.cli import LAZY_COMMANDS, build_parser
+
+PROBE = """
+import sys
+from meshformer.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+print("imported:", sorted(m for m in ("torch", "meshformer.config", "meshformer.data") if m in sys.modules))
+"""
+
+
+def _probe(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["submit", "--help"]])
+def test_help_and_version_import_no_torch(argv):
+    out = _probe(*argv)
+    assert "imported: []" in out.stdout, out.stdout + out.stderr
+    if argv == ["--version"]:
+        assert out.stdout.startswith("meshformer ")
+    if argv == ["--help"]:
+        assert all(name in out.stdout for name in ("train", "config", "data", "convert", "plan", "--version"))
+
+
+def test_a_lazy_command_still_gets_its_whole_parser():
+    out = _probe("data", "prepare", "--help")
+    assert "--out" in out.stdout and "'meshformer.data', 'torch']" in out.stdout
+
+
+def _command_help(parser: argparse.ArgumentParser) -> dict[str, str]:
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {choice.dest: choice.help or "" for choice in commands._choices_actions}
+
+
+def test_the_lazy_listing_says_what_the_commands_themselves_say():
+    full, light = _command_help(build_parser()), _command_help(build_parser(""))
+    assert list(full) == list(light)  # the same commands, in the same order
+    assert {name: full[name] for name in LAZY_COMMANDS} == {name: help for name, (_, help) in LAZY_COMMANDS.items()}
