@@ -61,14 +61,19 @@ def _random_model(cfg: ModelConfig, seed: int = 1) -> Transformer:
     return model
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_export_layout_and_round_trip(name, tmp_path):
-    cfg = CASES[name]
+def _exported(cfg: ModelConfig, tmp_path: Path, *options: str) -> tuple[Transformer, dict, Path]:
+    """A random model, its weights folder (tmp_path/ours) and its export through the CLI (tmp_path/mcore)."""
     model = _random_model(cfg)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     write_weights(state, cfg, tmp_path / "ours")
-    main(["convert", "export-megatron", str(tmp_path / "ours"), str(tmp_path / "mcore"), "--pad-vocab-multiple", "128"])
-    folder = tmp_path / "mcore" / "iter_0000000"
+    main(["convert", "export-megatron", str(tmp_path / "ours"), str(tmp_path / "mcore"), *options])
+    return model, state, tmp_path / "mcore" / "iter_0000000"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_export_layout_and_round_trip(name, tmp_path):
+    cfg = CASES[name]
+    model, state, folder = _exported(cfg, tmp_path, "--pad-vocab-multiple", "128")
     assert (tmp_path / "mcore" / "latest_checkpointed_iteration.txt").read_text() == "0"
     assert json.loads((folder / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
 
@@ -105,11 +110,7 @@ def test_export_layout_and_round_trip(name, tmp_path):
 @pytest.mark.parametrize("name", list(MOE_CASES))
 def test_moe_export_layout_and_round_trip(name, tmp_path):
     cfg = MOE_CASES[name]
-    model = _random_model(cfg)
-    state = {k: v.detach() for k, v in model.state_dict().items()}
-    write_weights(state, cfg, tmp_path / "ours")
-    main(["convert", "export-megatron", str(tmp_path / "ours"), str(tmp_path / "mcore")])
-    folder = tmp_path / "mcore" / "iter_0000000"
+    model, state, folder = _exported(cfg, tmp_path)
     shapes = {k: tuple(v.size) for k, v in tensor_entries(read_metadata(folder)).items()}
     e, f, d = cfg.n_experts, cfg.expert_d_ff, cfg.d_model
     if name == "qwen3_moe":  # all layers alike: stacked on a layer axis, experts on the next
