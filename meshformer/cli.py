@@ -13,6 +13,8 @@ from pathlib import Path
 from meshformer.errors import DEBUG_ENV, ArgumentParser, UsageError, run_command
 from meshformer.launcher import cli as launcher_cli  # light: its commands import what they need when they run
 
+CONFIG_HELP = "bundled config name (`meshformer config list`) or TOML file"
+
 # Command groups whose modules import torch: imported only when the command line names one, so that `--help` and
 # `--version` start at once. command -> (module with add_cli, its line in `meshformer --help`).
 LAZY_COMMANDS = {
@@ -222,10 +224,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model from a TOML config")
-    train.add_argument("config")
+    train.add_argument("config", help=CONFIG_HELP)
     train.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="e.g. train.steps=200")
     train.add_argument("--nproc-per-node", type=int, default=1, help="start torchrun with this many processes")
-    train.add_argument("--nnodes", type=int, default=1)
+    train.add_argument("--nnodes", type=int, default=1, help="nodes of a multi-node torchrun launch")
     train.add_argument("--rdzv-endpoint", default="127.0.0.1:29500", help="host:port of the first node")
     train.add_argument("--init-from", metavar="HF_FOLDER",
                        help="start from a Hugging Face model folder (= --set checkpoint.init_from=hf:HF_FOLDER)")
@@ -237,35 +239,35 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     train.set_defaults(func=_train)
 
     params = sub.add_parser("params", help="parameter count and training FLOPs per token of a config")
-    params.add_argument("config")
-    params.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
-    params.add_argument("--json", action="store_true")
+    params.add_argument("config", help=CONFIG_HELP)
+    params.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides")
+    params.add_argument("--json", action="store_true", help="print the counts as JSON")
     params.set_defaults(func=_params)
 
     gen = sub.add_parser("generate", help="greedy decoding (KV cache) from a run's final weights")
     gen.add_argument("weights", help="folder with model.safetensors, e.g. runs/tiny-gpt/final")
     gen.add_argument("--prompt", action="append", help="text to continue; repeat for a batch (one output line each)")
     gen.add_argument("--prompts-file", help="more prompts, one a line (blank lines skipped)")
-    gen.add_argument("--max-new-tokens", type=int, default=48)
+    gen.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt")
     gen.add_argument("--tokenizer", help=TOKENIZER_HELP)
     gen.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each step")
     gen.set_defaults(func=_generate)
 
     attn = sub.add_parser("attention-map", help="PNG heatmap of one attention head for an input text")
     attn.add_argument("weights", help="folder with model.safetensors, e.g. runs/tiny-gpt/final")
-    attn.add_argument("--text", required=True)
+    attn.add_argument("--text", required=True, help="the text whose attention is drawn")
     attn.add_argument("--target", help="decoder text for encoder-decoder models (default: --text)")
-    attn.add_argument("--layer", type=int, default=0)
-    attn.add_argument("--head", type=int, default=0)
+    attn.add_argument("--layer", type=int, default=0, help="block index")
+    attn.add_argument("--head", type=int, default=0, help="attention head index")
     attn.add_argument("--stack", choices=["encoder", "decoder", "cross"], help="default: the model's main stack")
-    attn.add_argument("--out", default="attention.png")
+    attn.add_argument("--out", default="attention.png", help="PNG file to write")
     attn.add_argument("--tokenizer", help=TOKENIZER_HELP)
     attn.set_defaults(func=_attention_map)
 
     grad = sub.add_parser("grad-report", help="per-parameter gradient norms on one training batch")
-    grad.add_argument("config")
+    grad.add_argument("config", help=CONFIG_HELP)
     grad.add_argument("--weights", help="folder with model.safetensors (default: fresh init from the config)")
-    grad.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE")
+    grad.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides")
     grad.set_defaults(func=_grad_report)
 
     config = sub.add_parser("config", help="list the bundled configs, or write one out for reading or editing")

@@ -56,8 +56,26 @@ class SubmitError(MeshformerError, RuntimeError):
     """A job that cannot be submitted (SLURM training runs, `data submit-prepare`): the problem and its fix."""
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written (the commands' docstrings), and every option's help ending with its default, where
+    it has one worth saying and the text does not say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        quiet = action.default is None or action.default is False or action.default == [] or \
+            action.default is argparse.SUPPRESS
+        if action.option_strings and not quiet and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """Command-line usage mistakes in the same one-line form (subcommands' parsers are of this class too)."""
+    """Command-line usage mistakes in the same one-line form (subcommands' parsers are of this class too), and
+    help that gives each option's default."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"error: {message} — see `{self.prog} --help`\n")

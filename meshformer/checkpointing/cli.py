@@ -238,14 +238,14 @@ def _verify(args: argparse.Namespace) -> Path:
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
     convert = subparsers.add_parser("convert", help="convert checkpoints: safetensors, Hugging Face, Megatron-Core",
-                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                    description=__doc__)
     sub = convert.add_subparsers(dest="conversion", required=True)
 
     def command(name: str, func, help_text: str) -> argparse.ArgumentParser:
         parser = sub.add_parser(name, help=help_text)
-        parser.add_argument("src")
+        parser.add_argument("src", help="the folder to read (a run's checkpoints/export, an HF or Megatron folder)")
         if name != "verify":
-            parser.add_argument("out")
+            parser.add_argument("out", help="the folder to write (replaced only with --overwrite)")
         if name in ("to-safetensors", "export-hf", "import-hf", "import-megatron"):
             parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, type=_shard_size,
                                 help="largest safetensors file written (e.g. 5GB, 500MB; HF-style shards + index "
@@ -268,7 +268,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     command("import-hf", _import_hf, "Hugging Face folder -> weights folder").add_argument(
         "--checkpoint", action="store_true", help="write a weights-only checkpoint instead of a weights folder")
     megatron_out = command("export-megatron", _export_megatron, "-> Megatron-Core torch_dist GPT checkpoint")
-    megatron_out.add_argument("--iteration", type=_count(0), default=0)
+    megatron_out.add_argument("--iteration", type=_count(0), default=0, help="the iter_<N> folder to write")
     megatron_out.add_argument("--pad-vocab-multiple", type=_count(1), default=1,
                               help="pad the vocabulary as Megatron does (make_vocab_size_divisible_by x TP)")
     megatron_in = command("import-megatron", _import_megatron, "Megatron-Core torch_dist GPT checkpoint -> weights")

@@ -33,7 +33,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     data = subparsers.add_parser("data", help="prepare training data")
     sub = data.add_subparsers(dest="data_command", required=True)
     p = sub.add_parser("prepare", help="corpus -> tokenizer -> WebDataset shards + manifest",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__)
     _prepare_arguments(p)
     p._negative_number_matcher = _PART_OR_NUMBER  # `--part -1/2` is a (wrong) value, not an unknown option
     p.add_argument("--part", default="0/1",
@@ -44,7 +44,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run_prepare)
     s = sub.add_parser("submit-prepare", help="run a prepare as SLURM array jobs (map, reduce, merge)",
-                       description=submit_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=submit_doc)
     _prepare_arguments(s)
     s.add_argument("--parts", type=int, required=True, help="array tasks per stage (machines sharing the work)")
     s.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
@@ -75,8 +75,8 @@ def _prepare_arguments(p: argparse.ArgumentParser) -> None:
                         "repeatable), e.g. --include '*' or --include '*.log' (default: files named as a corpus "
                         "format or recognised by content; other text files are an error)")
     p.add_argument("--pairs", action="store_true", help="JSONL source/target pairs for seq2seq")
-    p.add_argument("--src-field", default="src")
-    p.add_argument("--tgt-field", default="tgt")
+    p.add_argument("--src-field", default="src", help="JSONL field of the source text (translation pairs)")
+    p.add_argument("--tgt-field", default="tgt", help="JSONL field of the target text (translation pairs)")
     p.add_argument("--eval-fraction", type=float, default=0.02, help="share of documents held out")
     p.add_argument("--seed", type=int, default=1234, help="document shuffle seed")
     p.add_argument("--shard-records", type=int, default=None, help="records per shard (default ~16M tokens)")

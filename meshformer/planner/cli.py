@@ -97,7 +97,7 @@ def _plan(args: argparse.Namespace) -> None:
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser("plan", help="memory per rank of a layout at any world size, and the layouts that fit")
-    plan.add_argument("config")
+    plan.add_argument("config", help="bundled config name or TOML file")
     plan.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
     plan.add_argument("--gpu", choices=sorted(DEVICES), default="h100-80gb", help="device whose memory to fit")
     plan.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="e.g. parallel.tp=8")
@@ -106,5 +106,5 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                       help="MoE: tokens an expert-parallel rank's experts receive, over the balanced load "
                            f"(default {MOE_IMBALANCE}; dropless worst case: ep)")
     plan.add_argument("--no-search", action="store_true", help="only the configured layout")
-    plan.add_argument("--json", action="store_true")
+    plan.add_argument("--json", action="store_true", help="print the plans as JSON")
     plan.set_defaults(func=_plan)

@@ -53,3 +53,26 @@ def test_the_lazy_listing_says_what_the_commands_themselves_say():
     full, light = _command_help(build_parser()), _command_help(build_parser(""))
     assert list(full) == list(light)  # the same commands, in the same order
     assert {name: full[name] for name in LAZY_COMMANDS} == {name: help for name, (_, help) in LAZY_COMMANDS.items()}
+
+
+def test_every_option_of_every_command_says_what_it_is_and_its_default():
+    import argparse
+
+    from meshformer.cli import build_parser
+
+    def options(parser: argparse.ArgumentParser, path: str):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from options(sub, f"{path} {name}")
+            elif not isinstance(action, argparse._HelpAction):
+                yield path, action, parser
+
+    seen = 0
+    for path, action, parser in options(build_parser(), "meshformer"):
+        seen += 1
+        assert action.help, f"{path} {'/'.join(action.option_strings) or action.dest} has no help"
+        if action.option_strings and isinstance(action.default, (int, float, str)) and action.default is not False:
+            flat = " ".join(parser.format_help().split())  # argparse wraps lines
+            assert str(action.default) in flat, f"{path} {action.option_strings[0]}: default not in its help"
+    assert seen > 100
