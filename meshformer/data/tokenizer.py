@@ -67,7 +67,10 @@ class Tokenizer:
         self.sentinel_ids: list[int] = sentinels
         self.config_roles: dict[str, int] | None = None  # roles read from a tokenizer_config.json, saved with it
         self.json: str = hf.to_str()
-        self.sha256: str = hashlib.sha256(self.json.encode("utf-8")).hexdigest()
+        # Roles from a tokenizer_config.json decide the EOS packed between documents: they are part of the identity
+        # (shard caches and manifests key on it); a tokenizer without them keeps the plain file hash
+        identity = self.json + (f"\n{json.dumps(sorted(special.items()))}" if special else "")
+        self.sha256: str = hashlib.sha256(identity.encode("utf-8")).hexdigest()
         self.special_ids: list[int] = sorted({self.pad_id, self.bos_id, self.eos_id, *sentinels}
                                              | {i for i in (self.unk_id, self.mask_id) if i is not None}
                                              | set(_added_special_ids(hf)))

@@ -341,6 +341,8 @@ def test_hugging_face_tokenizer_folder(tmp_path):
     again = load_tokenizer(str(tmp_path / "o" / "tokenizer.json"))
     assert (again.eos_id, again.bos_id, again.sha256) == (tok.eos_id, tok.bos_id, tok.sha256)
     assert tok.eos_id in all_records(tmp_path / "o").tolist()  # documents are packed with that EOS
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|begin_of_text|>"}))
+    assert load_tokenizer(str(folder)).sha256 != tok.sha256  # another EOS between documents: another tokenizer
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>"}))
     with pytest.raises(ValueError, match=r"names eos_token '<\|eot_id\|>', which is not in its tokenizer.json"):
         load_tokenizer(str(folder))
