@@ -24,6 +24,8 @@ ARCHS: dict[str, dict[str, Any]] = {
     # no sliding window: the function of a Llama, so only a run's note says to export it as Mistral again
     "mistral": dict(config="MistralConfig", model="MistralForCausalLM", tie_word_embeddings=False,
                     sliding_window=None),
+    # Q/K/V biases only
+    "qwen2": dict(config="Qwen2Config", model="Qwen2ForCausalLM", tie_word_embeddings=False),
     # head_dim != hidden_size / heads, QK-norm, tied embeddings
     "qwen3": dict(config="Qwen3Config", model="Qwen3ForCausalLM", tie_word_embeddings=True, head_dim=16),
     # post-sublayer norms, QK-norm over the whole projections
