@@ -151,10 +151,6 @@ def validate_parallel(cfg: Config, world_size: int, device: torch.device | str |
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     device_type = torch.device(device).type if device is not None else _configured_device_type(cfg)
     check_context_parallel(cfg, dims)
-    if cfg.model.qk_norm_scope == "projection" and dims.tp > 1:
-        raise ConfigError(f"parallel.tp={dims.tp}: model.qk_norm_scope='projection' (OLMo 2) normalises over every "
-                          "head at once, which tensor parallel splits across ranks",
-                          "use parallel.tp=1 (FSDP, HSDP, CP and PP run it)")
     if cfg.model.position == "t5_relative" and (dims.tp > 1 or dims.pp > 1):
         # TP would have to slice the bias per rank's heads and PP to share each stack's table between stages.
         raise ConfigError(f"parallel.tp={dims.tp}, parallel.pp={dims.pp}: t5_relative position bias is not supported "

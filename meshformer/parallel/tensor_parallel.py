@@ -11,7 +11,9 @@ Layout of the activations (tp ranks, sequence T, hidden D):
   none), so encoder memory is replicated for cross-attention pooling and every decoder layer, and the head
   sees full sequences;
 - the output projection is vocabulary-sharded and stays sharded: `vocab_parallel_cross_entropy` never
-  materialises full-vocabulary logits.
+  materialises full-vocabulary logits;
+- a QK-norm over the whole projection (OLMo 2) holds its heads' slice of the weight and sums the mean square
+  over the tensor-parallel ranks (one all-reduce of a (B, T, 1) tensor per norm).
 
 Parameters that are not split (position tables, embedding norm, BERT head transform) only ever see
 replicated activations and replicated gradients, so they stay plain tensors and need no extra reduction.
@@ -29,9 +31,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import torch
+import torch.distributed.nn.functional as dist_nn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -87,6 +90,7 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, *, float8_gather
         for key, block in layers.items():
             parallelize_module(block, mesh, _plan(block, _block_rules(block, spec.tp_rules), float8_gather))
             _local_buffers(block)
+            _split_projection_norms(block, cfg, mesh)
             if key == "0":  # enter sequence parallel: slice the replicated embedding output
                 parallelize_module(block, mesh, PrepareModuleInput(
                     input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None), use_local_output=True))
@@ -105,6 +109,33 @@ def _block_rules(block: nn.Module, rules: TensorParallelRules) -> Mapping[str, s
     if not isinstance(getattr(block, "ffn", None), MoEFeedForward):
         return rules.block
     return {**{path: style for path, style in rules.block.items() if path.split(".")[0] != "ffn"}, **rules.moe_block}
+
+
+class HeadShardedRMSNorm(nn.Module):
+    """RMSNorm over a width the tensor-parallel ranks split by heads (OLMo 2's QK-norm over a whole projection):
+    this rank's slice of the weight (a Shard(0) DTensor) and the mean square summed over the ranks."""
+
+    def __init__(self, norm: nn.RMSNorm, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.width, self.eps = norm.normalized_shape[0], norm.eps
+        self.offset = getattr(norm, "offset", 0.0)  # Gemma's (1 + weight) scale
+        self.group = mesh.get_group()
+        whole = (norm.weight.to_local() if isinstance(norm.weight, DTensor) else norm.weight).detach()  # replicated
+        self.weight = nn.Parameter(distribute_tensor(whole, mesh, [Shard(0)]), norm.weight.requires_grad)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        squares = dist_nn.all_reduce(x.float().pow(2).sum(-1, keepdim=True), group=self.group)  # backward: summed
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        normed = (x.float() * torch.rsqrt(squares / self.width + eps)).type_as(x)
+        return normed * (self.weight.to_local() + self.offset)  # type: ignore[attr-defined]
+
+
+def _split_projection_norms(block: nn.Module, cfg: ModelConfig, mesh: DeviceMesh) -> None:
+    if not cfg.qk_norm or cfg.qk_norm_scope != "projection":
+        return
+    for attention in (m for m in block.modules() if hasattr(m, "qk_norm_scope")):
+        for name in ("q_norm", "k_norm"):
+            setattr(attention, name, HeadShardedRMSNorm(getattr(attention, name), mesh))
 
 
 def _local_buffers(module: nn.Module) -> None:

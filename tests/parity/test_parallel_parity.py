@@ -20,6 +20,7 @@ WORLD2 = [
     # Gemma's block options (sandwich norms, window pattern with two RoPE bases, soft-capping) under every axis;
     # OLMo 2's whole-projection QK-norm and post-sublayer norms with each sequence split
     "decoder_gemma/tp", "decoder_gemma/fsdp", "decoder_gemma/cp", "decoder_gemma/pp-sched=1f1b", "decoder_olmo2/cp",
+    "decoder_olmo2/tp",  # QK-norm over whole projections: each rank its heads' weight slice, mean square summed
     # pipeline: every schedule (2 stages per rank for the interleaved / V ones)
     "decoder/pp-sched=gpipe", "decoder/pp-sched=1f1b", "decoder/pp-sched=interleaved_1f1b-spr=2",
     "decoder/pp-sched=interleaved_zb-spr=2", "decoder/pp-sched=zbv",
@@ -63,6 +64,7 @@ WORLD4 = [
     "decoder/cp-fsdp", "decoder_alibi/cp-fsdp-recompute=selective", "decoder/cp-tp", "decoder/cp-pp-sched=zbv",
     "decoder/cp=4",  # 8 pieces of 2 tokens
     "encoder/cp-fsdp",
+    "decoder_olmo2/tp-fsdp",
 ]
 WORLD8 = ["decoder/pp-fsdp-tp", "encdec/pp-fsdp-tp-sched=interleaved_1f1b-spr=2",
           "decoder/cp-hsdp", "decoder/cp-pp-tp"]  # context parallel with HSDP; all of pp x cp x tp

@@ -135,15 +135,6 @@ def test_logit_softcap_trains_with_the_plain_loss_only():
         resolve_loss(cfg, dims, "cpu")
 
 
-def test_whole_projection_qk_norm_refuses_tensor_parallel():
-    from meshformer.parallel_dims import validate_parallel
-
-    cfg = config_with(**OLMO2)
-    cfg.parallel.tp = 2
-    with pytest.raises(ConfigError, match="qk_norm_scope='projection'.*; use parallel.tp=1"):
-        validate_parallel(cfg, 2, "cpu")
-
-
 def test_planner_counts_the_sandwich_norms_and_the_capped_scores():
     from meshformer.planner.activations import FP32, ActivationShape, block_saved
 
