@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,8 +14,6 @@ from meshformer.checkpointing.errors import CheckpointError
 # DCP reports a failed write as CheckpointException, which derives from BaseException: name it to catch it.
 SAVE_FAILURES = (Exception, CheckpointException)
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
-# safetensors (Rust) reports an I/O error as text only: "... No space left on device (os error 28)".
-_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
 def root_causes(err: BaseException) -> list[BaseException]:
@@ -37,11 +34,7 @@ def root_causes(err: BaseException) -> list[BaseException]:
 
 
 def os_errno(err: BaseException) -> int | None:
-    """The errno of an OSError, or of an I/O error a Rust extension reported as text."""
-    if isinstance(err, OSError):
-        return err.errno
-    match = _RUST_OS_ERROR.search(str(err))
-    return int(match.group(1)) if match else None
+    return err.errno if isinstance(err, OSError) else None
 
 
 def is_disk_full(err: BaseException) -> bool:
