@@ -419,6 +419,14 @@ def nan_step_check() -> dict[str, Any]:
     return {"ranks": per_rank, "params": len(params)}
 
 
+def group_counts() -> list[int]:
+    """Process groups each rank created so far: new_group is collective and names groups by a per-rank counter, so
+    a rank that created fewer (e.g. a pipeline stage without MoE layers) would hang the next group's rendezvous."""
+    counts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, dist.distributed_c10d._world.group_count)
+    return counts
+
+
 def vocab_parallel_loss_check() -> dict[str, Any]:
     """The vocab-parallel cross-entropy alone against cross_entropy_sum on full logits (world = tp)."""
     from meshformer.loss.cross_entropy import cross_entropy_sum
@@ -442,6 +450,7 @@ def vocab_parallel_loss_check() -> dict[str, Any]:
         expected = ref_grad[..., rank * shard:(rank + 1) * shard]
         worst_grad = max(worst_grad, ((local.grad - expected).abs().max() / expected.abs().max()).item())
     return {"loss_rel": [worst_loss], "grad_rel": worst_grad, "norm_rel": 0.0, "missing": [], "checked": 1,
+            "group_counts": group_counts(),
             "worst": "logits", "kernels": {}}
 
 
@@ -512,11 +521,7 @@ def run_scenario(name: str) -> dict[str, Any]:
     report["checked"] = len(checked)
     report["kernels"] = plan.report
     report["float8_gathers"] = float8_gathers
-    # Process groups each rank created so far: new_group is collective and names groups by a per-rank counter, so
-    # a rank that created fewer (e.g. a pipeline stage without MoE layers) would hang the next group's rendezvous
-    group_counts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(group_counts, dist.distributed_c10d._world.group_count)
-    report["group_counts"] = group_counts
+    report["group_counts"] = group_counts()
     if cfg.model.n_experts:  # what the run log shows of the MoE layers: every layer, whichever stage holds it
         report["moe_scalars"] = sorted(plan.moe_scalars())
     if family in SELECTION_BIAS:  # the step loads (global: summed over every rank) of this rank's first MoE layer

@@ -130,7 +130,7 @@ def test_trainer_trains_it(family, tmp_path):
 
 
 # Conversions from foreign architectures name the family they produce; nothing else may.
-CONVERSIONS = {"checkpointing/hf.py", "checkpointing/megatron.py"}
+CONVERSIONS = {"checkpointing/hf.py", "checkpointing/megatron.py", "checkpointing/megatron_config.py"}
 
 
 def _names_family(node: ast.AST) -> bool:
