@@ -78,6 +78,7 @@ def test_a_rank_killed_by_a_signal_is_named_in_one_line(tmp_path):
     assert "rank 1" in line and "killed by SIGKILL" in line and "out-of-memory" in line, line
 
 
+@pytest.mark.slow  # a launch per word, ~1 min
 def test_debug_switch_takes_only_yes_words():
     bad = ("train", CFG, "--set", "train.steps=0")
     for value in ("0", "no", "false", "off", ""):

@@ -42,6 +42,7 @@ def test_vs_nanogpt_tiny(isolate):
     assert record["ratio"] == pytest.approx(record["ours_tokens_per_s"] / record["reference_tokens_per_s"], rel=0.01)
 
 
+@pytest.mark.slow  # ~1 min
 def test_profile_step_tiny():
     records = run_bench("profile_step.py", "--shape", "tiny", "--dtype", "bf16", "--steps", "1", "--threads", "1")
     assert [r["side"] for r in records] == ["reference", "ours"]

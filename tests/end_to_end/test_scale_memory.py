@@ -135,10 +135,12 @@ def _ratios(results: dict[str, list[dict]], phase: str, key: str = "ratio") -> l
     return ratios
 
 
+@pytest.mark.slow  # 8 gloo ranks, ~2 min
 def test_fsdp_run_and_final_save_never_hold_the_model(phases):
     assert max(_ratios(phases, "train")) < BOUND
 
 
+@pytest.mark.slow  # 8 gloo ranks, ~2 min
 def test_fsdp_resume_places_tensors_into_their_shards(phases):
     assert all(r["resumed"] for r in phases["resume"] + phases["weights_only"])
     for phase, load_bound in LOAD_BOUNDS.items():

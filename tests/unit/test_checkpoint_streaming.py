@@ -104,6 +104,7 @@ def _peak_rss(args: list[str]) -> int:
     return int(out.stdout.split("PEAK")[-1])
 
 
+@pytest.mark.slow  # every conversion of a 100M model, ~1.5 min
 def test_conversions_never_hold_the_whole_model(tmp_path):
     """Peak RSS of import-hf, to-safetensors and import-megatron on a 60 MiB model, less the same
     on a tiny one, stays well under the model (a full state dict would be 1-2x): one tensor (1 MiB; for Megatron
