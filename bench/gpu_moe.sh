@@ -4,15 +4,15 @@
 # fine-grained one (d 2048, 128 experts of 768, top-8, 8192 tokens), balanced and skewed routing, grouped_mm vs
 # padded vs loop vs the dense FFN of the same active FLOPs, synchronised timing, ratios in one run.
 # Each result is one JSON line appended to $OUT/results.jsonl as soon as it exists; each item has its own timeout,
-# capped by what is left of SUITE_BUDGET_S (240 s), so one hang cannot eat the run. Logs: $OUT/<item>.log.
+# capped by what is left of SUITE_BUDGET_S (420 s), so one hang cannot eat the run. Logs: $OUT/<item>.log.
 #
 #   OUT=/tmp/moe-out bash bench/gpu_moe.sh      # on the GPU machine, from the repository root (~2-3 min)
 #   SMOKE=1 bash bench/gpu_moe.sh               # CPU dry run with tiny shapes (also: --dry-run)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [[ "${1:-}" == "--dry-run" || "${SMOKE:-0}" == 1 ]] && DRY=1 || DRY=0
-# 240 s on the GPU; the CPU dry run only proves the items run, on a possibly busy machine: no tight budget there
-BUDGET=${SUITE_BUDGET_S:-$(( DRY ? 900 : 240 ))}
+# 420 s on the GPU; the CPU dry run only proves the items run, on a possibly busy machine: no tight budget there
+BUDGET=${SUITE_BUDGET_S:-$(( DRY ? 900 : 420 ))}
 source bench/gpu_common.sh "$@"
 
 ML="python3 bench/moe_layer.py"
@@ -23,6 +23,9 @@ else
   # CUDA init + first cuBLAS/grouped-GEMM calls are in each item's warm-up round; 5 timed rounds per side
   item moe_mixtral 100 $ML --device cuda --dtype bf16 --shape mixtral-reduced --rounds 5
   item moe_qwen3 100 $ML --device cuda --dtype bf16 --shape qwen3-moe --rounds 5
+  # both sides under torch.compile, as `train.compile` runs them: inductor fuses the layer's routing/combine glue
+  item moe_mixtral_compiled 120 $ML --device cuda --dtype bf16 --shape mixtral-reduced --rounds 5 --backend grouped_mm --compile
+  item moe_qwen3_compiled 120 $ML --device cuda --dtype bf16 --shape qwen3-moe --rounds 5 --backend grouped_mm --compile
   # The training-side items, where the GPU makes minutes of CPU training take seconds (their JSON is in the logs):
   # tiny-moe vs tiny-gpt at equal active parameters, and the load balance with none / aux loss / bias balancing.
   item moe_vs_dense 170 python3 bench/moe_vs_dense.py --steps ${CURVE_STEPS:-1000} --eval-interval 100 --concurrent \

@@ -96,7 +96,7 @@ def backend_runs(backend: str, device: torch.device, dtype: torch.dtype, cfg: Mo
 
 
 def measure(shape: str, routing: str, device: torch.device, dtype: torch.dtype, rounds: int, skew: float,
-            backends: list[str]) -> dict:
+            backends: list[str], profile: bool = False, compile_: bool = False) -> dict:
     moe_cfg, dense_cfg = configs(shape)
     tokens = SHAPES[shape][-1]
     g = torch.Generator().manual_seed(0)
@@ -123,10 +123,14 @@ def measure(shape: str, routing: str, device: torch.device, dtype: torch.dtype, 
 
     def fwd_bwd(fn: Callable[[], torch.Tensor], g: torch.Tensor) -> Callable[[], None]:
         def step() -> None:
+            for p in (*moe.parameters(), *dense.parameters(), xin, xs):
+                p.grad = None  # each step writes its gradients afresh, as one micro-batch per step does
             fn().backward(g)
         return step
 
-    sides: dict[str, Callable[[], None]] = {"dense": fwd_bwd(lambda: dense(xin), grad)}
+    # compiled: the layer's elementwise glue (routing, combine) fused by inductor, as `train.compile` runs it
+    run_dense, run_moe = (torch.compile(dense), torch.compile(moe)) if compile_ else (dense, moe)
+    sides: dict[str, Callable[[], None]] = {"dense": fwd_bwd(lambda: run_dense(xin), grad)}
     skipped: dict[str, str] = {}
     grad_slots = torch.randn(xs.shape, generator=g).to(device, dtype)
     for backend in backends:
@@ -138,7 +142,7 @@ def measure(shape: str, routing: str, device: torch.device, dtype: torch.dtype, 
         def layer_side(b: str = backend) -> torch.Tensor:
             # the layer's experts read their backend from here (set from moe_backend when built)
             ex.backend = cast(Literal["loop", "padded", "grouped_mm"], b)
-            return moe(xin)
+            return run_moe(xin)
 
         def compute_side(b: str = backend) -> torch.Tensor:
             return COMPUTE[b](xs, counts, ex.gate_proj, ex.up_proj, ex.down_proj, ex.act)
@@ -149,8 +153,6 @@ def measure(shape: str, routing: str, device: torch.device, dtype: torch.dtype, 
     times: dict[str, list[float]] = {name: [] for name in sides}
     for rnd in range(rounds + 1):
         for name, step in list(sides.items()):
-            for p in (*moe.parameters(), *dense.parameters(), xin, xs):
-                p.grad = None
             synchronize(device)
             start = time.perf_counter()
             try:
@@ -173,7 +175,8 @@ def measure(shape: str, routing: str, device: torch.device, dtype: torch.dtype, 
         "d_model": moe_cfg.d_model, "n_experts": moe_cfg.n_experts, "experts_per_token": moe_cfg.experts_per_token,
         "moe_d_ff": moe_cfg.expert_d_ff, "n_shared_experts": moe_cfg.n_shared_experts, "dense_d_ff": dense_cfg.d_ff,
         "tokens": tokens, "threads": torch.get_num_threads(), "load_1min": round(os.getloadavg()[0], 2),
-        "rounds": rounds, "max_over_mean_load": round((counts.max() / counts.float().mean()).item(), 3),
+        "rounds": rounds, "compiled": compile_,
+        "max_over_mean_load": round((counts.max() / counts.float().mean()).item(), 3),
         "dense_ms": round(ms["dense"], 3), "dense_tokens_per_s": round(dense_tps, 1), "backends": {},
         "skipped": skipped,
     }
@@ -191,7 +194,58 @@ def measure(shape: str, routing: str, device: torch.device, dtype: torch.dtype, 
     if ran:
         best = max(ran, key=lambda b: ran[b]["ratio"])
         record |= {"best_backend": best, "best_ratio": ran[best]["ratio"]}
+        if profile:
+            record["profile"] = {side: top_kernels(sides[side], device) for side in ("dense", f"layer:{best}")}
     return record
+
+
+def host_syncs(step: Callable[[], None]) -> list[str]:
+    """Where one step makes the host wait for the GPU (torch's sync debug mode): each stalls the launch queue."""
+    import traceback
+    import warnings
+
+    found: list[str] = []
+
+    def note(message, *_args, **_kwargs) -> None:
+        if "synchronizing" in str(message):
+            here = [f for f in traceback.extract_stack() if "meshformer" in f.filename]
+            found.append(f"{here[-1].filename.rsplit('/', 1)[-1]}:{here[-1].lineno}" if here else "outside meshformer")
+
+    shown, warnings.showwarning = warnings.showwarning, note
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = shown
+    return found
+
+
+def top_kernels(step: Callable[[], None], device: torch.device, steps: int = 3, top: int = 20) -> dict:
+    """Where one side's time goes: its `top` operators by self time on the device per step, and the device's busy
+    time per step against the (profiled) wall time: the gap is the device waiting for the host; and on CUDA the
+    places in meshformer that synchronise the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        synchronize(device)
+    wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    syncs = host_syncs(step) if device.type == "cuda" else None
+    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    averages = prof.key_averages()
+    # kernels only (device events have no CPU-side children): the device's busy time per step
+    busy = sum(e.self_device_time_total for e in averages if e.device_type.name == "CUDA") / 1e3 / steps
+    events = sorted(averages, key=lambda e: getattr(e, attr), reverse=True)[:top]
+    return {"wall_ms_profiled": round(wall_ms, 3), "device_busy_ms": round(busy, 3), "host_syncs": syncs,
+            "top": [{"op": e.key[:80], "ms": round(getattr(e, attr) / 1e3 / steps, 3), "calls": e.count // steps}
+                    for e in events]}
 
 
 def main() -> None:
@@ -204,6 +258,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--skew", type=float, default=2.0, help="skewed routing's target max/mean expert load")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--compile", action="store_true", help="time both sides compiled with torch.compile")
+    parser.add_argument("--profile", action="store_true",
+                        help="also record where the dense side's and the best backend's time goes (top operators)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -213,7 +270,7 @@ def main() -> None:
     for shape in args.shape:
         for routing in args.routing:
             print(json.dumps(measure(shape, routing, device, DTYPES[args.dtype], args.rounds, args.skew,
-                                     args.backend)), flush=True)
+                                     args.backend, args.profile, args.compile)), flush=True)
 
 
 if __name__ == "__main__":

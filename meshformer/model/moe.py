@@ -237,6 +237,26 @@ class _WithBalanceLoss(torch.autograd.Function):
         return grad, torch.full_like(balance, ctx.weight), None
 
 
+class _GatherRows(torch.autograd.Function):
+    """`x[index // k]` for a permutation `index` of the rows x would have with each repeated k times, and `inverse`
+    its inverse. The backward gathers too (row i's gradient is the sum of its k rows at `inverse`), where indexing's
+    backward would scatter-add, atomically or after a sort: on a GPU the permutation's largest cost."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return x.index_select(0, index // k if k > 1 else index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        (inverse,) = ctx.saved_tensors
+        rows = grad.index_select(0, inverse)
+        if ctx.k > 1:
+            rows = rows.view(-1, ctx.k, grad.shape[1]).sum(1)
+        return rows, None, None, None
+
+
 class MoEFeedForward(nn.Module):
     """router -> top-k -> tokens sorted by expert -> experts -> weighted sum back per token (+ shared experts).
 
@@ -285,11 +305,16 @@ class MoEFeedForward(nn.Module):
             rank = torch.arange(order.numel(), device=x.device) - (routed.cumsum(0) - routed)[slots[order]]
             order = order[rank < capacity]
             counts = routed.clamp(max=capacity)
-        out = self.experts(flat[order // k], counts)
-        # Each result back to its token-slot (token * k + j), a permutation (dropped slots stay zero), then each
-        # token's k slots weighted and summed: no atomic scatter-add
-        by_slot = out.new_zeros(n * k, out.shape[1]).index_copy(0, order, out).view(n, k, -1)
-        result = (by_slot * routing.weights.unsqueeze(-1).to(out.dtype)).sum(1).view_as(x)
+        if order.numel() == n * k:  # dropless: `order` is a permutation of the token-slots
+            position = torch.empty_like(order).scatter_(0, order, torch.arange(n * k, device=x.device))
+            out = self.experts(_GatherRows.apply(flat, order, position, k), counts)
+            by_slot = _GatherRows.apply(out, position, order, 1)  # each result back to its slot token * k + j
+        else:  # some slots dropped for capacity: they stay zero
+            out = self.experts(flat[order // k], counts)
+            by_slot = out.new_zeros(n * k, out.shape[1]).index_copy(0, order, out)
+        # each token's k results weighted and summed: no atomic scatter-add
+        weights = routing.weights.unsqueeze(-1).to(by_slot.dtype)
+        result = (by_slot.view(n, k, -1) * weights).sum(1).view_as(x)
         balance = self._balance(x, logits, routing, routed, order.numel())
         if balance is not None:
             result = _WithBalanceLoss.apply(result, balance, self.balance_weight)
@@ -309,9 +334,9 @@ class MoEFeedForward(nn.Module):
         n = logits.shape[0]
         probs = routing.scores / routing.scores.sum(-1, keepdim=True)  # (N, E), per token summing to 1
         lse_sq = logits.logsumexp(-1).square()
-        counted = torch.full((2,), float(n), device=x.device)  # filled on the device: no host-to-device copy
-        counted[1] = kept
-        local = torch.cat([routed.float(), probs.detach().sum(0), lse_sq.detach().sum().view(1), counted])
+        # filled on the device: writing a Python number into a device tensor is a host-to-device copy, a sync
+        counted = [torch.full((1,), float(v), device=x.device) for v in (n, kept)]
+        local = torch.cat([routed.float(), probs.detach().sum(0), lse_sq.detach().sum().view(1), *counted])
         total = local if group is None else group.sum(local)
         counts, prob_sum = total[:n_experts], total[n_experts:2 * n_experts]
         lse_sq_sum, tokens, kept_total = total[2 * n_experts:].unbind()

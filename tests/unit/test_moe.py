@@ -111,6 +111,29 @@ def test_every_compute_path_gives_the_same_output_and_gradients(extra):
             torch.testing.assert_close(grad, ref_grads[name], msg=name)
 
 
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_the_layer_equals_a_per_token_sum_of_its_experts_forward_and_backward(k):
+    """Against the definition, token by token: the permutation around the experts (a gather whose backward
+    gathers too) must neither lose nor double any token's gradient."""
+    cfg = replace(SMALL, experts_per_token=k, router_renormalize=False)
+    moe = layer(cfg)
+    reference = copy.deepcopy(moe)
+    x = torch.randn(2, 5, cfg.d_model, generator=torch.Generator().manual_seed(3))
+    probe = torch.randn(2, 5, cfg.d_model, generator=torch.Generator().manual_seed(4))
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (moe(xa) * probe).sum().backward()
+    e, flat = reference.experts, xb.view(-1, cfg.d_model)
+    routing = route(reference.router(flat), k, renormalize=False)
+    rows = []
+    for t in range(flat.shape[0]):
+        rows.append(sum(w * (F.silu(flat[t] @ e.gate_proj[i]) * (flat[t] @ e.up_proj[i])) @ e.down_proj[i]
+                        for i, w in zip(routing.experts[t].tolist(), routing.weights[t], strict=True)))
+    (torch.stack(rows).view_as(x) * probe).sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad)
+    for (name, p), q in zip(moe.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
 def test_capacity_drops_tokens_beyond_it_and_counts_them():
     cfg = replace(SMALL, experts_per_token=1, capacity_factor=1.0, activation="gelu")
     moe = layer(cfg)
