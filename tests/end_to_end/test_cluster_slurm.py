@@ -136,6 +136,7 @@ def test_unknown_partition_is_a_clear_error(slurm, tmp_path):
         submit(job)
 
 
+@pytest.mark.slow  # ~1 min; with the other cluster runs (test_cluster_torchrun.py), sharing their reference run
 def test_two_node_job_checkpoints_requeues_and_resumes_at_the_time_limit_signal(slurm, tmp_path_factory, tmp_path):
     base = tmp_path_factory.getbasetemp()
     reference = reference_run(base)

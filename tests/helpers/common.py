@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"  # on sys.path (conftest.py), so test modules import `helpers.<name>`
@@ -15,6 +17,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_each(*calls: tuple[Callable[..., Any], tuple]) -> list[Any]:
+    """fn(*args) for each (fn, args) in turn: several measurements share one spawned process group, whose start-up
+    (a torch import per rank) costs ~10 s on 2 cores."""
+    return [fn(*args) for fn, args in calls]
+
 
 # A small tiny-gpt for trainer runs (overrides of configs/tiny-gpt.toml).
 SMALL = ["model.d_model=64", "model.n_heads=4", "model.n_layers=2", "model.d_ff=256", "data.seq_len=64",

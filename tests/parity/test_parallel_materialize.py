@@ -22,10 +22,13 @@ SMALL_BYTES = 1024
 
 
 @pytest.fixture(scope="module")
-def reports():
-    out = launch(2, [f"materialize:{n}" for n in WORLD2])
-    out.update(launch(4, [f"materialize:{n}" for n in WORLD4]))
-    return out
+def world2():
+    return launch(2, [f"materialize:{n}" for n in WORLD2])
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return launch(4, [f"materialize:{n}" for n in WORLD4])
 
 
 def check(report: dict) -> None:
@@ -38,6 +41,7 @@ def check(report: dict) -> None:
         assert peak < 0.75 * report["model_bytes"], "a rank allocated (nearly) the whole model"
 
 
-@pytest.mark.parametrize("layout", WORLD2 + WORLD4)
-def test_meta_build_matches_single_process(reports, layout):
-    check(reports[f"materialize:{layout}"])
+# world 4 (four processes on the default run's 2 cores) runs with the slow tests; every family builds at world 2
+@pytest.mark.parametrize("layout", WORLD2 + [pytest.param(layout, marks=pytest.mark.slow) for layout in WORLD4])
+def test_meta_build_matches_single_process(request, layout):
+    check(request.getfixturevalue("world2" if layout in WORLD2 else "world4")[f"materialize:{layout}"])

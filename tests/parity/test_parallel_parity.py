@@ -1,7 +1,8 @@
 """Every parallel layout against a single process: loss, step-0 gradients and the global norm within 1e-5.
 
-Three launches (2, 4 and 8 gloo processes on CPU) run all layouts, one process group each; see
-helpers/parallel.py for what is compared. fp32 throughout, except the FSDP mixed-precision check.
+Launches of 2, 4 and 8 gloo processes on CPU run all layouts, one process group each (world 2 in two launches: the
+default run's rows and the slow run's, WORLD2_SLOW); see helpers/parallel.py for what is compared. fp32
+throughout, except the FSDP mixed-precision check.
 """
 
 from __future__ import annotations
@@ -98,11 +99,33 @@ FP8_WORLD4 = ["decoder/tp-fsdp-fp8=tensorwise", "decoder/pp-tp-fp8=tensorwise", 
 # it): gradients agree to 1e-2 (float8 against fp32 differs by 10-25%), losses to 1e-4. The second step's global
 # norm sums gradients of weights that already moved apart by such crossings: 1e-3 (2.8e-4 seen, decoder_alibi/tp).
 FP8_TOL, FP8_GRAD_TOL, FP8_NORM_TOL = 1e-4, 2e-2, 1e-3
+# World-2 rows that only the slow run launches (a second world-2 launch): the costliest ones (torch.compile, torchao's
+# float8 under TP, MoE variants of what the default launch checks without MoE). The default launch keeps a row of
+# every family, axis, schedule, loss and recompute mode.
+WORLD2_SLOW = {"decoder/cp-compile", "decoder/tp-fp8=tensorwise", "decoder_alibi/tp-fp8=tensorwise",
+               "encdec/tp-fp8=tensorwise", "decoder/tp-fp8=rowwise", "moe/tp-ep-bf16", "moe_encdec/tp-ep",
+               "moe/fsdp-ep-recompute=full", "moe/tp-ep-recompute=selective", "moe_bias/tp-ep"}
+ALL_WORLD2 = WORLD2 + MIXED_PRECISION + FP8_WORLD2 + ["skip/nan"]  # skip/nan: a NaN gradient on one rank
+
+
+def default_or_slow(names: list[str], slow: set[str]) -> list:
+    """`names` as parameters, those in `slow` marked slow (their reports come from a slow-only launch)."""
+    return [pytest.param(name, marks=pytest.mark.slow) if name in slow else name for name in names]
 
 
 @pytest.fixture(scope="module")
 def world2():
-    return launch(2, WORLD2 + MIXED_PRECISION + FP8_WORLD2 + ["skip/nan"])  # skip/nan: a NaN gradient on one rank
+    return launch(2, [name for name in ALL_WORLD2 if name not in WORLD2_SLOW])
+
+
+@pytest.fixture(scope="module")
+def world2_slow():
+    return launch(2, [name for name in ALL_WORLD2 if name in WORLD2_SLOW])
+
+
+def world2_report(request: pytest.FixtureRequest, name: str) -> dict:
+    """Only the launch that holds `name` starts: the slow run never launches the default rows."""
+    return request.getfixturevalue("world2_slow" if name in WORLD2_SLOW else "world2")[name]
 
 
 @pytest.fixture(scope="module")
@@ -136,9 +159,9 @@ def check(report: dict, tol: float = TOL, grad_tol: float | None = None, name: s
     assert report["norm_rel"] < (norm_tol or tol), f"global grad norm relative diff {report['norm_rel']:.3e}"
 
 
-@pytest.mark.parametrize("name", WORLD2)  # not slow: the default run launches world2 anyway (tests below)
-def test_parity_world2(world2, name):
-    check(world2[name], name=name)
+@pytest.mark.parametrize("name", default_or_slow(WORLD2, WORLD2_SLOW))
+def test_parity_world2(request, name):
+    check(world2_report(request, name), name=name)
 
 
 @pytest.mark.slow
@@ -153,15 +176,14 @@ def test_parity_world8_4d(world8, name):
     check(world8[name], name=name)
 
 
-@pytest.mark.parametrize("name", MIXED_PRECISION)
-def test_fsdp_bf16_params_close(world2, name):
-    check(world2[name], tol=3e-2)
+@pytest.mark.parametrize("name", default_or_slow(MIXED_PRECISION, WORLD2_SLOW))
+def test_fsdp_bf16_params_close(request, name):
+    check(world2_report(request, name), tol=3e-2)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", FP8_WORLD2 + FP8_WORLD4)
-def test_fp8_layouts_match_single_process_fp8(world2, world4, name):
-    report = (world2 if name in FP8_WORLD2 else world4)[name]
+@pytest.mark.parametrize("name", default_or_slow(FP8_WORLD2 + FP8_WORLD4, WORLD2_SLOW | set(FP8_WORLD4)))
+def test_fp8_layouts_match_single_process_fp8(request, name):
+    report = world2_report(request, name) if name in FP8_WORLD2 else request.getfixturevalue("world4")[name]
     check(report, tol=FP8_TOL, grad_tol=FP8_GRAD_TOL, norm_tol=FP8_NORM_TOL)
     tensorwise_tp = "tp" in name.split("/")[1].split("-") and name.endswith("tensorwise")
     # torchao's float8 styles ran: activations (and their gradients) were all-gathered in float8
