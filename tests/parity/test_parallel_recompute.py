@@ -66,9 +66,10 @@ def test_selective_keeps_matmuls_full_recomputes_them():
 
 
 @pytest.mark.slow
-def test_per_block_compile_keeps_names_and_numbers():
-    _, ref_loss, ref_grads = step("decoder", "none")
-    plan, loss, grads = step("decoder", "none", compile=True)
+@pytest.mark.parametrize("family", ["decoder", "moe"])  # moe: the routing/permutation glue fused by inductor
+def test_per_block_compile_keeps_names_and_numbers(family):
+    _, ref_loss, ref_grads = step(family, "none")
+    plan, loss, grads = step(family, "none", compile=True)
     assert plan.report["compile"].startswith("per-block torch.compile (4 blocks)")
     assert grads.keys() == ref_grads.keys()
     assert torch.allclose(loss, ref_loss, rtol=1e-5)
