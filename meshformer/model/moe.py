@@ -404,12 +404,14 @@ def set_balance_weight(layers: Iterable[MoEFeedForward], weight: float) -> None:
 
 
 @torch.no_grad()
-def update_expert_bias(layers: Iterable[MoEFeedForward]) -> None:
+def update_expert_bias(layers: Iterable[MoEFeedForward], applied: torch.Tensor | float = 1.0) -> None:
     """DeepSeek-V3's auxiliary-loss-free balancing, after an optimizer step: bias += rate * sign(mean load - load)
-    per layer, from the step's token-slots per expert over every rank (`tokens_this_step`), which restart at zero."""
+    per layer, from the step's token-slots per expert over every rank (`tokens_this_step`), which restart at zero.
+    `applied` 0 (the step's update was skipped, e.g. an inf/nan gradient norm): the bias stays too; a device tensor
+    is read without a host sync."""
     for layer in layers:
         rate = layer.cfg.router_bias_update_rate
         load = layer.tokens_this_step
         if rate > 0:
-            layer.router.expert_bias += rate * torch.sign(load.mean() - load)
+            layer.router.expert_bias += rate * applied * torch.sign(load.mean() - load)
         load.zero_()

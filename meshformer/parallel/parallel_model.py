@@ -79,9 +79,10 @@ class ParallelModel:
             set_balance_weight(self.moe_layers, weight)
             self._balance_weight = weight
 
-    def update_expert_bias(self) -> None:
-        """After an optimizer step: auxiliary-loss-free balancing from the step's expert loads (model/moe.py)."""
-        update_expert_bias(self.moe_layers)
+    def update_expert_bias(self, applied: torch.Tensor) -> None:
+        """After an optimizer step: auxiliary-loss-free balancing from the step's expert loads (model/moe.py); none
+        where `applied` is 0 (the step's update was skipped)."""
+        update_expert_bias(self.moe_layers, applied)
 
     @cached_property
     def named_moe_layers(self) -> list[tuple[str, MoEFeedForward]]:

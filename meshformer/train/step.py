@@ -9,7 +9,8 @@ rate schedule and the count of skipped updates, and runs the whole update in one
    gradient by it), saving a pass that reads and writes every gradient; other kernels scale the gradients;
 4. the optimizer step, skipped where the norm is inf/nan (fused: the kernel's `found_inf`, no host sync; others
    read the norm on the host), so weights and moments never take a NaN; every rank skips the same steps;
-5. the post-step hooks, in the order they were added (FP8 weight-scale refresh; MoE router-bias updates);
+5. the post-step hooks, in the order they were added (FP8 weight-scale refresh; MoE router-bias updates), told
+   whether the update was applied: a skipped step leaves the router biases as it leaves the weights;
 6. the scheduler and zero_grad.
 
 The optimizer's private attributes (`grad_scale`, `found_inf`) are written here and nowhere else.
@@ -28,7 +29,9 @@ from meshformer.parallel.float8 import refresh_weight_scales
 from meshformer.parallel.parallel_model import ParallelModel
 from meshformer.train.optim import SkippedUpdates, build_optimizer, build_scheduler, is_fused_adam
 
-PostStepHook = Callable[[], None]  # runs after each optimizer step (skipped ones too), before the scheduler moves
+# Runs after each optimizer step (skipped ones too), before the scheduler moves, given `applied`: a scalar tensor on
+# the device, 1.0 where the update was applied and 0.0 where it was skipped (read it without a host sync)
+PostStepHook = Callable[[torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -81,9 +84,9 @@ class TrainStep:
         self._clip(grad_norm)
         self._on_phase("optimizer")
         lr = self.optimizer.param_groups[0]["lr"]
-        self._optimizer_step(grad_norm)
+        applied = self._optimizer_step(grad_norm)
         for hook in self._post_step_hooks:
-            hook()
+            hook(applied)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(loss_sum, global_tokens, grad_norm, lr)
@@ -97,8 +100,8 @@ class TrainStep:
         else:
             self.parallel_model.scale_grads_(torch.clamp(self.grad_clip / (grad_norm + 1e-6), max=1.0))
 
-    def _optimizer_step(self, grad_norm: torch.Tensor) -> None:
-        """`optimizer.step()` unless `grad_norm` is inf/nan."""
+    def _optimizer_step(self, grad_norm: torch.Tensor) -> torch.Tensor:
+        """`optimizer.step()` unless `grad_norm` is inf/nan; returns 1.0 where it stepped, 0.0 where it skipped."""
         skipped = (~torch.isfinite(grad_norm)).to(torch.float32)
         if self._fused:
             self.optimizer.found_inf = skipped  # type: ignore[attr-defined]
@@ -106,7 +109,8 @@ class TrainStep:
         elif not skipped.item():
             self.optimizer.step()
         self.skipped_updates.record(skipped)
+        return 1.0 - skipped
 
-    def _refresh_float8_scales(self) -> None:
+    def _refresh_float8_scales(self, applied: torch.Tensor) -> None:
         # FSDP all-gathers float8 weights: one all-reduce refreshes every weight's scale instead of one per weight.
         refresh_weight_scales(self.parallel_model.model_parts)

@@ -255,6 +255,10 @@ def test_training_forwards_accumulate_the_load_that_the_bias_update_reads():
     update_expert_bias([moe])
     torch.testing.assert_close(moe.router.expert_bias, torch.tensor([-0.1, 0.1, 0.1, -0.1]))
     assert moe.tokens_this_step.sum() == 0  # the next step starts afresh
+    moe.tokens_this_step.copy_(torch.tensor([3.0, 1.0, 0.0, 4.0]))
+    update_expert_bias([moe], applied=torch.tensor(0.0))  # a skipped step (inf/nan norm): the bias stays too
+    torch.testing.assert_close(moe.router.expert_bias, torch.tensor([-0.1, 0.1, 0.1, -0.1]))
+    assert moe.tokens_this_step.sum() == 0
 
 
 def test_recomputation_in_backward_does_not_count_the_load_twice():

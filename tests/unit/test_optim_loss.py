@@ -49,6 +49,8 @@ def given_gradients_step(kernel: str = "fused", limit: int = 1) -> tuple[GivenGr
 def test_inf_nan_gradient_norm_skips_the_whole_update(kernel):
     plan, training = given_gradients_step(kernel)
     params, optimizer, updates = plan.params, training.optimizer, training.skipped_updates
+    applied: list[float] = []
+    training.add_post_step_hook(lambda a: applied.append(a.item()))  # e.g. the router-bias update: skipped too
 
     def step(bad: float | None) -> None:
         plan.bad = bad
@@ -67,6 +69,7 @@ def test_inf_nan_gradient_norm_skips_the_whole_update(kernel):
     step(None)
     assert not any(torch.equal(p, w) for p, w in zip(params, weights))  # a finite step updates again
     assert updates.check(step=4) == 0 and updates.total == 2
+    assert applied == [1.0, 0.0, 0.0, 1.0]
 
 
 def test_post_step_hooks_run_after_the_optimizer_step_in_order():
@@ -75,9 +78,10 @@ def test_post_step_hooks_run_after_the_optimizer_step_in_order():
     before = plan.params[0].detach().clone()
 
     def hook(name: str):
-        def run() -> None:  # after the update, before zero_grad and the scheduler
+        def run(applied: torch.Tensor) -> None:  # after the update, before zero_grad and the scheduler
             updated = not torch.equal(plan.params[0], before)
             seen.append((name, len(training.optimizer.state), updated and plan.params[0].grad is not None))
+            assert applied.item() == 1.0
         return run
 
     training.add_post_step_hook(hook("first"))
