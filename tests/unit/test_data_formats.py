@@ -150,6 +150,19 @@ def test_a_multi_frame_zstd_file_is_split_by_frames(tmp_path, monkeypatch):
     same_for_any_parts(path, tmp_path, tmp_path / "n1")
 
 
+def test_a_zstd_task_after_an_empty_frame_keeps_its_first_line(tmp_path, monkeypatch):
+    """An empty frame (concatenated zstd outputs, one of an empty file) before a task's first frame says nothing
+    about where the line before ends: the task still reads the line it starts with."""
+    first, second = (json.dumps({"text": d}) + "\n" for d in DOCS[:2])
+    compress = zstandard.ZstdCompressor().compress
+    path = tmp_path / "c.jsonl.zst"
+    path.write_bytes(compress(first.encode()) + compress(b"") + compress(second.encode()))
+    monkeypatch.setattr(sources, "UNIT_BYTES", len(first) + 1)  # tasks: frames 0-1 and frame 2
+    units = plan_units([path])
+    assert [(u.start, u.stop) for u in units] == [(0, 2), (2, 3)]
+    assert [d for u in units for d in iter_unit(u)] == DOCS[:2]
+
+
 def test_zstd_and_gzip_by_content(tmp_path):
     data = "".join(json.dumps({"text": d}) + "\n" for d in DOCS).encode()
     prepare(jsonl(tmp_path / "j" / "c.jsonl", DOCS), tmp_path / "ref", **KW)
