@@ -66,7 +66,8 @@ def record_config(cfg: Config, run_dir: Path, start_step: int, changes: list[str
     if changes and start_step > 0 and path.is_file():
         kept = Path(run_dir) / CONFIG_HISTORY / history_name(start_step)
         kept.parent.mkdir(exist_ok=True)
-        kept.write_text(path.read_text())
+        if not kept.is_file():  # else an earlier continuation from this step kept it; config.toml trained no step
+            kept.write_text(path.read_text())
         log(f"continuing the run in {run_dir} from step {start_step} to {cfg.train.steps} with a changed config "
             f"({'; '.join(changes)}); the config that trained it so far is kept as "
             f"{CONFIG_HISTORY}/{kept.name}")
