@@ -153,6 +153,22 @@ def test_a_bias_balanced_router_keeps_its_selection_bias_without_a_saved_config(
     assert biases and all(state[k].abs().sum() > 0 and torch.equal(state_back[k], state[k]) for k in biases)
 
 
+def test_a_tensor_with_no_counterpart_is_refused_not_dropped(tmp_path):
+    """Megatron tensors meshformer has no place for (here a multi-token-prediction layer's norm) stop the import
+    by name: the weights would otherwise be lost in silence."""
+    import torch.distributed.checkpoint as dcp
+
+    cfg = CASES["llama"]
+    _, _, folder = _exported(cfg, tmp_path)
+    tensors = read_full_tensors(folder, list(tensor_entries(read_metadata(folder))))
+    extra = tmp_path / "extra" / folder.name
+    dcp.save({**tensors, "mtp.layers.0.enorm.weight": torch.ones(cfg.d_model)}, checkpoint_id=str(extra),
+             no_dist=True)
+    (extra.parent / SAVED_CONFIG).write_text((folder.parent / SAVED_CONFIG).read_text())
+    with pytest.raises(ConversionError, match=r"no meshformer counterpart.*mtp\.layers\.0\.enorm\.weight"):
+        import_megatron(extra)
+
+
 def test_mismatches_are_explained(tmp_path):
     bert = ModelConfig(family="encoder", vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=64,
                        norm_position="post", embedding_norm=True, head_transform=True, output_bias=True)
