@@ -22,7 +22,15 @@ from helpers.data import config, kjv_docs, shards, tokenizer
 
 from meshformer.data import build_loader, load_tokenizer, prepare, prepare_stages, read_manifest, sources
 from meshformer.data.shards import read_shard
-from meshformer.data.sources import CorpusError, MegatronIndex, Unit, iter_unit, plan_units, resolve_inputs
+from meshformer.data.sources import (
+    CorpusError,
+    MegatronIndex,
+    Unit,
+    iter_pairs,
+    iter_unit,
+    plan_units,
+    resolve_inputs,
+)
 
 KW = dict(tokenizer="bundled:kjv-bpe-4k", record_len=33, shard_records=16, eval_fraction=0.1, seed=5,
           bucket_mb=1000, progress=False)
@@ -122,6 +130,15 @@ def test_parquet_gives_the_jsonl_output_and_splits_by_row_group(tmp_path, monkey
     split = prepare(pq_file, tmp_path / "n1", **KW)
     assert split.meta["documents"] == ref.meta["documents"]
     same_for_any_parts(pq_file, tmp_path, tmp_path / "n1")
+
+
+def test_a_null_in_a_parquet_pair_column_is_refused_not_shifted(tmp_path):
+    """Pairs come from two columns read side by side: a null in one must not drop that row from one column only,
+    pairing every later source with the next row's target."""
+    path = tmp_path / "pairs.parquet"
+    pq.write_table(pa.table({"src": ["a", "b", "c"], "tgt": ["A", None, "C"]}), path)
+    with pytest.raises(CorpusError, match=r"pairs.parquet: a null in column 'tgt' \(row group 0\)"):
+        list(iter_pairs([path]))
 
 
 def test_parquet_text_column_is_configurable(tmp_path):
