@@ -136,6 +136,7 @@ def _bad_format_files(tmp: Path) -> None:
     (tmp / "broken.parquet").write_bytes((tmp / "good.parquet").read_bytes()[:300])
     (tmp / "fake.parquet").write_text("id,text\n1,hello\n")
     pq.write_table(pa.table({"content": ["some text"] * 5}), tmp / "nocol.parquet")
+    pq.write_table(pa.table({"src": ["a", "b"], "tgt": [None, "B"]}), tmp / "nullpairs.parquet")
     (tmp / "mt").mkdir()
     builder = IndexedDatasetBuilder(str(tmp / "mt" / "bad.bin"), dtype=np.uint16)
     for doc in ([5, 6, 7], [8, 9], [10, 11, 12, 13]):
@@ -296,6 +297,8 @@ CASES = [
      ["neither", "tokenizer"]),
     ("prepare-pairs-text", ["data", "prepare", "{tmp}/plain.txt", "--pairs", "--out", "{tmp}/p6", "--tokenizer",
                             "bundled:kjv-bpe-4k"], ["must come from JSONL", "'src'"]),
+    ("prepare-pairs-null", ["data", "prepare", "{tmp}/nullpairs.parquet", "--pairs", "--out", "{tmp}/p6n",
+                            "--tokenizer", "bundled:kjv-bpe-4k"], ["a null in column 'tgt'", "fill in or drop"]),
     ("prepare-vocab-small", ["data", "prepare", "{corpus}", "--out", "{tmp}/p7", "--vocab-size", "10"],
      ["too small", "at least"]),
     # (#25) data prepare
