@@ -448,6 +448,8 @@ CASES = [
      ["--heads", ">= 1"]),
     ("import-megatron-outside", ["convert", "import-megatron", "{tmp}/cv-mc-outside", "{tmp}/cv-o14"],
      ["iter_0000000/.metadata names '../../cv-mc/", "leaves its folder"]),
+    ("import-megatron-extra-tensor", ["convert", "import-megatron", "{tmp}/cv-mc-extra", "{tmp}/cv-o19"],
+     ["no meshformer counterpart", "mtp.layers.0.enorm.weight", "only Megatron-Core GPT models"]),
     # an existing run's checkpoints and weights: refused, untouched
     ("import-into-run", ["convert", "to-checkpoint", "{final}", "{ckpt}"],
      ["already holds checkpoints", "empty folder"]),

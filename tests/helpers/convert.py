@@ -67,6 +67,24 @@ def _megatron_outside(src: Path, folder: Path) -> Path:
     return folder
 
 
+def _megatron_extra(src: Path, folder: Path) -> Path:
+    """A copy of the Megatron checkpoint `src` holding one tensor more than ours have (a multi-token-prediction
+    layer's norm, as DeepSeek-V3-style Megatron runs save)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from meshformer.checkpointing.dcp_io import read_full_tensors, tensor_entries
+
+    shutil.copytree(src, folder)
+    step = folder / "iter_0000000"
+    tensors = read_full_tensors(step, list(tensor_entries(read_metadata(step))))
+    for data in [step / ".metadata", *step.glob("*.distcp")]:
+        data.unlink()
+    dcp.save({**tensors, "mtp.layers.0.enorm.weight": torch.ones(CFG.d_model)}, checkpoint_id=str(step),
+             no_dist=True)
+    return folder
+
+
 def convert_case_files(tmp: Path) -> None:
     """The folders, named cv-*, under `tmp`."""
     state = Transformer(CFG).state_dict()
@@ -75,6 +93,7 @@ def convert_case_files(tmp: Path) -> None:
     export_hf(state, CFG, hf)
     export_megatron(state, CFG, tmp / "cv-mc")
     _megatron_outside(tmp / "cv-mc", tmp / "cv-mc-outside")
+    _megatron_extra(tmp / "cv-mc", tmp / "cv-mc-extra")
     tensors = load_file(weights / "model.safetensors")
     shutil.copy(weights / "model.safetensors", tmp / "cv-elsewhere.safetensors")
     _indexed(weights, tmp / "cv-index-outside", dict.fromkeys(tensors, "../cv-elsewhere.safetensors"))
