@@ -22,6 +22,12 @@ from meshformer.model import Transformer
 CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=64, max_seq_len=64)
 MOE_CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, d_ff=32, activation="swiglu", norm="rmsnorm",
                       position="rope", bias=False, max_seq_len=64, n_experts=4, qk_norm=True)
+# Gemma 3's blocks, but its windowed blocks rotate with the scaled global RoPE (no rope_local_theta)
+GEMMA_SCALED_CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, d_ff=32, activation="geglu",
+                               norm="rmsnorm", norm_position="sandwich", norm_weight_offset=1.0, qk_norm=True,
+                               scale_embeddings=True, position="rope", attention_window=4, full_attention_every=2,
+                               rope_scaling="linear", rope_scaling_factor=2.0, bias=False, max_seq_len=64,
+                               tie_embeddings=True)
 SHARD = "model-00001-of-00001.safetensors"
 
 
@@ -113,6 +119,7 @@ def convert_case_files(tmp: Path) -> None:
     write_weights(moe, MOE_CFG, tmp / "cv-moe-weights")
     export_hf(moe, MOE_CFG, tmp / "cv-moe-hf")
     _hf_with(tmp / "cv-moe-hf", tmp / "cv-moe-hf-dense-last", mlp_only_layers=[1])
+    write_weights(Transformer(GEMMA_SCALED_CFG).state_dict(), GEMMA_SCALED_CFG, tmp / "cv-gemma-scaled-weights")
     user = tmp / "cv-user"
     user.mkdir()
     (user / "thesis.tex").write_text("years of work\n")
