@@ -331,6 +331,8 @@ CASES = [
      ["bad.idx does not match bad.bin", "byte offset", "preprocess_data.py"]),
     ("tokenizer-tiktoken-unnamed-pattern", _train("data.tokenizer={tmp}/bytes.tiktoken"),
      ["bytes.tiktoken: its name is not one of", "tiktoken:PATTERN:"]),
+    ("tokenizer-tiktoken-no-path", _train("data.tokenizer=tiktoken:cl100k_base"),
+     ["tiktoken:cl100k_base names no file", "tiktoken:PATTERN:PATH"]),
     ("tokenizer-tiktoken-vocab", _train("data.tokenizer=tiktoken:cl100k:{tmp}/bytes.tiktoken", "model.vocab_size=100"),
      ["257 tokens", "raise model.vocab_size"]),
     ("tokenizer-folder-without-json", _train("data.tokenizer={tmp}/tokdir"),
