@@ -79,6 +79,10 @@ def record_config(cfg: Config, run_dir: Path, start_step: int, changes: list[str
 def new_run_dir(run_dir: Path) -> Path:
     """`run_dir` when it holds no run yet, else the first free `<run_dir>-<n>` beside it (n = 2, 3, ...)."""
     run_dir = Path(run_dir)
+    if run_dir.name in ("", ".."):  # "." or "..": the folder's own name, to put the new run beside it
+        run_dir = run_dir.resolve()
+    if not run_dir.name:
+        raise UsageError(f"--new-run cannot put a run beside {run_dir}", "set logging.run_dir to a run folder")
     if not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir())):
         return run_dir
     n = 2
