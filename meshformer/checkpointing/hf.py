@@ -407,6 +407,9 @@ def _features(cfg: ModelConfig) -> dict[str, Any]:
         "rope_local_theta": cfg.rope_local_theta if cfg.attention_window is not None else None,
         "attention_softcap": cfg.attention_softcap, "logit_softcap": cfg.logit_softcap,
         "query_pre_attn_scalar": "integer" if hf_gemma_olmo.query_pre_attn_scalar(cfg) else "none",
+        # without their own base, windowed blocks rotate with the global (maybe scaled) RoPE
+        "windowed_blocks_rope": "scaled (rope_scaling without rope_local_theta)" if cfg.attention_window is not None
+        and cfg.rope_local_theta is None and cfg.rope_scaling != "none" else "unscaled",
     }
 
 
@@ -441,7 +444,9 @@ _REQUIREMENTS: dict[str, dict[str, Any]] = {  # a set: any of these values
     "olmo2": {**_LLAMA, "bias": False, "norm_position": "post_sublayer", "qk_norm": True,
               "qk_norm_scope": "projection", "head_dim": "d_model/n_heads"},
     "gemma2": _GEMMA2,
-    "gemma3_text": {**_GEMMA2, "qk_norm": True, "attention_softcap": None, "rope_local_theta": ANY},
+    # its sliding blocks always rotate unscaled (rope_parameters.sliding_attention)
+    "gemma3_text": {**_GEMMA2, "qk_norm": True, "attention_softcap": None, "rope_local_theta": ANY,
+                    "windowed_blocks_rope": "unscaled"},
     "t5": {**_COMMON, "family": "encoder_decoder", "position": "t5_relative", "norm": "rmsnorm", "bias": False,
            "tie_embeddings": True, "share_embeddings": True, "attention_scale": 1.0, "scale_output": {False, True},
            "activation": {"relu", "swiglu"}},

@@ -17,6 +17,7 @@ import json
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -376,6 +377,29 @@ def check_norm_biases(cfg: ModelConfig, read: Reader) -> None:
                                   "cannot be represented exactly")
 
 
+def _refuse_unread(folder: Path, cfg: ModelConfig, entries: Mapping[str, Any]) -> None:
+    """Every tensor of the checkpoint has a place in ours (`megatron_sources` run on shapes alone, reading no
+    data): one it lacks (a shared-expert gate, multi-token-prediction layers, ...) is refused, never dropped."""
+    read: set[str] = set()
+
+    def shape_of(key: str, layer: int | None) -> torch.Tensor:
+        if key not in entries:
+            raise ConversionError(f"{folder} has no tensor {key!r}, which a {cfg.family} model of its config needs "
+                                  "(is it a Megatron-Core GPT checkpoint?)")
+        read.add(key)
+        size = tuple(entries[key].size)
+        return torch.empty(size if layer is None else size[1:], device="meta")
+
+    for make in megatron_sources(cfg, shape_of).values():
+        make()
+    if cfg.norm == "layernorm" and not cfg.bias:  # read by check_norm_biases: zero, so nothing is lost
+        read |= {key for key in entries if key.endswith("layer_norm_bias") or key == FINAL_NORM + "bias"}
+    if unread := sorted(set(entries) - read):
+        raise ConversionError(f"{folder} holds tensors with no meshformer counterpart, which importing would drop: "
+                              f"{unread[:6]}{' ...' if len(unread) > 6 else ''}",
+                              "only Megatron-Core GPT models that megatron_config.py maps can be imported")
+
+
 def import_megatron(path: Path, *, n_heads: int | None = None, vocab_size: int | None = None,
                     activation: str | None = None, norm_eps: float | None = None, rope_theta: float | None = None,
                     max_seq_len: int | None = None, experts_per_token: int | None = None,
@@ -404,6 +428,7 @@ def import_megatron(path: Path, *, n_heads: int | None = None, vocab_size: int |
 
     check_norm_biases(cfg, read)
     sources = megatron_sources(cfg, read)
+    _refuse_unread(folder, cfg, entries)
     dtype = entries[EMBEDDING].properties.dtype
     with torch.device("meta"):
         shapes = {k: (v.shape, v.dtype) for k, v in Transformer(cfg).state_dict().items()}

@@ -36,6 +36,7 @@ FC1, FC2 = "mlp.linear_fc1.", "mlp.linear_fc2."
 ROUTER, EXPERT_BIAS = "mlp.router.weight", "mlp.router.expert_bias"
 EXPERTS_FC1, EXPERTS_FC2 = "mlp.experts.experts.linear_fc1.weight", "mlp.experts.experts.linear_fc2.weight"
 SHARED_FC1, SHARED_FC2 = "mlp.shared_experts.linear_fc1.", "mlp.shared_experts.linear_fc2."
+MEGATRON_BIAS_UPDATE_RATE = 1e-3  # Megatron's default moe_router_bias_update_rate
 ACTIVATION_FUNC = {"swiglu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh", "relu": "relu"}  # Megatron's
 # import_megatron's options, by the command-line flag that sets them
 OPTIONS = {"n_heads": "--heads", "vocab_size": "--vocab-size", "activation": "--activation", "norm_eps": "--norm-eps",
@@ -144,7 +145,8 @@ def megatron_model_config(cfg: ModelConfig, padded_vocab: int) -> dict[str, dict
             moe_router_num_groups=cfg.router_groups if cfg.router_groups > 1 else None,
             moe_router_group_topk=cfg.router_groups_per_token if cfg.router_groups > 1 else None,
             moe_router_enable_expert_bias=expert_bias_kept(cfg),
-            moe_router_bias_update_rate=cfg.router_bias_update_rate or 1e-3, moe_router_dtype="fp32",
+            moe_router_bias_update_rate=cfg.router_bias_update_rate or MEGATRON_BIAS_UPDATE_RATE,
+            moe_router_dtype="fp32",
             moe_router_load_balancing_type=balance if cfg.moe_aux_loss else "none",
             moe_aux_loss_coeff=cfg.moe_aux_loss, moe_z_loss_coeff=cfg.router_z_loss or None,
             moe_expert_capacity_factor=cfg.capacity_factor or None,
@@ -232,12 +234,16 @@ def infer_config(folder: Path, *, n_heads: int, vocab_size: int | None = None, a
             raise ConversionError(f"{folder} holds mixture-of-experts layers whose top-k its tensors do not record "
                                   "— pass --experts-per-token (Megatron's --moe-router-topk)")
         first_dense, every = _moe_pattern(moe)
-        score = router_score or ("sigmoid" if EXPERT_BIAS in layers[moe.index(True)] else "softmax")
+        # Megatron keeps a router bias only with bias balancing: it steers the selection, so it is read (at
+        # Megatron's default update rate, which the tensors do not record), never replaced by zeros
+        balanced = EXPERT_BIAS in layers[moe.index(True)]
+        score = router_score or ("sigmoid" if balanced else "softmax")
         shared = layers[moe.index(True)].get(SHARED_FC2 + "weight")
         moe_options = dict(
             n_experts=layers[moe.index(True)][ROUTER][0], experts_per_token=experts_per_token, moe_d_ff=expert_width,
             n_shared_experts=shared[1] // expert_width if shared else 0, moe_first_dense=first_dense,
-            moe_every=every, router_score=score, router_renormalize=score == "softmax" or experts_per_token > 1)
+            moe_every=every, router_score=score, router_renormalize=score == "softmax" or experts_per_token > 1,
+            router_bias_update_rate=MEGATRON_BIAS_UPDATE_RATE if balanced else 0.0)
     return ModelConfig(
         family="decoder", vocab_size=vocab_size or padded_vocab, d_model=d_model, n_heads=n_heads,
         n_kv_heads=None if n_groups == n_heads else n_groups, n_layers=len(layers), d_ff=d_ff,

@@ -61,7 +61,8 @@ def require_column(path: Path, columns: list[str], name: str, option: str) -> No
 
 def table_texts(path: Path, column: str, start: int = -1, stop: int = -1, keep_empty: bool = False) -> Iterator[str]:
     """The strings of one column, a batch of rows at a time (a Parquet file: row group by row group, so memory is
-    one row group's column at most); nulls and blank strings are not documents."""
+    one row group's column at most); nulls and blank strings are not documents. keep_empty: every row, in order
+    (a column of pairs, read beside another): blank strings kept, a null refused."""
     if path.suffix == ".parquet" or head(path, 4) == PARQUET_MAGIC:
         pq = need("pyarrow.parquet")
         names, groups = parquet_meta(path)
@@ -70,7 +71,7 @@ def table_texts(path: Path, column: str, start: int = -1, stop: int = -1, keep_e
         for g in range(max(start, 0), len(groups) if stop < 0 else stop):
             try:
                 for batch in file.iter_batches(batch_size=BATCH_ROWS, row_groups=[g], columns=[column]):
-                    yield from _strings(path, batch.column(0), f"row group {g}", keep_empty)
+                    yield from _strings(path, batch.column(0), column, f"row group {g}", keep_empty)
             except CorpusError:
                 raise
             except Exception as err:
@@ -89,16 +90,19 @@ def table_texts(path: Path, column: str, start: int = -1, stop: int = -1, keep_e
                                   "repair or remove the file (save the dataset again)") from None
             if batch is None:
                 return
-            yield from _strings(path, batch.column(index), f"record batch {b}", keep_empty)
+            yield from _strings(path, batch.column(index), column, f"record batch {b}", keep_empty)
             b += 1
 
 
-def _strings(path: Path, column: Any, where: str, keep_empty: bool) -> Iterator[str]:
+def _strings(path: Path, column: Any, name: str, where: str, keep_empty: bool) -> Iterator[str]:
     pa = need("pyarrow")
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         raise CorpusError(f"{path}: the text column is of type {column.type} in {where}, not text",
                           "set --text-field (data.text_field) to a string column")
     for text in column.to_pylist():
+        if text is None and keep_empty:  # skipping it would pair this column's later rows with other rows
+            raise CorpusError(f"{path}: a null in column {name!r} ({where})", "fill in or drop the rows with a null "
+                              "source or target")
         if text is not None and (keep_empty or text.strip()):
             if "\0" in text:
                 raise not_text(path, -1, f"a NUL character in {where}")

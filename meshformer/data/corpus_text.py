@@ -212,8 +212,7 @@ def zstd_frame_lines(path: Path, start: int, stop: int) -> Iterator[tuple[int, s
     frames = zstd_frames(path)
     where = f"{path} (zstd frames {start}-{stop - 1})"
     with open(path, "rb") as fh:
-        before = b"".join(_frame_output(fh, path, frames[start - 1]))[-1:] if start > 0 else b"\n"
-        skip = before != b"\n"  # the first line began in the frame before: its task reads it
+        skip = _last_byte_before(fh, path, frames, start) != b"\n"  # the first line began before: its task reads it
         pending, offset, lineno = b"", 0, 0
         for k in range(start, len(frames)):
             if k == stop and (not pending or skip):
@@ -231,6 +230,15 @@ def zstd_frame_lines(path: Path, start: int, stop: int) -> Iterator[tuple[int, s
                 pending = rest
         if pending and not skip:
             yield lineno + 1, _line_text(where, pending, offset, start == 0 and lineno == 0)
+
+
+def _last_byte_before(fh: Any, path: Path, frames: list[tuple[int, int, int]], start: int) -> bytes:
+    """The last decompressed byte before frame `start` ("\n" at the file's start): empty frames (an empty file's,
+    in concatenated outputs) are passed over, since they say nothing about where the line before ends."""
+    for frame in reversed(frames[:start]):
+        if last := b"".join(_frame_output(fh, path, frame))[-1:]:
+            return last
+    return b"\n"
 
 
 def _frame_output(fh: Any, path: Path, frame: tuple[int, int, int]) -> Iterator[bytes]:

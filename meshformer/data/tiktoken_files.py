@@ -59,7 +59,12 @@ def is_tiktoken_spec(spec: str) -> bool:
 
 def load_tiktoken(spec: str) -> HFTokenizer:
     """`tiktoken:<pattern>:<path>` or a path to a known file (`cl100k_base.tiktoken`, ...), as an HF tokenizer."""
-    pattern, path_text = (spec.split(":", 2)[1:] if spec.startswith("tiktoken:") else ("", spec))
+    parts = spec.split(":", 2)[1:] if spec.startswith("tiktoken:") else ["", spec]
+    if len(parts) < 2 or not parts[1]:
+        raise TiktokenError(f"tokenizer {spec} names no file (tiktoken files are read from a local path)",
+                            f"write tiktoken:PATTERN:PATH with PATTERN one of {sorted(PATTERNS)}, or the path of a "
+                            f"file named as tiktoken ships it ({', '.join(f'{n}.tiktoken' for n in KNOWN_FILES)})")
+    pattern, path_text = parts
     path = Path(path_text).expanduser()
     known = KNOWN_FILES.get(path.name.removesuffix(".tiktoken"))
     if not pattern and not known:

@@ -66,7 +66,8 @@ def record_config(cfg: Config, run_dir: Path, start_step: int, changes: list[str
     if changes and start_step > 0 and path.is_file():
         kept = Path(run_dir) / CONFIG_HISTORY / history_name(start_step)
         kept.parent.mkdir(exist_ok=True)
-        kept.write_text(path.read_text())
+        if not kept.is_file():  # else an earlier continuation from this step kept it; config.toml trained no step
+            kept.write_text(path.read_text())
         log(f"continuing the run in {run_dir} from step {start_step} to {cfg.train.steps} with a changed config "
             f"({'; '.join(changes)}); the config that trained it so far is kept as "
             f"{CONFIG_HISTORY}/{kept.name}")
@@ -78,6 +79,10 @@ def record_config(cfg: Config, run_dir: Path, start_step: int, changes: list[str
 def new_run_dir(run_dir: Path) -> Path:
     """`run_dir` when it holds no run yet, else the first free `<run_dir>-<n>` beside it (n = 2, 3, ...)."""
     run_dir = Path(run_dir)
+    if run_dir.name in ("", ".."):  # "." or "..": the folder's own name, to put the new run beside it
+        run_dir = run_dir.resolve()
+    if not run_dir.name:
+        raise UsageError(f"--new-run cannot put a run beside {run_dir}", "set logging.run_dir to a run folder")
     if not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir())):
         return run_dir
     n = 2

@@ -136,6 +136,7 @@ def _bad_format_files(tmp: Path) -> None:
     (tmp / "broken.parquet").write_bytes((tmp / "good.parquet").read_bytes()[:300])
     (tmp / "fake.parquet").write_text("id,text\n1,hello\n")
     pq.write_table(pa.table({"content": ["some text"] * 5}), tmp / "nocol.parquet")
+    pq.write_table(pa.table({"src": ["a", "b"], "tgt": [None, "B"]}), tmp / "nullpairs.parquet")
     (tmp / "mt").mkdir()
     builder = IndexedDatasetBuilder(str(tmp / "mt" / "bad.bin"), dtype=np.uint16)
     for doc in ([5, 6, 7], [8, 9], [10, 11, 12, 13]):
@@ -296,6 +297,8 @@ CASES = [
      ["neither", "tokenizer"]),
     ("prepare-pairs-text", ["data", "prepare", "{tmp}/plain.txt", "--pairs", "--out", "{tmp}/p6", "--tokenizer",
                             "bundled:kjv-bpe-4k"], ["must come from JSONL", "'src'"]),
+    ("prepare-pairs-null", ["data", "prepare", "{tmp}/nullpairs.parquet", "--pairs", "--out", "{tmp}/p6n",
+                            "--tokenizer", "bundled:kjv-bpe-4k"], ["a null in column 'tgt'", "fill in or drop"]),
     ("prepare-vocab-small", ["data", "prepare", "{corpus}", "--out", "{tmp}/p7", "--vocab-size", "10"],
      ["too small", "at least"]),
     # (#25) data prepare
@@ -328,6 +331,8 @@ CASES = [
      ["bad.idx does not match bad.bin", "byte offset", "preprocess_data.py"]),
     ("tokenizer-tiktoken-unnamed-pattern", _train("data.tokenizer={tmp}/bytes.tiktoken"),
      ["bytes.tiktoken: its name is not one of", "tiktoken:PATTERN:"]),
+    ("tokenizer-tiktoken-no-path", _train("data.tokenizer=tiktoken:cl100k_base"),
+     ["tiktoken:cl100k_base names no file", "tiktoken:PATTERN:PATH"]),
     ("tokenizer-tiktoken-vocab", _train("data.tokenizer=tiktoken:cl100k:{tmp}/bytes.tiktoken", "model.vocab_size=100"),
      ["257 tokens", "raise model.vocab_size"]),
     ("tokenizer-folder-without-json", _train("data.tokenizer={tmp}/tokdir"),
@@ -437,6 +442,9 @@ CASES = [
      ["cannot be expressed as llama", "moe=True", "choose another --arch"]),
     ("export-hf-qk-norm-as-mixtral", ["convert", "export-hf", "{tmp}/cv-moe-weights", "{tmp}/cv-o16", "--arch",
                                       "mixtral"], ["cannot be expressed as mixtral", "qk_norm=True", "--arch"]),
+    ("export-hf-gemma3-scaled-local-rope", ["convert", "export-hf", "{tmp}/cv-gemma-scaled-weights", "{tmp}/cv-o20",
+                                            "--arch", "gemma3_text"],
+     ["cannot be expressed as gemma3_text", "windowed_blocks_rope='scaled", "--arch"]),
     ("export-hf-dense-as-mixtral", ["convert", "export-hf", "{tmp}/cv-weights", "{tmp}/cv-o17", "--arch", "mixtral"],
      ["cannot be expressed as mixtral", "moe=False", "--arch"]),
     ("import-hf-dense-block-not-first", ["convert", "import-hf", "{tmp}/cv-moe-hf-dense-last", "{tmp}/cv-o18"],
@@ -445,6 +453,8 @@ CASES = [
      ["--heads", ">= 1"]),
     ("import-megatron-outside", ["convert", "import-megatron", "{tmp}/cv-mc-outside", "{tmp}/cv-o14"],
      ["iter_0000000/.metadata names '../../cv-mc/", "leaves its folder"]),
+    ("import-megatron-extra-tensor", ["convert", "import-megatron", "{tmp}/cv-mc-extra", "{tmp}/cv-o19"],
+     ["no meshformer counterpart", "mtp.layers.0.enorm.weight", "only Megatron-Core GPT models"]),
     # an existing run's checkpoints and weights: refused, untouched
     ("import-into-run", ["convert", "to-checkpoint", "{final}", "{ckpt}"],
      ["already holds checkpoints", "empty folder"]),

@@ -22,6 +22,12 @@ from meshformer.model import Transformer
 CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=64, max_seq_len=64)
 MOE_CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, d_ff=32, activation="swiglu", norm="rmsnorm",
                       position="rope", bias=False, max_seq_len=64, n_experts=4, qk_norm=True)
+# Gemma 3's blocks, but its windowed blocks rotate with the scaled global RoPE (no rope_local_theta)
+GEMMA_SCALED_CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, d_ff=32, activation="geglu",
+                               norm="rmsnorm", norm_position="sandwich", norm_weight_offset=1.0, qk_norm=True,
+                               scale_embeddings=True, position="rope", attention_window=4, full_attention_every=2,
+                               rope_scaling="linear", rope_scaling_factor=2.0, bias=False, max_seq_len=64,
+                               tie_embeddings=True)
 SHARD = "model-00001-of-00001.safetensors"
 
 
@@ -67,6 +73,24 @@ def _megatron_outside(src: Path, folder: Path) -> Path:
     return folder
 
 
+def _megatron_extra(src: Path, folder: Path) -> Path:
+    """A copy of the Megatron checkpoint `src` holding one tensor more than ours have (a multi-token-prediction
+    layer's norm, as DeepSeek-V3-style Megatron runs save)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from meshformer.checkpointing.dcp_io import read_full_tensors, tensor_entries
+
+    shutil.copytree(src, folder)
+    step = folder / "iter_0000000"
+    tensors = read_full_tensors(step, list(tensor_entries(read_metadata(step))))
+    for data in [step / ".metadata", *step.glob("*.distcp")]:
+        data.unlink()
+    dcp.save({**tensors, "mtp.layers.0.enorm.weight": torch.ones(CFG.d_model)}, checkpoint_id=str(step),
+             no_dist=True)
+    return folder
+
+
 def convert_case_files(tmp: Path) -> None:
     """The folders, named cv-*, under `tmp`."""
     state = Transformer(CFG).state_dict()
@@ -75,6 +99,7 @@ def convert_case_files(tmp: Path) -> None:
     export_hf(state, CFG, hf)
     export_megatron(state, CFG, tmp / "cv-mc")
     _megatron_outside(tmp / "cv-mc", tmp / "cv-mc-outside")
+    _megatron_extra(tmp / "cv-mc", tmp / "cv-mc-extra")
     tensors = load_file(weights / "model.safetensors")
     shutil.copy(weights / "model.safetensors", tmp / "cv-elsewhere.safetensors")
     _indexed(weights, tmp / "cv-index-outside", dict.fromkeys(tensors, "../cv-elsewhere.safetensors"))
@@ -94,6 +119,7 @@ def convert_case_files(tmp: Path) -> None:
     write_weights(moe, MOE_CFG, tmp / "cv-moe-weights")
     export_hf(moe, MOE_CFG, tmp / "cv-moe-hf")
     _hf_with(tmp / "cv-moe-hf", tmp / "cv-moe-hf-dense-last", mlp_only_layers=[1])
+    write_weights(Transformer(GEMMA_SCALED_CFG).state_dict(), GEMMA_SCALED_CFG, tmp / "cv-gemma-scaled-weights")
     user = tmp / "cv-user"
     user.mkdir()
     (user / "thesis.tex").write_text("years of work\n")

@@ -19,7 +19,7 @@ from helpers.common import free_port
 from meshformer.checkpointing import ConversionError
 from meshformer.checkpointing.dcp_io import read_full_tensors, read_metadata, tensor_entries
 from meshformer.checkpointing.megatron import export_megatron, import_megatron, pack_qkv
-from meshformer.checkpointing.megatron_config import megatron_incompatibilities
+from meshformer.checkpointing.megatron_config import SAVED_CONFIG, megatron_incompatibilities
 from meshformer.checkpointing.weights import read_weights, write_weights
 from meshformer.cli import main
 from meshformer.config import ModelConfig
@@ -137,6 +137,36 @@ def test_moe_export_layout_and_round_trip(name, tmp_path):
     cfg_back, state_back = read_weights(tmp_path / "back")
     assert cfg_back == cfg
     assert_bitwise(state_back, state)
+
+
+def test_a_bias_balanced_router_keeps_its_selection_bias_without_a_saved_config(tmp_path):
+    """A checkpoint Megatron trained with bias balancing holds each router's expert_bias, which steers which experts
+    a token picks: imported from the tensors alone (no config beside them), it is read, not replaced by zeros."""
+    cfg = replace(MOE_CASES["qwen3_moe"], router_score="sigmoid", router_bias_update_rate=1e-3)
+    _, state, folder = _exported(cfg, tmp_path)
+    (folder.parent / SAVED_CONFIG).unlink()  # as Megatron-LM itself writes it
+    main(["convert", "import-megatron", str(tmp_path / "mcore"), str(tmp_path / "back"), "--heads", "4",
+          "--experts-per-token", "2", "--max-seq-len", "64"])
+    cfg_back, state_back = read_weights(tmp_path / "back")
+    assert cfg_back.router_score == "sigmoid" and cfg_back.router_bias_update_rate > 0
+    biases = [k for k in state if k.endswith("router.expert_bias")]
+    assert biases and all(state[k].abs().sum() > 0 and torch.equal(state_back[k], state[k]) for k in biases)
+
+
+def test_a_tensor_with_no_counterpart_is_refused_not_dropped(tmp_path):
+    """Megatron tensors meshformer has no place for (here a multi-token-prediction layer's norm) stop the import
+    by name: the weights would otherwise be lost in silence."""
+    import torch.distributed.checkpoint as dcp
+
+    cfg = CASES["llama"]
+    _, _, folder = _exported(cfg, tmp_path)
+    tensors = read_full_tensors(folder, list(tensor_entries(read_metadata(folder))))
+    extra = tmp_path / "extra" / folder.name
+    dcp.save({**tensors, "mtp.layers.0.enorm.weight": torch.ones(cfg.d_model)}, checkpoint_id=str(extra),
+             no_dist=True)
+    (extra.parent / SAVED_CONFIG).write_text((folder.parent / SAVED_CONFIG).read_text())
+    with pytest.raises(ConversionError, match=r"no meshformer counterpart.*mtp\.layers\.0\.enorm\.weight"):
+        import_megatron(extra)
 
 
 def test_mismatches_are_explained(tmp_path):

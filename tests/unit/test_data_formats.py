@@ -22,7 +22,15 @@ from helpers.data import config, kjv_docs, shards, tokenizer
 
 from meshformer.data import build_loader, load_tokenizer, prepare, prepare_stages, read_manifest, sources
 from meshformer.data.shards import read_shard
-from meshformer.data.sources import CorpusError, MegatronIndex, Unit, iter_unit, plan_units, resolve_inputs
+from meshformer.data.sources import (
+    CorpusError,
+    MegatronIndex,
+    Unit,
+    iter_pairs,
+    iter_unit,
+    plan_units,
+    resolve_inputs,
+)
 
 KW = dict(tokenizer="bundled:kjv-bpe-4k", record_len=33, shard_records=16, eval_fraction=0.1, seed=5,
           bucket_mb=1000, progress=False)
@@ -124,6 +132,15 @@ def test_parquet_gives_the_jsonl_output_and_splits_by_row_group(tmp_path, monkey
     same_for_any_parts(pq_file, tmp_path, tmp_path / "n1")
 
 
+def test_a_null_in_a_parquet_pair_column_is_refused_not_shifted(tmp_path):
+    """Pairs come from two columns read side by side: a null in one must not drop that row from one column only,
+    pairing every later source with the next row's target."""
+    path = tmp_path / "pairs.parquet"
+    pq.write_table(pa.table({"src": ["a", "b", "c"], "tgt": ["A", None, "C"]}), path)
+    with pytest.raises(CorpusError, match=r"pairs.parquet: a null in column 'tgt' \(row group 0\)"):
+        list(iter_pairs([path]))
+
+
 def test_parquet_text_column_is_configurable(tmp_path):
     path = parquet(tmp_path / "c.parquet", DOCS[:10], column="content")
     with pytest.raises(CorpusError, match=r"no column 'text' \(has \['id', 'content'\]\).*text-field"):
@@ -148,6 +165,19 @@ def test_a_multi_frame_zstd_file_is_split_by_frames(tmp_path, monkeypatch):
     split = prepare(path, tmp_path / "n1", **KW).meta["documents"]  # each task holds out its own eval share
     assert sum(split.values()) == sum(ref.meta["documents"].values()) and split["eval"] > 0
     same_for_any_parts(path, tmp_path, tmp_path / "n1")
+
+
+def test_a_zstd_task_after_an_empty_frame_keeps_its_first_line(tmp_path, monkeypatch):
+    """An empty frame (concatenated zstd outputs, one of an empty file) before a task's first frame says nothing
+    about where the line before ends: the task still reads the line it starts with."""
+    first, second = (json.dumps({"text": d}) + "\n" for d in DOCS[:2])
+    compress = zstandard.ZstdCompressor().compress
+    path = tmp_path / "c.jsonl.zst"
+    path.write_bytes(compress(first.encode()) + compress(b"") + compress(second.encode()))
+    monkeypatch.setattr(sources, "UNIT_BYTES", len(first) + 1)  # tasks: frames 0-1 and frame 2
+    units = plan_units([path])
+    assert [(u.start, u.stop) for u in units] == [(0, 2), (2, 3)]
+    assert [d for u in units for d in iter_unit(u)] == DOCS[:2]
 
 
 def test_zstd_and_gzip_by_content(tmp_path):

@@ -127,6 +127,13 @@ def test_bad_tiktoken_files_are_one_line(tmp_path, content, words):
     assert all(w in str(err.value) for w in words) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("spec", ["tiktoken:cl100k_base", "tiktoken:cl100k:", "tiktoken:"])
+def test_a_tiktoken_spec_without_a_path_is_one_line(spec):
+    with pytest.raises(TiktokenError) as err:
+        load_tokenizer(spec)
+    assert f"{spec} names no file" in str(err.value) and "tiktoken:PATTERN:PATH" in str(err.value)
+
+
 def test_prepare_with_a_tiktoken_file_keeps_its_ids(tmp_path):
     ranks = train_ranks(kjv_docs(30), python_pattern("cl100k"))
     spec = f"tiktoken:cl100k:{write_tiktoken(tmp_path / 'mine.tiktoken', ranks)}"

@@ -422,6 +422,15 @@ def test_mixtral_refuses_what_it_cannot_express(extra, named):
         check_compatible(_moe_config(**extra), "mixtral")
 
 
+def test_gemma3_refuses_scaled_rope_in_its_windowed_blocks():
+    """Without rope_local_theta our windowed blocks rotate with the scaled global RoPE; Gemma 3's sliding blocks
+    rotate unscaled, so such a model cannot be exported as it computes (with a local base it can)."""
+    cfg = _llama_config(**{**_GEMMA3, "rope_local_theta": None})
+    with pytest.raises(ValueError, match=re.escape("windowed_blocks_rope='scaled")):
+        check_compatible(cfg, "gemma3_text")
+    check_compatible(_llama_config(**{**_GEMMA3, "rope_local_theta": None, "rope_scaling": "none"}), "gemma3_text")
+
+
 def test_llama31_rope_parameters_map_both_ways():
     """Llama 3.1 8B's published config.json rope block (no download: its values) to our keys and back."""
     from meshformer.checkpointing.hf import config_to_hf
