@@ -129,7 +129,7 @@ class RunLogger:
         self.jsonl = None
         if not enabled:
             return
-        self.jsonl = (run_dir / METRICS_FILE).open("a", encoding="utf-8")  # appended across resumes
+        self.jsonl = (run_dir / METRICS_FILE).open("a", encoding="utf-8")  # appended across resumes (see rewind)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -145,6 +145,29 @@ class RunLogger:
             self.writer = SummaryWriter(str(tb_dir))
         if wandb is not None:
             self.wandb = start_wandb(wandb, run_dir, run_config or {})
+
+    def rewind(self, step: int) -> int:
+        """A run resumed at `step`: what the interrupted run logged after that step is dropped from metrics.jsonl (a
+        line cut short by a crash too) and hidden from TensorBoard (its purge_step), so each sink holds one entry per
+        step. Returns the number of metrics.jsonl lines dropped."""
+        if not self.enabled or self.jsonl is None:
+            return 0
+        path = Path(self.jsonl.name)
+        self.jsonl.close()
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [line for line in lines if _logged_by(line, step)]
+        dropped = len(lines) - len(kept)
+        if dropped:
+            partial = path.with_name(path.name + ".partial")
+            partial.write_text("".join(kept), encoding="utf-8")
+            os.replace(partial, path)
+        self.jsonl = path.open("a", encoding="utf-8")
+        if self.writer is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer.close()
+            self.writer = SummaryWriter(self.writer.log_dir, purge_step=step + 1)
+        return dropped
 
     def info(self, message: str) -> None:
         if self.enabled:
@@ -185,6 +208,14 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+
+
+def _logged_by(line: str, step: int) -> bool:
+    """Whether a metrics.jsonl line is whole and of a step up to `step`."""
+    try:
+        return line.endswith("\n") and json.loads(line)["step"] <= step
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def start_wandb(settings: LoggingConfig, run_dir: Path, run_config: dict[str, Any]) -> Any:

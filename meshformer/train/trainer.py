@@ -206,6 +206,9 @@ class Trainer:
         # model, optimizer, scheduler, step, data, RNG: before iterating
         resumed = self.checkpoints.resume(self.checkpointable)
         start_step, had_final = self.step, has_final_weights(self.run_dir)
+        if dropped := log.rewind(start_step):
+            log.info(f"metrics.jsonl: dropped {dropped} lines logged after step {start_step} by the interrupted run "
+                     "(this run logs those steps again)")
         # The run folder is a record: a changed config that trains nothing (or retrains a finished run) is refused.
         changes = check_rerun(cfg, self.run_dir, start_step, had_final)
         # a run started from an HF folder reads it only while it has no checkpoint of its own

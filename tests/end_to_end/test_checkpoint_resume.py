@@ -42,6 +42,11 @@ def _losses(history: list[dict], after: int) -> list[tuple[int, float]]:
     return [(h["step"], h["train/loss"]) for h in history if h["step"] > after]
 
 
+def _logged_losses(run_dir) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r]
+
+
 def test_crash_and_restart_is_bitwise(reference, tmp_path):
     """Async saves while training, a crash before step 4, a restart from step 2: the same run, bit for bit."""
     run_dir = tmp_path / "interrupted"
@@ -58,6 +63,8 @@ def test_crash_and_restart_is_bitwise(reference, tmp_path):
     assert trainer.train_data.state_dict() == reference["data"]
     assert int(trainer.tokens_seen) == reference["tokens"]
     assert trainer.scheduler.get_last_lr() == reference["lr"]
+    # the log too: step 3, logged before the crash, is dropped and logged again by the restart (one line per step)
+    assert _logged_losses(run_dir) == _logged_losses(reference["run_dir"])
 
 
 def _loader_draws_from_global_rng(cfg) -> bool:

@@ -40,6 +40,27 @@ def test_metrics_jsonl_holds_one_object_per_logged_step(tmp_path):
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
 
 
+def test_a_resume_drops_what_the_interrupted_run_logged_after_its_checkpoint(tmp_path):
+    """Crashed at step 30 after a checkpoint at step 20, the last line cut short: the resumed run logs 30 again."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = metrics.RunLogger(tmp_path, enabled=True, tensorboard=True)
+    for step in (10, 20, 30):
+        first.scalars(step, {"train/loss": 1.0})
+    first.close()
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 40, "train/lo')  # the crash cut this line
+    resumed = metrics.RunLogger(tmp_path, enabled=True, tensorboard=True)
+    assert resumed.rewind(20) == 2
+    resumed.scalars(30, {"train/loss": 0.5})
+    resumed.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["train/loss"]) for r in rows] == [(10, 1.0), (20, 1.0), (30, 0.5)]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10, 1.0), (20, 1.0), (30, 0.5)]
+
+
 def test_wandb_gets_the_same_scalars_offline(tmp_path, monkeypatch):
     calls = []
 
