@@ -205,7 +205,8 @@ def _import_megatron(args: argparse.Namespace) -> Path:
     cfg, state = import_megatron(Path(args.src), n_heads=args.heads, vocab_size=args.vocab_size,
                                  activation=args.activation, norm_eps=args.norm_eps, rope_theta=args.rope_theta,
                                  max_seq_len=args.max_seq_len, experts_per_token=args.experts_per_token,
-                                 router_score=args.router_score)
+                                 router_score=args.router_score, router_groups=args.router_groups,
+                                 router_groups_per_token=args.router_groups_per_token)
     return _write(args, cfg, state)
 
 
@@ -284,6 +285,11 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                              "tensors; Megatron's --moe-router-topk); default: the saved config's")
     megatron_in.add_argument("--router-score", choices=["softmax", "sigmoid"], help="MoE: default the saved "
                              "config's, else sigmoid where routers carry a bias (Megatron allows it only there)")
+    megatron_in.add_argument("--router-groups", type=_count(1), help="MoE: group-limited routing's expert groups "
+                             "(not stored in tensors; Megatron's --moe-router-num-groups); default: the saved "
+                             "config's, else 1 (no groups)")
+    megatron_in.add_argument("--router-groups-per-token", type=_count(1), help="MoE: the groups each token keeps "
+                             "(Megatron's --moe-router-group-topk); default: the saved config's, else 1")
     megatron_in.add_argument("--checkpoint", action="store_true", help="write a weights-only checkpoint")
     command("verify", _verify, "check every checkpoint's files against its manifest (sizes and sha256)")
 

@@ -403,7 +403,8 @@ def _refuse_unread(folder: Path, cfg: ModelConfig, entries: Mapping[str, Any]) -
 def import_megatron(path: Path, *, n_heads: int | None = None, vocab_size: int | None = None,
                     activation: str | None = None, norm_eps: float | None = None, rope_theta: float | None = None,
                     max_seq_len: int | None = None, experts_per_token: int | None = None,
-                    router_score: str | None = None) -> tuple[ModelConfig, LazyState]:
+                    router_score: str | None = None, router_groups: int | None = None,
+                    router_groups_per_token: int | None = None) -> tuple[ModelConfig, LazyState]:
     """(our config, our tensors read on access) from a Megatron-Core GPT torch_dist checkpoint. Options left None
     come from the model config that export_megatron writes beside the checkpoint; without one, n_heads is required
     (and experts_per_token for MoE layers).
@@ -416,7 +417,9 @@ def import_megatron(path: Path, *, n_heads: int | None = None, vocab_size: int |
     metadata = read_metadata(folder)
     cfg = resolve_import_config(folder, {"n_heads": n_heads, "vocab_size": vocab_size, "activation": activation,
                                          "norm_eps": norm_eps, "rope_theta": rope_theta, "max_seq_len": max_seq_len,
-                                         "experts_per_token": experts_per_token, "router_score": router_score})
+                                         "experts_per_token": experts_per_token, "router_score": router_score,
+                                         "router_groups": router_groups,
+                                         "router_groups_per_token": router_groups_per_token})
     entries = tensor_entries(metadata)
 
     @functools.lru_cache(maxsize=2)

@@ -41,7 +41,8 @@ ACTIVATION_FUNC = {"swiglu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh", "
 # import_megatron's options, by the command-line flag that sets them
 OPTIONS = {"n_heads": "--heads", "vocab_size": "--vocab-size", "activation": "--activation", "norm_eps": "--norm-eps",
            "rope_theta": "--rope-theta", "max_seq_len": "--max-seq-len", "experts_per_token": "--experts-per-token",
-           "router_score": "--router-score"}
+           "router_score": "--router-score", "router_groups": "--router-groups",
+           "router_groups_per_token": "--router-groups-per-token"}
 # what the tensors themselves determine, to check a saved config against
 _FROM_TENSORS = ("d_model", "n_layers", "kv_heads", "attention_head_dim", "norm", "position", "bias", "use_qkv_bias",
                  "qk_norm", "tie_embeddings", "n_experts", "n_shared_experts")
@@ -193,9 +194,10 @@ def _moe_pattern(moe: list[bool]) -> tuple[int, int]:
 
 def infer_config(folder: Path, *, n_heads: int, vocab_size: int | None = None, activation: str | None = None,
                  norm_eps: float = 1e-5, rope_theta: float = 10000.0, max_seq_len: int | None = None,
-                 experts_per_token: int | None = None, router_score: str | None = None) -> ModelConfig:
-    """A ModelConfig from tensor shapes; only the head count (and the true vocabulary, and an MoE router's top-k)
-    cannot be read off them."""
+                 experts_per_token: int | None = None, router_score: str | None = None,
+                 router_groups: int | None = None, router_groups_per_token: int | None = None) -> ModelConfig:
+    """A ModelConfig from tensor shapes; only the head count (and the true vocabulary, and an MoE router's top-k and
+    group-limited routing) cannot be read off them."""
     shapes = {k: tuple(v.size) for k, v in tensor_entries(read_metadata(folder)).items()}
     layers = layer_shapes(shapes)
     if not layers or any(QKV + "weight" not in layer for layer in layers) or EMBEDDING not in shapes:
@@ -243,6 +245,7 @@ def infer_config(folder: Path, *, n_heads: int, vocab_size: int | None = None, a
             n_experts=layers[moe.index(True)][ROUTER][0], experts_per_token=experts_per_token, moe_d_ff=expert_width,
             n_shared_experts=shared[1] // expert_width if shared else 0, moe_first_dense=first_dense,
             moe_every=every, router_score=score, router_renormalize=score == "softmax" or experts_per_token > 1,
+            router_groups=router_groups or 1, router_groups_per_token=router_groups_per_token or 1,
             router_bias_update_rate=MEGATRON_BIAS_UPDATE_RATE if balanced else 0.0)
     return ModelConfig(
         family="decoder", vocab_size=vocab_size or padded_vocab, d_model=d_model, n_heads=n_heads,

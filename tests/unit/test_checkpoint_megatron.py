@@ -153,6 +153,23 @@ def test_a_bias_balanced_router_keeps_its_selection_bias_without_a_saved_config(
     assert biases and all(state[k].abs().sum() > 0 and torch.equal(state_back[k], state[k]) for k in biases)
 
 
+def test_group_limited_routing_comes_from_the_options_without_a_saved_config(tmp_path):
+    """The tensors do not record group-limited routing (DeepSeek-V3): without a config beside them it is taken from
+    --router-groups / --router-groups-per-token, and the imported model then gives the exported model's logits."""
+    cfg = MOE_CASES["deepseek_like"]
+    model, _, folder = _exported(cfg, tmp_path)
+    (folder.parent / SAVED_CONFIG).unlink()
+    main(["convert", "import-megatron", str(tmp_path / "mcore"), str(tmp_path / "back"), "--heads", "4",
+          "--experts-per-token", "2", "--max-seq-len", "64", "--router-groups", "2", "--router-groups-per-token", "1"])
+    cfg_back, state_back = read_weights(tmp_path / "back")
+    assert (cfg_back.router_groups, cfg_back.router_groups_per_token) == (2, 1)
+    back = Transformer(cfg_back)
+    back.load_state_dict(dict(state_back))
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(back.eval()(ids), model.eval()(ids))
+
+
 def test_a_tensor_with_no_counterpart_is_refused_not_dropped(tmp_path):
     """Megatron tensors meshformer has no place for (here a multi-token-prediction layer's norm) stop the import
     by name: the weights would otherwise be lost in silence."""
