@@ -253,7 +253,7 @@ class _GatherRows(torch.autograd.Function):
         (inverse,) = ctx.saved_tensors
         rows = grad.index_select(0, inverse)
         if ctx.k > 1:
-            rows = rows.view(-1, ctx.k, grad.shape[1]).sum(1)
+            rows = rows.view(inverse.numel() // ctx.k, ctx.k, grad.shape[1]).sum(1)  # -1: ambiguous at 0 rows
         return rows, None, None, None
 
 
@@ -314,7 +314,7 @@ class MoEFeedForward(nn.Module):
             by_slot = out.new_zeros(n * k, out.shape[1]).index_copy(0, order, out)
         # each token's k results weighted and summed: no atomic scatter-add
         weights = routing.weights.unsqueeze(-1).to(by_slot.dtype)
-        result = (by_slot.view(n, k, -1) * weights).sum(1).view_as(x)
+        result = (by_slot.view(n, k, by_slot.shape[1]) * weights).sum(1).view_as(x)  # -1: ambiguous at n = 0
         balance = self._balance(x, logits, routing, routed, order.numel())
         if balance is not None:
             result = _WithBalanceLoss.apply(result, balance, self.balance_weight)

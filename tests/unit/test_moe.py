@@ -134,6 +134,20 @@ def test_the_layer_equals_a_per_token_sum_of_its_experts_forward_and_backward(k)
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
+def test_a_micro_batch_of_no_tokens_gives_an_empty_output_and_zero_gradients(k, capacity_factor):
+    """No rows (e.g. an empty batch dimension): the k-way view and the gather's backward have no -1 to infer."""
+    moe = layer(replace(SMALL, experts_per_token=k, capacity_factor=capacity_factor, moe_aux_loss=0.0,
+                        router_z_loss=0.0))
+    x = torch.zeros(0, 4, SMALL.d_model, requires_grad=True)
+    out = moe(x)
+    assert out.shape == x.shape
+    out.sum().backward()
+    assert x.grad.shape == x.shape
+    assert all(p.grad is None or not p.grad.any() for p in moe.parameters())
+
 def test_capacity_drops_tokens_beyond_it_and_counts_them():
     cfg = replace(SMALL, experts_per_token=1, capacity_factor=1.0, activation="gelu")
     moe = layer(cfg)
