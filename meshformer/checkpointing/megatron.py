@@ -377,6 +377,9 @@ def check_norm_biases(cfg: ModelConfig, read: Reader) -> None:
                                   "cannot be represented exactly")
 
 
+MEGATRON_OPTIMIZER = "optimizer."  # the key prefix of the optimizer state in a Megatron-LM training checkpoint
+
+
 def _refuse_unread(folder: Path, cfg: ModelConfig, entries: Mapping[str, Any]) -> None:
     """Every tensor of the checkpoint has a place in ours (`megatron_sources` run on shapes alone, reading no
     data): one it lacks (a shared-expert gate, multi-token-prediction layers, ...) is refused, never dropped."""
@@ -394,7 +397,9 @@ def _refuse_unread(folder: Path, cfg: ModelConfig, entries: Mapping[str, Any]) -
         make()
     if cfg.norm == "layernorm" and not cfg.bias:  # read by check_norm_biases: zero, so nothing is lost
         read |= {key for key in entries if key.endswith("layer_norm_bias") or key == FINAL_NORM + "bias"}
-    if unread := sorted(set(entries) - read):
+    # Megatron-LM saves a training run's optimizer state into the same checkpoint ("optimizer.state.<name>.<key>",
+    # "optimizer.distributed...."): not the model's, so neither imported nor a reason to refuse
+    if unread := sorted(k for k in set(entries) - read if not k.startswith(MEGATRON_OPTIMIZER)):
         raise ConversionError(f"{folder} holds tensors with no meshformer counterpart, which importing would drop: "
                               f"{unread[:6]}{' ...' if len(unread) > 6 else ''}",
                               "only Megatron-Core GPT models that megatron_config.py maps can be imported")

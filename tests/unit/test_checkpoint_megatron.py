@@ -186,6 +186,24 @@ def test_a_tensor_with_no_counterpart_is_refused_not_dropped(tmp_path):
         import_megatron(extra)
 
 
+def test_a_training_checkpoint_with_its_optimizer_state_imports(tmp_path):
+    """Megatron-LM saves the optimizer's state into the same torch_dist checkpoint (keys `optimizer.state.<name>.<
+    parameter>`, or `optimizer.distributed...` by buckets): not model tensors, so neither imported nor refused."""
+    import torch.distributed.checkpoint as dcp
+
+    cfg = CASES["llama"]
+    _, state, folder = _exported(cfg, tmp_path)
+    tensors = read_full_tensors(folder, list(tensor_entries(read_metadata(folder))))
+    optimizer = {f"optimizer.state.{name}.{key}": torch.zeros_like(t) for key, t in tensors.items()
+                 for name in ("exp_avg", "exp_avg_sq", "fp32_param")}
+    optimizer["optimizer.distributed.dp_group_idx_0.gbuf_idx_0.bucket_idx_0.exp_avg"] = torch.zeros(8)
+    trained = tmp_path / "trained" / folder.name
+    dcp.save({**tensors, **optimizer}, checkpoint_id=str(trained), no_dist=True)
+    (trained.parent / SAVED_CONFIG).write_text((folder.parent / SAVED_CONFIG).read_text())
+    _, state_back = import_megatron(trained)
+    assert_bitwise(dict(state_back), state)
+
+
 def test_mismatches_are_explained(tmp_path):
     bert = ModelConfig(family="encoder", vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=64,
                        norm_position="post", embedding_norm=True, head_transform=True, output_bias=True)
