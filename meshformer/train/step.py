@@ -66,7 +66,7 @@ class TrainStep:
             self.add_post_step_hook(parallel_model.update_expert_bias)
 
     def add_post_step_hook(self, hook: PostStepHook) -> None:
-        """Run `hook()` after every optimizer step, after the hooks added before it."""
+        """Run `hook(applied)` after every optimizer step, after the hooks added before it (see PostStepHook)."""
         self._post_step_hooks.append(hook)
 
     def step(self, micro_batches: Sequence[Batch]) -> StepStats:
