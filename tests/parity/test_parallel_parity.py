@@ -77,6 +77,7 @@ WORLD8 = ["decoder/pp-fsdp-tp", "encdec/pp-fsdp-tp-sched=interleaved_1f1b-spr=2"
 MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "moe_late/pp", "moe_skew/fsdp-ep",
               "moe_seq/fsdp-ep", "moe_bias/fsdp-ep", "moe_bias/tp-ep", "moe/fsdp-ep-recompute=full",
               "moe/tp-ep-recompute=selective",
+              "moe/fsdp-ep-compile",  # per-block torch.compile around the experts' all-to-all (the GPU's fast path)
               "moe_encdec/fsdp-ep", "moe_encdec/tp-ep", "moe_encdec/pp"]  # MoE in both stacks
 MOE_WORLD4 = ["moe/fsdp=4-ep", "moe/fsdp=4-ep=4", "moe/hsdp-ep", "moe/tp-fsdp-ep", "moe/tp-fsdp-ep=4",
               "moe/cp-fsdp-ep=4", "moe/pp-tp-ep", "moe/pp-fsdp-ep", "moe/pp-fsdp-ep-sched=gpipe",
@@ -104,7 +105,7 @@ FP8_TOL, FP8_GRAD_TOL, FP8_NORM_TOL = 1e-4, 2e-2, 1e-3
 # every family, axis, schedule, loss and recompute mode.
 WORLD2_SLOW = {"decoder/cp-compile", "decoder/tp-fp8=tensorwise", "decoder_alibi/tp-fp8=tensorwise",
                "encdec/tp-fp8=tensorwise", "decoder/tp-fp8=rowwise", "moe/tp-ep-bf16", "moe_encdec/tp-ep",
-               "moe/fsdp-ep-recompute=full", "moe/tp-ep-recompute=selective", "moe_bias/tp-ep"}
+               "moe/fsdp-ep-recompute=full", "moe/tp-ep-recompute=selective", "moe_bias/tp-ep", "moe/fsdp-ep-compile"}
 ALL_WORLD2 = WORLD2 + MIXED_PRECISION + FP8_WORLD2 + ["skip/nan"]  # skip/nan: a NaN gradient on one rank
 
 
