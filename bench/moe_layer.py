@@ -211,15 +211,14 @@ def host_syncs(step: Callable[[], None]) -> list[str]:
             here = [f for f in traceback.extract_stack() if "meshformer" in f.filename]
             found.append(f"{here[-1].filename.rsplit('/', 1)[-1]}:{here[-1].lineno}" if here else "outside meshformer")
 
-    shown, warnings.showwarning = warnings.showwarning, note
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings():  # restores the filters and showwarning on leaving
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
             step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = shown
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     return found
 
 

@@ -73,21 +73,29 @@ def _megatron_outside(src: Path, folder: Path) -> Path:
     return folder
 
 
+def megatron_with_extra_tensors(step: Path, dest: Path, extra: dict) -> Path:
+    """The Megatron checkpoint step folder `step` saved again at `dest` (a step folder) with the tensors `extra`
+    beside its own, and the meshformer config saved beside it when it has one."""
+    import torch.distributed.checkpoint as dcp
+
+    from meshformer.checkpointing.dcp_io import read_full_tensors, tensor_entries
+    from meshformer.checkpointing.megatron_config import SAVED_CONFIG
+
+    tensors = read_full_tensors(step, list(tensor_entries(read_metadata(step))))
+    dcp.save({**tensors, **extra}, checkpoint_id=str(dest), no_dist=True)
+    if (step.parent / SAVED_CONFIG).is_file():
+        shutil.copyfile(step.parent / SAVED_CONFIG, dest.parent / SAVED_CONFIG)
+    return dest
+
+
 def _megatron_extra(src: Path, folder: Path) -> Path:
     """A copy of the Megatron checkpoint `src` holding one tensor more than ours have (a multi-token-prediction
     layer's norm, as DeepSeek-V3-style Megatron runs save)."""
     import torch
-    import torch.distributed.checkpoint as dcp
 
-    from meshformer.checkpointing.dcp_io import read_full_tensors, tensor_entries
-
-    shutil.copytree(src, folder)
-    step = folder / "iter_0000000"
-    tensors = read_full_tensors(step, list(tensor_entries(read_metadata(step))))
-    for data in [step / ".metadata", *step.glob("*.distcp")]:
-        data.unlink()
-    dcp.save({**tensors, "mtp.layers.0.enorm.weight": torch.ones(CFG.d_model)}, checkpoint_id=str(step),
-             no_dist=True)
+    shutil.copytree(src, folder, ignore=shutil.ignore_patterns(".metadata", "*.distcp"))
+    megatron_with_extra_tensors(src / "iter_0000000", folder / "iter_0000000",
+                                {"mtp.layers.0.enorm.weight": torch.ones(CFG.d_model)})
     return folder
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers.checkpoints import assert_bitwise
 from helpers.common import free_port
+from helpers.convert import megatron_with_extra_tensors
 
 from meshformer.checkpointing import ConversionError
 from meshformer.checkpointing.dcp_io import read_full_tensors, read_metadata, tensor_entries
@@ -173,15 +174,10 @@ def test_group_limited_routing_comes_from_the_options_without_a_saved_config(tmp
 def test_a_tensor_with_no_counterpart_is_refused_not_dropped(tmp_path):
     """Megatron tensors meshformer has no place for (here a multi-token-prediction layer's norm) stop the import
     by name: the weights would otherwise be lost in silence."""
-    import torch.distributed.checkpoint as dcp
-
     cfg = CASES["llama"]
     _, _, folder = _exported(cfg, tmp_path)
-    tensors = read_full_tensors(folder, list(tensor_entries(read_metadata(folder))))
-    extra = tmp_path / "extra" / folder.name
-    dcp.save({**tensors, "mtp.layers.0.enorm.weight": torch.ones(cfg.d_model)}, checkpoint_id=str(extra),
-             no_dist=True)
-    (extra.parent / SAVED_CONFIG).write_text((folder.parent / SAVED_CONFIG).read_text())
+    extra = megatron_with_extra_tensors(folder, tmp_path / "extra" / folder.name,
+                                        {"mtp.layers.0.enorm.weight": torch.ones(cfg.d_model)})
     with pytest.raises(ConversionError, match=r"no meshformer counterpart.*mtp\.layers\.0\.enorm\.weight"):
         import_megatron(extra)
 
@@ -189,17 +185,13 @@ def test_a_tensor_with_no_counterpart_is_refused_not_dropped(tmp_path):
 def test_a_training_checkpoint_with_its_optimizer_state_imports(tmp_path):
     """Megatron-LM saves the optimizer's state into the same torch_dist checkpoint (keys `optimizer.state.<name>.<
     parameter>`, or `optimizer.distributed...` by buckets): not model tensors, so neither imported nor refused."""
-    import torch.distributed.checkpoint as dcp
-
     cfg = CASES["llama"]
     _, state, folder = _exported(cfg, tmp_path)
-    tensors = read_full_tensors(folder, list(tensor_entries(read_metadata(folder))))
-    optimizer = {f"optimizer.state.{name}.{key}": torch.zeros_like(t) for key, t in tensors.items()
+    optimizer = {f"optimizer.state.{name}.{key}": torch.zeros(tuple(entry.size))
+                 for key, entry in tensor_entries(read_metadata(folder)).items()
                  for name in ("exp_avg", "exp_avg_sq", "fp32_param")}
     optimizer["optimizer.distributed.dp_group_idx_0.gbuf_idx_0.bucket_idx_0.exp_avg"] = torch.zeros(8)
-    trained = tmp_path / "trained" / folder.name
-    dcp.save({**tensors, **optimizer}, checkpoint_id=str(trained), no_dist=True)
-    (trained.parent / SAVED_CONFIG).write_text((folder.parent / SAVED_CONFIG).read_text())
+    trained = megatron_with_extra_tensors(folder, tmp_path / "trained" / folder.name, optimizer)
     _, state_back = import_megatron(trained)
     assert_bitwise(dict(state_back), state)
 
