@@ -8,6 +8,7 @@
 #
 #   OUT=/tmp/moe-out bash bench/gpu_moe.sh      # on the GPU machine, from the repository root (~2-3 min)
 #   SMOKE=1 bash bench/gpu_moe.sh               # CPU dry run with tiny shapes (also: --dry-run)
+#   ITEMS="moe_mixtral_compiled moe_mixtral_queued moe_mixtral_autotune" OUT=... bash bench/gpu_moe.sh  # the speed goal
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [[ "${1:-}" == "--dry-run" || "${SMOKE:-0}" == 1 ]] && DRY=1 || DRY=0
@@ -19,6 +20,7 @@ ML="python3 bench/moe_layer.py"
 if [[ "$SMOKE" == 1 ]]; then
   item moe_mixtral 120 $ML --device cpu --dtype fp32 --shape tiny --rounds 1 --threads 1
   item moe_qwen3 120 $ML --device cpu --dtype bf16 --shape tiny --rounds 1 --threads 1 --routing skewed
+  item moe_mixtral_queued 300 $ML --device cpu --dtype bf16 --shape tiny --rounds 1 --threads 1 --routing balanced --backend grouped_mm --compile --queue 2
 else
   # CUDA init + first cuBLAS/grouped-GEMM calls are in each item's warm-up round; 5 timed rounds per side
   item moe_mixtral 100 $ML --device cuda --dtype bf16 --shape mixtral-reduced --rounds 5
@@ -26,6 +28,11 @@ else
   # both sides under torch.compile, as `train.compile` runs them: inductor fuses the layer's routing/combine glue
   item moe_mixtral_compiled 120 $ML --device cuda --dtype bf16 --shape mixtral-reduced --rounds 5 --backend grouped_mm --compile
   item moe_qwen3_compiled 120 $ML --device cuda --dtype bf16 --shape qwen3-moe --rounds 5 --backend grouped_mm --compile
+  # the same, 4 steps per synchronisation (the host ahead, as between a model's layers), with the profile; then with
+  # inductor's grouped-GEMM autotuning (train.compile_mode = "max-autotune-no-cudagraphs": Triton templates against
+  # the CUTLASS kernel; minutes of autotuning in the warm-up round)
+  item moe_mixtral_queued 120 $ML --device cuda --dtype bf16 --shape mixtral-reduced --rounds 5 --backend grouped_mm --compile --queue 4 --profile
+  item moe_mixtral_autotune 240 $ML --device cuda --dtype bf16 --shape mixtral-reduced --routing balanced --rounds 5 --backend grouped_mm --compile max-autotune-no-cudagraphs --queue 4
   # The training-side items, where the GPU makes minutes of CPU training take seconds (their JSON is in the logs):
   # tiny-moe vs tiny-gpt at equal active parameters, and the load balance with none / aux loss / bias balancing.
   item moe_vs_dense 170 python3 bench/moe_vs_dense.py --steps ${CURVE_STEPS:-1000} --eval-interval 100 --concurrent \

@@ -8,7 +8,9 @@ the ratio MoE / dense. Each backend is timed twice: the whole layer (router, top
 scatter back) and its compute function alone on already-sorted tokens, so `layer_ms - compute_ms` is the
 permutation's share. Routing "balanced" is the random router's; "skewed" adds a per-expert selection bias (the
 layer's `expert_bias`) calibrated so the busiest expert gets ~`--skew` times the mean load. One JSON line per
-(shape, routing).
+(shape, routing). `--queue N` times N steps per side between synchronisations: the host runs ahead, as it does
+between a model's layers, so the launch latency of each step's first kernels is no longer on the clock. `--compile
+[MODE]` compiles both sides; `compiled_graphs` counts the graphs dynamo made (2: none broken).
 
     PYTHONPATH=$PWD python bench/moe_layer.py --device cpu --dtype fp32 --shape small cpu-512
     PYTHONPATH=$PWD python bench/moe_layer.py --device cuda --dtype bf16 --shape mixtral-reduced qwen3-moe
@@ -31,6 +33,7 @@ from meshformer.model.config import ModelConfig
 from meshformer.model.init import init_weights
 from meshformer.model.layers import FeedForward
 from meshformer.model.moe import BACKENDS, COMPUTE, MoEFeedForward, grouped_mm_runs, route
+from meshformer.parallel.kernels import compile_kwargs
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # name: (d_model, n_experts, experts_per_token, moe_d_ff, n_shared_experts, activation, tokens)
@@ -96,7 +99,7 @@ def backend_runs(backend: str, device: torch.device, dtype: torch.dtype, cfg: Mo
 
 
 def measure(shape: str, routing: str, device: torch.device, dtype: torch.dtype, rounds: int, skew: float,
-            backends: list[str], profile: bool = False, compile_: bool = False) -> dict:
+            backends: list[str], profile: bool = False, compile_mode: str | None = None, queue: int = 1) -> dict:
     moe_cfg, dense_cfg = configs(shape)
     tokens = SHAPES[shape][-1]
     g = torch.Generator().manual_seed(0)
@@ -129,7 +132,10 @@ def measure(shape: str, routing: str, device: torch.device, dtype: torch.dtype, 
         return step
 
     # compiled: the layer's elementwise glue (routing, combine) fused by inductor, as `train.compile` runs it
-    run_dense, run_moe = (torch.compile(dense), torch.compile(moe)) if compile_ else (dense, moe)
+    compiled = {} if compile_mode is None else compile_kwargs(compile_mode)
+    run_dense, run_moe = (torch.compile(dense, **compiled), torch.compile(moe, **compiled)) \
+        if compile_mode is not None else (dense, moe)
+    torch._dynamo.utils.counters.clear()
     sides: dict[str, Callable[[], None]] = {"dense": fwd_bwd(lambda: run_dense(xin), grad)}
     skipped: dict[str, str] = {}
     grad_slots = torch.randn(xs.shape, generator=g).to(device, dtype)
@@ -156,7 +162,8 @@ def measure(shape: str, routing: str, device: torch.device, dtype: torch.dtype, 
             synchronize(device)
             start = time.perf_counter()
             try:
-                step()
+                for _ in range(queue if rnd else 1):  # queued: the host runs ahead, as between a model's layers
+                    step()
                 synchronize(device)
             except (RuntimeError, NotImplementedError) as err:
                 if rnd or name == "dense":  # only a backend's first call may fail (e.g. a kernel this torch lacks)
@@ -167,7 +174,7 @@ def measure(shape: str, routing: str, device: torch.device, dtype: torch.dtype, 
                     times.pop(side, None)
                 continue
             if rnd:  # the first round warms up (allocator, kernels, autotuning)
-                times[name].append(time.perf_counter() - start)
+                times[name].append((time.perf_counter() - start) / queue)
     ms = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
     dense_tps = tokens / ms["dense"] * 1e3
     record: dict = {
@@ -175,7 +182,9 @@ def measure(shape: str, routing: str, device: torch.device, dtype: torch.dtype, 
         "d_model": moe_cfg.d_model, "n_experts": moe_cfg.n_experts, "experts_per_token": moe_cfg.experts_per_token,
         "moe_d_ff": moe_cfg.expert_d_ff, "n_shared_experts": moe_cfg.n_shared_experts, "dense_d_ff": dense_cfg.d_ff,
         "tokens": tokens, "threads": torch.get_num_threads(), "load_1min": round(os.getloadavg()[0], 2),
-        "rounds": rounds, "compiled": compile_,
+        "rounds": rounds, "queue": queue, "compiled": compile_mode or False,
+        # graphs dynamo made of both sides (dense: 1): a graph break in the layer shows as more
+        "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] if compile_mode else None,
         "max_over_mean_load": round((counts.max() / counts.float().mean()).item(), 3),
         "dense_ms": round(ms["dense"], 3), "dense_tokens_per_s": round(dense_tps, 1), "backends": {},
         "skipped": skipped,
@@ -257,7 +266,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--skew", type=float, default=2.0, help="skewed routing's target max/mean expert load")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--compile", action="store_true", help="time both sides compiled with torch.compile")
+    parser.add_argument("--compile", nargs="?", const="default", default=None,
+                        choices=["default", "max-autotune-no-cudagraphs"],
+                        help="time both sides compiled with torch.compile, in this mode (train.compile_mode's)")
+    parser.add_argument("--queue", type=int, default=1,
+                        help="steps per side between synchronisations (1: each step alone, its launch latency "
+                             "exposed; more: the host runs ahead, as in a model's stack of layers)")
     parser.add_argument("--profile", action="store_true",
                         help="also record where the dense side's and the best backend's time goes (top operators)")
     args = parser.parse_args()
@@ -269,7 +283,7 @@ def main() -> None:
     for shape in args.shape:
         for routing in args.routing:
             print(json.dumps(measure(shape, routing, device, DTYPES[args.dtype], args.rounds, args.skew,
-                                     args.backend, args.profile, args.compile)), flush=True)
+                                     args.backend, args.profile, args.compile, args.queue)), flush=True)
 
 
 if __name__ == "__main__":

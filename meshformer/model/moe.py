@@ -265,6 +265,7 @@ class MoEFeedForward(nn.Module):
     micro-batches. Their statistics cover the whole micro-batch (every rank of `token_group`)."""
 
     tokens_this_step: torch.Tensor
+    latest: torch.Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -277,15 +278,30 @@ class MoEFeedForward(nn.Module):
         self.shared_experts = FeedForward(replace(cfg, d_ff=shared_width)) if shared_width else None
         self.token_group: TokenGroup | None = None  # set by Transformer.set_parallel_context; None: one process
         self.balance_weight = 1.0
-        self.last_stats: MoEStats | None = None  # the latest forward's
         self.counts_load = True  # off for forwards that are not training (a pipeline's shape inference)
         # Token-slots per expert over the training forwards since the last reset (every rank of the token group):
         # the load that auxiliary-loss-free balancing reads after each optimizer step.
         self.register_buffer("tokens_this_step", torch.zeros(cfg.n_experts), persistent=False)
+        # The latest training forward's sums over the token group, read by `last_stats`: routed token-slots per expert,
+        # router probabilities per expert, logsumexp(logits)^2, kept token-slots, the aux loss's value. Forwards write
+        # buffers in place, never Python attributes: a compiled block with recomputation admits no other side effect.
+        self.register_buffer("latest", torch.zeros(2 * cfg.n_experts + 3), persistent=False)
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
         self.tokens_this_step.zero_()
+        self.latest.zero_()
+
+    @property
+    def last_stats(self) -> MoEStats:
+        """What the latest training forward measured over its whole micro-batch (zeros before the first)."""
+        e, k = self.cfg.n_experts, self.cfg.experts_per_token
+        latest = self.latest.detach()
+        counts = latest[:e]
+        slots = counts.sum()  # every token routes to k experts
+        per_slot = 1 / slots.clamp(min=1)
+        return MoEStats(tokens_per_expert=counts, aux_loss=latest[-1], z_loss=latest[2 * e] * k * per_slot,
+                        dropped_fraction=(slots - latest[2 * e + 1]) * per_slot)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -315,42 +331,41 @@ class MoEFeedForward(nn.Module):
         # each token's k results weighted and summed: no atomic scatter-add
         weights = routing.weights.unsqueeze(-1).to(by_slot.dtype)
         result = (by_slot.view(n, k, by_slot.shape[1]) * weights).sum(1).view_as(x)  # -1: ambiguous at n = 0
-        balance = self._balance(x, logits, routing, routed, order.numel())
+        balance = self._balance(x, logits, routing, routed, counts)
         if balance is not None:
             result = _WithBalanceLoss.apply(result, balance, self.balance_weight)
         if self.shared_experts is not None:
             result = result + self.shared_experts(x)
         return result
 
-    def _balance(self, x: torch.Tensor, logits: torch.Tensor, routing: Routing, routed: torch.Tensor, kept: int
-                 ) -> torch.Tensor | None:
-        """Record this forward's `MoEStats` and return its weighted balance terms (None when both are off).
+    def _balance(self, x: torch.Tensor, logits: torch.Tensor, routing: Routing, routed: torch.Tensor,
+                 kept: torch.Tensor) -> torch.Tensor | None:
+        """Record this forward's statistics (`latest`, `tokens_this_step`) and return its weighted balance terms (None
+        when both are off). `routed`/`kept`: token-slots per expert before/after dropping for capacity.
 
         Every statistic is of the whole micro-batch: counts and sums are added over the token group first, and each
         rank's term is its tokens' share of the global one, so the terms summed over ranks (as gradients are) give
-        exactly the single-process value."""
+        exactly the single-process value. Every figure comes from device tensors: no host-to-device copy stalls the
+        launch queue."""
         cfg, group = self.cfg, self.token_group
         k, n_experts = cfg.experts_per_token, cfg.n_experts
-        n = logits.shape[0]
-        probs = routing.scores / routing.scores.sum(-1, keepdim=True)  # (N, E), per token summing to 1
-        lse_sq = logits.logsumexp(-1).square()
-        # filled on the device: writing a Python number into a device tensor is a host-to-device copy, a sync
-        counted = [torch.full((1,), float(v), device=x.device) for v in (n, kept)]
-        local = torch.cat([routed.float(), probs.detach().sum(0), lse_sq.detach().sum().view(1), *counted])
+        scores = routing.scores  # (N, E); as probabilities per token: softmax scores already sum to 1
+        probs = scores if cfg.router_score == "softmax" else scores / scores.sum(-1, keepdim=True)
+        prob_sum, lse_sq_sum = probs.sum(0), logits.logsumexp(-1).square().sum()
+        local = torch.cat([routed.float(), prob_sum.detach(), lse_sq_sum.detach().view(1), kept.sum().float().view(1)])
         total = local if group is None else group.sum(local)
-        counts, prob_sum = total[:n_experts], total[n_experts:2 * n_experts]
-        lse_sq_sum, tokens, kept_total = total[2 * n_experts:].unbind()
-        z = lse_sq.sum() / tokens
+        counts, tokens = total[:n_experts], total[:n_experts].sum() / k
+        z = lse_sq_sum / tokens
         if cfg.moe_aux_per_sequence and x.dim() == 3:
             aux, aux_value = self._aux_per_sequence(x, probs, routing.experts)
         else:
             fraction = counts / (tokens * k)
-            aux = n_experts * (fraction * probs.sum(0)).sum() / tokens
-            aux_value = n_experts * (fraction * prob_sum).sum() / tokens
-        self.last_stats = MoEStats(tokens_per_expert=counts, aux_loss=aux_value, z_loss=lse_sq_sum / tokens,
-                                   dropped_fraction=1 - kept_total / (tokens * k))
-        if self.counts_load and self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-            self.tokens_this_step += counts  # not again when activation recomputation reruns this in backward
+            aux = torch.dot(fraction, prob_sum) * n_experts / tokens
+            aux_value = torch.dot(fraction, total[n_experts:2 * n_experts]) * n_experts / tokens
+        if self.training and torch.is_grad_enabled():
+            self.latest.copy_(torch.cat([total, aux_value.detach().view(1)]))
+            if self.counts_load and not _in_recomputation():
+                self.tokens_this_step.add_(counts)
         if cfg.moe_aux_loss == 0 and cfg.router_z_loss == 0:
             return None
         return cfg.moe_aux_loss * aux + cfg.router_z_loss * z
@@ -366,7 +381,7 @@ class MoEFeedForward(nn.Module):
         local = torch.cat([slots, probs_by_sequence.detach(), torch.full((b, 1), float(t), device=x.device)], 1)
         total = local if group is None else group.sum_within_sequences(local)
         counts, prob_sum, tokens = total[:, :n_experts], total[:, n_experts:2 * n_experts], total[:, -1:]
-        sequences = torch.tensor(float(b), device=x.device)
+        sequences = torch.full((), float(b), device=x.device)  # filled on the device: no host-to-device copy
         if group is not None:
             sequences = group.sum(sequences) / group.sequence_shards
         fraction = counts / (tokens * k)
@@ -376,6 +391,13 @@ class MoEFeedForward(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------- balancing
+
+
+def _in_recomputation() -> bool:
+    """Whether this forward reruns inside a backward (activation recomputation): its load is counted already. Never in
+    compiled code: a compiled block recomputes inside its compiled backward, which replays no buffer update (and
+    dynamo cannot trace the check)."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 def moe_layers(model: nn.Module) -> Iterator[tuple[str, MoEFeedForward]]:

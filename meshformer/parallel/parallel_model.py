@@ -98,18 +98,18 @@ class ParallelModel:
         """Per MoE layer, of its latest training forward over the whole micro-batch: the busiest expert's load over
         the mean load (1 = perfectly balanced), the fraction of token-slots dropped for capacity, the aux and z
         balance losses (unweighted)."""
-        out: dict[str, float] = {}
-        for name, layer in self.named_moe_layers:
+        if not self.moe_layers:
+            return {}
+        keys = ("load_max_over_mean", "dropped_fraction", "aux_loss", "z_loss")
+        rows = []
+        for layer in self.moe_layers:
             stats = layer.last_stats
-            if stats is None:
-                continue
             load = stats.tokens_per_expert
-            prefix = f"moe/{name.removesuffix('.ffn')}"
-            out[f"{prefix}/load_max_over_mean"] = float(load.max() / load.mean().clamp(min=1e-9))
-            out[f"{prefix}/dropped_fraction"] = float(stats.dropped_fraction)
-            out[f"{prefix}/aux_loss"] = float(stats.aux_loss)
-            out[f"{prefix}/z_loss"] = float(stats.z_loss)
-        return out
+            rows.append(torch.stack([load.max() / load.mean().clamp(min=1e-9), stats.dropped_fraction,
+                                     stats.aux_loss, stats.z_loss]))
+        values = torch.stack(rows).tolist()  # one host read for every layer
+        return {f"moe/{name.removesuffix('.ffn')}/{key}": value
+                for (name, _), row in zip(self.named_moe_layers, values, strict=True) for key, value in zip(keys, row)}
 
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -104,7 +104,7 @@ def test_moe_vs_dense_tiny(tmp_path):
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.slow  # the GPU script's CPU dry run: an environment line, then both MoE items on tiny shapes
+@pytest.mark.slow  # the GPU script's CPU dry run: an environment line, then the MoE layer items on tiny shapes
 def test_gpu_moe_smoke(tmp_path):
     env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
     env.pop("SUITE_BUDGET_S", None)
@@ -113,5 +113,8 @@ def test_gpu_moe_smoke(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert lines[0]["bench"] == "environment"
-    assert {r["item"]: r["status"] for r in lines if "item" in r} == {"moe_mixtral": "ok", "moe_qwen3": "ok"}
-    assert len([r for r in lines if r.get("bench") == "moe_layer"]) == 3  # balanced + skewed, then skewed
+    assert {r["item"]: r["status"] for r in lines if "item" in r} == {"moe_mixtral": "ok", "moe_qwen3": "ok",
+                                                                       "moe_mixtral_queued": "ok"}
+    layers = [r for r in lines if r.get("bench") == "moe_layer"]
+    assert len(layers) == 4  # balanced + skewed, then skewed, then balanced compiled
+    assert layers[-1]["queue"] == 2 and layers[-1]["compiled_graphs"] == 2  # one graph a side: no break in the layer
