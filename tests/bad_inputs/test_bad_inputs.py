@@ -517,6 +517,7 @@ CASES = [
     ("plot-no-events", ["plot", "{tmp}/nothing"], ["no TensorBoard event files", "logging.tensorboard"]),
     ("tensorboard-missing", ["tensorboard", "{tmp}/norun"], ["does not exist", "logging.run_dir"]),
     ("diagnose-none", ["diagnose", "{tmp}/nothing"], ["no hang reports", "nothing to diagnose"]),
+    ("diagnose-missing-run", ["diagnose", "{tmp}/norun"], ["run folder", "does not exist", "logging.run_dir"]),
     # (#25) monitoring
     ("tensorboard-port-negative", ["tensorboard", "{run}", "--port", "-1"],
      ["--port -1 is not a TCP port", "1 to 65535"]),
