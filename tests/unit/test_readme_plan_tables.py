@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-
 from helpers.common import ROOT
 
 
