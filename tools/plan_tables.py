@@ -23,6 +23,23 @@ from meshformer.planner.search import plan_layout, search_layouts, with_layout  
 GiB = 2**30
 
 
+def table_row(name: str, world: int, gpu: str, moe_imbalance: float = MOE_IMBALANCE) -> list[str]:
+    """One row's cells but the CPU time: config, ranks, the configured layout, the smallest fitting one, its peak."""
+    cfg = load_config(ROOT / "configs" / f"{name}.toml")
+    budget = usable_bytes(gpu)
+    p = cfg.parallel
+    try:  # the configured pp x tp with FSDP over the rest (bf16 autocast where no data-parallel ranks)
+        own = plan_layout(with_layout(cfg, world, p.pp, p.tp, p.recompute), world, moe_imbalance)
+        configured = (f"{layout_name(own)} {own.recompute}: {own.peak / GiB:.1f}, "
+                      f"{'yes' if own.peak <= budget else 'no'}")
+    except ConfigError:
+        configured = f"needs pp x tp = {p.pp * p.tp} ranks" if world < p.pp * p.tp else f"needs ep = {p.ep}"
+    fitting = [lay for lay in search_layouts(cfg, world, gpu, moe_imbalance) if lay.peak <= budget]
+    best = (f"{layout_name(fitting[0])} {fitting[0].recompute}", f"{fitting[0].peak / GiB:.1f}") \
+        if fitting else ("none fits", "—")
+    return [name, str(world), configured, *best]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--gpu", default="h100-80gb")
@@ -30,25 +47,13 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[8, 64, 512, 4096])
     parser.add_argument("--moe-imbalance", type=float, default=MOE_IMBALANCE)
     args = parser.parse_args()
-    budget = usable_bytes(args.gpu)
     print("| config | ranks | configured layout: GiB/rank, fits? | smallest layout that fits | GiB/rank | CPU s |")
     print("| --- | ---: | --- | --- | ---: | ---: |")
     for name in args.configs:
-        cfg = load_config(ROOT / "configs" / f"{name}.toml")
         for world in args.worlds:
             start = time.process_time()
-            p = cfg.parallel
-            try:  # the configured pp x tp with FSDP over the rest (bf16 autocast where no data-parallel ranks)
-                own = plan_layout(with_layout(cfg, world, p.pp, p.tp, p.recompute), world, args.moe_imbalance)
-                configured = (f"{layout_name(own)} {own.recompute}: {own.peak / GiB:.1f}, "
-                              f"{'yes' if own.peak <= budget else 'no'}")
-            except ConfigError:
-                configured = f"needs pp x tp = {p.pp * p.tp} ranks" if world < p.pp * p.tp else f"needs ep = {p.ep}"
-            fitting = [lay for lay in search_layouts(cfg, world, args.gpu, args.moe_imbalance) if lay.peak <= budget]
-            best = (f"{layout_name(fitting[0])} {fitting[0].recompute}", f"{fitting[0].peak / GiB:.1f}") \
-                if fitting else ("none fits", "—")
-            print(f"| {name} | {world} | {configured} | {best[0]} | {best[1]} | {time.process_time() - start:.0f} |",
-                  flush=True)
+            cells = table_row(name, world, args.gpu, args.moe_imbalance)
+            print(f"| {' | '.join(cells)} | {time.process_time() - start:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ def _write(args: argparse.Namespace, cfg: ModelConfig, state: Mapping[str, torch
     from meshformer.checkpointing.weights import CONFIG_FILE, write_weights
 
     if args.checkpoint:
-        return _into(args, CHECKPOINTS, ["latest"], lambda out: write_weights_checkpoint(state, cfg, out))
+        return _into(args, CHECKPOINTS, ["latest"], lambda out: write_weights_checkpoint(state, cfg, out, tokenizer))
     return _into(args, WEIGHTS, _weights_legacy(Path(args.out), CONFIG_FILE),
                  lambda out: write_weights(state, cfg, out, args.max_shard_size, tokenizer))
 
@@ -143,7 +143,8 @@ def _to_safetensors(args: argparse.Namespace) -> Path:
 def _to_checkpoint(args: argparse.Namespace) -> Path:
     from meshformer.checkpointing.safetensors_io import safetensors_to_checkpoint
 
-    return _into(args, CHECKPOINTS, ["latest"], lambda out: safetensors_to_checkpoint(Path(args.src), out))
+    return _into(args, CHECKPOINTS, ["latest"],
+                 lambda out: safetensors_to_checkpoint(Path(args.src), out, _source_tokenizer(args)))
 
 
 def _require_transformers(command: str) -> None:
@@ -251,9 +252,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
             parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, type=_shard_size,
                                 help="largest safetensors file written (e.g. 5GB, 500MB; HF-style shards + index "
                                      f"beyond it; default {DEFAULT_MAX_SHARD_SIZE})")
-        if name in ("to-safetensors", "export-hf"):
+        if name in ("to-safetensors", "to-checkpoint", "export-hf"):
             parser.add_argument("--tokenizer", help="the tokenizer the model was trained with, written with the "
-                                "output; default: the one saved with SRC's weights (a checkpoint carries none)")
+                                "output; default: the one saved with SRC (its weights or checkpoint)")
         if name != "verify":
             parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (it may not be, "
                                 "hold or lie inside SRC)")

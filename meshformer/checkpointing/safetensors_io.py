@@ -129,9 +129,11 @@ def checkpoint_to_safetensors(checkpoint: Path, out_dir: Path, *, show_progress:
     return write_weights(state, cfg, out_dir, max_shard_size, tokenizer)
 
 
-def write_weights_checkpoint(state: Mapping[str, torch.Tensor], cfg: ModelConfig, root: Path) -> Path:
+def write_weights_checkpoint(state: Mapping[str, torch.Tensor], cfg: ModelConfig, root: Path,
+                             tokenizer: Tokenizer | None = None) -> Path:
     """A committed, weights-only checkpoint step-00000000/ under `root`: training starts from these weights at
-    step 0 with a fresh optimizer, schedule and data order (a weights-only checkpoint carries no step)."""
+    step 0 with a fresh optimizer, schedule and data order (a weights-only checkpoint carries no step). It carries
+    `tokenizer` as a run's checkpoints do, so conversions of it pass it on."""
     step = 0
     from meshformer.model import Transformer
 
@@ -152,6 +154,8 @@ def write_weights_checkpoint(state: Mapping[str, torch.Tensor], cfg: ModelConfig
     write_json_atomic(partial / directory.TRAINER_STATE,
                       {"version": 1, "kind": "weights", "step": step, "tokens_seen": 0,
                        "config": {"model": asdict(cfg)}, "saved_at": time.time()})
+    if tokenizer is not None:
+        tokenizer.save(partial / directory.TOKENIZER_FILE)
     return commit(partial, step, {"world_size": 1})
 
 
@@ -162,7 +166,7 @@ def refuse_existing_checkpoints(root: Path, fix: str = "write the weights-only c
         raise CheckpointError(f"{root} already holds checkpoints (steps {existing[:5]})", fix)
 
 
-def safetensors_to_checkpoint(weights_dir: Path, root: Path) -> Path:
-    """A weights folder -> a weights-only checkpoint (step 0) under `root`."""
+def safetensors_to_checkpoint(weights_dir: Path, root: Path, tokenizer: Tokenizer | None = None) -> Path:
+    """A weights folder -> a weights-only checkpoint (step 0) under `root`, carrying `tokenizer`."""
     cfg, state = lazy_weights(weights_dir)
-    return write_weights_checkpoint(state, cfg, root)
+    return write_weights_checkpoint(state, cfg, root, tokenizer)

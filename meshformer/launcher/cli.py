@@ -39,13 +39,13 @@ def _plot(args: argparse.Namespace) -> None:
 
 
 def _diagnose(args: argparse.Namespace) -> None:
-    from meshformer.launcher.tensorboard import MonitorError
+    from meshformer.launcher.tensorboard import MonitorError, existing_run_dir
     from meshformer.launcher.torchrun import MAX_WORLD_SIZE, check_world_size
     from meshformer.runtime.watchdog import explain, read_reports
 
     if args.world_size is not None:
         check_world_size(args.world_size, "--world-size")
-    folder = Path(args.run_dir) / "diagnostics"
+    folder = existing_run_dir(Path(args.run_dir)) / "diagnostics"  # a mistyped run folder is not "no hang"
     reports = read_reports(folder, strict=True)
     if not reports:
         raise MonitorError(f"no hang reports in {folder}: no rank stalled for more than half of parallel.timeout_s",

@@ -18,10 +18,15 @@ def event_files(run_dir: Path) -> list[Path]:
     return sorted(Path(run_dir).rglob("events.out.tfevents.*"))
 
 
-def check_run_dir(run_dir: Path) -> Path:
+def existing_run_dir(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise MonitorError(f"run folder {run_dir} does not exist; pass a run's logging.run_dir, e.g. runs/tiny-gpt")
+    return run_dir
+
+
+def check_run_dir(run_dir: Path) -> Path:
+    run_dir = existing_run_dir(run_dir)
     if not event_files(run_dir):
         raise MonitorError(f"no TensorBoard event files under {run_dir}; was the run trained with "
                            "logging.tensorboard=true (the default), and has it reached its first logging step?")

@@ -81,12 +81,11 @@ def _table(columns: list[str], rows: list[list[str]]) -> None:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    if args.world < 1:
-        raise ConfigError(f"--world must be a positive number of ranks, got {args.world}")
     check_world_size(args.world, "--world")
     cfg = load_config(args.config, args.set)
     if args.moe_imbalance < 1:
-        raise ConfigError(f"--moe-imbalance is received tokens over the balanced load, >= 1; got {args.moe_imbalance}")
+        raise ConfigError(f"--moe-imbalance {args.moe_imbalance} is below 1 (it is an expert's received tokens over "
+                          "the balanced load)", "pass a factor >= 1, e.g. --moe-imbalance 1.5")
     result = report(cfg, args.world, args.gpu, search=not args.no_search, top=args.top,
                     moe_imbalance=args.moe_imbalance)
     if args.json:

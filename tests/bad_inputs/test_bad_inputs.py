@@ -362,7 +362,9 @@ CASES = [
     ("layout-pp-batch", ["train", CFG, "--nproc-per-node", "2", "--set", "parallel.pp=2", "data.batch_size=3"],
      ["data.batch_size=3 does not split into the 2 pipeline microbatches", "a multiple of 2"]),
     ("layout-dp-shard", _train("parallel.dp_shard=0"), ["parallel.dp_shard", ">= 1 or -1"]),
-    ("plan-world-zero", ["plan", CFG, "--world", "0"], ["--world", "positive number of ranks"]),
+    ("plan-world-zero", ["plan", CFG, "--world", "0"], ["--world gives 0 ranks", "from 1 to"]),
+    ("plan-moe-imbalance", ["plan", CFG, "--world", "2", "--moe-imbalance", "0.5"],
+     ["--moe-imbalance 0.5 is below 1", "--moe-imbalance 1.5"]),
     ("plan-layout", ["plan", CFG, "--world", "2", "--set", "parallel.tp=3"], ["does not divide", "choose"]),
     ("plan-gpu", ["plan", CFG, "--world", "2", "--gpu", "nope"], ["invalid choice", "--help"]),
     # (#25) planner
@@ -517,6 +519,7 @@ CASES = [
     ("plot-no-events", ["plot", "{tmp}/nothing"], ["no TensorBoard event files", "logging.tensorboard"]),
     ("tensorboard-missing", ["tensorboard", "{tmp}/norun"], ["does not exist", "logging.run_dir"]),
     ("diagnose-none", ["diagnose", "{tmp}/nothing"], ["no hang reports", "nothing to diagnose"]),
+    ("diagnose-missing-run", ["diagnose", "{tmp}/norun"], ["run folder", "does not exist", "logging.run_dir"]),
     # (#25) monitoring
     ("tensorboard-port-negative", ["tensorboard", "{run}", "--port", "-1"],
      ["--port -1 is not a TCP port", "1 to 65535"]),

@@ -27,6 +27,20 @@ def test_readme_commands_name_configs_an_installed_wheel_can_find():
     assert [c for c in configs if c not in names] == [], "README commands must name bundled configs"
 
 
+def test_readme_train_on_prepared_data_fits_the_tokenizer_it_trained():
+    """The Data section's `data prepare --tokenizer train --vocab-size N --out X`, then `train ... data.shards=X`:
+    the model must hold N tokens, or the train command stops at the tokenizer check."""
+    commands = readme_commands()
+    trained = {words[words.index("--out") + 1]: int(words[words.index("--vocab-size") + 1]) for words in commands
+               if words[1:3] == ["data", "prepare"] and "--vocab-size" in words}
+    runs = [(words, shards) for words in commands if words[1:2] == ["train"] for shards in trained
+            if f"data.shards={shards}" in words]
+    assert runs, "the README trains on a tokenizer it prepared"
+    for words, shards in runs:
+        cfg = load_config(words[2], words[words.index("--set") + 1:])
+        assert cfg.model.vocab_size >= trained[shards], " ".join(words)
+
+
 def test_config_show_prints_the_bundled_file(capsys):
     main(["config", "show", "tiny-gpt"])
     assert capsys.readouterr().out == bundled_configs()["tiny-gpt"].read_text()

@@ -103,6 +103,18 @@ def test_hf_export_holds_a_tokenizer_that_auto_tokenizer_loads(weights, tmp_path
     assert weights_tokenizer(tmp_path / "back").fingerprint == ours.fingerprint
 
 
+def test_weights_only_checkpoints_carry_the_tokenizer_into_their_conversions(weights, tmp_path):
+    """`import-hf --checkpoint` and `to-checkpoint` write a checkpoint holding the source's tokenizer, as a run's
+    checkpoints do, so `to-safetensors` of it passes the tokenizer on (README: import-hf keeps the HF folder's)."""
+    own = load_tokenizer("bundled:kjv-bpe-4k").fingerprint
+    main(["convert", "export-hf", str(weights), str(tmp_path / "hf")])
+    main(["convert", "import-hf", str(tmp_path / "hf"), str(tmp_path / "from-hf"), "--checkpoint"])
+    main(["convert", "to-checkpoint", str(weights), str(tmp_path / "from-weights")])
+    for checkpoints in ("from-hf", "from-weights"):
+        main(["convert", "to-safetensors", str(tmp_path / checkpoints), str(tmp_path / f"{checkpoints}-out")])
+        assert weights_tokenizer(tmp_path / f"{checkpoints}-out").fingerprint == own, checkpoints
+
+
 def test_export_hf_without_transformers_names_the_extra(weights, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "transformers", None)  # what `import transformers` sees when not installed
     line = _one_line(["convert", "export-hf", str(weights), str(tmp_path / "hf")], capsys)

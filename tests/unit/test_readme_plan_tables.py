@@ -1,0 +1,33 @@
+"""The README's memory-planner tables (Memory planner section) are what `tools/plan_tables.py` prints today.
+
+Each table's first row is recomputed (the cheap ones: 8 ranks); a planner change that moves the figures must
+regenerate the tables, or a reader copying a command gets other numbers than the README shows.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from helpers.common import ROOT
+
+
+def _plan_tables():
+    spec = importlib.util.spec_from_file_location("plan_tables", ROOT / "tools" / "plan_tables.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _readme_row(config: str, world: int) -> list[str]:
+    """The README table row for `config` at `world` ranks, without its CPU-seconds cell."""
+    prefix = f"| {config} | {world} |"
+    rows = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(prefix)]
+    assert len(rows) == 1, f"expected one README row starting {prefix!r}, found {len(rows)}"
+    return [cell.strip() for cell in rows[0].strip("|").split("|")][:-1]
+
+
+@pytest.mark.parametrize("config", ["llama-8b", "llama3.2-1b", "olmoe-1b-7b"])
+def test_readme_planner_table_row_matches_the_planner(config):
+    assert _plan_tables().table_row(config, 8, "h100-80gb") == _readme_row(config, 8)
