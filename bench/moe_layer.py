@@ -132,9 +132,9 @@ def measure(shape: str, routing: str, device: torch.device, dtype: torch.dtype, 
         return step
 
     # compiled: the layer's elementwise glue (routing, combine) fused by inductor, as `train.compile` runs it
-    compiled = {} if compile_mode is None else compile_kwargs(compile_mode)
-    run_dense, run_moe = (torch.compile(dense, **compiled), torch.compile(moe, **compiled)) \
-        if compile_mode is not None else (dense, moe)
+    run_dense, run_moe = dense, moe
+    if compile_mode is not None:
+        run_dense, run_moe = (torch.compile(side, **compile_kwargs(compile_mode)) for side in (dense, moe))
     torch._dynamo.utils.counters.clear()
     sides: dict[str, Callable[[], None]] = {"dense": fwd_bwd(lambda: run_dense(xin), grad)}
     skipped: dict[str, str] = {}

@@ -354,12 +354,14 @@ class MoEFeedForward(nn.Module):
         prob_sum, lse_sq_sum = probs.sum(0), logits.logsumexp(-1).square().sum()
         local = torch.cat([routed.float(), prob_sum.detach(), lse_sq_sum.detach().view(1), kept.sum().float().view(1)])
         total = local if group is None else group.sum(local)
-        counts, tokens = total[:n_experts], total[:n_experts].sum() / k
+        counts = total[:n_experts]
+        slots = counts.sum()  # every token routes to k experts
+        tokens = slots / k
         z = lse_sq_sum / tokens
         if cfg.moe_aux_per_sequence and x.dim() == 3:
             aux, aux_value = self._aux_per_sequence(x, probs, routing.experts)
         else:
-            fraction = counts / (tokens * k)
+            fraction = counts / slots
             aux = torch.dot(fraction, prob_sum) * n_experts / tokens
             aux_value = torch.dot(fraction, total[n_experts:2 * n_experts]) * n_experts / tokens
         if self.training and torch.is_grad_enabled():

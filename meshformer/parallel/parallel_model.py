@@ -101,15 +101,15 @@ class ParallelModel:
         if not self.moe_layers:
             return {}
         keys = ("load_max_over_mean", "dropped_fraction", "aux_loss", "z_loss")
-        rows = []
-        for layer in self.moe_layers:
+        prefixes, rows = [], []
+        for name, layer in self.named_moe_layers:
             stats = layer.last_stats
             load = stats.tokens_per_expert
+            prefixes.append(f"moe/{name.removesuffix('.ffn')}")
             rows.append(torch.stack([load.max() / load.mean().clamp(min=1e-9), stats.dropped_fraction,
                                      stats.aux_loss, stats.z_loss]))
         values = torch.stack(rows).tolist()  # one host read for every layer
-        return {f"moe/{name.removesuffix('.ffn')}/{key}": value
-                for (name, _), row in zip(self.named_moe_layers, values, strict=True) for key, value in zip(keys, row)}
+        return {f"{prefix}/{key}": value for prefix, row in zip(prefixes, values) for key, value in zip(keys, row)}
 
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
