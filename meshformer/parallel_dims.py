@@ -163,6 +163,11 @@ def validate_parallel(cfg: Config, world_size: int, device: torch.device | str |
     p = cfg.parallel
     if p.recompute == "every_k" and p.recompute_every < 1:
         raise ConfigError(f"parallel.recompute_every must be >= 1, got {p.recompute_every}")
+    if cfg.train.compile not in (False, "off") and p.recompute in ("full", "every_k") and (dims.tp > 1 or dims.ep > 1):
+        raise ConfigError(f"parallel.recompute='{p.recompute}' with train.compile and tensor or expert parallel: torch "
+                          "2.13 cannot compile a fully recomputed block whose weights are distributed tensors (it "
+                          "saves their device mesh among the tensors for backward); use parallel.recompute='selective' "
+                          "(compiled too; recomputes all but the matmuls) or train.compile=false")
     if p.timeout_s <= 0:
         raise ConfigError(f"parallel.timeout_s must be positive (seconds), got {p.timeout_s}")
     return dims
@@ -228,10 +233,6 @@ def check_expert_parallel(cfg: Config, dims: ParallelDims) -> None:
     if m.n_experts % ep:
         raise ConfigError(f"parallel.ep={ep} does not divide model.n_experts={m.n_experts} (each rank holds "
                           "n_experts / ep whole experts); choose an ep that divides n_experts")
-    if cfg.parallel.recompute == "selective" and dims.fsdp_enabled:
-        raise ConfigError(f"parallel.recompute='selective' with parallel.ep={ep} and FSDP: the experts' own FSDP unit "
-                          "all-gathers inside each recomputed block, which torch's selective checkpointing cannot "
-                          "replay; use parallel.recompute='full' or 'every_k'")
     inner = dims.cp * dims.tp
     if ep % inner or dims.dp_shard % (ep // inner):
         raise ConfigError(f"parallel.ep={ep} must be taken from dp_shard={dims.dp_shard} x cp={dims.cp} x "

@@ -12,7 +12,7 @@ auxiliary-loss-free balancing after each optimizer step.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import cache
@@ -92,7 +92,11 @@ def experts_loop(xs: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor | No
         if n:
             outs.append(_ffn(xs[start:start + n], g, u, d, act, torch.matmul))
             start += n
-    return torch.cat(outs) if outs else xs.new_zeros(0, down.shape[-1])
+    if not outs:  # no rows (expert parallel): keep rows and weights in the graph, so the backward runs the same
+        # exchanges and gradient reductions (of zeros) as on every other rank
+        weights = sum(w.sum() for w in (gate, up, down) if w is not None)
+        return xs.new_zeros(0, down.shape[-1]) + (xs.sum() + weights) * 0
+    return torch.cat(outs)
 
 
 def experts_padded(xs: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor,
@@ -102,7 +106,9 @@ def experts_padded(xs: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor | 
     sizes = counts.to(xs.device)
     expert = torch.repeat_interleave(torch.arange(len(sizes), device=xs.device), sizes, output_size=xs.shape[0])
     row = torch.arange(xs.shape[0], device=xs.device) - (sizes.cumsum(0) - sizes)[expert]
-    longest = int(sizes.max()) if len(sizes) else 0  # the padded size: one host read
+    # the padded size, one host read; at least 2 rows, so that compiled code (inductor asks whether a bmm has a
+    # single row) needs no guard on a value it cannot know
+    longest = torch.sym_max(int(sizes.max()), 2) if len(sizes) else 0
     padded = xs.new_zeros(len(sizes), longest, xs.shape[1]).index_put((expert, row), xs)
     return _ffn(padded, gate, up, down, act, torch.bmm)[expert, row]
 
@@ -139,11 +145,14 @@ def grouped_mm_runs(device_type: str) -> bool:
 
 def resolve_backend(backend: str, x: torch.Tensor) -> str:
     """`moe_backend` with "auto" resolved for tokens `x`: grouped_mm for bf16 on CUDA where it runs (its kernel's
-    dtype); elsewhere the loop, on CPU about as fast as padded at tiny shapes and faster at larger ones."""
+    dtype); elsewhere the loop, on CPU about as fast as padded at tiny shapes and faster at larger ones, but padded
+    under torch.compile (the loop's slice sizes are host values: a graph break per expert)."""
     if backend != "auto":
         return backend
     cuda = x.device.type == "cuda" and x.dtype == torch.bfloat16
-    return "grouped_mm" if cuda and grouped_mm_runs("cuda") else "loop"
+    if cuda and grouped_mm_runs("cuda"):
+        return "grouped_mm"
+    return "padded" if torch.compiler.is_compiling() else "loop"
 
 
 # ---------------------------------------------------------------------------------------------------- modules
@@ -191,13 +200,22 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
+class ExpertExchange(Protocol):
+    """Expert parallelism (meshformer/parallel/expert_parallel.py): sends each expert's rows to the rank holding the
+    expert, runs `compute` there on the rows sorted by local expert, and brings the results back in the rows' order."""
+
+    def __call__(self, xs: torch.Tensor, counts: torch.Tensor,
+                 compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        ...
+
+
 class Experts(nn.Module):
     """n_experts feed-forward networks without biases, stacked: gate/up (E, d_model, width), down (E, width,
     d_model).
 
-    `forward(xs, counts)` runs the token rows `xs`, sorted by expert, `counts[e]` of them for expert e. Expert
-    parallelism wraps this module (meshformer/parallel/expert_parallel.py): it sends each expert's rows to the rank
-    holding it before the forward and brings the results back after it."""
+    `forward(xs, counts)` runs the token rows `xs`, sorted by expert, `counts[e]` of them for expert e; under expert
+    parallelism through `exchange`, set by parallel code. A forward keeps no state between calls: torch.compile
+    traces it whole, all-to-alls included."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -209,16 +227,17 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, f, d))
         self.act = activation_fn(cfg.activation)
         self.backend = cfg.moe_backend
+        self.exchange: ExpertExchange | None = None  # None: every expert is here
 
     def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return self._compute(xs, counts) if self.exchange is None else self.exchange(xs, counts, self._compute)
+
+    def _compute(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The rows of this module's (local) experts."""
         dtype = xs.dtype  # under autocast the routed rows are cast once; the weights follow them
         gate = None if self.gate_proj is None else _local(self.gate_proj).to(dtype)
         up, down = _local(self.up_proj).to(dtype), _local(self.down_proj).to(dtype)
-        out = COMPUTE[resolve_backend(self.backend, xs)](xs, counts, gate, up, down, self.act)
-        if xs.shape[0] == 0:  # no rows here (expert parallel): keep rows and weights in the graph, so the backward
-            # runs the same exchanges and gradient reductions (of zeros) as on every other rank
-            out = out + (xs.sum() + sum(w.sum() for w in (gate, up, down) if w is not None)) * 0
-        return out
+        return COMPUTE[resolve_backend(self.backend, xs)](xs, counts, gate, up, down, self.act)
 
 
 class _WithBalanceLoss(torch.autograd.Function):

@@ -1,7 +1,7 @@
 """Expert parallelism: each MoE layer's experts split over the `ep` ranks, tokens exchanged all-to-all.
 
 The ep ranks hold different tokens (ep is taken from dp_shard x cp x tp, see meshformer/parallel/mesh.py). Every
-rank routes its own tokens and sorts them by expert (model/moe.py); around the `Experts` module this file adds:
+rank routes its own tokens and sorts them by expert (model/moe.py); the `Experts` module's exchange (this file):
 
 1. dispatch: the token counts per expert go all-to-all (each rank learns how many rows it receives from each peer
    for each of its experts), then the rows themselves, with variable splits;
@@ -13,91 +13,55 @@ rank routes its own tokens and sorts them by expert (model/moe.py); around the `
 Both exchanges are differentiable (the backward is the opposite exchange), so every expert's gradient is the sum
 over all tokens routed to it on any ep rank. Expert weights become distributed tensors sharded on dim 0 over the ep
 mesh: checkpoints hold whole experts and reshard to another ep degree, and FSDP shards them further over the
-data-parallel ranks ep leaves (`expert_fsdp`).
+data-parallel ranks ep leaves (`expert_fsdp`), inside each block's FSDP unit.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+# Per-parameter meshes within one FSDP unit (torch 2.13; torchtitan uses the same for its experts)
+from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementFnResult, ShardPlacementResult
+from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from meshformer.model.moe import Experts, MoEFeedForward, moe_layers
 
 
-class _AllToAll(torch.autograd.Function):
-    """`all_to_all_single` with variable splits; its gradient travels the opposite way."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int],  # type: ignore[override]
-                group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.splits, ctx.group = (in_splits, out_splits), group
-        out = x.new_empty(sum(out_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        out_splits, in_splits = ctx.splits
-        back = grad.new_empty(sum(out_splits), *grad.shape[1:])
-        dist.all_to_all_single(back, grad.contiguous(), out_splits, in_splits, group=ctx.group)
-        return back, None, None, None
-
-
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
-               ) -> torch.Tensor:
-    """Rows of `x` in `in_splits` pieces to each rank of `group`; returns `out_splits` rows from each."""
-    return _AllToAll.apply(x, out_splits, in_splits, group)
-
-
-@dataclass
-class _Exchange:
-    """What one dispatch must remember for its combine."""
-
-    sent: list[int]  # rows sent to each ep rank
-    received: list[int]  # rows received from each ep rank
-    regroup: torch.Tensor  # received rows (by source, then expert) -> rows by expert, then source
-
-
-class ExpertDispatch:
-    """The forward hooks that make one `Experts` module expert-parallel over `mesh`."""
+class ExpertExchange:
+    """`Experts.exchange` over `mesh`: the rows go to the ranks holding their experts and come back. It keeps no
+    state between calls and uses torch's functional collectives, so torch.compile traces a whole MoE block (with
+    `capture_scalar_outputs`, as `compile_blocks` sets for MoE models: the splits are read on the host)."""
 
     def __init__(self, mesh: DeviceMesh) -> None:
         self.group = mesh.get_group()
         self.ranks = mesh.size()
-        self._pending: list[_Exchange] = []  # a dispatch waiting for its combine
 
-    def dispatch(self, _module: nn.Module, args: tuple[torch.Tensor, torch.Tensor]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows sorted by global expert, counts per global expert) -> (rows for this rank's experts sorted by
-        expert, counts per local expert)."""
-        xs, counts = args
+    def __call__(self, xs: torch.Tensor, counts: torch.Tensor,
+                 compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`xs`: rows sorted by global expert, `counts[e]` of them for expert e -> the experts' outputs, same order."""
         ranks = self.ranks
-        incoming = torch.empty_like(counts)  # [source rank, local expert] rows coming here
-        dist.all_to_all_single(incoming, counts, group=self.group)
-        incoming = incoming.view(ranks, -1)
-        # The splits decide buffer sizes: one host sync per layer for both (as in every variable-split exchange).
-        sizes = torch.cat([counts.view(ranks, -1).sum(1), incoming.sum(1)]).tolist()
+        with torch.no_grad():
+            # [source rank, local expert]: rows coming here
+            incoming = funcol.all_to_all_single(counts, None, None, self.group).view(ranks, -1)
+            # The splits decide buffer sizes: one host read per layer for both (as in every variable-split exchange)
+            sizes = torch.cat([counts.view(ranks, -1).sum(1), incoming.sum(1)]).tolist()
         sent, received = sizes[:ranks], sizes[ranks:]
-        rows = all_to_all(xs, received, sent, self.group)
+        rows = funcol.all_to_all_single_autograd(xs, received, sent, self.group)  # by source rank, then expert
         local_experts = incoming.shape[1]
-        expert_of_row = torch.repeat_interleave(
-            torch.arange(local_experts, device=xs.device).repeat(ranks), incoming.reshape(-1))
-        regroup = torch.argsort(expert_of_row, stable=True)
-        self._pending.append(_Exchange(sent, received, regroup))
-        return rows[regroup], incoming.sum(0)
-
-    def combine(self, _module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
-        """This rank's expert outputs -> the outputs of the rows this rank sent, in their original order."""
-        exchange = self._pending.pop()
-        arrival_order = torch.empty_like(exchange.regroup)
-        arrival_order[exchange.regroup] = torch.arange(exchange.regroup.numel(), device=out.device)
-        return all_to_all(out[arrival_order], exchange.sent, exchange.received, self.group)
+        expert_of_row = torch.repeat_interleave(torch.arange(local_experts, device=xs.device).repeat(ranks),
+                                                incoming.reshape(-1), output_size=rows.shape[0])
+        regroup = torch.argsort(expert_of_row, stable=True)  # -> by expert, then source rank
+        out = compute(rows[regroup], incoming.sum(0))
+        arrival_order = torch.empty_like(regroup)
+        arrival_order[regroup] = torch.arange(regroup.numel(), device=out.device)
+        return funcol.all_to_all_single_autograd(out[arrival_order], sent, received, self.group)
 
 
 def shard_experts(experts: Experts, mesh: DeviceMesh) -> None:
@@ -113,26 +77,23 @@ def apply_expert_parallel(part: nn.Module, mesh: DeviceMesh) -> int:
     layers = [layer for _, layer in moe_layers(part)]
     for layer in layers:
         shard_experts(layer.experts, mesh)
-        dispatch = ExpertDispatch(mesh)
-        layer.experts.register_forward_pre_hook(dispatch.dispatch)
-        layer.experts.register_forward_hook(dispatch.combine)
+        layer.experts.exchange = ExpertExchange(mesh)
     return len(layers)
 
 
-def shard_experts_with_fsdp(part: nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPolicy,
-                            reshard_after_forward: bool) -> None:
-    """Each expert-parallel `Experts` module its own FSDP unit over the data-parallel ranks ep leaves (before the
-    blocks are wrapped, so their units leave these weights alone). Fewer local experts than FSDP ranks: shard the
-    experts' rows (dim 1) instead of whole experts, so every rank holds an equal piece."""
+def expert_shard_placement(part: nn.Module, mesh: DeviceMesh) -> Callable[[nn.Parameter], ShardPlacementFnResult]:
+    """`shard_placement_fn` for the blocks' FSDP units: expert-parallel weights are sharded over `mesh`, the
+    data-parallel ranks ep leaves, the other weights over the block's own mesh. One unit per block, so no FSDP hook
+    runs inside a compiled block (torch.compile would break its graph there). Fewer local experts than FSDP ranks:
+    shard the experts' rows (dim 1) instead of whole experts, so every rank holds an equal piece."""
+    info = _get_mesh_info(mesh)
     shards = mesh.size(-1)
+    placements: dict[nn.Parameter, ShardPlacementResult] = {}
     for _, layer in moe_layers(part):
-        local = _local_experts(layer.experts)
-
-        def placement(param: nn.Parameter, local: int = local) -> Shard:
-            return Shard(0) if local % shards == 0 else Shard(1)
-
-        fully_shard(layer.experts, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
-                    shard_placement_fn=placement)
+        dim = 0 if _local_experts(layer.experts) % shards == 0 else 1
+        for param in layer.experts.parameters():
+            placements[param] = ShardPlacementResult(placement=Shard(dim), mesh_info=info)
+    return placements.get
 
 
 def _local_experts(experts: Experts) -> int:

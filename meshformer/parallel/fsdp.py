@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementFnResult
 
 from meshformer.config import ParallelConfig
 from meshformer.model import Transformer
@@ -27,18 +30,19 @@ def blocks_of(model: Transformer) -> list[nn.Module]:
     return [block for _, block in model.spec.blocks(model)]
 
 
-def apply_fsdp(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, *, reshard_after_forward: bool | None = None
-               ) -> nn.Module:
+def apply_fsdp(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, *, reshard_after_forward: bool | None = None,
+               placement: Callable[[nn.Parameter], ShardPlacementFnResult] | None = None) -> nn.Module:
     """Shard every block, then the root (embeddings, norms, head: whatever is left).
 
     Per-block units bound the unsharded memory to about one block at a time; the root unit holds the
     embeddings and the output head, which are used at the two ends of the forward pass, so it is never
-    resharded after forward (it would be all-gathered again at once for the head / in backward).
+    resharded after forward (it would be all-gathered again at once for the head / in backward). `placement`:
+    the blocks' `shard_placement_fn` (expert weights on their own mesh).
     """
     policy = mixed_precision_policy(cfg)
     reshard = cfg.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
     for block in blocks_of(model):
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, shard_placement_fn=placement)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     sum_gradients(model)
     return model

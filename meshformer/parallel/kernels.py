@@ -16,6 +16,7 @@ from torch import nn
 from meshformer.model import Transformer
 from meshformer.model.blockwise_attention import picks_blockwise
 from meshformer.model.families import get_family_spec
+from meshformer.model.moe import moe_layers
 from meshformer.model.positions import BIASED_POSITIONS
 from meshformer.parallel.fsdp import blocks_of
 
@@ -65,8 +66,17 @@ def compile_kwargs(mode: str) -> dict[str, Any]:
     return {} if mode == "default" else {"mode": mode}
 
 
+def trace_routed_sizes(model: nn.Module) -> None:
+    """Before torch.compile of a model with MoE layers: sizes read from routed counts on the host (the expert-parallel
+    splits, the padded experts' longest) are traced as symbolic sizes, not graph breaks. A process-wide dynamo
+    setting (torchtitan sets it too); a graph break inside a recomputed block would run the block eagerly."""
+    if any(True for _ in moe_layers(model)):
+        torch._dynamo.config.capture_scalar_outputs = True
+
+
 def compile_blocks(model: Transformer, mode: str = "default") -> int:
     """torch.compile each block in place (`Module.compile`): names keep no `_orig_mod.` prefix."""
+    trace_routed_sizes(model)
     blocks = blocks_of(model)
     for block in blocks:
         block.compile(**compile_kwargs(mode))

@@ -24,17 +24,18 @@ from meshformer.parallel.context import apply_context_parallel
 from meshformer.parallel.expert_parallel import (
     MeshTokenGroup,
     apply_expert_parallel,
+    expert_shard_placement,
     has_moe,
-    shard_experts_with_fsdp,
 )
 from meshformer.parallel.float8 import apply_float8, check_fp8, end_blocks, fp8_report
-from meshformer.parallel.fsdp import apply_fsdp, mixed_precision_policy
+from meshformer.parallel.fsdp import apply_fsdp
 from meshformer.parallel.kernels import (
     attention_kernels,
     compile_blocks,
     compile_kwargs,
     compile_mode_note,
     kernel_report,
+    trace_routed_sizes,
     use_apex_norms,
 )
 from meshformer.parallel.materialize import is_meta, materialize
@@ -173,6 +174,7 @@ def parallelize_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes:
     compiled = compile_blocks(part, cfg.train.compile_mode) if mode == "blocks" else 0
     report = kernel_report(cfg, device, apex_norms=apex_norms, compiled=compiled, recompute=recomputed)
     if mode == "model":
+        trace_routed_sizes(part)
         part.compile(**compile_kwargs(cfg.train.compile_mode))
         report["compile"] = "whole-model torch.compile" + compile_mode_note(cfg.train.compile_mode)
         report["attention"] = attention_kernels(cfg, device, compiled=True)
@@ -194,9 +196,8 @@ def parallelize_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes:
             # The deferred weight-gradient pass runs after FSDP would have resharded the block and reads freed
             # unsharded weights (wrong or missing gradients in torch 2.13), so blocks stay unsharded.
             reshard = False
-        if expert_layers:
-            shard_experts_with_fsdp(part, meshes.expert_fsdp, mixed_precision_policy(cfg.parallel), reshard)
-        apply_fsdp(part, meshes.fsdp, cfg.parallel, reshard_after_forward=reshard)
+        placement = expert_shard_placement(part, meshes.expert_fsdp) if expert_layers else None
+        apply_fsdp(part, meshes.fsdp, cfg.parallel, reshard_after_forward=reshard, placement=placement)
         report["fsdp"] = (f"{'HSDP' if dims.hsdp else 'FSDP2'} over {dims.dp * dims.cp} ranks, reshard_after_forward="
                           f"{reshard}, params {cfg.parallel.mixed_precision_param}, reduce "
                           f"{cfg.parallel.mixed_precision_reduce}")

@@ -51,10 +51,23 @@ from meshformer.model.families import spec as styles
 from meshformer.model.families.spec import TensorParallelRules
 from meshformer.model.moe import MoEFeedForward
 
+
+class _EmbeddingParallel(RowwiseParallel):
+    """The vocabulary-sharded embedding, its output all-reduced before it leaves the module. torch's style leaves an
+    asynchronous AsyncCollectiveTensor, and a compiled block that takes one as its input (block 0 under per-block
+    torch.compile, torch 2.13) cuts the embedding off the backward: no gradient reaches it through the blocks."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # type: ignore[override]
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+        return outputs.to_local() if use_local_output else outputs
+
+
 # Each style the family specs may name, as DTensor layouts. Vocabulary-sharded logits are kept local: the loss
 # is computed vocab-parallel.
 _STYLES = {
-    styles.VOCAB_ROWS: lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    styles.VOCAB_ROWS: lambda: _EmbeddingParallel(input_layouts=Replicate(), output_layouts=Replicate()),
     styles.VOCAB_COLUMNS: lambda: ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
                                                   use_local_output=True),
     styles.SEQUENCE: lambda: SequenceParallel(use_local_output=True),

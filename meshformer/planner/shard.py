@@ -8,7 +8,7 @@ shard (FSDP pads dim 0 to a multiple of the group size and gives the remainder t
 figures are the worst case; each distinct pipeline stage is built once.
 
 Expert weights (MoE layers under `parallel.ep`) are split over the ep ranks first (whole experts, dim 0) and then
-by their own FSDP unit over the data-parallel ranks ep leaves (`dp_shard_mod_ep`; dim 1 when fewer local experts
+within their block's FSDP unit over the data-parallel ranks ep leaves (`dp_shard_mod_ep`; dim 1 when fewer local experts
 than those ranks, `parallel/expert_parallel.py`); their all-gathered size is this ep rank's experts, not all of
 them. Every other weight is sharded over dp_shard x cp as before.
 """
@@ -107,7 +107,7 @@ def _fsdp_shard(numel_tp: int, dim0: int, dp_shard: int) -> int:
 def _sizes_by_rule(shape: tuple[int, ...], dims: ParallelDims, expert: bool) -> tuple[int, int]:
     """(the first rank's shard, the padded tensor FSDP all-gathers) of a tensor-parallel local `shape`, in elements,
     by FSDP2's rule. Expert weights: n_experts / ep whole experts, then dim 0 (or dim 1 when fewer local experts
-    than ranks, as `shard_experts_with_fsdp` chooses) chunked over `dp_shard_mod_ep`."""
+    than ranks, as `expert_shard_placement` chooses) chunked over `dp_shard_mod_ep`."""
     numel = math.prod(shape)
     if not (expert and dims.ep_enabled):
         shard = _fsdp_shard(numel, shape[0] if shape else 1, dims.fsdp_shard)

@@ -75,6 +75,18 @@ def test_selective_recompute_rejected_with_zero_bubble():
     assert "zero-bubble" in bad(pp=2, pp_schedule="zbv", recompute="selective")
 
 
+@pytest.mark.parametrize("recompute", ["full", "every_k"])
+@pytest.mark.parametrize(("family", "parallel"), [("decoder", {"tp": 2}), ("moe", {"dp_shard": 2, "ep": 2})])
+def test_compiled_full_recompute_of_distributed_weights_is_refused_before_torch_fails(recompute, family, parallel):
+    """torch 2.13 fails inside its compiled backward (a device mesh among the saved tensors); selective works."""
+    for mode in ("blocks", "model"):
+        cfg = make_config(family, {**parallel, "recompute": recompute}, compile=mode)
+        with pytest.raises(ConfigError, match="use parallel.recompute='selective'"):
+            validate_parallel(cfg, 2, "cpu")
+    validate_parallel(make_config(family, {**parallel, "recompute": "selective"}, compile="blocks"), 2, "cpu")
+    validate_parallel(make_config(family, {**parallel, "recompute": recompute}), 2, "cpu")  # eager: fine
+
+
 def test_context_parallel_layouts():
     """decoder- and encoder-only, any composition with FSDP/HSDP, TP and PP; sequences split evenly."""
     dims = validate_parallel(make_config("decoder", {"cp": 2}), 8, "cpu")

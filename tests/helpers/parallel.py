@@ -507,6 +507,8 @@ def run_scenario(name: str) -> dict[str, Any]:
         float8.fp8_supported = lambda device: True
         gather_float8_as_bytes()
     family = name.split("/")[0]
+    torch._dynamo.reset()  # each scenario compiles afresh: no sizes made dynamic by an earlier one's shapes
+    torch._dynamo.utils.counters.clear()
     plan = build_cpu_plan(cfg, new_model(cfg, family))
     gathers_before = FLOAT8_GATHERS[0]
     *result, counts = train_steps(plan, steps, plan.dp_rank, plan.dp_size)
@@ -522,6 +524,9 @@ def run_scenario(name: str) -> dict[str, Any]:
     report["kernels"] = plan.report
     report["float8_gathers"] = float8_gathers
     report["group_counts"] = group_counts()
+    # torch.compile's graph breaks by reason (a compiled block should be whole: a break inside a recomputed one sends
+    # it back to eager)
+    report["graph_breaks"] = dict(torch._dynamo.utils.counters["graph_break"])
     if cfg.model.n_experts:  # what the run log shows of the MoE layers: every layer, whichever stage holds it
         report["moe_scalars"] = sorted(plan.moe_scalars())
     if family in SELECTION_BIAS:  # the step loads (global: summed over every rank) of this rank's first MoE layer
@@ -576,7 +581,8 @@ def main() -> None:
         else:
             print(f"{name}: loss_rel={max(report['loss_rel']):.2e} grad_rel={report['grad_rel']:.2e} "
                   f"({report['worst']}) norm_rel={report['norm_rel']:.2e} checked={report['checked']} "
-                  f"missing={report['missing']} group_counts={report['group_counts']}")
+                  f"missing={report['missing']} group_counts={report['group_counts']} "
+                  f"graph_breaks={sum(report['graph_breaks'].values())}")
 
 
 if __name__ == "__main__":

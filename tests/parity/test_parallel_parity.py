@@ -49,6 +49,7 @@ WORLD2 = [
     # a causal batch with its padding mask
     "encoder/cp", "decoder/cp-padded",
     "decoder/cp-compile",  # per-block torch.compile: the lower-right causal mask as a tensor inside the graph
+    "decoder/tp-compile",  # compiled blocks take a sequence-parallel input: the embedding's gradient flows back
     # packed documents (model.document_mask): doc_ids travel to every pipeline stage and stay whole under cp
     "decoder_docs/fsdp", "decoder_docs/tp", "decoder_docs/pp-sched=1f1b", "decoder_docs/cp",
 ]
@@ -77,13 +78,16 @@ WORLD8 = ["decoder/pp-fsdp-tp", "encdec/pp-fsdp-tp-sched=interleaved_1f1b-spr=2"
 MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "moe_late/pp", "moe_skew/fsdp-ep",
               "moe_seq/fsdp-ep", "moe_bias/fsdp-ep", "moe_bias/tp-ep", "moe/fsdp-ep-recompute=full",
               "moe/tp-ep-recompute=selective",
-              "moe/fsdp-ep-compile",  # per-block torch.compile around the experts' all-to-all (the GPU's fast path)
+              # per-block torch.compile, all-to-alls inside the graph (the GPU's fast path); with selective recompute
+              "moe/fsdp-ep-compile", "moe/tp-ep-compile", "moe/fsdp-ep-compile-recompute=selective",
               "moe_encdec/fsdp-ep", "moe_encdec/tp-ep", "moe_encdec/pp"]  # MoE in both stacks
 MOE_WORLD4 = ["moe/fsdp=4-ep", "moe/fsdp=4-ep=4", "moe/hsdp-ep", "moe/tp-fsdp-ep", "moe/tp-fsdp-ep=4",
               "moe/cp-fsdp-ep=4", "moe/pp-tp-ep", "moe/pp-fsdp-ep", "moe/pp-fsdp-ep-sched=gpipe",
               "moe/pp-fsdp-ep-sched=zbv", "moe/pp-fsdp-ep-sched=interleaved_1f1b-spr=2",
               "moe/pp-fsdp-ep-sched=interleaved_zb-spr=2", "moe_skew/fsdp=4-ep=4", "moe_seq/cp-fsdp-ep",
-              "moe_bias/pp-fsdp-ep"]
+              "moe_bias/pp-fsdp-ep",
+              # the experts' FSDP shards inside each block's unit: selective recompute replays it; compiled, whole
+              "moe/fsdp=4-ep-recompute=selective", "moe/hsdp-ep-compile"]
 MOE_WORLD8 = ["moe/pp-fsdp-tp-ep", "moe/cp-tp-fsdp-ep=4", "moe/hsdp-tp-ep"]
 WORLD2 += MOE_WORLD2
 WORLD4 += MOE_WORLD4
@@ -105,7 +109,8 @@ FP8_TOL, FP8_GRAD_TOL, FP8_NORM_TOL = 1e-4, 2e-2, 1e-3
 # every family, axis, schedule, loss and recompute mode.
 WORLD2_SLOW = {"decoder/cp-compile", "decoder/tp-fp8=tensorwise", "decoder_alibi/tp-fp8=tensorwise",
                "encdec/tp-fp8=tensorwise", "decoder/tp-fp8=rowwise", "moe/tp-ep-bf16", "moe_encdec/tp-ep",
-               "moe/fsdp-ep-recompute=full", "moe/tp-ep-recompute=selective", "moe_bias/tp-ep", "moe/fsdp-ep-compile"}
+               "moe/fsdp-ep-recompute=full", "moe/tp-ep-recompute=selective", "moe_bias/tp-ep", "moe/fsdp-ep-compile",
+               "moe/tp-ep-compile", "moe/fsdp-ep-compile-recompute=selective"}
 ALL_WORLD2 = WORLD2 + MIXED_PRECISION + FP8_WORLD2 + ["skip/nan"]  # skip/nan: a NaN gradient on one rank
 
 
@@ -150,6 +155,8 @@ def check(report: dict, tol: float = TOL, grad_tol: float | None = None, name: s
     if ep:  # equal results alone would not show that experts were split
         assert f"experts split over ep={ep[0]} ranks" in report["kernels"]["experts"], report["kernels"]
     assert report["missing"] == [], f"parameters no rank checked: {report['missing']}"
+    if "compile" in name.split("/")[-1].split("-"):  # each block one graph: a break would run a recomputed one eagerly
+        assert report["graph_breaks"] == {}, list(report["graph_breaks"])
     # every rank created the same process groups (moe_late/pp: a pipeline stage without MoE layers)
     assert len(set(report["group_counts"])) == 1, f"process groups created per rank: {report['group_counts']}"
     if name.startswith("moe_skew/"):  # the case it stands for happened: experts 2 and 3 saw no token on any rank
