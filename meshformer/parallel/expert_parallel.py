@@ -27,7 +27,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 # Per-parameter meshes within one FSDP unit (torch 2.13; torchtitan uses the same for its experts)
-from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementFnResult, ShardPlacementResult
+from torch.distributed.fsdp._fully_shard._fsdp_common import (
+    FSDPMeshInfo,
+    ShardPlacementFnResult,
+    ShardPlacementResult,
+)
 from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -87,6 +91,7 @@ def expert_shard_placement(part: nn.Module, mesh: DeviceMesh) -> Callable[[nn.Pa
     runs inside a compiled block (torch.compile would break its graph there). Fewer local experts than FSDP ranks:
     shard the experts' rows (dim 1) instead of whole experts, so every rank holds an equal piece."""
     info = _get_mesh_info(mesh)
+    assert isinstance(info, FSDPMeshInfo)  # a 1-D (FSDP) or 2-D (HSDP) data-parallel mesh shards
     shards = mesh.size(-1)
     placements: dict[nn.Parameter, ShardPlacementResult] = {}
     for _, layer in moe_layers(part):
