@@ -81,6 +81,8 @@ def _ffn(x: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor, down: tor
     return matmul(h, down)
 
 
+@torch.compiler.disable  # a loop over sizes read on the host: eager inside compiled code (a graph break; "auto"
+# takes padded there)
 def experts_loop(xs: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor,
                  down: torch.Tensor, act: nn.Module) -> torch.Tensor:
     """Each expert on its contiguous slice of the sorted tokens (the slice sizes are read on the host)."""

@@ -312,6 +312,29 @@ def test_a_compiled_moe_block_is_one_graph_that_counts_its_load_once(recompute):
         assert (b - a).norm() < 2e-2 * torch.maximum(a.norm(), 1e-2 * scale), name
 
 
+@pytest.mark.parametrize("backend", ["auto", "loop"])
+@torch._dynamo.config.patch(capture_scalar_outputs=False)  # restored after the test
+def test_compiled_cpu_backends_match_eager(backend):
+    """On CPU in fp32, "auto" compiles the padded backend (its padded size a traced symbolic size: one graph); an
+    explicit loop runs eagerly inside the compiled block (its sizes are read on the host), with the same numbers."""
+    from meshformer.parallel.fsdp import blocks_of
+    from meshformer.parallel.kernels import trace_routed_sizes
+
+    torch._dynamo.reset()
+    cfg = replace(SMALL, n_layers=1, moe_backend=backend)
+    models = [Transformer(cfg, init_seed=0) for _ in range(2)]
+    trace_routed_sizes(models[1])
+    for block in blocks_of(models[1]):
+        block.compile(backend="aot_eager", fullgraph=backend == "auto")
+    ids = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    outs = [model(ids) for model in models]
+    for out in outs:
+        out.square().sum().backward()
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 # ------------------------------------------------------------------------------------------------------ model
 
 
