@@ -3,7 +3,8 @@ and global batch, as a ratio to ep = 1 (every expert on every rank, FSDP-sharded
 
 CAVEAT: this machine has 2 CPU cores shared by every process, so the figures are the *overhead* of the exchange
 (counts and rows all-to-all, regrouping by expert, a host sync per layer), not the memory and compute that EP saves
-on GPUs. `exchange_share` is the fraction of the step spent inside the all-to-all calls (forward and backward).
+on GPUs. `exchange_share` is the fraction of a (profiled) step spent inside the exchange's all-to-alls, launched and
+waited for (forward and backward).
 
     python bench/moe_expert_parallel.py [--world 4] [--steps 4] [--ep 1 2 4]
 """
@@ -20,6 +21,8 @@ from parallel_common import batches, spawn
 from meshformer.config import Config, OptimConfig, ScheduleConfig, config_from_dict
 
 GLOBAL_BATCH, SEQ, D_MODEL = 16, 128, 256
+# The expert exchange's collectives (meshformer/parallel/expert_parallel.py): torch's functional all-to-alls
+EXCHANGE_OPS = {"_c10d_functional::all_to_all_single", "_c10d_functional::wait_tensor"}
 
 
 def moe_config(parallel: dict, batch: int) -> Config:
@@ -36,8 +39,8 @@ def moe_config(parallel: dict, batch: int) -> Config:
 
 def measure(ep: int, steps: int) -> dict[str, float]:
     import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
 
-    from meshformer.parallel import expert_parallel
     from meshformer.train.step import TrainStep
     from tests.helpers.parallel import build_cpu_plan
 
@@ -46,27 +49,23 @@ def measure(ep: int, steps: int) -> dict[str, float]:
     plan = build_cpu_plan(cfg)
     training = TrainStep(plan, OptimConfig(lr=1e-4, weight_decay=0.0, grad_clip=1.0, implementation="fused"),
                          ScheduleConfig(name="constant", warmup_steps=0), steps + 1, D_MODEL)
-    exchange = [0.0]
-    original = expert_parallel.dist.all_to_all_single
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        out = original(*args, **kwargs)
-        exchange[0] += time.perf_counter() - start
-        return out
-
-    expert_parallel.dist.all_to_all_single = timed
     data = [{k: v.chunk(world)[plan.dp_rank] for k, v in b.items()}
-            for b in batches(moe_config({}, GLOBAL_BATCH), steps + 1)]
-    results = []
-    for batch in data:
+            for b in batches(moe_config({}, GLOBAL_BATCH), steps + 2)]
+    times = []
+    for batch in data[:-1]:
         dist.barrier()
-        exchange[0] = 0.0
         start = time.perf_counter()
         training.step([batch])
-        results.append((time.perf_counter() - start, exchange[0]))
-    step, spent = min(results[1:])  # the first step warms up
-    return {"step_s": step, "exchange_s": spent}
+        times.append(time.perf_counter() - start)
+    # The exchange's share from one more step under the profiler (it slows every op a little, so the share is taken
+    # within that step): its functional all-to-alls, launched and waited for, forward and backward
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        training.step([data[-1]])
+        profiled = time.perf_counter() - start
+    spent = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in EXCHANGE_OPS) / 1e6
+    return {"step_s": min(times[1:]), "exchange_share": spent / profiled}  # the first step warms up
 
 
 def main() -> None:
@@ -79,10 +78,10 @@ def main() -> None:
     for ep in args.ep:
         ranks = spawn(args.world, measure, ep, args.steps, threads=1)
         step = max(r["step_s"] for r in ranks)
-        exchange = max(r["exchange_s"] for r in ranks)
         base = base or step
         print(json.dumps({"ep": ep, "processes": args.world, "tokens_per_s": round(GLOBAL_BATCH * SEQ / step),
-                          "ratio_to_ep1": round(base / step, 3), "exchange_share": round(exchange / step, 3),
+                          "ratio_to_ep1": round(base / step, 3),
+                          "exchange_share": round(max(r["exchange_share"] for r in ranks), 3),
                           "note": "shared CPU cores: overhead, not scaling"}), flush=True)
 
 

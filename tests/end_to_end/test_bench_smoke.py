@@ -118,3 +118,12 @@ def test_gpu_moe_smoke(tmp_path):
     layers = [r for r in lines if r.get("bench") == "moe_layer"]
     assert len(layers) == 4  # balanced + skewed, then skewed, then balanced compiled
     assert layers[-1]["queue"] == 2 and layers[-1]["compiled_graphs"] == 2  # one graph a side: no break in the layer
+
+
+@pytest.mark.slow  # two 2-process trainings
+def test_moe_expert_parallel_tiny():
+    """The exchange's share is measured where there is one (ep 2) and nowhere else (ep 1: no all-to-all)."""
+    records = run_bench("moe_expert_parallel.py", "--world", "2", "--steps", "1", "--ep", "1", "2", timeout=600)
+    assert [r["ep"] for r in records] == [1, 2]
+    assert records[0]["exchange_share"] == 0 and 0 < records[1]["exchange_share"] < 1
+    assert records[0]["ratio_to_ep1"] == 1.0 and records[1]["tokens_per_s"] > 0
