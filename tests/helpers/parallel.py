@@ -507,7 +507,8 @@ def run_scenario(name: str) -> dict[str, Any]:
         float8.fp8_supported = lambda device: True
         gather_float8_as_bytes()
     family = name.split("/")[0]
-    torch._dynamo.reset()  # each scenario compiles afresh: no sizes made dynamic by an earlier one's shapes
+    if cfg.train.compile:  # compiled afresh: no sizes made dynamic by an earlier scenario's shapes
+        torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     plan = build_cpu_plan(cfg, new_model(cfg, family))
     gathers_before = FLOAT8_GATHERS[0]

@@ -86,8 +86,8 @@ MOE_WORLD4 = ["moe/fsdp=4-ep", "moe/fsdp=4-ep=4", "moe/hsdp-ep", "moe/tp-fsdp-ep
               "moe/pp-fsdp-ep-sched=zbv", "moe/pp-fsdp-ep-sched=interleaved_1f1b-spr=2",
               "moe/pp-fsdp-ep-sched=interleaved_zb-spr=2", "moe_skew/fsdp=4-ep=4", "moe_seq/cp-fsdp-ep",
               "moe_bias/pp-fsdp-ep",
-              # the experts' FSDP shards inside each block's unit: selective recompute replays it; compiled, whole
-              "moe/fsdp=4-ep-recompute=selective", "moe/hsdp-ep-compile"]
+              # the experts' FSDP shards inside each block's unit: selective recompute replays it
+              "moe/fsdp=4-ep-recompute=selective"]
 MOE_WORLD8 = ["moe/pp-fsdp-tp-ep", "moe/cp-tp-fsdp-ep=4", "moe/hsdp-tp-ep"]
 WORLD2 += MOE_WORLD2
 WORLD4 += MOE_WORLD4
