@@ -565,6 +565,9 @@ def launch(world: int, names: list[str]) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Inductor compiles in each rank's own process, not with a worker pool per rank: ranks x pool processes on a
+    # 2-core machine
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
         mp.start_processes(worker, args=(world, free_port(), names, out), nprocs=world, start_method="spawn")
