@@ -259,10 +259,6 @@ class _WithBalanceLoss(torch.autograd.Function):
 
 
 class _GatherRows(torch.autograd.Function):
-    """`x[index // k]` for a permutation `index` of the rows x would have with each repeated k times, and `inverse`
-    its inverse. The backward gathers too (row i's gradient is the sum of its k rows at `inverse`), where indexing's
-    backward would scatter-add, atomically or after a sort: on a GPU the permutation's largest cost."""
-
     @staticmethod
     def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(inverse)
@@ -276,6 +272,13 @@ class _GatherRows(torch.autograd.Function):
         if ctx.k > 1:
             rows = rows.view(inverse.numel() // ctx.k, ctx.k, grad.shape[1]).sum(1)  # -1: ambiguous at 0 rows
         return rows, None, None, None
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, k: int = 1) -> torch.Tensor:
+    """`x[index // k]` for a permutation `index` of the rows x would have with each repeated k times, `inverse` its
+    inverse permutation. The backward gathers too (row i's gradient is the sum of its k rows at `inverse`), where
+    indexing's backward would scatter-add, atomically or after a sort: on a GPU the permutation's largest cost."""
+    return _GatherRows.apply(x, index, inverse, k)
 
 
 class MoEFeedForward(nn.Module):
@@ -344,8 +347,8 @@ class MoEFeedForward(nn.Module):
             counts = routed.clamp(max=capacity)
         if order.numel() == n * k:  # dropless: `order` is a permutation of the token-slots
             position = torch.empty_like(order).scatter_(0, order, torch.arange(n * k, device=x.device))
-            out = self.experts(_GatherRows.apply(flat, order, position, k), counts)
-            by_slot = _GatherRows.apply(out, position, order, 1)  # each result back to its slot token * k + j
+            out = self.experts(gather_rows(flat, order, position, k), counts)
+            by_slot = gather_rows(out, position, order)  # each result back to its slot token * k + j
         else:  # some slots dropped for capacity: they stay zero
             out = self.experts(flat[order // k], counts)
             by_slot = out.new_zeros(n * k, out.shape[1]).index_copy(0, order, out)

@@ -35,7 +35,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import (
 from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from meshformer.model.moe import Experts, MoEFeedForward, moe_layers
+from meshformer.model.moe import Experts, MoEFeedForward, gather_rows, moe_layers
 
 
 class ExpertExchange:
@@ -62,10 +62,9 @@ class ExpertExchange:
         expert_of_row = torch.repeat_interleave(torch.arange(local_experts, device=xs.device).repeat(ranks),
                                                 incoming.reshape(-1), output_size=rows.shape[0])
         regroup = torch.argsort(expert_of_row, stable=True)  # -> by expert, then source rank
-        out = compute(rows[regroup], incoming.sum(0))
-        arrival_order = torch.empty_like(regroup)
-        arrival_order[regroup] = torch.arange(regroup.numel(), device=out.device)
-        return funcol.all_to_all_single_autograd(out[arrival_order], sent, received, self.group)
+        arrival_order = torch.empty_like(regroup).scatter_(0, regroup, torch.arange(regroup.numel(), device=xs.device))
+        out = compute(gather_rows(rows, regroup, arrival_order), incoming.sum(0))
+        return funcol.all_to_all_single_autograd(gather_rows(out, arrival_order, regroup), sent, received, self.group)
 
 
 def shard_experts(experts: Experts, mesh: DeviceMesh) -> None:
