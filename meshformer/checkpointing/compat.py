@@ -13,6 +13,7 @@ from typing import Any
 import torch.distributed as dist
 
 from meshformer.checkpointing.errors import CheckpointError
+from meshformer.checkpointing.mapping import ZERO_ON_IMPORT as ROUTER_BIAS  # MoE routers' bias-balancing state
 from meshformer.checkpointing.state import MODEL
 
 Shapes = dict[str, tuple[int, ...]]  # tensor key -> global shape
@@ -28,6 +29,13 @@ class KeyDiff:
 
     def __bool__(self) -> bool:
         return bool(self.missing or self.unexpected or self.mismatched)
+
+    @property
+    def only_router_biases_missing(self) -> bool:
+        """A checkpoint written before MoE routers' biases were saved: the runs that wrote it restarted them at zero
+        at every resume, so resuming with zeros continues that run as it was."""
+        return bool(self.missing) and not (self.unexpected or self.mismatched) and all(
+            ROUTER_BIAS.search(k) for k in self.missing)
 
     @property
     def skipped(self) -> set[str]:

@@ -4,6 +4,7 @@ routers' bias-balancing state in the checkpoint)."""
 
 from __future__ import annotations
 
+import torch
 from helpers.checkpoints import assert_bitwise, final_weights, run_trainer, tiny_config, tiny_shards
 
 MOE = ("model.n_experts=4", "model.experts_per_token=2", "model.n_shared_experts=1", "model.moe_d_ff=32",
@@ -29,3 +30,37 @@ def test_moe_run_trains_and_resumes_bitwise(tmp_path):
     assert result.steps == STEPS
     assert_bitwise(final_weights(tmp_path / "interrupted"), final_weights(tmp_path / "reference"))
     assert [h["train/loss"] for h in result.history] == [h["train/loss"] for h in reference.history[2:]]
+
+
+def test_a_checkpoint_saved_before_router_biases_were_resumes_with_them_at_zero(tmp_path, monkeypatch):
+    """Checkpoints written while the routers' biases were not saved hold every other tensor: they resume (the biases
+    at zero, as every resume of those runs had them, and said so), where a missing tensor otherwise refuses."""
+    from meshformer.checkpointing.dcp_io import read_full_tensors
+    from meshformer.checkpointing.directory import committed_steps, step_dir_name
+    from meshformer.model.moe import Router
+    from meshformer.train.trainer import Trainer
+
+    cfg = tiny_config(tiny_shards(tmp_path), tmp_path / "run", STEPS, *MOE)
+    built = Router.__init__
+
+    def router_of_old(self, model_cfg) -> None:  # the bias a buffer outside the state dict, as it was
+        built(self, model_cfg)
+        self._non_persistent_buffers_set.add("expert_bias")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Router, "__init__", router_of_old)
+        run_trainer(cfg, crash_after=3)
+    step = committed_steps(tmp_path / "run" / "checkpoints")[-1]
+    saved = read_full_tensors(tmp_path / "run" / "checkpoints" / step_dir_name(step))
+    assert saved and not any(k.endswith("expert_bias") for k in saved)
+
+    trainer = Trainer(cfg)
+    messages: list[str] = []
+    trainer.checkpoints.log = messages.append
+    assert trainer.checkpoints.resume(trainer.checkpointable) and trainer.step == step
+    here = trainer.model.state_dict()
+    experts = "decoder_layers.1.ffn.experts.up_proj"
+    assert torch.equal(here[experts], saved["model." + experts])
+    assert not here["decoder_layers.0.ffn.router.expert_bias"].any()
+    assert any("holds no MoE router biases" in m for m in messages), messages
+    assert trainer.fit().steps == STEPS
