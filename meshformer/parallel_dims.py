@@ -163,14 +163,21 @@ def validate_parallel(cfg: Config, world_size: int, device: torch.device | str |
     p = cfg.parallel
     if p.recompute == "every_k" and p.recompute_every < 1:
         raise ConfigError(f"parallel.recompute_every must be >= 1, got {p.recompute_every}")
+    check_compiled_recompute(cfg, dims)
+    if p.timeout_s <= 0:
+        raise ConfigError(f"parallel.timeout_s must be positive (seconds), got {p.timeout_s}")
+    return dims
+
+
+def check_compiled_recompute(cfg: Config, dims: ParallelDims) -> None:
+    """Full recomputation under train.compile only where the weights are plain tensors (the planner's search skips
+    the layouts this refuses)."""
+    p = cfg.parallel
     if cfg.train.compile not in (False, "off") and p.recompute in ("full", "every_k") and (dims.tp > 1 or dims.ep > 1):
         raise ConfigError(f"parallel.recompute='{p.recompute}' with train.compile and tensor or expert parallel: torch "
                           "2.13 cannot compile a fully recomputed block whose weights are distributed tensors (it "
                           "saves their device mesh among the tensors for backward); use parallel.recompute='selective' "
                           "(compiled too; recomputes all but the matmuls) or train.compile=false")
-    if p.timeout_s <= 0:
-        raise ConfigError(f"parallel.timeout_s must be positive (seconds), got {p.timeout_s}")
-    return dims
 
 
 def _configured_device_type(cfg: Config) -> str:

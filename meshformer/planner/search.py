@@ -17,7 +17,12 @@ from dataclasses import dataclass
 
 from meshformer.config import Config, ConfigError, Recompute
 from meshformer.model.families import get_family_spec
-from meshformer.parallel_dims import ParallelDims, check_context_parallel, check_expert_parallel
+from meshformer.parallel_dims import (
+    ParallelDims,
+    check_compiled_recompute,
+    check_context_parallel,
+    check_expert_parallel,
+)
 from meshformer.planner.activations import MOE_IMBALANCE
 from meshformer.planner.memory import RankMemory, rank_memory, usable_bytes
 from meshformer.planner.shard import fake_world, meta_model, rank_shares, template_shares, tp_template
@@ -158,6 +163,10 @@ def search_layouts(cfg: Config, world_size: int, device: str, moe_imbalance: flo
                                 continue
                             layout_cfg = with_layout(cfg, world_size, pp, tp, mode, cp, ep)
                             dims = ParallelDims.from_config(layout_cfg.parallel, world_size)
+                            try:  # e.g. compiled full recomputation of tensor-parallel weights
+                                check_compiled_recompute(layout_cfg, dims)
+                            except ConfigError:
+                                continue
                             results.append(_layout(layout_cfg, dims, [rank_memory(layout_cfg, dims, s, moe_imbalance)
                                                                       for s in shares[ep]]))
     budget = usable_bytes(device)

@@ -130,8 +130,8 @@ def rank_shares(cfg: Config, world_size: int, *, apply_fsdp: bool = True,
     With `apply_fsdp=False` only tensor parallel runs for real and FSDP's dim-0 sharding is applied to the
     tensor-parallel local shapes arithmetically (the rule FSDP2 uses). Must run inside `fake_world(world_size)`.
     """
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False))
-    dims = validate_parallel(cfg, world_size, "cpu")
+    dims = validate_parallel(cfg, world_size, "cpu")  # as the trainer will, train.compile included
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False))  # nothing compiles on meta
     meshes: Meshes = build_mesh(dims, "cpu")
     model = model if model is not None else meta_model(cfg)
     placement = stage_placement(cfg, dims)

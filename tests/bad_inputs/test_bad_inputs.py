@@ -366,6 +366,9 @@ CASES = [
     ("plan-moe-imbalance", ["plan", CFG, "--world", "2", "--moe-imbalance", "0.5"],
      ["--moe-imbalance 0.5 is below 1", "--moe-imbalance 1.5"]),
     ("plan-layout", ["plan", CFG, "--world", "2", "--set", "parallel.tp=3"], ["does not divide", "choose"]),
+    ("plan-compiled-full-recompute", ["plan", CFG, "--world", "2", "--set", "train.compile=true", "parallel.tp=2",
+                                      "parallel.recompute=full"],
+     ["train.compile and tensor", "recompute='selective'"]),
     ("plan-gpu", ["plan", CFG, "--world", "2", "--gpu", "nope"], ["invalid choice", "--help"]),
     # (#25) planner
     ("plan-world-huge", ["plan", CFG, "--world", "100000000"], ["--world gives 100000000 ranks", "from 1 to"]),

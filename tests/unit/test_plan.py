@@ -129,6 +129,23 @@ def test_search_offers_expert_parallel_layouts_for_moe_models(capsys):
     assert "pp1 tp1 dp16 ep8" in out and "2x the balanced tokens" in out
 
 
+@pytest.mark.parametrize(("config", "world"), [("tiny-gpt", 8), ("tiny-moe", 4)])
+def test_compiled_runs_are_offered_and_planned_only_in_layouts_the_trainer_accepts(config, world):
+    """With train.compile the trainer refuses full recomputation of distributed weights (tp or ep > 1,
+    `validate_parallel`): the search offers no such layout (selective ones stay), and planning one refuses it."""
+    from meshformer.config import ConfigError
+
+    cfg = load_config(CONFIGS / f"{config}.toml", ["train.compile=true"])
+    results = search_layouts(cfg, world, "h100-80gb")
+    distributed = [r for r in results if r.tp > 1 or r.ep > 1]
+    assert {r.recompute for r in distributed} == {"none", "selective"}
+    assert {r.recompute for r in results if r.tp == r.ep == 1} == {"none", "selective", "full"}
+    refused = with_layout(cfg, world, 1, 2, "full") if config == "tiny-gpt" else \
+        with_layout(cfg, world, 1, 1, "full", ep=2)
+    with pytest.raises(ConfigError, match="use parallel.recompute='selective'"):
+        plan_layout(refused, world)
+
+
 def test_405b_at_4096_ranks_plans_fast_and_shards_every_parameter():
     cfg = load_config(CONFIGS / "llama-405b.toml")
     start = time.process_time()
