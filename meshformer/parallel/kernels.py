@@ -72,6 +72,7 @@ def trace_routed_sizes(model: nn.Module) -> None:
     setting (torchtitan sets it too); a graph break inside a recomputed block would run the block eagerly."""
     if any(True for _ in moe_layers(model)):
         torch._dynamo.config.capture_scalar_outputs = True
+        torch._dynamo.config.capture_dynamic_output_shape_ops = True  # the rows kept for capacity (a mask)
 
 
 def compile_blocks(model: Transformer, mode: str = "default") -> int:

@@ -335,6 +335,33 @@ def test_compiled_cpu_backends_match_eager(backend):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+@torch._dynamo.config.patch(capture_scalar_outputs=False, capture_dynamic_output_shape_ops=False)  # restored after
+def test_a_compiled_moe_block_with_a_capacity_is_one_graph(recompute):
+    """capacity_factor > 0: the kept rows (a mask over routed sizes) are traced and the path taken does not depend on
+    what was dropped, so the block stays one graph (fullgraph); drops, load and gradients are eager's."""
+    from meshformer.parallel.fsdp import blocks_of
+    from meshformer.parallel.kernels import trace_routed_sizes
+    from meshformer.parallel.recompute import apply_recompute
+
+    torch._dynamo.reset()
+    cfg = replace(SMALL, n_layers=1, moe_backend="padded", capacity_factor=1.0)
+    models = [Transformer(cfg, init_seed=0) for _ in range(2)]
+    apply_recompute(models[1], recompute)
+    trace_routed_sizes(models[1])
+    for block in blocks_of(models[1]):
+        block.compile(backend="aot_eager", fullgraph=True)
+    ids = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    for model in models:
+        model(ids).square().sum().backward()
+    (_, eager), (_, compiled) = (next(moe_layers(model)) for model in models)
+    assert eager.last_stats.dropped_fraction > 0  # the case it stands for: slots were dropped
+    torch.testing.assert_close(compiled.tokens_this_step, eager.tokens_this_step)
+    torch.testing.assert_close(compiled.latest, eager.latest)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 # ------------------------------------------------------------------------------------------------------ model
 
 
