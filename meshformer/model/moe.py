@@ -347,7 +347,7 @@ class MoEFeedForward(nn.Module):
             counts = routed.clamp(max=capacity)
         # dropless: `order` is a permutation of the token-slots. Compiled code with a capacity takes the dropping path
         # whatever was dropped: a branch on a routed size would break the graph
-        dropless = cfg.capacity_factor == 0 or not torch.compiler.is_compiling() and order.numel() == n * k
+        dropless = cfg.capacity_factor == 0 or (not torch.compiler.is_compiling() and order.numel() == n * k)
         if dropless:
             position = torch.empty_like(order).scatter_(0, order, torch.arange(n * k, device=x.device))
             out = self.experts(gather_rows(flat, order, position, k), counts)
