@@ -120,7 +120,8 @@ def _check_moe(cfg: Config) -> None:
     if m.moe_every < 1:
         raise ConfigError(f"model.moe_every={m.moe_every} must be >= 1", "1: every block is MoE; k: every k-th")
     stacks = get_family_spec(m.family).stacks
-    if not any(is_moe_block(m, i) for stack in stacks for i in range(stack.count(m))):
+    # a model from an HF folder (init_from) is what the folder holds, a Qwen3-MoE with every block dense included
+    if not cfg.checkpoint.init_from and not any(is_moe_block(m, i) for stack in stacks for i in range(stack.count(m))):
         depths = " / ".join(f"{stack.count(m)}-layer {stack.name}" for stack in stacks)
         raise ConfigError(f"model.n_experts={m.n_experts}, but no block of the {depths} stack is MoE (model.moe_every="
                           f"{m.moe_every}, model.moe_first_dense={m.moe_first_dense}): the model would train dense",

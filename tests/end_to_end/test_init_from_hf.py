@@ -124,6 +124,13 @@ def test_an_expert_width_set_as_moe_d_ff_is_the_folders_own(shards, tmp_path):
         resolve_init_from(load_config(None, [*base, "model.moe_d_ff=32"]))
 
 
+def test_a_folder_whose_blocks_are_all_dense_continues_as_it_is(shards, tmp_path):
+    # config validation refuses experts that no block uses in the user's own config, not in the folder's model
+    _, folder = hf_folder("qwen3_moe_dense", tmp_path / "hf")
+    cfg = resolve_init_from(load_config(None, _overrides(shards, tmp_path / "run", folder, 1)))
+    assert cfg.model.n_experts == 4 and cfg.model.moe_first_dense == 2 == cfg.model.n_layers
+
+
 def test_renamed_tensors_are_read_by_slices_and_the_rest_whole(tmp_path):
     """What keeps an init_from load from holding the whole model on a rank: a tensor that is only renamed comes
     as a lazy safetensors slice (this rank's rows alone are read), and every tensor equals the imported one."""
