@@ -89,6 +89,8 @@ def _merge(source: ModelConfig | dict[str, Any], user: ModelConfig, where: str) 
     default = ModelConfig()
     changed = {f.name: getattr(user, f.name) for f in dataclasses.fields(ModelConfig)
                if getattr(user, f.name) != getattr(default, f.name) and getattr(user, f.name) != getattr(base, f.name)}
+    if "moe_d_ff" in changed and dataclasses.replace(base, moe_d_ff=user.moe_d_ff).expert_d_ff == base.expert_d_ff:
+        del changed["moe_d_ff"]  # the folder's expert width, named as moe_d_ff where it has 0 (= d_ff): same function
     refused = {key: value for key, value in changed.items() if key not in FUNCTION_NEUTRAL}
     if refused:
         listed = ", ".join(f"model.{k}={v!r} (it has {getattr(base, k)!r})" for k, v in refused.items())

@@ -102,8 +102,10 @@ def check_megatron_compatible(cfg: ModelConfig) -> MegatronNames:
     """Our names for the Megatron-Core GPT tensors (from the family spec), or a ConversionError saying why not."""
     problems = megatron_incompatibilities(cfg)
     if problems:
+        fix = ("train it with model.bias=false (Hugging Face's MoE architectures have no linear biases either)"
+               if cfg.n_experts and cfg.bias else "export it to Hugging Face instead (`meshformer convert export-hf`)")
         raise ConversionError("this model cannot be written as a Megatron-Core GPT checkpoint: " + ", ".join(problems),
-                              "export it to Hugging Face instead (`meshformer convert export-hf`)")
+                              fix)
     names = FAMILIES[cfg.family].megatron
     assert names is not None  # megatron_incompatibilities refused families without Megatron names
     return names

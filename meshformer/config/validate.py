@@ -11,6 +11,7 @@ from meshformer.config.parse import parse_size
 from meshformer.config.sections import Config
 from meshformer.errors import ConfigError
 from meshformer.model.families import get_family_spec
+from meshformer.model.moe import is_moe_block
 
 
 def validate(cfg: Config) -> None:
@@ -118,6 +119,13 @@ def _check_moe(cfg: Config) -> None:
             raise ConfigError(f"model.{key}={getattr(m, key)} is negative", "use a value >= 0 (0: the default)")
     if m.moe_every < 1:
         raise ConfigError(f"model.moe_every={m.moe_every} must be >= 1", "1: every block is MoE; k: every k-th")
+    stacks = get_family_spec(m.family).stacks
+    # a model from an HF folder (init_from) is what the folder holds, a Qwen3-MoE with every block dense included
+    if not cfg.checkpoint.init_from and not any(is_moe_block(m, i) for stack in stacks for i in range(stack.count(m))):
+        depths = " / ".join(f"{stack.count(m)}-layer {stack.name}" for stack in stacks)
+        raise ConfigError(f"model.n_experts={m.n_experts}, but no block of the {depths} stack is MoE (model.moe_every="
+                          f"{m.moe_every}, model.moe_first_dense={m.moe_first_dense}): the model would train dense",
+                          "lower model.moe_first_dense or model.moe_every, or set model.n_experts=0 for a dense model")
     groups = m.router_groups
     if groups < 1 or m.n_experts % groups:
         raise ConfigError(f"model.router_groups={groups} does not divide model.n_experts={m.n_experts}",

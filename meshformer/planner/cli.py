@@ -41,6 +41,7 @@ def report(cfg: Config, world: int, device: str, *, search: bool = True, top: in
                                                            if device != "cpu" else ""),
         "layout": {"name": layout_name(chosen), "recompute": chosen.recompute, "peak_gib": chosen.peak / GiB,
                    "fits": chosen.peak <= budget, "ranks": [as_dict(rank) for rank in chosen.ranks]},
+        "searched": search,
         "fitting_layouts": [{"name": layout_name(lay), "recompute": lay.recompute, "peak_gib": lay.peak / GiB}
                             for lay in layouts if lay.peak <= budget][:top],
         "moe_imbalance": moe_imbalance if cfg.model.n_experts else None,
@@ -68,7 +69,7 @@ def print_report(result: dict, title: str) -> None:
         print("smallest layouts that fit (FSDP over the remaining ranks):")
         _table(["layout", "recompute", "peak GiB"],
                [[f["name"], f["recompute"], f"{f['peak_gib']:.2f}"] for f in result["fitting_layouts"]])
-    else:
+    elif result["searched"]:  # --no-search: the configured layout's verdict above is the answer
         print("no layout with tp <= 8 and cp <= 16 fits; add ranks, shorten data.seq_len or lower data.batch_size")
     print(f"({result['seconds']:.1f} s)")
 

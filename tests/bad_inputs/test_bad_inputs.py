@@ -195,6 +195,9 @@ CASES = [
     ("list-expected", _train("optim.betas=0.9"), ["optim.betas", "must be a list"]),
     ("heads-divide", _train("model.n_heads=5"), ["not divisible", "choose n_heads"]),
     ("kv-heads", _train("model.n_kv_heads=3"), ["n_kv_heads", "must divide"]),
+    # experts configured but placed in no block (TINY has 1 layer): the model would train dense in silence
+    ("moe-no-moe-block", _train("model.n_experts=4", "model.moe_first_dense=1"),
+     ["model.n_experts=4", "no block of the 1-layer decoder stack is MoE", "lower model.moe_first_dense"]),
     ("seq-too-long", _train("data.seq_len=128"), ["exceeds model.max_seq_len", "raise model.max_seq_len"]),
     ("steps-zero", _train("train.steps=0"), ["train.steps", "positive"]),
     ("lr-negative", _train("optim.lr=-1"), ["optim.lr", "positive"]),

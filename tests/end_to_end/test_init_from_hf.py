@@ -17,7 +17,7 @@ from helpers.hf_models import hf_folder
 from meshformer.checkpointing.init_from import resolve_init_from
 from meshformer.checkpointing.weights import load_weights
 from meshformer.cli import main
-from meshformer.config import load_config
+from meshformer.config import ConfigError, load_config
 from meshformer.data import build_loader, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -111,6 +111,24 @@ def test_a_model_key_that_changes_the_function_is_refused_by_name(shards, tmp_pa
     assert line.startswith("error: checkpoint.init_from: ") and "\n" not in line, line
     for named in ("model.max_seq_len=128 (it has 64)", "model.n_layers=3 (it has 2)", "remove those [model] keys"):
         assert named in line, line
+
+
+def test_an_expert_width_set_as_moe_d_ff_is_the_folders_own(shards, tmp_path):
+    # Mixtral's experts are intermediate_size wide (imported as d_ff, moe_d_ff=0); a config that names the same width
+    # as moe_d_ff (tiny-moe does) describes the same function and continues from the folder
+    _, folder = hf_folder("mixtral", tmp_path / "hf")
+    base = _overrides(shards, tmp_path / "run", folder, 1, "model.n_experts=4", "model.experts_per_token=2")
+    cfg = resolve_init_from(load_config(None, [*base, "model.moe_d_ff=64"]))
+    assert cfg.model.expert_d_ff == 64 and cfg.model.n_experts == 4
+    with pytest.raises(ConfigError, match=r"model.moe_d_ff=32 \(it has 0\)"):  # another width: refused by name
+        resolve_init_from(load_config(None, [*base, "model.moe_d_ff=32"]))
+
+
+def test_a_folder_whose_blocks_are_all_dense_continues_as_it_is(shards, tmp_path):
+    # config validation refuses experts that no block uses in the user's own config, not in the folder's model
+    _, folder = hf_folder("qwen3_moe_dense", tmp_path / "hf")
+    cfg = resolve_init_from(load_config(None, _overrides(shards, tmp_path / "run", folder, 1)))
+    assert cfg.model.n_experts == 4 and cfg.model.moe_first_dense == 2 == cfg.model.n_layers
 
 
 def test_renamed_tensors_are_read_by_slices_and_the_rest_whole(tmp_path):

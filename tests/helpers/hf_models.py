@@ -34,6 +34,13 @@ ARCHS: dict[str, dict[str, Any]] = {
     "gemma3": dict(config="Gemma3TextConfig", model="Gemma3ForCausalLM", tie_word_embeddings=True, head_dim=16,
                    sliding_window=4, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
                    final_logit_softcapping=30.0),
+    # 4 experts of width intermediate_size, top-2
+    "mixtral": dict(config="MixtralConfig", model="MixtralForCausalLM", tie_word_embeddings=False,
+                    num_local_experts=4, num_experts_per_tok=2),
+    # a Qwen3-MoE whose every block is dense (mlp_only_layers): imported with experts that no block uses
+    "qwen3_moe_dense": dict(config="Qwen3MoeConfig", model="Qwen3MoeForCausalLM", tie_word_embeddings=False,
+                            head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            mlp_only_layers=[0, 1]),
 }
 
 

@@ -223,6 +223,12 @@ def test_mismatches_are_explained(tmp_path):
     for cfg, named in unmapped:
         problems = megatron_incompatibilities(cfg)
         assert len(problems) == 1 and named in problems[0], (named, problems)
+    # MoE with linear biases (tiny-moe): Hugging Face's MoE architectures refuse them too, so the fix is the config
+    biased = replace(moe, bias=True)
+    write_weights(Transformer(biased).state_dict(), biased, tmp_path / "moe-bias")
+    with pytest.raises(SystemExit) as info:
+        main(["convert", "export-megatron", str(tmp_path / "moe-bias"), str(tmp_path / "out-moe")])
+    assert "train it with model.bias=false" in str(info.value.code) and "export-hf" not in str(info.value.code)
     model = Transformer(moe)  # a router bias Megatron would not keep (no bias balancing) is not dropped
     model.decoder_layers["1"].ffn.router.expert_bias.fill_(0.5)
     with pytest.raises(ConversionError, match=r"decoder_layers.1.ffn.router.expert_bias is non-zero"):

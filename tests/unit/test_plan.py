@@ -220,6 +220,16 @@ def test_cli_prints_table_and_json(capsys):
         main(["plan", config, "--world", "12", "--set", "parallel.tp=8"])
 
 
+def test_no_search_does_not_claim_that_no_layout_fits(capsys):
+    from meshformer.cli import main
+
+    # tiny-moe fits 2 CPU ranks easily; --no-search skips the search, so its empty result says nothing about fit
+    main(["plan", str(CONFIGS / "tiny-moe.toml"), "--world", "2", "--gpu", "cpu", "--no-search"])
+    out = capsys.readouterr().out
+    assert "fits in" in out and "does NOT fit" not in out
+    assert "no layout" not in out and "add ranks" not in out
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zbv", "interleaved_zb"])
 def test_planner_counts_the_last_stages_fused_head_loss_under_pipeline_parallelism(schedule):
     """train.loss=auto is a chunked loss under PP too: the last pipeline rank holds no full-vocabulary logits.
