@@ -52,8 +52,12 @@ def _train(args: argparse.Namespace) -> None:
             preflight(cfg)
         if args.debug:
             os.environ[DEBUG_ENV] = "1"  # the ranks show tracebacks too (this process exits after torchrun)
+        from meshformer.launcher.torchrun import stop_grace_s
+        from meshformer.model.flops import count_params
+
+        grace_s = stop_grace_s(cfg.checkpoint.stop_grace_s, count_params(cfg.model)["total"], args.nnodes)
         sys.exit(launch_torchrun(args.config, overrides, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
-                                 rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts))
+                                 rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts, grace_s=grace_s))
     from meshformer.train.__main__ import run
 
     run(args.config, overrides)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from typing import Any
 
 DEBUG_ENV = "MESHFORMER_DEBUG"
 INTERRUPTED_EXIT = 130  # the shell's status for a process ended by Ctrl-C (128 + SIGINT)
+# What a training rank takes as "save and stop" (meshformer.runtime.stop); SIGUSR1/2 are what SLURM's --signal sends.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 REPORTED_MARKER = "meshformer-error-reported"  # in torchrun's attempt folder: a rank of it printed the line
 
 

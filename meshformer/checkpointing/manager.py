@@ -2,8 +2,8 @@
 
     manager = CheckpointManager.from_config(cfg, run_dir)   # every rank
     manager.resume(run)                                     # newest valid checkpoint, if any
-    ... each step: if manager.after_step(run): break        # interval saves; True after SIGTERM/Ctrl-C (saved)
-    manager.finish(run)                                     # final save, wait for the one in flight
+    ... each step: manager.after_step(run)                  # saves at checkpoint.interval
+    manager.finish(run)                                     # final save (or a stop's), wait for the one in flight
 
 A save writes into step-N.partial/: DCP shards of model and optimizer (any layout), one JSON file of RNG
 states per rank, and from rank 0 trainer_state.json (step, tokens, optimizer hyperparameters, each named
@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,7 +24,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -43,7 +40,6 @@ from meshformer.config import CheckpointConfig, Config
 from meshformer.data import Tokenizer
 
 STATE_VERSION = 1
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # save at the next step boundary, then stop
 _log = logging.getLogger("meshformer.checkpointing")
 
 
@@ -70,12 +66,6 @@ class CheckpointManager:
         self.failed_saves = 0  # asynchronous saves that failed (each reported at the next step)
         self.loaded_from: Path | None = None
         self.tokenizer: Tokenizer | None = None  # the run's, saved in every checkpoint (conversions carry it on)
-        self._preempted = threading.Event()
-        self._stop_signal = "SIGTERM"  # the signal that asked for the stop, for the log line
-        self._previous_handlers: dict[int, Any] = {}
-        if cfg.save_on_sigterm and cfg.interval > 0 and threading.current_thread() is threading.main_thread():
-            # Ctrl-C (SIGINT) saves and stops like a scheduler's SIGTERM; a second Ctrl-C interrupts at once.
-            self._previous_handlers = {sig: signal.signal(sig, self._on_stop_signal) for sig in STOP_SIGNALS}
 
     @classmethod
     def from_config(cls, cfg: Config, run_dir: Path, log: Any = None) -> CheckpointManager:
@@ -88,23 +78,20 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ the training loop's hooks
 
-    def after_step(self, run: Checkpointable) -> bool:
-        """Save at the interval; after SIGTERM or Ctrl-C on any rank, save now (blocking) and return True."""
+    def after_step(self, run: Checkpointable) -> None:
+        """Save at the interval."""
         if not self.enabled:
-            return False
+            return
         self._report_failed_save(block=False)
         step = run.state.step
-        if self._preemption_agreed(run):
-            self.log(f"{self._stop_signal} received: saving a checkpoint at step {step} before stopping")
-            self.save(run, blocking=True)
-            return True
         if step % self.cfg.interval == 0 and step < self.total_steps:
             self.save(run)
-        return False
 
-    def finish(self, run: Checkpointable) -> None:
-        """Final checkpoint (blocking, unless this step was just saved), then wait for anything in flight."""
-        if self.enabled and self.last_saved_step != run.state.step:
+    def finish(self, run: Checkpointable, *, stopping: bool = False) -> Path | None:
+        """Final checkpoint (blocking, unless this step was just saved), then wait for anything in flight; returns
+        the committed folder of this step. `stopping`: a run stopped by a signal saves even with
+        checkpoint.interval=0, so that a restart continues from here."""
+        if (self.enabled or stopping) and self.last_saved_step != run.state.step:
             self.save(run, blocking=True)
         self.close()
         if self.group is not None:
@@ -113,17 +100,15 @@ class CheckpointManager:
             dist.barrier(group=self.group)
             dist.destroy_process_group(self.group)
             self.group = None
+        saved = self.root / directory.step_dir_name(run.state.step)
+        return saved if self.last_saved_step == run.state.step and saved.is_dir() else None
 
     def close(self) -> None:
-        """Wait for the save in flight and give SIGTERM and SIGINT back to whoever handled them before."""
+        """Wait for the save in flight."""
         try:
             self.wait()
         finally:
             self._executor.shutdown(wait=True)
-            for sig, handler in self._previous_handlers.items():
-                if handler is not None:  # None: installed outside Python, nothing to restore
-                    signal.signal(sig, handler)
-            self._previous_handlers = {}
 
     # ------------------------------------------------------------------ saving
 
@@ -401,25 +386,6 @@ class CheckpointManager:
                    if section in saved and _normal(saved[section].get(key)) != _normal(value)]
         if changed:
             self.log("config differs from the checkpoint's: " + "; ".join(changed[:12]))
-
-    # ------------------------------------------------------------------ preemption
-
-    def _on_stop_signal(self, signum: int, frame: Any) -> None:
-        self._stop_signal = signal.Signals(signum).name
-        if signum == signal.SIGINT:
-            self.log("Ctrl-C: saving a checkpoint at the end of this step, then stopping (Ctrl-C again to stop "
-                     "at once, without saving)")
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-        self._preempted.set()
-
-    def _preemption_agreed(self, run: Checkpointable) -> bool:
-        if not self.distributed:
-            return self._preempted.is_set()
-        if run.state.step % max(1, self.cfg.preempt_check_interval):
-            return False
-        flag = torch.tensor([1 if self._preempted.is_set() else 0], device=run.state.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the default group: the checkpoint group may be busy
-        return bool(flag.item())
 
     def _barrier(self) -> None:
         if self.distributed:

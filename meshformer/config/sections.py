@@ -132,8 +132,13 @@ class CheckpointConfig:
     # "partial": load the tensors that fit (and their optimizer state), keep the rest as initialized, and resume
     # the step, schedule and data position (retention keeps the other model's checkpoints)
     load_mode: Literal["full", "partial"] = "full"
-    save_on_sigterm: bool = True  # on SIGTERM or Ctrl-C: save at the next step boundary, then stop
-    preempt_check_interval: int = 10  # steps between the cross-rank "did any rank get SIGTERM?" check
+    # On SIGTERM, SIGINT (Ctrl-C), SIGHUP, SIGUSR1 or SIGUSR2: every rank finishes the same step, a checkpoint is
+    # committed (also with interval=0), and the run exits with 128+signal; false: the signal's default action
+    save_on_sigterm: bool = True
+    preempt_check_interval: int = 1  # steps between the ranks' asynchronous exchanges of their stop flags
+    # Launcher (`meshformer train --nproc-per-node`): seconds between forwarding a stop signal to the ranks and
+    # killing them; 0: 120 s plus the checkpoint's bytes per node at 100 MB/s
+    stop_grace_s: float = 0.0
     max_shard_size: str = "5GB"  # final weights: largest safetensors file (HF-style shards + index beyond it)
     # "hf:PATH": step 0 starts from a Hugging Face folder's weights (streamed into this rank's shards), model config
     # and tokenizer (checkpointing/init_from.py); a resume continues from this run's own checkpoints instead

@@ -229,6 +229,11 @@ def _check_training_ranges(cfg: Config) -> None:
                 "checkpoint.keep_every"):
         if (value := getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])) < 0:
             raise ConfigError(f"{key}={value} is negative", "use a value >= 0 (0 turns it off; keep_last=0 keeps all)")
+    if cfg.checkpoint.preempt_check_interval < 1 or not cfg.checkpoint.stop_grace_s >= 0:
+        raise ConfigError(f"checkpoint.preempt_check_interval={cfg.checkpoint.preempt_check_interval}, "
+                          f"checkpoint.stop_grace_s={cfg.checkpoint.stop_grace_s}: out of range",
+                          "use preempt_check_interval >= 1 (steps) and stop_grace_s >= 0 seconds (0: sized to the "
+                          "checkpoint)")
     d = cfg.data
     if d.num_workers < 0:
         raise ConfigError(f"data.num_workers={d.num_workers} must be >= 0 (0 loads in the training process)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import signal
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any, Protocol
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from meshformer.errors import ConfigError
+from meshformer.errors import STOP_SIGNALS, ConfigError
 
 from .objectives import Objective, Sample
 from .order import RankView, SampleOrder
@@ -181,7 +182,7 @@ class Loader:
         stream = self._stream(RankView(self.consumed, self.dp_rank, self.dp_size, self.batch_size))
         workers: dict[str, Any] = {"num_workers": self.num_workers}
         if self.num_workers:
-            workers.update(prefetch_factor=4, persistent_workers=False)
+            workers.update(prefetch_factor=4, persistent_workers=False, worker_init_fn=_ignore_stop_signals)
         # A private generator: seeding workers from the global RNG would shift dropout after a resume.
         return iter(DataLoader(stream, batch_size=None, pin_memory=torch.cuda.is_available(),
                                generator=torch.Generator(), **workers))
@@ -232,3 +233,10 @@ class Loader:
         return ", ".join(f"{names[k]}: {saved.get(k)!r} -> {v!r}" if k in ("objective", "raw", "seed",
                                                                          "shuffle_shards") else names[k]
                          for k, v in self.settings.items() if saved.get(k) != v)
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    """A stop signal sent to the whole process group is the rank's to act on (it saves, then shuts its workers
+    down); a worker that died of it would fail the rank's last steps instead."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)

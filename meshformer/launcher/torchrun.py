@@ -6,20 +6,26 @@ rendezvous, run the same command on every node with the first node's address as 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
-from meshformer.errors import REPORTED_MARKER, MeshformerError, UsageError
+from meshformer.errors import REPORTED_MARKER, STOP_SIGNALS, MeshformerError, UsageError
 
 MAX_WORLD_SIZE = 2**18  # ranks: twice today's largest training jobs (and a plan in under a minute); more is a typo
 MAX_RANKS_PER_NODE = 1024  # processes one node starts: beyond any node's GPUs or cores
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-_AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # torchrun's agent handles these
+# The agent forwards these to the ranks: the stop signals (save, then exit 128+signal) and SIGQUIT (exit at once).
+_AGENT_SIGNALS = (*STOP_SIGNALS, signal.SIGQUIT)
+_STOP_GRACE_BASE_S = 120  # a step of a large model plus the save's fixed costs
+_CHECKPOINT_WRITE_BYTES_PER_S = 100e6  # per node, a conservative shared-filesystem write rate
 
 
 class LaunchError(MeshformerError, RuntimeError):
@@ -68,8 +74,22 @@ def torchrun_command(
     return cmd
 
 
-def torchrun_env(nproc_per_node: int) -> dict[str, str]:
+def stop_grace_s(checkpoint_stop_grace_s: float, total_params: int, nnodes: int) -> int:
+    """Seconds the launcher gives the ranks, after a stop signal, to finish their step and save before it kills
+    them: checkpoint.stop_grace_s, or (0) a base plus the checkpoint's bytes per node (fp32 weights and AdamW's two
+    moments) at a conservative write rate."""
+    if checkpoint_stop_grace_s > 0:
+        return max(1, math.ceil(checkpoint_stop_grace_s))
+    bytes_per_node = 12 * total_params / max(1, nnodes)
+    return _STOP_GRACE_BASE_S + math.ceil(bytes_per_node / _CHECKPOINT_WRITE_BYTES_PER_S)
+
+
+def torchrun_env(nproc_per_node: int, grace_s: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    # The agent's handlers: the stop signals too (SLURM's --signal), each forwarded to the ranks.
+    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(sig.name for sig in _AGENT_SIGNALS)
+    if grace_s is not None:  # from a stop signal to SIGKILL: time for the ranks to save (torch's default is 30 s)
+        env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(grace_s)
     # torchrun would set 1 thread per process with a warning; share this node's cores instead.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
     # Elastic restarts in torch 2.13 fail (gloo connectFullMesh refused or a hang) without it (pytorch#135712).
@@ -78,13 +98,58 @@ def torchrun_env(nproc_per_node: int) -> dict[str, str]:
     return env
 
 
-def launch_torchrun(config: str, overrides: list[str] | None = None, *, nproc_per_node: int, **options: Any) -> int:
+class _AgentSignals:
+    """The agent's signal handler, in place of torch's for the duration of a launch.
+
+    The first signal goes to torch's handler: the agent forwards it to the ranks, which finish their step, save
+    and exit, and waits for them (TORCH_ELASTIC_SHUTDOWN_TIMEOUT). A repeat within REPEAT_WINDOW_S is the same
+    request (a terminal signals the whole process group, so the ranks got it directly as well). A later signal is
+    passed on to the ranks, which then stop at once, while the agent goes on waiting for them to exit, so that no
+    rank is left behind as an orphan.
+    """
+
+    def __init__(self, torch_handler: Any) -> None:
+        self.torch_handler = torch_handler
+        self.first: tuple[int, float] | None = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        from meshformer.runtime.stop import REPEAT_WINDOW_S
+
+        now = time.monotonic()
+        if self.first is None:
+            self.first = (signum, now)
+            self.torch_handler(signum, frame)  # raises torch's SignalException: the agent's shutdown path
+            return
+        if now - self.first[1] < REPEAT_WINDOW_S:
+            return
+        for pid in _child_pids():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signum)
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + (self.first[0] if self.first is not None else signal.SIGTERM)
+
+
+def _child_pids() -> list[int]:
+    """This process's children (the ranks), from /proc; empty where /proc has no such list."""
+    pids = []
+    for children in Path("/proc/self/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            pids += [int(pid) for pid in children.read_text().split()]
+    return pids
+
+
+def launch_torchrun(config: str, overrides: list[str] | None = None, *, nproc_per_node: int,
+                    grace_s: int | None = None, **options: Any) -> int:
     """Run torchrun's agent in this process (`options` as for `torchrun_command`); returns the exit status.
 
     A failed rank ends as one line, not torchrun's failure report: the line the ranks printed (a rank that
     reports leaves a marker in the agent's attempt folder, see meshformer.errors), or a LaunchError naming the
-    rank that died without one.
+    rank that died without one. A stop signal (to this process, the ranks, or both) ends with every rank's
+    checkpoint committed and the status 128+signal; `grace_s` bounds the wait for the ranks to save.
     """
+    import torch.distributed.elastic.multiprocessing.api as elastic_processes
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -92,14 +157,19 @@ def launch_torchrun(config: str, overrides: list[str] | None = None, *, nproc_pe
 
     cmd = torchrun_command(config, overrides, nproc_per_node=nproc_per_node, **options)
     print("launching: " + " ".join(cmd), file=sys.stderr, flush=True)
-    os.environ.update(torchrun_env(nproc_per_node))
+    os.environ.update(torchrun_env(nproc_per_node, grace_s))
+    agent_signals = _AgentSignals(elastic_processes._terminate_process_handler)
     with tempfile.TemporaryDirectory(prefix="meshformer-torchrun-") as log_dir:
         args = parse_args([f"--log-dir={log_dir}", *cmd[len(TORCHRUN):]])
         logging.disable(logging.CRITICAL)  # the agent's own log repeats each failure in many lines
         handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}  # the agent replaces them: put them back
+        elastic_processes._terminate_process_handler = agent_signals  # type: ignore[assignment]
         try:
             run(args)
         except ChildFailedError as err:
+            stopped = {failure.exitcode for failure in err.failures.values()}
+            if stopped <= {128 + sig for sig in STOP_SIGNALS}:  # the ranks got a stop signal directly and saved
+                return max(stopped)
             if not any(Path(log_dir).rglob(REPORTED_MARKER)):
                 raise LaunchError(*_unreported_failure(err.failures)) from None
             return 1
@@ -108,9 +178,10 @@ def launch_torchrun(config: str, overrides: list[str] | None = None, *, nproc_pe
                               "check --rdzv-endpoint and that every node runs the same command") from None
         except KeyboardInterrupt:
             return 130
-        except SignalException as err:  # Ctrl-C or a scheduler's SIGTERM: the agent stopped the ranks
-            return 128 + int(err.sigval)
+        except SignalException:  # Ctrl-C or a scheduler's SIGTERM: the agent stopped the ranks (they saved)
+            return agent_signals.exit_status
         finally:
+            elastic_processes._terminate_process_handler = agent_signals.torch_handler
             logging.disable(logging.NOTSET)
             for sig, handler in handlers.items():
                 if handler is not None:  # None: installed outside Python, nothing to restore

@@ -33,13 +33,19 @@ def run(config_path: str, overrides: list[str]) -> None:
         dims = None  # one process: the trainer validates the layout
         if distributed:
             from meshformer.runtime.distributed import init_distributed, shutdown_distributed
+            from meshformer.runtime.stop import die_with_parent
 
+            die_with_parent()  # a launcher killed outright: this rank stops with a checkpoint, not as an orphan
             dims = init_distributed(cfg)
         try:
-            Trainer(cfg, rank=rank, local_rank=local_rank, tokenizer=tokenizer, dims=dims).fit()
+            result = Trainer(cfg, rank=rank, local_rank=local_rank, tokenizer=tokenizer, dims=dims).fit()
         finally:
             if distributed:
                 shutdown_distributed()
+    if result.stopped_by is not None:  # saved and stopped by a signal: the shell's 128+signal, for scripts
+        from meshformer.runtime.stop import exit_status
+
+        raise SystemExit(exit_status(result.stopped_by))
 
 
 def main(argv: list[str] | None = None) -> None:

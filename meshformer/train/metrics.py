@@ -177,7 +177,7 @@ class RunLogger:
         if not self.enabled:
             return
         if self._pending and self._pending["step"] != step:
-            self._flush()
+            self.flush()
         self._pending = {"step": step, **self._pending, **values}
         if self.writer is not None:
             for key, value in values.items():
@@ -189,7 +189,8 @@ class RunLogger:
         if self.writer is not None:
             self.writer.add_text(tag, value, step)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Write the scalars of the step being logged to metrics.jsonl now."""
         if self.jsonl is not None and self._pending:
             # JSON has no NaN/inf: those are written as null (a diverged loss stays visible as a gap, not a crash)
             row = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in self._pending.items()}
@@ -198,7 +199,7 @@ class RunLogger:
         self._pending = {}
 
     def close(self) -> None:
-        self._flush()
+        self.flush()
         if self.jsonl is not None:
             self.jsonl.close()
             self.jsonl = None

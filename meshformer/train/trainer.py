@@ -35,6 +35,7 @@ from meshformer.parallel_dims import ParallelDims, validate_parallel
 from meshformer.runtime.distributed import job_device
 from meshformer.runtime.host_memory import apply_host_memory_policy, release_free_host_memory
 from meshformer.runtime.profiler import StepProfiler
+from meshformer.runtime.stop import StopRequest, exit_status, signal_name
 from meshformer.runtime.stragglers import rank_timings, straggler_scalars
 from meshformer.runtime.watchdog import HangWatchdog
 from meshformer.train.loss_choice import resolve_loss
@@ -59,6 +60,7 @@ class TrainResult:
     eval_loss: float | None
     run_dir: Path
     history: list[dict[str, float]] = field(default_factory=list)
+    stopped_by: int | None = None  # the signal that stopped the run before train.steps (its checkpoint is saved)
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -121,6 +123,9 @@ class Trainer:
                                              cfg)
         self.checkpoints = CheckpointManager.from_config(cfg, self.run_dir, log=self.logger.info)
         self.checkpoints.tokenizer = self.tokenizer  # checkpoints carry it, as final/ does
+        # A stop signal (scheduler, Ctrl-C, launcher): every rank finishes the same step, saves and exits 128+signal.
+        self.stop = (StopRequest(every=cfg.checkpoint.preempt_check_interval, log=self.logger.info,
+                                 on_stop_now=self.logger.flush) if cfg.checkpoint.save_on_sigterm else None)
 
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, self.target_len)
         n_params = sum(p.numel() for p in model.parameters())
@@ -197,9 +202,16 @@ class Trainer:
     # ------------------------------------------------------------------ loop
 
     def fit(self) -> TrainResult:
-        """Train to train.steps (or a SIGTERM); a collective timeout ends in an error naming the slowest rank."""
-        with self.watchdog.guard(on_error=self.logger.close):  # a failed run keeps its TensorBoard events
-            return self._fit()
+        """Train to train.steps, or until a stop signal (then save and return with `stopped_by` set); a collective
+        timeout ends in an error naming the slowest rank."""
+        if self.stop is not None:
+            self.stop.install()
+        try:
+            with self.watchdog.guard(on_error=self.logger.close):  # a failed run keeps its TensorBoard events
+                return self._fit()
+        finally:
+            if self.stop is not None:
+                self.stop.close()
 
     def _fit(self) -> TrainResult:
         cfg, log = self.cfg, self.logger
@@ -285,12 +297,17 @@ class Trainer:
                 window_loss.zero_()
                 window_tokens.zero_()
                 window_steps = 0
-            if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == cfg.train.steps):
+            # Read one step late: every rank gets the same answer after the same step, without a host sync.
+            stop = self.stop is not None and step < cfg.train.steps and self.stop.agreed(step)
+            if stop:
+                pass  # no evaluation or sample: the grace period before the scheduler's kill is for the save
+            elif cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == cfg.train.steps):
                 self.watchdog.phase("eval")
                 eval_loss = self.evaluate()
                 log.scalars(step, {"eval/loss": eval_loss, "eval/perplexity": math.exp(min(eval_loss, 50))})
                 log.info(f"eval  {step:>6} | loss {eval_loss:.4f} | ppl {math.exp(min(eval_loss, 50)):.2f}")
-            if cfg.train.sample_interval and step % cfg.train.sample_interval == 0 and self.model is not None:
+            if not stop and cfg.train.sample_interval and step % cfg.train.sample_interval == 0 and \
+                    self.model is not None:
                 self.watchdog.phase("sample")
                 text = decoded_sample(self.model, self.tokenizer, self.cfg, self.device, self.sample_batch())
                 if text is not None:
@@ -299,24 +316,32 @@ class Trainer:
             if window_steps == 0:  # a window was just logged: the next starts here, evaluation and samples excluded
                 synchronize(self.device)
                 window_start = time.perf_counter()
+            log.flush()  # the metrics of a step are on disk before its checkpoint commits
+            if stop:
+                break
             self.watchdog.phase("checkpoint")
             save_start, saved_before = time.perf_counter(), self.checkpoints.last_saved_step
-            stop = self.checkpoints.after_step(self.checkpointable)  # SIGTERM: a checkpoint was saved; stop here
+            self.checkpoints.after_step(self.checkpointable)
             if self.checkpoints.last_saved_step != saved_before:  # async saves: the part that blocks training
                 log.scalars(step, {"checkpoint/save_s": time.perf_counter() - save_start})
             self.profiler.step(step)
-            if stop:
-                break
         self.profiler.stop()
         self.watchdog.phase("finish")
-        try:
-            self.checkpoints.finish(self.checkpointable)  # raises if the final checkpoint cannot be written...
+        stopped_by = self.stop.signum if self.stop is not None and self.step < cfg.train.steps else None
+        try:  # raises if the final checkpoint cannot be written...
+            saved = self.checkpoints.finish(self.checkpointable, stopping=stopped_by is not None)
         finally:
             # ...but the trained weights are written first (again only if this run trained, or they are missing)
             if self.step >= cfg.train.steps and (self.step > start_step or not had_final):
                 self.save_final_weights()
+        if stopped_by is not None:
+            assert self.stop is not None
+            self.stop.saved()
+            where = f"checkpoint {saved} committed" if saved is not None else "no checkpoint saved"
+            log.info(f"stopped by {signal_name(stopped_by)} after step {self.step}/{cfg.train.steps}: {where}; run "
+                     f"the same command to resume (exit status {exit_status(stopped_by)})")
         log.close()
-        return TrainResult(self.step, last_loss, eval_loss, self.run_dir, history)
+        return TrainResult(self.step, last_loss, eval_loss, self.run_dir, history, stopped_by)
 
     def save_final_weights(self) -> None:
         """Write the weights beside final/ (final.partial/, ours) and then swap them in: a failed write leaves

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 
 import pytest
 import torch
@@ -125,7 +126,7 @@ def test_sigterm_saves_and_stops(reference, tmp_path):
     run_dir = tmp_path / "preempted"
     cfg = tiny_config(reference["shards"], run_dir, STEPS, "checkpoint.interval=100")
     _, result = run_trainer(cfg, sigterm_after=3)
-    assert result.steps == 3
+    assert result.steps == 3 and result.stopped_by == signal.SIGTERM
     assert committed_steps(run_dir / "checkpoints") == [3]
     assert not (run_dir / "final").exists()  # an unfinished run writes no final weights
     state = json.loads((run_dir / "checkpoints" / step_dir_name(3) / "trainer_state.json").read_text())

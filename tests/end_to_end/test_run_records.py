@@ -1,6 +1,6 @@
 """A run folder is a record (#24): a re-run with another config continues (more steps, said in one line, the
 earlier config kept in configs/) or is refused naming --new-run; nothing is rewritten by a run that trains nothing;
-Ctrl-C saves and stops like SIGTERM, in a line instead of a traceback."""
+Ctrl-C saves and stops like SIGTERM, in a line instead of a traceback, with the shell's status for Ctrl-C."""
 
 from __future__ import annotations
 
@@ -60,7 +60,10 @@ def test_changed_config_that_trains_nothing_is_refused_and_rewrites_nothing(fini
 def test_every_run_writes_metrics_jsonl_one_object_per_logged_step(finished):
     run, _ = finished
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [1, 2]  # logging.log_interval=1
+    # logging.log_interval=1; the checkpoint of step 1 commits after that step's object is on disk, and its save
+    # time (known only then) follows in an object of its own
+    assert [row["step"] for row in rows] == [1, 1, 2]
+    assert rows[1].keys() == {"step", "checkpoint/save_s"}
     assert {"train/loss", "perf/tokens_per_s", "perf/tokens_per_s_per_rank", "perf/memory_gib",
             "perf/memory_now_gib"} <= rows[0].keys()
 
@@ -124,6 +127,9 @@ def test_ctrl_c_saves_a_checkpoint_and_stops_without_a_traceback(tmp_path):
     finally:
         proc.kill()
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
-    assert "SIGINT received: saving a checkpoint at step" in err, err[-3000:]
+    assert "SIGINT received: finishing this step, saving a checkpoint, then stopping" in err, err[-3000:]
     steps = committed_steps(run / "checkpoints")
-    assert proc.returncode == 0 and len(steps) == 1 and 0 < steps[0] < 100000, (proc.returncode, steps)
+    # stopped, not finished: `train && export` must not go on; 130 is the shell's status for Ctrl-C
+    assert proc.returncode == 130 and len(steps) == 1 and 0 < steps[0] < 100000, (proc.returncode, steps)
+    assert f"stopped by SIGINT after step {steps[0]}/100000: checkpoint" in err, err[-3000:]
+    assert "run the same command to resume (exit status 130)" in err, err[-3000:]

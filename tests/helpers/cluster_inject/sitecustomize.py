@@ -5,7 +5,9 @@ are set, and then only patches meshformer.train.trainer when that module is firs
 SLURM launch the unmodified command line:
 - MF_TEST_STEP_SLEEP_S=S: every rank sleeps S seconds per step (a run long enough to interrupt mid-way);
 - MF_TEST_SLOW_RANK=R with MF_TEST_SLOW_DATA_S=S: rank R waits S seconds for every batch (a data straggler);
-- MF_TEST_SLOW_RANK=R with MF_TEST_HANG_STEP=N, MF_TEST_HANG_S=S: rank R waits S seconds for the batch of step N.
+- MF_TEST_SLOW_RANK=R with MF_TEST_HANG_STEP=N, MF_TEST_HANG_S=S: rank R waits S seconds for the batch of step N;
+- MF_TEST_SAVE_SLEEP_S=S: every checkpoint waits S seconds before it commits (a save long enough to signal into);
+- MF_TEST_STOP_SAVE_SLEEP_S=S: the checkpoint of a stop (after a stop signal) waits S seconds before it commits.
 """
 
 from __future__ import annotations
@@ -54,6 +56,21 @@ def patch(module) -> None:
     trainer_cls.__init__ = patched_init
     if step_sleep:
         trainer_cls.train_step = patched_step
+    save_sleep = float(os.environ.get("MF_TEST_SAVE_SLEEP_S", "0"))
+    stop_save_sleep = float(os.environ.get("MF_TEST_STOP_SAVE_SLEEP_S", "0"))
+    if save_sleep or stop_save_sleep:
+        manager_cls = module.CheckpointManager
+        commit, finish = manager_cls._commit, manager_cls.finish
+
+        def slow_finish(self, run, *, stopping=False):
+            self.test_stopping = stopping
+            return finish(self, run, stopping=stopping)
+
+        def slow_commit(self, *args, **kwargs):
+            time.sleep(stop_save_sleep if getattr(self, "test_stopping", False) else save_sleep)
+            return commit(self, *args, **kwargs)
+
+        manager_cls._commit, manager_cls.finish = slow_commit, slow_finish
 
 
 class PatchOnImport(importlib.abc.MetaPathFinder):
