@@ -208,3 +208,14 @@ def test_training_starts_from_converted_weights(reference, tmp_path):
     assert trainer.step == 0 and not trainer.optimizer.state
     weights = {k: v for k, v in trainer.model.state_dict().items() if k != "output.weight"}  # tied
     assert_bitwise(weights, reference["weights"])
+
+
+def test_a_stop_saves_a_checkpoint_without_periodic_ones(reference, tmp_path):
+    """checkpoint.interval=0 (only the final weights): a stop signal still commits its step, so a restart resumes."""
+    run_dir = tmp_path / "preempted"
+    cfg = tiny_config(reference["shards"], run_dir, STEPS, "checkpoint.interval=0")
+    _, result = run_trainer(cfg, sigterm_after=2)
+    assert result.stopped_by == signal.SIGTERM and committed_steps(run_dir / "checkpoints") == [2]
+    _, result = run_trainer(cfg)
+    assert result.steps == STEPS and result.stopped_by is None
+    assert_bitwise(final_weights(run_dir), reference["weights"])

@@ -133,3 +133,28 @@ def test_ctrl_c_saves_a_checkpoint_and_stops_without_a_traceback(tmp_path):
     assert proc.returncode == 130 and len(steps) == 1 and 0 < steps[0] < 100000, (proc.returncode, steps)
     assert f"stopped by SIGINT after step {steps[0]}/100000: checkpoint" in err, err[-3000:]
     assert "run the same command to resume (exit status 130)" in err, err[-3000:]
+
+
+def test_a_kill_right_after_a_checkpoint_keeps_that_steps_metrics(tmp_path):
+    """SIGKILL moments after the checkpoint of step 2 commits: metrics.jsonl already holds step 2, which the resumed
+    run (starting after step 2) never logs again."""
+    from helpers.cluster import INJECT
+
+    data = shards(tmp_path)
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(INJECT), str(ROOT))), "OMP_NUM_THREADS": "1",
+           "MF_TEST_STEP_SLEEP_S": "1.5"}
+    proc = subprocess.Popen([sys.executable, "-m", "meshformer.cli", *_train(run, data, "train.steps=100",
+                                                                             "checkpoint.interval=2")],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not committed_steps(run / "checkpoints") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.kill()
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert committed_steps(run / "checkpoints") == [2]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "train/loss" in row] == [1, 2]
