@@ -137,7 +137,7 @@ class CheckpointConfig:
     save_on_sigterm: bool = True
     preempt_check_interval: int = 1  # steps between the ranks' asynchronous exchanges of their stop flags
     # Launcher (`meshformer train --nproc-per-node`): seconds between forwarding a stop signal to the ranks and
-    # killing them; 0: 120 s plus the checkpoint's bytes per node at 100 MB/s
+    # killing them; 0: 60 s plus the checkpoint's bytes per node at 500 MB/s
     stop_grace_s: float = 0.0
     max_shard_size: str = "5GB"  # final weights: largest safetensors file (HF-style shards + index beyond it)
     # "hf:PATH": step 0 starts from a Hugging Face folder's weights (streamed into this rank's shards), model config

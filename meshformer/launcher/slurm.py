@@ -8,6 +8,7 @@ Surviving interruptions, without losing work:
 - SLURM's pre-timeout signal (`--signal=B:USR1@S`) reaches the batch script, which sends SIGTERM to the
   training processes: they finish the step, save a checkpoint and exit; the script then requeues the job.
 - Preemption (SIGTERM to everything) takes the same save path; SLURM requeues the job itself (`--requeue`).
+  The partition's GraceTime must cover the save (`checkpoint.stop_grace_s`, sized to the checkpoint by default).
 - A requeued job starts the same script again and the trainer resumes from the newest valid checkpoint.
 - A failed worker (killed, OOM) is restarted by torchrun (`--max-restarts`) inside the allocation.
 """
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from meshformer.config import Config, load_config
 from meshformer.errors import SubmitError
-from meshformer.launcher.torchrun import check_world_size, torchrun_command
+from meshformer.launcher.torchrun import AGENT_SIGNAL_NAMES, check_world_size, stop_grace_s, torchrun_command
 from meshformer.parallel_dims import validate_parallel
 
 # Shell variables in the torchrun command: resolved on the nodes, not when the script is written.
@@ -135,7 +136,7 @@ def sbatch_script(job: SlurmJob) -> str:
                 f"--signal=B:USR1@{job.signal_before_s}", f"--chdir={Path.cwd()}", *job.sbatch_args]
     header = "\n".join(f"#SBATCH {option}" for option in options)
     setup = "\n".join(job.setup) if job.setup else "# (no --setup lines: the submitting shell's environment is used)"
-    shutdown_s = max(30, job.signal_before_s - 15)
+    shutdown_s = job_stop_grace_s(job)
     return f"""#!/bin/bash
 # Written by `meshformer submit` on {datetime.datetime.now().isoformat(timespec="seconds")} for {config}
 {header}
@@ -151,7 +152,8 @@ echo "[$(date -Is)] job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}) on $
 THREADS=$(( ${{SLURM_CPUS_ON_NODE:-1}} / {job.ranks_per_node} ))  # the node's CPUs shared by its ranks
 export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-$(( THREADS > 0 ? THREADS : 1 ))}}"
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # torch 2.13: elastic restarts fail without it (pytorch#135712)
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={shutdown_s}  # SIGTERM to SIGKILL: time for the ranks to save
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={shutdown_s}  # a stop signal to SIGKILL: time for the ranks to save
+export TORCHELASTIC_SIGNALS_TO_HANDLE={AGENT_SIGNAL_NAMES}  # forwarded to the ranks
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
 # The c10d rendezvous is hosted on the first node of the allocation.
@@ -177,6 +179,13 @@ while true; do  # a trapped signal interrupts `wait`: wait again until srun has 
   kill -0 "$SRUN_PID" 2>/dev/null || break
 done
 echo "[$(date -Is)] training exited with status $STATUS"
+# Preempted (SLURM signalled the job steps for a higher-priority job): the ranks saved and stopped; requeue the job,
+# as a scheduler that sees it end by itself within the grace time may not. A cancelled job (scancel) is not requeued.
+PREEMPT_TIME=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/.*PreemptTime=\\([^ ]*\\).*/\\1/p')
+if [ "$STATUS" != 0 ] && [ -n "$PREEMPT_TIME" ] && [ "$PREEMPT_TIME" != None ]; then
+  echo "[$(date -Is)] preempted at $PREEMPT_TIME"
+  REQUEUE=1
+fi
 if [ "$REQUEUE" = 1 ]; then
   echo "[$(date -Is)] requeueing job $SLURM_JOB_ID: it resumes from the newest checkpoint in $RUN_DIR"
   scontrol requeue "$SLURM_JOB_ID"
@@ -209,9 +218,21 @@ def check_partition(partition: str) -> None:
                           "--partition out for the default")
 
 
+def job_stop_grace_s(job: SlurmJob) -> int:
+    """Seconds torchrun gives its ranks to save after a stop signal (checkpoint.stop_grace_s or sized to it)."""
+    from meshformer.model.flops import count_params
+
+    return stop_grace_s(job.cfg.checkpoint.stop_grace_s, count_params(job.cfg.model)["total"], job.nodes)
+
+
 def warnings_for(job: SlurmJob) -> list[str]:
     """Settings that make a requeued or restarted job lose work (the job is still submitted)."""
     cfg = job.cfg
+    grace = job_stop_grace_s(job)
+    if job.signal_before_s < grace:
+        return [f"--signal-before={job.signal_before_s} s is shorter than the {grace} s the ranks are given to save "
+                "after a stop signal (checkpoint.stop_grace_s): the time limit may kill them mid-save, losing the "
+                f"steps since the last checkpoint; use --signal-before {grace + 30} or more"]
     if cfg.checkpoint.interval <= 0:
         return ["checkpoint.interval=0: a requeued or restarted job starts again from step 0 and a SIGTERM "
                 "saves nothing; set e.g. --set checkpoint.interval=500"]

@@ -21,11 +21,13 @@ from meshformer.errors import REPORTED_MARKER, STOP_SIGNALS, MeshformerError, Us
 
 MAX_WORLD_SIZE = 2**18  # ranks: twice today's largest training jobs (and a plan in under a minute); more is a typo
 MAX_RANKS_PER_NODE = 1024  # processes one node starts: beyond any node's GPUs or cores
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+# torchrun's agent as `run_agent` runs it (this module's main): stop signals, exit statuses, one-line failures
+TORCHRUN = [sys.executable, "-m", "meshformer.launcher.torchrun"]
 # The agent forwards these to the ranks: the stop signals (save, then exit 128+signal) and SIGQUIT (exit at once).
 _AGENT_SIGNALS = (*STOP_SIGNALS, signal.SIGQUIT)
-_STOP_GRACE_BASE_S = 120  # a step of a large model plus the save's fixed costs
-_CHECKPOINT_WRITE_BYTES_PER_S = 100e6  # per node, a conservative shared-filesystem write rate
+AGENT_SIGNAL_NAMES = ",".join(sig.name for sig in _AGENT_SIGNALS)  # torchrun's TORCHELASTIC_SIGNALS_TO_HANDLE
+_STOP_GRACE_BASE_S = 60  # the step in progress and the save's fixed costs
+_CHECKPOINT_WRITE_BYTES_PER_S = 500e6  # per node, a conservative parallel-filesystem write rate
 
 
 class LaunchError(MeshformerError, RuntimeError):
@@ -87,7 +89,7 @@ def stop_grace_s(checkpoint_stop_grace_s: float, total_params: int, nnodes: int)
 def torchrun_env(nproc_per_node: int, grace_s: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
     # The agent's handlers: the stop signals too (SLURM's --signal), each forwarded to the ranks.
-    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(sig.name for sig in _AGENT_SIGNALS)
+    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = AGENT_SIGNAL_NAMES
     if grace_s is not None:  # from a stop signal to SIGKILL: time for the ranks to save (torch's default is 30 s)
         env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(grace_s)
     # torchrun would set 1 thread per process with a warning; share this node's cores instead.
@@ -149,18 +151,25 @@ def launch_torchrun(config: str, overrides: list[str] | None = None, *, nproc_pe
     rank that died without one. A stop signal (to this process, the ranks, or both) ends with every rank's
     checkpoint committed and the status 128+signal; `grace_s` bounds the wait for the ranks to save.
     """
+    cmd = torchrun_command(config, overrides, nproc_per_node=nproc_per_node, **options)
+    print("launching: " + " ".join(cmd), file=sys.stderr, flush=True)
+    os.environ.update(torchrun_env(nproc_per_node, grace_s))
+    return run_agent(cmd[len(TORCHRUN):])
+
+
+def run_agent(torchrun_args: list[str]) -> int:
+    """torchrun's agent in this process, given torchrun's own options (and the command it starts on every rank);
+    returns the exit status, as `launch_torchrun` describes. A SLURM job's nodes run it as this module's main."""
     import torch.distributed.elastic.multiprocessing.api as elastic_processes
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
-    cmd = torchrun_command(config, overrides, nproc_per_node=nproc_per_node, **options)
-    print("launching: " + " ".join(cmd), file=sys.stderr, flush=True)
-    os.environ.update(torchrun_env(nproc_per_node, grace_s))
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", AGENT_SIGNAL_NAMES)
     agent_signals = _AgentSignals(elastic_processes._terminate_process_handler)
     with tempfile.TemporaryDirectory(prefix="meshformer-torchrun-") as log_dir:
-        args = parse_args([f"--log-dir={log_dir}", *cmd[len(TORCHRUN):]])
+        args = parse_args([f"--log-dir={log_dir}", *torchrun_args])
         logging.disable(logging.CRITICAL)  # the agent's own log repeats each failure in many lines
         handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}  # the agent replaces them: put them back
         elastic_processes._terminate_process_handler = agent_signals  # type: ignore[assignment]
@@ -199,3 +208,14 @@ def _unreported_failure(failures: dict[int, Any]) -> tuple[str, str]:
                if -failure.exitcode == signal.SIGKILL else "its output above shows what it was doing")
         return f"{where} was killed by {name} before it could report an error", fix
     return f"{where} exited with status {failure.exitcode}", "its output above says why"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m meshformer.launcher.torchrun [torchrun options] -m meshformer.train CONFIG [--set ...]`."""
+    from meshformer.errors import run_command
+
+    sys.exit(run_command(run_agent, sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    main()

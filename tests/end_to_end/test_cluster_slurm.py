@@ -171,10 +171,57 @@ def test_two_node_job_checkpoints_requeues_and_resumes_at_the_time_limit_signal(
     text = batch_log.read_text() + "".join(p.read_text(errors="replace") for p in sorted(node_logs.glob("*.log")))
     assert state.get("JobState") == "COMPLETED" and state.get("Restarts") == "1", f"{state}\n{text[-6000:]}"
     assert "time limit near" in text and "requeueing job" in text and "(restart 1)" in text, text[-4000:]
-    saved = re.search(r"SIGTERM received: saving a checkpoint at step (\d+)", text)
+    saved = re.search(r"stopped by SIGTERM after step (\d+)/\d+: checkpoint \S+ committed", text)
     resumed = re.search(r"resumed from \S+ \(step (\d+)", text)
     assert saved and resumed, text[-4000:]
     assert int(saved.group(1)) == int(resumed.group(1)) < CLUSTER_STEPS  # stopped mid-run, resumed right there
     assert committed_steps(run_dir / "checkpoints")[-1] == CLUSTER_STEPS
     assert f"step {CLUSTER_STEPS:>6}/{CLUSTER_STEPS}" in text
+    assert_same_weights(run_dir, reference)
+
+
+@pytest.mark.slow  # ~1 min; shares the cluster tests' reference run
+def test_a_preempted_two_node_job_saves_is_requeued_and_resumes_bitwise(slurm, tmp_path_factory, tmp_path):
+    """A job of the "urgent" partition needs both nodes: SLURM preempts the training job (SIGTERM to all its
+    processes, GraceTime before SIGKILL) and requeues it; the ranks stop after the same step with its checkpoint,
+    and the requeued job resumes there and ends with the uninterrupted run's weights."""
+    base = tmp_path_factory.getbasetemp()
+    reference = reference_run(base)
+    run_dir = tmp_path / "run"
+    job = SlurmJob(CONFIG, overrides(base, run_dir), nodes=2, gpus_per_node=0, nproc_per_node=1, max_restarts=0,
+                   partition="debug",
+                   setup=[f"export PYTHONPATH={INJECT}:{ROOT} MF_TEST_STEP_SLEEP_S=0.3 OMP_NUM_THREADS=1"])
+    _, job_id = submit(job)
+    batch_log, node_logs = run_dir / "slurm" / f"job-{job_id}.out", run_dir / "slurm" / f"job-{job_id}"
+    urgent = None
+    try:
+        wait_for(lambda: committed_steps(run_dir / "checkpoints"), 120, "the job's first checkpoint", poll=0.1)
+        urgent = subprocess.run(["sbatch", "--parsable", "--partition=urgent", "--nodes=2", "--exclusive",
+                                 f"--output={tmp_path / 'urgent.out'}", "--wrap", "sleep 1"],
+                                capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+        requeued_at: list[float] = []
+
+        def finished() -> bool:
+            state = _job_state(job_id)
+            if state.get("JobState") == "PENDING" and state.get("Restarts") == "1" and \
+                    _job_state(urgent).get("JobState") not in ("PENDING", "RUNNING"):
+                requeued_at[:] = requeued_at or [time.monotonic()]
+                if time.monotonic() - requeued_at[0] > 3:  # skip SLURM's hold of a requeued job (see above)
+                    subprocess.run(["scontrol", "update", f"jobid={job_id}", "starttime=now"], capture_output=True)
+            return state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
+
+        wait_for(finished, 300, f"job {job_id} to be preempted, requeued and finished", poll=0.5)
+    finally:
+        for job_ in (job_id, urgent):
+            if job_ and _job_state(job_).get("JobState") in ("PENDING", "RUNNING"):
+                subprocess.run(["scancel", job_])
+    state = _job_state(job_id)
+    text = batch_log.read_text() + "".join(p.read_text(errors="replace") for p in sorted(node_logs.glob("*.log")))
+    assert state.get("JobState") == "COMPLETED" and state.get("Restarts") == "1", f"{state}\n{text[-6000:]}"
+    assert _job_state(urgent).get("JobState") == "COMPLETED"
+    saved = re.search(r"stopped by SIGTERM after step (\d+)/\d+: checkpoint \S+ committed", text)
+    resumed = re.search(r"resumed from \S+ \(step (\d+)", text)
+    assert saved and resumed, text[-4000:]
+    assert int(saved.group(1)) == int(resumed.group(1)) < CLUSTER_STEPS  # stopped mid-run, resumed right there
+    assert committed_steps(run_dir / "checkpoints")[-1] == CLUSTER_STEPS
     assert_same_weights(run_dir, reference)

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers.common import CONFIGS, ROOT, free_port
-from meshformer.launcher.torchrun import torchrun_command, torchrun_env
+from meshformer.launcher.torchrun import TORCHRUN, torchrun_command, torchrun_env
 
 INJECT = Path(__file__).resolve().parent / "cluster_inject"  # sitecustomize.py: MF_TEST_* faults
 CONFIG = str(CONFIGS / "tiny-gpt.toml")
@@ -75,7 +75,7 @@ def agent_command(run_overrides: list[str], port: int, *, rdzv_id: str, max_rest
     cmd = torchrun_command(CONFIG, run_overrides, nproc_per_node=1, nnodes=2, rdzv_endpoint=f"127.0.0.1:{port}",
                            rdzv_id=rdzv_id, max_restarts=max_restarts)
     if extra:
-        at = cmd.index("torch.distributed.run") + 1
+        at = len(TORCHRUN)
         cmd[at:at] = extra
     return cmd
 
