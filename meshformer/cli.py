@@ -190,6 +190,15 @@ def _config_show(args: argparse.Namespace) -> None:
     print(_bundled_config(args.name).read_text(), end="")
 
 
+def _config_keys(args: argparse.Namespace) -> None:
+    from meshformer.config.reference import config_reference, sections
+
+    tables = [name for name, _ in sections()]
+    if args.table is not None and args.table not in tables:
+        raise UsageError(f"no config table {args.table!r}", f"use one of {', '.join(tables)}")
+    print(config_reference(args.table))
+
+
 def _config_copy(args: argparse.Namespace) -> None:
     source = _bundled_config(args.name)
     dest = Path(args.dest or source.name)
@@ -280,6 +289,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     show = config_sub.add_parser("show", help="print a bundled config's TOML")
     show.add_argument("name", help="e.g. tiny-gpt (`meshformer config list` lists them)")
     show.set_defaults(func=_config_show)
+    keys = config_sub.add_parser("keys", help="every config key: its type, default and meaning (markdown)")
+    keys.add_argument("table", nargs="?", help="only this table, e.g. checkpoint")
+    keys.set_defaults(func=_config_keys)
     copy = config_sub.add_parser("copy", help="write a bundled config to a file to edit and train with")
     copy.add_argument("name", help="e.g. tiny-gpt (`meshformer config list` lists them)")
     copy.add_argument("dest", nargs="?", help="file or folder (default: NAME.toml here)")

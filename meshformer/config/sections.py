@@ -36,10 +36,10 @@ class DataConfig:
     target_len: int = 64  # encoder-decoder target length
     batch_size: int = 16  # sequences per micro-batch per data-parallel rank
     eval_fraction: float = 0.02  # share of documents held out for evaluation
-    mlm_probability: float = 0.15
-    span_noise_density: float = 0.15
-    span_mean_length: float = 3.0
-    seed: int = 1234
+    mlm_probability: float = 0.15  # mlm objective: share of tokens masked
+    span_noise_density: float = 0.15  # span objective (T5): share of tokens corrupted
+    span_mean_length: float = 3.0  # span objective: mean corrupted span length
+    seed: int = 1234  # seed of the data order and of the held-out split
     shards: str = ""  # manifest.json (path or URL) of prepared shards; "": prepare data.corpus into cache_dir
     # true: the manifest of data.shards may name shards outside its folder (absolute paths, URLs, `pipe:` commands,
     # which are then read or run); only for a manifest you wrote yourself. false: only files in its folder
@@ -56,12 +56,12 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    lr: float = 3e-3  # peak learning rate (the schedule scales it)
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW's moment decay rates
+    eps: float = 1e-8  # AdamW's denominator epsilon
+    weight_decay: float = 0.1  # decoupled weight decay of matrices (norms, biases and embeddings get none)
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
-    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"  # AdamW kernel; auto: fused where it runs
     # A step whose gradient norm is inf/nan updates nothing (train/optim.py: SkippedUpdates); the run stops once more
     # than this many come in a row (0: at the first).
     max_nonfinite_in_a_row: int = 10
@@ -70,25 +70,25 @@ class OptimConfig:
 @dataclass
 class ScheduleConfig:
     name: Literal["cosine", "noam", "wsd", "constant"] = "cosine"  # noam: optim.lr is the scale factor
-    warmup_steps: int = 50
+    warmup_steps: int = 50  # linear warm-up from 0 to optim.lr
     min_lr_ratio: float = 0.1  # cosine / wsd floor as a fraction of optim.lr
     decay_fraction: float = 0.2  # wsd: share of the run spent decaying
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
-    objective: Literal["auto", "causal", "mlm", "span", "seq2seq"] = "auto"
-    grad_accum: int = 1
-    seed: int = 0
+    steps: int = 300  # optimizer steps the run trains to
+    objective: Literal["auto", "causal", "mlm", "span", "seq2seq"] = "auto"  # auto: the model family's objective
+    grad_accum: int = 1  # micro-batches per optimizer step
+    seed: int = 0  # seed of initial weights, dropout and samples
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
     dtype: Literal["fp32", "bf16"] = "fp32"  # bf16 = autocast with fp32 master weights
-    label_smoothing: float = 0.0
-    z_loss: float = 0.0
-    eval_interval: int = 100
-    eval_batches: int = 8
+    label_smoothing: float = 0.0  # cross-entropy label smoothing
+    z_loss: float = 0.0  # coefficient of mean(logsumexp(logits)^2) (PaLM); 0: off
+    eval_interval: int = 100  # steps between held-out loss evaluations (0: never)
+    eval_batches: int = 8  # held-out batches per evaluation
     sample_interval: int = 100  # decode a text sample this often (0: never)
-    sample_tokens: int = 48
+    sample_tokens: int = 48  # tokens each decoded sample generates
     compile: bool | Literal["off", "blocks", "model"] = False  # true = "blocks" (each block compiled)
     loss: Literal["auto", "plain", "chunked", "chunked_recompute", "liger"] = "auto"  # auto: train/loss_choice.py
     fp8: Literal["off", "tensorwise", "rowwise"] = "off"  # torchao float8 linears; FP8 tensor cores (sm 8.9+)
@@ -98,32 +98,32 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    pp: int = 1
-    dp_replicate: int = 1
+    pp: int = 1  # pipeline-parallel stages
+    dp_replicate: int = 1  # data-parallel replicas (HSDP: full copies, each sharded over dp_shard)
     dp_shard: int = -1  # -1: whatever the other dimensions leave of the world
     cp: int = 1  # context parallel (decoder/encoder-only): each sequence split over cp ranks (parallel/context.py)
-    tp: int = 1
+    tp: int = 1  # tensor (and sequence) parallel ranks
     # expert parallel (MoE): each MoE layer's experts split over ep ranks holding other tokens, which exchange
     # tokens all-to-all; ep is taken from dp_shard x cp x tp (a multiple of cp x tp; parallel/expert_parallel.py)
     ep: int = 1
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = "1f1b"
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"] = "1f1b"  # pipeline schedule
     pp_microbatches: int = 0  # 0: one per pipeline stage
-    pp_stages_per_rank: int = 1
+    pp_stages_per_rank: int = 1  # virtual stages per pipeline rank (interleaved schedules: 2 or more)
     pp_split_points: list[int] = field(default_factory=list)  # manual layer split points
-    recompute: Recompute = "none"
-    recompute_every: int = 2
-    mixed_precision_param: Literal["fp32", "bf16"] = "fp32"
-    mixed_precision_reduce: Literal["fp32", "bf16"] = "fp32"
-    reshard_after_forward: bool = True
+    recompute: Recompute = "none"  # activation recomputation: full blocks, selective (attention ops), every k-th block
+    recompute_every: int = 2  # every_k: recompute one block in this many
+    mixed_precision_param: Literal["fp32", "bf16"] = "fp32"  # FSDP: dtype of gathered parameters for compute
+    mixed_precision_reduce: Literal["fp32", "bf16"] = "fp32"  # FSDP: dtype of the gradient reduce-scatter
+    reshard_after_forward: bool = True  # FSDP: free gathered parameters after forward (gather again in backward)
     pp_fsdp_unsharded_microbatches: bool = False  # PP x FSDP: keep stage params+grads whole across microbatches
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # seconds a collective may wait before the run stops naming it
 
 
 @dataclass
 class CheckpointConfig:
     dir: str = ""  # "": <run_dir>/checkpoints
     interval: int = 0  # steps between saves; 0: only the final weights
-    keep_last: int = 2
+    keep_last: int = 2  # committed checkpoints kept (0: all)
     keep_every: int = 0  # also keep every M-th step (0: none)
     async_save: bool = False  # write in a background thread (DCP thread mode); at most one save in flight
     resume: bool = True  # start from the newest valid checkpoint in checkpoint.dir, if any
@@ -147,14 +147,14 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    run_dir: str = "runs/default"
-    log_interval: int = 10
-    tensorboard: bool = True
+    run_dir: str = "runs/default"  # the run folder: logs, metrics, checkpoints, final weights
+    log_interval: int = 10  # steps between progress lines and scalars
+    tensorboard: bool = True  # write TensorBoard event files under the run folder
     # Weights & Biases (the [wandb] extra): the same scalars as TensorBoard and metrics.jsonl; "offline" needs no
     # network (`wandb sync <run_dir>/wandb/offline-run-*` uploads later)
     wandb: bool = False
-    wandb_project: str = "meshformer"
-    wandb_mode: Literal["online", "offline"] = "online"
+    wandb_project: str = "meshformer"  # W&B project
+    wandb_mode: Literal["online", "offline"] = "online"  # W&B mode; offline writes under the run folder
 
 
 @dataclass
@@ -164,8 +164,8 @@ class ProfileConfig:
     start_step: int = 0  # first profiled optimizer step (1-based); 0: profiling off
     steps: int = 3  # how many steps to record from start_step
     ranks: list[int] = field(default_factory=list)  # ranks that record; []: every rank
-    record_shapes: bool = False
-    profile_memory: bool = False
+    record_shapes: bool = False  # record operator input shapes
+    profile_memory: bool = False  # record tensor allocations
     with_stack: bool = False  # Python stacks per op (large traces)
     dir: str = ""  # "": <run_dir>/profile
 

@@ -19,25 +19,25 @@ GATED_ACTIVATIONS = ("swiglu", "geglu")
 @dataclass
 class ModelConfig:
     family: str = "decoder"  # a registered family (meshformer/model/families/__init__.py)
-    vocab_size: int = 4096
-    d_model: int = 128
-    n_heads: int = 4
+    vocab_size: int = 4096  # token embedding rows and output logits (at least the tokenizer's vocabulary)
+    d_model: int = 128  # width of the residual stream
+    n_heads: int = 4  # attention (query) heads
     n_kv_heads: int | None = None  # None: multi-head; 1: multi-query; else grouped-query
     n_layers: int = 4  # stack depth (each stack's, unless the family reads a key of its own below)
     n_encoder_layers: int | None = None  # encoder stack of a two-stack family; None: n_layers
     n_decoder_layers: int | None = None  # decoder stack of a two-stack family; None: n_layers
-    d_ff: int = 512
-    activation: Activation = "gelu"
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    norm_eps: float = 1e-5
+    d_ff: int = 512  # feed-forward hidden width (of each gated half with a GLU activation)
+    activation: Activation = "gelu"  # feed-forward activation; swiglu / geglu: gated (two input projections)
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # normalisation layer
+    norm_eps: float = 1e-5  # epsilon of every norm
     # Where each sub-layer's (attention's, feed-forward's) norm goes: pre: x + f(norm(x)); post: norm(x + f(x))
     # (the original paper, BERT); post_sublayer: x + norm(f(x)) (OLMo 2); sandwich: x + norm2(f(norm1(x))) (Gemma)
     norm_position: Literal["pre", "post", "post_sublayer", "sandwich"] = "pre"
     final_norm: bool | None = None  # norm after each stack; None: except with post-norm
     norm_weight_offset: float = 0.0  # RMSNorm multiplies by (offset + weight); Gemma: 1 (its weights start at 0)
     embedding_norm: bool = False  # norm right after the embeddings (BERT)
-    position: Literal["sinusoidal", "learned", "rope", "alibi", "t5_relative", "none"] = "learned"
-    rope_theta: float = 10000.0
+    position: Literal["sinusoidal", "learned", "rope", "alibi", "t5_relative", "none"] = "learned"  # position encoding
+    rope_theta: float = 10000.0  # rope: base of the rotary frequencies
     # Attention options of the models people continue pretraining (Llama 3.x, Qwen2/3), as Hugging Face defines them.
     # RoPE frequency scaling (HF's rope_type); the tables are recomputed from these keys, never checkpointed.
     rope_scaling: Literal["none", "linear", "llama3", "yarn"] = "none"
@@ -54,20 +54,20 @@ class ModelConfig:
     qkv_bias: bool | None = None  # biases on the Q/K/V projections only; None: follows `bias` (Qwen2: true)
     relative_buckets: int = 32  # t5_relative: learned bias buckets per stack (half per direction in the encoder)
     relative_max_distance: int = 128  # t5_relative: distances beyond this share the last bucket
-    max_seq_len: int = 256
+    max_seq_len: int = 256  # longest sequence (learned positions, rotary and mask tables)
     scale_embeddings: bool = False  # multiply token embeddings by sqrt(d_model)
     tie_embeddings: bool = True  # output projection shares the (target) token embedding
     share_embeddings: bool = True  # source/target families: one embedding for source and target
     bias: bool = True  # biases in linear layers and norms
     head_transform: bool = False  # BERT prediction head: dense + act + norm before output
-    output_bias: bool = False
-    dropout: float = 0.0
-    attention_dropout: float = 0.0
+    output_bias: bool = False  # bias on the output projection
+    dropout: float = 0.0  # dropout on embeddings and sub-layer outputs (training only)
+    attention_dropout: float = 0.0  # dropout on attention probabilities (training only)
     attention_window: int | None = None  # sliding window: keys with |i - j| < window
     # With a window, block i (from 0) attends globally when (i + 1) % full_attention_every == 0 (Gemma 3: 6); None:
     # every block is windowed. rope_local_theta: the windowed blocks' RoPE base, unscaled (None: as the global ones)
     full_attention_every: int | None = None
-    rope_local_theta: float | None = None
+    rope_local_theta: float | None = None  # windowed blocks' RoPE base (see above)
     attention_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax (Gemma 2)
     logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     # Causal attention stays within each packed document (Llama 3's pretraining mask): from the batches' doc_ids
@@ -78,8 +78,8 @@ class ModelConfig:
     attention_scale: float | None = None  # score multiplier; None: 1/sqrt(head_dim) (T5 folds it into init: 1.0)
     scale_output: bool = False  # multiply final hidden states by d_model**-0.5 before the output projection (T5)
     cross_downsample: int = 1  # pool encoder output by this factor before cross-attention
-    init: Literal["normal", "xavier"] = "normal"
-    init_std: float = 0.02
+    init: Literal["normal", "xavier"] = "normal"  # initialisation of linear and embedding weights
+    init_std: float = 0.02  # normal: standard deviation (output projections scaled down with depth)
     # Mixture-of-experts feed-forward (model/moe.py). n_experts = 0: every block dense.
     n_experts: int = 0
     experts_per_token: int = 2  # top-k
@@ -87,7 +87,7 @@ class ModelConfig:
     n_shared_experts: int = 0  # always-on experts of width moe_d_ff each (DeepSeek, Qwen2-MoE)
     moe_every: int = 1  # block i (from 0) of a stack is MoE when (i + 1) % moe_every == 0 ...
     moe_first_dense: int = 0  # ... and i >= moe_first_dense (DeepSeek keeps its first blocks dense)
-    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    router_score: Literal["softmax", "sigmoid"] = "softmax"  # router logits -> expert scores (sigmoid: DeepSeek-V3)
     router_renormalize: bool = True  # the top-k weights sum to 1
     router_groups: int = 1  # group-limited routing (DeepSeek-V3): experts in this many groups ...
     router_groups_per_token: int = 1  # ... of which each token picks its best this many first

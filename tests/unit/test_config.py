@@ -1,3 +1,4 @@
+import dataclasses
 
 import pytest
 from helpers.common import CONFIGS
@@ -92,3 +93,26 @@ def test_objective_follows_family():
 def test_max_seq_len_error_names_the_longer_stream():
     with pytest.raises(ConfigError, match="data.target_len=200 exceeds"):
         load_config(CONFIGS / "tiny-t5.toml", ["data.target_len=200"])
+
+
+def test_every_config_key_is_documented_and_the_reference_is_current():
+    """Each key's meaning is its comment in the section's dataclass; docs/config-reference.md is generated from them
+    (`meshformer config keys > docs/config-reference.md`) and the README points there."""
+    from helpers.common import ROOT
+
+    from meshformer.config.reference import config_reference, field_comments, undocumented_keys
+
+    assert undocumented_keys() == []
+
+    @dataclasses.dataclass
+    class Example:
+        plain: int = 1
+        said: int = 2  # on its line
+        # above it,
+        # on two lines
+        above: int = 3
+
+    assert field_comments(Example) == {"plain": "", "said": "on its line", "above": "above it, on two lines"}
+    assert (ROOT / "docs" / "config-reference.md").read_text() == config_reference() + "\n", \
+        "regenerate it: meshformer config keys > docs/config-reference.md"
+    assert "docs/config-reference.md" in (ROOT / "README.md").read_text()
