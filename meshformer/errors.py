@@ -138,12 +138,30 @@ def run_command(func: Callable[..., Any], *args: Any, debug: bool = False) -> An
         if debug_enabled(debug):
             raise
         raise SystemExit(f"error: {describe(err)}" if _this_rank_reports() else 1) from None
+    except Exception as err:
+        # Another rank failed first and left: this one's collective broke. Its traceback would bury the line that
+        # says why, so it exits in silence when a rank of this node reported, and in one line otherwise.
+        if debug_enabled(debug) or int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not _peer_lost(err):
+            raise
+        if _this_rank_reports():
+            raise SystemExit(f"error: rank {os.environ.get('RANK', '?')} lost its connection to another rank, which "
+                             "stopped first — that rank's own error is in its output (on its node) above") from None
+        raise SystemExit(1) from None
     except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever the interrupt landed
         if debug_enabled(debug):
             raise
         if _this_rank_reports():
             print("interrupted (Ctrl-C)", file=sys.stderr)
         raise SystemExit(INTERRUPTED_EXIT) from None
+
+
+# What gloo and NCCL say when a peer process is gone (exited or killed) in the middle of a collective.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "remote worker crashing", "ncclremoteerror",
+              "remote process exited")
+
+
+def _peer_lost(err: BaseException) -> bool:
+    return any(marker in str(err).lower() for marker in _PEER_LOST)
 
 
 def _this_rank_reports() -> bool:

@@ -50,6 +50,19 @@ def test_a_rank_that_reports_leaves_the_only_line(tmp_path):
     assert line.startswith("error: shard ") and "data.bad_shards='skip'" in line, line
 
 
+def test_a_rank_failing_alone_leaves_one_line_not_its_peers_gloo_traceback(tmp_path):
+    """Rank 0 alone fails with a user error at step 3 while rank 1 waits in a collective: rank 1's broken
+    connection is the consequence, not news; the only line is rank 0's."""
+    from helpers.cluster import INJECT
+
+    out = _meshformer("train", CFG, "--nproc-per-node", "2", "--set", *TINY, "train.steps=4",
+                      f"logging.run_dir={tmp_path / 'run'}", f"data.shards={shards(tmp_path)}",
+                      env={"MF_TEST_FAIL_RANK": "0", "MF_TEST_FAIL_STEP": "3"}, pythonpath=(INJECT,))
+    line = _one_error_line(out)
+    assert line == "error: injected failure of rank 0 before step 3 — nothing to fix", line
+    assert "Connection closed" not in out.stderr and "[rank1]" not in out.stderr, out.stderr[-3000:]
+
+
 @pytest.mark.slow  # two ranks; the single-process case runs by default (test_bad_inputs.py)
 def test_a_crafted_shard_member_is_one_line_at_two_ranks(tmp_path):
     """(#24) A member named `../...` (index and manifest forged to match) ended in torchrun's failure banner over

@@ -7,7 +7,8 @@ SLURM launch the unmodified command line:
 - MF_TEST_SLOW_RANK=R with MF_TEST_SLOW_DATA_S=S: rank R waits S seconds for every batch (a data straggler);
 - MF_TEST_SLOW_RANK=R with MF_TEST_HANG_STEP=N, MF_TEST_HANG_S=S: rank R waits S seconds for the batch of step N;
 - MF_TEST_SAVE_SLEEP_S=S: every checkpoint waits S seconds before it commits (a save long enough to signal into);
-- MF_TEST_STOP_SAVE_SLEEP_S=S: the checkpoint of a stop (after a stop signal) waits S seconds before it commits.
+- MF_TEST_STOP_SAVE_SLEEP_S=S: the checkpoint of a stop (after a stop signal) waits S seconds before it commits;
+- MF_TEST_FAIL_RANK=R with MF_TEST_FAIL_STEP=N: rank R fails with a user error (one line) before step N, alone.
 """
 
 from __future__ import annotations
@@ -49,12 +50,18 @@ def patch(module) -> None:
         if self.rank == slow_rank:
             self.train_data = SlowLoader(self.train_data, self)
 
+    fail_rank, fail_step = int(os.environ.get("MF_TEST_FAIL_RANK", "-1")), int(os.environ.get("MF_TEST_FAIL_STEP", "0"))
+
     def patched_step(self):
         time.sleep(step_sleep)
+        if self.rank == fail_rank and self.step + 1 == fail_step:
+            from meshformer.errors import ConfigError
+
+            raise ConfigError(f"injected failure of rank {fail_rank} before step {fail_step}", "nothing to fix")
         return train_step(self)
 
     trainer_cls.__init__ = patched_init
-    if step_sleep:
+    if step_sleep or fail_rank >= 0:
         trainer_cls.train_step = patched_step
     save_sleep = float(os.environ.get("MF_TEST_SAVE_SLEEP_S", "0"))
     stop_save_sleep = float(os.environ.get("MF_TEST_STOP_SAVE_SLEEP_S", "0"))
