@@ -153,7 +153,7 @@ THREADS=$(( ${{SLURM_CPUS_ON_NODE:-1}} / {job.ranks_per_node} ))  # the node's C
 export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-$(( THREADS > 0 ? THREADS : 1 ))}}"
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # torch 2.13: elastic restarts fail without it (pytorch#135712)
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={shutdown_s}  # a stop signal to SIGKILL: time for the ranks to save
-export TORCHELASTIC_SIGNALS_TO_HANDLE={AGENT_SIGNAL_NAMES}  # forwarded to the ranks
+export PET_SIGNALS_TO_HANDLE={AGENT_SIGNAL_NAMES}  # torchrun's --signals-to-handle: forwarded to the ranks
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
 # The c10d rendezvous is hosted on the first node of the allocation.

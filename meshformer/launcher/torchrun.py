@@ -89,7 +89,7 @@ def stop_grace_s(checkpoint_stop_grace_s: float, total_params: int, nnodes: int)
 def torchrun_env(nproc_per_node: int, grace_s: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
     # The agent's handlers: the stop signals too (SLURM's --signal), each forwarded to the ranks.
-    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = AGENT_SIGNAL_NAMES
+    env["PET_SIGNALS_TO_HANDLE"] = env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = AGENT_SIGNAL_NAMES  # option, older torch
     if grace_s is not None:  # from a stop signal to SIGKILL: time for the ranks to save (torch's default is 30 s)
         env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(grace_s)
     # torchrun would set 1 thread per process with a warning; share this node's cores instead.
@@ -166,7 +166,7 @@ def run_agent(torchrun_args: list[str]) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
-    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", AGENT_SIGNAL_NAMES)
+    os.environ.setdefault("PET_SIGNALS_TO_HANDLE", AGENT_SIGNAL_NAMES)  # torchrun's --signals-to-handle
     agent_signals = _AgentSignals(elastic_processes._terminate_process_handler)
     with tempfile.TemporaryDirectory(prefix="meshformer-torchrun-") as log_dir:
         args = parse_args([f"--log-dir={log_dir}", *torchrun_args])

@@ -21,6 +21,7 @@ import pytest
 from helpers import cluster
 
 from meshformer.checkpointing.directory import committed_steps, read_latest, step_dir_name
+from meshformer.launcher.torchrun import torchrun_env
 from meshformer.runtime.stop import REPEAT_WINDOW_S
 
 STEPS = 12
@@ -28,6 +29,18 @@ STEP_SLEEP_S = 2.0  # "steps of several seconds": a stop must not depend on fast
 SAVE_SLEEP_S = 4.0  # a save held open before its commit, to signal into
 STOPPED = re.compile(rf"stopped by (SIG\w+) after step (\d+)/{STEPS}: checkpoint (\S+) committed")
 _REFERENCES: dict[int, Path] = {}
+
+
+def test_the_agent_takes_every_stop_signal_and_waits_the_grace_period(monkeypatch):
+    """torchrun's agent handles only SIGTERM, SIGINT, SIGHUP and SIGQUIT by default and kills the ranks 30 s after
+    one: SLURM's --signal (SIGUSR1/2) would kill the agent, and a slow save would be cut off."""
+    from torch.distributed.run import parse_args
+
+    for key, value in torchrun_env(2, grace_s=777).items():
+        monkeypatch.setenv(key, value)
+    args = parse_args(["--standalone", "--nproc-per-node=2", "-m", "meshformer.train", "x.toml"])
+    assert {"SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2"} <= set(args.signals_to_handle.split(","))
+    assert os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "777"
 
 
 def _overrides(base: Path, run_dir: Path, *extra: str) -> list[str]:
