@@ -121,7 +121,8 @@ _LAYER_KEYS = {"gpt2": ("n_layer",), "bert": ("num_hidden_layers",), "t5": ("num
                **dict.fromkeys(_LLAMA_LIKE, ("num_hidden_layers",))}
 _WIDTH_AND_HEADS = {"gpt2": ("n_embd", "n_head"), "bert": ("hidden_size", "num_attention_heads"),
                     "llama": ("hidden_size", "num_attention_heads"),
-                    **dict.fromkeys(("olmo2", "olmoe"), ("hidden_size", "num_attention_heads"))}  # the others may set head_dim
+                    # the others may set head_dim
+                    **dict.fromkeys(("olmo2", "olmoe"), ("hidden_size", "num_attention_heads"))}
 
 
 def check_sizes(raw: Mapping[str, Any], n_tensors: int) -> None:

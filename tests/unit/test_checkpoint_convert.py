@@ -182,8 +182,8 @@ def test_hugging_face_import_export(arch, tmp_path):
            "llama3": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
            "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
            "mixtral": transformers.MixtralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
-           "olmoe": transformers.OlmoeForCausalLM, "olmo2": transformers.Olmo2ForCausalLM, "gemma2": transformers.Gemma2ForCausalLM,
-           "gemma3": transformers.Gemma3ForCausalLM}[arch]
+           "olmoe": transformers.OlmoeForCausalLM, "olmo2": transformers.Olmo2ForCausalLM,
+           "gemma2": transformers.Gemma2ForCausalLM, "gemma3": transformers.Gemma3ForCausalLM}[arch]
     hf_model = cls.from_pretrained(str(tmp_path / "exported")).eval()
     cfg, state = read_weights(tmp_path / "ours")
     ours = Transformer(cfg).eval()

@@ -1,8 +1,8 @@
 """Decoder-only (GPT, Llama): one causal stack; next-token prediction.
 
 Name maps: Hugging Face GPT-2 (Conv1D weights stored (in, out), q/k/v packed in `c_attn`), Llama, Mistral,
-Qwen2, Qwen3, OLMo 2, Gemma 2 and 3 (names only), Mixtral, Qwen3-MoE and OLMoE (one (out, in) linear per expert, as their
-checkpoints store them); Megatron-Core GPTModel (checkpointing/megatron.py).
+Qwen2, Qwen3, OLMo 2, Gemma 2 and 3 (names only), Mixtral, Qwen3-MoE and OLMoE (one (out, in) linear per expert, as
+their checkpoints store them); Megatron-Core GPTModel (checkpointing/megatron.py).
 """
 
 from __future__ import annotations
