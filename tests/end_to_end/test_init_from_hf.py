@@ -57,6 +57,11 @@ def _check_export(hf_model, run_dir: Path, out: Path) -> None:
     main(["convert", "export-hf", str(run_dir / "final"), str(out)])
     exported = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
     assert type(exported) is type(hf_model)
+    # config.json: the class, and the folder's own special-token ids (kept through the run's hf_source.json)
+    written = json.loads((out / "config.json").read_text())
+    assert written["architectures"] == [type(hf_model).__name__]
+    assert (written["bos_token_id"], written["pad_token_id"]) == (hf_model.config.bos_token_id,
+                                                                  hf_model.config.pad_token_id)
     ours = load_weights(run_dir / "final").eval()
     ids = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

@@ -81,3 +81,25 @@ def test_a_run_from_init_from_notes_the_folders_config(tmp_path):
     cfg = load_config(None, [f'checkpoint.init_from="hf:{folder}"'])
     record_source(tmp_path, cfg, "llama")
     assert source_config(tmp_path) == json.loads((folder / "config.json").read_text())
+
+
+def test_bundled_tiny_moe_exports_as_mixtral(tmp_path):
+    """The bundled tiny MoE (random init) exports as MixtralForCausalLM, which computes its logits."""
+    cfg = load_config("tiny-moe").model
+    torch.manual_seed(0)
+    ours = Transformer(cfg).eval()
+    with torch.no_grad():  # every router and norm away from its init, so a swapped tensor would show
+        for param in ours.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    write_weights(ours.state_dict(), cfg, tmp_path / "ours")
+    main(["convert", "export-hf", str(tmp_path / "ours"), str(tmp_path / "out")])
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), local_files_only=True).eval()
+    ids = torch.randint(0, cfg.vocab_size, (3, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 16:] = 0  # right padding
+    with torch.no_grad():
+        expected, got = theirs(input_ids=ids, attention_mask=mask).logits, ours(ids, mask.bool())
+    real = mask.bool()
+    torch.testing.assert_close(expected[real], got[real], rtol=0, atol=1e-4)
+    assert expected.std() > 0.1
