@@ -86,30 +86,29 @@ _OWN_KEYS = ("architectures", "dtype", "torch_dtype", "transformers_version", "_
 
 def complete_config(hf_config: Any, arch: Arch, dtype: torch.dtype, source: Mapping[str, Any] | None) -> Any:
     """`hf_config` naming its model class and `dtype`, with what `source` (the config.json of the folder the
-    weights came from, same architecture) holds that meshformer does not model: its special-token ids where it
-    sets them, keys this config lacks, and any other value that leaves the model config the same (e.g. use_cache,
-    output_router_logits). A value that would change the function is the exported model's own."""
+    weights came from) holds that meshformer does not model: its special-token ids where it sets them and, from a
+    folder of the same architecture, keys this config lacks and any other value that leaves the model config the
+    same (e.g. use_cache, output_router_logits). A value that would change the function is the exported model's."""
+    from huggingface_hub.errors import StrictDataclassError
+
     from meshformer.checkpointing import hf
 
     hf_config.architectures = [hf._MODEL_CLASSES[arch]]
     hf_config.dtype = dtype
-    if not source or source.get("model_type") != arch:
+    if not source:
         return hf_config
     cls = type(hf_config)
     merged = hf_config.to_dict()
+    merged.update({key: source[key] for key in _SPECIAL_IDS if source.get(key) is not None})
     function = hf.config_from_hf(hf_config)
-    for key, value in source.items():
-        if key in _OWN_KEYS or merged.get(key) == value:
-            continue
-        if key in _SPECIAL_IDS:
-            if value is not None:
-                merged[key] = value
+    for key, value in source.items() if source.get("model_type") == arch else ():
+        if key in _OWN_KEYS or key in _SPECIAL_IDS or merged.get(key) == value:
             continue
         trial = {**merged, key: value}
         try:
             if hf.config_from_hf(cls.from_dict(trial)) == function:
                 merged = trial
-        except (ValueError, TypeError, KeyError, AttributeError):
+        except (ValueError, TypeError, KeyError, AttributeError, StrictDataclassError):
             continue  # a value transformers or meshformer refuses: the export keeps its own
     return cls.from_dict(merged)
 

@@ -68,12 +68,26 @@ def test_a_source_value_that_changes_the_function_is_the_exports_own(tmp_path):
     folder = _source_folder(tmp_path)
     main(["convert", "import-hf", str(folder), str(tmp_path / "ours")])
     note = json.loads((tmp_path / "ours" / SOURCE_FILE).read_text())
-    note["config"].update(rms_norm_eps=0.5, tie_word_embeddings=True)  # not what the weights folder holds
+    # not what the weights folder holds, and a value transformers refuses
+    note["config"].update(rms_norm_eps=0.5, tie_word_embeddings=True, vocab_size="many")
     (tmp_path / "ours" / SOURCE_FILE).write_text(json.dumps(note))
     main(["convert", "export-hf", str(tmp_path / "ours"), str(tmp_path / "out")])
     written = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert (written["rms_norm_eps"], written["tie_word_embeddings"]) == (1e-6, False)
+    assert (written["rms_norm_eps"], written["tie_word_embeddings"], written["vocab_size"]) == (1e-6, False, 4096)
     assert written["eos_token_id"] == [2, 5]
+
+
+def test_another_architecture_keeps_only_the_special_token_ids(tmp_path):
+    """A Mistral folder without a window exported as Llama keeps the folder's special-token ids, and none of the
+    folder's other keys (they are Mistral's, not Llama's)."""
+    _, folder = hf_folder("mistral", tmp_path / "hf")
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "eos_token_id": [2, 5], "custom_serving_key": 1}))
+    main(["convert", "import-hf", str(folder), str(tmp_path / "ours")])
+    main(["convert", "export-hf", str(tmp_path / "ours"), str(tmp_path / "out"), "--arch", "llama"])
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["architectures"] == ["LlamaForCausalLM"] and written["eos_token_id"] == [2, 5]
+    assert "custom_serving_key" not in written and "sliding_window" not in written
 
 
 def test_a_run_from_init_from_notes_the_folders_config(tmp_path):
