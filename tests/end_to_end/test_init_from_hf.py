@@ -104,6 +104,15 @@ def test_first_step_matches_transformers_and_a_restart_never_reads_the_folder_ag
     assert trainer.checkpoints.loaded_from == run_dir / "checkpoints" / "step-00000002"
 
 
+def test_an_olmoe_folder_continues_from_transformers_loss(shards, tmp_path):
+    hf_model, folder = hf_folder("olmoe", tmp_path / "hf")
+    overrides = _overrides(shards, tmp_path / "run", folder, 1, "model.dropout=0.0")
+    _, result = run_trainer(load_config(None, overrides))
+    assert result is not None and result.steps == 1
+    assert abs(result.history[0]["train/loss"] - _transformers_loss(hf_model, overrides, dp_size=1)) < LOSS_TOLERANCE
+    _check_export(hf_model, tmp_path / "run", tmp_path / "exported")
+
+
 def test_a_model_key_that_changes_the_function_is_refused_by_name(shards, tmp_path, capsys):
     _, folder = hf_folder("llama", tmp_path / "hf")
     base = _overrides(shards, tmp_path / "run", folder, 1)
