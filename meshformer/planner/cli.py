@@ -70,7 +70,7 @@ def ties(layouts: list[LayoutMemory]) -> list[str]:
             differ = ("model parallelism" if len({k[0] for k in keys}) > 1 else
                       "recomputation" if len({k[1] for k in keys}) > 1 else
                       "fewer expert-parallel ranks (fewer all-to-all peers)" if len({k[2] for k in keys}) > 1 else
-                      "the search's order")
+                      "smaller tp first (the search's order)")
             names = ", ".join(layout_name(g) + f" {g.recompute}" for g in group)
             lines.append(f"{names} tie on estimated peak memory ({group[0].peak / GiB:.2f} GiB)"
                          + (f" with {' and '.join(s for s in shared if s)}" if any(shared) else "")
