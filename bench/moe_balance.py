@@ -1,4 +1,5 @@
-"""Load balance of `configs/tiny-moe.toml` after N steps on the bundled corpus: the busiest expert's load over the mean
+"""Load balance of `configs/tiny-moe.toml` (by default with tiny-gpt's blocks, as bench/moe_vs_dense.py runs it and the
+README reports it) after N steps on the bundled corpus: the busiest expert's load over the mean
 (1.0 = perfect), averaged over MoE layers and the last logged steps, for each way of balancing:
 none, the auxiliary loss (Switch/GShard), and DeepSeek-V3's auxiliary-loss-free bias (sign rule after each step).
 Same data, seed and steps for each; the final training loss shows what balancing costs or gains.
@@ -17,6 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from moe_vs_dense import GPT2_BLOCKS  # noqa: E402  (this folder is on the path when run as a script)
 
 from meshformer.config import load_config  # noqa: E402
 from meshformer.train.trainer import Trainer  # noqa: E402
@@ -46,9 +49,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench-moe-balance"))
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--set", nargs="*", default=[], help="extra config overrides (e.g. a smaller model)")
+    parser.add_argument("--blocks", choices=["tiny-gpt", "config"], default="tiny-gpt",
+                        help="tiny-gpt's blocks (moe_vs_dense.GPT2_BLOCKS, before --set) or tiny-moe's own")
     args = parser.parse_args()
     for name in args.variants:
-        print(json.dumps({"balancing": name, "steps": args.steps, **run(name, args.steps, args.out, args.set)}),
+        extra = [*(GPT2_BLOCKS if args.blocks == "tiny-gpt" else []), *args.set]
+        print(json.dumps({"balancing": name, "steps": args.steps, **run(name, args.steps, args.out, extra)}),
               flush=True)
 
 

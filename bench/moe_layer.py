@@ -40,7 +40,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu"]
 SHAPES: dict[str, tuple[int, int, int, int, int, Activation, int]] = {
     "tiny": (32, 4, 2, 48, 0, "swiglu", 64),  # tests only
-    "small": (128, 8, 2, 256, 0, "gelu", 2048),  # tiny-moe's layer, one batch of 16 x 128
+    "small": (128, 8, 2, 256, 0, "gelu", 2048),  # tiny-gpt's width with GELU experts, one batch of 16 x 128
     "cpu-512": (512, 8, 2, 1024, 0, "swiglu", 4096),  # realistic proportions at a CPU-sized width
     "cpu-fine": (512, 32, 4, 256, 1, "swiglu", 4096),  # fine-grained + a shared expert
     "mixtral-reduced": (4096, 8, 2, 7168, 0, "swiglu", 8192),  # Mixtral d 4096, 8 x top-2; width 14336 halved

@@ -19,6 +19,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# The MoE run's default overrides: tiny-gpt's blocks (LayerNorm, learned positions, biases) and GELU experts of width
+# 256, so that only the feed-forward differs from the dense model, at its active parameter count (tiny-moe itself
+# has Mixtral's blocks, to export as MixtralForCausalLM). The README's figures are of this model.
+GPT2_BLOCKS = ["model.norm=layernorm", "model.position=learned", "model.activation=gelu", "model.bias=true",
+               "model.moe_d_ff=256"]
 STEP_LINE = re.compile(r"step\s+(\d+)/\d+ \| loss ([0-9.]+)")
 EVAL_LINE = re.compile(r"eval\s+(\d+) \| loss ([0-9.]+)")
 
@@ -90,6 +95,8 @@ def main() -> None:
     parser.add_argument("--moe", default="tiny-moe")
     parser.add_argument("--set", nargs="*", default=[], help="overrides applied to both runs (e.g. data.batch_size=4)")
     parser.add_argument("--moe-set", nargs="*", default=[], help="overrides for the MoE run only")
+    parser.add_argument("--moe-blocks", choices=["tiny-gpt", "config"], default="tiny-gpt",
+                        help="the MoE run's blocks: tiny-gpt's (GPT2_BLOCKS, before --set) or its config's own")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--concurrent", action="store_true", help="train both at once (on a shared, busy machine "
                         "both then see the same load; the curves are per token, so timing does not enter them)")
@@ -106,7 +113,8 @@ def main() -> None:
     runs = []
     with tempfile.TemporaryDirectory(prefix="moe-vs-dense-", dir=args.work) as tmp:
         started = []
-        for config, extra in ((args.dense, args.set), (args.moe, [*args.set, *args.moe_set])):
+        blocks = GPT2_BLOCKS if args.moe_blocks == "tiny-gpt" else []
+        for config, extra in ((args.dense, args.set), (args.moe, [*blocks, *args.set, *args.moe_set])):
             started.append(train(config, args.steps, args.eval_interval, Path(tmp) / config, extra, args.threads))
             if not args.concurrent:
                 started[-1] = finish(started[-1])

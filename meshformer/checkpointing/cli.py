@@ -21,6 +21,7 @@ empty is replaced only with --overwrite; OUT may never be SRC, hold it, or lie i
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -157,7 +158,7 @@ def _require_transformers(command: str) -> None:
 
 def _export_hf(args: argparse.Namespace) -> Path:
     from meshformer.checkpointing.hf_folder import export_hf
-    from meshformer.checkpointing.init_from import source_arch
+    from meshformer.checkpointing.init_from import source_arch, source_config
     from meshformer.checkpointing.safetensors_io import read_model_source
 
     _require_transformers("export-hf")
@@ -169,7 +170,7 @@ def _export_hf(args: argparse.Namespace) -> Path:
             check_vocab(tokenizer, cfg.vocab_size, "--tokenizer")
         # default: the architecture a run from checkpoint.init_from started from, else the one that matches
         arch = args.arch or source_arch(Path(args.src))
-        written = export_hf(state, cfg, out, arch, args.max_shard_size, tokenizer)
+        written = export_hf(state, cfg, out, arch, args.max_shard_size, tokenizer, source_config(Path(args.src)))
         if tokenizer is None:  # the export loads as a model; say why AutoTokenizer will not
             print(f"note: {args.src} carries no tokenizer, so the export has none; pass --tokenizer with the one the "
                   "model was trained with to include it", file=sys.stderr)
@@ -186,7 +187,18 @@ def _import_hf(args: argparse.Namespace) -> Path:
     cfg, state = import_hf(Path(args.src))
     # the folder's own tokenizer (tokenizer.json + tokenizer_config.json) travels into the weights folder
     tokenizer = load_tokenizer(args.src) if (Path(args.src) / "tokenizer.json").is_file() else None
-    return _write(args, cfg, state, tokenizer)
+    if args.checkpoint:
+        return _write(args, cfg, state, tokenizer)
+    from meshformer.checkpointing.init_from import write_source
+    from meshformer.checkpointing.weights import CONFIG_FILE, write_weights
+
+    def write(out: Path) -> Path:
+        written = write_weights(state, cfg, out, args.max_shard_size, tokenizer)
+        # beside the weights: the folder's architecture and config.json, which export-hf writes back
+        write_source(out, Path(args.src), json.loads((Path(args.src) / "config.json").read_text())["model_type"])
+        return written
+
+    return _into(args, WEIGHTS, _weights_legacy(Path(args.out), CONFIG_FILE), write)
 
 
 def _export_megatron(args: argparse.Namespace) -> Path:
@@ -265,7 +277,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     command("to-checkpoint", _to_checkpoint, "weights folder -> weights-only sharded checkpoint (training starts "
             "from it at step 0)")
     command("export-hf", _export_hf, "-> Hugging Face folder (GPT-2, BERT, Llama, T5, Mistral, Qwen2/3, Mixtral, "
-            "Qwen3-MoE, OLMo 2, Gemma 2/3)").add_argument("--arch", choices=ARCHS,
+            "Qwen3-MoE, OLMoE, OLMo 2, Gemma 2/3)").add_argument("--arch", choices=ARCHS,
                                                           help="default: the one matching the model config")
     command("import-hf", _import_hf, "Hugging Face folder -> weights folder").add_argument(
         "--checkpoint", action="store_true", help="write a weights-only checkpoint instead of a weights folder")

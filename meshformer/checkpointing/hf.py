@@ -1,5 +1,5 @@
 """Weights and configs between meshformer's `Transformer` and Hugging Face GPT-2, BERT, Llama, T5, Mistral, Qwen2,
-Qwen3, Mixtral, Qwen3-MoE, OLMo 2, Gemma 2 and Gemma 3 (text; the last three's configs in hf_gemma_olmo.py).
+Qwen3, Mixtral, Qwen3-MoE, OLMoE, OLMo 2, Gemma 2 and Gemma 3 (text; the last three's configs in hf_gemma_olmo.py).
 
     hf_model = to_hf_model(model)            # GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / T5...
     model = from_hf_model(hf_model)          # and back; logits agree (tests/unit/test_model_references.py)
@@ -35,6 +35,9 @@ What differs and how it is mapped:
   dropout, so it is not part of the function: import ignores it, export writes 0. Neither has shared experts,
   sigmoid scores, group-limited routing, capacity dropping or a selection bias: our expert_bias is zeros on
   import and a nonzero one is refused on export, the others by `check_compatible`.
+- OLMoE: Qwen3-MoE's names and routing (norm_topk_prob = our router_renormalize, every block MoE, experts
+  intermediate_size wide) with OLMo 2's QK-norm over the whole q / k projection (qk_norm_scope="projection"),
+  pre-norm blocks, head_dim hidden_size / heads; clip_qkv (clamping q / k / v) and attention_bias are refused.
 - T5: position="t5_relative" (one learned, bucketed bias per stack, which HF keeps in block 0's
   SelfAttention), RMSNorm without bias, attention_scale=1.0, scale_output for the tied head; ReLU or
   gated-SiLU feed-forward; gated-GELU (T5 v1.1) is refused. transformers 5 always ties T5's lm_head to
@@ -66,13 +69,13 @@ from meshformer.model.families import get_family_spec
 if TYPE_CHECKING:
     from meshformer.model import Transformer
 
-Arch = Literal["gpt2", "bert", "llama", "t5", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2", "gemma2",
-               "gemma3_text"]
+Arch = Literal["gpt2", "bert", "llama", "t5", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2",
+               "gemma2", "gemma3_text"]
 V = TypeVar("V")  # what a state dict maps names to (tensors, or the names themselves)
-ARCHS: tuple[Arch, ...] = ("gpt2", "bert", "llama", "t5", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2",
-                           "gemma2", "gemma3_text")
+ARCHS: tuple[Arch, ...] = ("gpt2", "bert", "llama", "t5", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe",
+                           "olmo2", "gemma2", "gemma3_text")
 # Llama's blocks and names, with what differs mapped below
-_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2", "gemma2", "gemma3_text")
+_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2", "gemma2", "gemma3_text")
 
 _HF_ACTIVATIONS: dict[str, Activation] = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                                           "relu": "relu"}
@@ -106,6 +109,8 @@ _SIZE_KEYS: dict[str, tuple[str, ...]] = {
                   "moe_intermediate_size", "decoder_sparse_step"),
     "olmo2": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "max_position_embeddings"),
+    "olmoe": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "max_position_embeddings", "num_experts", "num_experts_per_tok"),
     **dict.fromkeys(("gemma2", "gemma3_text"), (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "max_position_embeddings", "head_dim", "sliding_window", "query_pre_attn_scalar")),
@@ -116,7 +121,8 @@ _LAYER_KEYS = {"gpt2": ("n_layer",), "bert": ("num_hidden_layers",), "t5": ("num
                **dict.fromkeys(_LLAMA_LIKE, ("num_hidden_layers",))}
 _WIDTH_AND_HEADS = {"gpt2": ("n_embd", "n_head"), "bert": ("hidden_size", "num_attention_heads"),
                     "llama": ("hidden_size", "num_attention_heads"),
-                    "olmo2": ("hidden_size", "num_attention_heads")}  # the others may set head_dim
+                    # the others may set head_dim
+                    **dict.fromkeys(("olmo2", "olmoe"), ("hidden_size", "num_attention_heads"))}
 
 
 def check_sizes(raw: Mapping[str, Any], n_tensors: int) -> None:
@@ -213,9 +219,11 @@ def _check_llama_like(c: Any, arch: str) -> None:
     if arch == "llama" and c.attention_bias != getattr(c, "mlp_bias", c.attention_bias):
         raise _refuse(arch, f"attention_bias={c.attention_bias} with mlp_bias={c.mlp_bias}",
                       "puts biases on only some linears (meshformer's model.bias covers all of them)")
-    if arch in ("qwen3", "qwen3_moe") and c.attention_bias:
+    if arch in ("qwen3", "qwen3_moe", "olmoe") and c.attention_bias:
         raise _refuse(arch, "attention_bias=True", "puts biases on the attention linears but not on the MLPs "
                       "(meshformer's model.bias covers all of them)")
+    if getattr(c, "clip_qkv", None) is not None:
+        raise _refuse(arch, f"clip_qkv={c.clip_qkv}", "clamps the query / key / value projections")
     if getattr(c, "pretraining_tp", 1) not in (None, 1):
         raise _refuse(arch, f"pretraining_tp={c.pretraining_tp}", "splits the linears into slices")
     dense = list(getattr(c, "mlp_only_layers", None) or [])
@@ -247,6 +255,10 @@ def _llama_like_from_hf(c: Any, arch: str) -> ModelConfig:
         # router_jitter_noise is training-only input noise, like dropout: not part of the function, not carried
         fields.update(n_experts=c.num_local_experts, experts_per_token=c.num_experts_per_tok,
                       router_renormalize=True, moe_aux_loss=c.router_aux_loss_coef)
+    if arch == "olmoe":  # QK-norm over the whole projections; head_dim is always hidden_size / heads
+        fields.update(qk_norm=True, qk_norm_scope="projection", head_dim=None, n_experts=c.num_experts,
+                      experts_per_token=c.num_experts_per_tok, router_renormalize=c.norm_topk_prob,
+                      moe_aux_loss=c.router_aux_loss_coef)
     if arch == "qwen3_moe":
         fields.update(qk_norm=True, n_experts=c.num_experts, experts_per_token=c.num_experts_per_tok,
                       moe_d_ff=c.moe_intermediate_size, router_renormalize=c.norm_topk_prob,
@@ -368,6 +380,13 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
                 mlp_only_layers=list(range(cfg.moe_first_dense)), router_aux_loss_coef=cfg.moe_aux_loss,
                 attention_bias=False,
             )
+        if arch == "olmoe":
+            shared.pop("head_dim")  # always hidden_size / heads
+            return transformers.OlmoeConfig(
+                **shared, intermediate_size=cfg.expert_d_ff, num_experts=cfg.n_experts,
+                num_experts_per_tok=cfg.experts_per_token, norm_topk_prob=cfg.router_renormalize,
+                router_aux_loss_coef=cfg.moe_aux_loss, attention_bias=False, clip_qkv=None,
+            )
         return transformers.LlamaConfig(**shared, intermediate_size=cfg.d_ff, attention_bias=cfg.bias,
                                         mlp_bias=cfg.bias)
     spec = get_family_spec(cfg.family)
@@ -441,6 +460,8 @@ _REQUIREMENTS: dict[str, dict[str, Any]] = {  # a set: any of these values
     "mixtral": {**_LLAMA, "bias": False, "moe": True, "attention_window": ANY},
     "qwen3_moe": {**_LLAMA, "bias": False, "moe": True, "attention_window": ANY, "qk_norm": True,
                   "router_renormalize": {True, False}, "moe_blocks": {"every block", "some"}},
+    "olmoe": {**_LLAMA, "bias": False, "moe": True, "qk_norm": True, "qk_norm_scope": "projection",
+              "head_dim": "d_model/n_heads", "router_renormalize": {True, False}},
     "olmo2": {**_LLAMA, "bias": False, "norm_position": "post_sublayer", "qk_norm": True,
               "qk_norm_scope": "projection", "head_dim": "d_model/n_heads"},
     "gemma2": _GEMMA2,
@@ -552,7 +573,7 @@ def unused_names(names: Iterable[str], used: set[str], arch: Arch) -> list[str]:
 _MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForMaskedLM", "llama": "LlamaForCausalLM",
                   "t5": "T5ForConditionalGeneration", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "olmo2": "Olmo2ForCausalLM",
                   "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 

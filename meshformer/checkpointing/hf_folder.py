@@ -32,12 +32,16 @@ if TYPE_CHECKING:
 
 
 def export_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: Path, arch: Arch | None = None,
-              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, tokenizer: Tokenizer | None = None) -> Path:
+              max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, tokenizer: Tokenizer | None = None,
+              source: Mapping[str, Any] | None = None) -> Path:
     """Write a folder that transformers loads with AutoModelFor...from_pretrained; returns the folder.
 
     Tensors go out one at a time (read from `state` on access, mapped, written into HF-style shards); tied
     duplicates are left out, as save_pretrained leaves them out, and transformers re-ties them on load.
     `tokenizer` (the model's) goes with them, for AutoTokenizer, and names BOS/EOS/pad in both configs.
+    config.json names the model class (`architectures`) and the weights' dtype (`dtype`, and `torch_dtype` for
+    serving tools that read that name). `source`, the config.json of the Hugging Face folder the weights came
+    from, gives its special-token ids and every key that leaves the function alone (`complete_config`).
     """
     from meshformer.checkpointing import hf
 
@@ -55,20 +59,72 @@ def export_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: Path
     hf_config = hf.config_to_hf(cfg, arch)
     if tokenizer is not None:
         _export_tokenizer(tokenizer, hf_config, cfg, out_dir)
+    meta = _meta_view(state)
+    dtype = next((meta[name].dtype for name in meta if meta[name].is_floating_point()), torch.float32)
+    hf_config = complete_config(hf_config, arch, dtype, source)
+    if tokenizer is not None:  # the ids config.json ends up with (the source folder's where it names them)
+        _generation_config(hf_config).save_pretrained(str(out_dir))
     hf_config.save_pretrained(str(out_dir))
+    # serving tools written for transformers 4 read the weights' dtype as torch_dtype
+    config_file = out_dir / "config.json"
+    written = json.loads(config_file.read_text())
+    written["torch_dtype"] = written.get("dtype")
+    config_file.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
     # the files are planned from a pass on meta tensors (shapes only), then each tensor streams to disk
-    writer = ShardedWriter(out_dir, dict(hf_tensors(_meta_view(state), cfg, arch)), max_shard_size)
+    writer = ShardedWriter(out_dir, dict(hf_tensors(meta, cfg, arch)), max_shard_size)
     for name, tensor in hf_tensors(state, cfg, arch):
         writer.add(name, tensor)
     writer.close()
     return out_dir
 
 
+_SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+# config.json keys that describe the file or the weights rather than the model: written for the export itself
+_OWN_KEYS = ("architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path", "model_type",
+             "quantization_config", "auto_map")
+
+
+def complete_config(hf_config: Any, arch: Arch, dtype: torch.dtype, source: Mapping[str, Any] | None) -> Any:
+    """`hf_config` naming its model class and `dtype`, with what `source` (the config.json of the folder the
+    weights came from) holds that meshformer does not model: its special-token ids where it sets them and, from a
+    folder of the same architecture, keys this config lacks and any other value that leaves the model config the
+    same (e.g. use_cache, output_router_logits). A value that would change the function is the exported model's."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    from meshformer.checkpointing import hf
+
+    hf_config.architectures = [hf._MODEL_CLASSES[arch]]
+    hf_config.dtype = dtype
+    if not source:
+        return hf_config
+    cls = type(hf_config)
+    merged = hf_config.to_dict()
+    merged.update({key: source[key] for key in _SPECIAL_IDS if source.get(key) is not None})
+    function = hf.config_from_hf(hf_config)
+    for key, value in source.items() if source.get("model_type") == arch else ():
+        if key in _OWN_KEYS or key in _SPECIAL_IDS or merged.get(key) == value:
+            continue
+        trial = {**merged, key: value}
+        try:
+            if hf.config_from_hf(cls.from_dict(trial)) == function:
+                merged = trial
+        except (ValueError, TypeError, KeyError, AttributeError, StrictDataclassError):
+            continue  # a value transformers or meshformer refuses: the export keeps its own
+    return cls.from_dict(merged)
+
+
+def _generation_config(hf_config: Any) -> Any:
+    from transformers import GenerationConfig
+
+    return GenerationConfig(**{key: getattr(hf_config, key, None) for key in _SPECIAL_IDS
+                               if getattr(hf_config, key, None) is not None})
+
+
 def _export_tokenizer(tokenizer: Tokenizer, hf_config: Any, cfg: ModelConfig, out_dir: Path) -> None:
     """tokenizer.json + tokenizer_config.json (BOS/EOS/pad/unk/mask by name) through transformers' own fast
-    tokenizer, generation_config.json, and the special ids in `hf_config` (saved by the caller)."""
+    tokenizer, and the special ids in `hf_config` (saved by the caller, with generation_config.json)."""
     from tokenizers import Tokenizer as HFTokenizer
-    from transformers import GenerationConfig, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     ids = {"bos": tokenizer.bos_id, "eos": tokenizer.eos_id, "pad": tokenizer.pad_id, "unk": tokenizer.unk_id,
            "mask": tokenizer.mask_id}
@@ -81,7 +137,6 @@ def _export_tokenizer(tokenizer: Tokenizer, hf_config: Any, cfg: ModelConfig, ou
         special["decoder_start_token_id"] = tokenizer.bos_id
     for key, value in special.items():
         setattr(hf_config, key, value)
-    GenerationConfig(**special).save_pretrained(str(out_dir))
 
 
 def _meta_view(state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:

@@ -150,7 +150,31 @@ def load_init_weights(parts: list[torch.nn.Module], cfg: Config) -> str:
 
 def record_source(run_dir: Path, cfg: Config, arch: str) -> None:
     """Note in the run folder which architecture the run started from (for its final weights)."""
-    (Path(run_dir) / SOURCE_FILE).write_text(json.dumps({"init_from": cfg.checkpoint.init_from, "model_type": arch}))
+    folder = hf_folder(cfg)
+    assert folder is not None, "record_source needs checkpoint.init_from"
+    write_source(run_dir, folder, arch, cfg.checkpoint.init_from)
+
+
+def write_source(folder: Path, hf_dir: Path, arch: str, init_from: str | None = None) -> None:
+    """Note in `folder` the architecture and the config.json of the Hugging Face folder its weights came from, so
+    that `convert export-hf` writes that architecture and keeps the keys meshformer does not model (special-token
+    ids, serving settings)."""
+    try:
+        config = json.loads((Path(hf_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = None  # the architecture alone still picks the export's
+    (Path(folder) / SOURCE_FILE).write_text(json.dumps({"init_from": init_from, "model_type": arch,
+                                                         "config": config if isinstance(config, dict) else None}))
+
+
+def source_config(folder: Path) -> dict[str, Any] | None:
+    """The config.json of the Hugging Face folder a weights folder came from (None: none noted, or unreadable)."""
+    path = Path(folder) / SOURCE_FILE
+    try:
+        config = json.loads(path.read_text()).get("config") if path.is_file() else None
+    except (ValueError, AttributeError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def source_arch(folder: Path) -> Arch | None:

@@ -9,9 +9,10 @@ import time
 
 from meshformer.config import Config, ConfigError, load_config
 from meshformer.launcher.torchrun import check_world_size
+from meshformer.parallel_dims import n_microbatches
 from meshformer.planner.activations import MOE_IMBALANCE
 from meshformer.planner.memory import CUDA_CONTEXT, DEVICES, SAFETY_FRACTION, as_dict, usable_bytes
-from meshformer.planner.search import LayoutMemory, plan_layout, search_layouts
+from meshformer.planner.search import RECOMPUTE_MODES, LayoutMemory, plan_layout, search_layouts
 
 GiB = 2**30
 
@@ -26,13 +27,67 @@ def layout_name(layout: LayoutMemory) -> str:
             + (f" ep{layout.ep}" if layout.ep > 1 else ""))
 
 
+def assumptions(cfg: Config, layout: LayoutMemory) -> dict:
+    """What the estimate of `cfg`'s own layout takes as given: the step's shape, the dtypes, recomputation."""
+    p, data = cfg.parallel, cfg.data
+    microbatches = n_microbatches(cfg) if layout.pp > 1 else 1
+    fsdp = layout.dp_shard * layout.cp > 1
+    return {
+        "seq_len": data.seq_len,
+        "micro_batch": max(1, data.batch_size // microbatches),  # sequences per micro-batch per data-parallel rank
+        "pipeline_microbatches": microbatches,
+        "grad_accum": cfg.train.grad_accum,
+        # FSDP keeps fp32 master shards and gradient shards whatever its policy; the policy sets the gathered ones
+        "param_dtype": "fp32" + (f" (gathered in {p.mixed_precision_param})" if fsdp else ""),
+        "grad_dtype": "fp32" + (f" (reduced in {p.mixed_precision_reduce})" if fsdp else ""),
+        "optimizer_state": "AdamW moments 2 x fp32",
+        "compute_dtype": cfg.train.dtype,
+        "recompute": layout.recompute,
+    }
+
+
+def _order_key(layout: LayoutMemory) -> tuple[int, int, int]:
+    return layout.tp * layout.pp * layout.cp, RECOMPUTE_MODES.index(layout.recompute), layout.ep
+
+
+ORDER = ("least model and sequence parallelism (tp x pp x cp), then least recomputation, then fewest expert-parallel "
+         "ranks, then lowest peak")
+
+
+def ties(layouts: list[LayoutMemory]) -> list[str]:
+    """One line per run of listed layouts whose estimated peaks agree to the printed 0.01 GiB: what they share
+    and what ordered them (the planner estimates memory only, so equal memory is the whole tie)."""
+    lines: list[str] = []
+    group: list[LayoutMemory] = []
+    for layout in [*layouts, None]:
+        if layout is not None and group and round(layout.peak / GiB, 2) == round(group[0].peak / GiB, 2):
+            group.append(layout)
+            continue
+        if len(group) > 1:
+            keys = [_order_key(g) for g in group]
+            shared = [f"tp x pp x cp = {keys[0][0]}" if len({k[0] for k in keys}) == 1 else "",
+                      f"recompute={group[0].recompute}" if len({k[1] for k in keys}) == 1 else ""]
+            differ = ("model parallelism" if len({k[0] for k in keys}) > 1 else
+                      "recomputation" if len({k[1] for k in keys}) > 1 else
+                      "fewer expert-parallel ranks (fewer all-to-all peers)" if len({k[2] for k in keys}) > 1 else
+                      "smaller tp first (the search's order)")
+            names = ", ".join(layout_name(g) + f" {g.recompute}" for g in group)
+            lines.append(f"{names} tie on estimated peak memory ({group[0].peak / GiB:.2f} GiB)"
+                         + (f" with {' and '.join(s for s in shared if s)}" if any(shared) else "")
+                         + f"; ordered by {differ}")
+        group = [layout] if layout is not None else []
+    return lines
+
+
 def report(cfg: Config, world: int, device: str, *, search: bool = True, top: int = 5,
            moe_imbalance: float = MOE_IMBALANCE) -> dict:
     start = time.perf_counter()
     chosen = plan_layout(cfg, world, moe_imbalance)
     layouts = search_layouts(cfg, world, device, moe_imbalance) if search else []
     budget = usable_bytes(device)
+    listed = [lay for lay in layouts if lay.peak <= budget][:top]
     return {
+        "assumptions": assumptions(cfg, chosen),
         "world_size": world,
         "device": device,
         "capacity_gib": DEVICES[device] / GiB,
@@ -43,7 +98,9 @@ def report(cfg: Config, world: int, device: str, *, search: bool = True, top: in
                    "fits": chosen.peak <= budget, "ranks": [as_dict(rank) for rank in chosen.ranks]},
         "searched": search,
         "fitting_layouts": [{"name": layout_name(lay), "recompute": lay.recompute, "peak_gib": lay.peak / GiB}
-                            for lay in layouts if lay.peak <= budget][:top],
+                            for lay in listed],
+        "order": ORDER,
+        "ties": ties(listed),
         "moe_imbalance": moe_imbalance if cfg.model.n_experts else None,
         "seconds": time.perf_counter() - start,
     }
@@ -54,6 +111,12 @@ def print_report(result: dict, title: str) -> None:
     print(f"{title}: {lay['name']} ({result['world_size']} ranks), recompute={lay['recompute']}; "
           f"{result['device']}: {result['capacity_gib']:.1f} GiB, usable {result['usable_gib']:.1f} GiB "
           f"(margin {result['margin']})")
+    a = result["assumptions"]
+    sequences = f"{a['micro_batch']} sequence" + ("s" if a["micro_batch"] != 1 else "")
+    print(f"assumes: seq_len {a['seq_len']}, micro-batch {sequences} per data-parallel rank"
+          + (f" x {a['pipeline_microbatches']} pipeline micro-batches" if a["pipeline_microbatches"] > 1 else "")
+          + f", grad_accum {a['grad_accum']}; params {a['param_dtype']}, grads {a['grad_dtype']}, "
+          f"{a['optimizer_state']}, compute {a['compute_dtype']}; recompute={a['recompute']}")
     columns = ["pp rank", "layers", "params", "grads", "optim", "fsdp bufs", "act/mb", "in flight", "act",
                "logits", "peak GiB", "peak at"]
     rows = [[str(r["pp_rank"]), str(r["layers"]), _gib(r["params"]), _gib(r["grads"]), _gib(r["optimizer"]),
@@ -66,9 +129,12 @@ def print_report(result: dict, title: str) -> None:
         print(f"experts planned at {result['moe_imbalance']:g}x the balanced tokens per expert-parallel rank "
               "(--moe-imbalance; dropless worst case: ep x)")
     if result["fitting_layouts"]:
-        print("smallest layouts that fit (FSDP over the remaining ranks):")
+        print("smallest layouts that fit (FSDP over the remaining ranks, the same micro-batch):")
         _table(["layout", "recompute", "peak GiB"],
                [[f["name"], f["recompute"], f"{f['peak_gib']:.2f}"] for f in result["fitting_layouts"]])
+        print(f"order: {result['order']}")
+        for line in result["ties"]:
+            print(f"tie: {line}")
     elif result["searched"]:  # --no-search: the configured layout's verdict above is the answer
         print("no layout with tp <= 8 and cp <= 16 fits; add ranks, shorten data.seq_len or lower data.batch_size")
     print(f"({result['seconds']:.1f} s)")

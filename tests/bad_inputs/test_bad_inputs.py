@@ -457,6 +457,8 @@ CASES = [
      ["cannot be expressed as mixtral", "moe=False", "--arch"]),
     ("import-hf-dense-block-not-first", ["convert", "import-hf", "{tmp}/cv-moe-hf-dense-last", "{tmp}/cv-o18"],
      ["qwen3_moe: mlp_only_layers=[1] makes blocks other than the first ones dense", "only checkpoints without it"]),
+    ("import-hf-olmoe-clip-qkv", ["convert", "import-hf", "{tmp}/cv-olmoe-hf-clip", "{tmp}/cv-o21"],
+     ["olmoe: clip_qkv=8.0 clamps the query / key / value projections", "only checkpoints without it"]),
     ("import-megatron-heads-zero", ["convert", "import-megatron", "{tmp}/cv-mc", "{tmp}/cv-o13", "--heads", "0"],
      ["--heads", ">= 1"]),
     ("import-megatron-outside", ["convert", "import-megatron", "{tmp}/cv-mc-outside", "{tmp}/cv-o14"],

@@ -57,6 +57,11 @@ def _check_export(hf_model, run_dir: Path, out: Path) -> None:
     main(["convert", "export-hf", str(run_dir / "final"), str(out)])
     exported = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
     assert type(exported) is type(hf_model)
+    # config.json: the class, and the folder's own special-token ids (kept through the run's hf_source.json)
+    written = json.loads((out / "config.json").read_text())
+    assert written["architectures"] == [type(hf_model).__name__]
+    assert (written["bos_token_id"], written["pad_token_id"]) == (hf_model.config.bos_token_id,
+                                                                  hf_model.config.pad_token_id)
     ours = load_weights(run_dir / "final").eval()
     ids = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -97,6 +102,15 @@ def test_first_step_matches_transformers_and_a_restart_never_reads_the_folder_ag
     trainer, result = run_trainer(load_config(None, _overrides(shards, run_dir, folder, 4, "checkpoint.interval=2")))
     assert result is not None and result.steps == 4 and len(result.history) == 2
     assert trainer.checkpoints.loaded_from == run_dir / "checkpoints" / "step-00000002"
+
+
+def test_an_olmoe_folder_continues_from_transformers_loss(shards, tmp_path):
+    hf_model, folder = hf_folder("olmoe", tmp_path / "hf")
+    overrides = _overrides(shards, tmp_path / "run", folder, 1, "model.dropout=0.0")
+    _, result = run_trainer(load_config(None, overrides))
+    assert result is not None and result.steps == 1
+    assert abs(result.history[0]["train/loss"] - _transformers_loss(hf_model, overrides, dp_size=1)) < LOSS_TOLERANCE
+    _check_export(hf_model, tmp_path / "run", tmp_path / "exported")
 
 
 def test_a_model_key_that_changes_the_function_is_refused_by_name(shards, tmp_path, capsys):

@@ -127,6 +127,10 @@ def convert_case_files(tmp: Path) -> None:
     write_weights(moe, MOE_CFG, tmp / "cv-moe-weights")
     export_hf(moe, MOE_CFG, tmp / "cv-moe-hf")
     _hf_with(tmp / "cv-moe-hf", tmp / "cv-moe-hf-dense-last", mlp_only_layers=[1])
+    # an OLMoE (QK-norm over the whole projections) that clamps q / k / v
+    olmoe = dataclasses.replace(MOE_CFG, qk_norm_scope="projection")
+    export_hf(Transformer(olmoe).state_dict(), olmoe, tmp / "cv-olmoe-hf")
+    _hf_with(tmp / "cv-olmoe-hf", tmp / "cv-olmoe-hf-clip", clip_qkv=8.0)
     write_weights(Transformer(GEMMA_SCALED_CFG).state_dict(), GEMMA_SCALED_CFG, tmp / "cv-gemma-scaled-weights")
     user = tmp / "cv-user"
     user.mkdir()

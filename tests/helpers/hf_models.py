@@ -37,6 +37,9 @@ ARCHS: dict[str, dict[str, Any]] = {
     # 4 experts of width intermediate_size, top-2
     "mixtral": dict(config="MixtralConfig", model="MixtralForCausalLM", tie_word_embeddings=False,
                     num_local_experts=4, num_experts_per_tok=2),
+    # 4 experts of width intermediate_size, top-2 not renormalised, QK-norm over the whole projections
+    "olmoe": dict(config="OlmoeConfig", model="OlmoeForCausalLM", tie_word_embeddings=False, num_experts=4,
+                  num_experts_per_tok=2),
     # a Qwen3-MoE whose every block is dense (mlp_only_layers): imported with experts that no block uses
     "qwen3_moe_dense": dict(config="Qwen3MoeConfig", model="Qwen3MoeForCausalLM", tie_word_embeddings=False,
                             head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

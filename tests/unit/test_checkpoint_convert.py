@@ -140,6 +140,11 @@ def _hf_model(arch: str):
             vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
             mlp_only_layers=[0], max_position_embeddings=32))
+    elif arch == "olmoe":
+        model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+            pad_token_id=None, eos_token_id=None))
     elif arch == "olmo2":
         model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(
             vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -159,7 +164,7 @@ def _hf_model(arch: str):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "t5", "llama3", "mistral", "qwen2", "qwen3", "mixtral",
-                                  "qwen3_moe", "olmo2", "gemma2", "gemma3"])
+                                  "qwen3_moe", "olmoe", "olmo2", "gemma2", "gemma3"])
 def test_hugging_face_import_export(arch, tmp_path):
     original = tmp_path / "hf"
     _hf_model(arch).save_pretrained(str(original))
@@ -177,8 +182,8 @@ def test_hugging_face_import_export(arch, tmp_path):
            "llama3": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
            "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
            "mixtral": transformers.MixtralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
-           "olmo2": transformers.Olmo2ForCausalLM, "gemma2": transformers.Gemma2ForCausalLM,
-           "gemma3": transformers.Gemma3ForCausalLM}[arch]
+           "olmoe": transformers.OlmoeForCausalLM, "olmo2": transformers.Olmo2ForCausalLM,
+           "gemma2": transformers.Gemma2ForCausalLM, "gemma3": transformers.Gemma3ForCausalLM}[arch]
     hf_model = cls.from_pretrained(str(tmp_path / "exported")).eval()
     cfg, state = read_weights(tmp_path / "ours")
     ours = Transformer(cfg).eval()

@@ -223,7 +223,7 @@ def test_mismatches_are_explained(tmp_path):
     for cfg, named in unmapped:
         problems = megatron_incompatibilities(cfg)
         assert len(problems) == 1 and named in problems[0], (named, problems)
-    # MoE with linear biases (tiny-moe): Hugging Face's MoE architectures refuse them too, so the fix is the config
+    # MoE with linear biases: Hugging Face's MoE architectures refuse them too, so the fix is the config
     biased = replace(moe, bias=True)
     write_weights(Transformer(biased).state_dict(), biased, tmp_path / "moe-bias")
     with pytest.raises(SystemExit) as info:

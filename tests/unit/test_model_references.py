@@ -147,6 +147,15 @@ def _hf_qwen3_moe(**extra):
         "norm_topk_prob": False, **extra}))
 
 
+def _hf_olmoe(**extra):
+    # QK-norm over the whole q / k projections in pre-norm blocks, grouped-query heads, 4 experts of width 24, top-2
+    # not renormalised (OLMoE's default)
+    return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**{
+        "vocab_size": 97, "hidden_size": 32, "intermediate_size": 24, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+        "max_position_embeddings": 32, "pad_token_id": None, "eos_token_id": None, **extra}))
+
+
 def _hf_olmo2(**extra):
     # post-sublayer norms, QK-norm over the whole q / k projections, llama3 rope scaling
     return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**{
@@ -199,8 +208,8 @@ def _random_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _SINGLE_STACK = [_hf_gpt2, _hf_bert, _hf_llama, _hf_llama3, _hf_mistral, _hf_qwen2, _hf_qwen3, _hf_mixtral,
-                 _hf_qwen3_moe, _hf_olmo2, _hf_gemma2, _hf_gemma3]
-_SINGLE_IDS = ["gpt2", "bert", "llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2",
+                 _hf_qwen3_moe, _hf_olmoe, _hf_olmo2, _hf_gemma2, _hf_gemma3]
+_SINGLE_IDS = ["gpt2", "bert", "llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2",
                "gemma2", "gemma3"]
 
 
@@ -358,10 +367,12 @@ _GEMMA3 = {"n_layers": 4, "head_dim": 16, "activation": "geglu", "norm_position"
     ("mixtral", _moe_config(attention_window=4)),
     ("qwen3_moe", _moe_config(qk_norm=True, head_dim=16, n_layers=4, moe_every=2, moe_first_dense=2, moe_d_ff=16,
                               router_renormalize=False)),
+    ("olmoe", _moe_config(qk_norm=True, qk_norm_scope="projection", router_renormalize=False, d_ff=24)),
     ("olmo2", _llama_config(norm_position="post_sublayer", qk_norm=True, qk_norm_scope="projection", **_LLAMA3_ROPE)),
     ("gemma2", _llama_config(**{**_GEMMA3, "qk_norm": False, "rope_local_theta": None, "attention_softcap": 1.0})),
     ("gemma3_text", _llama_config(**_GEMMA3)),
-], ids=["llama3", "llama-linear", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmo2", "gemma2", "gemma3"])
+], ids=["llama3", "llama-linear", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2", "gemma2",
+        "gemma3"])
 def test_export_logits_and_round_trip(arch, cfg):
     """Ours -> HF computes our logits (padded batch, sequences longer than the window) and comes back bitwise."""
     torch.manual_seed(0)
@@ -456,8 +467,10 @@ def test_llama31_rope_parameters_map_both_ways():
     (_hf_gemma3, {"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
     (_hf_gemma3, {"attention_bias": True}, "attention_bias=True"),
     (_hf_gemma3, {"hidden_activation": "silu"}, "hidden_activation='silu'"),
+    (_hf_olmoe, {"clip_qkv": 8.0}, "clip_qkv=8.0"),
+    (_hf_olmoe, {"attention_bias": True}, "attention_bias=True"),
 ], ids=["olmo2-attention-bias", "olmo2-act", "gemma3-layer-types", "gemma3-local-rope-scaling", "gemma3-bidirectional",
-        "gemma3-attention-bias", "gemma3-act"])
+        "gemma3-attention-bias", "gemma3-act", "olmoe-clip-qkv", "olmoe-attention-bias"])
 def test_olmo2_gemma3_refuse_what_they_cannot_express(make, extra, named):
     with pytest.raises(ValueError, match=re.escape(named)):
         config_from_hf(make(**extra).config)

@@ -1,8 +1,8 @@
 """Decoder-only (GPT, Llama): one causal stack; next-token prediction.
 
 Name maps: Hugging Face GPT-2 (Conv1D weights stored (in, out), q/k/v packed in `c_attn`), Llama, Mistral,
-Qwen2, Qwen3, OLMo 2, Gemma 2 and 3 (names only), Mixtral and Qwen3-MoE (one (out, in) linear per expert, as their
-checkpoints store them); Megatron-Core GPTModel (checkpointing/megatron.py).
+Qwen2, Qwen3, OLMo 2, Gemma 2 and 3 (names only), Mixtral, Qwen3-MoE and OLMoE (one (out, in) linear per expert, as
+their checkpoints store them); Megatron-Core GPTModel (checkpointing/megatron.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def gpt2_rules(cfg: ModelConfig) -> list[Rule]:
 
 # An MoE block's router and expert j's gate / up / down linears, as each architecture's checkpoints name them.
 _HF_EXPERTS = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.", ("w1", "w3", "w2")),
-               "qwen3_moe": ("mlp.gate", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj"))}
+               **dict.fromkeys(("qwen3_moe", "olmoe"), ("mlp.gate", "mlp.experts.{j}.", ("gate_proj", "up_proj",
+                                                                                         "down_proj")))}
 
 
 # Our block norms -> HF's names, by where the norms sit: Llama's pre-norms; OLMo 2's norms of the sub-layer outputs;
@@ -80,7 +81,7 @@ SPEC = transformer_family(
     training_flops=decoder_flops,
     name_maps={"gpt2": gpt2_rules, **{arch: partial(llama_rules, arch=arch)
                                       for arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe",
-                                                   "olmo2", "gemma2", "gemma3_text")}},
+                                                   "olmoe", "olmo2", "gemma2", "gemma3_text")}},
     megatron=MegatronNames(
         model="GPTModel", layers="decoder_layers", embedding="tok_embeddings.weight",
         positions="pos_embeddings.weight", final_norm="decoder_norm", output="output.weight",
