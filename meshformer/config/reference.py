@@ -32,7 +32,8 @@ def field_comments(cls: type) -> dict[str, str]:
             continue
         text = comments.get(number) if not line.lstrip().startswith("#") and "#" in line else None
         if text is None:  # the comment lines right above the field
-            above, at = [], number - 1
+            above: list[str] = []
+            at = number - 1
             while at >= 1 and lines[at - 1].strip().startswith("#"):
                 above.insert(0, comments.get(at, ""))
                 at -= 1
