@@ -130,7 +130,9 @@ def test_a_stop_signal_commits_the_agreed_step_and_resumes_bitwise(tmp_path_fact
             time.sleep(rng.uniform(0.5, SAVE_SLEEP_S / 2))
         signalled_after = _logged_step(log)
         _send(proc, target, sig)
+        sent = time.monotonic()
         codes = cluster.finish([proc], 300)
+        took = time.monotonic() - sent
     finally:
         cluster.kill_tree(proc.pid)
     text = log.read_text(errors="replace")
@@ -148,6 +150,8 @@ def test_a_stop_signal_commits_the_agreed_step_and_resumes_bitwise(tmp_path_fact
         assert 4 in committed_steps(run_dir / "checkpoints")  # the save signalled into committed too
     assert not (run_dir / "final").exists()
     _resume_and_compare(base, run_dir, world, step)
+    print(f"\nstop: world {world}, {signame} to {target} during {when}: signalled after step {signalled_after}, "
+          f"stopped after step {step}, exit {codes[0]}, {took:.1f}s from signal to exit, resumed bitwise")
 
 
 @pytest.mark.slow
