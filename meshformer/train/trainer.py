@@ -297,11 +297,10 @@ class Trainer:
                 window_loss.zero_()
                 window_tokens.zero_()
                 window_steps = 0
-            # Read one step late: every rank gets the same answer after the same step, without a host sync.
+            # Read one step late: every rank gets the same answer after the same step, without a host sync. A stop
+            # skips evaluation and samples: the grace period before the scheduler's kill is for the save.
             stop = self.stop is not None and step < cfg.train.steps and self.stop.agreed(step)
-            if stop:
-                pass  # no evaluation or sample: the grace period before the scheduler's kill is for the save
-            elif cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == cfg.train.steps):
+            if not stop and cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == cfg.train.steps):
                 self.watchdog.phase("eval")
                 eval_loss = self.evaluate()
                 log.scalars(step, {"eval/loss": eval_loss, "eval/perplexity": math.exp(min(eval_loss, 50))})
