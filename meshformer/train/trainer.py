@@ -300,7 +300,8 @@ class Trainer:
             # Read one step late: every rank gets the same answer after the same step, without a host sync. A stop
             # skips evaluation and samples: the grace period before the scheduler's kill is for the save.
             stop = self.stop is not None and step < cfg.train.steps and self.stop.agreed(step)
-            if not stop and cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == cfg.train.steps):
+            last = step == cfg.train.steps
+            if not stop and cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or last):
                 self.watchdog.phase("eval")
                 eval_loss = self.evaluate()
                 log.scalars(step, {"eval/loss": eval_loss, "eval/perplexity": math.exp(min(eval_loss, 50))})
