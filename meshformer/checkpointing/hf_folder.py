@@ -25,6 +25,11 @@ from meshformer.checkpointing.sharded_safetensors import (
 )
 from meshformer.config import ModelConfig
 from meshformer.data import Tokenizer
+from meshformer.folders import check_links
+
+# a link leaving a model folder: with `convert import-hf` an option follows it; checkpoint.init_from reads the folder
+LINKS_FIX = ("copy the linked files into the folder (cp -L), or pass --follow-links to `convert import-hf` if you "
+             "mean to read them where they are")
 
 if TYPE_CHECKING:
     from meshformer.checkpointing.hf import Arch
@@ -103,14 +108,14 @@ def hf_tensors(state: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arch) 
         yield hf._BERT_TOKEN_TYPES, positions.new_zeros(2, cfg.d_model)  # BertConfig's type_vocab_size
 
 
-def hf_source(folder: Path) -> Mapping[str, torch.Tensor]:
+def hf_source(folder: Path, follow_links: bool = False) -> Mapping[str, torch.Tensor]:
     """The tensors of an HF folder, read on access: model.safetensors or a sharded index (pytorch_model.bin,
     a single pickle, is loaded whole with weights_only=True)."""
     from meshformer.checkpointing.safetensors_io import LazyState
 
     folder = Path(folder)
     if has_safetensors(folder):
-        files = SafetensorsFolder(folder)
+        files = SafetensorsFolder(folder, follow_links)
         return LazyState(files.keys(), files.get, files.meta)
     if (folder / "pytorch_model.bin").is_file():
         return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
@@ -167,15 +172,19 @@ def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arc
     return LazyState(list(shapes), reader(theirs), reader(_meta_view(theirs)))
 
 
-def open_hf(folder: Path) -> tuple[ModelConfig, Arch, Mapping[str, torch.Tensor]]:
+def open_hf(folder: Path, follow_links: bool = False) -> tuple[ModelConfig, Arch, Mapping[str, torch.Tensor]]:
     """(our config, the architecture, its tensors read on access under their own names) of a Hugging Face
-    folder: only config.json and the files' headers are read."""
+    folder: only config.json and the files' headers are read. Its files must lie in it (or, for a hub cache
+    snapshot, in the cache's blobs/) unless `follow_links`."""
     from meshformer.checkpointing import hf
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise ConversionError(f"{folder} has no config.json; point at a Hugging Face model folder")
-    theirs = hf_source(folder)
+    if not follow_links:
+        check_links(folder, [p for p in folder.iterdir() if p.is_file()], what=f"Hugging Face folder {folder}",
+                    fix=LINKS_FIX)
+    theirs = hf_source(folder, follow_links)
     hf_config = _read_config(folder / "config.json", len(theirs))
     try:
         return hf.config_from_hf(hf_config), hf_config.model_type, theirs
@@ -183,9 +192,10 @@ def open_hf(folder: Path) -> tuple[ModelConfig, Arch, Mapping[str, torch.Tensor]
         raise ConversionError(f"cannot import {folder}: {err}") from None
 
 
-def import_hf(folder: Path, *, show_progress: bool | None = None) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
+def import_hf(folder: Path, *, show_progress: bool | None = None,
+              follow_links: bool = False) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
     """(our config, our tensors read on access) from a Hugging Face folder of one of `hf.ARCHS`."""
-    cfg, arch, theirs = open_hf(folder)
+    cfg, arch, theirs = open_hf(folder, follow_links)
     try:
         return cfg, lazy_from_hf(theirs, cfg, arch)
     except (ValueError, KeyError) as err:

@@ -79,6 +79,9 @@ def world(tmp_path_factory):
     (tmp / "mixed" / "b.txt").write_bytes(b"\x00\x01\x02\x03" * 500)
     (tmp / "nothing").mkdir()
     (tmp / "nothing" / "image.png").write_bytes(b"\x89PNG")
+    (tmp / "linked-corpus").mkdir()  # (#33) a corpus folder whose file links out of it
+    (tmp / "linked-corpus" / "a.txt").write_text("In the beginning was the word.\n" * 40)
+    (tmp / "linked-corpus" / "passwd.txt").symlink_to(tmp / "plain.txt")
     (tmp / "unnamed").mkdir()  # (#24) text a folder holds under names that do not say so
     (tmp / "unnamed" / "a.txt").write_text("named text\n")
     (tmp / "unnamed" / "NEWS").write_text("unnamed text\n")
@@ -289,6 +292,10 @@ CASES = [
                               "data.seq_len=4"), ["span corruption", "raise both"]),
     # data prepare
     ("prepare-missing", ["data", "prepare", "{tmp}/nowhere", "--out", "{tmp}/p1"], ["does not exist", "pass a file"]),
+    ("prepare-link-leaves-folder", ["data", "prepare", "{tmp}/linked-corpus", "--out", "{tmp}/p-linked", "--tokenizer",
+                                    "bundled:kjv-bpe-4k"],
+     ["passwd.txt links to", "plain.txt, outside", "pass --follow-links"]),
+    ("corpus-link-leaves-folder", _corpus("{tmp}/linked-corpus"), ["passwd.txt links to", "copy the linked files"]),
     ("prepare-binary", ["data", "prepare", "{tmp}/binary.txt", "--out", "{tmp}/p2"], ["not UTF-8", "remove it"]),
     ("prepare-exists", ["data", "prepare", "{corpus}", "--out", "{shards}", "--tokenizer", "bundled:kjv-bpe-4k"],
      ["already holds prepared shards", "--overwrite"]),
@@ -434,6 +441,8 @@ CASES = [
      ["index.json has no tensor 'tok_embeddings.weight'", "re-export"]),
     ("index-tensor-not-in-file", ["convert", "export-megatron", "{tmp}/cv-index-lies", "{tmp}/cv-o6"],
      ["'tok_embeddings.weight' in", "model-00001-of-00001.safetensors, which does not hold it", "re-export"]),
+    ("import-hf-linked-weights", ["convert", "import-hf", "{tmp}/cv-hf-linked", "{tmp}/cv-o21"],
+     ["cv-hf-linked/model.safetensors links to", "cv-hf-elsewhere.safetensors, outside", "--follow-links"]),
     ("import-hf-zero-heads", ["convert", "import-hf", "{tmp}/cv-hf-zero-heads", "{tmp}/cv-o7"],
      ["config.json: n_head=0 is not a positive integer", "fix that value"]),
     ("import-hf-zero-width", ["convert", "import-hf", "{tmp}/cv-hf-zero-width", "{tmp}/cv-o8"],

@@ -146,3 +146,50 @@ def test_renamed_tensors_are_read_by_slices_and_the_rest_whole(tmp_path):
     assert "tok_embeddings.weight" in sliced and len(sliced) == len(expected)  # Qwen3: renames only
     for name, tensor in expected.items():
         torch.testing.assert_close(source.get_slice(name)[1:3], tensor[1:3], rtol=0, atol=0)
+
+
+def _hub_cache_snapshot(hf_model, cache: Path) -> Path:
+    """`hf_model` saved in shards and laid out as the Hugging Face hub cache keeps a download: the snapshot's files
+    are links to `../../blobs/<hash>`."""
+    import hashlib
+
+    from meshformer.data.tokenizer import BUNDLED_DIR
+
+    staged, repo = cache / "staged", cache / "models--org--tiny"
+    hf_model.save_pretrained(str(staged), max_shard_size="500KB")
+    shutil.copy(BUNDLED_DIR / "kjv-bpe-4k.json", staged / "tokenizer.json")
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for file in sorted(staged.iterdir()):
+        blob = hashlib.sha256(file.read_bytes()).hexdigest()
+        file.rename(repo / "blobs" / blob)
+        (snapshot / file.name).symlink_to(f"../../blobs/{blob}")
+    assert (snapshot / "model.safetensors.index.json").is_symlink()
+    return snapshot
+
+
+def test_a_hub_cache_snapshot_imports_and_continues_but_links_out_of_a_folder_are_refused(shards, tmp_path, capsys):
+    from meshformer.checkpointing.hf import from_hf_model
+
+    hf_model, _ = hf_folder("llama", tmp_path / "hf")
+    snapshot = _hub_cache_snapshot(hf_model, tmp_path / "hub")
+    main(["convert", "import-hf", str(snapshot), str(tmp_path / "imported")])
+    expected = from_hf_model(hf_model).state_dict()
+    imported = load_weights(tmp_path / "imported").state_dict()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(imported[name], tensor, rtol=0, atol=0)
+    _, result = run_trainer(load_config(None, _overrides(shards, tmp_path / "run", snapshot, 1)))
+    assert result is not None and result.steps == 1 and torch.isfinite(torch.tensor(result.history[0]["train/loss"]))
+
+    # the same files linked from a plain folder leave it: refused in one line, for init_from as for import-hf
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for link in snapshot.iterdir():
+        (plain / link.name).symlink_to(link.resolve())
+    with pytest.raises(SystemExit) as info:
+        main(["train", str(TESTS.parent / "configs" / "tiny-gpt.toml"), "--set",
+              *_overrides(shards, tmp_path / "run2", plain, 1), "model.max_seq_len=64"])
+    line = str(info.value.code)
+    assert line.startswith("error: Hugging Face folder ") and "\n" not in line and "links to" in line, line
+    assert "cp -L" in line, line

@@ -118,6 +118,8 @@ def convert_case_files(tmp: Path) -> None:
     shutil.copy(hf / "model.safetensors", tmp / "cv-hf-elsewhere.safetensors")
     _indexed(hf, tmp / "cv-hf-outside", dict.fromkeys(load_file(hf / "model.safetensors"),
                                                        "../cv-hf-elsewhere.safetensors"))
+    shutil.copytree(hf, tmp / "cv-hf-linked", ignore=shutil.ignore_patterns("model.safetensors"))
+    (tmp / "cv-hf-linked" / "model.safetensors").symlink_to(tmp / "cv-hf-elsewhere.safetensors")
     for name, values in {"zero-heads": {"n_head": 0}, "zero-width": {"n_embd": 0}, "list": {"n_layer": [2]},
                          "string": {"n_embd": "32"}, "eps-string": {"layer_norm_epsilon": "small"},
                          "heads-divide": {"n_head": 5}, "layers": {"n_layer": 10**9}}.items():
