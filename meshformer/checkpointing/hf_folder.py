@@ -23,8 +23,9 @@ from meshformer.checkpointing.sharded_safetensors import (
     ShardedWriter,
     has_safetensors,
 )
-from meshformer.config import ModelConfig
+from meshformer.config import ModelConfig, validate_model
 from meshformer.data import Tokenizer
+from meshformer.errors import ConfigError
 from meshformer.folders import check_links
 
 # a link leaving a model folder: with `convert import-hf` an option follows it; checkpoint.init_from reads the folder
@@ -187,9 +188,15 @@ def open_hf(folder: Path, follow_links: bool = False) -> tuple[ModelConfig, Arch
     theirs = hf_source(folder, follow_links)
     hf_config = _read_config(folder / "config.json", len(theirs))
     try:
-        return hf.config_from_hf(hf_config), hf_config.model_type, theirs
+        cfg = hf.config_from_hf(hf_config)
     except (ValueError, KeyError) as err:
         raise ConversionError(f"cannot import {folder}: {err}") from None
+    try:  # a model the trainer would refuse is not written (nor generated from)
+        validate_model(cfg, f"hf:{folder}")
+    except ConfigError as err:
+        raise ConversionError(f"cannot import {folder}: its config.json gives {err.what}", "fix that value in "
+                              "config.json, or point at the folder save_pretrained wrote") from None
+    return cfg, hf_config.model_type, theirs
 
 
 def import_hf(folder: Path, *, show_progress: bool | None = None,

@@ -145,7 +145,22 @@ def load_init_weights(parts: list[torch.nn.Module], cfg: Config) -> str:
         raise ConversionError(f"{folder} now holds another model than the one this run was configured from",
                               "point checkpoint.init_from at the folder the run started with")
     load_into(parts, source)
+    _refuse_nonfinite(parts, folder, source)
     return source.arch
+
+
+def _refuse_nonfinite(parts: list[torch.nn.Module], folder: Path, source: HFInitWeights) -> None:
+    """One line naming a tensor of the folder that holds NaN or inf (this rank's part of it): training from it
+    would only produce NaN losses."""
+    from meshformer.checkpointing.state import named_parameters
+    from meshformer.parallel.grad_norm import local_tensor
+
+    for name, param in named_parameters(parts):
+        if not bool(torch.isfinite(local_tensor(param)).all()):
+            theirs = f" ({source.renamed[name]!r} in its files)" if name in source.renamed else ""
+            raise ConversionError(f"checkpoint.init_from: the tensor {name!r}{theirs} of {folder} holds NaN or inf "
+                                  "values, so training from it would train NaN", "restore or re-download the "
+                                  "folder's weights, or point checkpoint.init_from at another folder")
 
 
 def record_source(run_dir: Path, cfg: Config, arch: str) -> None:

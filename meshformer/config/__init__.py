@@ -24,7 +24,7 @@ from meshformer.config.sections import (
     ScheduleConfig,
     TrainConfig,
 )
-from meshformer.config.validate import validate
+from meshformer.config.validate import validate, validate_model
 from meshformer.config.write import dump_toml
 from meshformer.errors import ConfigError
 from meshformer.model.config import Activation, ModelConfig
@@ -33,5 +33,5 @@ __all__ = [
     "Activation", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DataSourceConfig", "LoggingConfig",
     "ModelConfig", "OptimConfig", "ParallelConfig", "ProfileConfig", "Recompute", "ScheduleConfig", "TrainConfig",
     "build_section", "bundled_configs", "config_from_dict", "dump_toml", "load_config", "parse_size",
-    "resolve_config_path", "validate",
+    "resolve_config_path", "validate", "validate_model",
 ]

@@ -193,3 +193,19 @@ def test_a_hub_cache_snapshot_imports_and_continues_but_links_out_of_a_folder_ar
     line = str(info.value.code)
     assert line.startswith("error: Hugging Face folder ") and "\n" not in line and "links to" in line, line
     assert "cp -L" in line, line
+
+
+def test_a_nan_tensor_in_the_folder_is_named_before_step_1(shards, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, folder = hf_folder("llama", tmp_path / "hf")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "run.toml").write_text("")  # every key from the overrides, the model from the folder
+    with pytest.raises(SystemExit) as info:
+        main(["train", str(tmp_path / "run.toml"), "--set", *_overrides(shards, tmp_path / "run", folder, 2)])
+    line = str(info.value.code)
+    assert line.startswith("error: checkpoint.init_from: ") and "\n" not in line, line
+    assert "'model.layers.1.mlp.down_proj.weight'" in line and "NaN or inf" in line, line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()

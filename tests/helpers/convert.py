@@ -28,6 +28,9 @@ GEMMA_SCALED_CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2,
                                scale_embeddings=True, position="rope", attention_window=4, full_attention_every=2,
                                rope_scaling="linear", rope_scaling_factor=2.0, bias=False, max_seq_len=64,
                                tie_embeddings=True)
+# a Llama with linearly scaled RoPE
+ROPE_CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=32, activation="swiglu", norm="rmsnorm",
+                       position="rope", bias=False, max_seq_len=64, rope_scaling="linear", rope_scaling_factor=2.0)
 SHARD = "model-00001-of-00001.safetensors"
 
 
@@ -130,6 +133,13 @@ def convert_case_files(tmp: Path) -> None:
     export_hf(moe, MOE_CFG, tmp / "cv-moe-hf")
     _hf_with(tmp / "cv-moe-hf", tmp / "cv-moe-hf-dense-last", mlp_only_layers=[1])
     write_weights(Transformer(GEMMA_SCALED_CFG).state_dict(), GEMMA_SCALED_CFG, tmp / "cv-gemma-scaled-weights")
+    # (#33) config.json values transformers loads but the trainer refuses: import-hf must refuse them too
+    _hf_with(tmp / "cv-moe-hf", tmp / "cv-moe-hf-top-k", num_experts_per_tok=8)
+    rope = export_hf(Transformer(ROPE_CFG).state_dict(), ROPE_CFG, tmp / "cv-rope-hf")
+    rope_parameters = json.loads((rope / "config.json").read_text())["rope_parameters"]
+    for name, values in {"factor": {"factor": -8.0}, "nan": {"factor": float("nan")},
+                         "theta": {"rope_theta": 0.0}}.items():
+        _hf_with(rope, tmp / f"cv-rope-hf-{name}", rope_parameters={**rope_parameters, **values})
     user = tmp / "cv-user"
     user.mkdir()
     (user / "thesis.tex").write_text("years of work\n")
