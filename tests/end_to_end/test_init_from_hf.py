@@ -209,3 +209,17 @@ def test_a_nan_tensor_in_the_folder_is_named_before_step_1(shards, tmp_path):
     assert line.startswith("error: checkpoint.init_from: ") and "\n" not in line, line
     assert "'model.layers.1.mlp.down_proj.weight'" in line and "NaN or inf" in line, line
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+def test_a_model_key_set_to_its_default_value_is_still_named(shards, tmp_path):
+    # model.n_layers defaults to 4: written out, it asks for 4 layers, which the 2-layer folder does not have
+    from meshformer.model.config import ModelConfig
+
+    _, folder = hf_folder("llama", tmp_path / "hf")
+    base = _overrides(shards, tmp_path / "run", folder, 1)
+    assert ModelConfig().n_layers == 4 and ModelConfig().norm == "layernorm"
+    with pytest.raises(ConfigError) as info:
+        resolve_init_from(load_config(None, [*base, "model.n_layers=4", "model.norm=layernorm"]))
+    assert "model.n_layers=4 (it has 2)" in str(info.value) and "model.norm='layernorm' (it has 'rmsnorm')" in \
+        str(info.value), info.value
+    assert resolve_init_from(load_config(None, [*base, "model.n_layers=2"])).model.n_layers == 2  # the folder's own
