@@ -9,6 +9,7 @@ the HF model.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -119,9 +120,28 @@ def hf_source(folder: Path, follow_links: bool = False) -> Mapping[str, torch.Te
         files = SafetensorsFolder(folder, follow_links)
         return LazyState(files.keys(), files.get, files.meta)
     if (folder / "pytorch_model.bin").is_file():
-        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        return _read_pickled(folder / "pytorch_model.bin")
     raise ConversionError(f"{folder} has no model.safetensors, model.safetensors.index.json or "
                           "pytorch_model.bin; point at a folder written by save_pretrained")
+
+
+def _read_pickled(path: Path) -> Mapping[str, torch.Tensor]:
+    """A pytorch_model.bin loaded with weights_only=True: tensors only, never code. A pickle holding anything else
+    (or a damaged file) is refused in one line."""
+    import pickle
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError) as err:
+        # torch's refusal spans paragraphs; what follows "WeightsUnpickler error:" names what the pickle holds
+        found = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(err))
+        reason = found.group(1).split(". ")[0] if found else (str(err).strip().splitlines() or [repr(err)])[0]
+        raise ConversionError(f"{path} is not a plain file of tensors that loads without running code ({reason})",
+                              "get the model's model.safetensors instead, or convert the file to safetensors where "
+                              "you trust its source") from None
+    if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConversionError(f"{path} holds no state dict of tensors", "point at a folder save_pretrained wrote")
+    return state
 
 
 def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arch) -> Mapping[str, torch.Tensor]:

@@ -175,9 +175,13 @@ class SafetensorsFolder:
         if (self.directory / SINGLE_FILE).is_file():
             inside(self.directory, SINGLE_FILE, what=str(self.directory), fix=_LINK_FIX, follow_links=follow_links)
             self.source = self.directory / SINGLE_FILE  # the file naming the tensors: the one file or the index
-            with safe_open(str(self.source), framework="pt") as f:
-                self.weight_map = dict.fromkeys(f.keys(), SINGLE_FILE)
-                self.metadata: dict[str, str] = f.metadata() or {}
+            try:
+                with safe_open(str(self.source), framework="pt") as f:
+                    self.weight_map = dict.fromkeys(f.keys(), SINGLE_FILE)
+                    self.metadata: dict[str, str] = f.metadata() or {}
+            except SafetensorError as err:  # a truncated file, or a header whose lengths or offsets lie
+                raise CorruptCheckpointError(f"{self.source} is not a readable safetensors file ({err})",
+                                             "copy or download it again whole, or re-export the folder") from None
         elif (self.directory / INDEX_FILE).is_file():
             self.source = self.directory / INDEX_FILE
             self.weight_map = _read_index(self.source, follow_links)

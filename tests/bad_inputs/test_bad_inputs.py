@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 from helpers.common import ROOT
-from helpers.convert import convert_case_files
+from helpers.convert import SHARD, convert_case_files, indexed
 from helpers.data import forge_shard, shards, small_corpus, tar_member
+from safetensors.torch import load_file
 
 from meshformer.checkpointing.weights import write_weights
 from meshformer.cli import main
@@ -96,6 +97,8 @@ def world(tmp_path_factory):
             progress=False)  # part 1/2 of the map stage never finished
     # files for the checkpoint/convert cases (#25)
     convert_case_files(tmp)
+    final = load_file(paths["final"] / "model.safetensors")  # (#33) its index lacks a tensor the model needs
+    indexed(paths["final"], tmp / "final-index-drops", {k: SHARD for k in final if k != "tok_embeddings.weight"})
     (tmp / "broken-weights").mkdir()
     (tmp / "broken-weights" / "model.safetensors").write_bytes(b"garbage")
     (tmp / "broken-weights" / "model_config.json").write_text("{")
@@ -451,6 +454,15 @@ CASES = [
      ["model.rope_theta must be positive, got 0.0", "fix that value in config.json"]),
     ("import-hf-top-k-above-experts", ["convert", "import-hf", "{tmp}/cv-moe-hf-top-k", "{tmp}/cv-o25"],
      ["model.experts_per_token=8 must lie in [1, model.n_experts=4]", "fix that value in config.json"]),
+    ("import-hf-truncated", ["convert", "import-hf", "{tmp}/cv-hf-truncated", "{tmp}/cv-o26"],
+     ["cv-hf-truncated/model.safetensors is not a readable safetensors file", "download it again"]),
+    ("import-hf-header-lies", ["convert", "import-hf", "{tmp}/cv-hf-header-lies", "{tmp}/cv-o27"],
+     ["cv-hf-header-lies/model.safetensors is not a readable safetensors file", "header too large", "again"]),
+    ("import-hf-pickle-runs-code", ["convert", "import-hf", "{tmp}/cv-hf-pickle", "{tmp}/cv-o28"],
+     ["cv-hf-pickle/pytorch_model.bin is not a plain file of tensors", "print", "model.safetensors instead"]),
+    ("generate-index-lacks-tensor", ["generate", "{tmp}/final-index-drops", "--prompt", "x"],
+     ["model.safetensors.index.json has no tensor 'tok_embeddings.weight'", "model_config.json",
+      "re-export the folder"]),
     ("import-hf-zero-heads", ["convert", "import-hf", "{tmp}/cv-hf-zero-heads", "{tmp}/cv-o7"],
      ["config.json: n_head=0 is not a positive integer", "fix that value"]),
     ("import-hf-zero-width", ["convert", "import-hf", "{tmp}/cv-hf-zero-width", "{tmp}/cv-o8"],
