@@ -22,6 +22,12 @@ def _device(model: nn.Module) -> torch.device:
 def _check_length(cfg, prompt_len: int, max_new_tokens: int) -> None:
     # The last generated token is never fed back, so the decoder sees prompt_len + max_new_tokens - 1 positions.
     needed = prompt_len + max_new_tokens - 1
+    if cfg.position in TABLE_POSITIONS and prompt_len > cfg.max_seq_len:  # no number of new tokens fits
+        new = min(max_new_tokens, cfg.max_seq_len)
+        over = prompt_len - cfg.max_seq_len
+        raise UsageError(f"a {prompt_len}-token prompt is {over} tokens longer than the model's context ("
+                         f"{cfg.position!r} positions stop at model.max_seq_len={cfg.max_seq_len})",
+                         f"shorten the prompt to at most {cfg.max_seq_len - new + 1} tokens to generate {new} new ones")
     if cfg.position in TABLE_POSITIONS and needed > cfg.max_seq_len:
         raise UsageError(
             f"decoding {max_new_tokens} new tokens after a {prompt_len}-token prompt needs {needed} positions, but "
