@@ -85,8 +85,9 @@ def _walk(folder: Path, include: list[str], report: list[str], follow_links: boo
     skipped: dict[str, list[Path]] = {}
     unnamed_text: list[Path] = []
     entries, linked_dirs = _entries(folder, follow_links)
-    if not follow_links:
-        check_links(folder, linked_dirs, what=f"corpus folder {folder}", fix=links_fix)
+    if not follow_links:  # a linked folder is not walked: one that leaves the folder is not part of it
+        check_links(folder, [p for p in linked_dirs if not _hidden(p.relative_to(folder))],
+                    what=f"corpus folder {folder}", fix=links_fix)
     candidates: list[Path] = []
     for p in entries:
         if not p.is_file() or hf.keys() & set(p.parents):
@@ -141,7 +142,7 @@ def _entries(folder: Path, follow_links: bool) -> tuple[list[Path], list[Path]]:
 def _classify(path: Path, rel: Path, include: list[str]) -> str:
     """"read", "text" (text not named as a corpus: refused), "" (read through another file), or why it is
     skipped."""
-    if any(part.startswith(".") for part in rel.parts):
+    if _hidden(rel):
         return "hidden"
     if include:
         matched = any(fnmatch.fnmatch(path.name, g) or fnmatch.fnmatch(rel.as_posix(), g) for g in include)
@@ -157,6 +158,10 @@ def _classify(path: Path, rel: Path, include: list[str]) -> str:
     if binary_format(head(path, 9), path.suffix):
         return "read"
     return _probe_text(path)
+
+
+def _hidden(rel: Path) -> bool:
+    return any(part.startswith(".") for part in rel.parts)
 
 
 def _probe_text(path: Path) -> str:
