@@ -193,6 +193,9 @@ def test_a_hub_cache_snapshot_imports_and_continues_but_links_out_of_a_folder_ar
     line = str(info.value.code)
     assert line.startswith("error: Hugging Face folder ") and "\n" not in line and "links to" in line, line
     assert "cp -L" in line, line
+    main(["convert", "import-hf", str(plain), str(tmp_path / "followed"), "--follow-links"])  # read where they point
+    followed = load_weights(tmp_path / "followed").state_dict()
+    assert all(torch.equal(followed[name], tensor) for name, tensor in imported.items())
 
 
 def test_a_nan_tensor_in_the_folder_is_named_before_step_1(shards, tmp_path):
