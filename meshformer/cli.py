@@ -257,7 +257,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     params.add_argument("--json", action="store_true", help="print the counts as JSON")
     params.set_defaults(func=_params)
 
-    gen = sub.add_parser("generate", help="greedy decoding (KV cache) from a run's final weights")
+    gen = sub.add_parser("generate", help="greedy decoding (KV cache) from a run's final weights",
+                         description="Greedy decoding (KV cache) from a run's final weights. An MoE generates\n"
+                         "dropless: model.capacity_factor applies to training only, so a prompt's continuation\n"
+                         "does not depend on the other prompts of the batch or on the cache.")
     gen.add_argument("weights", help="folder with model.safetensors, e.g. runs/tiny-gpt/final")
     gen.add_argument("--prompt", action="append", help="text to continue; repeat for a batch (one output line each)")
     gen.add_argument("--prompts-file", help="more prompts, one a line (blank lines skipped)")

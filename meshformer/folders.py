@@ -9,6 +9,8 @@ else made is reported, not deleted.
 
 Folders are also closed worlds: a manifest or weights index names files *inside* its folder (`inside`), never
 an absolute path, `..`, a URL or a `pipe:` command; remote or command sources come only from the user's config.
+A link that takes a file of an input folder outside it is refused too (`check_links`) unless the user's option
+says to follow it, except the Hugging Face hub cache's layout (snapshot files linking into the cache's blobs/).
 """
 
 from __future__ import annotations
@@ -145,9 +147,10 @@ def replace(staged: Path, out: Path) -> None:
         staged.rename(out)
 
 
-def inside(folder: Path, name: object, *, what: str, fix: str) -> Path:
+def inside(folder: Path, name: object, *, what: str, fix: str, follow_links: bool = False) -> Path:
     """The path of `name` in `folder`, if `name` is a plain relative file name that stays inside it; otherwise
-    one line naming `what` lists it (an absolute path, `..`, a URL, a `pipe:` command, a non-string)."""
+    one line naming `what` lists it (an absolute path, `..`, a URL, a `pipe:` command, a non-string). A link
+    leaving the folder is refused as `check_links` refuses it, unless `follow_links`."""
     if not isinstance(name, str) or not name or "\x00" in name:
         raise UnsafePathError(f"{what} names {name!r}, which is not a file name", fix)
     if ":" in name.split("/", 1)[0] or name.startswith(("/", "\\", "~")) or os.path.isabs(name):
@@ -156,8 +159,33 @@ def inside(folder: Path, name: object, *, what: str, fix: str) -> Path:
     parts = Path(name).parts
     if ".." in parts:
         raise UnsafePathError(f"{what} names {name!r}, which leaves its folder", fix)
-    root = Path(folder).resolve()
-    path = (root / name).resolve()
-    if root not in path.parents:
-        raise UnsafePathError(f"{what} names {name!r}, which resolves outside {folder} (a link?)", fix)
+    if not follow_links and (target := _leaves(Path(folder), Path(folder) / name)) is not None:
+        raise UnsafePathError(f"{what} names {name!r}, which resolves outside {folder} (a link to {target})", fix)
     return Path(folder) / name
+
+
+def _roots(folder: Path) -> list[Path]:
+    """Where the files of `folder` may lie once links are resolved: in the folder itself, and for a snapshot of
+    the Hugging Face hub cache (`models--org--name/snapshots/<rev>/`, whose files link to `../../blobs/<hash>`)
+    in that cache's `blobs/`."""
+    root = Path(folder).resolve()
+    blobs = root.parent.parent / "blobs"
+    return [root, blobs] if root.parent.name == "snapshots" and blobs.is_dir() else [root]
+
+
+def _leaves(folder: Path, path: Path, roots: list[Path] | None = None) -> Path | None:
+    """Where `path` really is, if a link takes it out of `folder` (None: it stays inside)."""
+    target = Path(path).resolve()
+    return None if any(root in target.parents for root in roots or _roots(folder)) else target
+
+
+def check_links(folder: Path, paths: Iterable[Path], *, what: str, fix: str) -> None:
+    """Folders are closed worlds for links too: refuse, in one line, any of `paths` (files of `folder`) that a
+    link takes outside `folder` (a file linked to /etc/passwd is not part of a corpus or a model). The Hugging
+    Face hub cache's own layout (snapshot files linking into its blobs/) stays inside."""
+    roots = _roots(folder)
+    leaving = [(p, target) for p in paths if (target := _leaves(folder, p, roots)) is not None]
+    if leaving:
+        (path, target), more = leaving[0], len(leaving) - 1
+        raise UnsafePathError(f"{what}: {path} links to {target}, outside {folder}"
+                              f"{f' (and {more} more link(s) leave it)' if more else ''}", fix)

@@ -184,7 +184,7 @@ def _import_hf(args: argparse.Namespace) -> Path:
     from meshformer.data import load_tokenizer
 
     _require_transformers("import-hf")
-    cfg, state = import_hf(Path(args.src))
+    cfg, state = import_hf(Path(args.src), follow_links=args.follow_links)
     # the folder's own tokenizer (tokenizer.json + tokenizer_config.json) travels into the weights folder
     tokenizer = load_tokenizer(args.src) if (Path(args.src) / "tokenizer.json").is_file() else None
     if args.checkpoint:
@@ -279,8 +279,11 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     command("export-hf", _export_hf, "-> Hugging Face folder (GPT-2, BERT, Llama, T5, Mistral, Qwen2/3, Mixtral, "
             "Qwen3-MoE, OLMoE, OLMo 2, Gemma 2/3)").add_argument("--arch", choices=ARCHS,
                                                           help="default: the one matching the model config")
-    command("import-hf", _import_hf, "Hugging Face folder -> weights folder").add_argument(
-        "--checkpoint", action="store_true", help="write a weights-only checkpoint instead of a weights folder")
+    hf_in = command("import-hf", _import_hf, "Hugging Face folder -> weights folder")
+    hf_in.add_argument("--checkpoint", action="store_true", help="write a weights-only checkpoint instead of a "
+                       "weights folder")
+    hf_in.add_argument("--follow-links", action="store_true", help="read files that links take outside SRC (default: "
+                       "refused, except a Hugging Face hub cache snapshot's links into its blobs/)")
     megatron_out = command("export-megatron", _export_megatron, "-> Megatron-Core torch_dist GPT checkpoint")
     megatron_out.add_argument("--iteration", type=_count(0), default=0, help="the iter_<N> folder to write")
     megatron_out.add_argument("--pad-vocab-multiple", type=_count(1), default=1,

@@ -9,6 +9,7 @@ the HF model.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,8 +24,14 @@ from meshformer.checkpointing.sharded_safetensors import (
     ShardedWriter,
     has_safetensors,
 )
-from meshformer.config import ModelConfig
+from meshformer.config import ModelConfig, validate_model
 from meshformer.data import Tokenizer
+from meshformer.errors import ConfigError
+from meshformer.folders import check_links
+
+# a link leaving a model folder: with `convert import-hf` an option follows it; checkpoint.init_from reads the folder
+LINKS_FIX = ("copy the linked files into the folder (cp -L), or pass --follow-links to `convert import-hf` if you "
+             "mean to read them where they are")
 
 if TYPE_CHECKING:
     from meshformer.checkpointing.hf import Arch
@@ -158,19 +165,38 @@ def hf_tensors(state: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arch) 
         yield hf._BERT_TOKEN_TYPES, positions.new_zeros(2, cfg.d_model)  # BertConfig's type_vocab_size
 
 
-def hf_source(folder: Path) -> Mapping[str, torch.Tensor]:
+def hf_source(folder: Path, follow_links: bool = False) -> Mapping[str, torch.Tensor]:
     """The tensors of an HF folder, read on access: model.safetensors or a sharded index (pytorch_model.bin,
     a single pickle, is loaded whole with weights_only=True)."""
     from meshformer.checkpointing.safetensors_io import LazyState
 
     folder = Path(folder)
     if has_safetensors(folder):
-        files = SafetensorsFolder(folder)
+        files = SafetensorsFolder(folder, follow_links)
         return LazyState(files.keys(), files.get, files.meta)
     if (folder / "pytorch_model.bin").is_file():
-        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        return _read_pickled(folder / "pytorch_model.bin")
     raise ConversionError(f"{folder} has no model.safetensors, model.safetensors.index.json or "
                           "pytorch_model.bin; point at a folder written by save_pretrained")
+
+
+def _read_pickled(path: Path) -> Mapping[str, torch.Tensor]:
+    """A pytorch_model.bin loaded with weights_only=True: tensors only, never code. A pickle holding anything else
+    (or a damaged file) is refused in one line."""
+    import pickle
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError) as err:
+        # torch's refusal spans paragraphs; what follows "WeightsUnpickler error:" names what the pickle holds
+        found = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(err))
+        reason = found.group(1).split(". ")[0] if found else (str(err).strip().splitlines() or [repr(err)])[0]
+        raise ConversionError(f"{path} is not a plain file of tensors that loads without running code ({reason})",
+                              "get the model's model.safetensors instead, or convert the file to safetensors where "
+                              "you trust its source") from None
+    if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConversionError(f"{path} holds no state dict of tensors", "point at a folder save_pretrained wrote")
+    return state
 
 
 def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arch) -> Mapping[str, torch.Tensor]:
@@ -222,25 +248,36 @@ def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arc
     return LazyState(list(shapes), reader(theirs), reader(_meta_view(theirs)))
 
 
-def open_hf(folder: Path) -> tuple[ModelConfig, Arch, Mapping[str, torch.Tensor]]:
+def open_hf(folder: Path, follow_links: bool = False) -> tuple[ModelConfig, Arch, Mapping[str, torch.Tensor]]:
     """(our config, the architecture, its tensors read on access under their own names) of a Hugging Face
-    folder: only config.json and the files' headers are read."""
+    folder: only config.json and the files' headers are read. Its files must lie in it (or, for a hub cache
+    snapshot, in the cache's blobs/) unless `follow_links`."""
     from meshformer.checkpointing import hf
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise ConversionError(f"{folder} has no config.json; point at a Hugging Face model folder")
-    theirs = hf_source(folder)
+    if not follow_links:
+        check_links(folder, [p for p in folder.iterdir() if p.is_file()], what=f"Hugging Face folder {folder}",
+                    fix=LINKS_FIX)
+    theirs = hf_source(folder, follow_links)
     hf_config = _read_config(folder / "config.json", len(theirs))
     try:
-        return hf.config_from_hf(hf_config), hf_config.model_type, theirs
+        cfg = hf.config_from_hf(hf_config)
     except (ValueError, KeyError) as err:
         raise ConversionError(f"cannot import {folder}: {err}") from None
+    try:  # a model the trainer would refuse is not written (nor generated from)
+        validate_model(cfg, f"hf:{folder}")
+    except ConfigError as err:
+        raise ConversionError(f"cannot import {folder}: its config.json gives {err.what}", "fix that value in "
+                              "config.json, or point at the folder save_pretrained wrote") from None
+    return cfg, hf_config.model_type, theirs
 
 
-def import_hf(folder: Path, *, show_progress: bool | None = None) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
+def import_hf(folder: Path, *, show_progress: bool | None = None,
+              follow_links: bool = False) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
     """(our config, our tensors read on access) from a Hugging Face folder of one of `hf.ARCHS`."""
-    cfg, arch, theirs = open_hf(folder)
+    cfg, arch, theirs = open_hf(folder, follow_links)
     try:
         return cfg, lazy_from_hf(theirs, cfg, arch)
     except (ValueError, KeyError) as err:

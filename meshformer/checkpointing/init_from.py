@@ -24,7 +24,7 @@ from meshformer.checkpointing import directory
 from meshformer.checkpointing.errors import ConversionError
 from meshformer.checkpointing.hf import ARCHS, Arch
 from meshformer.checkpointing.manager import checkpoint_root
-from meshformer.config import Config, DataConfig, ModelConfig, build_section
+from meshformer.config import Config, DataConfig, ModelConfig, build_section, given_keys
 from meshformer.errors import ConfigError
 
 PREFIX = "hf:"
@@ -52,7 +52,8 @@ def resolve_init_from(cfg: Config) -> Config:
 
     saved = _newest_saved_config(cfg)
     source_model = saved["model"] if saved is not None else _hf_model_config(folder)
-    model = _merge(source_model, cfg.model, f"{PREFIX}{folder}" if saved is None else "this run's checkpoints")
+    given = {key.removeprefix("model.") for key in given_keys(cfg) if key.startswith("model.")}
+    model = _merge(source_model, cfg.model, f"{PREFIX}{folder}" if saved is None else "this run's checkpoints", given)
     data = cfg.data
     if data.tokenizer == DataConfig.tokenizer:  # left at its default: the model's own tokenizer
         tokenizer = saved.get("data", {}).get("tokenizer", str(folder)) if saved is not None else str(folder)
@@ -82,13 +83,16 @@ def _hf_model_config(folder: Path) -> ModelConfig:
     return open_hf(folder)[0]
 
 
-def _merge(source: ModelConfig | dict[str, Any], user: ModelConfig, where: str) -> ModelConfig:
-    """The source's model config with the user's function-neutral keys; any other key the user set (differs from
-    ModelConfig's default) and that differs from the source's is refused by name."""
+def _merge(source: ModelConfig | dict[str, Any], user: ModelConfig, where: str,
+           given: set[str] | frozenset[str] = frozenset()) -> ModelConfig:
+    """The source's model config with the user's function-neutral keys; any other key the user set (wrote, in
+    `given`, even at ModelConfig's default value; or differs from that default) and that differs from the source's
+    is refused by name."""
     base = source if isinstance(source, ModelConfig) else build_section(ModelConfig, source, "model")
     default = ModelConfig()
     changed = {f.name: getattr(user, f.name) for f in dataclasses.fields(ModelConfig)
-               if getattr(user, f.name) != getattr(default, f.name) and getattr(user, f.name) != getattr(base, f.name)}
+               if (f.name in given or getattr(user, f.name) != getattr(default, f.name))
+               and getattr(user, f.name) != getattr(base, f.name)}
     if "moe_d_ff" in changed and dataclasses.replace(base, moe_d_ff=user.moe_d_ff).expert_d_ff == base.expert_d_ff:
         del changed["moe_d_ff"]  # the folder's expert width, named as moe_d_ff where it has 0 (= d_ff): same function
     refused = {key: value for key, value in changed.items() if key not in FUNCTION_NEUTRAL}
@@ -145,7 +149,22 @@ def load_init_weights(parts: list[torch.nn.Module], cfg: Config) -> str:
         raise ConversionError(f"{folder} now holds another model than the one this run was configured from",
                               "point checkpoint.init_from at the folder the run started with")
     load_into(parts, source)
+    _refuse_nonfinite(parts, folder, source)
     return source.arch
+
+
+def _refuse_nonfinite(parts: list[torch.nn.Module], folder: Path, source: HFInitWeights) -> None:
+    """One line naming a tensor of the folder that holds NaN or inf (this rank's part of it): training from it
+    would only produce NaN losses."""
+    from meshformer.checkpointing.state import named_parameters
+    from meshformer.parallel.grad_norm import local_tensor
+
+    for name, param in named_parameters(parts):
+        if not bool(torch.isfinite(local_tensor(param)).all()):
+            theirs = f" ({source.renamed[name]!r} in its files)" if name in source.renamed else ""
+            raise ConversionError(f"checkpoint.init_from: the tensor {name!r}{theirs} of {folder} holds NaN or inf "
+                                  "values, so training from it would train NaN", "restore or re-download the "
+                                  "folder's weights, or point checkpoint.init_from at another folder")
 
 
 def record_source(run_dir: Path, cfg: Config, arch: str) -> None:

@@ -27,7 +27,13 @@ from meshformer.checkpointing.errors import CheckpointError, CorruptCheckpointEr
 from meshformer.checkpointing.manifest import MANIFEST, verify_manifest, write_json_atomic
 from meshformer.checkpointing.sharded_safetensors import DEFAULT_MAX_SHARD_SIZE, has_safetensors
 from meshformer.checkpointing.state import MODEL
-from meshformer.checkpointing.weights import CONFIG_FILE, open_weights, saved_names, write_weights
+from meshformer.checkpointing.weights import (
+    CONFIG_FILE,
+    missing_tensors_error,
+    open_weights,
+    saved_names,
+    write_weights,
+)
 from meshformer.config import ModelConfig, build_section
 from meshformer.data import Tokenizer
 from meshformer.data.tokenizer import check_vocab
@@ -99,10 +105,7 @@ def lazy_weights(path: Path) -> tuple[ModelConfig, LazyState]:
     cfg, folder = open_weights(path)
     names = folder.keys()
     if missing := [name for name in saved_names(cfg) if name not in folder]:
-        raise CorruptCheckpointError(f"{folder.source} has no tensor {missing[0]!r}"
-                                     f"{f' (nor {len(missing) - 1} more)' if missing[1:] else ''}, which the model "
-                                     f"of {Path(path) / CONFIG_FILE} needs", "re-export the folder, or put the "
-                                     f"{CONFIG_FILE} that belongs to these weights beside them")
+        raise missing_tensors_error(folder.source, missing)
     tied = cfg.tie_embeddings and "output.weight" not in folder
 
     def stored(name: str) -> str:

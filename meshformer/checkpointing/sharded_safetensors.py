@@ -27,6 +27,7 @@ from meshformer.folders import inside
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+_LINK_FIX = "copy the linked file into the folder (cp -L), or point at the folder that holds it"
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
@@ -169,16 +170,21 @@ def has_safetensors(directory: Path) -> bool:
 class SafetensorsFolder:
     """Tensors of a single-file or sharded safetensors folder, opened lazily, read one at a time."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, follow_links: bool = False) -> None:
         self.directory = Path(directory)
         if (self.directory / SINGLE_FILE).is_file():
+            inside(self.directory, SINGLE_FILE, what=str(self.directory), fix=_LINK_FIX, follow_links=follow_links)
             self.source = self.directory / SINGLE_FILE  # the file naming the tensors: the one file or the index
-            with safe_open(str(self.source), framework="pt") as f:
-                self.weight_map = dict.fromkeys(f.keys(), SINGLE_FILE)
-                self.metadata: dict[str, str] = f.metadata() or {}
+            try:
+                with safe_open(str(self.source), framework="pt") as f:
+                    self.weight_map = dict.fromkeys(f.keys(), SINGLE_FILE)
+                    self.metadata: dict[str, str] = f.metadata() or {}
+            except SafetensorError as err:  # a truncated file, or a header whose lengths or offsets lie
+                raise CorruptCheckpointError(f"{self.source} is not a readable safetensors file ({err})",
+                                             "copy or download it again whole, or re-export the folder") from None
         elif (self.directory / INDEX_FILE).is_file():
             self.source = self.directory / INDEX_FILE
-            self.weight_map = _read_index(self.source)
+            self.weight_map = _read_index(self.source, follow_links)
             self.metadata = {}
             for file in sorted(set(self.weight_map.values()))[:1]:  # every file carries the same metadata
                 with safe_open(str(self.directory / file), framework="pt") as f:
@@ -218,7 +224,7 @@ class SafetensorsFolder:
             yield name, self.get(name)
 
 
-def _read_index(index: Path) -> dict[str, str]:
+def _read_index(index: Path, follow_links: bool = False) -> dict[str, str]:
     """The index's tensor -> file map, checked before any tensor is read: every file lies inside the folder and
     exists, and holds the tensors the index assigns to it."""
     fix = "re-export the folder, or copy it again whole (every model-*-of-*.safetensors file and the index)"
@@ -230,7 +236,7 @@ def _read_index(index: Path) -> dict[str, str]:
         raise CorruptCheckpointError(f"{index}: weight_map is not a mapping of tensor names to files", fix)
     by_file: dict[str, list[str]] = {}
     for name, file in weight_map.items():
-        inside(index.parent, file, what=str(index), fix=fix)
+        inside(index.parent, file, what=str(index), fix=fix, follow_links=follow_links)
         by_file.setdefault(file, []).append(name)
     missing = sorted(file for file in by_file if not (index.parent / file).is_file())
     if missing:

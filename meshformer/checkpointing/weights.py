@@ -295,6 +295,14 @@ def read_weights(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     return cfg, state
 
 
+def missing_tensors_error(source: Path | str, missing: list[str]) -> CorruptCheckpointError:
+    """The one line for a weights folder (`source`: its file or index) lacking tensors its model config needs."""
+    more = f" (nor {len(missing) - 1} more)" if missing[1:] else ""
+    return CorruptCheckpointError(f"{source} has no tensor {missing[0]!r}{more}, which the model of the {CONFIG_FILE} "
+                                  "beside it needs", f"re-export the folder, or put the {CONFIG_FILE} that belongs to "
+                                  "these weights beside them")
+
+
 class TensorSource(Protocol):
     """What `load_into` reads from: a weights folder (`SafetensorsFolder`), or an HF folder under our names."""
 
@@ -308,10 +316,10 @@ def load_into(parts: list[nn.Module], folder: TensorSource) -> None:
     """Fill (possibly sharded) model parts from a weights folder, reading only each parameter's local slice."""
     from meshformer.checkpointing.state import named_buffers, named_parameters
 
+    if missing := [name for name, _ in named_parameters(parts) if name not in folder]:
+        raise missing_tensors_error(getattr(folder, "source", "the weights folder"), missing)
     for part in parts:
         for name, param in named_parameters([part]):
-            if name not in folder:
-                raise KeyError(f"the weights folder has no {name!r}; it was saved for a different model")
             _copy_local(param, folder, name)
         for name, buffer in named_buffers([part]):  # weights saved before a buffer was kept leave it as built
             if name in folder:

@@ -9,7 +9,7 @@ family's spec), `write.py` writes it back. Unknown keys, wrong types and inconsi
 `ConfigError` that names the key and the fix.
 """
 
-from meshformer.config.load import bundled_configs, config_from_dict, load_config, resolve_config_path
+from meshformer.config.load import bundled_configs, config_from_dict, given_keys, load_config, resolve_config_path
 from meshformer.config.parse import build_section, parse_size
 from meshformer.config.sections import (
     CheckpointConfig,
@@ -24,7 +24,7 @@ from meshformer.config.sections import (
     ScheduleConfig,
     TrainConfig,
 )
-from meshformer.config.validate import validate
+from meshformer.config.validate import validate, validate_model
 from meshformer.config.write import dump_toml
 from meshformer.errors import ConfigError
 from meshformer.model.config import Activation, ModelConfig
@@ -32,6 +32,6 @@ from meshformer.model.config import Activation, ModelConfig
 __all__ = [
     "Activation", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DataSourceConfig", "LoggingConfig",
     "ModelConfig", "OptimConfig", "ParallelConfig", "ProfileConfig", "Recompute", "ScheduleConfig", "TrainConfig",
-    "build_section", "bundled_configs", "config_from_dict", "dump_toml", "load_config", "parse_size",
-    "resolve_config_path", "validate",
+    "build_section", "bundled_configs", "config_from_dict", "dump_toml", "given_keys", "load_config", "parse_size",
+    "resolve_config_path", "validate", "validate_model",
 ]

@@ -17,6 +17,8 @@ from meshformer.config.sections import Config
 from meshformer.config.validate import validate
 from meshformer.errors import ConfigError
 
+_GIVEN = "_given_keys"  # a loaded Config's attribute (not a config key): what `given_keys` returns
+
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read a TOML file (or defaults), apply `section.key=value` overrides, validate."""
@@ -62,7 +64,15 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     """A validated config from a TOML-shaped tree of sections (what `load_config` reads from a file)."""
     cfg = build_section(Config, raw, "")
     validate(cfg)
+    setattr(cfg, _GIVEN, frozenset(f"{section}.{key}" for section, table in raw.items() if isinstance(table, dict)
+                                   for key in table))
     return cfg
+
+
+def given_keys(cfg: Config) -> frozenset[str]:
+    """The dotted keys the user wrote (in the TOML file or an override), whatever their values, defaults included:
+    a value equal to the default was still asked for. Empty for a config not loaded from a tree."""
+    return getattr(cfg, _GIVEN, frozenset())
 
 
 def _parse_value(text: str) -> Any:

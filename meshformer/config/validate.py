@@ -8,8 +8,9 @@ import dataclasses
 import math
 
 from meshformer.config.parse import parse_size
-from meshformer.config.sections import Config
+from meshformer.config.sections import CheckpointConfig, Config, DataConfig
 from meshformer.errors import ConfigError
+from meshformer.model.config import ModelConfig
 from meshformer.model.families import get_family_spec
 from meshformer.model.moe import is_moe_block
 
@@ -69,6 +70,13 @@ def validate(cfg: Config) -> None:
     if cfg.checkpoint.init_from and not cfg.checkpoint.init_from.startswith("hf:"):
         raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from!r} is not a source meshformer starts from",
                           "write hf:PATH for a Hugging Face model folder (config.json + safetensors)")
+
+
+def validate_model(model: ModelConfig, source: str) -> None:
+    """The trainer's own checks of a model that comes from elsewhere (an imported Hugging Face folder): `validate`
+    on the config of a run started from `source` (checkpoint.init_from), at the model's full context."""
+    data = DataConfig(seq_len=model.max_seq_len, target_len=min(DataConfig.target_len, model.max_seq_len))
+    validate(Config(model=model, data=data, checkpoint=CheckpointConfig(init_from=source)))
 
 
 def _check_family(cfg: Config) -> None:

@@ -74,6 +74,9 @@ def _prepare_arguments(p: argparse.ArgumentParser) -> None:
                    help="read exactly the files of input folders that match (name or path in the folder; "
                         "repeatable), e.g. --include '*' or --include '*.log' (default: files named as a corpus "
                         "format or recognised by content; other text files are an error)")
+    p.add_argument("--follow-links", action="store_true",
+                   help="read files of input folders that links take outside the folder (default: refused; a "
+                        "corpus folder is what lies in it)")
     p.add_argument("--pairs", action="store_true", help="JSONL source/target pairs for seq2seq")
     p.add_argument("--src-field", default="src", help="JSONL field of the source text (translation pairs)")
     p.add_argument("--tgt-field", default="tgt", help="JSONL field of the target text (translation pairs)")
@@ -88,6 +91,7 @@ def _prepare_arguments(p: argparse.ArgumentParser) -> None:
 
 _FORWARDED = ("tokenizer", "vocab_size", "seq_len", "record_len", "text_field", "doc_split", "src_field", "tgt_field",
               "eval_fraction", "seed", "shard_records", "bucket_mb", "num_proc", "token_dtype", "include")
+_FLAGS = ("pairs", "overwrite", "follow_links")
 
 
 def _parse_part(spec: str) -> tuple[int, int]:
@@ -102,8 +106,8 @@ def _parse_part(spec: str) -> tuple[int, int]:
 
 def run_prepare(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    manifest = prepare(args.inputs, args.out, pairs=args.pairs, part=_parse_part(args.part), stage=args.stage,
-                       progress=not args.quiet, overwrite=args.overwrite, **{k: getattr(args, k) for k in _FORWARDED})
+    manifest = prepare(args.inputs, args.out, part=_parse_part(args.part), stage=args.stage,
+                       progress=not args.quiet, **{k: getattr(args, k) for k in (*_FORWARDED, *_FLAGS)})
     if manifest is None:
         print(f"done: stage {args.stage} of part {args.part} for {args.out}")
         return 0
@@ -123,7 +127,7 @@ def run_submit_prepare(args: argparse.Namespace) -> int:
         value = getattr(args, key)
         for one in value if isinstance(value, list) else [] if value is None else [value]:
             forwarded += [f"--{key.replace('_', '-')}", str(one)]
-    forwarded += ["--pairs"] * args.pairs + ["--overwrite"] * args.overwrite
+    forwarded += [f"--{key.replace('_', '-')}" for key in _FLAGS if getattr(args, key)]
     result = submit_prepare(forwarded, args.out, args.parts, args.sbatch, dry_run=args.dry_run)
     if args.dry_run:
         print("\n".join(result))

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import zlib
 from collections import Counter
 from contextlib import closing
 from pathlib import Path
+
+from meshformer.folders import check_links
 
 from .corpus_base import (
     BUNDLED_CORPORA,
@@ -29,22 +32,26 @@ from .corpus_base import (
 )
 from .corpus_text import open_raw
 
+LINKS_FIX = "copy the linked files into the folder, or name them as inputs of their own"
+
 _PROBE_BYTES = 1 << 12  # decompressed bytes read to tell text from binary
 _NAMES_SHOWN = 5
 _HF_METADATA = {"dataset_dict.json"}  # a DatasetDict's index of its splits (each split folder is read)
 
 
 def resolve_inputs(inputs: str | Path | list[str | Path], include: list[str] | None = None,
-                   report: list[str] | None = None) -> list[Path]:
+                   report: list[str] | None = None, follow_links: bool = False,
+                   links_fix: str = LINKS_FIX) -> list[Path]:
     """Expand bundled names, directories and Megatron prefixes into a sorted, de-duplicated list of files.
 
     In a directory (`include` unset): text/JSONL files (optionally .gz/.zst), Parquet, Arrow, `.npy` and Megatron
     `.idx` (its `.bin` goes with it), by name or by first bytes; flat `.bin` token files only when named (a
     folder's .bin may be anything); a Hugging Face `save_to_disk` folder contributes its Arrow files in the order
     its state.json lists them. With `include` (glob patterns matched against the file name or its path in the
-    folder), exactly the matching files are read. Files named directly are always read. `report` gets a line
-    per folder saying what was read and skipped (logged by the caller once the inputs are checked, so that an
-    error stays the only line)."""
+    folder), exactly the matching files are read. Files named directly are always read. A folder's file or
+    subfolder that a link takes outside the folder is refused (`links_fix` says what to do) unless
+    `follow_links`. `report` gets a line per folder saying what was read and skipped (logged by the caller once
+    the inputs are checked, so that an error stays the only line)."""
     items = inputs if isinstance(inputs, list) else [inputs]
     files: list[Path] = []
     for item in items:
@@ -53,7 +60,8 @@ def resolve_inputs(inputs: str | Path | list[str | Path], include: list[str] | N
             continue
         path = Path(item).expanduser()
         if path.is_dir():
-            files.extend(_walk(path, include or [], report if report is not None else []))
+            files.extend(_walk(path, include or [], report if report is not None else [], follow_links,
+                               links_fix))
         elif path.is_file():
             files.append(_data_file(path))
         elif path.with_name(path.name + ".idx").is_file():  # a Megatron prefix, as Megatron's --data-path names it
@@ -69,14 +77,19 @@ def _data_file(path: Path) -> Path:
     return path.with_suffix(".idx") if path.suffix == ".bin" and path.with_suffix(".idx").is_file() else path
 
 
-def _walk(folder: Path, include: list[str], report: list[str]) -> list[Path]:
+def _walk(folder: Path, include: list[str], report: list[str], follow_links: bool, links_fix: str) -> list[Path]:
     """A folder's input files in sorted order (a `datasets` folder's Arrow files in its own order, at its place);
     says in `report` what was read and skipped; refuses text files that are not named as corpus files."""
     hf = {p.parent: p for p in folder.rglob("state.json") if (p.parent / "dataset_info.json").is_file()}
     found: list[tuple[Path, list[Path]]] = [(parent, _hf_files(parent, state)) for parent, state in hf.items()]
     skipped: dict[str, list[Path]] = {}
     unnamed_text: list[Path] = []
-    for p in sorted(folder.rglob("*")):
+    entries, linked_dirs = _entries(folder, follow_links)
+    if not follow_links:  # a linked folder is not walked: one that leaves the folder is not part of it
+        check_links(folder, [p for p in linked_dirs if not _hidden(p.relative_to(folder))],
+                    what=f"corpus folder {folder}", fix=links_fix)
+    candidates: list[Path] = []
+    for p in entries:
         if not p.is_file() or hf.keys() & set(p.parents):
             continue
         rel = p.relative_to(folder)
@@ -87,6 +100,10 @@ def _walk(folder: Path, include: list[str], report: list[str]) -> list[Path]:
             unnamed_text.append(rel)
         elif verdict:
             skipped.setdefault(verdict, []).append(rel)
+        if verdict in ("read", "text"):
+            candidates.append(p)
+    if not follow_links:  # before anything is read from them, and before a refusal whose fix would read them
+        check_links(folder, candidates, what=f"corpus folder {folder}", fix=links_fix)
     files = list(dict.fromkeys(f for _, group in sorted(found) for f in group))
     if unnamed_text:
         raise CorpusError(f"{folder}: {len(unnamed_text)} file(s) hold text but are not named as a corpus format "
@@ -103,10 +120,29 @@ def _walk(folder: Path, include: list[str], report: list[str]) -> list[Path]:
     return files
 
 
+def _entries(folder: Path, follow_links: bool) -> tuple[list[Path], list[Path]]:
+    """(every path under `folder`, sorted; the linked folders under it). Linked folders are walked only when
+    `follow_links`, each real folder once (a link to a parent would otherwise loop)."""
+    paths: list[Path] = []
+    linked: list[Path] = []
+    seen = {os.path.realpath(folder)}
+    for top, dirs, names in os.walk(folder, followlinks=follow_links):
+        for name in list(dirs):
+            path = Path(top) / name
+            if path.is_symlink():
+                linked.append(path)
+                real = os.path.realpath(path)
+                if real in seen:
+                    dirs.remove(name)
+                seen.add(real)
+        paths.extend(Path(top) / name for name in [*dirs, *names])
+    return sorted(paths), linked
+
+
 def _classify(path: Path, rel: Path, include: list[str]) -> str:
     """"read", "text" (text not named as a corpus: refused), "" (read through another file), or why it is
     skipped."""
-    if any(part.startswith(".") for part in rel.parts):
+    if _hidden(rel):
         return "hidden"
     if include:
         matched = any(fnmatch.fnmatch(path.name, g) or fnmatch.fnmatch(rel.as_posix(), g) for g in include)
@@ -122,6 +158,10 @@ def _classify(path: Path, rel: Path, include: list[str]) -> str:
     if binary_format(head(path, 9), path.suffix):
         return "read"
     return _probe_text(path)
+
+
+def _hidden(rel: Path) -> bool:
+    return any(part.startswith(".") for part in rel.parts)
 
 
 def _probe_text(path: Path) -> str:

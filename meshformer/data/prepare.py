@@ -64,7 +64,8 @@ def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, token
             pairs: bool = False, src_field: str = "src", tgt_field: str = "tgt", doc_split: DocSplit = "file",
             eval_fraction: float = 0.02, seed: int = 1234, shard_records: int | None = None, num_proc: int = 0,
             bucket_mb: float = 128, part: tuple[int, int] = (0, 1), stage: Stage = "all", progress: bool = True,
-            overwrite: bool = False, token_dtype: str = "auto", include: list[str] | None = None) -> Manifest | None:
+            overwrite: bool = False, token_dtype: str = "auto", include: list[str] | None = None,
+            follow_links: bool = False) -> Manifest | None:
     """Prepare shards in `out_dir` and return the manifest (also written to out_dir/manifest.json).
 
     inputs: text / JSONL / Parquet / Arrow files (gzip or zstd compressed text too), `datasets` folders, and
@@ -72,6 +73,7 @@ def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, token
     uint16 for vocabularies up to 65536, else uint32) and `.npy` token arrays, whose ids are kept as they are.
     include: glob patterns choosing the files of input folders to read, whatever their names (default: the files
     named or recognised as a corpus format; other text files are refused, binary ones skipped and logged).
+    follow_links: read files and folders that links take outside an input folder (refused otherwise).
     tokenizer: "train" (byte-level BPE of `vocab_size` on the training documents; only with stage "all"),
     "bundled:<name>", "gpt2", a tokenizer.json path, a Hugging Face tokenizer folder, or a loaded Tokenizer.
     Map tasks finished by an earlier run of the same plan (same inputs and settings) are kept: after a failed
@@ -105,7 +107,8 @@ def prepare(inputs: str | Path | list[str | Path], out_dir: str | Path, *, token
     items = inputs if isinstance(inputs, list) else [inputs]
     check_output_folder(items, out, overwrite)
     report: list[str] = []
-    files = resolve_inputs(items, include, report)
+    files = resolve_inputs(items, include, report, follow_links, "pass --follow-links if you mean to read them where "
+                           "they are, or copy them into the folder")
     check_corpus(files, None if pairs else text_field)
     for f in files if pairs else ():  # pairs need JSONL with both fields: say so before any work starts
         next(iter_pairs([f], src_field, tgt_field), None)

@@ -11,6 +11,7 @@ if TYPE_CHECKING:  # the model imports nothing from here, but keep generate impo
     from meshformer.model.transformer import Transformer
 
 from meshformer.errors import UsageError
+from meshformer.model.moe import dropless, moe_layers
 
 TABLE_POSITIONS = ("learned", "sinusoidal", "rope")  # position schemes backed by a max_seq_len table
 
@@ -22,6 +23,12 @@ def _device(model: nn.Module) -> torch.device:
 def _check_length(cfg, prompt_len: int, max_new_tokens: int) -> None:
     # The last generated token is never fed back, so the decoder sees prompt_len + max_new_tokens - 1 positions.
     needed = prompt_len + max_new_tokens - 1
+    if cfg.position in TABLE_POSITIONS and prompt_len > cfg.max_seq_len:  # no number of new tokens fits
+        new = min(max_new_tokens, cfg.max_seq_len)
+        over = prompt_len - cfg.max_seq_len
+        raise UsageError(f"a {prompt_len}-token prompt is {over} tokens longer than the model's context ("
+                         f"{cfg.position!r} positions stop at model.max_seq_len={cfg.max_seq_len})",
+                         f"shorten the prompt to at most {cfg.max_seq_len - new + 1} tokens to generate {new} new ones")
     if cfg.position in TABLE_POSITIONS and needed > cfg.max_seq_len:
         raise UsageError(
             f"decoding {max_new_tokens} new tokens after a {prompt_len}-token prompt needs {needed} positions, but "
@@ -99,31 +106,32 @@ def greedy_decode(
     was_training = model.training
     model.eval()
     try:
-        memory = memory_padding = None
-        if source_ids is not None:
-            memory, memory_padding = model.encode(source_ids, source_padding)
-        tokens = prompt_ids
-        finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
-        cache = model.new_cache() if use_cache else None
-        padding = prompt_padding
-        positions = None if padding is None else (padding.long().cumsum(1) - 1).clamp(min=0)
-        step_input, step_positions = tokens, positions
-        for _ in range(max_new_tokens):
-            hidden = model.decode(step_input if use_cache else tokens, padding, memory=memory,
-                                  memory_padding=memory_padding, cache=cache,
-                                  position_ids=step_positions if use_cache else positions)
-            next_token = model.head(hidden[:, -1]).argmax(dim=-1)
-            if eos_id is not None:
-                next_token = next_token.masked_fill(finished, eos_id)
-                finished |= next_token == eos_id
-            tokens = torch.cat([tokens, next_token[:, None]], dim=1)
-            step_input = next_token[:, None]
-            if padding is not None and positions is not None:  # the new token is real, one place after the last
-                padding = torch.cat([padding, padding.new_ones(padding.shape[0], 1)], dim=1)
-                step_positions = positions[:, -1:] + 1
-                positions = torch.cat([positions, step_positions], dim=1)
-            if eos_id is not None and bool(finished.all()):
-                break
-        return tokens
+        with dropless(layer for _, layer in moe_layers(model)):  # generation is dropless: see `dropless`
+            memory = memory_padding = None
+            if source_ids is not None:
+                memory, memory_padding = model.encode(source_ids, source_padding)
+            tokens = prompt_ids
+            finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+            cache = model.new_cache() if use_cache else None
+            padding = prompt_padding
+            positions = None if padding is None else (padding.long().cumsum(1) - 1).clamp(min=0)
+            step_input, step_positions = tokens, positions
+            for _ in range(max_new_tokens):
+                hidden = model.decode(step_input if use_cache else tokens, padding, memory=memory,
+                                      memory_padding=memory_padding, cache=cache,
+                                      position_ids=step_positions if use_cache else positions)
+                next_token = model.head(hidden[:, -1]).argmax(dim=-1)
+                if eos_id is not None:
+                    next_token = next_token.masked_fill(finished, eos_id)
+                    finished |= next_token == eos_id
+                tokens = torch.cat([tokens, next_token[:, None]], dim=1)
+                step_input = next_token[:, None]
+                if padding is not None and positions is not None:  # the new token is real, one place after the last
+                    padding = torch.cat([padding, padding.new_ones(padding.shape[0], 1)], dim=1)
+                    step_positions = positions[:, -1:] + 1
+                    positions = torch.cat([positions, step_positions], dim=1)
+                if eos_id is not None and bool(finished.all()):
+                    break
+            return tokens
     finally:
         model.train(was_training)

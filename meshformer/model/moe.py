@@ -303,6 +303,7 @@ class MoEFeedForward(nn.Module):
         self.token_group: TokenGroup | None = None  # set by Transformer.set_parallel_context; None: one process
         self.balance_weight = 1.0
         self.counts_load = True  # off for forwards that are not training (a pipeline's shape inference)
+        self.drops_tokens = True  # capacity_factor applies; off while generating (`dropless`)
         # Token-slots per expert over the training forwards since the last reset (every rank of the token group):
         # the load that auxiliary-loss-free balancing reads after each optimizer step.
         self.register_buffer("tokens_this_step", torch.zeros(cfg.n_experts), persistent=False)
@@ -340,14 +341,15 @@ class MoEFeedForward(nn.Module):
         order = torch.argsort(slots, stable=True)  # by expert, then by token
         routed = slots.new_zeros(n_experts).scatter_add_(0, slots, torch.ones_like(slots))  # bincount: a host sync
         counts = routed
-        if cfg.capacity_factor > 0:  # each expert keeps its earliest tokens up to capacity (this rank's tokens)
+        capped = cfg.capacity_factor > 0 and self.drops_tokens
+        if capped:  # each expert keeps its earliest tokens up to capacity (this rank's tokens)
             capacity = math.ceil(cfg.capacity_factor * n * k / n_experts)
             rank = torch.arange(order.numel(), device=x.device) - (routed.cumsum(0) - routed)[slots[order]]
             order = order[rank < capacity]
             counts = routed.clamp(max=capacity)
         # dropless: `order` is a permutation of the token-slots. Compiled code with a capacity takes the dropping path
         # whatever was dropped: a branch on a routed size would break the graph
-        dropless = cfg.capacity_factor == 0 or (not torch.compiler.is_compiling() and order.numel() == n * k)
+        dropless = not capped or (not torch.compiler.is_compiling() and order.numel() == n * k)
         if dropless:
             position = torch.empty_like(order).scatter_(0, order, torch.arange(n * k, device=x.device))
             out = self.experts(gather_rows(flat, order, position, k), counts)
@@ -446,6 +448,21 @@ def loads_not_counted(layers: Iterable[MoEFeedForward]) -> Iterator[None]:
     finally:
         for layer in layers:
             layer.counts_load = True
+
+
+@contextmanager
+def dropless(layers: Iterable[MoEFeedForward]) -> Iterator[None]:
+    """Forwards inside this block drop no token for capacity (model.capacity_factor is ignored): what a token
+    gets from the experts depends on it alone, not on the other tokens of the batch, which differ with the batch's
+    prompts and with a KV cache (one new token per forward instead of the whole sequence)."""
+    layers = list(layers)
+    for layer in layers:
+        layer.drops_tokens = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.drops_tokens = True
 
 
 def set_balance_weight(layers: Iterable[MoEFeedForward], weight: float) -> None:

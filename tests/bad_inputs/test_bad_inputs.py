@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 from helpers.common import ROOT
-from helpers.convert import convert_case_files
+from helpers.convert import SHARD, convert_case_files, indexed
 from helpers.data import forge_shard, shards, small_corpus, tar_member
+from safetensors.torch import load_file
 
 from meshformer.checkpointing.weights import write_weights
 from meshformer.cli import main
@@ -79,6 +80,9 @@ def world(tmp_path_factory):
     (tmp / "mixed" / "b.txt").write_bytes(b"\x00\x01\x02\x03" * 500)
     (tmp / "nothing").mkdir()
     (tmp / "nothing" / "image.png").write_bytes(b"\x89PNG")
+    (tmp / "linked-corpus").mkdir()  # (#33) a corpus folder whose file links out of it
+    (tmp / "linked-corpus" / "a.txt").write_text("In the beginning was the word.\n" * 40)
+    (tmp / "linked-corpus" / "passwd.txt").symlink_to(tmp / "plain.txt")
     (tmp / "unnamed").mkdir()  # (#24) text a folder holds under names that do not say so
     (tmp / "unnamed" / "a.txt").write_text("named text\n")
     (tmp / "unnamed" / "NEWS").write_text("unnamed text\n")
@@ -93,6 +97,8 @@ def world(tmp_path_factory):
             progress=False)  # part 1/2 of the map stage never finished
     # files for the checkpoint/convert cases (#25)
     convert_case_files(tmp)
+    final = load_file(paths["final"] / "model.safetensors")  # (#33) its index lacks a tensor the model needs
+    indexed(paths["final"], tmp / "final-index-drops", {k: SHARD for k in final if k != "tok_embeddings.weight"})
     (tmp / "broken-weights").mkdir()
     (tmp / "broken-weights" / "model.safetensors").write_bytes(b"garbage")
     (tmp / "broken-weights" / "model_config.json").write_text("{")
@@ -289,6 +295,10 @@ CASES = [
                               "data.seq_len=4"), ["span corruption", "raise both"]),
     # data prepare
     ("prepare-missing", ["data", "prepare", "{tmp}/nowhere", "--out", "{tmp}/p1"], ["does not exist", "pass a file"]),
+    ("prepare-link-leaves-folder", ["data", "prepare", "{tmp}/linked-corpus", "--out", "{tmp}/p-linked", "--tokenizer",
+                                    "bundled:kjv-bpe-4k"],
+     ["passwd.txt links to", "plain.txt, outside", "pass --follow-links"]),
+    ("corpus-link-leaves-folder", _corpus("{tmp}/linked-corpus"), ["passwd.txt links to", "copy the linked files"]),
     ("prepare-binary", ["data", "prepare", "{tmp}/binary.txt", "--out", "{tmp}/p2"], ["not UTF-8", "remove it"]),
     ("prepare-exists", ["data", "prepare", "{corpus}", "--out", "{shards}", "--tokenizer", "bundled:kjv-bpe-4k"],
      ["already holds prepared shards", "--overwrite"]),
@@ -434,6 +444,25 @@ CASES = [
      ["index.json has no tensor 'tok_embeddings.weight'", "re-export"]),
     ("index-tensor-not-in-file", ["convert", "export-megatron", "{tmp}/cv-index-lies", "{tmp}/cv-o6"],
      ["'tok_embeddings.weight' in", "model-00001-of-00001.safetensors, which does not hold it", "re-export"]),
+    ("import-hf-linked-weights", ["convert", "import-hf", "{tmp}/cv-hf-linked", "{tmp}/cv-o21"],
+     ["cv-hf-linked/model.safetensors links to", "cv-hf-elsewhere.safetensors, outside", "--follow-links"]),
+    ("import-hf-rope-factor", ["convert", "import-hf", "{tmp}/cv-rope-hf-factor", "{tmp}/cv-o22"],
+     ["cannot import", "model.rope_scaling_factor=-8.0 must be >= 1", "fix that value in config.json"]),
+    ("import-hf-rope-factor-nan", ["convert", "import-hf", "{tmp}/cv-rope-hf-nan", "{tmp}/cv-o23"],
+     ["model.rope_scaling_factor=nan is not a finite number", "fix that value in config.json"]),
+    ("import-hf-rope-theta-zero", ["convert", "import-hf", "{tmp}/cv-rope-hf-theta", "{tmp}/cv-o24"],
+     ["model.rope_theta must be positive, got 0.0", "fix that value in config.json"]),
+    ("import-hf-top-k-above-experts", ["convert", "import-hf", "{tmp}/cv-moe-hf-top-k", "{tmp}/cv-o25"],
+     ["model.experts_per_token=8 must lie in [1, model.n_experts=4]", "fix that value in config.json"]),
+    ("import-hf-truncated", ["convert", "import-hf", "{tmp}/cv-hf-truncated", "{tmp}/cv-o26"],
+     ["cv-hf-truncated/model.safetensors is not a readable safetensors file", "download it again"]),
+    ("import-hf-header-lies", ["convert", "import-hf", "{tmp}/cv-hf-header-lies", "{tmp}/cv-o27"],
+     ["cv-hf-header-lies/model.safetensors is not a readable safetensors file", "header too large", "again"]),
+    ("import-hf-pickle-runs-code", ["convert", "import-hf", "{tmp}/cv-hf-pickle", "{tmp}/cv-o28"],
+     ["cv-hf-pickle/pytorch_model.bin is not a plain file of tensors", "print", "model.safetensors instead"]),
+    ("generate-index-lacks-tensor", ["generate", "{tmp}/final-index-drops", "--prompt", "x"],
+     ["model.safetensors.index.json has no tensor 'tok_embeddings.weight'", "model_config.json",
+      "re-export the folder"]),
     ("import-hf-zero-heads", ["convert", "import-hf", "{tmp}/cv-hf-zero-heads", "{tmp}/cv-o7"],
      ["config.json: n_head=0 is not a positive integer", "fix that value"]),
     ("import-hf-zero-width", ["convert", "import-hf", "{tmp}/cv-hf-zero-width", "{tmp}/cv-o8"],
@@ -517,6 +546,9 @@ CASES = [
      ["--max-new-tokens=0", "at least 1"]),
     ("generate-too-long", ["generate", "{final}", "--prompt", "x", "--max-new-tokens", "500"],
      ["max_seq_len=64", "max_new_tokens <="]),
+    ("generate-prompt-too-long", ["generate", "{final}", "--prompt", "In the beginning " * 40, "--max-new-tokens", "4"],
+     ["-token prompt is", "tokens longer than the model's context", "max_seq_len=64",
+      "shorten the prompt to at most 61 tokens to generate 4 new ones"]),
     ("generate-encoder", ["generate", "{tmp}/encoder", "--prompt", "x", "--tokenizer", "bundled:kjv-bpe-4k"],
      ["encoder-only", "decoder"]),
     ("generate-tokenizer", ["generate", "{final}", "--prompt", "x", "--tokenizer", "bundled:nope"],

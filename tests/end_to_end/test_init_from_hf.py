@@ -160,3 +160,83 @@ def test_renamed_tensors_are_read_by_slices_and_the_rest_whole(tmp_path):
     assert "tok_embeddings.weight" in sliced and len(sliced) == len(expected)  # Qwen3: renames only
     for name, tensor in expected.items():
         torch.testing.assert_close(source.get_slice(name)[1:3], tensor[1:3], rtol=0, atol=0)
+
+
+def _hub_cache_snapshot(hf_model, cache: Path) -> Path:
+    """`hf_model` saved in shards and laid out as the Hugging Face hub cache keeps a download: the snapshot's files
+    are links to `../../blobs/<hash>`."""
+    import hashlib
+
+    from meshformer.data.tokenizer import BUNDLED_DIR
+
+    staged, repo = cache / "staged", cache / "models--org--tiny"
+    hf_model.save_pretrained(str(staged), max_shard_size="500KB")
+    shutil.copy(BUNDLED_DIR / "kjv-bpe-4k.json", staged / "tokenizer.json")
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for file in sorted(staged.iterdir()):
+        blob = hashlib.sha256(file.read_bytes()).hexdigest()
+        file.rename(repo / "blobs" / blob)
+        (snapshot / file.name).symlink_to(f"../../blobs/{blob}")
+    assert (snapshot / "model.safetensors.index.json").is_symlink()
+    return snapshot
+
+
+def test_a_hub_cache_snapshot_imports_and_continues_but_links_out_of_a_folder_are_refused(shards, tmp_path, capsys):
+    from meshformer.checkpointing.hf import from_hf_model
+
+    hf_model, _ = hf_folder("llama", tmp_path / "hf")
+    snapshot = _hub_cache_snapshot(hf_model, tmp_path / "hub")
+    main(["convert", "import-hf", str(snapshot), str(tmp_path / "imported")])
+    expected = from_hf_model(hf_model).state_dict()
+    imported = load_weights(tmp_path / "imported").state_dict()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(imported[name], tensor, rtol=0, atol=0)
+    _, result = run_trainer(load_config(None, _overrides(shards, tmp_path / "run", snapshot, 1)))
+    assert result is not None and result.steps == 1 and torch.isfinite(torch.tensor(result.history[0]["train/loss"]))
+
+    # the same files linked from a plain folder leave it: refused in one line, for init_from as for import-hf
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for link in snapshot.iterdir():
+        (plain / link.name).symlink_to(link.resolve())
+    with pytest.raises(SystemExit) as info:
+        main(["train", str(TESTS.parent / "configs" / "tiny-gpt.toml"), "--set",
+              *_overrides(shards, tmp_path / "run2", plain, 1), "model.max_seq_len=64"])
+    line = str(info.value.code)
+    assert line.startswith("error: Hugging Face folder ") and "\n" not in line and "links to" in line, line
+    assert "cp -L" in line, line
+    main(["convert", "import-hf", str(plain), str(tmp_path / "followed"), "--follow-links"])  # read where they point
+    followed = load_weights(tmp_path / "followed").state_dict()
+    assert all(torch.equal(followed[name], tensor) for name, tensor in imported.items())
+
+
+def test_a_nan_tensor_in_the_folder_is_named_before_step_1(shards, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, folder = hf_folder("llama", tmp_path / "hf")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "run.toml").write_text("")  # every key from the overrides, the model from the folder
+    with pytest.raises(SystemExit) as info:
+        main(["train", str(tmp_path / "run.toml"), "--set", *_overrides(shards, tmp_path / "run", folder, 2)])
+    line = str(info.value.code)
+    assert line.startswith("error: checkpoint.init_from: ") and "\n" not in line, line
+    assert "'model.layers.1.mlp.down_proj.weight'" in line and "NaN or inf" in line, line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+def test_a_model_key_set_to_its_default_value_is_still_named(shards, tmp_path):
+    # model.n_layers defaults to 4: written out, it asks for 4 layers, which the 2-layer folder does not have
+    from meshformer.model.config import ModelConfig
+
+    _, folder = hf_folder("llama", tmp_path / "hf")
+    base = _overrides(shards, tmp_path / "run", folder, 1)
+    assert ModelConfig().n_layers == 4 and ModelConfig().norm == "layernorm"
+    with pytest.raises(ConfigError) as info:
+        resolve_init_from(load_config(None, [*base, "model.n_layers=4", "model.norm=layernorm"]))
+    assert "model.n_layers=4 (it has 2)" in str(info.value) and "model.norm='layernorm' (it has 'rmsnorm')" in \
+        str(info.value), info.value
+    assert resolve_init_from(load_config(None, [*base, "model.n_layers=2"])).model.n_layers == 2  # the folder's own

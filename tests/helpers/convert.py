@@ -28,6 +28,9 @@ GEMMA_SCALED_CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2,
                                scale_embeddings=True, position="rope", attention_window=4, full_attention_every=2,
                                rope_scaling="linear", rope_scaling_factor=2.0, bias=False, max_seq_len=64,
                                tie_embeddings=True)
+# a Llama with linearly scaled RoPE
+ROPE_CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=32, activation="swiglu", norm="rmsnorm",
+                       position="rope", bias=False, max_seq_len=64, rope_scaling="linear", rope_scaling_factor=2.0)
 SHARD = "model-00001-of-00001.safetensors"
 
 
@@ -44,7 +47,7 @@ def same_size_other_tokenizer(path: Path) -> Path:
     return path
 
 
-def _indexed(src: Path, folder: Path, weight_map: dict[str, str], tensors: dict | None = None) -> Path:
+def indexed(src: Path, folder: Path, weight_map: dict[str, str], tensors: dict | None = None) -> Path:
     """A copy of the weights or HF folder `src` as one shard (`tensors`, default all) and an index `weight_map`."""
     shutil.copytree(src, folder, ignore=shutil.ignore_patterns("model.safetensors"))
     save_file(load_file(src / "model.safetensors") if tensors is None else tensors, str(folder / SHARD))
@@ -99,6 +102,29 @@ def _megatron_extra(src: Path, folder: Path) -> Path:
     return folder
 
 
+class _Code:
+    """Pickles as a call of `print`: a pickle that runs code when loaded (weights_only loading refuses it)."""
+
+    def __reduce__(self):
+        return print, ("this pickle runs code",)
+
+
+def _damaged_weights(hf: Path, tmp: Path) -> None:
+    """(#33) Copies of the HF folder `hf` whose weights file is cut short, has a header whose length lies, or is a
+    pickled pytorch_model.bin that runs code."""
+    import struct
+
+    import torch
+
+    data = (hf / "model.safetensors").read_bytes()
+    lying = struct.pack("<Q", 10**12) + data[8:]
+    for name, content in {"truncated": data[: len(data) // 2], "header-lies": lying}.items():
+        shutil.copytree(hf, tmp / f"cv-hf-{name}")
+        (tmp / f"cv-hf-{name}" / "model.safetensors").write_bytes(content)
+    shutil.copytree(hf, tmp / "cv-hf-pickle", ignore=shutil.ignore_patterns("model.safetensors"))
+    torch.save({"wte.weight": _Code()}, tmp / "cv-hf-pickle" / "pytorch_model.bin")
+
+
 def convert_case_files(tmp: Path) -> None:
     """The folders, named cv-*, under `tmp`."""
     state = Transformer(CFG).state_dict()
@@ -110,14 +136,17 @@ def convert_case_files(tmp: Path) -> None:
     _megatron_extra(tmp / "cv-mc", tmp / "cv-mc-extra")
     tensors = load_file(weights / "model.safetensors")
     shutil.copy(weights / "model.safetensors", tmp / "cv-elsewhere.safetensors")
-    _indexed(weights, tmp / "cv-index-outside", dict.fromkeys(tensors, "../cv-elsewhere.safetensors"))
-    _indexed(weights, tmp / "cv-index-absolute", dict.fromkeys(tensors, str(tmp / "cv-elsewhere.safetensors")))
-    _indexed(weights, tmp / "cv-index-drops", {k: SHARD for k in tensors if k != "tok_embeddings.weight"})
-    _indexed(weights, tmp / "cv-index-lies", dict.fromkeys(tensors, SHARD),
+    indexed(weights, tmp / "cv-index-outside", dict.fromkeys(tensors, "../cv-elsewhere.safetensors"))
+    indexed(weights, tmp / "cv-index-absolute", dict.fromkeys(tensors, str(tmp / "cv-elsewhere.safetensors")))
+    indexed(weights, tmp / "cv-index-drops", {k: SHARD for k in tensors if k != "tok_embeddings.weight"})
+    indexed(weights, tmp / "cv-index-lies", dict.fromkeys(tensors, SHARD),
              {k: v for k, v in tensors.items() if k != "tok_embeddings.weight"})
     shutil.copy(hf / "model.safetensors", tmp / "cv-hf-elsewhere.safetensors")
-    _indexed(hf, tmp / "cv-hf-outside", dict.fromkeys(load_file(hf / "model.safetensors"),
+    indexed(hf, tmp / "cv-hf-outside", dict.fromkeys(load_file(hf / "model.safetensors"),
                                                        "../cv-hf-elsewhere.safetensors"))
+    _damaged_weights(hf, tmp)
+    shutil.copytree(hf, tmp / "cv-hf-linked", ignore=shutil.ignore_patterns("model.safetensors"))
+    (tmp / "cv-hf-linked" / "model.safetensors").symlink_to(tmp / "cv-hf-elsewhere.safetensors")
     for name, values in {"zero-heads": {"n_head": 0}, "zero-width": {"n_embd": 0}, "list": {"n_layer": [2]},
                          "string": {"n_embd": "32"}, "eps-string": {"layer_norm_epsilon": "small"},
                          "heads-divide": {"n_head": 5}, "layers": {"n_layer": 10**9}}.items():
@@ -132,6 +161,13 @@ def convert_case_files(tmp: Path) -> None:
     export_hf(Transformer(olmoe).state_dict(), olmoe, tmp / "cv-olmoe-hf")
     _hf_with(tmp / "cv-olmoe-hf", tmp / "cv-olmoe-hf-clip", clip_qkv=8.0)
     write_weights(Transformer(GEMMA_SCALED_CFG).state_dict(), GEMMA_SCALED_CFG, tmp / "cv-gemma-scaled-weights")
+    # (#33) config.json values transformers loads but the trainer refuses: import-hf must refuse them too
+    _hf_with(tmp / "cv-moe-hf", tmp / "cv-moe-hf-top-k", num_experts_per_tok=8)
+    rope = export_hf(Transformer(ROPE_CFG).state_dict(), ROPE_CFG, tmp / "cv-rope-hf")
+    rope_parameters = json.loads((rope / "config.json").read_text())["rope_parameters"]
+    for name, values in {"factor": {"factor": -8.0}, "nan": {"factor": float("nan")},
+                         "theta": {"rope_theta": 0.0}}.items():
+        _hf_with(rope, tmp / f"cv-rope-hf-{name}", rope_parameters={**rope_parameters, **values})
     user = tmp / "cv-user"
     user.mkdir()
     (user / "thesis.tex").write_text("years of work\n")

@@ -79,3 +79,29 @@ def test_cli_error_is_one_line(tmp_path, capsys):
         main(["data", "prepare", str(user_folder(tmp_path)), "--out", str(tmp_path / "out"), "--quiet"])
     message = str(exit_info.value.code)
     assert message.startswith("error: ") and message.count("\n") == 0 and "NEWS.gz" in message
+
+
+def test_links_out_of_a_corpus_folder_are_read_only_when_asked(tmp_path, capsys):
+    from meshformer.folders import UnsafePathError
+
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "more").mkdir(parents=True)
+    (elsewhere / "notes.txt").write_text("outside text\n")
+    (elsewhere / "more" / "b.txt").write_text("more outside text\n")
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text("inside text\n")
+    (folder / "same.txt").symlink_to("a.txt")  # stays inside: read
+    (folder / "more").symlink_to(elsewhere / "more")  # a linked folder leaving it: refused too, not skipped
+    with pytest.raises(UnsafePathError, match=r"corpus/more links to .*elsewhere/more, outside"):
+        resolve_inputs(folder)
+    (folder / "more").unlink()
+    (folder / "notes.txt").symlink_to(elsewhere / "notes.txt")
+    with pytest.raises(UnsafePathError, match=r"corpus/notes.txt links to .*elsewhere/notes.txt, outside"):
+        resolve_inputs(folder)
+    (folder / "more").symlink_to(elsewhere / "more")
+    assert [p.name for p in resolve_inputs(folder, follow_links=True)] == ["a.txt", "b.txt", "notes.txt", "same.txt"]
+    main(["data", "submit-prepare", str(folder), "--out", str(tmp_path / "o"), "--parts", "2", "--dry-run",
+          "--tokenizer", "bundled:kjv-bpe-4k", "--follow-links"])
+    scripts = capsys.readouterr().out.split("#!/bin/bash")[1:]
+    assert len(scripts) == 3 and all("--follow-links" in s for s in scripts)

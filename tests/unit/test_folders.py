@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from meshformer.folders import (
     MARKER,
     OutputFolderError,
     UnsafePathError,
+    check_links,
     check_output,
     inside,
     mark,
@@ -88,3 +91,37 @@ def test_names_inside_the_folder_and_links_out(tmp_path):
     (tmp_path / "link").symlink_to("/etc")
     with pytest.raises(UnsafePathError, match="outside"):
         inside(tmp_path, "link/passwd", what="m", fix="f")
+
+
+def _hub_snapshot(cache: Path) -> Path:
+    """A Hugging Face hub cache as `huggingface_hub` lays it out: snapshot files are links into ../../blobs."""
+    repo = cache / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "model-00001-of-00001.safetensors"):
+        (repo / "blobs" / f"hash-{name}").write_text("x")
+        (snapshot / name).symlink_to(f"../../blobs/hash-{name}")
+    return snapshot
+
+
+def test_links_leaving_a_folder_are_refused_except_the_hub_cache_layout(tmp_path):
+    (tmp_path / "secret").write_text("not yours")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "plain.txt").write_text("x")
+    (folder / "inner.txt").symlink_to("plain.txt")  # a link that stays inside
+    check_links(folder, [folder / "plain.txt", folder / "inner.txt"], what="w", fix="f")
+    (folder / "leak.txt").symlink_to(tmp_path / "secret")
+    with pytest.raises(UnsafePathError, match=r"leak.txt links to .*secret, outside .*folder"):
+        check_links(folder, sorted(folder.iterdir()), what="w", fix="f")
+    snapshot = _hub_snapshot(tmp_path / "hub")
+    check_links(snapshot, sorted(snapshot.iterdir()), what="w", fix="f")
+    assert inside(snapshot, "model-00001-of-00001.safetensors", what="m", fix="f").is_file()
+    # blobs/ beside a folder is the cache's only where the folder is a snapshot of it
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "blobs" / "b").write_text("x")
+    (folder / "b").symlink_to(tmp_path / "blobs" / "b")
+    with pytest.raises(UnsafePathError, match="outside"):
+        inside(folder, "b", what="m", fix="f")
+    assert inside(folder, "b", what="m", fix="f", follow_links=True) == folder / "b"

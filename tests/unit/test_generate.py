@@ -176,3 +176,25 @@ def test_right_padded_sources_decode_as_each_source_alone(position):
     out = greedy_decode(model, None, 6, bos_id=1, source_ids=ids, source_padding=padding)
     for row, source in zip(out, rows):
         assert row.tolist() == greedy_decode(model, None, 6, bos_id=1, source_ids=torch.tensor([source]))[0].tolist()
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_capacity_factor_moe_generates_dropless_whatever_the_batch(use_cache):
+    """Generation ignores model.capacity_factor: with it, which tokens an expert drops depends on the other tokens
+    of the forward (the batch's other prompts; the whole sequence, or one new token with a cache), so a prompt's
+    continuation would depend on its neighbours. Training still drops."""
+    from meshformer.model.moe import moe_layers
+
+    model = model_for("decoder", "rope", n_experts=4, experts_per_token=2, capacity_factor=0.5)
+    torch.manual_seed(1)
+    rows = [torch.randint(3, 40, (n,)).tolist() for n in (3, 6, 5, 2)]
+    ids, padding = pad_rows(rows, pad_id=0)
+    model.train()
+    model(ids)
+    layer = next(layer for _, layer in moe_layers(model))
+    assert layer.last_stats.dropped_fraction > 0.1  # the capacity bites in training
+    together = greedy_decode(model, ids, 6, prompt_padding=padding, use_cache=use_cache)
+    for row, prompt in zip(together, rows):
+        alone = greedy_decode(model, torch.tensor([prompt]), 6, use_cache=not use_cache)
+        assert row[ids.shape[1]:].tolist() == alone[0, len(prompt):].tolist()
+    assert model.training and layer.drops_tokens  # restored
