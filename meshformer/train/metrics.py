@@ -123,7 +123,11 @@ class RunLogger:
                  run_config: dict[str, Any] | None = None) -> None:
         """wandb: the logging settings when logging.wandb is on; run_config: the config W&B shows."""
         self.enabled = enabled
-        self.writer = None
+        self.writer: Any = None
+        # The writer opens at the first event (or at rewind, with its purge step): a SummaryWriter opened and then
+        # reopened for the purge would leave an event file holding nothing but its header.
+        self._tb_dir: Path | None = None
+        self._purge_step: int | None = None
         self.wandb: Any = None
         self._pending: dict[str, Any] = {}  # the scalars of the step being logged (metrics.jsonl)
         self.jsonl = None
@@ -131,8 +135,6 @@ class RunLogger:
             return
         self.jsonl = (run_dir / METRICS_FILE).open("a", encoding="utf-8")  # appended across resumes (see rewind)
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
             tb_dir = run_dir / "tensorboard"
             try:
                 tb_dir.mkdir(parents=True, exist_ok=True)
@@ -142,7 +144,7 @@ class RunLogger:
             except OSError as err:
                 raise ConfigError(f"TensorBoard folder {tb_dir} is not writable ({err}); "
                                    "set logging.run_dir to a writable folder or logging.tensorboard=false") from None
-            self.writer = SummaryWriter(str(tb_dir))
+            self._tb_dir = tb_dir
         if wandb is not None:
             self.wandb = start_wandb(wandb, run_dir, run_config or {})
 
@@ -162,12 +164,20 @@ class RunLogger:
             partial.write_text("".join(kept), encoding="utf-8")
             os.replace(partial, path)
         self.jsonl = path.open("a", encoding="utf-8")
-        if self.writer is not None:
+        if self._tb_dir is not None:
+            if self.writer is not None:
+                self.writer.close()
+                self.writer = None
+            self._purge_step = step + 1
+        return dropped
+
+    def _tensorboard(self) -> Any:
+        """The TensorBoard writer (None without TensorBoard), opened at its first event."""
+        if self.writer is None and self._tb_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer.close()
-            self.writer = SummaryWriter(self.writer.log_dir, purge_step=step + 1)
-        return dropped
+            self.writer = SummaryWriter(str(self._tb_dir), purge_step=self._purge_step)
+        return self.writer
 
     def info(self, message: str) -> None:
         if self.enabled:
@@ -179,15 +189,15 @@ class RunLogger:
         if self._pending and self._pending["step"] != step:
             self._flush()
         self._pending = {"step": step, **self._pending, **values}
-        if self.writer is not None:
+        if (writer := self._tensorboard()) is not None:
             for key, value in values.items():
-                self.writer.add_scalar(key, value, step)
+                writer.add_scalar(key, value, step)
         if self.wandb is not None:
             self.wandb.log(values, step=step)
 
     def text(self, step: int, tag: str, value: str) -> None:
-        if self.writer is not None:
-            self.writer.add_text(tag, value, step)
+        if self.enabled and (writer := self._tensorboard()) is not None:
+            writer.add_text(tag, value, step)
 
     def _flush(self) -> None:
         if self.jsonl is not None and self._pending:
@@ -202,9 +212,11 @@ class RunLogger:
         if self.jsonl is not None:
             self.jsonl.close()
             self.jsonl = None
+        self._tb_dir = None  # nothing reopens it
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
+            self.writer = None
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None

@@ -61,6 +61,22 @@ def test_a_resume_drops_what_the_interrupted_run_logged_after_its_checkpoint(tmp
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10, 1.0), (20, 1.0), (30, 0.5)]
 
 
+def test_a_fresh_run_writes_one_event_file_and_no_empty_one(tmp_path):
+    """The trainer rewinds every run to its start step (0 for a fresh run): no writer is opened twice."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = metrics.RunLogger(tmp_path, enabled=True, tensorboard=True)
+    assert logger.rewind(0) == 0
+    logger.scalars(10, {"train/loss": 1.0})
+    logger.text(10, "sample", "In the beginning")
+    logger.close()
+    files = list((tmp_path / "tensorboard").iterdir())
+    assert len(files) == 1, files
+    events = EventAccumulator(str(files[0]))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10, 1.0)]
+
+
 def test_wandb_gets_the_same_scalars_offline(tmp_path, monkeypatch):
     calls = []
 
