@@ -128,8 +128,7 @@ class Trainer:
             f"model: {cfg.model.family}, {n_params / 1e6:.2f}M parameters, objective {cfg.objective}; "
             f"device {self.device}, dtype {cfg.train.dtype}; AdamW kernel: {self.training_step.kernel}; attention: "
             f"{self.parallel_model.report.get('attention', cfg.model.attention_backend)}; host malloc: {host_memory}; "
-            f"MFU ceiling "
-            f"{self.ceiling.flops / 1e12:.2f} TFLOP/s ({self.ceiling.source}); model built and sharded in "
+            f"{self.ceiling.describe()}; model built and sharded in "
             f"{self.build_s:.2f}s"
         )
         # A profiled step range, and the time this rank waits for batches (reset at each logging step).
@@ -254,7 +253,7 @@ class Trainer:
                     "train/grad_norm": float(stats.grad_norm),
                     "perf/tokens_per_s": tokens_per_s,
                     "perf/tokens_per_s_per_rank": tokens_per_s_per_rank,
-                    "perf/mfu": mfu if mfu is not None else math.nan,  # n/a: a window the ceiling misjudged
+                    "perf/mfu": mfu if mfu is not None else math.nan,  # n/a: the ceiling is unreliable
                     "perf/memory_gib": memory_gib(self.device),  # peak (rank 0)
                     "perf/memory_now_gib": current_memory_gib(self.device),
                     "perf/step_time_s": elapsed / window_steps,
