@@ -18,7 +18,13 @@ import torch
 
 from meshformer import folders
 from meshformer.batch import Batch
-from meshformer.checkpointing.init_from import SOURCE_FILE, load_init_weights, record_source, resolve_init_from
+from meshformer.checkpointing.init_from import (
+    SOURCE_FILE,
+    load_init_weights,
+    record_source,
+    resolve_init_from,
+    taken_from_folder,
+)
 from meshformer.checkpointing.manager import CheckpointManager
 from meshformer.checkpointing.save_errors import final_weights_failed_error
 from meshformer.checkpointing.train_state import Checkpointable, SchedulerState, TrainState
@@ -216,7 +222,7 @@ class Trainer:
             arch = load_init_weights(self.parallel_model.model_parts, cfg)
             if self.rank == 0:
                 record_source(self.run_dir, cfg, arch)
-            log.info(f"step 0 weights read from {cfg.checkpoint.init_from} in {time.perf_counter() - start:.2f}s")
+            log.info(taken_from_folder(cfg, arch, time.perf_counter() - start))
         if self.step >= cfg.train.steps:
             log.info(f"the run in {self.run_dir} already reached step {self.step} >= train.steps={cfg.train.steps}; "
                      "raise train.steps to train further, or pass --new-run for a fresh run")
