@@ -88,6 +88,22 @@ def checked_tokenizer(cfg: Config) -> Tokenizer:
     return tokenizer
 
 
+def config_warnings(cfg: Config, tokenizer: Tokenizer) -> list[str]:
+    """What trains, but likely not as meant: one line each (the trainer logs them before step 1)."""
+    warnings = []
+    unused = cfg.model.vocab_size - tokenizer.vocab_size
+    if unused > max(128, tokenizer.vocab_size // 100):  # beyond the padding models add for fast GEMMs
+        warnings.append(f"warning: the tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens but "
+                        f"model.vocab_size={cfg.model.vocab_size}: {unused} embedding rows no token uses (set "
+                        f"model.vocab_size={tokenizer.vocab_size} unless they are meant)")
+    if cfg.schedule.warmup_steps > cfg.train.steps:
+        warnings.append(f"warning: schedule.warmup_steps={cfg.schedule.warmup_steps} is longer than the run "
+                        f"(train.steps={cfg.train.steps}): the learning rate ends at "
+                        f"{cfg.train.steps / cfg.schedule.warmup_steps:.0%} of optim.lr, still warming up (lower "
+                        "schedule.warmup_steps)")
+    return warnings
+
+
 def check_folder(path: Path, key: str) -> None:
     """`path` exists as a folder (created if needed) and accepts a new file."""
     blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)

@@ -47,6 +47,12 @@ def check_rerun(cfg: Config, run_dir: Path, reached_step: int, has_final: bool) 
     if not changes:
         return []
     listed = "; ".join(changes[:4]) + ("; ..." if len(changes) > 4 else "")
+    model_changes = [change for change in changes if _changes_the_model(change)]
+    if model_changes and reached_step > 0 and cfg.checkpoint.load_mode != "partial":
+        # no train.steps continues it: its checkpoints hold another model
+        raise ConfigError(f"the run in {run_dir} holds checkpoints of another model than this config's "
+                          f"({'; '.join(model_changes[:4])}{'; ...' if len(model_changes) > 4 else ''})",
+                          NEW_RUN_HINT)
     if reached_step >= cfg.train.steps:
         raise ConfigError(f"the run in {run_dir} already reached step {reached_step}, so train.steps="
                           f"{cfg.train.steps} trains nothing, yet this config differs from its config.toml ({listed})",
@@ -56,6 +62,14 @@ def check_rerun(cfg: Config, run_dir: Path, reached_step: int, has_final: bool) 
                           "no checkpoint to continue from; this run would replace them",
                           f"{NEW_RUN_HINT} (checkpoint.interval > 0 lets a later run continue one)")
     return changes
+
+
+def _changes_the_model(change: str) -> bool:
+    """Whether a `section.key: old -> new` change makes another model (not dropout, kernels or training terms)."""
+    from meshformer.checkpointing.init_from import FUNCTION_NEUTRAL
+
+    key = change.split(":", 1)[0]
+    return key.startswith("model.") and key.removeprefix("model.") not in FUNCTION_NEUTRAL
 
 
 def record_config(cfg: Config, run_dir: Path, start_step: int, changes: list[str],

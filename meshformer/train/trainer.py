@@ -50,6 +50,7 @@ from meshformer.train.preflight import (
     FINAL_WEIGHTS,
     check_final_folder,
     checked_tokenizer,
+    config_warnings,
     has_final_weights,
     run_folders_claimed,
 )
@@ -137,6 +138,8 @@ class Trainer:
             f"{self.ceiling.describe()}; model built and sharded in "
             f"{self.build_s:.2f}s"
         )
+        for warning in config_warnings(cfg, self.tokenizer):
+            self.logger.info(warning)
         # A profiled step range, and the time this rank waits for batches (reset at each logging step).
         self.profiler = StepProfiler(cfg.profile, self.run_dir, rank)
         self.data_wait_s = 0.0

@@ -1,0 +1,62 @@
+"""A newcomer's first hour, as the README leads it: prepare data and train with the printed hint, one line for a
+config that trains but likely not as meant, and the own-data recipe beside the quick-start's run."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+from helpers.data import small_corpus
+
+from meshformer.cli import main
+
+SHORT_RUN = ["train.steps=2", "train.eval_interval=0", "train.sample_interval=0", "train.device=cpu",
+             "data.num_workers=0", "data.batch_size=2", "logging.tensorboard=false", "checkpoint.interval=0"]
+
+
+def _hint(out: str) -> list[str]:
+    (line,) = [line for line in out.splitlines() if line.startswith("train with: ")]
+    return shlex.split(line.removeprefix("train with: "))
+
+
+def test_data_prepare_hint_trains_verbatim_in_a_run_folder_of_its_own(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    corpus = small_corpus(tmp_path / "corpus", 12)
+    main(["data", "prepare", str(corpus), "--out", "data/mine", "--tokenizer", "train", "--vocab-size", "320",
+          "--seq-len", "24", "--quiet"])
+    words = _hint(capsys.readouterr().out)
+    assert words[:4] == ["meshformer", "train", "tiny-gpt", "--set"]
+    assert "model.vocab_size=320" in words and "data.seq_len=24" in words
+    main([*words[1:], *SHORT_RUN])  # the hint as printed, made short
+    err = capsys.readouterr().err
+    assert (tmp_path / "runs" / "mine" / "final").is_dir() and not (tmp_path / "runs" / "tiny-gpt").exists()
+    assert "warning: the tokenizer" not in err, err  # the hint sets the vocabulary the tokenizer has
+
+
+def test_a_tokenizer_smaller_than_the_embedding_and_a_warmup_longer_than_the_run_are_one_line_each(
+        tmp_path, capsys):
+    main(["train", "tiny-gpt", "--set", *SHORT_RUN, "data.tokenizer=gpt2", "model.vocab_size=60000",
+          "schedule.warmup_steps=8", f"logging.run_dir={tmp_path / 'run'}", "data.seq_len=16"])
+    lines = capsys.readouterr().err.splitlines()
+    vocab = [line for line in lines if "warning: the tokenizer" in line]
+    warmup = [line for line in lines if "warning: schedule.warmup_steps=8" in line]
+    assert len(vocab) == 1 and "50257 tokens but model.vocab_size=60000" in vocab[0], lines
+    assert len(warmup) == 1 and "train.steps=2" in warmup[0] and "25% of optim.lr" in warmup[0], lines
+    assert (tmp_path / "run" / "final").is_dir()  # warnings, not errors
+
+
+@pytest.mark.parametrize("steps_left", [False, True])
+def test_the_own_data_recipe_after_the_quick_start_suggests_a_new_run_first(tmp_path, monkeypatch, steps_left):
+    """The own-data run of another model, into a folder that already holds a run: refused before step 1, and the
+    first suggestion is a run folder of its own (no train.steps would continue another model's checkpoints)."""
+    monkeypatch.chdir(tmp_path)
+    first = [*SHORT_RUN, "checkpoint.interval=2", "logging.run_dir=runs/tiny-gpt"]
+    main(["train", "tiny-gpt", "--set", *first])
+    steps = ["train.steps=4"] if steps_left else []
+    with pytest.raises(SystemExit) as info:
+        main(["train", "tiny-gpt", "--set", *first, "model.vocab_size=8192", "model.n_layers=2", *steps])
+    line = str(info.value.code)
+    assert "\n" not in line and "model.vocab_size" in line, line
+    fix = line.split(" — ", 1)[1]
+    assert fix.startswith("pass --new-run"), line
+    assert "raise train.steps" not in line, line
