@@ -52,7 +52,8 @@ def check_rerun(cfg: Config, run_dir: Path, reached_step: int, has_final: bool) 
         # no train.steps continues it: its checkpoints hold another model
         raise ConfigError(f"the run in {run_dir} holds checkpoints of another model than this config's "
                           f"({'; '.join(model_changes[:4])}{'; ...' if len(model_changes) > 4 else ''})",
-                          NEW_RUN_HINT)
+                          f"{NEW_RUN_HINT}, or set checkpoint.load_mode=\"partial\" to continue it with the "
+                          "tensors that fit")
     if reached_step >= cfg.train.steps:
         raise ConfigError(f"the run in {run_dir} already reached step {reached_step}, so train.steps="
                           f"{cfg.train.steps} trains nothing, yet this config differs from its config.toml ({listed})",
