@@ -60,3 +60,22 @@ def test_the_own_data_recipe_after_the_quick_start_suggests_a_new_run_first(tmp_
     fix = line.split(" — ", 1)[1]
     assert fix.startswith("pass --new-run"), line
     assert "raise train.steps" not in line, line
+
+
+def test_the_readme_says_how_long_the_quick_start_trains_and_how_to_shorten_it():
+    """The first paragraph's step and token counts are tiny-gpt's, and its shorter run still evaluates, samples and
+    checkpoints at its last step."""
+    import re
+
+    from helpers.common import ROOT
+
+    from meshformer.config import load_config
+
+    intro = " ".join((ROOT / "README.md").read_text().split("## ")[0].split())
+    steps, tokens = re.search(r"(\d+) steps of ([\d,]+) tokens, about \d+ minutes", intro).groups()
+    cfg = load_config("tiny-gpt")
+    assert int(steps) == cfg.train.steps and int(tokens.replace(",", "")) == cfg.data.batch_size * cfg.data.seq_len
+    (shorter,) = re.findall(r"`meshformer train tiny-gpt --set train\.steps=(\d+)`", intro)
+    short = load_config("tiny-gpt", [f"train.steps={shorter}"])
+    for interval in (short.train.eval_interval, short.train.sample_interval, short.checkpoint.interval):
+        assert short.train.steps % interval == 0
