@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from meshformer.config import Config, ConfigError
+from meshformer.config.write import toml_value
 from meshformer.errors import UsageError
 
 RUN_CONFIG = "config.toml"
@@ -35,8 +36,8 @@ def config_changes(run_dir: Path, cfg: Config) -> list[str]:
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         return [f"{path} cannot be read as TOML"]
     old, new = _flat(saved), _flat(tomllib.loads(cfg.to_toml()))  # both through TOML: tuples read back as lists
-    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(old.keys() | new.keys())
-            if old.get(key) != new.get(key)]
+    return [f"{key}: {toml_value(old.get(key))} -> {toml_value(new.get(key))}"
+            for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
 
 
 def check_rerun(cfg: Config, run_dir: Path, reached_step: int, has_final: bool) -> list[str]:

@@ -7,6 +7,7 @@ happen only at logging, evaluation and sampling intervals.
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import time
@@ -303,7 +304,7 @@ class Trainer:
                 text = decoded_sample(self.model, self.tokenizer, self.cfg, self.device, self.sample_batch())
                 if text is not None:
                     log.text(step, "sample", text)
-                    log.info(f"sample {step:>5} | {text!r}")
+                    log.info(f"sample {step:>5} | {json.dumps(text, ensure_ascii=False)}")  # one line, quoted
             if window_steps == 0:  # a window was just logged: the next starts here, evaluation and samples excluded
                 synchronize(self.device)
                 window_start = time.perf_counter()

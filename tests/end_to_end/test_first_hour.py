@@ -3,6 +3,7 @@ config that trains but likely not as meant, and the own-data recipe beside the q
 
 from __future__ import annotations
 
+import re
 import shlex
 
 import pytest
@@ -36,8 +37,14 @@ def test_data_prepare_hint_trains_verbatim_in_a_run_folder_of_its_own(tmp_path, 
 def test_a_tokenizer_smaller_than_the_embedding_and_a_warmup_longer_than_the_run_are_one_line_each(
         tmp_path, capsys):
     main(["train", "tiny-gpt", "--set", *SHORT_RUN, "data.tokenizer=gpt2", "model.vocab_size=60000",
-          "schedule.warmup_steps=8", f"logging.run_dir={tmp_path / 'run'}", "data.seq_len=16"])
-    lines = capsys.readouterr().err.splitlines()
+          "schedule.warmup_steps=8", f"logging.run_dir={tmp_path / 'run'}", "data.seq_len=16",
+          "train.sample_interval=2", "logging.tensorboard=true"])
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    # the log speaks the user's language: no Python reprs of paths, objects, dicts or quoted strings
+    assert not re.search(r"PosixPath\(|object at 0x|\{'|\| '", err), err
+    assert any(re.search(r'\] sample +2 \| "', line) for line in lines), err
+    assert len(list((tmp_path / "run" / "tensorboard").iterdir())) == 1  # no header-only event file beside it
     vocab = [line for line in lines if "warning: the tokenizer" in line]
     warmup = [line for line in lines if "warning: schedule.warmup_steps=8" in line]
     assert len(vocab) == 1 and "50257 tokens but model.vocab_size=60000" in vocab[0], lines
