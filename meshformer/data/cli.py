@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 
 from meshformer.errors import ArgumentParser, UsageError, run_command
 
-from .prepare import check_numbers, check_output_folder, prepare
 from .submit import __doc__ as submit_doc
 from .submit import part_from_env, submit_prepare
 
@@ -106,6 +105,8 @@ def _parse_part(spec: str) -> tuple[int, int]:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
+    from .prepare import prepare  # torch: imported when a prepare runs, not for --help
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     manifest = prepare(args.inputs, args.out, pairs=args.pairs, part=_parse_part(args.part), stage=args.stage,
                        progress=not args.quiet, overwrite=args.overwrite, **{k: getattr(args, k) for k in _FORWARDED})
@@ -134,6 +135,8 @@ def train_command(manifest: Manifest, out: str) -> str:
 
 
 def run_submit_prepare(args: argparse.Namespace) -> int:
+    from .prepare import check_numbers, check_output_folder
+
     check_output_folder(args.inputs, Path(args.out), args.overwrite)  # refused now, not in every array task
     check_numbers(**{k: getattr(args, k) for k in ("eval_fraction", "seq_len", "record_len", "vocab_size", "seed",
                                                    "shard_records", "bucket_mb", "num_proc")})

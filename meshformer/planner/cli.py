@@ -6,14 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import TYPE_CHECKING
 
-from meshformer.config import Config, ConfigError, load_config
+from meshformer.errors import ConfigError
 from meshformer.launcher.torchrun import check_world_size
-from meshformer.planner.activations import MOE_IMBALANCE
-from meshformer.planner.memory import CUDA_CONTEXT, DEVICES, SAFETY_FRACTION, as_dict, usable_bytes
-from meshformer.planner.search import LayoutMemory, plan_layout, search_layouts
+from meshformer.planner.assumptions import CUDA_CONTEXT, DEVICES, MOE_IMBALANCE, SAFETY_FRACTION, GiB
 
-GiB = 2**30
+if TYPE_CHECKING:  # the planner imports torch: loaded when a plan runs, not for --help
+    from meshformer.config import Config
+    from meshformer.planner.search import LayoutMemory
 
 
 def _gib(value: float) -> str:
@@ -29,6 +30,9 @@ def layout_name(layout: LayoutMemory) -> str:
 def report(cfg: Config, world: int, device: str, *, search: bool = True, top: int = 5,
            moe_imbalance: float = MOE_IMBALANCE) -> dict:
     start = time.perf_counter()
+    from meshformer.planner.memory import as_dict, usable_bytes
+    from meshformer.planner.search import plan_layout, search_layouts
+
     chosen = plan_layout(cfg, world, moe_imbalance)
     layouts = search_layouts(cfg, world, device, moe_imbalance) if search else []
     budget = usable_bytes(device)
@@ -82,6 +86,8 @@ def _table(columns: list[str], rows: list[list[str]]) -> None:
 
 
 def _plan(args: argparse.Namespace) -> None:
+    from meshformer.config import load_config
+
     check_world_size(args.world, "--world")
     cfg = load_config(args.config, args.set)
     if args.moe_imbalance < 1:
