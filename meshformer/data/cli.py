@@ -9,7 +9,7 @@
     meshformer data prepare corpus/ --out data/big --tokenizer tok.json --part 0/4 --stage reduce  # then merge:
     meshformer data prepare corpus/ --out data/big --tokenizer tok.json --stage merge
     meshformer data submit-prepare corpus/ --out data/big --tokenizer tok.json --parts 16   # the same on SLURM
-Then train with `data.shards=<out>` and `data.tokenizer=<out>/tokenizer.json`.
+It ends with the command that trains on the output (`train with: meshformer train tiny-gpt --set ...`).
 """
 
 from __future__ import annotations
