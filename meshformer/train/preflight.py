@@ -23,7 +23,7 @@ from meshformer.data.tokenizer import check_vocab
 from meshformer.model.flops import count_params
 from meshformer.runtime.distributed import env_rank
 from meshformer.runtime.run_lock import run_folder_lock
-from meshformer.train.run_record import check_rerun
+from meshformer.train.run_record import check_rerun, config_changes
 
 # One checkpoint holds fp32 parameters and AdamW's two fp32 moments; the rest (data and RNG state, manifest)
 # is small. The margin covers filesystem overhead and the files of a save that is being replaced.
@@ -55,7 +55,8 @@ def run_folders_claimed(cfg: Config) -> Iterator[None]:
     checkpoint_dir, key = _checkpoint_dir(cfg)
     check_folder(run_dir, "logging.run_dir")
     with ExitStack() as held:
-        held.enter_context(run_folder_lock(run_dir, "logging.run_dir"))
+        # a config other than the running one's (its config.toml) is another run: waiting would not make room for it
+        held.enter_context(run_folder_lock(run_dir, "logging.run_dir", another_run=bool(config_changes(run_dir, cfg))))
         if run_dir.resolve() not in (checkpoint_dir.resolve(), *checkpoint_dir.resolve().parents):
             check_folder(checkpoint_dir, key)
             held.enter_context(run_folder_lock(checkpoint_dir, key))

@@ -86,3 +86,25 @@ def test_the_readme_says_how_long_the_quick_start_trains_and_how_to_shorten_it()
     short = load_config("tiny-gpt", [f"train.steps={shorter}"])
     for interval in (short.train.eval_interval, short.train.sample_interval, short.checkpoint.interval):
         assert short.train.steps % interval == 0
+
+
+def test_a_busy_run_folder_suggests_waiting_only_to_the_run_that_holds_it(tmp_path, monkeypatch):
+    """The own-data run into the folder the quick-start is training in: another config, so a folder of its own
+    comes first; the same config again (a second launch of that run) is told to wait for it."""
+    from meshformer.config import load_config
+    from meshformer.runtime.run_lock import run_folder_lock
+
+    monkeypatch.chdir(tmp_path)
+    quick_start = [*SHORT_RUN, "logging.run_dir=runs/tiny-gpt"]
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.toml").write_text(load_config("tiny-gpt", quick_start).to_toml())  # what the holder trains
+    with run_folder_lock(run_dir, "logging.run_dir"):
+        fixes = []
+        for extra in (["model.n_layers=2"], []):
+            with pytest.raises(SystemExit) as info:
+                main(["train", "tiny-gpt", "--set", *quick_start, *extra])
+            assert "is in use by pid" in str(info.value.code)
+            fixes.append(str(info.value.code).split(" — ", 1)[1])
+    assert fixes[0].startswith("set logging.run_dir to a folder of its own"), fixes
+    assert fixes[1].startswith("wait for it to finish"), fixes
