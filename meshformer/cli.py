@@ -43,6 +43,9 @@ def _train(args: argparse.Namespace) -> None:
         overrides = [f"logging.run_dir=runs/{Path(args.init_from).expanduser().resolve().name}", *overrides]
     if args.init_from:
         overrides = [*overrides, f"checkpoint.init_from=hf:{args.init_from}"]
+    elif args.config == INIT_FROM_CONFIG and not any(o.startswith("checkpoint.init_from=") for o in overrides):
+        raise UsageError(f"{INIT_FROM_CONFIG} continues a Hugging Face model and has no model of its own",
+                         "pass --init-from HF_FOLDER (or no config: `meshformer train --init-from HF_FOLDER`)")
     if args.new_run:  # a fresh run beside the one in logging.run_dir, which stays as it is
         from meshformer.train.run_record import new_run_overrides
 
