@@ -14,6 +14,7 @@ from meshformer.errors import DEBUG_ENV, ArgumentParser, UsageError, run_command
 from meshformer.launcher import cli as launcher_cli  # light: its commands import what they need when they run
 
 CONFIG_HELP = "bundled config name (`meshformer config list`) or TOML file"
+INIT_FROM_CONFIG = "continue-hf"  # `train --init-from PATH` without a config: the bundled continued-pretraining run
 
 # Command groups whose modules import torch: imported only when the command line names one, so that `--help` and
 # `--version` start at once. command -> (module with add_cli, its line in `meshformer --help`).
@@ -33,8 +34,18 @@ def _train(args: argparse.Namespace) -> None:
 
     check_launch_options(args.nproc_per_node, args.nnodes, args.max_restarts)
     overrides = args.set
+    if args.config is None:
+        if not args.init_from:
+            raise UsageError("train needs a config", "name one (`meshformer config list`), e.g. `meshformer train "
+                             "tiny-gpt`, or pass --init-from HF_FOLDER to continue a Hugging Face model")
+        # the folder's model and tokenizer, the bundled run settings, a run folder named after the model's folder
+        args.config = INIT_FROM_CONFIG
+        overrides = [f"logging.run_dir=runs/{Path(args.init_from).expanduser().resolve().name}", *overrides]
     if args.init_from:
         overrides = [*overrides, f"checkpoint.init_from=hf:{args.init_from}"]
+    elif args.config == INIT_FROM_CONFIG and not any(o.startswith("checkpoint.init_from=") for o in overrides):
+        raise UsageError(f"{INIT_FROM_CONFIG} continues a Hugging Face model and has no model of its own",
+                         "pass --init-from HF_FOLDER (or no config: `meshformer train --init-from HF_FOLDER`)")
     if args.new_run:  # a fresh run beside the one in logging.run_dir, which stays as it is
         from meshformer.train.run_record import new_run_overrides
 
@@ -237,13 +248,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model from a TOML config")
-    train.add_argument("config", help=CONFIG_HELP)
+    train.add_argument("config", nargs="?", help=f"{CONFIG_HELP}; with --init-from it may be left out: the "
+                       f"bundled {INIT_FROM_CONFIG!r} run, into runs/<HF_FOLDER's name>")
     train.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="e.g. train.steps=200")
     train.add_argument("--nproc-per-node", type=int, default=1, help="start torchrun with this many processes")
     train.add_argument("--nnodes", type=int, default=1, help="nodes of a multi-node torchrun launch")
     train.add_argument("--rdzv-endpoint", default="127.0.0.1:29500", help="host:port of the first node")
     train.add_argument("--init-from", metavar="HF_FOLDER",
-                       help="start from a Hugging Face model folder (= --set checkpoint.init_from=hf:HF_FOLDER)")
+                       help="start from a Hugging Face model folder (= --set checkpoint.init_from=hf:HF_FOLDER): "
+                       "its model and tokenizer replace a bundled config's")
     train.add_argument("--max-restarts", type=int, default=0,
                        help="torchrun restarts after a worker failure (the job resumes from its latest checkpoint)")
     train.add_argument("--new-run", action="store_true",

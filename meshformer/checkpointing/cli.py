@@ -25,29 +25,26 @@ import json
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from meshformer.checkpointing.errors import CheckpointError
-from meshformer.checkpointing.hf import ARCHS
-from meshformer.checkpointing.sharded_safetensors import (
-    DEFAULT_MAX_SHARD_SIZE,
-    INDEX_FILE,
-    SINGLE_FILE,
-    has_safetensors,
-    parse_size,
-)
-from meshformer.config import ModelConfig
-from meshformer.data import Tokenizer
-from meshformer.data.tokenizer import check_vocab
+from meshformer.checkpointing.formats import ARCHS, DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, SINGLE_FILE
 from meshformer.errors import UsageError
 from meshformer.folders import check_output, remove, replace, scratch
+
+if TYPE_CHECKING:  # torch and the converters: imported when a conversion runs, not for --help
+    import torch
+
+    from meshformer.config import ModelConfig
+    from meshformer.data import Tokenizer
 
 WEIGHTS, CHECKPOINTS = "model weights", "checkpoints"
 HF_EXTRA = "pip install 'meshformer[hf]'"
 
 
 def _shard_size(text: str) -> str:
+    from meshformer.config import parse_size
+
     try:
         size = parse_size(text)
     except ValueError as err:
@@ -112,6 +109,7 @@ def _source_tokenizer(args: argparse.Namespace) -> Tokenizer | None:
     output then ask for --tokenizer)."""
     from meshformer.checkpointing import directory
     from meshformer.checkpointing.manifest import MANIFEST
+    from meshformer.checkpointing.sharded_safetensors import has_safetensors
     from meshformer.checkpointing.weights import CONFIG_FILE, TOKENIZER_FILE, refuse_other_tokenizer, weights_tokenizer
     from meshformer.data import load_tokenizer
 
@@ -160,6 +158,7 @@ def _export_hf(args: argparse.Namespace) -> Path:
     from meshformer.checkpointing.hf_folder import export_hf
     from meshformer.checkpointing.init_from import source_arch, source_config
     from meshformer.checkpointing.safetensors_io import read_model_source
+    from meshformer.data.tokenizer import check_vocab
 
     _require_transformers("export-hf")
 

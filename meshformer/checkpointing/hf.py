@@ -50,11 +50,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from meshformer.checkpointing import hf_gemma_olmo
+from meshformer.checkpointing.formats import ARCHS, Arch
 from meshformer.checkpointing.mapping import (
     ZERO_ON_IMPORT,
     export_tensors,
@@ -69,11 +70,7 @@ from meshformer.model.families import get_family_spec
 if TYPE_CHECKING:
     from meshformer.model import Transformer
 
-Arch = Literal["gpt2", "bert", "llama", "t5", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2",
-               "gemma2", "gemma3_text"]
 V = TypeVar("V")  # what a state dict maps names to (tensors, or the names themselves)
-ARCHS: tuple[Arch, ...] = ("gpt2", "bert", "llama", "t5", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe",
-                           "olmo2", "gemma2", "gemma3_text")
 # Llama's blocks and names, with what differs mapped below
 _LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2", "gemma2", "gemma3_text")
 

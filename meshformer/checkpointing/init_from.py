@@ -53,7 +53,8 @@ def resolve_init_from(cfg: Config) -> Config:
     saved = _newest_saved_config(cfg)
     source_model = saved["model"] if saved is not None else _hf_model_config(folder)
     given = {key.removeprefix("model.") for key in given_keys(cfg) if key.startswith("model.")}
-    model = _merge(source_model, cfg.model, f"{PREFIX}{folder}" if saved is None else "this run's checkpoints", given)
+    model = _merge(source_model, cfg.model, f"{PREFIX}{folder}" if saved is None else "this run's checkpoints",
+                   given, cfg.data)
     data = cfg.data
     if data.tokenizer == DataConfig.tokenizer:  # left at its default: the model's own tokenizer
         tokenizer = saved.get("data", {}).get("tokenizer", str(folder)) if saved is not None else str(folder)
@@ -84,10 +85,10 @@ def _hf_model_config(folder: Path) -> ModelConfig:
 
 
 def _merge(source: ModelConfig | dict[str, Any], user: ModelConfig, where: str,
-           given: set[str] | frozenset[str] = frozenset()) -> ModelConfig:
+           given: set[str] | frozenset[str] = frozenset(), data: DataConfig | None = None) -> ModelConfig:
     """The source's model config with the user's function-neutral keys; any other key the user set (wrote, in
     `given`, even at ModelConfig's default value; or differs from that default) and that differs from the source's
-    is refused by name."""
+    is refused by name, all in one line (with a data.seq_len beyond the source's context)."""
     base = source if isinstance(source, ModelConfig) else build_section(ModelConfig, source, "model")
     default = ModelConfig()
     changed = {f.name: getattr(user, f.name) for f in dataclasses.fields(ModelConfig)
@@ -96,11 +97,16 @@ def _merge(source: ModelConfig | dict[str, Any], user: ModelConfig, where: str,
     if "moe_d_ff" in changed and dataclasses.replace(base, moe_d_ff=user.moe_d_ff).expert_d_ff == base.expert_d_ff:
         del changed["moe_d_ff"]  # the folder's expert width, named as moe_d_ff where it has 0 (= d_ff): same function
     refused = {key: value for key, value in changed.items() if key not in FUNCTION_NEUTRAL}
-    if refused:
-        listed = ", ".join(f"model.{k}={v!r} (it has {getattr(base, k)!r})" for k, v in refused.items())
-        raise ConfigError(f"checkpoint.init_from: {listed} would change the function of the model from {where}",
-                          "remove those [model] keys (the model config comes from the folder); only "
-                          f"{', '.join(FUNCTION_NEUTRAL)} may be set")
+    too_long = (data is not None and base.position in ("learned", "sinusoidal", "rope")
+                and data.seq_len > base.max_seq_len)
+    if refused or too_long:
+        listed = [f"model.{k}={v!r} (it has {getattr(base, k)!r})" for k, v in refused.items()]
+        if too_long and data is not None:
+            listed.append(f"data.seq_len={data.seq_len} (its context is {base.max_seq_len})")
+        raise ConfigError(f"checkpoint.init_from: {', '.join(listed)} conflict with the model from {where}",
+                          "remove those [model] keys (the model config comes from the folder; only "
+                          f"{', '.join(FUNCTION_NEUTRAL)} may be set)"
+                          + (f" and set data.seq_len <= {base.max_seq_len}" if too_long else ""))
     return dataclasses.replace(base, **changed)
 
 
@@ -165,6 +171,16 @@ def _refuse_nonfinite(parts: list[torch.nn.Module], folder: Path, source: HFInit
             raise ConversionError(f"checkpoint.init_from: the tensor {name!r}{theirs} of {folder} holds NaN or inf "
                                   "values, so training from it would train NaN", "restore or re-download the "
                                   "folder's weights, or point checkpoint.init_from at another folder")
+
+
+def taken_from_folder(cfg: Config, arch: str, seconds: float) -> str:
+    """One log line: what this run took from checkpoint.init_from's folder (model, tokenizer, weights)."""
+    folder, m = hf_folder(cfg), cfg.model
+    model = (f"model ({arch}: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, vocab {m.vocab_size}, "
+             f"context {m.max_seq_len})")
+    tokenizer = "tokenizer" if cfg.data.tokenizer == str(folder) else f"not its tokenizer (data.tokenizer = " \
+                                                                      f"{cfg.data.tokenizer})"
+    return f"from {cfg.checkpoint.init_from}: {model}, {tokenizer}, step 0 weights (read in {seconds:.2f}s)"
 
 
 def record_source(run_dir: Path, cfg: Config, arch: str) -> None:

@@ -20,13 +20,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from meshformer.checkpointing.errors import CorruptCheckpointError
+from meshformer.checkpointing.formats import DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, SINGLE_FILE
 from meshformer.checkpointing.manifest import fsync_dir
 from meshformer.config import parse_size  # one reader of sizes: config validation checks them with it
 from meshformer.folders import inside
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-DEFAULT_MAX_SHARD_SIZE = "5GB"
 _LINK_FIX = "copy the linked file into the folder (cp -L), or point at the folder that holds it"
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,

@@ -23,16 +23,27 @@ _GIVEN = "_given_keys"  # a loaded Config's attribute (not a config key): what `
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read a TOML file (or defaults), apply `section.key=value` overrides, validate."""
     raw: dict[str, Any] = {}
+    bundled = False
     if path is not None:
+        bundled = not Path(path).is_file()  # named by its bundle name: a template, not the user's own file
         path = resolve_config_path(path)
         try:
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: not valid TOML ({err})", "fix the line it names") from None
+    overridden: dict[str, Any] = {}
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.steps=200")
+        _set_dotted(overridden, key.strip(), _parse_value(value.strip()))
+    if bundled and any(isinstance(tree.get("checkpoint"), dict) and tree["checkpoint"].get("init_from")
+                       for tree in (raw, overridden)):
+        # continued pretraining: the model is the folder's, so a bundled config's from-scratch [model] yields to it
+        # (keys set with --set are the user's, and checked against the folder)
+        raw.pop("model", None)
+    for item in overrides or []:
+        key, _, value = item.partition("=")
         _set_dotted(raw, key.strip(), _parse_value(value.strip()))
     return config_from_dict(raw)
 

@@ -9,7 +9,7 @@
     meshformer data prepare corpus/ --out data/big --tokenizer tok.json --part 0/4 --stage reduce  # then merge:
     meshformer data prepare corpus/ --out data/big --tokenizer tok.json --stage merge
     meshformer data submit-prepare corpus/ --out data/big --tokenizer tok.json --parts 16   # the same on SLURM
-Then train with `data.shards=<out>` and `data.tokenizer=<out>/tokenizer.json`.
+It ends with the command that trains on the output (`train with: meshformer train tiny-gpt --set ...`).
 """
 
 from __future__ import annotations
@@ -17,14 +17,18 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from meshformer.errors import ArgumentParser, UsageError, run_command
 
-from .prepare import check_numbers, check_output_folder, prepare
 from .submit import __doc__ as submit_doc
 from .submit import part_from_env, submit_prepare
+
+if TYPE_CHECKING:
+    from .shards import Manifest
 
 _PART_OR_NUMBER = re.compile(r"^-\d+(/\d+)?$|^-\d*\.\d+$")  # argparse's negative numbers, and -i/N
 
@@ -105,6 +109,8 @@ def _parse_part(spec: str) -> tuple[int, int]:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
+    from .prepare import prepare  # torch: imported when a prepare runs, not for --help
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     manifest = prepare(args.inputs, args.out, part=_parse_part(args.part), stage=args.stage,
                        progress=not args.quiet, **{k: getattr(args, k) for k in (*_FORWARDED, *_FLAGS)})
@@ -114,11 +120,27 @@ def run_prepare(args: argparse.Namespace) -> int:
     train = manifest.splits["train"]
     print(f"wrote {manifest.url}: {len(train)} train shards, {sum(s.samples for s in train)} records, "
           f"{sum(s.tokens for s in train)} tokens, tokenizer sha256 {manifest.tokenizer['sha256'][:12]}")
-    print(f"train with: data.shards={manifest.url} data.tokenizer={manifest.base}/tokenizer.json")
+    print(f"train with: {train_command(manifest, args.out)}")
     return 0
 
 
+def train_command(manifest: Manifest, out: str) -> str:
+    """The command that trains a bundled tiny model on a prepared dataset as it stands: every key the run needs
+    (the tokenizer's vocabulary, the records' length), in a run folder of its own (not the quick-start's)."""
+    vocab = manifest.tokenizer["vocab_size"]
+    keys = [f"data.shards={manifest.url}", f"data.tokenizer={manifest.base}/{manifest.tokenizer['file']}",
+            f"model.vocab_size={vocab}"]
+    if manifest.kind == "packed":  # causal LM: records hold seq_len + 1 tokens
+        seq_len = manifest.record_len - 1
+        keys += [f"data.seq_len={seq_len}", f"model.max_seq_len={seq_len}"]
+    keys.append(f"logging.run_dir=runs/{Path(out).resolve().name}")
+    config = "tiny-gpt" if manifest.kind == "packed" else "tiny-t5"
+    return shlex.join(["meshformer", "train", config, "--set", *keys])
+
+
 def run_submit_prepare(args: argparse.Namespace) -> int:
+    from .prepare import check_numbers, check_output_folder
+
     check_output_folder(args.inputs, Path(args.out), args.overwrite)  # refused now, not in every array task
     check_numbers(**{k: getattr(args, k) for k in ("eval_fraction", "seq_len", "record_len", "vocab_size", "seed",
                                                    "shard_records", "bucket_mb", "num_proc")})

@@ -5,17 +5,22 @@
 
 from __future__ import annotations
 
-from meshformer.config import Config
-from meshformer.parallel_dims import ParallelDims
-from meshformer.planner.memory import RankMemory, rank_memory
-from meshformer.planner.shard import fake_world, rank_shares
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported when used (torch), so that `meshformer plan --help` starts without them
+    from meshformer.config import Config
+    from meshformer.parallel_dims import ParallelDims
+    from meshformer.planner.memory import RankMemory
 
 
 def estimate(cfg: Config, world_size: int) -> tuple[ParallelDims, list[RankMemory]]:
     """Build and parallelise the model on meta under a fake `world_size`-rank group; memory per pipeline rank."""
+    from meshformer.planner.memory import rank_memory
+    from meshformer.planner.shard import fake_world, rank_shares
+
     with fake_world(world_size):
         dims, shares = rank_shares(cfg, world_size)
     return dims, [rank_memory(cfg, dims, share) for share in shares]
 
 
-__all__ = ["RankMemory", "estimate"]
+__all__ = ["estimate"]

@@ -41,13 +41,10 @@ from meshformer.loss.fused import default_chunk_rows
 from meshformer.model.attention import pieces_held
 from meshformer.model.blockwise_attention import backward_workspace, stored_probabilities
 from meshformer.parallel.kernels import runs_blockwise_attention
+from meshformer.planner.assumptions import MOE_IMBALANCE
 
 FP32 = 4
 INDEX = 8  # int64 routing indices
-# Rows an expert-parallel rank's experts receive, over the balanced N k: the planning default. Routing at
-# initialisation and with balancing on stays near it; plan for more (`--moe-imbalance`) for unbalanced routers, up to
-# the dropless worst case (see `moe_rows`), which is ep x the balanced load.
-MOE_IMBALANCE = 1.5
 
 
 @dataclass(frozen=True)

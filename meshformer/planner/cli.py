@@ -6,15 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import TYPE_CHECKING
 
-from meshformer.config import Config, ConfigError, load_config
+from meshformer.errors import ConfigError
 from meshformer.launcher.torchrun import check_world_size
-from meshformer.parallel_dims import n_microbatches
-from meshformer.planner.activations import MOE_IMBALANCE
-from meshformer.planner.memory import CUDA_CONTEXT, DEVICES, SAFETY_FRACTION, as_dict, usable_bytes
-from meshformer.planner.search import RECOMPUTE_MODES, LayoutMemory, plan_layout, search_layouts
+from meshformer.planner.assumptions import CUDA_CONTEXT, DEVICES, MOE_IMBALANCE, SAFETY_FRACTION, GiB
 
-GiB = 2**30
+if TYPE_CHECKING:  # the planner imports torch: loaded when a plan runs, not for --help
+    from meshformer.config import Config
+    from meshformer.planner.search import LayoutMemory
 
 
 def _gib(value: float) -> str:
@@ -30,6 +30,8 @@ def layout_name(layout: LayoutMemory) -> str:
 def assumptions(cfg: Config, layout: LayoutMemory) -> dict:
     """What the estimate of `cfg`'s own layout takes as given: the step's shape, the dtypes, recomputation."""
     p, data = cfg.parallel, cfg.data
+    from meshformer.parallel_dims import n_microbatches
+
     microbatches = n_microbatches(cfg) if layout.pp > 1 else 1
     fsdp = layout.dp_shard * layout.cp > 1
     return {
@@ -47,6 +49,8 @@ def assumptions(cfg: Config, layout: LayoutMemory) -> dict:
 
 
 def _order_key(layout: LayoutMemory) -> tuple[int, int, int]:
+    from meshformer.planner.search import RECOMPUTE_MODES
+
     return layout.tp * layout.pp * layout.cp, RECOMPUTE_MODES.index(layout.recompute), layout.ep
 
 
@@ -82,6 +86,9 @@ def ties(layouts: list[LayoutMemory]) -> list[str]:
 def report(cfg: Config, world: int, device: str, *, search: bool = True, top: int = 5,
            moe_imbalance: float = MOE_IMBALANCE) -> dict:
     start = time.perf_counter()
+    from meshformer.planner.memory import as_dict, usable_bytes
+    from meshformer.planner.search import plan_layout, search_layouts
+
     chosen = plan_layout(cfg, world, moe_imbalance)
     layouts = search_layouts(cfg, world, device, moe_imbalance) if search else []
     budget = usable_bytes(device)
@@ -148,6 +155,8 @@ def _table(columns: list[str], rows: list[list[str]]) -> None:
 
 
 def _plan(args: argparse.Namespace) -> None:
+    from meshformer.config import load_config
+
     check_world_size(args.world, "--world")
     cfg = load_config(args.config, args.set)
     if args.moe_imbalance < 1:

@@ -20,19 +20,9 @@ from meshformer.model.moe import is_moe_block
 from meshformer.parallel.parallelize import compile_mode
 from meshformer.parallel_dims import ZERO_BUBBLE, ParallelDims, last_stage_losses_in_flight, n_microbatches
 from meshformer.planner import activations as act
+from meshformer.planner.assumptions import CUDA_CONTEXT, DEVICES, SAFETY_FRACTION
 from meshformer.planner.shard import RankShare
 from meshformer.train import loss_choice
-
-GiB = 2**30
-DEVICES = {  # usable bytes as the driver reports them
-    "h100-80gb": 79.6 * GiB,
-    "h200": 139.8 * GiB,
-    "a100-80gb": 79.2 * GiB,
-    "a100-40gb": 39.4 * GiB,
-    "cpu": 24 * GiB,
-}
-SAFETY_FRACTION = 0.10  # fragmentation and allocator slack
-CUDA_CONTEXT = 1.0 * GiB  # CUDA context, cuBLAS / NCCL workspaces
 
 
 @dataclass

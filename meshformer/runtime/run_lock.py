@@ -39,15 +39,16 @@ def _holder(path: Path) -> str:
 
 
 @contextmanager
-def run_folder_lock(folder: Path, key: str) -> Iterator[None]:
+def run_folder_lock(folder: Path, key: str, another_run: bool = False) -> Iterator[None]:
     """Hold `folder`'s lock until the block ends; another holder is refused in one line naming it and `key`
-    (the config option that chooses the folder)."""
+    (the config option that chooses the folder). another_run: this config is not the holder's (waiting would
+    not help: the folder then holds another run), so a folder of its own is the first suggestion."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        if _lock(fd, path, key):
+        if _lock(fd, path, key, another_run):
             os.ftruncate(fd, 0)
             started = time.strftime("%Y-%m-%d %H:%M:%S")
             os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started}).encode())
@@ -56,14 +57,15 @@ def run_folder_lock(folder: Path, key: str) -> Iterator[None]:
         os.close(fd)  # drops the lock
 
 
-def _lock(fd: int, path: Path, key: str) -> bool:
+def _lock(fd: int, path: Path, key: str, another_run: bool) -> bool:
     """True when locked; False when the filesystem has no locks (warned about)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
     except BlockingIOError:
-        raise RunFolderInUseError(f"{path.parent} is in use by {_holder(path)}",
-                                  f"wait for it to finish, or set {key} to another folder") from None
+        fix = (f"set {key} to a folder of its own (this config is not that run's), or wait for it to finish"
+               if another_run else f"wait for it to finish, or set {key} to another folder")
+        raise RunFolderInUseError(f"{path.parent} is in use by {_holder(path)}", fix) from None
     except OSError as err:
         if err.errno not in _NO_LOCKS:
             raise

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 
-from meshformer.config import load_config
 from meshformer.errors import ArgumentParser, run_command
 
 
@@ -20,6 +19,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(config_path: str, overrides: list[str]) -> None:
     """Train on this process; joins the process group first when launched by torchrun."""
     from meshformer.checkpointing.init_from import resolve_init_from
+    from meshformer.config import load_config
     from meshformer.train.metrics import setup_console_logging
     from meshformer.train.preflight import preflight, run_folders_claimed
     from meshformer.train.trainer import Trainer

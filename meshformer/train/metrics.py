@@ -54,38 +54,59 @@ def tf32_enabled() -> bool:
     return torch.get_float32_matmul_precision() != "highest"
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """(peak FLOP/s, where the figure came from): a datasheet figure on known GPUs, else a measured GEMM rate."""
+# A CPU ceiling is measured while the GEMM's threads run; below this share of their wall time on a core, other
+# processes competed for the cores and the figure (and an MFU against it) says more about them than about the CPU.
+MIN_CPU_SHARE = 0.75
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str, str | None]:
+    """(peak FLOP/s, where the figure came from, why it is unreliable or None): a datasheet figure on known GPUs,
+    else a measured GEMM rate (on CPU unreliable when the measuring threads did not have their cores)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, (bf16, fp32) in KNOWN_PEAK_FLOPS.items():
             if key in name:
                 if dtype == torch.bfloat16:
-                    return bf16, f"{key} datasheet, dense bf16"
+                    return bf16, f"{key} datasheet, dense bf16", None
                 if tf32_enabled():
-                    return bf16 / 2, f"{key} datasheet, TF32 (enabled)"
-                return fp32, f"{key} datasheet, fp32 without TF32"
-    return (measure_matmul_flops(device, dtype, seconds=0.2, trials=5),
-            f"measured {dtype} {1024}x{1024} GEMM at start-up, best of 5")
+                    return bf16 / 2, f"{key} datasheet, TF32 (enabled)", None
+                return fp32, f"{key} datasheet, fp32 without TF32", None
+    threads = torch.get_num_threads() if device.type == "cpu" else 0
+    cpu_start, wall_start = time.process_time(), time.perf_counter()  # process time: all of its threads
+    flops = measure_matmul_flops(device, dtype, seconds=0.2, trials=5)
+    source = f"measured {dtype} 1024x1024 GEMM at start-up, best of 5"
+    if threads:
+        share = (time.process_time() - cpu_start) / ((time.perf_counter() - wall_start) * threads)
+        if share < MIN_CPU_SHARE:
+            return flops, source, (f"its {threads} threads ran {100 * share:.0f}% of the time while measuring "
+                                   "(other processes were using the cores)")
+    return flops, source, None
 
 
 class FlopsCeiling:
-    """The FLOP/s that MFU is relative to. A measured ceiling (CPU, unknown GPUs) that a training window beats
-    was low (the start-up measurement ran on a loaded machine): that window has no MFU (not a made-up 100%), the
-    ceiling is raised to the window's rate for later windows, and both are said."""
+    """The FLOP/s that MFU is relative to. MFU is shown only against a ceiling measured reliably: not when the
+    measurement did not have the CPU to itself, nor once a training window beats a measured ceiling (then it was
+    measured on a loaded machine). Either is said once, and MFU is n/a from then on (not a made-up figure)."""
 
-    def __init__(self, flops: float, source: str) -> None:
-        self.flops, self.source = flops, source
+    def __init__(self, flops: float, source: str, unreliable: str | None = None) -> None:
+        self.flops, self.source, self.unreliable = flops, source, unreliable
+        self._said = False
+
+    def describe(self) -> str:
+        """The ceiling for the start-up log line."""
+        if self.unreliable:
+            return f"MFU not shown: the CPU's ceiling ({self.source}) is unreliable: {self.unreliable}"
+        return f"MFU ceiling {self.flops / 1e12:.2f} TFLOP/s ({self.source})"
 
     def mfu(self, achieved_flops: float) -> tuple[float | None, str | None]:
-        """(MFU, or None when the ceiling proved unreliable; a note when it was raised)."""
-        if achieved_flops <= self.flops:
+        """(MFU, or None when the ceiling is unreliable; a note the first time a window proves it so)."""
+        if self.unreliable is None and achieved_flops <= self.flops:
             return achieved_flops / self.flops, None
-        note = (f"MFU n/a for this window: training ran at {achieved_flops / 1e12:.3f} TFLOP/s, above the "
-                f"{self.source} ({self.flops / 1e12:.3f}), so that ceiling was unreliable (measured on a loaded "
-                "machine); later windows are measured against this window's rate")
-        self.flops, self.source = achieved_flops, "highest rate seen in training"
-        return None, note
+        if self.unreliable is None:
+            self.unreliable = (f"training ran at {achieved_flops / 1e12:.3f} TFLOP/s, above the {self.source} "
+                               f"({self.flops / 1e12:.3f}), which was measured on a loaded machine")
+            return None, f"MFU n/a from here on: {self.unreliable}"
+        return None, None
 
 
 def memory_gib(device: torch.device) -> float:
@@ -123,7 +144,11 @@ class RunLogger:
                  run_config: dict[str, Any] | None = None) -> None:
         """wandb: the logging settings when logging.wandb is on; run_config: the config W&B shows."""
         self.enabled = enabled
-        self.writer = None
+        self.writer: Any = None
+        # The writer opens at the first event (or at rewind, with its purge step): a SummaryWriter opened and then
+        # reopened for the purge would leave an event file holding nothing but its header.
+        self._tb_dir: Path | None = None
+        self._purge_step: int | None = None
         self.wandb: Any = None
         self._pending: dict[str, Any] = {}  # the scalars of the step being logged (metrics.jsonl)
         self.jsonl = None
@@ -131,8 +156,6 @@ class RunLogger:
             return
         self.jsonl = (run_dir / METRICS_FILE).open("a", encoding="utf-8")  # appended across resumes (see rewind)
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
             tb_dir = run_dir / "tensorboard"
             try:
                 tb_dir.mkdir(parents=True, exist_ok=True)
@@ -142,7 +165,7 @@ class RunLogger:
             except OSError as err:
                 raise ConfigError(f"TensorBoard folder {tb_dir} is not writable ({err}); "
                                    "set logging.run_dir to a writable folder or logging.tensorboard=false") from None
-            self.writer = SummaryWriter(str(tb_dir))
+            self._tb_dir = tb_dir
         if wandb is not None:
             self.wandb = start_wandb(wandb, run_dir, run_config or {})
 
@@ -162,12 +185,20 @@ class RunLogger:
             partial.write_text("".join(kept), encoding="utf-8")
             os.replace(partial, path)
         self.jsonl = path.open("a", encoding="utf-8")
-        if self.writer is not None:
+        if self._tb_dir is not None:
+            if self.writer is not None:
+                self.writer.close()
+                self.writer = None
+            self._purge_step = step + 1
+        return dropped
+
+    def _tensorboard(self) -> Any:
+        """The TensorBoard writer (None without TensorBoard), opened at its first event."""
+        if self.writer is None and self._tb_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer.close()
-            self.writer = SummaryWriter(self.writer.log_dir, purge_step=step + 1)
-        return dropped
+            self.writer = SummaryWriter(str(self._tb_dir), purge_step=self._purge_step)
+        return self.writer
 
     def info(self, message: str) -> None:
         if self.enabled:
@@ -179,15 +210,15 @@ class RunLogger:
         if self._pending and self._pending["step"] != step:
             self.flush()
         self._pending = {"step": step, **self._pending, **values}
-        if self.writer is not None:
+        if (writer := self._tensorboard()) is not None:
             for key, value in values.items():
-                self.writer.add_scalar(key, value, step)
+                writer.add_scalar(key, value, step)
         if self.wandb is not None:
             self.wandb.log(values, step=step)
 
     def text(self, step: int, tag: str, value: str) -> None:
-        if self.writer is not None:
-            self.writer.add_text(tag, value, step)
+        if self.enabled and (writer := self._tensorboard()) is not None:
+            writer.add_text(tag, value, step)
 
     def flush(self) -> None:
         """Write the scalars of the step being logged to metrics.jsonl now."""
@@ -203,9 +234,11 @@ class RunLogger:
         if self.jsonl is not None:
             self.jsonl.close()
             self.jsonl = None
+        self._tb_dir = None  # nothing reopens it
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
+            self.writer = None
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None

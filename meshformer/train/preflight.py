@@ -23,7 +23,7 @@ from meshformer.data.tokenizer import check_vocab
 from meshformer.model.flops import count_params
 from meshformer.runtime.distributed import env_rank
 from meshformer.runtime.run_lock import run_folder_lock
-from meshformer.train.run_record import check_rerun
+from meshformer.train.run_record import check_rerun, config_changes
 
 # One checkpoint holds fp32 parameters and AdamW's two fp32 moments; the rest (data and RNG state, manifest)
 # is small. The margin covers filesystem overhead and the files of a save that is being replaced.
@@ -55,7 +55,8 @@ def run_folders_claimed(cfg: Config) -> Iterator[None]:
     checkpoint_dir, key = _checkpoint_dir(cfg)
     check_folder(run_dir, "logging.run_dir")
     with ExitStack() as held:
-        held.enter_context(run_folder_lock(run_dir, "logging.run_dir"))
+        # a config other than the running one's (its config.toml) is another run: waiting would not make room for it
+        held.enter_context(run_folder_lock(run_dir, "logging.run_dir", another_run=bool(config_changes(run_dir, cfg))))
         if run_dir.resolve() not in (checkpoint_dir.resolve(), *checkpoint_dir.resolve().parents):
             check_folder(checkpoint_dir, key)
             held.enter_context(run_folder_lock(checkpoint_dir, key))
@@ -86,6 +87,22 @@ def checked_tokenizer(cfg: Config) -> Tokenizer:
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     check_vocab(tokenizer, cfg.model.vocab_size)
     return tokenizer
+
+
+def config_warnings(cfg: Config, tokenizer: Tokenizer) -> list[str]:
+    """What trains, but likely not as meant: one line each (the trainer logs them before step 1)."""
+    warnings = []
+    unused = cfg.model.vocab_size - tokenizer.vocab_size
+    if unused > max(128, tokenizer.vocab_size // 100):  # beyond the padding models add for fast GEMMs
+        warnings.append(f"warning: the tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens but "
+                        f"model.vocab_size={cfg.model.vocab_size}: {unused} embedding rows no token uses (set "
+                        f"model.vocab_size={tokenizer.vocab_size} unless they are meant)")
+    if cfg.schedule.warmup_steps > cfg.train.steps:
+        warnings.append(f"warning: schedule.warmup_steps={cfg.schedule.warmup_steps} is longer than the run "
+                        f"(train.steps={cfg.train.steps}): the learning rate ends at "
+                        f"{cfg.train.steps / cfg.schedule.warmup_steps:.0%} of optim.lr, still warming up (lower "
+                        "schedule.warmup_steps)")
+    return warnings
 
 
 def check_folder(path: Path, key: str) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from meshformer.config import Config, ConfigError
+from meshformer.config.write import toml_value
 from meshformer.errors import UsageError
 
 RUN_CONFIG = "config.toml"
@@ -35,8 +36,8 @@ def config_changes(run_dir: Path, cfg: Config) -> list[str]:
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         return [f"{path} cannot be read as TOML"]
     old, new = _flat(saved), _flat(tomllib.loads(cfg.to_toml()))  # both through TOML: tuples read back as lists
-    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(old.keys() | new.keys())
-            if old.get(key) != new.get(key)]
+    return [f"{key}: {toml_value(old.get(key))} -> {toml_value(new.get(key))}"
+            for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
 
 
 def check_rerun(cfg: Config, run_dir: Path, reached_step: int, has_final: bool) -> list[str]:
@@ -47,6 +48,13 @@ def check_rerun(cfg: Config, run_dir: Path, reached_step: int, has_final: bool) 
     if not changes:
         return []
     listed = "; ".join(changes[:4]) + ("; ..." if len(changes) > 4 else "")
+    model_changes = [change for change in changes if _changes_the_model(change)]
+    if model_changes and reached_step > 0 and cfg.checkpoint.load_mode != "partial":
+        # no train.steps continues it: its checkpoints hold another model
+        raise ConfigError(f"the run in {run_dir} holds checkpoints of another model than this config's "
+                          f"({'; '.join(model_changes[:4])}{'; ...' if len(model_changes) > 4 else ''})",
+                          f"{NEW_RUN_HINT}, or set checkpoint.load_mode=\"partial\" to continue it with the "
+                          "tensors that fit")
     if reached_step >= cfg.train.steps:
         raise ConfigError(f"the run in {run_dir} already reached step {reached_step}, so train.steps="
                           f"{cfg.train.steps} trains nothing, yet this config differs from its config.toml ({listed})",
@@ -56,6 +64,14 @@ def check_rerun(cfg: Config, run_dir: Path, reached_step: int, has_final: bool) 
                           "no checkpoint to continue from; this run would replace them",
                           f"{NEW_RUN_HINT} (checkpoint.interval > 0 lets a later run continue one)")
     return changes
+
+
+def _changes_the_model(change: str) -> bool:
+    """Whether a `section.key: old -> new` change makes another model (not dropout, kernels or training terms)."""
+    from meshformer.checkpointing.init_from import FUNCTION_NEUTRAL
+
+    key = change.split(":", 1)[0]
+    return key.startswith("model.") and key.removeprefix("model.") not in FUNCTION_NEUTRAL
 
 
 def record_config(cfg: Config, run_dir: Path, start_step: int, changes: list[str],

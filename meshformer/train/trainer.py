@@ -7,6 +7,7 @@ happen only at logging, evaluation and sampling intervals.
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import time
@@ -18,7 +19,13 @@ import torch
 
 from meshformer import folders
 from meshformer.batch import Batch
-from meshformer.checkpointing.init_from import SOURCE_FILE, load_init_weights, record_source, resolve_init_from
+from meshformer.checkpointing.init_from import (
+    SOURCE_FILE,
+    load_init_weights,
+    record_source,
+    resolve_init_from,
+    taken_from_folder,
+)
 from meshformer.checkpointing.manager import CheckpointManager
 from meshformer.checkpointing.save_errors import final_weights_failed_error
 from meshformer.checkpointing.train_state import Checkpointable, SchedulerState, TrainState
@@ -45,6 +52,7 @@ from meshformer.train.preflight import (
     FINAL_WEIGHTS,
     check_final_folder,
     checked_tokenizer,
+    config_warnings,
     has_final_weights,
     run_folders_claimed,
 )
@@ -133,10 +141,11 @@ class Trainer:
             f"model: {cfg.model.family}, {n_params / 1e6:.2f}M parameters, objective {cfg.objective}; "
             f"device {self.device}, dtype {cfg.train.dtype}; AdamW kernel: {self.training_step.kernel}; attention: "
             f"{self.parallel_model.report.get('attention', cfg.model.attention_backend)}; host malloc: {host_memory}; "
-            f"MFU ceiling "
-            f"{self.ceiling.flops / 1e12:.2f} TFLOP/s ({self.ceiling.source}); model built and sharded in "
+            f"{self.ceiling.describe()}; model built and sharded in "
             f"{self.build_s:.2f}s"
         )
+        for warning in config_warnings(cfg, self.tokenizer):
+            self.logger.info(warning)
         # A profiled step range, and the time this rank waits for batches (reset at each logging step).
         self.profiler = StepProfiler(cfg.profile, self.run_dir, rank)
         self.data_wait_s = 0.0
@@ -229,7 +238,7 @@ class Trainer:
             arch = load_init_weights(self.parallel_model.model_parts, cfg)
             if self.rank == 0:
                 record_source(self.run_dir, cfg, arch)
-            log.info(f"step 0 weights read from {cfg.checkpoint.init_from} in {time.perf_counter() - start:.2f}s")
+            log.info(taken_from_folder(cfg, arch, time.perf_counter() - start))
         if self.step >= cfg.train.steps:
             log.info(f"the run in {self.run_dir} already reached step {self.step} >= train.steps={cfg.train.steps}; "
                      "raise train.steps to train further, or pass --new-run for a fresh run")
@@ -266,7 +275,7 @@ class Trainer:
                     "train/grad_norm": float(stats.grad_norm),
                     "perf/tokens_per_s": tokens_per_s,
                     "perf/tokens_per_s_per_rank": tokens_per_s_per_rank,
-                    "perf/mfu": mfu if mfu is not None else math.nan,  # n/a: a window the ceiling misjudged
+                    "perf/mfu": mfu if mfu is not None else math.nan,  # n/a: the ceiling is unreliable
                     "perf/memory_gib": memory_gib(self.device),  # peak (rank 0)
                     "perf/memory_now_gib": current_memory_gib(self.device),
                     "perf/step_time_s": elapsed / window_steps,
@@ -312,7 +321,7 @@ class Trainer:
                 text = decoded_sample(self.model, self.tokenizer, self.cfg, self.device, self.sample_batch())
                 if text is not None:
                     log.text(step, "sample", text)
-                    log.info(f"sample {step:>5} | {text!r}")
+                    log.info(f"sample {step:>5} | {json.dumps(text, ensure_ascii=False)}")  # one line, quoted
             if window_steps == 0:  # a window was just logged: the next starts here, evaluation and samples excluded
                 synchronize(self.device)
                 window_start = time.perf_counter()

@@ -577,7 +577,8 @@ CASES = [
     # command-line usage
     ("usage-no-command", [], ["required", "--help"]),
     ("usage-unknown-command", ["fly"], ["invalid choice", "--help"]),
-    ("usage-missing-config", ["train"], ["required: config", "--help"]),
+    ("usage-missing-config", ["train"], ["train needs a config", "tiny-gpt", "--init-from"]),
+    ("continue-hf-without-a-folder", ["train", "continue-hf"], ["has no model of its own", "--init-from"]),
     ("usage-bad-int", ["submit", CFG, "--nodes", "two"], ["invalid int value", "--help"]),
     ("usage-prepare-out", ["data", "prepare", "{corpus}"], ["--out", "--help"]),
     ("usage-convert", ["convert"], ["required", "--help"]),

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.checkpoints import launch, run_trainer, tiny_shards
-from helpers.common import TESTS
+from helpers.common import CONFIGS, TESTS
 from helpers.hf_models import hf_folder
 
 from meshformer.checkpointing.init_from import resolve_init_from
@@ -119,11 +119,52 @@ def test_a_model_key_that_changes_the_function_is_refused_by_name(shards, tmp_pa
     cfg = resolve_init_from(load_config(None, [*base, "model.attention_dropout=0.1"]))  # training-only: kept
     assert cfg.model.attention_dropout == 0.1 and cfg.model.rope_scaling == "llama3" and cfg.model.d_model == 32
     assert cfg.data.tokenizer == str(folder)
-    with pytest.raises(SystemExit) as info:
-        main(["train", "tiny-gpt", "--init-from", str(folder), "--set", *base[:-1], "model.n_layers=3"])
+    with pytest.raises(SystemExit) as info:  # the user's own file: its [model] keys are checked too
+        main(["train", str(CONFIGS / "tiny-gpt.toml"), "--init-from", str(folder), "--set", *base[:-1],
+              "model.n_layers=3"])
     line = str(info.value.code)
     assert line.startswith("error: checkpoint.init_from: ") and "\n" not in line, line
     for named in ("model.max_seq_len=128 (it has 64)", "model.n_layers=3 (it has 2)", "remove those [model] keys"):
+        assert named in line, line
+
+
+def test_init_from_needs_no_config_and_says_what_it_took_from_the_folder(shards, tmp_path, monkeypatch, capsys):
+    """`meshformer train --init-from PATH`: the bundled continued-pretraining run, in runs/<folder name>, with the
+    folder's model and tokenizer; one log line lists what came from the folder."""
+    _, folder = hf_folder("llama", tmp_path / "my-llama")
+    monkeypatch.chdir(tmp_path)
+    main(["train", "--init-from", str(folder), "--set", f'data.shards="{shards}"', "data.seq_len=32",
+          "data.num_workers=0", "data.shuffle_shards=2", "train.steps=2", "train.eval_interval=0",
+          "train.sample_interval=0", "train.device=cpu", "logging.tensorboard=false"])
+    run_dir = tmp_path / "runs" / folder.name
+    assert (run_dir / "final").is_dir()
+    taken = [line for line in capsys.readouterr().err.splitlines() if "] from hf:" in line]
+    assert len(taken) == 1, taken
+    assert "model (llama: 2 layers, d_model 32" in taken[0] and "tokenizer" in taken[0] and "weights" in taken[0]
+    with pytest.raises(SystemExit) as info:  # no config and no folder: one line saying both ways in
+        main(["train"])
+    assert "--init-from" in str(info.value.code) and "tiny-gpt" in str(info.value.code)
+
+
+def test_a_bundled_config_with_init_from_takes_the_folders_model(shards, tmp_path):
+    """A bundled config's [model] describes a from-scratch model: the folder's replaces it; --set keys still count."""
+    _, folder = hf_folder("llama", tmp_path / "hf")
+    base = _overrides(shards, tmp_path / "run", folder, 1)
+    cfg = resolve_init_from(load_config("tiny-gpt", base))
+    assert cfg.model.d_model == 32 and cfg.model.n_layers == 2 and cfg.data.tokenizer == str(folder)
+    assert cfg.optim.lr == load_config("tiny-gpt").optim.lr  # the rest of the bundled run is kept
+
+
+def test_every_conflicting_key_is_named_with_the_folders_value_in_one_line(shards, tmp_path):
+    _, folder = hf_folder("llama", tmp_path / "hf")
+    base = _overrides(shards, tmp_path / "run", folder, 1)
+    with pytest.raises(SystemExit) as info:
+        main(["train", "tiny-gpt", "--init-from", str(folder), "--set", *base[:-1], "model.n_layers=3",
+              "model.d_model=64", "data.seq_len=128"])
+    line = str(info.value.code)
+    assert line.startswith("error: checkpoint.init_from: ") and "\n" not in line, line
+    for named in ("model.n_layers=3 (it has 2)", "model.d_model=64 (it has 32)", "data.seq_len=128 (its context is "
+                  "64)", "set data.seq_len <= 64"):
         assert named in line, line
 
 

@@ -128,7 +128,7 @@ def test_cli_prepare(tmp_path, capsys):
     args = parser.parse_args(["data", "prepare", str(small_corpus(tmp_path, 4)), "--out", str(tmp_path / "o"),
                               "--tokenizer", "bundled:kjv-bpe-4k", "--seq-len", "16", "--quiet"])
     assert args.func(args) == 0
-    assert "train with: data.shards=" in capsys.readouterr().out
+    assert "train with: meshformer train tiny-gpt --set data.shards=" in capsys.readouterr().out
     assert read_manifest(str(tmp_path / "o")).record_len == 17
     with pytest.raises(SystemExit) as exit_info:
         main(["data", "prepare", str(tmp_path / "missing"), "--out", str(tmp_path / "x"), "--quiet"])

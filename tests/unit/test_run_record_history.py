@@ -32,6 +32,17 @@ def test_a_second_continuation_from_the_same_step_keeps_the_config_that_trained_
     assert len(log) == 2 and "optim.lr: 0.002 -> 0.003" in log[1]
 
 
+def test_config_changes_are_written_as_in_a_config_not_as_python_reprs(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / RUN_CONFIG).write_text(load_config("tiny-gpt").to_toml())
+    changed = load_config("tiny-gpt", ["data.shards=data/mine", "optim.betas=[0.8, 0.9]", "logging.tensorboard=false"])
+    changes = config_changes(run, changed)
+    assert 'data.shards: "" -> "data/mine"' in changes and "optim.betas: [0.9, 0.95] -> [0.8, 0.9]" in changes
+    assert "logging.tensorboard: true -> false" in changes
+    assert not any("'" in change or "None" in change or "True" in change for change in changes), changes
+
+
 def test_new_run_beside_a_run_folder_named_dot(tmp_path, monkeypatch):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
