@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 
-from meshformer.config import Config, ConfigError, load_config
+from meshformer.config import Config, load_config
+from meshformer.errors import UsageError
 from meshformer.launcher.torchrun import check_world_size
 from meshformer.planner.activations import MOE_IMBALANCE
 from meshformer.planner.memory import CUDA_CONTEXT, DEVICES, SAFETY_FRACTION, as_dict, usable_bytes
@@ -83,10 +85,14 @@ def _table(columns: list[str], rows: list[list[str]]) -> None:
 
 def _plan(args: argparse.Namespace) -> None:
     check_world_size(args.world, "--world")
+    imbalance = args.moe_imbalance
+    if not (math.isfinite(imbalance) and imbalance >= 1):
+        raise UsageError(f"--moe-imbalance {imbalance} is {'below 1' if imbalance < 1 else 'not a finite number'} "
+                         "(it is an expert's received tokens over the balanced load)",
+                         "pass a factor >= 1, e.g. --moe-imbalance 1.5")
+    if args.top < 1:
+        raise UsageError(f"--top {args.top} lists no layout", "pass how many fitting layouts to list, e.g. --top 5")
     cfg = load_config(args.config, args.set)
-    if args.moe_imbalance < 1:
-        raise ConfigError(f"--moe-imbalance {args.moe_imbalance} is below 1 (it is an expert's received tokens over "
-                          "the balanced load)", "pass a factor >= 1, e.g. --moe-imbalance 1.5")
     result = report(cfg, args.world, args.gpu, search=not args.no_search, top=args.top,
                     moe_imbalance=args.moe_imbalance)
     if args.json:
