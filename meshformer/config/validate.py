@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
+
 from meshformer.config.parse import parse_size
 from meshformer.config.sections import Config
 from meshformer.errors import ConfigError
@@ -63,12 +65,25 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"profile.start_step={cfg.profile.start_step} and profile.steps={cfg.profile.steps}: "
                           "start_step must be >= 0 (0: off) and steps positive, e.g. profile.start_step=10 "
                           "profile.steps=3")
+    _check_device(t.device)
     if t.dtype == "bf16" and not t.device.startswith(("auto", "cpu", "cuda")):
         raise ConfigError(f"train.dtype='bf16' is not supported on device {t.device!r}; use fp32")
     _check_shard_size(cfg.checkpoint.max_shard_size)
     if cfg.checkpoint.init_from and not cfg.checkpoint.init_from.startswith("hf:"):
         raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from!r} is not a source meshformer starts from",
                           "write hf:PATH for a Hugging Face model folder (config.json + safetensors)")
+
+
+def _check_device(spec: str) -> None:
+    """train.device names a device torch knows ("auto": the local rank's GPU, else the CPU)."""
+    if spec == "auto":
+        return
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type == "meta":  # meta tensors hold no values: nothing would train
+        raise ConfigError(f"train.device={spec!r} is not a device", "use 'auto', 'cpu', 'cuda' or 'cuda:N'")
 
 
 def _check_family(cfg: Config) -> None:

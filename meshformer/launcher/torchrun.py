@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -40,6 +41,20 @@ def check_world_size(world_size: int, option: str) -> None:
     """A world of ranks we can plan and launch: positive and at most MAX_WORLD_SIZE (refused before allocating)."""
     if not 1 <= world_size <= MAX_WORLD_SIZE:
         raise UsageError(f"{option} gives {world_size} ranks", f"use a number of ranks from 1 to {MAX_WORLD_SIZE:,}")
+
+
+def check_rdzv_endpoint(endpoint: str) -> None:
+    """--rdzv-endpoint as HOST:PORT ([IPv6]:PORT) with a name this node resolves: torchrun's agent would raise a
+    traceback for a malformed one, and retry an unresolvable one until its timeout."""
+    host, sep, port = endpoint.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    fix = "pass the first node's address and a free port, e.g. --rdzv-endpoint node0:29500"
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UsageError(f"--rdzv-endpoint={endpoint!r} is not HOST:PORT with a port from 1 to 65535", fix)
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as err:  # socket.gaierror: no such host (or no DNS here)
+        raise UsageError(f"--rdzv-endpoint={endpoint!r}: this node cannot resolve {host!r} ({err})", fix) from None
 
 
 def torchrun_command(

@@ -51,6 +51,10 @@ def job_device(cfg: Config, local_rank: int = 0) -> torch.device:
         raise ConfigError(f"train.device={spec!r} but no CUDA device is visible; use train.device='cpu' or 'auto'")
     if device.type == "cuda" and device.index is None:
         device = torch.device(f"cuda:{local_rank}")
+    if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"train.device={spec!r}: this node has {torch.cuda.device_count()} visible CUDA device(s), "
+                          f"so there is no cuda:{device.index}",
+                          "use train.device='auto' (the local rank's GPU) or an index below the count")
     return device
 
 

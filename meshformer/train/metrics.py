@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from meshformer.config import ConfigError, LoggingConfig
+from meshformer.data.corpus_base import short
 
 log = logging.getLogger("meshformer")
 
@@ -183,7 +184,7 @@ class RunLogger:
             for key, value in values.items():
                 self.writer.add_scalar(key, value, step)
         if self.wandb is not None:
-            self.wandb.log(values, step=step)
+            self._to_wandb("log", values, step=step)
 
     def text(self, step: int, tag: str, value: str) -> None:
         if self.writer is not None:
@@ -206,7 +207,17 @@ class RunLogger:
             self.writer.flush()
             self.writer.close()
         if self.wandb is not None:
-            self.wandb.finish()
+            self._to_wandb("finish")
+            self.wandb = None
+
+    def _to_wandb(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """A W&B call; one that fails (the network or W&B's service gone mid-run) is said in one line and ends W&B
+        logging for this run, not the training: metrics.jsonl and TensorBoard keep every step."""
+        try:
+            getattr(self.wandb, method)(*args, **kwargs)
+        except Exception as err:
+            log.warning("Weights & Biases stopped logging (%s: %s); the run goes on, metrics.jsonl and TensorBoard "
+                        "keep every step", type(err).__name__, short(err))
             self.wandb = None
 
 
@@ -225,8 +236,16 @@ def start_wandb(settings: LoggingConfig, run_dir: Path, run_config: dict[str, An
     except ImportError:
         raise ConfigError("logging.wandb=true needs Weights & Biases, which is not installed",
                           "pip install 'meshformer[wandb]', or set logging.wandb=false") from None
-    return wandb.init(project=settings.wandb_project, name=run_dir.name, dir=str(run_dir), config=run_config,
-                      mode=settings.wandb_mode, resume="allow", id=_wandb_id(run_dir))
+    try:
+        return wandb.init(project=settings.wandb_project, name=run_dir.name, dir=str(run_dir), config=run_config,
+                          mode=settings.wandb_mode, resume="allow", id=_wandb_id(run_dir))
+    except Exception as err:  # wandb.errors.* (no login, no network, a bad project), its timeouts and socket errors
+        offline = ", or set logging.wandb_mode=offline (no network; `wandb sync` uploads later)" \
+            if settings.wandb_mode == "online" else ""
+        raise ConfigError(f"Weights & Biases did not start (logging.wandb_mode={settings.wandb_mode}): "
+                          f"{type(err).__name__}: {short(err)}",
+                          f"run `wandb login` (or set WANDB_API_KEY) and check the network{offline}, or set "
+                          "logging.wandb=false") from None
 
 
 def _wandb_id(run_dir: Path) -> str:

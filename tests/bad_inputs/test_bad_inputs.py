@@ -64,6 +64,7 @@ def world(tmp_path_factory):
     (tmp / "notgz.txt.gz").write_bytes(b"this is not gzip data at all")
     (tmp / "nofield.jsonl").write_text('{"body": "some text"}\n')
     (tmp / "badjson.jsonl").write_text('{"text": "unterminated\n')
+    (tmp / "surrogate.jsonl").write_text('{"text": "fine words"}\n{"text": "half a pair \\ud800 here"}\n')
     # files for the data cases (#25)
     (tmp / "late-binary.txt").write_bytes(b"good text\n" * 7000 + b"\x00\x01\x02" * 100)  # past the 64 KiB head
     (tmp / "pretty.jsonl").write_text('[\n  {"text": "one"},\n  {"text": "two"}\n]\n')
@@ -216,6 +217,9 @@ CASES = [
      ["without model.logit_softcap=30.0", "use train.loss='plain'"]),
     ("profile-steps", _train("profile.start_step=1", "profile.steps=0"), ["profile.steps", "e.g."]),
     ("no-cuda", _train("train.device=cuda"), ["no CUDA device", "train.device='cpu'"]),
+    ("device-garbage", _train("train.device=banana"), ["train.device='banana' is not a device", "'cuda:N'"]),
+    ("device-bad-index", _train("train.device=cuda:x"), ["train.device='cuda:x' is not a device", "'cuda:N'"]),
+    ("device-meta", _train("train.device=meta"), ["train.device='meta' is not a device", "'auto', 'cpu'"]),
     ("grad-clip-negative", _train("optim.grad_clip=-1"), ["optim.grad_clip", ">= 0"]),
     # (#25) values
     ("lr-inf", _train("optim.lr=inf"), ["optim.lr=inf is not a finite number", "e.g. the default optim.lr="]),
@@ -256,6 +260,9 @@ CASES = [
     ("jsonl-no-field", _corpus("{tmp}/nofield.jsonl"), ["no string field 'text'", "data.text_field"]),
     ("jsonl-wrong-field", _corpus("{corpus}", "data.text_field=body"), ["no string field 'body'", "text_field"]),
     ("jsonl-bad-json", _corpus("{tmp}/badjson.jsonl"), ["not valid JSON", "fix or remove"]),
+    ("jsonl-lone-surrogate", ["data", "prepare", "{tmp}/surrogate.jsonl", "--out", "{tmp}/p-surrogate", "--tokenizer",
+                              "bundled:kjv-bpe-4k"],
+     ["surrogate.jsonl:2: field 'text' holds a lone UTF-16 surrogate (\\ud800)", "high-low pair"]),
     # (#25) corpus
     ("jsonl-pretty-printed", _corpus("{tmp}/pretty.jsonl"), ["pretty.jsonl:1: not JSONL", "one JSON object per line"]),
     ("mixture-weight-vanishes", _train('data.sources=[{{shards="{shards}", weight=1}}, {{shards="{shards}", '
@@ -357,6 +364,10 @@ CASES = [
     # parallel layout and launch options
     ("launch-nproc-zero", ["train", CFG, "--nproc-per-node", "0"], ["--nproc-per-node=0", "use --nproc-per-node >= 1"]),
     ("launch-restarts", ["train", CFG, "--max-restarts", "-1"], ["--max-restarts=-1", ">= 0"]),
+    ("launch-rdzv-port", ["train", CFG, "--nproc-per-node", "1", "--nnodes", "2", "--rdzv-endpoint", "host:abc"],
+     ["--rdzv-endpoint='host:abc' is not HOST:PORT", "--rdzv-endpoint node0:29500"]),
+    ("launch-rdzv-host", ["train", CFG, "--nproc-per-node", "1", "--nnodes", "2", "--rdzv-endpoint",
+                          "no-such-host.invalid:29500"], ["cannot resolve 'no-such-host.invalid'", "first node's"]),
     ("layout-tp", ["train", CFG, "--nproc-per-node", "2", "--set", "parallel.tp=3"], ["does not divide", "choose"]),
     ("layout-cp-family", ["train", "tiny-t5", "--nproc-per-node", "2", "--set", "parallel.cp=2"],
      ["context parallel is implemented for decoder-only and encoder-only", "set parallel.cp=1"]),
@@ -688,3 +699,20 @@ def test_under_torchrun_one_rank_reports(tmp_path):
     text = out.stdout + out.stderr
     assert out.returncode != 0
     assert text.count("error: ") == 1, text[-3000:]
+
+
+def test_wandb_that_cannot_start_online_is_one_line(world, protected, capsys, monkeypatch, one_thread):
+    """W&B online without a login or a network: wandb.init raises (its own multi-line text) before step 1."""
+    import types
+
+    def init(**kwargs):
+        raise RuntimeError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])\n  more lines")
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    err = run_main(["train", CFG, "--set", *TINY, f"logging.run_dir={world['tmp'] / 'runs' / 'wandb'}",
+                    f"data.shards={world['shards']}", "logging.wandb=true"], capsys)
+    lines = err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("error: Weights & Biases did not start (logging.wandb_mode=online)") and \
+        "logging.wandb_mode=offline" in lines[0], lines[0]
+    assert {key: _digest(world[key]) for key in protected} == protected
