@@ -234,6 +234,8 @@ CASES = [
     ("run-dir-under-file", _train("logging.run_dir={tmp}/afile/run"), ["is a file", "set logging.run_dir"]),
     ("run-dir-is-file", _train("logging.run_dir={tmp}/afile"), ["is a file", "set logging.run_dir"]),
     ("ckpt-dir-under-file", _train("checkpoint.dir={tmp}/afile/ck"), ["is a file", "set checkpoint.dir"]),
+    ("ckpt-dir-of-another-run", _train("checkpoint.dir={ckpt}"),
+     ["holds step-00000002 of the run in", "not of this run", "checkpoint.resume_other_run=true"]),
     ("ckpt-dir-unwritable", _train("checkpoint.dir=/proc/meshformer-ck"), ["cannot write", "checkpoint.dir"]),
     ("disk-space", _train("model.n_layers=400", "model.d_model=8192", "model.d_ff=32768"),
      ["no space left", "free disk space"]),
