@@ -11,11 +11,13 @@ import time
 from meshformer.config import Config, load_config
 from meshformer.errors import UsageError
 from meshformer.launcher.torchrun import check_world_size
+from meshformer.model.families import get_family_spec
 from meshformer.planner.activations import MOE_IMBALANCE
 from meshformer.planner.memory import CUDA_CONTEXT, DEVICES, SAFETY_FRACTION, as_dict, usable_bytes
 from meshformer.planner.search import LayoutMemory, plan_layout, search_layouts
 
 GiB = 2**30
+MAX_PLAN_LAYERS = 1024
 
 
 def _gib(value: float) -> str:
@@ -93,6 +95,10 @@ def _plan(args: argparse.Namespace) -> None:
     if args.top < 1:
         raise UsageError(f"--top {args.top} lists no layout", "pass how many fitting layouts to list, e.g. --top 5")
     cfg = load_config(args.config, args.set)
+    layers = get_family_spec(cfg.model.family).total_layers(cfg.model)
+    if layers > MAX_PLAN_LAYERS:  # every block is built on meta and sharded per layout: minutes per thousand
+        raise UsageError(f"the model has {layers} layers, beyond what the planner builds (at most {MAX_PLAN_LAYERS}, "
+                         "8x the deepest models trained)", "check model.n_layers (and the family's other stacks)")
     result = report(cfg, args.world, args.gpu, search=not args.no_search, top=args.top,
                     moe_imbalance=args.moe_imbalance)
     if args.json:

@@ -385,6 +385,8 @@ CASES = [
      ["--moe-imbalance nan is not a finite number", "--moe-imbalance 1.5"]),
     ("plan-moe-imbalance-inf", ["plan", CFG, "--world", "2", "--moe-imbalance", "inf"],
      ["--moe-imbalance inf is not a finite number", "--moe-imbalance 1.5"]),
+    ("plan-layers-huge", ["plan", CFG, "--world", "2", "--set", "model.n_layers=100000000"],
+     ["the model has 100000000 layers", "at most 1024", "model.n_layers"]),
     ("plan-top-zero", ["plan", CFG, "--world", "2", "--top", "0"], ["--top 0 lists no layout", "--top 5"]),
     ("plan-top-negative", ["plan", CFG, "--world", "2", "--top", "-1"], ["--top -1 lists no layout", "--top 5"]),
     ("plan-layout", ["plan", CFG, "--world", "2", "--set", "parallel.tp=3"], ["does not divide", "choose"]),
