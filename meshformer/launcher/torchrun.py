@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -44,17 +43,13 @@ def check_world_size(world_size: int, option: str) -> None:
 
 
 def check_rdzv_endpoint(endpoint: str) -> None:
-    """--rdzv-endpoint as HOST:PORT ([IPv6]:PORT) with a name this node resolves: torchrun's agent would raise a
-    traceback for a malformed one, and retry an unresolvable one until its timeout."""
-    host, sep, port = endpoint.rpartition(":")
+    """--rdzv-endpoint as HOST:PORT ([IPv6]:PORT) with a name this node resolves."""
+    from meshformer.runtime.distributed import check_endpoint
+
+    host, _, port = endpoint.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    fix = "pass the first node's address and a free port, e.g. --rdzv-endpoint node0:29500"
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise UsageError(f"--rdzv-endpoint={endpoint!r} is not HOST:PORT with a port from 1 to 65535", fix)
-    try:
-        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as err:  # socket.gaierror: no such host (or no DNS here)
-        raise UsageError(f"--rdzv-endpoint={endpoint!r}: this node cannot resolve {host!r} ({err})", fix) from None
+    check_endpoint(host, port, f"--rdzv-endpoint={endpoint!r}",
+                   "pass the first node's address and a free port, e.g. --rdzv-endpoint node0:29500")
 
 
 def torchrun_command(

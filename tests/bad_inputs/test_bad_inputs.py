@@ -720,3 +720,33 @@ def test_wandb_that_cannot_start_online_is_one_line(world, protected, capsys, mo
     assert lines[0].startswith("error: Weights & Biases did not start (logging.wandb_mode=online)") and \
         "logging.wandb_mode=offline" in lines[0], lines[0]
     assert {key: _digest(world[key]) for key in protected} == protected
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "abc"},
+     ["MASTER_ADDR='127.0.0.1' MASTER_PORT='abc' is not HOST:PORT"]),
+    ({"MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "29500"}, ["cannot resolve 'no-such-host.invalid'"]),
+    ({}, ["WORLD_SIZE=2, but MASTER_ADDR and MASTER_PORT are not both set"]),
+], ids=["port", "host", "missing"])
+def test_a_rendezvous_without_torchrun_that_cannot_work_is_one_line(world, protected, capsys, monkeypatch, one_thread,
+                                                                    tmp_path, env, words):
+    """A job started by hand (or a scheduler) with env:// variables: torch raises a traceback for a malformed
+    MASTER_PORT and retries an unresolvable MASTER_ADDR until its timeout."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this rank's "already reported" marker goes here
+    for name in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    err = run_main(["train", CFG, "--set", *TINY, f"logging.run_dir={tmp_path / 'run'}",
+                    f"data.shards={world['shards']}"], capsys)
+    lines = err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("error: ") and "MASTER_PORT" in lines[0] and "--nproc-per-node" in lines[0], lines[0]
+    for word in words:
+        assert word in lines[0], lines[0]
+    assert {key: _digest(world[key]) for key in protected} == protected
