@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from meshformer.config import ConfigError, LoggingConfig
 from meshformer.data.corpus_base import short
@@ -128,6 +129,8 @@ class RunLogger:
         self.wandb: Any = None
         self._pending: dict[str, Any] = {}  # the scalars of the step being logged (metrics.jsonl)
         self.jsonl = None
+        if wandb is not None:
+            self.wandb = _start_wandb_on_rank0(wandb, run_dir, run_config or {}, start=enabled)
         if not enabled:
             return
         self.jsonl = (run_dir / METRICS_FILE).open("a", encoding="utf-8")  # appended across resumes (see rewind)
@@ -144,8 +147,6 @@ class RunLogger:
                 raise ConfigError(f"TensorBoard folder {tb_dir} is not writable ({err}); "
                                    "set logging.run_dir to a writable folder or logging.tensorboard=false") from None
             self.writer = SummaryWriter(str(tb_dir))
-        if wandb is not None:
-            self.wandb = start_wandb(wandb, run_dir, run_config or {})
 
     def rewind(self, step: int) -> int:
         """A run resumed at `step`: what the interrupted run logged after that step is dropped from metrics.jsonl (a
@@ -229,6 +230,24 @@ def _logged_by(line: str, step: int) -> bool:
         return False
 
 
+def _start_wandb_on_rank0(settings: LoggingConfig, run_dir: Path, run_config: dict[str, Any], *, start: bool) -> Any:
+    """Rank 0 (`start`) starts W&B; in a process group every rank learns whether that failed and stops with the same
+    error (printed once, see meshformer.errors), instead of waiting in a collective for a rank that has gone."""
+    run, error = None, None
+    if start:
+        try:
+            run = start_wandb(settings, run_dir, run_config)
+        except ConfigError as err:
+            error = (err.what, err.fix)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise ConfigError(*error)
+    return run
+
+
 def start_wandb(settings: LoggingConfig, run_dir: Path, run_config: dict[str, Any]) -> Any:
     """A Weights & Biases run for logging.wandb=true; offline mode writes under the run folder, no network."""
     try:
@@ -236,9 +255,10 @@ def start_wandb(settings: LoggingConfig, run_dir: Path, run_config: dict[str, An
     except ImportError:
         raise ConfigError("logging.wandb=true needs Weights & Biases, which is not installed",
                           "pip install 'meshformer[wandb]', or set logging.wandb=false") from None
+    run_id = _wandb_id(run_dir)
     try:
         return wandb.init(project=settings.wandb_project, name=run_dir.name, dir=str(run_dir), config=run_config,
-                          mode=settings.wandb_mode, resume="allow", id=_wandb_id(run_dir))
+                          mode=settings.wandb_mode, resume="allow", id=run_id)
     except Exception as err:  # wandb.errors.* (no login, no network, a bad project), its timeouts and socket errors
         offline = ", or set logging.wandb_mode=offline (no network; `wandb sync` uploads later)" \
             if settings.wandb_mode == "online" else ""

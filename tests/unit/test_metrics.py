@@ -127,6 +127,30 @@ def test_wandb_that_cannot_start_is_one_line_with_the_fixes(tmp_path, monkeypatc
     assert "wandb login" in line and "logging.wandb_mode=offline" in line and "logging.wandb=false" in line
 
 
+def test_every_rank_stops_with_rank0s_wandb_error(tmp_path, monkeypatch):
+    """Only rank 0 starts W&B; the other ranks learn its failure from a broadcast and stop with the same line,
+    instead of waiting in a collective for a rank that has gone."""
+    _failing_wandb(monkeypatch, init_fails=True)
+    sent: list = []
+
+    def broadcast_object_list(box, src):  # rank 0 sends its box; the others receive what it sent
+        assert src == 0
+        if sent:
+            box[0] = sent[0]
+        else:
+            sent.append(box[0])
+
+    monkeypatch.setattr(metrics, "dist", types.SimpleNamespace(
+        is_available=lambda: True, is_initialized=lambda: True, get_world_size=lambda: 2,
+        broadcast_object_list=broadcast_object_list), raising=False)
+    lines = []
+    for rank in (0, 1):
+        with pytest.raises(ConfigError) as info:
+            metrics.RunLogger(tmp_path, enabled=rank == 0, tensorboard=False, wandb=LoggingConfig(wandb=True))
+        lines.append(info.value.one_line())
+    assert lines[0] == lines[1] and "Weights & Biases did not start (logging.wandb_mode=online): CommError" in lines[1]
+
+
 def test_wandb_failing_mid_run_is_one_warning_and_the_run_goes_on(tmp_path, monkeypatch, caplog):
     calls = _failing_wandb(monkeypatch, init_fails=False)
     logger = _logger(tmp_path, wandb=LoggingConfig(wandb=True))
