@@ -30,9 +30,11 @@ TOKENIZER_HELP = ("default: the tokenizer saved with the weights (WEIGHTS/tokeni
 
 def _train(args: argparse.Namespace) -> None:
     from meshformer.config import load_config
-    from meshformer.launcher.torchrun import check_launch_options, launch_torchrun
+    from meshformer.launcher.torchrun import check_launch_options, check_rdzv_endpoint, launch_torchrun
 
     check_launch_options(args.nproc_per_node, args.nnodes, args.max_restarts)
+    if args.nnodes > 1:  # one node: torchrun --standalone picks its own endpoint
+        check_rdzv_endpoint(args.rdzv_endpoint)
     overrides = args.set
     if args.config is None:
         if not args.init_from:

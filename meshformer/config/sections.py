@@ -127,6 +127,9 @@ class CheckpointConfig:
     keep_every: int = 0  # also keep every M-th step (0: none)
     async_save: bool = False  # write in a background thread (DCP thread mode); at most one save in flight
     resume: bool = True  # start from the newest valid checkpoint in checkpoint.dir, if any
+    # a checkpoint.dir whose newest checkpoint another run (another logging.run_dir) saved is refused at start;
+    # true: resume from it (its weights, optimizer, step and data position continue in this run folder)
+    resume_other_run: bool = False
     verify: Literal["sha256", "size"] = "sha256"  # how resume checks a checkpoint's files against its manifest
     # "full": a checkpoint whose model tensors differ from this model's (names or shapes) is refused;
     # "partial": load the tensors that fit (and their optimizer state), keep the rest as initialized, and resume

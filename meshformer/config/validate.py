@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
+
 from meshformer.config.parse import parse_size
 from meshformer.config.sections import CheckpointConfig, Config, DataConfig
 from meshformer.errors import ConfigError
@@ -64,6 +66,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"profile.start_step={cfg.profile.start_step} and profile.steps={cfg.profile.steps}: "
                           "start_step must be >= 0 (0: off) and steps positive, e.g. profile.start_step=10 "
                           "profile.steps=3")
+    _check_device(t.device)
     if t.dtype == "bf16" and not t.device.startswith(("auto", "cpu", "cuda")):
         raise ConfigError(f"train.dtype='bf16' is not supported on device {t.device!r}; use fp32")
     _check_shard_size(cfg.checkpoint.max_shard_size)
@@ -77,6 +80,18 @@ def validate_model(model: ModelConfig, source: str) -> None:
     on the config of a run started from `source` (checkpoint.init_from), at the model's full context."""
     data = DataConfig(seq_len=model.max_seq_len, target_len=min(DataConfig.target_len, model.max_seq_len))
     validate(Config(model=model, data=data, checkpoint=CheckpointConfig(init_from=source)))
+
+
+def _check_device(spec: str) -> None:
+    """train.device names a device torch knows ("auto": the local rank's GPU, else the CPU)."""
+    if spec == "auto":
+        return
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type == "meta":  # meta tensors hold no values: nothing would train
+        raise ConfigError(f"train.device={spec!r} is not a device", "use 'auto', 'cpu', 'cuda' or 'cuda:N'")
 
 
 def _check_family(cfg: Config) -> None:

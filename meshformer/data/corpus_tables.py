@@ -13,20 +13,22 @@ from .corpus_text import not_text
 BATCH_ROWS = 4096  # Parquet / Arrow rows decoded at a time
 
 
-def parquet_meta(path: Path) -> tuple[list[str], list[Any]]:
-    """(column names, row group metadata) of a Parquet file, or one line naming what is wrong with it."""
+def parquet_meta(path: Path) -> tuple[Any, list[Any]]:
+    """(Arrow schema, row group metadata) of a Parquet file, or one line naming what is wrong with it. The Arrow
+    schema names the top-level columns (the Parquet schema names the leaves: `element` for a list column)."""
     pq = need("pyarrow.parquet")
     try:
         meta = pq.ParquetFile(path).metadata
+        schema = meta.schema.to_arrow_schema()
     except Exception as err:  # pyarrow raises ArrowInvalid / OSError with its own text
         raise CorpusError(f"{path}: unreadable Parquet ({short(err)})",
                           "repair or remove the file (re-download or re-export it)") from None
-    return list(meta.schema.names), [meta.row_group(g) for g in range(meta.num_row_groups)]
+    return schema, [meta.row_group(g) for g in range(meta.num_row_groups)]
 
 
-def arrow_columns(path: Path) -> list[str]:
+def arrow_schema(path: Path) -> Any:
     with _arrow_reader(path) as reader:
-        return list(reader.schema.names)
+        return reader.schema
 
 
 class _arrow_reader:
@@ -54,9 +56,34 @@ class _arrow_reader:
         self.source.close()
 
 
-def require_column(path: Path, columns: list[str], name: str, option: str) -> None:
+def require_column(path: Path, schema: Any, name: str, option: str) -> None:
+    """The column `name` exists and holds text (any of Arrow's string encodings), or one line saying what to do."""
+    columns = list(schema.names)
     if name not in columns:
         raise CorpusError(f"{path}: no column {name!r} (has {columns[:20]})", f"set {option} to the text column")
+    _check_text_type(path, name, schema.field(name).type, "", option)
+
+
+def _is_text(pa: Any, kind: Any) -> bool:
+    """A string column in any encoding pandas and Polars write: plain, large, view, or dictionary of those."""
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    is_view = getattr(pa.types, "is_string_view", lambda _: False)  # string_view: pyarrow >= 16
+    return bool(pa.types.is_string(kind) or pa.types.is_large_string(kind) or is_view(kind))
+
+
+def _check_text_type(path: Path, name: str, kind: Any, where: str, option: str) -> None:
+    pa = need("pyarrow")
+    if _is_text(pa, kind):
+        return
+    at = f" in {where}" if where else ""
+    if pa.types.is_nested(kind):
+        how = (f"take the text field (of {[f.name for f in kind][:10]}) into a column of its own"
+               if pa.types.is_struct(kind) else "join each row's strings into one string column")
+        raise CorpusError(f"{path}: column {name!r} is nested ({kind}){at}, not a string column",
+                          f"{how} (pyarrow.compute or pandas) and set {option} to that column")
+    raise CorpusError(f"{path}: column {name!r} is of type {kind}{at}, not text",
+                      f"set {option} to a string column")
 
 
 def table_texts(path: Path, column: str, start: int = -1, stop: int = -1, keep_empty: bool = False) -> Iterator[str]:
@@ -65,8 +92,8 @@ def table_texts(path: Path, column: str, start: int = -1, stop: int = -1, keep_e
     (a column of pairs, read beside another): blank strings kept, a null refused."""
     if path.suffix == ".parquet" or head(path, 4) == PARQUET_MAGIC:
         pq = need("pyarrow.parquet")
-        names, groups = parquet_meta(path)
-        require_column(path, names, column, "--text-field (data.text_field)")
+        schema, groups = parquet_meta(path)
+        require_column(path, schema, column, "--text-field (data.text_field)")
         file = pq.ParquetFile(path)
         for g in range(max(start, 0), len(groups) if stop < 0 else stop):
             try:
@@ -79,7 +106,7 @@ def table_texts(path: Path, column: str, start: int = -1, stop: int = -1, keep_e
                                   "repair or remove the file (re-download or re-export it)") from None
         return
     with _arrow_reader(path) as reader:
-        require_column(path, list(reader.schema.names), column, "--text-field (data.text_field)")
+        require_column(path, reader.schema, column, "--text-field (data.text_field)")
         index = reader.schema.get_field_index(column)
         b = 0
         while True:
@@ -96,9 +123,9 @@ def table_texts(path: Path, column: str, start: int = -1, stop: int = -1, keep_e
 
 def _strings(path: Path, column: Any, name: str, where: str, keep_empty: bool) -> Iterator[str]:
     pa = need("pyarrow")
+    _check_text_type(path, name, column.type, where, "--text-field (data.text_field)")
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-        raise CorpusError(f"{path}: the text column is of type {column.type} in {where}, not text",
-                          "set --text-field (data.text_field) to a string column")
+        column = column.cast(pa.large_string())  # dictionary or view encoding: the same strings
     for text in column.to_pylist():
         if text is None and keep_empty:  # skipping it would pair this column's later rows with other rows
             raise CorpusError(f"{path}: a null in column {name!r} ({where})", "fill in or drop the rows with a null "

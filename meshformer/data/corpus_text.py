@@ -7,6 +7,7 @@ import codecs
 import gzip
 import io
 import json
+import re
 import zlib
 from collections.abc import Generator, Iterator
 from pathlib import Path
@@ -156,7 +157,17 @@ def field(path: Path | str, lineno: int, line: str, name: str) -> str:
     if not isinstance(record.get(name), str):
         raise CorpusError(f"{path}:{lineno}: no string field {name!r} (has {sorted(record)}); set data.text_field "
                           "or --text-field")
-    return record[name]
+    text = record[name]
+    # a JSON \uXXXX escape (the only way a decoded line holds one) can spell half a UTF-16 pair: not Unicode text,
+    # which UTF-8 and the tokenizers refuse
+    if "\\u" in line and (lone := _SURROGATE.search(text)):
+        raise CorpusError(f"{path}:{lineno}: field {name!r} holds a lone UTF-16 surrogate (\\u{ord(lone[0]):04x}), "
+                          "which is not Unicode text", "fix or drop that record (a surrogate escape comes as a "
+                          "high-low pair, e.g. \\ud83d\\ude00)")
+    return text
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 # --- multi-frame zstd, split by frames ---------------------------------------------------------------------------

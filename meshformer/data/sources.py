@@ -23,7 +23,7 @@ import numpy as np
 
 from .corpus_base import BUNDLED_CORPORA, TOKEN_FORMATS, ZSTD_MAGIC, CorpusError, detect, head
 from .corpus_discovery import resolve_inputs
-from .corpus_tables import arrow_columns, parquet_meta, require_column, table_texts
+from .corpus_tables import arrow_schema, parquet_meta, require_column, table_texts
 from .corpus_text import field, lines, read_text, zstd_frame_lines, zstd_frames
 from .corpus_tokens import MegatronIndex, megatron_index, split_at_eos, token_array
 
@@ -118,9 +118,9 @@ def check_corpus(files: list[Path], text_field: str | None = "text") -> None:
     for path in files:
         fmt = detect(path)
         if fmt in ("parquet", "arrow"):
-            columns = parquet_meta(path)[0] if fmt == "parquet" else arrow_columns(path)
+            schema = parquet_meta(path)[0] if fmt == "parquet" else arrow_schema(path)
             if text_field:
-                require_column(path, columns, text_field, "data.text_field or --text-field")
+                require_column(path, schema, text_field, "data.text_field or --text-field")
             has_text = True
             continue
         if fmt in TOKEN_FORMATS:

@@ -50,6 +50,16 @@ def check_world_size(world_size: int, option: str) -> None:
         raise UsageError(f"{option} gives {world_size} ranks", f"use a number of ranks from 1 to {MAX_WORLD_SIZE:,}")
 
 
+def check_rdzv_endpoint(endpoint: str) -> None:
+    """--rdzv-endpoint as HOST:PORT ([IPv6]:PORT) with a name this node resolves."""
+    from meshformer.runtime.distributed import check_endpoint
+
+    host, _, port = endpoint.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    check_endpoint(host, port, f"--rdzv-endpoint={endpoint!r}",
+                   "pass the first node's address and a free port, e.g. --rdzv-endpoint node0:29500")
+
+
 def torchrun_command(
     config: str,
     overrides: list[str] | None = None,

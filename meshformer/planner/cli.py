@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from typing import TYPE_CHECKING
 
-from meshformer.errors import ConfigError
+from meshformer.errors import UsageError
 from meshformer.launcher.torchrun import check_world_size
 from meshformer.planner.assumptions import CUDA_CONTEXT, DEVICES, MOE_IMBALANCE, SAFETY_FRACTION, GiB
 
 if TYPE_CHECKING:  # the planner imports torch: loaded when a plan runs, not for --help
     from meshformer.config import Config
     from meshformer.planner.search import LayoutMemory
+
+MAX_PLAN_LAYERS = 1024
 
 
 def _gib(value: float) -> str:
@@ -156,12 +159,21 @@ def _table(columns: list[str], rows: list[list[str]]) -> None:
 
 def _plan(args: argparse.Namespace) -> None:
     from meshformer.config import load_config
+    from meshformer.model.families import get_family_spec
 
     check_world_size(args.world, "--world")
+    imbalance = args.moe_imbalance
+    if not (math.isfinite(imbalance) and imbalance >= 1):
+        raise UsageError(f"--moe-imbalance {imbalance} is {'below 1' if imbalance < 1 else 'not a finite number'} "
+                         "(it is an expert's received tokens over the balanced load)",
+                         "pass a factor >= 1, e.g. --moe-imbalance 1.5")
+    if args.top < 1:
+        raise UsageError(f"--top {args.top} lists no layout", "pass how many fitting layouts to list, e.g. --top 5")
     cfg = load_config(args.config, args.set)
-    if args.moe_imbalance < 1:
-        raise ConfigError(f"--moe-imbalance {args.moe_imbalance} is below 1 (it is an expert's received tokens over "
-                          "the balanced load)", "pass a factor >= 1, e.g. --moe-imbalance 1.5")
+    layers = get_family_spec(cfg.model.family).total_layers(cfg.model)
+    if layers > MAX_PLAN_LAYERS:  # every block is built on meta and sharded per layout: minutes per thousand
+        raise UsageError(f"the model has {layers} layers, beyond what the planner builds (at most {MAX_PLAN_LAYERS}, "
+                         "8x the deepest models trained)", "check model.n_layers (and the family's other stacks)")
     result = report(cfg, args.world, args.gpu, search=not args.no_search, top=args.top,
                     moe_imbalance=args.moe_imbalance)
     if args.json:

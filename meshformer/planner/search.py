@@ -13,6 +13,7 @@ activations are planned at `moe_imbalance` times the balanced load (`activations
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from meshformer.config import Config, ConfigError, Recompute
@@ -120,8 +121,11 @@ def _expert_choices(cfg: Config, world_size: int, pp: int, tp: int, cp: int, rec
     n = cfg.model.n_experts
     if not n:
         return [1]
+    # ep divides n_experts and the ranks it is taken from (which divide the world), so only divisors of the gcd
+    # qualify: a config with 1e8 experts costs a handful of candidates, not 1e8.
+    common = math.gcd(n, world_size)
     choices = []
-    for ep in (d for d in range(1, n + 1) if n % d == 0):
+    for ep in (d for d in range(1, common + 1) if common % d == 0):
         layout = with_layout(cfg, world_size, pp, tp, recompute, cp, ep)
         try:
             check_expert_parallel(layout, ParallelDims.from_config(layout.parallel, world_size))

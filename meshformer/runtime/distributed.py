@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import traceback
 from datetime import timedelta
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from meshformer.config import Config, ConfigError
+from meshformer.errors import UsageError
 from meshformer.parallel_dims import ParallelDims, validate_parallel
 
 _TIMEOUT_MARKERS = ("timed out", "timeout", "watchdog caught collective operation")
@@ -35,6 +37,27 @@ class CollectiveTimeoutError(RuntimeError):
 def env_rank() -> tuple[int, int, int]:
     """(rank, local rank, world size) from torchrun's environment; (0, 0, 1) outside torchrun."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def check_endpoint(host: str, port: str, what: str, fix: str) -> None:
+    """`what` (host and port, as the user wrote them) names a port from 1 to 65535 on a host this node resolves:
+    torch raises a traceback for a malformed one and retries an unresolvable one until its timeout."""
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UsageError(f"{what} is not HOST:PORT with a port from 1 to 65535", fix)
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as err:  # socket.gaierror: no such host (or no DNS here)
+        raise UsageError(f"{what}: this node cannot resolve {host!r} ({err})", fix) from None
+
+
+def _check_master_env(world: int) -> None:
+    """The env:// rendezvous of a job started without torchrun (torchrun sets both variables itself)."""
+    fix = ("set MASTER_ADDR to the rank-0 node's address and MASTER_PORT to a free port, or launch with "
+           "`meshformer train --nproc-per-node N` (torchrun sets them)")
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if addr is None or port is None:
+        raise UsageError(f"WORLD_SIZE={world}, but MASTER_ADDR and MASTER_PORT are not both set", fix)
+    check_endpoint(addr, port, f"MASTER_ADDR={addr!r} MASTER_PORT={port!r}", fix)
 
 
 def backend_for(device: torch.device) -> str:
@@ -51,6 +74,10 @@ def job_device(cfg: Config, local_rank: int = 0) -> torch.device:
         raise ConfigError(f"train.device={spec!r} but no CUDA device is visible; use train.device='cpu' or 'auto'")
     if device.type == "cuda" and device.index is None:
         device = torch.device(f"cuda:{local_rank}")
+    if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"train.device={spec!r}: this node has {torch.cuda.device_count()} visible CUDA device(s), "
+                          f"so there is no cuda:{device.index}",
+                          "use train.device='auto' (the local rank's GPU) or an index below the count")
     return device
 
 
@@ -64,6 +91,8 @@ def init_distributed(cfg: Config) -> ParallelDims:
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", _FLIGHT_RECORDER_ENTRIES)  # names a stuck collective
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun's agent hands its ranks a checked store
+        _check_master_env(world)
     dist.init_process_group(backend_for(device), timeout=timedelta(seconds=cfg.parallel.timeout_s))
     install_error_hook(rank, world)
     return dims

@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from meshformer.config import ConfigError, LoggingConfig
+from meshformer.data.corpus_base import short
 
 log = logging.getLogger("meshformer")
 
@@ -152,6 +154,8 @@ class RunLogger:
         self.wandb: Any = None
         self._pending: dict[str, Any] = {}  # the scalars of the step being logged (metrics.jsonl)
         self.jsonl = None
+        if wandb is not None:
+            self.wandb = _start_wandb_on_rank0(wandb, run_dir, run_config or {}, start=enabled)
         if not enabled:
             return
         self.jsonl = (run_dir / METRICS_FILE).open("a", encoding="utf-8")  # appended across resumes (see rewind)
@@ -166,8 +170,6 @@ class RunLogger:
                 raise ConfigError(f"TensorBoard folder {tb_dir} is not writable ({err}); "
                                    "set logging.run_dir to a writable folder or logging.tensorboard=false") from None
             self._tb_dir = tb_dir
-        if wandb is not None:
-            self.wandb = start_wandb(wandb, run_dir, run_config or {})
 
     def rewind(self, step: int) -> int:
         """A run resumed at `step`: what the interrupted run logged after that step is dropped from metrics.jsonl (a
@@ -214,7 +216,7 @@ class RunLogger:
             for key, value in values.items():
                 writer.add_scalar(key, value, step)
         if self.wandb is not None:
-            self.wandb.log(values, step=step)
+            self._to_wandb("log", values, step=step)
 
     def text(self, step: int, tag: str, value: str) -> None:
         if self.enabled and (writer := self._tensorboard()) is not None:
@@ -240,7 +242,17 @@ class RunLogger:
             self.writer.close()
             self.writer = None
         if self.wandb is not None:
-            self.wandb.finish()
+            self._to_wandb("finish")
+            self.wandb = None
+
+    def _to_wandb(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """A W&B call; one that fails (the network or W&B's service gone mid-run) is said in one line and ends W&B
+        logging for this run, not the training: metrics.jsonl and TensorBoard keep every step."""
+        try:
+            getattr(self.wandb, method)(*args, **kwargs)
+        except Exception as err:
+            log.warning("Weights & Biases stopped logging (%s: %s); the run goes on, metrics.jsonl and TensorBoard "
+                        "keep every step", type(err).__name__, short(err))
             self.wandb = None
 
 
@@ -252,6 +264,24 @@ def _logged_by(line: str, step: int) -> bool:
         return False
 
 
+def _start_wandb_on_rank0(settings: LoggingConfig, run_dir: Path, run_config: dict[str, Any], *, start: bool) -> Any:
+    """Rank 0 (`start`) starts W&B; in a process group every rank learns whether that failed and stops with the same
+    error (printed once, see meshformer.errors), instead of waiting in a collective for a rank that has gone."""
+    run, error = None, None
+    if start:
+        try:
+            run = start_wandb(settings, run_dir, run_config)
+        except ConfigError as err:
+            error = (err.what, err.fix)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise ConfigError(*error)
+    return run
+
+
 def start_wandb(settings: LoggingConfig, run_dir: Path, run_config: dict[str, Any]) -> Any:
     """A Weights & Biases run for logging.wandb=true; offline mode writes under the run folder, no network."""
     try:
@@ -259,8 +289,17 @@ def start_wandb(settings: LoggingConfig, run_dir: Path, run_config: dict[str, An
     except ImportError:
         raise ConfigError("logging.wandb=true needs Weights & Biases, which is not installed",
                           "pip install 'meshformer[wandb]', or set logging.wandb=false") from None
-    return wandb.init(project=settings.wandb_project, name=run_dir.name, dir=str(run_dir), config=run_config,
-                      mode=settings.wandb_mode, resume="allow", id=_wandb_id(run_dir))
+    run_id = _wandb_id(run_dir)
+    try:
+        return wandb.init(project=settings.wandb_project, name=run_dir.name, dir=str(run_dir), config=run_config,
+                          mode=settings.wandb_mode, resume="allow", id=run_id)
+    except Exception as err:  # wandb.errors.* (no login, no network, a bad project), its timeouts and socket errors
+        offline = ", or set logging.wandb_mode=offline (no network; `wandb sync` uploads later)" \
+            if settings.wandb_mode == "online" else ""
+        raise ConfigError(f"Weights & Biases did not start (logging.wandb_mode={settings.wandb_mode}): "
+                          f"{type(err).__name__}: {short(err)}",
+                          f"run `wandb login` (or set WANDB_API_KEY) and check the network{offline}, or set "
+                          "logging.wandb=false") from None
 
 
 def _wandb_id(run_dir: Path) -> str:

@@ -14,7 +14,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from meshformer import folders
-from meshformer.checkpointing.directory import check_latest, committed_steps
+from meshformer.checkpointing.directory import check_latest, committed_steps, step_dir_name
 from meshformer.checkpointing.manager import refuse_earlier_checkpoints
 from meshformer.config import Config, ConfigError
 from meshformer.data import Tokenizer, load_tokenizer
@@ -23,7 +23,7 @@ from meshformer.data.tokenizer import check_vocab
 from meshformer.model.flops import count_params
 from meshformer.runtime.distributed import env_rank
 from meshformer.runtime.run_lock import run_folder_lock
-from meshformer.train.run_record import check_rerun, config_changes
+from meshformer.train.run_record import check_checkpoint_owner, check_rerun, config_changes
 
 # One checkpoint holds fp32 parameters and AdamW's two fp32 moments; the rest (data and RNG state, manifest)
 # is small. The margin covers filesystem overhead and the files of a save that is being replaced.
@@ -78,6 +78,8 @@ def preflight(cfg: Config) -> Tokenizer:
     check_disk_space(cfg, run_dir, checkpoint_dir)
     # The newest checkpoint is where a resume starts (the trainer checks again with the step it resumed).
     steps = committed_steps(checkpoint_dir) if cfg.checkpoint.resume else []
+    if steps:
+        check_checkpoint_owner(cfg, checkpoint_dir, checkpoint_dir / step_dir_name(steps[-1]))
     check_rerun(cfg, run_dir, steps[-1] if steps else 0, has_final_weights(run_dir))
     return tokenizer
 

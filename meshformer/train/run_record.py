@@ -7,11 +7,13 @@ anything. `--new-run` starts a fresh run in a new folder beside the old one inst
 
 from __future__ import annotations
 
+import json
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from meshformer.checkpointing.directory import TRAINER_STATE
 from meshformer.config import Config, ConfigError
 from meshformer.config.write import toml_value
 from meshformer.errors import UsageError
@@ -38,6 +40,24 @@ def config_changes(run_dir: Path, cfg: Config) -> list[str]:
     old, new = _flat(saved), _flat(tomllib.loads(cfg.to_toml()))  # both through TOML: tuples read back as lists
     return [f"{key}: {toml_value(old.get(key))} -> {toml_value(new.get(key))}"
             for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
+
+
+def check_checkpoint_owner(cfg: Config, checkpoint_dir: Path, step_dir: Path) -> None:
+    """A checkpoint.dir set apart from the run folder may hold another run's checkpoints (two configs naming one
+    folder): resuming would adopt that run's weights and write them as this run's final. Refused unless
+    checkpoint.resume_other_run says so. `step_dir`: the newest committed checkpoint there."""
+    if not cfg.checkpoint.dir or cfg.checkpoint.resume_other_run:
+        return
+    try:
+        saved = json.loads((step_dir / TRAINER_STATE).read_text())["config"]["logging"]["run_dir"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # weights converted to a checkpoint, or a damaged state file (resume's verification names it)
+    if Path(saved).resolve() != Path(cfg.logging.run_dir).resolve():
+        raise ConfigError(f"checkpoint.dir={cfg.checkpoint.dir!r} holds {step_dir.name} of the run in {saved}, not "
+                          f"of this run (logging.run_dir={cfg.logging.run_dir!r}); resuming would adopt its weights",
+                          "set checkpoint.dir to a folder of this run's own (or leave it empty: <run_dir>/"
+                          "checkpoints), or set checkpoint.resume_other_run=true to continue from that run's "
+                          "checkpoint")
 
 
 def check_rerun(cfg: Config, run_dir: Path, reached_step: int, has_final: bool) -> list[str]:

@@ -65,6 +65,7 @@ def world(tmp_path_factory):
     (tmp / "notgz.txt.gz").write_bytes(b"this is not gzip data at all")
     (tmp / "nofield.jsonl").write_text('{"body": "some text"}\n')
     (tmp / "badjson.jsonl").write_text('{"text": "unterminated\n')
+    (tmp / "surrogate.jsonl").write_text('{"text": "fine words"}\n{"text": "half a pair \\ud800 here"}\n')
     # files for the data cases (#25)
     (tmp / "late-binary.txt").write_bytes(b"good text\n" * 7000 + b"\x00\x01\x02" * 100)  # past the 64 KiB head
     (tmp / "pretty.jsonl").write_text('[\n  {"text": "one"},\n  {"text": "two"}\n]\n')
@@ -222,6 +223,9 @@ CASES = [
      ["without model.logit_softcap=30.0", "use train.loss='plain'"]),
     ("profile-steps", _train("profile.start_step=1", "profile.steps=0"), ["profile.steps", "e.g."]),
     ("no-cuda", _train("train.device=cuda"), ["no CUDA device", "train.device='cpu'"]),
+    ("device-garbage", _train("train.device=banana"), ["train.device='banana' is not a device", "'cuda:N'"]),
+    ("device-bad-index", _train("train.device=cuda:x"), ["train.device='cuda:x' is not a device", "'cuda:N'"]),
+    ("device-meta", _train("train.device=meta"), ["train.device='meta' is not a device", "'auto', 'cpu'"]),
     ("grad-clip-negative", _train("optim.grad_clip=-1"), ["optim.grad_clip", ">= 0"]),
     # (#25) values
     ("lr-inf", _train("optim.lr=inf"), ["optim.lr=inf is not a finite number", "e.g. the default optim.lr="]),
@@ -236,6 +240,8 @@ CASES = [
     ("run-dir-under-file", _train("logging.run_dir={tmp}/afile/run"), ["is a file", "set logging.run_dir"]),
     ("run-dir-is-file", _train("logging.run_dir={tmp}/afile"), ["is a file", "set logging.run_dir"]),
     ("ckpt-dir-under-file", _train("checkpoint.dir={tmp}/afile/ck"), ["is a file", "set checkpoint.dir"]),
+    ("ckpt-dir-of-another-run", _train("checkpoint.dir={ckpt}"),
+     ["holds step-00000002 of the run in", "not of this run", "checkpoint.resume_other_run=true"]),
     ("ckpt-dir-unwritable", _train("checkpoint.dir=/proc/meshformer-ck"), ["cannot write", "checkpoint.dir"]),
     ("disk-space", _train("model.n_layers=400", "model.d_model=8192", "model.d_ff=32768"),
      ["no space left", "free disk space"]),
@@ -262,6 +268,9 @@ CASES = [
     ("jsonl-no-field", _corpus("{tmp}/nofield.jsonl"), ["no string field 'text'", "data.text_field"]),
     ("jsonl-wrong-field", _corpus("{corpus}", "data.text_field=body"), ["no string field 'body'", "text_field"]),
     ("jsonl-bad-json", _corpus("{tmp}/badjson.jsonl"), ["not valid JSON", "fix or remove"]),
+    ("jsonl-lone-surrogate", ["data", "prepare", "{tmp}/surrogate.jsonl", "--out", "{tmp}/p-surrogate", "--tokenizer",
+                              "bundled:kjv-bpe-4k"],
+     ["surrogate.jsonl:2: field 'text' holds a lone UTF-16 surrogate (\\ud800)", "high-low pair"]),
     # (#25) corpus
     ("jsonl-pretty-printed", _corpus("{tmp}/pretty.jsonl"), ["pretty.jsonl:1: not JSONL", "one JSON object per line"]),
     ("mixture-weight-vanishes", _train('data.sources=[{{shards="{shards}", weight=1}}, {{shards="{shards}", '
@@ -367,6 +376,10 @@ CASES = [
     # parallel layout and launch options
     ("launch-nproc-zero", ["train", CFG, "--nproc-per-node", "0"], ["--nproc-per-node=0", "use --nproc-per-node >= 1"]),
     ("launch-restarts", ["train", CFG, "--max-restarts", "-1"], ["--max-restarts=-1", ">= 0"]),
+    ("launch-rdzv-port", ["train", CFG, "--nproc-per-node", "1", "--nnodes", "2", "--rdzv-endpoint", "host:abc"],
+     ["--rdzv-endpoint='host:abc' is not HOST:PORT", "--rdzv-endpoint node0:29500"]),
+    ("launch-rdzv-host", ["train", CFG, "--nproc-per-node", "1", "--nnodes", "2", "--rdzv-endpoint",
+                          "no-such-host.invalid:29500"], ["cannot resolve 'no-such-host.invalid'", "first node's"]),
     ("layout-tp", ["train", CFG, "--nproc-per-node", "2", "--set", "parallel.tp=3"], ["does not divide", "choose"]),
     ("layout-cp-family", ["train", "tiny-t5", "--nproc-per-node", "2", "--set", "parallel.cp=2"],
      ["context parallel is implemented for decoder-only and encoder-only", "set parallel.cp=1"]),
@@ -378,6 +391,14 @@ CASES = [
     ("plan-world-zero", ["plan", CFG, "--world", "0"], ["--world gives 0 ranks", "from 1 to"]),
     ("plan-moe-imbalance", ["plan", CFG, "--world", "2", "--moe-imbalance", "0.5"],
      ["--moe-imbalance 0.5 is below 1", "--moe-imbalance 1.5"]),
+    ("plan-moe-imbalance-nan", ["plan", CFG, "--world", "2", "--moe-imbalance", "nan"],
+     ["--moe-imbalance nan is not a finite number", "--moe-imbalance 1.5"]),
+    ("plan-moe-imbalance-inf", ["plan", CFG, "--world", "2", "--moe-imbalance", "inf"],
+     ["--moe-imbalance inf is not a finite number", "--moe-imbalance 1.5"]),
+    ("plan-layers-huge", ["plan", CFG, "--world", "2", "--set", "model.n_layers=100000000"],
+     ["the model has 100000000 layers", "at most 1024", "model.n_layers"]),
+    ("plan-top-zero", ["plan", CFG, "--world", "2", "--top", "0"], ["--top 0 lists no layout", "--top 5"]),
+    ("plan-top-negative", ["plan", CFG, "--world", "2", "--top", "-1"], ["--top -1 lists no layout", "--top 5"]),
     ("plan-layout", ["plan", CFG, "--world", "2", "--set", "parallel.tp=3"], ["does not divide", "choose"]),
     ("plan-compiled-full-recompute", ["plan", CFG, "--world", "2", "--set", "train.compile=true", "parallel.tp=2",
                                       "parallel.recompute=full"],
@@ -717,3 +738,50 @@ def test_under_torchrun_one_rank_reports(tmp_path):
     text = out.stdout + out.stderr
     assert out.returncode != 0
     assert text.count("error: ") == 1, text[-3000:]
+
+
+def test_wandb_that_cannot_start_online_is_one_line(world, protected, capsys, monkeypatch, one_thread):
+    """W&B online without a login or a network: wandb.init raises (its own multi-line text) before step 1."""
+    import types
+
+    def init(**kwargs):
+        raise RuntimeError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])\n  more lines")
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    err = run_main(["train", CFG, "--set", *TINY, f"logging.run_dir={world['tmp'] / 'runs' / 'wandb'}",
+                    f"data.shards={world['shards']}", "logging.wandb=true"], capsys)
+    lines = err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("error: Weights & Biases did not start (logging.wandb_mode=online)") and \
+        "logging.wandb_mode=offline" in lines[0], lines[0]
+    assert {key: _digest(world[key]) for key in protected} == protected
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "abc"},
+     ["MASTER_ADDR='127.0.0.1' MASTER_PORT='abc' is not HOST:PORT"]),
+    ({"MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "29500"}, ["cannot resolve 'no-such-host.invalid'"]),
+    ({}, ["WORLD_SIZE=2, but MASTER_ADDR and MASTER_PORT are not both set"]),
+], ids=["port", "host", "missing"])
+def test_a_rendezvous_without_torchrun_that_cannot_work_is_one_line(world, protected, capsys, monkeypatch, one_thread,
+                                                                    tmp_path, env, words):
+    """A job started by hand (or a scheduler) with env:// variables: torch raises a traceback for a malformed
+    MASTER_PORT and retries an unresolvable MASTER_ADDR until its timeout."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this rank's "already reported" marker goes here
+    for name in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    err = run_main(["train", CFG, "--set", *TINY, f"logging.run_dir={tmp_path / 'run'}",
+                    f"data.shards={world['shards']}"], capsys)
+    lines = err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("error: ") and "MASTER_PORT" in lines[0] and "--nproc-per-node" in lines[0], lines[0]
+    for word in words:
+        assert word in lines[0], lines[0]
+    assert {key: _digest(world[key]) for key in protected} == protected

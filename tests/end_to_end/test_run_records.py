@@ -110,6 +110,35 @@ def test_finished_run_without_checkpoints_is_not_retrained_with_another_config(t
     assert _snapshot(run) == before
 
 
+def test_another_runs_checkpoint_dir_is_refused_unless_the_config_says_resume_it(tmp_path, one_thread):
+    """Two runs (two run folders) naming one checkpoint.dir: the second would adopt the first's checkpoint and write
+    its weights as its own final. Refused before any work; checkpoint.resume_other_run=true continues from it; the
+    first run still resumes its own."""
+    data, shared = shards(tmp_path), tmp_path / "shared-ckpt"
+    first, second = tmp_path / "first", tmp_path / "second"
+    main(_train(first, data, "train.steps=2", "checkpoint.interval=1", f"checkpoint.dir={shared}"))
+    before = _snapshot(shared)
+    with pytest.raises(SystemExit) as info:
+        main(_train(second, data, "train.steps=2", "checkpoint.interval=1", f"checkpoint.dir={shared}",
+                    "optim.lr=0.01"))
+    line = str(info.value.code)
+    assert line.startswith("error: ") and "\n" not in line, line
+    assert f"holds step-00000002 of the run in {first}" in line and "checkpoint.resume_other_run=true" in line, line
+    assert _snapshot(shared) == before and not (second / "final").exists()
+    main(_train(second, data, "train.steps=3", "checkpoint.interval=1", f"checkpoint.dir={shared}",
+                "checkpoint.resume_other_run=true"))
+    assert committed_steps(shared)[-1] == 3 and (second / "final").is_dir()
+
+
+def test_a_run_resumes_its_own_checkpoint_dir(tmp_path, one_thread, capfd):
+    data, own, run = shards(tmp_path), tmp_path / "own-ckpt", tmp_path / "run"
+    main(_train(run, data, "train.steps=2", "checkpoint.interval=1", f"checkpoint.dir={own}"))
+    capfd.readouterr()
+    main(_train(run, data, "train.steps=3", "checkpoint.interval=1", f"checkpoint.dir={own}"))
+    assert f"resumed from {own / 'step-00000002'}" in capfd.readouterr().err
+    assert committed_steps(own)[-1] == 3
+
+
 def test_ctrl_c_saves_a_checkpoint_and_stops_without_a_traceback(tmp_path):
     data = shards(tmp_path)
     run = tmp_path / "run"

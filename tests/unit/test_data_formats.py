@@ -470,3 +470,39 @@ def test_a_missing_extra_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
         main(["data", "prepare", str(path), "--out", str(tmp_path / "o"), "--tokenizer", "bundled:kjv-bpe-4k"])
     assert info.value.code == ("error: reading this input needs the Python package 'pyarrow', which is not installed "
                                "— install the data extra: pip install 'meshformer[data]'")
+
+
+@pytest.mark.parametrize("encoding", ["dictionary", "large_string", "string_view"])
+@pytest.mark.parametrize("container", ["parquet", "arrow"])
+def test_text_columns_in_every_string_encoding_are_read(tmp_path, encoding, container):
+    """pandas writes categoricals as dictionaries, Polars writes string_view (and large_string): the same text."""
+    column = pa.array(DOCS[:12])
+    column = column.dictionary_encode() if encoding == "dictionary" else column.cast(getattr(pa, encoding)())
+    table = pa.table({"text": column})
+    path = tmp_path / f"c.{container}"
+    if container == "parquet":
+        pq.write_table(table, path, row_group_size=5)
+    else:
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table, max_chunksize=5)
+    assert [d for u in plan_units([path]) for d in iter_unit(u)] == DOCS[:12]
+    m = prepare(path, tmp_path / "o", **KW)
+    assert m.meta["documents"]["train"] + m.meta["documents"]["eval"] == 12
+
+
+@pytest.mark.parametrize("nested, words", [([[d] for d in DOCS[:6]], "join each row's strings"),
+                                           ([{"body": d} for d in DOCS[:6]], "take the text field (of ['body'])")])
+@pytest.mark.parametrize("container", ["parquet", "arrow"])
+def test_a_nested_text_column_is_named_with_its_type_before_any_work(tmp_path, nested, words, container):
+    table = pa.table({"text": pa.array(nested)})
+    path = tmp_path / f"c.{container}"
+    if container == "parquet":
+        pq.write_table(table, path)
+    else:
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+    with pytest.raises(CorpusError) as info:
+        prepare(path, tmp_path / "o", **KW)
+    line = info.value.one_line()
+    assert f"c.{container}: column 'text' is nested (" in line and words in line and "text-field" in line, line
+    assert not (tmp_path / "o").exists()

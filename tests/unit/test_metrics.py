@@ -134,6 +134,77 @@ def test_wandb_without_the_extra_is_one_line_naming_it(tmp_path, monkeypatch):
     assert "meshformer[wandb]" in info.value.one_line() and "logging.wandb=false" in info.value.one_line()
 
 
+def _failing_wandb(monkeypatch, *, init_fails: bool) -> list:
+    """A `wandb` module whose init (or whose run's log) raises as wandb does without a login or a network."""
+    class CommError(Exception):
+        pass
+
+    calls: list = []
+
+    class FailingRun:
+        def log(self, values, step):
+            calls.append(("log", step))
+            raise CommError("Network error (ConnectionError), entering retry loop.\n  details follow")
+
+        def finish(self):
+            calls.append(("finish",))
+
+    def init(**kwargs):
+        if init_fails:
+            raise CommError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])\n...")
+        return FailingRun()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    return calls
+
+
+def test_wandb_that_cannot_start_is_one_line_with_the_fixes(tmp_path, monkeypatch):
+    _failing_wandb(monkeypatch, init_fails=True)
+    with pytest.raises(ConfigError) as info:
+        _logger(tmp_path, wandb=LoggingConfig(wandb=True))
+    line = info.value.one_line()
+    assert "\n" not in line and "Weights & Biases did not start (logging.wandb_mode=online): CommError: api_key" in line
+    assert "wandb login" in line and "logging.wandb_mode=offline" in line and "logging.wandb=false" in line
+
+
+def test_every_rank_stops_with_rank0s_wandb_error(tmp_path, monkeypatch):
+    """Only rank 0 starts W&B; the other ranks learn its failure from a broadcast and stop with the same line,
+    instead of waiting in a collective for a rank that has gone."""
+    _failing_wandb(monkeypatch, init_fails=True)
+    sent: list = []
+
+    def broadcast_object_list(box, src):  # rank 0 sends its box; the others receive what it sent
+        assert src == 0
+        if sent:
+            box[0] = sent[0]
+        else:
+            sent.append(box[0])
+
+    monkeypatch.setattr(metrics, "dist", types.SimpleNamespace(
+        is_available=lambda: True, is_initialized=lambda: True, get_world_size=lambda: 2,
+        broadcast_object_list=broadcast_object_list), raising=False)
+    lines = []
+    for rank in (0, 1):
+        with pytest.raises(ConfigError) as info:
+            metrics.RunLogger(tmp_path, enabled=rank == 0, tensorboard=False, wandb=LoggingConfig(wandb=True))
+        lines.append(info.value.one_line())
+    assert lines[0] == lines[1] and "Weights & Biases did not start (logging.wandb_mode=online): CommError" in lines[1]
+
+
+def test_wandb_failing_mid_run_is_one_warning_and_the_run_goes_on(tmp_path, monkeypatch, caplog):
+    calls = _failing_wandb(monkeypatch, init_fails=False)
+    logger = _logger(tmp_path, wandb=LoggingConfig(wandb=True))
+    with caplog.at_level("WARNING", logger="meshformer"):
+        logger.scalars(1, {"train/loss": 3.0})
+        logger.scalars(2, {"train/loss": 2.0})
+        logger.close()
+    assert calls == [("log", 1)]  # no more W&B calls once it failed
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "Weights & Biases stopped logging (CommError: Network error" in warnings[0]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+
+
 def test_current_memory_is_below_the_peak():
     now, peak = metrics.current_memory_gib(torch.device("cpu")), metrics.memory_gib(torch.device("cpu"))
     assert 0 < now <= peak * 1.01

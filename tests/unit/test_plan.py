@@ -280,3 +280,18 @@ def test_recomputed_head_loss_lowers_the_last_stage_peak_as_planned(world2_peaks
             measured = per_rank[0][schedule][loss]
             assert first.peak_at == "embedding backward" and abs(first.peak / measured - 1) < TOLERANCE, (
                 schedule, loss, first.peak, measured)
+
+
+def test_expert_parallel_candidates_are_divisors_of_the_world_only(monkeypatch):
+    """ep divides n_experts and the ranks it is taken from, so the search checks divisors of gcd(n_experts, world)
+    only: a config with 1e8 experts (81 divisors, found by counting to 1e8) must not search without end."""
+    import meshformer.planner.search as search
+
+    cfg = load_config(str(CONFIGS / "tiny-moe.toml"), ["model.n_experts=3072"])  # 22 divisors, gcd with 8: 8
+    checked: list[int] = []
+    real_check = search.check_expert_parallel
+    monkeypatch.setattr(search, "check_expert_parallel", lambda c, dims: (checked.append(dims.ep), real_check(c, dims)))
+    assert search._expert_choices(cfg, 8, 1, 1, 1, "none") == [1, 2, 4, 8]
+    assert checked == [1, 2, 4, 8]
+    cfg = load_config(str(CONFIGS / "tiny-moe.toml"), ["model.n_experts=100000000"])
+    assert search._expert_choices(cfg, 8, 1, 1, 1, "none") == [1, 2, 4, 8]
