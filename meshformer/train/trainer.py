@@ -126,7 +126,8 @@ class Trainer:
         n_params = sum(p.numel() for p in model.parameters())
         self.logger.info(
             f"model: {cfg.model.family}, {n_params / 1e6:.2f}M parameters, objective {cfg.objective}; "
-            f"device {self.device}, dtype {cfg.train.dtype}; AdamW kernel: {self.training_step.kernel}; attention: "
+            f"device {self.device}, dtype {cfg.train.dtype}; optimizer: {cfg.optim.name} "
+            f"({self.training_step.kernel}); attention: "
             f"{self.parallel_model.report.get('attention', cfg.model.attention_backend)}; host malloc: {host_memory}; "
             f"MFU ceiling "
             f"{self.ceiling.flops / 1e12:.2f} TFLOP/s ({self.ceiling.source}); model built and sharded in "
