@@ -1,4 +1,5 @@
-"""Every parallel layout against a single process: loss, step-0 gradients and the global norm within 1e-5.
+"""Every parallel layout against a single process: loss, step-0 gradients and the global norm within 1e-5 (Muon
+rows: the updated weights too).
 
 Launches of 2, 4 and 8 gloo processes on CPU run all layouts, one process group each (world 2 in two launches: the
 default run's rows and the slow run's, WORLD2_SLOW); see helpers/parallel.py for what is compared. fp32
@@ -92,6 +93,13 @@ MOE_WORLD8 = ["moe/pp-fsdp-tp-ep", "moe/cp-tp-fsdp-ep=4", "moe/hsdp-tp-ep"]
 WORLD2 += MOE_WORLD2
 WORLD4 += MOE_WORLD4
 WORLD8 += MOE_WORLD8
+# optim.name="muon": Muon's matrices whole on every rank for Newton-Schulz (FSDP/TP shards gathered, experts on
+# their expert-parallel rank, each pipeline stage its own); the weights after two clipped steps are compared too
+MUON_WORLD2 = ["decoder/fsdp-muon", "decoder/tp-muon", "decoder/pp-sched=1f1b-muon", "decoder/cp-muon",
+               "moe/fsdp-ep-muon", "moe/tp-ep-muon"]
+MUON_WORLD4 = ["decoder/hsdp-muon", "decoder/tp-fsdp-muon", "moe/tp-fsdp-ep-muon", "decoder/pp-fsdp-muon"]
+WORLD2 += MUON_WORLD2
+WORLD4 += MUON_WORLD4
 # bf16 all-gathers; bf16 autocast with bf16 rows through the experts' all-to-all: close, not equal
 MIXED_PRECISION = ["decoder/fsdp-mp", "moe/tp-ep-bf16"]
 # train.fp8 through torchao's emulation against a single process with the same float8 linears. Tensorwise scales
@@ -165,6 +173,9 @@ def check(report: dict, tol: float = TOL, grad_tol: float | None = None, name: s
     assert report["grad_rel"] < (grad_tol or tol), \
         f"gradient relative diff {report['grad_rel']:.3e} at {report['worst']}"
     assert report["norm_rel"] < (norm_tol or tol), f"global grad norm relative diff {report['norm_rel']:.3e}"
+    if "muon" in name.split("/")[-1].split("-"):  # the weights after both Muon steps, every parameter compared
+        assert report["weight_rel"] is not None and report["weight_rel"] < tol, \
+            f"updated weights' relative diff {report['weight_rel']}"
 
 
 @pytest.mark.parametrize("name", default_or_slow(WORLD2, WORLD2_SLOW))
