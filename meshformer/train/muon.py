@@ -9,11 +9,13 @@
   state names (step, exp_avg, exp_avg_sq), so that state checkpoints like AdamW's.
 
 Every layout: a parameter under FSDP/TP/EP is a DTensor whose local piece is a slice of its matrix. The update is
-elementwise up to Newton–Schulz, which needs each whole matrix: each Muon parameter's update is redistributed so
-that every rank holds whole matrices (`_whole_matrices`: dims 1-2 of expert weights and both dims of 2-D weights
-replicated, the expert dim left sharded: experts stay where expert parallelism put them), orthogonalised, and its
-own slice taken back (no communication). Each rank orthogonalises the same matrices from the same input, so every
-rank and every layout computes what one process computes. Pipeline stages hold their own parameters and step alone.
+elementwise up to Newton–Schulz, which needs each whole matrix: each Muon parameter's update is all-gathered over
+the mesh dims that split a matrix (`_whole_placements`: dims 1-2 of expert weights and both dims of 2-D weights; the
+expert dim stays sharded: experts stay where expert parallelism put them). One rank of those that share the
+matrix, its owner, orthogonalises it (owners chosen so each rank gets an equal share of the Newton–Schulz work,
+`_owners`); the others contribute zeros, and a reduce-scatter of the sum (exact: x + 0 = x) hands each rank its
+slice. So every layout computes what one process computes, each rank 1/G of the matrices (G: the ranks sharing
+them). Pipeline stages hold their own parameters and step alone.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.adamw import adamw
 
 # Quintic Newton–Schulz coefficients (Keller Jordan's): fast growth of small singular values; the result's singular
@@ -72,25 +75,65 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _keeps(like: DTensor, placement: Placement) -> bool:
+    """Whether `placement` leaves each matrix whole: a split of a stacked expert weight's expert dim."""
+    return like.ndim == 3 and isinstance(placement, Shard) and placement.dim == 0
+
+
+def _whole_placements(like: DTensor) -> list[Placement]:
+    return [p if _keeps(like, p) else Replicate() for p in like.placements]
+
+
 def _whole_matrices(update: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`update` (the local piece of a parameter shaped like `like`) with each of its matrices whole on this rank:
-    for a DTensor, every placement replicated except a split of the expert dim (0) of a stacked expert weight."""
+    """`update` (the local piece of a parameter shaped like `like`) with each of its matrices whole on this rank."""
     if not isinstance(like, DTensor):
         return update
-    whole = [p if like.ndim == 3 and isinstance(p, Shard) and p.dim == 0 else Replicate() for p in like.placements]
     full = DTensor.from_local(update, like.device_mesh, like.placements, shape=like.shape, stride=like.stride(),
                               run_check=False)
-    return full.redistribute(like.device_mesh, whole).to_local()
+    return full.redistribute(like.device_mesh, _whole_placements(like)).to_local()
 
 
 def _own_slice(whole_update: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of an update that `_whole_matrices` made whole (a local slice: no communication)."""
+    """This rank's piece of a whole update that only the matrix's owner computed (zeros elsewhere): the sum over
+    the ranks sharing the matrix, reduce-scattered."""
     if not isinstance(like, DTensor):
         return whole_update
-    whole = [p if like.ndim == 3 and isinstance(p, Shard) and p.dim == 0 else Replicate() for p in like.placements]
-    full = DTensor.from_local(whole_update, like.device_mesh, whole, shape=like.shape, stride=like.stride(),
-                              run_check=False)
-    return full.redistribute(like.device_mesh, like.placements).to_local()
+    mesh = like.device_mesh
+    partial = [p if _keeps(like, p) else Partial("sum") for p in like.placements]
+    full = DTensor.from_local(whole_update, mesh, partial, shape=like.shape, stride=like.stride(), run_check=False)
+    if any(isinstance(p, _StridedShard) for p in like.placements):  # FSDP over TP: no direct reduce-scatter to it
+        full = full.redistribute(mesh, _whole_placements(like))
+    return full.redistribute(mesh, like.placements).to_local()
+
+
+def _share(like: torch.Tensor) -> tuple[tuple[Any, ...], int, int]:
+    """(the group of ranks that share `like`'s matrices, its size G, this rank's index in it)."""
+    if not isinstance(like, DTensor):
+        return (), 1, 0
+    mesh = like.device_mesh
+    dims = [d for d, p in enumerate(like.placements) if not _keeps(like, p)]
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None  # this rank holds a piece of the parameter
+    size, index = 1, 0
+    for d in dims:
+        index = index * mesh.size(d) + coordinate[d]
+        size *= mesh.size(d)
+    return (id(mesh), tuple(dims)), size, index
+
+
+def _owners(params: list[torch.Tensor]) -> list[bool]:
+    """Whether this rank orthogonalises each parameter's matrices: per group of ranks sharing them, each parameter
+    to the least-loaded rank by Newton–Schulz cost (the same choice on every rank: it depends on shapes only)."""
+    loads: dict[tuple[Any, ...], list[float]] = {}
+    mine = []
+    for p in params:
+        group, size, index = _share(p)
+        load = loads.setdefault(group, [0.0] * size)
+        owner = min(range(size), key=lambda r: load[r])
+        rows, cols = p.shape[-2:]
+        load[owner] += p.numel() * min(rows, cols)
+        mine.append(owner == index)
+    return mine
 
 
 class Muon(torch.optim.Optimizer):
@@ -116,15 +159,16 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-        for p in params:
+        for p, owner in zip(params, _owners(params), strict=True):
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             grad, buf = _local(p.grad), _local(state["momentum_buffer"])  # type: ignore[arg-type]
             buf.mul_(mu).add_(grad)
             update = grad.add(buf, alpha=mu)  # Nesterov
-            ortho = newton_schulz(_whole_matrices(update, p), group["ns_steps"])
-            ortho = _own_slice(ortho.to(update.dtype), p)
+            whole = _whole_matrices(update, p)
+            ortho = newton_schulz(whole, group["ns_steps"]).to(update.dtype) if owner else torch.zeros_like(whole)
+            ortho = _own_slice(ortho, p)
             local = _local(p)
             if wd:
                 local.mul_(1 - lr * wd)

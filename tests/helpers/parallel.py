@@ -228,6 +228,24 @@ def train_steps(plan: ParallelModel, steps: list[list[dict[str, torch.Tensor]]],
 
 
 @contextmanager
+def counted_orthogonalised_matrices() -> Iterator[list[int]]:
+    """Counts the matrices Muon's Newton–Schulz orthogonalises in the block (a stacked expert weight: each expert)."""
+    from meshformer.train import muon
+
+    count, original = [0], muon.newton_schulz
+
+    def counting(g: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        count[0] += g.shape[0] if g.ndim == 3 else 1
+        return original(g, *args, **kwargs)
+
+    muon.newton_schulz = counting
+    try:
+        yield count
+    finally:
+        muon.newton_schulz = original
+
+
+@contextmanager
 def counted_replica_all_reduces(plan: ParallelModel) -> Iterator[list[int]]:
     """Counts the all-reduces over the data-replicate ranks (HSDP's gradient sum across replicas) in the block."""
     count = [0]
@@ -535,9 +553,15 @@ def run_scenario(name: str) -> dict[str, Any]:
     torch._dynamo.utils.counters.clear()
     plan = build_cpu_plan(cfg, new_model(cfg, family))
     gathers_before = FLOAT8_GATHERS[0]
-    *result, counts = train_steps(plan, steps, plan.dp_rank, plan.dp_size, cfg.optim.name)
+    with counted_orthogonalised_matrices() as ns_matrices:
+        *result, counts = train_steps(plan, steps, plan.dp_rank, plan.dp_size, cfg.optim.name)
     float8_gathers = FLOAT8_GATHERS[0] - gathers_before
-    report = compare(cfg, steps, result, family, counts.pop("weights"))
+    with counted_orthogonalised_matrices() as ns_reference:
+        report = compare(cfg, steps, result, family, counts.pop("weights"))
+    # Muon: matrices this rank orthogonalised (each matrix once over all ranks), and one process's count
+    report["ns_matrices"] = [None] * dist.get_world_size()
+    dist.all_gather_object(report["ns_matrices"], ns_matrices[0])
+    report["ns_matrices_reference"] = ns_reference[0]
     # Union of what every rank checked: each pipeline stage checks its own parameters.
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (report["grad_rel"], report["checked"], report["worst"], report["weight_rel"]))
@@ -624,7 +648,8 @@ def main() -> None:
             print(f"{name}: ERROR {report['error']}")
         else:
             print(f"{name}: loss_rel={max(report['loss_rel']):.2e} grad_rel={report['grad_rel']:.2e} "
-                  f"weight_rel={report['weight_rel']} "
+                  f"weight_rel={report['weight_rel']} ns_matrices={report['ns_matrices']} of "
+                  f"{report['ns_matrices_reference']} "
                   f"({report['worst']}) norm_rel={report['norm_rel']:.2e} checked={report['checked']} "
                   f"missing={report['missing']} group_counts={report['group_counts']} "
                   f"graph_breaks={sum(report['graph_breaks'].values())}")

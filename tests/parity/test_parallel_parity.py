@@ -176,6 +176,8 @@ def check(report: dict, tol: float = TOL, grad_tol: float | None = None, name: s
     if "muon" in name.split("/")[-1].split("-"):  # the weights after both Muon steps, every parameter compared
         assert report["weight_rel"] is not None and report["weight_rel"] < tol, \
             f"updated weights' relative diff {report['weight_rel']}"
+        # each matrix orthogonalised by one rank: the ranks' shares add up to one process's count
+        assert sum(report["ns_matrices"]) == report["ns_matrices_reference"] > 0, report["ns_matrices"]
 
 
 @pytest.mark.parametrize("name", default_or_slow(WORLD2, WORLD2_SLOW))
