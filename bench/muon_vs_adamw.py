@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe_vs_dense import ROOT, finish, train  # noqa: E402
+from moe_vs_dense import ROOT, finish, train
 
 
 def step_times(config: str, rounds: int, batch: int, overrides: list[str]) -> dict:
