@@ -94,9 +94,13 @@ WORLD2 += MOE_WORLD2
 WORLD4 += MOE_WORLD4
 WORLD8 += MOE_WORLD8
 # optim.name="muon": Muon's matrices whole on every rank for Newton-Schulz (FSDP/TP shards gathered, experts on
-# their expert-parallel rank, each pipeline stage its own); the weights after two clipped steps are compared too
+# their expert-parallel rank, each pipeline stage its own); the matrices after two clipped steps are compared too
 MUON_WORLD2 = ["decoder/fsdp-muon", "decoder/tp-muon", "decoder/pp-sched=1f1b-muon", "decoder/cp-muon",
-               "moe/fsdp-ep-muon", "moe/tp-ep-muon"]
+               "moe/fsdp-ep-muon", "moe/tp-ep-muon", "encdec/tp-muon"]
+# Newton-Schulz's gain near a zero singular value is a^5 = 3.4445^5 ~ 480: a nearly low-rank update (encoder blocks
+# of encdec) turns a 1e-7 reduction-order difference into up to ~3e-5 of the matrix's scale (a unit test of the
+# same: 1e-7 in, 2.9e-5 out). A wrong shard, matrix or scale is off by 1e-2 or more.
+MUON_WEIGHT_TOL = 1e-4
 MUON_WORLD4 = ["decoder/hsdp-muon", "decoder/tp-fsdp-muon", "moe/tp-fsdp-ep-muon", "decoder/pp-fsdp-muon"]
 WORLD2 += MUON_WORLD2
 WORLD4 += MUON_WORLD4
@@ -173,8 +177,8 @@ def check(report: dict, tol: float = TOL, grad_tol: float | None = None, name: s
     assert report["grad_rel"] < (grad_tol or tol), \
         f"gradient relative diff {report['grad_rel']:.3e} at {report['worst']}"
     assert report["norm_rel"] < (norm_tol or tol), f"global grad norm relative diff {report['norm_rel']:.3e}"
-    if "muon" in name.split("/")[-1].split("-"):  # the weights after both Muon steps, every parameter compared
-        assert report["weight_rel"] is not None and report["weight_rel"] < tol, \
+    if "muon" in name.split("/")[-1].split("-"):  # the matrices after both Muon steps (helpers/parallel.py: compare)
+        assert report["weight_rel"] is not None and report["weight_rel"] < MUON_WEIGHT_TOL, \
             f"updated weights' relative diff {report['weight_rel']}"
         # each matrix orthogonalised by one rank: the ranks' shares add up to one process's count
         assert sum(report["ns_matrices"]) == report["ns_matrices_reference"] > 0, report["ns_matrices"]
