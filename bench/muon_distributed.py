@@ -2,7 +2,7 @@
 owner scheme (each matrix orthogonalised by one rank, `meshformer/train/muon.py`) over every rank orthogonalising
 every matrix it holds a piece of. Ratios from one run; one JSON line per world and layout.
 
-    PYTHONPATH=$PWD python bench/muon_distributed.py --worlds 1 2 4 --rounds 3
+    PYTHONPATH=$PWD python bench/muon_distributed.py --worlds 1 2 4 --rounds 5
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from parallel_common import batches, bench_config, build_cpu_plan, spawn
 
-D_MODEL, N_LAYERS, BATCH = 256, 4, 8
+N_LAYERS, BATCH = 4, 8
 
 
 def step_ms(optimizer: torch.optim.Optimizer, rounds: int) -> float:
@@ -32,13 +32,13 @@ def step_ms(optimizer: torch.optim.Optimizer, rounds: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def measure(layout: str, rounds: int) -> dict[str, Any]:
+def measure(layout: str, rounds: int, d_model: int) -> dict[str, Any]:
     from meshformer.train import muon
     from meshformer.train.optim import build_optimizer
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     parallel = {"dp_shard": world} if layout == "fsdp" else {"tp": world, "dp_shard": 1}
-    cfg = bench_config(parallel if world > 1 else {}, d_model=D_MODEL, n_layers=N_LAYERS, batch=BATCH)
+    cfg = bench_config(parallel if world > 1 else {}, d_model=d_model, n_layers=N_LAYERS, batch=BATCH)
     plan = build_cpu_plan(cfg)
     dp = plan.dp_size
     batch = {k: v.chunk(dp)[plan.dp_rank] for k, v in batches(bench_config({}, batch=BATCH), 1)[0].items()}
@@ -66,14 +66,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--d-model", type=int, default=256)
     args = parser.parse_args()
     for world in args.worlds:
         for layout in ("fsdp", "tp") if world > 1 else ("single",):
             if world == 1:
                 torch.set_num_threads(1)
-                record = measure(layout, args.rounds)
+                record = measure(layout, args.rounds, args.d_model)
             else:
-                record = spawn(world, measure, layout, args.rounds, threads=1)[0]
+                record = spawn(world, measure, layout, args.rounds, args.d_model, threads=1)[0]
             print(json.dumps({"bench": "muon_distributed", **record}), flush=True)
 
 

@@ -86,9 +86,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--skip-step-times", action="store_true")
+    parser.add_argument("--small", action="store_true", help="step times of the config's own shape only")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    for shape in ([], ["model.d_model=512", "model.n_heads=8", "model.d_ff=2048", "model.n_layers=8"]):
+    shapes = [[], ["model.d_model=512", "model.n_heads=8", "model.d_ff=2048", "model.n_layers=8"]]
+    for shape in shapes[:1] if args.small else shapes:
         if not args.skip_step_times:
             print(json.dumps(step_times(args.config, args.rounds, args.batch, shape)), flush=True)
     if args.skip_training:
