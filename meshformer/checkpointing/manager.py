@@ -312,13 +312,21 @@ class CheckpointManager:
         saved = {k: (v.size, v.properties.dtype) for k, v in tensor_entries(metadata).items()}
         parts, optimizer = run.model_parts, run.optimizer
         training = state.get("kind") == "training"
-        if training and state.get("optimizer", type(optimizer).__name__) != type(optimizer).__name__:
-            raise CheckpointError(f"{path} holds {state['optimizer']} state but this run uses "
-                                  f"{type(optimizer).__name__}; resume with the same optimizer")
+        saved_optimizer = state.get("optimizer", type(optimizer).__name__)
+        load_optimizer = training and saved_optimizer == type(optimizer).__name__
+        if training and not load_optimizer:
+            if self.cfg.load_mode != "partial":
+                raise CheckpointError(f"{path} holds {saved_optimizer} state but this run uses "
+                                      f"{type(optimizer).__name__} (optim.name)",
+                                      "resume with the checkpoint's optim.name, or set checkpoint.load_mode="
+                                      "\"partial\" to load its weights alone (the new optimizer starts fresh)")
+            self.log(f"WARNING: checkpoint.load_mode=\"partial\": {path.name} holds {saved_optimizer} state, this "
+                     f"run uses {type(optimizer).__name__}: loading the weights, step, schedule and data position; "
+                     "the optimizer starts fresh")
         if training:
             self._check_components(path, state, run)
         skip = self._check_fit(path, run, {k: tuple(v[0]) for k, v in saved.items()})
-        model_t, optim_t, per_param = st.load_templates(parts, optimizer if training else None, saved, skip)
+        model_t, optim_t, per_param = st.load_templates(parts, optimizer if load_optimizer else None, saved, skip)
         templates = {k: v for k, v in {**model_t.tensors, **optim_t.tensors}.items() if k not in skip}
         st.check_shapes({k: v for k, v in model_t.tensors.items() if k not in skip},
                         {k: v[0] for k, v in saved.items()})
@@ -329,7 +337,8 @@ class CheckpointManager:
         st.apply_model(parts, model_t)
         optim_t.fill_copies()
         if training:
-            st.apply_optimizer(optimizer, parts, per_param, state["param_groups"], allow_new=bool(skip))
+            if load_optimizer:
+                st.apply_optimizer(optimizer, parts, per_param, state["param_groups"], allow_new=bool(skip))
             for name, component in run.components.items():
                 component.load_state_dict(state[name])
             run.state.load_state_dict(state)

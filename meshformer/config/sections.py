@@ -65,6 +65,15 @@ class OptimConfig:
     # A step whose gradient norm is inf/nan updates nothing (train/optim.py: SkippedUpdates); the run stops once more
     # than this many come in a row (0: at the first).
     max_nonfinite_in_a_row: int = 10
+    # "muon": Muon for the blocks' weight matrices (train/muon.py), AdamW (the keys above) for everything else
+    name: Literal["adamw", "muon"] = "adamw"
+    muon_lr: float = 3e-3  # Muon's peak lr (the schedule scales it as optim.lr)
+    muon_weight_decay: float = 0.1  # decoupled, on the Muon matrices
+    muon_momentum: float = 0.95  # Nesterov momentum
+    muon_ns_steps: int = 5  # Newton–Schulz iterations per matrix
+    # update scale: "moonlight" 0.2*sqrt(max(m, n)) (AdamW's update RMS: AdamW's lr carries over) or "shape"
+    # sqrt(max(1, fan_out/fan_in)) (Keller Jordan's; wants a larger lr, e.g. 0.02)
+    muon_scale: Literal["moonlight", "shape"] = "moonlight"
 
 
 @dataclass

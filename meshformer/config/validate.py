@@ -241,6 +241,12 @@ def _check_training_ranges(cfg: Config) -> None:
     if optim.grad_clip < 0 or optim.weight_decay < 0 or optim.eps <= 0:
         raise ConfigError("optim.grad_clip and optim.weight_decay must be >= 0 (grad_clip = 0 disables clipping) "
                           "and optim.eps > 0")
+    if optim.muon_lr <= 0 or optim.muon_weight_decay < 0 or not 0 <= optim.muon_momentum < 1 \
+            or optim.muon_ns_steps < 1:
+        raise ConfigError(f"optim.muon_lr={optim.muon_lr}, optim.muon_weight_decay={optim.muon_weight_decay}, "
+                          f"optim.muon_momentum={optim.muon_momentum}, optim.muon_ns_steps={optim.muon_ns_steps} "
+                          "out of range", "use muon_lr > 0, muon_weight_decay >= 0, muon_momentum in [0, 1), "
+                          "muon_ns_steps >= 1 (e.g. 5)")
     if optim.max_nonfinite_in_a_row < 0:
         raise ConfigError(f"optim.max_nonfinite_in_a_row={optim.max_nonfinite_in_a_row} must be >= 0 (0: stop at the "
                           "first step with an inf/nan gradient norm)")

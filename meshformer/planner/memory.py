@@ -5,7 +5,8 @@ The step is walked in the order things are allocated, and the peak is the larges
   micro-batch's saved activations, the logits and the loss's fp32 work, the head's gradient;
 - each block's backward (last to first): the activations still held, the block's re-gathered weights and
   unsharded gradients, its recomputed activations, gradients of its activations, finished gradient shards;
-- the optimizer step: weights, gradients, both AdamW moments.
+- the optimizer step: weights, gradients, both AdamW moments (Muon: one momentum for its matrices, and the
+  largest matrix gathered whole with Newton–Schulz's work on it).
 Master weights, gradient shards and AdamW moments are fp32 (FSDP keeps fp32 shards whatever its policy);
 unsharded weights/gradients use `parallel.mixed_precision_param` under FSDP.
 """
@@ -33,7 +34,7 @@ class RankMemory:
     layers: int
     params: float  # fp32 master shards
     grads: float  # fp32 gradient shards
-    optimizer: float  # AdamW exp_avg + exp_avg_sq
+    optimizer: float  # AdamW exp_avg + exp_avg_sq (Muon's matrices: one momentum buffer)
     fsdp_buffers: float  # unsharded root unit + one block's all-gathered weights and unsharded gradients
     activations: float  # all in-flight micro-batches, saved for backward
     activations_per_microbatch: float
@@ -96,8 +97,12 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare, moe_imbalance
     reduce_bytes = 2 if p.mixed_precision_reduce == "bf16" else 4
 
     params = share.sharded_numel * 4.0
-    optimizer = 2 * params
+    muon = cfg.optim.name == "muon"
+    optimizer = 2 * params - (share.muon_numel * 4.0 if muon else 0.0)
     grads = params
+    # Muon steps one matrix at a time: the gathered update, Newton–Schulz's iterate, its product and the result
+    # (fp32), about 5 copies of the largest whole matrix
+    muon_gather = 5 * share.muon_gather * 4.0 if muon else 0.0
 
     modes = act.recompute_mode_blocks(cfg, share.layers, p.recompute)
     spec = get_family_spec(m.family)
@@ -174,7 +179,7 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare, moe_imbalance
             at_embedding + earlier + embedding_grad,
             at_embedding + max(0.0, earlier - per_microbatch) + 2 * embedding_grad
             if n_microbatches(cfg) > 1 and not accumulating else 0.0)
-    moments["optimizer step"] = params + optimizer + grads
+    moments["optimizer step"] = params + optimizer + grads + muon_gather
     peak_at = max(moments, key=lambda moment: moments[moment])
     fsdp_buffers = root + (block_unit * 3 if fsdp else 0.0)
     return RankMemory(share.pp_rank, len(share.layers), params, grads, optimizer, fsdp_buffers,

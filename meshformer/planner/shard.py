@@ -36,6 +36,7 @@ from meshformer.parallel.parallelize import parallelize_part
 from meshformer.parallel.pipeline.stages import StagePlacement, TransformerStage, stage_pieces, stage_placement
 from meshformer.parallel.tensor_parallel import apply_tensor_parallel
 from meshformer.parallel_dims import ParallelDims, validate_parallel
+from meshformer.train.muon import is_muon_parameter
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class RankShare:
     block_numel: int  # the largest FSDP block unit unsharded, tensor-parallel local
     first: bool  # embeds the input
     last: bool  # computes logits and the loss
+    muon_numel: int = 0  # this rank's shards of Muon matrices (optim.name="muon": one momentum, not two moments)
+    muon_gather: int = 0  # the largest Muon matrix (this rank's experts of a stacked one) gathered whole to step
 
 
 @contextlib.contextmanager
@@ -168,12 +171,21 @@ def _measure(parts: list[Transformer], dims: ParallelDims, rank: int, fsdp_appli
     block = max((sum(sizes(p)[1] for p in candidate.parameters()) for part in parts for candidate in blocks_of(part)),
                 default=0)
     layers = tuple(index for part in parts for index, _ in part.spec.blocks(part))
-    return RankShare(rank, layers, len(parts), sharded, root, block, first, last)
+    muon = {id(p): p for part in parts for n, p in part.named_parameters() if is_muon_parameter(n, p)}
+    muon_numel = sum(sizes(p)[0] for p in muon.values())
+    muon_gather = max((_muon_gather(p.numel(), id(p) in experts, dims) for p in muon.values()), default=0)
+    return RankShare(rank, layers, len(parts), sharded, root, block, first, last, muon_numel, muon_gather)
 
 
-# Tensor-parallel local shape of each parameter and whether it is an expert weight, per model piece; blocks per
-# stack, under "<stack>" (dense) and "<stack>/moe" (a mixture-of-experts block).
-Template = dict[str, list[tuple[tuple[int, ...], bool]]]
+def _muon_gather(global_numel: int, expert: bool, dims: ParallelDims) -> int:
+    """Elements of one Muon parameter whole on a rank at the optimizer step: experts stay on their ep rank."""
+    return global_numel // dims.ep if expert and dims.ep_enabled else global_numel
+
+
+# Tensor-parallel local shape of each parameter, whether it is an expert weight and (a Muon matrix of a block) its
+# whole size in elements, else 0, per model piece; blocks per stack, under "<stack>" (dense) and "<stack>/moe" (a
+# mixture-of-experts block).
+Template = dict[str, list[tuple[tuple[int, ...], bool, int]]]
 
 
 def _block_key(cfg: Config, stack: str, index: int) -> str:
@@ -209,7 +221,10 @@ def tp_template(cfg: Config, world_size: int, tp: int) -> Template:
             params = [(p, n) for n, p in module.named_parameters()]
             if name == "output" and m.tie_embeddings:
                 params = [(p, n) for p, n in params if n != "weight"]  # the embedding's; counted with it or copied
-            template[name] = [(tuple(local_tensor(p).shape), id(p) in experts_of) for p, _ in params]
+            in_block = name.split("/")[0] in stacks
+            template[name] = [(tuple(local_tensor(p).shape), id(p) in experts_of,
+                               p.numel() if in_block and is_muon_parameter(f"x_layers.0.{n}", p) else 0)
+                              for p, n in params]
     if m.tie_embeddings:
         template["tied_output"] = template["tok_embeddings"]
     return template
@@ -225,12 +240,18 @@ def template_shares(cfg: Config, world_size: int, model: Transformer, template: 
 
     def sizes(key: str) -> tuple[int, int]:
         """(shard, all-gathered) elements of one piece (or block) on the first rank."""
-        both = [_sizes_by_rule(shape, dims, expert) for shape, expert in template[key]]
+        both = [_sizes_by_rule(shape, dims, expert) for shape, expert, _ in template[key]]
         return sum(x for x, _ in both), sum(x for _, x in both)
+
+    def muon_sizes(key: str) -> tuple[int, int]:
+        """(Muon shards, largest Muon parameter whole) elements of one block on the first rank."""
+        muon = [(shape, expert, whole) for shape, expert, whole in template[key] if whole]
+        return (sum(_sizes_by_rule(shape, dims, expert)[0] for shape, expert, _ in muon),
+                max((_muon_gather(whole, expert, dims) for _, expert, whole in muon), default=0))
 
     for (_sizes, first, last), ranks in _rank_layouts(placement, dims.pp).items():
         ids = placement.ids_for_rank(ranks[0])
-        sharded = root = block = 0
+        sharded = root = block = muon_numel = muon_gather = 0
         layers: list[int] = []
         for sid in ids:
             pieces = {k: v for k, v in stage_pieces(model, placement.spans[sid]).items() if v is not None}
@@ -240,6 +261,9 @@ def template_shares(cfg: Config, world_size: int, model: Transformer, template: 
                 if name in offsets and isinstance(module, nn.ModuleDict):
                     for key in module.keys():
                         shard, gathered = sizes(_block_key(cfg, name, int(key)))
+                        muon_shard, muon_whole = muon_sizes(_block_key(cfg, name, int(key)))
+                        muon_numel += muon_shard
+                        muon_gather = max(muon_gather, muon_whole)
                         sharded += shard
                         block = max(block, gathered)
                         layers.append(offsets[name] + int(key))
@@ -247,5 +271,6 @@ def template_shares(cfg: Config, world_size: int, model: Transformer, template: 
                     shard, gathered = sizes(name)
                     sharded += shard
                     root += gathered
-        shares.append(RankShare(ranks[0], tuple(sorted(layers)), len(ids), sharded, root, block, first, last))
+        shares.append(RankShare(ranks[0], tuple(sorted(layers)), len(ids), sharded, root, block, first, last,
+                                muon_numel, muon_gather))
     return dims, shares

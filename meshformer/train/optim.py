@@ -10,13 +10,21 @@ from torch import nn
 
 from meshformer.config import OptimConfig, ScheduleConfig
 from meshformer.errors import DivergenceError
+from meshformer.train.muon import Muon, muon_groups
 
 
-def build_optimizer(model_parts: Iterable[nn.Module], cfg: OptimConfig) -> tuple[torch.optim.AdamW, str]:
-    """AdamW with weight decay on matrices (ndim >= 2: projections, embeddings, position tables) only.
+def build_optimizer(model_parts: Iterable[nn.Module], cfg: OptimConfig) -> tuple[torch.optim.Optimizer, str]:
+    """AdamW with weight decay on matrices (ndim >= 2: projections, embeddings, position tables) only; or, with
+    optim.name="muon", Muon for the blocks' matrices and AdamW for the rest (train/muon.py).
 
-    Returns the optimizer and the name of the kernel in use ("fused", "foreach" or "for-loop") for the run log.
+    Returns the optimizer and its kernel for the run log (AdamW: "fused", "foreach" or "for-loop").
     """
+    if cfg.name == "muon":
+        named = [item for part in model_parts for item in part.named_parameters()]
+        groups = muon_groups(named, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                             muon_lr=cfg.muon_lr, muon_weight_decay=cfg.muon_weight_decay,
+                             momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps, scale=cfg.muon_scale)
+        return Muon(groups), f"{cfg.muon_ns_steps} Newton-Schulz steps, {cfg.muon_scale} scale; AdamW part foreach"
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     seen: set[int] = set()

@@ -139,7 +139,8 @@ class Trainer:
         n_params = sum(p.numel() for p in model.parameters())
         self.logger.info(
             f"model: {cfg.model.family}, {n_params / 1e6:.2f}M parameters, objective {cfg.objective}; "
-            f"device {self.device}, dtype {cfg.train.dtype}; AdamW kernel: {self.training_step.kernel}; attention: "
+            f"device {self.device}, dtype {cfg.train.dtype}; optimizer: {cfg.optim.name} "
+            f"({self.training_step.kernel}); attention: "
             f"{self.parallel_model.report.get('attention', cfg.model.attention_backend)}; host malloc: {host_memory}; "
             f"{self.ceiling.describe()}; model built and sharded in "
             f"{self.build_s:.2f}s"

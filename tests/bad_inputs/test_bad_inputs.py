@@ -227,6 +227,8 @@ CASES = [
     ("device-bad-index", _train("train.device=cuda:x"), ["train.device='cuda:x' is not a device", "'cuda:N'"]),
     ("device-meta", _train("train.device=meta"), ["train.device='meta' is not a device", "'auto', 'cpu'"]),
     ("grad-clip-negative", _train("optim.grad_clip=-1"), ["optim.grad_clip", ">= 0"]),
+    ("muon-momentum", _train('optim.name="muon"', "optim.muon_momentum=1.0"),
+     ["optim.muon_momentum=1.0", "muon_momentum in [0, 1)"]),
     # (#25) values
     ("lr-inf", _train("optim.lr=inf"), ["optim.lr=inf is not a finite number", "e.g. the default optim.lr="]),
     ("lr-nan", _train("optim.lr=nan"), ["optim.lr=nan is not a finite number", "give a finite value"]),

@@ -104,6 +104,15 @@ def test_moe_vs_dense_tiny(tmp_path):
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_muon_benches_tiny():
+    (record,) = run_bench("muon_vs_adamw.py", "--skip-training", "--small", "--rounds", "1", "--batch", "2")
+    assert record["bench"] == "muon_step_time" and record["muon_over_adamw"] > 0
+    assert 0 < record["muon_share_of_training_step"] < 1 and 0 < record["ns_flops_share_at_0.5M_tokens"] < 1
+    records = run_bench("muon_distributed.py", "--worlds", "1", "2", "--rounds", "1", "--d-model", "32")
+    assert [(r["world"], r["layout"]) for r in records] == [(1, "single"), (2, "fsdp"), (2, "tp")]
+    assert all(r["muon_over_adamw"] > 0 and r["owners_over_every_rank"] > 0 for r in records)
+
+
 @pytest.mark.slow  # the GPU script's CPU dry run: an environment line, then the MoE layer items on tiny shapes
 def test_gpu_moe_smoke(tmp_path):
     env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}

@@ -45,6 +45,7 @@ from meshformer.model.moe import moe_layers  # noqa: E402
 from meshformer.parallel.parallel_model import ParallelModel  # noqa: E402
 from meshformer.parallel_dims import ParallelDims  # noqa: E402
 from meshformer.train.loss_choice import resolve_loss  # noqa: E402
+from meshformer.train.muon import is_muon_parameter  # noqa: E402
 from meshformer.train.step import TrainStep  # noqa: E402
 
 BATCH, SEQ, TARGET, VOCAB = 8, 16, 8, 64
@@ -177,16 +178,20 @@ def build_cpu_plan(cfg: Config, model: Transformer | None = None) -> ParallelMod
     return parallelize(model if model is not None else new_model(cfg), cfg, torch.device("cpu"), loss)
 
 
-def harness_step(plan: ParallelModel, steps: int, nonfinite_limit: int = 0) -> TrainStep:
-    """The trainer's update (fused AdamW: clip factor and skip flag in the kernel) at a constant rate."""
+def harness_step(plan: ParallelModel, steps: int, nonfinite_limit: int = 0, optimizer: str = "adamw") -> TrainStep:
+    """The trainer's update (fused AdamW: clip factor and skip flag in the kernel; or Muon for the blocks' matrices)
+    at a constant rate."""
     optim = OptimConfig(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, grad_clip=MAX_NORM,
-                        implementation="fused", max_nonfinite_in_a_row=nonfinite_limit)
+                        implementation="fused", max_nonfinite_in_a_row=nonfinite_limit, name=optimizer,
+                        muon_lr=1e-2, muon_weight_decay=0.1)
     return TrainStep(plan, optim, ScheduleConfig(name="constant", warmup_steps=0), steps, d_model=1)
 
 
-def train_steps(plan: ParallelModel, steps: list[list[dict[str, torch.Tensor]]], dp_rank: int, dp_size: int):
-    """Two optimizer steps; returns (global losses, step-0 grads by canonical name, pre-clip norms)."""
-    training = harness_step(plan, len(steps))
+def train_steps(plan: ParallelModel, steps: list[list[dict[str, torch.Tensor]]], dp_rank: int, dp_size: int,
+                optimizer: str = "adamw"):
+    """Two optimizer steps; returns (global losses, step-0 grads by canonical name, pre-clip norms, counts), the
+    counts with the updated weights by canonical name under Muon ("weights")."""
+    training = harness_step(plan, len(steps), optimizer=optimizer)
     losses, norms, grads0, replica_all_reduces = [], [], {}, []
     float8_amax_reduces: list[int] = []  # per step: torchao's per-weight amax all-reduces (float8 FSDP all-gather)
     FLOAT8_AMAX_REDUCES[0] = 0
@@ -218,8 +223,27 @@ def train_steps(plan: ParallelModel, steps: list[list[dict[str, torch.Tensor]]],
     with torch.no_grad():
         evals = [plan.evaluate({k: v.chunk(dp_size)[dp_rank] for k, v in b.items()}) for b in steps[0]]
     losses.append(float(sum(e[0] for e in evals)) / float(sum(e[1] for e in evals)))
+    weights = gathered_tensors(plan, "weights") if optimizer == "muon" else {}
     return losses, grads0, norms, {"replica_all_reduces": replica_all_reduces, "float8_amax_all_reduces":
-                                   float8_amax_reduces}
+                                   float8_amax_reduces, "weights": weights}
+
+
+@contextmanager
+def counted_orthogonalised_matrices() -> Iterator[list[int]]:
+    """Counts the matrices Muon's Newton–Schulz orthogonalises in the block (a stacked expert weight: each expert)."""
+    from meshformer.train import muon
+
+    count, original = [0], muon.newton_schulz
+
+    def counting(g: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        count[0] += g.shape[0] if g.ndim == 3 else 1
+        return original(g, *args, **kwargs)
+
+    muon.newton_schulz = counting
+    try:
+        yield count
+    finally:
+        muon.newton_schulz = original
 
 
 @contextmanager
@@ -247,6 +271,11 @@ def counted_replica_all_reduces(plan: ParallelModel) -> Iterator[list[int]]:
 
 
 def gathered_grads(plan: ParallelModel) -> dict[str, torch.Tensor]:
+    return gathered_tensors(plan, "grads")
+
+
+def gathered_tensors(plan: ParallelModel, what: str) -> dict[str, torch.Tensor]:
+    """Whole gradients (`what="grads"`) or weights by canonical name."""
     out: dict[str, torch.Tensor] = {}
     for part in plan.model_parts:
         seen: set[int] = set()
@@ -254,14 +283,16 @@ def gathered_grads(plan: ParallelModel) -> dict[str, torch.Tensor]:
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            if param.grad is None:
+            tensor = param.grad if what == "grads" else param
+            if tensor is None:
                 continue
-            grad = full(param.grad).detach().clone()  # a collective for DTensors: same order on every rank
-            out[part.canonical_name(name) if isinstance(part, Transformer) else name] = grad
+            tensor = full(tensor).detach().clone()  # a collective for DTensors: same order on every rank
+            out[part.canonical_name(name) if isinstance(part, Transformer) else name] = tensor
     return out
 
 
-def reference(cfg: Config, steps, family: str = "") -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+def reference(cfg: Config, steps, family: str = "") -> tuple[list[float], dict[str, torch.Tensor], list[float],
+                                                          dict[str, torch.Tensor]]:
     model = new_model(cfg, family)
     if cfg.train.fp8 != "off":
         from meshformer.parallel.float8 import apply_float8
@@ -272,7 +303,8 @@ def reference(cfg: Config, steps, family: str = "") -> tuple[list[float], dict[s
     if cfg.model.n_experts and cfg.parallel.pp > 1:  # MoE balance statistics are per pipeline microbatch
         steps = [[piece for batch in micro for piece in pipeline_pieces(cfg, batch)] for micro in steps]
     plan = ParallelModel(model, plain_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss), torch.device("cpu"))
-    return train_steps(plan, steps, 0, 1)[:3]
+    losses, grads, norms, counts = train_steps(plan, steps, 0, 1, cfg.optim.name)
+    return losses, grads, norms, counts["weights"]
 
 
 def rank_pieces(cfg: Config, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -303,8 +335,9 @@ def pipeline_pieces(cfg: Config, batch: dict[str, torch.Tensor]) -> list[dict[st
     return [{k: torch.cat([s[k].tensor_split(n_mb)[m] for s in shards]) for k in batch} for m in range(n_mb)]
 
 
-def compare(cfg: Config, steps, result, family: str = "") -> dict[str, Any]:
-    ref_losses, ref_grads, ref_norms = reference(cfg, steps, family)
+def compare(cfg: Config, steps, result, family: str = "", weights: dict[str, torch.Tensor] | None = None
+            ) -> dict[str, Any]:
+    ref_losses, ref_grads, ref_norms, ref_weights = reference(cfg, steps, family)
     losses, grads, norms = result
     grad_rel, checked, worst = 0.0, set(), ""
     # Floor the scale: a key-projection bias has an exactly-zero true gradient (softmax ignores a per-query
@@ -317,7 +350,16 @@ def compare(cfg: Config, steps, result, family: str = "") -> dict[str, Any]:
         if rel > grad_rel:
             grad_rel, worst = rel, name
         checked.add(name)
+    # Muon rows: the matrices Muon updated, after both steps: max over them of max|w - w_ref| / max|w_ref|. The rest
+    # steps with AdamW, checked as in every AdamW row: AdamW divides each element by its own gradient's RMS, so
+    # elements with a near-zero gradient take rounding noise as full-size steps (up to 1.4e-4 apart after two steps
+    # in decoder/fsdp), while Newton-Schulz, a smooth function of the whole matrix, keeps them ~5e-6 apart.
+    weight_rel, weight_worst = max([(((w - ref_weights[n]).abs().max() / ref_weights[n].abs().max()).item(), n)
+                                    for n, w in (weights or {}).items() if is_muon_parameter(n, w)],
+                                   default=(None, ""))
     return {
+        "weight_rel": weight_rel,
+        "weight_worst": weight_worst,
         "loss_rel": [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)],
         "grad_rel": grad_rel,
         "worst": worst,
@@ -375,13 +417,18 @@ def scenario(name: str) -> tuple[Config, list]:
             extra["compile"] = "blocks"
         elif key == "padded":  # decoder batches carry a key mask that hides earlier keys too (the first one kept)
             extra["_padded"] = True
+        elif key == "muon":  # optim.name: Muon for the blocks' matrices (the reference steps alike)
+            extra["_muon"] = True
         elif key == "single":
             pass
         else:
             raise ValueError(f"unknown layout part {part!r} in {name!r}")
     parallel.setdefault("dp_shard", 1)
     padded = extra.pop("_padded", False)
+    muon = extra.pop("_muon", False)
     cfg = make_config(family, parallel, **extra)
+    if muon:
+        cfg.optim.name = "muon"
     batches = make_batches(cfg, 4)
     if padded:
         g = torch.Generator().manual_seed(5)
@@ -512,14 +559,22 @@ def run_scenario(name: str) -> dict[str, Any]:
     torch._dynamo.utils.counters.clear()
     plan = build_cpu_plan(cfg, new_model(cfg, family))
     gathers_before = FLOAT8_GATHERS[0]
-    *result, counts = train_steps(plan, steps, plan.dp_rank, plan.dp_size)
+    with counted_orthogonalised_matrices() as ns_matrices:
+        *result, counts = train_steps(plan, steps, plan.dp_rank, plan.dp_size, cfg.optim.name)
     float8_gathers = FLOAT8_GATHERS[0] - gathers_before
-    report = compare(cfg, steps, result, family)
+    with counted_orthogonalised_matrices() as ns_reference:
+        report = compare(cfg, steps, result, family, counts.pop("weights"))
+    # Muon: matrices this rank orthogonalised (each matrix once over all ranks), and one process's count
+    report["ns_matrices"] = [None] * dist.get_world_size()
+    dist.all_gather_object(report["ns_matrices"], ns_matrices[0])
+    report["ns_matrices_reference"] = ns_reference[0]
     # Union of what every rank checked: each pipeline stage checks its own parameters.
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (report["grad_rel"], report["checked"], report["worst"]))
-    report["grad_rel"], _, report["worst"] = max(gathered, key=lambda g: g[0])
-    checked = set().union(*(set(c) for _, c, _ in gathered))
+    dist.all_gather_object(gathered, (report["grad_rel"], report["checked"], report["worst"], report["weight_rel"]))
+    report["grad_rel"], _, report["worst"], _ = max(gathered, key=lambda g: g[0])
+    # each pipeline stage compares its own weights (None: none compared, as for AdamW rows)
+    report["weight_rel"] = max((g[3] for g in gathered if g[3] is not None), default=None)
+    checked = set().union(*(set(c) for _, c, _, _ in gathered))
     report["missing"] = sorted(set(report.pop("reference_params")) - checked)
     report["checked"] = len(checked)
     report["kernels"] = plan.report
@@ -599,6 +654,8 @@ def main() -> None:
             print(f"{name}: ERROR {report['error']}")
         else:
             print(f"{name}: loss_rel={max(report['loss_rel']):.2e} grad_rel={report['grad_rel']:.2e} "
+                  f"weight_rel={report['weight_rel']} ({report.get('weight_worst')}) "
+                  f"ns_matrices={report['ns_matrices']} of {report['ns_matrices_reference']} "
                   f"({report['worst']}) norm_rel={report['norm_rel']:.2e} checked={report['checked']} "
                   f"missing={report['missing']} group_counts={report['group_counts']} "
                   f"graph_breaks={sum(report['graph_breaks'].values())}")

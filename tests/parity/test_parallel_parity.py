@@ -1,4 +1,5 @@
-"""Every parallel layout against a single process: loss, step-0 gradients and the global norm within 1e-5.
+"""Every parallel layout against a single process: loss, step-0 gradients and the global norm within 1e-5 (Muon
+rows: the updated weights too).
 
 Launches of 2, 4 and 8 gloo processes on CPU run all layouts, one process group each (world 2 in two launches: the
 default run's rows and the slow run's, WORLD2_SLOW); see helpers/parallel.py for what is compared. fp32
@@ -92,13 +93,25 @@ MOE_WORLD8 = ["moe/pp-fsdp-tp-ep", "moe/cp-tp-fsdp-ep=4", "moe/hsdp-tp-ep"]
 WORLD2 += MOE_WORLD2
 WORLD4 += MOE_WORLD4
 WORLD8 += MOE_WORLD8
+# optim.name="muon": Muon's matrices whole on every rank for Newton-Schulz (FSDP/TP shards gathered, experts on
+# their expert-parallel rank, each pipeline stage its own); the matrices after two clipped steps are compared too
+MUON_WORLD2 = ["decoder/fsdp-muon", "decoder/tp-muon", "decoder/pp-sched=1f1b-muon", "decoder/cp-muon",
+               "moe/fsdp-ep-muon", "moe/tp-ep-muon", "encdec/tp-muon"]
+# Newton-Schulz's gain near a zero singular value is a^5 = 3.4445^5 ~ 480: a nearly low-rank update (encoder blocks
+# of encdec) turns a 1e-7 reduction-order difference into up to ~3e-5 of the matrix's scale (a unit test of the
+# same: 1e-7 in, 2.9e-5 out). A wrong shard, matrix or scale is off by 1e-2 or more.
+MUON_WEIGHT_TOL = 1e-4
+MUON_WORLD4 = ["decoder/hsdp-muon", "decoder/tp-fsdp-muon", "moe/tp-fsdp-ep-muon", "decoder/pp-fsdp-muon"]
+WORLD2 += MUON_WORLD2
+WORLD4 += MUON_WORLD4
 # bf16 all-gathers; bf16 autocast with bf16 rows through the experts' all-to-all: close, not equal
 MIXED_PRECISION = ["decoder/fsdp-mp", "moe/tp-ep-bf16"]
 # train.fp8 through torchao's emulation against a single process with the same float8 linears. Tensorwise scales
 # are per tensor, so the reference runs each data-parallel shard and pipeline microbatch as its own piece. Under
 # TP the tensorwise recipe all-gathers activations and gradients in float8 (gloo carries them as bytes here).
 FP8_WORLD2 = ["decoder/tp-fp8=tensorwise", "decoder_alibi/tp-fp8=tensorwise", "encdec/tp-fp8=tensorwise",
-              "decoder/tp-fp8=rowwise", "decoder/fsdp-fp8=tensorwise"]
+              "decoder/tp-fp8=rowwise", "decoder/fsdp-fp8=tensorwise",
+              "decoder/fsdp-fp8=tensorwise-muon"]  # Muon steps torchao's float8 weights (FSDP all-gathers float8)
 FP8_WORLD4 = ["decoder/tp-fsdp-fp8=tensorwise", "decoder/pp-tp-fp8=tensorwise", "encdec/tp-fsdp-fp8=rowwise"]
 # Summation-order differences of ~1e-7 can move a value across a float8 rounding boundary (a step of 1/16 of
 # it): gradients agree to 1e-2 (float8 against fp32 differs by 10-25%), losses to 1e-4. The second step's global
@@ -110,7 +123,7 @@ FP8_TOL, FP8_GRAD_TOL, FP8_NORM_TOL = 1e-4, 2e-2, 1e-3
 WORLD2_SLOW = {"decoder/cp-compile", "decoder/tp-fp8=tensorwise", "decoder_alibi/tp-fp8=tensorwise",
                "encdec/tp-fp8=tensorwise", "decoder/tp-fp8=rowwise", "moe/tp-ep-bf16", "moe_encdec/tp-ep",
                "moe/fsdp-ep-recompute=full", "moe/tp-ep-recompute=selective", "moe_bias/tp-ep", "moe/fsdp-ep-compile",
-               "moe/tp-ep-compile", "moe/fsdp-ep-compile-recompute=selective"}
+               "moe/tp-ep-compile", "moe/fsdp-ep-compile-recompute=selective", "decoder/fsdp-fp8=tensorwise-muon"}
 ALL_WORLD2 = WORLD2 + MIXED_PRECISION + FP8_WORLD2 + ["skip/nan"]  # skip/nan: a NaN gradient on one rank
 
 
@@ -165,6 +178,12 @@ def check(report: dict, tol: float = TOL, grad_tol: float | None = None, name: s
     assert report["grad_rel"] < (grad_tol or tol), \
         f"gradient relative diff {report['grad_rel']:.3e} at {report['worst']}"
     assert report["norm_rel"] < (norm_tol or tol), f"global grad norm relative diff {report['norm_rel']:.3e}"
+    if "muon" in name.split("/")[-1].split("-"):  # the matrices after both Muon steps (helpers/parallel.py: compare)
+        weight_tol = max(MUON_WEIGHT_TOL, grad_tol or 0.0)  # float8: step 1's gradients already FP8_GRAD_TOL apart
+        assert report["weight_rel"] is not None and report["weight_rel"] < weight_tol, \
+            f"updated weights' relative diff {report['weight_rel']}"
+        # each matrix orthogonalised by one rank: the ranks' shares add up to one process's count
+        assert sum(report["ns_matrices"]) == report["ns_matrices_reference"] > 0, report["ns_matrices"]
 
 
 @pytest.mark.parametrize("name", default_or_slow(WORLD2, WORLD2_SLOW))

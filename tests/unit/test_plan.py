@@ -54,6 +54,28 @@ def test_packed_document_masks_are_planned():
     assert abs(predicted / measured - 1) < 0.05, (predicted, measured)
 
 
+def test_muon_state_and_gather_buffer_are_planned():
+    """optim.name="muon": one momentum buffer for the blocks' matrices (AdamW's two moments for the rest) and the
+    largest matrix gathered whole for Newton–Schulz; the prediction holds against the measured step."""
+    from meshformer.model import Transformer
+    from meshformer.planner.measure import measure_step_peak
+    from meshformer.train.muon import is_muon_parameter
+
+    adamw = validation_config({}, seq=256)
+    muon = validation_config({}, seq=256)
+    muon.optim.name = "muon"
+    model = Transformer(muon.model)
+    matrices = [p for n, p in model.named_parameters() if is_muon_parameter(n, p)]
+    with fake_world(1):
+        _, (share,) = rank_shares(muon, 1)
+    assert share.muon_numel == sum(p.numel() for p in matrices)
+    assert share.muon_gather == max(p.numel() for p in matrices)
+    plan_adamw, plan_muon = plan_layout(adamw, 1), plan_layout(muon, 1)
+    assert plan_adamw.ranks[0].optimizer - plan_muon.ranks[0].optimizer == 4 * share.muon_numel
+    predicted, measured = plan_muon.peak, measure_step_peak(muon)["peak"]
+    assert abs(predicted / measured - 1) < TOLERANCE, (predicted, measured)
+
+
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"tp": 2, "pp": 2}, {"pp": 4, "pp_schedule": "interleaved_1f1b",
                                                                    "pp_stages_per_rank": 2, "pp_microbatches": 4},
                                     {"pp": 2, "pp_schedule": "zbv", "pp_microbatches": 2},
@@ -70,8 +92,10 @@ def test_search_shards_equal_real_fsdp_shards(layout, tied):
     with fake_world(world):
         _, real = rank_shares(cfg, world)
         _, derived = template_shares(cfg, world, meta_model(cfg), tp_template(cfg, world, cfg.parallel.tp))
-    assert [(s.pp_rank, s.layers, s.sharded_numel, s.root_numel, s.block_numel) for s in real] == \
-        [(s.pp_rank, s.layers, s.sharded_numel, s.root_numel, s.block_numel) for s in derived]
+    assert [(s.pp_rank, s.layers, s.sharded_numel, s.root_numel, s.block_numel, s.muon_numel, s.muon_gather)
+            for s in real] == \
+        [(s.pp_rank, s.layers, s.sharded_numel, s.root_numel, s.block_numel, s.muon_numel, s.muon_gather)
+         for s in derived]
 
 
 @pytest.mark.parametrize("ep", [1, 2, 4, 8])
