@@ -202,10 +202,10 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = x * weight[:, -1] if bias is None else torch.addcmul(bias, x, weight[:, -1])
     for j in range(1, width):  # W is small (4): one fused multiply-add per tap
         shifted = full[:, width - 1 - j: width - 1 - j + seq]
-        if docs is not None:
-            shifted = shifted * (docs[:, width - 1 - j: width - 1 - j + seq] == doc_ids)[..., None]
+        if docs is not None and doc_ids is not None:
+            shifted = shifted * torch.eq(docs[:, width - 1 - j: width - 1 - j + seq], doc_ids)[..., None]
         out = torch.addcmul(out, shifted, weight[:, -1 - j])
     next_state = full[:, seq:]
-    if docs is not None:
-        next_state = next_state * (docs[:, seq:] == doc_ids[:, -1:])[..., None]
+    if docs is not None and doc_ids is not None:
+        next_state = next_state * torch.eq(docs[:, seq:], doc_ids[:, -1:])[..., None]
     return out, next_state
