@@ -5,7 +5,7 @@ Per shape (B, H, D, T; Dk = Dv = D, chunks of 64, L2-normalised q/k in the rule 
 alternating between the two sides after a warm-up round, median time per side, the ratio transformers / ours,
 and the largest difference of the two outputs and of the q gradients. One JSON line per shape.
 
-    python bench/gated_delta.py [--shape B H D T ...] [--dtype fp32] [--threads 2] [--rounds 5]
+    python bench/gated_delta.py [--shape B H D T ...] [--dtype fp32] [--threads 2] [--rounds 5] [--clock wall|cpu]
 """
 
 from __future__ import annotations
@@ -42,27 +42,29 @@ def _sides() -> dict[str, Callable[..., torch.Tensor]]:
             "ours": lambda *x: chunk_gated_delta_rule(*x, chunk_size=64, use_qk_l2norm=True)[0]}
 
 
-def measure(shape: str, dtype: str, rounds: int) -> dict:
+def measure(shape: str, dtype: str, rounds: int, clock: str = "wall") -> dict:
     batch, heads, dim, seq = (int(s) for s in shape.split(","))
     inputs, grad = _inputs(batch, heads, dim, seq, DTYPES[dtype])
     sides = _sides()
+    now = time.process_time if clock == "cpu" else time.perf_counter
     times: dict[str, list[float]] = {name: [] for name in sides}
     results: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for r in range(rounds + 1):
         for name, fn in sides.items():
             for t in inputs:
                 t.grad = None
-            start = time.perf_counter()
+            start = now()
             out = fn(*inputs)
             out.backward(grad)
             if r:  # the first round warms up
-                times[name].append(time.perf_counter() - start)
+                times[name].append(now() - start)
             else:
                 results[name] = (out.detach(), inputs[0].grad.detach())  # type: ignore[union-attr]
     median = {name: sorted(ts)[len(ts) // 2] * 1e3 for name, ts in times.items()}
     (out_a, grad_a), (out_b, grad_b) = results["transformers"], results["ours"]
     return {"bench": "gated_delta", "batch": batch, "heads": heads, "head_dim": dim, "seq": seq, "dtype": dtype,
-            "threads": torch.get_num_threads(), "load_1min": round(os.getloadavg()[0], 2), "rounds": rounds,
+            "threads": torch.get_num_threads(), "clock": clock, "rounds": rounds,
+            "load_1min": round(os.getloadavg()[0], 2),
             "transformers_ms": round(median["transformers"], 2), "ours_ms": round(median["ours"], 2),
             "speedup": round(median["transformers"] / median["ours"], 3),
             "out_max_diff": (out_a.float() - out_b.float()).abs().max().item(),
@@ -75,12 +77,14 @@ def main() -> None:
     parser.add_argument("--dtype", nargs="+", default=["fp32"], choices=sorted(DTYPES))
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                        help="cpu: this process's CPU time (with --threads 1, steadier on a loaded machine)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     for shape in args.shape:
         for dtype in args.dtype:
-            print(json.dumps(measure(shape, dtype, args.rounds)), flush=True)
+            print(json.dumps(measure(shape, dtype, args.rounds, args.clock)), flush=True)
 
 
 if __name__ == "__main__":

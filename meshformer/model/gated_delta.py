@@ -51,13 +51,8 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  scale: float | None, use_qk_l2norm: bool) -> tuple[torch.Tensor, ...]:
     """Checks shapes; returns q (scaled), k, v as (B, H, T, D) and g, beta as (B, H, T) in the compute dtype."""
-    if q.shape != k.shape or q.dim() != 4 or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"q, k must be (B, T, Hk, Dk) and v (B, T, H, Dv); got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    _check_shapes(q, k, v, g, beta)
     heads, k_heads = v.shape[2], k.shape[2]
-    if heads % k_heads or g.shape != v.shape[:3] or beta.shape != v.shape[:3]:
-        raise ValueError(f"value heads ({heads}) must be a multiple of key heads ({k_heads}) and g, beta "
-                         f"(B, T, H) = {tuple(v.shape[:3])}; got {tuple(g.shape)}, {tuple(beta.shape)}")
     dtype = _compute_dtype(q)
     if heads != k_heads:
         q, k = (x.repeat_interleave(heads // k_heads, dim=2) for x in (q, k))
@@ -66,6 +61,16 @@ def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     return q * (q.shape[-1] ** -0.5 if scale is None else scale), k, v, g, beta
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
+    if q.shape != k.shape or q.dim() != 4 or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"q, k must be (B, T, Hk, Dk) and v (B, T, H, Dv); got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    heads, k_heads = v.shape[2], k.shape[2]
+    if heads % k_heads or g.shape != v.shape[:3] or beta.shape != v.shape[:3]:
+        raise ValueError(f"value heads ({heads}) must be a multiple of key heads ({k_heads}) and g, beta "
+                         f"(B, T, H) = {tuple(v.shape[:3])}; got {tuple(g.shape)}, {tuple(beta.shape)}")
 
 
 def _check_docs(doc_ids: torch.Tensor | None, batch: int, seq: int) -> None:
@@ -107,6 +112,49 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out, (state if output_final_state else None)
 
 
+class _StateScan(torch.autograd.Function):
+    """The chunk-to-chunk recurrence, N steps over (B*H)-batched blocks, chunk-major:
+
+        U_n = W_v[n] - W_k[n] S_n              the chunk's delta-rule updates, given the state entering it
+        S_{n+1} = d_n S_n + K_w[n] U_n         the state leaving it (K_w: keys decayed to the chunk's end, (Dk, C))
+
+    Returns U (N, BH, C, Dv) and the states S_0..S_N (N+1, BH, Dk, Dv). Backward runs the same two GEMMs per step
+    in reverse for dU and dS and leaves every other gradient to one batched product after the loop, where
+    autograd would record and replay several small operations per chunk."""
+
+    @staticmethod
+    def forward(ctx, w_v: torch.Tensor, w_k: torch.Tensor, k_write: torch.Tensor, decay: torch.Tensor,
+                state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = w_v.shape[0]
+        updates = torch.empty_like(w_v)
+        states = state.new_empty((n + 1, *state.shape))
+        states[0] = state
+        for i in range(n):
+            torch.baddbmm(w_v[i], w_k[i], states[i], alpha=-1, out=updates[i])
+            torch.mul(states[i], decay[i, :, None, None], out=states[i + 1])
+            states[i + 1].baddbmm_(k_write[i], updates[i])
+        ctx.save_for_backward(w_k, k_write, decay, updates, states)
+        return updates, states
+
+    @staticmethod
+    def backward(ctx, d_updates: torch.Tensor | None, d_states: torch.Tensor | None,
+                 ) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        w_k, k_write, decay, updates, states = ctx.saved_tensors
+        n = w_k.shape[0]
+        dense = torch.contiguous_format  # the incoming gradients may be broadcast views; these are written in place
+        d_u = torch.zeros_like(updates) if d_updates is None else d_updates.clone(memory_format=dense)  # + via S_{n+1}
+        d_s = torch.zeros_like(states) if d_states is None else d_states.clone(memory_format=dense)  # + via S_n+1, U_n
+        for i in range(n - 1, -1, -1):
+            d_u[i].baddbmm_(k_write[i].transpose(-1, -2), d_s[i + 1])
+            d_s[i].addcmul_(d_s[i + 1], decay[i, :, None, None])
+            d_s[i].baddbmm_(w_k[i].transpose(-1, -2), d_u[i], alpha=-1)
+        d_next = d_s[1:]
+        d_k_write = d_next @ updates.transpose(-1, -2)
+        d_decay = (d_next * states[:-1]).sum((-1, -2))
+        d_w_k = -(d_u @ states[:-1].transpose(-1, -2))
+        return d_u, d_w_k, d_k_write, d_decay, d_s[0]
+
+
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            *, chunk_size: int = 64, scale: float | None = None,
                            initial_state: torch.Tensor | None = None, output_final_state: bool = False,
@@ -117,18 +165,26 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive; got {chunk_size}")
     out_dtype = v.dtype
-    q, k, v, g, beta = _heads_first(q, k, v, g, beta, scale, use_qk_l2norm)
-    batch, heads, seq, dk = k.shape
-    dv = v.shape[-1]
+    _check_shapes(q, k, v, g, beta)
+    batch, seq, heads, dv = v.shape
+    dk = k.shape[-1]
     _check_docs(doc_ids, batch, seq)
-    state = _initial(initial_state, (batch, heads, dk, dv), v)
-
     size = chunk_size
     pad = -seq % size
     n = (seq + pad) // size
-    # padding: k = v = beta = 0 writes nothing, g = 0 decays nothing, so the final state is the last real token's
-    q, k, v = (F.pad(x, (0, 0, 0, pad)).reshape(batch * heads, n, size, x.shape[-1]) for x in (q, k, v))
-    g, beta = (F.pad(x, (0, pad)).reshape(batch * heads, n, size) for x in (g, beta))
+    dtype = _compute_dtype(q)
+    state = _initial(initial_state, (batch, heads, dk, dv), v.to(dtype)).reshape(batch * heads, dk, dv)
+    if heads != k.shape[2]:
+        q, k = (x.repeat_interleave(heads // k.shape[2], dim=2) for x in (q, k))
+    # chunk-major (N, B*H, C, D): each chunk's blocks are contiguous for the scan and every batched product.
+    # Padding: k = v = beta = 0 writes nothing, g = 0 decays nothing, so the final state is the last real token's.
+    q, k, v, g, beta = (_chunk_major(x.to(dtype), n, pad) for x in (q, k, v, g, beta))
+    q_scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if use_qk_l2norm:  # the scale rides on the norm's factor: one pass over q
+        q = q * (torch.rsqrt((q * q).sum(-1, keepdim=True) + L2_EPS) * q_scale)
+        k = l2norm(k)
+    else:
+        q = q * q_scale
     cum = g.cumsum(-1)  # G: log decay from the chunk's start through each token
 
     causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
@@ -136,10 +192,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     if doc_ids is None:
         allowed = causal
     else:
-        docs = F.pad(doc_ids, (0, pad), mode="replicate").reshape(batch, 1, n, size)
-        docs = docs.expand(batch, heads, n, size).reshape(batch * heads, n, size)
+        docs = _chunk_major(doc_ids[:, :, None].expand(batch, seq, heads), n, pad, mode="replicate")
         # the state entering a chunk is the document of the token before it (an initial state: the first token's)
-        before = torch.cat([docs[:, :1, :1], docs[:, :-1, -1:]], dim=1)
+        before = torch.cat([docs[:1, :, :1], docs[:-1, :, -1:]], dim=0)
         allowed = causal & (docs[..., :, None] == docs[..., None, :])
         reads_state = docs == before  # tokens the entering state reaches
         writes_state = docs == docs[..., -1:]  # tokens whose writes reach the leaving state
@@ -155,29 +210,37 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         write_decay = write_decay * writes_state
         chunk_decay = chunk_decay * keeps_state
 
-    # the UT transform, every chunk at once: (I + A) [W_v, W_k] = [beta V, beta exp(G) K], A strictly lower
-    # (the solve reads only the strict lower triangle; its unit diagonal is implied)
+    # the UT transform, every chunk at once: T = (I + A)^-1 with A strictly lower (the solve reads only A's strict
+    # lower triangle, the unit diagonal implied; C columns rather than Dv + Dk), then U = W_v - W_k S_0 with
+    # W_v = T beta V, W_k = T beta exp(G) K
     ut = (beta[..., None] * (k @ k.transpose(-1, -2))) * pair_decay
-    rhs = torch.cat([v, k * read_decay[..., None]], dim=-1) * beta[..., None]
-    w = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True)
-    w_v, w_k = w[..., :dv], w[..., dv:]  # U = W_v - W_k S_0
+    eye = torch.eye(size, dtype=dtype, device=q.device)
+    t_inv = torch.linalg.solve_triangular(ut, eye.expand_as(ut), upper=False, unitriangular=True)
+    w_v = t_inv @ (v * beta[..., None])
+    w_k = t_inv @ (k * (beta * read_decay)[..., None])
     k_write = (k * write_decay[..., None]).transpose(-1, -2)
 
     # the sequential part: only the state crosses chunks
-    state = state.reshape(batch * heads, dk, dv)
-    entering, updates = [], []
-    for w_v_i, w_k_i, k_write_i, decay_i in zip(w_v.unbind(1), w_k.unbind(1), k_write.unbind(1),
-                                                chunk_decay.unbind(1), strict=True):
-        entering.append(state)
-        u = torch.baddbmm(w_v_i, w_k_i, state, alpha=-1)
-        state = torch.baddbmm(state * decay_i[:, None, None], k_write_i, u)
-        updates.append(u)
+    updates, states = _StateScan.apply(w_v, w_k, k_write, chunk_decay, state)
 
     # outputs of every chunk at once: o = P U + (exp(G) q) S_0, P[i, j] = exp(G_i - G_j) q_i.k_j for j <= i
     attn = (q @ k.transpose(-1, -2)) * pair_decay
-    out = attn @ torch.stack(updates, dim=1) + (q * read_decay[..., None]) @ torch.stack(entering, dim=1)
-    out = out.reshape(batch, heads, n * size, dv)[:, :, :seq].transpose(1, 2).to(out_dtype)
-    return out, (state.reshape(batch, heads, dk, dv) if output_final_state else None)
+    out = attn @ updates + (q * read_decay[..., None]) @ states[:-1]
+    out = out.reshape(n, batch, heads, size, dv).permute(1, 0, 3, 2, 4).reshape(batch, n * size, heads, dv)
+    final = states[-1].reshape(batch, heads, dk, dv) if output_final_state else None
+    return out[:, :seq].to(out_dtype), final
+
+
+def _chunk_major(x: torch.Tensor, n: int, pad: int, mode: str = "constant") -> torch.Tensor:
+    """(B, T, H, *D) -> (N, B*H, C, *D), T padded at the end to N chunks of C."""
+    if pad:
+        if mode == "replicate":  # F.pad replicates only trailing dimensions
+            x = torch.cat([x, x[:, -1:].expand(x.shape[0], pad, *x.shape[2:])], dim=1)
+        else:
+            x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+    batch, total, heads, *rest = x.shape
+    x = x.reshape(batch, n, total // n, heads, *rest).transpose(0, 1).transpose(2, 3)
+    return x.reshape(n, batch * heads, total // n, *rest)
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
