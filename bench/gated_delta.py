@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from meshformer.model.gated_delta import chunk_gated_delta_rule
+from meshformer.runtime.host_memory import apply_host_memory_policy
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SHAPES = ["2,4,64,512", "2,8,128,2048"]  # B,H,D,T
@@ -80,6 +81,7 @@ def main() -> None:
     parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                         help="cpu: this process's CPU time (with --threads 1, steadier on a loaded machine)")
     args = parser.parse_args()
+    apply_host_memory_policy("cpu", 1)  # as the trainer does for one CPU process
     if args.threads:
         torch.set_num_threads(args.threads)
     for shape in args.shape:

@@ -9,11 +9,14 @@ The rule (Yang, Kautz, Hatamizadeh 2024), per head, with a state S of shape (Dk,
     o_t = S_t^T (scale * q_t)                     read, scale = 1 / sqrt(Dk) by default
 
 `recurrent_gated_delta_rule` runs it token by token (the reference, and one decoding step with a carried state).
-`chunk_gated_delta_rule` runs it in chunks of C tokens (the WY / UT-transform form): inside a chunk the u's solve
-one unit lower-triangular system (I + A) U = beta V - beta exp(G) K S_0, A[i, j] = beta_i exp(G_i - G_j) k_i.k_j for
-j < i (G the within-chunk cumulative log decay), batched over every chunk at once; only the carried state runs
-sequentially, two GEMMs per chunk, and the outputs of all chunks come after the scan as one batched product.
-Backward is autograd through that computation.
+`chunk_gated_delta_rule` runs it in chunks of C tokens (the WY / UT-transform form). Inside a chunk the updates
+u solve one unit lower-triangular system, (I + A) U = beta V - beta exp(G) K S_0 with A[i, j] = beta_i
+exp(G_i - G_j) k_i.k_j for j < i (G: the cumulative log decay from the chunk's start), so U = W_v - W_k S_0 with
+W = (I + A)^-1 [beta V, beta exp(G) K]; that inverse and every other within-chunk product are batched over all
+chunks at once. Only the state crosses chunks: a scan of two GEMMs per chunk (`_StateScan`, which also runs its
+backward as two GEMMs per chunk and batches the rest); the outputs of all chunks follow it as one batched
+product, o = P U + exp(G) q S_0 with P[i, j] = exp(G_i - G_j) q_i.k_j for j <= i. Everything else is autograd.
+Against `transformers`' fallback, forward + backward: README's benchmark table (`bench/gated_delta.py`).
 
 Conventions (those of `transformers`' Qwen3-Next `torch_chunk_gated_delta_rule`, so the two compare directly):
 q, k (B, T, Hk, Dk); v (B, T, H, Dv); g and beta (B, T, H); H a multiple of Hk (each q/k head serves H / Hk
@@ -23,12 +26,12 @@ as given unless `use_qk_l2norm=True` (then each is divided by sqrt(sum of square
 checkpoints' kernels do).
 
 Packed documents: `doc_ids` (B, T), each row's document index (non-decreasing, as the batches carry them when
-`model.document_mask` is on). The state is zeroed where a document starts, so no information crosses documents;
-the chunked form masks the within-chunk decays across boundaries and drops the carried state past one, with no
-loop over documents. An `initial_state` belongs to each row's first document and the final state is the state
-after each row's last token (its last document's), so a row continues across calls (generation, context
-parallel). `causal_conv1d` is the short depthwise causal convolution before the rule, with the same resets and a
-carried window for generation.
+`model.document_mask` is on; `doc_ids_from_cu_seqlens` converts cumulative lengths). The state is zeroed where
+a document starts, so no information crosses documents; the chunked form masks the within-chunk decays across
+boundaries and drops the carried state past one, with no loop over documents. An `initial_state` belongs to each
+row's first document and the final state is the state after each row's last token (its last document's), so a
+row continues across calls (generation, context parallel). `causal_conv1d` is the short depthwise causal
+convolution before the rule, with the same resets and a carried window for generation.
 """
 
 from __future__ import annotations
@@ -86,6 +89,15 @@ def _initial(initial_state: torch.Tensor | None, shape: tuple[int, ...], like: t
     return initial_state.to(like.dtype)
 
 
+def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """(1, T) document ids of one packed row from its cumulative lengths [0, n_0, n_0 + n_1, ..., T] (the
+    `cu_seqlens` of flash-attention and flash-linear-attention)."""
+    if cu_seqlens.dim() != 1 or len(cu_seqlens) < 2 or int(cu_seqlens[0]) != 0:
+        raise ValueError(f"cu_seqlens must be 1-D [0, ..., T]; got {cu_seqlens.tolist()}")
+    positions = torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:], positions, right=True)[None]
+
+
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, *, scale: float | None = None,
                                initial_state: torch.Tensor | None = None, output_final_state: bool = False,
@@ -137,6 +149,7 @@ class _StateScan(torch.autograd.Function):
         return updates, states
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, d_updates: torch.Tensor | None, d_states: torch.Tensor | None,
                  ) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         w_k, k_write, decay, updates, states = ctx.saved_tensors

@@ -8,7 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshformer.model.gated_delta import causal_conv1d, chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+from meshformer.model.gated_delta import (
+    causal_conv1d,
+    chunk_gated_delta_rule,
+    doc_ids_from_cu_seqlens,
+    l2norm,
+    recurrent_gated_delta_rule,
+)
 
 
 def inputs(batch=2, seq=37, k_heads=2, heads=4, dk=8, dv=6, dtype=torch.float64, seed=0):
@@ -73,6 +79,7 @@ def test_packed_documents_equal_each_alone(chunk_size):
                 torch.testing.assert_close(out[row:row + 1, start:start + n], alone, rtol=0, atol=1e-10)
                 start += n
             torch.testing.assert_close(final[row:row + 1], alone_final, rtol=0, atol=1e-10)  # the last document's
+    assert torch.equal(doc_ids_from_cu_seqlens(torch.tensor([0, 5, 6, 15, 22])), doc_ids[:1])
 
 
 def test_packed_conv_equals_each_alone():
