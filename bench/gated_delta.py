@@ -23,7 +23,7 @@ from meshformer.model.gated_delta import chunk_gated_delta_rule
 from meshformer.runtime.host_memory import apply_host_memory_policy
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-SHAPES = ["2,4,64,512", "2,8,128,2048"]  # B,H,D,T
+SHAPES = ["2,4,64,512", "2,4,128,1024", "2,8,128,2048"]  # B,H,D,T
 
 
 def _inputs(batch: int, heads: int, dim: int, seq: int, dtype: torch.dtype, seed: int = 0):

@@ -130,13 +130,13 @@ class _StateScan(torch.autograd.Function):
         U_n = W_v[n] - W_k[n] S_n              the chunk's delta-rule updates, given the state entering it
         S_{n+1} = d_n S_n + K_w[n] U_n         the state leaving it (K_w: keys decayed to the chunk's end, (Dk, C))
 
-    Returns U (N, BH, C, Dv) and the states S_0..S_N (N+1, BH, Dk, Dv). Backward runs the same two GEMMs per step
-    in reverse for dU and dS and leaves every other gradient to one batched product after the loop, where
-    autograd would record and replay several small operations per chunk."""
+    Returns U (N, BH, C, Dv), the entering states S_0..S_{N-1} (N, BH, Dk, Dv) and S_N. Backward runs the same
+    two GEMMs per step in reverse for dU and dS and leaves every other gradient to one batched product after the
+    loop, where autograd would record and replay several small operations per chunk."""
 
     @staticmethod
     def forward(ctx, w_v: torch.Tensor, w_k: torch.Tensor, k_write: torch.Tensor, decay: torch.Tensor,
-                state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = w_v.shape[0]
         updates = torch.empty_like(w_v)
         states = state.new_empty((n + 1, *state.shape))
@@ -146,17 +146,19 @@ class _StateScan(torch.autograd.Function):
             torch.mul(states[i], decay[i, :, None, None], out=states[i + 1])
             states[i + 1].baddbmm_(k_write[i], updates[i])
         ctx.save_for_backward(w_k, k_write, decay, updates, states)
-        return updates, states
+        return updates, states[:-1], states[-1]  # separate outputs: no slicing backward over all the states
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, d_updates: torch.Tensor | None, d_states: torch.Tensor | None,
-                 ) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def backward(ctx, d_updates: torch.Tensor | None, d_entering: torch.Tensor | None,
+                 d_final: torch.Tensor | None) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         w_k, k_write, decay, updates, states = ctx.saved_tensors
         n = w_k.shape[0]
-        dense = torch.contiguous_format  # the incoming gradients may be broadcast views; these are written in place
-        d_u = torch.zeros_like(updates) if d_updates is None else d_updates.clone(memory_format=dense)  # + via S_{n+1}
-        d_s = torch.zeros_like(states) if d_states is None else d_states.clone(memory_format=dense)  # + via S_n+1, U_n
+        # written in place below: dU_n gains the path through S_{n+1}, dS_n those through S_{n+1} and U_n
+        d_u = torch.zeros_like(updates) if d_updates is None else d_updates.clone(memory_format=torch.contiguous_format)
+        d_s = torch.empty_like(states)
+        for part, grad in ((d_s[:-1], d_entering), (d_s[-1], d_final)):
+            part.zero_() if grad is None else part.copy_(grad)
         for i in range(n - 1, -1, -1):
             d_u[i].baddbmm_(k_write[i].transpose(-1, -2), d_s[i + 1])
             d_s[i].addcmul_(d_s[i + 1], decay[i, :, None, None])
@@ -234,13 +236,13 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     k_write = (k * write_decay[..., None]).transpose(-1, -2)
 
     # the sequential part: only the state crosses chunks
-    updates, states = _StateScan.apply(w_v, w_k, k_write, chunk_decay, state)
+    updates, entering, final_state = _StateScan.apply(w_v, w_k, k_write, chunk_decay, state)
 
     # outputs of every chunk at once: o = P U + (exp(G) q) S_0, P[i, j] = exp(G_i - G_j) q_i.k_j for j <= i
     attn = (q @ k.transpose(-1, -2)) * pair_decay
-    out = attn @ updates + (q * read_decay[..., None]) @ states[:-1]
+    out = attn @ updates + (q * read_decay[..., None]) @ entering
     out = out.reshape(n, batch, heads, size, dv).permute(1, 0, 3, 2, 4).reshape(batch, n * size, heads, dv)
-    final = states[-1].reshape(batch, heads, dk, dv) if output_final_state else None
+    final = final_state.reshape(batch, heads, dk, dv) if output_final_state else None
     return out[:, :seq].to(out_dtype), final
 
 
