@@ -81,12 +81,13 @@ def _check_docs(doc_ids: torch.Tensor | None, batch: int, seq: int) -> None:
         raise ValueError(f"doc_ids must be (B, T) = {(batch, seq)}; got {tuple(doc_ids.shape)}")
 
 
-def _initial(initial_state: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+def _initial(initial_state: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
     if initial_state is None:
-        return like.new_zeros(shape)
+        return torch.zeros(shape, dtype=dtype, device=device)
     if tuple(initial_state.shape) != shape:
         raise ValueError(f"initial_state must be (B, H, Dk, Dv) = {shape}; got {tuple(initial_state.shape)}")
-    return initial_state.to(like.dtype)
+    return initial_state.to(dtype)
 
 
 def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -109,7 +110,7 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     q, k, v, g, beta = _heads_first(q, k, v, g, beta, scale, use_qk_l2norm)
     batch, heads, seq, dk = k.shape
     _check_docs(doc_ids, batch, seq)
-    state = _initial(initial_state, (batch, heads, dk, v.shape[-1]), v)
+    state = _initial(initial_state, (batch, heads, dk, v.shape[-1]), v.dtype, v.device)
     decay = g.exp()
     if doc_ids is not None:  # a document's first token starts from an empty state
         starts = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0))
@@ -188,7 +189,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     pad = -seq % size
     n = (seq + pad) // size
     dtype = _compute_dtype(q)
-    state = _initial(initial_state, (batch, heads, dk, dv), v.to(dtype)).reshape(batch * heads, dk, dv)
+    state = _initial(initial_state, (batch, heads, dk, dv), dtype, v.device).reshape(batch * heads, dk, dv)
     if heads != k.shape[2]:
         q, k = (x.repeat_interleave(heads // k.shape[2], dim=2) for x in (q, k))
     # chunk-major (N, B*H, C, D): each chunk's blocks are contiguous for the scan and every batched product.

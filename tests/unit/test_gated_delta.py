@@ -63,7 +63,7 @@ def test_chunked_gradients_equal_recurrent_float64(documents):
 
 @pytest.mark.parametrize("chunk_size", [4, 64])
 def test_packed_documents_equal_each_alone(chunk_size):
-    lengths = [[5, 1, 9, 7], [11, 11]]  # a one-token document, boundaries inside and at chunk edges
+    lengths = [[4, 1, 10, 7], [11, 11]]  # a one-token document, boundaries at a chunk edge (4) and inside chunks
     x, state = inputs(seq=22)
     doc_ids = torch.tensor([[i for i, n in enumerate(row) for _ in range(n)] for row in lengths])
     for fn in (chunk_gated_delta_rule, recurrent_gated_delta_rule):
@@ -79,7 +79,7 @@ def test_packed_documents_equal_each_alone(chunk_size):
                 torch.testing.assert_close(out[row:row + 1, start:start + n], alone, rtol=0, atol=1e-10)
                 start += n
             torch.testing.assert_close(final[row:row + 1], alone_final, rtol=0, atol=1e-10)  # the last document's
-    assert torch.equal(doc_ids_from_cu_seqlens(torch.tensor([0, 5, 6, 15, 22])), doc_ids[:1])
+    assert torch.equal(doc_ids_from_cu_seqlens(torch.tensor([0, 4, 5, 15, 22])), doc_ids[:1])
 
 
 def test_packed_conv_equals_each_alone():
