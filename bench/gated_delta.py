@@ -5,7 +5,11 @@ Per shape (B, H, D, T; Dk = Dv = D, chunks of 64, L2-normalised q/k in the rule 
 alternating between the two sides after a warm-up round, median time per side, the ratio transformers / ours,
 and the largest difference of the two outputs and of the q gradients. One JSON line per shape.
 
-    python bench/gated_delta.py [--shape B H D T ...] [--dtype fp32] [--threads 2] [--rounds 5] [--clock wall|cpu]
+Both sides run the same GEMMs; ours saves the memory traffic around them (transformers' per-chunk slices and
+in-place writes each cost a full-size zero-fill and copy in backward, so its time grows faster than T). On a
+shared machine, `--threads 1 --clock cpu` gives the steadier figure (README's benchmark table).
+
+    python bench/gated_delta.py [--shape B,H,D,T ...] [--dtype fp32] [--threads 2] [--rounds 5] [--clock wall|cpu]
 """
 
 from __future__ import annotations
