@@ -6,7 +6,7 @@ alternating between the two sides after a warm-up round, median time per side, t
 and the largest difference of the two outputs and of the q gradients. One JSON line per shape.
 
 Both sides run the same GEMMs; ours saves the memory traffic around them (transformers' per-chunk slices and
-in-place writes each cost a full-size zero-fill and copy in backward, so its time grows faster than T). On a
+in-place writes each cost a full-size zero-fill and copy in backward: N chunks x T, so the gap widens with T). On a
 shared machine, `--threads 1 --clock cpu` gives the steadier figure (README's benchmark table).
 
     python bench/gated_delta.py [--shape B,H,D,T ...] [--dtype fp32] [--threads 2] [--rounds 5] [--clock wall|cpu]
