@@ -72,6 +72,13 @@ def test_cpu_attention_tiny():
     assert record["blockwise_error"] < 2 * record["sdpa_error"]  # flash's accuracy (fp32 scores)
 
 
+def test_gated_delta_tiny():
+    pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")  # the reference side
+    (record,) = run_bench("gated_delta.py", "--shape", "1,2,16,80", "--rounds", "1", "--threads", "1")
+    assert record["bench"] == "gated_delta" and record["transformers_ms"] > 0 and record["ours_ms"] > 0
+    assert record["out_max_diff"] < 1e-5 and record["dq_max_diff"] < 1e-5  # the same rule on both sides
+
+
 def test_moe_layer_tiny():
     records = run_bench("moe_layer.py", "--shape", "tiny", "--rounds", "1", "--threads", "1")
     assert [r["routing"] for r in records] == ["balanced", "skewed"]
