@@ -58,6 +58,11 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _under_agent() -> bool:
+    """Whether torchrun's agent started this process (a rank of a launched job, not a library user's process)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
 class StopRequest:
     """The stop flag of this rank and the agreement of all ranks on the step to stop after.
 
@@ -138,10 +143,11 @@ class StopRequest:
         return False
 
     def saved(self) -> None:
-        """The stop's checkpoint is committed: later signals are ignored, also while the interpreter shuts down
-        (which puts Python-level handlers back to the default, but keeps SIG_IGN)."""
+        """The stop's checkpoint is committed: later signals are ignored. A rank of a launcher's job ignores them
+        until it exits, also while the interpreter shuts down (which puts Python-level handlers back to the
+        default, but keeps SIG_IGN): once one rank has exited, the agent signals those still tearing down."""
         self._saved = True
-        if threading.current_thread() is threading.main_thread():
+        if _under_agent() and threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 signal.signal(sig, signal.SIG_IGN)
 
@@ -151,7 +157,7 @@ class StopRequest:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        if self._saved:
+        if self._saved and _under_agent():
             return
         for sig, handler in self._handlers.items():
             if handler is not None:  # None: installed outside Python, nothing to restore

@@ -125,8 +125,12 @@ def test_corrupt_truncated_and_partial_checkpoints_fall_back(reference, tmp_path
 def test_sigterm_saves_and_stops(reference, tmp_path):
     run_dir = tmp_path / "preempted"
     cfg = tiny_config(reference["shards"], run_dir, STEPS, "checkpoint.interval=100")
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     _, result = run_trainer(cfg, sigterm_after=3)
     assert result.steps == 3 and result.stopped_by == signal.SIGTERM
+    # in a process that goes on (a library user's, this one), the stop leaves the signals as they were: an ignored
+    # SIGTERM would be inherited by every process it starts later
+    assert {sig: signal.getsignal(sig) for sig in before} == before
     assert committed_steps(run_dir / "checkpoints") == [3]
     assert not (run_dir / "final").exists()  # an unfinished run writes no final weights
     state = json.loads((run_dir / "checkpoints" / step_dir_name(3) / "trainer_state.json").read_text())
