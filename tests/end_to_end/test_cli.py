@@ -26,7 +26,7 @@ def test_the_trainer_uses_the_tokenizer_preflight_loaded(tmp_path, monkeypatch):
     checked, used = [], []
     real = preflight_module.preflight
     monkeypatch.setattr(preflight_module, "preflight", lambda cfg: checked.append(real(cfg)) or checked[-1])
-    monkeypatch.setattr(Trainer, "fit", lambda self: used.append(self.tokenizer))
+    monkeypatch.setattr(Trainer, "fit", lambda self: used.append(self.tokenizer) or SimpleNamespace(stopped_by=None))
     run(str(CONFIGS / "tiny-gpt.toml"), [*SMALL, f"logging.run_dir={tmp_path}"])
     assert len(checked) == 1 and len(used) == 1 and used[0] is checked[0]
 
