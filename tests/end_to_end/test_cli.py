@@ -1,6 +1,7 @@
 """The `meshformer` command end to end (in-process): train, params, generate, attention-map, grad-report."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from helpers.common import CONFIGS
