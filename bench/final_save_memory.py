@@ -32,6 +32,7 @@ def measure(d_model: int, layers: int, vocab: int, max_shard_size: str, out: str
 
     import torch.distributed as dist
 
+    import meshformer.checkpointing.manager  # noqa: F401  (a trainer has it loaded: its code is not the save's memory)
     from meshformer.checkpointing.weights import save_weights
 
     cfg = bench_config({"dp_shard": -1}, d_model=d_model, n_layers=layers, vocab=vocab, batch=8, seq=64)
