@@ -275,9 +275,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     command("to-safetensors", _to_safetensors, "sharded checkpoint -> model.safetensors + model_config.json")
     command("to-checkpoint", _to_checkpoint, "weights folder -> weights-only sharded checkpoint (training starts "
             "from it at step 0)")
-    command("export-hf", _export_hf, "-> Hugging Face folder (GPT-2, BERT, Llama, T5, Mistral, Qwen2/3, Mixtral, "
-            "Qwen3-MoE, OLMoE, OLMo 2, Gemma 2/3)").add_argument("--arch", choices=ARCHS,
-                                                          help="default: the one matching the model config")
+    command("export-hf", _export_hf, f"-> Hugging Face folder ({', '.join(ARCHS)})").add_argument(
+        "--arch", choices=ARCHS, help="a Hugging Face model_type (default: the one matching the model config)")
     hf_in = command("import-hf", _import_hf, "Hugging Face folder -> weights folder")
     hf_in.add_argument("--checkpoint", action="store_true", help="write a weights-only checkpoint instead of a "
                        "weights folder")
