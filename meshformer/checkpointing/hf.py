@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from meshformer.checkpointing.formats import ARCHS, Arch
+from meshformer.checkpointing.formats import Arch
 from meshformer.checkpointing.hf_adapter import (
     ANY,
     HFAdapter,
