@@ -29,9 +29,9 @@ def config_from_hf(c: Any) -> ModelConfig:
 def config_to_hf(cfg: ModelConfig) -> Any:
     import transformers
 
-    return transformers.Olmo3Config(**olmo2.fields_to_hf(cfg), sliding_window=cfg.attention_window,
-                                    layer_types=llama_like.layer_types_to_hf(cfg),
-                                    rope_parameters=llama_like.rope_per_layer_type_to_hf(cfg))
+    fields = {**olmo2.fields_to_hf(cfg), "rope_parameters": llama_like.rope_per_layer_type_to_hf(cfg)}
+    return transformers.Olmo3Config(**fields, sliding_window=cfg.attention_window,
+                                    layer_types=llama_like.layer_types_to_hf(cfg))
 
 
 ADAPTER = llama_like.adapter(
