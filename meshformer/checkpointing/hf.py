@@ -162,8 +162,8 @@ def check_exportable(state: Mapping[str, torch.Tensor], arch: Arch) -> None:
 
 
 def _normalize_names(hf_state: Mapping[str, V], arch: Arch) -> Mapping[str, V]:
-    """Names as the LM-head models of transformers 5 use them: base-model checkpoints (GPT2Model, BertModel,
-    LlamaModel; e.g. the original "gpt2" files) lack the base prefix; older checkpoints may spell names the old way."""
+    """Names as the LM-head models of transformers 5 use them: base-model checkpoints lack the adapter's base prefix;
+    older checkpoints may spell names the old way (`HFAdapter.old_names`)."""
     adapter = get_adapter(arch)
     prefix = adapter.base_prefix
     if prefix and not any(k.startswith(prefix) for k in hf_state):
