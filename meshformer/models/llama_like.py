@@ -14,7 +14,8 @@ from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY, COMMON, HFAdapter, refuse
 from meshformer.config import ModelConfig
-from meshformer.model.families.decoder import llama_rules
+from meshformer.model.families.naming import Rule, expert_params, norm, params
+from meshformer.model.moe import is_moe_block
 
 REQUIREMENTS: dict[str, Any] = {**COMMON, "family": "decoder", "position": "rope", "norm": "rmsnorm",
                                 "activation": "swiglu", "grouped_query": {False, True}, "head_dim": ANY,
@@ -23,11 +24,51 @@ SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
              "num_key_value_heads", "max_position_embeddings")
 
 
-def adapter(model_type: str, model_class: str, **fields: Any) -> HFAdapter:
-    """An adapter with Llama's tensor names ("model." base, one norm per sub-layer where norm_position puts it)."""
+# An MoE block's router, expert j's prefix ("{j}") and its gate / up / down linears, as a checkpoint names them
+Experts = tuple[str, str, tuple[str, str, str]]
+
+# Our block norms -> HF's names, by where the norms sit: Llama's pre-norms; OLMo 2's norms of the sub-layer outputs;
+# Gemma's pre- and post-norms around each sub-layer.
+_HF_BLOCK_NORMS = {
+    "pre": (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")),
+    "post_sublayer": (("attn_norm", "post_attention_layernorm"), ("ffn_norm", "post_feedforward_layernorm")),
+    "sandwich": (("attn_norm", "input_layernorm"), ("attn_out_norm", "post_attention_layernorm"),
+                 ("ffn_norm", "pre_feedforward_layernorm"), ("ffn_out_norm", "post_feedforward_layernorm")),
+}
+
+
+def rules(cfg: ModelConfig, experts: Experts | None = None) -> list[Rule]:
+    """Llama's names, with the block norms where `cfg.norm_position` puts them and an MoE block's router and experts
+    named as `experts` says (an architecture with MoE blocks gives it)."""
+    linear = ("weight", "bias") if cfg.bias else ("weight",)
+    qkv_linear = ("weight", "bias") if cfg.use_qkv_bias else ("weight",)
+    out = [Rule(("tok_embeddings.weight",), "model.embed_tokens.weight"), *norm("decoder_norm", "model.norm", cfg),
+             Rule(("output.weight",), "lm_head.weight", alias=cfg.tie_embeddings)]
+    for i in range(cfg.n_layers):
+        o, t = f"decoder_layers.{i}", f"model.layers.{i}"
+        for ours, theirs in _HF_BLOCK_NORMS[cfg.norm_position]:
+            out += norm(f"{o}.{ours}", f"{t}.{theirs}", cfg)
+        for p in ("q", "k", "v", "o"):
+            out += params(f"{o}.attn.{p}_proj", f"{t}.self_attn.{p}_proj", linear if p == "o" else qkv_linear)
+        if cfg.qk_norm:
+            out += [Rule((f"{o}.attn.{p}_norm.weight",), f"{t}.self_attn.{p}_norm.weight") for p in "qk"]
+        if is_moe_block(cfg, i):
+            assert experts is not None, "the requirements keep experts from an architecture without them"
+            router, expert, (gate, up, down) = experts
+            out += [Rule((f"{o}.ffn.router.weight",), f"{t}.{router}.weight")]
+            for ours, theirs in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+                out += expert_params(f"{o}.ffn.experts.{ours}", f"{t}.{expert}{theirs}.weight", cfg.n_experts)
+        else:
+            for p in ("gate", "up", "down"):
+                out += params(f"{o}.ffn.{p}_proj", f"{t}.mlp.{p}_proj", linear)
+    return out
+
+
+def adapter(model_type: str, model_class: str, experts: Experts | None = None, **fields: Any) -> HFAdapter:
+    """An adapter with Llama's tensor names ("model." base, `rules`)."""
     fields = {"size_keys": SIZE_KEYS, "requirements": REQUIREMENTS, **fields}
     return HFAdapter(model_type=model_type, model_class=model_class, base_prefix="model.",
-                     layer_keys=("num_hidden_layers",), rules=partial(llama_rules, arch=model_type), **fields)
+                     layer_keys=("num_hidden_layers",), rules=partial(rules, experts=experts), **fields)
 
 
 # The rope_parameters keys each rope_type may carry (rope_theta aside), and ours for them.

@@ -14,11 +14,33 @@ import torch
 
 from meshformer.checkpointing.hf_adapter import COMMON, Derived, HFAdapter, refuse
 from meshformer.config import ModelConfig
-from meshformer.model.families.encoder import bert_rules
+from meshformer.model.families.naming import Rule, norm, params
 from meshformer.models.gpt2.hf import TO_HF_ACTIVATION, activation
 
 POSITIONS = "bert.embeddings.position_embeddings.weight"
 TOKEN_TYPES = "bert.embeddings.token_type_embeddings.weight"
+
+
+def rules(cfg: ModelConfig) -> list[Rule]:
+    # The position table is `Derived` (below): ours = positions + token_type[0].
+    rules = [Rule(("tok_embeddings.weight",), "bert.embeddings.word_embeddings.weight"),
+             *norm("embedding_norm", "bert.embeddings.LayerNorm", cfg),
+             *params("head_dense", "cls.predictions.transform.dense"),
+             *norm("head_norm", "cls.predictions.transform.LayerNorm", cfg),
+             Rule(("output.bias",), "cls.predictions.bias"),
+             Rule(("output.bias",), "cls.predictions.decoder.bias", alias=True)]
+    rules.append(Rule(("output.weight",), "cls.predictions.decoder.weight", alias=cfg.tie_embeddings))
+    for i in range(cfg.n_layers):
+        o, t = f"encoder_layers.{i}", f"bert.encoder.layer.{i}"
+        rules += [*params(f"{o}.attn.q_proj", f"{t}.attention.self.query"),
+                  *params(f"{o}.attn.k_proj", f"{t}.attention.self.key"),
+                  *params(f"{o}.attn.v_proj", f"{t}.attention.self.value"),
+                  *params(f"{o}.attn.o_proj", f"{t}.attention.output.dense"),
+                  *norm(f"{o}.attn_norm", f"{t}.attention.output.LayerNorm", cfg),
+                  *params(f"{o}.ffn.up_proj", f"{t}.intermediate.dense"),
+                  *params(f"{o}.ffn.down_proj", f"{t}.output.dense"),
+                  *norm(f"{o}.ffn_norm", f"{t}.output.LayerNorm", cfg)]
+    return rules
 
 
 def config_from_hf(c: Any) -> ModelConfig:
@@ -72,7 +94,7 @@ ADAPTER = HFAdapter(
     requirements={**COMMON, "family": "encoder", "position": "learned", "bias": True, "norm_position": "post",
                   "final_norm": False, "embedding_norm": True, "head_transform": True, "output_bias": True,
                   "activation": {"gelu_tanh", "gelu", "relu"}},
-    rules=bert_rules, base_prefix="bert.", keep_prefix=("lm_head.", "cls."),
+    rules=rules, base_prefix="bert.", keep_prefix=("lm_head.", "cls."),
     size_keys=("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
                "max_position_embeddings"),
     layer_keys=("num_hidden_layers",), width_and_heads=("hidden_size", "num_attention_heads"),

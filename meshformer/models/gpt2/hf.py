@@ -10,7 +10,7 @@ from typing import Any
 
 from meshformer.checkpointing.hf_adapter import COMMON, HFAdapter, features, refuse
 from meshformer.config import Activation, ModelConfig
-from meshformer.model.families.decoder import gpt2_rules
+from meshformer.model.families.naming import Rule, norm, params
 
 HF_ACTIVATIONS: dict[str, Activation] = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                                          "relu": "relu"}
@@ -22,6 +22,22 @@ def activation(name: str, arch: str) -> Activation:
         raise ValueError(f"{arch}: activation {name!r} has no meshformer equivalent — only checkpoints using one of "
                          f"{sorted(HF_ACTIVATIONS)} can be imported")
     return HF_ACTIVATIONS[name]
+
+
+def rules(cfg: ModelConfig) -> list[Rule]:
+    """Conv1D weights are stored (in, out): transposed; q / k / v packed in `c_attn`."""
+    rules = [Rule(("tok_embeddings.weight",), "transformer.wte.weight"),
+             Rule(("pos_embeddings.weight",), "transformer.wpe.weight"),
+             Rule(("output.weight",), "lm_head.weight", alias=cfg.tie_embeddings),
+             *norm("decoder_norm", "transformer.ln_f", cfg)]
+    for i in range(cfg.n_layers):
+        o, t = f"decoder_layers.{i}", f"transformer.h.{i}"
+        rules += [*norm(f"{o}.attn_norm", f"{t}.ln_1", cfg), *norm(f"{o}.ffn_norm", f"{t}.ln_2", cfg),
+                  *params(tuple(f"{o}.attn.{p}_proj" for p in "qkv"), f"{t}.attn.c_attn", transpose=True),
+                  *params(f"{o}.attn.o_proj", f"{t}.attn.c_proj", transpose=True),
+                  *params(f"{o}.ffn.up_proj", f"{t}.mlp.c_fc", transpose=True),
+                  *params(f"{o}.ffn.down_proj", f"{t}.mlp.c_proj", transpose=True)]
+    return rules
 
 
 def config_from_hf(c: Any) -> ModelConfig:
@@ -57,7 +73,7 @@ ADAPTER = HFAdapter(
     model_type="gpt2", model_class="GPT2LMHeadModel", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
     requirements={**COMMON, "family": "decoder", "position": "learned", "bias": True,
                   "activation": {"gelu_tanh", "gelu", "relu"}, "attention_scale": {"1/sqrt(head_dim)", 1.0}},
-    rules=gpt2_rules, base_prefix="transformer.",
+    rules=rules, base_prefix="transformer.",
     size_keys=("vocab_size", "n_embd", "n_head", "n_layer", "n_positions", "n_inner"), layer_keys=("n_layer",),
     width_and_heads=("n_embd", "n_head"),
 )

@@ -32,6 +32,7 @@ def config_to_hf(cfg: ModelConfig) -> Any:
 
 ADAPTER = llama_like.adapter(
     "mixtral", "MixtralForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    experts=("block_sparse_moe.gate", "block_sparse_moe.experts.{j}.", ("w1", "w3", "w2")),
     requirements={**llama_like.REQUIREMENTS, "bias": False, "moe": True, "attention_window": ANY},
     size_keys=(*llama_like.SIZE_KEYS, "head_dim", "num_local_experts", "num_experts_per_tok", "sliding_window"),
 )

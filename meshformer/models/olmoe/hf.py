@@ -8,6 +8,7 @@ from typing import Any
 
 from meshformer.config import ModelConfig
 from meshformer.models import llama_like
+from meshformer.models.qwen3_moe import hf as qwen3_moe
 
 
 def config_from_hf(c: Any) -> ModelConfig:
@@ -30,6 +31,7 @@ def config_to_hf(cfg: ModelConfig) -> Any:
 
 ADAPTER = llama_like.adapter(
     "olmoe", "OlmoeForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    experts=qwen3_moe.EXPERTS,
     requirements={**llama_like.REQUIREMENTS, "bias": False, "moe": True, "qk_norm": True,
                   "qk_norm_scope": "projection", "head_dim": "d_model/n_heads", "router_renormalize": {True, False}},
     size_keys=(*llama_like.SIZE_KEYS, "num_experts", "num_experts_per_tok"),

@@ -13,6 +13,8 @@ from meshformer.checkpointing.hf_adapter import ANY
 from meshformer.config import ModelConfig
 from meshformer.models import llama_like
 
+EXPERTS: llama_like.Experts = ("mlp.gate", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj"))
+
 
 def config_from_hf(c: Any) -> ModelConfig:
     llama_like.refuse_attention_bias(c, "qwen3_moe")
@@ -37,6 +39,7 @@ def config_to_hf(cfg: ModelConfig) -> Any:
 
 ADAPTER = llama_like.adapter(
     "qwen3_moe", "Qwen3MoeForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    experts=EXPERTS,
     requirements={**llama_like.REQUIREMENTS, "bias": False, "moe": True, "attention_window": ANY, "qk_norm": True,
                   "router_renormalize": {True, False}, "moe_blocks": {"every block", "some"}},
     size_keys=(*llama_like.SIZE_KEYS, "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",

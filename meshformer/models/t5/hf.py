@@ -11,7 +11,43 @@ from typing import Any
 from meshformer.checkpointing.hf_adapter import COMMON, HFAdapter
 from meshformer.config import ModelConfig
 from meshformer.model.families import get_family_spec
-from meshformer.model.families.encoder_decoder import t5_rules
+from meshformer.model.families.encoder_decoder import DECODER, ENCODER
+from meshformer.model.families.naming import Rule, norm, params
+
+
+def rules(cfg: ModelConfig) -> list[Rule]:
+    """One relative-position bias per stack, kept in block 0's SelfAttention; lm_head and the stacks' embeddings
+    are aliases of `shared`."""
+    rules = [Rule(("tok_embeddings.weight",), "shared.weight"),
+             *[Rule(("tok_embeddings.weight",), name, alias=True)
+               for name in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight")],
+             *norm("encoder_norm", "encoder.final_layer_norm", cfg),
+             *norm("decoder_norm", "decoder.final_layer_norm", cfg),
+             *[Rule((f"{stack}_relative_bias.relative_bias.weight",),
+                    f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
+               for stack in ("encoder", "decoder")]]
+
+    def attention(ours: str, theirs: str) -> list[Rule]:
+        return [r for p in "qkvo" for r in params(f"{ours}.{p}_proj", f"{theirs}.{p}", ("weight",))]
+
+    def ffn(ours: str, theirs: str) -> list[Rule]:
+        if cfg.activation == "swiglu":
+            names = {"gate_proj": "wi_0", "up_proj": "wi_1", "down_proj": "wo"}
+        else:
+            names = {"up_proj": "wi", "down_proj": "wo"}
+        return [r for a, b in names.items() for r in params(f"{ours}.{a}", f"{theirs}.{b}", ("weight",))]
+
+    for i in range(ENCODER.count(cfg)):
+        o, t = f"encoder_layers.{i}", f"encoder.block.{i}.layer"
+        rules += [*norm(f"{o}.attn_norm", f"{t}.0.layer_norm", cfg), *attention(f"{o}.attn", f"{t}.0.SelfAttention"),
+                  *norm(f"{o}.ffn_norm", f"{t}.1.layer_norm", cfg), *ffn(f"{o}.ffn", f"{t}.1.DenseReluDense")]
+    for i in range(DECODER.count(cfg)):
+        o, t = f"decoder_layers.{i}", f"decoder.block.{i}.layer"
+        rules += [*norm(f"{o}.attn_norm", f"{t}.0.layer_norm", cfg), *attention(f"{o}.attn", f"{t}.0.SelfAttention"),
+                  *norm(f"{o}.cross_norm", f"{t}.1.layer_norm", cfg),
+                  *attention(f"{o}.cross_attn", f"{t}.1.EncDecAttention"),
+                  *norm(f"{o}.ffn_norm", f"{t}.2.layer_norm", cfg), *ffn(f"{o}.ffn", f"{t}.2.DenseReluDense")]
+    return rules
 
 
 def config_from_hf(c: Any) -> ModelConfig:
@@ -51,7 +87,7 @@ ADAPTER = HFAdapter(
     requirements={**COMMON, "family": "encoder_decoder", "position": "t5_relative", "norm": "rmsnorm", "bias": False,
                   "tie_embeddings": True, "share_embeddings": True, "attention_scale": 1.0,
                   "scale_output": {False, True}, "activation": {"relu", "swiglu"}},
-    rules=t5_rules,
+    rules=rules,
     size_keys=("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
                "relative_attention_num_buckets", "relative_attention_max_distance"),
     layer_keys=("num_layers", "num_decoder_layers"),
