@@ -2,7 +2,7 @@
 
     meshformer convert to-safetensors runs/x/checkpoints runs/x/export        # newest valid step
     meshformer convert to-checkpoint  runs/x/export runs/y/checkpoints        # weights-only step 0
-    meshformer convert export-hf      runs/x/export hf/gpt2-tiny [--arch gpt2|bert|llama|t5|mixtral|qwen3_moe]
+    meshformer convert export-hf      runs/x/export hf/gpt2-tiny [--arch MODEL_TYPE]
     meshformer convert import-hf      hf/gpt2-tiny runs/y/checkpoints --checkpoint
     meshformer convert export-megatron runs/x/export mcore/ [--pad-vocab-multiple 128]
     meshformer convert import-megatron mcore/ runs/y/export [--heads 12 --vocab-size 50257]
