@@ -35,7 +35,7 @@ def extra_features(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def fields_from_hf(c: Any, arch: str) -> dict[str, Any]:
-    """What Gemma 2 and Gemma 3 (text) share, as ModelConfig fields (Gemma 3 replaces the RoPE keys)."""
+    """What Gemma 2 and Gemma 3 (text) share, as ModelConfig fields (each adds its RoPE keys)."""
     if c.hidden_activation not in ("gelu_pytorch_tanh", "gelu_new"):
         raise refuse(arch, f"hidden_activation={c.hidden_activation!r}", "changes the gated MLP (meshformer's "
                      "geglu gates with gelu's tanh approximation)")
@@ -53,7 +53,7 @@ def fields_from_hf(c: Any, arch: str) -> dict[str, Any]:
         head_dim=None if head_dim * c.num_attention_heads == c.hidden_size else head_dim,
         d_ff=c.intermediate_size, activation="geglu", norm="rmsnorm", norm_eps=c.rms_norm_eps,
         norm_position="sandwich", norm_weight_offset=1.0, scale_embeddings=True,
-        position="rope", **llama_like.rope_from_hf(c, arch), attention_window=window, full_attention_every=every,
+        position="rope", attention_window=window, full_attention_every=every,
         attention_scale=None if c.query_pre_attn_scalar == head_dim else c.query_pre_attn_scalar**-0.5,
         logit_softcap=c.final_logit_softcapping, max_seq_len=c.max_position_embeddings,
         tie_embeddings=c.tie_word_embeddings, bias=False, attention_dropout=c.attention_dropout,
@@ -69,7 +69,8 @@ def fields_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def config_from_hf(c: Any) -> ModelConfig:
-    return ModelConfig(**fields_from_hf(c, "gemma2"), attention_softcap=c.attn_logit_softcapping)
+    return ModelConfig(**fields_from_hf(c, "gemma2"), **llama_like.rope_from_hf(c, "gemma2"),
+                       attention_softcap=c.attn_logit_softcapping)
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:
