@@ -129,10 +129,10 @@ def _discover() -> None:
     for module in pkgutil.iter_modules(package.__path__):
         if module.ispkg:
             importlib.import_module(f"{MODELS_PACKAGE}.{module.name}")
-    _discovered = True
     unregistered = set(hf_archs()) - set(_REGISTRY)
     if unregistered:  # `hf_archs` lists the folders without importing them: each must register its own name
         raise RuntimeError(f"{MODELS_PACKAGE} folders {sorted(unregistered)} register no adapter of that model_type")
+    _discovered = True
 
 
 def adapters() -> dict[str, HFAdapter]:
@@ -153,9 +153,9 @@ def get_adapter(model_type: Any) -> HFAdapter:
     return adapter
 
 
-# Foreign names that carry no weights in any architecture: buffers of older checkpoints (GPT-2's attention masks,
-# position ids, rotary frequencies).
-_BUFFERS = r"(\.attn\.(masked_)?bias|position_ids|token_type_ids|rotary_emb\.inv_freq)$"
+# Foreign names that carry no weights in any architecture: buffers of older checkpoints (position ids, rotary
+# frequencies).
+_BUFFERS = r"(position_ids|rotary_emb\.inv_freq)$"
 
 
 def ignored_names(adapter: HFAdapter) -> re.Pattern[str]:

@@ -99,5 +99,6 @@ ADAPTER = HFAdapter(
                "max_position_embeddings"),
     layer_keys=("num_hidden_layers",), width_and_heads=("hidden_size", "num_attention_heads"),
     derived=(Derived("pos_embeddings.weight", (POSITIONS, TOKEN_TYPES), _positions_from_hf, _positions_to_hf),),
-    ignored=r"^(bert\.pooler\.|cls\.seq_relationship\.)", old_names=_old_names,
+    # the pooler and next-sentence head (not part of BertForMaskedLM), the token-type ids buffer
+    ignored=r"^(bert\.pooler\.|cls\.seq_relationship\.)|token_type_ids$", old_names=_old_names,
 )

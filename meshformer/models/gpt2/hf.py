@@ -75,5 +75,5 @@ ADAPTER = HFAdapter(
                   "activation": {"gelu_tanh", "gelu", "relu"}, "attention_scale": {"1/sqrt(head_dim)", 1.0}},
     rules=rules, base_prefix="transformer.",
     size_keys=("vocab_size", "n_embd", "n_head", "n_layer", "n_positions", "n_inner"), layer_keys=("n_layer",),
-    width_and_heads=("n_embd", "n_head"),
+    width_and_heads=("n_embd", "n_head"), ignored=r"\.attn\.(masked_)?bias$",  # older files' causal-mask buffers
 )
