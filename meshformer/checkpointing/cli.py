@@ -2,7 +2,7 @@
 
     meshformer convert to-safetensors runs/x/checkpoints runs/x/export        # newest valid step
     meshformer convert to-checkpoint  runs/x/export runs/y/checkpoints        # weights-only step 0
-    meshformer convert export-hf      runs/x/export hf/gpt2-tiny [--arch gpt2|bert|llama|t5|mixtral|qwen3_moe]
+    meshformer convert export-hf      runs/x/export hf/gpt2-tiny [--arch MODEL_TYPE]
     meshformer convert import-hf      hf/gpt2-tiny runs/y/checkpoints --checkpoint
     meshformer convert export-megatron runs/x/export mcore/ [--pad-vocab-multiple 128]
     meshformer convert import-megatron mcore/ runs/y/export [--heads 12 --vocab-size 50257]
@@ -275,9 +275,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     command("to-safetensors", _to_safetensors, "sharded checkpoint -> model.safetensors + model_config.json")
     command("to-checkpoint", _to_checkpoint, "weights folder -> weights-only sharded checkpoint (training starts "
             "from it at step 0)")
-    command("export-hf", _export_hf, "-> Hugging Face folder (GPT-2, BERT, Llama, T5, Mistral, Qwen2/3, Mixtral, "
-            "Qwen3-MoE, OLMoE, OLMo 2, Gemma 2/3)").add_argument("--arch", choices=ARCHS,
-                                                          help="default: the one matching the model config")
+    command("export-hf", _export_hf, f"-> Hugging Face folder ({', '.join(ARCHS)})").add_argument(
+        "--arch", choices=ARCHS, help="a Hugging Face model_type (default: the one matching the model config)")
     hf_in = command("import-hf", _import_hf, "Hugging Face folder -> weights folder")
     hf_in.add_argument("--checkpoint", action="store_true", help="write a weights-only checkpoint instead of a "
                        "weights folder")

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import importlib.util
+import pkgutil
 
-Arch = Literal["gpt2", "bert", "llama", "t5", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2",
-               "gemma2", "gemma3_text"]
-ARCHS: tuple[Arch, ...] = ("gpt2", "bert", "llama", "t5", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe",
-                           "olmo2", "gemma2", "gemma3_text")
+# One package per Hugging Face architecture, named as its model_type (checkpointing/hf_adapter.py registers them)
+MODELS_PACKAGE = "meshformer.models"
+
+Arch = str  # a Hugging Face model_type with a folder under meshformer/models/
+
+
+def hf_archs() -> tuple[str, ...]:
+    """The model_types meshformer converts: the folders of meshformer/models/, listed without importing them."""
+    spec = importlib.util.find_spec(MODELS_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return tuple(sorted(m.name for m in pkgutil.iter_modules(locations) if m.ispkg))
+
+
+ARCHS: tuple[Arch, ...] = hf_archs()
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from meshformer.checkpointing.errors import ConversionError
-from meshformer.checkpointing.mapping import iter_export, name_map
+from meshformer.checkpointing.hf_adapter import get_adapter
+from meshformer.checkpointing.mapping import iter_export
 from meshformer.checkpointing.sharded_safetensors import (
     DEFAULT_MAX_SHARD_SIZE,
     SafetensorsFolder,
@@ -100,7 +101,7 @@ def complete_config(hf_config: Any, arch: Arch, dtype: torch.dtype, source: Mapp
 
     from meshformer.checkpointing import hf
 
-    hf_config.architectures = [hf._MODEL_CLASSES[arch]]
+    hf_config.architectures = [get_adapter(arch).model_class]
     hf_config.dtype = dtype
     if not source:
         return hf_config
@@ -155,14 +156,11 @@ def _meta_view(state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
 
 
 def hf_tensors(state: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arch) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) one at a time, tied aliases left out; BERT gets its folded position table back."""
+    """(HF name, tensor) one at a time, tied aliases left out, then those the adapter derives (BERT's tables)."""
     from meshformer.checkpointing import hf
 
-    yield from iter_export(state, [rule for rule in name_map(cfg, arch) if not rule.alias])
-    if arch == "bert":
-        positions = state["pos_embeddings.weight"].detach()
-        yield hf._BERT_POSITIONS, positions
-        yield hf._BERT_TOKEN_TYPES, positions.new_zeros(2, cfg.d_model)  # BertConfig's type_vocab_size
+    yield from iter_export(state, [rule for rule in hf.name_rules(cfg, arch) if not rule.alias])
+    yield from hf.derived_tensors(state, cfg, get_adapter(arch))
 
 
 def hf_source(folder: Path, follow_links: bool = False) -> Mapping[str, torch.Tensor]:
@@ -213,7 +211,8 @@ def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arc
     original = hf._normalize_names({k: k for k in theirs}, arch)  # normalised name -> name in the files
     shapes = our_shapes(cfg)
     source = f"Hugging Face {arch}"
-    rules = name_map(cfg, arch)
+    rules = hf.name_rules(cfg, arch)
+    derived = {d.ours: d for d in get_adapter(arch).derived}  # our tensors read from several of theirs
     rules_of: dict[str, list[Rule]] = {}  # our tensor -> the rules giving it (one, or one per expert)
     for rule in rules:
         if rule.alias:
@@ -222,7 +221,7 @@ def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arc
             raise KeyError(f"{source} state dict lacks {rule.theirs!r} (needed for {', '.join(rule.ours)})")
         for name in rule.ours:
             rules_of.setdefault(name, []).append(rule)
-    ours = [*rules_of, *(["pos_embeddings.weight"] if arch == "bert" else [])]
+    ours = [*rules_of, *derived]
     check_names(ours, cfg, shapes, hf.unused_names(original, {r.theirs for r in rules}, arch), source)
     tied = cfg.tie_embeddings and "output.weight" in shapes
 
@@ -230,10 +229,9 @@ def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arc
         def read(name: str) -> torch.Tensor:
             if tied and name == "output.weight":
                 name = "tok_embeddings.weight"
-            if arch == "bert" and name == "pos_embeddings.weight":  # token type 0 folded into the positions
-                types = original.get(hf._BERT_TOKEN_TYPES)
-                positions = theirs[original[hf._BERT_POSITIONS]]
-                return (positions + (theirs[types][0] if types else 0.0)).contiguous()
+            if name in derived:
+                reads = derived[name].reads
+                return derived[name].to_ours({k: theirs[original[k]] for k in reads if k in original}).contiguous()
             if ZERO_ON_IMPORT.search(name):
                 return torch.zeros(shapes[name])
             mine = rules_of[name]

@@ -22,7 +22,7 @@ import torch
 
 from meshformer.checkpointing import directory
 from meshformer.checkpointing.errors import ConversionError
-from meshformer.checkpointing.hf import ARCHS, Arch
+from meshformer.checkpointing.formats import ARCHS, Arch
 from meshformer.checkpointing.manager import checkpoint_root
 from meshformer.config import Config, DataConfig, ModelConfig, build_section, given_keys
 from meshformer.errors import ConfigError
@@ -118,7 +118,6 @@ class HFInitWeights:
     def __init__(self, folder: Path) -> None:
         from meshformer.checkpointing import hf
         from meshformer.checkpointing.hf_folder import import_hf, open_hf
-        from meshformer.checkpointing.mapping import name_map
         from meshformer.checkpointing.sharded_safetensors import SafetensorsFolder, has_safetensors
 
         self.cfg, self.state = import_hf(folder)  # names and shapes checked here, before any data is read
@@ -126,7 +125,7 @@ class HFInitWeights:
         self.arch: str = arch
         original = hf._normalize_names({k: k for k in theirs}, arch)  # normalised name -> name in the files
         self.files = SafetensorsFolder(folder) if has_safetensors(folder) else None
-        self.renamed = {rule.ours[0]: original[rule.theirs] for rule in name_map(self.cfg, arch)
+        self.renamed = {rule.ours[0]: original[rule.theirs] for rule in hf.name_rules(self.cfg, arch)
                         if not rule.alias and len(rule.ours) == 1 and not rule.transpose and rule.expert is None}
         if self.cfg.tie_embeddings and "tok_embeddings.weight" in self.renamed:
             self.renamed["output.weight"] = self.renamed["tok_embeddings.weight"]

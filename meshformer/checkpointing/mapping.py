@@ -1,7 +1,8 @@
 """Rename/pack/transpose rules between our state dict and another implementation's, applied both ways.
 
-The rules themselves are each family's name maps (model/families/, `FamilySpec.name_maps`); a `Rule` ties
-one foreign tensor to one or more of ours (model/families/naming.py). Importing needs our shapes to split
+The rules themselves come from each Hugging Face architecture's adapter (meshformer/models/<model_type>/) or a
+family's other name maps (model/families/, `FamilySpec.name_maps`); a `Rule` ties one foreign tensor to one or more
+of ours (model/families/naming.py). Importing needs our shapes to split
 packed tensors; they come from a model built on the meta device, which costs no memory even for
 175B-parameter configs.
 """

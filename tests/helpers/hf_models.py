@@ -30,6 +30,11 @@ ARCHS: dict[str, dict[str, Any]] = {
     "qwen3": dict(config="Qwen3Config", model="Qwen3ForCausalLM", tie_word_embeddings=True, head_dim=16),
     # post-sublayer norms, QK-norm over the whole projections
     "olmo2": dict(config="Olmo2Config", model="Olmo2ForCausalLM", tie_word_embeddings=False),
+    # OLMo 2's blocks: a windowed block (window 4, RoPE base 10k) then a global one (base 500k)
+    "olmo3": dict(config="Olmo3Config", model="Olmo3ForCausalLM", tie_word_embeddings=False, sliding_window=4,
+                  layer_types=["sliding_attention", "full_attention"], rope_parameters={
+                      "full_attention": {"rope_type": "default", "rope_theta": 5e5},
+                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
     # a windowed block (window 4, RoPE base 10k) then a global one (base 1M), sandwich norms, final-logit soft-capping
     "gemma3": dict(config="Gemma3TextConfig", model="Gemma3ForCausalLM", tie_word_embeddings=True, head_dim=16,
                    sliding_window=4, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,

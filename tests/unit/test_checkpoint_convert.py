@@ -149,6 +149,13 @@ def _hf_model(arch: str):
         model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(
             vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=32, pad_token_id=None, eos_token_id=None))
+    elif arch == "olmo3":  # a windowed block (window 5 < 12 tokens, its own RoPE base) then a global one
+        model = transformers.Olmo3ForCausalLM(transformers.Olmo3Config(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, sliding_window=5, pad_token_id=None, eos_token_id=None,
+            layer_types=["sliding_attention", "full_attention"], rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 5e5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}))
     elif arch in ("gemma2", "gemma3"):  # 4 blocks, every 2nd global; a window shorter than the sequences
         config = transformers.Gemma2Config if arch == "gemma2" else transformers.Gemma3TextConfig
         model = (transformers.Gemma2ForCausalLM if arch == "gemma2" else transformers.Gemma3ForCausalLM)(config(
@@ -164,7 +171,7 @@ def _hf_model(arch: str):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "t5", "llama3", "mistral", "qwen2", "qwen3", "mixtral",
-                                  "qwen3_moe", "olmoe", "olmo2", "gemma2", "gemma3"])
+                                  "qwen3_moe", "olmoe", "olmo2", "olmo3", "gemma2", "gemma3"])
 def test_hugging_face_import_export(arch, tmp_path):
     original = tmp_path / "hf"
     _hf_model(arch).save_pretrained(str(original))
@@ -183,6 +190,7 @@ def test_hugging_face_import_export(arch, tmp_path):
            "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
            "mixtral": transformers.MixtralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
            "olmoe": transformers.OlmoeForCausalLM, "olmo2": transformers.Olmo2ForCausalLM,
+           "olmo3": transformers.Olmo3ForCausalLM,
            "gemma2": transformers.Gemma2ForCausalLM, "gemma3": transformers.Gemma3ForCausalLM}[arch]
     hf_model = cls.from_pretrained(str(tmp_path / "exported")).eval()
     cfg, state = read_weights(tmp_path / "ours")

@@ -70,6 +70,7 @@ PUBLISHED = {  # config: (published parameter count, relative tolerance)
     "llama3.2-1b": (1_235_814_400, 0.0),  # HF meta-llama/Llama-3.2-1B, "1.24B"
     "llama3.1-8b": (8_030_261_248, 0.0),  # HF meta-llama/Llama-3.1-8B, "8.03B"
     "olmo2-7b": (7.3e9, 0.01),  # HF allenai/OLMo-2-1124-7B ("7.3B")
+    "olmo3-7b": (7_298_011_136, 0.0),  # Olmo3ForCausalLM of allenai/Olmo-3-1025-7B's config (test_model_references)
 }
 
 # MoE configs: (published total, published active). Totals within 1%; the active counts are published with one
@@ -121,7 +122,7 @@ def test_counts_equal_hugging_face_models(name, cls, config, kwargs):
 
 
 @pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "mistral-7b", "qwen3-0.6b",
-                                  "qwen3-8b", "llama3.2-1b", "llama3.1-8b", "olmo2-7b"])
+                                  "qwen3-8b", "llama3.2-1b", "llama3.1-8b", "olmo2-7b", "olmo3-7b"])
 def test_new_configs_count_what_their_hugging_face_export_builds(name):
     """The exported architecture (config_to_hf), built on the meta device, has exactly our parameter count."""
     transformers = pytest.importorskip("transformers")

@@ -166,6 +166,19 @@ def _hf_olmo2(**extra):
         "pad_token_id": None, "eos_token_id": None, **extra}))
 
 
+def _hf_olmo3(**extra):
+    # OLMo 2's blocks, 4 blocks with every 2nd global: windowed blocks (window 4 < 12 tokens) rotate with base 10k
+    # unscaled, global ones with 500 and yarn scaling (as OLMo 3's long-context RoPE)
+    return transformers.Olmo3ForCausalLM(transformers.Olmo3Config(**{
+        "vocab_size": 97, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32, "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2, "rope_parameters": {
+            "full_attention": {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0,
+                               "original_max_position_embeddings": 8},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        "pad_token_id": None, "eos_token_id": None, **extra}))
+
+
 def _hf_gemma2(**extra):
     # every 2nd block global (Gemma 2's default layer_types), attention- and final-logit soft-capping with caps
     # below the scores' and logits' ranges (so they bend them), yarn rope scaling for every block
@@ -208,9 +221,9 @@ def _random_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _SINGLE_STACK = [_hf_gpt2, _hf_bert, _hf_llama, _hf_llama3, _hf_mistral, _hf_qwen2, _hf_qwen3, _hf_mixtral,
-                 _hf_qwen3_moe, _hf_olmoe, _hf_olmo2, _hf_gemma2, _hf_gemma3]
+                 _hf_qwen3_moe, _hf_olmoe, _hf_olmo2, _hf_olmo3, _hf_gemma2, _hf_gemma3]
 _SINGLE_IDS = ["gpt2", "bert", "llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2",
-               "gemma2", "gemma3"]
+               "olmo3", "gemma2", "gemma3"]
 
 
 @pytest.mark.parametrize("make", _SINGLE_STACK, ids=_SINGLE_IDS)
@@ -356,6 +369,9 @@ _GEMMA3 = {"n_layers": 4, "head_dim": 16, "activation": "geglu", "norm_position"
            "qk_norm": True, "scale_embeddings": True, "tie_embeddings": True, "attention_window": 4,
            "full_attention_every": 3, "rope_theta": 1e6, "rope_local_theta": 1e4, "attention_scale": 8**-0.5,
            "logit_softcap": 4.0, **_YARN_ROPE}
+# OLMo 3's options: OLMo 2's blocks, every 3rd of 4 blocks global with yarn, the windowed ones with their own base
+_OLMO3 = {"n_layers": 4, "norm_position": "post_sublayer", "qk_norm": True, "qk_norm_scope": "projection",
+          "attention_window": 4, "full_attention_every": 3, "rope_theta": 500.0, "rope_local_theta": 1e4, **_YARN_ROPE}
 
 
 @pytest.mark.parametrize(("arch", "cfg"), [
@@ -369,10 +385,11 @@ _GEMMA3 = {"n_layers": 4, "head_dim": 16, "activation": "geglu", "norm_position"
                               router_renormalize=False)),
     ("olmoe", _moe_config(qk_norm=True, qk_norm_scope="projection", router_renormalize=False, d_ff=24)),
     ("olmo2", _llama_config(norm_position="post_sublayer", qk_norm=True, qk_norm_scope="projection", **_LLAMA3_ROPE)),
+    ("olmo3", _llama_config(**_OLMO3)),
     ("gemma2", _llama_config(**{**_GEMMA3, "qk_norm": False, "rope_local_theta": None, "attention_softcap": 1.0})),
     ("gemma3_text", _llama_config(**_GEMMA3)),
-], ids=["llama3", "llama-linear", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2", "gemma2",
-        "gemma3"])
+], ids=["llama3", "llama-linear", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2", "olmo3",
+        "gemma2", "gemma3"])
 def test_export_logits_and_round_trip(arch, cfg):
     """Ours -> HF computes our logits (padded batch, sequences longer than the window) and comes back bitwise."""
     torch.manual_seed(0)
@@ -442,6 +459,43 @@ def test_gemma3_refuses_scaled_rope_in_its_windowed_blocks():
     check_compatible(_llama_config(**{**_GEMMA3, "rope_local_theta": None, "rope_scaling": "none"}), "gemma3_text")
 
 
+def test_olmo3_export_refuses_what_it_lacks():
+    """OLMo 3's sliding blocks rotate unscaled (so a windowed model whose windowed blocks share the scaled global
+    RoPE is refused), its QK-norm spans the whole projection, and head_dim is hidden_size / heads."""
+    for extra, named in [({"rope_local_theta": None}, "windowed_blocks_rope='scaled"),
+                         ({"qk_norm_scope": "head"}, "qk_norm_scope='head'"), ({"head_dim": 16}, "head_dim=16")]:
+        with pytest.raises(ValueError, match=re.escape(named)):
+            check_compatible(_llama_config(**{**_OLMO3, **extra}), "olmo3")
+    # an OLMo 2 model (no window) is exported as OLMo 2, though OLMo 3 could hold it too
+    assert infer_arch(_llama_config(**{**_OLMO3, "attention_window": None, "full_attention_every": None,
+                                       "rope_local_theta": None})) == "olmo2"
+
+
+def test_olmo3_7b_published_config_maps_both_ways():
+    """OLMo 3 7B's published config.json values (no download): every 4th of 32 blocks global, a 4096-token window,
+    yarn in the global blocks only; it gives the bundled olmo3-7b model, the model built from it on the meta device
+    has our parameter count, and the config comes back."""
+    from meshformer.checkpointing.hf import config_to_hf
+    from meshformer.config import load_config
+    from meshformer.model.flops import count_params
+
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192,
+            "attention_factor": 1.2079441541679836, "beta_fast": 32.0, "beta_slow": 1.0}
+    published = transformers.Olmo3Config(
+        vocab_size=100278, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, max_position_embeddings=65536, rms_norm_eps=1e-6, sliding_window=4096,
+        rope_theta=500000.0, rope_scaling=yarn, pad_token_id=100277, eos_token_id=100257)
+    assert published.layer_types[:4] == ["sliding_attention"] * 3 + ["full_attention"]  # transformers' default
+    cfg = config_from_hf(published)
+    assert (cfg.attention_window, cfg.full_attention_every, cfg.rope_local_theta) == (4096, 4, 500000.0)
+    assert cfg == load_config("olmo3-7b").model
+    with torch.device("meta"):
+        hf = transformers.Olmo3ForCausalLM(published)
+    assert count_params(cfg)["total"] == sum(p.numel() for p in hf.parameters()) == 7_298_011_136
+    back = config_to_hf(cfg)
+    assert back.layer_types == published.layer_types and back.rope_parameters == published.rope_parameters
+
+
 def test_llama31_rope_parameters_map_both_ways():
     """Llama 3.1 8B's published config.json rope block (no download: its values) to our keys and back."""
     from meshformer.checkpointing.hf import config_to_hf
@@ -469,8 +523,16 @@ def test_llama31_rope_parameters_map_both_ways():
     (_hf_gemma3, {"hidden_activation": "silu"}, "hidden_activation='silu'"),
     (_hf_olmoe, {"clip_qkv": 8.0}, "clip_qkv=8.0"),
     (_hf_olmoe, {"attention_bias": True}, "attention_bias=True"),
+    # not every n-th block global: today's full_attention_every cannot express it
+    (_hf_olmo3, {"layer_types": ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]},
+     "layer_types=['full_attention', 'sliding_attention', 'sliding_attention', 'full_attention'] is not every n-th"),
+    (_hf_olmo3, {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 500.0},
+                                     "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     "rope_parameters.sliding_attention="),
+    (_hf_olmo3, {"attention_bias": True}, "attention_bias=True"),
 ], ids=["olmo2-attention-bias", "olmo2-act", "gemma3-layer-types", "gemma3-local-rope-scaling", "gemma3-bidirectional",
-        "gemma3-attention-bias", "gemma3-act", "olmoe-clip-qkv", "olmoe-attention-bias"])
+        "gemma3-attention-bias", "gemma3-act", "olmoe-clip-qkv", "olmoe-attention-bias", "olmo3-layer-types",
+        "olmo3-local-rope-scaling", "olmo3-attention-bias"])
 def test_olmo2_gemma3_refuse_what_they_cannot_express(make, extra, named):
     with pytest.raises(ValueError, match=re.escape(named)):
         config_from_hf(make(**extra).config)

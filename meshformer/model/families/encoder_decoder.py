@@ -1,16 +1,15 @@
 """Encoder-decoder (original Transformer, T5): a bidirectional stack whose output the causal stack
 cross-attends; span corruption or sequence-to-sequence.
 
-Name maps: Hugging Face T5 (one relative-position bias per stack, kept in block 0's SelfAttention) and
-torch.nn.Transformer (layers and final norms only; q/k/v packed in `in_proj_*`, cross-attention called
-`multihead_attn`).
+Name map: torch.nn.Transformer (layers and final norms only; q/k/v packed in `in_proj_*`, cross-attention called
+`multihead_attn`); Hugging Face T5's lives in meshformer/models/t5/.
 """
 
 from __future__ import annotations
 
 from meshformer.model.config import ModelConfig
 from meshformer.model.families.common import transformer_family
-from meshformer.model.families.naming import Rule, norm, params
+from meshformer.model.families.naming import Rule, params
 from meshformer.model.families.spec import Stack
 from meshformer.model.flops import encoder_decoder_flops
 
@@ -19,39 +18,6 @@ ENCODER = Stack("encoder", causal=False, depth_key="model.n_encoder_layers (or m
                 count=lambda cfg: cfg.n_layers if cfg.n_encoder_layers is None else cfg.n_encoder_layers)
 DECODER = Stack("decoder", causal=True, cross=True, depth_key="model.n_decoder_layers (or model.n_layers)",
                 count=lambda cfg: cfg.n_layers if cfg.n_decoder_layers is None else cfg.n_decoder_layers)
-
-
-def t5_rules(cfg: ModelConfig) -> list[Rule]:
-    rules = [Rule(("tok_embeddings.weight",), "shared.weight"),
-             *[Rule(("tok_embeddings.weight",), name, alias=True)
-               for name in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight")],
-             *norm("encoder_norm", "encoder.final_layer_norm", cfg),
-             *norm("decoder_norm", "decoder.final_layer_norm", cfg),
-             *[Rule((f"{stack}_relative_bias.relative_bias.weight",),
-                    f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
-               for stack in ("encoder", "decoder")]]
-
-    def attention(ours: str, theirs: str) -> list[Rule]:
-        return [r for p in "qkvo" for r in params(f"{ours}.{p}_proj", f"{theirs}.{p}", ("weight",))]
-
-    def ffn(ours: str, theirs: str) -> list[Rule]:
-        if cfg.activation == "swiglu":
-            names = {"gate_proj": "wi_0", "up_proj": "wi_1", "down_proj": "wo"}
-        else:
-            names = {"up_proj": "wi", "down_proj": "wo"}
-        return [r for a, b in names.items() for r in params(f"{ours}.{a}", f"{theirs}.{b}", ("weight",))]
-
-    for i in range(ENCODER.count(cfg)):
-        o, t = f"encoder_layers.{i}", f"encoder.block.{i}.layer"
-        rules += [*norm(f"{o}.attn_norm", f"{t}.0.layer_norm", cfg), *attention(f"{o}.attn", f"{t}.0.SelfAttention"),
-                  *norm(f"{o}.ffn_norm", f"{t}.1.layer_norm", cfg), *ffn(f"{o}.ffn", f"{t}.1.DenseReluDense")]
-    for i in range(DECODER.count(cfg)):
-        o, t = f"decoder_layers.{i}", f"decoder.block.{i}.layer"
-        rules += [*norm(f"{o}.attn_norm", f"{t}.0.layer_norm", cfg), *attention(f"{o}.attn", f"{t}.0.SelfAttention"),
-                  *norm(f"{o}.cross_norm", f"{t}.1.layer_norm", cfg),
-                  *attention(f"{o}.cross_attn", f"{t}.1.EncDecAttention"),
-                  *norm(f"{o}.ffn_norm", f"{t}.2.layer_norm", cfg), *ffn(f"{o}.ffn", f"{t}.2.DenseReluDense")]
-    return rules
 
 
 def torch_transformer_rules(cfg: ModelConfig) -> list[Rule]:
@@ -85,5 +51,5 @@ SPEC = transformer_family(
     stacks=(ENCODER, DECODER),
     objectives=("span", "seq2seq"),
     training_flops=encoder_decoder_flops,
-    name_maps={"t5": t5_rules, "torch.nn.Transformer": torch_transformer_rules},
+    name_maps={"torch.nn.Transformer": torch_transformer_rules},  # Hugging Face T5's: meshformer/models/t5/
 )

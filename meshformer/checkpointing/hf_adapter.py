@@ -1,0 +1,163 @@
+"""What one Hugging Face architecture declares (`HFAdapter`), and the registry that finds it by model_type.
+
+Each architecture lives in its own package `meshformer/models/<model_type>/`, named as transformers' model_type;
+its `__init__.py` calls `register` with the adapter its `hf.py` builds. The registry imports every such package on
+the first lookup (pkgutil over meshformer.models), so adding an architecture is adding a folder: nothing here or in
+the generic conversion code (hf.py, hf_folder.py, init_from.py, the CLI) names one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import pkgutil
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from meshformer.checkpointing.formats import MODELS_PACKAGE, hf_archs
+from meshformer.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from meshformer.model.families.naming import Rule
+
+ANY = "any value"  # a requirement that every value meets
+
+# What every architecture requires of the config facts (`features`) unless its adapter says otherwise: the
+# plain Transformer block. A set: any of these values.
+COMMON: dict[str, Any] = {
+    "scale_embeddings": False, "attention_window": None, "attention_scale": "1/sqrt(head_dim)", "scale_output": False,
+    "cross_downsample": 1, "embedding_norm": False, "head_transform": False, "output_bias": False,
+    "grouped_query": False, "norm": "layernorm", "norm_position": "pre", "final_norm": True, "rope_scaling": "none",
+    "head_dim": "d_model/n_heads", "qk_norm": False, "qkv_bias": "as bias", "moe": False, "n_shared_experts": 0,
+    "router_score": "softmax", "router_renormalize": True, "router_groups": 1, "capacity_factor": 0.0,
+    "moe_blocks": "every block", "qk_norm_scope": "head", "norm_weight_offset": 0.0, "full_attention_every": None,
+    "rope_local_theta": None, "attention_softcap": None, "logit_softcap": None}
+
+
+def features(cfg: ModelConfig) -> dict[str, Any]:
+    """The config facts an architecture constrains, normalised (e.g. default attention scale, GQA or not)."""
+    default_scale = cfg.attention_scale is None or math.isclose(cfg.attention_scale, cfg.attention_head_dim**-0.5)
+    default_head_dim = cfg.attention_head_dim * cfg.n_heads == cfg.d_model
+    moe = cfg.n_experts > 0
+    return {
+        # MoE: the router settings only matter where there are experts
+        "moe": moe, "n_shared_experts": cfg.n_shared_experts if moe else 0,
+        "router_score": cfg.router_score if moe else "softmax",
+        "router_renormalize": cfg.router_renormalize if moe else True,
+        "router_groups": cfg.router_groups if moe else 1, "capacity_factor": cfg.capacity_factor if moe else 0.0,
+        "moe_blocks": "every block" if not moe or (cfg.moe_every, cfg.moe_first_dense) == (1, 0) else "some",
+        "family": cfg.family, "norm": cfg.norm, "norm_position": cfg.norm_position, "final_norm": cfg.use_final_norm,
+        "embedding_norm": cfg.embedding_norm, "position": cfg.position, "scale_embeddings": cfg.scale_embeddings,
+        "tie_embeddings": cfg.tie_embeddings, "share_embeddings": cfg.share_embeddings, "bias": cfg.bias,
+        "head_transform": cfg.head_transform, "output_bias": cfg.output_bias, "activation": cfg.activation,
+        "grouped_query": cfg.kv_heads != cfg.n_heads, "attention_window": cfg.attention_window,
+        "attention_scale": "1/sqrt(head_dim)" if default_scale else cfg.attention_scale,
+        "scale_output": cfg.scale_output, "cross_downsample": cfg.cross_downsample,
+        "rope_scaling": cfg.rope_scaling, "head_dim": "d_model/n_heads" if default_head_dim else cfg.head_dim,
+        "qk_norm": cfg.qk_norm, "qkv_bias": "as bias" if cfg.use_qkv_bias == cfg.bias else cfg.use_qkv_bias,
+        "qk_norm_scope": cfg.qk_norm_scope if cfg.qk_norm else "head", "norm_weight_offset": cfg.norm_weight_offset,
+        "full_attention_every": cfg.full_attention_every if cfg.attention_window is not None else None,
+        "rope_local_theta": cfg.rope_local_theta if cfg.attention_window is not None else None,
+        "attention_softcap": cfg.attention_softcap, "logit_softcap": cfg.logit_softcap,
+        # without their own base, windowed blocks rotate with the global (maybe scaled) RoPE
+        "windowed_blocks_rope": "scaled (rope_scaling without rope_local_theta)" if cfg.attention_window is not None
+        and cfg.rope_local_theta is None and cfg.rope_scaling != "none" else "unscaled",
+    }
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A tensor of ours computed from several foreign ones, outside the one-to-one name rules (BERT's position table
+    with token type 0 folded in)."""
+
+    ours: str
+    reads: tuple[str, ...]  # the foreign names it reads; `to_ours` gets those present
+    to_ours: Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
+    to_theirs: Callable[[torch.Tensor, ModelConfig], dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """One transformers architecture: its config both ways, its tensor names, what it refuses."""
+
+    model_type: str  # transformers' config.model_type; also the package's folder name
+    model_class: str  # the transformers class export builds and names in config.json's `architectures`
+    config_from_hf: Callable[[Any], ModelConfig]  # refuses (`refuse`) what would compute another function
+    config_to_hf: Callable[[ModelConfig], Any]  # a transformers config; `cfg` already passed `requirements`
+    # config fact (`features`, plus `extra_features`) -> the value, or set of values, it must have
+    requirements: Mapping[str, Any]
+    rules: Callable[[ModelConfig], list[Rule]]  # tensor names both ways (checkpointing/mapping.py applies them)
+    base_prefix: str = ""  # what base-model checkpoints (e.g. LlamaModel's) lack before every name
+    size_keys: tuple[str, ...] = ()  # config.json's sizes: positive integers, checked before anything is built
+    layer_keys: tuple[str, ...] = ()  # its layer counts: no deeper than the checkpoint has tensors
+    width_and_heads: tuple[str, str] | None = None  # (width, heads) keys when the width must divide by the heads
+    extra_features: Callable[[ModelConfig], dict[str, Any]] | None = None  # config facts only it constrains
+    derived: tuple[Derived, ...] = ()
+    ignored: str | None = None  # a regex of foreign names that carry nothing we model (beside weightless buffers)
+    old_names: Callable[[str], str] | None = None  # a checkpoint's older spelling of a name -> today's
+    keep_prefix: tuple[str, ...] = ("lm_head.",)  # names outside the base model (no base_prefix added)
+
+
+def refuse(arch: str, setting: str, why: str) -> ValueError:
+    """A config flag that would make the imported model compute a different function than the original."""
+    return ValueError(f"{arch}: {setting} {why}, which meshformer cannot express — importing it would compute "
+                      "different logits; only checkpoints without it can be converted")
+
+
+_REGISTRY: dict[str, HFAdapter] = {}
+_discovered = False
+
+
+def register(adapter: HFAdapter) -> HFAdapter:
+    """Called by a `meshformer/models/<model_type>/__init__.py` for the adapter its folder holds."""
+    known = _REGISTRY.get(adapter.model_type)
+    if known is not None and known is not adapter:
+        raise RuntimeError(f"two Hugging Face adapters for model_type {adapter.model_type!r}")
+    _REGISTRY[adapter.model_type] = adapter
+    return adapter
+
+
+def _discover() -> None:
+    global _discovered
+    if _discovered:
+        return
+    package = importlib.import_module(MODELS_PACKAGE)  # by name: the packages above checkpointing import it
+    for module in pkgutil.iter_modules(package.__path__):
+        if module.ispkg:
+            importlib.import_module(f"{MODELS_PACKAGE}.{module.name}")
+    unregistered = set(hf_archs()) - set(_REGISTRY)
+    if unregistered:  # `hf_archs` lists the folders without importing them: each must register its own name
+        raise RuntimeError(f"{MODELS_PACKAGE} folders {sorted(unregistered)} register no adapter of that model_type")
+    _discovered = True
+
+
+def adapters() -> dict[str, HFAdapter]:
+    """Every registered architecture, by model_type, in name order (the order `infer_arch` tries them)."""
+    _discover()
+    return dict(sorted(_REGISTRY.items()))
+
+
+def find_adapter(model_type: Any) -> HFAdapter | None:
+    _discover()
+    return _REGISTRY.get(model_type) if isinstance(model_type, str) else None
+
+
+def get_adapter(model_type: Any) -> HFAdapter:
+    adapter = find_adapter(model_type)
+    if adapter is None:
+        raise ValueError(f"unsupported Hugging Face model_type {model_type!r}; supported: {list(adapters())}")
+    return adapter
+
+
+# Foreign names that carry no weights in any architecture: buffers of older checkpoints (position ids, rotary
+# frequencies).
+_BUFFERS = r"(position_ids|rotary_emb\.inv_freq)$"
+
+
+def ignored_names(adapter: HFAdapter) -> re.Pattern[str]:
+    """Foreign names an import may leave unread: weightless buffers, and what the adapter adds."""
+    return re.compile(_BUFFERS + (f"|{adapter.ignored}" if adapter.ignored else ""))

@@ -1,0 +1,205 @@
+"""What the architectures built on Llama's blocks and names share: the Llama requirement table, the config fields
+both ways, RoPE parameters, sliding windows and layer_types patterns, and an adapter with Llama's tensor names.
+
+Llama: RMSNorm, SwiGLU, half-split RoPE, grouped-query heads, untied head: names only. head_dim = ours;
+rope_parameters of rope_type linear / llama3 / yarn = our rope_scaling and rope_* keys (Llama 3.1/3.2's llama3);
+other rope types, keys we lack (yarn's mscale, partial_rotary_factor) and yarn truncate=False are refused.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from types import SimpleNamespace
+from typing import Any
+
+from meshformer.checkpointing.hf_adapter import ANY, COMMON, HFAdapter, refuse
+from meshformer.config import ModelConfig
+from meshformer.model.families.naming import Rule, expert_params, norm, params
+from meshformer.model.moe import is_moe_block
+
+REQUIREMENTS: dict[str, Any] = {**COMMON, "family": "decoder", "position": "rope", "norm": "rmsnorm",
+                                "activation": "swiglu", "grouped_query": {False, True}, "head_dim": ANY,
+                                "rope_scaling": ANY}
+SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "max_position_embeddings")
+
+
+# An MoE block's router, expert j's prefix ("{j}") and its gate / up / down linears, as a checkpoint names them
+Experts = tuple[str, str, tuple[str, str, str]]
+
+# Our block norms -> HF's names, by where the norms sit: Llama's pre-norms; OLMo 2's norms of the sub-layer outputs;
+# Gemma's pre- and post-norms around each sub-layer.
+_HF_BLOCK_NORMS = {
+    "pre": (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")),
+    "post_sublayer": (("attn_norm", "post_attention_layernorm"), ("ffn_norm", "post_feedforward_layernorm")),
+    "sandwich": (("attn_norm", "input_layernorm"), ("attn_out_norm", "post_attention_layernorm"),
+                 ("ffn_norm", "pre_feedforward_layernorm"), ("ffn_out_norm", "post_feedforward_layernorm")),
+}
+
+
+def rules(cfg: ModelConfig, experts: Experts | None = None) -> list[Rule]:
+    """Llama's names, with the block norms where `cfg.norm_position` puts them and an MoE block's router and experts
+    named as `experts` says (an architecture with MoE blocks gives it)."""
+    linear = ("weight", "bias") if cfg.bias else ("weight",)
+    qkv_linear = ("weight", "bias") if cfg.use_qkv_bias else ("weight",)
+    out = [Rule(("tok_embeddings.weight",), "model.embed_tokens.weight"), *norm("decoder_norm", "model.norm", cfg),
+             Rule(("output.weight",), "lm_head.weight", alias=cfg.tie_embeddings)]
+    for i in range(cfg.n_layers):
+        o, t = f"decoder_layers.{i}", f"model.layers.{i}"
+        for ours, theirs in _HF_BLOCK_NORMS[cfg.norm_position]:
+            out += norm(f"{o}.{ours}", f"{t}.{theirs}", cfg)
+        for p in ("q", "k", "v", "o"):
+            out += params(f"{o}.attn.{p}_proj", f"{t}.self_attn.{p}_proj", linear if p == "o" else qkv_linear)
+        if cfg.qk_norm:
+            out += [Rule((f"{o}.attn.{p}_norm.weight",), f"{t}.self_attn.{p}_norm.weight") for p in "qk"]
+        if is_moe_block(cfg, i):
+            assert experts is not None, "the requirements keep experts from an architecture without them"
+            router, expert, (gate, up, down) = experts
+            out += [Rule((f"{o}.ffn.router.weight",), f"{t}.{router}.weight")]
+            for ours, theirs in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+                out += expert_params(f"{o}.ffn.experts.{ours}", f"{t}.{expert}{theirs}.weight", cfg.n_experts)
+        else:
+            for p in ("gate", "up", "down"):
+                out += params(f"{o}.ffn.{p}_proj", f"{t}.mlp.{p}_proj", linear)
+    return out
+
+
+def adapter(model_type: str, model_class: str, experts: Experts | None = None, **fields: Any) -> HFAdapter:
+    """An adapter with Llama's tensor names ("model." base, `rules`)."""
+    fields = {"size_keys": SIZE_KEYS, "requirements": REQUIREMENTS, **fields}
+    return HFAdapter(model_type=model_type, model_class=model_class, base_prefix="model.",
+                     layer_keys=("num_hidden_layers",), rules=partial(rules, experts=experts), **fields)
+
+
+# The rope_parameters keys each rope_type may carry (rope_theta aside), and ours for them.
+# yarn's truncate: only True (the default), checked apart.
+_SCALED = {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_seq_len"}
+_ROPE_KEYS = {"linear": {"factor": "rope_scaling_factor"},
+              "llama3": {**_SCALED, "low_freq_factor": "rope_low_freq_factor",
+                         "high_freq_factor": "rope_high_freq_factor"},
+              "yarn": {**_SCALED, "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow",
+                       "attention_factor": "rope_attention_factor", "truncate": ""}}
+
+
+def rope_from_hf(c: Any, arch: str) -> dict[str, Any]:
+    """Our rope_* keys for HF's rope_parameters (transformers 5; rope_scaling in older configs)."""
+    rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    fields: dict[str, Any] = {"rope_theta": float(rope.pop("rope_theta", getattr(c, "rope_theta", 10000.0)))}
+    if kind == "default":
+        return fields
+    if kind not in _ROPE_KEYS:
+        raise refuse(arch, f"rope_type={kind!r}", "rescales the rotary frequencies its own way")
+    if rope.get("truncate", True) is not True:
+        raise refuse(arch, "rope_parameters.truncate=False", "widens yarn's frequency ramp to fractional dimensions")
+    for key, value in rope.items():
+        if key not in _ROPE_KEYS[kind] and value is not None:
+            raise refuse(arch, f"rope_parameters.{key}={value!r}", f"changes {kind} frequency scaling")
+    return {**fields, "rope_scaling": kind, **{ours: rope[key] for key, ours in _ROPE_KEYS[kind].items()
+                                               if ours and rope.get(key) is not None}}
+
+
+def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    rope: dict[str, Any] = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling,
+                            "rope_theta": cfg.rope_theta}
+    for key, ours in _ROPE_KEYS.get(cfg.rope_scaling, {}).items():
+        if ours and getattr(cfg, ours) is not None:
+            rope[key] = getattr(cfg, ours)
+    return rope
+
+
+def rope_per_layer_type_from_hf(c: Any, arch: str, windowed: bool) -> dict[str, Any]:
+    """rope_parameters per layer type (Gemma 3, OLMo 3): the global blocks' RoPE (maybe scaled) = our rope_*, the
+    windowed blocks' own base = our rope_local_theta (unscaled, as ours always is)."""
+    rope = c.rope_parameters
+    local = dict(rope["sliding_attention"])
+    if local.pop("rope_type", "default") != "default":
+        raise refuse(arch, f"rope_parameters.sliding_attention={rope['sliding_attention']}", "rescales the "
+                     "windowed blocks' rotary frequencies (meshformer scales only the global blocks')")
+    return {**rope_from_hf(SimpleNamespace(rope_parameters=rope["full_attention"]), arch),
+            "rope_local_theta": float(local["rope_theta"]) if windowed else None}
+
+
+def rope_per_layer_type_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    local_theta = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
+    return {"full_attention": rope_to_hf(cfg), "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
+
+
+def window_from_hf(c: Any, arch: str) -> int | None:
+    """HF's sliding window keeps key j for query i when i - j < sliding_window, as our attention_window does;
+    Qwen2/Qwen3 use it only in the blocks from max_window_layers on (their layer_types)."""
+    window = getattr(c, "sliding_window", None)
+    kinds = set(getattr(c, "layer_types", None) or ["sliding_attention"])
+    if window is None or kinds == {"full_attention"}:
+        return None
+    if kinds != {"sliding_attention"}:
+        raise refuse(arch, f"sliding_window={window} with max_window_layers={getattr(c, 'max_window_layers', None)}",
+                     "mixes sliding-window and full-attention blocks (meshformer's attention_window covers all)")
+    return int(window)
+
+
+def full_attention_every(layer_types: list[str], arch: str) -> int | None:
+    """Our full_attention_every for HF's layer_types (None: every block windowed), refusing any other pattern."""
+    full = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
+    every = full[0] + 1 if full else None
+    expected = ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention"
+                for i in range(len(layer_types))]
+    if layer_types != expected or set(layer_types) - {"full_attention", "sliding_attention"}:
+        raise refuse(arch, f"layer_types={layer_types}", "is not every n-th block global and the others windowed "
+                     "(meshformer's full_attention_every)")
+    return every
+
+
+def layer_types_to_hf(cfg: ModelConfig) -> list[str]:
+    return ["full_attention" if cfg.window(i) is None else "sliding_attention" for i in range(cfg.n_layers)]
+
+
+def check(c: Any, arch: str) -> None:
+    """What no Llama-like block here computes: another gated activation, clamped q/k/v, sliced linears, dense blocks
+    other than the first ones."""
+    if c.hidden_act != "silu":
+        raise refuse(arch, f"hidden_act={c.hidden_act!r}", "changes the gated MLP (meshformer gates with silu)")
+    if getattr(c, "clip_qkv", None) is not None:
+        raise refuse(arch, f"clip_qkv={c.clip_qkv}", "clamps the query / key / value projections")
+    if getattr(c, "pretraining_tp", 1) not in (None, 1):
+        raise refuse(arch, f"pretraining_tp={c.pretraining_tp}", "splits the linears into slices")
+    dense = list(getattr(c, "mlp_only_layers", None) or [])
+    if dense != list(range(len(dense))):
+        raise refuse(arch, f"mlp_only_layers={dense}", "makes blocks other than the first ones dense (meshformer's "
+                     "moe_first_dense keeps a prefix dense)")
+
+
+def refuse_attention_bias(c: Any, arch: str) -> None:
+    if c.attention_bias:
+        raise refuse(arch, "attention_bias=True", "puts biases on the attention linears but not on the MLPs "
+                     "(meshformer's model.bias covers all of them)")
+
+
+def fields_from_hf(c: Any, arch: str, window: bool = True) -> dict[str, Any]:
+    """The ModelConfig fields every Llama-like config gives the same way (each adapter then adds its own); with
+    `window`, sliding_window on every block (or none) = our attention_window."""
+    check(c, arch)
+    kv = c.num_key_value_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return dict(
+        family="decoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_heads=c.num_attention_heads,
+        n_kv_heads=None if kv in (None, c.num_attention_heads) else kv, n_layers=c.num_hidden_layers,
+        head_dim=None if head_dim * c.num_attention_heads == c.hidden_size else head_dim,
+        d_ff=c.intermediate_size, activation="swiglu", norm="rmsnorm", norm_eps=c.rms_norm_eps, norm_position="pre",
+        position="rope", **rope_from_hf(c, arch), max_seq_len=c.max_position_embeddings,
+        tie_embeddings=c.tie_word_embeddings, bias=getattr(c, "attention_bias", False),
+        attention_dropout=c.attention_dropout, init_std=c.initializer_range,
+        **({"attention_window": window_from_hf(c, arch)} if window else {}),
+    )
+
+
+def fields_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The transformers config arguments every Llama-like architecture takes the same way."""
+    return dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.attention_head_dim,
+        hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings, attention_dropout=cfg.attention_dropout,
+        initializer_range=cfg.init_std, rope_parameters=rope_to_hf(cfg),
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
