@@ -405,6 +405,8 @@ def _features(cfg: ModelConfig) -> dict[str, Any]:
         "router_score": cfg.router_score if moe else "softmax",
         "router_renormalize": cfg.router_renormalize if moe else True,
         "router_groups": cfg.router_groups if moe else 1, "capacity_factor": cfg.capacity_factor if moe else 0.0,
+        "router_bias": cfg.router_bias and moe, "expert_bias_terms": cfg.expert_bias_terms and moe,
+        "attention_sinks": cfg.attention_sinks,
         "moe_blocks": "every block" if not moe or (cfg.moe_every, cfg.moe_first_dense) == (1, 0) else "some",
         "family": cfg.family, "norm": cfg.norm, "norm_position": cfg.norm_position, "final_norm": cfg.use_final_norm,
         "embedding_norm": cfg.embedding_norm, "position": cfg.position, "scale_embeddings": cfg.scale_embeddings,
@@ -433,7 +435,8 @@ _COMMON = {"scale_embeddings": False, "attention_window": None, "attention_scale
            "qkv_bias": "as bias", "moe": False, "n_shared_experts": 0, "router_score": "softmax",
            "router_renormalize": True, "router_groups": 1, "capacity_factor": 0.0, "moe_blocks": "every block",
            "qk_norm_scope": "head", "norm_weight_offset": 0.0, "full_attention_every": None, "rope_local_theta": None,
-           "attention_softcap": None, "logit_softcap": None}
+           "attention_softcap": None, "logit_softcap": None, "router_bias": False, "expert_bias_terms": False,
+           "attention_sinks": False}
 ANY = "any value"  # a requirement that every value meets
 _LLAMA = {**_COMMON, "family": "decoder", "position": "rope", "norm": "rmsnorm", "activation": "swiglu",
           "grouped_query": {False, True}, "head_dim": ANY, "rope_scaling": ANY}

@@ -10,6 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+from meshformer.checkpointing import ConversionError
+from meshformer.checkpointing.hf_folder import export_hf
+from meshformer.checkpointing.megatron_config import megatron_incompatibilities
 from meshformer.config import ConfigError, OptimConfig, config_from_dict
 from meshformer.model import Transformer
 from meshformer.model.attention import Attention, KVCache
@@ -291,3 +294,13 @@ def test_parameter_count_init_and_optimizer_groups():
 def test_refusals(model, named):
     with pytest.raises(ConfigError, match=named.replace("(", r"\(")):
         config_from_dict({"model": model})
+
+
+@pytest.mark.parametrize("key", ["attention_sinks", "router_bias", "expert_bias_terms"])
+def test_exports_that_would_drop_a_gpt_oss_piece_are_refused(key, tmp_path):
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=32, activation="swiglu", norm="rmsnorm",
+                      position="rope", bias=False, max_seq_len=16, n_experts=0 if key == "attention_sinks" else 4,
+                      **{key: True})
+    with pytest.raises(ConversionError, match=f"{key}=True"):
+        export_hf(Transformer(cfg).state_dict(), cfg, tmp_path / "hf", "mixtral" if cfg.n_experts else "llama")
+    assert any(key in problem for problem in megatron_incompatibilities(cfg))
