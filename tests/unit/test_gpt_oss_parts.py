@@ -275,6 +275,8 @@ def test_parameter_count_init_and_optimizer_groups():
     assert sinks.shape == (HEADS,) and sinks.abs().sum() > 0  # drawn like the other weights (normal, init_std)
     for name in ("experts.gate_bias", "experts.up_bias", "experts.down_bias", "router.bias"):
         assert params[f"decoder_layers.0.ffn.{name}"].abs().sum() == 0
+    xavier = dict(Transformer(ours(init="xavier")).named_parameters())["decoder_layers.0.attn.sinks.weight"]
+    assert 0 < xavier.abs().max() < 0.2  # a vector: normal(init_std) under Xavier too
     optimizer, _ = build_optimizer([model], OptimConfig(weight_decay=0.1))
     no_decay = {id(p) for g in optimizer.param_groups if g["weight_decay"] == 0 for p in g["params"]}
     for name in ("attn.sinks.weight", "ffn.experts.gate_bias", "ffn.experts.down_bias", "ffn.router.bias"):
