@@ -12,7 +12,6 @@ import torch
 from meshformer.config.parse import parse_size
 from meshformer.config.sections import CheckpointConfig, Config, DataConfig
 from meshformer.errors import ConfigError
-from meshformer.model.attention import SINK_BACKENDS
 from meshformer.model.config import ModelConfig
 from meshformer.model.families import get_family_spec
 from meshformer.model.moe import is_moe_block
@@ -213,10 +212,6 @@ def _check_layer_options(cfg: Config) -> None:
     if m.norm_weight_offset and m.norm != "rmsnorm":
         raise ConfigError(f"model.norm_weight_offset={m.norm_weight_offset} scales RMSNorm by (offset + weight), but "
                           f"model.norm={m.norm!r}", "set model.norm='rmsnorm' or leave the offset at 0")
-    if m.attention_sinks and m.attention_backend not in SINK_BACKENDS:
-        raise ConfigError(f"model.attention_sinks=true: model.attention_backend={m.attention_backend!r} runs SDPA "
-                          "kernels, which cannot add a sink to the softmax's denominator",
-                          "set model.attention_backend to auto, math or blockwise")
     if m.activation == "swiglu_clamped" and not (m.swiglu_limit > 0 and m.swiglu_alpha > 0):
         raise ConfigError(f"model.swiglu_limit={m.swiglu_limit} and model.swiglu_alpha={m.swiglu_alpha} must be "
                           "positive", "gpt-oss: swiglu_limit=7.0, swiglu_alpha=1.702")

@@ -80,8 +80,8 @@ class ModelConfig:
     # auto: blockwise on a CPU where it applies (model/blockwise_attention.py), else SDPA; sdpa: torch picks;
     # flash | cudnn | efficient: that SDPA kernel first; blockwise: ours wherever it applies; math: explicit softmax
     attention_backend: Literal["auto", "sdpa", "math", "flash", "cudnn", "efficient", "blockwise"] = "auto"
-    # A learned logit per head in each softmax's denominator (gpt-oss): a query may attend to nothing. Backends:
-    # auto, math, blockwise (explicit softmax where blockwise does not apply)
+    # A learned logit per head in each softmax's denominator (gpt-oss): a query may attend to nothing. Every
+    # backend takes it (SDPA kernels as one more key: model/attention.py sink_as_key)
     attention_sinks: bool = False
     attention_scale: float | None = None  # score multiplier; None: 1/sqrt(head_dim) (T5 folds it into init: 1.0)
     scale_output: bool = False  # multiply final hidden states by d_model**-0.5 before the output projection (T5)

@@ -100,12 +100,9 @@ def attention_kernels(cfg, device: torch.device, compiled: bool) -> str:
         return "math (explicit softmax; returns attention weights)"
     if cfg.model.attention_softcap is not None:
         return "math (soft-capped scores: explicit softmax)"
-    fallback = "math" if cfg.model.attention_sinks else "SDPA"  # no SDPA kernel takes a sink
     if runs_blockwise_attention(cfg, device.type, compiled):
-        return (f"blockwise (meshformer's CPU kernel; padded batches go to {fallback})" if device.type == "cpu"
+        return ("blockwise (meshformer's CPU kernel; padded batches go to SDPA)" if device.type == "cpu"
                 else "blockwise (meshformer's kernel, as configured)")
-    if cfg.model.attention_sinks:
-        return "math (attention sinks: explicit softmax)"
     if backend not in ("sdpa", "auto"):
         return f"SDPA, {backend} kernel first (torch's order after it)"
     if device.type == "cuda":

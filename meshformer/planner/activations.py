@@ -81,11 +81,9 @@ def _keys_kept(x: ActivationShape, calls: list[tuple[int, int]]) -> int:
     return sum(k for _, k in calls)
 
 
-def uses_math_attention(m: ModelConfig, x: ActivationShape) -> bool:
-    """Whether attention runs as explicit matmuls and softmax: the math backend, soft-capped scores, or attention
-    sinks where the blockwise kernel does not run (no SDPA kernel takes a sink)."""
-    return (m.attention_backend == "math" or m.attention_softcap is not None
-            or (m.attention_sinks and not x.blockwise))
+def uses_math_attention(m: ModelConfig) -> bool:
+    """Whether attention runs as explicit matmuls and softmax: the math backend, or soft-capped scores."""
+    return m.attention_backend == "math" or m.attention_softcap is not None
 
 
 def self_attention_masked(cfg: Config) -> bool:
@@ -188,7 +186,7 @@ def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memo
         total += _norm(m, x, s_local) + out_norms + gathered
         calls = _attention_calls(x, branch_cross, memory_len, causal)
         kv = b * _keys_kept(x, calls) * heads * m.attention_head_dim * a
-        if uses_math_attention(m, x):
+        if uses_math_attention(m):
             scores = b * heads * sum(q * k for q, k in calls)
             total += 2 * qkv_out + 2 * kv + scores * FP32 + (scores * a if a != FP32 else 0)
             if m.attention_softcap is not None:  # the capped scores' tanh, kept for its backward
@@ -227,7 +225,7 @@ def block_selective(m: ModelConfig, x: ActivationShape, *, cross: bool = False, 
             total += sum(stored_probabilities(b * heads, q, k, causal and not branch_cross) for q, k in calls) * a
         else:
             total += b * heads * s * FP32 + _sdpa_mask(x, calls, branch_cross)  # log-sum-exp, mask
-        if uses_math_attention(m, x):  # the two attention matmuls' outputs (scores, weighted values)
+        if uses_math_attention(m):  # the two attention matmuls' outputs (scores, weighted values)
             total += 2 * b * heads * sum(q * k for q, k in calls) * a
     widths = 2 if m.gated else 1  # gate and up (or up) projection outputs
     if moe:  # the router's and experts' matmul outputs, on this rank's tokens (sequence parallel routes locally)
@@ -265,7 +263,7 @@ def block_backward_extra(m: ModelConfig, x: ActivationShape, moe: bool = False) 
     calls = _attention_calls(x, False, 0)
     keys = max(k for _, k in calls)  # under context parallel: the gathered sequence's key/value gradients
     attention: float = 2 * b * (s + keys) * heads * m.attention_head_dim * a  # gradients of q and output, k and v
-    if m.attention_backend == "math" or (m.attention_sinks and not x.blockwise):
+    if m.attention_backend == "math":
         attention += 2 * b * heads * sum(q * k for q, k in calls) * FP32
     elif x.blockwise:
         # its workspace is large, but by then the feed-forward branch has back-propagated and freed what it kept

@@ -205,9 +205,6 @@ CASES = [
     # experts configured but placed in no block (TINY has 1 layer): the model would train dense in silence
     ("moe-no-moe-block", _train("model.n_experts=4", "model.moe_first_dense=1"),
      ["model.n_experts=4", "no block of the 1-layer decoder stack is MoE", "lower model.moe_first_dense"]),
-    ("sinks-sdpa-backend", _train("model.attention_sinks=true", "model.attention_backend=flash"),
-     ["model.attention_sinks=true", "attention_backend='flash'", "set model.attention_backend to auto, math or "
-      "blockwise"]),
     ("router-bias-dense", _train("model.router_bias=true"), ["model.router_bias=true needs experts",
                                                              "set model.n_experts"]),
     ("expert-bias-dense", _train("model.expert_bias_terms=true"), ["model.expert_bias_terms=true needs experts",

@@ -88,7 +88,10 @@ def hf_rope(length: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rotary(torch.zeros(1, dtype=torch.float32), torch.arange(length)[None])
 
 
-@pytest.mark.parametrize("backend", ["auto", "math", "blockwise"])
+ATTENTION_BACKENDS = ["auto", "math", "blockwise", "sdpa", "flash", "efficient", "cudnn"]
+
+
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
 @pytest.mark.parametrize("layout", ["causal", "padded", "window"])
 def test_attention_sinks_equal_transformers(backend, layout):
     theirs, mine = attention_pair(backend)
@@ -150,17 +153,47 @@ def test_blockwise_sinks_forward_and_gradients_equal_the_explicit_softmax(q_len,
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-def test_attention_gradients_equal_on_every_sink_backend():
+@pytest.mark.parametrize("padded", [False, True], ids=["causal", "padded"])
+def test_attention_gradients_equal_on_every_backend(padded):
+    """Blockwise (its own backward) and SDPA (the sink as a key) against the explicit softmax."""
+    padding = torch.ones(2, 10, dtype=torch.bool)
+    padding[0, 7:] = not padded
+    mask = build_mask(10, 10, causal=True, key_padding=padding if padded else None)
     grads = {}
-    for backend in ("math", "blockwise"):
+    for backend in ATTENTION_BACKENDS:
         _, mine = attention_pair(backend)
         x = torch.randn(2, 10, D, generator=torch.Generator().manual_seed(3))
-        mine(x, build_mask(10, 10, causal=True), rope=RotaryEmbedding(HEAD_DIM, 64)(torch.arange(10))).square().sum() \
-            .backward()
+        mine(x, mask, rope=RotaryEmbedding(HEAD_DIM, 64)(torch.arange(10))).square().sum().backward()
         grads[backend] = {n: p.grad for n, p in mine.named_parameters()}
     assert grads["math"]["sinks.weight"].abs().sum() > 0
-    for name, g in grads["math"].items():  # fp32 sums of different order: 1e-6 of the largest entry
-        torch.testing.assert_close(grads["blockwise"][name], g, rtol=1e-5, atol=1e-6 * g.abs().max().item())
+    for backend in ATTENTION_BACKENDS[1:]:
+        for name, g in grads["math"].items():  # fp32 sums of different order: 1e-6 of the largest entry
+            torch.testing.assert_close(grads[backend][name], g, rtol=1e-5, atol=1e-6 * g.abs().max().item())
+
+
+@pytest.mark.parametrize("head_dim", [8, 12])
+@pytest.mark.parametrize("bias", [False, True], ids=["mask", "bias"])
+def test_sink_as_key_equals_the_sink_in_the_softmax(head_dim, bias):
+    """The SDPA form: a cache step (fewer queries than keys, causal at the bottom right), a padded mask, an
+    additive position bias, a head width that is and one that is not a multiple of 8."""
+    from meshformer.model.attention import sink_as_key, with_sinks
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 3, head_dim), torch.randn(2, 4, 7, head_dim), torch.randn(2, 4, 7, head_dim)
+    sinks = torch.randn(4)
+    padding = torch.ones(2, 7, dtype=torch.bool)
+    padding[1, :2] = False
+    mask = build_mask(3, 7, q_offset=4, causal=True, key_padding=padding)
+    additive = torch.randn(4, 3, 7) if bias else None
+    scores = q @ k.transpose(-2, -1) * 0.3 + (0 if additive is None else additive)
+    scores = scores.masked_fill(~mask.mask, torch.finfo(torch.float32).min)
+    expected = with_sinks(scores, sinks) @ v
+    q2, k2, v2, mask2, bias2 = sink_as_key(q, k, v, mask, additive, sinks, 0.3)
+    assert q2.shape[-1] % 8 == 0 and k2.shape[2] == 8
+    attn_mask = mask2.mask if bias2 is None else \
+        bias2[None].masked_fill(~mask2.mask, torch.finfo(torch.float32).min)  # type: ignore[union-attr]
+    out = torch.nn.functional.scaled_dot_product_attention(q2, k2, v2, attn_mask=attn_mask, scale=0.3)
+    torch.testing.assert_close(out[..., :head_dim], expected, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------- feed-forward
@@ -287,8 +320,6 @@ def test_parameter_count_init_and_optimizer_groups():
 
 
 @pytest.mark.parametrize("model,named", [
-    (dict(attention_sinks=True, attention_backend="flash"), "attention_backend='flash'"),
-    (dict(attention_sinks=True, attention_backend="sdpa"), "attention_backend='sdpa'"),
     (dict(router_bias=True), "model.router_bias=true needs experts"),
     (dict(expert_bias_terms=True), "model.expert_bias_terms=true needs experts"),
     (dict(activation="swiglu_clamped", swiglu_limit=0.0), "model.swiglu_limit=0.0"),
