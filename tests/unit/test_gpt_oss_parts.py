@@ -337,3 +337,19 @@ def test_exports_that_would_drop_a_gpt_oss_piece_are_refused(key, tmp_path):
     with pytest.raises(ConversionError, match=f"{key}=True"):
         export_hf(Transformer(cfg).state_dict(), cfg, tmp_path / "hf", "mixtral" if cfg.n_experts else "llama")
     assert any(key in problem for problem in megatron_incompatibilities(cfg))
+
+
+@pytest.mark.parametrize("layers,experts,total", [(24, 32, 20_914_757_184), (36, 128, 116_829_156_672)],
+                         ids=["gpt-oss-20b", "gpt-oss-120b"])
+def test_parameter_counts_of_the_published_shapes_equal_transformers(layers, experts, total):
+    """The issue's 20.9B / 116.8B: `meshformer params` of gpt-oss-20b / 120b's shapes, and transformers' model of
+    the same config (built on the meta device) holding as many parameters."""
+    cfg = ModelConfig(vocab_size=201088, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64, n_layers=layers,
+                      d_ff=2880, activation="swiglu_clamped", norm="rmsnorm", bias=True, position="rope",
+                      tie_embeddings=False, attention_sinks=True, n_experts=experts, experts_per_token=4,
+                      router_bias=True, expert_bias_terms=True)
+    assert count_params(cfg)["total"] == total
+    config = transformers.GptOssConfig(num_hidden_layers=layers, num_local_experts=experts)
+    with torch.device("meta"):
+        model = transformers.GptOssForCausalLM(config)
+    assert sum(p.numel() for p in model.parameters()) == total
