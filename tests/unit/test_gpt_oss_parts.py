@@ -353,3 +353,34 @@ def test_parameter_counts_of_the_published_shapes_equal_transformers(layers, exp
     with torch.device("meta"):
         model = transformers.GptOssForCausalLM(config)
     assert sum(p.numel() for p in model.parameters()) == total
+
+
+@pytest.mark.parametrize("window", [False, True], ids=["full", "sliding"])
+def test_decoder_block_equals_transformers_layer(window):
+    """One whole block (RMSNorms, attention with sinks, biased MoE with the clamped SwiGLU, residuals), padded."""
+    from meshformer.model.layers import TransformerBlock
+
+    theirs_attention, _ = attention_pair("auto")
+    theirs_moe, mine_moe = moe_pair("auto")
+    theirs = hf.GptOssDecoderLayer(hf_config(), layer_idx=0).eval()
+    theirs.self_attn.load_state_dict(theirs_attention.state_dict())
+    random_(theirs.input_layernorm.weight, theirs.post_attention_layernorm.weight)
+    cfg = ours(attention_window=4 if window else None)
+    mine = TransformerBlock(cfg, causal=True, moe=True).eval()
+    with torch.no_grad():
+        theirs.mlp.load_state_dict(theirs_moe.state_dict())
+        mine.ffn.load_state_dict(mine_moe.state_dict())
+        mine.attn_norm.weight.copy_(theirs.input_layernorm.weight)
+        mine.ffn_norm.weight.copy_(theirs.post_attention_layernorm.weight)
+        for name, value in theirs.self_attn.named_parameters():
+            dict(mine.attn.named_parameters())["sinks.weight" if name == "sinks" else name].copy_(value)
+    length = 10
+    x = torch.randn(2, length, D, generator=torch.Generator().manual_seed(2))
+    padding = torch.ones(2, length, dtype=torch.bool)
+    padding[1, 8:] = False
+    mask = build_mask(length, length, causal=True, key_padding=padding, window=4 if window else None)
+    additive = torch.zeros(mask.mask.shape).masked_fill(~mask.mask, torch.finfo(torch.float32).min)  # type: ignore
+    cos, sin = hf_rope(length)
+    expected = theirs(x, attention_mask=additive, position_embeddings=(cos, sin))
+    got = mine(x, mask, rope=(torch.cat([cos[0], cos[0]], -1), torch.cat([sin[0], sin[0]], -1)))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
