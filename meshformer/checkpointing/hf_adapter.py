@@ -35,7 +35,8 @@ COMMON: dict[str, Any] = {
     "head_dim": "d_model/n_heads", "qk_norm": False, "qkv_bias": "as bias", "moe": False, "n_shared_experts": 0,
     "router_score": "softmax", "router_renormalize": True, "router_groups": 1, "capacity_factor": 0.0,
     "moe_blocks": "every block", "qk_norm_scope": "head", "norm_weight_offset": 0.0, "full_attention_every": None,
-    "rope_local_theta": None, "attention_softcap": None, "logit_softcap": None}
+    "rope_local_theta": None, "attention_softcap": None, "logit_softcap": None, "router_bias": False,
+    "expert_bias_terms": False, "attention_sinks": False}
 
 
 def features(cfg: ModelConfig) -> dict[str, Any]:
@@ -49,6 +50,8 @@ def features(cfg: ModelConfig) -> dict[str, Any]:
         "router_score": cfg.router_score if moe else "softmax",
         "router_renormalize": cfg.router_renormalize if moe else True,
         "router_groups": cfg.router_groups if moe else 1, "capacity_factor": cfg.capacity_factor if moe else 0.0,
+        "router_bias": cfg.router_bias and moe, "expert_bias_terms": cfg.expert_bias_terms and moe,
+        "attention_sinks": cfg.attention_sinks,
         "moe_blocks": "every block" if not moe or (cfg.moe_every, cfg.moe_first_dense) == (1, 0) else "some",
         "family": cfg.family, "norm": cfg.norm, "norm_position": cfg.norm_position, "final_norm": cfg.use_final_norm,
         "embedding_norm": cfg.embedding_norm, "position": cfg.position, "scale_embeddings": cfg.scale_embeddings,

@@ -71,6 +71,7 @@ def megatron_incompatibilities(cfg: ModelConfig) -> list[str]:
         (cfg.qk_norm_scope == "head" or not cfg.qk_norm, "qk_norm_scope='projection' (Megatron normalises per head)"),
         (cfg.norm_weight_offset == 0, f"norm_weight_offset={cfg.norm_weight_offset} (RMSNorm by offset + weight)"),
         (cfg.attention_softcap is None and cfg.logit_softcap is None, "attention_softcap / logit_softcap"),
+        (not cfg.attention_sinks, "attention_sinks (no Megatron-Core mapping here)"),
     ]
     return [problem for ok, problem in checks if not ok] + (_router_incompatibilities(cfg) if cfg.n_experts else [])
 
@@ -81,6 +82,8 @@ def _router_incompatibilities(cfg: ModelConfig) -> list[str]:
     k, problems = cfg.experts_per_token, []
     if cfg.bias:
         problems.append("mixture-of-experts with model.bias (Megatron's experts would carry biases, ours have none)")
+    if cfg.router_bias or cfg.expert_bias_terms:
+        problems.append("router_bias / expert_bias_terms (no Megatron-Core mapping here)")
     if cfg.router_score == "sigmoid" and cfg.router_renormalize != (k > 1):
         problems.append(f"router_score='sigmoid' with router_renormalize={cfg.router_renormalize} at "
                         f"experts_per_token={k} (Megatron renormalises sigmoid weights exactly when k > 1)")

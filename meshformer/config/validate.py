@@ -132,6 +132,10 @@ def _check_moe(cfg: Config) -> None:
     if m.n_experts < 0:
         raise ConfigError(f"model.n_experts={m.n_experts} is negative", "use 0 (dense) or the number of experts")
     if m.n_experts == 0:
+        for key in ("router_bias", "expert_bias_terms"):
+            if getattr(m, key):
+                raise ConfigError(f"model.{key}=true needs experts, but model.n_experts=0",
+                                  f"set model.n_experts, or drop model.{key}")
         return
     if not 1 <= m.experts_per_token <= m.n_experts:
         raise ConfigError(f"model.experts_per_token={m.experts_per_token} must lie in [1, model.n_experts="
@@ -208,6 +212,9 @@ def _check_layer_options(cfg: Config) -> None:
     if m.norm_weight_offset and m.norm != "rmsnorm":
         raise ConfigError(f"model.norm_weight_offset={m.norm_weight_offset} scales RMSNorm by (offset + weight), but "
                           f"model.norm={m.norm!r}", "set model.norm='rmsnorm' or leave the offset at 0")
+    if m.activation == "swiglu_clamped" and not (m.swiglu_limit > 0 and m.swiglu_alpha > 0):
+        raise ConfigError(f"model.swiglu_limit={m.swiglu_limit} and model.swiglu_alpha={m.swiglu_alpha} must be "
+                          "positive", "gpt-oss: swiglu_limit=7.0, swiglu_alpha=1.702")
     if m.qk_norm_scope != "head" and not m.qk_norm:
         raise ConfigError(f"model.qk_norm_scope={m.qk_norm_scope!r} has no QK-norm to place",
                           "set model.qk_norm=true, or drop qk_norm_scope")

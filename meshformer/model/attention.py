@@ -67,6 +67,53 @@ def pieces_held(index: int, count: int, local_len: int) -> list[tuple[int, int, 
     return [(0, half, index * half), (half, half, (2 * count - 1 - index) * half)]
 
 
+class AttentionSinks(nn.Module):
+    """A learned logit per query head in each softmax's denominator (gpt-oss): weights exp(s_j) / (sum_k exp(s_k) +
+    exp(sink)), so a query may give every key little weight. A module of its own so that tensor parallelism splits
+    it with the heads (style HEAD_VALUES); `forward` gives this rank's heads."""
+
+    def __init__(self, n_heads: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_heads))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
+
+
+def with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax weights of `scores` (B, H, Tq, Tk) with each head's sink in the denominator (None: plain softmax)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+
+
+def sink_as_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, bias: torch.Tensor | None,
+                sinks: torch.Tensor, scale: float
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMask, torch.Tensor | None]:
+    """Attention sinks for SDPA kernels, which take none: each head's sink as a key at position 0 that every query
+    sees, whose score is the sink and whose value is zero. The heads widen to the next multiple of 8 above D (flash
+    kernels' granularity): queries carry a 1 in column D, the sink key sink / scale there and the other keys 0, so
+    every score is unchanged and the sink's is `sink`. The caller keeps the output's first D columns. Exact, with
+    gradients for the sink by autograd, on every SDPA kernel; the cost is the widened heads and one key more."""
+    batch, heads, q_len, head_dim = q.shape
+    extra = 8 - head_dim % 8
+    one = q.new_ones(batch, heads, q_len, 1)
+    q = torch.cat([q, one, q.new_zeros(batch, heads, q_len, extra - 1)], dim=-1)
+    sink_key = torch.cat([k.new_zeros(heads, head_dim), (sinks.to(k.dtype) / scale).view(heads, 1),
+                          k.new_zeros(heads, extra - 1)], dim=-1).view(1, heads, 1, head_dim + extra)
+    sink_key = sink_key.expand(batch, heads, 1, head_dim + extra)
+    k = torch.cat([sink_key, F.pad(k, (0, extra))], dim=2)
+    v = F.pad(torch.cat([v.new_zeros(batch, heads, 1, head_dim), v], dim=2), (0, extra))
+    # the sink key is always allowed; causal without a mask tensor stays aligned at the bottom right
+    if mask.mask is not None:
+        mask = AttentionMask(torch.cat([mask.mask.new_ones(*mask.mask.shape[:-1], 1), mask.mask], dim=-1),
+                             mask.is_causal)
+    if bias is not None:
+        bias = torch.cat([bias.new_zeros(*bias.shape[:-1], 1), bias], dim=-1)
+    return q, k, v, mask, bias
+
+
 @dataclass
 class KVCache:
     """Keys and values an attention layer has already computed, shaped (B, H_kv, T, D)."""
@@ -103,6 +150,7 @@ class Attention(nn.Module):
             if cfg.qk_norm else None
         self.k_norm = make_rms_norm(cfg, self.head_dim if per_head else cfg.kv_heads * self.head_dim) \
             if cfg.qk_norm else None
+        self.sinks = AttentionSinks(cfg.n_heads) if cfg.attention_sinks else None
         self.softcap = cfg.attention_softcap
         self.dropout_p = cfg.attention_dropout
         self.backend = cfg.attention_backend
@@ -200,16 +248,21 @@ class Attention(nn.Module):
             repeat = q.shape[1] // k.shape[1]
             k, v = (t.repeat_interleave(repeat, dim=1) for t in (k, v))
         dropout_p = self.dropout_p if self.training else 0.0
+        sinks = None if self.sinks is None else self.sinks()
         if self.use_math or self.capture_weights or self.softcap is not None:  # no fused kernel soft-caps scores
-            return self._math(q, k, v, mask, bias, dropout_p)
+            return self._math(q, k, v, mask, bias, dropout_p, sinks)
         plain = (mask.mask is None and bias is None and dropout_p == 0.0 and not isinstance(q, DTensor)
                  and not torch.compiler.is_compiling())
         if picks_blockwise(self.backend, q.device.type, max(q.shape[2], k.shape[2]), self.head_dim, plain):
-            return blockwise_attention(q, k, v, scale=self.scale, causal=mask.is_causal)
+            return blockwise_attention(q, k, v, scale=self.scale, causal=mask.is_causal, sinks=sinks)
+        if sinks is not None:  # no SDPA kernel takes a sink: each head's sink becomes one more key
+            q, k, v, mask, bias = sink_as_key(q, k, v, mask, bias, sinks, self.scale)
         if self.sdpa_order is None:
-            return self._sdpa(q, k, v, mask, bias, dropout_p)
-        with sdpa_kernel(self.sdpa_order, set_priority=True):
-            return self._sdpa(q, k, v, mask, bias, dropout_p)
+            out = self._sdpa(q, k, v, mask, bias, dropout_p)
+        else:
+            with sdpa_kernel(self.sdpa_order, set_priority=True):
+                out = self._sdpa(q, k, v, mask, bias, dropout_p)
+        return out if sinks is None else out[..., :self.head_dim]
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, bias: torch.Tensor | None,
               dropout_p: float) -> torch.Tensor:
@@ -238,6 +291,7 @@ class Attention(nn.Module):
         mask: AttentionMask,
         bias: torch.Tensor | None,
         dropout_p: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         scores = (q @ k.transpose(-2, -1)) * self.scale
         if self.softcap is not None:
@@ -249,7 +303,7 @@ class Attention(nn.Module):
             # A finite fill keeps every row finite even before `build_mask` opens empty rows.
             scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
         # Softmax in at least fp32: upcasts bf16/fp16 but must not downcast fp64 (whose fill value would become -inf).
-        weights = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
+        weights = with_sinks(scores.to(torch.promote_types(scores.dtype, torch.float32)), sinks).to(q.dtype)
         if self.capture_weights:
             self.weights = weights.detach()
         weights = F.dropout(weights, p=dropout_p, training=dropout_p > 0)

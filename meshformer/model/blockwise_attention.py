@@ -65,16 +65,21 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 # One custom op (not an autograd.Function of many aten ops) so that selective recomputation, which keeps chosen
 # ops' outputs, can keep this kernel's output and probabilities as it keeps an SDPA kernel's (parallel/recompute.py).
 @torch.library.custom_op("meshformer::blockwise_attention", mutates_args=())
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> list[torch.Tensor]:
-    """[output, q, k, v as (B*H, T, D) rows, probabilities of each query block]; q (B, H, Tq, D), k and v
-    (B, H, Tk, D). Backward keeps the rows (no second copy of the heads) and the probabilities. Causal: the
-    queries are the last Tq of the Tk positions (a KV-cache step or a context-parallel piece when Tq < Tk)."""
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+               sinks: torch.Tensor | None) -> list[torch.Tensor]:
+    """[output, q, k, v as (B*H, T, D) rows, each query's sink probability (N, Tq) (empty without sinks),
+    probabilities of each query block]; q (B, H, Tq, D), k and v (B, H, Tk, D), sinks (H,) or None. Backward keeps
+    the rows (no second copy of the heads) and the probabilities. Causal: the queries are the last Tq of the Tk
+    positions (a KV-cache step or a context-parallel piece when Tq < Tk)."""
     batch, heads, q_len, head_dim = q.shape
     k_len = k.shape[2]
     shift = k_len - q_len  # causal: query i sits at key position i + shift
     q, k, v = (_rows(t) for t in (q, k, v))  # (N, T, D), N = batch x heads
     rows = block_rows(q_len)
     wide = torch.promote_types(q.dtype, torch.float32)  # scores in at least fp32 (fp64 stays fp64)
+    # a sink joins each row's denominator: softmax(scores) scaled by sigmoid(logsumexp(scores) - sink)
+    sink_of_row = None if sinks is None else sinks.to(wide).repeat(batch).view(-1, 1)  # row n = b * H + h
+    sink_probs = q.new_empty((0,) if sinks is None else (batch * heads, q_len), dtype=wide)
     q_wide = q.to(wide) * scale
     k_wide_t = k.to(wide).transpose(1, 2).contiguous()  # (N, D, Tk): each block reads a prefix of keys
     above_diagonal = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)
@@ -88,31 +93,40 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
         if causal:
             n = end - start
             scores[:, :, start + shift:].masked_fill_(above_diagonal[:n, :n], float("-inf"))
-        p = torch.softmax(scores, dim=-1).to(q.dtype)
+        p = torch.softmax(scores, dim=-1)
+        if sink_of_row is not None:
+            beyond = torch.logsumexp(scores, dim=-1) - sink_of_row  # (N, rows)
+            p = p.mul_(torch.sigmoid(beyond).unsqueeze(-1))
+            sink_probs[:, start:end] = torch.sigmoid(-beyond)
+        p = p.to(q.dtype)
         out[:, :, start:end] = torch.bmm(p, v[:, :keys]).view(batch, heads, end - start, head_dim)
         probs.append(p)
-    return [out, q, k, v, *probs]
+    return [out, q, k, v, sink_probs, *probs]
 
 
 @_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> list[torch.Tensor]:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+      sinks: torch.Tensor | None) -> list[torch.Tensor]:
     batch, heads, q_len, head_dim = q.shape
     rows, k_len = block_rows(q_len), k.shape[2]
     probs = [q.new_empty(batch * heads, min(rows, q_len - start),
                          min(start + rows, q_len) + k_len - q_len if causal else k_len)
              for start in range(0, q_len, rows)]
     rows_of = [t.new_empty(batch * heads, t.shape[2], head_dim) for t in (q, k, v)]
-    return [q.new_empty(batch, q_len, heads, head_dim).transpose(1, 2), *rows_of, *probs]
+    wide = torch.promote_types(q.dtype, torch.float32)
+    sink_probs = q.new_empty((0,) if sinks is None else (batch * heads, q_len), dtype=wide)
+    return [q.new_empty(batch, q_len, heads, head_dim).transpose(1, 2), *rows_of, sink_probs, *probs]
 
 
 def _save(ctx, inputs: tuple, output: list[torch.Tensor]) -> None:
-    q, _, _, scale, causal = inputs
+    q, _, _, scale, causal, sinks = inputs
     ctx.save_for_backward(*output[1:])
     ctx.scale, ctx.causal, ctx.heads = scale, causal, q.shape[1]
+    ctx.sinks_dtype = None if sinks is None else sinks.dtype
 
 
 def _backward(ctx, grads: list[torch.Tensor | None]):
-    q, k, v, *probs = ctx.saved_tensors  # (N, T, D) rows
+    q, k, v, sink_probs, *probs = ctx.saved_tensors  # (N, T, D) rows
     q_len, head_dim, k_len = q.shape[1], q.shape[2], k.shape[1]
     heads = ctx.heads
     batch = q.shape[0] // heads
@@ -124,6 +138,8 @@ def _backward(ctx, grads: list[torch.Tensor | None]):
     grad_q = torch.empty_like(q)
     grad_k = torch.zeros(k.shape, dtype=wide, device=k.device)
     grad_v = torch.zeros(k.shape, dtype=wide, device=k.device)
+    # a sink's logit gradient: -p_sink * rowsum(P * dP) per query (its value is zero, so its dP is 0)
+    grad_sink_rows = None if ctx.sinks_dtype is None else torch.empty_like(sink_probs)
     for p, start in zip(probs, range(0, q_len, rows), strict=True):
         end = min(start + rows, q_len)
         keys = end + shift if ctx.causal else k_len
@@ -131,22 +147,27 @@ def _backward(ctx, grads: list[torch.Tensor | None]):
         # softmax backward in fp32: dS = P*dP - P*rowsum(P*dP), with dP = dO V^T
         grad_scores = torch.bmm(grad_out[:, start:end].to(wide), v_wide_t[:, :, :keys]).mul_(p)
         row_sums = grad_scores.sum(-1, keepdim=True)
+        if grad_sink_rows is not None:
+            grad_sink_rows[:, start:end] = -sink_probs[:, start:end] * row_sums.squeeze(-1)
         grad_scores = grad_scores.addcmul_(p, row_sums, value=-1).to(q.dtype)
         grad_q[:, start:end] = torch.bmm(grad_scores, k[:, :keys])
         grad_k[:, :keys] += torch.bmm(grad_scores.transpose(1, 2), q[:, start:end])
     grad_q = grad_q.mul_(ctx.scale).view(batch, heads, q_len, head_dim)
     grad_k = grad_k.mul_(ctx.scale).to(k.dtype).view(batch, heads, k_len, head_dim)
-    return grad_q, grad_k, grad_v.to(v.dtype).view(batch, heads, k_len, head_dim), None, None
+    grad_sinks = None
+    if grad_sink_rows is not None:
+        grad_sinks = grad_sink_rows.view(batch, heads, q_len).sum((0, 2)).to(ctx.sinks_dtype)
+    return grad_q, grad_k, grad_v.to(v.dtype).view(batch, heads, k_len, head_dim), None, None, grad_sinks
 
 
 _attention.register_autograd(_backward, setup_context=_save)
 
 
 def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-                        causal: bool) -> torch.Tensor:
+                        causal: bool, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale [+ causal mask]) v for q (B, H, Tq, D), k and v (B, H, Tk, D) with the same heads;
-    causal aligns the queries with the last Tq keys."""
+    causal aligns the queries with the last Tq keys. sinks (H,): a logit per head in each row's denominator."""
     if causal and q.shape[2] > k.shape[2]:
         raise ValueError(f"blockwise causal attention needs at least as many keys as queries, got {k.shape[2]} "
                          f"keys for {q.shape[2]} queries")
-    return _attention(q, k, v, scale, causal)[0]
+    return _attention(q, k, v, scale, causal, sinks)[0]

@@ -11,9 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-# swiglu: down(silu(gate(x)) * up(x)) (Llama); geglu: the same gated by gelu's tanh approximation (Gemma)
-Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu", "geglu"]
-GATED_ACTIVATIONS = ("swiglu", "geglu")
+# swiglu: down(silu(gate(x)) * up(x)) (Llama); geglu: the same gated by gelu's tanh approximation (Gemma);
+# swiglu_clamped: gpt-oss's, gate clamped above and up both ways at swiglu_limit, then (up + 1) * gate *
+# sigmoid(swiglu_alpha * gate)
+Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu", "geglu", "swiglu_clamped"]
+GATED_ACTIVATIONS = ("swiglu", "geglu", "swiglu_clamped")
 
 
 @dataclass
@@ -28,6 +30,8 @@ class ModelConfig:
     n_decoder_layers: int | None = None  # decoder stack of a two-stack family; None: n_layers
     d_ff: int = 512  # feed-forward hidden width (of each gated half with a GLU activation)
     activation: Activation = "gelu"  # feed-forward activation; swiglu / geglu: gated (two input projections)
+    swiglu_limit: float = 7.0  # swiglu_clamped: the clamp on gate (above) and up (both ways)
+    swiglu_alpha: float = 1.702  # swiglu_clamped: the gate's sigmoid slope
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # normalisation layer
     norm_eps: float = 1e-5  # epsilon of every norm
     # Where each sub-layer's (attention's, feed-forward's) norm goes: pre: x + f(norm(x)); post: norm(x + f(x))
@@ -48,6 +52,7 @@ class ModelConfig:
     rope_beta_fast: float = 32.0  # yarn: rotations above which frequencies are kept
     rope_beta_slow: float = 1.0  # yarn: rotations below which frequencies are divided by the factor
     rope_attention_factor: float | None = None  # yarn: cos/sin multiplier; None: 0.1 * ln(factor) + 1
+    rope_truncate: bool = True  # yarn: round the ramp's ends to whole dimensions (false: gpt-oss's exact ends)
     head_dim: int | None = None  # width of each attention head; None: d_model // n_heads
     qk_norm: bool = False  # RMSNorm on the queries and keys before RoPE ...
     qk_norm_scope: Literal["head", "projection"] = "head"  # ... of each head (Qwen3, Gemma 3) or whole q/k (OLMo 2)
@@ -75,6 +80,9 @@ class ModelConfig:
     # auto: blockwise on a CPU where it applies (model/blockwise_attention.py), else SDPA; sdpa: torch picks;
     # flash | cudnn | efficient: that SDPA kernel first; blockwise: ours wherever it applies; math: explicit softmax
     attention_backend: Literal["auto", "sdpa", "math", "flash", "cudnn", "efficient", "blockwise"] = "auto"
+    # A learned logit per head in each softmax's denominator (gpt-oss): a query may attend to nothing. Every
+    # backend takes it (SDPA kernels as one more key: model/attention.py sink_as_key)
+    attention_sinks: bool = False
     attention_scale: float | None = None  # score multiplier; None: 1/sqrt(head_dim) (T5 folds it into init: 1.0)
     scale_output: bool = False  # multiply final hidden states by d_model**-0.5 before the output projection (T5)
     cross_downsample: int = 1  # pool encoder output by this factor before cross-attention
@@ -87,6 +95,8 @@ class ModelConfig:
     n_shared_experts: int = 0  # always-on experts of width moe_d_ff each (DeepSeek, Qwen2-MoE)
     moe_every: int = 1  # block i (from 0) of a stack is MoE when (i + 1) % moe_every == 0 ...
     moe_first_dense: int = 0  # ... and i >= moe_first_dense (DeepSeek keeps its first blocks dense)
+    router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
+    expert_bias_terms: bool = False  # biases on each expert's gate/up and down projections (gpt-oss)
     router_score: Literal["softmax", "sigmoid"] = "softmax"  # router logits -> expert scores (sigmoid: DeepSeek-V3)
     router_renormalize: bool = True  # the top-k weights sum to 1
     router_groups: int = 1  # group-limited routing (DeepSeek-V3): experts in this many groups ...

@@ -41,7 +41,9 @@ def _attention(cfg: ModelConfig) -> int:
     # one RMSNorm weight each for queries and keys: per head (shared by the heads) or over the whole projection
     qk_norm = 0 if not cfg.qk_norm else 2 * cfg.attention_head_dim if cfg.qk_norm_scope == "head" else q_dim + kv_dim
     qkv_bias = cfg.use_qkv_bias
-    return _linear(d, q_dim, qkv_bias) + 2 * _linear(d, kv_dim, qkv_bias) + _linear(q_dim, d, cfg.bias) + qk_norm
+    sinks = cfg.n_heads if cfg.attention_sinks else 0  # one logit per head
+    return (_linear(d, q_dim, qkv_bias) + 2 * _linear(d, kv_dim, qkv_bias) + _linear(q_dim, d, cfg.bias) + qk_norm
+            + sinks)
 
 
 def _dense_ffn_matmuls(cfg: ModelConfig, width: int) -> int:
@@ -70,12 +72,15 @@ def _stack_ffn_matmuls(cfg: ModelConfig, n_layers: int) -> int:
 
 def _ffn(cfg: ModelConfig, index: int) -> tuple[int, int]:
     """(all, active) parameters of the feed-forward of block `index`; active: those one token uses (the router,
-    experts_per_token routed experts, the shared experts). Experts have no biases."""
+    experts_per_token routed experts, the shared experts), with the router's and experts' biases where present."""
     if not is_moe_block(cfg, index):
         dense = _dense_ffn(cfg, cfg.d_ff)
         return dense, dense
     expert = _dense_ffn_matmuls(cfg, cfg.expert_d_ff)
-    common = cfg.n_experts * cfg.d_model + _dense_ffn(cfg, cfg.n_shared_experts * cfg.expert_d_ff)
+    if cfg.expert_bias_terms:  # gate (if any) and up biases of width expert_d_ff, a down bias of width d_model
+        expert += (2 if cfg.gated else 1) * cfg.expert_d_ff + cfg.d_model
+    router = cfg.n_experts * (cfg.d_model + int(cfg.router_bias))
+    common = router + _dense_ffn(cfg, cfg.n_shared_experts * cfg.expert_d_ff)
     return common + cfg.n_experts * expert, common + cfg.experts_per_token * expert
 
 

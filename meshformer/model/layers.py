@@ -16,23 +16,58 @@ from meshformer.model.norms import make_norm
 
 
 def activation_fn(name: str) -> nn.Module:
+    """The one-input activation `name` (a gated one's activation of the gate)."""
     return {"relu": nn.ReLU(), "gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"), "swiglu": nn.SiLU(),
-            "geglu": nn.GELU(approximate="tanh")}[name]
+            "geglu": nn.GELU(approximate="tanh"), "swiglu_clamped": nn.SiLU()}[name]
+
+
+class GatedUnit(nn.Module):
+    """act(gate) * up: SwiGLU (Llama), GeGLU (Gemma)."""
+
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.act = act
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.act(gate) * up
+
+
+class ClampedSwiGLU(nn.Module):
+    """gpt-oss's gated unit: gate clamped to <= limit, up to [-limit, limit], then (up + 1) * gate *
+    sigmoid(alpha * gate). Zero at gate = up = 0, as every gated unit here (padded expert rows stay zero)."""
+
+    def __init__(self, limit: float, alpha: float) -> None:
+        super().__init__()
+        self.limit, self.alpha = limit, alpha
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return (up + 1) * gate * torch.sigmoid(self.alpha * gate)
+
+
+def feed_forward_unit(cfg: ModelConfig) -> nn.Module:
+    """What sits between a feed-forward's input and output projections: the activation of the hidden units, or
+    for a gated activation a module of (gate, up) -> hidden."""
+    if cfg.activation == "swiglu_clamped":
+        return ClampedSwiGLU(cfg.swiglu_limit, cfg.swiglu_alpha)
+    act = activation_fn(cfg.activation)
+    return GatedUnit(act) if cfg.gated else act
 
 
 class FeedForward(nn.Module):
-    """d_model -> d_ff -> d_model; SwiGLU / GeGLU add a gate projection: down(act(gate(x)) * up(x))."""
+    """d_model -> d_ff -> d_model; gated activations add a gate projection: down(unit(gate(x), up(x)))."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias) if cfg.gated else None
         self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
         self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
-        self.act = activation_fn(cfg.activation)
+        self.act = feed_forward_unit(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is not None:
-            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self.act(self.up_proj(x)))
 
 

@@ -75,36 +75,53 @@ def route(logits: torch.Tensor, k: int, *, score: str = "softmax", renormalize: 
 # ---------------------------------------------------------------------------------------------------- compute
 
 
+# The experts' biases (gate's or None, up's, down's), each shaped to add to its projection's rows; None: none
+Biases = tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None
+
+
 def _ffn(x: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor, down: torch.Tensor, act: nn.Module,
-         matmul) -> torch.Tensor:
-    h = act(matmul(x, gate)) * matmul(x, up) if gate is not None else act(matmul(x, up))
-    return matmul(h, down)
+         matmul, biases: Biases = None) -> torch.Tensor:
+    """`act` as `layers.feed_forward_unit` builds it: of (gate, up) when there is a gate."""
+    gate_bias, up_bias, down_bias = biases if biases is not None else (None, None, None)
+
+    def project(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return matmul(h, w) if b is None else matmul(h, w) + b
+
+    h = act(project(x, gate, gate_bias), project(x, up, up_bias)) if gate is not None else act(project(x, up, up_bias))
+    return project(h, down, down_bias)
 
 
 @torch.compiler.disable  # a loop over sizes read on the host: eager inside compiled code (a graph break; "auto"
 # takes padded there)
 def experts_loop(xs: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor,
-                 down: torch.Tensor, act: nn.Module) -> torch.Tensor:
-    """Each expert on its contiguous slice of the sorted tokens (the slice sizes are read on the host)."""
+                 down: torch.Tensor, act: nn.Module, biases: Biases = None) -> torch.Tensor:
+    """Each expert on its contiguous slice of the sorted tokens (the slice sizes are read on the host); `biases`
+    stacked (E, width) like the weights."""
     sizes = counts.tolist()
-    # unbind: one gradient stack per weight in backward, where indexing would add E zero-filled full-size grads
-    gates = [None] * len(sizes) if gate is None else gate.unbind(0)
+
+    def each(t: torch.Tensor | None) -> list:
+        # unbind: one gradient stack per weight in backward, where indexing would add E zero-filled full-size grads
+        return [None] * len(sizes) if t is None else list(t.unbind(0))
+
+    gate_bias, up_bias, down_bias = biases if biases is not None else (None, None, None)
     outs, start = [], 0
-    for n, g, u, d in zip(sizes, gates, up.unbind(0), down.unbind(0), strict=True):
+    for n, g, u, d, gb, ub, db in zip(sizes, each(gate), up.unbind(0), down.unbind(0), each(gate_bias),
+                                      each(up_bias), each(down_bias), strict=True):
         if n:
-            outs.append(_ffn(xs[start:start + n], g, u, d, act, torch.matmul))
+            expert_biases = None if ub is None else (gb, ub, db)
+            outs.append(_ffn(xs[start:start + n], g, u, d, act, torch.matmul, expert_biases))
             start += n
     if not outs:  # no rows (expert parallel): keep rows and weights in the graph, so the backward runs the same
         # exchanges and gradient reductions (of zeros) as on every other rank
-        weights = sum(w.sum() for w in (gate, up, down) if w is not None)
+        weights = sum(w.sum() for w in (gate, up, down, gate_bias, up_bias, down_bias) if w is not None)
         return xs.new_zeros(0, down.shape[-1]) + (xs.sum() + weights) * 0
     return torch.cat(outs)
 
 
 def experts_padded(xs: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor,
-                   down: torch.Tensor, act: nn.Module) -> torch.Tensor:
-    """All experts in one batched matmul over (n_experts, most tokens of any expert, d); the zero padding rows
-    stay zero (no biases, act(0) = 0) and are dropped."""
+                   down: torch.Tensor, act: nn.Module, biases: Biases = None) -> torch.Tensor:
+    """All experts in one batched matmul over (n_experts, most tokens of any expert, d); the padding rows are
+    dropped (without biases they stay zero: every unit is 0 at 0)."""
     sizes = counts.to(xs.device)
     expert = torch.repeat_interleave(torch.arange(len(sizes), device=xs.device), sizes, output_size=xs.shape[0])
     row = torch.arange(xs.shape[0], device=xs.device) - (sizes.cumsum(0) - sizes)[expert]
@@ -112,19 +129,25 @@ def experts_padded(xs: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor | 
     # single row) needs no guard on a value it cannot know
     longest = torch.sym_max(int(sizes.max()), 2) if len(sizes) else 0
     padded = xs.new_zeros(len(sizes), longest, xs.shape[1]).index_put((expert, row), xs)
-    return _ffn(padded, gate, up, down, act, torch.bmm)[expert, row]
+    if biases is not None:  # (E, width) -> (E, 1, width): one row per expert, broadcast over its padded rows
+        biases = tuple(None if b is None else b.unsqueeze(1) for b in biases)  # type: ignore[assignment]
+    return _ffn(padded, gate, up, down, act, torch.bmm, biases)[expert, row]
 
 
 def experts_grouped_mm(xs: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor,
-                       down: torch.Tensor, act: nn.Module) -> torch.Tensor:
+                       down: torch.Tensor, act: nn.Module, biases: Biases = None) -> torch.Tensor:
     """`torch._grouped_mm`: one kernel per projection over every expert's slice; the slice ends stay on the device
-    (no host sync)."""
+    (no host sync). Biases are gathered per row."""
     offsets = counts.cumsum(0).to(torch.int32)
+    if biases is not None:
+        expert = torch.repeat_interleave(torch.arange(len(counts), device=xs.device), counts.to(xs.device),
+                                         output_size=xs.shape[0])
+        biases = tuple(None if b is None else b.index_select(0, expert) for b in biases)  # type: ignore[assignment]
 
     def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch._grouped_mm(x, w, offs=offsets)
 
-    return _ffn(xs, gate, up, down, act, matmul)
+    return _ffn(xs, gate, up, down, act, matmul, biases)
 
 
 COMPUTE = {"loop": experts_loop, "padded": experts_padded, "grouped_mm": experts_grouped_mm}
@@ -177,13 +200,15 @@ class TokenGroup(Protocol):
 
 
 class Router(nn.Module):
-    """Linear scores without bias, computed in fp32; `expert_bias` steers selection only."""
+    """Linear scores (with a learned bias under model.router_bias), computed in fp32; the `expert_bias` buffer
+    steers selection only."""
 
     expert_bias: torch.Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model))
+        self.bias = nn.Parameter(torch.empty(cfg.n_experts)) if cfg.router_bias else None
         # Part of the model's state (checkpoints, final weights): trained by bias balancing, it changes the function
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
 
@@ -194,7 +219,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x.float(), self.weight.float())
+            return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -212,8 +237,8 @@ class ExpertExchange(Protocol):
 
 
 class Experts(nn.Module):
-    """n_experts feed-forward networks without biases, stacked: gate/up (E, d_model, width), down (E, width,
-    d_model).
+    """n_experts feed-forward networks, stacked: gate/up (E, d_model, width), down (E, width, d_model); with
+    model.expert_bias_terms their biases gate_bias/up_bias (E, width), down_bias (E, d_model), split with the experts.
 
     `forward(xs, counts)` runs the token rows `xs`, sorted by expert, `counts[e]` of them for expert e; under expert
     parallelism through `exchange`, set by parallel code. A forward keeps no state between calls: torch.compile
@@ -221,13 +246,17 @@ class Experts(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        from meshformer.model.layers import activation_fn  # layers builds this module
+        from meshformer.model.layers import feed_forward_unit  # layers builds this module
 
         e, d, f = cfg.n_experts, cfg.d_model, cfg.expert_d_ff
         self.gate_proj = nn.Parameter(torch.empty(e, d, f)) if cfg.gated else None
         self.up_proj = nn.Parameter(torch.empty(e, d, f))
         self.down_proj = nn.Parameter(torch.empty(e, f, d))
-        self.act = activation_fn(cfg.activation)
+        biased = cfg.expert_bias_terms
+        self.gate_bias = nn.Parameter(torch.empty(e, f)) if biased and cfg.gated else None
+        self.up_bias = nn.Parameter(torch.empty(e, f)) if biased else None
+        self.down_bias = nn.Parameter(torch.empty(e, d)) if biased else None
+        self.act = feed_forward_unit(cfg)
         self.backend = cfg.moe_backend
         self.exchange: ExpertExchange | None = None  # None: every expert is here
 
@@ -239,7 +268,11 @@ class Experts(nn.Module):
         dtype = xs.dtype  # under autocast the routed rows are cast once; the weights follow them
         gate = None if self.gate_proj is None else _local(self.gate_proj).to(dtype)
         up, down = _local(self.up_proj).to(dtype), _local(self.down_proj).to(dtype)
-        return COMPUTE[resolve_backend(self.backend, xs)](xs, counts, gate, up, down, self.act)
+        biases: Biases = None
+        if self.up_bias is not None and self.down_bias is not None:
+            biases = (None if self.gate_bias is None else _local(self.gate_bias).to(dtype),
+                      _local(self.up_bias).to(dtype), _local(self.down_bias).to(dtype))
+        return COMPUTE[resolve_backend(self.backend, xs)](xs, counts, gate, up, down, self.act, biases)
 
 
 class _WithBalanceLoss(torch.autograd.Function):

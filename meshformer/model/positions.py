@@ -62,11 +62,13 @@ class RopeScaling:
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
     attention_factor: float | None = None  # yarn; None: 0.1 * ln(factor) + 1
+    truncate: bool = True  # yarn: the ramp's ends rounded outwards to whole dimensions
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> RopeScaling:
         return cls(cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_original_max_seq_len, cfg.rope_low_freq_factor,
-                   cfg.rope_high_freq_factor, cfg.rope_beta_fast, cfg.rope_beta_slow, cfg.rope_attention_factor)
+                   cfg.rope_high_freq_factor, cfg.rope_beta_fast, cfg.rope_beta_slow, cfg.rope_attention_factor,
+                   cfg.rope_truncate)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeScaling(),
@@ -97,8 +99,10 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeSca
             return (head_dim * math.log(scaling.original_max_len / (rotations * 2 * math.pi))  # type: ignore[operator]
                     / (2 * math.log(theta)))
 
-        low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
-        high = min(math.ceil(correction_dim(scaling.beta_slow)), head_dim - 1)
+        low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+        if scaling.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
         ramp = ((torch.arange(head_dim // 2, dtype=torch.float64, device=device) - low)
                 / (high - low if high != low else 0.001)).clamp(0, 1)
         keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide it by the factor)

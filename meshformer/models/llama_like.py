@@ -3,7 +3,8 @@ both ways, RoPE parameters, sliding windows and layer_types patterns, and an ada
 
 Llama: RMSNorm, SwiGLU, half-split RoPE, grouped-query heads, untied head: names only. head_dim = ours;
 rope_parameters of rope_type linear / llama3 / yarn = our rope_scaling and rope_* keys (Llama 3.1/3.2's llama3);
-other rope types, keys we lack (yarn's mscale, partial_rotary_factor) and yarn truncate=False are refused.
+yarn's truncate = our rope_truncate; other rope types and keys we lack (yarn's mscale, partial_rotary_factor) are
+refused.
 """
 
 from __future__ import annotations
@@ -72,13 +73,12 @@ def adapter(model_type: str, model_class: str, experts: Experts | None = None, *
 
 
 # The rope_parameters keys each rope_type may carry (rope_theta aside), and ours for them.
-# yarn's truncate: only True (the default), checked apart.
 _SCALED = {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_seq_len"}
 _ROPE_KEYS = {"linear": {"factor": "rope_scaling_factor"},
               "llama3": {**_SCALED, "low_freq_factor": "rope_low_freq_factor",
                          "high_freq_factor": "rope_high_freq_factor"},
               "yarn": {**_SCALED, "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow",
-                       "attention_factor": "rope_attention_factor", "truncate": ""}}
+                       "attention_factor": "rope_attention_factor", "truncate": "rope_truncate"}}
 
 
 def rope_from_hf(c: Any, arch: str) -> dict[str, Any]:
@@ -90,8 +90,6 @@ def rope_from_hf(c: Any, arch: str) -> dict[str, Any]:
         return fields
     if kind not in _ROPE_KEYS:
         raise refuse(arch, f"rope_type={kind!r}", "rescales the rotary frequencies its own way")
-    if rope.get("truncate", True) is not True:
-        raise refuse(arch, "rope_parameters.truncate=False", "widens yarn's frequency ramp to fractional dimensions")
     for key, value in rope.items():
         if key not in _ROPE_KEYS[kind] and value is not None:
             raise refuse(arch, f"rope_parameters.{key}={value!r}", f"changes {kind} frequency scaling")

@@ -12,6 +12,7 @@ Layout of the activations (tp ranks, sequence T, hidden D):
   sees full sequences;
 - the output projection is vocabulary-sharded and stays sharded: `vocab_parallel_cross_entropy` never
   materialises full-vocabulary logits;
+- attention sinks (one logit per head) are split with the heads;
 - a QK-norm over the whole projection (OLMo 2) holds its heads' slice of the weight and sums the mean square
   over the tensor-parallel ranks (one all-reduce of a (B, T, 1) tensor per norm).
 
@@ -64,6 +65,20 @@ class _EmbeddingParallel(RowwiseParallel):
         return outputs.to_local() if use_local_output else outputs
 
 
+class _HeadValues(ParallelStyle):
+    """A module holding one value per attention head (AttentionSinks): its parameters split on dim 0 with the heads
+    (whole heads per rank, as colwise q/k/v), its output this rank's local values. Each rank attends over whole
+    sequences with its own heads, so their gradients are complete where they live."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(_name: str, sub: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, param in list(sub.named_parameters(recurse=False)):
+                split = distribute_tensor(param.data, mesh, [Shard(0)], src_data_rank=None)
+                sub.register_parameter(pname, nn.Parameter(split, param.requires_grad))
+
+        return distribute_module(module, device_mesh, partition, output_fn=_local_outputs)  # type: ignore[arg-type]
+
+
 # Each style the family specs may name, as DTensor layouts. Vocabulary-sharded logits are kept local: the loss
 # is computed vocab-parallel.
 _STYLES = {
@@ -73,6 +88,7 @@ _STYLES = {
     styles.SEQUENCE: lambda: SequenceParallel(use_local_output=True),
     styles.TOKENS: lambda: SequenceParallel(sequence_dim=0, use_local_output=True),
     styles.HEADS: lambda: SequenceParallel(sequence_dim=1, use_local_output=True),
+    styles.HEAD_VALUES: _HeadValues,
     styles.GATHER: lambda: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
     styles.GATHER_MASKED: lambda: PrepareModuleInput(input_layouts=(Shard(1), None),
                                                      desired_input_layouts=(Replicate(), None)),

@@ -126,7 +126,10 @@ def moe_rows(m: ModelConfig, x: ActivationShape) -> tuple[int, float]:
 
 def _activation_factor(m: ModelConfig) -> int:
     """Tensors of the feed-forward's width its activation keeps: SwiGLU gate, up, silu(gate), product; GELU input
-    and output; ReLU its output."""
+    and output; ReLU its output; the clamped SwiGLU (gpt-oss) gate, up, their clamps (up + 1), sigmoid(alpha * gate),
+    gate * sigmoid, product."""
+    if m.activation == "swiglu_clamped":
+        return 7
     return 4 if m.gated else {"relu": 1}.get(m.activation, 2)
 
 

@@ -36,10 +36,16 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 Scale = Literal["moonlight", "shape"]
 
 
+def decays(name: str, param: torch.Tensor) -> bool:
+    """Weight decay for matrices (ndim >= 2: projections, embeddings, position tables), not for vectors (norms,
+    biases, attention sinks) nor the experts' stacked biases (E, width), which are vectors per expert."""
+    return param.ndim >= 2 and not name.endswith("_bias")
+
+
 def is_muon_parameter(name: str, param: torch.Tensor) -> bool:
     """Muon for the matrices inside the blocks (names under `*_layers.<i>.`), not their routers; AdamW for the rest
     (embeddings, position and relative-bias tables, output head, head transform, norms, biases)."""
-    return param.ndim in (2, 3) and "_layers." in name and ".router." not in name
+    return param.ndim in (2, 3) and "_layers." in name and ".router." not in name and decays(name, param)
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
@@ -209,7 +215,7 @@ def muon_groups(named: Iterable[tuple[str, nn.Parameter]], *, lr: float, betas: 
         if is_muon_parameter(name, param):
             muon.append(param)
         else:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+            (decay if decays(name, param) else no_decay).append(param)
     adamw = dict(kind="adamw", lr=lr, betas=betas, eps=eps)
     return [{**adamw, "params": decay, "weight_decay": weight_decay},
             {**adamw, "params": no_decay, "weight_decay": 0.0},

@@ -10,11 +10,11 @@ from torch import nn
 
 from meshformer.config import OptimConfig, ScheduleConfig
 from meshformer.errors import DivergenceError
-from meshformer.train.muon import Muon, muon_groups
+from meshformer.train.muon import Muon, decays, muon_groups
 
 
 def build_optimizer(model_parts: Iterable[nn.Module], cfg: OptimConfig) -> tuple[torch.optim.Optimizer, str]:
-    """AdamW with weight decay on matrices (ndim >= 2: projections, embeddings, position tables) only; or, with
+    """AdamW with weight decay on matrices (`muon.decays`: projections, embeddings, position tables) only; or, with
     optim.name="muon", Muon for the blocks' matrices and AdamW for the rest (train/muon.py).
 
     Returns the optimizer and its kernel for the run log (AdamW: "fused", "foreach" or "for-loop").
@@ -29,11 +29,11 @@ def build_optimizer(model_parts: Iterable[nn.Module], cfg: OptimConfig) -> tuple
     no_decay: list[nn.Parameter] = []
     seen: set[int] = set()
     for part in model_parts:
-        for param in part.parameters():
+        for name, param in part.named_parameters():
             if not param.requires_grad or id(param) in seen:
                 continue
             seen.add(id(param))  # tied weights appear once
-            (decay if param.ndim >= 2 else no_decay).append(param)
+            (decay if decays(name, param) else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kernel = cfg.implementation
     if kernel == "auto":

@@ -205,6 +205,12 @@ CASES = [
     # experts configured but placed in no block (TINY has 1 layer): the model would train dense in silence
     ("moe-no-moe-block", _train("model.n_experts=4", "model.moe_first_dense=1"),
      ["model.n_experts=4", "no block of the 1-layer decoder stack is MoE", "lower model.moe_first_dense"]),
+    ("router-bias-dense", _train("model.router_bias=true"), ["model.router_bias=true needs experts",
+                                                             "set model.n_experts"]),
+    ("expert-bias-dense", _train("model.expert_bias_terms=true"), ["model.expert_bias_terms=true needs experts",
+                                                                   "set model.n_experts"]),
+    ("swiglu-limit", _train("model.activation=swiglu_clamped", "model.swiglu_limit=-1"),
+     ["model.swiglu_limit=-1", "swiglu_limit=7.0"]),
     ("seq-too-long", _train("data.seq_len=128"), ["exceeds model.max_seq_len", "raise model.max_seq_len"]),
     ("steps-zero", _train("train.steps=0"), ["train.steps", "positive"]),
     ("lr-negative", _train("optim.lr=-1"), ["optim.lr", "positive"]),

@@ -101,6 +101,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # the first block dense, the second MoE: under pp=2 the first stage holds no MoE layer
     "moe_late": dict(family="decoder", n_layers=2, norm="rmsnorm", activation="swiglu", position="rope", bias=False,
                      n_experts=4, experts_per_token=2, moe_d_ff=24, moe_first_dense=1, moe_aux_loss=0.01),
+    # gpt-oss-like: attention sinks (split with the heads under TP), alternating sliding/full blocks, YaRN without
+    # truncation, MoE with a biased router and biased experts (split with the experts under EP), clamped SwiGLU
+    "gptoss": dict(family="decoder", n_layers=2, norm="rmsnorm", activation="swiglu_clamped", position="rope",
+                   n_kv_heads=2, bias=True, attention_sinks=True, attention_window=5, full_attention_every=2,
+                   rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_seq_len=8, rope_truncate=False,
+                   n_experts=4, experts_per_token=2, moe_d_ff=24, router_bias=True, expert_bias_terms=True,
+                   moe_aux_loss=0.01),
     # BERT-like: learned positions, embedding norm, prediction-head transform, post-norm
     "encoder": dict(family="encoder", n_layers=4, position="learned", embedding_norm=True, head_transform=True,
                     norm_position="post", activation="gelu"),

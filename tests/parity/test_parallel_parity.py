@@ -81,7 +81,10 @@ MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "mo
               "moe/tp-ep-recompute=selective",
               # per-block torch.compile, all-to-alls inside the graph (the GPU's fast path); with selective recompute
               "moe/fsdp-ep-compile", "moe/tp-ep-compile", "moe/fsdp-ep-compile-recompute=selective",
-              "moe_encdec/fsdp-ep", "moe_encdec/tp-ep", "moe_encdec/pp"]  # MoE in both stacks
+              "moe_encdec/fsdp-ep", "moe_encdec/tp-ep", "moe_encdec/pp",  # MoE in both stacks
+              # gpt-oss's pieces: sinks split with the heads (tp) and beside the gathered keys (cp), expert biases
+              # split with the experts (ep), the sinks and biases outside Muon
+              "gptoss/tp-ep", "gptoss/cp-ep", "gptoss/fsdp-ep", "gptoss/pp", "gptoss/tp-ep-muon"]
 MOE_WORLD4 = ["moe/fsdp=4-ep", "moe/fsdp=4-ep=4", "moe/hsdp-ep", "moe/tp-fsdp-ep", "moe/tp-fsdp-ep=4",
               "moe/cp-fsdp-ep=4", "moe/pp-tp-ep", "moe/pp-fsdp-ep", "moe/pp-fsdp-ep-sched=gpipe",
               "moe/pp-fsdp-ep-sched=zbv", "moe/pp-fsdp-ep-sched=interleaved_1f1b-spr=2",

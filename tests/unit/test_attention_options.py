@@ -37,6 +37,9 @@ SCALINGS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
      {"rope_scaling_factor": 2.0, "rope_original_max_seq_len": 256, "rope_beta_fast": 16.0, "rope_beta_slow": 2.0}),
     ("yarn", {"factor": 8.0, "original_max_position_embeddings": 1024, "attention_factor": 1.3},
      {"rope_scaling_factor": 8.0, "rope_original_max_seq_len": 1024, "rope_attention_factor": 1.3}),
+    # gpt-oss's: the ramp's ends left fractional
+    ("yarn", {"factor": 32.0, "original_max_position_embeddings": 4096, "truncate": False},
+     {"rope_scaling_factor": 32.0, "rope_original_max_seq_len": 4096, "rope_truncate": False}),
 ]
 
 

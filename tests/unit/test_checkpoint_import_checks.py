@@ -53,6 +53,21 @@ def test_gpt2_upcast_attention_is_the_same_function(tmp_path):
     _logits_agree(hf_model, tmp_path / "hf")
 
 
+def test_yarn_without_truncation_is_mapped_both_ways(tmp_path):
+    torch.manual_seed(0)
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0,
+            "truncate": False}
+    hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        max_position_embeddings=64, rope_parameters=rope)).eval()
+    hf_model.save_pretrained(str(tmp_path / "hf"))
+    _logits_agree(hf_model, tmp_path / "hf")
+    cfg, state = import_hf(tmp_path / "hf")
+    assert cfg.rope_truncate is False
+    export_hf(state, cfg, tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["rope_parameters"]["truncate"] is False
+
+
 @pytest.mark.parametrize(("arch", "flags", "named"), [
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
     ("gpt2", {"add_cross_attention": True}, "add_cross_attention=True"),
@@ -60,8 +75,6 @@ def test_gpt2_upcast_attention_is_the_same_function(tmp_path):
     ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                                    "rope_theta": 10000.0, "mscale": 0.707, "mscale_all_dim": 0.707}},
      "rope_parameters.mscale=0.707"),
-    ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
-                                   "rope_theta": 10000.0, "truncate": False}}, "truncate=False"),
     ("llama", {"attention_bias": True, "mlp_bias": False}, "attention_bias=True with mlp_bias=False"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ("bert", {"position_embedding_type": "relative_key"}, "position_embedding_type='relative_key'"),

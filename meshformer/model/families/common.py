@@ -13,6 +13,7 @@ from meshformer.model.families.spec import (
     GATHER,
     GATHER_MASKED,
     GATHER_MEMORY,
+    HEAD_VALUES,
     HEADS,
     ROWWISE,
     SEQUENCE,
@@ -39,9 +40,10 @@ STAGE_PIECES = StagePieces(
 def _attention(prefix: str) -> dict[str, str]:
     # Colwise q/k/v shard whole heads (rows are head-major), so the attention module infers its local
     # head count from the shapes; GQA works whenever tp divides n_kv_heads. QK-norm weights are per head
-    # dimension, replicated; their gradients sum over the heads of every rank.
+    # dimension, replicated; their gradients sum over the heads of every rank. Attention sinks: one per head, split.
     return {f"{prefix}.q_proj": COLWISE, f"{prefix}.k_proj": COLWISE, f"{prefix}.v_proj": COLWISE,
-            f"{prefix}.o_proj": ROWWISE, f"{prefix}.q_norm": HEADS, f"{prefix}.k_norm": HEADS}
+            f"{prefix}.o_proj": ROWWISE, f"{prefix}.q_norm": HEADS, f"{prefix}.k_norm": HEADS,
+            f"{prefix}.sinks": HEAD_VALUES}
 
 
 # Between blocks the residual stream is a sequence shard; attention and feed-forward gather it on entry and
