@@ -103,6 +103,8 @@ def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     for key, ours in _ROPE_KEYS.get(cfg.rope_scaling, {}).items():
         if ours and getattr(cfg, ours) is not None:
             rope[key] = getattr(cfg, ours)
+    if rope.get("truncate") is True:  # yarn's default: written only when off, as published configs do
+        del rope["truncate"]
     return rope
 
 
