@@ -12,6 +12,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from meshformer.config import migrate
+from meshformer.config.migrate import migrate_tree
 from meshformer.config.parse import build_section
 from meshformer.config.sections import Config
 from meshformer.config.validate import validate
@@ -31,6 +33,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: not valid TOML ({err})", "fix the line it names") from None
+        raw = migrate_tree(raw, str(path))
     overridden: dict[str, Any] = {}
     for item in overrides or []:
         key, sep, value = item.partition("=")
@@ -42,9 +45,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         # continued pretraining: the model is the folder's, so a bundled config's from-scratch [model] yields to it
         # (keys set with --set are the user's, and checked against the folder)
         raw.pop("model", None)
-    for item in overrides or []:
-        key, _, value = item.partition("=")
-        _set_dotted(raw, key.strip(), _parse_value(value.strip()))
+    model = raw.get("model")
+    overridden = migrate_tree(overridden, "--set", context=model if isinstance(model, dict) else None)
+    for key, value in migrate.flatten(overridden).items():
+        _set_dotted(raw, key, value)
     return config_from_dict(raw)
 
 
@@ -73,15 +77,16 @@ def resolve_config_path(path: str | Path) -> Path:
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
     """A validated config from a TOML-shaped tree of sections (what `load_config` reads from a file)."""
+    raw = migrate_tree(raw)
     cfg = build_section(Config, raw, "")
     validate(cfg)
     setattr(cfg, _GIVEN, frozenset(f"{section}.{key}" for section, table in raw.items() if isinstance(table, dict)
-                                   for key in table))
+                                   for key in migrate.flatten(table)))
     return cfg
 
 
 def given_keys(cfg: Config) -> frozenset[str]:
-    """The dotted keys the user wrote (in the TOML file or an override), whatever their values, defaults included:
+    """The dotted keys the user wrote (`model.attention.n_heads`) (in the TOML file or an override), whatever their values, defaults included:
     a value equal to the default was still asked for. Empty for a config not loaded from a tree."""
     return getattr(cfg, _GIVEN, frozenset())
 
