@@ -64,7 +64,7 @@ from meshformer.checkpointing.mapping import (
     name_map,
     our_shapes,
 )
-from meshformer.config import Activation, ModelConfig
+from meshformer.config import Activation, AttentionConfig, FfnConfig, InitConfig, ModelConfig, NormConfig
 from meshformer.model.families import get_family_spec
 
 if TYPE_CHECKING:
@@ -189,9 +189,9 @@ def _rope_from_hf(c: Any, arch: str) -> dict[str, Any]:
 
 
 def _rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    rope: dict[str, Any] = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling,
-                            "rope_theta": cfg.rope_theta}
-    for key, ours in _ROPE_KEYS.get(cfg.rope_scaling, {}).items():
+    rope: dict[str, Any] = {"rope_type": "default" if cfg.rope.scaling == "none" else cfg.rope.scaling,
+                            "rope_theta": cfg.rope.theta}
+    for key, ours in _ROPE_KEYS.get(cfg.rope.scaling, {}).items():
         if ours and getattr(cfg, ours) is not None:
             rope[key] = getattr(cfg, ours)
     return rope
@@ -269,28 +269,27 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
     arch, c = hf_config.model_type, hf_config
     if arch == "gpt2":
         _check_gpt2(c)
-        return ModelConfig(
-            family="decoder", vocab_size=c.vocab_size, d_model=c.n_embd, n_heads=c.n_head, n_layers=c.n_layer,
-            d_ff=c.n_inner or 4 * c.n_embd, activation=_activation(c.activation_function, arch), norm="layernorm",
-            norm_eps=c.layer_norm_epsilon, norm_position="pre", position="learned", max_seq_len=c.n_positions,
-            tie_embeddings=c.tie_word_embeddings, bias=True, dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop,
-            init_std=c.initializer_range, attention_scale=None if getattr(c, "scale_attn_weights", True) else 1.0,
-        )
+        return ModelConfig(family="decoder", vocab_size=c.vocab_size, d_model=c.n_embd, n_layers=c.n_layer,
+                           position="learned", max_seq_len=c.n_positions, tie_embeddings=c.tie_word_embeddings,
+                           bias=True, dropout=c.resid_pdrop,
+                           attention=AttentionConfig(n_heads=c.n_head, dropout=c.attn_pdrop, scale=None if getattr(c, "scale_attn_weights", True) else 1.0),
+                           ffn=FfnConfig(d_ff=c.n_inner or 4 * c.n_embd, activation=_activation(c.activation_function, arch)),
+                           norm=NormConfig(kind="layernorm", eps=c.layer_norm_epsilon, position="pre"),
+                           init=InitConfig(std=c.initializer_range))
     if arch == "bert":
         position = getattr(c, "position_embedding_type", None) or "absolute"
         if position != "absolute":
             raise _refuse("bert", f"position_embedding_type={position!r}", "uses relative position scores")
         if c.is_decoder or getattr(c, "add_cross_attention", False):
             raise _refuse("bert", "is_decoder/add_cross_attention", "makes attention causal or adds cross-attention")
-        return ModelConfig(
-            family="encoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_heads=c.num_attention_heads,
-            n_layers=c.num_hidden_layers, d_ff=c.intermediate_size, activation=_activation(c.hidden_act, arch),
-            norm="layernorm", norm_eps=c.layer_norm_eps, norm_position="post", final_norm=False,
-            embedding_norm=True, head_transform=True, output_bias=True, position="learned",
-            max_seq_len=c.max_position_embeddings, tie_embeddings=c.tie_word_embeddings, bias=True,
-            dropout=c.hidden_dropout_prob, attention_dropout=c.attention_probs_dropout_prob,
-            init_std=c.initializer_range,
-        )
+        return ModelConfig(family="encoder", vocab_size=c.vocab_size, d_model=c.hidden_size,
+                           n_layers=c.num_hidden_layers, head_transform=True, output_bias=True, position="learned",
+                           max_seq_len=c.max_position_embeddings, tie_embeddings=c.tie_word_embeddings, bias=True,
+                           dropout=c.hidden_dropout_prob,
+                           attention=AttentionConfig(n_heads=c.num_attention_heads, dropout=c.attention_probs_dropout_prob),
+                           ffn=FfnConfig(d_ff=c.intermediate_size, activation=_activation(c.hidden_act, arch)),
+                           norm=NormConfig(kind="layernorm", eps=c.layer_norm_eps, position="post", final=False, embedding=True),
+                           init=InitConfig(std=c.initializer_range))
     if arch == "olmo2":
         return hf_gemma_olmo.olmo2_from_hf(c)
     if arch in ("gemma2", "gemma3_text"):
@@ -303,15 +302,13 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
         if c.dense_act_fn != ("silu" if c.is_gated_act else "relu"):
             raise ValueError(f"t5: feed_forward_proj {c.feed_forward_proj!r} unsupported (use 'relu' or 'gated-silu'; "
                              "T5 v1.1's gated-gelu gates with gelu_new, meshformer's swiglu with silu)")
-        return ModelConfig(
-            family="encoder_decoder", vocab_size=c.vocab_size, d_model=c.d_model, n_heads=c.num_heads,
-            n_encoder_layers=c.num_layers, n_decoder_layers=c.num_decoder_layers, d_ff=c.d_ff,
-            activation="swiglu" if c.is_gated_act else "relu", norm="rmsnorm", norm_eps=c.layer_norm_epsilon,
-            norm_position="pre", final_norm=True, position="t5_relative",
-            relative_buckets=c.relative_attention_num_buckets, relative_max_distance=c.relative_attention_max_distance,
-            attention_scale=1.0, scale_output=c.scale_decoder_outputs, tie_embeddings=True, share_embeddings=True,
-            bias=False, dropout=c.dropout_rate,
-        )
+        return ModelConfig(family="encoder_decoder", vocab_size=c.vocab_size, d_model=c.d_model,
+                           n_encoder_layers=c.num_layers, n_decoder_layers=c.num_decoder_layers, position="t5_relative",
+                           scale_output=c.scale_decoder_outputs, tie_embeddings=True, share_embeddings=True, bias=False,
+                           dropout=c.dropout_rate,
+                           attention=AttentionConfig(n_heads=c.num_heads, relative_buckets=c.relative_attention_num_buckets, relative_max_distance=c.relative_attention_max_distance, scale=1.0),
+                           ffn=FfnConfig(d_ff=c.d_ff, activation="swiglu" if c.is_gated_act else "relu"),
+                           norm=NormConfig(kind="rmsnorm", eps=c.layer_norm_epsilon, position="pre", final=True))
     raise ValueError(f"unsupported Hugging Face model_type {arch!r}; supported: {list(ARCHS)}")
 
 
@@ -325,107 +322,107 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
         special = 50256 if cfg.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when the vocabulary has it
         return transformers.GPT2Config(
             vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model, n_layer=cfg.n_layers,
-            n_head=cfg.n_heads, n_inner=cfg.d_ff, activation_function=_TO_HF_ACTIVATION[cfg.activation],
-            resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.attention_dropout,
-            layer_norm_epsilon=cfg.norm_eps, initializer_range=cfg.init_std, bos_token_id=special,
+            n_head=cfg.attention.n_heads, n_inner=cfg.ffn.d_ff, activation_function=_TO_HF_ACTIVATION[cfg.ffn.activation],
+            resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.attention.dropout,
+            layer_norm_epsilon=cfg.norm.eps, initializer_range=cfg.init.std, bos_token_id=special,
             eos_token_id=special, tie_word_embeddings=cfg.tie_embeddings,
             scale_attn_weights=_features(cfg)["attention_scale"] != 1.0,
         )
     if arch == "bert":
         return transformers.BertConfig(
             vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
-            num_attention_heads=cfg.n_heads, intermediate_size=cfg.d_ff,
-            hidden_act=_TO_HF_ACTIVATION[cfg.activation], hidden_dropout_prob=cfg.dropout,
-            attention_probs_dropout_prob=cfg.attention_dropout, max_position_embeddings=cfg.max_seq_len,
-            layer_norm_eps=cfg.norm_eps, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
+            num_attention_heads=cfg.attention.n_heads, intermediate_size=cfg.ffn.d_ff,
+            hidden_act=_TO_HF_ACTIVATION[cfg.ffn.activation], hidden_dropout_prob=cfg.dropout,
+            attention_probs_dropout_prob=cfg.attention.dropout, max_position_embeddings=cfg.max_seq_len,
+            layer_norm_eps=cfg.norm.eps, initializer_range=cfg.init.std, tie_word_embeddings=cfg.tie_embeddings,
             pad_token_id=0,
         )
     if arch in _LLAMA_LIKE:
         shared: dict[str, Any] = dict(
             vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
-            num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.attention_head_dim,
-            hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-            tie_word_embeddings=cfg.tie_embeddings, attention_dropout=cfg.attention_dropout,
-            initializer_range=cfg.init_std, rope_parameters=_rope_to_hf(cfg),
+            num_attention_heads=cfg.attention.n_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.attention_head_dim,
+            hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm.eps,
+            tie_word_embeddings=cfg.tie_embeddings, attention_dropout=cfg.attention.dropout,
+            initializer_range=cfg.init.std, rope_parameters=_rope_to_hf(cfg),
             bos_token_id=None, eos_token_id=None, pad_token_id=None,
         )
         # Qwen2/Qwen3: the window in every block (from max_window_layers = 0 on)
-        qwen_window: dict[str, Any] = dict(use_sliding_window=cfg.attention_window is not None,
-                                           sliding_window=cfg.attention_window, max_window_layers=0)
+        qwen_window: dict[str, Any] = dict(use_sliding_window=cfg.attention.window is not None,
+                                           sliding_window=cfg.attention.window, max_window_layers=0)
         if arch == "olmo2":
             return hf_gemma_olmo.olmo2_to_hf(cfg, shared)
         if arch in ("gemma2", "gemma3_text"):
             return hf_gemma_olmo.gemma_to_hf(cfg, shared, arch)
         if arch == "mistral":
-            return transformers.MistralConfig(**shared, intermediate_size=cfg.d_ff, sliding_window=cfg.attention_window)
+            return transformers.MistralConfig(**shared, intermediate_size=cfg.ffn.d_ff, sliding_window=cfg.attention.window)
         if arch == "qwen2":
-            return transformers.Qwen2Config(**shared, **qwen_window, intermediate_size=cfg.d_ff)
+            return transformers.Qwen2Config(**shared, **qwen_window, intermediate_size=cfg.ffn.d_ff)
         if arch == "qwen3":
-            return transformers.Qwen3Config(**shared, **qwen_window, intermediate_size=cfg.d_ff, attention_bias=False)
+            return transformers.Qwen3Config(**shared, **qwen_window, intermediate_size=cfg.ffn.d_ff, attention_bias=False)
         if arch == "mixtral":
             return transformers.MixtralConfig(
-                **shared, intermediate_size=cfg.expert_d_ff, sliding_window=cfg.attention_window,
-                num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
-                router_aux_loss_coef=cfg.moe_aux_loss, router_jitter_noise=0.0,
+                **shared, intermediate_size=cfg.expert_d_ff, sliding_window=cfg.attention.window,
+                num_local_experts=cfg.moe.n_experts, num_experts_per_tok=cfg.moe.experts_per_token,
+                router_aux_loss_coef=cfg.moe.aux_loss, router_jitter_noise=0.0,
             )
         if arch == "qwen3_moe":
             return transformers.Qwen3MoeConfig(
-                **shared, intermediate_size=cfg.d_ff, moe_intermediate_size=cfg.expert_d_ff,
-                use_sliding_window=cfg.attention_window is not None, sliding_window=cfg.attention_window,
-                num_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
-                norm_topk_prob=cfg.router_renormalize, decoder_sparse_step=cfg.moe_every,
-                mlp_only_layers=list(range(cfg.moe_first_dense)), router_aux_loss_coef=cfg.moe_aux_loss,
+                **shared, intermediate_size=cfg.ffn.d_ff, moe_intermediate_size=cfg.expert_d_ff,
+                use_sliding_window=cfg.attention.window is not None, sliding_window=cfg.attention.window,
+                num_experts=cfg.moe.n_experts, num_experts_per_tok=cfg.moe.experts_per_token,
+                norm_topk_prob=cfg.moe.router_renormalize, decoder_sparse_step=cfg.moe_every,
+                mlp_only_layers=list(range(cfg.moe_first_dense)), router_aux_loss_coef=cfg.moe.aux_loss,
                 attention_bias=False,
             )
         if arch == "olmoe":
             shared.pop("head_dim")  # always hidden_size / heads
             return transformers.OlmoeConfig(
-                **shared, intermediate_size=cfg.expert_d_ff, num_experts=cfg.n_experts,
-                num_experts_per_tok=cfg.experts_per_token, norm_topk_prob=cfg.router_renormalize,
-                router_aux_loss_coef=cfg.moe_aux_loss, attention_bias=False, clip_qkv=None,
+                **shared, intermediate_size=cfg.expert_d_ff, num_experts=cfg.moe.n_experts,
+                num_experts_per_tok=cfg.moe.experts_per_token, norm_topk_prob=cfg.moe.router_renormalize,
+                router_aux_loss_coef=cfg.moe.aux_loss, attention_bias=False, clip_qkv=None,
             )
-        return transformers.LlamaConfig(**shared, intermediate_size=cfg.d_ff, attention_bias=cfg.bias,
+        return transformers.LlamaConfig(**shared, intermediate_size=cfg.ffn.d_ff, attention_bias=cfg.bias,
                                         mlp_bias=cfg.bias)
     spec = get_family_spec(cfg.family)
     return transformers.T5Config(  # type: ignore[call-arg]  # tie_word_embeddings: a PretrainedConfig kwarg
-        vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.attention_head_dim, d_ff=cfg.d_ff,
-        num_layers=spec.depth(cfg, "encoder"), num_decoder_layers=spec.depth(cfg, "decoder"), num_heads=cfg.n_heads,
-        dropout_rate=cfg.dropout, layer_norm_epsilon=cfg.norm_eps, relative_attention_num_buckets=cfg.relative_buckets,
-        relative_attention_max_distance=cfg.relative_max_distance,
-        feed_forward_proj="gated-silu" if cfg.activation == "swiglu" else "relu",
+        vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.attention_head_dim, d_ff=cfg.ffn.d_ff,
+        num_layers=spec.depth(cfg, "encoder"), num_decoder_layers=spec.depth(cfg, "decoder"), num_heads=cfg.attention.n_heads,
+        dropout_rate=cfg.dropout, layer_norm_epsilon=cfg.norm.eps, relative_attention_num_buckets=cfg.attention.relative_buckets,
+        relative_attention_max_distance=cfg.attention.relative_max_distance,
+        feed_forward_proj="gated-silu" if cfg.ffn.activation == "swiglu" else "relu",
         tie_word_embeddings=cfg.scale_output,  # T5Config turns this into scale_decoder_outputs
     )
 
 
 def _features(cfg: ModelConfig) -> dict[str, Any]:
     """The config facts an architecture constrains, normalised (e.g. default attention scale, GQA or not)."""
-    default_scale = cfg.attention_scale is None or math.isclose(cfg.attention_scale, cfg.attention_head_dim**-0.5)
-    default_head_dim = cfg.attention_head_dim * cfg.n_heads == cfg.d_model
-    moe = cfg.n_experts > 0
+    default_scale = cfg.attention.scale is None or math.isclose(cfg.attention.scale, cfg.attention_head_dim**-0.5)
+    default_head_dim = cfg.attention_head_dim * cfg.attention.n_heads == cfg.d_model
+    moe = cfg.moe.n_experts > 0
     return {
         # MoE: the router settings only matter where there are experts
-        "moe": moe, "n_shared_experts": cfg.n_shared_experts if moe else 0,
-        "router_score": cfg.router_score if moe else "softmax",
-        "router_renormalize": cfg.router_renormalize if moe else True,
-        "router_groups": cfg.router_groups if moe else 1, "capacity_factor": cfg.capacity_factor if moe else 0.0,
+        "moe": moe, "n_shared_experts": cfg.moe.n_shared_experts if moe else 0,
+        "router_score": cfg.moe.router_score if moe else "softmax",
+        "router_renormalize": cfg.moe.router_renormalize if moe else True,
+        "router_groups": cfg.moe.router_groups if moe else 1, "capacity_factor": cfg.moe.capacity_factor if moe else 0.0,
         "moe_blocks": "every block" if not moe or (cfg.moe_every, cfg.moe_first_dense) == (1, 0) else "some",
-        "family": cfg.family, "norm": cfg.norm, "norm_position": cfg.norm_position, "final_norm": cfg.use_final_norm,
-        "embedding_norm": cfg.embedding_norm, "position": cfg.position, "scale_embeddings": cfg.scale_embeddings,
+        "family": cfg.family, "norm": cfg.norm.kind, "norm_position": cfg.norm.position, "final_norm": cfg.use_final_norm,
+        "embedding_norm": cfg.norm.embedding, "position": cfg.position, "scale_embeddings": cfg.scale_embeddings,
         "tie_embeddings": cfg.tie_embeddings, "share_embeddings": cfg.share_embeddings, "bias": cfg.bias,
-        "head_transform": cfg.head_transform, "output_bias": cfg.output_bias, "activation": cfg.activation,
-        "grouped_query": cfg.kv_heads != cfg.n_heads, "attention_window": cfg.attention_window,
-        "attention_scale": "1/sqrt(head_dim)" if default_scale else cfg.attention_scale,
+        "head_transform": cfg.head_transform, "output_bias": cfg.output_bias, "activation": cfg.ffn.activation,
+        "grouped_query": cfg.kv_heads != cfg.attention.n_heads, "attention_window": cfg.attention.window,
+        "attention_scale": "1/sqrt(head_dim)" if default_scale else cfg.attention.scale,
         "scale_output": cfg.scale_output, "cross_downsample": cfg.cross_downsample,
-        "rope_scaling": cfg.rope_scaling, "head_dim": "d_model/n_heads" if default_head_dim else cfg.head_dim,
-        "qk_norm": cfg.qk_norm, "qkv_bias": "as bias" if cfg.use_qkv_bias == cfg.bias else cfg.use_qkv_bias,
-        "qk_norm_scope": cfg.qk_norm_scope if cfg.qk_norm else "head", "norm_weight_offset": cfg.norm_weight_offset,
-        "full_attention_every": cfg.full_attention_every if cfg.attention_window is not None else None,
-        "rope_local_theta": cfg.rope_local_theta if cfg.attention_window is not None else None,
-        "attention_softcap": cfg.attention_softcap, "logit_softcap": cfg.logit_softcap,
+        "rope_scaling": cfg.rope.scaling, "head_dim": "d_model/n_heads" if default_head_dim else cfg.attention.head_dim,
+        "qk_norm": cfg.attention.qk_norm, "qkv_bias": "as bias" if cfg.use_qkv_bias == cfg.bias else cfg.use_qkv_bias,
+        "qk_norm_scope": cfg.attention.qk_norm_scope if cfg.attention.qk_norm else "head", "norm_weight_offset": cfg.norm.weight_offset,
+        "full_attention_every": cfg.full_attention_every if cfg.attention.window is not None else None,
+        "rope_local_theta": cfg.rope.local_theta if cfg.attention.window is not None else None,
+        "attention_softcap": cfg.attention.softcap, "logit_softcap": cfg.logit_softcap,
         "query_pre_attn_scalar": "integer" if hf_gemma_olmo.query_pre_attn_scalar(cfg) else "none",
         # without their own base, windowed blocks rotate with the global (maybe scaled) RoPE
-        "windowed_blocks_rope": "scaled (rope_scaling without rope_local_theta)" if cfg.attention_window is not None
-        and cfg.rope_local_theta is None and cfg.rope_scaling != "none" else "unscaled",
+        "windowed_blocks_rope": "scaled (rope_scaling without rope_local_theta)" if cfg.attention.window is not None
+        and cfg.rope.local_theta is None and cfg.rope.scaling != "none" else "unscaled",
     }
 
 
@@ -526,7 +523,7 @@ def check_exportable(state: Mapping[str, torch.Tensor], arch: Arch) -> None:
     auxiliary-loss-free balancing shifts which experts a token picks; these routers have no such term)."""
     for name in state:
         if ZERO_ON_IMPORT.search(name) and state[name].any():
-            raise ValueError(f"{arch}: {name} is nonzero (a selection bias from model.router_bias_update_rate, "
+            raise ValueError(f"{arch}: {name} is nonzero (a selection bias from model.moe.router_bias_update_rate, "
                              f"which {arch} has no place for: without it the model would pick other experts); only "
                              "a model trained without bias balancing can be converted")
 

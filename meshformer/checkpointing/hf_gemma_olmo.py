@@ -20,7 +20,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from meshformer.config import ModelConfig
+from meshformer.config import AttentionConfig, FfnConfig, InitConfig, ModelConfig, NormConfig
 
 OLMO2, GEMMA2, GEMMA3 = "olmo2", "gemma2", "gemma3_text"
 
@@ -33,13 +33,13 @@ def olmo2_from_hf(c: Any) -> ModelConfig:
         raise _refuse(OLMO2, "attention_bias=True", "puts biases on the attention linears but not on the MLPs "
                       "(meshformer's model.bias covers all of them)")
     kv = c.num_key_value_heads
-    return ModelConfig(
-        family="decoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_heads=c.num_attention_heads,
-        n_kv_heads=None if kv in (None, c.num_attention_heads) else kv, n_layers=c.num_hidden_layers,
-        d_ff=c.intermediate_size, activation="swiglu", norm="rmsnorm", norm_eps=c.rms_norm_eps,
-        norm_position="post_sublayer", qk_norm=True, qk_norm_scope="projection", position="rope",
-        **_rope_from_hf(c, OLMO2), max_seq_len=c.max_position_embeddings, tie_embeddings=c.tie_word_embeddings,
-        bias=False, attention_dropout=c.attention_dropout, init_std=c.initializer_range)
+    return ModelConfig(family="decoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_layers=c.num_hidden_layers,
+                       position="rope", **_rope_from_hf(c, OLMO2), max_seq_len=c.max_position_embeddings,
+                       tie_embeddings=c.tie_word_embeddings, bias=False,
+                       attention=AttentionConfig(n_heads=c.num_attention_heads, n_kv_heads=None if kv in (None, c.num_attention_heads) else kv, qk_norm=True, qk_norm_scope="projection", dropout=c.attention_dropout),
+                       ffn=FfnConfig(d_ff=c.intermediate_size, activation="swiglu"),
+                       norm=NormConfig(kind="rmsnorm", eps=c.rms_norm_eps, position="post_sublayer"),
+                       init=InitConfig(std=c.initializer_range))
 
 
 def _full_attention_every(layer_types: list[str], arch: str) -> int | None:
@@ -102,15 +102,15 @@ def olmo2_to_hf(cfg: ModelConfig, shared: dict[str, Any]) -> Any:
     import transformers
 
     shared = {k: v for k, v in shared.items() if k != "head_dim"}  # OLMo 2: always hidden_size / heads
-    return transformers.Olmo2Config(**shared, intermediate_size=cfg.d_ff, attention_bias=False)
+    return transformers.Olmo2Config(**shared, intermediate_size=cfg.ffn.d_ff, attention_bias=False)
 
 
 def query_pre_attn_scalar(cfg: ModelConfig) -> int | None:
     """Gemma's attention scale as the integer whose inverse square root it is; None if it is no such integer's."""
-    if cfg.attention_scale is None:
+    if cfg.attention.scale is None:
         return cfg.attention_head_dim
-    scalar = round(cfg.attention_scale**-2)
-    return scalar if scalar > 0 and scalar**-0.5 == cfg.attention_scale else None
+    scalar = round(cfg.attention.scale**-2)
+    return scalar if scalar > 0 and scalar**-0.5 == cfg.attention.scale else None
 
 
 def gemma_to_hf(cfg: ModelConfig, shared: dict[str, Any], arch: str) -> Any:
@@ -120,13 +120,13 @@ def gemma_to_hf(cfg: ModelConfig, shared: dict[str, Any], arch: str) -> Any:
 
     shared = {k: v for k, v in shared.items() if k not in ("hidden_act", "rope_parameters")}
     layer_types = ["full_attention" if cfg.window(i) is None else "sliding_attention" for i in range(cfg.n_layers)]
-    common = dict(**shared, intermediate_size=cfg.d_ff, hidden_activation="gelu_pytorch_tanh", attention_bias=False,
-                  sliding_window=cfg.attention_window, layer_types=layer_types,
+    common = dict(**shared, intermediate_size=cfg.ffn.d_ff, hidden_activation="gelu_pytorch_tanh", attention_bias=False,
+                  sliding_window=cfg.attention.window, layer_types=layer_types,
                   query_pre_attn_scalar=query_pre_attn_scalar(cfg), final_logit_softcapping=cfg.logit_softcap,
                   use_bidirectional_attention=False)
     if arch == GEMMA2:
         return transformers.Gemma2Config(**common, rope_parameters=_rope_to_hf(cfg),
-                                         attn_logit_softcapping=cfg.attention_softcap)
-    local_theta = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
+                                         attn_logit_softcapping=cfg.attention.softcap)
+    local_theta = cfg.rope.local_theta if cfg.rope.local_theta is not None else cfg.rope.theta
     return transformers.Gemma3TextConfig(**common, rope_parameters={
         "full_attention": _rope_to_hf(cfg), "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}})

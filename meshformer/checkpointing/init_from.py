@@ -94,7 +94,7 @@ def _merge(source: ModelConfig | dict[str, Any], user: ModelConfig, where: str,
     changed = {f.name: getattr(user, f.name) for f in dataclasses.fields(ModelConfig)
                if (f.name in given or getattr(user, f.name) != getattr(default, f.name))
                and getattr(user, f.name) != getattr(base, f.name)}
-    if "moe_d_ff" in changed and dataclasses.replace(base, moe_d_ff=user.moe_d_ff).expert_d_ff == base.expert_d_ff:
+    if "moe_d_ff" in changed and dataclasses.replace(base, moe=dataclasses.replace(base.moe, d_ff=user.moe.d_ff)).expert_d_ff == base.expert_d_ff:
         del changed["moe_d_ff"]  # the folder's expert width, named as moe_d_ff where it has 0 (= d_ff): same function
     refused = {key: value for key, value in changed.items() if key not in FUNCTION_NEUTRAL}
     too_long = (data is not None and base.position in ("learned", "sinusoidal", "rope")
@@ -176,7 +176,7 @@ def _refuse_nonfinite(parts: list[torch.nn.Module], folder: Path, source: HFInit
 def taken_from_folder(cfg: Config, arch: str, seconds: float) -> str:
     """One log line: what this run took from checkpoint.init_from's folder (model, tokenizer, weights)."""
     folder, m = hf_folder(cfg), cfg.model
-    model = (f"model ({arch}: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, vocab {m.vocab_size}, "
+    model = (f"model ({arch}: {m.n_layers} layers, d_model {m.d_model}, {m.attention.n_heads} heads, vocab {m.vocab_size}, "
              f"context {m.max_seq_len})")
     tokenizer = "tokenizer" if cfg.data.tokenizer == str(folder) else f"not its tokenizer (data.tokenizer = " \
                                                                       f"{cfg.data.tokenizer})"

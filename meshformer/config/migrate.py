@@ -103,7 +103,7 @@ def _patterns(table: dict[str, Any], out: dict[str, Any], where: str, context: d
     every = table.get("full_attention_every")
     if every is not None and (window is None or not isinstance(every, int) or every < 1):
         raise ConfigError(f"{_at(where)}model.full_attention_every={every} picks the blocks that skip the sliding "
-                          "window, but needs model.attention_window and a value >= 1",
+                          "window, but needs model.attention.window and a value >= 1",
                           "set both (Gemma 3: attention_window=512, full_attention_every=6) or drop it")
     if "attention_window" in table or "full_attention_every" in table:
         _set_list(out, "layer_types", attention_pattern(window, every), where)

@@ -25,10 +25,10 @@ class FeedForward(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias) if cfg.gated else None
-        self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
-        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
-        self.act = activation_fn(cfg.activation)
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn.d_ff, bias=cfg.bias) if cfg.gated else None
+        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn.d_ff, bias=cfg.bias)
+        self.down_proj = nn.Linear(cfg.ffn.d_ff, cfg.d_model, bias=cfg.bias)
+        self.act = activation_fn(cfg.ffn.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is not None:
@@ -65,8 +65,8 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False, moe: bool = False) -> None:
         """moe: a mixture-of-experts feed-forward (model/moe.py) instead of the dense one."""
         super().__init__()
-        self.norm_position = cfg.norm_position
-        sandwich = cfg.norm_position == "sandwich"
+        self.norm_position = cfg.norm.position
+        sandwich = cfg.norm.position == "sandwich"
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg, causal=causal)
         self.attn_out_norm = make_norm(cfg) if sandwich else None

@@ -35,9 +35,9 @@ def test_mesh_product_must_equal_world_size():
 
 
 @pytest.mark.parametrize(("model", "key"), [
-    ({"n_heads": 6, "n_kv_heads": None, "d_model": 48}, "model.n_heads"),
-    ({"n_kv_heads": 2}, "model.n_kv_heads"),
-    ({"n_kv_heads": None, "d_ff": 66}, "model.d_ff"),
+    ({"n_heads": 6, "n_kv_heads": None, "d_model": 48}, "model.attention.n_heads"),
+    ({"n_kv_heads": 2}, "model.attention.n_kv_heads"),
+    ({"n_kv_heads": None, "d_ff": 66}, "model.ffn.d_ff"),
     ({"n_kv_heads": None, "vocab_size": 66}, "model.vocab_size"),
 ])
 def test_tp_must_divide_heads_kv_heads_ffn_and_vocab(model, key):

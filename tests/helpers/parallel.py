@@ -133,7 +133,7 @@ def make_batches(cfg: Config, n: int, seed: int = 1234) -> list[dict[str, torch.
         if cfg.objective == "causal":
             labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).masked_fill(~real, IGNORE_INDEX)
             out.append({"input_ids": ids, "labels": labels})
-            if cfg.model.document_mask:  # documents end at random places (the last token of each: its EOS)
+            if cfg.model.attention.document_mask:  # documents end at random places (the last token of each: its EOS)
                 ends = (torch.rand(BATCH, SEQ, generator=g) < 0.2).long()
                 out[-1]["doc_ids"] = ends.cumsum(1) - ends
         elif cfg.objective == "mlm":
@@ -300,7 +300,7 @@ def reference(cfg: Config, steps, family: str = "") -> tuple[list[float], dict[s
         apply_float8(model, cfg.train.fp8, emulate=True)
         if cfg.train.fp8 == "tensorwise":
             steps = [[piece for batch in micro for piece in rank_pieces(cfg, batch)] for micro in steps]
-    if cfg.model.n_experts and cfg.parallel.pp > 1:  # MoE balance statistics are per pipeline microbatch
+    if cfg.model.moe.n_experts and cfg.parallel.pp > 1:  # MoE balance statistics are per pipeline microbatch
         steps = [[piece for batch in micro for piece in pipeline_pieces(cfg, batch)] for micro in steps]
     plan = ParallelModel(model, plain_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss), torch.device("cpu"))
     losses, grads, norms, counts = train_steps(plan, steps, 0, 1, cfg.optim.name)
@@ -583,7 +583,7 @@ def run_scenario(name: str) -> dict[str, Any]:
     # torch.compile's graph breaks by reason (a compiled block should be whole: a break inside a recomputed one sends
     # it back to eager)
     report["graph_breaks"] = dict(torch._dynamo.utils.counters["graph_break"])
-    if cfg.model.n_experts:  # what the run log shows of the MoE layers: every layer, whichever stage holds it
+    if cfg.model.moe.n_experts:  # what the run log shows of the MoE layers: every layer, whichever stage holds it
         report["moe_scalars"] = sorted(plan.moe_scalars())
     if family in SELECTION_BIAS:  # the step loads (global: summed over every rank) of this rank's first MoE layer
         report["expert_loads"] = plan.moe_layers[0].tokens_this_step.tolist()

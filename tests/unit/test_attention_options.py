@@ -195,12 +195,12 @@ def config_with(**model: Any):
 
 
 @pytest.mark.parametrize("model,match", [
-    (dict(head_dim=0), "model.head_dim=0 must be positive"),
+    (dict(head_dim=0), "model.attention.head_dim=0 must be positive"),
     (dict(head_dim=7), "RoPE needs an even head dimension, got 7"),
-    (dict(d_model=30), "set model.head_dim"),
+    (dict(d_model=30), "set model.attention.head_dim"),
     (dict(position="learned", rope_scaling="linear", rope_scaling_factor=2.0), "model.position='rope'"),
     (dict(rope_scaling="linear", rope_scaling_factor=0.5), "rope_scaling_factor=0.5 must be >= 1"),
-    (dict(rope_scaling="llama3", rope_scaling_factor=8.0), "needs model.rope_original_max_seq_len"),
+    (dict(rope_scaling="llama3", rope_scaling_factor=8.0), "needs model.rope.original_max_seq_len"),
     (dict(rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_seq_len=8, rope_low_freq_factor=4.0),
      "need 0 < low < high"),
     (dict(rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_seq_len=8, rope_beta_slow=64.0),

@@ -1,4 +1,4 @@
-"""GPU speed options, wired and checked on CPU: the preferred SDPA kernel (model.attention_backend), the inductor
+"""GPU speed options, wired and checked on CPU: the preferred SDPA kernel (model.attention.backend), the inductor
 mode (train.compile_mode), FP8 with the end blocks in high precision (train.fp8_keep_ends), the multi-tensor
 gradient norm and clipping folded into the fused AdamW update. Their speed is measured by bench/gpu_sweep.sh, not
 here."""
@@ -87,7 +87,7 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
     assert calls == [{}] and plan.report["compile"] == "whole-model torch.compile"
 
 
-@pytest.mark.parametrize("override", ["train.compile_mode=fastest", "model.attention_backend=flash3"])
+@pytest.mark.parametrize("override", ["train.compile_mode=fastest", "model.attention.backend=flash3"])
 def test_unknown_compile_mode_and_attention_backend_are_refused(override):
     with pytest.raises(ConfigError, match=override.split("=")[0].split(".")[1]):
         load_config("configs/tiny-gpt.toml", [override])

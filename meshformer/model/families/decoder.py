@@ -53,21 +53,21 @@ def llama_rules(cfg: ModelConfig, arch: str = "llama") -> list[Rule]:
     and Qwen3-MoE (expert blocks), OLMo 2 and Gemma 2 / 3 (their block norms)."""
     linear = ("weight", "bias") if cfg.bias else ("weight",)
     qkv_linear = ("weight", "bias") if cfg.use_qkv_bias else ("weight",)
-    rules = [Rule(("tok_embeddings.weight",), "model.embed_tokens.weight"), *norm("decoder_norm", "model.norm", cfg),
+    rules = [Rule(("tok_embeddings.weight",), "model.embed_tokens.weight"), *norm("decoder_norm", "model.norm.kind", cfg),
              Rule(("output.weight",), "lm_head.weight", alias=cfg.tie_embeddings)]
     for i in range(cfg.n_layers):
         o, t = f"decoder_layers.{i}", f"model.layers.{i}"
-        for ours, theirs in _HF_BLOCK_NORMS[cfg.norm_position]:
+        for ours, theirs in _HF_BLOCK_NORMS[cfg.norm.position]:
             rules += norm(f"{o}.{ours}", f"{t}.{theirs}", cfg)
         for p in ("q", "k", "v", "o"):
             rules += params(f"{o}.attn.{p}_proj", f"{t}.self_attn.{p}_proj", linear if p == "o" else qkv_linear)
-        if cfg.qk_norm:
+        if cfg.attention.qk_norm:
             rules += [Rule((f"{o}.attn.{p}_norm.weight",), f"{t}.self_attn.{p}_norm.weight") for p in "qk"]
         if is_moe_block(cfg, i):
             router, expert, (gate, up, down) = _HF_EXPERTS[arch]
             rules += [Rule((f"{o}.ffn.router.weight",), f"{t}.{router}.weight")]
             for ours, theirs in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
-                rules += expert_params(f"{o}.ffn.experts.{ours}", f"{t}.{expert}{theirs}.weight", cfg.n_experts)
+                rules += expert_params(f"{o}.ffn.experts.{ours}", f"{t}.{expert}{theirs}.weight", cfg.moe.n_experts)
         else:
             for p in ("gate", "up", "down"):
                 rules += params(f"{o}.ffn.{p}_proj", f"{t}.mlp.{p}_proj", linear)

@@ -35,7 +35,7 @@ def t5_rules(cfg: ModelConfig) -> list[Rule]:
         return [r for p in "qkvo" for r in params(f"{ours}.{p}_proj", f"{theirs}.{p}", ("weight",))]
 
     def ffn(ours: str, theirs: str) -> list[Rule]:
-        if cfg.activation == "swiglu":
+        if cfg.ffn.activation == "swiglu":
             names = {"gate_proj": "wi_0", "up_proj": "wi_1", "down_proj": "wo"}
         else:
             names = {"up_proj": "wi", "down_proj": "wo"}
