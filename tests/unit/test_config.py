@@ -52,7 +52,7 @@ def test_bundled_configs_load_by_name():
         (["trian.steps=2"], "did you mean 'train'"),
         (["model.d_model=130"], "not divisible by model.attention.n_heads"),
         (["model.attention.n_kv_heads=3"], "n_kv_heads must divide n_heads"),
-        (["model.attention.window=1000"], "larger than data.seq_len"),
+        (["model.attention.window=1000", 'model.layer_types=["sliding_attention"]'], "larger than data.seq_len"),
         (["train.steps=ten"], "train.steps must be int"),
         (["model.norm.kind=batchnorm"], "is not one of"),
         (["data.seq_len=4096"], "exceeds model.max_seq_len"),
