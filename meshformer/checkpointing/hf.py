@@ -28,8 +28,8 @@ What differs and how it is mapped:
 - Mixtral / Qwen3-MoE: each expert's gate / up / down nn.Linear (out, in) (Mixtral's w1 / w3 / w2) is one slice
   of our stacked (n_experts, in, out) tensor, transposed; the router `gate` = our router. Both take the top-k
   of the softmax over all experts; Mixtral renormalises them (= a softmax over the top-k logits), Qwen3-MoE
-  when norm_topk_prob (= our router_renormalize). Qwen3-MoE's decoder_sparse_step = our moe_every and
-  mlp_only_layers = our moe_first_dense when it lists the first blocks (else refused); dense blocks are
+  when norm_topk_prob (= our router_renormalize). Qwen3-MoE's decoder_sparse_step and
+  mlp_only_layers become model.mlp_types when mlp_only_layers lists the first blocks (else refused); dense blocks are
   intermediate_size wide, experts moe_intermediate_size (= our d_ff, moe_d_ff). router_aux_loss_coef <->
   moe_aux_loss (a training knob, carried as is). router_jitter_noise is training-only input noise, like
   dropout, so it is not part of the function: import ignores it, export writes 0. Neither has shared experts,
@@ -55,6 +55,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from meshformer.checkpointing import hf_gemma_olmo
+from meshformer.checkpointing.megatron_config import moe_every_pattern
+from meshformer.config.migrate import model_from_flat
 from meshformer.checkpointing.formats import ARCHS, Arch
 from meshformer.checkpointing.mapping import (
     ZERO_ON_IMPORT,
@@ -226,7 +228,7 @@ def _check_llama_like(c: Any, arch: str) -> None:
     dense = list(getattr(c, "mlp_only_layers", None) or [])
     if dense != list(range(len(dense))):
         raise _refuse(arch, f"mlp_only_layers={dense}", "makes blocks other than the first ones dense (meshformer's "
-                      "moe_first_dense keeps a prefix dense)")
+                      "import keeps a prefix dense)")
 
 
 def _llama_like_from_hf(c: Any, arch: str) -> ModelConfig:
@@ -261,7 +263,7 @@ def _llama_like_from_hf(c: Any, arch: str) -> ModelConfig:
                       moe_d_ff=c.moe_intermediate_size, router_renormalize=c.norm_topk_prob,
                       moe_every=c.decoder_sparse_step, moe_first_dense=len(c.mlp_only_layers or []),
                       moe_aux_loss=c.router_aux_loss_coef)
-    return ModelConfig(**fields)
+    return model_from_flat(**fields)
 
 
 def config_from_hf(hf_config: Any) -> ModelConfig:
@@ -272,8 +274,10 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
         return ModelConfig(family="decoder", vocab_size=c.vocab_size, d_model=c.n_embd, n_layers=c.n_layer,
                            position="learned", max_seq_len=c.n_positions, tie_embeddings=c.tie_word_embeddings,
                            bias=True, dropout=c.resid_pdrop,
-                           attention=AttentionConfig(n_heads=c.n_head, dropout=c.attn_pdrop, scale=None if getattr(c, "scale_attn_weights", True) else 1.0),
-                           ffn=FfnConfig(d_ff=c.n_inner or 4 * c.n_embd, activation=_activation(c.activation_function, arch)),
+                           attention=AttentionConfig(n_heads=c.n_head, dropout=c.attn_pdrop,
+                                                     scale=None if getattr(c, "scale_attn_weights", True) else 1.0),
+                           ffn=FfnConfig(d_ff=c.n_inner or 4 * c.n_embd,
+                                         activation=_activation(c.activation_function, arch)),
                            norm=NormConfig(kind="layernorm", eps=c.layer_norm_epsilon, position="pre"),
                            init=InitConfig(std=c.initializer_range))
     if arch == "bert":
@@ -286,10 +290,11 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
                            n_layers=c.num_hidden_layers, head_transform=True, output_bias=True, position="learned",
                            max_seq_len=c.max_position_embeddings, tie_embeddings=c.tie_word_embeddings, bias=True,
                            dropout=c.hidden_dropout_prob,
-                           attention=AttentionConfig(n_heads=c.num_attention_heads, dropout=c.attention_probs_dropout_prob),
+                           attention=AttentionConfig(n_heads=c.num_attention_heads,
+                                                     dropout=c.attention_probs_dropout_prob),
                            ffn=FfnConfig(d_ff=c.intermediate_size, activation=_activation(c.hidden_act, arch)),
-                           norm=NormConfig(kind="layernorm", eps=c.layer_norm_eps, position="post", final=False, embedding=True),
-                           init=InitConfig(std=c.initializer_range))
+                           norm=NormConfig(kind="layernorm", eps=c.layer_norm_eps, position="post", final=False,
+                                           embedding=True), init=InitConfig(std=c.initializer_range))
     if arch == "olmo2":
         return hf_gemma_olmo.olmo2_from_hf(c)
     if arch in ("gemma2", "gemma3_text"):
@@ -306,7 +311,9 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
                            n_encoder_layers=c.num_layers, n_decoder_layers=c.num_decoder_layers, position="t5_relative",
                            scale_output=c.scale_decoder_outputs, tie_embeddings=True, share_embeddings=True, bias=False,
                            dropout=c.dropout_rate,
-                           attention=AttentionConfig(n_heads=c.num_heads, relative_buckets=c.relative_attention_num_buckets, relative_max_distance=c.relative_attention_max_distance, scale=1.0),
+                           attention=AttentionConfig(n_heads=c.num_heads,
+                                                     relative_buckets=c.relative_attention_num_buckets,
+                                                     relative_max_distance=c.relative_attention_max_distance, scale=1.0),
                            ffn=FfnConfig(d_ff=c.d_ff, activation="swiglu" if c.is_gated_act else "relu"),
                            norm=NormConfig(kind="rmsnorm", eps=c.layer_norm_epsilon, position="pre", final=True))
     raise ValueError(f"unsupported Hugging Face model_type {arch!r}; supported: {list(ARCHS)}")
@@ -366,12 +373,13 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
                 router_aux_loss_coef=cfg.moe.aux_loss, router_jitter_noise=0.0,
             )
         if arch == "qwen3_moe":
+            first_dense, every = moe_every_pattern([cfg.is_moe(i) for i in range(cfg.n_layers)])
             return transformers.Qwen3MoeConfig(
                 **shared, intermediate_size=cfg.ffn.d_ff, moe_intermediate_size=cfg.expert_d_ff,
                 use_sliding_window=cfg.attention.window is not None, sliding_window=cfg.attention.window,
                 num_experts=cfg.moe.n_experts, num_experts_per_tok=cfg.moe.experts_per_token,
-                norm_topk_prob=cfg.moe.router_renormalize, decoder_sparse_step=cfg.moe_every,
-                mlp_only_layers=list(range(cfg.moe_first_dense)), router_aux_loss_coef=cfg.moe.aux_loss,
+                norm_topk_prob=cfg.moe.router_renormalize, decoder_sparse_step=every,
+                mlp_only_layers=list(range(first_dense)), router_aux_loss_coef=cfg.moe.aux_loss,
                 attention_bias=False,
             )
         if arch == "olmoe":
@@ -394,6 +402,17 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
     )
 
 
+def _full_attention_every(cfg: ModelConfig) -> int | str | None:
+    """k when every k-th block attends globally and the others through the window (None: every block windowed;
+    "other": another pattern of model.layer_types)."""
+    types = [cfg.layer_type(i) for i in range(cfg.n_layers)]
+    if "full_attention" not in types:
+        return None
+    every = types.index("full_attention") + 1
+    return every if [(i + 1) % every == 0 for i in range(cfg.n_layers)] == [t == "full_attention" for t in types] \
+        else "other"
+
+
 def _features(cfg: ModelConfig) -> dict[str, Any]:
     """The config facts an architecture constrains, normalised (e.g. default attention scale, GQA or not)."""
     default_scale = cfg.attention.scale is None or math.isclose(cfg.attention.scale, cfg.attention_head_dim**-0.5)
@@ -405,7 +424,7 @@ def _features(cfg: ModelConfig) -> dict[str, Any]:
         "router_score": cfg.moe.router_score if moe else "softmax",
         "router_renormalize": cfg.moe.router_renormalize if moe else True,
         "router_groups": cfg.moe.router_groups if moe else 1, "capacity_factor": cfg.moe.capacity_factor if moe else 0.0,
-        "moe_blocks": "every block" if not moe or (cfg.moe_every, cfg.moe_first_dense) == (1, 0) else "some",
+        "moe_blocks": "every block" if not moe or all(cfg.is_moe(i) for i in range(cfg.n_layers)) else "some",
         "family": cfg.family, "norm": cfg.norm.kind, "norm_position": cfg.norm.position, "final_norm": cfg.use_final_norm,
         "embedding_norm": cfg.norm.embedding, "position": cfg.position, "scale_embeddings": cfg.scale_embeddings,
         "tie_embeddings": cfg.tie_embeddings, "share_embeddings": cfg.share_embeddings, "bias": cfg.bias,
@@ -416,7 +435,7 @@ def _features(cfg: ModelConfig) -> dict[str, Any]:
         "rope_scaling": cfg.rope.scaling, "head_dim": "d_model/n_heads" if default_head_dim else cfg.attention.head_dim,
         "qk_norm": cfg.attention.qk_norm, "qkv_bias": "as bias" if cfg.use_qkv_bias == cfg.bias else cfg.use_qkv_bias,
         "qk_norm_scope": cfg.attention.qk_norm_scope if cfg.attention.qk_norm else "head", "norm_weight_offset": cfg.norm.weight_offset,
-        "full_attention_every": cfg.full_attention_every if cfg.attention.window is not None else None,
+        "full_attention_every": _full_attention_every(cfg) if cfg.attention.window is not None else None,
         "rope_local_theta": cfg.rope.local_theta if cfg.attention.window is not None else None,
         "attention_softcap": cfg.attention.softcap, "logit_softcap": cfg.logit_softcap,
         "query_pre_attn_scalar": "integer" if hf_gemma_olmo.query_pre_attn_scalar(cfg) else "none",

@@ -20,7 +20,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from meshformer.config import AttentionConfig, FfnConfig, InitConfig, ModelConfig, NormConfig
+from meshformer.config import ModelConfig
+from meshformer.config.migrate import model_from_flat
 
 OLMO2, GEMMA2, GEMMA3 = "olmo2", "gemma2", "gemma3_text"
 
@@ -33,13 +34,13 @@ def olmo2_from_hf(c: Any) -> ModelConfig:
         raise _refuse(OLMO2, "attention_bias=True", "puts biases on the attention linears but not on the MLPs "
                       "(meshformer's model.bias covers all of them)")
     kv = c.num_key_value_heads
-    return ModelConfig(family="decoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_layers=c.num_hidden_layers,
-                       position="rope", **_rope_from_hf(c, OLMO2), max_seq_len=c.max_position_embeddings,
-                       tie_embeddings=c.tie_word_embeddings, bias=False,
-                       attention=AttentionConfig(n_heads=c.num_attention_heads, n_kv_heads=None if kv in (None, c.num_attention_heads) else kv, qk_norm=True, qk_norm_scope="projection", dropout=c.attention_dropout),
-                       ffn=FfnConfig(d_ff=c.intermediate_size, activation="swiglu"),
-                       norm=NormConfig(kind="rmsnorm", eps=c.rms_norm_eps, position="post_sublayer"),
-                       init=InitConfig(std=c.initializer_range))
+    return model_from_flat(
+        family="decoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_heads=c.num_attention_heads,
+        n_kv_heads=None if kv in (None, c.num_attention_heads) else kv, n_layers=c.num_hidden_layers,
+        d_ff=c.intermediate_size, activation="swiglu", norm="rmsnorm", norm_eps=c.rms_norm_eps,
+        norm_position="post_sublayer", qk_norm=True, qk_norm_scope="projection", position="rope",
+        **_rope_from_hf(c, OLMO2), max_seq_len=c.max_position_embeddings, tie_embeddings=c.tie_word_embeddings,
+        bias=False, attention_dropout=c.attention_dropout, init_std=c.initializer_range)
 
 
 def _full_attention_every(layer_types: list[str], arch: str) -> int | None:
@@ -83,7 +84,7 @@ def gemma_from_hf(c: Any, arch: str) -> ModelConfig:
         positions = _rope_from_hf(c, arch)
     head_dim = c.head_dim
     kv = c.num_key_value_heads
-    return ModelConfig(
+    return model_from_flat(
         family="decoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_heads=c.num_attention_heads,
         n_kv_heads=None if kv in (None, c.num_attention_heads) else kv, n_layers=c.num_hidden_layers,
         head_dim=None if head_dim * c.num_attention_heads == c.hidden_size else head_dim,

@@ -17,6 +17,7 @@ from typing import Any
 from meshformer.checkpointing.dcp_io import read_metadata, tensor_entries
 from meshformer.checkpointing.errors import ConversionError
 from meshformer.config import ModelConfig
+from meshformer.config.migrate import get_flat, model_from_dict, model_from_flat
 from meshformer.model.families import FAMILIES
 from meshformer.model.families.naming import MegatronNames
 from meshformer.model.moe import is_moe_block
@@ -184,14 +185,14 @@ def layer_shapes(shapes: dict[str, tuple[int, ...]]) -> list[dict[str, tuple[int
     return layers
 
 
-def _moe_pattern(moe: list[bool]) -> tuple[int, int]:
+def moe_every_pattern(moe: list[bool]) -> tuple[int, int]:
     """(moe_first_dense, moe_every) that make exactly these layers MoE, or a ConversionError."""
     first = moe.index(True)
     for every in range(1, len(moe) + 1):
         if [i >= first and (i + 1) % every == 0 for i in range(len(moe))] == moe:
             return first, every
     raise ConversionError(f"the checkpoint's MoE layers {[i for i, m in enumerate(moe) if m]} follow no pattern of "
-                          "model.moe_first_dense / model.moe_every (dense first blocks, then every k-th block)")
+                          "dense first blocks, then every k-th block MoE")
 
 
 def infer_config(folder: Path, *, n_heads: int, vocab_size: int | None = None, activation: str | None = None,
@@ -237,7 +238,7 @@ def infer_config(folder: Path, *, n_heads: int, vocab_size: int | None = None, a
         if experts_per_token is None:
             raise ConversionError(f"{folder} holds mixture-of-experts layers whose top-k its tensors do not record "
                                   "— pass --experts-per-token (Megatron's --moe-router-topk)")
-        first_dense, every = _moe_pattern(moe)
+        first_dense, every = moe_every_pattern(moe)
         # Megatron keeps a router bias only with bias balancing: it steers the selection, so it is read (at
         # Megatron's default update rate, which the tensors do not record), never replaced by zeros
         balanced = EXPERT_BIAS in layers[moe.index(True)]
@@ -249,7 +250,7 @@ def infer_config(folder: Path, *, n_heads: int, vocab_size: int | None = None, a
             moe_every=every, router_score=score, router_renormalize=score == "softmax" or experts_per_token > 1,
             router_groups=router_groups or 1, router_groups_per_token=router_groups_per_token or 1,
             router_bias_update_rate=MEGATRON_BIAS_UPDATE_RATE if balanced else 0.0)
-    return ModelConfig(
+    return model_from_flat(
         family="decoder", vocab_size=vocab_size or padded_vocab, d_model=d_model, n_heads=n_heads,
         n_kv_heads=None if n_groups == n_heads else n_groups, n_layers=len(layers), d_ff=d_ff,
         head_dim=None if head_dim == d_model // n_heads else head_dim, qk_norm=Q_NORM in first,
@@ -264,12 +265,12 @@ def infer_config(folder: Path, *, n_heads: int, vocab_size: int | None = None, a
 
 def read_saved_config(folder: Path) -> tuple[Path, ModelConfig] | None:
     """The model config that export_megatron wrote beside (or in) the torch_dist folder, if any."""
-    from meshformer.config import ConfigError, build_section
+    from meshformer.config import ConfigError
 
     for file in (folder.parent / SAVED_CONFIG, folder / SAVED_CONFIG):
         if file.is_file():
             try:
-                return file, build_section(ModelConfig, json.loads(file.read_text()), "model")
+                return file, model_from_dict(json.loads(file.read_text()), str(file))
             except (ValueError, ConfigError) as err:
                 raise ConversionError(f"{file} is not a readable model config ({err}) — remove it and pass --heads "
                                       "and the other options instead") from None
@@ -287,13 +288,13 @@ def resolve_import_config(folder: Path, options: dict[str, Any]) -> ModelConfig:
                                   "count — pass --heads with the model's number of attention heads")
         return infer_config(folder, **{"norm_eps": 1e-5, "rope_theta": 10000.0, **given})
     file, cfg = saved
-    inferred = infer_config(folder, **{**{k: getattr(cfg, k) for k in OPTIONS}, **given})
-    contradictions = [f"{OPTIONS[k]} {v!r} contradicts {k}={getattr(cfg, k)!r}" for k, v in given.items()
-                      if v != getattr(cfg, k)]
+    inferred = infer_config(folder, **{**{k: get_flat(cfg, k) for k in OPTIONS}, **given})
+    contradictions = [f"{OPTIONS[k]} {v!r} contradicts {k}={get_flat(cfg, k)!r}" for k, v in given.items()
+                      if v != get_flat(cfg, k)]
     moe = [is_moe_block(cfg, i) for i in range(cfg.n_layers)]
     widths = (("d_ff",) if not all(moe) else ()) + (("expert_d_ff",) if any(moe) else ())  # what tensors hold
-    contradictions += [f"{k}={getattr(cfg, k)!r} in the file but {k}={getattr(inferred, k)!r} in the tensors"
-                       for k in _FROM_TENSORS + widths if getattr(cfg, k) != getattr(inferred, k)]
+    contradictions += [f"{k}={get_flat(cfg, k)!r} in the file but {k}={get_flat(inferred, k)!r} in the tensors"
+                       for k in _FROM_TENSORS + widths if get_flat(cfg, k) != get_flat(inferred, k)]
     moe_layers = [[i for i in range(c.n_layers) if is_moe_block(c, i)] for c in (cfg, inferred)]
     if moe_layers[0] != moe_layers[1]:
         contradictions.append(f"MoE layers {moe_layers[0]} in the file but {moe_layers[1]} in the tensors")

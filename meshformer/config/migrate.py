@@ -168,3 +168,12 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _at(where: str) -> str:
     return f"{where}: " if where else ""
+
+
+def get_flat(cfg: ModelConfig, key: str) -> Any:
+    """The value of an old flat key (or of any ModelConfig attribute) on a ModelConfig: `n_heads` reads
+    cfg.attention.n_heads."""
+    if key in RENAMES:
+        section, name = RENAMES[key].split(".")
+        return getattr(getattr(cfg, section), name)
+    return getattr(cfg, key)

@@ -33,8 +33,10 @@ def config_from_torch_transformer(module: nn.Transformer, vocab_size: int = 1) -
                        n_encoder_layers=len(module.encoder.layers), n_decoder_layers=len(module.decoder.layers),
                        position="none", scale_embeddings=False, bias=encoder_layer.linear1.bias is not None,
                        dropout=encoder_layer.dropout.p, attention=AttentionConfig(n_heads=module.nhead),
-                       ffn=FfnConfig(d_ff=encoder_layer.linear1.out_features, activation=kinds[encoder_layer.activation_relu_or_gelu]),
-                       norm=NormConfig(kind="layernorm", eps=encoder_layer.norm1.eps, position="pre" if encoder_layer.norm_first else "post", final=True))
+                       ffn=FfnConfig(d_ff=encoder_layer.linear1.out_features,
+                                     activation=kinds[encoder_layer.activation_relu_or_gelu]),
+                       norm=NormConfig(kind="layernorm", eps=encoder_layer.norm1.eps,
+                                       position="pre" if encoder_layer.norm_first else "post", final=True))
 
 
 def from_torch_transformer_state_dict(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -141,7 +141,8 @@ def test_the_layer_equals_a_per_token_sum_of_its_experts_forward_and_backward(k)
 def test_a_micro_batch_of_no_tokens_gives_an_empty_output_and_zero_gradients(k, capacity_factor):
     """No rows (e.g. an empty batch dimension): the k-way view and the gather's backward have no -1 to infer."""
     moe = layer(replace(SMALL,
-                        moe=replace(SMALL.moe, experts_per_token=k, capacity_factor=capacity_factor, aux_loss=0.0, router_z_loss=0.0)))
+                        moe=replace(SMALL.moe, experts_per_token=k, capacity_factor=capacity_factor, aux_loss=0.0,
+                                    router_z_loss=0.0)))
     x = torch.zeros(0, 4, SMALL.d_model, requires_grad=True)
     out = moe(x)
     assert out.shape == x.shape
