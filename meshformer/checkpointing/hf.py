@@ -55,8 +55,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from meshformer.checkpointing import hf_gemma_olmo
-from meshformer.checkpointing.megatron_config import moe_every_pattern
-from meshformer.config.migrate import model_from_flat
 from meshformer.checkpointing.formats import ARCHS, Arch
 from meshformer.checkpointing.mapping import (
     ZERO_ON_IMPORT,
@@ -66,7 +64,9 @@ from meshformer.checkpointing.mapping import (
     name_map,
     our_shapes,
 )
+from meshformer.checkpointing.megatron_config import moe_every_pattern
 from meshformer.config import Activation, AttentionConfig, FfnConfig, InitConfig, ModelConfig, NormConfig
+from meshformer.config.migrate import model_from_flat
 from meshformer.model.families import get_family_spec
 
 if TYPE_CHECKING:

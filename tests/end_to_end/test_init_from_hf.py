@@ -183,7 +183,7 @@ def test_a_folder_whose_blocks_are_all_dense_continues_as_it_is(shards, tmp_path
     # config validation refuses experts that no block uses in the user's own config, not in the folder's model
     _, folder = hf_folder("qwen3_moe_dense", tmp_path / "hf")
     cfg = resolve_init_from(load_config(None, _overrides(shards, tmp_path / "run", folder, 1)))
-    assert cfg.model.moe.n_experts == 4 and cfg.model.moe_first_dense == 2 == cfg.model.n_layers
+    assert cfg.model.moe.n_experts == 4 and cfg.model.mlp_types == ["dense", "dense"] and cfg.model.n_layers == 2
 
 
 def test_renamed_tensors_are_read_by_slices_and_the_rest_whole(tmp_path):

@@ -25,11 +25,12 @@ MOE_CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, position="rope", bi
                       attention=AttentionConfig(n_heads=4, qk_norm=True), ffn=FfnConfig(d_ff=32, activation="swiglu"),
                       norm=NormConfig(kind="rmsnorm"), moe=MoeConfig(n_experts=4))
 # Gemma 3's blocks, but its windowed blocks rotate with the scaled global RoPE (no rope_local_theta)
-GEMMA_SCALED_CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, d_ff=32, activation="geglu",
-                               norm="rmsnorm", norm_position="sandwich", norm_weight_offset=1.0, qk_norm=True,
-                               scale_embeddings=True, position="rope", attention_window=4, full_attention_every=2,
-                               rope_scaling="linear", rope_scaling_factor=2.0, bias=False, max_seq_len=64,
-                               tie_embeddings=True)
+GEMMA_SCALED_CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, scale_embeddings=True, position="rope",
+                               layer_types=["sliding_attention", "full_attention"], bias=False, max_seq_len=64,
+                               tie_embeddings=True, attention=AttentionConfig(n_heads=4, qk_norm=True, window=4),
+                               ffn=FfnConfig(d_ff=32, activation="geglu"),
+                               rope=RopeConfig(scaling="linear", factor=2.0),
+                               norm=NormConfig(kind="rmsnorm", position="sandwich", weight_offset=1.0))
 # a Llama with linearly scaled RoPE
 ROPE_CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=1, position="rope", bias=False, max_seq_len=64,
                        attention=AttentionConfig(n_heads=4), ffn=FfnConfig(d_ff=32, activation="swiglu"),

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from meshformer.config import ConfigError, ModelConfig, config_from_dict
+from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
 from meshformer.model.flops import count_params
 from meshformer.model.masks import AttentionMask
@@ -43,7 +44,7 @@ SCALINGS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
 def small(**extra: Any) -> ModelConfig:
     base: dict[str, Any] = dict(vocab_size=40, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, d_ff=48,
                                 max_seq_len=24, position="rope", norm="rmsnorm", activation="swiglu", bias=False)
-    return ModelConfig(**{**base, **extra})
+    return model_from_flat(**{**base, **extra})
 
 
 @pytest.mark.parametrize("head_dim,theta", [(64, 500000.0), (16, 10000.0)])

@@ -43,11 +43,13 @@ MOE_CASES = {  # every layer MoE (Megatron stacks layers), and dense + MoE mixed
                              attention=AttentionConfig(n_heads=4, n_kv_heads=2, head_dim=16, qk_norm=True),
                              ffn=FfnConfig(d_ff=64, activation="swiglu"), norm=NormConfig(kind="rmsnorm"),
                              moe=MoeConfig(n_experts=4, experts_per_token=2, d_ff=24)),
-    "deepseek_like": ModelConfig(family="decoder", vocab_size=100, d_model=32, n_heads=4, n_layers=3, d_ff=64,
-                                 qkv_bias=True, activation="swiglu", norm="rmsnorm", position="rope",
-                                 tie_embeddings=True, bias=False, max_seq_len=64, n_experts=4, experts_per_token=2,
-                                 moe_d_ff=24, n_shared_experts=2, moe_first_dense=1, router_score="sigmoid",
-                                 router_groups=2, router_groups_per_token=1, router_bias_update_rate=1e-3),
+    "deepseek_like": ModelConfig(family="decoder", vocab_size=100, d_model=32, n_layers=3, position="rope",
+                                 tie_embeddings=True, bias=False, max_seq_len=64, mlp_types=["dense", "moe", "moe"],
+                                 attention=AttentionConfig(n_heads=4, qkv_bias=True),
+                                 ffn=FfnConfig(d_ff=64, activation="swiglu"), norm=NormConfig(kind="rmsnorm"),
+                                 moe=MoeConfig(n_experts=4, experts_per_token=2, d_ff=24, n_shared_experts=2,
+                                               router_score="sigmoid", router_groups=2, router_groups_per_token=1,
+                                               router_bias_update_rate=1e-3)),
 }
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers.common import CONFIGS
 
-from meshformer.config import AttentionConfig, FfnConfig, ModelConfig, load_config
+from meshformer.config import AttentionConfig, FfnConfig, ModelConfig, RopeConfig, load_config
+from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
 from meshformer.model.flops import count_params, flops_per_token, training_flops
 
@@ -44,8 +47,7 @@ SMALL = {
 
 @pytest.mark.parametrize("name", list(SMALL))
 def test_count_params_equals_built_model(name):
-    cfg = ModelConfig(vocab_size=101, d_model=48, n_layers=3, max_seq_len=33, **SMALL[name],
-                      attention=AttentionConfig(n_heads=6), ffn=FfnConfig(d_ff=80))
+    cfg = model_from_flat(vocab_size=101, d_model=48, n_heads=6, n_layers=3, d_ff=80, max_seq_len=33, **SMALL[name])
     counts = count_params(cfg)
     assert counts["total"] == built_params(cfg)
     assert counts["embedding"] + counts["non_embedding"] == counts["total"]
@@ -191,15 +193,17 @@ def test_encoder_decoder_flops_account_for_each_stack():
 
 def test_sliding_window_reduces_attention_flops():
     cfg = ModelConfig(d_model=64, n_layers=2, attention=AttentionConfig(n_heads=4))
-    windowed = ModelConfig(d_model=64, n_heads=4, n_layers=2, attention_window=16)
+    windowed = ModelConfig(d_model=64, n_layers=2, layer_types=["sliding_attention"],
+                           attention=AttentionConfig(n_heads=4, window=16))
     gap = flops_per_token(cfg, 256) - flops_per_token(windowed, 256)
     assert gap == 12 * 2 * (256 - 16) * 64
 
 
 def test_global_blocks_of_a_window_pattern_count_every_key():
     """Gemma 3's pattern: 1 of every 3 blocks global, so 2 of 6 blocks see all 256 keys and 4 see 16."""
-    kwargs = dict(d_model=64, n_heads=4, n_layers=6, attention_window=16)
-    windowed = ModelConfig(**kwargs)
-    pattern = ModelConfig(**kwargs, full_attention_every=3, rope_local_theta=1e4, position="rope")
+    windowed = ModelConfig(d_model=64, n_layers=6, layer_types=["sliding_attention"],
+                           attention=AttentionConfig(n_heads=4, window=16))
+    pattern = dataclasses.replace(windowed, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                  position="rope", rope=RopeConfig(local_theta=1e4))
     gap = flops_per_token(pattern, 256) - flops_per_token(windowed, 256)
     assert gap == 12 * 2 * (256 - 16) * 64

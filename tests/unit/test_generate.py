@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshformer.config import AttentionConfig, FfnConfig, ModelConfig
+from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
 from meshformer.model.generate import greedy_decode, pad_rows
 
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def model_for(family: str, position: str, seed: int = 0, **extra) -> Transformer:
-    cfg = ModelConfig(family=family, vocab_size=40, d_model=32, n_layers=2, max_seq_len=20, position=position, **extra,
-                      attention=AttentionConfig(n_heads=4), ffn=FfnConfig(d_ff=48))
+    cfg = model_from_flat(family=family, vocab_size=40, d_model=32, n_heads=4, n_layers=2, d_ff=48, max_seq_len=20,
+                          position=position, **extra)
     torch.manual_seed(seed)
     model = Transformer(cfg).to(F64).eval()
     with torch.no_grad():

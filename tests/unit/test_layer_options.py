@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from meshformer.config import ConfigError, ModelConfig, config_from_dict
+from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
 from meshformer.model.masks import AttentionMask
 
@@ -27,7 +28,7 @@ OLMO2 = dict(norm_position="post_sublayer", qk_norm=True, qk_norm_scope="project
 def small(**extra: Any) -> ModelConfig:
     base: dict[str, Any] = dict(vocab_size=40, d_model=32, n_heads=4, n_kv_heads=2, n_layers=4, d_ff=48,
                                 max_seq_len=24, position="rope", norm="rmsnorm", activation="swiglu", bias=False)
-    return ModelConfig(**{**base, **extra})
+    return model_from_flat(**{**base, **extra})
 
 
 def test_attention_softcap_caps_the_scaled_scores_before_the_softmax():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from meshformer.config import AttentionConfig, FfnConfig, ModelConfig, NormConfig
+from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
 from meshformer.model.attention import Attention
 from meshformer.model.masks import build_mask, masked_avg_pool, pool_padding_mask
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def tiny(**overrides) -> ModelConfig:
     base = dict(vocab_size=50, d_model=32, n_heads=4, n_layers=2, d_ff=48, max_seq_len=24, dropout=0.0)
-    return ModelConfig(**{**base, **overrides})
+    return model_from_flat(**{**base, **overrides})
 
 
 def build(cfg: ModelConfig, seed: int = 0) -> Transformer:

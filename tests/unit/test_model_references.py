@@ -25,6 +25,7 @@ from meshformer.checkpointing.hf import (
     to_hf_state_dict,
 )
 from meshformer.config import AttentionConfig, FfnConfig, ModelConfig, NormConfig
+from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
 
 transformers = pytest.importorskip("transformers")
@@ -339,7 +340,7 @@ def test_base_model_checkpoint_names_are_accepted():
 
 
 def _llama_config(**extra) -> ModelConfig:
-    return ModelConfig(**{"vocab_size": 97, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "n_layers": 2, "d_ff": 48,
+    return model_from_flat(**{"vocab_size": 97, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "n_layers": 2, "d_ff": 48,
                           "activation": "swiglu", "norm": "rmsnorm", "position": "rope", "tie_embeddings": False,
                           "bias": False, "max_seq_len": 32, **extra})
 
@@ -501,7 +502,8 @@ def test_gemma3_1b_published_config_maps_both_ways():
         num_key_value_heads=1, head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6, sliding_window=512,
         sliding_window_pattern=6, query_pre_attn_scalar=256, rope_theta=1e6, rope_local_base_freq=10000.0)
     cfg = config_from_hf(published)
-    assert (cfg.attention.window, cfg.full_attention_every, cfg.rope.theta, cfg.rope.local_theta) == (512, 6, 1e6, 1e4)
+    assert (cfg.attention.window, cfg.rope.theta, cfg.rope.local_theta) == (512, 1e6, 1e4)
+    assert cfg.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
     assert [cfg.window(i) for i in range(6)] == [512] * 5 + [None] and cfg.attention.scale is None
     with torch.device("meta"):
         hf = transformers.Gemma3ForCausalLM(published)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from meshformer.config import ConfigError, config_from_dict, load_config
 from meshformer.loss.cross_entropy import plain_loss_fn
 from meshformer.model import Transformer
-from meshformer.model.config import AttentionConfig, FfnConfig, ModelConfig, MoeConfig
+from meshformer.model.config import AttentionConfig, FfnConfig, ModelConfig, MoeConfig, moe_pattern
 from meshformer.model.flops import count_params, flops_per_token
 from meshformer.model.init import init_buffers, init_weights
 from meshformer.model.layers import FeedForward
@@ -369,7 +369,7 @@ def test_a_compiled_moe_block_with_a_capacity_is_one_graph(recompute):
 
 
 def test_which_blocks_are_moe():
-    cfg = replace(SMALL, n_layers=6, moe_every=2, moe_first_dense=2)
+    cfg = replace(SMALL, n_layers=6, mlp_types=moe_pattern(moe_every=2, moe_first_dense=2, n_layers=6))
     assert [is_moe_block(cfg, i) for i in range(6)] == [False, False, False, True, False, True]
     assert not any(is_moe_block(replace(cfg, moe=replace(cfg.moe, n_experts=0)), i) for i in range(6))
     model = Transformer(cfg, init_seed=0)
@@ -378,10 +378,13 @@ def test_which_blocks_are_moe():
                                                                                          for i in range(6)]
 
 
-@pytest.mark.parametrize("extra", [dict(), dict(n_shared_experts=2, moe_first_dense=1, bias=False),
-                                   dict(family="encoder_decoder", activation="gelu", moe_every=2)])
-def test_total_and_active_params_and_flops(extra):
-    cfg = replace(SMALL, **extra)
+@pytest.mark.parametrize("change", [
+    lambda c: c,
+    lambda c: replace(c, bias=False, mlp_types=["dense", "moe", "moe"], moe=replace(c.moe, n_shared_experts=2)),
+    lambda c: replace(c, family="encoder_decoder", mlp_types=["dense", "moe"], ffn=replace(c.ffn, activation="gelu")),
+])
+def test_total_and_active_params_and_flops(change):
+    cfg = change(SMALL)
     counts = count_params(cfg)
     with torch.device("meta"):
         built = Transformer(cfg)
@@ -392,7 +395,7 @@ def test_total_and_active_params_and_flops(extra):
     assert counts["active"] == counts["total"] - len(moe_blocks) * unused * per_expert
     # FLOPs: a dense model whose FFN is the active one, plus the router, where each MoE block's FFN is
     width = cfg.moe.experts_per_token * cfg.expert_d_ff
-    if cfg.moe.n_shared_experts == 0 and cfg.moe_first_dense == 0 and cfg.moe_every == 1 and width == cfg.ffn.d_ff:
+    if cfg.moe.n_shared_experts == 0 and not cfg.mlp_types and width == cfg.ffn.d_ff:
         dense = replace(cfg, moe=replace(cfg.moe, n_experts=0))
         routers = 6 * len(moe_blocks) * cfg.moe.n_experts * cfg.d_model
         assert flops_per_token(cfg, 16) == flops_per_token(dense, 16) + routers
@@ -447,6 +450,8 @@ def test_bad_moe_configs_fail_with_one_line():
         (dict(n_experts=8, experts_per_token=4, router_groups=4, router_groups_per_token=1), "fewer than"),
         (dict(n_experts=4, capacity_factor=-1.0), "capacity_factor"),
         (dict(n_experts=4, moe_every=0), "moe_every"),
+        (dict(moe={"n_experts": 4}, mlp_types=["expert"]), "model.mlp_types holds 'expert'"),
+        (dict(mlp_types=["moe"]), "n_experts = 0"),
     ]
     for model, message in cases:
         with pytest.raises(ConfigError, match=message) as err:
