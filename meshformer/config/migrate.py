@@ -9,6 +9,7 @@ file gets one log line per old key; a saved config (written by the program, not 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Literal
 
@@ -177,3 +178,29 @@ def get_flat(cfg: ModelConfig, key: str) -> Any:
         section, name = RENAMES[key].split(".")
         return getattr(getattr(cfg, section), name)
     return getattr(cfg, key)
+
+
+def get_dotted(cfg: Any, key: str) -> Any:
+    """cfg.attention.n_heads for "attention.n_heads"."""
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def with_dotted(cfg: Any, changes: dict[str, Any]) -> Any:
+    """A copy of the dataclass `cfg` with the dotted keys of `changes` set ({"attention.n_heads": 8})."""
+    direct: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for key, value in changes.items():
+        head, _, rest = key.partition(".")
+        if rest:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            direct[head] = value
+    direct.update({head: with_dotted(getattr(cfg, head), sub) for head, sub in nested.items()})
+    return dataclasses.replace(cfg, **direct)
+
+
+def dotted_values(cfg: Any) -> dict[str, Any]:
+    """{"attention.n_heads": 4, ...}: every key of a (nested) config dataclass, dotted."""
+    return flatten(dataclasses.asdict(cfg))
