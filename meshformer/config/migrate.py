@@ -85,8 +85,8 @@ def migrate_model_table(table: dict[str, Any], where: str = "", report: Report =
     elif report == "each":
         for key in found:
             new = PATTERNS[key] if key in PATTERNS and key not in RENAMES else RENAMES[key]
-            log.warning("config: %smodel.%s is now model.%s (translated; update the file to silence this)",
-                        _at(where), key, new)
+            log.warning("config: model.%s is now model.%s (translated; update %s to silence this)", key, new,
+                        "the --set override" if where == "--set" else where or "the file")
     return out
 
 
