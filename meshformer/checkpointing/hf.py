@@ -66,7 +66,7 @@ from meshformer.checkpointing.mapping import (
 )
 from meshformer.checkpointing.megatron_config import moe_every_pattern
 from meshformer.config import Activation, AttentionConfig, FfnConfig, InitConfig, ModelConfig, NormConfig
-from meshformer.config.migrate import model_from_flat
+from meshformer.config.migrate import get_flat, model_from_flat
 from meshformer.model.families import get_family_spec
 
 if TYPE_CHECKING:
@@ -194,8 +194,8 @@ def _rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_type": "default" if cfg.rope.scaling == "none" else cfg.rope.scaling,
                             "rope_theta": cfg.rope.theta}
     for key, ours in _ROPE_KEYS.get(cfg.rope.scaling, {}).items():
-        if ours and getattr(cfg, ours) is not None:
-            rope[key] = getattr(cfg, ours)
+        if ours and get_flat(cfg, ours) is not None:
+            rope[key] = get_flat(cfg, ours)
     return rope
 
 

@@ -206,7 +206,7 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------ initialisation
 
     def init_weights(self) -> None:
-        """Every weight from `init_seed` and its name alone (meshformer.model.init.method); a no-op on the meta device."""
+        """Every weight from `init_seed` and its name alone (meshformer.model.init); a no-op on the meta device."""
         if self.init_seed is None:
             if any(not p.is_meta for p in self.parameters()):
                 raise ValueError("this model was built on the meta device without init_seed, so it cannot be "

@@ -2,7 +2,7 @@
 
 `parallelize` applies the layout (pipeline split, tensor parallel, FSDP) to the meta model first, so every
 parameter already has its final (sharded) shape; `to_empty` then allocates just those shards on the device
-and the model's own init rules fill them (meshformer.model.init.method): the values equal the single-process
+and the model's own init rules fill them (meshformer.model.init): the values equal the single-process
 model's bitwise, whatever the layout and world size.
 """
 

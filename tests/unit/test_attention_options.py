@@ -200,14 +200,14 @@ def config_with(**model: Any):
     (dict(head_dim=7), "RoPE needs an even head dimension, got 7"),
     (dict(d_model=30), "set model.attention.head_dim"),
     (dict(position="learned", rope_scaling="linear", rope_scaling_factor=2.0), "model.position='rope'"),
-    (dict(rope_scaling="linear", rope_scaling_factor=0.5), "rope_scaling_factor=0.5 must be >= 1"),
+    (dict(rope_scaling="linear", rope_scaling_factor=0.5), "rope.factor=0.5 must be >= 1"),
     (dict(rope_scaling="llama3", rope_scaling_factor=8.0), "needs model.rope.original_max_seq_len"),
     (dict(rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_seq_len=8, rope_low_freq_factor=4.0),
      "need 0 < low < high"),
     (dict(rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_seq_len=8, rope_beta_slow=64.0),
      "need 0 < beta_slow < beta_fast"),
     (dict(rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_seq_len=8, rope_attention_factor=0.0),
-     "rope_attention_factor=0.0 must be positive"),
+     "rope.attention_factor=0.0 must be positive"),
 ])
 def test_bad_options_get_one_line(model, match):
     with pytest.raises(ConfigError, match=match) as caught:

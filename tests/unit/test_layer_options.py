@@ -111,7 +111,7 @@ def config_with(**model: Any):
 @pytest.mark.parametrize("model,match", [
     (dict(full_attention_every=2), "model.full_attention_every=2 .* needs model.attention.window .*; set both"),
     (dict(attention_window=4, full_attention_every=0), "a value >= 1"),
-    (dict(rope_local_theta=1e4), "model.rope.local_theta=10000.0 .* needs .*model.attention.window"),
+    (dict(rope_local_theta=1e4), "model.rope.local_theta=10000.0 .* needs .*sliding_attention blocks"),
     (dict(attention_softcap=0.0), "model.attention.softcap=0.0 must be positive"),
     (dict(logit_softcap=-1.0), "model.logit_softcap=-1.0 must be positive"),
     (dict(norm="layernorm", norm_weight_offset=1.0), "set model.norm.kind='rmsnorm'"),

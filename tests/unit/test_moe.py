@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from meshformer.config import ConfigError, config_from_dict, load_config
+from meshformer.config.migrate import with_dotted
 from meshformer.loss.cross_entropy import plain_loss_fn
 from meshformer.model import Transformer
 from meshformer.model.config import AttentionConfig, FfnConfig, ModelConfig, MoeConfig, moe_pattern
@@ -90,12 +91,13 @@ def backends() -> list[str]:
     return [b for b in BACKENDS if b != "grouped_mm" or grouped_mm_runs("cpu")]
 
 
-@pytest.mark.parametrize("extra", [dict(), dict(activation="gelu"), dict(capacity_factor=1.0),
-                                   dict(n_shared_experts=1, router_score="sigmoid", n_experts=8,
-                                        experts_per_token=3, router_groups=4, router_groups_per_token=2)],
+@pytest.mark.parametrize("extra", [{}, {"ffn.activation": "gelu"}, {"moe.capacity_factor": 1.0},
+                                   {"moe.n_shared_experts": 1, "moe.router_score": "sigmoid", "moe.n_experts": 8,
+                                    "moe.experts_per_token": 3, "moe.router_groups": 4,
+                                    "moe.router_groups_per_token": 2}],
                          ids=["swiglu", "gelu", "capacity", "shared-sigmoid-groups"])
 def test_every_compute_path_gives_the_same_output_and_gradients(extra):
-    cfg = replace(SMALL, **extra)
+    cfg = with_dotted(SMALL, extra)
     x = torch.randn(3, 7, cfg.d_model, generator=torch.Generator().manual_seed(1))
     results = {}
     for backend in backends():
@@ -481,12 +483,12 @@ def test_a_grouped_mm_backend_that_cannot_run_fails_at_validation_in_one_line(mo
 
     with pytest.raises(ConfigError, match="runs bf16 rows on CUDA, but this run computes in fp32") as err:
         validate_parallel(config_from_dict(grouped_mm("fp32")), 1, "cuda", on_this_host=False)
-    assert "\n" not in str(err.value) and "moe_backend='auto'" in err.value.one_line()
+    assert "\n" not in str(err.value) and "moe.backend='auto'" in err.value.one_line()
     validate_parallel(config_from_dict(grouped_mm("bf16")), 1, "cuda", on_this_host=False)  # not checked off-host
     monkeypatch.setattr(moe, "grouped_mm_runs", lambda device_type: False)  # e.g. an A100, or a CPU build without it
     with pytest.raises(ConfigError, match="torch._grouped_mm does not run on this cpu") as err:
         validate_parallel(config_from_dict(grouped_mm("fp32")), 1, "cpu")
-    assert "\n" not in str(err.value) and "moe_backend='auto'" in err.value.one_line()
+    assert "\n" not in str(err.value) and "moe.backend='auto'" in err.value.one_line()
     validate_parallel(config_from_dict({"model": {"n_experts": 4, "moe_backend": "auto"}}), 1, "cpu")
 
 

@@ -94,7 +94,7 @@ def _reference_muon(p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, lr: flo
     matrices = [u] if u.ndim == 2 else list(u)
     out = []
     for m in matrices:
-        x = m / (m.norm.kind() + 1e-7)
+        x = m / (m.norm() + 1e-7)
         tall = x.shape[0] > x.shape[1]
         x = x.T if tall else x
         for _ in range(5):

@@ -53,7 +53,7 @@ def llama_rules(cfg: ModelConfig, arch: str = "llama") -> list[Rule]:
     and Qwen3-MoE (expert blocks), OLMo 2 and Gemma 2 / 3 (their block norms)."""
     linear = ("weight", "bias") if cfg.bias else ("weight",)
     qkv_linear = ("weight", "bias") if cfg.use_qkv_bias else ("weight",)
-    rules = [Rule(("tok_embeddings.weight",), "model.embed_tokens.weight"), *norm("decoder_norm", "model.norm.kind", cfg),
+    rules = [Rule(("tok_embeddings.weight",), "model.embed_tokens.weight"), *norm("decoder_norm", "model.norm", cfg),
              Rule(("output.weight",), "lm_head.weight", alias=cfg.tie_embeddings)]
     for i in range(cfg.n_layers):
         o, t = f"decoder_layers.{i}", f"model.layers.{i}"
