@@ -180,8 +180,9 @@ def measure(shape: str, routing: str, device: torch.device, dtype: torch.dtype, 
     dense_tps = tokens / ms["dense"] * 1e3
     record: dict = {
         "bench": "moe_layer", "shape": shape, "routing": routing, "device": device.type, "dtype": str(dtype)[6:],
-        "d_model": moe_cfg.d_model, "n_experts": moe_cfg.moe.n_experts, "experts_per_token": moe_cfg.moe.experts_per_token,
-        "moe_d_ff": moe_cfg.expert_d_ff, "n_shared_experts": moe_cfg.moe.n_shared_experts, "dense_d_ff": dense_cfg.ffn.d_ff,
+        "d_model": moe_cfg.d_model, "n_experts": moe_cfg.moe.n_experts,
+        "experts_per_token": moe_cfg.moe.experts_per_token, "moe_d_ff": moe_cfg.expert_d_ff,
+        "n_shared_experts": moe_cfg.moe.n_shared_experts, "dense_d_ff": dense_cfg.ffn.d_ff,
         "tokens": tokens, "threads": torch.get_num_threads(), "load_1min": round(os.getloadavg()[0], 2),
         "rounds": rounds, "queue": queue, "compiled": compile_mode or False,
         # graphs dynamo made of both sides (dense: 1): a graph break in the layer shows as more

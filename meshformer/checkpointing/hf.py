@@ -313,7 +313,8 @@ def config_from_hf(hf_config: Any) -> ModelConfig:
                            dropout=c.dropout_rate,
                            attention=AttentionConfig(n_heads=c.num_heads,
                                                      relative_buckets=c.relative_attention_num_buckets,
-                                                     relative_max_distance=c.relative_attention_max_distance, scale=1.0),
+                                                     relative_max_distance=c.relative_attention_max_distance,
+                                                     scale=1.0),
                            ffn=FfnConfig(d_ff=c.d_ff, activation="swiglu" if c.is_gated_act else "relu"),
                            norm=NormConfig(kind="rmsnorm", eps=c.layer_norm_epsilon, position="pre", final=True))
     raise ValueError(f"unsupported Hugging Face model_type {arch!r}; supported: {list(ARCHS)}")
@@ -329,7 +330,8 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
         special = 50256 if cfg.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when the vocabulary has it
         return transformers.GPT2Config(
             vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model, n_layer=cfg.n_layers,
-            n_head=cfg.attention.n_heads, n_inner=cfg.ffn.d_ff, activation_function=_TO_HF_ACTIVATION[cfg.ffn.activation],
+            n_head=cfg.attention.n_heads, n_inner=cfg.ffn.d_ff,
+            activation_function=_TO_HF_ACTIVATION[cfg.ffn.activation],
             resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.attention.dropout,
             layer_norm_epsilon=cfg.norm.eps, initializer_range=cfg.init.std, bos_token_id=special,
             eos_token_id=special, tie_word_embeddings=cfg.tie_embeddings,
@@ -347,7 +349,8 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
     if arch in _LLAMA_LIKE:
         shared: dict[str, Any] = dict(
             vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
-            num_attention_heads=cfg.attention.n_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.attention_head_dim,
+            num_attention_heads=cfg.attention.n_heads, num_key_value_heads=cfg.kv_heads,
+            head_dim=cfg.attention_head_dim,
             hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm.eps,
             tie_word_embeddings=cfg.tie_embeddings, attention_dropout=cfg.attention.dropout,
             initializer_range=cfg.init.std, rope_parameters=_rope_to_hf(cfg),
@@ -361,11 +364,13 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
         if arch in ("gemma2", "gemma3_text"):
             return hf_gemma_olmo.gemma_to_hf(cfg, shared, arch)
         if arch == "mistral":
-            return transformers.MistralConfig(**shared, intermediate_size=cfg.ffn.d_ff, sliding_window=cfg.attention.window)
+            return transformers.MistralConfig(**shared, intermediate_size=cfg.ffn.d_ff,
+                                              sliding_window=cfg.attention.window)
         if arch == "qwen2":
             return transformers.Qwen2Config(**shared, **qwen_window, intermediate_size=cfg.ffn.d_ff)
         if arch == "qwen3":
-            return transformers.Qwen3Config(**shared, **qwen_window, intermediate_size=cfg.ffn.d_ff, attention_bias=False)
+            return transformers.Qwen3Config(**shared, **qwen_window, intermediate_size=cfg.ffn.d_ff,
+                                            attention_bias=False)
         if arch == "mixtral":
             return transformers.MixtralConfig(
                 **shared, intermediate_size=cfg.expert_d_ff, sliding_window=cfg.attention.window,
@@ -394,8 +399,10 @@ def config_to_hf(cfg: ModelConfig, arch: Arch | None = None) -> Any:
     spec = get_family_spec(cfg.family)
     return transformers.T5Config(  # type: ignore[call-arg]  # tie_word_embeddings: a PretrainedConfig kwarg
         vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.attention_head_dim, d_ff=cfg.ffn.d_ff,
-        num_layers=spec.depth(cfg, "encoder"), num_decoder_layers=spec.depth(cfg, "decoder"), num_heads=cfg.attention.n_heads,
-        dropout_rate=cfg.dropout, layer_norm_epsilon=cfg.norm.eps, relative_attention_num_buckets=cfg.attention.relative_buckets,
+        num_layers=spec.depth(cfg, "encoder"), num_decoder_layers=spec.depth(cfg, "decoder"),
+        num_heads=cfg.attention.n_heads,
+        dropout_rate=cfg.dropout, layer_norm_epsilon=cfg.norm.eps,
+        relative_attention_num_buckets=cfg.attention.relative_buckets,
         relative_attention_max_distance=cfg.attention.relative_max_distance,
         feed_forward_proj="gated-silu" if cfg.ffn.activation == "swiglu" else "relu",
         tie_word_embeddings=cfg.scale_output,  # T5Config turns this into scale_decoder_outputs
@@ -423,9 +430,11 @@ def _features(cfg: ModelConfig) -> dict[str, Any]:
         "moe": moe, "n_shared_experts": cfg.moe.n_shared_experts if moe else 0,
         "router_score": cfg.moe.router_score if moe else "softmax",
         "router_renormalize": cfg.moe.router_renormalize if moe else True,
-        "router_groups": cfg.moe.router_groups if moe else 1, "capacity_factor": cfg.moe.capacity_factor if moe else 0.0,
+        "router_groups": cfg.moe.router_groups if moe else 1,
+        "capacity_factor": cfg.moe.capacity_factor if moe else 0.0,
         "moe_blocks": "every block" if not moe or all(cfg.is_moe(i) for i in range(cfg.n_layers)) else "some",
-        "family": cfg.family, "norm": cfg.norm.kind, "norm_position": cfg.norm.position, "final_norm": cfg.use_final_norm,
+        "family": cfg.family, "norm": cfg.norm.kind, "norm_position": cfg.norm.position,
+        "final_norm": cfg.use_final_norm,
         "embedding_norm": cfg.norm.embedding, "position": cfg.position, "scale_embeddings": cfg.scale_embeddings,
         "tie_embeddings": cfg.tie_embeddings, "share_embeddings": cfg.share_embeddings, "bias": cfg.bias,
         "head_transform": cfg.head_transform, "output_bias": cfg.output_bias, "activation": cfg.ffn.activation,
@@ -434,7 +443,8 @@ def _features(cfg: ModelConfig) -> dict[str, Any]:
         "scale_output": cfg.scale_output, "cross_downsample": cfg.cross_downsample,
         "rope_scaling": cfg.rope.scaling, "head_dim": "d_model/n_heads" if default_head_dim else cfg.attention.head_dim,
         "qk_norm": cfg.attention.qk_norm, "qkv_bias": "as bias" if cfg.use_qkv_bias == cfg.bias else cfg.use_qkv_bias,
-        "qk_norm_scope": cfg.attention.qk_norm_scope if cfg.attention.qk_norm else "head", "norm_weight_offset": cfg.norm.weight_offset,
+        "qk_norm_scope": cfg.attention.qk_norm_scope if cfg.attention.qk_norm else "head",
+        "norm_weight_offset": cfg.norm.weight_offset,
         "full_attention_every": _full_attention_every(cfg) if cfg.attention.window is not None else None,
         "rope_local_theta": cfg.rope.local_theta if cfg.attention.window is not None else None,
         "attention_softcap": cfg.attention.softcap, "logit_softcap": cfg.logit_softcap,

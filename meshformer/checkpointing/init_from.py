@@ -177,7 +177,8 @@ def _refuse_nonfinite(parts: list[torch.nn.Module], folder: Path, source: HFInit
 def taken_from_folder(cfg: Config, arch: str, seconds: float) -> str:
     """One log line: what this run took from checkpoint.init_from's folder (model, tokenizer, weights)."""
     folder, m = hf_folder(cfg), cfg.model
-    model = (f"model ({arch}: {m.n_layers} layers, d_model {m.d_model}, {m.attention.n_heads} heads, vocab {m.vocab_size}, "
+    model = (f"model ({arch}: {m.n_layers} layers, d_model {m.d_model}, {m.attention.n_heads} heads, "
+             f"vocab {m.vocab_size}, "
              f"context {m.max_seq_len})")
     tokenizer = "tokenizer" if cfg.data.tokenizer == str(folder) else f"not its tokenizer (data.tokenizer = " \
                                                                       f"{cfg.data.tokenizer})"

@@ -392,7 +392,8 @@ class CheckpointManager:
         now = cfg.to_dict()
         saved = migrate_tree(saved, report="none")  # a checkpoint of an earlier release: its flat [model] keys
         changed = [f"{section}.{key}: {before.get(key)!r} -> {value!r}"
-                   for section in ("model", "optim", "schedule", "data", "train") if isinstance(saved.get(section), dict)
+                   for section in ("model", "optim", "schedule", "data", "train")
+                   if isinstance(saved.get(section), dict)
                    for before in [flatten(saved[section])]
                    for key, value in flatten(now.get(section, {})).items()
                    if _normal(before.get(key)) != _normal(value)]

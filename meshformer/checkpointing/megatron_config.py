@@ -67,9 +67,11 @@ def megatron_incompatibilities(cfg: ModelConfig) -> list[str]:
         # Megatron's linear_qkv has a bias whenever the other linears do (add_bias_linear)
         (cfg.use_qkv_bias or not cfg.bias, "linear biases without Q/K/V biases"),
         # Megatron's q/k layernorm is the model's norm type; ours is RMSNorm
-        (not cfg.attention.qk_norm or cfg.norm.kind == "rmsnorm", "qk_norm with LayerNorm blocks (Megatron would use LayerNorm)"),
+        (not cfg.attention.qk_norm or cfg.norm.kind == "rmsnorm",
+         "qk_norm with LayerNorm blocks (Megatron would use LayerNorm)"),
         (cfg.rope.scaling == "none", f"rope_scaling={cfg.rope.scaling!r} (no Megatron-Core mapping here)"),
-        (cfg.attention.qk_norm_scope == "head" or not cfg.attention.qk_norm, "qk_norm_scope='projection' (Megatron normalises per head)"),
+        (cfg.attention.qk_norm_scope == "head" or not cfg.attention.qk_norm,
+         "qk_norm_scope='projection' (Megatron normalises per head)"),
         (cfg.norm.weight_offset == 0, f"norm_weight_offset={cfg.norm.weight_offset} (RMSNorm by offset + weight)"),
         (cfg.attention.softcap is None and cfg.logit_softcap is None, "attention_softcap / logit_softcap"),
     ]
@@ -104,7 +106,8 @@ def check_megatron_compatible(cfg: ModelConfig) -> MegatronNames:
     problems = megatron_incompatibilities(cfg)
     if problems:
         fix = ("train it with model.bias=false (Hugging Face's MoE architectures have no linear biases either)"
-               if cfg.moe.n_experts and cfg.bias else "export it to Hugging Face instead (`meshformer convert export-hf`)")
+               if cfg.moe.n_experts and cfg.bias
+               else "export it to Hugging Face instead (`meshformer convert export-hf`)")
         raise ConversionError("this model cannot be written as a Megatron-Core GPT checkpoint: " + ", ".join(problems),
                               fix)
     names = FAMILIES[cfg.family].megatron
@@ -140,7 +143,8 @@ def megatron_model_config(cfg: ModelConfig, padded_vocab: int) -> dict[str, dict
     if cfg.moe.n_experts:
         balance = "seq_aux_loss" if cfg.moe.aux_per_sequence else "aux_loss"
         transformer.update(
-            num_moe_experts=cfg.moe.n_experts, moe_router_topk=cfg.moe.experts_per_token, moe_ffn_hidden_size=cfg.expert_d_ff,
+            num_moe_experts=cfg.moe.n_experts, moe_router_topk=cfg.moe.experts_per_token,
+            moe_ffn_hidden_size=cfg.expert_d_ff,
             moe_shared_expert_intermediate_size=cfg.moe.n_shared_experts * cfg.expert_d_ff or None,
             # a list makes Megatron save each layer apart, so one only where layers mix (as stacked_layers says)
             moe_layer_freq=1 if stacked_layers(cfg) else [int(is_moe_block(cfg, i)) for i in range(cfg.n_layers)],

@@ -86,7 +86,8 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
 
 
 def given_keys(cfg: Config) -> frozenset[str]:
-    """The dotted keys the user wrote (`model.attention.n_heads`) (in the TOML file or an override), whatever their values, defaults included:
+    """The dotted keys the user wrote (`model.attention.n_heads`; in the TOML file or an override), whatever their
+    values, defaults included:
     a value equal to the default was still asked for. Empty for a config not loaded from a tree."""
     return getattr(cfg, _GIVEN, frozenset())
 

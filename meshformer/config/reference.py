@@ -93,7 +93,8 @@ def undocumented_keys() -> list[str]:
 
 def _described(cls: type) -> list[tuple[str, str]]:
     comments = field_comments(cls)
-    return [(f.name, comments.get(f.name, "")) for f in dataclasses.fields(cls) if not dataclasses.is_dataclass(_default(f))]
+    return [(f.name, comments.get(f.name, "")) for f in dataclasses.fields(cls)
+            if not dataclasses.is_dataclass(_default(f))]
 
 
 def config_reference(table: str | None = None) -> str:

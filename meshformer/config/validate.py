@@ -23,26 +23,33 @@ def validate(cfg: Config) -> None:
     m, d, t = cfg.model, cfg.data, cfg.train
     _finite(cfg)
     _not_empty(cfg, ["logging.run_dir", "data.corpus", "data.tokenizer", "data.text_field", "train.device"])
-    _positive(cfg, ["model.vocab_size", "model.d_model", "model.attention.n_heads", "model.ffn.d_ff", "model.max_seq_len",
+    _positive(cfg, ["model.vocab_size", "model.d_model", "model.attention.n_heads", "model.ffn.d_ff",
+                    "model.max_seq_len",
                     "data.seq_len", "data.batch_size", "train.steps", "train.grad_accum", "optim.lr",
                     "logging.log_interval", "model.norm.eps", "model.rope.theta", "model.init.std",
                     "data.span_mean_length", "parallel.timeout_s"])
     if m.attention.head_dim is not None and m.attention.head_dim <= 0:
-        raise ConfigError(f"model.attention.head_dim={m.attention.head_dim} must be positive (or omitted: d_model / n_heads)")
+        raise ConfigError(f"model.attention.head_dim={m.attention.head_dim} must be positive "
+                          "(or omitted: d_model / n_heads)")
     if m.attention.head_dim is None and m.d_model % m.attention.n_heads:
-        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.attention.n_heads={m.attention.n_heads}; "
+        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.attention.n_heads="
+                          f"{m.attention.n_heads}; "
                           "choose n_heads that divides d_model, or set model.attention.head_dim")
-    if m.attention.n_kv_heads is not None and (m.attention.n_kv_heads <= 0 or m.attention.n_heads % m.attention.n_kv_heads):
-        raise ConfigError(f"model.attention.n_heads={m.attention.n_heads} is not divisible by model.attention.n_kv_heads={m.attention.n_kv_heads}; "
+    a = m.attention
+    if a.n_kv_heads is not None and (a.n_kv_heads <= 0 or a.n_heads % a.n_kv_heads):
+        raise ConfigError(f"model.attention.n_heads={a.n_heads} is not divisible by model.attention.n_kv_heads="
+                          f"{a.n_kv_heads}; "
                           "n_kv_heads must divide n_heads (1 = multi-query)")
     if m.position == "rope" and m.attention_head_dim % 2:
-        raise ConfigError(f"RoPE needs an even head dimension, got {m.attention_head_dim}; set model.attention.head_dim "
+        raise ConfigError(f"RoPE needs an even head dimension, got {m.attention_head_dim}; set "
+                          "model.attention.head_dim "
                           "(or d_model / n_heads) even")
     _check_rope_scaling(cfg)
     _check_layer_options(cfg)
-    if m.position == "t5_relative" and (m.attention.relative_buckets < 4 or m.attention.relative_max_distance <= m.attention.relative_buckets // 2):
-        raise ConfigError(f"model.attention.relative_buckets={m.attention.relative_buckets} / model.attention.relative_max_distance="
-                          f"{m.attention.relative_max_distance}: t5_relative needs at least 4 buckets and a max distance above "
+    if m.position == "t5_relative" and (a.relative_buckets < 4 or a.relative_max_distance <= a.relative_buckets // 2):
+        raise ConfigError(f"model.attention.relative_buckets={a.relative_buckets} / "
+                          f"model.attention.relative_max_distance={a.relative_max_distance}: t5_relative needs at "
+                          "least 4 buckets and a max distance above "
                           "relative_buckets / 2 (the exactly bucketed range); T5 uses 32 and 128")
     _check_family(cfg)
     _check_moe(cfg)
@@ -117,7 +124,8 @@ def _check_family(cfg: Config) -> None:
         raise ConfigError(f"model.cross_downsample only applies to a family whose decoder cross-attends an "
                           f"encoder (not {m.family!r}); leave it at 1")
     if m.attention.document_mask and cfg.objective != "causal":
-        raise ConfigError(f"model.attention.document_mask needs the causal objective (packed documents, each sample's doc_ids), "
+        raise ConfigError(f"model.attention.document_mask needs the causal objective (packed documents, each "
+                          "sample's doc_ids), "
                           f"not {cfg.objective!r}; leave it false for model.family={m.family!r}")
     key, longest = max(lengths, key=lambda item: item[1])
     if m.position in ("learned", "sinusoidal", "rope") and longest > m.max_seq_len:
@@ -131,7 +139,8 @@ def _check_moe(cfg: Config) -> None:
     """The mixture-of-experts keys (model/moe.py); none matters while model.moe.n_experts = 0."""
     m = cfg.model
     if m.moe.n_experts < 0:
-        raise ConfigError(f"model.moe.n_experts={m.moe.n_experts} is negative", "use 0 (dense) or the number of experts")
+        raise ConfigError(f"model.moe.n_experts={m.moe.n_experts} is negative",
+                          "use 0 (dense) or the number of experts")
     if m.moe.n_experts == 0:
         return
     if not 1 <= m.moe.experts_per_token <= m.moe.n_experts:
@@ -195,7 +204,8 @@ def _check_layer_options(cfg: Config) -> None:
     sliding = any(m.layer_type(i) == "sliding_attention" for stack in get_family_spec(m.family).stacks
                   for i in range(stack.count(m)))
     if m.rope.local_theta is not None and (m.position != "rope" or not sliding or m.rope.local_theta <= 0):
-        raise ConfigError(f"model.rope.local_theta={m.rope.local_theta} is the sliding_attention blocks' RoPE base, but "
+        raise ConfigError(f"model.rope.local_theta={m.rope.local_theta} is the sliding_attention blocks' RoPE base, "
+                          "but "
                           "needs model.position='rope', sliding_attention blocks (model.layer_types) and a positive "
                           "value", "set them (Gemma 3: rope.local_theta=10000) or drop it")
     for key, value in (("attention.softcap", m.attention.softcap), ("logit_softcap", m.logit_softcap)):

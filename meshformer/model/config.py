@@ -4,7 +4,7 @@ It lives with the model, which reads no other section; `meshformer/config/` load
 validates it (against the family registry too) and re-exports this class. Which stacks a family has and how
 deep they are is the family's business (`model/families/`), not this section's: `family` names a registered
 family and the layer counts below are read by its stacks. Each block component reads its own table:
-`[model.attention]`, `[model.ffn]`, `[model.rope]`, `[model.norm.kind]`, `[model.moe]`, `[model.init.method]`; which kind of
+`[model.attention]`, `[model.ffn]`, `[model.rope]`, `[model.norm]`, `[model.moe]`, `[model.init]`; which kind of
 token mixer and channel mixer each block is comes from `layer_types` and `mlp_types`.
 """
 
@@ -81,7 +81,7 @@ class RopeConfig:
 
 @dataclass
 class NormConfig:
-    """The `[model.norm.kind]` table: the normalisation layers and where they go."""
+    """The `[model.norm]` table: the normalisation layers and where they go."""
 
     kind: Literal["layernorm", "rmsnorm"] = "layernorm"  # normalisation layer
     eps: float = 1e-5  # epsilon of every norm
@@ -120,7 +120,7 @@ class MoeConfig:
 
 @dataclass
 class InitConfig:
-    """The `[model.init.method]` table: the initialisation of the weights."""
+    """The `[model.init]` table: the initialisation of the weights."""
 
     method: Literal["normal", "xavier"] = "normal"  # initialisation of linear and embedding weights
     std: float = 0.02  # normal: standard deviation (output projections scaled down with depth)

@@ -32,14 +32,17 @@ def _norm(cfg: ModelConfig) -> int:
 
 def _attention_matmuls(cfg: ModelConfig) -> dict[str, int]:
     """Weights (no biases) of the four projections, keyed by what they read: queries/outputs or keys/values."""
-    d, q_dim, kv_dim = cfg.d_model, cfg.attention.n_heads * cfg.attention_head_dim, cfg.kv_heads * cfg.attention_head_dim
+    head = cfg.attention_head_dim
+    d, q_dim, kv_dim = cfg.d_model, cfg.attention.n_heads * head, cfg.kv_heads * head
     return {"q_o": 2 * d * q_dim, "k_v": 2 * d * kv_dim}
 
 
 def _attention(cfg: ModelConfig) -> int:
-    d, q_dim, kv_dim = cfg.d_model, cfg.attention.n_heads * cfg.attention_head_dim, cfg.kv_heads * cfg.attention_head_dim
+    head = cfg.attention_head_dim
+    d, q_dim, kv_dim = cfg.d_model, cfg.attention.n_heads * head, cfg.kv_heads * head
     # one RMSNorm weight each for queries and keys: per head (shared by the heads) or over the whole projection
-    qk_norm = 0 if not cfg.attention.qk_norm else 2 * cfg.attention_head_dim if cfg.attention.qk_norm_scope == "head" else q_dim + kv_dim
+    per_head = cfg.attention.qk_norm_scope == "head"
+    qk_norm = 0 if not cfg.attention.qk_norm else 2 * cfg.attention_head_dim if per_head else q_dim + kv_dim
     qkv_bias = cfg.use_qkv_bias
     return _linear(d, q_dim, qkv_bias) + 2 * _linear(d, kv_dim, qkv_bias) + _linear(q_dim, d, cfg.bias) + qk_norm
 
@@ -101,7 +104,8 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     if cfg.position == "learned":
         embedding += cfg.max_seq_len * d
     if cfg.position == "t5_relative":  # one (buckets, heads) bias table per stack
-        embedding += (int(spec.has_encoder) + int(spec.has_decoder)) * cfg.attention.relative_buckets * cfg.attention.n_heads
+        stacks = int(spec.has_encoder) + int(spec.has_decoder)
+        embedding += stacks * cfg.attention.relative_buckets * cfg.attention.n_heads
     attention = sum(n * (2 if cross else 1) for n, cross in stacks) * _attention(cfg)  # + cross-attention
     ffn = [_ffn(cfg, i) for n, _ in stacks for i in range(n)]
     feed_forward = sum(all_ for all_, _ in ffn)

@@ -299,7 +299,8 @@ class MoEFeedForward(nn.Module):
         self.router = Router(cfg)
         self.experts = Experts(cfg)
         shared_width = cfg.moe.n_shared_experts * cfg.expert_d_ff  # the shared experts as one wide FFN: same sum
-        self.shared_experts = FeedForward(replace(cfg, ffn=replace(cfg.ffn, d_ff=shared_width))) if shared_width else None
+        shared_cfg = replace(cfg, ffn=replace(cfg.ffn, d_ff=shared_width))
+        self.shared_experts = FeedForward(shared_cfg) if shared_width else None
         self.token_group: TokenGroup | None = None  # set by Transformer.set_parallel_context; None: one process
         self.balance_weight = 1.0
         self.counts_load = True  # off for forwards that are not training (a pipeline's shape inference)

@@ -221,7 +221,8 @@ class Transformer(nn.Module):
     def reset_buffers(self) -> None:
         """Recompute the ALiBi slopes where they live (this rank's heads under tensor parallel)."""
         if self.alibi_slopes is not None:
-            slopes = alibi_slopes(self.cfg.attention.n_heads, self.alibi_slopes.device)[self.parallel_context.alibi_heads]
+            heads = self.cfg.attention.n_heads
+            slopes = alibi_slopes(heads, self.alibi_slopes.device)[self.parallel_context.alibi_heads]
             self.register_buffer("alibi_slopes", slopes, persistent=False)
 
     # ------------------------------------------------------------------ pieces
@@ -404,7 +405,8 @@ class Transformer(nn.Module):
         """Logits (B, T, vocab), or with `head_loss` the summed loss against `labels` (no full logits).
 
         Masks are (B, T) with True (or 1) for real tokens, False for padding. doc_ids (B, T): the packed document
-        each token belongs to; with model.attention.document_mask, causal attention stays within documents (ignored otherwise).
+        each token belongs to; with model.attention.document_mask, causal attention stays within documents (ignored
+        otherwise).
 
         decoder-only: input_ids are the (causal) sequence; encoder-only: input_ids are the (bidirectional)
         sequence; encoder-decoder: input_ids are the source, decoder_input_ids the teacher-forced target.

@@ -38,7 +38,8 @@ def config_changes(run_dir: Path, cfg: Config) -> list[str]:
         return []
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         return [f"{path} cannot be read as TOML"]
-    old, new = flatten(_current_form(saved)), flatten(tomllib.loads(cfg.to_toml()))  # both through TOML: tuples as lists
+    # both through TOML: tuples read back as lists
+    old, new = flatten(_current_form(saved)), flatten(tomllib.loads(cfg.to_toml()))
     return [f"{key}: {toml_value(old.get(key))} -> {toml_value(new.get(key))}"
             for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
 

@@ -105,10 +105,12 @@ def test_export_layout_and_round_trip(name, tmp_path):
                                         cfg.attention.n_heads, cfg.kv_heads))
 
     # ... and back, bitwise.
-    main(["convert", "import-megatron", str(tmp_path / "mcore"), str(tmp_path / "back"), "--heads", str(cfg.attention.n_heads),
+    main(["convert", "import-megatron", str(tmp_path / "mcore"), str(tmp_path / "back"), "--heads",
+          str(cfg.attention.n_heads),
           "--vocab-size", str(cfg.vocab_size), "--max-seq-len", str(cfg.max_seq_len)])
     cfg_back, state_back = read_weights(tmp_path / "back")
-    assert cfg_back.kv_heads == cfg.kv_heads and cfg_back.norm.kind == cfg.norm.kind and cfg_back.ffn.activation == cfg.ffn.activation
+    assert cfg_back.kv_heads == cfg.kv_heads and cfg_back.norm.kind == cfg.norm.kind
+    assert cfg_back.ffn.activation == cfg.ffn.activation
     assert_bitwise(state_back, state)
 
 
@@ -217,13 +219,18 @@ def test_mismatches_are_explained(tmp_path):
         (replace(CASES["llama"], attention=replace(CASES["llama"].attention, softcap=50.0)), "attention_softcap"),
         (replace(CASES["llama"], norm=replace(CASES["llama"].norm, position="sandwich")), "sandwich"),
         (replace(CASES["llama"], ffn=replace(CASES["llama"].ffn, activation="geglu")), "activation='geglu'"),
-        (replace(CASES["llama"], attention=replace(CASES["llama"].attention, qk_norm=True, qk_norm_scope="projection")), "qk_norm_scope='projection'"),
+        (replace(CASES["llama"],
+                 attention=replace(CASES["llama"].attention, qk_norm=True,
+                                   qk_norm_scope="projection")), "qk_norm_scope='projection'"),
         (replace(CASES["gpt2"], attention=replace(CASES["gpt2"].attention, qk_norm=True)), "qk_norm with LayerNorm"),
-        (replace(CASES["gpt2"], attention=replace(CASES["gpt2"].attention, qkv_bias=False)), "linear biases without Q/K/V biases"),
+        (replace(CASES["gpt2"], attention=replace(CASES["gpt2"].attention, qkv_bias=False)),
+         "linear biases without Q/K/V biases"),
         (replace(moe, bias=True), "mixture-of-experts with model.bias"),
-        (replace(moe, moe=replace(moe.moe, router_score="sigmoid", router_renormalize=False)), "router_score='sigmoid'"),
+        (replace(moe, moe=replace(moe.moe, router_score="sigmoid", router_renormalize=False)),
+         "router_score='sigmoid'"),
         (replace(moe, moe=replace(moe.moe, router_bias_update_rate=1e-3)), "bias balancing"),
-        (replace(moe, moe=replace(moe.moe, router_groups=2, router_renormalize=False, experts_per_token=4)), "router_groups_per_token=1"),
+        (replace(moe, moe=replace(moe.moe, router_groups=2, router_renormalize=False, experts_per_token=4)),
+         "router_groups_per_token=1"),
         (replace(moe, moe=replace(moe.moe, router_groups=2)), "group-limited softmax routing with router_renormalize"),
     ]
     for cfg, named in unmapped:
@@ -331,7 +338,8 @@ def _megatron_reference(out_dir: str, port: str) -> None:
         else:
             imported_cfg, state = import_megatron(folder, n_heads=cfg.attention.n_heads, vocab_size=100,
                                                   max_seq_len=cfg.max_seq_len, norm_eps=cfg.norm.eps,
-                                                  experts_per_token=cfg.moe.experts_per_token if cfg.moe.n_experts else None)
+                                                  experts_per_token=cfg.moe.experts_per_token
+                                                  if cfg.moe.n_experts else None)
         imported = Transformer(imported_cfg).eval()
         imported.load_state_dict(state, strict=True)
         with torch.no_grad():

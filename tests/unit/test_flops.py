@@ -138,8 +138,8 @@ def test_new_configs_count_what_their_hugging_face_export_builds(name):
     assert counts["total"] == sum(p.numel() for p in hf.parameters())
     if cfg.moe.n_experts:  # active: every block's experts but experts_per_token of them left out, per their shapes
         experts = [layer.mlp.experts for layer in hf.model.layers if hasattr(layer.mlp, "experts")]
-        unused = sum((cfg.moe.n_experts - cfg.moe.experts_per_token) * (e.gate_up_proj[0].numel() + e.down_proj[0].numel())
-                     for e in experts)
+        idle = cfg.moe.n_experts - cfg.moe.experts_per_token
+        unused = sum(idle * (e.gate_up_proj[0].numel() + e.down_proj[0].numel()) for e in experts)
         assert counts["active"] == counts["total"] - unused
 
 

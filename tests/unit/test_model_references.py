@@ -54,7 +54,8 @@ def test_encoder_decoder_equals_torch_nn_transformer(norm_first):
     perturb(ref)
     ref.train()  # dropout is 0; train mode keeps nn.Transformer off its nested-tensor fast path
     cfg = config_from_torch_transformer(ref, vocab_size=8)
-    assert (cfg.norm.position, cfg.ffn.activation, cfg.use_final_norm) == ("pre" if norm_first else "post", "relu", True)
+    assert (cfg.norm.position, cfg.ffn.activation, cfg.use_final_norm) == ("pre" if norm_first else "post", "relu",
+                                                                           True)
     ours = Transformer(cfg).double().eval()
     load_torch_transformer(ours, ref)
     ours.tok_embeddings = None  # embedding-free: both stacks take the same embedded tensors

@@ -297,7 +297,8 @@ def test_a_compiled_moe_block_is_one_graph_that_counts_its_load_once(recompute):
     from meshformer.parallel.fsdp import blocks_of
     from meshformer.parallel.recompute import apply_recompute
 
-    cfg = replace(SMALL, n_layers=1, moe=replace(SMALL.moe, backend="grouped_mm", router_bias_update_rate=0.1))  # the GPU's backend
+    cfg = replace(SMALL, n_layers=1,
+                  moe=replace(SMALL.moe, backend="grouped_mm", router_bias_update_rate=0.1))  # the GPU's backend
     models = [Transformer(cfg, init_seed=0).to(torch.bfloat16) for _ in range(2)]
     apply_recompute(models[1], recompute)
     for block in blocks_of(models[1]):

@@ -56,7 +56,8 @@ SPEC = transformer_family(
     name_maps={},
 )
 
-SMALL = [f'model.family="{NAME}"', "model.d_model=32", "model.attention.n_heads=4", "model.n_layers=2", "model.ffn.d_ff=64",
+SMALL = [f'model.family="{NAME}"', "model.d_model=32", "model.attention.n_heads=4", "model.n_layers=2",
+         "model.ffn.d_ff=64",
          "data.seq_len=32", "model.max_seq_len=32", "data.batch_size=4", "train.sample_interval=0",
          "train.eval_interval=0", "data.num_workers=0"]
 

@@ -43,7 +43,8 @@ def test_predicted_peak_within_tolerance_of_measured(request, world):
 
 
 def test_packed_document_masks_are_planned():
-    """With model.attention.document_mask, SDPA keeps a (b, 1, s, s) mask per layer for its backward: at s 512 leaving it
+    """With model.attention.document_mask, SDPA keeps a (b, 1, s, s) mask per layer for its backward: at s 512 leaving
+    it
     out would under-predict by 8%."""
     from meshformer.planner.measure import measure_step_peak
     from meshformer.planner.search import plan_layout
