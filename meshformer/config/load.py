@@ -33,13 +33,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: not valid TOML ({err})", "fix the line it names") from None
-        raw = migrate_tree(raw, str(path))
     overridden: dict[str, Any] = {}
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.steps=200")
         _set_dotted(overridden, key.strip(), _parse_value(value.strip()))
+    if path is not None:
+        # stack depths set with --set: a flat file's per-block mlp_types is built for the run's depth
+        model = overridden.get("model") if isinstance(overridden.get("model"), dict) else {}
+        raw = migrate_tree(raw, str(path), depths={k: v for k, v in model.items() if k.endswith("layers")})
     if bundled and any(isinstance(tree.get("checkpoint"), dict) and tree["checkpoint"].get("init_from")
                        for tree in (raw, overridden)):
         # continued pretraining: the model is the folder's, so a bundled config's from-scratch [model] yields to it

@@ -57,11 +57,12 @@ def old_keys(table: dict[str, Any]) -> list[str]:
 
 
 def migrate_model_table(table: dict[str, Any], where: str = "", report: Report = "each",
-                        context: dict[str, Any] | None = None) -> dict[str, Any]:
+                        context: dict[str, Any] | None = None, depths: dict[str, Any] | None = None) -> dict[str, Any]:
     """`table` (a [model] table as read from TOML or JSON) with every old flat key moved to its new key; one log line
     per old key ("once": one line for the whole table, for configs the program saved; "none": silent). A new key
     given too with another value is a ConfigError. `context`: the (new-style) [model] table that `table` overrides,
-    where the pattern keys find the window, the depth and the experts `table` does not set."""
+    where the pattern keys find the window, the depth and the experts `table` does not set; `depths`: stack depths
+    set elsewhere that win over the table's (--set model.n_layers: a per-block list is built for the run's depth)."""
     found = old_keys(table)
     if not found:
         return table
@@ -78,7 +79,7 @@ def migrate_model_table(table: dict[str, Any], where: str = "", report: Report =
             raise ConfigError(f"{_at(where)}model.{key}={table[key]!r} and model.{RENAMES[key]}={sub[name]!r} "
                               "disagree", f"keep only model.{RENAMES[key]}")
         sub[name] = table[key]
-    _patterns(table, out, where, context or {})
+    _patterns(table, out, where, context or {}, depths or {})
     if report == "once":
         log.info("config: %stranslated the flat [model] keys of an earlier release (%s) to the [model.*] tables",
                  _at(where), ", ".join(found))
@@ -90,11 +91,12 @@ def migrate_model_table(table: dict[str, Any], where: str = "", report: Report =
     return out
 
 
-def _patterns(table: dict[str, Any], out: dict[str, Any], where: str, context: dict[str, Any]) -> None:
+def _patterns(table: dict[str, Any], out: dict[str, Any], where: str, context: dict[str, Any],
+              depths: dict[str, Any]) -> None:
     """full_attention_every / attention_window -> layer_types; moe_every / moe_first_dense -> mlp_types."""
 
     def get(section: str | None, key: str, default: Any = None) -> Any:
-        for tree in (out, context):
+        for tree in (depths, out, context):
             node = tree.get(section, {}) if section else tree
             if isinstance(node, dict) and node.get(key) is not None:
                 return node[key]
@@ -131,12 +133,12 @@ def _set_list(out: dict[str, Any], key: str, value: list[str], where: str) -> No
 
 
 def migrate_tree(raw: dict[str, Any], where: str = "", report: Report = "each",
-                 context: dict[str, Any] | None = None) -> dict[str, Any]:
+                 context: dict[str, Any] | None = None, depths: dict[str, Any] | None = None) -> dict[str, Any]:
     """A whole config tree with its [model] table migrated (other tables as they are)."""
     model = raw.get("model")
     if not isinstance(model, dict) or not old_keys(model):
         return raw
-    return {**raw, "model": migrate_model_table(model, where, report, context)}
+    return {**raw, "model": migrate_model_table(model, where, report, context, depths)}
 
 
 def model_from_dict(raw: dict[str, Any], where: str = "", report: Report = "once") -> ModelConfig:

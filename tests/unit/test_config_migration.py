@@ -130,3 +130,10 @@ def test_bad_layer_and_mlp_types_fail_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message) as err:
         load_config(CONFIGS / "tiny-gpt.toml", overrides)
     assert "\n" not in str(err.value)
+
+
+def test_a_per_block_moe_list_follows_the_depth_an_override_sets(tmp_path):
+    path = tmp_path / "deepseek.toml"
+    path.write_text("[model]\nn_layers = 4\nn_experts = 4\nmoe_first_dense = 1\n")
+    cfg = load_config(path, ["model.n_layers=6"])
+    assert [cfg.model.is_moe(i) for i in range(6)] == [False] + [True] * 5  # as moe_first_dense = 1 meant
