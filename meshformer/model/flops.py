@@ -104,8 +104,8 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     if cfg.position == "learned":
         embedding += cfg.max_seq_len * d
     if cfg.position == "t5_relative":  # one (buckets, heads) bias table per stack
-        stacks = int(spec.has_encoder) + int(spec.has_decoder)
-        embedding += stacks * cfg.attention.relative_buckets * cfg.attention.n_heads
+        tables = int(spec.has_encoder) + int(spec.has_decoder)
+        embedding += tables * cfg.attention.relative_buckets * cfg.attention.n_heads
     attention = sum(n * (2 if cross else 1) for n, cross in stacks) * _attention(cfg)  # + cross-attention
     ffn = [_ffn(cfg, i) for n, _ in stacks for i in range(n)]
     feed_forward = sum(all_ for all_, _ in ffn)
