@@ -41,8 +41,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _set_dotted(overridden, key.strip(), _parse_value(value.strip()))
     if path is not None:
         # stack depths set with --set: a flat file's per-block mlp_types is built for the run's depth
-        model = overridden.get("model") if isinstance(overridden.get("model"), dict) else {}
-        raw = migrate_tree(raw, str(path), depths={k: v for k, v in model.items() if k.endswith("layers")})
+        given = overridden.get("model")
+        depths = {k: v for k, v in given.items() if k.endswith("layers")} if isinstance(given, dict) else {}
+        raw = migrate_tree(raw, str(path), depths=depths)
     if bundled and any(isinstance(tree.get("checkpoint"), dict) and tree["checkpoint"].get("init_from")
                        for tree in (raw, overridden)):
         # continued pretraining: the model is the folder's, so a bundled config's from-scratch [model] yields to it
