@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import torch
 
+from meshformer.config.migrate import get_dotted
 from meshformer.config.parse import parse_size
 from meshformer.config.sections import CheckpointConfig, Config, DataConfig
 from meshformer.errors import ConfigError
@@ -330,22 +330,16 @@ def _finite(cfg: Config) -> None:
 def _not_empty(cfg: Config, keys: list[str]) -> None:
     """Keys where "" has no meaning (an empty logging.run_dir would write the run into the current folder)."""
     for key in keys:
-        if not _get(cfg, key).strip():
+        if not get_dotted(cfg, key).strip():
             raise ConfigError(f"{key} is empty", f"give it a value, e.g. the default {key}={_default(cfg, key)}")
 
 
 def _positive(cfg: Config, keys: list[str]) -> None:
     for key in keys:
-        if (value := _get(cfg, key)) <= 0:
+        if (value := get_dotted(cfg, key)) <= 0:
             raise ConfigError(f"{key} must be positive, got {value}", f"e.g. the default {key}={_default(cfg, key)}")
-
-
-def _get(cfg: object, key: str) -> Any:
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
 
 
 def _default(cfg: Config, key: str) -> object:
     table, _, name = key.rpartition(".")
-    return next(f.default for f in dataclasses.fields(_get(cfg, table)) if f.name == name)
+    return next(f.default for f in dataclasses.fields(get_dotted(cfg, table)) if f.name == name)
