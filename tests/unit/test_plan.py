@@ -82,8 +82,8 @@ def test_muon_state_and_gather_buffer_are_planned():
                                     {"pp": 2, "pp_schedule": "zbv", "pp_microbatches": 2},
                                     # experts: 2 local of 4 over 32 FSDP ranks (dim 1), every other block MoE
                                     {"ep": 2, "model": MOE}, {"ep": 4, "tp": 2, "model": MOE},
-                                    {"ep": 1, "pp": 2, "model": {**MOE, "moe_every": 2}},
-                                    {"ep": 4, "pp": 2, "model": {**MOE, "moe_every": 2}}])
+                                    {"ep": 1, "pp": 2, "model": {**MOE, "mlp_types": ["dense", "moe"]}},
+                                    {"ep": 4, "pp": 2, "model": {**MOE, "mlp_types": ["dense", "moe"]}}])
 @pytest.mark.parametrize("tied", [False, True])
 def test_search_shards_equal_real_fsdp_shards(layout, tied):
     """The search sizes layouts from one tensor-parallel block per stack; that must equal the real TP + FSDP path."""
