@@ -107,9 +107,12 @@ def _patterns(table: dict[str, Any], out: dict[str, Any], where: str, context: d
     if every is not None and (window is None or not isinstance(every, int) or every < 1):
         raise ConfigError(f"{_at(where)}model.full_attention_every={every} picks the blocks that skip the sliding "
                           "window, but needs model.attention.window and a value >= 1",
-                          "set both (Gemma 3: attention_window=512, full_attention_every=6) or drop it")
-    if "attention_window" in table or "full_attention_every" in table:
+                          "set both (Gemma 3: attention_window=512, full_attention_every=6; now model.attention.window "
+                          "and model.layer_types) or drop it")
+    if "full_attention_every" in table:
         _set_list(out, "layer_types", attention_pattern(window, every), where)
+    elif "attention_window" in table and not get(None, "layer_types"):  # a pattern given: the window is its
+        _set_list(out, "layer_types", attention_pattern(window, None), where)
     if "moe_every" in table or "moe_first_dense" in table:
         moe_every, first_dense = table.get("moe_every", 1), table.get("moe_first_dense", 0)
         if not isinstance(moe_every, int) or moe_every < 1:

@@ -137,3 +137,14 @@ def test_a_per_block_moe_list_follows_the_depth_an_override_sets(tmp_path):
     path.write_text("[model]\nn_layers = 4\nn_experts = 4\nmoe_first_dense = 1\n")
     cfg = load_config(path, ["model.n_layers=6"])
     assert [cfg.model.is_moe(i) for i in range(6)] == [False] + [True] * 5  # as moe_first_dense = 1 meant
+
+
+def test_an_old_window_beside_a_new_pattern_is_that_pattern_s_window(tmp_path):
+    path = tmp_path / "half.toml"
+    path.write_text('[model]\nn_layers = 2\nattention_window = 4\nlayer_types = ["sliding_attention", '
+                    '"full_attention"]\n')
+    cfg = load_config(path)
+    assert [cfg.model.window(i) for i in range(2)] == [4, None]
+    over = load_config(CONFIGS / "tiny-gpt.toml", ['model.layer_types=["full_attention", "sliding_attention"]',
+                                                   "model.attention_window=8"])
+    assert [over.model.window(i) for i in range(4)] == [None, 8, None, 8]
