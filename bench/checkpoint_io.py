@@ -70,7 +70,8 @@ def folder_mb(path: Path) -> float:
 def make_trainer(args: argparse.Namespace, root: Path, async_save: bool) -> SimpleNamespace:
     """A model, its AdamW and scheduler, and the `Checkpointable` a save holds (no data loader)."""
     cfg = load_config(None, [f"model.d_model={args.d_model}", f"model.n_layers={args.layers}",
-                             f"model.n_heads={max(1, args.d_model // 64)}", f"model.d_ff={4 * args.d_model}",
+                             f"model.attention.n_heads={max(1, args.d_model // 64)}",
+                             f"model.ffn.d_ff={4 * args.d_model}",
                              "model.vocab_size=8192", "model.max_seq_len=128", "checkpoint.interval=1",
                              "checkpoint.keep_last=2", f"checkpoint.async_save={str(async_save).lower()}",
                              "checkpoint.save_on_sigterm=false", f'checkpoint.dir="{root}"'])

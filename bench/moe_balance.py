@@ -25,9 +25,9 @@ from meshformer.config import load_config  # noqa: E402
 from meshformer.train.trainer import Trainer  # noqa: E402
 
 VARIANTS = {
-    "none": ["model.moe_aux_loss=0", "model.router_z_loss=0"],
-    "aux_loss": ["model.moe_aux_loss=0.01", "model.router_z_loss=0"],
-    "bias": ["model.moe_aux_loss=0", "model.router_z_loss=0", "model.router_bias_update_rate=0.001"],
+    "none": ["model.moe.aux_loss=0", "model.moe.router_z_loss=0"],
+    "aux_loss": ["model.moe.aux_loss=0.01", "model.moe.router_z_loss=0"],
+    "bias": ["model.moe.aux_loss=0", "model.moe.router_z_loss=0", "model.moe.router_bias_update_rate=0.001"],
 }
 
 

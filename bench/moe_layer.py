@@ -29,7 +29,7 @@ from typing import Literal, cast
 
 import torch
 
-from meshformer.model.config import ModelConfig
+from meshformer.model.config import AttentionConfig, FfnConfig, ModelConfig, MoeConfig
 from meshformer.model.init import init_weights
 from meshformer.model.layers import FeedForward
 from meshformer.model.moe import BACKENDS, COMPUTE, MoEFeedForward, grouped_mm_runs, route
@@ -50,10 +50,11 @@ SHAPES: dict[str, tuple[int, int, int, int, int, Activation, int]] = {
 
 def configs(shape: str) -> tuple[ModelConfig, ModelConfig]:
     d, e, k, width, shared, act, _ = SHAPES[shape]
-    moe = ModelConfig(vocab_size=128, d_model=d, n_heads=max(1, d // 64), n_layers=1, d_ff=width, max_seq_len=16,
-                      activation=act, bias=False, n_experts=e, experts_per_token=k, moe_d_ff=width,
-                      n_shared_experts=shared)
-    dense = replace(moe, n_experts=0, n_shared_experts=0, moe_d_ff=0, d_ff=(k + shared) * width)
+    moe = ModelConfig(vocab_size=128, d_model=d, n_layers=1, max_seq_len=16, bias=False,
+                      attention=AttentionConfig(n_heads=max(1, d // 64)), ffn=FfnConfig(d_ff=width, activation=act),
+                      moe=MoeConfig(n_experts=e, experts_per_token=k, d_ff=width, n_shared_experts=shared))
+    dense = replace(moe, ffn=replace(moe.ffn, d_ff=(k + shared) * width),
+                    moe=replace(moe.moe, n_experts=0, n_shared_experts=0, d_ff=0))
     return moe, dense
 
 
@@ -67,11 +68,11 @@ def skew_bias(moe: MoEFeedForward, x: torch.Tensor, target: float) -> torch.Tens
     cfg = moe.cfg
     with torch.no_grad():
         logits = moe.router(x)
-        ramp = -torch.linspace(0, 1, cfg.n_experts, device=x.device) * logits.softmax(-1).std()
+        ramp = -torch.linspace(0, 1, cfg.moe.n_experts, device=x.device) * logits.softmax(-1).std()
 
         def ratio(scale: float) -> float:
-            load = torch.bincount(route(logits, cfg.experts_per_token, bias=scale * ramp).experts.reshape(-1),
-                                  minlength=cfg.n_experts).float()
+            load = torch.bincount(route(logits, cfg.moe.experts_per_token, bias=scale * ramp).experts.reshape(-1),
+                                  minlength=cfg.moe.n_experts).float()
             return (load.max() / load.mean()).item()
 
         lo, hi = 0.0, 1.0
@@ -116,10 +117,10 @@ def measure(shape: str, routing: str, device: torch.device, dtype: torch.dtype, 
 
     # the compute functions alone, on the tokens sorted as the layer sorts them
     with torch.no_grad():
-        r = route(moe.router(x), moe_cfg.experts_per_token, bias=moe.router.expert_bias)
+        r = route(moe.router(x), moe_cfg.moe.experts_per_token, bias=moe.router.expert_bias)
         slots = r.experts.reshape(-1)
-        counts = torch.bincount(slots, minlength=moe_cfg.n_experts)
-        xs = x[torch.argsort(slots, stable=True) // moe_cfg.experts_per_token].detach()
+        counts = torch.bincount(slots, minlength=moe_cfg.moe.n_experts)
+        xs = x[torch.argsort(slots, stable=True) // moe_cfg.moe.experts_per_token].detach()
     xs.requires_grad_()
     ex = moe.experts
     xin = x.detach().requires_grad_()
@@ -179,8 +180,9 @@ def measure(shape: str, routing: str, device: torch.device, dtype: torch.dtype, 
     dense_tps = tokens / ms["dense"] * 1e3
     record: dict = {
         "bench": "moe_layer", "shape": shape, "routing": routing, "device": device.type, "dtype": str(dtype)[6:],
-        "d_model": moe_cfg.d_model, "n_experts": moe_cfg.n_experts, "experts_per_token": moe_cfg.experts_per_token,
-        "moe_d_ff": moe_cfg.expert_d_ff, "n_shared_experts": moe_cfg.n_shared_experts, "dense_d_ff": dense_cfg.d_ff,
+        "d_model": moe_cfg.d_model, "n_experts": moe_cfg.moe.n_experts,
+        "experts_per_token": moe_cfg.moe.experts_per_token, "moe_d_ff": moe_cfg.expert_d_ff,
+        "n_shared_experts": moe_cfg.moe.n_shared_experts, "dense_d_ff": dense_cfg.ffn.d_ff,
         "tokens": tokens, "threads": torch.get_num_threads(), "load_1min": round(os.getloadavg()[0], 2),
         "rounds": rounds, "queue": queue, "compiled": compile_mode or False,
         # graphs dynamo made of both sides (dense: 1): a graph break in the layer shows as more

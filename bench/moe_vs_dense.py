@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # The MoE run's default overrides: tiny-gpt's blocks (LayerNorm, learned positions, biases) and GELU experts of width
 # 256, so that only the feed-forward differs from the dense model, at its active parameter count (tiny-moe itself
 # has Mixtral's blocks, to export as MixtralForCausalLM). The README's figures are of this model.
-GPT2_BLOCKS = ["model.norm=layernorm", "model.position=learned", "model.activation=gelu", "model.bias=true",
-               "model.moe_d_ff=256"]
+GPT2_BLOCKS = ["model.norm.kind=layernorm", "model.position=learned", "model.ffn.activation=gelu", "model.bias=true",
+               "model.moe.d_ff=256"]
 STEP_LINE = re.compile(r"step\s+(\d+)/\d+ \| loss ([0-9.]+)")
 EVAL_LINE = re.compile(r"eval\s+(\d+) \| loss ([0-9.]+)")
 

@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="step times of the config's own shape only")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    shapes = [[], ["model.d_model=512", "model.n_heads=8", "model.d_ff=2048", "model.n_layers=8"]]
+    shapes = [[], ["model.d_model=512", "model.attention.n_heads=8", "model.ffn.d_ff=2048", "model.n_layers=8"]]
     for shape in shapes[:1] if args.small else shapes:
         if not args.skip_step_times:
             print(json.dumps(step_times(args.config, args.rounds, args.batch, shape)), flush=True)

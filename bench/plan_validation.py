@@ -14,8 +14,8 @@ from meshformer.config import Config, config_from_dict
 
 # The mixture-of-experts variant: every feed-forward 4 experts of width 256, 2 per token (the dense model's active
 # width), with both balance losses (the router keeps its logits).
-MOE: dict[str, Any] = {"n_experts": 4, "experts_per_token": 2, "moe_d_ff": 256, "moe_aux_loss": 0.01,
-                       "router_z_loss": 0.001}
+MOE: dict[str, Any] = {"moe": {"n_experts": 4, "experts_per_token": 2, "d_ff": 256, "aux_loss": 0.01,
+                               "router_z_loss": 0.001}}
 # world size -> layouts (parallel-section overrides; under "model", model overrides); one process launch per world.
 LAYOUTS: dict[int, list[dict[str, Any]]] = {
     1: [{}, {"recompute": "selective"}, {"recompute": "full"}, {"model": MOE},
@@ -36,10 +36,10 @@ def validation_config(parallel: dict[str, Any], *, d_model: int = 128, n_layers:
     parallel = dict(parallel)
     model = parallel.pop("model", {})
     raw = {
-        "model": {"family": "decoder", "vocab_size": vocab, "d_model": d_model, "n_heads": 8, "n_kv_heads": 4,
-                  "d_ff": 4 * d_model, "n_layers": n_layers, "max_seq_len": seq, "position": "rope",
-                  "norm": "rmsnorm", "activation": "swiglu", "bias": False, "tie_embeddings": tie_embeddings,
-                  **model},
+        "model": {"family": "decoder", "vocab_size": vocab, "d_model": d_model, "n_layers": n_layers,
+                  "max_seq_len": seq, "position": "rope", "bias": False, "tie_embeddings": tie_embeddings,
+                  "attention": {"n_heads": 8, "n_kv_heads": 4}, "ffn": {"d_ff": 4 * d_model, "activation": "swiglu"},
+                  "norm": {"kind": "rmsnorm"}, **model},
         "data": {"seq_len": seq, "batch_size": batch},
         "train": {"device": "cpu", "seed": 0},
         "parallel": parallel,

@@ -25,7 +25,8 @@ from meshformer.planner.measure import LiveTensorBytes, TrainingStep
 from meshformer.planner.search import plan_layout
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["model.d_model=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4", "model.d_ff=1024",
+SMALL = ["model.d_model=256", "model.n_layers=4", "model.attention.n_heads=8", "model.attention.n_kv_heads=4",
+         "model.ffn.d_ff=1024",
          "model.vocab_size=4096", "data.seq_len=256", "model.max_seq_len=256"]
 
 

@@ -45,7 +45,7 @@ def parse_variant(name: str) -> tuple[str, str, list[str]]:
         elif token in LOSS:
             loss = token
         elif token in ATTENTION:
-            extra.append(f"model.attention_backend={token}")
+            extra.append(f"model.attention.backend={token}")
         elif token == "autotune":
             extra.append("train.compile_mode=max-autotune-no-cudagraphs")
         elif token in float8.FP8_RECIPES:

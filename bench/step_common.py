@@ -34,14 +34,17 @@ def shape_overrides(shape: str, batch: int | None = None) -> list[str]:
     """Config overrides (on configs/tiny-gpt.toml) that give the named model and batch shape."""
     if shape in GPT_SHAPES:
         n_layer, d, heads, seq, vocab, default_batch = GPT_SHAPES[shape]
-        model = [f"model.n_layers={n_layer}", f"model.d_model={d}", f"model.n_heads={heads}", f"model.d_ff={4 * d}",
-                 f"model.vocab_size={vocab}", "model.activation=gelu", "model.norm=layernorm", "model.position=learned",
+        model = [f"model.n_layers={n_layer}", f"model.d_model={d}", f"model.attention.n_heads={heads}",
+                 f"model.ffn.d_ff={4 * d}",
+                 f"model.vocab_size={vocab}", "model.ffn.activation=gelu", "model.norm.kind=layernorm",
+                 "model.position=learned",
                  "model.bias=true", "model.tie_embeddings=true"]
     elif shape in LLAMA_SHAPES:
         n_layer, d, heads, kv, d_ff, seq, vocab, default_batch = LLAMA_SHAPES[shape]
-        model = [f"model.n_layers={n_layer}", f"model.d_model={d}", f"model.n_heads={heads}",
-                 f"model.n_kv_heads={kv}", f"model.d_ff={d_ff}", f"model.vocab_size={vocab}", "model.activation=swiglu",
-                 "model.norm=rmsnorm", "model.position=rope", "model.rope_theta=500000.0", "model.bias=false",
+        model = [f"model.n_layers={n_layer}", f"model.d_model={d}", f"model.attention.n_heads={heads}",
+                 f"model.attention.n_kv_heads={kv}", f"model.ffn.d_ff={d_ff}", f"model.vocab_size={vocab}",
+                 "model.ffn.activation=swiglu",
+                 "model.norm.kind=rmsnorm", "model.position=rope", "model.rope.theta=500000.0", "model.bias=false",
                  "model.tie_embeddings=true"]
     else:
         raise SystemExit(f"unknown shape {shape!r}; choose from {[*GPT_SHAPES, *LLAMA_SHAPES]}")

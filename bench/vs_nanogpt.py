@@ -54,7 +54,7 @@ class Reference:
     def __init__(self, cfg, tokens: torch.Tensor, device: torch.device, compile: bool) -> None:
         m = cfg.model
         torch.manual_seed(cfg.train.seed)
-        shape = GPTShape(m.n_layers, m.n_heads, m.d_model, cfg.data.seq_len, m.vocab_size)
+        shape = GPTShape(m.n_layers, m.attention.n_heads, m.d_model, cfg.data.seq_len, m.vocab_size)
         self.step = ReferenceStep(shape, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay, grad_clip=cfg.optim.grad_clip,
                                   dtype=torch.bfloat16 if cfg.train.dtype == "bf16" else None, device=device,

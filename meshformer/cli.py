@@ -274,7 +274,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="greedy decoding (KV cache) from a run's final weights",
                          description="Greedy decoding (KV cache) from a run's final weights. An MoE generates\n"
-                         "dropless: model.capacity_factor applies to training only, so a prompt's continuation\n"
+                         "dropless: model.moe.capacity_factor applies to training only, so a prompt's continuation\n"
                          "does not depend on the other prompts of the batch or on the cache.")
     gen.add_argument("weights", help="folder with model.safetensors, e.g. runs/tiny-gpt/final")
     gen.add_argument("--prompt", action="append", help="text to continue; repeat for a batch (one output line each)")

@@ -210,9 +210,9 @@ def _check_tensor_parallel(cfg: Config, dims: ParallelDims) -> None:
     if tp == 1:
         return
     checks = [
-        ("model.n_heads", m.n_heads, "attention heads are split across tensor-parallel ranks"),
-        ("model.n_kv_heads", m.kv_heads, "key/value heads are split across tensor-parallel ranks (GQA/MQA)"),
-        ("model.d_ff", m.d_ff, "the feed-forward hidden size is split across ranks"),
+        ("model.attention.n_heads", m.attention.n_heads, "attention heads are split across tensor-parallel ranks"),
+        ("model.attention.n_kv_heads", m.kv_heads, "key/value heads are split across tensor-parallel ranks (GQA/MQA)"),
+        ("model.ffn.d_ff", m.ffn.d_ff, "the feed-forward hidden size is split across ranks"),
         ("model.vocab_size", m.vocab_size, "embeddings and the output head are split on the vocabulary"),
         ("data.seq_len", cfg.data.seq_len, "sequence parallel splits the sequence between blocks"),
     ]
@@ -226,10 +226,10 @@ def _check_tensor_parallel(cfg: Config, dims: ParallelDims) -> None:
 
 def check_expert_parallel(cfg: Config, dims: ParallelDims) -> None:
     m, ep = cfg.model, dims.ep
-    if m.n_experts == 0:
+    if m.moe.n_experts == 0:
         if ep > 1:
-            raise ConfigError(f"parallel.ep={ep} splits experts, but the model has none (model.n_experts=0); set "
-                              "parallel.ep=1, or give the model experts (model.n_experts)")
+            raise ConfigError(f"parallel.ep={ep} splits experts, but the model has none (model.moe.n_experts=0); set "
+                              "parallel.ep=1, or give the model experts (model.moe.n_experts)")
         return
     if dims.tp > 1 and ep % dims.tp:
         raise ConfigError(f"parallel.tp={dims.tp} with experts: under sequence parallel each tensor-parallel rank "
@@ -237,8 +237,8 @@ def check_expert_parallel(cfg: Config, dims: ParallelDims) -> None:
                           f"a multiple of tp (ep={dims.tp * dims.cp} or more)")
     if ep == 1:
         return
-    if m.n_experts % ep:
-        raise ConfigError(f"parallel.ep={ep} does not divide model.n_experts={m.n_experts} (each rank holds "
+    if m.moe.n_experts % ep:
+        raise ConfigError(f"parallel.ep={ep} does not divide model.moe.n_experts={m.moe.n_experts} (each rank holds "
                           "n_experts / ep whole experts); choose an ep that divides n_experts")
     inner = dims.cp * dims.tp
     if ep % inner or dims.dp_shard % (ep // inner):
@@ -322,15 +322,15 @@ def _check_moe_backend(cfg: Config, device_type: str, on_this_host: bool) -> Non
     from meshformer.model import moe
 
     m, p = cfg.model, cfg.parallel
-    if m.n_experts == 0 or m.moe_backend != "grouped_mm":
+    if m.moe.n_experts == 0 or m.moe.backend != "grouped_mm":
         return
     if device_type == "cuda" and cfg.train.dtype != "bf16" and p.mixed_precision_param != "bf16":
-        raise ConfigError("model.moe_backend='grouped_mm' runs bf16 rows on CUDA, but this run computes in fp32",
+        raise ConfigError("model.moe.backend='grouped_mm' runs bf16 rows on CUDA, but this run computes in fp32",
                           "set train.dtype='bf16' (or parallel.mixed_precision_param='bf16'), or use "
-                          "model.moe_backend='auto' (grouped_mm where it runs, else the loop)")
+                          "model.moe.backend='auto' (grouped_mm where it runs, else the loop)")
     if on_this_host and not moe.grouped_mm_runs(device_type):
-        raise ConfigError(f"model.moe_backend='grouped_mm', but torch._grouped_mm does not run on this {device_type} "
-                          "(CUDA needs compute capability 9.0 or newer)", "use model.moe_backend='auto' (grouped_mm "
+        raise ConfigError(f"model.moe.backend='grouped_mm', but torch._grouped_mm does not run on this {device_type} "
+                          "(CUDA needs compute capability 9.0 or newer)", "use model.moe.backend='auto' (grouped_mm "
                           "where it runs, else the loop) or 'padded'")
 
 

@@ -156,7 +156,7 @@ def check_exportable(state: Mapping[str, torch.Tensor], arch: Arch) -> None:
     auxiliary-loss-free balancing shifts which experts a token picks; these routers have no such term)."""
     for name in state:
         if ZERO_ON_IMPORT.search(name) and state[name].any():
-            raise ValueError(f"{arch}: {name} is nonzero (a selection bias from model.router_bias_update_rate, "
+            raise ValueError(f"{arch}: {name} is nonzero (a selection bias from model.moe.router_bias_update_rate, "
                              f"which {arch} has no place for: without it the model would pick other experts); only "
                              "a model trained without bias balancing can be converted")
 

@@ -39,36 +39,50 @@ COMMON: dict[str, Any] = {
     "expert_bias_terms": False, "attention_sinks": False}
 
 
+def _full_attention_every(cfg: ModelConfig) -> int | str | None:
+    """k when every k-th block attends globally and the others through the window (None: every block windowed;
+    "other": another pattern of model.layer_types)."""
+    types = [cfg.layer_type(i) for i in range(cfg.n_layers)]
+    if "full_attention" not in types:
+        return None
+    every = types.index("full_attention") + 1
+    return every if [(i + 1) % every == 0 for i in range(cfg.n_layers)] == [t == "full_attention" for t in types] \
+        else "other"
+
+
 def features(cfg: ModelConfig) -> dict[str, Any]:
     """The config facts an architecture constrains, normalised (e.g. default attention scale, GQA or not)."""
-    default_scale = cfg.attention_scale is None or math.isclose(cfg.attention_scale, cfg.attention_head_dim**-0.5)
-    default_head_dim = cfg.attention_head_dim * cfg.n_heads == cfg.d_model
-    moe = cfg.n_experts > 0
+    default_scale = cfg.attention.scale is None or math.isclose(cfg.attention.scale, cfg.attention_head_dim**-0.5)
+    default_head_dim = cfg.attention_head_dim * cfg.attention.n_heads == cfg.d_model
+    moe = cfg.moe.n_experts > 0
     return {
         # MoE: the router settings only matter where there are experts
-        "moe": moe, "n_shared_experts": cfg.n_shared_experts if moe else 0,
-        "router_score": cfg.router_score if moe else "softmax",
-        "router_renormalize": cfg.router_renormalize if moe else True,
-        "router_groups": cfg.router_groups if moe else 1, "capacity_factor": cfg.capacity_factor if moe else 0.0,
-        "router_bias": cfg.router_bias and moe, "expert_bias_terms": cfg.expert_bias_terms and moe,
-        "attention_sinks": cfg.attention_sinks,
-        "moe_blocks": "every block" if not moe or (cfg.moe_every, cfg.moe_first_dense) == (1, 0) else "some",
-        "family": cfg.family, "norm": cfg.norm, "norm_position": cfg.norm_position, "final_norm": cfg.use_final_norm,
-        "embedding_norm": cfg.embedding_norm, "position": cfg.position, "scale_embeddings": cfg.scale_embeddings,
+        "moe": moe, "n_shared_experts": cfg.moe.n_shared_experts if moe else 0,
+        "router_score": cfg.moe.router_score if moe else "softmax",
+        "router_renormalize": cfg.moe.router_renormalize if moe else True,
+        "router_groups": cfg.moe.router_groups if moe else 1,
+        "capacity_factor": cfg.moe.capacity_factor if moe else 0.0,
+        "router_bias": cfg.moe.router_bias and moe, "expert_bias_terms": cfg.moe.expert_bias_terms and moe,
+        "attention_sinks": cfg.attention.sinks,
+        "moe_blocks": "every block" if not moe or all(cfg.is_moe(i) for i in range(cfg.n_layers)) else "some",
+        "family": cfg.family, "norm": cfg.norm.kind, "norm_position": cfg.norm.position,
+        "final_norm": cfg.use_final_norm,
+        "embedding_norm": cfg.norm.embedding, "position": cfg.position, "scale_embeddings": cfg.scale_embeddings,
         "tie_embeddings": cfg.tie_embeddings, "share_embeddings": cfg.share_embeddings, "bias": cfg.bias,
-        "head_transform": cfg.head_transform, "output_bias": cfg.output_bias, "activation": cfg.activation,
-        "grouped_query": cfg.kv_heads != cfg.n_heads, "attention_window": cfg.attention_window,
-        "attention_scale": "1/sqrt(head_dim)" if default_scale else cfg.attention_scale,
+        "head_transform": cfg.head_transform, "output_bias": cfg.output_bias, "activation": cfg.ffn.activation,
+        "grouped_query": cfg.kv_heads != cfg.attention.n_heads, "attention_window": cfg.attention.window,
+        "attention_scale": "1/sqrt(head_dim)" if default_scale else cfg.attention.scale,
         "scale_output": cfg.scale_output, "cross_downsample": cfg.cross_downsample,
-        "rope_scaling": cfg.rope_scaling, "head_dim": "d_model/n_heads" if default_head_dim else cfg.head_dim,
-        "qk_norm": cfg.qk_norm, "qkv_bias": "as bias" if cfg.use_qkv_bias == cfg.bias else cfg.use_qkv_bias,
-        "qk_norm_scope": cfg.qk_norm_scope if cfg.qk_norm else "head", "norm_weight_offset": cfg.norm_weight_offset,
-        "full_attention_every": cfg.full_attention_every if cfg.attention_window is not None else None,
-        "rope_local_theta": cfg.rope_local_theta if cfg.attention_window is not None else None,
-        "attention_softcap": cfg.attention_softcap, "logit_softcap": cfg.logit_softcap,
+        "rope_scaling": cfg.rope.scaling, "head_dim": "d_model/n_heads" if default_head_dim else cfg.attention.head_dim,
+        "qk_norm": cfg.attention.qk_norm, "qkv_bias": "as bias" if cfg.use_qkv_bias == cfg.bias else cfg.use_qkv_bias,
+        "qk_norm_scope": cfg.attention.qk_norm_scope if cfg.attention.qk_norm else "head",
+        "norm_weight_offset": cfg.norm.weight_offset,
+        "full_attention_every": _full_attention_every(cfg) if cfg.attention.window is not None else None,
+        "rope_local_theta": cfg.rope.local_theta if cfg.attention.window is not None else None,
+        "attention_softcap": cfg.attention.softcap, "logit_softcap": cfg.logit_softcap,
         # without their own base, windowed blocks rotate with the global (maybe scaled) RoPE
-        "windowed_blocks_rope": "scaled (rope_scaling without rope_local_theta)" if cfg.attention_window is not None
-        and cfg.rope_local_theta is None and cfg.rope_scaling != "none" else "unscaled",
+        "windowed_blocks_rope": "scaled (rope_scaling without rope_local_theta)" if cfg.attention.window is not None
+        and cfg.rope.local_theta is None and cfg.rope.scaling != "none" else "unscaled",
     }
 
 

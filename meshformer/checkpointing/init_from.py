@@ -24,7 +24,8 @@ from meshformer.checkpointing import directory
 from meshformer.checkpointing.errors import ConversionError
 from meshformer.checkpointing.formats import ARCHS, Arch
 from meshformer.checkpointing.manager import checkpoint_root
-from meshformer.config import Config, DataConfig, ModelConfig, build_section, given_keys
+from meshformer.config import Config, DataConfig, ModelConfig, given_keys
+from meshformer.config.migrate import dotted_values, get_dotted, model_from_dict, with_dotted
 from meshformer.errors import ConfigError
 
 PREFIX = "hf:"
@@ -32,8 +33,9 @@ PREFIX = "hf:"
 # (a Mistral folder without a sliding window is also a Llama, for instance)
 SOURCE_FILE = "hf_source.json"
 # [model] keys that change how the model trains (or which kernel computes it), not the function it computes
-FUNCTION_NEUTRAL = ("dropout", "attention_dropout", "attention_backend", "moe_backend", "document_mask", "init",
-                    "init_std", "moe_aux_loss", "moe_aux_per_sequence", "router_z_loss", "router_bias_update_rate")
+FUNCTION_NEUTRAL = ("dropout", "attention.dropout", "attention.backend", "moe.backend", "attention.document_mask",
+                    "init.method", "init.std", "moe.aux_loss", "moe.aux_per_sequence", "moe.router_z_loss",
+                    "moe.router_bias_update_rate")
 
 
 def hf_folder(cfg: Config) -> Path | None:
@@ -89,25 +91,24 @@ def _merge(source: ModelConfig | dict[str, Any], user: ModelConfig, where: str,
     """The source's model config with the user's function-neutral keys; any other key the user set (wrote, in
     `given`, even at ModelConfig's default value; or differs from that default) and that differs from the source's
     is refused by name, all in one line (with a data.seq_len beyond the source's context)."""
-    base = source if isinstance(source, ModelConfig) else build_section(ModelConfig, source, "model")
-    default = ModelConfig()
-    changed = {f.name: getattr(user, f.name) for f in dataclasses.fields(ModelConfig)
-               if (f.name in given or getattr(user, f.name) != getattr(default, f.name))
-               and getattr(user, f.name) != getattr(base, f.name)}
-    if "moe_d_ff" in changed and dataclasses.replace(base, moe_d_ff=user.moe_d_ff).expert_d_ff == base.expert_d_ff:
-        del changed["moe_d_ff"]  # the folder's expert width, named as moe_d_ff where it has 0 (= d_ff): same function
+    base = source if isinstance(source, ModelConfig) else model_from_dict(source, where)
+    mine, theirs, default = (dotted_values(c) for c in (user, base, ModelConfig()))
+    changed = {key: value for key, value in mine.items()
+               if (key in given or value != default[key]) and value != theirs[key]}
+    if "moe.d_ff" in changed and with_dotted(base, {"moe.d_ff": user.moe.d_ff}).expert_d_ff == base.expert_d_ff:
+        del changed["moe.d_ff"]  # the folder's expert width, named as moe.d_ff where it has 0 (= d_ff): same function
     refused = {key: value for key, value in changed.items() if key not in FUNCTION_NEUTRAL}
     too_long = (data is not None and base.position in ("learned", "sinusoidal", "rope")
                 and data.seq_len > base.max_seq_len)
     if refused or too_long:
-        listed = [f"model.{k}={v!r} (it has {getattr(base, k)!r})" for k, v in refused.items()]
+        listed = [f"model.{k}={v!r} (it has {theirs[k]!r})" for k, v in refused.items()]
         if too_long and data is not None:
             listed.append(f"data.seq_len={data.seq_len} (its context is {base.max_seq_len})")
         raise ConfigError(f"checkpoint.init_from: {', '.join(listed)} conflict with the model from {where}",
                           "remove those [model] keys (the model config comes from the folder; only "
                           f"{', '.join(FUNCTION_NEUTRAL)} may be set)"
                           + (f" and set data.seq_len <= {base.max_seq_len}" if too_long else ""))
-    return dataclasses.replace(base, **changed)
+    return with_dotted(base, changed)
 
 
 class HFInitWeights:
@@ -150,7 +151,7 @@ def load_init_weights(parts: list[torch.nn.Module], cfg: Config) -> str:
     folder = hf_folder(cfg)
     assert folder is not None, "load_init_weights needs checkpoint.init_from"
     source = HFInitWeights(folder)
-    if source.cfg != dataclasses.replace(cfg.model, **{k: getattr(source.cfg, k) for k in FUNCTION_NEUTRAL}):
+    if source.cfg != with_dotted(cfg.model, {k: get_dotted(source.cfg, k) for k in FUNCTION_NEUTRAL}):
         raise ConversionError(f"{folder} now holds another model than the one this run was configured from",
                               "point checkpoint.init_from at the folder the run started with")
     load_into(parts, source)
@@ -175,7 +176,8 @@ def _refuse_nonfinite(parts: list[torch.nn.Module], folder: Path, source: HFInit
 def taken_from_folder(cfg: Config, arch: str, seconds: float) -> str:
     """One log line: what this run took from checkpoint.init_from's folder (model, tokenizer, weights)."""
     folder, m = hf_folder(cfg), cfg.model
-    model = (f"model ({arch}: {m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads, vocab {m.vocab_size}, "
+    model = (f"model ({arch}: {m.n_layers} layers, d_model {m.d_model}, {m.attention.n_heads} heads, "
+             f"vocab {m.vocab_size}, "
              f"context {m.max_seq_len})")
     tokenizer = "tokenizer" if cfg.data.tokenizer == str(folder) else f"not its tokenizer (data.tokenizer = " \
                                                                       f"{cfg.data.tokenizer})"

@@ -37,6 +37,7 @@ from meshformer.checkpointing.rng import capture_rng_state, restore_rng_state, s
 from meshformer.checkpointing.save_errors import SAVE_FAILURES, all_corrupt_error, is_disk_full, save_failed_error
 from meshformer.checkpointing.train_state import Checkpointable
 from meshformer.config import CheckpointConfig, Config
+from meshformer.config.migrate import flatten, migrate_tree
 from meshformer.data import Tokenizer
 
 STATE_VERSION = 1
@@ -389,10 +390,13 @@ class CheckpointManager:
         if not saved or self.rank != 0:
             return
         now = cfg.to_dict()
-        changed = [f"{section}.{key}: {saved[section].get(key)!r} -> {value!r}"
+        saved = migrate_tree(saved, report="none")  # a checkpoint of an earlier release: its flat [model] keys
+        changed = [f"{section}.{key}: {before.get(key)!r} -> {value!r}"
                    for section in ("model", "optim", "schedule", "data", "train")
-                   for key, value in now.get(section, {}).items()
-                   if section in saved and _normal(saved[section].get(key)) != _normal(value)]
+                   if isinstance(saved.get(section), dict)
+                   for before in [flatten(saved[section])]
+                   for key, value in flatten(now.get(section, {})).items()
+                   if _normal(before.get(key)) != _normal(value)]
         if changed:
             self.log("config differs from the checkpoint's: " + "; ".join(changed[:12]))
 

@@ -93,12 +93,12 @@ def megatron_layer_sources(state: Mapping[str, torch.Tensor], cfg: ModelConfig, 
     ours = check_megatron_compatible(cfg)
     prefix = f"{ours.layers}.{layer}."
     out: dict[str, Callable[[], torch.Tensor]] = {}
-    for p in ("weight", "bias") if cfg.norm == "layernorm" else ("weight",):
+    for p in ("weight", "bias") if cfg.norm.kind == "layernorm" else ("weight",):
         out[QKV + f"layer_norm_{p}"] = functools.partial(_norm_param, state, prefix + ours.attn_norm, p)
         out[FC1 + f"layer_norm_{p}"] = functools.partial(_norm_param, state, prefix + ours.ffn_norm, p)
     for p in ("weight", "bias") if cfg.use_qkv_bias else ("weight",):
         out[QKV + p] = functools.partial(_packed_qkv, state, [f"{prefix}{name}.{p}" for name in ours.qkv], cfg)
-    if cfg.qk_norm:
+    if cfg.attention.qk_norm:
         out[Q_NORM] = functools.partial(state.__getitem__, f"{prefix}{ours.q_norm}.weight")
         out[K_NORM] = functools.partial(state.__getitem__, f"{prefix}{ours.k_norm}.weight")
     for p in ("weight", "bias") if cfg.bias else ("weight",):
@@ -111,10 +111,10 @@ def megatron_layer_sources(state: Mapping[str, torch.Tensor], cfg: ModelConfig, 
     if expert_bias_kept(cfg):
         out[EXPERT_BIAS] = functools.partial(state.__getitem__, f"{moe}.router.expert_bias")
     # ours: (E, in, out) stacks applied as x @ w; Megatron's: one (out, in) linear per expert
-    experts = [f"{moe}.experts.{w}_proj" for w in (("gate", "up") if cfg.activation == "swiglu" else ("up",))]
+    experts = [f"{moe}.experts.{w}_proj" for w in (("gate", "up") if cfg.ffn.activation == "swiglu" else ("up",))]
     out[EXPERTS_FC1] = lambda: torch.cat([state[name].transpose(1, 2) for name in experts], dim=1).contiguous()
     out[EXPERTS_FC2] = lambda: state[f"{moe}.experts.down_proj"].transpose(1, 2).contiguous()
-    if cfg.n_shared_experts:
+    if cfg.moe.n_shared_experts:
         leaf = {name: f"shared_experts.{name.rpartition('.')[2]}" for name in (ours.gate, ours.up, ours.down)}
         out.update(_ffn_sources(state, cfg, f"{moe}.", leaf[ours.gate], leaf[ours.up], leaf[ours.down],
                                 SHARED_FC1, SHARED_FC2))
@@ -125,7 +125,7 @@ def _ffn_sources(state: Mapping[str, torch.Tensor], cfg: ModelConfig, prefix: st
                  fc1: str, fc2: str) -> dict[str, Callable[[], torch.Tensor]]:
     out: dict[str, Callable[[], torch.Tensor]] = {}
     for p in ("weight", "bias") if cfg.bias else ("weight",):
-        ins = [f"{prefix}{gate}.{p}", f"{prefix}{up}.{p}"] if cfg.activation == "swiglu" else [f"{prefix}{up}.{p}"]
+        ins = [f"{prefix}{gate}.{p}", f"{prefix}{up}.{p}"] if cfg.ffn.activation == "swiglu" else [f"{prefix}{up}.{p}"]
         out[fc1 + p] = functools.partial(_concatenated, state, ins)
         out[fc2 + p] = functools.partial(state.__getitem__, f"{prefix}{down}.{p}")
     return out
@@ -133,7 +133,7 @@ def _ffn_sources(state: Mapping[str, torch.Tensor], cfg: ModelConfig, prefix: st
 
 def _packed_qkv(state: Mapping[str, torch.Tensor], names: list[str], cfg: ModelConfig) -> torch.Tensor:
     q, k, v = (state[name] for name in names)
-    return pack_qkv(q, k, v, cfg.n_heads, cfg.kv_heads)
+    return pack_qkv(q, k, v, cfg.attention.n_heads, cfg.kv_heads)
 
 
 def _concatenated(state: Mapping[str, torch.Tensor], names: list[str]) -> torch.Tensor:
@@ -147,7 +147,7 @@ def megatron_global_sources(state: Mapping[str, torch.Tensor], cfg: ModelConfig,
     out: dict[str, Callable[[], torch.Tensor]] = {EMBEDDING: lambda: _pad_rows(state[ours.embedding], padded_vocab)}
     if cfg.position == "learned":
         out[POSITIONS] = lambda: state[ours.positions].contiguous()
-    for p in ("weight", "bias") if cfg.norm == "layernorm" else ("weight",):
+    for p in ("weight", "bias") if cfg.norm.kind == "layernorm" else ("weight",):
         out[FINAL_NORM + p] = functools.partial(_norm_param, state, ours.final_norm, p)
     if not cfg.tie_embeddings:
         out[OUTPUT] = lambda: _pad_rows(state[ours.output], padded_vocab)
@@ -172,7 +172,7 @@ def _pad_rows(table: torch.Tensor, rows: int | None) -> torch.Tensor:
 
 def check_router_biases(state: Mapping[str, torch.Tensor], cfg: ModelConfig, ours: MegatronNames) -> None:
     """A router bias Megatron would not keep (no bias balancing) must be zero, or the export would route otherwise."""
-    if not cfg.n_experts or expert_bias_kept(cfg):
+    if not cfg.moe.n_experts or expert_bias_kept(cfg):
         return
     for i in (i for i in range(cfg.n_layers) if is_moe_block(cfg, i)):
         name = f"{ours.layers}.{i}.{ours.moe}.router.expert_bias"
@@ -189,14 +189,14 @@ def _extra_state_names(cfg: ModelConfig) -> list[str]:
     for i in range(cfg.n_layers):
         modules = ["self_attention.linear_qkv", "self_attention.linear_proj"]
         moe = is_moe_block(cfg, i)
-        modules += (["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"] if cfg.n_shared_experts
+        modules += (["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"] if cfg.moe.n_shared_experts
                     else []) if moe else ["mlp.linear_fc1", "mlp.linear_fc2"]
         key = LAYER if stacked else f"{LAYER}{i}."
         axes = [(i, cfg.n_layers)] if stacked else [(0, 1)]
         for module in modules:
             names.append(_shard_name(f"{key}{module}._extra_state", axes))
-        for module, e in ((m, e) for m in ("linear_fc1", "linear_fc2") for e in range(cfg.n_experts if moe else 0)):
-            expert_axes = ([(i, cfg.n_layers)] if stacked else []) + [(e, cfg.n_experts)]
+        for module, e in ((m, e) for m in ("linear_fc1", "linear_fc2") for e in range(cfg.moe.n_experts if moe else 0)):
+            expert_axes = ([(i, cfg.n_layers)] if stacked else []) + [(e, cfg.moe.n_experts)]
             names.append(_shard_name(f"{key}mlp.experts.experts.{module}._extra_state", expert_axes))
     return names
 
@@ -298,7 +298,7 @@ def megatron_sources(cfg: ModelConfig, read: Reader) -> dict[str, Callable[[], t
     else:
         out[ours.output] = out[ours.embedding]
     # A norm bias with model.bias=False is checked to be zero (check_norm_biases) and left out.
-    norm_params = ("weight", "bias") if cfg.norm == "layernorm" and cfg.bias else ("weight",)
+    norm_params = ("weight", "bias") if cfg.norm.kind == "layernorm" and cfg.bias else ("weight",)
     for p in norm_params:
         out[f"{ours.final_norm}.{p}"] = functools.partial(read, FINAL_NORM + p, None)
     for i in range(cfg.n_layers):
@@ -314,7 +314,7 @@ def _layer_sources_from(cfg: ModelConfig, ours: MegatronNames, read: Reader, i: 
         return lambda: pick(read(*layer_key(cfg, name, i))).contiguous()
 
     def qkv_part(j: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        return lambda t: unpack_qkv(t, cfg.n_heads, cfg.kv_heads)[j]
+        return lambda t: unpack_qkv(t, cfg.attention.n_heads, cfg.kv_heads)[j]
 
     out: dict[str, Callable[[], torch.Tensor]] = {}
     for p in norm_params:
@@ -323,7 +323,7 @@ def _layer_sources_from(cfg: ModelConfig, ours: MegatronNames, read: Reader, i: 
     for p in ("weight", "bias") if cfg.use_qkv_bias else ("weight",):
         for j, name in enumerate(ours.qkv):
             out[f"{o}{name}.{p}"] = part(QKV + p, qkv_part(j))
-    if cfg.qk_norm:
+    if cfg.attention.qk_norm:
         out[f"{o}{ours.q_norm}.weight"], out[f"{o}{ours.k_norm}.weight"] = part(Q_NORM), part(K_NORM)
     for p in ("weight", "bias") if cfg.bias else ("weight",):
         out[f"{o}{ours.attn_out}.{p}"] = part(PROJ + p)
@@ -334,13 +334,13 @@ def _layer_sources_from(cfg: ModelConfig, ours: MegatronNames, read: Reader, i: 
     out[moe + "router.weight"] = part(ROUTER)
     # Without bias balancing Megatron keeps no router bias: ours starts at zero, as a fresh model's does
     out[moe + "router.expert_bias"] = part(EXPERT_BIAS) if expert_bias_kept(cfg) else (
-        lambda: torch.zeros(cfg.n_experts))
-    glu = cfg.activation == "swiglu"
+        lambda: torch.zeros(cfg.moe.n_experts))
+    glu = cfg.ffn.activation == "swiglu"
     if glu:
         out[moe + "experts.gate_proj"] = part(EXPERTS_FC1, lambda t: t.chunk(2, dim=1)[0].transpose(1, 2))
     out[moe + "experts.up_proj"] = part(EXPERTS_FC1, lambda t: (t.chunk(2, dim=1)[1] if glu else t).transpose(1, 2))
     out[moe + "experts.down_proj"] = part(EXPERTS_FC2, lambda t: t.transpose(1, 2))
-    if cfg.n_shared_experts:
+    if cfg.moe.n_shared_experts:
         leaf = {name: f"shared_experts.{name.rpartition('.')[2]}" for name in (ours.gate, ours.up, ours.down)}
         out.update(_ffn_from(cfg, part, moe, leaf[ours.gate], leaf[ours.up], leaf[ours.down], SHARED_FC1,
                              SHARED_FC2))
@@ -351,7 +351,7 @@ def _ffn_from(cfg: ModelConfig, part: Callable[..., Callable[[], torch.Tensor]],
               down: str, fc1: str, fc2: str) -> dict[str, Callable[[], torch.Tensor]]:
     out: dict[str, Callable[[], torch.Tensor]] = {}
     for p in ("weight", "bias") if cfg.bias else ("weight",):
-        if cfg.activation == "swiglu":  # linear_fc1 is [gate; up]
+        if cfg.ffn.activation == "swiglu":  # linear_fc1 is [gate; up]
             out[f"{prefix}{gate}.{p}"] = part(fc1 + p, lambda t: t.chunk(2, dim=0)[0])
             out[f"{prefix}{up}.{p}"] = part(fc1 + p, lambda t: t.chunk(2, dim=0)[1])
         else:
@@ -366,7 +366,7 @@ def _same(tensor: torch.Tensor) -> torch.Tensor:
 
 def check_norm_biases(cfg: ModelConfig, read: Reader) -> None:
     """Megatron's LayerNorm always has a bias; without linear biases ours has none, so it must be zero."""
-    if cfg.norm != "layernorm" or cfg.bias:
+    if cfg.norm.kind != "layernorm" or cfg.bias:
         return
     keys = [layer_key(cfg, name, i) for name in (QKV + "layer_norm_bias", FC1 + "layer_norm_bias")
             for i in range(cfg.n_layers)] + [(FINAL_NORM + "bias", None)]
@@ -395,7 +395,7 @@ def _refuse_unread(folder: Path, cfg: ModelConfig, entries: Mapping[str, Any]) -
 
     for make in megatron_sources(cfg, shape_of).values():
         make()
-    if cfg.norm == "layernorm" and not cfg.bias:  # read by check_norm_biases: zero, so nothing is lost
+    if cfg.norm.kind == "layernorm" and not cfg.bias:  # read by check_norm_biases: zero, so nothing is lost
         read |= {key for key in entries if key.endswith("layer_norm_bias") or key == FINAL_NORM + "bias"}
     # Megatron-LM saves a training run's optimizer state into the same checkpoint ("optimizer.state.<name>.<key>",
     # "optimizer.distributed...."): not the model's, so neither imported nor a reason to refuse

@@ -17,6 +17,7 @@ from typing import Any
 from meshformer.checkpointing.dcp_io import read_metadata, tensor_entries
 from meshformer.checkpointing.errors import ConversionError
 from meshformer.config import ModelConfig
+from meshformer.config.migrate import get_flat, model_from_dict, model_from_flat
 from meshformer.model.families import FAMILIES
 from meshformer.model.families.naming import MegatronNames
 from meshformer.model.moe import is_moe_block
@@ -55,48 +56,50 @@ def megatron_incompatibilities(cfg: ModelConfig) -> list[str]:
     gpt_families = sorted(name for name, spec in FAMILIES.items() if spec.megatron and spec.megatron.model == GPT)
     checks = [
         (cfg.family in gpt_families, f"family={cfg.family!r} (needs one of {gpt_families}: Megatron {GPT})"),
-        (cfg.norm_position == "pre" and cfg.use_final_norm,
+        (cfg.norm.position == "pre" and cfg.use_final_norm,
          "post-norm, post-sublayer or sandwich norms or no final norm (needs pre-norm + final)"),
         (cfg.position in ("learned", "rope"), f"position={cfg.position!r} (needs 'learned' or 'rope')"),
-        (cfg.activation in ACTIVATION_FUNC, f"activation={cfg.activation!r}"),
-        (cfg.attention_scale is None, "a custom attention_scale (Megatron uses 1/sqrt(head_dim))"),
-        (not cfg.scale_embeddings and not cfg.embedding_norm, "scale_embeddings / embedding_norm"),
+        (cfg.ffn.activation in ACTIVATION_FUNC, f"activation={cfg.ffn.activation!r}"),
+        (cfg.attention.scale is None, "a custom attention_scale (Megatron uses 1/sqrt(head_dim))"),
+        (not cfg.scale_embeddings and not cfg.norm.embedding, "scale_embeddings / embedding_norm"),
         (not cfg.head_transform and not cfg.output_bias and not cfg.scale_output, "a BERT/T5-style output head"),
-        (cfg.attention_window is None, "attention_window (sliding window)"),
+        (cfg.attention.window is None, "attention_window (sliding window)"),
         # Megatron's linear_qkv has a bias whenever the other linears do (add_bias_linear)
         (cfg.use_qkv_bias or not cfg.bias, "linear biases without Q/K/V biases"),
         # Megatron's q/k layernorm is the model's norm type; ours is RMSNorm
-        (not cfg.qk_norm or cfg.norm == "rmsnorm", "qk_norm with LayerNorm blocks (Megatron would use LayerNorm)"),
-        (cfg.rope_scaling == "none", f"rope_scaling={cfg.rope_scaling!r} (no Megatron-Core mapping here)"),
-        (cfg.qk_norm_scope == "head" or not cfg.qk_norm, "qk_norm_scope='projection' (Megatron normalises per head)"),
-        (cfg.norm_weight_offset == 0, f"norm_weight_offset={cfg.norm_weight_offset} (RMSNorm by offset + weight)"),
-        (cfg.attention_softcap is None and cfg.logit_softcap is None, "attention_softcap / logit_softcap"),
-        (not cfg.attention_sinks, "attention_sinks (no Megatron-Core mapping here)"),
+        (not cfg.attention.qk_norm or cfg.norm.kind == "rmsnorm",
+         "qk_norm with LayerNorm blocks (Megatron would use LayerNorm)"),
+        (cfg.rope.scaling == "none", f"rope_scaling={cfg.rope.scaling!r} (no Megatron-Core mapping here)"),
+        (cfg.attention.qk_norm_scope == "head" or not cfg.attention.qk_norm,
+         "qk_norm_scope='projection' (Megatron normalises per head)"),
+        (cfg.norm.weight_offset == 0, f"norm_weight_offset={cfg.norm.weight_offset} (RMSNorm by offset + weight)"),
+        (cfg.attention.softcap is None and cfg.logit_softcap is None, "attention_softcap / logit_softcap"),
+        (not cfg.attention.sinks, "attention_sinks (no Megatron-Core mapping here)"),
     ]
-    return [problem for ok, problem in checks if not ok] + (_router_incompatibilities(cfg) if cfg.n_experts else [])
+    return [problem for ok, problem in checks if not ok] + (_router_incompatibilities(cfg) if cfg.moe.n_experts else [])
 
 
 def _router_incompatibilities(cfg: ModelConfig) -> list[str]:
     """Megatron's routers: softmax either over the top-k logits (= ours renormalised) or before the top-k (= ours
     not renormalised); sigmoid always renormalised when k > 1; a group scored by its best k/groups_per_token."""
-    k, problems = cfg.experts_per_token, []
+    k, problems = cfg.moe.experts_per_token, []
     if cfg.bias:
         problems.append("mixture-of-experts with model.bias (Megatron's experts would carry biases, ours have none)")
-    if cfg.router_bias or cfg.expert_bias_terms:
+    if cfg.moe.router_bias or cfg.moe.expert_bias_terms:
         problems.append("router_bias / expert_bias_terms (no Megatron-Core mapping here)")
-    if cfg.router_score == "sigmoid" and cfg.router_renormalize != (k > 1):
-        problems.append(f"router_score='sigmoid' with router_renormalize={cfg.router_renormalize} at "
+    if cfg.moe.router_score == "sigmoid" and cfg.moe.router_renormalize != (k > 1):
+        problems.append(f"router_score='sigmoid' with router_renormalize={cfg.moe.router_renormalize} at "
                         f"experts_per_token={k} (Megatron renormalises sigmoid weights exactly when k > 1)")
-    if cfg.router_groups > 1:
-        if cfg.router_score == "softmax" and cfg.router_renormalize:
+    if cfg.moe.router_groups > 1:
+        if cfg.moe.router_score == "softmax" and cfg.moe.router_renormalize:
             problems.append("group-limited softmax routing with router_renormalize (Megatron then scores groups "
                             "by logits)")
-        if k % cfg.router_groups_per_token or k // cfg.router_groups_per_token != min(2, cfg.n_experts //
-                                                                                        cfg.router_groups):
-            problems.append(f"router_groups_per_token={cfg.router_groups_per_token} with experts_per_token={k} "
+        if k % cfg.moe.router_groups_per_token or k // cfg.moe.router_groups_per_token != min(2, cfg.moe.n_experts //
+                                                                                        cfg.moe.router_groups):
+            problems.append(f"router_groups_per_token={cfg.moe.router_groups_per_token} with experts_per_token={k} "
                             "(Megatron scores a group by its best experts_per_token / router_groups_per_token "
                             "experts, ours by its best two)")
-    if cfg.router_bias_update_rate > 0 and cfg.router_score != "sigmoid":
+    if cfg.moe.router_bias_update_rate > 0 and cfg.moe.router_score != "sigmoid":
         problems.append("bias balancing (router_bias_update_rate) with a softmax router (Megatron: sigmoid only)")
     return problems
 
@@ -106,7 +109,8 @@ def check_megatron_compatible(cfg: ModelConfig) -> MegatronNames:
     problems = megatron_incompatibilities(cfg)
     if problems:
         fix = ("train it with model.bias=false (Hugging Face's MoE architectures have no linear biases either)"
-               if cfg.n_experts and cfg.bias else "export it to Hugging Face instead (`meshformer convert export-hf`)")
+               if cfg.moe.n_experts and cfg.bias
+               else "export it to Hugging Face instead (`meshformer convert export-hf`)")
         raise ConversionError("this model cannot be written as a Megatron-Core GPT checkpoint: " + ", ".join(problems),
                               fix)
     names = FAMILIES[cfg.family].megatron
@@ -127,39 +131,40 @@ def layer_key(cfg: ModelConfig, name: str, layer: int) -> tuple[str, int | None]
 
 def expert_bias_kept(cfg: ModelConfig) -> bool:
     """Megatron keeps a router bias only with bias balancing (sigmoid routers); otherwise ours must be zero."""
-    return cfg.router_bias_update_rate > 0
+    return cfg.moe.router_bias_update_rate > 0
 
 
 def megatron_model_config(cfg: ModelConfig, padded_vocab: int) -> dict[str, dict[str, Any]]:
     """The Megatron-Core side of `cfg`: TransformerConfig and GPTModel keyword arguments (activation_func by name)."""
     check_megatron_compatible(cfg)
     transformer: dict[str, Any] = dict(
-        num_layers=cfg.n_layers, hidden_size=cfg.d_model, num_attention_heads=cfg.n_heads,
-        num_query_groups=cfg.kv_heads, kv_channels=cfg.attention_head_dim, ffn_hidden_size=cfg.d_ff,
-        normalization="RMSNorm" if cfg.norm == "rmsnorm" else "LayerNorm", layernorm_epsilon=cfg.norm_eps,
-        gated_linear_unit=cfg.activation == "swiglu", activation_func=ACTIVATION_FUNC[cfg.activation],
-        add_bias_linear=cfg.bias, add_qkv_bias=cfg.use_qkv_bias, qk_layernorm=cfg.qk_norm)
-    if cfg.n_experts:
-        balance = "seq_aux_loss" if cfg.moe_aux_per_sequence else "aux_loss"
+        num_layers=cfg.n_layers, hidden_size=cfg.d_model, num_attention_heads=cfg.attention.n_heads,
+        num_query_groups=cfg.kv_heads, kv_channels=cfg.attention_head_dim, ffn_hidden_size=cfg.ffn.d_ff,
+        normalization="RMSNorm" if cfg.norm.kind == "rmsnorm" else "LayerNorm", layernorm_epsilon=cfg.norm.eps,
+        gated_linear_unit=cfg.ffn.activation == "swiglu", activation_func=ACTIVATION_FUNC[cfg.ffn.activation],
+        add_bias_linear=cfg.bias, add_qkv_bias=cfg.use_qkv_bias, qk_layernorm=cfg.attention.qk_norm)
+    if cfg.moe.n_experts:
+        balance = "seq_aux_loss" if cfg.moe.aux_per_sequence else "aux_loss"
         transformer.update(
-            num_moe_experts=cfg.n_experts, moe_router_topk=cfg.experts_per_token, moe_ffn_hidden_size=cfg.expert_d_ff,
-            moe_shared_expert_intermediate_size=cfg.n_shared_experts * cfg.expert_d_ff or None,
+            num_moe_experts=cfg.moe.n_experts, moe_router_topk=cfg.moe.experts_per_token,
+            moe_ffn_hidden_size=cfg.expert_d_ff,
+            moe_shared_expert_intermediate_size=cfg.moe.n_shared_experts * cfg.expert_d_ff or None,
             # a list makes Megatron save each layer apart, so one only where layers mix (as stacked_layers says)
             moe_layer_freq=1 if stacked_layers(cfg) else [int(is_moe_block(cfg, i)) for i in range(cfg.n_layers)],
-            moe_router_score_function=cfg.router_score,
-            moe_router_pre_softmax=cfg.router_score == "softmax" and not cfg.router_renormalize,
-            moe_router_num_groups=cfg.router_groups if cfg.router_groups > 1 else None,
-            moe_router_group_topk=cfg.router_groups_per_token if cfg.router_groups > 1 else None,
+            moe_router_score_function=cfg.moe.router_score,
+            moe_router_pre_softmax=cfg.moe.router_score == "softmax" and not cfg.moe.router_renormalize,
+            moe_router_num_groups=cfg.moe.router_groups if cfg.moe.router_groups > 1 else None,
+            moe_router_group_topk=cfg.moe.router_groups_per_token if cfg.moe.router_groups > 1 else None,
             moe_router_enable_expert_bias=expert_bias_kept(cfg),
-            moe_router_bias_update_rate=cfg.router_bias_update_rate or MEGATRON_BIAS_UPDATE_RATE,
+            moe_router_bias_update_rate=cfg.moe.router_bias_update_rate or MEGATRON_BIAS_UPDATE_RATE,
             moe_router_dtype="fp32",
-            moe_router_load_balancing_type=balance if cfg.moe_aux_loss else "none",
-            moe_aux_loss_coeff=cfg.moe_aux_loss, moe_z_loss_coeff=cfg.router_z_loss or None,
-            moe_expert_capacity_factor=cfg.capacity_factor or None,
+            moe_router_load_balancing_type=balance if cfg.moe.aux_loss else "none",
+            moe_aux_loss_coeff=cfg.moe.aux_loss, moe_z_loss_coeff=cfg.moe.router_z_loss or None,
+            moe_expert_capacity_factor=cfg.moe.capacity_factor or None,
             moe_token_drop_policy="position")  # ours keeps each expert's earliest tokens
     gpt = dict(vocab_size=padded_vocab, max_sequence_length=cfg.max_seq_len,
                position_embedding_type="rope" if cfg.position == "rope" else "learned_absolute",
-               rotary_base=cfg.rope_theta, share_embeddings_and_output_weights=cfg.tie_embeddings)
+               rotary_base=cfg.rope.theta, share_embeddings_and_output_weights=cfg.tie_embeddings)
     return {"transformer_config": transformer, "gpt_model": gpt}
 
 
@@ -187,14 +192,14 @@ def layer_shapes(shapes: dict[str, tuple[int, ...]]) -> list[dict[str, tuple[int
     return layers
 
 
-def _moe_pattern(moe: list[bool]) -> tuple[int, int]:
+def moe_every_pattern(moe: list[bool]) -> tuple[int, int]:
     """(moe_first_dense, moe_every) that make exactly these layers MoE, or a ConversionError."""
     first = moe.index(True)
     for every in range(1, len(moe) + 1):
         if [i >= first and (i + 1) % every == 0 for i in range(len(moe))] == moe:
             return first, every
     raise ConversionError(f"the checkpoint's MoE layers {[i for i, m in enumerate(moe) if m]} follow no pattern of "
-                          "model.moe_first_dense / model.moe_every (dense first blocks, then every k-th block)")
+                          "dense first blocks, then every k-th block MoE")
 
 
 def infer_config(folder: Path, *, n_heads: int, vocab_size: int | None = None, activation: str | None = None,
@@ -240,7 +245,7 @@ def infer_config(folder: Path, *, n_heads: int, vocab_size: int | None = None, a
         if experts_per_token is None:
             raise ConversionError(f"{folder} holds mixture-of-experts layers whose top-k its tensors do not record "
                                   "— pass --experts-per-token (Megatron's --moe-router-topk)")
-        first_dense, every = _moe_pattern(moe)
+        first_dense, every = moe_every_pattern(moe)
         # Megatron keeps a router bias only with bias balancing: it steers the selection, so it is read (at
         # Megatron's default update rate, which the tensors do not record), never replaced by zeros
         balanced = EXPERT_BIAS in layers[moe.index(True)]
@@ -252,7 +257,7 @@ def infer_config(folder: Path, *, n_heads: int, vocab_size: int | None = None, a
             moe_every=every, router_score=score, router_renormalize=score == "softmax" or experts_per_token > 1,
             router_groups=router_groups or 1, router_groups_per_token=router_groups_per_token or 1,
             router_bias_update_rate=MEGATRON_BIAS_UPDATE_RATE if balanced else 0.0)
-    return ModelConfig(
+    return model_from_flat(
         family="decoder", vocab_size=vocab_size or padded_vocab, d_model=d_model, n_heads=n_heads,
         n_kv_heads=None if n_groups == n_heads else n_groups, n_layers=len(layers), d_ff=d_ff,
         head_dim=None if head_dim == d_model // n_heads else head_dim, qk_norm=Q_NORM in first,
@@ -267,12 +272,12 @@ def infer_config(folder: Path, *, n_heads: int, vocab_size: int | None = None, a
 
 def read_saved_config(folder: Path) -> tuple[Path, ModelConfig] | None:
     """The model config that export_megatron wrote beside (or in) the torch_dist folder, if any."""
-    from meshformer.config import ConfigError, build_section
+    from meshformer.config import ConfigError
 
     for file in (folder.parent / SAVED_CONFIG, folder / SAVED_CONFIG):
         if file.is_file():
             try:
-                return file, build_section(ModelConfig, json.loads(file.read_text()), "model")
+                return file, model_from_dict(json.loads(file.read_text()), str(file))
             except (ValueError, ConfigError) as err:
                 raise ConversionError(f"{file} is not a readable model config ({err}) — remove it and pass --heads "
                                       "and the other options instead") from None
@@ -290,13 +295,13 @@ def resolve_import_config(folder: Path, options: dict[str, Any]) -> ModelConfig:
                                   "count — pass --heads with the model's number of attention heads")
         return infer_config(folder, **{"norm_eps": 1e-5, "rope_theta": 10000.0, **given})
     file, cfg = saved
-    inferred = infer_config(folder, **{**{k: getattr(cfg, k) for k in OPTIONS}, **given})
-    contradictions = [f"{OPTIONS[k]} {v!r} contradicts {k}={getattr(cfg, k)!r}" for k, v in given.items()
-                      if v != getattr(cfg, k)]
+    inferred = infer_config(folder, **{**{k: get_flat(cfg, k) for k in OPTIONS}, **given})
+    contradictions = [f"{OPTIONS[k]} {v!r} contradicts {k}={get_flat(cfg, k)!r}" for k, v in given.items()
+                      if v != get_flat(cfg, k)]
     moe = [is_moe_block(cfg, i) for i in range(cfg.n_layers)]
     widths = (("d_ff",) if not all(moe) else ()) + (("expert_d_ff",) if any(moe) else ())  # what tensors hold
-    contradictions += [f"{k}={getattr(cfg, k)!r} in the file but {k}={getattr(inferred, k)!r} in the tensors"
-                       for k in _FROM_TENSORS + widths if getattr(cfg, k) != getattr(inferred, k)]
+    contradictions += [f"{k}={get_flat(cfg, k)!r} in the file but {k}={get_flat(inferred, k)!r} in the tensors"
+                       for k in _FROM_TENSORS + widths if get_flat(cfg, k) != get_flat(inferred, k)]
     moe_layers = [[i for i in range(c.n_layers) if is_moe_block(c, i)] for c in (cfg, inferred)]
     if moe_layers[0] != moe_layers[1]:
         contradictions.append(f"MoE layers {moe_layers[0]} in the file but {moe_layers[1]} in the tensors")

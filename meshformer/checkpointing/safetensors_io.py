@@ -34,7 +34,8 @@ from meshformer.checkpointing.weights import (
     saved_names,
     write_weights,
 )
-from meshformer.config import ModelConfig, build_section
+from meshformer.config import ModelConfig
+from meshformer.config.migrate import model_from_dict
 from meshformer.data import Tokenizer
 from meshformer.data.tokenizer import check_vocab
 
@@ -59,7 +60,7 @@ def resolve_checkpoint(path: Path) -> Path:
 
 def checkpoint_model_config(path: Path) -> ModelConfig:
     state = json.loads((Path(path) / directory.TRAINER_STATE).read_text())
-    return build_section(ModelConfig, state["config"]["model"], "model")
+    return model_from_dict(state["config"]["model"], str(path))
 
 
 class LazyState(Mapping[str, torch.Tensor]):

@@ -230,14 +230,14 @@ def _finish(writer: ShardedWriter, cfg: ModelConfig, tokenizer: Tokenizer | None
 
 def open_weights(directory: Path) -> tuple[ModelConfig, SafetensorsFolder]:
     """(model config, lazy reader) of a weights folder, single-file or sharded."""
-    from meshformer.config import build_section
+    from meshformer.config.migrate import model_from_dict
 
     directory = Path(directory)
     if not has_safetensors(directory) or not (directory / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{directory} holds no {WEIGHTS_FILE} (or sharded index) + {CONFIG_FILE}; point at "
                                 "a run's final/ folder or the output of `meshformer convert to-safetensors`")
     try:
-        cfg = build_section(ModelConfig, json.loads((directory / CONFIG_FILE).read_text()), "model")
+        cfg = model_from_dict(json.loads((directory / CONFIG_FILE).read_text()), str(directory / CONFIG_FILE))
         return cfg, SafetensorsFolder(directory)
     except MeshformerError:  # already one line naming the file (e.g. an index naming files outside the folder)
         raise

@@ -27,11 +27,46 @@ from meshformer.config.sections import (
 from meshformer.config.validate import validate, validate_model
 from meshformer.config.write import dump_toml
 from meshformer.errors import ConfigError
-from meshformer.model.config import Activation, ModelConfig
+from meshformer.model.config import (
+    Activation,
+    AttentionConfig,
+    FfnConfig,
+    InitConfig,
+    ModelConfig,
+    MoeConfig,
+    NormConfig,
+    RopeConfig,
+)
 
 __all__ = [
-    "Activation", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DataSourceConfig", "LoggingConfig",
-    "ModelConfig", "OptimConfig", "ParallelConfig", "ProfileConfig", "Recompute", "ScheduleConfig", "TrainConfig",
-    "build_section", "bundled_configs", "config_from_dict", "dump_toml", "given_keys", "load_config", "parse_size",
-    "resolve_config_path", "validate", "validate_model",
+    "Activation",
+    "AttentionConfig",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "DataSourceConfig",
+    "FfnConfig",
+    "InitConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "MoeConfig",
+    "NormConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "ProfileConfig",
+    "Recompute",
+    "RopeConfig",
+    "ScheduleConfig",
+    "TrainConfig",
+    "build_section",
+    "bundled_configs",
+    "config_from_dict",
+    "dump_toml",
+    "given_keys",
+    "load_config",
+    "parse_size",
+    "resolve_config_path",
+    "validate",
+    "validate_model",
 ]

@@ -12,6 +12,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from meshformer.config import migrate
+from meshformer.config.migrate import migrate_tree
 from meshformer.config.parse import build_section
 from meshformer.config.sections import Config
 from meshformer.config.validate import validate
@@ -37,14 +39,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.steps=200")
         _set_dotted(overridden, key.strip(), _parse_value(value.strip()))
+    if path is not None:
+        # stack depths set with --set: a flat file's per-block mlp_types is built for the run's depth
+        given = overridden.get("model")
+        depths = {k: v for k, v in given.items() if k.endswith("layers")} if isinstance(given, dict) else {}
+        raw = migrate_tree(raw, str(path), depths=depths)
     if bundled and any(isinstance(tree.get("checkpoint"), dict) and tree["checkpoint"].get("init_from")
                        for tree in (raw, overridden)):
         # continued pretraining: the model is the folder's, so a bundled config's from-scratch [model] yields to it
         # (keys set with --set are the user's, and checked against the folder)
         raw.pop("model", None)
-    for item in overrides or []:
-        key, _, value = item.partition("=")
-        _set_dotted(raw, key.strip(), _parse_value(value.strip()))
+    model = raw.get("model")
+    overridden = migrate_tree(overridden, "--set", context=model if isinstance(model, dict) else None)
+    for key, value in migrate.flatten(overridden).items():
+        _set_dotted(raw, key, value)
     return config_from_dict(raw)
 
 
@@ -73,15 +81,17 @@ def resolve_config_path(path: str | Path) -> Path:
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
     """A validated config from a TOML-shaped tree of sections (what `load_config` reads from a file)."""
+    raw = migrate_tree(raw)
     cfg = build_section(Config, raw, "")
     validate(cfg)
     setattr(cfg, _GIVEN, frozenset(f"{section}.{key}" for section, table in raw.items() if isinstance(table, dict)
-                                   for key in table))
+                                   for key in migrate.flatten(table)))
     return cfg
 
 
 def given_keys(cfg: Config) -> frozenset[str]:
-    """The dotted keys the user wrote (in the TOML file or an override), whatever their values, defaults included:
+    """The dotted keys the user wrote (`model.attention.n_heads`; in the TOML file or an override), whatever their
+    values, defaults included:
     a value equal to the default was still asked for. Empty for a config not loaded from a tree."""
     return getattr(cfg, _GIVEN, frozenset())
 

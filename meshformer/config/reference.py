@@ -68,12 +68,22 @@ def _type(f: dataclasses.Field) -> str:
 
 
 def sections() -> list[tuple[str, type]]:
-    """(TOML table, dataclass) of every table of the config tree, nested tables ([[data.sources]]) included."""
-    from meshformer.config.sections import Config, DataSourceConfig
+    """(TOML table, dataclass) of every table of the config tree, nested tables ([model.attention], [[data.sources]])
+    right after their parent."""
+    from meshformer.config.sections import Config, DataConfig, DataSourceConfig
 
-    found = [(f.name, type(_default(f))) for f in dataclasses.fields(Config) if dataclasses.is_dataclass(_default(f))]
-    at = next(i for i, (name, _) in enumerate(found) if name == "data") + 1
-    found.insert(at, ("data.sources", DataSourceConfig))
+    found: list[tuple[str, type]] = []
+
+    def walk(name: str, cls: type) -> None:
+        found.append((name, cls))
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(value := _default(f)):
+                walk(f"{name}.{f.name}", type(value))
+        if cls is DataConfig:
+            found.append(("data.sources", DataSourceConfig))
+
+    for f in dataclasses.fields(Config):
+        walk(f.name, type(_default(f)))
     return found
 
 
@@ -83,7 +93,8 @@ def undocumented_keys() -> list[str]:
 
 def _described(cls: type) -> list[tuple[str, str]]:
     comments = field_comments(cls)
-    return [(f.name, comments.get(f.name, "")) for f in dataclasses.fields(cls)]
+    return [(f.name, comments.get(f.name, "")) for f in dataclasses.fields(cls)
+            if not dataclasses.is_dataclass(_default(f))]
 
 
 def config_reference(table: str | None = None) -> str:
@@ -102,6 +113,8 @@ def config_reference(table: str | None = None) -> str:
         out += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
         comments = field_comments(cls)
         for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(_default(f)):
+                continue  # a table of its own, below
             meaning = comments.get(f.name, "").replace("|", "\\|")
             kind = _type(f).replace("|", "\\|")
             out.append(f"| `{f.name}` | {kind} | `{_show(_default(f))}` | {meaning} |")

@@ -9,10 +9,11 @@ import math
 
 import torch
 
+from meshformer.config.migrate import get_dotted
 from meshformer.config.parse import parse_size
 from meshformer.config.sections import CheckpointConfig, Config, DataConfig
 from meshformer.errors import ConfigError
-from meshformer.model.config import ModelConfig
+from meshformer.model.config import LAYER_TYPES, MLP_TYPES, ModelConfig
 from meshformer.model.families import get_family_spec
 from meshformer.model.moe import is_moe_block
 
@@ -22,39 +23,46 @@ def validate(cfg: Config) -> None:
     m, d, t = cfg.model, cfg.data, cfg.train
     _finite(cfg)
     _not_empty(cfg, ["logging.run_dir", "data.corpus", "data.tokenizer", "data.text_field", "train.device"])
-    _positive(cfg, ["model.vocab_size", "model.d_model", "model.n_heads", "model.d_ff", "model.max_seq_len",
+    _positive(cfg, ["model.vocab_size", "model.d_model", "model.attention.n_heads", "model.ffn.d_ff",
+                    "model.max_seq_len",
                     "data.seq_len", "data.batch_size", "train.steps", "train.grad_accum", "optim.lr",
-                    "logging.log_interval", "model.norm_eps", "model.rope_theta", "model.init_std",
+                    "logging.log_interval", "model.norm.eps", "model.rope.theta", "model.init.std",
                     "data.span_mean_length", "parallel.timeout_s"])
-    if m.head_dim is not None and m.head_dim <= 0:
-        raise ConfigError(f"model.head_dim={m.head_dim} must be positive (or omitted: d_model / n_heads)")
-    if m.head_dim is None and m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
-                          "choose n_heads that divides d_model, or set model.head_dim")
-    if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
-        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}; "
+    if m.attention.head_dim is not None and m.attention.head_dim <= 0:
+        raise ConfigError(f"model.attention.head_dim={m.attention.head_dim} must be positive "
+                          "(or omitted: d_model / n_heads)")
+    if m.attention.head_dim is None and m.d_model % m.attention.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.attention.n_heads="
+                          f"{m.attention.n_heads}; "
+                          "choose n_heads that divides d_model, or set model.attention.head_dim")
+    a = m.attention
+    if a.n_kv_heads is not None and (a.n_kv_heads <= 0 or a.n_heads % a.n_kv_heads):
+        raise ConfigError(f"model.attention.n_heads={a.n_heads} is not divisible by model.attention.n_kv_heads="
+                          f"{a.n_kv_heads}; "
                           "n_kv_heads must divide n_heads (1 = multi-query)")
     if m.position == "rope" and m.attention_head_dim % 2:
-        raise ConfigError(f"RoPE needs an even head dimension, got {m.attention_head_dim}; set model.head_dim "
+        raise ConfigError(f"RoPE needs an even head dimension, got {m.attention_head_dim}; set "
+                          "model.attention.head_dim "
                           "(or d_model / n_heads) even")
     _check_rope_scaling(cfg)
     _check_layer_options(cfg)
-    if m.position == "t5_relative" and (m.relative_buckets < 4 or m.relative_max_distance <= m.relative_buckets // 2):
-        raise ConfigError(f"model.relative_buckets={m.relative_buckets} / model.relative_max_distance="
-                          f"{m.relative_max_distance}: t5_relative needs at least 4 buckets and a max distance above "
+    if m.position == "t5_relative" and (a.relative_buckets < 4 or a.relative_max_distance <= a.relative_buckets // 2):
+        raise ConfigError(f"model.attention.relative_buckets={a.relative_buckets} / "
+                          f"model.attention.relative_max_distance={a.relative_max_distance}: t5_relative needs at "
+                          "least 4 buckets and a max distance above "
                           "relative_buckets / 2 (the exactly bucketed range); T5 uses 32 and 128")
     _check_family(cfg)
     _check_moe(cfg)
-    if m.attention_window is not None:
-        if m.attention_window <= 0:
-            raise ConfigError("model.attention_window must be positive (or omitted for full attention)")
-        if m.attention_window > d.seq_len:
-            raise ConfigError(f"model.attention_window={m.attention_window} is larger than data.seq_len="
+    if m.attention.window is not None:
+        if m.attention.window <= 0:
+            raise ConfigError("model.attention.window must be positive (or omitted for full attention)")
+        if m.attention.window > d.seq_len:
+            raise ConfigError(f"model.attention.window={m.attention.window} is larger than data.seq_len="
                               f"{d.seq_len}; use a smaller window or remove it for full attention")
     if m.cross_downsample < 1:
         raise ConfigError("model.cross_downsample must be >= 1 (1 disables pooling)")
-    if not 0 <= m.dropout < 1 or not 0 <= m.attention_dropout < 1:
-        raise ConfigError("model.dropout and model.attention_dropout must lie in [0, 1)")
+    if not 0 <= m.dropout < 1 or not 0 <= m.attention.dropout < 1:
+        raise ConfigError("model.dropout and model.attention.dropout must lie in [0, 1)")
     if not 0 <= t.label_smoothing < 1:
         raise ConfigError("train.label_smoothing must lie in [0, 1)")
     if not 0 < d.mlm_probability < 1 or not 0 < d.span_noise_density < 1:
@@ -115,8 +123,9 @@ def _check_family(cfg: Config) -> None:
     elif m.cross_downsample > 1:
         raise ConfigError(f"model.cross_downsample only applies to a family whose decoder cross-attends an "
                           f"encoder (not {m.family!r}); leave it at 1")
-    if m.document_mask and cfg.objective != "causal":
-        raise ConfigError(f"model.document_mask needs the causal objective (packed documents, each sample's doc_ids), "
+    if m.attention.document_mask and cfg.objective != "causal":
+        raise ConfigError(f"model.attention.document_mask needs the causal objective (packed documents, each "
+                          "sample's doc_ids), "
                           f"not {cfg.objective!r}; leave it false for model.family={m.family!r}")
     key, longest = max(lengths, key=lambda item: item[1])
     if m.position in ("learned", "sinusoidal", "rope") and longest > m.max_seq_len:
@@ -127,97 +136,118 @@ def _check_family(cfg: Config) -> None:
 
 
 def _check_moe(cfg: Config) -> None:
-    """The mixture-of-experts keys (model/moe.py); none matters while model.n_experts = 0."""
+    """The mixture-of-experts keys (model/moe.py); none matters while model.moe.n_experts = 0."""
     m = cfg.model
-    if m.n_experts < 0:
-        raise ConfigError(f"model.n_experts={m.n_experts} is negative", "use 0 (dense) or the number of experts")
-    if m.n_experts == 0:
+    if m.moe.n_experts < 0:
+        raise ConfigError(f"model.moe.n_experts={m.moe.n_experts} is negative",
+                          "use 0 (dense) or the number of experts")
+    if m.moe.n_experts == 0:
         for key in ("router_bias", "expert_bias_terms"):
-            if getattr(m, key):
-                raise ConfigError(f"model.{key}=true needs experts, but model.n_experts=0",
-                                  f"set model.n_experts, or drop model.{key}")
+            if getattr(m.moe, key):
+                raise ConfigError(f"model.moe.{key}=true needs experts, but model.moe.n_experts=0",
+                                  f"set model.moe.n_experts, or drop model.moe.{key}")
         return
-    if not 1 <= m.experts_per_token <= m.n_experts:
-        raise ConfigError(f"model.experts_per_token={m.experts_per_token} must lie in [1, model.n_experts="
-                          f"{m.n_experts}]", "choose how many experts each token uses, e.g. 2")
-    for key in ("moe_d_ff", "n_shared_experts", "moe_first_dense", "capacity_factor", "moe_aux_loss",
-                "router_z_loss", "router_bias_update_rate"):
-        if getattr(m, key) < 0:
-            raise ConfigError(f"model.{key}={getattr(m, key)} is negative", "use a value >= 0 (0: the default)")
-    if m.moe_every < 1:
-        raise ConfigError(f"model.moe_every={m.moe_every} must be >= 1", "1: every block is MoE; k: every k-th")
+    if not 1 <= m.moe.experts_per_token <= m.moe.n_experts:
+        raise ConfigError(f"model.moe.experts_per_token={m.moe.experts_per_token} must lie in [1, model.moe.n_experts="
+                          f"{m.moe.n_experts}]", "choose how many experts each token uses, e.g. 2")
+    for key in ("d_ff", "n_shared_experts", "capacity_factor", "aux_loss", "router_z_loss",
+                "router_bias_update_rate"):
+        if getattr(m.moe, key) < 0:
+            raise ConfigError(f"model.moe.{key}={getattr(m.moe, key)} is negative", "use a value >= 0 (0: the default)")
     stacks = get_family_spec(m.family).stacks
     # a model from an HF folder (init_from) is what the folder holds, a Qwen3-MoE with every block dense included
     if not cfg.checkpoint.init_from and not any(is_moe_block(m, i) for stack in stacks for i in range(stack.count(m))):
         depths = " / ".join(f"{stack.count(m)}-layer {stack.name}" for stack in stacks)
-        raise ConfigError(f"model.n_experts={m.n_experts}, but no block of the {depths} stack is MoE (model.moe_every="
-                          f"{m.moe_every}, model.moe_first_dense={m.moe_first_dense}): the model would train dense",
-                          "lower model.moe_first_dense or model.moe_every, or set model.n_experts=0 for a dense model")
-    groups = m.router_groups
-    if groups < 1 or m.n_experts % groups:
-        raise ConfigError(f"model.router_groups={groups} does not divide model.n_experts={m.n_experts}",
+        raise ConfigError(f"model.moe.n_experts={m.moe.n_experts}, but no block of the {depths} stack is MoE "
+                          f"(model.mlp_types={m.mlp_types}): the model would train dense",
+                          'make some entries of model.mlp_types "moe", or set model.moe.n_experts=0 for a dense model')
+    groups = m.moe.router_groups
+    if groups < 1 or m.moe.n_experts % groups:
+        raise ConfigError(f"model.moe.router_groups={groups} does not divide model.moe.n_experts={m.moe.n_experts}",
                           "use a divisor of n_experts (1: no group-limited routing)")
-    if not 1 <= m.router_groups_per_token <= groups:
-        raise ConfigError(f"model.router_groups_per_token={m.router_groups_per_token} must lie in [1, "
-                          f"model.router_groups={groups}]", "choose how many expert groups a token may use")
-    if m.router_groups_per_token * (m.n_experts // groups) < m.experts_per_token:
-        raise ConfigError(f"model.router_groups_per_token={m.router_groups_per_token} groups of "
-                          f"{m.n_experts // groups} experts hold fewer than model.experts_per_token="
-                          f"{m.experts_per_token}", "raise router_groups_per_token or lower experts_per_token")
+    if not 1 <= m.moe.router_groups_per_token <= groups:
+        raise ConfigError(f"model.moe.router_groups_per_token={m.moe.router_groups_per_token} must lie in [1, "
+                          f"model.moe.router_groups={groups}]", "choose how many expert groups a token may use")
+    if m.moe.router_groups_per_token * (m.moe.n_experts // groups) < m.moe.experts_per_token:
+        raise ConfigError(f"model.moe.router_groups_per_token={m.moe.router_groups_per_token} groups of "
+                          f"{m.moe.n_experts // groups} experts hold fewer than model.moe.experts_per_token="
+                          f"{m.moe.experts_per_token}", "raise router_groups_per_token or lower experts_per_token")
 
 
 def _check_rope_scaling(cfg: Config) -> None:
     """The rope_* keys of a scaled RoPE, with the ranges Hugging Face accepts."""
     m = cfg.model
-    if m.rope_scaling == "none":
+    if m.rope.scaling == "none":
         return
     if m.position != "rope":
-        raise ConfigError(f"model.rope_scaling={m.rope_scaling!r} rescales RoPE but model.position={m.position!r}; "
-                          "set model.position='rope' or model.rope_scaling='none'")
-    if not m.rope_scaling_factor >= 1:
-        raise ConfigError(f"model.rope_scaling_factor={m.rope_scaling_factor} must be >= 1 (e.g. 8 for Llama 3.1)")
-    if m.rope_scaling == "linear":
+        raise ConfigError(f"model.rope.scaling={m.rope.scaling!r} rescales RoPE but model.position={m.position!r}; "
+                          "set model.position='rope' or model.rope.scaling='none'")
+    if not m.rope.factor >= 1:
+        raise ConfigError(f"model.rope.factor={m.rope.factor} must be >= 1 (e.g. 8 for Llama 3.1)")
+    if m.rope.scaling == "linear":
         return
-    if m.rope_original_max_seq_len is None or m.rope_original_max_seq_len <= 0:
-        raise ConfigError(f"model.rope_scaling={m.rope_scaling!r} needs model.rope_original_max_seq_len, the "
+    if m.rope.original_max_seq_len is None or m.rope.original_max_seq_len <= 0:
+        raise ConfigError(f"model.rope.scaling={m.rope.scaling!r} needs model.rope.original_max_seq_len, the "
                           "pretraining context length (original_max_position_embeddings; 8192 for Llama 3.1)")
-    if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
-        raise ConfigError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} and model.rope_high_freq_factor="
-                          f"{m.rope_high_freq_factor}: need 0 < low < high (Llama 3.1: 1 and 4)")
-    if m.rope_scaling == "yarn":
-        if not 0 < m.rope_beta_slow < m.rope_beta_fast:
-            raise ConfigError(f"model.rope_beta_slow={m.rope_beta_slow} and model.rope_beta_fast={m.rope_beta_fast}: "
+    if m.rope.scaling == "llama3" and not 0 < m.rope.low_freq_factor < m.rope.high_freq_factor:
+        raise ConfigError(f"model.rope.low_freq_factor={m.rope.low_freq_factor} and model.rope.high_freq_factor="
+                          f"{m.rope.high_freq_factor}: need 0 < low < high (Llama 3.1: 1 and 4)")
+    if m.rope.scaling == "yarn":
+        if not 0 < m.rope.beta_slow < m.rope.beta_fast:
+            raise ConfigError(f"model.rope.beta_slow={m.rope.beta_slow} and model.rope.beta_fast={m.rope.beta_fast}: "
                               "need 0 < beta_slow < beta_fast (YaRN: 1 and 32)")
-        if m.rope_attention_factor is not None and m.rope_attention_factor <= 0:
-            raise ConfigError(f"model.rope_attention_factor={m.rope_attention_factor} must be positive (or omitted: "
+        if m.rope.attention_factor is not None and m.rope.attention_factor <= 0:
+            raise ConfigError(f"model.rope.attention_factor={m.rope.attention_factor} must be positive (or omitted: "
                               "0.1 * ln(factor) + 1)")
 
 
 def _check_layer_options(cfg: Config) -> None:
     """The per-layer attention pattern, soft-capping and norm options (Gemma, OLMo 2)."""
     m = cfg.model
-    if m.full_attention_every is not None and (m.attention_window is None or m.full_attention_every < 1):
-        raise ConfigError(f"model.full_attention_every={m.full_attention_every} picks the blocks that skip the sliding "
-                          "window, but needs model.attention_window and a value >= 1",
-                          "set both (Gemma 3: attention_window=512, full_attention_every=6) or drop it")
-    if m.rope_local_theta is not None and (m.position != "rope" or m.attention_window is None
-                                           or m.rope_local_theta <= 0):
-        raise ConfigError(f"model.rope_local_theta={m.rope_local_theta} is the windowed blocks' RoPE base, but needs "
-                          "model.position='rope', model.attention_window and a positive value",
-                          "set them (Gemma 3: rope_local_theta=10000) or drop it")
-    for key in ("attention_softcap", "logit_softcap"):
-        value = getattr(m, key)
+    _check_block_types(cfg)
+    sliding = any(m.layer_type(i) == "sliding_attention" for stack in get_family_spec(m.family).stacks
+                  for i in range(stack.count(m)))
+    if m.rope.local_theta is not None and (m.position != "rope" or not sliding or m.rope.local_theta <= 0):
+        raise ConfigError(f"model.rope.local_theta={m.rope.local_theta} is the sliding_attention blocks' RoPE base, "
+                          "but "
+                          "needs model.position='rope', sliding_attention blocks (model.layer_types) and a positive "
+                          "value", "set them (Gemma 3: rope.local_theta=10000) or drop it")
+    for key, value in (("attention.softcap", m.attention.softcap), ("logit_softcap", m.logit_softcap)):
         if value is not None and not value > 0:
             raise ConfigError(f"model.{key}={value} must be positive", "give a cap such as 30.0, or drop it for none")
-    if m.norm_weight_offset and m.norm != "rmsnorm":
-        raise ConfigError(f"model.norm_weight_offset={m.norm_weight_offset} scales RMSNorm by (offset + weight), but "
-                          f"model.norm={m.norm!r}", "set model.norm='rmsnorm' or leave the offset at 0")
-    if m.activation == "swiglu_clamped" and not (m.swiglu_limit > 0 and m.swiglu_alpha > 0):
-        raise ConfigError(f"model.swiglu_limit={m.swiglu_limit} and model.swiglu_alpha={m.swiglu_alpha} must be "
-                          "positive", "gpt-oss: swiglu_limit=7.0, swiglu_alpha=1.702")
-    if m.qk_norm_scope != "head" and not m.qk_norm:
-        raise ConfigError(f"model.qk_norm_scope={m.qk_norm_scope!r} has no QK-norm to place",
-                          "set model.qk_norm=true, or drop qk_norm_scope")
+    if m.norm.weight_offset and m.norm.kind != "rmsnorm":
+        raise ConfigError(f"model.norm.weight_offset={m.norm.weight_offset} scales RMSNorm by (offset + weight), but "
+                          f"model.norm.kind={m.norm.kind!r}", "set model.norm.kind='rmsnorm' or leave the offset at 0")
+    if m.ffn.activation == "swiglu_clamped" and not (m.ffn.swiglu_limit > 0 and m.ffn.swiglu_alpha > 0):
+        raise ConfigError(f"model.ffn.swiglu_limit={m.ffn.swiglu_limit} and model.ffn.swiglu_alpha="
+                          f"{m.ffn.swiglu_alpha} must be positive", "gpt-oss: swiglu_limit=7.0, swiglu_alpha=1.702")
+    if m.attention.qk_norm_scope != "head" and not m.attention.qk_norm:
+        raise ConfigError(f"model.attention.qk_norm_scope={m.attention.qk_norm_scope!r} has no QK-norm to place",
+                          "set model.attention.qk_norm=true, or drop qk_norm_scope")
+
+
+def _check_block_types(cfg: Config) -> None:
+    """model.layer_types / model.mlp_types: known kinds, one per block or a pattern no longer than a stack, and the
+    keys the kinds need (a window for sliding_attention, experts for moe)."""
+    m = cfg.model
+    deepest = max(stack.count(m) for stack in get_family_spec(m.family).stacks)
+    for key, values, kinds in (("layer_types", m.layer_types, LAYER_TYPES), ("mlp_types", m.mlp_types, MLP_TYPES)):
+        if wrong := [v for v in values if v not in kinds]:
+            raise ConfigError(f"model.{key} holds {wrong[0]!r}, not a kind meshformer builds",
+                              f"use {' / '.join(repr(k) for k in kinds)} per block (or a shorter repeated pattern)")
+        if len(values) > deepest:
+            raise ConfigError(f"model.{key} has {len(values)} entries but the deepest stack has {deepest} blocks",
+                              "give one entry per block, or a shorter pattern that repeats over the stack")
+    if "sliding_attention" in m.layer_types and m.attention.window is None:
+        raise ConfigError("model.layer_types has sliding_attention blocks but model.attention.window is not set",
+                          "set model.attention.window (e.g. 4096), or make every block full_attention")
+    if m.attention.window is not None and "sliding_attention" not in m.layer_types:
+        raise ConfigError(f"model.attention.window={m.attention.window} is the sliding_attention blocks' window, but "
+                          "model.layer_types has none", 'set model.layer_types = ["sliding_attention"] (every block) '
+                          'or a pattern such as ["sliding_attention", "full_attention"], or drop the window')
+    if "moe" in m.mlp_types and m.moe.n_experts == 0:
+        raise ConfigError('model.mlp_types has "moe" blocks but model.moe.n_experts = 0',
+                          "set model.moe.n_experts (e.g. 8), or make every block dense")
 
 
 def _check_shard_size(size: str) -> None:
@@ -288,33 +318,35 @@ def _check_training_ranges(cfg: Config) -> None:
 def _finite(cfg: Config) -> None:
     """No float key takes inf or nan: an inf learning rate trains every weight into nan without an error.
     Mixture weights (data.sources) are checked with the mixture."""
-    for section in dataclasses.fields(cfg):
-        values = getattr(cfg, section.name)
-        for key in dataclasses.fields(values):
-            value = getattr(values, key.name)
+    def check(table: object, prefix: str) -> None:
+        for key in dataclasses.fields(table):  # type: ignore[arg-type]
+            value = getattr(table, key.name)
+            if dataclasses.is_dataclass(value):
+                check(value, f"{prefix}{key.name}.")
+                continue
             numbers = value if isinstance(value, tuple) else (value,)
             if any(isinstance(x, float) and not math.isfinite(x) for x in numbers):
                 default = key.default_factory() if callable(key.default_factory) else key.default
                 shown, example = (list(x) if isinstance(x, tuple) else x for x in (value, default))
-                raise ConfigError(f"{section.name}.{key.name}={shown} is not a finite number",
-                                  f"give a finite value, e.g. the default {section.name}.{key.name}={example}")
+                raise ConfigError(f"{prefix}{key.name}={shown} is not a finite number",
+                                  f"give a finite value, e.g. the default {prefix}{key.name}={example}")
+
+    check(cfg, "")
 
 
 def _not_empty(cfg: Config, keys: list[str]) -> None:
     """Keys where "" has no meaning (an empty logging.run_dir would write the run into the current folder)."""
     for key in keys:
-        section, name = key.split(".")
-        if not getattr(getattr(cfg, section), name).strip():
+        if not get_dotted(cfg, key).strip():
             raise ConfigError(f"{key} is empty", f"give it a value, e.g. the default {key}={_default(cfg, key)}")
 
 
 def _positive(cfg: Config, keys: list[str]) -> None:
     for key in keys:
-        section, name = key.split(".")
-        if (value := getattr(getattr(cfg, section), name)) <= 0:
+        if (value := get_dotted(cfg, key)) <= 0:
             raise ConfigError(f"{key} must be positive, got {value}", f"e.g. the default {key}={_default(cfg, key)}")
 
 
 def _default(cfg: Config, key: str) -> object:
-    section, name = key.split(".")
-    return next(f.default for f in dataclasses.fields(getattr(cfg, section)) if f.name == name)
+    table, _, name = key.rpartition(".")
+    return next(f.default for f in dataclasses.fields(get_dotted(cfg, table)) if f.name == name)

@@ -136,26 +136,26 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False) -> None:
         super().__init__()
         self.head_dim = cfg.attention_head_dim
-        self.scale = cfg.attention_scale if cfg.attention_scale is not None else 1.0 / math.sqrt(cfg.attention_head_dim)
+        self.scale = cfg.attention.scale if cfg.attention.scale is not None else 1.0 / math.sqrt(cfg.attention_head_dim)
         self.causal, self.cross = causal, cross
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=cfg.use_qkv_bias)
+        self.q_proj = nn.Linear(cfg.d_model, cfg.attention.n_heads * self.head_dim, bias=cfg.use_qkv_bias)
         self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=cfg.use_qkv_bias)
         self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=cfg.use_qkv_bias)
-        self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.attention.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
         # QK-norm per head (Qwen3): one weight of size head_dim shared by every head, so a head shard holds all of
         # it; over the whole projection (OLMo 2): one weight as wide as q (k), the mean square over all its heads
-        self.qk_norm_scope = cfg.qk_norm_scope
-        per_head = cfg.qk_norm_scope == "head"
-        self.q_norm = make_rms_norm(cfg, self.head_dim if per_head else cfg.n_heads * self.head_dim) \
-            if cfg.qk_norm else None
+        self.qk_norm_scope = cfg.attention.qk_norm_scope
+        per_head = cfg.attention.qk_norm_scope == "head"
+        self.q_norm = make_rms_norm(cfg, self.head_dim if per_head else cfg.attention.n_heads * self.head_dim) \
+            if cfg.attention.qk_norm else None
         self.k_norm = make_rms_norm(cfg, self.head_dim if per_head else cfg.kv_heads * self.head_dim) \
-            if cfg.qk_norm else None
-        self.sinks = AttentionSinks(cfg.n_heads) if cfg.attention_sinks else None
-        self.softcap = cfg.attention_softcap
-        self.dropout_p = cfg.attention_dropout
-        self.backend = cfg.attention_backend
-        self.use_math = cfg.attention_backend == "math"
-        self.sdpa_order = sdpa_order(cfg.attention_backend)
+            if cfg.attention.qk_norm else None
+        self.sinks = AttentionSinks(cfg.attention.n_heads) if cfg.attention.sinks else None
+        self.softcap = cfg.attention.softcap
+        self.dropout_p = cfg.attention.dropout
+        self.backend = cfg.attention.backend
+        self.use_math = cfg.attention.backend == "math"
+        self.sdpa_order = sdpa_order(cfg.attention.backend)
         self.capture_weights = False  # inspection hook: keep the last attention weights in `.weights`
         self.weights: torch.Tensor | None = None
 

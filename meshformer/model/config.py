@@ -3,12 +3,14 @@
 It lives with the model, which reads no other section; `meshformer/config/` loads the whole tree from TOML,
 validates it (against the family registry too) and re-exports this class. Which stacks a family has and how
 deep they are is the family's business (`model/families/`), not this section's: `family` names a registered
-family and the layer counts below are read by its stacks.
+family and the layer counts below are read by its stacks. Each block component reads its own table:
+`[model.attention]`, `[model.ffn]`, `[model.rope]`, `[model.norm]`, `[model.moe]`, `[model.init]`; which kind of
+token mixer and channel mixer each block is comes from `layer_types` and `mlp_types`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 # swiglu: down(silu(gate(x)) * up(x)) (Llama); geglu: the same gated by gelu's tanh approximation (Gemma);
@@ -16,6 +18,122 @@ from typing import Literal
 # sigmoid(swiglu_alpha * gate)
 Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu", "geglu", "swiglu_clamped"]
 GATED_ACTIVATIONS = ("swiglu", "geglu", "swiglu_clamped")
+# The token mixer of a block (Hugging Face's layer_types) and its channel mixer (mlp_types)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+MLP_TYPES = ("dense", "moe")
+
+
+@dataclass
+class AttentionConfig:
+    """The `[model.attention]` table: the attention of every block (its window: the sliding_attention blocks')."""
+
+    n_heads: int = 4  # attention (query) heads
+    n_kv_heads: int | None = None  # None: multi-head; 1: multi-query; else grouped-query
+    head_dim: int | None = None  # width of each attention head; None: d_model // n_heads
+    qk_norm: bool = False  # RMSNorm on the queries and keys before RoPE ...
+    qk_norm_scope: Literal["head", "projection"] = "head"  # ... of each head (Qwen3, Gemma 3) or whole q/k (OLMo 2)
+    qkv_bias: bool | None = None  # biases on the Q/K/V projections only; None: follows model.bias (Qwen2: true)
+    dropout: float = 0.0  # dropout on attention probabilities (training only)
+    # sliding window of the sliding_attention blocks (model.layer_types): keys with |i - j| < window
+    window: int | None = None
+    softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax (Gemma 2)
+    scale: float | None = None  # score multiplier; None: 1/sqrt(head_dim) (T5 folds it into init: 1.0)
+    # Causal attention stays within each packed document (Llama 3's pretraining mask): from the batches' doc_ids
+    document_mask: bool = False
+    # auto: blockwise on a CPU where it applies (model/blockwise_attention.py), else SDPA; sdpa: torch picks;
+    # flash | cudnn | efficient: that SDPA kernel first; blockwise: ours wherever it applies; math: explicit softmax
+    backend: Literal["auto", "sdpa", "math", "flash", "cudnn", "efficient", "blockwise"] = "auto"
+    # A learned logit per head in each softmax's denominator (gpt-oss): a query may attend to nothing. Every
+    # backend takes it (SDPA kernels as one more key: model/attention.py sink_as_key)
+    sinks: bool = False
+    relative_buckets: int = 32  # t5_relative: learned bias buckets per stack (half per direction in the encoder)
+    relative_max_distance: int = 128  # t5_relative: distances beyond this share the last bucket
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+
+@dataclass
+class FfnConfig:
+    """The `[model.ffn]` table: the dense feed-forward (channel mixer) of the "dense" blocks."""
+
+    d_ff: int = 512  # feed-forward hidden width (of each gated half with a GLU activation)
+    activation: Activation = "gelu"  # feed-forward activation; swiglu / geglu: gated (two input projections)
+    swiglu_limit: float = 7.0  # swiglu_clamped: the clamp on gate (above) and up (both ways)
+    swiglu_alpha: float = 1.702  # swiglu_clamped: the gate's sigmoid slope
+
+    @property
+    def gated(self) -> bool:
+        """A gated feed-forward (gate, up and down projections)."""
+        return self.activation in GATED_ACTIVATIONS
+
+
+@dataclass
+class RopeConfig:
+    """The `[model.rope]` table: rotary positions (model.position = "rope"), as Hugging Face defines them."""
+
+    theta: float = 10000.0  # base of the rotary frequencies
+    # RoPE frequency scaling (HF's rope_type); the tables are recomputed from these keys, never checkpointed.
+    scaling: Literal["none", "linear", "llama3", "yarn"] = "none"
+    factor: float = 1.0  # linear, llama3, yarn: how many times longer the context gets
+    original_max_seq_len: int | None = None  # llama3, yarn: the pretraining context length
+    low_freq_factor: float = 1.0  # llama3: wavelengths above original / this are divided by the factor
+    high_freq_factor: float = 4.0  # llama3: wavelengths below original / this are kept
+    beta_fast: float = 32.0  # yarn: rotations above which frequencies are kept
+    beta_slow: float = 1.0  # yarn: rotations below which frequencies are divided by the factor
+    attention_factor: float | None = None  # yarn: cos/sin multiplier; None: 0.1 * ln(factor) + 1
+    truncate: bool = True  # yarn: round the ramp's ends to whole dimensions (false: gpt-oss's exact ends)
+    local_theta: float | None = None  # the sliding_attention blocks' RoPE base, unscaled (None: theta)
+
+
+@dataclass
+class NormConfig:
+    """The `[model.norm]` table: the normalisation layers and where they go."""
+
+    kind: Literal["layernorm", "rmsnorm"] = "layernorm"  # normalisation layer
+    eps: float = 1e-5  # epsilon of every norm
+    # Where each sub-layer's (attention's, feed-forward's) norm goes: pre: x + f(norm(x)); post: norm(x + f(x))
+    # (the original paper, BERT); post_sublayer: x + norm(f(x)) (OLMo 2); sandwich: x + norm2(f(norm1(x))) (Gemma)
+    position: Literal["pre", "post", "post_sublayer", "sandwich"] = "pre"
+    final: bool | None = None  # norm after each stack; None: except with post-norm
+    weight_offset: float = 0.0  # RMSNorm multiplies by (offset + weight); Gemma: 1 (its weights start at 0)
+    embedding: bool = False  # norm right after the embeddings (BERT)
+
+    @property
+    def use_final(self) -> bool:
+        return self.position != "post" if self.final is None else self.final
+
+
+@dataclass
+class MoeConfig:
+    """The `[model.moe]` table: the mixture-of-experts feed-forward (model/moe.py) of the "moe" blocks."""
+
+    n_experts: int = 0  # experts per MoE block; 0: every block dense
+    experts_per_token: int = 2  # top-k
+    d_ff: int = 0  # each expert's width; 0: model.ffn.d_ff
+    n_shared_experts: int = 0  # always-on experts of width d_ff each (DeepSeek, Qwen2-MoE)
+    router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
+    expert_bias_terms: bool = False  # biases on each expert's gate/up and down projections (gpt-oss)
+    router_score: Literal["softmax", "sigmoid"] = "softmax"  # router logits -> expert scores (sigmoid: DeepSeek-V3)
+    router_renormalize: bool = True  # the top-k weights sum to 1
+    router_groups: int = 1  # group-limited routing (DeepSeek-V3): experts in this many groups ...
+    router_groups_per_token: int = 1  # ... of which each token picks its best this many first
+    capacity_factor: float = 0.0  # 0: dropless; > 0: each expert takes ceil(factor * tokens * k / n_experts)
+    aux_loss: float = 0.0  # Switch/GShard load-balancing loss coefficient
+    aux_per_sequence: bool = False  # the balance loss per sequence, averaged (else per micro-batch)
+    router_z_loss: float = 0.0  # coefficient of mean(logsumexp(router logits)^2)
+    router_bias_update_rate: float = 0.0  # auxiliary-loss-free balancing (DeepSeek-V3); 0: off
+    # auto: grouped_mm for bf16 on CUDA where it runs, else the loop (as fast as padded on CPU, or faster)
+    backend: Literal["auto", "loop", "padded", "grouped_mm"] = "auto"
+
+
+@dataclass
+class InitConfig:
+    """The `[model.init]` table: the initialisation of the weights."""
+
+    method: Literal["normal", "xavier"] = "normal"  # initialisation of linear and embedding weights
+    std: float = 0.02  # normal: standard deviation (output projections scaled down with depth)
 
 
 @dataclass
@@ -23,42 +141,10 @@ class ModelConfig:
     family: str = "decoder"  # a registered family (meshformer/model/families/__init__.py)
     vocab_size: int = 4096  # token embedding rows and output logits (at least the tokenizer's vocabulary)
     d_model: int = 128  # width of the residual stream
-    n_heads: int = 4  # attention (query) heads
-    n_kv_heads: int | None = None  # None: multi-head; 1: multi-query; else grouped-query
     n_layers: int = 4  # stack depth (each stack's, unless the family reads a key of its own below)
     n_encoder_layers: int | None = None  # encoder stack of a two-stack family; None: n_layers
     n_decoder_layers: int | None = None  # decoder stack of a two-stack family; None: n_layers
-    d_ff: int = 512  # feed-forward hidden width (of each gated half with a GLU activation)
-    activation: Activation = "gelu"  # feed-forward activation; swiglu / geglu: gated (two input projections)
-    swiglu_limit: float = 7.0  # swiglu_clamped: the clamp on gate (above) and up (both ways)
-    swiglu_alpha: float = 1.702  # swiglu_clamped: the gate's sigmoid slope
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # normalisation layer
-    norm_eps: float = 1e-5  # epsilon of every norm
-    # Where each sub-layer's (attention's, feed-forward's) norm goes: pre: x + f(norm(x)); post: norm(x + f(x))
-    # (the original paper, BERT); post_sublayer: x + norm(f(x)) (OLMo 2); sandwich: x + norm2(f(norm1(x))) (Gemma)
-    norm_position: Literal["pre", "post", "post_sublayer", "sandwich"] = "pre"
-    final_norm: bool | None = None  # norm after each stack; None: except with post-norm
-    norm_weight_offset: float = 0.0  # RMSNorm multiplies by (offset + weight); Gemma: 1 (its weights start at 0)
-    embedding_norm: bool = False  # norm right after the embeddings (BERT)
     position: Literal["sinusoidal", "learned", "rope", "alibi", "t5_relative", "none"] = "learned"  # position encoding
-    rope_theta: float = 10000.0  # rope: base of the rotary frequencies
-    # Attention options of the models people continue pretraining (Llama 3.x, Qwen2/3), as Hugging Face defines them.
-    # RoPE frequency scaling (HF's rope_type); the tables are recomputed from these keys, never checkpointed.
-    rope_scaling: Literal["none", "linear", "llama3", "yarn"] = "none"
-    rope_scaling_factor: float = 1.0  # linear, llama3, yarn: how many times longer the context gets
-    rope_original_max_seq_len: int | None = None  # llama3, yarn: the pretraining context length
-    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original / this are divided by the factor
-    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original / this are kept
-    rope_beta_fast: float = 32.0  # yarn: rotations above which frequencies are kept
-    rope_beta_slow: float = 1.0  # yarn: rotations below which frequencies are divided by the factor
-    rope_attention_factor: float | None = None  # yarn: cos/sin multiplier; None: 0.1 * ln(factor) + 1
-    rope_truncate: bool = True  # yarn: round the ramp's ends to whole dimensions (false: gpt-oss's exact ends)
-    head_dim: int | None = None  # width of each attention head; None: d_model // n_heads
-    qk_norm: bool = False  # RMSNorm on the queries and keys before RoPE ...
-    qk_norm_scope: Literal["head", "projection"] = "head"  # ... of each head (Qwen3, Gemma 3) or whole q/k (OLMo 2)
-    qkv_bias: bool | None = None  # biases on the Q/K/V projections only; None: follows `bias` (Qwen2: true)
-    relative_buckets: int = 32  # t5_relative: learned bias buckets per stack (half per direction in the encoder)
-    relative_max_distance: int = 128  # t5_relative: distances beyond this share the last bucket
     max_seq_len: int = 256  # longest sequence (learned positions, rotary and mask tables)
     scale_embeddings: bool = False  # multiply token embeddings by sqrt(d_model)
     tie_embeddings: bool = True  # output projection shares the (target) token embedding
@@ -67,79 +153,82 @@ class ModelConfig:
     head_transform: bool = False  # BERT prediction head: dense + act + norm before output
     output_bias: bool = False  # bias on the output projection
     dropout: float = 0.0  # dropout on embeddings and sub-layer outputs (training only)
-    attention_dropout: float = 0.0  # dropout on attention probabilities (training only)
-    attention_window: int | None = None  # sliding window: keys with |i - j| < window
-    # With a window, block i (from 0) attends globally when (i + 1) % full_attention_every == 0 (Gemma 3: 6); None:
-    # every block is windowed. rope_local_theta: the windowed blocks' RoPE base, unscaled (None: as the global ones)
-    full_attention_every: int | None = None
-    rope_local_theta: float | None = None  # windowed blocks' RoPE base (see above)
-    attention_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax (Gemma 2)
     logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
-    # Causal attention stays within each packed document (Llama 3's pretraining mask): from the batches' doc_ids
-    document_mask: bool = False
-    # auto: blockwise on a CPU where it applies (model/blockwise_attention.py), else SDPA; sdpa: torch picks;
-    # flash | cudnn | efficient: that SDPA kernel first; blockwise: ours wherever it applies; math: explicit softmax
-    attention_backend: Literal["auto", "sdpa", "math", "flash", "cudnn", "efficient", "blockwise"] = "auto"
-    # A learned logit per head in each softmax's denominator (gpt-oss): a query may attend to nothing. Every
-    # backend takes it (SDPA kernels as one more key: model/attention.py sink_as_key)
-    attention_sinks: bool = False
-    attention_scale: float | None = None  # score multiplier; None: 1/sqrt(head_dim) (T5 folds it into init: 1.0)
     scale_output: bool = False  # multiply final hidden states by d_model**-0.5 before the output projection (T5)
     cross_downsample: int = 1  # pool encoder output by this factor before cross-attention
-    init: Literal["normal", "xavier"] = "normal"  # initialisation of linear and embedding weights
-    init_std: float = 0.02  # normal: standard deviation (output projections scaled down with depth)
-    # Mixture-of-experts feed-forward (model/moe.py). n_experts = 0: every block dense.
-    n_experts: int = 0
-    experts_per_token: int = 2  # top-k
-    moe_d_ff: int = 0  # each expert's width; 0: d_ff
-    n_shared_experts: int = 0  # always-on experts of width moe_d_ff each (DeepSeek, Qwen2-MoE)
-    moe_every: int = 1  # block i (from 0) of a stack is MoE when (i + 1) % moe_every == 0 ...
-    moe_first_dense: int = 0  # ... and i >= moe_first_dense (DeepSeek keeps its first blocks dense)
-    router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
-    expert_bias_terms: bool = False  # biases on each expert's gate/up and down projections (gpt-oss)
-    router_score: Literal["softmax", "sigmoid"] = "softmax"  # router logits -> expert scores (sigmoid: DeepSeek-V3)
-    router_renormalize: bool = True  # the top-k weights sum to 1
-    router_groups: int = 1  # group-limited routing (DeepSeek-V3): experts in this many groups ...
-    router_groups_per_token: int = 1  # ... of which each token picks its best this many first
-    capacity_factor: float = 0.0  # 0: dropless; > 0: each expert takes ceil(factor * tokens * k / n_experts)
-    moe_aux_loss: float = 0.0  # Switch/GShard load-balancing loss coefficient
-    moe_aux_per_sequence: bool = False  # the balance loss per sequence, averaged (else per micro-batch)
-    router_z_loss: float = 0.0  # coefficient of mean(logsumexp(router logits)^2)
-    router_bias_update_rate: float = 0.0  # auxiliary-loss-free balancing (DeepSeek-V3); 0: off
-    # auto: grouped_mm for bf16 on CUDA where it runs, else the loop (as fast as padded on CPU, or faster)
-    moe_backend: Literal["auto", "loop", "padded", "grouped_mm"] = "auto"
+    # Token mixer of each block of a stack: "full_attention" | "sliding_attention" (attention.window, rope.local_theta),
+    # one per block or a shorter pattern repeated over the stack (Gemma 3: 5 sliding, then 1 full); []: all full
+    layer_types: list[str] = field(default_factory=list)
+    # Channel mixer of each block of a stack: "dense" (ffn) | "moe" (moe), one per block or a repeated pattern;
+    # []: every block "moe" when moe.n_experts > 0, else "dense"
+    mlp_types: list[str] = field(default_factory=list)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)  # [model.attention]
+    ffn: FfnConfig = field(default_factory=FfnConfig)  # [model.ffn]
+    rope: RopeConfig = field(default_factory=RopeConfig)  # [model.rope]
+    norm: NormConfig = field(default_factory=NormConfig)  # [model.norm]
+    moe: MoeConfig = field(default_factory=MoeConfig)  # [model.moe]
+    init: InitConfig = field(default_factory=InitConfig)  # [model.init]
 
     @property
     def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
+        return self.attention.kv_heads
 
     @property
     def attention_head_dim(self) -> int:
-        return self.head_dim or self.d_model // self.n_heads
+        return self.attention.head_dim or self.d_model // self.attention.n_heads
 
     @property
     def use_qkv_bias(self) -> bool:
-        return self.bias if self.qkv_bias is None else self.qkv_bias
+        return self.bias if self.attention.qkv_bias is None else self.attention.qkv_bias
 
     @property
     def gated(self) -> bool:
         """A gated feed-forward (gate, up and down projections)."""
-        return self.activation in GATED_ACTIVATIONS
+        return self.ffn.gated
+
+    def layer_type(self, block: int) -> str:
+        """The token mixer of block `block` (from 0) of a stack."""
+        return self.layer_types[block % len(self.layer_types)] if self.layer_types else "full_attention"
+
+    def mlp_type(self, block: int) -> str:
+        """The channel mixer of block `block` (from 0) of a stack."""
+        if self.mlp_types:
+            return self.mlp_types[block % len(self.mlp_types)]
+        return "moe" if self.moe.n_experts > 0 else "dense"
+
+    def is_moe(self, block: int) -> bool:
+        """Whether block `block` of a stack has a mixture-of-experts feed-forward."""
+        return self.moe.n_experts > 0 and self.mlp_type(block) == "moe"
 
     def window(self, block: int) -> int | None:
         """The sliding window of block `block` of a stack (None: global attention)."""
-        if self.full_attention_every is not None and (block + 1) % self.full_attention_every == 0:
-            return None
-        return self.attention_window
+        return self.attention.window if self.layer_type(block) == "sliding_attention" else None
 
     def local_rope(self, block: int) -> bool:
-        """Whether block `block` rotates with the windowed blocks' own RoPE base."""
-        return self.rope_local_theta is not None and self.window(block) is not None
+        """Whether block `block` rotates with the sliding blocks' own RoPE base (rope.local_theta)."""
+        return self.rope.local_theta is not None and self.window(block) is not None
 
     @property
     def expert_d_ff(self) -> int:
-        return self.moe_d_ff or self.d_ff
+        return self.moe.d_ff or self.ffn.d_ff
 
     @property
     def use_final_norm(self) -> bool:
-        return self.norm_position != "post" if self.final_norm is None else self.final_norm
+        return self.norm.use_final
+
+
+def attention_pattern(window: int | None, full_attention_every: int | None) -> list[str]:
+    """layer_types for a sliding `window` where every `full_attention_every`-th block attends globally."""
+    if window is None:
+        return []
+    if full_attention_every is None:
+        return ["sliding_attention"]
+    return ["sliding_attention"] * (full_attention_every - 1) + ["full_attention"]
+
+
+def moe_pattern(moe_every: int, moe_first_dense: int, n_layers: int) -> list[str]:
+    """mlp_types where block i is MoE when (i + 1) % moe_every == 0 and i >= moe_first_dense: a pattern without
+    dense first blocks, else one entry per block of an `n_layers`-deep stack."""
+    if moe_first_dense == 0:
+        return [] if moe_every == 1 else ["dense"] * (moe_every - 1) + ["moe"]
+    return ["moe" if (i + 1) % moe_every == 0 and i >= moe_first_dense else "dense" for i in range(n_layers)]

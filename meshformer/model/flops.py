@@ -27,21 +27,24 @@ def _linear(n_in: int, n_out: int, bias: bool) -> int:
 
 
 def _norm(cfg: ModelConfig) -> int:
-    return cfg.d_model * (2 if cfg.norm == "layernorm" and cfg.bias else 1)  # RMSNorm has no bias
+    return cfg.d_model * (2 if cfg.norm.kind == "layernorm" and cfg.bias else 1)  # RMSNorm has no bias
 
 
 def _attention_matmuls(cfg: ModelConfig) -> dict[str, int]:
     """Weights (no biases) of the four projections, keyed by what they read: queries/outputs or keys/values."""
-    d, q_dim, kv_dim = cfg.d_model, cfg.n_heads * cfg.attention_head_dim, cfg.kv_heads * cfg.attention_head_dim
+    head = cfg.attention_head_dim
+    d, q_dim, kv_dim = cfg.d_model, cfg.attention.n_heads * head, cfg.kv_heads * head
     return {"q_o": 2 * d * q_dim, "k_v": 2 * d * kv_dim}
 
 
 def _attention(cfg: ModelConfig) -> int:
-    d, q_dim, kv_dim = cfg.d_model, cfg.n_heads * cfg.attention_head_dim, cfg.kv_heads * cfg.attention_head_dim
+    head = cfg.attention_head_dim
+    d, q_dim, kv_dim = cfg.d_model, cfg.attention.n_heads * head, cfg.kv_heads * head
     # one RMSNorm weight each for queries and keys: per head (shared by the heads) or over the whole projection
-    qk_norm = 0 if not cfg.qk_norm else 2 * cfg.attention_head_dim if cfg.qk_norm_scope == "head" else q_dim + kv_dim
+    per_head = cfg.attention.qk_norm_scope == "head"
+    qk_norm = 0 if not cfg.attention.qk_norm else 2 * cfg.attention_head_dim if per_head else q_dim + kv_dim
     qkv_bias = cfg.use_qkv_bias
-    sinks = cfg.n_heads if cfg.attention_sinks else 0  # one logit per head
+    sinks = cfg.attention.n_heads if cfg.attention.sinks else 0  # one logit per head
     return (_linear(d, q_dim, qkv_bias) + 2 * _linear(d, kv_dim, qkv_bias) + _linear(q_dim, d, cfg.bias) + qk_norm
             + sinks)
 
@@ -61,9 +64,9 @@ def _ffn_matmuls(cfg: ModelConfig, index: int) -> int:
     """Matmul weights one token passes through in the feed-forward of block `index`: an MoE block's router, its
     experts_per_token routed experts and its shared experts."""
     if not is_moe_block(cfg, index):
-        return _dense_ffn_matmuls(cfg, cfg.d_ff)
-    experts = cfg.experts_per_token + cfg.n_shared_experts
-    return cfg.n_experts * cfg.d_model + experts * _dense_ffn_matmuls(cfg, cfg.expert_d_ff)
+        return _dense_ffn_matmuls(cfg, cfg.ffn.d_ff)
+    experts = cfg.moe.experts_per_token + cfg.moe.n_shared_experts
+    return cfg.moe.n_experts * cfg.d_model + experts * _dense_ffn_matmuls(cfg, cfg.expert_d_ff)
 
 
 def _stack_ffn_matmuls(cfg: ModelConfig, n_layers: int) -> int:
@@ -74,14 +77,14 @@ def _ffn(cfg: ModelConfig, index: int) -> tuple[int, int]:
     """(all, active) parameters of the feed-forward of block `index`; active: those one token uses (the router,
     experts_per_token routed experts, the shared experts), with the router's and experts' biases where present."""
     if not is_moe_block(cfg, index):
-        dense = _dense_ffn(cfg, cfg.d_ff)
+        dense = _dense_ffn(cfg, cfg.ffn.d_ff)
         return dense, dense
     expert = _dense_ffn_matmuls(cfg, cfg.expert_d_ff)
-    if cfg.expert_bias_terms:  # gate (if any) and up biases of width expert_d_ff, a down bias of width d_model
+    if cfg.moe.expert_bias_terms:  # gate (if any) and up biases of width expert_d_ff, a down bias of width d_model
         expert += (2 if cfg.gated else 1) * cfg.expert_d_ff + cfg.d_model
-    router = cfg.n_experts * (cfg.d_model + int(cfg.router_bias))
-    common = router + _dense_ffn(cfg, cfg.n_shared_experts * cfg.expert_d_ff)
-    return common + cfg.n_experts * expert, common + cfg.experts_per_token * expert
+    router = cfg.moe.n_experts * (cfg.d_model + int(cfg.moe.router_bias))
+    common = router + _dense_ffn(cfg, cfg.moe.n_shared_experts * cfg.expert_d_ff)
+    return common + cfg.moe.n_experts * expert, common + cfg.moe.experts_per_token * expert
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
@@ -106,15 +109,16 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     if cfg.position == "learned":
         embedding += cfg.max_seq_len * d
     if cfg.position == "t5_relative":  # one (buckets, heads) bias table per stack
-        embedding += (int(spec.has_encoder) + int(spec.has_decoder)) * cfg.relative_buckets * cfg.n_heads
+        tables = int(spec.has_encoder) + int(spec.has_decoder)
+        embedding += tables * cfg.attention.relative_buckets * cfg.attention.n_heads
     attention = sum(n * (2 if cross else 1) for n, cross in stacks) * _attention(cfg)  # + cross-attention
     ffn = [_ffn(cfg, i) for n, _ in stacks for i in range(n)]
     feed_forward = sum(all_ for all_, _ in ffn)
     inactive = feed_forward - sum(active for _, active in ffn)
     stack_norms = len(stacks) if cfg.use_final_norm else 0
     sublayers = sum(n * (3 if cross else 2) for n, cross in stacks)
-    norms_per_block = sublayers * (2 if cfg.norm_position == "sandwich" else 1)
-    norms = (norms_per_block + stack_norms + int(cfg.embedding_norm)) * _norm(cfg)
+    norms_per_block = sublayers * (2 if cfg.norm.position == "sandwich" else 1)
+    norms = (norms_per_block + stack_norms + int(cfg.norm.embedding)) * _norm(cfg)
     head = 0
     if cfg.head_transform:
         head += _linear(d, d, cfg.bias) + _norm(cfg)
@@ -164,7 +168,7 @@ def _single_stack_flops(cfg: ModelConfig, seq_len: int, *, causal: bool) -> int:
         6 * N * T + 12 * T * keys * d_attn          (keys: summed over the blocks, T each without a window)
     which is PaLM's 6N + 12 L H Q T per token and, for GPT-3, Megatron-LM's 72 l h^2 (1 + s/6h + V/12lh).
     """
-    d_attn = cfg.n_heads * cfg.attention_head_dim
+    d_attn = cfg.attention.n_heads * cfg.attention_head_dim
     attn = _attention_matmuls(cfg)
     layers = cfg.n_layers
     matmul = layers * (attn["q_o"] + attn["k_v"]) + _stack_ffn_matmuls(cfg, layers) + _head_matmuls(cfg)
@@ -185,7 +189,7 @@ def encoder_decoder_flops(cfg: ModelConfig, seq_len: int, target_len: int | None
     self-attention, FFN, cross-attention Q/O and the head see T; cross-attention K/V see the
     S / cross_downsample pooled memory positions M; attention terms S*S (encoder), T*T (decoder) and T*M (cross).
     """
-    d_attn = cfg.n_heads * cfg.attention_head_dim
+    d_attn = cfg.attention.n_heads * cfg.attention_head_dim
     attn = _attention_matmuls(cfg)
     source, target = seq_len, target_len if target_len is not None else seq_len
     memory = math.ceil(source / cfg.cross_downsample)

@@ -26,7 +26,7 @@ as given unless `use_qk_l2norm=True` (then each is divided by sqrt(sum of square
 checkpoints' kernels do).
 
 Packed documents: `doc_ids` (B, T), each row's document index (non-decreasing, as the batches carry them when
-`model.document_mask` is on; `doc_ids_from_cu_seqlens` converts cumulative lengths). The state is zeroed where
+`model.attention.document_mask` is on; `doc_ids_from_cu_seqlens` converts cumulative lengths). The state is zeroed where
 a document starts, so no information crosses documents; the chunked form masks the within-chunk decays across
 boundaries and drops the carried state past one, with no loop over documents. An `initial_state` belongs to each
 row's first document and the final state is the state after each row's last token (its last document's), so a

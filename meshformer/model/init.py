@@ -6,7 +6,7 @@ model all hold the same numbers. The full tensor of one parameter is generated o
 this rank keeps its shard (`distribute_tensor` without communication), so at most one full tensor is in
 flight and nothing loops over elements on the host.
 
-The rules: norm weights 1 (less model.norm_weight_offset), every bias 0 (the experts' stacked ones too); other
+The rules: norm weights 1 (less model.norm.weight_offset), every bias 0 (the experts' stacked ones too); other
 weights Xavier-uniform (`init="xavier"`, the original paper) or normal(init_std) (attention sinks: always), with
 residual outputs (o_proj, down_proj, the experts' down_proj) scaled by 1/sqrt(2 * layers).
 """
@@ -42,14 +42,14 @@ def init_rule(name: str, cfg: ModelConfig) -> InitFn:
     if kind == "bias" or kind.endswith("_bias"):  # the experts' stacked gate_bias / up_bias / down_bias too
         return lambda t, g: t.zero_()
     if module.endswith("norm"):  # a unit scale: (offset + weight) = 1
-        return lambda t, g: t.fill_(1.0 - cfg.norm_weight_offset)
+        return lambda t, g: t.fill_(1.0 - cfg.norm.weight_offset)
     if module.endswith("sinks"):  # a vector: normal(init_std) under either method (transformers' gpt-oss)
-        return lambda t, g: nn.init.normal_(t, std=cfg.init_std, generator=g)
-    if cfg.init == "xavier":
+        return lambda t, g: nn.init.normal_(t, std=cfg.init.std, generator=g)
+    if cfg.init.method == "xavier":
         return _xavier
-    std = cfg.init_std
+    std = cfg.init.std
     if name.removesuffix(".weight").endswith(("o_proj", "down_proj")):  # experts' stacked down_proj too
-        std = cfg.init_std / math.sqrt(2 * get_family_spec(cfg.family).total_layers(cfg))
+        std = cfg.init.std / math.sqrt(2 * get_family_spec(cfg.family).total_layers(cfg))
     return lambda t, g: nn.init.normal_(t, std=std, generator=g)
 
 

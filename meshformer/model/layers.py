@@ -49,9 +49,9 @@ class ClampedSwiGLU(nn.Module):
 def feed_forward_unit(cfg: ModelConfig) -> nn.Module:
     """What sits between a feed-forward's input and output projections: the activation of the hidden units, or
     for a gated activation a module of (gate, up) -> hidden."""
-    if cfg.activation == "swiglu_clamped":
-        return ClampedSwiGLU(cfg.swiglu_limit, cfg.swiglu_alpha)
-    act = activation_fn(cfg.activation)
+    if cfg.ffn.activation == "swiglu_clamped":
+        return ClampedSwiGLU(cfg.ffn.swiglu_limit, cfg.ffn.swiglu_alpha)
+    act = activation_fn(cfg.ffn.activation)
     return GatedUnit(act) if cfg.gated else act
 
 
@@ -60,9 +60,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias) if cfg.gated else None
-        self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
-        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn.d_ff, bias=cfg.bias) if cfg.gated else None
+        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn.d_ff, bias=cfg.bias)
+        self.down_proj = nn.Linear(cfg.ffn.d_ff, cfg.d_model, bias=cfg.bias)
         self.act = feed_forward_unit(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,8 +100,8 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False, moe: bool = False) -> None:
         """moe: a mixture-of-experts feed-forward (model/moe.py) instead of the dense one."""
         super().__init__()
-        self.norm_position = cfg.norm_position
-        sandwich = cfg.norm_position == "sandwich"
+        self.norm_position = cfg.norm.position
+        sandwich = cfg.norm.position == "sandwich"
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg, causal=causal)
         self.attn_out_norm = make_norm(cfg) if sandwich else None

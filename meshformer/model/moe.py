@@ -30,7 +30,7 @@ BACKENDS = ("loop", "padded", "grouped_mm")
 
 def is_moe_block(cfg: ModelConfig, index: int) -> bool:
     """Whether block `index` (from 0, within its stack) has an MoE feed-forward."""
-    return cfg.n_experts > 0 and index >= cfg.moe_first_dense and (index + 1) % cfg.moe_every == 0
+    return cfg.is_moe(index)
 
 
 @dataclass(frozen=True)
@@ -200,17 +200,17 @@ class TokenGroup(Protocol):
 
 
 class Router(nn.Module):
-    """Linear scores (with a learned bias under model.router_bias), computed in fp32; the `expert_bias` buffer
+    """Linear scores (with a learned bias under model.moe.router_bias), computed in fp32; the `expert_bias` buffer
     steers selection only."""
 
     expert_bias: torch.Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model))
-        self.bias = nn.Parameter(torch.empty(cfg.n_experts)) if cfg.router_bias else None
+        self.weight = nn.Parameter(torch.empty(cfg.moe.n_experts, cfg.d_model))
+        self.bias = nn.Parameter(torch.empty(cfg.moe.n_experts)) if cfg.moe.router_bias else None
         # Part of the model's state (checkpoints, final weights): trained by bias balancing, it changes the function
-        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
+        self.register_buffer("expert_bias", torch.zeros(cfg.moe.n_experts))
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
@@ -238,7 +238,8 @@ class ExpertExchange(Protocol):
 
 class Experts(nn.Module):
     """n_experts feed-forward networks, stacked: gate/up (E, d_model, width), down (E, width, d_model); with
-    model.expert_bias_terms their biases gate_bias/up_bias (E, width), down_bias (E, d_model), split with the experts.
+    model.moe.expert_bias_terms their biases gate_bias/up_bias (E, width), down_bias (E,
+                                                                                      d_model), split with the experts.
 
     `forward(xs, counts)` runs the token rows `xs`, sorted by expert, `counts[e]` of them for expert e; under expert
     parallelism through `exchange`, set by parallel code. A forward keeps no state between calls: torch.compile
@@ -248,16 +249,16 @@ class Experts(nn.Module):
         super().__init__()
         from meshformer.model.layers import feed_forward_unit  # layers builds this module
 
-        e, d, f = cfg.n_experts, cfg.d_model, cfg.expert_d_ff
+        e, d, f = cfg.moe.n_experts, cfg.d_model, cfg.expert_d_ff
         self.gate_proj = nn.Parameter(torch.empty(e, d, f)) if cfg.gated else None
         self.up_proj = nn.Parameter(torch.empty(e, d, f))
         self.down_proj = nn.Parameter(torch.empty(e, f, d))
-        biased = cfg.expert_bias_terms
+        biased = cfg.moe.expert_bias_terms
         self.gate_bias = nn.Parameter(torch.empty(e, f)) if biased and cfg.gated else None
         self.up_bias = nn.Parameter(torch.empty(e, f)) if biased else None
         self.down_bias = nn.Parameter(torch.empty(e, d)) if biased else None
         self.act = feed_forward_unit(cfg)
-        self.backend = cfg.moe_backend
+        self.backend = cfg.moe.backend
         self.exchange: ExpertExchange | None = None  # None: every expert is here
 
     def forward(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -280,7 +281,8 @@ class _WithBalanceLoss(torch.autograd.Function):
     join the objective wherever this forward runs (a pipeline stage included) without being returned from it."""
 
     @staticmethod
-    def forward(ctx, output: torch.Tensor, balance: torch.Tensor, weight: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, output: torch.Tensor, balance: torch.Tensor,
+                weight: float) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(balance)
         ctx.weight = weight
         return output.view_as(output)
@@ -293,7 +295,8 @@ class _WithBalanceLoss(torch.autograd.Function):
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor,
+                k: int) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(inverse)
         ctx.k = k
         return x.index_select(0, index // k if k > 1 else index)
@@ -331,19 +334,20 @@ class MoEFeedForward(nn.Module):
         self.cfg = cfg
         self.router = Router(cfg)
         self.experts = Experts(cfg)
-        shared_width = cfg.n_shared_experts * cfg.expert_d_ff  # the shared experts as one wide FFN: same sum
-        self.shared_experts = FeedForward(replace(cfg, d_ff=shared_width)) if shared_width else None
+        shared_width = cfg.moe.n_shared_experts * cfg.expert_d_ff  # the shared experts as one wide FFN: same sum
+        shared_cfg = replace(cfg, ffn=replace(cfg.ffn, d_ff=shared_width))
+        self.shared_experts = FeedForward(shared_cfg) if shared_width else None
         self.token_group: TokenGroup | None = None  # set by Transformer.set_parallel_context; None: one process
         self.balance_weight = 1.0
         self.counts_load = True  # off for forwards that are not training (a pipeline's shape inference)
         self.drops_tokens = True  # capacity_factor applies; off while generating (`dropless`)
         # Token-slots per expert over the training forwards since the last reset (every rank of the token group):
         # the load that auxiliary-loss-free balancing reads after each optimizer step.
-        self.register_buffer("tokens_this_step", torch.zeros(cfg.n_experts), persistent=False)
+        self.register_buffer("tokens_this_step", torch.zeros(cfg.moe.n_experts), persistent=False)
         # The latest training forward's sums over the token group, read by `last_stats`: routed token-slots per expert,
         # router probabilities per expert, logsumexp(logits)^2, kept token-slots, the aux loss's value. Forwards write
         # buffers in place, never Python attributes: a compiled block with recomputation admits no other side effect.
-        self.register_buffer("latest", torch.zeros(2 * cfg.n_experts + 3), persistent=False)
+        self.register_buffer("latest", torch.zeros(2 * cfg.moe.n_experts + 3), persistent=False)
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
@@ -353,7 +357,7 @@ class MoEFeedForward(nn.Module):
     @property
     def last_stats(self) -> MoEStats:
         """What the latest training forward measured over its whole micro-batch (zeros before the first)."""
-        e, k = self.cfg.n_experts, self.cfg.experts_per_token
+        e, k = self.cfg.moe.n_experts, self.cfg.moe.experts_per_token
         latest = self.latest.detach()
         counts = latest[:e]
         slots = counts.sum()  # every token routes to k experts
@@ -363,20 +367,20 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        k, n_experts = cfg.experts_per_token, cfg.n_experts
+        k, n_experts = cfg.moe.experts_per_token, cfg.moe.n_experts
         flat = x.reshape(-1, x.shape[-1])
         n = flat.shape[0]
         logits = self.router(flat)
-        routing = route(logits, k, score=cfg.router_score, renormalize=cfg.router_renormalize,
-                        groups=cfg.router_groups, groups_per_token=cfg.router_groups_per_token,
+        routing = route(logits, k, score=cfg.moe.router_score, renormalize=cfg.moe.router_renormalize,
+                        groups=cfg.moe.router_groups, groups_per_token=cfg.moe.router_groups_per_token,
                         bias=self.router.expert_bias)
         slots = routing.experts.reshape(-1)  # token-slot s = token * k + j
         order = torch.argsort(slots, stable=True)  # by expert, then by token
         routed = slots.new_zeros(n_experts).scatter_add_(0, slots, torch.ones_like(slots))  # bincount: a host sync
         counts = routed
-        capped = cfg.capacity_factor > 0 and self.drops_tokens
+        capped = cfg.moe.capacity_factor > 0 and self.drops_tokens
         if capped:  # each expert keeps its earliest tokens up to capacity (this rank's tokens)
-            capacity = math.ceil(cfg.capacity_factor * n * k / n_experts)
+            capacity = math.ceil(cfg.moe.capacity_factor * n * k / n_experts)
             rank = torch.arange(order.numel(), device=x.device) - (routed.cumsum(0) - routed)[slots[order]]
             order = order[rank < capacity]
             counts = routed.clamp(max=capacity)
@@ -410,9 +414,9 @@ class MoEFeedForward(nn.Module):
         exactly the single-process value. Every figure comes from device tensors: no host-to-device copy stalls the
         launch queue."""
         cfg, group = self.cfg, self.token_group
-        k, n_experts = cfg.experts_per_token, cfg.n_experts
+        k, n_experts = cfg.moe.experts_per_token, cfg.moe.n_experts
         scores = routing.scores  # (N, E); as probabilities per token: softmax scores already sum to 1
-        probs = scores if cfg.router_score == "softmax" else scores / scores.sum(-1, keepdim=True)
+        probs = scores if cfg.moe.router_score == "softmax" else scores / scores.sum(-1, keepdim=True)
         prob_sum, lse_sq_sum = probs.sum(0), logits.logsumexp(-1).square().sum()
         local = torch.cat([routed.float(), prob_sum.detach(), lse_sq_sum.detach().view(1), kept.sum().float().view(1)])
         total = local if group is None else group.sum(local)
@@ -420,7 +424,7 @@ class MoEFeedForward(nn.Module):
         slots = counts.sum()  # every token routes to k experts
         tokens = slots / k
         z = lse_sq_sum / tokens
-        if cfg.moe_aux_per_sequence and x.dim() == 3:
+        if cfg.moe.aux_per_sequence and x.dim() == 3:
             aux, aux_value = self._aux_per_sequence(x, probs, routing.experts)
         else:
             fraction = counts / slots
@@ -430,15 +434,15 @@ class MoEFeedForward(nn.Module):
             self.latest.copy_(torch.cat([total, aux_value.detach().view(1)]))
             if self.counts_load and not _in_recomputation():
                 self.tokens_this_step.add_(counts)
-        if cfg.moe_aux_loss == 0 and cfg.router_z_loss == 0:
+        if cfg.moe.aux_loss == 0 and cfg.moe.router_z_loss == 0:
             return None
-        return cfg.moe_aux_loss * aux + cfg.router_z_loss * z
+        return cfg.moe.aux_loss * aux + cfg.moe.router_z_loss * z
 
     def _aux_per_sequence(self, x: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
         """The balance loss of each sequence, averaged over the micro-batch's sequences: (this rank's term, the
         global value)."""
-        group, n_experts, k = self.token_group, self.cfg.n_experts, self.cfg.experts_per_token
+        group, n_experts, k = self.token_group, self.cfg.moe.n_experts, self.cfg.moe.experts_per_token
         b, t = x.shape[0], x.shape[1]
         slots = F.one_hot(experts, n_experts).sum(1).float().view(b, t, n_experts).sum(1)  # (B, E)
         probs_by_sequence = probs.view(b, t, n_experts).sum(1)
@@ -485,7 +489,7 @@ def loads_not_counted(layers: Iterable[MoEFeedForward]) -> Iterator[None]:
 
 @contextmanager
 def dropless(layers: Iterable[MoEFeedForward]) -> Iterator[None]:
-    """Forwards inside this block drop no token for capacity (model.capacity_factor is ignored): what a token
+    """Forwards inside this block drop no token for capacity (model.moe.capacity_factor is ignored): what a token
     gets from the experts depends on it alone, not on the other tokens of the batch, which differ with the batch's
     prompts and with a KV cache (one new token per forward instead of the whole sequence)."""
     layers = list(layers)
@@ -511,7 +515,7 @@ def update_expert_bias(layers: Iterable[MoEFeedForward], applied: torch.Tensor |
     `applied` 0 (the step's update was skipped, e.g. an inf/nan gradient norm): the bias stays too; a device tensor
     is read without a host sync."""
     for layer in layers:
-        rate = layer.cfg.router_bias_update_rate
+        rate = layer.cfg.moe.router_bias_update_rate
         load = layer.tokens_this_step
         if rate > 0:
             layer.router.expert_bias += rate * applied * torch.sign(load.mean() - load)

@@ -21,12 +21,12 @@ class OffsetRMSNorm(nn.RMSNorm):
 
 
 def make_rms_norm(cfg: ModelConfig, width: int) -> nn.Module:
-    if cfg.norm_weight_offset:
-        return OffsetRMSNorm(width, cfg.norm_eps, cfg.norm_weight_offset)
-    return nn.RMSNorm(width, eps=cfg.norm_eps)
+    if cfg.norm.weight_offset:
+        return OffsetRMSNorm(width, cfg.norm.eps, cfg.norm.weight_offset)
+    return nn.RMSNorm(width, eps=cfg.norm.eps)
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
-    if cfg.norm == "rmsnorm":
+    if cfg.norm.kind == "rmsnorm":
         return make_rms_norm(cfg, cfg.d_model)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm.eps, bias=cfg.bias)

@@ -66,9 +66,9 @@ class RopeScaling:
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> RopeScaling:
-        return cls(cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_original_max_seq_len, cfg.rope_low_freq_factor,
-                   cfg.rope_high_freq_factor, cfg.rope_beta_fast, cfg.rope_beta_slow, cfg.rope_attention_factor,
-                   cfg.rope_truncate)
+        return cls(cfg.rope.scaling, cfg.rope.factor, cfg.rope.original_max_seq_len, cfg.rope.low_freq_factor,
+                   cfg.rope.high_freq_factor, cfg.rope.beta_fast, cfg.rope.beta_slow, cfg.rope.attention_factor,
+                   cfg.rope.truncate)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeScaling(),

@@ -111,15 +111,15 @@ class Transformer(nn.Module):
             self.pos_embeddings = LearnedPositions(cfg.max_seq_len, cfg.d_model)
         elif cfg.position == "sinusoidal" and "pos_embeddings" in held:
             self.pos_embeddings = SinusoidalPositions(cfg.max_seq_len, cfg.d_model)
-        self.rope = (RotaryEmbedding(cfg.attention_head_dim, cfg.max_seq_len, cfg.rope_theta,
+        self.rope = (RotaryEmbedding(cfg.attention_head_dim, cfg.max_seq_len, cfg.rope.theta,
                                      RopeScaling.from_config(cfg))
                      if cfg.position == "rope" and "rope" in held else None)
         # the windowed blocks' own unscaled rotation (Gemma 3: base 10k locally, 1M globally)
-        self.local_rope = (RotaryEmbedding(cfg.attention_head_dim, cfg.max_seq_len, cfg.rope_local_theta)
-                           if cfg.position == "rope" and cfg.rope_local_theta is not None and "local_rope" in held
+        self.local_rope = (RotaryEmbedding(cfg.attention_head_dim, cfg.max_seq_len, cfg.rope.local_theta)
+                           if cfg.position == "rope" and cfg.rope.local_theta is not None and "local_rope" in held
                            else None)
         if cfg.position == "alibi":
-            self.register_buffer("alibi_slopes", alibi_slopes(cfg.n_heads), persistent=False)
+            self.register_buffer("alibi_slopes", alibi_slopes(cfg.attention.n_heads), persistent=False)
         else:
             self.alibi_slopes = None
         # T5: one learned bias per stack (bidirectional in the encoder, causal in the decoder), shared by its layers;
@@ -127,12 +127,12 @@ class Transformer(nn.Module):
         self.encoder_relative_bias: RelativePositionBias | None = None
         self.decoder_relative_bias: RelativePositionBias | None = None
         if cfg.position == "t5_relative":
-            shape = (cfg.n_heads, cfg.relative_buckets, cfg.relative_max_distance)
+            shape = (cfg.attention.n_heads, cfg.attention.relative_buckets, cfg.attention.relative_max_distance)
             if has_encoder and "encoder_relative_bias" in held:
                 self.encoder_relative_bias = RelativePositionBias(*shape, bidirectional=True)
             if has_decoder and "decoder_relative_bias" in held:
                 self.decoder_relative_bias = RelativePositionBias(*shape, bidirectional=False)
-        self.embedding_norm = make_norm(cfg) if cfg.embedding_norm and "embedding_norm" in held else None
+        self.embedding_norm = make_norm(cfg) if cfg.norm.embedding and "embedding_norm" in held else None
 
         self.encoder_layers: nn.ModuleDict | None = None
         self.decoder_layers: nn.ModuleDict | None = None
@@ -150,7 +150,7 @@ class Transformer(nn.Module):
         self.head_norm: nn.Module | None = None
         if cfg.head_transform and "head_dense" in held:  # BERT's prediction head: dense -> activation -> norm
             self.head_dense = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
-            self.head_act = activation_fn(cfg.activation)
+            self.head_act = activation_fn(cfg.ffn.activation)
             self.head_norm = make_norm(cfg)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.output_bias) if "output" in held else None
         if cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
@@ -221,7 +221,8 @@ class Transformer(nn.Module):
     def reset_buffers(self) -> None:
         """Recompute the ALiBi slopes where they live (this rank's heads under tensor parallel)."""
         if self.alibi_slopes is not None:
-            slopes = alibi_slopes(self.cfg.n_heads, self.alibi_slopes.device)[self.parallel_context.alibi_heads]
+            heads = self.cfg.attention.n_heads
+            slopes = alibi_slopes(heads, self.alibi_slopes.device)[self.parallel_context.alibi_heads]
             self.register_buffer("alibi_slopes", slopes, persistent=False)
 
     # ------------------------------------------------------------------ pieces
@@ -404,7 +405,8 @@ class Transformer(nn.Module):
         """Logits (B, T, vocab), or with `head_loss` the summed loss against `labels` (no full logits).
 
         Masks are (B, T) with True (or 1) for real tokens, False for padding. doc_ids (B, T): the packed document
-        each token belongs to; with model.document_mask, causal attention stays within documents (ignored otherwise).
+        each token belongs to; with model.attention.document_mask, causal attention stays within documents (ignored
+        otherwise).
 
         decoder-only: input_ids are the (causal) sequence; encoder-only: input_ids are the (bidirectional)
         sequence; encoder-decoder: input_ids are the source, decoder_input_ids the teacher-forced target.
@@ -426,7 +428,7 @@ class Transformer(nn.Module):
             memory_padding = attention_mask if s.memory is not None else None
             if memory_padding is not None and self.cfg.cross_downsample > 1:
                 memory_padding = pool_padding_mask(memory_padding, self.cfg.cross_downsample)
-            documents = doc_ids if self.cfg.document_mask and not spec.seq2seq else None
+            documents = doc_ids if self.cfg.attention.document_mask and not spec.seq2seq else None
             h = self.decode(target_ids, target_padding, memory=s.memory, memory_padding=memory_padding, h=s.decoder,
                             documents=documents)
             s = replace(s, decoder=h)

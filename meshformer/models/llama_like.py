@@ -15,6 +15,7 @@ from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY, COMMON, HFAdapter, refuse
 from meshformer.config import ModelConfig
+from meshformer.config.migrate import get_flat
 from meshformer.model.families.naming import Rule, expert_params, norm, params
 from meshformer.model.moe import is_moe_block
 
@@ -47,18 +48,18 @@ def rules(cfg: ModelConfig, experts: Experts | None = None) -> list[Rule]:
              Rule(("output.weight",), "lm_head.weight", alias=cfg.tie_embeddings)]
     for i in range(cfg.n_layers):
         o, t = f"decoder_layers.{i}", f"model.layers.{i}"
-        for ours, theirs in _HF_BLOCK_NORMS[cfg.norm_position]:
+        for ours, theirs in _HF_BLOCK_NORMS[cfg.norm.position]:
             out += norm(f"{o}.{ours}", f"{t}.{theirs}", cfg)
         for p in ("q", "k", "v", "o"):
             out += params(f"{o}.attn.{p}_proj", f"{t}.self_attn.{p}_proj", linear if p == "o" else qkv_linear)
-        if cfg.qk_norm:
+        if cfg.attention.qk_norm:
             out += [Rule((f"{o}.attn.{p}_norm.weight",), f"{t}.self_attn.{p}_norm.weight") for p in "qk"]
         if is_moe_block(cfg, i):
             assert experts is not None, "the requirements keep experts from an architecture without them"
             router, expert, (gate, up, down) = experts
             out += [Rule((f"{o}.ffn.router.weight",), f"{t}.{router}.weight")]
             for ours, theirs in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
-                out += expert_params(f"{o}.ffn.experts.{ours}", f"{t}.{expert}{theirs}.weight", cfg.n_experts)
+                out += expert_params(f"{o}.ffn.experts.{ours}", f"{t}.{expert}{theirs}.weight", cfg.moe.n_experts)
         else:
             for p in ("gate", "up", "down"):
                 out += params(f"{o}.ffn.{p}_proj", f"{t}.mlp.{p}_proj", linear)
@@ -98,11 +99,11 @@ def rope_from_hf(c: Any, arch: str) -> dict[str, Any]:
 
 
 def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    rope: dict[str, Any] = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling,
-                            "rope_theta": cfg.rope_theta}
-    for key, ours in _ROPE_KEYS.get(cfg.rope_scaling, {}).items():
-        if ours and getattr(cfg, ours) is not None:
-            rope[key] = getattr(cfg, ours)
+    rope: dict[str, Any] = {"rope_type": "default" if cfg.rope.scaling == "none" else cfg.rope.scaling,
+                            "rope_theta": cfg.rope.theta}
+    for key, ours in _ROPE_KEYS.get(cfg.rope.scaling, {}).items():
+        if ours and get_flat(cfg, ours) is not None:
+            rope[key] = get_flat(cfg, ours)
     if rope.get("truncate") is True:  # yarn's default: written only when off, as published configs do
         del rope["truncate"]
     return rope
@@ -121,7 +122,7 @@ def rope_per_layer_type_from_hf(c: Any, arch: str, windowed: bool) -> dict[str, 
 
 
 def rope_per_layer_type_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    local_theta = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
+    local_theta = cfg.rope.local_theta if cfg.rope.local_theta is not None else cfg.rope.theta
     return {"full_attention": rope_to_hf(cfg), "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
 
 
@@ -197,9 +198,9 @@ def fields_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The transformers config arguments every Llama-like architecture takes the same way."""
     return dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.attention_head_dim,
-        hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-        tie_word_embeddings=cfg.tie_embeddings, attention_dropout=cfg.attention_dropout,
-        initializer_range=cfg.init_std, rope_parameters=rope_to_hf(cfg),
+        num_attention_heads=cfg.attention.n_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.attention_head_dim,
+        hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm.eps,
+        tie_word_embeddings=cfg.tie_embeddings, attention_dropout=cfg.attention.dropout,
+        initializer_range=cfg.init.std, rope_parameters=rope_to_hf(cfg),
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )

@@ -88,17 +88,17 @@ def runs_blockwise_attention(cfg, device_type: str, compiled: bool) -> bool:
     """Whether `Attention` picks the blockwise CPU kernel for this run's unpadded batches (it decides per call:
     an explicit mask, a position bias, dropout or torch.compile send a call to SDPA)."""
     m = cfg.model
-    plain = m.attention_dropout == 0 and m.attention_window is None and not m.document_mask \
-        and m.position not in BIASED_POSITIONS and not compiled and m.attention_softcap is None
+    plain = m.attention.dropout == 0 and m.attention.window is None and not m.attention.document_mask \
+        and m.position not in BIASED_POSITIONS and not compiled and m.attention.softcap is None
     longest = max(cfg.data.seq_len, cfg.data.target_len if get_family_spec(m.family).seq2seq else 0)
-    return picks_blockwise(m.attention_backend, device_type, longest, m.attention_head_dim, plain)
+    return picks_blockwise(m.attention.backend, device_type, longest, m.attention_head_dim, plain)
 
 
 def attention_kernels(cfg, device: torch.device, compiled: bool) -> str:
-    backend = cfg.model.attention_backend
+    backend = cfg.model.attention.backend
     if backend == "math":
         return "math (explicit softmax; returns attention weights)"
-    if cfg.model.attention_softcap is not None:
+    if cfg.model.attention.softcap is not None:
         return "math (soft-capped scores: explicit softmax)"
     if runs_blockwise_attention(cfg, device.type, compiled):
         return ("blockwise (meshformer's CPU kernel; padded batches go to SDPA)" if device.type == "cpu"

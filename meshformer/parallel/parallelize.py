@@ -153,7 +153,7 @@ def parallelize_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes:
     apex_norms = 0
     context_layers = apply_context_parallel(part, meshes.cp) if meshes is not None and dims.cp_enabled else 0
     expert_layers = 0
-    if meshes is not None and cfg.model.n_experts:
+    if meshes is not None and cfg.model.moe.n_experts:
         # Flattened meshes are new process groups, which every rank must create in the same order: built here on
         # every rank, whether or not its pipeline stage holds an MoE layer
         tokens, sequence = meshes.moe_tokens, meshes.sequence

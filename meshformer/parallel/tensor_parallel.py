@@ -160,7 +160,7 @@ class HeadShardedRMSNorm(nn.Module):
 
 
 def _split_projection_norms(block: nn.Module, cfg: ModelConfig, mesh: DeviceMesh) -> None:
-    if not cfg.qk_norm or cfg.qk_norm_scope != "projection":
+    if not cfg.attention.qk_norm or cfg.attention.qk_norm_scope != "projection":
         return
     for attention in (m for m in block.modules() if hasattr(m, "qk_norm_scope")):
         for name in ("q_norm", "k_norm"):
@@ -263,7 +263,7 @@ def _shard_alibi_slopes(model: Transformer, cfg: ModelConfig, tp: int, rank: int
     """Each rank attends with its own heads, so it must bias them with its own slopes."""
     if model.alibi_slopes is None:
         return
-    per_rank = cfg.n_heads // tp
+    per_rank = cfg.attention.n_heads // tp
     heads = slice(rank * per_rank, (rank + 1) * per_rank)
     model.set_parallel_context(replace(model.parallel_context, alibi_heads=heads))
 

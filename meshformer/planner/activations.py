@@ -83,14 +83,14 @@ def _keys_kept(x: ActivationShape, calls: list[tuple[int, int]]) -> int:
 
 def uses_math_attention(m: ModelConfig) -> bool:
     """Whether attention runs as explicit matmuls and softmax: the math backend, or soft-capped scores."""
-    return m.attention_backend == "math" or m.attention_softcap is not None
+    return m.attention.backend == "math" or m.attention.softcap is not None
 
 
 def self_attention_masked(cfg: Config) -> bool:
     """Whether self-attention runs with a mask tensor rather than none or `is_causal`: the padded batches of every
     objective but packed causal LM, sliding windows, packed-document masks."""
     m = cfg.model
-    return cfg.objective != "causal" or m.attention_window is not None or m.document_mask
+    return cfg.objective != "causal" or m.attention.window is not None or m.attention.document_mask
 
 
 def activation_shape(cfg: Config, batch: int, tp: int, fsdp: bool, *, device_type: str = "cuda",
@@ -99,7 +99,7 @@ def activation_shape(cfg: Config, batch: int, tp: int, fsdp: bool, *, device_typ
     bf16_params = fsdp and cfg.parallel.mixed_precision_param == "bf16"
     a = 2 if bf16_params or cfg.train.dtype == "bf16" else 4
     # moe_backend "auto" takes grouped_mm for bf16 on CUDA (sm90+: what the planner plans for), the loop elsewhere
-    backend = cfg.model.moe_backend
+    backend = cfg.model.moe.backend
     loop = backend == "loop" or (backend == "auto" and not (device_type == "cuda" and a == 2))
     return ActivationShape(batch, cfg.data.seq_len // cp, tp, a, 2 if bf16_params else 4,
                            runs_blockwise_attention(cfg, device_type, compiled), cp, self_attention_masked(cfg), ep,
@@ -110,9 +110,9 @@ def moe_rows(m: ModelConfig, x: ActivationShape) -> tuple[int, float]:
     """(rows this rank sends to experts, rows its experts receive) per MoE layer and micro-batch (see the module
     docstring): N k sent (capped by capacity); received as sent without expert parallelism, else the imbalance
     times sent, or the capacity bound, never above the dropless worst case ep N min(k, E / ep)."""
-    n, k, experts = x.batch * (x.seq // x.tp if x.tp > 1 else x.seq), m.experts_per_token, m.n_experts
+    n, k, experts = x.batch * (x.seq // x.tp if x.tp > 1 else x.seq), m.moe.experts_per_token, m.moe.n_experts
     sent = n * k
-    capacity = math.ceil(m.capacity_factor * n * k / experts) if m.capacity_factor > 0 else 0
+    capacity = math.ceil(m.moe.capacity_factor * n * k / experts) if m.moe.capacity_factor > 0 else 0
     if capacity:
         sent = min(sent, experts * capacity)
     if x.ep == 1:
@@ -128,9 +128,9 @@ def _activation_factor(m: ModelConfig) -> int:
     """Tensors of the feed-forward's width its activation keeps: SwiGLU gate, up, silu(gate), product; GELU input
     and output; ReLU its output; the clamped SwiGLU (gpt-oss) gate, up, their clamps (up + 1), sigmoid(alpha * gate),
     gate * sigmoid, product."""
-    if m.activation == "swiglu_clamped":
+    if m.ffn.activation == "swiglu_clamped":
         return 7
-    return 4 if m.gated else {"relu": 1}.get(m.activation, 2)
+    return 4 if m.gated else {"relu": 1}.get(m.ffn.activation, 2)
 
 
 def _moe_branch_saved(m: ModelConfig, x: ActivationShape, s_local: int) -> float:
@@ -139,14 +139,14 @@ def _moe_branch_saved(m: ModelConfig, x: ActivationShape, s_local: int) -> float
     sent, received = moe_rows(m, x)
     factor = _activation_factor(m)
     total = _norm(m, x, s_local) + n * h * FP32  # the router's fp32 input (the normalised tokens when fp32)
-    total += n * m.n_experts * FP32 * (2 if m.moe_aux_loss or m.router_z_loss else 1)  # scores (+ logits)
-    total += n * m.experts_per_token * (INDEX + FP32) + 2 * sent * INDEX  # top-k, weights; sort order, tokens
+    total += n * m.moe.n_experts * FP32 * (2 if m.moe.aux_loss or m.moe.router_z_loss else 1)  # scores (+ logits)
+    total += n * m.moe.experts_per_token * (INDEX + FP32) + 2 * sent * INDEX  # top-k, weights; sort order, tokens
     if x.ep > 1:
         total += 2 * received * INDEX  # the regrouping of received rows and its inverse
     total += received * (h + factor * m.expert_d_ff) * a  # expert input rows and activations
     total += sent * (h * a + FP32)  # expert outputs and their weights, multiplied in the combine
-    if m.n_shared_experts:
-        total += factor * n * m.n_shared_experts * m.expert_d_ff * a + (n * h * a if a != FP32 else 0)
+    if m.moe.n_shared_experts:
+        total += factor * n * m.moe.n_shared_experts * m.expert_d_ff * a + (n * h * a if a != FP32 else 0)
     return total
 
 
@@ -159,14 +159,14 @@ def _sdpa_mask(x: ActivationShape, calls: list[tuple[int, int]], cross: bool) ->
 def _norm(m: ModelConfig, x: ActivationShape, s_local: int) -> float:
     """A norm's saved input and statistics (RMSNorm upcasts: an fp32 input and an fp32 normalised copy)."""
     rows = x.batch * s_local
-    if m.norm == "rmsnorm":
+    if m.norm.kind == "rmsnorm":
         return rows * (2 * m.d_model + 1) * FP32
     return rows * (m.d_model * x.residual_bytes + 2 * FP32)
 
 
 def _ffn_branch_saved(m: ModelConfig, x: ActivationShape, s_local: int) -> float:
     """What the feed-forward branch keeps: its norm, the (gathered) normalised input, the activation's tensors."""
-    ffn = x.batch * x.seq * (m.d_ff // x.tp) * x.bytes
+    ffn = x.batch * x.seq * (m.ffn.d_ff // x.tp) * x.bytes
     gathered = x.batch * x.seq * m.d_model * x.bytes
     return _norm(m, x, s_local) + gathered + _activation_factor(m) * ffn
 
@@ -178,10 +178,10 @@ def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memo
     h = m.d_model
     s_local = s // t if t > 1 else s
     gathered = b * s * h * a  # the normalised input the projections read (all-gathered under SP)
-    heads = m.n_heads // t
+    heads = m.attention.n_heads // t
     qkv_out = b * s * heads * m.attention_head_dim * a
     total = 0.0
-    out_norms = _norm(m, x, s_local) if m.norm_position == "sandwich" else 0.0  # each branch's output norm
+    out_norms = _norm(m, x, s_local) if m.norm.position == "sandwich" else 0.0  # each branch's output norm
     for branch_cross in ([False, True] if cross else [False]):
         total += _norm(m, x, s_local) + out_norms + gathered
         calls = _attention_calls(x, branch_cross, memory_len, causal)
@@ -189,9 +189,9 @@ def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memo
         if uses_math_attention(m):
             scores = b * heads * sum(q * k for q, k in calls)
             total += 2 * qkv_out + 2 * kv + scores * FP32 + (scores * a if a != FP32 else 0)
-            if m.attention_softcap is not None:  # the capped scores' tanh, kept for its backward
+            if m.attention.softcap is not None:  # the capped scores' tanh, kept for its backward
                 total += scores * a
-            if m.attention_dropout > 0:
+            if m.attention.dropout > 0:
                 total += scores * (a + 1)
         elif x.blockwise:
             causal_here = causal and not branch_cross
@@ -213,7 +213,7 @@ def block_selective(m: ModelConfig, x: ActivationShape, *, cross: bool = False, 
     b, s, t, a = x.batch, x.seq, x.tp, x.bytes
     h = m.d_model
     s_local = s // t if t > 1 else s
-    heads, kv_heads = m.n_heads // t, m.kv_heads // t
+    heads, kv_heads = m.attention.n_heads // t, m.kv_heads // t
     branches = 2 if cross else 1
     total: float = b * s_local * h * x.residual_bytes  # the checkpointed block's input
     for branch_cross in ([False, True] if cross else [False]):
@@ -231,10 +231,10 @@ def block_selective(m: ModelConfig, x: ActivationShape, *, cross: bool = False, 
     if moe:  # the router's and experts' matmul outputs, on this rank's tokens (sequence parallel routes locally)
         n = b * s_local
         _, received = moe_rows(m, x)
-        total += n * m.n_experts * FP32 + received * (widths * m.expert_d_ff + h) * a
-        total += n * (widths * m.n_shared_experts * m.expert_d_ff + h) * a if m.n_shared_experts else 0
+        total += n * m.moe.n_experts * FP32 + received * (widths * m.expert_d_ff + h) * a
+        total += n * (widths * m.moe.n_shared_experts * m.expert_d_ff + h) * a if m.moe.n_shared_experts else 0
     else:
-        total += widths * b * s * (m.d_ff // t) * a
+        total += widths * b * s * (m.ffn.d_ff // t) * a
     outputs = branches + (0 if moe else 1)
     total += outputs * b * s * h * a  # o_proj / down_proj outputs before the reduce-scatter
     if t > 1:
@@ -252,18 +252,18 @@ def block_backward_extra(m: ModelConfig, x: ActivationShape, moe: bool = False) 
     branch: its experts' activation gradients, those of the received rows and, arriving back all-to-all, of the
     sent ones."""
     b, s, t, a = x.batch, x.seq, x.tp, x.bytes
-    ffn_grads: float = (3 if m.gated else 2) * b * s * (m.d_ff // t) * a
+    ffn_grads: float = (3 if m.gated else 2) * b * s * (m.ffn.d_ff // t) * a
     if moe:
         sent, received = moe_rows(m, x)
         # the loop back-propagates one expert's rows at a time (the balanced share of the received ones)
-        rows = received / max(1, m.n_experts // x.ep) if x.experts_loop else received
+        rows = received / max(1, m.moe.n_experts // x.ep) if x.experts_loop else received
         ffn_grads = ((3 if m.gated else 2) * rows * m.expert_d_ff + (received + sent) * m.d_model
                      ) * a
-    heads = m.n_heads // t
+    heads = m.attention.n_heads // t
     calls = _attention_calls(x, False, 0)
     keys = max(k for _, k in calls)  # under context parallel: the gathered sequence's key/value gradients
     attention: float = 2 * b * (s + keys) * heads * m.attention_head_dim * a  # gradients of q and output, k and v
-    if m.attention_backend == "math":
+    if m.attention.backend == "math":
         attention += 2 * b * heads * sum(q * k for q, k in calls) * FP32
     elif x.blockwise:
         # its workspace is large, but by then the feed-forward branch has back-propagated and freed what it kept

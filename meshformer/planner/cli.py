@@ -111,7 +111,7 @@ def report(cfg: Config, world: int, device: str, *, search: bool = True, top: in
                             for lay in listed],
         "order": ORDER,
         "ties": ties(listed),
-        "moe_imbalance": moe_imbalance if cfg.model.n_experts else None,
+        "moe_imbalance": moe_imbalance if cfg.model.moe.n_experts else None,
         "seconds": time.perf_counter() - start,
     }
 

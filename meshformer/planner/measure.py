@@ -105,7 +105,7 @@ def synthetic_batch(cfg: Config, dp_rank: int, seed: int = 0) -> dict[str, torch
     g = torch.Generator().manual_seed(seed + dp_rank)
     ids = torch.randint(0, cfg.model.vocab_size, (cfg.data.batch_size, cfg.data.seq_len + 1), generator=g)
     batch = {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
-    if cfg.model.document_mask:  # eight documents a row
+    if cfg.model.attention.document_mask:  # eight documents a row
         batch["doc_ids"] = (torch.arange(cfg.data.seq_len) * 8 // cfg.data.seq_len).expand(cfg.data.batch_size, -1)
     return batch
 
@@ -138,7 +138,7 @@ class RoutedRows:
         self.received: list[int] = []
         for part in parts:
             for _, layer in moe_layers(part):
-                k = layer.cfg.experts_per_token
+                k = layer.cfg.moe.experts_per_token
                 layer.register_forward_pre_hook(
                     lambda mod, args, k=k: self.sent.append(args[0].numel() // args[0].shape[-1] * k))
                 # registered after the dispatch hook, so it sees the rows this rank's experts run

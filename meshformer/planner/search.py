@@ -118,7 +118,7 @@ def _context_layouts(cfg: Config, world_size: int, pp: int, tp: int) -> list[tup
 
 def _expert_choices(cfg: Config, world_size: int, pp: int, tp: int, cp: int, recompute: Recompute) -> list[int]:
     """The ep values the expert-parallel rules allow for this layout ([1] for a dense model)."""
-    n = cfg.model.n_experts
+    n = cfg.model.moe.n_experts
     if not n:
         return [1]
     # ep divides n_experts and the ranks it is taken from (which divide the world), so only divisors of the gcd

@@ -201,10 +201,10 @@ def tp_template(cfg: Config, world_size: int, tp: int) -> Template:
     """
     m = cfg.model
     template: Template = {}
-    variants = [("", 0)] + ([("/moe", m.n_experts)] if m.n_experts else [])
+    variants = [("", 0)] + ([("/moe", m.moe.n_experts)] if m.moe.n_experts else [])
     for suffix, experts in variants:
         small = dataclasses.replace(m, n_layers=1, n_encoder_layers=1, n_decoder_layers=1,  # whichever a stack reads
-                                    n_experts=experts, moe_every=1, moe_first_dense=0)
+                                    mlp_types=[], moe=dataclasses.replace(m.moe, n_experts=experts))
         model = meta_model(dataclasses.replace(cfg, model=small))
         if tp > 1:
             parallel = dataclasses.replace(cfg.parallel, pp=1, tp=tp, dp_replicate=1, dp_shard=-1, ep=1, cp=1)

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from meshformer.checkpointing.directory import TRAINER_STATE
-from meshformer.config import Config, ConfigError
+from meshformer.config import Config, ConfigError, build_section
+from meshformer.config.migrate import flatten, migrate_tree
 from meshformer.config.write import toml_value
 from meshformer.errors import UsageError
 
@@ -37,9 +38,20 @@ def config_changes(run_dir: Path, cfg: Config) -> list[str]:
         return []
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         return [f"{path} cannot be read as TOML"]
-    old, new = _flat(saved), _flat(tomllib.loads(cfg.to_toml()))  # both through TOML: tuples read back as lists
+    # both through TOML: tuples read back as lists
+    old, new = flatten(_current_form(saved)), flatten(tomllib.loads(cfg.to_toml()))
     return [f"{key}: {toml_value(old.get(key))} -> {toml_value(new.get(key))}"
             for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)]
+
+
+def _current_form(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved config.toml as this release writes it: an earlier release's flat [model] keys translated, and the
+    keys it did not have at their defaults (read back through the config's dataclasses)."""
+    tree = migrate_tree(saved, report="none")
+    try:
+        return tomllib.loads(build_section(Config, tree, "").to_toml())
+    except ConfigError:  # a key this release no longer has: compared as written
+        return tree
 
 
 def check_checkpoint_owner(cfg: Config, checkpoint_dir: Path, step_dir: Path) -> None:
@@ -135,13 +147,3 @@ def new_run_overrides(cfg: Config, overrides: list[str]) -> tuple[list[str], Pat
                          "leave it empty (checkpoints then go into the run folder)")
     fresh = new_run_dir(Path(cfg.logging.run_dir))
     return [*overrides, f"logging.run_dir={fresh}"], fresh
-
-
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out |= _flat(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out

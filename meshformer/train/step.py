@@ -62,7 +62,7 @@ class TrainStep:
         self._post_step_hooks: list[PostStepHook] = []
         if parallel_model.float8_weight_gather:
             self.add_post_step_hook(self._refresh_float8_scales)
-        if any(layer.cfg.router_bias_update_rate > 0 for layer in parallel_model.moe_layers):
+        if any(layer.cfg.moe.router_bias_update_rate > 0 for layer in parallel_model.moe_layers):
             self.add_post_step_hook(parallel_model.update_expert_bias)
 
     def add_post_step_hook(self, hook: PostStepHook) -> None:

@@ -141,7 +141,7 @@ class Trainer:
             f"model: {cfg.model.family}, {n_params / 1e6:.2f}M parameters, objective {cfg.objective}; "
             f"device {self.device}, dtype {cfg.train.dtype}; optimizer: {cfg.optim.name} "
             f"({self.training_step.kernel}); attention: "
-            f"{self.parallel_model.report.get('attention', cfg.model.attention_backend)}; host malloc: {host_memory}; "
+            f"{self.parallel_model.report.get('attention', cfg.model.attention.backend)}; host malloc: {host_memory}; "
             f"{self.ceiling.describe()}; model built and sharded in "
             f"{self.build_s:.2f}s"
         )
@@ -290,7 +290,7 @@ class Trainer:
                 timings = rank_timings(elapsed / window_steps, self.data_wait_s / window_steps, self.device)
                 record |= straggler_scalars(timings)  # data wait; per-rank step-time spread (stragglers)
                 record |= self.train_data.source_scalars()  # mixtures: samples and tokens per source so far
-                moe = self.parallel_model.moe_scalars() if cfg.model.n_experts else {}  # every rank: a collective
+                moe = self.parallel_model.moe_scalars() if cfg.model.moe.n_experts else {}  # every rank: a collective
                 record |= moe  # per MoE layer: expert load max/mean, dropped fraction, aux and z losses
                 self.data_wait_s = 0.0
                 history.append({"step": step, **record})

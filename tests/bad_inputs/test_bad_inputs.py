@@ -26,14 +26,14 @@ from safetensors.torch import load_file
 
 from meshformer.checkpointing.weights import write_weights
 from meshformer.cli import main
-from meshformer.config import ModelConfig
+from meshformer.config import AttentionConfig, FfnConfig, ModelConfig
 from meshformer.data import prepare
 from meshformer.errors import MeshformerError, run_command
 from meshformer.model import Transformer
 from meshformer.runtime.run_lock import run_folder_lock
 
 CFG = "configs/tiny-gpt.toml"
-TINY = ["model.d_model=32", "model.n_layers=1", "model.d_ff=64", "data.seq_len=32", "model.max_seq_len=64",
+TINY = ["model.d_model=32", "model.n_layers=1", "model.ffn.d_ff=64", "data.seq_len=32", "model.max_seq_len=64",
         "train.steps=2", "train.eval_interval=0", "train.sample_interval=0", "logging.tensorboard=false",
         "data.num_workers=0", "checkpoint.interval=1"]
 
@@ -103,9 +103,10 @@ def world(tmp_path_factory):
     (tmp / "broken-weights").mkdir()
     (tmp / "broken-weights" / "model.safetensors").write_bytes(b"garbage")
     (tmp / "broken-weights" / "model_config.json").write_text("{")
-    for name, cfg in {"small-vocab": ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=64),
-                      "encoder": ModelConfig(family="encoder", vocab_size=4096, d_model=32, n_heads=4, n_layers=1,
-                                             d_ff=64)}.items():
+    for name, cfg in {"small-vocab": ModelConfig(vocab_size=64, d_model=32, n_layers=1,
+                                                 attention=AttentionConfig(n_heads=4), ffn=FfnConfig(d_ff=64)),
+                      "encoder": ModelConfig(family="encoder", vocab_size=4096, d_model=32, n_layers=1,
+                                             attention=AttentionConfig(n_heads=4), ffn=FfnConfig(d_ff=64))}.items():
         write_weights(Transformer(cfg).state_dict(), cfg, tmp / name)
     # files for the run folder cases (#25)
     (tmp / "runs" / "foreign" / "final").mkdir(parents=True)
@@ -198,19 +199,19 @@ CASES = [
     ("init-from-no-folder", ["train", CFG, "--init-from", "{tmp}/nope", *_train(name="i")[2:]],
      ["nope has no config.json", "point at a Hugging Face model folder"]),
     ("wrong-type", _train("model.d_model=abc"), ["model.d_model", "must be int"]),
-    ("not-a-choice", _train("model.norm=batchnorm"), ["model.norm", "not one of"]),
+    ("not-a-choice", _train("model.norm.kind=batchnorm"), ["model.norm.kind", "not one of"]),
     ("list-expected", _train("optim.betas=0.9"), ["optim.betas", "must be a list"]),
-    ("heads-divide", _train("model.n_heads=5"), ["not divisible", "choose n_heads"]),
-    ("kv-heads", _train("model.n_kv_heads=3"), ["n_kv_heads", "must divide"]),
+    ("heads-divide", _train("model.attention.n_heads=5"), ["not divisible", "choose n_heads"]),
+    ("kv-heads", _train("model.attention.n_kv_heads=3"), ["n_kv_heads", "must divide"]),
     # experts configured but placed in no block (TINY has 1 layer): the model would train dense in silence
-    ("moe-no-moe-block", _train("model.n_experts=4", "model.moe_first_dense=1"),
-     ["model.n_experts=4", "no block of the 1-layer decoder stack is MoE", "lower model.moe_first_dense"]),
-    ("router-bias-dense", _train("model.router_bias=true"), ["model.router_bias=true needs experts",
-                                                             "set model.n_experts"]),
-    ("expert-bias-dense", _train("model.expert_bias_terms=true"), ["model.expert_bias_terms=true needs experts",
-                                                                   "set model.n_experts"]),
-    ("swiglu-limit", _train("model.activation=swiglu_clamped", "model.swiglu_limit=-1"),
-     ["model.swiglu_limit=-1", "swiglu_limit=7.0"]),
+    ("moe-no-moe-block", _train("model.moe.n_experts=4", 'model.mlp_types=["dense"]'),
+     ["model.moe.n_experts=4", "no block of the 1-layer decoder stack is MoE", "model.mlp_types"]),
+    ("router-bias-dense", _train("model.moe.router_bias=true"), ["model.moe.router_bias=true needs experts",
+                                                                 "set model.moe.n_experts"]),
+    ("expert-bias-dense", _train("model.moe.expert_bias_terms=true"),
+     ["model.moe.expert_bias_terms=true needs experts", "set model.moe.n_experts"]),
+    ("swiglu-limit", _train("model.ffn.activation=swiglu_clamped", "model.ffn.swiglu_limit=-1"),
+     ["model.ffn.swiglu_limit=-1", "swiglu_limit=7.0"]),
     ("seq-too-long", _train("data.seq_len=128"), ["exceeds model.max_seq_len", "raise model.max_seq_len"]),
     ("steps-zero", _train("train.steps=0"), ["train.steps", "positive"]),
     ("lr-negative", _train("optim.lr=-1"), ["optim.lr", "positive"]),
@@ -222,9 +223,10 @@ CASES = [
     ("dropout-range", _train("model.dropout=1.5"), ["model.dropout", "[0, 1)"]),
     ("objective-family", _train("train.objective=mlm"), ["does not fit model.family", "use one of"]),
     ("noam-warmup", _train("schedule.name=noam", "schedule.warmup_steps=0"), ["noam", "warmup_steps > 0"]),
-    ("window-too-big", _train("model.attention_window=100"), ["attention_window", "smaller window"]),
+    ("window-too-big", _train("model.attention.window=100", 'model.layer_types=["sliding_attention"]'),
+     ["attention.window", "smaller window"]),
     ("window-pattern-no-window", _train("model.full_attention_every=6"),
-     ["model.full_attention_every=6", "needs model.attention_window", "set both"]),
+     ["model.full_attention_every=6", "needs model.attention.window", "set both"]),
     ("logit-softcap-fused-loss", _train("model.logit_softcap=30", "train.loss=chunked"),
      ["without model.logit_softcap=30.0", "use train.loss='plain'"]),
     ("profile-steps", _train("profile.start_step=1", "profile.steps=0"), ["profile.steps", "e.g."]),
@@ -240,7 +242,7 @@ CASES = [
     ("lr-nan", _train("optim.lr=nan"), ["optim.lr=nan is not a finite number", "give a finite value"]),
     ("betas-nan", _train("optim.betas=[0.9,nan]"), ["optim.betas=[0.9, nan]", "optim.betas=[0.9, 0.95]"]),
     ("clip-inf", _train("optim.grad_clip=inf"), ["optim.grad_clip=inf", "give a finite value"]),
-    ("norm-eps-zero", _train("model.norm_eps=0"), ["model.norm_eps must be positive", "model.norm_eps=1e-05"]),
+    ("norm-eps-zero", _train("model.norm.eps=0"), ["model.norm.eps must be positive", "model.norm.eps=1e-05"]),
     ("run-dir-empty", _train("logging.run_dir="), ["logging.run_dir is empty", "logging.run_dir=runs/default"]),
     ("tokenizer-empty", _train("data.tokenizer= "), ["data.tokenizer is empty", "give it a value"]),
     ("corpus-empty-path", _train("data.corpus="), ["data.corpus is empty", "data.corpus=bundled:kjv"]),
@@ -251,7 +253,7 @@ CASES = [
     ("ckpt-dir-of-another-run", _train("checkpoint.dir={ckpt}"),
      ["holds step-00000002 of the run in", "not of this run", "checkpoint.resume_other_run=true"]),
     ("ckpt-dir-unwritable", _train("checkpoint.dir=/proc/meshformer-ck"), ["cannot write", "checkpoint.dir"]),
-    ("disk-space", _train("model.n_layers=400", "model.d_model=8192", "model.d_ff=32768"),
+    ("disk-space", _train("model.n_layers=400", "model.d_model=8192", "model.ffn.d_ff=32768"),
      ["no space left", "free disk space"]),
     ("cache-under-file", _corpus("{corpus}", "data.cache_dir={tmp}/afile/cache"), ["shard cache", "data.cache_dir"]),
     # (#25) run folder
@@ -476,13 +478,13 @@ CASES = [
     ("import-hf-linked-weights", ["convert", "import-hf", "{tmp}/cv-hf-linked", "{tmp}/cv-o21"],
      ["cv-hf-linked/model.safetensors links to", "cv-hf-elsewhere.safetensors, outside", "--follow-links"]),
     ("import-hf-rope-factor", ["convert", "import-hf", "{tmp}/cv-rope-hf-factor", "{tmp}/cv-o22"],
-     ["cannot import", "model.rope_scaling_factor=-8.0 must be >= 1", "fix that value in config.json"]),
+     ["cannot import", "model.rope.factor=-8.0 must be >= 1", "fix that value in config.json"]),
     ("import-hf-rope-factor-nan", ["convert", "import-hf", "{tmp}/cv-rope-hf-nan", "{tmp}/cv-o23"],
-     ["model.rope_scaling_factor=nan is not a finite number", "fix that value in config.json"]),
+     ["model.rope.factor=nan is not a finite number", "fix that value in config.json"]),
     ("import-hf-rope-theta-zero", ["convert", "import-hf", "{tmp}/cv-rope-hf-theta", "{tmp}/cv-o24"],
-     ["model.rope_theta must be positive, got 0.0", "fix that value in config.json"]),
+     ["model.rope.theta must be positive, got 0.0", "fix that value in config.json"]),
     ("import-hf-top-k-above-experts", ["convert", "import-hf", "{tmp}/cv-moe-hf-top-k", "{tmp}/cv-o25"],
-     ["model.experts_per_token=8 must lie in [1, model.n_experts=4]", "fix that value in config.json"]),
+     ["model.moe.experts_per_token=8 must lie in [1, model.moe.n_experts=4]", "fix that value in config.json"]),
     ("import-hf-truncated", ["convert", "import-hf", "{tmp}/cv-hf-truncated", "{tmp}/cv-o26"],
      ["cv-hf-truncated/model.safetensors is not a readable safetensors file", "download it again"]),
     ("import-hf-header-lies", ["convert", "import-hf", "{tmp}/cv-hf-header-lies", "{tmp}/cv-o27"],

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from helpers.parallel import make_config
 
 from meshformer.config import ConfigError
+from meshformer.config.migrate import with_dotted
 from meshformer.parallel.pipeline.stages import split_layers, stage_ids_for_rank
 from meshformer.parallel_dims import ParallelDims, bf16_supported, n_microbatches, validate_parallel
 
@@ -35,15 +36,14 @@ def test_mesh_product_must_equal_world_size():
 
 
 @pytest.mark.parametrize(("model", "key"), [
-    ({"n_heads": 6, "n_kv_heads": None, "d_model": 48}, "model.n_heads"),
-    ({"n_kv_heads": 2}, "model.n_kv_heads"),
-    ({"n_kv_heads": None, "d_ff": 66}, "model.d_ff"),
-    ({"n_kv_heads": None, "vocab_size": 66}, "model.vocab_size"),
+    ({"attention.n_heads": 6, "attention.n_kv_heads": None, "d_model": 48}, "model.attention.n_heads"),
+    ({"attention.n_kv_heads": 2}, "model.attention.n_kv_heads"),
+    ({"attention.n_kv_heads": None, "ffn.d_ff": 66}, "model.ffn.d_ff"),
+    ({"attention.n_kv_heads": None, "vocab_size": 66}, "model.vocab_size"),
 ])
 def test_tp_must_divide_heads_kv_heads_ffn_and_vocab(model, key):
     cfg = make_config("decoder", {"tp": 4})
-    for name, value in model.items():
-        setattr(cfg.model, name, value)
+    cfg.model = with_dotted(cfg.model, model)
     with pytest.raises(ConfigError, match=f"does not divide {key}"):
         validate_parallel(cfg, 4, "cpu")
 

@@ -81,10 +81,10 @@ def _loader_draws_from_global_rng(cfg) -> bool:
 def test_crash_and_restart_with_dropout_is_bitwise(reference, tmp_path):
     """Dropout makes the RNG part of the state: restored per rank, the restarted run is still the same run."""
     run_dir = tmp_path / "dropout"
-    cfg = tiny_config(reference["shards"], run_dir, STEPS, "model.dropout=0.1", "model.attention_dropout=0.1")
+    cfg = tiny_config(reference["shards"], run_dir, STEPS, "model.dropout=0.1", "model.attention.dropout=0.1")
     assert not _loader_draws_from_global_rng(cfg), "a new data iterator must not consume the global torch RNG"
     _, uninterrupted = run_trainer(tiny_config(reference["shards"], tmp_path / "full", STEPS, "model.dropout=0.1",
-                                               "model.attention_dropout=0.1"))
+                                               "model.attention.dropout=0.1"))
     run_trainer(cfg, crash_after=3)
     _, result = run_trainer(cfg)
     assert_bitwise(final_weights(run_dir), final_weights(tmp_path / "full"))
@@ -143,7 +143,7 @@ def test_retention_keeps_last_and_every_mth(tmp_path):
     from meshformer.config import load_config
     from meshformer.model import Transformer
 
-    cfg = load_config(None, ["model.d_model=16", "model.n_heads=2", "model.n_layers=1", "model.d_ff=32",
+    cfg = load_config(None, ["model.d_model=16", "model.attention.n_heads=2", "model.n_layers=1", "model.ffn.d_ff=32",
                              "model.vocab_size=64", "checkpoint.interval=1", "checkpoint.keep_last=2",
                              "checkpoint.keep_every=2", "checkpoint.async_save=true", "train.steps=5"])
     model = Transformer(cfg.model)
@@ -165,7 +165,7 @@ def test_retention_keeps_last_and_every_mth(tmp_path):
 
 def test_resume_into_a_different_model_names_the_problem(reference, tmp_path):
     root = copy_steps(reference["run_dir"] / "checkpoints", tmp_path / "other" / "checkpoints", 6)
-    cfg = tiny_config(reference["shards"], tmp_path / "other", STEPS, "model.d_ff=128")
+    cfg = tiny_config(reference["shards"], tmp_path / "other", STEPS, "model.ffn.d_ff=128")
     with pytest.raises(CheckpointError, match=r"shape .* different model"):
         run_trainer(cfg)
     assert root.exists()

@@ -60,7 +60,7 @@ def test_resume_into_fewer_layers_is_refused_naming_the_keys(reference, tmp_path
 
 def test_resume_into_another_width_names_mismatched_and_missing(reference, tmp_path):
     copy_steps(reference["run_dir"] / "checkpoints", tmp_path / "run" / "checkpoints", 6)
-    cfg = tiny_config(reference["shards"], tmp_path / "run", 8, "model.n_layers=3", "model.d_ff=48")
+    cfg = tiny_config(reference["shards"], tmp_path / "run", 8, "model.n_layers=3", "model.ffn.d_ff=48")
     with pytest.raises(CheckpointError, match=r"missing from the checkpoint: decoder_layers\.2\..*another shape"):
         run_trainer(cfg)
 

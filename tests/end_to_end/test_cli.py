@@ -8,7 +8,7 @@ from helpers.common import CONFIGS
 
 from meshformer.cli import main
 
-SMALL = ["model.d_model=32", "model.n_layers=1", "model.d_ff=64", "data.seq_len=32", "model.max_seq_len=64",
+SMALL = ["model.d_model=32", "model.n_layers=1", "model.ffn.d_ff=64", "data.seq_len=32", "model.max_seq_len=64",
          "train.steps=3", "train.eval_interval=0", "train.sample_interval=0", "logging.tensorboard=false"]
 
 

@@ -116,8 +116,8 @@ def test_an_olmoe_folder_continues_from_transformers_loss(shards, tmp_path):
 def test_a_model_key_that_changes_the_function_is_refused_by_name(shards, tmp_path, capsys):
     _, folder = hf_folder("llama", tmp_path / "hf")
     base = _overrides(shards, tmp_path / "run", folder, 1)
-    cfg = resolve_init_from(load_config(None, [*base, "model.attention_dropout=0.1"]))  # training-only: kept
-    assert cfg.model.attention_dropout == 0.1 and cfg.model.rope_scaling == "llama3" and cfg.model.d_model == 32
+    cfg = resolve_init_from(load_config(None, [*base, "model.attention.dropout=0.1"]))  # training-only: kept
+    assert cfg.model.attention.dropout == 0.1 and cfg.model.rope.scaling == "llama3" and cfg.model.d_model == 32
     assert cfg.data.tokenizer == str(folder)
     with pytest.raises(SystemExit) as info:  # the user's own file: its [model] keys are checked too
         main(["train", str(CONFIGS / "tiny-gpt.toml"), "--init-from", str(folder), "--set", *base[:-1],
@@ -172,18 +172,18 @@ def test_an_expert_width_set_as_moe_d_ff_is_the_folders_own(shards, tmp_path):
     # Mixtral's experts are intermediate_size wide (imported as d_ff, moe_d_ff=0); a config that names the same width
     # as moe_d_ff (tiny-moe does) describes the same function and continues from the folder
     _, folder = hf_folder("mixtral", tmp_path / "hf")
-    base = _overrides(shards, tmp_path / "run", folder, 1, "model.n_experts=4", "model.experts_per_token=2")
-    cfg = resolve_init_from(load_config(None, [*base, "model.moe_d_ff=64"]))
-    assert cfg.model.expert_d_ff == 64 and cfg.model.n_experts == 4
-    with pytest.raises(ConfigError, match=r"model.moe_d_ff=32 \(it has 0\)"):  # another width: refused by name
-        resolve_init_from(load_config(None, [*base, "model.moe_d_ff=32"]))
+    base = _overrides(shards, tmp_path / "run", folder, 1, "model.moe.n_experts=4", "model.moe.experts_per_token=2")
+    cfg = resolve_init_from(load_config(None, [*base, "model.moe.d_ff=64"]))
+    assert cfg.model.expert_d_ff == 64 and cfg.model.moe.n_experts == 4
+    with pytest.raises(ConfigError, match=r"model.moe.d_ff=32 \(it has 0\)"):  # another width: refused by name
+        resolve_init_from(load_config(None, [*base, "model.moe.d_ff=32"]))
 
 
 def test_a_folder_whose_blocks_are_all_dense_continues_as_it_is(shards, tmp_path):
     # config validation refuses experts that no block uses in the user's own config, not in the folder's model
     _, folder = hf_folder("qwen3_moe_dense", tmp_path / "hf")
     cfg = resolve_init_from(load_config(None, _overrides(shards, tmp_path / "run", folder, 1)))
-    assert cfg.model.n_experts == 4 and cfg.model.moe_first_dense == 2 == cfg.model.n_layers
+    assert cfg.model.moe.n_experts == 4 and cfg.model.mlp_types == ["dense", "dense"] and cfg.model.n_layers == 2
 
 
 def test_renamed_tensors_are_read_by_slices_and_the_rest_whole(tmp_path):
@@ -275,9 +275,9 @@ def test_a_model_key_set_to_its_default_value_is_still_named(shards, tmp_path):
 
     _, folder = hf_folder("llama", tmp_path / "hf")
     base = _overrides(shards, tmp_path / "run", folder, 1)
-    assert ModelConfig().n_layers == 4 and ModelConfig().norm == "layernorm"
+    assert ModelConfig().n_layers == 4 and ModelConfig().norm.kind == "layernorm"
     with pytest.raises(ConfigError) as info:
-        resolve_init_from(load_config(None, [*base, "model.n_layers=4", "model.norm=layernorm"]))
-    assert "model.n_layers=4 (it has 2)" in str(info.value) and "model.norm='layernorm' (it has 'rmsnorm')" in \
+        resolve_init_from(load_config(None, [*base, "model.n_layers=4", "model.norm.kind=layernorm"]))
+    assert "model.n_layers=4 (it has 2)" in str(info.value) and "model.norm.kind='layernorm' (it has 'rmsnorm')" in \
         str(info.value), info.value
     assert resolve_init_from(load_config(None, [*base, "model.n_layers=2"])).model.n_layers == 2  # the folder's own

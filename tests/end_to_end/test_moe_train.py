@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from helpers.checkpoints import assert_bitwise, final_weights, run_trainer, tiny_config, tiny_shards
 
-MOE = ("model.n_experts=4", "model.experts_per_token=2", "model.n_shared_experts=1", "model.moe_d_ff=32",
-       "model.moe_aux_loss=0.01", "model.router_z_loss=0.001", "model.router_bias_update_rate=0.01")
+MOE = ("model.moe.n_experts=4", "model.moe.experts_per_token=2", "model.moe.n_shared_experts=1", "model.moe.d_ff=32",
+       "model.moe.aux_loss=0.01", "model.moe.router_z_loss=0.001", "model.moe.router_bias_update_rate=0.01")
 STEPS = 6
 
 

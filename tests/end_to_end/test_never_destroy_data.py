@@ -20,7 +20,7 @@ from meshformer.cli import main
 from meshformer.data import prepare
 
 CFG = "configs/tiny-gpt.toml"
-TINY = ["model.d_model=32", "model.n_layers=1", "model.d_ff=64", "data.seq_len=32", "model.max_seq_len=64",
+TINY = ["model.d_model=32", "model.n_layers=1", "model.ffn.d_ff=64", "data.seq_len=32", "model.max_seq_len=64",
         "train.steps=1", "train.eval_interval=0", "train.sample_interval=0", "logging.tensorboard=false",
         "data.num_workers=0"]
 KJV = ["--tokenizer", "bundled:kjv-bpe-4k", "--quiet"]

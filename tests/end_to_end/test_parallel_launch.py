@@ -13,7 +13,7 @@ from helpers.common import CONFIGS, ROOT, free_port
 from meshformer.launcher.torchrun import torchrun_command, torchrun_env
 
 WORKER = str(Path(__file__).resolve().parents[1] / "helpers" / "parallel_worker.py")
-TINY = ["model.d_model=32", "model.n_layers=2", "model.d_ff=64", "data.seq_len=32", "data.batch_size=4",
+TINY = ["model.d_model=32", "model.n_layers=2", "model.ffn.d_ff=64", "data.seq_len=32", "data.batch_size=4",
         "train.steps=2", "train.eval_interval=2", "train.eval_batches=1", "train.sample_interval=0",
         "logging.log_interval=1", "logging.tensorboard=false"]
 

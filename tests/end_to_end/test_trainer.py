@@ -134,7 +134,7 @@ def test_the_sample_prompt_comes_from_the_data(tmp_path):
     labels = torch.full_like(ids, -100)
     labels[0, 1] = ids[0, 1]
     assert prompt_ids({"input_ids": masked, "labels": labels}, tokenizer) == words
-    cfg = load_config(CONFIGS / "tiny-gpt.toml", ["model.d_model=32", "model.n_layers=1", "model.d_ff=64"])
+    cfg = load_config(CONFIGS / "tiny-gpt.toml", ["model.d_model=32", "model.n_layers=1", "model.ffn.d_ff=64"])
     text = decoded_sample(Transformer(cfg.model), tokenizer, cfg, torch.device("cpu"), {"input_ids": ids}, max_new=4)
     assert text is not None and text.startswith("Der Zug nach") and "God" not in text
 

@@ -44,7 +44,8 @@ def tiny_overrides(shards: Path, run_dir: Path, steps: int, *extra: str) -> list
     return [
         f'data.shards="{shards}"', "data.seq_len=32", "data.batch_size=4", "data.num_workers=0",
         "data.shuffle_shards=2", "model.max_seq_len=32", "model.vocab_size=4096", "model.d_model=32",
-        "model.n_heads=2", "model.n_layers=2", "model.d_ff=64", "model.dropout=0.0", f"train.steps={steps}",
+        "model.attention.n_heads=2", "model.n_layers=2", "model.ffn.d_ff=64", "model.dropout=0.0",
+        f"train.steps={steps}",
         "train.eval_interval=0", "train.sample_interval=0", "train.device=cpu", "schedule.warmup_steps=2",
         "logging.tensorboard=false", "logging.log_interval=1", f'logging.run_dir="{run_dir}"',
         "checkpoint.interval=2", "checkpoint.keep_last=3", *extra,

@@ -51,8 +51,9 @@ def shards(base: Path) -> Path:
 def overrides(base: Path, run_dir: Path, *extra: str) -> list[str]:
     return [
         f"data.shards={shards(base)}", "data.seq_len=32", "data.batch_size=4", "data.num_workers=0",
-        "data.shuffle_shards=2", "model.max_seq_len=32", "model.d_model=32", "model.n_heads=2", "model.n_layers=2",
-        "model.d_ff=64", "train.device=cpu", f"train.steps={CLUSTER_STEPS}", "train.eval_interval=0",
+        "data.shuffle_shards=2", "model.max_seq_len=32", "model.d_model=32", "model.attention.n_heads=2",
+        "model.n_layers=2",
+        "model.ffn.d_ff=64", "train.device=cpu", f"train.steps={CLUSTER_STEPS}", "train.eval_interval=0",
         "train.sample_interval=0", "schedule.warmup_steps=2", "logging.log_interval=4", f"logging.run_dir={run_dir}",
         f"checkpoint.interval={CHECKPOINT_EVERY}", "checkpoint.keep_last=10", "checkpoint.preempt_check_interval=1",
         *extra,

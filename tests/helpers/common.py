@@ -26,5 +26,5 @@ def run_each(*calls: tuple[Callable[..., Any], tuple]) -> list[Any]:
 
 
 # A small tiny-gpt for trainer runs (overrides of configs/tiny-gpt.toml).
-SMALL = ["model.d_model=64", "model.n_heads=4", "model.n_layers=2", "model.d_ff=256", "data.seq_len=64",
+SMALL = ["model.d_model=64", "model.attention.n_heads=4", "model.n_layers=2", "model.ffn.d_ff=256", "data.seq_len=64",
          "model.max_seq_len=64", "train.sample_interval=0", "train.eval_interval=0"]

@@ -16,21 +16,25 @@ from meshformer.checkpointing.dcp_io import read_metadata
 from meshformer.checkpointing.hf_folder import export_hf
 from meshformer.checkpointing.megatron import export_megatron
 from meshformer.checkpointing.weights import CONFIG_FILE, write_weights
-from meshformer.config import ModelConfig
+from meshformer.config import AttentionConfig, FfnConfig, ModelConfig, MoeConfig, NormConfig, RopeConfig
 from meshformer.model import Transformer
 
-CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=64, max_seq_len=64)
-MOE_CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, d_ff=32, activation="swiglu", norm="rmsnorm",
-                      position="rope", bias=False, max_seq_len=64, n_experts=4, qk_norm=True)
+CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=1, max_seq_len=64, attention=AttentionConfig(n_heads=4),
+                  ffn=FfnConfig(d_ff=64))
+MOE_CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, position="rope", bias=False, max_seq_len=64,
+                      attention=AttentionConfig(n_heads=4, qk_norm=True), ffn=FfnConfig(d_ff=32, activation="swiglu"),
+                      norm=NormConfig(kind="rmsnorm"), moe=MoeConfig(n_experts=4))
 # Gemma 3's blocks, but its windowed blocks rotate with the scaled global RoPE (no rope_local_theta)
-GEMMA_SCALED_CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, d_ff=32, activation="geglu",
-                               norm="rmsnorm", norm_position="sandwich", norm_weight_offset=1.0, qk_norm=True,
-                               scale_embeddings=True, position="rope", attention_window=4, full_attention_every=2,
-                               rope_scaling="linear", rope_scaling_factor=2.0, bias=False, max_seq_len=64,
-                               tie_embeddings=True)
+GEMMA_SCALED_CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, scale_embeddings=True, position="rope",
+                               layer_types=["sliding_attention", "full_attention"], bias=False, max_seq_len=64,
+                               tie_embeddings=True, attention=AttentionConfig(n_heads=4, qk_norm=True, window=4),
+                               ffn=FfnConfig(d_ff=32, activation="geglu"),
+                               rope=RopeConfig(scaling="linear", factor=2.0),
+                               norm=NormConfig(kind="rmsnorm", position="sandwich", weight_offset=1.0))
 # a Llama with linearly scaled RoPE
-ROPE_CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=32, activation="swiglu", norm="rmsnorm",
-                       position="rope", bias=False, max_seq_len=64, rope_scaling="linear", rope_scaling_factor=2.0)
+ROPE_CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=1, position="rope", bias=False, max_seq_len=64,
+                       attention=AttentionConfig(n_heads=4), ffn=FfnConfig(d_ff=32, activation="swiglu"),
+                       rope=RopeConfig(scaling="linear", factor=2.0), norm=NormConfig(kind="rmsnorm"))
 SHARD = "model-00001-of-00001.safetensors"
 
 
@@ -157,7 +161,7 @@ def convert_case_files(tmp: Path) -> None:
     export_hf(moe, MOE_CFG, tmp / "cv-moe-hf")
     _hf_with(tmp / "cv-moe-hf", tmp / "cv-moe-hf-dense-last", mlp_only_layers=[1])
     # an OLMoE (QK-norm over the whole projections) that clamps q / k / v
-    olmoe = dataclasses.replace(MOE_CFG, qk_norm_scope="projection")
+    olmoe = dataclasses.replace(MOE_CFG, attention=dataclasses.replace(MOE_CFG.attention, qk_norm_scope="projection"))
     export_hf(Transformer(olmoe).state_dict(), olmoe, tmp / "cv-olmoe-hf")
     _hf_with(tmp / "cv-olmoe-hf", tmp / "cv-olmoe-hf-clip", clip_qkv=8.0)
     write_weights(Transformer(GEMMA_SCALED_CFG).state_dict(), GEMMA_SCALED_CFG, tmp / "cv-gemma-scaled-weights")

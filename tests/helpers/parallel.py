@@ -53,73 +53,85 @@ MAX_NORM = 0.05  # small enough that clipping is active in both steps
 
 FAMILIES: dict[str, dict[str, Any]] = {
     # Llama-like: RMSNorm, SwiGLU, RoPE, GQA, tied embeddings
-    "decoder": dict(family="decoder", n_layers=4, norm="rmsnorm", activation="swiglu", position="rope",
-                    n_kv_heads=2, bias=False),
+    "decoder": dict(family="decoder", n_layers=4, position="rope", bias=False, attention=dict(n_kv_heads=2),
+                    ffn=dict(activation="swiglu"), norm=dict(kind="rmsnorm")),
     # Qwen3-like attention on Llama 3.1's scaled RoPE: head_dim != d_model / n_heads, QK-norm (its weights replicated
     # across the head shards), biases on Q/K/V only
-    "decoder_qwen": dict(family="decoder", n_layers=2, norm="rmsnorm", activation="swiglu", position="rope",
-                         n_kv_heads=2, bias=False, head_dim=12, qk_norm=True, qkv_bias=True, rope_scaling="llama3",
-                         rope_scaling_factor=4.0, rope_original_max_seq_len=16),
+    "decoder_qwen": dict(family="decoder", n_layers=2, position="rope", bias=False,
+                         attention=dict(n_kv_heads=2, head_dim=12, qk_norm=True, qkv_bias=True),
+                         ffn=dict(activation="swiglu"),
+                         rope=dict(scaling="llama3", factor=4.0, original_max_seq_len=16), norm=dict(kind="rmsnorm")),
     # Gemma-like: sandwich (1 + weight) RMSNorms, GeGLU, scaled embeddings, per-head QK-norm, every 2nd block global
     # (RoPE base 1M, linear scaling) and the others windowed (base 10k), attention and final-logit soft-capping
-    "decoder_gemma": dict(family="decoder", n_layers=4, norm="rmsnorm", activation="geglu", position="rope",
-                          n_kv_heads=2, bias=False, norm_position="sandwich", norm_weight_offset=1.0, qk_norm=True,
-                          scale_embeddings=True, attention_window=5, full_attention_every=2, rope_theta=1e6,
-                          rope_scaling="linear", rope_scaling_factor=2.0, rope_local_theta=1e4, attention_softcap=20.0,
-                          logit_softcap=30.0),
+    "decoder_gemma": dict(family="decoder", n_layers=4, position="rope", bias=False, scale_embeddings=True,
+                          logit_softcap=30.0, layer_types=["sliding_attention", "full_attention"],
+                          attention=dict(n_kv_heads=2, qk_norm=True, window=5, softcap=20.0),
+                          ffn=dict(activation="geglu"),
+                          rope=dict(theta=1e6, scaling="linear", factor=2.0, local_theta=1e4),
+                          norm=dict(kind="rmsnorm", position="sandwich", weight_offset=1.0)),
     # OLMo-2-like: each sub-layer's output normalised before the residual add, QK-norm over the whole projections
-    "decoder_olmo2": dict(family="decoder", n_layers=2, norm="rmsnorm", activation="swiglu", position="rope",
-                          n_kv_heads=2, bias=False, norm_position="post_sublayer", qk_norm=True,
-                          qk_norm_scope="projection"),
+    "decoder_olmo2": dict(family="decoder", n_layers=2, position="rope", bias=False,
+                          attention=dict(n_kv_heads=2, qk_norm=True, qk_norm_scope="projection"),
+                          ffn=dict(activation="swiglu"), norm=dict(kind="rmsnorm", position="post_sublayer")),
     # GPT-2-like with ALiBi (per-head slopes must follow tensor-parallel head sharding) and biases
-    "decoder_alibi": dict(family="decoder", n_layers=4, position="alibi", activation="gelu", bias=True,
-                          tie_embeddings=False, output_bias=True),
+    "decoder_alibi": dict(family="decoder", n_layers=4, position="alibi", bias=True, tie_embeddings=False,
+                          output_bias=True, ffn=dict(activation="gelu")),
     # GPT-2-like: learned absolute positions, LayerNorm, GELU; T5-style relative buckets in a decoder-only model
     # (context parallel checks both follow each token's place in the sequence)
-    "gpt": dict(family="decoder", n_layers=2, position="learned", activation="gelu", norm="layernorm", bias=True),
-    "decoder_t5": dict(family="decoder", n_layers=2, position="t5_relative", n_kv_heads=2, bias=False),
-    "decoder_window": dict(family="decoder", n_layers=2, attention_window=5, n_kv_heads=2, bias=False),
+    "gpt": dict(family="decoder", n_layers=2, position="learned", bias=True, ffn=dict(activation="gelu"),
+                norm=dict(kind="layernorm")),
+    "decoder_t5": dict(family="decoder", n_layers=2, position="t5_relative", bias=False, attention=dict(n_kv_heads=2)),
+    "decoder_window": dict(family="decoder", n_layers=2, bias=False, layer_types=["sliding_attention"],
+                           attention=dict(window=5, n_kv_heads=2)),
     # packed documents: causal attention within each (the batches carry doc_ids)
-    "decoder_docs": dict(family="decoder", n_layers=2, position="rope", n_kv_heads=2, bias=False, document_mask=True),
+    "decoder_docs": dict(family="decoder", n_layers=2, position="rope", bias=False,
+                         attention=dict(n_kv_heads=2, document_mask=True)),
     # Llama-like mixture of experts: the first block dense, then MoE blocks of 4 experts (top-2) and a shared expert,
     # aux and z balance losses in the objective; per-sequence balance loss; DeepSeek-V3's sigmoid, group-limited
     # routing with the bias balancing that updates after each step
-    "moe": dict(family="decoder", n_layers=4, norm="rmsnorm", activation="swiglu", position="rope", n_kv_heads=2,
-                bias=False, n_experts=4, experts_per_token=2, moe_d_ff=24, n_shared_experts=1, moe_first_dense=1,
-                moe_aux_loss=0.01, router_z_loss=1e-3),
-    "moe_seq": dict(family="decoder", n_layers=2, norm="rmsnorm", activation="gelu", position="rope", bias=False,
-                    n_experts=4, experts_per_token=1, moe_d_ff=24, moe_aux_loss=0.05, moe_aux_per_sequence=True),
-    "moe_bias": dict(family="decoder", n_layers=2, norm="rmsnorm", activation="swiglu", position="rope", bias=False,
-                     n_experts=8, experts_per_token=2, moe_d_ff=16, router_score="sigmoid", router_groups=4,
-                     router_groups_per_token=2, router_bias_update_rate=0.05),
+    "moe": dict(family="decoder", n_layers=4, position="rope", bias=False, mlp_types=["dense", "moe", "moe", "moe"],
+                attention=dict(n_kv_heads=2), ffn=dict(activation="swiglu"), norm=dict(kind="rmsnorm"),
+                moe=dict(n_experts=4, experts_per_token=2, d_ff=24, n_shared_experts=1, aux_loss=0.01,
+                         router_z_loss=1e-3)),
+    "moe_seq": dict(family="decoder", n_layers=2, position="rope", bias=False, ffn=dict(activation="gelu"),
+                    norm=dict(kind="rmsnorm"),
+                    moe=dict(n_experts=4, experts_per_token=1, d_ff=24, aux_loss=0.05, aux_per_sequence=True)),
+    "moe_bias": dict(family="decoder", n_layers=2, position="rope", bias=False, ffn=dict(activation="swiglu"),
+                     norm=dict(kind="rmsnorm"),
+                     moe=dict(n_experts=8, experts_per_token=2, d_ff=16, router_score="sigmoid", router_groups=4,
+                              router_groups_per_token=2, router_bias_update_rate=0.05)),
     # the original Transformer with MoE feed-forwards in both stacks (cross-attention over the encoder's output)
     "moe_encdec": dict(family="encoder_decoder", n_encoder_layers=2, n_decoder_layers=2, position="sinusoidal",
-                       activation="relu", n_experts=4, experts_per_token=2, moe_d_ff=24, moe_aux_loss=0.01),
+                       ffn=dict(activation="relu"), moe=dict(n_experts=4, experts_per_token=2, d_ff=24, aux_loss=0.01)),
     # every token chooses experts 0 and 1 (a fixed selection bias): under ep=2 rank 1's experts receive nothing
-    "moe_skew": dict(family="decoder", n_layers=2, norm="rmsnorm", activation="swiglu", position="rope", bias=False,
-                     n_experts=4, experts_per_token=2, moe_d_ff=24, moe_aux_loss=0.01),
+    "moe_skew": dict(family="decoder", n_layers=2, position="rope", bias=False, ffn=dict(activation="swiglu"),
+                     norm=dict(kind="rmsnorm"), moe=dict(n_experts=4, experts_per_token=2, d_ff=24, aux_loss=0.01)),
     # the first block dense, the second MoE: under pp=2 the first stage holds no MoE layer
-    "moe_late": dict(family="decoder", n_layers=2, norm="rmsnorm", activation="swiglu", position="rope", bias=False,
-                     n_experts=4, experts_per_token=2, moe_d_ff=24, moe_first_dense=1, moe_aux_loss=0.01),
+    "moe_late": dict(family="decoder", n_layers=2, position="rope", bias=False, mlp_types=["dense", "moe"],
+                     ffn=dict(activation="swiglu"), norm=dict(kind="rmsnorm"),
+                     moe=dict(n_experts=4, experts_per_token=2, d_ff=24, aux_loss=0.01)),
     # gpt-oss-like: attention sinks (split with the heads under TP), alternating sliding/full blocks, YaRN without
     # truncation, MoE with a biased router and biased experts (split with the experts under EP), clamped SwiGLU
-    "gptoss": dict(family="decoder", n_layers=2, norm="rmsnorm", activation="swiglu_clamped", position="rope",
-                   n_kv_heads=2, bias=True, attention_sinks=True, attention_window=5, full_attention_every=2,
-                   rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_seq_len=8, rope_truncate=False,
-                   n_experts=4, experts_per_token=2, moe_d_ff=24, router_bias=True, expert_bias_terms=True,
-                   moe_aux_loss=0.01),
+    "gptoss": dict(family="decoder", n_layers=2, position="rope", bias=True,
+                   layer_types=["sliding_attention", "full_attention"], norm=dict(kind="rmsnorm"),
+                   ffn=dict(activation="swiglu_clamped"), attention=dict(n_kv_heads=2, sinks=True, window=5),
+                   rope=dict(scaling="yarn", factor=4.0, original_max_seq_len=8, truncate=False),
+                   moe=dict(n_experts=4, experts_per_token=2, d_ff=24, router_bias=True, expert_bias_terms=True,
+                            aux_loss=0.01)),
     # BERT-like: learned positions, embedding norm, prediction-head transform, post-norm
-    "encoder": dict(family="encoder", n_layers=4, position="learned", embedding_norm=True, head_transform=True,
-                    norm_position="post", activation="gelu"),
+    "encoder": dict(family="encoder", n_layers=4, position="learned", head_transform=True, ffn=dict(activation="gelu"),
+                    norm=dict(embedding=True, position="post")),
     # original-Transformer-like: shared + tied embeddings, sinusoidal, cross-attention over pooled memory
     "encdec": dict(family="encoder_decoder", n_encoder_layers=2, n_decoder_layers=2, position="sinusoidal",
-                   activation="relu", cross_downsample=2),
+                   cross_downsample=2, ffn=dict(activation="relu")),
 }
 
 
 def make_config(family: str, parallel: dict[str, Any] | None = None, **train: Any) -> Config:
-    model = dict(vocab_size=VOCAB, d_model=32, n_heads=4, d_ff=64, max_seq_len=32, dropout=0.0)
-    model.update(FAMILIES[family])
+    model: dict[str, Any] = dict(vocab_size=VOCAB, d_model=32, max_seq_len=32, dropout=0.0,
+                                 attention=dict(n_heads=4), ffn=dict(d_ff=64))
+    for key, value in FAMILIES[family].items():  # a family's [model.*] table adds to the base one
+        model[key] = {**model.get(key, {}), **value} if isinstance(value, dict) else value
     raw = {
         "model": model,
         "data": {"seq_len": SEQ, "target_len": TARGET, "batch_size": BATCH},
@@ -140,7 +152,7 @@ def make_batches(cfg: Config, n: int, seed: int = 1234) -> list[dict[str, torch.
         if cfg.objective == "causal":
             labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).masked_fill(~real, IGNORE_INDEX)
             out.append({"input_ids": ids, "labels": labels})
-            if cfg.model.document_mask:  # documents end at random places (the last token of each: its EOS)
+            if cfg.model.attention.document_mask:  # documents end at random places (the last token of each: its EOS)
                 ends = (torch.rand(BATCH, SEQ, generator=g) < 0.2).long()
                 out[-1]["doc_ids"] = ends.cumsum(1) - ends
         elif cfg.objective == "mlm":
@@ -307,7 +319,7 @@ def reference(cfg: Config, steps, family: str = "") -> tuple[list[float], dict[s
         apply_float8(model, cfg.train.fp8, emulate=True)
         if cfg.train.fp8 == "tensorwise":
             steps = [[piece for batch in micro for piece in rank_pieces(cfg, batch)] for micro in steps]
-    if cfg.model.n_experts and cfg.parallel.pp > 1:  # MoE balance statistics are per pipeline microbatch
+    if cfg.model.moe.n_experts and cfg.parallel.pp > 1:  # MoE balance statistics are per pipeline microbatch
         steps = [[piece for batch in micro for piece in pipeline_pieces(cfg, batch)] for micro in steps]
     plan = ParallelModel(model, plain_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss), torch.device("cpu"))
     losses, grads, norms, counts = train_steps(plan, steps, 0, 1, cfg.optim.name)
@@ -590,7 +602,7 @@ def run_scenario(name: str) -> dict[str, Any]:
     # torch.compile's graph breaks by reason (a compiled block should be whole: a break inside a recomputed one sends
     # it back to eager)
     report["graph_breaks"] = dict(torch._dynamo.utils.counters["graph_break"])
-    if cfg.model.n_experts:  # what the run log shows of the MoE layers: every layer, whichever stage holds it
+    if cfg.model.moe.n_experts:  # what the run log shows of the MoE layers: every layer, whichever stage holds it
         report["moe_scalars"] = sorted(plan.moe_scalars())
     if family in SELECTION_BIAS:  # the step loads (global: summed over every rank) of this rank's first MoE layer
         report["expert_loads"] = plan.moe_layers[0].tokens_this_step.tolist()

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from meshformer.checkpointing.mapping import export_tensors, import_tensors, name_map, our_shapes
-from meshformer.config import Activation, ModelConfig
+from meshformer.config import Activation, AttentionConfig, FfnConfig, ModelConfig, NormConfig
 from meshformer.model import Transformer
 
 TORCH_TRANSFORMER = "torch.nn.Transformer"  # its name map lives in model/families/encoder_decoder.py
@@ -29,14 +29,14 @@ def config_from_torch_transformer(module: nn.Transformer, vocab_size: int = 1) -
         raise ValueError("only ReLU and GELU activations of nn.Transformer are supported")
     if module.encoder.norm is None or module.decoder.norm is None:
         raise ValueError("expected nn.Transformer's final encoder and decoder norms")
-    return ModelConfig(
-        family="encoder_decoder", vocab_size=vocab_size, d_model=module.d_model, n_heads=module.nhead,
-        n_encoder_layers=len(module.encoder.layers), n_decoder_layers=len(module.decoder.layers),
-        d_ff=encoder_layer.linear1.out_features, activation=kinds[encoder_layer.activation_relu_or_gelu],
-        norm="layernorm", norm_eps=encoder_layer.norm1.eps,
-        norm_position="pre" if encoder_layer.norm_first else "post", final_norm=True, position="none",
-        scale_embeddings=False, bias=encoder_layer.linear1.bias is not None, dropout=encoder_layer.dropout.p,
-    )
+    return ModelConfig(family="encoder_decoder", vocab_size=vocab_size, d_model=module.d_model,
+                       n_encoder_layers=len(module.encoder.layers), n_decoder_layers=len(module.decoder.layers),
+                       position="none", scale_embeddings=False, bias=encoder_layer.linear1.bias is not None,
+                       dropout=encoder_layer.dropout.p, attention=AttentionConfig(n_heads=module.nhead),
+                       ffn=FfnConfig(d_ff=encoder_layer.linear1.out_features,
+                                     activation=kinds[encoder_layer.activation_relu_or_gelu]),
+                       norm=NormConfig(kind="layernorm", eps=encoder_layer.norm1.eps,
+                                       position="pre" if encoder_layer.norm_first else "post", final=True))
 
 
 def from_torch_transformer_state_dict(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

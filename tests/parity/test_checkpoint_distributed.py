@@ -126,8 +126,8 @@ def test_pp2_dp2_tp2_to_dp4_to_one_process(reference, tmp_path):
         assert diff < LAYOUT_CHANGE_TOLERANCE, (run.name, diff)
 
 
-MOE = ("model.n_experts=4", "model.experts_per_token=2", "model.moe_d_ff=32", "model.moe_aux_loss=0.01",
-       "model.router_bias_update_rate=0.01")
+MOE = ("model.moe.n_experts=4", "model.moe.experts_per_token=2", "model.moe.d_ff=32", "model.moe.aux_loss=0.01",
+       "model.moe.router_bias_update_rate=0.01")
 
 
 @pytest.mark.slow

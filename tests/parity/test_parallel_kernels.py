@@ -27,7 +27,7 @@ def test_without_apex_torch_kernels_are_used():
     assert report["attention"].startswith("blockwise (meshformer's CPU kernel")  # model.attention_backend=auto
     assert kernel_report(cfg, torch.device("cpu"), apex_norms=0, compiled=1, recompute=0)["attention"] == \
         "SDPA (CPU flash kernel)"  # compiled blocks: inductor takes SDPA
-    cfg.model.attention_backend = "sdpa"
+    cfg.model.attention.backend = "sdpa"
     report = kernel_report(cfg, torch.device("cpu"), apex_norms=0, compiled=0, recompute=0)
     assert report["attention"] == "SDPA (CPU flash kernel)"
 

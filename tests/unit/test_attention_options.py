@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from meshformer.config import ConfigError, ModelConfig, config_from_dict
+from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
 from meshformer.model.flops import count_params
 from meshformer.model.masks import AttentionMask
@@ -46,7 +47,7 @@ SCALINGS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
 def small(**extra: Any) -> ModelConfig:
     base: dict[str, Any] = dict(vocab_size=40, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, d_ff=48,
                                 max_seq_len=24, position="rope", norm="rmsnorm", activation="swiglu", bias=False)
-    return ModelConfig(**{**base, **extra})
+    return model_from_flat(**{**base, **extra})
 
 
 @pytest.mark.parametrize("head_dim,theta", [(64, 500000.0), (16, 10000.0)])
@@ -198,18 +199,18 @@ def config_with(**model: Any):
 
 
 @pytest.mark.parametrize("model,match", [
-    (dict(head_dim=0), "model.head_dim=0 must be positive"),
+    (dict(head_dim=0), "model.attention.head_dim=0 must be positive"),
     (dict(head_dim=7), "RoPE needs an even head dimension, got 7"),
-    (dict(d_model=30), "set model.head_dim"),
+    (dict(d_model=30), "set model.attention.head_dim"),
     (dict(position="learned", rope_scaling="linear", rope_scaling_factor=2.0), "model.position='rope'"),
-    (dict(rope_scaling="linear", rope_scaling_factor=0.5), "rope_scaling_factor=0.5 must be >= 1"),
-    (dict(rope_scaling="llama3", rope_scaling_factor=8.0), "needs model.rope_original_max_seq_len"),
+    (dict(rope_scaling="linear", rope_scaling_factor=0.5), "rope.factor=0.5 must be >= 1"),
+    (dict(rope_scaling="llama3", rope_scaling_factor=8.0), "needs model.rope.original_max_seq_len"),
     (dict(rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_seq_len=8, rope_low_freq_factor=4.0),
      "need 0 < low < high"),
     (dict(rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_seq_len=8, rope_beta_slow=64.0),
      "need 0 < beta_slow < beta_fast"),
     (dict(rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_seq_len=8, rope_attention_factor=0.0),
-     "rope_attention_factor=0.0 must be positive"),
+     "rope.attention_factor=0.0 must be positive"),
 ])
 def test_bad_options_get_one_line(model, match):
     with pytest.raises(ConfigError, match=match) as caught:

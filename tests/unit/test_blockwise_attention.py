@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
 from meshformer.model import attention as attention_module
 from meshformer.model.attention import Attention
@@ -66,7 +67,7 @@ def test_causal_needs_at_least_as_many_keys_as_queries():
 
 def _tiny(**overrides) -> ModelConfig:
     base = dict(family="decoder", n_layers=1, d_model=32, n_heads=2, d_ff=64, vocab_size=50, max_seq_len=1024)
-    return ModelConfig(**{**base, **overrides})  # head_dim 16: `auto` up to T 256
+    return model_from_flat(**{**base, **overrides})  # head_dim 16: `auto` up to T 256
 
 
 def _runs_blockwise(monkeypatch, attn: Attention, length: int, *, mask=None, device="cpu") -> bool:

@@ -24,7 +24,7 @@ from meshformer.checkpointing import (
 from meshformer.checkpointing.directory import step_dir_name
 from meshformer.checkpointing.weights import read_weights, write_weights
 from meshformer.cli import main
-from meshformer.config import ModelConfig, load_config
+from meshformer.config import AttentionConfig, FfnConfig, ModelConfig, MoeConfig, NormConfig, load_config
 from meshformer.model import Transformer
 
 transformers = pytest.importorskip("transformers")
@@ -32,7 +32,7 @@ transformers = pytest.importorskip("transformers")
 
 def _training_checkpoint(tmp_path: Path) -> tuple[Path, Transformer]:
     """A checkpoint as the trainer writes it (model, AdamW state, scheduler), made without a training run."""
-    cfg = load_config(None, ["model.d_model=32", "model.n_heads=2", "model.n_layers=2", "model.d_ff=64",
+    cfg = load_config(None, ["model.d_model=32", "model.attention.n_heads=2", "model.n_layers=2", "model.ffn.d_ff=64",
                              "model.vocab_size=128", "checkpoint.interval=1", f'checkpoint.dir="{tmp_path / "ck"}"'])
     torch.manual_seed(0)
     model = Transformer(cfg.model)
@@ -217,7 +217,8 @@ def test_hugging_face_errors_name_the_mismatch(tmp_path):
     from meshformer.checkpointing.hf_folder import export_hf
     from meshformer.checkpointing.weights import write_weights
 
-    cfg = ModelConfig(family="decoder", vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=64, position="alibi")
+    cfg = ModelConfig(family="decoder", vocab_size=64, d_model=32, n_layers=1, position="alibi",
+                      attention=AttentionConfig(n_heads=4), ffn=FfnConfig(d_ff=64))
     write_weights(Transformer(cfg).state_dict(), cfg, tmp_path / "alibi")
     with pytest.raises(SystemExit, match="no Hugging Face architecture matches"):
         main(["convert", "export-hf", str(tmp_path / "alibi"), str(tmp_path / "out2")])
@@ -229,8 +230,9 @@ def test_export_refuses_a_nonzero_expert_selection_bias(tmp_path):
     """DeepSeek-V3's selection bias has no place in Mixtral / Qwen3-MoE: refused by name, nothing written."""
     from meshformer.checkpointing.hf_folder import export_hf
 
-    cfg = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=32, activation="swiglu", norm="rmsnorm",
-                      position="rope", bias=False, n_experts=4)
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, position="rope", bias=False,
+                      attention=AttentionConfig(n_heads=4), ffn=FfnConfig(d_ff=32, activation="swiglu"),
+                      norm=NormConfig(kind="rmsnorm"), moe=MoeConfig(n_experts=4))
     state = dict(Transformer(cfg).state_dict())
     state["decoder_layers.0.ffn.router.expert_bias"] = torch.tensor([0.0, 0.5, 0.0, -0.5])
     with pytest.raises(ConversionError, match=r"decoder_layers\.0\.ffn\.router\.expert_bias is nonzero"):

@@ -130,7 +130,7 @@ def _tiny_run(tmp_path, step: int, *overrides: str):
     from meshformer.config import load_config
     from meshformer.model import Transformer
 
-    cfg = load_config(None, ["model.d_model=16", "model.n_heads=2", "model.n_layers=1", "model.d_ff=32",
+    cfg = load_config(None, ["model.d_model=16", "model.attention.n_heads=2", "model.n_layers=1", "model.ffn.d_ff=32",
                              "model.vocab_size=64", "checkpoint.interval=1", f'checkpoint.dir="{tmp_path}"',
                              *overrides])
     model = Transformer(cfg.model)

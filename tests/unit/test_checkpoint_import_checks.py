@@ -13,7 +13,7 @@ from meshformer.checkpointing.hf_folder import export_hf, import_hf
 from meshformer.checkpointing.megatron import export_megatron, import_megatron
 from meshformer.checkpointing.weights import read_weights
 from meshformer.cli import main
-from meshformer.config import ModelConfig
+from meshformer.config import AttentionConfig, FfnConfig, ModelConfig, MoeConfig, NormConfig
 from meshformer.model import Transformer
 
 transformers = pytest.importorskip("transformers")
@@ -39,7 +39,7 @@ def test_gpt2_without_attention_scaling_is_mapped_both_ways(tmp_path):
     hf_model.save_pretrained(str(tmp_path / "hf"))
     _logits_agree(hf_model, tmp_path / "hf")
     cfg, _ = import_hf(tmp_path / "hf")
-    assert cfg.attention_scale == 1.0
+    assert cfg.attention.scale == 1.0
     main(["convert", "import-hf", str(tmp_path / "hf"), str(tmp_path / "ours")])
     main(["convert", "export-hf", str(tmp_path / "ours"), str(tmp_path / "back")])
     back = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "back")).eval()
@@ -63,7 +63,7 @@ def test_yarn_without_truncation_is_mapped_both_ways(tmp_path):
     hf_model.save_pretrained(str(tmp_path / "hf"))
     _logits_agree(hf_model, tmp_path / "hf")
     cfg, state = import_hf(tmp_path / "hf")
-    assert cfg.rope_truncate is False
+    assert cfg.rope.truncate is False
     export_hf(state, cfg, tmp_path / "back")
     assert json.loads((tmp_path / "back" / "config.json").read_text())["rope_parameters"]["truncate"] is False
 
@@ -121,8 +121,9 @@ def test_flags_that_change_the_function_are_refused(arch, flags, named, tmp_path
 
 def test_trained_selection_bias_is_refused_on_export_with_its_own_fix(tmp_path):
     """No architecture holds the bias: the line must not send the user to another --arch."""
-    cfg = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=32, activation="swiglu",
-                      norm="rmsnorm", position="rope", bias=False, max_seq_len=16, n_experts=4, experts_per_token=2)
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, position="rope", bias=False, max_seq_len=16,
+                      attention=AttentionConfig(n_heads=4), ffn=FfnConfig(d_ff=32, activation="swiglu"),
+                      norm=NormConfig(kind="rmsnorm"), moe=MoeConfig(n_experts=4, experts_per_token=2))
     state = Transformer(cfg).state_dict()
     state["decoder_layers.0.ffn.router.expert_bias"] = torch.tensor([0.1, 0.0, 0.0, -0.1])
     with pytest.raises(ConversionError) as info:
@@ -136,8 +137,8 @@ def test_trained_selection_bias_is_refused_on_export_with_its_own_fix(tmp_path):
 
 # ----------------------------------------------------------------------------- Megatron head count
 
-_CFG = ModelConfig(family="decoder", vocab_size=100, d_model=32, n_heads=4, n_layers=2, d_ff=64, activation="relu",
-                   position="learned", max_seq_len=16)
+_CFG = ModelConfig(family="decoder", vocab_size=100, d_model=32, n_layers=2, position="learned", max_seq_len=16,
+                   attention=AttentionConfig(n_heads=4), ffn=FfnConfig(d_ff=64, activation="relu"))
 
 
 def _export(tmp_path):
@@ -184,4 +185,4 @@ def test_megatron_without_saved_config_needs_heads(tmp_path):
     with pytest.raises(ConversionError, match=r"--heads"):
         import_megatron(tmp_path / "mcore")
     cfg, _ = import_megatron(tmp_path / "mcore", n_heads=4, vocab_size=100, activation="relu")
-    assert cfg.n_heads == 4
+    assert cfg.attention.n_heads == 4

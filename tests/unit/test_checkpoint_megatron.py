@@ -23,29 +23,33 @@ from meshformer.checkpointing.megatron import export_megatron, import_megatron, 
 from meshformer.checkpointing.megatron_config import SAVED_CONFIG, megatron_incompatibilities
 from meshformer.checkpointing.weights import read_weights, write_weights
 from meshformer.cli import main
-from meshformer.config import ModelConfig
+from meshformer.config import AttentionConfig, FfnConfig, ModelConfig, MoeConfig, NormConfig
 from meshformer.model import Transformer
 from meshformer.model.moe import is_moe_block
 
 THIS = Path(__file__).resolve()
 CASES = {
-    "llama": ModelConfig(family="decoder", vocab_size=100, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, d_ff=64,
-                         activation="swiglu", norm="rmsnorm", position="rope", tie_embeddings=False, bias=False,
-                         max_seq_len=64),
-    "gpt2": ModelConfig(family="decoder", vocab_size=100, d_model=32, n_heads=4, n_layers=2, d_ff=64,
-                        activation="gelu", norm="layernorm", position="learned", tie_embeddings=True, bias=True,
-                        max_seq_len=64),
+    "llama": ModelConfig(family="decoder", vocab_size=100, d_model=32, n_layers=2, position="rope",
+                         tie_embeddings=False, bias=False, max_seq_len=64,
+                         attention=AttentionConfig(n_heads=4, n_kv_heads=2),
+                         ffn=FfnConfig(d_ff=64, activation="swiglu"), norm=NormConfig(kind="rmsnorm")),
+    "gpt2": ModelConfig(family="decoder", vocab_size=100, d_model=32, n_layers=2, position="learned",
+                        tie_embeddings=True, bias=True, max_seq_len=64, attention=AttentionConfig(n_heads=4),
+                        ffn=FfnConfig(d_ff=64, activation="gelu"), norm=NormConfig(kind="layernorm")),
 }
 MOE_CASES = {  # every layer MoE (Megatron stacks layers), and dense + MoE mixed (Megatron saves each layer apart)
-    "qwen3_moe": ModelConfig(family="decoder", vocab_size=100, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2,
-                             d_ff=64, head_dim=16, qk_norm=True, activation="swiglu", norm="rmsnorm", position="rope",
-                             tie_embeddings=False, bias=False, max_seq_len=64, n_experts=4, experts_per_token=2,
-                             moe_d_ff=24),
-    "deepseek_like": ModelConfig(family="decoder", vocab_size=100, d_model=32, n_heads=4, n_layers=3, d_ff=64,
-                                 qkv_bias=True, activation="swiglu", norm="rmsnorm", position="rope",
-                                 tie_embeddings=True, bias=False, max_seq_len=64, n_experts=4, experts_per_token=2,
-                                 moe_d_ff=24, n_shared_experts=2, moe_first_dense=1, router_score="sigmoid",
-                                 router_groups=2, router_groups_per_token=1, router_bias_update_rate=1e-3),
+    "qwen3_moe": ModelConfig(family="decoder", vocab_size=100, d_model=32, n_layers=2, position="rope",
+                             tie_embeddings=False, bias=False, max_seq_len=64,
+                             attention=AttentionConfig(n_heads=4, n_kv_heads=2, head_dim=16, qk_norm=True),
+                             ffn=FfnConfig(d_ff=64, activation="swiglu"), norm=NormConfig(kind="rmsnorm"),
+                             moe=MoeConfig(n_experts=4, experts_per_token=2, d_ff=24)),
+    "deepseek_like": ModelConfig(family="decoder", vocab_size=100, d_model=32, n_layers=3, position="rope",
+                                 tie_embeddings=True, bias=False, max_seq_len=64, mlp_types=["dense", "moe", "moe"],
+                                 attention=AttentionConfig(n_heads=4, qkv_bias=True),
+                                 ffn=FfnConfig(d_ff=64, activation="swiglu"), norm=NormConfig(kind="rmsnorm"),
+                                 moe=MoeConfig(n_experts=4, experts_per_token=2, d_ff=24, n_shared_experts=2,
+                                               router_score="sigmoid", router_groups=2, router_groups_per_token=1,
+                                               router_bias_update_rate=1e-3)),
 }
 
 
@@ -55,7 +59,7 @@ def _random_model(cfg: ModelConfig, seed: int = 1) -> Transformer:
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0, 0.2)
-        if cfg.router_bias_update_rate:  # a bias that bias balancing has moved, so export must carry it
+        if cfg.moe.router_bias_update_rate:  # a bias that bias balancing has moved, so export must carry it
             for name, buffer in model.named_buffers():
                 if name.endswith("expert_bias"):
                     buffer.normal_(0, 0.2)
@@ -80,31 +84,33 @@ def test_export_layout_and_round_trip(name, tmp_path):
 
     # Read back with plain DCP: Megatron's names, layers stacked on dim 0, QKV interleaved per query group.
     shapes = {k: tuple(v.size) for k, v in tensor_entries(read_metadata(folder)).items()}
-    fc1_rows = 2 * cfg.d_ff if cfg.activation == "swiglu" else cfg.d_ff
-    qkv_rows = (cfg.n_heads + 2 * cfg.kv_heads) * cfg.attention_head_dim
+    fc1_rows = 2 * cfg.ffn.d_ff if cfg.ffn.activation == "swiglu" else cfg.ffn.d_ff
+    qkv_rows = (cfg.attention.n_heads + 2 * cfg.kv_heads) * cfg.attention_head_dim
     assert shapes["embedding.word_embeddings.weight"] == (128, cfg.d_model)  # padded vocabulary
     assert shapes["decoder.layers.self_attention.linear_qkv.weight"] == (cfg.n_layers, qkv_rows, cfg.d_model)
     assert shapes["decoder.layers.self_attention.linear_qkv.layer_norm_weight"] == (cfg.n_layers, cfg.d_model)
     assert shapes["decoder.layers.mlp.linear_fc1.weight"] == (cfg.n_layers, fc1_rows, cfg.d_model)
-    assert ("decoder.layers.mlp.linear_fc1.layer_norm_bias" in shapes) == (cfg.norm == "layernorm")
+    assert ("decoder.layers.mlp.linear_fc1.layer_norm_bias" in shapes) == (cfg.norm.kind == "layernorm")
     assert ("output_layer.weight" in shapes) == (not cfg.tie_embeddings)
     qkv = read_full_tensors(folder, ["decoder.layers.self_attention.linear_qkv.weight"])[
         "decoder.layers.self_attention.linear_qkv.weight"]
     attn = model.decoder_layers["1"].attn
-    group_rows = (cfg.n_heads // cfg.kv_heads + 2) * cfg.attention_head_dim
+    group_rows = (cfg.attention.n_heads // cfg.kv_heads + 2) * cfg.attention_head_dim
     first_group = qkv[1, :group_rows]  # layer 1, query group 0: its query heads, then its key head, then value
-    per_group_q = cfg.n_heads // cfg.kv_heads * cfg.attention_head_dim
+    per_group_q = cfg.attention.n_heads // cfg.kv_heads * cfg.attention_head_dim
     assert torch.equal(first_group[:per_group_q], attn.q_proj.weight[:per_group_q])
     head_dim = cfg.attention_head_dim
     assert torch.equal(first_group[per_group_q:per_group_q + head_dim], attn.k_proj.weight[:head_dim])
     assert torch.equal(qkv[1], pack_qkv(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
-                                        cfg.n_heads, cfg.kv_heads))
+                                        cfg.attention.n_heads, cfg.kv_heads))
 
     # ... and back, bitwise.
-    main(["convert", "import-megatron", str(tmp_path / "mcore"), str(tmp_path / "back"), "--heads", str(cfg.n_heads),
+    main(["convert", "import-megatron", str(tmp_path / "mcore"), str(tmp_path / "back"), "--heads",
+          str(cfg.attention.n_heads),
           "--vocab-size", str(cfg.vocab_size), "--max-seq-len", str(cfg.max_seq_len)])
     cfg_back, state_back = read_weights(tmp_path / "back")
-    assert cfg_back.kv_heads == cfg.kv_heads and cfg_back.norm == cfg.norm and cfg_back.activation == cfg.activation
+    assert cfg_back.kv_heads == cfg.kv_heads and cfg_back.norm.kind == cfg.norm.kind
+    assert cfg_back.ffn.activation == cfg.ffn.activation
     assert_bitwise(state_back, state)
 
 
@@ -113,7 +119,7 @@ def test_moe_export_layout_and_round_trip(name, tmp_path):
     cfg = MOE_CASES[name]
     model, state, folder = _exported(cfg, tmp_path)
     shapes = {k: tuple(v.size) for k, v in tensor_entries(read_metadata(folder)).items()}
-    e, f, d = cfg.n_experts, cfg.expert_d_ff, cfg.d_model
+    e, f, d = cfg.moe.n_experts, cfg.expert_d_ff, cfg.d_model
     if name == "qwen3_moe":  # all layers alike: stacked on a layer axis, experts on the next
         assert shapes["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == (2, e, 2 * f, d)
         assert shapes["decoder.layers.self_attention.q_layernorm.weight"] == (2, 16)
@@ -143,13 +149,14 @@ def test_moe_export_layout_and_round_trip(name, tmp_path):
 def test_a_bias_balanced_router_keeps_its_selection_bias_without_a_saved_config(tmp_path):
     """A checkpoint Megatron trained with bias balancing holds each router's expert_bias, which steers which experts
     a token picks: imported from the tensors alone (no config beside them), it is read, not replaced by zeros."""
-    cfg = replace(MOE_CASES["qwen3_moe"], router_score="sigmoid", router_bias_update_rate=1e-3)
+    cfg = replace(MOE_CASES["qwen3_moe"],
+                  moe=replace(MOE_CASES["qwen3_moe"].moe, router_score="sigmoid", router_bias_update_rate=1e-3))
     _, state, folder = _exported(cfg, tmp_path)
     (folder.parent / SAVED_CONFIG).unlink()  # as Megatron-LM itself writes it
     main(["convert", "import-megatron", str(tmp_path / "mcore"), str(tmp_path / "back"), "--heads", "4",
           "--experts-per-token", "2", "--max-seq-len", "64"])
     cfg_back, state_back = read_weights(tmp_path / "back")
-    assert cfg_back.router_score == "sigmoid" and cfg_back.router_bias_update_rate > 0
+    assert cfg_back.moe.router_score == "sigmoid" and cfg_back.moe.router_bias_update_rate > 0
     biases = [k for k in state if k.endswith("router.expert_bias")]
     assert biases and all(state[k].abs().sum() > 0 and torch.equal(state_back[k], state[k]) for k in biases)
 
@@ -163,7 +170,7 @@ def test_group_limited_routing_comes_from_the_options_without_a_saved_config(tmp
     main(["convert", "import-megatron", str(tmp_path / "mcore"), str(tmp_path / "back"), "--heads", "4",
           "--experts-per-token", "2", "--max-seq-len", "64", "--router-groups", "2", "--router-groups-per-token", "1"])
     cfg_back, state_back = read_weights(tmp_path / "back")
-    assert (cfg_back.router_groups, cfg_back.router_groups_per_token) == (2, 1)
+    assert (cfg_back.moe.router_groups, cfg_back.moe.router_groups_per_token) == (2, 1)
     back = Transformer(cfg_back)
     back.load_state_dict(dict(state_back))
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -197,28 +204,34 @@ def test_a_training_checkpoint_with_its_optimizer_state_imports(tmp_path):
 
 
 def test_mismatches_are_explained(tmp_path):
-    bert = ModelConfig(family="encoder", vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=64,
-                       norm_position="post", embedding_norm=True, head_transform=True, output_bias=True)
+    bert = ModelConfig(family="encoder", vocab_size=64, d_model=32, n_layers=1, head_transform=True, output_bias=True,
+                       attention=AttentionConfig(n_heads=4), ffn=FfnConfig(d_ff=64),
+                       norm=NormConfig(position="post", embedding=True))
     write_weights(Transformer(bert).state_dict(), bert, tmp_path / "bert")
     with pytest.raises(SystemExit, match="cannot be written as a Megatron-Core GPT checkpoint: family='encoder'"):
         main(["convert", "export-megatron", str(tmp_path / "bert"), str(tmp_path / "out")])
     moe = MOE_CASES["qwen3_moe"]
     unmapped = [  # what Megatron-Core's GPTModel cannot express: refused by name, never dropped
-        (replace(CASES["llama"], rope_scaling="llama3"), "rope_scaling='llama3'"),
+        (replace(CASES["llama"], rope=replace(CASES["llama"].rope, scaling="llama3")), "rope_scaling='llama3'"),
         # Gemma's and OLMo 2's block options
-        (replace(CASES["llama"], norm_weight_offset=1.0), "norm_weight_offset=1.0"),
+        (replace(CASES["llama"], norm=replace(CASES["llama"].norm, weight_offset=1.0)), "norm_weight_offset=1.0"),
         (replace(CASES["llama"], logit_softcap=30.0), "logit_softcap"),
-        (replace(CASES["llama"], attention_softcap=50.0), "attention_softcap"),
-        (replace(CASES["llama"], norm_position="sandwich"), "sandwich"),
-        (replace(CASES["llama"], activation="geglu"), "activation='geglu'"),
-        (replace(CASES["llama"], qk_norm=True, qk_norm_scope="projection"), "qk_norm_scope='projection'"),
-        (replace(CASES["gpt2"], qk_norm=True), "qk_norm with LayerNorm"),
-        (replace(CASES["gpt2"], qkv_bias=False), "linear biases without Q/K/V biases"),
+        (replace(CASES["llama"], attention=replace(CASES["llama"].attention, softcap=50.0)), "attention_softcap"),
+        (replace(CASES["llama"], norm=replace(CASES["llama"].norm, position="sandwich")), "sandwich"),
+        (replace(CASES["llama"], ffn=replace(CASES["llama"].ffn, activation="geglu")), "activation='geglu'"),
+        (replace(CASES["llama"],
+                 attention=replace(CASES["llama"].attention, qk_norm=True,
+                                   qk_norm_scope="projection")), "qk_norm_scope='projection'"),
+        (replace(CASES["gpt2"], attention=replace(CASES["gpt2"].attention, qk_norm=True)), "qk_norm with LayerNorm"),
+        (replace(CASES["gpt2"], attention=replace(CASES["gpt2"].attention, qkv_bias=False)),
+         "linear biases without Q/K/V biases"),
         (replace(moe, bias=True), "mixture-of-experts with model.bias"),
-        (replace(moe, router_score="sigmoid", router_renormalize=False), "router_score='sigmoid'"),
-        (replace(moe, router_bias_update_rate=1e-3), "bias balancing"),
-        (replace(moe, router_groups=2, router_renormalize=False, experts_per_token=4), "router_groups_per_token=1"),
-        (replace(moe, router_groups=2), "group-limited softmax routing with router_renormalize"),
+        (replace(moe, moe=replace(moe.moe, router_score="sigmoid", router_renormalize=False)),
+         "router_score='sigmoid'"),
+        (replace(moe, moe=replace(moe.moe, router_bias_update_rate=1e-3)), "bias balancing"),
+        (replace(moe, moe=replace(moe.moe, router_groups=2, router_renormalize=False, experts_per_token=4)),
+         "router_groups_per_token=1"),
+        (replace(moe, moe=replace(moe.moe, router_groups=2)), "group-limited softmax routing with router_renormalize"),
     ]
     for cfg, named in unmapped:
         problems = megatron_incompatibilities(cfg)
@@ -293,7 +306,7 @@ def _megatron_reference(out_dir: str, port: str) -> None:
         transformer = {**described["transformer_config"], "use_cpu_initialization": True, "hidden_dropout": 0.0,
                        "attention_dropout": 0.0, "params_dtype": torch.float32}
         transformer["activation_func"] = functions[transformer["activation_func"]]
-        if cfg.n_experts:
+        if cfg.moe.n_experts:
             transformer["moe_token_dispatcher_type"] = "allgather"  # alltoall makes CUDA streams
 
         def megatron_model(seed: int, transformer=transformer, gpt=described["gpt_model"]) -> GPTModel:
@@ -319,13 +332,14 @@ def _megatron_reference(out_dir: str, port: str) -> None:
         folder = Path(out_dir) / f"megatron_{name}"
         folder.mkdir()
         dist_checkpointing.save(megatron.sharded_state_dict(), str(folder))
-        if cfg.router_groups > 1:  # what tensors cannot say (grouped routing): the config saved beside them
+        if cfg.moe.router_groups > 1:  # what tensors cannot say (grouped routing): the config saved beside them
             (folder / "meshformer_model_config.json").write_text((export / "meshformer_model_config.json").read_text())
             imported_cfg, state = import_megatron(folder)
         else:
-            imported_cfg, state = import_megatron(folder, n_heads=cfg.n_heads, vocab_size=100,
-                                                  max_seq_len=cfg.max_seq_len, norm_eps=cfg.norm_eps,
-                                                  experts_per_token=cfg.experts_per_token if cfg.n_experts else None)
+            imported_cfg, state = import_megatron(folder, n_heads=cfg.attention.n_heads, vocab_size=100,
+                                                  max_seq_len=cfg.max_seq_len, norm_eps=cfg.norm.eps,
+                                                  experts_per_token=cfg.moe.experts_per_token
+                                                  if cfg.moe.n_experts else None)
         imported = Transformer(imported_cfg).eval()
         imported.load_state_dict(state, strict=True)
         with torch.no_grad():

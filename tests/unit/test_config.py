@@ -15,9 +15,9 @@ def test_shipped_configs_load(path):
 
 
 def test_overrides_apply_with_types():
-    cfg = load_config(CONFIGS / "tiny-gpt.toml", ["train.steps=7", "model.n_layers=2", "model.norm=rmsnorm",
+    cfg = load_config(CONFIGS / "tiny-gpt.toml", ["train.steps=7", "model.n_layers=2", "model.norm.kind=rmsnorm",
                                                "optim.betas=[0.8, 0.9]"])
-    assert cfg.train.steps == 7 and cfg.model.n_layers == 2 and cfg.model.norm == "rmsnorm"
+    assert cfg.train.steps == 7 and cfg.model.n_layers == 2 and cfg.model.norm.kind == "rmsnorm"
     assert cfg.optim.betas == (0.8, 0.9)
 
 
@@ -50,11 +50,11 @@ def test_bundled_configs_load_by_name():
     [
         (["model.n_layer=2"], "did you mean 'model.n_layers'"),
         (["trian.steps=2"], "did you mean 'train'"),
-        (["model.d_model=130"], "not divisible by model.n_heads"),
-        (["model.n_kv_heads=3"], "n_kv_heads must divide n_heads"),
-        (["model.attention_window=1000"], "larger than data.seq_len"),
+        (["model.d_model=130"], "not divisible by model.attention.n_heads"),
+        (["model.attention.n_kv_heads=3"], "n_kv_heads must divide n_heads"),
+        (["model.attention.window=1000", 'model.layer_types=["sliding_attention"]'], "larger than data.seq_len"),
         (["train.steps=ten"], "train.steps must be int"),
-        (["model.norm=batchnorm"], "is not one of"),
+        (["model.norm.kind=batchnorm"], "is not one of"),
         (["data.seq_len=4096"], "exceeds model.max_seq_len"),
         (["train.objective=mlm"], "does not fit model.family"),
         (["steps=3"], "unknown config key"),
@@ -70,7 +70,7 @@ def test_bundled_configs_load_by_name():
         (["checkpoint.max_shard_size=lots"], "checkpoint.max_shard_size: cannot read the size"),  # not after training
         (["model.family=decodr"], "did you mean 'decoder'\\? registered families"),
         (["model.cross_downsample=2"], "cross_downsample only applies"),
-        (["model.family=encoder", "model.document_mask=true"], "document_mask needs the causal objective"),
+        (["model.family=encoder", "model.attention.document_mask=true"], "document_mask needs the causal objective"),
         (["optim.max_nonfinite_in_a_row=-1"], "max_nonfinite_in_a_row"),
     ],
 )

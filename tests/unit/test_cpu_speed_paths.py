@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from meshformer.config import ModelConfig
+from meshformer.config import AttentionConfig, FfnConfig, ModelConfig
 from meshformer.model.attention import Attention
 from meshformer.model.masks import build_mask
 from meshformer.runtime.host_memory import ENV_MMAP_THRESHOLD, reuse_freed_host_memory
@@ -14,8 +14,8 @@ from meshformer.runtime.host_memory import ENV_MMAP_THRESHOLD, reuse_freed_host_
 
 def attention(bias: bool, kv_heads: int | None = None) -> Attention:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=kv_heads, n_layers=1, d_ff=48,
-                      max_seq_len=16, dropout=0.0, bias=bias)
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=1, max_seq_len=16, dropout=0.0, bias=bias,
+                      attention=AttentionConfig(n_heads=4, n_kv_heads=kv_heads), ffn=FfnConfig(d_ff=48))
     return Attention(cfg, causal=True)
 
 

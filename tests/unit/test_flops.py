@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers.common import CONFIGS
 
-from meshformer.config import ModelConfig, load_config
+from meshformer.config import AttentionConfig, FfnConfig, ModelConfig, RopeConfig, load_config
+from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
 from meshformer.model.flops import count_params, flops_per_token, training_flops
 
@@ -44,7 +47,7 @@ SMALL = {
 
 @pytest.mark.parametrize("name", list(SMALL))
 def test_count_params_equals_built_model(name):
-    cfg = ModelConfig(vocab_size=101, d_model=48, n_heads=6, n_layers=3, d_ff=80, max_seq_len=33, **SMALL[name])
+    cfg = model_from_flat(vocab_size=101, d_model=48, n_heads=6, n_layers=3, d_ff=80, max_seq_len=33, **SMALL[name])
     counts = count_params(cfg)
     assert counts["total"] == built_params(cfg)
     assert counts["embedding"] + counts["non_embedding"] == counts["total"]
@@ -134,10 +137,10 @@ def test_new_configs_count_what_their_hugging_face_export_builds(name):
         hf = getattr(transformers, _MODEL_CLASSES[arch])(config_to_hf(cfg, arch))
     counts = count_params(cfg)
     assert counts["total"] == sum(p.numel() for p in hf.parameters())
-    if cfg.n_experts:  # active: every block's experts but experts_per_token of them left out, per their shapes
+    if cfg.moe.n_experts:  # active: every block's experts but experts_per_token of them left out, per their shapes
         experts = [layer.mlp.experts for layer in hf.model.layers if hasattr(layer.mlp, "experts")]
-        unused = sum((cfg.n_experts - cfg.experts_per_token) * (e.gate_up_proj[0].numel() + e.down_proj[0].numel())
-                     for e in experts)
+        idle = cfg.moe.n_experts - cfg.moe.experts_per_token
+        unused = sum(idle * (e.gate_up_proj[0].numel() + e.down_proj[0].numel()) for e in experts)
         assert counts["active"] == counts["total"] - unused
 
 
@@ -174,8 +177,8 @@ def test_llama_flops_per_token_is_6n_plus_attention():
 
 
 def test_encoder_decoder_flops_account_for_each_stack():
-    cfg = ModelConfig(family="encoder_decoder", vocab_size=100, d_model=64, n_heads=4, n_encoder_layers=2,
-                      n_decoder_layers=3, d_ff=128, bias=False, tie_embeddings=True)
+    cfg = ModelConfig(family="encoder_decoder", vocab_size=100, d_model=64, n_encoder_layers=2, n_decoder_layers=3,
+                      bias=False, tie_embeddings=True, attention=AttentionConfig(n_heads=4), ffn=FfnConfig(d_ff=128))
     d, ff, v, src, tgt = 64, 128, 100, 40, 10
     # Forward: 2 FLOPs per weight per token it reads, plus 4 * queries * keys * d for QK^T and AV.
     encoder_layer = 2 * (4 * d * d + 2 * d * ff) * src + 4 * src * src * d
@@ -190,16 +193,18 @@ def test_encoder_decoder_flops_account_for_each_stack():
 
 
 def test_sliding_window_reduces_attention_flops():
-    cfg = ModelConfig(d_model=64, n_heads=4, n_layers=2)
-    windowed = ModelConfig(d_model=64, n_heads=4, n_layers=2, attention_window=16)
+    cfg = ModelConfig(d_model=64, n_layers=2, attention=AttentionConfig(n_heads=4))
+    windowed = ModelConfig(d_model=64, n_layers=2, layer_types=["sliding_attention"],
+                           attention=AttentionConfig(n_heads=4, window=16))
     gap = flops_per_token(cfg, 256) - flops_per_token(windowed, 256)
     assert gap == 12 * 2 * (256 - 16) * 64
 
 
 def test_global_blocks_of_a_window_pattern_count_every_key():
     """Gemma 3's pattern: 1 of every 3 blocks global, so 2 of 6 blocks see all 256 keys and 4 see 16."""
-    kwargs = dict(d_model=64, n_heads=4, n_layers=6, attention_window=16)
-    windowed = ModelConfig(**kwargs)
-    pattern = ModelConfig(**kwargs, full_attention_every=3, rope_local_theta=1e4, position="rope")
+    windowed = ModelConfig(d_model=64, n_layers=6, layer_types=["sliding_attention"],
+                           attention=AttentionConfig(n_heads=4, window=16))
+    pattern = dataclasses.replace(windowed, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                  position="rope", rope=RopeConfig(local_theta=1e4))
     gap = flops_per_token(pattern, 256) - flops_per_token(windowed, 256)
     assert gap == 12 * 2 * (256 - 16) * 64

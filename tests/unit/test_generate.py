@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshformer.config import ModelConfig
+from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
 from meshformer.model.generate import greedy_decode, pad_rows
 
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def model_for(family: str, position: str, seed: int = 0, **extra) -> Transformer:
-    cfg = ModelConfig(family=family, vocab_size=40, d_model=32, n_heads=4, n_layers=2, d_ff=48, max_seq_len=20,
-                      position=position, **extra)
+    cfg = model_from_flat(family=family, vocab_size=40, d_model=32, n_heads=4, n_layers=2, d_ff=48, max_seq_len=20,
+                          position=position, **extra)
     torch.manual_seed(seed)
     model = Transformer(cfg).to(F64).eval()
     with torch.no_grad():
@@ -180,7 +180,7 @@ def test_right_padded_sources_decode_as_each_source_alone(position):
 
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_a_capacity_factor_moe_generates_dropless_whatever_the_batch(use_cache):
-    """Generation ignores model.capacity_factor: with it, which tokens an expert drops depends on the other tokens
+    """Generation ignores model.moe.capacity_factor: with it, which tokens an expert drops depends on the other tokens
     of the forward (the batch's other prompts; the whole sequence, or one new token with a cache), so a prompt's
     continuation would depend on its neighbours. Training still drops."""
     from meshformer.model.moe import moe_layers

@@ -5,6 +5,7 @@ truncation; their parameter counts, initialisation and optimizer groups."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -14,10 +15,11 @@ from meshformer.checkpointing import ConversionError
 from meshformer.checkpointing.hf_folder import export_hf
 from meshformer.checkpointing.megatron_config import megatron_incompatibilities
 from meshformer.config import ConfigError, OptimConfig, config_from_dict
+from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
 from meshformer.model.attention import Attention, KVCache
 from meshformer.model.blockwise_attention import blockwise_attention
-from meshformer.model.config import ModelConfig
+from meshformer.model.config import AttentionConfig, FfnConfig, ModelConfig, MoeConfig, NormConfig
 from meshformer.model.flops import count_params
 from meshformer.model.layers import FeedForward
 from meshformer.model.masks import build_mask
@@ -55,7 +57,7 @@ def ours(**extra: Any) -> ModelConfig:
         attention_sinks=True, rope_theta=150000.0, rope_scaling="yarn", rope_scaling_factor=32.0,
         rope_original_max_seq_len=4096, rope_truncate=False, n_experts=EXPERTS, experts_per_token=TOP_K,
         router_bias=True, expert_bias_terms=True)
-    return ModelConfig(**{**base, **extra})
+    return model_from_flat(**{**base, **extra})
 
 
 def random_(*params: torch.Tensor, std: float = 0.3) -> None:
@@ -282,17 +284,17 @@ def test_moe_backends_give_the_same_gradients_with_biases():
 def test_yarn_without_truncation_equals_gpt_oss_rotary_tables():
     rotary = hf.GptOssRotaryEmbedding(hf_config())
     cfg = ours()
-    inv_freq, attention_factor = rope_frequencies(HEAD_DIM, cfg.rope_theta, RopeScaling.from_config(cfg))
+    inv_freq, attention_factor = rope_frequencies(HEAD_DIM, cfg.rope.theta, RopeScaling.from_config(cfg))
     torch.testing.assert_close(inv_freq.float(), rotary.inv_freq, rtol=1e-6, atol=0)
     assert attention_factor == pytest.approx(rotary.attention_scaling, rel=1e-12)
     cos, sin = rotary(torch.zeros(1), torch.arange(64)[None])
-    table = RotaryEmbedding(HEAD_DIM, 64, cfg.rope_theta, RopeScaling.from_config(cfg))
+    table = RotaryEmbedding(HEAD_DIM, 64, cfg.rope.theta, RopeScaling.from_config(cfg))
     half = HEAD_DIM // 2  # HF's gpt-oss tables hold each frequency once; ours repeat them for both halves
     torch.testing.assert_close(table.cos[:, :half], cos[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(table.sin[:, half:], sin[0], rtol=1e-5, atol=1e-6)
-    truncated, _ = rope_frequencies(64, cfg.rope_theta, RopeScaling.from_config(ModelConfig(**{
-        **cfg.__dict__, "rope_truncate": True})))
-    exact, _ = rope_frequencies(64, cfg.rope_theta, RopeScaling.from_config(cfg))
+    truncated, _ = rope_frequencies(64, cfg.rope.theta, RopeScaling.from_config(
+        dataclasses.replace(cfg, rope=dataclasses.replace(cfg.rope, truncate=True))))
+    exact, _ = rope_frequencies(64, cfg.rope.theta, RopeScaling.from_config(cfg))
     assert not torch.allclose(truncated, exact)  # the key changes the function
 
 
@@ -320,9 +322,9 @@ def test_parameter_count_init_and_optimizer_groups():
 
 
 @pytest.mark.parametrize("model,named", [
-    (dict(router_bias=True), "model.router_bias=true needs experts"),
-    (dict(expert_bias_terms=True), "model.expert_bias_terms=true needs experts"),
-    (dict(activation="swiglu_clamped", swiglu_limit=0.0), "model.swiglu_limit=0.0"),
+    (dict(router_bias=True), "model.moe.router_bias=true needs experts"),
+    (dict(expert_bias_terms=True), "model.moe.expert_bias_terms=true needs experts"),
+    (dict(activation="swiglu_clamped", swiglu_limit=0.0), "model.ffn.swiglu_limit=0.0"),
 ])
 def test_refusals(model, named):
     with pytest.raises(ConfigError, match=named.replace("(", r"\(")):
@@ -331,11 +333,11 @@ def test_refusals(model, named):
 
 @pytest.mark.parametrize("key", ["attention_sinks", "router_bias", "expert_bias_terms"])
 def test_exports_that_would_drop_a_gpt_oss_piece_are_refused(key, tmp_path):
-    cfg = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=32, activation="swiglu", norm="rmsnorm",
-                      position="rope", bias=False, max_seq_len=16, n_experts=0 if key == "attention_sinks" else 4,
-                      **{key: True})
+    cfg = model_from_flat(vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=32, activation="swiglu",
+                          norm="rmsnorm", position="rope", bias=False, max_seq_len=16,
+                          n_experts=0 if key == "attention_sinks" else 4, **{key: True})
     with pytest.raises(ConversionError, match=f"{key}=True"):
-        export_hf(Transformer(cfg).state_dict(), cfg, tmp_path / "hf", "mixtral" if cfg.n_experts else "llama")
+        export_hf(Transformer(cfg).state_dict(), cfg, tmp_path / "hf", "mixtral" if cfg.moe.n_experts else "llama")
     assert any(key in problem for problem in megatron_incompatibilities(cfg))
 
 
@@ -344,10 +346,11 @@ def test_exports_that_would_drop_a_gpt_oss_piece_are_refused(key, tmp_path):
 def test_parameter_counts_of_the_published_shapes_equal_transformers(layers, experts, total):
     """The issue's 20.9B / 116.8B: `meshformer params` of gpt-oss-20b / 120b's shapes, and transformers' model of
     the same config (built on the meta device) holding as many parameters."""
-    cfg = ModelConfig(vocab_size=201088, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64, n_layers=layers,
-                      d_ff=2880, activation="swiglu_clamped", norm="rmsnorm", bias=True, position="rope",
-                      tie_embeddings=False, attention_sinks=True, n_experts=experts, experts_per_token=4,
-                      router_bias=True, expert_bias_terms=True)
+    cfg = ModelConfig(vocab_size=201088, d_model=2880, n_layers=layers, bias=True, position="rope",
+                      tie_embeddings=False,
+                      attention=AttentionConfig(n_heads=64, n_kv_heads=8, head_dim=64, sinks=True),
+                      ffn=FfnConfig(d_ff=2880, activation="swiglu_clamped"), norm=NormConfig(kind="rmsnorm"),
+                      moe=MoeConfig(n_experts=experts, experts_per_token=4, router_bias=True, expert_bias_terms=True))
     assert count_params(cfg)["total"] == total
     config = transformers.GptOssConfig(num_hidden_layers=layers, num_local_experts=experts)
     with torch.device("meta"):

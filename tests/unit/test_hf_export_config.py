@@ -14,7 +14,7 @@ from helpers.hf_models import hf_folder
 from meshformer.checkpointing.init_from import SOURCE_FILE, record_source, source_config
 from meshformer.checkpointing.weights import write_weights
 from meshformer.cli import main
-from meshformer.config import ModelConfig, load_config
+from meshformer.config import AttentionConfig, FfnConfig, ModelConfig, NormConfig, load_config
 from meshformer.model import Transformer
 
 transformers = pytest.importorskip("transformers")
@@ -32,8 +32,9 @@ def _source_folder(tmp_path: Path) -> Path:
 
 
 def test_export_names_the_model_class_and_dtype(tmp_path):
-    cfg = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=64, activation="swiglu", norm="rmsnorm",
-                      position="rope", bias=False, tie_embeddings=False, max_seq_len=16)
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, position="rope", bias=False, tie_embeddings=False,
+                      max_seq_len=16, attention=AttentionConfig(n_heads=4), ffn=FfnConfig(d_ff=64, activation="swiglu"),
+                      norm=NormConfig(kind="rmsnorm"))
     write_weights(Transformer(cfg).to(torch.bfloat16).state_dict(), cfg, tmp_path / "ours")
     main(["convert", "export-hf", str(tmp_path / "ours"), str(tmp_path / "out")])
     written = json.loads((tmp_path / "out" / "config.json").read_text())

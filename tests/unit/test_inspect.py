@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from meshformer.config import ModelConfig
+from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
 from meshformer.model.inspect import attention_heatmap, attention_weights, gradient_norms, gradient_report
 
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def tiny(**extra) -> Transformer:
     torch.manual_seed(0)
-    return Transformer(ModelConfig(vocab_size=30, d_model=32, n_heads=4, n_layers=2, d_ff=48, max_seq_len=16,
-                                   **extra))
+    return Transformer(model_from_flat(vocab_size=30, d_model=32, n_heads=4, n_layers=2, d_ff=48, max_seq_len=16,
+                                       **extra))
 
 
 def test_attention_weights_are_causal_distributions_of_the_chosen_layer():

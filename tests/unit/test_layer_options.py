@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from meshformer.config import ConfigError, ModelConfig, config_from_dict
+from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
 from meshformer.model.masks import AttentionMask
 
@@ -27,7 +28,7 @@ OLMO2 = dict(norm_position="post_sublayer", qk_norm=True, qk_norm_scope="project
 def small(**extra: Any) -> ModelConfig:
     base: dict[str, Any] = dict(vocab_size=40, d_model=32, n_heads=4, n_kv_heads=2, n_layers=4, d_ff=48,
                                 max_seq_len=24, position="rope", norm="rmsnorm", activation="swiglu", bias=False)
-    return ModelConfig(**{**base, **extra})
+    return model_from_flat(**{**base, **extra})
 
 
 def test_attention_softcap_caps_the_scaled_scores_before_the_softmax():
@@ -108,13 +109,13 @@ def config_with(**model: Any):
 
 
 @pytest.mark.parametrize("model,match", [
-    (dict(full_attention_every=2), "model.full_attention_every=2 .* needs model.attention_window .*; set both"),
+    (dict(full_attention_every=2), "model.full_attention_every=2 .* needs model.attention.window .*; set both"),
     (dict(attention_window=4, full_attention_every=0), "a value >= 1"),
-    (dict(rope_local_theta=1e4), "model.rope_local_theta=10000.0 .* needs .*model.attention_window"),
-    (dict(attention_softcap=0.0), "model.attention_softcap=0.0 must be positive"),
+    (dict(rope_local_theta=1e4), "model.rope.local_theta=10000.0 .* needs .*sliding_attention blocks"),
+    (dict(attention_softcap=0.0), "model.attention.softcap=0.0 must be positive"),
     (dict(logit_softcap=-1.0), "model.logit_softcap=-1.0 must be positive"),
-    (dict(norm="layernorm", norm_weight_offset=1.0), "set model.norm='rmsnorm'"),
-    (dict(qk_norm_scope="projection"), "has no QK-norm to place; set model.qk_norm=true"),
+    (dict(norm="layernorm", norm_weight_offset=1.0), "set model.norm.kind='rmsnorm'"),
+    (dict(qk_norm_scope="projection"), "has no QK-norm to place; set model.attention.qk_norm=true"),
 ])
 def test_bad_options_get_one_line(model, match):
     with pytest.raises(ConfigError, match=match) as caught:

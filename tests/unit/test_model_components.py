@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from meshformer.config import ModelConfig
+from meshformer.config import AttentionConfig, FfnConfig, ModelConfig, NormConfig
+from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
 from meshformer.model.attention import Attention
 from meshformer.model.masks import build_mask, masked_avg_pool, pool_padding_mask
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def tiny(**overrides) -> ModelConfig:
     base = dict(vocab_size=50, d_model=32, n_heads=4, n_layers=2, d_ff=48, max_seq_len=24, dropout=0.0)
-    return ModelConfig(**{**base, **overrides})
+    return model_from_flat(**{**base, **overrides})
 
 
 def build(cfg: ModelConfig, seed: int = 0) -> Transformer:
@@ -396,9 +397,9 @@ def test_document_mask_makes_a_packed_row_equal_its_documents_run_alone(backend)
     """RoPE scores depend only on relative positions, so with attention kept inside each document every document
     of a packed row gets exactly the outputs it gets alone; without the mask the later ones see the earlier."""
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, d_ff=64, max_seq_len=24,
-                      position="rope", norm="rmsnorm", activation="swiglu", bias=False, document_mask=True,
-                      attention_backend=backend)
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, max_seq_len=24, position="rope", bias=False,
+                      attention=AttentionConfig(n_heads=4, n_kv_heads=2, document_mask=True, backend=backend),
+                      ffn=FfnConfig(d_ff=64, activation="swiglu"), norm=NormConfig(kind="rmsnorm"))
     model = Transformer(cfg).eval()
     lengths = [5, 9, 3]
     docs = [torch.randint(0, 50, (1, n)) for n in lengths]
@@ -407,7 +408,7 @@ def test_document_mask_makes_a_packed_row_equal_its_documents_run_alone(backend)
     with torch.no_grad():
         together = model(packed, doc_ids=doc_ids)
         alone = torch.cat([model(d) for d in docs], dim=1)
-        model.cfg.document_mask = False
+        model.cfg.attention.document_mask = False
         unmasked = model(packed, doc_ids=doc_ids)
     torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
     assert (unmasked[:, lengths[0]:] - alone[:, lengths[0]:]).abs().max() > 1e-2

@@ -24,7 +24,8 @@ from meshformer.checkpointing.hf import (
     to_hf_model,
     to_hf_state_dict,
 )
-from meshformer.config import ModelConfig
+from meshformer.config import AttentionConfig, FfnConfig, ModelConfig, NormConfig
+from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
 
 transformers = pytest.importorskip("transformers")
@@ -53,7 +54,8 @@ def test_encoder_decoder_equals_torch_nn_transformer(norm_first):
     perturb(ref)
     ref.train()  # dropout is 0; train mode keeps nn.Transformer off its nested-tensor fast path
     cfg = config_from_torch_transformer(ref, vocab_size=8)
-    assert (cfg.norm_position, cfg.activation, cfg.use_final_norm) == ("pre" if norm_first else "post", "relu", True)
+    assert (cfg.norm.position, cfg.ffn.activation, cfg.use_final_norm) == ("pre" if norm_first else "post", "relu",
+                                                                           True)
     ours = Transformer(cfg).double().eval()
     load_torch_transformer(ours, ref)
     ours.tok_embeddings = None  # embedding-free: both stacks take the same embedded tensors
@@ -249,8 +251,8 @@ def test_hf_t5_with_relative_bias_matches():
     hf.eval()
     ours = from_hf_model(hf).eval()
     cfg = ours.cfg
-    assert (cfg.position, cfg.relative_buckets, cfg.relative_max_distance) == ("t5_relative", 8, 10)
-    assert (cfg.attention_scale, cfg.scale_output) == (1.0, True)
+    assert (cfg.position, cfg.attention.relative_buckets, cfg.attention.relative_max_distance) == ("t5_relative", 8, 10)
+    assert (cfg.attention.scale, cfg.scale_output) == (1.0, True)
     ids, mask = _random_batch()
     target, target_mask = _random_batch(seed=2)  # 12 target tokens: causal distances up to 11 > max distance 10
     with torch.no_grad():
@@ -295,11 +297,12 @@ def test_gpt2_conv1d_transpose_and_qkv_packing():
     ours = from_hf_model(hf)
     c_attn = hf.transformer.h[1].attn.c_attn.weight  # (in, 3 * out): y = x @ W
     torch.testing.assert_close(ours.decoder_layers["1"].attn.k_proj.weight, c_attn[:, 32:64].T)
-    assert ours.cfg.activation == "gelu_tanh" and ours.output.weight is ours.tok_embeddings.weight
+    assert ours.cfg.ffn.activation == "gelu_tanh" and ours.output.weight is ours.tok_embeddings.weight
 
 
 def test_incompatible_configs_and_stray_tensors_are_refused():
-    cfg = ModelConfig(vocab_size=97, d_model=32, n_heads=4, n_layers=2, d_ff=64, position="rope")
+    cfg = ModelConfig(vocab_size=97, d_model=32, n_layers=2, position="rope", attention=AttentionConfig(n_heads=4),
+                      ffn=FfnConfig(d_ff=64))
     with pytest.raises(ValueError, match="position='rope'"):
         check_compatible(cfg, "gpt2")
     with pytest.raises(ValueError, match="no Hugging Face architecture"):
@@ -314,8 +317,9 @@ def test_incompatible_configs_and_stray_tensors_are_refused():
 
 
 def test_llama_export_runs_in_hf_with_gqa():
-    cfg = ModelConfig(vocab_size=97, d_model=32, n_heads=4, n_kv_heads=1, n_layers=2, d_ff=48, activation="swiglu",
-                      norm="rmsnorm", position="rope", tie_embeddings=False, bias=False, max_seq_len=32)
+    cfg = ModelConfig(vocab_size=97, d_model=32, n_layers=2, position="rope", tie_embeddings=False, bias=False,
+                      max_seq_len=32, attention=AttentionConfig(n_heads=4, n_kv_heads=1),
+                      ffn=FfnConfig(d_ff=48, activation="swiglu"), norm=NormConfig(kind="rmsnorm"))
     torch.manual_seed(0)
     ours = Transformer(cfg).eval()
     perturb(ours)
@@ -350,7 +354,7 @@ def test_base_model_checkpoint_names_are_accepted():
 
 
 def _llama_config(**extra) -> ModelConfig:
-    return ModelConfig(**{"vocab_size": 97, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "n_layers": 2, "d_ff": 48,
+    return model_from_flat(**{"vocab_size": 97, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "n_layers": 2, "d_ff": 48,
                           "activation": "swiglu", "norm": "rmsnorm", "position": "rope", "tie_embeddings": False,
                           "bias": False, "max_seq_len": 32, **extra})
 
@@ -487,7 +491,8 @@ def test_olmo3_7b_published_config_maps_both_ways():
         rope_theta=500000.0, rope_scaling=yarn, pad_token_id=100277, eos_token_id=100257)
     assert published.layer_types[:4] == ["sliding_attention"] * 3 + ["full_attention"]  # transformers' default
     cfg = config_from_hf(published)
-    assert (cfg.attention_window, cfg.full_attention_every, cfg.rope_local_theta) == (4096, 4, 500000.0)
+    assert (cfg.attention.window, cfg.rope.local_theta) == (4096, 500000.0)
+    assert cfg.layer_types == ["sliding_attention"] * 3 + ["full_attention"]
     assert cfg == load_config("olmo3-7b").model
     with torch.device("meta"):
         hf = transformers.Olmo3ForCausalLM(published)
@@ -505,8 +510,8 @@ def test_llama31_rope_parameters_map_both_ways():
     cfg = config_from_hf(transformers.LlamaConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=published))
-    assert (cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_original_max_seq_len) == ("llama3", 8.0, 8192)
-    assert (cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_theta) == (1.0, 4.0, 500000.0)
+    assert (cfg.rope.scaling, cfg.rope.factor, cfg.rope.original_max_seq_len) == ("llama3", 8.0, 8192)
+    assert (cfg.rope.low_freq_factor, cfg.rope.high_freq_factor, cfg.rope.theta) == (1.0, 4.0, 500000.0)
     assert config_to_hf(cfg).rope_parameters == published
 
 
@@ -545,7 +550,7 @@ def test_olmo2_gemma3_refuse_what_they_cannot_express(make, extra, named):
     (_llama_config(norm_position="post_sublayer", qk_norm=True), "qk_norm_scope='head'"),
 ], ids=["gemma3-attention-softcap", "gemma3-offset", "gemma3-scale", "olmo2-per-head-qk-norm"])
 def test_export_refuses_what_gemma3_and_olmo2_lack(cfg, named):
-    arch = "gemma3_text" if cfg.norm_position == "sandwich" else "olmo2"
+    arch = "gemma3_text" if cfg.norm.position == "sandwich" else "olmo2"
     with pytest.raises(ValueError, match=re.escape(named)):
         check_compatible(cfg, arch)
 
@@ -561,8 +566,9 @@ def test_gemma3_1b_published_config_maps_both_ways():
         num_key_value_heads=1, head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6, sliding_window=512,
         sliding_window_pattern=6, query_pre_attn_scalar=256, rope_theta=1e6, rope_local_base_freq=10000.0)
     cfg = config_from_hf(published)
-    assert (cfg.attention_window, cfg.full_attention_every, cfg.rope_theta, cfg.rope_local_theta) == (512, 6, 1e6, 1e4)
-    assert [cfg.window(i) for i in range(6)] == [512] * 5 + [None] and cfg.attention_scale is None
+    assert (cfg.attention.window, cfg.rope.theta, cfg.rope.local_theta) == (512, 1e6, 1e4)
+    assert cfg.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    assert [cfg.window(i) for i in range(6)] == [512] * 5 + [None] and cfg.attention.scale is None
     with torch.device("meta"):
         hf = transformers.Gemma3ForCausalLM(published)
     assert count_params(cfg)["total"] == sum(p.numel() for p in hf.parameters())  # 999,885,952

@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from meshformer.config import ConfigError, config_from_dict, load_config
+from meshformer.config.migrate import with_dotted
 from meshformer.loss.cross_entropy import plain_loss_fn
 from meshformer.model import Transformer
-from meshformer.model.config import ModelConfig
+from meshformer.model.config import AttentionConfig, FfnConfig, ModelConfig, MoeConfig, moe_pattern
 from meshformer.model.flops import count_params, flops_per_token
 from meshformer.model.init import init_buffers, init_weights
 from meshformer.model.layers import FeedForward
@@ -33,8 +34,9 @@ from meshformer.parallel.parallel_model import ParallelModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SMALL = ModelConfig(vocab_size=101, d_model=32, n_heads=4, n_layers=3, d_ff=48, max_seq_len=16, n_experts=4,
-                    experts_per_token=2, moe_d_ff=24, activation="swiglu")
+SMALL = ModelConfig(vocab_size=101, d_model=32, n_layers=3, max_seq_len=16, attention=AttentionConfig(n_heads=4),
+                    ffn=FfnConfig(d_ff=48, activation="swiglu"),
+                    moe=MoeConfig(n_experts=4, experts_per_token=2, d_ff=24))
 
 
 def layer(cfg: ModelConfig, seed: int = 0) -> MoEFeedForward:
@@ -89,16 +91,17 @@ def backends() -> list[str]:
     return [b for b in BACKENDS if b != "grouped_mm" or grouped_mm_runs("cpu")]
 
 
-@pytest.mark.parametrize("extra", [dict(), dict(activation="gelu"), dict(capacity_factor=1.0),
-                                   dict(n_shared_experts=1, router_score="sigmoid", n_experts=8,
-                                        experts_per_token=3, router_groups=4, router_groups_per_token=2)],
+@pytest.mark.parametrize("extra", [{}, {"ffn.activation": "gelu"}, {"moe.capacity_factor": 1.0},
+                                   {"moe.n_shared_experts": 1, "moe.router_score": "sigmoid", "moe.n_experts": 8,
+                                    "moe.experts_per_token": 3, "moe.router_groups": 4,
+                                    "moe.router_groups_per_token": 2}],
                          ids=["swiglu", "gelu", "capacity", "shared-sigmoid-groups"])
 def test_every_compute_path_gives_the_same_output_and_gradients(extra):
-    cfg = replace(SMALL, **extra)
+    cfg = with_dotted(SMALL, extra)
     x = torch.randn(3, 7, cfg.d_model, generator=torch.Generator().manual_seed(1))
     results = {}
     for backend in backends():
-        moe = layer(replace(cfg, moe_backend=backend))
+        moe = layer(replace(cfg, moe=replace(cfg.moe, backend=backend)))
         xb = x.clone().requires_grad_()
         out = moe(xb)
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
@@ -115,7 +118,7 @@ def test_every_compute_path_gives_the_same_output_and_gradients(extra):
 def test_the_layer_equals_a_per_token_sum_of_its_experts_forward_and_backward(k):
     """Against the definition, token by token: the permutation around the experts (a gather whose backward
     gathers too) must neither lose nor double any token's gradient."""
-    cfg = replace(SMALL, experts_per_token=k, router_renormalize=False)
+    cfg = replace(SMALL, moe=replace(SMALL.moe, experts_per_token=k, router_renormalize=False))
     moe = layer(cfg)
     reference = copy.deepcopy(moe)
     x = torch.randn(2, 5, cfg.d_model, generator=torch.Generator().manual_seed(3))
@@ -139,8 +142,9 @@ def test_the_layer_equals_a_per_token_sum_of_its_experts_forward_and_backward(k)
 @pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
 def test_a_micro_batch_of_no_tokens_gives_an_empty_output_and_zero_gradients(k, capacity_factor):
     """No rows (e.g. an empty batch dimension): the k-way view and the gather's backward have no -1 to infer."""
-    moe = layer(replace(SMALL, experts_per_token=k, capacity_factor=capacity_factor, moe_aux_loss=0.0,
-                        router_z_loss=0.0))
+    moe = layer(replace(SMALL,
+                        moe=replace(SMALL.moe, experts_per_token=k, capacity_factor=capacity_factor, aux_loss=0.0,
+                                    router_z_loss=0.0)))
     x = torch.zeros(0, 4, SMALL.d_model, requires_grad=True)
     out = moe(x)
     assert out.shape == x.shape
@@ -149,7 +153,8 @@ def test_a_micro_batch_of_no_tokens_gives_an_empty_output_and_zero_gradients(k, 
     assert all(p.grad is None or not p.grad.any() for p in moe.parameters())
 
 def test_capacity_drops_tokens_beyond_it_and_counts_them():
-    cfg = replace(SMALL, experts_per_token=1, capacity_factor=1.0, activation="gelu")
+    cfg = replace(SMALL, ffn=replace(SMALL.ffn, activation="gelu"),
+                  moe=replace(SMALL.moe, experts_per_token=1, capacity_factor=1.0))
     moe = layer(cfg)
     with torch.no_grad():
         moe.router.weight.zero_()
@@ -167,7 +172,7 @@ def test_capacity_drops_tokens_beyond_it_and_counts_them():
 
 
 def test_shared_experts_add_a_dense_ffn_of_their_total_width():
-    cfg = replace(SMALL, n_shared_experts=2)
+    cfg = replace(SMALL, moe=replace(SMALL.moe, n_shared_experts=2))
     moe = layer(cfg)
     assert moe.shared_experts is not None and moe.shared_experts.up_proj.out_features == 2 * cfg.expert_d_ff
     x = torch.randn(2, 5, cfg.d_model)
@@ -178,7 +183,7 @@ def test_shared_experts_add_a_dense_ffn_of_their_total_width():
     f, ffn = cfg.expert_d_ff, moe.shared_experts
     halves = []
     for part in (slice(0, f), slice(f, 2 * f)):
-        half = FeedForward(replace(cfg, d_ff=f))
+        half = FeedForward(replace(cfg, ffn=replace(cfg.ffn, d_ff=f)))
         with torch.no_grad():
             for name in ("gate_proj", "up_proj"):
                 getattr(half, name).weight.copy_(getattr(ffn, name).weight[part])
@@ -205,20 +210,20 @@ def direct_aux(scores: torch.Tensor, experts: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
 def test_aux_and_z_losses_follow_their_formulas(score):
-    cfg = replace(SMALL, router_score=score, moe_aux_per_sequence=False)
+    cfg = replace(SMALL, moe=replace(SMALL.moe, router_score=score, aux_per_sequence=False))
     moe = layer(cfg)
     x = torch.randn(2, 6, cfg.d_model)
     moe(x)
     stats = moe.last_stats
     assert stats is not None
     logits = x.reshape(-1, cfg.d_model) @ moe.router.weight.T
-    r = route(logits, cfg.experts_per_token, score=score)
+    r = route(logits, cfg.moe.experts_per_token, score=score)
     assert stats.aux_loss.item() == pytest.approx(direct_aux(r.scores, r.experts), rel=1e-5)
     z = sum(torch.logsumexp(row, 0).item() ** 2 for row in logits) / logits.shape[0]
     assert stats.z_loss.item() == pytest.approx(z, rel=1e-5)
     # per sequence: the formula on each sequence's tokens, averaged
     per_sequence = [direct_aux(r.scores[i * 6:(i + 1) * 6], r.experts[i * 6:(i + 1) * 6]) for i in range(2)]
-    per_seq_layer = layer(replace(cfg, moe_aux_per_sequence=True))
+    per_seq_layer = layer(replace(cfg, moe=replace(cfg.moe, aux_per_sequence=True)))
     per_seq_layer(x)
     assert per_seq_layer.last_stats is not None
     assert per_seq_layer.last_stats.aux_loss.item() == pytest.approx(sum(per_sequence) / 2, rel=1e-5)
@@ -226,18 +231,18 @@ def test_aux_and_z_losses_follow_their_formulas(score):
 
 @pytest.mark.parametrize("per_sequence", [False, True])
 def test_the_backward_adds_the_weighted_balance_terms(per_sequence):
-    cfg = replace(SMALL, moe_aux_loss=0.01, router_z_loss=0.001, moe_aux_per_sequence=per_sequence)
+    cfg = replace(SMALL, moe=replace(SMALL.moe, aux_loss=0.01, router_z_loss=0.001, aux_per_sequence=per_sequence))
     moe = layer(cfg)
     moe.balance_weight = 0.25  # e.g. 4 micro-batches in the step
     x = torch.randn(2, 6, cfg.d_model)
     (moe(x) * 0).sum().backward()  # only the balance terms reach the router
     weight = moe.router.weight.detach().clone().requires_grad_()
     logits = x.reshape(-1, cfg.d_model) @ weight.T
-    r = route(logits, cfg.experts_per_token)
+    r = route(logits, cfg.moe.experts_per_token)
     probs = r.scores / r.scores.sum(-1, keepdim=True)
-    slots = F.one_hot(r.experts, cfg.n_experts).sum(1).float()
+    slots = F.one_hot(r.experts, cfg.moe.n_experts).sum(1).float()
     pieces = 2 if per_sequence else 1
-    aux = sum(cfg.n_experts * (s.mean(0) / cfg.experts_per_token * p.mean(0)).sum()
+    aux = sum(cfg.moe.n_experts * (s.mean(0) / cfg.moe.experts_per_token * p.mean(0)).sum()
               for s, p in zip(slots.chunk(pieces), probs.chunk(pieces))) / pieces
     z = logits.logsumexp(-1).square().mean()
     (0.25 * (0.01 * aux + 0.001 * z)).backward()
@@ -254,7 +259,7 @@ def test_no_balance_terms_leave_the_router_without_a_gradient_from_them():
 
 
 def test_training_forwards_accumulate_the_load_that_the_bias_update_reads():
-    cfg = replace(SMALL, router_bias_update_rate=0.1)
+    cfg = replace(SMALL, moe=replace(SMALL.moe, router_bias_update_rate=0.1))
     moe = layer(cfg)
     x = torch.randn(2, 6, cfg.d_model)
     with torch.no_grad():
@@ -264,7 +269,7 @@ def test_training_forwards_accumulate_the_load_that_the_bias_update_reads():
     moe(x)
     assert moe.last_stats is not None
     torch.testing.assert_close(moe.tokens_this_step, 2 * moe.last_stats.tokens_per_expert)
-    assert moe.tokens_this_step.sum() == 2 * 12 * cfg.experts_per_token
+    assert moe.tokens_this_step.sum() == 2 * 12 * cfg.moe.experts_per_token
     moe.tokens_this_step.copy_(torch.tensor([3.0, 1.0, 0.0, 4.0]))  # mean 2
     update_expert_bias([moe])
     torch.testing.assert_close(moe.router.expert_bias, torch.tensor([-0.1, 0.1, 0.1, -0.1]))
@@ -281,7 +286,7 @@ def test_recomputation_in_backward_does_not_count_the_load_twice():
     moe = layer(SMALL)
     x = torch.randn(2, 6, SMALL.d_model, requires_grad=True)
     checkpoint(moe, x, use_reentrant=False).sum().backward()
-    assert moe.tokens_this_step.sum() == 12 * SMALL.experts_per_token
+    assert moe.tokens_this_step.sum() == 12 * SMALL.moe.experts_per_token
 
 
 @pytest.mark.parametrize("recompute", ["none", "full", "selective"])
@@ -292,7 +297,8 @@ def test_a_compiled_moe_block_is_one_graph_that_counts_its_load_once(recompute):
     from meshformer.parallel.fsdp import blocks_of
     from meshformer.parallel.recompute import apply_recompute
 
-    cfg = replace(SMALL, n_layers=1, moe_backend="grouped_mm", router_bias_update_rate=0.1)  # the GPU's backend
+    cfg = replace(SMALL, n_layers=1,
+                  moe=replace(SMALL.moe, backend="grouped_mm", router_bias_update_rate=0.1))  # the GPU's backend
     models = [Transformer(cfg, init_seed=0).to(torch.bfloat16) for _ in range(2)]
     apply_recompute(models[1], recompute)
     for block in blocks_of(models[1]):
@@ -301,7 +307,7 @@ def test_a_compiled_moe_block_is_one_graph_that_counts_its_load_once(recompute):
     for model in models:
         model(ids).float().square().sum().backward()
     (_, eager), (_, compiled) = (next(moe_layers(model)) for model in models)
-    assert compiled.tokens_this_step.sum() == 16 * cfg.experts_per_token
+    assert compiled.tokens_this_step.sum() == 16 * cfg.moe.experts_per_token
     torch.testing.assert_close(compiled.tokens_this_step, eager.tokens_this_step)
     torch.testing.assert_close(compiled.latest, eager.latest)
     grads = [[p.grad.float() for p in model.parameters()] for model in models]
@@ -321,7 +327,7 @@ def test_compiled_cpu_backends_match_eager(backend):
     from meshformer.parallel.kernels import trace_routed_sizes
 
     torch._dynamo.reset()
-    cfg = replace(SMALL, n_layers=1, moe_backend=backend)
+    cfg = replace(SMALL, n_layers=1, moe=replace(SMALL.moe, backend=backend))
     models = [Transformer(cfg, init_seed=0) for _ in range(2)]
     trace_routed_sizes(models[1])
     for block in blocks_of(models[1]):
@@ -345,7 +351,7 @@ def test_a_compiled_moe_block_with_a_capacity_is_one_graph(recompute):
     from meshformer.parallel.recompute import apply_recompute
 
     torch._dynamo.reset()
-    cfg = replace(SMALL, n_layers=1, moe_backend="padded", capacity_factor=1.0)
+    cfg = replace(SMALL, n_layers=1, moe=replace(SMALL.moe, backend="padded", capacity_factor=1.0))
     models = [Transformer(cfg, init_seed=0) for _ in range(2)]
     apply_recompute(models[1], recompute)
     trace_routed_sizes(models[1])
@@ -366,43 +372,46 @@ def test_a_compiled_moe_block_with_a_capacity_is_one_graph(recompute):
 
 
 def test_which_blocks_are_moe():
-    cfg = replace(SMALL, n_layers=6, moe_every=2, moe_first_dense=2)
+    cfg = replace(SMALL, n_layers=6, mlp_types=moe_pattern(moe_every=2, moe_first_dense=2, n_layers=6))
     assert [is_moe_block(cfg, i) for i in range(6)] == [False, False, False, True, False, True]
-    assert not any(is_moe_block(replace(cfg, n_experts=0), i) for i in range(6))
+    assert not any(is_moe_block(replace(cfg, moe=replace(cfg.moe, n_experts=0)), i) for i in range(6))
     model = Transformer(cfg, init_seed=0)
     assert model.decoder_layers is not None
     assert [isinstance(b.ffn, MoEFeedForward) for b in model.decoder_layers.values()] == [is_moe_block(cfg, i)
                                                                                          for i in range(6)]
 
 
-@pytest.mark.parametrize("extra", [dict(), dict(n_shared_experts=2, moe_first_dense=1, bias=False),
-                                   dict(family="encoder_decoder", activation="gelu", moe_every=2)])
-def test_total_and_active_params_and_flops(extra):
-    cfg = replace(SMALL, **extra)
+@pytest.mark.parametrize("change", [
+    lambda c: c,
+    lambda c: replace(c, bias=False, mlp_types=["dense", "moe", "moe"], moe=replace(c.moe, n_shared_experts=2)),
+    lambda c: replace(c, family="encoder_decoder", mlp_types=["dense", "moe"], ffn=replace(c.ffn, activation="gelu")),
+])
+def test_total_and_active_params_and_flops(change):
+    cfg = change(SMALL)
     counts = count_params(cfg)
     with torch.device("meta"):
         built = Transformer(cfg)
     assert counts["total"] == sum(p.numel() for p in built.parameters())
     moe_blocks = [m for _, m in moe_layers(built)]
     per_expert = sum(p[0].numel() for p in built.parameters() if p.dim() == 3) // len(moe_blocks)
-    unused = cfg.n_experts - cfg.experts_per_token
+    unused = cfg.moe.n_experts - cfg.moe.experts_per_token
     assert counts["active"] == counts["total"] - len(moe_blocks) * unused * per_expert
     # FLOPs: a dense model whose FFN is the active one, plus the router, where each MoE block's FFN is
-    width = cfg.experts_per_token * cfg.expert_d_ff
-    if cfg.n_shared_experts == 0 and cfg.moe_first_dense == 0 and cfg.moe_every == 1 and width == cfg.d_ff:
-        dense = replace(cfg, n_experts=0)
-        routers = 6 * len(moe_blocks) * cfg.n_experts * cfg.d_model
+    width = cfg.moe.experts_per_token * cfg.expert_d_ff
+    if cfg.moe.n_shared_experts == 0 and not cfg.mlp_types and width == cfg.ffn.d_ff:
+        dense = replace(cfg, moe=replace(cfg.moe, n_experts=0))
+        routers = 6 * len(moe_blocks) * cfg.moe.n_experts * cfg.d_model
         assert flops_per_token(cfg, 16) == flops_per_token(dense, 16) + routers
 
 
 def test_dense_config_counts_are_unchanged():
-    cfg = replace(SMALL, n_experts=0)
+    cfg = replace(SMALL, moe=replace(SMALL.moe, n_experts=0))
     assert count_params(cfg)["active"] == count_params(cfg)["total"]
 
 
 @pytest.mark.parametrize("family", ["decoder", "encoder", "encoder_decoder"])
 def test_every_family_builds_and_trains_with_moe_blocks(family):
-    cfg = replace(SMALL, family=family, n_shared_experts=1, moe_aux_loss=0.01)
+    cfg = replace(SMALL, family=family, moe=replace(SMALL.moe, n_shared_experts=1, aux_loss=0.01))
     model = Transformer(cfg, init_seed=1)
     ids = torch.randint(0, cfg.vocab_size, (2, 8))
     extra = {"decoder_input_ids": ids} if family == "encoder_decoder" else {}
@@ -413,7 +422,7 @@ def test_every_family_builds_and_trains_with_moe_blocks(family):
 
 
 def test_initial_weights_do_not_depend_on_how_the_model_is_built():
-    cfg = replace(SMALL, n_shared_experts=1, init="xavier")
+    cfg = replace(SMALL, moe=replace(SMALL.moe, n_shared_experts=1), init=replace(SMALL.init, method="xavier"))
     eager = Transformer(cfg, init_seed=7)
     with torch.device("meta"):
         meta = Transformer(cfg, init_seed=7)
@@ -428,10 +437,11 @@ def test_initial_weights_do_not_depend_on_how_the_model_is_built():
         assert torch.equal(value, whole[name]), name
     experts = eager.decoder_layers["0"].ffn.experts  # type: ignore[index]
     assert not torch.equal(experts.up_proj[0], experts.up_proj[1])  # each expert its own draw
-    normal = Transformer(replace(cfg, init="normal", d_model=64, moe_d_ff=64), init_seed=7).decoder_layers
+    normal = Transformer(replace(cfg, d_model=64, moe=replace(cfg.moe, d_ff=64),
+                                 init=replace(cfg.init, method="normal")), init_seed=7).decoder_layers
     experts = normal["0"].ffn.experts  # type: ignore[index]
-    assert experts.up_proj.std().item() == pytest.approx(cfg.init_std, rel=0.05)
-    residual = cfg.init_std / math.sqrt(2 * cfg.n_layers)  # scaled down as a residual output
+    assert experts.up_proj.std().item() == pytest.approx(cfg.init.std, rel=0.05)
+    residual = cfg.init.std / math.sqrt(2 * cfg.n_layers)  # scaled down as a residual output
     assert experts.down_proj.std().item() == pytest.approx(residual, rel=0.05)
 
 
@@ -443,6 +453,8 @@ def test_bad_moe_configs_fail_with_one_line():
         (dict(n_experts=8, experts_per_token=4, router_groups=4, router_groups_per_token=1), "fewer than"),
         (dict(n_experts=4, capacity_factor=-1.0), "capacity_factor"),
         (dict(n_experts=4, moe_every=0), "moe_every"),
+        (dict(moe={"n_experts": 4}, mlp_types=["expert"]), "model.mlp_types holds 'expert'"),
+        (dict(mlp_types=["moe"]), "n_experts = 0"),
     ]
     for model, message in cases:
         with pytest.raises(ConfigError, match=message) as err:
@@ -451,7 +463,7 @@ def test_bad_moe_configs_fail_with_one_line():
     from meshformer.parallel_dims import validate_parallel
 
     layouts = [({"tp": 2}, 2, "set parallel.ep to a multiple of tp"),
-               ({"ep": 3}, 4, "parallel.ep=3 does not divide model.n_experts=4"),
+               ({"ep": 3}, 4, "parallel.ep=3 does not divide model.moe.n_experts=4"),
                ({"ep": 2, "cp": 4}, 4, r"choose ep in \[4\]"),
                ({"ep": 4}, 2, r"choose ep in \[1, 2\]")]
     for parallel, world, message in layouts:
@@ -472,12 +484,12 @@ def test_a_grouped_mm_backend_that_cannot_run_fails_at_validation_in_one_line(mo
 
     with pytest.raises(ConfigError, match="runs bf16 rows on CUDA, but this run computes in fp32") as err:
         validate_parallel(config_from_dict(grouped_mm("fp32")), 1, "cuda", on_this_host=False)
-    assert "\n" not in str(err.value) and "moe_backend='auto'" in err.value.one_line()
+    assert "\n" not in str(err.value) and "moe.backend='auto'" in err.value.one_line()
     validate_parallel(config_from_dict(grouped_mm("bf16")), 1, "cuda", on_this_host=False)  # not checked off-host
     monkeypatch.setattr(moe, "grouped_mm_runs", lambda device_type: False)  # e.g. an A100, or a CPU build without it
     with pytest.raises(ConfigError, match="torch._grouped_mm does not run on this cpu") as err:
         validate_parallel(config_from_dict(grouped_mm("fp32")), 1, "cpu")
-    assert "\n" not in str(err.value) and "moe_backend='auto'" in err.value.one_line()
+    assert "\n" not in str(err.value) and "moe.backend='auto'" in err.value.one_line()
     validate_parallel(config_from_dict({"model": {"n_experts": 4, "moe_backend": "auto"}}), 1, "cpu")
 
 

@@ -9,7 +9,16 @@ import pytest
 import torch
 from torch import nn
 
-from meshformer.config import ConfigError, ModelConfig, OptimConfig, ScheduleConfig, config_from_dict
+from meshformer.config import (
+    AttentionConfig,
+    ConfigError,
+    FfnConfig,
+    ModelConfig,
+    MoeConfig,
+    OptimConfig,
+    ScheduleConfig,
+    config_from_dict,
+)
 from meshformer.loss.cross_entropy import cross_entropy_sum
 from meshformer.model import Transformer
 from meshformer.parallel.parallel_model import ParallelModel
@@ -54,9 +63,10 @@ def test_update_scale():
 
 def _moe_model() -> Transformer:
     torch.manual_seed(0)
-    return Transformer(ModelConfig(family="decoder", vocab_size=64, d_model=16, n_heads=2, d_ff=32, max_seq_len=16,
-                                   n_layers=2, n_experts=4, experts_per_token=2, moe_d_ff=8, n_shared_experts=1,
-                                   moe_first_dense=1, tie_embeddings=False, bias=True, activation="swiglu"))
+    return Transformer(ModelConfig(family="decoder", vocab_size=64, d_model=16, max_seq_len=16, n_layers=2,
+                                   mlp_types=["dense", "moe"], tie_embeddings=False, bias=True,
+                                   attention=AttentionConfig(n_heads=2), ffn=FfnConfig(d_ff=32, activation="swiglu"),
+                                   moe=MoeConfig(n_experts=4, experts_per_token=2, d_ff=8, n_shared_experts=1)))
 
 
 def test_parameter_groups_by_rule():

@@ -41,9 +41,9 @@ def _start_as_identity(model: Transformer) -> None:
 
 
 def _needs_pre_norm(cfg: ModelConfig) -> None:
-    if cfg.norm_position != "pre":
-        raise ConfigError(f"model.family={NAME!r} needs model.norm_position='pre' (a post-norm block normalises "
-                          "its identity start away)", "set model.norm_position=pre")
+    if cfg.norm.position != "pre":
+        raise ConfigError(f"model.family={NAME!r} needs model.norm.position='pre' (a post-norm block normalises "
+                          "its identity start away)", "set model.norm.position=pre")
 
 
 SPEC = transformer_family(
@@ -56,7 +56,8 @@ SPEC = transformer_family(
     name_maps={},
 )
 
-SMALL = [f'model.family="{NAME}"', "model.d_model=32", "model.n_heads=4", "model.n_layers=2", "model.d_ff=64",
+SMALL = [f'model.family="{NAME}"', "model.d_model=32", "model.attention.n_heads=4", "model.n_layers=2",
+         "model.ffn.d_ff=64",
          "data.seq_len=32", "model.max_seq_len=32", "data.batch_size=4", "train.sample_interval=0",
          "train.eval_interval=0", "data.num_workers=0"]
 
@@ -72,8 +73,8 @@ def test_config_loader_takes_the_family_from_the_registry(family):
     cfg = load_config("tiny-gpt", SMALL)
     assert get_family_spec(cfg.model.family) is family
     assert cfg.objective == "causal"  # "auto" picks the spec's first objective
-    with pytest.raises(ConfigError, match="needs model.norm_position='pre'"):  # the family's own check runs on load
-        load_config("tiny-gpt", [*SMALL, "model.norm_position=post"])
+    with pytest.raises(ConfigError, match="needs model.norm.position='pre'"):  # the family's own check runs on load
+        load_config("tiny-gpt", [*SMALL, "model.norm.position=post"])
     with pytest.raises(ConfigError, match=f"does not fit model.family='{NAME}'"):
         load_config("tiny-gpt", [*SMALL, "train.objective=mlm"])
     with pytest.raises(ConfigError, match="model.n_layers must be positive"):

@@ -43,13 +43,14 @@ def test_predicted_peak_within_tolerance_of_measured(request, world):
 
 
 def test_packed_document_masks_are_planned():
-    """With model.document_mask, SDPA keeps a (b, 1, s, s) mask per layer for its backward: at s 512 leaving it
+    """With model.attention.document_mask, SDPA keeps a (b, 1, s, s) mask per layer for its backward: at s 512 leaving
+    it
     out would under-predict by 8%."""
     from meshformer.planner.measure import measure_step_peak
     from meshformer.planner.search import plan_layout
 
     cfg = validation_config({}, seq=512)
-    cfg.model.document_mask = True
+    cfg.model.attention.document_mask = True
     predicted, measured = plan_layout(cfg, 1).peak, measure_step_peak(cfg)["peak"]
     assert abs(predicted / measured - 1) < 0.05, (predicted, measured)
 
@@ -81,8 +82,8 @@ def test_muon_state_and_gather_buffer_are_planned():
                                     {"pp": 2, "pp_schedule": "zbv", "pp_microbatches": 2},
                                     # experts: 2 local of 4 over 32 FSDP ranks (dim 1), every other block MoE
                                     {"ep": 2, "model": MOE}, {"ep": 4, "tp": 2, "model": MOE},
-                                    {"ep": 1, "pp": 2, "model": {**MOE, "moe_every": 2}},
-                                    {"ep": 4, "pp": 2, "model": {**MOE, "moe_every": 2}}])
+                                    {"ep": 1, "pp": 2, "model": {**MOE, "mlp_types": ["dense", "moe"]}},
+                                    {"ep": 4, "pp": 2, "model": {**MOE, "mlp_types": ["dense", "moe"]}}])
 @pytest.mark.parametrize("tied", [False, True])
 def test_search_shards_equal_real_fsdp_shards(layout, tied):
     """The search sizes layouts from one tensor-parallel block per stack; that must equal the real TP + FSDP path."""
@@ -126,7 +127,7 @@ def test_expert_rows_planned_by_imbalance_capacity_and_the_dropless_bound():
     assert moe_rows(m, ActivationShape(4, 128, 1, 4, 4, ep=1, moe_imbalance=3.0)) == (1024, 1024.0)
     # dropless worst case: every token of both ranks picks both of this rank's experts
     assert moe_rows(m, ActivationShape(4, 128, 1, 4, 4, ep=2, moe_imbalance=10.0)) == (1024, 2048.0)
-    m.capacity_factor = 1.25  # each expert takes ceil(1.25 * 512 * 2 / 4) = 320 rows from each rank
+    m.moe.capacity_factor = 1.25  # each expert takes ceil(1.25 * 512 * 2 / 4) = 320 rows from each rank
     assert moe_rows(m, x) == (1024, 2 * 2 * 320.0)
     planned = [plan_layout(validation_config({"ep": 2, "model": MOE}), 2, imbalance).peak for imbalance in (1, 1.5, 2)]
     assert planned[0] < planned[1] < planned[2]
@@ -311,11 +312,11 @@ def test_expert_parallel_candidates_are_divisors_of_the_world_only(monkeypatch):
     only: a config with 1e8 experts (81 divisors, found by counting to 1e8) must not search without end."""
     import meshformer.planner.search as search
 
-    cfg = load_config(str(CONFIGS / "tiny-moe.toml"), ["model.n_experts=3072"])  # 22 divisors, gcd with 8: 8
+    cfg = load_config(str(CONFIGS / "tiny-moe.toml"), ["model.moe.n_experts=3072"])  # 22 divisors, gcd with 8: 8
     checked: list[int] = []
     real_check = search.check_expert_parallel
     monkeypatch.setattr(search, "check_expert_parallel", lambda c, dims: (checked.append(dims.ep), real_check(c, dims)))
     assert search._expert_choices(cfg, 8, 1, 1, 1, "none") == [1, 2, 4, 8]
     assert checked == [1, 2, 4, 8]
-    cfg = load_config(str(CONFIGS / "tiny-moe.toml"), ["model.n_experts=100000000"])
+    cfg = load_config(str(CONFIGS / "tiny-moe.toml"), ["model.moe.n_experts=100000000"])
     assert search._expert_choices(cfg, 8, 1, 1, 1, "none") == [1, 2, 4, 8]

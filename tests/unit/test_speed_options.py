@@ -1,4 +1,4 @@
-"""GPU speed options, wired and checked on CPU: the preferred SDPA kernel (model.attention_backend), the inductor
+"""GPU speed options, wired and checked on CPU: the preferred SDPA kernel (model.attention.backend), the inductor
 mode (train.compile_mode), FP8 with the end blocks in high precision (train.fp8_keep_ends), the multi-tensor
 gradient norm and clipping folded into the fused AdamW update. Their speed is measured by bench/gpu_sweep.sh, not
 here."""
@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend
 
 from meshformer.config import ConfigError, ModelConfig, OptimConfig, ScheduleConfig, load_config
+from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
 from meshformer.model.attention import sdpa_order
 from meshformer.model.masks import build_mask
@@ -27,9 +28,9 @@ def attention_pair(backend: str, **model) -> tuple[nn.Module, nn.Module]:
     cfg = dict(vocab_size=50, d_model=32, n_heads=4, n_kv_heads=2, n_layers=1, d_ff=48, max_seq_len=24, dropout=0.0,
                **model)
     torch.manual_seed(0)
-    reference = Transformer(ModelConfig(**cfg)).decoder_layers["0"].attn
+    reference = Transformer(model_from_flat(**cfg)).decoder_layers["0"].attn
     torch.manual_seed(0)
-    preferred = Transformer(ModelConfig(**{**cfg, "attention_backend": backend})).decoder_layers["0"].attn
+    preferred = Transformer(model_from_flat(**{**cfg, "attention_backend": backend})).decoder_layers["0"].attn
     return reference, preferred
 
 
@@ -87,7 +88,7 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
     assert calls == [{}] and plan.report["compile"] == "whole-model torch.compile"
 
 
-@pytest.mark.parametrize("override", ["train.compile_mode=fastest", "model.attention_backend=flash3"])
+@pytest.mark.parametrize("override", ["train.compile_mode=fastest", "model.attention.backend=flash3"])
 def test_unknown_compile_mode_and_attention_backend_are_refused(override):
     with pytest.raises(ConfigError, match=override.split("=")[0].split(".")[1]):
         load_config("configs/tiny-gpt.toml", [override])

@@ -26,13 +26,14 @@ from meshformer.checkpointing.weights import (
     write_weights,
 )
 from meshformer.cli import main
-from meshformer.config import ModelConfig
+from meshformer.config import AttentionConfig, FfnConfig, ModelConfig
 from meshformer.data import load_tokenizer, train_bpe
 from meshformer.data.tokenizer import TokenizerError
 from meshformer.errors import MeshformerError
 from meshformer.model import Transformer
 
-CFG = ModelConfig(vocab_size=4096, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_seq_len=64)
+CFG = ModelConfig(vocab_size=4096, d_model=32, n_layers=2, max_seq_len=64, attention=AttentionConfig(n_heads=4),
+                  ffn=FfnConfig(d_ff=64))
 TEXT = "In the beginning God created the heaven and the earth."
 
 
@@ -76,7 +77,8 @@ def test_generate_decodes_with_the_tokenizer_saved_with_the_weights(tmp_path, ca
     """A model trained with its own (small) tokenizer: generate needs no --tokenizer, and a folder without
     one asks for it instead of decoding with a bundled tokenizer."""
     tokenizer = train_bpe([TEXT * 20, "Der Zug nach Berlin fährt um neun Uhr. " * 20], vocab_size=320)
-    cfg = ModelConfig(vocab_size=320, d_model=32, n_heads=4, n_layers=1, d_ff=64, max_seq_len=64)
+    cfg = ModelConfig(vocab_size=320, d_model=32, n_layers=1, max_seq_len=64, attention=AttentionConfig(n_heads=4),
+                      ffn=FfnConfig(d_ff=64))
     state = Transformer(cfg).state_dict()
     write_weights(state, cfg, tmp_path / "w", tokenizer=tokenizer)
     main(["generate", str(tmp_path / "w"), "--prompt", "Der Zug", "--max-new-tokens", "3"])

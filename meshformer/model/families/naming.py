@@ -59,5 +59,5 @@ def expert_params(ours: str, theirs: str, n_experts: int) -> list[Rule]:
 
 def norm(ours: str, theirs: str, cfg: ModelConfig) -> list[Rule]:
     """A norm's weight, and its bias where it has one (LayerNorm with model.bias)."""
-    has_bias = cfg.norm == "layernorm" and cfg.bias
+    has_bias = cfg.norm.kind == "layernorm" and cfg.bias
     return params(ours, theirs, ("weight", "bias") if has_bias else ("weight",))

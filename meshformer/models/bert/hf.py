@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from meshformer.checkpointing.hf_adapter import COMMON, Derived, HFAdapter, refuse
-from meshformer.config import ModelConfig
+from meshformer.config import AttentionConfig, FfnConfig, InitConfig, ModelConfig, NormConfig
 from meshformer.model.families.naming import Rule, norm, params
 from meshformer.models.gpt2.hf import TO_HF_ACTIVATION, activation
 
@@ -49,15 +49,13 @@ def config_from_hf(c: Any) -> ModelConfig:
         raise refuse("bert", f"position_embedding_type={position!r}", "uses relative position scores")
     if c.is_decoder or getattr(c, "add_cross_attention", False):
         raise refuse("bert", "is_decoder/add_cross_attention", "makes attention causal or adds cross-attention")
-    return ModelConfig(
-        family="encoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_heads=c.num_attention_heads,
-        n_layers=c.num_hidden_layers, d_ff=c.intermediate_size, activation=activation(c.hidden_act, "bert"),
-        norm="layernorm", norm_eps=c.layer_norm_eps, norm_position="post", final_norm=False,
-        embedding_norm=True, head_transform=True, output_bias=True, position="learned",
-        max_seq_len=c.max_position_embeddings, tie_embeddings=c.tie_word_embeddings, bias=True,
-        dropout=c.hidden_dropout_prob, attention_dropout=c.attention_probs_dropout_prob,
-        init_std=c.initializer_range,
-    )
+    return ModelConfig(family="encoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_layers=c.num_hidden_layers,
+                       head_transform=True, output_bias=True, position="learned", max_seq_len=c.max_position_embeddings,
+                       tie_embeddings=c.tie_word_embeddings, bias=True, dropout=c.hidden_dropout_prob,
+                       attention=AttentionConfig(n_heads=c.num_attention_heads, dropout=c.attention_probs_dropout_prob),
+                       ffn=FfnConfig(d_ff=c.intermediate_size, activation=activation(c.hidden_act, "bert")),
+                       norm=NormConfig(kind="layernorm", eps=c.layer_norm_eps, position="post", final=False,
+                                       embedding=True), init=InitConfig(std=c.initializer_range))
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:
@@ -65,10 +63,10 @@ def config_to_hf(cfg: ModelConfig) -> Any:
 
     return transformers.BertConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads, intermediate_size=cfg.d_ff,
-        hidden_act=TO_HF_ACTIVATION[cfg.activation], hidden_dropout_prob=cfg.dropout,
-        attention_probs_dropout_prob=cfg.attention_dropout, max_position_embeddings=cfg.max_seq_len,
-        layer_norm_eps=cfg.norm_eps, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
+        num_attention_heads=cfg.attention.n_heads, intermediate_size=cfg.ffn.d_ff,
+        hidden_act=TO_HF_ACTIVATION[cfg.ffn.activation], hidden_dropout_prob=cfg.dropout,
+        attention_probs_dropout_prob=cfg.attention.dropout, max_position_embeddings=cfg.max_seq_len,
+        layer_norm_eps=cfg.norm.eps, initializer_range=cfg.init.std, tie_word_embeddings=cfg.tie_embeddings,
         pad_token_id=0,
     )
 

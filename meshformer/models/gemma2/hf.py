@@ -12,6 +12,7 @@ from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY, refuse
 from meshformer.config import ModelConfig
+from meshformer.config.migrate import model_from_flat
 from meshformer.models import llama_like
 
 # attention_scale = query_pre_attn_scalar^-0.5 (an integer)
@@ -24,10 +25,10 @@ SIZE_KEYS = (*llama_like.SIZE_KEYS, "head_dim", "sliding_window", "query_pre_att
 
 def query_pre_attn_scalar(cfg: ModelConfig) -> int | None:
     """Gemma's attention scale as the integer whose inverse square root it is; None if it is no such integer's."""
-    if cfg.attention_scale is None:
+    if cfg.attention.scale is None:
         return cfg.attention_head_dim
-    scalar = round(cfg.attention_scale**-2)
-    return scalar if scalar > 0 and scalar**-0.5 == cfg.attention_scale else None
+    scalar = round(cfg.attention.scale**-2)
+    return scalar if scalar > 0 and scalar**-0.5 == cfg.attention.scale else None
 
 
 def extra_features(cfg: ModelConfig) -> dict[str, Any]:
@@ -62,22 +63,22 @@ def fields_from_hf(c: Any, arch: str) -> dict[str, Any]:
 
 def fields_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     shared = {k: v for k, v in llama_like.fields_to_hf(cfg).items() if k not in ("hidden_act", "rope_parameters")}
-    return dict(**shared, intermediate_size=cfg.d_ff, hidden_activation="gelu_pytorch_tanh", attention_bias=False,
-                sliding_window=cfg.attention_window, layer_types=llama_like.layer_types_to_hf(cfg),
+    return dict(**shared, intermediate_size=cfg.ffn.d_ff, hidden_activation="gelu_pytorch_tanh", attention_bias=False,
+                sliding_window=cfg.attention.window, layer_types=llama_like.layer_types_to_hf(cfg),
                 query_pre_attn_scalar=query_pre_attn_scalar(cfg), final_logit_softcapping=cfg.logit_softcap,
                 use_bidirectional_attention=False)
 
 
 def config_from_hf(c: Any) -> ModelConfig:
-    return ModelConfig(**fields_from_hf(c, "gemma2"), **llama_like.rope_from_hf(c, "gemma2"),
-                       attention_softcap=c.attn_logit_softcapping)
+    return model_from_flat(**fields_from_hf(c, "gemma2"), **llama_like.rope_from_hf(c, "gemma2"),
+                           attention_softcap=c.attn_logit_softcapping)
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:
     import transformers
 
     return transformers.Gemma2Config(**fields_to_hf(cfg), rope_parameters=llama_like.rope_to_hf(cfg),
-                                     attn_logit_softcapping=cfg.attention_softcap)
+                                     attn_logit_softcapping=cfg.attention.softcap)
 
 
 ADAPTER = llama_like.adapter(

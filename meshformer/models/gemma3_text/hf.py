@@ -10,6 +10,7 @@ from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY
 from meshformer.config import ModelConfig
+from meshformer.config.migrate import model_from_flat
 from meshformer.models import llama_like
 from meshformer.models.gemma2 import hf as gemma2
 
@@ -18,7 +19,7 @@ def config_from_hf(c: Any) -> ModelConfig:
     fields = gemma2.fields_from_hf(c, "gemma3_text")
     windowed = fields["attention_window"] is not None
     fields.update(llama_like.rope_per_layer_type_from_hf(c, "gemma3_text", windowed), qk_norm=True)
-    return ModelConfig(**fields)
+    return model_from_flat(**fields)
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshformer.checkpointing.hf_adapter import COMMON, HFAdapter, features, refuse
-from meshformer.config import Activation, ModelConfig
+from meshformer.config import Activation, AttentionConfig, FfnConfig, InitConfig, ModelConfig, NormConfig
 from meshformer.model.families.naming import Rule, norm, params
 
 HF_ACTIVATIONS: dict[str, Activation] = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
@@ -46,13 +46,15 @@ def config_from_hf(c: Any) -> ModelConfig:
                      "its depth")
     if getattr(c, "add_cross_attention", False):
         raise refuse("gpt2", "add_cross_attention=True", "adds cross-attention to every block")
-    return ModelConfig(
-        family="decoder", vocab_size=c.vocab_size, d_model=c.n_embd, n_heads=c.n_head, n_layers=c.n_layer,
-        d_ff=c.n_inner or 4 * c.n_embd, activation=activation(c.activation_function, "gpt2"), norm="layernorm",
-        norm_eps=c.layer_norm_epsilon, norm_position="pre", position="learned", max_seq_len=c.n_positions,
-        tie_embeddings=c.tie_word_embeddings, bias=True, dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop,
-        init_std=c.initializer_range, attention_scale=None if getattr(c, "scale_attn_weights", True) else 1.0,
-    )
+    return ModelConfig(family="decoder", vocab_size=c.vocab_size, d_model=c.n_embd, n_layers=c.n_layer,
+                       position="learned", max_seq_len=c.n_positions, tie_embeddings=c.tie_word_embeddings, bias=True,
+                       dropout=c.resid_pdrop,
+                       attention=AttentionConfig(n_heads=c.n_head, dropout=c.attn_pdrop,
+                                                 scale=None if getattr(c, "scale_attn_weights", True) else 1.0),
+                       ffn=FfnConfig(d_ff=c.n_inner or 4 * c.n_embd,
+                                     activation=activation(c.activation_function, "gpt2")),
+                       norm=NormConfig(kind="layernorm", eps=c.layer_norm_epsilon, position="pre"),
+                       init=InitConfig(std=c.initializer_range))
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:
@@ -61,9 +63,9 @@ def config_to_hf(cfg: ModelConfig) -> Any:
     special = 50256 if cfg.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when the vocabulary has it
     return transformers.GPT2Config(
         vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model, n_layer=cfg.n_layers,
-        n_head=cfg.n_heads, n_inner=cfg.d_ff, activation_function=TO_HF_ACTIVATION[cfg.activation],
-        resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.attention_dropout,
-        layer_norm_epsilon=cfg.norm_eps, initializer_range=cfg.init_std, bos_token_id=special,
+        n_head=cfg.attention.n_heads, n_inner=cfg.ffn.d_ff, activation_function=TO_HF_ACTIVATION[cfg.ffn.activation],
+        resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.attention.dropout,
+        layer_norm_epsilon=cfg.norm.eps, initializer_range=cfg.init.std, bos_token_id=special,
         eos_token_id=special, tie_word_embeddings=cfg.tie_embeddings,
         scale_attn_weights=features(cfg)["attention_scale"] != 1.0,
     )

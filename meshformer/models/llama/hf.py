@@ -7,6 +7,7 @@ from typing import Any
 
 from meshformer.checkpointing.hf_adapter import refuse
 from meshformer.config import ModelConfig
+from meshformer.config.migrate import model_from_flat
 from meshformer.models import llama_like
 
 
@@ -14,13 +15,13 @@ def config_from_hf(c: Any) -> ModelConfig:
     if c.attention_bias != getattr(c, "mlp_bias", c.attention_bias):
         raise refuse("llama", f"attention_bias={c.attention_bias} with mlp_bias={c.mlp_bias}",
                      "puts biases on only some linears (meshformer's model.bias covers all of them)")
-    return ModelConfig(**llama_like.fields_from_hf(c, "llama"))
+    return model_from_flat(**llama_like.fields_from_hf(c, "llama"))
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:
     import transformers
 
-    return transformers.LlamaConfig(**llama_like.fields_to_hf(cfg), intermediate_size=cfg.d_ff,
+    return transformers.LlamaConfig(**llama_like.fields_to_hf(cfg), intermediate_size=cfg.ffn.d_ff,
                                     attention_bias=cfg.bias, mlp_bias=cfg.bias)
 
 

@@ -7,18 +7,19 @@ from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY
 from meshformer.config import ModelConfig
+from meshformer.config.migrate import model_from_flat
 from meshformer.models import llama_like
 
 
 def config_from_hf(c: Any) -> ModelConfig:
-    return ModelConfig(**llama_like.fields_from_hf(c, "mistral"))
+    return model_from_flat(**llama_like.fields_from_hf(c, "mistral"))
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:
     import transformers
 
-    return transformers.MistralConfig(**llama_like.fields_to_hf(cfg), intermediate_size=cfg.d_ff,
-                                      sliding_window=cfg.attention_window)
+    return transformers.MistralConfig(**llama_like.fields_to_hf(cfg), intermediate_size=cfg.ffn.d_ff,
+                                      sliding_window=cfg.attention.window)
 
 
 ADAPTER = llama_like.adapter(

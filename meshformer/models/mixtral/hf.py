@@ -11,22 +11,23 @@ from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY
 from meshformer.config import ModelConfig
+from meshformer.config.migrate import model_from_flat
 from meshformer.models import llama_like
 
 
 def config_from_hf(c: Any) -> ModelConfig:
-    return ModelConfig(**llama_like.fields_from_hf(c, "mixtral"), n_experts=c.num_local_experts,
-                       experts_per_token=c.num_experts_per_tok, router_renormalize=True,
-                       moe_aux_loss=c.router_aux_loss_coef)
+    return model_from_flat(**llama_like.fields_from_hf(c, "mixtral"), n_experts=c.num_local_experts,
+                           experts_per_token=c.num_experts_per_tok, router_renormalize=True,
+                           moe_aux_loss=c.router_aux_loss_coef)
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:
     import transformers
 
     return transformers.MixtralConfig(
-        **llama_like.fields_to_hf(cfg), intermediate_size=cfg.expert_d_ff, sliding_window=cfg.attention_window,
-        num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
-        router_aux_loss_coef=cfg.moe_aux_loss, router_jitter_noise=0.0,
+        **llama_like.fields_to_hf(cfg), intermediate_size=cfg.expert_d_ff, sliding_window=cfg.attention.window,
+        num_local_experts=cfg.moe.n_experts, num_experts_per_tok=cfg.moe.experts_per_token,
+        router_aux_loss_coef=cfg.moe.aux_loss, router_jitter_noise=0.0,
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshformer.config import ModelConfig
+from meshformer.config.migrate import model_from_flat
 from meshformer.models import llama_like
 
 REQUIREMENTS = {**llama_like.REQUIREMENTS, "bias": False, "norm_position": "post_sublayer", "qk_norm": True,
@@ -23,11 +24,11 @@ def fields_from_hf(c: Any, arch: str, window: bool = True) -> dict[str, Any]:
 
 def fields_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     shared = {k: v for k, v in llama_like.fields_to_hf(cfg).items() if k != "head_dim"}  # always hidden / heads
-    return {**shared, "intermediate_size": cfg.d_ff, "attention_bias": False}
+    return {**shared, "intermediate_size": cfg.ffn.d_ff, "attention_bias": False}
 
 
 def config_from_hf(c: Any) -> ModelConfig:
-    return ModelConfig(**fields_from_hf(c, "olmo2"))
+    return model_from_flat(**fields_from_hf(c, "olmo2"))
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:

@@ -12,6 +12,7 @@ from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY
 from meshformer.config import ModelConfig
+from meshformer.config.migrate import model_from_flat
 from meshformer.models import llama_like
 from meshformer.models.olmo2 import hf as olmo2
 
@@ -23,14 +24,14 @@ def config_from_hf(c: Any) -> ModelConfig:
     every = llama_like.full_attention_every(kinds, "olmo3") if window is not None else None
     fields.update(llama_like.rope_per_layer_type_from_hf(c, "olmo3", window is not None), attention_window=window,
                   full_attention_every=every)
-    return ModelConfig(**fields)
+    return model_from_flat(**fields)
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:
     import transformers
 
     fields = {**olmo2.fields_to_hf(cfg), "rope_parameters": llama_like.rope_per_layer_type_to_hf(cfg)}
-    return transformers.Olmo3Config(**fields, sliding_window=cfg.attention_window,
+    return transformers.Olmo3Config(**fields, sliding_window=cfg.attention.window,
                                     layer_types=llama_like.layer_types_to_hf(cfg))
 
 

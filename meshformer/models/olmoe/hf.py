@@ -7,15 +7,16 @@ from __future__ import annotations
 from typing import Any
 
 from meshformer.config import ModelConfig
+from meshformer.config.migrate import model_from_flat
 from meshformer.models import llama_like
 from meshformer.models.qwen3_moe import hf as qwen3_moe
 
 
 def config_from_hf(c: Any) -> ModelConfig:
     llama_like.refuse_attention_bias(c, "olmoe")
-    return ModelConfig(**{**llama_like.fields_from_hf(c, "olmoe"), "head_dim": None}, qk_norm=True,
-                       qk_norm_scope="projection", n_experts=c.num_experts, experts_per_token=c.num_experts_per_tok,
-                       router_renormalize=c.norm_topk_prob, moe_aux_loss=c.router_aux_loss_coef)
+    return model_from_flat(**{**llama_like.fields_from_hf(c, "olmoe"), "head_dim": None}, qk_norm=True,
+                           qk_norm_scope="projection", n_experts=c.num_experts, experts_per_token=c.num_experts_per_tok,
+                           router_renormalize=c.norm_topk_prob, moe_aux_loss=c.router_aux_loss_coef)
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:
@@ -23,9 +24,9 @@ def config_to_hf(cfg: ModelConfig) -> Any:
 
     shared = {k: v for k, v in llama_like.fields_to_hf(cfg).items() if k != "head_dim"}  # always hidden / heads
     return transformers.OlmoeConfig(
-        **shared, intermediate_size=cfg.expert_d_ff, num_experts=cfg.n_experts,
-        num_experts_per_tok=cfg.experts_per_token, norm_topk_prob=cfg.router_renormalize,
-        router_aux_loss_coef=cfg.moe_aux_loss, attention_bias=False, clip_qkv=None,
+        **shared, intermediate_size=cfg.expert_d_ff, num_experts=cfg.moe.n_experts,
+        num_experts_per_tok=cfg.moe.experts_per_token, norm_topk_prob=cfg.moe.router_renormalize,
+        router_aux_loss_coef=cfg.moe.aux_loss, attention_bias=False, clip_qkv=None,
     )
 
 

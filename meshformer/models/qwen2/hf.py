@@ -8,6 +8,7 @@ from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY
 from meshformer.config import ModelConfig
+from meshformer.config.migrate import model_from_flat
 from meshformer.models import llama_like
 
 SIZE_KEYS = (*llama_like.SIZE_KEYS, "head_dim", "sliding_window")
@@ -15,18 +16,18 @@ SIZE_KEYS = (*llama_like.SIZE_KEYS, "head_dim", "sliding_window")
 
 def window_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """Qwen's window arguments: the window in every block (from max_window_layers = 0 on), or none."""
-    return dict(use_sliding_window=cfg.attention_window is not None, sliding_window=cfg.attention_window,
+    return dict(use_sliding_window=cfg.attention.window is not None, sliding_window=cfg.attention.window,
                 max_window_layers=0)
 
 
 def config_from_hf(c: Any) -> ModelConfig:
-    return ModelConfig(**{**llama_like.fields_from_hf(c, "qwen2"), "qkv_bias": True})  # always, Q/K/V only
+    return model_from_flat(**{**llama_like.fields_from_hf(c, "qwen2"), "qkv_bias": True})  # always, Q/K/V only
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:
     import transformers
 
-    return transformers.Qwen2Config(**llama_like.fields_to_hf(cfg), **window_to_hf(cfg), intermediate_size=cfg.d_ff)
+    return transformers.Qwen2Config(**llama_like.fields_to_hf(cfg), **window_to_hf(cfg), intermediate_size=cfg.ffn.d_ff)
 
 
 ADAPTER = llama_like.adapter(

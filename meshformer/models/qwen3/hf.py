@@ -7,19 +7,20 @@ from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY
 from meshformer.config import ModelConfig
+from meshformer.config.migrate import model_from_flat
 from meshformer.models import llama_like
 from meshformer.models.qwen2.hf import SIZE_KEYS, window_to_hf
 
 
 def config_from_hf(c: Any) -> ModelConfig:
     llama_like.refuse_attention_bias(c, "qwen3")
-    return ModelConfig(**llama_like.fields_from_hf(c, "qwen3"), qk_norm=True)
+    return model_from_flat(**llama_like.fields_from_hf(c, "qwen3"), qk_norm=True)
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:
     import transformers
 
-    return transformers.Qwen3Config(**llama_like.fields_to_hf(cfg), **window_to_hf(cfg), intermediate_size=cfg.d_ff,
+    return transformers.Qwen3Config(**llama_like.fields_to_hf(cfg), **window_to_hf(cfg), intermediate_size=cfg.ffn.d_ff,
                                     attention_bias=False)
 
 

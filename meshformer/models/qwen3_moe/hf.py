@@ -10,7 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY
+from meshformer.checkpointing.megatron_config import moe_every_pattern
 from meshformer.config import ModelConfig
+from meshformer.config.migrate import model_from_flat
 from meshformer.models import llama_like
 
 EXPERTS: llama_like.Experts = ("mlp.gate", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj"))
@@ -18,21 +20,22 @@ EXPERTS: llama_like.Experts = ("mlp.gate", "mlp.experts.{j}.", ("gate_proj", "up
 
 def config_from_hf(c: Any) -> ModelConfig:
     llama_like.refuse_attention_bias(c, "qwen3_moe")
-    return ModelConfig(**llama_like.fields_from_hf(c, "qwen3_moe"), qk_norm=True, n_experts=c.num_experts,
-                       experts_per_token=c.num_experts_per_tok, moe_d_ff=c.moe_intermediate_size,
-                       router_renormalize=c.norm_topk_prob, moe_every=c.decoder_sparse_step,
-                       moe_first_dense=len(c.mlp_only_layers or []), moe_aux_loss=c.router_aux_loss_coef)
+    return model_from_flat(**llama_like.fields_from_hf(c, "qwen3_moe"), qk_norm=True, n_experts=c.num_experts,
+                           experts_per_token=c.num_experts_per_tok, moe_d_ff=c.moe_intermediate_size,
+                           router_renormalize=c.norm_topk_prob, moe_every=c.decoder_sparse_step,
+                           moe_first_dense=len(c.mlp_only_layers or []), moe_aux_loss=c.router_aux_loss_coef)
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:
     import transformers
 
+    first_dense, every = moe_every_pattern([cfg.is_moe(i) for i in range(cfg.n_layers)])
     return transformers.Qwen3MoeConfig(
-        **llama_like.fields_to_hf(cfg), intermediate_size=cfg.d_ff, moe_intermediate_size=cfg.expert_d_ff,
-        use_sliding_window=cfg.attention_window is not None, sliding_window=cfg.attention_window,
-        num_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
-        norm_topk_prob=cfg.router_renormalize, decoder_sparse_step=cfg.moe_every,
-        mlp_only_layers=list(range(cfg.moe_first_dense)), router_aux_loss_coef=cfg.moe_aux_loss,
+        **llama_like.fields_to_hf(cfg), intermediate_size=cfg.ffn.d_ff, moe_intermediate_size=cfg.expert_d_ff,
+        use_sliding_window=cfg.attention.window is not None, sliding_window=cfg.attention.window,
+        num_experts=cfg.moe.n_experts, num_experts_per_tok=cfg.moe.experts_per_token,
+        norm_topk_prob=cfg.moe.router_renormalize, decoder_sparse_step=every,
+        mlp_only_layers=list(range(first_dense)), router_aux_loss_coef=cfg.moe.aux_loss,
         attention_bias=False,
     )
 

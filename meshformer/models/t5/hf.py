@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshformer.checkpointing.hf_adapter import COMMON, HFAdapter
-from meshformer.config import ModelConfig
+from meshformer.config import AttentionConfig, FfnConfig, ModelConfig, NormConfig
 from meshformer.model.families import get_family_spec
 from meshformer.model.families.encoder_decoder import DECODER, ENCODER
 from meshformer.model.families.naming import Rule, norm, params
@@ -31,7 +31,7 @@ def rules(cfg: ModelConfig) -> list[Rule]:
         return [r for p in "qkvo" for r in params(f"{ours}.{p}_proj", f"{theirs}.{p}", ("weight",))]
 
     def ffn(ours: str, theirs: str) -> list[Rule]:
-        if cfg.activation == "swiglu":
+        if cfg.ffn.activation == "swiglu":
             names = {"gate_proj": "wi_0", "up_proj": "wi_1", "down_proj": "wo"}
         else:
             names = {"up_proj": "wi", "down_proj": "wo"}
@@ -56,15 +56,14 @@ def config_from_hf(c: Any) -> ModelConfig:
     if c.dense_act_fn != ("silu" if c.is_gated_act else "relu"):
         raise ValueError(f"t5: feed_forward_proj {c.feed_forward_proj!r} unsupported (use 'relu' or 'gated-silu'; "
                          "T5 v1.1's gated-gelu gates with gelu_new, meshformer's swiglu with silu)")
-    return ModelConfig(
-        family="encoder_decoder", vocab_size=c.vocab_size, d_model=c.d_model, n_heads=c.num_heads,
-        n_encoder_layers=c.num_layers, n_decoder_layers=c.num_decoder_layers, d_ff=c.d_ff,
-        activation="swiglu" if c.is_gated_act else "relu", norm="rmsnorm", norm_eps=c.layer_norm_epsilon,
-        norm_position="pre", final_norm=True, position="t5_relative",
-        relative_buckets=c.relative_attention_num_buckets, relative_max_distance=c.relative_attention_max_distance,
-        attention_scale=1.0, scale_output=c.scale_decoder_outputs, tie_embeddings=True, share_embeddings=True,
-        bias=False, dropout=c.dropout_rate,
-    )
+    return ModelConfig(family="encoder_decoder", vocab_size=c.vocab_size, d_model=c.d_model,
+                       n_encoder_layers=c.num_layers, n_decoder_layers=c.num_decoder_layers, position="t5_relative",
+                       scale_output=c.scale_decoder_outputs, tie_embeddings=True, share_embeddings=True, bias=False,
+                       dropout=c.dropout_rate,
+                       attention=AttentionConfig(n_heads=c.num_heads, relative_buckets=c.relative_attention_num_buckets,
+                                                 relative_max_distance=c.relative_attention_max_distance, scale=1.0),
+                       ffn=FfnConfig(d_ff=c.d_ff, activation="swiglu" if c.is_gated_act else "relu"),
+                       norm=NormConfig(kind="rmsnorm", eps=c.layer_norm_epsilon, position="pre", final=True))
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:
@@ -72,11 +71,12 @@ def config_to_hf(cfg: ModelConfig) -> Any:
 
     spec = get_family_spec(cfg.family)
     return transformers.T5Config(  # type: ignore[call-arg]  # tie_word_embeddings: a PretrainedConfig kwarg
-        vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.attention_head_dim, d_ff=cfg.d_ff,
-        num_layers=spec.depth(cfg, "encoder"), num_decoder_layers=spec.depth(cfg, "decoder"), num_heads=cfg.n_heads,
-        dropout_rate=cfg.dropout, layer_norm_epsilon=cfg.norm_eps, relative_attention_num_buckets=cfg.relative_buckets,
-        relative_attention_max_distance=cfg.relative_max_distance,
-        feed_forward_proj="gated-silu" if cfg.activation == "swiglu" else "relu",
+        vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.attention_head_dim, d_ff=cfg.ffn.d_ff,
+        num_layers=spec.depth(cfg, "encoder"), num_decoder_layers=spec.depth(cfg, "decoder"),
+        num_heads=cfg.attention.n_heads, dropout_rate=cfg.dropout, layer_norm_epsilon=cfg.norm.eps,
+        relative_attention_num_buckets=cfg.attention.relative_buckets,
+        relative_attention_max_distance=cfg.attention.relative_max_distance,
+        feed_forward_proj="gated-silu" if cfg.ffn.activation == "swiglu" else "relu",
         tie_word_embeddings=cfg.scale_output,  # T5Config turns this into scale_decoder_outputs
     )
 

@@ -1,0 +1,213 @@
+"""The flat `[model]` keys of earlier releases -> the typed sub-tables (`[model.attention]`, `[model.rope]`, ...).
+
+One table, `RENAMES`, maps each old key to its new dotted key (relative to `[model]`); the four pattern keys
+(`full_attention_every`, `attention_window`, `moe_every`, `moe_first_dense`) become `model.layer_types` /
+`model.mlp_types`. Every reader of a `[model]` table goes through `migrate_model_table`: a TOML file and its
+`--set` overrides (config/load.py), a checkpoint's or weights folder's saved config (`model_from_dict`). A user's
+file gets one log line per old key; a saved config (written by the program, not edited by people) gets one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Literal
+
+from meshformer.config.parse import build_section
+from meshformer.errors import ConfigError
+from meshformer.model.config import ModelConfig, attention_pattern, moe_pattern
+
+log = logging.getLogger("meshformer.config")
+
+# old flat [model] key -> its key below [model]
+RENAMES: dict[str, str] = {
+    "n_heads": "attention.n_heads", "n_kv_heads": "attention.n_kv_heads", "head_dim": "attention.head_dim",
+    "qk_norm": "attention.qk_norm", "qk_norm_scope": "attention.qk_norm_scope", "qkv_bias": "attention.qkv_bias",
+    "attention_dropout": "attention.dropout", "attention_window": "attention.window",
+    "attention_softcap": "attention.softcap", "attention_scale": "attention.scale",
+    "document_mask": "attention.document_mask", "attention_backend": "attention.backend",
+    "relative_buckets": "attention.relative_buckets", "relative_max_distance": "attention.relative_max_distance",
+    "d_ff": "ffn.d_ff", "activation": "ffn.activation",
+    "rope_theta": "rope.theta", "rope_scaling": "rope.scaling", "rope_scaling_factor": "rope.factor",
+    "rope_original_max_seq_len": "rope.original_max_seq_len", "rope_low_freq_factor": "rope.low_freq_factor",
+    "rope_high_freq_factor": "rope.high_freq_factor", "rope_beta_fast": "rope.beta_fast",
+    "rope_beta_slow": "rope.beta_slow", "rope_attention_factor": "rope.attention_factor",
+    "rope_local_theta": "rope.local_theta",
+    "norm": "norm.kind", "norm_eps": "norm.eps", "norm_position": "norm.position", "final_norm": "norm.final",
+    "norm_weight_offset": "norm.weight_offset", "embedding_norm": "norm.embedding",
+    "n_experts": "moe.n_experts", "experts_per_token": "moe.experts_per_token", "moe_d_ff": "moe.d_ff",
+    "n_shared_experts": "moe.n_shared_experts", "router_score": "moe.router_score",
+    "router_renormalize": "moe.router_renormalize", "router_groups": "moe.router_groups",
+    "router_groups_per_token": "moe.router_groups_per_token", "capacity_factor": "moe.capacity_factor",
+    "moe_aux_loss": "moe.aux_loss", "moe_aux_per_sequence": "moe.aux_per_sequence",
+    "router_z_loss": "moe.router_z_loss", "router_bias_update_rate": "moe.router_bias_update_rate",
+    "moe_backend": "moe.backend",
+    "init": "init.method", "init_std": "init.std",
+    "attention_sinks": "attention.sinks", "swiglu_limit": "ffn.swiglu_limit", "swiglu_alpha": "ffn.swiglu_alpha",
+    "rope_truncate": "rope.truncate", "router_bias": "moe.router_bias", "expert_bias_terms": "moe.expert_bias_terms",
+}
+# old keys that become a per-block list (attention_window is also renamed: RENAMES)
+PATTERNS: dict[str, str] = {"full_attention_every": "layer_types", "attention_window": "layer_types",
+                            "moe_every": "mlp_types", "moe_first_dense": "mlp_types"}
+Report = Literal["each", "once", "none"]
+SUBTABLES = ("attention", "ffn", "rope", "norm", "moe", "init")
+
+
+def old_keys(table: dict[str, Any]) -> list[str]:
+    """The flat keys of an earlier release in a [model] table (a sub-table named as an old key is not one)."""
+    return [k for k in table if (k in RENAMES or k in PATTERNS) and not (k in SUBTABLES and isinstance(table[k], dict))]
+
+
+def migrate_model_table(table: dict[str, Any], where: str = "", report: Report = "each",
+                        context: dict[str, Any] | None = None, depths: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`table` (a [model] table as read from TOML or JSON) with every old flat key moved to its new key; one log line
+    per old key ("once": one line for the whole table, for configs the program saved; "none": silent). A new key
+    given too with another value is a ConfigError. `context`: the (new-style) [model] table that `table` overrides,
+    where the pattern keys find the window, the depth and the experts `table` does not set; `depths`: stack depths
+    set elsewhere that win over the table's (--set model.n_layers: a per-block list is built for the run's depth)."""
+    found = old_keys(table)
+    if not found:
+        return table
+    out: dict[str, Any] = {k: (dict(v) if k in SUBTABLES and isinstance(v, dict) else v)
+                           for k, v in table.items() if k not in found}
+    for key in found:
+        if key in PATTERNS and key not in RENAMES:
+            continue
+        section, name = RENAMES[key].split(".")
+        sub = out.setdefault(section, {})
+        if not isinstance(sub, dict):
+            raise ConfigError(f"{_at(where)}model.{section} must be a table ([model.{section}])")
+        if name in sub and sub[name] != table[key]:
+            raise ConfigError(f"{_at(where)}model.{key}={table[key]!r} and model.{RENAMES[key]}={sub[name]!r} "
+                              "disagree", f"keep only model.{RENAMES[key]}")
+        sub[name] = table[key]
+    _patterns(table, out, where, context or {}, depths or {})
+    if report == "once":
+        log.info("config: %stranslated the flat [model] keys of an earlier release (%s) to the [model.*] tables",
+                 _at(where), ", ".join(found))
+    elif report == "each":
+        for key in found:
+            new = PATTERNS[key] if key in PATTERNS and key not in RENAMES else RENAMES[key]
+            log.warning("config: model.%s is now model.%s (translated; update %s to silence this)", key, new,
+                        "the --set override" if where == "--set" else where or "the file")
+    return out
+
+
+def _patterns(table: dict[str, Any], out: dict[str, Any], where: str, context: dict[str, Any],
+              depths: dict[str, Any]) -> None:
+    """full_attention_every / attention_window -> layer_types; moe_every / moe_first_dense -> mlp_types."""
+
+    def get(section: str | None, key: str, default: Any = None) -> Any:
+        for tree in (depths, out, context):
+            node = tree.get(section, {}) if section else tree
+            if isinstance(node, dict) and node.get(key) is not None:
+                return node[key]
+        return default
+
+    window = get("attention", "window")
+    every = table.get("full_attention_every")
+    if every is not None and (window is None or not isinstance(every, int) or every < 1):
+        raise ConfigError(f"{_at(where)}model.full_attention_every={every} picks the blocks that skip the sliding "
+                          "window, but needs model.attention.window and a value >= 1",
+                          "set both (Gemma 3: attention_window=512, full_attention_every=6; now model.attention.window "
+                          "and model.layer_types) or drop it")
+    if "full_attention_every" in table:
+        _set_list(out, "layer_types", attention_pattern(window, every), where)
+    elif "attention_window" in table and not get(None, "layer_types"):  # a pattern given: the window is its
+        _set_list(out, "layer_types", attention_pattern(window, None), where)
+    if "moe_every" in table or "moe_first_dense" in table:
+        moe_every, first_dense = table.get("moe_every", 1), table.get("moe_first_dense", 0)
+        if not isinstance(moe_every, int) or moe_every < 1:
+            raise ConfigError(f"{_at(where)}model.moe_every={moe_every} must be >= 1",
+                              "1: every block is MoE; k: every k-th (now model.mlp_types)")
+        if not isinstance(first_dense, int) or first_dense < 0:
+            raise ConfigError(f"{_at(where)}model.moe_first_dense={first_dense} is negative",
+                              "use a value >= 0 (now model.mlp_types)")
+        if get("moe", "n_experts", 0):  # dense models: the old keys meant nothing
+            depth = max(int(get(None, k) or get(None, "n_layers", ModelConfig.n_layers))
+                        for k in ("n_layers", "n_encoder_layers", "n_decoder_layers"))
+            _set_list(out, "mlp_types", moe_pattern(moe_every, first_dense, depth), where)
+
+
+def _set_list(out: dict[str, Any], key: str, value: list[str], where: str) -> None:
+    if key in out and list(out[key]) != value and not (not value and not out[key]):
+        raise ConfigError(f"{_at(where)}model.{key}={out[key]!r} disagrees with the old pattern keys it replaces "
+                          f"(they give {value!r})", f"keep only model.{key}")
+    if value or key in out:
+        out[key] = value
+
+
+def migrate_tree(raw: dict[str, Any], where: str = "", report: Report = "each",
+                 context: dict[str, Any] | None = None, depths: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A whole config tree with its [model] table migrated (other tables as they are)."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or not old_keys(model):
+        return raw
+    return {**raw, "model": migrate_model_table(model, where, report, context, depths)}
+
+
+def model_from_dict(raw: dict[str, Any], where: str = "", report: Report = "once") -> ModelConfig:
+    """A ModelConfig from a saved [model] table of any release (a checkpoint's, a weights folder's)."""
+    return build_section(ModelConfig, migrate_model_table(raw, where, report), "model")
+
+
+def model_from_flat(**keys: Any) -> ModelConfig:
+    """A ModelConfig from keyword arguments named as the flat keys (what an adapter reading another program's
+    config assembles), nested silently; the new names (attention=AttentionConfig(...), layer_types) pass through."""
+    table = migrate_model_table(keys, report="none")
+    nested = {k: v for k, v in table.items() if not isinstance(v, dict)}
+    built = ModelConfig(**nested)
+    for section in SUBTABLES:
+        if isinstance(table.get(section), dict):
+            setattr(built, section, type(getattr(built, section))(**table[section]))
+    return built
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"attention": {"n_heads": 4}} -> {"attention.n_heads": 4}: a nested table's keys, dotted."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _at(where: str) -> str:
+    return f"{where}: " if where else ""
+
+
+def get_flat(cfg: ModelConfig, key: str) -> Any:
+    """The value of an old flat key (or of any ModelConfig attribute) on a ModelConfig: `n_heads` reads
+    cfg.attention.n_heads."""
+    if key in RENAMES:
+        section, name = RENAMES[key].split(".")
+        return getattr(getattr(cfg, section), name)
+    return getattr(cfg, key)
+
+
+def get_dotted(cfg: Any, key: str) -> Any:
+    """cfg.attention.n_heads for "attention.n_heads"."""
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def with_dotted(cfg: Any, changes: dict[str, Any]) -> Any:
+    """A copy of the dataclass `cfg` with the dotted keys of `changes` set ({"attention.n_heads": 8})."""
+    direct: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for key, value in changes.items():
+        head, _, rest = key.partition(".")
+        if rest:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            direct[head] = value
+    direct.update({head: with_dotted(getattr(cfg, head), sub) for head, sub in nested.items()})
+    return dataclasses.replace(cfg, **direct)
+
+
+def dotted_values(cfg: Any) -> dict[str, Any]:
+    """{"attention.n_heads": 4, ...}: every key of a (nested) config dataclass, dotted."""
+    return flatten(dataclasses.asdict(cfg))
