@@ -9,6 +9,7 @@ refused.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
@@ -25,8 +26,9 @@ SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
              "num_key_value_heads", "max_position_embeddings")
 
 
-# An MoE block's router, expert j's prefix ("{j}") and its gate / up / down linears, as a checkpoint names them
-Experts = tuple[str, str, tuple[str, str, str]]
+# An MoE block's router, expert j's prefix ("{j}") and its gate / up / down linears, as a checkpoint names them; or,
+# for experts stored otherwise, the rules of an MoE block's router and experts given (our block's prefix, theirs, cfg)
+Experts = tuple[str, str, tuple[str, str, str]] | Callable[[str, str, ModelConfig], list[Rule]]
 
 # Our block norms -> HF's names, by where the norms sit: Llama's pre-norms; OLMo 2's norms of the sub-layer outputs;
 # Gemma's pre- and post-norms around each sub-layer.
@@ -53,8 +55,13 @@ def rules(cfg: ModelConfig, experts: Experts | None = None) -> list[Rule]:
             out += params(f"{o}.attn.{p}_proj", f"{t}.self_attn.{p}_proj", linear if p == "o" else qkv_linear)
         if cfg.qk_norm:
             out += [Rule((f"{o}.attn.{p}_norm.weight",), f"{t}.self_attn.{p}_norm.weight") for p in "qk"]
+        if cfg.attention_sinks:
+            out += [Rule((f"{o}.attn.sinks.weight",), f"{t}.self_attn.sinks")]
         if is_moe_block(cfg, i):
             assert experts is not None, "the requirements keep experts from an architecture without them"
+            if callable(experts):
+                out += experts(o, t, cfg)
+                continue
             router, expert, (gate, up, down) = experts
             out += [Rule((f"{o}.ffn.router.weight",), f"{t}.{router}.weight")]
             for ours, theirs in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
