@@ -72,7 +72,7 @@ def _check_export(hf_model, run_dir: Path, out: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma3", "olmo2", "olmo3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma3", "olmo2", "olmo3", "gpt_oss"])
 def test_continued_pretraining_under_fsdp_x_tp(arch, shards, tmp_path):
     hf_model, folder = hf_folder(arch, tmp_path / "hf")
     overrides = _overrides(shards, tmp_path / "run", folder, 3, "parallel.dp_shard=2", "parallel.tp=2")
