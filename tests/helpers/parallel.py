@@ -71,6 +71,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "decoder_olmo2": dict(family="decoder", n_layers=2, norm="rmsnorm", activation="swiglu", position="rope",
                           n_kv_heads=2, bias=False, norm_position="post_sublayer", qk_norm=True,
                           qk_norm_scope="projection"),
+    # OLMo-3-like: OLMo 2's blocks with every 2nd block global (yarn-scaled RoPE) and the others windowed (their own
+    # unscaled base); under pp=2 each stage holds one windowed and one global block
+    "olmo3": dict(family="decoder", n_layers=4, norm="rmsnorm", activation="swiglu", position="rope", n_kv_heads=2,
+                  bias=False, norm_position="post_sublayer", qk_norm=True, qk_norm_scope="projection",
+                  attention_window=5, full_attention_every=2, rope_theta=500.0, rope_local_theta=1e4,
+                  rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_seq_len=8),
     # GPT-2-like with ALiBi (per-head slopes must follow tensor-parallel head sharding) and biases
     "decoder_alibi": dict(family="decoder", n_layers=4, position="alibi", activation="gelu", bias=True,
                           tie_embeddings=False, output_bias=True),
