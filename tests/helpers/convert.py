@@ -10,6 +10,7 @@ import pickle
 import shutil
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from meshformer.checkpointing.dcp_io import read_metadata
@@ -31,6 +32,11 @@ GEMMA_SCALED_CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2,
 # a Llama with linearly scaled RoPE
 ROPE_CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=32, activation="swiglu", norm="rmsnorm",
                        position="rope", bias=False, max_seq_len=64, rope_scaling="linear", rope_scaling_factor=2.0)
+# gpt-oss's pieces (sinks, biased router and experts, the clamped SwiGLU): exported as GptOssForCausalLM
+GPT_OSS_CFG = ModelConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, d_ff=16,
+                          activation="swiglu_clamped", norm="rmsnorm", position="rope", bias=True, max_seq_len=64,
+                          tie_embeddings=False, attention_sinks=True, attention_window=4, full_attention_every=2,
+                          n_experts=4, experts_per_token=2, router_bias=True, expert_bias_terms=True)
 SHARD = "model-00001-of-00001.safetensors"
 
 
@@ -161,6 +167,13 @@ def convert_case_files(tmp: Path) -> None:
     export_hf(Transformer(olmoe).state_dict(), olmoe, tmp / "cv-olmoe-hf")
     _hf_with(tmp / "cv-olmoe-hf", tmp / "cv-olmoe-hf-clip", clip_qkv=8.0)
     write_weights(Transformer(GEMMA_SCALED_CFG).state_dict(), GEMMA_SCALED_CFG, tmp / "cv-gemma-scaled-weights")
+    # a gpt-oss folder whose experts are stored as the Hub's MXFP4 blocks and scales
+    quantized = export_hf(Transformer(GPT_OSS_CFG).state_dict(), GPT_OSS_CFG, tmp / "cv-gpt-oss-mxfp4")
+    tensors = load_file(quantized / "model.safetensors")
+    for name in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        weight = tensors.pop(name)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = weight.to(torch.uint8), weight[..., 0].to(torch.uint8)
+    save_file(tensors, quantized / "model.safetensors", metadata={"format": "pt"})
     # (#33) config.json values transformers loads but the trainer refuses: import-hf must refuse them too
     _hf_with(tmp / "cv-moe-hf", tmp / "cv-moe-hf-top-k", num_experts_per_tok=8)
     rope = export_hf(Transformer(ROPE_CFG).state_dict(), ROPE_CFG, tmp / "cv-rope-hf")
