@@ -131,6 +131,17 @@ def _damaged_weights(hf: Path, tmp: Path) -> None:
     torch.save({"wte.weight": _Code()}, tmp / "cv-hf-pickle" / "pytorch_model.bin")
 
 
+def mxfp4_experts(folder: Path) -> Path:
+    """The gpt-oss folder `folder` with its experts' weights stored under the names the Hub's MXFP4 checkpoints use
+    (gate_up_proj_blocks / _scales, down_proj_blocks / _scales; the values are placeholders)."""
+    tensors = load_file(folder / "model.safetensors")
+    for name in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        weight = tensors.pop(name)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = weight.to(torch.uint8), weight[..., 0].to(torch.uint8)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
 def convert_case_files(tmp: Path) -> None:
     """The folders, named cv-*, under `tmp`."""
     state = Transformer(CFG).state_dict()
@@ -168,12 +179,7 @@ def convert_case_files(tmp: Path) -> None:
     _hf_with(tmp / "cv-olmoe-hf", tmp / "cv-olmoe-hf-clip", clip_qkv=8.0)
     write_weights(Transformer(GEMMA_SCALED_CFG).state_dict(), GEMMA_SCALED_CFG, tmp / "cv-gemma-scaled-weights")
     # a gpt-oss folder whose experts are stored as the Hub's MXFP4 blocks and scales
-    quantized = export_hf(Transformer(GPT_OSS_CFG).state_dict(), GPT_OSS_CFG, tmp / "cv-gpt-oss-mxfp4")
-    tensors = load_file(quantized / "model.safetensors")
-    for name in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        weight = tensors.pop(name)
-        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = weight.to(torch.uint8), weight[..., 0].to(torch.uint8)
-    save_file(tensors, quantized / "model.safetensors", metadata={"format": "pt"})
+    mxfp4_experts(export_hf(Transformer(GPT_OSS_CFG).state_dict(), GPT_OSS_CFG, tmp / "cv-gpt-oss-mxfp4"))
     # (#33) config.json values transformers loads but the trainer refuses: import-hf must refuse them too
     _hf_with(tmp / "cv-moe-hf", tmp / "cv-moe-hf-top-k", num_experts_per_tok=8)
     rope = export_hf(Transformer(ROPE_CFG).state_dict(), ROPE_CFG, tmp / "cv-rope-hf")

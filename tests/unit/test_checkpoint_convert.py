@@ -237,15 +237,11 @@ def test_hugging_face_errors_name_the_mismatch(tmp_path):
 def test_quantized_gpt_oss_folder_is_refused_naming_the_fix(tmp_path):
     """A folder holding the Hub's MXFP4 experts (gate_up_proj_blocks / _scales instead of gate_up_proj): one line
     saying to dequantize first, nothing written."""
-    from safetensors.torch import save_file
+    from helpers.convert import mxfp4_experts
 
     folder = tmp_path / "hf"
     _hf_model("gpt_oss").save_pretrained(str(folder))
-    tensors = load_file(str(folder / "model.safetensors"))
-    for name in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        weight = tensors.pop(name)
-        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = weight.to(torch.uint8), weight[..., 0].to(torch.uint8)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    mxfp4_experts(folder)
     with pytest.raises(SystemExit, match=r"_(blocks|scales): the experts are stored quantized .*dequantize first"):
         main(["convert", "import-hf", str(folder), str(tmp_path / "ours")])
     assert not (tmp_path / "ours").exists()
