@@ -161,10 +161,10 @@ def layer_types_to_hf(cfg: ModelConfig) -> list[str]:
     return ["full_attention" if cfg.window(i) is None else "sliding_attention" for i in range(cfg.n_layers)]
 
 
-def check(c: Any, arch: str) -> None:
-    """What no Llama-like block here computes: another gated activation, clamped q/k/v, sliced linears, dense blocks
-    other than the first ones."""
-    if c.hidden_act != "silu":
+def check(c: Any, arch: str, hidden_act: bool = True) -> None:
+    """What no Llama-like block here computes: another gated activation (where `hidden_act` says the MLP reads it),
+    clamped q/k/v, sliced linears, dense blocks other than the first ones."""
+    if hidden_act and c.hidden_act != "silu":
         raise refuse(arch, f"hidden_act={c.hidden_act!r}", "changes the gated MLP (meshformer gates with silu)")
     if getattr(c, "clip_qkv", None) is not None:
         raise refuse(arch, f"clip_qkv={c.clip_qkv}", "clamps the query / key / value projections")
@@ -182,10 +182,11 @@ def refuse_attention_bias(c: Any, arch: str) -> None:
                      "(meshformer's model.bias covers all of them)")
 
 
-def fields_from_hf(c: Any, arch: str, window: bool = True) -> dict[str, Any]:
+def fields_from_hf(c: Any, arch: str, window: bool = True, hidden_act: bool = True) -> dict[str, Any]:
     """The ModelConfig fields every Llama-like config gives the same way (each adapter then adds its own); with
-    `window`, sliding_window on every block (or none) = our attention_window."""
-    check(c, arch)
+    `window`, sliding_window on every block (or none) = our attention_window; without `hidden_act`, the architecture's
+    MLP ignores that key (its adapter sets the activation)."""
+    check(c, arch, hidden_act)
     kv = c.num_key_value_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return dict(

@@ -535,6 +535,11 @@ def test_gpt_oss_expert_layout():
     assert torch.equal(state["model.layers.1.self_attn.sinks"], hf.model.layers[1].self_attn.sinks)
 
 
+def test_gpt_oss_ignores_hidden_act_as_transformers_does():
+    """gpt-oss's experts apply the clamped SwiGLU whatever hidden_act says: another value imports as the same model."""
+    assert config_from_hf(_hf_gpt_oss(hidden_act="gelu").config) == config_from_hf(_hf_gpt_oss().config)
+
+
 def test_gpt_oss_export_refuses_what_it_lacks():
     """gpt-oss always has sinks, a router bias and expert biases, and gates with the clamped SwiGLU."""
     for extra, named in [({"attention_sinks": False}, "attention_sinks=False"),

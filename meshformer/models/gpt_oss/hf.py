@@ -34,7 +34,7 @@ def config_from_hf(c: Any) -> ModelConfig:
     kinds = list(c.layer_types)
     window = None if c.sliding_window is None or "sliding_attention" not in kinds else int(c.sliding_window)
     every = llama_like.full_attention_every(kinds, ARCH) if window is not None else None
-    fields = llama_like.fields_from_hf(c, ARCH, window=False)
+    fields = llama_like.fields_from_hf(c, ARCH, window=False, hidden_act=False)  # the experts gate their own way
     return ModelConfig(**{
         **fields, "activation": "swiglu_clamped", "swiglu_limit": float(c.swiglu_limit),
         "swiglu_alpha": float(c.swiglu_alpha), "bias": bool(c.attention_bias), "attention_sinks": True,
