@@ -14,6 +14,7 @@ go through transformers' own conversion to its modules' layout (from_pretrained 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -163,8 +164,13 @@ def check_exportable(state: Mapping[str, torch.Tensor], arch: Arch) -> None:
 
 def _normalize_names(hf_state: Mapping[str, V], arch: Arch) -> Mapping[str, V]:
     """Names as the LM-head models of transformers 5 use them: base-model checkpoints lack the adapter's base prefix;
-    older checkpoints may spell names the old way (`HFAdapter.old_names`)."""
+    older checkpoints may spell names the old way (`HFAdapter.old_names`). Names the adapter refuses
+    (`HFAdapter.refused_names`) end the import here, before any rule misses its tensor."""
     adapter = get_adapter(arch)
+    for pattern, why in adapter.refused_names:
+        found = next((k for k in hf_state if re.search(pattern, k)), None)
+        if found is not None:
+            raise ValueError(f"{arch}: {found}: {why}")
     prefix = adapter.base_prefix
     if prefix and not any(k.startswith(prefix) for k in hf_state):
         hf_state = {(k if k.startswith(adapter.keep_prefix) else prefix + k): v for k, v in hf_state.items()}

@@ -117,6 +117,9 @@ class HFAdapter:
     ignored: str | None = None  # a regex of foreign names that carry nothing we model (beside weightless buffers)
     old_names: Callable[[str], str] | None = None  # a checkpoint's older spelling of a name -> today's
     keep_prefix: tuple[str, ...] = ("lm_head.",)  # names outside the base model (no base_prefix added)
+    # (a regex of foreign names, "what; fix"): a checkpoint holding such a name is refused with that message before
+    # any name is matched (e.g. weights stored in a quantized layout the rules do not read)
+    refused_names: tuple[tuple[str, str], ...] = ()
 
 
 def refuse(arch: str, setting: str, why: str) -> ValueError:

@@ -49,7 +49,10 @@ def iter_export(ours: Mapping[str, torch.Tensor], rules: Iterable[Rule]) -> Iter
         if cached is None or cached[0] != rule.ours:
             cached = (rule.ours, [ours[name].detach() for name in rule.ours])
         parts = cached[1] if rule.expert is None else [cached[1][0][rule.expert]]
-        tensor = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+        if len(parts) == 1:
+            tensor = parts[0]
+        else:
+            tensor = torch.stack(parts, dim=-1).flatten(-2) if rule.interleave else torch.cat(parts, dim=0)
         yield rule.theirs, (tensor.t().contiguous() if rule.transpose else tensor)
 
 
@@ -70,9 +73,12 @@ def import_tensors(theirs: Mapping[str, torch.Tensor], rules: Iterable[Rule], sh
         if rule.expert is not None:
             experts.setdefault(rule.ours[0], []).append(tensor)
             continue
-        sizes = [shapes[name][0] for name in rule.ours]
-        pieces = tensor.split(sizes, dim=0) if len(sizes) > 1 else (tensor,)
-        for name, piece in zip(rule.ours, pieces, strict=True):
+        n = len(rule.ours)
+        if rule.interleave:
+            parts = tuple(tensor[..., i::n] for i in range(n))
+        else:
+            parts = tensor.split([shapes[name][0] for name in rule.ours], dim=0) if n > 1 else (tensor,)
+        for name, piece in zip(rule.ours, parts, strict=True):
             if piece.shape != shapes[name]:
                 raise ValueError(f"{source} tensor {rule.theirs!r} gives {name} the shape {tuple(piece.shape)}, "
                                  f"expected {tuple(shapes[name])}; does the config match the checkpoint?")

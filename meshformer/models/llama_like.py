@@ -9,6 +9,7 @@ refused.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
@@ -26,8 +27,9 @@ SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
              "num_key_value_heads", "max_position_embeddings")
 
 
-# An MoE block's router, expert j's prefix ("{j}") and its gate / up / down linears, as a checkpoint names them
-Experts = tuple[str, str, tuple[str, str, str]]
+# An MoE block's router, expert j's prefix ("{j}") and its gate / up / down linears, as a checkpoint names them; or,
+# for experts stored otherwise, the rules of an MoE block's router and experts given (our block's prefix, theirs, cfg)
+Experts = tuple[str, str, tuple[str, str, str]] | Callable[[str, str, ModelConfig], list[Rule]]
 
 # Our block norms -> HF's names, by where the norms sit: Llama's pre-norms; OLMo 2's norms of the sub-layer outputs;
 # Gemma's pre- and post-norms around each sub-layer.
@@ -54,8 +56,13 @@ def rules(cfg: ModelConfig, experts: Experts | None = None) -> list[Rule]:
             out += params(f"{o}.attn.{p}_proj", f"{t}.self_attn.{p}_proj", linear if p == "o" else qkv_linear)
         if cfg.attention.qk_norm:
             out += [Rule((f"{o}.attn.{p}_norm.weight",), f"{t}.self_attn.{p}_norm.weight") for p in "qk"]
+        if cfg.attention.sinks:
+            out += [Rule((f"{o}.attn.sinks.weight",), f"{t}.self_attn.sinks")]
         if is_moe_block(cfg, i):
             assert experts is not None, "the requirements keep experts from an architecture without them"
+            if callable(experts):
+                out += experts(o, t, cfg)
+                continue
             router, expert, (gate, up, down) = experts
             out += [Rule((f"{o}.ffn.router.weight",), f"{t}.{router}.weight")]
             for ours, theirs in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
@@ -155,10 +162,10 @@ def layer_types_to_hf(cfg: ModelConfig) -> list[str]:
     return ["full_attention" if cfg.window(i) is None else "sliding_attention" for i in range(cfg.n_layers)]
 
 
-def check(c: Any, arch: str) -> None:
-    """What no Llama-like block here computes: another gated activation, clamped q/k/v, sliced linears, dense blocks
-    other than the first ones."""
-    if c.hidden_act != "silu":
+def check(c: Any, arch: str, hidden_act: bool = True) -> None:
+    """What no Llama-like block here computes: another gated activation (where `hidden_act` says the MLP reads it),
+    clamped q/k/v, sliced linears, dense blocks other than the first ones."""
+    if hidden_act and c.hidden_act != "silu":
         raise refuse(arch, f"hidden_act={c.hidden_act!r}", "changes the gated MLP (meshformer gates with silu)")
     if getattr(c, "clip_qkv", None) is not None:
         raise refuse(arch, f"clip_qkv={c.clip_qkv}", "clamps the query / key / value projections")
@@ -176,10 +183,11 @@ def refuse_attention_bias(c: Any, arch: str) -> None:
                      "(meshformer's model.bias covers all of them)")
 
 
-def fields_from_hf(c: Any, arch: str, window: bool = True) -> dict[str, Any]:
+def fields_from_hf(c: Any, arch: str, window: bool = True, hidden_act: bool = True) -> dict[str, Any]:
     """The ModelConfig fields every Llama-like config gives the same way (each adapter then adds its own); with
-    `window`, sliding_window on every block (or none) = our attention_window."""
-    check(c, arch)
+    `window`, sliding_window on every block (or none) = our attention_window; without `hidden_act`, the architecture's
+    MLP ignores that key (its adapter sets the activation)."""
+    check(c, arch, hidden_act)
     kv = c.num_key_value_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return dict(

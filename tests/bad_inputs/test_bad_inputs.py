@@ -485,6 +485,8 @@ CASES = [
      ["model.rope.theta must be positive, got 0.0", "fix that value in config.json"]),
     ("import-hf-top-k-above-experts", ["convert", "import-hf", "{tmp}/cv-moe-hf-top-k", "{tmp}/cv-o25"],
      ["model.moe.experts_per_token=8 must lie in [1, model.moe.n_experts=4]", "fix that value in config.json"]),
+    ("import-hf-quantized", ["convert", "import-hf", "{tmp}/cv-gpt-oss-mxfp4", "{tmp}/cv-o40"],
+     ["experts.down_proj_blocks: the experts are stored quantized", "dequantize first", "Mxfp4Config"]),
     ("import-hf-truncated", ["convert", "import-hf", "{tmp}/cv-hf-truncated", "{tmp}/cv-o26"],
      ["cv-hf-truncated/model.safetensors is not a readable safetensors file", "download it again"]),
     ("import-hf-header-lies", ["convert", "import-hf", "{tmp}/cv-hf-header-lies", "{tmp}/cv-o27"],

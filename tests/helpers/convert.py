@@ -10,6 +10,7 @@ import pickle
 import shutil
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from meshformer.checkpointing.dcp_io import read_metadata
@@ -17,6 +18,7 @@ from meshformer.checkpointing.hf_folder import export_hf
 from meshformer.checkpointing.megatron import export_megatron
 from meshformer.checkpointing.weights import CONFIG_FILE, write_weights
 from meshformer.config import AttentionConfig, FfnConfig, ModelConfig, MoeConfig, NormConfig, RopeConfig
+from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=1, max_seq_len=64, attention=AttentionConfig(n_heads=4),
@@ -35,6 +37,11 @@ GEMMA_SCALED_CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, scale_embe
 ROPE_CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=1, position="rope", bias=False, max_seq_len=64,
                        attention=AttentionConfig(n_heads=4), ffn=FfnConfig(d_ff=32, activation="swiglu"),
                        rope=RopeConfig(scaling="linear", factor=2.0), norm=NormConfig(kind="rmsnorm"))
+# gpt-oss's pieces (sinks, biased router and experts, the clamped SwiGLU): exported as GptOssForCausalLM
+GPT_OSS_CFG = model_from_flat(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, d_ff=16,
+                              activation="swiglu_clamped", norm="rmsnorm", position="rope", bias=True, max_seq_len=64,
+                              tie_embeddings=False, attention_sinks=True, attention_window=4, full_attention_every=2,
+                              n_experts=4, experts_per_token=2, router_bias=True, expert_bias_terms=True)
 SHARD = "model-00001-of-00001.safetensors"
 
 
@@ -129,6 +136,17 @@ def _damaged_weights(hf: Path, tmp: Path) -> None:
     torch.save({"wte.weight": _Code()}, tmp / "cv-hf-pickle" / "pytorch_model.bin")
 
 
+def mxfp4_experts(folder: Path) -> Path:
+    """The gpt-oss folder `folder` with its experts' weights stored under the names the Hub's MXFP4 checkpoints use
+    (gate_up_proj_blocks / _scales, down_proj_blocks / _scales; the values are placeholders)."""
+    tensors = load_file(folder / "model.safetensors")
+    for name in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        weight = tensors.pop(name)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = weight.to(torch.uint8), weight[..., 0].to(torch.uint8)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
 def convert_case_files(tmp: Path) -> None:
     """The folders, named cv-*, under `tmp`."""
     state = Transformer(CFG).state_dict()
@@ -165,6 +183,8 @@ def convert_case_files(tmp: Path) -> None:
     export_hf(Transformer(olmoe).state_dict(), olmoe, tmp / "cv-olmoe-hf")
     _hf_with(tmp / "cv-olmoe-hf", tmp / "cv-olmoe-hf-clip", clip_qkv=8.0)
     write_weights(Transformer(GEMMA_SCALED_CFG).state_dict(), GEMMA_SCALED_CFG, tmp / "cv-gemma-scaled-weights")
+    # a gpt-oss folder whose experts are stored as the Hub's MXFP4 blocks and scales
+    mxfp4_experts(export_hf(Transformer(GPT_OSS_CFG).state_dict(), GPT_OSS_CFG, tmp / "cv-gpt-oss-mxfp4"))
     # (#33) config.json values transformers loads but the trainer refuses: import-hf must refuse them too
     _hf_with(tmp / "cv-moe-hf", tmp / "cv-moe-hf-top-k", num_experts_per_tok=8)
     rope = export_hf(Transformer(ROPE_CFG).state_dict(), ROPE_CFG, tmp / "cv-rope-hf")

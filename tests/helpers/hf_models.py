@@ -39,6 +39,12 @@ ARCHS: dict[str, dict[str, Any]] = {
     "gemma3": dict(config="Gemma3TextConfig", model="Gemma3ForCausalLM", tie_word_embeddings=True, head_dim=16,
                    sliding_window=4, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
                    final_logit_softcapping=30.0),
+    # sinks, q/k/v/o biases, a windowed block (window 4) then a global one, untruncated yarn; 4 biased experts of
+    # width intermediate_size, top-2, the clamped SwiGLU
+    "gpt_oss": dict(config="GptOssConfig", model="GptOssForCausalLM", tie_word_embeddings=False, head_dim=8,
+                    sliding_window=4, num_local_experts=4, num_experts_per_tok=2, rope_parameters={
+                        "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}),
     # 4 experts of width intermediate_size, top-2
     "mixtral": dict(config="MixtralConfig", model="MixtralForCausalLM", tie_word_embeddings=False,
                     num_local_experts=4, num_experts_per_tok=2),

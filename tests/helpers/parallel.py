@@ -73,6 +73,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "decoder_olmo2": dict(family="decoder", n_layers=2, position="rope", bias=False,
                           attention=dict(n_kv_heads=2, qk_norm=True, qk_norm_scope="projection"),
                           ffn=dict(activation="swiglu"), norm=dict(kind="rmsnorm", position="post_sublayer")),
+    # OLMo-3-like: OLMo 2's blocks with every 2nd block global (yarn-scaled RoPE) and the others windowed (their own
+    # unscaled base); under pp=2 each stage holds one windowed and one global block
+    "olmo3": dict(family="decoder", n_layers=4, position="rope", bias=False,
+                  layer_types=["sliding_attention", "full_attention"],
+                  attention=dict(n_kv_heads=2, qk_norm=True, qk_norm_scope="projection", window=5),
+                  ffn=dict(activation="swiglu"), norm=dict(kind="rmsnorm", position="post_sublayer"),
+                  rope=dict(theta=500.0, local_theta=1e4, scaling="yarn", factor=4.0, original_max_seq_len=8)),
     # GPT-2-like with ALiBi (per-head slopes must follow tensor-parallel head sharding) and biases
     "decoder_alibi": dict(family="decoder", n_layers=4, position="alibi", bias=True, tie_embeddings=False,
                           output_bias=True, ffn=dict(activation="gelu")),

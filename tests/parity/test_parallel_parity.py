@@ -23,6 +23,9 @@ WORLD2 = [
     # OLMo 2's whole-projection QK-norm and post-sublayer norms with each sequence split
     "decoder_gemma/tp", "decoder_gemma/fsdp", "decoder_gemma/cp", "decoder_gemma/pp-sched=1f1b", "decoder_olmo2/cp",
     "decoder_olmo2/tp",  # QK-norm over whole projections: each rank its heads' weight slice, mean square summed
+    # OLMo 3: the window pattern with its two RoPE bases under every axis (each pipeline stage's blocks keep their
+    # place in the pattern; each context-parallel piece its place in the sequence)
+    "olmo3/tp", "olmo3/fsdp", "olmo3/pp", "olmo3/cp",
     # pipeline: every schedule (2 stages per rank for the interleaved / V ones)
     "decoder/pp-sched=gpipe", "decoder/pp-sched=1f1b", "decoder/pp-sched=interleaved_1f1b-spr=2",
     "decoder/pp-sched=interleaved_zb-spr=2", "decoder/pp-sched=zbv",

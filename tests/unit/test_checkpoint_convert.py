@@ -156,6 +156,15 @@ def _hf_model(arch: str):
             layer_types=["sliding_attention", "full_attention"], rope_parameters={
                 "full_attention": {"rope_type": "default", "rope_theta": 5e5},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}))
+    elif arch == "gpt_oss":  # sinks, biases, a windowed block (window 5 < 12 tokens) then a global one, yarn
+        model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+            max_position_embeddings=32, pad_token_id=None, eos_token_id=None, bos_token_id=None))
+        with torch.no_grad():  # the experts' biases start at zero: nonzero ones show where each lands
+            for name, param in model.named_parameters():
+                if name.endswith("_bias"):
+                    param.normal_(0.0, 0.5)
     elif arch in ("gemma2", "gemma3"):  # 4 blocks, every 2nd global; a window shorter than the sequences
         config = transformers.Gemma2Config if arch == "gemma2" else transformers.Gemma3TextConfig
         model = (transformers.Gemma2ForCausalLM if arch == "gemma2" else transformers.Gemma3ForCausalLM)(config(
@@ -171,7 +180,7 @@ def _hf_model(arch: str):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "t5", "llama3", "mistral", "qwen2", "qwen3", "mixtral",
-                                  "qwen3_moe", "olmoe", "olmo2", "olmo3", "gemma2", "gemma3"])
+                                  "qwen3_moe", "olmoe", "olmo2", "olmo3", "gemma2", "gemma3", "gpt_oss"])
 def test_hugging_face_import_export(arch, tmp_path):
     original = tmp_path / "hf"
     _hf_model(arch).save_pretrained(str(original))
@@ -190,7 +199,7 @@ def test_hugging_face_import_export(arch, tmp_path):
            "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
            "mixtral": transformers.MixtralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
            "olmoe": transformers.OlmoeForCausalLM, "olmo2": transformers.Olmo2ForCausalLM,
-           "olmo3": transformers.Olmo3ForCausalLM,
+           "olmo3": transformers.Olmo3ForCausalLM, "gpt_oss": transformers.GptOssForCausalLM,
            "gemma2": transformers.Gemma2ForCausalLM, "gemma3": transformers.Gemma3ForCausalLM}[arch]
     hf_model = cls.from_pretrained(str(tmp_path / "exported")).eval()
     cfg, state = read_weights(tmp_path / "ours")
@@ -224,6 +233,19 @@ def test_hugging_face_errors_name_the_mismatch(tmp_path):
         main(["convert", "export-hf", str(tmp_path / "alibi"), str(tmp_path / "out2")])
     with pytest.raises(ConversionError, match="position='alibi'"):
         export_hf(Transformer(cfg).state_dict(), cfg, tmp_path / "out3", arch="gpt2")
+
+
+def test_quantized_gpt_oss_folder_is_refused_naming_the_fix(tmp_path):
+    """A folder holding the Hub's MXFP4 experts (gate_up_proj_blocks / _scales instead of gate_up_proj): one line
+    saying to dequantize first, nothing written."""
+    from helpers.convert import mxfp4_experts
+
+    folder = tmp_path / "hf"
+    _hf_model("gpt_oss").save_pretrained(str(folder))
+    mxfp4_experts(folder)
+    with pytest.raises(SystemExit, match=r"_(blocks|scales): the experts are stored quantized .*dequantize first"):
+        main(["convert", "import-hf", str(folder), str(tmp_path / "ours")])
+    assert not (tmp_path / "ours").exists()
 
 
 def test_export_refuses_a_nonzero_expert_selection_bias(tmp_path):

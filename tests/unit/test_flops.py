@@ -74,7 +74,21 @@ PUBLISHED = {  # config: (published parameter count, relative tolerance)
     "llama3.1-8b": (8_030_261_248, 0.0),  # HF meta-llama/Llama-3.1-8B, "8.03B"
     "olmo2-7b": (7.3e9, 0.01),  # HF allenai/OLMo-2-1124-7B ("7.3B")
     "olmo3-7b": (7_298_011_136, 0.0),  # Olmo3ForCausalLM of allenai/Olmo-3-1025-7B's config (test_model_references)
+    "gpt-oss-20b": (20_914_757_184, 0.0),  # GptOssForCausalLM of openai/gpt-oss-20b's config, "20.9B"
+    "gpt-oss-120b": (116_829_156_672, 0.0),  # GptOssForCausalLM of openai/gpt-oss-120b's config, "116.8B"
 }
+
+# gpt-oss's active counts as its model card gives them (3.6B / 5.1B): every parameter a token uses but the input
+# embedding table
+GPT_OSS_ACTIVE = {"gpt-oss-20b": (4_187_440_704, 3.6e9), "gpt-oss-120b": (5_711_982_912, 5.1e9)}
+
+
+@pytest.mark.parametrize("name", list(GPT_OSS_ACTIVE))
+def test_gpt_oss_active_counts(name):
+    counts = count_params(load_config(name).model)
+    active, published = GPT_OSS_ACTIVE[name]
+    assert counts["active"] == active
+    assert abs(counts["active"] - counts["embedding"] - published) < 0.05e9, f"{counts['active']:,}"
 
 # MoE configs: (published total, published active). Totals within 1%; the active counts are published with one
 # decimal (Qwen3-30B-A3B's 3,353,032,704 is "3.3B", OLMoE's 1,281,955,840 "1.3B"), so within 0.1B of the figure,
@@ -125,7 +139,8 @@ def test_counts_equal_hugging_face_models(name, cls, config, kwargs):
 
 
 @pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "mistral-7b", "qwen3-0.6b",
-                                  "qwen3-8b", "llama3.2-1b", "llama3.1-8b", "olmo2-7b", "olmo3-7b"])
+                                  "qwen3-8b", "llama3.2-1b", "llama3.1-8b", "olmo2-7b", "olmo3-7b", "gpt-oss-20b",
+                                  "gpt-oss-120b"])
 def test_new_configs_count_what_their_hugging_face_export_builds(name):
     """The exported architecture (config_to_hf), built on the meta device, has exactly our parameter count."""
     transformers = pytest.importorskip("transformers")
@@ -139,8 +154,8 @@ def test_new_configs_count_what_their_hugging_face_export_builds(name):
     assert counts["total"] == sum(p.numel() for p in hf.parameters())
     if cfg.moe.n_experts:  # active: every block's experts but experts_per_token of them left out, per their shapes
         experts = [layer.mlp.experts for layer in hf.model.layers if hasattr(layer.mlp, "experts")]
-        idle = cfg.moe.n_experts - cfg.moe.experts_per_token
-        unused = sum(idle * (e.gate_up_proj[0].numel() + e.down_proj[0].numel()) for e in experts)
+        unused = sum((cfg.moe.n_experts - cfg.moe.experts_per_token) * sum(p[0].numel() for p in e.parameters())
+                     for e in experts)  # one expert's slice of each stacked tensor (weights, and biases if any)
         assert counts["active"] == counts["total"] - unused
 
 

@@ -181,6 +181,19 @@ def _hf_olmo3(**extra):
         "pad_token_id": None, "eos_token_id": None, **extra}))
 
 
+def _hf_gpt_oss(**extra):
+    # attention sinks, q/k/v/o biases, head_dim 16 != 32 / 4, 4 blocks alternating windowed (window 4 < 12 tokens)
+    # and global, all rotating with untruncated yarn; 4 biased experts of width 24, top-2 of the biased router, the
+    # clamped SwiGLU with a limit (0.5) the perturbed projections pass
+    return transformers.GptOssForCausalLM(transformers.GptOssConfig(**{
+        "vocab_size": 97, "hidden_size": 32, "intermediate_size": 24, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "max_position_embeddings": 32, "sliding_window": 4, "swiglu_limit": 0.5,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 8},
+        "pad_token_id": None, "eos_token_id": None, "bos_token_id": None, **extra}))
+
+
 def _hf_gemma2(**extra):
     # every 2nd block global (Gemma 2's default layer_types), attention- and final-logit soft-capping with caps
     # below the scores' and logits' ranges (so they bend them), yarn rope scaling for every block
@@ -223,9 +236,9 @@ def _random_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _SINGLE_STACK = [_hf_gpt2, _hf_bert, _hf_llama, _hf_llama3, _hf_mistral, _hf_qwen2, _hf_qwen3, _hf_mixtral,
-                 _hf_qwen3_moe, _hf_olmoe, _hf_olmo2, _hf_olmo3, _hf_gemma2, _hf_gemma3]
+                 _hf_qwen3_moe, _hf_olmoe, _hf_olmo2, _hf_olmo3, _hf_gemma2, _hf_gemma3, _hf_gpt_oss]
 _SINGLE_IDS = ["gpt2", "bert", "llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2",
-               "olmo3", "gemma2", "gemma3"]
+               "olmo3", "gemma2", "gemma3", "gpt_oss"]
 
 
 @pytest.mark.parametrize("make", _SINGLE_STACK, ids=_SINGLE_IDS)
@@ -377,6 +390,12 @@ _GEMMA3 = {"n_layers": 4, "head_dim": 16, "activation": "geglu", "norm_position"
 _OLMO3 = {"n_layers": 4, "norm_position": "post_sublayer", "qk_norm": True, "qk_norm_scope": "projection",
           "attention_window": 4, "full_attention_every": 3, "rope_theta": 500.0, "rope_local_theta": 1e4, **_YARN_ROPE}
 
+# gpt-oss's options: q/k/v/o biases, sinks, every 2nd of 4 blocks global, untruncated yarn in every block, biased
+# experts and router, the clamped SwiGLU
+_GPT_OSS = {"n_layers": 4, "head_dim": 16, "bias": True, "attention_sinks": True, "attention_window": 4,
+            "full_attention_every": 2, "activation": "swiglu_clamped", "swiglu_limit": 0.5, "router_bias": True,
+            "expert_bias_terms": True, "rope_truncate": False, **_YARN_ROPE}
+
 
 @pytest.mark.parametrize(("arch", "cfg"), [
     ("llama", _llama_config(**_LLAMA3_ROPE)),
@@ -392,8 +411,9 @@ _OLMO3 = {"n_layers": 4, "norm_position": "post_sublayer", "qk_norm": True, "qk_
     ("olmo3", _llama_config(**_OLMO3)),
     ("gemma2", _llama_config(**{**_GEMMA3, "qk_norm": False, "rope_local_theta": None, "attention_softcap": 1.0})),
     ("gemma3_text", _llama_config(**_GEMMA3)),
+    ("gpt_oss", _moe_config(**_GPT_OSS)),
 ], ids=["llama3", "llama-linear", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2", "olmo3",
-        "gemma2", "gemma3"])
+        "gemma2", "gemma3", "gpt_oss"])
 def test_export_logits_and_round_trip(arch, cfg):
     """Ours -> HF computes our logits (padded batch, sequences longer than the window) and comes back bitwise."""
     torch.manual_seed(0)
@@ -501,6 +521,77 @@ def test_olmo3_7b_published_config_maps_both_ways():
     assert back.layer_types == published.layer_types and back.rope_parameters == published.rope_parameters
 
 
+def test_gpt_oss_expert_layout():
+    """gpt-oss's gate_up_proj (E, d, 2f) holds expert j's gate in its even columns and up in its odd ones, (in,
+    out) as our stacked gate_proj / up_proj; its bias likewise."""
+    torch.manual_seed(0)
+    hf = _hf_gpt_oss()
+    perturb(hf)
+    ours = from_hf_model(hf)
+    experts = ours.decoder_layers["1"].ffn.experts
+    fused = hf.model.layers[1].mlp.experts
+    for ours_name, column in (("gate", 0), ("up", 1)):
+        torch.testing.assert_close(getattr(experts, f"{ours_name}_proj"), fused.gate_up_proj[..., column::2],
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(getattr(experts, f"{ours_name}_bias"), fused.gate_up_proj_bias[..., column::2],
+                                   rtol=0, atol=0)
+    state = to_hf_state_dict(ours)
+    assert torch.equal(state["model.layers.1.mlp.experts.gate_up_proj"], fused.gate_up_proj)
+    assert torch.equal(state["model.layers.1.self_attn.sinks"], hf.model.layers[1].self_attn.sinks)
+
+
+def test_gpt_oss_ignores_hidden_act_as_transformers_does():
+    """gpt-oss's experts apply the clamped SwiGLU whatever hidden_act says: another value imports as the same model."""
+    assert config_from_hf(_hf_gpt_oss(hidden_act="gelu").config) == config_from_hf(_hf_gpt_oss().config)
+
+
+def test_gpt_oss_export_refuses_what_it_lacks():
+    """gpt-oss always has sinks, a router bias and expert biases, and gates with the clamped SwiGLU."""
+    for extra, named in [({"attention_sinks": False}, "attention_sinks=False"),
+                         ({"router_bias": False}, "router_bias=False"),
+                         ({"expert_bias_terms": False}, "expert_bias_terms=False"),
+                         ({"activation": "swiglu"}, "activation='swiglu'"), ({"qk_norm": True}, "qk_norm=True")]:
+        with pytest.raises(ValueError, match=re.escape(named)):
+            check_compatible(_moe_config(**{**_GPT_OSS, **extra}), "gpt_oss")
+
+
+def test_gpt_oss_quantized_experts_are_refused():
+    """The Hub's MXFP4 layout (experts as *_blocks / *_scales) is refused naming the fix, before any rule misses
+    gate_up_proj."""
+    hf = _hf_gpt_oss()
+    cfg = config_from_hf(hf.config)
+    state = dict(hf.state_dict())
+    for name in [k for k in state if ".mlp.experts." in k and "bias" not in k]:
+        weight = state.pop(name)
+        state[f"{name}_blocks"], state[f"{name}_scales"] = weight.to(torch.uint8), weight[..., 0].to(torch.uint8)
+    with pytest.raises(ValueError, match=r"gpt_oss: model\.layers\.0\.mlp\.experts\.\w+_(blocks|scales): the "
+                       r"experts are stored quantized .* dequantize first"):
+        from_hf_state_dict(state, cfg, "gpt_oss")
+
+
+@pytest.mark.parametrize(("name", "layers", "experts"), [("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128)])
+def test_gpt_oss_published_configs_map_both_ways(name, layers, experts):
+    """transformers' GptOssConfig defaults are gpt-oss-120b's published config (20b: 24 blocks of 32 experts): they
+    give the bundled config (block 0 windowed, every 2nd global, untruncated yarn), whose parameter count the model
+    transformers builds on the meta device has, and come back."""
+    from meshformer.checkpointing.hf import config_to_hf
+    from meshformer.config import load_config
+    from meshformer.model.flops import count_params
+
+    published = transformers.GptOssConfig(num_hidden_layers=layers, num_local_experts=experts)
+    assert published.layer_types[:2] == ["sliding_attention", "full_attention"]
+    cfg = config_from_hf(published)
+    assert (cfg.attention.window, cfg.rope.truncate) == (128, False)
+    assert cfg.layer_types == ["sliding_attention", "full_attention"]
+    assert [cfg.window(i) for i in range(4)] == [128, None, 128, None]
+    assert cfg == load_config(name).model
+    with torch.device("meta"):
+        hf = transformers.GptOssForCausalLM(published)
+    assert count_params(cfg)["total"] == sum(p.numel() for p in hf.parameters())
+    back = config_to_hf(cfg)
+    assert back.layer_types == published.layer_types and back.rope_parameters == published.rope_parameters
+
+
 def test_llama31_rope_parameters_map_both_ways():
     """Llama 3.1 8B's published config.json rope block (no download: its values) to our keys and back."""
     from meshformer.checkpointing.hf import config_to_hf
@@ -535,9 +626,13 @@ def test_llama31_rope_parameters_map_both_ways():
                                      "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
      "rope_parameters.sliding_attention="),
     (_hf_olmo3, {"attention_bias": True}, "attention_bias=True"),
+    (_hf_gpt_oss, {"layer_types": ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]},
+     "layer_types=['full_attention', 'sliding_attention', 'sliding_attention', 'full_attention'] is not every n-th"),
+    (_hf_gpt_oss, {"rope_parameters": {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "mscale": 2.0,
+                                       "original_max_position_embeddings": 8}}, "rope_parameters.mscale=2.0"),
 ], ids=["olmo2-attention-bias", "olmo2-act", "gemma3-layer-types", "gemma3-local-rope-scaling", "gemma3-bidirectional",
         "gemma3-attention-bias", "gemma3-act", "olmoe-clip-qkv", "olmoe-attention-bias", "olmo3-layer-types",
-        "olmo3-local-rope-scaling", "olmo3-attention-bias"])
+        "olmo3-local-rope-scaling", "olmo3-attention-bias", "gpt_oss-layer-types", "gpt_oss-yarn-mscale"])
 def test_olmo2_gemma3_refuse_what_they_cannot_express(make, extra, named):
     with pytest.raises(ValueError, match=re.escape(named)):
         config_from_hf(make(**extra).config)

@@ -42,7 +42,9 @@ def test_plan_says_on_what_listed_layouts_tie(capsys):
 DOCUMENTED = [("tiny-moe", 1, "cpu"), ("olmoe-1b-7b", 8, "h100-80gb"), ("olmoe-1b-7b", 64, "h100-80gb"),
               ("olmoe-1b-7b", 512, "h100-80gb"), ("qwen3-30b-a3b", 8, "h100-80gb"), ("qwen3-30b-a3b", 64, "h100-80gb"),
               ("qwen3-30b-a3b", 512, "h100-80gb"), ("mixtral-8x7b", 64, "h100-80gb"),
-              ("mixtral-8x7b", 512, "h100-80gb")]
+              ("mixtral-8x7b", 512, "h100-80gb"), ("gpt-oss-20b", 8, "h100-80gb"),
+              ("gpt-oss-20b", 64, "h100-80gb"), ("gpt-oss-20b", 512, "h100-80gb"), ("gpt-oss-120b", 64, "h100-80gb"),
+              ("gpt-oss-120b", 512, "h100-80gb")]
 
 
 @pytest.mark.parametrize(("config", "world", "device"), DOCUMENTED)

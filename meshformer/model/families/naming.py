@@ -1,7 +1,8 @@
 """`Rule`: one foreign tensor tied to one or more of ours; the families' name maps are lists of them.
 
 Several of ours are concatenated along dim 0 (output features), e.g. q/k/v into GPT-2's `c_attn` or
-nn.MultiheadAttention's `in_proj_weight`; one expert's linear is a slice of our stacked (n_experts, in, out)
+nn.MultiheadAttention's `in_proj_weight`; or interleaved along the last dim (a fused gate/up whose even columns are
+the gate); one expert's linear is a slice of our stacked (n_experts, in, out)
 expert tensor (Mixtral's `experts.3.w1.weight`). checkpointing/mapping.py applies rules both ways.
 """
 
@@ -15,11 +16,12 @@ from meshformer.model.config import ModelConfig
 
 @dataclass(frozen=True)
 class Rule:
-    ours: tuple[str, ...]  # our tensors, concatenated along dim 0 when several
+    ours: tuple[str, ...]  # our tensors, concatenated along dim 0 when several (or interleaved: `interleave`)
     theirs: str
     transpose: bool = False  # foreign layout is (in, out), e.g. GPT-2's Conv1D
     alias: bool = False  # a foreign duplicate of a tied tensor: written on export, ignored on import
     expert: int | None = None  # the foreign tensor is this slice of our (single, stacked) tensor along dim 0
+    interleave: bool = False  # several of ours alternate along the last dim: column k * len(ours) + i is ours[i]'s k
 
 
 def params(ours: str | tuple[str, ...], theirs: str, names: Iterable[str] = ("weight", "bias"), *,
