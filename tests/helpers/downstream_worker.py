@@ -1,7 +1,7 @@
 """One rank of a downstream-scoring launch (`helpers.checkpoints.launch`): `downstream_worker.py KEY=VALUE ...`.
 
-Builds the run's Trainer under its layout, loads checkpoint.init_from's weights as a run's first step does, scores
-downstream.tasks once without training, and prints rank 0's per-task metrics and log-likelihoods as one
+Builds the run's Trainer under its layout, restores the newest checkpoint of checkpoint.dir as a resumed run does,
+scores downstream.tasks once without training, and prints rank 0's per-task metrics and log-likelihoods as one
 `SCORES <json>` line.
 """
 
@@ -11,7 +11,6 @@ import json
 import os
 import sys
 
-from meshformer.checkpointing.init_from import load_init_weights, resolve_init_from
 from meshformer.config import load_config
 from meshformer.runtime.distributed import init_distributed, shutdown_distributed
 from meshformer.train.preflight import preflight
@@ -19,13 +18,13 @@ from meshformer.train.trainer import Trainer
 
 
 def main(overrides: list[str]) -> None:
-    cfg = resolve_init_from(load_config(None, overrides))
+    cfg = load_config(None, overrides)
     rank = int(os.environ.get("RANK", 0))
     tokenizer = preflight(cfg)
     dims = init_distributed(cfg)
     try:
         trainer = Trainer(cfg, rank=rank, local_rank=rank, tokenizer=tokenizer, dims=dims)
-        load_init_weights(trainer.parallel_model.model_parts, trainer.cfg)
+        assert trainer.checkpoints.resume(trainer.checkpointable)
         assert trainer.downstream is not None
         trainer.downstream.run(trainer.parallel_model)
         scores = {name: {"metrics": s.metrics, "logliks": s.logliks} for name, s in trainer.downstream.last.items()}
