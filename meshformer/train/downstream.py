@@ -94,9 +94,13 @@ def load_task(spec: str) -> Task:
     """A task from its YAML and JSONL documents; unsupported lm-eval features are refused naming the key."""
     import yaml
 
+    class Loader(yaml.SafeLoader):
+        """lm-eval's tags (`!function module.name`) load as `_Tagged` values, refused below naming their key."""
+
+    Loader.add_multi_constructor("!", lambda loader, tag, node: _Tagged(tag))
     path = task_path(spec)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=Loader)  # a SafeLoader
     except yaml.YAMLError as err:
         raise ConfigError(f"downstream task {path}: not valid YAML ({str(err).splitlines()[0]})",
                           "fix the file") from None
@@ -108,9 +112,11 @@ def load_task(spec: str) -> Task:
                            "in-loop evaluation reads zero-shot multiple-choice tasks from local JSONL files "
                            f"(keys: {', '.join(SUPPORTED_KEYS)})")
 
-    for key in raw:
+    for key, value in raw.items():
         if key not in SUPPORTED_KEYS:
             raise refuse(repr(key), "is not supported")
+        if isinstance(value, _Tagged):
+            raise refuse(key, f"given as {value.tag} (Python code) is not supported")
     if raw.get("output_type") != "multiple_choice":
         raise refuse("output_type", f"{raw.get('output_type')!r} is not supported (only multiple_choice)")
     if raw.get("dataset_path") != "json":
@@ -149,6 +155,11 @@ def load_task(spec: str) -> Task:
     if not docs:
         raise ConfigError(f"downstream task {path}: no documents in {files}", "add JSONL lines to the data file")
     return Task(name, docs, str(raw.get("target_delimiter", " ")))
+
+
+@dataclass(frozen=True)
+class _Tagged:
+    tag: str
 
 
 def _split_files(data_files: Any) -> dict[str, list[str]]:

@@ -45,8 +45,8 @@ from meshformer.runtime.profiler import StepProfiler
 from meshformer.runtime.stop import StopRequest, exit_status, signal_name
 from meshformer.runtime.stragglers import rank_timings, straggler_scalars
 from meshformer.runtime.watchdog import HangWatchdog
-from meshformer.train.loss_choice import resolve_loss
 from meshformer.train.downstream import DownstreamEval
+from meshformer.train.loss_choice import resolve_loss
 from meshformer.train.metrics import FlopsCeiling, RunLogger, current_memory_gib, memory_gib, peak_flops, synchronize
 from meshformer.train.optim import SkippedUpdates
 from meshformer.train.preflight import (
