@@ -97,7 +97,7 @@ def load_task(spec: str) -> Task:
     class Loader(yaml.SafeLoader):
         """lm-eval's tags (`!function module.name`) load as `_Tagged` values, refused below naming their key."""
 
-    Loader.add_multi_constructor("!", lambda loader, tag, node: _Tagged(tag))
+    Loader.add_multi_constructor("!", lambda loader, tag, node: _Tagged(f"!{tag}"))
     path = task_path(spec)
     try:
         raw = yaml.load(path.read_text(encoding="utf-8"), Loader=Loader)  # a SafeLoader
@@ -160,6 +160,23 @@ def load_task(spec: str) -> Task:
 @dataclass(frozen=True)
 class _Tagged:
     tag: str
+
+
+def load_tasks(cfg: Config) -> list[Task]:
+    """The tasks of downstream.tasks, checked against the run (preflight reads them before any data work)."""
+    if cfg.downstream.interval < 0 or cfg.downstream.batch_size < 0:
+        raise ConfigError(f"downstream.interval={cfg.downstream.interval} and downstream.batch_size="
+                          f"{cfg.downstream.batch_size} must be >= 0", "use 0 for their defaults")
+    if not cfg.downstream.tasks:
+        return []
+    if cfg.objective != "causal":
+        raise ConfigError(f"downstream.tasks scores continuations with a causal language model, but this run's "
+                          f"objective is {cfg.objective!r}", "remove downstream.tasks for this model")
+    tasks = [load_task(spec) for spec in cfg.downstream.tasks]
+    names = [t.name for t in tasks]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"downstream.tasks: two tasks are named alike ({names})", "list each task once")
+    return tasks
 
 
 def _split_files(data_files: Any) -> dict[str, list[str]]:
@@ -371,21 +388,9 @@ class DownstreamEval:
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer: Tokenizer) -> DownstreamEval | None:
-        """The tasks of downstream.tasks (None: none listed); a task that cannot be read fails here, before
-        training."""
-        if cfg.downstream.interval < 0 or cfg.downstream.batch_size < 0:
-            raise ConfigError(f"downstream.interval={cfg.downstream.interval} and downstream.batch_size="
-                              f"{cfg.downstream.batch_size} must be >= 0", "use 0 for their defaults")
-        if not cfg.downstream.tasks:
-            return None
-        if cfg.objective != "causal":
-            raise ConfigError(f"downstream.tasks scores continuations with a causal language model, but this run's "
-                              f"objective is {cfg.objective!r}", "remove downstream.tasks for this model")
-        tasks = [load_task(spec) for spec in cfg.downstream.tasks]
-        names = [t.name for t in tasks]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"downstream.tasks: two tasks are named alike ({names})", "list each task once")
-        return cls(cfg, tasks, tokenizer)
+        """The tasks of downstream.tasks, tokenized (None: none listed)."""
+        tasks = load_tasks(cfg)
+        return cls(cfg, tasks, tokenizer) if tasks else None
 
     def due(self, step: int, last: bool) -> bool:
         """downstream.interval, else train.eval_interval, else only the last step."""
