@@ -252,16 +252,19 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[
     return whole[:n_context], whole[n_context:]
 
 
-def request_row(context: list[int], continuation: list[int], seq_len: int, pad_id: int
-                ) -> tuple[list[int], list[int]]:
-    """(input_ids, labels) of one request, seq_len long: the last seq_len + 1 tokens (lm-eval's left truncation),
-    right-padded; labels mark the continuation's tokens only."""
+def request_row(context: list[int], continuation: list[int], seq_len: int) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of one request: the last seq_len + 1 tokens (lm-eval's left truncation) shifted by one;
+    labels mark the continuation's tokens only."""
     tokens = (context + continuation)[-(seq_len + 1):]
     inputs = tokens[:-1]
     n_scored = min(len(continuation), len(inputs))
-    labels = [IGNORE_INDEX] * (len(inputs) - n_scored) + tokens[len(tokens) - n_scored:]
-    pad = seq_len - len(inputs)
-    return inputs + [pad_id] * pad, labels + [IGNORE_INDEX] * pad
+    return inputs, [IGNORE_INDEX] * (len(inputs) - n_scored) + tokens[len(tokens) - n_scored:]
+
+
+def padded_length(longest: int, seq_len: int, multiple: int) -> int:
+    """A batch's length: its longest row rounded up to `multiple` (what context and sequence parallel split evenly),
+    at most seq_len (which the layout's checks already made divisible)."""
+    return min(seq_len, -(-longest // multiple) * multiple)
 
 
 # ----------------------------------------------------------------------------------------------- scoring
@@ -313,15 +316,18 @@ def _reports_rows(model: ParallelModel) -> bool:
 
 @torch.no_grad()
 def score_rows(model: ParallelModel, cfg: Config, rows: list[tuple[list[int], list[int]]], batch_size: int,
-               pad_id: int) -> list[float]:
+               pad_id: int, seq_len: int) -> list[float]:
     """The summed log-likelihood of each row's labelled tokens, identical on every rank (a collective).
 
-    Data-parallel rank r scores rows r, r + dp, ...; every rank runs the same number of full batches (padding rows
-    carry no labels), so the layout's collectives line up."""
+    Each data-parallel rank scores every dp-th row; every rank runs the same number of batches (rows of padding
+    carry no labels), so the layout's collectives line up. A batch is as long as its longest row (rounded up)."""
     dp_rank, dp_size = model.dp_rank, model.dp_size
-    mine = list(range(dp_rank, len(rows), dp_size))
+    # longest first, dealt out in turn: every rank's k-th batch holds rows of about the same length
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+    mine = order[dp_rank::dp_size]
     n_batches = math.ceil(math.ceil(len(rows) / dp_size) / batch_size)
-    seq_len = len(rows[0][0]) if rows else 0
+    split = 2 * model.dims.cp * model.dims.tp if isinstance(model, MultiRankParallelModel) else 1
+    multiple = math.lcm(8, split)
     totals = torch.zeros(len(rows), dtype=torch.float32, device=model.device)
     counts = _reports_rows(model)
     for part in model.model_parts:
@@ -330,10 +336,13 @@ def score_rows(model: ParallelModel, cfg: Config, rows: list[tuple[list[int], li
         with _row_losses(model, cfg) as recorder:
             for b in range(n_batches):
                 picked = mine[b * batch_size:(b + 1) * batch_size]
-                ids = [rows[i][0] for i in picked] + [[pad_id] * seq_len] * (batch_size - len(picked))
-                labels = [rows[i][1] for i in picked] + [[IGNORE_INDEX] * seq_len] * (batch_size - len(picked))
-                batch: Batch = {"input_ids": torch.tensor(ids, device=model.device),
-                                "labels": torch.tensor(labels, device=model.device)}
+                length = padded_length(max((len(rows[i][0]) for i in picked), default=1), seq_len, multiple)
+                ids = torch.full((batch_size, length), pad_id, dtype=torch.long)
+                labels = torch.full((batch_size, length), IGNORE_INDEX, dtype=torch.long)
+                for row, i in enumerate(picked):  # right padding: a causal model's scores ignore what follows
+                    ids[row, :len(rows[i][0])] = torch.tensor(rows[i][0])
+                    labels[row, :len(rows[i][1])] = torch.tensor(rows[i][1])
+                batch: Batch = {"input_ids": ids.to(model.device), "labels": labels.to(model.device)}
                 recorder.rows.clear()
                 model.evaluate(batch)
                 if counts and recorder.rows and picked:
@@ -380,7 +389,7 @@ class DownstreamEval:
             for doc in task.docs:
                 for i, choice in enumerate(doc.choices):
                     context, continuation = encode_pair(tokenizer, doc.context, task.target_delimiter + choice)
-                    self.rows.append(request_row(context, continuation, cfg.data.seq_len, self.pad_id))
+                    self.rows.append(request_row(context, continuation, cfg.data.seq_len))
                     if i == doc.gold:
                         gold.append(min(len(continuation), cfg.data.seq_len))
             self.gold_tokens[task.name] = gold
@@ -400,7 +409,7 @@ class DownstreamEval:
     def run(self, model: ParallelModel) -> dict[str, float]:
         """Every task's metrics as `downstream/<task>/<metric>` scalars (the same on every rank)."""
         start = time.perf_counter()
-        logliks = score_rows(model, self.cfg, self.rows, self.batch_size, self.pad_id)
+        logliks = score_rows(model, self.cfg, self.rows, self.batch_size, self.pad_id, self.cfg.data.seq_len)
         scalars: dict[str, float] = {}
         at = 0
         for task in self.tasks:

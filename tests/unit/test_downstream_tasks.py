@@ -11,7 +11,14 @@ from meshformer.batch import IGNORE_INDEX
 from meshformer.config import load_config
 from meshformer.data import load_tokenizer
 from meshformer.errors import ConfigError
-from meshformer.train.downstream import DownstreamEval, encode_pair, load_task, request_row, task_scores
+from meshformer.train.downstream import (
+    DownstreamEval,
+    encode_pair,
+    load_task,
+    padded_length,
+    request_row,
+    task_scores,
+)
 
 DOCS = [{"q": "And God said", "options": ["Let there be light", "banana"], "answer": "Let there be light", "i": 0},
         {"q": "In the beginning ", "options": ["God created", "the end"], "answer": "God created", "i": 0}]
@@ -90,11 +97,15 @@ def test_encode_pair_moves_the_contexts_trailing_space_and_splits_the_whole_enco
 
 
 def test_request_row_cuts_from_the_left_and_labels_the_continuation_only():
-    ids, labels = request_row([1, 2, 3], [4, 5], seq_len=8, pad_id=0)
-    assert ids == [1, 2, 3, 4, 0, 0, 0, 0]
-    assert labels == [IGNORE_INDEX, IGNORE_INDEX, 4, 5] + [IGNORE_INDEX] * 4
-    ids, labels = request_row([1, 2, 3, 4, 5], [6, 7], seq_len=4, pad_id=0)  # 7 tokens: the last 5 are kept
-    assert ids == [3, 4, 5, 6] and labels == [IGNORE_INDEX, IGNORE_INDEX, 6, 7]
+    assert request_row([1, 2, 3], [4, 5], seq_len=8) == ([1, 2, 3, 4], [IGNORE_INDEX, IGNORE_INDEX, 4, 5])
+    # 7 tokens, seq_len 4: the last 5 are kept, as lm-eval keeps the last max_length + 1
+    assert request_row([1, 2, 3, 4, 5], [6, 7], seq_len=4) == ([3, 4, 5, 6], [IGNORE_INDEX, IGNORE_INDEX, 6, 7])
+
+
+def test_a_batch_is_as_long_as_its_longest_row_rounded_up_within_seq_len():
+    assert padded_length(13, seq_len=64, multiple=8) == 16
+    assert padded_length(16, seq_len=64, multiple=8) == 16
+    assert padded_length(61, seq_len=64, multiple=24) == 64  # cp=2 x tp=3 x 2 pieces: seq_len already divides
 
 
 def test_acc_norm_divides_by_characters_and_acc_bytes_by_utf8_bytes(tmp_path):
