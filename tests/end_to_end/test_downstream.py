@@ -32,7 +32,7 @@ def trained(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("downstream")
     shards = tiny_shards(root)
-    cfg = tiny_config(shards, root / "run", STEPS, *DOWNSTREAM, f"checkpoint.interval={STEPS}")
+    cfg = tiny_config(shards, root / "run", STEPS, *DOWNSTREAM, "downstream.interval=5", f"checkpoint.interval={STEPS}")
     trainer = Trainer(cfg)
     trainer.fit()
     assert trainer.downstream is not None
@@ -42,8 +42,9 @@ def trained(tmp_path_factory):
 
 def test_in_loop_scores_are_logged_as_metrics(trained):
     lines = [json.loads(line) for line in (trained["root"] / "run" / "metrics.jsonl").read_text().splitlines()]
-    logged = next(line for line in lines if "downstream/kjv_cloze/acc" in line)
-    assert logged["step"] == STEPS
+    logged = [line for line in lines if "downstream/kjv_cloze/acc" in line]
+    assert [line["step"] for line in logged] == [5, STEPS]  # downstream.interval, and the last step
+    logged = logged[-1]
     for task in TASKS:
         for key, value in trained["scores"][task].metrics.items():
             assert logged[f"downstream/{task}/{key}"] == pytest.approx(value, abs=1e-12)
