@@ -130,8 +130,8 @@ def load_task(spec: str) -> Task:
         if metric not in ("acc", "acc_norm", "acc_bytes"):
             raise refuse("metric_list", f"metric {metric!r} is not supported (acc, acc_norm, acc_bytes)")
     kwargs = raw.get("dataset_kwargs") or {}
-    if set(kwargs) != {"data_files"}:
-        raise refuse("dataset_kwargs", f"{sorted(kwargs)} is not supported (only data_files)")
+    if not isinstance(kwargs, dict) or set(kwargs) != {"data_files"}:
+        raise refuse("dataset_kwargs", f"{kwargs!r} is not supported (only data_files)")
     split = raw.get("test_split") or raw.get("validation_split")
     if not split:
         raise refuse("test_split", "is missing (lm-eval evaluates test_split, else validation_split)")
@@ -151,7 +151,13 @@ def load_task(spec: str) -> Task:
         for number, line in enumerate(source.read_text(encoding="utf-8").splitlines(), start=1):
             if line.strip():
                 where = f"downstream task {name}: {source.name} line {number}"
-                docs.append(_doc(raw, json.loads(line), where))
+                try:
+                    doc = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ConfigError(f"{where}: not valid JSON ({err.msg})", "one JSON object per line") from None
+                if not isinstance(doc, dict):
+                    raise ConfigError(f"{where}: not a JSON object", "one JSON object per line")
+                docs.append(_doc(raw, doc, where))
     if not docs:
         raise ConfigError(f"downstream task {path}: no documents in {files}", "add JSONL lines to the data file")
     return Task(name, docs, str(raw.get("target_delimiter", " ")))

@@ -89,6 +89,13 @@ def test_other_output_types_and_remote_datasets_are_refused(tmp_path):
         load_task(path)
 
 
+def test_a_broken_jsonl_line_is_named(tmp_path):
+    path = _task(tmp_path, "doc_to_text: q", "doc_to_choice: options", "doc_to_target: i")
+    (tmp_path / "docs.jsonl").write_text(json.dumps(DOCS[0]) + "\n{not json\n")
+    with pytest.raises(ConfigError, match="docs.jsonl line 2: not valid JSON"):
+        load_task(path)
+
+
 def test_encode_pair_moves_the_contexts_trailing_space_and_splits_the_whole_encoding():
     tok = load_tokenizer("bundled:kjv-bpe-4k")
     context, continuation = encode_pair(tok, "In the beginning ", "God created")
