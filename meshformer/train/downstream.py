@@ -207,8 +207,12 @@ def _doc(raw: dict[str, Any], doc: dict[str, Any], where: str) -> Doc:
 
     try:
         text = raw["doc_to_text"]
-        context = doc[text] if isinstance(text, str) and text in doc else _render(str(text), doc)
-        if not isinstance(context, str) or context.isdigit():
+        if isinstance(text, str) and text in doc:
+            context = doc[text]
+        else:  # a rendered digit string is a choice index to lm-eval (multiple-input tasks such as Winogrande)
+            context = _render(str(text), doc)
+            context = int(context) if context.isdigit() else context
+        if not isinstance(context, str):
             raise ConfigError(f"{where}: doc_to_text gives {context!r}, not a context text",
                               "multiple-input tasks (a choice index as the text) are not supported")
         spec = raw["doc_to_choice"]
@@ -397,7 +401,7 @@ class DownstreamEval:
                     context, continuation = encode_pair(tokenizer, doc.context, task.target_delimiter + choice)
                     self.rows.append(request_row(context, continuation, cfg.data.seq_len))
                     if i == doc.gold:
-                        gold.append(min(len(continuation), cfg.data.seq_len))
+                        gold.append(sum(1 for label in self.rows[-1][1] if label != IGNORE_INDEX))
             self.gold_tokens[task.name] = gold
         self.last: dict[str, TaskScores] = {}
 

@@ -67,6 +67,7 @@ def test_literal_choices_and_a_custom_delimiter(tmp_path):
     (("doc_to_text: q", "doc_to_choice: options", "doc_to_target: q"), ["target 'And God said' is not one of"]),
     (("doc_to_text: q", "doc_to_choice: options", 'doc_to_target: "{{missing}}"'), ["do not fit", "doc_to_*"]),
     (("doc_to_text: q", "doc_to_choice: options"), ["doc_to_target is missing"]),
+    (('doc_to_text: "{{i}}"', "doc_to_choice: options", "doc_to_target: i"), ["gives 0", "multiple-input tasks"]),
     (("doc_to_text: q", "doc_to_choice: options", "doc_to_target: 5"), ["target 5 is not a choice index"]),
 ])
 def test_unsupported_or_inconsistent_tasks_are_refused_in_one_line(tmp_path, lines, words):
