@@ -50,6 +50,16 @@ def test_columns_templates_and_text_targets(tmp_path, fields):
     assert [(d.context, d.choices, d.gold) for d in task.docs] == [(d["q"], d["options"], 0) for d in DOCS]
 
 
+def test_an_arc_style_task_reads_as_lm_eval_renders_it(tmp_path):
+    docs = [{"question": "Who created the heaven?", "choices": {"text": ["Moses", "God"], "label": ["A", "B"]},
+             "answerKey": "B"}]
+    task = load_task(_task(tmp_path, 'doc_to_text: "Question: {{question}}\\nAnswer:"',
+                           'doc_to_choice: "{{choices.text}}"',
+                           'doc_to_target: "{{choices.label.index(answerKey)}}"', docs=docs))
+    assert (task.docs[0].context, task.docs[0].choices, task.docs[0].gold) == \
+        ("Question: Who created the heaven?\nAnswer:", ["Moses", "God"], 1)
+
+
 def test_literal_choices_and_a_custom_delimiter(tmp_path):
     task = load_task(_task(tmp_path, 'doc_to_text: "Q: {{q}}\\nA:"', "doc_to_choice: ['yes', 'no']",
                            "doc_to_target: 1", 'target_delimiter: ""'))
