@@ -183,6 +183,18 @@ class ProfileConfig:
 
 
 @dataclass
+class DownstreamConfig:
+    """Zero-shot multiple-choice tasks (lm-evaluation-harness' local-task format) scored during training."""
+
+    # "bundled:kjv_cloze", "bundled:kjv_next" or the path of an lm-eval task YAML (dataset_path: json, its JSONL
+    # data_files relative to the YAML); logged as downstream/<task>/{acc,acc_norm,acc_bytes,loglik_per_token,
+    # loglik_per_byte}; []: none
+    tasks: list[str] = field(default_factory=list)
+    interval: int = 0  # steps between downstream evaluations (and after the last step); 0: at train.eval_interval
+    batch_size: int = 0  # requests (context + one choice, data.seq_len tokens) per forward per rank; 0: data.batch_size
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -193,6 +205,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    downstream: DownstreamConfig = field(default_factory=DownstreamConfig)
 
     @property
     def objective(self) -> str:

@@ -73,6 +73,9 @@ def preflight(cfg: Config) -> Tokenizer:
     check_latest(checkpoint_dir)
     if not cfg.checkpoint.resume:
         refuse_earlier_checkpoints(checkpoint_dir)
+    from meshformer.train.downstream import load_tasks  # the parallel layouts' modules: only when training
+
+    load_tasks(cfg)  # downstream.tasks: readable, supported, fit for the objective
     tokenizer = checked_tokenizer(cfg)
     check_data(cfg, tokenizer)
     check_disk_space(cfg, run_dir, checkpoint_dir)

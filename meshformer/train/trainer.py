@@ -45,6 +45,7 @@ from meshformer.runtime.profiler import StepProfiler
 from meshformer.runtime.stop import StopRequest, exit_status, signal_name
 from meshformer.runtime.stragglers import rank_timings, straggler_scalars
 from meshformer.runtime.watchdog import HangWatchdog
+from meshformer.train.downstream import DownstreamEval
 from meshformer.train.loss_choice import resolve_loss
 from meshformer.train.metrics import FlopsCeiling, RunLogger, current_memory_gib, memory_gib, peak_flops, synchronize
 from meshformer.train.optim import SkippedUpdates
@@ -120,6 +121,7 @@ class Trainer:
         dp_rank, dp_size = self.parallel_model.dp_rank, self.parallel_model.dp_size
         self.train_data = build_loader(cfg, self.tokenizer, "train", dp_rank, dp_size)
         self.eval_data = build_loader(cfg, self.tokenizer, "eval", dp_rank, dp_size)
+        self.downstream = DownstreamEval.from_config(cfg, self.tokenizer)  # downstream.tasks (None: none listed)
         self.train_iter: Iterator[Batch] | None = None  # started at the first step, after a resume moved the loader
         self.last_lr: float = self.optimizer.param_groups[0]["lr"]  # the rate the last step used
         # Encoder-decoder steps feed source and target tokens: both count towards tokens/s and MFU.
@@ -316,6 +318,11 @@ class Trainer:
                 eval_loss = self.evaluate()
                 log.scalars(step, {"eval/loss": eval_loss, "eval/perplexity": math.exp(min(eval_loss, 50))})
                 log.info(f"eval  {step:>6} | loss {eval_loss:.4f} | ppl {math.exp(min(eval_loss, 50)):.2f}")
+            if not stop and self.downstream is not None and self.downstream.due(step, last):
+                self.watchdog.phase("downstream")
+                scores = self.downstream.run(self.parallel_model)
+                log.scalars(step, scores)
+                log.info(self.downstream.describe(step, scores))
             if not stop and cfg.train.sample_interval and step % cfg.train.sample_interval == 0 and \
                     self.model is not None:
                 self.watchdog.phase("sample")

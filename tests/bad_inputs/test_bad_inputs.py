@@ -59,6 +59,8 @@ def world(tmp_path_factory):
         (tmp / name / "diagnostics").mkdir(parents=True)
         (tmp / name / "diagnostics" / "hang-rank0.json").write_text(text)
     (tmp / "bad.toml").write_text("[model\nd_model = 4\n")
+    (tmp / "task.yaml").write_text("task: t\ndataset_path: json\noutput_type: multiple_choice\n"
+                                   "process_results: !function utils.process_results\n")
     (tmp / "empty.txt").write_text("")
     (tmp / "binary.txt").write_bytes(bytes(range(256)) * 64)
     (tmp / "utf16.txt").write_bytes("In the beginning was the word. ".encode("utf-16") * 50)
@@ -230,6 +232,10 @@ CASES = [
     ("logit-softcap-fused-loss", _train("model.logit_softcap=30", "train.loss=chunked"),
      ["without model.logit_softcap=30.0", "use train.loss='plain'"]),
     ("profile-steps", _train("profile.start_step=1", "profile.steps=0"), ["profile.steps", "e.g."]),
+    ("downstream-no-such-task", _train('downstream.tasks=["bundled:arc"]'),
+     ["no bundled task 'bundled:arc'", "bundled:kjv_cloze"]),
+    ("downstream-unsupported-key", _train('downstream.tasks=["{tmp}/task.yaml"]'),
+     ["'process_results' is not supported", "zero-shot multiple-choice tasks"]),
     ("no-cuda", _train("train.device=cuda"), ["no CUDA device", "train.device='cpu'"]),
     ("device-garbage", _train("train.device=banana"), ["train.device='banana' is not a device", "'cuda:N'"]),
     ("device-bad-index", _train("train.device=cuda:x"), ["train.device='cuda:x' is not a device", "'cuda:N'"]),

@@ -1,0 +1,103 @@
+"""In-loop downstream scores equal lm-evaluation-harness' own on the exported checkpoint, and the data-parallel and
+pipeline-parallel scores equal one process's.
+
+A tiny model trains a few steps with both bundled tasks in `downstream.tasks`; its final weights are exported to a
+Hugging Face folder, which lm-eval 0.4.13 scores (HFLM on CPU, the same task YAML and JSONL as a local task). The
+summed log-likelihood of every (document, choice) request and acc / acc_norm must agree.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers.checkpoints import launch, tiny_config, tiny_overrides, tiny_shards
+
+from meshformer.train.downstream import BUNDLED_DIR
+from meshformer.train.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+TASKS = ("kjv_cloze", "kjv_next")
+DOWNSTREAM = ('downstream.tasks=["bundled:kjv_cloze", "bundled:kjv_next"]', "downstream.batch_size=16")
+STEPS = 8
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "downstream_worker.py"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny model trained with the bundled tasks scored in the loop, exported to an HF folder."""
+    from meshformer.cli import main
+
+    root = tmp_path_factory.mktemp("downstream")
+    shards = tiny_shards(root)
+    cfg = tiny_config(shards, root / "run", STEPS, *DOWNSTREAM, "downstream.interval=5", f"checkpoint.interval={STEPS}")
+    trainer = Trainer(cfg)
+    trainer.fit()
+    assert trainer.downstream is not None
+    main(["convert", "export-hf", str(root / "run" / "final"), str(root / "hf")])
+    return {"root": root, "shards": shards, "scores": trainer.downstream.last, "hf": root / "hf"}
+
+
+def test_in_loop_scores_are_logged_as_metrics(trained):
+    lines = [json.loads(line) for line in (trained["root"] / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = [line for line in lines if "downstream/kjv_cloze/acc" in line]
+    assert [line["step"] for line in logged] == [5, STEPS]  # downstream.interval, and the last step
+    logged = logged[-1]
+    for task in TASKS:
+        for key, value in trained["scores"][task].metrics.items():
+            assert logged[f"downstream/{task}/{key}"] == pytest.approx(value, abs=1e-12)
+
+
+def test_scores_equal_lm_evals_on_the_exported_model(trained, tmp_path):
+    import lm_eval  # the dev extra pins lm-eval[hf]==0.4.13
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    # lm-eval reads data_files relative to the current directory: the same tasks with absolute paths
+    for task in TASKS:
+        shutil.copy(BUNDLED_DIR / f"{task}.jsonl", tmp_path / f"{task}.jsonl")
+        text = (BUNDLED_DIR / f"{task}.yaml").read_text().replace(f"{task}.jsonl", str(tmp_path / f"{task}.jsonl"))
+        (tmp_path / f"{task}.yaml").write_text(text)
+    model = HFLM(pretrained=str(trained["hf"]), device="cpu", batch_size=16, dtype="float32")
+    assert model.max_length == 32  # data.seq_len of the run: both cut long requests the same way
+    out = lm_eval.simple_evaluate(model=model, tasks=list(TASKS), num_fewshot=0, log_samples=True,
+                                  task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False))
+    for task in TASKS:
+        ours = trained["scores"][task]
+        samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
+        theirs = [[float(resp[0][0]) for resp in sample["resps"]] for sample in samples]
+        assert len(theirs) == len(ours.logliks) == 40
+        worst = max(abs(a - b) for mine, other in zip(ours.logliks, theirs) for a, b in zip(mine, other))
+        assert worst < 1e-4, (task, worst)
+        results = out["results"][task]
+        assert ours.metrics["acc"] == results["acc,none"]
+        assert ours.metrics["acc_norm"] == results["acc_norm,none"]
+        print(f"{task}: acc {ours.metrics['acc']:.3f} acc_norm {ours.metrics['acc_norm']:.3f} "
+              f"(lm-eval {results['acc,none']:.3f} / {results['acc_norm,none']:.3f}); largest loglik difference "
+              f"{worst:.2e}")
+
+
+@pytest.mark.parametrize("layout", [("parallel.dp_shard=2",), ("parallel.pp=2", "parallel.dp_shard=1"),
+                                    ("parallel.tp=2", "parallel.dp_shard=1"), ("parallel.cp=2", "parallel.dp_shard=1")],
+                         ids=["dp2", "pp2", "tp2", "cp2"])
+def test_two_rank_scores_equal_one_process(trained, tmp_path, layout):
+    """The trained weights (the run's last checkpoint, resharded to the layout) scored by two ranks (data parallel:
+    each scores half the requests; pipeline: the last stage scores them) give every request the log-likelihood one
+    process gave it."""
+    overrides = tiny_overrides(trained["shards"], tmp_path / "run", STEPS, *DOWNSTREAM, *layout,
+                               f'checkpoint.dir="{trained["root"] / "run" / "checkpoints"}"',
+                               "checkpoint.resume_other_run=true")
+    results = launch(WORKER, 2, overrides, timeout=300.0)
+    assert all(r.returncode == 0 for r in results), "\n".join(r.stdout[-3000:] for r in results)
+    line = next(x for x in results[0].stdout.splitlines() if x.startswith("SCORES "))
+    scores = json.loads(line.removeprefix("SCORES "))
+    for task in TASKS:
+        ours = trained["scores"][task]
+        worst = max(abs(a - b) for mine, other in zip(ours.logliks, scores[task]["logliks"])
+                    for a, b in zip(mine, other))
+        assert worst < 1e-4, (task, worst)
+        assert scores[task]["metrics"]["acc"] == ours.metrics["acc"]
+        assert scores[task]["metrics"]["acc_norm"] == ours.metrics["acc_norm"]
+        print(f"{layout} {task}: largest loglik difference from one process {worst:.2e}")
