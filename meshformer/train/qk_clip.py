@@ -68,12 +68,14 @@ class _Projection:
 class QKClip:
     """Post-step hook (`TrainStep.add_post_step_hook`) clipping the attention heads of `model_parts` at `threshold`.
     `groups`: the process groups to reduce the per-head maxima over with MAX (data, context and tensor parallel);
-    `tp_rank`, `tp_size`: which heads this rank's attention computes (its tensor-parallel share, in rank order)."""
+    `tp_rank`, `tp_size`: which heads this rank's attention computes (its tensor-parallel share, in rank order);
+    `pp_group`: the pipeline stages, combined for the log."""
 
     def __init__(self, model_parts: list[nn.Module], threshold: float, *,
-                 groups: Sequence[dist.ProcessGroup] = (), tp_rank: int = 0, tp_size: int = 1) -> None:
+                 groups: Sequence[dist.ProcessGroup] = (), tp_rank: int = 0, tp_size: int = 1,
+                 pp_group: dist.ProcessGroup | None = None) -> None:
         self.threshold = threshold
-        self.groups = list(groups)
+        self.groups, self.pp_group = list(groups), pp_group
         self.layers: list[Attention] = []
         self._queries: list[_Projection] = []
         self._keys: list[_Projection | None] = []  # None: grouped-query (the shared key stays)
@@ -126,13 +128,13 @@ class QKClip:
         self.last_max_logit = maxima.max()
         self.last_clipped = clipped.sum().float()
 
-    def scalars(self, pp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    def scalars(self) -> dict[str, float]:
         """Of the latest step: `optim/max_attention_logit` (over every head) and `optim/qk_clip_heads` (the heads
-        clipped); `pp_group`: the pipeline stages to combine (a collective there)."""
+        clipped); under pipeline parallel a collective over the stages."""
         top, count = self.last_max_logit.clone(), self.last_clipped.clone()
-        if pp_group is not None:
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=pp_group)
-            dist.all_reduce(count, op=dist.ReduceOp.SUM, group=pp_group)
+        if self.pp_group is not None:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.pp_group)
+            dist.all_reduce(count, op=dist.ReduceOp.SUM, group=self.pp_group)
         top, count = torch.stack([top, count]).tolist()
         return {"optim/max_attention_logit": top if math.isfinite(top) else math.nan,
                 "optim/qk_clip_heads": count}
@@ -147,4 +149,5 @@ def qk_clip_for(parallel_model: ParallelModel, threshold: float) -> QKClip:
     dims = meshes.dims
     mesh = meshes.moe_tokens if dims.tp_enabled else meshes.tokens  # moe_tokens: data x context x tensor parallel
     groups = [mesh.get_group()] if mesh.size() > 1 else []
-    return QKClip(parallel_model.model_parts, threshold, groups=groups, tp_rank=meshes.tp_rank, tp_size=dims.tp)
+    return QKClip(parallel_model.model_parts, threshold, groups=groups, tp_rank=meshes.tp_rank, tp_size=dims.tp,
+                  pp_group=meshes.pp.get_group() if dims.pp_enabled else None)

@@ -71,6 +71,10 @@ class TrainStep:
         if any(layer.cfg.router_bias_update_rate > 0 for layer in parallel_model.moe_layers):
             self.add_post_step_hook(parallel_model.update_expert_bias)
 
+    def qk_clip_scalars(self) -> dict[str, float]:
+        """MuonClip's log of the latest step (train/qk_clip.py), {} without it; every rank: a collective under PP."""
+        return {} if self.qk_clip is None else self.qk_clip.scalars()
+
     def add_post_step_hook(self, hook: PostStepHook) -> None:
         """Run `hook(applied)` after every optimizer step, after the hooks added before it (see PostStepHook)."""
         self._post_step_hooks.append(hook)
