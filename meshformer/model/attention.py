@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -337,3 +338,17 @@ class Attention(nn.Module):
             self.weights = weights.detach()
         weights = F.dropout(weights, p=dropout_p, training=dropout_p > 0)
         return weights @ v
+
+
+@contextmanager
+def logits_not_recorded(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Forwards inside this block leave the attention layers' `max_logit` (MuonClip) as it is: e.g. a pipeline
+    stage's shape-inference forward on placeholder inputs."""
+    recording = [m for m in modules if isinstance(m, Attention) and m.record_max_logit]
+    for layer in recording:
+        layer.record_max_logit = False
+    try:
+        yield
+    finally:
+        for layer in recording:
+            layer.record_max_logit = True
