@@ -134,6 +134,8 @@ class Attention(nn.Module):
     plan that shards the projections by heads needs no change here.
     """
 
+    max_logit: torch.Tensor  # a buffer (see `record_max_logit`)
+
     def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False) -> None:
         super().__init__()
         self.head_dim = cfg.attention_head_dim
