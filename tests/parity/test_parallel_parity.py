@@ -111,7 +111,7 @@ WORLD4 += MUON_WORLD4
 # tensor-parallel ranks scaling the rows of their own heads, FSDP ranks the rows of their shards; the same heads clip
 # as in one process (grouped-query decoder: queries only; encdec: multi-head, queries and keys with their biases)
 QK_CLIP_WORLD2 = ["decoder/fsdp-muon-qkclip", "decoder/tp-muon-qkclip", "decoder/cp-muon-qkclip",
-                  "encdec/tp-muon-qkclip=0.02"]
+                  "encdec/tp-muon-qkclip=0.02", "decoder/fsdp-muon-qkclip-compile"]  # compiled: the math path
 QK_CLIP_WORLD4 = ["decoder/tp-fsdp-muon-qkclip", "decoder/pp-fsdp-muon-qkclip"]
 WORLD2 += QK_CLIP_WORLD2
 WORLD4 += QK_CLIP_WORLD4
@@ -135,7 +135,7 @@ WORLD2_SLOW = {"decoder/cp-compile", "decoder/tp-fp8=tensorwise", "decoder_alibi
                "encdec/tp-fp8=tensorwise", "decoder/tp-fp8=rowwise", "moe/tp-ep-bf16", "moe_encdec/tp-ep",
                "moe/fsdp-ep-recompute=full", "moe/tp-ep-recompute=selective", "moe_bias/tp-ep", "moe/fsdp-ep-compile",
                "moe/tp-ep-compile", "moe/fsdp-ep-compile-recompute=selective", "decoder/fsdp-fp8=tensorwise-muon",
-               "decoder/cp-muon-qkclip", "encdec/tp-muon-qkclip=0.02"}
+               "decoder/cp-muon-qkclip", "encdec/tp-muon-qkclip=0.02", "decoder/fsdp-muon-qkclip-compile"}
 ALL_WORLD2 = WORLD2 + MIXED_PRECISION + FP8_WORLD2 + ["skip/nan"]  # skip/nan: a NaN gradient on one rank
 
 
