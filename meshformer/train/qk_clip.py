@@ -32,23 +32,19 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from meshformer.model.attention import Attention
+from meshformer.parallel.grad_norm import local_tensor
 from meshformer.parallel.parallel_model import ParallelModel
 
 
 def _global_rows(param: torch.Tensor) -> torch.Tensor:
     """The index in the whole parameter of each row of this rank's piece of it (a local slice of a replicated
     index: no communication)."""
-    rows = torch.arange(param.shape[0], device=param.device if not isinstance(param, DTensor) else
-                        param.to_local().device)
+    rows = torch.arange(param.shape[0], device=local_tensor(param).device)
     if not isinstance(param, DTensor):
         return rows
     mesh = param.device_mesh
     whole = DTensor.from_local(rows, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return whole.redistribute(mesh, param.placements).to_local()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class _Projection:
@@ -61,7 +57,7 @@ class _Projection:
     def scale_(self, factor: torch.Tensor) -> None:
         """Multiply each head's rows by `factor` (one value per head of the whole projection)."""
         for param, heads in zip(self.params, self.heads, strict=True):
-            local = _local(param.data)
+            local = local_tensor(param)  # under no_grad: in place on the parameter
             local.mul_(factor[heads].to(local.dtype).view(-1, *[1] * (local.ndim - 1)))
 
 
