@@ -74,6 +74,11 @@ class OptimConfig:
     # update scale: "moonlight" 0.2*sqrt(max(m, n)) (AdamW's update RMS: AdamW's lr carries over) or "shape"
     # sqrt(max(1, fan_out/fan_in)) (Keller Jordan's; wants a larger lr, e.g. 0.02)
     muon_scale: Literal["moonlight", "shape"] = "moonlight"
+    # MuonClip's QK-clip (Kimi K2; with Muon or AdamW; train/qk_clip.py): after each step, every attention head whose
+    # largest logit q·k·scale in the step's forwards exceeded this threshold tau has its query and key projection
+    # rows scaled so that it would be tau (Kimi K2: 100). Needs attention_backend auto/blockwise/math (which see the
+    # scores) and no qk_norm. None or 0: off.
+    qk_clip_threshold: float | None = None
 
 
 @dataclass

@@ -262,7 +262,7 @@ def _check_shard_size(size: str) -> None:
 
 def _check_training_ranges(cfg: Config) -> None:
     """Values that would otherwise train silently wrong (negative rates, no clipping) or fail late (data loading)."""
-    sched, optim, t = cfg.schedule, cfg.optim, cfg.train
+    sched, optim, t, m = cfg.schedule, cfg.optim, cfg.train, cfg.model
     if sched.warmup_steps < 0:
         raise ConfigError("schedule.warmup_steps must be >= 0")
     if not 0 <= sched.min_lr_ratio <= 1:
@@ -284,6 +284,19 @@ def _check_training_ranges(cfg: Config) -> None:
                           f"optim.muon_momentum={optim.muon_momentum}, optim.muon_ns_steps={optim.muon_ns_steps} "
                           "out of range", "use muon_lr > 0, muon_weight_decay >= 0, muon_momentum in [0, 1), "
                           "muon_ns_steps >= 1 (e.g. 5)")
+    if optim.qk_clip_threshold:
+        if optim.qk_clip_threshold < 0:
+            raise ConfigError(f"optim.qk_clip_threshold={optim.qk_clip_threshold} must be > 0",
+                              "use e.g. 100 (Kimi K2's), or 0 to turn QK-clip off")
+        if m.attention.backend not in ("auto", "blockwise", "math"):
+            raise ConfigError(f"optim.qk_clip_threshold needs each head's largest attention logit, which "
+                              f"model.attention.backend={m.attention.backend!r} (an SDPA kernel) never computes",
+                              "set model.attention.backend to 'auto', 'blockwise' or 'math'")
+        if m.attention.qk_norm:
+            raise ConfigError("optim.qk_clip_threshold with model.attention.qk_norm=true: QK-norm fixes the queries' "
+                              "and keys' scale, so scaling their projections cannot lower a logit",
+                              "drop optim.qk_clip_threshold (QK-norm already bounds the logits) or "
+                              "model.attention.qk_norm")
     if optim.max_nonfinite_in_a_row < 0:
         raise ConfigError(f"optim.max_nonfinite_in_a_row={optim.max_nonfinite_in_a_row} must be >= 0 (0: stop at the "
                           "first step with an inf/nan gradient norm)")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from meshformer.model.blockwise_attention import blockwise_attention, picks_blockwise
+from meshformer.model.blockwise_attention import blockwise_attention, blockwise_attention_max, picks_blockwise
 from meshformer.model.config import ModelConfig
 from meshformer.model.masks import AttentionMask
 from meshformer.model.norms import make_rms_norm
@@ -133,6 +134,8 @@ class Attention(nn.Module):
     plan that shards the projections by heads needs no change here.
     """
 
+    max_logit: torch.Tensor  # a buffer (see `record_max_logit`)
+
     def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False) -> None:
         super().__init__()
         self.head_dim = cfg.attention_head_dim
@@ -158,6 +161,12 @@ class Attention(nn.Module):
         self.sdpa_order = sdpa_order(cfg.attention.backend)
         self.capture_weights = False  # inspection hook: keep the last attention weights in `.weights`
         self.weights: torch.Tensor | None = None
+        # MuonClip (train/qk_clip.py) sets `record_max_logit`: each training forward then keeps, per query head of
+        # this rank, the largest logit q·k·scale (before bias, soft-cap and sinks; over the keys each query sees)
+        # in `max_logit[:heads]`, a running max until the clip resets it. Only the blockwise and math paths
+        # see the scores; with recording on, calls the blockwise kernel cannot take run the math path.
+        self.record_max_logit = False
+        self.register_buffer("max_logit", torch.full((cfg.attention.n_heads,), float("-inf")), persistent=False)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
@@ -253,8 +262,15 @@ class Attention(nn.Module):
             return self._math(q, k, v, mask, bias, dropout_p, sinks)
         plain = (mask.mask is None and bias is None and dropout_p == 0.0 and not isinstance(q, DTensor)
                  and not torch.compiler.is_compiling())
-        if picks_blockwise(self.backend, q.device.type, max(q.shape[2], k.shape[2]), self.head_dim, plain):
-            return blockwise_attention(q, k, v, scale=self.scale, causal=mask.is_causal, sinks=sinks)
+        record = self.record_max_logit and self.training
+        if picks_blockwise(self.backend, q.device.type, max(q.shape[2], k.shape[2]), self.head_dim, plain, record):
+            if not record:
+                return blockwise_attention(q, k, v, scale=self.scale, causal=mask.is_causal, sinks=sinks)
+            out, max_logit = blockwise_attention_max(q, k, v, scale=self.scale, causal=mask.is_causal, sinks=sinks)
+            self._record(max_logit)
+            return out
+        if record:  # config validation allows recording with auto, blockwise and math only
+            return self._math(q, k, v, mask, bias, dropout_p, sinks)
         if sinks is not None:  # no SDPA kernel takes a sink: each head's sink becomes one more key
             q, k, v, mask, bias = sink_as_key(q, k, v, mask, bias, sinks, self.scale)
         if self.sdpa_order is None:
@@ -263,6 +279,13 @@ class Attention(nn.Module):
             with sdpa_kernel(self.sdpa_order, set_priority=True):
                 out = self._sdpa(q, k, v, mask, bias, dropout_p)
         return out if sinks is None else out[..., :self.head_dim]
+
+    def _record(self, per_head: torch.Tensor) -> None:
+        """Fold one call's largest logit per query head (H,) into `max_logit` (a running max over the step)."""
+        if isinstance(per_head, DTensor):  # heads sharded over tensor-parallel ranks: this rank's heads
+            per_head = per_head.to_local()
+        seen = self.max_logit[:per_head.shape[0]]
+        torch.maximum(seen, per_head.detach().to(seen.dtype), out=seen)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, bias: torch.Tensor | None,
               dropout_p: float) -> torch.Tensor:
@@ -294,17 +317,40 @@ class Attention(nn.Module):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         scores = (q @ k.transpose(-2, -1)) * self.scale
+        allowed = mask.materialize(q.shape[2], k.shape[2], q.device)
+        record = self.record_max_logit and self.training
+        # the largest q·k·scale logit of allowed keys: after the mask fill where nothing else changes the scores
+        # (no copy), else from a masked copy of the raw scores
+        raw_needed = record and (self.softcap is not None or bias is not None)
+        if raw_needed:
+            raw = scores.detach()
+            self._record((raw if allowed is None else raw.masked_fill(~allowed, float("-inf"))).amax(dim=(0, 2, 3)))
         if self.softcap is not None:
             scores = self.softcap * torch.tanh(scores / self.softcap)
         if bias is not None:
             scores = scores + bias.to(scores.dtype)
-        allowed = mask.materialize(q.shape[2], k.shape[2], q.device)
         if allowed is not None:
             # A finite fill keeps every row finite even before `build_mask` opens empty rows.
             scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        if record and not raw_needed:
+            self._record(scores.detach().amax(dim=(0, 2, 3)))
         # Softmax in at least fp32: upcasts bf16/fp16 but must not downcast fp64 (whose fill value would become -inf).
         weights = with_sinks(scores.to(torch.promote_types(scores.dtype, torch.float32)), sinks).to(q.dtype)
         if self.capture_weights:
             self.weights = weights.detach()
         weights = F.dropout(weights, p=dropout_p, training=dropout_p > 0)
         return weights @ v
+
+
+@contextmanager
+def logits_not_recorded(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Forwards inside this block leave the attention layers' `max_logit` (MuonClip) as it is: e.g. a pipeline
+    stage's shape-inference forward on placeholder inputs."""
+    recording = [m for m in modules if isinstance(m, Attention) and m.record_max_logit]
+    for layer in recording:
+        layer.record_max_logit = False
+    try:
+        yield
+    finally:
+        for layer in recording:
+            layer.record_max_logit = True

@@ -36,13 +36,15 @@ def stored_probabilities(batch_heads: int, q_len: int, k_len: int, causal: bool)
     return batch_heads * total
 
 
-def picks_blockwise(backend: str, device_type: str, seq_len: int, head_dim: int, plain: bool) -> bool:
+def picks_blockwise(backend: str, device_type: str, seq_len: int, head_dim: int, plain: bool,
+                    recording: bool = False) -> bool:
     """Whether attention runs this kernel. `plain`: causal or unmasked, no bias or dropout, not under
     torch.compile, plain tensors; `seq_len`: the longer of queries and keys. `blockwise` forces it wherever it
-    applies; `auto` picks it on a CPU within the memory rule above."""
+    applies; `auto` picks it on a CPU within the memory rule above, and on any device while `recording` each head's
+    largest logit (MuonClip: SDPA kernels never hold the scores; the other calls run the math path)."""
     if not plain:
         return False
-    if backend == "blockwise":
+    if backend == "blockwise" or (backend == "auto" and recording):
         return True
     return backend == "auto" and device_type == "cpu" and seq_len <= MAX_SEQ_PER_HEAD_DIM * head_dim
 
@@ -66,11 +68,12 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 # ops' outputs, can keep this kernel's output and probabilities as it keeps an SDPA kernel's (parallel/recompute.py).
 @torch.library.custom_op("meshformer::blockwise_attention", mutates_args=())
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-               sinks: torch.Tensor | None) -> list[torch.Tensor]:
-    """[output, q, k, v as (B*H, T, D) rows, each query's sink probability (N, Tq) (empty without sinks),
-    probabilities of each query block]; q (B, H, Tq, D), k and v (B, H, Tk, D), sinks (H,) or None. Backward keeps
-    the rows (no second copy of the heads) and the probabilities. Causal: the queries are the last Tq of the Tk
-    positions (a KV-cache step or a context-parallel piece when Tq < Tk)."""
+               sinks: torch.Tensor | None, record_max: bool) -> list[torch.Tensor]:
+    """[output, each row's largest logit (N,) (record_max; else empty), q, k, v as (B*H, T, D) rows, each query's
+    sink probability (N, Tq) (empty without sinks), probabilities of each query block]; q (B, H, Tq, D), k and v
+    (B, H, Tk, D), sinks (H,) or None. Backward keeps the rows (no second copy of the heads) and the probabilities.
+    Causal: the queries are the last Tq of the Tk positions (a KV-cache step or a context-parallel piece when
+    Tq < Tk). The largest logit (q·k·scale over the keys each query sees; MuonClip) has no gradient."""
     batch, heads, q_len, head_dim = q.shape
     k_len = k.shape[2]
     shift = k_len - q_len  # causal: query i sits at key position i + shift
@@ -80,6 +83,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     # a sink joins each row's denominator: softmax(scores) scaled by sigmoid(logsumexp(scores) - sink)
     sink_of_row = None if sinks is None else sinks.to(wide).repeat(batch).view(-1, 1)  # row n = b * H + h
     sink_probs = q.new_empty((0,) if sinks is None else (batch * heads, q_len), dtype=wide)
+    max_logit = torch.full((batch * heads,) if record_max else (0,), float("-inf"), dtype=wide, device=q.device)
     q_wide = q.to(wide) * scale
     k_wide_t = k.to(wide).transpose(1, 2).contiguous()  # (N, D, Tk): each block reads a prefix of keys
     above_diagonal = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)
@@ -93,6 +97,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
         if causal:
             n = end - start
             scores[:, :, start + shift:].masked_fill_(above_diagonal[:n, :n], float("-inf"))
+        if record_max:  # a read of the block the softmax reads anyway (masked keys are -inf)
+            torch.maximum(max_logit, scores.amax(dim=(1, 2)), out=max_logit)
         p = torch.softmax(scores, dim=-1)
         if sink_of_row is not None:
             beyond = torch.logsumexp(scores, dim=-1) - sink_of_row  # (N, rows)
@@ -101,12 +107,12 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
         p = p.to(q.dtype)
         out[:, :, start:end] = torch.bmm(p, v[:, :keys]).view(batch, heads, end - start, head_dim)
         probs.append(p)
-    return [out, q, k, v, sink_probs, *probs]
+    return [out, max_logit, q, k, v, sink_probs, *probs]
 
 
 @_attention.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-      sinks: torch.Tensor | None) -> list[torch.Tensor]:
+      sinks: torch.Tensor | None, record_max: bool) -> list[torch.Tensor]:
     batch, heads, q_len, head_dim = q.shape
     rows, k_len = block_rows(q_len), k.shape[2]
     probs = [q.new_empty(batch * heads, min(rows, q_len - start),
@@ -115,12 +121,13 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: b
     rows_of = [t.new_empty(batch * heads, t.shape[2], head_dim) for t in (q, k, v)]
     wide = torch.promote_types(q.dtype, torch.float32)
     sink_probs = q.new_empty((0,) if sinks is None else (batch * heads, q_len), dtype=wide)
-    return [q.new_empty(batch, q_len, heads, head_dim).transpose(1, 2), *rows_of, sink_probs, *probs]
+    max_logit = q.new_empty((batch * heads,) if record_max else (0,), dtype=wide)
+    return [q.new_empty(batch, q_len, heads, head_dim).transpose(1, 2), max_logit, *rows_of, sink_probs, *probs]
 
 
 def _save(ctx, inputs: tuple, output: list[torch.Tensor]) -> None:
-    q, _, _, scale, causal, sinks = inputs
-    ctx.save_for_backward(*output[1:])
+    q, _, _, scale, causal, sinks, _ = inputs
+    ctx.save_for_backward(*output[2:])
     ctx.scale, ctx.causal, ctx.heads = scale, causal, q.shape[1]
     ctx.sinks_dtype = None if sinks is None else sinks.dtype
 
@@ -157,7 +164,7 @@ def _backward(ctx, grads: list[torch.Tensor | None]):
     grad_sinks = None
     if grad_sink_rows is not None:
         grad_sinks = grad_sink_rows.view(batch, heads, q_len).sum((0, 2)).to(ctx.sinks_dtype)
-    return grad_q, grad_k, grad_v.to(v.dtype).view(batch, heads, k_len, head_dim), None, None, grad_sinks
+    return grad_q, grad_k, grad_v.to(v.dtype).view(batch, heads, k_len, head_dim), None, None, grad_sinks, None
 
 
 _attention.register_autograd(_backward, setup_context=_save)
@@ -167,7 +174,16 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
                         causal: bool, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale [+ causal mask]) v for q (B, H, Tq, D), k and v (B, H, Tk, D) with the same heads;
     causal aligns the queries with the last Tq keys. sinks (H,): a logit per head in each row's denominator."""
+    return blockwise_attention_max(q, k, v, scale=scale, causal=causal, sinks=sinks, record_max=False)[0]
+
+
+def blockwise_attention_max(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool,
+                            sinks: torch.Tensor | None = None, record_max: bool = True
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`blockwise_attention`'s output and each head's largest logit q·k·scale over the batch and the keys each
+    query sees, (H,) in at least fp32 (record_max; else empty), without gradient."""
     if causal and q.shape[2] > k.shape[2]:
         raise ValueError(f"blockwise causal attention needs at least as many keys as queries, got {k.shape[2]} "
                          f"keys for {q.shape[2]} queries")
-    return _attention(q, k, v, scale, causal, sinks)[0]
+    out, max_logit, *_ = _attention(q, k, v, scale, causal, sinks, record_max)
+    return out, max_logit.view(q.shape[0], q.shape[1]).amax(0) if record_max else max_logit

@@ -91,7 +91,8 @@ def runs_blockwise_attention(cfg, device_type: str, compiled: bool) -> bool:
     plain = m.attention.dropout == 0 and m.attention.window is None and not m.attention.document_mask \
         and m.position not in BIASED_POSITIONS and not compiled and m.attention.softcap is None
     longest = max(cfg.data.seq_len, cfg.data.target_len if get_family_spec(m.family).seq2seq else 0)
-    return picks_blockwise(m.attention.backend, device_type, longest, m.attention_head_dim, plain)
+    return picks_blockwise(m.attention.backend, device_type, longest, m.attention_head_dim, plain,
+                           recording=bool(cfg.optim.qk_clip_threshold))
 
 
 def attention_kernels(cfg, device: torch.device, compiled: bool) -> str:
@@ -100,9 +101,14 @@ def attention_kernels(cfg, device: torch.device, compiled: bool) -> str:
         return "math (explicit softmax; returns attention weights)"
     if cfg.model.attention.softcap is not None:
         return "math (soft-capped scores: explicit softmax)"
+    recording = bool(cfg.optim.qk_clip_threshold)  # MuonClip: only blockwise and math see each head's scores
     if runs_blockwise_attention(cfg, device.type, compiled):
+        if recording:
+            return "blockwise (records each head's largest logit for MuonClip; padded batches go to math)"
         return ("blockwise (meshformer's CPU kernel; padded batches go to SDPA)" if device.type == "cpu"
                 else "blockwise (meshformer's kernel, as configured)")
+    if recording:
+        return "math (records each head's largest logit for MuonClip)"
     if backend not in ("sdpa", "auto"):
         return f"SDPA, {backend} kernel first (torch's order after it)"
     if device.type == "cuda":

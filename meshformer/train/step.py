@@ -9,8 +9,8 @@ rate schedule and the count of skipped updates, and runs the whole update in one
    gradient by it), saving a pass that reads and writes every gradient; other kernels scale the gradients;
 4. the optimizer step, skipped where the norm is inf/nan (fused: the kernel's `found_inf`, no host sync; others
    read the norm on the host), so weights and moments never take a NaN; every rank skips the same steps;
-5. the post-step hooks, in the order they were added (FP8 weight-scale refresh; MoE router-bias updates), told
-   whether the update was applied: a skipped step leaves the router biases as it leaves the weights;
+5. the post-step hooks, in the order they were added (QK-clip; FP8 weight-scale refresh; MoE router-bias
+   updates), told whether the update was applied: a skipped step leaves the router biases as it leaves the weights;
 6. the scheduler and zero_grad.
 
 The optimizer's private attributes (`grad_scale`, `found_inf`) are written here and nowhere else.
@@ -28,6 +28,7 @@ from meshformer.config import OptimConfig, ScheduleConfig
 from meshformer.parallel.float8 import refresh_weight_scales
 from meshformer.parallel.parallel_model import ParallelModel
 from meshformer.train.optim import SkippedUpdates, build_optimizer, build_scheduler, is_fused_adam
+from meshformer.train.qk_clip import qk_clip_for
 
 # Runs after each optimizer step (skipped ones too), before the scheduler moves, given `applied`: a scalar tensor on
 # the device, 1.0 where the update was applied and 0.0 where it was skipped (read it without a host sync)
@@ -60,10 +61,19 @@ class TrainStep:
         self.clip_in_update = self._fused  # the clip factor as fused AdamW's grad_scale (False: a scaling pass)
         self._on_phase = on_phase or (lambda name: None)
         self._post_step_hooks: list[PostStepHook] = []
+        # MuonClip's QK-clip (optim.qk_clip_threshold), first: attention heads whose largest logit exceeded the
+        # threshold get their query/key rows scaled down (train/qk_clip.py) before float8 scales are refreshed
+        self.qk_clip = qk_clip_for(parallel_model, optim.qk_clip_threshold) if optim.qk_clip_threshold else None
+        if self.qk_clip is not None:
+            self.add_post_step_hook(self.qk_clip)
         if parallel_model.float8_weight_gather:
             self.add_post_step_hook(self._refresh_float8_scales)
         if any(layer.cfg.moe.router_bias_update_rate > 0 for layer in parallel_model.moe_layers):
             self.add_post_step_hook(parallel_model.update_expert_bias)
+
+    def qk_clip_scalars(self) -> dict[str, float]:
+        """MuonClip's log of the latest step (train/qk_clip.py), {} without it; every rank: a collective under PP."""
+        return {} if self.qk_clip is None else self.qk_clip.scalars()
 
     def add_post_step_hook(self, hook: PostStepHook) -> None:
         """Run `hook(applied)` after every optimizer step, after the hooks added before it (see PostStepHook)."""

@@ -294,6 +294,7 @@ class Trainer:
                 record |= self.train_data.source_scalars()  # mixtures: samples and tokens per source so far
                 moe = self.parallel_model.moe_scalars() if cfg.model.moe.n_experts else {}  # every rank: a collective
                 record |= moe  # per MoE layer: expert load max/mean, dropped fraction, aux and z losses
+                record |= self.training_step.qk_clip_scalars()  # MuonClip: largest attention logit, heads clipped
                 self.data_wait_s = 0.0
                 history.append({"step": step, **record})
                 log.scalars(step, record)

@@ -243,6 +243,12 @@ CASES = [
     ("grad-clip-negative", _train("optim.grad_clip=-1"), ["optim.grad_clip", ">= 0"]),
     ("muon-momentum", _train('optim.name="muon"', "optim.muon_momentum=1.0"),
      ["optim.muon_momentum=1.0", "muon_momentum in [0, 1)"]),
+    ("qk-clip-sdpa", _train("optim.qk_clip_threshold=100", 'model.attention.backend="flash"'),
+     ["model.attention.backend='flash' (an SDPA kernel) never computes", "set model.attention.backend to 'auto'"]),
+    ("qk-clip-qk-norm", _train("optim.qk_clip_threshold=100", "model.attention.qk_norm=true"),
+     ["optim.qk_clip_threshold with model.attention.qk_norm=true", "drop optim.qk_clip_threshold"]),
+    ("qk-clip-negative", _train("optim.qk_clip_threshold=-5"),
+     ["optim.qk_clip_threshold=-5.0 must be > 0", "e.g. 100"]),
     # (#25) values
     ("lr-inf", _train("optim.lr=inf"), ["optim.lr=inf is not a finite number", "e.g. the default optim.lr="]),
     ("lr-nan", _train("optim.lr=nan"), ["optim.lr=nan is not a finite number", "give a finite value"]),

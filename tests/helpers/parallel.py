@@ -50,6 +50,7 @@ from meshformer.train.step import TrainStep  # noqa: E402
 
 BATCH, SEQ, TARGET, VOCAB = 8, 16, 8, 64
 MAX_NORM = 0.05  # small enough that clipping is active in both steps
+QK_CLIP_THRESHOLD = 0.05  # "qkclip" rows: the tiny models' largest logits are 0.04-0.08: some heads clip, some not
 
 FAMILIES: dict[str, dict[str, Any]] = {
     # Llama-like: RMSNorm, SwiGLU, RoPE, GQA, tied embeddings
@@ -204,20 +205,23 @@ def build_cpu_plan(cfg: Config, model: Transformer | None = None) -> ParallelMod
     return parallelize(model if model is not None else new_model(cfg), cfg, torch.device("cpu"), loss)
 
 
-def harness_step(plan: ParallelModel, steps: int, nonfinite_limit: int = 0, optimizer: str = "adamw") -> TrainStep:
+def harness_step(plan: ParallelModel, steps: int, nonfinite_limit: int = 0, optimizer: str = "adamw",
+                 qk_clip: float | None = None) -> TrainStep:
     """The trainer's update (fused AdamW: clip factor and skip flag in the kernel; or Muon for the blocks' matrices)
-    at a constant rate."""
+    at a constant rate; `qk_clip`: MuonClip's threshold."""
     optim = OptimConfig(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, grad_clip=MAX_NORM,
                         implementation="fused", max_nonfinite_in_a_row=nonfinite_limit, name=optimizer,
-                        muon_lr=1e-2, muon_weight_decay=0.1)
+                        muon_lr=1e-2, muon_weight_decay=0.1, qk_clip_threshold=qk_clip)
     return TrainStep(plan, optim, ScheduleConfig(name="constant", warmup_steps=0), steps, d_model=1)
 
 
 def train_steps(plan: ParallelModel, steps: list[list[dict[str, torch.Tensor]]], dp_rank: int, dp_size: int,
-                optimizer: str = "adamw"):
+                optimizer: str = "adamw", qk_clip: float | None = None):
     """Two optimizer steps; returns (global losses, step-0 grads by canonical name, pre-clip norms, counts), the
-    counts with the updated weights by canonical name under Muon ("weights")."""
-    training = harness_step(plan, len(steps), optimizer=optimizer)
+    counts with the updated weights by canonical name under Muon ("weights") and QK-clip's log of each
+    step ("qk_clip": heads clipped, largest logit)."""
+    training = harness_step(plan, len(steps), optimizer=optimizer, qk_clip=qk_clip)
+    qk_clip_log: list[tuple[float, float]] = []
     losses, norms, grads0, replica_all_reduces = [], [], {}, []
     float8_amax_reduces: list[int] = []  # per step: torchao's per-weight amax all-reduces (float8 FSDP all-gather)
     FLOAT8_AMAX_REDUCES[0] = 0
@@ -239,6 +243,9 @@ def train_steps(plan: ParallelModel, steps: list[list[dict[str, torch.Tensor]]],
         for micro in steps:
             local = [{k: v.chunk(dp_size)[dp_rank] for k, v in b.items()} for b in micro]
             stats = training.step(local)
+            if training.qk_clip is not None:
+                scalars = training.qk_clip.scalars()
+                qk_clip_log.append((scalars["optim/qk_clip_heads"], scalars["optim/max_attention_logit"]))
             norms.append(float(stats.grad_norm))
             float8_amax_reduces.append(FLOAT8_AMAX_REDUCES[0] - sum(float8_amax_reduces))
             total = plan.reduce_for_logging(stats.loss_sum) if dist.is_initialized() else float(stats.loss_sum)
@@ -251,7 +258,7 @@ def train_steps(plan: ParallelModel, steps: list[list[dict[str, torch.Tensor]]],
     losses.append(float(sum(e[0] for e in evals)) / float(sum(e[1] for e in evals)))
     weights = gathered_tensors(plan, "weights") if optimizer == "muon" else {}
     return losses, grads0, norms, {"replica_all_reduces": replica_all_reduces, "float8_amax_all_reduces":
-                                   float8_amax_reduces, "weights": weights}
+                                   float8_amax_reduces, "weights": weights, "qk_clip": qk_clip_log}
 
 
 @contextmanager
@@ -329,8 +336,8 @@ def reference(cfg: Config, steps, family: str = "") -> tuple[list[float], dict[s
     if cfg.model.moe.n_experts and cfg.parallel.pp > 1:  # MoE balance statistics are per pipeline microbatch
         steps = [[piece for batch in micro for piece in pipeline_pieces(cfg, batch)] for micro in steps]
     plan = ParallelModel(model, plain_loss_fn(cfg.train.label_smoothing, cfg.train.z_loss), torch.device("cpu"))
-    losses, grads, norms, counts = train_steps(plan, steps, 0, 1, cfg.optim.name)
-    return losses, grads, norms, counts["weights"]
+    losses, grads, norms, counts = train_steps(plan, steps, 0, 1, cfg.optim.name, cfg.optim.qk_clip_threshold)
+    return losses, grads, norms, counts
 
 
 def rank_pieces(cfg: Config, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -363,7 +370,8 @@ def pipeline_pieces(cfg: Config, batch: dict[str, torch.Tensor]) -> list[dict[st
 
 def compare(cfg: Config, steps, result, family: str = "", weights: dict[str, torch.Tensor] | None = None
             ) -> dict[str, Any]:
-    ref_losses, ref_grads, ref_norms, ref_weights = reference(cfg, steps, family)
+    ref_losses, ref_grads, ref_norms, ref_counts = reference(cfg, steps, family)
+    ref_weights = ref_counts["weights"]
     losses, grads, norms = result
     grad_rel, checked, worst = 0.0, set(), ""
     # Floor the scale: a key-projection bias has an exactly-zero true gradient (softmax ignores a per-query
@@ -393,6 +401,7 @@ def compare(cfg: Config, steps, result, family: str = "", weights: dict[str, tor
         "checked": sorted(checked),
         "reference_params": sorted(ref_grads),
         "losses": losses,
+        "qk_clip_reference": ref_counts["qk_clip"],
     }
 
 
@@ -445,6 +454,8 @@ def scenario(name: str) -> tuple[Config, list]:
             extra["_padded"] = True
         elif key == "muon":  # optim.name: Muon for the blocks' matrices (the reference steps alike)
             extra["_muon"] = True
+        elif key == "qkclip":  # MuonClip at a threshold that clips some heads of the tiny models (and not others)
+            extra["_qk_clip"] = float(value or QK_CLIP_THRESHOLD)
         elif key == "single":
             pass
         else:
@@ -452,9 +463,11 @@ def scenario(name: str) -> tuple[Config, list]:
     parallel.setdefault("dp_shard", 1)
     padded = extra.pop("_padded", False)
     muon = extra.pop("_muon", False)
+    qk_clip = extra.pop("_qk_clip", None)
     cfg = make_config(family, parallel, **extra)
     if muon:
         cfg.optim.name = "muon"
+    cfg.optim.qk_clip_threshold = qk_clip
     batches = make_batches(cfg, 4)
     if padded:
         g = torch.Generator().manual_seed(5)
@@ -586,7 +599,8 @@ def run_scenario(name: str) -> dict[str, Any]:
     plan = build_cpu_plan(cfg, new_model(cfg, family))
     gathers_before = FLOAT8_GATHERS[0]
     with counted_orthogonalised_matrices() as ns_matrices:
-        *result, counts = train_steps(plan, steps, plan.dp_rank, plan.dp_size, cfg.optim.name)
+        *result, counts = train_steps(plan, steps, plan.dp_rank, plan.dp_size, cfg.optim.name,
+                                      cfg.optim.qk_clip_threshold)
     float8_gathers = FLOAT8_GATHERS[0] - gathers_before
     with counted_orthogonalised_matrices() as ns_reference:
         report = compare(cfg, steps, result, family, counts.pop("weights"))

@@ -110,6 +110,14 @@ MUON_WEIGHT_TOL = 1e-4
 MUON_WORLD4 = ["decoder/hsdp-muon", "decoder/tp-fsdp-muon", "moe/tp-fsdp-ep-muon", "decoder/pp-fsdp-muon"]
 WORLD2 += MUON_WORLD2
 WORLD4 += MUON_WORLD4
+# MuonClip (optim.qk_clip_threshold): each head's largest logit reduced (MAX) over data- and context-parallel ranks,
+# tensor-parallel ranks scaling the rows of their own heads, FSDP ranks the rows of their shards; the same heads clip
+# as in one process (grouped-query decoder: queries only; encdec: multi-head, queries and keys with their biases)
+QK_CLIP_WORLD2 = ["decoder/fsdp-muon-qkclip", "decoder/tp-muon-qkclip", "decoder/cp-muon-qkclip",
+                  "encdec/tp-muon-qkclip=0.02", "decoder/fsdp-muon-qkclip-compile"]  # compiled: the math path
+QK_CLIP_WORLD4 = ["decoder/tp-fsdp-muon-qkclip", "decoder/pp-fsdp-muon-qkclip"]
+WORLD2 += QK_CLIP_WORLD2
+WORLD4 += QK_CLIP_WORLD4
 # bf16 all-gathers; bf16 autocast with bf16 rows through the experts' all-to-all: close, not equal
 MIXED_PRECISION = ["decoder/fsdp-mp", "moe/tp-ep-bf16"]
 # train.fp8 through torchao's emulation against a single process with the same float8 linears. Tensorwise scales
@@ -129,7 +137,8 @@ FP8_TOL, FP8_GRAD_TOL, FP8_NORM_TOL = 1e-4, 2e-2, 1e-3
 WORLD2_SLOW = {"decoder/cp-compile", "decoder/tp-fp8=tensorwise", "decoder_alibi/tp-fp8=tensorwise",
                "encdec/tp-fp8=tensorwise", "decoder/tp-fp8=rowwise", "moe/tp-ep-bf16", "moe_encdec/tp-ep",
                "moe/fsdp-ep-recompute=full", "moe/tp-ep-recompute=selective", "moe_bias/tp-ep", "moe/fsdp-ep-compile",
-               "moe/tp-ep-compile", "moe/fsdp-ep-compile-recompute=selective", "decoder/fsdp-fp8=tensorwise-muon"}
+               "moe/tp-ep-compile", "moe/fsdp-ep-compile-recompute=selective", "decoder/fsdp-fp8=tensorwise-muon",
+               "decoder/cp-muon-qkclip", "encdec/tp-muon-qkclip=0.02", "decoder/fsdp-muon-qkclip-compile"}
 ALL_WORLD2 = WORLD2 + MIXED_PRECISION + FP8_WORLD2 + ["skip/nan"]  # skip/nan: a NaN gradient on one rank
 
 
@@ -190,6 +199,12 @@ def check(report: dict, tol: float = TOL, grad_tol: float | None = None, name: s
             f"updated weights' relative diff {report['weight_rel']}"
         # each matrix orthogonalised by one rank: the ranks' shares add up to one process's count
         assert sum(report["ns_matrices"]) == report["ns_matrices_reference"] > 0, report["ns_matrices"]
+    if any(part.partition("=")[0] == "qkclip" for part in name.split("/")[-1].split("-")):
+        # the same heads clipped at each step as in one process (some: the threshold lies among the logits), the
+        # same largest logit; the weights after both steps are compared above
+        ours, ref = report["qk_clip"], report["qk_clip_reference"]
+        assert [heads for heads, _ in ours] == [heads for heads, _ in ref] and ref[0][0] > 0, (ours, ref)
+        assert all(abs(a - b) <= tol * b for (_, a), (_, b) in zip(ours, ref, strict=True)), (ours, ref)
 
 
 @pytest.mark.parametrize("name", default_or_slow(WORLD2, WORLD2_SLOW))

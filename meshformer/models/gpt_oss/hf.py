@@ -50,8 +50,8 @@ def config_to_hf(cfg: ModelConfig) -> Any:
     return transformers.GptOssConfig(
         **llama_like.fields_to_hf(cfg), intermediate_size=cfg.expert_d_ff, attention_bias=cfg.bias,
         sliding_window=cfg.attention.window, layer_types=llama_like.layer_types_to_hf(cfg),
-        num_local_experts=cfg.moe.n_experts, num_experts_per_tok=cfg.moe.experts_per_token, swiglu_limit=cfg.ffn.swiglu_limit,
-        swiglu_alpha=cfg.ffn.swiglu_alpha, router_aux_loss_coef=cfg.moe.aux_loss)
+        num_local_experts=cfg.moe.n_experts, num_experts_per_tok=cfg.moe.experts_per_token,
+        swiglu_limit=cfg.ffn.swiglu_limit, swiglu_alpha=cfg.ffn.swiglu_alpha, router_aux_loss_coef=cfg.moe.aux_loss)
 
 
 def experts(o: str, t: str, cfg: ModelConfig) -> list[Rule]:

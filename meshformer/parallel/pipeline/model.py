@@ -33,6 +33,7 @@ from meshformer.batch import Batch, model_inputs
 from meshformer.loss.cross_entropy import LossFn, count_tokens
 from meshformer.loss.fused import HeadLoss
 from meshformer.model import Transformer
+from meshformer.model.attention import logits_not_recorded
 from meshformer.model.moe import MoEFeedForward, loads_not_counted
 from meshformer.parallel.grad_norm import local_tensor, settle_grad
 from meshformer.parallel.mesh import Meshes
@@ -196,17 +197,16 @@ class PipelineParallelModel(MultiRankParallelModel):
 
 
 def _shape_inference_uncounted(stage: PipelineStage, layers: list[MoEFeedForward]) -> None:
-    """torch's stages infer shapes with one real forward (grad enabled) on the first step; MoE layers must not count
-    its tokens as load (the method's name differs between torch releases)."""
-    if not layers:
-        return
+    """torch's stages infer shapes with one real forward (grad enabled, placeholder inputs) on the first step; MoE
+    layers must not count its tokens as load, nor attention layers record its logits for MuonClip (the method's name
+    differs between torch releases)."""
     for name in ("_forward_metadata_inference", "_shape_inference"):
         original = getattr(stage, name, None)
         if original is None:
             continue
 
         def uncounted(*args, original=original, **kwargs):
-            with loads_not_counted(layers):
+            with loads_not_counted(layers), logits_not_recorded(stage.submod.modules()):
                 return original(*args, **kwargs)
 
         setattr(stage, name, uncounted)
