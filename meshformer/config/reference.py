@@ -15,6 +15,7 @@ import tokenize
 from typing import Any
 
 _FIELD = re.compile(r"^\s+(\w+)\s*:")
+ARRAYS_OF_TABLES = ("data.sources", "callbacks")  # written [[name]]: one table per item
 
 
 def field_comments(cls: type) -> dict[str, str]:
@@ -69,11 +70,12 @@ def _type(f: dataclasses.Field) -> str:
 
 def sections() -> list[tuple[str, type]]:
     """(TOML table, dataclass) of every table of the config tree, nested tables ([[data.sources]]) included."""
-    from meshformer.config.sections import Config, DataSourceConfig
+    from meshformer.config.sections import CallbackConfig, Config, DataSourceConfig
 
     found = [(f.name, type(_default(f))) for f in dataclasses.fields(Config) if dataclasses.is_dataclass(_default(f))]
     at = next(i for i, (name, _) in enumerate(found) if name == "data") + 1
     found.insert(at, ("data.sources", DataSourceConfig))
+    found.append(("callbacks", CallbackConfig))
     return found
 
 
@@ -95,7 +97,7 @@ def config_reference(table: str | None = None) -> str:
     for name, cls in sections():
         if table and name != table:
             continue
-        out += [f"## [{name}]" if name != "data.sources" else "## [[data.sources]]", ""]
+        out += [f"## [[{name}]]" if name in ARRAYS_OF_TABLES else f"## [{name}]", ""]
         doc = inspect.getdoc(cls)
         if doc and not doc.startswith(cls.__name__ + "("):
             out += [doc.split("\n\n")[0].replace("\n", " "), ""]
