@@ -283,6 +283,8 @@ def _finite(cfg: Config) -> None:
     Mixture weights (data.sources) are checked with the mixture."""
     for section in dataclasses.fields(cfg):
         values = getattr(cfg, section.name)
+        if not dataclasses.is_dataclass(values):  # [[callbacks]]: a list of tables, their args the callback's own
+            continue
         for key in dataclasses.fields(values):
             value = getattr(values, key.name)
             numbers = value if isinstance(value, tuple) else (value,)
