@@ -91,8 +91,8 @@ def test_hooks_run_in_order_with_their_arguments(tmp_path):
     assert all(seen["late", "on_step_end", s]["loss"] > 0 for s in range(1, 5))
     # The held-out loss (order 10) runs at eval steps before the late callback's evaluation hook.
     assert seen["early", "on_evaluation", 2]["eval_loss"] is None
-    assert seen["late", "on_evaluation", 2]["eval_loss"] == pytest.approx(result.eval_loss, abs=10)
-    assert seen["late", "on_evaluation", 2]["eval_loss"] is not None
+    assert seen["late", "on_evaluation", 2]["eval_loss"] > 0
+    assert seen["late", "on_evaluation", 4]["eval_loss"] == result.eval_loss
     # The cadence (order 40) saved step 2 (not 4: that is the final save) before the late callback's hook.
     checkpoints = tmp_path / "checkpoints"
     assert seen["early", "on_checkpoint", 2]["saved"] is None
