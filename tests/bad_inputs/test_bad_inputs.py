@@ -222,7 +222,7 @@ CASES = [
     ("logit-softcap-fused-loss", _train("model.logit_softcap=30", "train.loss=chunked"),
      ["without model.logit_softcap=30.0", "use train.loss='plain'"]),
     ("profile-steps", _train("profile.start_step=1", "profile.steps=0"), ["profile.steps", "e.g."]),
-    ("callback-import", _train('callbacks=[{path="no_such_pkg_for_callbacks.mod:Counter"}]'),
+    ("callback-import", _train('callbacks=[{{path="no_such_pkg_for_callbacks.mod:Counter"}}]'),
      ["callbacks[0].path", "cannot import", "PYTHONPATH"]),
     ("no-cuda", _train("train.device=cuda"), ["no CUDA device", "train.device='cpu'"]),
     ("device-garbage", _train("train.device=banana"), ["train.device='banana' is not a device", "'cuda:N'"]),
