@@ -198,9 +198,11 @@ class Profiling(Callback):
 
     def on_checkpoint(self, ctx: CallbackContext) -> None:
         ctx.trainer.profiler.step(ctx.step)
+        if ctx.last:  # a range past the last step ends here: the final save is not part of it
+            ctx.trainer.profiler.stop()
 
     def on_run_end(self, ctx: CallbackContext) -> None:
-        ctx.trainer.profiler.stop()
+        ctx.trainer.profiler.stop()  # a stop signal ended the run inside the range
 
 
 def builtin_callbacks(cfg: Config) -> list[Callback]:
