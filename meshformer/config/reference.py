@@ -15,6 +15,7 @@ import tokenize
 from typing import Any
 
 _FIELD = re.compile(r"^\s+(\w+)\s*:")
+ARRAYS_OF_TABLES = ("data.sources", "callbacks")  # written [[name]]: one table per item
 
 
 def field_comments(cls: type) -> dict[str, str]:
@@ -70,7 +71,7 @@ def _type(f: dataclasses.Field) -> str:
 def sections() -> list[tuple[str, type]]:
     """(TOML table, dataclass) of every table of the config tree, nested tables ([model.attention], [[data.sources]])
     right after their parent."""
-    from meshformer.config.sections import Config, DataConfig, DataSourceConfig
+    from meshformer.config.sections import CallbackConfig, Config, DataConfig, DataSourceConfig
 
     found: list[tuple[str, type]] = []
 
@@ -83,7 +84,9 @@ def sections() -> list[tuple[str, type]]:
             found.append(("data.sources", DataSourceConfig))
 
     for f in dataclasses.fields(Config):
-        walk(f.name, type(_default(f)))
+        if dataclasses.is_dataclass(_default(f)):
+            walk(f.name, type(_default(f)))
+    found.append(("callbacks", CallbackConfig))
     return found
 
 
@@ -106,7 +109,7 @@ def config_reference(table: str | None = None) -> str:
     for name, cls in sections():
         if table and name != table:
             continue
-        out += [f"## [{name}]" if name != "data.sources" else "## [[data.sources]]", ""]
+        out += [f"## [[{name}]]" if name in ARRAYS_OF_TABLES else f"## [{name}]", ""]
         doc = inspect.getdoc(cls)
         if doc and not doc.startswith(cls.__name__ + "("):
             out += [doc.split("\n\n")[0].replace("\n", " "), ""]

@@ -200,6 +200,17 @@ class DownstreamConfig:
 
 
 @dataclass
+class CallbackConfig:
+    """One `[[callbacks]]` table: a training-loop callback of your own (meshformer/train/callbacks.py), built on
+    every rank before step 1 and run on the ranks its class declares."""
+
+    # "package.module:ClassName" of a meshformer.train.callbacks.Callback subclass, importable by every rank
+    path: str = ""
+    # keyword arguments of the class's constructor, e.g. {every = 10}
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -211,6 +222,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     downstream: DownstreamConfig = field(default_factory=DownstreamConfig)
+    callbacks: list[CallbackConfig] = field(default_factory=list)  # [[callbacks]]: your own training-loop callbacks
 
     @property
     def objective(self) -> str:

@@ -23,6 +23,7 @@ from meshformer.data.tokenizer import check_vocab
 from meshformer.model.flops import count_params
 from meshformer.runtime.distributed import env_rank
 from meshformer.runtime.run_lock import run_folder_lock
+from meshformer.train.callbacks import check_config_callbacks
 from meshformer.train.run_record import check_checkpoint_owner, check_rerun, config_changes
 
 # One checkpoint holds fp32 parameters and AdamW's two fp32 moments; the rest (data and RNG state, manifest)
@@ -64,7 +65,9 @@ def run_folders_claimed(cfg: Config) -> Iterator[None]:
 
 
 def preflight(cfg: Config) -> Tokenizer:
-    """Run folders, tokenizer against model.vocab_size, data, free disk space; returns the loaded tokenizer."""
+    """Callbacks, run folders, tokenizer against model.vocab_size, data, free disk space; returns the loaded
+    tokenizer."""
+    check_config_callbacks(cfg)  # [[callbacks]]: each imports and takes its arguments
     run_dir = Path(cfg.logging.run_dir)
     checkpoint_dir, key = _checkpoint_dir(cfg)
     check_folder(run_dir, "logging.run_dir")

@@ -1,17 +1,17 @@
 """The training loop: one path for every family, device and parallel layout.
 
 The loop knows nothing about sharding or the update: it hands each step's micro-batches to a `TrainStep`
-(meshformer.train.step), which owns the parallelized model, the optimizer and the schedule. Host-device syncs
-happen only at logging, evaluation and sampling intervals.
+(meshformer.train.step), which owns the parallelized model, the optimizer and the schedule. Everything else a step
+does (metrics and their sinks, evaluation, samples, checkpoint cadence, profiling, straggler and MoE reports) is a
+callback (meshformer/train/callbacks.py lists the hooks). Host-device syncs happen only at logging, evaluation and
+sampling intervals.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +28,7 @@ from meshformer.checkpointing.init_from import (
 )
 from meshformer.checkpointing.manager import CheckpointManager
 from meshformer.checkpointing.save_errors import final_weights_failed_error
-from meshformer.checkpointing.train_state import Checkpointable, SchedulerState, TrainState
+from meshformer.checkpointing.train_state import Checkpointable, SchedulerState, Stateful, TrainState
 from meshformer.config import Config
 from meshformer.data import Tokenizer, build_loader
 from meshformer.model import Transformer
@@ -43,11 +43,12 @@ from meshformer.runtime.distributed import job_device
 from meshformer.runtime.host_memory import apply_host_memory_policy, release_free_host_memory
 from meshformer.runtime.profiler import StepProfiler
 from meshformer.runtime.stop import StopRequest, exit_status, signal_name
-from meshformer.runtime.stragglers import rank_timings, straggler_scalars
 from meshformer.runtime.watchdog import HangWatchdog
+from meshformer.train.builtin_callbacks import builtin_callbacks
+from meshformer.train.callbacks import Callback, CallbackContext, Callbacks, config_callbacks
 from meshformer.train.downstream import DownstreamEval
 from meshformer.train.loss_choice import resolve_loss
-from meshformer.train.metrics import FlopsCeiling, RunLogger, current_memory_gib, memory_gib, peak_flops, synchronize
+from meshformer.train.metrics import FlopsCeiling, RunLogger, peak_flops
 from meshformer.train.optim import SkippedUpdates
 from meshformer.train.preflight import (
     FINAL_WEIGHTS,
@@ -58,7 +59,6 @@ from meshformer.train.preflight import (
     run_folders_claimed,
 )
 from meshformer.train.run_record import check_rerun, record_config
-from meshformer.train.sampling import decoded_sample
 from meshformer.train.step import StepStats, TrainStep
 
 
@@ -78,11 +78,14 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 
 class Trainer:
     def __init__(self, cfg: Config, *, rank: int = 0, local_rank: int = 0, tokenizer: Tokenizer | None = None,
-                 dims: ParallelDims | None = None) -> None:
+                 dims: ParallelDims | None = None, callbacks: Sequence[Callback] = ()) -> None:
         """tokenizer: the one preflight loaded and checked, when the caller ran preflight (else loaded here).
-        dims: the layout `init_distributed` validated when it joined the process group (else validated here)."""
+        dims: the layout `init_distributed` validated when it joined the process group (else validated here).
+        callbacks: more callbacks (meshformer/train/callbacks.py), besides the built-in ones and the config's."""
         cfg = resolve_init_from(cfg)  # checkpoint.init_from: the model config of the HF folder (a no-op if resolved)
         self.cfg, self.rank = cfg, rank
+        # First: a callback that cannot be built stops the run before any model or data work.
+        user_callbacks = [*config_callbacks(cfg), *callbacks]
         self.device = job_device(cfg, local_rank)
         # Before any large tensor (runtime/host_memory.py): CPU ranks of a multi-process run map large tensors so
         # freed FSDP buffers leave RSS; one CPU process reuses what it frees instead of re-faulting it each step.
@@ -118,18 +121,26 @@ class Trainer:
                                      timeout_s=cfg.parallel.timeout_s, enabled=world_size() > 1)
         self.training_step = TrainStep(self.parallel_model, cfg.optim, cfg.schedule, cfg.train.steps, cfg.model.d_model,
                                        on_phase=self.watchdog.phase)
+        self.downstream = DownstreamEval.from_config(cfg, self.tokenizer)  # downstream.tasks (None: none listed)
+        self.callbacks = Callbacks([*builtin_callbacks(cfg, self.downstream), *user_callbacks], rank,
+                                   on_phase=self.watchdog.phase)
+        self.context = CallbackContext(self)  # the run's hook argument (fit starts it at the resumed step)
+        if self.callbacks.wants("on_optimizer_step"):  # after the FP8 and router-bias hooks
+            self.training_step.add_post_step_hook(
+                lambda applied: self.callbacks.call("on_optimizer_step", self.context, applied))
         dp_rank, dp_size = self.parallel_model.dp_rank, self.parallel_model.dp_size
         self.train_data = build_loader(cfg, self.tokenizer, "train", dp_rank, dp_size)
         self.eval_data = build_loader(cfg, self.tokenizer, "eval", dp_rank, dp_size)
-        self.downstream = DownstreamEval.from_config(cfg, self.tokenizer)  # downstream.tasks (None: none listed)
         self.train_iter: Iterator[Batch] | None = None  # started at the first step, after a resume moved the loader
         self.last_lr: float = self.optimizer.param_groups[0]["lr"]  # the rate the last step used
         # Encoder-decoder steps feed source and target tokens: both count towards tokens/s and MFU.
         self.target_len = cfg.data.target_len if get_family_spec(cfg.model.family).seq2seq else None
         self.state = TrainState(self.device)  # step, target tokens trained on
         # Everything a checkpoint saves and a resume restores (RNG streams: per rank, by the manager).
-        self.checkpointable = Checkpointable(self.state, self.parallel_model.model_parts, self.optimizer,
-                                             {"scheduler": SchedulerState(self.scheduler), "data": self.train_data},
+        components: dict[str, Stateful] = {"scheduler": SchedulerState(self.scheduler), "data": self.train_data}
+        if self.callbacks.state is not None:  # only then: checkpoints of runs without stateful callbacks stay alike
+            components["callbacks"] = self.callbacks.state
+        self.checkpointable = Checkpointable(self.state, self.parallel_model.model_parts, self.optimizer, components,
                                              cfg)
         self.checkpoints = CheckpointManager.from_config(cfg, self.run_dir, log=self.logger.info)
         self.checkpoints.tokenizer = self.tokenizer  # checkpoints carry it, as final/ does
@@ -149,7 +160,8 @@ class Trainer:
         )
         for warning in config_warnings(cfg, self.tokenizer):
             self.logger.info(warning)
-        # A profiled step range, and the time this rank waits for batches (reset at each logging step).
+        # A profiled step range (the Profiling callback drives it), and the time this rank waits for batches
+        # (the straggler report reads and resets it at each logging step).
         self.profiler = StepProfiler(cfg.profile, self.run_dir, rank)
         self.data_wait_s = 0.0
 
@@ -248,102 +260,26 @@ class Trainer:
         elif self.rank == 0:
             record_config(cfg, self.run_dir, start_step, changes, log.info)
         self.train_iter = iter(self.train_data)  # from the position the resume restored
-        tokens_per_sample = cfg.data.seq_len + (self.target_len or 0)
-        tokens_per_step = cfg.data.batch_size * tokens_per_sample * cfg.train.grad_accum * self.parallel_model.dp_size
-        history: list[dict[str, float]] = []
-        window_loss = torch.zeros((), device=self.device)
-        window_tokens = torch.zeros((), device=self.device)
-        window_start, window_steps = time.perf_counter(), 0
-        last_loss, eval_loss = float("nan"), None
-        self.profiler.step(self.step)  # starts here when profile.start_step is the first step of this run
+        ctx = self.context
+        ctx.step = self.step
+        callbacks = self.callbacks
+        callbacks.call("on_run_start", ctx)
         while self.step < cfg.train.steps:
-            stats = self.train_step()
-            window_loss += stats.loss_sum
-            window_tokens += stats.global_tokens
-            window_steps += 1
+            ctx.step, ctx.stats, ctx.metrics, ctx.saved = self.step + 1, None, {}, None
+            callbacks.call("on_step_start", ctx)
+            ctx.stats = self.train_step()
             step = self.step
-            if step % cfg.logging.log_interval == 0 or step == cfg.train.steps:
-                self.watchdog.phase("logging")
-                synchronize(self.device)  # the window's queued device work is part of its time
-                elapsed = time.perf_counter() - window_start
-                last_loss = self.parallel_model.reduce_for_logging(window_loss) / max(float(window_tokens), 1.0)
-                tokens_per_s = tokens_per_step * window_steps / elapsed  # the whole job's
-                tokens_per_s_per_rank = tokens_per_s / world_size()
-                mfu, ceiling_note = self.ceiling.mfu(self.flops_per_token * tokens_per_s_per_rank)
-                if ceiling_note:
-                    log.info(ceiling_note)
-                record = {
-                    "train/loss": last_loss,
-                    "train/lr": self.last_lr,
-                    "train/grad_norm": float(stats.grad_norm),
-                    "perf/tokens_per_s": tokens_per_s,
-                    "perf/tokens_per_s_per_rank": tokens_per_s_per_rank,
-                    "perf/mfu": mfu if mfu is not None else math.nan,  # n/a: the ceiling is unreliable
-                    "perf/memory_gib": memory_gib(self.device),  # peak (rank 0)
-                    "perf/memory_now_gib": current_memory_gib(self.device),
-                    "perf/step_time_s": elapsed / window_steps,
-                }
-                skipped = self.skipped_updates.check(step)  # raises once too many steps in a row were skipped
-                if skipped or self.skipped_updates.total:
-                    record["train/skipped_steps"] = self.skipped_updates.total
-                if skipped:
-                    log.info(f"warning: {skipped} of the last {window_steps} steps had an inf/nan gradient norm; "
-                             f"their updates were skipped ({self.skipped_updates.total} in this run so far)")
-                timings = rank_timings(elapsed / window_steps, self.data_wait_s / window_steps, self.device)
-                record |= straggler_scalars(timings)  # data wait; per-rank step-time spread (stragglers)
-                record |= self.train_data.source_scalars()  # mixtures: samples and tokens per source so far
-                moe = self.parallel_model.moe_scalars() if cfg.model.moe.n_experts else {}  # every rank: a collective
-                record |= moe  # per MoE layer: expert load max/mean, dropped fraction, aux and z losses
-                record |= self.training_step.qk_clip_scalars()  # MuonClip: largest attention logit, heads clipped
-                self.data_wait_s = 0.0
-                history.append({"step": step, **record})
-                log.scalars(step, record)
-                loads = [v for k, v in moe.items() if k.endswith("/load_max_over_mean")]
-                log.info(
-                    f"step {step:>6}/{cfg.train.steps} | loss {last_loss:.4f} | lr {record['train/lr']:.2e} | "
-                    f"grad {record['train/grad_norm']:.3f} | {tokens_per_s:,.0f} tok/s global, "
-                    f"{tokens_per_s_per_rank:,.0f} per rank | mfu "
-                    + (f"{100 * mfu:.1f}%" if mfu is not None else "n/a") + " | "
-                    f"mem peak {record['perf/memory_gib']:.2f} GiB, now {record['perf/memory_now_gib']:.2f} GiB"
-                    + (f" | expert load max/mean {max(loads):.2f}" if loads else "")
-                )
-                window_loss.zero_()
-                window_tokens.zero_()
-                window_steps = 0
+            ctx.log_step = step % cfg.logging.log_interval == 0 or step == cfg.train.steps
+            callbacks.call("on_step_end", ctx)
             # Read one step late: every rank gets the same answer after the same step, without a host sync. A stop
             # skips evaluation and samples: the grace period before the scheduler's kill is for the save.
-            stop = self.stop is not None and step < cfg.train.steps and self.stop.agreed(step)
-            last = step == cfg.train.steps
-            if not stop and cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or last):
-                self.watchdog.phase("eval")
-                eval_loss = self.evaluate()
-                log.scalars(step, {"eval/loss": eval_loss, "eval/perplexity": math.exp(min(eval_loss, 50))})
-                log.info(f"eval  {step:>6} | loss {eval_loss:.4f} | ppl {math.exp(min(eval_loss, 50)):.2f}")
-            if not stop and self.downstream is not None and self.downstream.due(step, last):
-                self.watchdog.phase("downstream")
-                scores = self.downstream.run(self.parallel_model)
-                log.scalars(step, scores)
-                log.info(self.downstream.describe(step, scores))
-            if not stop and cfg.train.sample_interval and step % cfg.train.sample_interval == 0 and \
-                    self.model is not None:
-                self.watchdog.phase("sample")
-                text = decoded_sample(self.model, self.tokenizer, self.cfg, self.device, self.sample_batch())
-                if text is not None:
-                    log.text(step, "sample", text)
-                    log.info(f"sample {step:>5} | {json.dumps(text, ensure_ascii=False)}")  # one line, quoted
-            if window_steps == 0:  # a window was just logged: the next starts here, evaluation and samples excluded
-                synchronize(self.device)
-                window_start = time.perf_counter()
+            ctx.stopping = self.stop is not None and step < cfg.train.steps and self.stop.agreed(step)
+            if not ctx.stopping:
+                callbacks.call("on_evaluation", ctx)
             log.flush()  # the metrics of a step are on disk before its checkpoint commits
-            if stop:
+            if ctx.stopping:
                 break
-            self.watchdog.phase("checkpoint")
-            save_start, saved_before = time.perf_counter(), self.checkpoints.last_saved_step
-            self.checkpoints.after_step(self.checkpointable)
-            if self.checkpoints.last_saved_step != saved_before:  # async saves: the part that blocks training
-                log.scalars(step, {"checkpoint/save_s": time.perf_counter() - save_start})
-            self.profiler.step(step)
-        self.profiler.stop()
+            callbacks.call("on_checkpoint", ctx)
         self.watchdog.phase("finish")
         stopped_by = self.stop.signum if self.stop is not None and self.step < cfg.train.steps else None
         try:  # raises if the final checkpoint cannot be written...
@@ -358,8 +294,10 @@ class Trainer:
             where = f"checkpoint {saved} committed" if saved is not None else "no checkpoint saved"
             log.info(f"stopped by {signal_name(stopped_by)} after step {self.step}/{cfg.train.steps}: {where}; run "
                      f"the same command to resume (exit status {exit_status(stopped_by)})")
+        ctx.step, ctx.saved = self.step, saved
+        callbacks.call("on_run_end", ctx)
         log.close()
-        return TrainResult(self.step, last_loss, eval_loss, self.run_dir, history, stopped_by)
+        return TrainResult(self.step, ctx.loss, ctx.eval_loss, self.run_dir, ctx.history, stopped_by)
 
     def save_final_weights(self) -> None:
         """Write the weights beside final/ (final.partial/, ours) and then swap them in: a failed write leaves
@@ -387,7 +325,8 @@ class Trainer:
             self.logger.info(f"final weights written to {final / path.name}")
 
 
-def train(cfg: Config) -> TrainResult:
-    """Single-process entry point; distributed runs go through meshformer.train.__main__ under torchrun."""
+def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> TrainResult:
+    """Single-process entry point; distributed runs go through meshformer.train.__main__ under torchrun.
+    callbacks: more callbacks, besides the built-in ones and the config's [[callbacks]]."""
     with run_folders_claimed(cfg):
-        return Trainer(cfg).fit()
+        return Trainer(cfg, callbacks=callbacks).fit()

@@ -236,6 +236,8 @@ CASES = [
      ["no bundled task 'bundled:arc'", "bundled:kjv_cloze"]),
     ("downstream-unsupported-key", _train('downstream.tasks=["{tmp}/task.yaml"]'),
      ["'process_results' is not supported", "zero-shot multiple-choice tasks"]),
+    ("callback-import", _train('callbacks=[{{path="no_such_pkg_for_callbacks.mod:Counter"}}]'),
+     ["callbacks[0].path", "cannot import", "PYTHONPATH"]),
     ("no-cuda", _train("train.device=cuda"), ["no CUDA device", "train.device='cpu'"]),
     ("device-garbage", _train("train.device=banana"), ["train.device='banana' is not a device", "'cuda:N'"]),
     ("device-bad-index", _train("train.device=cuda:x"), ["train.device='cuda:x' is not a device", "'cuda:N'"]),

@@ -1,0 +1,259 @@
+"""Training-loop callbacks: what the loop does besides training, in hooks a user's class can join.
+
+The trainer (meshformer.train.trainer) runs the steps; everything else it does each step is a `Callback`
+(meshformer.train.builtin_callbacks): step metrics and their sinks, held-out evaluation, decoded samples,
+checkpoint cadence, profiling, straggler and MoE statistics. A user's callback is added from the config
+(`[[callbacks]]` with `path = "pkg.module:Class"` and `args = {...}`) or from Python (`Trainer(cfg, callbacks=[...])`).
+
+Hooks, in the order a run calls them. Each gets the run's one `CallbackContext` (`ctx`); in the per-step hooks
+`ctx.step` is the step being trained (1-based).
+
+- `on_run_start(ctx)`: after the resume (or the HF init), before this run's first step; `ctx.step` is the steps
+  already taken. Reads: the trainer, its model and config. Changes: its own state.
+- `on_step_start(ctx)`: before the step's batches are loaded. Changes: nothing the step reads (batches, weights).
+- `on_optimizer_step(ctx, applied)`: after the optimizer update, before the scheduler moves; `applied` is a device
+  tensor, 1.0 where the update was applied, 0.0 where an inf/nan gradient skipped it. Reads: the updated weights.
+  Changes: weights, identically on every rank holding them (as the FP8 scale and router-bias hooks do).
+- `on_step_end(ctx)`: after the step. Reads: `ctx.stats` (loss sum, tokens, grad norm, lr); on logging steps
+  (`ctx.log_step`) `ctx.metrics`. Changes: `ctx.metrics`, which the metrics logger (order 90) writes to
+  metrics.jsonl, TensorBoard and W&B.
+- `on_evaluation(ctx)`: the step's evaluation point (not reached when a stop signal ends the run at this step);
+  each evaluation keeps its own interval (`ctx.every(n)`). Reads: the model (in train mode: switch modes back).
+  Changes: nothing training reads; scalars go out through `ctx.log(...)`.
+- `on_checkpoint(ctx)`: the step's checkpoint point, after its metrics are on disk (not reached at a stop: the
+  final save follows). `ctx.saved` is the folder the checkpoint cadence (order 40) saved at this step, else None
+  (an asynchronous save commits later). Changes: its own state.
+- `on_run_end(ctx)`: after the final checkpoint and weights, or after the save of a stop signal; `ctx.saved` is the
+  final checkpoint, if any. Changes: nothing training reads.
+
+Rules: callbacks run in ascending `order` (ties: the order they were given, built-ins first). Built-ins: step
+metrics 10, straggler report 20, MoE statistics 30, checkpoint cadence 40, held-out loss 10, samples 20, metrics
+logger 90, profiler 95; user callbacks default to 50. They run on the ranks they declare (`ranks`: "all", "zero",
+or a tuple of global ranks); a callback that issues collectives (all-reduce, barrier) must run on every rank.
+Training reads nothing a callback writes unless the callback changes weights or the optimizer, so the loss curve
+and a resume's weights stay those of a run without it. A callback with state gives `state_dict()` (plain JSON)
+and `load_state_dict()`: the state rank 0 holds is saved in every checkpoint (trainer_state.json, component
+"callbacks") and restored on every rank at resume, so such a callback must run on rank 0.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from meshformer.checkpointing.errors import CheckpointError
+from meshformer.config import Config, ConfigError
+from meshformer.config.sections import CallbackConfig
+
+if TYPE_CHECKING:
+    from meshformer.train.step import StepStats
+    from meshformer.train.trainer import Trainer
+
+Ranks = str | tuple[int, ...]  # "all", "zero", or global ranks
+USER_ORDER = 50  # where a callback that says nothing runs: after the step metrics, before they are written
+HOOKS = ("on_run_start", "on_step_start", "on_optimizer_step", "on_step_end", "on_evaluation", "on_checkpoint",
+         "on_run_end")
+
+
+@dataclass
+class CallbackContext:
+    """What every hook is given: the trainer and the step's results. One object for the whole run."""
+
+    trainer: Trainer
+    step: int = 0  # the step being trained (1-based); on_run_start: steps already taken; on_run_end: steps taken
+    stats: StepStats | None = None  # the step's StepStats (device tensors: reading one is a host sync)
+    log_step: bool = False  # whether this step logs metrics (logging.log_interval, and the last step)
+    metrics: dict[str, float] = field(default_factory=dict)  # this step's scalars, filled on logging steps
+    stopping: bool = False  # a stop signal ends the run after this step (evaluation is skipped)
+    saved: Path | None = None  # on_checkpoint / on_run_end: the checkpoint folder saved at this step, if any
+    loss: float = float("nan")  # the last logged training loss
+    eval_loss: float | None = None  # the last held-out loss
+    history: list[dict[str, float]] = field(default_factory=list)  # every logged step's scalars
+
+    @property
+    def cfg(self) -> Config:
+        return self.trainer.cfg
+
+    @property
+    def rank(self) -> int:
+        return self.trainer.rank
+
+    @property
+    def last(self) -> bool:
+        """This is the run's last step (train.steps)."""
+        return self.step == self.cfg.train.steps
+
+    def every(self, interval: int, *, last: bool = False) -> bool:
+        """Whether an every-`interval`-steps task runs at this step (interval 0: never; `last`: also the last)."""
+        return interval > 0 and (self.step % interval == 0 or (last and self.last))
+
+    def log(self, scalars: dict[str, float]) -> None:
+        """Write scalars at this step to metrics.jsonl, TensorBoard and W&B (rank 0's logger writes)."""
+        self.trainer.logger.scalars(self.step, scalars)
+
+    def info(self, message: str) -> None:
+        """A console line (rank 0)."""
+        self.trainer.logger.info(message)
+
+
+class Callback:
+    """A training-loop callback: override the hooks you need (every hook is a no-op here). See the module notes."""
+
+    order: ClassVar[int] = USER_ORDER  # ascending: lower runs first
+    ranks: ClassVar[Ranks] = "all"  # where it runs: "all", "zero" (rank 0 only), or a tuple of global ranks
+    phase: ClassVar[str] = ""  # what a hang report names while it runs; "": "callback <name>"
+
+    @property
+    def name(self) -> str:
+        """Its key in the checkpoint's callback state."""
+        return type(self).__name__
+
+    def on_run_start(self, ctx: CallbackContext) -> None:
+        pass
+
+    def on_step_start(self, ctx: CallbackContext) -> None:
+        pass
+
+    def on_optimizer_step(self, ctx: CallbackContext, applied: torch.Tensor) -> None:
+        pass
+
+    def on_step_end(self, ctx: CallbackContext) -> None:
+        pass
+
+    def on_evaluation(self, ctx: CallbackContext) -> None:
+        pass
+
+    def on_checkpoint(self, ctx: CallbackContext) -> None:
+        pass
+
+    def on_run_end(self, ctx: CallbackContext) -> None:
+        pass
+
+
+def has_state(callback: Callback) -> bool:
+    return callable(getattr(callback, "state_dict", None))
+
+
+def runs_on(ranks: Ranks, rank: int) -> bool:
+    if ranks == "all":
+        return True
+    if ranks == "zero":
+        return rank == 0
+    return rank in tuple(ranks)
+
+
+def _overrides(callback: Callback, hook: str) -> bool:
+    return getattr(type(callback), hook) is not getattr(Callback, hook)
+
+
+class Callbacks:
+    """A run's callbacks in their order, called on the ranks they declare; `state` is their checkpoint component
+    (None when none of them has state)."""
+
+    def __init__(self, callbacks: Sequence[Callback], rank: int,
+                 on_phase: Callable[[str], None] = lambda name: None) -> None:
+        for callback in callbacks:
+            _check_declaration(callback)
+        ordered = [c for _, c in sorted(enumerate(callbacks), key=lambda ic: (ic[1].order, ic[0]))]
+        self.all = ordered
+        self.active = [c for c in ordered if runs_on(c.ranks, rank)]
+        self._on_phase = on_phase
+        # per hook, only the callbacks that override it: a hook nobody joins costs nothing per step
+        self._by_hook = {hook: [c for c in self.active if _overrides(c, hook)] for hook in HOOKS}
+        stateful = [c for c in ordered if has_state(c)]
+        self.state = CallbackState(stateful, rank) if stateful else None
+
+    def wants(self, hook: str) -> bool:
+        return bool(self._by_hook[hook])
+
+    def call(self, hook: str, ctx: CallbackContext, *args: Any) -> None:
+        for callback in self._by_hook[hook]:
+            self._on_phase(callback.phase or f"callback {callback.name}")
+            getattr(callback, hook)(ctx, *args)
+
+
+class CallbackState:
+    """The state of the stateful callbacks, by name, as one checkpoint component (rank 0's is saved)."""
+
+    def __init__(self, callbacks: Sequence[Callback], rank: int) -> None:
+        self.by_name: dict[str, Callback] = {}
+        for callback in callbacks:
+            if not callable(getattr(callback, "load_state_dict", None)):
+                raise ConfigError(f"callback {callback.name} has state_dict() but no load_state_dict()",
+                                  "give it both, so that a resume restores its state")
+            if not runs_on(callback.ranks, 0):
+                raise ConfigError(f"callback {callback.name} has state but does not run on rank 0 (ranks="
+                                  f"{callback.ranks!r}); checkpoints save rank 0's callback state",
+                                  "let it run on rank 0 too, or keep its state out of state_dict()")
+            name, n = callback.name, 2
+            while name in self.by_name:  # two of one class: numbered in their order
+                name, n = f"{callback.name}#{n}", n + 1
+            self.by_name[name] = callback
+        self.rank = rank
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: c.state_dict() for name, c in self.by_name.items()  # type: ignore[attr-defined]
+                if runs_on(c.ranks, self.rank)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for name, callback in self.by_name.items():
+            if not runs_on(callback.ranks, self.rank):
+                continue
+            if name not in state_dict:
+                raise CheckpointError(f"the checkpoint holds no state for callback {name} (saved by a run without "
+                                      "it); resume with the callbacks it was saved with, or start a new run")
+            callback.load_state_dict(state_dict[name])  # type: ignore[attr-defined]
+
+
+def _check_declaration(callback: Callback) -> None:
+    if not isinstance(callback, Callback):
+        raise ConfigError(f"{callback!r} is not a meshformer.train.callbacks.Callback",
+                          "subclass Callback and override the hooks you need")
+    ranks = callback.ranks
+    if not (ranks in ("all", "zero") or (isinstance(ranks, tuple) and all(isinstance(r, int) for r in ranks))):
+        raise ConfigError(f"callback {callback.name} declares ranks={ranks!r}",
+                          'use "all", "zero" or a tuple of global ranks')
+
+
+def callback_class(entry: CallbackConfig, where: str) -> type[Callback]:
+    """The class a [[callbacks]] table names, with its arguments checked against the constructor."""
+    module_name, sep, class_name = entry.path.partition(":")
+    example = 'path = "my_package.my_module:MyCallback"'
+    if not sep or not module_name or not class_name:
+        raise ConfigError(f"{where}.path = {entry.path!r} is not \"module:ClassName\"", f"write e.g. {example}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(f"{where}.path = {entry.path!r}: cannot import {module_name!r} ({err})",
+                          "install the package or put its folder on PYTHONPATH (every rank imports it)") from None
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Callback)):
+        what = "is not a Callback subclass" if cls is not None else "not found"
+        raise ConfigError(f"{where}.path = {entry.path!r}: {class_name!r} {what} in {module_name}",
+                          "name a subclass of meshformer.train.callbacks.Callback")
+    if not isinstance(entry.args, dict):
+        raise ConfigError(f"{where}.args must be a table of keyword arguments, got {entry.args!r}",
+                          "write e.g. args = {every = 10}")
+    try:
+        inspect.signature(cls).bind(**entry.args)
+    except TypeError as err:
+        raise ConfigError(f"{where}.args do not fit {class_name}: {err}",
+                          f"give the keyword arguments {class_name}() takes") from None
+    return cls
+
+
+def config_callbacks(cfg: Config) -> list[Callback]:
+    """The callbacks of the config's [[callbacks]] tables, built (a mistake is a one-line ConfigError)."""
+    return [callback_class(entry, f"callbacks[{i}]")(**entry.args) for i, entry in enumerate(cfg.callbacks)]
+
+
+def check_config_callbacks(cfg: Config) -> None:
+    """Preflight: every [[callbacks]] path imports and names a Callback taking its args (nothing is built)."""
+    for i, entry in enumerate(cfg.callbacks):
+        callback_class(entry, f"callbacks[{i}]")
