@@ -7,12 +7,13 @@ same explanation instead of hanging in a collective or failing deep inside DTens
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from meshformer.config import Config, ConfigError, ParallelConfig
 from meshformer.model.families import get_family_spec
+from meshformer.model.moe import expert_shapes
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 ZERO_BUBBLE = ("interleaved_zb", "zbv")
@@ -245,6 +246,38 @@ def check_expert_parallel(cfg: Config, dims: ParallelDims) -> None:
         raise ConfigError(f"parallel.ep={ep} must be taken from dp_shard={dims.dp_shard} x cp={dims.cp} x "
                           f"tp={dims.tp}: a multiple of cp x tp = {inner} whose quotient divides dp_shard; choose ep "
                           f"in {_ep_choices(dims)}")
+    uneven = uneven_expert_shard(cfg, dims)
+    if uneven is not None:
+        name, shape, dim = uneven
+        shards = dims.dp_shard_mod_ep
+        fits = [e for e in _ep_choices(dims)
+                if m.moe.n_experts % e == 0 and uneven_expert_shard(cfg, replace(dims, ep=e)) is None]
+        raise ConfigError(f"parallel.ep={ep}: FSDP shards each expert-parallel rank's experts over the {shards} "
+                          f"data-parallel ranks ep leaves (dp_shard / (ep / (cp x tp))), and with "
+                          f"{shape[0]} local experts (not a multiple of {shards}) it splits dim {dim} of "
+                          f"experts.{name} {tuple(shape)}, which must divide evenly: {shape[dim]} % {shards} != 0; "
+                          + (f"choose parallel.ep in {fits}, or " if fits else "choose ")
+                          + f"a world size whose expert FSDP degree divides {shape[dim]}")
+
+
+def expert_shard_dim(local_experts: int, shards: int) -> int:
+    """The dim FSDP shards expert weights on over `shards` ranks: whole experts (dim 0) when they split evenly, else
+    each expert's rows (dim 1), so every rank holds an equal piece."""
+    return 0 if local_experts % shards == 0 else 1
+
+
+def uneven_expert_shard(cfg: Config, dims: ParallelDims) -> tuple[str, tuple[int, ...], int] | None:
+    """(name, local shape, dim) of the first expert weight whose FSDP shard dim does not divide evenly over the
+    data-parallel ranks expert parallelism leaves, or None. FSDP2 pads only dim 0; it refuses an uneven other dim."""
+    if not dims.ep_enabled or cfg.model.moe.n_experts % dims.ep:
+        return None
+    shards = dims.dp_shard_mod_ep
+    for name, shape in expert_shapes(cfg.model).items():
+        local = (shape[0] // dims.ep, *shape[1:])
+        dim = expert_shard_dim(local[0], shards)
+        if dim > 0 and local[dim] % shards:
+            return name, local, dim
+    return None
 
 
 def _ep_choices(dims: ParallelDims) -> list[int]:

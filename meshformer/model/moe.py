@@ -236,6 +236,17 @@ class ExpertExchange(Protocol):
         ...
 
 
+def expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shapes of `Experts`' parameters by name (those the config has), all n_experts experts stacked on dim 0."""
+    e, d, f = cfg.moe.n_experts, cfg.d_model, cfg.expert_d_ff
+    gated, biased = cfg.gated, cfg.moe.expert_bias_terms
+    shapes: dict[str, tuple[int, ...]] = {"gate_proj": (e, d, f)} if gated else {}
+    shapes |= {"up_proj": (e, d, f), "down_proj": (e, f, d)}
+    if biased:
+        shapes |= ({"gate_bias": (e, f)} if gated else {}) | {"up_bias": (e, f), "down_bias": (e, d)}
+    return shapes
+
+
 class Experts(nn.Module):
     """n_experts feed-forward networks, stacked: gate/up (E, d_model, width), down (E, width, d_model); with
     model.moe.expert_bias_terms their biases gate_bias/up_bias (E, width), down_bias (E,
@@ -249,14 +260,17 @@ class Experts(nn.Module):
         super().__init__()
         from meshformer.model.layers import feed_forward_unit  # layers builds this module
 
-        e, d, f = cfg.moe.n_experts, cfg.d_model, cfg.expert_d_ff
-        self.gate_proj = nn.Parameter(torch.empty(e, d, f)) if cfg.gated else None
-        self.up_proj = nn.Parameter(torch.empty(e, d, f))
-        self.down_proj = nn.Parameter(torch.empty(e, f, d))
-        biased = cfg.moe.expert_bias_terms
-        self.gate_bias = nn.Parameter(torch.empty(e, f)) if biased and cfg.gated else None
-        self.up_bias = nn.Parameter(torch.empty(e, f)) if biased else None
-        self.down_bias = nn.Parameter(torch.empty(e, d)) if biased else None
+        shapes = expert_shapes(cfg)
+
+        def optional(name: str) -> nn.Parameter | None:
+            return nn.Parameter(torch.empty(shapes[name])) if name in shapes else None
+
+        self.gate_proj = optional("gate_proj")
+        self.up_proj = nn.Parameter(torch.empty(shapes["up_proj"]))
+        self.down_proj = nn.Parameter(torch.empty(shapes["down_proj"]))
+        self.gate_bias = optional("gate_bias")
+        self.up_bias = optional("up_bias")
+        self.down_bias = optional("down_bias")
         self.act = feed_forward_unit(cfg)
         self.backend = cfg.moe.backend
         self.exchange: ExpertExchange | None = None  # None: every expert is here

@@ -36,6 +36,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from meshformer.model.moe import Experts, MoEFeedForward, gather_rows, moe_layers
+from meshformer.parallel_dims import expert_shard_dim
 
 
 class ExpertExchange:
@@ -87,14 +88,14 @@ def apply_expert_parallel(part: nn.Module, mesh: DeviceMesh) -> int:
 def expert_shard_placement(part: nn.Module, mesh: DeviceMesh) -> Callable[[nn.Parameter], ShardPlacementFnResult]:
     """`shard_placement_fn` for the blocks' FSDP units: expert-parallel weights are sharded over `mesh`, the
     data-parallel ranks ep leaves, the other weights over the block's own mesh. One unit per block, so no FSDP hook
-    runs inside a compiled block (torch.compile would break its graph there). Fewer local experts than FSDP ranks:
-    shard the experts' rows (dim 1) instead of whole experts, so every rank holds an equal piece."""
+    runs inside a compiled block (torch.compile would break its graph there). The dim: `expert_shard_dim`
+    (`parallel_dims.check_expert_parallel` refuses layouts where it does not split evenly)."""
     info = _get_mesh_info(mesh)
     assert isinstance(info, FSDPMeshInfo)  # a 1-D (FSDP) or 2-D (HSDP) data-parallel mesh shards
     shards = mesh.size(-1)
     placements: dict[nn.Parameter, ShardPlacementResult] = {}
     for _, layer in moe_layers(part):
-        dim = 0 if _local_experts(layer.experts) % shards == 0 else 1
+        dim = expert_shard_dim(_local_experts(layer.experts), shards)
         for param in layer.experts.parameters():
             placements[param] = ShardPlacementResult(placement=Shard(dim), mesh_info=info)
     return placements.get

@@ -35,7 +35,7 @@ from meshformer.parallel.mesh import Meshes, build_mesh
 from meshformer.parallel.parallelize import parallelize_part
 from meshformer.parallel.pipeline.stages import StagePlacement, TransformerStage, stage_pieces, stage_placement
 from meshformer.parallel.tensor_parallel import apply_tensor_parallel
-from meshformer.parallel_dims import ParallelDims, validate_parallel
+from meshformer.parallel_dims import ParallelDims, expert_shard_dim, validate_parallel
 from meshformer.train.muon import is_muon_parameter
 
 
@@ -117,7 +117,7 @@ def _sizes_by_rule(shape: tuple[int, ...], dims: ParallelDims, expert: bool) -> 
         return shard, shard * dims.fsdp_shard
     local = (shape[0] // dims.ep, *shape[1:])
     shards = dims.dp_shard_mod_ep
-    dim = 0 if local[0] % shards == 0 else 1
+    dim = expert_shard_dim(local[0], shards)
     shard = math.ceil(local[dim] / shards) * (math.prod(local) // local[dim])
     return shard, shard * shards
 
