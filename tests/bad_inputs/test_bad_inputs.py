@@ -428,6 +428,8 @@ CASES = [
                                       "parallel.recompute=full"],
      ["train.compile and tensor", "recompute='selective'"]),
     ("plan-gpu", ["plan", CFG, "--world", "2", "--gpu", "nope"], ["invalid choice", "--help"]),
+    ("plan-expert-shards", ["plan", "gpt-oss-120b", "--world", "512", "--set", "parallel.ep=4"],
+     ["experts.gate_proj (32, 2880, 2880)", "2880 % 128 != 0", "choose parallel.ep in [1, 8, 16, 32, 64, 128]"]),
     # (#25) planner
     ("plan-world-huge", ["plan", CFG, "--world", "100000000"], ["--world gives 100000000 ranks", "from 1 to"]),
     ("launch-nproc-huge", ["train", CFG, "--nproc-per-node", "100000"], ["--nproc-per-node=100000", "at most 1024"]),

@@ -11,6 +11,7 @@ from plan_validation import LAYOUTS, MOE, TOLERANCE, compare, measure_layouts, v
 
 from meshformer.config import load_config
 from meshformer.model.flops import count_params
+from meshformer.planner.cli import layout_name
 from meshformer.planner.memory import usable_bytes
 from meshformer.planner.search import plan_layout, search_layouts, with_layout
 from meshformer.planner.shard import fake_world, meta_model, rank_shares, template_shares, tp_template
@@ -320,3 +321,30 @@ def test_expert_parallel_candidates_are_divisors_of_the_world_only(monkeypatch):
     assert checked == [1, 2, 4, 8]
     cfg = load_config(str(CONFIGS / "tiny-moe.toml"), ["model.moe.n_experts=100000000"])
     assert search._expert_choices(cfg, 8, 1, 1, 1, "none") == [1, 2, 4, 8]
+
+
+def test_expert_layouts_fsdp_cannot_shard_are_refused_in_one_line_and_never_searched():
+    """gpt-oss-120b (128 experts, d_model = d_ff = 2880) at 512 ranks: ep=4 leaves 32 experts per ep rank over
+    128 FSDP ranks, so FSDP shards dim 1 (2880 rows), which FSDP2 refuses unless it divides evenly. The explicit
+    layout fails in one line before any model is built; the search offers none such (ep=8: 2880 over 64 ranks)."""
+    from meshformer.config import ConfigError
+    from meshformer.parallel_dims import validate_parallel
+
+    cfg = load_config(CONFIGS / "gpt-oss-120b.toml")
+    for ep, shards in ((4, 128), (2, 256)):
+        bad = with_layout(cfg, 512, 1, 1, "selective", ep=ep)
+        with pytest.raises(ConfigError) as err:
+            validate_parallel(bad, 512, "cuda", on_this_host=False)  # as `meshformer train` checks the layout
+        line = str(err.value)
+        assert "\n" not in line
+        assert f"experts.gate_proj ({128 // ep}, 2880, 2880)" in line and f"2880 % {shards} != 0" in line
+        assert "choose parallel.ep in [1, 8, 16, 32, 64, 128]" in line
+        with pytest.raises(ConfigError, match=f"2880 % {shards} != 0"):
+            plan_layout(bad, 512)
+    results = search_layouts(cfg, 512, "h100-80gb")
+    for r in results:  # FSDP shards the local experts on dim 0 when it splits them evenly, else on dim 1
+        shards = r.dp_shard // (r.ep // (r.cp * r.tp)) if r.ep > 1 else 1
+        assert (128 // r.ep) % shards == 0 or 2880 % shards == 0, layout_name(r)
+    assert {r.ep for r in results if r.pp == r.tp == r.cp == 1} == {1, 8, 16, 32, 64, 128}
+    assert any(r.ep == 4 for r in results)  # at pp > 1 ep=4 leaves fewer FSDP ranks, and whole experts split evenly
+    assert plan_layout(with_layout(cfg, 512, 1, 1, "selective", ep=8), 512).peak > 0  # 2880 rows over 64 ranks
