@@ -348,3 +348,23 @@ def test_expert_layouts_fsdp_cannot_shard_are_refused_in_one_line_and_never_sear
     assert {r.ep for r in results if r.pp == r.tp == r.cp == 1} == {1, 8, 16, 32, 64, 128}
     assert any(r.ep == 4 for r in results)  # at pp > 1 ep=4 leaves fewer FSDP ranks, and whole experts split evenly
     assert plan_layout(with_layout(cfg, 512, 1, 1, "selective", ep=8), 512).peak > 0  # 2880 rows over 64 ranks
+
+
+@pytest.mark.parametrize(("world", "refused"), [(32, False), (64, True)])
+def test_the_expert_shard_check_refuses_exactly_what_fully_shard_refuses(monkeypatch, world, refused):
+    """tiny-moe at ep=2: 4 local experts over world / 2 FSDP ranks, so FSDP shards dim 1 (gate/up: d_model = 128
+    rows, down: the experts' d_ff = 176); 176 rows over 32 ranks do not split evenly, over 16 they do."""
+    import contextlib
+
+    import meshformer.planner.shard as shard
+    from meshformer.parallel_dims import ParallelDims, uneven_expert_shard
+
+    cfg = load_config(CONFIGS / "tiny-moe.toml", ["parallel.ep=2"])
+    uneven = uneven_expert_shard(cfg, ParallelDims.from_config(cfg.parallel, world))
+    assert uneven == (("down_proj", (4, 176, 128), 1) if refused else None)
+    # the real FSDP wrapping, without the layout check in front of it
+    monkeypatch.setattr(shard, "validate_parallel", lambda c, w, _device: ParallelDims.from_config(c.parallel, w))
+    raised = pytest.raises(NotImplementedError, match="uneven sharding on dim 1") if refused else \
+        contextlib.nullcontext()
+    with fake_world(world), raised:
+        shard.rank_shares(cfg, world)
