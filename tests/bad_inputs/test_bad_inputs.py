@@ -412,6 +412,8 @@ CASES = [
     ("layout-pp-batch", ["train", CFG, "--nproc-per-node", "2", "--set", "parallel.pp=2", "data.batch_size=3"],
      ["data.batch_size=3 does not split into the 2 pipeline microbatches", "a multiple of 2"]),
     ("layout-dp-shard", _train("parallel.dp_shard=0"), ["parallel.dp_shard", ">= 1 or -1"]),
+    ("layout-expert-shards", ["train", "gpt-oss-120b", "--nnodes", "64", "--nproc-per-node", "8", "--set",
+                              "parallel.ep=4"], ["experts.gate_proj (32, 2880, 2880)", "parallel.ep in [1, 8, 16"]),
     ("plan-world-zero", ["plan", CFG, "--world", "0"], ["--world gives 0 ranks", "from 1 to"]),
     ("plan-moe-imbalance", ["plan", CFG, "--world", "2", "--moe-imbalance", "0.5"],
      ["--moe-imbalance 0.5 is below 1", "--moe-imbalance 1.5"]),
