@@ -7,8 +7,8 @@ it (`shard.template_shares`); a test holds the two against each other.
 
 Mixture-of-experts models are also searched over `parallel.ep` (every divisor of n_experts the rules of
 `parallel_dims.check_expert_parallel` allow: a multiple of cp x tp taken from the data-parallel ranks, leaving
-FSDP an even split of the experts' shard dim); expert
-activations are planned at `moe_imbalance` times the balanced load (`activations.moe_rows`).
+FSDP an even split of the experts' shard dim); expert activations are planned at `moe_imbalance` times the
+balanced load (`activations.moe_rows`).
 """
 
 from __future__ import annotations
