@@ -168,6 +168,11 @@ class Attention(nn.Module):
         self.record_max_logit = False
         self.register_buffer("max_logit", torch.full((cfg.attention.n_heads,), float("-inf")), persistent=False)
 
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """After a meta build: no logit recorded yet."""
+        self.max_logit.fill_(float("-inf"))
+
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
         return x.view(batch, length, -1, self.head_dim).transpose(1, 2)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from meshformer.config import ModelConfig, OptimConfig, ScheduleConfig
+from meshformer.config.migrate import model_from_flat
 from meshformer.loss.cross_entropy import cross_entropy_sum
 from meshformer.model import Transformer
 from meshformer.model.attention import Attention
@@ -18,8 +19,8 @@ from meshformer.train.step import TrainStep
 
 
 def _cfg(backend: str, kv_heads: int | None = None, **extra) -> ModelConfig:
-    return ModelConfig(family="decoder", vocab_size=64, d_model=32, n_heads=4, n_kv_heads=kv_heads, d_ff=64,
-                       max_seq_len=80, n_layers=1, attention_backend=backend, position="rope", bias=True, **extra)
+    return model_from_flat(family="decoder", vocab_size=64, d_model=32, n_heads=4, n_kv_heads=kv_heads, d_ff=64,
+                           max_seq_len=80, n_layers=1, attention_backend=backend, position="rope", bias=True, **extra)
 
 
 def _explicit_max(attn: Attention, x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
