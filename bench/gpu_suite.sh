@@ -5,7 +5,9 @@
 #   Llama-3-8B layer shape (tokens/s and loss after the steps); issue 11's initialisation seconds per billion
 #   parameters at Llama-3-8B layer shapes (up to 16 layers, 4.5B) against the GPU's RNG throughput; issue 21's MoE
 #   layer (grouped_mm / padded / loop vs the dense FFN of the same active FLOPs) at a Mixtral-like and a
-#   Qwen3-MoE-like shape (last, so the earlier items keep their budget; bench/gpu_moe.sh runs them alone).
+#   Qwen3-MoE-like shape (bench/gpu_moe.sh runs them alone); gpt-oss's attention sinks on every SDPA kernel against
+#   the math path, and the blockwise kernel QK-clip records with against flash (last: the earlier items keep their
+#   budget).
 # Each result is one JSON line appended to $OUT/results.jsonl as soon as it exists; each item has its own
 # timeout, capped by what is left of SUITE_BUDGET_S, so one hang cannot eat the run. Logs: $OUT/<item>.log.
 #
@@ -32,6 +34,7 @@ if [[ "$SMOKE" == 1 ]]; then
   item moe_mixtral 120 python3 bench/moe_layer.py --device cpu --dtype fp32 --shape tiny --rounds 1 --threads 1
   item moe_qwen3 120 python3 bench/moe_layer.py --device cpu --dtype bf16 --shape tiny --rounds 1 --threads 1 \
     --routing skewed
+  item attention_sinks 60 python3 bench/attention_sinks.py --device cpu --dtype fp32 --shape tiny --rounds 1
 else
   item gemm 30 python3 bench/gemm_ceiling.py --n 8192 --seconds 1.5
   item init_speed 25 python3 bench/init_speed.py --layers 1 4 16
@@ -45,5 +48,7 @@ else
   item gpt2xl_compiled 140 $VS --shape gpt2-xl --compile blocks --steps 8 --rounds 2 --warmup 3
   item moe_mixtral 100 python3 bench/moe_layer.py --device cuda --dtype bf16 --shape mixtral-reduced --rounds 5
   item moe_qwen3 100 python3 bench/moe_layer.py --device cuda --dtype bf16 --shape qwen3-moe --rounds 5
+  # gpt-oss's sinks through flash / cuDNN / efficient (one extra key, widened heads) vs math; QK-clip's kernel cost
+  item attention_sinks 60 python3 bench/attention_sinks.py --device cuda --dtype bf16 --shape gpt-oss --rounds 5
 fi
 echo "suite done in $(( $(date +%s) - START ))s; results in $RESULTS" >&2

@@ -72,6 +72,14 @@ def test_cpu_attention_tiny():
     assert record["blockwise_error"] < 2 * record["sdpa_error"]  # flash's accuracy (fp32 scores)
 
 
+def test_attention_sinks_tiny():
+    *rows, clip = run_bench("attention_sinks.py", "--device", "cpu", "--dtype", "fp32", "--shape", "tiny",
+                            "--rounds", "1")
+    assert [r["backend"] for r in rows] == ["sdpa", "flash", "efficient", "cudnn", "blockwise"]
+    assert all(r["out_rel_err"] < 1e-5 and r["sink_grad_rel_err"] < 1e-5 for r in rows), rows
+    assert clip["row"] == "qk_clip_kernel" and clip["recording_ms"] > 0 and clip["flash_ms"] > 0
+
+
 def test_gated_delta_tiny():
     pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")  # the reference side
     (record,) = run_bench("gated_delta.py", "--shape", "1,2,16,80", "--rounds", "1", "--threads", "1")
