@@ -8,10 +8,12 @@ may change dp_size, batch_size or num_workers and still continue the same global
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
 import signal
+import weakref
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any, Protocol
@@ -184,8 +186,11 @@ class Loader:
         if self.num_workers:
             workers.update(prefetch_factor=4, persistent_workers=False, worker_init_fn=_ignore_stop_signals)
         # A private generator: seeding workers from the global RNG would shift dropout after a resume.
-        return iter(DataLoader(stream, batch_size=None, pin_memory=torch.cuda.is_available(),
-                               generator=torch.Generator(), **workers))
+        it = iter(DataLoader(stream, batch_size=None, pin_memory=torch.cuda.is_available(),
+                             generator=torch.Generator(), **workers))
+        if self.num_workers:
+            _stopped_at_exit(it)
+        return it
 
     def _stream(self, view: RankView) -> IterableDataset:
         return BatchStream([self.source], [self.order], self.objective, view, self.with_ids)
@@ -233,6 +238,30 @@ class Loader:
         return ", ".join(f"{names[k]}: {saved.get(k)!r} -> {v!r}" if k in ("objective", "raw", "seed",
                                                                          "shuffle_shards") else names[k]
                          for k, v in self.settings.items() if saved.get(k) != v)
+
+
+# Iterators whose workers are still running, shut down when the process exits (see _stop_workers_at_exit).
+_WITH_WORKERS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _stopped_at_exit(it: Any) -> None:
+    if not _WITH_WORKERS and not getattr(_stopped_at_exit, "registered", False):
+        # atexit runs last-registered first: this runs before multiprocessing's own exit handler
+        atexit.register(_stop_workers_at_exit)
+        _stopped_at_exit.registered = True  # type: ignore[attr-defined]
+    _WITH_WORKERS.add(it)
+
+
+def _stop_workers_at_exit() -> None:
+    """Workers ignore SIGTERM (below), so multiprocessing's exit handler, which terminates children with SIGTERM
+    and then joins them, would wait forever for the workers of a loader still open when the process exits (a
+    library user's, a test's): shut them down first, and kill what does not stop."""
+    for it in list(_WITH_WORKERS):
+        if hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()  # the workers' sentinel: they leave their loop and exit
+        for worker in getattr(it, "_workers", []):
+            if worker.is_alive():
+                worker.kill()
 
 
 def _ignore_stop_signals(worker_id: int) -> None:

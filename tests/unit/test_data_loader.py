@@ -131,3 +131,24 @@ def test_long_records_are_cut_into_windows(tmp_path_factory):
     assert batch["sample_ids"].tolist() == [0, 1, 2, 3]
     assert torch.equal(batch["input_ids"][0], record[:32]) and torch.equal(batch["labels"][0], record[1:33])
     assert torch.equal(batch["input_ids"][1], record[33:65]) and torch.equal(batch["labels"][1], record[34:66])
+
+
+def test_a_process_exits_with_a_loader_whose_workers_are_still_running(data_dir, tmp_path):
+    """Workers ignore stop signals (the rank acts on them), so multiprocessing's exit handler (SIGTERM, then join)
+    cannot end them: a process that exits while a loader still holds running workers must not wait for them."""
+    import subprocess
+    import sys
+
+    from helpers.common import ROOT
+
+    script = tmp_path / "open_loader.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "from helpers.data import config, tokenizer\n"
+        "from meshformer.data import build_loader\n"
+        f"loader = build_loader(config({str(data_dir)!r}, 'data.num_workers=2'), tokenizer(), 'train', 0, 1)\n"
+        "next(loader)\n"
+        "print('batch read', flush=True)\n")  # the loader stays open: its workers run when the interpreter exits
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "batch read" in done.stdout, done.stderr[-2000:]
