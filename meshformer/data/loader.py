@@ -12,8 +12,8 @@ import atexit
 import hashlib
 import json
 import logging
+import multiprocessing
 import signal
-import weakref
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any, Protocol
@@ -189,7 +189,7 @@ class Loader:
         it = iter(DataLoader(stream, batch_size=None, pin_memory=torch.cuda.is_available(),
                              generator=torch.Generator(), **workers))
         if self.num_workers:
-            _stopped_at_exit(it)
+            _killed_at_exit(getattr(it, "_workers", []))
         return it
 
     def _stream(self, view: RankView) -> IterableDataset:
@@ -203,7 +203,10 @@ class Loader:
         """Stop worker processes (they restart from the current position on the next batch)."""
         it, self._it = self._it, None
         if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
+            it._shutdown_workers()  # the workers' sentinel; one still busy after torch's wait gets SIGTERM ...
+            for worker in getattr(it, "_workers", []):
+                if worker.is_alive():
+                    worker.kill()  # ... which it ignores (below)
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": 1, "consumed": self.consumed, "epoch": self.epoch,
@@ -240,28 +243,24 @@ class Loader:
                          for k, v in self.settings.items() if saved.get(k) != v)
 
 
-# Iterators whose workers are still running, shut down when the process exits (see _stop_workers_at_exit).
-_WITH_WORKERS: weakref.WeakSet[Any] = weakref.WeakSet()
+# The process ids of every worker this process started (see _kill_workers_at_exit).
+_WORKER_PIDS: set[int] = set()
 
 
-def _stopped_at_exit(it: Any) -> None:
-    if not _WITH_WORKERS and not getattr(_stopped_at_exit, "registered", False):
-        # atexit runs last-registered first: this runs before multiprocessing's own exit handler
-        atexit.register(_stop_workers_at_exit)
-        _stopped_at_exit.registered = True  # type: ignore[attr-defined]
-    _WITH_WORKERS.add(it)
+def _killed_at_exit(workers: list[Any]) -> None:
+    if not _WORKER_PIDS:  # atexit runs last-registered first: before multiprocessing's own exit handler
+        atexit.unregister(_kill_workers_at_exit)
+        atexit.register(_kill_workers_at_exit)
+    _WORKER_PIDS.update(w.pid for w in workers)
 
 
-def _stop_workers_at_exit() -> None:
-    """Workers ignore SIGTERM (below), so multiprocessing's exit handler, which terminates children with SIGTERM
-    and then joins them, would wait forever for the workers of a loader still open when the process exits (a
-    library user's, a test's): shut them down first, and kill what does not stop."""
-    for it in list(_WITH_WORKERS):
-        if hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()  # the workers' sentinel: they leave their loop and exit
-        for worker in getattr(it, "_workers", []):
-            if worker.is_alive():
-                worker.kill()
+def _kill_workers_at_exit() -> None:
+    """Workers ignore SIGTERM (below), so multiprocessing's exit handler, which terminates its children with SIGTERM
+    and then joins them, would wait forever for a worker still running when the process exits: one of a loader still
+    open (a library user's, a test's), or one that was busy when its loader shut down. Kill them first."""
+    for child in multiprocessing.active_children():
+        if child.pid in _WORKER_PIDS:
+            child.kill()
 
 
 def _ignore_stop_signals(worker_id: int) -> None:

@@ -152,3 +152,29 @@ def test_a_process_exits_with_a_loader_whose_workers_are_still_running(data_dir,
         "print('batch read', flush=True)\n")  # the loader stays open: its workers run when the interpreter exits
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "batch read" in done.stdout, done.stderr[-2000:]
+
+
+def test_closing_a_loader_ends_a_worker_that_is_slow_to_stop(data_dir, monkeypatch):
+    """torch waits a moment for each worker to take its sentinel, then sends SIGTERM, which workers ignore (stop
+    signals are the rank's): a worker busy past that wait must still end, not outlive its loader."""
+    import time
+
+    from torch.utils.data import _utils
+
+    from meshformer.data import loader as loader_module
+
+    stream = loader_module.BatchStream.__iter__
+
+    def busy_after_one_batch(self):  # the workers (forked after this patch) never reach their sentinel
+        yield next(stream(self))
+        time.sleep(600)
+
+    monkeypatch.setattr(loader_module.BatchStream, "__iter__", busy_after_one_batch)
+    loader = build_loader(config(data_dir, "data.num_workers=2"), tokenizer(), "train", 0, 1)
+    next(loader)
+    workers = list(loader._it._workers)
+    monkeypatch.setattr(_utils, "MP_STATUS_CHECK_INTERVAL", 0.1)  # torch's wait before its SIGTERM, shortened
+    loader.close()
+    for worker in workers:
+        worker.join(timeout=20)
+    assert not any(w.is_alive() for w in workers)
