@@ -14,6 +14,7 @@ import json
 import logging
 import multiprocessing
 import signal
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any, Protocol
@@ -258,9 +259,17 @@ def _kill_workers_at_exit() -> None:
     """Workers ignore SIGTERM (below), so multiprocessing's exit handler, which terminates its children with SIGTERM
     and then joins them, would wait forever for a worker still running when the process exits: one of a loader still
     open (a library user's, a test's), or one that was busy when its loader shut down. Kill them first."""
-    for child in multiprocessing.active_children():
-        if child.pid in _WORKER_PIDS:
-            child.kill()
+    workers = [child for child in multiprocessing.active_children() if child.pid in _WORKER_PIDS]
+    if not workers:
+        return
+    if threading.current_thread() is threading.main_thread():
+        # torch's SIGCHLD handler raises "DataLoader worker ... is killed by signal" for an open loader's workers,
+        # into whatever exit handler runs next: at exit their death is intended
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in workers:
+        child.kill()
+    for child in workers:
+        child.join(5)
 
 
 def _ignore_stop_signals(worker_id: int) -> None:
