@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from meshformer.config import Config, ConfigError, ParallelConfig
+from meshformer.model.components import model_kinds
 from meshformer.model.families import get_family_spec
 from meshformer.model.moe import expert_shapes
 
@@ -192,10 +193,10 @@ def check_context_parallel(cfg: Config, dims: ParallelDims) -> None:
     if dims.cp == 1:
         return
     m, key = cfg.model, f"parallel.cp={dims.cp}"
-    if get_family_spec(m.family).seq2seq:
-        raise ConfigError(f"{key}: context parallel is implemented for decoder-only and encoder-only models, not "
-                          f"{m.family!r} (its cross-attention would need the whole encoder output on every rank); "
-                          "set parallel.cp=1 (tp or FSDP)")
+    for kind in model_kinds(m):
+        refusal = kind.context_parallel(m)
+        if refusal is not None:
+            raise ConfigError(f"{key}: {kind.name} blocks: {refusal}; set parallel.cp=1 (tp or FSDP)")
     if cfg.data.seq_len % (2 * dims.cp):
         raise ConfigError(f"{key} cuts each sequence into {2 * dims.cp} equal pieces (2 per rank, for balanced "
                           f"causal work), but data.seq_len={cfg.data.seq_len} is not divisible by {2 * dims.cp}; "
@@ -210,10 +211,9 @@ def _check_tensor_parallel(cfg: Config, dims: ParallelDims) -> None:
     tp, m = dims.tp, cfg.model
     if tp == 1:
         return
-    checks = [
-        ("model.attention.n_heads", m.attention.n_heads, "attention heads are split across tensor-parallel ranks"),
-        ("model.attention.n_kv_heads", m.kv_heads, "key/value heads are split across tensor-parallel ranks (GQA/MQA)"),
-        ("model.ffn.d_ff", m.ffn.d_ff, "the feed-forward hidden size is split across ranks"),
+    # the sizes the blocks' kinds split (model/components/), each key once
+    checks = list(dict.fromkeys(check for kind in model_kinds(m) for check in kind.tp_divides(m)))
+    checks += [
         ("model.vocab_size", m.vocab_size, "embeddings and the output head are split on the vocabulary"),
         ("data.seq_len", cfg.data.seq_len, "sequence parallel splits the sequence between blocks"),
     ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 
 import torch
 
@@ -13,9 +14,10 @@ from meshformer.config.migrate import get_dotted
 from meshformer.config.parse import parse_size
 from meshformer.config.sections import CheckpointConfig, Config, DataConfig
 from meshformer.errors import ConfigError
-from meshformer.model.config import LAYER_TYPES, MLP_TYPES, ModelConfig
+from meshformer.model.components import CHANNEL_MIXERS, TOKEN_MIXERS
+from meshformer.model.components.base import Component
+from meshformer.model.config import ModelConfig
 from meshformer.model.families import get_family_spec
-from meshformer.model.moe import is_moe_block
 
 
 def validate(cfg: Config) -> None:
@@ -156,7 +158,7 @@ def _check_moe(cfg: Config) -> None:
             raise ConfigError(f"model.moe.{key}={getattr(m.moe, key)} is negative", "use a value >= 0 (0: the default)")
     stacks = get_family_spec(m.family).stacks
     # a model from an HF folder (init_from) is what the folder holds, a Qwen3-MoE with every block dense included
-    if not cfg.checkpoint.init_from and not any(is_moe_block(m, i) for stack in stacks for i in range(stack.count(m))):
+    if not cfg.checkpoint.init_from and not any(m.is_moe(i) for stack in stacks for i in range(stack.count(m))):
         depths = " / ".join(f"{stack.count(m)}-layer {stack.name}" for stack in stacks)
         raise ConfigError(f"model.moe.n_experts={m.moe.n_experts}, but no block of the {depths} stack is MoE "
                           f"(model.mlp_types={m.mlp_types}): the model would train dense",
@@ -227,27 +229,27 @@ def _check_layer_options(cfg: Config) -> None:
 
 
 def _check_block_types(cfg: Config) -> None:
-    """model.layer_types / model.mlp_types: known kinds, one per block or a pattern no longer than a stack, and the
-    keys the kinds need (a window for sliding_attention, experts for moe)."""
+    """model.layer_types / model.mlp_types: registered kinds (model/components/), one per block or a pattern no longer
+    than a stack, and the keys each kind named needs (its `check`: a window for sliding_attention, experts for moe)."""
     m = cfg.model
     deepest = max(stack.count(m) for stack in get_family_spec(m.family).stacks)
-    for key, values, kinds in (("layer_types", m.layer_types, LAYER_TYPES), ("mlp_types", m.mlp_types, MLP_TYPES)):
+    registries: tuple[tuple[str, list[str], Mapping[str, Component]], ...] = (
+        ("layer_types", m.layer_types, TOKEN_MIXERS), ("mlp_types", m.mlp_types, CHANNEL_MIXERS))
+    for key, values, registry in registries:
+        kinds = [name for name, kind in registry.items() if kind.selectable]
         if wrong := [v for v in values if v not in kinds]:
             raise ConfigError(f"model.{key} holds {wrong[0]!r}, not a kind meshformer builds",
                               f"use {' / '.join(repr(k) for k in kinds)} per block (or a shorter repeated pattern)")
         if len(values) > deepest:
             raise ConfigError(f"model.{key} has {len(values)} entries but the deepest stack has {deepest} blocks",
                               "give one entry per block, or a shorter pattern that repeats over the stack")
-    if "sliding_attention" in m.layer_types and m.attention.window is None:
-        raise ConfigError("model.layer_types has sliding_attention blocks but model.attention.window is not set",
-                          "set model.attention.window (e.g. 4096), or make every block full_attention")
+    for _, values, registry in registries:
+        for name in dict.fromkeys(values):
+            registry[name].check(m)
     if m.attention.window is not None and "sliding_attention" not in m.layer_types:
         raise ConfigError(f"model.attention.window={m.attention.window} is the sliding_attention blocks' window, but "
                           "model.layer_types has none", 'set model.layer_types = ["sliding_attention"] (every block) '
                           'or a pattern such as ["sliding_attention", "full_attention"], or drop the window')
-    if "moe" in m.mlp_types and m.moe.n_experts == 0:
-        raise ConfigError('model.mlp_types has "moe" blocks but model.moe.n_experts = 0',
-                          "set model.moe.n_experts (e.g. 8), or make every block dense")
 
 
 def _check_shard_size(size: str) -> None:

@@ -18,9 +18,6 @@ from typing import Literal
 # sigmoid(swiglu_alpha * gate)
 Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu", "geglu", "swiglu_clamped"]
 GATED_ACTIVATIONS = ("swiglu", "geglu", "swiglu_clamped")
-# The token mixer of a block (Hugging Face's layer_types) and its channel mixer (mlp_types)
-LAYER_TYPES = ("full_attention", "sliding_attention")
-MLP_TYPES = ("dense", "moe")
 
 
 @dataclass
@@ -156,7 +153,8 @@ class ModelConfig:
     logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     scale_output: bool = False  # multiply final hidden states by d_model**-0.5 before the output projection (T5)
     cross_downsample: int = 1  # pool encoder output by this factor before cross-attention
-    # Token mixer of each block of a stack: "full_attention" | "sliding_attention" (attention.window, rope.local_theta),
+    # Token mixer of each block of a stack (a kind of model/components/): "full_attention" | "sliding_attention"
+    # (attention.window, rope.local_theta),
     # one per block or a shorter pattern repeated over the stack (Gemma 3: 5 sliding, then 1 full); []: all full
     layer_types: list[str] = field(default_factory=list)
     # Channel mixer of each block of a stack: "dense" (ffn) | "moe" (moe), one per block or a repeated pattern;
@@ -192,17 +190,20 @@ class ModelConfig:
 
     def mlp_type(self, block: int) -> str:
         """The channel mixer of block `block` (from 0) of a stack."""
-        if self.mlp_types:
-            return self.mlp_types[block % len(self.mlp_types)]
-        return "moe" if self.moe.n_experts > 0 else "dense"
+        kind = self.mlp_types[block % len(self.mlp_types)] if self.mlp_types else "moe"
+        return "dense" if kind == "moe" and self.moe.n_experts == 0 else kind  # no experts: every block dense
 
     def is_moe(self, block: int) -> bool:
-        """Whether block `block` of a stack has a mixture-of-experts feed-forward."""
-        return self.moe.n_experts > 0 and self.mlp_type(block) == "moe"
+        """Whether block `block` of a stack holds experts (its channel mixer's kind splits them over parallel.ep)."""
+        from meshformer.model.components import channel_mixer  # the kinds read this module
+
+        return channel_mixer(self, block).expert_parallel
 
     def window(self, block: int) -> int | None:
-        """The sliding window of block `block` of a stack (None: global attention)."""
-        return self.attention.window if self.layer_type(block) == "sliding_attention" else None
+        """The sliding window of block `block` of a stack (None: global attention), as its token mixer declares."""
+        from meshformer.model.components import token_mixer
+
+        return token_mixer(self, block).window(self)
 
     def local_rope(self, block: int) -> bool:
         """Whether block `block` rotates with the sliding blocks' own RoPE base (rope.local_theta)."""

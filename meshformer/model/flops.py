@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from meshformer.model.components import channel_mixer, cross_mixer, token_mixer
+from meshformer.model.components.base import linear
 from meshformer.model.config import ModelConfig
-from meshformer.model.moe import is_moe_block
 
 if TYPE_CHECKING:
     from meshformer.model.families.spec import FamilySpec
@@ -22,69 +23,8 @@ def _family(cfg: ModelConfig) -> FamilySpec:
     return get_family_spec(cfg.family)
 
 
-def _linear(n_in: int, n_out: int, bias: bool) -> int:
-    return n_in * n_out + (n_out if bias else 0)
-
-
 def _norm(cfg: ModelConfig) -> int:
     return cfg.d_model * (2 if cfg.norm.kind == "layernorm" and cfg.bias else 1)  # RMSNorm has no bias
-
-
-def _attention_matmuls(cfg: ModelConfig) -> dict[str, int]:
-    """Weights (no biases) of the four projections, keyed by what they read: queries/outputs or keys/values."""
-    head = cfg.attention_head_dim
-    d, q_dim, kv_dim = cfg.d_model, cfg.attention.n_heads * head, cfg.kv_heads * head
-    return {"q_o": 2 * d * q_dim, "k_v": 2 * d * kv_dim}
-
-
-def _attention(cfg: ModelConfig) -> int:
-    head = cfg.attention_head_dim
-    d, q_dim, kv_dim = cfg.d_model, cfg.attention.n_heads * head, cfg.kv_heads * head
-    # one RMSNorm weight each for queries and keys: per head (shared by the heads) or over the whole projection
-    per_head = cfg.attention.qk_norm_scope == "head"
-    qk_norm = 0 if not cfg.attention.qk_norm else 2 * cfg.attention_head_dim if per_head else q_dim + kv_dim
-    qkv_bias = cfg.use_qkv_bias
-    sinks = cfg.attention.n_heads if cfg.attention.sinks else 0  # one logit per head
-    return (_linear(d, q_dim, qkv_bias) + 2 * _linear(d, kv_dim, qkv_bias) + _linear(q_dim, d, cfg.bias) + qk_norm
-            + sinks)
-
-
-def _dense_ffn_matmuls(cfg: ModelConfig, width: int) -> int:
-    return (3 if cfg.gated else 2) * cfg.d_model * width
-
-
-def _dense_ffn(cfg: ModelConfig, width: int) -> int:
-    if not width:
-        return 0
-    gate = _linear(cfg.d_model, width, cfg.bias) if cfg.gated else 0
-    return gate + _linear(cfg.d_model, width, cfg.bias) + _linear(width, cfg.d_model, cfg.bias)
-
-
-def _ffn_matmuls(cfg: ModelConfig, index: int) -> int:
-    """Matmul weights one token passes through in the feed-forward of block `index`: an MoE block's router, its
-    experts_per_token routed experts and its shared experts."""
-    if not is_moe_block(cfg, index):
-        return _dense_ffn_matmuls(cfg, cfg.ffn.d_ff)
-    experts = cfg.moe.experts_per_token + cfg.moe.n_shared_experts
-    return cfg.moe.n_experts * cfg.d_model + experts * _dense_ffn_matmuls(cfg, cfg.expert_d_ff)
-
-
-def _stack_ffn_matmuls(cfg: ModelConfig, n_layers: int) -> int:
-    return sum(_ffn_matmuls(cfg, i) for i in range(n_layers))
-
-
-def _ffn(cfg: ModelConfig, index: int) -> tuple[int, int]:
-    """(all, active) parameters of the feed-forward of block `index`; active: those one token uses (the router,
-    experts_per_token routed experts, the shared experts), with the router's and experts' biases where present."""
-    if not is_moe_block(cfg, index):
-        dense = _dense_ffn(cfg, cfg.ffn.d_ff)
-        return dense, dense
-    expert = _dense_ffn_matmuls(cfg, cfg.expert_d_ff)
-    if cfg.moe.expert_bias_terms:  # gate (if any) and up biases of width expert_d_ff, a down bias of width d_model
-        expert += (2 if cfg.gated else 1) * cfg.expert_d_ff + cfg.d_model
-    router = cfg.moe.n_experts * (cfg.d_model + int(cfg.moe.router_bias))
-    common = router + _dense_ffn(cfg, cfg.moe.n_shared_experts * cfg.expert_d_ff)
-    return common + cfg.moe.n_experts * expert, common + cfg.moe.experts_per_token * expert
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
@@ -111,8 +51,9 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     if cfg.position == "t5_relative":  # one (buckets, heads) bias table per stack
         tables = int(spec.has_encoder) + int(spec.has_decoder)
         embedding += tables * cfg.attention.relative_buckets * cfg.attention.n_heads
-    attention = sum(n * (2 if cross else 1) for n, cross in stacks) * _attention(cfg)  # + cross-attention
-    ffn = [_ffn(cfg, i) for n, _ in stacks for i in range(n)]
+    attention = sum(token_mixer(cfg, i).params(cfg) + (cross_mixer().params(cfg) if cross else 0)
+                    for n, cross in stacks for i in range(n))
+    ffn = [channel_mixer(cfg, i).params(cfg) for n, _ in stacks for i in range(n)]
     feed_forward = sum(all_ for all_, _ in ffn)
     inactive = feed_forward - sum(active for _, active in ffn)
     stack_norms = len(stacks) if cfg.use_final_norm else 0
@@ -121,7 +62,7 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     norms = (norms_per_block + stack_norms + int(cfg.norm.embedding)) * _norm(cfg)
     head = 0
     if cfg.head_transform:
-        head += _linear(d, d, cfg.bias) + _norm(cfg)
+        head += linear(d, d, cfg.bias) + _norm(cfg)
     if not cfg.tie_embeddings:
         head += vocab * d
     if cfg.output_bias:
@@ -139,16 +80,6 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     }
 
 
-def _keys_per_query(cfg: ModelConfig, length: int, causal: bool, n_layers: int) -> int:
-    """Keys each query scores against, summed over a stack's n_layers blocks (each with its own window or none).
-    Causal attention is not halved (PaLM's convention: dense kernels)."""
-    total = 0
-    for block in range(n_layers):
-        window = cfg.window(block)
-        total += length if window is None else min(length, window if causal else 2 * window - 1)
-    return total
-
-
 def training_flops(cfg: ModelConfig, seq_len: int, target_len: int | None = None) -> int:
     """Training FLOPs (forward + backward = 3 x forward) for one sequence (or source/target pair).
 
@@ -163,16 +94,23 @@ def training_flops(cfg: ModelConfig, seq_len: int, target_len: int | None = None
     return _family(cfg).training_flops(cfg, seq_len, target_len)
 
 
+def stack_forward_flops(cfg: ModelConfig, n_blocks: int, tokens: int, *, causal: bool, memory: int = 0) -> int:
+    """Forward FLOPs of a stack's first n_blocks blocks over one sequence of `tokens` positions, each block's
+    token mixer, cross-attention of `memory` positions (memory > 0) and channel mixer as its kinds declare them."""
+    total = 0
+    for block in range(n_blocks):
+        total += token_mixer(cfg, block).flops(cfg, tokens, tokens, causal=causal)
+        if memory:
+            total += cross_mixer().flops(cfg, tokens, memory, causal=False)
+        total += channel_mixer(cfg, block).flops(cfg, tokens)
+    return total
+
+
 def _single_stack_flops(cfg: ModelConfig, seq_len: int, *, causal: bool) -> int:
-    """Decoder-only / encoder-only over T = seq_len tokens, N = matmul weights (no embeddings, with the head):
-        6 * N * T + 12 * T * keys * d_attn          (keys: summed over the blocks, T each without a window)
-    which is PaLM's 6N + 12 L H Q T per token and, for GPT-3, Megatron-LM's 72 l h^2 (1 + s/6h + V/12lh).
-    """
-    d_attn = cfg.attention.n_heads * cfg.attention_head_dim
-    attn = _attention_matmuls(cfg)
-    layers = cfg.n_layers
-    matmul = layers * (attn["q_o"] + attn["k_v"]) + _stack_ffn_matmuls(cfg, layers) + _head_matmuls(cfg)
-    forward = 2 * matmul * seq_len + 4 * seq_len * _keys_per_query(cfg, seq_len, causal, layers) * d_attn
+    """Decoder-only / encoder-only over T = seq_len tokens: the blocks' declared FLOPs and the head's 2 T N, which
+    for full attention is PaLM's 6N + 12 L H Q T per token and, for GPT-3, Megatron-LM's 72 l h^2 (1 + s/6h +
+    V/12lh)."""
+    forward = stack_forward_flops(cfg, cfg.n_layers, seq_len, causal=causal) + 2 * seq_len * _head_matmuls(cfg)
     return 3 * forward
 
 
@@ -185,25 +123,15 @@ def encoder_flops(cfg: ModelConfig, seq_len: int, target_len: int | None = None)
 
 
 def encoder_decoder_flops(cfg: ModelConfig, seq_len: int, target_len: int | None = None) -> int:
-    """Source S = seq_len and target T = target_len (default seq_len): encoder weights see S tokens; decoder
-    self-attention, FFN, cross-attention Q/O and the head see T; cross-attention K/V see the
-    S / cross_downsample pooled memory positions M; attention terms S*S (encoder), T*T (decoder) and T*M (cross).
+    """Source S = seq_len and target T = target_len (default seq_len): the encoder's blocks see S tokens; the
+    decoder's blocks and the head see T, their cross-attention the S / cross_downsample pooled memory positions.
     """
-    d_attn = cfg.attention.n_heads * cfg.attention_head_dim
-    attn = _attention_matmuls(cfg)
     source, target = seq_len, target_len if target_len is not None else seq_len
     memory = math.ceil(source / cfg.cross_downsample)
     spec = _family(cfg)
-    n_enc, n_dec = spec.depth(cfg, "encoder"), spec.depth(cfg, "decoder")
-    forward = 2 * source * (n_enc * (attn["q_o"] + attn["k_v"]) + _stack_ffn_matmuls(cfg, n_enc))
-    forward += 2 * target * (n_dec * (2 * attn["q_o"] + attn["k_v"]) + _stack_ffn_matmuls(cfg, n_dec)
-                             + _head_matmuls(cfg))
-    forward += 2 * memory * n_dec * attn["k_v"]
-    forward += 4 * d_attn * (
-        source * _keys_per_query(cfg, source, False, n_enc)
-        + target * _keys_per_query(cfg, target, True, n_dec)
-        + n_dec * target * memory
-    )
+    forward = stack_forward_flops(cfg, spec.depth(cfg, "encoder"), source, causal=False)
+    forward += stack_forward_flops(cfg, spec.depth(cfg, "decoder"), target, causal=True, memory=memory)
+    forward += 2 * target * _head_matmuls(cfg)
     return 3 * forward
 
 

@@ -6,24 +6,25 @@ model all hold the same numbers. The full tensor of one parameter is generated o
 this rank keeps its shard (`distribute_tensor` without communication), so at most one full tensor is in
 flight and nothing loops over elements on the host.
 
-The rules: norm weights 1 (less model.norm.weight_offset), every bias 0 (the experts' stacked ones too); other
-weights Xavier-uniform (`init="xavier"`, the original paper) or normal(init_std) (attention sinks: always), with
-residual outputs (o_proj, down_proj, the experts' down_proj) scaled by 1/sqrt(2 * layers).
+The rules: a block component's own where it declares one (`init_rule`: attention sinks, normal(init_std) under either
+method); else norm weights 1 (less model.norm.weight_offset), every bias 0 (the experts' stacked ones too); other
+weights Xavier-uniform (`init="xavier"`, the original paper) or normal(init_std), with residual outputs (o_proj,
+down_proj, the experts' down_proj) scaled by 1/sqrt(2 * layers).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from meshformer.model.components import block_mixers
+from meshformer.model.components.base import InitFn
 from meshformer.model.config import ModelConfig
 from meshformer.model.families import get_family_spec
-
-InitFn = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
 
 
 def new_seed() -> int:
@@ -36,15 +37,29 @@ def parameter_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
+def _component_rule(name: str, cfg: ModelConfig) -> InitFn | None:
+    """The rule the block component holding `name` declares for it, if any (`<stack>_layers.<i>.<mixer>.<...>`)."""
+    parts = name.split(".")
+    if len(parts) < 4 or not parts[0].endswith("_layers") or not parts[1].isdigit():
+        return None
+    stack = next((s for s in get_family_spec(cfg.family).stacks if s.layers == parts[0]), None)
+    if stack is None:
+        return None
+    mixer = block_mixers(cfg, int(parts[1]), cross=stack.cross).get(parts[2])
+    return mixer.init_rule(cfg, ".".join(parts[3:])) if mixer is not None else None
+
+
 def init_rule(name: str, cfg: ModelConfig) -> InitFn:
-    """How the parameter called `name` (canonical FQN) is initialised."""
+    """How the parameter called `name` (canonical FQN) is initialised: as its block component declares, else by the
+    rules above."""
+    declared = _component_rule(name, cfg)
+    if declared is not None:
+        return declared
     module, _, kind = name.rpartition(".")
     if kind == "bias" or kind.endswith("_bias"):  # the experts' stacked gate_bias / up_bias / down_bias too
         return lambda t, g: t.zero_()
     if module.endswith("norm"):  # a unit scale: (offset + weight) = 1
         return lambda t, g: t.fill_(1.0 - cfg.norm.weight_offset)
-    if module.endswith("sinks"):  # a vector: normal(init_std) under either method (transformers' gpt-oss)
-        return lambda t, g: nn.init.normal_(t, std=cfg.init.std, generator=g)
     if cfg.init.method == "xavier":
         return _xavier
     std = cfg.init.std

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshformer.model.attention import Attention, KVCache, SequenceChunk
+from meshformer.model.attention import KVCache, SequenceChunk
+from meshformer.model.components import TOKEN_MIXERS, block_mixers, channel_mixer, cross_mixer, token_mixer
 from meshformer.model.config import ModelConfig
 from meshformer.model.masks import AttentionMask
-from meshformer.model.moe import MoEFeedForward
 from meshformer.model.norms import make_norm
 
 
@@ -90,28 +90,36 @@ class BlockCache:
 
 
 class TransformerBlock(nn.Module):
-    """Self-attention, optional cross-attention, feed-forward (dense or mixture-of-experts); each a residual
-    branch with dropout.
+    """A token mixer, the cross-attention of a cross-attending stack, a channel mixer (model/components/); each a
+    residual branch with dropout.
 
     Pre-norm: x + drop(f(norm(x))).  Post-norm (the original paper): norm(x + drop(f(x))).
     Post-sublayer (OLMo 2): x + drop(norm(f(x))).  Sandwich (Gemma): x + drop(out_norm(f(norm(x)))).
     """
 
-    def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False, moe: bool = False) -> None:
-        """moe: a mixture-of-experts feed-forward (model/moe.py) instead of the dense one."""
+    def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False, index: int = 0) -> None:
+        """index: the block's place in its stack (from 0), which picks its kinds (model.layer_types, mlp_types)."""
         super().__init__()
         self.norm_position = cfg.norm.position
         sandwich = cfg.norm.position == "sandwich"
+        # attribute -> kind name: what tensor parallel and the generation cache read of this block
+        self.mixers = {attribute: kind.name for attribute, kind in block_mixers(cfg, index, cross=cross).items()}
         self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg, causal=causal)
+        self.attn = token_mixer(cfg, index).build(cfg, causal=causal)
         self.attn_out_norm = make_norm(cfg) if sandwich else None
         self.cross_norm = make_norm(cfg) if cross else None
-        self.cross_attn = Attention(cfg, causal=False, cross=True) if cross else None
+        self.cross_attn = cross_mixer().build(cfg, causal=False) if cross else None
         self.cross_out_norm = make_norm(cfg) if cross and sandwich else None
         self.ffn_norm = make_norm(cfg)
-        self.ffn = MoEFeedForward(cfg) if moe else FeedForward(cfg)
+        self.ffn = channel_mixer(cfg, index).build(cfg)
         self.ffn_out_norm = make_norm(cfg) if sandwich else None
         self.dropout = cfg.dropout
+
+    def new_cache(self) -> BlockCache:
+        """An empty generation cache for this block, as its token mixers declare it."""
+        caches = {attribute: TOKEN_MIXERS[kind].new_cache() for attribute, kind in self.mixers.items()
+                  if kind in TOKEN_MIXERS}
+        return BlockCache(caches.get("attn") or KVCache(), caches.get("cross_attn") or KVCache())
 
     def _branch(self, x: torch.Tensor, norm: nn.Module, out_norm: nn.Module | None, fn, *args, **kwargs
                 ) -> torch.Tensor:

@@ -23,7 +23,7 @@ from meshformer.model.families import FamilySpec, get_family_spec
 from meshformer.model.init import init_weights, new_seed
 from meshformer.model.layers import BlockCache, TransformerBlock, activation_fn, make_norm
 from meshformer.model.masks import AttentionMask, build_mask, masked_avg_pool, pool_padding_mask
-from meshformer.model.moe import MoEFeedForward, is_moe_block
+from meshformer.model.moe import MoEFeedForward
 from meshformer.model.parallel_context import ParallelContext, StageSpan
 from meshformer.model.positions import (
     LearnedPositions,
@@ -142,7 +142,7 @@ class Transformer(nn.Module):
             if stack.layers in held:
                 keys = blocks[stack.layers]
                 setattr(self, stack.layers, nn.ModuleDict(
-                    {key: TransformerBlock(cfg, causal=stack.causal, cross=stack.cross, moe=is_moe_block(cfg, int(key)))
+                    {key: TransformerBlock(cfg, causal=stack.causal, cross=stack.cross, index=int(key))
                      for key in keys}))
             setattr(self, stack.norm, make_norm(cfg) if cfg.use_final_norm and stack.norm in held else None)
         self.head_dense: nn.Module | None = None
@@ -386,7 +386,7 @@ class Transformer(nn.Module):
         return logits
 
     def new_cache(self) -> list[BlockCache]:
-        return [BlockCache() for _ in self.decoder_layers or ()]
+        return [block.new_cache() for block in (self.decoder_layers or {}).values()]  # type: ignore[operator]
 
     # ------------------------------------------------------------------ forward
 

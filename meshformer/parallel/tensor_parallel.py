@@ -1,4 +1,5 @@
-"""Tensor + sequence parallel through DTensor plans: applies the family spec's `tp_rules` (model/families/).
+"""Tensor + sequence parallel through DTensor plans: applies the family spec's `tp_rules` (model/families/) and
+those of the block components (model/components/).
 
 Layout of the activations (tp ranks, sequence T, hidden D):
 - embeddings: vocabulary-sharded tables; their output is all-reduced to a replicated (B, T, D) so that
@@ -48,9 +49,9 @@ from torch.distributed.tensor.parallel import (
 
 from meshformer.config import ModelConfig
 from meshformer.model import Transformer
-from meshformer.model.families import spec as styles
+from meshformer.model import tp_styles as styles
+from meshformer.model.components import component
 from meshformer.model.families.spec import TensorParallelRules
-from meshformer.model.moe import MoEFeedForward
 
 
 class _EmbeddingParallel(RowwiseParallel):
@@ -117,7 +118,7 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, *, float8_gather
         if layers is None:
             continue
         for key, block in layers.items():
-            parallelize_module(block, mesh, _plan(block, _block_rules(block, spec.tp_rules), float8_gather))
+            parallelize_module(block, mesh, _plan(block, _block_rules(block, cfg, spec.tp_rules), float8_gather))
             _local_buffers(block)
             _split_projection_norms(block, cfg, mesh)
             if key == "0":  # enter sequence parallel: slice the replicated embedding output
@@ -134,10 +135,13 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, *, float8_gather
     return model
 
 
-def _block_rules(block: nn.Module, rules: TensorParallelRules) -> Mapping[str, str]:
-    if not isinstance(getattr(block, "ffn", None), MoEFeedForward):
-        return rules.block
-    return {**{path: style for path, style in rules.block.items() if path.split(".")[0] != "ffn"}, **rules.moe_block}
+def _block_rules(block: nn.Module, cfg: ModelConfig, rules: TensorParallelRules) -> Mapping[str, str]:
+    """The family's block rules and those each mixer's kind declares, under the attribute that holds it."""
+    out = dict(rules.block)
+    for attribute, name in getattr(block, "mixers", {}).items():
+        for path, style in component(name).tp_rules(cfg).items():
+            out[f"{attribute}.{path}" if path else attribute] = style
+    return out
 
 
 class HeadShardedRMSNorm(nn.Module):

@@ -1,10 +1,12 @@
 """Activation bytes of our blocks, per micro-batch, from what their autograd graph actually keeps.
 
-Read off `torch.autograd.graph.saved_tensors_hooks` on our `TransformerBlock` (pre-norm; b = micro-batch,
-s = sequence, h = d_model, f = d_ff, a = activation bytes, t = tensor-parallel size; with t > 1 the residual
-stream is sequence-parallel, s/t, and each branch works on the all-gathered full sequence; under context parallel
-s is this rank's share of the sequence, and self-attention runs once per piece it holds, against every key up to
-the piece's end):
+A block's norms, residual and dropout are counted here; what its token and channel mixers keep, each mixer's kind
+declares (model/components/: `saved_bytes`, `selective_bytes`, `backward_bytes`). For the built-in kinds, read off
+`torch.autograd.graph.saved_tensors_hooks` on our `TransformerBlock` (pre-norm; b = micro-batch, s = sequence,
+h = d_model, f = d_ff, a = activation bytes, t = tensor-parallel size; with t > 1 the residual stream is
+sequence-parallel, s/t, and each branch works on the all-gathered full sequence; under context parallel s is this
+rank's share of the sequence, and self-attention runs once per piece it holds, against every key up to the piece's
+end):
 - each norm keeps its input (RMSNorm a second (b, s, h) tensor) and fp32 statistics, and the linear after it
   keeps the (gathered) normalised input: with sequence parallel that copy is full length, not s/t;
 - SDPA (CPU flash, CUDA flash / memory-efficient) keeps q, k, v (GQA: k and v repeated to every head), its
@@ -31,20 +33,18 @@ keeps only the block input, and a block's backward first rebuilds its whole acti
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from meshformer.config import Config, ModelConfig
 from meshformer.loss.fused import default_chunk_rows
-from meshformer.model.attention import pieces_held
-from meshformer.model.blockwise_attention import backward_workspace, stored_probabilities
+from meshformer.model.components import ChannelMixer, TokenMixer, channel_mixer, cross_mixer, token_mixer
+from meshformer.model.components.attention import uses_math_attention
+from meshformer.model.components.base import FP32, INDEX
+from meshformer.model.components.mixture_of_experts import moe_rows
 from meshformer.parallel.kernels import runs_blockwise_attention
 from meshformer.planner.assumptions import MOE_IMBALANCE
-
-FP32 = 4
-INDEX = 8  # int64 routing indices
 
 
 @dataclass(frozen=True)
@@ -60,30 +60,6 @@ class ActivationShape:
     ep: int = 1  # expert-parallel ranks sharing each MoE layer's experts
     moe_imbalance: float = MOE_IMBALANCE  # received rows over the balanced load, under expert parallelism
     experts_loop: bool = False  # experts run one at a time (`moe_backend` loop), so back-propagate one at a time
-
-
-def _attention_calls(x: ActivationShape, cross: bool, memory_len: int, causal: bool = True) -> list[tuple[int, int]]:
-    """(queries, keys) of each attention call of a branch: one call, or under context parallel one per sequence
-    piece this rank holds, against the keys up to its end (causal: the same totals on every rank, which is what
-    the pieces are chosen for) or all of them."""
-    if cross:
-        return [(x.seq, memory_len)]
-    if x.cp == 1:
-        return [(x.seq, x.seq)]
-    return [(n, at + n if causal else x.seq * x.cp) for _, n, at in pieces_held(0, x.cp, x.seq)]
-
-
-def _keys_kept(x: ActivationShape, calls: list[tuple[int, int]]) -> int:
-    """Key (and value) rows attention keeps: every call's, except SDPA under context parallel, whose calls keep
-    views of one gathered (and grouped-query repeated) tensor."""
-    if len(calls) > 1 and not x.blockwise:
-        return max(k for _, k in calls)
-    return sum(k for _, k in calls)
-
-
-def uses_math_attention(m: ModelConfig) -> bool:
-    """Whether attention runs as explicit matmuls and softmax: the math backend, or soft-capped scores."""
-    return m.attention.backend == "math" or m.attention.softcap is not None
 
 
 def self_attention_masked(cfg: Config) -> bool:
@@ -106,56 +82,6 @@ def activation_shape(cfg: Config, batch: int, tp: int, fsdp: bool, *, device_typ
                            moe_imbalance, loop)
 
 
-def moe_rows(m: ModelConfig, x: ActivationShape) -> tuple[int, float]:
-    """(rows this rank sends to experts, rows its experts receive) per MoE layer and micro-batch (see the module
-    docstring): N k sent (capped by capacity); received as sent without expert parallelism, else the imbalance
-    times sent, or the capacity bound, never above the dropless worst case ep N min(k, E / ep)."""
-    n, k, experts = x.batch * (x.seq // x.tp if x.tp > 1 else x.seq), m.moe.experts_per_token, m.moe.n_experts
-    sent = n * k
-    capacity = math.ceil(m.moe.capacity_factor * n * k / experts) if m.moe.capacity_factor > 0 else 0
-    if capacity:
-        sent = min(sent, experts * capacity)
-    if x.ep == 1:
-        return sent, float(sent)
-    local = experts // x.ep
-    most = x.ep * n * min(k, local)
-    if capacity:
-        return sent, float(min(most, x.ep * local * capacity))
-    return sent, min(x.moe_imbalance * sent, float(most))
-
-
-def _activation_factor(m: ModelConfig) -> int:
-    """Tensors of the feed-forward's width its activation keeps: SwiGLU gate, up, silu(gate), product; GELU input
-    and output; ReLU its output; the clamped SwiGLU (gpt-oss) gate, up, their clamps (up + 1), sigmoid(alpha * gate),
-    gate * sigmoid, product."""
-    if m.ffn.activation == "swiglu_clamped":
-        return 7
-    return 4 if m.gated else {"relu": 1}.get(m.ffn.activation, 2)
-
-
-def _moe_branch_saved(m: ModelConfig, x: ActivationShape, s_local: int) -> float:
-    """What an MoE feed-forward branch keeps (module docstring)."""
-    n, h, a = x.batch * s_local, m.d_model, x.bytes
-    sent, received = moe_rows(m, x)
-    factor = _activation_factor(m)
-    total = _norm(m, x, s_local) + n * h * FP32  # the router's fp32 input (the normalised tokens when fp32)
-    total += n * m.moe.n_experts * FP32 * (2 if m.moe.aux_loss or m.moe.router_z_loss else 1)  # scores (+ logits)
-    total += n * m.moe.experts_per_token * (INDEX + FP32) + 2 * sent * INDEX  # top-k, weights; sort order, tokens
-    if x.ep > 1:
-        total += 2 * received * INDEX  # the regrouping of received rows and its inverse
-    total += received * (h + factor * m.expert_d_ff) * a  # expert input rows and activations
-    total += sent * (h * a + FP32)  # expert outputs and their weights, multiplied in the combine
-    if m.moe.n_shared_experts:
-        total += factor * n * m.moe.n_shared_experts * m.expert_d_ff * a + (n * h * a if a != FP32 else 0)
-    return total
-
-
-def _sdpa_mask(x: ActivationShape, calls: list[tuple[int, int]], cross: bool) -> float:
-    """The mask SDPA keeps for its backward, in the activation dtype: one (b, 1, q, k) per call (cross-attention
-    always masks the source's padding)."""
-    return x.batch * sum(q * k for q, k in calls) * x.bytes if cross or x.masked else 0.0
-
-
 def _norm(m: ModelConfig, x: ActivationShape, s_local: int) -> float:
     """A norm's saved input and statistics (RMSNorm upcasts: an fp32 input and an fp32 normalised copy)."""
     rows = x.batch * s_local
@@ -164,82 +90,39 @@ def _norm(m: ModelConfig, x: ActivationShape, s_local: int) -> float:
     return rows * (m.d_model * x.residual_bytes + 2 * FP32)
 
 
-def _ffn_branch_saved(m: ModelConfig, x: ActivationShape, s_local: int) -> float:
-    """What the feed-forward branch keeps: its norm, the (gathered) normalised input, the activation's tensors."""
-    ffn = x.batch * x.seq * (m.ffn.d_ff // x.tp) * x.bytes
-    gathered = x.batch * x.seq * m.d_model * x.bytes
-    return _norm(m, x, s_local) + gathered + _activation_factor(m) * ffn
+def _mixers(m: ModelConfig, index: int, cross: bool) -> tuple[TokenMixer, TokenMixer | None, ChannelMixer]:
+    """Block `index`'s token mixer, cross-attention (a cross-attending stack's) and channel mixer."""
+    return token_mixer(m, index), cross_mixer() if cross else None, channel_mixer(m, index)
 
 
 def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memory_len: int = 0,
-                causal: bool = True, moe: bool = False) -> float:
-    """Bytes one block keeps from forward to backward without recomputation."""
-    b, s, t, a = x.batch, x.seq, x.tp, x.bytes
-    h = m.d_model
-    s_local = s // t if t > 1 else s
-    gathered = b * s * h * a  # the normalised input the projections read (all-gathered under SP)
-    heads = m.attention.n_heads // t
-    qkv_out = b * s * heads * m.attention_head_dim * a
-    total = 0.0
+                causal: bool = True, index: int = 0) -> float:
+    """Bytes block `index` of a stack keeps from forward to backward without recomputation: each branch's norm
+    (and the sandwich's output norm), what its mixer declares, its dropout mask."""
+    s_local = x.seq // x.tp if x.tp > 1 else x.seq
+    tokens, cross_attention, channel = _mixers(m, index, cross)
     out_norms = _norm(m, x, s_local) if m.norm.position == "sandwich" else 0.0  # each branch's output norm
-    for branch_cross in ([False, True] if cross else [False]):
-        total += _norm(m, x, s_local) + out_norms + gathered
-        calls = _attention_calls(x, branch_cross, memory_len, causal)
-        kv = b * _keys_kept(x, calls) * heads * m.attention_head_dim * a
-        if uses_math_attention(m):
-            scores = b * heads * sum(q * k for q, k in calls)
-            total += 2 * qkv_out + 2 * kv + scores * FP32 + (scores * a if a != FP32 else 0)
-            if m.attention.softcap is not None:  # the capped scores' tanh, kept for its backward
-                total += scores * a
-            if m.attention.dropout > 0:
-                total += scores * (a + 1)
-        elif x.blockwise:
-            causal_here = causal and not branch_cross
-            total += 2 * qkv_out + 2 * kv + sum(stored_probabilities(b * heads, q, k, causal_here)
-                                                for q, k in calls) * a
-        else:
-            total += 2 * qkv_out + 2 * kv + b * heads * s * FP32 + _sdpa_mask(x, calls, branch_cross)
+    total = 0.0
+    for mixer in (tokens, cross_attention) if cross_attention else (tokens,):
+        total += _norm(m, x, s_local) + out_norms
+        total += mixer.saved_bytes(m, x, memory_len=memory_len, causal=causal)
         if m.dropout > 0:
-            total += b * s_local * h
-    total += out_norms + (_moe_branch_saved(m, x, s_local) if moe else _ffn_branch_saved(m, x, s_local))
+            total += x.batch * s_local * m.d_model
+    total += out_norms + _norm(m, x, s_local) + channel.saved_bytes(m, x)
     if m.dropout > 0:
-        total += b * s_local * h
+        total += x.batch * s_local * m.d_model
     return total
 
 
 def block_selective(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memory_len: int = 0,
-                    causal: bool = True, moe: bool = False) -> float:
-    """Bytes one block keeps under our selective policy: block input, matmul and attention outputs."""
-    b, s, t, a = x.batch, x.seq, x.tp, x.bytes
-    h = m.d_model
-    s_local = s // t if t > 1 else s
-    heads, kv_heads = m.attention.n_heads // t, m.kv_heads // t
-    branches = 2 if cross else 1
-    total: float = b * s_local * h * x.residual_bytes  # the checkpointed block's input
-    for branch_cross in ([False, True] if cross else [False]):
-        calls = _attention_calls(x, branch_cross, memory_len, causal)
-        total += b * s * heads * m.attention_head_dim * a * 2  # q projection and attention output
-        total += 2 * b * (memory_len if branch_cross else s) * kv_heads * m.attention_head_dim * a  # k, v projections
-        if x.blockwise:  # the kernel's own q/k/v rows (GQA: repeated) and probabilities
-            total += (s + 2 * sum(k for _, k in calls)) * b * heads * m.attention_head_dim * a
-            total += sum(stored_probabilities(b * heads, q, k, causal and not branch_cross) for q, k in calls) * a
-        else:
-            total += b * heads * s * FP32 + _sdpa_mask(x, calls, branch_cross)  # log-sum-exp, mask
-        if uses_math_attention(m):  # the two attention matmuls' outputs (scores, weighted values)
-            total += 2 * b * heads * sum(q * k for q, k in calls) * a
-    widths = 2 if m.gated else 1  # gate and up (or up) projection outputs
-    if moe:  # the router's and experts' matmul outputs, on this rank's tokens (sequence parallel routes locally)
-        n = b * s_local
-        _, received = moe_rows(m, x)
-        total += n * m.moe.n_experts * FP32 + received * (widths * m.expert_d_ff + h) * a
-        total += n * (widths * m.moe.n_shared_experts * m.expert_d_ff + h) * a if m.moe.n_shared_experts else 0
-    else:
-        total += widths * b * s * (m.ffn.d_ff // t) * a
-    outputs = branches + (0 if moe else 1)
-    total += outputs * b * s * h * a  # o_proj / down_proj outputs before the reduce-scatter
-    if t > 1:
-        total += outputs * b * s_local * h * a  # reduce-scatter outputs
-    return total
+                    causal: bool = True, index: int = 0) -> float:
+    """Bytes block `index` keeps under our selective policy: its input and what its mixers declare."""
+    s_local = x.seq // x.tp if x.tp > 1 else x.seq
+    tokens, cross_attention, channel = _mixers(m, index, cross)
+    total: float = x.batch * s_local * m.d_model * x.residual_bytes  # the checkpointed block's input
+    for mixer in (tokens, cross_attention) if cross_attention else (tokens,):
+        total += mixer.selective_bytes(m, x, memory_len=memory_len, causal=causal)
+    return total + channel.selective_bytes(m, x)
 
 
 def block_input(m: ModelConfig, x: ActivationShape) -> float:
@@ -247,30 +130,14 @@ def block_input(m: ModelConfig, x: ActivationShape) -> float:
     return x.batch * s_local * m.d_model * x.residual_bytes
 
 
-def block_backward_extra(m: ModelConfig, x: ActivationShape, moe: bool = False) -> float:
-    """Gradients of a block's activations alive at once while it back-propagates (its largest branch); an MoE
-    branch: its experts' activation gradients, those of the received rows and, arriving back all-to-all, of the
-    sent ones."""
-    b, s, t, a = x.batch, x.seq, x.tp, x.bytes
-    ffn_grads: float = (3 if m.gated else 2) * b * s * (m.ffn.d_ff // t) * a
-    if moe:
-        sent, received = moe_rows(m, x)
-        # the loop back-propagates one expert's rows at a time (the balanced share of the received ones)
-        rows = received / max(1, m.moe.n_experts // x.ep) if x.experts_loop else received
-        ffn_grads = ((3 if m.gated else 2) * rows * m.expert_d_ff + (received + sent) * m.d_model
-                     ) * a
-    heads = m.attention.n_heads // t
-    calls = _attention_calls(x, False, 0)
-    keys = max(k for _, k in calls)  # under context parallel: the gathered sequence's key/value gradients
-    attention: float = 2 * b * (s + keys) * heads * m.attention_head_dim * a  # gradients of q and output, k and v
-    if m.attention.backend == "math":
-        attention += 2 * b * heads * sum(q * k for q, k in calls) * FP32
-    elif x.blockwise:
-        # its workspace is large, but by then the feed-forward branch has back-propagated and freed what it kept
-        # (under context parallel counted at this rank's length: within 6% of measured, see README)
-        branch = _moe_branch_saved if moe else _ffn_branch_saved
-        attention = backward_workspace(b * heads, s, m.attention_head_dim, a) - branch(m, x, s // t if t > 1 else s)
-    return max(ffn_grads, attention) + 2 * b * s * m.d_model * a
+def block_backward_extra(m: ModelConfig, x: ActivationShape, index: int = 0) -> float:
+    """Gradients of block `index`'s activations alive at once while it back-propagates: its larger mixer's (the
+    token mixer's after the channel mixer has freed what it kept), and the residual stream's."""
+    s_local = x.seq // x.tp if x.tp > 1 else x.seq
+    tokens, _, channel = _mixers(m, index, False)
+    freed = _norm(m, x, s_local) + channel.saved_bytes(m, x)
+    attention = tokens.backward_bytes(m, x, freed)
+    return max(channel.backward_bytes(m, x), attention) + 2 * x.batch * x.seq * m.d_model * x.bytes
 
 
 def head_saved(m: ModelConfig, x: ActivationShape, last: bool) -> float:
@@ -330,3 +197,8 @@ def recompute_mode_blocks(cfg: Config, layers: tuple[int, ...], mode: str) -> li
     if mode == "every_k":
         return ["full" if index % cfg.parallel.recompute_every == 0 else "none" for index in layers]
     return [mode] * len(layers)
+
+
+__all__ = ["FP32", "INDEX", "MOE_IMBALANCE", "ActivationShape", "activation_shape", "block_backward_extra",
+           "block_input", "block_saved", "block_selective", "head_saved", "loss_memory", "moe_rows",
+           "recompute_mode_blocks", "uses_math_attention"]

@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass
 
 from meshformer.config import Config
 from meshformer.model.families import get_family_spec
-from meshformer.model.moe import is_moe_block
 from meshformer.parallel.parallelize import compile_mode
 from meshformer.parallel_dims import ZERO_BUBBLE, ParallelDims, last_stage_losses_in_flight, n_microbatches
 from meshformer.planner import activations as act
@@ -111,19 +110,19 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare, moe_imbalance
     offsets = sorted(spec.layer_offsets(m).values())
     kept: list[float] = []  # per held block: bytes kept through forward
     rebuild: list[float] = []  # per held block: bytes rebuilt in its backward
-    moes: list[bool] = []  # per held block: a mixture-of-experts feed-forward
+    in_stack: list[int] = []  # per held block: its index within its stack (which picks its kinds)
     for index, mode in zip(share.layers, modes, strict=True):
         is_cross = cross and index >= enc
         causal = spec.stacks[min(int(index >= enc), len(spec.stacks) - 1)].causal
-        moe = is_moe_block(m, index - max(o for o in offsets if o <= index))  # its index within its stack
-        moes.append(moe)
-        full = act.block_saved(m, shape, cross=is_cross, memory_len=cfg.data.seq_len, causal=causal, moe=moe)
+        block = index - max(o for o in offsets if o <= index)
+        in_stack.append(block)
+        full = act.block_saved(m, shape, cross=is_cross, memory_len=cfg.data.seq_len, causal=causal, index=block)
         if mode == "none":
             kept.append(full)
             rebuild.append(0.0)
         elif mode == "selective":
             kept.append(act.block_selective(m, shape, cross=is_cross, memory_len=cfg.data.seq_len, causal=causal,
-                                            moe=moe))
+                                            index=block))
             rebuild.append(full - kept[-1])
         else:
             kept.append(act.block_input(m, shape))
@@ -164,8 +163,8 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare, moe_imbalance
         unit = 0.0 if not fsdp else block_unit * (1 if resharded else 0) + block_unit + block_unit * reduce_bytes / max(
             unsharded_bytes, 1)
         moments[f"backward of block {share.layers[i]}"] = (
-            static + root + held_units + still_kept + rebuild[i] + act.block_backward_extra(m, shape, moes[i]) + unit
-            + done_grads)
+            static + root + held_units + still_kept + rebuild[i] + act.block_backward_extra(m, shape, in_stack[i])
+            + unit + done_grads)
         shard_grad = (share.block_numel / dims.fsdp_shard * 4) if fsdp else share.block_numel * 4
         done_grads += 0 if accumulating else shard_grad
     if share.first and not share.last:

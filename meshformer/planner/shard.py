@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshformer.config import Config
+from meshformer.config import Config, ModelConfig
 from meshformer.model import Transformer
-from meshformer.model.moe import is_moe_block, moe_layers
+from meshformer.model.families import get_family_spec
+from meshformer.model.moe import moe_layers
 from meshformer.parallel.fsdp import blocks_of
 from meshformer.parallel.grad_norm import local_tensor
 from meshformer.parallel.mesh import Meshes, build_mesh
@@ -183,28 +184,35 @@ def _muon_gather(global_numel: int, expert: bool, dims: ParallelDims) -> int:
 
 
 # Tensor-parallel local shape of each parameter, whether it is an expert weight and (a Muon matrix of a block) its
-# whole size in elements, else 0, per model piece; blocks per stack, under "<stack>" (dense) and "<stack>/moe" (a
-# mixture-of-experts block).
+# whole size in elements, else 0, per model piece; blocks per stack and kinds, under "<stack>/<token mixer>/<channel
+# mixer>".
 Template = dict[str, list[tuple[tuple[int, ...], bool, int]]]
 
 
+def _kinds(m: ModelConfig, index: int) -> tuple[str, str]:
+    """The (token mixer, channel mixer) kinds of block `index` of a stack: blocks alike in both hold alike shapes."""
+    return m.layer_type(index), m.mlp_type(index)
+
+
 def _block_key(cfg: Config, stack: str, index: int) -> str:
-    return f"{stack}/moe" if is_moe_block(cfg.model, index) else stack
+    return "/".join((stack, *_kinds(cfg.model, index)))
 
 
 def tp_template(cfg: Config, world_size: int, tp: int) -> Template:
-    """Parameter shapes after the real tensor-parallel plan, read off a one-block-per-stack copy of the model (and
-    one with a mixture-of-experts block, for MoE models).
+    """Parameter shapes after the real tensor-parallel plan, read off a one-block-per-stack copy of the model for
+    each pair of block kinds the model holds.
 
-    Dense blocks of a stack are identical, and so are MoE blocks, so the layout search sizes any pipeline split from
-    these builds per tp. Must run inside `fake_world(world_size)`.
+    Blocks of a stack with the same kinds are identical, so the layout search sizes any pipeline split from these
+    builds per tp. Must run inside `fake_world(world_size)`.
     """
     m = cfg.model
     template: Template = {}
-    variants = [("", 0)] + ([("/moe", m.moe.n_experts)] if m.moe.n_experts else [])
-    for suffix, experts in variants:
+    spec = get_family_spec(m.family)
+    variants = list(dict.fromkeys(_kinds(m, i) for stack in spec.stacks for i in range(stack.count(m))))
+    for number, (token, channel) in enumerate(variants):
+        suffix = f"/{token}/{channel}"
         small = dataclasses.replace(m, n_layers=1, n_encoder_layers=1, n_decoder_layers=1,  # whichever a stack reads
-                                    mlp_types=[], moe=dataclasses.replace(m.moe, n_experts=experts))
+                                    layer_types=[token], mlp_types=[channel])
         model = meta_model(dataclasses.replace(cfg, model=small))
         if tp > 1:
             parallel = dataclasses.replace(cfg.parallel, pp=1, tp=tp, dp_replicate=1, dp_shard=-1, ep=1, cp=1)
@@ -216,8 +224,8 @@ def tp_template(cfg: Config, world_size: int, tp: int) -> Template:
             if name in stacks:
                 assert isinstance(module, nn.ModuleDict)  # a stack of blocks "0", "1", ...
                 module, name = module["0"], name + suffix
-            elif suffix:
-                continue  # the rest of the model is the dense build's
+            elif number:
+                continue  # the rest of the model is the first build's
             params = [(p, n) for n, p in module.named_parameters()]
             if name == "output" and m.tie_embeddings:
                 params = [(p, n) for p, n in params if n != "weight"]  # the embedding's; counted with it or copied

@@ -369,7 +369,7 @@ def test_decoder_block_equals_transformers_layer(window):
     theirs.self_attn.load_state_dict(theirs_attention.state_dict())
     random_(theirs.input_layernorm.weight, theirs.post_attention_layernorm.weight)
     cfg = ours(attention_window=4 if window else None)
-    mine = TransformerBlock(cfg, causal=True, moe=True).eval()
+    mine = TransformerBlock(cfg, causal=True).eval()  # every block MoE (model.moe.n_experts, no mlp_types)
     with torch.no_grad():
         theirs.mlp.load_state_dict(theirs_moe.state_dict())
         mine.ffn.load_state_dict(mine_moe.state_dict())

@@ -1,29 +1,15 @@
 """What the three built-in families share: the blocks of `model/layers.py` and the pieces of `Transformer`.
 
-A family built from other blocks (e.g. mixture-of-experts feed-forwards) declares its own tensor-parallel rules
-and stage pieces.
+A family built from other blocks declares its own tensor-parallel rules and stage pieces; the mixers inside a block
+declare theirs (model/components/).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from meshformer.model.families.spec import (
-    COLWISE,
-    GATHER,
-    GATHER_MASKED,
-    GATHER_MEMORY,
-    HEAD_VALUES,
-    HEADS,
-    ROWWISE,
-    SEQUENCE,
-    TOKENS,
-    VOCAB_COLUMNS,
-    VOCAB_ROWS,
-    FamilySpec,
-    StagePieces,
-    TensorParallelRules,
-)
+from meshformer.model.families.spec import FamilySpec, StagePieces, TensorParallelRules
+from meshformer.model.tp_styles import SEQUENCE, VOCAB_COLUMNS, VOCAB_ROWS
 
 if TYPE_CHECKING:
     from meshformer.model.transformer import Transformer
@@ -37,31 +23,13 @@ STAGE_PIECES = StagePieces(
 )
 
 
-def _attention(prefix: str) -> dict[str, str]:
-    # Colwise q/k/v shard whole heads (rows are head-major), so the attention module infers its local
-    # head count from the shapes; GQA works whenever tp divides n_kv_heads. QK-norm weights are per head
-    # dimension, replicated; their gradients sum over the heads of every rank. Attention sinks: one per head, split.
-    return {f"{prefix}.q_proj": COLWISE, f"{prefix}.k_proj": COLWISE, f"{prefix}.v_proj": COLWISE,
-            f"{prefix}.o_proj": ROWWISE, f"{prefix}.q_norm": HEADS, f"{prefix}.k_norm": HEADS,
-            f"{prefix}.sinks": HEAD_VALUES}
-
-
-# Between blocks the residual stream is a sequence shard; attention and feed-forward gather it on entry and
-# reduce-scatter it on exit. Norm outputs stay local tensors: with post-norm they are the residual stream.
+# Between blocks the residual stream is a sequence shard; each mixer gathers it on entry and reduce-scatters it on
+# exit (its own rules: model/components/). Norm outputs stay local tensors: with post-norm they are the residual
+# stream; the sandwich's output norms see the reduce-scattered sub-layer output, a sequence shard.
 TP_RULES = TensorParallelRules(
     top={"tok_embeddings": VOCAB_ROWS, "src_embeddings": VOCAB_ROWS, "output": VOCAB_COLUMNS},
-    block={
-        # the sandwich's output norms see the reduce-scattered sub-layer output, a sequence shard
-        "attn_norm": SEQUENCE, "attn": GATHER_MASKED, **_attention("attn"), "attn_out_norm": SEQUENCE,
-        # Encoder memory arrives replicated; as one DTensor its gradient is all-reduced once for k and v.
-        "cross_norm": SEQUENCE, "cross_attn": GATHER_MEMORY, **_attention("cross_attn"), "cross_out_norm": SEQUENCE,
-        "ffn_norm": SEQUENCE, "ffn": GATHER, "ffn_out_norm": SEQUENCE,
-        "ffn.gate_proj": COLWISE, "ffn.up_proj": COLWISE, "ffn.down_proj": ROWWISE,  # SwiGLU splits gate as up
-    },
-    # An MoE feed-forward stays sequence parallel: each rank routes its own tokens and expert parallelism spans the
-    # tensor-parallel ranks; the router and shared experts hold replicated weights whose gradients sum over ranks.
-    moe_block={"ffn.router": TOKENS, **{f"ffn.shared_experts.{name}": SEQUENCE
-                                        for name in ("gate_proj", "up_proj", "down_proj")}},
+    block={name: SEQUENCE for name in ("attn_norm", "attn_out_norm", "cross_norm", "cross_out_norm", "ffn_norm",
+                                       "ffn_out_norm")},
 )
 
 

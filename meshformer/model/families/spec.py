@@ -9,29 +9,29 @@ it, how its weights are named by other implementations, and how many FLOPs it co
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torch import nn
 
 from meshformer.model.config import ModelConfig
 from meshformer.model.families.naming import MegatronNames, Rule
+from meshformer.model.tp_styles import (  # noqa: F401  (re-exported: the rules name them through this module)
+    COLWISE,
+    GATHER,
+    GATHER_MASKED,
+    GATHER_MEMORY,
+    HEAD_VALUES,
+    HEADS,
+    ROWWISE,
+    SEQUENCE,
+    TOKENS,
+    VOCAB_COLUMNS,
+    VOCAB_ROWS,
+)
 
 if TYPE_CHECKING:  # the Transformer is built from a spec, so it is imported for the type hints only
     from meshformer.model.transformer import Transformer
-
-# Tensor-parallel styles the rules may name; parallel/tensor_parallel.py gives each its DTensor layouts.
-VOCAB_ROWS = "vocab_rows"  # embedding table split on the vocabulary, output replicated
-VOCAB_COLUMNS = "vocab_columns"  # output projection split on the vocabulary, logits stay sharded
-SEQUENCE = "sequence"  # runs on this rank's slice of the sequence (norms)
-HEADS = "heads"  # runs on this rank's heads of a (B, H, T, D) tensor with a replicated weight (QK-norm)
-HEAD_VALUES = "head_values"  # holds one value per attention head, split with the heads (attention sinks)
-GATHER = "gather"  # all-gathers its one input from the sequence slices
-GATHER_MASKED = "gather_masked"  # all-gathers its first input; the second (the mask) passes untouched
-GATHER_MEMORY = "gather_memory"  # as GATHER_MASKED, and reads the (replicated) encoder memory keyword
-COLWISE = "colwise"  # splits output features: whole heads, or a slice of d_ff
-ROWWISE = "rowwise"  # splits input features; the output is reduce-scattered onto the sequence
-TOKENS = "tokens"  # runs on this rank's tokens flattened to (N, D) with a replicated weight (the MoE router)
 
 RulesFn = Callable[[ModelConfig], list[Rule]]
 
@@ -69,13 +69,11 @@ class StagePieces:
 
 @dataclass(frozen=True)
 class TensorParallelRules:
-    """Tensor-parallel styles by module path; paths a model (or stage) lacks are skipped."""
+    """Tensor-parallel styles by module path; paths a model (or stage) lacks are skipped. The mixers inside a block
+    add their own (`TransformerBlock.mixers`, model/components/)."""
 
     top: Mapping[str, str]  # top-level attribute -> style
     block: Mapping[str, str]  # path inside every block -> style
-    # A block whose feed-forward is mixture-of-experts: these paths replace the block's "ffn" ones (its experts are
-    # split by expert parallelism instead)
-    moe_block: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,153 @@
+"""What a block component declares: `TokenMixer` (attention of some kind) and `ChannelMixer` (a feed-forward).
+
+A block is a token mixer and a channel mixer, each behind its norms and residual (`model/layers.py`), plus a
+cross-attention of the encoder memory in the decoder of a two-stack family. One subclass per kind declares, for its
+config table: the module, its tensor-parallel styles, what it does under context parallel, its parameters, forward
+FLOPs and saved activations, its initialisation and its generation cache. Everything else (the block, TP
+application, FLOPs, the planner, config validation) asks these declarations and names no kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+import torch
+from torch import nn
+
+from meshformer.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from meshformer.model.attention import KVCache
+
+FP32 = 4
+INDEX = 8  # int64 routing indices
+
+InitFn = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+
+
+class ActivationLayout(Protocol):
+    """What activation accounting reads of a micro-batch's layout (the planner's `ActivationShape`)."""
+
+    batch: int  # sequences in one (pipeline) micro-batch
+    seq: int  # this rank's tokens of each sequence (under context parallel, its two pieces)
+    tp: int
+    bytes: int  # element size of matmul/attention activations
+    residual_bytes: int  # element size of the residual stream
+    blockwise: bool  # attention runs the blockwise CPU kernel
+    cp: int
+    masked: bool  # self-attention gets a mask tensor
+    ep: int
+    moe_imbalance: float
+    experts_loop: bool
+
+
+def local_tokens(x: ActivationLayout) -> int:
+    """Tokens of each sequence between blocks on this rank (sequence parallel: a 1/tp slice)."""
+    return x.seq // x.tp if x.tp > 1 else x.seq
+
+
+class _Component:
+    name: ClassVar[str]  # what model.layer_types / model.mlp_types call it
+    section: ClassVar[str]  # the [model.<section>] table it reads
+    selectable: ClassVar[bool] = True  # named in the config (cross-attention: added by the stack instead)
+
+    def check(self, cfg: ModelConfig) -> None:
+        """Raise meshformer.errors.ConfigError when the config lacks what this kind needs (model.layer_types or
+        model.mlp_types names it in a block)."""
+
+    def tp_rules(self, cfg: ModelConfig) -> Mapping[str, str]:
+        """Tensor-parallel style (model/families/spec.py names them) by path inside the module; "" is the module."""
+        return {}
+
+    def tp_divides(self, cfg: ModelConfig) -> list[tuple[str, int, str]]:
+        """(config key, value, why) of the sizes tensor parallel splits: tp must divide each."""
+        return []
+
+    def context_parallel(self, cfg: ModelConfig) -> str | None:
+        """None where each rank's pieces of the sequence can run this kind; else why not, in one clause."""
+        return None
+
+    def init_rule(self, cfg: ModelConfig, name: str) -> InitFn | None:
+        """The initialisation of the parameter `name` (inside the module) where it differs from the model's rules
+        (model/init.py); None: those rules."""
+        return None
+
+
+class TokenMixer(_Component):
+    """Mixes information across positions: one per block (model.layer_types), reading `[model.<section>]`."""
+
+    section = "attention"
+
+    def build(self, cfg: ModelConfig, *, causal: bool) -> nn.Module:
+        raise NotImplementedError
+
+    def window(self, cfg: ModelConfig) -> int | None:
+        """The sliding window of its mask (None: every key); blocks sharing a window share one mask."""
+        return None
+
+    def params(self, cfg: ModelConfig) -> int:
+        raise NotImplementedError
+
+    def flops(self, cfg: ModelConfig, queries: int, keys: int, *, causal: bool) -> int:
+        """Forward FLOPs over one sequence: `queries` positions reading `keys` (the memory's for cross-attention)."""
+        raise NotImplementedError
+
+    def saved_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
+        """Bytes the module keeps for its backward (its norm, residual and dropout are the block's)."""
+        raise NotImplementedError
+
+    def selective_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
+        """Bytes it keeps under selective recomputation (parallel/recompute.py): its matmul and kernel outputs, its
+        output before and (tp > 1) after the reduce-scatter."""
+        raise NotImplementedError
+
+    def backward_bytes(self, cfg: ModelConfig, x: ActivationLayout, freed: float) -> float:
+        """Gradients of its activations alive at once in its backward; `freed`: what the channel mixer's branch kept,
+        already back-propagated and released by then."""
+        raise NotImplementedError
+
+    def new_cache(self) -> KVCache | None:
+        """Its generation state (None: it keeps none and re-reads nothing)."""
+        return None
+
+    def cache_per_token(self, cfg: ModelConfig) -> int:
+        """Elements its generation cache stores per token of one sequence."""
+        return 0
+
+
+class ChannelMixer(_Component):
+    """Transforms each position on its own: one per block (model.mlp_types), reading `[model.<section>]`."""
+
+    section = "ffn"
+    expert_parallel: ClassVar[bool] = False  # holds experts that parallel.ep splits (model/moe.py's Experts)
+
+    def build(self, cfg: ModelConfig) -> nn.Module:
+        raise NotImplementedError
+
+    def params(self, cfg: ModelConfig) -> tuple[int, int]:
+        """(all, active) parameters; active: those one token uses."""
+        raise NotImplementedError
+
+    def flops(self, cfg: ModelConfig, tokens: int) -> int:
+        """Forward FLOPs over `tokens` positions."""
+        raise NotImplementedError
+
+    def saved_bytes(self, cfg: ModelConfig, x: ActivationLayout) -> float:
+        raise NotImplementedError
+
+    def selective_bytes(self, cfg: ModelConfig, x: ActivationLayout) -> float:
+        raise NotImplementedError
+
+    def backward_bytes(self, cfg: ModelConfig, x: ActivationLayout) -> float:
+        raise NotImplementedError
+
+
+def linear(n_in: int, n_out: int, bias: bool) -> int:
+    """Parameters of an n_in -> n_out linear layer."""
+    return n_in * n_out + (n_out if bias else 0)
+
+
+Component = TokenMixer | ChannelMixer
+__all__ = ["FP32", "INDEX", "ActivationLayout", "ChannelMixer", "Component", "InitFn", "TokenMixer", "linear",
+           "local_tokens"]

@@ -1,0 +1,15 @@
+"""The tensor-parallel styles a family or block component may name; parallel/tensor_parallel.py gives each its
+DTensor layouts (so `model/` declares them without importing `parallel/`)."""
+
+VOCAB_ROWS = "vocab_rows"  # embedding table split on the vocabulary, output replicated
+VOCAB_COLUMNS = "vocab_columns"  # output projection split on the vocabulary, logits stay sharded
+SEQUENCE = "sequence"  # runs on this rank's slice of the sequence (norms)
+HEADS = "heads"  # runs on this rank's heads of a (B, H, T, D) tensor with a replicated weight (QK-norm)
+HEAD_VALUES = "head_values"  # holds one value per attention head, split with the heads (attention sinks)
+GATHER = "gather"  # all-gathers its one input from the sequence slices
+GATHER_MASKED = "gather_masked"  # all-gathers its first input; the second (the mask) passes untouched
+GATHER_MEMORY = "gather_memory"  # as GATHER_MASKED, and reads the (replicated) encoder memory keyword
+COLWISE = "colwise"  # splits output features: whole heads, or a slice of d_ff
+ROWWISE = "rowwise"  # splits input features; the output is reduce-scattered onto the sequence
+TOKENS = "tokens"  # runs on this rank's tokens flattened to (N, D) with a replicated weight (the MoE router)
+
