@@ -35,11 +35,13 @@ def _attention_module(model: Transformer, stack: Stack, layer: int) -> Attention
         raise UsageError(f"{stack} layer {layer} does not exist; layers are {', '.join(layers)}")
     block = layers[str(layer)]
     assert isinstance(block, TransformerBlock)
-    if stack == "cross":
-        if block.cross_attn is None:
-            raise UsageError("cross-attention exists only in encoder-decoder models")
-        return block.cross_attn
-    return block.attn
+    if stack == "cross" and block.cross_attn is None:
+        raise UsageError("cross-attention exists only in encoder-decoder models")
+    module = block.cross_attn if stack == "cross" else block.attn
+    if not isinstance(module, Attention):  # another token mixer kind (model/components/) has no attention weights
+        raise UsageError(f"{stack} layer {layer} is a {block.mixers['attn']} block, which has no softmax attention "
+                         "weights to show; pick a full_attention or sliding_attention layer")
+    return module
 
 
 @torch.no_grad()

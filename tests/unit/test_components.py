@@ -134,10 +134,11 @@ def test_a_registered_kind_builds_and_counts(toy):
 def test_a_registered_kind_gets_its_tensor_parallel_rules(toy):
     """Applied under a fake 2-rank group on the meta device: the toy's projections are split as it declares, with no
     edit anywhere else."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
     from meshformer.parallel.mesh import build_mesh
     from meshformer.parallel.tensor_parallel import apply_tensor_parallel
     from meshformer.planner.shard import fake_world
-    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     cfg = toy_config()
     with fake_world(2):

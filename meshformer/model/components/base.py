@@ -29,17 +29,49 @@ InitFn = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
 class ActivationLayout(Protocol):
     """What activation accounting reads of a micro-batch's layout (the planner's `ActivationShape`)."""
 
-    batch: int  # sequences in one (pipeline) micro-batch
-    seq: int  # this rank's tokens of each sequence (under context parallel, its two pieces)
-    tp: int
-    bytes: int  # element size of matmul/attention activations
-    residual_bytes: int  # element size of the residual stream
-    blockwise: bool  # attention runs the blockwise CPU kernel
-    cp: int
-    masked: bool  # self-attention gets a mask tensor
-    ep: int
-    moe_imbalance: float
-    experts_loop: bool
+    @property
+    def batch(self) -> int:  # sequences in one (pipeline) micro-batch
+        ...
+
+    @property
+    def seq(self) -> int:  # this rank's tokens of each sequence (under context parallel, its two pieces)
+        ...
+
+    @property
+    def tp(self) -> int:  # tensor-parallel ranks
+        ...
+
+    @property
+    def bytes(self) -> int:  # element size of matmul/attention activations
+        ...
+
+    @property
+    def residual_bytes(self) -> int:  # element size of the residual stream
+        ...
+
+    @property
+    def blockwise(self) -> bool:  # attention runs the blockwise CPU kernel
+        ...
+
+    @property
+    def cp(self) -> int:  # context-parallel ranks
+        ...
+
+    @property
+    def masked(self) -> bool:  # self-attention gets a mask tensor
+        ...
+
+    @property
+    def ep(self) -> int:  # expert-parallel ranks
+        ...
+
+    @property
+    def moe_imbalance(self) -> float:  # rows an expert-parallel rank's experts receive over the balanced load
+        ...
+
+    @property
+    def experts_loop(self) -> bool:  # experts back-propagate one at a time
+        ...
 
 
 def local_tokens(x: ActivationLayout) -> int:
