@@ -19,7 +19,7 @@ from meshformer.config.sections import DataConfig, ParallelConfig
 from meshformer.model import Transformer
 from meshformer.model.components import CHANNEL_MIXERS, ChannelMixer, register, unregister
 from meshformer.model.components.base import ActivationLayout
-from meshformer.model.config import ModelConfig
+from meshformer.model.config import AttentionConfig, ModelConfig
 from meshformer.model.flops import count_params, training_flops
 from meshformer.model.tp_styles import COLWISE, GATHER, ROWWISE
 from meshformer.parallel_dims import ParallelDims, check_context_parallel
@@ -180,3 +180,25 @@ def test_an_unregistered_kind_is_refused_by_validation():
     cfg.model.mlp_types = ["toy_scaled"]
     with pytest.raises(ConfigError, match="model.mlp_types holds 'toy_scaled', not a kind meshformer builds"):
         validate(cfg)
+
+
+@pytest.mark.parametrize("family", ["decoder", "encoder_decoder"])
+def test_a_generation_cache_stores_what_its_kinds_declare_per_token(family):
+    """After a cached forward of T tokens each block's caches hold B x T x cache_per_token elements (the
+    cross-attention's: per memory position)."""
+    from meshformer.model.components import TOKEN_MIXERS
+
+    cfg = ModelConfig(family=family, vocab_size=64, d_model=32, n_layers=2, max_seq_len=16, position="rope",
+                      attention=AttentionConfig(n_heads=4, n_kv_heads=2), layer_types=["full_attention"])
+    model = Transformer(cfg).eval()
+    cache = model.new_cache()
+    ids = torch.randint(0, 64, (2, 5))
+    memory = model.encode(ids)[0] if family == "encoder_decoder" else None
+    model.decode(ids, memory=memory, cache=cache)
+    for block, block_cache in zip(model.decoder_layers.values(), cache, strict=True):  # type: ignore[union-attr]
+        for attribute, kv in (("attn", block_cache.self_attn), ("cross_attn", block_cache.cross_attn)):
+            if attribute not in block.mixers:
+                assert kv.k is None
+                continue
+            stored = kv.k.numel() + kv.v.numel()
+            assert stored == 2 * 5 * TOKEN_MIXERS[block.mixers[attribute]].cache_per_token(cfg)
