@@ -207,8 +207,7 @@ def _check_layer_options(cfg: Config) -> None:
     """The per-layer attention pattern, soft-capping and norm options (Gemma, OLMo 2)."""
     m = cfg.model
     _check_block_types(cfg)
-    sliding = any(m.layer_type(i) == "sliding_attention" for stack in get_family_spec(m.family).stacks
-                  for i in range(stack.count(m)))
+    sliding = any(m.window(i) is not None for stack in get_family_spec(m.family).stacks for i in range(stack.count(m)))
     if m.rope.local_theta is not None and (m.position != "rope" or not sliding or m.rope.local_theta <= 0):
         raise ConfigError(f"model.rope.local_theta={m.rope.local_theta} is the sliding_attention blocks' RoPE base, "
                           "but "
@@ -246,7 +245,8 @@ def _check_block_types(cfg: Config) -> None:
     for _, values, registry in registries:
         for name in dict.fromkeys(values):
             registry[name].check(m)
-    if m.attention.window is not None and "sliding_attention" not in m.layer_types:
+    windowed = any(m.window(i) is not None for stack in get_family_spec(m.family).stacks for i in range(stack.count(m)))
+    if m.attention.window is not None and not windowed:  # no block's kind reads the window
         raise ConfigError(f"model.attention.window={m.attention.window} is the sliding_attention blocks' window, but "
                           "model.layer_types has none", 'set model.layer_types = ["sliding_attention"] (every block) '
                           'or a pattern such as ["sliding_attention", "full_attention"], or drop the window')
