@@ -10,6 +10,7 @@ from torch import nn
 
 from meshformer.model.attention import KVCache, SequenceChunk
 from meshformer.model.components import TOKEN_MIXERS, block_mixers, channel_mixer, cross_mixer, token_mixer
+from meshformer.model.components.base import GenerationCache
 from meshformer.model.config import ModelConfig
 from meshformer.model.masks import AttentionMask
 from meshformer.model.norms import make_norm
@@ -85,8 +86,10 @@ def autocast_once(h: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class BlockCache:
-    self_attn: KVCache = field(default_factory=KVCache)
-    cross_attn: KVCache = field(default_factory=KVCache)
+    """A block's generation state: its token mixer's and its cross-attention's (`TokenMixer.new_cache`)."""
+
+    self_attn: GenerationCache = field(default_factory=KVCache)
+    cross_attn: GenerationCache = field(default_factory=KVCache)
 
 
 class TransformerBlock(nn.Module):

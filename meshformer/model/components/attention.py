@@ -6,19 +6,16 @@ memory; the stack adds it, the config never names it). All read `[model.attentio
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from torch import nn
 
 from meshformer.errors import ConfigError
 from meshformer.model.attention import pieces_held
 from meshformer.model.components import register
-from meshformer.model.components.base import FP32, ActivationLayout, InitFn, TokenMixer, linear
+from meshformer.model.components.base import FP32, ActivationLayout, GenerationCache, InitFn, TokenMixer, linear
 from meshformer.model.config import ModelConfig
 from meshformer.model.tp_styles import COLWISE, GATHER_MASKED, GATHER_MEMORY, HEAD_VALUES, HEADS, ROWWISE
-
-if TYPE_CHECKING:
-    from meshformer.model.attention import KVCache
 
 
 def attention_calls(x: ActivationLayout, cross: bool, memory_len: int, causal: bool = True) -> list[tuple[int, int]]:
@@ -80,7 +77,7 @@ class Attention(TokenMixer):
             return lambda t, g: nn.init.normal_(t, std=cfg.init.std, generator=g)
         return None
 
-    def new_cache(self) -> KVCache | None:
+    def new_cache(self) -> GenerationCache | None:
         from meshformer.model.attention import KVCache
 
         return KVCache()

@@ -10,15 +10,12 @@ application, FLOPs, the planner, config validation) asks these declarations and 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import torch
 from torch import nn
 
 from meshformer.model.config import ModelConfig
-
-if TYPE_CHECKING:
-    from meshformer.model.attention import KVCache
 
 FP32 = 4
 INDEX = 8  # int64 routing indices
@@ -74,6 +71,14 @@ class ActivationLayout(Protocol):
         ...
 
 
+class GenerationCache(Protocol):
+    """A token mixer's state between generation steps (attention: the keys and values so far)."""
+
+    @property
+    def length(self) -> int:  # tokens it has seen
+        ...
+
+
 def local_tokens(x: ActivationLayout) -> int:
     """Tokens of each sequence between blocks on this rank (sequence parallel: a 1/tp slice)."""
     return x.seq // x.tp if x.tp > 1 else x.seq
@@ -112,6 +117,10 @@ class TokenMixer(_Component):
     section = "attention"
 
     def build(self, cfg: ModelConfig, *, causal: bool) -> nn.Module:
+        """The module, called by the block as `module(x, mask, rope=..., bias=..., cache=..., chunk=...)` on the
+        normalised (B, T, D) input (cross-attention: `module(x, memory_mask, memory=..., cache=...)`): the mask and
+        relative-position keywords of its place in the stack, its `new_cache()` state while generating, and this
+        rank's `SequenceChunk` under context parallel. It returns (B, T, D)."""
         raise NotImplementedError
 
     def window(self, cfg: ModelConfig) -> int | None:
@@ -139,7 +148,7 @@ class TokenMixer(_Component):
         already back-propagated and released by then."""
         raise NotImplementedError
 
-    def new_cache(self) -> KVCache | None:
+    def new_cache(self) -> GenerationCache | None:
         """Its generation state (None: it keeps none and re-reads nothing)."""
         return None
 
@@ -155,6 +164,7 @@ class ChannelMixer(_Component):
     expert_parallel: ClassVar[bool] = False  # holds experts that parallel.ep splits (model/moe.py's Experts)
 
     def build(self, cfg: ModelConfig) -> nn.Module:
+        """The module, called by the block as `module(x)` on the normalised (B, T, D) input."""
         raise NotImplementedError
 
     def params(self, cfg: ModelConfig) -> tuple[int, int]:
@@ -181,5 +191,6 @@ def linear(n_in: int, n_out: int, bias: bool) -> int:
 
 
 Component = TokenMixer | ChannelMixer
-__all__ = ["FP32", "INDEX", "ActivationLayout", "ChannelMixer", "Component", "InitFn", "TokenMixer", "linear",
+__all__ = ["FP32", "INDEX", "ActivationLayout", "ChannelMixer", "Component", "GenerationCache", "InitFn", "TokenMixer",
+           "linear",
            "local_tokens"]
