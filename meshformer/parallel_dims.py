@@ -192,6 +192,9 @@ def check_context_parallel(cfg: Config, dims: ParallelDims) -> None:
     if dims.cp == 1:
         return
     m, key = cfg.model, f"parallel.cp={dims.cp}"
+    if m.has_linear_attention:  # the recurrent state would have to pass from rank to rank along the sequence
+        raise ConfigError(f"{key}: context parallel is not implemented for linear_attention blocks "
+                          "(model.layer_types); set parallel.cp=1 (tp, pp or FSDP)")
     if get_family_spec(m.family).seq2seq:
         raise ConfigError(f"{key}: context parallel is implemented for decoder-only and encoder-only models, not "
                           f"{m.family!r} (its cross-attention would need the whole encoder output on every rank); "
@@ -210,6 +213,9 @@ def _check_tensor_parallel(cfg: Config, dims: ParallelDims) -> None:
     tp, m = dims.tp, cfg.model
     if tp == 1:
         return
+    if m.has_linear_attention:
+        raise ConfigError(f"parallel.tp={tp}: tensor parallel is not implemented for linear_attention blocks "
+                          "(model.layer_types); set parallel.tp=1 (pp or FSDP)")
     checks = [
         ("model.attention.n_heads", m.attention.n_heads, "attention heads are split across tensor-parallel ranks"),
         ("model.attention.n_kv_heads", m.kv_heads, "key/value heads are split across tensor-parallel ranks (GQA/MQA)"),

@@ -248,6 +248,32 @@ def _check_block_types(cfg: Config) -> None:
     if "moe" in m.mlp_types and m.moe.n_experts == 0:
         raise ConfigError('model.mlp_types has "moe" blocks but model.moe.n_experts = 0',
                           "set model.moe.n_experts (e.g. 8), or make every block dense")
+    _check_linear_attention(cfg)
+
+
+def _check_linear_attention(cfg: Config) -> None:
+    """[model.linear_attention] for linear_attention blocks; the other Qwen3-Next pieces' keys."""
+    m = cfg.model
+    if m.moe.shared_expert_gate and m.moe.n_shared_experts == 0:
+        raise ConfigError("model.moe.shared_expert_gate=true gates the shared experts, but model.moe.n_shared_experts "
+                          "= 0", "set model.moe.n_shared_experts (e.g. 1), or drop shared_expert_gate")
+    if not 0 < m.rope.partial_factor <= 1 or (m.position == "rope" and (m.rotary_dim < 2 or m.rotary_dim % 2)):
+        raise ConfigError(f"model.rope.partial_factor={m.rope.partial_factor} must rotate an even number of each "
+                          f"head's {m.attention_head_dim} dimensions (it gives {m.rotary_dim})",
+                          "choose a factor in (0, 1] with int(head_dim x factor) even, e.g. 0.25 or 0.5")
+    if not m.has_linear_attention:
+        return
+    la = m.linear_attention
+    if get_family_spec(m.family).has_encoder:
+        raise ConfigError(f"model.layer_types has linear_attention blocks, which run causally, but family "
+                          f"{m.family!r} has a bidirectional encoder", 'use family = "decoder"')
+    for key in ("n_heads", "key_head_dim", "value_head_dim", "conv_width", "chunk_size"):
+        if getattr(la, key) < 1:
+            raise ConfigError(f"model.linear_attention.{key}={getattr(la, key)} must be positive")
+    if la.key_heads < 1 or la.n_heads % la.key_heads:
+        raise ConfigError(f"model.linear_attention.n_key_heads={la.n_key_heads} must divide n_heads={la.n_heads} "
+                          "(each query/key head serves a group of value heads)",
+                          "choose n_key_heads dividing n_heads, or leave it unset (= n_heads)")
 
 
 def _check_shard_size(size: str) -> None:

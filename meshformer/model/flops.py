@@ -34,7 +34,8 @@ def _attention_matmuls(cfg: ModelConfig) -> dict[str, int]:
     """Weights (no biases) of the four projections, keyed by what they read: queries/outputs or keys/values."""
     head = cfg.attention_head_dim
     d, q_dim, kv_dim = cfg.d_model, cfg.attention.n_heads * head, cfg.kv_heads * head
-    return {"q_o": 2 * d * q_dim, "k_v": 2 * d * kv_dim}
+    gate = d * q_dim if cfg.attention.output_gate else 0  # the gate rows of the query projection
+    return {"q_o": 2 * d * q_dim + gate, "k_v": 2 * d * kv_dim}
 
 
 def _attention(cfg: ModelConfig) -> int:
@@ -45,8 +46,35 @@ def _attention(cfg: ModelConfig) -> int:
     qk_norm = 0 if not cfg.attention.qk_norm else 2 * cfg.attention_head_dim if per_head else q_dim + kv_dim
     qkv_bias = cfg.use_qkv_bias
     sinks = cfg.attention.n_heads if cfg.attention.sinks else 0  # one logit per head
-    return (_linear(d, q_dim, qkv_bias) + 2 * _linear(d, kv_dim, qkv_bias) + _linear(q_dim, d, cfg.bias) + qk_norm
+    gate = _linear(d, q_dim, qkv_bias) if cfg.attention.output_gate else 0
+    return (gate + _linear(d, q_dim, qkv_bias) + 2 * _linear(d, kv_dim, qkv_bias) + _linear(q_dim, d, cfg.bias) + qk_norm
             + sinks)
+
+
+def _linear_attention_matmuls(cfg: ModelConfig) -> int:
+    """Weights one token passes through in a linear_attention block: its projections and the convolution's taps."""
+    la = cfg.linear_attention
+    key_dim, value_dim = la.key_heads * la.key_head_dim, la.n_heads * la.value_head_dim
+    projections = cfg.d_model * (2 * key_dim + 2 * value_dim + 2 * la.n_heads) + value_dim * cfg.d_model
+    return projections + (2 * key_dim + value_dim) * la.conv_width
+
+
+def _linear_attention(cfg: ModelConfig) -> int:
+    """Parameters of a linear_attention block's token mixer: the matmul weights above, A_log and dt_bias per value
+    head, the gated norm's weight (one value head wide, shared by the heads)."""
+    la = cfg.linear_attention
+    return _linear_attention_matmuls(cfg) + 2 * la.n_heads + la.value_head_dim
+
+
+def delta_rule_flops(cfg: ModelConfig) -> int:
+    """Forward FLOPs per token of the chunked gated delta rule (model/gated_delta.py) over every value head, with
+    C = chunk_size, Dk, Dv the head widths: per chunk and head, K K^T, Q K^T (C^2 Dk each), the triangular
+    inverse (C^3 / 2), W_v and W_k (C^2 Dv, C^2 Dk), the state read and write of the scan (2 C Dk Dv), the
+    outputs P U (C^2 Dv) and Q S (C Dk Dv); 2 FLOPs a multiply-add, divided by the C tokens of the chunk."""
+    la = cfg.linear_attention
+    chunk, dk, dv = la.chunk_size, la.key_head_dim, la.value_head_dim
+    per_chunk = chunk * chunk * (3 * dk + 2 * dv) + chunk ** 3 // 2 + 3 * chunk * dk * dv
+    return 2 * per_chunk * la.n_heads // chunk
 
 
 def _dense_ffn_matmuls(cfg: ModelConfig, width: int) -> int:
@@ -66,7 +94,12 @@ def _ffn_matmuls(cfg: ModelConfig, index: int) -> int:
     if not is_moe_block(cfg, index):
         return _dense_ffn_matmuls(cfg, cfg.ffn.d_ff)
     experts = cfg.moe.experts_per_token + cfg.moe.n_shared_experts
-    return cfg.moe.n_experts * cfg.d_model + experts * _dense_ffn_matmuls(cfg, cfg.expert_d_ff)
+    return (cfg.moe.n_experts * cfg.d_model + experts * _dense_ffn_matmuls(cfg, cfg.expert_d_ff)
+            + _shared_expert_gate(cfg))
+
+
+def _shared_expert_gate(cfg: ModelConfig) -> int:
+    return cfg.d_model if cfg.moe.shared_expert_gate and cfg.moe.n_shared_experts else 0
 
 
 def _stack_ffn_matmuls(cfg: ModelConfig, n_layers: int) -> int:
@@ -83,7 +116,7 @@ def _ffn(cfg: ModelConfig, index: int) -> tuple[int, int]:
     if cfg.moe.expert_bias_terms:  # gate (if any) and up biases of width expert_d_ff, a down bias of width d_model
         expert += (2 if cfg.gated else 1) * cfg.expert_d_ff + cfg.d_model
     router = cfg.moe.n_experts * (cfg.d_model + int(cfg.moe.router_bias))
-    common = router + _dense_ffn(cfg, cfg.moe.n_shared_experts * cfg.expert_d_ff)
+    common = router + _dense_ffn(cfg, cfg.moe.n_shared_experts * cfg.expert_d_ff) + _shared_expert_gate(cfg)
     return common + cfg.moe.n_experts * expert, common + cfg.moe.experts_per_token * expert
 
 
@@ -111,7 +144,8 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     if cfg.position == "t5_relative":  # one (buckets, heads) bias table per stack
         tables = int(spec.has_encoder) + int(spec.has_decoder)
         embedding += tables * cfg.attention.relative_buckets * cfg.attention.n_heads
-    attention = sum(n * (2 if cross else 1) for n, cross in stacks) * _attention(cfg)  # + cross-attention
+    attention = sum(_linear_attention(cfg) if cfg.is_linear(i) else _attention(cfg) * (2 if cross else 1)
+                    for n, cross in stacks for i in range(n))  # + cross-attention
     ffn = [_ffn(cfg, i) for n, _ in stacks for i in range(n)]
     feed_forward = sum(all_ for all_, _ in ffn)
     inactive = feed_forward - sum(active for _, active in ffn)
@@ -144,6 +178,8 @@ def _keys_per_query(cfg: ModelConfig, length: int, causal: bool, n_layers: int) 
     Causal attention is not halved (PaLM's convention: dense kernels)."""
     total = 0
     for block in range(n_layers):
+        if cfg.is_linear(block):  # no keys: the delta rule's cost is counted per token (`delta_rule_flops`)
+            continue
         window = cfg.window(block)
         total += length if window is None else min(length, window if causal else 2 * window - 1)
     return total
@@ -167,12 +203,17 @@ def _single_stack_flops(cfg: ModelConfig, seq_len: int, *, causal: bool) -> int:
     """Decoder-only / encoder-only over T = seq_len tokens, N = matmul weights (no embeddings, with the head):
         6 * N * T + 12 * T * keys * d_attn          (keys: summed over the blocks, T each without a window)
     which is PaLM's 6N + 12 L H Q T per token and, for GPT-3, Megatron-LM's 72 l h^2 (1 + s/6h + V/12lh).
+    A linear_attention block counts its projections among N and the chunked delta rule (`delta_rule_flops`)
+    instead of the attention term.
     """
     d_attn = cfg.attention.n_heads * cfg.attention_head_dim
     attn = _attention_matmuls(cfg)
     layers = cfg.n_layers
-    matmul = layers * (attn["q_o"] + attn["k_v"]) + _stack_ffn_matmuls(cfg, layers) + _head_matmuls(cfg)
+    linear = sum(cfg.is_linear(i) for i in range(layers))
+    matmul = ((layers - linear) * (attn["q_o"] + attn["k_v"]) + linear * _linear_attention_matmuls(cfg)
+              + _stack_ffn_matmuls(cfg, layers) + _head_matmuls(cfg))
     forward = 2 * matmul * seq_len + 4 * seq_len * _keys_per_query(cfg, seq_len, causal, layers) * d_attn
+    forward += linear * seq_len * delta_rule_flops(cfg)
     return 3 * forward
 
 

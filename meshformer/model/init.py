@@ -6,7 +6,8 @@ model all hold the same numbers. The full tensor of one parameter is generated o
 this rank keeps its shard (`distribute_tensor` without communication), so at most one full tensor is in
 flight and nothing loops over elements on the host.
 
-The rules: norm weights 1 (less model.norm.weight_offset), every bias 0 (the experts' stacked ones too); other
+The rules: norm weights 1 (less model.norm.weight_offset; Gated DeltaNet's gated norm 1), every bias 0 (the experts'
+stacked ones too); Gated DeltaNet's dt_bias 1 and A_log log(uniform(0.01, 16)) (transformers' Qwen3-Next); other
 weights Xavier-uniform (`init="xavier"`, the original paper) or normal(init_std) (attention sinks: always), with
 residual outputs (o_proj, down_proj, the experts' down_proj) scaled by 1/sqrt(2 * layers).
 """
@@ -39,6 +40,12 @@ def parameter_seed(seed: int, name: str) -> int:
 def init_rule(name: str, cfg: ModelConfig) -> InitFn:
     """How the parameter called `name` (canonical FQN) is initialised."""
     module, _, kind = name.rpartition(".")
+    if module.endswith("linear_attn") and kind in ("A_log", "dt_bias"):
+        if kind == "dt_bias":
+            return lambda t, g: t.fill_(1.0)
+        return lambda t, g: t.uniform_(0.01, 16.0, generator=g).log_()
+    if module.endswith("linear_attn.norm"):  # a plain scale (no weight offset)
+        return lambda t, g: t.fill_(1.0)
     if kind == "bias" or kind.endswith("_bias"):  # the experts' stacked gate_bias / up_bias / down_bias too
         return lambda t, g: t.zero_()
     if module.endswith("norm"):  # a unit scale: (offset + weight) = 1
@@ -48,7 +55,7 @@ def init_rule(name: str, cfg: ModelConfig) -> InitFn:
     if cfg.init.method == "xavier":
         return _xavier
     std = cfg.init.std
-    if name.removesuffix(".weight").endswith(("o_proj", "down_proj")):  # experts' stacked down_proj too
+    if name.removesuffix(".weight").endswith(("o_proj", "down_proj", "linear_attn.out_proj")):  # experts' stacked down_proj too
         std = cfg.init.std / math.sqrt(2 * get_family_spec(cfg.family).total_layers(cfg))
     return lambda t, g: nn.init.normal_(t, std=std, generator=g)
 

@@ -39,6 +39,9 @@ def _attention_module(model: Transformer, stack: Stack, layer: int) -> Attention
         if block.cross_attn is None:
             raise UsageError("cross-attention exists only in encoder-decoder models")
         return block.cross_attn
+    if block.attn is None:
+        raise UsageError(f"{stack} layer {layer} is a linear_attention block: it has no attention weights to show; "
+                         "pick a full or sliding attention layer")
     return block.attn
 
 

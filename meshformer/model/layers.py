@@ -10,6 +10,7 @@ from torch import nn
 
 from meshformer.model.attention import Attention, KVCache, SequenceChunk
 from meshformer.model.config import ModelConfig
+from meshformer.model.linear_attention import GatedDeltaNet, LinearCache
 from meshformer.model.masks import AttentionMask
 from meshformer.model.moe import MoEFeedForward
 from meshformer.model.norms import make_norm
@@ -87,6 +88,12 @@ def autocast_once(h: torch.Tensor) -> torch.Tensor:
 class BlockCache:
     self_attn: KVCache = field(default_factory=KVCache)
     cross_attn: KVCache = field(default_factory=KVCache)
+    linear: LinearCache = field(default_factory=LinearCache)  # a linear_attention block's state and window
+
+    @property
+    def length(self) -> int:
+        """Tokens this block has already seen."""
+        return max(self.self_attn.length, self.linear.length)
 
 
 class TransformerBlock(nn.Module):
@@ -97,13 +104,16 @@ class TransformerBlock(nn.Module):
     Post-sublayer (OLMo 2): x + drop(norm(f(x))).  Sandwich (Gemma): x + drop(out_norm(f(norm(x)))).
     """
 
-    def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False, moe: bool = False) -> None:
-        """moe: a mixture-of-experts feed-forward (model/moe.py) instead of the dense one."""
+    def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False, moe: bool = False,
+                 linear: bool = False) -> None:
+        """moe: a mixture-of-experts feed-forward (model/moe.py) instead of the dense one; linear: Gated DeltaNet
+        (model/linear_attention.py, `linear_attn`) instead of self-attention (`attn` is then None)."""
         super().__init__()
         self.norm_position = cfg.norm.position
         sandwich = cfg.norm.position == "sandwich"
         self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg, causal=causal)
+        self.attn = None if linear else Attention(cfg, causal=causal)
+        self.linear_attn = GatedDeltaNet(cfg) if linear else None
         self.attn_out_norm = make_norm(cfg) if sandwich else None
         self.cross_norm = make_norm(cfg) if cross else None
         self.cross_attn = Attention(cfg, causal=False, cross=True) if cross else None
@@ -138,10 +148,21 @@ class TransformerBlock(nn.Module):
         bias: torch.Tensor | None = None,
         cache: BlockCache | None = None,
         chunk: SequenceChunk | None = None,
+        padding: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """chunk: under context parallel, the pieces of the sequence `x` holds (self-attention gathers the rest)."""
-        x = self._branch(x, self.attn_norm, self.attn_out_norm, self.attn, mask, rope=rope, bias=bias,
-                         cache=cache.self_attn if cache else None, chunk=chunk)
+        """chunk: under context parallel, the pieces of the sequence `x` holds (self-attention gathers the rest).
+        padding, documents (B, T): x's real tokens and packed documents, read by a linear_attention block only
+        (attention reads them from `mask`)."""
+        if self.linear_attn is not None:
+            if chunk is not None:
+                raise ValueError("linear_attention blocks do not run under context parallel; set parallel.cp=1")
+            x = self._branch(x, self.attn_norm, self.attn_out_norm, self.linear_attn, padding=padding,
+                             documents=documents, cache=cache.linear if cache else None)
+        else:
+            assert self.attn is not None
+            x = self._branch(x, self.attn_norm, self.attn_out_norm, self.attn, mask, rope=rope, bias=bias,
+                             cache=cache.self_attn if cache else None, chunk=chunk)
         if self.cross_attn is not None and self.cross_norm is not None:
             x = self._branch(x, self.cross_norm, self.cross_out_norm, self.cross_attn, memory_mask, memory=memory,
                              cache=cache.cross_attn if cache else None)

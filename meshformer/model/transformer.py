@@ -111,11 +111,11 @@ class Transformer(nn.Module):
             self.pos_embeddings = LearnedPositions(cfg.max_seq_len, cfg.d_model)
         elif cfg.position == "sinusoidal" and "pos_embeddings" in held:
             self.pos_embeddings = SinusoidalPositions(cfg.max_seq_len, cfg.d_model)
-        self.rope = (RotaryEmbedding(cfg.attention_head_dim, cfg.max_seq_len, cfg.rope.theta,
+        self.rope = (RotaryEmbedding(cfg.rotary_dim, cfg.max_seq_len, cfg.rope.theta,
                                      RopeScaling.from_config(cfg))
                      if cfg.position == "rope" and "rope" in held else None)
         # the windowed blocks' own unscaled rotation (Gemma 3: base 10k locally, 1M globally)
-        self.local_rope = (RotaryEmbedding(cfg.attention_head_dim, cfg.max_seq_len, cfg.rope.local_theta)
+        self.local_rope = (RotaryEmbedding(cfg.rotary_dim, cfg.max_seq_len, cfg.rope.local_theta)
                            if cfg.position == "rope" and cfg.rope.local_theta is not None and "local_rope" in held
                            else None)
         if cfg.position == "alibi":
@@ -142,7 +142,8 @@ class Transformer(nn.Module):
             if stack.layers in held:
                 keys = blocks[stack.layers]
                 setattr(self, stack.layers, nn.ModuleDict(
-                    {key: TransformerBlock(cfg, causal=stack.causal, cross=stack.cross, moe=is_moe_block(cfg, int(key)))
+                    {key: TransformerBlock(cfg, causal=stack.causal, cross=stack.cross, moe=is_moe_block(cfg, int(key)),
+                                           linear=cfg.is_linear(int(key)))
                      for key in keys}))
             setattr(self, stack.norm, make_norm(cfg) if cfg.use_final_norm and stack.norm in held else None)
         self.head_dense: nn.Module | None = None
@@ -335,7 +336,7 @@ class Transformer(nn.Module):
             row's tokens alike). Default: their place in the sequence.
         """
         q_len = ids.shape[1]  # not h's: a received h may be a sequence-parallel shard
-        offset = cache[0].self_attn.length if cache else 0
+        offset = cache[0].length if cache else 0
         positions, k_len = self._positions(q_len, offset, ids.device)
         h = self._hidden(ids, h, positions=positions if position_ids is None else position_ids)
         for name, keys in (("padding mask", padding), ("doc_ids", documents)):
@@ -359,6 +360,9 @@ class Transformer(nn.Module):
             memory_mask = build_mask(q_len, memory.shape[1], causal=False, key_padding=memory_padding,
                                      device=h.device)
         extra = self._relative(positions, k_len, causal=True, position_ids=position_ids)
+        if self.cfg.has_linear_attention:  # linear_attention blocks read this call's tokens' padding and documents
+            extra["padding"] = None if padding is None else padding[:, -q_len:]
+            extra["documents"] = None if documents is None else documents[:, -q_len:]
         for i, (key, layer) in enumerate(self.decoder_layers.items()):
             mask, kwargs = self._block_inputs(int(key), masks, extra)
             h = layer(h, mask, memory=memory, memory_mask=memory_mask, cache=cache[i] if cache else None,

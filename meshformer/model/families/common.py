@@ -60,8 +60,8 @@ TP_RULES = TensorParallelRules(
     },
     # An MoE feed-forward stays sequence parallel: each rank routes its own tokens and expert parallelism spans the
     # tensor-parallel ranks; the router and shared experts hold replicated weights whose gradients sum over ranks.
-    moe_block={"ffn.router": TOKENS, **{f"ffn.shared_experts.{name}": SEQUENCE
-                                        for name in ("gate_proj", "up_proj", "down_proj")}},
+    moe_block={"ffn.router": TOKENS, "ffn.shared_expert_gate": SEQUENCE,
+               **{f"ffn.shared_experts.{name}": SEQUENCE for name in ("gate_proj", "up_proj", "down_proj")}},
 )
 
 
