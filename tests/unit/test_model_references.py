@@ -25,6 +25,7 @@ from meshformer.checkpointing.hf import (
     to_hf_state_dict,
 )
 from meshformer.config import AttentionConfig, FfnConfig, ModelConfig, NormConfig
+from meshformer.model.config import LinearAttentionConfig
 from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
 
@@ -149,6 +150,19 @@ def _hf_qwen3_moe(**extra):
         "norm_topk_prob": False, **extra}))
 
 
+def _hf_qwen3_next(**extra):
+    # 3 Gated DeltaNet blocks then a gated attention block rotating half of each 16-wide head; block 0 dense, the
+    # others 4 experts of width 16, top-2, with a gated shared expert twice as wide; grouped value heads (2 per key
+    # head) and a chunk size (64) longer than the batch's sequences
+    return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**{
+        "vocab_size": 97, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 6, "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32,
+        "mlp_only_layers": [0], "max_position_embeddings": 32,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}, **extra}))
+
+
 def _hf_olmoe(**extra):
     # QK-norm over the whole q / k projections in pre-norm blocks, grouped-query heads, 4 experts of width 24, top-2
     # not renormalised (OLMoE's default)
@@ -236,9 +250,9 @@ def _random_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _SINGLE_STACK = [_hf_gpt2, _hf_bert, _hf_llama, _hf_llama3, _hf_mistral, _hf_qwen2, _hf_qwen3, _hf_mixtral,
-                 _hf_qwen3_moe, _hf_olmoe, _hf_olmo2, _hf_olmo3, _hf_gemma2, _hf_gemma3, _hf_gpt_oss]
+                 _hf_qwen3_moe, _hf_olmoe, _hf_olmo2, _hf_olmo3, _hf_gemma2, _hf_gemma3, _hf_gpt_oss, _hf_qwen3_next]
 _SINGLE_IDS = ["gpt2", "bert", "llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2",
-               "olmo3", "gemma2", "gemma3", "gpt_oss"]
+               "olmo3", "gemma2", "gemma3", "gpt_oss", "qwen3_next"]
 
 
 @pytest.mark.parametrize("make", _SINGLE_STACK, ids=_SINGLE_IDS)
@@ -376,6 +390,17 @@ def _moe_config(**extra) -> ModelConfig:
     return _llama_config(**{"n_experts": 4, "experts_per_token": 2, **extra})
 
 
+def _qwen3_next_config(**extra) -> ModelConfig:
+    """Qwen3-Next's pieces: a linear_attention block then a gated attention block rotating a quarter of each head,
+    (1 + weight) RMSNorms, per-head QK-norm, MoE blocks with a gated shared expert."""
+    cfg = _moe_config(**{"n_layers": 4, "head_dim": 16, "qk_norm": True, "norm_weight_offset": 1.0, "moe_d_ff": 16,
+                         "n_shared_experts": 2, "moe_first_dense": 1, "layer_types": ["linear_attention", "full_attention"],
+                         **extra})
+    cfg.linear_attention = LinearAttentionConfig(n_heads=4, n_key_heads=2, key_head_dim=8, value_head_dim=6)
+    cfg.attention.output_gate, cfg.rope.partial_factor, cfg.moe.shared_expert_gate = True, 0.25, True
+    return cfg
+
+
 _LLAMA3_ROPE = {"rope_scaling": "llama3", "rope_scaling_factor": 8.0, "rope_original_max_seq_len": 8,
                 "rope_theta": 500.0}
 _YARN_ROPE = {"rope_scaling": "yarn", "rope_scaling_factor": 4.0, "rope_original_max_seq_len": 8,
@@ -412,8 +437,9 @@ _GPT_OSS = {"n_layers": 4, "head_dim": 16, "bias": True, "attention_sinks": True
     ("gemma2", _llama_config(**{**_GEMMA3, "qk_norm": False, "rope_local_theta": None, "attention_softcap": 1.0})),
     ("gemma3_text", _llama_config(**_GEMMA3)),
     ("gpt_oss", _moe_config(**_GPT_OSS)),
+    ("qwen3_next", _qwen3_next_config()),
 ], ids=["llama3", "llama-linear", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2", "olmo3",
-        "gemma2", "gemma3", "gpt_oss"])
+        "gemma2", "gemma3", "gpt_oss", "qwen3_next"])
 def test_export_logits_and_round_trip(arch, cfg):
     """Ours -> HF computes our logits (padded batch, sequences longer than the window) and comes back bitwise."""
     torch.manual_seed(0)
