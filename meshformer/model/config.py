@@ -181,7 +181,8 @@ class ModelConfig:
     scale_output: bool = False  # multiply final hidden states by d_model**-0.5 before the output projection (T5)
     cross_downsample: int = 1  # pool encoder output by this factor before cross-attention
     # Token mixer of each block of a stack: "full_attention" | "sliding_attention" (attention.window, rope.local_theta)
-    # | "linear_attention" (Gated DeltaNet: [model.linear_attention]), one per block or a shorter pattern repeated over the stack (Gemma 3: 5 sliding, then 1 full); []: all full
+    # | "linear_attention" (Gated DeltaNet: [model.linear_attention]), one per block or a shorter pattern repeated
+    # over the stack (Gemma 3: 5 sliding, then 1 full); []: all full
     layer_types: list[str] = field(default_factory=list)
     # Channel mixer of each block of a stack: "dense" (ffn) | "moe" (moe), one per block or a repeated pattern;
     # []: every block "moe" when moe.n_experts > 0, else "dense"

@@ -47,8 +47,8 @@ def _attention(cfg: ModelConfig) -> int:
     qkv_bias = cfg.use_qkv_bias
     sinks = cfg.attention.n_heads if cfg.attention.sinks else 0  # one logit per head
     gate = _linear(d, q_dim, qkv_bias) if cfg.attention.output_gate else 0
-    return (gate + _linear(d, q_dim, qkv_bias) + 2 * _linear(d, kv_dim, qkv_bias) + _linear(q_dim, d, cfg.bias) + qk_norm
-            + sinks)
+    return (gate + _linear(d, q_dim, qkv_bias) + 2 * _linear(d, kv_dim, qkv_bias) + _linear(q_dim, d, cfg.bias)
+            + qk_norm + sinks)
 
 
 def _linear_attention_matmuls(cfg: ModelConfig) -> int:

@@ -55,7 +55,8 @@ def init_rule(name: str, cfg: ModelConfig) -> InitFn:
     if cfg.init.method == "xavier":
         return _xavier
     std = cfg.init.std
-    if name.removesuffix(".weight").endswith(("o_proj", "down_proj", "linear_attn.out_proj")):  # experts' stacked down_proj too
+    # residual outputs (the experts' stacked down_proj too)
+    if name.removesuffix(".weight").endswith(("o_proj", "down_proj", "linear_attn.out_proj")):
         std = cfg.init.std / math.sqrt(2 * get_family_spec(cfg.family).total_layers(cfg))
     return lambda t, g: nn.init.normal_(t, std=std, generator=g)
 
