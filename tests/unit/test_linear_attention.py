@@ -101,3 +101,43 @@ def test_gradients_reach_every_parameter() -> None:
     mine(torch.randn(2, 7, D)).square().sum().backward()
     for name, p in mine.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def hybrid(**extra: Any) -> ModelConfig:
+    cfg = ours(chunk_size=4, vocab_size=50, n_layers=3, n_heads=4, head_dim=8, position="rope", d_ff=48,
+               activation="swiglu", qk_norm=True, document_mask=True, **extra)
+    cfg.layer_types = ["linear_attention", "linear_attention", "full_attention"]
+    return cfg
+
+
+def test_a_packed_hybrid_model_equals_its_documents_one_by_one() -> None:
+    """Through the whole model: attention stays within each document (document_mask) and so do the linear blocks'
+    states and convolution windows."""
+    from meshformer.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(hybrid()).eval()
+    lengths = [6, 2, 9]
+    ids = torch.randint(0, 50, (1, sum(lengths)))
+    documents = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None]
+    with torch.no_grad():
+        packed = model(ids, doc_ids=documents)
+        alone = torch.cat([model(part) for part in ids.split(lengths, dim=1)], dim=1)
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_initialisation_follows_transformers_rules() -> None:
+    """A_log = log(uniform(0.01, 16)), dt_bias 1, the gated norm's scale 1 even with (1 + weight) RMSNorms elsewhere
+    (their weights start at 0), the convolution and projections normal."""
+    from meshformer.model import Transformer
+
+    model = Transformer(hybrid(), init_seed=3)
+    mixer = model.decoder_layers["0"].linear_attn
+    assert mixer is not None and model.decoder_layers["0"].attn is None
+    assert torch.equal(mixer.dt_bias, torch.ones(4)) and torch.equal(mixer.norm.weight, torch.ones(6))
+    decay = mixer.A_log.exp()
+    assert decay.min() >= 0.01 and decay.max() <= 16 and decay.std() > 0
+    assert torch.equal(model.decoder_layers["0"].attn_norm.weight, torch.zeros(D))
+    assert mixer.conv1d.weight.std() > 0 and mixer.in_proj_qkvz.weight.std() > 0
+    again = Transformer(hybrid(), init_seed=3)
+    assert torch.equal(again.decoder_layers["0"].linear_attn.A_log, mixer.A_log)  # from the seed and name alone
