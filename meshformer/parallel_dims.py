@@ -211,6 +211,10 @@ def _check_tensor_parallel(cfg: Config, dims: ParallelDims) -> None:
     tp, m = dims.tp, cfg.model
     if tp == 1:
         return
+    for kind in model_kinds(m):
+        refusal = kind.tensor_parallel(m)
+        if refusal is not None:
+            raise ConfigError(f"parallel.tp={tp}: {kind.name} blocks: {refusal}; set parallel.tp=1 (pp or FSDP)")
     # the sizes the blocks' kinds split (model/components/), each key once
     checks = list(dict.fromkeys(check for kind in model_kinds(m) for check in kind.tp_divides(m)))
     checks += [

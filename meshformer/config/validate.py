@@ -46,6 +46,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"RoPE needs an even head dimension, got {m.attention_head_dim}; set "
                           "model.attention.head_dim "
                           "(or d_model / n_heads) even")
+    if not 0 < m.rope.partial_factor <= 1 or (m.position == "rope" and (m.rotary_dim < 2 or m.rotary_dim % 2)):
+        raise ConfigError(f"model.rope.partial_factor={m.rope.partial_factor} must rotate an even number of each "
+                          f"head's {m.attention_head_dim} dimensions (it gives {m.rotary_dim})",
+                          "choose a factor in (0, 1] with int(head_dim x factor) even, e.g. 0.25 or 0.5")
     _check_rope_scaling(cfg)
     _check_layer_options(cfg)
     if m.position == "t5_relative" and (a.relative_buckets < 4 or a.relative_max_distance <= a.relative_buckets // 2):
@@ -143,6 +147,9 @@ def _check_moe(cfg: Config) -> None:
     if m.moe.n_experts < 0:
         raise ConfigError(f"model.moe.n_experts={m.moe.n_experts} is negative",
                           "use 0 (dense) or the number of experts")
+    if m.moe.shared_expert_gate and m.moe.n_shared_experts == 0:
+        raise ConfigError("model.moe.shared_expert_gate=true gates the shared experts, but model.moe.n_shared_experts "
+                          "= 0", "set model.moe.n_shared_experts (e.g. 1), or drop shared_expert_gate")
     if m.moe.n_experts == 0:
         for key in ("router_bias", "expert_bias_terms"):
             if getattr(m.moe, key):

@@ -141,7 +141,10 @@ class Attention(nn.Module):
         self.head_dim = cfg.attention_head_dim
         self.scale = cfg.attention.scale if cfg.attention.scale is not None else 1.0 / math.sqrt(cfg.attention_head_dim)
         self.causal, self.cross = causal, cross
-        self.q_proj = nn.Linear(cfg.d_model, cfg.attention.n_heads * self.head_dim, bias=cfg.use_qkv_bias)
+        # output gate: each head's query rows are followed by as many gate rows (one GEMM; a head shard keeps both)
+        self.output_gate = cfg.attention.output_gate
+        q_width = cfg.attention.n_heads * self.head_dim * (2 if self.output_gate else 1)
+        self.q_proj = nn.Linear(cfg.d_model, q_width, bias=cfg.use_qkv_bias)
         self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=cfg.use_qkv_bias)
         self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * self.head_dim, bias=cfg.use_qkv_bias)
         self.o_proj = nn.Linear(cfg.attention.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
@@ -219,8 +222,10 @@ class Attention(nn.Module):
         chunk: SequenceChunk | None = None,
     ) -> torch.Tensor:
         """chunk: under context parallel (self-attention only), the pieces of the sequence `x` holds."""
+        gate = None
         if self.cross and cache is not None and cache.k is not None and cache.v is not None:
-            q = self._normed_heads(self.q_norm, self.q_proj(x))
+            q, gate = self._gated(self.q_proj(x))
+            q = self._normed_heads(self.q_norm, q)
             k, v = cache.k, cache.v  # the encoder output does not change while decoding
         else:
             if not self.cross and self._packable():
@@ -228,6 +233,7 @@ class Attention(nn.Module):
             else:
                 source = memory if self.cross else x
                 q, k, v = self.q_proj(x), self.k_proj(source), self.v_proj(source)
+            q, gate = self._gated(q)
             q, k, v = self._normed_heads(self.q_norm, q), self._normed_heads(self.k_norm, k), self._heads(v)
             if rope is not None:  # self-attention only: new queries and keys share positions
                 q, k = apply_rope(q, rope), apply_rope(k, rope)
@@ -253,7 +259,16 @@ class Attention(nn.Module):
         else:
             out = self._attend(q, k, v, mask, bias)
         batch, _, length, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        out = out.transpose(1, 2).reshape(batch, length, -1)
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
+
+    def _gated(self, projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(queries (B, T, H x D), output gate (B, T, H x D) or None) from the query projection."""
+        if not self.output_gate:
+            return projected, None
+        batch, length, _ = projected.shape
+        q, gate = projected.view(batch, length, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        return q.reshape(batch, length, -1), gate.reshape(batch, length, -1)
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, bias: torch.Tensor | None

@@ -43,6 +43,9 @@ class AttentionConfig:
     # A learned logit per head in each softmax's denominator (gpt-oss): a query may attend to nothing. Every
     # backend takes it (SDPA kernels as one more key: model/attention.py sink_as_key)
     sinks: bool = False
+    # A sigmoid gate per head on the attention output, read from the query projection (each head's q rows followed
+    # by as many gate rows: Qwen3-Next): out = o_proj(attention * sigmoid(gate))
+    output_gate: bool = False
     relative_buckets: int = 32  # t5_relative: learned bias buckets per stack (half per direction in the encoder)
     relative_max_distance: int = 128  # t5_relative: distances beyond this share the last bucket
 
@@ -82,6 +85,8 @@ class RopeConfig:
     attention_factor: float | None = None  # yarn: cos/sin multiplier; None: 0.1 * ln(factor) + 1
     truncate: bool = True  # yarn: round the ramp's ends to whole dimensions (false: gpt-oss's exact ends)
     local_theta: float | None = None  # the sliding_attention blocks' RoPE base, unscaled (None: theta)
+    # the fraction of each head's width that rotates (its first int(head_dim * factor) dimensions; Qwen3-Next: 0.25)
+    partial_factor: float = 1.0
 
 
 @dataclass
@@ -110,6 +115,8 @@ class MoeConfig:
     experts_per_token: int = 2  # top-k
     d_ff: int = 0  # each expert's width; 0: model.ffn.d_ff
     n_shared_experts: int = 0  # always-on experts of width d_ff each (DeepSeek, Qwen2-MoE)
+    # the shared experts' output scaled by sigmoid(a learned linear of the block input) (Qwen2-MoE, Qwen3-Next)
+    shared_expert_gate: bool = False
     router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
     expert_bias_terms: bool = False  # biases on each expert's gate/up and down projections (gpt-oss)
     router_score: Literal["softmax", "sigmoid"] = "softmax"  # router logits -> expert scores (sigmoid: DeepSeek-V3)
@@ -123,6 +130,23 @@ class MoeConfig:
     router_bias_update_rate: float = 0.0  # auxiliary-loss-free balancing (DeepSeek-V3); 0: off
     # auto: grouped_mm for bf16 on CUDA where it runs, else the loop (as fast as padded on CPU, or faster)
     backend: Literal["auto", "loop", "padded", "grouped_mm"] = "auto"
+
+
+@dataclass
+class LinearAttentionConfig:
+    """The `[model.linear_attention]` table: the Gated DeltaNet token mixer of the "linear_attention" blocks
+    (model/linear_attention.py, Qwen3-Next's): a recurrent state per value head instead of a KV cache."""
+
+    n_heads: int = 4  # value heads (each with its own state, decay and write strength)
+    n_key_heads: int | None = None  # query/key heads, each serving n_heads / n_key_heads value heads; None: n_heads
+    key_head_dim: int = 32  # width of each query/key head (the state's rows)
+    value_head_dim: int = 32  # width of each value head (the state's columns)
+    conv_width: int = 4  # taps of the short causal depthwise convolution over q, k and v
+    chunk_size: int = 64  # tokens per chunk of the chunked delta rule (compute only: any value, the same function)
+
+    @property
+    def key_heads(self) -> int:
+        return self.n_key_heads or self.n_heads
 
 
 @dataclass
@@ -153,8 +177,9 @@ class ModelConfig:
     logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     scale_output: bool = False  # multiply final hidden states by d_model**-0.5 before the output projection (T5)
     cross_downsample: int = 1  # pool encoder output by this factor before cross-attention
-    # Token mixer of each block of a stack: "full_attention" | "sliding_attention" (attention.window, rope.local_theta),
-    # one per block or a shorter pattern repeated over the stack (Gemma 3: 5 sliding, then 1 full); []: all full
+    # Token mixer of each block of a stack: "full_attention" | "sliding_attention" (attention.window, rope.local_theta)
+    # | "linear_attention" (Gated DeltaNet: [model.linear_attention]), one per block or a shorter pattern repeated
+    # over the stack (Gemma 3: 5 sliding, then 1 full); []: all full
     layer_types: list[str] = field(default_factory=list)
     # Channel mixer of each block of a stack: "dense" (ffn) | "moe" (moe), one per block or a repeated pattern;
     # []: every block "moe" when moe.n_experts > 0, else "dense"
@@ -164,6 +189,7 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)  # [model.rope]
     norm: NormConfig = field(default_factory=NormConfig)  # [model.norm]
     moe: MoeConfig = field(default_factory=MoeConfig)  # [model.moe]
+    linear_attention: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)  # [model.linear_attention]
     init: InitConfig = field(default_factory=InitConfig)  # [model.init]
 
     @property
@@ -197,6 +223,11 @@ class ModelConfig:
         from meshformer.model.components import channel_mixer  # the kinds read this module
 
         return channel_mixer(self, block).expert_parallel
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dimensions RoPE rotates (rope.partial_factor of them)."""
+        return int(self.attention_head_dim * self.rope.partial_factor)
 
     def window(self, block: int) -> int | None:
         """The sliding window of block `block` of a stack (None: global attention), as its token mixer declares."""

@@ -108,7 +108,9 @@ class TransformerBlock(nn.Module):
         # attribute -> kind name: what tensor parallel and the generation cache read of this block
         self.mixers = {attribute: kind.name for attribute, kind in block_mixers(cfg, index, cross=cross).items()}
         self.attn_norm = make_norm(cfg)
-        self.attn = token_mixer(cfg, index).build(cfg, causal=causal)
+        mixer = token_mixer(cfg, index)
+        self.attn = mixer.build(cfg, causal=causal)
+        self.attn_reads_padding = mixer.reads_padding_and_documents
         self.attn_out_norm = make_norm(cfg) if sandwich else None
         self.cross_norm = make_norm(cfg) if cross else None
         self.cross_attn = cross_mixer().build(cfg, causal=False) if cross else None
@@ -149,10 +151,15 @@ class TransformerBlock(nn.Module):
         bias: torch.Tensor | None = None,
         cache: BlockCache | None = None,
         chunk: SequenceChunk | None = None,
+        padding: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """chunk: under context parallel, the pieces of the sequence `x` holds (self-attention gathers the rest)."""
+        """chunk: under context parallel, the pieces of the sequence `x` holds (self-attention gathers the rest).
+        padding, documents (B, T): x's tokens' padding and packed documents, for a token mixer whose kind reads them
+        (`reads_padding_and_documents`; attention reads `mask`)."""
+        tokens = {"padding": padding, "documents": documents} if self.attn_reads_padding else {}
         x = self._branch(x, self.attn_norm, self.attn_out_norm, self.attn, mask, rope=rope, bias=bias,
-                         cache=cache.self_attn if cache else None, chunk=chunk)
+                         cache=cache.self_attn if cache else None, chunk=chunk, **tokens)
         if self.cross_attn is not None and self.cross_norm is not None:
             x = self._branch(x, self.cross_norm, self.cross_out_norm, self.cross_attn, memory_mask, memory=memory,
                              cache=cache.cross_attn if cache else None)

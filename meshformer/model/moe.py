@@ -351,6 +351,9 @@ class MoEFeedForward(nn.Module):
         shared_width = cfg.moe.n_shared_experts * cfg.expert_d_ff  # the shared experts as one wide FFN: same sum
         shared_cfg = replace(cfg, ffn=replace(cfg.ffn, d_ff=shared_width))
         self.shared_experts = FeedForward(shared_cfg) if shared_width else None
+        # Qwen3-Next: the shared experts' output scaled by sigmoid(w . x) per token
+        self.shared_expert_gate = (nn.Linear(cfg.d_model, 1, bias=False)
+                                   if shared_width and cfg.moe.shared_expert_gate else None)
         self.token_group: TokenGroup | None = None  # set by Transformer.set_parallel_context; None: one process
         self.balance_weight = 1.0
         self.counts_load = True  # off for forwards that are not training (a pipeline's shape inference)
@@ -415,7 +418,10 @@ class MoEFeedForward(nn.Module):
         if balance is not None:
             result = _WithBalanceLoss.apply(result, balance, self.balance_weight)
         if self.shared_experts is not None:
-            result = result + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            result = result + shared
         return result
 
     def _balance(self, x: torch.Tensor, logits: torch.Tensor, routing: Routing, routed: torch.Tensor,

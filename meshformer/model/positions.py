@@ -139,8 +139,12 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate x of shape (B, H, T, D) by the angles of `RotaryEmbedding.forward`."""
+    """Rotate x of shape (B, H, T, D) by the angles of `RotaryEmbedding.forward`; tables narrower than D rotate
+    the first dimensions only (partial RoPE, rope.partial_factor) and leave the rest as they are."""
     cos, sin = (t.to(x.dtype) for t in cos_sin)
+    if cos.shape[-1] < x.shape[-1]:
+        rotary = cos.shape[-1]
+        return torch.cat([apply_rope(x[..., :rotary], (cos, sin)), x[..., rotary:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin

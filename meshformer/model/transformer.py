@@ -111,11 +111,11 @@ class Transformer(nn.Module):
             self.pos_embeddings = LearnedPositions(cfg.max_seq_len, cfg.d_model)
         elif cfg.position == "sinusoidal" and "pos_embeddings" in held:
             self.pos_embeddings = SinusoidalPositions(cfg.max_seq_len, cfg.d_model)
-        self.rope = (RotaryEmbedding(cfg.attention_head_dim, cfg.max_seq_len, cfg.rope.theta,
+        self.rope = (RotaryEmbedding(cfg.rotary_dim, cfg.max_seq_len, cfg.rope.theta,
                                      RopeScaling.from_config(cfg))
                      if cfg.position == "rope" and "rope" in held else None)
         # the windowed blocks' own unscaled rotation (Gemma 3: base 10k locally, 1M globally)
-        self.local_rope = (RotaryEmbedding(cfg.attention_head_dim, cfg.max_seq_len, cfg.rope.local_theta)
+        self.local_rope = (RotaryEmbedding(cfg.rotary_dim, cfg.max_seq_len, cfg.rope.local_theta)
                            if cfg.position == "rope" and cfg.rope.local_theta is not None and "local_rope" in held
                            else None)
         if cfg.position == "alibi":
@@ -359,6 +359,9 @@ class Transformer(nn.Module):
             memory_mask = build_mask(q_len, memory.shape[1], causal=False, key_padding=memory_padding,
                                      device=h.device)
         extra = self._relative(positions, k_len, causal=True, position_ids=position_ids)
+        if self.parallel_context.chunk is None:  # this call's tokens' rows, for a mixer that reads no mask
+            extra["padding"] = None if padding is None else padding[:, -q_len:]
+            extra["documents"] = None if documents is None else documents[:, -q_len:]
         for i, (key, layer) in enumerate(self.decoder_layers.items()):
             mask, kwargs = self._block_inputs(int(key), masks, extra)
             h = layer(h, mask, memory=memory, memory_mask=memory_mask, cache=cache[i] if cache else None,

@@ -45,6 +45,12 @@ ARCHS: dict[str, dict[str, Any]] = {
                     sliding_window=4, num_local_experts=4, num_experts_per_tok=2, rope_parameters={
                         "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}),
+    # a Gated DeltaNet block then a gated attention block rotating a quarter of each head; 4 experts of width 16,
+    # top-2, with a gated shared expert of width 32
+    "qwen3_next": dict(config="Qwen3NextConfig", model="Qwen3NextForCausalLM", tie_word_embeddings=False,
+                       head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32),
     # 4 experts of width intermediate_size, top-2
     "mixtral": dict(config="MixtralConfig", model="MixtralForCausalLM", tie_word_embeddings=False,
                     num_local_experts=4, num_experts_per_tok=2),

@@ -126,6 +126,16 @@ FAMILIES: dict[str, dict[str, Any]] = {
                    rope=dict(scaling="yarn", factor=4.0, original_max_seq_len=8, truncate=False),
                    moe=dict(n_experts=4, experts_per_token=2, d_ff=24, router_bias=True, expert_bias_terms=True,
                             aux_loss=0.01)),
+    # Qwen3-Next-like: a Gated DeltaNet block (state and convolution reset per packed document) then a gated
+    # attention block with partial RoPE, (1 + weight) norms, MoE with a gated shared expert
+    "qwen3next": dict(family="decoder", n_layers=2, position="rope", bias=False,
+                      layer_types=["linear_attention", "full_attention"],
+                      norm=dict(kind="rmsnorm", weight_offset=1.0), ffn=dict(activation="swiglu"),
+                      attention=dict(n_kv_heads=2, qk_norm=True, output_gate=True, document_mask=True),
+                      rope=dict(partial_factor=0.5),
+                      linear_attention=dict(n_heads=4, n_key_heads=2, key_head_dim=8, value_head_dim=8, chunk_size=8),
+                      moe=dict(n_experts=4, experts_per_token=2, d_ff=24, n_shared_experts=1, shared_expert_gate=True,
+                               aux_loss=0.01)),
     # BERT-like: learned positions, embedding norm, prediction-head transform, post-norm
     "encoder": dict(family="encoder", n_layers=4, position="learned", head_transform=True, ffn=dict(activation="gelu"),
                     norm=dict(embedding=True, position="post")),

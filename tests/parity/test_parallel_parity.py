@@ -87,7 +87,11 @@ MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "mo
               "moe_encdec/fsdp-ep", "moe_encdec/tp-ep", "moe_encdec/pp",  # MoE in both stacks
               # gpt-oss's pieces: sinks split with the heads (tp) and beside the gathered keys (cp), expert biases
               # split with the experts (ep), the sinks and biases outside Muon
-              "gptoss/tp-ep", "gptoss/cp-ep", "gptoss/fsdp-ep", "gptoss/pp", "gptoss/tp-ep-muon"]
+              "gptoss/tp-ep", "gptoss/cp-ep", "gptoss/fsdp-ep", "gptoss/pp", "gptoss/tp-ep-muon",
+              # Qwen3-Next's pieces: linear_attention blocks (packed documents) under FSDP, expert and pipeline
+              # parallel
+              "qwen3next/fsdp-ep", "qwen3next/pp", "qwen3next/fsdp-ep-recompute=selective",
+              "qwen3next/fsdp-ep-recompute=full"]
 MOE_WORLD4 = ["moe/fsdp=4-ep", "moe/fsdp=4-ep=4", "moe/hsdp-ep", "moe/tp-fsdp-ep", "moe/tp-fsdp-ep=4",
               "moe/cp-fsdp-ep=4", "moe/pp-tp-ep", "moe/pp-fsdp-ep", "moe/pp-fsdp-ep-sched=gpipe",
               "moe/pp-fsdp-ep-sched=zbv", "moe/pp-fsdp-ep-sched=interleaved_1f1b-spr=2",

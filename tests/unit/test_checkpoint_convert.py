@@ -165,6 +165,17 @@ def _hf_model(arch: str):
             for name, param in model.named_parameters():
                 if name.endswith("_bias"):
                     param.normal_(0.0, 0.5)
+    elif arch == "qwen3_next":  # a Gated DeltaNet block, then a gated attention block; MoE with a gated shared expert
+        model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+            max_position_embeddings=32))
+        with torch.no_grad():  # the norms start at zero (1 + weight): nonzero ones show where each lands
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 0.5)
     elif arch in ("gemma2", "gemma3"):  # 4 blocks, every 2nd global; a window shorter than the sequences
         config = transformers.Gemma2Config if arch == "gemma2" else transformers.Gemma3TextConfig
         model = (transformers.Gemma2ForCausalLM if arch == "gemma2" else transformers.Gemma3ForCausalLM)(config(
@@ -180,7 +191,7 @@ def _hf_model(arch: str):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "t5", "llama3", "mistral", "qwen2", "qwen3", "mixtral",
-                                  "qwen3_moe", "olmoe", "olmo2", "olmo3", "gemma2", "gemma3", "gpt_oss"])
+                                  "qwen3_moe", "olmoe", "olmo2", "olmo3", "gemma2", "gemma3", "gpt_oss", "qwen3_next"])
 def test_hugging_face_import_export(arch, tmp_path):
     original = tmp_path / "hf"
     _hf_model(arch).save_pretrained(str(original))
@@ -200,7 +211,8 @@ def test_hugging_face_import_export(arch, tmp_path):
            "mixtral": transformers.MixtralForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
            "olmoe": transformers.OlmoeForCausalLM, "olmo2": transformers.Olmo2ForCausalLM,
            "olmo3": transformers.Olmo3ForCausalLM, "gpt_oss": transformers.GptOssForCausalLM,
-           "gemma2": transformers.Gemma2ForCausalLM, "gemma3": transformers.Gemma3ForCausalLM}[arch]
+           "gemma2": transformers.Gemma2ForCausalLM, "gemma3": transformers.Gemma3ForCausalLM,
+           "qwen3_next": transformers.Qwen3NextForCausalLM}[arch]
     hf_model = cls.from_pretrained(str(tmp_path / "exported")).eval()
     cfg, state = read_weights(tmp_path / "ours")
     ours = Transformer(cfg).eval()

@@ -76,6 +76,8 @@ PUBLISHED = {  # config: (published parameter count, relative tolerance)
     "olmo3-7b": (7_298_011_136, 0.0),  # Olmo3ForCausalLM of allenai/Olmo-3-1025-7B's config (test_model_references)
     "gpt-oss-20b": (20_914_757_184, 0.0),  # GptOssForCausalLM of openai/gpt-oss-20b's config, "20.9B"
     "gpt-oss-120b": (116_829_156_672, 0.0),  # GptOssForCausalLM of openai/gpt-oss-120b's config, "116.8B"
+    # Qwen3NextForCausalLM of Qwen/Qwen3-Next-80B-A3B's config (test_model_references), "80B" (without its MTP block)
+    "qwen3-next-80b-a3b": (79_674_391_296, 0.0),
 }
 
 # gpt-oss's active counts as its model card gives them (3.6B / 5.1B): every parameter a token uses but the input
@@ -140,7 +142,7 @@ def test_counts_equal_hugging_face_models(name, cls, config, kwargs):
 
 @pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "mistral-7b", "qwen3-0.6b",
                                   "qwen3-8b", "llama3.2-1b", "llama3.1-8b", "olmo2-7b", "olmo3-7b", "gpt-oss-20b",
-                                  "gpt-oss-120b"])
+                                  "gpt-oss-120b", "qwen3-next-80b-a3b", "tiny-qwen3-next"])
 def test_new_configs_count_what_their_hugging_face_export_builds(name):
     """The exported architecture (config_to_hf), built on the meta device, has exactly our parameter count."""
     transformers = pytest.importorskip("transformers")
@@ -223,3 +225,22 @@ def test_global_blocks_of_a_window_pattern_count_every_key():
                                   position="rope", rope=RopeConfig(local_theta=1e4))
     gap = flops_per_token(pattern, 256) - flops_per_token(windowed, 256)
     assert gap == 12 * 2 * (256 - 16) * 64
+
+
+def test_qwen3_next_active_count_and_linear_flops():
+    """Qwen3-Next-80B-A3B's "A3B": 3,874,929,408 active per token (3.6B without the input embedding table); its
+    linear_attention blocks cost the chunked delta rule, not attention's T keys per query."""
+    cfg = load_config("qwen3-next-80b-a3b").model
+    counts = count_params(cfg)
+    assert counts["active"] == 3_874_929_408
+    assert abs(counts["active"] - counts["embedding"] - 3.56e9) < 0.01e9
+    from meshformer.model.components.linear_attention import delta_rule_flops
+    from meshformer.model.flops import flops_per_token
+
+    la = cfg.linear_attention
+    per_chunk = 64 * 64 * (3 * 128 + 2 * 128) + 64**3 // 2 + 3 * 64 * 128 * 128
+    assert delta_rule_flops(cfg) == 2 * per_chunk * la.n_heads // 64
+    short, long = flops_per_token(cfg, 4096), flops_per_token(cfg, 8192)
+    # doubling the context adds attention's 4096 more keys per query in the 12 full_attention blocks only:
+    # 3 (training) x 4 (QK^T and AV) x 12 blocks x 4096 keys x d_attn (16 heads x 256) per token
+    assert long - short == pytest.approx(3 * 4 * 12 * 4096 * 16 * 256, rel=1e-12)

@@ -27,6 +27,7 @@ from meshformer.checkpointing.hf import (
 from meshformer.config import AttentionConfig, FfnConfig, ModelConfig, NormConfig
 from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
+from meshformer.model.config import LinearAttentionConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -149,6 +150,19 @@ def _hf_qwen3_moe(**extra):
         "norm_topk_prob": False, **extra}))
 
 
+def _hf_qwen3_next(**extra):
+    # 3 Gated DeltaNet blocks then a gated attention block rotating half of each 16-wide head; block 0 dense, the
+    # others 4 experts of width 16, top-2, with a gated shared expert twice as wide; grouped value heads (2 per key
+    # head) and a chunk size (64) longer than the batch's sequences
+    return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**{
+        "vocab_size": 97, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 6, "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32,
+        "mlp_only_layers": [0], "max_position_embeddings": 32,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}, **extra}))
+
+
 def _hf_olmoe(**extra):
     # QK-norm over the whole q / k projections in pre-norm blocks, grouped-query heads, 4 experts of width 24, top-2
     # not renormalised (OLMoE's default)
@@ -236,9 +250,9 @@ def _random_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _SINGLE_STACK = [_hf_gpt2, _hf_bert, _hf_llama, _hf_llama3, _hf_mistral, _hf_qwen2, _hf_qwen3, _hf_mixtral,
-                 _hf_qwen3_moe, _hf_olmoe, _hf_olmo2, _hf_olmo3, _hf_gemma2, _hf_gemma3, _hf_gpt_oss]
+                 _hf_qwen3_moe, _hf_olmoe, _hf_olmo2, _hf_olmo3, _hf_gemma2, _hf_gemma3, _hf_gpt_oss, _hf_qwen3_next]
 _SINGLE_IDS = ["gpt2", "bert", "llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2",
-               "olmo3", "gemma2", "gemma3", "gpt_oss"]
+               "olmo3", "gemma2", "gemma3", "gpt_oss", "qwen3_next"]
 
 
 @pytest.mark.parametrize("make", _SINGLE_STACK, ids=_SINGLE_IDS)
@@ -376,6 +390,17 @@ def _moe_config(**extra) -> ModelConfig:
     return _llama_config(**{"n_experts": 4, "experts_per_token": 2, **extra})
 
 
+def _qwen3_next_config(**extra) -> ModelConfig:
+    """Qwen3-Next's pieces: a linear_attention block then a gated attention block rotating a quarter of each head,
+    (1 + weight) RMSNorms, per-head QK-norm, MoE blocks with a gated shared expert."""
+    cfg = _moe_config(**{"n_layers": 4, "head_dim": 16, "qk_norm": True, "norm_weight_offset": 1.0, "moe_d_ff": 16,
+                         "n_shared_experts": 2, "moe_first_dense": 1,
+                         "layer_types": ["linear_attention", "full_attention"], **extra})
+    cfg.linear_attention = LinearAttentionConfig(n_heads=4, n_key_heads=2, key_head_dim=8, value_head_dim=6)
+    cfg.attention.output_gate, cfg.rope.partial_factor, cfg.moe.shared_expert_gate = True, 0.25, True
+    return cfg
+
+
 _LLAMA3_ROPE = {"rope_scaling": "llama3", "rope_scaling_factor": 8.0, "rope_original_max_seq_len": 8,
                 "rope_theta": 500.0}
 _YARN_ROPE = {"rope_scaling": "yarn", "rope_scaling_factor": 4.0, "rope_original_max_seq_len": 8,
@@ -412,8 +437,9 @@ _GPT_OSS = {"n_layers": 4, "head_dim": 16, "bias": True, "attention_sinks": True
     ("gemma2", _llama_config(**{**_GEMMA3, "qk_norm": False, "rope_local_theta": None, "attention_softcap": 1.0})),
     ("gemma3_text", _llama_config(**_GEMMA3)),
     ("gpt_oss", _moe_config(**_GPT_OSS)),
+    ("qwen3_next", _qwen3_next_config()),
 ], ids=["llama3", "llama-linear", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2", "olmo3",
-        "gemma2", "gemma3", "gpt_oss"])
+        "gemma2", "gemma3", "gpt_oss", "qwen3_next"])
 def test_export_logits_and_round_trip(arch, cfg):
     """Ours -> HF computes our logits (padded batch, sequences longer than the window) and comes back bitwise."""
     torch.manual_seed(0)
@@ -590,6 +616,69 @@ def test_gpt_oss_published_configs_map_both_ways(name, layers, experts):
     assert count_params(cfg)["total"] == sum(p.numel() for p in hf.parameters())
     back = config_to_hf(cfg)
     assert back.layer_types == published.layer_types and back.rope_parameters == published.rope_parameters
+
+
+def test_qwen3_next_published_config_maps_both_ways():
+    """Qwen/Qwen3-Next-80B-A3B's config.json values (no download) give the bundled config (three linear_attention
+    blocks then a full one, a quarter of each head rotating), whose parameter count the model transformers builds on
+    the meta device has, and come back."""
+    from meshformer.checkpointing.hf import config_to_hf
+    from meshformer.config import load_config
+    from meshformer.model.flops import count_params
+
+    published = transformers.Qwen3NextConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=48, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, max_position_embeddings=262144, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        router_aux_loss_coef=0.001, tie_word_embeddings=False)
+    cfg = config_from_hf(published)
+    assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"] and cfg.rotary_dim == 64
+    assert cfg == load_config("qwen3-next-80b-a3b").model
+    with torch.device("meta"):
+        hf = transformers.Qwen3NextForCausalLM(published)
+    assert count_params(cfg)["total"] == sum(p.numel() for p in hf.parameters()) == 79_674_391_296
+    back = config_to_hf(cfg)
+    assert back.layer_types == published.layer_types and back.rope_parameters == published.rope_parameters
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"shared_expert_intermediate_size": 24}, "shared_expert_intermediate_size=24"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"mlp_only_layers": [2]}, r"mlp_only_layers=\[2\]"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "rope_type='dynamic'"),
+])
+def test_qwen3_next_refuses_what_it_cannot_express(extra, named):
+    with pytest.raises(ValueError, match=f"qwen3_next: {named}"):
+        config_from_hf(_hf_qwen3_next(**extra).config)
+
+
+def test_qwen3_next_export_refuses_what_it_lacks():
+    import dataclasses
+
+    cfg = _qwen3_next_config()
+    for changed, named in ((dataclasses.replace(cfg, bias=True), "bias"),
+                           (dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, output_gate=False)),
+                            "attention_output_gate"),
+                           (dataclasses.replace(cfg, norm=dataclasses.replace(cfg.norm, weight_offset=0.0)),
+                            "norm_weight_offset"),
+                           (dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, shared_expert_gate=False)),
+                            "gated_shared_expert")):
+        with pytest.raises(ValueError, match=named):
+            check_compatible(changed, "qwen3_next")
+    with pytest.raises(ValueError, match="linear_attention"):  # no other architecture has linear_attention blocks
+        check_compatible(_qwen3_next_config(), "qwen3_moe")
+
+
+def test_qwen3_next_mtp_weights_are_left_unread():
+    torch.manual_seed(0)
+    model = from_hf_model(_hf_qwen3_next())
+    state = {**to_hf_state_dict(model), "mtp.fc.weight": torch.zeros(2, 2)}  # the names save_pretrained writes
+    ours = from_hf_state_dict(state, model.cfg, "qwen3_next")
+    assert ours.keys() == model.state_dict().keys()
 
 
 def test_llama31_rope_parameters_map_both_ways():

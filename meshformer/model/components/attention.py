@@ -95,18 +95,20 @@ class Attention(TokenMixer):
         qk_norm = 0 if not cfg.attention.qk_norm else 2 * head if per_head else q_dim + kv_dim
         qkv_bias = cfg.use_qkv_bias
         sinks = cfg.attention.n_heads if cfg.attention.sinks else 0  # one logit per head
-        return (linear(d, q_dim, qkv_bias) + 2 * linear(d, kv_dim, qkv_bias) + linear(q_dim, d, cfg.bias) + qk_norm
-                + sinks)
+        gate = linear(d, q_dim, qkv_bias) if cfg.attention.output_gate else 0  # the query projection's gate rows
+        return (gate + linear(d, q_dim, qkv_bias) + 2 * linear(d, kv_dim, qkv_bias) + linear(q_dim, d, cfg.bias)
+                + qk_norm + sinks)
 
     def flops(self, cfg: ModelConfig, queries: int, keys: int, *, causal: bool) -> int:
-        """Q and O projections over the queries, K and V over the keys, and QK^T and AV: 2 * 2 * queries * keys per
-        query * d_attn, where a window limits the keys per query (causal attention is not halved: PaLM's
-        convention, dense kernels)."""
+        """Q and O projections (and the output gate's rows of Q) over the queries, K and V over the keys, and QK^T
+        and AV: 2 * 2 * queries * keys per query * d_attn, where a window limits the keys per query (causal
+        attention is not halved: PaLM's convention, dense kernels)."""
         head = cfg.attention_head_dim
         d, d_attn, kv_dim = cfg.d_model, cfg.attention.n_heads * head, cfg.kv_heads * head
         window = self.window(cfg)
         per_query = keys if window is None else min(keys, window if causal else 2 * window - 1)
-        return 2 * queries * 2 * d * d_attn + 2 * keys * 2 * d * kv_dim + 4 * d_attn * queries * per_query
+        query_side = 3 if cfg.attention.output_gate else 2
+        return 2 * queries * query_side * d * d_attn + 2 * keys * 2 * d * kv_dim + 4 * d_attn * queries * per_query
 
     # ---------------------------------------------------------------- activations (planner/activations.py)
 
@@ -120,6 +122,8 @@ class Attention(TokenMixer):
         calls = attention_calls(x, self.cross, memory_len, causal)
         kv = b * keys_kept(x, calls) * heads * m.attention_head_dim * a
         total: float = b * s * m.d_model * a
+        if m.attention.output_gate:  # sigmoid(gate) and the gated output o_proj reads
+            total += 2 * qkv_out
         if uses_math_attention(m):
             scores = b * heads * sum(q * k for q, k in calls)
             total += 2 * qkv_out + 2 * kv + scores * FP32 + (scores * a if a != FP32 else 0)
@@ -140,7 +144,8 @@ class Attention(TokenMixer):
         m, b, s, t, a = cfg, x.batch, x.seq, x.tp, x.bytes
         heads, kv_heads = m.attention.n_heads // t, m.kv_heads // t
         calls = attention_calls(x, self.cross, memory_len, causal)
-        total: float = b * s * heads * m.attention_head_dim * a * 2  # q projection and attention output
+        # q projection (with the output gate's rows) and attention output
+        total: float = b * s * heads * m.attention_head_dim * a * (3 if m.attention.output_gate else 2)
         total += 2 * b * (memory_len if self.cross else s) * kv_heads * m.attention_head_dim * a  # k, v projections
         if x.blockwise:  # the kernel's own q/k/v rows (GQA: repeated) and probabilities
             from meshformer.model.blockwise_attention import stored_probabilities

@@ -105,6 +105,10 @@ class _Component:
         """None where each rank's pieces of the sequence can run this kind; else why not, in one clause."""
         return None
 
+    def tensor_parallel(self, cfg: ModelConfig) -> str | None:
+        """None where tensor parallel splits this kind as `tp_rules` say; else why it cannot, in one clause."""
+        return None
+
     def init_rule(self, cfg: ModelConfig, name: str) -> InitFn | None:
         """The initialisation of the parameter `name` (inside the module) where it differs from the model's rules
         (model/init.py); None: those rules."""
@@ -115,12 +119,16 @@ class TokenMixer(_Component):
     """Mixes information across positions: one per block (model.layer_types), reading `[model.<section>]`."""
 
     section = "attention"
+    # its module also takes `padding=` and `documents=`: this call's tokens' (B, T) padding (True: real) and packed
+    # document ids, for a mixer that reads no mask (a recurrence)
+    reads_padding_and_documents: ClassVar[bool] = False
 
     def build(self, cfg: ModelConfig, *, causal: bool) -> nn.Module:
         """The module, called by the block as `module(x, mask, rope=..., bias=..., cache=..., chunk=...)` on the
         normalised (B, T, D) input (cross-attention: `module(x, memory_mask, memory=..., cache=...)`): the mask and
         relative-position keywords of its place in the stack, its `new_cache()` state while generating, and this
-        rank's `SequenceChunk` under context parallel. It returns (B, T, D)."""
+        rank's `SequenceChunk` under context parallel; `padding=` and `documents=` too where the kind reads them.
+        It returns (B, T, D)."""
         raise NotImplementedError
 
     def window(self, cfg: ModelConfig) -> int | None:

@@ -35,6 +35,11 @@ def moe_rows(m: ModelConfig, x: ActivationLayout) -> tuple[int, float]:
     return sent, min(x.moe_imbalance * sent, float(most))
 
 
+def shared_expert_gate(cfg: ModelConfig) -> int:
+    """Weights of the shared experts' gate (moe.shared_expert_gate): one d_model -> 1 projection, no bias."""
+    return cfg.d_model if cfg.moe.shared_expert_gate and cfg.moe.n_shared_experts else 0
+
+
 class MixtureOfExperts(ChannelMixer):
     name = "moe"
     section = "moe"
@@ -52,9 +57,10 @@ class MixtureOfExperts(ChannelMixer):
 
     def tp_rules(self, cfg: ModelConfig) -> Mapping[str, str]:
         # Sequence parallel throughout: each rank routes its own tokens and expert parallelism spans the
-        # tensor-parallel ranks; the router and shared experts hold replicated weights whose gradients sum over ranks.
-        return {"router": TOKENS, **{f"shared_experts.{name}": SEQUENCE for name in ("gate_proj", "up_proj",
-                                                                                   "down_proj")}}
+        # tensor-parallel ranks; the router, shared experts and their gate hold replicated weights whose gradients sum
+        # over ranks.
+        return {"router": TOKENS, "shared_expert_gate": SEQUENCE,
+                **{f"shared_experts.{name}": SEQUENCE for name in ("gate_proj", "up_proj", "down_proj")}}
 
     def params(self, cfg: ModelConfig) -> tuple[int, int]:
         """Active: the router, experts_per_token routed experts and the shared experts, with the router's and
@@ -63,13 +69,15 @@ class MixtureOfExperts(ChannelMixer):
         if cfg.moe.expert_bias_terms:  # gate (if any) and up biases of width expert_d_ff, a down bias of width d_model
             expert += (2 if cfg.gated else 1) * cfg.expert_d_ff + cfg.d_model
         router = cfg.moe.n_experts * (cfg.d_model + int(cfg.moe.router_bias))
-        common = router + dense_params(cfg, cfg.moe.n_shared_experts * cfg.expert_d_ff)
+        common = router + dense_params(cfg, cfg.moe.n_shared_experts * cfg.expert_d_ff) + shared_expert_gate(cfg)
         return common + cfg.moe.n_experts * expert, common + cfg.moe.experts_per_token * expert
 
     def flops(self, cfg: ModelConfig, tokens: int) -> int:
-        """The router and the experts one token passes: experts_per_token routed and the shared ones."""
+        """The router and the experts one token passes: experts_per_token routed and the shared ones (and their
+        gate)."""
         experts = cfg.moe.experts_per_token + cfg.moe.n_shared_experts
-        return 2 * tokens * (cfg.moe.n_experts * cfg.d_model + experts * dense_matmuls(cfg, cfg.expert_d_ff))
+        return 2 * tokens * (cfg.moe.n_experts * cfg.d_model + experts * dense_matmuls(cfg, cfg.expert_d_ff)
+                             + shared_expert_gate(cfg))
 
     def saved_bytes(self, cfg: ModelConfig, x: ActivationLayout) -> float:
         """On this rank's N tokens: the router's fp32 input, the fp32 scores (and logits with a balance loss), the
@@ -87,6 +95,8 @@ class MixtureOfExperts(ChannelMixer):
         total += sent * (h * a + FP32)  # expert outputs and their weights, multiplied in the combine
         if m.moe.n_shared_experts:
             total += factor * n * m.moe.n_shared_experts * m.expert_d_ff * a + (n * h * a if a != FP32 else 0)
+            if shared_expert_gate(m):  # the shared output and its sigmoid gate, multiplied
+                total += n * (h + 1) * a
         return total
 
     def selective_bytes(self, cfg: ModelConfig, x: ActivationLayout) -> float:

@@ -1,0 +1,156 @@
+"""Gated DeltaNet (`model/linear_attention.py`, Qwen3-Next's `linear_attn`) as the token-mixer kind `linear_attention`,
+reading `[model.linear_attention]`: a recurrent state per value head instead of attention over keys, so it reads the
+padding and packed documents of its tokens rather than a mask, and keeps a state of constant size when generating.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from meshformer.errors import ConfigError
+from meshformer.model.components import register
+from meshformer.model.components.base import FP32, ActivationLayout, GenerationCache, InitFn, TokenMixer
+from meshformer.model.config import ModelConfig
+
+
+def _widths(cfg: ModelConfig) -> tuple[int, int]:
+    """(query/key width, value width): all heads' together."""
+    la = cfg.linear_attention
+    return la.key_heads * la.key_head_dim, la.n_heads * la.value_head_dim
+
+
+def linear_attention_matmuls(cfg: ModelConfig) -> int:
+    """Weights one token passes through: the input projections (q, k, v, the output gate z, b and a per value head),
+    the output projection and the convolution's taps over q, k and v."""
+    la = cfg.linear_attention
+    key_dim, value_dim = _widths(cfg)
+    projections = cfg.d_model * (2 * key_dim + 2 * value_dim + 2 * la.n_heads) + value_dim * cfg.d_model
+    return projections + (2 * key_dim + value_dim) * la.conv_width
+
+
+def delta_rule_flops(cfg: ModelConfig) -> int:
+    """Forward FLOPs per token of the chunked gated delta rule (model/gated_delta.py) over every value head, with
+    C = chunk_size, Dk, Dv the head widths: per chunk and head, K K^T, Q K^T (C^2 Dk each), the triangular
+    inverse (C^3 / 2), W_v and W_k (C^2 Dv, C^2 Dk), the state read and write of the scan (2 C Dk Dv), the
+    outputs P U (C^2 Dv) and Q S (C Dk Dv); 2 FLOPs a multiply-add, divided by the C tokens of the chunk."""
+    la = cfg.linear_attention
+    chunk, dk, dv = la.chunk_size, la.key_head_dim, la.value_head_dim
+    per_chunk = chunk * chunk * (3 * dk + 2 * dv) + chunk ** 3 // 2 + 3 * chunk * dk * dv
+    return 2 * per_chunk * la.n_heads // chunk
+
+
+class LinearAttention(TokenMixer):
+    """Gated DeltaNet: a short causal convolution, then the gated delta rule per value head, a gated RMSNorm and
+    the output projection."""
+
+    name = "linear_attention"
+    section = "linear_attention"
+    reads_padding_and_documents = True
+
+    def build(self, cfg: ModelConfig, *, causal: bool) -> nn.Module:
+        from meshformer.model.linear_attention import GatedDeltaNet
+
+        return GatedDeltaNet(cfg)
+
+    def check(self, cfg: ModelConfig) -> None:
+        from meshformer.model.families import get_family_spec  # the families' formulas import this package
+
+        la = cfg.linear_attention
+        if get_family_spec(cfg.family).has_encoder:
+            raise ConfigError(f"model.layer_types has linear_attention blocks, which run causally, but family "
+                              f"{cfg.family!r} has a bidirectional encoder", 'use family = "decoder"')
+        for key in ("n_heads", "key_head_dim", "value_head_dim", "conv_width", "chunk_size"):
+            if getattr(la, key) < 1:
+                raise ConfigError(f"model.linear_attention.{key}={getattr(la, key)} must be positive")
+        if la.key_heads < 1 or la.n_heads % la.key_heads:
+            raise ConfigError(f"model.linear_attention.n_key_heads={la.n_key_heads} must divide n_heads={la.n_heads} "
+                              "(each query/key head serves a group of value heads)",
+                              "choose n_key_heads dividing n_heads, or leave it unset (= n_heads)")
+
+    def context_parallel(self, cfg: ModelConfig) -> str | None:
+        return "the recurrent state would have to pass from rank to rank along the sequence, which is not implemented"
+
+    def tensor_parallel(self, cfg: ModelConfig) -> str | None:
+        return "splitting their heads over tensor-parallel ranks is not implemented"
+
+    def init_rule(self, cfg: ModelConfig, name: str) -> InitFn | None:
+        """transformers' Qwen3-Next: dt_bias 1, A_log log(uniform(0.01, 16)), the gated norm's scale 1 (no weight
+        offset); out_proj as a residual output (normal(init_std / sqrt(2 layers)), or Xavier)."""
+        if name == "dt_bias":
+            return lambda t, g: t.fill_(1.0)
+        if name == "A_log":
+            return lambda t, g: t.uniform_(0.01, 16.0, generator=g).log_()
+        if name == "norm.weight":
+            return lambda t, g: t.fill_(1.0)
+        if name == "out_proj.weight" and cfg.init.method != "xavier":
+            from meshformer.model.families import get_family_spec
+
+            std = cfg.init.std / math.sqrt(2 * get_family_spec(cfg.family).total_layers(cfg))
+            return lambda t, g: nn.init.normal_(t, std=std, generator=g)
+        return None
+
+    def new_cache(self) -> GenerationCache | None:
+        from meshformer.model.linear_attention import LinearCache
+
+        return LinearCache()
+
+    def cache_per_token(self, cfg: ModelConfig) -> int:
+        """0: its cache does not grow with the tokens. It holds, per sequence, the convolution's last conv_width - 1
+        inputs (2 key widths + the value width each) and the (key_head_dim x value_head_dim) state of every value
+        head, whatever the length."""
+        return 0
+
+    # ---------------------------------------------------------------- parameters and FLOPs
+
+    def params(self, cfg: ModelConfig) -> int:
+        """The matmul weights and taps, A_log and dt_bias per value head, the gated norm's weight (one value head
+        wide, shared by the heads). No biases."""
+        la = cfg.linear_attention
+        return linear_attention_matmuls(cfg) + 2 * la.n_heads + la.value_head_dim
+
+    def flops(self, cfg: ModelConfig, queries: int, keys: int, *, causal: bool) -> int:
+        """Its projections and taps over every token, and the chunked delta rule per token (`delta_rule_flops`): linear
+        in the length, no keys."""
+        return 2 * queries * linear_attention_matmuls(cfg) + queries * delta_rule_flops(cfg)
+
+    # ---------------------------------------------------------------- activations (planner/activations.py)
+
+    def saved_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
+        """Per token, in the activation dtype: the normalised input, the convolution's input and output, z, b and
+        a, the gated norm's output and out_proj's input; in float32 (the rule's compute dtype), per value head:
+        q and k (repeated to every value head, before and after their L2 norm), v, W_v, W_k, the written keys, the
+        updates and the output, the C x C within-chunk products (decays, K K^T, its inverse, Q K^T), and each
+        chunk's entering state; the gated norm's float32 input and gate."""
+        la, b, s, a = cfg.linear_attention, x.batch, x.seq, x.bytes
+        key_dim, value_dim = _widths(cfg)
+        channels = 2 * key_dim + value_dim
+        chunk, heads, dk, dv = la.chunk_size, la.n_heads, la.key_head_dim, la.value_head_dim
+        padded = -(-s // chunk) * chunk
+        per_token = (cfg.d_model + 2 * channels + 2 * value_dim + 2 * heads) * a + 4 * heads * FP32
+        rule = heads * (padded * (5 * dk + 4 * dv + 5 * chunk) * FP32 + (padded // chunk + 1) * dk * dv * FP32)
+        norm = s * (3 * value_dim) * FP32
+        return b * (s * per_token + rule + norm)
+
+    def selective_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
+        """Its matmul outputs (the two input projections, the rule's batched products: K K^T, Q K^T, W_v, W_k,
+        the outputs, the scan's updates and states) and out_proj's output."""
+        la, b, s, a = cfg.linear_attention, x.batch, x.seq, x.bytes
+        key_dim, value_dim = _widths(cfg)
+        chunk, heads, dk, dv = la.chunk_size, la.n_heads, la.key_head_dim, la.value_head_dim
+        padded = -(-s // chunk) * chunk
+        projections = s * (2 * key_dim + 2 * value_dim + 2 * heads + cfg.d_model) * a
+        rule = heads * (padded * (2 * chunk + dk + 3 * dv) * FP32 + (padded // chunk + 1) * dk * dv * FP32)
+        return b * (projections + rule)
+
+    def backward_bytes(self, cfg: ModelConfig, x: ActivationLayout, freed: float) -> float:
+        """The float32 gradients of the rule's per-chunk tensors alive at once: those of q, k, v, W_v, W_k and the
+        C x C products, and of every chunk's state."""
+        la, b, s = cfg.linear_attention, x.batch, x.seq
+        chunk, heads, dk, dv = la.chunk_size, la.n_heads, la.key_head_dim, la.value_head_dim
+        padded = -(-s // chunk) * chunk
+        return b * heads * (padded * (3 * dk + 3 * dv + 2 * chunk) + (padded // chunk + 1) * dk * dv) * FP32
+
+
+register(LinearAttention())

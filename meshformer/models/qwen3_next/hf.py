@@ -1,0 +1,146 @@
+"""Qwen3-Next (Qwen3NextForCausalLM): a hybrid of Gated DeltaNet blocks (layer_types "linear_attention": our
+linear_attention blocks, whose token mixer `attn` holds what HF names `linear_attn`, [model.linear_attention] from
+the linear_* keys) and gated attention blocks ("full_attention": Qwen3's attention with per-head QK-norm and a
+sigmoid output gate read from the query projection = our attention.output_gate, rotating the first
+partial_rotary_factor of each head = our rope.partial_factor). Every RMSNorm but the Gated DeltaNet's scales by
+(1 + weight) = our norm.weight_offset = 1.
+
+MoE blocks (decoder_sparse_step, mlp_only_layers as for Qwen3-MoE) route top-k of a softmax over all experts,
+renormalised when norm_topk_prob, with per-expert mlp.experts.{j}.gate_proj / up_proj / down_proj (what
+save_pretrained writes) and one shared expert of shared_expert_intermediate_size = our n_shared_experts x moe_d_ff,
+gated by sigmoid(mlp.shared_expert_gate) = our moe.shared_expert_gate. router_aux_loss_coef <-> moe_aux_loss.
+The multi-token-prediction weights of published checkpoints (mtp.*) are left unread.
+
+Refused: attention_bias, a shared expert width that is not a multiple of moe_intermediate_size, another
+hidden_act, mlp_only_layers other than the first blocks, rotary scaling other than ours.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshformer.checkpointing.hf_adapter import ANY, HFAdapter, refuse
+from meshformer.checkpointing.megatron_config import moe_every_pattern
+from meshformer.config import ModelConfig
+from meshformer.config.migrate import model_from_flat
+from meshformer.model.config import LinearAttentionConfig
+from meshformer.model.families.naming import Rule
+from meshformer.models import llama_like
+
+ARCH = "qwen3_next"
+EXPERTS: llama_like.Experts = ("mlp.gate", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj"))
+# the Gated DeltaNet's tensors, the same names on both sides below the token mixer
+LINEAR_PARAMS = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
+                 "out_proj.weight")
+
+
+def is_linear(cfg: ModelConfig, block: int) -> bool:
+    """Whether block `block` is a Gated DeltaNet (linear_attention) block."""
+    return cfg.layer_type(block) == "linear_attention"
+
+
+def shortest_pattern(kinds: list[str]) -> list[str]:
+    """The shortest list whose repetition gives `kinds` (our layer_types may be a repeated pattern)."""
+    for size in range(1, len(kinds) + 1):
+        if len(kinds) % size == 0 and kinds[:size] * (len(kinds) // size) == kinds:
+            return kinds[:size]
+    return kinds
+
+
+class _RopeWithoutPartial:
+    """A config whose rope_parameters lack partial_rotary_factor (read here, not by llama_like)."""
+
+    def __init__(self, config: Any, rope: dict[str, Any]) -> None:
+        self._config, self.rope_parameters = config, rope
+
+    def __getattr__(self, key: str) -> Any:
+        return getattr(self._config, key)
+
+
+def config_from_hf(c: Any) -> ModelConfig:
+    llama_like.refuse_attention_bias(c, ARCH)
+    rope = dict(c.rope_parameters or {})
+    partial = float(rope.pop("partial_rotary_factor", None) or getattr(c, "partial_rotary_factor", None) or 1.0)
+    fields = llama_like.fields_from_hf(_RopeWithoutPartial(c, rope), ARCH, window=False)
+    kinds = list(c.layer_types)
+    if set(kinds) - {"linear_attention", "full_attention"}:
+        raise refuse(ARCH, f"layer_types={kinds}", "holds kinds other than linear_attention and full_attention")
+    moe: dict[str, Any] = {}
+    if c.num_experts > 0:
+        shared, width = c.shared_expert_intermediate_size, c.moe_intermediate_size
+        if shared < width or shared % width:
+            raise refuse(ARCH, f"shared_expert_intermediate_size={shared}", f"is not a multiple of "
+                         f"moe_intermediate_size={width} (meshformer's shared experts are n_shared_experts x "
+                         "moe_d_ff wide)")
+        moe = dict(n_experts=c.num_experts, experts_per_token=c.num_experts_per_tok, moe_d_ff=width,
+                   n_shared_experts=shared // width, router_renormalize=c.norm_topk_prob,
+                   moe_every=c.decoder_sparse_step, moe_first_dense=len(c.mlp_only_layers or []),
+                   moe_aux_loss=c.router_aux_loss_coef)
+    linear = LinearAttentionConfig(
+        n_heads=c.linear_num_value_heads, n_key_heads=c.linear_num_key_heads, key_head_dim=c.linear_key_head_dim,
+        value_head_dim=c.linear_value_head_dim, conv_width=c.linear_conv_kernel_dim)
+    cfg = model_from_flat(**fields, qk_norm=True, norm_weight_offset=1.0, **moe)
+    cfg.layer_types = shortest_pattern(kinds) if "linear_attention" in kinds else []
+    cfg.linear_attention = linear
+    cfg.attention.output_gate = True
+    cfg.rope.partial_factor = partial
+    cfg.moe.shared_expert_gate = c.num_experts > 0
+    return cfg
+
+
+def config_to_hf(cfg: ModelConfig) -> Any:
+    import transformers
+
+    first_dense, every = moe_every_pattern([cfg.is_moe(i) for i in range(cfg.n_layers)])
+    fields = llama_like.fields_to_hf(cfg)
+    fields["rope_parameters"] = {**fields["rope_parameters"], "partial_rotary_factor": cfg.rope.partial_factor}
+    la = cfg.linear_attention
+    moe = cfg.moe.n_experts > 0
+    return transformers.Qwen3NextConfig(
+        **fields, intermediate_size=cfg.ffn.d_ff, attention_bias=False,
+        layer_types=["linear_attention" if is_linear(cfg, i) else "full_attention" for i in range(cfg.n_layers)],
+        linear_num_value_heads=la.n_heads, linear_num_key_heads=la.key_heads, linear_key_head_dim=la.key_head_dim,
+        linear_value_head_dim=la.value_head_dim, linear_conv_kernel_dim=la.conv_width,
+        num_experts=cfg.moe.n_experts, num_experts_per_tok=cfg.moe.experts_per_token,
+        moe_intermediate_size=cfg.expert_d_ff,
+        shared_expert_intermediate_size=cfg.moe.n_shared_experts * cfg.expert_d_ff if moe else 0,
+        norm_topk_prob=cfg.moe.router_renormalize, decoder_sparse_step=every if moe else 1,
+        mlp_only_layers=list(range(first_dense)) if moe else [], router_aux_loss_coef=cfg.moe.aux_loss)
+
+
+def rules(cfg: ModelConfig) -> list[Rule]:
+    """Llama's names with the Qwen3-MoE experts, Gated DeltaNet's in the linear_attention blocks, the shared
+    expert and its gate in the MoE blocks."""
+    linear = {f"decoder_layers.{i}." for i in range(cfg.n_layers) if is_linear(cfg, i)}
+    out = [r for r in llama_like.rules(cfg, EXPERTS)
+           if not any(r.ours[0].startswith(f"{block}attn.") for block in linear)]
+    for i in range(cfg.n_layers):
+        o, t = f"decoder_layers.{i}", f"model.layers.{i}"
+        if is_linear(cfg, i):
+            out += [Rule((f"{o}.attn.{p}",), f"{t}.linear_attn.{p}") for p in LINEAR_PARAMS]
+        if cfg.is_moe(i):
+            out += [Rule((f"{o}.ffn.shared_experts.{p}_proj.weight",), f"{t}.mlp.shared_expert.{p}_proj.weight")
+                    for p in ("gate", "up", "down")]
+            out.append(Rule((f"{o}.ffn.shared_expert_gate.weight",), f"{t}.mlp.shared_expert_gate.weight"))
+    return out
+
+
+def extra_features(cfg: ModelConfig) -> dict[str, Any]:
+    """MoE blocks have the one gated shared expert Qwen3-Next always builds."""
+    moe = cfg.moe.n_experts > 0
+    return {"gated_shared_expert": not moe or (cfg.moe.n_shared_experts > 0 and cfg.moe.shared_expert_gate)}
+
+
+ADAPTER = HFAdapter(
+    model_type=ARCH, model_class="Qwen3NextForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    rules=rules, base_prefix="model.", layer_keys=("num_hidden_layers",),
+    requirements={**llama_like.REQUIREMENTS, "bias": False, "qk_norm": True, "norm_weight_offset": 1.0,
+                  "attention_output_gate": True, "rope_partial_factor": ANY, "linear_attention": {True, False},
+                  "moe": {True, False}, "n_shared_experts": ANY, "shared_expert_gate": {True, False},
+                  "gated_shared_expert": True, "router_renormalize": {True, False},
+                  "moe_blocks": {"every block", "some"}},
+    extra_features=extra_features,
+    size_keys=(*llama_like.SIZE_KEYS, "head_dim", "linear_num_value_heads", "linear_num_key_heads",
+               "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"),
+    ignored=r"^mtp\.",
+)

@@ -1,0 +1,143 @@
+"""Gated DeltaNet (meshformer/model/linear_attention.py) against transformers' Qwen3NextGatedDeltaNet with copied
+weights, in fp32: a padded batch, grouped value heads, a cached prefill then decoding steps; packed documents equal
+the documents run one by one (state and convolution window restart); gradients flow to every parameter."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from meshformer.config.migrate import model_from_flat
+from meshformer.model.config import LinearAttentionConfig, ModelConfig
+from meshformer.model.linear_attention import GatedDeltaNet, LinearCache
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.qwen3_next import modeling_qwen3_next as hf  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+D = 32
+
+
+def hf_config(**extra: Any) -> Any:
+    fields: dict[str, Any] = dict(
+        vocab_size=40, hidden_size=D, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=6, linear_conv_kernel_dim=4, num_experts=0, layer_types=["linear_attention"] * 2)
+    return transformers.Qwen3NextConfig(**{**fields, **extra})
+
+
+def ours(chunk_size: int = 4, **extra: Any) -> ModelConfig:
+    return model_from_flat(d_model=D, norm="rmsnorm", norm_eps=1e-6, norm_weight_offset=1.0, bias=False,
+                           layer_types=["linear_attention"],
+                           linear_attention=LinearAttentionConfig(n_heads=4, n_key_heads=2, key_head_dim=8,
+                                                                  value_head_dim=6, conv_width=4,
+                                                                  chunk_size=chunk_size), **extra)
+
+
+def pair(chunk_size: int = 4, seed: int = 0) -> tuple[GatedDeltaNet, Any]:
+    torch.manual_seed(seed)
+    theirs = hf.Qwen3NextGatedDeltaNet(hf_config(), layer_idx=0).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():  # every weight away from its init (the norm's ones, dt_bias's ones too)
+            p.add_(torch.randn_like(p) * 0.3)
+    mine = GatedDeltaNet(ours(chunk_size))
+    missing = mine.load_state_dict(theirs.state_dict(), strict=True)
+    assert not missing.missing_keys and not missing.unexpected_keys
+    return mine.eval(), theirs
+
+
+@pytest.mark.parametrize("chunk_size", [3, 64])
+def test_matches_transformers_on_a_padded_batch(chunk_size: int) -> None:
+    mine, theirs = pair(chunk_size)
+    x = torch.randn(3, 11, D)
+    padding = torch.ones(3, 11, dtype=torch.bool)
+    padding[1, :4] = False  # left padding
+    padding[2, 7:] = False  # right padding
+    with torch.no_grad():
+        expected = theirs(x, attention_mask=padding.long())
+        got = mine(x, padding=padding)
+    real = padding[..., None].expand_as(got)
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+
+
+def test_cached_prefill_and_steps_match_transformers_cache() -> None:
+    mine, theirs = pair()
+    config = hf_config()
+    x = torch.randn(2, 9, D)
+    cache_hf = transformers.DynamicCache(config=config)
+    ours_cache = LinearCache()
+    with torch.no_grad():
+        expected = [theirs(x[:, :6], cache=cache_hf)]
+        got = [mine(x[:, :6], cache=ours_cache)]
+        for t in range(6, 9):
+            expected.append(theirs(x[:, t:t + 1], cache=cache_hf))
+            got.append(mine(x[:, t:t + 1], cache=ours_cache))
+        whole = mine(x)
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(expected, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(got, 1), whole, atol=1e-5, rtol=1e-5)
+    assert ours_cache.length == 9 and ours_cache.state is not None and ours_cache.conv is not None
+    assert ours_cache.state.shape == (2, 4, 8, 6) and ours_cache.conv.shape == (2, 3, 2 * 16 + 24)
+
+
+def test_packed_documents_equal_the_documents_one_by_one() -> None:
+    mine, _ = pair(chunk_size=4)
+    lengths = [5, 1, 7, 3]
+    x = torch.randn(1, sum(lengths), D)
+    documents = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    with torch.no_grad():
+        packed = mine(x, documents=documents)
+        alone = torch.cat([mine(part) for part in x.split(lengths, dim=1)], dim=1)
+        crossing = mine(x)  # without the resets the later documents see the earlier ones
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+    assert (crossing[:, lengths[0]:] - alone[:, lengths[0]:]).abs().max() > 1e-3
+
+
+def test_gradients_reach_every_parameter() -> None:
+    mine, _ = pair()
+    mine.train()
+    mine(torch.randn(2, 7, D)).square().sum().backward()
+    for name, p in mine.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def hybrid(**extra: Any) -> ModelConfig:
+    cfg = ours(chunk_size=4, vocab_size=50, n_layers=3, n_heads=4, head_dim=8, position="rope", d_ff=48,
+               activation="swiglu", qk_norm=True, document_mask=True, **extra)
+    cfg.layer_types = ["linear_attention", "linear_attention", "full_attention"]
+    return cfg
+
+
+def test_a_packed_hybrid_model_equals_its_documents_one_by_one() -> None:
+    """Through the whole model: attention stays within each document (document_mask) and so do the linear blocks'
+    states and convolution windows."""
+    from meshformer.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(hybrid()).eval()
+    lengths = [6, 2, 9]
+    ids = torch.randint(0, 50, (1, sum(lengths)))
+    documents = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None]
+    with torch.no_grad():
+        packed = model(ids, doc_ids=documents)
+        alone = torch.cat([model(part) for part in ids.split(lengths, dim=1)], dim=1)
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_initialisation_follows_transformers_rules() -> None:
+    """A_log = log(uniform(0.01, 16)), dt_bias 1, the gated norm's scale 1 even with (1 + weight) RMSNorms elsewhere
+    (their weights start at 0), the convolution and projections normal."""
+    from meshformer.model import Transformer
+
+    model = Transformer(hybrid(), init_seed=3)
+    mixer = model.decoder_layers["0"].attn
+    assert isinstance(mixer, GatedDeltaNet) and model.decoder_layers["0"].mixers["attn"] == "linear_attention"
+    assert torch.equal(mixer.dt_bias, torch.ones(4)) and torch.equal(mixer.norm.weight, torch.ones(6))
+    decay = mixer.A_log.exp()
+    assert decay.min() >= 0.01 and decay.max() <= 16 and decay.std() > 0
+    assert torch.equal(model.decoder_layers["0"].attn_norm.weight, torch.zeros(D))
+    assert mixer.conv1d.weight.std() > 0 and mixer.in_proj_qkvz.weight.std() > 0
+    again = Transformer(hybrid(), init_seed=3)
+    assert torch.equal(again.decoder_layers["0"].attn.A_log, mixer.A_log)  # from the seed and name alone
