@@ -36,8 +36,14 @@ convolution before the rule, with the same resets and a carried window for gener
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
+
+Rule = TypeVar("Rule", bound=Callable[..., tuple[torch.Tensor, torch.Tensor | None]])
 
 L2_EPS = 1e-6  # the checkpoints' kernels (flash-linear-attention) normalise q and k with this epsilon
 
@@ -45,6 +51,18 @@ L2_EPS = 1e-6  # the checkpoints' kernels (flash-linear-attention) normalise q a
 def l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dimension."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _without_autocast(rule: Rule) -> Rule:
+    """Run `rule` in the compute dtype it picks itself, whatever autocast the caller is under (autocast would turn
+    its float32 products back into half precision and cannot write the scan's preallocated float32 outputs)."""
+
+    @functools.wraps(rule)
+    def run(q: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+        with torch.autocast(q.device.type, enabled=False):
+            return rule(q, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -99,6 +117,7 @@ def doc_ids_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cu_seqlens[1:], positions, right=True)[None]
 
 
+@_without_autocast
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, *, scale: float | None = None,
                                initial_state: torch.Tensor | None = None, output_final_state: bool = False,
@@ -171,6 +190,7 @@ class _StateScan(torch.autograd.Function):
         return d_u, d_w_k, d_k_write, d_decay, d_s[0]
 
 
+@_without_autocast
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            *, chunk_size: int = 64, scale: float | None = None,
                            initial_state: torch.Tensor | None = None, output_final_state: bool = False,

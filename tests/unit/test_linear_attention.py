@@ -103,6 +103,27 @@ def test_gradients_reach_every_parameter() -> None:
         assert p.grad is not None and p.grad.abs().sum() > 0, name
 
 
+def test_the_rule_computes_in_float32_under_autocast() -> None:
+    """Under bf16 autocast (bf16 training) the block runs forward and backward, and the delta rule inside it gives
+    exactly its float32 result: autocast neither lowers its products nor breaks its preallocated scan."""
+    from meshformer.model.gated_delta import chunk_gated_delta_rule
+
+    mine, _ = pair()
+    mine.train()
+    x = torch.randn(2, 9, D)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mine(x)
+    out.float().square().sum().backward()
+    assert out.dtype == torch.bfloat16 and all(p.grad is not None for p in mine.parameters())
+    torch.testing.assert_close(out.float(), mine(x), atol=0.1, rtol=0.05)
+    q, k = torch.randn(2, 9, 2, 8), torch.randn(2, 9, 2, 8)
+    v, g, beta = torch.randn(2, 9, 4, 6), -torch.rand(2, 9, 4), torch.rand(2, 9, 4)
+    expected, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=4, use_qk_l2norm=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=4, use_qk_l2norm=True)
+    assert got.dtype == torch.float32 and torch.equal(got, expected)
+
+
 def hybrid(**extra: Any) -> ModelConfig:
     cfg = ours(chunk_size=4, vocab_size=50, n_layers=3, n_heads=4, head_dim=8, position="rope", d_ff=48,
                activation="swiglu", qk_norm=True, document_mask=True, **extra)
