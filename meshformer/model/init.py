@@ -7,9 +7,10 @@ this rank keeps its shard (`distribute_tensor` without communication), so at mos
 flight and nothing loops over elements on the host.
 
 The rules: a block component's own where it declares one (`init_rule`: attention sinks, normal(init_std) under either
-method; Gated DeltaNet's A_log, dt_bias and gated norm); else norm weights 1 (less model.norm.weight_offset), every bias 0 (the experts' stacked ones too); other
-weights Xavier-uniform (`init="xavier"`, the original paper) or normal(init_std), with residual outputs (o_proj,
-down_proj, the experts' down_proj) scaled by 1/sqrt(2 * layers).
+method; Gated DeltaNet's A_log, dt_bias, gated norm and out_proj); else norm weights 1 (less
+model.norm.weight_offset), every bias 0 (the experts' stacked ones too); other weights Xavier-uniform
+(`init="xavier"`, the original paper) or normal(init_std), with residual outputs (o_proj, down_proj, the experts'
+down_proj) scaled by 1/sqrt(2 * layers).
 """
 
 from __future__ import annotations

@@ -162,3 +162,38 @@ def test_initialisation_follows_transformers_rules() -> None:
     assert mixer.conv1d.weight.std() > 0 and mixer.in_proj_qkvz.weight.std() > 0
     again = Transformer(hybrid(), init_seed=3)
     assert torch.equal(again.decoder_layers["0"].attn.A_log, mixer.A_log)  # from the seed and name alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "key_heads", "key_dim", "value_dim", "chunk", "batch", "seq"), [
+    (4, 2, 16, 24, 8, 1, 50), (8, 4, 32, 32, 64, 2, 256), (4, 2, 64, 96, 32, 1, 300)])
+def test_planner_bytes_follow_what_autograd_keeps(dtype, heads, key_heads, key_dim, value_dim, chunk, batch,
+                                                  seq) -> None:
+    """The kind's saved_bytes against the tensors the module's graph keeps (saved-tensor hooks, parameters
+    excluded), in float32 and under bf16 autocast: within 12% (which tensors share storage with views varies with
+    the shapes)."""
+    from meshformer.model.components import TOKEN_MIXERS
+    from meshformer.planner.activations import ActivationShape
+
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, layer_types=["linear_attention"],
+                      linear_attention=LinearAttentionConfig(n_heads=heads, n_key_heads=key_heads,
+                                                             key_head_dim=key_dim, value_head_dim=value_dim,
+                                                             chunk_size=chunk))
+    module = GatedDeltaNet(cfg)
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    x = torch.randn(batch, seq, cfg.d_model).to(dtype).requires_grad_()
+    half = dtype != torch.float32
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16,
+                                                                                      enabled=half):
+        module(x)
+    layout = ActivationShape(batch, seq, 1, 2 if half else 4, 4)
+    predicted = TOKEN_MIXERS["linear_attention"].saved_bytes(cfg, layout, memory_len=0, causal=True)
+    assert abs(predicted / sum(kept.values()) - 1) < 0.12, (predicted, sum(kept.values()))

@@ -118,24 +118,29 @@ class LinearAttention(TokenMixer):
     # ---------------------------------------------------------------- activations (planner/activations.py)
 
     def saved_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
-        """Per token, in the activation dtype: the normalised input, the convolution's input and output, z, b and
-        a, the gated norm's output and out_proj's input; in float32 (the rule's compute dtype), per value head:
-        q and k (repeated to every value head, before and after their L2 norm), v, W_v, W_k, the written keys, the
-        updates and the output, the C x C within-chunk products (decays, K K^T, its inverse, Q K^T), and each
-        chunk's entering state; the gated norm's float32 input and gate."""
+        """What its autograd graph keeps (read off `saved_tensors_hooks`). In the activation dtype, per token: the
+        normalised input, the convolution's input, its padded window and its output, out_proj's input. In float32
+        per token: b, a and the decay's terms per value head, the gated norm's input, output, gate, silu(gate) and
+        product. In float32 per value head and token of the sequence padded to whole chunks of C: the delta rule's
+        q and k (repeated to every value head) in the 12 forms its products keep, v (copied to float32 from half
+        precision), beta v, W_v and the updates, 7 rows of C x C within-chunk tensors (decays, K K^T, its inverse,
+        Q K^T) and 7 scalars; and each chunk's (key_head_dim x value_head_dim) entering state, plus the final
+        one. Within 12% of the measurement (tests/unit/test_linear_attention.py): which of these share storage
+        through views depends on the shapes."""
         la, b, s, a = cfg.linear_attention, x.batch, x.seq, x.bytes
         key_dim, value_dim = _widths(cfg)
         channels = 2 * key_dim + value_dim
         chunk, heads, dk, dv = la.chunk_size, la.n_heads, la.key_head_dim, la.value_head_dim
-        padded = -(-s // chunk) * chunk
-        per_token = (cfg.d_model + 2 * channels + 2 * value_dim + 2 * heads) * a + 4 * heads * FP32
-        rule = heads * (padded * (5 * dk + 4 * dv + 5 * chunk) * FP32 + (padded // chunk + 1) * dk * dv * FP32)
-        norm = s * (3 * value_dim) * FP32
-        return b * (s * per_token + rule + norm)
+        chunks = -(-s // chunk)
+        per_token = (cfg.d_model + 3 * channels + value_dim) * a + (5 * value_dim + 4 * heads) * FP32
+        values = 3 if a == FP32 else 4  # a half-precision v is copied to float32 first
+        rule = heads * (chunks * chunk * (12 * dk + values * dv + 7 * chunk + 7) + (chunks + 1) * dk * dv) * FP32
+        return b * (s * per_token + rule)
 
     def selective_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
-        """Its matmul outputs (the two input projections, the rule's batched products: K K^T, Q K^T, W_v, W_k,
-        the outputs, the scan's updates and states) and out_proj's output."""
+        """An estimate of what the selective policy keeps: its matmul outputs (the two input projections, the
+        rule's batched products K K^T, Q K^T, W_v, W_k and the outputs, the scan's updates and states) and
+        out_proj's output."""
         la, b, s, a = cfg.linear_attention, x.batch, x.seq, x.bytes
         key_dim, value_dim = _widths(cfg)
         chunk, heads, dk, dv = la.chunk_size, la.n_heads, la.key_head_dim, la.value_head_dim
@@ -145,8 +150,8 @@ class LinearAttention(TokenMixer):
         return b * (projections + rule)
 
     def backward_bytes(self, cfg: ModelConfig, x: ActivationLayout, freed: float) -> float:
-        """The float32 gradients of the rule's per-chunk tensors alive at once: those of q, k, v, W_v, W_k and the
-        C x C products, and of every chunk's state."""
+        """An estimate: the float32 gradients of the rule's per-chunk tensors alive at once (those of q, k, v, W_v,
+        W_k and the C x C products) and of every chunk's state."""
         la, b, s = cfg.linear_attention, x.batch, x.seq
         chunk, heads, dk, dv = la.chunk_size, la.n_heads, la.key_head_dim, la.value_head_dim
         padded = -(-s // chunk) * chunk
