@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 import numpy as np
-from helpers.data import kjv_docs
 
+from helpers.data import kjv_docs
 from meshformer.data import load_tokenizer
 
 

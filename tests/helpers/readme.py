@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
 from helpers.common import ROOT
 
 SKIP_MARKER = re.compile(r"<!-- not run by the tests: (.+?) -->")
