@@ -32,11 +32,11 @@ def _as_run(shown: Shown) -> str:
     a server on any free port."""
     line, words = shown.line, shown.words
     if _trains(words):
-        if words[0] == "meshformer" and "--new-run" not in words:
-            line += " --new-run"  # beside the runs of earlier commands, which later commands read
         if "--set" in words and any(w.startswith("--") for w in words[words.index("--set") + 1:]):
             raise AssertionError(f"{shown.page}: put --set last in `{shown.line}` (the test appends overrides)")
         line += (" " if "--set" in words else " --set ") + " ".join(SHORT_RUN)
+        if words[0] == "meshformer" and "--new-run" not in words:
+            line += " --new-run"  # beside the runs of earlier commands, which later commands read
     if words[1:2] == ["tensorboard"]:
         line += " --port 0"
     return line
