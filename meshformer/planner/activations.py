@@ -267,7 +267,7 @@ def block_backward_extra(m: ModelConfig, x: ActivationShape, moe: bool = False) 
         attention += 2 * b * heads * sum(q * k for q, k in calls) * FP32
     elif x.blockwise:
         # its workspace is large, but by then the feed-forward branch has back-propagated and freed what it kept
-        # (under context parallel counted at this rank's length: within 6% of measured, see README)
+        # (under context parallel counted at this rank's length: within 6% of measured, docs/benchmarks/parallel.md)
         branch = _moe_branch_saved if moe else _ffn_branch_saved
         attention = backward_workspace(b * heads, s, m.attention_head_dim, a) - branch(m, x, s // t if t > 1 else s)
     return max(ffn_grads, attention) + 2 * b * s * m.d_model * a

@@ -61,7 +61,7 @@ def write_doc_inputs(folder: Path) -> None:
     # Token ids of GPT-2's tokenizer, the one the pre-tokenized examples name.
     gpt2 = load_tokenizer("gpt2")
     ids = [gpt2.encode(d) for d in docs]
-    _megatron(folder / "mcore" / "my_text_document", [[*d, gpt2.eos_id] for d in ids])
+    _megatron(folder / "megatron" / "my_text_document", [[*d, gpt2.eos_id] for d in ids])
     flat = np.array([t for d in ids for t in [*d, gpt2.eos_id]], dtype=np.uint16)
     (folder / "nanogpt").mkdir()
     flat.tofile(folder / "nanogpt" / "train.bin")
