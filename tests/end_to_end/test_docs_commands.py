@@ -42,43 +42,55 @@ def _as_run(shown: Shown) -> str:
     return line
 
 
-@pytest.mark.slow
-def test_every_shown_command_runs(tmp_path):
-    folder = tmp_path / "user"
+PAGES = list(dict.fromkeys(s.page for s in shown_commands() if not is_run_by_ci(s)))
+
+
+@pytest.fixture(scope="module")
+def user_folder(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """(a folder holding the inputs the pages name, the environment the commands run in): one for all pages, in
+    page order, since later pages read what earlier ones wrote (runs/tiny-gpt, hf/tiny-gpt, ...)."""
+    root = tmp_path_factory.mktemp("docs")
+    folder = root / "user"
     folder.mkdir()
     write_doc_inputs(folder)
-    bin_dir = tmp_path / "bin"
+    bin_dir = root / "bin"
     bin_dir.mkdir()
     for name, module in (("meshformer", "meshformer"), ("torchrun", "torch.distributed.run")):
         (bin_dir / name).write_text(f'#!/bin/sh\nexec "{sys.executable}" -m {module} "$@"\n')
         (bin_dir / name).chmod(0o755)
     (bin_dir / "python").symlink_to(sys.executable)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
-           "MESHFORMER_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "2"}
+           "MESHFORMER_CACHE": str(root / "cache"), "OMP_NUM_THREADS": "2"}
+    return folder, env
 
+
+def test_the_pages_show_enough_commands_and_say_why_one_is_not_run():
     shown = [s for s in shown_commands() if not is_run_by_ci(s)]
-    assert len(shown) >= 40, len(shown)
-    assert all(s.skip for s in shown if s.words[0] not in ("meshformer", "torchrun", "python")), \
-        [s.line for s in shown if s.words[0] not in ("meshformer", "torchrun", "python") and not s.skip]
-    ran = 0
-    for s in shown:
-        if s.skip:
-            continue
+    assert len([s for s in shown if not s.skip]) >= 40, len(shown)
+    unknown = [s.line for s in shown if s.words[0] not in ("meshformer", "torchrun", "python") and not s.skip]
+    assert unknown == [], unknown
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # a page's commands, each starting torch, on a 2-core machine
+@pytest.mark.parametrize("page", PAGES)
+def test_every_shown_command_runs(page, user_folder):
+    folder, env = user_folder
+    for s in [s for s in shown_commands() if s.page == page and not is_run_by_ci(s) and not s.skip]:
         line = _as_run(s)
         cwd = ROOT if s.words[0] == "python" else folder  # `python bench/...` runs in a checkout
         if s.words[1:2] and s.words[1] in SERVES:
             _serves(line, cwd, env, s)
+            continue
+        out = subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+        expected = NOTHING_TO_REPORT.get(s.words[1]) if len(s.words) > 1 else None
+        if expected and out.returncode == 1:
+            assert expected in out.stderr, (line, out.stderr[-2000:])
         else:
-            out = subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True,
-                                 timeout=900)
-            expected = NOTHING_TO_REPORT.get(s.words[1]) if len(s.words) > 1 else None
-            if expected and out.returncode == 1:
-                assert expected in out.stderr, (s.page, line, out.stderr[-2000:])
-            else:
-                assert out.returncode == 0, (s.page, line, out.stdout[-2000:], out.stderr[-3000:])
-        ran += 1
-    assert ran >= 40, ran
-    assert (folder / "runs" / "tiny-gpt" / "final").is_dir() and (folder / "hf" / "tiny-gpt" / "config.json").is_file()
+            assert out.returncode == 0, (line, out.stdout[-2000:], out.stderr[-3000:])
+    if page == PAGES[-1]:
+        assert (folder / "runs" / "tiny-gpt" / "final").is_dir()
+        assert (folder / "hf" / "tiny-gpt" / "config.json").is_file()
 
 
 def _serves(line: str, cwd: Path, env: dict[str, str], shown: Shown) -> None:
