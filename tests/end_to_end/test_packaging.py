@@ -10,7 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from helpers.readme import readme_commands
+from helpers.readme import doc_commands
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,7 @@ def installed(wheel, tmp_path_factory) -> tuple[Path, dict[str, str], Path]:
     return venv / "bin", env, empty
 
 
-# A quick-start run cut to a few steps: the README's `meshformer train tiny-gpt` with these overrides.
+# A quick-start run cut to a few steps: the documented `meshformer train tiny-gpt` with these overrides.
 SHORT_RUN = ["train.steps=3", "logging.log_interval=1", "train.eval_interval=3", "train.eval_batches=1",
              "train.sample_interval=0", "checkpoint.interval=0", "data.num_workers=0"]
 
@@ -76,13 +76,13 @@ def test_wheel_install_trains_a_bundled_config_from_an_empty_folder(installed):
 
 
 @pytest.mark.slow
-def test_readme_commands_run_from_an_installed_wheel_in_an_empty_folder(installed, tmp_path):
-    """The quick start, "Looking at a run" and the bundled-config commands, verbatim from the README (a training
-    run cut to a few steps), in a folder with nothing but what they write."""
+def test_documented_commands_run_from_an_installed_wheel_in_an_empty_folder(installed, tmp_path):
+    """The quick start, "Looking at a run" and the bundled-config commands, verbatim from the README and the docs (a
+    training run cut to a few steps), in a folder with nothing but what they write."""
     bin_dir, env, _ = installed
     folder = tmp_path / "user"
     folder.mkdir()
-    commands = readme_commands()
+    commands = doc_commands()
     quick_start = next(words for words in commands if words[1:3] == ["train", "tiny-gpt"] and len(words) == 3)
     after = [words for words in commands if words[1] in ("generate", "attention-map", "grad-report", "params",
                                                          "config")]
