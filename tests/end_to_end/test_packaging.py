@@ -94,3 +94,23 @@ def test_documented_commands_run_from_an_installed_wheel_in_an_empty_folder(inst
         assert out.returncode == 0, (words, out.stderr[-3000:])
     assert (folder / "runs" / "tiny-gpt" / "final").is_dir() and (folder / "attn.png").is_file()
     assert (folder / "runs" / "tiny-gpt-2" / "final").is_dir()  # the copied config, trained beside the first run
+
+
+@pytest.mark.slow
+def test_the_first_hour_runs_from_an_installed_wheel_in_an_empty_folder(installed, tmp_path):
+    """bench/first_hour.py's journey (train, export to Hugging Face, generate, continue from that folder), each
+    command as the docs show it, the training runs cut to a few steps."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import first_hour
+
+    bin_dir, env, _ = installed
+    env = {**env, "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"}
+    folder = tmp_path / "user"
+    folder.mkdir()
+    shorter = " " + " ".join(s for s in SHORT_RUN if not s.startswith("checkpoint."))
+    for _, command in first_hour.JOURNEY:
+        line = command + shorter if command.split()[1] == "train" else command
+        out = subprocess.run(line, shell=True, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, (line, out.stderr[-3000:])
+    assert (folder / "hf" / "tiny-gpt" / "config.json").is_file()
+    assert (folder / "runs" / "tiny-gpt-2" / "final").is_dir()
