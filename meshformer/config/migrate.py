@@ -50,7 +50,7 @@ RENAMES: dict[str, str] = {
 PATTERNS: dict[str, str] = {"full_attention_every": "layer_types", "attention_window": "layer_types",
                             "moe_every": "mlp_types", "moe_first_dense": "mlp_types"}
 Report = Literal["each", "once", "none"]
-SUBTABLES = ("attention", "ffn", "rope", "norm", "moe", "init")
+SUBTABLES = ("attention", "mla", "ffn", "rope", "norm", "moe", "init")
 
 
 def old_keys(table: dict[str, Any]) -> list[str]:
