@@ -31,7 +31,7 @@ def validate(cfg: Config) -> None:
     if m.attention.head_dim is not None and m.attention.head_dim <= 0:
         raise ConfigError(f"model.attention.head_dim={m.attention.head_dim} must be positive "
                           "(or omitted: d_model / n_heads)")
-    if m.attention.head_dim is None and m.d_model % m.attention.n_heads:
+    if m.attention.head_dim is None and m.d_model % m.attention.n_heads and not m.uses_mla:  # mla: [model.mla]
         raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.attention.n_heads="
                           f"{m.attention.n_heads}; "
                           "choose n_heads that divides d_model, or set model.attention.head_dim")
@@ -40,7 +40,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.attention.n_heads={a.n_heads} is not divisible by model.attention.n_kv_heads="
                           f"{a.n_kv_heads}; "
                           "n_kv_heads must divide n_heads (1 = multi-query)")
-    if m.position == "rope" and m.attention_head_dim % 2:
+    if m.position == "rope" and m.rope_dim % 2 and not m.uses_mla:  # MLA's rotary width: _check_mla
         raise ConfigError(f"RoPE needs an even head dimension, got {m.attention_head_dim}; set "
                           "model.attention.head_dim "
                           "(or d_model / n_heads) even")
@@ -205,6 +205,7 @@ def _check_layer_options(cfg: Config) -> None:
     """The per-layer attention pattern, soft-capping and norm options (Gemma, OLMo 2)."""
     m = cfg.model
     _check_block_types(cfg)
+    _check_mla(cfg)
     sliding = any(m.layer_type(i) == "sliding_attention" for stack in get_family_spec(m.family).stacks
                   for i in range(stack.count(m)))
     if m.rope.local_theta is not None and (m.position != "rope" or not sliding or m.rope.local_theta <= 0):
@@ -248,6 +249,37 @@ def _check_block_types(cfg: Config) -> None:
     if "moe" in m.mlp_types and m.moe.n_experts == 0:
         raise ConfigError('model.mlp_types has "moe" blocks but model.moe.n_experts = 0',
                           "set model.moe.n_experts (e.g. 8), or make every block dense")
+
+
+def _check_mla(cfg: Config) -> None:
+    """Multi-head latent attention (the "mla" blocks, [model.mla]): every block of a causal RoPE stack, positive
+    widths, and none of the attention options it does not compute."""
+    m = cfg.model
+    if not m.uses_mla:
+        return
+    if set(m.layer_types) != {"mla"}:
+        raise ConfigError(f"model.layer_types={m.layer_types} mixes mla with other token mixers",
+                          'use layer_types = ["mla"] (every block), or no mla')
+    if any(not stack.causal or stack.cross for stack in get_family_spec(m.family).stacks) or m.position != "rope":
+        raise ConfigError(f"mla blocks are causal self-attention with RoPE, but model.family={m.family!r}, "
+                          f"model.position={m.position!r}", "use family='decoder' and position='rope'")
+    x = m.mla
+    widths = {"kv_lora_rank": x.kv_lora_rank, "qk_nope_head_dim": x.qk_nope_head_dim,
+              "qk_rope_head_dim": x.qk_rope_head_dim, "v_head_dim": x.v_head_dim,
+              "q_lora_rank": 1 if x.q_lora_rank is None else x.q_lora_rank}
+    if bad := [k for k, v in widths.items() if v <= 0]:
+        raise ConfigError(f"model.mla.{bad[0]}={widths[bad[0]]} must be positive",
+                          "DeepSeek-V3: kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128")
+    if x.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.mla.qk_rope_head_dim={x.qk_rope_head_dim} must be even (RoPE rotates pairs)",
+                          "use e.g. 64")
+    a = m.attention
+    unused = {"attention.n_kv_heads": a.n_kv_heads not in (None, a.n_heads), "attention.head_dim": a.head_dim,
+              "attention.qk_norm": a.qk_norm, "attention.sinks": a.sinks, "attention.softcap": a.softcap,
+              "optim.qk_clip_threshold": cfg.optim.qk_clip_threshold}
+    if set_keys := [k for k, v in unused.items() if v]:
+        raise ConfigError(f"{set_keys[0]} is set, but mla blocks do not use it (their heads are model.attention."
+                          "n_heads, their widths model.mla.*)", f"drop {set_keys[0]} or use full_attention blocks")
 
 
 def _check_shard_size(size: str) -> None:

@@ -16,6 +16,7 @@ from torch import nn
 
 from meshformer.errors import UsageError
 from meshformer.model.attention import Attention
+from meshformer.model.mla import MultiHeadLatentAttention
 from meshformer.model.layers import TransformerBlock
 from meshformer.model.transformer import Transformer
 
@@ -27,7 +28,7 @@ def default_stack(model: Transformer) -> Stack:
     return "cross" if model.spec.seq2seq else cast(Stack, model.spec.stacks[-1].name)  # "encoder" or "decoder"
 
 
-def _attention_module(model: Transformer, stack: Stack, layer: int) -> Attention:
+def _attention_module(model: Transformer, stack: Stack, layer: int) -> Attention | MultiHeadLatentAttention:
     layers = model.encoder_layers if stack == "encoder" else model.decoder_layers
     if layers is None:
         raise UsageError(f"this {model.cfg.family} model has no {stack} stack")

@@ -11,6 +11,7 @@ from torch import nn
 from meshformer.model.attention import Attention, KVCache, SequenceChunk
 from meshformer.model.config import ModelConfig
 from meshformer.model.masks import AttentionMask
+from meshformer.model.mla import MultiHeadLatentAttention
 from meshformer.model.moe import MoEFeedForward
 from meshformer.model.norms import make_norm
 
@@ -97,13 +98,16 @@ class TransformerBlock(nn.Module):
     Post-sublayer (OLMo 2): x + drop(norm(f(x))).  Sandwich (Gemma): x + drop(out_norm(f(norm(x)))).
     """
 
-    def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False, moe: bool = False) -> None:
-        """moe: a mixture-of-experts feed-forward (model/moe.py) instead of the dense one."""
+    def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False, moe: bool = False,
+                 mla: bool = False) -> None:
+        """moe: a mixture-of-experts feed-forward (model/moe.py) instead of the dense one; mla: multi-head latent
+        self-attention (model/mla.py) instead of `Attention`."""
         super().__init__()
         self.norm_position = cfg.norm.position
         sandwich = cfg.norm.position == "sandwich"
         self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg, causal=causal)
+        self.attn: Attention | MultiHeadLatentAttention = (MultiHeadLatentAttention(cfg) if mla  # mla: the kind "mla"
+                                                           else Attention(cfg, causal=causal))
         self.attn_out_norm = make_norm(cfg) if sandwich else None
         self.cross_norm = make_norm(cfg) if cross else None
         self.cross_attn = Attention(cfg, causal=False, cross=True) if cross else None

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshformer.batch import Batch
 from meshformer.model.attention import Attention, SequenceChunk
+from meshformer.model.mla import MultiHeadLatentAttention
 from meshformer.model.transformer import Transformer
 
 # The differentiable all-gather (its backward reduce-scatters, summing); torch 2.13 renamed it, earlier releases
@@ -37,7 +38,8 @@ def apply_context_parallel(model: Transformer, cp_mesh: DeviceMesh) -> int:
     chunk = SequenceChunk(cp_mesh.get_local_rank(), cp_mesh.size(),
                           lambda t: _all_gather(t, gather_dim=2, group=group))
     model.set_parallel_context(replace(model.parallel_context, chunk=chunk))
-    return sum(1 for module in model.modules() if isinstance(module, Attention) and not module.cross)
+    return sum(1 for module in model.modules()
+               if isinstance(module, MultiHeadLatentAttention) or isinstance(module, Attention) and not module.cross)
 
 
 def sequence_chunk(batch: Batch, index: int, count: int) -> Batch:
