@@ -193,9 +193,9 @@ def _check_rope_scaling(cfg: Config) -> None:
         raise ConfigError(f"model.rope.low_freq_factor={m.rope.low_freq_factor} and model.rope.high_freq_factor="
                           f"{m.rope.high_freq_factor}: need 0 < low < high (Llama 3.1: 1 and 4)")
     if m.rope.scaling == "yarn":
-        if not 0 < m.rope.beta_slow < m.rope.beta_fast:
+        if not 0 < m.rope.beta_slow <= m.rope.beta_fast:  # equal: a one-dimension ramp (Kimi K2: 1 and 1)
             raise ConfigError(f"model.rope.beta_slow={m.rope.beta_slow} and model.rope.beta_fast={m.rope.beta_fast}: "
-                              "need 0 < beta_slow < beta_fast (YaRN: 1 and 32)")
+                              "need 0 < beta_slow <= beta_fast (YaRN: 1 and 32)")
         if m.rope.attention_factor is not None and m.rope.attention_factor <= 0:
             raise ConfigError(f"model.rope.attention_factor={m.rope.attention_factor} must be positive (or omitted: "
                               "0.1 * ln(factor) + 1)")
@@ -274,8 +274,9 @@ def _check_mla(cfg: Config) -> None:
         raise ConfigError(f"model.mla.qk_rope_head_dim={x.qk_rope_head_dim} must be even (RoPE rotates pairs)",
                           "use e.g. 64")
     a = m.attention
-    unused = {"attention.n_kv_heads": a.n_kv_heads not in (None, a.n_heads), "attention.head_dim": a.head_dim,
-              "attention.qk_norm": a.qk_norm, "attention.sinks": a.sinks, "attention.softcap": a.softcap,
+    unused = {"model.attention.n_kv_heads": a.n_kv_heads not in (None, a.n_heads),
+              "model.attention.head_dim": a.head_dim, "model.attention.qk_norm": a.qk_norm,
+              "model.attention.sinks": a.sinks, "model.attention.softcap": a.softcap,
               "optim.qk_clip_threshold": cfg.optim.qk_clip_threshold}
     if set_keys := [k for k, v in unused.items() if v]:
         raise ConfigError(f"{set_keys[0]} is set, but mla blocks do not use it (their heads are model.attention."

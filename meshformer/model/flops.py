@@ -30,14 +30,43 @@ def _norm(cfg: ModelConfig) -> int:
     return cfg.d_model * (2 if cfg.norm.kind == "layernorm" and cfg.bias else 1)  # RMSNorm has no bias
 
 
+def _mla_matmuls(cfg: ModelConfig) -> dict[str, int]:
+    """Multi-head latent attention's weights (no biases): the query path and output; the latent and rotary key's
+    down-projection and the keys' and values' expansion (one per token: each token's latent is expanded once)."""
+    m, d, heads = cfg.mla, cfg.d_model, cfg.attention.n_heads
+    q = d * heads * m.qk_head_dim if m.q_lora_rank is None else (d + heads * m.qk_head_dim) * m.q_lora_rank
+    kv = d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+    return {"q_o": q + heads * m.v_head_dim * d, "k_v": kv}
+
+
+def _mla(cfg: ModelConfig) -> int:
+    """Multi-head latent attention's parameters: its matmul weights, the latent norms, biases (model.bias) on the
+    down-projections and the output."""
+    m = cfg.mla
+    norms = m.kv_lora_rank + (m.q_lora_rank or 0)
+    biases = (m.kv_lora_rank + m.qk_rope_head_dim + (m.q_lora_rank or 0) + cfg.d_model) if cfg.bias else 0
+    return sum(_mla_matmuls(cfg).values()) + norms + biases
+
+
+def _score_widths(cfg: ModelConfig) -> int:
+    """Query-key plus value widths over all heads: per query and key, QK^T and AV cost 2 FLOPs per unit of each."""
+    if cfg.uses_mla:
+        return cfg.attention.n_heads * (cfg.mla.qk_head_dim + cfg.mla.v_head_dim)
+    return 2 * cfg.attention.n_heads * cfg.attention_head_dim
+
+
 def _attention_matmuls(cfg: ModelConfig) -> dict[str, int]:
     """Weights (no biases) of the four projections, keyed by what they read: queries/outputs or keys/values."""
+    if cfg.uses_mla:
+        return _mla_matmuls(cfg)
     head = cfg.attention_head_dim
     d, q_dim, kv_dim = cfg.d_model, cfg.attention.n_heads * head, cfg.kv_heads * head
     return {"q_o": 2 * d * q_dim, "k_v": 2 * d * kv_dim}
 
 
 def _attention(cfg: ModelConfig) -> int:
+    if cfg.uses_mla:
+        return _mla(cfg)
     head = cfg.attention_head_dim
     d, q_dim, kv_dim = cfg.d_model, cfg.attention.n_heads * head, cfg.kv_heads * head
     # one RMSNorm weight each for queries and keys: per head (shared by the heads) or over the whole projection
@@ -168,11 +197,10 @@ def _single_stack_flops(cfg: ModelConfig, seq_len: int, *, causal: bool) -> int:
         6 * N * T + 12 * T * keys * d_attn          (keys: summed over the blocks, T each without a window)
     which is PaLM's 6N + 12 L H Q T per token and, for GPT-3, Megatron-LM's 72 l h^2 (1 + s/6h + V/12lh).
     """
-    d_attn = cfg.attention.n_heads * cfg.attention_head_dim
     attn = _attention_matmuls(cfg)
     layers = cfg.n_layers
     matmul = layers * (attn["q_o"] + attn["k_v"]) + _stack_ffn_matmuls(cfg, layers) + _head_matmuls(cfg)
-    forward = 2 * matmul * seq_len + 4 * seq_len * _keys_per_query(cfg, seq_len, causal, layers) * d_attn
+    forward = 2 * matmul * seq_len + 2 * seq_len * _keys_per_query(cfg, seq_len, causal, layers) * _score_widths(cfg)
     return 3 * forward
 
 
