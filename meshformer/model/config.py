@@ -4,8 +4,8 @@ It lives with the model, which reads no other section; `meshformer/config/` load
 validates it (against the family registry too) and re-exports this class. Which stacks a family has and how
 deep they are is the family's business (`model/families/`), not this section's: `family` names a registered
 family and the layer counts below are read by its stacks. Each block component reads its own table:
-`[model.attention]`, `[model.mla]`, `[model.ffn]`, `[model.rope]`, `[model.norm]`, `[model.moe]`, `[model.init]`; which kind of
-token mixer and channel mixer each block is comes from `layer_types` and `mlp_types`.
+`[model.attention]`, `[model.mla]`, `[model.ffn]`, `[model.rope]`, `[model.norm]`, `[model.moe]`, `[model.init]`;
+which kind of token mixer and channel mixer each block is comes from `layer_types` and `mlp_types`.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from torch import nn
 
 from meshformer.errors import UsageError
 from meshformer.model.attention import Attention
-from meshformer.model.mla import MultiHeadLatentAttention
 from meshformer.model.layers import TransformerBlock
+from meshformer.model.mla import MultiHeadLatentAttention
 from meshformer.model.transformer import Transformer
 
 Stack = Literal["encoder", "decoder", "cross"]

@@ -39,7 +39,7 @@ def apply_context_parallel(model: Transformer, cp_mesh: DeviceMesh) -> int:
                           lambda t: _all_gather(t, gather_dim=2, group=group))
     model.set_parallel_context(replace(model.parallel_context, chunk=chunk))
     return sum(1 for module in model.modules()
-               if isinstance(module, MultiHeadLatentAttention) or isinstance(module, Attention) and not module.cross)
+               if isinstance(module, MultiHeadLatentAttention) or (isinstance(module, Attention) and not module.cross))
 
 
 def sequence_chunk(batch: Batch, index: int, count: int) -> Batch:

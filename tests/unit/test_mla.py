@@ -9,7 +9,7 @@ import torch
 
 from meshformer.config import MlaConfig
 from meshformer.config.migrate import model_from_flat
-from meshformer.model.attention import SequenceChunk
+from meshformer.model.attention import KVCache, SequenceChunk
 from meshformer.model.masks import build_mask
 from meshformer.model.mla import MultiHeadLatentAttention
 from meshformer.model.positions import RopeScaling, RotaryEmbedding
@@ -82,10 +82,8 @@ def test_mla_matches_deepseek_v3_attention(q_lora_rank, interleave, rope, backen
 
 
 def test_mla_cache_holds_the_latent_and_decodes_as_the_whole_sequence():
-    hf_cfg, theirs, ours, rotary = _pair(16, True, YARN)
+    _, _, ours, rotary = _pair(16, True, YARN)
     x = torch.randn(2, 10, 32, generator=torch.Generator().manual_seed(2))
-    from meshformer.model.attention import KVCache
-
     with torch.no_grad():
         whole = ours(x, build_mask(10, 10, causal=True), rope=rotary(torch.arange(10)))
         cache = KVCache()
@@ -100,29 +98,24 @@ def test_mla_cache_holds_the_latent_and_decodes_as_the_whole_sequence():
 
 
 def test_mla_context_parallel_pieces_equal_the_whole_sequence():
-    """Two ranks' pieces (simulated: the gather concatenates both ranks' compressed tensors) give each rank's rows
-    of the single-process output."""
+    """Two ranks' pieces, simulated: each rank's gather returns both ranks' compressed tensors in rank order, as an
+    all-gather along the sequence does; every rank's rows equal the single-process output."""
     _, _, ours, rotary = _pair(None, True, YARN)
     x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(3))
+    count = 2
+    positions = [SequenceChunk(i, count, lambda t: t).positions(4, x.device) for i in range(count)]
     with torch.no_grad():
         whole = ours(x, build_mask(8, 8, causal=True), rope=rotary(torch.arange(8)))
-        count, compressed = 2, {}
-        chunks = [SequenceChunk(i, count, lambda t: t) for i in range(count)]
-        local = {i: torch.cat([x[:, a:a + n] for _, n, a in c.spans(4)], dim=1) for i, c in enumerate(chunks)}
-        positions = {i: c.positions(4, x.device) for i, c in enumerate(chunks)}
-        for i in range(count):  # each rank's compressed (latent, rotated key), for the gather
-            _, k_rope_and_latent = _compressed(ours, local[i], rotary(positions[i]))
-            compressed[i] = k_rope_and_latent
-        for i, c in enumerate(chunks):
-            gathered = {k: torch.cat([compressed[r][k] for r in range(count)], dim=2) for k in (0, 1)}
-            calls = iter([gathered[0], gathered[1]])
-            chunk = SequenceChunk(i, count, lambda t, calls=calls: next(calls))
-            mask = build_mask(4, 8, q_positions=positions[i], causal=True)
-            got = ours(local[i], mask, rope=rotary(positions[i]), chunk=chunk)
-            torch.testing.assert_close(got, whole[:, positions[i]], rtol=0, atol=1e-5)
+        sent = [_compressed(ours, x[:, p], rotary(p)) for p in positions]  # what each rank hands its gather
+        for i, mine in enumerate(positions):
+            gathered = iter([torch.cat([s[j] for s in sent], dim=2) for j in range(2)])  # latents, then rotary keys
+            chunk = SequenceChunk(i, count, lambda t, g=gathered: next(g))
+            got = ours(x[:, mine], build_mask(4, 8, q_positions=mine, causal=True), rope=rotary(mine), chunk=chunk)
+            torch.testing.assert_close(got, whole[:, mine], rtol=0, atol=1e-5)
 
 
-def _compressed(ours: MultiHeadLatentAttention, x: torch.Tensor, rope) -> tuple[None, dict[int, torch.Tensor]]:
+def _compressed(ours: MultiHeadLatentAttention, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed latent, rotated shared key) of x, each (B, 1, T, width)."""
     latent, k_rope = ours.kv_a_proj(x).split([ours.kv_rank, ours.rope_dim], dim=-1)
     b, t, _ = x.shape
-    return None, {0: ours.kv_a_norm(latent).view(b, 1, t, -1), 1: ours._rotate(k_rope.view(b, 1, t, -1), rope)}
+    return ours.kv_a_norm(latent).view(b, 1, t, -1), ours._rotate(k_rope.view(b, 1, t, -1), rope)
