@@ -156,9 +156,6 @@ def validate_parallel(cfg: Config, world_size: int, device: torch.device | str |
         # TP would have to slice the bias per rank's heads and PP to share each stack's table between stages.
         raise ConfigError(f"parallel.tp={dims.tp}, parallel.pp={dims.pp}: t5_relative position bias is not supported "
                           "with tensor/pipeline parallel yet; use FSDP/HSDP (tp=1, pp=1) or model.position='alibi'")
-    if cfg.model.uses_mla and dims.tp > 1:  # mla: no tensor-parallel rules for its projections yet
-        raise ConfigError(f"parallel.tp={dims.tp}: mla blocks (model.layer_types) have no tensor-parallel rules yet",
-                          "use parallel.tp=1 with FSDP, context, pipeline or expert parallelism")
     _check_tensor_parallel(cfg, dims)
     check_expert_parallel(cfg, dims)
     _check_pipeline(cfg, dims)

@@ -19,6 +19,7 @@ pairs in place and is how transformers computes it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -59,8 +60,8 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 class MultiHeadLatentAttention(nn.Module):
     """Causal self-attention through a compressed key/value latent (see the module docstring).
 
-    Head counts are inferred from tensor shapes, so a plan that shards q_proj / q_b_proj / kv_b_proj by heads (and
-    o_proj by its input) needs no change here.
+    Head counts are inferred from tensor shapes: tensor parallel splits q_proj / q_b_proj / kv_b_proj by heads and
+    o_proj by its input, and replicates the down-projections and their norms (`sum_over_heads`).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -86,6 +87,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.sdpa_order = sdpa_order(cfg.attention.backend)
         self.capture_weights = False  # inspection hook: keep the last attention weights in `.weights`
         self.weights: torch.Tensor | None = None
+        # Set by tensor parallel (parallel/tensor_parallel.py): identity forward, the shared rotary key's gradient
+        # summed over the ranks in backward (each rank's heads contribute their share)
+        self.sum_over_heads: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         """(B, H, T, qk head width) queries of x (B, T, d_model)."""
@@ -129,6 +133,8 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_rope = self._queries(x).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj(x).split([self.kv_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_norm(latent).view(batch, 1, length, self.kv_rank)
+        if self.sum_over_heads is not None:
+            k_rope = self.sum_over_heads(k_rope)
         k_rope = self._rotate(k_rope.view(batch, 1, length, self.rope_dim), rope)
         q = torch.cat([q_nope, self._rotate(q_rope, rope)], dim=-1)
         if chunk is not None:  # the whole sequence's latents and rotated keys: the compressed tensors travel

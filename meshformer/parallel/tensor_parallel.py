@@ -50,6 +50,7 @@ from meshformer.config import ModelConfig
 from meshformer.model import Transformer
 from meshformer.model.families import spec as styles
 from meshformer.model.families.spec import TensorParallelRules
+from meshformer.model.mla import MultiHeadLatentAttention
 from meshformer.model.moe import MoEFeedForward
 
 
@@ -120,6 +121,7 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, *, float8_gather
             parallelize_module(block, mesh, _plan(block, _block_rules(block, spec.tp_rules), float8_gather))
             _local_buffers(block)
             _split_projection_norms(block, cfg, mesh)
+            _sum_shared_key_gradients(block, mesh)
             if key == "0":  # enter sequence parallel: slice the replicated embedding output
                 parallelize_module(block, mesh, PrepareModuleInput(
                     input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None), use_local_output=True))
@@ -165,6 +167,29 @@ def _split_projection_norms(block: nn.Module, cfg: ModelConfig, mesh: DeviceMesh
     for attention in (m for m in block.modules() if hasattr(m, "qk_norm_scope")):
         for name in ("q_norm", "k_norm"):
             setattr(attention, name, HeadShardedRMSNorm(getattr(attention, name), mesh))
+
+
+class _SumGradient(torch.autograd.Function):
+    """Identity forward; the backward all-reduces the gradient over the group (each rank's holds its heads' share)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return dist_nn.all_reduce(grad.contiguous(), group=ctx.group), None
+
+
+def _sum_shared_key_gradients(block: nn.Module, mesh: DeviceMesh) -> None:
+    """Multi-head latent attention: the rotary key every head shares reaches the attention directly, not through a
+    split linear, so its gradient from this rank's heads is summed over the ranks (the latent's and the queries'
+    are summed by their head-split up-projections)."""
+    group = mesh.get_group()
+    for module in block.modules():
+        if isinstance(module, MultiHeadLatentAttention):
+            module.sum_over_heads = lambda t, group=group: _SumGradient.apply(t, group)
 
 
 def _local_buffers(module: nn.Module) -> None:

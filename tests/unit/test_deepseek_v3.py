@@ -144,10 +144,3 @@ def test_bad_mla_configs_get_one_line(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config("tiny-deepseek", overrides)
 
-
-def test_mla_refuses_tensor_parallel():
-    from meshformer.parallel_dims import validate_parallel
-
-    cfg = load_config("tiny-deepseek", ["parallel.tp=2"])
-    with pytest.raises(ConfigError, match="parallel.tp=2: mla blocks"):
-        validate_parallel(cfg, 2, "cpu")

@@ -41,9 +41,11 @@ def _attention(prefix: str) -> dict[str, str]:
     # Colwise q/k/v shard whole heads (rows are head-major), so the attention module infers its local
     # head count from the shapes; GQA works whenever tp divides n_kv_heads. QK-norm weights are per head
     # dimension, replicated; their gradients sum over the heads of every rank. Attention sinks: one per head, split.
+    # Multi-head latent attention (model/mla.py): the up-projections split by heads; the down-projections and their
+    # norms stay replicated (full gradients: the split linears sum their input gradients over the ranks).
     return {f"{prefix}.q_proj": COLWISE, f"{prefix}.k_proj": COLWISE, f"{prefix}.v_proj": COLWISE,
             f"{prefix}.o_proj": ROWWISE, f"{prefix}.q_norm": HEADS, f"{prefix}.k_norm": HEADS,
-            f"{prefix}.sinks": HEAD_VALUES}
+            f"{prefix}.sinks": HEAD_VALUES, f"{prefix}.q_b_proj": COLWISE, f"{prefix}.kv_b_proj": COLWISE}
 
 
 # Between blocks the residual stream is a sequence shard; attention and feed-forward gather it on entry and
