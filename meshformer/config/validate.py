@@ -154,6 +154,9 @@ def _check_moe(cfg: Config) -> None:
                 "router_bias_update_rate"):
         if getattr(m.moe, key) < 0:
             raise ConfigError(f"model.moe.{key}={getattr(m.moe, key)} is negative", "use a value >= 0 (0: the default)")
+    if not m.moe.router_scale > 0:
+        raise ConfigError(f"model.moe.router_scale={m.moe.router_scale} must be positive",
+                          "use 1.0 (weights as routed) or DeepSeek-V3's 2.5")
     stacks = get_family_spec(m.family).stacks
     # a model from an HF folder (init_from) is what the folder holds, a Qwen3-MoE with every block dense included
     if not cfg.checkpoint.init_from and not any(is_moe_block(m, i) for stack in stacks for i in range(stack.count(m))):
