@@ -88,6 +88,8 @@ def runs_blockwise_attention(cfg, device_type: str, compiled: bool) -> bool:
     """Whether `Attention` picks the blockwise CPU kernel for this run's unpadded batches (it decides per call:
     an explicit mask, a position bias, dropout or torch.compile send a call to SDPA)."""
     m = cfg.model
+    if m.uses_mla:  # multi-head latent attention runs SDPA or the math path (model/mla.py)
+        return False
     plain = m.attention.dropout == 0 and m.attention.window is None and not m.attention.document_mask \
         and m.position not in BIASED_POSITIONS and not compiled and m.attention.softcap is None
     longest = max(cfg.data.seq_len, cfg.data.target_len if get_family_spec(m.family).seq2seq else 0)
@@ -97,6 +99,8 @@ def runs_blockwise_attention(cfg, device_type: str, compiled: bool) -> bool:
 
 def attention_kernels(cfg, device: torch.device, compiled: bool) -> str:
     backend = cfg.model.attention.backend
+    if cfg.model.uses_mla and backend == "blockwise":  # no blockwise kernel for MLA: model/mla.py runs SDPA
+        backend = "sdpa"
     if backend == "math":
         return "math (explicit softmax; returns attention weights)"
     if cfg.model.attention.softcap is not None:

@@ -145,3 +145,12 @@ def test_bad_mla_configs_get_one_line(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config("tiny-deepseek", overrides)
 
+
+
+@pytest.mark.parametrize("backend", ["auto", "blockwise"])
+def test_the_run_log_names_the_kernel_mla_runs(backend):
+    """MLA has no blockwise kernel: the layout report says SDPA, as model/mla.py runs it."""
+    from meshformer.parallel.kernels import attention_kernels
+
+    cfg = load_config("tiny-deepseek", [f"model.attention.backend={backend}"])
+    assert attention_kernels(cfg, torch.device("cpu"), compiled=False).startswith("SDPA")
