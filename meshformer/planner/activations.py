@@ -164,6 +164,12 @@ def _norm(m: ModelConfig, x: ActivationShape, s_local: int) -> float:
     return rows * (m.d_model * x.residual_bytes + 2 * FP32)
 
 
+def _head_width(m: ModelConfig) -> int:
+    """The per-head width of the attention tensors: multi-head latent attention's query/key width (its values are
+    narrower, its latents small beside them: an upper estimate)."""
+    return m.mla.qk_head_dim if m.uses_mla else m.attention_head_dim
+
+
 def _ffn_branch_saved(m: ModelConfig, x: ActivationShape, s_local: int) -> float:
     """What the feed-forward branch keeps: its norm, the (gathered) normalised input, the activation's tensors."""
     ffn = x.batch * x.seq * (m.ffn.d_ff // x.tp) * x.bytes
@@ -179,13 +185,13 @@ def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memo
     s_local = s // t if t > 1 else s
     gathered = b * s * h * a  # the normalised input the projections read (all-gathered under SP)
     heads = m.attention.n_heads // t
-    qkv_out = b * s * heads * m.attention_head_dim * a
+    qkv_out = b * s * heads * _head_width(m) * a
     total = 0.0
     out_norms = _norm(m, x, s_local) if m.norm.position == "sandwich" else 0.0  # each branch's output norm
     for branch_cross in ([False, True] if cross else [False]):
         total += _norm(m, x, s_local) + out_norms + gathered
         calls = _attention_calls(x, branch_cross, memory_len, causal)
-        kv = b * _keys_kept(x, calls) * heads * m.attention_head_dim * a
+        kv = b * _keys_kept(x, calls) * heads * _head_width(m) * a
         if uses_math_attention(m):
             scores = b * heads * sum(q * k for q, k in calls)
             total += 2 * qkv_out + 2 * kv + scores * FP32 + (scores * a if a != FP32 else 0)
@@ -218,10 +224,10 @@ def block_selective(m: ModelConfig, x: ActivationShape, *, cross: bool = False, 
     total: float = b * s_local * h * x.residual_bytes  # the checkpointed block's input
     for branch_cross in ([False, True] if cross else [False]):
         calls = _attention_calls(x, branch_cross, memory_len, causal)
-        total += b * s * heads * m.attention_head_dim * a * 2  # q projection and attention output
-        total += 2 * b * (memory_len if branch_cross else s) * kv_heads * m.attention_head_dim * a  # k, v projections
+        total += b * s * heads * _head_width(m) * a * 2  # q projection and attention output
+        total += 2 * b * (memory_len if branch_cross else s) * kv_heads * _head_width(m) * a  # k, v projections
         if x.blockwise:  # the kernel's own q/k/v rows (GQA: repeated) and probabilities
-            total += (s + 2 * sum(k for _, k in calls)) * b * heads * m.attention_head_dim * a
+            total += (s + 2 * sum(k for _, k in calls)) * b * heads * _head_width(m) * a
             total += sum(stored_probabilities(b * heads, q, k, causal and not branch_cross) for q, k in calls) * a
         else:
             total += b * heads * s * FP32 + _sdpa_mask(x, calls, branch_cross)  # log-sum-exp, mask
@@ -262,14 +268,14 @@ def block_backward_extra(m: ModelConfig, x: ActivationShape, moe: bool = False) 
     heads = m.attention.n_heads // t
     calls = _attention_calls(x, False, 0)
     keys = max(k for _, k in calls)  # under context parallel: the gathered sequence's key/value gradients
-    attention: float = 2 * b * (s + keys) * heads * m.attention_head_dim * a  # gradients of q and output, k and v
+    attention: float = 2 * b * (s + keys) * heads * _head_width(m) * a  # gradients of q and output, k and v
     if m.attention.backend == "math":
         attention += 2 * b * heads * sum(q * k for q, k in calls) * FP32
     elif x.blockwise:
         # its workspace is large, but by then the feed-forward branch has back-propagated and freed what it kept
         # (under context parallel counted at this rank's length: within 6% of measured, see README)
         branch = _moe_branch_saved if moe else _ffn_branch_saved
-        attention = backward_workspace(b * heads, s, m.attention_head_dim, a) - branch(m, x, s // t if t > 1 else s)
+        attention = backward_workspace(b * heads, s, _head_width(m), a) - branch(m, x, s // t if t > 1 else s)
     return max(ffn_grads, attention) + 2 * b * s * m.d_model * a
 
 
