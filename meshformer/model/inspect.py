@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, cast
+from typing import Literal, Protocol, cast
 
 import torch
 from torch import nn
@@ -21,12 +21,19 @@ from meshformer.model.transformer import Transformer
 Stack = Literal["encoder", "decoder", "cross"]
 
 
+class KeepsWeights(Protocol):
+    """A softmax attention module that keeps its last attention weights when asked (`Attention`, MLA's)."""
+
+    capture_weights: bool
+    weights: torch.Tensor | None
+
+
 def default_stack(model: Transformer) -> Stack:
     """Cross-attention where the decoder reads a source, else the model's one stack."""
     return "cross" if model.spec.seq2seq else cast(Stack, model.spec.stacks[-1].name)  # "encoder" or "decoder"
 
 
-def _attention_module(model: Transformer, stack: Stack, layer: int) -> nn.Module:
+def _attention_module(model: Transformer, stack: Stack, layer: int) -> KeepsWeights:
     layers = model.encoder_layers if stack == "encoder" else model.decoder_layers
     if layers is None:
         raise UsageError(f"this {model.cfg.family} model has no {stack} stack")
@@ -41,7 +48,7 @@ def _attention_module(model: Transformer, stack: Stack, layer: int) -> nn.Module
     if module is None or not hasattr(module, "capture_weights"):
         raise UsageError(f"{stack} layer {layer} is a {block.mixers['attn']} block, which has no softmax attention "
                          "weights to show; pick a full_attention, sliding_attention or mla layer")
-    return module
+    return cast(KeepsWeights, module)
 
 
 @torch.no_grad()

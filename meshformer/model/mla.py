@@ -19,6 +19,7 @@ pairs in place and is how transformers computes it.
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
