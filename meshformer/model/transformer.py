@@ -111,7 +111,7 @@ class Transformer(nn.Module):
             self.pos_embeddings = LearnedPositions(cfg.max_seq_len, cfg.d_model)
         elif cfg.position == "sinusoidal" and "pos_embeddings" in held:
             self.pos_embeddings = SinusoidalPositions(cfg.max_seq_len, cfg.d_model)
-        self.rope = (RotaryEmbedding(cfg.attention_head_dim, cfg.max_seq_len, cfg.rope.theta,
+        self.rope = (RotaryEmbedding(cfg.rope_dim, cfg.max_seq_len, cfg.rope.theta,
                                      RopeScaling.from_config(cfg))
                      if cfg.position == "rope" and "rope" in held else None)
         # the windowed blocks' own unscaled rotation (Gemma 3: base 10k locally, 1M globally)

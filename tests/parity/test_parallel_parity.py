@@ -87,7 +87,10 @@ MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "mo
               "moe_encdec/fsdp-ep", "moe_encdec/tp-ep", "moe_encdec/pp",  # MoE in both stacks
               # gpt-oss's pieces: sinks split with the heads (tp) and beside the gathered keys (cp), expert biases
               # split with the experts (ep), the sinks and biases outside Muon
-              "gptoss/tp-ep", "gptoss/cp-ep", "gptoss/fsdp-ep", "gptoss/pp", "gptoss/tp-ep-muon"]
+              "gptoss/tp-ep", "gptoss/cp-ep", "gptoss/fsdp-ep", "gptoss/pp", "gptoss/tp-ep-muon",
+              # DeepSeek-V3's pieces: multi-head latent attention split by heads (tp; the shared rotary key's
+              # gradient summed over the ranks), its compressed latents exchanged (cp); DeepSeek's routing
+              "deepseek/tp-ep", "deepseek/cp-ep", "deepseek/fsdp-ep", "deepseek/pp", "deepseek/tp-ep-muon"]
 MOE_WORLD4 = ["moe/fsdp=4-ep", "moe/fsdp=4-ep=4", "moe/hsdp-ep", "moe/tp-fsdp-ep", "moe/tp-fsdp-ep=4",
               "moe/cp-fsdp-ep=4", "moe/pp-tp-ep", "moe/pp-fsdp-ep", "moe/pp-fsdp-ep-sched=gpipe",
               "moe/pp-fsdp-ep-sched=zbv", "moe/pp-fsdp-ep-sched=interleaved_1f1b-spr=2",

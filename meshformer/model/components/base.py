@@ -115,6 +115,8 @@ class TokenMixer(_Component):
     """Mixes information across positions: one per block (model.layer_types), reading `[model.<section>]`."""
 
     section = "attention"
+    blockwise_kernel: ClassVar[bool] = True  # runs model/blockwise_attention.py's CPU kernel where the backend picks it
+    qk_clip: ClassVar[bool] = True  # MuonClip (optim.qk_clip_threshold) records and clips its heads' logits
 
     def build(self, cfg: ModelConfig, *, causal: bool) -> nn.Module:
         """The module, called by the block as `module(x, mask, rope=..., bias=..., cache=..., chunk=...)` on the
@@ -126,6 +128,10 @@ class TokenMixer(_Component):
     def window(self, cfg: ModelConfig) -> int | None:
         """The sliding window of its mask (None: every key); blocks sharing a window share one mask."""
         return None
+
+    def rotary_width(self, cfg: ModelConfig) -> int:
+        """The per-head width RoPE rotates (model.position = "rope"); the model holds one rotary table for it."""
+        return cfg.attention_head_dim
 
     def params(self, cfg: ModelConfig) -> int:
         raise NotImplementedError
