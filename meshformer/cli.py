@@ -243,7 +243,9 @@ class _VersionAction(argparse.Action):
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole command line; with `command`, only that command's group of LAZY_COMMANDS is imported (the
     others are listed by name and help only)."""
-    parser = ArgumentParser(prog="meshformer", description=__doc__)
+    description = ("Pretrain Transformers from a laptop CPU to GPU clusters: train, generate, inspect, prepare data, "
+                   "convert checkpoints, plan memory.")
+    parser = ArgumentParser(prog="meshformer", description=description)
     parser.add_argument("--version", action=_VersionAction)
     parser.add_argument("--debug", action="store_true",
                         help=f"show the traceback of an error (also {DEBUG_ENV}=1); anywhere on the command line")

@@ -1,4 +1,4 @@
-"""Markdown tables of `meshformer plan` for the large configs at 8, 64, 512 and 4096 ranks (README section).
+"""Markdown tables of `meshformer plan` for the large configs at 8 to 4096 ranks (docs/benchmarks/planner-tables.md).
 
     python tools/plan_tables.py [--gpu h100-80gb]
     python tools/plan_tables.py --configs mixtral-8x7b qwen3-30b-a3b olmoe-1b-7b --worlds 8 64 512   # MoE table

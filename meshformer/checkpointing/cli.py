@@ -1,22 +1,4 @@
-"""`meshformer convert ...`: checkpoints <-> safetensors, Hugging Face and Megatron-Core; `verify` a checkpoint dir.
-
-    meshformer convert to-safetensors runs/x/checkpoints runs/x/export        # newest valid step
-    meshformer convert to-checkpoint  runs/x/export runs/y/checkpoints        # weights-only step 0
-    meshformer convert export-hf      runs/x/export hf/gpt2-tiny [--arch MODEL_TYPE]
-    meshformer convert import-hf      hf/gpt2-tiny runs/y/checkpoints --checkpoint
-    meshformer convert export-megatron runs/x/export mcore/ [--pad-vocab-multiple 128]
-    meshformer convert import-megatron mcore/ runs/y/export [--heads 12 --vocab-size 50257]
-    meshformer convert verify         runs/x/checkpoints
-
-SRC of the export commands is a weights folder (model.safetensors, or model-*-of-*.safetensors shards with
-model.safetensors.index.json, + model_config.json), a checkpoint step folder, or a checkpoint directory.
-Imports write a weights folder, or with --checkpoint a weights-only checkpoint that `train` resumes from
-(fresh optimizer) when checkpoint.dir points at it. Every conversion streams: one tensor in memory at a time
-(plus, when writing safetensors, at most one output file's worth: --max-shard-size).
-
-OUT is written as OUT.partial beside it and renamed into place when complete. An existing OUT that is not
-empty is replaced only with --overwrite; OUT may never be SRC, hold it, or lie inside it.
-"""
+"""The `meshformer convert` commands: checkpoints, safetensors weights, Hugging Face and Megatron-Core folders."""
 
 from __future__ import annotations
 
@@ -248,10 +230,33 @@ def _verify(args: argparse.Namespace) -> Path:
                               "restore them from a copy, or delete them to resume from an older step")
     return root
 
+CONVERT_DESCRIPTION = """\
+Convert between training checkpoints, safetensors weights, Hugging Face folders and Megatron-Core checkpoints,
+or verify a checkpoint folder.
+
+examples:
+  meshformer convert to-safetensors runs/x/checkpoints runs/x/export        # the newest valid step
+  meshformer convert to-checkpoint  runs/x/export runs/y/checkpoints        # a weights-only step 0
+  meshformer convert export-hf      runs/x/export hf/x [--arch MODEL_TYPE]
+  meshformer convert import-hf      hf/x runs/y/checkpoints --checkpoint
+  meshformer convert export-megatron runs/x/export mcore/ [--pad-vocab-multiple 128]
+  meshformer convert import-megatron mcore/ runs/y/export [--heads 12 --vocab-size 50257]
+  meshformer convert verify         runs/x/checkpoints
+
+SRC of the export commands is a weights folder (model.safetensors, or model-*-of-*.safetensors shards with
+model.safetensors.index.json, + model_config.json), a checkpoint step folder, or a checkpoint directory.
+Imports write a weights folder, or with --checkpoint a weights-only checkpoint that `train` resumes from
+(fresh optimizer) when checkpoint.dir points at it. Conversions stream: one tensor in memory at a time (plus,
+when writing safetensors, at most one output file's worth: --max-shard-size).
+
+OUT is written as OUT.partial beside it and renamed into place when complete. An existing OUT that is not
+empty is replaced only with --overwrite; OUT may never be SRC, hold it, or lie inside it.
+"""
+
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
     convert = subparsers.add_parser("convert", help="convert checkpoints: safetensors, Hugging Face, Megatron-Core",
-                                    description=__doc__)
+                                    description=CONVERT_DESCRIPTION)
     sub = convert.add_subparsers(dest="conversion", required=True)
 
     def command(name: str, func, help_text: str) -> argparse.ArgumentParser:

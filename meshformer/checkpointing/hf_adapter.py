@@ -36,8 +36,8 @@ COMMON: dict[str, Any] = {
     "router_score": "softmax", "router_renormalize": True, "router_groups": 1, "capacity_factor": 0.0,
     "moe_blocks": "every block", "qk_norm_scope": "head", "norm_weight_offset": 0.0, "full_attention_every": None,
     "rope_local_theta": None, "attention_softcap": None, "logit_softcap": None, "router_bias": False,
-    "expert_bias_terms": False, "attention_sinks": False, "linear_attention": False, "attention_output_gate": False,
-    "rope_partial_factor": 1.0, "shared_expert_gate": False}
+    "expert_bias_terms": False, "attention_sinks": False, "mla": False, "router_scale": 1.0, "linear_attention": False,
+    "attention_output_gate": False, "rope_partial_factor": 1.0, "shared_expert_gate": False}
 
 
 def _full_attention_every(cfg: ModelConfig) -> int | str | None:
@@ -64,7 +64,9 @@ def features(cfg: ModelConfig) -> dict[str, Any]:
         "router_groups": cfg.moe.router_groups if moe else 1,
         "capacity_factor": cfg.moe.capacity_factor if moe else 0.0,
         "router_bias": cfg.moe.router_bias and moe, "expert_bias_terms": cfg.moe.expert_bias_terms and moe,
-        "attention_sinks": cfg.attention.sinks, "linear_attention": "linear_attention" in cfg.layer_types,
+        "attention_sinks": cfg.attention.sinks, "mla": cfg.uses_mla,
+        "router_scale": cfg.moe.router_scale if moe else 1.0,
+        "linear_attention": "linear_attention" in cfg.layer_types,
         "attention_output_gate": cfg.attention.output_gate, "rope_partial_factor": cfg.rope.partial_factor,
         "shared_expert_gate": cfg.moe.shared_expert_gate and moe and cfg.moe.n_shared_experts > 0,
         "moe_blocks": "every block" if not moe or all(cfg.is_moe(i) for i in range(cfg.n_layers)) else "some",
@@ -123,6 +125,8 @@ class HFAdapter:
     # (a regex of foreign names, "what; fix"): a checkpoint holding such a name is refused with that message before
     # any name is matched (e.g. weights stored in a quantized layout the rules do not read)
     refused_names: tuple[tuple[str, str], ...] = ()
+    # its routers hold our expert selection bias (router.expert_bias, named by a rule): export keeps a nonzero one
+    holds_selection_bias: bool = False
 
 
 def refuse(arch: str, setting: str, why: str) -> ValueError:

@@ -232,7 +232,7 @@ def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arc
             if name in derived:
                 reads = derived[name].reads
                 return derived[name].to_ours({k: theirs[original[k]] for k in reads if k in original}).contiguous()
-            if ZERO_ON_IMPORT.search(name):
+            if ZERO_ON_IMPORT.search(name) and name not in rules_of:  # no foreign tensor holds it
                 return torch.zeros(shapes[name])
             mine = rules_of[name]
             try:

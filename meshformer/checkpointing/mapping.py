@@ -107,9 +107,9 @@ def check_names(ours: Iterable[str], cfg: ModelConfig, shapes: Mapping[str, torc
 
 def finish_import(out: dict[str, torch.Tensor], cfg: ModelConfig, shapes: Mapping[str, torch.Size],
                   leftovers: Iterable[str], source: str) -> dict[str, torch.Tensor]:
-    """Check the names (`check_names`), restore the tied output and zero what no foreign model has."""
+    """Check the names (`check_names`), restore the tied output and zero what the foreign model does not have."""
     check_names(out, cfg, shapes, leftovers, source)
-    out.update({k: torch.zeros(shape) for k, shape in shapes.items() if ZERO_ON_IMPORT.search(k)})
+    out.update({k: torch.zeros(shape) for k, shape in shapes.items() if ZERO_ON_IMPORT.search(k) and k not in out})
     if cfg.tie_embeddings and "output.weight" in shapes:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out

@@ -75,6 +75,8 @@ def megatron_incompatibilities(cfg: ModelConfig) -> list[str]:
         (cfg.norm.weight_offset == 0, f"norm_weight_offset={cfg.norm.weight_offset} (RMSNorm by offset + weight)"),
         (cfg.attention.softcap is None and cfg.logit_softcap is None, "attention_softcap / logit_softcap"),
         (not cfg.attention.sinks, "attention_sinks (no Megatron-Core mapping here)"),
+        (not cfg.uses_mla, "mla blocks (no Megatron-Core mapping here)"),
+        (cfg.moe.router_scale == 1.0 or not cfg.moe.n_experts, "moe.router_scale (no Megatron-Core mapping here)"),
         ("linear_attention" not in cfg.layer_types and not cfg.attention.output_gate and cfg.rope.partial_factor == 1
          and not cfg.moe.shared_expert_gate,
          "linear_attention blocks / attention output_gate / rope partial_factor / shared_expert_gate "

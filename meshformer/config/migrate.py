@@ -45,12 +45,13 @@ RENAMES: dict[str, str] = {
     "init": "init.method", "init_std": "init.std",
     "attention_sinks": "attention.sinks", "swiglu_limit": "ffn.swiglu_limit", "swiglu_alpha": "ffn.swiglu_alpha",
     "rope_truncate": "rope.truncate", "router_bias": "moe.router_bias", "expert_bias_terms": "moe.expert_bias_terms",
+    "router_scale": "moe.router_scale",
 }
 # old keys that become a per-block list (attention_window is also renamed: RENAMES)
 PATTERNS: dict[str, str] = {"full_attention_every": "layer_types", "attention_window": "layer_types",
                             "moe_every": "mlp_types", "moe_first_dense": "mlp_types"}
 Report = Literal["each", "once", "none"]
-SUBTABLES = ("attention", "ffn", "rope", "norm", "moe", "init")
+SUBTABLES = ("attention", "mla", "ffn", "rope", "norm", "moe", "init")
 
 
 def old_keys(table: dict[str, Any]) -> list[str]:

@@ -33,7 +33,7 @@ def validate(cfg: Config) -> None:
     if m.attention.head_dim is not None and m.attention.head_dim <= 0:
         raise ConfigError(f"model.attention.head_dim={m.attention.head_dim} must be positive "
                           "(or omitted: d_model / n_heads)")
-    if m.attention.head_dim is None and m.d_model % m.attention.n_heads:
+    if m.attention.head_dim is None and m.d_model % m.attention.n_heads and _reads_head_dim(m):
         raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.attention.n_heads="
                           f"{m.attention.n_heads}; "
                           "choose n_heads that divides d_model, or set model.attention.head_dim")
@@ -42,13 +42,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.attention.n_heads={a.n_heads} is not divisible by model.attention.n_kv_heads="
                           f"{a.n_kv_heads}; "
                           "n_kv_heads must divide n_heads (1 = multi-query)")
-    if m.position == "rope" and m.attention_head_dim % 2:
+    if m.position == "rope" and m.attention_head_dim % 2 and _reads_head_dim(m):  # other widths: the kind's check
         raise ConfigError(f"RoPE needs an even head dimension, got {m.attention_head_dim}; set "
                           "model.attention.head_dim "
                           "(or d_model / n_heads) even")
-    if not 0 < m.rope.partial_factor <= 1 or (m.position == "rope" and (m.rotary_dim < 2 or m.rotary_dim % 2)):
+    rotated = int(m.attention_head_dim * m.rope.partial_factor)
+    if not 0 < m.rope.partial_factor <= 1 or (m.position == "rope" and (rotated < 2 or rotated % 2)):
         raise ConfigError(f"model.rope.partial_factor={m.rope.partial_factor} must rotate an even number of each "
-                          f"head's {m.attention_head_dim} dimensions (it gives {m.rotary_dim})",
+                          f"head's {m.attention_head_dim} dimensions (it gives {rotated})",
                           "choose a factor in (0, 1] with int(head_dim x factor) even, e.g. 0.25 or 0.5")
     _check_rope_scaling(cfg)
     _check_layer_options(cfg)
@@ -163,6 +164,9 @@ def _check_moe(cfg: Config) -> None:
                 "router_bias_update_rate"):
         if getattr(m.moe, key) < 0:
             raise ConfigError(f"model.moe.{key}={getattr(m.moe, key)} is negative", "use a value >= 0 (0: the default)")
+    if not m.moe.router_scale > 0:
+        raise ConfigError(f"model.moe.router_scale={m.moe.router_scale} must be positive",
+                          "use 1.0 (weights as routed) or DeepSeek-V3's 2.5")
     stacks = get_family_spec(m.family).stacks
     # a model from an HF folder (init_from) is what the folder holds, a Qwen3-MoE with every block dense included
     if not cfg.checkpoint.init_from and not any(m.is_moe(i) for stack in stacks for i in range(stack.count(m))):
@@ -202,9 +206,9 @@ def _check_rope_scaling(cfg: Config) -> None:
         raise ConfigError(f"model.rope.low_freq_factor={m.rope.low_freq_factor} and model.rope.high_freq_factor="
                           f"{m.rope.high_freq_factor}: need 0 < low < high (Llama 3.1: 1 and 4)")
     if m.rope.scaling == "yarn":
-        if not 0 < m.rope.beta_slow < m.rope.beta_fast:
+        if not 0 < m.rope.beta_slow <= m.rope.beta_fast:  # equal: a one-dimension ramp (Kimi K2: 1 and 1)
             raise ConfigError(f"model.rope.beta_slow={m.rope.beta_slow} and model.rope.beta_fast={m.rope.beta_fast}: "
-                              "need 0 < beta_slow < beta_fast (YaRN: 1 and 32)")
+                              "need 0 < beta_slow <= beta_fast (YaRN: 1 and 32)")
         if m.rope.attention_factor is not None and m.rope.attention_factor <= 0:
             raise ConfigError(f"model.rope.attention_factor={m.rope.attention_factor} must be positive (or omitted: "
                               "0.1 * ln(factor) + 1)")
@@ -259,6 +263,13 @@ def _check_block_types(cfg: Config) -> None:
                           'or a pattern such as ["sliding_attention", "full_attention"], or drop the window')
 
 
+def _reads_head_dim(m: ModelConfig) -> bool:
+    """Whether a block's token mixer takes its widths from [model.attention] (n_heads, head_dim): every kind but
+    those with their own table (mla: [model.mla]); an unknown name is left to _check_block_types."""
+    kinds = [TOKEN_MIXERS.get(name) for name in m.layer_types or ["full_attention"]]
+    return any(kind is None or kind.section == "attention" for kind in kinds)
+
+
 def _check_shard_size(size: str) -> None:
     """checkpoint.max_shard_size is read when the final weights are written: check it now, not after training."""
     try:
@@ -294,6 +305,10 @@ def _check_training_ranges(cfg: Config) -> None:
                           "out of range", "use muon_lr > 0, muon_weight_decay >= 0, muon_momentum in [0, 1), "
                           "muon_ns_steps >= 1 (e.g. 5)")
     if optim.qk_clip_threshold:
+        if unclipped := [name for name in dict.fromkeys(m.layer_types) if not TOKEN_MIXERS[name].qk_clip]:
+            raise ConfigError(f"optim.qk_clip_threshold is set, but {unclipped[0]} blocks do not use it (MuonClip "
+                              "scales the query and key rows of full_attention and sliding_attention heads)",
+                              "drop optim.qk_clip_threshold or use full_attention blocks")
         if optim.qk_clip_threshold < 0:
             raise ConfigError(f"optim.qk_clip_threshold={optim.qk_clip_threshold} must be > 0",
                               "use e.g. 100 (Kimi K2's), or 0 to turn QK-clip off")

@@ -1,16 +1,4 @@
-"""`meshformer data prepare ...`: registered on the main CLI by `add_cli(subparsers)`.
-
-    meshformer data prepare bundled:kjv --out data/kjv --tokenizer train --vocab-size 4096 --seq-len 128
-    meshformer data prepare /usr/share/doc/python3.11/html/_sources --out data/pydocs --tokenizer gpt2
-    meshformer data prepare pairs.jsonl --pairs --out data/pairs --tokenizer bundled:kjv-bpe-4k
-    meshformer data prepare fineweb/*.parquet --out data/fw --tokenizer hf/llama3/ --text-field text
-    meshformer data prepare megatron/my_text_document --out data/mt --tokenizer hf/gpt2/   # ids kept as they are
-    meshformer data prepare corpus/ --out data/big --tokenizer tok.json --part 0/4 --stage map   # ... parts 1-3,
-    meshformer data prepare corpus/ --out data/big --tokenizer tok.json --part 0/4 --stage reduce  # then merge:
-    meshformer data prepare corpus/ --out data/big --tokenizer tok.json --stage merge
-    meshformer data submit-prepare corpus/ --out data/big --tokenizer tok.json --parts 16   # the same on SLURM
-It ends with the command that trains on the output (`train with: meshformer train tiny-gpt --set ...`).
-"""
+"""The `meshformer data prepare` and `meshformer data submit-prepare` commands."""
 
 from __future__ import annotations
 
@@ -24,11 +12,29 @@ from typing import TYPE_CHECKING
 
 from meshformer.errors import ArgumentParser, UsageError, run_command
 
-from .submit import __doc__ as submit_doc
-from .submit import part_from_env, submit_prepare
+from .submit import SUBMIT_PREPARE_DESCRIPTION, part_from_env, submit_prepare
 
 if TYPE_CHECKING:
     from .shards import Manifest
+
+PREPARE_DESCRIPTION = """\
+Read a corpus (text, JSONL, Parquet, Arrow, Megatron .idx/.bin, token arrays; a file, a folder or a glob), train or
+load a tokenizer, and write tokenized WebDataset shards with a manifest into --out. It ends with the command that
+trains on the result (`train with: meshformer train tiny-gpt --set ...`).
+
+examples:
+  meshformer data prepare bundled:kjv --out data/kjv --tokenizer train --vocab-size 4096 --seq-len 128
+  meshformer data prepare my_corpus/ --out data/mine --tokenizer gpt2
+  meshformer data prepare pairs.jsonl --pairs --out data/pairs --tokenizer bundled:kjv-bpe-4k
+  meshformer data prepare fineweb/*.parquet --out data/fw --tokenizer hf/llama3/ --text-field text
+  meshformer data prepare megatron/my_text_document --out data/mt --tokenizer hf/gpt2/   # token ids kept
+
+a large corpus over several machines (any number of parts gives the same output):
+  meshformer data prepare corpus/ --out data/big --tokenizer tok.json --part 0/4 --stage map      # and parts 1-3
+  meshformer data prepare corpus/ --out data/big --tokenizer tok.json --part 0/4 --stage reduce   # and parts 1-3
+  meshformer data prepare corpus/ --out data/big --tokenizer tok.json --stage merge
+  meshformer data submit-prepare corpus/ --out data/big --tokenizer tok.json --parts 16   # the same on SLURM
+"""
 
 _PART_OR_NUMBER = re.compile(r"^-\d+(/\d+)?$|^-\d*\.\d+$")  # argparse's negative numbers, and -i/N
 
@@ -37,7 +43,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     data = subparsers.add_parser("data", help="prepare training data")
     sub = data.add_subparsers(dest="data_command", required=True)
     p = sub.add_parser("prepare", help="corpus -> tokenizer -> WebDataset shards + manifest",
-                       description=__doc__)
+                       description=PREPARE_DESCRIPTION)
     _prepare_arguments(p)
     p._negative_number_matcher = _PART_OR_NUMBER  # `--part -1/2` is a (wrong) value, not an unknown option
     p.add_argument("--part", default="0/1",
@@ -48,7 +54,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run_prepare)
     s = sub.add_parser("submit-prepare", help="run a prepare as SLURM array jobs (map, reduce, merge)",
-                       description=submit_doc)
+                       description=SUBMIT_PREPARE_DESCRIPTION)
     _prepare_arguments(s)
     s.add_argument("--parts", type=int, required=True, help="array tasks per stage (machines sharing the work)")
     s.add_argument("--sbatch", action="append", default=[], metavar="OPTION",

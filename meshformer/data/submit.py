@@ -1,11 +1,4 @@
-"""`meshformer data submit-prepare INPUTS --out DIR --parts N`: a prepare as SLURM array jobs.
-
-Three jobs, chained with `--dependency=afterok`: the map stage as an array of N tasks, the reduce stage as an
-array of N tasks, and one merge task. Each task runs `meshformer data prepare ... --part slurm --stage S`,
-which reads its slice from SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT. The output does not depend on N
-(see prepare.py), so N only sets how many machines share the work. The work folder (<out>.work) and the
-output must be on a filesystem every node sees. Logs: <out>.slurm/.
-"""
+"""`meshformer data submit-prepare`: a prepare as three chained SLURM array jobs (map, reduce, merge)."""
 
 from __future__ import annotations
 
@@ -17,6 +10,16 @@ import sys
 from pathlib import Path
 
 from meshformer.errors import SubmitError, UsageError
+
+SUBMIT_PREPARE_DESCRIPTION = """\
+Run `meshformer data prepare` as SLURM array jobs: the map stage as an array of --parts tasks, then the reduce
+stage as another, then one merge task, each starting when the one before has succeeded. The output does not
+depend on --parts, which only sets how many machines share the work. The output folder and its work folder
+(<out>.work) must be on a filesystem every node sees. Job logs: <out>.slurm/.
+
+example:
+  meshformer data submit-prepare corpus/ --out data/big --tokenizer tok.json --parts 16 --sbatch=--partition=cpu
+"""
 
 
 def part_from_env() -> tuple[int, int]:

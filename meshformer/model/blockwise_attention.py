@@ -6,7 +6,7 @@ of queries is one batched GEMM against its keys (causal: none of the masked tria
 a fused softmax, and one GEMM with the values; backward reuses the stored probabilities instead of recomputing
 them. Scores and their gradients are fp32 (fp32 GEMMs on the upcast operands, as flash accumulates in fp32), so
 the accuracy is flash's; the probabilities are stored in the input dtype (flash also rounds them to it before
-multiplying by V). Speed and error against the CPU flash kernel: README's benchmark table.
+multiplying by V). Speed and error against the CPU flash kernel: docs/benchmarks/training.md.
 
 The cost is memory: B*H*T*(T+block)/2 stored probabilities per layer instead of flash's B*H*T statistics. Relative
 to the ~17*d_model activation elements a block keeps per token that is about T / (34 * head_dim), so `auto` picks

@@ -4,8 +4,8 @@ It lives with the model, which reads no other section; `meshformer/config/` load
 validates it (against the family registry too) and re-exports this class. Which stacks a family has and how
 deep they are is the family's business (`model/families/`), not this section's: `family` names a registered
 family and the layer counts below are read by its stacks. Each block component reads its own table:
-`[model.attention]`, `[model.ffn]`, `[model.rope]`, `[model.norm]`, `[model.moe]`, `[model.init]`; which kind of
-token mixer and channel mixer each block is comes from `layer_types` and `mlp_types`.
+`[model.attention]`, `[model.mla]`, `[model.ffn]`, `[model.rope]`, `[model.norm]`, `[model.moe]`, `[model.init]`;
+which kind of token mixer and channel mixer each block is comes from `layer_types` and `mlp_types`.
 """
 
 from __future__ import annotations
@@ -52,6 +52,25 @@ class AttentionConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+
+@dataclass
+class MlaConfig:
+    """The `[model.mla]` table: multi-head latent attention (model/mla.py, DeepSeek-V2/V3) of the "mla" blocks; their
+    query heads are attention.n_heads."""
+
+    q_lora_rank: int | None = None  # queries through a rank-r down-projection, RMSNorm, up-projection; None: direct
+    kv_lora_rank: int = 64  # width of the one compressed latent per token that keys and values expand from
+    qk_nope_head_dim: int = 32  # per-head query and key width without positions
+    qk_rope_head_dim: int = 16  # rotary width: per-head queries, one key shared by every head
+    v_head_dim: int = 32  # per-head value width
+    rope_interleave: bool = True  # rotary pairs (2i, 2i + 1) as DeepSeek's checkpoints lay them out; false: half-split
+    # scaled RoPE (rope.scaling): scores multiplied by (0.1 * mscale_all_dim * ln(rope.factor) + 1)^2; 0: off
+    mscale_all_dim: float = 0.0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass
@@ -128,6 +147,7 @@ class MoeConfig:
     aux_per_sequence: bool = False  # the balance loss per sequence, averaged (else per micro-batch)
     router_z_loss: float = 0.0  # coefficient of mean(logsumexp(router logits)^2)
     router_bias_update_rate: float = 0.0  # auxiliary-loss-free balancing (DeepSeek-V3); 0: off
+    router_scale: float = 1.0  # the top-k weights multiplied by this, after any renormalisation (DeepSeek-V3: 2.5)
     # auto: grouped_mm for bf16 on CUDA where it runs, else the loop (as fast as padded on CPU, or faster)
     backend: Literal["auto", "loop", "padded", "grouped_mm"] = "auto"
 
@@ -178,13 +198,15 @@ class ModelConfig:
     scale_output: bool = False  # multiply final hidden states by d_model**-0.5 before the output projection (T5)
     cross_downsample: int = 1  # pool encoder output by this factor before cross-attention
     # Token mixer of each block of a stack: "full_attention" | "sliding_attention" (attention.window, rope.local_theta)
-    # | "linear_attention" (Gated DeltaNet: [model.linear_attention]), one per block or a shorter pattern repeated
-    # over the stack (Gemma 3: 5 sliding, then 1 full); []: all full
+    # | "linear_attention" (Gated DeltaNet: [model.linear_attention]) | "mla" (multi-head latent attention,
+    # [model.mla]), one per block or a shorter pattern repeated over the stack (Gemma 3: 5 sliding, then 1 full);
+    # []: all full
     layer_types: list[str] = field(default_factory=list)
     # Channel mixer of each block of a stack: "dense" (ffn) | "moe" (moe), one per block or a repeated pattern;
     # []: every block "moe" when moe.n_experts > 0, else "dense"
     mlp_types: list[str] = field(default_factory=list)
     attention: AttentionConfig = field(default_factory=AttentionConfig)  # [model.attention]
+    mla: MlaConfig = field(default_factory=MlaConfig)  # [model.mla]
     ffn: FfnConfig = field(default_factory=FfnConfig)  # [model.ffn]
     rope: RopeConfig = field(default_factory=RopeConfig)  # [model.rope]
     norm: NormConfig = field(default_factory=NormConfig)  # [model.norm]
@@ -199,6 +221,20 @@ class ModelConfig:
     @property
     def attention_head_dim(self) -> int:
         return self.attention.head_dim or self.d_model // self.attention.n_heads
+
+    @property
+    def uses_mla(self) -> bool:
+        """Whether the blocks attend through multi-head latent attention (checkpoint formats ask; config validation:
+        all of them or none)."""
+        return "mla" in self.layer_types
+
+    @property
+    def rope_dim(self) -> int:
+        """The width the rotary table covers, as the first block's token mixer declares it (every token mixer of a
+        RoPE model rotates the same width)."""
+        from meshformer.model.components import token_mixer  # the kinds read this module
+
+        return token_mixer(self, 0).rotary_width(self)
 
     @property
     def use_qkv_bias(self) -> bool:
@@ -223,11 +259,6 @@ class ModelConfig:
         from meshformer.model.components import channel_mixer  # the kinds read this module
 
         return channel_mixer(self, block).expert_parallel
-
-    @property
-    def rotary_dim(self) -> int:
-        """How many of each head's dimensions RoPE rotates (rope.partial_factor of them)."""
-        return int(self.attention_head_dim * self.rope.partial_factor)
 
     def window(self, block: int) -> int | None:
         """The sliding window of block `block` of a stack (None: global attention), as its token mixer declares."""

@@ -16,7 +16,7 @@ W = (I + A)^-1 [beta V, beta exp(G) K]; that inverse and every other within-chun
 chunks at once. Only the state crosses chunks: a scan of two GEMMs per chunk (`_StateScan`, which also runs its
 backward as two GEMMs per chunk and batches the rest); the outputs of all chunks follow it as one batched
 product, o = P U + exp(G) q S_0 with P[i, j] = exp(G_i - G_j) q_i.k_j for j <= i. Everything else is autograd.
-Against `transformers`' fallback, forward + backward: README's benchmark table (`bench/gated_delta.py`).
+Against `transformers`' fallback, forward + backward: docs/benchmarks/training.md (`bench/gated_delta.py`).
 
 Conventions (those of `transformers`' Qwen3-Next `torch_chunk_gated_delta_rule`, so the two compare directly):
 q, k (B, T, Hk, Dk); v (B, T, H, Dv); g and beta (B, T, H); H a multiple of Hk (each q/k head serves H / Hk

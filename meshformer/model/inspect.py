@@ -9,17 +9,23 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, cast
+from typing import Literal, Protocol, cast
 
 import torch
 from torch import nn
 
 from meshformer.errors import UsageError
-from meshformer.model.attention import Attention
 from meshformer.model.layers import TransformerBlock
 from meshformer.model.transformer import Transformer
 
 Stack = Literal["encoder", "decoder", "cross"]
+
+
+class KeepsWeights(Protocol):
+    """A softmax attention module that keeps its last attention weights when asked (`Attention`, MLA's)."""
+
+    capture_weights: bool
+    weights: torch.Tensor | None
 
 
 def default_stack(model: Transformer) -> Stack:
@@ -27,7 +33,7 @@ def default_stack(model: Transformer) -> Stack:
     return "cross" if model.spec.seq2seq else cast(Stack, model.spec.stacks[-1].name)  # "encoder" or "decoder"
 
 
-def _attention_module(model: Transformer, stack: Stack, layer: int) -> Attention:
+def _attention_module(model: Transformer, stack: Stack, layer: int) -> KeepsWeights:
     layers = model.encoder_layers if stack == "encoder" else model.decoder_layers
     if layers is None:
         raise UsageError(f"this {model.cfg.family} model has no {stack} stack")
@@ -38,10 +44,11 @@ def _attention_module(model: Transformer, stack: Stack, layer: int) -> Attention
     if stack == "cross" and block.cross_attn is None:
         raise UsageError("cross-attention exists only in encoder-decoder models")
     module = block.cross_attn if stack == "cross" else block.attn
-    if not isinstance(module, Attention):  # another token mixer kind (model/components/) has no attention weights
+    # a softmax attention module keeps its weights when asked (`capture_weights`); other token mixers have none
+    if module is None or not hasattr(module, "capture_weights"):
         raise UsageError(f"{stack} layer {layer} is a {block.mixers['attn']} block, which has no softmax attention "
-                         "weights to show; pick a full_attention or sliding_attention layer")
-    return module
+                         "weights to show; pick a full_attention, sliding_attention or mla layer")
+    return cast(KeepsWeights, module)
 
 
 @torch.no_grad()

@@ -52,10 +52,11 @@ class Routing:
 
 
 def route(logits: torch.Tensor, k: int, *, score: str = "softmax", renormalize: bool = True, groups: int = 1,
-          groups_per_token: int = 1, bias: torch.Tensor | None = None) -> Routing:
+          groups_per_token: int = 1, bias: torch.Tensor | None = None, scale: float = 1.0) -> Routing:
     """Top-k routing of fp32 `logits` (N, E). `bias` (E,) is added to the scores for choosing only, never for
     weighting (DeepSeek-V3). With groups > 1 each token first keeps its best `groups_per_token` groups of experts,
-    a group scored by the sum of its best two experts (DeepSeek-V3), then picks its k among those."""
+    a group scored by the sum of its best two experts (DeepSeek-V3), then picks its k among those. `scale` multiplies
+    the combine weights last (DeepSeek-V3's routed_scaling_factor)."""
     scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
     choice = scores.detach() if bias is None else scores.detach() + bias
     if groups > 1:
@@ -69,6 +70,8 @@ def route(logits: torch.Tensor, k: int, *, score: str = "softmax", renormalize: 
     weights = scores.gather(-1, experts)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
+    if scale != 1.0:
+        weights = weights * scale
     return Routing(experts, weights, scores)
 
 
@@ -390,7 +393,7 @@ class MoEFeedForward(nn.Module):
         logits = self.router(flat)
         routing = route(logits, k, score=cfg.moe.router_score, renormalize=cfg.moe.router_renormalize,
                         groups=cfg.moe.router_groups, groups_per_token=cfg.moe.router_groups_per_token,
-                        bias=self.router.expert_bias)
+                        bias=self.router.expert_bias, scale=cfg.moe.router_scale)
         slots = routing.experts.reshape(-1)  # token-slot s = token * k + j
         order = torch.argsort(slots, stable=True)  # by expert, then by token
         routed = slots.new_zeros(n_experts).scatter_add_(0, slots, torch.ones_like(slots))  # bincount: a host sync

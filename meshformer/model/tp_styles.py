@@ -11,5 +11,8 @@ GATHER_MASKED = "gather_masked"  # all-gathers its first input; the second (the 
 GATHER_MEMORY = "gather_memory"  # as GATHER_MASKED, and reads the (replicated) encoder memory keyword
 COLWISE = "colwise"  # splits output features: whole heads, or a slice of d_ff
 ROWWISE = "rowwise"  # splits input features; the output is reduce-scattered onto the sequence
+# an identity the mixer routes a replicated tensor through, which this rank's heads alone read: its gradient is
+# partial and is summed over the ranks (MLA's rotary key, shared by every head)
+PARTIAL_GRADIENT = "partial_gradient"
 TOKENS = "tokens"  # runs on this rank's tokens flattened to (N, D) with a replicated weight (the MoE router)
 

@@ -111,11 +111,11 @@ class Transformer(nn.Module):
             self.pos_embeddings = LearnedPositions(cfg.max_seq_len, cfg.d_model)
         elif cfg.position == "sinusoidal" and "pos_embeddings" in held:
             self.pos_embeddings = SinusoidalPositions(cfg.max_seq_len, cfg.d_model)
-        self.rope = (RotaryEmbedding(cfg.rotary_dim, cfg.max_seq_len, cfg.rope.theta,
+        self.rope = (RotaryEmbedding(cfg.rope_dim, cfg.max_seq_len, cfg.rope.theta,
                                      RopeScaling.from_config(cfg))
                      if cfg.position == "rope" and "rope" in held else None)
         # the windowed blocks' own unscaled rotation (Gemma 3: base 10k locally, 1M globally)
-        self.local_rope = (RotaryEmbedding(cfg.rotary_dim, cfg.max_seq_len, cfg.rope.local_theta)
+        self.local_rope = (RotaryEmbedding(cfg.rope_dim, cfg.max_seq_len, cfg.rope.local_theta)
                            if cfg.position == "rope" and cfg.rope.local_theta is not None and "local_rope" in held
                            else None)
         if cfg.position == "alibi":

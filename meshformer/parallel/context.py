@@ -22,7 +22,8 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshformer.batch import Batch
-from meshformer.model.attention import Attention, SequenceChunk
+from meshformer.model.attention import SequenceChunk
+from meshformer.model.components import TOKEN_MIXER
 from meshformer.model.transformer import Transformer
 
 # The differentiable all-gather (its backward reduce-scatters, summing); torch 2.13 renamed it, earlier releases
@@ -37,7 +38,8 @@ def apply_context_parallel(model: Transformer, cp_mesh: DeviceMesh) -> int:
     chunk = SequenceChunk(cp_mesh.get_local_rank(), cp_mesh.size(),
                           lambda t: _all_gather(t, gather_dim=2, group=group))
     model.set_parallel_context(replace(model.parallel_context, chunk=chunk))
-    return sum(1 for module in model.modules() if isinstance(module, Attention) and not module.cross)
+    # each block's token mixer gathers; a cross-attending stack's reading of the memory does not (refused under cp)
+    return sum(1 for module in model.modules() if TOKEN_MIXER in getattr(module, "mixers", {}))
 
 
 def sequence_chunk(batch: Batch, index: int, count: int) -> Batch:

@@ -15,6 +15,7 @@ from torch import nn
 
 from meshformer.model import Transformer
 from meshformer.model.blockwise_attention import picks_blockwise
+from meshformer.model.components import TokenMixer, model_kinds
 from meshformer.model.families import get_family_spec
 from meshformer.model.moe import moe_layers
 from meshformer.model.positions import BIASED_POSITIONS
@@ -84,10 +85,17 @@ def compile_blocks(model: Transformer, mode: str = "default") -> int:
     return len(blocks)
 
 
+def _blockwise_capable(m) -> bool:
+    """Whether every token mixer of the model can run the blockwise kernel (model/components/)."""
+    return all(kind.blockwise_kernel for kind in model_kinds(m) if isinstance(kind, TokenMixer))
+
+
 def runs_blockwise_attention(cfg, device_type: str, compiled: bool) -> bool:
     """Whether `Attention` picks the blockwise CPU kernel for this run's unpadded batches (it decides per call:
     an explicit mask, a position bias, dropout or torch.compile send a call to SDPA)."""
     m = cfg.model
+    if not _blockwise_capable(m):
+        return False
     plain = m.attention.dropout == 0 and m.attention.window is None and not m.attention.document_mask \
         and m.position not in BIASED_POSITIONS and not compiled and m.attention.softcap is None
     longest = max(cfg.data.seq_len, cfg.data.target_len if get_family_spec(m.family).seq2seq else 0)
@@ -97,6 +105,8 @@ def runs_blockwise_attention(cfg, device_type: str, compiled: bool) -> bool:
 
 def attention_kernels(cfg, device: torch.device, compiled: bool) -> str:
     backend = cfg.model.attention.backend
+    if backend == "blockwise" and not _blockwise_capable(cfg.model):  # those token mixers run SDPA instead
+        backend = "sdpa"
     if backend == "math":
         return "math (explicit softmax; returns attention weights)"
     if cfg.model.attention.softcap is not None:

@@ -13,7 +13,8 @@ Layout of the activations (tp ranks, sequence T, hidden D):
   sees full sequences;
 - the output projection is vocabulary-sharded and stays sharded: `vocab_parallel_cross_entropy` never
   materialises full-vocabulary logits;
-- attention sinks (one logit per head) are split with the heads;
+- attention sinks (one logit per head) are split with the heads; a replicated tensor only this rank's heads
+  read (multi-head latent attention's shared rotary key) has its gradient summed over the ranks;
 - a QK-norm over the whole projection (OLMo 2) holds its heads' slice of the weight and sums the mean square
   over the tensor-parallel ranks (one all-reduce of a (B, T, 1) tensor per norm).
 
@@ -80,6 +81,33 @@ class _HeadValues(ParallelStyle):
         return distribute_module(module, device_mesh, partition, output_fn=_local_outputs)  # type: ignore[arg-type]
 
 
+class _SumGradient(torch.autograd.Function):
+    """Identity forward; the backward all-reduces the gradient over the group (each rank's holds its heads' share)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return dist_nn.all_reduce(grad.contiguous(), group=ctx.group), None
+
+
+class _PartialGradient(ParallelStyle):
+    """A module whose first input is replicated but read by this rank's heads alone: the input's gradient is summed
+    over the ranks (identity forward)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+
+        def summed(_module: nn.Module, args: tuple) -> tuple:
+            return (_SumGradient.apply(args[0], group), *args[1:])
+
+        module.register_forward_pre_hook(summed)
+        return module
+
+
 # Each style the family specs may name, as DTensor layouts. Vocabulary-sharded logits are kept local: the loss
 # is computed vocab-parallel.
 _STYLES = {
@@ -98,6 +126,7 @@ _STYLES = {
         input_kwarg_layouts={"memory": Replicate()}, desired_input_kwarg_layouts={"memory": Replicate()}),
     styles.COLWISE: ColwiseParallel,
     styles.ROWWISE: lambda: RowwiseParallel(output_layouts=Shard(1)),
+    styles.PARTIAL_GRADIENT: _PartialGradient,
 }
 
 

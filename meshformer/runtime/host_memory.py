@@ -2,7 +2,7 @@
 
 glibc's malloc serves requests below its mmap threshold from the heap and raises that threshold (up to 32 MiB)
 each time a large mapped block is freed, so FSDP's per-unit all-gather and gradient buffers, freed every block,
-end up in the heap and stay resident (README's `bench/scale_memory.py` table: FSDP-8 before and now; a
+end up in the heap and stay resident (docs/benchmarks/parallel.md, `bench/scale_memory.py`; a
 `malloc_trim` after materialisation alone does not help).
 A fixed threshold (which also turns glibc's adjustment off) maps every tensor of a MiB or more and unmaps it
 on free, as jemalloc and tcmalloc do; `malloc_trim` hands back what a large transient
@@ -16,7 +16,7 @@ Elsewhere (musl, macOS, Windows) these are no-ops.
 
 One CPU process goes the other way (`reuse_freed_host_memory`): glibc still maps blocks above its (at most
 32 MiB) threshold afresh and trims its heap top, so every step page-faults its logits and largest activations
-back in (figures in README, after the `bench/scale_memory.py` table). With mapping and trimming off,
+back in (docs/benchmarks/parallel.md). With mapping and trimming off,
 freed blocks stay on malloc's free lists and the next step reuses them (0 faults a step); the process keeps
 its high-water mark, which a training step reaches every step anyway. Not when MESHFORMER_MMAP_THRESHOLD is set.
 """

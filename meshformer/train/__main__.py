@@ -9,7 +9,9 @@ from meshformer.errors import ArgumentParser, run_command
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(prog="meshformer.train", description=__doc__)
+    parser = ArgumentParser(prog="meshformer.train",
+                            description="Train on this process: the command torchrun starts on every rank "
+                                        "(`torchrun ... -m meshformer.train CONFIG`).")
     parser.add_argument("config", help="TOML config file, e.g. configs/tiny-gpt.toml")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="dotted overrides")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error (also MESHFORMER_DEBUG=1)")

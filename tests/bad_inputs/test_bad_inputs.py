@@ -505,6 +505,8 @@ CASES = [
      ["model.moe.experts_per_token=8 must lie in [1, model.moe.n_experts=4]", "fix that value in config.json"]),
     ("import-hf-quantized", ["convert", "import-hf", "{tmp}/cv-gpt-oss-mxfp4", "{tmp}/cv-o40"],
      ["experts.down_proj_blocks: the experts are stored quantized", "dequantize first", "Mxfp4Config"]),
+    ("import-hf-fp8-blocks", ["convert", "import-hf", "{tmp}/cv-deepseek-fp8", "{tmp}/cv-o41"],
+     ["weight_scale_inv: the weights are stored in FP8 blocks", "dequantize first"]),
     ("import-hf-truncated", ["convert", "import-hf", "{tmp}/cv-hf-truncated", "{tmp}/cv-o26"],
      ["cv-hf-truncated/model.safetensors is not a readable safetensors file", "download it again"]),
     ("import-hf-header-lies", ["convert", "import-hf", "{tmp}/cv-hf-header-lies", "{tmp}/cv-o27"],

@@ -262,10 +262,10 @@ def test_a_config_callback_runs_on_two_ranks_and_its_state_survives_a_resume(tmp
     assert state["callbacks"] == {"StepCounter": {"count": at}}
 
 
-def test_the_readme_callback_example_runs_from_the_config(tmp_path, monkeypatch):
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### Callbacks"):]
-    section = section[:section.index("\n### ", 1)]
+def test_the_documented_callback_example_runs_from_the_config(tmp_path, monkeypatch):
+    text = (ROOT / "docs" / "extending" / "index.md").read_text()
+    section = text[text.index("## Callbacks"):]
+    section = section[:section.index("\n## ", 1)]
     module = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     table = re.search(r"```toml\n(.*?)```", section, re.S).group(1)
     (tmp_path / "my_callbacks.py").write_text(module)

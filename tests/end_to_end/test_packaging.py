@@ -10,7 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from helpers.readme import readme_commands
+from helpers.readme import doc_commands
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,7 @@ def installed(wheel, tmp_path_factory) -> tuple[Path, dict[str, str], Path]:
     return venv / "bin", env, empty
 
 
-# A quick-start run cut to a few steps: the README's `meshformer train tiny-gpt` with these overrides.
+# A quick-start run cut to a few steps: the documented `meshformer train tiny-gpt` with these overrides.
 SHORT_RUN = ["train.steps=3", "logging.log_interval=1", "train.eval_interval=3", "train.eval_batches=1",
              "train.sample_interval=0", "checkpoint.interval=0", "data.num_workers=0"]
 
@@ -76,13 +76,13 @@ def test_wheel_install_trains_a_bundled_config_from_an_empty_folder(installed):
 
 
 @pytest.mark.slow
-def test_readme_commands_run_from_an_installed_wheel_in_an_empty_folder(installed, tmp_path):
-    """The quick start, "Looking at a run" and the bundled-config commands, verbatim from the README (a training
-    run cut to a few steps), in a folder with nothing but what they write."""
+def test_documented_commands_run_from_an_installed_wheel_in_an_empty_folder(installed, tmp_path):
+    """The quick start, "Looking at a run" and the bundled-config commands, verbatim from the README and the docs (a
+    training run cut to a few steps), in a folder with nothing but what they write."""
     bin_dir, env, _ = installed
     folder = tmp_path / "user"
     folder.mkdir()
-    commands = readme_commands()
+    commands = doc_commands()
     quick_start = next(words for words in commands if words[1:3] == ["train", "tiny-gpt"] and len(words) == 3)
     after = [words for words in commands if words[1] in ("generate", "attention-map", "grad-report", "params",
                                                          "config")]
@@ -94,3 +94,23 @@ def test_readme_commands_run_from_an_installed_wheel_in_an_empty_folder(installe
         assert out.returncode == 0, (words, out.stderr[-3000:])
     assert (folder / "runs" / "tiny-gpt" / "final").is_dir() and (folder / "attn.png").is_file()
     assert (folder / "runs" / "tiny-gpt-2" / "final").is_dir()  # the copied config, trained beside the first run
+
+
+@pytest.mark.slow
+def test_the_first_hour_runs_from_an_installed_wheel_in_an_empty_folder(installed, tmp_path):
+    """bench/first_hour.py's journey (train, export to Hugging Face, generate, continue from that folder), each
+    command as the docs show it, the training runs cut to a few steps."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import first_hour
+
+    bin_dir, env, _ = installed
+    env = {**env, "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"}
+    folder = tmp_path / "user"
+    folder.mkdir()
+    shorter = " " + " ".join(s for s in SHORT_RUN if not s.startswith("checkpoint."))
+    for _, command in first_hour.JOURNEY:
+        line = command + shorter if command.split()[1] == "train" else command
+        out = subprocess.run(line, shell=True, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, (line, out.stderr[-3000:])
+    assert (folder / "hf" / "tiny-gpt" / "config.json").is_file()
+    assert (folder / "runs" / "tiny-gpt-2" / "final").is_dir()

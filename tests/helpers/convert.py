@@ -17,7 +17,7 @@ from meshformer.checkpointing.dcp_io import read_metadata
 from meshformer.checkpointing.hf_folder import export_hf
 from meshformer.checkpointing.megatron import export_megatron
 from meshformer.checkpointing.weights import CONFIG_FILE, write_weights
-from meshformer.config import AttentionConfig, FfnConfig, ModelConfig, MoeConfig, NormConfig, RopeConfig
+from meshformer.config import AttentionConfig, FfnConfig, MlaConfig, ModelConfig, MoeConfig, NormConfig, RopeConfig
 from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
 
@@ -42,6 +42,11 @@ GPT_OSS_CFG = model_from_flat(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2
                               activation="swiglu_clamped", norm="rmsnorm", position="rope", bias=True, max_seq_len=64,
                               tie_embeddings=False, attention_sinks=True, attention_window=4, full_attention_every=2,
                               n_experts=4, experts_per_token=2, router_bias=True, expert_bias_terms=True)
+DEEPSEEK_CFG = model_from_flat(vocab_size=64, d_model=32, n_heads=4, n_layers=2, d_ff=16, activation="swiglu",
+                               norm="rmsnorm", position="rope", bias=False, max_seq_len=64, tie_embeddings=False,
+                               layer_types=["mla"], mla=MlaConfig(kv_lora_rank=8, qk_nope_head_dim=4,
+                                                                  qk_rope_head_dim=4, v_head_dim=4),
+                               n_experts=4, experts_per_token=2, moe_first_dense=1, router_score="sigmoid")
 SHARD = "model-00001-of-00001.safetensors"
 
 
@@ -147,6 +152,16 @@ def mxfp4_experts(folder: Path) -> Path:
     return folder
 
 
+def fp8_blocks(folder: Path) -> Path:
+    """The DeepSeek-V3 folder `folder` with a block scale beside each linear weight, as the Hub's FP8 checkpoints
+    store them (weight_scale_inv; the values are placeholders)."""
+    tensors = load_file(folder / "model.safetensors")
+    for name in [k for k in tensors if k.endswith("proj.weight")]:
+        tensors[name.replace(".weight", ".weight_scale_inv")] = torch.ones(1)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
 def convert_case_files(tmp: Path) -> None:
     """The folders, named cv-*, under `tmp`."""
     state = Transformer(CFG).state_dict()
@@ -185,6 +200,8 @@ def convert_case_files(tmp: Path) -> None:
     write_weights(Transformer(GEMMA_SCALED_CFG).state_dict(), GEMMA_SCALED_CFG, tmp / "cv-gemma-scaled-weights")
     # a gpt-oss folder whose experts are stored as the Hub's MXFP4 blocks and scales
     mxfp4_experts(export_hf(Transformer(GPT_OSS_CFG).state_dict(), GPT_OSS_CFG, tmp / "cv-gpt-oss-mxfp4"))
+    # a DeepSeek-V3 folder stored in FP8 blocks with their scales
+    fp8_blocks(export_hf(Transformer(DEEPSEEK_CFG).state_dict(), DEEPSEEK_CFG, tmp / "cv-deepseek-fp8"))
     # (#33) config.json values transformers loads but the trainer refuses: import-hf must refuse them too
     _hf_with(tmp / "cv-moe-hf", tmp / "cv-moe-hf-top-k", num_experts_per_tok=8)
     rope = export_hf(Transformer(ROPE_CFG).state_dict(), ROPE_CFG, tmp / "cv-rope-hf")

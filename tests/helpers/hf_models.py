@@ -57,6 +57,15 @@ ARCHS: dict[str, dict[str, Any]] = {
     # 4 experts of width intermediate_size, top-2 not renormalised, QK-norm over the whole projections
     "olmoe": dict(config="OlmoeConfig", model="OlmoeForCausalLM", tie_word_embeddings=False, num_experts=4,
                   num_experts_per_tok=2),
+    # multi-head latent attention (low-rank queries, interleaved RoPE, yarn with mscale), block 0 dense, then 4
+    # experts in 2 groups (1 kept per token), top-2 sigmoid scores scaled by 2.5, one shared expert
+    "deepseek_v3": dict(config="DeepseekV3Config", model="DeepseekV3ForCausalLM", tie_word_embeddings=False,
+                        num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                        qk_rope_head_dim=4, v_head_dim=8, moe_intermediate_size=32, n_routed_experts=4, n_group=2,
+                        topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 16, "mscale": 1.0,
+                                         "mscale_all_dim": 1.0}),
     # a Qwen3-MoE whose every block is dense (mlp_only_layers): imported with experts that no block uses
     "qwen3_moe_dense": dict(config="Qwen3MoeConfig", model="Qwen3MoeForCausalLM", tie_word_embeddings=False,
                             head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -70,7 +79,7 @@ def hf_model(arch: str, seed: int = 0) -> Any:
     spec = dict(ARCHS[arch])
     config_class, model_class = spec.pop("config"), spec.pop("model")
     torch.manual_seed(seed)
-    config = getattr(transformers, config_class)(**SHARED, **spec)
+    config = getattr(transformers, config_class)(**{**SHARED, **spec})
     model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():  # sharper than the init's 0.02, so greedy choices are far from ties
         for param in model.parameters():

@@ -126,6 +126,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
                    rope=dict(scaling="yarn", factor=4.0, original_max_seq_len=8, truncate=False),
                    moe=dict(n_experts=4, experts_per_token=2, d_ff=24, router_bias=True, expert_bias_terms=True,
                             aux_loss=0.01)),
+    # DeepSeek-V3-like: multi-head latent attention in every block (low-rank queries, interleaved RoPE with YaRN and
+    # its mscale; under cp the ranks exchange the compressed latents), the first block dense, then MoE blocks of 8
+    # experts in 4 groups (2 kept per token), top-2 sigmoid weights scaled by 2.5, a shared expert, bias balancing
+    "deepseek": dict(family="decoder", n_layers=3, position="rope", bias=False, layer_types=["mla"],
+                     mlp_types=["dense", "moe", "moe"], ffn=dict(activation="swiglu"), norm=dict(kind="rmsnorm"),
+                     mla=dict(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                              mscale_all_dim=1.0),
+                     rope=dict(scaling="yarn", factor=4.0, original_max_seq_len=8),
+                     moe=dict(n_experts=8, experts_per_token=2, d_ff=16, n_shared_experts=1, router_score="sigmoid",
+                              router_groups=4, router_groups_per_token=2, router_scale=2.5,
+                              router_bias_update_rate=0.05)),
     # Qwen3-Next-like: a Gated DeltaNet block (state and convolution reset per packed document) then a gated
     # attention block with partial RoPE, (1 + weight) norms, MoE with a gated shared expert
     "qwen3next": dict(family="decoder", n_layers=2, position="rope", bias=False,

@@ -88,6 +88,9 @@ MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "mo
               # gpt-oss's pieces: sinks split with the heads (tp) and beside the gathered keys (cp), expert biases
               # split with the experts (ep), the sinks and biases outside Muon
               "gptoss/tp-ep", "gptoss/cp-ep", "gptoss/fsdp-ep", "gptoss/pp", "gptoss/tp-ep-muon",
+              # DeepSeek-V3's pieces: multi-head latent attention split by heads (tp; the shared rotary key's
+              # gradient summed over the ranks), its compressed latents exchanged (cp); DeepSeek's routing
+              "deepseek/tp-ep", "deepseek/cp-ep", "deepseek/fsdp-ep", "deepseek/pp", "deepseek/tp-ep-muon",
               # Qwen3-Next's pieces: linear_attention blocks (packed documents) under FSDP, expert and pipeline
               # parallel
               "qwen3next/fsdp-ep", "qwen3next/pp", "qwen3next/fsdp-ep-recompute=selective",

@@ -208,7 +208,7 @@ def config_with(**model: Any):
     (dict(rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_seq_len=8, rope_low_freq_factor=4.0),
      "need 0 < low < high"),
     (dict(rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_seq_len=8, rope_beta_slow=64.0),
-     "need 0 < beta_slow < beta_fast"),
+     "need 0 < beta_slow <= beta_fast"),
     (dict(rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_seq_len=8, rope_attention_factor=0.0),
      "rope.attention_factor=0.0 must be positive"),
 ])

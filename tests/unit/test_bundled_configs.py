@@ -1,12 +1,12 @@
-"""Bundled configs usable everywhere (#24): `config list|show|copy`, `submit` by name, and README commands that
-name configs the way an installed wheel can resolve them."""
+"""Bundled configs usable everywhere (#24): `config list|show|copy`, `submit` by name, and the README's and the
+documentation's commands, which name configs the way an installed wheel can resolve them."""
 
 from __future__ import annotations
 
 import shlex
 
 import pytest
-from helpers.readme import readme_commands
+from helpers.readme import doc_commands
 
 from meshformer.cli import main
 from meshformer.config import bundled_configs, load_config
@@ -15,27 +15,27 @@ from meshformer.config import bundled_configs, load_config
 CONFIG_COMMANDS = ("train", "params", "plan", "submit", "grad-report")
 
 
-def test_readme_commands_name_configs_an_installed_wheel_can_find():
+def test_documented_commands_name_configs_an_installed_wheel_can_find():
     names = bundled_configs()
     configs = []
-    for words in readme_commands():
+    for words in doc_commands():
         if "meshformer.train" in words:
             configs.append(words[words.index("meshformer.train") + 1])
-        elif len(words) > 2 and words[1] in CONFIG_COMMANDS:
+        elif len(words) > 2 and words[1] in CONFIG_COMMANDS and not words[2].startswith("-"):  # --init-from: none
             configs.append(words[2])
     assert len(configs) >= 10, configs
-    assert [c for c in configs if c not in names] == [], "README commands must name bundled configs"
+    assert [c for c in configs if c not in names] == [], "documented commands must name bundled configs"
 
 
-def test_readme_train_on_prepared_data_fits_the_tokenizer_it_trained():
-    """The Data section's `data prepare --tokenizer train --vocab-size N --out X`, then `train ... data.shards=X`:
+def test_documented_train_on_prepared_data_fits_the_tokenizer_it_trained():
+    """The data page's `data prepare --tokenizer train --vocab-size N --out X`, then `train ... data.shards=X`:
     the model must hold N tokens, or the train command stops at the tokenizer check."""
-    commands = readme_commands()
+    commands = doc_commands()
     trained = {words[words.index("--out") + 1]: int(words[words.index("--vocab-size") + 1]) for words in commands
                if words[1:3] == ["data", "prepare"] and "--vocab-size" in words}
     runs = [(words, shards) for words in commands if words[1:2] == ["train"] for shards in trained
             if f"data.shards={shards}" in words]
-    assert runs, "the README trains on a tokenizer it prepared"
+    assert runs, "the docs train on a tokenizer they prepared"
     for words, shards in runs:
         cfg = load_config(words[2], words[words.index("--set") + 1:])
         assert cfg.model.vocab_size >= trained[shards], " ".join(words)

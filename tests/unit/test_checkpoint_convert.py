@@ -165,6 +165,15 @@ def _hf_model(arch: str):
             for name, param in model.named_parameters():
                 if name.endswith("_bias"):
                     param.normal_(0.0, 0.5)
+    elif arch == "deepseek_v3":  # mla, block 0 dense, grouped sigmoid routing, a shared expert, a selection bias
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
+            qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
+            first_k_dense_replace=1, max_position_embeddings=32, pad_token_id=None, eos_token_id=None,
+            bos_token_id=None))
+        with torch.no_grad():
+            model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
     elif arch == "qwen3_next":  # a Gated DeltaNet block, then a gated attention block; MoE with a gated shared expert
         model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
             vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -191,7 +200,8 @@ def _hf_model(arch: str):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "t5", "llama3", "mistral", "qwen2", "qwen3", "mixtral",
-                                  "qwen3_moe", "olmoe", "olmo2", "olmo3", "gemma2", "gemma3", "gpt_oss", "qwen3_next"])
+                                  "qwen3_moe", "olmoe", "olmo2", "olmo3", "gemma2", "gemma3", "gpt_oss",
+                                  "deepseek_v3", "qwen3_next"])
 def test_hugging_face_import_export(arch, tmp_path):
     original = tmp_path / "hf"
     _hf_model(arch).save_pretrained(str(original))
@@ -212,6 +222,7 @@ def test_hugging_face_import_export(arch, tmp_path):
            "olmoe": transformers.OlmoeForCausalLM, "olmo2": transformers.Olmo2ForCausalLM,
            "olmo3": transformers.Olmo3ForCausalLM, "gpt_oss": transformers.GptOssForCausalLM,
            "gemma2": transformers.Gemma2ForCausalLM, "gemma3": transformers.Gemma3ForCausalLM,
+           "deepseek_v3": transformers.DeepseekV3ForCausalLM,
            "qwen3_next": transformers.Qwen3NextForCausalLM}[arch]
     hf_model = cls.from_pretrained(str(tmp_path / "exported")).eval()
     cfg, state = read_weights(tmp_path / "ours")

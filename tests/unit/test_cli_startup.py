@@ -58,6 +58,24 @@ def test_every_help_answers_without_importing_torch(path):
     assert out.stdout.startswith("usage: meshformer") and "imported: []" in out.stdout, out.stdout + out.stderr
 
 
+def _parser_at(path: tuple[str, ...]) -> argparse.ArgumentParser:
+    parser = build_parser()
+    for name in path:
+        (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        parser = sub.choices[name]
+    return parser
+
+
+@pytest.mark.parametrize("path", _command_paths(build_parser()), ids=" ".join)
+def test_every_help_text_is_written_for_users(path):
+    """A command's description is prose for its users, not a module's docstring (which names files and functions)."""
+    description = _parser_at(path).description or ""
+    docstrings = {module.__doc__ for module in list(sys.modules.values()) if getattr(module, "__doc__", None)}
+    assert description not in docstrings, f"`meshformer {' '.join(path)} --help` prints a module docstring"
+    for internal in ("add_cli", "registered", ".py", "subparsers"):
+        assert internal not in description, (path, internal, description)
+
+
 def test_the_rank_entry_point_help_imports_no_torch():
     code = ("import runpy, sys\nsys.argv = ['meshformer.train', '--help']\ntry:\n    runpy.run_module("
             "'meshformer.train', run_name='__main__')\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)")

@@ -118,7 +118,7 @@ def test_saved_configs_of_the_flat_release_load(caplog):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (['model.layer_types=["mla"]'], "model.layer_types holds 'mla', not a kind meshformer builds"),
+    (['model.layer_types=["retention"]'], "model.layer_types holds 'retention', not a kind meshformer builds"),
     (['model.layer_types=["full_attention", "full_attention", "full_attention", "full_attention", "full_attention"]'],
      "model.layer_types has 5 entries but the deepest stack has 4 blocks"),
     (['model.layer_types=["sliding_attention"]'], "sliding_attention blocks but model.attention.window is not set"),

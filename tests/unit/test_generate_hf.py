@@ -16,7 +16,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 NEW_TOKENS = 10
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "olmo2", "olmo3", "gemma3", "gpt_oss", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "olmo2", "olmo3", "gemma3", "gpt_oss", "deepseek_v3",
+                                  "qwen3_next"])
 def test_batched_greedy_equals_transformers_generate(arch):
     theirs = hf_model(arch)
     ours = from_hf_model(theirs).eval()

@@ -24,7 +24,7 @@ from meshformer.checkpointing.hf import (
     to_hf_model,
     to_hf_state_dict,
 )
-from meshformer.config import AttentionConfig, FfnConfig, ModelConfig, NormConfig
+from meshformer.config import AttentionConfig, FfnConfig, MlaConfig, ModelConfig, NormConfig
 from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
 from meshformer.model.config import LinearAttentionConfig
@@ -208,6 +208,35 @@ def _hf_gpt_oss(**extra):
         "pad_token_id": None, "eos_token_id": None, "bos_token_id": None, **extra}))
 
 
+def _hf_deepseek_v3(**extra):
+    # multi-head latent attention (low-rank queries, interleaved RoPE, yarn with DeepSeek's mscale), block 0 dense,
+    # 8 experts in 2 groups of which each token keeps 1, top-2 of sigmoid scores renormalised and scaled by 2.5, one
+    # shared expert, and a nonzero selection bias (e_score_correction_bias, a buffer perturb() leaves alone)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{
+        "vocab_size": 97, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 16,
+        "kv_lora_rank": 12, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6, "n_routed_experts": 8,
+        "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5, "max_position_embeddings": 32, "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 8,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 0.8},
+        "pad_token_id": None, "eos_token_id": None, "bos_token_id": None, **extra}))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, buffer in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
+    return hf
+
+
+def _hf_deepseek_v2_lite_shaped(**extra):
+    # DeepSeek-V2-Lite's shape: queries through one projection (q_lora_rank None), half-split RoPE, unscaled, no
+    # groups, weights not renormalised
+    return _hf_deepseek_v3(**{"q_lora_rank": None, "rope_interleave": False, "n_group": 1, "topk_group": 1,
+                              "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+                              "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, **extra})
+
+
 def _hf_gemma2(**extra):
     # every 2nd block global (Gemma 2's default layer_types), attention- and final-logit soft-capping with caps
     # below the scores' and logits' ranges (so they bend them), yarn rope scaling for every block
@@ -250,9 +279,10 @@ def _random_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _SINGLE_STACK = [_hf_gpt2, _hf_bert, _hf_llama, _hf_llama3, _hf_mistral, _hf_qwen2, _hf_qwen3, _hf_mixtral,
-                 _hf_qwen3_moe, _hf_olmoe, _hf_olmo2, _hf_olmo3, _hf_gemma2, _hf_gemma3, _hf_gpt_oss, _hf_qwen3_next]
+                 _hf_qwen3_moe, _hf_olmoe, _hf_olmo2, _hf_olmo3, _hf_gemma2, _hf_gemma3, _hf_gpt_oss, _hf_deepseek_v3,
+                 _hf_deepseek_v2_lite_shaped, _hf_qwen3_next]
 _SINGLE_IDS = ["gpt2", "bert", "llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2",
-               "olmo3", "gemma2", "gemma3", "gpt_oss", "qwen3_next"]
+               "olmo3", "gemma2", "gemma3", "gpt_oss", "deepseek_v3", "deepseek_v2_lite_shaped", "qwen3_next"]
 
 
 @pytest.mark.parametrize("make", _SINGLE_STACK, ids=_SINGLE_IDS)
@@ -422,6 +452,15 @@ _GPT_OSS = {"n_layers": 4, "head_dim": 16, "bias": True, "attention_sinks": True
             "expert_bias_terms": True, "rope_truncate": False, **_YARN_ROPE}
 
 
+# DeepSeek-V3's options: mla blocks (low-rank queries, yarn with mscale), block 0 dense, grouped sigmoid routing scaled
+# by 2.5, one shared expert
+_DEEPSEEK_V3 = {"n_layers": 3, "n_kv_heads": None, "layer_types": ["mla"], "n_experts": 8, "moe_d_ff": 16,
+                "moe_first_dense": 1, "n_shared_experts": 1, "router_score": "sigmoid", "router_groups": 2,
+                "router_groups_per_token": 1, "router_scale": 2.5, "mla": MlaConfig(
+                    q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                    mscale_all_dim=0.7), **_YARN_ROPE}
+
+
 @pytest.mark.parametrize(("arch", "cfg"), [
     ("llama", _llama_config(**_LLAMA3_ROPE)),
     ("llama", _llama_config(rope_scaling="linear", rope_scaling_factor=2.0, head_dim=16)),
@@ -437,9 +476,13 @@ _GPT_OSS = {"n_layers": 4, "head_dim": 16, "bias": True, "attention_sinks": True
     ("gemma2", _llama_config(**{**_GEMMA3, "qk_norm": False, "rope_local_theta": None, "attention_softcap": 1.0})),
     ("gemma3_text", _llama_config(**_GEMMA3)),
     ("gpt_oss", _moe_config(**_GPT_OSS)),
+    ("deepseek_v3", _moe_config(**_DEEPSEEK_V3)),
+    ("deepseek_v3", _moe_config(**{**_DEEPSEEK_V3, "mla": MlaConfig(kv_lora_rank=12, qk_nope_head_dim=8,
+                                                                    qk_rope_head_dim=4, v_head_dim=6)})),
     ("qwen3_next", _qwen3_next_config()),
 ], ids=["llama3", "llama-linear", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2", "olmo3",
-        "gemma2", "gemma3", "gpt_oss", "qwen3_next"])
+        "gemma2", "gemma3", "gpt_oss", "deepseek_v3", "deepseek_v3-direct-queries",
+        "qwen3_next"])
 def test_export_logits_and_round_trip(arch, cfg):
     """Ours -> HF computes our logits (padded batch, sequences longer than the window) and comes back bitwise."""
     torch.manual_seed(0)
@@ -635,7 +678,7 @@ def test_qwen3_next_published_config_maps_both_ways():
         shared_expert_intermediate_size=512, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         router_aux_loss_coef=0.001, tie_word_embeddings=False)
     cfg = config_from_hf(published)
-    assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"] and cfg.rotary_dim == 64
+    assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"] and cfg.rope_dim == 64
     assert cfg == load_config("qwen3-next-80b-a3b").model
     with torch.device("meta"):
         hf = transformers.Qwen3NextForCausalLM(published)

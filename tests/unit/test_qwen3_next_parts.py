@@ -75,8 +75,8 @@ def test_gated_attention_with_partial_rope_matches_transformers() -> None:
     cos, sin = hf.Qwen3NextRotaryEmbedding(config)(x, positions[None])
     allowed = torch.ones(length, length, dtype=torch.bool).tril()[None, None] & padding[:, None, None, :]
     additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
-    rope = RotaryEmbedding(cfg.rotary_dim, 64, cfg.rope.theta)(positions)
-    assert cfg.rotary_dim == 4 and rope[0].shape == (length, 4)
+    rope = RotaryEmbedding(cfg.rope_dim, 64, cfg.rope.theta)(positions)
+    assert cfg.rope_dim == 4 and rope[0].shape == (length, 4)
     with torch.no_grad():
         expected, _ = theirs(x, (cos, sin), additive)
         got = mine(x, build_mask(length, length, causal=True, key_padding=padding), rope=rope)

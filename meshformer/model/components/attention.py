@@ -173,7 +173,7 @@ class Attention(TokenMixer):
             from meshformer.model.blockwise_attention import backward_workspace
 
             # its workspace is large, but by then the channel mixer has back-propagated and freed what it kept
-            # (under context parallel counted at this rank's length: within 6% of measured, see README)
+            # (under context parallel counted at this rank's length: within 6% of measured, docs/benchmarks/parallel.md)
             total = backward_workspace(b * heads, s, m.attention_head_dim, a) - freed
         return total
 

@@ -119,6 +119,8 @@ class TokenMixer(_Component):
     """Mixes information across positions: one per block (model.layer_types), reading `[model.<section>]`."""
 
     section = "attention"
+    blockwise_kernel: ClassVar[bool] = True  # runs model/blockwise_attention.py's CPU kernel where the backend picks it
+    qk_clip: ClassVar[bool] = True  # MuonClip (optim.qk_clip_threshold) records and clips its heads' logits
     # its module also takes `padding=` and `documents=`: this call's tokens' (B, T) padding (True: real) and packed
     # document ids, for a mixer that reads no mask (a recurrence)
     reads_padding_and_documents: ClassVar[bool] = False
@@ -134,6 +136,11 @@ class TokenMixer(_Component):
     def window(self, cfg: ModelConfig) -> int | None:
         """The sliding window of its mask (None: every key); blocks sharing a window share one mask."""
         return None
+
+    def rotary_width(self, cfg: ModelConfig) -> int:
+        """The per-head width RoPE rotates (model.position = "rope"); the model holds one rotary table for it. Here:
+        the first rope.partial_factor of each attention head's dimensions (all of them by default)."""
+        return int(cfg.attention_head_dim * cfg.rope.partial_factor)
 
     def params(self, cfg: ModelConfig) -> int:
         raise NotImplementedError

@@ -48,6 +48,9 @@ class LinearAttention(TokenMixer):
     name = "linear_attention"
     section = "linear_attention"
     reads_padding_and_documents = True
+    # blockwise_kernel stays as declared for attention: it has no softmax, and the attention blocks beside it pick
+    # their kernel themselves
+    qk_clip = False  # no attention logits for MuonClip to record or clip
 
     def build(self, cfg: ModelConfig, *, causal: bool) -> nn.Module:
         from meshformer.model.linear_attention import GatedDeltaNet

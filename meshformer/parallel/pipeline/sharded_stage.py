@@ -2,8 +2,8 @@
 
 torch's `PipelineStage` turns off FSDP's resharding and gradient reduction for every microbatch's backward and
 reduces once per step: each rank then holds its stage's parameters and gradients *unsharded* for the whole
-step (README's `bench/scale_memory.py` table: PP2 x FSDP4, both ways). For a 70B model at PP8 that is an extra 2 x 8.75B
-parameters per GPU, which does not fit. So by default each microbatch's backward reshards its blocks and
+step (docs/benchmarks/parallel.md, `bench/scale_memory.py`: PP2 x FSDP4). For a 70B model at PP8 that is an
+extra 2 x 8.75B parameters per GPU, which does not fit. So by default each microbatch's backward reshards its blocks and
 reduce-scatters their gradients, which FSDP accumulates sharded; the price is one more all-gather and
 reduce-scatter per block and microbatch. `parallel.pp_fsdp_unsharded_microbatches = true` keeps torch's
 behaviour (less communication, for stages that fit whole).

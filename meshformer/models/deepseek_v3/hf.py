@@ -1,0 +1,130 @@
+"""DeepSeek-V3 (DeepseekV3ForCausalLM; also Kimi K2 and, through this model_type, DeepSeek-V2-Lite-shaped configs):
+Llama's pre-norm blocks and names with multi-head latent attention in every block (our layer_types ["mla"],
+[model.mla]) and DeepSeek's mixture of experts after the first dense blocks.
+
+Attention (model.layers.{i}.self_attn.): q_proj, or q_a_proj / q_a_layernorm / q_b_proj with q_lora_rank = our
+q_proj, or q_a_proj / q_a_norm / q_b_proj; kv_a_proj_with_mqa / kv_a_layernorm / kv_b_proj = our kv_a_proj /
+kv_a_norm / kv_b_proj; o_proj. kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, rope_interleave = ours.
+YaRN's mscale / mscale_all_dim: the cos/sin factor mscale(factor, mscale) / mscale(factor, mscale_all_dim) = our
+rope.attention_factor, and the scores' mscale(factor, mscale_all_dim)^2 = our mla.mscale_all_dim.
+
+Experts: the router mlp.gate (sigmoid scores; its e_score_correction_bias = our router.expert_bias, the
+auxiliary-loss-free selection bias), n_group / topk_group = our router_groups / router_groups_per_token,
+norm_topk_prob = router_renormalize, routed_scaling_factor = router_scale; experts mlp.experts.{j}.gate_proj /
+up_proj / down_proj of width moe_intermediate_size; mlp.shared_experts (n_shared_experts of that width, as one
+FFN = ours). first_k_dense_replace = our moe_first_dense, those blocks' MLP intermediate_size wide.
+
+Refused: attention_bias, num_key_value_heads other than num_attention_heads (transformers repeats keys that
+already have every head), a checkpoint stored in FP8 blocks (weight_scale_inv). Ignored: the multi-token
+prediction module the published checkpoints hold as model.layers.61 (transformers skips it too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from meshformer.checkpointing.hf_adapter import ANY, refuse
+from meshformer.config import MlaConfig, ModelConfig
+from meshformer.config.migrate import model_from_flat
+from meshformer.model.families.naming import Rule, params
+from meshformer.model.mla import yarn_mscale
+from meshformer.models import llama_like
+from meshformer.models.qwen3_moe.hf import EXPERTS
+
+ARCH = "deepseek_v3"
+FP8 = (r"weight_scale_inv$", "the weights are stored in FP8 blocks with scales, which meshformer does not read; "
+       "dequantize first: load the model in transformers with its FP8 dequantization, save_pretrained it in bf16, "
+       "and import that folder")
+# our MLA linears -> theirs: the query path (direct, or low-rank with its norm), then keys / values and output
+_DIRECT_QUERIES = {"q_proj": "q_proj"}
+_LOW_RANK_QUERIES = {"q_a_proj": "q_a_proj", "q_b_proj": "q_b_proj"}
+_KV_AND_OUTPUT = {"kv_a_proj": "kv_a_proj_with_mqa", "kv_b_proj": "kv_b_proj", "o_proj": "o_proj"}
+
+
+class _RopeView:
+    """The config as llama_like reads it: rope_parameters without DeepSeek's mscale keys (handled here)."""
+
+    def __init__(self, c: Any, rope: dict[str, Any]) -> None:
+        self._c, self.rope_parameters = c, rope
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._c, name)
+
+
+def config_from_hf(c: Any) -> ModelConfig:
+    llama_like.refuse_attention_bias(c, ARCH)
+    if c.num_key_value_heads not in (None, c.num_attention_heads):
+        raise refuse(ARCH, f"num_key_value_heads={c.num_key_value_heads}", "differs from num_attention_heads="
+                     f"{c.num_attention_heads} (transformers then repeats keys that already have every head)")
+    rope = dict(c.rope_parameters or {})
+    mscale, mscale_all_dim = rope.pop("mscale", None), rope.pop("mscale_all_dim", None)
+    if rope.get("rope_type", rope.get("type")) == "yarn" and rope.get("attention_factor") is None \
+            and mscale and mscale_all_dim:
+        rope["attention_factor"] = yarn_mscale(rope["factor"], mscale) / yarn_mscale(rope["factor"], mscale_all_dim)
+    fields = llama_like.fields_from_hf(_RopeView(c, rope), ARCH)
+    mla = MlaConfig(q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
+                    qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
+                    rope_interleave=bool(c.rope_interleave), mscale_all_dim=float(mscale_all_dim or 0.0))
+    return model_from_flat(**{
+        **fields, "head_dim": None, "n_kv_heads": None, "layer_types": ["mla"], "mla": mla,
+        "n_experts": c.n_routed_experts, "experts_per_token": c.num_experts_per_tok,
+        "moe_d_ff": c.moe_intermediate_size, "n_shared_experts": c.n_shared_experts or 0, "router_score": "sigmoid",
+        "router_renormalize": bool(c.norm_topk_prob), "router_groups": c.n_group or 1,
+        "router_groups_per_token": c.topk_group or 1, "router_scale": float(c.routed_scaling_factor),
+        "moe_every": 1, "moe_first_dense": c.first_k_dense_replace or 0})
+
+
+def config_to_hf(cfg: ModelConfig) -> Any:
+    import transformers
+
+    fields = llama_like.fields_to_hf(cfg)
+    del fields["head_dim"]  # transformers sets it to qk_rope_head_dim
+    rope, m = fields["rope_parameters"], cfg.mla
+    if m.mscale_all_dim:
+        rope["mscale_all_dim"] = m.mscale_all_dim
+        if rope.get("attention_factor") == 1.0:  # as published: equal mscales, whose ratio is 1
+            del rope["attention_factor"]
+            rope["mscale"] = m.mscale_all_dim
+    first_dense = next((i for i in range(cfg.n_layers) if cfg.is_moe(i)), cfg.n_layers)
+    return transformers.DeepseekV3Config(
+        **fields, intermediate_size=cfg.ffn.d_ff, moe_intermediate_size=cfg.expert_d_ff,
+        q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
+        qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, rope_interleave=m.rope_interleave,
+        n_routed_experts=cfg.moe.n_experts, num_experts_per_tok=cfg.moe.experts_per_token,
+        n_shared_experts=cfg.moe.n_shared_experts, norm_topk_prob=cfg.moe.router_renormalize,
+        n_group=cfg.moe.router_groups, topk_group=cfg.moe.router_groups_per_token,
+        routed_scaling_factor=cfg.moe.router_scale, first_k_dense_replace=first_dense, attention_bias=False)
+
+
+def rules(cfg: ModelConfig) -> list[Rule]:
+    """Llama's names for embeddings, norms and MLPs, with MLA's projections, the router's selection bias and the
+    shared experts."""
+    out = [r for r in llama_like.rules(cfg, EXPERTS) if not any(".attn." in name for name in r.ours)]
+    for i in range(cfg.n_layers):
+        o, t = f"decoder_layers.{i}.attn", f"model.layers.{i}.self_attn"
+        low_rank = cfg.mla.q_lora_rank is not None
+        for ours, theirs in {**(_LOW_RANK_QUERIES if low_rank else _DIRECT_QUERIES), **_KV_AND_OUTPUT}.items():
+            out += params(f"{o}.{ours}", f"{t}.{theirs}", ("weight",))
+        out += [Rule((f"{o}.kv_a_norm.weight",), f"{t}.kv_a_layernorm.weight")]
+        if low_rank:
+            out += [Rule((f"{o}.q_a_norm.weight",), f"{t}.q_a_layernorm.weight")]
+        if cfg.is_moe(i):
+            f, m = f"decoder_layers.{i}.ffn", f"model.layers.{i}.mlp"
+            out.append(Rule((f"{f}.router.expert_bias",), f"{m}.gate.e_score_correction_bias"))
+            if cfg.moe.n_shared_experts:
+                for p in ("gate", "up", "down"):
+                    out += params(f"{f}.shared_experts.{p}_proj", f"{m}.shared_experts.{p}_proj", ("weight",))
+    return out
+
+
+ADAPTER = replace(llama_like.adapter(
+    ARCH, "DeepseekV3ForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    requirements={**llama_like.REQUIREMENTS, "bias": False, "mla": True, "moe": True, "n_shared_experts": ANY,
+                  "router_score": "sigmoid", "router_renormalize": {True, False}, "router_groups": ANY,
+                  "router_scale": ANY, "moe_blocks": {"every block", "some"}, "grouped_query": False,
+                  "head_dim": ANY},
+    size_keys=(*llama_like.SIZE_KEYS, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+               "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"),
+    refused_names=(FP8,), ignored=r"^model\.layers\.61\.", holds_selection_bias=True,
+), rules=rules)
