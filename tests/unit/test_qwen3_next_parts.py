@@ -51,9 +51,14 @@ def ours(**extra: Any) -> ModelConfig:
 
 @torch.no_grad()
 def perturb(module: torch.nn.Module, seed: int = 0) -> None:
+    """Every weight away from its init. transformers allocates a standalone experts module's stacked weights
+    uninitialised (its model's init fills them), so those are drawn here first."""
     gen = torch.Generator().manual_seed(seed)
-    for p in module.parameters():
-        p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.startswith("experts."):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
 
 
 def test_gated_attention_with_partial_rope_matches_transformers() -> None:
