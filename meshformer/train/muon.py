@@ -44,8 +44,11 @@ def decays(name: str, param: torch.Tensor) -> bool:
 
 def is_muon_parameter(name: str, param: torch.Tensor) -> bool:
     """Muon for the matrices inside the blocks (names under `*_layers.<i>.`), not their routers; AdamW for the rest
-    (embeddings, position and relative-bias tables, output head, head transform, norms, biases)."""
-    return param.ndim in (2, 3) and "_layers." in name and ".router." not in name and decays(name, param)
+    (embeddings, position and relative-bias tables, output head, head transform, norms, biases) and for weights with
+    a single row or column (a depthwise convolution's (C, 1, W), a shared expert's gate (1, d)): orthogonalising a
+    vector only normalises it."""
+    return (param.ndim in (2, 3) and min(param.shape[-2:]) > 1 and "_layers." in name and ".router." not in name
+            and decays(name, param))
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:

@@ -86,6 +86,16 @@ def test_parameter_groups_by_rule():
     assert {g["kind"]: g["lr"] for g in opt.param_groups} == {"adamw": 1e-3, "muon": 0.02}
 
 
+def test_weights_with_a_single_row_or_column_go_to_adamw():
+    from meshformer.train.muon import is_muon_parameter
+
+    conv = torch.zeros(96, 1, 4)  # a depthwise convolution: 96 one-by-four "matrices" would only be normalised
+    gate = torch.zeros(1, 32)  # a shared expert's sigmoid gate
+    assert not is_muon_parameter("decoder_layers.0.attn.conv1d.weight", conv)
+    assert not is_muon_parameter("decoder_layers.0.ffn.shared_expert_gate.weight", gate)
+    assert is_muon_parameter("decoder_layers.0.attn.in_proj_qkvz.weight", torch.zeros(64, 32))
+
+
 def _reference_muon(p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, lr: float, wd: float, mu: float,
                     scale: str) -> None:
     """Muon written out for one parameter, one matrix at a time (expert weights [E, in, out] one expert each)."""
