@@ -185,6 +185,16 @@ def _hf_model(arch: str):
             for name, param in model.named_parameters():
                 if "norm" in name:
                     param.normal_(0.0, 0.5)
+    elif arch == "qwen3_5_text":  # a Gated DeltaNet block (split projections), then a gated attention block
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+            max_position_embeddings=32))
+        with torch.no_grad():  # the norms start at zero (1 + weight): nonzero ones show where each lands
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 0.5)
     elif arch in ("gemma2", "gemma3"):  # 4 blocks, every 2nd global; a window shorter than the sequences
         config = transformers.Gemma2Config if arch == "gemma2" else transformers.Gemma3TextConfig
         model = (transformers.Gemma2ForCausalLM if arch == "gemma2" else transformers.Gemma3ForCausalLM)(config(
@@ -201,7 +211,7 @@ def _hf_model(arch: str):
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "t5", "llama3", "mistral", "qwen2", "qwen3", "mixtral",
                                   "qwen3_moe", "olmoe", "olmo2", "olmo3", "gemma2", "gemma3", "gpt_oss",
-                                  "deepseek_v3", "qwen3_next"])
+                                  "deepseek_v3", "qwen3_next", "qwen3_5_text"])
 def test_hugging_face_import_export(arch, tmp_path):
     original = tmp_path / "hf"
     _hf_model(arch).save_pretrained(str(original))
@@ -223,7 +233,8 @@ def test_hugging_face_import_export(arch, tmp_path):
            "olmo3": transformers.Olmo3ForCausalLM, "gpt_oss": transformers.GptOssForCausalLM,
            "gemma2": transformers.Gemma2ForCausalLM, "gemma3": transformers.Gemma3ForCausalLM,
            "deepseek_v3": transformers.DeepseekV3ForCausalLM,
-           "qwen3_next": transformers.Qwen3NextForCausalLM}[arch]
+           "qwen3_next": transformers.Qwen3NextForCausalLM,
+           "qwen3_5_text": transformers.Qwen3_5ForCausalLM}[arch]
     hf_model = cls.from_pretrained(str(tmp_path / "exported")).eval()
     cfg, state = read_weights(tmp_path / "ours")
     ours = Transformer(cfg).eval()

@@ -749,6 +749,59 @@ def test_qwen3_next_mtp_weights_are_left_unread():
     assert ours.keys() == model.state_dict().keys()
 
 
+def test_qwen3_5_published_config_maps_both_ways():
+    """Qwen/Qwen3.5-9B's language model (transformers' Qwen3_5TextConfig defaults, the model card's context and RoPE
+    base; multimodal rope sections as published) gives the bundled config, whose parameter count the model transformers
+    builds on the meta device has, and comes back."""
+    from meshformer.checkpointing.hf import config_to_hf
+    from meshformer.config import load_config
+    from meshformer.model.flops import count_params
+
+    rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+    published = transformers.Qwen3_5TextConfig(max_position_embeddings=262144, rope_parameters=rope)
+    cfg = config_from_hf(published)
+    assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"] and cfg.rope_dim == 64
+    assert cfg.linear_attention.projections == "split"
+    assert cfg == load_config("qwen3.5-9b").model
+    with torch.device("meta"):
+        hf = transformers.Qwen3_5ForCausalLM(published)
+    assert count_params(cfg)["total"] == sum(p.numel() for p in hf.parameters()) == 8_953_803_264
+    back = config_to_hf(cfg)
+    assert back.model_type == "qwen3_5_text" and back.layer_types == published.layer_types
+    assert back.rope_parameters["rope_theta"] == 1e7 and back.rope_parameters["partial_rotary_factor"] == 0.25
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "rope_type='dynamic'"),
+])
+def test_qwen3_5_refuses_what_it_cannot_express(extra, named):
+    with pytest.raises(ValueError, match=f"qwen3_5_text: {named}"):
+        config_from_hf(_hf_qwen3_5(**extra).config)
+
+
+def test_qwen3_5_and_qwen3_next_refuse_each_others_linear_projections():
+    with pytest.raises(ValueError, match="grouped_linear_projections"):
+        check_compatible(_qwen3_5_config(), "qwen3_next")
+    with pytest.raises(ValueError, match="split_linear_projections"):
+        check_compatible(_qwen3_next_config(n_experts=0), "qwen3_5_text")
+
+
+def test_qwen3_5_multimodal_names_import_the_language_model():
+    """A Qwen3_5ForConditionalGeneration checkpoint's language model (model.language_model.*) imports; its vision
+    tower (model.visual.*) and MTP block are left unread."""
+    torch.manual_seed(0)
+    model = from_hf_model(_hf_qwen3_5())
+    state = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+             for k, v in to_hf_state_dict(model).items()}
+    state.update({"model.visual.patch_embed.proj.weight": torch.zeros(2, 2), "mtp.fc.weight": torch.zeros(2, 2)})
+    ours = from_hf_state_dict(state, model.cfg, "qwen3_5_text")
+    assert ours.keys() == model.state_dict().keys()
+    assert all(torch.equal(ours[k], v) for k, v in model.state_dict().items())
+
+
 def test_llama31_rope_parameters_map_both_ways():
     """Llama 3.1 8B's published config.json rope block (no download: its values) to our keys and back."""
     from meshformer.checkpointing.hf import config_to_hf
