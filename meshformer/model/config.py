@@ -163,8 +163,9 @@ class LinearAttentionConfig:
     value_head_dim: int = 32  # width of each value head (the state's columns)
     conv_width: int = 4  # taps of the short causal depthwise convolution over q, k and v
     chunk_size: int = 64  # tokens per chunk of the chunked delta rule (compute only: any value, the same function)
-    # input projections: "grouped" = in_proj_qkvz and in_proj_ba interleaved per key head (Qwen3-Next's layout);
-    # "split" = in_proj_qkv (all q, then k, then v), in_proj_z, in_proj_b and in_proj_a (Qwen3.5's). Same function.
+    # how the input projections are stored (the same function): "grouped" = in_proj_qkvz and in_proj_ba interleaved
+    # per key head (Qwen3-Next), "split" = in_proj_qkv (every q, then k, then v), in_proj_z, in_proj_b, in_proj_a
+    # (Qwen3.5)
     projections: Literal["grouped", "split"] = "grouped"
 
     @property
