@@ -296,3 +296,31 @@ def test_export_refuses_a_nonzero_expert_selection_bias(tmp_path):
     assert not (tmp_path / "out").exists()
     state["decoder_layers.0.ffn.router.expert_bias"] = torch.zeros(4)  # never trained with bias balancing: fine
     export_hf(state, cfg, tmp_path / "out", arch="mixtral")
+
+
+def test_qwen3_5_multimodal_folder_imports_its_language_model(tmp_path):
+    """A Qwen3_5ForConditionalGeneration folder (model_type qwen3_5, text_config qwen3_5_text) imports as the
+    language model: the vision tower is left unread, and the export computes the original's text logits."""
+    text = transformers.Qwen3_5TextConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        max_position_embeddings=32)
+    vision = transformers.Qwen3_5VisionConfig(depth=1, hidden_size=16, num_heads=2, intermediate_size=16,
+                                              out_hidden_size=32)
+    torch.manual_seed(0)
+    original = transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision.to_dict())).eval()
+    with torch.no_grad():
+        for name, param in original.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.5)
+    original.save_pretrained(str(tmp_path / "hf"))
+    main(["convert", "import-hf", str(tmp_path / "hf"), str(tmp_path / "ours")])
+    main(["convert", "export-hf", str(tmp_path / "ours"), str(tmp_path / "exported")])
+    exported = transformers.Qwen3_5ForCausalLM.from_pretrained(str(tmp_path / "exported")).eval()
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = original(input_ids=ids).logits, exported(input_ids=ids).logits
+    assert expected.std() > 0.1
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
