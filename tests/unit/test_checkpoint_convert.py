@@ -195,6 +195,17 @@ def _hf_model(arch: str):
             for name, param in model.named_parameters():
                 if "norm" in name:
                     param.normal_(0.0, 0.5)
+    elif arch == "qwen3_5_moe_text":  # the same two blocks, each with 4 experts and a gated shared expert
+        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(
+            vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+            max_position_embeddings=32))
+        with torch.no_grad():  # nonzero norms show where each lands; transformers leaves stacked experts unset
+            for name, param in model.named_parameters():
+                if "norm" in name or "experts" in name:
+                    param.normal_(0.0, 0.5 if "norm" in name else 0.1)
     elif arch in ("gemma2", "gemma3"):  # 4 blocks, every 2nd global; a window shorter than the sequences
         config = transformers.Gemma2Config if arch == "gemma2" else transformers.Gemma3TextConfig
         model = (transformers.Gemma2ForCausalLM if arch == "gemma2" else transformers.Gemma3ForCausalLM)(config(
@@ -211,7 +222,8 @@ def _hf_model(arch: str):
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "t5", "llama3", "mistral", "qwen2", "qwen3", "mixtral",
                                   "qwen3_moe", "olmoe", "olmo2", "olmo3", "gemma2", "gemma3", "gpt_oss",
-                                  "deepseek_v3", "qwen3_next", "qwen3_5_text"])
+                                  "deepseek_v3", "qwen3_next", "qwen3_5_text",
+                                  "qwen3_5_moe_text"])
 def test_hugging_face_import_export(arch, tmp_path):
     original = tmp_path / "hf"
     _hf_model(arch).save_pretrained(str(original))
@@ -234,7 +246,8 @@ def test_hugging_face_import_export(arch, tmp_path):
            "gemma2": transformers.Gemma2ForCausalLM, "gemma3": transformers.Gemma3ForCausalLM,
            "deepseek_v3": transformers.DeepseekV3ForCausalLM,
            "qwen3_next": transformers.Qwen3NextForCausalLM,
-           "qwen3_5_text": transformers.Qwen3_5ForCausalLM}[arch]
+           "qwen3_5_text": transformers.Qwen3_5ForCausalLM,
+           "qwen3_5_moe_text": transformers.Qwen3_5MoeForCausalLM}[arch]
     hf_model = cls.from_pretrained(str(tmp_path / "exported")).eval()
     cfg, state = read_weights(tmp_path / "ours")
     ours = Transformer(cfg).eval()

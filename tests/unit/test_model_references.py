@@ -176,6 +176,18 @@ def _hf_qwen3_5(**extra):
             "mrope_interleaved": True}, **extra}))
 
 
+def _hf_qwen3_5_moe(**extra):
+    # Qwen3.5-MoE's language model: Qwen3.5's blocks, every feed-forward 4 experts of width 16, top-2 (renormalised)
+    # beside a gated shared expert twice as wide
+    return transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**{
+        "vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8, "linear_value_head_dim": 6, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32, "max_position_embeddings": 32,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+                            "mrope_section": [2, 1, 1], "mrope_interleaved": True}, **extra}))
+
+
 def _hf_olmoe(**extra):
     # QK-norm over the whole q / k projections in pre-norm blocks, grouped-query heads, 4 experts of width 24, top-2
     # not renormalised (OLMoE's default)
@@ -293,10 +305,11 @@ def _random_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 _SINGLE_STACK = [_hf_gpt2, _hf_bert, _hf_llama, _hf_llama3, _hf_mistral, _hf_qwen2, _hf_qwen3, _hf_mixtral,
                  _hf_qwen3_moe, _hf_olmoe, _hf_olmo2, _hf_olmo3, _hf_gemma2, _hf_gemma3, _hf_gpt_oss, _hf_deepseek_v3,
-                 _hf_deepseek_v2_lite_shaped, _hf_qwen3_next, _hf_qwen3_5]
+                 _hf_deepseek_v2_lite_shaped, _hf_qwen3_next, _hf_qwen3_5,
+                 _hf_qwen3_5_moe]
 _SINGLE_IDS = ["gpt2", "bert", "llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2",
                "olmo3", "gemma2", "gemma3", "gpt_oss", "deepseek_v3", "deepseek_v2_lite_shaped", "qwen3_next",
-               "qwen3_5"]
+               "qwen3_5", "qwen3_5_moe"]
 
 
 @pytest.mark.parametrize("make", _SINGLE_STACK, ids=_SINGLE_IDS)
@@ -455,6 +468,15 @@ def _qwen3_5_config(**extra) -> ModelConfig:
     return cfg
 
 
+def _qwen3_5_moe_config(**extra) -> ModelConfig:
+    """Qwen3.5-MoE's pieces: Qwen3.5's blocks, every feed-forward experts beside a gated shared expert (the unused
+    dense width as moe_d_ff, as import sets it)."""
+    cfg = _qwen3_5_config(**{"n_experts": 4, "experts_per_token": 2, "moe_d_ff": 16, "d_ff": 16,
+                             "n_shared_experts": 2, **extra})
+    cfg.moe.shared_expert_gate = True
+    return cfg
+
+
 _LLAMA3_ROPE = {"rope_scaling": "llama3", "rope_scaling_factor": 8.0, "rope_original_max_seq_len": 8,
                 "rope_theta": 500.0}
 _YARN_ROPE = {"rope_scaling": "yarn", "rope_scaling_factor": 4.0, "rope_original_max_seq_len": 8,
@@ -505,9 +527,10 @@ _DEEPSEEK_V3 = {"n_layers": 3, "n_kv_heads": None, "layer_types": ["mla"], "n_ex
                                                                     qk_rope_head_dim=4, v_head_dim=6)})),
     ("qwen3_next", _qwen3_next_config()),
     ("qwen3_5_text", _qwen3_5_config()),
+    ("qwen3_5_moe_text", _qwen3_5_moe_config()),
 ], ids=["llama3", "llama-linear", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2", "olmo3",
         "gemma2", "gemma3", "gpt_oss", "deepseek_v3", "deepseek_v3-direct-queries",
-        "qwen3_next", "qwen3_5_text"])
+        "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"])
 def test_export_logits_and_round_trip(arch, cfg):
     """Ours -> HF computes our logits (padded batch, sequences longer than the window) and comes back bitwise."""
     torch.manual_seed(0)

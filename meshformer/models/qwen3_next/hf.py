@@ -102,18 +102,34 @@ def hybrid_rules(cfg: ModelConfig, experts: llama_like.Experts | None, linear_pa
     return out
 
 
+def moe_from_hf(c: Any, arch: str) -> dict[str, Any]:
+    """The flat MoE fields of Qwen3-Next's (and Qwen3.5-MoE's) experts beside one gated shared expert."""
+    shared, width = c.shared_expert_intermediate_size, c.moe_intermediate_size
+    if shared < width or shared % width:
+        raise refuse(arch, f"shared_expert_intermediate_size={shared}", f"is not a multiple of "
+                     f"moe_intermediate_size={width} (meshformer's shared experts are n_shared_experts x "
+                     "moe_d_ff wide)")
+    return dict(n_experts=c.num_experts, experts_per_token=c.num_experts_per_tok, moe_d_ff=width,
+                n_shared_experts=shared // width, moe_aux_loss=c.router_aux_loss_coef)
+
+
+def shared_expert_rules(cfg: ModelConfig) -> list[Rule]:
+    """The shared expert and its gate of every MoE block."""
+    out: list[Rule] = []
+    for i in range(cfg.n_layers):
+        o, t = f"decoder_layers.{i}", f"model.layers.{i}"
+        if cfg.is_moe(i):
+            out += [Rule((f"{o}.ffn.shared_experts.{p}_proj.weight",), f"{t}.mlp.shared_expert.{p}_proj.weight")
+                    for p in ("gate", "up", "down")]
+            out.append(Rule((f"{o}.ffn.shared_expert_gate.weight",), f"{t}.mlp.shared_expert_gate.weight"))
+    return out
+
+
 def config_from_hf(c: Any) -> ModelConfig:
     moe: dict[str, Any] = {}
     if c.num_experts > 0:
-        shared, width = c.shared_expert_intermediate_size, c.moe_intermediate_size
-        if shared < width or shared % width:
-            raise refuse(ARCH, f"shared_expert_intermediate_size={shared}", f"is not a multiple of "
-                         f"moe_intermediate_size={width} (meshformer's shared experts are n_shared_experts x "
-                         "moe_d_ff wide)")
-        moe = dict(n_experts=c.num_experts, experts_per_token=c.num_experts_per_tok, moe_d_ff=width,
-                   n_shared_experts=shared // width, router_renormalize=c.norm_topk_prob,
-                   moe_every=c.decoder_sparse_step, moe_first_dense=len(c.mlp_only_layers or []),
-                   moe_aux_loss=c.router_aux_loss_coef)
+        moe = dict(**moe_from_hf(c, ARCH), router_renormalize=c.norm_topk_prob, moe_every=c.decoder_sparse_step,
+                   moe_first_dense=len(c.mlp_only_layers or []))
     cfg = hybrid_from_hf(c, ARCH, **moe)
     cfg.moe.shared_expert_gate = c.num_experts > 0
     return cfg
@@ -135,14 +151,7 @@ def config_to_hf(cfg: ModelConfig) -> Any:
 def rules(cfg: ModelConfig) -> list[Rule]:
     """Llama's names with the Qwen3-MoE experts, Gated DeltaNet's in the linear_attention blocks, the shared
     expert and its gate in the MoE blocks."""
-    out = hybrid_rules(cfg, EXPERTS, LINEAR_PARAMS)
-    for i in range(cfg.n_layers):
-        o, t = f"decoder_layers.{i}", f"model.layers.{i}"
-        if cfg.is_moe(i):
-            out += [Rule((f"{o}.ffn.shared_experts.{p}_proj.weight",), f"{t}.mlp.shared_expert.{p}_proj.weight")
-                    for p in ("gate", "up", "down")]
-            out.append(Rule((f"{o}.ffn.shared_expert_gate.weight",), f"{t}.mlp.shared_expert_gate.weight"))
-    return out
+    return hybrid_rules(cfg, EXPERTS, LINEAR_PARAMS) + shared_expert_rules(cfg)
 
 
 def extra_features(cfg: ModelConfig) -> dict[str, Any]:
