@@ -260,6 +260,10 @@ def open_hf(folder: Path, follow_links: bool = False) -> tuple[ModelConfig, Arch
                     fix=LINKS_FIX)
     theirs = hf_source(folder, follow_links)
     hf_config = _read_config(folder / "config.json", len(theirs))
+    text = getattr(hf_config, "text_config", None)
+    if hf.find_adapter(hf_config.model_type) is None and hf.find_adapter(getattr(text, "model_type", None)):
+        # a multimodal folder whose language model we convert: its adapter leaves the other towers unread
+        hf_config = text
     try:
         cfg = hf.config_from_hf(hf_config)
     except (ValueError, KeyError) as err:

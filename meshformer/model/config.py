@@ -163,6 +163,10 @@ class LinearAttentionConfig:
     value_head_dim: int = 32  # width of each value head (the state's columns)
     conv_width: int = 4  # taps of the short causal depthwise convolution over q, k and v
     chunk_size: int = 64  # tokens per chunk of the chunked delta rule (compute only: any value, the same function)
+    # how the input projections are stored (the same function): "grouped" = in_proj_qkvz and in_proj_ba interleaved
+    # per key head (Qwen3-Next), "split" = in_proj_qkv (every q, then k, then v), in_proj_z, in_proj_b, in_proj_a
+    # (Qwen3.5)
+    projections: Literal["grouped", "split"] = "grouped"
 
     @property
     def key_heads(self) -> int:

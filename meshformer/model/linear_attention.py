@@ -2,12 +2,13 @@
 
 Per token: one projection gives, for each query/key head, its query, key, the values of the value heads it serves
 and as many output gates z (`in_proj_qkvz`, grouped by key head as the checkpoints store it); another gives each
-value head's write strength b and decay input a (`in_proj_ba`, grouped likewise). q, k and v pass a short causal
-depthwise convolution (`conv1d`, no bias) and SiLU; q and k are L2-normalised inside the rule. Each value head then
-runs the gated delta rule (model/gated_delta.py) with beta = sigmoid(b) and log decay
-g = -exp(A_log) * softplus(a + dt_bias) (A_log and dt_bias as checkpoints store them). Its output is RMS-normalised
-per head, scaled by `norm.weight` (a plain scale starting at 1, whatever model.norm.weight_offset says) and gated by
-silu(z), then projected back (`out_proj`). No linear here has a bias.
+value head's write strength b and decay input a (`in_proj_ba`, grouped likewise); linear_attention.projections =
+"split" holds the same rows as in_proj_qkv (every q, then k, then v), in_proj_z, in_proj_b and in_proj_a (Qwen3.5's
+layout). q, k and v pass a short causal depthwise convolution (`conv1d`, no bias) and SiLU; q and k are
+L2-normalised inside the rule. Each value head then runs the gated delta rule (model/gated_delta.py) with beta =
+sigmoid(b) and log decay g = -exp(A_log) * softplus(a + dt_bias) (A_log and dt_bias as checkpoints store them). Its
+output is RMS-normalised per head, scaled by `norm.weight` (a plain scale starting at 1, whatever
+model.norm.weight_offset says) and gated by silu(z), then projected back (`out_proj`). No linear here has a bias.
 
 Padding tokens enter as zeros (their keys and values write nothing), so left-padded prompts start from an empty
 state. With packed documents (doc_ids) the recurrent state and the convolution window restart at every document.
@@ -62,8 +63,15 @@ class GatedDeltaNet(nn.Module):
         self.chunk_size = la.chunk_size
         key_dim, value_dim = la.key_heads * la.key_head_dim, la.n_heads * la.value_head_dim
         channels = 2 * key_dim + value_dim  # q, k and v pass the convolution
-        self.in_proj_qkvz = nn.Linear(cfg.d_model, 2 * key_dim + 2 * value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(cfg.d_model, 2 * la.n_heads, bias=False)
+        self.split_projections = la.projections == "split"
+        if self.split_projections:
+            self.in_proj_qkv = nn.Linear(cfg.d_model, channels, bias=False)
+            self.in_proj_z = nn.Linear(cfg.d_model, value_dim, bias=False)
+            self.in_proj_b = nn.Linear(cfg.d_model, la.n_heads, bias=False)
+            self.in_proj_a = nn.Linear(cfg.d_model, la.n_heads, bias=False)
+        else:
+            self.in_proj_qkvz = nn.Linear(cfg.d_model, 2 * key_dim + 2 * value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(cfg.d_model, 2 * la.n_heads, bias=False)
         self.conv1d = nn.Conv1d(channels, channels, la.conv_width, groups=channels, bias=False)  # its weight only
         self.dt_bias = nn.Parameter(torch.ones(la.n_heads))
         self.A_log = nn.Parameter(torch.zeros(la.n_heads))
@@ -74,6 +82,9 @@ class GatedDeltaNet(nn.Module):
         """The projections of x (B, T, D): mixed q|k|v (B, T, channels), z (B, T, H, Dv), b and a (B, T, H)."""
         batch, length, _ = x.shape
         dk, dv = self.key_head_dim, self.value_head_dim
+        if self.split_projections:
+            return (self.in_proj_qkv(x), self.in_proj_z(x).view(batch, length, -1, dv), self.in_proj_b(x),
+                    self.in_proj_a(x))
         # head counts from the shapes: a tensor-parallel shard holds whole key-head groups
         key_heads = self.in_proj_ba.weight.shape[0] * self.n_key_heads // (2 * self.n_heads)
         per_key = self.n_heads // self.n_key_heads  # value heads per key head

@@ -51,6 +51,17 @@ ARCHS: dict[str, dict[str, Any]] = {
                        head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
                        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4,
                        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32),
+    # Qwen3.5's language model: a Gated DeltaNet block (split projections) then a gated attention block rotating a
+    # quarter of each head through the multimodal rotary embedding; dense blocks
+    "qwen3_5_text": dict(config="Qwen3_5TextConfig", model="Qwen3_5ForCausalLM", tie_word_embeddings=False,
+                         head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8),
+    # Qwen3.5-MoE's language model: the same blocks, every feed-forward 4 experts of width 16, top-2, with a gated
+    # shared expert of width 32
+    "qwen3_5_moe_text": dict(config="Qwen3_5MoeTextConfig", model="Qwen3_5MoeForCausalLM", tie_word_embeddings=False,
+                             head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32),
     # 4 experts of width intermediate_size, top-2
     "mixtral": dict(config="MixtralConfig", model="MixtralForCausalLM", tie_word_embeddings=False,
                     num_local_experts=4, num_experts_per_tok=2),

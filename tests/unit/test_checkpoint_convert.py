@@ -185,6 +185,27 @@ def _hf_model(arch: str):
             for name, param in model.named_parameters():
                 if "norm" in name:
                     param.normal_(0.0, 0.5)
+    elif arch == "qwen3_5_text":  # a Gated DeltaNet block (split projections), then a gated attention block
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+            max_position_embeddings=32))
+        with torch.no_grad():  # the norms start at zero (1 + weight): nonzero ones show where each lands
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 0.5)
+    elif arch == "qwen3_5_moe_text":  # the same two blocks, each with 4 experts and a gated shared expert
+        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(
+            vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+            max_position_embeddings=32))
+        with torch.no_grad():  # nonzero norms show where each lands; transformers leaves stacked experts unset
+            for name, param in model.named_parameters():
+                if "norm" in name or "experts" in name:
+                    param.normal_(0.0, 0.5 if "norm" in name else 0.1)
     elif arch in ("gemma2", "gemma3"):  # 4 blocks, every 2nd global; a window shorter than the sequences
         config = transformers.Gemma2Config if arch == "gemma2" else transformers.Gemma3TextConfig
         model = (transformers.Gemma2ForCausalLM if arch == "gemma2" else transformers.Gemma3ForCausalLM)(config(
@@ -201,7 +222,8 @@ def _hf_model(arch: str):
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "t5", "llama3", "mistral", "qwen2", "qwen3", "mixtral",
                                   "qwen3_moe", "olmoe", "olmo2", "olmo3", "gemma2", "gemma3", "gpt_oss",
-                                  "deepseek_v3", "qwen3_next"])
+                                  "deepseek_v3", "qwen3_next", "qwen3_5_text",
+                                  "qwen3_5_moe_text"])
 def test_hugging_face_import_export(arch, tmp_path):
     original = tmp_path / "hf"
     _hf_model(arch).save_pretrained(str(original))
@@ -223,7 +245,9 @@ def test_hugging_face_import_export(arch, tmp_path):
            "olmo3": transformers.Olmo3ForCausalLM, "gpt_oss": transformers.GptOssForCausalLM,
            "gemma2": transformers.Gemma2ForCausalLM, "gemma3": transformers.Gemma3ForCausalLM,
            "deepseek_v3": transformers.DeepseekV3ForCausalLM,
-           "qwen3_next": transformers.Qwen3NextForCausalLM}[arch]
+           "qwen3_next": transformers.Qwen3NextForCausalLM,
+           "qwen3_5_text": transformers.Qwen3_5ForCausalLM,
+           "qwen3_5_moe_text": transformers.Qwen3_5MoeForCausalLM}[arch]
     hf_model = cls.from_pretrained(str(tmp_path / "exported")).eval()
     cfg, state = read_weights(tmp_path / "ours")
     ours = Transformer(cfg).eval()
@@ -285,3 +309,31 @@ def test_export_refuses_a_nonzero_expert_selection_bias(tmp_path):
     assert not (tmp_path / "out").exists()
     state["decoder_layers.0.ffn.router.expert_bias"] = torch.zeros(4)  # never trained with bias balancing: fine
     export_hf(state, cfg, tmp_path / "out", arch="mixtral")
+
+
+def test_qwen3_5_multimodal_folder_imports_its_language_model(tmp_path):
+    """A Qwen3_5ForConditionalGeneration folder (model_type qwen3_5, text_config qwen3_5_text) imports as the
+    language model: the vision tower is left unread, and the export computes the original's text logits."""
+    text = transformers.Qwen3_5TextConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        max_position_embeddings=32)
+    vision = transformers.Qwen3_5VisionConfig(depth=1, hidden_size=16, num_heads=2, intermediate_size=16,
+                                              out_hidden_size=32)
+    torch.manual_seed(0)
+    original = transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision.to_dict())).eval()
+    with torch.no_grad():
+        for name, param in original.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.5)
+    original.save_pretrained(str(tmp_path / "hf"))
+    main(["convert", "import-hf", str(tmp_path / "hf"), str(tmp_path / "ours")])
+    main(["convert", "export-hf", str(tmp_path / "ours"), str(tmp_path / "exported")])
+    exported = transformers.Qwen3_5ForCausalLM.from_pretrained(str(tmp_path / "exported")).eval()
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = original(input_ids=ids).logits, exported(input_ids=ids).logits
+    assert expected.std() > 0.1
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

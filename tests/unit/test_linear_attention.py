@@ -197,3 +197,30 @@ def test_planner_bytes_follow_what_autograd_keeps(dtype, heads, key_heads, key_d
     layout = ActivationShape(batch, seq, 1, 2 if half else 4, 4)
     predicted = TOKEN_MIXERS["linear_attention"].saved_bytes(cfg, layout, memory_len=0, causal=True)
     assert abs(predicted / sum(kept.values()) - 1) < 0.12, (predicted, sum(kept.values()))
+
+
+def test_split_projections_match_transformers_qwen3_5_module() -> None:
+    """projections = "split" holds Qwen3.5's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a and computes what its
+    Qwen3_5GatedDeltaNet does on a padded batch."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf35
+
+    fields = {k: v for k, v in hf_config().to_dict().items() if k.startswith(("linear_", "hidden_size", "rms"))}
+    torch.manual_seed(0)
+    theirs = hf35.Qwen3_5GatedDeltaNet(transformers.Qwen3_5TextConfig(**fields), layer_idx=0).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    cfg = ours(3)
+    cfg.linear_attention.projections = "split"
+    mine = GatedDeltaNet(cfg).eval()
+    mine.load_state_dict(theirs.state_dict(), strict=True)
+    x = torch.randn(3, 11, D)
+    padding = torch.ones(3, 11, dtype=torch.bool)
+    padding[1, :4] = False
+    padding[2, 7:] = False
+    with torch.no_grad():
+        expected = theirs(x, attention_mask=padding.long())
+        got = mine(x, padding=padding)
+    real = padding[..., None].expand_as(got)
+    assert expected[real].std() > 0.01
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)

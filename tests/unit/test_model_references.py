@@ -163,6 +163,31 @@ def _hf_qwen3_next(**extra):
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}, **extra}))
 
 
+def _hf_qwen3_5(**extra):
+    # Qwen3.5's language model: 3 Gated DeltaNet blocks (split input projections) then a gated attention block
+    # rotating half of each 16-wide head through the multimodal rotary embedding (text positions), dense blocks;
+    # grouped value heads (2 per key head)
+    return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**{
+        "vocab_size": 97, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 6,
+        "max_position_embeddings": 32, "rope_parameters": {
+            "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True}, **extra}))
+
+
+def _hf_qwen3_5_moe(**extra):
+    # Qwen3.5-MoE's language model: Qwen3.5's blocks, every feed-forward 4 experts of width 16, top-2 (renormalised)
+    # beside a gated shared expert twice as wide
+    return transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**{
+        "vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8, "linear_value_head_dim": 6, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32, "max_position_embeddings": 32,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+                            "mrope_section": [2, 1, 1], "mrope_interleaved": True}, **extra}))
+
+
 def _hf_olmoe(**extra):
     # QK-norm over the whole q / k projections in pre-norm blocks, grouped-query heads, 4 experts of width 24, top-2
     # not renormalised (OLMoE's default)
@@ -280,9 +305,11 @@ def _random_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 _SINGLE_STACK = [_hf_gpt2, _hf_bert, _hf_llama, _hf_llama3, _hf_mistral, _hf_qwen2, _hf_qwen3, _hf_mixtral,
                  _hf_qwen3_moe, _hf_olmoe, _hf_olmo2, _hf_olmo3, _hf_gemma2, _hf_gemma3, _hf_gpt_oss, _hf_deepseek_v3,
-                 _hf_deepseek_v2_lite_shaped, _hf_qwen3_next]
+                 _hf_deepseek_v2_lite_shaped, _hf_qwen3_next, _hf_qwen3_5,
+                 _hf_qwen3_5_moe]
 _SINGLE_IDS = ["gpt2", "bert", "llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2",
-               "olmo3", "gemma2", "gemma3", "gpt_oss", "deepseek_v3", "deepseek_v2_lite_shaped", "qwen3_next"]
+               "olmo3", "gemma2", "gemma3", "gpt_oss", "deepseek_v3", "deepseek_v2_lite_shaped", "qwen3_next",
+               "qwen3_5", "qwen3_5_moe"]
 
 
 @pytest.mark.parametrize("make", _SINGLE_STACK, ids=_SINGLE_IDS)
@@ -431,6 +458,25 @@ def _qwen3_next_config(**extra) -> ModelConfig:
     return cfg
 
 
+def _qwen3_5_config(**extra) -> ModelConfig:
+    """Qwen3.5's pieces: Qwen3-Next's blocks with the split Gated DeltaNet projections and dense MLPs."""
+    cfg = _llama_config(**{"n_layers": 4, "head_dim": 16, "qk_norm": True, "norm_weight_offset": 1.0,
+                           "layer_types": ["linear_attention", "full_attention"], **extra})
+    cfg.linear_attention = LinearAttentionConfig(n_heads=4, n_key_heads=2, key_head_dim=8, value_head_dim=6,
+                                                 projections="split")
+    cfg.attention.output_gate, cfg.rope.partial_factor = True, 0.25
+    return cfg
+
+
+def _qwen3_5_moe_config(**extra) -> ModelConfig:
+    """Qwen3.5-MoE's pieces: Qwen3.5's blocks, every feed-forward experts beside a gated shared expert (the unused
+    dense width as moe_d_ff, as import sets it)."""
+    cfg = _qwen3_5_config(**{"n_experts": 4, "experts_per_token": 2, "moe_d_ff": 16, "d_ff": 16,
+                             "n_shared_experts": 2, **extra})
+    cfg.moe.shared_expert_gate = True
+    return cfg
+
+
 _LLAMA3_ROPE = {"rope_scaling": "llama3", "rope_scaling_factor": 8.0, "rope_original_max_seq_len": 8,
                 "rope_theta": 500.0}
 _YARN_ROPE = {"rope_scaling": "yarn", "rope_scaling_factor": 4.0, "rope_original_max_seq_len": 8,
@@ -480,9 +526,11 @@ _DEEPSEEK_V3 = {"n_layers": 3, "n_kv_heads": None, "layer_types": ["mla"], "n_ex
     ("deepseek_v3", _moe_config(**{**_DEEPSEEK_V3, "mla": MlaConfig(kv_lora_rank=12, qk_nope_head_dim=8,
                                                                     qk_rope_head_dim=4, v_head_dim=6)})),
     ("qwen3_next", _qwen3_next_config()),
+    ("qwen3_5_text", _qwen3_5_config()),
+    ("qwen3_5_moe_text", _qwen3_5_moe_config()),
 ], ids=["llama3", "llama-linear", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2", "olmo3",
         "gemma2", "gemma3", "gpt_oss", "deepseek_v3", "deepseek_v3-direct-queries",
-        "qwen3_next"])
+        "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"])
 def test_export_logits_and_round_trip(arch, cfg):
     """Ours -> HF computes our logits (padded batch, sequences longer than the window) and comes back bitwise."""
     torch.manual_seed(0)
@@ -722,6 +770,59 @@ def test_qwen3_next_mtp_weights_are_left_unread():
     state = {**to_hf_state_dict(model), "mtp.fc.weight": torch.zeros(2, 2)}  # the names save_pretrained writes
     ours = from_hf_state_dict(state, model.cfg, "qwen3_next")
     assert ours.keys() == model.state_dict().keys()
+
+
+def test_qwen3_5_published_config_maps_both_ways():
+    """Qwen/Qwen3.5-9B's language model (transformers' Qwen3_5TextConfig defaults, the model card's context and RoPE
+    base; multimodal rope sections as published) gives the bundled config, whose parameter count the model transformers
+    builds on the meta device has, and comes back."""
+    from meshformer.checkpointing.hf import config_to_hf
+    from meshformer.config import load_config
+    from meshformer.model.flops import count_params
+
+    rope = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+    published = transformers.Qwen3_5TextConfig(max_position_embeddings=262144, rope_parameters=rope)
+    cfg = config_from_hf(published)
+    assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"] and cfg.rope_dim == 64
+    assert cfg.linear_attention.projections == "split"
+    assert cfg == load_config("qwen3.5-9b").model
+    with torch.device("meta"):
+        hf = transformers.Qwen3_5ForCausalLM(published)
+    assert count_params(cfg)["total"] == sum(p.numel() for p in hf.parameters()) == 8_953_803_264
+    back = config_to_hf(cfg)
+    assert back.model_type == "qwen3_5_text" and back.layer_types == published.layer_types
+    assert back.rope_parameters["rope_theta"] == 1e7 and back.rope_parameters["partial_rotary_factor"] == 0.25
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "rope_type='dynamic'"),
+])
+def test_qwen3_5_refuses_what_it_cannot_express(extra, named):
+    with pytest.raises(ValueError, match=f"qwen3_5_text: {named}"):
+        config_from_hf(_hf_qwen3_5(**extra).config)
+
+
+def test_qwen3_5_and_qwen3_next_refuse_each_others_linear_projections():
+    with pytest.raises(ValueError, match="grouped_linear_projections"):
+        check_compatible(_qwen3_5_config(), "qwen3_next")
+    with pytest.raises(ValueError, match="split_linear_projections"):
+        check_compatible(_qwen3_next_config(n_experts=0), "qwen3_5_text")
+
+
+def test_qwen3_5_multimodal_names_import_the_language_model():
+    """A Qwen3_5ForConditionalGeneration checkpoint's language model (model.language_model.*) imports; its vision
+    tower (model.visual.*) and MTP block are left unread."""
+    torch.manual_seed(0)
+    model = from_hf_model(_hf_qwen3_5())
+    state = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+             for k, v in to_hf_state_dict(model).items()}
+    state.update({"model.visual.patch_embed.proj.weight": torch.zeros(2, 2), "mtp.fc.weight": torch.zeros(2, 2)})
+    ours = from_hf_state_dict(state, model.cfg, "qwen3_5_text")
+    assert ours.keys() == model.state_dict().keys()
+    assert all(torch.equal(ours[k], v) for k, v in model.state_dict().items())
 
 
 def test_llama31_rope_parameters_map_both_ways():

@@ -57,33 +57,80 @@ class _RopeWithoutPartial:
         return getattr(self._config, key)
 
 
-def config_from_hf(c: Any) -> ModelConfig:
-    llama_like.refuse_attention_bias(c, ARCH)
-    rope = dict(c.rope_parameters or {})
+def hybrid_from_hf(c: Any, arch: str, drop_rope_keys: tuple[str, ...] = (), **extra: Any) -> ModelConfig:
+    """What Qwen3-Next and Qwen3.5 share: the Gated DeltaNet / gated attention blocks, partial RoPE, (1 + weight)
+    norms; `drop_rope_keys` are rope_parameters the caller has already judged; `extra` adds flat config fields."""
+    llama_like.refuse_attention_bias(c, arch)
+    rope = {k: v for k, v in (c.rope_parameters or {}).items() if k not in drop_rope_keys}
     partial = float(rope.pop("partial_rotary_factor", None) or getattr(c, "partial_rotary_factor", None) or 1.0)
-    fields = llama_like.fields_from_hf(_RopeWithoutPartial(c, rope), ARCH, window=False)
+    fields = llama_like.fields_from_hf(_RopeWithoutPartial(c, rope), arch, window=False)
     kinds = list(c.layer_types)
     if set(kinds) - {"linear_attention", "full_attention"}:
-        raise refuse(ARCH, f"layer_types={kinds}", "holds kinds other than linear_attention and full_attention")
-    moe: dict[str, Any] = {}
-    if c.num_experts > 0:
-        shared, width = c.shared_expert_intermediate_size, c.moe_intermediate_size
-        if shared < width or shared % width:
-            raise refuse(ARCH, f"shared_expert_intermediate_size={shared}", f"is not a multiple of "
-                         f"moe_intermediate_size={width} (meshformer's shared experts are n_shared_experts x "
-                         "moe_d_ff wide)")
-        moe = dict(n_experts=c.num_experts, experts_per_token=c.num_experts_per_tok, moe_d_ff=width,
-                   n_shared_experts=shared // width, router_renormalize=c.norm_topk_prob,
-                   moe_every=c.decoder_sparse_step, moe_first_dense=len(c.mlp_only_layers or []),
-                   moe_aux_loss=c.router_aux_loss_coef)
+        raise refuse(arch, f"layer_types={kinds}", "holds kinds other than linear_attention and full_attention")
     linear = LinearAttentionConfig(
         n_heads=c.linear_num_value_heads, n_key_heads=c.linear_num_key_heads, key_head_dim=c.linear_key_head_dim,
         value_head_dim=c.linear_value_head_dim, conv_width=c.linear_conv_kernel_dim)
-    cfg = model_from_flat(**fields, qk_norm=True, norm_weight_offset=1.0, **moe)
+    cfg = model_from_flat(**fields, qk_norm=True, norm_weight_offset=1.0, **extra)
     cfg.layer_types = shortest_pattern(kinds) if "linear_attention" in kinds else []
     cfg.linear_attention = linear
     cfg.attention.output_gate = True
     cfg.rope.partial_factor = partial
+    return cfg
+
+
+def hybrid_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The transformers config fields Qwen3-Next and Qwen3.5 share."""
+    fields = llama_like.fields_to_hf(cfg)
+    fields["rope_parameters"] = {**fields["rope_parameters"], "partial_rotary_factor": cfg.rope.partial_factor}
+    la = cfg.linear_attention
+    return dict(
+        **fields, intermediate_size=cfg.ffn.d_ff, attention_bias=False,
+        layer_types=["linear_attention" if is_linear(cfg, i) else "full_attention" for i in range(cfg.n_layers)],
+        linear_num_value_heads=la.n_heads, linear_num_key_heads=la.key_heads, linear_key_head_dim=la.key_head_dim,
+        linear_value_head_dim=la.value_head_dim, linear_conv_kernel_dim=la.conv_width)
+
+
+def hybrid_rules(cfg: ModelConfig, experts: llama_like.Experts | None, linear_params: tuple[str, ...]) -> list[Rule]:
+    """Llama's names, with the Gated DeltaNet's `linear_params` under linear_attn in its blocks."""
+    linear = {f"decoder_layers.{i}." for i in range(cfg.n_layers) if is_linear(cfg, i)}
+    out = [r for r in llama_like.rules(cfg, experts)
+           if not any(r.ours[0].startswith(f"{block}attn.") for block in linear)]
+    for i in range(cfg.n_layers):
+        if is_linear(cfg, i):
+            out += [Rule((f"decoder_layers.{i}.attn.{p}",), f"model.layers.{i}.linear_attn.{p}")
+                    for p in linear_params]
+    return out
+
+
+def moe_from_hf(c: Any, arch: str) -> dict[str, Any]:
+    """The flat MoE fields of Qwen3-Next's (and Qwen3.5-MoE's) experts beside one gated shared expert."""
+    shared, width = c.shared_expert_intermediate_size, c.moe_intermediate_size
+    if shared < width or shared % width:
+        raise refuse(arch, f"shared_expert_intermediate_size={shared}", f"is not a multiple of "
+                     f"moe_intermediate_size={width} (meshformer's shared experts are n_shared_experts x "
+                     "moe_d_ff wide)")
+    return dict(n_experts=c.num_experts, experts_per_token=c.num_experts_per_tok, moe_d_ff=width,
+                n_shared_experts=shared // width, moe_aux_loss=c.router_aux_loss_coef)
+
+
+def shared_expert_rules(cfg: ModelConfig) -> list[Rule]:
+    """The shared expert and its gate of every MoE block."""
+    out: list[Rule] = []
+    for i in range(cfg.n_layers):
+        o, t = f"decoder_layers.{i}", f"model.layers.{i}"
+        if cfg.is_moe(i):
+            out += [Rule((f"{o}.ffn.shared_experts.{p}_proj.weight",), f"{t}.mlp.shared_expert.{p}_proj.weight")
+                    for p in ("gate", "up", "down")]
+            out.append(Rule((f"{o}.ffn.shared_expert_gate.weight",), f"{t}.mlp.shared_expert_gate.weight"))
+    return out
+
+
+def config_from_hf(c: Any) -> ModelConfig:
+    moe: dict[str, Any] = {}
+    if c.num_experts > 0:
+        moe = dict(**moe_from_hf(c, ARCH), router_renormalize=c.norm_topk_prob, moe_every=c.decoder_sparse_step,
+                   moe_first_dense=len(c.mlp_only_layers or []))
+    cfg = hybrid_from_hf(c, ARCH, **moe)
     cfg.moe.shared_expert_gate = c.num_experts > 0
     return cfg
 
@@ -92,16 +139,9 @@ def config_to_hf(cfg: ModelConfig) -> Any:
     import transformers
 
     first_dense, every = moe_every_pattern([cfg.is_moe(i) for i in range(cfg.n_layers)])
-    fields = llama_like.fields_to_hf(cfg)
-    fields["rope_parameters"] = {**fields["rope_parameters"], "partial_rotary_factor": cfg.rope.partial_factor}
-    la = cfg.linear_attention
     moe = cfg.moe.n_experts > 0
     return transformers.Qwen3NextConfig(
-        **fields, intermediate_size=cfg.ffn.d_ff, attention_bias=False,
-        layer_types=["linear_attention" if is_linear(cfg, i) else "full_attention" for i in range(cfg.n_layers)],
-        linear_num_value_heads=la.n_heads, linear_num_key_heads=la.key_heads, linear_key_head_dim=la.key_head_dim,
-        linear_value_head_dim=la.value_head_dim, linear_conv_kernel_dim=la.conv_width,
-        num_experts=cfg.moe.n_experts, num_experts_per_tok=cfg.moe.experts_per_token,
+        **hybrid_to_hf(cfg), num_experts=cfg.moe.n_experts, num_experts_per_tok=cfg.moe.experts_per_token,
         moe_intermediate_size=cfg.expert_d_ff,
         shared_expert_intermediate_size=cfg.moe.n_shared_experts * cfg.expert_d_ff if moe else 0,
         norm_topk_prob=cfg.moe.router_renormalize, decoder_sparse_step=every if moe else 1,
@@ -111,24 +151,16 @@ def config_to_hf(cfg: ModelConfig) -> Any:
 def rules(cfg: ModelConfig) -> list[Rule]:
     """Llama's names with the Qwen3-MoE experts, Gated DeltaNet's in the linear_attention blocks, the shared
     expert and its gate in the MoE blocks."""
-    linear = {f"decoder_layers.{i}." for i in range(cfg.n_layers) if is_linear(cfg, i)}
-    out = [r for r in llama_like.rules(cfg, EXPERTS)
-           if not any(r.ours[0].startswith(f"{block}attn.") for block in linear)]
-    for i in range(cfg.n_layers):
-        o, t = f"decoder_layers.{i}", f"model.layers.{i}"
-        if is_linear(cfg, i):
-            out += [Rule((f"{o}.attn.{p}",), f"{t}.linear_attn.{p}") for p in LINEAR_PARAMS]
-        if cfg.is_moe(i):
-            out += [Rule((f"{o}.ffn.shared_experts.{p}_proj.weight",), f"{t}.mlp.shared_expert.{p}_proj.weight")
-                    for p in ("gate", "up", "down")]
-            out.append(Rule((f"{o}.ffn.shared_expert_gate.weight",), f"{t}.mlp.shared_expert_gate.weight"))
-    return out
+    return hybrid_rules(cfg, EXPERTS, LINEAR_PARAMS) + shared_expert_rules(cfg)
 
 
 def extra_features(cfg: ModelConfig) -> dict[str, Any]:
-    """MoE blocks have the one gated shared expert Qwen3-Next always builds."""
+    """MoE blocks have the one gated shared expert Qwen3-Next always builds; its Gated DeltaNet stores the grouped
+    projections."""
     moe = cfg.moe.n_experts > 0
-    return {"gated_shared_expert": not moe or (cfg.moe.n_shared_experts > 0 and cfg.moe.shared_expert_gate)}
+    linear = "linear_attention" in cfg.layer_types
+    return {"gated_shared_expert": not moe or (cfg.moe.n_shared_experts > 0 and cfg.moe.shared_expert_gate),
+            "grouped_linear_projections": not linear or cfg.linear_attention.projections == "grouped"}
 
 
 ADAPTER = HFAdapter(
@@ -138,7 +170,7 @@ ADAPTER = HFAdapter(
                   "attention_output_gate": True, "rope_partial_factor": ANY, "linear_attention": {True, False},
                   "moe": {True, False}, "n_shared_experts": ANY, "shared_expert_gate": {True, False},
                   "gated_shared_expert": True, "router_renormalize": {True, False},
-                  "moe_blocks": {"every block", "some"}},
+                  "moe_blocks": {"every block", "some"}, "grouped_linear_projections": True},
     extra_features=extra_features,
     size_keys=(*llama_like.SIZE_KEYS, "head_dim", "linear_num_value_heads", "linear_num_key_heads",
                "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"),
