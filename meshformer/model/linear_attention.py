@@ -145,10 +145,6 @@ class GatedDeltaNet(nn.Module):
         width = weight.shape[1]
         spans = chunk.spans(length)
         piece_len, pieces = spans[0][1], 2 * chunk.count
-        if piece_len < width - 1:
-            raise ValueError(f"a context-parallel piece of {piece_len} tokens is shorter than the linear_attention "
-                             f"convolution's window ({width - 1} earlier inputs); use a longer data.seq_len or a "
-                             "smaller parallel.cp")
         owner = [p if p < chunk.count else pieces - 1 - p for p in range(pieces)]  # the rank holding each piece
         local = {at // piece_len: start for start, _, at in spans}  # sequence piece -> start in this rank's tokens
 
@@ -167,7 +163,8 @@ class GatedDeltaNet(nn.Module):
             start = piece * piece_len
             return documents[:, start] == documents[:, start - 1]
 
-        tails = torch.stack([mixed[:, start + n - width + 1: start + n] for start, n, _ in spans], dim=1)
+        tail = min(width - 1, piece_len)  # a piece shorter than the window lends all its inputs
+        tails = torch.stack([mixed[:, start + n - tail: start + n] for start, n, _ in spans], dim=1)
         all_tails = gather(tails)  # one gather for every rank: each takes the tails it needs
         conv_out = []
         for start, n, at in spans:
@@ -175,10 +172,12 @@ class GatedDeltaNet(nn.Module):
             docs = None if documents is None else documents[:, at: at + n]
             prefix = None
             if piece > 0:
-                prefix = of_piece(all_tails, piece - 1, tails.shape)
-                if documents is not None:  # inputs of the window from the piece's first document only
-                    same = documents[:, at - width + 1: at] == documents[:, at: at + 1]
+                earlier = torch.cat([of_piece(all_tails, p, tails.shape) for p in range(piece)], dim=1)
+                prefix = earlier[:, -(width - 1):]  # the window's inputs before the piece, in sequence order
+                if documents is not None:  # only those of the piece's first document
+                    same = documents[:, at - prefix.shape[1]: at] == documents[:, at: at + 1]
                     prefix = prefix * same[..., None].to(prefix.dtype)
+                prefix = F.pad(prefix, (0, 0, width - 1 - prefix.shape[1], 0))  # the sequence's start: zeros
             conv_out.append(causal_conv1d(mixed[:, start: start + n], weight, state=prefix, doc_ids=docs)[0])
         q, k, v, g, beta = self._rule_inputs(torch.cat(conv_out, dim=1), z, b, a)
         out: dict[int, torch.Tensor] = {}
