@@ -35,7 +35,8 @@ _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_
 
 def apply_context_parallel(model: Transformer, cp_mesh: DeviceMesh) -> int:
     """Give the model (or pipeline stage) this rank's `SequenceChunk`, which it hands its self-attention layers;
-    returns the number of layers that gather keys and values."""
+    returns the number of layers that exchange across the pieces (attention gathers keys and values,
+    linear_attention passes its recurrent state on)."""
     group = cp_mesh.get_group()
     chunk = SequenceChunk(cp_mesh.get_local_rank(), cp_mesh.size(),
                           lambda t: _all_gather(t, gather_dim=2, group=group))
