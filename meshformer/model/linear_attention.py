@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshformer.model.attention import SequenceChunk
 from meshformer.model.config import ModelConfig
 from meshformer.model.gated_delta import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule
 
@@ -102,23 +103,18 @@ class GatedDeltaNet(nn.Module):
         padding (B, T, True for real tokens) and documents (B, T: each token's packed document; the state and the
         convolution restart where it changes). The mask, rope and bias are not read: the recurrence is causal and
         positions enter through its order. cache: carried across calls."""
-        if chunk is not None:  # validation refuses the layout (its kind's context_parallel); a direct call lands here
-            raise ValueError("linear_attention blocks do not run under context parallel; set parallel.cp=1")
         if padding is not None:
             x = x * padding[..., None].to(x.dtype)
         batch, length, _ = x.shape
         mixed, z, b, a = self._split(x)
         weight = self.conv1d.weight.squeeze(1)
+        if isinstance(chunk, SequenceChunk):
+            if cache is not None:
+                raise ValueError("linear_attention blocks generate on one device; set parallel.cp=1 to generate")
+            return self._forward_pieces(mixed, z, b, a, weight, chunk, documents)
         mixed, conv_state = causal_conv1d(mixed, weight, state=None if cache is None else cache.conv,
                                           doc_ids=documents)
-        mixed = F.silu(mixed)
-        key_width = weight.shape[0] - z.shape[2] * self.value_head_dim  # q and k channels together
-        q, k, v = mixed.split([key_width // 2, key_width // 2, mixed.shape[-1] - key_width], dim=-1)
-        q = q.reshape(batch, length, -1, self.key_head_dim)
-        k = k.reshape(batch, length, -1, self.key_head_dim)
-        v = v.reshape(batch, length, -1, self.value_head_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        q, k, v, g, beta = self._rule_inputs(mixed, z, b, a)
         state = None if cache is None else cache.state
         if state is not None and length == 1:  # one decoding step: the recurrence is the cheaper form
             out, final = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
@@ -131,3 +127,96 @@ class GatedDeltaNet(nn.Module):
             cache.conv, cache.state, cache.length = conv_state, final, cache.length + length
         out = self.norm(out, z).reshape(batch, length, -1)
         return self.out_proj(out)
+
+    def _rule_inputs(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor
+                     ) -> tuple[torch.Tensor, ...]:
+        """q, k (B, T, Hk, Dk), v (B, T, H, Dv), g and beta (B, T, H) from the convolution's output (B, T, channels)."""
+        batch, length, _ = mixed.shape
+        mixed = F.silu(mixed)
+        key_width = mixed.shape[-1] - z.shape[2] * self.value_head_dim  # q and k channels together
+        q, k, v = mixed.split([key_width // 2, key_width // 2, mixed.shape[-1] - key_width], dim=-1)
+        q = q.reshape(batch, length, -1, self.key_head_dim)
+        k = k.reshape(batch, length, -1, self.key_head_dim)
+        v = v.reshape(batch, length, -1, self.value_head_dim)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return q, k, v, g, b.sigmoid()
+
+    def _forward_pieces(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                        weight: torch.Tensor, chunk: SequenceChunk, documents: torch.Tensor | None) -> torch.Tensor:
+        """Context parallel: this rank's two pieces of each sequence (`SequenceChunk`), run in sequence order across
+        the ranks. The convolution's last W - 1 inputs of every piece are all-gathered once, so each piece starts
+        from its predecessor's. The recurrent state then passes piece by piece: after piece p's owner has run it,
+        every rank all-gathers its slot (the owner's final state, the others' zeros) and keeps the owner's, which
+        enters piece p + 1; 2 x cp - 1 gathers of one (B, H, Dk, Dv) state, each waiting for the previous piece.
+        The gathers are differentiable (their backward reduce-scatters), so the state's gradient flows back to the
+        previous piece. Every rank's slot depends on the state it last received, so every rank's autograd graph
+        holds every gather and runs their backward collectives in the same order. documents: the whole
+        sequence's; a state or window from before a document's first token is dropped."""
+        batch, length, _ = mixed.shape
+        width = weight.shape[1]
+        spans = chunk.spans(length)
+        piece_len, pieces = spans[0][1], 2 * chunk.count
+        owner = [p if p < chunk.count else pieces - 1 - p for p in range(pieces)]  # the rank holding each piece
+        local = {at // piece_len: start for start, _, at in spans}  # sequence piece -> start in this rank's tokens
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            """Every rank's (B, 2, *S) tensor (its early and late piece's) all-gathered: (B, 2, count, prod(S))."""
+            return chunk.gather(t.flatten(2)[:, :, None].contiguous())
+
+        def of_piece(slots: torch.Tensor, piece: int, shape: torch.Size) -> torch.Tensor:
+            """Piece's (B, *S) of gathered slots."""
+            return slots[:, 0 if piece < chunk.count else 1, owner[piece]].view(shape[:1] + shape[2:])
+
+        def continues(piece: int) -> torch.Tensor | None:
+            """(B,) True where piece's first token is in the same document as the token before it."""
+            if documents is None:
+                return None
+            start = piece * piece_len
+            return documents[:, start] == documents[:, start - 1]
+
+        tail = min(width - 1, piece_len)  # a piece shorter than the window lends all its inputs
+        tails = torch.stack([mixed[:, start + n - tail: start + n] for start, n, _ in spans], dim=1)
+        all_tails = gather(tails)  # one gather for every rank: each takes the tails it needs
+        conv_out = []
+        for start, n, at in spans:
+            piece = at // piece_len
+            docs = None if documents is None else documents[:, at: at + n]
+            prefix = None
+            if piece > 0:
+                earlier = torch.cat([of_piece(all_tails, p, tails.shape) for p in range(piece)], dim=1)
+                prefix = earlier[:, -(width - 1):]  # the window's inputs before the piece, in sequence order
+                if documents is not None:  # only those of the piece's first document
+                    same = documents[:, at - prefix.shape[1]: at] == documents[:, at: at + 1]
+                    prefix = prefix * same[..., None].to(prefix.dtype)
+                prefix = F.pad(prefix, (0, 0, width - 1 - prefix.shape[1], 0))  # the sequence's start: zeros
+            conv_out.append(causal_conv1d(mixed[:, start: start + n], weight, state=prefix, doc_ids=docs)[0])
+        q, k, v, g, beta = self._rule_inputs(torch.cat(conv_out, dim=1), z, b, a)
+        out: dict[int, torch.Tensor] = {}
+        state: torch.Tensor | None = None
+        for piece in range(pieces):
+            slot = g.new_zeros(()) if state is None else state * 0  # not this rank's piece: zeros, kept in the graph
+            if piece in local:
+                start, at = local[piece], piece * piece_len
+                entering = state
+                keep = continues(piece) if piece > 0 else None
+                if entering is not None and keep is not None:
+                    entering = entering * keep[:, None, None, None].to(entering.dtype)
+                rows = slice(start, start + piece_len)
+                docs = None if documents is None else documents[:, at: at + piece_len]
+                out[piece], final = chunk_gated_delta_rule(
+                    q[:, rows], k[:, rows], v[:, rows], g[:, rows], beta[:, rows], chunk_size=self.chunk_size,
+                    initial_state=entering, output_final_state=True, doc_ids=docs, use_qk_l2norm=True)
+                assert final is not None
+                slot = final
+            if piece == pieces - 1:
+                break
+            if state is None:  # the first gather: zeros that still depend on this layer's parameters
+                shape = (batch, v.shape[2], self.key_head_dim, self.value_head_dim)
+                slot = slot.expand(shape) + g.sum() * 0 if slot.dim() == 0 else slot
+            both = torch.stack([slot, slot], dim=1)  # an early and a late slot per rank, as the gather expects
+            state = of_piece(gather(both), piece, both.shape)
+        assert state is not None
+        merged = torch.cat([out[at // piece_len] for _, _, at in spans], dim=1)
+        merged = merged + (state.sum() * 0).to(merged.dtype)  # the last gather's backward runs on every rank
+        merged = self.norm(merged, z).reshape(batch, length, -1)
+        return self.out_proj(merged)

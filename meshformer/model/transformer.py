@@ -362,6 +362,9 @@ class Transformer(nn.Module):
         if self.parallel_context.chunk is None:  # this call's tokens' rows, for a mixer that reads no mask
             extra["padding"] = None if padding is None else padding[:, -q_len:]
             extra["documents"] = None if documents is None else documents[:, -q_len:]
+        else:  # this rank's pieces' padding; the whole sequence's documents (a piece's state restarts by them)
+            extra["padding"] = None if padding is None else padding[:, positions]
+            extra["documents"] = documents
         for i, (key, layer) in enumerate(self.decoder_layers.items()):
             mask, kwargs = self._block_inputs(int(key), masks, extra)
             h = layer(h, mask, memory=memory, memory_mask=memory_mask, cache=cache[i] if cache else None,

@@ -6,6 +6,8 @@ would give rank r (2r + 1) / cp of the mean). Every layer works on this rank's t
 others: each self-attention layer all-gathers the pieces' keys and values (after RoPE, so every key keeps its own
 position), puts them in sequence order, and attends from each piece's queries to every key up to that piece's
 end, causally aligned at the bottom right (an encoder's pieces: to every key; `model.attention.SequenceChunk`).
+A linear_attention block instead passes its recurrent state and convolution window from piece to piece in
+sequence order (model/linear_attention.py).
 A padding mask is not split: it masks keys, and every rank reads the whole sequence's keys. This is the
 all-gather flavour of context parallelism (Llama 3's choice for long context: with grouped-query attention K/V
 are a fraction of the activations); its backward reduce-scatters the K/V gradients back to their owners.
@@ -33,7 +35,8 @@ _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_
 
 def apply_context_parallel(model: Transformer, cp_mesh: DeviceMesh) -> int:
     """Give the model (or pipeline stage) this rank's `SequenceChunk`, which it hands its self-attention layers;
-    returns the number of layers that gather keys and values."""
+    returns the number of layers that exchange across the pieces (attention gathers keys and values,
+    linear_attention passes its recurrent state on)."""
     group = cp_mesh.get_group()
     chunk = SequenceChunk(cp_mesh.get_local_rank(), cp_mesh.size(),
                           lambda t: _all_gather(t, gather_dim=2, group=group))

@@ -91,11 +91,14 @@ MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "mo
               # DeepSeek-V3's pieces: multi-head latent attention split by heads (tp; the shared rotary key's
               # gradient summed over the ranks), its compressed latents exchanged (cp); DeepSeek's routing
               "deepseek/tp-ep", "deepseek/cp-ep", "deepseek/fsdp-ep", "deepseek/pp", "deepseek/tp-ep-muon",
-              # Qwen3-Next's pieces: linear_attention blocks (packed documents) under FSDP, expert and pipeline
-              # parallel
+              # Qwen3-Next's pieces: linear_attention blocks (packed documents) under FSDP, expert, pipeline and
+              # context parallel (the recurrent state and convolution window passed piece to piece in sequence
+              # order, the attention blocks beside them on the balanced layout)
               "qwen3next/fsdp-ep", "qwen3next/pp", "qwen3next/fsdp-ep-recompute=selective",
-              "qwen3next/fsdp-ep-recompute=full"]
-MOE_WORLD4 = ["moe/fsdp=4-ep", "moe/fsdp=4-ep=4", "moe/hsdp-ep", "moe/tp-fsdp-ep", "moe/tp-fsdp-ep=4",
+              "qwen3next/fsdp-ep-recompute=full", "qwen3next/cp", "qwen3next/cp-ep"]
+MOE_WORLD4 = ["qwen3next/cp=4",  # 8 pieces of 2 tokens: a convolution window spans two earlier pieces
+              "qwen3next/cp-fsdp-ep=4",
+              "moe/fsdp=4-ep", "moe/fsdp=4-ep=4", "moe/hsdp-ep", "moe/tp-fsdp-ep", "moe/tp-fsdp-ep=4",
               "moe/cp-fsdp-ep=4", "moe/pp-tp-ep", "moe/pp-fsdp-ep", "moe/pp-fsdp-ep-sched=gpipe",
               "moe/pp-fsdp-ep-sched=zbv", "moe/pp-fsdp-ep-sched=interleaved_1f1b-spr=2",
               "moe/pp-fsdp-ep-sched=interleaved_zb-spr=2", "moe_skew/fsdp=4-ep=4", "moe_seq/cp-fsdp-ep",

@@ -95,6 +95,26 @@ def test_packed_documents_equal_the_documents_one_by_one() -> None:
     assert (crossing[:, lengths[0]:] - alone[:, lengths[0]:]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("lengths", [[7, 1, 5, 3], [2, 2], [16]])
+def test_context_parallel_pieces_in_sequence_order_equal_the_whole_sequence(lengths: list[int]) -> None:
+    """One rank holding both pieces (cp's layout at count 1: the gather is the identity): the first piece's state
+    and convolution window enter the second, except where the second starts a document (lengths [7, 1, ...]:
+    token 8 does); pieces of 2 tokens are shorter than the window of 3 earlier inputs."""
+    from meshformer.model.attention import SequenceChunk
+
+    mine, _ = pair(chunk_size=4)
+    x = torch.randn(2, sum(lengths), D, requires_grad=True)
+    documents = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None].expand(2, -1)
+    whole = mine(x, documents=documents)
+    weights = torch.randn_like(whole)
+    expected = torch.autograd.grad((whole * weights).sum(), [x, *mine.parameters()])
+    pieces = mine(x, documents=documents, chunk=SequenceChunk(0, 1, lambda t: t))
+    got = torch.autograd.grad((pieces * weights).sum(), [x, *mine.parameters()])
+    torch.testing.assert_close(pieces, whole, atol=1e-6, rtol=1e-6)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_gradients_reach_every_parameter() -> None:
     mine, _ = pair()
     mine.train()

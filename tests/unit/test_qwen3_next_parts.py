@@ -133,7 +133,6 @@ def test_parameter_counts_equal_the_built_models() -> None:
     ({"linear_attention": {"n_heads": 4, "n_key_heads": 3}}, {}, "n_key_heads=3 must divide n_heads=4"),
     ({"moe": {"n_experts": 4, "shared_expert_gate": True}}, {}, "shared_expert_gate=true gates the shared experts"),
     ({"rope": {"partial_factor": 0.1}, "position": "rope"}, {}, "partial_factor=0.1 must rotate an even number"),
-    ({}, {"cp": 2}, r"^parallel\.cp=2: linear_attention blocks: the recurrent state would have to pass from rank "),
     ({}, {"tp": 2}, r"^parallel\.tp=2: linear_attention blocks: splitting their heads over tensor-parallel ranks is "
                     "not implemented; set parallel.tp=1"),
 ])

@@ -72,9 +72,6 @@ class LinearAttention(TokenMixer):
                               "(each query/key head serves a group of value heads)",
                               "choose n_key_heads dividing n_heads, or leave it unset (= n_heads)")
 
-    def context_parallel(self, cfg: ModelConfig) -> str | None:
-        return "the recurrent state would have to pass from rank to rank along the sequence, which is not implemented"
-
     def tensor_parallel(self, cfg: ModelConfig) -> str | None:
         return "splitting their heads over tensor-parallel ranks is not implemented"
 
