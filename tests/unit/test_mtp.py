@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from meshformer.batch import IGNORE_INDEX
 from meshformer.config import ConfigError, load_config
 from meshformer.loss.cross_entropy import cross_entropy_sum
+from meshformer.model.flops import count_params, training_flops
+from meshformer.model.moe import Experts
 from meshformer.model.mtp import shifted_labels
 from meshformer.model.transformer import Transformer
 from meshformer.parallel.parallel_model import ParallelModel
@@ -110,3 +112,19 @@ def test_layouts_without_mtp_support_are_refused() -> None:
                                                                                                  depth=1)))
     with pytest.raises(ConfigError, match="model.mtp.depth=1 with parallel"):
         validate_parallel(cfg, 2, "cpu")
+
+
+def test_params_and_flops_count_the_modules() -> None:
+    model = _model(depth=2)
+    counts = count_params(model.cfg)
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    assert counts["mtp"] == sum(p.numel() for p in model.mtp_layers.parameters())  # type: ignore[union-attr]
+    experts = [m for m in model.mtp_layers.modules() if isinstance(m, Experts)]  # type: ignore[union-attr]
+    unused = sum((4 - 2) * sum(p[0].numel() for p in e.parameters()) for e in experts)
+    off = dataclasses.replace(model.cfg, mtp=dataclasses.replace(model.cfg.mtp, depth=0))
+    assert counts["active"] == count_params(off)["active"] + counts["mtp"] - unused
+    extra = training_flops(model.cfg, 16) - training_flops(off, 16)
+    one_block = training_flops(dataclasses.replace(off, n_layers=3, mlp_types=["dense", "moe", "moe"]), 16) \
+        - training_flops(off, 16)  # a third block of the last block's kinds
+    head_and_projection = 3 * 2 * 16 * (64 * 32 + 2 * 32 * 32)
+    assert extra == 2 * (one_block + head_and_projection)
