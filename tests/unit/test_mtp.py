@@ -128,3 +128,30 @@ def test_params_and_flops_count_the_modules() -> None:
         - training_flops(off, 16)  # a third block of the last block's kinds
     head_and_projection = 3 * 2 * 16 * (64 * 32 + 2 * 32 * 32)
     assert extra == 2 * (one_block + head_and_projection)
+
+
+def test_deepseek_v3_round_trip_keeps_the_mtp_layer_bitwise() -> None:
+    pytest.importorskip("transformers")
+    from meshformer.checkpointing.hf import config_to_hf, from_hf_state_dict, to_hf_state_dict
+
+    model = _model(depth=1)
+    with torch.no_grad():  # distinct values in every tensor, norms included
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    state = to_hf_state_dict(model, "deepseek_v3")
+    n = model.cfg.n_layers
+    layer = {k.removeprefix(f"model.layers.{n}.") for k in state if k.startswith(f"model.layers.{n}.")}
+    assert {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "embed_tokens.weight",
+            "shared_head.head.weight", "self_attn.kv_b_proj.weight", "mlp.gate.weight"} <= layer
+    assert torch.equal(state[f"model.layers.{n}.eh_proj.weight"], model.mtp_layers[0].eh_proj.weight)  # type: ignore[index]
+    assert config_to_hf(model.cfg, "deepseek_v3").num_nextn_predict_layers == 1
+    ours = from_hf_state_dict(state, model.cfg, "deepseek_v3")
+    expected = model.state_dict()
+    assert set(ours) == {k for k in expected if k != "output.weight"} | ({"output.weight"} & set(ours))
+    assert all(torch.equal(ours[k], expected[k]) for k in ours)
+    reloaded = _model(depth=1)
+    reloaded.load_state_dict(ours, strict=False)
+    batch = _batch()
+    parallel = [ParallelModel(m, cross_entropy_sum, torch.device("cpu")) for m in (model, reloaded)]
+    sums = [p._training_loss_sums(batch)[1] for p in parallel]
+    assert torch.equal(sums[0], sums[1])
