@@ -24,7 +24,7 @@ from meshformer.model.init import init_weights, new_seed
 from meshformer.model.layers import BlockCache, TransformerBlock, activation_fn, make_norm
 from meshformer.model.masks import AttentionMask, build_mask, masked_avg_pool, pool_padding_mask
 from meshformer.model.moe import MoEFeedForward
-from meshformer.model.mtp import mtp_modules, shift_left, shifted_labels
+from meshformer.model.mtp import MtpModule, mtp_modules, shift_left, shifted_labels
 from meshformer.model.parallel_context import ParallelContext, StageSpan
 from meshformer.model.positions import (
     LearnedPositions,
@@ -484,6 +484,7 @@ class Transformer(nn.Module):
         mask, kwargs = self._block_inputs(last, masks, extra)
         outputs = []
         for k, module in enumerate(self.mtp_layers, start=1):
+            assert isinstance(module, MtpModule)
             ahead = self.embed(shift_left(ids, k, 0), positions=positions)
             h = module.block(module.combine(h, ahead), mask, **kwargs)
             targets = shifted_labels(labels, k)

@@ -17,6 +17,7 @@ from meshformer.batch import Batch, model_inputs
 from meshformer.loss.cross_entropy import LossFn, count_tokens
 from meshformer.loss.fused import HeadLoss
 from meshformer.model.moe import MoEFeedForward, moe_layers, set_balance_weight, update_expert_bias
+from meshformer.model.transformer import Transformer
 from meshformer.parallel.grad_norm import scale_grads_
 
 
@@ -94,7 +95,9 @@ class ParallelModel:
         counts = torch.stack([count_tokens(targets) for _, targets in modules]).to(sums.device)
         self._mtp_sums = self._mtp_sums + sums.detach().float() if self._mtp_sums is not None else sums.detach().float()
         self._mtp_tokens = self._mtp_tokens + counts if self._mtp_tokens is not None else counts
-        weight = self.model_parts[-1].cfg.mtp.loss_weight / depth
+        head_part = self.model_parts[-1]
+        assert isinstance(head_part, Transformer)  # FSDP keeps the class (as a subclass)
+        weight = head_part.cfg.mtp.loss_weight / depth
         return loss_sum, loss_sum + weight * sums.sum()
 
     def mtp_scalars(self) -> dict[str, float]:

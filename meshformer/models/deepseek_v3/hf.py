@@ -101,7 +101,7 @@ def config_to_hf(cfg: ModelConfig) -> Any:
         n_shared_experts=cfg.moe.n_shared_experts, norm_topk_prob=cfg.moe.router_renormalize,
         n_group=cfg.moe.router_groups, topk_group=cfg.moe.router_groups_per_token,
         routed_scaling_factor=cfg.moe.router_scale, first_k_dense_replace=first_dense, attention_bias=False,
-        num_nextn_predict_layers=cfg.mtp.depth)
+        num_nextn_predict_layers=cfg.mtp.depth)  # type: ignore[call-arg]  # an attribute_map alias
 
 
 def rules(cfg: ModelConfig) -> list[Rule]:
