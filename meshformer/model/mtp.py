@@ -12,6 +12,8 @@ returns the modules' outputs; parallel/parallel_model.py adds them). Generation 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -32,9 +34,13 @@ class MtpModule(nn.Module):
         self.block = TransformerBlock(cfg, causal=True, index=cfg.n_layers - 1)
         self.final_norm = make_norm(cfg)
 
-    def combine(self, previous: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
-        """The block's input from h_{k-1} and the embeddings of the tokens k ahead."""
-        return self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(previous)], dim=-1))
+    def forward(self, previous: torch.Tensor, embedded: torch.Tensor, mask: Any, **block_kwargs: Any
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h_k, h_k through the final norm) from h_{k-1} and the embeddings of the tokens k ahead; one call, so
+        that an FSDP unit of this module gathers its weights around it."""
+        h = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(previous)], dim=-1))
+        h = self.block(h, mask, **block_kwargs)
+        return h, self.final_norm(h)
 
 
 def shift_left(x: torch.Tensor, k: int, fill: int) -> torch.Tensor:

@@ -486,9 +486,9 @@ class Transformer(nn.Module):
         for k, module in enumerate(self.mtp_layers, start=1):
             assert isinstance(module, MtpModule)
             ahead = self.embed(shift_left(ids, k, 0), positions=positions)
-            h = module.block(module.combine(h, ahead), mask, **kwargs)
+            h, normed = module(h, ahead, mask, **kwargs)
             targets = shifted_labels(labels, k)
-            outputs.append((self.head(module.final_norm(h), targets, head_loss), targets))
+            outputs.append((self.head(normed, targets, head_loss), targets))
         return outputs
 
     def _ends_encoder(self) -> bool:

@@ -91,6 +91,8 @@ MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "mo
               # DeepSeek-V3's pieces: multi-head latent attention split by heads (tp; the shared rotary key's
               # gradient summed over the ranks), its compressed latents exchanged (cp); DeepSeek's routing
               "deepseek/tp-ep", "deepseek/cp-ep", "deepseek/fsdp-ep", "deepseek/pp", "deepseek/tp-ep-muon",
+              # multi-token prediction: its module (an MoE block) one FSDP unit with its experts split over ep
+              "deepseek_mtp/fsdp-ep",
               # Qwen3-Next's pieces: linear_attention blocks (packed documents) under FSDP, expert and pipeline
               # parallel
               "qwen3next/fsdp-ep", "qwen3next/pp", "qwen3next/fsdp-ep-recompute=selective",
