@@ -22,11 +22,11 @@ from meshformer.parallel_dims import validate_parallel
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _model(depth: int, weight: float = 0.3) -> Transformer:
+def _model(depth: int, weight: float = 0.3, *extra: str) -> Transformer:
     cfg = load_config("tiny-deepseek", ["model.vocab_size=64", "model.d_model=32", "model.n_layers=2",
                                         "model.moe.n_experts=4", "model.moe.d_ff=16", "model.ffn.d_ff=32",
                                         f"model.mtp.depth={depth}", f"model.mtp.loss_weight={weight}",
-                                        "model.mlp_types=['dense', 'moe']"]).model
+                                        "model.mlp_types=['dense', 'moe']", *extra]).model
     torch.manual_seed(0)
     return Transformer(cfg).train()
 
@@ -83,7 +83,9 @@ def test_objective_equals_a_hand_written_reference() -> None:
 
 
 def test_mtp_loss_reaches_the_shared_embedding_and_head_and_is_logged() -> None:
-    model, batch = _model(depth=1), _batch()
+    model, batch = _model(1, 0.3, "model.tie_embeddings=false"), _batch()  # embedding and head apart
+    assert model.output is not None and model.tok_embeddings is not None
+    assert model.output.weight is not model.tok_embeddings.weight
     parallel = ParallelModel(model, cross_entropy_sum, torch.device("cpu"))
     _, objective = parallel._training_loss_sums(batch)
     main = parallel._loss_sum(batch)
