@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -37,7 +38,7 @@ from meshformer.checkpointing.mapping import (
     import_tensors,
     our_shapes,
 )
-from meshformer.config import ModelConfig
+from meshformer.config import ModelConfig, MtpConfig
 
 if TYPE_CHECKING:
     from meshformer.model import Transformer
@@ -215,6 +216,9 @@ def to_hf_model(model: Transformer, arch: Arch | None = None) -> Any:
 
     arch = arch or infer_arch(model.cfg)
     state = to_hf_state_dict(model, arch)
+    if model.cfg.mtp.depth:  # transformers builds no multi-token prediction modules: their tensors stay out
+        main = {rule.theirs for rule in name_rules(replace(model.cfg, mtp=MtpConfig()), arch)}
+        state = {name: tensor for name, tensor in state.items() if name in main}
     hf_model, info = getattr(transformers, _MODEL_CLASSES[arch]).from_pretrained(
         None, config=config_to_hf(model.cfg, arch), state_dict=state, output_loading_info=True,
         dtype=next(iter(state.values())).dtype)

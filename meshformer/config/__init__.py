@@ -35,6 +35,7 @@ from meshformer.model.config import (
     MlaConfig,
     ModelConfig,
     MoeConfig,
+    MtpConfig,
     NormConfig,
     RopeConfig,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "MlaConfig",
     "ModelConfig",
     "MoeConfig",
+    "MtpConfig",
     "NormConfig",
     "OptimConfig",
     "ParallelConfig",

@@ -174,6 +174,16 @@ class LinearAttentionConfig:
 
 
 @dataclass
+class MtpConfig:
+    """The `[model.mtp]` table: multi-token prediction (DeepSeek-V3's, model/mtp.py): `depth` sequential modules,
+    module k predicting the token k + 1 ahead from the previous module's hidden states and the embedding of the token
+    k ahead, through one block of the model's own kinds and the shared output head."""
+
+    depth: int = 0  # MTP modules (DeepSeek-V3: 1); 0: off
+    loss_weight: float = 0.3  # lambda: the mean MTP loss over the modules joins the main loss times this
+
+
+@dataclass
 class InitConfig:
     """The `[model.init]` table: the initialisation of the weights."""
 
@@ -217,6 +227,7 @@ class ModelConfig:
     moe: MoeConfig = field(default_factory=MoeConfig)  # [model.moe]
     linear_attention: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)  # [model.linear_attention]
     init: InitConfig = field(default_factory=InitConfig)  # [model.init]
+    mtp: MtpConfig = field(default_factory=MtpConfig)  # [model.mtp]
 
     @property
     def kv_heads(self) -> int:

@@ -34,9 +34,9 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
         projection, which is the same tensor. They cost no matmul FLOPs as lookups (Kaplan et al.'s N
         excludes them).
     non_embedding: everything else = total - embedding, including an untied output projection.
-    attention / feed_forward / norms / head: a breakdown of non_embedding (head = BERT head transform,
-        untied output projection, output bias; attention includes its QK-norm weights);
-        embedding + attention + feed_forward + norms + head = total.
+    attention / feed_forward / norms / head / mtp: a breakdown of non_embedding (head = BERT head transform,
+        untied output projection, output bias; attention includes its QK-norm weights; mtp = the multi-token
+        prediction modules, model.mtp); embedding + attention + feed_forward + norms + head + mtp = total.
     active: the parameters one token uses: total less the routed experts an MoE block does not pick for it
         (= total for a dense model).
     """
@@ -60,6 +60,7 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     sublayers = sum(n * (3 if cross else 2) for n, cross in stacks)
     norms_per_block = sublayers * (2 if cfg.norm.position == "sandwich" else 1)
     norms = (norms_per_block + stack_norms + int(cfg.norm.embedding)) * _norm(cfg)
+    mtp, mtp_inactive = _mtp_params(cfg)
     head = 0
     if cfg.head_transform:
         head += linear(d, d, cfg.bias) + _norm(cfg)
@@ -67,7 +68,8 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
         head += vocab * d
     if cfg.output_bias:
         head += vocab
-    total = embedding + attention + feed_forward + norms + head
+    total = embedding + attention + feed_forward + norms + head + mtp
+    inactive += mtp_inactive
     return {
         "total": total,
         "embedding": embedding,
@@ -76,8 +78,32 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
         "feed_forward": feed_forward,
         "norms": norms,
         "head": head,
+        "mtp": mtp,
         "active": total - inactive,
     }
+
+
+def _mtp_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(all, inactive) parameters of the multi-token prediction modules (model/mtp.py): per module three norms, the
+    2d -> d projection and one block of the last block's kinds; the embedding and head are the model's."""
+    if cfg.mtp.depth == 0:
+        return 0, 0
+    last = cfg.n_layers - 1
+    ffn_all, ffn_active = channel_mixer(cfg, last).params(cfg)
+    block = token_mixer(cfg, last).params(cfg) + ffn_all + 2 * _norm(cfg)
+    per_module = 3 * _norm(cfg) + 2 * cfg.d_model * cfg.d_model + block
+    return cfg.mtp.depth * per_module, cfg.mtp.depth * (ffn_all - ffn_active)
+
+
+def mtp_forward_flops(cfg: ModelConfig, tokens: int) -> int:
+    """Forward FLOPs of the multi-token prediction modules over one sequence: each module's projection, block
+    (the last block's kinds) and output head over every position."""
+    if cfg.mtp.depth == 0:
+        return 0
+    last = cfg.n_layers - 1
+    block = (token_mixer(cfg, last).flops(cfg, tokens, tokens, causal=True)
+             + channel_mixer(cfg, last).flops(cfg, tokens))
+    return cfg.mtp.depth * (block + 2 * tokens * (2 * cfg.d_model * cfg.d_model + _head_matmuls(cfg)))
 
 
 def training_flops(cfg: ModelConfig, seq_len: int, target_len: int | None = None) -> int:
@@ -111,6 +137,8 @@ def _single_stack_flops(cfg: ModelConfig, seq_len: int, *, causal: bool) -> int:
     for full attention is PaLM's 6N + 12 L H Q T per token and, for GPT-3, Megatron-LM's 72 l h^2 (1 + s/6h +
     V/12lh)."""
     forward = stack_forward_flops(cfg, cfg.n_layers, seq_len, causal=causal) + 2 * seq_len * _head_matmuls(cfg)
+    if causal:  # multi-token prediction trains beside a causal stack
+        forward += mtp_forward_flops(cfg, seq_len)
     return 3 * forward
 
 

@@ -24,6 +24,7 @@ from meshformer.model.init import init_weights, new_seed
 from meshformer.model.layers import BlockCache, TransformerBlock, activation_fn, make_norm
 from meshformer.model.masks import AttentionMask, build_mask, masked_avg_pool, pool_padding_mask
 from meshformer.model.moe import MoEFeedForward
+from meshformer.model.mtp import MtpModule, mtp_modules, shift_left, shifted_labels
 from meshformer.model.parallel_context import ParallelContext, StageSpan
 from meshformer.model.positions import (
     LearnedPositions,
@@ -153,6 +154,8 @@ class Transformer(nn.Module):
             self.head_act = activation_fn(cfg.ffn.activation)
             self.head_norm = make_norm(cfg)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.output_bias) if "output" in held else None
+        # multi-token prediction (model/mtp.py) beside the output head it shares
+        self.mtp_layers = mtp_modules(cfg) if "output" in held and spec.has_decoder and not spec.seq2seq else None
         if cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight  # tied_weights(cfg) names this tie
         spec.init(self)
@@ -325,6 +328,7 @@ class Transformer(nn.Module):
         h: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        final_norm: bool = True,
     ) -> torch.Tensor:
         """Causal stack over target ids (B, T); with a cache, ids are only the new tokens.
 
@@ -333,6 +337,7 @@ class Transformer(nn.Module):
         position_ids: each token's position in its row (B, T) for absolute positions and RoPE, e.g. counted from a
             row's first real token under left padding; relative schemes and masks need none (padding shifts a
             row's tokens alike). Default: their place in the sequence.
+        final_norm: false leaves out the stack's final norm (multi-token prediction reads the hidden states before it).
         """
         q_len = ids.shape[1]  # not h's: a received h may be a sequence-parallel shard
         offset = cache[0].self_attn.length if cache else 0
@@ -344,20 +349,36 @@ class Transformer(nn.Module):
                                  "tokens; under context parallel the whole sequence)")
         if self.decoder_layers is None:
             raise ValueError(f"a {self.cfg.family} model has no decoder to decode with")
-        masks: dict[int | None, AttentionMask] = {}
-        for window in {self.cfg.window(int(key)) for key in self.decoder_layers}:
-            if self.parallel_context.chunk is None:
-                masks[window] = build_mask(q_len, k_len, q_offset=offset, causal=True, window=window,
-                                           key_padding=padding, documents=documents, device=h.device)
-            elif window is None and padding is None and documents is None:
-                masks[window] = AttentionMask(None, is_causal=True)  # each piece: causal at the bottom right
-            else:  # each piece takes its rows of the mask over the whole sequence
-                masks[window] = build_mask(q_len, k_len, q_positions=positions, causal=True, window=window,
-                                           key_padding=padding, documents=documents, device=h.device)
+        windows = {self.cfg.window(int(key)) for key in self.decoder_layers}
+        masks, extra = self._causal_inputs(q_len, k_len, offset, positions, windows, padding, documents,
+                                           position_ids, h.device)
         memory_mask = None
         if memory is not None:
             memory_mask = build_mask(q_len, memory.shape[1], causal=False, key_padding=memory_padding,
                                      device=h.device)
+        for i, (key, layer) in enumerate(self.decoder_layers.items()):
+            mask, kwargs = self._block_inputs(int(key), masks, extra)
+            h = layer(h, mask, memory=memory, memory_mask=memory_mask, cache=cache[i] if cache else None,
+                      chunk=self.parallel_context.chunk, **kwargs)
+        if self.decoder_norm is not None and final_norm:
+            h = self.decoder_norm(h)
+        return h
+
+    def _causal_inputs(self, q_len: int, k_len: int, offset: int, positions: torch.Tensor, windows: set[int | None],
+                       padding: torch.Tensor | None, documents: torch.Tensor | None,
+                       position_ids: torch.Tensor | None, device: torch.device
+                       ) -> tuple[dict[int | None, AttentionMask], dict]:
+        """The causal masks of `windows` and the relative-position keywords of a causal stack's blocks."""
+        masks: dict[int | None, AttentionMask] = {}
+        for window in windows:
+            if self.parallel_context.chunk is None:
+                masks[window] = build_mask(q_len, k_len, q_offset=offset, causal=True, window=window,
+                                           key_padding=padding, documents=documents, device=device)
+            elif window is None and padding is None and documents is None:
+                masks[window] = AttentionMask(None, is_causal=True)  # each piece: causal at the bottom right
+            else:  # each piece takes its rows of the mask over the whole sequence
+                masks[window] = build_mask(q_len, k_len, q_positions=positions, causal=True, window=window,
+                                           key_padding=padding, documents=documents, device=device)
         extra = self._relative(positions, k_len, causal=True, position_ids=position_ids)
         if self.parallel_context.chunk is None:  # this call's tokens' rows, for a mixer that reads no mask
             extra["padding"] = None if padding is None else padding[:, -q_len:]
@@ -365,13 +386,7 @@ class Transformer(nn.Module):
         else:  # this rank's pieces' padding; the whole sequence's documents (a piece's state restarts by them)
             extra["padding"] = None if padding is None else padding[:, positions]
             extra["documents"] = documents
-        for i, (key, layer) in enumerate(self.decoder_layers.items()):
-            mask, kwargs = self._block_inputs(int(key), masks, extra)
-            h = layer(h, mask, memory=memory, memory_mask=memory_mask, cache=cache[i] if cache else None,
-                      chunk=self.parallel_context.chunk, **kwargs)
-        if self.decoder_norm is not None:
-            h = self.decoder_norm(h)
-        return h
+        return masks, extra
 
     def head(self, h: torch.Tensor, labels: torch.Tensor | None = None, head_loss: HeadLoss | None = None
              ) -> torch.Tensor:
@@ -407,7 +422,8 @@ class Transformer(nn.Module):
         streams: Streams | None = None,
         labels: torch.Tensor | None = None,
         head_loss: HeadLoss | None = None,
-    ) -> torch.Tensor | Streams:
+        mtp_labels: torch.Tensor | None = None,
+    ) -> torch.Tensor | Streams | tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Logits (B, T, vocab), or with `head_loss` the summed loss against `labels` (no full logits).
 
         Masks are (B, T) with True (or 1) for real tokens, False for padding. doc_ids (B, T): the packed document
@@ -418,6 +434,9 @@ class Transformer(nn.Module):
         sequence; encoder-decoder: input_ids are the source, decoder_input_ids the teacher-forced target.
         The pieces present run in order; a model without its head (a pipeline stage) returns the `Streams`
         it reached, and `streams` carries in those of the stage before.
+
+        mtp_labels: the main labels (B, T), to run the multi-token prediction modules too: returns (the main output,
+        [(module k's logits or summed loss, its shifted labels) for k = 1 .. model.mtp.depth]).
         """
         spec = self.spec
         target_ids, target_padding = input_ids, attention_mask
@@ -426,6 +445,7 @@ class Transformer(nn.Module):
                 raise ValueError("an encoder-decoder model needs decoder_input_ids (the shifted target)")
             target_ids, target_padding = decoder_input_ids, decoder_attention_mask
         s = streams or Streams()
+        unnormed, documents = None, None  # the main stack's output before its final norm, for multi-token prediction
         if self.encoder_layers is not None:
             ends = self._ends_encoder()
             h, _ = self.encode(input_ids, attention_mask, pool=ends, h=s.encoder)
@@ -436,13 +456,43 @@ class Transformer(nn.Module):
                 memory_padding = pool_padding_mask(memory_padding, self.cfg.cross_downsample)
             documents = doc_ids if self.cfg.attention.document_mask and not spec.seq2seq else None
             h = self.decode(target_ids, target_padding, memory=s.memory, memory_padding=memory_padding, h=s.decoder,
-                            documents=documents)
+                            documents=documents, final_norm=mtp_labels is None)
+            if mtp_labels is not None:
+                unnormed, h = h, h if self.decoder_norm is None else self.decoder_norm(h)
             s = replace(s, decoder=h)
         if self.output is None:
             return s
         last = s.decoder if spec.has_decoder else s.memory
         assert last is not None  # a model with its head holds the last stack, which just ran
-        return self.head(last, labels, head_loss)
+        main = self.head(last, labels, head_loss)
+        if mtp_labels is None:
+            return main
+        if unnormed is None:
+            raise ValueError(f"a {self.cfg.family} model has no decoder stack for multi-token prediction")
+        return main, self._multi_token(unnormed, target_ids, target_padding, documents, mtp_labels, head_loss)
+
+    def _multi_token(self, h: torch.Tensor, ids: torch.Tensor, padding: torch.Tensor | None,
+                     documents: torch.Tensor | None, labels: torch.Tensor, head_loss: HeadLoss | None
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each MTP module's (logits or summed loss, shifted labels) from the main stack's unnormed output `h`."""
+        if self.mtp_layers is None:
+            raise ValueError("model.mtp.depth is 0: this model has no multi-token prediction modules to run")
+        if self.parallel_context.chunk is not None:
+            raise ValueError("model.mtp.depth > 0 runs without context parallel; set parallel.cp = 1")
+        q_len = ids.shape[1]
+        positions, k_len = self._positions(q_len, 0, ids.device)
+        last = self.cfg.n_layers - 1  # each module's block has the last block's kinds
+        masks, extra = self._causal_inputs(q_len, k_len, 0, positions, {self.cfg.window(last)}, padding, documents,
+                                           None, h.device)
+        mask, kwargs = self._block_inputs(last, masks, extra)
+        outputs = []
+        for k, module in enumerate(self.mtp_layers, start=1):
+            assert isinstance(module, MtpModule)
+            ahead = self.embed(shift_left(ids, k, 0), positions=positions)
+            h, normed = module(h, ahead, mask, **kwargs)
+            targets = shifted_labels(labels, k)
+            outputs.append((self.head(normed, targets, head_loss), targets))
+        return outputs
 
     def _ends_encoder(self) -> bool:
         """Whether this model (or pipeline stage) holds the encoder's last block."""

@@ -43,6 +43,8 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, *, res
     reshard = cfg.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
     for block in blocks_of(model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, shard_placement_fn=placement)
+    for module in model.mtp_layers or ():  # multi-token prediction: a unit each, its experts placed as the blocks'
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, shard_placement_fn=placement)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     sum_gradients(model)
     return model

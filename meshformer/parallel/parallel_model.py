@@ -17,6 +17,7 @@ from meshformer.batch import Batch, model_inputs
 from meshformer.loss.cross_entropy import LossFn, count_tokens
 from meshformer.loss.fused import HeadLoss
 from meshformer.model.moe import MoEFeedForward, moe_layers, set_balance_weight, update_expert_bias
+from meshformer.model.transformer import Transformer
 from meshformer.parallel.grad_norm import scale_grads_
 
 
@@ -38,6 +39,9 @@ class ParallelModel:
         # FSDP all-gathers float8 weights, whose scales must be refreshed after every optimizer step (parallelize).
         self.float8_weight_gather = False
         self._balance_weight = 1.0  # the MoE layers' (their default)
+        # multi-token prediction: each module's summed loss and target tokens since the last logged step
+        self._mtp_sums: torch.Tensor | None = None
+        self._mtp_tokens: torch.Tensor | None = None
 
     @property
     def model_parts(self) -> list[nn.Module]:
@@ -63,9 +67,48 @@ class ParallelModel:
         """Accumulate gradients of (summed loss of this micro-batch / global_tokens); return the detached sum.
 
         `last_micro_batch`: whether the step's gradients are complete after this one (gradient accumulation)."""
-        loss_sum = self._loss_sum(batch)
-        (loss_sum / global_tokens).backward()  # MoE layers add their balance terms in this backward
+        loss_sum, objective = self._training_loss_sums(batch)
+        (objective / global_tokens).backward()  # MoE layers add their balance terms in this backward
         return loss_sum.detach()
+
+    @property
+    def mtp_depth(self) -> int:
+        """Multi-token prediction modules the model part holding the head runs in training (model.mtp.depth)."""
+        modules = getattr(self.model_parts[-1], "mtp_layers", None)
+        return 0 if modules is None else len(modules)
+
+    def _training_loss_sums(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the summed main loss, the summed objective): the main loss plus loss_weight / depth times each
+        multi-token prediction module's summed loss (model/mtp.py), whose sums and token counts are kept for
+        `mtp_scalars`."""
+        depth = self.mtp_depth
+        if depth == 0:
+            loss_sum = self._loss_sum(batch)
+            return loss_sum, loss_sum
+        labels = batch["labels"]
+        with self._autocast():
+            main, modules = self.model(**model_inputs(batch), labels=labels, head_loss=self.head_loss,
+                                       mtp_labels=labels)
+        loss_sum = main if self.head_loss is not None else self.loss_fn(main, labels)
+        sums = torch.stack([out if self.head_loss is not None else self.loss_fn(out, targets)
+                            for out, targets in modules])
+        counts = torch.stack([count_tokens(targets) for _, targets in modules]).to(sums.device)
+        self._mtp_sums = self._mtp_sums + sums.detach().float() if self._mtp_sums is not None else sums.detach().float()
+        self._mtp_tokens = self._mtp_tokens + counts if self._mtp_tokens is not None else counts
+        head_part = self.model_parts[-1]
+        assert isinstance(head_part, Transformer)  # FSDP keeps the class (as a subclass)
+        weight = head_part.cfg.mtp.loss_weight / depth
+        return loss_sum, loss_sum + weight * sums.sum()
+
+    def mtp_scalars(self) -> dict[str, float]:
+        """`mtp/loss_<k>`: each multi-token prediction module's mean token loss since the last call (a collective
+        under data parallel); none without MTP."""
+        if self._mtp_sums is None or self._mtp_tokens is None:
+            return {}
+        sums, tokens = self._mtp_sums, self._mtp_tokens
+        self._mtp_sums = self._mtp_tokens = None
+        return {f"mtp/loss_{k + 1}": self.reduce_for_logging(s) / max(self.reduce_for_logging(n), 1.0)
+                for k, (s, n) in enumerate(zip(sums, tokens.float()))}
 
     @property
     def forwards_per_micro_batch(self) -> int:

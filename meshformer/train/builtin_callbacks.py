@@ -114,13 +114,15 @@ class StragglerReport(Callback):
 
 
 class MoEStatistics(Callback):
-    """Per MoE layer: expert load max/mean, dropped fraction, aux and z losses, on logging steps (a collective)."""
+    """Per MoE layer: expert load max/mean, dropped fraction, aux and z losses; per multi-token prediction module its
+    mean loss; on logging steps (a collective)."""
 
     order, phase = 30, "logging"
 
     def on_step_end(self, ctx: CallbackContext) -> None:
         if ctx.log_step:
             ctx.metrics |= ctx.trainer.parallel_model.moe_scalars()
+            ctx.metrics |= ctx.trainer.parallel_model.mtp_scalars()  # mtp/loss_<k>, multi-token prediction
 
 
 class CheckpointCadence(Callback):

@@ -123,8 +123,10 @@ def reference(case: dict[str, Any]) -> dict[str, Any]:
 
     m = model_config(case["model"])
     layout = case["layout"]
+    counts = count_params(m)
+    assert counts.pop("mtp") == 0  # the recorded configs have no multi-token prediction (nor its breakdown entry)
     return {
-        "params": count_params(m),
+        "params": counts,
         "training_flops": [training_flops(m, s, t) for s, t in ((layout["seq_len"], None),
                                                                  (layout["seq_len"], layout["target_len"]),
                                                                  (7, 5))],

@@ -137,6 +137,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
                      moe=dict(n_experts=8, experts_per_token=2, d_ff=16, n_shared_experts=1, router_score="sigmoid",
                               router_groups=4, router_groups_per_token=2, router_scale=2.5,
                               router_bias_update_rate=0.05)),
+    # the same with one multi-token prediction module (an MoE block beside the shared embedding and head)
+    "deepseek_mtp": dict(family="decoder", n_layers=3, position="rope", bias=False, layer_types=["mla"],
+                         mlp_types=["dense", "moe", "moe"], ffn=dict(activation="swiglu"), norm=dict(kind="rmsnorm"),
+                         mla=dict(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                  v_head_dim=6),
+                         moe=dict(n_experts=8, experts_per_token=2, d_ff=16, n_shared_experts=1,
+                                  router_score="sigmoid", router_groups=4, router_groups_per_token=2,
+                                  router_bias_update_rate=0.05),
+                         mtp=dict(depth=1, loss_weight=0.5)),
     # Qwen3-Next-like: a Gated DeltaNet block (state and convolution reset per packed document) then a gated
     # attention block with partial RoPE, (1 + weight) norms, MoE with a gated shared expert
     "qwen3next": dict(family="decoder", n_layers=2, position="rope", bias=False,

@@ -91,6 +91,8 @@ MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "mo
               # DeepSeek-V3's pieces: multi-head latent attention split by heads (tp; the shared rotary key's
               # gradient summed over the ranks), its compressed latents exchanged (cp); DeepSeek's routing
               "deepseek/tp-ep", "deepseek/cp-ep", "deepseek/fsdp-ep", "deepseek/pp", "deepseek/tp-ep-muon",
+              # multi-token prediction: its module (an MoE block) one FSDP unit with its experts split over ep
+              "deepseek_mtp/fsdp-ep",
               # Qwen3-Next's pieces: linear_attention blocks (packed documents) under FSDP, expert, pipeline and
               # context parallel (the recurrent state and convolution window passed piece to piece in sequence
               # order, the attention blocks beside them on the balanced layout)
@@ -148,7 +150,8 @@ WORLD2_SLOW = {"decoder/cp-compile", "decoder/tp-fp8=tensorwise", "decoder_alibi
                "encdec/tp-fp8=tensorwise", "decoder/tp-fp8=rowwise", "moe/tp-ep-bf16", "moe_encdec/tp-ep",
                "moe/fsdp-ep-recompute=full", "moe/tp-ep-recompute=selective", "moe_bias/tp-ep", "moe/fsdp-ep-compile",
                "moe/tp-ep-compile", "moe/fsdp-ep-compile-recompute=selective", "decoder/fsdp-fp8=tensorwise-muon",
-               "decoder/cp-muon-qkclip", "encdec/tp-muon-qkclip=0.02", "decoder/fsdp-muon-qkclip-compile"}
+               "decoder/cp-muon-qkclip", "encdec/tp-muon-qkclip=0.02", "decoder/fsdp-muon-qkclip-compile",
+               "deepseek_mtp/fsdp-ep"}
 ALL_WORLD2 = WORLD2 + MIXED_PRECISION + FP8_WORLD2 + ["skip/nan"]  # skip/nan: a NaN gradient on one rank
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers.common import CONFIGS
 
-from meshformer.config import AttentionConfig, FfnConfig, ModelConfig, RopeConfig, load_config
+from meshformer.config import AttentionConfig, FfnConfig, ModelConfig, MtpConfig, RopeConfig, load_config
 from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
 from meshformer.model.flops import count_params, flops_per_token, training_flops
@@ -154,7 +154,8 @@ def test_new_configs_count_what_their_hugging_face_export_builds(name):
     transformers = pytest.importorskip("transformers")
     from meshformer.checkpointing.hf import _MODEL_CLASSES, config_to_hf, infer_arch
 
-    cfg = load_config(name).model
+    # transformers builds no multi-token prediction modules (their count: tests/unit/test_mtp.py)
+    cfg = dataclasses.replace(load_config(name).model, mtp=MtpConfig())
     arch = infer_arch(cfg)
     with torch.device("meta"):
         hf = getattr(transformers, _MODEL_CLASSES[arch])(config_to_hf(cfg, arch))

@@ -15,8 +15,14 @@ up_proj / down_proj of width moe_intermediate_size; mlp.shared_experts (n_shared
 FFN = ours). first_k_dense_replace = our moe_first_dense, those blocks' MLP intermediate_size wide.
 
 Refused: attention_bias, num_key_value_heads other than num_attention_heads (transformers repeats keys that
-already have every head), a checkpoint stored in FP8 blocks (weight_scale_inv). Ignored: the multi-token
-prediction module the published checkpoints hold as model.layers.61 (transformers skips it too).
+already have every head), a checkpoint stored in FP8 blocks (weight_scale_inv).
+
+Multi-token prediction: with model.mtp.depth > 0 our module k is their layer num_hidden_layers + k (enorm, hnorm,
+eh_proj, shared_head.norm and a decoder layer of the last layer's kinds; its embed_tokens and shared_head.head are
+the shared embedding and output head), read on import and written on export (num_nextn_predict_layers = depth).
+An import builds depth 0 unless model.mtp.depth is set (transformers' configs name num_nextn_predict_layers whether
+or not the files hold those tensors); at depth 0 the published checkpoints' model.layers.61 is ignored (transformers
+skips it too).
 """
 
 from __future__ import annotations
@@ -94,7 +100,8 @@ def config_to_hf(cfg: ModelConfig) -> Any:
         n_routed_experts=cfg.moe.n_experts, num_experts_per_tok=cfg.moe.experts_per_token,
         n_shared_experts=cfg.moe.n_shared_experts, norm_topk_prob=cfg.moe.router_renormalize,
         n_group=cfg.moe.router_groups, topk_group=cfg.moe.router_groups_per_token,
-        routed_scaling_factor=cfg.moe.router_scale, first_k_dense_replace=first_dense, attention_bias=False)
+        routed_scaling_factor=cfg.moe.router_scale, first_k_dense_replace=first_dense, attention_bias=False,
+        num_nextn_predict_layers=cfg.mtp.depth)  # type: ignore[call-arg]  # an attribute_map alias
 
 
 def rules(cfg: ModelConfig) -> list[Rule]:
@@ -115,6 +122,26 @@ def rules(cfg: ModelConfig) -> list[Rule]:
             if cfg.moe.n_shared_experts:
                 for p in ("gate", "up", "down"):
                     out += params(f"{f}.shared_experts.{p}_proj", f"{m}.shared_experts.{p}_proj", ("weight",))
+    return out + _mtp_rules(cfg, out)
+
+
+def _mtp_rules(cfg: ModelConfig, main: list[Rule]) -> list[Rule]:
+    """Multi-token prediction module k (from 0) as DeepSeek's layer num_hidden_layers + k: enorm, hnorm, eh_proj,
+    shared_head.norm, the decoder layer's tensors named as the last main layer's (its kinds), and copies of the shared
+    embedding and output head (aliases: written on export, not read)."""
+    last = cfg.n_layers - 1
+    ours_prefix, theirs_prefix = f"decoder_layers.{last}.", f"model.layers.{last}."
+    block = [r for r in main if r.theirs.startswith(theirs_prefix)]
+    out: list[Rule] = []
+    for k in range(cfg.mtp.depth):
+        o, t = f"mtp_layers.{k}", f"model.layers.{cfg.n_layers + k}"
+        out += [Rule((f"{o}.enorm.weight",), f"{t}.enorm.weight"), Rule((f"{o}.hnorm.weight",), f"{t}.hnorm.weight"),
+                Rule((f"{o}.eh_proj.weight",), f"{t}.eh_proj.weight"),
+                Rule((f"{o}.final_norm.weight",), f"{t}.shared_head.norm.weight"),
+                Rule(("tok_embeddings.weight",), f"{t}.embed_tokens.weight", alias=True),
+                Rule(("output.weight",), f"{t}.shared_head.head.weight", alias=True)]
+        out += [replace(r, ours=tuple(f"{o}.block.{n.removeprefix(ours_prefix)}" for n in r.ours),
+                        theirs=f"{t}.{r.theirs.removeprefix(theirs_prefix)}") for r in block]
     return out
 
 

@@ -115,6 +115,7 @@ class TransformerStage(Transformer):
         head_loss = self.head_loss if self.is_last else None
         out = super().forward(**batch, streams=streams,  # type: ignore[arg-type]  # batch: model-input tensors
                               labels=labels if head_loss is not None else None, head_loss=head_loss)
+        assert not isinstance(out, tuple)  # no multi-token prediction under pipeline parallel (parallel_dims)
         return out if isinstance(out, torch.Tensor) else self._pack(out, stream)
 
     def _unpack(self, stream: tuple[torch.Tensor, ...], target_ids: torch.Tensor | None) -> Streams:

@@ -1,0 +1,67 @@
+"""Multi-token prediction (DeepSeek-V3): `model.mtp.depth` sequential modules after the main stack.
+
+Module k (from 1) combines, at each position t, the previous depth's hidden state h_{k-1}[t] (the main stack's
+output before its final norm for k = 1) with the embedding of token t + k: both normed (`hnorm`, `enorm`),
+concatenated [enorm ; hnorm] as DeepSeek's `eh_proj` reads them, projected 2d -> d, then one block of the model's own
+kinds (the last block's) and the module's own final norm (`shared_head.norm` in DeepSeek's checkpoints) before the
+shared output head. It predicts token t + k + 1: the main labels shifted by k (`shifted_labels`).
+
+The loss joins the objective as `loss_weight / depth` times each module's summed token loss (model/transformer.py
+returns the modules' outputs; parallel/parallel_model.py adds them). Generation never runs these modules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshformer.batch import IGNORE_INDEX
+from meshformer.model.config import ModelConfig
+from meshformer.model.layers import TransformerBlock, make_norm
+
+
+class MtpModule(nn.Module):
+    """One depth: the two norms, the projection, a block and the final norm (the output head is the model's)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.enorm = make_norm(cfg)
+        self.hnorm = make_norm(cfg)
+        self.eh_proj = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False)
+        # the last block's kinds: DeepSeek-V3's MTP block is an MoE block like its last main block
+        self.block = TransformerBlock(cfg, causal=True, index=cfg.n_layers - 1)
+        self.final_norm = make_norm(cfg)
+
+    def forward(self, previous: torch.Tensor, embedded: torch.Tensor, mask: Any, **block_kwargs: Any
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h_k, h_k through the final norm) from h_{k-1} and the embeddings of the tokens k ahead; one call, so
+        that an FSDP unit of this module gathers its weights around it."""
+        h = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(previous)], dim=-1))
+        h = self.block(h, mask, **block_kwargs)
+        return h, self.final_norm(h)
+
+
+def shift_left(x: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+    """x (B, T) moved k places left along the sequence, the last k columns `fill`."""
+    if k == 0:
+        return x
+    return torch.cat([x[:, k:], x.new_full((x.shape[0], min(k, x.shape[1])), fill)], dim=1)[:, :x.shape[1]]
+
+
+def shifted_labels(labels: torch.Tensor, k: int) -> torch.Tensor:
+    """Module k's targets: labels[t + k] (the token k + 1 ahead), ignored where that runs past the sequence or where
+    any of labels[t .. t + k] is ignored (padding, a document boundary in between)."""
+    out = shift_left(labels, k, IGNORE_INDEX)
+    for j in range(k):
+        out = out.masked_fill(shift_left(labels, j, IGNORE_INDEX) == IGNORE_INDEX, IGNORE_INDEX)
+    return out
+
+
+def mtp_modules(cfg: ModelConfig) -> nn.ModuleList | None:
+    """The modules of `model.mtp.depth` (None when off)."""
+    return nn.ModuleList(MtpModule(cfg) for _ in range(cfg.mtp.depth)) if cfg.mtp.depth > 0 else None
+
+
+__all__ = ["MtpModule", "mtp_modules", "shift_left", "shifted_labels"]
