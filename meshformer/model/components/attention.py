@@ -13,7 +13,15 @@ from torch import nn
 from meshformer.errors import ConfigError
 from meshformer.model.attention import pieces_held
 from meshformer.model.components import register
-from meshformer.model.components.base import FP32, ActivationLayout, GenerationCache, InitFn, TokenMixer, linear
+from meshformer.model.components.base import (
+    FP32,
+    ActivationLayout,
+    GenerationCache,
+    InitFn,
+    TokenMixer,
+    linear,
+    output_projection_bytes,
+)
 from meshformer.model.config import ModelConfig
 from meshformer.model.tp_styles import COLWISE, GATHER_MASKED, GATHER_MEMORY, HEAD_VALUES, HEADS, ROWWISE
 
@@ -156,10 +164,7 @@ class Attention(TokenMixer):
             total += b * heads * s * FP32 + sdpa_mask(x, calls, self.cross)  # log-sum-exp, mask
         if uses_math_attention(m):  # the two attention matmuls' outputs (scores, weighted values)
             total += 2 * b * heads * sum(q * k for q, k in calls) * a
-        total += b * s * m.d_model * a  # o_proj's output before the reduce-scatter
-        if t > 1:
-            total += b * (s // t) * m.d_model * a
-        return total
+        return total + output_projection_bytes(m, x)
 
     def backward_bytes(self, cfg: ModelConfig, x: ActivationLayout, freed: float) -> float:
         m, b, s, a = cfg, x.batch, x.seq, x.bytes

@@ -84,6 +84,12 @@ def local_tokens(x: ActivationLayout) -> int:
     return x.seq // x.tp if x.tp > 1 else x.seq
 
 
+def output_projection_bytes(cfg: ModelConfig, x: ActivationLayout) -> float:
+    """An attention output projection's result before the reduce-scatter, and under sequence parallel its slice."""
+    whole = x.batch * x.seq * cfg.d_model * x.bytes
+    return whole + (x.batch * (x.seq // x.tp) * cfg.d_model * x.bytes if x.tp > 1 else 0)
+
+
 class _Component:
     name: ClassVar[str]  # what model.layer_types / model.mlp_types call it
     section: ClassVar[str]  # the [model.<section>] table it reads

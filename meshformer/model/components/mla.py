@@ -16,7 +16,14 @@ from torch import nn
 from meshformer.errors import ConfigError
 from meshformer.model.components import register
 from meshformer.model.components.attention import attention_calls, keys_kept, sdpa_mask, uses_math_attention
-from meshformer.model.components.base import FP32, ActivationLayout, GenerationCache, InitFn, TokenMixer
+from meshformer.model.components.base import (
+    FP32,
+    ActivationLayout,
+    GenerationCache,
+    InitFn,
+    TokenMixer,
+    output_projection_bytes,
+)
 from meshformer.model.config import ModelConfig
 from meshformer.model.tp_styles import COLWISE, GATHER_MASKED, PARTIAL_GRADIENT, ROWWISE
 
@@ -147,7 +154,7 @@ class LatentAttention(TokenMixer):
         return total
 
     def selective_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
-        m, b, s, t, a = cfg, x.batch, x.seq, x.tp, x.bytes
+        m, b, s, a = cfg, x.batch, x.seq, x.bytes
         heads, keys, calls = self._rows(cfg, x)
         qk, v, nope = m.mla.qk_head_dim, m.mla.v_head_dim, m.mla.qk_nope_head_dim
         total: float = self._latents(cfg, x, keys)
@@ -155,10 +162,7 @@ class LatentAttention(TokenMixer):
         total += b * heads * s * FP32 + sdpa_mask(x, calls, False)
         if uses_math_attention(m):
             total += 2 * b * heads * sum(q * k for q, k in calls) * a
-        total += b * s * m.d_model * a  # o_proj's output before the reduce-scatter
-        if t > 1:
-            total += b * (s // t) * m.d_model * a
-        return total
+        return total + output_projection_bytes(m, x)
 
     def backward_bytes(self, cfg: ModelConfig, x: ActivationLayout, freed: float) -> float:
         m, b, s, a = cfg, x.batch, x.seq, x.bytes
