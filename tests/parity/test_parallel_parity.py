@@ -152,6 +152,10 @@ WORLD2_SLOW = {"decoder/cp-compile", "decoder/tp-fp8=tensorwise", "decoder_alibi
                "moe/tp-ep-compile", "moe/fsdp-ep-compile-recompute=selective", "decoder/fsdp-fp8=tensorwise-muon",
                "decoder/cp-muon-qkclip", "encdec/tp-muon-qkclip=0.02", "decoder/fsdp-muon-qkclip-compile",
                "deepseek_mtp/fsdp-ep"}
+# The second step's global gradient norm, for rows where Adam's first update (about ±lr per element, its sign set by
+# rounding where a gradient is near zero) moves the weights differently enough to show: step-0 gradients of these
+# rows agree to 1e-6; measured 1.34e-5 on an AVX-512 CPU.
+NORM_TOL = {"decoder_gemma/tp": 3e-5}
 ALL_WORLD2 = WORLD2 + MIXED_PRECISION + FP8_WORLD2 + ["skip/nan"]  # skip/nan: a NaN gradient on one rank
 
 
@@ -222,7 +226,7 @@ def check(report: dict, tol: float = TOL, grad_tol: float | None = None, name: s
 
 @pytest.mark.parametrize("name", default_or_slow(WORLD2, WORLD2_SLOW))
 def test_parity_world2(request, name):
-    check(world2_report(request, name), name=name)
+    check(world2_report(request, name), name=name, norm_tol=NORM_TOL.get(name))
 
 
 @pytest.mark.slow
