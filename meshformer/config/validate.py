@@ -218,7 +218,7 @@ def _check_layer_options(cfg: Config) -> None:
     """The per-layer attention pattern, soft-capping and norm options (Gemma, OLMo 2)."""
     m = cfg.model
     _check_block_types(cfg)
-    sliding = any(m.window(i) is not None for stack in get_family_spec(m.family).stacks for i in range(stack.count(m)))
+    sliding = _any_block_windowed(m)
     if m.rope.local_theta is not None and (m.position != "rope" or not sliding or m.rope.local_theta <= 0):
         raise ConfigError(f"model.rope.local_theta={m.rope.local_theta} is the sliding_attention blocks' RoPE base, "
                           "but "
@@ -256,11 +256,19 @@ def _check_block_types(cfg: Config) -> None:
     for _, values, registry in registries:
         for name in dict.fromkeys(values):
             registry[name].check(m)
-    windowed = any(m.window(i) is not None for stack in get_family_spec(m.family).stacks for i in range(stack.count(m)))
-    if m.attention.window is not None and not windowed:  # no block's kind reads the window
+    if m.attention.window is not None and not _any_block_windowed(m):  # no block's kind reads the window
         raise ConfigError(f"model.attention.window={m.attention.window} is the sliding_attention blocks' window, but "
                           "model.layer_types has none", 'set model.layer_types = ["sliding_attention"] (every block) '
                           'or a pattern such as ["sliding_attention", "full_attention"], or drop the window')
+
+
+def _any_block_windowed(m: ModelConfig) -> bool:
+    """Whether a block of some stack attends within a sliding window. Looks at the layer types a stack uses (a pattern
+    repeats), not at each block: a config of absurd depth is refused later in one line, not after a loop over it."""
+    used: set[str] = set()
+    for stack in get_family_spec(m.family).stacks:
+        used.update(m.layer_types[:stack.count(m)] if m.layer_types else ["full_attention"])
+    return any(TOKEN_MIXERS[name].window(m) is not None for name in used)
 
 
 def _reads_head_dim(m: ModelConfig) -> bool:
