@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"  # on sys.path (conftest.py), so test modules import `helpers.<name>`
 CONFIGS = ROOT / "configs"  # the shipped configs; tests name them through this, whatever the working directory
+
+
+
+def load_script(relative: str) -> ModuleType:
+    """A script of the repository that is no package module (bench/, tools/), loaded from its file."""
+    path = ROOT / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

@@ -3,22 +3,17 @@ and the README and user pages say what the project is, briefly."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
 
 import pytest
-from helpers.common import ROOT
+from helpers.common import ROOT, load_script
 from helpers.readme import doc_pages, shown_commands
 
 
 def _render_tables():
-    spec = importlib.util.spec_from_file_location("render_tables", ROOT / "bench" / "render_tables.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/render_tables.py")
 
 
 def test_the_site_builds_with_warnings_as_errors(tmp_path):

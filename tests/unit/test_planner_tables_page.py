@@ -7,18 +7,12 @@ regenerate the tables, or a reader copying a command gets other numbers than the
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
-from helpers.common import ROOT
+from helpers.common import ROOT, load_script
 
 
 def _plan_tables():
-    spec = importlib.util.spec_from_file_location("plan_tables", ROOT / "tools" / "plan_tables.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/plan_tables.py")
 
 
 PAGE = ROOT / "docs" / "benchmarks" / "planner-tables.md"
