@@ -116,16 +116,26 @@ def rules(cfg: ModelConfig) -> list[Rule]:
         out += [Rule((f"{o}.kv_a_norm.weight",), f"{t}.kv_a_layernorm.weight")]
         if low_rank:
             out += [Rule((f"{o}.q_a_norm.weight",), f"{t}.q_a_layernorm.weight")]
+    out += shared_expert_rules(cfg, selection_bias=True)
+    return out + mtp_rules(cfg, out)
+
+
+def shared_expert_rules(cfg: ModelConfig, selection_bias: bool) -> list[Rule]:
+    """Each MoE block's shared experts (one FFN) and, with `selection_bias`, its router's
+    e_score_correction_bias = our router.expert_bias."""
+    out: list[Rule] = []
+    for i in range(cfg.n_layers):
         if cfg.is_moe(i):
             f, m = f"decoder_layers.{i}.ffn", f"model.layers.{i}.mlp"
-            out.append(Rule((f"{f}.router.expert_bias",), f"{m}.gate.e_score_correction_bias"))
+            if selection_bias:
+                out.append(Rule((f"{f}.router.expert_bias",), f"{m}.gate.e_score_correction_bias"))
             if cfg.moe.n_shared_experts:
                 for p in ("gate", "up", "down"):
                     out += params(f"{f}.shared_experts.{p}_proj", f"{m}.shared_experts.{p}_proj", ("weight",))
-    return out + _mtp_rules(cfg, out)
+    return out
 
 
-def _mtp_rules(cfg: ModelConfig, main: list[Rule]) -> list[Rule]:
+def mtp_rules(cfg: ModelConfig, main: list[Rule]) -> list[Rule]:
     """Multi-token prediction module k (from 0) as DeepSeek's layer num_hidden_layers + k: enorm, hnorm, eh_proj,
     shared_head.norm, the decoder layer's tensors named as the last main layer's (its kinds), and copies of the shared
     embedding and output head (aliases: written on export, not read)."""
