@@ -148,7 +148,7 @@ def test_counts_equal_hugging_face_models(name, cls, config, kwargs):
 
 @pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "mistral-7b", "qwen3-0.6b",
                                   "qwen3-8b", "llama3.2-1b", "llama3.1-8b", "olmo2-7b", "olmo3-7b", "gpt-oss-20b",
-                                  "gpt-oss-120b", "deepseek-v3", "kimi-k2", "tiny-deepseek", "glm-4.5-air",
+                                  "gpt-oss-120b", "deepseek-v3", "kimi-k2", "tiny-deepseek", "glm-4.5-air", "deepseek-v2-lite",
                                   "qwen3-next-80b-a3b", "tiny-qwen3-next", "qwen3.5-9b"])
 def test_new_configs_count_what_their_hugging_face_export_builds(name):
     """The exported architecture (config_to_hf), built on the meta device, has exactly our parameter count."""
