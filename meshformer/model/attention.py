@@ -26,6 +26,10 @@ from meshformer.model.positions import apply_rope
 _PREFERRED_SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                    "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
+# How MuonClip's QK-clip scales a row of a head whose logits it multiplies by gamma (a kind's `qk_clip_rows`): not at
+# all, by sqrt(gamma), by gamma
+KEEP, ROOT, WHOLE = 0, 1, 2
+
 
 def sdpa_order(backend: str) -> list[SDPBackend] | None:
     """SDPA kernels in priority order for `backend`, or None to leave torch's own choice ("sdpa", "math")."""
@@ -175,6 +179,16 @@ class Attention(nn.Module):
     def reset_buffers(self) -> None:
         """After a meta build: no logit recorded yet."""
         self.max_logit.fill_(float("-inf"))
+
+    def qk_clip_rows(self) -> list[tuple[nn.Linear, int, list[int]]]:
+        """MuonClip's rule (`train/qk_clip.py`): (projection, rows per head, how each row of a head scales).
+        A head with its own key head: its query and key rows by sqrt(gamma); grouped-query attention, where a key
+        head serves several query heads: the query rows by gamma, the shared key left as it is (Kimi K2's rule for
+        MLA's shared rotary key, applied to the whole key), so that no other head's logits change."""
+        d = self.head_dim
+        if self.k_proj.weight.shape[0] != self.q_proj.weight.shape[0]:  # global shapes, DTensor or not
+            return [(self.q_proj, d, [WHOLE] * d), (self.k_proj, d, [KEEP] * d)]
+        return [(self.q_proj, d, [ROOT] * d), (self.k_proj, d, [ROOT] * d)]
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
@@ -366,7 +380,7 @@ class Attention(nn.Module):
 def logits_not_recorded(modules: Iterable[nn.Module]) -> Iterator[None]:
     """Forwards inside this block leave the attention layers' `max_logit` (MuonClip) as it is: e.g. a pipeline
     stage's shape-inference forward on placeholder inputs."""
-    recording = [m for m in modules if isinstance(m, Attention) and m.record_max_logit]
+    recording = [m for m in modules if getattr(m, "record_max_logit", False)]
     for layer in recording:
         layer.record_max_logit = False
     try:

@@ -396,7 +396,8 @@ class MoEFeedForward(nn.Module):
         logits = self.router(flat)
         routing = route(logits, k, score=cfg.moe.router_score, renormalize=cfg.moe.router_renormalize,
                         groups=cfg.moe.router_groups, groups_per_token=cfg.moe.router_groups_per_token,
-                        group_score=cfg.moe.router_group_score, bias=self.router.expert_bias, scale=cfg.moe.router_scale)
+                        group_score=cfg.moe.router_group_score, bias=self.router.expert_bias,
+                        scale=cfg.moe.router_scale)
         slots = routing.experts.reshape(-1)  # token-slot s = token * k + j
         order = torch.argsort(slots, stable=True)  # by expert, then by token
         routed = slots.new_zeros(n_experts).scatter_add_(0, slots, torch.ones_like(slots))  # bincount: a host sync

@@ -1,5 +1,5 @@
-"""DeepSeek-V3 (DeepseekV3ForCausalLM; also Kimi K2): Llama's pre-norm blocks and names with multi-head latent attention in every block (our layer_types ["mla"],
-[model.mla]) and DeepSeek's mixture of experts after the first dense blocks.
+"""DeepSeek-V3 (DeepseekV3ForCausalLM; also Kimi K2): Llama's pre-norm blocks and names with multi-head latent attention
+in every block (our layer_types ["mla"], [model.mla]) and DeepSeek's mixture of experts after the first dense blocks.
 
 Attention (model.layers.{i}.self_attn.): q_proj, or q_a_proj / q_a_layernorm / q_b_proj with q_lora_rank = our
 q_proj, or q_a_proj / q_a_norm / q_b_proj; kv_a_proj_with_mqa / kv_a_layernorm / kv_b_proj = our kv_a_proj /
