@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,18 @@ _PREFERRED_SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDN
 # How MuonClip's QK-clip scales a row of a head whose logits it multiplies by gamma (a kind's `qk_clip_rows`): not at
 # all, by sqrt(gamma), by gamma
 KEEP, ROOT, WHOLE = 0, 1, 2
+
+
+@runtime_checkable
+class ClipsLogits(Protocol):
+    """An attention module MuonClip records and clips (train/qk_clip.py): `Attention`, `MultiHeadLatentAttention`."""
+
+    max_logit: torch.Tensor  # per query head, the largest logit of the step's training forwards so far
+    record_max_logit: bool
+
+    def qk_clip_rows(self) -> list[tuple[nn.Linear, int, list[int]]]:
+        """(projection, rows per head, how each row of a head scales: KEEP, ROOT or WHOLE), the queries' first."""
+        ...
 
 
 def sdpa_order(backend: str) -> list[SDPBackend] | None:
@@ -380,7 +393,7 @@ class Attention(nn.Module):
 def logits_not_recorded(modules: Iterable[nn.Module]) -> Iterator[None]:
     """Forwards inside this block leave the attention layers' `max_logit` (MuonClip) as it is: e.g. a pipeline
     stage's shape-inference forward on placeholder inputs."""
-    recording = [m for m in modules if getattr(m, "record_max_logit", False)]
+    recording = [m for m in modules if isinstance(m, ClipsLogits) and m.record_max_logit]
     for layer in recording:
         layer.record_max_logit = False
     try:

@@ -64,6 +64,8 @@ class MultiHeadLatentAttention(nn.Module):
     o_proj by its input, and replicates the down-projections and their norms (`shared_key`).
     """
 
+    max_logit: torch.Tensor  # a buffer (see `record_max_logit`)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         m, heads, d = cfg.mla, cfg.attention.n_heads, cfg.d_model

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from meshformer.model.attention import ROOT, WHOLE
+from meshformer.model.attention import ROOT, WHOLE, ClipsLogits
 from meshformer.parallel.grad_norm import local_tensor
 from meshformer.parallel.parallel_model import ParallelModel
 
@@ -83,13 +83,13 @@ class QKClip:
                  pp_group: dist.ProcessGroup | None = None) -> None:
         self.threshold = threshold
         self.groups, self.pp_group = list(groups), pp_group
-        self.layers: list[nn.Module] = []  # each with `max_logit`, `record_max_logit` and `qk_clip_rows`
+        self.layers: list[ClipsLogits] = []
         self._projections: list[list[_Projection]] = []  # per layer: the rows it scales (the queries' first)
         self._heads: list[tuple[int, int, int]] = []  # (heads of the whole layer, first and count of this rank's)
         seen: set[int] = set()
         for part in model_parts:
             for module in part.modules():
-                if not hasattr(module, "qk_clip_rows") or id(module) in seen:
+                if not isinstance(module, ClipsLogits) or id(module) in seen:
                     continue
                 seen.add(id(module))
                 projections = [_Projection(linear, rows, how) for linear, rows, how in module.qk_clip_rows()

@@ -10,8 +10,13 @@ import re
 import pytest
 import torch
 
-from meshformer.checkpointing.hf import check_compatible, config_from_hf, config_to_hf, from_hf_state_dict, \
-    to_hf_state_dict
+from meshformer.checkpointing.hf import (
+    check_compatible,
+    config_from_hf,
+    config_to_hf,
+    from_hf_state_dict,
+    to_hf_state_dict,
+)
 from meshformer.config import load_config
 from meshformer.model.flops import count_params
 from meshformer.model.transformer import Transformer
