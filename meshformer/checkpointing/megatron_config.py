@@ -100,11 +100,11 @@ def _router_incompatibilities(cfg: ModelConfig) -> list[str]:
         if cfg.moe.router_score == "softmax" and cfg.moe.router_renormalize:
             problems.append("group-limited softmax routing with router_renormalize (Megatron then scores groups "
                             "by logits)")
-        if k % cfg.moe.router_groups_per_token or k // cfg.moe.router_groups_per_token != min(2, cfg.moe.n_experts //
-                                                                                        cfg.moe.router_groups):
+        best = 1 if cfg.moe.router_group_score == "max" else min(2, cfg.moe.n_experts // cfg.moe.router_groups)
+        if k % cfg.moe.router_groups_per_token or k // cfg.moe.router_groups_per_token != best:
             problems.append(f"router_groups_per_token={cfg.moe.router_groups_per_token} with experts_per_token={k} "
                             "(Megatron scores a group by its best experts_per_token / router_groups_per_token "
-                            "experts, ours by its best two)")
+                            f"experts, ours by its best {best})")
     if cfg.moe.router_bias_update_rate > 0 and cfg.moe.router_score != "sigmoid":
         problems.append("bias balancing (router_bias_update_rate) with a softmax router (Megatron: sigmoid only)")
     return problems

@@ -314,9 +314,9 @@ def _check_training_ranges(cfg: Config) -> None:
                           "muon_ns_steps >= 1 (e.g. 5)")
     if optim.qk_clip_threshold:
         if unclipped := [name for name in dict.fromkeys(m.layer_types) if not TOKEN_MIXERS[name].qk_clip]:
-            raise ConfigError(f"optim.qk_clip_threshold is set, but {unclipped[0]} blocks do not use it (MuonClip "
-                              "scales the query and key rows of full_attention and sliding_attention heads)",
-                              "drop optim.qk_clip_threshold or use full_attention blocks")
+            raise ConfigError(f"optim.qk_clip_threshold is set, but {unclipped[0]} blocks do not use it (they have no "
+                              "attention logits for MuonClip to bound)",
+                              "drop optim.qk_clip_threshold or use attention or mla blocks")
         if optim.qk_clip_threshold < 0:
             raise ConfigError(f"optim.qk_clip_threshold={optim.qk_clip_threshold} must be > 0",
                               "use e.g. 100 (Kimi K2's), or 0 to turn QK-clip off")

@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,22 @@ from meshformer.model.positions import apply_rope
 # cuDNN) still runs on the next one. `set_priority` needs torch >= 2.6 (respected under torch.compile from 2.7).
 _PREFERRED_SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                    "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+# How MuonClip's QK-clip scales a row of a head whose logits it multiplies by gamma (a kind's `qk_clip_rows`): not at
+# all, by sqrt(gamma), by gamma
+KEEP, ROOT, WHOLE = 0, 1, 2
+
+
+@runtime_checkable
+class ClipsLogits(Protocol):
+    """An attention module MuonClip records and clips (train/qk_clip.py): `Attention`, `MultiHeadLatentAttention`."""
+
+    max_logit: torch.Tensor  # per query head, the largest logit of the step's training forwards so far
+    record_max_logit: bool
+
+    def qk_clip_rows(self) -> list[tuple[nn.Linear, int, list[int]]]:
+        """(projection, rows per head, how each row of a head scales: KEEP, ROOT or WHOLE), the queries' first."""
+        ...
 
 
 def sdpa_order(backend: str) -> list[SDPBackend] | None:
@@ -175,6 +192,16 @@ class Attention(nn.Module):
     def reset_buffers(self) -> None:
         """After a meta build: no logit recorded yet."""
         self.max_logit.fill_(float("-inf"))
+
+    def qk_clip_rows(self) -> list[tuple[nn.Linear, int, list[int]]]:
+        """MuonClip's rule (`train/qk_clip.py`): (projection, rows per head, how each row of a head scales).
+        A head with its own key head: its query and key rows by sqrt(gamma); grouped-query attention, where a key
+        head serves several query heads: the query rows by gamma, the shared key left as it is (Kimi K2's rule for
+        MLA's shared rotary key, applied to the whole key), so that no other head's logits change."""
+        d = self.head_dim
+        if self.k_proj.weight.shape[0] != self.q_proj.weight.shape[0]:  # global shapes, DTensor or not
+            return [(self.q_proj, d, [WHOLE] * d), (self.k_proj, d, [KEEP] * d)]
+        return [(self.q_proj, d, [ROOT] * d), (self.k_proj, d, [ROOT] * d)]
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
@@ -366,7 +393,7 @@ class Attention(nn.Module):
 def logits_not_recorded(modules: Iterable[nn.Module]) -> Iterator[None]:
     """Forwards inside this block leave the attention layers' `max_logit` (MuonClip) as it is: e.g. a pipeline
     stage's shape-inference forward on placeholder inputs."""
-    recording = [m for m in modules if isinstance(m, Attention) and m.record_max_logit]
+    recording = [m for m in modules if isinstance(m, ClipsLogits) and m.record_max_logit]
     for layer in recording:
         layer.record_max_logit = False
     try:

@@ -142,6 +142,9 @@ class MoeConfig:
     router_renormalize: bool = True  # the top-k weights sum to 1
     router_groups: int = 1  # group-limited routing (DeepSeek-V3): experts in this many groups ...
     router_groups_per_token: int = 1  # ... of which each token picks its best this many first
+    # a group's score: the sum of its best two experts' (DeepSeek-V3) or its best expert's (DeepSeek-V2's
+    # group_limited_greedy)
+    router_group_score: Literal["top2_sum", "max"] = "top2_sum"
     capacity_factor: float = 0.0  # 0: dropless; > 0: each expert takes ceil(factor * tokens * k / n_experts)
     aux_loss: float = 0.0  # Switch/GShard load-balancing loss coefficient
     aux_per_sequence: bool = False  # the balance loss per sequence, averaged (else per micro-batch)

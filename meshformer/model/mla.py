@@ -23,10 +23,11 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.attention import sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from meshformer.model.attention import KVCache, SequenceChunk, sdpa_order
+from meshformer.model.attention import KEEP, ROOT, WHOLE, KVCache, SequenceChunk, sdpa_order
 from meshformer.model.config import ModelConfig
 from meshformer.model.masks import AttentionMask
 from meshformer.model.positions import apply_rope
@@ -63,6 +64,8 @@ class MultiHeadLatentAttention(nn.Module):
     o_proj by its input, and replicates the down-projections and their norms (`shared_key`).
     """
 
+    max_logit: torch.Tensor  # a buffer (see `record_max_logit`)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         m, heads, d = cfg.mla, cfg.attention.n_heads, cfg.d_model
@@ -89,6 +92,24 @@ class MultiHeadLatentAttention(nn.Module):
         # The shared rotary key passes through here: tensor parallel sums its gradient over the ranks, each of whose
         # heads contributes a share (the kind's PARTIAL_GRADIENT rule, model/components/mla.py)
         self.shared_key = nn.Identity()
+        # MuonClip (train/qk_clip.py) sets `record_max_logit`: each training forward then runs the math path and
+        # keeps, per query head of this rank, the largest logit q·k·scale over the keys each query sees in
+        # `max_logit[:heads]`, a running max until the clip resets it
+        self.record_max_logit = False
+        self.register_buffer("max_logit", torch.full((heads,), float("-inf")), persistent=False)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """After a meta build: no logit recorded yet."""
+        self.max_logit.fill_(float("-inf"))
+
+    def qk_clip_rows(self) -> list[tuple[nn.Linear, int, list[int]]]:
+        """MuonClip's rule for MLA (Kimi K2): per head, the position-free query and key rows by sqrt(gamma), the
+        rotary query rows by gamma, the values and the shared rotary key untouched (`train/qk_clip.py`)."""
+        queries = self.q_proj if self.q_proj is not None else self.q_b_proj
+        assert queries is not None
+        return [(queries, self.qk_dim, [ROOT] * self.nope_dim + [WHOLE] * self.rope_dim),
+                (self.kv_b_proj, self.nope_dim + self.v_dim, [ROOT] * self.nope_dim + [KEEP] * self.v_dim)]
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         """(B, H, T, qk head width) queries of x (B, T, d_model)."""
@@ -156,7 +177,7 @@ class MultiHeadLatentAttention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
         """Softmax attention; values narrower than queries and keys, which SDPA takes as they are."""
         dropout_p = self.dropout_p if self.training else 0.0
-        if self.use_math or self.capture_weights:
+        if self.use_math or self.capture_weights or (self.record_max_logit and self.training):
             return self._math(q, k, v, mask, dropout_p)
         if self.sdpa_order is None:
             return self._sdpa(q, k, v, mask, dropout_p)
@@ -179,6 +200,12 @@ class MultiHeadLatentAttention(nn.Module):
         allowed = mask.materialize(q.shape[2], k.shape[2], q.device)
         if allowed is not None:  # a finite fill: no row is ever all -inf
             scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        if self.record_max_logit and self.training:
+            per_head = scores.detach().amax(dim=(0, 2, 3))
+            if isinstance(per_head, DTensor):  # heads sharded over tensor-parallel ranks: this rank's heads
+                per_head = per_head.to_local()
+            seen = self.max_logit[:per_head.shape[0]]
+            torch.maximum(seen, per_head.to(seen.dtype), out=seen)
         weights = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
         if self.capture_weights:
             self.weights = weights.detach()

@@ -52,19 +52,22 @@ class Routing:
 
 
 def route(logits: torch.Tensor, k: int, *, score: str = "softmax", renormalize: bool = True, groups: int = 1,
-          groups_per_token: int = 1, bias: torch.Tensor | None = None, scale: float = 1.0) -> Routing:
+          groups_per_token: int = 1, group_score: str = "top2_sum", bias: torch.Tensor | None = None,
+          scale: float = 1.0) -> Routing:
     """Top-k routing of fp32 `logits` (N, E). `bias` (E,) is added to the scores for choosing only, never for
     weighting (DeepSeek-V3). With groups > 1 each token first keeps its best `groups_per_token` groups of experts,
-    a group scored by the sum of its best two experts (DeepSeek-V3), then picks its k among those. `scale` multiplies
+    a group scored by the sum of its best two experts (DeepSeek-V3; `group_score` "max": by its best one, DeepSeek-V2),
+    then picks its k among those. `scale` multiplies
     the combine weights last (DeepSeek-V3's routed_scaling_factor)."""
     scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
     choice = scores.detach() if bias is None else scores.detach() + bias
     if groups > 1:
         n, e = choice.shape
         grouped = choice.view(n, groups, e // groups)
-        group_score = grouped.topk(min(2, e // groups), dim=-1).values.sum(-1)
+        best = 1 if group_score == "max" else min(2, e // groups)
+        per_group = grouped.topk(best, dim=-1).values.sum(-1)
         kept = torch.zeros(n, groups, dtype=torch.bool, device=logits.device)
-        kept.scatter_(1, group_score.topk(groups_per_token, dim=-1).indices, True)
+        kept.scatter_(1, per_group.topk(groups_per_token, dim=-1).indices, True)
         choice = choice.masked_fill(~kept.repeat_interleave(e // groups, dim=1), float("-inf"))
     experts = choice.topk(k, dim=-1).indices
     weights = scores.gather(-1, experts)
@@ -393,7 +396,8 @@ class MoEFeedForward(nn.Module):
         logits = self.router(flat)
         routing = route(logits, k, score=cfg.moe.router_score, renormalize=cfg.moe.router_renormalize,
                         groups=cfg.moe.router_groups, groups_per_token=cfg.moe.router_groups_per_token,
-                        bias=self.router.expert_bias, scale=cfg.moe.router_scale)
+                        group_score=cfg.moe.router_group_score, bias=self.router.expert_bias,
+                        scale=cfg.moe.router_scale)
         slots = routing.experts.reshape(-1)  # token-slot s = token * k + j
         order = torch.argsort(slots, stable=True)  # by expert, then by token
         routed = slots.new_zeros(n_experts).scatter_add_(0, slots, torch.ones_like(slots))  # bincount: a host sync

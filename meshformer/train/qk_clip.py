@@ -1,13 +1,17 @@
 """MuonClip's QK-clip (Kimi K2): after each optimizer step, scale down the query and key projections of every
 attention head whose largest logit in the step exceeded the threshold tau, so that its logits stay bounded.
 
-Each `Attention` records, in its training forwards, the largest logit S_h = max q_h·k·scale of each query head h
-(model/attention.py: `max_logit`, from the scores the blockwise and math paths hold anyway). After the step, with
-gamma_h = tau / S_h for the heads where S_h > tau (Kimi K2's per-head rule):
+Each attention layer of a kind that declares `qk_clip` (`Attention`, model/attention.py; `MultiHeadLatentAttention`,
+model/mla.py) records, in its training forwards, the largest logit S_h = max q_h·k·scale of each query head h
+(`max_logit`, from the scores the blockwise and math paths hold anyway). After the step, with gamma_h = tau / S_h
+for the heads where S_h > tau, each layer's `qk_clip_rows` says how each row of head h scales (Kimi K2's per-head
+rule):
 - a head with its own key head (multi-head attention): query rows and key rows of h each times sqrt(gamma_h);
 - grouped-query attention, where one key head serves several query heads: the query rows of h times gamma_h and
-  the shared key left as it is. This is Kimi K2's rule for MLA's shared rotary key (head-specific parts carry the
-  whole factor, the shared part is untouched so that no other head's logits change), applied to the whole key.
+  the shared key left as it is (MLA's rule for its shared rotary key, applied to the whole key);
+- multi-head latent attention: the position-free query rows (q_proj / q_b_proj) and key rows (kv_b_proj) of h times
+  sqrt(gamma_h), its rotary query rows times gamma_h, its value rows and the rotary key every head shares
+  (kv_a_proj) untouched.
 Either way the head's logits scale by gamma_h, its largest to exactly tau, and no other head changes. The
 projections' biases scale with their rows (q = W x + b scales as a whole).
 
@@ -31,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from meshformer.model.attention import Attention
+from meshformer.model.attention import ROOT, WHOLE, ClipsLogits
 from meshformer.parallel.grad_norm import local_tensor
 from meshformer.parallel.parallel_model import ParallelModel
 
@@ -48,17 +52,24 @@ def _global_rows(param: torch.Tensor) -> torch.Tensor:
 
 
 class _Projection:
-    """A q_proj or k_proj: its weight and bias with each local row's head."""
+    """A projection whose rows QK-clip scales: its weight and bias with each local row's head and how that row scales
+    (KEEP, ROOT or WHOLE, model/attention.py)."""
 
-    def __init__(self, linear: nn.Linear, head_dim: int) -> None:
+    def __init__(self, linear: nn.Linear, rows_per_head: int, how: list[int]) -> None:
         self.params = [p for p in (linear.weight, linear.bias) if p is not None]
-        self.heads = [_global_rows(p) // head_dim for p in self.params]
+        rows = [_global_rows(p) for p in self.params]
+        self.heads = [r // rows_per_head for r in rows]
+        kinds = torch.tensor(how, device=rows[0].device)
+        self.kinds = [kinds[r % rows_per_head] for r in rows]
+        self.n_heads = linear.weight.shape[0] // rows_per_head  # the whole layer's (DTensor shapes are global)
 
-    def scale_(self, factor: torch.Tensor) -> None:
-        """Multiply each head's rows by `factor` (one value per head of the whole projection)."""
-        for param, heads in zip(self.params, self.heads, strict=True):
+    def scale_(self, gamma: torch.Tensor) -> None:
+        """Multiply each head's rows by 1, sqrt(gamma) or gamma as they say (`gamma`: one value per head of the whole
+        projection)."""
+        choices = torch.stack([torch.ones_like(gamma), gamma.sqrt(), gamma])  # indexed by KEEP, ROOT, WHOLE
+        for param, heads, kinds in zip(self.params, self.heads, self.kinds, strict=True):
             local = local_tensor(param)  # under no_grad: in place on the parameter
-            local.mul_(factor[heads].to(local.dtype).view(-1, *[1] * (local.ndim - 1)))
+            local.mul_(choices[kinds, heads].to(local.dtype).view(-1, *[1] * (local.ndim - 1)))
 
 
 class QKClip:
@@ -72,25 +83,23 @@ class QKClip:
                  pp_group: dist.ProcessGroup | None = None) -> None:
         self.threshold = threshold
         self.groups, self.pp_group = list(groups), pp_group
-        self.layers: list[Attention] = []
-        self._queries: list[_Projection] = []
-        self._keys: list[_Projection | None] = []  # None: grouped-query (the shared key stays)
+        self.layers: list[ClipsLogits] = []
+        self._projections: list[list[_Projection]] = []  # per layer: the rows it scales (the queries' first)
         self._heads: list[tuple[int, int, int]] = []  # (heads of the whole layer, first and count of this rank's)
         seen: set[int] = set()
         for part in model_parts:
             for module in part.modules():
-                if not isinstance(module, Attention) or id(module) in seen:
+                if not isinstance(module, ClipsLogits) or id(module) in seen:
                     continue
                 seen.add(id(module))
-                head_dim = module.head_dim
-                n_heads = module.q_proj.weight.shape[0] // head_dim  # the whole layer's (DTensor shapes are global)
-                kv_heads = module.k_proj.weight.shape[0] // head_dim
+                projections = [_Projection(linear, rows, how) for linear, rows, how in module.qk_clip_rows()
+                               if ROOT in how or WHOLE in how]
+                n_heads = projections[0].n_heads
                 local = n_heads // tp_size
                 module.record_max_logit = True
                 module.max_logit.fill_(float("-inf"))  # also clears what a meta-device init left there
                 self.layers.append(module)
-                self._queries.append(_Projection(module.q_proj, head_dim))
-                self._keys.append(_Projection(module.k_proj, head_dim) if kv_heads == n_heads else None)
+                self._projections.append(projections)
                 self._heads.append((n_heads, tp_rank * local, local))
         self._width = max((n for n, _, _ in self._heads), default=0)
         like = self.layers[0].max_logit if self.layers else torch.zeros(())
@@ -112,15 +121,9 @@ class QKClip:
             dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
         clipped = (maxima > self.threshold) & (applied > 0)
         gamma = torch.where(clipped, self.threshold / maxima, torch.ones_like(maxima))
-        for i, (queries, keys, (n_heads, _, _)) in enumerate(zip(self._queries, self._keys, self._heads,
-                                                                  strict=True)):
-            layer_gamma = gamma[i, :n_heads]
-            if keys is None:
-                queries.scale_(layer_gamma)
-            else:
-                root = layer_gamma.sqrt()
-                queries.scale_(root)
-                keys.scale_(root)
+        for i, (projections, (n_heads, _, _)) in enumerate(zip(self._projections, self._heads, strict=True)):
+            for projection in projections:
+                projection.scale_(gamma[i, :n_heads])
         self.last_max_logit = maxima.max()
         self.last_clipped = clipped.sum().float()
 

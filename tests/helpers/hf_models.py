@@ -77,6 +77,20 @@ ARCHS: dict[str, dict[str, Any]] = {
                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                          "original_max_position_embeddings": 16, "mscale": 1.0,
                                          "mscale_all_dim": 1.0}),
+    # DeepSeek-V2: multi-head latent attention (low-rank queries, interleaved RoPE), block 0 dense, then 8 experts in
+    # 4 groups scored by their best expert (2 kept per token), top-2 softmax scores scaled by 2, one shared expert
+    "deepseek_v2": dict(config="DeepseekV2Config", model="DeepseekV2ForCausalLM", tie_word_embeddings=False,
+                        num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                        qk_rope_head_dim=4, v_head_dim=8, moe_intermediate_size=32, n_routed_experts=8,
+                        topk_method="group_limited_greedy", n_group=4, topk_group=2, num_experts_per_tok=2,
+                        n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.0),
+    # GLM-4.5: grouped-query heads of width 16 rotating their first half, q/k/v biases, per-head QK-norm, block 0
+    # dense, then 4 experts in 2 groups (1 kept per token), top-2 sigmoid scores scaled by 2.5, one shared expert
+    "glm4_moe": dict(config="Glm4MoeConfig", model="Glm4MoeForCausalLM", tie_word_embeddings=False, head_dim=16,
+                     attention_bias=True, use_qk_norm=True, moe_intermediate_size=32, n_routed_experts=4, n_group=2,
+                     topk_group=1, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                     routed_scaling_factor=2.5, num_nextn_predict_layers=0,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
     # a Qwen3-MoE whose every block is dense (mlp_only_layers): imported with experts that no block uses
     "qwen3_moe_dense": dict(config="Qwen3MoeConfig", model="Qwen3MoeForCausalLM", tie_word_embeddings=False,
                             head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

@@ -124,9 +124,11 @@ WORLD2 += MUON_WORLD2
 WORLD4 += MUON_WORLD4
 # MuonClip (optim.qk_clip_threshold): each head's largest logit reduced (MAX) over data- and context-parallel ranks,
 # tensor-parallel ranks scaling the rows of their own heads, FSDP ranks the rows of their shards; the same heads clip
-# as in one process (grouped-query decoder: queries only; encdec: multi-head, queries and keys with their biases)
+# as in one process (grouped-query decoder: queries only; encdec: multi-head, queries and keys with their biases;
+# deepseek: mla, the heads' position-free query and key rows and rotary query rows, split by heads under tp)
 QK_CLIP_WORLD2 = ["decoder/fsdp-muon-qkclip", "decoder/tp-muon-qkclip", "decoder/cp-muon-qkclip",
-                  "encdec/tp-muon-qkclip=0.02", "decoder/fsdp-muon-qkclip-compile"]  # compiled: the math path
+                  "encdec/tp-muon-qkclip=0.02", "decoder/fsdp-muon-qkclip-compile",  # compiled: the math path
+                  "deepseek/tp-ep-muon-qkclip", "deepseek/fsdp-muon-qkclip"]
 QK_CLIP_WORLD4 = ["decoder/tp-fsdp-muon-qkclip", "decoder/pp-fsdp-muon-qkclip"]
 WORLD2 += QK_CLIP_WORLD2
 WORLD4 += QK_CLIP_WORLD4
@@ -151,7 +153,7 @@ WORLD2_SLOW = {"decoder/cp-compile", "decoder/tp-fp8=tensorwise", "decoder_alibi
                "moe/fsdp-ep-recompute=full", "moe/tp-ep-recompute=selective", "moe_bias/tp-ep", "moe/fsdp-ep-compile",
                "moe/tp-ep-compile", "moe/fsdp-ep-compile-recompute=selective", "decoder/fsdp-fp8=tensorwise-muon",
                "decoder/cp-muon-qkclip", "encdec/tp-muon-qkclip=0.02", "decoder/fsdp-muon-qkclip-compile",
-               "deepseek_mtp/fsdp-ep"}
+               "deepseek_mtp/fsdp-ep", "deepseek/fsdp-muon-qkclip"}
 # The second step's global gradient norm, for rows where Adam's first update (about ±lr per element, its sign set by
 # rounding where a gradient is near zero) moves the weights differently enough to show: step-0 gradients of these
 # rows agree to 1e-6; measured 1.34e-5 on an AVX-512 CPU.

@@ -174,6 +174,22 @@ def _hf_model(arch: str):
             bos_token_id=None))
         with torch.no_grad():
             model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
+    elif arch == "deepseek_v2":  # mla, block 0 dense, softmax routing in groups scored by their best expert
+        model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
+            vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=8,
+            qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=4, topk_method="group_limited_greedy", n_group=2,
+            topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=32,
+            pad_token_id=None, eos_token_id=None, bos_token_id=None))
+    elif arch == "glm4_moe":  # partial rotary, q/k/v biases, QK-norm, block 0 dense, grouped sigmoid routing
+        model = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=4, n_group=2, topk_group=1,
+            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, attention_bias=True,
+            use_qk_norm=True, num_nextn_predict_layers=0, max_position_embeddings=32, pad_token_id=None,
+            eos_token_id=None, bos_token_id=None))
+        with torch.no_grad():
+            model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
     elif arch == "qwen3_next":  # a Gated DeltaNet block, then a gated attention block; MoE with a gated shared expert
         model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
             vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -222,7 +238,7 @@ def _hf_model(arch: str):
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "t5", "llama3", "mistral", "qwen2", "qwen3", "mixtral",
                                   "qwen3_moe", "olmoe", "olmo2", "olmo3", "gemma2", "gemma3", "gpt_oss",
-                                  "deepseek_v3", "qwen3_next", "qwen3_5_text",
+                                  "deepseek_v3", "deepseek_v2", "glm4_moe", "qwen3_next", "qwen3_5_text",
                                   "qwen3_5_moe_text"])
 def test_hugging_face_import_export(arch, tmp_path):
     original = tmp_path / "hf"
@@ -245,6 +261,8 @@ def test_hugging_face_import_export(arch, tmp_path):
            "olmo3": transformers.Olmo3ForCausalLM, "gpt_oss": transformers.GptOssForCausalLM,
            "gemma2": transformers.Gemma2ForCausalLM, "gemma3": transformers.Gemma3ForCausalLM,
            "deepseek_v3": transformers.DeepseekV3ForCausalLM,
+           "glm4_moe": transformers.Glm4MoeForCausalLM,
+           "deepseek_v2": transformers.DeepseekV2ForCausalLM,
            "qwen3_next": transformers.Qwen3NextForCausalLM,
            "qwen3_5_text": transformers.Qwen3_5ForCausalLM,
            "qwen3_5_moe_text": transformers.Qwen3_5MoeForCausalLM}[arch]

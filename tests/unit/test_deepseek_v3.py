@@ -138,7 +138,6 @@ def test_other_architectures_refuse_mla_and_routed_scaling():
     (["model.mla.kv_lora_rank=0"], "model.mla.kv_lora_rank=0 must be positive"),
     (["model.attention.n_kv_heads=2"], "model.attention.n_kv_heads is set, but mla blocks do not use it"),
     (["model.attention.sinks=true"], "model.attention.sinks is set, but mla blocks do not use it"),
-    (["optim.qk_clip_threshold=100"], "optim.qk_clip_threshold is set, but mla blocks do not use it"),
     (["model.moe.router_scale=0"], "model.moe.router_scale=0.0 must be positive"),
 ])
 def test_bad_mla_configs_get_one_line(overrides, message):

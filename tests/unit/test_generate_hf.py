@@ -17,7 +17,7 @@ NEW_TOKENS = 10
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "olmo2", "olmo3", "gemma3", "gpt_oss", "deepseek_v3",
-                                  "qwen3_next", "qwen3_5_text",
+                                  "deepseek_v2", "glm4_moe", "qwen3_next", "qwen3_5_text",
                                   "qwen3_5_moe_text"])
 def test_batched_greedy_equals_transformers_generate(arch):
     theirs = hf_model(arch)

@@ -262,6 +262,50 @@ def _hf_deepseek_v2_lite_shaped(**extra):
                               "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, **extra})
 
 
+def _hf_deepseek_v2(**extra):
+    # DeepSeek-V2: multi-head latent attention (low-rank queries, interleaved RoPE, yarn with DeepSeek's mscale),
+    # block 0 dense, 8 experts in 4 groups scored by their best expert, 2 groups kept per token, top-2 of softmax
+    # scores (not renormalised) scaled by 2, one shared expert
+    return transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**{
+        "vocab_size": 97, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 16,
+        "kv_lora_rank": 12, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6, "n_routed_experts": 8,
+        "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2, "num_experts_per_tok": 2,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.0,
+        "max_position_embeddings": 32, "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 8,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 0.8},
+        "pad_token_id": None, "eos_token_id": None, "bos_token_id": None, **extra}))
+
+
+def _hf_deepseek_v2_lite(**extra):
+    # DeepSeek-V2-Lite's shape: queries through one projection (q_lora_rank None), greedy top-k over all experts,
+    # unscaled RoPE
+    return _hf_deepseek_v2(**{"q_lora_rank": None, "topk_method": "greedy", "n_group": None, "topk_group": None,
+                              "routed_scaling_factor": 1.0,
+                              "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, **extra})
+
+
+def _hf_glm4_moe(**extra):
+    # GLM-4.5: grouped-query heads of width 16 (!= 32 / 4) rotating their first half, q/k/v biases, per-head QK-norm,
+    # block 0 dense, 8 experts in 2 groups of which each token keeps 1, top-2 of sigmoid scores renormalised and
+    # scaled by 2.5, one shared expert, a nonzero selection bias (a buffer perturb() leaves alone)
+    hf = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(**{
+        "vocab_size": 97, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "n_routed_experts": 8, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "attention_bias": True, "use_qk_norm": True,
+        "max_position_embeddings": 32, "num_nextn_predict_layers": 0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5},
+        "pad_token_id": None, "eos_token_id": None, "bos_token_id": None, **extra}))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, buffer in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
+    return hf
+
+
 def _hf_gemma2(**extra):
     # every 2nd block global (Gemma 2's default layer_types), attention- and final-logit soft-capping with caps
     # below the scores' and logits' ranges (so they bend them), yarn rope scaling for every block
@@ -306,10 +350,10 @@ def _random_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 _SINGLE_STACK = [_hf_gpt2, _hf_bert, _hf_llama, _hf_llama3, _hf_mistral, _hf_qwen2, _hf_qwen3, _hf_mixtral,
                  _hf_qwen3_moe, _hf_olmoe, _hf_olmo2, _hf_olmo3, _hf_gemma2, _hf_gemma3, _hf_gpt_oss, _hf_deepseek_v3,
                  _hf_deepseek_v2_lite_shaped, _hf_qwen3_next, _hf_qwen3_5,
-                 _hf_qwen3_5_moe]
+                 _hf_qwen3_5_moe, _hf_glm4_moe, _hf_deepseek_v2, _hf_deepseek_v2_lite]
 _SINGLE_IDS = ["gpt2", "bert", "llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2",
                "olmo3", "gemma2", "gemma3", "gpt_oss", "deepseek_v3", "deepseek_v2_lite_shaped", "qwen3_next",
-               "qwen3_5", "qwen3_5_moe"]
+               "qwen3_5", "qwen3_5_moe", "glm4_moe", "deepseek_v2", "deepseek_v2_lite"]
 
 
 @pytest.mark.parametrize("make", _SINGLE_STACK, ids=_SINGLE_IDS)
@@ -506,6 +550,23 @@ _DEEPSEEK_V3 = {"n_layers": 3, "n_kv_heads": None, "layer_types": ["mla"], "n_ex
                     q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
                     mscale_all_dim=0.7), **_YARN_ROPE}
 
+# DeepSeek-V2's options: DeepSeek-V3's mla blocks and experts with softmax scores, not renormalised, in 4 groups
+# scored by their best expert
+_DEEPSEEK_V2 = {**_DEEPSEEK_V3, "router_score": "softmax", "router_renormalize": False, "router_groups": 4,
+                "router_groups_per_token": 2, "router_group_score": "max", "router_scale": 2.0}
+
+# GLM-4.5's options: grouped-query heads of width 16 rotating their first half, q/k/v biases, per-head QK-norm, block 0
+# dense, grouped sigmoid routing scaled by 2.5, one shared expert
+_GLM4_MOE = {"n_layers": 3, "head_dim": 16, "qkv_bias": True, "qk_norm": True, "n_experts": 8, "moe_d_ff": 16,
+             "moe_first_dense": 1, "n_shared_experts": 1, "router_score": "sigmoid", "router_groups": 2,
+             "router_groups_per_token": 1, "router_scale": 2.5}
+
+
+def _glm4_moe_config(**extra) -> ModelConfig:
+    cfg = _moe_config(**{**_GLM4_MOE, **extra})
+    cfg.rope.partial_factor = 0.5
+    return cfg
+
 
 @pytest.mark.parametrize(("arch", "cfg"), [
     ("llama", _llama_config(**_LLAMA3_ROPE)),
@@ -525,11 +586,19 @@ _DEEPSEEK_V3 = {"n_layers": 3, "n_kv_heads": None, "layer_types": ["mla"], "n_ex
     ("deepseek_v3", _moe_config(**_DEEPSEEK_V3)),
     ("deepseek_v3", _moe_config(**{**_DEEPSEEK_V3, "mla": MlaConfig(kv_lora_rank=12, qk_nope_head_dim=8,
                                                                     qk_rope_head_dim=4, v_head_dim=6)})),
+    ("deepseek_v2", _moe_config(**_DEEPSEEK_V2)),
+    ("deepseek_v2", _moe_config(**{**_DEEPSEEK_V2, "router_groups": 1, "router_groups_per_token": 1,
+                                   "router_group_score": "top2_sum", "mla": MlaConfig(
+                                       kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)})),
+    ("glm4_moe", _glm4_moe_config()),
+    ("glm4_moe", _glm4_moe_config(qkv_bias=False, qk_norm=False, router_groups=1, router_renormalize=False,
+                                  n_kv_heads=None)),
     ("qwen3_next", _qwen3_next_config()),
     ("qwen3_5_text", _qwen3_5_config()),
     ("qwen3_5_moe_text", _qwen3_5_moe_config()),
 ], ids=["llama3", "llama-linear", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "olmo2", "olmo3",
-        "gemma2", "gemma3", "gpt_oss", "deepseek_v3", "deepseek_v3-direct-queries",
+        "gemma2", "gemma3", "gpt_oss", "deepseek_v3", "deepseek_v3-direct-queries", "deepseek_v2",
+        "deepseek_v2-lite", "glm4_moe", "glm4_moe-plain",
         "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"])
 def test_export_logits_and_round_trip(arch, cfg):
     """Ours -> HF computes our logits (padded batch, sequences longer than the window) and comes back bitwise."""

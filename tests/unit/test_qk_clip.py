@@ -177,3 +177,80 @@ def test_training_step_clips_after_the_update(optimizer):
     above = before > tau
     torch.testing.assert_close(after[above], torch.full_like(after[above], tau), rtol=1e-6, atol=0)
     torch.testing.assert_close(after[~above], before[~above], rtol=1e-6, atol=0)
+
+
+# ----------------------------------------------------------------------------- multi-head latent attention
+
+NOPE, ROPE, V = 8, 4, 6
+
+
+def _mla_model() -> Transformer:
+    """One mla block (queries through one projection), heads whose logits range from a few to tens."""
+    from meshformer.config import MlaConfig
+
+    torch.manual_seed(6)
+    cfg = model_from_flat(family="decoder", vocab_size=64, d_model=32, n_heads=4, d_ff=64, max_seq_len=80,
+                          n_layers=1, position="rope", bias=False, layer_types=["mla"], mla=MlaConfig(
+                              kv_lora_rank=12, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V))
+    model = Transformer(cfg).double()
+    attn = model.decoder_layers["0"].attn
+    with torch.no_grad():
+        attn.q_proj.weight.mul_(torch.tensor([16.0, 4.0, 12.0, 2.0]).repeat_interleave(NOPE + ROPE)[:, None])
+        attn.kv_b_proj.weight.mul_(6.0)
+        attn.kv_a_proj.weight.mul_(6.0)
+    return model
+
+
+def test_mla_records_the_max_of_the_scores_it_attends_with():
+    """The recorded per-head maximum equals the amax of q·k·scale over the keys each query sees, from the queries
+    and keys the attention is given (recording runs the math path whatever the backend)."""
+    model = _mla_model()
+    attn = model.decoder_layers["0"].attn
+    seen: list[torch.Tensor] = []
+    math = attn._math
+
+    def spy(q, k, v, mask, dropout_p):
+        allowed = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+        seen.append(((q @ k.transpose(-2, -1)) * attn.scale).masked_fill(~allowed, float("-inf")).amax((0, 2, 3)))
+        return math(q, k, v, mask, dropout_p)
+
+    attn._math = spy
+    attn.record_max_logit = True
+    model(torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(7)))
+    assert len(seen) == 1
+    torch.testing.assert_close(attn.max_logit, seen[0], rtol=1e-12, atol=0)
+    model.eval()  # generation and evaluation do not record
+    attn.max_logit.fill_(float("-inf"))
+    model(torch.randint(0, 64, (2, 24)))
+    assert torch.isinf(attn.max_logit).all()
+
+
+def test_mla_clip_brings_heads_above_the_threshold_to_it_with_kimi_k2s_rule():
+    """Clipped heads: position-free query and key rows by sqrt(gamma), rotary query rows by gamma, values and the
+    shared rotary key untouched; the head's largest logit then equals the threshold. Other heads bit for bit."""
+    model = _mla_model()
+    attn = model.decoder_layers["0"].attn
+    clip = QKClip([model], threshold=1.0)
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(8))
+    before = _head_maxima(model, ids)[0]
+    tau = float(before.median())
+    clip.threshold = tau
+    above = before > tau
+    assert above.any() and (~above).any()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(ids)
+    clip(torch.tensor(1.0))
+    after = _head_maxima(model, ids)[0]
+    torch.testing.assert_close(after[above], torch.full_like(after[above], tau), rtol=1e-10, atol=0)
+    assert torch.equal(after[~above], before[~above])
+    gamma = (tau / before).clamp(max=1)
+    q_old = weights["decoder_layers.0.attn.q_proj.weight"].view(4, NOPE + ROPE, -1)
+    q_new = attn.q_proj.weight.view(4, NOPE + ROPE, -1)
+    torch.testing.assert_close(q_new[:, :NOPE], q_old[:, :NOPE] * gamma.sqrt()[:, None, None], rtol=1e-14, atol=0)
+    torch.testing.assert_close(q_new[:, NOPE:], q_old[:, NOPE:] * gamma[:, None, None], rtol=1e-14, atol=0)
+    kv_old = weights["decoder_layers.0.attn.kv_b_proj.weight"].view(4, NOPE + V, -1)
+    kv_new = attn.kv_b_proj.weight.view(4, NOPE + V, -1)
+    torch.testing.assert_close(kv_new[:, :NOPE], kv_old[:, :NOPE] * gamma.sqrt()[:, None, None], rtol=1e-14, atol=0)
+    assert torch.equal(kv_new[:, NOPE:], kv_old[:, NOPE:])  # values
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters()
+               if ".q_proj." not in n and ".kv_b_proj." not in n)  # kv_a_proj (the shared rotary key) and the rest

@@ -126,7 +126,9 @@ class TokenMixer(_Component):
 
     section = "attention"
     blockwise_kernel: ClassVar[bool] = True  # runs model/blockwise_attention.py's CPU kernel where the backend picks it
-    qk_clip: ClassVar[bool] = True  # MuonClip (optim.qk_clip_threshold) records and clips its heads' logits
+    # MuonClip (optim.qk_clip_threshold) records and clips its heads' logits: its module has `max_logit`,
+    # `record_max_logit` and `qk_clip_rows` (train/qk_clip.py)
+    qk_clip: ClassVar[bool] = True
     # its module also takes `padding=` and `documents=`: this call's tokens' (B, T) padding (True: real) and packed
     # document ids, for a mixer that reads no mask (a recurrence)
     reads_padding_and_documents: ClassVar[bool] = False

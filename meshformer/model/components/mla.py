@@ -43,7 +43,9 @@ class LatentAttention(TokenMixer):
     name = "mla"
     section = "mla"
     blockwise_kernel = False  # SDPA or the math path (model/mla.py)
-    qk_clip = False  # MuonClip scales separate q/k rows per head; here keys come out of one shared latent
+    # MuonClip: per head, the position-free query and key rows by sqrt(gamma), the rotary query rows by gamma, the
+    # shared rotary key untouched (MultiHeadLatentAttention.qk_clip_rows)
+    qk_clip = True
     # what config validation refuses alongside mla blocks: options of [model.attention] these blocks never compute
     UNUSED: ClassVar[tuple[str, ...]] = ("n_kv_heads", "head_dim", "qk_norm", "sinks", "softcap")
 

@@ -1,6 +1,5 @@
-"""DeepSeek-V3 (DeepseekV3ForCausalLM; also Kimi K2 and, through this model_type, DeepSeek-V2-Lite-shaped configs):
-Llama's pre-norm blocks and names with multi-head latent attention in every block (our layer_types ["mla"],
-[model.mla]) and DeepSeek's mixture of experts after the first dense blocks.
+"""DeepSeek-V3 (DeepseekV3ForCausalLM; also Kimi K2): Llama's pre-norm blocks and names with multi-head latent attention
+in every block (our layer_types ["mla"], [model.mla]) and DeepSeek's mixture of experts after the first dense blocks.
 
 Attention (model.layers.{i}.self_attn.): q_proj, or q_a_proj / q_a_layernorm / q_b_proj with q_lora_rank = our
 q_proj, or q_a_proj / q_a_norm / q_b_proj; kv_a_proj_with_mqa / kv_a_layernorm / kv_b_proj = our kv_a_proj /
@@ -58,32 +57,38 @@ class _RopeView:
         return getattr(self._c, name)
 
 
-def config_from_hf(c: Any) -> ModelConfig:
-    llama_like.refuse_attention_bias(c, ARCH)
+def mla_fields_from_hf(c: Any, arch: str) -> dict[str, Any]:
+    """The flat fields DeepSeek-V2 and V3 give the same way: Llama's, MLA's, YaRN's mscales, the experts' sizes,
+    the shared experts and the dense first blocks (each adds its router)."""
+    llama_like.refuse_attention_bias(c, arch)
     if c.num_key_value_heads not in (None, c.num_attention_heads):
-        raise refuse(ARCH, f"num_key_value_heads={c.num_key_value_heads}", "differs from num_attention_heads="
+        raise refuse(arch, f"num_key_value_heads={c.num_key_value_heads}", "differs from num_attention_heads="
                      f"{c.num_attention_heads} (transformers then repeats keys that already have every head)")
     rope = dict(c.rope_parameters or {})
     mscale, mscale_all_dim = rope.pop("mscale", None), rope.pop("mscale_all_dim", None)
     if rope.get("rope_type", rope.get("type")) == "yarn" and rope.get("attention_factor") is None \
             and mscale and mscale_all_dim:
         rope["attention_factor"] = yarn_mscale(rope["factor"], mscale) / yarn_mscale(rope["factor"], mscale_all_dim)
-    fields = llama_like.fields_from_hf(_RopeView(c, rope), ARCH)
+    fields = llama_like.fields_from_hf(_RopeView(c, rope), arch)
     mla = MlaConfig(q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
                     qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
-                    rope_interleave=bool(c.rope_interleave), mscale_all_dim=float(mscale_all_dim or 0.0))
+                    rope_interleave=bool(getattr(c, "rope_interleave", True)),
+                    mscale_all_dim=float(mscale_all_dim or 0.0))
+    return {**fields, "head_dim": None, "n_kv_heads": None, "layer_types": ["mla"], "mla": mla,
+            "n_experts": c.n_routed_experts, "experts_per_token": c.num_experts_per_tok,
+            "moe_d_ff": c.moe_intermediate_size, "n_shared_experts": c.n_shared_experts or 0,
+            "router_scale": float(c.routed_scaling_factor), "moe_every": 1,
+            "moe_first_dense": c.first_k_dense_replace or 0}
+
+
+def config_from_hf(c: Any) -> ModelConfig:
     return model_from_flat(**{
-        **fields, "head_dim": None, "n_kv_heads": None, "layer_types": ["mla"], "mla": mla,
-        "n_experts": c.n_routed_experts, "experts_per_token": c.num_experts_per_tok,
-        "moe_d_ff": c.moe_intermediate_size, "n_shared_experts": c.n_shared_experts or 0, "router_score": "sigmoid",
-        "router_renormalize": bool(c.norm_topk_prob), "router_groups": c.n_group or 1,
-        "router_groups_per_token": c.topk_group or 1, "router_scale": float(c.routed_scaling_factor),
-        "moe_every": 1, "moe_first_dense": c.first_k_dense_replace or 0})
+        **mla_fields_from_hf(c, ARCH), "router_score": "sigmoid", "router_renormalize": bool(c.norm_topk_prob),
+        "router_groups": c.n_group or 1, "router_groups_per_token": c.topk_group or 1})
 
 
-def config_to_hf(cfg: ModelConfig) -> Any:
-    import transformers
-
+def mla_fields_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The transformers config arguments DeepSeek-V2 and V3 take the same way (each adds its router's)."""
     fields = llama_like.fields_to_hf(cfg)
     del fields["head_dim"]  # transformers sets it to qk_rope_head_dim
     rope, m = fields["rope_parameters"], cfg.mla
@@ -93,20 +98,26 @@ def config_to_hf(cfg: ModelConfig) -> Any:
             del rope["attention_factor"]
             rope["mscale"] = m.mscale_all_dim
     first_dense = next((i for i in range(cfg.n_layers) if cfg.is_moe(i)), cfg.n_layers)
-    return transformers.DeepseekV3Config(
+    return dict(
         **fields, intermediate_size=cfg.ffn.d_ff, moe_intermediate_size=cfg.expert_d_ff,
         q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
-        qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, rope_interleave=m.rope_interleave,
-        n_routed_experts=cfg.moe.n_experts, num_experts_per_tok=cfg.moe.experts_per_token,
-        n_shared_experts=cfg.moe.n_shared_experts, norm_topk_prob=cfg.moe.router_renormalize,
+        qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, n_routed_experts=cfg.moe.n_experts,
+        num_experts_per_tok=cfg.moe.experts_per_token, n_shared_experts=cfg.moe.n_shared_experts,
+        routed_scaling_factor=cfg.moe.router_scale, first_k_dense_replace=first_dense, attention_bias=False)
+
+
+def config_to_hf(cfg: ModelConfig) -> Any:
+    import transformers
+
+    return transformers.DeepseekV3Config(
+        **mla_fields_to_hf(cfg), rope_interleave=cfg.mla.rope_interleave, norm_topk_prob=cfg.moe.router_renormalize,
         n_group=cfg.moe.router_groups, topk_group=cfg.moe.router_groups_per_token,
-        routed_scaling_factor=cfg.moe.router_scale, first_k_dense_replace=first_dense, attention_bias=False,
         num_nextn_predict_layers=cfg.mtp.depth)  # type: ignore[call-arg]  # an attribute_map alias
 
 
-def rules(cfg: ModelConfig) -> list[Rule]:
-    """Llama's names for embeddings, norms and MLPs, with MLA's projections, the router's selection bias and the
-    shared experts."""
+def mla_rules(cfg: ModelConfig, selection_bias: bool) -> list[Rule]:
+    """Llama's names for embeddings, norms and MLPs, with MLA's projections and the shared experts (and, with
+    `selection_bias`, the routers' e_score_correction_bias)."""
     out = [r for r in llama_like.rules(cfg, EXPERTS) if not any(".attn." in name for name in r.ours)]
     for i in range(cfg.n_layers):
         o, t = f"decoder_layers.{i}.attn", f"model.layers.{i}.self_attn"
@@ -116,16 +127,31 @@ def rules(cfg: ModelConfig) -> list[Rule]:
         out += [Rule((f"{o}.kv_a_norm.weight",), f"{t}.kv_a_layernorm.weight")]
         if low_rank:
             out += [Rule((f"{o}.q_a_norm.weight",), f"{t}.q_a_layernorm.weight")]
+    return out + shared_expert_rules(cfg, selection_bias)
+
+
+def rules(cfg: ModelConfig) -> list[Rule]:
+    """MLA's names with the router's selection bias, and the multi-token prediction layers."""
+    out = mla_rules(cfg, selection_bias=True)
+    return out + mtp_rules(cfg, out)
+
+
+def shared_expert_rules(cfg: ModelConfig, selection_bias: bool) -> list[Rule]:
+    """Each MoE block's shared experts (one FFN) and, with `selection_bias`, its router's
+    e_score_correction_bias = our router.expert_bias."""
+    out: list[Rule] = []
+    for i in range(cfg.n_layers):
         if cfg.is_moe(i):
             f, m = f"decoder_layers.{i}.ffn", f"model.layers.{i}.mlp"
-            out.append(Rule((f"{f}.router.expert_bias",), f"{m}.gate.e_score_correction_bias"))
+            if selection_bias:
+                out.append(Rule((f"{f}.router.expert_bias",), f"{m}.gate.e_score_correction_bias"))
             if cfg.moe.n_shared_experts:
                 for p in ("gate", "up", "down"):
                     out += params(f"{f}.shared_experts.{p}_proj", f"{m}.shared_experts.{p}_proj", ("weight",))
-    return out + _mtp_rules(cfg, out)
+    return out
 
 
-def _mtp_rules(cfg: ModelConfig, main: list[Rule]) -> list[Rule]:
+def mtp_rules(cfg: ModelConfig, main: list[Rule]) -> list[Rule]:
     """Multi-token prediction module k (from 0) as DeepSeek's layer num_hidden_layers + k: enorm, hnorm, eh_proj,
     shared_head.norm, the decoder layer's tensors named as the last main layer's (its kinds), and copies of the shared
     embedding and output head (aliases: written on export, not read)."""
