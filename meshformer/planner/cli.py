@@ -45,7 +45,8 @@ def assumptions(cfg: Config, layout: LayoutMemory) -> dict:
         # FSDP keeps fp32 master shards and gradient shards whatever its policy; the policy sets the gathered ones
         "param_dtype": "fp32" + (f" (gathered in {p.mixed_precision_param})" if fsdp else ""),
         "grad_dtype": "fp32" + (f" (reduced in {p.mixed_precision_reduce})" if fsdp else ""),
-        "optimizer_state": "AdamW moments 2 x fp32",
+        "optimizer_state": ("Muon momentum 1 x fp32 on its matrices, AdamW moments 2 x fp32 on the rest"
+                            if cfg.optim.name == "muon" else "AdamW moments 2 x fp32"),
         "compute_dtype": cfg.train.dtype,
         "recompute": layout.recompute,
     }
