@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 # held by another pipeline stage).
 PIECES = ("tok_embeddings", "src_embeddings", "pos_embeddings", "rope", "local_rope", "embedding_norm",
           "encoder_relative_bias", "decoder_relative_bias", "encoder_layers", "encoder_norm", "decoder_layers",
-          "decoder_norm", "head_dense", "head_act", "head_norm", "output")
+          "decoder_norm", "head_dense", "head_act", "head_norm", "output", "mtp_layers")
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,10 @@ def stage_holdings(spec: FamilySpec, cfg: ModelConfig, span: StageSpan | None) -
         offset += stack.count(cfg)
     if span.stop == offset:
         held.update(pieces.last)
+        if cfg.mtp.depth and spec.has_decoder and not spec.seq2seq:
+            # multi-token prediction beside the head, embedding the tokens ahead with its own copy of the embedding
+            # (its gradient summed with the first stage's, as a tied embedding's)
+            held.update(("mtp_layers", *(name for name in pieces.first if name != "src_embeddings")))
     return held, blocks
 
 
@@ -155,7 +159,7 @@ class Transformer(nn.Module):
             self.head_norm = make_norm(cfg)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.output_bias) if "output" in held else None
         # multi-token prediction (model/mtp.py) beside the output head it shares
-        self.mtp_layers = mtp_modules(cfg) if "output" in held and spec.has_decoder and not spec.seq2seq else None
+        self.mtp_layers = mtp_modules(cfg) if "mtp_layers" in held and spec.has_decoder and not spec.seq2seq else None
         if cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight  # tied_weights(cfg) names this tie
         spec.init(self)

@@ -56,12 +56,12 @@ class MultiRankParallelModel(ParallelModel):
         return self._sum(value, self.meshes.tokens)
 
     def _local(self, batch: Batch, training: bool = False) -> Batch:
-        """This rank's tokens of a data-parallel batch: all of it, or its chunk of each sequence under cp (in
-        training with multi-token prediction, with the modules' ids and targets from the whole sequences)."""
+        """This rank's tokens of a data-parallel batch: all of it, or its chunk of each sequence under cp; in training
+        with multi-token prediction under cp or pp, with the modules' ids and targets from the whole sequences."""
+        if training and self.mtp_depth and (self.dims.cp_enabled or self.dims.pp_enabled):
+            batch = with_ahead_inputs(batch, self.mtp_depth)  # pipeline stages take them as keywords
         if not self.dims.cp_enabled:
             return batch
-        if training and self.mtp_depth:
-            batch = with_ahead_inputs(batch, self.mtp_depth)
         return sequence_chunk(batch, self.meshes.cp.get_local_rank(), self.dims.cp)
 
     def _step_sum(self, counts: torch.Tensor) -> torch.Tensor:

@@ -88,11 +88,20 @@ class ParallelModel:
         (objective / global_tokens).backward()  # MoE layers add their balance terms in this backward
         return loss_sum.detach()
 
-    @property
+    @cached_property
     def mtp_depth(self) -> int:
-        """Multi-token prediction modules the model part holding the head runs in training (model.mtp.depth)."""
-        modules = getattr(self.model_parts[-1], "mtp_layers", None)
-        return 0 if modules is None else len(modules)
+        """Multi-token prediction modules the model runs in training (model.mtp.depth; 0 for a model that has
+        none); the same on every rank, pipeline stages without the modules included."""
+        part = self.model_parts[-1]
+        if not isinstance(part, Transformer) or not part.spec.has_decoder or part.spec.seq2seq:
+            return 0
+        return part.cfg.mtp.depth
+
+    @property
+    def mtp_loss_weight(self) -> float:
+        part = self.model_parts[-1]
+        assert isinstance(part, Transformer)  # FSDP keeps the class (as a subclass)
+        return part.cfg.mtp.loss_weight
 
     def _training_loss_sums(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(the summed main loss, the objective times the step's main target tokens): the main loss plus
@@ -108,27 +117,30 @@ class ParallelModel:
         with self._autocast():
             main, modules = self.model(**model_inputs(batch), labels=labels, head_loss=self.head_loss,
                                        mtp_labels=labels, mtp_ahead=ahead)
-        loss_sum = main if self.head_loss is not None else self.loss_fn(main, labels)
-        sums = torch.stack([out if self.head_loss is not None else self.loss_fn(out, targets)
-                            for out, targets in modules])
+        loss_sum, sums = mtp_loss_sums((main, modules), labels, self.loss_fn, self.head_loss)
+        self.record_mtp_sums(sums)
         return loss_sum, self.mtp_objective(loss_sum, sums)
 
     def mtp_objective(self, loss_sum: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
         """The main summed loss plus loss_weight / depth times each module's summed loss scaled to a mean over its
-        own targets (in units of the main loss's tokens, which the caller divides by); keeps the sums for logging."""
+        own targets, in units of the main loss's tokens (which the caller divides by)."""
+        assert self._mtp_scale is not None  # global_token_count ran
+        weight = self.mtp_loss_weight / len(sums)
+        return loss_sum + weight * (sums * self._mtp_scale.to(sums.dtype)).sum()
+
+    def record_mtp_sums(self, sums: torch.Tensor) -> None:
+        """Keep each module's summed loss for `mtp_scalars`."""
         detached = sums.detach().float()
         self._mtp_sums = self._mtp_sums + detached if self._mtp_sums is not None else detached
-        head_part = self.model_parts[-1]
-        assert isinstance(head_part, Transformer) and self._mtp_scale is not None  # FSDP keeps the class
-        weight = head_part.cfg.mtp.loss_weight / len(sums)
-        return loss_sum + weight * (sums * self._mtp_scale.to(sums.dtype)).sum()
 
     def mtp_scalars(self) -> dict[str, float]:
         """`mtp/loss_<k>`: each multi-token prediction module's mean token loss since the last call (a collective
         under data parallel); none without MTP."""
-        if self._mtp_sums is None or self._mtp_tokens is None:
+        if self._mtp_tokens is None:
             return {}
-        sums, tokens = self._mtp_sums, self._mtp_tokens
+        tokens = self._mtp_tokens
+        # a pipeline stage without the modules has no sums but joins the collective
+        sums = self._mtp_sums if self._mtp_sums is not None else torch.zeros(len(tokens), device=self.device)
         self._mtp_sums = self._mtp_tokens = None
         # the counts are already the step's global ones (global_token_count)
         return {f"mtp/loss_{k + 1}": self.reduce_for_logging(s) / max(float(n), 1.0)
@@ -218,6 +230,18 @@ class ParallelModel:
             return torch.autocast(self.device.type, enabled=False)
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
+
+
+def mtp_loss_sums(outputs: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]], labels: torch.Tensor,
+                  loss_fn: LossFn | None, head_loss: HeadLoss | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the main summed loss, each module's summed loss) from a forward with multi-token prediction: its
+    outputs are summed losses with a fused head loss, else logits for `loss_fn`."""
+    main, modules = outputs
+    if head_loss is not None:
+        return main, torch.stack([out for out, _ in modules])
+    if loss_fn is None:
+        raise ValueError("multi-token prediction without a fused head loss needs the plain loss function")
+    return loss_fn(main, labels), torch.stack([loss_fn(out, targets) for out, targets in modules])
 
 
 def step_token_counts(labels: torch.Tensor, depth: int) -> torch.Tensor:

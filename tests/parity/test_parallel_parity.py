@@ -97,6 +97,9 @@ MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "mo
               "deepseek_mtp/fsdp-ep", "deepseek_mtp/cp-ep",
               # under tp: its block split like the main blocks, on sequence shards; the norms and eh_proj replicated
               "deepseek_mtp/tp-ep",
+              # under pp: the modules on the last stage with its own copy of the embedding, the copies' gradients
+              # summed as a tied embedding's; 1F1B and GPipe
+              "deepseek_mtp/pp", "deepseek_mtp/pp-sched=gpipe",
               # Qwen3-Next's pieces: linear_attention blocks (packed documents) under FSDP, expert, pipeline and
               # context parallel (the recurrent state and convolution window passed piece to piece in sequence
               # order, the attention blocks beside them on the balanced layout)
@@ -156,7 +159,7 @@ WORLD2_SLOW = {"decoder/cp-compile", "decoder/tp-fp8=tensorwise", "decoder_alibi
                "moe/tp-ep-compile", "moe/fsdp-ep-compile-recompute=selective", "decoder/fsdp-fp8=tensorwise-muon",
                "decoder/cp-muon-qkclip", "encdec/tp-muon-qkclip=0.02", "decoder/fsdp-muon-qkclip-compile",
                "deepseek_mtp/fsdp-ep", "deepseek_mtp/cp-ep",
-               "deepseek_mtp/tp-ep"}
+               "deepseek_mtp/tp-ep", "deepseek_mtp/pp", "deepseek_mtp/pp-sched=gpipe"}
 # The second step's global gradient norm, for rows where Adam's first update (about ±lr per element, its sign set by
 # rounding where a gradient is near zero) moves the weights differently enough to show: step-0 gradients of these
 # rows agree to 1e-6; measured 1.34e-5 on an AVX-512 CPU.
