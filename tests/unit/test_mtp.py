@@ -1,6 +1,6 @@
 """Multi-token prediction (model/mtp.py): the objective against a hand-written reference on a tiny DeepSeek-style
-model, shifted targets, gradients into the shared embedding and head, generation untouched, the last pipeline stage's pieces,
-the zero-bubble schedules refused."""
+model, shifted targets, gradients into the shared embedding and head, generation untouched, the last pipeline stage's
+pieces, the zero-bubble schedules refused."""
 
 from __future__ import annotations
 

@@ -225,7 +225,7 @@ def _shape_inference_uncounted(stage: PipelineStage, layers: list[MoEFeedForward
 def _stage_inputs(batch: Batch) -> dict[str, torch.Tensor]:
     """Keyword inputs of every stage: the model inputs and the labels (used by a last stage with a head loss),
     and in training with multi-token prediction the modules' ids and targets (used by the last stage)."""
-    ahead = {key: batch[key] for key in ("mtp_ahead_ids", "mtp_ahead_labels") if key in batch}
+    ahead: dict[str, torch.Tensor] = {key: batch[key] for key in ("mtp_ahead_ids", "mtp_ahead_labels") if key in batch}
     return {**model_inputs(batch), "labels": batch["labels"], **ahead}
 
 
