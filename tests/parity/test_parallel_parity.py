@@ -113,7 +113,9 @@ MOE_WORLD4 = ["qwen3next/cp=4",  # 8 pieces of 2 tokens: a convolution window sp
               "moe/pp-fsdp-ep-sched=interleaved_zb-spr=2", "moe_skew/fsdp=4-ep=4", "moe_seq/cp-fsdp-ep",
               "moe_bias/pp-fsdp-ep",
               # the experts' FSDP shards inside each block's unit: selective recompute replays it
-              "moe/fsdp=4-ep-recompute=selective"]
+              "moe/fsdp=4-ep-recompute=selective",
+              # multi-token prediction with two axes: the last stage's modules split by tp; cp pieces under tp
+              "deepseek_mtp/pp-tp-ep", "deepseek_mtp/cp-tp-ep=4"]
 MOE_WORLD8 = ["moe/pp-fsdp-tp-ep", "moe/cp-tp-fsdp-ep=4", "moe/hsdp-tp-ep"]
 WORLD2 += MOE_WORLD2
 WORLD4 += MOE_WORLD4
