@@ -231,7 +231,6 @@ class ParallelModel:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
 
-
 def mtp_loss_sums(outputs: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]], labels: torch.Tensor,
                   loss_fn: LossFn | None, head_loss: HeadLoss | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the main summed loss, each module's summed loss) from a forward with multi-token prediction: its

@@ -119,11 +119,13 @@ class TransformerStage(Transformer):
         ids and targets given) it returns the summed losses (main, module 1, ...) as one vector."""
         streams = self._unpack(stream, batch.get("decoder_input_ids"))
         head_loss = self.head_loss if self.is_last else None
-        multi_token = self.is_last and mtp_ahead_ids is not None and mtp_ahead_labels is not None
+        ahead = None
+        if self.is_last and mtp_ahead_ids is not None and mtp_ahead_labels is not None:
+            ahead = (mtp_ahead_ids, mtp_ahead_labels)
         out = super().forward(**batch, streams=streams,  # type: ignore[arg-type]  # batch: model-input tensors
-                              labels=labels if head_loss is not None or multi_token else None, head_loss=head_loss,
-                              mtp_labels=labels if multi_token else None,
-                              mtp_ahead=(mtp_ahead_ids, mtp_ahead_labels) if multi_token else None)  # type: ignore[arg-type]
+                              labels=labels if head_loss is not None or ahead is not None else None,
+                              head_loss=head_loss,
+                              mtp_labels=labels if ahead is not None else None, mtp_ahead=ahead)
         if isinstance(out, tuple):
             assert labels is not None
             main, sums = mtp_loss_sums(out, labels, self.loss_fn, head_loss)
