@@ -6,8 +6,12 @@ concatenated [enorm ; hnorm] as DeepSeek's `eh_proj` reads them, projected 2d ->
 kinds (the last block's) and the module's own final norm (`shared_head.norm` in DeepSeek's checkpoints) before the
 shared output head. It predicts token t + k + 1: the main labels shifted by k (`shifted_labels`).
 
-The loss joins the objective as `loss_weight / depth` times each module's summed token loss (model/transformer.py
-returns the modules' outputs; parallel/parallel_model.py adds them). Generation never runs these modules.
+The loss joins the objective as `loss_weight / depth` times each module's mean token loss, each over its own targets
+(fewer than the main loss's: targets past the sequence or across a document are dropped); model/transformer.py
+returns the modules' summed losses, parallel/parallel_model.py weighs them. Generation never runs these modules.
+
+Under context parallel the token k ahead may sit on another rank: `ahead_inputs` computes every depth's input ids
+and targets on the whole sequence, before the batch is split like its other per-token tensors.
 """
 
 from __future__ import annotations
@@ -59,9 +63,16 @@ def shifted_labels(labels: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
+def ahead_inputs(input_ids: torch.Tensor, labels: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, targets), each (B, T, depth): column k - 1 holds module k's input token (t + k) and its target."""
+    ks = range(1, depth + 1)
+    return (torch.stack([shift_left(input_ids, k, 0) for k in ks], dim=-1),
+            torch.stack([shifted_labels(labels, k) for k in ks], dim=-1))
+
+
 def mtp_modules(cfg: ModelConfig) -> nn.ModuleList | None:
     """The modules of `model.mtp.depth` (None when off)."""
     return nn.ModuleList(MtpModule(cfg) for _ in range(cfg.mtp.depth)) if cfg.mtp.depth > 0 else None
 
 
-__all__ = ["MtpModule", "mtp_modules", "shift_left", "shifted_labels"]
+__all__ = ["MtpModule", "ahead_inputs", "mtp_modules", "shift_left", "shifted_labels"]

@@ -24,7 +24,7 @@ from meshformer.model.init import init_weights, new_seed
 from meshformer.model.layers import BlockCache, TransformerBlock, activation_fn, make_norm
 from meshformer.model.masks import AttentionMask, build_mask, masked_avg_pool, pool_padding_mask
 from meshformer.model.moe import MoEFeedForward
-from meshformer.model.mtp import MtpModule, mtp_modules, shift_left, shifted_labels
+from meshformer.model.mtp import MtpModule, ahead_inputs, mtp_modules
 from meshformer.model.parallel_context import ParallelContext, StageSpan
 from meshformer.model.positions import (
     LearnedPositions,
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 # held by another pipeline stage).
 PIECES = ("tok_embeddings", "src_embeddings", "pos_embeddings", "rope", "local_rope", "embedding_norm",
           "encoder_relative_bias", "decoder_relative_bias", "encoder_layers", "encoder_norm", "decoder_layers",
-          "decoder_norm", "head_dense", "head_act", "head_norm", "output")
+          "decoder_norm", "head_dense", "head_act", "head_norm", "output", "mtp_layers")
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,10 @@ def stage_holdings(spec: FamilySpec, cfg: ModelConfig, span: StageSpan | None) -
         offset += stack.count(cfg)
     if span.stop == offset:
         held.update(pieces.last)
+        if cfg.mtp.depth and spec.has_decoder and not spec.seq2seq:
+            # multi-token prediction beside the head, embedding the tokens ahead with its own copy of the embedding
+            # (its gradient summed with the first stage's, as a tied embedding's)
+            held.update(("mtp_layers", *(name for name in pieces.first if name != "src_embeddings")))
     return held, blocks
 
 
@@ -155,7 +159,7 @@ class Transformer(nn.Module):
             self.head_norm = make_norm(cfg)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.output_bias) if "output" in held else None
         # multi-token prediction (model/mtp.py) beside the output head it shares
-        self.mtp_layers = mtp_modules(cfg) if "output" in held and spec.has_decoder and not spec.seq2seq else None
+        self.mtp_layers = mtp_modules(cfg) if "mtp_layers" in held and spec.has_decoder and not spec.seq2seq else None
         if cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight  # tied_weights(cfg) names this tie
         spec.init(self)
@@ -423,6 +427,7 @@ class Transformer(nn.Module):
         labels: torch.Tensor | None = None,
         head_loss: HeadLoss | None = None,
         mtp_labels: torch.Tensor | None = None,
+        mtp_ahead: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | Streams | tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Logits (B, T, vocab), or with `head_loss` the summed loss against `labels` (no full logits).
 
@@ -437,6 +442,8 @@ class Transformer(nn.Module):
 
         mtp_labels: the main labels (B, T), to run the multi-token prediction modules too: returns (the main output,
         [(module k's logits or summed loss, its shifted labels) for k = 1 .. model.mtp.depth]).
+        mtp_ahead: every module's (input ids, targets), each (B, T, depth) (`model.mtp.ahead_inputs`), computed on
+            the whole sequence; needed under context parallel, where this rank holds pieces of it.
         """
         spec = self.spec
         target_ids, target_padding = input_ids, attention_mask
@@ -469,28 +476,33 @@ class Transformer(nn.Module):
             return main
         if unnormed is None:
             raise ValueError(f"a {self.cfg.family} model has no decoder stack for multi-token prediction")
-        return main, self._multi_token(unnormed, target_ids, target_padding, documents, mtp_labels, head_loss)
-
-    def _multi_token(self, h: torch.Tensor, ids: torch.Tensor, padding: torch.Tensor | None,
-                     documents: torch.Tensor | None, labels: torch.Tensor, head_loss: HeadLoss | None
-                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each MTP module's (logits or summed loss, shifted labels) from the main stack's unnormed output `h`."""
         if self.mtp_layers is None:
             raise ValueError("model.mtp.depth is 0: this model has no multi-token prediction modules to run")
-        if self.parallel_context.chunk is not None:
-            raise ValueError("model.mtp.depth > 0 runs without context parallel; set parallel.cp = 1")
+        if mtp_ahead is None:
+            if self.parallel_context.chunk is not None:
+                raise ValueError("under context parallel, multi-token prediction needs mtp_ahead (its ids and targets "
+                                 "from the whole sequence, model.mtp.ahead_inputs) computed before the batch is split")
+            mtp_ahead = ahead_inputs(target_ids, mtp_labels, len(self.mtp_layers))
+        return main, self._multi_token(unnormed, target_ids, target_padding, documents, mtp_ahead, head_loss)
+
+    def _multi_token(self, h: torch.Tensor, ids: torch.Tensor, padding: torch.Tensor | None,
+                     documents: torch.Tensor | None, ahead: tuple[torch.Tensor, torch.Tensor],
+                     head_loss: HeadLoss | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each MTP module's (logits or summed loss, shifted labels) from the main stack's unnormed output `h`."""
+        assert self.mtp_layers is not None
         q_len = ids.shape[1]
         positions, k_len = self._positions(q_len, 0, ids.device)
         last = self.cfg.n_layers - 1  # each module's block has the last block's kinds
         masks, extra = self._causal_inputs(q_len, k_len, 0, positions, {self.cfg.window(last)}, padding, documents,
                                            None, h.device)
         mask, kwargs = self._block_inputs(last, masks, extra)
+        ahead_ids, ahead_targets = ahead
         outputs = []
-        for k, module in enumerate(self.mtp_layers, start=1):
+        for k, module in enumerate(self.mtp_layers):
             assert isinstance(module, MtpModule)
-            ahead = self.embed(shift_left(ids, k, 0), positions=positions)
-            h, normed = module(h, ahead, mask, **kwargs)
-            targets = shifted_labels(labels, k)
+            embedded = self.embed(ahead_ids[..., k], positions=positions)
+            h, normed = module(h, embedded, mask, chunk=self.parallel_context.chunk, **kwargs)
+            targets = ahead_targets[..., k]
             outputs.append((self.head(normed, targets, head_loss), targets))
         return outputs
 

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshformer.batch import Batch
 from meshformer.model.attention import SequenceChunk
 from meshformer.model.components import TOKEN_MIXER
+from meshformer.model.mtp import ahead_inputs
 from meshformer.model.transformer import Transformer
 
 # The differentiable all-gather (its backward reduce-scatters, summing); torch 2.13 renamed it, earlier releases
@@ -58,3 +59,12 @@ def sequence_chunk(batch: Batch, index: int, count: int) -> Batch:
         return torch.cat([parts[index], parts[pieces - 1 - index]], dim=1)
 
     return {key: value if key in ("attention_mask", "doc_ids") else mine(value) for key, value in batch.items()}
+
+
+def with_ahead_inputs(batch: Batch, depth: int) -> Batch:
+    """The batch with every multi-token prediction module's input ids and targets (`mtp_ahead_ids`,
+    `mtp_ahead_labels`, (B, T, depth)) from its whole sequences: the token k ahead of a piece's last ones lies in
+    another piece, and a target's document boundary or padding may too. `sequence_chunk` then splits them like the
+    ids."""
+    ids, labels = ahead_inputs(batch["input_ids"], batch["labels"], depth)
+    return {**batch, "mtp_ahead_ids": ids, "mtp_ahead_labels": labels}

@@ -15,9 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from meshformer.batch import Batch, model_inputs
-from meshformer.loss.cross_entropy import LossFn, count_tokens
+from meshformer.loss.cross_entropy import LossFn
 from meshformer.loss.fused import HeadLoss
-from meshformer.parallel.context import sequence_chunk
+from meshformer.parallel.context import sequence_chunk, with_ahead_inputs
 from meshformer.parallel.grad_norm import global_grad_norm, settle_grad
 from meshformer.parallel.mesh import Meshes
 from meshformer.parallel.parallel_model import ParallelModel
@@ -55,16 +55,18 @@ class MultiRankParallelModel(ParallelModel):
         """Sum over every rank holding other tokens of the step (data- and context-parallel ranks)."""
         return self._sum(value, self.meshes.tokens)
 
-    def _local(self, batch: Batch) -> Batch:
-        """This rank's tokens of a data-parallel batch: all of it, or its chunk of each sequence under cp."""
+    def _local(self, batch: Batch, training: bool = False) -> Batch:
+        """This rank's tokens of a data-parallel batch: all of it, or its chunk of each sequence under cp; in training
+        with multi-token prediction under cp or pp, with the modules' ids and targets from the whole sequences."""
+        if training and self.mtp_depth and (self.dims.cp_enabled or self.dims.pp_enabled):
+            batch = with_ahead_inputs(batch, self.mtp_depth)  # pipeline stages take them as keywords
         if not self.dims.cp_enabled:
             return batch
         return sequence_chunk(batch, self.meshes.cp.get_local_rank(), self.dims.cp)
 
-    def global_token_count(self, micro_batches: list[Batch]) -> torch.Tensor:
+    def _step_sum(self, counts: torch.Tensor) -> torch.Tensor:
         # the context-parallel ranks of a replica share its samples: count whole batches, sum over data parallel
-        local = torch.stack([count_tokens(b["labels"]) for b in micro_batches]).sum().to(self.device)
-        return self._sum(local, self.meshes.dp)
+        return self._sum(counts, self.meshes.dp)
 
     def reduce_for_logging(self, value: torch.Tensor) -> float:
         """Sum of a per-rank quantity (a loss sum of this rank's tokens) over the ranks holding distinct tokens: every
@@ -117,16 +119,16 @@ class MeshParallelModel(MultiRankParallelModel):
     def forward_backward(self, batch: Batch, global_tokens: torch.Tensor, last_micro_batch: bool = True
                          ) -> torch.Tensor:
         self._all_reduce_replicas_after(last_micro_batch)
-        return super().forward_backward(self._sequence_parallel_ready(batch), global_tokens)
+        return super().forward_backward(self._sequence_parallel_ready(batch, training=True), global_tokens)
 
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         loss_sum, tokens = super().evaluate(self._sequence_parallel_ready(batch))
         return self._token_sum(loss_sum), self._token_sum(tokens.to(self.device))
 
-    def _sequence_parallel_ready(self, batch: Batch) -> Batch:
+    def _sequence_parallel_ready(self, batch: Batch, training: bool = False) -> Batch:
         """This rank's tokens, checked to split evenly over tensor-parallel ranks."""
-        local = self._local(batch)
+        local = self._local(batch, training)
         check_sequence_split(local, self.dims.tp)
         return local
 

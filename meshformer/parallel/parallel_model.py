@@ -17,6 +17,7 @@ from meshformer.batch import Batch, model_inputs
 from meshformer.loss.cross_entropy import LossFn, count_tokens
 from meshformer.loss.fused import HeadLoss
 from meshformer.model.moe import MoEFeedForward, moe_layers, set_balance_weight, update_expert_bias
+from meshformer.model.mtp import shifted_labels
 from meshformer.model.transformer import Transformer
 from meshformer.parallel.grad_norm import scale_grads_
 
@@ -39,9 +40,11 @@ class ParallelModel:
         # FSDP all-gathers float8 weights, whose scales must be refreshed after every optimizer step (parallelize).
         self.float8_weight_gather = False
         self._balance_weight = 1.0  # the MoE layers' (their default)
-        # multi-token prediction: each module's summed loss and target tokens since the last logged step
+        # multi-token prediction: each module's summed loss and target tokens since the last logged step, and this
+        # step's main target tokens over each module's (its mean is over its own targets)
         self._mtp_sums: torch.Tensor | None = None
         self._mtp_tokens: torch.Tensor | None = None
+        self._mtp_scale: torch.Tensor | None = None
 
     @property
     def model_parts(self) -> list[nn.Module]:
@@ -59,8 +62,22 @@ class ParallelModel:
         return True
 
     def global_token_count(self, micro_batches: list[Batch]) -> torch.Tensor:
-        """Target tokens in the whole step: every micro-batch, every data-parallel rank."""
-        return torch.stack([count_tokens(b["labels"]) for b in micro_batches]).sum().to(self.device)
+        """Target tokens in the whole step: every micro-batch, every data-parallel rank. With multi-token prediction
+        it also counts each module's targets, whose mean that module's loss is."""
+        counts = self._step_sum(torch.stack([step_token_counts(b["labels"], self.mtp_depth)
+                                             for b in micro_batches]).sum(0).to(self.device))
+        if self.mtp_depth:
+            self._count_mtp_tokens(counts)
+        return counts[0]
+
+    def _step_sum(self, counts: torch.Tensor) -> torch.Tensor:
+        """A count of this rank's whole micro-batches summed over the step's data-parallel ranks."""
+        return counts
+
+    def _count_mtp_tokens(self, counts: torch.Tensor) -> None:
+        """Keep the step's (main, module 1, ...) target counts: the modules' loss scales and their logged counts."""
+        self._mtp_scale = counts[0] / counts[1:].clamp(min=1)
+        self._mtp_tokens = self._mtp_tokens + counts[1:] if self._mtp_tokens is not None else counts[1:]
 
     def forward_backward(self, batch: Batch, global_tokens: torch.Tensor, last_micro_batch: bool = True
                          ) -> torch.Tensor:
@@ -71,43 +88,62 @@ class ParallelModel:
         (objective / global_tokens).backward()  # MoE layers add their balance terms in this backward
         return loss_sum.detach()
 
-    @property
+    @cached_property
     def mtp_depth(self) -> int:
-        """Multi-token prediction modules the model part holding the head runs in training (model.mtp.depth)."""
-        modules = getattr(self.model_parts[-1], "mtp_layers", None)
-        return 0 if modules is None else len(modules)
+        """Multi-token prediction modules the model runs in training (model.mtp.depth; 0 for a model that has
+        none); the same on every rank, pipeline stages without the modules included."""
+        part = self.model_parts[-1]
+        if not isinstance(part, Transformer) or not part.spec.has_decoder or part.spec.seq2seq:
+            return 0
+        return part.cfg.mtp.depth
+
+    @property
+    def mtp_loss_weight(self) -> float:
+        part = self.model_parts[-1]
+        assert isinstance(part, Transformer)  # FSDP keeps the class (as a subclass)
+        return part.cfg.mtp.loss_weight
 
     def _training_loss_sums(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the summed main loss, the summed objective): the main loss plus loss_weight / depth times each
-        multi-token prediction module's summed loss (model/mtp.py), whose sums and token counts are kept for
-        `mtp_scalars`."""
-        depth = self.mtp_depth
-        if depth == 0:
+        """(the summed main loss, the objective times the step's main target tokens): the main loss plus
+        loss_weight / depth times each multi-token prediction module's mean loss over its own targets
+        (model/mtp.py). A batch outside a step (no `global_token_count` before it) is its own step."""
+        if self.mtp_depth == 0:
             loss_sum = self._loss_sum(batch)
             return loss_sum, loss_sum
+        if self._mtp_scale is None:
+            self._count_mtp_tokens(step_token_counts(batch["labels"], self.mtp_depth).to(self.device))
         labels = batch["labels"]
+        ahead = (batch["mtp_ahead_ids"], batch["mtp_ahead_labels"]) if "mtp_ahead_ids" in batch else None
         with self._autocast():
             main, modules = self.model(**model_inputs(batch), labels=labels, head_loss=self.head_loss,
-                                       mtp_labels=labels)
-        loss_sum = main if self.head_loss is not None else self.loss_fn(main, labels)
-        sums = torch.stack([out if self.head_loss is not None else self.loss_fn(out, targets)
-                            for out, targets in modules])
-        counts = torch.stack([count_tokens(targets) for _, targets in modules]).to(sums.device)
-        self._mtp_sums = self._mtp_sums + sums.detach().float() if self._mtp_sums is not None else sums.detach().float()
-        self._mtp_tokens = self._mtp_tokens + counts if self._mtp_tokens is not None else counts
-        head_part = self.model_parts[-1]
-        assert isinstance(head_part, Transformer)  # FSDP keeps the class (as a subclass)
-        weight = head_part.cfg.mtp.loss_weight / depth
-        return loss_sum, loss_sum + weight * sums.sum()
+                                       mtp_labels=labels, mtp_ahead=ahead)
+        loss_sum, sums = mtp_loss_sums((main, modules), labels, self.loss_fn, self.head_loss)
+        self.record_mtp_sums(sums)
+        return loss_sum, self.mtp_objective(loss_sum, sums)
+
+    def mtp_objective(self, loss_sum: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+        """The main summed loss plus loss_weight / depth times each module's summed loss scaled to a mean over its
+        own targets, in units of the main loss's tokens (which the caller divides by)."""
+        assert self._mtp_scale is not None  # global_token_count ran
+        weight = self.mtp_loss_weight / len(sums)
+        return loss_sum + weight * (sums * self._mtp_scale.to(sums.dtype)).sum()
+
+    def record_mtp_sums(self, sums: torch.Tensor) -> None:
+        """Keep each module's summed loss for `mtp_scalars`."""
+        detached = sums.detach().float()
+        self._mtp_sums = self._mtp_sums + detached if self._mtp_sums is not None else detached
 
     def mtp_scalars(self) -> dict[str, float]:
         """`mtp/loss_<k>`: each multi-token prediction module's mean token loss since the last call (a collective
         under data parallel); none without MTP."""
-        if self._mtp_sums is None or self._mtp_tokens is None:
+        if self._mtp_tokens is None:
             return {}
-        sums, tokens = self._mtp_sums, self._mtp_tokens
+        tokens = self._mtp_tokens
+        # a pipeline stage without the modules has no sums but joins the collective
+        sums = self._mtp_sums if self._mtp_sums is not None else torch.zeros(len(tokens), device=self.device)
         self._mtp_sums = self._mtp_tokens = None
-        return {f"mtp/loss_{k + 1}": self.reduce_for_logging(s) / max(self.reduce_for_logging(n), 1.0)
+        # the counts are already the step's global ones (global_token_count)
+        return {f"mtp/loss_{k + 1}": self.reduce_for_logging(s) / max(float(n), 1.0)
                 for k, (s, n) in enumerate(zip(sums, tokens.float()))}
 
     @property
@@ -194,3 +230,21 @@ class ParallelModel:
             return torch.autocast(self.device.type, enabled=False)
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
+
+def mtp_loss_sums(outputs: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]], labels: torch.Tensor,
+                  loss_fn: LossFn | None, head_loss: HeadLoss | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the main summed loss, each module's summed loss) from a forward with multi-token prediction: its
+    outputs are summed losses with a fused head loss, else logits for `loss_fn`."""
+    main, modules = outputs
+    if head_loss is not None:
+        return main, torch.stack([out for out, _ in modules])
+    if loss_fn is None:
+        raise ValueError("multi-token prediction without a fused head loss needs the plain loss function")
+    return loss_fn(main, labels), torch.stack([loss_fn(out, targets) for out, targets in modules])
+
+
+def step_token_counts(labels: torch.Tensor, depth: int) -> torch.Tensor:
+    """(main targets, module 1's, ..., module depth's) of one micro-batch's whole sequences."""
+    counts = [count_tokens(labels)]
+    counts += [count_tokens(shifted_labels(labels, k)) for k in range(1, depth + 1)]
+    return torch.stack(counts)

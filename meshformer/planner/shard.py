@@ -221,17 +221,22 @@ def tp_template(cfg: Config, world_size: int, tp: int) -> Template:
         experts_of = _expert_params([model])
         stacks = model.spec.layer_offsets(m)
         for name, module in model.named_children():
+            muon_name = "x_layers.0.{}"
             if name in stacks:
                 assert isinstance(module, nn.ModuleDict)  # a stack of blocks "0", "1", ...
                 module, name = module["0"], name + suffix
+            elif name == "mtp_layers":  # multi-token prediction: its blocks have the last block's kinds
+                if (token, channel) != _kinds(m, m.n_layers - 1):
+                    continue
+                muon_name = "mtp_layers.{}"
             elif number:
                 continue  # the rest of the model is the first build's
             params = [(p, n) for n, p in module.named_parameters()]
             if name == "output" and m.tie_embeddings:
                 params = [(p, n) for p, n in params if n != "weight"]  # the embedding's; counted with it or copied
-            in_block = name.split("/")[0] in stacks
+            in_block = name.split("/")[0] in stacks or name == "mtp_layers"
             template[name] = [(tuple(local_tensor(p).shape), id(p) in experts_of,
-                               p.numel() if in_block and is_muon_parameter(f"x_layers.0.{n}", p) else 0)
+                               p.numel() if in_block and is_muon_parameter(muon_name.format(n), p) else 0)
                               for p, n in params]
     if m.tie_embeddings:
         template["tied_output"] = template["tok_embeddings"]
@@ -279,6 +284,9 @@ def template_shares(cfg: Config, world_size: int, model: Transformer, template: 
                     shard, gathered = sizes(name)
                     sharded += shard
                     root += gathered
+                    muon_shard, muon_whole = muon_sizes(name)  # the multi-token prediction modules' matrices
+                    muon_numel += muon_shard
+                    muon_gather = max(muon_gather, muon_whole)
         shares.append(RankShare(ranks[0], tuple(sorted(layers)), len(ids), sharded, root, block, first, last,
                                 muon_numel, muon_gather))
     return dims, shares

@@ -167,6 +167,30 @@ def test_muon_state_reshards_from_tensor_parallel_to_fsdp_and_one_process(refere
         assert diff < LAYOUT_CHANGE_TOLERANCE, (run.name, diff)
 
 
+MTP = ("model.position=rope", "model.layer_types=['mla']", "model.norm.kind=rmsnorm", "model.bias=false",
+       "model.moe.n_experts=4", "model.moe.experts_per_token=2", "model.moe.d_ff=32", "model.moe.router_score=sigmoid",
+       "model.mlp_types=['dense', 'moe']", "model.mtp.depth=1", "model.mtp.loss_weight=0.3")
+
+
+def test_mtp_checkpoint_reshards_between_one_process_and_pipeline(tmp_path):
+    """Multi-token prediction: one process's checkpoint resumes as pp2 (the modules and a copy of the embedding on the
+    last stage), whose checkpoint resumes in one process: the same run, saved under the plain model's names."""
+    shards = tiny_shards(tmp_path)
+    single = tmp_path / "single"
+    run_trainer(tiny_config(shards, single, STEPS, *MTP, "data.batch_size=8"))
+    pipeline = tmp_path / "pipeline"
+    copy_steps(single / "checkpoints", pipeline / "checkpoints", 2)
+    _check(_launch(pipeline, shards, *MTP, "parallel.pp=2", "parallel.dp_shard=1", "data.batch_size=8"))
+    back = tmp_path / "back"
+    copy_steps(pipeline / "checkpoints", back / "checkpoints", 4)
+    run_trainer(tiny_config(shards, back, STEPS, *MTP, "data.batch_size=8"))
+    reference = final_weights(single)
+    assert "mtp_layers.0.eh_proj.weight" in reference
+    for run in (pipeline, back):
+        diff = max_diff(final_weights(run), reference)  # the same names: the embedding copy is not saved apart
+        assert diff < LAYOUT_CHANGE_TOLERANCE, (run.name, diff)
+
+
 # ----------------------------------------------------------------------------- one rank of a launch
 
 

@@ -91,8 +91,15 @@ MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "mo
               # DeepSeek-V3's pieces: multi-head latent attention split by heads (tp; the shared rotary key's
               # gradient summed over the ranks), its compressed latents exchanged (cp); DeepSeek's routing
               "deepseek/tp-ep", "deepseek/cp-ep", "deepseek/fsdp-ep", "deepseek/pp", "deepseek/tp-ep-muon",
-              # multi-token prediction: its module (an MoE block) one FSDP unit with its experts split over ep
-              "deepseek_mtp/fsdp-ep",
+              # multi-token prediction: its module (an MoE block) one FSDP unit with its experts split over ep; its
+              # ids and targets k ahead taken from the whole sequence before the cp split, its block's attention
+              # exchanging latents like the main blocks'
+              "deepseek_mtp/fsdp-ep", "deepseek_mtp/cp-ep",
+              # under tp: its block split like the main blocks, on sequence shards; the norms and eh_proj replicated
+              "deepseek_mtp/tp-ep",
+              # under pp: the modules on the last stage with its own copy of the embedding, the copies' gradients
+              # summed as a tied embedding's; 1F1B and GPipe
+              "deepseek_mtp/pp", "deepseek_mtp/pp-sched=gpipe",
               # Qwen3-Next's pieces: linear_attention blocks (packed documents) under FSDP, expert, pipeline and
               # context parallel (the recurrent state and convolution window passed piece to piece in sequence
               # order, the attention blocks beside them on the balanced layout)
@@ -106,7 +113,9 @@ MOE_WORLD4 = ["qwen3next/cp=4",  # 8 pieces of 2 tokens: a convolution window sp
               "moe/pp-fsdp-ep-sched=interleaved_zb-spr=2", "moe_skew/fsdp=4-ep=4", "moe_seq/cp-fsdp-ep",
               "moe_bias/pp-fsdp-ep",
               # the experts' FSDP shards inside each block's unit: selective recompute replays it
-              "moe/fsdp=4-ep-recompute=selective"]
+              "moe/fsdp=4-ep-recompute=selective",
+              # multi-token prediction with two axes: the last stage's modules split by tp; cp pieces under tp
+              "deepseek_mtp/pp-tp-ep", "deepseek_mtp/cp-tp-ep=4"]
 MOE_WORLD8 = ["moe/pp-fsdp-tp-ep", "moe/cp-tp-fsdp-ep=4", "moe/hsdp-tp-ep"]
 WORLD2 += MOE_WORLD2
 WORLD4 += MOE_WORLD4
@@ -153,7 +162,8 @@ WORLD2_SLOW = {"decoder/cp-compile", "decoder/tp-fp8=tensorwise", "decoder_alibi
                "moe/fsdp-ep-recompute=full", "moe/tp-ep-recompute=selective", "moe_bias/tp-ep", "moe/fsdp-ep-compile",
                "moe/tp-ep-compile", "moe/fsdp-ep-compile-recompute=selective", "decoder/fsdp-fp8=tensorwise-muon",
                "decoder/cp-muon-qkclip", "encdec/tp-muon-qkclip=0.02", "decoder/fsdp-muon-qkclip-compile",
-               "deepseek_mtp/fsdp-ep", "deepseek/fsdp-muon-qkclip"}
+                "deepseek_mtp/fsdp-ep", "deepseek/fsdp-muon-qkclip", "deepseek_mtp/cp-ep",
+                "deepseek_mtp/tp-ep", "deepseek_mtp/pp", "deepseek_mtp/pp-sched=gpipe"}
 # The second step's global gradient norm, for rows where Adam's first update (about ±lr per element, its sign set by
 # rounding where a gradient is near zero) moves the weights differently enough to show: step-0 gradients of these
 # rows agree to 1e-6; measured 1.34e-5 on an AVX-512 CPU.

@@ -1,5 +1,6 @@
 """Multi-token prediction (model/mtp.py): the objective against a hand-written reference on a tiny DeepSeek-style
-model, shifted targets, gradients into the shared embedding and head, generation untouched, layouts refused."""
+model, shifted targets, gradients into the shared embedding and head, generation untouched, the last pipeline stage's
+pieces, the zero-bubble schedules refused."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from meshformer.batch import IGNORE_INDEX
-from meshformer.config import ConfigError, load_config
+from meshformer.config import Config, ConfigError, load_config
 from meshformer.loss.cross_entropy import cross_entropy_sum
 from meshformer.model.flops import count_params, training_flops
 from meshformer.model.moe import Experts
 from meshformer.model.mtp import shifted_labels
 from meshformer.model.transformer import Transformer
 from meshformer.parallel.parallel_model import ParallelModel
+from meshformer.parallel.pipeline.model import shared_weights
+from meshformer.parallel.pipeline.stages import TransformerStage, split_layers
 from meshformer.parallel_dims import validate_parallel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -76,9 +79,12 @@ def test_objective_equals_a_hand_written_reference() -> None:
             earlier = torch.cat([labels[:, j:], torch.full((2, j), IGNORE_INDEX)], dim=1)
             targets[earlier == IGNORE_INDEX] = IGNORE_INDEX
         logits = model.output(module.final_norm(h))
+        # DeepSeek-V3: each depth's mean over its own targets (fewer than the main loss's), weighted lambda / depth
         total = total + 0.5 / 2 * F.cross_entropy(logits.flatten(0, 1), targets.flatten(),
-                                                  ignore_index=IGNORE_INDEX, reduction="sum")
-    assert torch.allclose(objective, total, atol=1e-4), (objective, total)
+                                                  ignore_index=IGNORE_INDEX, reduction="mean")
+    # the objective comes in units of the main loss's tokens (the trainer divides by their count)
+    main_tokens = (labels != IGNORE_INDEX).sum()
+    assert torch.allclose(objective / main_tokens, total - main + main / main_tokens, atol=1e-5), (objective, total)
     assert not torch.allclose(objective, loss_sum)  # the modules add something
 
 
@@ -108,12 +114,29 @@ def test_generation_ignores_the_mtp_modules() -> None:
     assert torch.equal(with_mtp(ids), without(ids))
 
 
-def test_layouts_without_mtp_support_are_refused() -> None:
-    cfg = load_config("tiny-deepseek", ["parallel.pp=2"])
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, mtp=dataclasses.replace(cfg.model.mtp,
-                                                                                                 depth=1)))
-    with pytest.raises(ConfigError, match="model.mtp.depth=1 with parallel"):
-        validate_parallel(cfg, 2, "cpu")
+def test_zero_bubble_schedules_are_refused_and_the_others_accepted() -> None:
+    def config(schedule: str) -> Config:
+        cfg = load_config("tiny-deepseek", ["parallel.pp=2", f"parallel.pp_schedule={schedule}", "model.n_layers=4",
+                                            "model.mlp_types=['dense', 'moe', 'moe', 'moe']", "model.mtp.depth=1"])
+        return cfg
+
+    for schedule in ("gpipe", "1f1b"):
+        validate_parallel(config(schedule), 2, "cpu")
+    with pytest.raises(ConfigError, match="model.mtp.depth=1 with parallel.pp_schedule='zbv'"):
+        validate_parallel(config("zbv"), 2, "cpu")
+
+
+def test_last_pipeline_stage_holds_the_modules_and_an_embedding_copy_under_the_plain_names() -> None:
+    model = _model(1)
+    spans = split_layers(model.cfg.n_layers, 2)
+    first, last = (TransformerStage(model, span) for span in spans)
+    assert first.mtp_layers is None and last.mtp_layers is not None and last.tok_embeddings is not None
+    names = {name for name, _ in last.canonical_parameters()}
+    assert {"tok_embeddings.weight", "mtp_layers.0.eh_proj.weight"} <= names
+    assert names | {name for name, _ in first.canonical_parameters()} == {name for name, _ in
+                                                                          model.canonical_parameters()}
+    assert shared_weights(model, spans) == {"tok_embeddings.weight": [0, 1]}  # its gradients summed over the copies
+    assert torch.equal(last.tok_embeddings.weight, model.tok_embeddings.weight)  # type: ignore[union-attr]
 
 
 def test_params_and_flops_count_the_modules() -> None:

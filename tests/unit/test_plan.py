@@ -84,7 +84,11 @@ def test_muon_state_and_gather_buffer_are_planned():
                                     # experts: 2 local of 4 over 32 FSDP ranks (dim 1), every other block MoE
                                     {"ep": 2, "model": MOE}, {"ep": 4, "tp": 2, "model": MOE},
                                     {"ep": 1, "pp": 2, "model": {**MOE, "mlp_types": ["dense", "moe"]}},
-                                    {"ep": 4, "pp": 2, "model": {**MOE, "mlp_types": ["dense", "moe"]}}])
+                                    {"ep": 4, "pp": 2, "model": {**MOE, "mlp_types": ["dense", "moe"]}},
+                                    # multi-token prediction (an MoE block, the last block's kinds) on the last stage
+                                    # beside its copy of the embedding
+                                    {"ep": 2, "tp": 2, "pp": 2, "model": {**MOE, "mlp_types": ["dense", "moe"],
+                                                                 "mtp": {"depth": 1}}}])
 @pytest.mark.parametrize("tied", [False, True])
 def test_search_shards_equal_real_fsdp_shards(layout, tied):
     """The search sizes layouts from one tensor-parallel block per stack; that must equal the real TP + FSDP path."""

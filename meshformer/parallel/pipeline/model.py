@@ -75,11 +75,13 @@ class PipelineParallelModel(MultiRankParallelModel):
                          report=report)
         for stage in stages:
             stage.head_loss = head_loss if stage.is_last else None
+            stage.loss_fn = loss_fn if stage.is_last else None  # multi-token prediction's plain loss
         self.stages, self.schedule_name, self.n_microbatches = stages, schedule, n_microbatches
         # FSDP stages: keep parameters and gradients whole across microbatches (torch's way; pipeline_stage.py)
         self.unsharded_microbatches = unsharded_microbatches
         self._has_last = any(s.is_last for s in stages)
         self._records: list[torch.Tensor] = []
+        self._mtp_records: list[torch.Tensor] = []  # each microbatch's modules' summed losses (multi-token prediction)
         self._tokens: torch.Tensor | None = None
         self._schedules: OrderedDict[tuple, object] = OrderedDict()
         self._shared = _SharedWeights(stages, shared, stage_to_rank, meshes, timeout)
@@ -96,6 +98,11 @@ class PipelineParallelModel(MultiRankParallelModel):
     # ------------------------------------------------------------------ schedule
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self._tokens is not None and self.mtp_depth:
+            # the last stage's summed losses: the main one, then each multi-token prediction module's
+            self._records.append(output[0].detach().float())
+            self._mtp_records.append(output[1:].detach().float())
+            return self.mtp_objective(output[0], output[1:]) / self._tokens
         # With a fused head loss the last stage's output already is the summed loss.
         loss_sum = output if self.head_loss is not None else self.loss_fn(output, target)
         self._records.append(loss_sum.detach().float())
@@ -126,11 +133,14 @@ class PipelineParallelModel(MultiRankParallelModel):
         check_sequence_split(batch, self.dims.tp)
         schedule = self._schedule(batch)
         self._records.clear()
+        self._mtp_records.clear()
         with self._autocast():
             schedule.step(**_stage_inputs(batch), target=batch["labels"], return_outputs=False)
         if not self._has_last:
             return torch.zeros((), device=self.device)
         # Shape inference on a new schedule also calls the loss once: keep the last n_microbatches records.
+        if self._mtp_records:
+            self.record_mtp_sums(torch.stack(self._mtp_records[-self.n_microbatches:]).sum(0))
         return torch.stack(self._records[-self.n_microbatches:]).sum()
 
     def _forward_only(self, batch: Batch) -> torch.Tensor:
@@ -177,7 +187,7 @@ class PipelineParallelModel(MultiRankParallelModel):
         self._tokens = global_tokens
         self._shared.stash()
         try:
-            loss_sum = self._train_step(self._local(batch))
+            loss_sum = self._train_step(self._local(batch, training=True))
         finally:
             self._tokens = None
         self._shared.sync()
@@ -213,8 +223,10 @@ def _shape_inference_uncounted(stage: PipelineStage, layers: list[MoEFeedForward
 
 
 def _stage_inputs(batch: Batch) -> dict[str, torch.Tensor]:
-    """Keyword inputs of every stage: the model inputs and the labels (used by a last stage with a head loss)."""
-    return {**model_inputs(batch), "labels": batch["labels"]}
+    """Keyword inputs of every stage: the model inputs and the labels (used by a last stage with a head loss),
+    and in training with multi-token prediction the modules' ids and targets (used by the last stage)."""
+    ahead: dict[str, torch.Tensor] = {key: batch[key] for key in ("mtp_ahead_ids", "mtp_ahead_labels") if key in batch}
+    return {**model_inputs(batch), "labels": batch["labels"], **ahead}
 
 
 class _SharedWeights:
