@@ -56,6 +56,9 @@ WORLD2 = [
     "decoder/tp-compile",  # compiled blocks take a sequence-parallel input: the embedding's gradient flows back
     # packed documents (model.document_mask): doc_ids travel to every pipeline stage and stay whole under cp
     "decoder_docs/fsdp", "decoder_docs/tp", "decoder_docs/pp-sched=1f1b", "decoder_docs/cp",
+    # Qwen3.5's split projections: Gated DeltaNet heads under tensor parallel (in_proj_qkv and the convolution
+    # picked per head), and a right-padded batch of the hybrid model under context parallel
+    "qwen35/tp", "qwen35/cp-rightpad",
 ]
 WORLD4 = [
     "decoder/hsdp", "encoder/hsdp",
@@ -97,9 +100,10 @@ MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "mo
               # context parallel (the recurrent state and convolution window passed piece to piece in sequence
               # order, the attention blocks beside them on the balanced layout)
               "qwen3next/fsdp-ep", "qwen3next/pp", "qwen3next/fsdp-ep-recompute=selective",
-              "qwen3next/fsdp-ep-recompute=full", "qwen3next/cp", "qwen3next/cp-ep"]
+              "qwen3next/fsdp-ep-recompute=full", "qwen3next/cp", "qwen3next/cp-ep",
+              "qwen3next/tp-ep"]  # Gated DeltaNet split by key-head group; its convolution picked per head
 MOE_WORLD4 = ["qwen3next/cp=4",  # 8 pieces of 2 tokens: a convolution window spans two earlier pieces
-              "qwen3next/cp-fsdp-ep=4",
+              "qwen3next/cp-fsdp-ep=4", "qwen3next/tp-fsdp-ep",
               "moe/fsdp=4-ep", "moe/fsdp=4-ep=4", "moe/hsdp-ep", "moe/tp-fsdp-ep", "moe/tp-fsdp-ep=4",
               "moe/cp-fsdp-ep=4", "moe/pp-tp-ep", "moe/pp-fsdp-ep", "moe/pp-fsdp-ep-sched=gpipe",
               "moe/pp-fsdp-ep-sched=zbv", "moe/pp-fsdp-ep-sched=interleaved_1f1b-spr=2",

@@ -6,6 +6,7 @@ padding and packed documents of its tokens rather than a mask, and keeps a state
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from torch import nn
 
@@ -13,6 +14,7 @@ from meshformer.errors import ConfigError
 from meshformer.model.components import register
 from meshformer.model.components.base import FP32, ActivationLayout, GenerationCache, InitFn, TokenMixer
 from meshformer.model.config import ModelConfig
+from meshformer.model.tp_styles import COLWISE, HEAD_SHARD, ROWWISE
 
 
 def _widths(cfg: ModelConfig) -> tuple[int, int]:
@@ -72,8 +74,19 @@ class LinearAttention(TokenMixer):
                               "(each query/key head serves a group of value heads)",
                               "choose n_key_heads dividing n_heads, or leave it unset (= n_heads)")
 
-    def tensor_parallel(self, cfg: ModelConfig) -> str | None:
-        return "splitting their heads over tensor-parallel ranks is not implemented"
+    def tp_rules(self, cfg: ModelConfig) -> Mapping[str, str]:
+        # Rows of the grouped projections, of z, b, a and of A_log / dt_bias are head-major: colwise splits give
+        # each rank whole key-head groups. The [q | k | v]-ordered convolution (and in_proj_qkv) stay whole on every
+        # rank, which picks its heads' channels (model/linear_attention.py: shard_heads).
+        linears = (["in_proj_z", "in_proj_b", "in_proj_a"] if cfg.linear_attention.projections == "split"
+                   else ["in_proj_qkvz", "in_proj_ba"])
+        return {"": HEAD_SHARD, **dict.fromkeys(linears, COLWISE), "out_proj": ROWWISE}
+
+    def tp_divides(self, cfg: ModelConfig) -> list[tuple[str, int, str]]:
+        la = cfg.linear_attention
+        why = "Gated DeltaNet heads are split across tensor-parallel ranks"
+        return [("model.linear_attention.n_heads", la.n_heads, why),
+                ("model.linear_attention.n_key_heads", la.key_heads, why)]
 
     def init_rule(self, cfg: ModelConfig, name: str) -> InitFn | None:
         """transformers' Qwen3-Next: dt_bias 1, A_log log(uniform(0.01, 16)), the gated norm's scale 1 (no weight
