@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from meshformer.model.attention import SequenceChunk
 from meshformer.model.config import ModelConfig
 from meshformer.model.gated_delta import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from meshformer.model.gated_delta_fla import fla_gated_delta_rule, fla_importable
 
 
 @dataclass
@@ -97,6 +98,7 @@ class GatedDeltaNet(nn.Module):
         self.n_heads, self.n_key_heads = la.n_heads, la.key_heads
         self.key_head_dim, self.value_head_dim = la.key_head_dim, la.value_head_dim
         self.chunk_size = la.chunk_size
+        self.backend = la.backend
         key_dim, value_dim = la.key_heads * la.key_head_dim, la.n_heads * la.value_head_dim
         channels = 2 * key_dim + value_dim  # q, k and v pass the convolution
         self.split_projections = la.projections == "split"
@@ -181,13 +183,23 @@ class GatedDeltaNet(nn.Module):
             out, final = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
                                                     doc_ids=documents, use_qk_l2norm=True)
         else:
-            out, final = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=state,
-                                                output_final_state=cache is not None, doc_ids=documents,
-                                                use_qk_l2norm=True)
+            out, final = self._chunked(q, k, v, g, beta, initial_state=state, output_final_state=cache is not None,
+                                       doc_ids=documents)
         if cache is not None:
             cache.conv, cache.state, cache.length = conv_state, final, cache.length + length
         out = self.norm(out, z, self._whole(self.norm.weight)).reshape(batch, length, -1)
         return self.out_proj(out)
+
+    def _chunked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                 initial_state: torch.Tensor | None, output_final_state: bool, doc_ids: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chunked rule (q and k L2-normalised inside) on the configured backend."""
+        use_fla = self.backend == "fla" or (self.backend == "auto" and q.is_cuda and fla_importable())
+        if use_fla:
+            return fla_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
+                                        output_final_state=output_final_state, doc_ids=doc_ids, use_qk_l2norm=True)
+        return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=initial_state,
+                                      output_final_state=output_final_state, doc_ids=doc_ids, use_qk_l2norm=True)
 
     def _rule_inputs(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor
                      ) -> tuple[torch.Tensor, ...]:
@@ -264,9 +276,8 @@ class GatedDeltaNet(nn.Module):
                     entering = entering * keep[:, None, None, None].to(entering.dtype)
                 rows = slice(start, start + piece_len)
                 docs = None if documents is None else documents[:, at: at + piece_len]
-                out[piece], final = chunk_gated_delta_rule(
-                    q[:, rows], k[:, rows], v[:, rows], g[:, rows], beta[:, rows], chunk_size=self.chunk_size,
-                    initial_state=entering, output_final_state=True, doc_ids=docs, use_qk_l2norm=True)
+                out[piece], final = self._chunked(q[:, rows], k[:, rows], v[:, rows], g[:, rows], beta[:, rows],
+                                                  initial_state=entering, output_final_state=True, doc_ids=docs)
                 assert final is not None
                 slot = final
             if piece == pieces - 1:

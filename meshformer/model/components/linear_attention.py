@@ -69,6 +69,12 @@ class LinearAttention(TokenMixer):
         for key in ("n_heads", "key_head_dim", "value_head_dim", "conv_width", "chunk_size"):
             if getattr(la, key) < 1:
                 raise ConfigError(f"model.linear_attention.{key}={getattr(la, key)} must be positive")
+        if la.backend == "fla":
+            from meshformer.model.gated_delta_fla import FLA_EXTRA, fla_importable
+
+            if not fla_importable():
+                raise ConfigError(f"{FLA_EXTRA} (not installed here)",
+                                  'install it, or set model.linear_attention.backend = "auto" or "torch"')
         if la.key_heads < 1 or la.n_heads % la.key_heads:
             raise ConfigError(f"model.linear_attention.n_key_heads={la.n_key_heads} must divide n_heads={la.n_heads} "
                               "(each query/key head serves a group of value heads)",
