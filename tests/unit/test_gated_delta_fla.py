@@ -12,6 +12,7 @@ import types
 from typing import Any
 
 import pytest
+from helpers.common import load_script
 import torch
 import torch.nn.functional as F
 
@@ -144,3 +145,14 @@ def test_fla_backend_without_the_package_is_one_line(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", None)  # an import that fails
     with pytest.raises(ImportError, match=r"meshformer\[fla\]"):
         gated_delta_fla.fla_rule()
+
+
+def test_bench_reports_equality_and_speed(fake_fla) -> None:
+    """bench/gated_delta_fla.py's measurement (the GPU check) on CPU: equal sides pass, a wrong side fails."""
+    bench = load_script("bench/gated_delta_fla.py")
+    report = bench.measure("1,2,4,8,20", "fp32", rounds=1, tolerance=1e-5, device="cpu")
+    assert report["equal"] and set(report["relative_diffs"]) == {"out", "dq", "dk", "dv", "dg", "dbeta"}
+    assert report["ours_ms"] > 0 and report["fla_ms"] > 0
+    sides = bench._sides()
+    bench._sides = lambda: {**sides, "fla": lambda *x: 1.01 * sides["fla"](*x)}
+    assert not bench.measure("1,2,4,8,20", "fp32", rounds=1, tolerance=1e-5, device="cpu")["equal"]
