@@ -76,7 +76,8 @@ def measure(shape: str, dtype: str, rounds: int, tolerance: float, device: str) 
     names = ["out", "dq", "dk", "dv", "dg", "dbeta"]
     diffs = {name: _relative(a, b) for name, a, b in zip(names, results["fla"], results["ours"], strict=True)}
     return {"bench": "gated_delta_fla", "batch": batch, "key_heads": key_heads, "heads": heads, "head_dim": dim,
-            "seq": seq, "dtype": dtype, "rounds": rounds, "device": torch.cuda.get_device_name() if device == "cuda" else device,
+            "seq": seq, "dtype": dtype, "rounds": rounds,
+            "device": torch.cuda.get_device_name() if device == "cuda" else device,
             "ours_ms": round(median["ours"], 3), "fla_ms": round(median["fla"], 3),
             "speedup": round(median["ours"] / median["fla"], 3),
             "relative_diffs": {name: float(f"{d:.3e}") for name, d in diffs.items()},

@@ -7,14 +7,15 @@ bench/gated_delta_fla.py's."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 from typing import Any
 
 import pytest
-from helpers.common import load_script
 import torch
 import torch.nn.functional as F
+from helpers.common import load_script
 
 from meshformer.config.migrate import model_from_flat
 from meshformer.errors import ConfigError
@@ -52,7 +53,7 @@ def documented_rule(calls: list[dict[str, Any]]):
         assert q.shape[0] == 1, "variable-length inputs are one row"
         outs, finals = [], []
         bounds = cu_seqlens.tolist()
-        for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        for n, (start, end) in enumerate(itertools.pairwise(bounds)):
             piece = [x[:, start:end] for x in (q, k, v, g, beta)]
             state = None if initial_state is None else initial_state[n:n + 1]
             out, final = recurrent_gated_delta_rule(*piece, scale=scale, initial_state=state, output_final_state=True,
