@@ -101,7 +101,10 @@ MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "mo
               # order, the attention blocks beside them on the balanced layout)
               "qwen3next/fsdp-ep", "qwen3next/pp", "qwen3next/fsdp-ep-recompute=selective",
               "qwen3next/fsdp-ep-recompute=full", "qwen3next/cp", "qwen3next/cp-ep",
-              "qwen3next/tp-ep"]  # Gated DeltaNet split by key-head group; its convolution picked per head
+              "qwen3next/tp-ep",  # Gated DeltaNet split by key-head group; its convolution picked per head
+              # right-padded with packed documents: a padding query whose document has no real token attends to
+              # the keys up to its own, as a context-parallel piece sees them (MoE routes its output)
+              "qwen3next/cp-ep-rightpad"]
 MOE_WORLD4 = ["qwen3next/cp=4",  # 8 pieces of 2 tokens: a convolution window spans two earlier pieces
               "qwen3next/cp-fsdp-ep=4", "qwen3next/tp-fsdp-ep",
               "moe/fsdp=4-ep", "moe/fsdp=4-ep=4", "moe/hsdp-ep", "moe/tp-fsdp-ep", "moe/tp-fsdp-ep=4",
