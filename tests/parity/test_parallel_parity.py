@@ -74,6 +74,7 @@ WORLD4 = [
     "decoder/cp=4",  # 8 pieces of 2 tokens
     "encoder/cp-fsdp",
     "decoder_olmo2/tp-fsdp",
+    "qwen35/cp-tp",  # Gated DeltaNet pieces in sequence order on each rank's heads
 ]
 WORLD8 = ["decoder/pp-fsdp-tp", "encdec/pp-fsdp-tp-sched=interleaved_1f1b-spr=2",
           "decoder/cp-hsdp", "decoder/cp-pp-tp"]  # context parallel with HSDP; all of pp x cp x tp

@@ -12,7 +12,14 @@ from torch import nn
 
 from meshformer.errors import ConfigError
 from meshformer.model.components import register
-from meshformer.model.components.base import FP32, ActivationLayout, GenerationCache, InitFn, TokenMixer
+from meshformer.model.components.base import (
+    FP32,
+    ActivationLayout,
+    GenerationCache,
+    InitFn,
+    TokenMixer,
+    output_projection_bytes,
+)
 from meshformer.model.config import ModelConfig
 from meshformer.model.tp_styles import COLWISE, HEAD_SHARD, ROWWISE
 
@@ -145,11 +152,12 @@ class LinearAttention(TokenMixer):
         precision), beta v, W_v and the updates, 7 rows of C x C within-chunk tensors (decays, K K^T, its inverse,
         Q K^T) and 7 scalars; and each chunk's (key_head_dim x value_head_dim) entering state, plus the final
         one. Within 12% of the measurement (tests/unit/test_linear_attention.py): which of these share storage
-        through views depends on the shapes."""
-        la, b, s, a = cfg.linear_attention, x.batch, x.seq, x.bytes
-        key_dim, value_dim = _widths(cfg)
+        through views depends on the shapes. Under tensor parallel every term but the (gathered) input is this
+        rank's heads'."""
+        la, b, s, a, t = cfg.linear_attention, x.batch, x.seq, x.bytes, x.tp
+        key_dim, value_dim = (width // t for width in _widths(cfg))
         channels = 2 * key_dim + value_dim
-        chunk, heads, dk, dv = la.chunk_size, la.n_heads, la.key_head_dim, la.value_head_dim
+        chunk, heads, dk, dv = la.chunk_size, la.n_heads // t, la.key_head_dim, la.value_head_dim
         chunks = -(-s // chunk)
         per_token = (cfg.d_model + 3 * channels + value_dim) * a + (5 * value_dim + 4 * heads) * FP32
         values = 3 if a == FP32 else 4  # a half-precision v is copied to float32 first
@@ -159,20 +167,21 @@ class LinearAttention(TokenMixer):
     def selective_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
         """An estimate of what the selective policy keeps: its matmul outputs (the two input projections, the
         rule's batched products K K^T, Q K^T, W_v, W_k and the outputs, the scan's updates and states) and
-        out_proj's output."""
-        la, b, s, a = cfg.linear_attention, x.batch, x.seq, x.bytes
-        key_dim, value_dim = _widths(cfg)
-        chunk, heads, dk, dv = la.chunk_size, la.n_heads, la.key_head_dim, la.value_head_dim
+        out_proj's output (tensor parallel: this rank's heads', and out_proj's output before and after its
+        reduce-scatter)."""
+        la, b, s, a, t = cfg.linear_attention, x.batch, x.seq, x.bytes, x.tp
+        key_dim, value_dim = (width // t for width in _widths(cfg))
+        chunk, heads, dk, dv = la.chunk_size, la.n_heads // t, la.key_head_dim, la.value_head_dim
         padded = -(-s // chunk) * chunk
-        projections = s * (2 * key_dim + 2 * value_dim + 2 * heads + cfg.d_model) * a
+        projections = s * (2 * key_dim + 2 * value_dim + 2 * heads) * a
         rule = heads * (padded * (2 * chunk + dk + 3 * dv) * FP32 + (padded // chunk + 1) * dk * dv * FP32)
-        return b * (projections + rule)
+        return b * (projections + rule) + output_projection_bytes(cfg, x)
 
     def backward_bytes(self, cfg: ModelConfig, x: ActivationLayout, freed: float) -> float:
         """An estimate: the float32 gradients of the rule's per-chunk tensors alive at once (those of q, k, v, W_v,
         W_k and the C x C products) and of every chunk's state."""
         la, b, s = cfg.linear_attention, x.batch, x.seq
-        chunk, heads, dk, dv = la.chunk_size, la.n_heads, la.key_head_dim, la.value_head_dim
+        chunk, heads, dk, dv = la.chunk_size, la.n_heads // x.tp, la.key_head_dim, la.value_head_dim
         padded = -(-s // chunk) * chunk
         return b * heads * (padded * (3 * dk + 3 * dv + 2 * chunk) + (padded // chunk + 1) * dk * dv) * FP32
 
