@@ -44,7 +44,7 @@ info = {"bench": "environment", "torch": torch.__version__, "python": platform.p
 if torch.cuda.is_available():
     info |= {"gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
              "cudnn": torch.backends.cudnn.version()}
-for mod in ("torchao", "liger_kernel", "triton"):
+for mod in ("torchao", "liger_kernel", "triton", "fla"):
     try:
         info[mod] = getattr(__import__(mod), "__version__", "importable")
     except Exception as err:

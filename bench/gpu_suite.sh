@@ -6,7 +6,8 @@
 #   parameters at Llama-3-8B layer shapes (up to 16 layers, 4.5B) against the GPU's RNG throughput; issue 21's MoE
 #   layer (grouped_mm / padded / loop vs the dense FFN of the same active FLOPs) at a Mixtral-like and a
 #   Qwen3-MoE-like shape (bench/gpu_moe.sh runs them alone); gpt-oss's attention sinks on every SDPA kernel against
-#   the math path, and the blockwise kernel QK-clip records with against flash (last: the earlier items keep their
+#   the math path, and the blockwise kernel QK-clip records with against flash; the gated delta rule, ours against
+#   flash-linear-attention's kernel at T = 2k and 8k (needs its wheels in .whl/; last: the earlier items keep their
 #   budget).
 # Each result is one JSON line appended to $OUT/results.jsonl as soon as it exists; each item has its own
 # timeout, capped by what is left of SUITE_BUDGET_S, so one hang cannot eat the run. Logs: $OUT/<item>.log.
@@ -35,6 +36,7 @@ if [[ "$SMOKE" == 1 ]]; then
   item moe_qwen3 120 python3 bench/moe_layer.py --device cpu --dtype bf16 --shape tiny --rounds 1 --threads 1 \
     --routing skewed
   item attention_sinks 60 python3 bench/attention_sinks.py --device cpu --dtype fp32 --shape tiny --rounds 1
+  item gated_delta_fla 30 python3 bench/gated_delta_fla.py --shape 1,2,4,32,128 --rounds 1  # a skip line on CPU
 else
   item gemm 30 python3 bench/gemm_ceiling.py --n 8192 --seconds 1.5
   item init_speed 25 python3 bench/init_speed.py --layers 1 4 16
@@ -50,5 +52,7 @@ else
   item moe_qwen3 100 python3 bench/moe_layer.py --device cuda --dtype bf16 --shape qwen3-moe --rounds 5
   # gpt-oss's sinks through flash / cuDNN / efficient (one extra key, widened heads) vs math; QK-clip's kernel cost
   item attention_sinks 60 python3 bench/attention_sinks.py --device cuda --dtype bf16 --shape gpt-oss --rounds 5
+  # Qwen3-Next's Gated DeltaNet heads (16 query/key, 32 value, width 128): forward + backward, equality and speed
+  item gated_delta_fla 90 python3 bench/gated_delta_fla.py --dtype bf16 --shape 1,16,32,128,2048 1,16,32,128,8192
 fi
 echo "suite done in $(( $(date +%s) - START ))s; results in $RESULTS" >&2

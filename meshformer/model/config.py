@@ -170,6 +170,9 @@ class LinearAttentionConfig:
     # per key head (Qwen3-Next), "split" = in_proj_qkv (every q, then k, then v), in_proj_z, in_proj_b, in_proj_a
     # (Qwen3.5)
     projections: Literal["grouped", "split"] = "grouped"
+    # the chunked rule's kernel: "torch" (model/gated_delta.py, any device), "fla" (flash-linear-attention's Triton
+    # kernel, a GPU and the extra meshformer[fla]), "auto" = fla where it is installed and the model is on CUDA
+    backend: Literal["torch", "fla", "auto"] = "auto"
 
     @property
     def key_heads(self) -> int:

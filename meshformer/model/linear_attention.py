@@ -14,19 +14,29 @@ Padding tokens enter as zeros (their keys and values write nothing), so left-pad
 state. With packed documents (doc_ids) the recurrent state and the convolution window restart at every document.
 Generation carries both in a `LinearCache`. Its kind, `linear_attention`, is declared in
 model/components/linear_attention.py.
+
+Tensor parallel splits it by key head (and the value heads each serves): `shard_heads` gives the module this
+rank's share. The grouped projections and z, b, a are head-major, so they split as plain colwise linears, and
+A_log / dt_bias by value head. The convolution's channels (and the split layout's in_proj_qkv rows) are ordered
+[all q | all k | all v], which no contiguous split matches: those weights stay whole on every rank, each rank
+convolves (projects) its own heads' channels and their gradients are summed over the ranks. So is the gated norm's
+weight, which every head shares.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshformer.model.attention import SequenceChunk
 from meshformer.model.config import ModelConfig
 from meshformer.model.gated_delta import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from meshformer.model.gated_delta_fla import fla_gated_delta_rule, fla_importable
 
 
 @dataclass
@@ -39,6 +49,31 @@ class LinearCache:
     length: int = 0
 
 
+@dataclass(frozen=True)
+class HeadShard:
+    """A tensor-parallel rank's heads of a GatedDeltaNet: `channels` indexes its heads' q, k and v among the
+    [all q | all k | all v] channels; `sum_gradient` (identity forward) sums the gradient of a weight every rank
+    holds whole over the ranks, each of which computed its heads' share."""
+
+    channels: torch.Tensor
+    sum_gradient: Callable[[torch.Tensor], torch.Tensor]
+
+
+def head_channels(key_heads: int, key_head_dim: int, value_heads: int, value_head_dim: int, ranks: int,
+                  rank: int) -> torch.Tensor:
+    """Indices of rank `rank`'s heads' q, k and v channels (of `ranks`, each holding a contiguous run of key heads
+    and the value heads they serve) among the [all q | all k | all v] channels."""
+    key_dim = key_heads * key_head_dim
+    keys = torch.arange(key_dim).view(ranks, -1)[rank]
+    values = torch.arange(value_heads * value_head_dim).view(ranks, -1)[rank]
+    return torch.cat([keys, key_dim + keys, 2 * key_dim + values])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter (tensor parallel makes it a DTensor); a plain tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class GatedRMSNorm(nn.Module):
     """weight * rmsnorm(x) * silu(gate) over the last dimension, normalised in float32."""
 
@@ -47,10 +82,11 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(width))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """weight: the scale to use in place of `self.weight` (a tensor-parallel rank's view of it)."""
         dtype = x.dtype
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(dtype)
-        return (self.weight * normed * F.silu(gate.float())).to(dtype)
+        return ((self.weight if weight is None else weight) * normed * F.silu(gate.float())).to(dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -62,6 +98,7 @@ class GatedDeltaNet(nn.Module):
         self.n_heads, self.n_key_heads = la.n_heads, la.key_heads
         self.key_head_dim, self.value_head_dim = la.key_head_dim, la.value_head_dim
         self.chunk_size = la.chunk_size
+        self.backend = la.backend
         key_dim, value_dim = la.key_heads * la.key_head_dim, la.n_heads * la.value_head_dim
         channels = 2 * key_dim + value_dim  # q, k and v pass the convolution
         self.split_projections = la.projections == "split"
@@ -78,18 +115,44 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(la.n_heads))
         self.norm = GatedRMSNorm(la.value_head_dim, cfg.norm.eps)
         self.out_proj = nn.Linear(value_dim, cfg.d_model, bias=False)
+        self.head_shard: HeadShard | None = None  # tensor parallel: this rank's heads (`shard_heads`)
+
+    def shard_heads(self, ranks: int, rank: int, sum_gradient: Callable[[torch.Tensor], torch.Tensor]
+                    ) -> tuple[list[str], list[str]]:
+        """Run rank `rank`'s key heads of `ranks` (and the value heads they serve) from now on. Returns the names
+        of its own parameters that the caller splits on dim 0 with the value heads, and of those every rank keeps
+        whole (their gradients pass `sum_gradient`); the linears are the caller's (`tp_rules`)."""
+        channels = head_channels(self.n_key_heads, self.key_head_dim, self.n_heads, self.value_head_dim, ranks, rank)
+        self.head_shard = HeadShard(channels, sum_gradient)
+        whole = ["conv1d.weight", "norm.weight"] + (["in_proj_qkv.weight"] if self.split_projections else [])
+        return ["A_log", "dt_bias"], whole
+
+    def _whole(self, weight: torch.Tensor) -> torch.Tensor:
+        """A weight every rank holds whole, as this module reads it (its gradient summed over the ranks)."""
+        weight = _local(weight)
+        return weight if self.head_shard is None else self.head_shard.sum_gradient(weight)
+
+    def _channels(self, weight: torch.Tensor) -> torch.Tensor:
+        """The rows of a [all q | all k | all v] weight this module's heads use."""
+        weight = self._whole(weight)
+        return weight if self.head_shard is None else weight[self.head_shard.channels.to(weight.device)]
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The projections of x (B, T, D): mixed q|k|v (B, T, channels), z (B, T, H, Dv), b and a (B, T, H)."""
         batch, length, _ = x.shape
         dk, dv = self.key_head_dim, self.value_head_dim
         if self.split_projections:
-            return (self.in_proj_qkv(x), self.in_proj_z(x).view(batch, length, -1, dv), self.in_proj_b(x),
+            if self.head_shard is None:
+                qkv = self.in_proj_qkv(x)
+            else:  # x's gradient from this rank's rows alone: summed over the ranks, as a colwise linear's is
+                qkv = F.linear(self.head_shard.sum_gradient(x), self._channels(self.in_proj_qkv.weight))
+            return (qkv, self.in_proj_z(x).view(batch, length, -1, dv), self.in_proj_b(x),
                     self.in_proj_a(x))
-        # head counts from the shapes: a tensor-parallel shard holds whole key-head groups
-        key_heads = self.in_proj_ba.weight.shape[0] * self.n_key_heads // (2 * self.n_heads)
         per_key = self.n_heads // self.n_key_heads  # value heads per key head
-        qkvz = self.in_proj_qkvz(x).view(batch, length, key_heads, 2 * dk + 2 * per_key * dv)
+        qkvz = self.in_proj_qkvz(x)
+        # head count from the width: a tensor-parallel rank's projection holds whole key-head groups
+        key_heads = qkvz.shape[-1] // (2 * dk + 2 * per_key * dv)
+        qkvz = qkvz.view(batch, length, key_heads, 2 * dk + 2 * per_key * dv)
         q, k, v, z = qkvz.split([dk, dk, per_key * dv, per_key * dv], dim=-1)
         b, a = self.in_proj_ba(x).view(batch, length, key_heads, 2 * per_key).split([per_key, per_key], dim=-1)
         mixed = torch.cat([t.reshape(batch, length, -1) for t in (q, k, v)], dim=-1)
@@ -107,7 +170,7 @@ class GatedDeltaNet(nn.Module):
             x = x * padding[..., None].to(x.dtype)
         batch, length, _ = x.shape
         mixed, z, b, a = self._split(x)
-        weight = self.conv1d.weight.squeeze(1)
+        weight = self._channels(self.conv1d.weight).squeeze(1)
         if isinstance(chunk, SequenceChunk):
             if cache is not None:
                 raise ValueError("linear_attention blocks generate on one device; set parallel.cp=1 to generate")
@@ -120,13 +183,23 @@ class GatedDeltaNet(nn.Module):
             out, final = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
                                                     doc_ids=documents, use_qk_l2norm=True)
         else:
-            out, final = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=state,
-                                                output_final_state=cache is not None, doc_ids=documents,
-                                                use_qk_l2norm=True)
+            out, final = self._chunked(q, k, v, g, beta, initial_state=state, output_final_state=cache is not None,
+                                       doc_ids=documents)
         if cache is not None:
             cache.conv, cache.state, cache.length = conv_state, final, cache.length + length
-        out = self.norm(out, z).reshape(batch, length, -1)
+        out = self.norm(out, z, self._whole(self.norm.weight)).reshape(batch, length, -1)
         return self.out_proj(out)
+
+    def _chunked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                 initial_state: torch.Tensor | None, output_final_state: bool, doc_ids: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chunked rule (q and k L2-normalised inside) on the configured backend."""
+        use_fla = self.backend == "fla" or (self.backend == "auto" and q.is_cuda and fla_importable())
+        if use_fla:
+            return fla_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
+                                        output_final_state=output_final_state, doc_ids=doc_ids, use_qk_l2norm=True)
+        return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=initial_state,
+                                      output_final_state=output_final_state, doc_ids=doc_ids, use_qk_l2norm=True)
 
     def _rule_inputs(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor
                      ) -> tuple[torch.Tensor, ...]:
@@ -138,7 +211,7 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(batch, length, -1, self.key_head_dim)
         k = k.reshape(batch, length, -1, self.key_head_dim)
         v = v.reshape(batch, length, -1, self.value_head_dim)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        g = -_local(self.A_log).float().exp() * F.softplus(a.float() + _local(self.dt_bias).float())
         return q, k, v, g, b.sigmoid()
 
     def _forward_pieces(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
@@ -203,9 +276,8 @@ class GatedDeltaNet(nn.Module):
                     entering = entering * keep[:, None, None, None].to(entering.dtype)
                 rows = slice(start, start + piece_len)
                 docs = None if documents is None else documents[:, at: at + piece_len]
-                out[piece], final = chunk_gated_delta_rule(
-                    q[:, rows], k[:, rows], v[:, rows], g[:, rows], beta[:, rows], chunk_size=self.chunk_size,
-                    initial_state=entering, output_final_state=True, doc_ids=docs, use_qk_l2norm=True)
+                out[piece], final = self._chunked(q[:, rows], k[:, rows], v[:, rows], g[:, rows], beta[:, rows],
+                                                  initial_state=entering, output_final_state=True, doc_ids=docs)
                 assert final is not None
                 slot = final
             if piece == pieces - 1:
@@ -218,5 +290,5 @@ class GatedDeltaNet(nn.Module):
         assert state is not None
         merged = torch.cat([out[at // piece_len] for _, _, at in spans], dim=1)
         merged = merged + (state.sum() * 0).to(merged.dtype)  # the last gather's backward runs on every rank
-        merged = self.norm(merged, z).reshape(batch, length, -1)
+        merged = self.norm(merged, z, self._whole(self.norm.weight)).reshape(batch, length, -1)
         return self.out_proj(merged)

@@ -59,6 +59,7 @@ def build_mask(
     structure = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
     if causal:
         structure &= delta >= 0
+    opened = structure.clone()  # what a row with no allowed key attends to: every key its causality allows
     if window is not None:
         structure &= delta.abs() < window
     mask = structure[None, None]
@@ -66,7 +67,9 @@ def build_mask(
         mask = mask & key_padding[:, None, None, :].bool()
     if documents is not None:
         mask = mask & (documents[:, None, q_pos, None] == documents[:, None, None, :])
-    mask = mask | ~mask.any(dim=-1, keepdim=True)  # never an empty row
+    # never an empty row (a padding query without a real key): it attends to every key up to its own (causal) or
+    # every key, so that a context-parallel piece, which sees the keys up to its end, computes it as one process
+    mask = mask | (~mask.any(dim=-1, keepdim=True) & opened)
     return AttentionMask(mask)
 
 

@@ -14,5 +14,8 @@ ROWWISE = "rowwise"  # splits input features; the output is reduce-scattered ont
 # an identity the mixer routes a replicated tensor through, which this rank's heads alone read: its gradient is
 # partial and is summed over the ranks (MLA's rotary key, shared by every head)
 PARTIAL_GRADIENT = "partial_gradient"
+# a module that takes its heads' share of its own parameters through its `shard_heads(ranks, rank, sum_gradient)`
+# (Gated DeltaNet), its first input all-gathered from the sequence slices
+HEAD_SHARD = "head_shard"
 TOKENS = "tokens"  # runs on this rank's tokens flattened to (N, D) with a replicated weight (the MoE router)
 

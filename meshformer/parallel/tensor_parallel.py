@@ -15,6 +15,10 @@ Layout of the activations (tp ranks, sequence T, hidden D):
   materialises full-vocabulary logits;
 - attention sinks (one logit per head) are split with the heads; a replicated tensor only this rank's heads
   read (multi-head latent attention's shared rotary key) has its gradient summed over the ranks;
+- a Gated DeltaNet (linear_attention) splits by key head: its head-major projections colwise, its per-head
+  A_log / dt_bias on dim 0; weights over its [all q | all k | all v] channels (the convolution, Qwen3.5's
+  in_proj_qkv) and its gated norm's weight stay whole, each rank reading its heads' rows and the gradients summed
+  over the ranks (the module says which: `shard_heads`);
 - a QK-norm over the whole projection (OLMo 2) holds its heads' slice of the weight and sums the mean square
   over the tensor-parallel ranks (one all-reduce of a (B, T, 1) tensor per norm).
 
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from typing import Protocol, cast
 
 import torch
 import torch.distributed.nn.functional as dist_nn
@@ -108,6 +113,33 @@ class _PartialGradient(ParallelStyle):
         return module
 
 
+class _HeadSharded(Protocol):
+    def shard_heads(self, ranks: int, rank: int, sum_gradient: Callable[[torch.Tensor], torch.Tensor]
+                    ) -> tuple[list[str], list[str]]: ...
+
+
+class _HeadShard(ParallelStyle):
+    """A module that takes its heads' share itself (`shard_heads`): the parameters it names split on dim 0 (whole
+    heads per rank), those it keeps whole replicated with their gradients summed over the ranks in its forward.
+    Its first input is all-gathered from the sequence slices to a plain tensor: the colwise linears that read it
+    all-reduce its gradient."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+        split, whole = cast(_HeadSharded, module).shard_heads(
+            device_mesh.size(), device_mesh.get_local_rank(), lambda t: _SumGradient.apply(t, group))
+        for name in split + whole:
+            owner_path, _, pname = name.rpartition(".")
+            owner = module.get_submodule(owner_path)
+            param = getattr(owner, pname)
+            placed = (distribute_tensor(param.data, device_mesh, [Shard(0)], src_data_rank=None) if name in split
+                      else DTensor.from_local(param.data, device_mesh, [Replicate()], run_check=False))
+            owner.register_parameter(pname, nn.Parameter(placed, param.requires_grad))
+        gather = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
+                                    use_local_output=True)
+        return gather._apply(module, device_mesh)
+
+
 # Each style the family specs may name, as DTensor layouts. Vocabulary-sharded logits are kept local: the loss
 # is computed vocab-parallel.
 _STYLES = {
@@ -127,6 +159,7 @@ _STYLES = {
     styles.COLWISE: ColwiseParallel,
     styles.ROWWISE: lambda: RowwiseParallel(output_layouts=Shard(1)),
     styles.PARTIAL_GRADIENT: _PartialGradient,
+    styles.HEAD_SHARD: _HeadShard,
 }
 
 

@@ -102,6 +102,17 @@ def test_moe_layer_tiny():
     assert records[1]["max_over_mean_load"] >= 1.8  # the skew bias did skew the load (target 2)
 
 
+def test_gated_delta_fla_says_why_it_skips():
+    """Without CUDA or fla the GPU check writes one line saying which is missing (tests/unit/test_gated_delta_fla.py
+    runs its measurement on CPU with a stand-in fla)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU machine the bench measures")
+    (record,) = run_bench("gated_delta_fla.py", "--shape", "1,2,4,8,16", "--rounds", "1")
+    assert record == {"bench": "gated_delta_fla", "status": "skipped", "reason": "CUDA is not available"}
+
+
 @pytest.mark.slow  # two trainings through the CLI: ~1 min each on a busy 2-core box
 def test_moe_vs_dense_tiny(tmp_path):
     records = run_bench("moe_vs_dense.py", "--steps", "2", "--eval-interval", "1", "--threads", "1", "--concurrent",

@@ -156,6 +156,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
                       linear_attention=dict(n_heads=4, n_key_heads=2, key_head_dim=8, value_head_dim=8, chunk_size=8),
                       moe=dict(n_experts=4, experts_per_token=2, d_ff=24, n_shared_experts=1, shared_expert_gate=True,
                                aux_loss=0.01)),
+    # Qwen3.5-like dense: the same blocks with the split projections (in_proj_qkv ordered [all q | all k | all v])
+    # and dense SwiGLU feed-forwards
+    "qwen35": dict(family="decoder", n_layers=2, position="rope", bias=False,
+                   layer_types=["linear_attention", "full_attention"],
+                   norm=dict(kind="rmsnorm", weight_offset=1.0), ffn=dict(activation="swiglu"),
+                   attention=dict(n_kv_heads=2, qk_norm=True, output_gate=True, document_mask=True),
+                   rope=dict(partial_factor=0.5),
+                   linear_attention=dict(n_heads=4, n_key_heads=2, key_head_dim=8, value_head_dim=6, chunk_size=8,
+                                         projections="split")),
     # BERT-like: learned positions, embedding norm, prediction-head transform, post-norm
     "encoder": dict(family="encoder", n_layers=4, position="learned", head_transform=True, ffn=dict(activation="gelu"),
                     norm=dict(embedding=True, position="post")),
@@ -482,6 +491,8 @@ def scenario(name: str) -> tuple[Config, list]:
             extra["compile"] = "blocks"
         elif key == "padded":  # decoder batches carry a key mask that hides earlier keys too (the first one kept)
             extra["_padded"] = True
+        elif key == "rightpad":  # causal batches right-padded: an attention mask False on each sequence's tail
+            extra["_right_padded"] = True
         elif key == "muon":  # optim.name: Muon for the blocks' matrices (the reference steps alike)
             extra["_muon"] = True
         elif key == "qkclip":  # MuonClip at a threshold that clips some heads of the tiny models (and not others)
@@ -492,6 +503,7 @@ def scenario(name: str) -> tuple[Config, list]:
             raise ValueError(f"unknown layout part {part!r} in {name!r}")
     parallel.setdefault("dp_shard", 1)
     padded = extra.pop("_padded", False)
+    right_padded = extra.pop("_right_padded", False)
     muon = extra.pop("_muon", False)
     qk_clip = extra.pop("_qk_clip", None)
     cfg = make_config(family, parallel, **extra)
@@ -503,6 +515,8 @@ def scenario(name: str) -> tuple[Config, list]:
         g = torch.Generator().manual_seed(5)
         keep = [torch.rand(b["input_ids"].shape, generator=g) > 0.3 for b in batches]
         batches = [{**b, "attention_mask": k.index_fill(1, torch.tensor([0]), True)} for b, k in zip(batches, keep)]
+    if right_padded:  # the tail make_batches ignores in the labels is padding
+        batches = [{**b, "attention_mask": b["labels"] != IGNORE_INDEX} for b in batches]
     return cfg, [batches[0:2], batches[2:4]]
 
 

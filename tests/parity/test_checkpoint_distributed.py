@@ -191,6 +191,26 @@ def test_mtp_checkpoint_reshards_between_one_process_and_pipeline(tmp_path):
         assert diff < LAYOUT_CHANGE_TOLERANCE, (run.name, diff)
 
 
+GATED_DELTA = ('model.layer_types=["linear_attention", "full_attention"]', "model.linear_attention.n_heads=4",
+               "model.linear_attention.n_key_heads=2", "model.linear_attention.key_head_dim=8",
+               "model.linear_attention.value_head_dim=8", "model.linear_attention.chunk_size=8")
+
+
+@pytest.mark.parametrize("projections", ["grouped", "split"])
+def test_gated_deltanet_reshards_from_tensor_parallel_to_one_process(reference, tmp_path, projections):
+    """Gated DeltaNet blocks saved under tp=2 (heads split, the [q | k | v] convolution whole on each rank) resume in
+    one process and continue as the tensor-parallel run does."""
+    layout = (*GATED_DELTA, f'model.linear_attention.projections="{projections}"', "data.batch_size=8")
+    tp = tmp_path / "tp"
+    _check(_launch(tp, reference["shards"], *layout, "parallel.tp=2", "parallel.dp_shard=1"))
+    single = tmp_path / "single"
+    copy_steps(tp / "checkpoints", single / "checkpoints", 2)
+    run_trainer(tiny_config(reference["shards"], single, STEPS, *layout))
+    tp_weights = final_weights(tp)
+    assert tp_weights["decoder_layers.0.attn.conv1d.weight"].shape == (2 * 2 * 8 + 4 * 8, 1, 4)  # the whole weight
+    assert max_diff(final_weights(single), tp_weights) < LAYOUT_CHANGE_TOLERANCE
+
+
 # ----------------------------------------------------------------------------- one rank of a launch
 
 

@@ -56,6 +56,9 @@ WORLD2 = [
     "decoder/tp-compile",  # compiled blocks take a sequence-parallel input: the embedding's gradient flows back
     # packed documents (model.document_mask): doc_ids travel to every pipeline stage and stay whole under cp
     "decoder_docs/fsdp", "decoder_docs/tp", "decoder_docs/pp-sched=1f1b", "decoder_docs/cp",
+    # Qwen3.5's split projections: Gated DeltaNet heads under tensor parallel (in_proj_qkv and the convolution
+    # picked per head), and a right-padded batch of the hybrid model under context parallel
+    "qwen35/tp", "qwen35/cp-rightpad",
 ]
 WORLD4 = [
     "decoder/hsdp", "encoder/hsdp",
@@ -71,6 +74,7 @@ WORLD4 = [
     "decoder/cp=4",  # 8 pieces of 2 tokens
     "encoder/cp-fsdp",
     "decoder_olmo2/tp-fsdp",
+    "qwen35/cp-tp",  # Gated DeltaNet pieces in sequence order on each rank's heads
 ]
 WORLD8 = ["decoder/pp-fsdp-tp", "encdec/pp-fsdp-tp-sched=interleaved_1f1b-spr=2",
           "decoder/cp-hsdp", "decoder/cp-pp-tp"]  # context parallel with HSDP; all of pp x cp x tp
@@ -104,9 +108,13 @@ MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "mo
               # context parallel (the recurrent state and convolution window passed piece to piece in sequence
               # order, the attention blocks beside them on the balanced layout)
               "qwen3next/fsdp-ep", "qwen3next/pp", "qwen3next/fsdp-ep-recompute=selective",
-              "qwen3next/fsdp-ep-recompute=full", "qwen3next/cp", "qwen3next/cp-ep"]
+              "qwen3next/fsdp-ep-recompute=full", "qwen3next/cp", "qwen3next/cp-ep",
+              "qwen3next/tp-ep",  # Gated DeltaNet split by key-head group; its convolution picked per head
+              # right-padded with packed documents: a padding query whose document has no real token attends to
+              # the keys up to its own, as a context-parallel piece sees them (MoE routes its output)
+              "qwen3next/cp-ep-rightpad"]
 MOE_WORLD4 = ["qwen3next/cp=4",  # 8 pieces of 2 tokens: a convolution window spans two earlier pieces
-              "qwen3next/cp-fsdp-ep=4",
+              "qwen3next/cp-fsdp-ep=4", "qwen3next/tp-fsdp-ep",
               "moe/fsdp=4-ep", "moe/fsdp=4-ep=4", "moe/hsdp-ep", "moe/tp-fsdp-ep", "moe/tp-fsdp-ep=4",
               "moe/cp-fsdp-ep=4", "moe/pp-tp-ep", "moe/pp-fsdp-ep", "moe/pp-fsdp-ep-sched=gpipe",
               "moe/pp-fsdp-ep-sched=zbv", "moe/pp-fsdp-ep-sched=interleaved_1f1b-spr=2",

@@ -244,3 +244,14 @@ def test_split_projections_match_transformers_qwen3_5_module() -> None:
     real = padding[..., None].expand_as(got)
     assert expected[real].std() > 0.01
     torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+
+
+def test_head_channels_pick_each_ranks_q_k_and_v() -> None:
+    """Under tensor parallel a rank convolves its key heads' q and k channels and its value heads' v channels of
+    the [all q | all k | all v] order (2 key heads of width 2, 4 value heads of width 1, 2 ranks)."""
+    from meshformer.model.linear_attention import head_channels
+
+    assert head_channels(2, 2, 4, 1, 2, 0).tolist() == [0, 1, 4, 5, 8, 9]
+    assert head_channels(2, 2, 4, 1, 2, 1).tolist() == [2, 3, 6, 7, 10, 11]
+    whole = torch.cat([head_channels(2, 8, 4, 6, 2, r) for r in range(2)])
+    assert sorted(whole.tolist()) == list(range(2 * 16 + 24))  # every channel once

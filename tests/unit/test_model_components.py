@@ -48,7 +48,8 @@ def build(cfg: ModelConfig, seed: int = 0) -> Transformer:
 
 def allowed_matrix(batch: int, q_len: int, k_len: int, *, q_offset=0, causal=False, window=None, key_padding=None,
                    two_sided_window=True) -> torch.Tensor:
-    """(B, Tq, Tk) bool from explicit loops; rows with no allowed key are opened (the documented rule)."""
+    """(B, Tq, Tk) bool from explicit loops; rows with no allowed key are opened to every key their causality allows
+    (the documented rule)."""
     out = torch.zeros(batch, q_len, k_len, dtype=torch.bool)
     for b in range(batch):
         for i in range(q_len):
@@ -64,6 +65,8 @@ def allowed_matrix(batch: int, q_len: int, k_len: int, *, q_offset=0, causal=Fal
                 out[b, i, j] = ok
             if not out[b, i].any():
                 out[b, i] = True
+                if causal:
+                    out[b, i, qi + 1:] = False
     return out
 
 
@@ -210,6 +213,7 @@ MASK_CASES = {
     "window-causal": dict(causal=True, window=3),
     "window-two-sided": dict(causal=False, window=2, padded=True),
     "fully-padded-row": dict(causal=False, padded=True, empty_row=True),
+    "causal-fully-padded-row": dict(causal=True, padded=True, empty_row=True),  # opened up to its own key
 }
 
 

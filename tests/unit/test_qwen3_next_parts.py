@@ -133,8 +133,9 @@ def test_parameter_counts_equal_the_built_models() -> None:
     ({"linear_attention": {"n_heads": 4, "n_key_heads": 3}}, {}, "n_key_heads=3 must divide n_heads=4"),
     ({"moe": {"n_experts": 4, "shared_expert_gate": True}}, {}, "shared_expert_gate=true gates the shared experts"),
     ({"rope": {"partial_factor": 0.1}, "position": "rope"}, {}, "partial_factor=0.1 must rotate an even number"),
-    ({}, {"tp": 2}, r"^parallel\.tp=2: linear_attention blocks: splitting their heads over tensor-parallel ranks is "
-                    "not implemented; set parallel.tp=1"),
+    ({"linear_attention": {"n_heads": 4, "n_key_heads": 2}}, {"tp": 4},
+     r"^parallel\.tp=4 does not divide model\.linear_attention\.n_key_heads=2 \(Gated DeltaNet heads are split "
+     r"across tensor-parallel ranks\); choose a tp that divides"),
 ])
 def test_refusals_name_the_key(model: dict, parallel: dict, named: str) -> None:
     from meshformer.parallel_dims import validate_parallel
@@ -143,4 +144,4 @@ def test_refusals_name_the_key(model: dict, parallel: dict, named: str) -> None:
             "attention": {"n_heads": 4}}
     with pytest.raises(ConfigError, match=named):
         cfg = config_from_dict({"model": {**base, **model}, "parallel": parallel, "data": {"seq_len": 32}})
-        validate_parallel(cfg, 2, "cpu")
+        validate_parallel(cfg, max(2, parallel.get("tp", 1)), "cpu")

@@ -6,13 +6,22 @@ padding and packed documents of its tokens rather than a mask, and keeps a state
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from torch import nn
 
 from meshformer.errors import ConfigError
 from meshformer.model.components import register
-from meshformer.model.components.base import FP32, ActivationLayout, GenerationCache, InitFn, TokenMixer
+from meshformer.model.components.base import (
+    FP32,
+    ActivationLayout,
+    GenerationCache,
+    InitFn,
+    TokenMixer,
+    output_projection_bytes,
+)
 from meshformer.model.config import ModelConfig
+from meshformer.model.tp_styles import COLWISE, HEAD_SHARD, ROWWISE
 
 
 def _widths(cfg: ModelConfig) -> tuple[int, int]:
@@ -67,13 +76,30 @@ class LinearAttention(TokenMixer):
         for key in ("n_heads", "key_head_dim", "value_head_dim", "conv_width", "chunk_size"):
             if getattr(la, key) < 1:
                 raise ConfigError(f"model.linear_attention.{key}={getattr(la, key)} must be positive")
+        if la.backend == "fla":
+            from meshformer.model.gated_delta_fla import FLA_EXTRA, fla_importable
+
+            if not fla_importable():
+                raise ConfigError(f"{FLA_EXTRA} (not installed here)",
+                                  'install it, or set model.linear_attention.backend = "auto" or "torch"')
         if la.key_heads < 1 or la.n_heads % la.key_heads:
             raise ConfigError(f"model.linear_attention.n_key_heads={la.n_key_heads} must divide n_heads={la.n_heads} "
                               "(each query/key head serves a group of value heads)",
                               "choose n_key_heads dividing n_heads, or leave it unset (= n_heads)")
 
-    def tensor_parallel(self, cfg: ModelConfig) -> str | None:
-        return "splitting their heads over tensor-parallel ranks is not implemented"
+    def tp_rules(self, cfg: ModelConfig) -> Mapping[str, str]:
+        # Rows of the grouped projections, of z, b, a and of A_log / dt_bias are head-major: colwise splits give
+        # each rank whole key-head groups. The [q | k | v]-ordered convolution (and in_proj_qkv) stay whole on every
+        # rank, which picks its heads' channels (model/linear_attention.py: shard_heads).
+        linears = (["in_proj_z", "in_proj_b", "in_proj_a"] if cfg.linear_attention.projections == "split"
+                   else ["in_proj_qkvz", "in_proj_ba"])
+        return {"": HEAD_SHARD, **dict.fromkeys(linears, COLWISE), "out_proj": ROWWISE}
+
+    def tp_divides(self, cfg: ModelConfig) -> list[tuple[str, int, str]]:
+        la = cfg.linear_attention
+        why = "Gated DeltaNet heads are split across tensor-parallel ranks"
+        return [("model.linear_attention.n_heads", la.n_heads, why),
+                ("model.linear_attention.n_key_heads", la.key_heads, why)]
 
     def init_rule(self, cfg: ModelConfig, name: str) -> InitFn | None:
         """transformers' Qwen3-Next: dt_bias 1, A_log log(uniform(0.01, 16)), the gated norm's scale 1 (no weight
@@ -126,11 +152,12 @@ class LinearAttention(TokenMixer):
         precision), beta v, W_v and the updates, 7 rows of C x C within-chunk tensors (decays, K K^T, its inverse,
         Q K^T) and 7 scalars; and each chunk's (key_head_dim x value_head_dim) entering state, plus the final
         one. Within 12% of the measurement (tests/unit/test_linear_attention.py): which of these share storage
-        through views depends on the shapes."""
-        la, b, s, a = cfg.linear_attention, x.batch, x.seq, x.bytes
-        key_dim, value_dim = _widths(cfg)
+        through views depends on the shapes. Under tensor parallel every term but the (gathered) input is this
+        rank's heads'."""
+        la, b, s, a, t = cfg.linear_attention, x.batch, x.seq, x.bytes, x.tp
+        key_dim, value_dim = (width // t for width in _widths(cfg))
         channels = 2 * key_dim + value_dim
-        chunk, heads, dk, dv = la.chunk_size, la.n_heads, la.key_head_dim, la.value_head_dim
+        chunk, heads, dk, dv = la.chunk_size, la.n_heads // t, la.key_head_dim, la.value_head_dim
         chunks = -(-s // chunk)
         per_token = (cfg.d_model + 3 * channels + value_dim) * a + (5 * value_dim + 4 * heads) * FP32
         values = 3 if a == FP32 else 4  # a half-precision v is copied to float32 first
@@ -140,20 +167,21 @@ class LinearAttention(TokenMixer):
     def selective_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
         """An estimate of what the selective policy keeps: its matmul outputs (the two input projections, the
         rule's batched products K K^T, Q K^T, W_v, W_k and the outputs, the scan's updates and states) and
-        out_proj's output."""
-        la, b, s, a = cfg.linear_attention, x.batch, x.seq, x.bytes
-        key_dim, value_dim = _widths(cfg)
-        chunk, heads, dk, dv = la.chunk_size, la.n_heads, la.key_head_dim, la.value_head_dim
+        out_proj's output (tensor parallel: this rank's heads', and out_proj's output before and after its
+        reduce-scatter)."""
+        la, b, s, a, t = cfg.linear_attention, x.batch, x.seq, x.bytes, x.tp
+        key_dim, value_dim = (width // t for width in _widths(cfg))
+        chunk, heads, dk, dv = la.chunk_size, la.n_heads // t, la.key_head_dim, la.value_head_dim
         padded = -(-s // chunk) * chunk
-        projections = s * (2 * key_dim + 2 * value_dim + 2 * heads + cfg.d_model) * a
+        projections = s * (2 * key_dim + 2 * value_dim + 2 * heads) * a
         rule = heads * (padded * (2 * chunk + dk + 3 * dv) * FP32 + (padded // chunk + 1) * dk * dv * FP32)
-        return b * (projections + rule)
+        return b * (projections + rule) + output_projection_bytes(cfg, x)
 
     def backward_bytes(self, cfg: ModelConfig, x: ActivationLayout, freed: float) -> float:
         """An estimate: the float32 gradients of the rule's per-chunk tensors alive at once (those of q, k, v, W_v,
         W_k and the C x C products) and of every chunk's state."""
         la, b, s = cfg.linear_attention, x.batch, x.seq
-        chunk, heads, dk, dv = la.chunk_size, la.n_heads, la.key_head_dim, la.value_head_dim
+        chunk, heads, dk, dv = la.chunk_size, la.n_heads // x.tp, la.key_head_dim, la.value_head_dim
         padded = -(-s // chunk) * chunk
         return b * heads * (padded * (3 * dk + 3 * dv + 2 * chunk) + (padded // chunk + 1) * dk * dv) * FP32
 
