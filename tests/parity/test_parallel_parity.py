@@ -112,7 +112,12 @@ MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "mo
               "qwen3next/tp-ep",  # Gated DeltaNet split by key-head group; its convolution picked per head
               # right-padded with packed documents: a padding query whose document has no real token attends to
               # the keys up to its own, as a context-parallel piece sees them (MoE routes its output)
-              "qwen3next/cp-ep-rightpad"]
+              "qwen3next/cp-ep-rightpad",
+              # the V and interleaved schedules (two stages per rank, split backward) with latent attention and
+              # with Gated DeltaNet beside attention: four-block models
+              "deepseek4/pp-sched=zbv", "deepseek4/pp-sched=interleaved_zb-spr=2",
+              "deepseek4/pp-sched=interleaved_1f1b-spr=2", "qwen3next4/pp-sched=zbv",
+              "qwen3next4/pp-sched=interleaved_zb-spr=2", "qwen3next4/pp-sched=gpipe"]
 MOE_WORLD4 = ["qwen3next/cp=4",  # 8 pieces of 2 tokens: a convolution window spans two earlier pieces
               "qwen3next/cp-fsdp-ep=4", "qwen3next/tp-fsdp-ep",
               "moe/fsdp=4-ep", "moe/fsdp=4-ep=4", "moe/hsdp-ep", "moe/tp-fsdp-ep", "moe/tp-fsdp-ep=4",
@@ -171,7 +176,10 @@ WORLD2_SLOW = {"decoder/cp-compile", "decoder/tp-fp8=tensorwise", "decoder_alibi
                "moe/tp-ep-compile", "moe/fsdp-ep-compile-recompute=selective", "decoder/fsdp-fp8=tensorwise-muon",
                "decoder/cp-muon-qkclip", "encdec/tp-muon-qkclip=0.02", "decoder/fsdp-muon-qkclip-compile",
                 "deepseek_mtp/fsdp-ep", "deepseek/fsdp-muon-qkclip", "deepseek_mtp/cp-ep",
-                "deepseek_mtp/tp-ep", "deepseek_mtp/pp", "deepseek_mtp/pp-sched=gpipe"}
+                "deepseek_mtp/tp-ep", "deepseek_mtp/pp", "deepseek_mtp/pp-sched=gpipe",
+                "deepseek4/pp-sched=zbv", "deepseek4/pp-sched=interleaved_zb-spr=2",
+                "deepseek4/pp-sched=interleaved_1f1b-spr=2", "qwen3next4/pp-sched=zbv",
+                "qwen3next4/pp-sched=interleaved_zb-spr=2", "qwen3next4/pp-sched=gpipe"}
 # The second step's global gradient norm, for rows where Adam's first update (about ±lr per element, its sign set by
 # rounding where a gradient is near zero) moves the weights differently enough to show: step-0 gradients of these
 # rows agree to 1e-6; measured 1.34e-5 on an AVX-512 CPU.
