@@ -157,12 +157,6 @@ def validate_parallel(cfg: Config, world_size: int, device: torch.device | str |
         # TP would have to slice the bias per rank's heads and PP to share each stack's table between stages.
         raise ConfigError(f"parallel.tp={dims.tp}, parallel.pp={dims.pp}: t5_relative position bias is not supported "
                           "with tensor/pipeline parallel yet; use FSDP/HSDP (tp=1, pp=1) or model.position='alibi'")
-    if cfg.model.mtp.depth > 0 and dims.pp > 1 and cfg.parallel.pp_schedule in ZERO_BUBBLE:
-        # the last stage's modules join the received hidden states with its own embedding of the tokens ahead: a
-        # parameter-only branch whose backward torch's split weight pass runs twice
-        raise ConfigError(f"model.mtp.depth={cfg.model.mtp.depth} with parallel.pp_schedule="
-                          f"'{cfg.parallel.pp_schedule}': zero-bubble schedules cannot run multi-token prediction; "
-                          "set parallel.pp_schedule to 'gpipe', '1f1b' or 'interleaved_1f1b' or model.mtp.depth = 0")
     _check_tensor_parallel(cfg, dims)
     check_expert_parallel(cfg, dims)
     _check_pipeline(cfg, dims)

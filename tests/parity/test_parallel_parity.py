@@ -117,7 +117,10 @@ MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "mo
               # with Gated DeltaNet beside attention: four-block models
               "deepseek4/pp-sched=zbv", "deepseek4/pp-sched=interleaved_zb-spr=2",
               "deepseek4/pp-sched=interleaved_1f1b-spr=2", "qwen3next4/pp-sched=zbv",
-              "qwen3next4/pp-sched=interleaved_zb-spr=2", "qwen3next4/pp-sched=gpipe"]
+              "qwen3next4/pp-sched=interleaved_zb-spr=2", "qwen3next4/pp-sched=gpipe",
+              # multi-token prediction under the split backward: the last stage's weight pass keeps its graph
+              "deepseek_mtp4/pp-sched=zbv", "deepseek_mtp4/pp-sched=interleaved_zb-spr=2",
+              "deepseek_mtp4/pp-sched=interleaved_1f1b-spr=2"]
 MOE_WORLD4 = ["qwen3next/cp=4",  # 8 pieces of 2 tokens: a convolution window spans two earlier pieces
               "qwen3next/cp-fsdp-ep=4", "qwen3next/tp-fsdp-ep",
               "moe/fsdp=4-ep", "moe/fsdp=4-ep=4", "moe/hsdp-ep", "moe/tp-fsdp-ep", "moe/tp-fsdp-ep=4",
@@ -179,7 +182,9 @@ WORLD2_SLOW = {"decoder/cp-compile", "decoder/tp-fp8=tensorwise", "decoder_alibi
                 "deepseek_mtp/tp-ep", "deepseek_mtp/pp", "deepseek_mtp/pp-sched=gpipe",
                 "deepseek4/pp-sched=zbv", "deepseek4/pp-sched=interleaved_zb-spr=2",
                 "deepseek4/pp-sched=interleaved_1f1b-spr=2", "qwen3next4/pp-sched=zbv",
-                "qwen3next4/pp-sched=interleaved_zb-spr=2", "qwen3next4/pp-sched=gpipe"}
+                "qwen3next4/pp-sched=interleaved_zb-spr=2", "qwen3next4/pp-sched=gpipe",
+                "deepseek_mtp4/pp-sched=zbv", "deepseek_mtp4/pp-sched=interleaved_zb-spr=2",
+                "deepseek_mtp4/pp-sched=interleaved_1f1b-spr=2"}
 # The second step's global gradient norm, for rows where Adam's first update (about ±lr per element, its sign set by
 # rounding where a gradient is near zero) moves the weights differently enough to show: step-0 gradients of these
 # rows agree to 1e-6; measured 1.34e-5 on an AVX-512 CPU.

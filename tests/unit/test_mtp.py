@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.distributed.pipelining import PipelineStage
 import torch.nn.functional as F
 
 from meshformer.batch import IGNORE_INDEX
@@ -114,16 +115,25 @@ def test_generation_ignores_the_mtp_modules() -> None:
     assert torch.equal(with_mtp(ids), without(ids))
 
 
-def test_zero_bubble_schedules_are_refused_and_the_others_accepted() -> None:
-    def config(schedule: str) -> Config:
-        cfg = load_config("tiny-deepseek", ["parallel.pp=2", f"parallel.pp_schedule={schedule}", "model.n_layers=4",
-                                            "model.mlp_types=['dense', 'moe', 'moe', 'moe']", "model.mtp.depth=1"])
-        return cfg
+def test_every_pipeline_schedule_is_accepted_and_zero_bubble_stages_keep_the_weight_pass_graph() -> None:
+    from meshformer.parallel.pipeline.model import PipelineParallelModel
+    from meshformer.parallel.pipeline.weight_pass import RetainedWeightGraphStage
 
-    for schedule in ("gpipe", "1f1b"):
-        validate_parallel(config(schedule), 2, "cpu")
-    with pytest.raises(ConfigError, match="model.mtp.depth=1 with parallel.pp_schedule='zbv'"):
-        validate_parallel(config("zbv"), 2, "cpu")
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"):
+        cfg = load_config("tiny-deepseek", ["parallel.pp=2", f"parallel.pp_schedule={schedule}", "model.n_layers=4",
+                                            "model.mlp_types=['dense', 'moe', 'moe', 'moe']", "model.mtp.depth=1",
+                                            "parallel.pp_stages_per_rank=2" if "interleaved" in schedule
+                                            or schedule == "zbv" else "parallel.pp_stages_per_rank=1"])
+        validate_parallel(cfg, 2, "cpu")
+    split = PipelineParallelModel.__new__(PipelineParallelModel)
+    split.schedule_name = "zbv"
+    split.__dict__["mtp_depth"] = 1  # a cached property: the model's depth
+    last, middle = torch.nn.Module(), torch.nn.Module()
+    last.is_last, middle.is_last = True, False
+    assert split._stage_class(last, PipelineStage) is RetainedWeightGraphStage
+    assert split._stage_class(middle, PipelineStage) is PipelineStage
+    split.schedule_name = "1f1b"
+    assert split._stage_class(last, PipelineStage) is PipelineStage
 
 
 def test_last_pipeline_stage_holds_the_modules_and_an_embedding_copy_under_the_plain_names() -> None:

@@ -40,6 +40,8 @@ from meshformer.parallel.mesh import Meshes
 from meshformer.parallel.mesh_model import MultiRankParallelModel, check_sequence_split
 from meshformer.parallel.pipeline.sharded_stage import ShardedMicrobatchStage
 from meshformer.parallel.pipeline.stages import StageSpan, TransformerStage, stage_pieces
+from meshformer.parallel.pipeline.weight_pass import RetainedWeightGraphStage
+from meshformer.parallel_dims import ZERO_BUBBLE
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -117,7 +119,8 @@ class PipelineParallelModel(MultiRankParallelModel):
             return self._schedules[key]
         group = self.meshes.pp.get_group()
         stage_cls = PipelineStage if self.unsharded_microbatches else ShardedMicrobatchStage
-        pipeline_stages = [stage_cls(stage, stage.span.index, stage.span.n_stages, self.device, group=group)
+        pipeline_stages = [self._stage_class(stage, stage_cls)(stage, stage.span.index, stage.span.n_stages,
+                                                               self.device, group=group)
                            for stage in self.stages]
         for pipeline_stage in pipeline_stages:
             _shape_inference_uncounted(pipeline_stage, self.moe_layers)
@@ -128,6 +131,10 @@ class PipelineParallelModel(MultiRankParallelModel):
         while len(self._schedules) > _CACHE_SIZE:
             self._schedules.popitem(last=False)
         return schedule
+
+    def _stage_class(self, stage: nn.Module, default: type[PipelineStage]) -> type[PipelineStage]:
+        split_backward = self.schedule_name in ZERO_BUBBLE
+        return RetainedWeightGraphStage if split_backward and stage.is_last and self.mtp_depth else default
 
     def _train_step(self, batch: Batch) -> torch.Tensor:
         check_sequence_split(batch, self.dims.tp)
