@@ -18,6 +18,7 @@ excluded) per token, against the planner's `block_saved` for the same blocks (pl
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -75,29 +76,34 @@ def time_stacks(seq: int, rounds: int, warm_up: bool) -> dict[str, float]:
     return {stack: sorted(ts)[len(ts) // 2] for stack, ts in times.items()}
 
 
+def _kept_bytes(model: Any, seq: int) -> float:
+    """Bytes the blocks' autograd graph keeps for backward: each saved storage once, parameters excluded."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    h = torch.randn(1, seq, model.cfg.d_model, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.decode(torch.zeros(1, seq, dtype=torch.long), h=h, final_norm=False)
+    return float(sum(kept.values()))
+
+
 def saved_bytes(seq: int) -> dict[str, tuple[float, float]]:
     """{stack: (bytes its blocks' graph keeps, the planner's block_saved over the same blocks)}."""
     from meshformer.planner.activations import activation_shape, block_saved
 
     out = {}
     for stack, model in _models(seq).items():
-        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        kept: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in weights:
-                kept[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        h = torch.randn(1, seq, model.cfg.d_model, requires_grad=True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out_h = model.decode(torch.zeros(1, seq, dtype=torch.long), h=h, final_norm=False)
-        del out_h
+        kept = _kept_bytes(model, seq)
         cfg = config(stack, seq)
         shape = activation_shape(cfg, 1, 1, False, device_type="cpu")
         planned = sum(block_saved(cfg.model, shape, index=i) for i in range(cfg.model.n_layers))
-        out[stack] = (float(sum(kept.values())), planned)
+        out[stack] = (kept, planned)
     return out
 
 
@@ -108,7 +114,7 @@ def crossover(results: list[dict[str, Any]]) -> str:
         return f"below {results[0]['seq']:,} (the hybrid is faster at every measured T)"
     if all(ratio >= 1 for _, ratio in points):
         return f"above {results[-1]['seq']:,} (attention is faster at every measured T)"
-    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
         if (y0 - 1) * (y1 - 1) <= 0 and y0 != y1:
             return f"about {2 ** (x0 + (1 - y0) * (x1 - x0) / (y1 - y0)):,.0f}"
     return "not monotone over the measured T"
@@ -127,7 +133,8 @@ def measure(seqs: list[int], rounds: int, long_rounds: int) -> list[dict[str, An
                         "attention_tok_s": round(seq / seconds["attention"]),
                         "hybrid_over_attention": round(seconds["hybrid"] / seconds["attention"], 3),
                         **{f"{stack}_saved_bytes_per_token": round(kept / seq) for stack, (kept, _) in memory.items()},
-                        **{f"{stack}_planned_bytes_per_token": round(plan / seq) for stack, (_, plan) in memory.items()},
+                        **{f"{stack}_planned_bytes_per_token": round(plan / seq)
+                           for stack, (_, plan) in memory.items()},
                         "threads": torch.get_num_threads(), "load_1min": round(os.getloadavg()[0], 2)})
         print(json.dumps(results[-1]), flush=True)
     return results
@@ -144,7 +151,8 @@ def slopes(results: list[dict[str, Any]]) -> dict[str, float]:
 def table(results: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]], str]:
     columns = ["T", "hybrid tok/s", "attention tok/s", "hybrid / attention time", "hybrid saved KiB/token "
                "(planner)", "attention saved KiB/token (planner)"]
-    rows = [[f"{r['seq']:,}", f"{r['hybrid_tok_s']:,}", f"{r['attention_tok_s']:,}", f"{r['hybrid_over_attention']:.2f}",
+    rows = [[f"{r['seq']:,}", f"{r['hybrid_tok_s']:,}", f"{r['attention_tok_s']:,}",
+             f"{r['hybrid_over_attention']:.2f}",
              f"{r['hybrid_saved_bytes_per_token'] / 1024:.1f} ({r['hybrid_planned_bytes_per_token'] / 1024:.1f})",
              f"{r['attention_saved_bytes_per_token'] / 1024:.1f} ({r['attention_planned_bytes_per_token'] / 1024:.1f})"]
             for r in results]

@@ -77,29 +77,32 @@ def step_times(rounds: int, clock: str = "cpu") -> dict[str, float]:
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
-def _train(run_dir: Path, overrides: list[str], log: Path) -> None:
+def _train(run_dir: Path, overrides: list[str], log: Path, threads: int) -> None:
     cmd = [sys.executable, "-m", "meshformer", "train", str(CONFIG), "--set", f"logging.run_dir={run_dir}",
            "train.sample_interval=0", "train.device=cpu", "logging.tensorboard=false", "logging.log_interval=10",
            *overrides]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     with log.open("a") as out:
-        done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": path}, stdout=out,
+        done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(threads)},
+                              stdout=out,
                               stderr=subprocess.STDOUT)
     if done.returncode:
         raise SystemExit(f"training failed ({done.returncode}); see {log}:\n{log.read_text()[-3000:]}")
 
 
-def two_phase_run(run_dir: Path, mtp: bool, phase1: int, steps: int, eval_interval: int) -> list[dict[str, Any]]:
+def two_phase_run(run_dir: Path, mtp: bool, phase1: int, steps: int, eval_interval: int, threads: int
+                  ) -> list[dict[str, Any]]:
     """The run's metrics records: phase 1 at loss_weight 0.3 (constant lr), phase 2 resumed at 0.1 (wsd decay)."""
     depth = [] if mtp else ["model.mtp.depth=0"]
     common = [*depth, f"train.eval_interval={eval_interval}", f"checkpoint.interval={phase1}"]
     log = run_dir / "console.log"
     run_dir.mkdir(parents=True, exist_ok=True)
-    _train(run_dir, [*common, f"train.steps={phase1}", "schedule.name=constant", "model.mtp.loss_weight=0.3"], log)
+    _train(run_dir, [*common, f"train.steps={phase1}", "schedule.name=constant", "model.mtp.loss_weight=0.3"], log,
+           threads)
     # wsd holds optim.lr until its last decay_fraction of the steps: the decay falls in the second phase only
     decay = f"schedule.decay_fraction={(steps - phase1) / steps}"
     _train(run_dir, [*common, f"train.steps={steps}", "schedule.name=wsd", decay, "model.mtp.loss_weight=0.1",
-                     "checkpoint.load_mode=partial"], log)
+                     "checkpoint.load_mode=partial"], log, threads)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
@@ -163,20 +166,24 @@ def main() -> None:
     parser.add_argument("--eval-interval", type=int, default=25)
     parser.add_argument("--rounds", type=int, default=7, help="step-time rounds")
     parser.add_argument("--clock", default="cpu", choices=["wall", "cpu"], help="step time: wall or process CPU time")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, here and in the training runs "
+                        "(1: steadier when other processes share the cores)")
     parser.add_argument("--png", type=Path, help="write the loss curves here (needs matplotlib)")
     add_table_arguments(parser)
     args = parser.parse_args()
     if not 0 < args.phase1 < args.steps:
         raise SystemExit(f"--phase1 {args.phase1} must lie between 0 and --steps {args.steps}")
+    torch.set_num_threads(args.threads)
     times = step_times(args.rounds, args.clock)
     print(json.dumps({"bench": "mtp_step_time", "mtp_ms": round(times["mtp"] * 1e3, 1),
                       "no_mtp_ms": round(times["no_mtp"] * 1e3, 1), "ratio": round(times["mtp"] / times["no_mtp"], 3),
-                      "rounds": args.rounds, "clock": args.clock, "load_1min": round(os.getloadavg()[0], 2)}), flush=True)
+                      "rounds": args.rounds, "clock": args.clock, "threads": args.threads,
+                      "load_1min": round(os.getloadavg()[0], 2)}), flush=True)
     result: dict[str, Any] = {"step_time": times, "phase1": args.phase1}
     with tempfile.TemporaryDirectory(prefix="mtp_cost_") as tmp:
         for name in ("mtp", "no_mtp"):
             result[name] = curves(two_phase_run(Path(tmp) / name, name == "mtp", args.phase1, args.steps,
-                                                args.eval_interval))
+                                                args.eval_interval, args.threads))
             print(json.dumps({"bench": "mtp_loss", "run": name, **{k: {str(t): round(v, 4) for t, v in c.items()}
                                                                    for k, c in result[name].items()}}), flush=True)
     evals = sorted(set(result["mtp"]["eval/loss"]) & set(result["no_mtp"]["eval/loss"]))
@@ -190,12 +197,14 @@ def main() -> None:
                     title="Multi-token prediction: step time and main loss at equal tokens",
                     command=f"python bench/mtp_cost.py --phase1 {args.phase1} --steps {args.steps}",
                     setup=(f"tiny-deepseek (2.85M parameters with its MTP module), 16 x 128 tokens per step, fp32, "
+                           f"{args.threads} torch thread(s), "
                            f"seed 0, the same data for both runs. Steps 1–{args.phase1} at λ = 0.3 with a constant lr "
                            f"after warm-up, then resumed (checkpoint.load_mode=\"partial\": every tensor loads, the "
                            f"new loss weight applies) to step {args.steps} at λ = 0.1 while the lr decays (wsd); the "
                            "run without MTP resumes the same way. Losses are the logged window means of the main "
                            "next-token loss (`train/loss`, without the MTP term) and the held-out loss. Step time: "
-                           "one process, both models alternating, forward + backward + AdamW step on one batch, medians of "
+                           "one process, both models alternating, forward + backward + AdamW step on one batch, "
+                           "medians of "
                            f"{args.rounds} rounds of this process's {'CPU' if args.clock == 'cpu' else 'wall'} time."),
                     **extra, columns=columns, rows=rows)
 
