@@ -11,8 +11,8 @@ alternating hybrid, attention after a warm-up round (the longest T: `--long-roun
 Memory: the bytes the blocks' autograd graph keeps for backward (saved-tensor hooks, each storage once, parameters
 excluded) per token, against the planner's `block_saved` for the same blocks (planner/activations.py).
 
-    python bench/hybrid_vs_attention.py [--seq 2048 8192 32768] [--rounds 3] [--long-rounds 1]
-                                        [--table PATH --machine TEXT]
+    python bench/hybrid_vs_attention.py [--seq 2048 8192 32768] [--rounds 3] [--long-rounds 1] [--threads 1]
+                                        [--clock cpu|wall] [--table PATH --machine TEXT]
 """
 
 from __future__ import annotations
@@ -58,8 +58,10 @@ def _models(seq: int) -> dict[str, Any]:
     return models
 
 
-def time_stacks(seq: int, rounds: int, warm_up: bool) -> dict[str, float]:
-    """Median forward + backward seconds of each stack's blocks on (1, seq, d_model) hidden states."""
+def time_stacks(seq: int, rounds: int, warm_up: bool, clock: str = "cpu") -> dict[str, float]:
+    """Median forward + backward seconds of each stack's blocks on (1, seq, d_model) hidden states; clock "cpu":
+    this process's CPU time (with one thread, steady when other processes share the cores)."""
+    now = time.process_time if clock == "cpu" else time.perf_counter
     models = _models(seq)
     d_model = next(iter(models.values())).cfg.d_model
     h = torch.randn(1, seq, d_model, requires_grad=True)
@@ -69,10 +71,10 @@ def time_stacks(seq: int, rounds: int, warm_up: bool) -> dict[str, float]:
     for r in range(rounds + int(warm_up)):
         for stack, model in models.items():
             model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
+            start = now()
             model.decode(ids, h=h, final_norm=False).backward(grad)
             if r or not warm_up:
-                times[stack].append(time.perf_counter() - start)
+                times[stack].append(now() - start)
     return {stack: sorted(ts)[len(ts) // 2] for stack, ts in times.items()}
 
 
@@ -120,11 +122,11 @@ def crossover(results: list[dict[str, Any]]) -> str:
     return "not monotone over the measured T"
 
 
-def measure(seqs: list[int], rounds: int, long_rounds: int) -> list[dict[str, Any]]:
+def measure(seqs: list[int], rounds: int, long_rounds: int, clock: str) -> list[dict[str, Any]]:
     results = []
     for seq in seqs:
         longest = seq == max(seqs) and len(seqs) > 1
-        seconds = time_stacks(seq, long_rounds if longest else rounds, warm_up=not longest)
+        seconds = time_stacks(seq, long_rounds if longest else rounds, warm_up=not longest, clock=clock)
         memory = saved_bytes(seq)
         results.append({"bench": "hybrid_vs_attention", "seq": seq,
                         "rounds": long_rounds if longest else rounds, "warm_up": not longest,
@@ -135,7 +137,8 @@ def measure(seqs: list[int], rounds: int, long_rounds: int) -> list[dict[str, An
                         **{f"{stack}_saved_bytes_per_token": round(kept / seq) for stack, (kept, _) in memory.items()},
                         **{f"{stack}_planned_bytes_per_token": round(plan / seq)
                            for stack, (_, plan) in memory.items()},
-                        "threads": torch.get_num_threads(), "load_1min": round(os.getloadavg()[0], 2)})
+                        "threads": torch.get_num_threads(), "clock": clock,
+                        "load_1min": round(os.getloadavg()[0], 2)})
         print(json.dumps(results[-1]), flush=True)
     return results
 
@@ -170,22 +173,28 @@ def main() -> None:
     parser.add_argument("--seq", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--long-rounds", type=int, default=1, help="rounds at the longest T (no warm-up there)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clock", default="cpu", choices=["wall", "cpu"], help="cpu: this process's CPU time")
     add_table_arguments(parser)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     seqs = sorted(args.seq)
-    results = measure(seqs, args.rounds, args.long_rounds)
+    results = measure(seqs, args.rounds, args.long_rounds, args.clock)
     columns, rows, notes = table(results)
     print(json.dumps({"bench": "hybrid_vs_attention_summary", "notes": notes}))
     if args.table:
         write_table(args.table, machine=args.machine, page="architectures",
                     title="Hybrid Gated DeltaNet : attention stack against full attention, by sequence length",
                     command=(f"python bench/hybrid_vs_attention.py --seq {' '.join(map(str, seqs))} --rounds "
-                             f"{args.rounds} --long-rounds {args.long_rounds}"),
+                             f"{args.rounds} --long-rounds {args.long_rounds} --threads {args.threads} --clock "
+                             f"{args.clock}"),
                     setup=("4 blocks at tiny-qwen3-next's widths (d_model 128; gated attention, 4 heads of 32, 2 "
                            "key/value heads; Gated DeltaNet, 4 value heads and 2 query/key heads of 32, chunks of 64), "
                            "a dense SwiGLU of width 512 in each block; hybrid = 3 Gated DeltaNet then 1 attention "
                            "block, attention = 4 attention blocks. Batch 1, fp32, forward + backward of the blocks "
-                           f"only; medians of {args.rounds} alternating rounds after a warm-up ({args.long_rounds} "
+                           f"only, {args.threads} thread(s), "
+                           f"{'CPU' if args.clock == 'cpu' else 'wall'} time; medians of {args.rounds} alternating "
+                           f"rounds after a warm-up ({args.long_rounds} "
                            f"without warm-up at T {seqs[-1]:,})."),
                     notes=notes, columns=columns, rows=rows, align=["r", "r", "r", "r", "r", "r"])
 
