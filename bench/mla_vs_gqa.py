@@ -197,7 +197,10 @@ def main() -> None:
                     notes=("MLA caches one 512-wide latent and one 64-wide rotary key per token and layer (576 "
                            "elements) where this GQA caches 8 keys and 8 values of 128 (2,048): 28% of the bytes. "
                            "The cost is compute: MLA expands every key's latent into per-head keys and values "
-                           "(`kv_b_proj`) on each forward, counted in its FLOPs here."),
+                           "(`kv_b_proj`) on each forward, counted in its FLOPs here. On CPU, SDPA's flash kernel "
+                           "needs values as wide as queries and keys; MLA's are narrower (64 against 96 here, 128 "
+                           "against 192 in DeepSeek-V3), so its attention takes SDPA's math path, whose cost and "
+                           "kept softmax grow as T²: the ratio climbs with T."),
                     columns=columns, rows=rows, align=["l", "l", "r", "r", "r"])
 
 
