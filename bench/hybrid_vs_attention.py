@@ -110,15 +110,16 @@ def saved_bytes(seq: int) -> dict[str, tuple[float, float]]:
 
 
 def crossover(results: list[dict[str, Any]]) -> str:
-    """The T where the hybrid's time ratio crosses 1, interpolated in log T between measured lengths."""
-    points = [(math.log2(r["seq"]), r["hybrid_over_attention"]) for r in results]
-    if all(ratio < 1 for _, ratio in points):
+    """The T where the hybrid's time ratio crosses 1, the log of the ratio interpolated linearly in log T between
+    measured lengths."""
+    points = [(math.log2(r["seq"]), math.log(r["hybrid_over_attention"])) for r in results]
+    if all(y < 0 for _, y in points):
         return f"below {results[0]['seq']:,} (the hybrid is faster at every measured T)"
-    if all(ratio >= 1 for _, ratio in points):
+    if all(y >= 0 for _, y in points):
         return f"above {results[-1]['seq']:,} (attention is faster at every measured T)"
     for (x0, y0), (x1, y1) in itertools.pairwise(points):
-        if (y0 - 1) * (y1 - 1) <= 0 and y0 != y1:
-            return f"about {2 ** (x0 + (1 - y0) * (x1 - x0) / (y1 - y0)):,.0f}"
+        if y0 * y1 <= 0 and y0 != y1:
+            return f"about {2 ** (x0 - y0 * (x1 - x0) / (y1 - y0)):,.0f}"
     return "not monotone over the measured T"
 
 
