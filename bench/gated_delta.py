@@ -83,8 +83,8 @@ def measure(shape: str, dtype: str, rounds: int, clock: str = "wall") -> dict:
 
 
 def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
-    columns = ["B, H, D, T", "dtype", "transformers ms", "ours ms", "transformers / ours", "max |Δ out|",
-               "max |Δ dq|"]
+    columns = ["B, H, D, T", "dtype", "transformers ms", "ours ms", "transformers / ours", "largest Δ out",
+               "largest Δ dq"]
     rows = [[f"{r['batch']}, {r['heads']}, {r['head_dim']}, {r['seq']}", r["dtype"], f"{r['transformers_ms']:.1f}",
              f"{r['ours_ms']:.1f}", f"{r['speedup']:.2f}", f"{r['out_max_diff']:.1e}", f"{r['dq_max_diff']:.1e}"]
             for r in results]
