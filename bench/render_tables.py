@@ -31,6 +31,14 @@ PAGES: dict[str, tuple[str, str]] = {
     "moe": ("Mixture of experts",
             "The MoE layer against a dense feed-forward of the same active FLOPs, MoE against dense training, "
             "balancing methods and expert-parallel dispatch."),
+    "architectures": ("MLA, multi-token prediction and linear attention",
+                      "Multi-head latent attention against grouped-query attention of the same FLOPs and its "
+                      "generation cache at DeepSeek-V3's widths, what multi-token prediction costs and does to the "
+                      "main loss, a Gated DeltaNet : attention hybrid against full attention as the sequence grows, "
+                      "and the chunked gated delta rule against transformers'. See [multi-head latent attention]"
+                      "(../model/mla.md) and [linear attention](../model/linear-attention.md); the planner's layouts "
+                      "for these models are in the [planner tables](planner-tables.md#mla-multi-token-prediction-and-"
+                      "linear-attention)."),
     "gpu": ("GPU", "Training steps and kernels on one GPU against a whole-model-compiled nanoGPT-style reference."),
     "muon": ("Muon", "Muon (`optim.name = \"muon\"`, see [Training step and optimizers](../model/training.md#muon)) "
                      "against AdamW. Muon reached AdamW's final loss with about two thirds of the tokens on both tiny "
