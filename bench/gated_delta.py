@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from tables import add_table_arguments, write_row
 
 from meshformer.model.gated_delta import chunk_gated_delta_rule
 from meshformer.runtime.host_memory import apply_host_memory_policy
@@ -76,6 +77,20 @@ def measure(shape: str, dtype: str, rounds: int, clock: str = "wall") -> dict:
             "dq_max_diff": (grad_a.float() - grad_b.float()).abs().max().item()}
 
 
+SUMMARY = ["`bench/gated_delta.py`", "our chunked gated delta rule (`meshformer/model/gated_delta.py`) vs "
+           "`transformers`' PyTorch fallback `torch_chunk_gated_delta_rule`, fwd+bwd, same inputs and chunk 64"]
+
+
+def table_row(records: list[dict]) -> list[str]:
+    """training-01-cpu.json's row: transformers' time over ours per shape, and the largest output/dq difference."""
+    threads, clock = records[0]["threads"], records[0]["clock"]
+    speed = ", ".join(f"(B{r['batch']}, H{r['heads']}, D{r['head_dim']}, T{r['seq']}, {r['dtype']}) {r['speedup']:.2f}×"
+                      for r in records)
+    diff = max(max(r["out_max_diff"], r["dq_max_diff"]) for r in records)
+    return [*SUMMARY, f"{threads} thread{'s' * (threads != 1)}, {'CPU' if clock == 'cpu' else 'wall'} time, "
+                      f"transformers / ours: {speed}; outputs and dq within {diff:.0e}"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", nargs="+", default=SHAPES, help="B,H,D,T")
@@ -84,13 +99,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                         help="cpu: this process's CPU time (with --threads 1, steadier on a loaded machine)")
+    add_table_arguments(parser)
     args = parser.parse_args()
     apply_host_memory_policy("cpu", 1)  # as the trainer does for one CPU process
     if args.threads:
         torch.set_num_threads(args.threads)
+    records = []
     for shape in args.shape:
         for dtype in args.dtype:
-            print(json.dumps(measure(shape, dtype, args.rounds, args.clock)), flush=True)
+            records.append(measure(shape, dtype, args.rounds, args.clock))
+            print(json.dumps(records[-1]), flush=True)
+    if args.table:
+        write_row(args.table, machine=args.machine, row=table_row(records))
 
 
 if __name__ == "__main__":
