@@ -106,8 +106,8 @@ def main() -> None:
                     setup=f"Training steps of a 4-layer MoE decoder (d {D_MODEL}, 8 experts top-2) on "
                           f"{args.world} gloo processes, FSDP over all {args.world}, the same global batch of "
                           f"{GLOBAL_BATCH} × {SEQ} tokens at ep {', '.join(map(str, args.ep))}; the share is the "
-                          f"all-to-alls' time, launched and waited for, in a profiled step. {len(runs)} run{'s' * (len(runs) != 1)}, "
-                          "separated by /.",
+                          "all-to-alls' time, launched and waited for, in a profiled step. "
+                          f"{len(runs)} run{'s' * (len(runs) != 1)}, separated by /.",
                     notes="Several processes on two cores measure overhead, not scaling; ep > 1 is no slower here "
                           "because each rank gathers and runs fewer, larger experts.",
                     columns=["", *(f"ep {ep}" for ep in args.ep)], align=["l", *("r" * len(args.ep))],
