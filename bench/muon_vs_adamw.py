@@ -126,7 +126,7 @@ def write_tables(folder: Path, machine: str, curves: dict[str, dict[str, dict]],
                 setup=f"Each optimizer through `meshformer train`, same data, seed and schedule, {args.steps} steps "
                       f"of {args.batch}×128 tokens, `optim.lr = {args.lr}`, `optim.muon_lr = {args.muon_lr}`. Muon "
                       f"reaches AdamW's final train loss (mean of the last 5 log lines) at {reached}. Eval loss:",
-                notes=step_time_note(step_records) if step_records else None,
+                **({"notes": step_time_note(step_records)} if step_records else {}),
                 columns=columns, align=["l", *("r" * (len(columns) - 1))], rows=rows)
     for i, (config, runs) in enumerate(curves.items()):
         write_table(folder / f"muon-{i + 2:02d}-{config}.json", machine=machine, page="muon",
