@@ -231,8 +231,8 @@ def main() -> None:
                     command="python bench/scale_memory.py",
                     setup=f"Peak RSS per rank of a {(n_params or 0) / 1e6:.0f}M decoder training one step and saving "
                           "its final weights over 8 gloo ranks, less a tiny model's, over the fp32 model (the sharded "
-                          "training state alone is 0.5). `tests/end_to_end/test_scale_memory.py` holds FSDP-4 training plus the "
-                          "final save under 1.5× the model per rank.",
+                          "training state alone is 0.5). `tests/end_to_end/test_scale_memory.py` holds FSDP-4 training "
+                          "plus the final save under 1.5× the model per rank.",
                     columns=["layout", "peak RSS / model", "peak in"], align=["l", "r", "l"],
                     rows=table_rows(records))
 
