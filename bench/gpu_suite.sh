@@ -6,8 +6,9 @@
 #   parameters at Llama-3-8B layer shapes (up to 16 layers, 4.5B) against the GPU's RNG throughput; issue 21's MoE
 #   layer (grouped_mm / padded / loop vs the dense FFN of the same active FLOPs) at a Mixtral-like and a
 #   Qwen3-MoE-like shape (bench/gpu_moe.sh runs them alone); gpt-oss's attention sinks on every SDPA kernel against
-#   the math path, and the blockwise kernel QK-clip records with against flash (last: the earlier items keep their
-#   budget).
+#   the math path, and the blockwise kernel QK-clip records with against flash; last (the earlier items keep their
+#   budget), the memory planner against the measured peak at the Llama-1B shape, whose table of the parallel page it
+#   writes into $OUT.
 # Each result is one JSON line appended to $OUT/results.jsonl as soon as it exists; each item has its own
 # timeout, capped by what is left of SUITE_BUDGET_S, so one hang cannot eat the run. Logs: $OUT/<item>.log.
 #
@@ -16,7 +17,7 @@
 # The speed candidates (compile modes, SDPA kernel, loss kind, FP8 recipe variants) have their own run: gpu_sweep.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-BUDGET=${SUITE_BUDGET_S:-470}
+BUDGET=${SUITE_BUDGET_S:-560}
 source bench/gpu_common.sh "$@"
 
 VS="python3 bench/vs_nanogpt.py --dtype bf16"
@@ -35,6 +36,8 @@ if [[ "$SMOKE" == 1 ]]; then
   item moe_qwen3 120 python3 bench/moe_layer.py --device cpu --dtype bf16 --shape tiny --rounds 1 --threads 1 \
     --routing skewed
   item attention_sinks 60 python3 bench/attention_sinks.py --device cpu --dtype fp32 --shape tiny --rounds 1
+  item plan_memory 120 python3 bench/plan_vs_measured_gpu.py --device cpu --modes none full \
+    --table "$OUT/parallel-03-plan-vs-measured-gpu.json" --machine "$MACHINE"
 else
   item gemm 30 python3 bench/gemm_ceiling.py --n 8192 --seconds 1.5
   item init_speed 25 python3 bench/init_speed.py --layers 1 4 16
@@ -50,5 +53,9 @@ else
   item moe_qwen3 100 python3 bench/moe_layer.py --device cuda --dtype bf16 --shape qwen3-moe --rounds 5
   # gpt-oss's sinks through flash / cuDNN / efficient (one extra key, widened heads) vs math; QK-clip's kernel cost
   item attention_sinks 60 python3 bench/attention_sinks.py --device cuda --dtype bf16 --shape gpt-oss --rounds 5
+  # the memory planner against torch.cuda.max_memory_allocated, Llama-1B, per recomputation mode (the parallel page's
+  # table, written into $OUT)
+  item plan_memory 100 python3 bench/plan_vs_measured_gpu.py \
+    --table "$OUT/parallel-03-plan-vs-measured-gpu.json" --machine "$MACHINE"
 fi
 echo "suite done in $(( $(date +%s) - START ))s; results in $RESULTS" >&2
