@@ -334,7 +334,9 @@ def main() -> None:
                                    args.profile, args.compile, args.queue))
             print(json.dumps(records[-1]), flush=True)
     if args.table:
-        command = "python bench/moe_layer.py" + (f" --rounds {args.rounds}" if args.rounds != 5 else "")
+        command = "python bench/moe_layer.py" + "".join(
+            f" --{flag} {value}" for flag, value in (("rounds", args.rounds), ("threads", args.threads))
+            if value is not None and (flag, value) != ("rounds", 5))
         write(args.table, args.machine, records, command)
 
 
