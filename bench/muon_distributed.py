@@ -88,10 +88,11 @@ def table_row(records: list[dict]) -> list[str]:
 
 def write_tables(folder: Path, machine: str, records: list[dict]) -> None:
     single = [r["owners_over_every_rank"] for r in records if r["world"] == 1]
+    worlds = sorted({r["world"] for r in records})
     noise = (f"The one-process row, where both schemes do the same work, read {single[0]:.2f}: the spread of these "
              "ratios from run to run. " if single else "")
     write_table(folder / STEP_TIME, machine=machine, page="muon", title="Optimizer-step time",
-                command="python bench/muon_distributed.py --worlds 1 2 4",
+                command=f"python bench/muon_distributed.py --worlds {' '.join(str(w) for w in worlds)}",
                 setup="On gloo ranks (d 256, 4 layers), each matrix orthogonalised by one owner rank against every "
                       "rank orthogonalising every matrix it holds a piece of:",
                 notes=noise + "The work itself is 1/G of the matrices per rank (G: the ranks sharing them), which the "
