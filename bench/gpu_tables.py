@@ -115,8 +115,9 @@ def main() -> None:
     if args.kind == "sweep":
         peak = next((r["peak_flops"] for r in records if r.get("peak_flops")), None)
         mfu = f"; MFU against the {peak / 1e12:,.0f} TFLOP/s bf16 peak the trainer assumes" if peak else ""
-        gpu = machine.split(" (")[0].removeprefix("one ")
-        write_table(args.table, machine=machine, page="gpu", title=f"One {gpu}", command="bash bench/gpu_sweep.sh",
+        title = machine.split(" (")[0]
+        write_table(args.table, machine=machine, page="gpu", title=title[0].upper() + title[1:],
+                    command="bash bench/gpu_sweep.sh",
                     setup=f"bf16, synchronised tokens/s, FLOPs/token = 6N + 12·L·d·T{mfu}.",
                     columns=["measurement", "result"], rows=sweep_rows(records))
     else:
