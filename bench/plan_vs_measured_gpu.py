@@ -85,11 +85,12 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     if args.table:
         measured = "`torch.cuda.max_memory_allocated`" if device.type == "cuda" else "live tensor bytes"
+        shape = "seq 2048" if device.type == "cuda" else "a small shape (CPU dry run)"
+        extra = f", {' '.join(args.set)}" if args.set else ""
         write_table(args.table, machine=args.machine or f"one {name} (torch {torch.__version__})", page="parallel",
                     title="Memory planner on a GPU", command="python bench/plan_vs_measured_gpu.py",
-                    setup=f"`configs/{args.config}.toml` at {'seq 2048' if device.type == 'cuda' else 'a small shape'}, "
-                          f"batch {args.batch}, bf16, the default fused head loss"
-                          f"{', ' + ' '.join(args.set) if args.set else ''}; measured is {measured}.",
+                    setup=f"`configs/{args.config}.toml` at {shape}, batch {args.batch}, bf16, the default fused head "
+                          f"loss{extra}; measured is {measured}.",
                     columns=["recompute", "predicted against measured"], align=["l", "r"], rows=table_rows(rows))
     print(f"{name}: largest error {100 * max(abs(r['error']) for r in rows):.1f}% over {len(rows)} modes")
 
