@@ -24,6 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tables import add_table_arguments, write_row
+
 from meshformer.checkpointing import Checkpointable, CheckpointManager, SchedulerState, TrainState
 from meshformer.checkpointing.directory import step_dir_name
 from meshformer.config import load_config
@@ -119,6 +121,16 @@ def stall(args: argparse.Namespace, root: Path, async_save: bool) -> dict[str, f
     return {"step_s": base, "blocked_s": blocked / saves, "overhead_s": (loop - args.steps * base) / saves}
 
 
+SUMMARY = ["`bench/checkpoint_io.py`", "save/load MB/s vs the disk's sequential bandwidth; async vs blocking stall"]
+
+
+def table_row(results: dict[str, float]) -> list[str]:
+    """training-01-cpu.json's row: save and load speed against the disk's, and the time a save blocks training."""
+    return [*SUMMARY, f"save {100 * results['save_fraction_of_disk']:.0f}% of disk write, load "
+                      f"{100 * results['load_fraction_of_disk']:.0f}% of disk read; stall "
+                      f"{results['async_blocked_s']:.2f} s (async) vs {results['blocking_blocked_s']:.2f} s (blocking)"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", help="where to write (default: a temporary folder, removed afterwards)")
@@ -129,6 +141,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=18, help="training steps of each stall measurement")
     parser.add_argument("--save-every", type=int, default=6, help="steps between saves (async saves must not queue)")
     parser.add_argument("--json", help="also write the results here")
+    add_table_arguments(parser)
     args = parser.parse_args()
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="ckbench-"))
     base.mkdir(parents=True, exist_ok=True)
@@ -139,6 +152,8 @@ def main() -> None:
             shutil.rmtree(base, ignore_errors=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
+    if args.table:
+        write_row(args.table, machine=args.machine, row=table_row(results))
 
 
 def run(args: argparse.Namespace, base: Path) -> dict[str, float]:

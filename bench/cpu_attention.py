@@ -23,6 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 from step_common import GPT_SHAPES
+from tables import add_table_arguments, write_row
 
 from meshformer.model.blockwise_attention import blockwise_attention
 from meshformer.runtime.host_memory import apply_host_memory_policy
@@ -75,19 +76,40 @@ def measure(shape: str, dtype: str, rounds: int) -> dict:
             "blockwise_error": _errors(sides["blockwise"], q, k, v, grad)}
 
 
+SUMMARY = ["`bench/cpu_attention.py`", "our blockwise CPU attention kernel vs SDPA's CPU flash kernel, fwd+bwd of one "
+           "layer, and both errors vs float64"]
+
+
+def table_row(records: list[dict]) -> list[str]:
+    """training-01-cpu.json's row: SDPA's time over ours per dtype and shape, and the largest errors vs float64."""
+    by_dtype: dict[str, list[str]] = {}
+    for r in records:
+        by_dtype.setdefault(r["dtype"], []).append(f"{r['shape']} {r['speedup']:.2f}×")
+    threads = records[0]["threads"]
+    speed = "; ".join(f"{dtype} {', '.join(cells)}" for dtype, cells in by_dtype.items())
+    worst = {side: max(r[f"{side}_error"] for r in records) for side in ("blockwise", "sdpa")}
+    return [*SUMMARY, f"{threads} thread{'s' * (threads != 1)}, one layer fwd+bwd, SDPA time / ours: {speed}; "
+                      f"largest error vs float64 {worst['blockwise']:.1e} (ours) vs {worst['sdpa']:.1e} (SDPA)"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", nargs="+", default=["S", "M", "G"], choices=sorted(GPT_SHAPES))
     parser.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=7)
+    add_table_arguments(parser)
     args = parser.parse_args()
     apply_host_memory_policy("cpu", 1)  # as the trainer does for one CPU process
     if args.threads:
         torch.set_num_threads(args.threads)
+    records = []
     for shape in args.shape:
         for dtype in args.dtype:
-            print(json.dumps(measure(shape, dtype, args.rounds)), flush=True)
+            records.append(measure(shape, dtype, args.rounds))
+            print(json.dumps(records[-1]), flush=True)
+    if args.table:
+        write_row(args.table, machine=args.machine, row=table_row(records))
 
 
 if __name__ == "__main__":

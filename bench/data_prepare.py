@@ -30,6 +30,9 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from tables import add_table_arguments, write_table  # noqa: E402  (bench/ is on the path when run as a script)
+
 RUN = textwrap.dedent("""
     import json, resource, sys, time
     sys.path.insert(0, {root!r})
@@ -221,6 +224,28 @@ def doc_gap(out: Path, total_docs: int) -> float:
     return float(np.mean(np.abs(np.diff(ids))) / total_docs)
 
 
+TEXT_FORMATS = {"jsonl": "JSONL", "zst": "zstd JSONL", "parquet": "Parquet", "arrow": "Arrow"}
+
+
+def table_rows(result: dict) -> list[list[str]]:
+    """One row per text format (prepare's speed over reading and tokenizing alone), and one for the token formats
+    (their prepare's speed over the JSONL prepare's)."""
+    throughput = result["throughput"]
+    rows = [[name, f"{throughput[fmt]['ratio']:.2f}×"] for fmt, name in TEXT_FORMATS.items() if fmt in throughput]
+    tokens = [throughput[fmt]["vs_jsonl_prepare"] for fmt in ("megatron", "flat") if fmt in throughput]
+    if tokens:
+        low, high = round(min(tokens)), round(max(tokens))
+        span = f"{low}–{high}" if low != high else f"{low}"
+        rows.append(["Megatron .idx/.bin, flat token files",
+                     f"{span}× faster than a JSONL prepare (nothing is tokenized)"])
+    return rows
+
+
+def rss_note(result: dict) -> str:
+    growth = ", ".join(f"{TEXT_FORMATS[fmt]} {r['ratio']:.2f}×" for fmt, r in result["rss"].items())
+    return f"Single runs scatter by ±0.3. Peak RSS from 1× to 10× the corpus: {growth}."
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=float, default=8, help="corpus size at 1x (10x is also measured)")
@@ -230,12 +255,20 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--formats", action="store_true", help="per input format (Parquet, zstd, Arrow, Megatron, .bin)")
     ap.add_argument("--repeat", type=int, default=1, help="--formats: runs per measurement (the least CPU counts)")
+    add_table_arguments(ap)
     args = ap.parse_args()
     if args.formats:
         out = formats(args)
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1))
+        if args.table:
+            write_table(args.table, machine=args.machine, page="training", title="Data preparation per format",
+                        command=f"python bench/data_prepare.py --formats --repeat {args.repeat}",
+                        notes=rss_note(out), columns=["format", "prepare speed against reading and tokenizing the "
+                                                                "format alone"], rows=table_rows(out))
         return
+    if args.table:
+        raise SystemExit("--table writes the per-format table: give --formats with it")
     sys.path.insert(0, str(ROOT))
     from tests.helpers.data import write_corpus
 

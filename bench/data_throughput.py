@@ -20,6 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tables import add_table_arguments, write_row
+
 from meshformer.config import ModelConfig, load_config
 from meshformer.data import build_loader, load_tokenizer
 from meshformer.model.families import FAMILIES
@@ -68,6 +70,14 @@ def train_rate(model_cfg: ModelConfig, batch: int, seq_len: int, steps: int, dev
     return steps * batch * seq_len / (time.perf_counter() - start), n_params
 
 
+SUMMARY = ["`bench/data_throughput.py`", "loader tokens/s vs what the tiny model consumes"]
+
+
+def table_row(results: dict[str, float]) -> list[str]:
+    """training-01-cpu.json's row: the fastest loader setting over the tiny model's training tokens/s."""
+    return [*SUMMARY, f"{results['loader_over_tiny']:.0f}×"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(ROOT / "configs" / "tiny-gpt.toml"))
@@ -78,6 +88,7 @@ def main() -> None:
     parser.add_argument("--skip-100m", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", action="store_true")
+    add_table_arguments(parser)
     args = parser.parse_args()
 
     family = next(name for name, spec in FAMILIES.items() if args.objective in spec.objectives)  # trains with it
@@ -95,6 +106,8 @@ def main() -> None:
         results["100m_train_tok_s"], results["100m_params"] = train_rate(big, b, t, 3, args.device)
     best = max(v for k, v in results.items() if k.startswith("loader_"))
     results["loader_over_tiny"] = best / results["tiny_train_tok_s"]
+    if args.table:
+        write_row(args.table, machine=args.machine, row=table_row(results))
     if args.json:
         print(json.dumps(results, indent=1))
         return

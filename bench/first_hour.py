@@ -12,7 +12,6 @@ internet; the time to install depends on it and is reported apart).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -20,6 +19,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tables import add_table_arguments, write_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,32 +80,35 @@ def run(workdir: Path, wheel: Path | None) -> list[dict]:
     return steps
 
 
-def table(steps: list[dict], machine: str) -> dict:
+def table_rows(steps: list[dict]) -> list[list[str]]:
+    """One row per milestone: its command, how long it took, and the clock at its first loss line and at its end."""
     rows, total = [], 0.0
     for step in steps:
         first = f"{total + step['first_loss_s']:.0f} s" if step["first_loss_s"] is not None else ""
         total += step["seconds"]
         rows.append([step["milestone"], f"`{step['command']}`", f"{step['seconds']:.0f} s", first, f"{total:.0f} s"])
-    return {"page": "training", "title": "The first hour, from a wheel in an empty folder", "machine": machine,
-            "date": datetime.date.today().isoformat(), "command": "python bench/first_hour.py --table ...",
-            "setup": "Each command as the docs show it, one after the other, in an empty folder with a fresh venv; "
-                     "the clock runs from the start of the install.",
-            "columns": ["milestone", "command", "took", "first loss line at", "done at"],
-            "align": ["l", "l", "r", "r", "r"], "rows": rows}
+    return rows
+
+
+def write(path: Path, steps: list[dict], machine: str) -> dict:
+    return write_table(path, machine=machine, page="training", title="The first hour, from a wheel in an empty folder",
+                       command="python bench/first_hour.py --table ...",
+                       setup="Each command as the docs show it, one after the other, in an empty folder with a fresh "
+                             "venv; the clock runs from the start of the install.",
+                       columns=["milestone", "command", "took", "first loss line at", "done at"],
+                       align=["l", "l", "r", "r", "r"], rows=table_rows(steps))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wheel", type=Path, help="a built wheel (default: build one from this checkout)")
-    parser.add_argument("--table", type=Path, help="write the benchmark page's table JSON here")
-    parser.add_argument("--machine", default="", help="the machine, in words, for the table")
+    add_table_arguments(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="first-hour-") as tmp:
         steps = run(Path(tmp), args.wheel and args.wheel.resolve())
     print(json.dumps(steps, indent=1))
     if args.table:
-        args.table.write_text(json.dumps(table(steps, args.machine), indent=1, ensure_ascii=False) + "\n")
-        print(f"wrote {args.table}; render the pages with: python bench/render_tables.py", file=sys.stderr)
+        write(args.table, steps, args.machine)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 # Shared by bench/gpu_suite.sh and bench/gpu_sweep.sh (source it after `cd` to the repository root, with BUDGET set):
 # the environment (wheels from .whl/ on the GPU machine, caches), `item` (one measurement under a timeout capped by
 # what is left of BUDGET, its JSON lines kept in $RESULTS), and an environment line first in $RESULTS.
-# ITEMS (optional): run only the items named there.
+# ITEMS (optional): run only the items named there. MACHINE: the machine, in words, for the benchmark pages' tables
+# the scripts write into $OUT (default: the GPU and torch of the environment line).
 [[ "${1:-}" == "--dry-run" ]] && SMOKE=1
 SMOKE=${SMOKE:-0}
 ITEMS=${ITEMS:-}
@@ -51,3 +52,4 @@ for mod in ("torchao", "liger_kernel", "triton", "fla"):
         info[mod] = f"unavailable: {type(err).__name__}"
 print(json.dumps(info))
 PY
+MACHINE=${MACHINE:-$(python3 bench/gpu_tables.py machine --results "$RESULTS")}

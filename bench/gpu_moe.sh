@@ -36,7 +36,11 @@ else
   # The training-side items, where the GPU makes minutes of CPU training take seconds (their JSON is in the logs):
   # tiny-moe vs tiny-gpt at equal active parameters, and the load balance with none / aux loss / bias balancing.
   item moe_vs_dense 170 python3 bench/moe_vs_dense.py --steps ${CURVE_STEPS:-1000} --eval-interval 100 --concurrent \
-    --set train.device=cuda --moe-set ${MOE_SET:-} --png "$OUT/moe_vs_dense.png" --work /tmp/moe-vs-dense
-  item moe_balance 120 python3 bench/moe_balance.py --steps 200 --set train.device=cuda --out /tmp/moe-balance
+    --set train.device=cuda --moe-set ${MOE_SET:-} --png "$OUT/moe_vs_dense.png" --work /tmp/moe-vs-dense \
+    --table "$OUT/moe-03-vs-dense.json" --machine "$MACHINE"
+  item moe_balance 120 python3 bench/moe_balance.py --steps 200 --set train.device=cuda --out /tmp/moe-balance \
+    --table "$OUT/moe-04-balance.json" --machine "$MACHINE"
 fi
+# The MoE page's tables of this run, in $OUT: copy them to docs/benchmarks/data/, then render
+python3 bench/gpu_tables.py moe --results "$RESULTS" --table "$OUT/moe-02-layer-gpu.json" --machine "$MACHINE"
 echo "moe items done in $(( $(date +%s) - START ))s; results in $RESULTS" >&2

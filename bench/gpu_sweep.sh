@@ -9,7 +9,8 @@
 #      FP8 variant is named as such: a different precision from the reference);
 #   5. a GPU-kernel profile of our Llama-1B step (time by kernel family, GPU-busy share of the step).
 # JSON lines go to $OUT/results.jsonl as soon as they exist; each item has its own timeout, capped by what is left
-# of SWEEP_BUDGET_S. Logs: $OUT/<item>.log (tar them: the device tool brings back at most 8 files).
+# of SWEEP_BUDGET_S. Logs: $OUT/<item>.log (tar them: the device tool brings back at most 8 files). The GPU page's
+# table of the run: $OUT/gpu-sweep.json (bench/gpu_tables.py).
 #
 #   bash bench/gpu_sweep.sh                   # on the GPU machine (wheels from .whl/ installed to /tmp/site)
 #   SMOKE=1 bash bench/gpu_sweep.sh           # CPU dry run with tiny shapes (also: --dry-run)
@@ -48,4 +49,6 @@ else
   item profile 60 python3 bench/profile_step.py --shape llama-1b --device cuda --variant blocks+cudnn+plain \
     --sides ours --steps 3
 fi
+# The GPU page's table of this run (copy it to docs/benchmarks/data/gpu-<order>-<gpu>.json, then render)
+python3 bench/gpu_tables.py sweep --results "$RESULTS" --table "$OUT/gpu-sweep.json" --machine "$MACHINE"
 echo "sweep done in $(( $(date +%s) - START ))s; results in $RESULTS" >&2

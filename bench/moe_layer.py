@@ -25,9 +25,11 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Literal, cast
 
 import torch
+from tables import add_table_arguments, write_table
 
 from meshformer.model.config import AttentionConfig, FfnConfig, ModelConfig, MoeConfig
 from meshformer.model.init import init_weights
@@ -258,6 +260,48 @@ def top_kernels(step: Callable[[], None], device: torch.device, steps: int = 3, 
                     for e in events]}
 
 
+ACTIVATIONS = {"relu": "ReLU", "gelu": "GELU", "gelu_tanh": "GELU (tanh)", "swiglu": "SwiGLU"}
+
+
+def shape_name(record: dict) -> str:
+    act = ACTIVATIONS[SHAPES[record["shape"]][5]] if record["shape"] in SHAPES else ""
+    shared = f" + {record['n_shared_experts']} shared" if record["n_shared_experts"] else ""
+    return (f"{record['shape']}: d {record['d_model']}, {record['n_experts']} × {record['moe_d_ff']} {act} "
+            f"top-{record['experts_per_token']}{shared}, {record['tokens']:,} tok")
+
+
+def table_rows(records: list[dict]) -> list[list[str]]:
+    """One row per (shape, routing): each backend's tokens/s and ratio to the dense FFN, fastest first and in bold,
+    and the ratio of its compute function alone; a shape is described in full on its first row."""
+    rows, described = [], set()
+    for r in records:
+        ran = sorted(r["backends"].items(), key=lambda item: item[1]["ratio"], reverse=True)
+        ratios = [f"{b['ratio']:.2f}" for _, b in ran]
+        if ratios:
+            ratios[0] = f"**{ratios[0]}**"
+        shape = r["shape"] if r["shape"] in described else shape_name(r)
+        described.add(r["shape"])
+        rows.append([shape, f"{r['routing']} ({r['max_over_mean_load']:.3g})", " / ".join(name for name, _ in ran),
+                     " / ".join(f"{b['tokens_per_s']:,.0f}" for _, b in ran), f"{r['dense_tokens_per_s']:,.0f}",
+                     " / ".join(ratios), " / ".join(f"{b['compute_ratio']:.2f}" for _, b in ran)])
+    return rows
+
+
+def write(path: Path, machine: str, records: list[dict], command: str) -> dict:
+    first = records[0]
+    device = "a CPU" if first["device"] == "cpu" else f"a {first['device'].upper()} device"
+    return write_table(
+        path, machine=machine, page="moe", title=f"MoE layer speed on {device}", command=command,
+        setup="Forward + backward of one MoE layer against a dense FFN of the same active FLOPs (d_ff = "
+              "experts_per_token × moe_d_ff), rounds alternating, median of "
+              f"{first['rounds']} rounds, {first['dtype']}, {first['threads']} thread{'s' * (first['threads'] != 1)}"
+              f"{', compiled' if first['compiled'] else ''}. \"compute\" is the backend's function alone on "
+              "already-sorted tokens, so layer − compute is the routing and permutation.",
+        columns=["shape", "routing (max/mean load)", "backend", "MoE tok/s", "dense tok/s", "ratio (layer)",
+                 "ratio (compute alone)"],
+        align=["l", "l", "l", "r", "r", "r", "r"], rows=table_rows(records))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", nargs="+", default=["small", "cpu-512"], choices=sorted(SHAPES))
@@ -276,16 +320,24 @@ def main() -> None:
                              "exposed; more: the host runs ahead, as in a model's stack of layers)")
     parser.add_argument("--profile", action="store_true",
                         help="also record where the dense side's and the best backend's time goes (top operators)")
+    add_table_arguments(parser)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 runs as the trainer runs it
+    records = []
     for shape in args.shape:
         for routing in args.routing:
-            print(json.dumps(measure(shape, routing, device, DTYPES[args.dtype], args.rounds, args.skew,
-                                     args.backend, args.profile, args.compile, args.queue)), flush=True)
+            records.append(measure(shape, routing, device, DTYPES[args.dtype], args.rounds, args.skew, args.backend,
+                                   args.profile, args.compile, args.queue))
+            print(json.dumps(records[-1]), flush=True)
+    if args.table:
+        command = "python bench/moe_layer.py" + "".join(
+            f" --{flag} {value}" for flag, value in (("rounds", args.rounds), ("threads", args.threads))
+            if value is not None and (flag, value) != ("rounds", 5))
+        write(args.table, args.machine, records, command)
 
 
 if __name__ == "__main__":

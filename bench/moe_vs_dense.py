@@ -19,6 +19,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from tables import add_table_arguments, write_table  # noqa: E402  (bench/ is on the path when run as a script)
+
 # The MoE run's default overrides: tiny-gpt's blocks (LayerNorm, learned positions, biases) and GELU experts of width
 # 256, so that only the feed-forward differs from the dense model, at its active parameter count (tiny-moe itself
 # has Mixtral's blocks, to export as MixtralForCausalLM). The README's figures are of this model.
@@ -87,6 +90,44 @@ def plot(runs: list[dict], tokens_per_step: int, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def table_rows(dense: dict, moe: dict, tokens_per_step: int) -> list[list[str]]:
+    """One row per eval: tokens seen, each model's eval loss, the lower in bold."""
+    rows = []
+    for (step, d), (_, m) in zip(dense["eval"], moe["eval"], strict=True):
+        cells = [f"{d:.3f}", f"{m:.3f}"]
+        if d != m:
+            lower = 0 if d < m else 1
+            cells[lower] = f"**{cells[lower]}**"
+        rows.append([f"{step * tokens_per_step:,}", *cells])
+    return rows
+
+
+def outcome(dense: dict, moe: dict, tokens_per_step: int) -> str:
+    """Where the MoE run first ends an eval below the dense one, and how far apart they end."""
+    ahead = [step for (step, d), (_, m) in zip(dense["eval"], moe["eval"], strict=True) if m < d]
+    diff = moe["eval"][-1][1] - dense["eval"][-1][1]
+    first = (f"{moe['config']} is first below {dense['config']} at {ahead[0] * tokens_per_step:,} tokens; " if ahead
+             else f"{moe['config']} stays above {dense['config']}; ")
+    side = "lower" if diff < 0 else "higher"
+    return f"{first}it ends {abs(diff):.3f} nats {side} at {dense['eval'][-1][0] * tokens_per_step:,} tokens."
+
+
+def write(path: Path, machine: str, runs: list[dict], tokens_per_step: int, args: argparse.Namespace) -> dict:
+    dense, moe = runs
+    image = {"image": args.png.name, "image_alt": f"{moe['config']} vs {dense['config']} loss against tokens"} \
+        if args.png is not None else {}
+    return write_table(
+        path, machine=machine, page="moe", title="MoE against dense at equal active parameters",
+        command="python bench/moe_vs_dense.py (bench/gpu_moe.sh)",
+        setup=f"{moe['config']} ({moe['active'] / 1e6:.2f}M active / {moe['total'] / 1e6:.2f}M total) against "
+              f"`configs/{dense['config']}.toml` ({dense['active'] / 1e6:.2f}M), each through `meshformer train` with "
+              f"the same data, seed and schedule, {args.steps} steps of {tokens_per_step} tokens "
+              f"({dense['seconds']:.0f} s and {moe['seconds']:.0f} s).",
+        notes=outcome(dense, moe, tokens_per_step), **image,
+        columns=["tokens", f"{dense['config']} eval loss", f"{moe['config']} eval loss"], align=["r", "r", "r"],
+        rows=table_rows(dense, moe, tokens_per_step))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
@@ -102,6 +143,7 @@ def main() -> None:
                         "both then see the same load; the curves are per token, so timing does not enter them)")
     parser.add_argument("--png", type=Path, default=None)
     parser.add_argument("--work", type=Path, default=None, help="folder for the runs' temporary folders")
+    add_table_arguments(parser)
     args = parser.parse_args()
     if args.work is not None:
         args.work.mkdir(parents=True, exist_ok=True)
@@ -135,6 +177,8 @@ def main() -> None:
     print(json.dumps({"bench": "moe_vs_dense_summary", "tokens": dense["eval"][-1][0] * tokens_per_step,
                       "dense_eval_loss": dense["eval"][-1][1], "moe_eval_loss": moe["eval"][-1][1],
                       "moe_minus_dense": round(moe["eval"][-1][1] - dense["eval"][-1][1], 4)}))
+    if args.table:
+        write(args.table, args.machine, runs, tokens_per_step, args)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import time
 
 import torch
 from parallel_common import batches, bench_config, build_cpu_plan, spawn
+from tables import add_table_arguments, write_row
 
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "interleaved_zb": 2, "zbv": 2}
 
@@ -58,20 +59,39 @@ def measure(schedule: str, microbatches: int, steps: int) -> dict[str, float]:
     return {"idle": min(idle), "step_s": wall}
 
 
+SUMMARY = ["`bench/parallel_bubble.py`", "measured pipeline idle fraction vs (p−1)/(m+p−1) per schedule"]
+NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved 1F1B", "interleaved_zb": "interleaved ZB",
+         "zbv": "ZBV"}
+
+
+def table_row(records: list[dict]) -> list[str]:
+    """parallel-01-cpu.json's row: at the most micro-batches measured, each schedule's idle fraction (textbook)."""
+    m = max(r["m"] for r in records)
+    cells = [f"{NAMES.get(r['schedule'], r['schedule'])} {r['measured_idle']:.2f} ({r['textbook_(p-1)/(v*m+p-1)']:.2f})"
+             for r in records if r["m"] == m]
+    return [*SUMMARY, f"p={records[0]['p']}, m={m}, measured (textbook): {', '.join(cells)}"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--steps", type=int, default=3)
+    add_table_arguments(parser)
     args = parser.parse_args()
     p = 2
+    records = []
     for m in args.microbatches:
         for schedule, v in SCHEDULES.items():
             ranks = spawn(p, measure, schedule, m, args.steps, threads=1)
             idle = sum(r["idle"] for r in ranks) / p
-            print(json.dumps({"schedule": schedule, "p": p, "m": m, "v": v, "measured_idle": round(idle, 3),
+            record = {"schedule": schedule, "p": p, "m": m, "v": v, "measured_idle": round(idle, 3),
                               "textbook_(p-1)/(m+p-1)": round((p - 1) / (m + p - 1), 3),
                               "textbook_(p-1)/(v*m+p-1)": round((p - 1) / (v * m + p - 1), 3),
-                              "step_s": round(max(r["step_s"] for r in ranks), 3)}))
+                              "step_s": round(max(r["step_s"] for r in ranks), 3)}
+            records.append(record)
+            print(json.dumps(record))
+    if args.table:
+        write_row(args.table, machine=args.machine, row=table_row(records))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import json
 
 import torch
 from parallel_common import batches, bench_config, build_cpu_plan, spawn
+from tables import add_table_arguments, write_row
 
 
 def local_bytes(t: torch.Tensor) -> int:
@@ -39,20 +40,34 @@ def measure(d_model: int, layers: int) -> dict[str, int]:
     }
 
 
+SUMMARY = ["`bench/parallel_memory.py`", "parameter + gradient + optimizer memory per rank, FSDP 1/2/4"]
+
+
+def table_row(records: list[dict]) -> list[str]:
+    """parallel-01-cpu.json's row: each FSDP size's largest rank over one rank's."""
+    return [*SUMMARY, " / ".join(f"{r['ratio_to_1_rank']:.2f}" for r in records)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
+    add_table_arguments(parser)
     args = parser.parse_args()
     base = None
+    records = []
     for world in (1, 2, 4):
         per_rank = spawn(world, measure, args.d_model, args.layers)
         worst = max(sum(r.values()) for r in per_rank)
         base = base or worst
         parts = {k: max(r[k] for r in per_rank) / 2**20 for k in per_rank[0]}
-        print(json.dumps({"fsdp_ranks": world, "max_rank_MiB": round(worst / 2**20, 2),
+        record = {"fsdp_ranks": world, "max_rank_MiB": round(worst / 2**20, 2),
                           "ratio_to_1_rank": round(worst / base, 4), "goal": "<= 0.27 at 4 ranks" if world == 4 else "",
-                          **{f"{k}_MiB": round(v, 2) for k, v in parts.items()}}))
+                          **{f"{k}_MiB": round(v, 2) for k, v in parts.items()}}
+        records.append(record)
+        print(json.dumps(record))
+    if args.table:
+        write_row(args.table, machine=args.machine, row=table_row(records))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import time
 
 import torch
 from parallel_common import ROOT, batches, bench_config, build_cpu_plan
+from tables import add_table_arguments, write_row
 
 MODES = ("none", "selective", "every_k", "full")
 
@@ -49,12 +50,22 @@ def run_mode(mode: str, seq: int, batch: int, steps: int) -> dict[str, float]:
     return {"peak_delta_MiB": rss_peak_mib() - base, "step_s": min(times)}
 
 
+SUMMARY = ["`bench/parallel_recompute.py`", "peak activation memory: none / selective / every 2nd / full"]
+
+
+def table_row(records: list[dict]) -> list[str]:
+    """parallel-01-cpu.json's row: each mode's peak over none's, in MODES order."""
+    by_mode = {r["recompute"]: r for r in records}
+    return [*SUMMARY, " / ".join(f"{by_mode[mode]['peak_ratio']:.2f}" for mode in MODES)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
+    add_table_arguments(parser)
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # child process
     args = parser.parse_args()
     if args.mode:
@@ -71,10 +82,14 @@ def main() -> None:
             best["step_s"] = min(best["step_s"], r["step_s"])
             best["peak_delta_MiB"] = min(best["peak_delta_MiB"], r["peak_delta_MiB"])
     base = results["none"]
+    records = []
     for mode, r in results.items():
-        print(json.dumps({"recompute": mode, "peak_delta_MiB": round(r["peak_delta_MiB"], 1),
-                          "peak_ratio": round(r["peak_delta_MiB"] / base["peak_delta_MiB"], 3),
-                          "step_s": round(r["step_s"], 3), "time_ratio": round(r["step_s"] / base["step_s"], 3)}))
+        records.append({"recompute": mode, "peak_delta_MiB": round(r["peak_delta_MiB"], 1),
+                        "peak_ratio": round(r["peak_delta_MiB"] / base["peak_delta_MiB"], 3),
+                        "step_s": round(r["step_s"], 3), "time_ratio": round(r["step_s"] / base["step_s"], 3)})
+        print(json.dumps(records[-1]))
+    if args.table:
+        write_row(args.table, machine=args.machine, row=table_row(records))
 
 
 if __name__ == "__main__":

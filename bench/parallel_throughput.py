@@ -18,6 +18,7 @@ import time
 
 import torch
 from parallel_common import batches, bench_config, build_cpu_plan, spawn
+from tables import add_table_arguments, write_row
 
 LAYOUTS: dict[str, tuple[int, dict]] = {
     "single": (1, {}),
@@ -58,21 +59,39 @@ def measure(parallel: dict, steps: int) -> dict[str, float]:
     return {"step_s": min(times[1:])}  # the first step warms up (and infers pipeline shapes)
 
 
+SUMMARY = ["`bench/parallel_throughput.py`", "tokens/s per busy core of each layout vs one process (overhead, not "
+           "scaling: 2 cores)"]
+
+
+def table_row(records: list[dict]) -> list[str]:
+    """parallel-01-cpu.json's row: the range of the layouts' per-core ratios, and each layout's."""
+    layouts = [r for r in records if r["processes"] > 1]
+    ratios = [r["per_core_ratio"] for r in layouts]
+    each = ", ".join(f"{r['layout']} {r['per_core_ratio']:.2f}" for r in layouts)
+    return [*SUMMARY, f"{min(ratios):.2f}–{max(ratios):.2f} ({each})"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    add_table_arguments(parser)
     args = parser.parse_args()
     base = None
+    records = []
     for name in args.layouts:
         world, parallel = LAYOUTS[name]
         step = max(r["step_s"] for r in spawn(world, measure, parallel, args.steps, threads=1))
         tokens_per_s = GLOBAL_BATCH * SEQ / step
         per_core = tokens_per_s / min(world, CORES)
         base = base or per_core
-        print(json.dumps({"layout": name, "processes": world, "tokens_per_s": round(tokens_per_s),
+        record = {"layout": name, "processes": world, "tokens_per_s": round(tokens_per_s),
                           "per_core_ratio": round(per_core / base, 3),
-                          "note": f"{CORES} shared CPU cores: overhead, not scaling"}))
+                          "note": f"{CORES} shared CPU cores: overhead, not scaling"}
+        records.append(record)
+        print(json.dumps(record))
+    if args.table:
+        write_row(args.table, machine=args.machine, row=table_row(records))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from tables import add_table_arguments, write_table
 
 from meshformer.config import load_config
 from meshformer.planner.measure import LiveTensorBytes, TrainingStep
@@ -44,6 +45,15 @@ def measure(cfg, device: torch.device) -> int:
     return torch.cuda.max_memory_allocated()
 
 
+RECOMPUTE = {"every_k": "every 2nd block"}
+
+
+def table_rows(rows: list[dict]) -> list[list[str]]:
+    """One row per recomputation mode: the planner's error against the measured peak."""
+    return [[RECOMPUTE.get(r["recompute"], r["recompute"]), f"{100 * r['error']:+.1f}%".replace("-", "−")]
+            for r in rows]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cuda")
@@ -51,6 +61,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["none", "selective", "full", "every_k"])
     parser.add_argument("--config", default="llama-1b", help="a config under configs/")
     parser.add_argument("--set", nargs="*", default=[], help="more overrides, e.g. model.n_layers=4")
+    add_table_arguments(parser)
     args = parser.parse_args()
     device = torch.device(args.device)
     # One micro-batch per step, as measured: no gradients held from an earlier micro-batch.
@@ -72,6 +83,15 @@ def main() -> None:
                      "error": predicted / measured - 1, "seconds": time.perf_counter() - start})
         print(json.dumps(rows[-1]), flush=True)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    if args.table:
+        measured = "`torch.cuda.max_memory_allocated`" if device.type == "cuda" else "live tensor bytes"
+        shape = "seq 2048" if device.type == "cuda" else "a small shape (CPU dry run)"
+        extra = f", {' '.join(args.set)}" if args.set else ""
+        write_table(args.table, machine=args.machine or f"one {name} (torch {torch.__version__})", page="parallel",
+                    title="Memory planner on a GPU", command="python bench/plan_vs_measured_gpu.py",
+                    setup=f"`configs/{args.config}.toml` at {shape}, batch {args.batch}, bf16, the default fused head "
+                          f"loss{extra}; measured is {measured}.",
+                    columns=["recompute", "predicted against measured"], align=["l", "r"], rows=table_rows(rows))
     print(f"{name}: largest error {100 * max(abs(r['error']) for r in rows):.1f}% over {len(rows)} modes")
 
 

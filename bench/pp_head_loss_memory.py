@@ -21,6 +21,7 @@ import json
 
 from parallel_common import spawn
 from plan_validation import validation_config
+from tables import add_table_arguments, write_row
 
 LOSSES = ("plain", "chunked", "chunked_recompute")
 
@@ -39,25 +40,45 @@ def measure(schedules: list[str], vocab: int, microbatches: int, seq: int = 128)
     return out
 
 
+SUMMARY = ["`bench/pp_head_loss_memory.py`", "last pipeline stage's peak over plain: stored-gradient / recomputing "
+           "chunked loss (pp=2, 4 micro-batches, V 32k, fp32)"]
+NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved_1f1b", "interleaved_zb": "interleaved_zb",
+         "zbv": "ZBV"}
+
+
+def table_row(records: list[dict]) -> list[str]:
+    """parallel-01-cpu.json's row: per schedule, the chunked and the recomputing chunked loss's last-stage peak over
+    the plain loss's."""
+    cells = [f"{NAMES.get(r['schedule'], r['schedule'])} {r['last_stage_vs_plain']['chunked']:.2f} / "
+             f"{r['last_stage_vs_plain']['chunked_recompute']:.2f}" for r in records]
+    return [*SUMMARY, ", ".join(cells)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128, help="tokens per micro-batch (one sequence; d_model 128)")
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe", "zbv", "interleaved_zb"])
+    add_table_arguments(parser)
     args = parser.parse_args()
     per_rank = spawn(2, measure, args.schedules, args.vocab, args.microbatches, args.seq)
+    records = []
     for schedule in args.schedules:
         last = 0 if schedule == "zbv" else 1  # ZBV's V places the last stage on rank 0
         peaks = {loss: [rank[schedule][loss] for rank in per_rank] for loss in LOSSES}
-        print(json.dumps({
+        record = {
             "bench": "pp_head_loss_memory", "schedule": schedule, "vocab": args.vocab, "seq": args.seq,
             "microbatches": args.microbatches,
             "last_stage_mib": {loss: round(p[last] / 2**20, 2) for loss, p in peaks.items()},
             "last_stage_vs_plain": {loss: round(p[last] / peaks["plain"][last], 3) for loss, p in peaks.items()},
             "last_stage_recompute_vs_chunked": round(peaks["chunked_recompute"][last] / peaks["chunked"][last], 3),
             "worst_rank_vs_plain": {loss: round(max(p) / max(peaks["plain"]), 3) for loss, p in peaks.items()},
-        }))
+        }
+        records.append(record)
+        print(json.dumps(record))
+    if args.table:
+        write_row(args.table, machine=args.machine, row=table_row(records))
 
 
 if __name__ == "__main__":

@@ -34,8 +34,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
+sys.path.insert(0, str(ROOT / "bench"))
 from parallel_common import free_port  # noqa: E402
+from tables import add_table_arguments, write_table  # noqa: E402  (bench/ is on the path when run as a script)
 
 LAYOUTS = {"fsdp": {"dp_shard": 8}, "tp-fsdp": {"tp": 2, "dp_shard": 4}, "pp-fsdp": {"pp": 2, "dp_shard": 4},
            "single": {}}
@@ -158,6 +159,23 @@ def _param_count(max_shard_size: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+LAYOUT_NAMES = {"fsdp x8": "FSDP-8", "tp-fsdp x8": "TP2 × FSDP4", "pp-fsdp x8": "PP2 × FSDP4"}
+PHASES = {"startup": "start-up", "forward_backward": "forward/backward", "optimizer_step": "optimizer step",
+          "final_save": "save"}
+
+
+def table_rows(records: list[dict[str, Any]]) -> list[list[str]]:
+    """One row per layout: the worst rank's peak RSS over the fp32 model, the phase it peaked in, and the other
+    phases' peaks in brackets."""
+    rows = []
+    for r in records:
+        phases = {name: r["phase_ratio"][phase] for phase, name in PHASES.items() if phase in r["phase_ratio"]}
+        top = max(phases, key=phases.__getitem__)
+        others = ", ".join(f"{name} {value:.2f}" for name, value in phases.items() if name != top)
+        rows.append([LAYOUT_NAMES.get(r["layout"], r["layout"]), f"{r['ratio']:.2f}", f"{top} ({others})"])
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layouts", nargs="+", default=["fsdp", "tp-fsdp", "pp-fsdp"], choices=list(LAYOUTS)[:-1])
@@ -169,6 +187,7 @@ def main() -> None:
                              "trainer's 1 MiB; 0: glibc's own adaptive threshold, as before the trainer set one)")
     parser.add_argument("--pp-unsharded-microbatches", action="store_true",
                         help="parallel.pp_fsdp_unsharded_microbatches=true: torch's own PP x FSDP behaviour")
+    add_table_arguments(parser)
     args = parser.parse_args()
     if args.mmap_threshold is not None:  # the spawned ranks inherit it
         os.environ["MESHFORMER_MMAP_THRESHOLD"] = str(args.mmap_threshold)
@@ -181,6 +200,7 @@ def main() -> None:
         print(json.dumps({"layout": "single (start-up only)", "build_s": round(single_startup, 2),
                           "trainer_init_s": round(single["startup_s"], 2), "params_M": round(n_params / 1e6, 1)}),
               flush=True)
+    records: list[dict[str, Any]] = []
     for layout in args.layouts:
         tiny = launch("tiny", layout, args.max_shard_size, overrides=overrides)
         big = launch("150m", layout, args.max_shard_size, overrides=overrides)
@@ -204,7 +224,17 @@ def main() -> None:
         }
         if single_startup:
             row["build_vs_single"] = round(row["max_rank_build_s"] / single_startup, 2)
+        records.append(row)
         print(json.dumps(row), flush=True)
+    if args.table:
+        write_table(args.table, machine=args.machine, page="parallel", title="Host memory at scale",
+                    command="python bench/scale_memory.py",
+                    setup=f"Peak RSS per rank of a {(n_params or 0) / 1e6:.0f}M decoder training one step and saving "
+                          "its final weights over 8 gloo ranks, less a tiny model's, over the fp32 model (the sharded "
+                          "training state alone is 0.5). `tests/end_to_end/test_scale_memory.py` holds FSDP-4 training "
+                          "plus the final save under 1.5× the model per rank.",
+                    columns=["layout", "peak RSS / model", "peak in"], align=["l", "r", "l"],
+                    rows=table_rows(records))
 
 
 if __name__ == "__main__":

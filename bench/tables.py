@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 
-def add_table_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--table", type=Path, help="write the benchmark page's table JSON here "
-                                                   "(docs/benchmarks/data/<page>-<order>-<name>.json)")
+def add_table_arguments(parser: argparse.ArgumentParser, folder: bool = False) -> None:
+    """`folder`: the script writes several tables, under their own names, into the folder --table names."""
+    where = ("write the benchmark pages' table JSON files into this folder (docs/benchmarks/data)" if folder else
+             "write the benchmark page's table JSON here (docs/benchmarks/data/<page>-<order>-<name>.json)")
+    parser.add_argument("--table", type=Path, help=where)
     parser.add_argument("--machine", default="", help="the machine the figures were measured on, in words")
 
 

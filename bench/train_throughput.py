@@ -17,6 +17,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from tables import add_table_arguments, write_row
 
 from meshformer.config import load_config
 from meshformer.model import Transformer
@@ -76,12 +77,24 @@ def trainer_run(cfg, steps: int) -> float:
     return steps * cfg.data.batch_size * cfg.data.seq_len / elapsed
 
 
+SUMMARY = ["`bench/train_throughput.py`", "`Trainer.fit` vs a hand-written nanoGPT-style loop, same model"]
+
+
+def table_row(records: list[dict]) -> list[str]:
+    """training-01-cpu.json's row: the trainer's tokens/s over the loop's, and its MFU, per dtype."""
+    ratios = ", ".join(f"{r['dtype']} {r['overhead_ratio']:.3f}×" for r in records)
+    mfu = " / ".join(f"{100 * r['trainer_mfu']:.0f}% ({r['dtype']})" for r in records)
+    return [*SUMMARY, f"{ratios} of the loop's tokens/s; MFU {mfu} of the measured GEMM rate"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/tiny-gpt.toml")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3)
+    add_table_arguments(parser)
     args = parser.parse_args()
+    records = []
     for dtype in ("fp32", "bf16"):
         # No checkpoints and no resume: every round trains `steps` fresh steps in a folder of its own.
         overrides = [f"train.dtype={dtype}", "train.eval_interval=0", "train.sample_interval=0",
@@ -103,14 +116,18 @@ def main() -> None:
         fpt = flops_per_token(cfg.model, cfg.data.seq_len)
         ours_tps, ref_tps = statistics.median(ours), statistics.median(ref)
         print(f"# {dtype} rounds: trainer {[round(x) for x in ours]}, reference {[round(x) for x in ref]}", flush=True)
-        print(json.dumps({
+        record = {
             "bench": "train_throughput", "config": args.config, "dtype": dtype, "device": str(device),
             "threads": torch.get_num_threads(),
             "trainer_tokens_per_s": round(ours_tps), "reference_tokens_per_s": round(ref_tps),
             "overhead_ratio": round(ours_tps / ref_tps, 3), "goal_ratio": 0.97,
             "gemm_flops": round(gemm), "trainer_mfu": round(fpt * ours_tps / gemm, 4),
             "reference_mfu": round(fpt * ref_tps / gemm, 4),
-        }))
+        }
+        records.append(record)
+        print(json.dumps(record))
+    if args.table:
+        write_row(args.table, machine=args.machine, row=table_row(records))
 
 
 if __name__ == "__main__":

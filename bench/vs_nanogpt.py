@@ -35,6 +35,7 @@ from step_common import (
     reset_memory,
     timed,
 )
+from tables import add_table_arguments, write_row
 
 from meshformer.model.flops import flops_per_token
 from meshformer.train.trainer import Trainer
@@ -177,6 +178,21 @@ def run(shape: str, dtype: str, compile: str, loss: str, args) -> dict:
     return record
 
 
+SUMMARY = ["`bench/vs_nanogpt.py`", "`Trainer.train_step` vs a compact nanoGPT-style step (bench/nanogpt_ref.py), "
+           "each side in its own process on CPU, rounds alternating"]
+
+
+def table_row(records: list[dict]) -> list[str]:
+    """training-01-cpu.json's row: our tokens/s over the reference's per dtype and shape."""
+    by_dtype: dict[str, list[str]] = {}
+    for r in records:
+        variant = "".join(f" {v}" for v in (r["compile"], r["loss"]) if v not in ("off", "auto"))
+        by_dtype.setdefault(r["dtype"] + variant, []).append(f"{r['shape']} {r['ratio']:.2f}×")
+    threads = records[0]["threads"]
+    sides = "; ".join(f"{dtype} {', '.join(cells)}" for dtype, cells in by_dtype.items())
+    return [*SUMMARY, f"{threads} thread{'s' * (threads != 1)}: {sides}"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", nargs="+", default=["S", "M", "G"])
@@ -188,6 +204,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None, help="override the shape's batch size")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=3)
+    add_table_arguments(parser)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--isolate", default="process", choices=["process", "none"],
@@ -200,6 +217,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.clock == "cpu" and args.device not in ("auto", "cpu"):
         raise SystemExit("--clock cpu measures CPU steps; use --device cpu (or auto on a machine without CUDA)")
+    records = []
     for shape in args.shape:
         for dtype in args.dtype:
             for compile in args.compile:
@@ -208,6 +226,9 @@ def main() -> None:
                     record = run(shape, dtype, compile, loss, args)
                     record["wall_s"] = round(time.perf_counter() - start, 1)
                     emit(record)
+                    records.append(record)
+    if args.table:
+        write_row(args.table, machine=args.machine, row=table_row([r for r in records if "ratio" in r]))
 
 
 if __name__ == "__main__":

@@ -87,8 +87,18 @@ def test_gated_delta_tiny():
     assert record["out_max_diff"] < 1e-5 and record["dq_max_diff"] < 1e-5  # the same rule on both sides
 
 
-def test_moe_layer_tiny():
-    records = run_bench("moe_layer.py", "--shape", "tiny", "--rounds", "1", "--threads", "1")
+def loaded_table(folder: Path) -> dict:
+    """The one table in `folder`, as the docs' renderer loads it (which checks its keys, date and row widths)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from render_tables import load_tables
+
+    (table,) = load_tables(folder)
+    return table
+
+
+def test_moe_layer_tiny(tmp_path):
+    records = run_bench("moe_layer.py", "--shape", "tiny", "--rounds", "1", "--threads", "1", "--table",
+                        str(tmp_path / "moe-01-layer-cpu.json"), "--machine", "this machine")
     assert [r["routing"] for r in records] == ["balanced", "skewed"]
     for record in records:
         assert record["bench"] == "moe_layer" and record["dense_d_ff"] == 2 * record["moe_d_ff"]  # same active FLOPs
@@ -100,6 +110,9 @@ def test_moe_layer_tiny():
             assert 0 <= side["permute_share"] < 1
         assert record["best_ratio"] == max(side["ratio"] for side in ran.values())
     assert records[1]["max_over_mean_load"] >= 1.8  # the skew bias did skew the load (target 2)
+    table = loaded_table(tmp_path)  # --table wrote the MoE page's table from these records, a row each
+    assert table["machine"] == "this machine" and [row[1].split()[0] for row in table["rows"]] == ["balanced", "skewed"]
+    assert table["rows"][0][4] == f"{records[0]['dense_tokens_per_s']:,.0f}"
 
 
 def test_gated_delta_fla_says_why_it_skips():
@@ -153,6 +166,10 @@ def test_gpu_moe_smoke(tmp_path):
     layers = [r for r in lines if r.get("bench") == "moe_layer"]
     assert len(layers) == 4  # balanced + skewed, then skewed, then balanced compiled
     assert layers[-1]["queue"] == 2 and layers[-1]["compiled_graphs"] == 2  # one graph a side: no break in the layer
+    (tmp_path / "results.jsonl").unlink()  # the run leaves the MoE page's table of its eager rows in $OUT
+    table = loaded_table(tmp_path)
+    assert table["machine"].startswith("a CPU dry run") and [row[:2] for row in table["rows"]] == [
+        ["tiny", "balanced"], ["tiny", "skewed"]]
 
 
 @pytest.mark.slow  # two 2-process trainings

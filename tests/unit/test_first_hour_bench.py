@@ -19,5 +19,5 @@ def test_every_timed_command_is_shown_in_the_docs():
 def test_the_table_adds_up_the_milestones():
     steps = [{"milestone": "a", "command": "x", "seconds": 10.0, "first_loss_s": None},
              {"milestone": "b", "command": "y", "seconds": 30.0, "first_loss_s": 4.0}]
-    rows = first_hour.table(steps, "a machine")["rows"]
+    rows = first_hour.table_rows(steps)
     assert [row[3:] for row in rows] == [["", "10 s"], ["14 s", "40 s"]]
