@@ -147,12 +147,12 @@ def markdown(rows: list[Row], gpu: str) -> str:
              "trainer's own layout check on it. FSDP shards each layer over the data-parallel and context-parallel "
              "ranks; expert parallelism splits each MoE layer's experts over ep of those ranks (ep is not a factor "
              "of the world: pp × tp × FSDP is). With MTP, the first fitting pipelined layout is listed too: the "
-             "stage the MTP module would join is the last.", "", "| " + " | ".join(COLUMNS) + " |",
+             "MTP module sits on the last stage.", "", "| " + " | ".join(COLUMNS) + " |",
              "| --- | ---: | --- | --- | ---: | --- | --- | ---: |"]
     lines += ["| " + " | ".join(row.cells) + " |" for row in rows]
     notes = [row.note for row in rows if row.note]
-    lines += ["", "The search sizes one template block per stack and leaves the MTP module out; the whole-model "
-              "path (`meshformer plan`'s figure for a configured layout) builds it with the rest of the model. "
+    lines += ["", "The search sizes one template block per stack (the MTP module built with the last block's kinds); "
+              "the whole-model path (`meshformer plan`'s figure for a configured layout) builds every module. "
               "Where the two differ by more than 0.05 GiB, the cell shows both."]
     if notes:
         lines += ["", *(f"- {note}" for note in notes)]

@@ -77,4 +77,8 @@ def apply_recompute(model: Transformer, mode: str, every: int = 2) -> int:
             continue
         checkpoint_block(block, selective=mode == "selective")
         count += 1
+    if mode in ("full", "selective"):  # multi-token prediction's blocks recompute as the main blocks do
+        for module in getattr(model, "mtp_layers", None) or ():
+            checkpoint_block(module.block, selective=mode == "selective")
+            count += 1
     return count

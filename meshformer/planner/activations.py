@@ -192,6 +192,19 @@ def loss_memory(m: ModelConfig, x: ActivationShape, kind: str, device_type: str)
     return chunked_loss(m, x, device_type)
 
 
+def mtp_module_saved(m: ModelConfig, x: ActivationShape, mode: str, loss_kept: float) -> tuple[float, float]:
+    """(kept through forward, rebuilt in its backward) of one multi-token prediction module (model/mtp.py): its two
+    norms' inputs and the concatenation eh_proj reads, its block (the last block's kinds, recomputed under
+    "full"/"selective" as the main blocks are), its final norm and the shared head's input, and what its loss keeps
+    (`loss_kept`, the configured loss's)."""
+    s_local = x.seq // x.tp if x.tp > 1 else x.seq
+    index = m.n_layers - 1
+    joined = 2 * _norm(m, x, s_local) + x.batch * s_local * 2 * m.d_model * x.bytes
+    full = block_saved(m, x, index=index)
+    block = {"none": full, "selective": block_selective(m, x, index=index)}.get(mode, block_input(m, x))
+    return joined + block + head_saved(m, x, True) + loss_kept, full - block
+
+
 def recompute_mode_blocks(cfg: Config, layers: tuple[int, ...], mode: str) -> list[str]:
     """Per held block: 'none', 'selective' or 'full', as `apply_recompute` assigns them."""
     if mode == "every_k":
@@ -201,4 +214,5 @@ def recompute_mode_blocks(cfg: Config, layers: tuple[int, ...], mode: str) -> li
 
 __all__ = ["FP32", "INDEX", "MOE_IMBALANCE", "ActivationShape", "activation_shape", "block_backward_extra",
            "block_input", "block_saved", "block_selective", "head_saved", "loss_memory", "moe_rows",
+           "mtp_module_saved",
            "recompute_mode_blocks", "uses_math_attention"]

@@ -128,9 +128,13 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare, moe_imbalance
             kept.append(act.block_input(m, shape))
             rebuild.append(full)
     head = act.head_saved(m, shape, share.last)
-    per_microbatch = sum(kept) + head
     in_flight = pipeline_in_flight(cfg, dims, share)
     loss_kind = loss_choice.loss_kind(cfg, dims, device_type)
+    # multi-token prediction on the stage holding the head: each module after the main stack, back-propagated first
+    mtp_mode = p.recompute if p.recompute in ("full", "selective") else "none"
+    loss_kept = act.loss_memory(m, shape, loss_kind, device_type)[0]
+    mtp = [act.mtp_module_saved(m, shape, mtp_mode, loss_kept)] * (m.mtp.depth if share.last else 0)
+    per_microbatch = sum(kept) + head + sum(saved for saved, _ in mtp)
     logits_live = head_loss_live(cfg, shape, loss_kind, device_type) if share.last else 0.0
 
     root = share.root_numel * unsharded_bytes if fsdp else 0.0
@@ -158,6 +162,11 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare, moe_imbalance
     moments = {"forward end": static + root + held_units + earlier + per_microbatch + logits_live
                + (0.0 if gpipe_first_pass else head_grad)}
     done_grads = head_grad
+    for k in range(len(mtp), 0, -1):
+        mtp_kept = earlier + sum(kept) + head + sum(saved for saved, _ in mtp[:k])
+        moments[f"backward of multi-token prediction module {k}"] = (
+            static + root + held_units + mtp_kept + mtp[k - 1][1] + act.block_backward_extra(m, shape, m.n_layers - 1)
+            + (block_unit * 2 if fsdp else 0.0) + done_grads)
     for i in range(len(kept) - 1, -1, -1):
         still_kept = earlier + sum(kept[:i + 1])
         unit = 0.0 if not fsdp else block_unit * (1 if resharded else 0) + block_unit + block_unit * reduce_bytes / max(

@@ -104,6 +104,8 @@ MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "mo
               # under pp: the modules on the last stage with its own copy of the embedding, the copies' gradients
               # summed as a tied embedding's; 1F1B and GPipe
               "deepseek_mtp/pp", "deepseek_mtp/pp-sched=gpipe",
+              # its block recomputed as the main blocks are
+              "deepseek_mtp/fsdp-ep-recompute=full", "deepseek_mtp/fsdp-ep-recompute=selective",
               # Qwen3-Next's pieces: linear_attention blocks (packed documents) under FSDP, expert, pipeline and
               # context parallel (the recurrent state and convolution window passed piece to piece in sequence
               # order, the attention blocks beside them on the balanced layout)
@@ -184,7 +186,8 @@ WORLD2_SLOW = {"decoder/cp-compile", "decoder/tp-fp8=tensorwise", "decoder_alibi
                 "deepseek4/pp-sched=interleaved_1f1b-spr=2", "qwen3next4/pp-sched=zbv",
                 "qwen3next4/pp-sched=interleaved_zb-spr=2", "qwen3next4/pp-sched=gpipe",
                 "deepseek_mtp4/pp-sched=zbv", "deepseek_mtp4/pp-sched=interleaved_zb-spr=2",
-                "deepseek_mtp4/pp-sched=interleaved_1f1b-spr=2"}
+                "deepseek_mtp4/pp-sched=interleaved_1f1b-spr=2", "deepseek_mtp/fsdp-ep-recompute=full",
+                "deepseek_mtp/fsdp-ep-recompute=selective"}
 # The second step's global gradient norm, for rows where Adam's first update (about ±lr per element, its sign set by
 # rounding where a gradient is near zero) moves the weights differently enough to show: step-0 gradients of these
 # rows agree to 1e-6; measured 1.34e-5 on an AVX-512 CPU.

@@ -78,6 +78,26 @@ def test_muon_state_and_gather_buffer_are_planned():
     assert abs(predicted / measured - 1) < TOLERANCE, (predicted, measured)
 
 
+@pytest.mark.parametrize(("recompute", "tolerance"), [("none", TOLERANCE), ("full", 0.15)])
+def test_multi_token_prediction_modules_are_planned(recompute, tolerance):
+    """model.mtp.depth = 2: each module's norms, concatenation, block (recomputed as the main blocks), head input and
+    loss on the last stage, back-propagated before the main stack; the prediction holds against the measured step
+    (full recomputation errs high, as it does without the modules)."""
+    from meshformer.model import Transformer
+    from meshformer.parallel.recompute import apply_recompute
+    from meshformer.planner.measure import measure_step_peak
+    from meshformer.planner.search import plan_layout
+
+    cfg = validation_config({"recompute": recompute}, seq=256)
+    cfg.model.mtp.depth = 2
+    assert apply_recompute(Transformer(cfg.model), recompute) == (cfg.model.n_layers + 2 if recompute == "full" else 0)
+    plan = plan_layout(cfg, 1)
+    without = validation_config({"recompute": recompute}, seq=256)
+    assert plan.peak > plan_layout(without, 1).peak
+    predicted, measured = plan.peak, measure_step_peak(cfg)["peak"]
+    assert -TOLERANCE < predicted / measured - 1 < tolerance, (predicted, measured)
+
+
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"tp": 2, "pp": 2}, {"pp": 4, "pp_schedule": "interleaved_1f1b",
                                                                    "pp_stages_per_rank": 2, "pp_microbatches": 4},
                                     {"pp": 2, "pp_schedule": "zbv", "pp_microbatches": 2},
