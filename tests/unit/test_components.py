@@ -31,7 +31,8 @@ REFERENCE = json.loads((TESTS / "fixtures" / "component_reference.json").read_te
 @pytest.mark.parametrize("start", range(0, len(REFERENCE["cases"]), 50))
 def test_params_flops_and_planner_bytes_equal_the_reference(start):
     """Parameter counts, training FLOPs and each pipeline rank's activations and peak, as tests/fixtures'
-    component_reference.json recorded them before the registry existed."""
+    component_reference.json records them (`python tests/helpers/component_reference.py OUT.json`): a change to
+    what a kind declares shows here, and the fixture is rewritten only for a change meant to alter the figures."""
     for case in REFERENCE["cases"][start:start + 50]:
         assert reference(case) == case["expected"], case
 

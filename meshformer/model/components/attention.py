@@ -132,6 +132,8 @@ class Attention(TokenMixer):
         total: float = b * s * m.d_model * a
         if m.attention.output_gate:  # sigmoid(gate) and the gated output o_proj reads
             total += 2 * qkv_out
+        if m.attention.qk_norm:
+            total += self._qk_norm_bytes(m, x, heads, m.kv_heads // x.tp)
         if uses_math_attention(m):
             scores = b * heads * sum(q * k for q, k in calls)
             total += 2 * qkv_out + 2 * kv + scores * FP32 + (scores * a if a != FP32 else 0)
@@ -147,6 +149,15 @@ class Attention(TokenMixer):
         else:
             total += 2 * qkv_out + 2 * kv + b * heads * s * FP32 + sdpa_mask(x, calls, self.cross)
         return total
+
+    @staticmethod
+    def _qk_norm_bytes(m: ModelConfig, x: ActivationLayout, heads: int, kv_heads: int) -> float:
+        """QK-norm's RMSNorms upcast: their fp32 inputs and normalised copies, one statistic per row (a head's, or
+        the whole projection's), and the normalised queries and keys the rotary embedding reads."""
+        rows = x.batch * x.seq
+        width = (heads + kv_heads) * m.attention_head_dim
+        statistics = rows * (heads + kv_heads if m.attention.qk_norm_scope == "head" else 2)
+        return rows * width * (2 * FP32 + x.bytes) + statistics * FP32
 
     def selective_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
         m, b, s, t, a = cfg, x.batch, x.seq, x.tp, x.bytes
