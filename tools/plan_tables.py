@@ -2,11 +2,15 @@
 
     python tools/plan_tables.py [--gpu h100-80gb]
     python tools/plan_tables.py --configs mixtral-8x7b qwen3-30b-a3b olmoe-1b-7b --worlds 8 64 512   # MoE table
+    python tools/plan_tables.py --page   # rewrite every table of the page below its marker
+
+A marker `<!-- tools/plan_tables.py ARGS -->` on the page names the arguments of the table that follows it.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -21,6 +25,8 @@ from meshformer.planner.memory import usable_bytes  # noqa: E402
 from meshformer.planner.search import plan_layout, search_layouts, with_layout  # noqa: E402
 
 GiB = 2**30
+PAGE = ROOT / "docs" / "benchmarks" / "planner-tables.md"
+MARKER = re.compile(r"<!-- tools/plan_tables.py ?(.*?) -->")
 
 
 def table_row(name: str, world: int, gpu: str, moe_imbalance: float = MOE_IMBALANCE) -> list[str]:
@@ -40,20 +46,50 @@ def table_row(name: str, world: int, gpu: str, moe_imbalance: float = MOE_IMBALA
     return [name, str(world), configured, *best]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--gpu", default="h100-80gb")
     parser.add_argument("--configs", nargs="+", default=["llama-8b", "llama-70b", "llama-405b", "gpt3-175b"])
     parser.add_argument("--worlds", type=int, nargs="+", default=[8, 64, 512, 4096])
     parser.add_argument("--moe-imbalance", type=float, default=MOE_IMBALANCE)
-    args = parser.parse_args()
-    print("| config | ranks | configured layout: GiB/rank, fits? | smallest layout that fits | GiB/rank | CPU s |")
-    print("| --- | ---: | --- | --- | ---: | ---: |")
+    parser.add_argument("--page", action="store_true", help=f"rewrite the tables of {PAGE.relative_to(ROOT)}")
+    args = parser.parse_args(argv)
+    if args.page:
+        write_page(parser)
+        return
+    for line in table_lines(args):
+        print(line, flush=True)
+
+
+def table_lines(args: argparse.Namespace) -> list[str]:
+    lines = ["| config | ranks | configured layout: GiB/rank, fits? | smallest layout that fits | GiB/rank | CPU s |",
+             "| --- | ---: | --- | --- | ---: | ---: |"]
     for name in args.configs:
         for world in args.worlds:
             start = time.process_time()
             cells = table_row(name, world, args.gpu, args.moe_imbalance)
-            print(f"| {' | '.join(cells)} | {time.process_time() - start:.0f} |", flush=True)
+            lines.append(f"| {' | '.join(cells)} | {time.process_time() - start:.0f} |")
+    return lines
+
+
+def write_page(parser: argparse.ArgumentParser) -> None:
+    """Each marker's table recomputed with the marker's arguments; the rest of the page kept as it is."""
+    lines, out = PAGE.read_text().splitlines(), []
+    i = 0
+    while i < len(lines):
+        out.append(lines[i])
+        marker = MARKER.fullmatch(lines[i])
+        i += 1
+        if marker is None:
+            continue
+        while i < len(lines) and not lines[i].startswith("|"):  # the text between the marker and its table
+            out.append(lines[i])
+            i += 1
+        while i < len(lines) and lines[i].startswith("|"):  # the old table
+            i += 1
+        out.extend(table_lines(parser.parse_args(marker.group(1).split())))
+    PAGE.write_text("\n".join(out) + "\n")
+    print(f"wrote {PAGE}", file=sys.stderr)
 
 
 if __name__ == "__main__":
