@@ -80,19 +80,11 @@ def time_stacks(seq: int, rounds: int, warm_up: bool, clock: str = "cpu") -> dic
 
 def _kept_bytes(model: Any, seq: int) -> float:
     """Bytes the blocks' autograd graph keeps for backward: each saved storage once, parameters excluded."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in weights:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return t
+    from meshformer.planner.measure import saved_activation_bytes
 
     h = torch.randn(1, seq, model.cfg.d_model, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.decode(torch.zeros(1, seq, dtype=torch.long), h=h, final_norm=False)
-    return float(sum(kept.values()))
+    ids = torch.zeros(1, seq, dtype=torch.long)
+    return float(saved_activation_bytes(model, lambda: model.decode(ids, h=h, final_norm=False)))
 
 
 def saved_bytes(seq: int) -> dict[str, tuple[float, float]]:

@@ -13,11 +13,15 @@ the same name; 1.0 without experts).
 
 The step is the trainer's: `forward_backward` of one micro-batch, gradient clipping, AdamW, `zero_grad`,
 measured on the second step (the first creates the optimizer state).
+
+`saved_activation_bytes` measures one forward's share of that: what its autograd graph keeps for backward, the
+quantity the block kinds' `saved_bytes` declare.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from functools import partial, wraps
 
 import torch
@@ -36,6 +40,23 @@ from meshformer.parallel.parallelize import world_size
 from meshformer.parallel_dims import ParallelDims
 from meshformer.train.loss_choice import resolve_loss
 from meshformer.train.step import TrainStep
+
+
+def saved_activation_bytes(module: nn.Module, forward: Callable[[], object]) -> int:
+    """Bytes the autograd graph of `forward()` keeps for backward: each saved storage once, `module`'s parameters
+    excluded (saved-tensor hooks)."""
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(kept.values())
 
 
 class LiveTensorBytes(TorchDispatchMode):

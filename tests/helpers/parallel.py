@@ -156,34 +156,6 @@ FAMILIES: dict[str, dict[str, Any]] = {
                       linear_attention=dict(n_heads=4, n_key_heads=2, key_head_dim=8, value_head_dim=8, chunk_size=8),
                       moe=dict(n_experts=4, experts_per_token=2, d_ff=24, n_shared_experts=1, shared_expert_gate=True,
                                aux_loss=0.01)),
-    # four blocks of each, so that the V and interleaved schedules have two stages per rank to place
-    "deepseek4": dict(family="decoder", n_layers=4, position="rope", bias=False, layer_types=["mla"],
-                      mlp_types=["dense", "moe", "moe", "moe"], ffn=dict(activation="swiglu"),
-                      norm=dict(kind="rmsnorm"),
-                      mla=dict(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
-                               mscale_all_dim=1.0),
-                      rope=dict(scaling="yarn", factor=4.0, original_max_seq_len=8),
-                      moe=dict(n_experts=8, experts_per_token=2, d_ff=16, n_shared_experts=1, router_score="sigmoid",
-                               router_groups=4, router_groups_per_token=2, router_scale=2.5,
-                               router_bias_update_rate=0.05)),
-    "deepseek_mtp4": dict(family="decoder", n_layers=4, position="rope", bias=False, layer_types=["mla"],
-                          mlp_types=["dense", "moe", "moe", "moe"], ffn=dict(activation="swiglu"),
-                          norm=dict(kind="rmsnorm"),
-                          mla=dict(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                                   v_head_dim=6),
-                          moe=dict(n_experts=8, experts_per_token=2, d_ff=16, n_shared_experts=1,
-                                   router_score="sigmoid", router_groups=4, router_groups_per_token=2,
-                                   router_bias_update_rate=0.05),
-                          mtp=dict(depth=1, loss_weight=0.5)),
-    "qwen3next4": dict(family="decoder", n_layers=4, position="rope", bias=False,
-                       layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-                       norm=dict(kind="rmsnorm", weight_offset=1.0), ffn=dict(activation="swiglu"),
-                       attention=dict(n_kv_heads=2, qk_norm=True, output_gate=True, document_mask=True),
-                       rope=dict(partial_factor=0.5),
-                       linear_attention=dict(n_heads=4, n_key_heads=2, key_head_dim=8, value_head_dim=8,
-                                             chunk_size=8),
-                       moe=dict(n_experts=4, experts_per_token=2, d_ff=24, n_shared_experts=1,
-                                shared_expert_gate=True, aux_loss=0.01)),
     # Qwen3.5-like dense: the same blocks with the split projections (in_proj_qkv ordered [all q | all k | all v])
     # and dense SwiGLU feed-forwards
     "qwen35": dict(family="decoder", n_layers=2, position="rope", bias=False,
@@ -200,6 +172,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "encdec": dict(family="encoder_decoder", n_encoder_layers=2, n_decoder_layers=2, position="sinusoidal",
                    cross_downsample=2, ffn=dict(activation="relu")),
 }
+# Four blocks of the DeepSeek-V3-like and Qwen3-Next-like models, so that the V and interleaved schedules have two
+# stages per rank to place
+FAMILIES["deepseek4"] = dict(FAMILIES["deepseek"], n_layers=4, mlp_types=["dense", "moe", "moe", "moe"])
+FAMILIES["deepseek_mtp4"] = dict(FAMILIES["deepseek_mtp"], n_layers=4, mlp_types=["dense", "moe", "moe", "moe"])
+FAMILIES["qwen3next4"] = dict(FAMILIES["qwen3next"], n_layers=4, layer_types=["linear_attention", "full_attention"] * 2)
 
 
 def make_config(family: str, parallel: dict[str, Any] | None = None, **train: Any) -> Config:

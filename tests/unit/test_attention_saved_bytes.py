@@ -10,25 +10,11 @@ import torch
 from meshformer.config import load_config
 from meshformer.model.transformer import Transformer
 from meshformer.planner.activations import activation_shape, block_saved
+from meshformer.planner.measure import saved_activation_bytes
 
 BASE = ["model.moe.n_experts=0", 'model.mlp_types=["dense"]', "model.vocab_size=256",
         'model.layer_types=["full_attention"]', "model.attention.document_mask=false", "model.n_layers=2",
         "model.max_seq_len=512", "data.seq_len=512", "data.batch_size=1"]
-
-
-def kept_bytes(model: Transformer, seq: int) -> float:
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in weights:
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    h = torch.randn(1, seq, model.cfg.d_model, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.decode(torch.zeros(1, seq, dtype=torch.long), h=h, final_norm=False)
-    return float(sum(kept.values()))
 
 
 @pytest.mark.parametrize("overrides", [
@@ -42,7 +28,10 @@ def kept_bytes(model: Transformer, seq: int) -> float:
 def test_planned_bytes_follow_what_autograd_keeps(overrides: list[str]) -> None:
     cfg = load_config("tiny-qwen3-next", [*BASE, *overrides])
     torch.manual_seed(0)
-    kept = kept_bytes(Transformer(cfg.model), cfg.data.seq_len)
+    model = Transformer(cfg.model)
+    h = torch.randn(1, cfg.data.seq_len, cfg.model.d_model, requires_grad=True)
+    ids = torch.zeros(1, cfg.data.seq_len, dtype=torch.long)
+    kept = saved_activation_bytes(model, lambda: model.decode(ids, h=h, final_norm=False))
     shape = activation_shape(cfg, 1, 1, False, device_type="cpu")
     planned = sum(block_saved(cfg.model, shape, index=i) for i in range(cfg.model.n_layers))
     assert abs(planned / kept - 1) < 0.08, (planned, kept)

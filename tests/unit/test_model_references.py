@@ -84,6 +84,16 @@ def test_encoder_decoder_equals_torch_nn_transformer(norm_first):
 # ----------------------------------------------------------------------------- Hugging Face
 
 
+def with_selection_bias(hf: nn.Module) -> nn.Module:
+    """A non-zero router selection bias (`e_score_correction_bias`, a buffer transformers initialises to zero)."""
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, buffer in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
+    return hf
+
+
 def _hf_gpt2():
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=None, eos_token_id=None))
@@ -246,12 +256,7 @@ def _hf_deepseek_v3(**extra):
             "rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 8,
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 0.8},
         "pad_token_id": None, "eos_token_id": None, "bos_token_id": None, **extra}))
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, buffer in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
-    return hf
+    return with_selection_bias(hf)
 
 
 def _hf_deepseek_v2_lite_shaped(**extra):
@@ -298,12 +303,7 @@ def _hf_glm4_moe(**extra):
         "max_position_embeddings": 32, "num_nextn_predict_layers": 0,
         "rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5},
         "pad_token_id": None, "eos_token_id": None, "bos_token_id": None, **extra}))
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, buffer in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
-    return hf
+    return with_selection_bias(hf)
 
 
 def _hf_gemma2(**extra):
