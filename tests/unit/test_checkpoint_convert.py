@@ -96,6 +96,14 @@ def test_verify_reports_corruption(tmp_path, capsys):
 # ----------------------------------------------------------------------------- Hugging Face
 
 
+def _nonzero_norms(model: torch.nn.Module) -> None:
+    """Zero-centred norms (1 + weight) start at zero: nonzero ones show where each lands."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.5)
+
+
 def _hf_model(arch: str):
     torch.manual_seed(0)
     if arch == "gpt2":
@@ -197,20 +205,14 @@ def _hf_model(arch: str):
             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
             max_position_embeddings=32))
-        with torch.no_grad():  # the norms start at zero (1 + weight): nonzero ones show where each lands
-            for name, param in model.named_parameters():
-                if "norm" in name:
-                    param.normal_(0.0, 0.5)
+        _nonzero_norms(model)
     elif arch == "qwen3_5_text":  # a Gated DeltaNet block (split projections), then a gated attention block
         model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(
             vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention"],
             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
             max_position_embeddings=32))
-        with torch.no_grad():  # the norms start at zero (1 + weight): nonzero ones show where each lands
-            for name, param in model.named_parameters():
-                if "norm" in name:
-                    param.normal_(0.0, 0.5)
+        _nonzero_norms(model)
     elif arch == "qwen3_5_moe_text":  # the same two blocks, each with 4 experts and a gated shared expert
         model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(
             vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
