@@ -63,6 +63,29 @@ def _check_size(value: Any) -> Any:
     return value
 
 
+def _check_replace(text: Any, old: Any, new: Any, *_: Any) -> Any:
+    """`text` if replacing `old` by `new` in it stays within the bound (an empty `old` matches between characters)."""
+    if isinstance(text, str) and isinstance(old, str) and isinstance(new, str):
+        matches = text.count(old) if old else len(text) + 1
+        if len(text) + matches * max(0, len(new) - len(old)) > MAX_RENDERED_CHARS:
+            raise _security(f"a replacement building over {MAX_RENDERED_CHARS:,} characters")
+    return text
+
+
+def _bounded_regex_replace(string: str, pattern: str, repl: str, count: int = 0) -> str:
+    matches = sum(1 for _ in re.finditer(pattern, string)) if isinstance(string, str) else 0
+    if isinstance(repl, str) and len(repl) * matches > MAX_RENDERED_CHARS:
+        raise _security(f"a replacement building over {MAX_RENDERED_CHARS:,} characters")
+    return _regex_replace(string, pattern, repl, count)
+
+
+def _check_join(value: Any, separator: Any) -> Any:
+    if hasattr(value, "__len__") and isinstance(separator, str) and \
+            len(separator) * len(value) > MAX_RENDERED_CHARS:
+        raise _security(f"a join building over {MAX_RENDERED_CHARS:,} characters")
+    return value
+
+
 @cache
 def _sandbox() -> Any:
     from jinja2 import StrictUndefined
@@ -87,17 +110,29 @@ def _sandbox() -> Any:
             return _check_size({"*": operator.mul, "**": operator.pow, "%": operator.mod}[op](left, right))
 
         def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
-            if isinstance(getattr(__obj, "__self__", None), str):
-                name = getattr(__obj, "__name__", "")
+            qualname = getattr(__obj, "__qualname__", "")  # the sandbox's str.format wrapper keeps str's name
+            if qualname.startswith("str."):
+                name = qualname.removeprefix("str.")
                 if name in ("format", "format_map"):  # a format spec pads to any width: lm-eval's use none
                     raise _security(f"str.{name}() (use filters or ~ to join text)")
                 if any(isinstance(a, int) and a > MAX_RENDERED_CHARS for a in args):  # ljust, center, zfill...
                     raise _security(f"str.{name}() with a size above {MAX_RENDERED_CHARS:,}")
+                if name == "replace" and isinstance(getattr(__obj, "__self__", None), str):
+                    _check_replace(__obj.__self__, *args)
             return _check_size(super().call(__context, __obj, *args, **kwargs))
 
     env = TaskSandbox(undefined=StrictUndefined, keep_trailing_newline=True)
-    env.filters = {name: env.filters[name] for name in SANDBOX_FILTERS if name in env.filters}
-    env.filters["regex_replace"] = _regex_replace
+    filters = {name: env.filters[name] for name in SANDBOX_FILTERS if name in env.filters}
+    replace, join = filters["replace"], filters["join"]
+    # the filters that can grow a text many times over are measured before they build it
+    filters["replace"] = lambda ctx, s, old, new, count=None: replace(ctx, _check_replace(s, old, new), old, new,
+                                                                       count)
+    filters["join"] = lambda ctx, value, d="", attribute=None: _check_size(join(ctx, _check_join(value, d), d,
+                                                                                attribute))
+    filters["regex_replace"] = _bounded_regex_replace
+    for name in ("replace", "join"):
+        filters[name].jinja_pass_arg = replace.jinja_pass_arg  # type: ignore[attr-defined]
+    env.filters = filters
     env.globals = {"range": _bounded_range}
     return env
 
