@@ -2,7 +2,8 @@
 
 A task is lm-eval's local-task YAML (`dataset_path: json`, `dataset_kwargs: {data_files: ...}`, `doc_to_text` /
 `doc_to_choice` / `doc_to_target` as column names, Jinja templates or literal lists) beside its JSONL documents:
-nothing is downloaded. Each choice is scored as lm-eval's HFLM scores it: the summed log-likelihood of
+nothing is downloaded; meshformer/train/task_files.py reads it, as data (sandboxed templates, files inside its folder).
+Each choice is scored as lm-eval's HFLM scores it: the summed log-likelihood of
 `target_delimiter + choice` after the context (trailing spaces of the context move to the continuation, the pair is
 tokenized whole and split where the context's tokens end, the sequence is cut from the left to the model's length);
 acc takes the argmax of the log-likelihoods, acc_norm of log-likelihood / characters of the choice, acc_bytes of

@@ -112,7 +112,7 @@ def _yaml(path: Path) -> Any:
     Loader.add_multi_constructor("!", lambda loader, tag, node: _Tagged(
         f"!{tag}", str(loader.construct_scalar(node)) if isinstance(node, yaml.ScalarNode) else ""))
     try:
-        return yaml.load(path.read_bytes()[:MAX_YAML_BYTES + 1].decode("utf-8"), Loader=Loader)  # a SafeLoader
+        return yaml.load(path.read_bytes().decode("utf-8"), Loader=Loader)  # a SafeLoader; size checked by task_path
     except UnicodeDecodeError as err:
         raise ConfigError(f"downstream task {path}: not UTF-8 text (byte {err.object[err.start]:#04x} at byte "
                           f"offset {err.start})", "save the task YAML as UTF-8") from None

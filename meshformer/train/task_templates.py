@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import operator
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -224,5 +223,4 @@ def load_function(task_dir: Path, name: str, where: str, key: str, follow_links:
     value = getattr(module, function, None)
     if not callable(value):
         raise ConfigError(f"{where}: {key}: {path} has no function {function!r}", fix)
-    sys.modules.pop(spec.name, None)
     return value
