@@ -192,11 +192,16 @@ class DownstreamConfig:
     """Zero-shot multiple-choice tasks (lm-evaluation-harness' local-task format) scored during training."""
 
     # "bundled:kjv_cloze", "bundled:kjv_next" or the path of an lm-eval task YAML (dataset_path: json, its JSONL
-    # data_files relative to the YAML); logged as downstream/<task>/{acc,acc_norm,acc_bytes,loglik_per_token,
-    # loglik_per_byte}; []: none
+    # data_files in the YAML's folder, named relative to it); logged as downstream/<task>/{acc,acc_norm,acc_bytes,
+    # loglik_per_token,loglik_per_byte}; []: none
     tasks: list[str] = field(default_factory=list)
     interval: int = 0  # steps between downstream evaluations (and after the last step); 0: at train.eval_interval
     batch_size: int = 0  # requests (context + one choice, data.seq_len tokens) per forward per rank; 0: data.batch_size
+    # run the task files as code, as lm-eval does: templates render unsandboxed and `!function module.name` loads
+    # from module.py in the task's folder (false: templates render in a sandbox and !function is refused)
+    trust_task_code: bool = False
+    follow_links: bool = False  # read data_files that links take outside the task's folder (refused otherwise)
+    max_task_mb: int = 64  # MiB of JSONL documents one task may hold (read into memory, scored at every evaluation)
 
 
 @dataclass

@@ -38,7 +38,8 @@ def stage_script(prepare_args: list[str], out: str, stage: str, parts: int, opti
     header = [f"--job-name=prepare-{stage}", *array, "--ntasks=1", f"--output={logs}/{stage}-%A_%a.out",
               f"--chdir={Path.cwd()}", *options]
     part = ["--part", "slurm"] if stage != "merge" else ["--part", f"0/{parts}"]
-    command = [sys.executable, "-m", "meshformer.cli", "data", "prepare", *prepare_args, "--stage", stage, *part,
+    # -P: a module in the job's folder (--chdir) does not shadow meshformer's own imports
+    command = [sys.executable, "-P", "-m", "meshformer.cli", "data", "prepare", *prepare_args, "--stage", stage, *part,
                "--quiet"]
     lines = "\n".join(f"#SBATCH {o}" for o in header)
     return f"#!/bin/bash\n{lines}\nset -euo pipefail\nexport PYTHONUNBUFFERED=1\n{shlex.join(command)}\n"

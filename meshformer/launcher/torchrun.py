@@ -21,8 +21,11 @@ from meshformer.errors import REPORTED_MARKER, STOP_SIGNALS, MeshformerError, Us
 
 MAX_WORLD_SIZE = 2**18  # ranks: twice today's largest training jobs (and a plan in under a minute); more is a typo
 MAX_RANKS_PER_NODE = 1024  # processes one node starts: beyond any node's GPUs or cores
+# `python -m` puts the current folder first on sys.path, where a `torch.py` or `meshformer.py` of the user's would
+# shadow the module of that name: the agent and the ranks start with -P (Python's safe path), PYTHONPATH still read.
+SAFE_PYTHON = [sys.executable, "-P"]
 # torchrun's agent as `run_agent` runs it (this module's main): stop signals, exit statuses, one-line failures
-TORCHRUN = [sys.executable, "-m", "meshformer.launcher.torchrun"]
+TORCHRUN = [*SAFE_PYTHON, "-m", "meshformer.launcher.torchrun"]
 # The agent forwards these to the ranks: the stop signals (save, then exit 128+signal) and SIGQUIT (exit at once).
 _AGENT_SIGNALS = (*STOP_SIGNALS, signal.SIGQUIT)
 AGENT_SIGNAL_NAMES = ",".join(sig.name for sig in _AGENT_SIGNALS)  # torchrun's TORCHELASTIC_SIGNALS_TO_HANDLE
@@ -70,7 +73,8 @@ def torchrun_command(
     rdzv_id: str = "meshformer",
     max_restarts: int = 0,
 ) -> list[str]:
-    """The torchrun command line (`python -m torch.distributed.run ... -m meshformer.train CONFIG`)."""
+    """The torchrun command line (`python -P -m meshformer.launcher.torchrun ... --no-python python -P -u -m
+    meshformer.train CONFIG`)."""
     check_launch_options(nproc_per_node, nnodes, max_restarts)
     cmd = [*TORCHRUN, f"--nproc-per-node={nproc_per_node}"]
     if nnodes == 1:
@@ -80,7 +84,8 @@ def torchrun_command(
                 f"--rdzv-id={rdzv_id}"]
     if max_restarts:
         cmd.append(f"--max-restarts={max_restarts}")
-    cmd += ["-m", "meshformer.train", config]
+    # torchrun's own `-m` starts `python -u -m`: the ranks' interpreter is given whole instead, to add -P
+    cmd += ["--no-python", *SAFE_PYTHON, "-u", "-m", "meshformer.train", config]
     if overrides:
         cmd += ["--set", *overrides]
     return cmd

@@ -2,7 +2,8 @@
 
 A task is lm-eval's local-task YAML (`dataset_path: json`, `dataset_kwargs: {data_files: ...}`, `doc_to_text` /
 `doc_to_choice` / `doc_to_target` as column names, Jinja templates or literal lists) beside its JSONL documents:
-nothing is downloaded. Each choice is scored as lm-eval's HFLM scores it: the summed log-likelihood of
+nothing is downloaded; meshformer/train/task_files.py reads it, as data (sandboxed templates, files inside its folder).
+Each choice is scored as lm-eval's HFLM scores it: the summed log-likelihood of
 `target_delimiter + choice` after the context (trailing spaces of the context move to the continuation, the pair is
 tokenized whole and split where the context's tokens end, the sequence is cut from the left to the model's length);
 acc takes the argmax of the log-likelihoods, acc_norm of log-likelihood / characters of the choice, acc_bytes of
@@ -17,22 +18,18 @@ all-reduce makes whole on every rank.
 
 from __future__ import annotations
 
-import ast
-import json
 import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from meshformer.batch import IGNORE_INDEX, Batch
-from meshformer.config import Config, ConfigError
+from meshformer.config import Config
 from meshformer.data import Tokenizer
 from meshformer.loss.cross_entropy import LossFn
 from meshformer.loss.fused import VocabShard
@@ -41,27 +38,9 @@ from meshformer.parallel.mesh_model import MultiRankParallelModel
 from meshformer.parallel.parallel_model import ParallelModel
 from meshformer.parallel.pipeline.stages import TransformerStage
 from meshformer.parallel.tensor_parallel import vocab_shard
+from meshformer.train.task_files import Task, load_tasks
 
-BUNDLED_DIR = Path(__file__).with_name("downstream_tasks")
-# The YAML keys this reader follows; any other key (process_results, filter_list, a few-shot split, ...) is refused.
-SUPPORTED_KEYS = ("task", "tag", "dataset_path", "dataset_kwargs", "output_type", "training_split",
-                  "validation_split", "test_split", "doc_to_text", "doc_to_choice", "doc_to_target",
-                  "target_delimiter", "fewshot_delimiter", "num_fewshot", "description", "metric_list", "metadata")
 METRICS = ("acc", "acc_norm", "acc_bytes", "loglik_per_token", "loglik_per_byte")
-
-
-@dataclass(frozen=True)
-class Doc:
-    context: str
-    choices: list[str]
-    gold: int
-
-
-@dataclass
-class Task:
-    name: str
-    docs: list[Doc]
-    target_delimiter: str = " "
 
 
 @dataclass
@@ -70,180 +49,6 @@ class TaskScores:
 
     metrics: dict[str, float]
     logliks: list[list[float]] = field(default_factory=list)
-
-
-# ----------------------------------------------------------------------------------------------- reading tasks
-
-
-def task_path(spec: str) -> Path:
-    """The YAML of a `downstream.tasks` entry: "bundled:NAME" or a path."""
-    if spec.startswith("bundled:"):
-        path = BUNDLED_DIR / f"{spec.removeprefix('bundled:')}.yaml"
-        if not path.is_file():
-            names = ", ".join(f"bundled:{p.stem}" for p in sorted(BUNDLED_DIR.glob("*.yaml")))
-            raise ConfigError(f"downstream.tasks: no bundled task {spec!r}", f"use one of {names}, or a task YAML path")
-        return path
-    path = Path(spec).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"downstream.tasks: task file {spec!r} not found",
-                          "give the path of an lm-eval task YAML (or a bundled:NAME task)")
-    return path
-
-
-def load_task(spec: str) -> Task:
-    """A task from its YAML and JSONL documents; unsupported lm-eval features are refused naming the key."""
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        """lm-eval's tags (`!function module.name`) load as `_Tagged` values, refused below naming their key."""
-
-    Loader.add_multi_constructor("!", lambda loader, tag, node: _Tagged(f"!{tag}"))
-    path = task_path(spec)
-    try:
-        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=Loader)  # a SafeLoader
-    except yaml.YAMLError as err:
-        raise ConfigError(f"downstream task {path}: not valid YAML ({str(err).splitlines()[0]})",
-                          "fix the file") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"downstream task {path}: not a YAML mapping", "write the task's keys (task, doc_to_text...)")
-
-    def refuse(key: str, why: str) -> ConfigError:
-        return ConfigError(f"downstream task {path}: {key} {why}",
-                           "in-loop evaluation reads zero-shot multiple-choice tasks from local JSONL files "
-                           f"(keys: {', '.join(SUPPORTED_KEYS)})")
-
-    for key, value in raw.items():
-        if key not in SUPPORTED_KEYS:
-            raise refuse(repr(key), "is not supported")
-        if isinstance(value, _Tagged):
-            raise refuse(key, f"given as {value.tag} (Python code) is not supported")
-    if raw.get("output_type") != "multiple_choice":
-        raise refuse("output_type", f"{raw.get('output_type')!r} is not supported (only multiple_choice)")
-    if raw.get("dataset_path") != "json":
-        raise refuse("dataset_path", f"{raw.get('dataset_path')!r} is not supported (only json: local JSONL files)")
-    if raw.get("num_fewshot", 0) not in (0, None):
-        raise refuse("num_fewshot", f"{raw['num_fewshot']} is not supported (zero-shot only)")
-    if raw.get("description"):
-        raise refuse("description", "is not supported")
-    for entry in raw.get("metric_list") or []:
-        metric = entry.get("metric") if isinstance(entry, dict) else entry
-        if metric not in ("acc", "acc_norm", "acc_bytes"):
-            raise refuse("metric_list", f"metric {metric!r} is not supported (acc, acc_norm, acc_bytes)")
-    kwargs = raw.get("dataset_kwargs") or {}
-    if not isinstance(kwargs, dict) or set(kwargs) != {"data_files"}:
-        raise refuse("dataset_kwargs", f"{kwargs!r} is not supported (only data_files)")
-    split = raw.get("test_split") or raw.get("validation_split")
-    if not split:
-        raise refuse("test_split", "is missing (lm-eval evaluates test_split, else validation_split)")
-    files = _split_files(kwargs["data_files"]).get(split)
-    if not files:
-        raise refuse("dataset_kwargs.data_files", f"has no files for split {split!r}")
-    for key in ("doc_to_text", "doc_to_choice", "doc_to_target"):
-        if raw.get(key) is None:
-            raise refuse(key, "is missing")
-    name = str(raw.get("task") or path.stem)
-    docs = []
-    for file in files:
-        source = Path(file) if Path(file).is_absolute() else path.parent / file
-        if not source.is_file():
-            raise ConfigError(f"downstream task {path}: data file {source} not found",
-                              "data_files are read relative to the task YAML's folder")
-        for number, line in enumerate(source.read_text(encoding="utf-8").splitlines(), start=1):
-            if line.strip():
-                where = f"downstream task {name}: {source.name} line {number}"
-                try:
-                    doc = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ConfigError(f"{where}: not valid JSON ({err.msg})", "one JSON object per line") from None
-                if not isinstance(doc, dict):
-                    raise ConfigError(f"{where}: not a JSON object", "one JSON object per line")
-                docs.append(_doc(raw, doc, where))
-    if not docs:
-        raise ConfigError(f"downstream task {path}: no documents in {files}", "add JSONL lines to the data file")
-    return Task(name, docs, str(raw.get("target_delimiter", " ")))
-
-
-@dataclass(frozen=True)
-class _Tagged:
-    tag: str
-
-
-def load_tasks(cfg: Config) -> list[Task]:
-    """The tasks of downstream.tasks, checked against the run (preflight reads them before any data work)."""
-    if cfg.downstream.interval < 0 or cfg.downstream.batch_size < 0:
-        raise ConfigError(f"downstream.interval={cfg.downstream.interval} and downstream.batch_size="
-                          f"{cfg.downstream.batch_size} must be >= 0", "use 0 for their defaults")
-    if not cfg.downstream.tasks:
-        return []
-    if cfg.objective != "causal":
-        raise ConfigError(f"downstream.tasks scores continuations with a causal language model, but this run's "
-                          f"objective is {cfg.objective!r}", "remove downstream.tasks for this model")
-    tasks = [load_task(spec) for spec in cfg.downstream.tasks]
-    names = [t.name for t in tasks]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"downstream.tasks: two tasks are named alike ({names})", "list each task once")
-    return tasks
-
-
-def _split_files(data_files: Any) -> dict[str, list[str]]:
-    """datasets' `data_files`: a path or list (split "train") or {split: path or list}."""
-    if isinstance(data_files, str | list):
-        data_files = {"train": data_files}
-    if not isinstance(data_files, dict):
-        return {}
-    return {split: [files] if isinstance(files, str) else list(files) for split, files in data_files.items()}
-
-
-def _render(template: str, doc: dict[str, Any]) -> str:
-    from jinja2 import BaseLoader, Environment, StrictUndefined
-
-    env = Environment(loader=BaseLoader(), undefined=StrictUndefined, keep_trailing_newline=True)  # lm-eval's
-    return env.from_string(template).render(**doc)
-
-
-def _doc(raw: dict[str, Any], doc: dict[str, Any], where: str) -> Doc:
-    """lm-eval's doc_to_text / doc_to_choice / doc_to_target: a column name, a template, or a literal."""
-    from jinja2 import TemplateError
-
-    try:
-        text = raw["doc_to_text"]
-        if isinstance(text, str) and text in doc:
-            context = doc[text]
-        else:  # a rendered digit string is a choice index to lm-eval (multiple-input tasks such as Winogrande)
-            context = _render(str(text), doc)
-            context = int(context) if context.isdigit() else context
-        if not isinstance(context, str):
-            raise ConfigError(f"{where}: doc_to_text gives {context!r}, not a context text",
-                              "multiple-input tasks (a choice index as the text) are not supported")
-        spec = raw["doc_to_choice"]
-        if isinstance(spec, list):
-            choices = spec
-        elif isinstance(spec, dict):
-            choices = list(spec.values())
-        else:
-            choices = doc[spec] if spec in doc else ast.literal_eval(_render(spec, doc))
-        target = raw["doc_to_target"]
-        if isinstance(target, str):
-            if target in doc:
-                target = doc[target]
-            else:
-                target = _render(target, doc)
-                target = int(target) if target.isdigit() else target
-    except (TemplateError, KeyError, SyntaxError, ValueError) as err:
-        if isinstance(err, ConfigError):
-            raise
-        raise ConfigError(f"{where}: its fields do not fit the task's templates ({type(err).__name__}: {err})",
-                          "fix the document or the task's doc_to_* keys") from None
-    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
-        raise ConfigError(f"{where}: doc_to_choice gives {choices!r}", "give a non-empty list of strings")
-    if isinstance(target, str):
-        if target not in choices:
-            raise ConfigError(f"{where}: target {target!r} is not one of the choices", "fix the document")
-        target = choices.index(target)
-    if not isinstance(target, int) or isinstance(target, bool) or not 0 <= target < len(choices):
-        raise ConfigError(f"{where}: target {target!r} is not a choice index (0..{len(choices) - 1})",
-                          "one target per document (lists of targets are not supported)")
-    return Doc(context, choices, target)
 
 
 # ----------------------------------------------------------------------------------------------- requests

@@ -61,6 +61,12 @@ def world(tmp_path_factory):
     (tmp / "bad.toml").write_text("[model\nd_model = 4\n")
     (tmp / "task.yaml").write_text("task: t\ndataset_path: json\noutput_type: multiple_choice\n"
                                    "process_results: !function utils.process_results\n")
+    task = ("task: t\ndataset_path: json\noutput_type: multiple_choice\ntest_split: test\ndoc_to_choice: o\n"
+            "doc_to_target: i\ndataset_kwargs:\n  data_files:\n    test: {data}\ndoc_to_text: {text}\n")
+    (tmp / "docs.jsonl").write_text('{"q": "a", "o": ["x", "y"], "i": 0}\n')
+    (tmp / "task-code.yaml").write_text(task.format(
+        data="docs.jsonl", text=f'"{{{{ cycler.__init__.__globals__.os.popen(\'touch {tmp}/popen-ran\').read() }}}}"'))
+    (tmp / "task-passwd.yaml").write_text(task.format(data="/etc/passwd", text="q"))
     (tmp / "empty.txt").write_text("")
     (tmp / "binary.txt").write_bytes(bytes(range(256)) * 64)
     (tmp / "utf16.txt").write_bytes("In the beginning was the word. ".encode("utf-16") * 50)
@@ -236,6 +242,12 @@ CASES = [
      ["no bundled task 'bundled:arc'", "bundled:kjv_cloze"]),
     ("downstream-unsupported-key", _train('downstream.tasks=["{tmp}/task.yaml"]'),
      ["'process_results' is not supported", "zero-shot multiple-choice tasks"]),
+    ("downstream-template-code", _train('downstream.tasks=["{tmp}/task-code.yaml"]'),
+     ["task-code.yaml: doc_to_text reaches Python internals ('__globals__')", "downstream.trust_task_code = true"]),
+    ("downstream-data-outside", _train('downstream.tasks=["{tmp}/task-passwd.yaml"]'),
+     ["data_files names '/etc/passwd'", "not to the current folder"]),
+    ("downstream-max-task-mb", _train('downstream.tasks=["bundled:kjv_cloze"]', "downstream.max_task_mb=0"),
+     ["downstream.max_task_mb=0 must be positive"]),
     ("callback-import", _train('callbacks=[{{path="no_such_pkg_for_callbacks.mod:Counter"}}]'),
      ["callbacks[0].path", "cannot import", "PYTHONPATH"]),
     ("no-cuda", _train("train.device=cuda"), ["no CUDA device", "train.device='cpu'"]),

@@ -31,6 +31,9 @@ def test_torchrun_command_lines():
     single = torchrun_command("c.toml", ["train.steps=5"], nproc_per_node=4)
     assert "--standalone" in single and "--nproc-per-node=4" in single
     assert single[-5:] == ["-m", "meshformer.train", "c.toml", "--set", "train.steps=5"]
+    # the agent and the ranks with Python's safe path: a torch.py in the working folder shadows nothing
+    assert single[:4] == [sys.executable, "-P", "-m", "meshformer.launcher.torchrun"]
+    assert single[single.index("--no-python"):][:5] == ["--no-python", sys.executable, "-P", "-u", "-m"]
     multi = torchrun_command("c.toml", nproc_per_node=8, nnodes=2, rdzv_endpoint="10.0.0.1:29400")
     assert "--rdzv-backend=c10d" in multi and "--rdzv-endpoint=10.0.0.1:29400" in multi and "--nnodes=2" in multi
     assert "--standalone" not in multi

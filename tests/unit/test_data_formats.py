@@ -458,6 +458,7 @@ def test_submit_prepare_forwards_the_new_options(tmp_path, capsys):
           "--tokenizer", "bundled:kjv-bpe-4k", "--text-field", "body", "--token-dtype", "uint32"])
     scripts = capsys.readouterr().out.split("#!/bin/bash")[1:]
     assert len(scripts) == 3 and all("--text-field body" in s and "--token-dtype uint32" in s for s in scripts)
+    assert all(" -P -m meshformer.cli data prepare" in s for s in scripts)  # the job's folder shadows no module
 
 
 def test_a_missing_extra_is_one_line_naming_it(tmp_path, monkeypatch, capsys):

@@ -11,14 +11,8 @@ from meshformer.batch import IGNORE_INDEX
 from meshformer.config import load_config
 from meshformer.data import load_tokenizer
 from meshformer.errors import ConfigError
-from meshformer.train.downstream import (
-    DownstreamEval,
-    encode_pair,
-    load_task,
-    padded_length,
-    request_row,
-    task_scores,
-)
+from meshformer.train.downstream import DownstreamEval, encode_pair, padded_length, request_row, task_scores
+from meshformer.train.task_files import load_task
 
 DOCS = [{"q": "And God said", "options": ["Let there be light", "banana"], "answer": "Let there be light", "i": 0},
         {"q": "In the beginning ", "options": ["God created", "the end"], "answer": "God created", "i": 0}]
@@ -71,7 +65,7 @@ def test_literal_choices_and_a_custom_delimiter(tmp_path):
     (("doc_to_text: q", "doc_to_choice: options", "doc_to_target: i", "process_results: !function utils.f"),
      ["'process_results' is not supported", "zero-shot multiple-choice"]),
     (('doc_to_text: !function utils.text', "doc_to_choice: options", "doc_to_target: i"),
-     ["doc_to_text given as !function", "not supported"]),
+     ["doc_to_text is !function utils.text", "downstream.trust_task_code = true"]),
     (("doc_to_text: q", "doc_to_choice: options", "doc_to_target: i", "num_fewshot: 5"),
      ["num_fewshot 5 is not supported", "zero-shot"]),
     (("doc_to_text: q", "doc_to_choice: options", "doc_to_target: q"), ["target 'And God said' is not one of"]),
