@@ -94,6 +94,8 @@ def rope_from_hf(c: Any, arch: str) -> dict[str, Any]:
     rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
     kind = rope.pop("rope_type", rope.pop("type", "default"))
     fields: dict[str, Any] = {"rope_theta": float(rope.pop("rope_theta", getattr(c, "rope_theta", 10000.0)))}
+    if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type: rope_per_layer_type_from_hf
+        return fields
     if rope.get("partial_rotary_factor") == 1:  # every dimension rotates: what ours do
         del rope["partial_rotary_factor"]
     if kind != "default" and kind not in _ROPE_KEYS:
