@@ -156,7 +156,7 @@ def _check_rope(raw: Mapping[str, Any]) -> list[str]:
         for name, table in used:
             if table.get(key) is not None and table[key] != raw[key]:
                 notes.append(f"config.json gives {key}={raw[key]} at its top level and {table[key]} in {name}; "
-                             f"transformers uses {name}'s {table[key]}, and so does this import")
+                             f"transformers uses the one in {name}, and so does this import")
     return notes
 
 

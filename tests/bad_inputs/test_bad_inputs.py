@@ -22,6 +22,7 @@ import pytest
 from helpers.common import ROOT
 from helpers.convert import SHARD, convert_case_files, indexed
 from helpers.data import forge_shard, shards, small_corpus, tar_member
+from helpers.one_line import assert_one_line, run_main
 from safetensors.torch import load_file
 
 from meshformer.checkpointing.weights import write_weights
@@ -642,22 +643,9 @@ def _fill(argv: list[str], world: dict[str, Path]) -> list[str]:
     return [arg.format(**{k: str(v) for k, v in world.items()}) for arg in argv]
 
 
-def run_main(argv: list[str], capsys) -> str:
-    """Everything the command writes to stderr, including the line Python prints for SystemExit("...")."""
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    code = info.value.code
-    assert code not in (0, None), f"exit status {code!r}"
-    return capsys.readouterr().err + (f"{code}\n" if isinstance(code, str) else "")
-
-
 @pytest.mark.parametrize("argv, words", [pytest.param(argv, words, id=name) for name, argv, words in CASES])
 def test_bad_input_is_one_clear_line(argv, words, world, protected, capsys, one_thread):
-    err = run_main(_fill(argv, world), capsys)
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
-    for word in words:
-        assert word.lower() in lines[0].lower(), (word, lines[0])
+    assert_one_line(run_main(_fill(argv, world), capsys), words)
     for key, digest in protected.items():
         assert _digest(world[key]) == digest, f"{key} changed"
 
