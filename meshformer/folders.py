@@ -62,7 +62,11 @@ def check_output(out: Path, *, what: str, overwrite: bool, inputs: Iterable[Path
         if _overlaps(out, Path(source)):
             raise OutputFolderError(f"the output folder {out} overlaps the input {source}",
                                     "write the output to a folder of its own, outside the input")
-    if out.is_file() or (out.is_symlink() and not out.is_dir()):
+    if out.is_symlink():  # the link is the user's: replacing the folder would rename or delete it
+        raise OutputFolderError(f"the output {out} is a symbolic link (to {os.readlink(out)})",
+                                f"pass the folder it points to ({out.resolve()}) or another folder path; meshformer "
+                                "never renames or removes a link")
+    if out.is_file():
         raise OutputFolderError(f"the output {out} is a file", "choose a folder path for the output")
     if not out.is_dir() or not any(out.iterdir()):
         return

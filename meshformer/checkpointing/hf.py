@@ -27,7 +27,6 @@ from meshformer.checkpointing.hf_adapter import (
     HFAdapter,
     adapters,
     features,
-    find_adapter,
     get_adapter,
     ignored_names,
 )
@@ -48,25 +47,6 @@ V = TypeVar("V")  # what a state dict maps names to (tensors, or the names thems
 
 
 # ----------------------------------------------------------------------------- configs
-
-
-def check_sizes(raw: Mapping[str, Any], n_tensors: int) -> None:
-    """The sizes of a config.json, before transformers or meshformer builds anything from them: positive
-    integers, and no stack deeper than the checkpoint has tensors (every layer holds some), so an absurd depth
-    is refused instead of building that many layers."""
-    adapter = find_adapter(raw.get("model_type"))
-    if adapter is None:  # an unknown model_type is refused later, naming the supported ones
-        return
-    for key in adapter.size_keys:
-        value = raw.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise ValueError(f"{key}={value!r} is not a positive integer")
-    for key in adapter.layer_keys:
-        if (raw.get(key) or 0) > n_tensors:
-            raise ValueError(f"{key}={raw[key]} layers, but the checkpoint holds only {n_tensors} tensors")
-    width, heads = adapter.width_and_heads or ("", "")
-    if width in raw and heads in raw and raw[width] % raw[heads]:
-        raise ValueError(f"{width}={raw[width]} is not divisible by {heads}={raw[heads]}")
 
 
 def config_from_hf(hf_config: Any) -> ModelConfig:

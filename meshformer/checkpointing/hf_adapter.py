@@ -119,6 +119,8 @@ class HFAdapter:
     size_keys: tuple[str, ...] = ()  # config.json's sizes: positive integers, checked before anything is built
     layer_keys: tuple[str, ...] = ()  # its layer counts: no deeper than the checkpoint has tensors
     width_and_heads: tuple[str, str] | None = None  # (width, heads) keys when the width must divide by the heads
+    # the kinds config.json's layer_types may name (as transformers reads them): those its blocks compute
+    layer_kinds: tuple[str, ...] = ("full_attention", "sliding_attention")
     extra_features: Callable[[ModelConfig], dict[str, Any]] | None = None  # config facts only it constrains
     derived: tuple[Derived, ...] = ()
     ignored: str | None = None  # a regex of foreign names that carry nothing we model (beside weightless buffers)

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from meshformer.checkpointing.errors import ConversionError
-from meshformer.checkpointing.hf_adapter import get_adapter
+from meshformer.checkpointing.hf_adapter import find_adapter, get_adapter
+from meshformer.checkpointing.hf_config_values import check_layer_types, check_values, note
 from meshformer.checkpointing.mapping import iter_export
 from meshformer.checkpointing.sharded_safetensors import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -197,11 +198,13 @@ def _read_pickled(path: Path) -> Mapping[str, torch.Tensor]:
     return state
 
 
-def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arch) -> Mapping[str, torch.Tensor]:
+def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arch,
+                 folder: Path | None = None) -> Mapping[str, torch.Tensor]:
     """Our tensors computed from `theirs` on access (one foreign tensor read per tensor of ours).
 
-    Names are checked up front, without reading data: every foreign tensor must be used (or be a known
-    weightless buffer), every tensor of ours must have a source.
+    Names and shapes are checked up front, without reading data: every foreign tensor must be used (or be a known
+    weightless buffer), every tensor of ours must have a source of the shape the config gives it. A foreign tensor
+    holding NaN or inf is refused when read (`refuse_nonfinite`).
     """
     from meshformer.checkpointing import hf
     from meshformer.checkpointing.mapping import ZERO_ON_IMPORT, check_names, import_tensors, our_shapes
@@ -226,24 +229,47 @@ def lazy_from_hf(theirs: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arc
     tied = cfg.tie_embeddings and "output.weight" in shapes
 
     def reader(theirs: Mapping[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
+        def foreign(names: Iterable[str], ours: str) -> dict[str, torch.Tensor]:
+            """The foreign tensors named, as the files hold them, each refused if it holds NaN or inf."""
+            tensors = {k: theirs[original[k]] for k in names}
+            for k, tensor in tensors.items():
+                refuse_nonfinite(tensor, original[k], ours, folder)
+            return tensors
+
         def read(name: str) -> torch.Tensor:
             if tied and name == "output.weight":
                 name = "tok_embeddings.weight"
             if name in derived:
-                reads = derived[name].reads
-                return derived[name].to_ours({k: theirs[original[k]] for k in reads if k in original}).contiguous()
+                reads = [k for k in derived[name].reads if k in original]
+                return derived[name].to_ours(foreign(reads, name)).contiguous()
             if ZERO_ON_IMPORT.search(name) and name not in rules_of:  # no foreign tensor holds it
                 return torch.zeros(shapes[name])
             mine = rules_of[name]
             try:
-                return import_tensors({r.theirs: theirs[original[r.theirs]] for r in mine}, mine, shapes,
-                                      source)[0][name]
+                return import_tensors(foreign([r.theirs for r in mine], name), mine, shapes, source)[0][name]
             except ValueError as err:  # a shape that does not fit the config
                 raise ConversionError(str(err)) from None
         return read
 
-    # shapes and dtypes come from the same mapping run on meta tensors: writers plan files without reading data
-    return LazyState(list(shapes), reader(theirs), reader(_meta_view(theirs)))
+    # shapes and dtypes come from the same mapping run on meta tensors: writers plan files without reading data,
+    # and every tensor's shape is checked against the config here, before anything is read or allocated
+    meta = reader(_meta_view(theirs))
+    for name in shapes:
+        try:
+            meta(name)
+        except ConversionError as err:
+            raise ConversionError(f"cannot import {folder or 'the folder'}: {err.what}", err.fix) from None
+    return LazyState(list(shapes), reader(theirs), meta)
+
+
+def refuse_nonfinite(tensor: torch.Tensor, theirs: str, ours: str, folder: Path | None) -> None:
+    """A tensor of a Hugging Face folder holding NaN or inf ends an import (and checkpoint.init_from) in one line
+    naming it: a model computed from it would only produce NaN."""
+    if tensor.is_meta or not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()):
+        return
+    raise ConversionError(f"the tensor {theirs!r} of {folder or 'the folder'} (meshformer's {ours!r}) holds NaN or "
+                          "inf values, so a model imported or trained from it computes NaN",
+                          "restore or re-download the folder's weights, or point at another folder")
 
 
 def open_hf(folder: Path, follow_links: bool = False) -> tuple[ModelConfig, Arch, Mapping[str, torch.Tensor]]:
@@ -259,12 +285,15 @@ def open_hf(folder: Path, follow_links: bool = False) -> tuple[ModelConfig, Arch
         check_links(folder, [p for p in folder.iterdir() if p.is_file()], what=f"Hugging Face folder {folder}",
                     fix=LINKS_FIX)
     theirs = hf_source(folder, follow_links)
-    hf_config = _read_config(folder / "config.json", len(theirs))
+    raw, hf_config = _read_config(folder / "config.json", len(theirs))
     text = getattr(hf_config, "text_config", None)
-    if hf.find_adapter(hf_config.model_type) is None and hf.find_adapter(getattr(text, "model_type", None)):
+    if find_adapter(hf_config.model_type) is None and find_adapter(getattr(text, "model_type", None)):
         # a multimodal folder whose language model we convert: its adapter leaves the other towers unread
-        hf_config = text
+        hf_config, raw = text, raw.get("text_config") or {}
     try:
+        adapter = find_adapter(hf_config.model_type)
+        if adapter is not None:  # (an unknown model_type is refused next, naming the supported ones)
+            check_layer_types(hf_config, raw, adapter)
         cfg = hf.config_from_hf(hf_config)
     except (ValueError, KeyError) as err:
         raise ConversionError(f"cannot import {folder}: {err}") from None
@@ -281,27 +310,28 @@ def import_hf(folder: Path, *, show_progress: bool | None = None,
     """(our config, our tensors read on access) from a Hugging Face folder of one of `hf.ARCHS`."""
     cfg, arch, theirs = open_hf(folder, follow_links)
     try:
-        return cfg, lazy_from_hf(theirs, cfg, arch)
+        return cfg, lazy_from_hf(theirs, cfg, arch, folder)
     except (ValueError, KeyError) as err:
         raise ConversionError(f"cannot import {folder}: {err}") from None
 
 
-def _read_config(path: Path, n_tensors: int) -> Any:
-    """transformers' config of `path`, its sizes checked first; a value transformers rejects is named too."""
+def _read_config(path: Path, n_tensors: int) -> tuple[dict[str, Any], Any]:
+    """(config.json as written, transformers' config of it), its values checked first (`check_values`); a value
+    transformers rejects is named too."""
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
-
-    from meshformer.checkpointing import hf
 
     fix = "fix that value in config.json, or point at the folder save_pretrained wrote"
     try:
         raw = json.loads(path.read_text())
         if not isinstance(raw, dict):
             raise ValueError("it is not a JSON object")
-        hf.check_sizes(raw, n_tensors)
-        return AutoConfig.from_pretrained(str(path.parent))
+        notes = check_values(raw, n_tensors)
+        hf_config = AutoConfig.from_pretrained(str(path.parent))
     except (ValueError, TypeError, KeyError, StrictDataclassError) as err:
         raise ConversionError(f"{path}: {_first_line(err)}", fix) from None
+    note(notes)
+    return raw, hf_config
 
 
 def _first_line(err: BaseException) -> str:

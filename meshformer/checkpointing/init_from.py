@@ -81,9 +81,11 @@ def _newest_saved_config(cfg: Config) -> dict[str, Any] | None:
 
 
 def _hf_model_config(folder: Path) -> ModelConfig:
-    from meshformer.checkpointing.hf_folder import open_hf
+    """The folder's model config, once its tensors' names and shapes fit it (as `convert import-hf` checks them):
+    a config.json that disagrees with its tensors is refused before any memory or disk is sized from it."""
+    from meshformer.checkpointing.hf_folder import import_hf
 
-    return open_hf(folder)[0]
+    return import_hf(folder)[0]
 
 
 def _merge(source: ModelConfig | dict[str, Any], user: ModelConfig, where: str,
@@ -154,23 +156,27 @@ def load_init_weights(parts: list[torch.nn.Module], cfg: Config) -> str:
     if source.cfg != with_dotted(cfg.model, {k: get_dotted(source.cfg, k) for k in FUNCTION_NEUTRAL}):
         raise ConversionError(f"{folder} now holds another model than the one this run was configured from",
                               "point checkpoint.init_from at the folder the run started with")
-    load_into(parts, source)
+    try:
+        load_into(parts, source)
+    except ConversionError as err:  # a tensor read whole (transposed, split or stacked) that holds NaN or inf
+        raise ConversionError(f"checkpoint.init_from: {err.what}", err.fix) from None
     _refuse_nonfinite(parts, folder, source)
     return source.arch
 
 
 def _refuse_nonfinite(parts: list[torch.nn.Module], folder: Path, source: HFInitWeights) -> None:
-    """One line naming a tensor of the folder that holds NaN or inf (this rank's part of it): training from it
-    would only produce NaN losses."""
+    """The tensors read by slices, straight from the folder's files (`HFInitWeights.renamed`), checked as
+    `convert import-hf` checks every tensor it reads (`refuse_nonfinite`; the others were checked as read): this
+    rank's part of each."""
+    from meshformer.checkpointing.hf_folder import refuse_nonfinite
     from meshformer.checkpointing.state import named_parameters
     from meshformer.parallel.grad_norm import local_tensor
 
     for name, param in named_parameters(parts):
-        if not bool(torch.isfinite(local_tensor(param)).all()):
-            theirs = f" ({source.renamed[name]!r} in its files)" if name in source.renamed else ""
-            raise ConversionError(f"checkpoint.init_from: the tensor {name!r}{theirs} of {folder} holds NaN or inf "
-                                  "values, so training from it would train NaN", "restore or re-download the "
-                                  "folder's weights, or point checkpoint.init_from at another folder")
+        try:
+            refuse_nonfinite(local_tensor(param).detach(), source.renamed.get(name, name), name, folder)
+        except ConversionError as err:
+            raise ConversionError(f"checkpoint.init_from: {err.what}", err.fix) from None
 
 
 def taken_from_folder(cfg: Config, arch: str, seconds: float) -> str:

@@ -33,6 +33,10 @@ def validate(cfg: Config) -> None:
     if m.attention.head_dim is not None and m.attention.head_dim <= 0:
         raise ConfigError(f"model.attention.head_dim={m.attention.head_dim} must be positive "
                           "(or omitted: d_model / n_heads)")
+    if m.attention.head_dim is not None and m.attention.head_dim > m.d_model and _reads_head_dim(m):
+        raise ConfigError(f"model.attention.head_dim={m.attention.head_dim} is wider than model.d_model={m.d_model}",
+                          "a head's queries, keys and values are projections of the d_model-wide residual stream and "
+                          "span at most d_model directions; use head_dim <= d_model (Gemma 2 9B: 256 at d_model=3584)")
     if m.attention.head_dim is None and m.d_model % m.attention.n_heads and _reads_head_dim(m):
         raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.attention.n_heads="
                           f"{m.attention.n_heads}; "
@@ -47,7 +51,8 @@ def validate(cfg: Config) -> None:
                           "model.attention.head_dim "
                           "(or d_model / n_heads) even")
     rotated = int(m.attention_head_dim * m.rope.partial_factor)
-    if not 0 < m.rope.partial_factor <= 1 or (m.position == "rope" and (rotated < 2 or rotated % 2)):
+    if not 0 < m.rope.partial_factor <= 1 or (m.position == "rope" and _reads_head_dim(m)
+                                               and (rotated < 2 or rotated % 2)):
         raise ConfigError(f"model.rope.partial_factor={m.rope.partial_factor} must rotate an even number of each "
                           f"head's {m.attention_head_dim} dimensions (it gives {rotated})",
                           "choose a factor in (0, 1] with int(head_dim x factor) even, e.g. 0.25 or 0.5")
@@ -60,6 +65,7 @@ def validate(cfg: Config) -> None:
                           "relative_buckets / 2 (the exactly bucketed range); T5 uses 32 and 128")
     _check_family(cfg)
     _check_moe(cfg)
+    _check_mtp(cfg)
     if m.attention.window is not None:
         if m.attention.window <= 0:
             raise ConfigError("model.attention.window must be positive (or omitted for full attention)")
@@ -185,6 +191,28 @@ def _check_moe(cfg: Config) -> None:
         raise ConfigError(f"model.moe.router_groups_per_token={m.moe.router_groups_per_token} groups of "
                           f"{m.moe.n_experts // groups} experts hold fewer than model.moe.experts_per_token="
                           f"{m.moe.experts_per_token}", "raise router_groups_per_token or lower experts_per_token")
+
+
+def _check_mtp(cfg: Config) -> None:
+    """[model.mtp]: module k predicts the token k + 1 ahead (labels shifted by k, model/mtp.py), so within a sequence
+    of data.seq_len targets only modules k < seq_len ever see one; the modules follow a causal decoder-only stack."""
+    m = cfg.model
+    depth, spec = m.mtp.depth, get_family_spec(m.family)
+    if depth < 0:
+        raise ConfigError(f"model.mtp.depth={depth} is negative", "use 0 (no multi-token prediction) or the number "
+                          "of extra tokens to predict, e.g. 1 (DeepSeek-V3)")
+    if m.mtp.loss_weight < 0:
+        raise ConfigError(f"model.mtp.loss_weight={m.mtp.loss_weight} is negative (it would push the predictions "
+                          "away from their targets)", "use a weight >= 0, e.g. the default 0.3")
+    if depth == 0:
+        return
+    if not spec.has_decoder or spec.seq2seq:
+        raise ConfigError(f"model.mtp.depth={depth}: multi-token prediction follows a decoder-only stack, but "
+                          f"model.family={m.family!r}", "set model.mtp.depth=0, or use family='decoder'")
+    if depth >= cfg.data.seq_len:
+        raise ConfigError(f"model.mtp.depth={depth}: module k predicts the token k + 1 ahead, so with data.seq_len="
+                          f"{cfg.data.seq_len} modules past {cfg.data.seq_len - 1} would never see a target",
+                          f"use model.mtp.depth < data.seq_len (at most {cfg.data.seq_len - 1}; DeepSeek-V3 uses 1)")
 
 
 def _check_rope_scaling(cfg: Config) -> None:

@@ -321,6 +321,7 @@ def _merge(plan: dict, work: Path, out: Path, tok: Tokenizer, files: list[Path])
     if plan["eval_fraction"] > 0 and not splits["eval"]:  # too few documents to hold one out: split the records
         splits["train"], splits["eval"] = _hold_out_tail(tmp, splits["train"], plan)
         held_out = "tokens" if plan["kind"] == "packed" else "documents"
+    _refuse_empty_split(plan, work, splits, documents)
     tok.save(tmp / "tokenizer.json")
     manifest = Manifest(
         kind=plan["kind"], record_len=plan["record_len"], dtype=plan["dtype"],
@@ -336,6 +337,27 @@ def _merge(plan: dict, work: Path, out: Path, tok: Tokenizer, files: list[Path])
     remove(work)
     manifest.url = str(out / "manifest.json")
     return manifest
+
+
+def _refuse_empty_split(plan: dict, work: Path, splits: dict[str, list[ShardInfo]], documents: dict[str, int]
+                        ) -> None:
+    """A split left without a record (a corpus shorter than one record, or two with an eval split) is refused before
+    anything is written: training from it would find no data only at its first step."""
+    wanted = ["train", "eval"] if plan["eval_fraction"] > 0 else ["train"]
+    empty = [split for split in wanted if not sum(info.samples for info in splits[split])]
+    if not empty:
+        return
+    tokens = sum(json.loads(path.read_text())["tokens"] for path in (work / "map").glob("u*.done.json"))
+    record = plan["record_len"]
+    size = f"{tokens:,} tokens in {sum(documents.values()):,} document(s)"
+    remove(work)  # nothing in it is worth keeping: the inputs must change
+    if plan["kind"] != "packed":
+        raise CorpusError(f"the {empty[0]} split gets no examples: the corpus holds {size}",
+                          "add examples, or pass --eval-fraction 0 to hold none out")
+    raise CorpusError(f"the {empty[0]} split gets no {record}-token record: the corpus holds {size}, and one record "
+                      f"per split ({' and '.join(wanted)}) needs at least {len(wanted) * record:,} tokens",
+                      "add text, or lower the sequence length (--seq-len or --record-len; data.seq_len when training "
+                      "from a corpus)" + (", or pass --eval-fraction 0" if len(wanted) > 1 else ""))
 
 
 def _link(src: Path, dst: Path) -> None:

@@ -94,13 +94,17 @@ def rope_from_hf(c: Any, arch: str) -> dict[str, Any]:
     rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
     kind = rope.pop("rope_type", rope.pop("type", "default"))
     fields: dict[str, Any] = {"rope_theta": float(rope.pop("rope_theta", getattr(c, "rope_theta", 10000.0)))}
+    if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type: rope_per_layer_type_from_hf
+        return fields
+    if rope.get("partial_rotary_factor") == 1:  # every dimension rotates: what ours do
+        del rope["partial_rotary_factor"]
+    if kind != "default" and kind not in _ROPE_KEYS:
+        raise refuse(arch, f"rope_type={kind!r}", "rescales the rotary frequencies its own way")
+    for key, value in rope.items():  # transformers' default RoPE reads partial_rotary_factor too
+        if key not in _ROPE_KEYS.get(kind, {}) and value is not None:
+            raise refuse(arch, f"rope_parameters.{key}={value!r}", f"changes {kind} rotary frequencies")
     if kind == "default":
         return fields
-    if kind not in _ROPE_KEYS:
-        raise refuse(arch, f"rope_type={kind!r}", "rescales the rotary frequencies its own way")
-    for key, value in rope.items():
-        if key not in _ROPE_KEYS[kind] and value is not None:
-            raise refuse(arch, f"rope_parameters.{key}={value!r}", f"changes {kind} frequency scaling")
     return {**fields, "rope_scaling": kind, **{ours: rope[key] for key, ours in _ROPE_KEYS[kind].items()
                                                if ours and rope.get(key) is not None}}
 
@@ -121,7 +125,7 @@ def rope_per_layer_type_from_hf(c: Any, arch: str, windowed: bool) -> dict[str, 
     windowed blocks' own base = our rope_local_theta (unscaled, as ours always is)."""
     rope = c.rope_parameters
     local = dict(rope["sliding_attention"])
-    if local.pop("rope_type", "default") != "default":
+    if local.pop("rope_type", "default") != "default" or local.get("partial_rotary_factor") not in (None, 1):
         raise refuse(arch, f"rope_parameters.sliding_attention={rope['sliding_attention']}", "rescales the "
                      "windowed blocks' rotary frequencies (meshformer scales only the global blocks')")
     return {**rope_from_hf(SimpleNamespace(rope_parameters=rope["full_attention"]), arch),

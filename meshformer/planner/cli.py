@@ -171,10 +171,12 @@ def _plan(args: argparse.Namespace) -> None:
     if args.top < 1:
         raise UsageError(f"--top {args.top} lists no layout", "pass how many fitting layouts to list, e.g. --top 5")
     cfg = load_config(args.config, args.set)
-    layers = get_family_spec(cfg.model.family).total_layers(cfg.model)
+    # each multi-token prediction module holds a block of its own
+    layers = get_family_spec(cfg.model.family).total_layers(cfg.model) + cfg.model.mtp.depth
     if layers > MAX_PLAN_LAYERS:  # every block is built on meta and sharded per layout: minutes per thousand
         raise UsageError(f"the model has {layers} layers, beyond what the planner builds (at most {MAX_PLAN_LAYERS}, "
-                         "8x the deepest models trained)", "check model.n_layers (and the family's other stacks)")
+                         "8x the deepest models trained)", "check model.n_layers and model.mtp.depth (and the "
+                         "family's other stacks)")
     result = report(cfg, args.world, args.gpu, search=not args.no_search, top=args.top,
                     moe_imbalance=args.moe_imbalance)
     if args.json:

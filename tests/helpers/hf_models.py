@@ -91,11 +91,33 @@ ARCHS: dict[str, dict[str, Any]] = {
                      topk_group=1, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
                      routed_scaling_factor=2.5, num_nextn_predict_layers=0,
                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    # Gemma 2: a windowed block then a global one, attention and final-logit soft-capping
+    "gemma2": dict(config="Gemma2Config", model="Gemma2ForCausalLM", tie_word_embeddings=True, head_dim=16,
+                   sliding_window=4, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16),
+    # 4 experts of width 32, top-2, QK-norm
+    "qwen3_moe": dict(config="Qwen3MoeConfig", model="Qwen3MoeForCausalLM", tie_word_embeddings=False, head_dim=16,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    # the families other than a Llama-style decoder, with their own config keys (SHARED's names do not apply)
+    "gpt2": dict(config="GPT2Config", model="GPT2LMHeadModel", shared=False, vocab_size=VOCAB, n_positions=64,
+                 n_embd=32, n_layer=2, n_head=4),
+    "bert": dict(config="BertConfig", model="BertForMaskedLM", shared=False, vocab_size=VOCAB, hidden_size=32,
+                 num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, max_position_embeddings=64),
+    "t5": dict(config="T5Config", model="T5ForConditionalGeneration", shared=False, vocab_size=VOCAB, d_model=32,
+               d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, feed_forward_proj="gated-silu"),
     # a Qwen3-MoE whose every block is dense (mlp_only_layers): imported with experts that no block uses
     "qwen3_moe_dense": dict(config="Qwen3MoeConfig", model="Qwen3MoeForCausalLM", tie_word_embeddings=False,
                             head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                             mlp_only_layers=[0, 1]),
 }
+
+
+# model_type -> the entry of ARCHS that builds one (where the names differ)
+MODEL_TYPES = {"gemma3_text": "gemma3"}
+
+
+def arch_for(model_type: str) -> str:
+    """The entry of ARCHS building a model of a registered architecture (tests parametrised over the registry)."""
+    return MODEL_TYPES.get(model_type, model_type)
 
 
 def hf_model(arch: str, seed: int = 0) -> Any:
@@ -104,7 +126,7 @@ def hf_model(arch: str, seed: int = 0) -> Any:
     spec = dict(ARCHS[arch])
     config_class, model_class = spec.pop("config"), spec.pop("model")
     torch.manual_seed(seed)
-    config = getattr(transformers, config_class)(**{**SHARED, **spec})
+    config = getattr(transformers, config_class)(**({**SHARED, **spec} if spec.pop("shared", True) else spec))
     model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():  # sharper than the init's 0.02, so greedy choices are far from ties
         for param in model.parameters():

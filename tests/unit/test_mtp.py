@@ -28,6 +28,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _model(depth: int, weight: float = 0.3, *extra: str) -> Transformer:
     cfg = load_config("tiny-deepseek", ["model.vocab_size=64", "model.d_model=32", "model.n_layers=2",
+                                        "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=32",
+                                        "model.mla.qk_nope_head_dim=16",
                                         "model.moe.n_experts=4", "model.moe.d_ff=16", "model.ffn.d_ff=32",
                                         f"model.mtp.depth={depth}", f"model.mtp.loss_weight={weight}",
                                         "model.mlp_types=['dense', 'moe']", *extra]).model

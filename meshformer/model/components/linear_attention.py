@@ -76,6 +76,11 @@ class LinearAttention(TokenMixer):
         for key in ("n_heads", "key_head_dim", "value_head_dim", "conv_width", "chunk_size"):
             if getattr(la, key) < 1:
                 raise ConfigError(f"model.linear_attention.{key}={getattr(la, key)} must be positive")
+        if wide := [k for k in ("key_head_dim", "value_head_dim") if getattr(la, k) > cfg.d_model]:
+            raise ConfigError(f"model.linear_attention.{wide[0]}={getattr(la, wide[0])} is wider than model.d_model="
+                              f"{cfg.d_model}", "a head's keys and values are projections of the d_model-wide "
+                              "residual stream and span at most d_model directions; use head widths <= d_model "
+                              "(Qwen3-Next: 128 at d_model=2048)")
         if la.backend == "fla":
             from meshformer.model.gated_delta_fla import FLA_EXTRA, fla_importable
 

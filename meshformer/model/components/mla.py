@@ -47,7 +47,8 @@ class LatentAttention(TokenMixer):
     # shared rotary key untouched (MultiHeadLatentAttention.qk_clip_rows)
     qk_clip = True
     # what config validation refuses alongside mla blocks: options of [model.attention] these blocks never compute
-    UNUSED: ClassVar[tuple[str, ...]] = ("n_kv_heads", "head_dim", "qk_norm", "sinks", "softcap")
+    UNUSED: ClassVar[tuple[str, ...]] = ("n_kv_heads", "head_dim", "qk_norm", "sinks", "softcap", "output_gate",
+                                         "qkv_bias")
 
     def build(self, cfg: ModelConfig, *, causal: bool) -> nn.Module:
         from meshformer.model.mla import MultiHeadLatentAttention
@@ -72,15 +73,31 @@ class LatentAttention(TokenMixer):
             raise ConfigError(f"model.mla.{bad[0]}={widths[bad[0]]} must be positive",
                               "DeepSeek-V3: kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, "
                               "v_head_dim=128")
+        # a latent or a head computed from the d_model-wide residual stream spans at most d_model directions: any
+        # width beyond it adds weights (and memory) without adding anything the model can compute
+        ranks = {"q_lora_rank": x.q_lora_rank or 0, "kv_lora_rank": x.kv_lora_rank,
+                 "qk_nope_head_dim + qk_rope_head_dim": x.qk_head_dim, "v_head_dim": x.v_head_dim}
+        if wide := [k for k, v in ranks.items() if v > cfg.d_model]:
+            raise ConfigError(f"model.mla.{wide[0]}={ranks[wide[0]]} is wider than model.d_model={cfg.d_model}",
+                              "a latent or head computed from the d_model-wide residual stream holds at most d_model "
+                              "independent directions; keep each MLA rank and per-head width <= d_model (DeepSeek-V3: "
+                              "q_lora_rank=1536, kv_lora_rank=512, 128 + 64 query/key and 128 value columns per "
+                              "head at d_model=7168)")
         if x.qk_rope_head_dim % 2:
             raise ConfigError(f"model.mla.qk_rope_head_dim={x.qk_rope_head_dim} must be even (RoPE rotates pairs)",
                               "use e.g. 64")
         a = cfg.attention
         set_values = {"n_kv_heads": a.n_kv_heads not in (None, a.n_heads), "head_dim": a.head_dim,
-                      "qk_norm": a.qk_norm, "sinks": a.sinks, "softcap": a.softcap}
+                      "qk_norm": a.qk_norm, "sinks": a.sinks, "softcap": a.softcap, "output_gate": a.output_gate,
+                      "qkv_bias": a.qkv_bias is not None and a.qkv_bias != cfg.bias}
         if set_keys := [f"model.attention.{k}" for k in self.UNUSED if set_values[k]]:
             raise ConfigError(f"{set_keys[0]} is set, but mla blocks do not use it (their heads are model.attention."
-                              "n_heads, their widths model.mla.*)", f"drop {set_keys[0]} or use full_attention blocks")
+                              "n_heads, their widths model.mla.*, their biases model.bias)",
+                              f"drop {set_keys[0]} or use full_attention blocks")
+        if cfg.rope.partial_factor != 1:  # mla rotates its own qk_rope_head_dim columns of each head
+            raise ConfigError(f"model.rope.partial_factor={cfg.rope.partial_factor} is set, but mla blocks rotate "
+                              "model.mla.qk_rope_head_dim columns of each head",
+                              "drop model.rope.partial_factor and set model.mla.qk_rope_head_dim")
 
     def rotary_width(self, cfg: ModelConfig) -> int:
         return cfg.mla.qk_rope_head_dim
