@@ -62,6 +62,15 @@ def bundled_configs() -> dict[str, Path]:
     return {p.stem: p for p in sorted(folder.glob("*.toml"))}
 
 
+DESCRIPTION = "# description: "  # a bundled config's first line: what `meshformer config list` says of it
+
+
+def config_description(path: Path) -> str:
+    """The one-line description a bundled config opens with ("" when it has none)."""
+    first = path.read_text().partition("\n")[0]
+    return first.removeprefix(DESCRIPTION).strip() if first.startswith(DESCRIPTION) else ""
+
+
 def resolve_config_path(path: str | Path) -> Path:
     """A TOML file, or the name of a bundled config."""
     candidate = Path(path)
