@@ -17,6 +17,11 @@ import yaml
 from helpers.common import ROOT
 
 SKIP_MARKER = re.compile(r"<!-- not run by the tests: (.+?) -->")
+# A code block preceded by this line is a file the reader writes: the tests write it where it says before the
+# page's commands run (a relative path, in the folder the commands run in).
+FILE_MARKER = re.compile(r"^<!-- file: (\S+) -->\n```[a-z]*\n(.*?)```", re.S | re.M)
+# A python block preceded by this line is run by the tests as shown, after the page's commands, in their folder.
+RUN_MARKER = re.compile(r"^<!-- run by the tests -->\n```python\n(.*?)```", re.S | re.M)
 # The install and test commands: .ci/run runs them verbatim, so the command runner leaves them to it.
 RUN_BY_CI = (("pip", "install"), ("python", "-m", "pytest"))
 
@@ -90,3 +95,13 @@ def readme_commands() -> list[list[str]]:
     """The README's own `meshformer` / `torchrun` commands, as words."""
     return [s.words for s in shown_commands([ROOT / "README.md"])
             if s.words[:1] == ["meshformer"] or "meshformer.train" in s.words]
+
+
+def shown_files(page: Path) -> list[tuple[str, str]]:
+    """The files a page shows for the reader to write, (relative path, text), in page order."""
+    return [(m.group(1), m.group(2)) for m in FILE_MARKER.finditer(page.read_text())]
+
+
+def shown_python(page: Path) -> list[str]:
+    """The python blocks a page marks as run by the tests, in page order."""
+    return [m.group(1) for m in RUN_MARKER.finditer(page.read_text())]
