@@ -108,12 +108,11 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from meshformer.checkpointing.weights import load_weights, weights_tokenizer
+    from meshformer.checkpointing.weights import load_for_inference
     from meshformer.model.generate import greedy_decode, pad_rows
 
     prompts = _prompts(args)
-    tokenizer = weights_tokenizer(args.weights, args.tokenizer)
-    model = load_weights(args.weights).eval()
+    model, tokenizer = load_for_inference(args.weights, args.tokenizer)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens={args.max_new_tokens}", "ask for at least 1 new token")
     if not model.spec.has_decoder:
@@ -141,11 +140,10 @@ def _generate(args: argparse.Namespace) -> None:
 def _attention_map(args: argparse.Namespace) -> None:
     import torch
 
-    from meshformer.checkpointing.weights import load_weights, weights_tokenizer
+    from meshformer.checkpointing.weights import load_for_inference
     from meshformer.model.inspect import attention_heatmap
 
-    tokenizer = weights_tokenizer(args.weights, args.tokenizer)
-    model = load_weights(args.weights).eval()
+    model, tokenizer = load_for_inference(args.weights, args.tokenizer)
     ids = tokenizer.encode(args.text)
     labels = [tokenizer.decode([i]) for i in ids]
     decoder_ids = decoder_labels = None
