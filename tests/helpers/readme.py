@@ -33,6 +33,7 @@ class Shown:
     page: str  # the page's path under the repository
     line: str  # the command as written (comments and line continuations dropped)
     skip: str | None  # the page's reason for not running it, or None
+    cwd: str = ""  # the folder a `cd DIR && ...` before it on its line names (relative), else ""
 
     @property
     def words(self) -> list[str]:
@@ -62,10 +63,14 @@ def shown_commands(pages: list[Path] | None = None) -> list[Shown]:
             marker = SKIP_MARKER.search(match.group(1) or "")
             block = match.group(2).replace("\\\n", " ")
             for raw in block.splitlines():
+                cwd = ""
                 for part in raw.split("&&"):
                     line = _without_comment(part).strip()
-                    if line:
-                        shown.append(Shown(str(page.relative_to(ROOT)), line, marker.group(1) if marker else None))
+                    if line.startswith("cd ") and len(shlex.split(line)) == 2:  # the folder of the rest of the line
+                        cwd = shlex.split(line)[1]
+                    elif line:
+                        shown.append(Shown(str(page.relative_to(ROOT)), line, marker.group(1) if marker else None,
+                                           cwd))
     return shown
 
 
