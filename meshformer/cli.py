@@ -326,7 +326,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="list the bundled configs, or write one out for reading or editing")
     config_sub = config.add_subparsers(dest="config_command", required=True)
-    config_sub.add_parser("list", help="the bundled configs: name, parameters, what each is").set_defaults(func=_config_list)
+    config_sub.add_parser("list", help="the bundled configs: name, parameters, what each is").set_defaults(
+        func=_config_list)
     show = config_sub.add_parser("show", help="print a bundled config's TOML")
     show.add_argument("name", help="e.g. tiny-gpt (`meshformer config list` lists them)")
     show.set_defaults(func=_config_show)

@@ -9,9 +9,8 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage
-
 from helpers.common import ROOT
+from torch.distributed.pipelining import PipelineStage
 
 from meshformer.batch import IGNORE_INDEX
 from meshformer.config import load_config
