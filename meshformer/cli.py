@@ -108,12 +108,11 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from meshformer.checkpointing.weights import load_weights, weights_tokenizer
+    from meshformer.checkpointing.weights import load_for_inference
     from meshformer.model.generate import greedy_decode, pad_rows
 
     prompts = _prompts(args)
-    tokenizer = weights_tokenizer(args.weights, args.tokenizer)
-    model = load_weights(args.weights).eval()
+    model, tokenizer = load_for_inference(args.weights, args.tokenizer)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens={args.max_new_tokens}", "ask for at least 1 new token")
     if not model.spec.has_decoder:
@@ -141,11 +140,10 @@ def _generate(args: argparse.Namespace) -> None:
 def _attention_map(args: argparse.Namespace) -> None:
     import torch
 
-    from meshformer.checkpointing.weights import load_weights, weights_tokenizer
+    from meshformer.checkpointing.weights import load_for_inference
     from meshformer.model.inspect import attention_heatmap
 
-    tokenizer = weights_tokenizer(args.weights, args.tokenizer)
-    model = load_weights(args.weights).eval()
+    model, tokenizer = load_for_inference(args.weights, args.tokenizer)
     ids = tokenizer.encode(args.text)
     labels = [tokenizer.decode([i]) for i in ids]
     decoder_ids = decoder_labels = None
@@ -193,10 +191,33 @@ def _bundled_config(name: str) -> Path:
     return bundled[name]
 
 
-def _config_list(args: argparse.Namespace) -> None:
-    from meshformer.config import bundled_configs
+def _size(n: float) -> str:
+    """A parameter count to three significant digits: 1.33M, 15.7B, 1.03T."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(int(n))
 
-    print("\n".join(bundled_configs()))
+
+def _config_list(args: argparse.Namespace) -> None:
+    import tomllib
+
+    from meshformer.config import bundled_configs, load_config
+    from meshformer.config.load import config_description
+    from meshformer.model.flops import count_params
+
+    rows = []
+    for name, path in bundled_configs().items():
+        if "model" not in tomllib.loads(path.read_text()):  # continued pretraining: the model is the folder's
+            size = "the --init-from folder's"
+        else:
+            counts = count_params(load_config(path).model)  # computed from the config, as `meshformer params`
+            size = _size(counts["total"]) + (f" ({_size(counts['active'])} active)"
+                                             if counts["active"] != counts["total"] else "")
+        rows.append((name, size, config_description(path)))
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    for name, size, description in rows:
+        print(f"{name:<{widths[0]}}  {size:<{widths[1]}}  {description}")
 
 
 def _config_show(args: argparse.Namespace) -> None:
@@ -305,7 +326,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="list the bundled configs, or write one out for reading or editing")
     config_sub = config.add_subparsers(dest="config_command", required=True)
-    config_sub.add_parser("list", help="the names of the bundled configs").set_defaults(func=_config_list)
+    config_sub.add_parser("list", help="the bundled configs: name, parameters, what each is").set_defaults(
+        func=_config_list)
     show = config_sub.add_parser("show", help="print a bundled config's TOML")
     show.add_argument("name", help="e.g. tiny-gpt (`meshformer config list` lists them)")
     show.set_defaults(func=_config_show)

@@ -353,3 +353,13 @@ def load_weights(directory: Path) -> Transformer:
     materialize([model], torch.device("cpu"), init=False)
     load_into([model], folder)  # fp32, whatever dtype was saved, as load_state_dict would give
     return model
+
+
+def load_for_inference(directory: Path, tokenizer: str | None = None, option: str = "--tokenizer"
+                       ) -> tuple[Transformer, Tokenizer]:
+    """A weights folder (a run's `final/`, an export) as (model in eval mode on the CPU in fp32, the tokenizer it was
+    trained with): what `generate`, `attention-map` and `meshformer.load` start from. `tokenizer` replaces the
+    folder's own only if it is the same tokenizer (`option` is the name a refusal gives it)."""
+    checked = weights_tokenizer(directory, tokenizer, option)  # first: a wrong tokenizer stops before the read
+    return load_weights(directory).eval(), checked
+

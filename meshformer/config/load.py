@@ -53,13 +53,32 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     overridden = migrate_tree(overridden, "--set", context=model if isinstance(model, dict) else None)
     for key, value in migrate.flatten(overridden).items():
         _set_dotted(raw, key, value)
+    _callback_folders(raw, Path.cwd() if path is None or bundled else path.parent)
     return config_from_dict(raw)
+
+
+def _callback_folders(raw: dict[str, Any], base: Path) -> None:
+    """Each [[callbacks]] table's `folder`, made absolute against `base` (the config file's folder): every rank and a
+    resume then look its module up in the same place, wherever they start."""
+    tables = raw.get("callbacks")
+    for table in tables if isinstance(tables, list) else []:
+        if isinstance(table, dict) and isinstance(table.get("folder", ""), str):
+            table["folder"] = str((base / table.get("folder", "")).absolute())
 
 
 def bundled_configs() -> dict[str, Path]:
     """The configs shipped inside the package, by name (`tiny-gpt`, `llama-8b`, ...)."""
     folder = Path(__file__).parents[1] / "configs"
     return {p.stem: p for p in sorted(folder.glob("*.toml"))}
+
+
+DESCRIPTION = "# description: "  # a bundled config's first line: what `meshformer config list` says of it
+
+
+def config_description(path: Path) -> str:
+    """The one-line description a bundled config opens with ("" when it has none)."""
+    first = path.read_text().partition("\n")[0]
+    return first.removeprefix(DESCRIPTION).strip() if first.startswith(DESCRIPTION) else ""
 
 
 def resolve_config_path(path: str | Path) -> Path:

@@ -209,10 +209,14 @@ class CallbackConfig:
     """One `[[callbacks]]` table: a training-loop callback of your own (meshformer/train/callbacks.py), built on
     every rank before step 1 and run on the ranks its class declares."""
 
-    # "package.module:ClassName" of a meshformer.train.callbacks.Callback subclass, importable by every rank
+    # "package.module:ClassName" of a meshformer.train.callbacks.Callback subclass: the module (or package) from
+    # `folder` when it is there, else installed or on PYTHONPATH
     path: str = ""
     # keyword arguments of the class's constructor, e.g. {every = 10}
     args: dict[str, Any] = field(default_factory=dict)
+    # the folder the module is looked up in first; "": the folder of the config file that names the callback (the
+    # current folder for a bundled config), resolved when the config is loaded; relative: to that folder
+    folder: str = ""
 
 
 @dataclass

@@ -39,7 +39,7 @@ from dataclasses import replace
 from typing import Protocol, cast
 
 import torch
-import torch.distributed.nn.functional as dist_nn
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
@@ -86,6 +86,14 @@ class _HeadValues(ParallelStyle):
         return distribute_module(module, device_mesh, partition, output_fn=_local_outputs)  # type: ignore[arg-type]
 
 
+def _summed(x: torch.Tensor, group) -> torch.Tensor:
+    """`x` summed over the group, in a copy: the caller's tensor (an autograd input or gradient) may be shared.
+    The plain collective on a copy is what torch.distributed.nn's deprecated all_reduce does, without its warning."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=group)
+    return out
+
+
 class _SumGradient(torch.autograd.Function):
     """Identity forward; the backward all-reduces the gradient over the group (each rank's holds its heads' share)."""
 
@@ -96,7 +104,20 @@ class _SumGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return dist_nn.all_reduce(grad.contiguous(), group=ctx.group), None
+        return _summed(grad, ctx.group), None
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """The sum over the group; its gradient is the gradients' sum over the group (every rank's output used them)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return _summed(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return _summed(grad, ctx.group), None
 
 
 class _PartialGradient(ParallelStyle):
@@ -244,7 +265,7 @@ class HeadShardedRMSNorm(nn.Module):
         self.weight = nn.Parameter(distribute_tensor(whole, mesh, [Shard(0)]), norm.weight.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        squares = dist_nn.all_reduce(x.float().pow(2).sum(-1, keepdim=True), group=self.group)  # backward: summed
+        squares = _AllReduceSum.apply(x.float().pow(2).sum(-1, keepdim=True), self.group)  # backward: summed
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         normed = (x.float() * torch.rsqrt(squares / self.width + eps)).type_as(x)
         return normed * (self.weight.to_local() + self.offset)  # type: ignore[attr-defined]

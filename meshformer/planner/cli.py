@@ -87,6 +87,11 @@ def ties(layouts: list[LayoutMemory]) -> list[str]:
     return lines
 
 
+def _same_layout(layout: LayoutMemory, configured: LayoutMemory) -> bool:
+    """A listed layout is the config's own: the same ranks in every dimension and the same recomputation."""
+    return layout_name(layout) == layout_name(configured) and layout.recompute == configured.recompute
+
+
 def report(cfg: Config, world: int, device: str, *, search: bool = True, top: int = 5,
            moe_imbalance: float = MOE_IMBALANCE) -> dict:
     start = time.perf_counter()
@@ -108,8 +113,8 @@ def report(cfg: Config, world: int, device: str, *, search: bool = True, top: in
         "layout": {"name": layout_name(chosen), "recompute": chosen.recompute, "peak_gib": chosen.peak / GiB,
                    "fits": chosen.peak <= budget, "ranks": [as_dict(rank) for rank in chosen.ranks]},
         "searched": search,
-        "fitting_layouts": [{"name": layout_name(lay), "recompute": lay.recompute, "peak_gib": lay.peak / GiB}
-                            for lay in listed],
+        "fitting_layouts": [{"name": layout_name(lay), "recompute": lay.recompute, "peak_gib": lay.peak / GiB,
+                             "configured": _same_layout(lay, chosen)} for lay in listed],
         "order": ORDER,
         "ties": ties(listed),
         "moe_imbalance": moe_imbalance if cfg.model.moe.n_experts else None,
@@ -141,8 +146,9 @@ def print_report(result: dict, title: str) -> None:
               "(--moe-imbalance; dropless worst case: ep x)")
     if result["fitting_layouts"]:
         print("smallest layouts that fit (FSDP over the remaining ranks, the same micro-batch):")
-        _table(["layout", "recompute", "peak GiB"],
-               [[f["name"], f["recompute"], f"{f['peak_gib']:.2f}"] for f in result["fitting_layouts"]])
+        _table(["layout", "recompute", "peak GiB", ""],
+               [[f["name"], f["recompute"], f"{f['peak_gib']:.2f}", "configured" if f["configured"] else ""]
+                for f in result["fitting_layouts"]])
         print(f"order: {result['order']}")
         for line in result["ties"]:
             print(f"tie: {line}")
@@ -153,9 +159,8 @@ def print_report(result: dict, title: str) -> None:
 
 def _table(columns: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
-    print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
-    for row in rows:
-        print("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))
+    for row in (columns, *rows):  # a last column left empty leaves no trailing blanks
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)).rstrip())
 
 
 def _plan(args: argparse.Namespace) -> None:

@@ -27,17 +27,20 @@ class StepMetrics(Callback):
     since the last logging step), into ctx.metrics. Reducing the loss is a collective: every rank runs it."""
 
     order, phase = 10, "logging"
+    PROJECT_AFTER = 10  # steps of this run before its pace and projected time are logged, once
 
     def __init__(self) -> None:
         self.window_steps = 0
         self.window_start: float | None = None  # None: the next step starts a window
         self.window_loss: torch.Tensor | None = None
         self.window_tokens: torch.Tensor | None = None
+        self.run_start, self.first_step, self.projected = 0.0, 0, False
 
     def on_run_start(self, ctx: CallbackContext) -> None:
         device = ctx.trainer.device
         self.window_loss = torch.zeros((), device=device)
         self.window_tokens = torch.zeros((), device=device)
+        self.run_start, self.first_step = time.perf_counter(), ctx.step
 
     def on_step_start(self, ctx: CallbackContext) -> None:
         # A window starts at its first step: evaluation, samples and saves of the logging step before it are not
@@ -85,6 +88,13 @@ class StepMetrics(Callback):
         if skipped:
             ctx.info(f"warning: {skipped} of the last {self.window_steps} steps had an inf/nan gradient norm; "
                      f"their updates were skipped ({skipped_updates.total} in this run so far)")
+        if not self.projected and ctx.step - self.first_step >= self.PROJECT_AFTER and not ctx.last:
+            # this run's steps at the pace of those so far (everything between them included; evaluations and saves
+            # still to come add to it)
+            self.projected = True
+            pace = (time.perf_counter() - self.run_start) / (ctx.step - self.first_step)
+            record["perf/pace_s_per_step"] = pace
+            record["perf/projected_run_s"] = pace * (cfg.train.steps - self.first_step)
         record |= trainer.train_data.source_scalars()  # mixtures: samples and tokens per source so far
         record |= trainer.training_step.qk_clip_scalars()  # MuonClip: largest attention logit, heads clipped
         ctx.metrics |= record
@@ -151,15 +161,23 @@ class MetricsLogger(Callback):
         ctx.history.append({"step": ctx.step, **record})
         ctx.log(record)
         loads = [v for k, v in record.items() if k.endswith("/load_max_over_mean")]
+        mtp = [f"{k.removeprefix('mtp/')} {v:.4f}" for k, v in record.items() if k.startswith("mtp/loss_")]
+        projected = record.get("perf/projected_run_s")
         mfu = record.get("perf/mfu", math.nan)
         ctx.info(
-            f"step {ctx.step:>6}/{ctx.cfg.train.steps} | loss {record['train/loss']:.4f} | lr "
-            f"{record['train/lr']:.2e} | grad {record['train/grad_norm']:.3f} | "
+            f"step {ctx.step:>6}/{ctx.cfg.train.steps} | loss {record['train/loss']:.4f} | "
+            + (f"mtp {', '.join(mtp)} | " if mtp else "")  # the modules' losses beside the main one
+            + f"lr {record['train/lr']:.2e} | grad {record['train/grad_norm']:.3f} | "
             f"{record['perf/tokens_per_s']:,.0f} tok/s global, {record['perf/tokens_per_s_per_rank']:,.0f} per rank "
             "| mfu " + (f"{100 * mfu:.1f}%" if math.isfinite(mfu) else "n/a") + " | "
             f"mem peak {record['perf/memory_gib']:.2f} GiB, now {record['perf/memory_now_gib']:.2f} GiB"
             + (f" | expert load max/mean {max(loads):.2f}" if loads else "")
+            + (f" | ~{record['perf/pace_s_per_step']:.3g} s/step, run ≈ {_duration(projected)}" if projected else "")
         )
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds < 2 * 3600 else f"{seconds / 3600:.1f} h"
 
 
 class HeldOutLoss(Callback):
@@ -228,7 +246,7 @@ class Profiling(Callback):
 
 def builtin_callbacks(cfg: Config, downstream: DownstreamEval | None = None) -> list[Callback]:
     """The trainer's own callbacks for this config (`downstream`: the scorer of downstream.tasks, if any)."""
-    moe: list[Callback] = [MoEStatistics()] if cfg.model.moe.n_experts else []
+    moe: list[Callback] = [MoEStatistics()] if cfg.model.moe.n_experts or cfg.model.mtp.depth else []
     scores: list[Callback] = [DownstreamScores(downstream)] if downstream is not None else []
     return [StepMetrics(), StragglerReport(), *moe, CheckpointCadence(), MetricsLogger(), HeldOutLoss(), *scores,
             Samples(), Profiling()]

@@ -39,10 +39,13 @@ and `load_state_dict()`: the state rank 0 holds is saved in every checkpoint (tr
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -221,6 +224,39 @@ def _check_declaration(callback: Callback) -> None:
                           'use "all", "zero" or a tuple of global ranks')
 
 
+def import_callback_module(module_name: str, folder: str) -> ModuleType:
+    """The module a [[callbacks]] path names. Its top-level module or package comes from `folder` (the config file's,
+    `CallbackConfig.folder`) when it is there, else from sys.path as any import. Only that name is looked up in the
+    folder: the folder is not put on sys.path, so its other files shadow nothing the run imports."""
+    top = module_name.partition(".")[0]
+    here = Path(folder) if folder and top.isidentifier() else None
+    found = next((f for f in (here / top / "__init__.py", here / f"{top}.py") if f.is_file()), None) if here else None
+    if found is not None:
+        loaded = sys.modules.get(top)
+        if loaded is None:
+            package = [str(found.parent)] if found.name == "__init__.py" else None
+            spec = importlib.util.spec_from_file_location(top, found, submodule_search_locations=package)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[top] = module  # before it runs, as an import does: its own imports may name it
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[top]
+                raise
+        elif Path(getattr(loaded, "__file__", None) or "").resolve() != found.resolve():
+            raise ConfigError(f"callback module {found} has the name of the module {top!r} the run already imported "
+                              f"({getattr(loaded, '__file__', 'built in')})", "rename your module")
+    return importlib.import_module(module_name)
+
+
+def loaded_line(callback: Callback) -> str:
+    """The console line confirming a user callback: where its class came from, its ranks and order."""
+    cls = type(callback)
+    ranks = callback.ranks if isinstance(callback.ranks, str) else ",".join(map(str, callback.ranks))
+    return f"callbacks: loaded {cls.__module__}:{cls.__qualname__} (ranks {ranks}, order {callback.order})"
+
+
 def callback_class(entry: CallbackConfig, where: str) -> type[Callback]:
     """The class a [[callbacks]] table names, with its arguments checked against the constructor."""
     module_name, sep, class_name = entry.path.partition(":")
@@ -228,10 +264,12 @@ def callback_class(entry: CallbackConfig, where: str) -> type[Callback]:
     if not sep or not module_name or not class_name:
         raise ConfigError(f"{where}.path = {entry.path!r} is not \"module:ClassName\"", f"write e.g. {example}")
     try:
-        module = importlib.import_module(module_name)
+        module = import_callback_module(module_name, entry.folder)
     except ImportError as err:
-        raise ConfigError(f"{where}.path = {entry.path!r}: cannot import {module_name!r} ({err})",
-                          "install the package or put its folder on PYTHONPATH (every rank imports it)") from None
+        beside = f" (not in {entry.folder} either)" if entry.folder else ""
+        raise ConfigError(f"{where}.path = {entry.path!r}: cannot import {module_name!r} ({err}){beside}",
+                          "put the module beside the config file, set the table's folder, or install it or put its "
+                          "folder on PYTHONPATH (every rank imports it)") from None
     cls = getattr(module, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, Callback)):
         what = "is not a Callback subclass" if cls is not None else "not found"

@@ -45,7 +45,7 @@ from meshformer.runtime.profiler import StepProfiler
 from meshformer.runtime.stop import StopRequest, exit_status, signal_name
 from meshformer.runtime.watchdog import HangWatchdog
 from meshformer.train.builtin_callbacks import builtin_callbacks
-from meshformer.train.callbacks import Callback, CallbackContext, Callbacks, config_callbacks
+from meshformer.train.callbacks import Callback, CallbackContext, Callbacks, config_callbacks, loaded_line
 from meshformer.train.downstream import DownstreamEval
 from meshformer.train.loss_choice import resolve_loss
 from meshformer.train.metrics import FlopsCeiling, RunLogger, peak_flops
@@ -99,6 +99,8 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)  # config.toml is written when training starts (_fit)
         self.logger = RunLogger(self.run_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard,
                                 wandb=cfg.logging if cfg.logging.wandb else None, run_config=cfg.to_dict())
+        for callback in user_callbacks:
+            self.logger.info(loaded_line(callback))
 
         self.tokenizer = tokenizer if tokenizer is not None else checked_tokenizer(cfg)
 

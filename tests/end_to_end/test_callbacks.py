@@ -4,6 +4,7 @@ callback from the config runs on the ranks it declares in a 2-rank run, and its 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 import textwrap
@@ -16,7 +17,7 @@ from helpers.common import CONFIGS, ROOT, SMALL
 
 from meshformer.checkpointing.directory import step_dir_name
 from meshformer.config import ConfigError, load_config
-from meshformer.train.callbacks import Callback, CallbackContext, Callbacks
+from meshformer.train.callbacks import Callback, CallbackContext, Callbacks, loaded_line
 from meshformer.train.trainer import Trainer
 
 
@@ -232,7 +233,6 @@ def test_a_config_callback_runs_on_two_ranks_and_its_state_survives_a_resume(tmp
 
     def launch(name: str, **env: str) -> tuple[int, str]:
         environ = {**cluster.worker_env(), "RUN_NAME": name, "OUT": str(out), **env}
-        environ["PYTHONPATH"] = f"{work}:{environ['PYTHONPATH']}"
         environ.pop("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")  # the launcher sets its own grace period
         cmd = [sys.executable, "-m", "meshformer.cli", "train", str(config), "--nproc-per-node", "2", "--set",
                *cluster.overrides(base, run_dir)]
@@ -246,6 +246,11 @@ def test_a_config_callback_runs_on_two_ranks_and_its_state_survives_a_resume(tmp
 
     code, text = launch("first", STOP_AT_STEP="6")
     assert code == 143, text[-4000:]
+    # beside the config file, not on PYTHONPATH: every rank imported it; rank 0 confirmed each callback once
+    assert str(work) not in cluster.worker_env().get("PYTHONPATH", "")
+    for line in ("callbacks: loaded my_callbacks:StepCounter (ranks all, order 50)",
+                 "callbacks: loaded my_callbacks:RankZeroNote (ranks zero, order 50)"):
+        assert text.count(line) == 1, text[-4000:]
     stopped = {rank: json.loads((out / f"rank{rank}-first.json").read_text()) for rank in (0, 1)}
     at = stopped[0]["step"]
     assert 6 <= at < cluster.CLUSTER_STEPS and stopped[1]["step"] == at, stopped
@@ -262,22 +267,59 @@ def test_a_config_callback_runs_on_two_ranks_and_its_state_survives_a_resume(tmp
     assert state["callbacks"] == {"StepCounter": {"count": at}}
 
 
-def test_the_documented_callback_example_runs_from_the_config(tmp_path, monkeypatch):
+def test_the_documented_callback_example_runs_from_the_config(tmp_path, monkeypatch, caplog):
+    """As the page shows it: the module beside the config file, no PYTHONPATH, started from another folder; the run
+    confirms the callback in one line."""
     text = (ROOT / "docs" / "extending" / "index.md").read_text()
     section = text[text.index("## Callbacks"):]
     section = section[:section.index("\n## ", 1)]
     module = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     table = re.search(r"```toml\n(.*?)```", section, re.S).group(1)
     (tmp_path / "my_callbacks.py").write_text(module)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_callbacks", raising=False)  # imported by this test alone
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
     config = tmp_path / "run.toml"
     config.write_text((CONFIGS / "tiny-gpt.toml").read_text() + "\n" + table)
     cfg = load_config(config, [*SMALL, "train.steps=4", "logging.log_interval=1", "checkpoint.interval=2",
                                "logging.tensorboard=false", "data.num_workers=0",
                                f"logging.run_dir={tmp_path / 'run'}"])
+    assert str(tmp_path) not in sys.path and cfg.callbacks[0].folder == str(tmp_path)
+    caplog.set_level(logging.INFO)
     result = Trainer(cfg).fit()
+    loaded = [r.getMessage() for r in caplog.records if r.getMessage().startswith("callbacks: loaded")]
+    assert loaded == ["callbacks: loaded my_callbacks:LossSpikes (ranks zero, order 50)"]
+    assert sys.modules["my_callbacks"].__file__ == str(tmp_path / "my_callbacks.py")
+    assert str(tmp_path) not in sys.path  # only the named module came from the folder
     spikes = [h["train/loss_spikes"] for h in result.history]
     assert len(spikes) == 4 and spikes == sorted(spikes)
     state = json.loads((tmp_path / "run" / "checkpoints" / step_dir_name(4) / "trainer_state.json").read_text())
     assert state["callbacks"]["LossSpikes"]["spikes"] == spikes[-1]
     assert state["callbacks"]["LossSpikes"]["last"] == pytest.approx(result.final_loss)
+
+
+def test_a_callback_module_comes_from_the_config_files_folder_and_shadows_nothing(tmp_path, monkeypatch):
+    from meshformer.train.callbacks import check_config_callbacks, config_callbacks
+
+    plugin = tmp_path / "cfg" / "plugins"
+    (plugin / "cb_pkg_for_test").mkdir(parents=True)
+    (plugin / "cb_pkg_for_test" / "__init__.py").write_text("")
+    (plugin / "cb_pkg_for_test" / "mod.py").write_text(
+        "from meshformer.train.callbacks import Callback\n\n\nclass Noted(Callback):\n    ranks = (0,)\n")
+    (plugin / "json.py").write_text("raise AssertionError('a folder file shadowed the json module')\n")
+    (plugin / "cb_not_named.py").write_text("")
+    config = tmp_path / "cfg" / "run.toml"
+    config.write_text('[[callbacks]]\npath = "cb_pkg_for_test.mod:Noted"\nfolder = "plugins"\n')
+    for name in ("cb_pkg_for_test", "cb_pkg_for_test.mod"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(config)
+    assert cfg.callbacks[0].folder == str(plugin)  # relative to the config file, not the current folder
+    assert loaded_line(config_callbacks(cfg)[0]) == "callbacks: loaded cb_pkg_for_test.mod:Noted (ranks 0, order 50)"
+    json.dumps({})  # the folder's json.py was never imported
+    with pytest.raises(ImportError):
+        __import__("cb_not_named")  # the folder is not on sys.path
+    config.write_text('[[callbacks]]\npath = "json:Noted"\nfolder = "plugins"\n')
+    with pytest.raises(ConfigError, match="has the name of the module 'json' the run already imported"):
+        check_config_callbacks(load_config(config))

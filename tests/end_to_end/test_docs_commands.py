@@ -1,6 +1,8 @@
 """Every command the README and the documentation pages show in a bash block runs as shown, in page order, in a
-folder holding the inputs the pages name (training runs cut to a few steps). Commands a page marks with
-`<!-- not run by the tests: REASON -->` are left out, and the install and test commands are run by .ci/run."""
+folder holding the inputs the pages name (training runs cut to a few steps), after the files a page shows for the
+reader to write (`<!-- file: PATH -->`) are written there; the python blocks a page marks `<!-- run by the tests -->`
+run after the page's commands. Commands a page marks with `<!-- not run by the tests: REASON -->` are left out, and
+the install and test commands are run by .ci/run."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers.common import ROOT
 from helpers.doc_inputs import write_doc_inputs
-from helpers.readme import Shown, is_run_by_ci, shown_commands
+from helpers.readme import Shown, is_run_by_ci, shown_commands, shown_files, shown_python
 
 # A training run as shown, cut to a few steps, with a checkpoint at its last step for the commands that convert it.
 SHORT_RUN = ["train.steps=3", "logging.log_interval=1", "train.eval_interval=3", "train.eval_batches=1",
@@ -67,8 +69,12 @@ def user_folder(tmp_path_factory) -> tuple[Path, dict[str, str]]:
 def test_the_pages_show_enough_commands_and_say_why_one_is_not_run():
     shown = [s for s in shown_commands() if not is_run_by_ci(s)]
     assert len([s for s in shown if not s.skip]) >= 40, len(shown)
-    unknown = [s.line for s in shown if s.words[0] not in ("meshformer", "torchrun", "python") and not s.skip]
+    unknown = [s.line for s in shown if s.words[0] not in ("meshformer", "torchrun", "python", "lm_eval")
+               and not s.skip]
     assert unknown == [], unknown
+    pages = [ROOT / p for p in PAGES]
+    assert sum(len(shown_python(p)) for p in pages) >= 1  # the Python way to load a run's weights
+    assert {name for p in pages for name, _ in shown_files(p)} >= {"my_callbacks.py"}
 
 
 @pytest.mark.slow
@@ -76,9 +82,14 @@ def test_the_pages_show_enough_commands_and_say_why_one_is_not_run():
 @pytest.mark.parametrize("page", PAGES)
 def test_every_shown_command_runs(page, user_folder):
     folder, env = user_folder
+    for name, text in shown_files(ROOT / page):  # the files the page has the reader write, where it says
+        assert not Path(name).is_absolute() and ".." not in Path(name).parts, (page, name)
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
     for s in [s for s in shown_commands() if s.page == page and not is_run_by_ci(s) and not s.skip]:
         line = _as_run(s)
-        cwd = ROOT if s.words[0] == "python" else folder  # `python bench/...` runs in a checkout
+        # `python bench/...` runs in a checkout; `cd DIR && ...` in DIR of the user's folder
+        cwd = ROOT if s.words[0] == "python" else folder / s.cwd
         if s.words[1:2] and s.words[1] in SERVES:
             _serves(line, cwd, env, s)
             continue
@@ -88,6 +99,10 @@ def test_every_shown_command_runs(page, user_folder):
             assert expected in out.stderr, (line, out.stderr[-2000:])
         else:
             assert out.returncode == 0, (line, out.stdout[-2000:], out.stderr[-3000:])
+    for code in shown_python(ROOT / page):
+        out = subprocess.run([sys.executable, "-c", code], cwd=folder, env=env, capture_output=True, text=True,
+                             timeout=900)
+        assert out.returncode == 0, (page, code, out.stdout[-2000:], out.stderr[-3000:])
     if page == PAGES[-1]:
         assert (folder / "runs" / "tiny-gpt" / "final").is_dir()
         assert (folder / "hf" / "tiny-gpt" / "config.json").is_file()

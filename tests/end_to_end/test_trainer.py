@@ -1,6 +1,8 @@
 """The single-process trainer: it learns, its accounting is exact, and it leaves logs, events and weights."""
 
+import logging
 import math
+import time
 
 import pytest
 import torch
@@ -87,13 +89,31 @@ def test_tokenizer_larger_than_model_vocab_is_rejected(tmp_path):
         Trainer(cfg)
 
 
-def test_logged_learning_rate_is_the_one_each_step_used(tmp_path):
-    cfg = load_config(CONFIGS / "tiny-gpt.toml", [*SMALL, "train.steps=3", "logging.log_interval=1",
+def test_logged_learning_rate_mtp_loss_and_pace_are_those_of_the_run(tmp_path, caplog):
+    """The learning rate each step used; a dense model's multi-token prediction loss, in the metrics and on the
+    console line; the measured seconds per step and the run's projected time, once, at step 10."""
+    cfg = load_config(CONFIGS / "tiny-gpt.toml", [*SMALL, "train.steps=12", "logging.log_interval=1",
                                                  "schedule.name=constant", "schedule.warmup_steps=10",
-                                                 "optim.lr=1.0", "logging.tensorboard=false", "data.num_workers=0",
-                                                 "checkpoint.interval=0", f"logging.run_dir={tmp_path}"])
+                                                 "optim.lr=1e-2", "logging.tensorboard=false", "data.num_workers=0",
+                                                 "checkpoint.interval=0", "model.mtp.depth=1",
+                                                 f"logging.run_dir={tmp_path}"])
+    caplog.set_level(logging.INFO)
+    start = time.perf_counter()
     history = Trainer(cfg).fit().history
-    assert [round(h["train/lr"], 6) for h in history] == [0.1, 0.2, 0.3]  # warmup: (step + 1) / 10
+    wall = time.perf_counter() - start
+    assert [round(h["train/lr"] * 100, 6) for h in history] == [round(0.1 * s, 6) for s in range(1, 11)] + [1.0, 1.0]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert len(lines) == len(history) == 12
+    for line, h in zip(lines, history, strict=True):
+        assert f"| mtp loss_1 {h['mtp/loss_1']:.4f} |" in line, line
+    projected = [(h["step"], h["perf/projected_run_s"]) for h in history if "perf/projected_run_s" in h]
+    assert [step for step, _ in projected] == [10]
+    pace, run_s = history[9]["perf/pace_s_per_step"], projected[0][1]
+    assert lines[9].endswith(f" | ~{pace:.3g} s/step, run ≈ {run_s / 60:.1f} min"), lines[9]
+    assert not any("s/step" in line for line in lines[:9] + lines[10:])
+    assert run_s == pytest.approx(12 * pace)  # the run's 12 steps at the pace of its first 10
+    step_times = [h["perf/step_time_s"] for h in history[:10]]
+    assert min(step_times) <= pace <= sum(step_times) / 10 + 0.5 and run_s < 2 * wall
 
 
 def test_tied_output_bias_starts_at_zero():

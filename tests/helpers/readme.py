@@ -17,6 +17,11 @@ import yaml
 from helpers.common import ROOT
 
 SKIP_MARKER = re.compile(r"<!-- not run by the tests: (.+?) -->")
+# A code block preceded by this line is a file the reader writes: the tests write it where it says before the
+# page's commands run (a relative path, in the folder the commands run in).
+FILE_MARKER = re.compile(r"^<!-- file: (\S+) -->\n```[a-z]*\n(.*?)```", re.S | re.M)
+# A python block preceded by this line is run by the tests as shown, after the page's commands, in their folder.
+RUN_MARKER = re.compile(r"^<!-- run by the tests -->\n```python\n(.*?)```", re.S | re.M)
 # The install and test commands: .ci/run runs them verbatim, so the command runner leaves them to it.
 RUN_BY_CI = (("pip", "install"), ("python", "-m", "pytest"))
 
@@ -28,6 +33,7 @@ class Shown:
     page: str  # the page's path under the repository
     line: str  # the command as written (comments and line continuations dropped)
     skip: str | None  # the page's reason for not running it, or None
+    cwd: str = ""  # the folder a `cd DIR && ...` before it on its line names (relative), else ""
 
     @property
     def words(self) -> list[str]:
@@ -57,10 +63,14 @@ def shown_commands(pages: list[Path] | None = None) -> list[Shown]:
             marker = SKIP_MARKER.search(match.group(1) or "")
             block = match.group(2).replace("\\\n", " ")
             for raw in block.splitlines():
+                cwd = ""
                 for part in raw.split("&&"):
                     line = _without_comment(part).strip()
-                    if line:
-                        shown.append(Shown(str(page.relative_to(ROOT)), line, marker.group(1) if marker else None))
+                    if line.startswith("cd ") and len(shlex.split(line)) == 2:  # the folder of the rest of the line
+                        cwd = shlex.split(line)[1]
+                    elif line:
+                        shown.append(Shown(str(page.relative_to(ROOT)), line, marker.group(1) if marker else None,
+                                           cwd))
     return shown
 
 
@@ -90,3 +100,13 @@ def readme_commands() -> list[list[str]]:
     """The README's own `meshformer` / `torchrun` commands, as words."""
     return [s.words for s in shown_commands([ROOT / "README.md"])
             if s.words[:1] == ["meshformer"] or "meshformer.train" in s.words]
+
+
+def shown_files(page: Path) -> list[tuple[str, str]]:
+    """The files a page shows for the reader to write, (relative path, text), in page order."""
+    return [(m.group(1), m.group(2)) for m in FILE_MARKER.finditer(page.read_text())]
+
+
+def shown_python(page: Path) -> list[str]:
+    """The python blocks a page marks as run by the tests, in page order."""
+    return [m.group(1) for m in RUN_MARKER.finditer(page.read_text())]

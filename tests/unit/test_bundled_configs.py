@@ -3,13 +3,16 @@ documentation's commands, which name configs the way an installed wheel can reso
 
 from __future__ import annotations
 
+import re
 import shlex
 
 import pytest
+from helpers.common import ROOT
 from helpers.readme import doc_commands
 
 from meshformer.cli import main
 from meshformer.config import bundled_configs, load_config
+from meshformer.parallel_dims import validate_parallel
 
 # Commands whose first argument is a config (a TOML file or a bundled name).
 CONFIG_COMMANDS = ("train", "params", "plan", "submit", "grad-report")
@@ -44,8 +47,39 @@ def test_documented_train_on_prepared_data_fits_the_tokenizer_it_trained():
 def test_config_show_prints_the_bundled_file(capsys):
     main(["config", "show", "tiny-gpt"])
     assert capsys.readouterr().out == bundled_configs()["tiny-gpt"].read_text()
+
+
+def test_config_list_gives_each_config_its_computed_size_and_its_description(capsys):
     main(["config", "list"])
-    assert capsys.readouterr().out.split() == list(bundled_configs())
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert list(rows) == list(bundled_configs())
+    for name, path in bundled_configs().items():
+        first = path.read_text().splitlines()[0]
+        assert first.startswith("# description: ") and 20 <= len(first) <= 110, (name, first)  # one line, each
+        assert rows[name].endswith("  " + first.removeprefix("# description: ")), rows[name]
+    # sizes as `meshformer params` computes them: total, and the active count of a mixture of experts
+    said = {name: " ".join(rows[name].split("  ")[1:-1]).strip() for name in rows}
+    assert said["tiny-gpt"] == "1.33M" and said["llama-405b"] == "406B" and said["gpt3-175b"] == "175B"
+    assert said["deepseek-v3"] == "671B (37.6B active)" and said["kimi-k2"] == "1.03T (32.9B active)"
+    assert said["continue-hf"] == "the --init-from folder's"
+
+
+def test_getting_started_lists_every_bundled_config():
+    text = (ROOT / "docs" / "getting-started.md").read_text()
+    listed = text[text.index("The bundled configs"):text.index("The [config reference]")]
+    assert sorted(set(re.findall(r"`([a-z0-9.-]+)`", listed)) - {"meshformer"}) == sorted(bundled_configs())
+
+
+def test_linear_attention_configs_say_tensor_and_context_parallel_split_those_blocks():
+    hybrid = [name for name, path in bundled_configs().items()
+              if "linear_attention" in load_config(path).model.layer_types]
+    assert {"qwen3-next-80b-a3b", "qwen3.5-9b", "tiny-qwen3-next"} <= set(hybrid)
+    for name in hybrid:
+        text = " ".join(line.lstrip("# ") for line in bundled_configs()[name].read_text().splitlines()
+                        if line.startswith("#"))
+        assert not re.search(r"(without|cannot|no) (use )?tensor or context parallel", text), name
+        layout = ["parallel.tp=2", "parallel.cp=2"] + (["parallel.ep=4"] if name == "tiny-qwen3-next" else [])
+        validate_parallel(load_config(name, layout), 64, "cuda", on_this_host=False)  # no refusal
 
 
 def test_config_copy_writes_a_file_to_edit_and_never_replaces_one(tmp_path, monkeypatch, capsys):

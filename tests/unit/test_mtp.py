@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.common import ROOT
 from torch.distributed.pipelining import PipelineStage
 
 from meshformer.batch import IGNORE_INDEX
@@ -192,3 +193,27 @@ def test_deepseek_v3_round_trip_keeps_the_mtp_layer_bitwise() -> None:
     parallel = [ParallelModel(m, cross_entropy_sum, torch.device("cpu")) for m in (model, reloaded)]
     sums = [p._training_loss_sums(batch)[1] for p in parallel]
     assert torch.equal(sums[0], sums[1])
+
+
+def test_transformers_lists_an_exported_mtp_layer_as_unexpected_and_its_logits_are_ours(tmp_path) -> None:
+    """docs/model/mla.md#checkpoints: the exported layer is UNEXPECTED to transformers, which drops it; the logits
+    of its main layers equal ours."""
+    transformers = pytest.importorskip("transformers")
+    from meshformer.checkpointing.hf_folder import export_hf
+
+    model = _model(depth=1).eval()
+    export_hf(model.state_dict(), model.cfg, tmp_path / "hf", "deepseek_v3")
+    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True,
+                                                                    dtype=torch.float32)
+    n = model.cfg.n_layers
+    assert info["unexpected_keys"] and all(k.startswith(f"model.layers.{n}.") for k in info["unexpected_keys"])
+    assert not info["missing_keys"]
+    ids = _batch()["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(theirs.eval()(ids).logits, model(ids), rtol=1e-4, atol=1e-4)
+    text = (ROOT / "docs" / "model" / "mla.md").read_text()
+    assert "`UNEXPECTED`" in text and "harmless" in text
+    # conversion.md's deepseek_v3 row says what the import does, as mla.md does
+    row = next(line for line in (ROOT / "docs" / "model" / "conversion.md").read_text().splitlines()
+               if line.startswith("| `deepseek_v3` |"))
+    assert "read when `model.mtp.depth` is set" in row and "An import reads the layer when" in text

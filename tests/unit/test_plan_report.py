@@ -38,6 +38,18 @@ def test_plan_says_on_what_listed_layouts_tie(capsys):
     assert "ordered by fewer expert-parallel ranks" in tie
 
 
+def test_plan_labels_the_configs_own_layout_configured(capsys):
+    main(["plan", "llama-8b", "--world", "8", "--gpu", "h100-80gb", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    labelled = [(f["name"], f["recompute"]) for f in result["fitting_layouts"] if f["configured"]]
+    assert labelled == [(result["layout"]["name"], result["layout"]["recompute"])] == [("pp1 tp1 dp8", "selective")]
+    main(["plan", "llama-8b", "--world", "8", "--gpu", "h100-80gb"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.endswith("configured")]
+    assert len(rows) == 1 and rows[0].split()[:4] == ["pp1", "tp1", "dp8", "selective"], rows
+    main(["plan", "llama-8b", "--world", "8", "--gpu", "h100-80gb", "--set", "parallel.tp=2", "--json"])
+    assert not any(f["configured"] for f in json.loads(capsys.readouterr().out)["fitting_layouts"])  # not listed
+
+
 # (config, ranks, device): the world sizes each bundled MoE config's file and the README's MoE plan table show
 DOCUMENTED = [("tiny-moe", 1, "cpu"), ("olmoe-1b-7b", 8, "h100-80gb"), ("olmoe-1b-7b", 64, "h100-80gb"),
               ("olmoe-1b-7b", 512, "h100-80gb"), ("qwen3-30b-a3b", 8, "h100-80gb"), ("qwen3-30b-a3b", 64, "h100-80gb"),

@@ -199,3 +199,19 @@ def test_a_cut_after_the_files_leaves_the_complete_weights_or_nothing(weights, t
     assert (tmp_path / "w" / files.INDEX_FILE).is_file()
     for name, tensor in read_weights(tmp_path / "w")[1].items():
         assert torch.equal(tensor, state[name]), name
+
+
+def test_meshformer_load_gives_the_model_for_logits_and_generation_and_its_tokenizer(weights, tmp_path):
+    import meshformer
+    from meshformer.model.generate import greedy_decode
+
+    model, tokenizer = meshformer.load(str(weights))
+    reference = load_weights(weights).eval()
+    assert not model.training and tokenizer.sha256 == load_tokenizer("bundled:kjv-bpe-4k").sha256
+    ids = torch.tensor([tokenizer.encode_prompt(TEXT)])
+    with torch.no_grad():
+        logits = model(ids)
+        assert logits.shape == (1, ids.shape[1], CFG.vocab_size) and torch.equal(logits, reference(ids))
+    assert torch.equal(greedy_decode(model, ids, 4), greedy_decode(reference, ids, 4))
+    with pytest.raises(TokenizerError, match="tokenizer"):
+        meshformer.load(weights, tokenizer=str(same_size_other_tokenizer(tmp_path / "other.json")))
