@@ -30,7 +30,13 @@ import torch
 
 from meshformer.checkpointing.live_state import live_state, load_live_state
 from meshformer.config import Config
-from meshformer.runtime.fault_tolerance import ReplicaGroup, StepSync, replica_id_from_env, require_torchft
+from meshformer.runtime.fault_tolerance import (
+    ReplicaGroup,
+    StepSync,
+    lighthouse_address,
+    replica_id_from_env,
+    require_torchft,
+)
 from meshformer.train.callbacks import Callback, CallbackContext
 
 if TYPE_CHECKING:
@@ -48,7 +54,9 @@ def replica_config(cfg: Config) -> Config:
     logging.run_dir, and checkpoint.dir likewise; unchanged without fault tolerance."""
     if not cfg.fault_tolerance.enabled:
         return cfg
+    require_torchft()  # before any work
     r = replica_id_from_env(cfg.fault_tolerance.replica_groups)
+    lighthouse_address(cfg.fault_tolerance)
     checkpoint = cfg.checkpoint
     if checkpoint.dir:
         checkpoint = replace(checkpoint, dir=str(replica_run_dir(checkpoint.dir, r)))
