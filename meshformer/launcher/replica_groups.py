@@ -12,11 +12,13 @@ goes to every group, which saves and exits as a single job does; nothing restart
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from meshformer.config import Config
@@ -26,6 +28,11 @@ from meshformer.runtime.fault_tolerance import LIGHTHOUSE_ENV, REPLICA_ID_ENV, s
 
 MAX_REPLICA_GROUPS = 1024
 _POLL_S = 0.1
+# torchrun's wait between a rank's failure and SIGKILL of the group's other ranks: a rank waiting for a dead peer of
+# its own group keeps the group heartbeating, and the Lighthouse waits for a heartbeating group before it gives the
+# others a quorum without it
+GROUP_SHUTDOWN_S = 2
+FINISH_GRACE_S = 60.0  # a restarted group still running this long after another group finished the run is stopped
 
 
 def replica_overrides(groups: int) -> list[str]:
@@ -45,14 +52,18 @@ class _Group:
     process: subprocess.Popen | None = None
     restarts: int = 0
     started: float = 0.0
-    status: int | None = None  # the exit status it finished with (0: trained to train.steps)
+    status: int | None = None  # the exit status it ended with (0: trained to train.steps)
     history: list[int] = field(default_factory=list)  # exit statuses of its failed runs
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
 
 
 def launch_replica_groups(config: str, overrides: list[str], cfg: Config, *, nproc_per_node: int,
                           max_restarts: int = 100) -> int:
     """Run the Lighthouse in this process and the groups as child processes until every group has finished or
-    stopped; returns the exit status (0: every group finished)."""
+    stopped; returns the exit status (0: the run reached train.steps)."""
     ft = cfg.fault_tolerance
     lighthouse = start_lighthouse(ft)
     address = lighthouse.address()
@@ -61,17 +72,21 @@ def launch_replica_groups(config: str, overrides: list[str], cfg: Config, *, npr
     command = torchrun_command(config, overrides, nproc_per_node=nproc_per_node)
     groups = [_Group(r) for r in range(ft.replica_groups)]
     stopping: list[int] = []
+    finished_at: list[float] = []
 
     def on_signal(signum: int, frame: Any) -> None:
+        # To the ranks themselves: each finishes its step, saves and exits (their agents would give them only
+        # GROUP_SHUTDOWN_S to do so)
         stopping.append(signum)
         for group in groups:
-            if group.process is not None and group.process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    group.process.send_signal(signum)
+            if group.running:
+                _signal_ranks(group, signum)
 
     def start(group: _Group) -> None:
-        env = {**torchrun_env(nproc_per_node), REPLICA_ID_ENV: str(group.replica_id), LIGHTHOUSE_ENV: address}
-        group.process = subprocess.Popen(command, env=env)
+        env = {**torchrun_env(nproc_per_node, GROUP_SHUTDOWN_S), REPLICA_ID_ENV: str(group.replica_id),
+               LIGHTHOUSE_ENV: address}
+        # a session of its own: a terminal's Ctrl-C reaches the launcher, which passes it on (above)
+        group.process = subprocess.Popen(command, env=env, start_new_session=True)
         group.started = time.monotonic()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
@@ -80,19 +95,27 @@ def launch_replica_groups(config: str, overrides: list[str], cfg: Config, *, npr
             start(group)
         while any(group.status is None for group in groups):
             time.sleep(_POLL_S)
-            finished = any(group.status == 0 for group in groups)
             for group in groups:
                 if group.status is not None or group.process is None:
                     continue
                 status = group.process.poll()
                 if status is None:
+                    if finished_at and group.restarts and time.monotonic() - finished_at[0] > FINISH_GRACE_S:
+                        # restarted after the others had gone on without it, and never caught up: nothing is left
+                        # to heal from, and training alone from its own state would be another run
+                        print(f"replica group {group.replica_id} still trains {FINISH_GRACE_S:g}s after the run "
+                              "reached train.steps in another group: stopped", file=sys.stderr, flush=True)
+                        _kill_tree(group.process.pid)
                     continue
-                if status == 0 or stopping or finished or group.restarts >= max_restarts:
+                if status == 0:
+                    finished_at.append(time.monotonic())
+                if status == 0 or stopping or finished_at or group.restarts >= max_restarts:
                     group.status = status
                     if status != 0:
-                        print(f"replica group {group.replica_id} exited with status {status}; not restarted ("
-                              + ("stopping" if stopping else "a group has finished the run" if finished else
-                                 f"{max_restarts} restarts") + ")", file=sys.stderr, flush=True)
+                        why = "stopping" if stopping else "the run reached train.steps in another group" \
+                            if finished_at else f"{max_restarts} restarts"
+                        print(f"replica group {group.replica_id} exited with status {status}; not restarted ({why})",
+                              file=sys.stderr, flush=True)
                     continue
                 group.history.append(status)
                 group.restarts += 1
@@ -104,14 +127,37 @@ def launch_replica_groups(config: str, overrides: list[str], cfg: Config, *, npr
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for group in groups:
-            if group.process is not None and group.process.poll() is None:
-                group.process.kill()
+            if group.running:
+                assert group.process is not None
+                _kill_tree(group.process.pid)
                 group.process.wait()
         lighthouse.shutdown()
     if stopping:
         return 128 + stopping[0]
-    # the run reached train.steps if any group finished it (a group failing after that is not restarted)
-    return 0 if any(group.status == 0 for group in groups) else max(group.status or 1 for group in groups)
+    return 0 if finished_at else max(group.status or 1 for group in groups)
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError, ValueError):
+            found += [int(child) for child in children.read_text().split()]
+    return found
+
+
+def _signal_ranks(group: _Group, signum: int) -> None:
+    """`signum` to the ranks of a group (the children of its torchrun agent)."""
+    assert group.process is not None
+    for pid in _children(group.process.pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
+
+
+def _kill_tree(pid: int) -> None:
+    for child in _children(pid):
+        _kill_tree(child)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def serve_lighthouse(cfg: Config, bind: str) -> None:

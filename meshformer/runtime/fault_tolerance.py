@@ -60,8 +60,9 @@ def require_torchft() -> Any:
         raise ConfigError("fault_tolerance.enabled needs torchft, which is not installed",
                           f"{INSTALL_HINT} (or set fault_tolerance.enabled=false)") from None
     # a warning per reconfiguration about NCCL's recorder, and an empty INFO record per quorum and commit
+    # (and a traceback per failed all-reduce: the trainer says it in one line)
     for name in ("torchft", "torchft_quorums", "torchft_commits"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     # a heal's receiving side reads tensors from a read-only buffer and copies them at once
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
     return torchft
@@ -91,9 +92,9 @@ def lighthouse_address(cfg: FaultToleranceConfig) -> str:
 
 def start_lighthouse(cfg: FaultToleranceConfig, bind: str = "[::]:0") -> Any:
     """A Lighthouse serving in this process (until `.shutdown()`); `.address()` is what the groups connect to."""
+    require_torchft()
     from torchft._torchft import LighthouseServer
 
-    require_torchft()
     return LighthouseServer(bind=bind, min_replicas=cfg.min_replicas,
                             join_timeout_ms=round(cfg.join_timeout_s * 1000),
                             heartbeat_timeout_ms=round(cfg.heartbeat_timeout_s * 1000))
@@ -193,6 +194,12 @@ class ReplicaGroup:
             else:
                 _local(p.grad).copy_(averaged)
         return StepSync(tuple(r for r in range(groups) if round(counts[r]) >= 1), total)
+
+    def error(self) -> str:
+        """The first line of the error that failed this step's all-reduce, or ""."""
+        err = self.manager.errored()
+        text = str(err.original_exception) if err is not None else ""
+        return text.splitlines()[0] if text else ""
 
     def should_commit(self) -> bool:
         """Whether every rank of this group may apply the step (all-reduce succeeded, enough replicas)."""

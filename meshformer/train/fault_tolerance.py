@@ -95,14 +95,16 @@ class ReplicaTraining:
     def start_step(self) -> None:
         """This step's quorum (a heal moves the trainer to the peer's step); remembers where the data stands."""
         trainer = self.trainer
+        first = self.group is None
         if self.group is None:
-            self._trim_record(trainer.step)
             self.group = ReplicaGroup(self.cfg, self.replica_id, trainer.device,
                                       state_dict=lambda: live_state(trainer.checkpointable),
                                       load_state_dict=lambda state: load_live_state(trainer.checkpointable, state),
                                       log=trainer.logger.info)
         before = trainer.step
         took = self.group.start_step()
+        if first and self.group.healed_s is None:
+            self._trim_record(trainer.step)
         if self.group.healed_s is not None:
             trainer.logger.info(f"fault tolerance: replica group {self.replica_id} healed from a live peer at step "
                                 f"{trainer.step} (was at step {before}) in {took:.2f}s: weights, optimizer, "
@@ -124,10 +126,12 @@ class ReplicaTraining:
         trainer = self.trainer
         now = time.perf_counter()
         if not self.committed:
+            assert self.group is not None
             trainer.train_data.load_state_dict(self._data_state)
+            why = f"the all-reduce failed: {self.group.error()}" if self.group.error() else \
+                "fewer than fault_tolerance.min_replicas, or a rank of this group failed"
             trainer.logger.info(f"fault tolerance: step {step} not committed by replica group {self.replica_id} "
-                                "(a peer failed during the step, or fewer than fault_tolerance.min_replicas); "
-                                "trying it again with the next quorum")
+                                f"({why}); trying it again with the next quorum")
             return
         members = self.last.replicas
         if self._members and members != self._members:
@@ -145,8 +149,9 @@ class ReplicaTraining:
                 file.write(json.dumps(line) + "\n")
 
     def _trim_record(self, step: int) -> None:
-        """Lines of steps after `step` (trained by an interrupted run, not by the weights resumed) go: those steps
-        are trained and recorded again."""
+        """At the first step of a group that did not heal: lines of steps after `step` (trained by an interrupted
+        run, whose updates no live group holds) go, as those steps are trained and recorded again. A healed group
+        keeps its lines: the steps it trained before it failed live on in the peer's state it took."""
         if self.trainer.rank != 0 or not self.record.is_file():
             return
         lines = [line for line in self.record.read_text().splitlines() if line and json.loads(line)["step"] <= step]
