@@ -83,7 +83,8 @@ def launch_replica_groups(config: str, overrides: list[str], cfg: Config, *, npr
                 _signal_ranks(group, signum)
 
     def start(group: _Group) -> None:
-        env = {**torchrun_env(nproc_per_node, GROUP_SHUTDOWN_S), REPLICA_ID_ENV: str(group.replica_id),
+        # the machine's cores shared by every group's ranks (OMP threads), not by one group's
+        env = {**torchrun_env(len(groups) * nproc_per_node, GROUP_SHUTDOWN_S), REPLICA_ID_ENV: str(group.replica_id),
                LIGHTHOUSE_ENV: address}
         # a session of its own: a terminal's Ctrl-C reaches the launcher, which passes it on (above)
         group.process = subprocess.Popen(command, env=env, start_new_session=True)

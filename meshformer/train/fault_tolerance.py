@@ -15,7 +15,8 @@ Data: group r of R reads ranks r*dp .. (r+1)*dp-1 of the global order split R*dp
 data-parallel size), so every step consumes R shares of the global order whichever groups are alive. The shares of
 groups absent at a step are skipped, not trained later. The record says which shares were trained: every committed
 step adds one line per group to that group's `replicas.jsonl` (its step, the groups averaged, the global data
-position the step started at, and its share); the union over the groups' run folders is the run's record.
+position the step started at, its share, and the wall-clock time it committed); the union over the groups' run
+folders is the run's record.
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ class ReplicaTraining:
         self._members, self._last_commit = members, now
         if trainer.rank == 0:
             line = {"step": step, "replica": self.replica_id, "replicas": list(members), "position": self._position,
-                    "share": self.replica_id, "shares": self.cfg.replica_groups, "tokens": self.last.tokens}
+                    "share": self.replica_id, "shares": self.cfg.replica_groups, "tokens": self.last.tokens,
+                    "time": round(time.time(), 3)}
             with self.record.open("a") as file:
                 file.write(json.dumps(line) + "\n")
 

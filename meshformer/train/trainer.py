@@ -47,7 +47,7 @@ from meshformer.runtime.watchdog import HangWatchdog
 from meshformer.train.builtin_callbacks import builtin_callbacks
 from meshformer.train.callbacks import Callback, CallbackContext, Callbacks, config_callbacks
 from meshformer.train.downstream import DownstreamEval
-from meshformer.train.fault_tolerance import ReplicaMetrics, ReplicaTraining, data_share
+from meshformer.train.fault_tolerance import ReplicaMetrics, ReplicaTraining, data_share, replica_config
 from meshformer.train.loss_choice import resolve_loss
 from meshformer.train.metrics import FlopsCeiling, RunLogger, peak_flops
 from meshformer.train.optim import SkippedUpdates
@@ -345,5 +345,6 @@ class Trainer:
 def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> TrainResult:
     """Single-process entry point; distributed runs go through meshformer.train.__main__ under torchrun.
     callbacks: more callbacks, besides the built-in ones and the config's [[callbacks]]."""
+    cfg = replica_config(cfg)  # a replica group (fault_tolerance) trains in its own run folder
     with run_folders_claimed(cfg):
         return Trainer(cfg, callbacks=callbacks).fit()
