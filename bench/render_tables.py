@@ -48,6 +48,9 @@ PAGES: dict[str, tuple[str, str]] = {
                      "the tokens per step. At a realistic 0.5M tokens per step that is 0.06% (tiny-gpt) to 0.4% (a "
                      "27M-parameter d 512 model) of the step's 6·N·T FLOPs; at the tiny models' 2k tokens per step "
                      "on CPU it is 10–50% of the step. AdamW stays the default."),
+    "fault-tolerance": ("Fault tolerance",
+                        "Replica groups on torchft ([Fault tolerance](../fault-tolerance.md)) against today's path "
+                        "for a failure, torchrun's restart of the whole job from its latest checkpoint."),
 }
 REQUIRED = ("page", "title", "machine", "columns", "rows")
 DATE = re.compile(r"\d{4}-\d{2}-\d{2}")

@@ -53,6 +53,9 @@ def _train(args: argparse.Namespace) -> None:
 
         overrides, fresh = new_run_overrides(load_config(args.config, overrides), overrides)
         print(f"--new-run: this run goes into {fresh}", file=sys.stderr)
+    if args.replica_groups:
+        _train_replica_groups(args, overrides)
+        return
     if args.nproc_per_node > 1 or args.nnodes > 1:
         from meshformer.checkpointing.init_from import resolve_init_from
         from meshformer.parallel_dims import validate_parallel
@@ -261,6 +264,36 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
+def _train_replica_groups(args: argparse.Namespace, overrides: list[str]) -> None:
+    """`train --replica-groups N`: a Lighthouse and N fault-tolerant replica groups on this machine."""
+    from meshformer.config import load_config
+    from meshformer.launcher.replica_groups import check_replica_groups, launch_replica_groups, replica_overrides
+    from meshformer.parallel_dims import validate_parallel
+    from meshformer.runtime.fault_tolerance import require_torchft
+    from meshformer.train.preflight import preflight, run_folders_claimed
+
+    check_replica_groups(args.replica_groups)
+    if args.nnodes > 1:
+        raise UsageError("--replica-groups starts every group on this machine, so --nnodes must be 1",
+                         "start groups on other nodes with `meshformer lighthouse` and one torchrun job per group")
+    overrides = [*overrides, *replica_overrides(args.replica_groups)]
+    cfg = load_config(args.config, overrides)
+    require_torchft()
+    validate_parallel(cfg, args.nproc_per_node)  # every group runs this layout
+    with run_folders_claimed(cfg):  # the run folder; each group holds its own replica-<r> folder inside it
+        preflight(cfg)  # the data is prepared once, here, not by N groups at once
+        if args.debug:
+            os.environ[DEBUG_ENV] = "1"
+        sys.exit(launch_replica_groups(args.config, overrides, cfg, nproc_per_node=args.nproc_per_node))
+
+
+def _lighthouse(args: argparse.Namespace) -> None:
+    from meshformer.config import load_config
+    from meshformer.launcher.replica_groups import serve_lighthouse
+
+    serve_lighthouse(load_config(args.config, args.set), args.bind)
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole command line; with `command`, only that command's group of LAZY_COMMANDS is imported (the
     others are listed by name and help only)."""
@@ -287,7 +320,19 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     train.add_argument("--new-run", action="store_true",
                        help="start a fresh run in a new folder beside logging.run_dir (e.g. runs/tiny-gpt-2) when "
                        "that folder already holds a run; the earlier run is left as it is")
+    train.add_argument("--replica-groups", type=int, default=0, metavar="N",
+                       help="fault tolerance: start a Lighthouse and N replica groups of --nproc-per-node processes "
+                       "each on this machine; a failed group restarts and heals from a live one "
+                       "(docs/fault-tolerance.md)")
     train.set_defaults(func=_train)
+
+    lighthouse = sub.add_parser("lighthouse", help="run the torchft Lighthouse that fault-tolerant replica groups "
+                                "join (fault_tolerance.lighthouse)")
+    lighthouse.add_argument("config", nargs="?", help=f"{CONFIG_HELP}: its [fault_tolerance] table sets "
+                            "min_replicas and the timeouts")
+    lighthouse.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides")
+    lighthouse.add_argument("--bind", default="[::]:29510", help="address and port to serve on")
+    lighthouse.set_defaults(func=_lighthouse)
 
     params = sub.add_parser("params", help="parameter count and training FLOPs per token of a config")
     params.add_argument("config", help=CONFIG_HELP)

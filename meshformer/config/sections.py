@@ -220,6 +220,28 @@ class CallbackConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """Replica groups on torchft (meshformer/runtime/fault_tolerance.py, docs/fault-tolerance.md): the data-parallel
+    replicate dimension becomes independent torchrun jobs that train on when one of them fails."""
+
+    enabled: bool = False  # train as one replica group of several (MESHFORMER_REPLICA_ID names which)
+    # how many replica groups the run has; each reads its own 1/replica_groups share of every step's global batch
+    replica_groups: int = 1
+    # the torchft Lighthouse as http://HOST:PORT ("": the TORCHFT_LIGHTHOUSE environment variable, which
+    # `meshformer train --replica-groups N` sets)
+    lighthouse: str = ""
+    min_replicas: int = 1  # replica groups a step needs to update the weights; fewer wait for a quorum
+    timeout_s: float = 60.0  # seconds a cross-group all-reduce, commit vote or heal transfer may take
+    quorum_timeout_s: float = 60.0  # seconds a group waits for the Lighthouse's quorum before the run stops
+    # Lighthouse started by `meshformer lighthouse` / `meshformer train --replica-groups N`: seconds without a
+    # heartbeat before a group counts as gone (the survivors' pause after a kill -9)
+    heartbeat_timeout_s: float = 2.0
+    # Lighthouse: seconds a quorum waits for heartbeating groups that have not asked to join yet
+    join_timeout_s: float = 10.0
+    method: Literal["sync"] = "sync"  # "sync": gradients averaged over the replicas alive at each step
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -231,6 +253,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     downstream: DownstreamConfig = field(default_factory=DownstreamConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     callbacks: list[CallbackConfig] = field(default_factory=list)  # [[callbacks]]: your own training-loop callbacks
 
     @property

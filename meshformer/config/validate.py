@@ -94,6 +94,7 @@ def validate(cfg: Config) -> None:
     if cfg.checkpoint.init_from and not cfg.checkpoint.init_from.startswith("hf:"):
         raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from!r} is not a source meshformer starts from",
                           "write hf:PATH for a Hugging Face model folder (config.json + safetensors)")
+    _check_fault_tolerance(cfg)
 
 
 def validate_model(model: ModelConfig, source: str) -> None:
@@ -423,3 +424,30 @@ def _positive(cfg: Config, keys: list[str]) -> None:
 def _default(cfg: Config, key: str) -> object:
     table, _, name = key.rpartition(".")
     return next(f.default for f in dataclasses.fields(get_dotted(cfg, table)) if f.name == name)
+
+
+def _check_fault_tolerance(cfg: Config) -> None:
+    """[fault_tolerance]: counts and timeouts in range, and nothing that would let replica groups' weights drift
+    apart (each group must reach bitwise-equal weights from the same averaged gradients)."""
+    ft = cfg.fault_tolerance
+    if ft.replica_groups < 1 or not 1 <= ft.min_replicas <= ft.replica_groups:
+        raise ConfigError(f"fault_tolerance.replica_groups={ft.replica_groups}, fault_tolerance.min_replicas="
+                          f"{ft.min_replicas}: out of range",
+                          "use replica_groups >= 1 and min_replicas from 1 to replica_groups")
+    timeouts = ("timeout_s", "quorum_timeout_s", "heartbeat_timeout_s", "join_timeout_s")
+    if bad := [name for name in timeouts if not getattr(ft, name) > 0]:
+        raise ConfigError(f"fault_tolerance.{bad[0]}={getattr(ft, bad[0])} must be positive (seconds)")
+    if ft.lighthouse and not ft.lighthouse.startswith(("http://", "https://")):
+        raise ConfigError(f"fault_tolerance.lighthouse={ft.lighthouse!r} is not an address torchft reaches",
+                          "write it as http://HOST:PORT (what `meshformer lighthouse` prints)")
+    if not ft.enabled:
+        return
+    # Both update weights from this group's own tokens after the averaged step: the groups would drift apart.
+    if cfg.optim.qk_clip_threshold:
+        raise ConfigError("optim.qk_clip_threshold with fault_tolerance.enabled: each replica group would clip by "
+                          "its own batch's logits and the groups' weights would drift apart",
+                          "drop optim.qk_clip_threshold, or fault_tolerance.enabled")
+    if cfg.model.moe.router_bias_update_rate > 0:
+        raise ConfigError("model.moe.router_bias_update_rate with fault_tolerance.enabled: each replica group would "
+                          "update the router biases from its own tokens and the groups' weights would drift apart",
+                          "set model.moe.router_bias_update_rate=0, or fault_tolerance.enabled=false")

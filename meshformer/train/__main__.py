@@ -22,11 +22,13 @@ def run(config_path: str, overrides: list[str]) -> None:
     """Train on this process; joins the process group first when launched by torchrun."""
     from meshformer.checkpointing.init_from import resolve_init_from
     from meshformer.config import load_config
+    from meshformer.train.fault_tolerance import replica_config
     from meshformer.train.metrics import setup_console_logging
     from meshformer.train.preflight import preflight, run_folders_claimed
     from meshformer.train.trainer import Trainer
 
-    cfg = resolve_init_from(load_config(config_path, overrides))  # validated before any process-group work
+    # validated before any process-group work; a replica group (fault_tolerance) runs in its own run folder
+    cfg = replica_config(resolve_init_from(load_config(config_path, overrides)))
     with run_folders_claimed(cfg):  # one run per folder, before any work; rank 0 holds it for the job
         tokenizer = preflight(cfg)  # folders, disk space, tokenizer, data: before the process group and the model
         rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))

@@ -172,6 +172,7 @@ class MetricsLogger(Callback):
             "| mfu " + (f"{100 * mfu:.1f}%" if math.isfinite(mfu) else "n/a") + " | "
             f"mem peak {record['perf/memory_gib']:.2f} GiB, now {record['perf/memory_now_gib']:.2f} GiB"
             + (f" | expert load max/mean {max(loads):.2f}" if loads else "")
+            + (f" | replicas {record['ft/replicas']:.0f}" if "ft/replicas" in record else "")
             + (f" | ~{record['perf/pace_s_per_step']:.3g} s/step, run ≈ {_duration(projected)}" if projected else "")
         )
 

@@ -4,6 +4,8 @@ It holds the parallelized model (a `ParallelModel` from `parallelize`), builds a
 rate schedule and the count of skipped updates, and runs the whole update in one fixed order:
 
 1. forward/backward of every micro-batch (gradients of summed token losses / the step's global token count);
+   with fault-tolerant replica groups, then `gradient_sync`: the average over the groups and their commit vote
+   (no commit: the step ends here, its gradients dropped);
 2. the global gradient norm (every shard, replica and pipeline stage);
 3. clipping by it: with torch's fused AdamW the clip factor goes to the kernel as `grad_scale` (it divides each
    gradient by it), saving a pass that reads and writes every gradient; other kernels scale the gradients;
@@ -18,6 +20,7 @@ The optimizer's private attributes (`grad_scale`, `found_inf`) are written here 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -43,6 +46,7 @@ class StepStats:
     global_tokens: torch.Tensor  # target tokens of the whole step, every rank and micro-batch
     grad_norm: torch.Tensor  # the global gradient norm before clipping (inf/nan: the update was skipped)
     lr: float  # the learning rate the update used (the scheduler has moved on since)
+    committed: bool = True  # False: fault tolerance dropped the update (no optimizer or scheduler step)
 
 
 class TrainStep:
@@ -61,6 +65,9 @@ class TrainStep:
         self.clip_in_update = self._fused  # the clip factor as fused AdamW's grad_scale (False: a scaling pass)
         self._on_phase = on_phase or (lambda name: None)
         self._post_step_hooks: list[PostStepHook] = []
+        # Fault-tolerant replica groups (train/fault_tolerance.py): given the step's target tokens after backward,
+        # averages the gradients across the groups and says whether the update may be applied
+        self.gradient_sync: Callable[[torch.Tensor], bool] | None = None
         # MuonClip's QK-clip (optim.qk_clip_threshold), first: attention heads whose largest logit exceeded the
         # threshold get their query/key rows scaled down (train/qk_clip.py) before float8 scales are refreshed
         self.qk_clip = qk_clip_for(parallel_model, optim.qk_clip_threshold) if optim.qk_clip_threshold else None
@@ -89,6 +96,10 @@ class TrainStep:
         last = len(micro_batches) - 1
         for i, batch in enumerate(micro_batches):
             loss_sum += parallel_model.forward_backward(batch, global_tokens, last_micro_batch=i == last)
+        if self.gradient_sync is not None and not self.gradient_sync(global_tokens):
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepStats(loss_sum, global_tokens, torch.full((), math.nan), self.optimizer.param_groups[0]["lr"],
+                             committed=False)
         self._on_phase("grad_norm")
         grad_norm = parallel_model.grad_norm()
         self._clip(grad_norm)

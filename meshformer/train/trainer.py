@@ -47,6 +47,7 @@ from meshformer.runtime.watchdog import HangWatchdog
 from meshformer.train.builtin_callbacks import builtin_callbacks
 from meshformer.train.callbacks import Callback, CallbackContext, Callbacks, config_callbacks, loaded_line
 from meshformer.train.downstream import DownstreamEval
+from meshformer.train.fault_tolerance import ReplicaMetrics, ReplicaTraining, data_share, replica_config
 from meshformer.train.loss_choice import resolve_loss
 from meshformer.train.metrics import FlopsCeiling, RunLogger, peak_flops
 from meshformer.train.optim import SkippedUpdates
@@ -124,14 +125,16 @@ class Trainer:
         self.training_step = TrainStep(self.parallel_model, cfg.optim, cfg.schedule, cfg.train.steps, cfg.model.d_model,
                                        on_phase=self.watchdog.phase)
         self.downstream = DownstreamEval.from_config(cfg, self.tokenizer)  # downstream.tasks (None: none listed)
-        self.callbacks = Callbacks([*builtin_callbacks(cfg, self.downstream), *user_callbacks], rank,
+        ft_callbacks = [ReplicaMetrics()] if cfg.fault_tolerance.enabled else []
+        self.callbacks = Callbacks([*builtin_callbacks(cfg, self.downstream), *ft_callbacks, *user_callbacks], rank,
                                    on_phase=self.watchdog.phase)
         self.context = CallbackContext(self)  # the run's hook argument (fit starts it at the resumed step)
         if self.callbacks.wants("on_optimizer_step"):  # after the FP8 and router-bias hooks
             self.training_step.add_post_step_hook(
                 lambda applied: self.callbacks.call("on_optimizer_step", self.context, applied))
         dp_rank, dp_size = self.parallel_model.dp_rank, self.parallel_model.dp_size
-        self.train_data = build_loader(cfg, self.tokenizer, "train", dp_rank, dp_size)
+        # fault_tolerance: this replica group's share of the global order (train/fault_tolerance.py)
+        self.train_data = build_loader(cfg, self.tokenizer, "train", *data_share(cfg, dp_rank, dp_size))
         self.eval_data = build_loader(cfg, self.tokenizer, "eval", dp_rank, dp_size)
         self.train_iter: Iterator[Batch] | None = None  # started at the first step, after a resume moved the loader
         self.last_lr: float = self.optimizer.param_groups[0]["lr"]  # the rate the last step used
@@ -166,6 +169,8 @@ class Trainer:
         # (the straggler report reads and resets it at each logging step).
         self.profiler = StepProfiler(cfg.profile, self.run_dir, rank)
         self.data_wait_s = 0.0
+        # fault_tolerance.enabled: this rank's part in the replica groups (quorum, heal, gradient average, commit)
+        self.replicas = ReplicaTraining(self) if cfg.fault_tolerance.enabled else None
 
     @property
     def step(self) -> int:
@@ -199,9 +204,15 @@ class Trainer:
         micro_batches = [to_device(next(batches), self.device) for _ in range(self.cfg.train.grad_accum)]
         self.data_wait_s += time.perf_counter() - wait_start
         stats = self.training_step.step(micro_batches)
+        if self.replicas is not None:
+            self.replicas.after_step(self.step + 1)
+            if not stats.committed:
+                return stats
         self.last_lr = stats.lr
         self.state.step += 1
-        self.state.tokens_seen += stats.global_tokens.to(torch.long)
+        # with replica groups: the target tokens of every group that trained the step
+        self.state.tokens_seen += stats.global_tokens.to(torch.long) if self.replicas is None else \
+            round(self.replicas.last.tokens)
         return stats
 
     @torch.no_grad()
@@ -267,9 +278,13 @@ class Trainer:
         callbacks = self.callbacks
         callbacks.call("on_run_start", ctx)
         while self.step < cfg.train.steps:
+            if self.replicas is not None:
+                self.replicas.start_step()  # the step's quorum; a heal from a live peer may move self.step
             ctx.step, ctx.stats, ctx.metrics, ctx.saved = self.step + 1, None, {}, None
             callbacks.call("on_step_start", ctx)
             ctx.stats = self.train_step()
+            if not ctx.stats.committed:
+                continue  # dropped by fault tolerance: the same step again, with the same batches
             step = self.step
             ctx.log_step = step % cfg.logging.log_interval == 0 or step == cfg.train.steps
             callbacks.call("on_step_end", ctx)
@@ -299,6 +314,8 @@ class Trainer:
         ctx.step, ctx.saved = self.step, saved
         callbacks.call("on_run_end", ctx)
         log.close()
+        if self.replicas is not None:
+            self.replicas.close()
         return TrainResult(self.step, ctx.loss, ctx.eval_loss, self.run_dir, ctx.history, stopped_by)
 
     def save_final_weights(self) -> None:
@@ -330,5 +347,6 @@ class Trainer:
 def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> TrainResult:
     """Single-process entry point; distributed runs go through meshformer.train.__main__ under torchrun.
     callbacks: more callbacks, besides the built-in ones and the config's [[callbacks]]."""
+    cfg = replica_config(cfg)  # a replica group (fault_tolerance) trains in its own run folder
     with run_folders_claimed(cfg):
         return Trainer(cfg, callbacks=callbacks).fit()

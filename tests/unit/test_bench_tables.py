@@ -141,6 +141,15 @@ def test_muon_distributed(tmp_path):
     check(tmp_path, "2, FSDP", "0.64", "4, TP", "0.56", "read 0.58", "0.64 (FSDP 2)")
 
 
+def test_fault_tolerance(tmp_path):
+    result = {"plain_step_s": 0.2, "ft_step_s": 0.21, "ft_next_step_s": 3.4, "ft_rejoin_s": 17.0,
+              "restart_next_step_s": 41.0, "restart_steps_retrained": 3.0}
+    args = argparse.Namespace(groups=2, ranks=1, checkpoint_every=5)
+    script("fault_tolerance").write(tmp_path / "fault-tolerance-01-cpu.json", result, args, MACHINE)
+    check(tmp_path, "0.210 (1.05x)", "3.4", "17.0", "41.0 (to the first step past the killed one)",
+          "checkpoints every 5 steps")
+
+
 def test_moe_layer(tmp_path):
     module = script("moe_layer")
     backend = {"tokens_per_s": 31793.0, "ratio": 0.794, "compute_ratio": 0.88}

@@ -1,0 +1,179 @@
+"""`meshformer train CONFIG --replica-groups N --nproc-per-node K`: a Lighthouse and N replica groups on this machine.
+
+Each group is its own torchrun job (K processes, `--standalone`: a port of its own) with `MESHFORMER_REPLICA_ID=r`
+and the Lighthouse's address (`TORCHFT_LIGHTHOUSE`) in its environment. A group that fails is started again,
+and heals from a live peer at its first step (meshformer/train/fault_tolerance.py); the others train on. Once a
+group has finished the run, a failed group is no longer restarted (nothing is left to heal from). A stop signal
+goes to every group, which saves and exits as a single job does; nothing restarts after it.
+
+`meshformer lighthouse` runs the Lighthouse alone, for groups started by hand or by a scheduler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshformer.config import Config
+from meshformer.errors import STOP_SIGNALS, UsageError
+from meshformer.launcher.torchrun import torchrun_command, torchrun_env
+from meshformer.runtime.fault_tolerance import LIGHTHOUSE_ENV, REPLICA_ID_ENV, start_lighthouse
+
+MAX_REPLICA_GROUPS = 1024
+_POLL_S = 0.1
+# torchrun's wait between a rank's failure and SIGKILL of the group's other ranks: a rank waiting for a dead peer of
+# its own group keeps the group heartbeating, and the Lighthouse waits for a heartbeating group before it gives the
+# others a quorum without it
+GROUP_SHUTDOWN_S = 2
+FINISH_GRACE_S = 60.0  # a restarted group still running this long after another group finished the run is stopped
+
+
+def replica_overrides(groups: int) -> list[str]:
+    """What `--replica-groups N` sets in the config of every group."""
+    return ["fault_tolerance.enabled=true", f"fault_tolerance.replica_groups={groups}"]
+
+
+def check_replica_groups(groups: int) -> None:
+    if not 1 <= groups <= MAX_REPLICA_GROUPS:
+        raise UsageError(f"--replica-groups={groups} is out of range",
+                         f"use from 1 to {MAX_REPLICA_GROUPS} groups (2 or more to survive a failed one)")
+
+
+@dataclass
+class _Group:
+    replica_id: int
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+    started: float = 0.0
+    status: int | None = None  # the exit status it ended with (0: trained to train.steps)
+    history: list[int] = field(default_factory=list)  # exit statuses of its failed runs
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+def launch_replica_groups(config: str, overrides: list[str], cfg: Config, *, nproc_per_node: int,
+                          max_restarts: int = 100) -> int:
+    """Run the Lighthouse in this process and the groups as child processes until every group has finished or
+    stopped; returns the exit status (0: the run reached train.steps)."""
+    ft = cfg.fault_tolerance
+    lighthouse = start_lighthouse(ft)
+    address = lighthouse.address()
+    print(f"lighthouse: {address} (min_replicas {ft.min_replicas}, heartbeat timeout {ft.heartbeat_timeout_s:g}s, "
+          f"join timeout {ft.join_timeout_s:g}s)", file=sys.stderr, flush=True)
+    command = torchrun_command(config, overrides, nproc_per_node=nproc_per_node)
+    groups = [_Group(r) for r in range(ft.replica_groups)]
+    stopping: list[int] = []
+    finished_at: list[float] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        # To the ranks themselves: each finishes its step, saves and exits (their agents would give them only
+        # GROUP_SHUTDOWN_S to do so)
+        stopping.append(signum)
+        for group in groups:
+            if group.running:
+                _signal_ranks(group, signum)
+
+    def start(group: _Group) -> None:
+        # the machine's cores shared by every group's ranks (OMP threads), not by one group's
+        env = {**torchrun_env(len(groups) * nproc_per_node, GROUP_SHUTDOWN_S), REPLICA_ID_ENV: str(group.replica_id),
+               LIGHTHOUSE_ENV: address}
+        # a session of its own: a terminal's Ctrl-C reaches the launcher, which passes it on (above)
+        group.process = subprocess.Popen(command, env=env, start_new_session=True)
+        group.started = time.monotonic()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
+    try:
+        for group in groups:
+            start(group)
+        while any(group.status is None for group in groups):
+            time.sleep(_POLL_S)
+            for group in groups:
+                if group.status is not None or group.process is None:
+                    continue
+                status = group.process.poll()
+                if status is None:
+                    if finished_at and group.restarts and time.monotonic() - finished_at[0] > FINISH_GRACE_S:
+                        # restarted after the others had gone on without it, and never caught up: nothing is left
+                        # to heal from, and training alone from its own state would be another run
+                        print(f"replica group {group.replica_id} still trains {FINISH_GRACE_S:g}s after the run "
+                              "reached train.steps in another group: stopped", file=sys.stderr, flush=True)
+                        _kill_tree(group.process.pid)
+                    continue
+                if status == 0:
+                    finished_at.append(time.monotonic())
+                if status == 0 or stopping or finished_at or group.restarts >= max_restarts:
+                    group.status = status
+                    if status != 0:
+                        why = "stopping" if stopping else "the run reached train.steps in another group" \
+                            if finished_at else f"{max_restarts} restarts"
+                        print(f"replica group {group.replica_id} exited with status {status}; not restarted ({why})",
+                              file=sys.stderr, flush=True)
+                    continue
+                group.history.append(status)
+                group.restarts += 1
+                print(f"replica group {group.replica_id} exited with status {status} after "
+                      f"{time.monotonic() - group.started:.1f}s; restarting it (restart {group.restarts}): it heals "
+                      "from a live peer", file=sys.stderr, flush=True)
+                start(group)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for group in groups:
+            if group.running:
+                assert group.process is not None
+                _kill_tree(group.process.pid)
+                group.process.wait()
+        lighthouse.shutdown()
+    if stopping:
+        return 128 + stopping[0]
+    return 0 if finished_at else max(group.status or 1 for group in groups)
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError, ValueError):
+            found += [int(child) for child in children.read_text().split()]
+    return found
+
+
+def _signal_ranks(group: _Group, signum: int) -> None:
+    """`signum` to the ranks of a group (the children of its torchrun agent)."""
+    assert group.process is not None
+    for pid in _children(group.process.pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
+
+
+def _kill_tree(pid: int) -> None:
+    for child in _children(pid):
+        _kill_tree(child)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def serve_lighthouse(cfg: Config, bind: str) -> None:
+    """`meshformer lighthouse`: serve until a stop signal."""
+    ft = cfg.fault_tolerance
+    lighthouse = start_lighthouse(ft, bind)
+    print(f"lighthouse: {lighthouse.address()} (min_replicas {ft.min_replicas}); set fault_tolerance.lighthouse="
+          f"\"{lighthouse.address()}\" (or {LIGHTHOUSE_ENV}) in every replica group", flush=True)
+    stopped: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: stopped.append(signum)) for sig in STOP_SIGNALS}
+    try:
+        while not stopped:
+            time.sleep(0.2)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        lighthouse.shutdown()
+

@@ -1,0 +1,217 @@
+"""Replica groups on torchft: the data-parallel replicate dimension as independent jobs that train through failures.
+
+A run with `fault_tolerance.enabled` is N replica groups. Each group is its own torchrun job with any layout inside
+it (the same layout in every group), and `MESHFORMER_REPLICA_ID=r` in its environment. torchft supplies the rest:
+
+- A **Lighthouse** (`torchft._torchft.LighthouseServer`, one per run: `meshformer lighthouse`) decides each
+  step's quorum. It issues one as soon as every heartbeating group has asked to join (the same members as the
+  last quorum: at once), or after `join_timeout_s` with at least `min_replicas`. A group that stops heartbeating
+  for `heartbeat_timeout_s` is gone: this is the survivors' pause after a `kill -9` (about that long), instead
+  of the collective timeout.
+- A **Manager** (`torchft.manager.Manager`) per group process. Group rank 0 runs the group's `ManagerServer`
+  (Rust), which talks to the Lighthouse and joins the group's ranks through the group's TCPStore (torchrun's
+  MASTER_ADDR/PORT). `start_quorum()` asks for the step's quorum and reconfigures a **resizable process group**
+  (`torchft.process_group.ProcessGroupGloo` / `ProcessGroupNCCL`) across the groups: rank i of every group
+  in one process group, so each rank averages its own shards with its counterparts. `allreduce` on a dead peer
+  errors quickly (gloo: connection closed) and is swallowed; `should_commit()` is then false in that group (a
+  vote of the group's ranks through its ManagerServer), and the step is retried with the next quorum.
+- **Healing**: a group whose step is behind the quorum's maximum fetches the state of a live peer (torchft's
+  `HTTPTransport`: the peer serves the tensors it holds; rank i fetches from rank i) through the
+  `state_dict`/`load_state_dict` functions given here. With `use_async_quorum=False` (used here) the heal is
+  applied inside `start_quorum`, before the step's batches are read, so a healed group trains that step.
+  The served tensors are the live ones (no copy): they stay unchanged until the peer's `should_commit`, which
+  cannot come before the healer has fetched them and joined the step's all-reduce.
+- torchft's own per-step logs (Rust, via RUST_LOG) are limited to warnings here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from meshformer.config.sections import FaultToleranceConfig
+from meshformer.errors import ConfigError, MeshformerError
+
+REPLICA_ID_ENV = "MESHFORMER_REPLICA_ID"  # which replica group a process belongs to (0 .. replica_groups - 1)
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # the Lighthouse address when fault_tolerance.lighthouse is empty
+INSTALL_HINT = "pip install 'meshformer[ft]'"
+
+
+class FaultToleranceError(MeshformerError, RuntimeError):
+    """A replica group that cannot take part in the run (no Lighthouse, no quorum): what and how to fix it."""
+
+
+def require_torchft() -> Any:
+    """The torchft package, or one line naming the extra that installs it."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
+    try:
+        import torchft
+    except ImportError:
+        raise ConfigError("fault_tolerance.enabled needs torchft, which is not installed",
+                          f"{INSTALL_HINT} (or set fault_tolerance.enabled=false)") from None
+    # a warning per reconfiguration about NCCL's recorder, and an empty INFO record per quorum and commit
+    # (and a traceback per failed all-reduce: the trainer says it in one line)
+    for name in ("torchft", "torchft_quorums", "torchft_commits"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    # a heal's receiving side reads tensors from a read-only buffer and copies them at once
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    return torchft
+
+
+def replica_id_from_env(groups: int) -> int:
+    """This process's replica group, from MESHFORMER_REPLICA_ID."""
+    fix = (f"start the groups with `meshformer train CONFIG --replica-groups {groups}`, or set {REPLICA_ID_ENV} to "
+           f"a number from 0 to {groups - 1} in each group's environment")
+    text = os.environ.get(REPLICA_ID_ENV)
+    if text is None:
+        raise ConfigError(f"fault_tolerance.enabled, but {REPLICA_ID_ENV} is not set", fix)
+    if not text.isdigit() or int(text) >= groups:
+        raise ConfigError(f"{REPLICA_ID_ENV}={text!r} names no group of fault_tolerance.replica_groups={groups}", fix)
+    return int(text)
+
+
+def lighthouse_address(cfg: FaultToleranceConfig) -> str:
+    address = cfg.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+    if not address:
+        raise ConfigError(f"fault_tolerance.enabled, but no Lighthouse: fault_tolerance.lighthouse and "
+                          f"{LIGHTHOUSE_ENV} are empty",
+                          "start one with `meshformer lighthouse` and set fault_tolerance.lighthouse to the address "
+                          "it prints (`meshformer train --replica-groups N` starts one itself)")
+    return address
+
+
+def start_lighthouse(cfg: FaultToleranceConfig, bind: str = "[::]:0") -> Any:
+    """A Lighthouse serving in this process (until `.shutdown()`); `.address()` is what the groups connect to."""
+    require_torchft()
+    from torchft._torchft import LighthouseServer
+
+    return LighthouseServer(bind=bind, min_replicas=cfg.min_replicas,
+                            join_timeout_ms=round(cfg.join_timeout_s * 1000),
+                            heartbeat_timeout_ms=round(cfg.heartbeat_timeout_s * 1000))
+
+
+@dataclass(frozen=True)
+class StepSync:
+    """What the cross-group all-reduce of one step gave: its members and their target tokens."""
+
+    replicas: tuple[int, ...]  # the replica groups whose gradients were averaged (empty: the all-reduce failed)
+    tokens: float  # target tokens of the step over those groups
+
+
+class ReplicaGroup:
+    """This process's side of the run's torchft quorum: one per rank of a replica group."""
+
+    def __init__(self, cfg: FaultToleranceConfig, replica_id: int, device: torch.device,
+                 state_dict: Callable[[], dict[str, Any]], load_state_dict: Callable[[dict[str, Any]], None],
+                 log: Callable[[str], None]) -> None:
+        require_torchft()
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        self.cfg, self.replica_id, self.device, self.log = cfg, replica_id, device, log
+        self._load_state_dict = load_state_dict
+        self.healed_s: float | None = None  # set by a heal during the last start_step
+        timeout = timedelta(seconds=cfg.timeout_s)
+        if dist.is_initialized():  # the group's own store (torchrun's MASTER_ADDR/PORT) joins its ranks' managers
+            store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            rank, world = dist.get_rank(), dist.get_world_size()
+        else:  # a group of one process: a store of its own
+            self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            store_addr, store_port, rank, world = "127.0.0.1", self._store.port, 0, 1
+        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        self.manager = Manager(
+            pg=pg, load_state_dict=self._heal, state_dict=state_dict, min_replica_size=cfg.min_replicas,
+            use_async_quorum=False,  # a heal lands before the step's batches are read: the healed group trains it
+            timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s), connect_timeout=timeout,
+            rank=rank, world_size=world, store_addr=store_addr, store_port=store_port,
+            lighthouse_addr=lighthouse_address(cfg) if rank == 0 else None,
+            replica_id=f"meshformer_{replica_id}",
+            init_sync=False)  # every group starts from the same seeded weights
+
+    def _heal(self, state: dict[str, Any]) -> None:
+        start = time.perf_counter()
+        self._load_state_dict(state)
+        self.healed_s = time.perf_counter() - start
+
+    def start_step(self) -> float:
+        """Join this step's quorum (and heal from a live peer if behind); returns the seconds it took."""
+        start = time.perf_counter()
+        self.healed_s = None
+        try:
+            self.manager.start_quorum()
+        except Exception as err:  # the Lighthouse unreachable, or fewer than min_replicas within the timeout
+            raise FaultToleranceError(
+                f"replica group {self.replica_id} got no quorum within fault_tolerance.quorum_timeout_s="
+                f"{self.cfg.quorum_timeout_s:g} ({str(err).splitlines()[0] if str(err) else type(err).__name__})",
+                "check that the Lighthouse runs and that at least fault_tolerance.min_replicas groups are up; the "
+                "group's launcher restarts it") from None
+        return time.perf_counter() - start
+
+    def average_gradients(self, params: Iterable[torch.nn.Parameter], tokens: torch.Tensor) -> StepSync:
+        """Average the gradients (this rank's shards) over the replica groups in this step's quorum, weighted by
+        each group's target tokens, as one all-reduce; their membership and token total ride along in it."""
+        params = [p for p in params if p.requires_grad]
+        groups = self.cfg.replica_groups
+        local = [_local(p) for p in params]
+        numel = sum(t.numel() for t in local)
+        flat = torch.zeros(numel + groups + 1, dtype=torch.float32, device=self.device)
+        offset = 0
+        for p, t in zip(params, local):
+            if p.grad is not None:
+                flat[offset:offset + t.numel()].copy_(_local(p.grad).reshape(-1))
+            offset += t.numel()
+        # Each group's gradients are its summed loss / its tokens: weighting by tokens makes the sum over groups
+        # the summed loss of every trained token, divided below by their total.
+        flat[:numel].mul_(tokens.to(torch.float32))
+        flat[numel + self.replica_id] = 1.0
+        flat[-1] = tokens.to(torch.float32)
+        from torch.distributed import ReduceOp
+
+        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:
+            return StepSync((), 0.0)
+        counts = flat[numel:].tolist()  # one host sync per step
+        total = counts[-1]
+        flat[:numel].div_(max(total, 1.0))
+        offset = 0
+        for p, t in zip(params, local):
+            averaged = flat[offset:offset + t.numel()].view(t.shape)
+            offset += t.numel()
+            if p.grad is None:  # no gradient here this step, but a peer's batch gave it one
+                grad = averaged.to(t.dtype).clone()
+                p.grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                            stride=p.stride()) if isinstance(p, DTensor) else grad
+            else:
+                _local(p.grad).copy_(averaged)
+        return StepSync(tuple(r for r in range(groups) if round(counts[r]) >= 1), total)
+
+    def error(self) -> str:
+        """The first line of the error that failed this step's all-reduce, or ""."""
+        err = self.manager.errored()
+        text = str(err.original_exception) if err is not None else ""
+        return text.splitlines()[0] if text else ""
+
+    def should_commit(self) -> bool:
+        """Whether every rank of this group may apply the step (all-reduce succeeded, enough replicas)."""
+        return bool(self.manager.should_commit())
+
+    @property
+    def participants(self) -> int:
+        return int(self.manager.num_participants())
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

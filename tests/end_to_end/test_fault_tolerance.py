@@ -1,0 +1,101 @@
+"""Fault-tolerant replica groups (torchft): a group killed mid-run while the other trains on, restarts and heals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.cluster import children, finish, logs, overrides, start, wait_for, worker_env
+
+STEPS = 48
+GROUPS = 2
+
+
+def _records(run_dir: Path, replica: int) -> list[dict]:
+    path = run_dir / f"replica-{replica}" / "replicas.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _rank_pid(launcher: int, replica: int, rank: int) -> int | None:
+    """The pid of `rank` of replica group `replica` (launcher -> torchrun agent -> ranks), from /proc."""
+    def env(pid: int) -> dict[str, str]:
+        try:
+            items = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            return {}
+        return dict(item.decode(errors="replace").split("=", 1) for item in items if b"=" in item)
+
+    for agent in children(launcher):
+        if env(agent).get("MESHFORMER_REPLICA_ID") == str(replica):
+            for worker in children(agent):
+                if env(worker).get("RANK") == str(rank):
+                    return worker
+    return None
+
+
+@pytest.mark.slow
+def test_a_killed_group_restarts_and_heals_while_the_other_trains_on(tmp_path):
+    """2 groups x 2 ranks (FSDP inside each, Muon): kill -9 one rank of group 1 mid-run. Group 0 commits its next
+    step within seconds (not the 120 s collective timeout) with 1 replica; group 1 restarts, heals from group 0 (no
+    checkpoint on disk to resume from: checkpoint.interval=0), rejoins; both end at train.steps with bitwise-equal
+    weights, and the replicas.jsonl records agree on which groups trained each step and its data."""
+    run_dir = tmp_path / "run"
+    config = [*overrides(tmp_path, run_dir), f"train.steps={STEPS}", "logging.log_interval=1", "checkpoint.interval=0",
+              "optim.name=muon", "parallel.dp_shard=2", "parallel.timeout_s=120", "fault_tolerance.timeout_s=120",
+              "fault_tolerance.heartbeat_timeout_s=1", "fault_tolerance.join_timeout_s=2"]
+    env = worker_env(MF_TEST_STEP_SLEEP_S="0.8")  # long enough a run for the killed group to come back
+    cmd = [sys.executable, "-m", "meshformer", "train", "tiny-gpt", "--replica-groups", str(GROUPS),
+           "--nproc-per-node", "2", "--set", *config]
+    log = tmp_path / "launcher.log"
+    proc = start(cmd, env, log)
+    try:
+        wait_for(lambda: len(_records(run_dir, 1)) >= 4, 240, f"group 1 to train 4 steps\n{logs(log)[-4000:]}")
+        victim = _rank_pid(proc.pid, replica=1, rank=1)
+        assert victim is not None, logs(log)[-4000:]
+        before = len(_records(run_dir, 0))
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_for(lambda: any(len(r["replicas"]) == 1 for r in _records(run_dir, 0)[before:]), 60,
+                 f"group 0 to commit a step alone\n{logs(log)[-4000:]}")
+        alone_after = time.monotonic() - killed
+    finally:
+        codes = finish([proc], 300)
+    text = logs(log)
+    assert codes == [0], text[-6000:]
+    assert alone_after < 30, f"group 0 waited {alone_after:.1f}s after the kill\n{text[-4000:]}"
+
+    # The survivor said who dropped and who came back, and the killed group healed from the live peer.
+    assert "replica group(s) [1] dropped" in text and "replica group(s) [1] joined" in text, text[-6000:]
+    assert "restarting it (restart 1)" in text, text[-6000:]
+    assert "replica group 1 healed from a live peer" in text, text[-6000:]
+
+    # Both groups reached train.steps with the same weights, bit for bit.
+    from safetensors.torch import load_file
+
+    weights = [load_file(str(run_dir / f"replica-{r}" / "final" / "model.safetensors")) for r in range(GROUPS)]
+    assert set(weights[0]) == set(weights[1])
+    differ = [k for k in weights[0] if not torch.equal(weights[0][k], weights[1][k])]
+    assert not differ, f"the groups' final weights differ in {differ[:4]}"
+
+    # The record: every step trained by the groups each line names, at the data position of that step, once.
+    records = [r for g in range(GROUPS) for r in _records(run_dir, g)]
+    global_batch = GROUPS * 2 * 4  # groups x data-parallel ranks x data.batch_size
+    by_step: dict[int, list[dict]] = {}
+    for record in records:
+        by_step.setdefault(record["step"], []).append(record)
+    assert sorted(by_step) == list(range(1, STEPS + 1)), sorted(by_step)
+    for step, lines in by_step.items():
+        trained = sorted(line["replica"] for line in lines)
+        assert len(set(trained)) == len(trained), f"step {step} recorded twice by one group: {lines}"
+        assert all(line["replicas"] == trained for line in lines), f"step {step}: the groups disagree: {lines}"
+        assert all(line["position"] == (step - 1) * global_batch for line in lines), lines
+    solo = [s for s, lines in by_step.items() if len(lines) == 1]
+    assert solo and max(solo) < STEPS, f"group 1 never rejoined after it was killed: {solo}"
+    metrics = [json.loads(line) for line in (run_dir / "replica-0" / "metrics.jsonl").read_text().splitlines()]
+    assert {m.get("ft/replicas") for m in metrics if "train/loss" in m} >= {1.0, 2.0}
