@@ -1,10 +1,11 @@
 """The flat `[model]` keys of earlier releases -> the typed sub-tables (`[model.attention]`, `[model.rope]`, ...).
 
-One table, `RENAMES`, maps each old key to its new dotted key (relative to `[model]`); the four pattern keys
-(`full_attention_every`, `attention_window`, `moe_every`, `moe_first_dense`) become `model.layer_types` /
-`model.mlp_types`. Every reader of a `[model]` table goes through `migrate_model_table`: a TOML file and its
-`--set` overrides (config/load.py), a checkpoint's or weights folder's saved config (`model_from_dict`). A user's
-file gets one log line per old key; a saved config (written by the program, not edited by people) gets one line.
+One table, `RENAMES` (model/config_compat.py: the deprecated Python attributes read it too), maps each old key to
+its new dotted key (relative to `[model]`); the four pattern keys (`full_attention_every`, `attention_window`,
+`moe_every`, `moe_first_dense`) become `model.layer_types` / `model.mlp_types`. Every reader of a `[model]` table
+goes through `migrate_model_table`: a TOML file and its `--set` overrides (config/load.py), a checkpoint's or weights
+folder's saved config (`model_from_dict`). A user's file gets one log line per old key; a saved config (written by
+the program, not edited by people) gets one line.
 """
 
 from __future__ import annotations
@@ -16,38 +17,10 @@ from typing import Any, Literal
 from meshformer.config.parse import build_section
 from meshformer.errors import ConfigError
 from meshformer.model.config import ModelConfig, attention_pattern, moe_pattern
+from meshformer.model.config_compat import RENAMES  # the one table: the Python names' aliases read it too
 
 log = logging.getLogger("meshformer.config")
 
-# old flat [model] key -> its key below [model]
-RENAMES: dict[str, str] = {
-    "n_heads": "attention.n_heads", "n_kv_heads": "attention.n_kv_heads", "head_dim": "attention.head_dim",
-    "qk_norm": "attention.qk_norm", "qk_norm_scope": "attention.qk_norm_scope", "qkv_bias": "attention.qkv_bias",
-    "attention_dropout": "attention.dropout", "attention_window": "attention.window",
-    "attention_softcap": "attention.softcap", "attention_scale": "attention.scale",
-    "document_mask": "attention.document_mask", "attention_backend": "attention.backend",
-    "relative_buckets": "attention.relative_buckets", "relative_max_distance": "attention.relative_max_distance",
-    "d_ff": "ffn.d_ff", "activation": "ffn.activation",
-    "rope_theta": "rope.theta", "rope_scaling": "rope.scaling", "rope_scaling_factor": "rope.factor",
-    "rope_original_max_seq_len": "rope.original_max_seq_len", "rope_low_freq_factor": "rope.low_freq_factor",
-    "rope_high_freq_factor": "rope.high_freq_factor", "rope_beta_fast": "rope.beta_fast",
-    "rope_beta_slow": "rope.beta_slow", "rope_attention_factor": "rope.attention_factor",
-    "rope_local_theta": "rope.local_theta",
-    "norm": "norm.kind", "norm_eps": "norm.eps", "norm_position": "norm.position", "final_norm": "norm.final",
-    "norm_weight_offset": "norm.weight_offset", "embedding_norm": "norm.embedding",
-    "n_experts": "moe.n_experts", "experts_per_token": "moe.experts_per_token", "moe_d_ff": "moe.d_ff",
-    "n_shared_experts": "moe.n_shared_experts", "router_score": "moe.router_score",
-    "router_renormalize": "moe.router_renormalize", "router_groups": "moe.router_groups",
-    "router_groups_per_token": "moe.router_groups_per_token",
-    "router_group_score": "moe.router_group_score", "capacity_factor": "moe.capacity_factor",
-    "moe_aux_loss": "moe.aux_loss", "moe_aux_per_sequence": "moe.aux_per_sequence",
-    "router_z_loss": "moe.router_z_loss", "router_bias_update_rate": "moe.router_bias_update_rate",
-    "moe_backend": "moe.backend",
-    "init": "init.method", "init_std": "init.std",
-    "attention_sinks": "attention.sinks", "swiglu_limit": "ffn.swiglu_limit", "swiglu_alpha": "ffn.swiglu_alpha",
-    "rope_truncate": "rope.truncate", "router_bias": "moe.router_bias", "expert_bias_terms": "moe.expert_bias_terms",
-    "router_scale": "moe.router_scale",
-}
 # old keys that become a per-block list (attention_window is also renamed: RENAMES)
 PATTERNS: dict[str, str] = {"full_attention_every": "layer_types", "attention_window": "layer_types",
                             "moe_every": "mlp_types", "moe_first_dense": "mlp_types"}

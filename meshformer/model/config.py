@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from meshformer.model.config_compat import install_renamed
+
 # swiglu: down(silu(gate(x)) * up(x)) (Llama); geglu: the same gated by gelu's tanh approximation (Gemma);
 # swiglu_clamped: gpt-oss's, gate clamped above and up both ways at swiglu_limit, then (up + 1) * gate *
 # sigmoid(swiglu_alpha * gate)
@@ -315,3 +317,6 @@ def moe_pattern(moe_every: int, moe_first_dense: int, n_layers: int) -> list[str
     if moe_first_dense == 0:
         return [] if moe_every == 1 else ["dense"] * (moe_every - 1) + ["moe"]
     return ["moe" if (i + 1) % moe_every == 0 and i >= moe_first_dense else "dense" for i in range(n_layers)]
+
+
+install_renamed(ModelConfig)  # cfg.n_heads, ModelConfig(rope_scaling=...): deprecated aliases (config_compat.py)
