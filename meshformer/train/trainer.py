@@ -45,7 +45,15 @@ from meshformer.runtime.profiler import StepProfiler
 from meshformer.runtime.stop import StopAgreed, StopRequest, exit_status, signal_name
 from meshformer.runtime.watchdog import HangWatchdog
 from meshformer.train.builtin_callbacks import builtin_callbacks
-from meshformer.train.callbacks import Callback, CallbackContext, Callbacks, config_callbacks, loaded_line
+from meshformer.train.callbacks import (
+    Callback,
+    CallbackContext,
+    Callbacks,
+    config_callbacks,
+    diagnostics_dir,
+    loaded_line,
+    user_label,
+)
 from meshformer.train.downstream import DownstreamEval
 from meshformer.train.loss_choice import resolve_loss
 from meshformer.train.metrics import FlopsCeiling, RunLogger, peak_flops
@@ -85,7 +93,7 @@ class Trainer:
         cfg = resolve_init_from(cfg)  # checkpoint.init_from: the model config of the HF folder (a no-op if resolved)
         self.cfg, self.rank = cfg, rank
         # First: a callback that cannot be built stops the run before any model or data work.
-        user_callbacks = [*config_callbacks(cfg), *callbacks]
+        user_callbacks = [*config_callbacks(cfg), *((user_label(c), c) for c in callbacks)]
         self.device = job_device(cfg, local_rank)
         # Before any large tensor (runtime/host_memory.py): CPU ranks of a multi-process run map large tensors so
         # freed FSDP buffers leave RSS; one CPU process reuses what it frees instead of re-faulting it each step.
@@ -99,7 +107,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)  # config.toml is written when training starts (_fit)
         self.logger = RunLogger(self.run_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard,
                                 wandb=cfg.logging if cfg.logging.wandb else None, run_config=cfg.to_dict())
-        for callback in user_callbacks:
+        for _, callback in user_callbacks:
             self.logger.info(loaded_line(callback))
 
         self.tokenizer = tokenizer if tokenizer is not None else checked_tokenizer(cfg)
@@ -124,8 +132,9 @@ class Trainer:
         self.training_step = TrainStep(self.parallel_model, cfg.optim, cfg.schedule, cfg.train.steps, cfg.model.d_model,
                                        on_phase=self.watchdog.phase)
         self.downstream = DownstreamEval.from_config(cfg, self.tokenizer)  # downstream.tasks (None: none listed)
-        self.callbacks = Callbacks([*builtin_callbacks(cfg, self.downstream), *user_callbacks], rank,
-                                   on_phase=self.watchdog.phase)
+        self.callbacks = Callbacks([*builtin_callbacks(cfg, self.downstream), *(c for _, c in user_callbacks)], rank,
+                                   on_phase=self.watchdog.phase, labels={id(c): label for label, c in user_callbacks},
+                                   diagnostics=diagnostics_dir(cfg))
         self.context = CallbackContext(self)  # the run's hook argument (fit starts it at the resumed step)
         if self.callbacks.wants("on_optimizer_step"):  # after the FP8 and router-bias hooks
             self.training_step.add_post_step_hook(
