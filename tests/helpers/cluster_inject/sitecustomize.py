@@ -8,7 +8,8 @@ SLURM launch the unmodified command line:
 - MF_TEST_SLOW_RANK=R with MF_TEST_HANG_STEP=N, MF_TEST_HANG_S=S: rank R waits S seconds for the batch of step N;
 - MF_TEST_SAVE_SLEEP_S=S: every checkpoint waits S seconds before it commits (a save long enough to signal into);
 - MF_TEST_STOP_SAVE_SLEEP_S=S: the checkpoint of a stop (after a stop signal) waits S seconds before it commits;
-- MF_TEST_FAIL_RANK=R with MF_TEST_FAIL_STEP=N: rank R fails with a user error (one line) before step N, alone.
+- MF_TEST_FAIL_RANK=R with MF_TEST_FAIL_STEP=N: rank R fails with a user error (one line) before step N, alone;
+- MF_TEST_KILL_RANK=R with MF_TEST_KILL_STEP=N: rank R dies of SIGKILL before step N (the out-of-memory killer).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def patch(module) -> None:
             self.train_data = SlowLoader(self.train_data, self)
 
     fail_rank, fail_step = int(os.environ.get("MF_TEST_FAIL_RANK", "-1")), int(os.environ.get("MF_TEST_FAIL_STEP", "0"))
+    kill_rank, kill_step = int(os.environ.get("MF_TEST_KILL_RANK", "-1")), int(os.environ.get("MF_TEST_KILL_STEP", "0"))
 
     def patched_step(self):
         time.sleep(step_sleep)
@@ -58,10 +60,14 @@ def patch(module) -> None:
             from meshformer.errors import ConfigError
 
             raise ConfigError(f"injected failure of rank {fail_rank} before step {fail_step}", "nothing to fix")
+        if self.rank == kill_rank and self.step + 1 == kill_step:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
         return train_step(self)
 
     trainer_cls.__init__ = patched_init
-    if step_sleep or fail_rank >= 0:
+    if step_sleep or fail_rank >= 0 or kill_rank >= 0:
         trainer_cls.train_step = patched_step
     save_sleep = float(os.environ.get("MF_TEST_SAVE_SLEEP_S", "0"))
     stop_save_sleep = float(os.environ.get("MF_TEST_STOP_SAVE_SLEEP_S", "0"))
