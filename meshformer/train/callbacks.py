@@ -254,7 +254,7 @@ class Callbacks:
             if label is None:  # a built-in: its errors are the run's own
                 getattr(callback, hook)(ctx, *args)
                 continue
-            before = dict(ctx.metrics) if hook == "on_step_end" else None
+            before = dict(ctx.metrics)  # what this callback adds is checked (the logger writes it at step end)
             try:
                 getattr(callback, hook)(ctx, *args)
             except (StopAgreed, KeyboardInterrupt):  # a stop (or Ctrl-C without the stop handlers) is no failure
@@ -262,8 +262,7 @@ class Callbacks:
             except BaseException as err:  # SystemExit too: a callback does not end the run without its save
                 raise callback_failed(label, f"in {hook}", err, self._diagnostics, self._rank,
                                       self._fix(label)) from err
-            if before is not None:
-                self._check_metrics(ctx.metrics, before, label, hook)
+            self._check_metrics(ctx.metrics, before, label, hook)
 
     @staticmethod
     def _fix(label: str) -> str:

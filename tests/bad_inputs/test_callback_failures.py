@@ -55,13 +55,19 @@ MODULE = '''
 
 
     class PutsMetric(Callback):
-        def __init__(self, what: str) -> None:
-            self.what = what
+        def __init__(self, what: str, hook: str = "on_step_end") -> None:
+            self.what, self.hook = what, hook
+
+        def _put(self, ctx, hook):
+            values = {"scalar": torch.tensor(2.5), "vector": torch.ones(3), "text": "high"}
+            if hook == self.hook:
+                ctx.metrics["user/x"] = values[self.what]
+
+        def on_step_start(self, ctx):
+            self._put(ctx, "on_step_start")
 
         def on_step_end(self, ctx):
-            values = {"scalar": torch.tensor(2.5), "vector": torch.ones(3), "text": "high"}
-            if ctx.log_step:
-                ctx.metrics["user/x"] = values[self.what]
+            self._put(ctx, "on_step_end")
 '''
 
 
@@ -129,13 +135,15 @@ def test_a_path_that_is_no_module_name_is_refused_at_the_check(world, capsys, pa
     assert not (world["root"] / "run-badpath" / "metrics.jsonl").exists()  # refused before any work
 
 
-@pytest.mark.parametrize("what, kind", [("vector", "a tensor of shape (3,)"), ("text", "a str ('high')")])
+@pytest.mark.parametrize("what, hook, kind", [("vector", "on_step_end", "a tensor of shape (3,)"),
+                                             ("text", "on_step_start", "a str ('high')")])
 def test_a_metric_that_is_no_number_names_the_key_and_the_callback(world, capsys, monkeypatch, one_thread, what,
-                                                                    kind):
+                                                                    hook, kind):
     monkeypatch.syspath_prepend(str(world["modules"]))
-    line = _one_line(_train(world, f"run-metric-{what}", "cb_fail_hooks:PutsMetric", f'{{what="{what}"}}'), capsys)
+    args = f'{{what="{what}", hook="{hook}"}}'
+    line = _one_line(_train(world, f"run-metric-{what}", "cb_fail_hooks:PutsMetric", args), capsys)
     assert line.startswith(f"error: callbacks[0] (cb_fail_hooks:PutsMetric) put {kind} in ctx.metrics['user/x'] "
-                           "in on_step_end — put numbers there"), line
+                           f"in {hook} — put numbers there"), line
 
 
 def test_a_0d_tensor_metric_is_logged_as_its_float(world, monkeypatch, one_thread):
@@ -144,3 +152,22 @@ def test_a_0d_tensor_metric_is_logged_as_its_float(world, monkeypatch, one_threa
     main(_train(world, "run-metric-scalar", "cb_fail_hooks:PutsMetric", '{what="scalar"}'))
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [row["user/x"] for row in rows if "user/x" in row] == [2.5, 2.5]
+
+
+def test_a_callback_given_from_python_is_named_by_its_class(world, one_thread):
+    from meshformer.config import load_config
+    from meshformer.train.callbacks import Callback, CallbackError
+    from meshformer.train.trainer import Trainer
+
+    class Exits(Callback):
+        def on_step_end(self, ctx):
+            raise SystemExit(0)
+
+    run = world["root"] / "run-python"
+    cfg = load_config(CFG, [*TINY, f"logging.run_dir={run}", f"data.shards={world['shards']}"])
+    with pytest.raises(CallbackError) as err:
+        Trainer(cfg, callbacks=[Exits()]).fit()
+    qualname = f"{__name__}:{Exits.__qualname__}"
+    assert err.value.one_line() == (
+        f"the callback Exits ({qualname}) raised in on_step_end: SystemExit: 0 (traceback in "
+        f"{run / 'diagnostics' / 'callback-rank0.txt'}) — fix the callback or leave it out of the trainer's callbacks")
