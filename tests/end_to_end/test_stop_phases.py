@@ -1,10 +1,12 @@
 """A stop signal inside a long phase of one process is acted on at the phase's next batch (token, tensor), not at
 its end: a decoded sample, the `--init-from` load, the set-up before the first step, the final weights. Each test
-sends SIGTERM from inside the phase (its third batch) and counts the batches that ran after it. The same phases
-under two ranks, held-out evaluation and downstream scoring among them: test_stop_signals.py."""
+sends SIGTERM from inside the phase (its third batch) and counts the batches that ran after it. The agreement of
+two ranks on the batch to leave at, also where they hold different numbers of items, is checked on its own; the
+phases under two ranks, held-out evaluation and downstream scoring among them: test_stop_signals.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -16,6 +18,7 @@ from helpers.common import CONFIGS, SMALL
 from meshformer.checkpointing.directory import committed_steps, step_dir_name
 from meshformer.checkpointing.init_from import resolve_init_from
 from meshformer.config import load_config
+from meshformer.runtime.stop import StopAgreed, StopRequest
 from meshformer.train.callbacks import Callback
 from meshformer.train.trainer import Trainer
 
@@ -141,3 +144,37 @@ def test_a_stop_during_the_final_weights_leaves_them_to_the_next_run(shards, tmp
     assert kept.stopped_by is None and pieces.calls > SIGNAL_AT
     assert (tmp_path / "kept" / "final" / "model.safetensors").is_file()
     assert not (tmp_path / "kept" / "checkpoints" / step_dir_name(4)).exists()
+
+
+def _agreement_worker(rank: int, init_file: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    stop = StopRequest()
+    items = 3 if rank == 0 else 7  # e.g. two pipeline stages' tensors
+    poll = stop.poll_padded(items)
+    for _ in range(items):
+        poll()
+    poll.finish()
+    left = None
+    for batch in range(10):
+        if rank == 1 and batch == 2:  # rank 1 alone is signalled, before its third batch
+            stop._on_signal(signal.SIGUSR1, None)
+        try:
+            stop.poll()
+        except StopAgreed as agreed:
+            left = [batch, agreed.signum]
+            break
+    stop.close()
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"polls": poll.done, "left": left}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_leave_a_phase_after_the_same_batch(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_agreement_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    # the ranks polled alike through a phase of unequal lengths, then both left at the batch after the signal's
+    assert results == [{"polls": 7, "left": [3, signal.SIGUSR1]}] * 2
