@@ -375,7 +375,7 @@ def callback_class(entry: CallbackConfig, where: str, diagnostics: Path | None =
         raise ConfigError(f"{where}.path = {entry.path!r}: cannot import {module_name!r} ({err}){beside}",
                           "put the module beside the config file, set the table's folder, or install it or put its "
                           "folder on PYTHONPATH (every rank imports it)") from None
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, MeshformerError):  # Ctrl-C; the lookup's own one-line refusals
         raise
     except BaseException as err:  # a syntax error, an exception or SystemExit in the module's own code
         raise callback_failed(f"{where} ({entry.path})", f"at import of {module_name}", err, diagnostics) from err
@@ -400,7 +400,12 @@ def diagnostics_dir(cfg: Config) -> Path:
     return Path(cfg.logging.run_dir) / "diagnostics"
 
 
-def config_callbacks(cfg: Config) -> list[tuple[str, Callback]]:
+def config_callbacks(cfg: Config) -> list[Callback]:
+    """The callbacks of the config's [[callbacks]] tables, built (a mistake is a one-line error)."""
+    return [callback for _, callback in labelled_config_callbacks(cfg)]
+
+
+def labelled_config_callbacks(cfg: Config) -> list[tuple[str, Callback]]:
     """The callbacks of the config's [[callbacks]] tables, built, each with how an error names it (a mistake, or
     a constructor that raises, is one line)."""
     built = []

@@ -49,8 +49,8 @@ from meshformer.train.callbacks import (
     Callback,
     CallbackContext,
     Callbacks,
-    config_callbacks,
     diagnostics_dir,
+    labelled_config_callbacks,
     loaded_line,
     user_label,
 )
@@ -93,7 +93,7 @@ class Trainer:
         cfg = resolve_init_from(cfg)  # checkpoint.init_from: the model config of the HF folder (a no-op if resolved)
         self.cfg, self.rank = cfg, rank
         # First: a callback that cannot be built stops the run before any model or data work.
-        user_callbacks = [*config_callbacks(cfg), *((user_label(c), c) for c in callbacks)]
+        user_callbacks = [*labelled_config_callbacks(cfg), *((user_label(c), c) for c in callbacks)]
         self.device = job_device(cfg, local_rank)
         # Before any large tensor (runtime/host_memory.py): CPU ranks of a multi-process run map large tensors so
         # freed FSDP buffers leave RSS; one CPU process reuses what it frees instead of re-faulting it each step.
