@@ -30,6 +30,9 @@ INTERRUPTED_EXIT = 130  # the shell's status for a process ended by Ctrl-C (128 
 # What a training rank takes as "save and stop" (meshformer.runtime.stop); SIGUSR1/2 are what SLURM's --signal sends.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 REPORTED_MARKER = "meshformer-error-reported"  # in torchrun's attempt folder: a rank of it printed the line
+PEER_LOST_MARKER = "meshformer-peer-lost"  # in torchrun's attempt folder: a rank of it lost a peer, and left the line
+# Set by meshformer's torchrun agent for its ranks: it reports a lost peer itself, naming the signal that killed it.
+AGENT_REPORTS_ENV = "MESHFORMER_AGENT_REPORTS"
 
 
 class MeshformerError(Exception):
@@ -143,9 +146,10 @@ def run_command(func: Callable[..., Any], *args: Any, debug: bool = False) -> An
         # says why, so it exits in silence when a rank of this node reported, and in one line otherwise.
         if debug_enabled(debug) or int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not _peer_lost(err):
             raise
+        if os.environ.get(AGENT_REPORTS_ENV) and _attempt_marker(PEER_LOST_MARKER, exclusive=False):
+            raise SystemExit(1) from None  # the agent names what ended the peer: a signal, or the line it printed
         if _this_rank_reports():
-            raise SystemExit(f"error: rank {os.environ.get('RANK', '?')} lost its connection to another rank, which "
-                             "stopped first — that rank's own error is in its output (on its node) above") from None
+            raise SystemExit(f"error: {peer_lost_line(os.environ.get('RANK', '?'))}") from None
         raise SystemExit(1) from None
     except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever the interrupt landed
         if debug_enabled(debug):
@@ -164,19 +168,34 @@ def _peer_lost(err: BaseException) -> bool:
     return any(marker in str(err).lower() for marker in _PEER_LOST)
 
 
+def peer_lost_line(rank: str | int) -> str:
+    """What a rank whose collective broke because another rank ended says (without "error: ")."""
+    return (f"rank {rank} lost its connection to another rank, which stopped first — that rank's own error line, "
+            "or the signal that ended it, is in the output of its node")
+
+
 def _this_rank_reports() -> bool:
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return True
+    claimed = _attempt_marker(REPORTED_MARKER, exclusive=True)
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0 if claimed is None else claimed
+
+
+def _attempt_marker(name: str, *, exclusive: bool) -> bool | None:
+    """Create `name` in this attempt's folder of torchrun's agent (beside the ranks' error files): whether this rank
+    created it (exclusive: False when another rank of the node and attempt did first); None when it cannot."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # <agent log dir>/<run id>/attempt_<n>/<rank>/error.json
     if error_file:
-        marker = os.path.join(os.path.dirname(os.path.dirname(error_file)), REPORTED_MARKER)
+        marker = os.path.join(os.path.dirname(os.path.dirname(error_file)), name)
+    elif not exclusive:
+        return None
     else:  # launched without torchrun's agent: key the marker by the job and the parent process
         key = "-".join(os.environ.get(name, "") for name in ("TORCHELASTIC_RUN_ID", "MASTER_PORT"))
         marker = os.path.join(tempfile.gettempdir(), f"meshformer-error-{key}-{os.getppid()}")
     try:
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        os.close(os.open(marker, os.O_CREAT | (os.O_EXCL if exclusive else 0) | os.O_WRONLY, 0o644))
     except FileExistsError:
         return False  # a rank of this node and attempt already reported
     except OSError:
-        return int(os.environ.get("LOCAL_RANK", "0")) == 0  # no temp folder: fall back to the node's first rank
+        return None  # no temp folder
     return True

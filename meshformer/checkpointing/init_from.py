@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,9 +146,9 @@ class HFInitWeights:
         return self.state[name]
 
 
-def load_init_weights(parts: list[torch.nn.Module], cfg: Config) -> str:
+def load_init_weights(parts: list[torch.nn.Module], cfg: Config, between: Callable[[], None] | None = None) -> str:
     """Fill this rank's (sharded) model parts from checkpoint.init_from's folder (every rank calls it); returns
-    the folder's architecture (its model_type)."""
+    the folder's architecture (its model_type). `between`: as for `weights.load_into`."""
     from meshformer.checkpointing.weights import load_into
 
     folder = hf_folder(cfg)
@@ -157,7 +158,7 @@ def load_init_weights(parts: list[torch.nn.Module], cfg: Config) -> str:
         raise ConversionError(f"{folder} now holds another model than the one this run was configured from",
                               "point checkpoint.init_from at the folder the run started with")
     try:
-        load_into(parts, source)
+        load_into(parts, source, between)
     except ConversionError as err:  # a tensor read whole (transposed, split or stacked) that holds NaN or inf
         raise ConversionError(f"checkpoint.init_from: {err.what}", err.fix) from None
     _refuse_nonfinite(parts, folder, source)

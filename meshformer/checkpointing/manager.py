@@ -88,11 +88,12 @@ class CheckpointManager:
         if step % self.cfg.interval == 0 and step < self.total_steps:
             self.save(run)
 
-    def finish(self, run: Checkpointable, *, stopping: bool = False) -> Path | None:
+    def finish(self, run: Checkpointable, *, stopping: bool = False, save: bool = True) -> Path | None:
         """Final checkpoint (blocking, unless this step was just saved), then wait for anything in flight; returns
         the committed folder of this step. `stopping`: a run stopped by a signal saves even with
-        checkpoint.interval=0, so that a restart continues from here."""
-        if (self.enabled or stopping) and self.last_saved_step != run.state.step:
+        checkpoint.interval=0, so that a restart continues from here. `save=False`: only wait and close (a stop
+        before the run trained a step)."""
+        if save and (self.enabled or stopping) and self.last_saved_step != run.state.step:
             self.save(run, blocking=True)
         self.close()
         if self.group is not None:

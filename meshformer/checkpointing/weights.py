@@ -14,7 +14,7 @@ import contextlib
 import json
 import logging
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -120,9 +120,11 @@ def gather_plan(parallel_model) -> GatherPlan:
     return GatherPlan(local, owner, layout, row_blocks)
 
 
-def gathered_pieces(parallel_model, plan: GatherPlan | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def gathered_pieces(parallel_model, plan: GatherPlan | None = None, between: Callable[[], None] | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, piece) on rank 0, in model order: a tensor's pieces, in order along dim 0, make it whole. A
-    collective every rank iterates.
+    collective every rank iterates; `between` runs on every rank before each tensor (a training run's stop check,
+    which raises to leave the save on every rank alike).
 
     A row-sharded (FSDP) tensor comes as its blocks, each sent by its rank: no rank ever holds it whole. Any other
     is gathered by the ranks holding it and sent once, by the lowest of them: pipeline stages contribute their
@@ -134,6 +136,8 @@ def gathered_pieces(parallel_model, plan: GatherPlan | None = None) -> Iterator[
     rank = dist.get_rank() if dist.is_initialized() else 0
     with quiet_redistribute(), torch.no_grad():
         for name, template in plan.layout.items():
+            if between is not None:
+                between()
             if name in plan.row_blocks:
                 yield from _row_blocks(name, plan, rank, parallel_model.device)
                 continue
@@ -174,13 +178,13 @@ def _row_blocks(name: str, plan: GatherPlan, rank: int, device: torch.device) ->
 
 
 def save_weights(parallel_model, directory: Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                 tokenizer: Tokenizer | None = None) -> Path | None:
+                 tokenizer: Tokenizer | None = None, between: Callable[[], None] | None = None) -> Path | None:
     """Write the weights folder from rank 0 (a collective), each tensor streamed to disk as it is gathered;
-    returns the file or index path on rank 0."""
+    returns the file or index path on rank 0. `between`: as for `gathered_pieces`."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     plan = gather_plan(parallel_model)
     writer = _writer(directory, plan.layout, max_shard_size, tokenizer) if rank == 0 else None
-    for name, piece in gathered_pieces(parallel_model, plan):
+    for name, piece in gathered_pieces(parallel_model, plan, between):
         assert writer is not None  # only rank 0 is handed pieces
         writer.add_part(name, piece)
         del piece  # written: the next one may take its memory
@@ -312,8 +316,9 @@ class TensorSource(Protocol):
 
 
 @torch.no_grad()
-def load_into(parts: list[nn.Module], folder: TensorSource) -> None:
-    """Fill (possibly sharded) model parts from a weights folder, reading only each parameter's local slice."""
+def load_into(parts: list[nn.Module], folder: TensorSource, between: Callable[[], None] | None = None) -> None:
+    """Fill (possibly sharded) model parts from a weights folder, reading only each parameter's local slice;
+    `between` runs after each parameter (a training run's stop check, which raises to leave the load)."""
     from meshformer.checkpointing.state import named_buffers, named_parameters
 
     if missing := [name for name, _ in named_parameters(parts) if name not in folder]:
@@ -321,6 +326,8 @@ def load_into(parts: list[nn.Module], folder: TensorSource) -> None:
     for part in parts:
         for name, param in named_parameters([part]):
             _copy_local(param, folder, name)
+            if between is not None:
+                between()
         for name, buffer in named_buffers([part]):  # weights saved before a buffer was kept leave it as built
             if name in folder:
                 buffer.copy_(folder.get(name))

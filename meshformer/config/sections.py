@@ -99,9 +99,9 @@ class TrainConfig:
     dtype: Literal["fp32", "bf16"] = "fp32"  # bf16 = autocast with fp32 master weights
     label_smoothing: float = 0.0  # cross-entropy label smoothing
     z_loss: float = 0.0  # coefficient of mean(logsumexp(logits)^2) (PaLM); 0: off
-    eval_interval: int = 100  # steps between held-out loss evaluations (0: never)
+    eval_interval: int = 100  # steps between held-out loss evaluations, and one at the last step (0: never)
     eval_batches: int = 8  # held-out batches per evaluation
-    sample_interval: int = 100  # decode a text sample this often (0: never)
+    sample_interval: int = 100  # decode a text sample this often, and at the last step (0: never)
     sample_tokens: int = 48  # tokens each decoded sample generates
     compile: bool | Literal["off", "blocks", "model"] = False  # true = "blocks" (each block compiled)
     loss: Literal["auto", "plain", "chunked", "chunked_recompute", "liger"] = "auto"  # auto: train/loss_choice.py

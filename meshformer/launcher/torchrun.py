@@ -17,7 +17,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshformer.errors import REPORTED_MARKER, STOP_SIGNALS, MeshformerError, UsageError
+from meshformer.errors import (
+    AGENT_REPORTS_ENV,
+    PEER_LOST_MARKER,
+    REPORTED_MARKER,
+    STOP_SIGNALS,
+    MeshformerError,
+    UsageError,
+    peer_lost_line,
+)
 
 MAX_WORLD_SIZE = 2**18  # ranks: twice today's largest training jobs (and a plan in under a minute); more is a typo
 MAX_RANKS_PER_NODE = 1024  # processes one node starts: beyond any node's GPUs or cores
@@ -182,6 +190,7 @@ def run_agent(torchrun_args: list[str]) -> int:
     from torch.distributed.run import parse_args, run
 
     os.environ.setdefault("PET_SIGNALS_TO_HANDLE", AGENT_SIGNAL_NAMES)  # torchrun's --signals-to-handle
+    os.environ[AGENT_REPORTS_ENV] = "1"  # a rank that loses a peer leaves the line to this agent (it sees signals)
     agent_signals = _AgentSignals(elastic_processes._terminate_process_handler)
     with tempfile.TemporaryDirectory(prefix="meshformer-torchrun-") as log_dir:
         args = parse_args([f"--log-dir={log_dir}", *torchrun_args])
@@ -195,7 +204,8 @@ def run_agent(torchrun_args: list[str]) -> int:
             if stopped <= {128 + sig for sig in STOP_SIGNALS}:  # the ranks got a stop signal directly and saved
                 return max(stopped)
             if not any(Path(log_dir).rglob(REPORTED_MARKER)):
-                raise LaunchError(*_unreported_failure(err.failures)) from None
+                raise LaunchError(*_unreported_failure(err.failures, any(Path(log_dir).rglob(PEER_LOST_MARKER)))
+                                  ) from None
             return 1
         except RendezvousError as err:
             raise LaunchError(f"the ranks could not meet ({err})",
@@ -213,15 +223,20 @@ def run_agent(torchrun_args: list[str]) -> int:
     return 0
 
 
-def _unreported_failure(failures: dict[int, Any]) -> tuple[str, str]:
-    """(what, fix) for the first rank that failed without printing an error line: a signal first."""
+def _unreported_failure(failures: dict[int, Any], peer_lost: bool = False) -> tuple[str, str]:
+    """(what, fix) for the first rank that failed without printing an error line: a signal first. `peer_lost`:
+    ranks of this node stopped because a peer ended (they leave the line to the agent)."""
     rank, failure = min(failures.items(), key=lambda item: (item[1].exitcode >= 0, item[1].timestamp))
     where = f"rank {rank} (pid {failure.pid})"
     if failure.exitcode < 0:
-        name = failure.signal_name()
-        fix = ("SIGKILL is usually the out-of-memory killer (see `dmesg`): lower data.batch_size or --nproc-per-node"
-               if -failure.exitcode == signal.SIGKILL else "its output above shows what it was doing")
-        return f"{where} was killed by {name} before it could report an error", fix
+        signum = -failure.exitcode
+        fix = ("SIGKILL is usually the out-of-memory killer, out of host memory? see `dmesg` on its node; lower "
+               "data.batch_size or --nproc-per-node" if signum == signal.SIGKILL
+               else "its output above shows what it was doing")
+        return f"{where} was killed by {failure.signal_name()} (signal {signum}) before it could report an error", fix
+    if peer_lost:  # the peer is on another node: its agent names what ended it
+        what, _, fix = peer_lost_line(rank).partition(" — ")
+        return what, fix
     return f"{where} exited with status {failure.exitcode}", "its output above says why"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -65,6 +66,7 @@ def greedy_decode(
     source_padding: torch.Tensor | None = None,
     prompt_padding: torch.Tensor | None = None,
     use_cache: bool = True,
+    between_tokens: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Prompt followed by up to `max_new_tokens` argmax tokens, shape (B, T_prompt + n_new).
 
@@ -77,6 +79,7 @@ def greedy_decode(
     source_ids / source_padding: encoder input (B, S) and its mask (True = real) for encoder-decoder models.
     use_cache: reuse keys/values of earlier positions (one new token per step); False recomputes the
         whole prefix each step. Both give the same tokens.
+    between_tokens: called before each new token (a training run's stop check, which raises to end decoding).
     The model runs in eval mode; its previous mode is restored.
     """
     cfg = model.cfg
@@ -117,6 +120,8 @@ def greedy_decode(
             positions = None if padding is None else (padding.long().cumsum(1) - 1).clamp(min=0)
             step_input, step_positions = tokens, positions
             for _ in range(max_new_tokens):
+                if between_tokens is not None:
+                    between_tokens()
                 hidden = model.decode(step_input if use_cache else tokens, padding, memory=memory,
                                       memory_padding=memory_padding, cache=cache,
                                       position_ids=step_positions if use_cache else positions)

@@ -5,6 +5,12 @@ Whatever receives the signal — the launcher (which forwards it), every rank, t
 group of their own and read the result one step later: no host synchronisation on the hot path, and every rank
 reads the same value after the same step, so all of them stop there.
 
+Long phases between two steps (held-out evaluation, downstream scoring, decoded samples, the `--init-from` load,
+the final weights) call `poll()` once per batch (token, tensor): the same exchange, one per call and read at the
+next, so a stop is agreed within a batch of the signal and every rank leaves the phase after the same batch (their
+forward passes and collectives stay paired). `check_now()` is the blocking form, for the set-up before the first
+step, where no work overlaps the exchange. Either raises `StopAgreed`, which the trainer turns into the stop's save.
+
 The same request often arrives twice within moments (a terminal's Ctrl-C reaches every process of the group, and
 the launcher forwards it once more); a repeat within `REPEAT_WINDOW_S` is that same request. A later one means
 "stop now": the process exits at once without saving, which leaves the last committed checkpoint as it was (a save
@@ -63,12 +69,22 @@ def _under_agent() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
+class StopAgreed(BaseException):
+    """Every rank agreed to stop inside a phase: the phase is left at once (a BaseException, so that no `except
+    Exception` between the phase and the trainer takes it for a failure)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal_name(signum))
+        self.signum = signum
+
+
 class StopRequest:
     """The stop flag of this rank and the agreement of all ranks on the step to stop after.
 
     stop = StopRequest(log=...)         # every rank, collectively (creates its gloo group)
     stop.install()                      # handlers for STOP_SIGNALS (main thread only)
     ... each step: if stop.agreed(step): save; stop.saved(); break
+    ... each batch of a long phase: stop.poll()  # raises StopAgreed (every rank at the same call)
     stop.close()                        # waits for the exchange in flight, puts the old handlers back
     """
 
@@ -87,6 +103,7 @@ class StopRequest:
         self._group = dist.new_group(backend="gloo") if self.distributed else None
         self._flag: torch.Tensor | None = None
         self._work: Any = None
+        self.stopping = False  # every rank agreed to stop (sticky: later checks all answer yes)
 
     @property
     def requested(self) -> bool:
@@ -123,24 +140,55 @@ class StopRequest:
 
     def agreed(self, step: int) -> bool:
         """After `step`: whether every rank stops here (collective every `every` steps; one step of delay)."""
+        if self.stopping:
+            return True
         if not self.distributed:
-            return self.requested
-        if step % self.every:
-            return False
+            self.stopping = self.requested
+        elif step % self.every == 0:
+            self._exchange()
+        return self.stopping
+
+    def poll(self) -> None:
+        """Between two batches of a long phase: raise StopAgreed once every rank agreed to stop. Every rank must call
+        it equally often in the phase (one asynchronous exchange per call, read at the next call)."""
+        if not self.stopping:
+            if self.distributed:
+                self._exchange()
+            else:
+                self.stopping = self.requested
+        if self.stopping:
+            assert self.signum is not None
+            raise StopAgreed(self.signum)
+
+    def check_now(self) -> None:
+        """`poll`, blocking: the flags of this moment, exchanged and read (for a boundary between set-up phases,
+        where no batch overlaps the exchange)."""
+        if self.distributed and not self.stopping:
+            self._exchange()  # reads the exchange in flight, if any, and starts one with this rank's flag now
+        self.poll()  # waits for it
+
+    def poll_padded(self, calls: int) -> PaddedPoll:
+        """A per-item `poll` for a phase whose ranks hold different numbers of items (pipeline stages' tensors):
+        call the returned function after each of this rank's `calls` items, and `.finish()` it at the end; every
+        rank then polls the largest count of any rank (one blocking all-reduce here)."""
+        return PaddedPoll(self, calls)
+
+    def _exchange(self) -> None:
+        """Read the exchange in flight (started one call ago) and start the next with this rank's flag."""
         agreed = 0
         if self._work is not None:
             self._work.wait()
+            self._work = None
             agreed = int(self._flag.item()) if self._flag is not None else 0
         if agreed:
-            self._work = None
             if self.signum is None:  # a signal that reaches this rank from now on repeats the one agreed on
                 self._first_at = time.monotonic()
             self.signum = agreed  # the same signal on every rank, also on those that did not receive one
-            return True
+            self.stopping = True
+            return
         # Each rank's signal number (0: none); the largest wins, so every rank exits with the same status.
         self._flag = torch.tensor([self.signum or 0], dtype=torch.int32)
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        return False
 
     def saved(self) -> None:
         """The stop's checkpoint is committed: later signals are ignored. A rank of a launcher's job ignores them
@@ -163,3 +211,23 @@ class StopRequest:
             if handler is not None:  # None: installed outside Python, nothing to restore
                 signal.signal(sig, handler)
         self._handlers = {}
+
+
+class PaddedPoll:
+    """`StopRequest.poll_padded`'s function: polls after each item, then up to the largest count of any rank."""
+
+    def __init__(self, stop: StopRequest, calls: int) -> None:
+        self.stop, self.done = stop, 0
+        self.total = calls
+        if stop.distributed:
+            count = torch.tensor([calls], dtype=torch.int64)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=stop._group)
+            self.total = int(count.item())
+
+    def __call__(self) -> None:
+        self.done += 1
+        self.stop.poll()
+
+    def finish(self) -> None:
+        while self.done < self.total:
+            self()

@@ -206,22 +206,23 @@ class DownstreamScores(Callback):
     def on_evaluation(self, ctx: CallbackContext) -> None:
         if not self.evaluation.due(ctx.step, ctx.last):
             return
-        scores = self.evaluation.run(ctx.trainer.parallel_model)
+        scores = self.evaluation.run(ctx.trainer.parallel_model, ctx.trainer.poll_stop)
         ctx.log(scores)
         ctx.info(self.evaluation.describe(ctx.step, scores))
 
 
 class Samples(Callback):
-    """A decoded text sample every train.sample_interval steps, from the first held-out batch (models that
-    generate; pipeline stages do not)."""
+    """A decoded text sample every train.sample_interval steps and at the last step, from the first held-out batch
+    (models that generate; pipeline stages do not)."""
 
     order, phase = 20, "sample"
 
     def on_evaluation(self, ctx: CallbackContext) -> None:
         trainer = ctx.trainer
-        if not ctx.every(ctx.cfg.train.sample_interval) or trainer.model is None:
+        if not ctx.every(ctx.cfg.train.sample_interval, last=True) or trainer.model is None:
             return
-        text = decoded_sample(trainer.model, trainer.tokenizer, ctx.cfg, trainer.device, trainer.sample_batch())
+        text = decoded_sample(trainer.model, trainer.tokenizer, ctx.cfg, trainer.device, trainer.sample_batch(),
+                              poll=trainer.poll_stop)
         if text is not None:
             trainer.logger.text(ctx.step, "sample", text)
             ctx.info(f"sample {ctx.step:>5} | {json.dumps(text, ensure_ascii=False)}")  # one line, quoted

@@ -16,7 +16,8 @@ Hooks, in the order a run calls them. Each gets the run's one `CallbackContext` 
   Changes: weights, identically on every rank holding them (as the FP8 scale and router-bias hooks do).
 - `on_step_end(ctx)`: after the step. Reads: `ctx.stats` (loss sum, tokens, grad norm, lr); on logging steps
   (`ctx.log_step`) `ctx.metrics`. Changes: `ctx.metrics`, which the metrics logger (order 90) writes to
-  metrics.jsonl, TensorBoard and W&B.
+  metrics.jsonl, TensorBoard and W&B: numbers (a 0-d tensor is read as its float, a host sync); anything else
+  stops the run with one line naming the key and the callback.
 - `on_evaluation(ctx)`: the step's evaluation point (not reached when a stop signal ends the run at this step);
   each evaluation keeps its own interval (`ctx.every(n)`). Reads: the model (in train mode: switch modes back).
   Changes: nothing training reads; scalars go out through `ctx.log(...)`.
@@ -34,6 +35,10 @@ Training reads nothing a callback writes unless the callback changes weights or 
 and a resume's weights stay those of a run without it. A callback with state gives `state_dict()` (plain JSON)
 and `load_state_dict()`: the state rank 0 holds is saved in every checkpoint (trainer_state.json, component
 "callbacks") and restored on every rank at resume, so such a callback must run on rank 0.
+
+A user's callback that fails (raises, `SystemExit` included, in a hook, at import or in its constructor) stops the
+run with one line naming it (`callbacks[i]` and its path), where it failed and the exception; its traceback is kept
+in `<run_dir>/diagnostics/callback-rank<R>.txt`. Only a stop signal passes through a hook as what it is.
 """
 
 from __future__ import annotations
@@ -41,8 +46,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import numbers
+import os
 import sys
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -53,6 +61,9 @@ import torch
 from meshformer.checkpointing.errors import CheckpointError
 from meshformer.config import Config, ConfigError
 from meshformer.config.sections import CallbackConfig
+from meshformer.data.corpus_base import short
+from meshformer.errors import MeshformerError
+from meshformer.runtime.stop import StopAgreed
 
 if TYPE_CHECKING:
     from meshformer.train.step import StepStats
@@ -97,8 +108,15 @@ class CallbackContext:
         return interval > 0 and (self.step % interval == 0 or (last and self.last))
 
     def log(self, scalars: dict[str, float]) -> None:
-        """Write scalars at this step to metrics.jsonl, TensorBoard and W&B (rank 0's logger writes)."""
-        self.trainer.logger.scalars(self.step, scalars)
+        """Write scalars at this step to metrics.jsonl, TensorBoard and W&B (rank 0's logger writes); numbers, a 0-d
+        tensor read as its float."""
+        values = {}
+        for key, value in scalars.items():
+            number = scalar(value)
+            if number is None:
+                raise ConfigError(f"ctx.log was given {_kind(value)} for {key!r}", SCALAR_FIX)
+            values[key] = number
+        self.trainer.logger.scalars(self.step, values)
 
     def info(self, message: str) -> None:
         """A console line (rank 0)."""
@@ -155,18 +173,72 @@ def _overrides(callback: Callback, hook: str) -> bool:
     return getattr(type(callback), hook) is not getattr(Callback, hook)
 
 
+class CallbackError(MeshformerError, RuntimeError):
+    """A user's callback failed: in a hook, at import or in its constructor."""
+
+
+SCALAR_FIX = "put numbers there (a float, an int, or a 0-d tensor, read as its float)"
+
+
+def scalar(value: Any) -> float | int | None:
+    """A metric's value as JSON, TensorBoard and W&B take it, or None when it is not one number."""
+    if isinstance(value, torch.Tensor):
+        return float(value) if value.ndim == 0 and not value.is_complex() else None
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int | float):
+        return value
+    if isinstance(value, numbers.Real):  # numpy scalars
+        return float(value)
+    return None
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__} ({' '.join(repr(value).split())[:60]})"
+
+
+def user_label(callback: Any) -> str:
+    """How a one-line error names a callback given from Python (a config's is `callbacks[i] (path)`)."""
+    cls = type(callback)
+    return f"the callback {cls.__name__} ({cls.__module__}:{cls.__qualname__})"
+
+
+def callback_failed(label: str, where: str, err: BaseException, diagnostics: Path | None, rank: int | None = None,
+                    fix: str = "fix the callback or remove it from [[callbacks]]") -> CallbackError:
+    """The one line for a failed callback; its traceback goes to `diagnostics`/callback-rank<R>.txt."""
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    kept = ""
+    if diagnostics is not None:
+        path = Path(diagnostics) / f"callback-rank{rank}.txt"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"{label} raised {where}:\n" + "".join(traceback.format_exception(err)))
+            kept = f" (traceback in {path})"
+        except OSError:
+            pass
+    message = short(err) if str(err) else ""
+    raised = f"{type(err).__name__}: {message}" if message else type(err).__name__
+    return CallbackError(f"{label} raised {where}: {raised}{kept}", fix)
+
+
 class Callbacks:
     """A run's callbacks in their order, called on the ranks they declare; `state` is their checkpoint component
-    (None when none of them has state)."""
+    (None when none of them has state). `labels`: the user's callbacks (by id) and how an error names them; their
+    failures become one line, with the traceback in `diagnostics`."""
 
     def __init__(self, callbacks: Sequence[Callback], rank: int,
-                 on_phase: Callable[[str], None] = lambda name: None) -> None:
+                 on_phase: Callable[[str], None] = lambda name: None, *, labels: Mapping[int, str] | None = None,
+                 diagnostics: Path | None = None) -> None:
         for callback in callbacks:
             _check_declaration(callback)
         ordered = [c for _, c in sorted(enumerate(callbacks), key=lambda ic: (ic[1].order, ic[0]))]
         self.all = ordered
         self.active = [c for c in ordered if runs_on(c.ranks, rank)]
         self._on_phase = on_phase
+        self._labels = dict(labels or {})
+        self._diagnostics, self._rank = diagnostics, rank
         # per hook, only the callbacks that override it: a hook nobody joins costs nothing per step
         self._by_hook = {hook: [c for c in self.active if _overrides(c, hook)] for hook in HOOKS}
         stateful = [c for c in ordered if has_state(c)]
@@ -178,7 +250,34 @@ class Callbacks:
     def call(self, hook: str, ctx: CallbackContext, *args: Any) -> None:
         for callback in self._by_hook[hook]:
             self._on_phase(callback.phase or f"callback {callback.name}")
-            getattr(callback, hook)(ctx, *args)
+            label = self._labels.get(id(callback))
+            if label is None:  # a built-in: its errors are the run's own
+                getattr(callback, hook)(ctx, *args)
+                continue
+            before = dict(ctx.metrics)  # what this callback adds is checked (the logger writes it at step end)
+            try:
+                getattr(callback, hook)(ctx, *args)
+            except (StopAgreed, KeyboardInterrupt):  # a stop (or Ctrl-C without the stop handlers) is no failure
+                raise
+            except BaseException as err:  # SystemExit too: a callback does not end the run without its save
+                raise callback_failed(label, f"in {hook}", err, self._diagnostics, self._rank,
+                                      self._fix(label)) from err
+            self._check_metrics(ctx.metrics, before, label, hook)
+
+    @staticmethod
+    def _fix(label: str) -> str:
+        if label.startswith("callbacks["):
+            return "fix the callback or remove it from [[callbacks]]"
+        return "fix the callback or leave it out of the trainer's callbacks"
+
+    def _check_metrics(self, metrics: dict[str, Any], before: dict[str, Any], label: str, hook: str) -> None:
+        for key, value in metrics.items():
+            if key in before and before[key] is value:
+                continue
+            number = scalar(value)
+            if number is None:
+                raise CallbackError(f"{label} put {_kind(value)} in ctx.metrics[{key!r}] in {hook}", SCALAR_FIX)
+            metrics[key] = number
 
 
 class CallbackState:
@@ -257,12 +356,18 @@ def loaded_line(callback: Callback) -> str:
     return f"callbacks: loaded {cls.__module__}:{cls.__qualname__} (ranks {ranks}, order {callback.order})"
 
 
-def callback_class(entry: CallbackConfig, where: str) -> type[Callback]:
-    """The class a [[callbacks]] table names, with its arguments checked against the constructor."""
+def callback_class(entry: CallbackConfig, where: str, diagnostics: Path | None = None) -> type[Callback]:
+    """The class a [[callbacks]] table names, with its arguments checked against the constructor; a module that
+    fails as it is imported is the callback's failure (its traceback in `diagnostics`)."""
     module_name, sep, class_name = entry.path.partition(":")
     example = 'path = "my_package.my_module:MyCallback"'
     if not sep or not module_name or not class_name:
         raise ConfigError(f"{where}.path = {entry.path!r} is not \"module:ClassName\"", f"write e.g. {example}")
+    # importlib takes a leading dot as a relative import, and a file path is no module name
+    if not all(part.isidentifier() for part in module_name.split(".")) or not class_name.isidentifier():
+        raise ConfigError(f"{where}.path = {entry.path!r} is not \"module:ClassName\" with a module's dotted name "
+                          "(no leading dot, no file path)",
+                          f"write e.g. {example}, the module beside the config file or on PYTHONPATH")
     try:
         module = import_callback_module(module_name, entry.folder)
     except ImportError as err:
@@ -270,6 +375,10 @@ def callback_class(entry: CallbackConfig, where: str) -> type[Callback]:
         raise ConfigError(f"{where}.path = {entry.path!r}: cannot import {module_name!r} ({err}){beside}",
                           "put the module beside the config file, set the table's folder, or install it or put its "
                           "folder on PYTHONPATH (every rank imports it)") from None
+    except (KeyboardInterrupt, MeshformerError):  # Ctrl-C; the lookup's own one-line refusals
+        raise
+    except BaseException as err:  # a syntax error, an exception or SystemExit in the module's own code
+        raise callback_failed(f"{where} ({entry.path})", f"at import of {module_name}", err, diagnostics) from err
     cls = getattr(module, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, Callback)):
         what = "is not a Callback subclass" if cls is not None else "not found"
@@ -286,12 +395,35 @@ def callback_class(entry: CallbackConfig, where: str) -> type[Callback]:
     return cls
 
 
+def diagnostics_dir(cfg: Config) -> Path:
+    """Where a failed callback's traceback is kept: the run folder's diagnostics/ (as hang reports)."""
+    return Path(cfg.logging.run_dir) / "diagnostics"
+
+
 def config_callbacks(cfg: Config) -> list[Callback]:
-    """The callbacks of the config's [[callbacks]] tables, built (a mistake is a one-line ConfigError)."""
-    return [callback_class(entry, f"callbacks[{i}]")(**entry.args) for i, entry in enumerate(cfg.callbacks)]
+    """The callbacks of the config's [[callbacks]] tables, built (a mistake is a one-line error)."""
+    return [callback for _, callback in labelled_config_callbacks(cfg)]
+
+
+def labelled_config_callbacks(cfg: Config) -> list[tuple[str, Callback]]:
+    """The callbacks of the config's [[callbacks]] tables, built, each with how an error names it (a mistake, or
+    a constructor that raises, is one line)."""
+    built = []
+    for i, entry in enumerate(cfg.callbacks):
+        where = f"callbacks[{i}]"
+        cls = callback_class(entry, where, diagnostics_dir(cfg))
+        label = f"{where} ({entry.path})"
+        try:
+            callback = cls(**entry.args)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as err:
+            raise callback_failed(label, "in its constructor", err, diagnostics_dir(cfg)) from err
+        built.append((label, callback))
+    return built
 
 
 def check_config_callbacks(cfg: Config) -> None:
     """Preflight: every [[callbacks]] path imports and names a Callback taking its args (nothing is built)."""
     for i, entry in enumerate(cfg.callbacks):
-        callback_class(entry, f"callbacks[{i}]")
+        callback_class(entry, f"callbacks[{i}]", diagnostics_dir(cfg))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -131,11 +131,12 @@ def _reports_rows(model: ParallelModel) -> bool:
 
 @torch.no_grad()
 def score_rows(model: ParallelModel, cfg: Config, rows: list[tuple[list[int], list[int]]], batch_size: int,
-               pad_id: int, seq_len: int) -> list[float]:
+               pad_id: int, seq_len: int, poll: Callable[[], None] = lambda: None) -> list[float]:
     """The summed log-likelihood of each row's labelled tokens, identical on every rank (a collective).
 
     Each data-parallel rank scores every dp-th row; every rank runs the same number of batches (rows of padding
-    carry no labels), so the layout's collectives line up. A batch is as long as its longest row (rounded up)."""
+    carry no labels), so the layout's collectives line up. A batch is as long as its longest row (rounded up).
+    `poll` runs before each batch (the run's stop check: it raises to leave the scoring, on every rank alike)."""
     dp_rank, dp_size = model.dp_rank, model.dp_size
     # longest first, dealt out in turn: every rank's k-th batch holds rows of about the same length
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
@@ -150,6 +151,7 @@ def score_rows(model: ParallelModel, cfg: Config, rows: list[tuple[list[int], li
     try:
         with _row_losses(model, cfg) as recorder:
             for b in range(n_batches):
+                poll()
                 picked = mine[b * batch_size:(b + 1) * batch_size]
                 length = padded_length(max((len(rows[i][0]) for i in picked), default=1), seq_len, multiple)
                 ids = torch.full((batch_size, length), pad_id, dtype=torch.long)
@@ -221,10 +223,11 @@ class DownstreamEval:
         interval = self.cfg.downstream.interval or self.cfg.train.eval_interval
         return last or (interval > 0 and step % interval == 0)
 
-    def run(self, model: ParallelModel) -> dict[str, float]:
-        """Every task's metrics as `downstream/<task>/<metric>` scalars (the same on every rank)."""
+    def run(self, model: ParallelModel, poll: Callable[[], None] = lambda: None) -> dict[str, float]:
+        """Every task's metrics as `downstream/<task>/<metric>` scalars (the same on every rank); `poll`: as for
+        `score_rows`."""
         start = time.perf_counter()
-        logliks = score_rows(model, self.cfg, self.rows, self.batch_size, self.pad_id, self.cfg.data.seq_len)
+        logliks = score_rows(model, self.cfg, self.rows, self.batch_size, self.pad_id, self.cfg.data.seq_len, poll)
         scalars: dict[str, float] = {}
         at = 0
         for task in self.tasks:

@@ -6,6 +6,8 @@ a model trained on another corpus or language is shown text it knows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from meshformer.batch import IGNORE_INDEX
@@ -32,9 +34,11 @@ def prompt_ids(batch: dict[str, torch.Tensor], tokenizer) -> list[int]:
 
 @torch.no_grad()
 def decoded_sample(model: Transformer, tokenizer, cfg: Config, device: torch.device,
-                   batch: dict[str, torch.Tensor], max_new: int = 0) -> str | None:
+                   batch: dict[str, torch.Tensor], max_new: int = 0,
+                   poll: Callable[[], None] | None = None) -> str | None:
     """Greedy continuation (decoder-only), span filling (encoder-decoder) or mask filling (encoder-only) of the
-    opening of `batch`'s first sequence (a held-out batch of the run's data)."""
+    opening of `batch`'s first sequence (a held-out batch of the run's data). `poll` runs before each decoded
+    token (the run's stop check)."""
     max_new = max_new or cfg.train.sample_tokens
     ids = prompt_ids(batch, tokenizer)
     if not ids:
@@ -46,7 +50,7 @@ def decoded_sample(model: Transformer, tokenizer, cfg: Config, device: torch.dev
         if spec.has_decoder and not spec.seq2seq:
             prompt = torch.tensor([ids[:PROMPT_TOKENS]], device=device)
             max_new = min(max_new, cfg.model.max_seq_len - prompt.shape[1])
-            out = greedy_decode(model, prompt, max_new, eos_id=tokenizer.eos_id)
+            out = greedy_decode(model, prompt, max_new, eos_id=tokenizer.eos_id, between_tokens=poll)
             return tokenizer.decode(out[0].tolist())
         ids = ids[: min(SOURCE_TOKENS, cfg.data.seq_len)]  # the encoder's position table ends at max_seq_len
         if not spec.has_decoder:
@@ -58,7 +62,8 @@ def decoded_sample(model: Transformer, tokenizer, cfg: Config, device: torch.dev
             return f"{tokenizer.decode(masked)!s} -> {tokenizer.decode(filled)}"
         source = torch.tensor([ids], device=device)
         max_new = min(max_new, cfg.data.target_len)
-        out = greedy_decode(model, None, max_new, eos_id=tokenizer.eos_id, bos_id=tokenizer.bos_id, source_ids=source)
+        out = greedy_decode(model, None, max_new, eos_id=tokenizer.eos_id, bos_id=tokenizer.bos_id, source_ids=source,
+                            between_tokens=poll)
         return f"{tokenizer.decode(ids)} -> {tokenizer.decode(out[0].tolist())}"
     finally:
         model.train(was_training)

@@ -42,10 +42,18 @@ from meshformer.parallel_dims import ParallelDims, validate_parallel
 from meshformer.runtime.distributed import job_device
 from meshformer.runtime.host_memory import apply_host_memory_policy, release_free_host_memory
 from meshformer.runtime.profiler import StepProfiler
-from meshformer.runtime.stop import StopRequest, exit_status, signal_name
+from meshformer.runtime.stop import StopAgreed, StopRequest, exit_status, signal_name
 from meshformer.runtime.watchdog import HangWatchdog
 from meshformer.train.builtin_callbacks import builtin_callbacks
-from meshformer.train.callbacks import Callback, CallbackContext, Callbacks, config_callbacks, loaded_line
+from meshformer.train.callbacks import (
+    Callback,
+    CallbackContext,
+    Callbacks,
+    diagnostics_dir,
+    labelled_config_callbacks,
+    loaded_line,
+    user_label,
+)
 from meshformer.train.downstream import DownstreamEval
 from meshformer.train.fault_tolerance import ReplicaMetrics, ReplicaTraining, data_share, replica_config
 from meshformer.train.loss_choice import resolve_loss
@@ -86,7 +94,7 @@ class Trainer:
         cfg = resolve_init_from(cfg)  # checkpoint.init_from: the model config of the HF folder (a no-op if resolved)
         self.cfg, self.rank = cfg, rank
         # First: a callback that cannot be built stops the run before any model or data work.
-        user_callbacks = [*config_callbacks(cfg), *callbacks]
+        user_callbacks = [*labelled_config_callbacks(cfg), *((user_label(c), c) for c in callbacks)]
         self.device = job_device(cfg, local_rank)
         # Before any large tensor (runtime/host_memory.py): CPU ranks of a multi-process run map large tensors so
         # freed FSDP buffers leave RSS; one CPU process reuses what it frees instead of re-faulting it each step.
@@ -100,7 +108,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)  # config.toml is written when training starts (_fit)
         self.logger = RunLogger(self.run_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard,
                                 wandb=cfg.logging if cfg.logging.wandb else None, run_config=cfg.to_dict())
-        for callback in user_callbacks:
+        for _, callback in user_callbacks:
             self.logger.info(loaded_line(callback))
 
         self.tokenizer = tokenizer if tokenizer is not None else checked_tokenizer(cfg)
@@ -126,8 +134,10 @@ class Trainer:
                                        on_phase=self.watchdog.phase)
         self.downstream = DownstreamEval.from_config(cfg, self.tokenizer)  # downstream.tasks (None: none listed)
         ft_callbacks = [ReplicaMetrics()] if cfg.fault_tolerance.enabled else []
-        self.callbacks = Callbacks([*builtin_callbacks(cfg, self.downstream), *ft_callbacks, *user_callbacks], rank,
-                                   on_phase=self.watchdog.phase)
+        self.callbacks = Callbacks([*builtin_callbacks(cfg, self.downstream), *ft_callbacks,
+                                    *(c for _, c in user_callbacks)], rank,
+                                   on_phase=self.watchdog.phase, labels={id(c): label for label, c in user_callbacks},
+                                   diagnostics=diagnostics_dir(cfg))
         self.context = CallbackContext(self)  # the run's hook argument (fit starts it at the resumed step)
         if self.callbacks.wants("on_optimizer_step"):  # after the FP8 and router-bias hooks
             self.training_step.add_post_step_hook(
@@ -149,7 +159,8 @@ class Trainer:
                                              cfg)
         self.checkpoints = CheckpointManager.from_config(cfg, self.run_dir, log=self.logger.info)
         self.checkpoints.tokenizer = self.tokenizer  # checkpoints carry it, as final/ does
-        # A stop signal (scheduler, Ctrl-C, launcher): every rank finishes the same step, saves and exits 128+signal.
+        # A stop signal (scheduler, Ctrl-C, launcher): every rank finishes the same step (or batch of a long phase),
+        # saves and exits 128+signal.
         self.stop = (StopRequest(every=cfg.checkpoint.preempt_check_interval, log=self.logger.info,
                                  on_stop_now=self.logger.flush) if cfg.checkpoint.save_on_sigterm else None)
 
@@ -215,19 +226,28 @@ class Trainer:
             round(self.replicas.last.tokens)
         return stats
 
+    def poll_stop(self) -> None:
+        """The stop check between two batches of a long phase (every rank calls it as often as the others): raises
+        StopAgreed once every rank agreed to stop (meshformer/runtime/stop.py)."""
+        if self.stop is not None:
+            self.stop.poll()
+
     @torch.no_grad()
     def evaluate(self) -> float:
         for part in self.parallel_model.model_parts:
             part.eval()
         loss_sum, tokens = 0.0, 0.0
         eval_iter = iter(self.eval_data)  # the same held-out batches at every evaluation
-        for _ in range(self.cfg.train.eval_batches):
-            batch_loss, batch_tokens = self.parallel_model.evaluate(to_device(next(eval_iter), self.device))
-            loss_sum += float(batch_loss)
-            tokens += float(batch_tokens)
-        self.eval_data.close()  # no idle eval workers holding prefetched batches until the next evaluation
-        for part in self.parallel_model.model_parts:
-            part.train()
+        try:
+            for _ in range(self.cfg.train.eval_batches):
+                self.poll_stop()
+                batch_loss, batch_tokens = self.parallel_model.evaluate(to_device(next(eval_iter), self.device))
+                loss_sum += float(batch_loss)
+                tokens += float(batch_tokens)
+        finally:
+            self.eval_data.close()  # no idle eval workers holding prefetched batches until the next evaluation
+            for part in self.parallel_model.model_parts:
+                part.train()
         return loss_sum / max(tokens, 1.0)
 
     def sample_batch(self) -> dict[str, torch.Tensor]:
@@ -260,57 +280,66 @@ class Trainer:
                      "(this run logs those steps again)")
         # The run folder is a record: a changed config that trains nothing (or retrains a finished run) is refused.
         changes = check_rerun(cfg, self.run_dir, start_step, had_final)
-        # a run started from an HF folder reads it only while it has no checkpoint of its own
-        if not resumed and cfg.checkpoint.init_from:
-            start = time.perf_counter()
-            arch = load_init_weights(self.parallel_model.model_parts, cfg)
-            if self.rank == 0:
-                record_source(self.run_dir, cfg, arch)
-            log.info(taken_from_folder(cfg, arch, time.perf_counter() - start))
-        if self.step >= cfg.train.steps:
-            log.info(f"the run in {self.run_dir} already reached step {self.step} >= train.steps={cfg.train.steps}; "
-                     "raise train.steps to train further, or pass --new-run for a fresh run")
-        elif self.rank == 0:
-            record_config(cfg, self.run_dir, start_step, changes, log.info)
-        self.train_iter = iter(self.train_data)  # from the position the resume restored
         ctx = self.context
         ctx.step = self.step
         callbacks = self.callbacks
-        callbacks.call("on_run_start", ctx)
-        while self.step < cfg.train.steps:
-            if self.replicas is not None:
-                self.replicas.start_step()  # the step's quorum; a heal from a live peer may move self.step
-            ctx.step, ctx.stats, ctx.metrics, ctx.saved = self.step + 1, None, {}, None
-            callbacks.call("on_step_start", ctx)
-            ctx.stats = self.train_step()
-            if not ctx.stats.committed:
-                continue  # dropped by fault tolerance: the same step again, with the same batches
-            step = self.step
-            ctx.log_step = step % cfg.logging.log_interval == 0 or step == cfg.train.steps
-            callbacks.call("on_step_end", ctx)
-            # Read one step late: every rank gets the same answer after the same step, without a host sync. A stop
-            # skips evaluation and samples: the grace period before the scheduler's kill is for the save.
-            ctx.stopping = self.stop is not None and step < cfg.train.steps and self.stop.agreed(step)
-            if not ctx.stopping:
-                callbacks.call("on_evaluation", ctx)
-            log.flush()  # the metrics of a step are on disk before its checkpoint commits
-            if ctx.stopping:
-                break
-            callbacks.call("on_checkpoint", ctx)
+        try:
+            # The set-up before the first step is checked between its phases (nothing overlaps the exchange there),
+            # and the init-from load after each tensor: a stop before any step ends the run with nothing to save.
+            self._check_stop_now()
+            # a run started from an HF folder reads it only while it has no checkpoint of its own
+            if not resumed and cfg.checkpoint.init_from:
+                self._load_init_weights()
+            if self.step >= cfg.train.steps:
+                log.info(f"the run in {self.run_dir} already reached step {self.step} >= train.steps="
+                         f"{cfg.train.steps}; raise train.steps to train further, or pass --new-run for a fresh run")
+            elif self.rank == 0:
+                record_config(cfg, self.run_dir, start_step, changes, log.info)
+            self.train_iter = iter(self.train_data)  # from the position the resume restored
+            callbacks.call("on_run_start", ctx)
+            self._check_stop_now()
+            while self.step < cfg.train.steps:
+                if self.replicas is not None:
+                    self.replicas.start_step()  # the step's quorum; a heal from a live peer may move self.step
+                ctx.step, ctx.stats, ctx.metrics, ctx.saved = self.step + 1, None, {}, None
+                callbacks.call("on_step_start", ctx)
+                ctx.stats = self.train_step()
+                if not ctx.stats.committed:
+                    continue  # dropped by fault tolerance: the same step again, with the same batches
+                step = self.step
+                ctx.log_step = step % cfg.logging.log_interval == 0 or step == cfg.train.steps
+                callbacks.call("on_step_end", ctx)
+                # Read one step late: every rank gets the same answer after the same step, without a host sync. A
+                # stop skips evaluation and samples (the grace period before the scheduler's kill is for the
+                # save); one agreed during them (StopAgreed, within a batch) leaves them at once.
+                ctx.stopping = self.stop is not None and step < cfg.train.steps and self.stop.agreed(step)
+                if not ctx.stopping:
+                    callbacks.call("on_evaluation", ctx)
+                log.flush()  # the metrics of a step are on disk before its checkpoint commits
+                if ctx.stopping:
+                    break
+                callbacks.call("on_checkpoint", ctx)
+        except StopAgreed:
+            ctx.stopping = True
+            log.flush()
         self.watchdog.phase("finish")
-        stopped_by = self.stop.signum if self.stop is not None and self.step < cfg.train.steps else None
+        stopping, trained = ctx.stopping, self.step > start_step
+        saved: Path | None = None
         try:  # raises if the final checkpoint cannot be written...
-            saved = self.checkpoints.finish(self.checkpointable, stopping=stopped_by is not None)
+            # a stop before this run trained a step saves nothing: the folder's newest checkpoint (or none, before
+            # an unfinished init-from load) is where the same command starts again
+            saved = self.checkpoints.finish(self.checkpointable, stopping=stopping, save=trained or not stopping)
         finally:
-            # ...but the trained weights are written first (again only if this run trained, or they are missing)
-            if self.step >= cfg.train.steps and (self.step > start_step or not had_final):
-                self.save_final_weights()
+            # ...but the trained weights are written first (again only if this run trained, or they are missing).
+            # A stop leaves them unwritten where this step's checkpoint is committed (the same command writes them
+            # from it); otherwise they are all the run keeps, and they are finished.
+            if not stopping and self.step >= cfg.train.steps and (trained or not had_final):
+                stopping = not self.save_final_weights(stoppable=saved is not None)
+        stopped_by = self.stop.signum if stopping and self.stop is not None else None
         if stopped_by is not None:
             assert self.stop is not None
             self.stop.saved()
-            where = f"checkpoint {saved} committed" if saved is not None else "no checkpoint saved"
-            log.info(f"stopped by {signal_name(stopped_by)} after step {self.step}/{cfg.train.steps}: {where}; run "
-                     f"the same command to resume (exit status {exit_status(stopped_by)})")
+            log.info(self._stopped_line(stopped_by, saved, trained))
         ctx.step, ctx.saved = self.step, saved
         callbacks.call("on_run_end", ctx)
         log.close()
@@ -318,9 +347,41 @@ class Trainer:
             self.replicas.close()
         return TrainResult(self.step, ctx.loss, ctx.eval_loss, self.run_dir, ctx.history, stopped_by)
 
-    def save_final_weights(self) -> None:
+    def _check_stop_now(self) -> None:
+        if self.stop is not None:
+            self.stop.check_now()
+
+    def _load_init_weights(self) -> None:
+        """checkpoint.init_from's weights into this rank's shards, with a stop check after each tensor (every rank
+        checks as often as the one with the most tensors: pipeline stages hold different numbers)."""
+        from meshformer.checkpointing.state import named_parameters
+
+        start = time.perf_counter()
+        parts = self.parallel_model.model_parts
+        poll = self.stop.poll_padded(sum(len(named_parameters([part])) for part in parts)) \
+            if self.stop is not None else None
+        arch = load_init_weights(parts, self.cfg, between=poll)
+        if poll is not None:
+            poll.finish()
+        if self.rank == 0:
+            record_source(self.run_dir, self.cfg, arch)
+        self.logger.info(taken_from_folder(self.cfg, arch, time.perf_counter() - start))
+
+    def _stopped_line(self, signum: int, saved: Path | None, trained: bool) -> str:
+        steps = self.cfg.train.steps
+        resume = f"run the same command to resume (exit status {exit_status(signum)})"
+        if saved is None and not trained:
+            return (f"stopped by {signal_name(signum)} before step {self.step + 1}/{steps}: nothing trained, no "
+                    f"checkpoint saved; run the same command to start again (exit status {exit_status(signum)})")
+        where = f"checkpoint {saved} committed" if saved is not None else "no checkpoint saved"
+        if self.step >= steps:
+            where += f", final weights not written ({FINAL_WEIGHTS}/: the same command writes them)"
+        return f"stopped by {signal_name(signum)} after step {self.step}/{steps}: {where}; {resume}"
+
+    def save_final_weights(self, *, stoppable: bool = False) -> bool:
         """Write the weights beside final/ (final.partial/, ours) and then swap them in: a failed write leaves
-        an earlier final/ as it was, and a final/ someone else filled during the run is refused, not replaced."""
+        an earlier final/ as it was, and a final/ someone else filled during the run is refused, not replaced.
+        `stoppable`: a stop agreed during the write abandons it (returns False; the staged folder is removed)."""
         from meshformer.checkpointing.weights import save_weights
 
         final = self.run_dir / FINAL_WEIGHTS
@@ -328,7 +389,12 @@ class Trainer:
         if self.rank == 0:
             folders.scratch(staged, "final weights")
         try:
-            path = save_weights(self.parallel_model, staged, self.cfg.checkpoint.max_shard_size, self.tokenizer)
+            path = save_weights(self.parallel_model, staged, self.cfg.checkpoint.max_shard_size, self.tokenizer,
+                                between=self.poll_stop if stoppable else None)
+        except StopAgreed:
+            if self.rank == 0:
+                folders.remove(staged)
+            return False
         except Exception as err:
             if self.rank == 0:
                 folders.remove(staged)
@@ -342,6 +408,7 @@ class Trainer:
             check_final_folder(final)
             folders.replace(staged, final)
             self.logger.info(f"final weights written to {final / path.name}")
+        return True
 
 
 def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> TrainResult:

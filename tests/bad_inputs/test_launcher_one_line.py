@@ -88,7 +88,21 @@ def test_a_rank_killed_by_a_signal_is_named_in_one_line(tmp_path):
     out = _meshformer("train", CFG, "--nproc-per-node", "2", "--set", *TINY, f"logging.run_dir={tmp_path / 'run'}",
                       pythonpath=(hook,))
     line = _one_error_line(out)
-    assert "rank 1" in line and "killed by SIGKILL" in line and "out-of-memory" in line, line
+    assert "rank 1" in line and "killed by SIGKILL (signal 9)" in line and "out-of-memory" in line, line
+
+
+@pytest.mark.slow  # two ranks, ~35 s
+def test_a_rank_killed_mid_run_is_named_not_its_peers_lost_connection(tmp_path):
+    """Rank 1 dies of SIGKILL before step 3 while rank 0 trains on: rank 0's broken collective is the consequence;
+    the one line names the signal that ended rank 1 (it printed nothing itself)."""
+    from helpers.cluster import INJECT
+
+    out = _meshformer("train", CFG, "--nproc-per-node", "2", "--set", *TINY, "train.steps=4",
+                      f"logging.run_dir={tmp_path / 'run'}", f"data.shards={shards(tmp_path)}",
+                      env={"MF_TEST_KILL_RANK": "1", "MF_TEST_KILL_STEP": "3"}, pythonpath=(INJECT,))
+    line = _one_error_line(out)
+    assert line.startswith("error: rank 1 (pid ") and "was killed by SIGKILL (signal 9)" in line, line
+    assert "out of host memory? see `dmesg`" in line and "lost its connection" not in line, line
 
 
 @pytest.mark.slow  # a launch per word, ~1 min

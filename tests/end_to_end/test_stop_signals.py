@@ -208,3 +208,51 @@ def test_ranks_whose_launcher_is_killed_stop_with_a_checkpoint(tmp_path_factory)
     assert step < STEPS and read_latest(run_dir / "checkpoints") == step_dir_name(step)
     assert not (run_dir / "final").exists()
     _resume_and_compare(base, run_dir, 2, step)
+
+
+# A stop during a long phase between two steps: each launch resumes the last and is signalled in the next phase,
+# which every batch of it slows to its seconds: about a minute to run whole, far longer than a prompt stop takes.
+# The other phases (samples, the init-from load, the set-up, the final weights) in one process:
+# test_stop_phases.py.
+PHASES = [  # (phase, signal, target, step it happens after, seconds per batch)
+    ("eval", "SIGTERM", "launcher", 2, 0.5),  # 120 held-out batches
+    ("downstream", "SIGINT", "groups", 4, 0.75),  # 80 scoring batches per rank
+]
+PHASE_STEPS = 6
+PROMPT_S = 30.0  # from the signal to the exit: a batch or two, the stop's save and the exit
+
+
+@pytest.mark.slow
+def test_a_stop_during_a_long_phase_commits_within_a_batch(tmp_path_factory):
+    base = tmp_path_factory.getbasetemp()
+    work = tmp_path_factory.mktemp("stop-phases")
+    run_dir = work / "run"
+    root = run_dir / "checkpoints"
+    every_two = ["train.eval_interval=2", "train.eval_batches=120", "train.sample_interval=2",
+                 'downstream.tasks=["bundled:kjv_cloze"]', "downstream.interval=2", "downstream.batch_size=1"]
+    report = []
+    for phase, signame, target, at, seconds in PHASES:
+        mark = work / f"{phase}-started"
+        sig = getattr(signal, signame)
+        extra = [*every_two, f"train.steps={PHASE_STEPS}", *(["data.num_workers=1"] if target == "groups" else [])]
+        proc, log = _launch(base, run_dir, 2, *extra, MF_TEST_SLOW_PHASE=phase, MF_TEST_SLOW_PHASE_S=str(seconds),
+                            MF_TEST_PHASE_MARK=str(mark))
+        try:
+            cluster.wait_for(mark.exists, 300, f"the {phase} phase", poll=0.05)
+            time.sleep(seconds * 1.5)  # well inside it
+            _send(proc, target, sig)
+            sent = time.monotonic()
+            codes = cluster.finish([proc], 300)
+            took = time.monotonic() - sent
+        finally:
+            cluster.kill_tree(proc.pid)
+        text = log.read_text(errors="replace")
+        assert codes == [128 + sig] and took < PROMPT_S, (phase, codes, took, text[-4000:])
+        assert "Traceback" not in text and "error" not in text.lower(), text[-4000:]
+        stopped = re.findall(rf"stopped by (SIG\w+) after step (\d+)/{PHASE_STEPS}: checkpoint (\S+) committed", text)
+        assert len(stopped) == 1 and stopped[0][:2] == (signame, str(at)), (phase, text[-3000:])
+        assert read_latest(root) == step_dir_name(at) and Path(stopped[0][2]) == root / step_dir_name(at)
+        assert f"{phase:<5} {at:>6} |" not in text  # the phase was left unfinished (it logs nothing)
+        assert phase == "eval" or f"eval  {at:>6} |" in text  # downstream scoring follows the held-out loss
+        report.append(f"{phase} {took:.1f}s")
+    print("\nstop during a phase, signal to exit: " + ", ".join(report))

@@ -58,6 +58,21 @@ def test_run_leaves_config_events_and_weights(tmp_path):
         assert torch.equal(tensor, model.state_dict()[name]), name
 
 
+def test_a_run_shorter_than_its_intervals_evaluates_samples_and_saves_at_its_last_step(tmp_path, caplog):
+    """What getting-started promises of `--set train.steps=...` below the intervals (3 steps, intervals of 100)."""
+    cfg = load_config(CONFIGS / "tiny-gpt.toml", [*SMALL, "train.steps=3", "logging.log_interval=100",
+                                                 "train.eval_interval=100", "train.eval_batches=1",
+                                                 "train.sample_interval=100", "train.sample_tokens=4",
+                                                 "checkpoint.interval=100", "logging.tensorboard=false",
+                                                 "data.num_workers=0", f"logging.run_dir={tmp_path}"])
+    with caplog.at_level("INFO", logger="meshformer"):
+        Trainer(cfg).fit()
+    lines = [record.getMessage() for record in caplog.records]
+    assert [line.split("|")[0].split() for line in lines if line.startswith(("eval ", "sample "))] == \
+        [["eval", "3"], ["sample", "3"]], lines
+    assert (tmp_path / "checkpoints" / "step-00000003").is_dir()
+
+
 def _one_step_params(tmp_path, batch_size: int, accum: int, loss: str = "plain") -> dict[str, torch.Tensor]:
     cfg = load_config(CONFIGS / "tiny-gpt.toml", [*SMALL, "train.steps=1", f"data.batch_size={batch_size}",
                                                  f"train.grad_accum={accum}", "data.num_workers=0",

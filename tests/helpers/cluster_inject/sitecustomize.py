@@ -8,7 +8,11 @@ SLURM launch the unmodified command line:
 - MF_TEST_SLOW_RANK=R with MF_TEST_HANG_STEP=N, MF_TEST_HANG_S=S: rank R waits S seconds for the batch of step N;
 - MF_TEST_SAVE_SLEEP_S=S: every checkpoint waits S seconds before it commits (a save long enough to signal into);
 - MF_TEST_STOP_SAVE_SLEEP_S=S: the checkpoint of a stop (after a stop signal) waits S seconds before it commits;
-- MF_TEST_FAIL_RANK=R with MF_TEST_FAIL_STEP=N: rank R fails with a user error (one line) before step N, alone.
+- MF_TEST_FAIL_RANK=R with MF_TEST_FAIL_STEP=N: rank R fails with a user error (one line) before step N, alone;
+- MF_TEST_KILL_RANK=R with MF_TEST_KILL_STEP=N: rank R dies of SIGKILL before step N (the out-of-memory killer);
+- MF_TEST_SLOW_PHASE=P with MF_TEST_SLOW_PHASE_S=S: each batch of phase P waits S seconds (a long phase to signal
+  into): "eval" (held-out batches) or "downstream" (scoring batches); MF_TEST_PHASE_MARK=PATH is created as it
+  starts.
 """
 
 from __future__ import annotations
@@ -39,6 +43,18 @@ class SlowLoader:
         return getattr(self.loader, name)
 
 
+slow_phase = os.environ.get("MF_TEST_SLOW_PHASE", "")
+
+
+def phase_wait(phase: str) -> None:
+    if phase != slow_phase:
+        return
+    mark = os.environ.get("MF_TEST_PHASE_MARK")
+    if mark and not os.path.exists(mark):
+        open(mark, "w").close()
+    time.sleep(float(os.environ.get("MF_TEST_SLOW_PHASE_S", "0")))
+
+
 def patch(module) -> None:
     trainer_cls = module.Trainer
     init, train_step = trainer_cls.__init__, trainer_cls.train_step
@@ -49,8 +65,13 @@ def patch(module) -> None:
         init(self, *args, **kwargs)
         if self.rank == slow_rank:
             self.train_data = SlowLoader(self.train_data, self)
+        if slow_phase in ("eval", "downstream"):  # both run the model's evaluate, batch by batch
+            evaluate = self.parallel_model.evaluate
+            self.parallel_model.evaluate = lambda batch: (
+                phase_wait("eval" if getattr(self, "test_in_eval", False) else "downstream"), evaluate(batch))[1]
 
     fail_rank, fail_step = int(os.environ.get("MF_TEST_FAIL_RANK", "-1")), int(os.environ.get("MF_TEST_FAIL_STEP", "0"))
+    kill_rank, kill_step = int(os.environ.get("MF_TEST_KILL_RANK", "-1")), int(os.environ.get("MF_TEST_KILL_STEP", "0"))
 
     def patched_step(self):
         time.sleep(step_sleep)
@@ -58,10 +79,25 @@ def patch(module) -> None:
             from meshformer.errors import ConfigError
 
             raise ConfigError(f"injected failure of rank {fail_rank} before step {fail_step}", "nothing to fix")
+        if self.rank == kill_rank and self.step + 1 == kill_step:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
         return train_step(self)
 
     trainer_cls.__init__ = patched_init
-    if step_sleep or fail_rank >= 0:
+    if slow_phase in ("eval", "downstream"):  # which of the two is running
+        evaluate_held_out = trainer_cls.evaluate
+
+        def flagged_evaluate(self):
+            self.test_in_eval = True
+            try:
+                return evaluate_held_out(self)
+            finally:
+                self.test_in_eval = False
+
+        trainer_cls.evaluate = flagged_evaluate
+    if step_sleep or fail_rank >= 0 or kill_rank >= 0:
         trainer_cls.train_step = patched_step
     save_sleep = float(os.environ.get("MF_TEST_SAVE_SLEEP_S", "0"))
     stop_save_sleep = float(os.environ.get("MF_TEST_STOP_SAVE_SLEEP_S", "0"))
