@@ -75,18 +75,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class GatedRMSNorm(nn.Module):
-    """weight * rmsnorm(x) * silu(gate) over the last dimension, normalised in float32."""
+    """weight * rmsnorm(x) * activation(gate) over the last dimension (activation: SiLU, or KDA's sigmoid),
+    normalised in float32."""
 
-    def __init__(self, width: int, eps: float) -> None:
+    def __init__(self, width: int, eps: float,
+                 activation: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(width))
         self.eps = eps
+        self.activation = activation
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """weight: the scale to use in place of `self.weight` (a tensor-parallel rank's view of it)."""
         dtype = x.dtype
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(dtype)
-        return ((self.weight if weight is None else weight) * normed * F.silu(gate.float())).to(dtype)
+        return ((self.weight if weight is None else weight) * normed * self.activation(gate.float())).to(dtype)
 
 
 class GatedDeltaNet(nn.Module):
