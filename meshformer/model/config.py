@@ -218,9 +218,9 @@ class ModelConfig:
     scale_output: bool = False  # multiply final hidden states by d_model**-0.5 before the output projection (T5)
     cross_downsample: int = 1  # pool encoder output by this factor before cross-attention
     # Token mixer of each block of a stack: "full_attention" | "sliding_attention" (attention.window, rope.local_theta)
-    # | "linear_attention" (Gated DeltaNet: [model.linear_attention]) | "mla" (multi-head latent attention,
-    # [model.mla]), one per block or a shorter pattern repeated over the stack (Gemma 3: 5 sliding, then 1 full);
-    # []: all full
+    # | "linear_attention" (Gated DeltaNet: [model.linear_attention]) | "kda" (Kimi Delta Attention, the same
+    # table) | "mla" (multi-head latent attention, [model.mla]), one per block or a shorter pattern repeated over the
+    # stack (Gemma 3: 5 sliding, then 1 full); []: all full
     layer_types: list[str] = field(default_factory=list)
     # Channel mixer of each block of a stack: "dense" (ffn) | "moe" (moe), one per block or a repeated pattern;
     # []: every block "moe" when moe.n_experts > 0, else "dense"
@@ -245,8 +245,8 @@ class ModelConfig:
 
     @property
     def uses_mla(self) -> bool:
-        """Whether the blocks attend through multi-head latent attention (checkpoint formats ask; config validation:
-        all of them or none)."""
+        """Whether blocks attend through multi-head latent attention (checkpoint formats ask; config validation: all
+        of them or none under RoPE)."""
         return "mla" in self.layer_types
 
     @property

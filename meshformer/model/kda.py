@@ -2,7 +2,7 @@
 
 Gated DeltaNet (model/linear_attention.py) with a forget gate per key channel rather than per head. Per token:
 q, k and v come from their own projections (`q_proj`, `k_proj`, `v_proj`, as many query/key heads as value heads),
-pass the short causal depthwise convolution over [all q | all k | all v] (`conv1d`, no bias) and SiLU; q and k are
+pass short causal depthwise convolutions (`q_conv1d`, `k_conv1d`, `v_conv1d`, no bias) and SiLU; q and k are
 L2-normalised inside the rule. The forget gate is a low-rank projection to every key channel, `f_b_proj(f_a_proj(x))`
 (rank: the key head width), and the log decay is g = -exp(A_log[head]) * softplus(f + dt_bias[channel]). The write
 strength is beta = sigmoid(b_proj(x)) per head. Each head runs the gated delta rule with that per-channel decay
@@ -13,8 +13,8 @@ sigmoid(g_b_proj(g_a_proj(x))) (a low-rank output gate, rank: the value head wid
 What it shares with Gated DeltaNet, unchanged: padding tokens enter as zeros, packed documents restart the state and
 the convolution window, generation carries both in a `LinearCache` (one decoding step runs the recurrence), context
 parallel passes the state piece by piece, and tensor parallel splits it by head: the head-major projections (q, k, v,
-b, f_b, g_b) colwise, A_log and dt_bias with their heads, the [q | k | v]-ordered convolution and the gated norm's
-weight whole on every rank with their gradients summed. The low-rank down-projections f_a_proj and g_a_proj are
+b, f_b, g_b) colwise, A_log, dt_bias and the convolutions' channels with their heads, the gated norm's weight whole
+on every rank with its gradient summed. The low-rank down-projections f_a_proj and g_a_proj are
 replicated (each rank's up-projection sums their output's gradient). Its kind, `kda`, is declared in
 model/components/kda.py.
 """
@@ -45,8 +45,9 @@ class KimiDeltaAttention(GatedDeltaNet):
         self.q_proj = nn.Linear(d, key_dim, bias=False)
         self.k_proj = nn.Linear(d, key_dim, bias=False)
         self.v_proj = nn.Linear(d, value_dim, bias=False)
-        channels = 2 * key_dim + value_dim
-        self.conv1d = nn.Conv1d(channels, channels, la.conv_width, groups=channels, bias=False)  # its weight only
+        # one depthwise convolution each for q, k and v (their weights only), as the checkpoints store them
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (
+            nn.Conv1d(width, width, la.conv_width, groups=width, bias=False) for width in (key_dim, key_dim, value_dim))
         self.f_a_proj = nn.Linear(d, la.key_head_dim, bias=False)
         self.f_b_proj = nn.Linear(la.key_head_dim, key_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(key_dim))  # per key channel
@@ -60,11 +61,15 @@ class KimiDeltaAttention(GatedDeltaNet):
 
     def shard_heads(self, ranks: int, rank: int, sum_gradient: Callable[[torch.Tensor], torch.Tensor]
                     ) -> tuple[list[str], list[str]]:
-        """As Gated DeltaNet's: A_log (per head) and dt_bias (per key channel, head-major) split with the heads; the
-        convolution and the gated norm's weight whole."""
+        """A_log (per head), dt_bias and the q, k, v convolutions (per channel, head-major) split with the heads; the
+        gated norm's weight whole."""
         channels = head_channels(self.n_heads, self.key_head_dim, self.n_heads, self.value_head_dim, ranks, rank)
         self.head_shard = HeadShard(channels, sum_gradient)
-        return ["A_log", "dt_bias"], ["conv1d.weight", "norm.weight"]
+        return ["A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"], ["norm.weight"]
+
+    def _conv_weight(self) -> torch.Tensor:
+        """[q | k | v] taps of this rank's heads: each convolution holds its own channels (head-major)."""
+        return torch.cat([_local(c.weight) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]).squeeze(1)
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The projections of x (B, T, D): [q | k | v] (B, T, channels), the output gate (B, T, H, Dv), b (B, T, H)

@@ -140,6 +140,10 @@ class GatedDeltaNet(nn.Module):
         weight = self._whole(weight)
         return weight if self.head_shard is None else weight[self.head_shard.channels.to(weight.device)]
 
+    def _conv_weight(self) -> torch.Tensor:
+        """The depthwise convolution's (channels, width) taps over this module's heads' [q | k | v] channels."""
+        return self._channels(self.conv1d.weight).squeeze(1)
+
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The projections of x (B, T, D): mixed q|k|v (B, T, channels), z (B, T, H, Dv), b and a (B, T, H)."""
         batch, length, _ = x.shape
@@ -173,7 +177,7 @@ class GatedDeltaNet(nn.Module):
             x = x * padding[..., None].to(x.dtype)
         batch, length, _ = x.shape
         mixed, z, b, a = self._split(x)
-        weight = self._channels(self.conv1d.weight).squeeze(1)
+        weight = self._conv_weight()
         if isinstance(chunk, SequenceChunk):
             if cache is not None:
                 raise ValueError("linear_attention blocks generate on one device; set parallel.cp=1 to generate")

@@ -39,13 +39,17 @@ def ours(chunk_size: int = 4, **extra: Any) -> ModelConfig:
 
 
 def state_dict_from(theirs: Any) -> dict[str, torch.Tensor]:
-    """Their names to ours: the forget gate's pieces at the top, A_log (1, 1, H, 1) -> (H,), o_* -> norm/out_proj."""
+    """Their module's names to ours: the forget gate's pieces at the top, A_log (1, 1, H, 1) -> (H,), o_* ->
+    norm / out_proj, the [q | k | v] convolution as the checkpoints' three."""
     renames = {"forget_gate.": "", "o_norm.": "norm.", "o_proj.": "out_proj."}
     out = {}
     for name, tensor in theirs.state_dict().items():
         for old, new in renames.items():
             if name.startswith(old):
                 name = new + name[len(old):]
+        if name == "conv1d.weight":
+            out.update(zip(["q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"], tensor.chunk(3)))
+            continue
         out[name] = tensor.flatten() if name == "A_log" else tensor
     return out
 
