@@ -7,10 +7,10 @@ blocks mlp_layer_types names "sparse" (our mlp_types "moe"), the others a dense 
 
 Tensor names as the checkpoints store them (what save_pretrained writes): a KDA block's self_attn.q_proj / k_proj /
 v_proj, q_conv1d / k_conv1d / v_conv1d, f_a_proj / f_b_proj / dt_bias / A_log (stored (1, 1, H, 1), ours (H,)),
-b_proj, g_a_proj / g_b_proj, o_norm (our norm) and o_proj (our out_proj); an MLA block's as DeepSeek-V3's. A MoE
-block's feed-forward is block_sparse_moe: gate (+ e_score_correction_bias), experts.{j}.w1 / w3 / w2 (gate / up /
-down), shared_experts. A dense block's MLP is written mlp.{gate,up,down}_proj, as the published checkpoints name it;
-save_pretrained spells it block_sparse_moe.*_proj, which is read too.
+b_proj, g_a_proj / g_b_proj, o_norm (our norm) and o_proj (our out_proj); an MLA block's as DeepSeek-V3's. Every
+block's feed-forward is block_sparse_moe: a MoE block's gate (+ e_score_correction_bias), experts.{j}.w1 / w3 / w2
+(gate / up / down) and shared_experts, a dense block's gate_proj / up_proj / down_proj (as save_pretrained writes them;
+the published checkpoints' mlp.*_proj spelling of the dense ones is read too).
 
 Refused: attention_bias, num_key_value_heads other than num_attention_heads, another hidden_act (DeepSeek-V3's rules).
 """
@@ -38,7 +38,7 @@ KINDS = {"linear_attention": "kda", "full_attention": "mla"}  # their layer_type
 _KDA = {"norm.weight": "o_norm.weight", "out_proj.weight": "o_proj.weight"}
 _KDA_SAME = (*(f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "b_proj",
                                         "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj")), "dt_bias")
-_DENSE_SAVED = re.compile(rf"^(model\.layers\.\d+\.){MOE}\.((?:gate|up|down)_proj\.weight)$")
+_DENSE_PUBLISHED = re.compile(r"^(model\.layers\.\d+\.)mlp\.((?:gate|up|down)_proj\.weight)$")
 
 
 class _DeepseekView:
@@ -103,8 +103,8 @@ def kda_rules(cfg: ModelConfig, block: int) -> list[Rule]:
 def rules(cfg: ModelConfig) -> list[Rule]:
     """Llama's embeddings, norms and MLPs with the experts under block_sparse_moe; per block, KDA's or MLA's
     token mixer."""
-    out = [r for r in llama_like.rules(cfg, EXPERTS) if ".attn." not in r.ours[0]]
-    out += [replace(r, theirs=r.theirs.replace(".mlp.", f".{MOE}.")) for r in shared_expert_rules(cfg, True)]
+    out = [replace(r, theirs=r.theirs.replace(".mlp.", f".{MOE}."))
+           for r in [*llama_like.rules(cfg, EXPERTS), *shared_expert_rules(cfg, True)] if ".attn." not in r.ours[0]]
     mla = [r for r in mla_rules(cfg, selection_bias=False) if ".attn." in r.ours[0]]
     for i in range(cfg.n_layers):
         if cfg.layer_type(i) == "kda":
@@ -122,8 +122,9 @@ def extra_features(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def old_names(name: str) -> str:
-    """save_pretrained's spelling of a dense block's MLP (block_sparse_moe.gate_proj) -> the published mlp.gate_proj."""
-    return _DENSE_SAVED.sub(r"\1mlp.\2", name)
+    """The published checkpoints' spelling of a dense block's MLP (mlp.gate_proj) -> save_pretrained's
+    (block_sparse_moe.gate_proj)."""
+    return _DENSE_PUBLISHED.sub(rf"\1{MOE}.\2", name)
 
 
 ADAPTER = HFAdapter(
