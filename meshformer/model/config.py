@@ -158,7 +158,9 @@ class MoeConfig:
 @dataclass
 class LinearAttentionConfig:
     """The `[model.linear_attention]` table: the Gated DeltaNet token mixer of the "linear_attention" blocks
-    (model/linear_attention.py, Qwen3-Next's): a recurrent state per value head instead of a KV cache."""
+    (model/linear_attention.py, Qwen3-Next's) and Kimi Delta Attention of the "kda" blocks (model/kda.py, Kimi
+    Linear's: as many query/key heads as value heads, a forget gate per key channel): a recurrent state per value
+    head instead of a KV cache."""
 
     n_heads: int = 4  # value heads (each with its own state, decay and write strength)
     n_key_heads: int | None = None  # query/key heads, each serving n_heads / n_key_heads value heads; None: n_heads
@@ -171,7 +173,8 @@ class LinearAttentionConfig:
     # (Qwen3.5)
     projections: Literal["grouped", "split"] = "grouped"
     # the chunked rule's kernel: "torch" (model/gated_delta.py, any device), "fla" (flash-linear-attention's Triton
-    # kernel, a GPU and the extra meshformer[fla]), "auto" = fla where it is installed and the model is on CUDA
+    # kernel, a GPU and the extra meshformer[fla]; Gated DeltaNet only), "auto" = fla where it is installed and the
+    # model is on CUDA (kda blocks: torch)
     backend: Literal["torch", "fla", "auto"] = "auto"
 
     @property

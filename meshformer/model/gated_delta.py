@@ -20,7 +20,7 @@ Against `transformers`' fallback, forward + backward: docs/benchmarks/training.m
 
 Per-channel decay (Kimi Delta Attention, KDA): g may also be (B, T, H, Dk), a log decay per key channel, so the
 first line becomes S_t = diag(exp(g_t)) S_{t-1}. Everything above holds with the decays as vectors, except the
-within-chunk products exp(G_i - G_j) q_i.k_j, which no longer factor into one GEMM: `_channel_pair_products` splits
+within-chunk products exp(G_i - G_j) q_i.k_j, which do not factor into one GEMM: `_channel_pair_products` splits
 each chunk into blocks, computes the pairs within a block directly and those across blocks as one GEMM with every
 factor referred to the end of the earlier block, so no factor exceeds 1 (nothing overflows, however fast the decay).
 
