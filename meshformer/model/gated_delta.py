@@ -260,22 +260,25 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         write_decay = write_decay * writes_state[..., None]
         chunk_decay = chunk_decay * keeps_state[..., None]
 
-    # within-chunk products exp(G_i - G_j) a_i.b_j for j <= i in the same document, 0 elsewhere
+    # within-chunk products with the keys, exp(G_i - G_j) a_i.k_j for j <= i in the same document, 0 elsewhere (each
+    # row scaled by row_scale)
     if per_channel:
-        def pairs(a: torch.Tensor, b: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
-            out = _channel_pair_products(a, b, cum, allowed)
+        with_keys = _channel_pair_products(k, cum, allowed)
+
+        def pairs(a: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+            out = with_keys(a)
             return out if row_scale is None else row_scale[..., None] * out
     else:  # masked before exp: no overflow, no NaN
         pair_decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~allowed, float("-inf")).exp()
 
-        def pairs(a: torch.Tensor, b: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
-            products = a @ b.transpose(-1, -2)
+        def pairs(a: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+            products = a @ k.transpose(-1, -2)
             return (products if row_scale is None else row_scale[..., None] * products) * pair_decay
 
     # the UT transform, every chunk at once: T = (I + A)^-1 with A strictly lower (the solve reads only A's strict
     # lower triangle, the unit diagonal implied; C columns rather than Dv + Dk), then U = W_v - W_k S_0 with
     # W_v = T beta V, W_k = T beta exp(G) K
-    ut = pairs(k, k, beta)
+    ut = pairs(k, beta)
     eye = torch.eye(size, dtype=dtype, device=q.device)
     t_inv = torch.linalg.solve_triangular(ut, eye.expand_as(ut), upper=False, unitriangular=True)
     w_v = t_inv @ (v * beta[..., None])
@@ -286,7 +289,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     updates, entering, final_state = _StateScan.apply(w_v, w_k, k_write, chunk_decay, state)
 
     # outputs of every chunk at once: o = P U + (exp(G) q) S_0, P[i, j] = exp(G_i - G_j) q_i.k_j for j <= i
-    out = pairs(q, k) @ updates + (q * read_decay) @ entering
+    out = pairs(q) @ updates + (q * read_decay) @ entering
     out = out.reshape(n, batch, heads, size, dv).permute(1, 0, 3, 2, 4).reshape(batch, n * size, heads, dv)
     final = final_state.reshape(batch, heads, dk, dv) if output_final_state else None
     return out[:, :seq].to(out_dtype), final
@@ -297,31 +300,37 @@ def _block_size(size: int, most: int = 16) -> int:
     return next(b for b in range(min(size, most), 0, -1) if size % b == 0)
 
 
-def _channel_pair_products(a: torch.Tensor, b: torch.Tensor, cum: torch.Tensor, allowed: torch.Tensor
-                           ) -> torch.Tensor:
-    """M[i, j] = sum_d a_i[d] b_j[d] exp(G_i[d] - G_j[d]) where `allowed` (j <= i), else 0, for a, b and the
-    cumulative log decays G (N, BH, C, Dk) (G non-increasing along C: every g <= 0). The chunk is cut into blocks of
-    S tokens. Pairs within a block are computed directly (an (S, S, Dk) product per block). A pair across blocks,
-    i after block J >= j's, factors through R_J, G at J's last token: (a_i exp(G_i - R_J)) . (b_j exp(R_J - G_j)),
-    both exponents <= 0; for each J that is one GEMM of every row's a, scaled to R_J, with J's b."""
-    n, bh, size, dk = a.shape
+def _channel_pair_products(b: torch.Tensor, cum: torch.Tensor, allowed: torch.Tensor
+                           ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """For b and the cumulative log decays G (N, BH, C, Dk) (G non-increasing along C: every g <= 0), the function
+    a -> M with M[i, j] = sum_d a_i[d] b_j[d] exp(G_i[d] - G_j[d]) where `allowed` (j <= i), else 0. The chunk is cut
+    into blocks of S tokens. Pairs within a block are computed directly (an (S, S, Dk) product per block). A pair
+    across blocks, i after block J >= j's, factors through R_J, G at J's last token: (a_i exp(G_i - R_J)) .
+    (b_j exp(R_J - G_j)), both exponents <= 0; for each J that is one GEMM of every row's a, scaled to R_J, with J's
+    b. Everything that depends on b and G alone is computed once for every a (the rule reads k and q against k)."""
+    n, bh, size, dk = b.shape
     block = _block_size(size)
     nb = size // block
-    blocks = torch.arange(size, device=a.device) // block
-    ends = cum.view(n, bh, nb, block, dk)[..., -1, :]  # R_J (N, BH, nb, Dk)
-    b_scaled = (b * (ends[:, :, blocks] - cum).exp()).view(n, bh, nb, block, dk)
-    # a_i scaled to each R_J, zero unless i's block comes after J (masked before exp: nothing overflows)
-    later = blocks[None, :] > torch.arange(nb, device=a.device)[:, None]  # (nb, C)
-    to_end = (cum[:, :, None] - ends[:, :, :, None]).masked_fill(~later[..., None], float("-inf"))
-    across = (a[:, :, None] * to_end.exp()) @ b_scaled.transpose(-1, -2)  # (N, BH, nb [J], C [i], S [j in J])
-    across = across.permute(0, 1, 3, 2, 4).reshape(n, bh, size, size)
-    a_blocks, b_blocks, cum_blocks = (x.view(n, bh, nb, block, dk) for x in (a, b, cum))
-    lower = torch.ones(block, block, dtype=torch.bool, device=a.device).tril()
+    blocks = torch.arange(size, device=b.device) // block
+    cum_blocks = cum.view(n, bh, nb, block, dk)
+    ends = cum_blocks[..., -1, :]  # R_J (N, BH, nb, Dk)
+    b_across = (b * (ends[:, :, blocks] - cum).exp()).view(n, bh, nb, block, dk).transpose(-1, -2)  # (.., Dk, S)
+    # every row's factor to each R_J, zero unless the row's block comes after J (masked before exp: no overflow)
+    later = blocks[None, :] > torch.arange(nb, device=b.device)[:, None]  # (nb, C)
+    to_end = (cum[:, :, None] - ends[:, :, :, None]).masked_fill(~later[..., None], float("-inf")).exp()
+    lower = torch.ones(block, block, dtype=torch.bool, device=b.device).tril()
     diff = (cum_blocks[..., :, None, :] - cum_blocks[..., None, :, :]).masked_fill(~lower[..., None], float("-inf"))
-    within = (a_blocks[..., :, None, :] * b_blocks[..., None, :, :] * diff.exp()).sum(-1)  # (N, BH, nb, S, S)
-    # the blocks onto the diagonal: (N, BH, S, S, nb, nb) -> (N, BH, nb, S, nb, S)
-    diagonal = torch.diag_embed(within.permute(0, 1, 3, 4, 2)).permute(0, 1, 4, 2, 5, 3).reshape(n, bh, size, size)
-    return (across + diagonal) * allowed
+    b_within = diff.exp() * b.view(n, bh, nb, block, dk)[..., None, :, :]  # (N, BH, nb, S [i], S [j], Dk)
+
+    def products(a: torch.Tensor) -> torch.Tensor:
+        across = (a[:, :, None] * to_end) @ b_across  # (N, BH, nb [J], C [i], S [j in J])
+        across = across.permute(0, 1, 3, 2, 4).reshape(n, bh, size, size)
+        within = (b_within @ a.view(n, bh, nb, block, dk)[..., None]).squeeze(-1)  # (N, BH, nb, S, S)
+        # the blocks onto the diagonal: (N, BH, S, S, nb, nb) -> (N, BH, nb, S, nb, S)
+        diagonal = torch.diag_embed(within.permute(0, 1, 3, 4, 2)).permute(0, 1, 4, 2, 5, 3)
+        return (across + diagonal.reshape(n, bh, size, size)) * allowed
+
+    return products
 
 
 def _chunk_major(x: torch.Tensor, n: int, pad: int, mode: str = "constant") -> torch.Tensor:
