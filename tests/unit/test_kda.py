@@ -170,3 +170,25 @@ def test_config_refusals(extra: dict[str, Any], message: str) -> None:
         setattr(cfg.linear_attention, key, value)
     with pytest.raises(ConfigError, match=message):
         validate_model(cfg, "test")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_planner_bytes_follow_what_autograd_keeps(dtype: torch.dtype) -> None:
+    """The kind's saved_bytes against the tensors the module's graph keeps (saved-tensor hooks, parameters
+    excluded), in float32 and under bf16 autocast, at three shapes: within 12%."""
+    from meshformer.model.components import TOKEN_MIXERS
+    from meshformer.planner.activations import ActivationShape
+    from meshformer.planner.measure import saved_activation_bytes
+
+    half = dtype != torch.float32
+    for heads, dim, chunk, batch, seq in [(4, 16, 8, 1, 50), (4, 32, 64, 2, 256), (2, 64, 32, 1, 300)]:
+        cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, layer_types=["kda"],
+                          linear_attention=LinearAttentionConfig(n_heads=heads, key_head_dim=dim, value_head_dim=dim,
+                                                                 chunk_size=chunk))
+        module = KimiDeltaAttention(cfg)
+        x = torch.randn(batch, seq, cfg.d_model).to(dtype).requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16, enabled=half):
+            kept = saved_activation_bytes(module, lambda m=module, x=x: m(x))
+        layout = ActivationShape(batch, seq, 1, 2 if half else 4, 4)
+        predicted = TOKEN_MIXERS["kda"].saved_bytes(cfg, layout, memory_len=0, causal=True)
+        assert abs(predicted / kept - 1) < 0.12, (heads, dim, chunk, predicted, kept)
