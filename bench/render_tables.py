@@ -35,7 +35,8 @@ PAGES: dict[str, tuple[str, str]] = {
                       "Multi-head latent attention against grouped-query attention of the same FLOPs and its "
                       "generation cache at DeepSeek-V3's widths, what multi-token prediction costs and does to the "
                       "main loss, a Gated DeltaNet : attention hybrid against full attention as the sequence grows, "
-                      "and the chunked gated delta rule against transformers'. See [multi-head latent attention]"
+                      "and the chunked gated delta rule (a decay per head, and per channel: KDA) against "
+                      "transformers'. See [multi-head latent attention]"
                       "(../model/mla.md) and [linear attention](../model/linear-attention.md); the planner's layouts "
                       "for these models are in the [planner tables](planner-tables.md#mla-multi-token-prediction-and-"
                       "linear-attention)."),

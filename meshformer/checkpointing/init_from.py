@@ -130,7 +130,8 @@ class HFInitWeights:
         original = hf._normalize_names({k: k for k in theirs}, arch)  # normalised name -> name in the files
         self.files = SafetensorsFolder(folder) if has_safetensors(folder) else None
         self.renamed = {rule.ours[0]: original[rule.theirs] for rule in hf.name_rules(self.cfg, arch)
-                        if not rule.alias and len(rule.ours) == 1 and not rule.transpose and rule.expert is None}
+                        if not rule.alias and len(rule.ours) == 1 and not rule.transpose and rule.expert is None
+                        and rule.theirs_shape is None}
         if self.cfg.tie_embeddings and "tok_embeddings.weight" in self.renamed:
             self.renamed["output.weight"] = self.renamed["tok_embeddings.weight"]
 

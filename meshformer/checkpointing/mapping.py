@@ -53,6 +53,8 @@ def iter_export(ours: Mapping[str, torch.Tensor], rules: Iterable[Rule]) -> Iter
             tensor = parts[0]
         else:
             tensor = torch.stack(parts, dim=-1).flatten(-2) if rule.interleave else torch.cat(parts, dim=0)
+        if rule.theirs_shape is not None:
+            tensor = tensor.reshape(rule.theirs_shape)
         yield rule.theirs, (tensor.t().contiguous() if rule.transpose else tensor)
 
 
@@ -70,6 +72,8 @@ def import_tensors(theirs: Mapping[str, torch.Tensor], rules: Iterable[Rule], sh
             raise KeyError(f"{source} state dict lacks {rule.theirs!r} (needed for {', '.join(rule.ours)})")
         tensor = theirs[rule.theirs].detach()
         tensor = tensor.t() if rule.transpose else tensor
+        if rule.theirs_shape is not None and tensor.numel() == shapes[rule.ours[0]].numel():
+            tensor = tensor.reshape(shapes[rule.ours[0]])
         if rule.expert is not None:
             experts.setdefault(rule.ours[0], []).append(tensor)
             continue

@@ -77,9 +77,9 @@ def megatron_incompatibilities(cfg: ModelConfig) -> list[str]:
         (not cfg.attention.sinks, "attention_sinks (no Megatron-Core mapping here)"),
         (not cfg.uses_mla, "mla blocks (no Megatron-Core mapping here)"),
         (cfg.moe.router_scale == 1.0 or not cfg.moe.n_experts, "moe.router_scale (no Megatron-Core mapping here)"),
-        ("linear_attention" not in cfg.layer_types and not cfg.attention.output_gate and cfg.rope.partial_factor == 1
-         and not cfg.moe.shared_expert_gate,
-         "linear_attention blocks / attention output_gate / rope partial_factor / shared_expert_gate "
+        (not {"linear_attention", "kda"} & set(cfg.layer_types) and not cfg.attention.output_gate
+         and cfg.rope.partial_factor == 1 and not cfg.moe.shared_expert_gate,
+         "linear_attention / kda blocks / attention output_gate / rope partial_factor / shared_expert_gate "
          "(no Megatron-Core mapping here)"),
     ]
     return [problem for ok, problem in checks if not ok] + (_router_incompatibilities(cfg) if cfg.moe.n_experts else [])

@@ -160,7 +160,9 @@ class MoeConfig:
 @dataclass
 class LinearAttentionConfig:
     """The `[model.linear_attention]` table: the Gated DeltaNet token mixer of the "linear_attention" blocks
-    (model/linear_attention.py, Qwen3-Next's): a recurrent state per value head instead of a KV cache."""
+    (model/linear_attention.py, Qwen3-Next's) and Kimi Delta Attention of the "kda" blocks (model/kda.py, Kimi
+    Linear's: as many query/key heads as value heads, a forget gate per key channel): a recurrent state per value
+    head instead of a KV cache."""
 
     n_heads: int = 4  # value heads (each with its own state, decay and write strength)
     n_key_heads: int | None = None  # query/key heads, each serving n_heads / n_key_heads value heads; None: n_heads
@@ -173,7 +175,8 @@ class LinearAttentionConfig:
     # (Qwen3.5)
     projections: Literal["grouped", "split"] = "grouped"
     # the chunked rule's kernel: "torch" (model/gated_delta.py, any device), "fla" (flash-linear-attention's Triton
-    # kernel, a GPU and the extra meshformer[fla]), "auto" = fla where it is installed and the model is on CUDA
+    # kernel, a GPU and the extra meshformer[fla]; Gated DeltaNet only), "auto" = fla where it is installed and the
+    # model is on CUDA (kda blocks: torch)
     backend: Literal["torch", "fla", "auto"] = "auto"
 
     @property
@@ -220,9 +223,9 @@ class ModelConfig:
     scale_output: bool = False  # multiply final hidden states by d_model**-0.5 before the output projection (T5)
     cross_downsample: int = 1  # pool encoder output by this factor before cross-attention
     # Token mixer of each block of a stack: "full_attention" | "sliding_attention" (attention.window, rope.local_theta)
-    # | "linear_attention" (Gated DeltaNet: [model.linear_attention]) | "mla" (multi-head latent attention,
-    # [model.mla]), one per block or a shorter pattern repeated over the stack (Gemma 3: 5 sliding, then 1 full);
-    # []: all full
+    # | "linear_attention" (Gated DeltaNet: [model.linear_attention]) | "kda" (Kimi Delta Attention, the same
+    # table) | "mla" (multi-head latent attention, [model.mla]), one per block or a shorter pattern repeated over the
+    # stack (Gemma 3: 5 sliding, then 1 full); []: all full
     layer_types: list[str] = field(default_factory=list)
     # Channel mixer of each block of a stack: "dense" (ffn) | "moe" (moe), one per block or a repeated pattern;
     # []: every block "moe" when moe.n_experts > 0, else "dense"
@@ -247,8 +250,8 @@ class ModelConfig:
 
     @property
     def uses_mla(self) -> bool:
-        """Whether the blocks attend through multi-head latent attention (checkpoint formats ask; config validation:
-        all of them or none)."""
+        """Whether blocks attend through multi-head latent attention (checkpoint formats ask; config validation: all
+        of them or none under RoPE)."""
         return "mla" in self.layer_types
 
     @property

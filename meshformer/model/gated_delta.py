@@ -18,12 +18,18 @@ backward as two GEMMs per chunk and batches the rest); the outputs of all chunks
 product, o = P U + exp(G) q S_0 with P[i, j] = exp(G_i - G_j) q_i.k_j for j <= i. Everything else is autograd.
 Against `transformers`' fallback, forward + backward: docs/benchmarks/training.md (`bench/gated_delta.py`).
 
-Conventions (those of `transformers`' Qwen3-Next `torch_chunk_gated_delta_rule`, so the two compare directly):
-q, k (B, T, Hk, Dk); v (B, T, H, Dv); g and beta (B, T, H); H a multiple of Hk (each q/k head serves H / Hk
-consecutive value heads); state (B, H, Dk, Dv); output (B, T, H, Dv) in the input dtype. Half-precision inputs
-compute in float32, float64 stays float64; the returned state is in the compute dtype. Queries and keys are used
-as given unless `use_qk_l2norm=True` (then each is divided by sqrt(sum of squares + 1e-6) first, as the
-checkpoints' kernels do).
+Per-channel decay (Kimi Delta Attention, KDA): g may also be (B, T, H, Dk), a log decay per key channel, so the
+first line becomes S_t = diag(exp(g_t)) S_{t-1}. Everything above holds with the decays as vectors, except the
+within-chunk products exp(G_i - G_j) q_i.k_j, which do not factor into one GEMM: `_channel_pair_products` splits
+each chunk into blocks, computes the pairs within a block directly and those across blocks as one GEMM with every
+factor referred to the end of the earlier block, so no factor exceeds 1 (nothing overflows, however fast the decay).
+
+Conventions (those of `transformers`' Qwen3-Next `torch_chunk_gated_delta_rule` and Kimi Linear's
+`chunk_kimi_delta_attention`, so they compare directly): q, k (B, T, Hk, Dk); v (B, T, H, Dv); g (B, T, H) or
+(B, T, H, Dk) and beta (B, T, H); H a multiple of Hk (each q/k head serves H / Hk consecutive value heads);
+state (B, H, Dk, Dv); output (B, T, H, Dv) in the input dtype. Half-precision inputs compute in float32, float64
+stays float64; the returned state is in the compute dtype. Queries and keys are used as given unless
+`use_qk_l2norm=True` (then each is divided by sqrt(sum of squares + 1e-6) first, as the checkpoints' kernels do).
 
 Packed documents: `doc_ids` (B, T), each row's document index (non-decreasing, as the batches carry them when
 `model.attention.document_mask` is on; `doc_ids_from_cu_seqlens` converts cumulative lengths). The state is zeroed where
@@ -71,7 +77,8 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  scale: float | None, use_qk_l2norm: bool) -> tuple[torch.Tensor, ...]:
-    """Checks shapes; returns q (scaled), k, v as (B, H, T, D) and g, beta as (B, H, T) in the compute dtype."""
+    """Checks shapes; returns q (scaled), k, v as (B, H, T, D), g as (B, H, T, Dk or 1) and beta as (B, H, T) in the
+    compute dtype."""
     _check_shapes(q, k, v, g, beta)
     heads, k_heads = v.shape[2], k.shape[2]
     dtype = _compute_dtype(q)
@@ -79,6 +86,8 @@ def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
         q, k = (x.repeat_interleave(heads // k_heads, dim=2) for x in (q, k))
     q, k, v = (x.transpose(1, 2).to(dtype) for x in (q, k, v))
     g, beta = (x.transpose(1, 2).to(dtype) for x in (g, beta))
+    if g.dim() == 3:  # one decay per head: a trailing channel dimension of 1 broadcasts over the state's rows
+        g = g[..., None]
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     return q * (q.shape[-1] ** -0.5 if scale is None else scale), k, v, g, beta
@@ -89,9 +98,10 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         raise ValueError(f"q, k must be (B, T, Hk, Dk) and v (B, T, H, Dv); got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     heads, k_heads = v.shape[2], k.shape[2]
-    if heads % k_heads or g.shape != v.shape[:3] or beta.shape != v.shape[:3]:
-        raise ValueError(f"value heads ({heads}) must be a multiple of key heads ({k_heads}) and g, beta "
-                         f"(B, T, H) = {tuple(v.shape[:3])}; got {tuple(g.shape)}, {tuple(beta.shape)}")
+    if heads % k_heads or g.shape not in (v.shape[:3], (*v.shape[:3], k.shape[3])) or beta.shape != v.shape[:3]:
+        raise ValueError(f"value heads ({heads}) must be a multiple of key heads ({k_heads}), g (B, T, H) or "
+                         f"(B, T, H, Dk) and beta (B, T, H) = {tuple(v.shape[:3])}; got {tuple(g.shape)}, "
+                         f"{tuple(beta.shape)}")
 
 
 def _check_docs(doc_ids: torch.Tensor | None, batch: int, seq: int) -> None:
@@ -133,10 +143,10 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     decay = g.exp()
     if doc_ids is not None:  # a document's first token starts from an empty state
         starts = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0))
-        decay = decay.masked_fill(starts[:, None, :], 0.0)
+        decay = decay.masked_fill(starts[:, None, :, None], 0.0)
     outputs = []
     for t in range(seq):
-        state = state * decay[:, :, t, None, None]
+        state = state * decay[:, :, t, :, None]
         delta = (v[:, :, t] - (k[:, :, t, :, None] * state).sum(-2)) * beta[:, :, t, None]
         state = state + k[:, :, t, :, None] * delta[:, :, None, :]
         outputs.append((q[:, :, t, :, None] * state).sum(-2))
@@ -148,7 +158,8 @@ class _StateScan(torch.autograd.Function):
     """The chunk-to-chunk recurrence, N steps over (B*H)-batched blocks, chunk-major:
 
         U_n = W_v[n] - W_k[n] S_n              the chunk's delta-rule updates, given the state entering it
-        S_{n+1} = d_n S_n + K_w[n] U_n         the state leaving it (K_w: keys decayed to the chunk's end, (Dk, C))
+        S_{n+1} = d_n S_n + K_w[n] U_n         the state leaving it (K_w: keys decayed to the chunk's end, (Dk, C);
+                                               d_n (BH, Dk or 1): the chunk's decay of each state row, or of all)
 
     Returns U (N, BH, C, Dv), the entering states S_0..S_{N-1} (N, BH, Dk, Dv) and S_N. Backward runs the same
     two GEMMs per step in reverse for dU and dS and leaves every other gradient to one batched product after the
@@ -163,7 +174,7 @@ class _StateScan(torch.autograd.Function):
         states[0] = state
         for i in range(n):
             torch.baddbmm(w_v[i], w_k[i], states[i], alpha=-1, out=updates[i])
-            torch.mul(states[i], decay[i, :, None, None], out=states[i + 1])
+            torch.mul(states[i], decay[i, :, :, None], out=states[i + 1])
             states[i + 1].baddbmm_(k_write[i], updates[i])
         ctx.save_for_backward(w_k, k_write, decay, updates, states)
         return updates, states[:-1], states[-1]  # separate outputs: no slicing backward over all the states
@@ -181,11 +192,13 @@ class _StateScan(torch.autograd.Function):
             part.zero_() if grad is None else part.copy_(grad)
         for i in range(n - 1, -1, -1):
             d_u[i].baddbmm_(k_write[i].transpose(-1, -2), d_s[i + 1])
-            d_s[i].addcmul_(d_s[i + 1], decay[i, :, None, None])
+            d_s[i].addcmul_(d_s[i + 1], decay[i, :, :, None])
             d_s[i].baddbmm_(w_k[i].transpose(-1, -2), d_u[i], alpha=-1)
         d_next = d_s[1:]
         d_k_write = d_next @ updates.transpose(-1, -2)
-        d_decay = (d_next * states[:-1]).sum((-1, -2))
+        d_decay = (d_next * states[:-1]).sum(-1)
+        if decay.shape[-1] == 1:  # one decay for all the rows
+            d_decay = d_decay.sum(-1, keepdim=True)
         d_w_k = -(d_u @ states[:-1].transpose(-1, -2))
         return d_u, d_w_k, d_k_write, d_decay, d_s[0]
 
@@ -221,7 +234,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         k = l2norm(k)
     else:
         q = q * q_scale
-    cum = g.cumsum(-1)  # G: log decay from the chunk's start through each token
+    per_channel = g.dim() == 4  # (N, B*H, C, Dk): a decay per key channel (KDA)
+    cum = g.cumsum(-2 if per_channel else -1)  # G: log decay from the chunk's start through each token
 
     causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
     reads_state = writes_state = keeps_state = None
@@ -236,35 +250,87 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         writes_state = docs == docs[..., -1:]  # tokens whose writes reach the leaving state
         keeps_state = reads_state[..., -1]
 
-    # exp(G_i - G_j) for j <= i in the same document, 0 elsewhere (masked before exp: no overflow, no NaN)
-    pair_decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~allowed, float("-inf")).exp()
-    read_decay = cum.exp()  # entering state -> token i
-    write_decay = (cum[..., -1:] - cum).exp()  # token j -> leaving state
-    chunk_decay = cum[..., -1].exp()  # entering state -> leaving state
+    # decays with a trailing channel dimension (1 for a decay per head), broadcast over each token's key channels
+    cum_c = cum if per_channel else cum[..., None]
+    read_decay = cum_c.exp()  # entering state -> token i
+    write_decay = (cum_c[..., -1:, :] - cum_c).exp()  # token j -> leaving state
+    chunk_decay = cum_c[..., -1, :].exp()  # entering state -> leaving state, (N, B*H, Dk or 1)
     if reads_state is not None and writes_state is not None and keeps_state is not None:
-        read_decay = read_decay * reads_state
-        write_decay = write_decay * writes_state
-        chunk_decay = chunk_decay * keeps_state
+        read_decay = read_decay * reads_state[..., None]
+        write_decay = write_decay * writes_state[..., None]
+        chunk_decay = chunk_decay * keeps_state[..., None]
+
+    # within-chunk products with the keys, exp(G_i - G_j) a_i.k_j for j <= i in the same document, 0 elsewhere (each
+    # row scaled by row_scale)
+    if per_channel:
+        with_keys = _channel_pair_products(k, cum, allowed)
+
+        def pairs(a: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+            out = with_keys(a)
+            return out if row_scale is None else row_scale[..., None] * out
+    else:  # masked before exp: no overflow, no NaN
+        pair_decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~allowed, float("-inf")).exp()
+
+        def pairs(a: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+            products = a @ k.transpose(-1, -2)
+            return (products if row_scale is None else row_scale[..., None] * products) * pair_decay
 
     # the UT transform, every chunk at once: T = (I + A)^-1 with A strictly lower (the solve reads only A's strict
     # lower triangle, the unit diagonal implied; C columns rather than Dv + Dk), then U = W_v - W_k S_0 with
     # W_v = T beta V, W_k = T beta exp(G) K
-    ut = (beta[..., None] * (k @ k.transpose(-1, -2))) * pair_decay
+    ut = pairs(k, beta)
     eye = torch.eye(size, dtype=dtype, device=q.device)
     t_inv = torch.linalg.solve_triangular(ut, eye.expand_as(ut), upper=False, unitriangular=True)
     w_v = t_inv @ (v * beta[..., None])
-    w_k = t_inv @ (k * (beta * read_decay)[..., None])
-    k_write = (k * write_decay[..., None]).transpose(-1, -2)
+    w_k = t_inv @ (k * (beta[..., None] * read_decay))
+    k_write = (k * write_decay).transpose(-1, -2)
 
     # the sequential part: only the state crosses chunks
     updates, entering, final_state = _StateScan.apply(w_v, w_k, k_write, chunk_decay, state)
 
     # outputs of every chunk at once: o = P U + (exp(G) q) S_0, P[i, j] = exp(G_i - G_j) q_i.k_j for j <= i
-    attn = (q @ k.transpose(-1, -2)) * pair_decay
-    out = attn @ updates + (q * read_decay[..., None]) @ entering
+    out = pairs(q) @ updates + (q * read_decay) @ entering
     out = out.reshape(n, batch, heads, size, dv).permute(1, 0, 3, 2, 4).reshape(batch, n * size, heads, dv)
     final = final_state.reshape(batch, heads, dk, dv) if output_final_state else None
     return out[:, :seq].to(out_dtype), final
+
+
+def _block_size(size: int, most: int = 16) -> int:
+    """The largest divisor of the chunk size `size` up to `most`: the blocks of `_channel_pair_products`."""
+    return next(b for b in range(min(size, most), 0, -1) if size % b == 0)
+
+
+def _channel_pair_products(b: torch.Tensor, cum: torch.Tensor, allowed: torch.Tensor
+                           ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """For b and the cumulative log decays G (N, BH, C, Dk) (G non-increasing along C: every g <= 0), the function
+    a -> M with M[i, j] = sum_d a_i[d] b_j[d] exp(G_i[d] - G_j[d]) where `allowed` (j <= i), else 0. The chunk is cut
+    into blocks of S tokens. Pairs within a block are computed directly (an (S, S, Dk) product per block). A pair
+    across blocks, i after block J >= j's, factors through R_J, G at J's last token: (a_i exp(G_i - R_J)) .
+    (b_j exp(R_J - G_j)), both exponents <= 0; for each J that is one GEMM of every row's a, scaled to R_J, with J's
+    b. Everything that depends on b and G alone is computed once for every a (the rule reads k and q against k)."""
+    n, bh, size, dk = b.shape
+    block = _block_size(size)
+    nb = size // block
+    blocks = torch.arange(size, device=b.device) // block
+    cum_blocks = cum.view(n, bh, nb, block, dk)
+    ends = cum_blocks[..., -1, :]  # R_J (N, BH, nb, Dk)
+    b_across = (b * (ends[:, :, blocks] - cum).exp()).view(n, bh, nb, block, dk).transpose(-1, -2)  # (.., Dk, S)
+    # every row's factor to each R_J, zero unless the row's block comes after J (masked before exp: no overflow)
+    later = blocks[None, :] > torch.arange(nb, device=b.device)[:, None]  # (nb, C)
+    to_end = (cum[:, :, None] - ends[:, :, :, None]).masked_fill(~later[..., None], float("-inf")).exp()
+    lower = torch.ones(block, block, dtype=torch.bool, device=b.device).tril()
+    diff = (cum_blocks[..., :, None, :] - cum_blocks[..., None, :, :]).masked_fill(~lower[..., None], float("-inf"))
+    b_within = diff.exp() * b.view(n, bh, nb, block, dk)[..., None, :, :]  # (N, BH, nb, S [i], S [j], Dk)
+
+    def products(a: torch.Tensor) -> torch.Tensor:
+        across = (a[:, :, None] * to_end) @ b_across  # (N, BH, nb [J], C [i], S [j in J])
+        across = across.permute(0, 1, 3, 2, 4).reshape(n, bh, size, size)
+        within = (b_within @ a.view(n, bh, nb, block, dk)[..., None]).squeeze(-1)  # (N, BH, nb, S, S)
+        # the blocks onto the diagonal: (N, BH, S, S, nb, nb) -> (N, BH, nb, S, nb, S)
+        diagonal = torch.diag_embed(within.permute(0, 1, 3, 4, 2)).permute(0, 1, 4, 2, 5, 3)
+        return (across + diagonal.reshape(n, bh, size, size)) * allowed
+
+    return products
 
 
 def _chunk_major(x: torch.Tensor, n: int, pad: int, mode: str = "constant") -> torch.Tensor:

@@ -75,18 +75,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class GatedRMSNorm(nn.Module):
-    """weight * rmsnorm(x) * silu(gate) over the last dimension, normalised in float32."""
+    """weight * rmsnorm(x) * activation(gate) over the last dimension (activation: SiLU, or KDA's sigmoid),
+    normalised in float32."""
 
-    def __init__(self, width: int, eps: float) -> None:
+    def __init__(self, width: int, eps: float,
+                 activation: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(width))
         self.eps = eps
+        self.activation = activation
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """weight: the scale to use in place of `self.weight` (a tensor-parallel rank's view of it)."""
         dtype = x.dtype
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(dtype)
-        return ((self.weight if weight is None else weight) * normed * F.silu(gate.float())).to(dtype)
+        return ((self.weight if weight is None else weight) * normed * self.activation(gate.float())).to(dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -137,6 +140,10 @@ class GatedDeltaNet(nn.Module):
         weight = self._whole(weight)
         return weight if self.head_shard is None else weight[self.head_shard.channels.to(weight.device)]
 
+    def _conv_weight(self) -> torch.Tensor:
+        """The depthwise convolution's (channels, width) taps over this module's heads' [q | k | v] channels."""
+        return self._channels(self.conv1d.weight).squeeze(1)
+
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The projections of x (B, T, D): mixed q|k|v (B, T, channels), z (B, T, H, Dv), b and a (B, T, H)."""
         batch, length, _ = x.shape
@@ -170,7 +177,7 @@ class GatedDeltaNet(nn.Module):
             x = x * padding[..., None].to(x.dtype)
         batch, length, _ = x.shape
         mixed, z, b, a = self._split(x)
-        weight = self._channels(self.conv1d.weight).squeeze(1)
+        weight = self._conv_weight()
         if isinstance(chunk, SequenceChunk):
             if cache is not None:
                 raise ValueError("linear_attention blocks generate on one device; set parallel.cp=1 to generate")

@@ -121,7 +121,9 @@ class MultiHeadLatentAttention(nn.Module):
         batch, length, _ = x.shape
         return q.view(batch, length, -1, self.qk_dim).transpose(1, 2)
 
-    def _rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def _rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        if rope is None:
+            return x
         return apply_rope(deinterleave(x) if self.interleave else x, rope)
 
     def _expand(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,10 +147,10 @@ class MultiHeadLatentAttention(nn.Module):
         chunk: SequenceChunk | None = None,
     ) -> torch.Tensor:
         """Self-attention of x (B, T, d_model); `memory` and `bias` are not taken (config validation keeps MLA to
-        causal RoPE stacks). chunk: under context parallel, the pieces of the sequence `x` holds."""
-        if rope is None or memory is not None or bias is not None:
-            raise ValueError("multi-head latent attention is causal self-attention with RoPE only: set "
-                             "model.position='rope' and use it in a decoder stack")
+        causal stacks). rope None (model.position "none", Kimi Linear's MLA): the rotary part of the queries and the
+        shared key enter unrotated. chunk: under context parallel, the pieces of the sequence `x` holds."""
+        if memory is not None or bias is not None:
+            raise ValueError("multi-head latent attention is causal self-attention only: use it in a decoder stack")
         batch, length, _ = x.shape
         q_nope, q_rope = self._queries(x).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj(x).split([self.kv_rank, self.rope_dim], dim=-1)

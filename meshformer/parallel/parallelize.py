@@ -187,7 +187,8 @@ def parallelize_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes:
                                   f"{dims.dp_replicate * dims.dp_shard_mod_ep} data-parallel ranks ep leaves")
     if context_layers:
         report["context"] = (f"{dims.cp} ranks, each holding 2 of {2 * dims.cp} pieces of every sequence; "
-                             f"{context_layers} layers exchange keys/values (attention) or states (linear_attention)")
+                             f"{context_layers} layers exchange keys/values (attention) or states (linear_attention, "
+                             "kda)")
     if fp8 and keep:
         report["fp8"] += f"; high precision: {', '.join(sorted(keep))}"
     if meshes is not None and dims.fsdp_enabled:

@@ -80,10 +80,12 @@ def test_attention_sinks_tiny():
     assert clip["row"] == "qk_clip_kernel" and clip["recording_ms"] > 0 and clip["flash_ms"] > 0
 
 
-def test_gated_delta_tiny():
-    pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")  # the reference side
-    (record,) = run_bench("gated_delta.py", "--shape", "1,2,16,80", "--rounds", "1", "--threads", "1")
-    assert record["bench"] == "gated_delta" and record["transformers_ms"] > 0 and record["ours_ms"] > 0
+@pytest.mark.parametrize(("rule", "reference"), [
+    ("gated_delta", "qwen3_next"), pytest.param("kda", "kimi_linear", marks=pytest.mark.slow)])
+def test_gated_delta_tiny(rule, reference):
+    pytest.importorskip(f"transformers.models.{reference}.modeling_{reference}")  # the reference side
+    (record,) = run_bench("gated_delta.py", "--rule", rule, "--shape", "1,2,16,80", "--rounds", "1", "--threads", "1")
+    assert record["bench"] == rule and record["transformers_ms"] > 0 and record["ours_ms"] > 0
     assert record["out_max_diff"] < 1e-5 and record["dq_max_diff"] < 1e-5  # the same rule on both sides
 
 

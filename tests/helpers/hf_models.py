@@ -62,6 +62,13 @@ ARCHS: dict[str, dict[str, Any]] = {
                              head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
                              linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4,
                              num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32),
+    # Kimi Linear: a KDA block (2 heads of width 8) then latent attention without RoPE; block 0 dense, then 4
+    # experts in 2 groups (1 kept per token), top-2 sigmoid scores, one shared expert
+    "kimi_linear": dict(config="KimiLinearConfig", model="KimiLinearForCausalLM", tie_word_embeddings=False,
+                        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+                        qk_rope_head_dim=4, v_head_dim=8, moe_intermediate_size=32, num_local_experts=4, n_group=2,
+                        topk_group=1, num_experts_per_tok=2, n_shared_experts=1, linear_num_heads=2,
+                        linear_head_dim=8, layer_types=["linear_attention", "full_attention"]),
     # 4 experts of width intermediate_size, top-2
     "mixtral": dict(config="MixtralConfig", model="MixtralForCausalLM", tie_word_embeddings=False,
                     num_local_experts=4, num_experts_per_tok=2),

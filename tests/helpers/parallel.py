@@ -165,6 +165,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
                    rope=dict(partial_factor=0.5),
                    linear_attention=dict(n_heads=4, n_key_heads=2, key_head_dim=8, value_head_dim=6, chunk_size=8,
                                          projections="split")),
+    # Kimi Linear-like: a KDA block (a forget gate per key channel; state and convolutions reset per packed
+    # document) then latent attention without RoPE; block 0 dense, then sigmoid-routed experts beside a shared one
+    "kimi": dict(family="decoder", n_layers=2, position="none", bias=False, layer_types=["kda", "mla"],
+                 mlp_types=["dense", "moe"], ffn=dict(activation="swiglu"), norm=dict(kind="rmsnorm"),
+                 attention=dict(document_mask=True),
+                 mla=dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
+                 linear_attention=dict(n_heads=4, key_head_dim=8, value_head_dim=8, chunk_size=8),
+                 moe=dict(n_experts=4, experts_per_token=2, d_ff=16, n_shared_experts=1, router_score="sigmoid")),
     # BERT-like: learned positions, embedding norm, prediction-head transform, post-norm
     "encoder": dict(family="encoder", n_layers=4, position="learned", head_transform=True, ffn=dict(activation="gelu"),
                     norm=dict(embedding=True, position="post")),

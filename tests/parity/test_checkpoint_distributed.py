@@ -211,6 +211,22 @@ def test_gated_deltanet_reshards_from_tensor_parallel_to_one_process(reference, 
     assert max_diff(final_weights(single), tp_weights) < LAYOUT_CHANGE_TOLERANCE
 
 
+def test_kda_reshards_from_tensor_parallel_to_one_process(reference, tmp_path):
+    """KDA blocks saved under tp=2 (heads split: q, k, v, their convolutions, A_log and dt_bias) resume in one
+    process and continue as the tensor-parallel run does."""
+    layout = ('model.layer_types=["kda", "full_attention"]', *GATED_DELTA[1:2], *GATED_DELTA[3:],
+              "data.batch_size=8")
+    tp = tmp_path / "tp"
+    _check(_launch(tp, reference["shards"], *layout, "parallel.tp=2", "parallel.dp_shard=1"))
+    single = tmp_path / "single"
+    copy_steps(tp / "checkpoints", single / "checkpoints", 2)
+    run_trainer(tiny_config(reference["shards"], single, STEPS, *layout))
+    tp_weights = final_weights(tp)
+    assert tp_weights["decoder_layers.0.attn.q_conv1d.weight"].shape == (4 * 8, 1, 4)  # whole: both ranks' heads
+    assert tp_weights["decoder_layers.0.attn.dt_bias"].shape == (4 * 8,)
+    assert max_diff(final_weights(single), tp_weights) < LAYOUT_CHANGE_TOLERANCE
+
+
 # ----------------------------------------------------------------------------- one rank of a launch
 
 

@@ -120,6 +120,10 @@ MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "mo
               "deepseek4/pp-sched=zbv", "deepseek4/pp-sched=interleaved_zb-spr=2",
               "deepseek4/pp-sched=interleaved_1f1b-spr=2", "qwen3next4/pp-sched=zbv",
               "qwen3next4/pp-sched=interleaved_zb-spr=2", "qwen3next4/pp-sched=gpipe",
+              # Kimi Linear's pieces: KDA split by heads (q, k, v, their convolutions and the per-channel decay's
+              # dt_bias with their heads), its per-channel state passed piece to piece (cp), beside latent attention
+              # without RoPE; under FSDP and the pipeline
+              "kimi/tp-ep", "kimi/cp-ep", "kimi/fsdp-ep", "kimi/pp",
               # multi-token prediction under the split backward: the last stage's weight pass keeps its graph
               "deepseek_mtp4/pp-sched=zbv", "deepseek_mtp4/pp-sched=interleaved_zb-spr=2",
               "deepseek_mtp4/pp-sched=interleaved_1f1b-spr=2"]
@@ -133,7 +137,9 @@ MOE_WORLD4 = ["qwen3next/cp=4",  # 8 pieces of 2 tokens: a convolution window sp
               # the experts' FSDP shards inside each block's unit: selective recompute replays it
               "moe/fsdp=4-ep-recompute=selective",
               # multi-token prediction with two axes: the last stage's modules split by tp; cp pieces under tp
-              "deepseek_mtp/pp-tp-ep", "deepseek_mtp/cp-tp-ep=4"]
+              "deepseek_mtp/pp-tp-ep", "deepseek_mtp/cp-tp-ep=4",
+              # KDA: 8 pieces of 2 tokens (a convolution window spans two earlier pieces); pieces on each rank's heads
+              "kimi/cp=4", "kimi/cp-tp-ep=4"]
 MOE_WORLD8 = ["moe/pp-fsdp-tp-ep", "moe/cp-tp-fsdp-ep=4", "moe/hsdp-tp-ep"]
 WORLD2 += MOE_WORLD2
 WORLD4 += MOE_WORLD4
@@ -187,7 +193,7 @@ WORLD2_SLOW = {"decoder/cp-compile", "decoder/tp-fp8=tensorwise", "decoder_alibi
                 "qwen3next4/pp-sched=interleaved_zb-spr=2", "qwen3next4/pp-sched=gpipe",
                 "deepseek_mtp4/pp-sched=zbv", "deepseek_mtp4/pp-sched=interleaved_zb-spr=2",
                 "deepseek_mtp4/pp-sched=interleaved_1f1b-spr=2", "deepseek_mtp/fsdp-ep-recompute=full",
-                "deepseek_mtp/fsdp-ep-recompute=selective"}
+                "deepseek_mtp/fsdp-ep-recompute=selective", "kimi/fsdp-ep", "kimi/pp"}
 # The second step's global gradient norm, for rows where Adam's first update (about ±lr per element, its sign set by
 # rounding where a gradient is near zero) moves the weights differently enough to show: step-0 gradients of these
 # rows agree to 1e-6; measured 1.34e-5 on an AVX-512 CPU.

@@ -224,6 +224,18 @@ def _hf_model(arch: str):
             for name, param in model.named_parameters():
                 if "norm" in name or "experts" in name:
                     param.normal_(0.0, 0.5 if "norm" in name else 0.1)
+    elif arch == "kimi_linear":  # a KDA block, then latent attention without RoPE; block 1 with 4 experts
+        model = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=8,
+            qk_rope_head_dim=4, v_head_dim=6, num_local_experts=4, num_experts_per_tok=2, linear_num_heads=2,
+            linear_head_dim=8, layer_types=["linear_attention", "full_attention"], max_position_embeddings=32,
+            pad_token_id=None, eos_token_id=None, bos_token_id=None))
+        with torch.no_grad():  # transformers leaves A_log and dt_bias for its init, the stacked experts unset
+            for name, param in model.named_parameters():
+                if "experts" in name or name.endswith(("A_log", "dt_bias")):
+                    param.normal_(0.0, 0.1)
+            model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
     elif arch in ("gemma2", "gemma3"):  # 4 blocks, every 2nd global; a window shorter than the sequences
         config = transformers.Gemma2Config if arch == "gemma2" else transformers.Gemma3TextConfig
         model = (transformers.Gemma2ForCausalLM if arch == "gemma2" else transformers.Gemma3ForCausalLM)(config(
@@ -241,7 +253,7 @@ def _hf_model(arch: str):
 @pytest.mark.parametrize("arch", ["gpt2", "bert", "llama", "t5", "llama3", "mistral", "qwen2", "qwen3", "mixtral",
                                   "qwen3_moe", "olmoe", "olmo2", "olmo3", "gemma2", "gemma3", "gpt_oss",
                                   "deepseek_v3", "deepseek_v2", "glm4_moe", "qwen3_next", "qwen3_5_text",
-                                  "qwen3_5_moe_text"])
+                                  "qwen3_5_moe_text", "kimi_linear"])
 def test_hugging_face_import_export(arch, tmp_path):
     original = tmp_path / "hf"
     _hf_model(arch).save_pretrained(str(original))
@@ -267,7 +279,8 @@ def test_hugging_face_import_export(arch, tmp_path):
            "deepseek_v2": transformers.DeepseekV2ForCausalLM,
            "qwen3_next": transformers.Qwen3NextForCausalLM,
            "qwen3_5_text": transformers.Qwen3_5ForCausalLM,
-           "qwen3_5_moe_text": transformers.Qwen3_5MoeForCausalLM}[arch]
+           "qwen3_5_moe_text": transformers.Qwen3_5MoeForCausalLM,
+           "kimi_linear": transformers.KimiLinearForCausalLM}[arch]
     hf_model = cls.from_pretrained(str(tmp_path / "exported")).eval()
     cfg, state = read_weights(tmp_path / "ours")
     ours = Transformer(cfg).eval()

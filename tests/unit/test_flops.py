@@ -84,6 +84,8 @@ PUBLISHED = {  # config: (published parameter count, relative tolerance)
     "qwen3-next-80b-a3b": (79_674_391_296, 0.0),
     # Qwen3_5ForCausalLM of Qwen/Qwen3.5-9B's language model (test_model_references), "9B"
     "qwen3.5-9b": (8_953_803_264, 0.0),
+    # KimiLinearForCausalLM of moonshotai/Kimi-Linear-48B-A3B-Instruct's config (test_kimi_linear), "48B"
+    "kimi-linear-48b-a3b": (49_122_675_072, 0.0),
 }
 
 # gpt-oss's active counts as its model card gives them (3.6B / 5.1B): every parameter a token uses but the input
@@ -149,7 +151,8 @@ def test_counts_equal_hugging_face_models(name, cls, config, kwargs):
 @pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "mistral-7b", "qwen3-0.6b",
                                   "qwen3-8b", "llama3.2-1b", "llama3.1-8b", "olmo2-7b", "olmo3-7b", "gpt-oss-20b",
                                   "gpt-oss-120b", "deepseek-v3", "kimi-k2", "tiny-deepseek", "glm-4.5-air",
-                                  "deepseek-v2-lite", "qwen3-next-80b-a3b", "tiny-qwen3-next", "qwen3.5-9b"])
+                                  "deepseek-v2-lite", "qwen3-next-80b-a3b", "tiny-qwen3-next", "qwen3.5-9b",
+                                  "kimi-linear-48b-a3b", "tiny-kimi-linear"])
 def test_new_configs_count_what_their_hugging_face_export_builds(name):
     """The exported architecture (config_to_hf), built on the meta device, has exactly our parameter count."""
     transformers = pytest.importorskip("transformers")

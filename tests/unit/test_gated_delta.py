@@ -1,6 +1,7 @@
-"""The gated delta rule (meshformer/model/gated_delta.py): the chunked form against the token-by-token reference
-(float64: outputs, final states, gradients), packed documents against each document run alone, decoding step by
-step against the chunked whole, and `transformers`' Qwen3-Next fallback (fp32) on the same inputs."""
+"""The gated delta rule (meshformer/model/gated_delta.py), with a decay per head (Gated DeltaNet) and per key channel
+(KDA): the chunked form against the token-by-token reference (float64: outputs, final states, gradients), packed
+documents against each document run alone, decoding step by step against the chunked whole, and `transformers`'
+Qwen3-Next and Kimi Linear fallbacks (fp32) on the same inputs."""
 
 from __future__ import annotations
 
@@ -17,33 +18,37 @@ from meshformer.model.gated_delta import (
 )
 
 
-def inputs(batch=2, seq=37, k_heads=2, heads=4, dk=8, dv=6, dtype=torch.float64, seed=0):
+def inputs(batch=2, seq=37, k_heads=2, heads=4, dk=8, dv=6, dtype=torch.float64, seed=0, per_channel=False):
     gen = torch.Generator().manual_seed(seed)
     q, k = (torch.randn(batch, seq, k_heads, dk, generator=gen, dtype=dtype) for _ in range(2))
     v = torch.randn(batch, seq, heads, dv, generator=gen, dtype=dtype)
-    g = F.logsigmoid(torch.randn(batch, seq, heads, generator=gen, dtype=dtype) + 2)  # decays ~0.6-0.99
+    decays = (batch, seq, heads, dk) if per_channel else (batch, seq, heads)
+    g = F.logsigmoid(torch.randn(decays, generator=gen, dtype=dtype) + 2)  # decays ~0.6-0.99
     beta = torch.rand(batch, seq, heads, generator=gen, dtype=dtype)
     state = torch.randn(batch, heads, dk, dv, generator=gen, dtype=dtype)
     return (q, k, v, g, beta), state
 
 
+@pytest.mark.parametrize("per_channel", [False, True])
 @pytest.mark.parametrize("chunk_size", [1, 5, 16, 64])
 @pytest.mark.parametrize("l2", [False, True])
-def test_chunked_equals_recurrent_float64(chunk_size, l2):
-    x, state = inputs()  # T = 37: never a multiple of the chunk (but for 1)
+def test_chunked_equals_recurrent_float64(chunk_size, l2, per_channel):
+    x, state = inputs(per_channel=per_channel)  # T = 37: never a multiple of the chunk (but for 1)
     ref, ref_state = recurrent_gated_delta_rule(*x, initial_state=state, output_final_state=True, use_qk_l2norm=l2)
     out, final = chunk_gated_delta_rule(*x, chunk_size=chunk_size, initial_state=state, output_final_state=True,
                                         use_qk_l2norm=l2)
     assert out.shape == (2, 37, 4, 6) and out.dtype == torch.float64 and final is not None
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
-    torch.testing.assert_close(final, ref_state, rtol=0, atol=1e-10)
+    # rtol: without the L2 norm the random keys grow the state to ~1e6, where 1e-10 is an ulp
+    torch.testing.assert_close(out, ref, rtol=1e-14, atol=1e-10)
+    torch.testing.assert_close(final, ref_state, rtol=1e-14, atol=1e-10)
     assert chunk_gated_delta_rule(*x, chunk_size=chunk_size)[1] is None  # only when asked
 
 
+@pytest.mark.parametrize("per_channel", [False, True])
 @pytest.mark.parametrize("documents", [False, True])
 @pytest.mark.parametrize("use_final", [False, True])
-def test_chunked_gradients_equal_recurrent_float64(documents, use_final):
-    x, state = inputs(seq=21)
+def test_chunked_gradients_equal_recurrent_float64(documents, use_final, per_channel):
+    x, state = inputs(seq=21, per_channel=per_channel)
     doc_ids = torch.tensor([[0] * 6 + [1] * 9 + [2] * 6, [0] * 21]) if documents else None
 
     def grads(fn, **kw):
@@ -57,17 +62,18 @@ def test_chunked_gradients_equal_recurrent_float64(documents, use_final):
         return torch.autograd.grad(loss, leaves)
 
     ref = grads(recurrent_gated_delta_rule)
-    for chunk_size in (4, 8):
+    for chunk_size in (4, 8) if not per_channel else (4, 12):  # 12: blocks of 12 and 6 channel pairs across blocks
         for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], grads(chunk_gated_delta_rule,
                               chunk_size=chunk_size), ref, strict=True):
             assert b.abs().max() > 0, name
             torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=f"d{name}, chunk {chunk_size}")
 
 
+@pytest.mark.parametrize("per_channel", [False, True])
 @pytest.mark.parametrize("chunk_size", [4, 64])
-def test_packed_documents_equal_each_alone(chunk_size):
+def test_packed_documents_equal_each_alone(chunk_size, per_channel):
     lengths = [[4, 1, 10, 7], [11, 11]]  # a one-token document, boundaries at a chunk edge (4) and inside chunks
-    x, state = inputs(seq=22)
+    x, state = inputs(seq=22, per_channel=per_channel)
     doc_ids = torch.tensor([[i for i, n in enumerate(row) for _ in range(n)] for row in lengths])
     for fn in (chunk_gated_delta_rule, recurrent_gated_delta_rule):
         kw = {"chunk_size": chunk_size} if fn is chunk_gated_delta_rule else {}
@@ -106,8 +112,9 @@ def test_packed_conv_equals_each_alone():
     torch.testing.assert_close(plain, expected.transpose(1, 2), rtol=0, atol=1e-12)
 
 
-def test_decoding_step_by_step_equals_chunked():
-    x, _ = inputs(batch=2, seq=19)
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_decoding_step_by_step_equals_chunked(per_channel):
+    x, _ = inputs(batch=2, seq=19, per_channel=per_channel)
     whole, whole_state = chunk_gated_delta_rule(*x, chunk_size=8, output_final_state=True, use_qk_l2norm=True)
     # prefill 7 tokens in chunks, then one token at a time with the carried state
     out, state = chunk_gated_delta_rule(*(t[:, :7] for t in x), chunk_size=8, output_final_state=True,
@@ -143,6 +150,35 @@ def test_equals_transformers_qwen3_next_fp32(l2):
         ref, ref_final = theirs(*x, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=l2, **kw)
         torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
         torch.testing.assert_close(final, ref_final, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("l2", [False, True])
+def test_per_channel_equals_transformers_kimi_linear_fp32(l2):
+    hf = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    x, state = inputs(seq=45, k_heads=4, dv=8, dtype=torch.float32, per_channel=True)  # KDA: as many q/k as v heads
+    if not l2:
+        x = (l2norm(x[0]), l2norm(x[1]), *x[2:])
+    for ours, theirs, kw in ((chunk_gated_delta_rule, hf.chunk_kimi_delta_attention, {"chunk_size": 16}),
+                             (recurrent_gated_delta_rule, hf.recurrent_kimi_delta_attention, {})):
+        out, final = ours(*x, initial_state=state, output_final_state=True, use_qk_l2norm=l2, **kw)
+        ref, ref_final = theirs(*x, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=l2, **kw)
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+        torch.testing.assert_close(final, ref_final, rtol=0, atol=1e-5)
+
+
+def test_per_channel_fast_decay_stays_finite():
+    """Log decays of -50 a token: across a 64-token chunk exp(-G_j) would overflow even float64 if the within-chunk
+    products were factored through the chunk's start; the blocked products refer every factor to a later point."""
+    x, state = inputs(seq=70, per_channel=True)
+    x = (*x[:3], x[3] * 200, x[4])
+    ref, ref_state = recurrent_gated_delta_rule(*x, initial_state=state, output_final_state=True, use_qk_l2norm=True)
+    leaves = [t.clone().requires_grad_() for t in x]
+    out, final = chunk_gated_delta_rule(*leaves, chunk_size=64, initial_state=state, output_final_state=True,
+                                        use_qk_l2norm=True)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
+    torch.testing.assert_close(final, ref_state, rtol=0, atol=1e-10)
+    (out.sum() + final.sum()).backward()
+    assert all(t.grad is not None and t.grad.isfinite().all() for t in leaves)
 
 
 def test_half_precision_computes_in_float32():

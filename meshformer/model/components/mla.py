@@ -58,13 +58,15 @@ class LatentAttention(TokenMixer):
     def check(self, cfg: ModelConfig) -> None:
         from meshformer.model.families import get_family_spec  # the families' formulas import this package
 
-        if set(cfg.layer_types) != {"mla"}:  # one rotary table per model: its width is qk_rope_head_dim
-            raise ConfigError(f"model.layer_types={cfg.layer_types} mixes mla with other token mixers",
-                              'use layer_types = ["mla"] (every block), or no mla')
+        # one rotary table per model: its width is qk_rope_head_dim (without RoPE, as Kimi Linear, any neighbours)
+        if cfg.position == "rope" and set(cfg.layer_types) != {"mla"}:
+            raise ConfigError(f"model.layer_types={cfg.layer_types} mixes mla with other token mixers under RoPE",
+                              'use layer_types = ["mla"] (every block), or no mla, or model.position = "none"')
         if any(not stack.causal or stack.cross for stack in get_family_spec(cfg.family).stacks) \
-                or cfg.position != "rope":
-            raise ConfigError(f"mla blocks are causal self-attention with RoPE, but model.family={cfg.family!r}, "
-                              f"model.position={cfg.position!r}", "use family='decoder' and position='rope'")
+                or cfg.position not in ("rope", "none"):
+            raise ConfigError(f"mla blocks are causal self-attention with RoPE or no positions, but model.family="
+                              f"{cfg.family!r}, model.position={cfg.position!r}",
+                              "use family='decoder' and position='rope' (or 'none')")
         x = cfg.mla
         widths = {"kv_lora_rank": x.kv_lora_rank, "qk_nope_head_dim": x.qk_nope_head_dim,
                   "qk_rope_head_dim": x.qk_rope_head_dim, "v_head_dim": x.v_head_dim,

@@ -22,6 +22,8 @@ class Rule:
     alias: bool = False  # a foreign duplicate of a tied tensor: written on export, ignored on import
     expert: int | None = None  # the foreign tensor is this slice of our (single, stacked) tensor along dim 0
     interleave: bool = False  # several of ours alternate along the last dim: column k * len(ours) + i is ours[i]'s k
+    # the foreign tensor's shape where it holds our (single) tensor's values in another shape, e.g. (1, 1, H, 1)
+    theirs_shape: tuple[int, ...] | None = None
 
 
 def params(ours: str | tuple[str, ...], theirs: str, names: Iterable[str] = ("weight", "bias"), *,

@@ -1,0 +1,194 @@
+"""Kimi Delta Attention (meshformer/model/kda.py) against transformers' KimiLinearDeltaAttention with copied weights,
+in fp32: a padded batch, a cached prefill then decoding steps; packed documents equal the documents run one by one;
+context parallel's pieces equal the whole sequence (values and gradients); initialisation; config refusals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from meshformer.config.migrate import model_from_flat
+from meshformer.errors import ConfigError
+from meshformer.model.config import LinearAttentionConfig, ModelConfig
+from meshformer.model.kda import KimiDeltaAttention
+from meshformer.model.linear_attention import LinearCache
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.kimi_linear import modeling_kimi_linear as hf  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+D, HEADS, DIM = 32, 4, 8
+
+
+def hf_config(**extra: Any) -> Any:
+    fields: dict[str, Any] = dict(
+        vocab_size=40, hidden_size=D, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, linear_num_heads=HEADS, linear_head_dim=DIM, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"] * 2, rms_norm_eps=1e-6)
+    return transformers.KimiLinearConfig(**{**fields, **extra})
+
+
+def ours(chunk_size: int = 4, **extra: Any) -> ModelConfig:
+    return model_from_flat(d_model=D, norm="rmsnorm", norm_eps=1e-6, bias=False, layer_types=["kda"],
+                           linear_attention=LinearAttentionConfig(n_heads=HEADS, key_head_dim=DIM,
+                                                                  value_head_dim=DIM, conv_width=4,
+                                                                  chunk_size=chunk_size), **extra)
+
+
+def state_dict_from(theirs: Any) -> dict[str, torch.Tensor]:
+    """Their module's names to ours: the forget gate's pieces at the top, A_log (1, 1, H, 1) -> (H,), o_* ->
+    norm / out_proj, the [q | k | v] convolution as the checkpoints' three."""
+    renames = {"forget_gate.": "", "o_norm.": "norm.", "o_proj.": "out_proj."}
+    out = {}
+    for name, tensor in theirs.state_dict().items():
+        for old, new in renames.items():
+            if name.startswith(old):
+                name = new + name[len(old):]
+        if name == "conv1d.weight":
+            out.update(zip(["q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"], tensor.chunk(3)))
+            continue
+        out[name] = tensor.flatten() if name == "A_log" else tensor
+    return out
+
+
+def pair(chunk_size: int = 4, seed: int = 0) -> tuple[KimiDeltaAttention, Any]:
+    torch.manual_seed(seed)
+    theirs = hf.KimiLinearDeltaAttention(hf_config(), layer_idx=0).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():  # every weight random (transformers leaves A_log and dt_bias empty)
+            p.copy_(torch.randn_like(p) * 0.3)
+        theirs.forget_gate.A_log.copy_(torch.rand(1, 1, HEADS, 1) * 2 - 1)
+    mine = KimiDeltaAttention(ours(chunk_size))
+    loaded = mine.load_state_dict(state_dict_from(theirs), strict=True)
+    assert not loaded.missing_keys and not loaded.unexpected_keys
+    return mine.eval(), theirs
+
+
+@pytest.mark.parametrize("chunk_size", [3, 64])
+def test_matches_transformers_on_a_padded_batch(chunk_size: int) -> None:
+    mine, theirs = pair(chunk_size)
+    x = torch.randn(3, 11, D)
+    padding = torch.ones(3, 11, dtype=torch.bool)
+    padding[1, :4] = False  # left padding
+    padding[2, 7:] = False  # right padding
+    with torch.no_grad():
+        expected = theirs(x, attention_mask=padding.long())
+        got = mine(x, padding=padding)
+    real = padding[..., None].expand_as(got)
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+
+
+def test_cached_prefill_and_steps_match_transformers_cache() -> None:
+    mine, theirs = pair()
+    x = torch.randn(2, 9, D)
+    cache_hf = transformers.DynamicCache(config=hf_config())
+    cache = LinearCache()
+    with torch.no_grad():
+        expected = [theirs(x[:, :6], cache=cache_hf)]
+        got = [mine(x[:, :6], cache=cache)]
+        for t in range(6, 9):
+            expected.append(theirs(x[:, t:t + 1], cache=cache_hf))
+            got.append(mine(x[:, t:t + 1], cache=cache))
+        whole = mine(x)
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(expected, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(got, 1), whole, atol=1e-5, rtol=1e-5)
+    assert cache.length == 9 and cache.state is not None and cache.conv is not None
+    assert cache.state.shape == (2, HEADS, DIM, DIM) and cache.conv.shape == (2, 3, 3 * HEADS * DIM)
+
+
+def test_packed_documents_equal_the_documents_one_by_one() -> None:
+    mine, _ = pair(chunk_size=4)
+    lengths = [5, 1, 7, 3]
+    x = torch.randn(1, sum(lengths), D)
+    documents = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    with torch.no_grad():
+        packed = mine(x, documents=documents)
+        alone = torch.cat([mine(part) for part in x.split(lengths, dim=1)], dim=1)
+        crossing = mine(x)
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+    assert (crossing[:, lengths[0]:] - alone[:, lengths[0]:]).abs().max() > 1e-3
+
+
+def test_context_parallel_pieces_equal_the_whole_sequence() -> None:
+    """One rank holding both pieces: the first piece's per-channel state and window enter the second, except where
+    the second starts a document."""
+    from meshformer.model.attention import SequenceChunk
+
+    mine, _ = pair(chunk_size=4)
+    for lengths in ([7, 1, 5, 3], [16]):
+        x = torch.randn(2, sum(lengths), D, requires_grad=True)
+        documents = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None].expand(2, -1)
+        whole = mine(x, documents=documents)
+        weights = torch.randn_like(whole)
+        expected = torch.autograd.grad((whole * weights).sum(), [x, *mine.parameters()])
+        pieces = mine(x, documents=documents, chunk=SequenceChunk(0, 1, lambda t: t))
+        got = torch.autograd.grad((pieces * weights).sum(), [x, *mine.parameters()])
+        torch.testing.assert_close(pieces, whole, atol=1e-6, rtol=1e-6)
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_gradients_reach_every_parameter() -> None:
+    mine, _ = pair()
+    mine.train()
+    mine(torch.randn(2, 7, D)).square().sum().backward()
+    for name, p in mine.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_initialisation_and_counts() -> None:
+    """A_log = log(uniform(1, 16)), softplus(dt_bias) in [1e-3, 0.1] (flash-linear-attention's rule, as transformers
+    initialises it), the gated norm's scale 1; the kind's parameter count is the module's."""
+    from meshformer.model import Transformer
+    from meshformer.model.components import TOKEN_MIXERS
+
+    cfg = ours(vocab_size=50, n_layers=2, n_heads=4, position="none", d_ff=48, activation="swiglu",
+               norm_weight_offset=1.0)
+    cfg.layer_types = ["kda", "full_attention"]
+    model = Transformer(cfg, init_seed=3)
+    mixer = model.decoder_layers["0"].attn
+    assert isinstance(mixer, KimiDeltaAttention) and model.decoder_layers["0"].mixers["attn"] == "kda"
+    decay = mixer.A_log.exp()
+    assert decay.min() >= 1 and decay.max() <= 16 and decay.std() > 0
+    dt = torch.nn.functional.softplus(mixer.dt_bias)
+    assert dt.min() >= 1e-3 - 1e-7 and dt.max() <= 0.1 + 1e-7 and torch.equal(mixer.norm.weight, torch.ones(DIM))
+    assert sum(p.numel() for p in mixer.parameters()) == TOKEN_MIXERS["kda"].params(cfg)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"n_key_heads": 2}, "n_key_heads=2 differs from n_heads=4"),
+    ({"backend": "fla"}, 'backend = "fla" runs Gated DeltaNet only'),
+])
+def test_config_refusals(extra: dict[str, Any], message: str) -> None:
+    from meshformer.config.validate import validate_model
+
+    cfg = ours()
+    for key, value in extra.items():
+        setattr(cfg.linear_attention, key, value)
+    with pytest.raises(ConfigError, match=message):
+        validate_model(cfg, "test")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_planner_bytes_follow_what_autograd_keeps(dtype: torch.dtype) -> None:
+    """The kind's saved_bytes against the tensors the module's graph keeps (saved-tensor hooks, parameters
+    excluded), in float32 and under bf16 autocast, at three shapes: within 12%."""
+    from meshformer.model.components import TOKEN_MIXERS
+    from meshformer.planner.activations import ActivationShape
+    from meshformer.planner.measure import saved_activation_bytes
+
+    half = dtype != torch.float32
+    for heads, dim, chunk, batch, seq in [(4, 16, 8, 1, 50), (4, 32, 64, 2, 256), (2, 64, 32, 1, 300)]:
+        cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, layer_types=["kda"],
+                          linear_attention=LinearAttentionConfig(n_heads=heads, key_head_dim=dim, value_head_dim=dim,
+                                                                 chunk_size=chunk))
+        module = KimiDeltaAttention(cfg)
+        x = torch.randn(batch, seq, cfg.d_model).to(dtype).requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16, enabled=half):
+            kept = saved_activation_bytes(module, lambda m=module, x=x: m(x))
+        layout = ActivationShape(batch, seq, 1, 2 if half else 4, 4)
+        predicted = TOKEN_MIXERS["kda"].saved_bytes(cfg, layout, memory_len=0, causal=True)
+        assert abs(predicted / kept - 1) < 0.12, (heads, dim, chunk, predicted, kept)
