@@ -186,12 +186,14 @@ done
     header = "\n".join(f"#SBATCH {option}" for option in options)
     setup = "\n".join(job.setup) if job.setup else "# (no --setup lines: the submitting shell's environment is used)"
     shutdown_s = job_stop_grace_s(job)
+    layout = (f"# {job.replica_groups} replica groups of {job.nodes_per_group} node(s), each its own torchrun job."
+              if job.replica_groups else "# Every node is one torchrun job.")
     return f"""#!/bin/bash
 # Written by `meshformer submit` on {datetime.datetime.now().isoformat(timespec="seconds")} for {config}
 {header}
 
 # One srun task per node runs torchrun; torchrun starts {job.ranks_per_node} rank(s) on its node.
-# {'Every node is one torchrun job.' if not job.replica_groups else f'{job.replica_groups} replica groups of {job.nodes_per_group} node(s), each its own torchrun job.'}
+{layout}
 set -uo pipefail
 RUN_DIR={shlex.quote(str(run_dir))}
 JOB_DIR="$RUN_DIR/slurm/job-$SLURM_JOB_ID"

@@ -32,7 +32,8 @@ def check_replica_split(groups: int, nodes: int, lighthouse: str) -> int:
                           "use --replica-groups 2 or more, or leave it out for a job without fault tolerance")
     if nodes % groups:
         raise SubmitError(f"--nodes={nodes} does not split into --replica-groups={groups} groups of whole nodes",
-                          f"use a --nodes that is a multiple of {groups}, e.g. --nodes {groups * max(1, nodes // groups)}")
+                          f"use a --nodes that is a multiple of {groups}, "
+                          f"e.g. --nodes {groups * max(1, nodes // groups)}")
     if lighthouse:
         raise SubmitError(f"fault_tolerance.lighthouse={lighthouse!r} is set, but the job starts its own Lighthouse "
                           "on its first node", "leave fault_tolerance.lighthouse empty for `submit --replica-groups`")
@@ -46,8 +47,9 @@ def replica_groups_launch(groups: int, nodes_per_group: int, max_restarts: int, 
     `torchrun` and `lighthouse` are shell text (quoted, one option a line) holding GROUP_RDZV_ENDPOINT /
     GROUP_RDZV_ID and LIGHTHOUSE_BIND."""
     lighthouse = lighthouse.replace(LIGHTHOUSE_BIND, '"[::]:$LIGHTHOUSE_PORT"')
-    return f"""# Fault tolerance: a torchft Lighthouse on the first node, then {groups} replica groups of {nodes_per_group} node(s),
-# each its own job step. A failed group is started again (it heals from a live peer); the others train on.
+    return f"""# Fault tolerance: a torchft Lighthouse on the first node, then {groups} replica groups of
+# {nodes_per_group} node(s), each its own job step. A failed group is started again (it heals from a live
+# peer); the others train on.
 LIGHTHOUSE_PORT=$(( {lighthouse_port} + SLURM_JOB_ID % 1000 ))
 export TORCHFT_LIGHTHOUSE="http://$HEAD_ADDR:$LIGHTHOUSE_PORT"
 STOP_FILE="$JOB_DIR/stopping"  # a stop signal reached the job: no group is restarted
@@ -61,7 +63,8 @@ srun --overlap --nodes=1 --ntasks=1 --relative=0 --kill-on-bad-exit=0 --output="
 LIGHTHOUSE_PID=$!
 for _ in $(seq 120); do  # each group's rank 0 connects to it when it starts
   (exec 3<>"/dev/tcp/$HEAD_ADDR/$LIGHTHOUSE_PORT") 2>/dev/null && break
-  kill -0 "$LIGHTHOUSE_PID" 2>/dev/null || {{ echo "[$(date -Is)] the Lighthouse exited: $JOB_DIR/lighthouse.log"; break; }}
+  kill -0 "$LIGHTHOUSE_PID" 2>/dev/null || {{ echo "[$(date -Is)] the Lighthouse exited: see $JOB_DIR/lighthouse.log"
+                                             break; }}
   sleep 1
 done
 echo "[$(date -Is)] lighthouse: $TORCHFT_LIGHTHOUSE"
@@ -75,7 +78,8 @@ run_group() {{  # replica group $1 on its own nodes, started again when it fails
   while true; do
     echo "[$(date -Is)] replica group $r: starting on {nodes_per_group} node(s) from $first (restart $restarts)"
     MESHFORMER_REPLICA_ID=$r srun --kill-on-bad-exit=1 --nodes={nodes_per_group} --ntasks={nodes_per_group} \\
-        --ntasks-per-node=1 --relative=$(( r * {nodes_per_group} )) --output="$JOB_DIR/group$r-node%n.log" --open-mode=append \\
+        --ntasks-per-node=1 --relative=$(( r * {nodes_per_group} )) \\
+        --output="$JOB_DIR/group$r-node%n.log" --open-mode=append \\
         {torchrun}
     status=$?
     if [ "$status" = 0 ]; then
@@ -88,7 +92,8 @@ run_group() {{  # replica group $1 on its own nodes, started again when it fails
     elif [ "$restarts" -ge {max_restarts} ]; then why="{max_restarts} restarts (--max-restarts)"
     else
       restarts=$(( restarts + 1 ))
-      echo "[$(date -Is)] replica group $r exited with status $status; restarting it (restart $restarts): it heals from a live peer"
+      echo "[$(date -Is)] replica group $r exited with status $status; restarting it (restart $restarts):" \\
+        "it heals from a live peer"
       continue
     fi
     echo "[$(date -Is)] replica group $r exited with status $status; not restarted ($why)"

@@ -137,7 +137,8 @@ exit 7  # group 1 fails every time it starts
 _FAKE_SCONTROL = """#!/bin/bash
 case "$2" in
   hostnames) printf 'n0\\nn1\\nn2\\nn3\\n' ;;
-  node) [ "$3" = n0 ] && echo "NodeName=n0 NodeAddr=127.0.0.1 State=IDLE" || echo "NodeName=$3 NodeAddr=10.0.0.${{3#n}}" ;;
+  node) [ "$3" = n0 ] && echo "NodeName=n0 NodeAddr=127.0.0.1 State=IDLE" \\
+          || echo "NodeName=$3 NodeAddr=10.0.0.${{3#n}}" ;;
 esac
 """
 
