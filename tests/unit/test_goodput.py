@@ -53,3 +53,12 @@ def test_plan_failures_prints_both_scales_and_the_world(capsys):
     assert f"{expected.checkpoint_restart:.4f}" in rows[-1]
     with pytest.raises(SystemExit, match="^error: --group-gpus 0 makes no replica group"):
         main(["plan", "llama-8b", "--world", "8", "--failures", "--group-gpus", "0"])
+
+
+@pytest.mark.parametrize("extra", [[], ["--restart-s", "960"]])
+def test_the_docs_tables_are_the_commands_output(extra, capsys):
+    from helpers.common import ROOT
+
+    main(["plan", "llama-405b", "--world", "16384", "--failures", "--group-gpus", "128", *extra])
+    table = "\n".join(capsys.readouterr().out.splitlines()[2:])
+    assert table in (ROOT / "docs" / "fault-tolerance.md").read_text()
