@@ -11,6 +11,9 @@ Surviving interruptions, without losing work:
   The partition's GraceTime must cover the save (`checkpoint.stop_grace_s`, sized to the checkpoint by default).
 - A requeued job starts the same script again and the trainer resumes from the newest valid checkpoint.
 - A failed worker (killed, OOM) is restarted by torchrun (`--max-restarts`) inside the allocation.
+
+With `--replica-groups N` the nodes split into N fault-tolerant replica groups, each its own torchrun job, plus
+a Lighthouse step; a failed group is restarted alone (meshformer/launcher/slurm_replicas.py).
 """
 
 from __future__ import annotations
