@@ -14,7 +14,8 @@ def _submit(args: argparse.Namespace) -> None:
                    nproc_per_node=args.nproc_per_node, partition=args.partition, time=args.time,
                    account=args.account, qos=args.qos, cpus_per_task=args.cpus_per_task, mem=args.mem,
                    job_name=args.job_name, setup=args.setup, sbatch_args=args.sbatch_arg,
-                   max_restarts=args.max_restarts, signal_before_s=args.signal_before)
+                   max_restarts=args.max_restarts, signal_before_s=args.signal_before,
+                   replica_groups=args.replica_groups)
     check_job(job)  # a refusal comes before the warnings
     for warning in warnings_for(job):
         print(f"warning: {warning}", file=sys.stderr)
@@ -76,9 +77,14 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                         help="run before torchrun on each node, e.g. 'source venv/bin/activate' (repeatable)")
     submit.add_argument("--sbatch-arg", action="append", default=[], metavar="OPTION",
                         help="extra sbatch option, e.g. --sbatch-arg=--exclusive (repeatable)")
-    submit.add_argument("--max-restarts", type=int, default=3, help="torchrun restarts of failed workers")
+    submit.add_argument("--max-restarts", type=int, default=3,
+                        help="torchrun restarts of failed workers (with --replica-groups: restarts of each group)")
     submit.add_argument("--signal-before", type=int, default=120, metavar="SECONDS",
                         help="checkpoint and requeue this long before the time limit")
+    submit.add_argument("--replica-groups", type=int, default=0, metavar="N",
+                        help="fault tolerance: N replica groups of --nodes/N nodes, a Lighthouse on the first node, "
+                             "and a failed group restarted (up to --max-restarts times) while the others train on "
+                             "(docs/fault-tolerance.md)")
     submit.add_argument("--dry-run", action="store_true", help="print the script; submit nothing")
     submit.set_defaults(func=_submit)
 

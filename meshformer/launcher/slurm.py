@@ -11,6 +11,9 @@ Surviving interruptions, without losing work:
   The partition's GraceTime must cover the save (`checkpoint.stop_grace_s`, sized to the checkpoint by default).
 - A requeued job starts the same script again and the trainer resumes from the newest valid checkpoint.
 - A failed worker (killed, OOM) is restarted by torchrun (`--max-restarts`) inside the allocation.
+
+With `--replica-groups N` the nodes split into N fault-tolerant replica groups, each its own torchrun job, plus
+a Lighthouse step; a failed group is restarted alone (meshformer/launcher/slurm_replicas.py).
 """
 
 from __future__ import annotations
@@ -27,7 +30,21 @@ from pathlib import Path
 
 from meshformer.config import Config, load_config
 from meshformer.errors import SubmitError
-from meshformer.launcher.torchrun import AGENT_SIGNAL_NAMES, check_world_size, stop_grace_s, torchrun_command
+from meshformer.launcher.replica_groups import replica_overrides
+from meshformer.launcher.slurm_replicas import (
+    GROUP_RDZV_ENDPOINT,
+    GROUP_RDZV_ID,
+    LIGHTHOUSE_BIND,
+    check_replica_split,
+    replica_groups_launch,
+)
+from meshformer.launcher.torchrun import (
+    AGENT_SIGNAL_NAMES,
+    SAFE_PYTHON,
+    check_world_size,
+    stop_grace_s,
+    torchrun_command,
+)
 from meshformer.parallel_dims import validate_parallel
 
 # Shell variables in the torchrun command: resolved on the nodes, not when the script is written.
@@ -59,6 +76,9 @@ class SlurmJob:
     max_restarts: int = 3  # torchrun restarts of failed workers within one allocation
     signal_before_s: int = 120  # pre-timeout warning: enough to finish a step and save a checkpoint
     rdzv_port: int = 29500  # the c10d rendezvous port on the first node (+ job id % 1000)
+    # fault tolerance (meshformer/launcher/slurm_replicas.py): N groups of nodes/N nodes; 0: one job of every node
+    replica_groups: int = 0
+    lighthouse_port: int = 28500  # the Lighthouse's port on the first node (+ job id % 1000)
 
     @property
     def ranks_per_node(self) -> int:
@@ -67,7 +87,17 @@ class SlurmJob:
     @functools.cached_property
     def cfg(self) -> Config:
         """The run's config, loaded once on first use: a config error stops the submission, not the queued job."""
-        return load_config(self.config, self.overrides)
+        return load_config(self.config, self.all_overrides)
+
+    @property
+    def all_overrides(self) -> list[str]:
+        """The job's overrides and those --replica-groups implies."""
+        return [*self.overrides, *(replica_overrides(self.replica_groups) if self.replica_groups else [])]
+
+    @property
+    def nodes_per_group(self) -> int:
+        """Nodes of one torchrun job: a replica group's, or the whole allocation's."""
+        return self.nodes // self.replica_groups if self.replica_groups else self.nodes
 
 
 def run_dir_of(job: SlurmJob) -> Path:
@@ -87,8 +117,11 @@ def check_job(job: SlurmJob) -> None:
                           f"{job.cpus_per_task}: out of range", "use --max-restarts >= 0, --signal-before >= 0 "
                           "seconds (e.g. 120) and --cpus-per-task >= 1")
     check_world_size(job.nodes * job.ranks_per_node, "--nodes x --nproc-per-node")
+    if job.replica_groups:
+        check_replica_split(job.replica_groups, job.nodes, job.cfg.fault_tolerance.lighthouse)
     _check_header_values(job)
-    validate_parallel(job.cfg, job.nodes * job.ranks_per_node, "cuda" if job.gpus_per_node else "cpu",
+    # the layout is each torchrun job's: a replica group's nodes, when there are groups
+    validate_parallel(job.cfg, job.nodes_per_group * job.ranks_per_node, "cuda" if job.gpus_per_node else "cpu",
                       on_this_host=False)
 
 
@@ -120,11 +153,28 @@ def sbatch_script(job: SlurmJob) -> str:
     # A file by its absolute path (on the cluster's shared filesystem, like the run folder); a bundled config by its
     # name, which meshformer resolves on the nodes: this machine's package folder need not exist there.
     config = str(Path(job.config).resolve()) if Path(job.config).is_file() else job.config
-    overrides = [*job.overrides, f"logging.run_dir={run_dir}"]
-    command = torchrun_command(config, overrides, nproc_per_node=job.ranks_per_node, nnodes=job.nodes,
-                               rdzv_endpoint=_RDZV_ENDPOINT, rdzv_id=_RDZV_ID, max_restarts=job.max_restarts)
-    torchrun = _shell_lines(command)
-    torchrun = torchrun.replace(_RDZV_ENDPOINT, '"$HEAD_ADDR:$RDZV_PORT"').replace(_RDZV_ID, '"$SLURM_JOB_ID"')
+    overrides = [*job.all_overrides, f"logging.run_dir={run_dir}"]
+    if job.replica_groups:  # the restart loop restarts a failed group whole, so torchrun restarts nothing
+        command = torchrun_command(config, overrides, nproc_per_node=job.ranks_per_node, nnodes=job.nodes_per_group,
+                                   rdzv_endpoint=_RDZV_ENDPOINT, rdzv_id=_RDZV_ID)
+        torchrun = _shell_lines(command).replace(_RDZV_ENDPOINT, GROUP_RDZV_ENDPOINT).replace(_RDZV_ID, GROUP_RDZV_ID)
+        lighthouse = _shell_lines([*SAFE_PYTHON, "-m", "meshformer", "lighthouse", config, "--set", *overrides,
+                                   "--bind", LIGHTHOUSE_BIND])
+        launch = replica_groups_launch(job.replica_groups, job.nodes_per_group, job.max_restarts, torchrun,
+                                       lighthouse, job.lighthouse_port)
+    else:
+        command = torchrun_command(config, overrides, nproc_per_node=job.ranks_per_node, nnodes=job.nodes,
+                                   rdzv_endpoint=_RDZV_ENDPOINT, rdzv_id=_RDZV_ID, max_restarts=job.max_restarts)
+        torchrun = _shell_lines(command)
+        torchrun = torchrun.replace(_RDZV_ENDPOINT, '"$HEAD_ADDR:$RDZV_PORT"').replace(_RDZV_ID, '"$SLURM_JOB_ID"')
+        launch = f"""srun --kill-on-bad-exit=1 --ntasks-per-node=1 --output="$JOB_DIR/node%n.log" --open-mode=append \\
+    {torchrun} &
+SRUN_PID=$!
+while true; do  # a trapped signal interrupts `wait`: wait again until srun has really ended
+  wait "$SRUN_PID"; STATUS=$?
+  kill -0 "$SRUN_PID" 2>/dev/null || break
+done
+"""
     name = job.job_name or run_dir.name
     options = [f"--job-name={name}", f"--nodes={job.nodes}", "--ntasks-per-node=1"]
     options += [f"--gpus-per-node={job.gpus_per_node}"] if job.gpus_per_node else []
@@ -133,15 +183,20 @@ def sbatch_script(job: SlurmJob) -> str:
         if value is not None:
             options.append(f"--{flag}={value}")
     options += [f"--output={run_dir}/slurm/job-%j.out", "--open-mode=append", "--requeue",
-                f"--signal=B:USR1@{job.signal_before_s}", f"--chdir={Path.cwd()}", *job.sbatch_args]
+                f"--signal=B:USR1@{job.signal_before_s}", f"--chdir={Path.cwd()}"]
+    options += ["--no-kill"] if job.replica_groups else []  # a failed node ends its group, not the allocation
+    options += job.sbatch_args
     header = "\n".join(f"#SBATCH {option}" for option in options)
     setup = "\n".join(job.setup) if job.setup else "# (no --setup lines: the submitting shell's environment is used)"
     shutdown_s = job_stop_grace_s(job)
+    layout = (f"# {job.replica_groups} replica groups of {job.nodes_per_group} node(s), each its own torchrun job."
+              if job.replica_groups else "# Every node is one torchrun job.")
     return f"""#!/bin/bash
 # Written by `meshformer submit` on {datetime.datetime.now().isoformat(timespec="seconds")} for {config}
 {header}
 
 # One srun task per node runs torchrun; torchrun starts {job.ranks_per_node} rank(s) on its node.
+{layout}
 set -uo pipefail
 RUN_DIR={shlex.quote(str(run_dir))}
 JOB_DIR="$RUN_DIR/slurm/job-$SLURM_JOB_ID"
@@ -171,14 +226,7 @@ on_time_limit() {{  # --signal=B:USR1: the time limit is near
 trap on_time_limit USR1
 trap 'echo "[$(date -Is)] SIGTERM (preemption or scancel): the ranks checkpoint and stop"' TERM
 
-srun --kill-on-bad-exit=1 --ntasks-per-node=1 --output="$JOB_DIR/node%n.log" --open-mode=append \\
-    {torchrun} &
-SRUN_PID=$!
-while true; do  # a trapped signal interrupts `wait`: wait again until srun has really ended
-  wait "$SRUN_PID"; STATUS=$?
-  kill -0 "$SRUN_PID" 2>/dev/null || break
-done
-echo "[$(date -Is)] training exited with status $STATUS"
+{launch}echo "[$(date -Is)] training exited with status $STATUS"
 # Preempted (SLURM signalled the job steps for a higher-priority job): the ranks saved and stopped; requeue the job,
 # as a scheduler that sees it end by itself within the grace time may not. A cancelled job (scancel) is not requeued.
 PREEMPT_TIME=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/.*PreemptTime=\\([^ ]*\\).*/\\1/p')
@@ -222,7 +270,7 @@ def job_stop_grace_s(job: SlurmJob) -> int:
     """Seconds torchrun gives its ranks to save after a stop signal (checkpoint.stop_grace_s or sized to it)."""
     from meshformer.model.flops import count_params
 
-    return stop_grace_s(job.cfg.checkpoint.stop_grace_s, count_params(job.cfg.model)["total"], job.nodes)
+    return stop_grace_s(job.cfg.checkpoint.stop_grace_s, count_params(job.cfg.model)["total"], job.nodes_per_group)
 
 
 def warnings_for(job: SlurmJob) -> list[str]:

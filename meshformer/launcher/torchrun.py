@@ -38,7 +38,7 @@ TORCHRUN = [*SAFE_PYTHON, "-m", "meshformer.launcher.torchrun"]
 _AGENT_SIGNALS = (*STOP_SIGNALS, signal.SIGQUIT)
 AGENT_SIGNAL_NAMES = ",".join(sig.name for sig in _AGENT_SIGNALS)  # torchrun's TORCHELASTIC_SIGNALS_TO_HANDLE
 _STOP_GRACE_BASE_S = 60  # the step in progress and the save's fixed costs
-_CHECKPOINT_WRITE_BYTES_PER_S = 500e6  # per node, a conservative parallel-filesystem write rate
+CHECKPOINT_WRITE_BYTES_PER_S = 500e6  # per node, a conservative parallel-filesystem write rate
 
 
 class LaunchError(MeshformerError, RuntimeError):
@@ -105,8 +105,13 @@ def stop_grace_s(checkpoint_stop_grace_s: float, total_params: int, nnodes: int)
     moments) at a conservative write rate."""
     if checkpoint_stop_grace_s > 0:
         return max(1, math.ceil(checkpoint_stop_grace_s))
-    bytes_per_node = 12 * total_params / max(1, nnodes)
-    return _STOP_GRACE_BASE_S + math.ceil(bytes_per_node / _CHECKPOINT_WRITE_BYTES_PER_S)
+    return _STOP_GRACE_BASE_S + math.ceil(checkpoint_write_s(total_params, nnodes))
+
+
+def checkpoint_write_s(total_params: int, nnodes: int) -> float:
+    """Seconds to write a checkpoint (fp32 weights and AdamW's two moments: 12 bytes a parameter), every node
+    writing its share at the conservative per-node rate."""
+    return 12 * total_params / max(1, nnodes) / CHECKPOINT_WRITE_BYTES_PER_S
 
 
 def torchrun_env(nproc_per_node: int, grace_s: int | None = None) -> dict[str, str]:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from meshformer.errors import UsageError
 from meshformer.launcher.torchrun import check_world_size
 from meshformer.planner.assumptions import CUDA_CONTEXT, DEVICES, MOE_IMBALANCE, SAFETY_FRACTION, GiB
+from meshformer.planner.goodput import RESTART_S
 
 if TYPE_CHECKING:  # the planner imports torch: loaded when a plan runs, not for --help
     from meshformer.config import Config
@@ -176,6 +177,9 @@ def _plan(args: argparse.Namespace) -> None:
     if args.top < 1:
         raise UsageError(f"--top {args.top} lists no layout", "pass how many fitting layouts to list, e.g. --top 5")
     cfg = load_config(args.config, args.set)
+    if args.failures:
+        _failures(args, cfg)
+        return
     # each multi-token prediction module holds a block of its own
     layers = get_family_spec(cfg.model.family).total_layers(cfg.model) + cfg.model.mtp.depth
     if layers > MAX_PLAN_LAYERS:  # every block is built on meta and sharded per layout: minutes per thousand
@@ -190,6 +194,19 @@ def _plan(args: argparse.Namespace) -> None:
         print_report(result, args.config)
 
 
+def _failures(args: argparse.Namespace, cfg: Config) -> None:
+    from meshformer.model.flops import count_params
+    from meshformer.planner.goodput import SCALES, print_goodput
+
+    if args.group_gpus < 1:
+        raise UsageError(f"--group-gpus {args.group_gpus} makes no replica group", "pass GPUs per group, e.g. 8")
+    if not (math.isfinite(args.restart_s) and args.restart_s >= 0):
+        raise UsageError(f"--restart-s {args.restart_s} is not a duration", "pass seconds >= 0, e.g. --restart-s 600")
+    worlds = sorted({*SCALES, args.world})
+    print_goodput(args.config, count_params(cfg.model)["total"], worlds, group_gpus=args.group_gpus,
+                  restart_s=args.restart_s)
+
+
 def add_cli(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser("plan", help="memory per rank of a layout at any world size, and the layouts that fit")
     plan.add_argument("config", help="bundled config name or TOML file")
@@ -202,4 +219,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                            f"(default {MOE_IMBALANCE}; dropless worst case: ep)")
     plan.add_argument("--no-search", action="store_true", help="only the configured layout")
     plan.add_argument("--json", action="store_true", help="print the plans as JSON")
+    plan.add_argument("--failures", action="store_true",
+                      help="instead of memory: the share of wall time that trains under Llama 3's failure rate, "
+                           "checkpoint-restart against replica healing, at 1,024 and 16,384 GPUs and --world "
+                           "(docs/fault-tolerance.md)")
+    plan.add_argument("--group-gpus", type=int, default=8, help="--failures: GPUs per replica group")
+    plan.add_argument("--restart-s", type=float, default=RESTART_S,
+                      help="--failures: seconds a checkpoint-restart takes besides the load (default: measured, "
+                           "docs/benchmarks/fault-tolerance.md)")
     plan.set_defaults(func=_plan)

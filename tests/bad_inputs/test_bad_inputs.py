@@ -463,6 +463,15 @@ CASES = [
     # (#25) submit
     ("submit-nodes-huge", _submit("--nodes", "1000000", "--nproc-per-node", "8"),
      ["--nodes x --nproc-per-node gives 8000000 ranks", "from 1 to"]),
+    ("submit-replica-split", _submit("--nodes", "3", "--replica-groups", "2"),
+     ["--nodes=3 does not split into --replica-groups=2", "multiple of 2, e.g. --nodes 2"]),
+    ("submit-replica-one", _submit("--replica-groups", "1"), ["--replica-groups=1 leaves no group", "2 or more"]),
+    ("submit-replica-lighthouse", _submit("--nodes", "2", "--replica-groups", "2",
+                                          overrides=("fault_tolerance.lighthouse=http://h:1",)),
+     ["the job starts its own Lighthouse", "leave fault_tolerance.lighthouse empty"]),
+    # the layout is a group's: 1 node x 3 ranks, which tp=2 does not divide (the 6 ranks of both groups it would)
+    ("submit-replica-layout", _submit("--nodes", "2", "--nproc-per-node", "3", "--replica-groups", "2",
+                                      overrides=("parallel.tp=2",)), ["does not divide the world size 3", "choose"]),
     ("submit-time", _submit("--time", "yesterday"), ["--time 'yesterday' is not a SLURM time limit", "HH:MM:SS"]),
     ("submit-time-hours", _submit("--time", "4h"), ["--time '4h'", "e.g. --time 04:00:00"]),
     ("submit-mem", _submit("--mem", "lots"), ["--mem 'lots' is not a SLURM memory size", "e.g. --mem 200G"]),

@@ -97,6 +97,89 @@ def test_dry_run_prints_a_requeueing_multi_node_script(tmp_path, capsys):
     assert not run_dir.exists()  # a dry run writes nothing
 
 
+def _replica_script(tmp_path, capsys, *options: str) -> str:
+    main(["submit", CONFIG, "--nodes", "4", "--replica-groups", "2", "--nproc-per-node", "2", *options, "--dry-run",
+          "--set", f"logging.run_dir={tmp_path / 'run'}", "checkpoint.interval=100"])
+    return capsys.readouterr().out
+
+
+def test_replica_groups_script_has_a_lighthouse_a_step_per_group_and_a_restart_loop(tmp_path, capsys):
+    script = _replica_script(tmp_path, capsys)
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0  # valid shell
+    for line in ["#SBATCH --nodes=4", "#SBATCH --no-kill", "#SBATCH --requeue",
+                 'export TORCHFT_LIGHTHOUSE="http://$HEAD_ADDR:$LIGHTHOUSE_PORT"',
+                 "srun --overlap --nodes=1 --ntasks=1 --relative=0", "-m meshformer lighthouse",
+                 '--bind "[::]:$LIGHTHOUSE_PORT"',
+                 "MESHFORMER_REPLICA_ID=$r srun --kill-on-bad-exit=1 --nodes=2 --ntasks=2",
+                 "--relative=$(( r * 2 ))", "for r in $(seq 0 1); do", 'elif [ "$restarts" -ge 3 ]']:
+        assert line in script, line
+    # each group is one torchrun job of 2 nodes with its own rendezvous, restarted whole by the loop (not torchrun)
+    assert "--nnodes=2" in script and '--rdzv-endpoint="$GROUP_ADDR:$RDZV_PORT"' in script
+    assert "--max-restarts" not in script.split("run_group()")[1].split("status=$?")[0]
+    assert "fault_tolerance.enabled=true fault_tolerance.replica_groups=2" in script
+    assert "--no-kill" not in _plain_script(tmp_path, capsys)  # a job without groups is unchanged: one node ends it
+
+
+def _plain_script(tmp_path, capsys) -> str:
+    main(["submit", CONFIG, "--nodes", "4", "--dry-run", "--set", f"logging.run_dir={tmp_path / 'run'}"])
+    return capsys.readouterr().out
+
+
+_FAKE_SRUN = """#!/bin/bash
+if [[ "$*" == *" lighthouse "* ]]; then  # the Lighthouse: a listening port is all the script waits for
+  exec {python} -c "import socket, time; s = socket.socket(); s.bind(('127.0.0.1', $LIGHTHOUSE_PORT)); s.listen(); \\
+time.sleep(60)"
+fi
+echo "$MESHFORMER_REPLICA_ID $TORCHFT_LIGHTHOUSE $*" >> "$FAKE_LOG"
+if [ "$MESHFORMER_REPLICA_ID" = 0 ]; then sleep 4; exit 0; fi  # group 0 trains to the end
+exit 7  # group 1 fails every time it starts
+"""
+_FAKE_SCONTROL = """#!/bin/bash
+case "$2" in
+  hostnames) printf 'n0\\nn1\\nn2\\nn3\\n' ;;
+  node) [ "$3" = n0 ] && echo "NodeName=n0 NodeAddr=127.0.0.1 State=IDLE" \\
+          || echo "NodeName=$3 NodeAddr=10.0.0.${{3#n}}" ;;
+esac
+"""
+
+
+@pytest.mark.slow
+def test_replica_groups_script_restarts_a_failed_group_alone(tmp_path, capsys):
+    """The script itself, run by bash with a fake srun and scontrol: group 1 fails every time and is restarted
+    --max-restarts times while group 0 runs on once; the job ends 0 because group 0 reached train.steps."""
+    import random
+    import socket
+    import sys
+
+    script = _replica_script(tmp_path, capsys, "--max-restarts", "2")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(_FAKE_SRUN.format(python=sys.executable))
+    (bin_dir / "scontrol").write_text(_FAKE_SCONTROL.format())
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    for _ in range(50):  # a job id whose Lighthouse port (28500 + id % 1000) is free here
+        job_id = random.randrange(1000)
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", 28500 + job_id)) != 0:
+                break
+    log = tmp_path / "srun.log"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": str(job_id),
+           "SLURM_JOB_NODELIST": "n[0-3]", "FAKE_LOG": str(log), "LIGHTHOUSE_PORT": str(28500 + job_id)}
+    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = log.read_text().splitlines()
+    by_group = {r: [line for line in steps if line.startswith(f"{r} ")] for r in (0, 1)}
+    assert len(by_group[0]) == 1 and len(by_group[1]) == 3, steps  # the first run and 2 restarts
+    for line in steps:
+        assert f"http://127.0.0.1:{28500 + job_id} " in line  # the Lighthouse on the first node
+    assert "--relative=2" in by_group[1][0] and "--rdzv-endpoint=10.0.0.2:" in by_group[1][0]
+    assert f"--rdzv-id={job_id}-1" in by_group[1][0] and "--relative=0" in by_group[0][0]
+    assert "replica group 1 exited with status 7; restarting it (restart 2)" in done.stdout
+    assert "replica group 1 exited with status 7; not restarted (2 restarts (--max-restarts))" in done.stdout
+    assert "replica group 0 reached train.steps" in done.stdout and "training exited with status 0" in done.stdout
+
+
 def test_settings_that_lose_work_on_requeue_are_warned_about(tmp_path, capsys):
     main(["submit", CONFIG, "--dry-run", "--set", f"logging.run_dir={tmp_path}", "checkpoint.interval=0"])
     assert "warning: checkpoint.interval=0: a requeued or restarted job starts again from step 0" in \
