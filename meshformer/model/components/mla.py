@@ -57,12 +57,13 @@ class LatentAttention(TokenMixer):
     def check(self, cfg: ModelConfig) -> None:
         from meshformer.model.families import get_family_spec  # the families' formulas import this package
 
-        if set(cfg.layer_types) != {"mla"}:  # one rotary table per model: its width is qk_rope_head_dim
-            raise ConfigError(f"model.layer_types={cfg.layer_types} mixes mla with other token mixers",
-                              'use layer_types = ["mla"] (every block), or no mla')
+        name = self.name
+        if set(cfg.layer_types) != {name}:  # one rotary table per model: its width is qk_rope_head_dim
+            raise ConfigError(f"model.layer_types={cfg.layer_types} mixes {name} with other token mixers",
+                              f'use layer_types = ["{name}"] (every block), or no {name}')
         if any(not stack.causal or stack.cross for stack in get_family_spec(cfg.family).stacks) \
                 or cfg.position != "rope":
-            raise ConfigError(f"mla blocks are causal self-attention with RoPE, but model.family={cfg.family!r}, "
+            raise ConfigError(f"{name} blocks are causal self-attention with RoPE, but model.family={cfg.family!r}, "
                               f"model.position={cfg.position!r}", "use family='decoder' and position='rope'")
         x = cfg.mla
         widths = {"kv_lora_rank": x.kv_lora_rank, "qk_nope_head_dim": x.qk_nope_head_dim,
@@ -79,7 +80,7 @@ class LatentAttention(TokenMixer):
         set_values = {"n_kv_heads": a.n_kv_heads not in (None, a.n_heads), "head_dim": a.head_dim,
                       "qk_norm": a.qk_norm, "sinks": a.sinks, "softcap": a.softcap}
         if set_keys := [f"model.attention.{k}" for k in self.UNUSED if set_values[k]]:
-            raise ConfigError(f"{set_keys[0]} is set, but mla blocks do not use it (their heads are model.attention."
+            raise ConfigError(f"{set_keys[0]} is set, but {name} blocks do not use it (their heads are model.attention."
                               "n_heads, their widths model.mla.*)", f"drop {set_keys[0]} or use full_attention blocks")
 
     def rotary_width(self, cfg: ModelConfig) -> int:
