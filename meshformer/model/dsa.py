@@ -146,7 +146,7 @@ class SparseLatentAttention(MultiHeadLatentAttention):
             piece_mask = mask if whole or mask.mask is None else AttentionMask(mask.mask[..., start:start + n,
                                                                                          :at + n])
             rows = slice(start, start + n)
-            piece_rope = (rope[0][rows], rope[1][rows])
+            piece_rope = (rope[0][..., rows, :], rope[1][..., rows, :])  # (T, D), or per row under left padding
             q_p, k_p, v_p = q[:, :, rows], k[:, :, :at + n], v[:, :, :at + n]
             allowed = piece_mask.materialize(n, at + n, x.device)
             sparse = not self.dense and self.topk < at + n
