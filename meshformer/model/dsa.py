@@ -194,9 +194,10 @@ class SparseLatentAttention(MultiHeadLatentAttention):
 
 def _top_keys(scores: torch.Tensor, allowed: torch.Tensor, topk: int) -> torch.Tensor:
     """(B, Tq, Tk) bool: the `topk` allowed keys of each query with the highest indexer scores (a row with fewer
-    allowed keys keeps them all)."""
+    allowed keys keeps them all). Equal scores (ReLU's zeros) go to the earlier key: the same keys whatever the row's
+    length (a decode step, a context-parallel piece), where torch.topk's choice among ties depends on it."""
     masked = scores.masked_fill(~allowed[:, 0], float("-inf"))
-    picked = masked.topk(min(topk, scores.shape[-1]), dim=-1).indices
+    picked = masked.sort(dim=-1, descending=True, stable=True).indices[..., :min(topk, scores.shape[-1])]
     return torch.zeros_like(masked, dtype=torch.bool).scatter_(-1, picked, True)
 
 
