@@ -131,7 +131,8 @@ def test_published_config_is_the_bundled_one_and_counts_what_transformers_builds
 
 @pytest.mark.parametrize(("arch", "extra", "named"), [
     ("glm_moe_dsa", {"index_topk_freq": 2}, "indexer_types[2]='shared'"),
-    ("deepseek_v32", {"mlp_layer_types": ["sparse", "dense", "sparse", "sparse"]}, "mlp_layer_types=['sparse', 'dense'"),
+    ("deepseek_v32", {"mlp_layer_types": ["sparse", "dense", "sparse", "sparse"]},
+     "mlp_layer_types=['sparse', 'dense'"),
     ("deepseek_v32", {"attention_bias": True}, "attention_bias=True"),
 ], ids=["shared-selection", "mlp-pattern", "attention-bias"])
 def test_import_refuses_what_it_cannot_express(arch, extra, named):

@@ -5,6 +5,8 @@ the model's gradient untouched by it, and the dense warm-up that trains only the
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -207,3 +209,46 @@ def test_warmup_attends_densely_and_trains_only_the_indexers():
     model.train()(ids).sum().backward()  # the language-model loss reaches only the indexers, through their loss
     assert all(p.grad is not None and p.grad.abs().max() > 0 for p in model.parameters() if p.requires_grad)
     assert len(dsa_layers([model])) == 2
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["model.dsa.topk=0"], "model.dsa.topk=0 must be positive"),
+    (["model.dsa.head_dim=8"], "model.dsa.head_dim=8 is narrower than the rotary width model.mla.qk_rope_head_dim=16"),
+    (["model.dsa.loss_weight=-1"], "model.dsa.loss_weight=-1.0 must be at least 0"),
+    (['model.layer_types=["dsa", "mla"]'], "mixes dsa with other token mixers"),
+    (["model.attention.n_kv_heads=2"], "model.attention.n_kv_heads is set, but dsa blocks do not use it"),
+])
+def test_bad_dsa_configs_get_one_line(overrides, message):
+    from meshformer.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("tiny-dsa", overrides)
+
+
+def test_queries_without_a_latent_are_refused_in_one_line():
+    from meshformer.config import ConfigError, config_from_dict
+
+    raw = {"model": {"family": "decoder", "position": "rope", "layer_types": ["dsa"], "bias": False,
+                     "mla": {"kv_lora_rank": 12}},
+           "data": {"seq_len": 16, "batch_size": 2}, "train": {"device": "cpu"}}
+    with pytest.raises(ConfigError, match=re.escape("model.mla.q_lora_rank is unset")):
+        config_from_dict(raw)
+
+
+def _has(module: torch.nn.Module, path: str) -> bool:
+    try:
+        return isinstance(module.get_submodule(path), torch.nn.Module)
+    except AttributeError:
+        return False
+
+
+def test_tensor_parallel_rules_name_the_modules_it_builds():
+    """Every rule but the direct query projection's names a submodule (the indexer's scores point included)."""
+    from meshformer.model.components import TOKEN_MIXERS
+
+    cfg = _cfg()
+    kind = TOKEN_MIXERS["dsa"]
+    module = kind.build(cfg, causal=True)
+    present = {path for path in kind.tp_rules(cfg) if path == "" or _has(module, path)}
+    assert set(kind.tp_rules(cfg)) - present == {"q_proj"} and "indexer.scores_grad" in present
+    assert kind.cache_per_token(cfg) == 12 + 4 + 8
