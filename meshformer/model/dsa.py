@@ -80,11 +80,11 @@ class LightningIndexer(nn.Module):
         """I (B, Tq, Tk) in fp32 of the queries x (B, Tq, d_model) with their latent (B, Tq, q_lora_rank) against
         the keys (B, 1, Tk, head_dim)."""
         batch, length, _ = x.shape
-        q = self.wq_b(q_latent).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
-        q = self._rotate(q, rope).transpose(1, 2)  # (B, Tq, H, D), the layout the reference sums heads in
-        scores = F.relu(q.float() @ keys.float().transpose(-1, -2) * self.head_dim ** -0.5)  # (B, Tq, H, Tk)
-        weights = self.weights_proj(x).float() * self.n_heads ** -0.5
-        return self.scores_grad((weights.unsqueeze(-2) @ scores).squeeze(-2))
+        q = self._rotate(self.wq_b(q_latent).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2), rope)
+        scores = F.relu(q.float() @ keys.float().transpose(-1, -2) * self.head_dim ** -0.5)  # (B, H, Tq, Tk)
+        weights = self.weights_proj(x).float() * self.n_heads ** -0.5  # (B, Tq, H)
+        # one product per head over every query, then the heads' weighted sum (not B x Tq tiny products)
+        return self.scores_grad((scores * weights.transpose(1, 2).unsqueeze(-1)).sum(dim=1))
 
 
 class SparseLatentAttention(MultiHeadLatentAttention):
