@@ -88,9 +88,10 @@ def timing_rows(seqs: list[int], rounds: int) -> list[dict[str, Any]]:
 
 
 def table(results: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
-    columns = ["T", "keys kept per query", "GFLOPs DSA / MLA (declared)", "DSA ms", "MLA ms", "DSA / MLA"]
+    columns = ["T", "keys kept per query", "GFLOPs DSA / MLA (declared)", "DSA ms", "MLA ms", "DSA / MLA",
+               "load (1 min)"]
     rows = [[r["seq"], f"{min(r['topk'], r['seq'])} of up to {r['seq']}", f"{r['dsa_gflops']} / {r['mla_gflops']}",
-             r["dsa_ms"], r["mla_ms"], f"{r['dsa_over_mla']:.2f}"] for r in results]
+             r["dsa_ms"], r["mla_ms"], f"{r['dsa_over_mla']:.2f}", r["load_1min"]] for r in results]
     return columns, rows
 
 
@@ -117,8 +118,11 @@ def main() -> None:
                            "costs MLA's work plus the indexer's (its n_heads x head_dim products with every key, the "
                            "selection, and in training the main attention's probabilities for its loss), at every "
                            "T. It starts to pay only with a kernel that gathers each query's selected latent rows "
-                           "(attention then reads topk keys, not T), which this implementation does not have."),
-                    columns=columns, rows=rows, align=["r", "l", "l", "r", "r", "r"])
+                           "(attention then reads topk keys, not T), which this implementation does not have. The "
+                           "load column is the machine's 1-minute load average while the row ran: above the 2 "
+                           "cores, other jobs shared them, which stretches both sides' times; the alternating rounds "
+                           "keep the ratio."),
+                    columns=columns, rows=rows, align=["r", "l", "l", "r", "r", "r", "r"])
 
 
 if __name__ == "__main__":

@@ -252,3 +252,17 @@ def test_tensor_parallel_rules_name_the_modules_it_builds():
     present = {path for path in kind.tp_rules(cfg) if path == "" or _has(module, path)}
     assert set(kind.tp_rules(cfg)) - present == {"q_proj"} and "indexer.scores_grad" in present
     assert kind.cache_per_token(cfg) == 12 + 4 + 8
+
+
+def test_the_bench_table_and_its_flops():
+    """bench/dsa_vs_mla.py: the two sides differ only in the token mixer, DSA declaring the indexer's FLOPs on top of
+    MLA's; its rows as the page shows them."""
+    from helpers.common import load_script
+
+    bench = load_script("bench/dsa_vs_mla.py")
+    dsa, mla = bench.configs()
+    assert (dsa.layer_types, mla.layer_types) == (["dsa"], ["mla"]) and dsa.dsa.topk == bench.TOPK
+    assert bench.forward_flops(dsa, 512) > bench.forward_flops(mla, 512)
+    columns, rows = bench.table([{"seq": 512, "topk": 256, "dsa_gflops": 1.8, "mla_gflops": 1.6, "dsa_ms": 30.0,
+                                  "mla_ms": 20.0, "dsa_over_mla": 1.5, "load_1min": 1.0}])
+    assert len(columns) == len(rows[0]) and rows[0][1] == "256 of up to 512" and rows[0][5] == "1.50"
