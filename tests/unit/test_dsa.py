@@ -266,3 +266,18 @@ def test_the_bench_table_and_its_flops():
     columns, rows = bench.table([{"seq": 512, "topk": 256, "dsa_gflops": 1.8, "mla_gflops": 1.6, "dsa_ms": 30.0,
                                   "mla_ms": 20.0, "dsa_over_mla": 1.5, "load_1min": 1.0}])
     assert len(columns) == len(rows[0]) and rows[0][1] == "256 of up to 512" and rows[0][5] == "1.50"
+
+
+def test_planned_peak_within_tolerance_of_measured():
+    """The planner's peak for a dsa model (the indexer's scores on top of MLA's activations; math backend) within
+    bench/plan_validation.py's tolerance of a measured training step whose sequences are longer than top-k."""
+    from plan_validation import TOLERANCE, validation_config
+
+    from meshformer.planner.measure import measure_step_peak
+    from meshformer.planner.search import plan_layout
+
+    mla = {"q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}
+    cfg = validation_config({"model": {"layer_types": ["dsa"], "attention": {"n_heads": 8, "backend": "math"},
+                                       "mla": mla, "dsa": {"n_heads": 4, "head_dim": 16, "topk": 32}}}, seq=128)
+    predicted, measured = plan_layout(cfg, 1).peak, measure_step_peak(cfg)["peak"]
+    assert abs(predicted / measured - 1) < TOLERANCE, (predicted, measured)
