@@ -153,3 +153,20 @@ def test_fp8_checkpoints_are_refused_and_architectures_refuse_each_others_models
         check_compatible(cfg, "glm_moe_dsa")
     with pytest.raises(ValueError, match="dsa=False"):
         check_compatible(load_config("tiny-deepseek").model, "deepseek_v32")
+
+
+def test_the_mtp_layer_and_its_indexer_cross_both_ways_bitwise():
+    """tiny-dsa's MTP module as layer num_hidden_layers, its block's indexer included; read back bitwise."""
+    from meshformer.checkpointing.hf import to_hf_state_dict
+
+    cfg = load_config("tiny-dsa", ["model.n_layers=2", 'model.mlp_types=["dense", "moe"]']).model
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    _perturb(model)
+    state = to_hf_state_dict(model, "deepseek_v32")
+    assert {"eh_proj.weight", "self_attn.indexer.wk.weight", "self_attn.indexer.k_norm.bias"} <= {
+        k.removeprefix("model.layers.2.") for k in state if k.startswith("model.layers.2.")}
+    assert config_to_hf(cfg, "deepseek_v32").num_nextn_predict_layers == 1
+    ours = from_hf_state_dict(state, cfg, "deepseek_v32")
+    expected = model.state_dict()
+    assert set(ours) == set(expected) and all(torch.equal(v, expected[k]) for k, v in ours.items())
