@@ -38,7 +38,7 @@ COMMON: dict[str, Any] = {
     "moe_blocks": "every block", "qk_norm_scope": "head", "norm_weight_offset": 0.0, "full_attention_every": None,
     "rope_local_theta": None, "attention_softcap": None, "logit_softcap": None, "router_bias": False,
     "expert_bias_terms": False, "attention_sinks": False, "mla": False, "router_scale": 1.0, "linear_attention": False,
-    "kda": False, "attention_output_gate": False, "rope_partial_factor": 1.0, "shared_expert_gate": False}
+    "kda": False, "dsa": False, "attention_output_gate": False, "rope_partial_factor": 1.0, "shared_expert_gate": False}
 
 
 def _full_attention_every(cfg: ModelConfig) -> int | str | None:
@@ -69,6 +69,7 @@ def features(cfg: ModelConfig) -> dict[str, Any]:
         "attention_sinks": cfg.attention.sinks, "mla": cfg.uses_mla,
         "router_scale": cfg.moe.router_scale if moe else 1.0,
         "linear_attention": "linear_attention" in cfg.layer_types, "kda": "kda" in cfg.layer_types,
+        "dsa": "dsa" in cfg.layer_types,
         "attention_output_gate": cfg.attention.output_gate, "rope_partial_factor": cfg.rope.partial_factor,
         "shared_expert_gate": cfg.moe.shared_expert_gate and moe and cfg.moe.n_shared_experts > 0,
         "moe_blocks": "every block" if not moe or all(cfg.is_moe(i) for i in range(cfg.n_layers)) else "some",

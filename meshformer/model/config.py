@@ -76,6 +76,22 @@ class MlaConfig:
 
 
 @dataclass
+class DsaConfig:
+    """The `[model.dsa]` table: DeepSeek Sparse Attention (model/dsa.py; DeepSeek-V3.2, GLM-5) of the "dsa" blocks,
+    multi-head latent attention ([model.mla]) whose queries each attend to the `topk` keys a lightning indexer scores
+    highest."""
+
+    n_heads: int = 4  # indexer heads (DeepSeek-V3.2: 64)
+    head_dim: int = 32  # width of each indexer query head and of the one indexer key per token (128)
+    topk: int = 64  # keys each query attends to (2048); at least the keys it sees: dense MLA
+    rope_interleave: bool = False  # the indexer's rotary pairs (2i, 2i + 1) (GLM-5) or half-split (DeepSeek-V3.2)
+    # the indexer's training: "sparse" attends to the selected keys, the indexer learning the main attention over
+    # them; "warmup" attends densely and trains only the indexers (every other parameter frozen)
+    stage: Literal["sparse", "warmup"] = "sparse"
+    loss_weight: float = 1.0  # the indexer's loss (KL to the main attention, a mean over target tokens) times this
+
+
+@dataclass
 class FfnConfig:
     """The `[model.ffn]` table: the dense feed-forward (channel mixer) of the "dense" blocks."""
 
@@ -224,14 +240,16 @@ class ModelConfig:
     cross_downsample: int = 1  # pool encoder output by this factor before cross-attention
     # Token mixer of each block of a stack: "full_attention" | "sliding_attention" (attention.window, rope.local_theta)
     # | "linear_attention" (Gated DeltaNet: [model.linear_attention]) | "kda" (Kimi Delta Attention, the same
-    # table) | "mla" (multi-head latent attention, [model.mla]), one per block or a shorter pattern repeated over the
-    # stack (Gemma 3: 5 sliding, then 1 full); []: all full
+    # table) | "mla" (multi-head latent attention, [model.mla]) | "dsa" (MLA with DeepSeek's sparse attention:
+    # [model.mla], [model.dsa]), one per block or a shorter pattern repeated over the stack (Gemma 3: 5 sliding, then
+    # 1 full); []: all full
     layer_types: list[str] = field(default_factory=list)
     # Channel mixer of each block of a stack: "dense" (ffn) | "moe" (moe), one per block or a repeated pattern;
     # []: every block "moe" when moe.n_experts > 0, else "dense"
     mlp_types: list[str] = field(default_factory=list)
     attention: AttentionConfig = field(default_factory=AttentionConfig)  # [model.attention]
     mla: MlaConfig = field(default_factory=MlaConfig)  # [model.mla]
+    dsa: DsaConfig = field(default_factory=DsaConfig)  # [model.dsa]
     ffn: FfnConfig = field(default_factory=FfnConfig)  # [model.ffn]
     rope: RopeConfig = field(default_factory=RopeConfig)  # [model.rope]
     norm: NormConfig = field(default_factory=NormConfig)  # [model.norm]
@@ -250,9 +268,11 @@ class ModelConfig:
 
     @property
     def uses_mla(self) -> bool:
-        """Whether blocks attend through multi-head latent attention (checkpoint formats ask; config validation: all
-        of them or none under RoPE)."""
-        return "mla" in self.layer_types
+        """Whether the blocks attend through multi-head latent attention, sparse or not (checkpoint formats ask;
+        config validation: all of them or none)."""
+        from meshformer.model.components import TOKEN_MIXERS  # the kinds read this module
+
+        return any(TOKEN_MIXERS[kind].section == "mla" for kind in set(self.layer_types) if kind in TOKEN_MIXERS)
 
     @property
     def rope_dim(self) -> int:

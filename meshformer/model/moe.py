@@ -313,6 +313,12 @@ class _WithBalanceLoss(torch.autograd.Function):
         return grad, torch.full_like(balance, ctx.weight), None
 
 
+def with_loss_term(output: torch.Tensor, term: torch.Tensor, weight: float) -> torch.Tensor:
+    """`output` unchanged, its backward also starting `weight` * d(term): a loss term that joins the objective
+    wherever this forward runs, without being returned from it (MoE balance terms, DSA's indexer loss)."""
+    return _WithBalanceLoss.apply(output, term, weight)
+
+
 class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor,

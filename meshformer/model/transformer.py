@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from meshformer.model.components import model_kinds
 from meshformer.model.config import ModelConfig
 from meshformer.model.families import FamilySpec, get_family_spec
 from meshformer.model.init import init_weights, new_seed
@@ -88,6 +89,15 @@ def stage_holdings(spec: FamilySpec, cfg: ModelConfig, span: StageSpan | None) -
             # (its gradient summed with the first stage's, as a tied embedding's)
             held.update(("mtp_layers", *(name for name in pieces.first if name != "src_embeddings")))
     return held, blocks
+
+
+def freeze_all_but(model: nn.Module, trained: set[str]) -> None:
+    """With `trained` (module names a kind's `trains_only` declares), only the parameters of modules so named train:
+    every other parameter is frozen (requires_grad False: no gradient, no optimizer state)."""
+    if not trained:
+        return
+    for name, param in model.named_parameters():
+        param.requires_grad_(any(part in trained for part in name.split(".")[:-1]))
 
 
 class Transformer(nn.Module):
@@ -163,6 +173,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             self.output.weight = self.tok_embeddings.weight  # tied_weights(cfg) names this tie
         spec.init(self)
+        freeze_all_but(self, {name for kind in model_kinds(cfg) if (name := kind.trains_only(cfg))})
 
     def hold_copies_of(self, model: Transformer) -> None:
         """Swap this part's pieces for copies of `model`'s (values, dtype and device as they are there), and its

@@ -16,6 +16,7 @@ from torch import nn
 from meshformer.batch import Batch, model_inputs
 from meshformer.loss.cross_entropy import LossFn, count_tokens
 from meshformer.loss.fused import HeadLoss
+from meshformer.model.dsa import SparseLatentAttention, dsa_layers, set_token_count
 from meshformer.model.moe import MoEFeedForward, moe_layers, set_balance_weight, update_expert_bias
 from meshformer.model.mtp import shifted_labels
 from meshformer.model.transformer import Transformer
@@ -68,6 +69,7 @@ class ParallelModel:
                                              for b in micro_batches]).sum(0).to(self.device))
         if self.mtp_depth:
             self._count_mtp_tokens(counts)
+        set_token_count(self.dsa_layers, counts[0])  # DSA's indexer loss: a mean over the step's target tokens
         return counts[0]
 
     def _step_sum(self, counts: torch.Tensor) -> torch.Tensor:
@@ -168,6 +170,11 @@ class ParallelModel:
         """This rank's MoE layers by their name in the whole model, found once: no walk over every module per step
         (none for a dense model)."""
         return [item for part in self.model_parts for item in moe_layers(part)]
+
+    @cached_property
+    def dsa_layers(self) -> list[SparseLatentAttention]:
+        """This rank's sparse latent attentions, whose indexer losses are means over each step's target tokens."""
+        return dsa_layers(self.model_parts)
 
     @cached_property
     def moe_layers(self) -> list[MoEFeedForward]:

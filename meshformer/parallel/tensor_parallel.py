@@ -192,6 +192,8 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, *, float8_gather
     cfg: ModelConfig = model.cfg
     spec = model.spec
     tp, rank = mesh.size(), mesh.get_local_rank()
+    # torch's styles re-create the parameters they place as trainable: frozen ones (a DSA warm-up) stay frozen
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     _shard_alibi_slopes(model, cfg, tp, rank)
     parallelize_module(model, mesh, _plan(model, spec.tp_rules.top))
     _retie(model, cfg)
@@ -217,6 +219,9 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, *, float8_gather
     for module in getattr(model, "mtp_layers", None) or ():
         _parallelize_mtp_module(module, mesh, cfg, spec.tp_rules, float8_gather)
     _replicate_rest(model, mesh)
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
     return model
 
 

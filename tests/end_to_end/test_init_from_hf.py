@@ -73,10 +73,11 @@ def _check_export(hf_model, run_dir: Path, out: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma3", "olmo2", "olmo3", "gpt_oss",
-                                  "deepseek_v3", "deepseek_v2", "glm4_moe", "kimi_linear"])
+                                  "deepseek_v3", "deepseek_v2", "glm4_moe", "kimi_linear", "deepseek_v32",
+                                  "glm_moe_dsa"])
 def test_continued_pretraining_under_fsdp_x_tp(arch, shards, tmp_path):
     hf_model, folder = hf_folder(arch, tmp_path / "hf")
-    moe = ("gpt_oss", "deepseek_v3", "deepseek_v2", "glm4_moe", "kimi_linear")
+    moe = ("gpt_oss", "deepseek_v3", "deepseek_v2", "glm4_moe", "kimi_linear", "deepseek_v32", "glm_moe_dsa")
     experts = ["parallel.ep=2"] if arch in moe else []  # tp: ep
     overrides = _overrides(shards, tmp_path / "run", folder, 3, "parallel.dp_shard=2", "parallel.tp=2", *experts)
     results = launch(TESTS / "helpers" / "init_from_worker.py", 4, overrides, timeout=240)

@@ -112,6 +112,22 @@ ARCHS: dict[str, dict[str, Any]] = {
     "t5": dict(config="T5Config", model="T5ForConditionalGeneration", shared=False, vocab_size=VOCAB, d_model=32,
                d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, feed_forward_proj="gated-silu"),
     # a Qwen3-MoE whose every block is dense (mlp_only_layers): imported with experts that no block uses
+    # DeepSeek-V3.2: DeepSeek-V3's blocks (yarn, block 0 dense, grouped sigmoid routing) attending to the 6 keys of
+    # each query its lightning indexer (8 heads, half-split rotary pairs) scores highest
+    "deepseek_v32": dict(config="DeepseekV32Config", model="DeepseekV32ForCausalLM", tie_word_embeddings=False,
+                         num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                         qk_rope_head_dim=4, v_head_dim=8, moe_intermediate_size=32, n_routed_experts=4, n_group=2,
+                         topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                         index_n_heads=8, index_head_dim=8, index_topk=6,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                          "original_max_position_embeddings": 16, "mscale": 1.0,
+                                          "mscale_all_dim": 1.0}),
+    # GLM-5: the same shape, its indexer rotating interleaved pairs, no expert groups
+    "glm_moe_dsa": dict(config="GlmMoeDsaConfig", model="GlmMoeDsaForCausalLM", tie_word_embeddings=False,
+                        num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                        qk_rope_head_dim=4, v_head_dim=8, moe_intermediate_size=32, n_routed_experts=4,
+                        num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5, index_n_heads=8,
+                        index_head_dim=8, index_topk=6),
     "qwen3_moe_dense": dict(config="Qwen3MoeConfig", model="Qwen3MoeForCausalLM", tie_word_embeddings=False,
                             head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                             mlp_only_layers=[0, 1]),

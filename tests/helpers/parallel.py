@@ -184,6 +184,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
 # stages per rank to place
 FAMILIES["deepseek4"] = dict(FAMILIES["deepseek"], n_layers=4, mlp_types=["dense", "moe", "moe", "moe"])
 FAMILIES["deepseek_mtp4"] = dict(FAMILIES["deepseek_mtp"], n_layers=4, mlp_types=["dense", "moe", "moe", "moe"])
+# DeepSeek-V3.2-like: the DeepSeek-V3-like model with DeepSeek Sparse Attention in every block (each query attends to
+# the 5 of up to 16 keys its lightning indexer scores highest; the indexer's loss joins the objective, its keys travel
+# with the latents under cp, its scores' gradient is summed over the tp ranks); and its dense warm-up, where only
+# the indexers train
+FAMILIES["dsa"] = dict(FAMILIES["deepseek"], layer_types=["dsa"], dsa=dict(n_heads=4, head_dim=8, topk=5))
+FAMILIES["dsa_warmup"] = dict(FAMILIES["dsa"], dsa=dict(n_heads=4, head_dim=8, topk=5, stage="warmup"))
 FAMILIES["qwen3next4"] = dict(FAMILIES["qwen3next"], n_layers=4, layer_types=["linear_attention", "full_attention"] * 2)
 
 

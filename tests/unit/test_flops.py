@@ -77,6 +77,8 @@ PUBLISHED = {  # config: (published parameter count, relative tolerance)
     "gpt-oss-20b": (20_914_757_184, 0.0),  # GptOssForCausalLM of openai/gpt-oss-20b's config, "20.9B"
     "gpt-oss-120b": (116_829_156_672, 0.0),  # GptOssForCausalLM of openai/gpt-oss-120b's config, "116.8B"
     "deepseek-v3": (671_026_404_352, 0.0),  # DeepseekV3ForCausalLM of deepseek-ai/DeepSeek-V3's config, "671B"
+    # DeepseekV32ForCausalLM of deepseek-ai/DeepSeek-V3.2's config (671,877,929,216) and its MTP module, "685B"
+    "deepseek-v3.2": (683_501_956_608, 0.0),
     "kimi-k2": (1_026_408_209_408, 0.0),  # DeepseekV3ForCausalLM of moonshotai/Kimi-K2-Base's config
     "deepseek-v2-lite": (15_706_484_224, 0.0),  # DeepseekV2ForCausalLM of deepseek-ai/DeepSeek-V2-Lite's, "15.7B"
     "glm-4.5-air": (106_852_245_504, 0.0),  # Glm4MoeForCausalLM of zai-org/GLM-4.5-Air's config, "106B"
@@ -151,6 +153,7 @@ def test_counts_equal_hugging_face_models(name, cls, config, kwargs):
 @pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "mistral-7b", "qwen3-0.6b",
                                   "qwen3-8b", "llama3.2-1b", "llama3.1-8b", "olmo2-7b", "olmo3-7b", "gpt-oss-20b",
                                   "gpt-oss-120b", "deepseek-v3", "kimi-k2", "tiny-deepseek", "glm-4.5-air",
+                                  "deepseek-v3.2", "tiny-dsa",
                                   "deepseek-v2-lite", "qwen3-next-80b-a3b", "tiny-qwen3-next", "qwen3.5-9b",
                                   "kimi-linear-48b-a3b", "tiny-kimi-linear"])
 def test_new_configs_count_what_their_hugging_face_export_builds(name):

@@ -115,6 +115,11 @@ class _Component:
         """None where tensor parallel splits this kind as `tp_rules` say; else why it cannot, in one clause."""
         return None
 
+    def trains_only(self, cfg: ModelConfig) -> str | None:
+        """A submodule name: while it is set, only the parameters of the modules so named train and every other
+        parameter of the model is frozen (DSA's indexer warm-up); None: every parameter trains."""
+        return None
+
     def init_rule(self, cfg: ModelConfig, name: str) -> InitFn | None:
         """The initialisation of the parameter `name` (inside the module) where it differs from the model's rules
         (model/init.py); None: those rules."""

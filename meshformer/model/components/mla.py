@@ -58,13 +58,14 @@ class LatentAttention(TokenMixer):
     def check(self, cfg: ModelConfig) -> None:
         from meshformer.model.families import get_family_spec  # the families' formulas import this package
 
+        name = self.name
         # one rotary table per model: its width is qk_rope_head_dim (without RoPE, as Kimi Linear, any neighbours)
-        if cfg.position == "rope" and set(cfg.layer_types) != {"mla"}:
-            raise ConfigError(f"model.layer_types={cfg.layer_types} mixes mla with other token mixers under RoPE",
-                              'use layer_types = ["mla"] (every block), or no mla, or model.position = "none"')
+        if cfg.position == "rope" and set(cfg.layer_types) != {name}:
+            raise ConfigError(f"model.layer_types={cfg.layer_types} mixes {name} with other token mixers under RoPE",
+                              f'use layer_types = ["{name}"] (every block), or no {name}, or model.position = "none"')
         if any(not stack.causal or stack.cross for stack in get_family_spec(cfg.family).stacks) \
                 or cfg.position not in ("rope", "none"):
-            raise ConfigError(f"mla blocks are causal self-attention with RoPE or no positions, but model.family="
+            raise ConfigError(f"{name} blocks are causal self-attention with RoPE or no positions, but model.family="
                               f"{cfg.family!r}, model.position={cfg.position!r}",
                               "use family='decoder' and position='rope' (or 'none')")
         x = cfg.mla
@@ -93,11 +94,11 @@ class LatentAttention(TokenMixer):
                       "qk_norm": a.qk_norm, "sinks": a.sinks, "softcap": a.softcap, "output_gate": a.output_gate,
                       "qkv_bias": a.qkv_bias is not None and a.qkv_bias != cfg.bias}
         if set_keys := [f"model.attention.{k}" for k in self.UNUSED if set_values[k]]:
-            raise ConfigError(f"{set_keys[0]} is set, but mla blocks do not use it (their heads are model.attention."
+            raise ConfigError(f"{set_keys[0]} is set, but {name} blocks do not use it (their heads are model.attention."
                               "n_heads, their widths model.mla.*, their biases model.bias)",
                               f"drop {set_keys[0]} or use full_attention blocks")
         if cfg.rope.partial_factor != 1:  # mla rotates its own qk_rope_head_dim columns of each head
-            raise ConfigError(f"model.rope.partial_factor={cfg.rope.partial_factor} is set, but mla blocks rotate "
+            raise ConfigError(f"model.rope.partial_factor={cfg.rope.partial_factor} is set, but {name} blocks rotate "
                               "model.mla.qk_rope_head_dim columns of each head",
                               "drop model.rope.partial_factor and set model.mla.qk_rope_head_dim")
 

@@ -268,6 +268,8 @@ class _SharedWeights:
     @torch.no_grad()
     def sync(self) -> None:
         for name, params in self.local.items():
+            if not params[0].requires_grad:  # frozen (a DSA warm-up) on every stage: no gradient to sum
+                continue
             before = self._stashed.get(name)
             delta = None
             for param in params:
