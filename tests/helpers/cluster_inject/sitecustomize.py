@@ -105,9 +105,9 @@ def patch(module) -> None:
         manager_cls = module.CheckpointManager
         commit, finish = manager_cls._commit, manager_cls.finish
 
-        def slow_finish(self, run, *, stopping=False):
+        def slow_finish(self, run, *, stopping=False, **kwargs):
             self.test_stopping = stopping
-            return finish(self, run, stopping=stopping)
+            return finish(self, run, stopping=stopping, **kwargs)
 
         def slow_commit(self, *args, **kwargs):
             time.sleep(stop_save_sleep if getattr(self, "test_stopping", False) else save_sleep)
