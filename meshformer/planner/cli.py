@@ -225,6 +225,6 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                            "(docs/fault-tolerance.md)")
     plan.add_argument("--group-gpus", type=int, default=8, help="--failures: GPUs per replica group")
     plan.add_argument("--restart-s", type=float, default=RESTART_S,
-                      help="--failures: seconds a checkpoint-restart takes besides the load (default: measured, "
-                           "docs/benchmarks/fault-tolerance.md)")
+                      help="--failures: seconds a checkpoint-restart takes besides the load (default: %(default)s, "
+                           "measured: docs/benchmarks/fault-tolerance.md)")
     plan.set_defaults(func=_plan)

@@ -8,7 +8,9 @@ from helpers.checkpoints import assert_bitwise, final_weights, run_trainer, tiny
 
 MTP = ("model.position=rope", "model.layer_types=['mla']", "model.norm.kind=rmsnorm", "model.bias=false",
        "model.moe.n_experts=4", "model.moe.experts_per_token=2", "model.moe.d_ff=32", "model.moe.router_score=sigmoid",
-       "model.mlp_types=['dense', 'moe']", "model.mtp.depth=1", "model.mtp.loss_weight=0.3")
+       "model.mlp_types=['dense', 'moe']", "model.mtp.depth=1", "model.mtp.loss_weight=0.3",
+       # MLA widths within the tiny d_model of 32
+       "model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=16", "model.mla.qk_rope_head_dim=16")
 STEPS = 6
 
 

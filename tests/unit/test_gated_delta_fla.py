@@ -138,7 +138,7 @@ def test_auto_keeps_torch_off_cuda(fake_fla) -> None:
 
 def test_fla_backend_without_the_package_is_one_line(monkeypatch) -> None:
     monkeypatch.setattr(gated_delta_fla, "fla_importable", lambda: False)
-    cfg = model_from_flat(d_model=24, layer_types=["linear_attention"],
+    cfg = model_from_flat(d_model=32, layer_types=["linear_attention"],
                           linear_attention=LinearAttentionConfig(backend="fla"))
     with pytest.raises(ConfigError, match=r'pip install "meshformer\[fla\]"') as err:
         component("linear_attention").check(cfg)
