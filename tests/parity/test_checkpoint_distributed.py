@@ -169,7 +169,9 @@ def test_muon_state_reshards_from_tensor_parallel_to_fsdp_and_one_process(refere
 
 MTP = ("model.position=rope", "model.layer_types=['mla']", "model.norm.kind=rmsnorm", "model.bias=false",
        "model.moe.n_experts=4", "model.moe.experts_per_token=2", "model.moe.d_ff=32", "model.moe.router_score=sigmoid",
-       "model.mlp_types=['dense', 'moe']", "model.mtp.depth=1", "model.mtp.loss_weight=0.3")
+       "model.mlp_types=['dense', 'moe']", "model.mtp.depth=1", "model.mtp.loss_weight=0.3",
+       # MLA widths within the tiny d_model of 32
+       "model.mla.kv_lora_rank=32", "model.mla.qk_nope_head_dim=16", "model.mla.qk_rope_head_dim=16")
 
 
 def test_mtp_checkpoint_reshards_between_one_process_and_pipeline(tmp_path):
