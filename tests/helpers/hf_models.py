@@ -164,3 +164,22 @@ def hf_folder(arch: str, folder: Path, seed: int = 0) -> tuple[Any, Path]:
     model.save_pretrained(str(folder))
     shutil.copy(BUNDLED_DIR / "kjv-bpe-4k.json", folder / "tokenizer.json")
     return model, folder
+
+
+def assert_batched_greedy_equals_generate(arch: str, new_tokens: int) -> None:
+    """Left-padded prompts of 3, 9 and 6 tokens: meshformer's greedy decoding of the imported model, with and without
+    its cache, equals transformers' `generate(do_sample=False)`, and the rows differ (none is one repeated)."""
+    from meshformer.checkpointing.hf import from_hf_model
+    from meshformer.model.generate import greedy_decode, pad_rows
+
+    theirs = hf_model(arch)
+    ours = from_hf_model(theirs).eval()
+    generator = torch.Generator().manual_seed(2)
+    rows = [torch.randint(3, 4096, (n,), generator=generator).tolist() for n in (3, 9, 6)]
+    ids, padding = pad_rows(rows, pad_id=0)
+    expected = theirs.generate(input_ids=ids, attention_mask=padding.long(), max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    for use_cache in (True, False):
+        out = greedy_decode(ours, ids, new_tokens, prompt_padding=padding, use_cache=use_cache)
+        assert out[:, ids.shape[1]:].tolist() == expected[:, ids.shape[1]:].tolist(), (arch, use_cache)
+    assert len({tuple(row) for row in out[:, ids.shape[1]:].tolist()}) == 3  # rows of their own, not one repeated

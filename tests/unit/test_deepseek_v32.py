@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from helpers.hf_models import hf_model
+from helpers.hf_models import assert_batched_greedy_equals_generate, hf_model
 
 from meshformer.checkpointing.hf import (
     check_compatible,
@@ -23,7 +23,6 @@ from meshformer.checkpointing.hf import (
 from meshformer.config import load_config
 from meshformer.model import Transformer
 from meshformer.model.flops import count_params
-from meshformer.model.generate import greedy_decode, pad_rows
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -93,17 +92,7 @@ def test_import_logits_round_trip_and_export(arch):
 def test_batched_greedy_equals_transformers_generate(arch):
     """Left-padded prompts of 3, 9 and 6 tokens and 8 new ones: the later steps read more keys than top-k, from
     the indexer cache (and without a cache: the whole forward)."""
-    theirs = hf_model(arch)
-    ours = from_hf_model(theirs).eval()
-    generator = torch.Generator().manual_seed(2)
-    rows = [torch.randint(3, 4096, (n,), generator=generator).tolist() for n in (3, 9, 6)]
-    ids, padding = pad_rows(rows, pad_id=0)
-    expected = theirs.generate(input_ids=ids, attention_mask=padding.long(), max_new_tokens=NEW_TOKENS,
-                               min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-    for use_cache in (True, False):
-        out = greedy_decode(ours, ids, NEW_TOKENS, prompt_padding=padding, use_cache=use_cache)
-        assert out[:, ids.shape[1]:].tolist() == expected[:, ids.shape[1]:].tolist()
-    assert len({tuple(row) for row in out[:, ids.shape[1]:].tolist()}) == 3
+    assert_batched_greedy_equals_generate(arch, NEW_TOKENS)
 
 
 V32_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,

@@ -5,11 +5,9 @@ tokenizer does (BOS where it adds one) and stops at its EOS."""
 from __future__ import annotations
 
 import pytest
-import torch
-from helpers.hf_models import hf_folder, hf_model
+from helpers.hf_models import assert_batched_greedy_equals_generate, hf_folder
 
-from meshformer.checkpointing.hf import from_hf_model
-from meshformer.model.generate import greedy_decode, pad_rows
+from meshformer.model.generate import pad_rows
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -20,17 +18,7 @@ NEW_TOKENS = 10
                                   "deepseek_v2", "glm4_moe", "qwen3_next", "qwen3_5_text",
                                   "qwen3_5_moe_text", "kimi_linear"])
 def test_batched_greedy_equals_transformers_generate(arch):
-    theirs = hf_model(arch)
-    ours = from_hf_model(theirs).eval()
-    generator = torch.Generator().manual_seed(2)
-    rows = [torch.randint(3, 4096, (n,), generator=generator).tolist() for n in (3, 9, 6)]
-    ids, padding = pad_rows(rows, pad_id=0)
-    expected = theirs.generate(input_ids=ids, attention_mask=padding.long(), max_new_tokens=NEW_TOKENS,
-                               min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-    for use_cache in (True, False):
-        out = greedy_decode(ours, ids, NEW_TOKENS, prompt_padding=padding, use_cache=use_cache)
-        assert out[:, ids.shape[1]:].tolist() == expected[:, ids.shape[1]:].tolist()
-    assert len({tuple(row) for row in out[:, ids.shape[1]:].tolist()}) == 3  # rows of their own, not one repeated
+    assert_batched_greedy_equals_generate(arch, NEW_TOKENS)
 
 
 def test_generate_cli_adds_the_tokenizers_bos_batches_prompts_and_stops_at_its_eos(tmp_path, capsys):
