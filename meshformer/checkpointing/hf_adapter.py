@@ -38,7 +38,8 @@ COMMON: dict[str, Any] = {
     "moe_blocks": "every block", "qk_norm_scope": "head", "norm_weight_offset": 0.0, "full_attention_every": None,
     "rope_local_theta": None, "attention_softcap": None, "logit_softcap": None, "router_bias": False,
     "expert_bias_terms": False, "attention_sinks": False, "mla": False, "router_scale": 1.0, "linear_attention": False,
-    "kda": False, "dsa": False, "attention_output_gate": False, "rope_partial_factor": 1.0, "shared_expert_gate": False}
+    "kda": False, "dsa": False, "attention_output_gate": False, "rope_partial_factor": 1.0, "shared_expert_gate": False,
+    "mla_query_scale": False}
 
 
 def _full_attention_every(cfg: ModelConfig) -> int | str | None:
@@ -67,6 +68,7 @@ def features(cfg: ModelConfig) -> dict[str, Any]:
         "capacity_factor": cfg.moe.capacity_factor if moe else 0.0,
         "router_bias": cfg.moe.router_bias and moe, "expert_bias_terms": cfg.moe.expert_bias_terms and moe,
         "attention_sinks": cfg.attention.sinks, "mla": cfg.uses_mla,
+        "mla_query_scale": cfg.uses_mla and cfg.mla.query_scale_beta != 0,
         "router_scale": cfg.moe.router_scale if moe else 1.0,
         "linear_attention": "linear_attention" in cfg.layer_types, "kda": "kda" in cfg.layer_types,
         "dsa": "dsa" in cfg.layer_types,

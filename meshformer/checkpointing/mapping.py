@@ -52,10 +52,10 @@ def iter_export(ours: Mapping[str, torch.Tensor], rules: Iterable[Rule]) -> Iter
         if len(parts) == 1:
             tensor = parts[0]
         else:
-            tensor = torch.stack(parts, dim=-1).flatten(-2) if rule.interleave else torch.cat(parts, dim=0)
+            tensor = torch.stack(parts, dim=-1).flatten(-2) if rule.interleave else torch.cat(parts, dim=rule.dim)
         if rule.theirs_shape is not None:
             tensor = tensor.reshape(rule.theirs_shape)
-        yield rule.theirs, (tensor.t().contiguous() if rule.transpose else tensor)
+        yield rule.theirs, (tensor.transpose(-2, -1).contiguous() if rule.transpose else tensor)
 
 
 def import_tensors(theirs: Mapping[str, torch.Tensor], rules: Iterable[Rule], shapes: Mapping[str, torch.Size],
@@ -71,7 +71,7 @@ def import_tensors(theirs: Mapping[str, torch.Tensor], rules: Iterable[Rule], sh
         if rule.theirs not in theirs:
             raise KeyError(f"{source} state dict lacks {rule.theirs!r} (needed for {', '.join(rule.ours)})")
         tensor = theirs[rule.theirs].detach()
-        tensor = tensor.t() if rule.transpose else tensor
+        tensor = tensor.transpose(-2, -1) if rule.transpose else tensor
         if rule.theirs_shape is not None and tensor.numel() == shapes[rule.ours[0]].numel():
             tensor = tensor.reshape(shapes[rule.ours[0]])
         if rule.expert is not None:
@@ -81,7 +81,7 @@ def import_tensors(theirs: Mapping[str, torch.Tensor], rules: Iterable[Rule], sh
         if rule.interleave:
             parts = tuple(tensor[..., i::n] for i in range(n))
         else:
-            parts = tensor.split([shapes[name][0] for name in rule.ours], dim=0) if n > 1 else (tensor,)
+            parts = tensor.split([shapes[name][rule.dim] for name in rule.ours], dim=rule.dim) if n > 1 else (tensor,)
         for name, piece in zip(rule.ours, parts, strict=True):
             if piece.shape != shapes[name]:
                 raise ValueError(f"{source} tensor {rule.theirs!r} gives {name} the shape {tuple(piece.shape)}, "

@@ -153,11 +153,15 @@ class TransformerBlock(nn.Module):
         chunk: SequenceChunk | None = None,
         padding: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
+        query_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """chunk: under context parallel, the pieces of the sequence `x` holds (self-attention gathers the rest).
         padding, documents (B, T): x's tokens' padding and packed documents, for a token mixer whose kind reads them
-        (`reads_padding_and_documents`; attention reads `mask`)."""
+        (`reads_padding_and_documents`; attention reads `mask`). query_scale: the queries' per-position multiplier
+        (model.mla.query_scale_beta), passed only where set."""
         tokens = {"padding": padding, "documents": documents} if self.attn_reads_padding else {}
+        if query_scale is not None:
+            tokens["query_scale"] = query_scale
         x = self._branch(x, self.attn_norm, self.attn_out_norm, self.attn, mask, rope=rope, bias=bias,
                          cache=cache.self_attn if cache else None, chunk=chunk, **tokens)
         if self.cross_attn is not None and self.cross_norm is not None:

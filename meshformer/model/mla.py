@@ -145,10 +145,12 @@ class MultiHeadLatentAttention(nn.Module):
         bias: torch.Tensor | None = None,
         cache: KVCache | None = None,
         chunk: SequenceChunk | None = None,
+        query_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Self-attention of x (B, T, d_model); `memory` and `bias` are not taken (config validation keeps MLA to
         causal stacks). rope None (model.position "none", Kimi Linear's MLA): the rotary part of the queries and the
-        shared key enter unrotated. chunk: under context parallel, the pieces of the sequence `x` holds."""
+        shared key enter unrotated. chunk: under context parallel, the pieces of the sequence `x` holds.
+        query_scale: each query's multiplier (positions.query_scale, Llama 4's length scaling), after RoPE."""
         if memory is not None or bias is not None:
             raise ValueError("multi-head latent attention is causal self-attention only: use it in a decoder stack")
         batch, length, _ = x.shape
@@ -158,6 +160,8 @@ class MultiHeadLatentAttention(nn.Module):
         k_rope = self.shared_key(k_rope)
         k_rope = self._rotate(k_rope.view(batch, 1, length, self.rope_dim), rope)
         q = torch.cat([q_nope, self._rotate(q_rope, rope)], dim=-1)
+        if query_scale is not None:
+            q = q * query_scale.to(q.dtype)
         if chunk is not None:  # the whole sequence's latents and rotated keys: the compressed tensors travel
             latent, k_rope = chunk.whole(latent), chunk.whole(k_rope)
         if cache is not None:

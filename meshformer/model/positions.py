@@ -150,6 +150,16 @@ def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> t
     return x * cos + rotated * sin
 
 
+def query_scale(cfg: ModelConfig, positions: torch.Tensor) -> torch.Tensor:
+    """Llama 4's per-position query multiplier 1 + beta * ln(1 + floor(p / original_max_seq_len)) (model.mla.
+    query_scale_beta), fp32, shaped to broadcast over (B, H, T, D) queries: (1, 1, T, 1) from positions (T,),
+    (B, 1, T, 1) from each row's position ids (B, T)."""
+    assert cfg.rope.original_max_seq_len is not None  # config validation requires it with the scaling
+    blocks = torch.floor(positions.float() / cfg.rope.original_max_seq_len)
+    scale = 1 + cfg.mla.query_scale_beta * torch.log(1 + blocks)
+    return scale.view(-1, 1, positions.shape[-1], 1)
+
+
 def alibi_slopes(n_heads: int, device: torch.device | None = None) -> torch.Tensor:
     """Geometric slopes 2^(-8i/n) (Press et al.); non-powers of two interleave the next power's slopes."""
 

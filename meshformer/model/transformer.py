@@ -35,6 +35,7 @@ from meshformer.model.positions import (
     SinusoidalPositions,
     alibi_bias,
     alibi_slopes,
+    query_scale,
 )
 
 if TYPE_CHECKING:
@@ -293,6 +294,8 @@ class Transformer(nn.Module):
         t5_bias = self.decoder_relative_bias if causal else self.encoder_relative_bias
         if t5_bias is not None:
             extra["bias"] = t5_bias(positions, torch.arange(k_len, device=device))
+        if causal and self.cfg.uses_mla and self.cfg.mla.query_scale_beta:
+            extra["query_scale"] = query_scale(self.cfg, positions if position_ids is None else position_ids)
         return extra
 
     def _block_inputs(self, block: int, masks: dict[int | None, AttentionMask], extra: dict

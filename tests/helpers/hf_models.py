@@ -128,6 +128,16 @@ ARCHS: dict[str, dict[str, Any]] = {
                         qk_rope_head_dim=4, v_head_dim=8, moe_intermediate_size=32, n_routed_experts=4,
                         num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5, index_n_heads=8,
                         index_head_dim=8, index_topk=6),
+    # Mistral 4: DeepSeek-V3's latent attention with Llama 4's query scaling past position 4 (so a prompt crosses
+    # several steps); block 0 dense, then 8 experts in 2 groups (1 kept per token), top-2 softmax scores renormalised
+    # and scaled by 1.5, one shared expert
+    "mistral4": dict(config="Mistral4Config", model="Mistral4ForCausalLM", tie_word_embeddings=False,
+                     num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                     v_head_dim=8, moe_intermediate_size=32, n_routed_experts=8, n_group=2, topk_group=1,
+                     num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.5,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 4, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                      "llama_4_scaling_beta": 0.5}),
     "qwen3_moe_dense": dict(config="Qwen3MoeConfig", model="Qwen3MoeForCausalLM", tie_word_embeddings=False,
                             head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                             mlp_only_layers=[0, 1]),

@@ -97,6 +97,12 @@ class LatentAttention(TokenMixer):
             raise ConfigError(f"{set_keys[0]} is set, but {name} blocks do not use it (their heads are model.attention."
                               "n_heads, their widths model.mla.*, their biases model.bias)",
                               f"drop {set_keys[0]} or use full_attention blocks")
+        if x.query_scale_beta and (name != "mla" or cfg.position != "rope" or cfg.rope.original_max_seq_len is None):
+            raise ConfigError(f"model.mla.query_scale_beta={x.query_scale_beta} scales queries by their position past "
+                              f"model.rope.original_max_seq_len, which {name} blocks with model.position="
+                              f"{cfg.position!r} and original_max_seq_len={cfg.rope.original_max_seq_len} lack",
+                              "use mla blocks with RoPE and set model.rope.original_max_seq_len, or drop "
+                              "query_scale_beta")
         if cfg.rope.partial_factor != 1:  # mla rotates its own qk_rope_head_dim columns of each head
             raise ConfigError(f"model.rope.partial_factor={cfg.rope.partial_factor} is set, but {name} blocks rotate "
                               "model.mla.qk_rope_head_dim columns of each head",

@@ -18,12 +18,13 @@ from meshformer.model.config import ModelConfig
 class Rule:
     ours: tuple[str, ...]  # our tensors, concatenated along dim 0 when several (or interleaved: `interleave`)
     theirs: str
-    transpose: bool = False  # foreign layout is (in, out), e.g. GPT-2's Conv1D
+    transpose: bool = False  # foreign layout has the last two dims swapped, e.g. GPT-2's Conv1D (in, out)
     alias: bool = False  # a foreign duplicate of a tied tensor: written on export, ignored on import
     expert: int | None = None  # the foreign tensor is this slice of our (single, stacked) tensor along dim 0
     interleave: bool = False  # several of ours alternate along the last dim: column k * len(ours) + i is ours[i]'s k
     # the foreign tensor's shape where it holds our (single) tensor's values in another shape, e.g. (1, 1, H, 1)
     theirs_shape: tuple[int, ...] | None = None
+    dim: int = 0  # the dim several of ours are concatenated along (-1: stacked experts' gate and up, (E, d, 2f))
 
 
 def params(ours: str | tuple[str, ...], theirs: str, names: Iterable[str] = ("weight", "bias"), *,
