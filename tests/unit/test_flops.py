@@ -88,6 +88,8 @@ PUBLISHED = {  # config: (published parameter count, relative tolerance)
     "qwen3.5-9b": (8_953_803_264, 0.0),
     # KimiLinearForCausalLM of moonshotai/Kimi-Linear-48B-A3B-Instruct's config (test_kimi_linear), "48B"
     "kimi-linear-48b-a3b": (49_122_675_072, 0.0),
+    # Mistral4ForCausalLM of transformers' Mistral4Config defaults, mistralai/Mistral-Small-4-119B-2603 (test_mistral4)
+    "mistral-small-4": (118_972_826_624, 0.0),
 }
 
 # gpt-oss's active counts as its model card gives them (3.6B / 5.1B): every parameter a token uses but the input
@@ -155,7 +157,7 @@ def test_counts_equal_hugging_face_models(name, cls, config, kwargs):
                                   "gpt-oss-120b", "deepseek-v3", "kimi-k2", "tiny-deepseek", "glm-4.5-air",
                                   "deepseek-v3.2", "tiny-dsa",
                                   "deepseek-v2-lite", "qwen3-next-80b-a3b", "tiny-qwen3-next", "qwen3.5-9b",
-                                  "kimi-linear-48b-a3b", "tiny-kimi-linear"])
+                                  "kimi-linear-48b-a3b", "tiny-kimi-linear", "mistral-small-4"])
 def test_new_configs_count_what_their_hugging_face_export_builds(name):
     """The exported architecture (config_to_hf), built on the meta device, has exactly our parameter count."""
     transformers = pytest.importorskip("transformers")
