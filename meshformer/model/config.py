@@ -69,8 +69,8 @@ class MlaConfig:
     rope_interleave: bool = True  # rotary pairs (2i, 2i + 1) as DeepSeek's checkpoints lay them out; false: half-split
     # scaled RoPE (rope.scaling): scores multiplied by (0.1 * mscale_all_dim * ln(rope.factor) + 1)^2; 0: off
     mscale_all_dim: float = 0.0
-    # Llama 4's length scaling (Mistral 4): the queries at position p multiplied by
-    # 1 + query_scale_beta * ln(1 + floor(p / rope.original_max_seq_len)), sharper attention far past pretraining; 0: off
+    # Llama 4's length scaling (Mistral 4): the queries at position p multiplied by 1 + query_scale_beta *
+    # ln(1 + floor(p / rope.original_max_seq_len)), sharper attention far past pretraining; 0: off
     query_scale_beta: float = 0.0
 
     @property

@@ -112,9 +112,11 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         chunk: SequenceChunk | None = None,
         padding: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
+        query_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """As MultiHeadLatentAttention's; `padding` (B, T): which queries are real tokens (the indexer's loss)."""
-        if rope is None or memory is not None or bias is not None:
+        """As MultiHeadLatentAttention's; `padding` (B, T): which queries are real tokens (the indexer's loss).
+        `query_scale` is not taken (config validation keeps mla.query_scale_beta to mla blocks)."""
+        if rope is None or memory is not None or bias is not None or query_scale is not None:
             raise ValueError("sparse latent attention is causal self-attention with RoPE only: set "
                              "model.position='rope' and use it in a decoder stack")
         assert self.q_a_proj is not None and self.q_a_norm is not None and self.q_b_proj is not None

@@ -55,11 +55,12 @@ def _transformers_loss(hf_model, overrides: list[str], dp_size: int) -> float:
 def _check_export(hf_model, run_dir: Path, out: Path) -> None:
     """The final weights export to the same architecture, and transformers computes our logits from them."""
     main(["convert", "export-hf", str(run_dir / "final"), str(out)])
-    exported = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
-    assert type(exported) is type(hf_model)
     # config.json: the class, and the folder's own special-token ids (kept through the run's hf_source.json)
     written = json.loads((out / "config.json").read_text())
     assert written["architectures"] == [type(hf_model).__name__]
+    # the class config.json names (transformers 5.24's auto classes lack some, e.g. mistral4)
+    exported = getattr(transformers, written["architectures"][0]).from_pretrained(str(out)).eval()
+    assert type(exported) is type(hf_model)
     assert (written["bos_token_id"], written["pad_token_id"]) == (hf_model.config.bos_token_id,
                                                                   hf_model.config.pad_token_id)
     ours = load_weights(run_dir / "final").eval()
@@ -74,10 +75,11 @@ def _check_export(hf_model, run_dir: Path, out: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma3", "olmo2", "olmo3", "gpt_oss",
                                   "deepseek_v3", "deepseek_v2", "glm4_moe", "kimi_linear", "deepseek_v32",
-                                  "glm_moe_dsa"])
+                                  "glm_moe_dsa", "mistral4"])
 def test_continued_pretraining_under_fsdp_x_tp(arch, shards, tmp_path):
     hf_model, folder = hf_folder(arch, tmp_path / "hf")
-    moe = ("gpt_oss", "deepseek_v3", "deepseek_v2", "glm4_moe", "kimi_linear", "deepseek_v32", "glm_moe_dsa")
+    moe = ("gpt_oss", "deepseek_v3", "deepseek_v2", "glm4_moe", "kimi_linear", "deepseek_v32", "glm_moe_dsa",
+           "mistral4")
     experts = ["parallel.ep=2"] if arch in moe else []  # tp: ep
     overrides = _overrides(shards, tmp_path / "run", folder, 3, "parallel.dp_shard=2", "parallel.tp=2", *experts)
     results = launch(TESTS / "helpers" / "init_from_worker.py", 4, overrides, timeout=240)
