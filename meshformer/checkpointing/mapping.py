@@ -38,6 +38,12 @@ def our_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
         return {k: v.shape for k, v in Transformer(cfg).state_dict().items()}
 
 
+def _swap_last(tensor: torch.Tensor) -> torch.Tensor:
+    """A rule's transpose: the last two dims swapped (a matrix, or each of stacked experts'); 1-D tensors as they
+    are (a transposed layer's bias)."""
+    return tensor.transpose(-2, -1) if tensor.ndim > 1 else tensor
+
+
 def export_tensors(ours: Mapping[str, torch.Tensor], rules: Iterable[Rule]) -> dict[str, torch.Tensor]:
     return dict(iter_export(ours, rules))
 
@@ -55,7 +61,7 @@ def iter_export(ours: Mapping[str, torch.Tensor], rules: Iterable[Rule]) -> Iter
             tensor = torch.stack(parts, dim=-1).flatten(-2) if rule.interleave else torch.cat(parts, dim=rule.dim)
         if rule.theirs_shape is not None:
             tensor = tensor.reshape(rule.theirs_shape)
-        yield rule.theirs, (tensor.transpose(-2, -1).contiguous() if rule.transpose else tensor)
+        yield rule.theirs, (_swap_last(tensor).contiguous() if rule.transpose else tensor)
 
 
 def import_tensors(theirs: Mapping[str, torch.Tensor], rules: Iterable[Rule], shapes: Mapping[str, torch.Size],
@@ -71,7 +77,7 @@ def import_tensors(theirs: Mapping[str, torch.Tensor], rules: Iterable[Rule], sh
         if rule.theirs not in theirs:
             raise KeyError(f"{source} state dict lacks {rule.theirs!r} (needed for {', '.join(rule.ours)})")
         tensor = theirs[rule.theirs].detach()
-        tensor = tensor.transpose(-2, -1) if rule.transpose else tensor
+        tensor = _swap_last(tensor) if rule.transpose else tensor
         if rule.theirs_shape is not None and tensor.numel() == shapes[rule.ours[0]].numel():
             tensor = tensor.reshape(shapes[rule.ours[0]])
         if rule.expert is not None:
