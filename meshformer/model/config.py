@@ -256,8 +256,8 @@ class ModelConfig:
     # Token mixer of each block of a stack: "full_attention" | "sliding_attention" (attention.window, rope.local_theta)
     # | "linear_attention" (Gated DeltaNet: [model.linear_attention]) | "kda" (Kimi Delta Attention, the same
     # table) | "mamba2" (Mamba-2's state-space scan, [model.mamba]) | "mla" (multi-head latent attention,
-    # [model.mla]) | "dsa" (MLA with DeepSeek's sparse attention: [model.mla], [model.dsa]), one per block or a shorter pattern repeated over the stack (Gemma 3: 5 sliding, then
-    # 1 full); []: all full
+    # [model.mla]) | "dsa" (MLA with DeepSeek's sparse attention: [model.mla], [model.dsa]), one per block or a
+    # shorter pattern repeated over the stack (Gemma 3: 5 sliding, then 1 full); []: all full
     layer_types: list[str] = field(default_factory=list)
     # Channel mixer of each block of a stack: "dense" (ffn) | "moe" (moe), one per block or a repeated pattern;
     # []: every block "moe" when moe.n_experts > 0, else "dense"

@@ -16,7 +16,8 @@ hands on. Only the state crosses chunks (a loop of one multiply-add per chunk); 
 `recurrent_ssd` runs the recurrence token by token (the reference, and one decoding step with a carried state);
 `chunk_ssd` the chunked form. Conventions (transformers' Mamba-2 torch path, so they compare directly): x (B, T, H, P),
 dt (B, T, H) after its softplus and clamp, A (H,), B and C (B, T, G, N), state (B, H, P, N). Half-precision inputs
-compute in float32, float64 stays float64; the output is in the input dtype, the state in the compute dtype.
+compute in float32 (whatever autocast is on), float64 stays float64; the output is in the input dtype, the state in
+the compute dtype.
 
 Packed documents: `doc_ids` (B, T), non-decreasing per row, as for the gated delta rule (model/gated_delta.py). The
 state is zeroed where a document starts: the within-chunk products are masked across boundaries and the state
@@ -28,6 +29,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from meshformer.model.gated_delta import _without_autocast
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -54,6 +57,7 @@ def _initial(state: torch.Tensor | None, shape: tuple[int, ...], like: torch.Ten
     return state.to(like.dtype)
 
 
+@_without_autocast
 def recurrent_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, *,
                   initial_state: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +79,7 @@ def recurrent_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.T
     return torch.stack(outputs, dim=1).to(x.dtype), state
 
 
+@_without_autocast
 def chunk_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, *,
               chunk_size: int = 64, initial_state: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
