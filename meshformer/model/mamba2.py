@@ -10,7 +10,8 @@ adds the skip D * x. Its output is multiplied by silu(z), RMS-normalised over ea
 Padding tokens enter as zeros and leave the convolution as zeros (its bias would otherwise write them), so
 left-padded prompts start from an empty state. With packed documents (doc_ids) the state and the convolution
 window restart at every document. Generation carries both in a `LinearCache` (model/linear_attention.py); one
-decoding step runs the recurrence. Its kind, `mamba2`, is declared in model/components/mamba2.py.
+decoding step runs the recurrence. Context parallel passes the convolution window and the state from piece to
+piece, as Gated DeltaNet does. Its kind, `mamba2`, is declared in model/components/mamba2.py.
 
 Its per-head parameters A_log, D and dt_bias and the convolution's taps and bias are vectors or (C, 1, W) filters, not
 matrices: Muon (train/muon.py: `is_muon_parameter`) leaves them to AdamW, as it does norms, and none of them decays
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshformer.model.attention import SequenceChunk
 from meshformer.model.config import ModelConfig
 from meshformer.model.gated_delta import causal_conv1d
 from meshformer.model.linear_attention import LinearCache
@@ -70,32 +72,108 @@ class Mamba2(nn.Module):
                 documents: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, D) -> (B, T, D), called as Gated DeltaNet is (model/linear_attention.py): padding (B, T, True
         for real tokens) and documents (B, T) of this call's tokens; mask, rope and bias are not read."""
-        if chunk is not None:
-            raise ValueError("mamba2 blocks run on one context-parallel rank; set parallel.cp=1")
         keep = None if padding is None else padding[..., None].to(x.dtype)
         if keep is not None:
             x = x * keep
         batch, length, _ = x.shape
-        inner, groups_width = self.n_heads * self.head_dim, self.n_groups * self.state_size
+        inner = self.n_heads * self.head_dim
         z, xbc, dt = self.in_proj(x).split([inner, self.conv_channels, self.n_heads], dim=-1)
-        xbc, conv_state = causal_conv1d(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias,
-                                        state=None if cache is None else cache.conv, doc_ids=documents)
+        weight = self.conv1d.weight.squeeze(1)
+        if isinstance(chunk, SequenceChunk):
+            if cache is not None:
+                raise ValueError("mamba2 blocks generate on one device; set parallel.cp=1 to generate")
+            y, xs = self._forward_pieces(xbc, dt, weight, keep, chunk, documents)
+        else:
+            xbc, conv_state = causal_conv1d(xbc, weight, self.conv1d.bias, state=None if cache is None else cache.conv,
+                                            doc_ids=documents)
+            xs, dt, A, B, C = self._scan_inputs(xbc, dt, keep)
+            state = None if cache is None else cache.state
+            if state is not None and length == 1:  # one decoding step: the recurrence is the cheaper form
+                y, final = recurrent_ssd(xs, dt, A, B, C, initial_state=state, doc_ids=documents)
+            else:
+                y, final = chunk_ssd(xs, dt, A, B, C, chunk_size=self.chunk_size, initial_state=state,
+                                     doc_ids=documents)
+            if cache is not None:
+                cache.conv, cache.state, cache.length = conv_state, final, cache.length + length
+        y = y + xs * self.D.to(xs.dtype)[:, None]
+        return self.out_proj(self.norm(y.reshape(batch, length, inner), z))
+
+    def _scan_inputs(self, xbc: torch.Tensor, dt: torch.Tensor, keep: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, ...]:
+        """x (B, T, H, P), dt (B, T, H), A (H,), B and C (B, T, G, N) from the convolution's output (B, T, channels)
+        and dt's projection; padding tokens' x, B and C zeroed."""
+        batch, length, _ = xbc.shape
         xbc = F.silu(xbc)
         if keep is not None:
             xbc = xbc * keep
+        inner, groups_width = self.n_heads * self.head_dim, self.n_groups * self.state_size
         xs, B, C = xbc.split([inner, groups_width, groups_width], dim=-1)
-        xs = xs.reshape(batch, length, self.n_heads, self.head_dim)
-        B = B.reshape(batch, length, self.n_groups, self.state_size)
-        C = C.reshape(batch, length, self.n_groups, self.state_size)
-        compute = torch.promote_types(x.dtype, torch.float32)
+        compute = torch.promote_types(xbc.dtype, torch.float32)
         dt = F.softplus(dt.to(compute) + self.dt_bias.to(compute)).clamp(min=self.dt_floor)
-        A = -self.A_log.to(compute).exp()
-        state = None if cache is None else cache.state
-        if state is not None and length == 1:  # one decoding step: the recurrence is the cheaper form
-            y, final = recurrent_ssd(xs, dt, A, B, C, initial_state=state, doc_ids=documents)
-        else:
-            y, final = chunk_ssd(xs, dt, A, B, C, chunk_size=self.chunk_size, initial_state=state, doc_ids=documents)
-        if cache is not None:
-            cache.conv, cache.state, cache.length = conv_state, final, cache.length + length
-        y = y + xs * self.D.to(xs.dtype)[:, None]
-        return self.out_proj(self.norm(y.reshape(batch, length, inner), z))
+        return (xs.reshape(batch, length, self.n_heads, self.head_dim), dt, -self.A_log.to(compute).exp(),
+                B.reshape(batch, length, self.n_groups, self.state_size),
+                C.reshape(batch, length, self.n_groups, self.state_size))
+
+    def _forward_pieces(self, xbc: torch.Tensor, dt: torch.Tensor, weight: torch.Tensor, keep: torch.Tensor | None,
+                        chunk: SequenceChunk, documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context parallel, as Gated DeltaNet does it (model/linear_attention.py: `_forward_pieces`): this rank's two
+        pieces of each sequence run in sequence order across the ranks. The convolution's last W - 1 inputs of every
+        piece are all-gathered once, so each piece starts from its predecessor's; the (B, H, P, N) state then passes
+        piece by piece, one differentiable all-gather after each piece, every rank keeping the owner's. Returns the
+        scan's output (B, T, H, P) without the skip, and x (B, T, H, P)."""
+        batch, length, _ = xbc.shape
+        width = weight.shape[1]
+        spans = chunk.spans(length)
+        piece_len, pieces = spans[0][1], 2 * chunk.count
+        owner = [p if p < chunk.count else pieces - 1 - p for p in range(pieces)]  # the rank holding each piece
+        local = {at // piece_len: start for start, _, at in spans}  # sequence piece -> start in this rank's tokens
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            """Every rank's (B, 2, *S) tensor (its early and late piece's) all-gathered: (B, 2, count, prod(S))."""
+            return chunk.gather(t.flatten(2)[:, :, None].contiguous())
+
+        def of_piece(slots: torch.Tensor, piece: int, shape: torch.Size) -> torch.Tensor:
+            return slots[:, 0 if piece < chunk.count else 1, owner[piece]].view(shape[:1] + shape[2:])
+
+        tail = min(width - 1, piece_len)
+        tails = torch.stack([xbc[:, start + n - tail: start + n] for start, n, _ in spans], dim=1)
+        all_tails = gather(tails)
+        conv_out = []
+        for start, n, at in spans:
+            piece = at // piece_len
+            docs = None if documents is None else documents[:, at: at + n]
+            prefix = None
+            if piece > 0:
+                earlier = torch.cat([of_piece(all_tails, p, tails.shape) for p in range(piece)], dim=1)
+                prefix = earlier[:, -(width - 1):]
+                if documents is not None:  # only the inputs of the piece's first document
+                    same = documents[:, at - prefix.shape[1]: at] == documents[:, at: at + 1]
+                    prefix = prefix * same[..., None].to(prefix.dtype)
+                prefix = F.pad(prefix, (0, 0, width - 1 - prefix.shape[1], 0))
+            conv_out.append(causal_conv1d(xbc[:, start: start + n], weight, self.conv1d.bias, state=prefix,
+                                          doc_ids=docs)[0])
+        xs, dt, A, B, C = self._scan_inputs(torch.cat(conv_out, dim=1), dt, keep)
+        out: dict[int, torch.Tensor] = {}
+        state: torch.Tensor | None = None
+        for piece in range(pieces):
+            slot = dt.new_zeros(()) if state is None else state * 0  # not this rank's piece: zeros, in the graph
+            if piece in local:
+                start, at = local[piece], piece * piece_len
+                entering = state
+                if entering is not None and documents is not None:  # dropped where the piece starts a document
+                    entering = entering * (documents[:, at] == documents[:, at - 1])[:, None, None, None].to(
+                        entering.dtype)
+                rows = slice(start, start + piece_len)
+                docs = None if documents is None else documents[:, at: at + piece_len]
+                out[piece], slot = chunk_ssd(xs[:, rows], dt[:, rows], A, B[:, rows], C[:, rows],
+                                             chunk_size=self.chunk_size, initial_state=entering, doc_ids=docs)
+            if piece == pieces - 1:
+                break
+            if state is None and slot.dim() == 0:  # the first gather: zeros that still depend on the parameters
+                slot = slot.expand(batch, self.n_heads, self.head_dim, self.state_size) + dt.sum() * 0
+            both = torch.stack([slot, slot], dim=1)  # an early and a late slot per rank, as the gather expects
+            state = of_piece(gather(both), piece, both.shape)
+        assert state is not None
+        merged = torch.cat([out[at // piece_len] for _, _, at in spans], dim=1)
+        merged = merged + (state.sum() * 0).to(merged.dtype)  # the last gather's backward runs on every rank
+        return merged, xs

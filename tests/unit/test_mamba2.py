@@ -250,3 +250,22 @@ def test_greedy_generation_with_and_without_cache_is_equal() -> None:
         cached = greedy_decode(model, prompt, 8, prompt_padding=padding)
         recomputed = greedy_decode(model, prompt, 8, prompt_padding=padding, use_cache=False)
     assert cached.shape == (2, 14) and torch.equal(cached, recomputed)
+
+
+def test_context_parallel_pieces_equal_the_whole_sequence() -> None:
+    """One rank holding both pieces: the first piece's state and window enter the second, except where the second
+    starts a document; values and gradients."""
+    from meshformer.model.attention import SequenceChunk
+
+    mine, _ = pair(chunk_size=4)
+    for lengths in ([7, 1, 5, 3], [16], [8, 8]):
+        x = torch.randn(2, sum(lengths), D, requires_grad=True)
+        documents = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None].expand(2, -1)
+        whole = mine(x, documents=documents)
+        weights = torch.randn_like(whole)
+        expected = torch.autograd.grad((whole * weights).sum(), [x, *mine.parameters()])
+        pieces = mine(x, documents=documents, chunk=SequenceChunk(0, 1, lambda t: t))
+        got = torch.autograd.grad((pieces * weights).sum(), [x, *mine.parameters()])
+        torch.testing.assert_close(pieces, whole, atol=1e-6, rtol=1e-6)
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -2,8 +2,9 @@
 state-space scan per head instead of attention over keys, so, like Gated DeltaNet, it reads the padding and packed
 documents of its tokens rather than a mask and keeps a state of constant size when generating.
 
-Layouts: it runs unsplit (tensor parallel 1) on one context-parallel rank; data parallel, FSDP and pipeline stages
-hold it as any other block.
+Layouts: context parallel passes its convolution window and state from piece to piece in sequence order, as Gated
+DeltaNet does; tensor parallel is refused (it runs unsplit); data parallel, FSDP and pipeline stages hold it as any
+other block.
 """
 
 from __future__ import annotations
@@ -79,9 +80,6 @@ class Mamba2Kind(TokenMixer):
                               "heads shares B and C)", "choose n_groups dividing n_heads")
         if m.dt_floor < 0:
             raise ConfigError(f"model.mamba.dt_floor={m.dt_floor} must be >= 0", "set it to 0 (no floor) or above")
-
-    def context_parallel(self, cfg: ModelConfig) -> str | None:
-        return "mamba2 blocks do not pass their state between context-parallel ranks yet"
 
     def tensor_parallel(self, cfg: ModelConfig) -> str | None:
         return "mamba2 blocks are not split by heads across tensor-parallel ranks yet"
