@@ -11,7 +11,8 @@ Padding tokens enter as zeros and leave the convolution as zeros (its bias would
 left-padded prompts start from an empty state. With packed documents (doc_ids) the state and the convolution
 window restart at every document. Generation carries both in a `LinearCache` (model/linear_attention.py); one
 decoding step runs the recurrence. Context parallel passes the convolution window and the state from piece to
-piece, as Gated DeltaNet does. Its kind, `mamba2`, is declared in model/components/mamba2.py.
+piece, and tensor parallel splits it by heads (`shard_heads`), as Gated DeltaNet does. Its kind, `mamba2`, is
+declared in model/components/mamba2.py.
 
 Its per-head parameters A_log, D and dt_bias and the convolution's taps and bias are vectors or (C, 1, W) filters, not
 matrices: Muon (train/muon.py: `is_muon_parameter`) leaves them to AdamW, as it does norms, and none of them decays
@@ -20,6 +21,8 @@ but the taps. in_proj and out_proj are matrices and go to Muon.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,7 +30,7 @@ from torch import nn
 from meshformer.model.attention import SequenceChunk
 from meshformer.model.config import ModelConfig
 from meshformer.model.gated_delta import causal_conv1d
-from meshformer.model.linear_attention import LinearCache
+from meshformer.model.linear_attention import HeadShard, LinearCache, _local
 from meshformer.model.ssd import chunk_ssd, recurrent_ssd
 
 
@@ -40,12 +43,13 @@ class GroupedGatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(width))
         self.groups, self.eps = groups, eps
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """weight: the scale to use in place of `self.weight` (a tensor-parallel rank's part of it)."""
         dtype, compute = x.dtype, torch.promote_types(x.dtype, torch.float32)  # half in float32, float64 stays
         gated = x.to(compute) * F.silu(gate.to(compute))
         grouped = gated.view(*gated.shape[:-1], self.groups, -1)
         normed = F.rms_norm(grouped, (grouped.shape[-1],), eps=self.eps).view_as(gated)
-        return self.weight * normed.to(dtype)
+        return (self.weight if weight is None else weight) * normed.to(dtype)
 
 
 class Mamba2(nn.Module):
@@ -66,6 +70,33 @@ class Mamba2(nn.Module):
         self.D = nn.Parameter(torch.ones(m.n_heads))
         self.norm = GroupedGatedRMSNorm(inner, m.n_groups, cfg.norm.eps)
         self.out_proj = nn.Linear(inner, cfg.d_model, bias=False)
+        self.head_shard: HeadShard | None = None  # tensor parallel: this rank's in_proj rows (`shard_heads`)
+        self.conv_rows: torch.Tensor | None = None  # ... and its convolution channels
+
+    def shard_heads(self, ranks: int, rank: int, sum_gradient: Callable[[torch.Tensor], torch.Tensor]
+                    ) -> tuple[list[str], list[str]]:
+        """Run rank `rank`'s heads of `ranks` (and the groups of B and C they read) from now on. A_log, D, dt_bias
+        and the norm's weight are head-major and split on dim 0; in_proj's rows ([z | x | B | C | dt]) and the
+        convolution's channels ([x | B | C]) are not, so every rank keeps them whole and reads its own, their
+        gradients summed over the ranks."""
+        inner, groups_width = self.n_heads * self.head_dim, self.n_groups * self.state_size
+        heads = torch.arange(self.n_heads).view(ranks, -1)[rank]
+        xs = torch.arange(inner).view(ranks, -1)[rank]
+        groups = torch.arange(groups_width).view(ranks, -1)[rank]
+        conv = torch.cat([xs, inner + groups, inner + groups_width + groups])
+        self.head_shard = HeadShard(torch.cat([xs, inner + conv, inner + self.conv_channels + heads]), sum_gradient)
+        self.conv_rows = conv
+        self.n_heads, self.n_groups = self.n_heads // ranks, self.n_groups // ranks
+        self.conv_channels, self.norm.groups = len(conv), self.n_groups
+        whole = ["in_proj.weight", "conv1d.weight"] + (["conv1d.bias"] if self.conv1d.bias is not None else [])
+        return ["A_log", "D", "dt_bias", "norm.weight"], whole
+
+    def _rows(self, weight: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """This rank's rows of a weight every rank holds whole (its gradient summed over the ranks); all of them
+        without tensor parallel."""
+        if self.head_shard is None or rows is None:
+            return weight
+        return self.head_shard.sum_gradient(_local(weight))[rows.to(weight.device)]
 
     def forward(self, x: torch.Tensor, mask: object = None, *, rope: object = None, bias: object = None,
                 cache: LinearCache | None = None, chunk: object = None, padding: torch.Tensor | None = None,
@@ -77,14 +108,20 @@ class Mamba2(nn.Module):
             x = x * keep
         batch, length, _ = x.shape
         inner = self.n_heads * self.head_dim
-        z, xbc, dt = self.in_proj(x).split([inner, self.conv_channels, self.n_heads], dim=-1)
-        weight = self.conv1d.weight.squeeze(1)
+        if self.head_shard is None:
+            projected = self.in_proj(x)
+        else:  # x's gradient from this rank's rows alone: summed over the ranks, as a colwise linear's is
+            projected = F.linear(self.head_shard.sum_gradient(x), self._rows(self.in_proj.weight,
+                                                                             self.head_shard.channels))
+        z, xbc, dt = projected.split([inner, self.conv_channels, self.n_heads], dim=-1)
+        weight = self._rows(self.conv1d.weight, self.conv_rows).squeeze(1)
+        conv_bias = None if self.conv1d.bias is None else self._rows(self.conv1d.bias, self.conv_rows)
         if isinstance(chunk, SequenceChunk):
             if cache is not None:
                 raise ValueError("mamba2 blocks generate on one device; set parallel.cp=1 to generate")
-            y, xs = self._forward_pieces(xbc, dt, weight, keep, chunk, documents)
+            y, xs = self._forward_pieces(xbc, dt, weight, conv_bias, keep, chunk, documents)
         else:
-            xbc, conv_state = causal_conv1d(xbc, weight, self.conv1d.bias, state=None if cache is None else cache.conv,
+            xbc, conv_state = causal_conv1d(xbc, weight, conv_bias, state=None if cache is None else cache.conv,
                                             doc_ids=documents)
             xs, dt, A, B, C = self._scan_inputs(xbc, dt, keep)
             state = None if cache is None else cache.state
@@ -95,8 +132,8 @@ class Mamba2(nn.Module):
                                      doc_ids=documents)
             if cache is not None:
                 cache.conv, cache.state, cache.length = conv_state, final, cache.length + length
-        y = y + xs * self.D.to(xs.dtype)[:, None]
-        return self.out_proj(self.norm(y.reshape(batch, length, inner), z))
+        y = y + xs * _local(self.D).to(xs.dtype)[:, None]
+        return self.out_proj(self.norm(y.reshape(batch, length, inner), z, _local(self.norm.weight)))
 
     def _scan_inputs(self, xbc: torch.Tensor, dt: torch.Tensor, keep: torch.Tensor | None
                      ) -> tuple[torch.Tensor, ...]:
@@ -109,13 +146,14 @@ class Mamba2(nn.Module):
         inner, groups_width = self.n_heads * self.head_dim, self.n_groups * self.state_size
         xs, B, C = xbc.split([inner, groups_width, groups_width], dim=-1)
         compute = torch.promote_types(xbc.dtype, torch.float32)
-        dt = F.softplus(dt.to(compute) + self.dt_bias.to(compute)).clamp(min=self.dt_floor)
-        return (xs.reshape(batch, length, self.n_heads, self.head_dim), dt, -self.A_log.to(compute).exp(),
+        dt = F.softplus(dt.to(compute) + _local(self.dt_bias).to(compute)).clamp(min=self.dt_floor)
+        return (xs.reshape(batch, length, self.n_heads, self.head_dim), dt, -_local(self.A_log).to(compute).exp(),
                 B.reshape(batch, length, self.n_groups, self.state_size),
                 C.reshape(batch, length, self.n_groups, self.state_size))
 
-    def _forward_pieces(self, xbc: torch.Tensor, dt: torch.Tensor, weight: torch.Tensor, keep: torch.Tensor | None,
-                        chunk: SequenceChunk, documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_pieces(self, xbc: torch.Tensor, dt: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        keep: torch.Tensor | None, chunk: SequenceChunk, documents: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """Context parallel, as Gated DeltaNet does it (model/linear_attention.py: `_forward_pieces`): this rank's two
         pieces of each sequence run in sequence order across the ranks. The convolution's last W - 1 inputs of every
         piece are all-gathered once, so each piece starts from its predecessor's; the (B, H, P, N) state then passes
@@ -150,7 +188,7 @@ class Mamba2(nn.Module):
                     same = documents[:, at - prefix.shape[1]: at] == documents[:, at: at + 1]
                     prefix = prefix * same[..., None].to(prefix.dtype)
                 prefix = F.pad(prefix, (0, 0, width - 1 - prefix.shape[1], 0))
-            conv_out.append(causal_conv1d(xbc[:, start: start + n], weight, self.conv1d.bias, state=prefix,
+            conv_out.append(causal_conv1d(xbc[:, start: start + n], weight, bias, state=prefix,
                                           doc_ids=docs)[0])
         xs, dt, A, B, C = self._scan_inputs(torch.cat(conv_out, dim=1), dt, keep)
         out: dict[int, torch.Tensor] = {}

@@ -269,3 +269,31 @@ def test_context_parallel_pieces_equal_the_whole_sequence() -> None:
         torch.testing.assert_close(pieces, whole, atol=1e-6, rtol=1e-6)
         for a, b in zip(got, expected, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_tensor_parallel_heads_sum_to_the_whole_block() -> None:
+    """Two ranks simulated in one process: each runs its heads and groups (`shard_heads`, the split parameters cut
+    on dim 0, out_proj's columns cut), and their outputs add up to the whole block's, through the cache too."""
+    import copy
+
+    mine, _ = pair()
+    x = torch.randn(2, 9, D)
+    with torch.no_grad():
+        whole = mine(x)
+        parts, steps = [], []
+        for rank in range(2):
+            part = copy.deepcopy(mine)
+            split, kept = part.shard_heads(2, rank, lambda t: t)
+            assert set(kept) == {"in_proj.weight", "conv1d.weight", "conv1d.bias"}
+            for name in split:
+                owner, _, leaf = name.rpartition(".")
+                module = part.get_submodule(owner)
+                setattr(module, leaf, torch.nn.Parameter(getattr(module, leaf).chunk(2)[rank].clone()))
+            part.out_proj.weight = torch.nn.Parameter(mine.out_proj.weight.chunk(2, dim=1)[rank].clone())
+            parts.append(part(x))
+            cache = LinearCache()
+            steps.append(torch.cat([part(x[:, :5], cache=cache)] + [part(x[:, t:t + 1], cache=cache)
+                                                                     for t in range(5, 9)], dim=1))
+            assert cache.state is not None and cache.state.shape == (2, HEADS // 2, DIM, STATE)
+    torch.testing.assert_close(parts[0] + parts[1], whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(steps[0] + steps[1], whole, atol=1e-5, rtol=1e-5)

@@ -2,14 +2,15 @@
 state-space scan per head instead of attention over keys, so, like Gated DeltaNet, it reads the padding and packed
 documents of its tokens rather than a mask and keeps a state of constant size when generating.
 
-Layouts: context parallel passes its convolution window and state from piece to piece in sequence order, as Gated
-DeltaNet does; tensor parallel is refused (it runs unsplit); data parallel, FSDP and pipeline stages hold it as any
-other block.
+Layouts: context parallel passes its convolution window and state from piece to piece in sequence order and tensor
+parallel splits it by heads (and groups), as Gated DeltaNet does; data parallel, FSDP and pipeline stages hold it as
+any other block.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from torch import nn
 
@@ -24,6 +25,7 @@ from meshformer.model.components.base import (
     output_projection_bytes,
 )
 from meshformer.model.config import ModelConfig
+from meshformer.model.tp_styles import HEAD_SHARD, ROWWISE
 
 
 def _widths(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -81,8 +83,14 @@ class Mamba2Kind(TokenMixer):
         if m.dt_floor < 0:
             raise ConfigError(f"model.mamba.dt_floor={m.dt_floor} must be >= 0", "set it to 0 (no floor) or above")
 
-    def tensor_parallel(self, cfg: ModelConfig) -> str | None:
-        return "mamba2 blocks are not split by heads across tensor-parallel ranks yet"
+    def tp_rules(self, cfg: ModelConfig) -> Mapping[str, str]:
+        # in_proj's rows and the convolution's channels are not head-major: the module keeps them whole and reads its
+        # heads' (model/mamba2.py: shard_heads); out_proj's columns are head-major
+        return {"": HEAD_SHARD, "out_proj": ROWWISE}
+
+    def tp_divides(self, cfg: ModelConfig) -> list[tuple[str, int, str]]:
+        why = "Mamba-2 heads, and the groups of B and C they read, are split across tensor-parallel ranks"
+        return [("model.mamba.n_heads", cfg.mamba.n_heads, why), ("model.mamba.n_groups", cfg.mamba.n_groups, why)]
 
     def init_rule(self, cfg: ModelConfig, name: str) -> InitFn | None:
         """mamba-ssm's Mamba2: A_log log(uniform(1, 16)), D 1, dt_bias the inverse softplus of
