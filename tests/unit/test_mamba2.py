@@ -297,3 +297,26 @@ def test_tensor_parallel_heads_sum_to_the_whole_block() -> None:
             assert cache.state is not None and cache.state.shape == (2, HEADS // 2, DIM, STATE)
     torch.testing.assert_close(parts[0] + parts[1], whole, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(steps[0] + steps[1], whole, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_planner_bytes_follow_what_autograd_keeps(dtype: torch.dtype) -> None:
+    """The kind's saved_bytes against the tensors the module's graph keeps (saved-tensor hooks, parameters
+    excluded), in float32 and under bf16 autocast, at three shapes: within 15%."""
+    from meshformer.model.components import TOKEN_MIXERS
+    from meshformer.planner.activations import ActivationShape
+    from meshformer.planner.measure import saved_activation_bytes
+
+    half = dtype != torch.float32
+    for heads, dim, state, groups, chunk, batch, seq in [(4, 16, 16, 1, 8, 1, 50), (4, 32, 16, 2, 64, 2, 256),
+                                                          (8, 16, 64, 1, 32, 1, 300)]:
+        cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, layer_types=["mamba2"],
+                          mamba=MambaConfig(n_heads=heads, head_dim=dim, state_size=state, n_groups=groups,
+                                            chunk_size=chunk))
+        module = Mamba2(cfg)
+        x = torch.randn(batch, seq, cfg.d_model).to(dtype).requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16, enabled=half):
+            kept = saved_activation_bytes(module, lambda m=module, x=x: m(x))
+        layout = ActivationShape(batch, seq, 1, 2 if half else 4, 4)
+        predicted = TOKEN_MIXERS["mamba2"].saved_bytes(cfg, layout, memory_len=0, causal=True)
+        assert abs(predicted / kept - 1) < 0.15, (heads, dim, chunk, predicted, kept)
