@@ -204,6 +204,21 @@ class LinearAttentionConfig:
 
 
 @dataclass
+class MambaConfig:
+    """The `[model.mamba]` table: the Mamba-2 token mixer of the "mamba2" blocks (model/mamba2.py, NemotronH's
+    mixer): a state-space scan per head with a (head_dim x state_size) state instead of a KV cache."""
+
+    n_heads: int = 4  # heads, each with its own state, decay rate A, skip D and dt bias
+    head_dim: int = 32  # width of each head's input x (the state's rows)
+    state_size: int = 16  # N: width of B and C (the state's columns)
+    n_groups: int = 1  # groups of heads sharing B and C (and a gated-norm group)
+    conv_width: int = 4  # taps of the short causal depthwise convolution over x, B and C
+    conv_bias: bool = True  # the convolution has a bias (Mamba-2 and Nemotron-H: yes)
+    chunk_size: int = 64  # tokens per chunk of the chunked scan (compute only: any value, the same function)
+    dt_floor: float = 0.0  # dt = max(softplus(dt + dt_bias), dt_floor) (transformers' NemotronH: time_step_min)
+
+
+@dataclass
 class MtpConfig:
     """The `[model.mtp]` table: multi-token prediction (DeepSeek-V3's, model/mtp.py): `depth` sequential modules,
     module k predicting the token k + 1 ahead from the previous module's hidden states and the embedding of the token
@@ -243,9 +258,9 @@ class ModelConfig:
     cross_downsample: int = 1  # pool encoder output by this factor before cross-attention
     # Token mixer of each block of a stack: "full_attention" | "sliding_attention" (attention.window, rope.local_theta)
     # | "linear_attention" (Gated DeltaNet: [model.linear_attention]) | "kda" (Kimi Delta Attention, the same
-    # table) | "mla" (multi-head latent attention, [model.mla]) | "dsa" (MLA with DeepSeek's sparse attention:
-    # [model.mla], [model.dsa]), one per block or a shorter pattern repeated over the stack (Gemma 3: 5 sliding, then
-    # 1 full); []: all full
+    # table) | "mamba2" (Mamba-2's state-space scan, [model.mamba]) | "mla" (multi-head latent attention,
+    # [model.mla]) | "dsa" (MLA with DeepSeek's sparse attention: [model.mla], [model.dsa]), one per block or a
+    # shorter pattern repeated over the stack (Gemma 3: 5 sliding, then 1 full); []: all full
     layer_types: list[str] = field(default_factory=list)
     # Channel mixer of each block of a stack: "dense" (ffn) | "moe" (moe), one per block or a repeated pattern;
     # []: every block "moe" when moe.n_experts > 0, else "dense"
@@ -258,6 +273,7 @@ class ModelConfig:
     norm: NormConfig = field(default_factory=NormConfig)  # [model.norm]
     moe: MoeConfig = field(default_factory=MoeConfig)  # [model.moe]
     linear_attention: LinearAttentionConfig = field(default_factory=LinearAttentionConfig)  # [model.linear_attention]
+    mamba: MambaConfig = field(default_factory=MambaConfig)  # [model.mamba]
     init: InitConfig = field(default_factory=InitConfig)  # [model.init]
     mtp: MtpConfig = field(default_factory=MtpConfig)  # [model.mtp]
 

@@ -188,7 +188,7 @@ def parallelize_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes:
     if context_layers:
         report["context"] = (f"{dims.cp} ranks, each holding 2 of {2 * dims.cp} pieces of every sequence; "
                              f"{context_layers} layers exchange keys/values (attention) or states (linear_attention, "
-                             "kda)")
+                             "kda, mamba2)")
     if fp8 and keep:
         report["fp8"] += f"; high precision: {', '.join(sorted(keep))}"
     if meshes is not None and dims.fsdp_enabled:

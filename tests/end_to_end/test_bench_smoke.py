@@ -89,6 +89,14 @@ def test_gated_delta_tiny(rule, reference):
     assert record["out_max_diff"] < 1e-5 and record["dq_max_diff"] < 1e-5  # the same rule on both sides
 
 
+@pytest.mark.slow
+def test_mamba2_tiny():
+    pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")  # the reference side
+    (record,) = run_bench("mamba2.py", "--shape", "1,2,16,8,1,80", "--rounds", "1", "--threads", "1")
+    assert record["bench"] == "mamba2" and record["transformers_ms"] > 0 and record["ours_ms"] > 0
+    assert record["out_max_diff"] < 1e-4 and record["dx_max_diff"] < 1e-4  # the same scan on both sides
+
+
 def loaded_table(folder: Path) -> dict:
     """The one table in `folder`, as the docs' renderer loads it (which checks its keys, date and row widths)."""
     sys.path.insert(0, str(ROOT / "bench"))

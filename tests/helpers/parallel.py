@@ -190,6 +190,12 @@ FAMILIES["deepseek_mtp4"] = dict(FAMILIES["deepseek_mtp"], n_layers=4, mlp_types
 # the indexers train
 FAMILIES["dsa"] = dict(FAMILIES["deepseek"], layer_types=["dsa"], dsa=dict(n_heads=4, head_dim=8, topk=5))
 FAMILIES["dsa_warmup"] = dict(FAMILIES["dsa"], dsa=dict(n_heads=4, head_dim=8, topk=5, stage="warmup"))
+# Nemotron-H-like: a Mamba-2 block (grouped B and C; state and convolution reset per packed document) then an
+# attention block without positions, dense feed-forwards
+FAMILIES["mamba"] = dict(family="decoder", n_layers=2, position="none", bias=False,
+                         layer_types=["mamba2", "full_attention"], norm=dict(kind="rmsnorm"),
+                         attention=dict(n_kv_heads=2, document_mask=True),
+                         mamba=dict(n_heads=4, head_dim=8, state_size=8, n_groups=2, chunk_size=8))
 FAMILIES["qwen3next4"] = dict(FAMILIES["qwen3next"], n_layers=4, layer_types=["linear_attention", "full_attention"] * 2)
 
 

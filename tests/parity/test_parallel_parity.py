@@ -59,6 +59,9 @@ WORLD2 = [
     # Qwen3.5's split projections: Gated DeltaNet heads under tensor parallel (in_proj_qkv and the convolution
     # picked per head), and a right-padded batch of the hybrid model under context parallel
     "qwen35/tp", "qwen35/cp-rightpad",
+    # Mamba-2 beside attention: the state and convolution window passed piece to piece (cp, right-padded too),
+    # split by heads and groups (tp: in_proj and the convolution picked per head), FSDP and the pipeline
+    "mamba/cp", "mamba/cp-rightpad", "mamba/tp", "mamba/fsdp", "mamba/pp",
 ]
 WORLD4 = [
     "decoder/hsdp", "encoder/hsdp",
@@ -148,7 +151,10 @@ MOE_WORLD4 = ["qwen3next/cp=4",  # 8 pieces of 2 tokens: a convolution window sp
               # multi-token prediction with two axes: the last stage's modules split by tp; cp pieces under tp
               "deepseek_mtp/pp-tp-ep", "deepseek_mtp/cp-tp-ep=4",
               # KDA: 8 pieces of 2 tokens (a convolution window spans two earlier pieces); pieces on each rank's heads
-              "kimi/cp=4", "kimi/cp-tp-ep=4"]
+              "kimi/cp=4", "kimi/cp-tp-ep=4",
+              # Mamba-2: 8 pieces of 2 tokens (a convolution window across two earlier pieces); pieces on each
+              # rank's heads; heads split under FSDP
+              "mamba/cp=4", "mamba/cp-tp", "mamba/tp-fsdp"]
 MOE_WORLD8 = ["moe/pp-fsdp-tp-ep", "moe/cp-tp-fsdp-ep=4", "moe/hsdp-tp-ep"]
 WORLD2 += MOE_WORLD2
 WORLD4 += MOE_WORLD4
@@ -204,7 +210,8 @@ WORLD2_SLOW = {"decoder/cp-compile", "decoder/tp-fp8=tensorwise", "decoder_alibi
                 "deepseek_mtp4/pp-sched=interleaved_1f1b-spr=2", "deepseek_mtp/fsdp-ep-recompute=full",
                 "deepseek_mtp/fsdp-ep-recompute=selective", "kimi/fsdp-ep", "kimi/pp", "dsa/fsdp-ep", "dsa/pp",
                 "dsa_warmup/fsdp-ep", "dsa/fsdp-ep-recompute=full", "dsa/tp-ep-recompute=selective", "dsa_warmup/tp-ep",
-                "dsa_warmup/pp"}
+                "dsa_warmup/pp", "mamba/cp", "mamba/cp-rightpad", "mamba/tp", "mamba/fsdp",
+                "mamba/pp"}
 # The second step's global gradient norm, for rows where Adam's first update (about ±lr per element, its sign set by
 # rounding where a gradient is near zero) moves the weights differently enough to show: step-0 gradients of these
 # rows agree to 1e-6; measured 1.34e-5 on an AVX-512 CPU.

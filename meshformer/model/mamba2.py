@@ -1,0 +1,217 @@
+"""Mamba-2, the token mixer of the "mamba2" blocks (transformers' NemotronH `Mamba2Mixer`, mamba-ssm's `Mamba2`).
+
+Per token one projection (`in_proj`, no bias) gives, in the checkpoints' order, the gate z (H x P), the scan's
+input x (H x P), its input and output maps B and C (G x N each) and the step size dt (one per head). x, B and C pass
+a short causal depthwise convolution (`conv1d`, with a bias by default) and SiLU. dt = max(softplus(dt + dt_bias),
+model.mamba.dt_floor), and each head runs the state-space scan (model/ssd.py) with decay rate A = -exp(A_log), then
+adds the skip D * x. Its output is multiplied by silu(z), RMS-normalised over each group's channels, scaled by
+`norm.weight` and projected back (`out_proj`, no bias).
+
+Padding tokens enter as zeros and leave the convolution as zeros (its bias would otherwise write them), so
+left-padded prompts start from an empty state. With packed documents (doc_ids) the state and the convolution
+window restart at every document. Generation carries both in a `LinearCache` (model/linear_attention.py); one
+decoding step runs the recurrence. Context parallel passes the convolution window and the state from piece to
+piece, and tensor parallel splits it by heads (`shard_heads`), as Gated DeltaNet does. Its kind, `mamba2`, is
+declared in model/components/mamba2.py.
+
+Its per-head parameters A_log, D and dt_bias and the convolution's taps and bias are vectors or (C, 1, W) filters, not
+matrices: Muon (train/muon.py: `is_muon_parameter`) leaves them to AdamW, as it does norms, and none of them decays
+but the taps. in_proj and out_proj are matrices and go to Muon.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshformer.model.attention import SequenceChunk
+from meshformer.model.config import ModelConfig
+from meshformer.model.gated_delta import causal_conv1d
+from meshformer.model.linear_attention import HeadShard, LinearCache, _local
+from meshformer.model.ssd import chunk_ssd, recurrent_ssd
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """norm(x * silu(z)) * weight, the RMS taken over each of `groups` equal slices of the channels (gate first, as
+    Mamba-2 with norm_before_gate=False; Gated DeltaNet's norm gates after)."""
+
+    def __init__(self, width: int, groups: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.groups, self.eps = groups, eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """weight: the scale to use in place of `self.weight` (a tensor-parallel rank's part of it)."""
+        dtype, compute = x.dtype, torch.promote_types(x.dtype, torch.float32)  # half in float32, float64 stays
+        gated = x.to(compute) * F.silu(gate.to(compute))
+        grouped = gated.view(*gated.shape[:-1], self.groups, -1)
+        normed = F.rms_norm(grouped, (grouped.shape[-1],), eps=self.eps).view_as(gated)
+        return (self.weight if weight is None else weight) * normed.to(dtype)
+
+
+class Mamba2(nn.Module):
+    """The Mamba-2 token mixer; widths from `[model.mamba]`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        m = cfg.mamba
+        self.n_heads, self.head_dim, self.state_size, self.n_groups = m.n_heads, m.head_dim, m.state_size, m.n_groups
+        self.chunk_size, self.dt_floor = m.chunk_size, m.dt_floor
+        inner = m.n_heads * m.head_dim
+        self.conv_channels = inner + 2 * m.n_groups * m.state_size  # x, B and C pass the convolution
+        self.in_proj = nn.Linear(cfg.d_model, inner + self.conv_channels + m.n_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_channels, self.conv_channels, m.conv_width, groups=self.conv_channels,
+                                bias=m.conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(m.n_heads))
+        self.A_log = nn.Parameter(torch.zeros(m.n_heads))
+        self.D = nn.Parameter(torch.ones(m.n_heads))
+        self.norm = GroupedGatedRMSNorm(inner, m.n_groups, cfg.norm.eps)
+        self.out_proj = nn.Linear(inner, cfg.d_model, bias=False)
+        self.head_shard: HeadShard | None = None  # tensor parallel: this rank's in_proj rows (`shard_heads`)
+        self.conv_rows: torch.Tensor | None = None  # ... and its convolution channels
+
+    def shard_heads(self, ranks: int, rank: int, sum_gradient: Callable[[torch.Tensor], torch.Tensor]
+                    ) -> tuple[list[str], list[str]]:
+        """Run rank `rank`'s heads of `ranks` (and the groups of B and C they read) from now on. A_log, D, dt_bias
+        and the norm's weight are head-major and split on dim 0; in_proj's rows ([z | x | B | C | dt]) and the
+        convolution's channels ([x | B | C]) are not, so every rank keeps them whole and reads its own, their
+        gradients summed over the ranks."""
+        inner, groups_width = self.n_heads * self.head_dim, self.n_groups * self.state_size
+        heads = torch.arange(self.n_heads).view(ranks, -1)[rank]
+        xs = torch.arange(inner).view(ranks, -1)[rank]
+        groups = torch.arange(groups_width).view(ranks, -1)[rank]
+        conv = torch.cat([xs, inner + groups, inner + groups_width + groups])
+        self.head_shard = HeadShard(torch.cat([xs, inner + conv, inner + self.conv_channels + heads]), sum_gradient)
+        self.conv_rows = conv
+        self.n_heads, self.n_groups = self.n_heads // ranks, self.n_groups // ranks
+        self.conv_channels, self.norm.groups = len(conv), self.n_groups
+        whole = ["in_proj.weight", "conv1d.weight"] + (["conv1d.bias"] if self.conv1d.bias is not None else [])
+        return ["A_log", "D", "dt_bias", "norm.weight"], whole
+
+    def _rows(self, weight: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """This rank's rows of a weight every rank holds whole (its gradient summed over the ranks); all of them
+        without tensor parallel."""
+        if self.head_shard is None or rows is None:
+            return weight
+        return self.head_shard.sum_gradient(_local(weight))[rows.to(weight.device)]
+
+    def forward(self, x: torch.Tensor, mask: object = None, *, rope: object = None, bias: object = None,
+                cache: LinearCache | None = None, chunk: object = None, padding: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, D) -> (B, T, D), called as Gated DeltaNet is (model/linear_attention.py): padding (B, T, True
+        for real tokens) and documents (B, T) of this call's tokens; mask, rope and bias are not read."""
+        keep = None if padding is None else padding[..., None].to(x.dtype)
+        if keep is not None:
+            x = x * keep
+        batch, length, _ = x.shape
+        inner = self.n_heads * self.head_dim
+        if self.head_shard is None:
+            projected = self.in_proj(x)
+        else:  # x's gradient from this rank's rows alone: summed over the ranks, as a colwise linear's is
+            projected = F.linear(self.head_shard.sum_gradient(x), self._rows(self.in_proj.weight,
+                                                                             self.head_shard.channels))
+        z, xbc, dt = projected.split([inner, self.conv_channels, self.n_heads], dim=-1)
+        weight = self._rows(self.conv1d.weight, self.conv_rows).squeeze(1)
+        conv_bias = None if self.conv1d.bias is None else self._rows(self.conv1d.bias, self.conv_rows)
+        if isinstance(chunk, SequenceChunk):
+            if cache is not None:
+                raise ValueError("mamba2 blocks generate on one device; set parallel.cp=1 to generate")
+            y, xs = self._forward_pieces(xbc, dt, weight, conv_bias, keep, chunk, documents)
+        else:
+            xbc, conv_state = causal_conv1d(xbc, weight, conv_bias, state=None if cache is None else cache.conv,
+                                            doc_ids=documents)
+            xs, dt, A, B, C = self._scan_inputs(xbc, dt, keep)
+            state = None if cache is None else cache.state
+            if state is not None and length == 1:  # one decoding step: the recurrence is the cheaper form
+                y, final = recurrent_ssd(xs, dt, A, B, C, initial_state=state, doc_ids=documents)
+            else:
+                y, final = chunk_ssd(xs, dt, A, B, C, chunk_size=self.chunk_size, initial_state=state,
+                                     doc_ids=documents)
+            if cache is not None:
+                cache.conv, cache.state, cache.length = conv_state, final, cache.length + length
+        y = y + xs * _local(self.D).to(xs.dtype)[:, None]
+        return self.out_proj(self.norm(y.reshape(batch, length, inner), z, _local(self.norm.weight)))
+
+    def _scan_inputs(self, xbc: torch.Tensor, dt: torch.Tensor, keep: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, ...]:
+        """x (B, T, H, P), dt (B, T, H), A (H,), B and C (B, T, G, N) from the convolution's output (B, T, channels)
+        and dt's projection; padding tokens' x, B and C zeroed."""
+        batch, length, _ = xbc.shape
+        xbc = F.silu(xbc)
+        if keep is not None:
+            xbc = xbc * keep
+        inner, groups_width = self.n_heads * self.head_dim, self.n_groups * self.state_size
+        xs, B, C = xbc.split([inner, groups_width, groups_width], dim=-1)
+        compute = torch.promote_types(xbc.dtype, torch.float32)
+        dt = F.softplus(dt.to(compute) + _local(self.dt_bias).to(compute)).clamp(min=self.dt_floor)
+        return (xs.reshape(batch, length, self.n_heads, self.head_dim), dt, -_local(self.A_log).to(compute).exp(),
+                B.reshape(batch, length, self.n_groups, self.state_size),
+                C.reshape(batch, length, self.n_groups, self.state_size))
+
+    def _forward_pieces(self, xbc: torch.Tensor, dt: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        keep: torch.Tensor | None, chunk: SequenceChunk, documents: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context parallel, as Gated DeltaNet does it (model/linear_attention.py: `_forward_pieces`): this rank's two
+        pieces of each sequence run in sequence order across the ranks. The convolution's last W - 1 inputs of every
+        piece are all-gathered once, so each piece starts from its predecessor's; the (B, H, P, N) state then passes
+        piece by piece, one differentiable all-gather after each piece, every rank keeping the owner's. Returns the
+        scan's output (B, T, H, P) without the skip, and x (B, T, H, P)."""
+        batch, length, _ = xbc.shape
+        width = weight.shape[1]
+        spans = chunk.spans(length)
+        piece_len, pieces = spans[0][1], 2 * chunk.count
+        owner = [p if p < chunk.count else pieces - 1 - p for p in range(pieces)]  # the rank holding each piece
+        local = {at // piece_len: start for start, _, at in spans}  # sequence piece -> start in this rank's tokens
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            """Every rank's (B, 2, *S) tensor (its early and late piece's) all-gathered: (B, 2, count, prod(S))."""
+            return chunk.gather(t.flatten(2)[:, :, None].contiguous())
+
+        def of_piece(slots: torch.Tensor, piece: int, shape: torch.Size) -> torch.Tensor:
+            return slots[:, 0 if piece < chunk.count else 1, owner[piece]].view(shape[:1] + shape[2:])
+
+        tail = min(width - 1, piece_len)
+        tails = torch.stack([xbc[:, start + n - tail: start + n] for start, n, _ in spans], dim=1)
+        all_tails = gather(tails)
+        conv_out = []
+        for start, n, at in spans:
+            piece = at // piece_len
+            docs = None if documents is None else documents[:, at: at + n]
+            prefix = None
+            if piece > 0:
+                earlier = torch.cat([of_piece(all_tails, p, tails.shape) for p in range(piece)], dim=1)
+                prefix = earlier[:, -(width - 1):]
+                if documents is not None:  # only the inputs of the piece's first document
+                    same = documents[:, at - prefix.shape[1]: at] == documents[:, at: at + 1]
+                    prefix = prefix * same[..., None].to(prefix.dtype)
+                prefix = F.pad(prefix, (0, 0, width - 1 - prefix.shape[1], 0))
+            conv_out.append(causal_conv1d(xbc[:, start: start + n], weight, bias, state=prefix,
+                                          doc_ids=docs)[0])
+        xs, dt, A, B, C = self._scan_inputs(torch.cat(conv_out, dim=1), dt, keep)
+        out: dict[int, torch.Tensor] = {}
+        state: torch.Tensor | None = None
+        for piece in range(pieces):
+            slot = dt.new_zeros(()) if state is None else state * 0  # not this rank's piece: zeros, in the graph
+            if piece in local:
+                start, at = local[piece], piece * piece_len
+                entering = state
+                if entering is not None and documents is not None:  # dropped where the piece starts a document
+                    entering = entering * (documents[:, at] == documents[:, at - 1])[:, None, None, None].to(
+                        entering.dtype)
+                rows = slice(start, start + piece_len)
+                docs = None if documents is None else documents[:, at: at + piece_len]
+                out[piece], slot = chunk_ssd(xs[:, rows], dt[:, rows], A, B[:, rows], C[:, rows],
+                                             chunk_size=self.chunk_size, initial_state=entering, doc_ids=docs)
+            if piece == pieces - 1:
+                break
+            if state is None and slot.dim() == 0:  # the first gather: zeros that still depend on the parameters
+                slot = slot.expand(batch, self.n_heads, self.head_dim, self.state_size) + dt.sum() * 0
+            both = torch.stack([slot, slot], dim=1)  # an early and a late slot per rank, as the gather expects
+            state = of_piece(gather(both), piece, both.shape)
+        assert state is not None
+        merged = torch.cat([out[at // piece_len] for _, _, at in spans], dim=1)
+        merged = merged + (state.sum() * 0).to(merged.dtype)  # the last gather's backward runs on every rank
+        return merged, xs
