@@ -31,6 +31,7 @@ from meshformer.checkpointing.save_errors import final_weights_failed_error
 from meshformer.checkpointing.train_state import Checkpointable, SchedulerState, Stateful, TrainState
 from meshformer.config import Config
 from meshformer.data import Tokenizer, build_loader
+from meshformer.loss.cross_entropy import LossFn
 from meshformer.model import Transformer
 from meshformer.model.families import get_family_spec
 from meshformer.model.flops import flops_per_token
@@ -87,10 +88,13 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 
 class Trainer:
     def __init__(self, cfg: Config, *, rank: int = 0, local_rank: int = 0, tokenizer: Tokenizer | None = None,
-                 dims: ParallelDims | None = None, callbacks: Sequence[Callback] = ()) -> None:
+                 dims: ParallelDims | None = None, callbacks: Sequence[Callback] = (),
+                 loss: LossFn | None = None) -> None:
         """tokenizer: the one preflight loaded and checked, when the caller ran preflight (else loaded here).
         dims: the layout `init_distributed` validated when it joined the process group (else validated here).
-        callbacks: more callbacks (meshformer/train/callbacks.py), besides the built-in ones and the config's."""
+        callbacks: more callbacks (meshformer/train/callbacks.py), besides the built-in ones and the config's.
+        loss: a token loss of your own, `(logits, labels) -> summed loss` on full-vocabulary logits, instead of
+        train.loss's cross-entropy (the model's auxiliary terms still join it; docs/extending/index.md#losses)."""
         cfg = resolve_init_from(cfg)  # checkpoint.init_from: the model config of the HF folder (a no-op if resolved)
         self.cfg, self.rank = cfg, rank
         # First: a callback that cannot be built stops the run before any model or data work.
@@ -122,7 +126,7 @@ class Trainer:
         # The loss follows train.loss / label_smoothing / z_loss (fused head loss or full logits; vocab-parallel);
         # the parallel model autocasts when train.dtype=bf16.
         self.parallel_model: ParallelModel = parallelize(model, cfg, self.device,
-                                                         resolve_loss(cfg, dims, self.device.type), dims)
+                                                         resolve_loss(cfg, dims, self.device.type, loss), dims)
         # The whole model, for decoded samples; pipeline stages hold copies of their pieces, so drop it there.
         self.model = model if self.parallel_model.supports_generation else None
         release_free_host_memory()  # what materialisation's transient full tensors left in the heap
@@ -411,9 +415,9 @@ class Trainer:
         return True
 
 
-def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> TrainResult:
+def train(cfg: Config, callbacks: Sequence[Callback] = (), loss: LossFn | None = None) -> TrainResult:
     """Single-process entry point; distributed runs go through meshformer.train.__main__ under torchrun.
-    callbacks: more callbacks, besides the built-in ones and the config's [[callbacks]]."""
+    callbacks: more callbacks, besides the built-in ones and the config's [[callbacks]]. loss: as `Trainer`'s."""
     cfg = replica_config(cfg)  # a replica group (fault_tolerance) trains in its own run folder
     with run_folders_claimed(cfg):
-        return Trainer(cfg, callbacks=callbacks).fit()
+        return Trainer(cfg, callbacks=callbacks, loss=loss).fit()
