@@ -24,10 +24,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-
-from meshformer.loss.cross_entropy import cross_entropy_sum
 from torch.utils.checkpoint import checkpoint
 
+from meshformer.loss.cross_entropy import cross_entropy_sum
 from meshformer.loss.fused import (
     chunked_linear_cross_entropy,
     default_chunk_rows,

@@ -245,7 +245,7 @@ def _wanted(ctx, index: int) -> bool:
     A zero-bubble schedule runs the loss's backward twice: for the stage input, then (deferred) for the
     weights; each pass recomputes only what it uses. torch 2.13 answers for a leaf that `autograd.grad`
     captures with a RuntimeError instead of True, and that leaf is used. Should torch drop this private query,
-    every pass computes everything (correct, slower: tests/unit/test_fused_loss.py counts the GEMMs).
+    every pass computes everything (correct, slower: tests/unit/loss/test_fused_loss.py counts the GEMMs).
     """
     if not ctx.needs_input_grad[index]:
         return False

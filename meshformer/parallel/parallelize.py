@@ -18,7 +18,7 @@ import torch.distributed as dist
 from meshformer.config import Config, ConfigError
 from meshformer.loss.fused import VocabShard
 from meshformer.loss.objective import Loss
-from meshformer.loss.spec import LossSpec
+from meshformer.loss.token_loss import LossSpec
 from meshformer.model import Transformer
 from meshformer.parallel.context import apply_context_parallel
 from meshformer.parallel.expert_parallel import (

@@ -34,7 +34,7 @@ from meshformer.data import Tokenizer
 from meshformer.loss.cross_entropy import LossFn
 from meshformer.loss.fused import VocabShard
 from meshformer.loss.objective import Loss
-from meshformer.loss.spec import LossSpec
+from meshformer.loss.token_loss import LossSpec
 from meshformer.parallel.mesh_model import MultiRankParallelModel
 from meshformer.parallel.parallel_model import ParallelModel
 from meshformer.parallel.tensor_parallel import vocab_shard

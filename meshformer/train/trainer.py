@@ -56,7 +56,6 @@ from meshformer.train.callbacks import (
     user_label,
 )
 from meshformer.train.downstream import DownstreamEval
-from meshformer.train.fault_tolerance import ReplicaMetrics, ReplicaTraining, data_share, replica_config
 from meshformer.train.loss_choice import resolve_loss
 from meshformer.train.metrics import FlopsCeiling, RunLogger, peak_flops
 from meshformer.train.optim import SkippedUpdates
@@ -68,6 +67,7 @@ from meshformer.train.preflight import (
     has_final_weights,
     run_folders_claimed,
 )
+from meshformer.train.replica_step import ReplicaMetrics, ReplicaTraining, data_share, replica_config
 from meshformer.train.run_record import check_rerun, record_config
 from meshformer.train.step import StepStats, TrainStep
 
@@ -147,7 +147,7 @@ class Trainer:
             self.training_step.add_post_step_hook(
                 lambda applied: self.callbacks.call("on_optimizer_step", self.context, applied))
         dp_rank, dp_size = self.parallel_model.dp_rank, self.parallel_model.dp_size
-        # fault_tolerance: this replica group's share of the global order (train/fault_tolerance.py)
+        # fault_tolerance: this replica group's share of the global order (train/replica_step.py)
         self.train_data = build_loader(cfg, self.tokenizer, "train", *data_share(cfg, dp_rank, dp_size))
         self.eval_data = build_loader(cfg, self.tokenizer, "eval", dp_rank, dp_size)
         self.train_iter: Iterator[Batch] | None = None  # started at the first step, after a resume moved the loader

@@ -118,8 +118,8 @@ def test_moe_layer_tiny(tmp_path):
 
 
 def test_gated_delta_fla_says_why_it_skips():
-    """Without CUDA or fla the GPU check writes one line saying which is missing (tests/unit/test_gated_delta_fla.py
-    runs its measurement on CPU with a stand-in fla)."""
+    """Without CUDA or fla the GPU check writes one line saying which is missing
+    (tests/unit/model/test_gated_delta_fla.py runs its measurement on CPU with a stand-in fla)."""
     import torch
 
     if torch.cuda.is_available():
