@@ -9,7 +9,6 @@ import warnings
 from collections import defaultdict
 
 import pytest
-
 from helpers.common import ROOT
 
 from meshformer.renamed import MOVED
