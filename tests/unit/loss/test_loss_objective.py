@@ -38,6 +38,7 @@ def test_trainer_trains_with_the_given_loss(tmp_path):
     assert custom == pytest.approx(2.0 * plain, rel=1e-5)
 
 
+@pytest.mark.slow  # two tiny training runs: ~6 s
 def test_the_documented_custom_loss_runs_as_shown(tmp_path, monkeypatch):
     section = EXTENDING.read_text().split("## Losses", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"```python\n(.*?)```", section, re.S)
