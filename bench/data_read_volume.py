@@ -9,7 +9,7 @@ read plan). Larger dp: the read plan (`planned_bytes` below) over the same shard
 `planned_bytes(order, shards, ...)` is what one rank's ranged reads fetch over a span of stream positions:
 the byte span of every record it uses plus that record's 32-byte index entry, each record once per shard
 group (a group is loaded once per worker). It needs no data, so it projects to any dp_size.
-tests/unit/test_data_read_volume.py checks it against the shard reader's own byte count.
+tests/unit/data/test_data_read_volume.py checks it against the shard reader's own byte count.
 """
 
 from __future__ import annotations

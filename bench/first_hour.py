@@ -1,8 +1,8 @@
 """A newcomer's first hour, timed: from an empty folder and a fresh virtual environment to the first loss line, to a
 trained tiny model exported to Hugging Face and generating, and to a continued-pretraining run from that folder.
 
-Every command is one the documentation shows (tests/unit/test_first_hour_bench.py checks that), run from a wheel of
-this checkout in an empty folder. The package index is whatever pip is configured with (on a fresh machine: the
+Every command is one the documentation shows (tests/unit/bench/test_first_hour_bench.py checks that), run from a
+wheel of this checkout in an empty folder. The package index is whatever pip is configured with (on a fresh machine: the
 internet; the time to install depends on it and is reported apart).
 
     python bench/first_hour.py                                     # print the milestones as JSON

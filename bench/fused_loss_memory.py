@@ -1,5 +1,6 @@
 """Peak memory and time of the output projection + loss: full logits (plain) vs chunked (gradients stored by the
-forward, or recomputed by the backward) vs liger, in one run.
+forward, or recomputed by the backward) vs liger vs the same chunks through autograd with activation checkpointing
+(each chunk's logits recomputed in the backward: what the hand-derived backwards must beat), in one run.
 
 Forward and backward of `hidden (B·T, D) -> logits (B·T, V) -> summed cross-entropy` with the weight as a
 parameter, like the model's head. Peak memory is what the head adds on top of its inputs: on CUDA from the
@@ -23,9 +24,15 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from meshformer.loss.cross_entropy import cross_entropy_sum
-from meshformer.loss.fused import chunked_linear_cross_entropy, liger_available, liger_linear_cross_entropy
+from meshformer.loss.fused import (
+    chunked_linear_cross_entropy,
+    default_chunk_rows,
+    liger_available,
+    liger_linear_cross_entropy,
+)
 
 # rows (B·T), d_model, vocab
 SHAPES = {
@@ -40,6 +47,14 @@ def head_loss(kind: str, h, w, y, label_smoothing: float, z_loss: float) -> torc
         return cross_entropy_sum(F.linear(h, w), y, label_smoothing=label_smoothing, z_loss=z_loss)
     if kind == "liger":
         return liger_linear_cross_entropy(h, y, w, label_smoothing=label_smoothing, z_loss=z_loss)
+    if kind == "autograd_checkpointed":  # the reference a hand-derived backward must beat: chunks through autograd
+        rows = default_chunk_rows(h.shape[0], w.shape[0], w.shape[1], h.device)
+
+        def chunk(h_c: torch.Tensor, y_c: torch.Tensor) -> torch.Tensor:
+            return cross_entropy_sum(F.linear(h_c, w), y_c, label_smoothing=label_smoothing, z_loss=z_loss)
+
+        return sum(checkpoint(chunk, h[i:i + rows], y[i:i + rows], use_reentrant=False)
+                   for i in range(0, h.shape[0], rows))
     return chunked_linear_cross_entropy(h, y, w, label_smoothing=label_smoothing, z_loss=z_loss,
                                         recompute=kind == "chunked_recompute")
 
@@ -109,7 +124,7 @@ def main() -> None:
     h0 = torch.randn(rows, d, generator=gen).to(device)
     w0 = (torch.randn(vocab, d, generator=gen) * 0.02).to(device)
     y = torch.randint(vocab, (rows,), generator=gen).to(device)
-    kinds = ["plain", "chunked", "chunked_recompute"]
+    kinds = ["plain", "chunked", "chunked_recompute", "autograd_checkpointed"]
     kinds += ["liger"] if device.type == "cuda" and liger_available() and not args.zero_bubble else []
     results = {k: measure(k, h0, w0, y, dtype, device, args) for k in kinds}
     plain = results["plain"]

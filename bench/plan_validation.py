@@ -1,4 +1,5 @@
-"""Predicted vs measured peak memory on small CPU/gloo layouts (`bench/plan_vs_measured.py`, tests/unit/test_plan.py).
+"""Predicted vs measured peak memory on small CPU/gloo layouts (`bench/plan_vs_measured.py`,
+tests/unit/planner/test_plan.py).
 
 A small Llama-style decoder (RMSNorm, SwiGLU, RoPE, untied here so both ends of a pipeline hold a table) whose
 activations outweigh its weights, as in real training. Each rank measures its own peak of live tensor bytes

@@ -50,7 +50,7 @@ def write(path: Path, machine: str, rows: list[dict]) -> dict:
         setup="A 4-layer Llama-style decoder (d 128, GQA, SwiGLU, untied, seq 128, batch 4); \"measured\" is each "
               "rank's peak of live tensor bytes over one training step (a dispatch mode that also sees FSDP2's "
               "storage resizes), worst rank. Attention runs the blockwise CPU kernel, whose stored probabilities the "
-              f"planner counts. `tests/unit/test_plan.py` checks the bound ({100 * TOLERANCE:.0f}%).",
+              f"planner counts. `tests/unit/planner/test_plan.py` checks the bound ({100 * TOLERANCE:.0f}%).",
         notes=notes, columns=["ranks", "layout", "predicted MiB", "measured MiB", "error"],
         align=["r", "l", "r", "r", "r"], rows=table_rows(rows))
 

@@ -2,7 +2,7 @@
 
     python tools/build_bundled_tokenizer.py
 
-Deterministic: the same corpus gives the same file (checked by `tests/unit/test_data_tokenizer.py`).
+Deterministic: the same corpus gives the same file (checked by `tests/unit/data/test_data_tokenizer.py`).
 """
 
 from __future__ import annotations

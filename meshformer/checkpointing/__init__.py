@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from meshformer.checkpointing.errors import CheckpointError, ConversionError, CorruptCheckpointError
+    from meshformer.checkpointing.checkpoint_errors import CheckpointError, ConversionError, CorruptCheckpointError
     from meshformer.checkpointing.manager import CheckpointManager
     from meshformer.checkpointing.manifest import verify_manifest
     from meshformer.checkpointing.safetensors_io import (

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from meshformer.checkpointing.errors import CheckpointError
+from meshformer.checkpointing.checkpoint_errors import CheckpointError
 from meshformer.checkpointing.formats import ARCHS, DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, SINGLE_FILE
 from meshformer.errors import UsageError
 from meshformer.folders import check_output, remove, replace, scratch

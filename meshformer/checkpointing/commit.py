@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from meshformer.checkpointing import directory
-from meshformer.checkpointing.errors import CheckpointError
+from meshformer.checkpointing.checkpoint_errors import CheckpointError
 from meshformer.checkpointing.manifest import fsync_dir, write_manifest
 
 

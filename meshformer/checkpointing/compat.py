@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshformer.checkpointing.errors import CheckpointError
+from meshformer.checkpointing.checkpoint_errors import CheckpointError
 from meshformer.checkpointing.mapping import ZERO_ON_IMPORT as ROUTER_BIAS  # MoE routers' bias-balancing state
 from meshformer.checkpointing.state import MODEL
 

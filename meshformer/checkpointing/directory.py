@@ -14,7 +14,7 @@ import re
 import shutil
 from pathlib import Path
 
-from meshformer.checkpointing.errors import CheckpointError
+from meshformer.checkpointing.checkpoint_errors import CheckpointError
 from meshformer.checkpointing.manifest import fsync_dir
 
 PARTIAL_SUFFIX = ".partial"

@@ -1,17 +1,8 @@
-"""Errors of the checkpointing package: each message says what is wrong and how to fix it."""
+"""Former path of `meshformer.checkpointing.checkpoint_errors`
+(renamed: docs/design.md#words); warns once, for two releases."""
 
-from __future__ import annotations
+import sys
 
-from meshformer.errors import MeshformerError
+from meshformer.renamed import moved
 
-
-class CheckpointError(MeshformerError, RuntimeError):
-    """A checkpoint that cannot be written, found, verified or loaded."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """A checkpoint folder whose files do not match its manifest (or that has no manifest)."""
-
-
-class ConversionError(CheckpointError):
-    """A conversion between formats that cannot be done as asked (e.g. mismatched architectures)."""
+sys.modules[__name__] = moved(__name__)

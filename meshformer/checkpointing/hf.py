@@ -1,7 +1,7 @@
 """Weights and configs between meshformer's `Transformer` and Hugging Face transformers' models.
 
     hf_model = to_hf_model(model)            # LlamaForCausalLM, GPT2LMHeadModel, T5ForConditionalGeneration, ...
-    model = from_hf_model(hf_model)          # and back; logits agree (tests/unit/test_model_references.py)
+    model = from_hf_model(hf_model)          # and back; logits agree (tests/unit/model/test_model_references.py)
 
 Each architecture is one package meshformer/models/<model_type>/ whose adapter (checkpointing/hf_adapter.py) says
 how its config maps both ways, what its tensors are called, what it refuses and what it requires of our config;

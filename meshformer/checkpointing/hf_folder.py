@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from meshformer.checkpointing.errors import ConversionError
+from meshformer.checkpointing.checkpoint_errors import ConversionError
 from meshformer.checkpointing.hf_adapter import find_adapter, get_adapter
 from meshformer.checkpointing.hf_config_values import check_layer_types, check_values, note
 from meshformer.checkpointing.mapping import iter_export

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from meshformer.checkpointing import directory
-from meshformer.checkpointing.errors import ConversionError
+from meshformer.checkpointing.checkpoint_errors import ConversionError
 from meshformer.checkpointing.formats import ARCHS, Arch
 from meshformer.checkpointing.manager import checkpoint_root
 from meshformer.config import Config, DataConfig, ModelConfig, given_keys

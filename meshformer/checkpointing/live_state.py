@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from meshformer.checkpointing import state as st
-from meshformer.checkpointing.errors import CheckpointError
+from meshformer.checkpointing.checkpoint_errors import CheckpointError
 from meshformer.checkpointing.rng import capture_rng_state, restore_rng_state
 from meshformer.checkpointing.train_state import Checkpointable
 

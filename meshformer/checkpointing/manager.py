@@ -29,9 +29,9 @@ import torch.distributed.checkpoint as dcp
 
 from meshformer.checkpointing import compat, directory
 from meshformer.checkpointing import state as st
+from meshformer.checkpointing.checkpoint_errors import CheckpointError, CorruptCheckpointError
 from meshformer.checkpointing.commit import commit, partial_dir
 from meshformer.checkpointing.dcp_io import SafeFileSystemReader, SafeLoadPlanner, read_metadata, tensor_entries
-from meshformer.checkpointing.errors import CheckpointError, CorruptCheckpointError
 from meshformer.checkpointing.manifest import Verify, verify_manifest, write_json_atomic
 from meshformer.checkpointing.rng import capture_rng_state, restore_rng_state, seed_all
 from meshformer.checkpointing.save_errors import SAVE_FAILURES, all_corrupt_error, is_disk_full, save_failed_error

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from meshformer.checkpointing.errors import CheckpointError, CorruptCheckpointError
+from meshformer.checkpointing.checkpoint_errors import CheckpointError, CorruptCheckpointError
 
 MANIFEST = "manifest.json"
 FORMAT = "meshformer-checkpoint"

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from meshformer.checkpointing.checkpoint_errors import ConversionError
 from meshformer.checkpointing.dcp_io import read_box, read_metadata, save_tensors_streamed, tensor_entries
-from meshformer.checkpointing.errors import ConversionError
 from meshformer.checkpointing.megatron_config import (
     EMBEDDING,
     EXPERT_BIAS,

@@ -14,8 +14,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from meshformer.checkpointing.checkpoint_errors import ConversionError
 from meshformer.checkpointing.dcp_io import read_metadata, tensor_entries
-from meshformer.checkpointing.errors import ConversionError
 from meshformer.config import ModelConfig
 from meshformer.config.migrate import get_flat, model_from_dict, model_from_flat
 from meshformer.model.families import FAMILIES

@@ -1,11 +1,8 @@
-"""Progress of conversions: `progress` (meshformer/progress.py: a bar on a terminal, a line per interval in a log)."""
+"""Former path of `meshformer.checkpointing.conversion_progress`
+(renamed: docs/design.md#words); warns once, for two releases."""
 
-from __future__ import annotations
+import sys
 
-from meshformer.progress import progress
+from meshformer.renamed import moved
 
-__all__ = ["chunks", "progress"]
-
-
-def chunks(keys: list[str], size: int) -> list[list[str]]:
-    return [keys[i:i + size] for i in range(0, len(keys), size)]
+sys.modules[__name__] = moved(__name__)

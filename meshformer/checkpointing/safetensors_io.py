@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from meshformer.checkpointing import directory
+from meshformer.checkpointing.checkpoint_errors import CheckpointError, CorruptCheckpointError
 from meshformer.checkpointing.commit import commit, partial_dir
 from meshformer.checkpointing.dcp_io import (
     read_full_tensors,
@@ -23,7 +24,6 @@ from meshformer.checkpointing.dcp_io import (
     save_tensors_streamed,
     tensor_entries,
 )
-from meshformer.checkpointing.errors import CheckpointError, CorruptCheckpointError
 from meshformer.checkpointing.manifest import MANIFEST, verify_manifest, write_json_atomic
 from meshformer.checkpointing.sharded_safetensors import DEFAULT_MAX_SHARD_SIZE, has_safetensors
 from meshformer.checkpointing.state import MODEL

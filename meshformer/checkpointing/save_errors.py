@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from meshformer.checkpointing.errors import CheckpointError
+from meshformer.checkpointing.checkpoint_errors import CheckpointError
 
 # DCP reports a failed write as CheckpointException, which derives from BaseException: name it to catch it.
 SAVE_FAILURES = (Exception, CheckpointException)

@@ -19,7 +19,7 @@ from typing import BinaryIO
 import torch
 from safetensors import SafetensorError, safe_open
 
-from meshformer.checkpointing.errors import CorruptCheckpointError
+from meshformer.checkpointing.checkpoint_errors import CorruptCheckpointError
 from meshformer.checkpointing.formats import DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, SINGLE_FILE
 from meshformer.checkpointing.manifest import fsync_dir
 from meshformer.config import parse_size  # one reader of sizes: config validation checks them with it

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from meshformer.checkpointing.errors import CheckpointError
+from meshformer.checkpointing.checkpoint_errors import CheckpointError
 from meshformer.model import Transformer
 
 MODEL = "model."

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from meshformer.checkpointing import state as st
-from meshformer.checkpointing.errors import CheckpointError
+from meshformer.checkpointing.checkpoint_errors import CheckpointError
 from meshformer.config import Config
 
 

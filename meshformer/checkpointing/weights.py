@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from meshformer.checkpointing import directory as directory_layout
-from meshformer.checkpointing.errors import CorruptCheckpointError
+from meshformer.checkpointing.checkpoint_errors import CorruptCheckpointError
 from meshformer.checkpointing.manifest import write_json_atomic
 from meshformer.checkpointing.sharded_safetensors import (
     DEFAULT_MAX_SHARD_SIZE,

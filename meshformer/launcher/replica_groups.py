@@ -2,7 +2,7 @@
 
 Each group is its own torchrun job (K processes, `--standalone`: a port of its own) with `MESHFORMER_REPLICA_ID=r`
 and the Lighthouse's address (`TORCHFT_LIGHTHOUSE`) in its environment. A group that fails is started again,
-and heals from a live peer at its first step (meshformer/train/fault_tolerance.py); the others train on. Once a
+and heals from a live peer at its first step (meshformer/train/replica_step.py); the others train on. Once a
 group has finished the run, a failed group is no longer restarted (nothing is left to heal from). A stop signal
 goes to every group, which saves and exits as a single job does; nothing restarts after it.
 

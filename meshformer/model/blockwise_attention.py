@@ -54,7 +54,7 @@ def backward_workspace(batch_heads: int, seq_len: int, head_dim: int, elem_bytes
     key/value gradients and upcast values (12 B) and eight input-dtype tensors (output gradient, partial
     products, results); per query block one score gradient in fp32 and in the input dtype, and the row sums.
     Calibrated against the live-tensor count (planner/measure.py) of one attention backward, held by the
-    planner's predicted-vs-measured layouts (tests/unit/test_plan.py)."""
+    planner's predicted-vs-measured layouts (tests/unit/planner/test_plan.py)."""
     return batch_heads * (seq_len * head_dim * (12 + 8 * elem_bytes) + block_rows(seq_len) * seq_len * (5 + elem_bytes))
 
 

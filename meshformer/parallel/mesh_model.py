@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from meshformer.batch import Batch, model_inputs
 from meshformer.loss.cross_entropy import LossFn
 from meshformer.loss.fused import HeadLoss
+from meshformer.loss.objective import Loss
 from meshformer.parallel.context import sequence_chunk, with_ahead_inputs
 from meshformer.parallel.grad_norm import global_grad_norm, settle_grad
 from meshformer.parallel.mesh import Meshes
@@ -26,10 +27,10 @@ from meshformer.parallel.parallel_model import ParallelModel
 class MultiRankParallelModel(ParallelModel):
     """Shared by the mesh- and pipeline-parallel models: data-parallel bookkeeping, global norms, global reductions."""
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, device: torch.device, meshes: Meshes, *,
+    def __init__(self, model: nn.Module, loss: Loss | LossFn, device: torch.device, meshes: Meshes, *,
                  autocast_dtype: torch.dtype | None = None, head_loss: HeadLoss | None = None,
                  report: dict[str, str] | None = None) -> None:
-        super().__init__(model, loss_fn, device, autocast_dtype=autocast_dtype, head_loss=head_loss, report=report)
+        super().__init__(model, loss, device, autocast_dtype=autocast_dtype, head_loss=head_loss, report=report)
         self.meshes, self.dims = meshes, meshes.dims
         self.dp_rank, self.dp_size = meshes.dp_rank, self.dims.dp
         self._replicas_all_reduce = True  # FSDP's setting for HSDP's all-reduce over replicas (its default)
@@ -122,8 +123,8 @@ class MeshParallelModel(MultiRankParallelModel):
         return super().forward_backward(self._sequence_parallel_ready(batch, training=True), global_tokens)
 
     @torch.no_grad()
-    def evaluate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        loss_sum, tokens = super().evaluate(self._sequence_parallel_ready(batch))
+    def evaluate(self, batch: Batch, loss: Loss | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        loss_sum, tokens = super().evaluate(self._sequence_parallel_ready(batch), loss)
         return self._token_sum(loss_sum), self._token_sum(tokens.to(self.device))
 
     def _sequence_parallel_ready(self, batch: Batch, training: bool = False) -> Batch:

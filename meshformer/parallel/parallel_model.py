@@ -16,6 +16,7 @@ from torch import nn
 from meshformer.batch import Batch, model_inputs
 from meshformer.loss.cross_entropy import LossFn, count_tokens
 from meshformer.loss.fused import HeadLoss
+from meshformer.loss.objective import AuxTerm, Loss, MTPOutputs
 from meshformer.model.dsa import SparseLatentAttention, dsa_layers, set_token_count
 from meshformer.model.moe import MoEFeedForward, moe_layers, set_balance_weight, update_expert_bias
 from meshformer.model.mtp import shifted_labels
@@ -26,15 +27,15 @@ from meshformer.parallel.grad_norm import scale_grads_
 class ParallelModel:
     """Single device: the reference every parallel layout must match."""
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, device: torch.device, *,
+    def __init__(self, model: nn.Module, loss: Loss | LossFn, device: torch.device, *,
                  autocast_dtype: torch.dtype | None = None, head_loss: HeadLoss | None = None,
                  report: dict[str, str] | None = None) -> None:
-        self.model, self.loss_fn, self.device = model, loss_fn, device
+        """loss: the objective (meshformer/loss/objective.py); a bare `(logits, labels) -> summed loss` (with
+        `head_loss`, the fused head's) becomes one with the model's own auxiliary weights (`objective_for`)."""
+        self.model, self.device = model, device
+        self.loss = loss if isinstance(loss, Loss) else objective_for(model, loss, head_loss)
         self.dp_rank, self.dp_size = 0, 1  # the data loader's view of this rank
         self.autocast_dtype = autocast_dtype  # None: the model's own dtype (fp32)
-        # train.loss: the model computes the loss from its final hidden states, chunked, instead of returning
-        # full-vocabulary logits to `loss_fn` (None: the plain path).
-        self.head_loss = head_loss
         # How the run is laid out and which kernels run (layout, attention, norms, compile, recompute, FSDP,
         # pipeline, loss), for the run log.
         self.report: dict[str, str] = dict(report or {})
@@ -46,6 +47,21 @@ class ParallelModel:
         self._mtp_sums: torch.Tensor | None = None
         self._mtp_tokens: torch.Tensor | None = None
         self._mtp_scale: torch.Tensor | None = None
+
+    @property
+    def loss_fn(self) -> LossFn:
+        """The token loss on logits (`loss.logits_loss`)."""
+        return self.loss.logits_loss
+
+    @loss_fn.setter
+    def loss_fn(self, value: LossFn) -> None:
+        self.loss = self.loss.with_token_loss(value, self.loss.head_loss)
+
+    @property
+    def head_loss(self) -> HeadLoss | None:
+        """train.loss's fused head (`loss.head_loss`): the model computes the loss from its final hidden states,
+        chunked, instead of returning full-vocabulary logits (None: the plain path)."""
+        return self.loss.head_loss
 
     @property
     def model_parts(self) -> list[nn.Module]:
@@ -99,12 +115,6 @@ class ParallelModel:
             return 0
         return part.cfg.mtp.depth
 
-    @property
-    def mtp_loss_weight(self) -> float:
-        part = self.model_parts[-1]
-        assert isinstance(part, Transformer)  # FSDP keeps the class (as a subclass)
-        return part.cfg.mtp.loss_weight
-
     def _training_loss_sums(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(the summed main loss, the objective times the step's main target tokens): the main loss plus
         loss_weight / depth times each multi-token prediction module's mean loss over its own targets
@@ -119,16 +129,14 @@ class ParallelModel:
         with self._autocast():
             main, modules = self.model(**model_inputs(batch), labels=labels, head_loss=self.head_loss,
                                        mtp_labels=labels, mtp_ahead=ahead)
-        loss_sum, sums = mtp_loss_sums((main, modules), labels, self.loss_fn, self.head_loss)
+        loss_sum, sums = self.loss.mtp_sums((main, modules), labels)
         self.record_mtp_sums(sums)
         return loss_sum, self.mtp_objective(loss_sum, sums)
 
     def mtp_objective(self, loss_sum: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
-        """The main summed loss plus loss_weight / depth times each module's summed loss scaled to a mean over its
-        own targets, in units of the main loss's tokens (which the caller divides by)."""
+        """`Loss.objective` with this step's target counts (in units of the main loss's tokens)."""
         assert self._mtp_scale is not None  # global_token_count ran
-        weight = self.mtp_loss_weight / len(sums)
-        return loss_sum + weight * (sums * self._mtp_scale.to(sums.dtype)).sum()
+        return self.loss.objective(loss_sum, sums, self._mtp_scale)
 
     def record_mtp_sums(self, sums: torch.Tensor) -> None:
         """Keep each module's summed loss for `mtp_scalars`."""
@@ -145,8 +153,7 @@ class ParallelModel:
         sums = self._mtp_sums if self._mtp_sums is not None else torch.zeros(len(tokens), device=self.device)
         self._mtp_sums = self._mtp_tokens = None
         # the counts are already the step's global ones (global_token_count)
-        return {f"mtp/loss_{k + 1}": self.reduce_for_logging(s) / max(float(n), 1.0)
-                for k, (s, n) in enumerate(zip(sums, tokens.float()))}
+        return self.loss.mtp_scalars(sums, tokens, self.reduce_for_logging)
 
     @property
     def forwards_per_micro_batch(self) -> int:
@@ -198,17 +205,17 @@ class ParallelModel:
         return {f"{prefix}/{key}": value for prefix, row in zip(prefixes, values) for key, value in zip(keys, row)}
 
     @torch.no_grad()
-    def evaluate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed loss, token count) of a batch, reduced over data-parallel ranks."""
-        return self._loss_sum(batch).float(), count_tokens(batch["labels"])
+    def evaluate(self, batch: Batch, loss: Loss | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed loss, token count) of a batch, reduced over data-parallel ranks; `loss`: another objective than
+        the training one (downstream scoring's per-row losses)."""
+        return self._loss_sum(batch, loss or self.loss).float(), count_tokens(batch["labels"])
 
-    def _loss_sum(self, batch: Batch) -> torch.Tensor:
-        if self.head_loss is not None:
-            with self._autocast():
-                return self.model(**model_inputs(batch), labels=batch["labels"], head_loss=self.head_loss)
+    def _loss_sum(self, batch: Batch, loss: Loss | None = None) -> torch.Tensor:
+        loss = loss or self.loss
         with self._autocast():
-            logits = self.model(**model_inputs(batch))
-        return self.loss_fn(logits, batch["labels"])
+            if loss.head_loss is not None:
+                return self.model(**model_inputs(batch), labels=batch["labels"], head_loss=loss.head_loss)
+            return loss.token_sum(self.model(**model_inputs(batch)), batch["labels"])
 
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the whole gradient."""
@@ -238,16 +245,31 @@ class ParallelModel:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
 
-def mtp_loss_sums(outputs: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]], labels: torch.Tensor,
-                  loss_fn: LossFn | None, head_loss: HeadLoss | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the main summed loss, each module's summed loss) from a forward with multi-token prediction: its
-    outputs are summed losses with a fused head loss, else logits for `loss_fn`."""
-    main, modules = outputs
-    if head_loss is not None:
-        return main, torch.stack([out for out, _ in modules])
-    if loss_fn is None:
+def objective_for(model: nn.Module, logits_loss: LossFn, head_loss: HeadLoss | None = None) -> Loss:
+    """The training objective of `model` (a `Transformer` or a pipeline stage): this token loss, multi-token
+    prediction weighted by model.mtp.loss_weight, and the terms its layers add themselves (MoE balance and z-losses,
+    DSA's indexer loss), each with the weight its config gives."""
+    if not isinstance(model, Transformer):
+        return Loss(logits_loss, head_loss)
+    cfg = model.cfg
+    mtp_weight = cfg.mtp.loss_weight if model.spec.has_decoder and not model.spec.seq2seq and cfg.mtp.depth else 0.0
+    layer_terms: list[AuxTerm] = []
+    has_moe = any(isinstance(m, MoEFeedForward) for m in model.modules())
+    if has_moe and cfg.moe.aux_loss:
+        layer_terms.append(AuxTerm("moe/aux_loss", cfg.moe.aux_loss, "layer"))
+    if has_moe and cfg.moe.router_z_loss:
+        layer_terms.append(AuxTerm("moe/z_loss", cfg.moe.router_z_loss, "layer"))
+    if any(isinstance(m, SparseLatentAttention) for m in model.modules()):
+        layer_terms.append(AuxTerm("dsa/indexer_loss", cfg.dsa.loss_weight, "layer"))
+    return Loss(logits_loss, head_loss, mtp_weight, tuple(layer_terms))
+
+
+def mtp_loss_sums(outputs: MTPOutputs, labels: torch.Tensor, loss_fn: LossFn | None, head_loss: HeadLoss | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Loss.mtp_sums` of a token loss given as functions."""
+    if head_loss is None and loss_fn is None:
         raise ValueError("multi-token prediction without a fused head loss needs the plain loss function")
-    return loss_fn(main, labels), torch.stack([loss_fn(out, targets) for out, targets in modules])
+    return Loss(loss_fn or (lambda logits, labels: logits), head_loss).mtp_sums(outputs, labels)
 
 
 def step_token_counts(labels: torch.Tensor, depth: int) -> torch.Tensor:

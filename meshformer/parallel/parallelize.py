@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from meshformer.config import Config, ConfigError
-from meshformer.loss.cross_entropy import LossFn
-from meshformer.loss.fused import HeadLoss, VocabShard
-from meshformer.loss.spec import LossSpec
+from meshformer.loss.fused import VocabShard
+from meshformer.loss.objective import Loss
+from meshformer.loss.token_loss import LossSpec
 from meshformer.model import Transformer
 from meshformer.parallel.context import apply_context_parallel
 from meshformer.parallel.expert_parallel import (
@@ -41,7 +41,7 @@ from meshformer.parallel.kernels import (
 from meshformer.parallel.materialize import is_meta, materialize
 from meshformer.parallel.mesh import Meshes, build_mesh
 from meshformer.parallel.mesh_model import MeshParallelModel, MultiRankParallelModel
-from meshformer.parallel.parallel_model import ParallelModel
+from meshformer.parallel.parallel_model import ParallelModel, objective_for
 from meshformer.parallel.pipeline.model import PipelineParallelModel, shared_weights
 from meshformer.parallel.pipeline.stages import TransformerStage, stage_placement
 from meshformer.parallel.recompute import apply_recompute
@@ -105,21 +105,21 @@ def _build(model: Transformer, cfg: Config, dims: ParallelDims, device: torch.de
         # into its graph; compiling the plain loss does the same here instead of several eager passes over B*T*V.
         loss_fn = torch.compile(loss_fn, **compile_kwargs(cfg.train.compile_mode))
         loss_note = ", compiled"
-    head_loss = bound.head_loss
+    # The one objective every path calls: this token loss with the model's auxiliary terms and weights.
+    objective = objective_for(model, loss_fn, bound.head_loss)
     autocast_dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else None
     if meshes is None:
         report = {**parallelize_part(model, cfg, dims, None, device), "loss": _loss_report(loss, loss_note)}
-        return ParallelModel(model, loss_fn, device, autocast_dtype=autocast_dtype, head_loss=head_loss,
-                            report=report)
+        return ParallelModel(model, objective, device, autocast_dtype=autocast_dtype, report=report)
     parallel_model: MultiRankParallelModel
     if dims.pp_enabled:  # the last stage computes the fused head loss in its forward
-        parallel_model = _pipeline_model(model, cfg, dims, meshes, device, loss_fn, head_loss, autocast_dtype)
+        parallel_model = _pipeline_model(model, cfg, dims, meshes, device, objective, autocast_dtype)
         parallel_model.report["loss"] = _loss_report(loss)
     else:
         report = {**parallelize_part(model, cfg, dims, meshes, device), "loss": _loss_report(loss, loss_note),
                   "layout": dims.describe()}
-        parallel_model = MeshParallelModel(model, loss_fn, device, meshes, autocast_dtype=autocast_dtype,
-                                           head_loss=head_loss, report=report)
+        parallel_model = MeshParallelModel(model, objective, device, meshes, autocast_dtype=autocast_dtype,
+                                           report=report)
     parallel_model.float8_weight_gather = float8_weight_gather(cfg, dims)
     log.info("parallel layout %s; %s", dims.describe(), parallel_model.report)
     return parallel_model
@@ -206,7 +206,7 @@ def parallelize_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes:
 
 
 def _pipeline_model(model: Transformer, cfg: Config, dims: ParallelDims, meshes: Meshes, device: torch.device,
-                    loss_fn: LossFn, head_loss: HeadLoss | None, autocast_dtype: torch.dtype | None
+                    objective: Loss, autocast_dtype: torch.dtype | None
                     ) -> PipelineParallelModel:
     p = cfg.parallel
     placement = stage_placement(cfg, dims)
@@ -223,7 +223,7 @@ def _pipeline_model(model: Transformer, cfg: Config, dims: ParallelDims, meshes:
                           f"({', '.join(f'{s.start}-{s.stop - 1}' for s in spans)}), "
                           f"{n_microbatches(cfg)} microbatches")
     report["layout"] = dims.describe()
-    return PipelineParallelModel(stages, loss_fn, device, meshes, schedule=p.pp_schedule,
+    return PipelineParallelModel(stages, objective, device, meshes, schedule=p.pp_schedule,
                         n_microbatches=n_microbatches(cfg), stage_to_rank=placement.stage_to_rank, shared=shared,
-                        timeout=timedelta(seconds=p.timeout_s), autocast_dtype=autocast_dtype, head_loss=head_loss,
+                        timeout=timedelta(seconds=p.timeout_s), autocast_dtype=autocast_dtype,
                         report=report, unsharded_microbatches=p.pp_fsdp_unsharded_microbatches)

@@ -22,9 +22,9 @@ def run(config_path: str, overrides: list[str]) -> None:
     """Train on this process; joins the process group first when launched by torchrun."""
     from meshformer.checkpointing.init_from import resolve_init_from
     from meshformer.config import load_config
-    from meshformer.train.fault_tolerance import replica_config
     from meshformer.train.metrics import setup_console_logging
     from meshformer.train.preflight import preflight, run_folders_claimed
+    from meshformer.train.replica_step import replica_config
     from meshformer.train.trainer import Trainer
 
     # validated before any process-group work; a replica group (fault_tolerance) runs in its own run folder

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from meshformer.checkpointing.errors import CheckpointError
+from meshformer.checkpointing.checkpoint_errors import CheckpointError
 from meshformer.config import Config, ConfigError
 from meshformer.config.sections import CallbackConfig
 from meshformer.data.corpus_base import short

@@ -33,10 +33,10 @@ from meshformer.config import Config
 from meshformer.data import Tokenizer
 from meshformer.loss.cross_entropy import LossFn
 from meshformer.loss.fused import VocabShard
-from meshformer.loss.spec import LossSpec
+from meshformer.loss.objective import Loss
+from meshformer.loss.token_loss import LossSpec
 from meshformer.parallel.mesh_model import MultiRankParallelModel
 from meshformer.parallel.parallel_model import ParallelModel
-from meshformer.parallel.pipeline.stages import TransformerStage
 from meshformer.parallel.tensor_parallel import vocab_shard
 from meshformer.train.task_files import Task, load_tasks
 
@@ -100,25 +100,15 @@ class _RowLosses:
 
 
 @contextmanager
-def _row_losses(model: ParallelModel, cfg: Config) -> Iterator[_RowLosses]:
-    """The layout's loss replaced by per-row plain cross-entropy (full logits, this rank's vocabulary shard under
-    tensor parallel) while scoring."""
+def _row_losses(model: ParallelModel, cfg: Config) -> Iterator[tuple[_RowLosses, Loss]]:
+    """The layout's objective with per-row plain cross-entropy as its token loss (full logits, this rank's
+    vocabulary shard under tensor parallel), for `ParallelModel.evaluate(batch, loss)`, and the rows' recorder."""
     shard = None
     if isinstance(model, MultiRankParallelModel) and model.dims.tp_enabled:
         shard = VocabShard(model.meshes.tp.get_group(), vocab_shard(cfg.model, model.meshes.tp)[0],
                            cfg.model.vocab_size)
     recorder = _RowLosses(LossSpec("plain").bind(shard).logits_loss)
-    stages = [part for part in model.model_parts if isinstance(part, TransformerStage)]
-    saved = model.loss_fn, model.head_loss, [stage.head_loss for stage in stages]
-    model.loss_fn, model.head_loss = recorder, None
-    for stage in stages:
-        stage.head_loss = None
-    try:
-        yield recorder
-    finally:
-        model.loss_fn, model.head_loss = saved[0], saved[1]
-        for stage, head_loss in zip(stages, saved[2]):
-            stage.head_loss = head_loss
+    yield recorder, model.loss.with_token_loss(recorder)
 
 
 def _reports_rows(model: ParallelModel) -> bool:
@@ -149,7 +139,7 @@ def score_rows(model: ParallelModel, cfg: Config, rows: list[tuple[list[int], li
     for part in model.model_parts:
         part.eval()
     try:
-        with _row_losses(model, cfg) as recorder:
+        with _row_losses(model, cfg) as (recorder, row_loss):
             for b in range(n_batches):
                 poll()
                 picked = mine[b * batch_size:(b + 1) * batch_size]
@@ -161,7 +151,7 @@ def score_rows(model: ParallelModel, cfg: Config, rows: list[tuple[list[int], li
                     labels[row, :len(rows[i][1])] = torch.tensor(rows[i][1])
                 batch: Batch = {"input_ids": ids.to(model.device), "labels": labels.to(model.device)}
                 recorder.rows.clear()
-                model.evaluate(batch)
+                model.evaluate(batch, row_loss)
                 if counts and recorder.rows and picked:
                     losses = torch.cat(recorder.rows)[:len(picked)]
                     totals.index_add_(0, torch.tensor(picked, device=model.device), -losses)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from meshformer.config import Config, ConfigError
 from meshformer.loss.cross_entropy import LossFn
 from meshformer.loss.fused import liger_available
-from meshformer.loss.spec import LossKind, LossSpec
+from meshformer.loss.token_loss import LossKind, LossSpec
 from meshformer.parallel_dims import ZERO_BUBBLE, ParallelDims, last_stage_losses_in_flight
 
 

@@ -65,7 +65,7 @@ class TrainStep:
         self.clip_in_update = self._fused  # the clip factor as fused AdamW's grad_scale (False: a scaling pass)
         self._on_phase = on_phase or (lambda name: None)
         self._post_step_hooks: list[PostStepHook] = []
-        # Fault-tolerant replica groups (train/fault_tolerance.py): given the step's target tokens after backward,
+        # Fault-tolerant replica groups (train/replica_step.py): given the step's target tokens after backward,
         # averages the gradients across the groups and says whether the update may be applied
         self.gradient_sync: Callable[[torch.Tensor], bool] | None = None
         # MuonClip's QK-clip (optim.qk_clip_threshold), first: attention heads whose largest logit exceeded the

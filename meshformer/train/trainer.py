@@ -31,6 +31,7 @@ from meshformer.checkpointing.save_errors import final_weights_failed_error
 from meshformer.checkpointing.train_state import Checkpointable, SchedulerState, Stateful, TrainState
 from meshformer.config import Config
 from meshformer.data import Tokenizer, build_loader
+from meshformer.loss.cross_entropy import LossFn
 from meshformer.model import Transformer
 from meshformer.model.families import get_family_spec
 from meshformer.model.flops import flops_per_token
@@ -55,7 +56,6 @@ from meshformer.train.callbacks import (
     user_label,
 )
 from meshformer.train.downstream import DownstreamEval
-from meshformer.train.fault_tolerance import ReplicaMetrics, ReplicaTraining, data_share, replica_config
 from meshformer.train.loss_choice import resolve_loss
 from meshformer.train.metrics import FlopsCeiling, RunLogger, peak_flops
 from meshformer.train.optim import SkippedUpdates
@@ -67,6 +67,7 @@ from meshformer.train.preflight import (
     has_final_weights,
     run_folders_claimed,
 )
+from meshformer.train.replica_step import ReplicaMetrics, ReplicaTraining, data_share, replica_config
 from meshformer.train.run_record import check_rerun, record_config
 from meshformer.train.step import StepStats, TrainStep
 
@@ -87,10 +88,13 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 
 class Trainer:
     def __init__(self, cfg: Config, *, rank: int = 0, local_rank: int = 0, tokenizer: Tokenizer | None = None,
-                 dims: ParallelDims | None = None, callbacks: Sequence[Callback] = ()) -> None:
+                 dims: ParallelDims | None = None, callbacks: Sequence[Callback] = (),
+                 loss: LossFn | None = None) -> None:
         """tokenizer: the one preflight loaded and checked, when the caller ran preflight (else loaded here).
         dims: the layout `init_distributed` validated when it joined the process group (else validated here).
-        callbacks: more callbacks (meshformer/train/callbacks.py), besides the built-in ones and the config's."""
+        callbacks: more callbacks (meshformer/train/callbacks.py), besides the built-in ones and the config's.
+        loss: a token loss of your own, `(logits, labels) -> summed loss` on full-vocabulary logits, instead of
+        train.loss's cross-entropy (the model's auxiliary terms still join it; docs/extending/index.md#losses)."""
         cfg = resolve_init_from(cfg)  # checkpoint.init_from: the model config of the HF folder (a no-op if resolved)
         self.cfg, self.rank = cfg, rank
         # First: a callback that cannot be built stops the run before any model or data work.
@@ -122,7 +126,7 @@ class Trainer:
         # The loss follows train.loss / label_smoothing / z_loss (fused head loss or full logits; vocab-parallel);
         # the parallel model autocasts when train.dtype=bf16.
         self.parallel_model: ParallelModel = parallelize(model, cfg, self.device,
-                                                         resolve_loss(cfg, dims, self.device.type), dims)
+                                                         resolve_loss(cfg, dims, self.device.type, loss), dims)
         # The whole model, for decoded samples; pipeline stages hold copies of their pieces, so drop it there.
         self.model = model if self.parallel_model.supports_generation else None
         release_free_host_memory()  # what materialisation's transient full tensors left in the heap
@@ -143,7 +147,7 @@ class Trainer:
             self.training_step.add_post_step_hook(
                 lambda applied: self.callbacks.call("on_optimizer_step", self.context, applied))
         dp_rank, dp_size = self.parallel_model.dp_rank, self.parallel_model.dp_size
-        # fault_tolerance: this replica group's share of the global order (train/fault_tolerance.py)
+        # fault_tolerance: this replica group's share of the global order (train/replica_step.py)
         self.train_data = build_loader(cfg, self.tokenizer, "train", *data_share(cfg, dp_rank, dp_size))
         self.eval_data = build_loader(cfg, self.tokenizer, "eval", dp_rank, dp_size)
         self.train_iter: Iterator[Batch] | None = None  # started at the first step, after a resume moved the loader
@@ -411,9 +415,9 @@ class Trainer:
         return True
 
 
-def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> TrainResult:
+def train(cfg: Config, callbacks: Sequence[Callback] = (), loss: LossFn | None = None) -> TrainResult:
     """Single-process entry point; distributed runs go through meshformer.train.__main__ under torchrun.
-    callbacks: more callbacks, besides the built-in ones and the config's [[callbacks]]."""
+    callbacks: more callbacks, besides the built-in ones and the config's [[callbacks]]. loss: as `Trainer`'s."""
     cfg = replica_config(cfg)  # a replica group (fault_tolerance) trains in its own run folder
     with run_folders_claimed(cfg):
-        return Trainer(cfg, callbacks=callbacks).fit()
+        return Trainer(cfg, callbacks=callbacks, loss=loss).fit()

@@ -95,7 +95,7 @@ class KimiDeltaAttentionKind(LinearAttention):
         """Gated DeltaNet's (its projections, convolution, rule and gated norm), plus per token the forget gate's f
         (its low-rank input and key-channel output) and, in float32 per head and padded token, the per-channel decays
         (4 forms) and the within-block products' (S x Dk) factors; within 12% of what the graph keeps
-        (tests/unit/test_kda.py, float32 and bf16 autocast)."""
+        (tests/unit/model/test_kda.py, float32 and bf16 autocast)."""
         la, t = cfg.linear_attention, x.tp
         heads, dk = la.n_heads // t, la.key_head_dim
         padded = -(-x.seq // la.chunk_size) * la.chunk_size

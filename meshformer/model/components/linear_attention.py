@@ -156,7 +156,7 @@ class LinearAttention(TokenMixer):
         q and k (repeated to every value head) in the 12 forms its products keep, v (copied to float32 from half
         precision), beta v, W_v and the updates, 7 rows of C x C within-chunk tensors (decays, K K^T, its inverse,
         Q K^T) and 7 scalars; and each chunk's (key_head_dim x value_head_dim) entering state, plus the final
-        one. Within 12% of the measurement (tests/unit/test_linear_attention.py): which of these share storage
+        one. Within 12% of the measurement (tests/unit/model/test_linear_attention.py): which of these share storage
         through views depends on the shapes. Under tensor parallel every term but the (gathered) input is this
         rank's heads'."""
         la, b, s, a, t = cfg.linear_attention, x.batch, x.seq, x.bytes, x.tp

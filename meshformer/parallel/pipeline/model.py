@@ -32,12 +32,14 @@ from torch.distributed.pipelining import (
 from meshformer.batch import Batch, model_inputs
 from meshformer.loss.cross_entropy import LossFn, count_tokens
 from meshformer.loss.fused import HeadLoss
+from meshformer.loss.objective import Loss
 from meshformer.model import Transformer
 from meshformer.model.attention import logits_not_recorded
 from meshformer.model.moe import MoEFeedForward, loads_not_counted
 from meshformer.parallel.grad_norm import local_tensor, settle_grad
 from meshformer.parallel.mesh import Meshes
 from meshformer.parallel.mesh_model import MultiRankParallelModel, check_sequence_split
+from meshformer.parallel.parallel_model import objective_for
 from meshformer.parallel.pipeline.sharded_stage import ShardedMicrobatchStage
 from meshformer.parallel.pipeline.stages import StageSpan, TransformerStage, stage_pieces
 from meshformer.parallel.pipeline.weight_pass import RetainedWeightGraphStage
@@ -59,7 +61,7 @@ class PipelineParallelModel(MultiRankParallelModel):
     def __init__(
         self,
         stages: list[TransformerStage],
-        loss_fn: LossFn,
+        loss: Loss | LossFn,
         device: torch.device,
         meshes: Meshes,
         *,
@@ -73,11 +75,11 @@ class PipelineParallelModel(MultiRankParallelModel):
         report: dict[str, str] | None = None,
         unsharded_microbatches: bool = False,
     ) -> None:
-        super().__init__(stages[0], loss_fn, device, meshes, autocast_dtype=autocast_dtype, head_loss=head_loss,
-                         report=report)
+        if not isinstance(loss, Loss):  # the objective of the last stage, which holds the loss's inputs
+            loss = objective_for(stages[-1], loss, head_loss)
+        super().__init__(stages[0], loss, device, meshes, autocast_dtype=autocast_dtype, report=report)
         for stage in stages:
-            stage.head_loss = head_loss if stage.is_last else None
-            stage.loss_fn = loss_fn if stage.is_last else None  # multi-token prediction's plain loss
+            stage.loss = self.loss if stage.is_last else None
         self.stages, self.schedule_name, self.n_microbatches = stages, schedule, n_microbatches
         # FSDP stages: keep parameters and gradients whole across microbatches (torch's way; pipeline_stage.py)
         self.unsharded_microbatches = unsharded_microbatches
@@ -106,7 +108,7 @@ class PipelineParallelModel(MultiRankParallelModel):
             self._mtp_records.append(output[1:].detach().float())
             return self.mtp_objective(output[0], output[1:]) / self._tokens
         # With a fused head loss the last stage's output already is the summed loss.
-        loss_sum = output if self.head_loss is not None else self.loss_fn(output, target)
+        loss_sum = self.loss.token_sum(output, target)
         self._records.append(loss_sum.detach().float())
         if self._tokens is None:  # evaluation: nothing to differentiate
             return loss_sum
@@ -150,7 +152,7 @@ class PipelineParallelModel(MultiRankParallelModel):
             self.record_mtp_sums(torch.stack(self._mtp_records[-self.n_microbatches:]).sum(0))
         return torch.stack(self._records[-self.n_microbatches:]).sum()
 
-    def _forward_only(self, batch: Batch) -> torch.Tensor:
+    def _forward_only(self, batch: Batch, loss: Loss) -> torch.Tensor:
         """Evaluation: every microbatch through the stages in order with blocking P2P, no schedule.
 
         torch 2.13's schedule.eval() runs backward actions under the zero-bubble runtime (ZBV fails with
@@ -172,11 +174,11 @@ class PipelineParallelModel(MultiRankParallelModel):
                         continue
                     if index > 0 and self._stage_to_rank[index - 1] != me:
                         carry = recv_tensors(self._stage_to_rank[index - 1], group, self.device)
-                    out = local[index](*carry, **kwargs)
-                    if index == self.n_stages - 1:
-                        loss_sum = out if self.head_loss is not None else self.loss_fn(out, kwargs["labels"])
-                        total += loss_sum.float()
+                    if index == self.n_stages - 1:  # the evaluated objective (downstream scoring: per-row losses)
+                        out = local[index](*carry, loss=loss, **kwargs)
+                        total += loss.token_sum(out, kwargs["labels"]).float()
                         continue
+                    out = local[index](*carry, **kwargs)
                     carry = out if isinstance(out, tuple) else (out,)
                     if self._stage_to_rank[index + 1] != me:
                         send_tensors(carry, self._stage_to_rank[index + 1], group)
@@ -201,9 +203,9 @@ class PipelineParallelModel(MultiRankParallelModel):
         return loss_sum
 
     @torch.no_grad()
-    def evaluate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def evaluate(self, batch: Batch, loss: Loss | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self._local(batch)
-        loss_sum = self._forward_only(batch)
+        loss_sum = self._forward_only(batch, loss or self.loss)
         if not self._logging_representative:
             loss_sum = torch.zeros_like(loss_sum)
         dist.all_reduce(loss_sum)  # the last stages hold the loss; every rank returns it

@@ -33,12 +33,12 @@ import torch
 from torch import nn
 
 from meshformer.config import Config
-from meshformer.loss.cross_entropy import LossFn
+from meshformer.loss.cross_entropy import cross_entropy_sum
 from meshformer.loss.fused import HeadLoss
+from meshformer.loss.objective import Loss
 from meshformer.model import Transformer
 from meshformer.model.parallel_context import StageSpan
 from meshformer.model.transformer import PIECES, Streams, stage_holdings
-from meshformer.parallel.parallel_model import mtp_loss_sums
 from meshformer.parallel_dims import ParallelDims, stages_per_rank, total_layers
 
 
@@ -104,21 +104,31 @@ class TransformerStage(Transformer):
             super().__init__(model.cfg, init_seed=model.init_seed, span=span)
         self.hold_copies_of(model)
         self.is_last = span.index == span.n_stages - 1
-        # The fused head loss of the last stage (set by the pipelined model); None: the last stage returns logits.
-        self.head_loss: HeadLoss | None = None
-        # The plain loss, for a last stage that runs multi-token prediction without a fused head loss.
-        self.loss_fn: LossFn | None = None
+        # The last stage's objective (set by the pipelined model): with a fused head loss the stage returns the
+        # summed loss, else logits (and the token loss sums multi-token prediction's modules). None: not last.
+        self.loss: Loss | None = None
+
+    @property
+    def head_loss(self) -> HeadLoss | None:
+        """The fused head loss the last stage computes (None: it returns logits)."""
+        return self.loss.head_loss if self.loss is not None else None
+
+    @head_loss.setter
+    def head_loss(self, value: HeadLoss | None) -> None:
+        base = self.loss if self.loss is not None else Loss(cross_entropy_sum)
+        self.loss = base.with_token_loss(base.logits_loss, value)
 
     def forward(  # type: ignore[override]  # a stage takes the previous stage's tensors positionally
         self, *stream: torch.Tensor, labels: torch.Tensor | None = None, mtp_ahead_ids: torch.Tensor | None = None,
-        mtp_ahead_labels: torch.Tensor | None = None, **batch: torch.Tensor
+        mtp_ahead_labels: torch.Tensor | None = None, loss: Loss | None = None, **batch: torch.Tensor
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Received tensors in, tensors to send out; the batch's model inputs (`Transformer.forward`'s
         arguments) arrive as keywords. The last stage returns logits, or with `head_loss` the summed loss
         against `labels` (which the other stages ignore). In training with multi-token prediction (the modules'
         ids and targets given) it returns the summed losses (main, module 1, ...) as one vector."""
         streams = self._unpack(stream, batch.get("decoder_input_ids"))
-        head_loss = self.head_loss if self.is_last else None
+        loss = loss or self.loss  # `loss`: another objective than the training one (evaluation)
+        head_loss = loss.head_loss if self.is_last and loss is not None else None
         ahead = None
         if self.is_last and mtp_ahead_ids is not None and mtp_ahead_labels is not None:
             ahead = (mtp_ahead_ids, mtp_ahead_labels)
@@ -128,7 +138,8 @@ class TransformerStage(Transformer):
                               mtp_labels=labels if ahead is not None else None, mtp_ahead=ahead)
         if isinstance(out, tuple):
             assert labels is not None
-            main, sums = mtp_loss_sums(out, labels, self.loss_fn, head_loss)
+            assert loss is not None  # the pipelined model gives the last stage its objective
+            main, sums = loss.mtp_sums(out, labels)
             return torch.cat([main.reshape(1), sums])
         return out if isinstance(out, torch.Tensor) else self._pack(out, stream)
 

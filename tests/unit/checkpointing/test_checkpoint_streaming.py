@@ -19,7 +19,7 @@ from meshformer.cli import main
 from meshformer.model import Transformer
 
 transformers = pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _model(arch: str, layers: int = 3, width: int = 32) -> Transformer:

@@ -92,7 +92,7 @@ def test_post_step_hooks_run_after_the_optimizer_step_in_order():
 
 
 def test_only_the_step_owner_writes_the_optimizers_private_attributes():
-    package = Path(__file__).resolve().parents[2] / "meshformer"
+    package = Path(__file__).resolve().parents[3] / "meshformer"
     owner = package / "train" / "step.py"
     writes = re.compile(r"\.(grad_scale|found_inf)\s*=[^=]")
     found = [f"{path.relative_to(package)}:{n}" for path in sorted(package.rglob("*.py")) if path != owner

@@ -253,7 +253,7 @@ def test_mismatches_are_explained(tmp_path):
                     "(pip install megatron-core==0.16.1 psutil)")
 def test_against_megatron_core(tmp_path):
     """Megatron loads our export and computes our logits; we import Megatron's own save and compute its logits."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(THIS.parents[2]), str(THIS.parents[1])))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(THIS.parents[3]), str(THIS.parents[2])))}
     proc = subprocess.run([sys.executable, str(THIS), str(tmp_path), str(free_port())], capture_output=True,
                           text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -351,5 +351,5 @@ def _megatron_reference(out_dir: str, port: str) -> None:
 
 
 if __name__ == "__main__":  # the main guard matters: megatron's saver starts multiprocessing helpers
-    sys.path.insert(0, str(THIS.parents[1]))
+    sys.path.insert(0, str(THIS.parents[2]))
     _megatron_reference(*sys.argv[1:])

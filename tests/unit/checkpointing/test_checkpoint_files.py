@@ -14,10 +14,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from meshformer.checkpointing import CorruptCheckpointError
+from meshformer.checkpointing.checkpoint_errors import CheckpointError
 from meshformer.checkpointing.commit import commit, partial_dir
 from meshformer.checkpointing.dcp_io import SafeFileSystemReader, SafeLoadPlanner, read_full_tensors, save_tensors
 from meshformer.checkpointing.directory import committed_steps, read_latest, step_dir_name, steps_to_delete
-from meshformer.checkpointing.errors import CheckpointError
 from meshformer.checkpointing.manifest import verify_manifest
 from meshformer.checkpointing.rng import capture_rng_state, restore_rng_state
 

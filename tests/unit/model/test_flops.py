@@ -163,7 +163,7 @@ def test_new_configs_count_what_their_hugging_face_export_builds(name):
     transformers = pytest.importorskip("transformers")
     from meshformer.checkpointing.hf import _MODEL_CLASSES, config_to_hf, infer_arch
 
-    # transformers builds no multi-token prediction modules (their count: tests/unit/test_mtp.py)
+    # transformers builds no multi-token prediction modules (their count: tests/unit/model/test_mtp.py)
     cfg = dataclasses.replace(load_config(name).model, mtp=MtpConfig())
     arch = infer_arch(cfg)
     with torch.device("meta"):

@@ -1,0 +1,33 @@
+"""Modules that moved to a name of their own (one name, one meaning: docs/design.md#words).
+
+The old import path keeps working for two releases: its module file is a stand-in that puts the new module in its
+place in `sys.modules`, with one FutureWarning per old path per process naming the new one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+from types import ModuleType
+
+# the release that drops the old paths (two releases after they moved): stated in every warning
+REMOVED_IN = "0.3"
+
+# old import path -> new import path
+MOVED: dict[str, str] = {
+    "meshformer.checkpointing.errors": "meshformer.checkpointing.checkpoint_errors",
+    "meshformer.checkpointing.progress": "meshformer.checkpointing.conversion_progress",
+    "meshformer.train.fault_tolerance": "meshformer.train.replica_step",
+    "meshformer.loss.spec": "meshformer.loss.token_loss",
+}
+
+
+def moved(old: str) -> ModuleType:
+    """The module `old` moved to, installed under the old name too (so the warning comes once per process)."""
+    new = MOVED[old]
+    warnings.warn(f"{old} is deprecated and will be removed in {REMOVED_IN}: import {new}", FutureWarning,
+                  stacklevel=3)
+    module = importlib.import_module(new)
+    sys.modules[old] = module
+    return module

@@ -1,0 +1,176 @@
+"""The trainer's side of fault-tolerant replica groups (fault_tolerance.enabled; docs/fault-tolerance.md).
+
+Each step of a replica group:
+
+1. `start_step`: the step's quorum from the Lighthouse (meshformer/runtime/fault_tolerance.py). A group behind the
+   quorum (restarted) heals here from a live peer: weights, optimizer state, schedule, data position, callbacks'
+   state, step and RNG streams (checkpointing/live_state.py), before it reads the step's batches.
+2. The step's forward/backward on this group's share of the global batch.
+3. `sync` (TrainStep's gradient sync): one all-reduce averages the gradients over the groups in the quorum, then
+   the group votes on the commit. Without a commit (a peer died in the all-reduce, too few replicas) the update
+   is dropped, the data position goes back to where the step started, and the step is tried again with the next
+   quorum.
+
+Data: group r of R reads ranks r*dp .. (r+1)*dp-1 of the global order split R*dp ways (dp: the group's own
+data-parallel size), so every step consumes R shares of the global order whichever groups are alive. The shares of
+groups absent at a step are skipped, not trained later. The record says which shares were trained: every committed
+step adds one line per group to that group's `replicas.jsonl` (its step, the groups averaged, the global data
+position the step started at, its share, and the wall-clock time it committed); the union over the groups' run
+folders is the run's record.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from meshformer.checkpointing.live_state import live_state, load_live_state
+from meshformer.config import Config
+from meshformer.runtime.fault_tolerance import (
+    ReplicaGroup,
+    StepSync,
+    lighthouse_address,
+    replica_id_from_env,
+    require_torchft,
+)
+from meshformer.train.callbacks import Callback, CallbackContext
+
+if TYPE_CHECKING:
+    from meshformer.train.trainer import Trainer
+
+RECORD = "replicas.jsonl"  # in each group's run folder: the steps it trained, with which groups and which data
+
+
+def replica_run_dir(run_dir: str | Path, replica_id: int) -> Path:
+    return Path(run_dir) / f"replica-{replica_id}"
+
+
+def replica_config(cfg: Config) -> Config:
+    """The config one replica group runs: its own run folder (metrics, checkpoints, final weights) under
+    logging.run_dir, and checkpoint.dir likewise; unchanged without fault tolerance."""
+    if not cfg.fault_tolerance.enabled:
+        return cfg
+    require_torchft()  # before any work
+    r = replica_id_from_env(cfg.fault_tolerance.replica_groups)
+    lighthouse_address(cfg.fault_tolerance)
+    checkpoint = cfg.checkpoint
+    if checkpoint.dir:
+        checkpoint = replace(checkpoint, dir=str(replica_run_dir(checkpoint.dir, r)))
+    return replace(cfg, logging=replace(cfg.logging, run_dir=str(replica_run_dir(cfg.logging.run_dir, r))),
+                   checkpoint=checkpoint)
+
+
+def data_share(cfg: Config, dp_rank: int, dp_size: int) -> tuple[int, int]:
+    """(rank, size) of this process's share of the global order: the group's data-parallel ranks, placed after
+    those of the groups before it."""
+    if not cfg.fault_tolerance.enabled:
+        return dp_rank, dp_size
+    r = replica_id_from_env(cfg.fault_tolerance.replica_groups)
+    return r * dp_size + dp_rank, cfg.fault_tolerance.replica_groups * dp_size
+
+
+class ReplicaTraining:
+    """One rank's part in the run's replica groups: quorum, heal, gradient average, commit, record."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        require_torchft()
+        self.trainer = trainer
+        self.cfg = trainer.cfg.fault_tolerance
+        self.replica_id = replica_id_from_env(self.cfg.replica_groups)
+        self.group: ReplicaGroup | None = None  # joined at the first step: a group heartbeating earlier would
+        # hold up the others' quorums while it resumes
+        self.last = StepSync((self.replica_id,), 0.0)  # the last step's all-reduce
+        self.committed = True
+        self._members: tuple[int, ...] = ()
+        self._data_state: dict[str, Any] = {}
+        self._position = 0
+        self._last_commit = time.perf_counter()
+        self.record = trainer.run_dir / RECORD
+        trainer.training_step.gradient_sync = self.sync
+
+    def start_step(self) -> None:
+        """This step's quorum (a heal moves the trainer to the peer's step); remembers where the data stands."""
+        trainer = self.trainer
+        first = self.group is None
+        if self.group is None:
+            self.group = ReplicaGroup(self.cfg, self.replica_id, trainer.device,
+                                      state_dict=lambda: live_state(trainer.checkpointable),
+                                      load_state_dict=lambda state: load_live_state(trainer.checkpointable, state),
+                                      log=trainer.logger.info)
+        before = trainer.step
+        took = self.group.start_step()
+        if first and self.group.healed_s is None:
+            self._trim_record(trainer.step)
+        if self.group.healed_s is not None:
+            trainer.logger.info(f"fault tolerance: replica group {self.replica_id} healed from a live peer at step "
+                                f"{trainer.step} (was at step {before}) in {took:.2f}s: weights, optimizer, "
+                                "schedule, data position and RNG")
+        self._data_state = trainer.train_data.state_dict()
+        self._position = int(self._data_state["consumed"])
+
+    def sync(self, tokens: torch.Tensor) -> bool:
+        """TrainStep's gradient sync: average over the quorum, then the commit vote; False drops the update."""
+        assert self.group is not None, "start_step comes first"
+        params = [p for part in self.trainer.parallel_model.model_parts for p in part.parameters()]
+        self.last = self.group.average_gradients(params, tokens)
+        self.committed = self.group.should_commit()
+        return self.committed
+
+    def after_step(self, step: int) -> None:
+        """After the step: a committed one is recorded (and quorum changes said in one line each); an uncommitted
+        one puts the data position back, so the retried step reads the same batches."""
+        trainer = self.trainer
+        now = time.perf_counter()
+        if not self.committed:
+            assert self.group is not None
+            trainer.train_data.load_state_dict(self._data_state)
+            why = f"the all-reduce failed: {self.group.error()}" if self.group.error() else \
+                "fewer than fault_tolerance.min_replicas, or a rank of this group failed"
+            trainer.logger.info(f"fault tolerance: step {step} not committed by replica group {self.replica_id} "
+                                f"({why}); trying it again with the next quorum")
+            return
+        members = self.last.replicas
+        if self._members and members != self._members:
+            gone, new = sorted(set(self._members) - set(members)), sorted(set(members) - set(self._members))
+            what = "; ".join([f"replica group(s) {gone} dropped"] * bool(gone)
+                             + [f"replica group(s) {new} joined"] * bool(new))
+            trainer.logger.info(f"fault tolerance: {what} at step {step}: {len(members)} of "
+                                f"{self.cfg.replica_groups} groups trained it, {now - self._last_commit:.2f}s "
+                                "after the previous committed step")
+        self._members, self._last_commit = members, now
+        if trainer.rank == 0:
+            line = {"step": step, "replica": self.replica_id, "replicas": list(members), "position": self._position,
+                    "share": self.replica_id, "shares": self.cfg.replica_groups, "tokens": self.last.tokens,
+                    "time": round(time.time(), 3)}
+            with self.record.open("a") as file:
+                file.write(json.dumps(line) + "\n")
+
+    def _trim_record(self, step: int) -> None:
+        """At the first step of a group that did not heal: lines of steps after `step` (trained by an interrupted
+        run, whose updates no live group holds) go, as those steps are trained and recorded again. A healed group
+        keeps its lines: the steps it trained before it failed live on in the peer's state it took."""
+        if self.trainer.rank != 0 or not self.record.is_file():
+            return
+        lines = [line for line in self.record.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        self.record.write_text("".join(line + "\n" for line in lines))
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+
+
+class ReplicaMetrics(Callback):
+    """ft/replicas (the groups that trained the step) and ft/tokens (their target tokens) on logging steps."""
+
+    order = 15
+
+    def on_step_end(self, ctx: CallbackContext) -> None:
+        replicas = ctx.trainer.replicas
+        if ctx.log_step and replicas is not None:
+            ctx.metrics["ft/replicas"] = float(len(replicas.last.replicas))
+            ctx.metrics["ft/tokens"] = replicas.last.tokens
