@@ -42,10 +42,11 @@ from meshformer.config import Config, OptimConfig, ScheduleConfig, config_from_d
 from meshformer.loss.cross_entropy import plain_loss_fn  # noqa: E402
 from meshformer.model import Transformer  # noqa: E402
 from meshformer.model.moe import moe_layers  # noqa: E402
+from meshformer.optim import AdamWConfig, MuonConfig, NorMuonConfig  # noqa: E402
+from meshformer.optim.muon import is_muon_parameter  # noqa: E402
 from meshformer.parallel.parallel_model import ParallelModel  # noqa: E402
 from meshformer.parallel_dims import ParallelDims  # noqa: E402
 from meshformer.train.loss_choice import resolve_loss  # noqa: E402
-from meshformer.train.muon import is_muon_parameter  # noqa: E402
 from meshformer.train.step import TrainStep  # noqa: E402
 
 BATCH, SEQ, TARGET, VOCAB = 8, 16, 8, 64
@@ -268,8 +269,9 @@ def harness_step(plan: ParallelModel, steps: int, nonfinite_limit: int = 0, opti
     """The trainer's update (fused AdamW: clip factor and skip flag in the kernel; or Muon for the blocks' matrices)
     at a constant rate; `qk_clip`: MuonClip's threshold."""
     optim = OptimConfig(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, grad_clip=MAX_NORM,
-                        implementation="fused", max_nonfinite_in_a_row=nonfinite_limit, name=optimizer,
-                        muon_lr=1e-2, muon_weight_decay=0.1, qk_clip_threshold=qk_clip)
+                        adamw=AdamWConfig(implementation="fused"), max_nonfinite_in_a_row=nonfinite_limit,
+                        name=optimizer, muon=MuonConfig(lr=1e-2, weight_decay=0.1),
+                        normuon=NorMuonConfig(lr=1e-2, weight_decay=0.1), qk_clip_threshold=qk_clip)
     return TrainStep(plan, optim, ScheduleConfig(name="constant", warmup_steps=0), steps, d_model=1)
 
 

@@ -153,7 +153,7 @@ def test_moe_checkpoint_reshards_across_expert_parallel_degrees(reference, tmp_p
 def test_muon_state_reshards_from_tensor_parallel_to_fsdp_and_one_process(reference, tmp_path):
     """optim.name="muon": the momentum buffers saved as tensor-parallel shards resume under FSDP, then in one
     process, each time continuing the run (Muon's step gathers whole matrices in every layout)."""
-    muon = ('optim.name="muon"', "optim.muon_lr=0.01")
+    muon = ('optim.name="muon"', "optim.muon.lr=0.01")
     tp = tmp_path / "tp"
     _check(_launch(tp, reference["shards"], *muon, "parallel.tp=2", "parallel.dp_shard=1", "data.batch_size=8"))
     fsdp = tmp_path / "fsdp"
