@@ -8,6 +8,8 @@ from meshformer.optim import muon as _moved
 
 
 def __getattr__(name: str) -> object:
+    if name.startswith("__"):  # the import system's own probes (__path__, ...)
+        raise AttributeError(name)
     warnings.warn(f"meshformer.train.muon.{name} is deprecated and will be removed in 0.3: use "
                   f"meshformer.optim.muon.{name}", FutureWarning, stacklevel=2)
     return getattr(_moved, name)

@@ -316,7 +316,7 @@ def train_steps(plan: ParallelModel, steps: list[list[dict[str, torch.Tensor]]],
     with torch.no_grad():
         evals = [plan.evaluate({k: v.chunk(dp_size)[dp_rank] for k, v in b.items()}) for b in steps[0]]
     losses.append(float(sum(e[0] for e in evals)) / float(sum(e[1] for e in evals)))
-    weights = gathered_tensors(plan, "weights") if optimizer == "muon" else {}
+    weights = gathered_tensors(plan, "weights") if optimizer in ("muon", "normuon") else {}
     return losses, grads0, norms, {"replica_all_reduces": replica_all_reduces, "float8_amax_all_reduces":
                                    float8_amax_reduces, "weights": weights, "qk_clip": qk_clip_log}
 
@@ -324,7 +324,7 @@ def train_steps(plan: ParallelModel, steps: list[list[dict[str, torch.Tensor]]],
 @contextmanager
 def counted_orthogonalised_matrices() -> Iterator[list[int]]:
     """Counts the matrices Muon's Newton–Schulz orthogonalises in the block (a stacked expert weight: each expert)."""
-    from meshformer.train import muon
+    from meshformer.optim import muon
 
     count, original = [0], muon.newton_schulz
 
@@ -514,8 +514,8 @@ def scenario(name: str) -> tuple[Config, list]:
             extra["_padded"] = True
         elif key == "rightpad":  # causal batches right-padded: an attention mask False on each sequence's tail
             extra["_right_padded"] = True
-        elif key == "muon":  # optim.name: Muon for the blocks' matrices (the reference steps alike)
-            extra["_muon"] = True
+        elif key in ("muon", "normuon"):  # optim.name: Muon/NorMuon for the blocks' matrices (the reference alike)
+            extra["_muon"] = key
         elif key == "qkclip":  # MuonClip at a threshold that clips some heads of the tiny models (and not others)
             extra["_qk_clip"] = float(value or QK_CLIP_THRESHOLD)
         elif key == "single":
@@ -529,7 +529,7 @@ def scenario(name: str) -> tuple[Config, list]:
     qk_clip = extra.pop("_qk_clip", None)
     cfg = make_config(family, parallel, **extra)
     if muon:
-        cfg.optim.name = "muon"
+        cfg.optim.name = muon
     cfg.optim.qk_clip_threshold = qk_clip
     batches = make_batches(cfg, 4)
     if padded:
