@@ -231,7 +231,7 @@ class MuonConfig:
     ns_steps: int = 5  # Newton–Schulz iterations per matrix
     # update scale: "moonlight" 0.2*sqrt(max(m, n)) (AdamW's update RMS: AdamW's lr carries over) or "shape"
     # sqrt(max(1, fan_out/fan_in)) (Keller Jordan's; wants a larger lr, e.g. 0.02)
-    scale: Scale = "moonlight"
+    scale: Literal["moonlight", "shape"] = "moonlight"
 
 
 def check_matrix_keys(name: str, lr: float, weight_decay: float, momentum: float, ns_steps: int) -> None:

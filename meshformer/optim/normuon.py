@@ -32,7 +32,7 @@ from torch.distributed.tensor import empty as dtensor_empty
 
 from meshformer.errors import ConfigError
 from meshformer.optim.muon import Muon, MuonSpec, _keeps, _whole_placements, check_matrix_keys, matrix_groups
-from meshformer.optim.spec import FP32, SharedKeys, local, unique_trainable
+from meshformer.optim.spec import FP32, OptimizerSpec, SharedKeys, local, unique_trainable
 
 SECOND_MOMENT = "second_momentum"
 
@@ -97,7 +97,7 @@ def _sum_over_sharers(mine: torch.Tensor, like: torch.Tensor, param: torch.Tenso
     return summed.redistribute(like.device_mesh, like.placements).to_local()
 
 
-class NorMuonSpec(MuonSpec):
+class NorMuonSpec(OptimizerSpec):
     name = "normuon"
     table = NorMuonConfig
     optimizer_class = NorMuon
@@ -111,7 +111,7 @@ class NorMuonSpec(MuonSpec):
                                     ns_steps=table.ns_steps, beta2=table.beta2, eps=shared.eps))
         return NorMuon(groups), f"{table.ns_steps} Newton-Schulz steps, per-neuron normalised; AdamW part foreach"
 
-    def check(self, table: NorMuonConfig) -> None:  # type: ignore[override]
+    def check(self, table: NorMuonConfig) -> None:
         check_matrix_keys(self.name, table.lr, table.weight_decay, table.momentum, table.ns_steps)
         if not 0 <= table.beta2 < 1:
             raise ConfigError(f"optim.normuon.beta2={table.beta2} must lie in [0, 1)", "e.g. 0.95")
@@ -119,7 +119,7 @@ class NorMuonSpec(MuonSpec):
     def state_bytes(self, numel: int, matrix_numel: int, matrix_gather: int) -> tuple[float, float]:
         # Muon's, plus one fp32 per neuron: at most 1/min(m, n) of the matrices (below 1% from width 128 on), so
         # counted as 1/128 of them; the normalisation works on the owner's whole fp32 update (one more copy)
-        state, step = super().state_bytes(numel, matrix_numel, matrix_gather)
+        state, step = MuonSpec().state_bytes(numel, matrix_numel, matrix_gather)
         return state + FP32 * matrix_numel / 128, step + FP32 * matrix_gather
 
     def state_template(self, key: str, param: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:

@@ -272,7 +272,8 @@ def check(report: dict, tol: float = TOL, grad_tol: float | None = None, name: s
     assert report["grad_rel"] < (grad_tol or tol), \
         f"gradient relative diff {report['grad_rel']:.3e} at {report['worst']}"
     assert report["norm_rel"] < (norm_tol or tol), f"global grad norm relative diff {report['norm_rel']:.3e}"
-    if {"muon", "normuon"} & set(name.split("/")[-1].split("-")):  # the matrices after both Muon steps (helpers/parallel.py: compare)
+    # the matrices after both Muon/NorMuon steps (helpers/parallel.py: compare)
+    if {"muon", "normuon"} & set(name.split("/")[-1].split("-")):
         weight_tol = max(MUON_WEIGHT_TOL, grad_tol or 0.0)  # float8: step 1's gradients already FP8_GRAD_TOL apart
         assert report["weight_rel"] is not None and report["weight_rel"] < weight_tol, \
             f"updated weights' relative diff {report['weight_rel']}"
