@@ -20,6 +20,7 @@ from parallel_common import batches, spawn
 from tables import add_table_arguments, write_table
 
 from meshformer.config import Config, OptimConfig, ScheduleConfig, config_from_dict
+from meshformer.optim import AdamWConfig
 
 GLOBAL_BATCH, SEQ, D_MODEL = 16, 128, 256
 # The expert exchange's collectives (meshformer/parallel/expert_parallel.py): torch's functional all-to-alls
@@ -48,7 +49,8 @@ def measure(ep: int, steps: int) -> dict[str, float]:
     world = dist.get_world_size()
     cfg = moe_config({"dp_shard": world, "ep": ep}, GLOBAL_BATCH // world)
     plan = build_cpu_plan(cfg)
-    training = TrainStep(plan, OptimConfig(lr=1e-4, weight_decay=0.0, grad_clip=1.0, implementation="fused"),
+    training = TrainStep(plan, OptimConfig(lr=1e-4, weight_decay=0.0, grad_clip=1.0,
+                                           adamw=AdamWConfig(implementation="fused")),
                          ScheduleConfig(name="constant", warmup_steps=0), steps + 1, D_MODEL)
     data = [{k: v.chunk(world)[plan.dp_rank] for k, v in b.items()}
             for b in batches(moe_config({}, GLOBAL_BATCH), steps + 2)]

@@ -1,5 +1,5 @@
 """Muon's optimizer step under FSDP and TP on gloo ranks (issue 37, item 6a): its time over fused AdamW's, and the
-owner scheme (each matrix orthogonalised by one rank, `meshformer/train/muon.py`) over every rank orthogonalising
+owner scheme (each matrix orthogonalised by one rank, `meshformer/optim/muon.py`) over every rank orthogonalising
 every matrix it holds a piece of. Ratios from one run; one JSON line per world and layout.
 
     PYTHONPATH=$PWD python bench/muon_distributed.py --worlds 1 2 4 --rounds 5
@@ -35,8 +35,8 @@ def step_ms(optimizer: torch.optim.Optimizer, rounds: int) -> float:
 
 
 def measure(layout: str, rounds: int, d_model: int) -> dict[str, Any]:
-    from meshformer.train import muon
-    from meshformer.train.optim import build_optimizer
+    from meshformer.optim import build_optimizer
+    from meshformer.optim import muon
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     parallel = {"dp_shard": world} if layout == "fsdp" else {"tp": world, "dp_shard": 1}
@@ -50,7 +50,7 @@ def measure(layout: str, rounds: int, d_model: int) -> dict[str, Any]:
     out: dict[str, Any] = {"world": world, "layout": layout, "forward_backward_ms": forward_backward_ms}
     for name in ("adamw", "muon", "muon_every_rank"):
         cfg.optim.name = "adamw" if name == "adamw" else "muon"
-        cfg.optim.implementation = "fused"
+        cfg.optim.adamw.implementation = "fused"
         optimizer, _ = build_optimizer(plan.model_parts, cfg.optim)
         owners = muon._owners
         if name == "muon_every_rank":  # the simple scheme: every rank orthogonalises every matrix it shares

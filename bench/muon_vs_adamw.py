@@ -30,7 +30,7 @@ from tables import add_table_arguments, write_table
 def step_times(config: str, rounds: int, batch: int, overrides: list[str]) -> dict:
     from meshformer.config.load import load_config
     from meshformer.model import Transformer
-    from meshformer.train.optim import build_optimizer
+    from meshformer.optim import build_optimizer
 
     cfg = load_config(ROOT / "configs" / f"{config}.toml", overrides)
     torch.manual_seed(0)
@@ -41,7 +41,7 @@ def step_times(config: str, rounds: int, batch: int, overrides: list[str]) -> di
     timings = {}
     for name in ("adamw", "muon"):
         cfg.optim.name = name
-        cfg.optim.implementation = "fused"
+        cfg.optim.adamw.implementation = "fused"
         optimizer, _ = build_optimizer([model], cfg.optim)
         times, fb = [], []
         for _ in range(rounds + 1):  # the first round creates the state
@@ -60,7 +60,7 @@ def step_times(config: str, rounds: int, batch: int, overrides: list[str]) -> di
     out["muon_over_adamw"] = timings["muon"][0] / timings["adamw"][0]
     # Newton–Schulz FLOPs (per iteration on an m x n matrix, m <= n: x·xᵀ 2m²n, gram² 2m³, (·)·x 2m²n) against a
     # training step's 6·params·tokens, at a realistic 0.5M tokens per step
-    ns = sum(cfg.optim.muon_ns_steps * (4 * min(p.shape[-2:]) ** 2 * max(p.shape[-2:]) + 2 * min(p.shape[-2:]) ** 3)
+    ns = sum(cfg.optim.muon.ns_steps * (4 * min(p.shape[-2:]) ** 2 * max(p.shape[-2:]) + 2 * min(p.shape[-2:]) ** 3)
              * (p.shape[0] if p.ndim == 3 else 1)
              for group in optimizer.param_groups if group["kind"] == "muon" for p in group["params"])
     out["ns_flops_share_at_0.5M_tokens"] = ns / (6 * out["params"] * 2**19)
@@ -124,7 +124,7 @@ def write_tables(folder: Path, machine: str, curves: dict[str, dict[str, dict]],
     write_table(folder / "muon-01-eval.json", machine=machine, page="muon", title="Loss against tokens",
                 command=command,
                 setup=f"Each optimizer through `meshformer train`, same data, seed and schedule, {args.steps} steps "
-                      f"of {args.batch}×128 tokens, `optim.lr = {args.lr}`, `optim.muon_lr = {args.muon_lr}`. Muon "
+                      f"of {args.batch}×128 tokens, `optim.lr = {args.lr}`, `optim.muon.lr = {args.muon_lr}`. Muon "
                       f"reaches AdamW's final train loss (mean of the last 5 log lines) at {reached}. Eval loss:",
                 **({"notes": step_time_note(step_records)} if step_records else {}),
                 columns=columns, align=["l", *("r" * (len(columns) - 1))], rows=rows)
@@ -172,7 +172,7 @@ def train_both(config: str, args: argparse.Namespace) -> tuple[dict[str, dict], 
     with tempfile.TemporaryDirectory() as tmp:
         runs = {}
         for name in ("adamw", "muon"):
-            overrides = [f'optim.name="{name}"', f"optim.lr={args.lr}", f"optim.muon_lr={args.muon_lr}"]
+            overrides = [f'optim.name="{name}"', f"optim.lr={args.lr}", f"optim.muon.lr={args.muon_lr}"]
             runs[name] = train(config, args.steps, args.eval_interval, Path(tmp) / name, overrides, args.threads)
         done = {name: finish(run) for name, run in runs.items()}
     tokens_per_step = args.batch * 128

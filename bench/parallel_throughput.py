@@ -40,13 +40,15 @@ CORES = os.cpu_count() or 1
 
 def measure(parallel: dict, steps: int) -> dict[str, float]:
     from meshformer.config import OptimConfig, ScheduleConfig
+    from meshformer.optim import AdamWConfig
     from meshformer.train.step import TrainStep
 
     world = torch.distributed.get_world_size()
     dp = world // (parallel.get("pp", 1) * parallel.get("tp", 1) * parallel.get("cp", 1))
     cfg = bench_config(parallel, d_model=256, n_layers=8, seq=SEQ, batch=GLOBAL_BATCH // dp)
     plan = build_cpu_plan(cfg)
-    training = TrainStep(plan, OptimConfig(lr=1e-4, weight_decay=0.0, grad_clip=1.0, implementation="fused"),
+    training = TrainStep(plan, OptimConfig(lr=1e-4, weight_decay=0.0, grad_clip=1.0,
+                                           adamw=AdamWConfig(implementation="fused")),
                          ScheduleConfig(name="constant", warmup_steps=0), steps + 1, cfg.model.d_model)
     data = [{k: v.chunk(dp)[plan.dp_rank] for k, v in b.items()} for b in batches(bench_config(
         {}, d_model=256, n_layers=8, seq=SEQ, batch=GLOBAL_BATCH), steps + 1)]

@@ -43,8 +43,8 @@ PAGES: dict[str, tuple[str, str]] = {
     "gpu": ("GPU", "Training steps and kernels on one GPU against a whole-model-compiled nanoGPT-style reference."),
     "muon": ("Muon", "Muon (`optim.name = \"muon\"`, see [Training step and optimizers](../model/training.md#muon)) "
                      "against AdamW. Muon reached AdamW's final loss with about two thirds of the tokens on both tiny "
-                     "models below, at AdamW's own lr (the Moonlight scale, `optim.muon_scale = \"moonlight\"`, "
-                     "gives Muon's update AdamW's RMS, so `optim.muon_lr = optim.lr` is a sound start). Its cost is "
+                     "models below, at AdamW's own lr (the Moonlight scale, `optim.muon.scale = \"moonlight\"`, "
+                     "gives Muon's update AdamW's RMS, so `optim.muon.lr = optim.lr` is a sound start). Its cost is "
                      "Newton–Schulz: about 5·(4·m²·n + 2·m³) FLOPs per m×n matrix (m ≤ n) per step, independent of "
                      "the tokens per step. At a realistic 0.5M tokens per step that is 0.06% (tiny-gpt) to 0.4% (a "
                      "27M-parameter d 512 model) of the step's 6·N·T FLOPs; at the tiny models' 2k tokens per step "

@@ -20,6 +20,7 @@ MOVED: dict[str, str] = {
     "meshformer.checkpointing.progress": "meshformer.checkpointing.conversion_progress",
     "meshformer.train.fault_tolerance": "meshformer.train.replica_step",
     "meshformer.loss.spec": "meshformer.loss.token_loss",
+    "meshformer.train.muon": "meshformer.optim.muon",
 }
 
 

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from meshformer.checkpointing.checkpoint_errors import CheckpointError
 from meshformer.model import Transformer
+from meshformer.optim import OptimizerSpec, spec_of
 
 MODEL = "model."
 OPTIM = "optim."
@@ -113,8 +114,9 @@ def load_templates(model_parts: list[nn.Module], optimizer: torch.optim.Optimize
                    ) -> tuple[TensorState, TensorState, list[tuple[nn.Parameter, dict]]]:
     """Tensors of the current layout for DCP to fill in place: model, optimizer, and optimizer state by parameter.
 
-    Optimizer state is created from the checkpoint's own index: a tensor shaped like its parameter takes the
-    parameter's sharding (DTensor under FSDP/TP); anything else (AdamW's scalar step) is a plain CPU tensor.
+    Optimizer state is created from the checkpoint's own index, laid out as the optimizer's spec says
+    (optim/optimizer_spec.py: state_template): by default a tensor shaped like its parameter takes the parameter's sharding
+    (DTensor under FSDP/TP) and anything else (AdamW's scalar step) is a plain CPU tensor.
     Parameters the checkpoint has no state for stay without state, as they were when saved.
     `skip`: model keys a partial load leaves as initialized (no optimizer state is loaded for them either).
     """
@@ -132,6 +134,7 @@ def load_templates(model_parts: list[nn.Module], optimizer: torch.optim.Optimize
         if key.startswith(OPTIM):
             by_param.setdefault(key[len(OPTIM):].rsplit(".", 1)[0], []).append(key)
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    spec = spec_of(optimizer) or OptimizerSpec()  # its state's layout on this rank (resharding rule)
     for name, param in named_parameters(model_parts):
         if id(param) not in owned or MODEL + name in skip:
             continue
@@ -139,10 +142,7 @@ def load_templates(model_parts: list[nn.Module], optimizer: torch.optim.Optimize
         for key in by_param.get(name, []):
             shape, dtype = saved[key]
             # Uninitialized is fine: DCP overwrites every element (or raises if the checkpoint lacks some).
-            if tuple(shape) == tuple(param.shape):
-                tensor = torch.empty_like(param, dtype=dtype, requires_grad=False)
-            else:
-                tensor = torch.empty(shape, dtype=dtype)
+            tensor = spec.state_template(key.rsplit(".", 1)[1], param, shape, dtype)
             tensors[key.rsplit(".", 1)[1]] = tensor
             optim.add(key, tensor)
         if tensors:

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 from typing import Any, Literal
 
+from meshformer.config.optim_compat import OPTIM_RENAMES  # [optim]'s table, as RENAMES is [model]'s
 from meshformer.config.parse import build_section
 from meshformer.errors import ConfigError
 from meshformer.model.config import ModelConfig, attention_pattern, moe_pattern
@@ -112,13 +113,42 @@ def _set_list(out: dict[str, Any], key: str, value: list[str], where: str) -> No
         out[key] = value
 
 
+def migrate_optim_table(table: dict[str, Any], where: str = "", report: Report = "each") -> dict[str, Any]:
+    """`table` (an [optim] table) with each flat key of an earlier release (`OPTIM_RENAMES`: muon_lr, ...) moved
+    into its optimizer's table ([optim.muon] lr); reported as `migrate_model_table` reports."""
+    found = [k for k in table if k in OPTIM_RENAMES]
+    if not found:
+        return table
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in table.items() if k not in found}
+    for key in found:
+        section, name = OPTIM_RENAMES[key].split(".")
+        sub = out.setdefault(section, {})
+        if not isinstance(sub, dict):
+            raise ConfigError(f"{_at(where)}optim.{section} must be a table ([optim.{section}])")
+        if name in sub and sub[name] != table[key]:
+            raise ConfigError(f"{_at(where)}optim.{key}={table[key]!r} and optim.{OPTIM_RENAMES[key]}={sub[name]!r} "
+                              "disagree", f"keep only optim.{OPTIM_RENAMES[key]}")
+        sub[name] = table[key]
+    if report == "once":
+        log.info("config: %stranslated the flat [optim] keys of an earlier release (%s) to the [optim.*] tables",
+                 _at(where), ", ".join(found))
+    elif report == "each":
+        for key in found:
+            log.warning("config: optim.%s is now optim.%s (translated; update %s to silence this)", key,
+                        OPTIM_RENAMES[key], "the --set override" if where == "--set" else where or "the file")
+    return out
+
+
 def migrate_tree(raw: dict[str, Any], where: str = "", report: Report = "each",
                  context: dict[str, Any] | None = None, depths: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A whole config tree with its [model] table migrated (other tables as they are)."""
-    model = raw.get("model")
-    if not isinstance(model, dict) or not old_keys(model):
-        return raw
-    return {**raw, "model": migrate_model_table(model, where, report, context, depths)}
+    """A whole config tree with its [model] and [optim] tables migrated (other tables as they are)."""
+    out = raw
+    model, optim = raw.get("model"), raw.get("optim")
+    if isinstance(model, dict) and old_keys(model):
+        out = {**out, "model": migrate_model_table(model, where, report, context, depths)}
+    if isinstance(optim, dict) and any(k in OPTIM_RENAMES for k in optim):
+        out = {**out, "optim": migrate_optim_table(optim, where, report)}
+    return out
 
 
 def model_from_dict(raw: dict[str, Any], where: str = "", report: Report = "once") -> ModelConfig:

@@ -10,9 +10,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from meshformer.config.optim_compat import install_optim_renamed
 from meshformer.config.write import dump_toml
 from meshformer.model.config import ModelConfig
 from meshformer.model.families import get_family_spec
+from meshformer.optim import AdamWConfig, MuonConfig, NorMuonConfig
 
 Recompute = Literal["none", "full", "selective", "every_k"]
 
@@ -56,29 +58,30 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
+    # shared by every optimizer: AdamW's keys, for all parameters under AdamW and for those that Muon/NorMuon leave
+    # to AdamW (embeddings, norms, biases, output head)
     lr: float = 3e-3  # peak learning rate (the schedule scales it)
     betas: tuple[float, float] = (0.9, 0.95)  # AdamW's moment decay rates
     eps: float = 1e-8  # AdamW's denominator epsilon
     weight_decay: float = 0.1  # decoupled weight decay of matrices (norms, biases and embeddings get none)
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
-    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"  # AdamW kernel; auto: fused where it runs
     # A step whose gradient norm is inf/nan updates nothing (train/optim.py: SkippedUpdates); the run stops once more
     # than this many come in a row (0: at the first).
     max_nonfinite_in_a_row: int = 10
-    # "muon": Muon for the blocks' weight matrices (train/muon.py), AdamW (the keys above) for everything else
-    name: Literal["adamw", "muon"] = "adamw"
-    muon_lr: float = 3e-3  # Muon's peak lr (the schedule scales it as optim.lr)
-    muon_weight_decay: float = 0.1  # decoupled, on the Muon matrices
-    muon_momentum: float = 0.95  # Nesterov momentum
-    muon_ns_steps: int = 5  # Newton–Schulz iterations per matrix
-    # update scale: "moonlight" 0.2*sqrt(max(m, n)) (AdamW's update RMS: AdamW's lr carries over) or "shape"
-    # sqrt(max(1, fan_out/fan_in)) (Keller Jordan's; wants a larger lr, e.g. 0.02)
-    muon_scale: Literal["moonlight", "shape"] = "moonlight"
+    # the optimizer (meshformer/optim/: one file each); its own keys are the table [optim.<name>].
+    # "muon"/"normuon": Muon/NorMuon for the blocks' weight matrices, AdamW (the keys above) for everything else
+    name: Literal["adamw", "muon", "normuon"] = "adamw"
+    adamw: AdamWConfig = field(default_factory=AdamWConfig)
+    muon: MuonConfig = field(default_factory=MuonConfig)
+    normuon: NorMuonConfig = field(default_factory=NorMuonConfig)
     # MuonClip's QK-clip (Kimi K2; with Muon or AdamW; train/qk_clip.py): after each step, every attention head whose
     # largest logit q·k·scale in the step's forwards exceeded this threshold tau has its query and key projection
     # rows scaled so that it would be tau (Kimi K2: 100). Needs attention_backend auto/blockwise/math (which see the
     # scores) and no qk_norm. None or 0: off.
     qk_clip_threshold: float | None = None
+
+
+install_optim_renamed(OptimConfig)  # cfg.optim.muon_lr, OptimConfig(muon_lr=...): deprecated (optim_compat.py)
 
 
 @dataclass

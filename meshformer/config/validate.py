@@ -18,6 +18,7 @@ from meshformer.model.components import CHANNEL_MIXERS, TOKEN_MIXERS
 from meshformer.model.components.base import Component
 from meshformer.model.config import ModelConfig
 from meshformer.model.families import get_family_spec
+from meshformer.optim import OPTIMIZERS
 
 
 def validate(cfg: Config) -> None:
@@ -335,12 +336,8 @@ def _check_training_ranges(cfg: Config) -> None:
     if optim.grad_clip < 0 or optim.weight_decay < 0 or optim.eps <= 0:
         raise ConfigError("optim.grad_clip and optim.weight_decay must be >= 0 (grad_clip = 0 disables clipping) "
                           "and optim.eps > 0")
-    if optim.muon_lr <= 0 or optim.muon_weight_decay < 0 or not 0 <= optim.muon_momentum < 1 \
-            or optim.muon_ns_steps < 1:
-        raise ConfigError(f"optim.muon_lr={optim.muon_lr}, optim.muon_weight_decay={optim.muon_weight_decay}, "
-                          f"optim.muon_momentum={optim.muon_momentum}, optim.muon_ns_steps={optim.muon_ns_steps} "
-                          "out of range", "use muon_lr > 0, muon_weight_decay >= 0, muon_momentum in [0, 1), "
-                          "muon_ns_steps >= 1 (e.g. 5)")
+    for name, spec in OPTIMIZERS.items():
+        spec.check(getattr(optim, name))
     if optim.qk_clip_threshold:
         if unclipped := [name for name in dict.fromkeys(m.layer_types) if not TOKEN_MIXERS[name].qk_clip]:
             raise ConfigError(f"optim.qk_clip_threshold is set, but {unclipped[0]} blocks do not use it (they have no "

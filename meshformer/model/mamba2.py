@@ -15,7 +15,7 @@ piece, and tensor parallel splits it by heads (`shard_heads`), as Gated DeltaNet
 declared in model/components/mamba2.py.
 
 Its per-head parameters A_log, D and dt_bias and the convolution's taps and bias are vectors or (C, 1, W) filters, not
-matrices: Muon (train/muon.py: `is_muon_parameter`) leaves them to AdamW, as it does norms, and none of them decays
+matrices: Muon (optim/muon.py: `is_muon_parameter`) leaves them to AdamW, as it does norms, and none of them decays
 but the taps. in_proj and out_proj are matrices and go to Muon.
 """
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from meshformer.errors import UsageError
 from meshformer.launcher.torchrun import check_world_size
+from meshformer.optim import get_optimizer_spec
 from meshformer.planner.assumptions import CUDA_CONTEXT, DEVICES, MOE_IMBALANCE, SAFETY_FRACTION, GiB
 from meshformer.planner.goodput import RESTART_S
 
@@ -46,8 +47,7 @@ def assumptions(cfg: Config, layout: LayoutMemory) -> dict:
         # FSDP keeps fp32 master shards and gradient shards whatever its policy; the policy sets the gathered ones
         "param_dtype": "fp32" + (f" (gathered in {p.mixed_precision_param})" if fsdp else ""),
         "grad_dtype": "fp32" + (f" (reduced in {p.mixed_precision_reduce})" if fsdp else ""),
-        "optimizer_state": ("Muon momentum 1 x fp32 on its matrices, AdamW moments 2 x fp32 on the rest"
-                            if cfg.optim.name == "muon" else "AdamW moments 2 x fp32"),
+        "optimizer_state": get_optimizer_spec(cfg.optim.name).state_description,
         "compute_dtype": cfg.train.dtype,
         "recompute": layout.recompute,
     }

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 from meshformer.config import Config
 from meshformer.model.families import get_family_spec
+from meshformer.optim import get_optimizer_spec
 from meshformer.parallel.parallelize import compile_mode
 from meshformer.parallel_dims import ZERO_BUBBLE, ParallelDims, last_stage_losses_in_flight, n_microbatches
 from meshformer.planner import activations as act
@@ -96,12 +97,10 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare, moe_imbalance
     reduce_bytes = 2 if p.mixed_precision_reduce == "bf16" else 4
 
     params = share.sharded_numel * 4.0
-    muon = cfg.optim.name == "muon"
-    optimizer = 2 * params - (share.muon_numel * 4.0 if muon else 0.0)
+    # the optimizer's own count (meshformer/optim/): state between steps, transient buffers while stepping
+    optimizer, muon_gather = get_optimizer_spec(cfg.optim.name).state_bytes(
+        share.sharded_numel, share.muon_numel, share.muon_gather)
     grads = params
-    # Muon steps one matrix at a time: the gathered update, Newton–Schulz's iterate, its product and the result
-    # (fp32), about 5 copies of the largest whole matrix
-    muon_gather = 5 * share.muon_gather * 4.0 if muon else 0.0
 
     modes = act.recompute_mode_blocks(cfg, share.layers, p.recompute)
     spec = get_family_spec(m.family)

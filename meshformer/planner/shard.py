@@ -30,6 +30,7 @@ from meshformer.config import Config, ModelConfig
 from meshformer.model import Transformer
 from meshformer.model.families import get_family_spec
 from meshformer.model.moe import moe_layers
+from meshformer.optim.muon import is_muon_parameter
 from meshformer.parallel.fsdp import blocks_of
 from meshformer.parallel.grad_norm import local_tensor
 from meshformer.parallel.mesh import Meshes, build_mesh
@@ -37,7 +38,6 @@ from meshformer.parallel.parallelize import parallelize_part
 from meshformer.parallel.pipeline.stages import StagePlacement, TransformerStage, stage_pieces, stage_placement
 from meshformer.parallel.tensor_parallel import apply_tensor_parallel
 from meshformer.parallel_dims import ParallelDims, expert_shard_dim, validate_parallel
-from meshformer.train.muon import is_muon_parameter
 
 
 @dataclass(frozen=True)

@@ -1,47 +1,14 @@
-"""AdamW with the fastest available implementation, and learning-rate schedules."""
+"""What the training step needs around its optimizer (meshformer/optim/ builds it): skipped-update accounting,
+AMP's fused-AdamW hook, and learning-rate schedules."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
-from torch import nn
 
-from meshformer.config import OptimConfig, ScheduleConfig
+from meshformer.config import ScheduleConfig
 from meshformer.errors import DivergenceError
-from meshformer.train.muon import Muon, decays, muon_groups
-
-
-def build_optimizer(model_parts: Iterable[nn.Module], cfg: OptimConfig) -> tuple[torch.optim.Optimizer, str]:
-    """AdamW with weight decay on matrices (`muon.decays`: projections, embeddings, position tables) only; or, with
-    optim.name="muon", Muon for the blocks' matrices and AdamW for the rest (train/muon.py).
-
-    Returns the optimizer and its kernel for the run log (AdamW: "fused", "foreach" or "for-loop").
-    """
-    if cfg.name == "muon":
-        named = [item for part in model_parts for item in part.named_parameters()]
-        groups = muon_groups(named, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                             muon_lr=cfg.muon_lr, muon_weight_decay=cfg.muon_weight_decay,
-                             momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps, scale=cfg.muon_scale)
-        return Muon(groups), f"{cfg.muon_ns_steps} Newton-Schulz steps, {cfg.muon_scale} scale; AdamW part foreach"
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    seen: set[int] = set()
-    for part in model_parts:
-        for name, param in part.named_parameters():
-            if not param.requires_grad or id(param) in seen:
-                continue
-            seen.add(id(param))  # tied weights appear once
-            (decay if decays(name, param) else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    kernel = cfg.implementation
-    if kernel == "auto":
-        # Fused AdamW runs the whole update in one kernel per dtype/device group (CPU and CUDA in torch 2.13).
-        kernel = "fused"
-    flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[kernel]
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **flags)
-    return optimizer, kernel
 
 
 def is_fused_adam(optimizer: torch.optim.Optimizer) -> bool:
@@ -115,3 +82,16 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_multiplier(step, cfg, total_steps, d_model)
     )
+
+
+def __getattr__(name: str) -> object:
+    """`build_optimizer` moved to meshformer.optim (the optimizer registry): the old import works and warns once."""
+    if name == "build_optimizer":
+        import warnings
+
+        from meshformer import optim
+
+        warnings.warn("meshformer.train.optim.build_optimizer is deprecated and will be removed in 0.3: use "
+                      "meshformer.optim.build_optimizer", FutureWarning, stacklevel=2)
+        return optim.build_optimizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,9 +28,10 @@ import torch
 
 from meshformer.batch import Batch
 from meshformer.config import OptimConfig, ScheduleConfig
+from meshformer.optim import build_optimizer
 from meshformer.parallel.float8 import refresh_weight_scales
 from meshformer.parallel.parallel_model import ParallelModel
-from meshformer.train.optim import SkippedUpdates, build_optimizer, build_scheduler, is_fused_adam
+from meshformer.train.optim import SkippedUpdates, build_scheduler, is_fused_adam
 from meshformer.train.qk_clip import qk_clip_for
 
 # Runs after each optimizer step (skipped ones too), before the scheduler moves, given `applied`: a scalar tensor on

@@ -10,10 +10,10 @@ from helpers.checkpoints import assert_bitwise, copy_steps, final_weights, run_t
 from meshformer.checkpointing import CheckpointError
 from meshformer.checkpointing.dcp_io import read_full_tensors
 from meshformer.checkpointing.directory import committed_steps, step_dir_name
-from meshformer.train.muon import Muon
+from meshformer.optim.muon import Muon
 
 STEPS = 4
-MUON = ('optim.name="muon"', "optim.muon_lr=0.01")
+MUON = ('optim.name="muon"', "optim.muon.lr=0.01")
 
 
 def _state(trainer) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ from helpers.checkpoints import assert_bitwise, final_weights, run_trainer, tiny
 
 STEPS = 4
 # a threshold far below the tiny model's first logits (about 0.06): every head clips at the first step
-CLIP = ('optim.name="muon"', "optim.muon_lr=0.01", "optim.qk_clip_threshold=0.01", "logging.log_interval=1")
+CLIP = ('optim.name="muon"', "optim.muon.lr=0.01", "optim.qk_clip_threshold=0.01", "logging.log_interval=1")
 
 
 def test_qk_clip_is_logged_and_resumes_bitwise(tmp_path):

@@ -42,10 +42,11 @@ from meshformer.config import Config, OptimConfig, ScheduleConfig, config_from_d
 from meshformer.loss.cross_entropy import plain_loss_fn  # noqa: E402
 from meshformer.model import Transformer  # noqa: E402
 from meshformer.model.moe import moe_layers  # noqa: E402
+from meshformer.optim import AdamWConfig, MuonConfig, NorMuonConfig  # noqa: E402
+from meshformer.optim.muon import is_muon_parameter  # noqa: E402
 from meshformer.parallel.parallel_model import ParallelModel  # noqa: E402
 from meshformer.parallel_dims import ParallelDims  # noqa: E402
 from meshformer.train.loss_choice import resolve_loss  # noqa: E402
-from meshformer.train.muon import is_muon_parameter  # noqa: E402
 from meshformer.train.step import TrainStep  # noqa: E402
 
 BATCH, SEQ, TARGET, VOCAB = 8, 16, 8, 64
@@ -274,8 +275,9 @@ def harness_step(plan: ParallelModel, steps: int, nonfinite_limit: int = 0, opti
     """The trainer's update (fused AdamW: clip factor and skip flag in the kernel; or Muon for the blocks' matrices)
     at a constant rate; `qk_clip`: MuonClip's threshold."""
     optim = OptimConfig(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, grad_clip=MAX_NORM,
-                        implementation="fused", max_nonfinite_in_a_row=nonfinite_limit, name=optimizer,
-                        muon_lr=1e-2, muon_weight_decay=0.1, qk_clip_threshold=qk_clip)
+                        adamw=AdamWConfig(implementation="fused"), max_nonfinite_in_a_row=nonfinite_limit,
+                        name=optimizer, muon=MuonConfig(lr=1e-2, weight_decay=0.1),
+                        normuon=NorMuonConfig(lr=1e-2, weight_decay=0.1), qk_clip_threshold=qk_clip)
     return TrainStep(plan, optim, ScheduleConfig(name="constant", warmup_steps=0), steps, d_model=1)
 
 
@@ -320,7 +322,7 @@ def train_steps(plan: ParallelModel, steps: list[list[dict[str, torch.Tensor]]],
     with torch.no_grad():
         evals = [plan.evaluate({k: v.chunk(dp_size)[dp_rank] for k, v in b.items()}) for b in steps[0]]
     losses.append(float(sum(e[0] for e in evals)) / float(sum(e[1] for e in evals)))
-    weights = gathered_tensors(plan, "weights") if optimizer == "muon" else {}
+    weights = gathered_tensors(plan, "weights") if optimizer in ("muon", "normuon") else {}
     return losses, grads0, norms, {"replica_all_reduces": replica_all_reduces, "float8_amax_all_reduces":
                                    float8_amax_reduces, "weights": weights, "qk_clip": qk_clip_log}
 
@@ -328,7 +330,7 @@ def train_steps(plan: ParallelModel, steps: list[list[dict[str, torch.Tensor]]],
 @contextmanager
 def counted_orthogonalised_matrices() -> Iterator[list[int]]:
     """Counts the matrices Muon's Newton–Schulz orthogonalises in the block (a stacked expert weight: each expert)."""
-    from meshformer.train import muon
+    from meshformer.optim import muon
 
     count, original = [0], muon.newton_schulz
 
@@ -518,8 +520,8 @@ def scenario(name: str) -> tuple[Config, list]:
             extra["_padded"] = True
         elif key == "rightpad":  # causal batches right-padded: an attention mask False on each sequence's tail
             extra["_right_padded"] = True
-        elif key == "muon":  # optim.name: Muon for the blocks' matrices (the reference steps alike)
-            extra["_muon"] = True
+        elif key in ("muon", "normuon"):  # optim.name: Muon/NorMuon for the blocks' matrices (the reference alike)
+            extra["_muon"] = key
         elif key == "qkclip":  # MuonClip at a threshold that clips some heads of the tiny models (and not others)
             extra["_qk_clip"] = float(value or QK_CLIP_THRESHOLD)
         elif key == "single":
@@ -533,7 +535,7 @@ def scenario(name: str) -> tuple[Config, list]:
     qk_clip = extra.pop("_qk_clip", None)
     cfg = make_config(family, parallel, **extra)
     if muon:
-        cfg.optim.name = "muon"
+        cfg.optim.name = muon
     cfg.optim.qk_clip_threshold = qk_clip
     batches = make_batches(cfg, 4)
     if padded:

@@ -170,6 +170,10 @@ MUON_WEIGHT_TOL = 1e-4
 MUON_WORLD4 = ["decoder/hsdp-muon", "decoder/tp-fsdp-muon", "moe/tp-fsdp-ep-muon", "decoder/pp-fsdp-muon"]
 WORLD2 += MUON_WORLD2
 WORLD4 += MUON_WORLD4
+# optim.name="normuon" (optim/normuon.py): Muon's layouts plus the per-neuron second moment summed over the ranks
+# that share a matrix (dense under FSDP and TP; stacked experts' neurons under FSDP x EP)
+NORMUON_WORLD2 = ["decoder/fsdp-normuon", "decoder/tp-normuon", "moe/fsdp-ep-normuon"]
+WORLD2 += NORMUON_WORLD2
 # MuonClip (optim.qk_clip_threshold): each head's largest logit reduced (MAX) over data- and context-parallel ranks,
 # tensor-parallel ranks scaling the rows of their own heads, FSDP ranks the rows of their shards; the same heads clip
 # as in one process (grouped-query decoder: queries only; encdec: multi-head, queries and keys with their biases;
@@ -211,7 +215,7 @@ WORLD2_SLOW = {"decoder/cp-compile", "decoder/tp-fp8=tensorwise", "decoder_alibi
                 "deepseek_mtp/fsdp-ep-recompute=selective", "kimi/fsdp-ep", "kimi/pp", "dsa/fsdp-ep", "dsa/pp",
                 "dsa_warmup/fsdp-ep", "dsa/fsdp-ep-recompute=full", "dsa/tp-ep-recompute=selective", "dsa_warmup/tp-ep",
                 "dsa_warmup/pp", "mamba/cp", "mamba/cp-rightpad", "mamba/tp", "mamba/fsdp",
-                "mamba/pp"}
+                "mamba/pp", *NORMUON_WORLD2}
 # The second step's global gradient norm, for rows where Adam's first update (about ±lr per element, its sign set by
 # rounding where a gradient is near zero) moves the weights differently enough to show: step-0 gradients of these
 # rows agree to 1e-6; measured 1.34e-5 on an AVX-512 CPU.
@@ -275,7 +279,8 @@ def check(report: dict, tol: float = TOL, grad_tol: float | None = None, name: s
     assert report["grad_rel"] < (grad_tol or tol), \
         f"gradient relative diff {report['grad_rel']:.3e} at {report['worst']}"
     assert report["norm_rel"] < (norm_tol or tol), f"global grad norm relative diff {report['norm_rel']:.3e}"
-    if "muon" in name.split("/")[-1].split("-"):  # the matrices after both Muon steps (helpers/parallel.py: compare)
+    # the matrices after both Muon/NorMuon steps (helpers/parallel.py: compare)
+    if {"muon", "normuon"} & set(name.split("/")[-1].split("-")):
         weight_tol = max(MUON_WEIGHT_TOL, grad_tol or 0.0)  # float8: step 1's gradients already FP8_GRAD_TOL apart
         assert report["weight_rel"] is not None and report["weight_rel"] < weight_tol, \
             f"updated weights' relative diff {report['weight_rel']}"

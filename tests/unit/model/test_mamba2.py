@@ -162,7 +162,7 @@ def test_initialisation_optimizer_groups_and_counts() -> None:
     count is the module's."""
     from meshformer.model import Transformer
     from meshformer.model.components import TOKEN_MIXERS
-    from meshformer.train.muon import decays, is_muon_parameter
+    from meshformer.optim.muon import decays, is_muon_parameter
 
     cfg = ours(vocab_size=50, n_layers=2, n_heads=4, position="none", d_ff=48, activation="swiglu",
                norm_weight_offset=1.0)

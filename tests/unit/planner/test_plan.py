@@ -60,8 +60,8 @@ def test_muon_state_and_gather_buffer_are_planned():
     """optim.name="muon": one momentum buffer for the blocks' matrices (AdamW's two moments for the rest) and the
     largest matrix gathered whole for Newton–Schulz; the prediction holds against the measured step."""
     from meshformer.model import Transformer
+    from meshformer.optim.muon import is_muon_parameter
     from meshformer.planner.measure import measure_step_peak
-    from meshformer.train.muon import is_muon_parameter
 
     adamw = validation_config({}, seq=256)
     muon = validation_config({}, seq=256)

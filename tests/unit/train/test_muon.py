@@ -1,4 +1,4 @@
-"""Muon (train/muon.py): Newton–Schulz, the parameter groups by rule, one step against a hand-written reference, and
+"""Muon (optim/muon.py): Newton–Schulz, the parameter groups by rule, one step against a hand-written reference, and
 the training step's clipping and inf/nan skipping with it."""
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from meshformer.config import (
 )
 from meshformer.loss.cross_entropy import cross_entropy_sum
 from meshformer.model import Transformer
+from meshformer.optim import build_optimizer
+from meshformer.optim.muon import Muon, MuonConfig, newton_schulz, update_scale
 from meshformer.parallel.parallel_model import ParallelModel
-from meshformer.train.muon import Muon, newton_schulz, update_scale
-from meshformer.train.optim import build_optimizer
 from meshformer.train.step import TrainStep
 
 
@@ -71,8 +71,8 @@ def _moe_model() -> Transformer:
 
 def test_parameter_groups_by_rule():
     model = _moe_model()
-    opt, _ = build_optimizer([model], OptimConfig(name="muon", lr=1e-3, weight_decay=0.1, muon_lr=0.02,
-                                                  muon_weight_decay=0.05))
+    opt, _ = build_optimizer([model], OptimConfig(name="muon", lr=1e-3, weight_decay=0.1,
+                                                  muon=MuonConfig(lr=0.02, weight_decay=0.05)))
     names = {id(p): n for n, p in model.named_parameters()}
     by_kind = {(g["kind"], g["weight_decay"]): sorted(names[id(p)] for p in g["params"]) for g in opt.param_groups}
     muon = by_kind[("muon", 0.05)]
@@ -87,7 +87,7 @@ def test_parameter_groups_by_rule():
 
 
 def test_weights_with_a_single_row_or_column_go_to_adamw():
-    from meshformer.train.muon import is_muon_parameter
+    from meshformer.optim.muon import is_muon_parameter
 
     conv = torch.zeros(96, 1, 4)  # a depthwise convolution: 96 one-by-four "matrices" would only be normalised
     gate = torch.zeros(1, 32)  # a shared expert's sigmoid gate
@@ -124,8 +124,8 @@ def _reference_muon(p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, lr: flo
 @pytest.mark.parametrize("scale", ["moonlight", "shape"])
 def test_two_steps_equal_a_hand_written_reference(scale):
     model, ref = _moe_model(), _moe_model()
-    cfg = OptimConfig(name="muon", lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, muon_lr=0.03, muon_weight_decay=0.2,
-                      muon_momentum=0.9, muon_scale=scale)
+    cfg = OptimConfig(name="muon", lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1,
+                      muon=MuonConfig(lr=0.03, weight_decay=0.2, momentum=0.9, scale=scale))
     opt, _ = build_optimizer([model], cfg)
     muon_names = {n for n, p in model.named_parameters() for g in opt.param_groups if g["kind"] == "muon"
                   for q in g["params"] if q is p}
@@ -197,11 +197,13 @@ def test_training_step_clips_and_skips_inf_nan_with_muon():
 
 
 def test_muon_keys_are_checked():
-    with pytest.raises(ConfigError, match="optim.muon_lr=0.0.*muon_lr > 0"):
+    with pytest.raises(ConfigError, match=r"optim.muon.lr=0.0.*lr > 0"):
+        config_from_dict({"optim": {"name": "muon", "muon": {"lr": 0.0}}})
+    with pytest.raises(ConfigError, match=r"optim.muon.lr=0.0.*lr > 0"):  # the flat key of an earlier release
         config_from_dict({"optim": {"name": "muon", "muon_lr": 0.0}})
     with pytest.raises(ConfigError, match="optim.name"):
         config_from_dict({"optim": {"name": "sgd"}})
-    assert config_from_dict({"optim": {"name": "muon"}}).optim.muon_scale == "moonlight"
+    assert config_from_dict({"optim": {"name": "muon"}}).optim.muon.scale == "moonlight"
 
 
 def test_newton_schulz_amplifies_noise_in_a_nearly_low_rank_update():

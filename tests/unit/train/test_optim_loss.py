@@ -11,8 +11,9 @@ from meshformer.batch import IGNORE_INDEX
 from meshformer.config import OptimConfig, ScheduleConfig
 from meshformer.errors import DivergenceError
 from meshformer.loss.cross_entropy import cross_entropy_sum
+from meshformer.optim import AdamWConfig, build_optimizer
 from meshformer.parallel.parallel_model import ParallelModel
-from meshformer.train.optim import build_optimizer, lr_multiplier
+from meshformer.train.optim import lr_multiplier
 from meshformer.train.step import TrainStep
 
 
@@ -41,7 +42,7 @@ class GivenGradients(ParallelModel):
 def given_gradients_step(kernel: str = "fused", limit: int = 1) -> tuple[GivenGradients, TrainStep]:
     torch.manual_seed(0)
     plan = GivenGradients([torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))])
-    optim = OptimConfig(implementation=kernel, max_nonfinite_in_a_row=limit)
+    optim = OptimConfig(adamw=AdamWConfig(implementation=kernel), max_nonfinite_in_a_row=limit)
     return plan, TrainStep(plan, optim, ScheduleConfig(name="constant", warmup_steps=0), 10, d_model=1)
 
 
@@ -156,7 +157,7 @@ def test_optimizer_skips_decay_on_vectors_and_dedups_tied():
     head = torch.nn.Linear(4, 10, bias=True)
     head.weight = emb.weight
     model = torch.nn.ModuleDict({"emb": emb, "head": head, "norm": torch.nn.LayerNorm(4)})
-    opt, kernel = build_optimizer([model], OptimConfig(weight_decay=0.1, implementation="foreach"))
+    opt, kernel = build_optimizer([model], OptimConfig(weight_decay=0.1, adamw=AdamWConfig(implementation="foreach")))
     decay, no_decay = opt.param_groups
     assert kernel == "foreach"
     assert [p.shape for p in decay["params"]] == [torch.Size([10, 4])]

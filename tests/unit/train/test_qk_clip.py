@@ -13,6 +13,7 @@ from meshformer.loss.cross_entropy import cross_entropy_sum
 from meshformer.model import Transformer
 from meshformer.model.attention import Attention
 from meshformer.model.masks import AttentionMask
+from meshformer.optim import AdamWConfig, MuonConfig
 from meshformer.parallel.parallel_model import ParallelModel
 from meshformer.train.qk_clip import QKClip
 from meshformer.train.step import TrainStep
@@ -162,8 +163,8 @@ def test_training_step_clips_after_the_update(optimizer):
     model = _model("auto", None)
     plan = ParallelModel(model, cross_entropy_sum, torch.device("cpu"))
     ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(5))
-    optim = OptimConfig(name=optimizer, lr=1e-9, muon_lr=1e-9, weight_decay=0.0, muon_weight_decay=0.0,
-                        implementation="foreach", qk_clip_threshold=100.0)
+    optim = OptimConfig(name=optimizer, lr=1e-9, muon=MuonConfig(lr=1e-9, weight_decay=0.0), weight_decay=0.0,
+                        adamw=AdamWConfig(implementation="foreach"), qk_clip_threshold=100.0)
     training = TrainStep(plan, optim, ScheduleConfig(name="constant", warmup_steps=0), 2, d_model=1)
     assert training.qk_clip is not None  # it set the attention layers recording
     before = _head_maxima(model, ids)

@@ -17,6 +17,7 @@ from meshformer.config.migrate import model_from_flat
 from meshformer.model import Transformer
 from meshformer.model.attention import sdpa_order
 from meshformer.model.masks import build_mask
+from meshformer.optim import AdamWConfig
 from meshformer.parallel import float8 as float8_module
 from meshformer.parallel.float8 import apply_float8, end_blocks
 from meshformer.parallel.grad_norm import global_grad_norm
@@ -154,7 +155,7 @@ def test_clip_folded_into_fused_adamw_equals_clipping_the_gradients(max_norm):
     for kernel in ("fused", "foreach"):
         plan = build_cpu_plan(cfg)
         optim = OptimConfig(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, grad_clip=max_norm,
-                            implementation=kernel)
+                            adamw=AdamWConfig(implementation=kernel))
         training = TrainStep(plan, optim, ScheduleConfig(name="constant", warmup_steps=0), len(batches), d_model=1)
         scaled: list[float] = []
         plan.scale_grads_ = record_scales(plan, scaled)

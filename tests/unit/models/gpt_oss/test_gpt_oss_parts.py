@@ -25,8 +25,8 @@ from meshformer.model.layers import FeedForward
 from meshformer.model.masks import build_mask
 from meshformer.model.moe import MoEFeedForward, grouped_mm_runs, route
 from meshformer.model.positions import RopeScaling, RotaryEmbedding, rope_frequencies
-from meshformer.train.muon import is_muon_parameter
-from meshformer.train.optim import build_optimizer
+from meshformer.optim import build_optimizer
+from meshformer.optim.muon import is_muon_parameter
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.gpt_oss import modeling_gpt_oss as hf  # noqa: E402
