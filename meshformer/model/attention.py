@@ -312,7 +312,8 @@ class Attention(nn.Module):
                     k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
                 cache.k, cache.v = k, v
         if chunk is not None and chunk.ulysses:  # whole sequences, the mask over them; then back to this rank's pieces
-            out = chunk.to_sequence(self._attend(q, k, v, mask, bias))
+            heads = slice(chunk.index * q.shape[1], (chunk.index + 1) * q.shape[1])  # of this rank's before
+            out = chunk.to_sequence(self._attend(q, k, v, mask, bias, heads))
         elif chunk is not None:
             # each piece's queries against the keys it may see (causal: up to its end, aligned at the bottom right;
             # bidirectional: all), with its rows of a padding or window mask over the whole sequence
@@ -339,13 +340,17 @@ class Attention(nn.Module):
         return q.reshape(batch, length, -1), gate.reshape(batch, length, -1)
 
     def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, bias: torch.Tensor | None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, bias: torch.Tensor | None,
+        heads: slice | None = None,
     ) -> torch.Tensor:
+        """heads: under Ulysses, which of this module's heads q holds (their sinks)."""
         if k.shape[1] != q.shape[1]:  # grouped-query: each K/V head serves a group of query heads
             repeat = q.shape[1] // k.shape[1]
             k, v = (t.repeat_interleave(repeat, dim=1) for t in (k, v))
         dropout_p = self.dropout_p if self.training else 0.0
         sinks = None if self.sinks is None else self.sinks()
+        if sinks is not None and heads is not None:
+            sinks = sinks[heads]
         if self.use_math or self.capture_weights or self.softcap is not None:  # no fused kernel soft-caps scores
             return self._math(q, k, v, mask, bias, dropout_p, sinks)
         plain = (mask.mask is None and bias is None and dropout_p == 0.0 and not isinstance(q, DTensor)
