@@ -95,3 +95,28 @@ def test_what_ulysses_does_not_split_is_refused() -> None:
     # the all-gather method takes every one of them
     check_context_parallel(Config(model=ModelConfig(position="alibi"), data=DataConfig(seq_len=16)),
                            ParallelDims.from_config(ParallelConfig(cp=2), 2))
+
+
+def test_planner_counts_both_methods_bytes_and_recommends_by_its_rule() -> None:
+    from meshformer.planner.context import context_parallel_report, cp_costs, recommend
+
+    def costs(n_kv_heads: int, cp: int, **model):  # type: ignore[no-untyped-def]
+        cfg = Config(model=ModelConfig(n_layers=2, d_model=256, attention=AttentionConfig(n_heads=32,
+                                                                                          n_kv_heads=n_kv_heads),
+                                       **model), data=DataConfig(seq_len=1024, batch_size=1))
+        return cp_costs(cfg, cp)
+
+    gather, ulysses = costs(8, 8)
+    n, d, a = 1024 // 8, 256 // 32, 4  # tokens per rank, head width, fp32
+    assert gather.sent == 2 * (2 * 2 * 8 * n * d * a * 7)  # 2 layers: K and V to 7 ranks, and back in backward
+    assert ulysses.sent == 2 * (2 * (2 * 32 + 2 * 8) * n * d * a * 7 / 8)  # q, k, v and out, 7/8 of each moved
+    assert ulysses.kept < gather.kept  # keys and values of 1/cp of the heads rather than of all of them
+    assert recommend([gather, ulysses]).method == "ulysses"
+    assert recommend(costs(1, 8)).method == "allgather"  # one key/value head: the gather moves little
+    assert recommend(costs(8, 2)).method == "allgather"  # cp=2: Ulysses moves queries and outputs too
+    refused = costs(8, 8, layer_types=["dsa"])[1]
+    assert refused.refusal is not None and recommend(costs(8, 8, layer_types=["dsa"])).method == "allgather"
+    cfg = Config(model=ModelConfig(), data=DataConfig(seq_len=1024))
+    rows = context_parallel_report(cfg, [(1, 1), (2, 1), (2, 1), (4, 2)], batch=1)
+    assert [(r["cp"], r["tp"]) for r in rows] == [(2, 1), (4, 2)]
+    assert rows[0]["configured"] == "allgather" and set(rows[0]["methods"]) == {"allgather", "ulysses"}
