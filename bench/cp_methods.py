@@ -3,10 +3,10 @@
 world. Reported per model and T: Ulysses' step time and bytes sent per rank as ratios to the all-gather's, and the
 planner's bytes ratio (meshformer/planner/context.py) beside the measured one.
 
-Bytes are counted from the context-parallel collectives themselves (torch's functional all-gather, reduce-scatter
-and all-to-all, forward and backward) under a dispatch mode: an all-gather sends its input to cp - 1 ranks, a
-reduce-scatter and an all-to-all (cp - 1) / cp of theirs. FSDP's own collectives (parameters sharded over cp) are
-the same for both methods and not counted.
+Bytes are counted at the context-parallel exchanges themselves (the model's `SequenceChunk.gather` and `exchange`,
+wrapped): an all-gather sends its input to cp - 1 ranks and its backward reduce-scatter as much; an all-to-all
+sends (cp - 1) / cp of its input, and its backward as much. FSDP's own collectives (parameters sharded over cp) are
+the same for both methods and not counted. All cases run in one world of processes.
 
 CAVEAT: the processes share two CPU cores, so times show the exchange's overhead beside the compute, not GPU
 scaling; the bytes are what a GPU run would move as well.
@@ -19,14 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
 from parallel_common import batches, build_cpu_plan, spawn
 from tables import add_table_arguments, write_table
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshformer.config import Config, config_from_dict
+from meshformer.model.attention import SequenceChunk
 
 D_MODEL, HEADS, LAYERS, BATCH = 256, 8, 4, 2
 MODELS: dict[str, dict[str, Any]] = {
@@ -39,8 +40,6 @@ MODELS: dict[str, dict[str, Any]] = {
                        "linear_attention": {"n_heads": HEADS, "key_head_dim": 32, "value_head_dim": 32,
                                             "chunk_size": 64}},
 }
-SENT_FRACTION = {"all_gather_into_tensor": lambda cp: cp - 1, "reduce_scatter_tensor": lambda cp: (cp - 1) / cp,
-                 "all_to_all_single": lambda cp: (cp - 1) / cp}
 
 
 def config(model: str, seq: int, cp: int, method: str) -> Config:
@@ -57,43 +56,48 @@ def config(model: str, seq: int, cp: int, method: str) -> Config:
     })
 
 
-class CountSent(TorchDispatchMode):
-    """Bytes this rank sends through the functional collectives (context parallel's), forward and backward."""
-
-    def __init__(self, cp: int) -> None:
-        super().__init__()
-        self.cp, self.sent = cp, 0.0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        name = func.__name__.split(".")[0]
-        if func.namespace == "_c10d_functional" and name in SENT_FRACTION:
-            t = args[0]
-            self.sent += t.numel() * t.element_size() * SENT_FRACTION[name](self.cp)
-        return func(*args, **(kwargs or {}))
-
-
-def measure(model: str, seq: int, method: str, steps: int) -> dict[str, float]:
+def measure(cases: list[tuple[str, int]], steps: int) -> list[dict[str, float]]:
+    """Every (model, T) under both methods in this one world: the fastest of `steps` steps after a warm-up, and
+    the bytes this rank sent in the warm-up step (every step sends the same)."""
     import torch.distributed as dist
 
     cp = dist.get_world_size()
-    cfg = config(model, seq, cp, method)
-    plan = build_cpu_plan(cfg)
-    data = batches(cfg, steps + 1)
-    tokens = BATCH * seq
-    times = []
-    counter = CountSent(cp)
-    for i, batch in enumerate(data):
-        dist.barrier()
-        start = time.perf_counter()
-        if i == 0:  # the first step warms up; its collectives are counted (every step sends the same)
-            with counter:
-                plan.forward_backward(batch, tokens)
-        else:
-            plan.forward_backward(batch, tokens)
-            times.append(time.perf_counter() - start)
-        for part in plan.model_parts:
-            part.zero_grad(set_to_none=True)
-    return {"step_s": min(times), "sent": counter.sent}
+    out = []
+    for model, seq in cases:
+        for method in ("allgather", "ulysses"):
+            cfg = config(model, seq, cp, method)
+            plan = build_cpu_plan(cfg)
+            sent = [0.0]
+            part = plan.model_parts[0]
+            chunk = part.parallel_context.chunk
+            assert chunk is not None and chunk.ulysses == (method == "ulysses")
+
+            # forward sends; each backward (reduce-scatter of a gather, the reverse all-to-all) sends as much again
+            def gather(t: torch.Tensor, chunk: SequenceChunk = chunk, sent: list[float] = sent) -> torch.Tensor:
+                sent[0] += 2 * t.numel() * t.element_size() * (cp - 1)
+                return chunk.gather(t)
+
+            def exchange(t: torch.Tensor, chunk: SequenceChunk = chunk, sent: list[float] = sent) -> torch.Tensor:
+                assert chunk.exchange is not None
+                sent[0] += 2 * t.numel() * t.element_size() * (cp - 1) / cp
+                return chunk.exchange(t)
+
+            counted = replace(chunk, gather=gather, exchange=exchange if chunk.ulysses else None)
+            part.parallel_context = replace(part.parallel_context, chunk=counted)
+            data = batches(cfg, steps + 1)
+            times = []
+            for i, batch in enumerate(data):
+                dist.barrier()
+                start = time.perf_counter()
+                plan.forward_backward(batch, BATCH * seq)
+                if i == 0:
+                    first = sent[0]
+                else:
+                    times.append(time.perf_counter() - start)
+                for p in part.parameters():
+                    p.grad = None
+            out.append({"model": model, "T": seq, "method": method, "step_s": min(times), "sent": first})
+    return out
 
 
 def planned_ratio(model: str, seq: int, cp: int) -> float:
@@ -111,23 +115,25 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     add_table_arguments(parser)
     args = parser.parse_args()
+    cases = [(model, seq) for model in args.models for seq in args.seq]
+    ranks = spawn(args.world, measure, cases, args.steps, threads=1)
     rows = []
-    for model in args.models:
-        for seq in args.seq:
-            result = {}
-            for method in ("allgather", "ulysses"):
-                ranks = spawn(args.world, measure, model, seq, method, args.steps, threads=1)
-                result[method] = {"step_s": max(r["step_s"] for r in ranks), "sent": max(r["sent"] for r in ranks)}
-            record = {"model": model, "T": seq, "cp": args.world,
-                      "time_ratio": round(result["ulysses"]["step_s"] / result["allgather"]["step_s"], 3),
-                      "sent_ratio": round(result["ulysses"]["sent"] / result["allgather"]["sent"], 3),
-                      "planned_sent_ratio": round(planned_ratio(model, seq, args.world), 3),
-                      "allgather_sent_mib": round(result["allgather"]["sent"] / 2**20, 2)}
-            print(json.dumps(record), flush=True)
-            rows.append([model, seq, f"{record['time_ratio']:.2f}×", f"{record['sent_ratio']:.2f}×",
-                         f"{record['planned_sent_ratio']:.2f}×", f"{record['allgather_sent_mib']:.2f}"])
+    for model, seq in cases:
+        result = {}
+        for method in ("allgather", "ulysses"):
+            mine = [r for rank in ranks for r in rank if (r["model"], r["T"], r["method"]) == (model, seq, method)]
+            result[method] = {"step_s": max(r["step_s"] for r in mine), "sent": max(r["sent"] for r in mine)}
+        record = {"model": model, "T": seq, "cp": args.world,
+                  "time_ratio": round(result["ulysses"]["step_s"] / result["allgather"]["step_s"], 3),
+                  "sent_ratio": round(result["ulysses"]["sent"] / result["allgather"]["sent"], 3),
+                  "planned_sent_ratio": round(planned_ratio(model, seq, args.world), 3),
+                  "allgather_sent_mib": round(result["allgather"]["sent"] / 2**20, 2)}
+        print(json.dumps(record), flush=True)
+        rows.append([model, seq, f"{record['time_ratio']:.2f}×", f"{record['sent_ratio']:.2f}×",
+                     f"{record['planned_sent_ratio']:.2f}×", f"{record['allgather_sent_mib']:.2f}"])
     if args.table:
-        write_table(args.table, machine=args.machine, page="parallel", title="Context parallel: Ulysses against all-gather",
+        write_table(args.table, machine=args.machine, page="parallel",
+                    title="Context parallel: Ulysses against all-gather",
                     command=f"python bench/cp_methods.py --world {args.world} --seq {' '.join(map(str, args.seq))}",
                     setup=f"A forward and backward of a {LAYERS}-layer decoder (d {D_MODEL}, {HEADS} heads, batch "
                           f"{BATCH}, fp32) on {args.world} gloo processes, cp = {args.world}, parallel.cp_method "

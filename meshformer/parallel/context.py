@@ -11,6 +11,9 @@ sequence order (model/linear_attention.py).
 A padding mask is not split: it masks keys, and every rank reads the whole sequence's keys. This is the
 all-gather flavour of context parallelism (Llama 3's choice for long context: with grouped-query attention K/V
 are a fraction of the activations); its backward reduce-scatters the K/V gradients back to their owners.
+With parallel.cp_method = "ulysses" the token mixers instead exchange sequence pieces for head shards all-to-all
+(`SequenceChunk.to_heads` / `to_sequence`): each rank runs whole sequences of 1/cp of its heads, with the mask over
+the whole sequence, and no state passes between ranks.
 Parameters are replicated over cp, so FSDP shards them over dp_shard x cp and its reduce-scatter sums the pieces'
 gradients.
 """

@@ -176,8 +176,8 @@ WORLD2 += QK_CLIP_WORLD2
 WORLD4 += QK_CLIP_WORLD4
 # parallel.cp_method="ulysses": each mixer's inputs all-to-all from sequence pieces to head shards over whole
 # sequences and back; every kind it splits (full attention with GQA, document masks, sliding windows with sinks
-# split with the heads (gptoss), MLA, Gated DeltaNet, KDA) and with EP, TP (MLA and KDA heads split twice) and FSDP. cp=4: 8 pieces reordered, 2 key/value
-# heads repeated up to 4. All slow (a launch of their own).
+# split with the heads (gptoss), MLA, Gated DeltaNet, KDA) and with EP, TP (MLA and KDA heads split twice) and
+# FSDP. cp=4: 8 pieces reordered, 2 key/value heads repeated up to 4. All slow (the world-2 rows in the slow launch).
 ULYSSES_WORLD2 = ["decoder/cp-ulysses", "decoder_docs/cp-ulysses", "gptoss/cp-ep-ulysses",
                   "deepseek/cp-ep-ulysses", "qwen35/cp-ulysses", "kimi/cp-ep-ulysses"]
 ULYSSES_WORLD4 = ["decoder/cp=4-ulysses", "kimi/cp-tp-ep=4-ulysses", "qwen3next/cp-fsdp-ep=4-ulysses"]

@@ -15,8 +15,13 @@ from torch import nn
 
 from meshformer.errors import ConfigError
 from meshformer.model.components import register
-from meshformer.model.components.attention import (attention_calls, keys_kept, sdpa_mask, ulysses_heads,
-                                                   uses_math_attention)
+from meshformer.model.components.attention import (
+    attention_calls,
+    keys_kept,
+    sdpa_mask,
+    ulysses_heads,
+    uses_math_attention,
+)
 from meshformer.model.components.base import (
     FP32,
     ActivationLayout,
