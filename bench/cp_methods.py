@@ -84,7 +84,7 @@ def measure(cases: list[tuple[str, int]], steps: int) -> list[dict[str, float]]:
 
             counted = replace(chunk, gather=gather, exchange=exchange if chunk.ulysses else None)
             part.parallel_context = replace(part.parallel_context, chunk=counted)
-            data = batches(cfg, steps + 1)
+            data = batches(cfg, steps + 1)  # a warm-up, then `steps` timed
             times = []
             for i, batch in enumerate(data):
                 dist.barrier()
@@ -111,7 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--world", type=int, default=4, help="processes = cp")
     parser.add_argument("--seq", type=int, nargs="+", default=[256, 1024])
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     add_table_arguments(parser)
     args = parser.parse_args()
@@ -134,13 +134,16 @@ def main() -> None:
     if args.table:
         write_table(args.table, machine=args.machine, page="parallel",
                     title="Context parallel: Ulysses against all-gather",
-                    command=f"python bench/cp_methods.py --world {args.world} --seq {' '.join(map(str, args.seq))}",
+                    command=f"python bench/cp_methods.py --world {args.world} --seq {' '.join(map(str, args.seq))} "
+                            f"--steps {args.steps}",
                     setup=f"A forward and backward of a {LAYERS}-layer decoder (d {D_MODEL}, {HEADS} heads, batch "
                           f"{BATCH}, fp32) on {args.world} gloo processes, cp = {args.world}, parallel.cp_method "
                           "ulysses against allgather in the same run; bytes: what one rank sends through the "
                           "context-parallel collectives per step, forward and backward.",
-                    notes="Ratios are Ulysses over all-gather (below 1: Ulysses is faster or sends less). The "
-                          "processes share two CPU cores: times show overhead, not GPU scaling.",
+                    notes="Ratios are Ulysses over all-gather (below 1: Ulysses is faster or sends less); time: "
+                          f"the fastest of {args.steps} steps after a warm-up. The processes share two CPU cores "
+                          "with other work, so times are noisy and show overhead, not GPU scaling; the bytes are "
+                          "exact and what a GPU run moves too.",
                     columns=["model", "T", "step time", "bytes sent", "planned bytes", "all-gather MiB sent"],
                     align=["l", "r", "r", "r", "r", "r"], rows=rows)
 
