@@ -197,6 +197,12 @@ def check_context_parallel(cfg: Config, dims: ParallelDims) -> None:
         refusal = kind.context_parallel(m)
         if refusal is not None:
             raise ConfigError(f"{key}: {kind.name} blocks: {refusal}; set parallel.cp=1 (tp or FSDP)")
+        if cfg.parallel.cp_method == "ulysses" and (refusal := kind.ulysses(m, dims.cp, dims.tp)) is not None:
+            raise ConfigError(f"{key}, cp_method='ulysses': {kind.name} blocks: {refusal}")
+    if cfg.parallel.cp_method == "ulysses" and cfg.optim.qk_clip_threshold:
+        raise ConfigError(f"{key}, cp_method='ulysses': optim.qk_clip_threshold records each head's largest logit "
+                          "on the rank holding its whole sequence, which Ulysses moves; use "
+                          "parallel.cp_method='allgather'")
     if cfg.data.seq_len % (2 * dims.cp):
         raise ConfigError(f"{key} cuts each sequence into {2 * dims.cp} equal pieces (2 per rank, for balanced "
                           f"causal work), but data.seq_len={cfg.data.seq_len} is not divisible by {2 * dims.cp}; "

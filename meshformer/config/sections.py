@@ -119,6 +119,10 @@ class ParallelConfig:
     dp_replicate: int = 1  # data-parallel replicas (HSDP: full copies, each sharded over dp_shard)
     dp_shard: int = -1  # -1: whatever the other dimensions leave of the world
     cp: int = 1  # context parallel (decoder/encoder-only): each sequence split over cp ranks (parallel/context.py)
+    # how context-parallel ranks meet in the token mixers: "allgather" (each rank all-gathers the keys and values,
+    # linear kinds pass their state piece to piece) or "ulysses" (all-to-all from sequence shards to head shards and
+    # back around each mixer; heads must split over cp). docs/parallel.md compares them.
+    cp_method: Literal["allgather", "ulysses"] = "allgather"
     tp: int = 1  # tensor (and sequence) parallel ranks
     # expert parallel (MoE): each MoE layer's experts split over ep ranks holding other tokens, which exchange
     # tokens all-to-all; ep is taken from dp_shard x cp x tp (a multiple of cp x tp; parallel/expert_parallel.py)

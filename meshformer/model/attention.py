@@ -63,6 +63,35 @@ class SequenceChunk:
     index: int
     count: int
     gather: Callable[[torch.Tensor], torch.Tensor]
+    # Ulysses (parallel.cp_method="ulysses"): a differentiable all-to-all of a (count, ...) tensor over the cp ranks,
+    # slice r to rank r; None: the all-gather method
+    exchange: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def ulysses(self) -> bool:
+        return self.exchange is not None
+
+    def to_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """Ulysses: this rank's pieces of every head (B, H, T/count, D) -> this rank's H/count heads over the whole
+        sequence in order (B, H/count, T, D); rank r keeps heads r x H/count onward."""
+        assert self.exchange is not None
+        batch, heads, length, dim = t.shape
+        n = self.count
+        # slice r: rank r's heads of this rank's tokens; after the exchange slice r is rank r's tokens of my heads
+        mine = self.exchange(t.reshape(batch, n, heads // n, length, dim).transpose(0, 1).contiguous())
+        pieces = mine.unflatten(3, (2, length // 2))  # (count, B, H/count, 2, T/2count, D): each rank's two pieces
+        order = [pieces[p, :, :, 0] if p < n else pieces[2 * n - 1 - p, :, :, 1] for p in range(2 * n)]
+        return torch.cat(order, dim=2)
+
+    def to_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """`to_heads` undone: (B, H/count, T, D) over the whole sequence -> this rank's pieces of every head."""
+        assert self.exchange is not None
+        batch, heads, length, dim = t.shape
+        n = self.count
+        parts = t.chunk(2 * n, dim=2)
+        held = torch.stack([torch.cat([parts[r], parts[2 * n - 1 - r]], dim=2) for r in range(n)])
+        mine = self.exchange(held.contiguous())  # slice r: my tokens of rank r's heads
+        return mine.transpose(0, 1).reshape(batch, heads * n, length // n, dim)
 
     def spans(self, local_len: int) -> list[tuple[int, int, int]]:
         """(start in this rank's tokens, length, start in the sequence) of each piece it holds."""
@@ -77,6 +106,14 @@ class SequenceChunk:
         pieces = self.gather(t.contiguous()).chunk(2 * self.count, dim=2)  # rank r's early piece, then its late one
         n = self.count
         return torch.cat([pieces[2 * p if p < n else 2 * (2 * n - 1 - p) + 1] for p in range(2 * n)], dim=2)
+
+
+def ulysses_kv(chunk: SequenceChunk, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values to this rank's heads (`SequenceChunk.to_heads`); fewer key/value heads than ranks are first
+    repeated up to `count` (config validation: count a multiple of them), so rank r gets the head its queries read."""
+    if k.shape[1] % chunk.count:
+        k, v = (t.repeat_interleave(chunk.count // t.shape[1], dim=1) for t in (k, v))
+    return chunk.to_heads(k), chunk.to_heads(v)
 
 
 def pieces_held(index: int, count: int, local_len: int) -> list[tuple[int, int, int]]:
@@ -264,7 +301,9 @@ class Attention(nn.Module):
             q, k, v = self._normed_heads(self.q_norm, q), self._normed_heads(self.k_norm, k), self._heads(v)
             if rope is not None:  # self-attention only: new queries and keys share positions
                 q, k = apply_rope(q, rope), apply_rope(k, rope)
-            if chunk is not None:  # the whole sequence's keys and values (after RoPE: each keeps its position)
+            if chunk is not None and chunk.ulysses:  # this rank's heads over the whole sequence
+                q, k, v = chunk.to_heads(q), *ulysses_kv(chunk, k, v)
+            elif chunk is not None:  # the whole sequence's keys and values (after RoPE: each keeps its position)
                 k, v = chunk.whole(k), chunk.whole(v)
                 if k.shape[1] != q.shape[1]:  # grouped-query heads repeated once, not once per piece
                     k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
@@ -272,7 +311,10 @@ class Attention(nn.Module):
                 if not self.cross and cache.k is not None and cache.v is not None:
                     k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
                 cache.k, cache.v = k, v
-        if chunk is not None:
+        if chunk is not None and chunk.ulysses:  # whole sequences, the mask over them; then back to this rank's pieces
+            heads = slice(chunk.index * q.shape[1], (chunk.index + 1) * q.shape[1])  # of this rank's before
+            out = chunk.to_sequence(self._attend(q, k, v, mask, bias, heads))
+        elif chunk is not None:
             # each piece's queries against the keys it may see (causal: up to its end, aligned at the bottom right;
             # bidirectional: all), with its rows of a padding or window mask over the whole sequence
             pieces = []
@@ -298,13 +340,17 @@ class Attention(nn.Module):
         return q.reshape(batch, length, -1), gate.reshape(batch, length, -1)
 
     def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, bias: torch.Tensor | None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, bias: torch.Tensor | None,
+        heads: slice | None = None,
     ) -> torch.Tensor:
+        """heads: under Ulysses, which of this module's heads q holds (their sinks)."""
         if k.shape[1] != q.shape[1]:  # grouped-query: each K/V head serves a group of query heads
             repeat = q.shape[1] // k.shape[1]
             k, v = (t.repeat_interleave(repeat, dim=1) for t in (k, v))
         dropout_p = self.dropout_p if self.training else 0.0
         sinks = None if self.sinks is None else self.sinks()
+        if sinks is not None and heads is not None:
+            sinks = sinks[heads]
         if self.use_math or self.capture_weights or self.softcap is not None:  # no fused kernel soft-caps scores
             return self._math(q, k, v, mask, bias, dropout_p, sinks)
         plain = (mask.mask is None and bias is None and dropout_p == 0.0 and not isinstance(q, DTensor)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshformer.model.config import ModelConfig
-from meshformer.model.linear_attention import GatedDeltaNet, GatedRMSNorm, HeadShard, _local, head_channels
+from meshformer.model.linear_attention import GatedDeltaNet, GatedRMSNorm, HeadShard, _local, _part, head_channels
 
 
 class KimiDeltaAttention(GatedDeltaNet):
@@ -79,14 +79,14 @@ class KimiDeltaAttention(GatedDeltaNet):
         gate = self.g_b_proj(self.g_a_proj(x)).view(batch, length, -1, self.value_head_dim)
         return mixed, gate, self.b_proj(x), self.f_b_proj(self.f_a_proj(x))
 
-    def _rule_inputs(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor
-                     ) -> tuple[torch.Tensor, ...]:
+    def _rule_inputs(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                     part: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:
         """q, k (B, T, H, Dk), v (B, T, H, Dv), the per-channel log decay g (B, T, H, Dk) and beta (B, T, H)."""
         batch, length, _ = mixed.shape
         key_width = a.shape[-1]
         q, k, v = F.silu(mixed).split([key_width, key_width, mixed.shape[-1] - 2 * key_width], dim=-1)
         shape = (batch, length, -1, self.key_head_dim)
-        decay_rate = _local(self.A_log).float().exp()[:, None]  # (H, 1): one rate per head, over its channels
-        g = -decay_rate * F.softplus(a.float() + _local(self.dt_bias).float()).view(shape)
+        decay_rate = _part(self.A_log, part).float().exp()[:, None]  # (H, 1): one rate per head, over its channels
+        g = -decay_rate * F.softplus(a.float() + _part(self.dt_bias, part).float()).view(shape)
         return (q.reshape(shape), k.reshape(shape), v.reshape(batch, length, -1, self.value_head_dim), g,
                 b.sigmoid())

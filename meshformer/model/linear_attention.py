@@ -74,6 +74,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _part(t: torch.Tensor, part: tuple[int, int] | None) -> torch.Tensor:
+    """This rank's part of a head-major parameter; under Ulysses (part: (index, count)) its index-th run of heads."""
+    t = _local(t)
+    return t if part is None else t.view(part[1], -1)[part[0]]
+
+
 class GatedRMSNorm(nn.Module):
     """weight * rmsnorm(x) * activation(gate) over the last dimension (activation: SiLU, or KDA's sigmoid),
     normalised in float32."""
@@ -181,6 +187,8 @@ class GatedDeltaNet(nn.Module):
         if isinstance(chunk, SequenceChunk):
             if cache is not None:
                 raise ValueError("linear_attention blocks generate on one device; set parallel.cp=1 to generate")
+            if chunk.ulysses:
+                return self._forward_ulysses(mixed, z, b, a, weight, chunk, documents)
             return self._forward_pieces(mixed, z, b, a, weight, chunk, documents)
         mixed, conv_state = causal_conv1d(mixed, weight, state=None if cache is None else cache.conv,
                                           doc_ids=documents)
@@ -208,18 +216,47 @@ class GatedDeltaNet(nn.Module):
         return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=initial_state,
                                       output_final_state=output_final_state, doc_ids=doc_ids, use_qk_l2norm=True)
 
-    def _rule_inputs(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor
-                     ) -> tuple[torch.Tensor, ...]:
-        """q, k (B, T, Hk, Dk), v (B, T, H, Dv), g and beta (B, T, H) from the convolution's output (B, T, channels)."""
+    def _rule_inputs(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                     part: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:
+        """q, k (B, T, Hk, Dk), v (B, T, H, Dv), g and beta (B, T, H) from the convolution's output (B, T, channels).
+        part: (index, count) under Ulysses, the index-th of count equal runs of this module's heads."""
         batch, length, _ = mixed.shape
         mixed = F.silu(mixed)
-        key_width = mixed.shape[-1] - z.shape[2] * self.value_head_dim  # q and k channels together
+        key_width = mixed.shape[-1] - b.shape[-1] * self.value_head_dim  # q and k channels together
         q, k, v = mixed.split([key_width // 2, key_width // 2, mixed.shape[-1] - key_width], dim=-1)
         q = q.reshape(batch, length, -1, self.key_head_dim)
         k = k.reshape(batch, length, -1, self.key_head_dim)
         v = v.reshape(batch, length, -1, self.value_head_dim)
-        g = -_local(self.A_log).float().exp() * F.softplus(a.float() + _local(self.dt_bias).float())
+        g = -_part(self.A_log, part).float().exp() * F.softplus(a.float() + _part(self.dt_bias, part).float())
         return q, k, v, g, b.sigmoid()
+
+    def _forward_ulysses(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                         weight: torch.Tensor, chunk: SequenceChunk, documents: torch.Tensor | None) -> torch.Tensor:
+        """Ulysses context parallel: the convolution's inputs, b and a go all-to-all from this rank's pieces of
+        every head to whole sequences of 1/count of the heads (`SequenceChunk.to_heads`); the convolution and the
+        rule then run as on one device, with no state crossing ranks, and their output comes back to this rank's
+        pieces (`to_sequence`) for the gated norm, whose gate z never moves. documents: the whole sequence's."""
+        batch, length, _ = mixed.shape
+        heads = b.shape[-1]  # value heads of this (tensor-parallel) rank
+        value_width = heads * self.value_head_dim
+        key_width = (mixed.shape[-1] - value_width) // 2
+        key_heads = key_width // self.key_head_dim
+
+        def whole(t: torch.Tensor, n_heads: int) -> torch.Tensor:
+            """(B, T/count, n_heads x w), head-major -> (B, T, n_heads/count x w) of this rank's heads."""
+            t = chunk.to_heads(t.reshape(batch, length, n_heads, -1).transpose(1, 2))
+            return t.transpose(1, 2).flatten(2)
+
+        q, k, v = mixed.split([key_width, key_width, value_width], dim=-1)
+        mixed = torch.cat([whole(q, key_heads), whole(k, key_heads), whole(v, heads)], dim=-1)
+        channels = head_channels(key_heads, self.key_head_dim, heads, self.value_head_dim, chunk.count, chunk.index)
+        mixed, _ = causal_conv1d(mixed, weight[channels.to(weight.device)], doc_ids=documents)
+        part = (chunk.index, chunk.count)
+        q, k, v, g, beta = self._rule_inputs(mixed, z, whole(b, heads), whole(a, heads), part)
+        out, _ = self._chunked(q, k, v, g, beta, initial_state=None, output_final_state=False, doc_ids=documents)
+        out = chunk.to_sequence(out.transpose(1, 2)).transpose(1, 2)  # (B, T/count, H, Dv)
+        out = self.norm(out, z, self._whole(self.norm.weight)).reshape(batch, length, -1)
+        return self.out_proj(out)
 
     def _forward_pieces(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                         weight: torch.Tensor, chunk: SequenceChunk, documents: torch.Tensor | None) -> torch.Tensor:

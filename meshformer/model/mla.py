@@ -162,6 +162,10 @@ class MultiHeadLatentAttention(nn.Module):
         q = torch.cat([q_nope, self._rotate(q_rope, rope)], dim=-1)
         if query_scale is not None:
             q = q * query_scale.to(q.dtype)
+        if chunk is not None and chunk.ulysses:  # per-head queries, keys and values travel, heads for pieces
+            k, v = self._expand(latent, k_rope)
+            out = chunk.to_sequence(self._attend(chunk.to_heads(q), chunk.to_heads(k), chunk.to_heads(v), mask))
+            return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
         if chunk is not None:  # the whole sequence's latents and rotated keys: the compressed tensors travel
             latent, k_rope = chunk.whole(latent), chunk.whole(k_rope)
         if cache is not None:

@@ -320,8 +320,10 @@ class Transformer(nn.Module):
         h = self._hidden(ids, h, source=True, positions=positions)
         if self.encoder_layers is None:
             raise ValueError(f"a {self.cfg.family} model has no encoder to encode with")
-        masks = {window: build_mask(length, k_len, q_positions=positions, causal=False, window=window,
-                                    key_padding=padding, device=h.device)  # under cp: each piece takes its rows
+        whole = self.parallel_context.chunk is not None and self.parallel_context.chunk.ulysses  # whole sequences
+        masks = {window: build_mask(k_len if whole else length, k_len, q_positions=None if whole else positions,
+                                    causal=False, window=window, key_padding=padding,
+                                    device=h.device)  # under all-gather cp: each piece takes its rows
                  for window in {self.cfg.window(int(key)) for key in self.encoder_layers}}
         extra = self._relative(positions, k_len, causal=False)
         for key, layer in self.encoder_layers.items():
@@ -392,6 +394,9 @@ class Transformer(nn.Module):
             if self.parallel_context.chunk is None:
                 masks[window] = build_mask(q_len, k_len, q_offset=offset, causal=True, window=window,
                                            key_padding=padding, documents=documents, device=device)
+            elif self.parallel_context.chunk.ulysses:  # attention runs on whole sequences (a subset of heads)
+                masks[window] = build_mask(k_len, k_len, causal=True, window=window, key_padding=padding,
+                                           documents=documents, device=device)
             elif window is None and padding is None and documents is None:
                 masks[window] = AttentionMask(None, is_causal=True)  # each piece: causal at the bottom right
             else:  # each piece takes its rows of the mask over the whole sequence

@@ -11,6 +11,9 @@ sequence order (model/linear_attention.py).
 A padding mask is not split: it masks keys, and every rank reads the whole sequence's keys. This is the
 all-gather flavour of context parallelism (Llama 3's choice for long context: with grouped-query attention K/V
 are a fraction of the activations); its backward reduce-scatters the K/V gradients back to their owners.
+With parallel.cp_method = "ulysses" the token mixers instead exchange sequence pieces for head shards all-to-all
+(`SequenceChunk.to_heads` / `to_sequence`): each rank runs whole sequences of 1/cp of its heads, with the mask over
+the whole sequence, and no state passes between ranks.
 Parameters are replicated over cp, so FSDP shards them over dp_shard x cp and its reduce-scatter sums the pieces'
 gradients.
 """
@@ -34,13 +37,20 @@ from meshformer.model.transformer import Transformer
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 
-def apply_context_parallel(model: Transformer, cp_mesh: DeviceMesh) -> int:
+def apply_context_parallel(model: Transformer, cp_mesh: DeviceMesh, method: str = "allgather") -> int:
     """Give the model (or pipeline stage) this rank's `SequenceChunk`, which it hands its self-attention layers;
     returns the number of layers that exchange across the pieces (attention gathers keys and values,
-    linear_attention passes its recurrent state on)."""
+    linear_attention passes its recurrent state on; under Ulysses each mixer's all-to-alls)."""
     group = cp_mesh.get_group()
-    chunk = SequenceChunk(cp_mesh.get_local_rank(), cp_mesh.size(),
-                          lambda t: _all_gather(t, gather_dim=2, group=group))
+    size = cp_mesh.size()
+
+    def exchange(t: torch.Tensor) -> torch.Tensor:
+        """Slice r of dim 0 to rank r, differentiably (the backward is the reverse all-to-all)."""
+        return funcol.all_to_all_single_autograd(t, [t.shape[0] // size] * size, [t.shape[0] // size] * size,
+                                                 group)
+
+    chunk = SequenceChunk(cp_mesh.get_local_rank(), size, lambda t: _all_gather(t, gather_dim=2, group=group),
+                          exchange if method == "ulysses" else None)
     model.set_parallel_context(replace(model.parallel_context, chunk=chunk))
     # each block's token mixer gathers; a cross-attending stack's reading of the memory does not (refused under cp)
     return sum(1 for module in model.modules() if TOKEN_MIXER in getattr(module, "mixers", {}))

@@ -151,7 +151,8 @@ def parallelize_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes:
     """CP -> EP -> FP8 -> TP -> recompute -> compile -> FSDP on one model part (the whole model or one pipeline
     stage)."""
     apex_norms = 0
-    context_layers = apply_context_parallel(part, meshes.cp) if meshes is not None and dims.cp_enabled else 0
+    context_layers = (apply_context_parallel(part, meshes.cp, cfg.parallel.cp_method)
+                      if meshes is not None and dims.cp_enabled else 0)
     expert_layers = 0
     if meshes is not None and cfg.model.moe.n_experts:
         # Flattened meshes are new process groups, which every rank must create in the same order: built here on
@@ -187,8 +188,10 @@ def parallelize_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes:
                                   f"{dims.dp_replicate * dims.dp_shard_mod_ep} data-parallel ranks ep leaves")
     if context_layers:
         report["context"] = (f"{dims.cp} ranks, each holding 2 of {2 * dims.cp} pieces of every sequence; "
-                             f"{context_layers} layers exchange keys/values (attention) or states (linear_attention, "
-                             "kda, mamba2)")
+                             + (f"{context_layers} layers exchange keys/values (attention) or states "
+                                "(linear_attention, kda, mamba2)" if cfg.parallel.cp_method == "allgather" else
+                                f"Ulysses: {context_layers} layers exchange sequence shards for head shards "
+                                "(all-to-all) and back"))
     if fp8 and keep:
         report["fp8"] += f"; high precision: {', '.join(sorted(keep))}"
     if meshes is not None and dims.fsdp_enabled:

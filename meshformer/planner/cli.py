@@ -96,6 +96,7 @@ def _same_layout(layout: LayoutMemory, configured: LayoutMemory) -> bool:
 def report(cfg: Config, world: int, device: str, *, search: bool = True, top: int = 5,
            moe_imbalance: float = MOE_IMBALANCE) -> dict:
     start = time.perf_counter()
+    from meshformer.planner.context import context_parallel_report
     from meshformer.planner.memory import as_dict, usable_bytes
     from meshformer.planner.search import plan_layout, search_layouts
 
@@ -103,6 +104,7 @@ def report(cfg: Config, world: int, device: str, *, search: bool = True, top: in
     layouts = search_layouts(cfg, world, device, moe_imbalance) if search else []
     budget = usable_bytes(device)
     listed = [lay for lay in layouts if lay.peak <= budget][:top]
+    micro_batch = assumptions(cfg, chosen)["micro_batch"]
     return {
         "assumptions": assumptions(cfg, chosen),
         "world_size": world,
@@ -119,11 +121,15 @@ def report(cfg: Config, world: int, device: str, *, search: bool = True, top: in
         "order": ORDER,
         "ties": ties(listed),
         "moe_imbalance": moe_imbalance if cfg.model.moe.n_experts else None,
+        "context_parallel": context_parallel_report(cfg, [(lay.cp, lay.tp) for lay in [chosen, *listed]],
+                                                    micro_batch),
         "seconds": time.perf_counter() - start,
     }
 
 
 def print_report(result: dict, title: str) -> None:
+    from meshformer.planner.context import RULE as CP_RULE
+
     lay = result["layout"]
     print(f"{title}: {lay['name']} ({result['world_size']} ranks), recompute={lay['recompute']}; "
           f"{result['device']}: {result['capacity_gib']:.1f} GiB, usable {result['usable_gib']:.1f} GiB "
@@ -155,6 +161,15 @@ def print_report(result: dict, title: str) -> None:
             print(f"tie: {line}")
     elif result["searched"]:  # --no-search: the configured layout's verdict above is the answer
         print("no layout with tp <= 8 and cp <= 16 fits; add ranks, shorten data.seq_len or lower data.batch_size")
+    for row in result.get("context_parallel", []):
+        methods = row["methods"]
+        parts = [f"{name} sends {m['sent_gib']:.3g} GiB, keeps {m['kept_gib']:.3g} GiB"
+                 + (" (cannot run: " + m["refusal"].split(";")[0] + ")" if m["refusal"] else "")
+                 for name, m in methods.items()]
+        change = (f"; set parallel.cp_method='{row['recommended']}'" if row["recommended"] != row["configured"]
+                  else "")
+        print(f"context parallel cp={row['cp']} tp={row['tp']}, per rank and micro-batch: {'; '.join(parts)}; "
+              f"recommended: {row['recommended']}{change} ({CP_RULE})")
     print(f"({result['seconds']:.1f} s)")
 
 

@@ -488,6 +488,8 @@ def scenario(name: str) -> tuple[Config, list]:
             parallel["tp"] = int(value or 2)
         elif key == "cp":
             parallel["cp"] = int(value or 2)
+        elif key == "ulysses":  # parallel.cp_method: all-to-all from sequence shards to head shards and back
+            parallel["cp_method"] = "ulysses"
         elif key == "pp":
             parallel["pp"] = int(value or 2)
         elif key == "ep":

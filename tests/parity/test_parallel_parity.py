@@ -184,6 +184,15 @@ QK_CLIP_WORLD2 = ["decoder/fsdp-muon-qkclip", "decoder/tp-muon-qkclip", "decoder
 QK_CLIP_WORLD4 = ["decoder/tp-fsdp-muon-qkclip", "decoder/pp-fsdp-muon-qkclip"]
 WORLD2 += QK_CLIP_WORLD2
 WORLD4 += QK_CLIP_WORLD4
+# parallel.cp_method="ulysses": each mixer's inputs all-to-all from sequence pieces to head shards over whole
+# sequences and back; every kind it splits (full attention with GQA, document masks, sliding windows with sinks
+# split with the heads (gptoss), MLA, Gated DeltaNet, KDA) and with EP, TP (MLA and KDA heads split twice) and
+# FSDP. cp=4: 8 pieces reordered, 2 key/value heads repeated up to 4. All slow (the world-2 rows in the slow launch).
+ULYSSES_WORLD2 = ["decoder/cp-ulysses", "decoder_docs/cp-ulysses", "gptoss/cp-ep-ulysses",
+                  "deepseek/cp-ep-ulysses", "qwen35/cp-ulysses", "kimi/cp-ep-ulysses"]
+ULYSSES_WORLD4 = ["decoder/cp=4-ulysses", "kimi/cp-tp-ep=4-ulysses", "qwen3next/cp-fsdp-ep=4-ulysses"]
+WORLD2 += ULYSSES_WORLD2
+WORLD4 += ULYSSES_WORLD4
 # bf16 all-gathers; bf16 autocast with bf16 rows through the experts' all-to-all: close, not equal
 MIXED_PRECISION = ["decoder/fsdp-mp", "moe/tp-ep-bf16"]
 # train.fp8 through torchao's emulation against a single process with the same float8 linears. Tensorwise scales
@@ -215,7 +224,7 @@ WORLD2_SLOW = {"decoder/cp-compile", "decoder/tp-fp8=tensorwise", "decoder_alibi
                 "deepseek_mtp/fsdp-ep-recompute=selective", "kimi/fsdp-ep", "kimi/pp", "dsa/fsdp-ep", "dsa/pp",
                 "dsa_warmup/fsdp-ep", "dsa/fsdp-ep-recompute=full", "dsa/tp-ep-recompute=selective", "dsa_warmup/tp-ep",
                 "dsa_warmup/pp", "mamba/cp", "mamba/cp-rightpad", "mamba/tp", "mamba/fsdp",
-                "mamba/pp", *NORMUON_WORLD2}
+                "mamba/pp", *NORMUON_WORLD2} | set(ULYSSES_WORLD2)
 # The second step's global gradient norm, for rows where Adam's first update (about ±lr per element, its sign set by
 # rounding where a gradient is near zero) moves the weights differently enough to show: step-0 gradients of these
 # rows agree to 1e-6; measured 1.34e-5 on an AVX-512 CPU.
@@ -265,6 +274,8 @@ def check(report: dict, tol: float = TOL, grad_tol: float | None = None, name: s
     if cp:  # equal results alone would not show that sequences were split
         expected = f"{cp[0]} ranks, each holding 2 of {2 * cp[0]} pieces"
         assert report["kernels"]["context"].startswith(expected), report["kernels"]
+        ulysses = "ulysses" in name.split("/")[-1].split("-")  # and by the method asked for
+        assert ("Ulysses" in report["kernels"]["context"]) == ulysses, report["kernels"]
     ep = [int(part.partition("=")[2] or 2) for part in name.split("/")[-1].split("-") if part.partition("=")[0] == "ep"]
     if ep:  # equal results alone would not show that experts were split
         assert f"experts split over ep={ep[0]} ranks" in report["kernels"]["experts"], report["kernels"]

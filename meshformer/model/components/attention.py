@@ -56,6 +56,22 @@ def sdpa_mask(x: ActivationLayout, calls: list[tuple[int, int]], cross: bool) ->
     return x.batch * sum(q * k for q, k in calls) * x.bytes if cross or x.masked else 0.0
 
 
+def ulysses_heads(heads: int, kv_heads: int, cp: int, tp: int) -> str | None:
+    """Ulysses splits each tensor-parallel rank's query heads over cp, and its key/value heads too where cp divides
+    them; fewer key/value heads than cp are repeated up to cp first (cp a multiple of them, so each rank gets the one
+    its query heads read). Else why not, naming the fix."""
+    local, local_kv = heads // tp, max(kv_heads // tp, 1)
+    if local % cp:
+        return (f"parallel.cp_method='ulysses' splits each rank's {local} attention heads (n_heads={heads} / tp={tp}) "
+                f"over cp={cp}, which does not divide them; choose cp (and tp) so that cp x tp divides n_heads, or "
+                "use parallel.cp_method='allgather'")
+    if local_kv % cp and cp % local_kv:
+        return (f"parallel.cp_method='ulysses' with {local_kv} key/value heads per rank (n_kv_heads={kv_heads} / "
+                f"tp={tp}) and cp={cp}: one must divide the other; choose such a cp, or use "
+                "parallel.cp_method='allgather'")
+    return None
+
+
 class Attention(TokenMixer):
     """Multi-head (grouped-query) softmax attention over every key, or the keys of its window."""
 
@@ -66,6 +82,12 @@ class Attention(TokenMixer):
         from meshformer.model.attention import Attention as AttentionModule
 
         return AttentionModule(cfg, causal=causal and not self.cross, cross=self.cross)
+
+    def ulysses(self, cfg: ModelConfig, cp: int, tp: int) -> str | None:
+        if cfg.position in ("alibi", "t5_relative"):
+            return (f"model.position={cfg.position!r} biases every query's scores by its position, which Ulysses "
+                    "would have to rebuild per head shard; use parallel.cp_method='allgather'")
+        return ulysses_heads(cfg.attention.n_heads, cfg.kv_heads, cp, tp)
 
     def tp_rules(self, cfg: ModelConfig) -> Mapping[str, str]:
         # Colwise q/k/v shard whole heads (rows are head-major), so the module infers its local head count from the

@@ -115,6 +115,12 @@ class _Component:
         """None where tensor parallel splits this kind as `tp_rules` say; else why it cannot, in one clause."""
         return None
 
+    def ulysses(self, cfg: ModelConfig, cp: int, tp: int) -> str | None:
+        """None where Ulysses context parallel (parallel.cp_method="ulysses": an all-to-all from sequence shards to
+        head shards around the mixer) can run this kind with cp ranks, each tensor-parallel rank's heads split
+        again over cp; else why not, in one clause that names the fix."""
+        return None
+
     def trains_only(self, cfg: ModelConfig) -> str | None:
         """A submodule name: while it is set, only the parameters of the modules so named train and every other
         parameter of the model is frozen (DSA's indexer warm-up); None: every parameter trains."""
@@ -183,6 +189,10 @@ class TokenMixer(_Component):
     def cache_per_token(self, cfg: ModelConfig) -> int:
         """Elements its generation cache stores per token of one sequence."""
         return 0
+
+    def ulysses(self, cfg: ModelConfig, cp: int, tp: int) -> str | None:
+        # a token mixer is not split by heads unless its kind says how
+        return "Ulysses context parallel does not split this kind's heads; use parallel.cp_method='allgather'"
 
 
 class ChannelMixer(_Component):

@@ -36,6 +36,11 @@ class SparseAttention(LatentAttention):
     # the indexer's loss counts only real queries
     reads_padding_and_documents: ClassVar[bool] = True
 
+    def ulysses(self, cfg: ModelConfig, cp: int, tp: int) -> str | None:
+        # its indexer scores every key with heads of its own and keeps top-k across them: not split by heads here
+        return ("its lightning indexer selects keys over all of its own heads, which Ulysses does not split; use "
+                "parallel.cp_method='allgather'")
+
     def build(self, cfg: ModelConfig, *, causal: bool) -> nn.Module:
         from meshformer.model.dsa import SparseLatentAttention
 

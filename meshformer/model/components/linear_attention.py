@@ -100,6 +100,16 @@ class LinearAttention(TokenMixer):
                    else ["in_proj_qkvz", "in_proj_ba"])
         return {"": HEAD_SHARD, **dict.fromkeys(linears, COLWISE), "out_proj": ROWWISE}
 
+    def ulysses(self, cfg: ModelConfig, cp: int, tp: int) -> str | None:
+        # each rank runs whole sequences of its heads: no state crosses ranks, so cp must split the heads evenly
+        la = cfg.linear_attention
+        for key, heads in (("n_heads", la.n_heads), ("n_key_heads", la.key_heads)):
+            if (heads // tp) % cp:
+                return (f"parallel.cp_method='ulysses' splits each rank's {heads // tp} {self.name} heads "
+                        f"(model.linear_attention.{key}={heads} / tp={tp}) over cp={cp}, which does not divide them; "
+                        "choose cp (and tp) so that cp x tp divides them, or use parallel.cp_method='allgather'")
+        return None
+
     def tp_divides(self, cfg: ModelConfig) -> list[tuple[str, int, str]]:
         la = cfg.linear_attention
         why = "Gated DeltaNet heads are split across tensor-parallel ranks"

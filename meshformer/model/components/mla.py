@@ -15,7 +15,13 @@ from torch import nn
 
 from meshformer.errors import ConfigError
 from meshformer.model.components import register
-from meshformer.model.components.attention import attention_calls, keys_kept, sdpa_mask, uses_math_attention
+from meshformer.model.components.attention import (
+    attention_calls,
+    keys_kept,
+    sdpa_mask,
+    ulysses_heads,
+    uses_math_attention,
+)
 from meshformer.model.components.base import (
     FP32,
     ActivationLayout,
@@ -49,6 +55,10 @@ class LatentAttention(TokenMixer):
     # what config validation refuses alongside mla blocks: options of [model.attention] these blocks never compute
     UNUSED: ClassVar[tuple[str, ...]] = ("n_kv_heads", "head_dim", "qk_norm", "sinks", "softcap", "output_gate",
                                          "qkv_bias")
+
+    def ulysses(self, cfg: ModelConfig, cp: int, tp: int) -> str | None:
+        # the latent is expanded to per-head keys and values on each rank before the all-to-all: every head its own
+        return ulysses_heads(cfg.attention.n_heads, cfg.attention.n_heads, cp, tp)
 
     def build(self, cfg: ModelConfig, *, causal: bool) -> nn.Module:
         from meshformer.model.mla import MultiHeadLatentAttention

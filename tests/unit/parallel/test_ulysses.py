@@ -1,0 +1,122 @@
+"""Ulysses context parallel (parallel.cp_method="ulysses") in one process: the sequence-to-head exchange with cp
+ranks simulated by threads, and the config checks. Parity against one process: tests/parity (ulysses rows)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from meshformer.config import Config, ConfigError
+from meshformer.config.sections import DataConfig, OptimConfig, ParallelConfig
+from meshformer.model.attention import SequenceChunk
+from meshformer.model.config import AttentionConfig, LinearAttentionConfig, ModelConfig
+from meshformer.parallel.context import sequence_chunk
+from meshformer.parallel_dims import ParallelDims, check_context_parallel
+
+
+def run_ranks(count: int, work) -> list:  # type: ignore[no-untyped-def]
+    """work(chunk) on `count` threads, each a rank whose `exchange` is an all-to-all among the threads."""
+    slots: list[torch.Tensor | None] = [None] * count
+    barrier = threading.Barrier(count)
+    results: list = [None] * count
+
+    def rank(index: int) -> None:
+        def exchange(t: torch.Tensor) -> torch.Tensor:
+            slots[index] = t
+            barrier.wait()
+            out = torch.stack([slots[r][index] for r in range(count)])  # type: ignore[index]
+            barrier.wait()  # every rank has read before the next exchange overwrites
+            return out
+
+        results[index] = work(SequenceChunk(index, count, lambda t: t, exchange))
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_heads_of_whole_sequences_and_back(count: int) -> None:
+    """Each rank's pieces (sequence_chunk's split) become its heads over the whole sequence in order, and back."""
+    x = torch.randn(2, 8, 4 * count, 3)  # (B, H, T, D)
+    held = [sequence_chunk({"input_ids": x.transpose(1, 2)}, r, count)["input_ids"].transpose(1, 2)
+            for r in range(count)]
+
+    def work(chunk: SequenceChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        heads = chunk.to_heads(held[chunk.index])
+        return heads, chunk.to_sequence(heads)
+
+    for r, (heads, back) in enumerate(run_ranks(count, work)):
+        per = 8 // count
+        assert torch.equal(heads, x[:, r * per:(r + 1) * per])
+        assert torch.equal(back, held[r])
+
+
+def ulysses_config(n_heads: int = 4, n_kv_heads: int | None = None, **model) -> Config:  # type: ignore[no-untyped-def]
+    return Config(model=ModelConfig(attention=AttentionConfig(n_heads=n_heads, n_kv_heads=n_kv_heads), **model),
+                  data=DataConfig(seq_len=16), parallel=ParallelConfig(cp=2, cp_method="ulysses"))
+
+
+def refusal(cfg: Config, cp: int = 2, tp: int = 1) -> str:
+    with pytest.raises(ConfigError) as err:
+        check_context_parallel(cfg, ParallelDims.from_config(ParallelConfig(cp=cp, tp=tp), cp * tp))
+    message = str(err.value)
+    assert "\n" not in message and "cp_method='ulysses'" in message
+    return message
+
+
+def test_heads_that_cp_does_not_split_are_refused_naming_the_fix() -> None:
+    assert "splits each rank's 3 attention heads" in refusal(ulysses_config(n_heads=3))
+    assert "n_heads=4 / tp=2" in refusal(ulysses_config(n_heads=4), cp=4, tp=2)
+    # 3 key/value heads per rank against cp=2: neither divides the other
+    assert "n_kv_heads=3" in refusal(ulysses_config(n_heads=6, n_kv_heads=3))
+    gdn = ulysses_config(layer_types=["linear_attention"],
+                         linear_attention=LinearAttentionConfig(n_heads=4, n_key_heads=1))
+    assert "model.linear_attention.n_key_heads=1" in refusal(gdn)
+
+
+def test_accepted_where_heads_split_and_fewer_kv_heads_repeat() -> None:
+    for cfg, cp in [(ulysses_config(n_heads=4, n_kv_heads=1), 2), (ulysses_config(n_heads=8, n_kv_heads=2), 4),
+                    (ulysses_config(layer_types=["mla"]), 2)]:
+        check_context_parallel(cfg, ParallelDims.from_config(ParallelConfig(cp=cp), cp))
+
+
+def test_what_ulysses_does_not_split_is_refused() -> None:
+    assert "dsa blocks" in refusal(ulysses_config(layer_types=["dsa"]))
+    assert "model.position='alibi'" in refusal(ulysses_config(position="alibi"))
+    cfg = ulysses_config()
+    cfg = Config(model=cfg.model, data=cfg.data, parallel=cfg.parallel, optim=OptimConfig(qk_clip_threshold=100.0))
+    assert "optim.qk_clip_threshold" in refusal(cfg)
+    # the all-gather method takes every one of them
+    check_context_parallel(Config(model=ModelConfig(position="alibi"), data=DataConfig(seq_len=16)),
+                           ParallelDims.from_config(ParallelConfig(cp=2), 2))
+
+
+def test_planner_counts_both_methods_bytes_and_recommends_by_its_rule() -> None:
+    from meshformer.planner.context import context_parallel_report, cp_costs, recommend
+
+    def costs(n_kv_heads: int, cp: int, **model):  # type: ignore[no-untyped-def]
+        cfg = Config(model=ModelConfig(n_layers=2, d_model=256, attention=AttentionConfig(n_heads=32,
+                                                                                          n_kv_heads=n_kv_heads),
+                                       **model), data=DataConfig(seq_len=1024, batch_size=1))
+        return cp_costs(cfg, cp)
+
+    gather, ulysses = costs(8, 8)
+    n, d, a = 1024 // 8, 256 // 32, 4  # tokens per rank, head width, fp32
+    assert gather.sent == 2 * (2 * 2 * 8 * n * d * a * 7)  # 2 layers: K and V to 7 ranks, and back in backward
+    assert ulysses.sent == 2 * (2 * (2 * 32 + 2 * 8) * n * d * a * 7 / 8)  # q, k, v and out, 7/8 of each moved
+    assert ulysses.kept < gather.kept  # keys and values of 1/cp of the heads rather than of all of them
+    assert recommend([gather, ulysses]).method == "ulysses"
+    assert recommend(costs(1, 8)).method == "allgather"  # one key/value head: the gather moves little
+    assert recommend(costs(8, 2)).method == "allgather"  # cp=2: Ulysses moves queries and outputs too
+    refused = costs(8, 8, layer_types=["dsa"])[1]
+    assert refused.refusal is not None and recommend(costs(8, 8, layer_types=["dsa"])).method == "allgather"
+    cfg = Config(model=ModelConfig(), data=DataConfig(seq_len=1024))
+    rows = context_parallel_report(cfg, [(1, 1), (2, 1), (2, 1), (4, 2)], batch=1)
+    assert [(r["cp"], r["tp"]) for r in rows] == [(2, 1), (4, 2)]
+    assert rows[0]["configured"] == "allgather" and set(rows[0]["methods"]) == {"allgather", "ulysses"}
