@@ -1,7 +1,7 @@
 """The two context-parallel methods at equal world size and sequence length: parallel.cp_method="ulysses" against
 "allgather" (the default), a forward and backward per step of the same model and batch on gloo processes, cp = the
 world. Reported per model and T: Ulysses' step time and bytes sent per rank as ratios to the all-gather's, and the
-planner's bytes ratio (meshformer/planner/context.py) beside the measured one.
+planner's bytes ratio (meshformer/planner/context_parallel_bytes.py) beside the measured one.
 
 Bytes are counted at the context-parallel exchanges themselves (the model's `SequenceChunk.gather` and `exchange`,
 wrapped): an all-gather sends its input to cp - 1 ranks and its backward reduce-scatter as much; an all-to-all
@@ -101,7 +101,7 @@ def measure(cases: list[tuple[str, int]], steps: int) -> list[dict[str, float]]:
 
 
 def planned_ratio(model: str, seq: int, cp: int) -> float:
-    from meshformer.planner.context import cp_costs
+    from meshformer.planner.context_parallel_bytes import cp_costs
 
     gather, ulysses = cp_costs(config(model, seq, cp, "allgather"), cp)
     return ulysses.sent / gather.sent

@@ -96,7 +96,7 @@ def _same_layout(layout: LayoutMemory, configured: LayoutMemory) -> bool:
 def report(cfg: Config, world: int, device: str, *, search: bool = True, top: int = 5,
            moe_imbalance: float = MOE_IMBALANCE) -> dict:
     start = time.perf_counter()
-    from meshformer.planner.context import context_parallel_report
+    from meshformer.planner.context_parallel_bytes import context_parallel_report
     from meshformer.planner.memory import as_dict, usable_bytes
     from meshformer.planner.search import plan_layout, search_layouts
 
@@ -128,7 +128,7 @@ def report(cfg: Config, world: int, device: str, *, search: bool = True, top: in
 
 
 def print_report(result: dict, title: str) -> None:
-    from meshformer.planner.context import RULE as CP_RULE
+    from meshformer.planner.context_parallel_bytes import RULE as CP_RULE
 
     lay = result["layout"]
     print(f"{title}: {lay['name']} ({result['world_size']} ranks), recompute={lay['recompute']}; "

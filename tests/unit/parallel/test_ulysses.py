@@ -98,7 +98,7 @@ def test_what_ulysses_does_not_split_is_refused() -> None:
 
 
 def test_planner_counts_both_methods_bytes_and_recommends_by_its_rule() -> None:
-    from meshformer.planner.context import context_parallel_report, cp_costs, recommend
+    from meshformer.planner.context_parallel_bytes import context_parallel_report, cp_costs, recommend
 
     def costs(n_kv_heads: int, cp: int, **model):  # type: ignore[no-untyped-def]
         cfg = Config(model=ModelConfig(n_layers=2, d_model=256, attention=AttentionConfig(n_heads=32,
