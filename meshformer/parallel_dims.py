@@ -157,6 +157,10 @@ def validate_parallel(cfg: Config, world_size: int, device: torch.device | str |
         # TP would have to slice the bias per rank's heads and PP to share each stack's table between stages.
         raise ConfigError(f"parallel.tp={dims.tp}, parallel.pp={dims.pp}: t5_relative position bias is not supported "
                           "with tensor/pipeline parallel yet; use FSDP/HSDP (tp=1, pp=1) or model.position='alibi'")
+    if cfg.model.residual.kind == "mhc" and dims.pp > 1:
+        # the stages hand each other one (B, T, D) stream; mHC's is (B, T, streams, D)
+        raise ConfigError(f"parallel.pp={dims.pp}: model.residual.kind='mhc' is not supported under pipeline "
+                          "parallel yet; use parallel.pp=1 (FSDP, tp, cp or ep)")
     _check_tensor_parallel(cfg, dims)
     check_expert_parallel(cfg, dims)
     _check_pipeline(cfg, dims)
