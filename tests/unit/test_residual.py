@@ -117,3 +117,19 @@ def test_cached_decoding_with_mhc_equals_the_full_forward():
 def test_bad_mhc_tables_are_refused(table, fix):
     with pytest.raises(ConfigError, match=f"model.residual.{fix}"):
         config_from_dict({"model": {"residual": {"kind": "mhc", **table}}})
+
+
+def test_the_bench_writes_its_table(tmp_path):
+    """bench/mhc_cost.py's rows carry the times and counts given, and the docs' table loader accepts them."""
+    from helpers.common import load_script
+
+    bench, render = load_script("bench/mhc_cost.py"), load_script("bench/render_tables.py")
+    result = {"step_time": {"plain": 0.5, "mhc": 0.75},
+              "counts": {"plain": {"params": 1000, "flops": 2e9}, "mhc": {"params": 1100, "flops": 2.2e9}}}
+    columns, rows = bench.table(result)
+    load_script("bench/tables.py").write_table(tmp_path / "architectures-06-mhc.json", machine="a test machine",
+                                               page="architectures", title="t", command="python bench/mhc_cost.py",
+                                               columns=columns, rows=rows)
+    cells = [cell for t in render.load_tables(tmp_path) for row in t["rows"] for cell in row]
+    assert {"500 ms", "750 ms", "× 1.50", "1,100"} <= set(cells)
+    assert bench.ratio(result, "flops") == pytest.approx(1.1)
