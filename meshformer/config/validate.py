@@ -229,6 +229,10 @@ def _check_residual(cfg: Config) -> None:
                           "use 20 (DeepSeek-V4)")
     if not r.eps > 0:
         raise ConfigError(f"model.residual.eps={r.eps} must be positive", "use 1e-6 (DeepSeek-V4)")
+    if m.norm.position not in ("pre", "sandwich"):
+        raise ConfigError(f"model.norm.position={m.norm.position!r} with model.residual.kind='mhc': each branch reads "
+                          "a normed mix of the streams, so its norm comes before the branch",
+                          "use model.norm.position='pre' (DeepSeek-V4) or 'sandwich'")
     if m.mtp.depth:
         raise ConfigError(f"model.mtp.depth={m.mtp.depth} with model.residual.kind='mhc': the multi-token prediction "
                           "modules read one stream, not mHC's", "set model.mtp.depth=0 or model.residual.kind='plain'")

@@ -113,10 +113,14 @@ def test_cached_decoding_with_mhc_equals_the_full_forward():
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("table,fix", [({"streams": 0}, "streams"), ({"sinkhorn_iters": 0}, "sinkhorn_iters")])
-def test_bad_mhc_tables_are_refused(table, fix):
-    with pytest.raises(ConfigError, match=f"model.residual.{fix}"):
-        config_from_dict({"model": {"residual": {"kind": "mhc", **table}}})
+@pytest.mark.parametrize("model,key", [({"residual": {"streams": 0}}, "residual.streams"),
+                                       ({"residual": {"sinkhorn_iters": 0}}, "residual.sinkhorn_iters"),
+                                       ({"norm": {"position": "post"}}, "norm.position"),
+                                       ({"mtp": {"depth": 1}}, "mtp.depth")])
+def test_bad_mhc_tables_are_refused(model, key):
+    residual = {"kind": "mhc", **model.pop("residual", {})}
+    with pytest.raises(ConfigError, match=f"model.{key}"):
+        config_from_dict({"model": {"residual": residual, **model}})
 
 
 def test_the_bench_writes_its_table(tmp_path):
