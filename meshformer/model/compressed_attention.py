@@ -1,0 +1,109 @@
+"""Pieces of DeepSeek-V4's attention and routing, each checked on its own against transformers' module.
+
+- `GroupedOutputProjection`: the heads' outputs split into groups, each projected on its own to a narrow width,
+  then one projection of the concatenation to d_model (V4's o_a / o_b: far fewer weights than heads x head_dim
+  to d_model).
+- `HeavyCompressor`: heavily compressed attention's keys (HCA): every `rate` consecutive tokens become one key (and
+  value: V4 reads one tensor as both), a softmax-gated sum over the window with a learned per-slot bias, normed,
+  its trailing rotary slice rotated at the window's first position. A query sees a compressed entry only once its
+  whole window lies at or before it. This is the training (whole-sequence) path; the incremental cache is not here.
+- `HashRouter`: the first blocks' MoE routing: each token's experts are a fixed table's row for its token id; the
+  learned gate only weighs them.
+
+They are not yet assembled into a token-mixer kind or an architecture folder.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GroupedOutputProjection(nn.Module):
+    """(B, T, heads x head_dim) -> (B, T, d_model) through `groups` separate (heads x head_dim / groups) -> rank
+    projections, then one (groups x rank) -> d_model projection."""
+
+    def __init__(self, width: int, groups: int, rank: int, d_model: int) -> None:
+        super().__init__()
+        if width % groups:
+            raise ValueError(f"the heads' width {width} does not split into {groups} groups")
+        self.groups = groups
+        # one (rank, width / groups) matrix per group, stacked: group g's rows are g * rank .. (g + 1) * rank
+        self.o_a_proj = nn.Parameter(torch.empty(groups * rank, width // groups))
+        self.o_b_proj = nn.Linear(groups * rank, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        grouped = x.unflatten(-1, (self.groups, -1))  # (..., G, width / G)
+        weight = self.o_a_proj.unflatten(0, (self.groups, -1))  # (G, rank, width / G)
+        return self.o_b_proj(torch.einsum("...gi,gri->...gr", grouped, weight).flatten(-2))
+
+
+def rotary_tables(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (..., dim / 2) of one angle per rotated pair (pairs of neighbouring channels)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
+    angles = positions[..., None].float() * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the last 2 x cos.shape[-1] channels of x by neighbouring pairs (2i, 2i + 1); the rest pass."""
+    width = 2 * cos.shape[-1]
+    rest, tail = x[..., :-width], x[..., -width:].float()
+    even, odd = tail[..., 0::2], tail[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat([rest, rotated.to(x.dtype)], dim=-1)
+
+
+class HeavyCompressor(nn.Module):
+    """The compressed keys of a (B, T, D) input: (B, T // rate, head_dim) and the (T, T // rate) mask of the
+    entries each query may see (True: visible)."""
+
+    def __init__(self, d_model: int, head_dim: int, rate: int, rope_dim: int, rope_theta: float, eps: float) -> None:
+        super().__init__()
+        self.rate, self.rope_dim, self.rope_theta = rate, rope_dim, rope_theta
+        self.kv_proj = nn.Linear(d_model, head_dim, bias=False)
+        self.gate_proj = nn.Linear(d_model, head_dim, bias=False)
+        self.position_bias = nn.Parameter(torch.empty(rate, head_dim))  # one gate bias per slot of a window
+        self.kv_norm = nn.RMSNorm(head_dim, eps=eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: (T,) the tokens' positions from 0; the trailing partial window is left out."""
+        batch, length, _ = x.shape
+        windows = length // self.rate
+        usable = windows * self.rate
+        kv = self.kv_proj(x[:, :usable]).unflatten(1, (windows, self.rate))
+        gate = self.gate_proj(x[:, :usable]).unflatten(1, (windows, self.rate)) + self.position_bias
+        weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
+        compressed = self.kv_norm((kv * weights).sum(dim=2).float()).to(x.dtype)
+        starts = torch.arange(windows, device=x.device) * self.rate
+        cos, sin = rotary_tables(starts, self.rope_dim, self.rope_theta)
+        compressed = rotate_tail(compressed, cos, sin)
+        # entry w covers positions w * rate .. (w + 1) * rate - 1: a query at t sees it once t + 1 >= (w + 1) * rate
+        visible = torch.arange(windows, device=x.device) < ((positions + 1) // self.rate)[:, None]
+        return compressed, visible
+
+
+def sqrt_softplus(x: torch.Tensor) -> torch.Tensor:
+    return F.softplus(x).sqrt()
+
+
+class HashRouter(nn.Module):
+    """Each token's `top_k` experts from a fixed token id -> experts table (a buffer, saved with the model); the
+    gate's scores of those experts, normalised to sum 1, times `scale`, weigh them."""
+
+    def __init__(self, d_model: int, n_experts: int, top_k: int, vocab_size: int, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+        self.weight = nn.Parameter(torch.empty(n_experts, d_model))
+        self.register_buffer("experts_of_token", torch.zeros(vocab_size, top_k, dtype=torch.long))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, expert indices), each (B x T, top_k), for (B, T, D) inputs and their (B, T) token ids."""
+        scores = sqrt_softplus(F.linear(x.flatten(0, -2), self.weight))
+        indices = self.experts_of_token[ids.flatten()]
+        weights = scores.gather(1, indices)
+        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scale, indices
+
+
+__all__ = ["GroupedOutputProjection", "HashRouter", "HeavyCompressor", "rotary_tables", "rotate_tail"]
