@@ -69,8 +69,7 @@ class HeavyCompressor(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: (T,) the tokens' positions from 0; the trailing partial window is left out."""
-        batch, length, _ = x.shape
-        windows = length // self.rate
+        windows = x.shape[1] // self.rate
         usable = windows * self.rate
         kv = self.kv_proj(x[:, :usable]).unflatten(1, (windows, self.rate))
         gate = self.gate_proj(x[:, :usable]).unflatten(1, (windows, self.rate)) + self.position_bias
@@ -96,6 +95,7 @@ class HashRouter(nn.Module):
         super().__init__()
         self.scale = scale
         self.weight = nn.Parameter(torch.empty(n_experts, d_model))
+        self.experts_of_token: torch.Tensor
         self.register_buffer("experts_of_token", torch.zeros(vocab_size, top_k, dtype=torch.long))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
