@@ -7,6 +7,10 @@
   value: V4 reads one tensor as both), a softmax-gated sum over the window with a learned per-slot bias, normed,
   its trailing rotary slice rotated at the window's first position. A query sees a compressed entry only once its
   whole window lies at or before it. This is the training (whole-sequence) path; the incremental cache is not here.
+- `CompressedAttention`: V4's attention (whole-sequence path): one shared key/value head (MQA, keys are values),
+  queries through a normed low-rank latent and an unweighted per-head RMSNorm, rotary on each head's trailing slice,
+  a sliding window over the tokens plus, in HCA blocks, every compressed entry a query may see; a learned sink logit
+  per head; the output's rotary slice turned back by its query's angle, then the grouped output projection.
 - `HashRouter`: the first blocks' MoE routing: each token's experts are a fixed table's row for its token id; the
   learned gate only weighs them.
 
@@ -83,6 +87,55 @@ class HeavyCompressor(nn.Module):
         return compressed, visible
 
 
+def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class CompressedAttention(nn.Module):
+    """V4 attention over a (B, T, D) input: a sliding-window branch, and with `compress_rate` the heavily compressed
+    entries (HCA) beside it. Rotary: base `rope_theta` for a sliding-only block, `compress_theta` for a compressed
+    one (its compressor too)."""
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, q_rank: int, rope_dim: int, window: int,
+                 groups: int, o_rank: int, eps: float, rope_theta: float, compress_theta: float,
+                 compress_rate: int | None = None) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.window, self.eps = n_heads, head_dim, window, eps
+        self.rope_dim = rope_dim
+        self.theta = rope_theta if compress_rate is None else compress_theta
+        self.q_a_proj = nn.Linear(d_model, q_rank, bias=False)
+        self.q_a_norm = nn.RMSNorm(q_rank, eps=eps)
+        self.q_b_proj = nn.Linear(q_rank, n_heads * head_dim, bias=False)
+        self.kv_proj = nn.Linear(d_model, head_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(head_dim, eps=eps)
+        self.output = GroupedOutputProjection(n_heads * head_dim, groups, o_rank, d_model)
+        self.sinks = nn.Parameter(torch.empty(n_heads))
+        self.compressor = (HeavyCompressor(d_model, head_dim, compress_rate, rope_dim, compress_theta, eps)
+                           if compress_rate is not None else None)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """positions: (T,) the tokens' positions from 0."""
+        batch, length, _ = x.shape
+        cos, sin = rotary_tables(positions, self.rope_dim, self.theta)
+        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))).unflatten(-1, (self.n_heads, self.head_dim))
+        q = rotate_tail(_unit_rms(q, self.eps), cos[:, None], sin[:, None]).transpose(1, 2)  # (B, H, T, hd)
+        kv = rotate_tail(self.kv_norm(self.kv_proj(x)), cos, sin)  # (B, T, hd): the one key and value head
+        distance = positions[:, None] - positions[None, :]
+        visible = (distance >= 0) & (distance < self.window)
+        if self.compressor is not None:
+            compressed, seen = self.compressor(x, positions)
+            kv, visible = torch.cat([kv, compressed], dim=1), torch.cat([visible, seen], dim=1)
+        logits = (q @ kv[:, None].transpose(-1, -2)) * self.head_dim**-0.5
+        logits = logits.masked_fill(~visible, float("-inf"))
+        sink = self.sinks.to(logits.dtype).view(1, -1, 1, 1).expand(batch, -1, length, 1)
+        # the sink takes its share of each softmax and contributes no value
+        probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        out = (probs @ kv[:, None]).transpose(1, 2)  # (B, T, H, hd)
+        # keys are the values, so a value's rotary slice carries its key's angle: turn it back by the query's
+        out = rotate_tail(out, cos[:, None], -sin[:, None])
+        return self.output(out.flatten(-2))
+
+
 def sqrt_softplus(x: torch.Tensor) -> torch.Tensor:
     return F.softplus(x).sqrt()
 
@@ -106,4 +159,4 @@ class HashRouter(nn.Module):
         return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scale, indices
 
 
-__all__ = ["GroupedOutputProjection", "HashRouter", "HeavyCompressor", "rotary_tables", "rotate_tail"]
+__all__ = ["CompressedAttention", "GroupedOutputProjection", "HashRouter", "HeavyCompressor", "rotary_tables", "rotate_tail"]

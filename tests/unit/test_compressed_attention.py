@@ -1,6 +1,6 @@
 """DeepSeek-V4's pieces (model/compressed_attention.py) against transformers 5.24's modules, fp32, random weights:
-the grouped output projection, the heavily compressed attention's compressor (whole-sequence path) and hash
-routing."""
+the grouped output projection, the heavily compressed attention's compressor, the attention of a sliding and of an
+HCA block (whole-sequence path, sinks included) and hash routing."""
 
 from __future__ import annotations
 
@@ -9,12 +9,19 @@ import torch
 from torch import nn
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4Attention,
     DeepseekV4GroupedLinear,
     DeepseekV4HashRouter,
     DeepseekV4HCACompressor,
+    DeepseekV4RotaryEmbedding,
 )
 
-from meshformer.model.compressed_attention import GroupedOutputProjection, HashRouter, HeavyCompressor
+from meshformer.model.compressed_attention import (
+    CompressedAttention,
+    GroupedOutputProjection,
+    HashRouter,
+    HeavyCompressor,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -85,3 +92,28 @@ def test_hash_router_equals_transformers():
     weights, indices = ours(x, ids)
     assert torch.equal(indices, expected_indices)
     torch.testing.assert_close(weights, expected_weights, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("layer_type", ["sliding_attention", "heavily_compressed_attention"])
+@torch.no_grad()
+def test_attention_equals_transformers(layer_type):
+    """Eleven tokens, window 3, compression rate 4: the sliding branch leaves out most of the past, and the
+    compressed entries bring back the finished windows; sinks and the grouped output projection included."""
+    torch.manual_seed(3)
+    cfg = hf_config(sliding_window=3, layer_types=[layer_type])
+    cfg._attn_implementation = "eager"
+    theirs = DeepseekV4Attention(cfg, 0)
+    randomise(theirs)
+    ours = CompressedAttention(D, HEADS, HEAD_DIM, q_rank=16, rope_dim=ROPE, window=3, groups=2, o_rank=8, eps=1e-6,
+                               rope_theta=cfg.rope_theta, compress_theta=cfg.compress_rope_theta,
+                               compress_rate=4 if theirs.compressor is not None else None)
+    names = {"o_a_proj.weight": "output.o_a_proj", "o_b_proj.weight": "output.o_b_proj.weight"}
+    ours.load_state_dict({names.get(k, k): v for k, v in theirs.state_dict().items() if "rotary" not in k})
+    length = 11
+    x, positions = torch.randn(2, length, D), torch.arange(length)
+    distance = positions[:, None] - positions[None, :]
+    mask = torch.zeros(length, length).masked_fill((distance < 0) | (distance >= 3), float("-inf"))
+    rotary = DeepseekV4RotaryEmbedding(cfg)
+    tables = {kind: rotary(x, position_ids=positions[None], layer_type=kind) for kind in ("main", "compress")}
+    expected, _ = theirs(x, tables, positions[None].expand(2, -1), mask.expand(2, 1, -1, -1))
+    torch.testing.assert_close(ours(x, positions), expected, rtol=0, atol=1e-5)
