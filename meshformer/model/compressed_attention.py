@@ -159,4 +159,5 @@ class HashRouter(nn.Module):
         return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scale, indices
 
 
-__all__ = ["CompressedAttention", "GroupedOutputProjection", "HashRouter", "HeavyCompressor", "rotary_tables", "rotate_tail"]
+__all__ = ["CompressedAttention", "GroupedOutputProjection", "HashRouter", "HeavyCompressor", "rotary_tables",
+           "rotate_tail"]
