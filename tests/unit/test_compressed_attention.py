@@ -19,8 +19,8 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 from meshformer.model.compressed_attention import (
     CompressedAttention,
     GroupedOutputProjection,
+    Compressor,
     HashRouter,
-    HeavyCompressor,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -31,7 +31,8 @@ D, HEADS, HEAD_DIM, ROPE = 32, 4, 16, 4
 def hf_config(**fields) -> DeepseekV4Config:
     return DeepseekV4Config(hidden_size=D, num_attention_heads=HEADS, head_dim=HEAD_DIM, partial_rotary_factor=ROPE /
                             HEAD_DIM, q_lora_rank=16, o_groups=2, o_lora_rank=8, num_hidden_layers=1, vocab_size=64,
-                            n_routed_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-6,
+                            n_routed_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-6, index_n_heads=2,
+                            index_head_dim=8, index_topk=2,
                             compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 4},
                             **fields)
 
@@ -65,7 +66,7 @@ def test_heavy_compressor_equals_transformers_over_a_sequence_longer_than_its_wi
     cfg = hf_config()
     theirs = DeepseekV4HCACompressor(cfg)
     randomise(theirs)
-    ours = HeavyCompressor(D, HEAD_DIM, rate=4, rope_dim=ROPE, rope_theta=cfg.compress_rope_theta, eps=1e-6)
+    ours = Compressor(D, HEAD_DIM, rate=4, rope_dim=ROPE, rope_theta=cfg.compress_rope_theta, eps=1e-6)
     ours.load_state_dict({k: v for k, v in theirs.state_dict().items() if "rotary" not in k})
     x = torch.randn(2, 11, D)
     positions = torch.arange(11)
@@ -94,11 +95,13 @@ def test_hash_router_equals_transformers():
     torch.testing.assert_close(weights, expected_weights, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("layer_type", ["sliding_attention", "heavily_compressed_attention"])
+@pytest.mark.parametrize("layer_type", ["sliding_attention", "heavily_compressed_attention",
+                                        "compressed_sparse_attention"])
 @torch.no_grad()
 def test_attention_equals_transformers(layer_type):
-    """Eleven tokens, window 3, compression rate 4: the sliding branch leaves out most of the past, and the
-    compressed entries bring back the finished windows; sinks and the grouped output projection included."""
+    """Seventeen tokens, window 3, compression rate 4: the sliding branch leaves out most of the past; the
+    compressed entries bring back the finished windows, all of them (HCA) or the indexer's top 2 of up to 4 (CSA,
+    overlapping windows); sinks and the grouped output projection included."""
     torch.manual_seed(3)
     cfg = hf_config(sliding_window=3, layer_types=[layer_type])
     cfg._attn_implementation = "eager"
@@ -106,10 +109,13 @@ def test_attention_equals_transformers(layer_type):
     randomise(theirs)
     ours = CompressedAttention(D, HEADS, HEAD_DIM, q_rank=16, rope_dim=ROPE, window=3, groups=2, o_rank=8, eps=1e-6,
                                rope_theta=cfg.rope_theta, compress_theta=cfg.compress_rope_theta,
-                               compress_rate=4 if theirs.compressor is not None else None)
+                               compress_rate=4 if theirs.compressor is not None else None,
+                               index=(2, 8, 2) if layer_type == "compressed_sparse_attention" else None)
     names = {"o_a_proj.weight": "output.o_a_proj", "o_b_proj.weight": "output.o_b_proj.weight"}
-    ours.load_state_dict({names.get(k, k): v for k, v in theirs.state_dict().items() if "rotary" not in k})
-    length = 11
+    ours.load_state_dict({names.get(k, k).replace("compressor.indexer.scorer.", "indexer.")
+                          .replace("compressor.indexer.", "indexer."): v
+                          for k, v in theirs.state_dict().items() if "rotary" not in k})
+    length = 17
     x, positions = torch.randn(2, length, D), torch.arange(length)
     distance = positions[:, None] - positions[None, :]
     mask = torch.zeros(length, length).masked_fill((distance < 0) | (distance >= 3), float("-inf"))
