@@ -18,8 +18,8 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
 
 from meshformer.model.compressed_attention import (
     CompressedAttention,
-    GroupedOutputProjection,
     Compressor,
+    GroupedOutputProjection,
     HashRouter,
 )
 
