@@ -123,3 +123,24 @@ def test_attention_equals_transformers(layer_type):
     tables = {kind: rotary(x, position_ids=positions[None], layer_type=kind) for kind in ("main", "compress")}
     expected, _ = theirs(x, tables, positions[None].expand(2, -1), mask.expand(2, 1, -1, -1))
     torch.testing.assert_close(ours(x, positions), expected, rtol=0, atol=1e-5)
+
+
+def test_the_cache_bench_counts_each_layer_kind(tmp_path):
+    """bench/v4_cache_bytes.py: a sliding window's fixed keys, one entry per HCA window, one entry and one indexer
+    key per CSA window; V3 a latent and a rotary key per token; its table loads."""
+    from types import SimpleNamespace
+
+    from helpers.common import load_script
+
+    bench = load_script("bench/v4_cache_bytes.py")
+    v4 = SimpleNamespace(layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
+                         sliding_window=8, head_dim=4, index_head_dim=2,
+                         compress_rates={"heavily_compressed_attention": 16, "compressed_sparse_attention": 4})
+    assert bench.v4_elements(v4, 32) == 2 * 8 * 4 + 2 * 4 + 8 * (4 + 2)
+    v3 = SimpleNamespace(num_hidden_layers=3, kv_lora_rank=5, qk_rope_head_dim=1)
+    assert bench.v3_elements(v3, 32) == 3 * 32 * 6
+    columns, rows = bench.table(bench.rows(v3, v4))
+    load_script("bench/tables.py").write_table(tmp_path / "architectures-07-v4-cache.json", machine="counted",
+                                               page="architectures", title="t",
+                                               command="python bench/v4_cache_bytes.py", columns=columns, rows=rows)
+    assert load_script("bench/render_tables.py").load_tables(tmp_path)[0]["rows"][0][0] == "4,096"
