@@ -190,6 +190,9 @@ FAMILIES["deepseek_mtp4"] = dict(FAMILIES["deepseek_mtp"], n_layers=4, mlp_types
 # the indexers train
 FAMILIES["dsa"] = dict(FAMILIES["deepseek"], layer_types=["dsa"], dsa=dict(n_heads=4, head_dim=8, topk=5))
 FAMILIES["dsa_warmup"] = dict(FAMILIES["dsa"], dsa=dict(n_heads=4, head_dim=8, topk=5, stage="warmup"))
+# DeepSeek-V4's residual on the DeepSeek-V3-like model: two mHC streams, their mixing weights replicated (FSDP shards,
+# tp replicates them), each token's mix its own (cp pieces and sequence-parallel slices need nothing exchanged)
+FAMILIES["deepseek_mhc"] = dict(FAMILIES["deepseek"], residual=dict(kind="mhc", streams=2, sinkhorn_iters=5))
 FAMILIES["qwen3next4"] = dict(FAMILIES["qwen3next"], n_layers=4, layer_types=["linear_attention", "full_attention"] * 2)
 
 

@@ -137,3 +137,12 @@ def test_the_bench_writes_its_table(tmp_path):
     cells = [cell for t in render.load_tables(tmp_path) for row in t["rows"] for cell in row]
     assert {"500 ms", "750 ms", "× 1.50", "1,100"} <= set(cells)
     assert bench.ratio(result, "flops") == pytest.approx(1.1)
+
+
+@pytest.mark.parametrize("parallel", [{"tp": 2}, {"pp": 2}])
+def test_mhc_refuses_the_layouts_that_hand_on_one_stream(parallel):
+    from meshformer.parallel_dims import validate_parallel
+
+    cfg = config_from_dict({"model": {"residual": {"kind": "mhc"}, "n_layers": 2}, "parallel": parallel})
+    with pytest.raises(ConfigError, match="model.residual.kind='mhc' is not supported under pipeline or tensor"):
+        validate_parallel(cfg, world_size=2, device="cpu")
