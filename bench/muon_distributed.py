@@ -35,8 +35,7 @@ def step_ms(optimizer: torch.optim.Optimizer, rounds: int) -> float:
 
 
 def measure(layout: str, rounds: int, d_model: int) -> dict[str, Any]:
-    from meshformer.optim import build_optimizer
-    from meshformer.optim import muon
+    from meshformer.optim import build_optimizer, muon
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     parallel = {"dp_shard": world} if layout == "fsdp" else {"tp": world, "dp_shard": 1}

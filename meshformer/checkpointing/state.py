@@ -115,8 +115,8 @@ def load_templates(model_parts: list[nn.Module], optimizer: torch.optim.Optimize
     """Tensors of the current layout for DCP to fill in place: model, optimizer, and optimizer state by parameter.
 
     Optimizer state is created from the checkpoint's own index, laid out as the optimizer's spec says
-    (optim/optimizer_spec.py: state_template): by default a tensor shaped like its parameter takes the parameter's sharding
-    (DTensor under FSDP/TP) and anything else (AdamW's scalar step) is a plain CPU tensor.
+    (optim/optimizer_spec.py: state_template): by default a tensor shaped like its parameter takes the parameter's
+    sharding (DTensor under FSDP/TP) and anything else (AdamW's scalar step) is a plain CPU tensor.
     Parameters the checkpoint has no state for stay without state, as they were when saved.
     `skip`: model keys a partial load leaves as initialized (no optimizer state is loaded for them either).
     """

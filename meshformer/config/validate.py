@@ -67,6 +67,7 @@ def validate(cfg: Config) -> None:
     _check_family(cfg)
     _check_moe(cfg)
     _check_mtp(cfg)
+    _check_residual(cfg)
     if m.attention.window is not None:
         if m.attention.window <= 0:
             raise ConfigError("model.attention.window must be positive (or omitted for full attention)")
@@ -215,6 +216,27 @@ def _check_mtp(cfg: Config) -> None:
         raise ConfigError(f"model.mtp.depth={depth}: module k predicts the token k + 1 ahead, so with data.seq_len="
                           f"{cfg.data.seq_len} modules past {cfg.data.seq_len - 1} would never see a target",
                           f"use model.mtp.depth < data.seq_len (at most {cfg.data.seq_len - 1}; DeepSeek-V3 uses 1)")
+
+
+def _check_residual(cfg: Config) -> None:
+    """[model.residual]: mHC's streams and Sinkhorn iterations; its stream is not the one the MTP modules read."""
+    m, r = cfg.model, cfg.model.residual
+    if r.kind != "mhc":
+        return
+    if r.streams < 1:
+        raise ConfigError(f"model.residual.streams={r.streams} must be at least 1", "use 4 (DeepSeek-V4)")
+    if r.sinkhorn_iters < 1:
+        raise ConfigError(f"model.residual.sinkhorn_iters={r.sinkhorn_iters} must be at least 1",
+                          "use 20 (DeepSeek-V4)")
+    if not r.eps > 0:
+        raise ConfigError(f"model.residual.eps={r.eps} must be positive", "use 1e-6 (DeepSeek-V4)")
+    if m.norm.position not in ("pre", "sandwich"):
+        raise ConfigError(f"model.norm.position={m.norm.position!r} with model.residual.kind='mhc': each branch reads "
+                          "a normed mix of the streams, so its norm comes before the branch",
+                          "use model.norm.position='pre' (DeepSeek-V4) or 'sandwich'")
+    if m.mtp.depth:
+        raise ConfigError(f"model.mtp.depth={m.mtp.depth} with model.residual.kind='mhc': the multi-token prediction "
+                          "modules read one stream, not mHC's", "set model.mtp.depth=0 or model.residual.kind='plain'")
 
 
 def _check_rope_scaling(cfg: Config) -> None:

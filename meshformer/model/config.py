@@ -229,6 +229,18 @@ class MtpConfig:
 
 
 @dataclass
+class ResidualConfig:
+    """The `[model.residual]` table: how the blocks' branches join the stream between blocks (model/residual.py)."""
+
+    # "plain": x + f(norm(x)) (model.norm.position places the norm); "mhc": manifold-constrained hyper-connections
+    # (DeepSeek-V4), `streams` copies of the stream mixed by Sinkhorn-normalised matrices
+    kind: Literal["plain", "mhc"] = "plain"
+    streams: int = 4  # mhc: copies of the stream (DeepSeek-V4: 4)
+    sinkhorn_iters: int = 20  # mhc: Sinkhorn iterations projecting each mix onto the doubly-stochastic matrices
+    eps: float = 1e-6  # mhc: added to the mixing weights and to each normalising sum
+
+
+@dataclass
 class InitConfig:
     """The `[model.init]` table: the initialisation of the weights."""
 
@@ -276,6 +288,7 @@ class ModelConfig:
     mamba: MambaConfig = field(default_factory=MambaConfig)  # [model.mamba]
     init: InitConfig = field(default_factory=InitConfig)  # [model.init]
     mtp: MtpConfig = field(default_factory=MtpConfig)  # [model.mtp]
+    residual: ResidualConfig = field(default_factory=ResidualConfig)  # [model.residual]
 
     @property
     def kv_heads(self) -> int:

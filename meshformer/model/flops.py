@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from meshformer.model.components import channel_mixer, cross_mixer, token_mixer
 from meshformer.model.components.base import linear
 from meshformer.model.config import ModelConfig
+from meshformer.model.residual import residual_kind
 
 if TYPE_CHECKING:
     from meshformer.model.families.spec import FamilySpec
@@ -34,9 +35,10 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
         projection, which is the same tensor. They cost no matmul FLOPs as lookups (Kaplan et al.'s N
         excludes them).
     non_embedding: everything else = total - embedding, including an untied output projection.
-    attention / feed_forward / norms / head / mtp: a breakdown of non_embedding (head = BERT head transform,
-        untied output projection, output bias; attention includes its QK-norm weights; mtp = the multi-token
-        prediction modules, model.mtp); embedding + attention + feed_forward + norms + head + mtp = total.
+    attention / feed_forward / norms / head / mtp / residual: a breakdown of non_embedding (head = BERT head
+        transform, untied output projection, output bias; attention includes its QK-norm weights; mtp = the
+        multi-token prediction modules, model.mtp; residual = the residual kind's mixing weights, model.residual,
+        listed where it holds any); embedding + attention + feed_forward + norms + head + mtp + residual = total.
     active: the parameters one token uses: total less the routed experts an MoE block does not pick for it
         (= total for a dense model).
     """
@@ -61,6 +63,7 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     norms_per_block = sublayers * (2 if cfg.norm.position == "sandwich" else 1)
     norms = (norms_per_block + stack_norms + int(cfg.norm.embedding)) * _norm(cfg)
     mtp, mtp_inactive = _mtp_params(cfg)
+    residual = residual_kind(cfg).params(cfg, branches=sublayers, stacks=len(stacks))
     head = 0
     if cfg.head_transform:
         head += linear(d, d, cfg.bias) + _norm(cfg)
@@ -68,9 +71,9 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
         head += vocab * d
     if cfg.output_bias:
         head += vocab
-    total = embedding + attention + feed_forward + norms + head + mtp
+    total = embedding + attention + feed_forward + norms + head + mtp + residual
     inactive += mtp_inactive
-    return {
+    counts = {
         "total": total,
         "embedding": embedding,
         "non_embedding": total - embedding,
@@ -81,6 +84,7 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
         "mtp": mtp,
         "active": total - inactive,
     }
+    return {**counts, "residual": residual} if residual else counts
 
 
 def _mtp_params(cfg: ModelConfig) -> tuple[int, int]:
@@ -124,11 +128,12 @@ def stack_forward_flops(cfg: ModelConfig, n_blocks: int, tokens: int, *, causal:
     """Forward FLOPs of a stack's first n_blocks blocks over one sequence of `tokens` positions, each block's
     token mixer, cross-attention of `memory` positions (memory > 0) and channel mixer as its kinds declare them."""
     total = 0
+    join = residual_kind(cfg).flops(cfg, tokens)  # each branch's join to the stream
     for block in range(n_blocks):
-        total += token_mixer(cfg, block).flops(cfg, tokens, tokens, causal=causal)
+        total += token_mixer(cfg, block).flops(cfg, tokens, tokens, causal=causal) + join
         if memory:
-            total += cross_mixer().flops(cfg, tokens, memory, causal=False)
-        total += channel_mixer(cfg, block).flops(cfg, tokens)
+            total += cross_mixer().flops(cfg, tokens, memory, causal=False) + join
+        total += channel_mixer(cfg, block).flops(cfg, tokens) + join
     return total
 
 

@@ -7,10 +7,10 @@ this rank keeps its shard (`distribute_tensor` without communication), so at mos
 flight and nothing loops over elements on the host.
 
 The rules: a block component's own where it declares one (`init_rule`: attention sinks, normal(init_std) under either
-method; Gated DeltaNet's A_log, dt_bias, gated norm and out_proj); else norm weights 1 (less
-model.norm.weight_offset), every bias 0 (the experts' stacked ones too); other weights Xavier-uniform
-(`init="xavier"`, the original paper) or normal(init_std), with residual outputs (o_proj, down_proj, the experts'
-down_proj) scaled by 1/sqrt(2 * layers).
+method; Gated DeltaNet's A_log, dt_bias, gated norm and out_proj), and the residual kind's (mHC's mixing weights);
+else norm weights 1 (less model.norm.weight_offset), every bias 0 (the experts' stacked ones too); other weights
+Xavier-uniform (`init="xavier"`, the original paper) or normal(init_std), with residual outputs (o_proj, down_proj,
+the experts' down_proj) scaled by 1/sqrt(2 * layers).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from meshformer.model.components import block_mixers
 from meshformer.model.components.base import InitFn
 from meshformer.model.config import ModelConfig
 from meshformer.model.families import get_family_spec
+from meshformer.model.residual import residual_kind
 
 
 def new_seed() -> int:
@@ -50,10 +51,19 @@ def _component_rule(name: str, cfg: ModelConfig) -> InitFn | None:
     return mixer.init_rule(cfg, ".".join(parts[3:])) if mixer is not None else None
 
 
+def _residual_rule(name: str, cfg: ModelConfig) -> InitFn | None:
+    """The rule the residual kind declares for a parameter of a block's branch join (`<stack>_layers.<i>.
+    <branch>_residual.<...>`) or a stack's merge (`<stack>_merge.<...>`)."""
+    parts = name.split(".")
+    if (len(parts) == 4 and parts[2].endswith("_residual")) or (len(parts) == 2 and parts[0].endswith("_merge")):
+        return residual_kind(cfg).init_rule(cfg, parts[-1])
+    return None
+
+
 def init_rule(name: str, cfg: ModelConfig) -> InitFn:
-    """How the parameter called `name` (canonical FQN) is initialised: as its block component declares, else by the
-    rules above."""
-    declared = _component_rule(name, cfg)
+    """How the parameter called `name` (canonical FQN) is initialised: as its block component or the residual kind
+    declares, else by the rules above."""
+    declared = _component_rule(name, cfg) or _residual_rule(name, cfg)
     if declared is not None:
         return declared
     module, _, kind = name.rpartition(".")

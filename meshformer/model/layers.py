@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from meshformer.model.attention import KVCache, SequenceChunk
@@ -14,6 +13,7 @@ from meshformer.model.components.base import GenerationCache
 from meshformer.model.config import ModelConfig
 from meshformer.model.masks import AttentionMask
 from meshformer.model.norms import make_norm
+from meshformer.model.residual import residual_kind
 
 
 def activation_fn(name: str) -> nn.Module:
@@ -72,18 +72,6 @@ class FeedForward(nn.Module):
         return self.down_proj(self.act(self.up_proj(x)))
 
 
-def autocast_once(h: torch.Tensor) -> torch.Tensor:
-    """Cast a branch input to the autocast dtype once, where Q/K/V (or gate/up) projections would each cast it.
-
-    Same forward values; in backward their input gradients are summed in the autocast dtype before the one
-    cast back. A no-op without autocast.
-    """
-    device = h.device.type
-    if h.dtype == torch.float32 and torch.is_autocast_enabled(device):
-        return h.to(torch.get_autocast_dtype(device))
-    return h
-
-
 @dataclass
 class BlockCache:
     """A block's generation state: its token mixer's and its cross-attention's (`TokenMixer.new_cache`)."""
@@ -94,16 +82,12 @@ class BlockCache:
 
 class TransformerBlock(nn.Module):
     """A token mixer, the cross-attention of a cross-attending stack, a channel mixer (model/components/); each a
-    residual branch with dropout.
-
-    Pre-norm: x + drop(f(norm(x))).  Post-norm (the original paper): norm(x + drop(f(x))).
-    Post-sublayer (OLMo 2): x + drop(norm(f(x))).  Sandwich (Gemma): x + drop(out_norm(f(norm(x)))).
-    """
+    branch joined to the stream by the residual kind's join (model/residual.py) with its norms and dropout."""
 
     def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False, index: int = 0) -> None:
         """index: the block's place in its stack (from 0), which picks its kinds (model.layer_types, mlp_types)."""
         super().__init__()
-        self.norm_position = cfg.norm.position
+        residual = residual_kind(cfg)
         sandwich = cfg.norm.position == "sandwich"
         # attribute -> kind name: what tensor parallel and the generation cache read of this block
         self.mixers = {attribute: kind.name for attribute, kind in block_mixers(cfg, index, cross=cross).items()}
@@ -112,33 +96,21 @@ class TransformerBlock(nn.Module):
         self.attn = mixer.build(cfg, causal=causal)
         self.attn_reads_padding = mixer.reads_padding_and_documents
         self.attn_out_norm = make_norm(cfg) if sandwich else None
+        self.attn_residual = residual.branch(cfg)
         self.cross_norm = make_norm(cfg) if cross else None
         self.cross_attn = cross_mixer().build(cfg, causal=False) if cross else None
         self.cross_out_norm = make_norm(cfg) if cross and sandwich else None
+        self.cross_residual = residual.branch(cfg) if cross else None
         self.ffn_norm = make_norm(cfg)
         self.ffn = channel_mixer(cfg, index).build(cfg)
         self.ffn_out_norm = make_norm(cfg) if sandwich else None
-        self.dropout = cfg.dropout
+        self.ffn_residual = residual.branch(cfg)
 
     def new_cache(self) -> BlockCache:
         """An empty generation cache for this block, as its token mixers declare it."""
         caches = {attribute: TOKEN_MIXERS[kind].new_cache() for attribute, kind in self.mixers.items()
                   if kind in TOKEN_MIXERS}
         return BlockCache(caches.get("attn") or KVCache(), caches.get("cross_attn") or KVCache())
-
-    def _branch(self, x: torch.Tensor, norm: nn.Module, out_norm: nn.Module | None, fn, *args, **kwargs
-                ) -> torch.Tensor:
-        """x plus the sub-layer `fn`'s output, with `norm` (and the sandwich's `out_norm`) where norm_position puts
-        them."""
-        position = self.norm_position
-        if position == "post":
-            return norm(x + F.dropout(fn(autocast_once(x), *args, **kwargs), self.dropout, self.training))
-        if position == "post_sublayer":
-            return x + F.dropout(norm(fn(autocast_once(x), *args, **kwargs)), self.dropout, self.training)
-        out = fn(autocast_once(norm(x)), *args, **kwargs)
-        if out_norm is not None:
-            out = out_norm(out)
-        return x + F.dropout(out, self.dropout, self.training)
 
     def forward(
         self,
@@ -162,9 +134,9 @@ class TransformerBlock(nn.Module):
         tokens = {"padding": padding, "documents": documents} if self.attn_reads_padding else {}
         if query_scale is not None:
             tokens["query_scale"] = query_scale
-        x = self._branch(x, self.attn_norm, self.attn_out_norm, self.attn, mask, rope=rope, bias=bias,
-                         cache=cache.self_attn if cache else None, chunk=chunk, **tokens)
-        if self.cross_attn is not None and self.cross_norm is not None:
-            x = self._branch(x, self.cross_norm, self.cross_out_norm, self.cross_attn, memory_mask, memory=memory,
-                             cache=cache.cross_attn if cache else None)
-        return self._branch(x, self.ffn_norm, self.ffn_out_norm, self.ffn)
+        x = self.attn_residual(x, self.attn_norm, self.attn_out_norm, self.attn, mask, rope=rope, bias=bias,
+                               cache=cache.self_attn if cache else None, chunk=chunk, **tokens)
+        if self.cross_attn is not None and self.cross_norm is not None and self.cross_residual is not None:
+            x = self.cross_residual(x, self.cross_norm, self.cross_out_norm, self.cross_attn, memory_mask,
+                                    memory=memory, cache=cache.cross_attn if cache else None)
+        return self.ffn_residual(x, self.ffn_norm, self.ffn_out_norm, self.ffn)

@@ -37,6 +37,7 @@ from meshformer.model.positions import (
     alibi_slopes,
     query_scale,
 )
+from meshformer.model.residual import residual_kind
 
 if TYPE_CHECKING:
     from meshformer.loss.fused import HeadLoss
@@ -44,8 +45,9 @@ if TYPE_CHECKING:
 # Every top-level piece a Transformer may hold; each may be None (not in the family or the config, or
 # held by another pipeline stage).
 PIECES = ("tok_embeddings", "src_embeddings", "pos_embeddings", "rope", "local_rope", "embedding_norm",
-          "encoder_relative_bias", "decoder_relative_bias", "encoder_layers", "encoder_norm", "decoder_layers",
-          "decoder_norm", "head_dense", "head_act", "head_norm", "output", "mtp_layers")
+          "encoder_relative_bias", "decoder_relative_bias", "encoder_layers", "encoder_merge", "encoder_norm",
+          "decoder_layers", "decoder_merge", "decoder_norm", "head_dense", "head_act", "head_norm", "output",
+          "mtp_layers")
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ def stage_holdings(spec: FamilySpec, cfg: ModelConfig, span: StageSpan | None) -
     """(top-level pieces, block keys per stack) of the part covering `span`; everything when `span` is None.
 
     Which pieces a stage holds besides its blocks is the family spec's `pipeline` (`StagePieces`); a stack's final norm
-    goes with its last block.
+    goes with its last block, as does the residual's merge.
     """
     blocks = {stack.layers: [str(i) for i in range(stack.count(cfg))] for stack in spec.stacks}
     if span is None:
@@ -81,7 +83,7 @@ def stage_holdings(spec: FamilySpec, cfg: ModelConfig, span: StageSpan | None) -
         if keys:
             held.add(stack.layers)
             if keys[-1] == str(stack.count(cfg) - 1):
-                held.add(stack.norm)
+                held.update((stack.norm, stack.merge))
         offset += stack.count(cfg)
     if span.stop == offset:
         held.update(pieces.last)
@@ -154,6 +156,9 @@ class Transformer(nn.Module):
         self.decoder_layers: nn.ModuleDict | None = None
         self.encoder_norm: nn.Module | None = None
         self.decoder_norm: nn.Module | None = None
+        self.encoder_merge: nn.Module | None = None
+        self.decoder_merge: nn.Module | None = None
+        self.residual = residual_kind(cfg)
         for stack in spec.stacks:
             if stack.layers in held:
                 keys = blocks[stack.layers]
@@ -161,6 +166,7 @@ class Transformer(nn.Module):
                     {key: TransformerBlock(cfg, causal=stack.causal, cross=stack.cross, index=int(key))
                      for key in keys}))
             setattr(self, stack.norm, make_norm(cfg) if cfg.use_final_norm and stack.norm in held else None)
+            setattr(self, stack.merge, self.residual.merge(cfg) if stack.merge in held else None)
         self.head_dense: nn.Module | None = None
         self.head_act: nn.Module | None = None
         self.head_norm: nn.Module | None = None
@@ -262,10 +268,12 @@ class Transformer(nn.Module):
         return nn.functional.dropout(h, self.cfg.dropout, self.training)
 
     def _hidden(self, ids: torch.Tensor, h: torch.Tensor | None, **embed_kwargs) -> torch.Tensor:
-        """`h` if given, else `ids` embedded; a model built without embeddings reads `ids` as hidden states."""
+        """`h` if given, else `ids` embedded and entered into the residual stream; a model built without embeddings
+        reads `ids` as hidden states."""
         if h is not None:
             return h
-        return self.embed(ids, **embed_kwargs) if self.tok_embeddings is not None else ids
+        return self.residual.enter(self.cfg, self.embed(ids, **embed_kwargs) if self.tok_embeddings is not None
+                                   else ids)
 
     def _positions(self, q_len: int, offset: int, device: torch.device) -> tuple[torch.Tensor, int]:
         """(positions of these q_len tokens, keys attention sees): offset.. after a KV cache; under context parallel
@@ -329,6 +337,8 @@ class Transformer(nn.Module):
         for key, layer in self.encoder_layers.items():
             mask, kwargs = self._block_inputs(int(key), masks, extra)
             h = layer(h, mask, chunk=self.parallel_context.chunk, **kwargs)
+        if self.encoder_merge is not None:
+            h = self.encoder_merge(h)
         if self.encoder_norm is not None:
             h = self.encoder_norm(h)
         factor = self.cfg.cross_downsample
@@ -380,6 +390,8 @@ class Transformer(nn.Module):
             mask, kwargs = self._block_inputs(int(key), masks, extra)
             h = layer(h, mask, memory=memory, memory_mask=memory_mask, cache=cache[i] if cache else None,
                       chunk=self.parallel_context.chunk, **kwargs)
+        if self.decoder_merge is not None:
+            h = self.decoder_merge(h)
         if self.decoder_norm is not None and final_norm:
             h = self.decoder_norm(h)
         return h

@@ -1,7 +1,7 @@
 """The optimizer registry: one file per optimizer (adamw.py, muon.py, normuon.py), each declaring its config table
 `[optim.<name>]`, its parameter groups and torch optimizer, its state bytes per parameter (the planner) and its
-state's layout on the ranks (checkpoint resharding); see `optimizer_spec.OptimizerSpec`. Adding one: its file, one line in
-`OPTIMIZERS`, and its table as a field of `OptimConfig` (config/sections.py) with its name in `optim.name`.
+state's layout on the ranks (checkpoint resharding); see `optimizer_spec.OptimizerSpec`. Adding one: its file, one
+line in `OPTIMIZERS`, and its table as a field of `OptimConfig` (config/sections.py) with its name in `optim.name`.
 """
 
 from __future__ import annotations

@@ -197,6 +197,9 @@ FAMILIES["mamba"] = dict(family="decoder", n_layers=2, position="none", bias=Fal
                          layer_types=["mamba2", "full_attention"], norm=dict(kind="rmsnorm"),
                          attention=dict(n_kv_heads=2, document_mask=True),
                          mamba=dict(n_heads=4, head_dim=8, state_size=8, n_groups=2, chunk_size=8))
+# DeepSeek-V4's residual on the DeepSeek-V3-like model: two mHC streams, their mixing weights replicated (FSDP shards,
+# tp replicates them), each token's mix its own (cp pieces and sequence-parallel slices need nothing exchanged)
+FAMILIES["deepseek_mhc"] = dict(FAMILIES["deepseek"], residual=dict(kind="mhc", streams=2, sinkhorn_iters=5))
 FAMILIES["qwen3next4"] = dict(FAMILIES["qwen3next"], n_layers=4, layer_types=["linear_attention", "full_attention"] * 2)
 
 

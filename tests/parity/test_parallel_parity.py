@@ -138,7 +138,9 @@ MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "mo
               "dsa/fsdp-ep-recompute=full", "dsa/tp-ep-recompute=selective",
               # the warm-up's frozen parameters stay frozen under tp's styles and out of the pipeline's shared-weight
               # sum
-              "dsa_warmup/tp-ep", "dsa_warmup/pp"]
+              "dsa_warmup/tp-ep", "dsa_warmup/pp",
+              # mHC: its mixing weights sharded by FSDP; cp pieces each mixing their own tokens' streams
+              "deepseek_mhc/fsdp-ep", "deepseek_mhc/cp-ep"]
 MOE_WORLD4 = ["qwen3next/cp=4",  # 8 pieces of 2 tokens: a convolution window spans two earlier pieces
               "qwen3next/cp-fsdp-ep=4", "qwen3next/tp-fsdp-ep",
               "moe/fsdp=4-ep", "moe/fsdp=4-ep=4", "moe/hsdp-ep", "moe/tp-fsdp-ep", "moe/tp-fsdp-ep=4",
@@ -224,7 +226,7 @@ WORLD2_SLOW = {"decoder/cp-compile", "decoder/tp-fp8=tensorwise", "decoder_alibi
                 "deepseek_mtp/fsdp-ep-recompute=selective", "kimi/fsdp-ep", "kimi/pp", "dsa/fsdp-ep", "dsa/pp",
                 "dsa_warmup/fsdp-ep", "dsa/fsdp-ep-recompute=full", "dsa/tp-ep-recompute=selective", "dsa_warmup/tp-ep",
                 "dsa_warmup/pp", "mamba/cp", "mamba/cp-rightpad", "mamba/tp", "mamba/fsdp",
-                "mamba/pp", *NORMUON_WORLD2} | set(ULYSSES_WORLD2)
+                "mamba/pp", "deepseek_mhc/fsdp-ep", "deepseek_mhc/cp-ep", *NORMUON_WORLD2} | set(ULYSSES_WORLD2)
 # The second step's global gradient norm, for rows where Adam's first update (about ±lr per element, its sign set by
 # rounding where a gradient is near zero) moves the weights differently enough to show: step-0 gradients of these
 # rows agree to 1e-6; measured 1.34e-5 on an AVX-512 CPU.
@@ -233,7 +235,9 @@ NORM_TOL = {"decoder_gemma/tp": 3e-5, "dsa_warmup/tp-ep": 5e-5}  # dsa_warmup: o
 # either apart), so fp32 rounding of either shows ~1000-fold in it: under tp each rank's heads give their share
 # (m_r softmax(I) - p_r) and the shares are summed (1.2e-5 of the indexer's gradient seen), under cp each piece's
 # probabilities come from products of another shape (7.2e-6 seen). Without the sum over tp ranks: 0.79.
-GRAD_TOL = {"dsa/tp-ep": 3e-5, "dsa/cp-ep": 3e-5, "dsa/tp-ep-recompute=selective": 3e-5, "dsa_warmup/tp-ep": 3e-5}
+GRAD_TOL = {"dsa/tp-ep": 3e-5, "dsa/cp-ep": 3e-5, "dsa/tp-ep-recompute=selective": 3e-5, "dsa_warmup/tp-ep": 3e-5,
+            # mHC's mixing biases: sums over every token's Sinkhorn-normalised mix, in each layout's order
+            "deepseek_mhc/fsdp-ep": 3e-5, "deepseek_mhc/cp-ep": 3e-5}
 ALL_WORLD2 = WORLD2 + MIXED_PRECISION + FP8_WORLD2 + ["skip/nan"]  # skip/nan: a NaN gradient on one rank
 
 

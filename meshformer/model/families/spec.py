@@ -54,6 +54,11 @@ class Stack:
     def norm(self) -> str:
         return f"{self.name}_norm"
 
+    @property
+    def merge(self) -> str:
+        """The residual kind's merge of the stream before the final norm (model/residual.py; None for a plain one)."""
+        return f"{self.name}_merge"
+
 
 @dataclass(frozen=True)
 class StagePieces:
