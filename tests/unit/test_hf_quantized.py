@@ -10,15 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.hf_models import VOCAB, hf_model
 from safetensors.torch import load_file, save_file
 
 from meshformer.checkpointing import ConversionError
 from meshformer.checkpointing.hf_folder import hf_source, import_hf
+from meshformer.checkpointing.init_from import load_init_weights, resolve_init_from
 from meshformer.cli import main
+from meshformer.config import CheckpointConfig, Config, DataConfig
 from meshformer.model import Transformer
-from tests.helpers.hf_models import VOCAB, hf_model
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 FP8_BLOCK = [16, 16]  # smaller than the published 128 so the tiny model's weights span several (and partial) blocks
 E4M3_MAX = 448.0
@@ -206,6 +209,16 @@ def test_quantized_folder_converts_from_the_command_line(quantized, tmp_path):
     assert len(reference) > 0
 
 
+def test_init_from_reads_a_quantized_folder_dequantized(quantized):
+    arch, written, folder = quantized
+    cfg = resolve_init_from(Config(data=DataConfig(seq_len=32), checkpoint=CheckpointConfig(init_from=f"hf:{folder}")))
+    model = Transformer(cfg.model)
+    assert load_init_weights([model], cfg) == arch
+    _, imported = import_hf(folder)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, imported[name]), name
+
+
 def test_unknown_method_and_missing_scale_are_refused_in_one_line(quantized, tmp_path):
     arch, written, folder = quantized
     bad = tmp_path / "bad"
@@ -224,3 +237,20 @@ def test_unknown_method_and_missing_scale_are_refused_in_one_line(quantized, tmp
     with pytest.raises(ConversionError, match=r"has no scale tensor") as err:
         import_hf(bad)
     assert "\n" not in str(err.value) and scale in str(err.value)
+
+
+def test_fp8_dequantization_equals_torch_checkpoint_reader(tmp_path):
+    """torch.distributed.checkpoint's QuantizedHuggingFaceStorageReader (which needs a sharded index) dequantizes
+    the same FP8 folder to the same tensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
+
+    written, folder = _quantized_folder("deepseek_v3", tmp_path / "fp8")
+    ours = hf_source(folder)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": dict.fromkeys(written, "model.safetensors")}))
+    loaded = {name: torch.empty(written[name].shape) for name in written if name + "_scale_inv" in written}
+    dcp.load(loaded, storage_reader=QuantizedHuggingFaceStorageReader(str(folder), block_size=FP8_BLOCK[0]))
+    assert len(loaded) > 10
+    for name, tensor in loaded.items():
+        assert torch.equal(ours[name], tensor), name
