@@ -195,18 +195,25 @@ def test_quantized_import_matches_transformers_on_the_dequantized_weights(quanti
     assert expected.std() > 0.1
 
 
-def test_quantized_folder_converts_from_the_command_line(quantized, tmp_path):
+def test_quantized_folder_converts_from_the_command_line_and_exports_unquantized(quantized, tmp_path):
     from meshformer.checkpointing.weights import read_weights
 
     arch, written, folder = quantized
     main(["convert", "import-hf", str(folder), str(tmp_path / "w"), "--dtype", "bf16"])
     _, state = read_weights(tmp_path / "w")
-    reference = _reference(written)
-    cfg, imported = import_hf(folder, dequantize_to=torch.bfloat16)
+    _, imported = import_hf(folder, dequantize_to=torch.bfloat16)
+    assert sorted(state) == sorted(imported)
     for name in state:
         assert torch.equal(state[name], imported[name]), name
     assert any(t.dtype == torch.bfloat16 for t in state.values())
-    assert len(reference) > 0
+
+    main(["convert", "export-hf", str(tmp_path / "w"), str(tmp_path / "out")])
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    exported = hf_source(tmp_path / "out")
+    reference = _reference(written)
+    assert sorted(exported) == sorted(reference)  # the unquantized names, no scales
+    for name, tensor in reference.items():
+        assert torch.equal(exported[name], tensor.to(exported[name].dtype)), name
 
 
 def test_init_from_reads_a_quantized_folder_dequantized(quantized):
@@ -219,7 +226,7 @@ def test_init_from_reads_a_quantized_folder_dequantized(quantized):
         assert torch.equal(tensor, imported[name]), name
 
 
-def test_unknown_method_and_missing_scale_are_refused_in_one_line(quantized, tmp_path):
+def test_unknown_method_missing_or_misshapen_scale_are_refused_in_one_line(quantized, tmp_path):
     arch, written, folder = quantized
     bad = tmp_path / "bad"
     shutil.copytree(folder, bad)
@@ -235,6 +242,12 @@ def test_unknown_method_and_missing_scale_are_refused_in_one_line(quantized, tmp
     save_file({k: v for k, v in written.items() if k != scale}, str(bad / "model.safetensors"),
               metadata={"format": "pt"})
     with pytest.raises(ConversionError, match=r"has no scale tensor") as err:
+        import_hf(bad)
+    assert "\n" not in str(err.value) and scale in str(err.value)
+
+    save_file({**written, scale: written[scale][..., :1].contiguous()}, str(bad / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match=r"has shape .* \(expected .*\)") as err:
         import_hf(bad)
     assert "\n" not in str(err.value) and scale in str(err.value)
 
