@@ -149,7 +149,7 @@ def quantized(request, tmp_path_factory):
 
 
 def test_quantized_tensors_read_as_their_reference_dequantization(quantized):
-    arch, written, folder = quantized
+    _arch, written, folder = quantized
     reference = _reference(written)
     n_quantized = sum(name.endswith(("_scale_inv", "_scales")) for name in written)
     assert n_quantized >= 2
@@ -198,7 +198,7 @@ def test_quantized_import_matches_transformers_on_the_dequantized_weights(quanti
 def test_quantized_folder_converts_from_the_command_line_and_exports_unquantized(quantized, tmp_path):
     from meshformer.checkpointing.weights import read_weights
 
-    arch, written, folder = quantized
+    _arch, written, folder = quantized
     main(["convert", "import-hf", str(folder), str(tmp_path / "w"), "--dtype", "bf16"])
     _, state = read_weights(tmp_path / "w")
     _, imported = import_hf(folder, dequantize_to=torch.bfloat16)
@@ -217,7 +217,7 @@ def test_quantized_folder_converts_from_the_command_line_and_exports_unquantized
 
 
 def test_init_from_reads_a_quantized_folder_dequantized(quantized):
-    arch, written, folder = quantized
+    arch, _written, folder = quantized
     cfg = resolve_init_from(Config(data=DataConfig(seq_len=32), checkpoint=CheckpointConfig(init_from=f"hf:{folder}")))
     model = Transformer(cfg.model)
     assert load_init_weights([model], cfg) == arch
@@ -227,7 +227,7 @@ def test_init_from_reads_a_quantized_folder_dequantized(quantized):
 
 
 def test_unknown_method_missing_or_misshapen_scale_are_refused_in_one_line(quantized, tmp_path):
-    arch, written, folder = quantized
+    _arch, written, folder = quantized
     bad = tmp_path / "bad"
     shutil.copytree(folder, bad)
     config = json.loads((bad / "config.json").read_text())

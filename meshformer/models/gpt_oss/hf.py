@@ -11,8 +11,9 @@ down_proj / down_proj_bias = our down_proj / down_bias (expert_bias_terms). They
 (swiglu_limit, swiglu_alpha = ours; hidden_act is unused). router_aux_loss_coef <-> moe_aux_loss.
 
 Refused: layer_types other than every n-th block global, rotary scaling other than ours; on export, a model without
-sinks, router bias or expert biases (gpt-oss always has them). The Hub's MXFP4 experts (*_blocks / *_scales, quant_method
-mxfp4) are read dequantized (checkpointing/quantized.py); blocks without that quantization_config are refused.
+sinks, router bias or expert biases (gpt-oss always has them). The Hub's MXFP4 experts (*_blocks / *_scales,
+quant_method mxfp4) are read dequantized (checkpointing/quantized.py); blocks without that quantization_config are
+refused.
 """
 
 from __future__ import annotations
