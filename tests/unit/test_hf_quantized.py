@@ -252,6 +252,7 @@ def test_unknown_method_missing_or_misshapen_scale_are_refused_in_one_line(quant
     assert "\n" not in str(err.value) and scale in str(err.value)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # one process, as intended
 def test_fp8_dequantization_equals_torch_checkpoint_reader(tmp_path):
     """torch.distributed.checkpoint's QuantizedHuggingFaceStorageReader (which needs a sharded index) dequantizes
     the same FP8 folder to the same tensors."""
