@@ -139,7 +139,10 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
     """(rows, cols) float8 * its (ceil(rows / b0), ceil(cols / b1)) block scales, in fp32, then `dtype`."""
     rows, cols = weight.shape
     scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return (weight.float() * scale).to(dtype)
+    return weight.float().mul_(scale).to(dtype)
+
+
+MX_CHUNK = 1 << 20  # 16-byte blocks dequantized at a time: bounds the index temporaries of a 100 GB expert tensor
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -147,6 +150,11 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     in fp32 (exact: e2m1 times a power of two), then `dtype`."""
     *prefix, groups, half = blocks.shape
     lut = torch.tensor(E2M1, dtype=torch.float32)
-    values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1).flatten(-2)
-    values = torch.ldexp(values, (scales.to(torch.int32) - 127).unsqueeze(-1))
-    return values.reshape(*prefix, groups * half * 2).transpose(-1, -2).contiguous().to(dtype)
+    out = torch.empty(*prefix, groups, half * 2)
+    packed, exponents, values = blocks.reshape(-1, half), scales.reshape(-1, 1), out.view(-1, half * 2)
+    for start in range(0, packed.shape[0], MX_CHUNK):
+        chunk, rows = packed[start:start + MX_CHUNK], values[start:start + MX_CHUNK]
+        rows[:, 0::2] = lut[(chunk & 0x0F).long()]  # the low nibble holds the even element
+        rows[:, 1::2] = lut[(chunk >> 4).long()]
+        rows.copy_(torch.ldexp(rows, exponents[start:start + MX_CHUNK].to(torch.int32) - 127))
+    return out.view(*prefix, groups * half * 2).transpose(-1, -2).to(dtype, memory_format=torch.contiguous_format)
