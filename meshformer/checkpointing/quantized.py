@@ -157,4 +157,5 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
         rows[:, 0::2] = lut[(chunk & 0x0F).long()]  # the low nibble holds the even element
         rows[:, 1::2] = lut[(chunk >> 4).long()]
         rows.copy_(torch.ldexp(rows, exponents[start:start + MX_CHUNK].to(torch.int32) - 127))
-    return out.view(*prefix, groups * half * 2).transpose(-1, -2).to(dtype, memory_format=torch.contiguous_format)
+    stored = out.view(*prefix, groups * half * 2).transpose(-1, -2)
+    return torch.empty(stored.shape, dtype=dtype).copy_(stored)  # (..., in, out) laid out contiguously, in `dtype`
