@@ -12,7 +12,8 @@ The folder then reads as if it held `<name>.weight` / `<name>` in the dtype aske
 at a time. Why not torch.distributed.checkpoint's QuantizedHuggingFaceStorageReader, which knows both layouts: it
 is a DCP storage reader, filling a preallocated state dict through a load plan; each load re-reads every shard's
 header, it needs a sharded index (no single model.safetensors), it keeps the quantized names and the (out, in)
-expert layout, and its MXFP4 path did not reproduce the format's values on a tiny gpt-oss folder (torch 2.13).
+expert layout, and a dcp.load of a tiny gpt-oss folder's MXFP4 experts through it (torch 2.13) returned values
+other than the format's past the first few.
 Our import streams one named tensor at a time through the name maps, so the arithmetic (a few lines per format)
 is done here, per tensor, on the files' own reader (`SafetensorsFolder`); the FP8 results are tested equal to
 torch's reader.

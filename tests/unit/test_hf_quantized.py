@@ -158,6 +158,7 @@ def test_quantized_tensors_read_as_their_reference_dequantization(quantized):
     for name, expected in reference.items():
         got = theirs[name]
         assert got.shape == expected.shape and theirs.meta(name).shape == expected.shape, name
+        assert got.is_contiguous(), name
         if expected.is_floating_point() and name not in written:  # MXFP4: exact (e2m1 times a power of two)
             assert got.dtype == torch.float32 and torch.equal(got, expected), name
         elif name + "_scale_inv" in written:  # FP8: the same fp32 product
