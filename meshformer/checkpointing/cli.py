@@ -161,11 +161,14 @@ def _export_hf(args: argparse.Namespace) -> Path:
 
 
 def _import_hf(args: argparse.Namespace) -> Path:
+    import torch
+
     from meshformer.checkpointing.hf_folder import import_hf
     from meshformer.data import load_tokenizer
 
     _require_transformers("import-hf")
-    cfg, state = import_hf(Path(args.src), follow_links=args.follow_links)
+    cfg, state = import_hf(Path(args.src), follow_links=args.follow_links,
+                           dequantize_to=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     # the folder's own tokenizer (tokenizer.json + tokenizer_config.json) travels into the weights folder
     tokenizer = load_tokenizer(args.src) if (Path(args.src) / "tokenizer.json").is_file() else None
     if args.checkpoint:
@@ -287,6 +290,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                        "weights folder")
     hf_in.add_argument("--follow-links", action="store_true", help="read files that links take outside SRC (default: "
                        "refused, except a Hugging Face hub cache snapshot's links into its blobs/)")
+    hf_in.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the dtype a quantized folder's "
+                       "FP8 / MXFP4 weights are dequantized to (the training dtype; unquantized tensors keep theirs)")
     megatron_out = command("export-megatron", _export_megatron, "-> Megatron-Core torch_dist GPT checkpoint")
     megatron_out.add_argument("--iteration", type=_count(0), default=0, help="the iter_<N> folder to write")
     megatron_out.add_argument("--pad-vocab-multiple", type=_count(1), default=1,

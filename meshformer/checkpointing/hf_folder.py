@@ -164,14 +164,21 @@ def hf_tensors(state: Mapping[str, torch.Tensor], cfg: ModelConfig, arch: Arch) 
     yield from hf.derived_tensors(state, cfg, get_adapter(arch))
 
 
-def hf_source(folder: Path, follow_links: bool = False) -> Mapping[str, torch.Tensor]:
+def hf_source(folder: Path, follow_links: bool = False,
+              dequantize_to: torch.dtype = torch.float32) -> Mapping[str, torch.Tensor]:
     """The tensors of an HF folder, read on access: model.safetensors or a sharded index (pytorch_model.bin,
-    a single pickle, is loaded whole with weights_only=True)."""
+    a single pickle, is loaded whole with weights_only=True). A quantized folder (config.json's
+    quantization_config: FP8 blocks or MXFP4) reads as its unquantized tensors, in `dequantize_to`."""
+    from meshformer.checkpointing.quantized import DequantizedFolder, quantization_config
     from meshformer.checkpointing.safetensors_io import LazyState
 
     folder = Path(folder)
     if has_safetensors(folder):
         files = SafetensorsFolder(folder, follow_links)
+        quant = quantization_config(folder)
+        if quant is not None:
+            read = DequantizedFolder(files, quant, dequantize_to, folder)
+            return LazyState(read.keys(), read.get, read.meta)
         return LazyState(files.keys(), files.get, files.meta)
     if (folder / "pytorch_model.bin").is_file():
         return _read_pickled(folder / "pytorch_model.bin")
@@ -272,10 +279,11 @@ def refuse_nonfinite(tensor: torch.Tensor, theirs: str, ours: str, folder: Path 
                           "restore or re-download the folder's weights, or point at another folder")
 
 
-def open_hf(folder: Path, follow_links: bool = False) -> tuple[ModelConfig, Arch, Mapping[str, torch.Tensor]]:
+def open_hf(folder: Path, follow_links: bool = False,
+            dequantize_to: torch.dtype = torch.float32) -> tuple[ModelConfig, Arch, Mapping[str, torch.Tensor]]:
     """(our config, the architecture, its tensors read on access under their own names) of a Hugging Face
     folder: only config.json and the files' headers are read. Its files must lie in it (or, for a hub cache
-    snapshot, in the cache's blobs/) unless `follow_links`."""
+    snapshot, in the cache's blobs/) unless `follow_links`. Quantized tensors read dequantized to `dequantize_to`."""
     from meshformer.checkpointing import hf
 
     folder = Path(folder)
@@ -284,7 +292,7 @@ def open_hf(folder: Path, follow_links: bool = False) -> tuple[ModelConfig, Arch
     if not follow_links:
         check_links(folder, [p for p in folder.iterdir() if p.is_file()], what=f"Hugging Face folder {folder}",
                     fix=LINKS_FIX)
-    theirs = hf_source(folder, follow_links)
+    theirs = hf_source(folder, follow_links, dequantize_to)
     raw, hf_config = _read_config(folder / "config.json", len(theirs))
     text = getattr(hf_config, "text_config", None)
     if find_adapter(hf_config.model_type) is None and find_adapter(getattr(text, "model_type", None)):
@@ -305,10 +313,11 @@ def open_hf(folder: Path, follow_links: bool = False) -> tuple[ModelConfig, Arch
     return cfg, hf_config.model_type, theirs
 
 
-def import_hf(folder: Path, *, show_progress: bool | None = None,
-              follow_links: bool = False) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
-    """(our config, our tensors read on access) from a Hugging Face folder of one of `hf.ARCHS`."""
-    cfg, arch, theirs = open_hf(folder, follow_links)
+def import_hf(folder: Path, *, show_progress: bool | None = None, follow_links: bool = False,
+              dequantize_to: torch.dtype = torch.float32) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
+    """(our config, our tensors read on access) from a Hugging Face folder of one of `hf.ARCHS`; a quantized
+    folder's weights come dequantized to `dequantize_to` (fp32 or bf16)."""
+    cfg, arch, theirs = open_hf(folder, follow_links, dequantize_to)
     try:
         return cfg, lazy_from_hf(theirs, cfg, arch, folder)
     except (ValueError, KeyError) as err:

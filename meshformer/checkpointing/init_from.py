@@ -131,7 +131,8 @@ class HFInitWeights:
         self.files = SafetensorsFolder(folder) if has_safetensors(folder) else None
         self.renamed = {rule.ours[0]: original[rule.theirs] for rule in hf.name_rules(self.cfg, arch)
                         if not rule.alias and len(rule.ours) == 1 and not rule.transpose and rule.expert is None
-                        and rule.theirs_shape is None}
+                        and rule.theirs_shape is None
+                        and not (self.files and _quantized_in_files(self.files, original[rule.theirs]))}
         if self.cfg.tie_embeddings and "tok_embeddings.weight" in self.renamed:
             self.renamed["output.weight"] = self.renamed["tok_embeddings.weight"]
 
@@ -145,6 +146,12 @@ class HFInitWeights:
         if self.files is not None and name in self.renamed:
             return self.files.get_slice(self.renamed[name])
         return self.state[name]
+
+
+def _quantized_in_files(files: Any, name: str) -> bool:
+    """Whether the files hold `name` quantized (an FP8 weight) or not at all (an MXFP4 tensor, stored as blocks and
+    scales): such a tensor is read whole, dequantized, never by slices of the file."""
+    return name not in files or files.meta(name).dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def load_init_weights(parts: list[torch.nn.Module], cfg: Config, between: Callable[[], None] | None = None) -> str:

@@ -28,7 +28,7 @@ from meshformer.folders import inside
 _LINK_FIX = "copy the linked file into the folder (cp -L), or point at the folder that holds it"
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 

@@ -14,7 +14,8 @@ up_proj / down_proj of width moe_intermediate_size; mlp.shared_experts (n_shared
 FFN = ours). first_k_dense_replace = our moe_first_dense, those blocks' MLP intermediate_size wide.
 
 Refused: attention_bias, num_key_value_heads other than num_attention_heads (transformers repeats keys that
-already have every head), a checkpoint stored in FP8 blocks (weight_scale_inv).
+already have every head). A folder stored in FP8 blocks (weight_scale_inv, quant_method fp8) is read dequantized
+(checkpointing/quantized.py); scales without that quantization_config are refused.
 
 Multi-token prediction: with model.mtp.depth > 0 our module k is their layer num_hidden_layers + k (enorm, hnorm,
 eh_proj, shared_head.norm and a decoder layer of the last layer's kinds; its embed_tokens and shared_head.head are
@@ -38,9 +39,9 @@ from meshformer.models import llama_like
 from meshformer.models.qwen3_moe.hf import EXPERTS
 
 ARCH = "deepseek_v3"
-FP8 = (r"weight_scale_inv$", "the weights are stored in FP8 blocks with scales, which meshformer does not read; "
-       "dequantize first: load the model in transformers with its FP8 dequantization, save_pretrained it in bf16, "
-       "and import that folder")
+FP8 = (r"weight_scale_inv$", "the weights are stored in FP8 blocks with scales, which meshformer dequantizes only "
+       "from a folder whose config.json names them; add quantization_config {\"quant_method\": \"fp8\", "
+       "\"weight_block_size\": [128, 128]} to config.json and import the folder")
 # our MLA linears -> theirs: the query path (direct, or low-rank with its norm), then keys / values and output
 _DIRECT_QUERIES = {"q_proj": "q_proj"}
 _LOW_RANK_QUERIES = {"q_a_proj": "q_a_proj", "q_b_proj": "q_b_proj"}

@@ -10,9 +10,10 @@ gate (even columns) and up (odd) = our gate_proj / up_proj, its bias likewise ou
 down_proj / down_proj_bias = our down_proj / down_bias (expert_bias_terms). They apply the clamped SwiGLU
 (swiglu_limit, swiglu_alpha = ours; hidden_act is unused). router_aux_loss_coef <-> moe_aux_loss.
 
-Refused: layer_types other than every n-th block global, a checkpoint whose experts are stored quantized (the
-Hub's MXFP4 *_blocks / *_scales: dequantize first), rotary scaling other than ours; on export, a model without
-sinks, router bias or expert biases (gpt-oss always has them).
+Refused: layer_types other than every n-th block global, rotary scaling other than ours; on export, a model without
+sinks, router bias or expert biases (gpt-oss always has them). The Hub's MXFP4 experts (*_blocks / *_scales,
+quant_method mxfp4) are read dequantized (checkpointing/quantized.py); blocks without that quantization_config are
+refused.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from meshformer.models import llama_like
 
 ARCH = "gpt_oss"
 QUANTIZED = (r"_(blocks|scales)$", "the experts are stored quantized (MXFP4 blocks and scales), which meshformer "
-             "does not read; dequantize first: load the model in transformers with "
-             "quantization_config=Mxfp4Config(dequantize=True), save_pretrained it, and import that folder")
+             "dequantizes only from a folder whose config.json names them; add quantization_config "
+             "{\"quant_method\": \"mxfp4\"} to config.json and import the folder")
 
 
 def config_from_hf(c: Any) -> ModelConfig:

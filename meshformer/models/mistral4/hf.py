@@ -14,7 +14,8 @@ multiplied by routed_scaling_factor (= our router_scale). No selection bias (e_s
 multi-token prediction layers.
 
 Refused: attention_bias, num_key_value_heads other than num_attention_heads, a rotary split other than
-qk_rope_head_dim, another hidden_act, a checkpoint stored in FP8 blocks (weight_scale_inv). Export requires YaRN
+qk_rope_head_dim, another hidden_act, FP8-block scales (weight_scale_inv) outside a quant_method fp8 folder (which
+is read dequantized). Export requires YaRN
 (transformers' query scaling reads original_max_position_embeddings, which only scaled RoPE carries).
 """
 

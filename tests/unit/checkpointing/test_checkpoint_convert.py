@@ -316,14 +316,14 @@ def test_hugging_face_errors_name_the_mismatch(tmp_path):
 
 
 def test_quantized_gpt_oss_folder_is_refused_naming_the_fix(tmp_path):
-    """A folder holding the Hub's MXFP4 experts (gate_up_proj_blocks / _scales instead of gate_up_proj): one line
-    saying to dequantize first, nothing written."""
+    """A folder holding the Hub's MXFP4 experts (gate_up_proj_blocks / _scales instead of gate_up_proj) but no
+    quantization_config naming them: one line saying to add it, nothing written."""
     from helpers.convert import mxfp4_experts
 
     folder = tmp_path / "hf"
     _hf_model("gpt_oss").save_pretrained(str(folder))
     mxfp4_experts(folder)
-    with pytest.raises(SystemExit, match=r"_(blocks|scales): the experts are stored quantized .*dequantize first"):
+    with pytest.raises(SystemExit, match=r"_(blocks|scales): the experts are stored quantized .*quant_method.*mxfp4"):
         main(["convert", "import-hf", str(folder), str(tmp_path / "ours")])
     assert not (tmp_path / "ours").exists()
 

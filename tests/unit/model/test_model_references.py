@@ -751,7 +751,7 @@ def test_gpt_oss_quantized_experts_are_refused():
         weight = state.pop(name)
         state[f"{name}_blocks"], state[f"{name}_scales"] = weight.to(torch.uint8), weight[..., 0].to(torch.uint8)
     with pytest.raises(ValueError, match=r"gpt_oss: model\.layers\.0\.mlp\.experts\.\w+_(blocks|scales): the "
-                       r"experts are stored quantized .* dequantize first"):
+                       r"experts are stored quantized .* quantization_config"):
         from_hf_state_dict(state, cfg, "gpt_oss")
 
 

@@ -133,7 +133,7 @@ def test_import_refuses_what_it_cannot_express(arch, extra, named):
 def test_fp8_checkpoints_are_refused_and_architectures_refuse_each_others_models():
     hf = hf_model("deepseek_v32")
     state = {**_saved(hf), "model.layers.0.self_attn.indexer.wk.weight_scale_inv": torch.ones(1)}
-    with pytest.raises(ValueError, match=r"deepseek_v32: .*weight_scale_inv: .*dequantize first"):
+    with pytest.raises(ValueError, match=r"deepseek_v32: .*weight_scale_inv: .*quantization_config"):
         from_hf_state_dict(state, config_from_hf(hf.config), "deepseek_v32")
     cfg = config_from_hf(hf.config)
     with pytest.raises(ValueError, match="dsa=True"):
