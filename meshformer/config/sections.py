@@ -238,7 +238,13 @@ class FaultToleranceConfig:
     heartbeat_timeout_s: float = 2.0
     # Lighthouse: seconds a quorum waits for heartbeating groups that have not asked to join yet
     join_timeout_s: float = 10.0
-    method: Literal["sync"] = "sync"  # "sync": gradients averaged over the replicas alive at each step
+    # "sync": gradients averaged over the replicas alive at each step; "local_sgd": each group steps on its own and
+    # the weights are averaged every sync_every steps; "diloco": every sync_every steps the groups average their
+    # pseudo-gradient (the weights' change since the last sync) and take an outer Nesterov SGD step on it
+    method: Literal["sync", "local_sgd", "diloco"] = "sync"
+    sync_every: int = 1  # local_sgd / diloco: steps between synchronisations (H)
+    outer_lr: float = 0.7  # diloco: the outer SGD's learning rate
+    outer_momentum: float = 0.9  # diloco: the outer SGD's Nesterov momentum
 
 
 @dataclass

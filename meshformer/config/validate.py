@@ -440,6 +440,10 @@ def _check_fault_tolerance(cfg: Config) -> None:
     if ft.lighthouse and not ft.lighthouse.startswith(("http://", "https://")):
         raise ConfigError(f"fault_tolerance.lighthouse={ft.lighthouse!r} is not an address torchft reaches",
                           "write it as http://HOST:PORT (what `meshformer lighthouse` prints)")
+    if ft.sync_every < 1 or not ft.outer_lr > 0 or not 0 <= ft.outer_momentum < 1:
+        raise ConfigError(f"fault_tolerance.sync_every={ft.sync_every}, outer_lr={ft.outer_lr}, outer_momentum="
+                          f"{ft.outer_momentum}: out of range",
+                          "use sync_every >= 1, outer_lr > 0 and outer_momentum in [0, 1)")
     if not ft.enabled:
         return
     # Both update weights from this group's own tokens after the averaged step: the groups would drift apart.

@@ -195,6 +195,18 @@ class ReplicaGroup:
                 _local(p.grad).copy_(averaged)
         return StepSync(tuple(r for r in range(groups) if round(counts[r]) >= 1), total)
 
+    def members(self) -> tuple[int, ...]:
+        """The replica groups in this step's quorum, by an all-reduce of one flag per group (a failed all-reduce:
+        empty, and the step's commit vote fails)."""
+        from torch.distributed import ReduceOp
+
+        flags = torch.zeros(self.cfg.replica_groups, dtype=torch.float32, device=self.device)
+        flags[self.replica_id] = 1.0
+        self.manager.allreduce(flags, reduce_op=ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:
+            return ()
+        return tuple(r for r, flag in enumerate(flags.tolist()) if round(flag) >= 1)
+
     def error(self) -> str:
         """The first line of the error that failed this step's all-reduce, or ""."""
         err = self.manager.errored()
@@ -215,3 +227,57 @@ class ReplicaGroup:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class SemiSync:
+    """fault_tolerance.method "local_sgd" / "diloco" on torchft's LocalSGD / DiLoCo: each group steps on its own
+    batches, and every `sync_every` steps the groups in the quorum synchronise their weights, either averaged
+    (LocalSGD) or moved by an outer Nesterov SGD step on the averaged pseudo-gradient, the weights' change since the
+    last synchronisation (DiLoCo). The trainer drives the synchronisation (`sync`, after the quorum of
+    `ReplicaGroup.start_step`) instead of torchft's optimizer hooks, so a heal and the quorum stay at a step start.
+
+    DiLoCo keeps the weights of the last synchronisation (on the host) and its outer optimizer's momentum; both go
+    to a healing peer through the Manager (torchft registers them), next to the trainer's live state."""
+
+    def __init__(self, cfg: FaultToleranceConfig, group: ReplicaGroup, model_parts: Iterable[torch.nn.Module],
+                 optimizer: torch.optim.Optimizer) -> None:
+        from torchft.local_sgd import DiLoCo, LocalSGD
+
+        self.cfg, self.group = cfg, group
+        self.model = torch.nn.ModuleList(model_parts)  # one module over a pipeline stage's parts
+        self.diloco: Any = None
+        self.local_sgd: Any = None
+        if cfg.method == "diloco":
+            # Nesterov SGD on the pseudo-gradient (DiLoCo, arXiv 2311.08105 §2)
+            self.outer = torch.optim.SGD(self.model.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                                         nesterov=cfg.outer_momentum > 0)
+            # sync_every=1 for torchft: the trainer decides when to synchronise
+            self.diloco = DiLoCo(group.manager, [self.model], optimizer, self.outer, sync_every=1)
+        elif cfg.method == "local_sgd":
+            self.local_sgd = LocalSGD(group.manager, self.model, optimizer, sync_every=cfg.sync_every)
+        else:
+            raise ConfigError(f"fault_tolerance.method={cfg.method!r} is not a semi-synchronous method",
+                              'use "local_sgd" or "diloco" (or "sync" without SemiSync)')
+
+    def due(self, step: int) -> bool:
+        """Whether the step after `step` committed steps starts with a synchronisation."""
+        return step % self.cfg.sync_every == 0
+
+    def sync(self) -> bool:
+        """After this step's quorum: synchronise the weights over it; False where the group did not commit (LocalSGD
+        keeps its own weights, DiLoCo goes back to the last synchronised ones)."""
+        if self.diloco is not None:
+            fragment = self.diloco._fragments[0]
+            fragment.prepare_sync()
+            return bool(fragment.perform_sync())  # the commit vote, then the outer step where it passed
+        averaged = self.local_sgd._average()  # this rank's shards, averaged over the quorum
+        if not self.group.should_commit():
+            return False
+        with torch.no_grad():
+            for p, mean in zip(self.model.parameters(), averaged):
+                _local(p).copy_(mean)
+        return True
+
+    def cross_group_bytes(self) -> int:
+        """Bytes this rank sends into one synchronisation's all-reduce (its shards of every weight)."""
+        return sum(_local(p).numel() * _local(p).element_size() for p in self.model.parameters())
