@@ -33,6 +33,7 @@ from meshformer.checkpointing.live_state import live_state, load_live_state
 from meshformer.config import Config
 from meshformer.runtime.fault_tolerance import (
     ReplicaGroup,
+    SemiSync,
     StepSync,
     lighthouse_address,
     replica_id_from_env,
@@ -91,6 +92,8 @@ class ReplicaTraining:
         self._position = 0
         self._last_commit = time.perf_counter()
         self.record = trainer.run_dir / RECORD
+        self.semi: SemiSync | None = None  # method local_sgd / diloco: made with the group
+        self._synced_at: int | None = None  # the step of the last synchronisation (local_sgd / diloco)
         trainer.training_step.gradient_sync = self.sync
 
     def start_step(self) -> None:
@@ -102,6 +105,11 @@ class ReplicaTraining:
                                       state_dict=lambda: live_state(trainer.checkpointable),
                                       load_state_dict=lambda state: load_live_state(trainer.checkpointable, state),
                                       log=trainer.logger.info)
+            if self.cfg.method != "sync":  # registers DiLoCo's state with the Manager before the first heal
+                self.semi = SemiSync(self.cfg, self.group, trainer.parallel_model.model_parts, trainer.optimizer)
+        elif self.semi is not None and not self.semi.due(trainer.step):
+            self._remember_data()  # a local step: no quorum
+            return
         before = trainer.step
         took = self.group.start_step()
         if first and self.group.healed_s is None:
@@ -110,12 +118,43 @@ class ReplicaTraining:
             trainer.logger.info(f"fault tolerance: replica group {self.replica_id} healed from a live peer at step "
                                 f"{trainer.step} (was at step {before}) in {took:.2f}s: weights, optimizer, "
                                 "schedule, data position and RNG")
-        self._data_state = trainer.train_data.state_dict()
+        if self.semi is not None:
+            self._synchronise()
+        self._remember_data()
+
+    def _remember_data(self) -> None:
+        self._data_state = self.trainer.train_data.state_dict()
         self._position = int(self._data_state["consumed"])
+
+    def _synchronise(self) -> None:
+        """local_sgd / diloco, after the quorum: the weights synchronised over it (one line where it failed)."""
+        assert self.group is not None and self.semi is not None
+        trainer, step = self.trainer, self.trainer.step
+        members = self.group.members()
+        if self.semi.sync():
+            self._synced_at, self.last = step, StepSync(members, 0.0)
+            return
+        kept = "keeps its own weights" if self.cfg.method == "local_sgd" else \
+            f"goes back to the weights of the last synchronisation (step {self._synced_at})"
+        why = self.group.error() or "fewer than fault_tolerance.min_replicas, or a rank of this group failed"
+        trainer.logger.info(f"fault tolerance: the synchronisation after step {step} was not committed by replica "
+                            f"group {self.replica_id} ({why}); it {kept} and tries again after "
+                            f"fault_tolerance.sync_every={self.cfg.sync_every} steps")
+        self.last = StepSync((self.replica_id,), 0.0)
+
+    def finish(self) -> None:
+        """local_sgd / diloco, at train.steps: the last synchronisation, so every group ends with the same weights."""
+        if self.semi is not None and self.group is not None and self._synced_at != self.trainer.step:
+            self.group.start_step()
+            self._synchronise()
 
     def sync(self, tokens: torch.Tensor) -> bool:
         """TrainStep's gradient sync: average over the quorum, then the commit vote; False drops the update."""
         assert self.group is not None, "start_step comes first"
+        if self.semi is not None:  # a local step: this group's own update, synchronised every sync_every steps
+            self.last = StepSync(self.last.replicas, float(tokens))  # the groups of this window's synchronisation
+            self.committed = True
+            return True
         params = [p for part in self.trainer.parallel_model.model_parts for p in part.parameters()]
         self.last = self.group.average_gradients(params, tokens)
         self.committed = self.group.should_commit()

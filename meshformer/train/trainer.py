@@ -319,6 +319,8 @@ class Trainer:
                 if ctx.stopping:
                     break
                 callbacks.call("on_checkpoint", ctx)
+            if self.replicas is not None and self.step >= cfg.train.steps:
+                self.replicas.finish()  # local_sgd / diloco: the last synchronisation of the groups' weights
         except StopAgreed:
             ctx.stopping = True
             log.flush()

@@ -15,8 +15,8 @@ import torch
 os.environ.setdefault("RUST_LOG", "warn")  # before torchft's Rust side starts (meshformer's require_torchft)
 pytest.importorskip("torchft")
 
-from meshformer.config.sections import FaultToleranceConfig  # noqa: E402
-from meshformer.runtime.fault_tolerance import ReplicaGroup, SemiSync, start_lighthouse  # noqa: E402
+from meshformer.config.sections import FaultToleranceConfig
+from meshformer.runtime.fault_tolerance import ReplicaGroup, SemiSync, start_lighthouse
 
 GROUPS = 2
 LR = 0.1
