@@ -130,8 +130,10 @@ def main() -> None:
                           "bytes one rank hands to torchft's all-reduce, per step (each sync method's last "
                           "synchronisation at the end of the run included):",
                     notes="sync sends the fp32 gradients (and the groups' tokens) at every step; local_sgd and diloco "
-                          "send the weights (local_sgd) or the pseudo-gradient (diloco), the same size, every H steps, "
-                          "plus one flag per group naming the synchronisation's members.",
+                          "send the weights (local_sgd) or the pseudo-gradient (diloco), the same size, "
+                          "one all-reduce per tensor, every H steps, plus one flag per group naming the "
+                          "synchronisation's members. Their runs also synchronise once at the first step (where a "
+                          "restarted group heals), which is why the ratio is above 1/H.",
                     align=["l", "r", "r", "r", "r"], columns=COLUMNS, rows=rows)
 
 

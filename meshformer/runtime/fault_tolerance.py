@@ -251,7 +251,8 @@ class SemiSync:
             # Nesterov SGD on the pseudo-gradient (DiLoCo, arXiv 2311.08105 §2)
             self.outer = torch.optim.SGD(self.model.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
                                          nesterov=cfg.outer_momentum > 0)
-            # sync_every=1 for torchft: the trainer decides when to synchronise
+            # sync_every=1 for torchft: the trainer decides when to synchronise. One all-reduce per tensor: torchft's
+            # buckets copy the result back in a callback that its wait() does not wait for.
             self.diloco = DiLoCo(group.manager, [self.model], optimizer, self.outer, sync_every=1)
         elif cfg.method == "local_sgd":
             self.local_sgd = LocalSGD(group.manager, self.model, optimizer, sync_every=cfg.sync_every)
