@@ -66,6 +66,11 @@ def replica_config(cfg: Config) -> Config:
                    checkpoint=checkpoint)
 
 
+def replica_group(cfg: Config) -> int | None:
+    """This process's replica group (None without fault tolerance)."""
+    return replica_id_from_env(cfg.fault_tolerance.replica_groups) if cfg.fault_tolerance.enabled else None
+
+
 def data_share(cfg: Config, dp_rank: int, dp_size: int) -> tuple[int, int]:
     """(rank, size) of this process's share of the global order: the group's data-parallel ranks, placed after
     those of the groups before it."""
@@ -99,6 +104,7 @@ class ReplicaTraining:
     def start_step(self) -> None:
         """This step's quorum (a heal moves the trainer to the peer's step); remembers where the data stands."""
         trainer = self.trainer
+        trainer.watchdog.phase("quorum", trainer.step + 1)  # a hang report here: waiting for the other groups
         first = self.group is None
         if self.group is None:
             self.group = ReplicaGroup(self.cfg, self.replica_id, trainer.device,
@@ -155,6 +161,7 @@ class ReplicaTraining:
             self.last = StepSync(self.last.replicas, float(tokens))  # the groups of this window's synchronisation
             self.committed = True
             return True
+        self.trainer.watchdog.phase("cross_group")
         params = [p for part in self.trainer.parallel_model.model_parts for p in part.parameters()]
         self.last = self.group.average_gradients(params, tokens)
         self.committed = self.group.should_commit()

@@ -55,7 +55,13 @@ from meshformer.train.callbacks import (
     user_label,
 )
 from meshformer.train.downstream import DownstreamEval
-from meshformer.train.fault_tolerance import ReplicaMetrics, ReplicaTraining, data_share, replica_config
+from meshformer.train.fault_tolerance import (
+    ReplicaMetrics,
+    ReplicaTraining,
+    data_share,
+    replica_config,
+    replica_group,
+)
 from meshformer.train.loss_choice import resolve_loss
 from meshformer.train.metrics import FlopsCeiling, RunLogger, peak_flops
 from meshformer.train.optim import SkippedUpdates
@@ -129,7 +135,8 @@ class Trainer:
         self.build_s = time.perf_counter() - build_start  # meta build, sharding, materialisation of this rank
         # Cluster diagnostics: per-rank hang reports (stalls, collective timeouts) name the phase of the step.
         self.watchdog = HangWatchdog(self.run_dir, rank=rank, world_size=world_size(),
-                                     timeout_s=cfg.parallel.timeout_s, enabled=world_size() > 1)
+                                     timeout_s=cfg.parallel.timeout_s, enabled=world_size() > 1,
+                                     replica_group=replica_group(cfg))
         self.training_step = TrainStep(self.parallel_model, cfg.optim, cfg.schedule, cfg.train.steps, cfg.model.d_model,
                                        on_phase=self.watchdog.phase)
         self.downstream = DownstreamEval.from_config(cfg, self.tokenizer)  # downstream.tasks (None: none listed)
