@@ -232,7 +232,10 @@ class FaultToleranceConfig:
     lighthouse: str = ""
     min_replicas: int = 1  # replica groups a step needs to update the weights; fewer wait for a quorum
     timeout_s: float = 60.0  # seconds a cross-group all-reduce, commit vote or heal transfer may take
-    quorum_timeout_s: float = 60.0  # seconds a group waits for the Lighthouse's quorum before the run stops
+    quorum_timeout_s: float = 60.0  # seconds one request for the Lighthouse's quorum may take
+    # seconds a group keeps asking for a quorum (the Lighthouse gone, fewer than min_replicas groups up) before it
+    # stops with a checkpoint
+    wait_s: float = 300.0
     # Lighthouse started by `meshformer lighthouse` / `meshformer train --replica-groups N`: seconds without a
     # heartbeat before a group counts as gone (the survivors' pause after a kill -9)
     heartbeat_timeout_s: float = 2.0

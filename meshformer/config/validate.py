@@ -434,7 +434,7 @@ def _check_fault_tolerance(cfg: Config) -> None:
         raise ConfigError(f"fault_tolerance.replica_groups={ft.replica_groups}, fault_tolerance.min_replicas="
                           f"{ft.min_replicas}: out of range",
                           "use replica_groups >= 1 and min_replicas from 1 to replica_groups")
-    timeouts = ("timeout_s", "quorum_timeout_s", "heartbeat_timeout_s", "join_timeout_s")
+    timeouts = ("timeout_s", "quorum_timeout_s", "heartbeat_timeout_s", "join_timeout_s", "wait_s")
     if bad := [name for name in timeouts if not getattr(ft, name) > 0]:
         raise ConfigError(f"fault_tolerance.{bad[0]}={getattr(ft, bad[0])} must be positive (seconds)")
     if ft.lighthouse and not ft.lighthouse.startswith(("http://", "https://")):

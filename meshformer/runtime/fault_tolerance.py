@@ -157,6 +157,39 @@ class ReplicaGroup:
                 "group's launcher restarts it") from None
         return time.perf_counter() - start
 
+    def start_step_or_wait(self, wait_s: float, any_rank: Callable[[bool], bool] = bool) -> float:
+        """`start_step`, asked again while there is no quorum (the Lighthouse unreachable, fewer than min_replicas
+        groups), for up to `wait_s` seconds, with one line when the wait starts and one when it ends; raises
+        FaultToleranceError once it is over. `any_rank` makes the group's ranks decide together (True where any
+        rank's argument is True). Returns the seconds it took."""
+        start = time.perf_counter()
+        failure: FaultToleranceError | None = None
+        said = False
+        while True:
+            try:
+                self.start_step()
+                failed = False
+            except FaultToleranceError as err:
+                failure, failed = err, True
+            if not any_rank(failed):
+                if failure is not None:
+                    self.log(f"fault tolerance: replica group {self.replica_id} has a quorum again after "
+                             f"{time.perf_counter() - start:.1f}s")
+                return time.perf_counter() - start
+            if failed and not said:
+                said, what = True, failure.what if failure is not None else ""
+                self.log(f"fault tolerance: replica group {self.replica_id} has no quorum ({what}); waiting "
+                         f"up to fault_tolerance.wait_s={wait_s:g}s for the Lighthouse and "
+                         f"fault_tolerance.min_replicas={self.cfg.min_replicas} groups")
+            # torchft raises a failed quorum again at the next start_quorum: this one is over
+            self.manager._quorum_future = None
+            if any_rank(time.perf_counter() - start >= wait_s):
+                raise FaultToleranceError(
+                    f"replica group {self.replica_id} had no quorum for {time.perf_counter() - start:.0f}s "
+                    f"(fault_tolerance.wait_s={wait_s:g})",
+                    "start the Lighthouse again (or more replica groups), then the same command resumes from the "
+                    "checkpoint; or raise fault_tolerance.wait_s")
+
     def average_gradients(self, params: Iterable[torch.nn.Parameter], tokens: torch.Tensor) -> StepSync:
         """Average the gradients (this rank's shards) over the replica groups in this step's quorum, weighted by
         each group's target tokens, as one all-reduce; their membership and token total ride along in it."""

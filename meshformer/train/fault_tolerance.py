@@ -28,10 +28,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from meshformer.checkpointing.live_state import live_state, load_live_state
 from meshformer.config import Config
 from meshformer.runtime.fault_tolerance import (
+    FaultToleranceError,
     ReplicaGroup,
     SemiSync,
     StepSync,
@@ -39,6 +41,7 @@ from meshformer.runtime.fault_tolerance import (
     replica_id_from_env,
     require_torchft,
 )
+from meshformer.runtime.stop import StopAgreed
 from meshformer.train.callbacks import Callback, CallbackContext
 
 if TYPE_CHECKING:
@@ -80,6 +83,24 @@ def data_share(cfg: Config, dp_rank: int, dp_size: int) -> tuple[int, int]:
     return r * dp_size + dp_rank, cfg.fault_tolerance.replica_groups * dp_size
 
 
+class NoQuorum(StopAgreed):
+    """No quorum for fault_tolerance.wait_s: the trainer stops as after a stop signal (a checkpoint of the step
+    reached), then `ReplicaTraining.close` raises the error."""
+
+    def __init__(self, error: FaultToleranceError) -> None:
+        BaseException.__init__(self, str(error))
+        self.error, self.signum = error, 0
+
+
+def _any_rank(flag: bool) -> bool:
+    """True on every rank of this replica group where it is True on any (the group's own process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([float(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 class ReplicaTraining:
     """One rank's part in the run's replica groups: quorum, heal, gradient average, commit, record."""
 
@@ -99,6 +120,7 @@ class ReplicaTraining:
         self.record = trainer.run_dir / RECORD
         self.semi: SemiSync | None = None  # method local_sgd / diloco: made with the group
         self._synced_at: int | None = None  # the step of the last synchronisation (local_sgd / diloco)
+        self.no_quorum: FaultToleranceError | None = None  # set where the run stopped for want of a quorum
         trainer.training_step.gradient_sync = self.sync
 
     def start_step(self) -> None:
@@ -117,7 +139,7 @@ class ReplicaTraining:
             self._remember_data()  # a local step: no quorum
             return
         before = trainer.step
-        took = self.group.start_step()
+        took = self._join()
         if first and self.group.healed_s is None:
             self._trim_record(trainer.step)
         if self.group.healed_s is not None:
@@ -127,6 +149,17 @@ class ReplicaTraining:
         if self.semi is not None:
             self._synchronise()
         self._remember_data()
+
+    def _join(self) -> float:
+        """The step's quorum, waited for up to fault_tolerance.wait_s; after that, the run stops with a checkpoint."""
+        assert self.group is not None
+        try:
+            return self.group.start_step_or_wait(self.cfg.wait_s, _any_rank)
+        except FaultToleranceError as err:
+            self.no_quorum = err
+            self.trainer.logger.info(f"fault tolerance: replica group {self.replica_id} stops at step "
+                                     f"{self.trainer.step} with a checkpoint: {err.what}")
+            raise NoQuorum(err) from None
 
     def _remember_data(self) -> None:
         self._data_state = self.trainer.train_data.state_dict()
@@ -151,7 +184,7 @@ class ReplicaTraining:
     def finish(self) -> None:
         """local_sgd / diloco, at train.steps: the last synchronisation, so every group ends with the same weights."""
         if self.semi is not None and self.group is not None and self._synced_at != self.trainer.step:
-            self.group.start_step()
+            self._join()
             self._synchronise()
 
     def sync(self, tokens: torch.Tensor) -> bool:
@@ -206,8 +239,11 @@ class ReplicaTraining:
         self.record.write_text("".join(line + "\n" for line in lines))
 
     def close(self) -> None:
+        """At the run's end, after its last checkpoint; a run stopped for want of a quorum ends in that error."""
         if self.group is not None:
             self.group.shutdown()
+        if self.no_quorum is not None:
+            raise self.no_quorum
 
 
 class ReplicaMetrics(Callback):
