@@ -121,6 +121,7 @@ class ReplicaTraining:
         self.semi: SemiSync | None = None  # method local_sgd / diloco: made with the group
         self._synced_at: int | None = None  # the step of the last synchronisation (local_sgd / diloco)
         self.no_quorum: FaultToleranceError | None = None  # set where the run stopped for want of a quorum
+        self._first_step = 0
         trainer.training_step.gradient_sync = self.sync
 
     def start_step(self) -> None:
@@ -129,12 +130,19 @@ class ReplicaTraining:
         trainer.watchdog.phase("quorum", trainer.step + 1)  # a hang report here: waiting for the other groups
         first = self.group is None
         if self.group is None:
+            self._first_step = trainer.step  # where this run started (its checkpoint, or 0)
             self.group = ReplicaGroup(self.cfg, self.replica_id, trainer.device,
                                       state_dict=lambda: live_state(trainer.checkpointable),
                                       load_state_dict=lambda state: load_live_state(trainer.checkpointable, state),
                                       log=trainer.logger.info)
             if self.cfg.method != "sync":  # registers DiLoCo's state with the Manager before the first heal
                 self.semi = SemiSync(self.cfg, self.group, trainer.parallel_model.model_parts, trainer.optimizer)
+            # torchft's step (its commits) as if this group had trained from step 0: a group resumed from its
+            # checkpoint is ahead of a fresh one, which heals from it (sync: one commit a step; local_sgd / diloco:
+            # one a synchronisation, the first at step 0)
+            commits = trainer.step if self.semi is None else (trainer.step // self.cfg.sync_every + 1
+                                                               if trainer.step else 0)
+            self.group.manager.load_state_dict({"step": commits, "batches_committed": 0})
         elif self.semi is not None and not self.semi.due(trainer.step):
             self._remember_data()  # a local step: no quorum
             return
@@ -157,8 +165,10 @@ class ReplicaTraining:
             return self.group.start_step_or_wait(self.cfg.wait_s, _any_rank)
         except FaultToleranceError as err:
             self.no_quorum = err
-            self.trainer.logger.info(f"fault tolerance: replica group {self.replica_id} stops at step "
-                                     f"{self.trainer.step} with a checkpoint: {err.what}")
+            step = self.trainer.step
+            saves = " with a checkpoint" if step > self._first_step else " (no step trained: nothing to save)"
+            self.trainer.logger.info(f"fault tolerance: replica group {self.replica_id} stops at step {step}{saves}: "
+                                     f"{err.what}")
             raise NoQuorum(err) from None
 
     def _remember_data(self) -> None:

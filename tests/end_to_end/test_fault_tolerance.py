@@ -138,3 +138,42 @@ def test_diloco_groups_synchronise_every_h_steps_and_end_equal(tmp_path):
     losses = [[json.loads(line).get("train/loss") for line in (run_dir / f"replica-{r}" / "metrics.jsonl")
                .read_text().splitlines()] for r in range(GROUPS)]
     assert [x for x in losses[0] if x is not None] != [x for x in losses[1] if x is not None]
+
+
+@pytest.mark.slow
+def test_a_group_below_min_replicas_waits_stops_with_a_checkpoint_and_the_run_goes_on(tmp_path):
+    """2 groups x 1 rank, min_replicas=2: group 1 killed, group 0 waits fault_tolerance.wait_s with a line, then
+    stops with a checkpoint of the step it reached and one error line. The same command again: group 0 resumes from
+    that checkpoint, group 1 (no checkpoint of its own) heals from it, and both end at train.steps, equal."""
+    run_dir, steps = tmp_path / "run", 8
+    config = [*overrides(tmp_path, run_dir), f"train.steps={steps}", "logging.log_interval=1", "checkpoint.interval=0",
+              "fault_tolerance.min_replicas=2", "fault_tolerance.quorum_timeout_s=1",
+              "fault_tolerance.heartbeat_timeout_s=1", "fault_tolerance.join_timeout_s=2"]
+    cmd = [sys.executable, "-m", "meshformer", "train", "tiny-gpt", "--replica-groups", str(GROUPS),
+           "--nproc-per-node", "1", "--set", *config]
+    log = tmp_path / "launcher.log"
+    proc = start([*cmd, "fault_tolerance.wait_s=3"], worker_env(MF_TEST_STEP_SLEEP_S="0.5"), log)
+    try:
+        wait_for(lambda: len(_records(run_dir, 1)) >= 3, 240, f"group 1 to train 3 steps\n{logs(log)[-4000:]}")
+        victim = _rank_pid(proc.pid, replica=1, rank=0)
+        assert victim is not None, logs(log)[-4000:]
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: "replica group 0 had no quorum for" in logs(log), 120, f"group 0 to stop\n{logs(log)[-4000:]}")
+        proc.send_signal(signal.SIGTERM)  # the launcher: no more restarts
+    finally:
+        finish([proc], 120)
+    text = logs(log)
+    assert "replica group 0 has no quorum (" in text and "wait_s=3s" in text, text[-6000:]
+    assert "replica group 0 stops at step" in text and "with a checkpoint" in text, text[-6000:]
+    saved = sorted((run_dir / "replica-0").rglob("step-*"))
+    assert saved, f"group 0 saved no checkpoint\n{text[-4000:]}"
+
+    log = tmp_path / "again.log"
+    codes = finish([start([*cmd, "fault_tolerance.wait_s=120"], worker_env(), log)], 300)
+    text = logs(log)
+    assert codes == [0], text[-6000:]
+    assert f"resumed from {saved[-1]}" in text and "replica group 1 healed from a live peer" in text, text[-6000:]
+    from safetensors.torch import load_file
+
+    weights = [load_file(str(run_dir / f"replica-{r}" / "final" / "model.safetensors")) for r in range(GROUPS)]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]), "the groups' final weights differ"
