@@ -106,6 +106,7 @@ class StepSync:
 
     replicas: tuple[int, ...]  # the replica groups whose gradients were averaged (empty: the all-reduce failed)
     tokens: float  # target tokens of the step over those groups
+    stop: int = 0  # the stop signal a group of the step had agreed on (0: none): every group stops after this step
 
 
 class ReplicaGroup:
@@ -190,14 +191,17 @@ class ReplicaGroup:
                     "start the Lighthouse again (or more replica groups), then the same command resumes from the "
                     "checkpoint; or raise fault_tolerance.wait_s")
 
-    def average_gradients(self, params: Iterable[torch.nn.Parameter], tokens: torch.Tensor) -> StepSync:
+    def average_gradients(self, params: Iterable[torch.nn.Parameter], tokens: torch.Tensor, stop: int = 0
+                          ) -> StepSync:
         """Average the gradients (this rank's shards) over the replica groups in this step's quorum, weighted by
-        each group's target tokens, as one all-reduce; their membership and token total ride along in it."""
+        each group's target tokens, as one all-reduce; their membership, token total and stop signals (`stop`: the
+        one this group agreed on, 0 for none) ride along in it."""
         params = [p for p in params if p.requires_grad]
         groups = self.cfg.replica_groups
         local = [_local(p) for p in params]
         numel = sum(t.numel() for t in local)
-        flat = torch.zeros(numel + groups + 1, dtype=torch.float32, device=self.device)
+        # [gradients | one flag per group | tokens | one stop signal per group]
+        flat = torch.zeros(numel + 2 * groups + 1, dtype=torch.float32, device=self.device)
         offset = 0
         for p, t in zip(params, local):
             if p.grad is not None:
@@ -207,14 +211,15 @@ class ReplicaGroup:
         # the summed loss of every trained token, divided below by their total.
         flat[:numel].mul_(tokens.to(torch.float32))
         flat[numel + self.replica_id] = 1.0
-        flat[-1] = tokens.to(torch.float32)
+        flat[numel + groups] = tokens.to(torch.float32)
+        flat[numel + groups + 1 + self.replica_id] = float(stop)
         from torch.distributed import ReduceOp
 
         self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
         if self.manager.errored() is not None:
             return StepSync((), 0.0)
         counts = flat[numel:].tolist()  # one host sync per step
-        total = counts[-1]
+        total = counts[groups]
         flat[:numel].div_(max(total, 1.0))
         offset = 0
         for p, t in zip(params, local):
@@ -226,7 +231,8 @@ class ReplicaGroup:
                                             stride=p.stride()) if isinstance(p, DTensor) else grad
             else:
                 _local(p.grad).copy_(averaged)
-        return StepSync(tuple(r for r in range(groups) if round(counts[r]) >= 1), total)
+        return StepSync(tuple(r for r in range(groups) if round(counts[r]) >= 1), total,
+                        round(max(counts[groups + 1:])))
 
     def members(self) -> tuple[int, ...]:
         """The replica groups in this step's quorum, by an all-reduce of one flag per group (a failed all-reduce:

@@ -41,7 +41,7 @@ from meshformer.runtime.fault_tolerance import (
     replica_id_from_env,
     require_torchft,
 )
-from meshformer.runtime.stop import StopAgreed
+from meshformer.runtime.stop import StopAgreed, signal_name
 from meshformer.train.callbacks import Callback, CallbackContext
 
 if TYPE_CHECKING:
@@ -121,6 +121,7 @@ class ReplicaTraining:
         self.semi: SemiSync | None = None  # method local_sgd / diloco: made with the group
         self._synced_at: int | None = None  # the step of the last synchronisation (local_sgd / diloco)
         self.no_quorum: FaultToleranceError | None = None  # set where the run stopped for want of a quorum
+        self._stop = 0  # the stop signal this group agreed on, sent in the next step's all-reduce (method sync)
         self._first_step = 0
         trainer.training_step.gradient_sync = self.sync
 
@@ -191,6 +192,24 @@ class ReplicaTraining:
                             f"fault_tolerance.sync_every={self.cfg.sync_every} steps")
         self.last = StepSync((self.replica_id,), 0.0)
 
+    def stop_agreed(self, group_agreed: bool) -> bool:
+        """After a committed step, given whether this group's ranks agreed to stop (runtime/stop.py): whether every
+        group stops here. With method sync, a group's agreement rides in the next step's all-reduce and every group
+        in that step's quorum stops after it, with the same signal; local_sgd / diloco groups stop on their own."""
+        stop = self.trainer.stop
+        if self.semi is not None or stop is None:
+            return group_agreed
+        if group_agreed and not self._stop:
+            self._stop = stop.signum or 0
+        if not self.last.stop:
+            return False
+        if stop.signum is None:  # another group's signal: this group stops and exits as if it had received it
+            stop.signum = self.last.stop
+        stop.stopping = True
+        self.trainer.logger.info(f"fault tolerance: every replica group stops after step {self.trainer.step} "
+                                 f"({signal_name(self.last.stop)} agreed in its all-reduce)")
+        return True
+
     def finish(self) -> None:
         """local_sgd / diloco, at train.steps: the last synchronisation, so every group ends with the same weights."""
         if self.semi is not None and self.group is not None and self._synced_at != self.trainer.step:
@@ -206,7 +225,7 @@ class ReplicaTraining:
             return True
         self.trainer.watchdog.phase("cross_group")
         params = [p for part in self.trainer.parallel_model.model_parts for p in part.parameters()]
-        self.last = self.group.average_gradients(params, tokens)
+        self.last = self.group.average_gradients(params, tokens, self._stop)
         self.committed = self.group.should_commit()
         return self.committed
 

@@ -320,6 +320,8 @@ class Trainer:
                 # stop skips evaluation and samples (the grace period before the scheduler's kill is for the
                 # save); one agreed during them (StopAgreed, within a batch) leaves them at once.
                 ctx.stopping = self.stop is not None and step < cfg.train.steps and self.stop.agreed(step)
+                if self.replicas is not None and step < cfg.train.steps:
+                    ctx.stopping = self.replicas.stop_agreed(ctx.stopping)  # every replica group at the same step
                 if not ctx.stopping:
                     callbacks.call("on_evaluation", ctx)
                 log.flush()  # the metrics of a step are on disk before its checkpoint commits

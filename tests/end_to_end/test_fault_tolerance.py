@@ -177,3 +177,33 @@ def test_a_group_below_min_replicas_waits_stops_with_a_checkpoint_and_the_run_go
 
     weights = [load_file(str(run_dir / f"replica-{r}" / "final" / "model.safetensors")) for r in range(GROUPS)]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]), "the groups' final weights differ"
+
+
+@pytest.mark.slow
+def test_a_stop_signal_to_one_group_stops_every_group_at_the_same_step(tmp_path):
+    """2 groups x 1 rank: SIGTERM to group 0's rank only. Its agreement rides in the next step's cross-group
+    all-reduce, so both groups stop after the same step and each commits a checkpoint of it."""
+    run_dir = tmp_path / "run"
+    config = [*overrides(tmp_path, run_dir), "train.steps=200", "logging.log_interval=1", "checkpoint.interval=0"]
+    cmd = [sys.executable, "-m", "meshformer", "train", "tiny-gpt", "--replica-groups", str(GROUPS),
+           "--nproc-per-node", "1", "--set", *config]
+    log = tmp_path / "launcher.log"
+    proc = start(cmd, worker_env(MF_TEST_STEP_SLEEP_S="0.3"), log)
+
+    def saved(r: int) -> list[Path]:  # committed checkpoints (a save in progress is step-N.partial)
+        return sorted(p for p in (run_dir / f"replica-{r}").rglob("step-*") if p.suffix != ".partial")
+
+    try:
+        wait_for(lambda: min(len(_records(run_dir, r)) for r in range(GROUPS)) >= 3, 240,
+                 f"both groups to train 3 steps\n{logs(log)[-4000:]}")
+        victim = _rank_pid(proc.pid, replica=0, rank=0)
+        assert victim is not None, logs(log)[-4000:]
+        os.kill(victim, signal.SIGTERM)
+        wait_for(lambda: all(saved(r) for r in range(GROUPS)), 120, f"both groups' checkpoints\n{logs(log)[-4000:]}")
+    finally:
+        proc.send_signal(signal.SIGTERM)  # the launcher: no restarts
+        finish([proc], 120)
+    text = logs(log)
+    steps = [[path.name for path in saved(r)] for r in range(GROUPS)]
+    assert steps[0] == steps[1] and len(steps[0]) == 1, f"{steps}\n{text[-4000:]}"
+    assert "every replica group stops after step" in text and "(SIGTERM agreed in its all-reduce)" in text, text[-6000:]
