@@ -27,6 +27,7 @@ it (the same layout in every group), and `MESHFORMER_REPLICA_ID=r` in its enviro
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import warnings
@@ -179,9 +180,9 @@ class ReplicaGroup:
                 return time.perf_counter() - start
             if failed and not said:
                 said, what = True, failure.what if failure is not None else ""
+                limit = f"up to fault_tolerance.wait_s={wait_s:g}s" if wait_s < math.inf else "at start-up"
                 self.log(f"fault tolerance: replica group {self.replica_id} has no quorum ({what}); waiting "
-                         f"up to fault_tolerance.wait_s={wait_s:g}s for the Lighthouse and "
-                         f"fault_tolerance.min_replicas={self.cfg.min_replicas} groups")
+                         f"{limit} for the Lighthouse and fault_tolerance.min_replicas={self.cfg.min_replicas} groups")
             # torchft raises a failed quorum again at the next start_quorum: this one is over
             self.manager._quorum_future = None
             if any_rank(time.perf_counter() - start >= wait_s):

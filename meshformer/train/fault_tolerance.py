@@ -22,6 +22,7 @@ folders is the run's record.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -123,6 +124,7 @@ class ReplicaTraining:
         self.no_quorum: FaultToleranceError | None = None  # set where the run stopped for want of a quorum
         self._stop = 0  # the stop signal this group agreed on, sent in the next step's all-reduce (method sync)
         self._first_step = 0
+        self._joined = False  # this process has had a quorum
         trainer.training_step.gradient_sync = self.sync
 
     def start_step(self) -> None:
@@ -162,8 +164,12 @@ class ReplicaTraining:
     def _join(self) -> float:
         """The step's quorum, waited for up to fault_tolerance.wait_s; after that, the run stops with a checkpoint."""
         assert self.group is not None
+        # until its first quorum, a group waits for the others to start (there is nothing to stop and save yet)
+        wait_s = self.cfg.wait_s if self._joined else math.inf
         try:
-            return self.group.start_step_or_wait(self.cfg.wait_s, _any_rank)
+            took = self.group.start_step_or_wait(wait_s, _any_rank)
+            self._joined = True
+            return took
         except FaultToleranceError as err:
             self.no_quorum = err
             step = self.trainer.step
