@@ -159,11 +159,13 @@ class ReplicaGroup:
                 "group's launcher restarts it") from None
         return time.perf_counter() - start
 
-    def start_step_or_wait(self, wait_s: float, any_rank: Callable[[bool], bool] = bool) -> float:
+    def start_step_or_wait(self, wait_s: float, any_rank: Callable[[bool], bool] = bool,
+                           stop_requested: Callable[[], bool] = lambda: False) -> float:
         """`start_step`, asked again while there is no quorum (the Lighthouse unreachable, fewer than min_replicas
         groups), for up to `wait_s` seconds, with one line when the wait starts and one when it ends; raises
         FaultToleranceError once it is over. `any_rank` makes the group's ranks decide together (True where any
-        rank's argument is True). Returns the seconds it took."""
+        rank's argument is True); `stop_requested` (a stop signal) ends the wait early. Returns the seconds it
+        took."""
         start = time.perf_counter()
         failure: FaultToleranceError | None = None
         said = False
@@ -185,7 +187,7 @@ class ReplicaGroup:
                          f"{limit} for the Lighthouse and fault_tolerance.min_replicas={self.cfg.min_replicas} groups")
             # torchft raises a failed quorum again at the next start_quorum: this one is over
             self.manager._quorum_future = None
-            if any_rank(time.perf_counter() - start >= wait_s):
+            if any_rank(time.perf_counter() - start >= wait_s or stop_requested()):
                 raise FaultToleranceError(
                     f"replica group {self.replica_id} had no quorum for {time.perf_counter() - start:.0f}s "
                     f"(fault_tolerance.wait_s={wait_s:g})",

@@ -167,7 +167,8 @@ class ReplicaTraining:
         # until its first quorum, a group waits for the others to start (there is nothing to stop and save yet)
         wait_s = self.cfg.wait_s if self._joined else math.inf
         try:
-            took = self.group.start_step_or_wait(wait_s, _any_rank)
+            stop = self.trainer.stop
+            took = self.group.start_step_or_wait(wait_s, _any_rank, lambda: stop is not None and stop.requested)
             self._joined = True
             return took
         except FaultToleranceError as err:
