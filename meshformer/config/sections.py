@@ -239,13 +239,22 @@ class FaultToleranceConfig:
     lighthouse: str = ""
     min_replicas: int = 1  # replica groups a step needs to update the weights; fewer wait for a quorum
     timeout_s: float = 60.0  # seconds a cross-group all-reduce, commit vote or heal transfer may take
-    quorum_timeout_s: float = 60.0  # seconds a group waits for the Lighthouse's quorum before the run stops
+    quorum_timeout_s: float = 60.0  # seconds one request for the Lighthouse's quorum may take
+    # seconds a group keeps asking for a quorum (the Lighthouse gone, fewer than min_replicas groups up) before it
+    # stops with a checkpoint
+    wait_s: float = 300.0
     # Lighthouse started by `meshformer lighthouse` / `meshformer train --replica-groups N`: seconds without a
     # heartbeat before a group counts as gone (the survivors' pause after a kill -9)
     heartbeat_timeout_s: float = 2.0
     # Lighthouse: seconds a quorum waits for heartbeating groups that have not asked to join yet
     join_timeout_s: float = 10.0
-    method: Literal["sync"] = "sync"  # "sync": gradients averaged over the replicas alive at each step
+    # "sync": gradients averaged over the replicas alive at each step; "local_sgd": each group steps on its own and
+    # the weights are averaged every sync_every steps; "diloco": every sync_every steps the groups average their
+    # pseudo-gradient (the weights' change since the last sync) and take an outer Nesterov SGD step on it
+    method: Literal["sync", "local_sgd", "diloco"] = "sync"
+    sync_every: int = 1  # local_sgd / diloco: steps between synchronisations (H)
+    outer_lr: float = 0.7  # diloco: the outer SGD's learning rate
+    outer_momentum: float = 0.9  # diloco: the outer SGD's Nesterov momentum
 
 
 @dataclass

@@ -453,12 +453,16 @@ def _check_fault_tolerance(cfg: Config) -> None:
         raise ConfigError(f"fault_tolerance.replica_groups={ft.replica_groups}, fault_tolerance.min_replicas="
                           f"{ft.min_replicas}: out of range",
                           "use replica_groups >= 1 and min_replicas from 1 to replica_groups")
-    timeouts = ("timeout_s", "quorum_timeout_s", "heartbeat_timeout_s", "join_timeout_s")
+    timeouts = ("timeout_s", "quorum_timeout_s", "heartbeat_timeout_s", "join_timeout_s", "wait_s")
     if bad := [name for name in timeouts if not getattr(ft, name) > 0]:
         raise ConfigError(f"fault_tolerance.{bad[0]}={getattr(ft, bad[0])} must be positive (seconds)")
     if ft.lighthouse and not ft.lighthouse.startswith(("http://", "https://")):
         raise ConfigError(f"fault_tolerance.lighthouse={ft.lighthouse!r} is not an address torchft reaches",
                           "write it as http://HOST:PORT (what `meshformer lighthouse` prints)")
+    if ft.sync_every < 1 or not ft.outer_lr > 0 or not 0 <= ft.outer_momentum < 1:
+        raise ConfigError(f"fault_tolerance.sync_every={ft.sync_every}, outer_lr={ft.outer_lr}, outer_momentum="
+                          f"{ft.outer_momentum}: out of range",
+                          "use sync_every >= 1, outer_lr > 0 and outer_momentum in [0, 1)")
     if not ft.enabled:
         return
     # Both update weights from this group's own tokens after the averaged step: the groups would drift apart.

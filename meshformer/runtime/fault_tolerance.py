@@ -27,6 +27,7 @@ it (the same layout in every group), and `MESHFORMER_REPLICA_ID=r` in its enviro
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import warnings
@@ -106,6 +107,7 @@ class StepSync:
 
     replicas: tuple[int, ...]  # the replica groups whose gradients were averaged (empty: the all-reduce failed)
     tokens: float  # target tokens of the step over those groups
+    stop: int = 0  # the stop signal a group of the step had agreed on (0: none): every group stops after this step
 
 
 class ReplicaGroup:
@@ -157,14 +159,52 @@ class ReplicaGroup:
                 "group's launcher restarts it") from None
         return time.perf_counter() - start
 
-    def average_gradients(self, params: Iterable[torch.nn.Parameter], tokens: torch.Tensor) -> StepSync:
+    def start_step_or_wait(self, wait_s: float, any_rank: Callable[[bool], bool] = bool,
+                           stop_requested: Callable[[], bool] = lambda: False) -> float:
+        """`start_step`, asked again while there is no quorum (the Lighthouse unreachable, fewer than min_replicas
+        groups), for up to `wait_s` seconds, with one line when the wait starts and one when it ends; raises
+        FaultToleranceError once it is over. `any_rank` makes the group's ranks decide together (True where any
+        rank's argument is True); `stop_requested` (a stop signal) ends the wait early. Returns the seconds it
+        took."""
+        start = time.perf_counter()
+        failure: FaultToleranceError | None = None
+        said = False
+        while True:
+            try:
+                self.start_step()
+                failed = False
+            except FaultToleranceError as err:
+                failure, failed = err, True
+            if not any_rank(failed):
+                if failure is not None:
+                    self.log(f"fault tolerance: replica group {self.replica_id} has a quorum again after "
+                             f"{time.perf_counter() - start:.1f}s")
+                return time.perf_counter() - start
+            if failed and not said:
+                said, what = True, failure.what if failure is not None else ""
+                limit = f"up to fault_tolerance.wait_s={wait_s:g}s" if wait_s < math.inf else "at start-up"
+                self.log(f"fault tolerance: replica group {self.replica_id} has no quorum ({what}); waiting "
+                         f"{limit} for the Lighthouse and fault_tolerance.min_replicas={self.cfg.min_replicas} groups")
+            # torchft raises a failed quorum again at the next start_quorum: this one is over
+            self.manager._quorum_future = None
+            if any_rank(time.perf_counter() - start >= wait_s or stop_requested()):
+                raise FaultToleranceError(
+                    f"replica group {self.replica_id} had no quorum for {time.perf_counter() - start:.0f}s "
+                    f"(fault_tolerance.wait_s={wait_s:g})",
+                    "start the Lighthouse again (or more replica groups), then the same command resumes from the "
+                    "checkpoint; or raise fault_tolerance.wait_s")
+
+    def average_gradients(self, params: Iterable[torch.nn.Parameter], tokens: torch.Tensor, stop: int = 0
+                          ) -> StepSync:
         """Average the gradients (this rank's shards) over the replica groups in this step's quorum, weighted by
-        each group's target tokens, as one all-reduce; their membership and token total ride along in it."""
+        each group's target tokens, as one all-reduce; their membership, token total and stop signals (`stop`: the
+        one this group agreed on, 0 for none) ride along in it."""
         params = [p for p in params if p.requires_grad]
         groups = self.cfg.replica_groups
         local = [_local(p) for p in params]
         numel = sum(t.numel() for t in local)
-        flat = torch.zeros(numel + groups + 1, dtype=torch.float32, device=self.device)
+        # [gradients | one flag per group | tokens | one stop signal per group]
+        flat = torch.zeros(numel + 2 * groups + 1, dtype=torch.float32, device=self.device)
         offset = 0
         for p, t in zip(params, local):
             if p.grad is not None:
@@ -174,14 +214,15 @@ class ReplicaGroup:
         # the summed loss of every trained token, divided below by their total.
         flat[:numel].mul_(tokens.to(torch.float32))
         flat[numel + self.replica_id] = 1.0
-        flat[-1] = tokens.to(torch.float32)
+        flat[numel + groups] = tokens.to(torch.float32)
+        flat[numel + groups + 1 + self.replica_id] = float(stop)
         from torch.distributed import ReduceOp
 
         self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
         if self.manager.errored() is not None:
             return StepSync((), 0.0)
         counts = flat[numel:].tolist()  # one host sync per step
-        total = counts[-1]
+        total = counts[groups]
         flat[:numel].div_(max(total, 1.0))
         offset = 0
         for p, t in zip(params, local):
@@ -193,7 +234,20 @@ class ReplicaGroup:
                                             stride=p.stride()) if isinstance(p, DTensor) else grad
             else:
                 _local(p.grad).copy_(averaged)
-        return StepSync(tuple(r for r in range(groups) if round(counts[r]) >= 1), total)
+        return StepSync(tuple(r for r in range(groups) if round(counts[r]) >= 1), total,
+                        round(max(counts[groups + 1:])))
+
+    def members(self) -> tuple[int, ...]:
+        """The replica groups in this step's quorum, by an all-reduce of one flag per group (a failed all-reduce:
+        empty, and the step's commit vote fails)."""
+        from torch.distributed import ReduceOp
+
+        flags = torch.zeros(self.cfg.replica_groups, dtype=torch.float32, device=self.device)
+        flags[self.replica_id] = 1.0
+        self.manager.allreduce(flags, reduce_op=ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:
+            return ()
+        return tuple(r for r, flag in enumerate(flags.tolist()) if round(flag) >= 1)
 
     def error(self) -> str:
         """The first line of the error that failed this step's all-reduce, or ""."""
@@ -215,3 +269,58 @@ class ReplicaGroup:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class SemiSync:
+    """fault_tolerance.method "local_sgd" / "diloco" on torchft's LocalSGD / DiLoCo: each group steps on its own
+    batches, and every `sync_every` steps the groups in the quorum synchronise their weights, either averaged
+    (LocalSGD) or moved by an outer Nesterov SGD step on the averaged pseudo-gradient, the weights' change since the
+    last synchronisation (DiLoCo). The trainer drives the synchronisation (`sync`, after the quorum of
+    `ReplicaGroup.start_step`) instead of torchft's optimizer hooks, so a heal and the quorum stay at a step start.
+
+    DiLoCo keeps the weights of the last synchronisation (on the host) and its outer optimizer's momentum; both go
+    to a healing peer through the Manager (torchft registers them), next to the trainer's live state."""
+
+    def __init__(self, cfg: FaultToleranceConfig, group: ReplicaGroup, model_parts: Iterable[torch.nn.Module],
+                 optimizer: torch.optim.Optimizer) -> None:
+        from torchft.local_sgd import DiLoCo, LocalSGD
+
+        self.cfg, self.group = cfg, group
+        self.model = torch.nn.ModuleList(model_parts)  # one module over a pipeline stage's parts
+        self.diloco: Any = None
+        self.local_sgd: Any = None
+        if cfg.method == "diloco":
+            # Nesterov SGD on the pseudo-gradient (DiLoCo, arXiv 2311.08105 §2)
+            self.outer = torch.optim.SGD(self.model.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                                         nesterov=cfg.outer_momentum > 0)
+            # sync_every=1 for torchft: the trainer decides when to synchronise. One all-reduce per tensor: torchft's
+            # buckets copy the result back in a callback that its wait() does not wait for.
+            self.diloco = DiLoCo(group.manager, [self.model], optimizer, self.outer, sync_every=1)
+        elif cfg.method == "local_sgd":
+            self.local_sgd = LocalSGD(group.manager, self.model, optimizer, sync_every=cfg.sync_every)
+        else:
+            raise ConfigError(f"fault_tolerance.method={cfg.method!r} is not a semi-synchronous method",
+                              'use "local_sgd" or "diloco" (or "sync" without SemiSync)')
+
+    def due(self, step: int) -> bool:
+        """Whether the step after `step` committed steps starts with a synchronisation."""
+        return step % self.cfg.sync_every == 0
+
+    def sync(self) -> bool:
+        """After this step's quorum: synchronise the weights over it; False where the group did not commit (LocalSGD
+        keeps its own weights, DiLoCo goes back to the last synchronised ones)."""
+        if self.diloco is not None:
+            fragment = self.diloco._fragments[0]
+            fragment.prepare_sync()
+            return bool(fragment.perform_sync())  # the commit vote, then the outer step where it passed
+        averaged = self.local_sgd._average()  # this rank's shards, averaged over the quorum
+        if not self.group.should_commit():
+            return False
+        with torch.no_grad():
+            for p, mean in zip(self.model.parameters(), averaged):
+                _local(p).copy_(mean)
+        return True
+
+    def cross_group_bytes(self) -> int:
+        """Bytes this rank sends into one synchronisation's all-reduce (its shards of every weight)."""
+        return sum(_local(p).numel() * _local(p).element_size() for p in self.model.parameters())

@@ -28,8 +28,12 @@ from typing import Any
 from meshformer.errors import MeshformerError
 
 # Order of the phases within one step: a rank in an earlier phase of the same step is behind.
-PHASES = ("startup", "data", "forward_backward", "grad_norm", "optimizer", "logging", "eval", "sample",
-          "checkpoint", "finish")
+# Fault-tolerant replica groups add "quorum" (the step's quorum, a heal, local_sgd / diloco's synchronisation) and
+# "cross_group" (the gradients' average over the groups).
+PHASES = ("startup", "quorum", "data", "forward_backward", "cross_group", "grad_norm", "optimizer", "logging", "eval",
+          "sample", "checkpoint", "finish")
+# Phases in which a rank waits for the other replica groups, not for the ranks of its own.
+CROSS_GROUP_PHASES = ("quorum", "cross_group")
 REPORT_GLOB = "hang-rank*.json"
 # What `explain` reads from a report, and its JSON type.
 REPORT_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -68,9 +72,11 @@ def collectives_issued() -> tuple[int, dict[str, Any] | None]:
 
 
 class HangWatchdog:
-    def __init__(self, run_dir: Path, *, rank: int, world_size: int, timeout_s: float, enabled: bool = True) -> None:
+    def __init__(self, run_dir: Path, *, rank: int, world_size: int, timeout_s: float, enabled: bool = True,
+                 replica_group: int | None = None) -> None:
         self.dir = Path(run_dir) / "diagnostics"
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.replica_group = replica_group  # fault_tolerance: this rank's replica group (its reports name it)
         self.report_after_s = timeout_s / 2
         self.step, self.phase_name, self.since = 0, "startup", time.monotonic()
         self.enabled = enabled
@@ -107,7 +113,8 @@ class HangWatchdog:
         issued, collective = collectives_issued()
         frame = sys._current_frames().get(self._main_thread_id or 0)
         return {
-            "rank": self.rank, "world_size": self.world_size, "host": socket.gethostname(), "pid": os.getpid(),
+            "rank": self.rank, "world_size": self.world_size, "replica_group": self.replica_group,
+            "host": socket.gethostname(), "pid": os.getpid(),
             "run": _run_id(), "step": self.step, "phase": self.phase_name,
             "seconds_in_phase": round(time.monotonic() - self.since, 1), "collectives_issued": issued,
             "last_collective": collective, "reason": reason, "error": error, "written_at": time.time(),
@@ -236,14 +243,22 @@ def slowest_rank(reports: dict[int, dict[str, Any]], world_size: int) -> tuple[i
         return None, "no reports"
     rank = min(reports, key=lambda r: (progress_key(reports[r]), -reports[r].get("seconds_in_phase", 0)))
     report = reports[rank]
-    return rank, (f"step {report['step']}, phase {report['phase']!r} for {report['seconds_in_phase']:.0f}s, "
+    return rank, (f"{_group(report)}step {report['step']}, phase {report['phase']!r} for "
+                  f"{report['seconds_in_phase']:.0f}s, "
                   f"{report['collectives_issued']} collectives issued, host {report['host']} pid {report['pid']}")
+
+
+def _group(report: dict[str, Any]) -> str:
+    """"replica group R, " for a rank of a fault-tolerant replica group, else ""."""
+    group = report.get("replica_group")  # absent from reports of runs without fault tolerance
+    return f"replica group {group}, " if group is not None else ""
 
 
 def describe(report: dict[str, Any]) -> str:
     collective = report.get("last_collective") or {}
     name = f"{collective.get('name')} #{collective.get('sequence')}" if collective else "no collective recorded"
-    return (f"rank {report['rank']}: step {report['step']}, phase {report['phase']!r} "
+    waits = " waiting for the other replica groups" if report.get("phase") in CROSS_GROUP_PHASES else ""
+    return (f"{_group(report)}rank {report['rank']}: step {report['step']}, phase {report['phase']!r}{waits} "
             f"({report['seconds_in_phase']:.0f}s), last collective {name}, "
             f"{report['collectives_issued']} issued ({report['reason']})")
 
@@ -255,7 +270,7 @@ def explain(reports: dict[int, dict[str, Any]], world_size: int, folder: Path, w
     if waiting_rank is not None and waiting_rank in reports:
         waiting = reports[waiting_rank]
         collective = waiting.get("last_collective") or {}
-        head = (f"collective timeout on rank {waiting_rank} at step {waiting['step']} "
+        head = (f"collective timeout on {_group(waiting)}rank {waiting_rank} at step {waiting['step']} "
                 f"(phase {waiting['phase']!r}, waiting in {collective.get('name', 'a collective')} "
                 f"#{collective.get('sequence', '?')})")
     lines = [f"{head}; slowest rank: {rank} ({why})."]

@@ -22,22 +22,27 @@ folders is the run's record.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from meshformer.checkpointing.live_state import live_state, load_live_state
 from meshformer.config import Config
 from meshformer.runtime.fault_tolerance import (
+    FaultToleranceError,
     ReplicaGroup,
+    SemiSync,
     StepSync,
     lighthouse_address,
     replica_id_from_env,
     require_torchft,
 )
+from meshformer.runtime.stop import StopAgreed, signal_name
 from meshformer.train.callbacks import Callback, CallbackContext
 
 if TYPE_CHECKING:
@@ -65,6 +70,11 @@ def replica_config(cfg: Config) -> Config:
                    checkpoint=checkpoint)
 
 
+def replica_group(cfg: Config) -> int | None:
+    """This process's replica group (None without fault tolerance)."""
+    return replica_id_from_env(cfg.fault_tolerance.replica_groups) if cfg.fault_tolerance.enabled else None
+
+
 def data_share(cfg: Config, dp_rank: int, dp_size: int) -> tuple[int, int]:
     """(rank, size) of this process's share of the global order: the group's data-parallel ranks, placed after
     those of the groups before it."""
@@ -72,6 +82,24 @@ def data_share(cfg: Config, dp_rank: int, dp_size: int) -> tuple[int, int]:
         return dp_rank, dp_size
     r = replica_id_from_env(cfg.fault_tolerance.replica_groups)
     return r * dp_size + dp_rank, cfg.fault_tolerance.replica_groups * dp_size
+
+
+class NoQuorum(StopAgreed):
+    """No quorum for fault_tolerance.wait_s: the trainer stops as after a stop signal (a checkpoint of the step
+    reached), then `ReplicaTraining.close` raises the error."""
+
+    def __init__(self, error: FaultToleranceError) -> None:
+        BaseException.__init__(self, str(error))
+        self.error, self.signum = error, 0
+
+
+def _any_rank(flag: bool) -> bool:
+    """True on every rank of this replica group where it is True on any (the group's own process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([float(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 class ReplicaTraining:
@@ -91,33 +119,120 @@ class ReplicaTraining:
         self._position = 0
         self._last_commit = time.perf_counter()
         self.record = trainer.run_dir / RECORD
+        self.semi: SemiSync | None = None  # method local_sgd / diloco: made with the group
+        self._synced_at: int | None = None  # the step of the last synchronisation (local_sgd / diloco)
+        self.no_quorum: FaultToleranceError | None = None  # set where the run stopped for want of a quorum
+        self._stop = 0  # the stop signal this group agreed on, sent in the next step's all-reduce (method sync)
+        self._first_step = 0
+        self._joined = False  # this process has had a quorum
         trainer.training_step.gradient_sync = self.sync
 
     def start_step(self) -> None:
         """This step's quorum (a heal moves the trainer to the peer's step); remembers where the data stands."""
         trainer = self.trainer
+        trainer.watchdog.phase("quorum", trainer.step + 1)  # a hang report here: waiting for the other groups
         first = self.group is None
         if self.group is None:
+            self._first_step = trainer.step  # where this run started (its checkpoint, or 0)
             self.group = ReplicaGroup(self.cfg, self.replica_id, trainer.device,
                                       state_dict=lambda: live_state(trainer.checkpointable),
                                       load_state_dict=lambda state: load_live_state(trainer.checkpointable, state),
                                       log=trainer.logger.info)
+            if self.cfg.method != "sync":  # registers DiLoCo's state with the Manager before the first heal
+                self.semi = SemiSync(self.cfg, self.group, trainer.parallel_model.model_parts, trainer.optimizer)
+            # torchft's step (its commits) as if this group had trained from step 0: a group resumed from its
+            # checkpoint is ahead of a fresh one, which heals from it (sync: one commit a step; local_sgd / diloco:
+            # one a synchronisation, the first at step 0)
+            commits = trainer.step if self.semi is None else (trainer.step // self.cfg.sync_every + 1
+                                                               if trainer.step else 0)
+            self.group.manager.load_state_dict({"step": commits, "batches_committed": 0})
+        elif self.semi is not None and not self.semi.due(trainer.step):
+            self._remember_data()  # a local step: no quorum
+            return
         before = trainer.step
-        took = self.group.start_step()
+        took = self._join()
         if first and self.group.healed_s is None:
             self._trim_record(trainer.step)
         if self.group.healed_s is not None:
             trainer.logger.info(f"fault tolerance: replica group {self.replica_id} healed from a live peer at step "
                                 f"{trainer.step} (was at step {before}) in {took:.2f}s: weights, optimizer, "
                                 "schedule, data position and RNG")
-        self._data_state = trainer.train_data.state_dict()
+        if self.semi is not None:
+            self._synchronise()
+        self._remember_data()
+
+    def _join(self) -> float:
+        """The step's quorum, waited for up to fault_tolerance.wait_s; after that, the run stops with a checkpoint."""
+        assert self.group is not None
+        # until its first quorum, a group waits for the others to start (there is nothing to stop and save yet)
+        wait_s = self.cfg.wait_s if self._joined else math.inf
+        try:
+            stop = self.trainer.stop
+            took = self.group.start_step_or_wait(wait_s, _any_rank, lambda: stop is not None and stop.requested)
+            self._joined = True
+            return took
+        except FaultToleranceError as err:
+            self.no_quorum = err
+            step = self.trainer.step
+            saves = " with a checkpoint" if step > self._first_step else " (no step trained: nothing to save)"
+            self.trainer.logger.info(f"fault tolerance: replica group {self.replica_id} stops at step {step}{saves}: "
+                                     f"{err.what}")
+            raise NoQuorum(err) from None
+
+    def _remember_data(self) -> None:
+        self._data_state = self.trainer.train_data.state_dict()
         self._position = int(self._data_state["consumed"])
+
+    def _synchronise(self) -> None:
+        """local_sgd / diloco, after the quorum: the weights synchronised over it (one line where it failed)."""
+        assert self.group is not None and self.semi is not None
+        trainer, step = self.trainer, self.trainer.step
+        members = self.group.members()
+        if self.semi.sync():
+            self._synced_at, self.last = step, StepSync(members, 0.0)
+            return
+        kept = "keeps its own weights" if self.cfg.method == "local_sgd" else \
+            f"goes back to the weights of the last synchronisation (step {self._synced_at})"
+        why = self.group.error() or "fewer than fault_tolerance.min_replicas, or a rank of this group failed"
+        trainer.logger.info(f"fault tolerance: the synchronisation after step {step} was not committed by replica "
+                            f"group {self.replica_id} ({why}); it {kept} and tries again after "
+                            f"fault_tolerance.sync_every={self.cfg.sync_every} steps")
+        self.last = StepSync((self.replica_id,), 0.0)
+
+    def stop_agreed(self, group_agreed: bool) -> bool:
+        """After a committed step, given whether this group's ranks agreed to stop (runtime/stop.py): whether every
+        group stops here. With method sync, a group's agreement rides in the next step's all-reduce and every group
+        in that step's quorum stops after it, with the same signal; local_sgd / diloco groups stop on their own."""
+        stop = self.trainer.stop
+        if self.semi is not None or stop is None:
+            return group_agreed
+        if group_agreed and not self._stop:
+            self._stop = stop.signum or 0
+        if not self.last.stop:
+            return False
+        if stop.signum is None:  # another group's signal: this group stops and exits as if it had received it
+            stop.signum = self.last.stop
+        stop.stopping = True
+        self.trainer.logger.info(f"fault tolerance: every replica group stops after step {self.trainer.step} "
+                                 f"({signal_name(self.last.stop)} agreed in its all-reduce)")
+        return True
+
+    def finish(self) -> None:
+        """local_sgd / diloco, at train.steps: the last synchronisation, so every group ends with the same weights."""
+        if self.semi is not None and self.group is not None and self._synced_at != self.trainer.step:
+            self._join()
+            self._synchronise()
 
     def sync(self, tokens: torch.Tensor) -> bool:
         """TrainStep's gradient sync: average over the quorum, then the commit vote; False drops the update."""
         assert self.group is not None, "start_step comes first"
+        if self.semi is not None:  # a local step: this group's own update, synchronised every sync_every steps
+            self.last = StepSync(self.last.replicas, float(tokens))  # the groups of this window's synchronisation
+            self.committed = True
+            return True
+        self.trainer.watchdog.phase("cross_group")
         params = [p for part in self.trainer.parallel_model.model_parts for p in part.parameters()]
-        self.last = self.group.average_gradients(params, tokens)
+        self.last = self.group.average_gradients(params, tokens, self._stop)
         self.committed = self.group.should_commit()
         return self.committed
 
@@ -160,8 +275,11 @@ class ReplicaTraining:
         self.record.write_text("".join(line + "\n" for line in lines))
 
     def close(self) -> None:
+        """At the run's end, after its last checkpoint; a run stopped for want of a quorum ends in that error."""
         if self.group is not None:
             self.group.shutdown()
+        if self.no_quorum is not None:
+            raise self.no_quorum
 
 
 class ReplicaMetrics(Callback):

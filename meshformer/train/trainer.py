@@ -67,7 +67,13 @@ from meshformer.train.preflight import (
     has_final_weights,
     run_folders_claimed,
 )
-from meshformer.train.replica_step import ReplicaMetrics, ReplicaTraining, data_share, replica_config
+from meshformer.train.replica_step import (
+    ReplicaMetrics,
+    ReplicaTraining,
+    data_share,
+    replica_config,
+    replica_group,
+)
 from meshformer.train.run_record import check_rerun, record_config
 from meshformer.train.step import StepStats, TrainStep
 
@@ -133,7 +139,8 @@ class Trainer:
         self.build_s = time.perf_counter() - build_start  # meta build, sharding, materialisation of this rank
         # Cluster diagnostics: per-rank hang reports (stalls, collective timeouts) name the phase of the step.
         self.watchdog = HangWatchdog(self.run_dir, rank=rank, world_size=world_size(),
-                                     timeout_s=cfg.parallel.timeout_s, enabled=world_size() > 1)
+                                     timeout_s=cfg.parallel.timeout_s, enabled=world_size() > 1,
+                                     replica_group=replica_group(cfg))
         self.training_step = TrainStep(self.parallel_model, cfg.optim, cfg.schedule, cfg.train.steps, cfg.model.d_model,
                                        on_phase=self.watchdog.phase)
         self.downstream = DownstreamEval.from_config(cfg, self.tokenizer)  # downstream.tasks (None: none listed)
@@ -317,12 +324,16 @@ class Trainer:
                 # stop skips evaluation and samples (the grace period before the scheduler's kill is for the
                 # save); one agreed during them (StopAgreed, within a batch) leaves them at once.
                 ctx.stopping = self.stop is not None and step < cfg.train.steps and self.stop.agreed(step)
+                if self.replicas is not None and step < cfg.train.steps:
+                    ctx.stopping = self.replicas.stop_agreed(ctx.stopping)  # every replica group at the same step
                 if not ctx.stopping:
                     callbacks.call("on_evaluation", ctx)
                 log.flush()  # the metrics of a step are on disk before its checkpoint commits
                 if ctx.stopping:
                     break
                 callbacks.call("on_checkpoint", ctx)
+            if self.replicas is not None and self.step >= cfg.train.steps:
+                self.replicas.finish()  # local_sgd / diloco: the last synchronisation of the groups' weights
         except StopAgreed:
             ctx.stopping = True
             log.flush()

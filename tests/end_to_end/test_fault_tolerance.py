@@ -99,3 +99,103 @@ def test_a_killed_group_restarts_and_heals_while_the_other_trains_on(tmp_path):
     assert solo and max(solo) < STEPS, f"group 1 never rejoined after it was killed: {solo}"
     metrics = [json.loads(line) for line in (run_dir / "replica-0" / "metrics.jsonl").read_text().splitlines()]
     assert {m.get("ft/replicas") for m in metrics if "train/loss" in m} >= {1.0, 2.0}
+
+
+@pytest.mark.slow
+def test_diloco_groups_synchronise_every_h_steps_and_end_equal(tmp_path):
+    """2 groups x 1 rank, method=diloco, sync_every=3, 7 steps (a last window of one step), min_replicas=2: the
+    groups train on their own batches between synchronisations and end at train.steps with bitwise-equal weights
+    (the last synchronisation at train.steps); every step is recorded once per group, in a window of both."""
+    run_dir, steps = tmp_path / "run", 7
+    config = [*overrides(tmp_path, run_dir), f"train.steps={steps}", "logging.log_interval=1", "checkpoint.interval=0",
+              "fault_tolerance.method=diloco", "fault_tolerance.sync_every=3", "fault_tolerance.min_replicas=2"]
+    cmd = [sys.executable, "-m", "meshformer", "train", "tiny-gpt", "--replica-groups", str(GROUPS),
+           "--nproc-per-node", "1", "--set", *config]
+    log = tmp_path / "launcher.log"
+    codes = finish([start(cmd, worker_env(), log)], 240)
+    text = logs(log)
+    assert codes == [0], text[-6000:]
+    assert "not committed" not in text, text[-6000:]
+    from safetensors.torch import load_file
+
+    weights = [load_file(str(run_dir / f"replica-{r}" / "final" / "model.safetensors")) for r in range(GROUPS)]
+    differ = [k for k in weights[0] if not torch.equal(weights[0][k], weights[1][k])]
+    assert not differ, f"the groups' final weights differ in {differ[:4]}"
+    # min_replicas=2: the first quorum waits for both groups; every step is recorded by both, in a window of both
+    for r in range(GROUPS):
+        records = _records(run_dir, r)
+        assert [line["step"] for line in records] == list(range(1, steps + 1)), records
+        assert all(line["replicas"] == [0, 1] for line in records), records
+    # between synchronisations each group trains on its own batches: their losses differ
+    losses = [[json.loads(line).get("train/loss") for line in (run_dir / f"replica-{r}" / "metrics.jsonl")
+               .read_text().splitlines()] for r in range(GROUPS)]
+    assert [x for x in losses[0] if x is not None] != [x for x in losses[1] if x is not None]
+
+
+@pytest.mark.slow
+def test_a_group_below_min_replicas_waits_stops_with_a_checkpoint_and_the_run_goes_on(tmp_path):
+    """2 groups x 1 rank, min_replicas=2: group 1 killed, group 0 waits fault_tolerance.wait_s with a line, then
+    stops with a checkpoint of the step it reached and one error line. The same command again: group 0 resumes from
+    that checkpoint, group 1 (no checkpoint of its own) heals from it, and both end at train.steps, equal."""
+    run_dir, steps = tmp_path / "run", 8
+    config = [*overrides(tmp_path, run_dir), f"train.steps={steps}", "logging.log_interval=1", "checkpoint.interval=0",
+              "fault_tolerance.min_replicas=2", "fault_tolerance.quorum_timeout_s=1",
+              "fault_tolerance.heartbeat_timeout_s=1", "fault_tolerance.join_timeout_s=2"]
+    cmd = [sys.executable, "-m", "meshformer", "train", "tiny-gpt", "--replica-groups", str(GROUPS),
+           "--nproc-per-node", "1", "--set", *config]
+    log = tmp_path / "launcher.log"
+    proc = start([*cmd, "fault_tolerance.wait_s=3"], worker_env(MF_TEST_STEP_SLEEP_S="0.5"), log)
+    try:
+        wait_for(lambda: len(_records(run_dir, 1)) >= 3, 240, f"group 1 to train 3 steps\n{logs(log)[-4000:]}")
+        victim = _rank_pid(proc.pid, replica=1, rank=0)
+        assert victim is not None, logs(log)[-4000:]
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: "replica group 0 had no quorum for" in logs(log), 120, f"group 0 to stop\n{logs(log)[-4000:]}")
+        proc.send_signal(signal.SIGTERM)  # the launcher: no more restarts
+    finally:
+        finish([proc], 120)
+    text = logs(log)
+    assert "replica group 0 has no quorum (" in text and "wait_s=3s" in text, text[-6000:]
+    assert "replica group 0 stops at step" in text and "with a checkpoint" in text, text[-6000:]
+    saved = sorted((run_dir / "replica-0").rglob("step-*"))
+    assert saved, f"group 0 saved no checkpoint\n{text[-4000:]}"
+
+    log = tmp_path / "again.log"
+    codes = finish([start([*cmd, "fault_tolerance.wait_s=120"], worker_env(), log)], 300)
+    text = logs(log)
+    assert codes == [0], text[-6000:]
+    assert f"resumed from {saved[-1]}" in text and "replica group 1 healed from a live peer" in text, text[-6000:]
+    from safetensors.torch import load_file
+
+    weights = [load_file(str(run_dir / f"replica-{r}" / "final" / "model.safetensors")) for r in range(GROUPS)]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0]), "the groups' final weights differ"
+
+
+@pytest.mark.slow
+def test_a_stop_signal_to_one_group_stops_every_group_at_the_same_step(tmp_path):
+    """2 groups x 1 rank: SIGTERM to group 0's rank only. Its agreement rides in the next step's cross-group
+    all-reduce, so both groups stop after the same step and each commits a checkpoint of it."""
+    run_dir = tmp_path / "run"
+    config = [*overrides(tmp_path, run_dir), "train.steps=200", "logging.log_interval=1", "checkpoint.interval=0"]
+    cmd = [sys.executable, "-m", "meshformer", "train", "tiny-gpt", "--replica-groups", str(GROUPS),
+           "--nproc-per-node", "1", "--set", *config]
+    log = tmp_path / "launcher.log"
+    proc = start(cmd, worker_env(MF_TEST_STEP_SLEEP_S="0.3"), log)
+
+    def saved(r: int) -> list[Path]:  # committed checkpoints (a save in progress is step-N.partial)
+        return sorted(p for p in (run_dir / f"replica-{r}").rglob("step-*") if p.suffix != ".partial")
+
+    try:
+        wait_for(lambda: min(len(_records(run_dir, r)) for r in range(GROUPS)) >= 3, 240,
+                 f"both groups to train 3 steps\n{logs(log)[-4000:]}")
+        victim = _rank_pid(proc.pid, replica=0, rank=0)
+        assert victim is not None, logs(log)[-4000:]
+        os.kill(victim, signal.SIGTERM)
+        wait_for(lambda: all(saved(r) for r in range(GROUPS)), 120, f"both groups' checkpoints\n{logs(log)[-4000:]}")
+    finally:
+        proc.send_signal(signal.SIGTERM)  # the launcher: no restarts
+        finish([proc], 120)
+    text = logs(log)
+    steps = [[path.name for path in saved(r)] for r in range(GROUPS)]
+    assert steps[0] == steps[1] and len(steps[0]) == 1, f"{steps}\n{text[-4000:]}"
+    assert "every replica group stops after step" in text and "(SIGTERM agreed in its all-reduce)" in text, text[-6000:]
