@@ -1,4 +1,4 @@
-"""Rebuild the bundled downstream tasks (meshformer/train/downstream_tasks/) from the bundled KJV corpus.
+"""Rebuild the bundled downstream tasks (meshformer/eval/tasks/) from the bundled KJV corpus.
 
     python tools/build_downstream_tasks.py
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "meshformer" / "data" / "corpus" / "kjv-chapters.jsonl.gz"
-OUT = ROOT / "meshformer" / "train" / "downstream_tasks"
+OUT = ROOT / "meshformer" / "eval" / "tasks"
 CLAUSE = re.compile(r"(?<=[,;:.?!])\s+")
 WORD = re.compile(r"^[A-Za-z]{3,}$")
 

@@ -3,7 +3,7 @@
 A task file is data, never code, unless the user's own config says otherwise (`downstream.trust_task_code`):
 - its YAML loads with a safe loader that bounds the file's size and the nodes its aliases and merge keys expand to
   (a kilobyte of nested aliases would otherwise build gigabytes);
-- its templates render in a sandbox (meshformer/train/task_templates.py); `!function` needs the trust switch;
+- its templates render in a sandbox (meshformer/eval/task_templates.py); `!function` needs the trust switch;
 - its `data_files` are files inside the task's folder: relative paths resolve against the YAML's folder (not
   against the current folder, as lm-eval resolves them); an absolute path, `..` or a link leaving the folder is
   refused (a link is followed with `downstream.follow_links = true`), and so is anything but a regular file;
@@ -23,7 +23,7 @@ from typing import Any
 from meshformer.config import Config, ConfigError
 from meshformer.config.sections import DownstreamConfig
 from meshformer.folders import inside
-from meshformer.train.task_templates import (
+from meshformer.eval.task_templates import (
     TRUST_FIX,
     TaskCodeError,
     Template,
@@ -32,7 +32,7 @@ from meshformer.train.task_templates import (
     render_error,
 )
 
-BUNDLED_DIR = Path(__file__).with_name("downstream_tasks")
+BUNDLED_DIR = Path(__file__).with_name("tasks")
 # The YAML keys this reader follows; any other key (process_results, filter_list, include, a few-shot split, ...)
 # is refused.
 SUPPORTED_KEYS = ("task", "tag", "dataset_path", "dataset_kwargs", "output_type", "training_split",
