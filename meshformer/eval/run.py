@@ -12,7 +12,7 @@ from typing import Any
 
 from meshformer.config.sections import DownstreamConfig
 from meshformer.eval.task_files import lm_eval_config
-from meshformer.eval.task_templates import TRUST_FIX, TaskCodeError, _sandbox
+from meshformer.eval.task_templates import TRUST_FIX, TaskCodeError, _sandbox, render_error
 
 
 def is_task_file(spec: str) -> bool:
@@ -52,6 +52,7 @@ def evaluate(lm: Any, specs: list[str], *, include_path: list[str] | None = None
     `specs` scored by `lm` (rank 0 holds the results under data parallel; other ranks get None).
     lm-eval's default seeds: few-shot samples are the same in every run and layout. bootstrap_iters: resamples for
     the standard errors of metrics without a closed form (perplexities); lm-eval seeds them, and 0 gives none."""
+    from jinja2.sandbox import SecurityError
     from lm_eval import evaluator
     from lm_eval.tasks import TaskManager
 
@@ -62,6 +63,9 @@ def evaluate(lm: Any, specs: list[str], *, include_path: list[str] | None = None
         tasks: list[str | dict[str, Any]] = [lm_eval_config(spec, options) if is_task_file(spec) else spec
                                              for spec in specs]
         manager = TaskManager(include_path=include or None, include_defaults=True)
-        return evaluator.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
-                                         task_manager=manager, log_samples=log_samples,
-                                         bootstrap_iters=bootstrap_iters)
+        try:
+            return evaluator.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
+                                             task_manager=manager, log_samples=log_samples,
+                                             bootstrap_iters=bootstrap_iters)
+        except SecurityError as err:  # a template that passed the static checks, refused while rendering
+            raise render_error(err, "a task", "a template") or err from None

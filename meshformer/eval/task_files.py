@@ -369,6 +369,9 @@ def _doc(raw: dict[str, Any], doc: dict[str, Any], where: str, templates: dict[s
 
 # lm-eval keys whose value is read as another file or as code by lm-eval itself: a dict config cannot confine them
 _LM_EVAL_REFUSED = ("include", "dataset_name", "custom_dataset", "class")
+# lm-eval keys it renders as Jinja templates: checked by the sandbox's rules before anything renders
+_TEMPLATE_KEYS = ("doc_to_text", "doc_to_target", "doc_to_choice", "description", "gen_prefix",
+                  "doc_to_decontamination_query", "fewshot_delimiter", "target_delimiter")
 
 
 def lm_eval_config(spec: str, options: DownstreamConfig | None = None) -> dict[str, Any]:
@@ -395,6 +398,8 @@ def lm_eval_config(spec: str, options: DownstreamConfig | None = None) -> dict[s
                 raise TaskCodeError(f"{where}: {key} is !function {value.value} (Python code in the task's folder)",
                                     TRUST_FIX)
             value = load_function(path.parent, value.value, where, key, options.follow_links)
+        elif key in _TEMPLATE_KEYS and isinstance(value, str):
+            compile_template(value, where, key, options.trust_task_code)
         config[key] = value
     if config.get("dataset_path") != "json":
         raise ConfigError(f"{where}: dataset_path {config.get('dataset_path')!r} is not a local file format",
