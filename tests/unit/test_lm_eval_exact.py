@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.hf_models import hf_model
+from helpers.hf_models import hf_model
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "lm_eval_tasks"
 TASKS = ["bundled:kjv_cloze", "bundled:kjv_next", "bundled:kjv_lastword", "bundled:kjv_perplexity",
