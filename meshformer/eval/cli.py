@@ -49,6 +49,11 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise UsageError("meshformer eval runs lm-evaluation-harness, which is not installed",
+                         'pip install "meshformer[eval]"') from None
     specs = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not specs:
         raise UsageError("--tasks names no task", "e.g. --tasks bundled:kjv_cloze,hellaswag")

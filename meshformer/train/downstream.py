@@ -31,6 +31,7 @@ import torch.distributed as dist
 from meshformer.batch import IGNORE_INDEX, Batch
 from meshformer.config import Config
 from meshformer.data import Tokenizer
+from meshformer.eval.task_files import Task, load_tasks
 from meshformer.loss.cross_entropy import LossFn
 from meshformer.loss.fused import VocabShard
 from meshformer.loss.spec import LossSpec
@@ -38,7 +39,6 @@ from meshformer.parallel.mesh_model import MultiRankParallelModel
 from meshformer.parallel.parallel_model import ParallelModel
 from meshformer.parallel.pipeline.stages import TransformerStage
 from meshformer.parallel.tensor_parallel import vocab_shard
-from meshformer.eval.task_files import Task, load_tasks
 
 METRICS = ("acc", "acc_norm", "acc_bytes", "loglik_per_token", "loglik_per_byte")
 

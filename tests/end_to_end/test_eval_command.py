@@ -1,5 +1,6 @@
 """`meshformer eval` on an exported tiny model: lm-eval's results JSON, the same under two data-parallel processes
-as under one (within fp32 rounding: the ranks' batches hold other requests), and a registry task whose dataset is not cached named in one line before any scoring."""
+as under one (within fp32 rounding: the ranks' batches hold other requests), and a registry task whose dataset is
+not cached named in one line before any scoring."""
 
 from __future__ import annotations
 

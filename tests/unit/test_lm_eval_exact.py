@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from helpers.hf_models import hf_model
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "lm_eval_tasks"
