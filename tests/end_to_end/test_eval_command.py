@@ -47,6 +47,8 @@ def test_two_data_parallel_processes_write_one_processs_results(folder, tmp_path
     for task, metrics in one["results"].items():  # counts equal; values within fp32 rounding (batches differ)
         assert metrics.keys() == two["results"][task].keys()
         for key, value in metrics.items():
+            if "perplexity_stderr" in key:  # lm-eval's bootstrap resamples the gathered order, which the ranks set
+                continue
             if isinstance(value, float):
                 assert two["results"][task][key] == pytest.approx(value, rel=1e-5), (task, key)
             else:
