@@ -143,21 +143,31 @@ class MeshformerLM(TemplateLM):
         """(summed log-likelihood of the continuation, whether it is the greedy continuation) per (context,
         continuation) pair: the last max_length + 1 tokens (left truncation), shifted by one."""
         rows = [(context + continuation)[-(self.max_length + 1):][:-1] for context, continuation in pairs]
+        # requests with the same input (one-token choices after one context) share one row of the batch
+        unique: dict[tuple[int, ...], int] = {}
+        owners: list[list[int]] = []
+        for i, tokens in enumerate(rows):
+            at = unique.setdefault(tuple(tokens), len(owners))
+            if at == len(owners):
+                owners.append([])
+            owners[at].append(i)
+        inputs = list(unique)
         results: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
-        for batch in _sorted_batches([len(r) for r in rows], self.batch_size):
+        for batch in _sorted_batches([len(r) for r in inputs], self.batch_size):
             self.poll()
-            width = len(rows[batch[0]])
+            width = len(inputs[batch[0]])
             ids = torch.full((len(batch), width), self.mf_tokenizer.pad_id, dtype=torch.long)
-            for row, i in enumerate(batch):  # right padding: a causal model's scores ignore what follows
-                ids[row, :len(rows[i])] = torch.tensor(rows[i])
+            for row, u in enumerate(batch):  # right padding: a causal model's scores ignore what follows
+                ids[row, :len(inputs[u])] = torch.tensor(inputs[u])
             logprobs = F.log_softmax(self.model(ids.to(self.device)).float(), dim=-1)
-            for row, i in enumerate(batch):
-                continuation = pairs[i][1]
-                n, end = len(continuation), len(rows[i])
-                span = logprobs[row, end - n:end]
-                target = torch.tensor(continuation, device=span.device)
-                greedy = bool((span.argmax(-1) == target).all())
-                results[i] = (float(span.gather(1, target[:, None]).sum()), greedy)
+            for row, u in enumerate(batch):
+                for i in owners[u]:
+                    continuation = pairs[i][1]
+                    n, end = len(continuation), len(inputs[u])
+                    span = logprobs[row, end - n:end]
+                    target = torch.tensor(continuation, device=span.device)
+                    greedy = bool((span.argmax(-1) == target).all())
+                    results[i] = (float(span.gather(1, target[:, None]).sum()), greedy)
         return results
 
     def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False,
