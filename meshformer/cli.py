@@ -22,6 +22,7 @@ LAZY_COMMANDS = {
     "data": ("meshformer.data.cli", "prepare training data"),
     "convert": ("meshformer.checkpointing.cli", "convert checkpoints: safetensors, Hugging Face, Megatron-Core"),
     "plan": ("meshformer.planner.cli", "memory per rank of a layout at any world size, and the layouts that fit"),
+    "eval": ("meshformer.eval.cli", "score lm-eval tasks (offline) with a run's weights or a folder"),
 }
 
 TOKENIZER_HELP = ("default: the tokenizer saved with the weights (WEIGHTS/tokenizer.json); another one is refused "

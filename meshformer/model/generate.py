@@ -67,6 +67,7 @@ def greedy_decode(
     prompt_padding: torch.Tensor | None = None,
     use_cache: bool = True,
     between_tokens: Callable[[], None] | None = None,
+    stopped: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Prompt followed by up to `max_new_tokens` argmax tokens, shape (B, T_prompt + n_new).
 
@@ -80,6 +81,9 @@ def greedy_decode(
     use_cache: reuse keys/values of earlier positions (one new token per step); False recomputes the
         whole prefix each step. Both give the same tokens.
     between_tokens: called before each new token (a training run's stop check, which raises to end decoding).
+    stopped: given the tokens so far (B, T), which rows need no more (B,) bool, e.g. a stop string was written;
+        decoding ends early once every row has stopped, by EOS or by `stopped` (later tokens of a row that
+        stopped this way are still argmax tokens: the caller cuts them).
     The model runs in eval mode; its previous mode is restored.
     """
     cfg = model.cfg
@@ -115,6 +119,7 @@ def greedy_decode(
                 memory, memory_padding = model.encode(source_ids, source_padding)
             tokens = prompt_ids
             finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+            eos_done = finished.clone()  # rows ended by EOS (filled with EOS after it), a part of `finished`
             cache = model.new_cache() if use_cache else None
             padding = prompt_padding
             positions = None if padding is None else (padding.long().cumsum(1) - 1).clamp(min=0)
@@ -127,15 +132,18 @@ def greedy_decode(
                                       position_ids=step_positions if use_cache else positions)
                 next_token = model.head(hidden[:, -1]).argmax(dim=-1)
                 if eos_id is not None:
-                    next_token = next_token.masked_fill(finished, eos_id)
-                    finished |= next_token == eos_id
+                    next_token = next_token.masked_fill(eos_done, eos_id)
+                    eos_done |= next_token == eos_id
+                    finished |= eos_done
                 tokens = torch.cat([tokens, next_token[:, None]], dim=1)
                 step_input = next_token[:, None]
                 if padding is not None and positions is not None:  # the new token is real, one place after the last
                     padding = torch.cat([padding, padding.new_ones(padding.shape[0], 1)], dim=1)
                     step_positions = positions[:, -1:] + 1
                     positions = torch.cat([positions, step_positions], dim=1)
-                if eos_id is not None and bool(finished.all()):
+                if stopped is not None:
+                    finished |= stopped(tokens)
+                if (eos_id is not None or stopped is not None) and bool(finished.all()):
                     break
             return tokens
     finally:

@@ -2,7 +2,7 @@
 
 A task is lm-eval's local-task YAML (`dataset_path: json`, `dataset_kwargs: {data_files: ...}`, `doc_to_text` /
 `doc_to_choice` / `doc_to_target` as column names, Jinja templates or literal lists) beside its JSONL documents:
-nothing is downloaded; meshformer/train/task_files.py reads it, as data (sandboxed templates, files inside its folder).
+nothing is downloaded; meshformer/eval/task_files.py reads it, as data (sandboxed templates, files inside its folder).
 Each choice is scored as lm-eval's HFLM scores it: the summed log-likelihood of
 `target_delimiter + choice` after the context (trailing spaces of the context move to the continuation, the pair is
 tokenized whole and split where the context's tokens end, the sequence is cut from the left to the model's length);
@@ -31,6 +31,7 @@ import torch.distributed as dist
 from meshformer.batch import IGNORE_INDEX, Batch
 from meshformer.config import Config
 from meshformer.data import Tokenizer
+from meshformer.eval.task_files import Task, load_tasks
 from meshformer.loss.cross_entropy import LossFn
 from meshformer.loss.fused import VocabShard
 from meshformer.loss.objective import Loss
@@ -38,7 +39,6 @@ from meshformer.loss.token_loss import LossSpec
 from meshformer.parallel.mesh_model import MultiRankParallelModel
 from meshformer.parallel.parallel_model import ParallelModel
 from meshformer.parallel.tensor_parallel import vocab_shard
-from meshformer.train.task_files import Task, load_tasks
 
 METRICS = ("acc", "acc_norm", "acc_bytes", "loglik_per_token", "loglik_per_byte")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers.checkpoints import launch, tiny_config, tiny_overrides, tiny_shards
 
-from meshformer.train.task_files import BUNDLED_DIR
+from meshformer.eval.task_files import BUNDLED_DIR
 from meshformer.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow

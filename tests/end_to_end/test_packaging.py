@@ -35,7 +35,7 @@ def test_wheel_ships_configs_corpus_and_tokenizer(wheel):
     assert expected and expected <= names, expected - names
     assert any(n.startswith("meshformer/data/corpus/") for n in names)
     assert any(n.startswith("meshformer/data/tokenizers/") for n in names)
-    tasks = {f"meshformer/train/downstream_tasks/kjv_{t}.{ext}" for t in ("cloze", "next") for ext in ("yaml", "jsonl")}
+    tasks = {f"meshformer/eval/tasks/kjv_{t}.{ext}" for t in ("cloze", "next") for ext in ("yaml", "jsonl")}
     assert tasks <= names, tasks - names
 
 

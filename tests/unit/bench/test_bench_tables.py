@@ -253,6 +253,16 @@ def test_data_prepare(tmp_path):
     check(tmp_path, "JSONL", "0.95×", "Parquet", "0.96×", "9–10× faster", "JSONL 1.02×")
 
 
+def test_lm_eval_speed(tmp_path):
+    module = script("lm_eval_speed")
+    records = [{"output_type": "loglikelihood", "task": "bundled:kjv_lastword", "requests": 40, "ours_rps": 812.4,
+                "hf_rps": 402.1, "ratio": 2.0204}]
+    tables_module().write_table(tmp_path / "training-04.json", machine=MACHINE, page="training", title="t",
+                                command="python bench/lm_eval_speed.py", columns=module.COLUMNS,
+                                rows=module.table_rows(records))
+    check(tmp_path, "loglikelihood", "812.4", "402.1", "2.02×")
+
+
 def test_gpu_tables(tmp_path):
     module = script("gpu_tables")
     records = [

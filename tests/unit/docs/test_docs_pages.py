@@ -9,7 +9,7 @@ import tomllib
 from helpers.common import ROOT
 from helpers.readme import shown_commands, shown_files
 
-from meshformer.train.task_files import load_task
+from meshformer.eval.task_files import load_task
 
 EVALUATION = ROOT / "docs" / "evaluation.md"
 

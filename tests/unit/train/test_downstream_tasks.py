@@ -11,8 +11,8 @@ from meshformer.batch import IGNORE_INDEX
 from meshformer.config import load_config
 from meshformer.data import load_tokenizer
 from meshformer.errors import ConfigError
+from meshformer.eval.task_files import load_task
 from meshformer.train.downstream import DownstreamEval, encode_pair, padded_length, request_row, task_scores
-from meshformer.train.task_files import load_task
 
 DOCS = [{"q": "And God said", "options": ["Let there be light", "banana"], "answer": "Let there be light", "i": 0},
         {"q": "In the beginning ", "options": ["God created", "the end"], "answer": "God created", "i": 0}]

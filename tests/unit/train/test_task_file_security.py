@@ -1,6 +1,6 @@
 """A downstream task file is data: its templates cannot run code or read Python internals, its documents come from
 regular files inside its folder within a size bound, its YAML cannot expand without bound, and code it names
-(`!function`) runs only when the user's own config trusts it (meshformer/train/task_files.py, task_templates.py)."""
+(`!function`) runs only when the user's own config trusts it (meshformer/eval/task_files.py, task_templates.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from meshformer.config.sections import DownstreamConfig
 from meshformer.errors import MeshformerError
-from meshformer.train.task_files import MAX_YAML_BYTES, load_task
+from meshformer.eval.task_files import MAX_YAML_BYTES, load_task
 
 DOCS = [{"q": "And God said", "options": ["Let there be light", "banana"], "i": 0},
         {"q": "In the beginning ", "options": ["God created", "the end"], "i": 0}]

@@ -3,7 +3,7 @@
 A task file is data, never code, unless the user's own config says otherwise (`downstream.trust_task_code`):
 - its YAML loads with a safe loader that bounds the file's size and the nodes its aliases and merge keys expand to
   (a kilobyte of nested aliases would otherwise build gigabytes);
-- its templates render in a sandbox (meshformer/train/task_templates.py); `!function` needs the trust switch;
+- its templates render in a sandbox (meshformer/eval/task_templates.py); `!function` needs the trust switch;
 - its `data_files` are files inside the task's folder: relative paths resolve against the YAML's folder (not
   against the current folder, as lm-eval resolves them); an absolute path, `..` or a link leaving the folder is
   refused (a link is followed with `downstream.follow_links = true`), and so is anything but a regular file;
@@ -22,8 +22,7 @@ from typing import Any
 
 from meshformer.config import Config, ConfigError
 from meshformer.config.sections import DownstreamConfig
-from meshformer.folders import inside
-from meshformer.train.task_templates import (
+from meshformer.eval.task_templates import (
     TRUST_FIX,
     TaskCodeError,
     Template,
@@ -31,8 +30,9 @@ from meshformer.train.task_templates import (
     load_function,
     render_error,
 )
+from meshformer.folders import inside
 
-BUNDLED_DIR = Path(__file__).with_name("downstream_tasks")
+BUNDLED_DIR = Path(__file__).with_name("tasks")
 # The YAML keys this reader follows; any other key (process_results, filter_list, include, a few-shot split, ...)
 # is refused.
 SUPPORTED_KEYS = ("task", "tag", "dataset_path", "dataset_kwargs", "output_type", "training_split",
@@ -365,3 +365,65 @@ def _doc(raw: dict[str, Any], doc: dict[str, Any], where: str, templates: dict[s
                           "one target per document (lists of targets are not supported)")
     return Doc(context, choices, target)
 
+
+
+# lm-eval keys whose value is read as another file or as code by lm-eval itself: a dict config cannot confine them
+_LM_EVAL_REFUSED = ("include", "dataset_name", "custom_dataset", "class")
+# lm-eval keys it renders as Jinja templates: checked by the sandbox's rules before anything renders
+_TEMPLATE_KEYS = ("doc_to_text", "doc_to_target", "doc_to_choice", "description", "gen_prefix",
+                  "doc_to_decontamination_query", "fewshot_delimiter", "target_delimiter")
+
+
+def lm_eval_config(spec: str, options: DownstreamConfig | None = None) -> dict[str, Any]:
+    """A local task YAML ("bundled:NAME" or a path) as the config dict lm-eval's evaluator takes, read as data: the
+    YAML bounded and safe, `data_files` confined to the task's folder and resolved there, their size within
+    downstream.max_task_mb, `!function` loaded only under downstream.trust_task_code (its templates render in the
+    sandbox unless trusted: `meshformer.eval.run.template_environment`)."""
+    options = options or DownstreamConfig()
+    path = task_path(spec)
+    raw = _yaml(path)
+    where = f"downstream task {path}"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: not a YAML mapping", "write the task's keys (task, doc_to_text...)")
+    config: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in _LM_EVAL_REFUSED:
+            raise ConfigError(f"{where}: {key} is not supported in a task file read as data",
+                              "write the task's keys out in one YAML, or list its folder in --include-path with "
+                              "downstream.trust_task_code = true")
+        if isinstance(value, _Tagged):
+            if value.tag != "!function":
+                raise ConfigError(f"{where}: {key} is given as {value.tag}", "only !function tags are read")
+            if not options.trust_task_code:
+                raise TaskCodeError(f"{where}: {key} is !function {value.value} (Python code in the task's folder)",
+                                    TRUST_FIX)
+            value = load_function(path.parent, value.value, where, key, options.follow_links)
+        elif key in _TEMPLATE_KEYS and isinstance(value, str):
+            compile_template(value, where, key, options.trust_task_code)
+        config[key] = value
+    if config.get("dataset_path") != "json":
+        raise ConfigError(f"{where}: dataset_path {config.get('dataset_path')!r} is not a local file format",
+                          "use dataset_path: json with data_files beside the YAML, or name a registry task")
+    kwargs = config.get("dataset_kwargs") or {}
+    if not isinstance(kwargs, dict) or set(kwargs) != {"data_files"}:
+        raise ConfigError(f"{where}: dataset_kwargs {kwargs!r} is not supported (only data_files)",
+                          "name the JSONL files in data_files")
+    files = _split_files(kwargs["data_files"])
+    fix = ("data_files are files in the task YAML's folder, named relative to it (not to the current folder, as "
+           "lm-eval reads them): copy the file there; downstream.follow_links = true reads a link that leaves it")
+    total, limit = 0, options.max_task_mb << 20
+    resolved: dict[str, list[str]] = {}
+    for split, names in files.items():
+        resolved[str(split)] = []
+        for name in names:
+            source = inside(path.parent, name, what=f"{where}: dataset_kwargs.data_files", fix=fix,
+                            follow_links=options.follow_links)
+            if not source.exists():
+                raise ConfigError(f"{where}: data file {source} not found",
+                                  "data_files are read relative to the task YAML's folder")
+            total += _regular_file(source, f"{where}: data file {source}", limit - total,
+                                   f"downstream.max_task_mb={options.max_task_mb}")
+            resolved[str(split)].append(str(source.resolve()))
+    config["dataset_kwargs"] = {"data_files": resolved}
+    config.setdefault("task", path.stem)
+    return config

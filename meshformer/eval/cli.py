@@ -1,0 +1,127 @@
+"""`meshformer eval RUN_OR_FOLDER --tasks T1,T2`: lm-eval's tasks scored by meshformer's model, offline; writes
+lm-eval's results JSON. With --nproc-per-node N the data-parallel ranks (torchrun, gloo) share the requests."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from meshformer.config.sections import DownstreamConfig
+from meshformer.errors import ConfigError, UsageError
+
+DESCRIPTION = """\
+Score lm-eval tasks with a run's final weights, a weights folder or a Hugging Face folder, through lm-eval's own
+evaluator (its prompts, few-shot sampling, filters and metrics). Tasks: names from lm-eval's registry (hellaswag,
+arc_easy, mmlu, ...) whose datasets are in the local `datasets` cache, task folders given by --include-path, task
+YAML paths, and the bundled tasks (bundled:kjv_cloze, bundled:kjv_next, bundled:kjv_lastword,
+bundled:kjv_perplexity, bundled:kjv_complete). Nothing is downloaded."""
+
+FETCH_FIX = ("on a machine with internet run: python -c \"from lm_eval.tasks import get_task_dict; "
+             "get_task_dict(['{task}'])\" and copy its ~/.cache/huggingface/datasets here (or set HF_DATASETS_CACHE)")
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("eval", help="score lm-eval tasks (offline) with a run's weights or a folder",
+                                   description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", help="a run folder (its final/), a weights folder or a Hugging Face folder")
+    parser.add_argument("--tasks", required=True, help="comma-separated task or group names, YAML paths, bundled:NAME")
+    parser.add_argument("--include-path", action="append", default=[], metavar="DIR",
+                        help="a folder of lm-eval task YAMLs (repeatable)")
+    parser.add_argument("--num-fewshot", type=int, help="few-shot examples per request (default: each task's own)")
+    parser.add_argument("--limit", type=float, help="documents per task (a fraction below 1)")
+    parser.add_argument("--batch-size", type=int, default=16, help="requests per forward pass")
+    parser.add_argument("--output-path", help="write lm-eval's results JSON here")
+    parser.add_argument("--log-samples", action="store_true", help="keep every request and response in the JSON")
+    parser.add_argument("--bootstrap-iters", type=int, default=1000,
+                        help="resamples for standard errors without a closed form (perplexities); 0: none")
+    parser.add_argument("--trust-task-code", action="store_true",
+                        help="run task code as lm-eval would: unsandboxed templates, !function (downstream."
+                        "trust_task_code)")
+    parser.add_argument("--follow-links", action="store_true", help="read data_files that links take elsewhere")
+    parser.add_argument("--nproc-per-node", type=int, default=1,
+                        help="data-parallel processes sharing the requests (torchrun, one whole model each)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise UsageError("meshformer eval runs lm-evaluation-harness, which is not installed",
+                         'pip install "meshformer[eval]"') from None
+    specs = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not specs:
+        raise UsageError("--tasks names no task", "e.g. --tasks bundled:kjv_cloze,hellaswag")
+    if args.nproc_per_node < 1 or args.batch_size < 1:
+        raise UsageError(f"--nproc-per-node={args.nproc_per_node}, --batch-size={args.batch_size}",
+                         "give positive numbers")
+    for folder in args.include_path:
+        if not Path(folder).is_dir():
+            raise UsageError(f"--include-path {folder} is not a folder", "give a folder of lm-eval task YAMLs")
+    if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+        sys.exit(_launch(args.nproc_per_node))
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # nothing downloads: a missing dataset is named instead
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    options = DownstreamConfig(trust_task_code=args.trust_task_code, follow_links=args.follow_links)
+    _init_data_parallel()
+    from meshformer.eval.lm import MeshformerLM
+    from meshformer.eval.run import evaluate, is_task_file
+
+    check_datasets([s for s in specs if not is_task_file(s)], args.include_path)
+    lm = MeshformerLM(path=args.folder, batch_size=args.batch_size)
+    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+    results = evaluate(lm, specs, include_path=args.include_path, num_fewshot=args.num_fewshot, limit=limit,
+                       options=options, log_samples=args.log_samples, bootstrap_iters=args.bootstrap_iters)
+    if results is None:  # a data-parallel rank other than the first: rank 0 reports
+        return
+    from lm_eval.utils import make_table
+
+    print(make_table(results))
+    if args.output_path:
+        out = Path(args.output_path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2, default=_jsonable, ensure_ascii=False) + "\n")
+        print(f"wrote {out}")
+
+
+def check_datasets(names: list[str], include_path: list[str]) -> None:
+    """Each registry task's documents are in the local datasets cache: else one line naming the first task that
+    lacks them and how to fetch them, before any model is loaded."""
+    if not names:
+        return
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    manager = TaskManager(include_path=include_path or None)
+    for name in names:
+        if not manager.match_tasks([name]):
+            raise ConfigError(f"no lm-eval task or group named {name!r}",
+                              "check the name (lm-eval --tasks list), or pass its folder with --include-path")
+        try:
+            get_task_dict([name], manager)
+        except Exception as err:  # datasets' offline misses come as several exception types
+            raise ConfigError(f"task {name}: its dataset is not in the local datasets cache "
+                              f"({type(err).__name__})", FETCH_FIX.format(task=name)) from None
+
+
+def _launch(nproc: int) -> int:
+    """This command again under torchrun, one process per data-parallel rank."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "meshformer", *sys.argv[1:]]
+    print("launching: " + " ".join(cmd), file=sys.stderr, flush=True)
+    return subprocess.call(cmd)
+
+
+def _init_data_parallel() -> None:
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+
+
+def _jsonable(value: Any) -> Any:
+    return str(value)
