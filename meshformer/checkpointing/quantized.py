@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from meshformer.checkpointing.errors import ConversionError
+from meshformer.checkpointing.checkpoint_errors import ConversionError
 from meshformer.checkpointing.sharded_safetensors import SafetensorsFolder
 
 METHODS = ("fp8", "mxfp4")

@@ -59,7 +59,7 @@ class MeshformerLM(TemplateLM):
             raise UsageError("MeshformerLM needs a folder or a model, not both",
                              "pass path=FOLDER, or model= and tokenizer=")
         if path is not None:
-            from meshformer.eval.load import load_model_folder
+            from meshformer.eval.model_folder import load_model_folder
 
             model, tokenizer = load_model_folder(Path(path))
         if tokenizer is None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from meshformer.checkpointing.errors import ConversionError
+from meshformer.checkpointing.checkpoint_errors import ConversionError
 from meshformer.checkpointing.weights import CONFIG_FILE, load_for_inference
 from meshformer.data import Tokenizer, load_tokenizer
 from meshformer.model import Transformer
