@@ -91,6 +91,7 @@ def test_gated_delta_tiny(rule, reference):
 
 
 @pytest.mark.slow
+@pytest.mark.matrix  # the scan is checked against transformers in tests/unit/model/test_mamba2.py
 def test_mamba2_tiny():
     pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")  # the reference side
     (record,) = run_bench("mamba2.py", "--shape", "1,2,16,8,1,80", "--rounds", "1", "--threads", "1")

@@ -34,6 +34,7 @@ def _eval(*args: str) -> subprocess.CompletedProcess:
                           env=env, timeout=600)
 
 
+@pytest.mark.matrix  # two eval runs of the tiny model (about 4 minutes of CI)
 def test_two_data_parallel_processes_write_one_processs_results(folder, tmp_path):
     outputs = []
     for nproc in (1, 2):

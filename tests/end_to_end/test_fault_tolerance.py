@@ -102,6 +102,7 @@ def test_a_killed_group_restarts_and_heals_while_the_other_trains_on(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.matrix  # DiLoCo's outer step is checked in tests/unit/runtime/test_semi_sync.py
 def test_diloco_groups_synchronise_every_h_steps_and_end_equal(tmp_path):
     """2 groups x 1 rank, method=diloco, sync_every=3, 7 steps (a last window of one step), min_replicas=2: the
     groups train on their own batches between synchronisations and end at train.steps with bitwise-equal weights
@@ -133,6 +134,7 @@ def test_diloco_groups_synchronise_every_h_steps_and_end_equal(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.matrix  # the wait's decision is checked in tests/unit/runtime/test_quorum_wait.py
 def test_a_group_below_min_replicas_waits_stops_with_a_checkpoint_and_the_run_goes_on(tmp_path):
     """2 groups x 1 rank, min_replicas=2: group 1 killed, group 0 waits fault_tolerance.wait_s with a line, then
     stops with a checkpoint of the step it reached and one error line. The same command again: group 0 resumes from
