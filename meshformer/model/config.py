@@ -18,7 +18,7 @@ from meshformer.model.config_compat import install_renamed
 # swiglu: down(silu(gate(x)) * up(x)) (Llama); geglu: the same gated by gelu's tanh approximation (Gemma);
 # swiglu_clamped: gpt-oss's, gate clamped above and up both ways at swiglu_limit, then (up + 1) * gate *
 # sigmoid(swiglu_alpha * gate)
-Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu", "geglu", "swiglu_clamped"]
+Activation = Literal["relu", "relu2", "gelu", "gelu_tanh", "swiglu", "geglu", "swiglu_clamped"]
 GATED_ACTIVATIONS = ("swiglu", "geglu", "swiglu_clamped")
 
 
