@@ -25,8 +25,8 @@ class SquaredReLU(nn.Module):
 
 def activation_fn(name: str) -> nn.Module:
     """The one-input activation `name` (a gated one's activation of the gate)."""
-    return {"relu": nn.ReLU(), "relu2": SquaredReLU(), "gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"), "swiglu": nn.SiLU(),
-            "geglu": nn.GELU(approximate="tanh"), "swiglu_clamped": nn.SiLU()}[name]
+    return {"relu": nn.ReLU(), "relu2": SquaredReLU(), "gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"),
+            "swiglu": nn.SiLU(), "geglu": nn.GELU(approximate="tanh"), "swiglu_clamped": nn.SiLU()}[name]
 
 
 class GatedUnit(nn.Module):
