@@ -9,6 +9,7 @@ from torch import nn
 
 from meshformer.model.components import register
 from meshformer.model.components.base import ActivationLayout, ChannelMixer, TokenMixer
+from meshformer.errors import ConfigError
 from meshformer.model.config import ModelConfig
 
 
@@ -17,6 +18,16 @@ class NoTokenMixer(TokenMixer):
     empty = True
     blockwise_kernel = False
     qk_clip = False
+
+    def check(self, cfg: ModelConfig) -> None:
+        from meshformer.model.families import get_family_spec  # the families' formulas import this package
+
+        for stack in get_family_spec(cfg.family).stacks:
+            for block in range(stack.count(cfg)):
+                if cfg.layer_type(block) == "none" and cfg.mlp_type(block) == "none" and not stack.cross:
+                    raise ConfigError(f"model block {block} has token mixer none and channel mixer none, so it "
+                                      "computes nothing", "give it a token or channel mixer in model.layer_types or "
+                                      "model.mlp_types, or remove it (model.n_layers)")
 
     def build(self, cfg: ModelConfig, *, causal: bool) -> nn.Module:
         raise TypeError("the `none` token mixer builds no module (the block skips it)")
