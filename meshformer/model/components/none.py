@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from meshformer.errors import ConfigError
 from meshformer.model.components import register
 from meshformer.model.components.base import ActivationLayout, ChannelMixer, TokenMixer
-from meshformer.errors import ConfigError
 from meshformer.model.config import ModelConfig
 
 
