@@ -91,7 +91,8 @@ def _mtp_params(cfg: ModelConfig) -> tuple[int, int]:
         return 0, 0
     last = cfg.n_layers - 1
     ffn_all, ffn_active = channel_mixer(cfg, last).params(cfg)
-    block = token_mixer(cfg, last).params(cfg) + ffn_all + 2 * _norm(cfg)
+    norms = int(not token_mixer(cfg, last).empty) + int(not channel_mixer(cfg, last).empty)
+    block = token_mixer(cfg, last).params(cfg) + ffn_all + norms * _norm(cfg)
     per_module = 3 * _norm(cfg) + 2 * cfg.d_model * cfg.d_model + block
     return cfg.mtp.depth * per_module, cfg.mtp.depth * (ffn_all - ffn_active)
 
