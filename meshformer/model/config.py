@@ -18,7 +18,7 @@ from meshformer.model.config_compat import install_renamed
 # swiglu: down(silu(gate(x)) * up(x)) (Llama); geglu: the same gated by gelu's tanh approximation (Gemma);
 # swiglu_clamped: gpt-oss's, gate clamped above and up both ways at swiglu_limit, then (up + 1) * gate *
 # sigmoid(swiglu_alpha * gate)
-Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu", "geglu", "swiglu_clamped"]
+Activation = Literal["relu", "relu2", "gelu", "gelu_tanh", "swiglu", "geglu", "swiglu_clamped"]
 GATED_ACTIVATIONS = ("swiglu", "geglu", "swiglu_clamped")
 
 
@@ -99,7 +99,8 @@ class FfnConfig:
     """The `[model.ffn]` table: the dense feed-forward (channel mixer) of the "dense" blocks."""
 
     d_ff: int = 512  # feed-forward hidden width (of each gated half with a GLU activation)
-    activation: Activation = "gelu"  # feed-forward activation; swiglu / geglu: gated (two input projections)
+    # feed-forward activation (relu2: relu(x)²); swiglu / geglu: gated (two input projections)
+    activation: Activation = "gelu"
     swiglu_limit: float = 7.0  # swiglu_clamped: the clamp on gate (above) and up (both ways)
     swiglu_alpha: float = 1.702  # swiglu_clamped: the gate's sigmoid slope
 
@@ -271,10 +272,12 @@ class ModelConfig:
     # Token mixer of each block of a stack: "full_attention" | "sliding_attention" (attention.window, rope.local_theta)
     # | "linear_attention" (Gated DeltaNet: [model.linear_attention]) | "kda" (Kimi Delta Attention, the same
     # table) | "mamba2" (Mamba-2's state-space scan, [model.mamba]) | "mla" (multi-head latent attention,
-    # [model.mla]) | "dsa" (MLA with DeepSeek's sparse attention: [model.mla], [model.dsa]), one per block or a
+    # [model.mla]) | "dsa" (MLA with DeepSeek's sparse attention: [model.mla], [model.dsa]) | "none" (no token mixer:
+    # the block is its channel mixer alone, Nemotron-H's MLP layers), one per block or a
     # shorter pattern repeated over the stack (Gemma 3: 5 sliding, then 1 full); []: all full
     layer_types: list[str] = field(default_factory=list)
-    # Channel mixer of each block of a stack: "dense" (ffn) | "moe" (moe), one per block or a repeated pattern;
+    # Channel mixer of each block of a stack: "dense" (ffn) | "moe" (moe) | "none" (the block is its token mixer
+    # alone), one per block or a repeated pattern;
     # []: every block "moe" when moe.n_experts > 0, else "dense"
     mlp_types: list[str] = field(default_factory=list)
     attention: AttentionConfig = field(default_factory=AttentionConfig)  # [model.attention]

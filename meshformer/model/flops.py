@@ -59,7 +59,8 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     feed_forward = sum(all_ for all_, _ in ffn)
     inactive = feed_forward - sum(active for _, active in ffn)
     stack_norms = len(stacks) if cfg.use_final_norm else 0
-    sublayers = sum(n * (3 if cross else 2) for n, cross in stacks)
+    sublayers = sum(int(cross) + int(not token_mixer(cfg, i).empty) + int(not channel_mixer(cfg, i).empty)
+                    for n, cross in stacks for i in range(n))
     norms_per_block = sublayers * (2 if cfg.norm.position == "sandwich" else 1)
     norms = (norms_per_block + stack_norms + int(cfg.norm.embedding)) * _norm(cfg)
     mtp, mtp_inactive = _mtp_params(cfg)
@@ -94,7 +95,8 @@ def _mtp_params(cfg: ModelConfig) -> tuple[int, int]:
         return 0, 0
     last = cfg.n_layers - 1
     ffn_all, ffn_active = channel_mixer(cfg, last).params(cfg)
-    block = token_mixer(cfg, last).params(cfg) + ffn_all + 2 * _norm(cfg)
+    norms = int(not token_mixer(cfg, last).empty) + int(not channel_mixer(cfg, last).empty)
+    block = token_mixer(cfg, last).params(cfg) + ffn_all + norms * _norm(cfg)
     per_module = 3 * _norm(cfg) + 2 * cfg.d_model * cfg.d_model + block
     return cfg.mtp.depth * per_module, cfg.mtp.depth * (ffn_all - ffn_active)
 

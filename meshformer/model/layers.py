@@ -16,10 +16,17 @@ from meshformer.model.norms import make_norm
 from meshformer.model.residual import residual_kind
 
 
+class SquaredReLU(nn.Module):
+    """relu(x)² (Primer; Nemotron-H's MLP)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.square(torch.relu(x))
+
+
 def activation_fn(name: str) -> nn.Module:
     """The one-input activation `name` (a gated one's activation of the gate)."""
-    return {"relu": nn.ReLU(), "gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"), "swiglu": nn.SiLU(),
-            "geglu": nn.GELU(approximate="tanh"), "swiglu_clamped": nn.SiLU()}[name]
+    return {"relu": nn.ReLU(), "relu2": SquaredReLU(), "gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"),
+            "swiglu": nn.SiLU(), "geglu": nn.GELU(approximate="tanh"), "swiglu_clamped": nn.SiLU()}[name]
 
 
 class GatedUnit(nn.Module):
@@ -91,20 +98,21 @@ class TransformerBlock(nn.Module):
         sandwich = cfg.norm.position == "sandwich"
         # attribute -> kind name: what tensor parallel and the generation cache read of this block
         self.mixers = {attribute: kind.name for attribute, kind in block_mixers(cfg, index, cross=cross).items()}
-        self.attn_norm = make_norm(cfg)
-        mixer = token_mixer(cfg, index)
-        self.attn = mixer.build(cfg, causal=causal)
+        mixer, ffn = token_mixer(cfg, index), channel_mixer(cfg, index)
+        # a kind that is `empty` (`none`) leaves its sub-layer out: no module, norms or residual branch
+        self.attn_norm = None if mixer.empty else make_norm(cfg)
+        self.attn = None if mixer.empty else mixer.build(cfg, causal=causal)
         self.attn_reads_padding = mixer.reads_padding_and_documents
-        self.attn_out_norm = make_norm(cfg) if sandwich else None
-        self.attn_residual = residual.branch(cfg)
+        self.attn_out_norm = make_norm(cfg) if sandwich and not mixer.empty else None
+        self.attn_residual = None if mixer.empty else residual.branch(cfg)
         self.cross_norm = make_norm(cfg) if cross else None
         self.cross_attn = cross_mixer().build(cfg, causal=False) if cross else None
         self.cross_out_norm = make_norm(cfg) if cross and sandwich else None
         self.cross_residual = residual.branch(cfg) if cross else None
-        self.ffn_norm = make_norm(cfg)
-        self.ffn = channel_mixer(cfg, index).build(cfg)
-        self.ffn_out_norm = make_norm(cfg) if sandwich else None
-        self.ffn_residual = residual.branch(cfg)
+        self.ffn_norm = None if ffn.empty else make_norm(cfg)
+        self.ffn = None if ffn.empty else ffn.build(cfg)
+        self.ffn_out_norm = make_norm(cfg) if sandwich and not ffn.empty else None
+        self.ffn_residual = None if ffn.empty else residual.branch(cfg)
 
     def new_cache(self) -> BlockCache:
         """An empty generation cache for this block, as its token mixers declare it."""
@@ -134,9 +142,12 @@ class TransformerBlock(nn.Module):
         tokens = {"padding": padding, "documents": documents} if self.attn_reads_padding else {}
         if query_scale is not None:
             tokens["query_scale"] = query_scale
-        x = self.attn_residual(x, self.attn_norm, self.attn_out_norm, self.attn, mask, rope=rope, bias=bias,
-                               cache=cache.self_attn if cache else None, chunk=chunk, **tokens)
+        if self.attn is not None and self.attn_norm is not None and self.attn_residual is not None:
+            x = self.attn_residual(x, self.attn_norm, self.attn_out_norm, self.attn, mask, rope=rope, bias=bias,
+                                   cache=cache.self_attn if cache else None, chunk=chunk, **tokens)
         if self.cross_attn is not None and self.cross_norm is not None and self.cross_residual is not None:
             x = self.cross_residual(x, self.cross_norm, self.cross_out_norm, self.cross_attn, memory_mask,
                                     memory=memory, cache=cache.cross_attn if cache else None)
+        if self.ffn is None or self.ffn_norm is None or self.ffn_residual is None:
+            return x
         return self.ffn_residual(x, self.ffn_norm, self.ffn_out_norm, self.ffn)

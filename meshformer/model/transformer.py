@@ -370,7 +370,8 @@ class Transformer(nn.Module):
         final_norm: false leaves out the stack's final norm (multi-token prediction reads the hidden states before it).
         """
         q_len = ids.shape[1]  # not h's: a received h may be a sequence-parallel shard
-        offset = cache[0].self_attn.length if cache else 0
+        # the longest: a block without a token mixer (`none`) keeps an empty cache
+        offset = max(c.self_attn.length for c in cache) if cache else 0
         positions, k_len = self._positions(q_len, offset, ids.device)
         h = self._hidden(ids, h, positions=positions if position_ids is None else position_ids)
         for name, keys in (("padding mask", padding), ("doc_ids", documents)):

@@ -103,14 +103,14 @@ def block_saved(m: ModelConfig, x: ActivationShape, *, cross: bool = False, memo
     tokens, cross_attention, channel = _mixers(m, index, cross)
     out_norms = _norm(m, x, s_local) if m.norm.position == "sandwich" else 0.0  # each branch's output norm
     total = 0.0
-    for mixer in (tokens, cross_attention) if cross_attention else (tokens,):
+    for mixer in (tokens, cross_attention, channel) if cross_attention else (tokens, channel):
+        if mixer.empty:  # `none`: no branch, so no norm or dropout mask either
+            continue
         total += _norm(m, x, s_local) + out_norms
-        total += mixer.saved_bytes(m, x, memory_len=memory_len, causal=causal)
+        total += (mixer.saved_bytes(m, x) if isinstance(mixer, ChannelMixer)
+                  else mixer.saved_bytes(m, x, memory_len=memory_len, causal=causal))
         if m.dropout > 0:
             total += x.batch * s_local * m.d_model
-    total += out_norms + _norm(m, x, s_local) + channel.saved_bytes(m, x)
-    if m.dropout > 0:
-        total += x.batch * s_local * m.d_model
     return total
 
 
@@ -135,7 +135,7 @@ def block_backward_extra(m: ModelConfig, x: ActivationShape, index: int = 0) -> 
     token mixer's after the channel mixer has freed what it kept), and the residual stream's."""
     s_local = x.seq // x.tp if x.tp > 1 else x.seq
     tokens, _, channel = _mixers(m, index, False)
-    freed = _norm(m, x, s_local) + channel.saved_bytes(m, x)
+    freed = (0.0 if channel.empty else _norm(m, x, s_local)) + channel.saved_bytes(m, x)
     attention = tokens.backward_bytes(m, x, freed)
     return max(channel.backward_bytes(m, x), attention) + 2 * x.batch * x.seq * m.d_model * x.bytes
 

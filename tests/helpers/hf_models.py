@@ -69,6 +69,12 @@ ARCHS: dict[str, dict[str, Any]] = {
                         qk_rope_head_dim=4, v_head_dim=8, moe_intermediate_size=32, num_local_experts=4, n_group=2,
                         topk_group=1, num_experts_per_tok=2, n_shared_experts=1, linear_num_heads=2,
                         linear_head_dim=8, layer_types=["linear_attention", "full_attention"]),
+    # Nemotron-H: one mixer per layer (Mamba-2 of 4 heads of width 8 in 2 groups, attention without positions,
+    # squared-ReLU MLP), a chunk (4) shorter than the prompts
+    "nemotron_h": dict(config="NemotronHConfig", model="NemotronHForCausalLM", tie_word_embeddings=False,
+                       num_key_value_heads=2, head_dim=8, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8,
+                       n_groups=2, chunk_size=4, layers_block_type=["linear_attention", "mlp", "full_attention",
+                                                                    "mlp"]),
     # 4 experts of width intermediate_size, top-2
     "mixtral": dict(config="MixtralConfig", model="MixtralForCausalLM", tie_word_embeddings=False,
                     num_local_experts=4, num_experts_per_tok=2),

@@ -94,6 +94,8 @@ class _Component:
     name: ClassVar[str]  # what model.layer_types / model.mlp_types call it
     section: ClassVar[str]  # the [model.<section>] table it reads
     selectable: ClassVar[bool] = True  # named in the config (cross-attention: added by the stack instead)
+    # builds no module: a block of this kind holds no such sub-layer (no module, norm or residual branch); `none`
+    empty: ClassVar[bool] = False
 
     def check(self, cfg: ModelConfig) -> None:
         """Raise meshformer.errors.ConfigError when the config lacks what this kind needs (model.layer_types or

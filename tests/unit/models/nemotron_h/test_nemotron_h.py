@@ -1,0 +1,93 @@
+"""Nemotron-H (meshformer/models/nemotron_h/) against transformers' NemotronHForCausalLM, random-initialised: one
+mixer per layer as blocks with a `none` sub-layer; logits on a padded fp32 batch both ways, state dicts round trip
+bitwise, greedy generation equal, the published config's parameter count, refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshformer.checkpointing.hf import config_from_hf, from_hf_model, infer_arch, to_hf_model
+from meshformer.config import load_config
+from meshformer.model import Transformer
+from meshformer.model.flops import count_params
+from tests.helpers.hf_models import assert_batched_greedy_equals_generate, hf_model
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 4096, (3, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+    mask[2, :5] = 0  # left padding: the Mamba-2 block starts from an empty state after it
+    return ids, mask
+
+
+def test_logits_both_ways_and_bitwise_round_trips():
+    hf = hf_model("nemotron_h")
+    with torch.no_grad():  # A_log, D, dt_bias and the norms away from their initial values too
+        for p in hf.parameters():
+            if p.ndim <= 1:
+                p.add_(0.1 * torch.randn_like(p))
+    ours = from_hf_model(hf).eval()
+    assert ours.cfg.layer_types == ["mamba2", "none", "full_attention", "none"]
+    assert ours.cfg.mlp_types == ["none", "dense", "none", "dense"]
+    assert infer_arch(ours.cfg) == "nemotron_h"
+    assert ours.decoder_layers["0"].ffn is None and ours.decoder_layers["1"].attn is None  # one sub-layer each
+    ids, mask = _batch()
+    real = mask.bool()
+    with torch.no_grad():
+        expected, got = hf(input_ids=ids, attention_mask=mask).logits, ours(ids, real)
+    torch.testing.assert_close(got[real], expected[real], rtol=0, atol=1e-4)
+    assert expected.std() > 0.1
+    back = to_hf_model(ours)
+    original = hf.state_dict()
+    assert back.state_dict().keys() == original.keys()
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in original.items())
+    mine = Transformer(ours.cfg).eval()
+    with torch.no_grad():
+        for p in mine.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    exported = to_hf_model(mine).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=ids, attention_mask=mask).logits[real], mine(ids, real)[real],
+                                   rtol=0, atol=1e-4)
+    again = from_hf_model(exported)
+    assert again.cfg == mine.cfg
+    assert all(torch.equal(v, mine.state_dict()[k]) for k, v in again.state_dict().items())
+
+
+def test_batched_greedy_generation_equals_transformers():
+    assert_batched_greedy_equals_generate("nemotron_h", 6)
+
+
+def test_published_config_has_transformers_count():
+    """nvidia/Nemotron-H-8B-Base-8K's config.json values (no download) give the bundled config, whose parameter count
+    the model transformers builds on the meta device has."""
+    pattern = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+    published = transformers.NemotronHConfig(
+        vocab_size=131072, hidden_size=4096, hybrid_override_pattern=pattern, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, intermediate_size=21504, mlp_hidden_act="relu2", mamba_num_heads=128,
+        mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, chunk_size=128, layer_norm_epsilon=1e-5,
+        max_position_embeddings=8192, tie_word_embeddings=False, time_step_min=0.001, use_conv_bias=True)
+    cfg = config_from_hf(published)
+    bundled = load_config("nemotron-h-8b").model
+    assert cfg == bundled
+    with torch.device("meta"):
+        hf = transformers.NemotronHForCausalLM(published)
+    assert count_params(bundled)["total"] == sum(p.numel() for p in hf.parameters())
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    ({"layers_block_type": ["linear_attention", "moe"]}, "layers_block_type 'moe'"),
+    ({"mlp_hidden_act": "gelu"}, "mlp_hidden_act='gelu'"),
+    ({"mlp_bias": True}, "mlp_bias=True"),
+])
+def test_import_refuses_what_it_cannot_express(extra, named):
+    fields = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  intermediate_size=48, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
+                  layers_block_type=["linear_attention", "mlp"])
+    with pytest.raises(ValueError, match=f"nemotron_h: {named}"):
+        config_from_hf(transformers.NemotronHConfig(**{**fields, **extra}))
