@@ -191,8 +191,12 @@ class LinearAttentionConfig:
     chunk_size: int = 64  # tokens per chunk of the chunked delta rule (compute only: any value, the same function)
     # how the input projections are stored (the same function): "grouped" = in_proj_qkvz and in_proj_ba interleaved
     # per key head (Qwen3-Next), "split" = in_proj_qkv (every q, then k, then v), in_proj_z, in_proj_b, in_proj_a
-    # (Qwen3.5)
-    projections: Literal["grouped", "split"] = "grouped"
+    # (Qwen3.5), "separate" = in_proj_q, in_proj_k, in_proj_v, in_proj_z, in_proj_b, in_proj_a (OLMo hybrid)
+    projections: Literal["grouped", "split", "separate"] = "grouped"
+    # beta = 2 sigmoid(b) rather than sigmoid(b): the delta rule's write strength reaches (0, 2), so a state
+    # update's eigenvalues may be negative (OLMo hybrid)
+    allow_neg_eigval: bool = False
+    norm_eps: float | None = None  # the gated output norm's epsilon; None: model.norm.eps (OLMo hybrid: 1e-5)
     # the chunked rule's kernel: "torch" (model/gated_delta.py, any device), "fla" (flash-linear-attention's Triton
     # kernel, a GPU and the extra meshformer[fla]; Gated DeltaNet only), "auto" = fla where it is installed and the
     # model is on CUDA (kda blocks: torch)

@@ -4,9 +4,9 @@ Per token: one projection gives, for each query/key head, its query, key, the va
 and as many output gates z (`in_proj_qkvz`, grouped by key head as the checkpoints store it); another gives each
 value head's write strength b and decay input a (`in_proj_ba`, grouped likewise); linear_attention.projections =
 "split" holds the same rows as in_proj_qkv (every q, then k, then v), in_proj_z, in_proj_b and in_proj_a (Qwen3.5's
-layout). q, k and v pass a short causal depthwise convolution (`conv1d`, no bias) and SiLU; q and k are
+layout), "separate" as in_proj_q, in_proj_k, in_proj_v, in_proj_z, in_proj_b and in_proj_a (OLMo hybrid's). q, k and v pass a short causal depthwise convolution (`conv1d`, no bias) and SiLU; q and k are
 L2-normalised inside the rule. Each value head then runs the gated delta rule (model/gated_delta.py) with beta =
-sigmoid(b) and log decay g = -exp(A_log) * softplus(a + dt_bias) (A_log and dt_bias as checkpoints store them). Its
+sigmoid(b) (2 sigmoid(b) with linear_attention.allow_neg_eigval) and log decay g = -exp(A_log) * softplus(a + dt_bias) (A_log and dt_bias as checkpoints store them). Its
 output is RMS-normalised per head, scaled by `norm.weight` (a plain scale starting at 1, whatever
 model.norm.weight_offset says) and gated by silu(z), then projected back (`out_proj`). No linear here has a bias.
 
@@ -105,7 +105,16 @@ class GatedDeltaNet(nn.Module):
         key_dim, value_dim = la.key_heads * la.key_head_dim, la.n_heads * la.value_head_dim
         channels = 2 * key_dim + value_dim  # q, k and v pass the convolution
         self.split_projections = la.projections == "split"
-        if self.split_projections:
+        self.separate_projections = la.projections == "separate"
+        self.beta_scale = 2.0 if la.allow_neg_eigval else 1.0
+        if self.separate_projections:  # each head-major: all split colwise under tensor parallel
+            self.in_proj_q = nn.Linear(cfg.d_model, key_dim, bias=False)
+            self.in_proj_k = nn.Linear(cfg.d_model, key_dim, bias=False)
+            self.in_proj_v = nn.Linear(cfg.d_model, value_dim, bias=False)
+            self.in_proj_z = nn.Linear(cfg.d_model, value_dim, bias=False)
+            self.in_proj_b = nn.Linear(cfg.d_model, la.n_heads, bias=False)
+            self.in_proj_a = nn.Linear(cfg.d_model, la.n_heads, bias=False)
+        elif self.split_projections:
             self.in_proj_qkv = nn.Linear(cfg.d_model, channels, bias=False)
             self.in_proj_z = nn.Linear(cfg.d_model, value_dim, bias=False)
             self.in_proj_b = nn.Linear(cfg.d_model, la.n_heads, bias=False)
@@ -116,7 +125,7 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = nn.Conv1d(channels, channels, la.conv_width, groups=channels, bias=False)  # its weight only
         self.dt_bias = nn.Parameter(torch.ones(la.n_heads))
         self.A_log = nn.Parameter(torch.zeros(la.n_heads))
-        self.norm = GatedRMSNorm(la.value_head_dim, cfg.norm.eps)
+        self.norm = GatedRMSNorm(la.value_head_dim, cfg.norm.eps if la.norm_eps is None else la.norm_eps)
         self.out_proj = nn.Linear(value_dim, cfg.d_model, bias=False)
         self.head_shard: HeadShard | None = None  # tensor parallel: this rank's heads (`shard_heads`)
 
@@ -148,6 +157,9 @@ class GatedDeltaNet(nn.Module):
         """The projections of x (B, T, D): mixed q|k|v (B, T, channels), z (B, T, H, Dv), b and a (B, T, H)."""
         batch, length, _ = x.shape
         dk, dv = self.key_head_dim, self.value_head_dim
+        if self.separate_projections:
+            qkv = torch.cat([self.in_proj_q(x), self.in_proj_k(x), self.in_proj_v(x)], dim=-1)
+            return (qkv, self.in_proj_z(x).view(batch, length, -1, dv), self.in_proj_b(x), self.in_proj_a(x))
         if self.split_projections:
             if self.head_shard is None:
                 qkv = self.in_proj_qkv(x)
@@ -219,7 +231,8 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(batch, length, -1, self.key_head_dim)
         v = v.reshape(batch, length, -1, self.value_head_dim)
         g = -_local(self.A_log).float().exp() * F.softplus(a.float() + _local(self.dt_bias).float())
-        return q, k, v, g, b.sigmoid()
+        beta = b.sigmoid()
+        return q, k, v, g, beta * self.beta_scale if self.beta_scale != 1.0 else beta
 
     def _forward_pieces(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                         weight: torch.Tensor, chunk: SequenceChunk, documents: torch.Tensor | None) -> torch.Tensor:
