@@ -138,6 +138,9 @@ class NormConfig:
     # Where each sub-layer's (attention's, feed-forward's) norm goes: pre: x + f(norm(x)); post: norm(x + f(x))
     # (the original paper, BERT); post_sublayer: x + norm(f(x)) (OLMo 2); sandwich: x + norm2(f(norm1(x))) (Gemma)
     position: Literal["pre", "post", "post_sublayer", "sandwich"] = "pre"
+    # token-mixer kind (model.layer_types) -> its blocks' position, overriding `position` for those blocks (neither
+    # may be sandwich); OLMo hybrid: {linear_attention = "pre"} beside post_sublayer attention blocks
+    by_kind: dict[str, Literal["pre", "post", "post_sublayer"]] = field(default_factory=dict)
     final: bool | None = None  # norm after each stack; None: except with post-norm
     weight_offset: float = 0.0  # RMSNorm multiplies by (offset + weight); Gemma: 1 (its weights start at 0)
     embedding: bool = False  # norm right after the embeddings (BERT)
@@ -317,6 +320,10 @@ class ModelConfig:
     def layer_type(self, block: int) -> str:
         """The token mixer of block `block` (from 0) of a stack."""
         return self.layer_types[block % len(self.layer_types)] if self.layer_types else "full_attention"
+
+    def block_norm_position(self, block: int) -> str:
+        """Where block `block`'s sub-layer norms go: its token mixer's entry of norm.by_kind, else norm.position."""
+        return self.norm.by_kind.get(self.layer_type(block), self.norm.position)
 
     def mlp_type(self, block: int) -> str:
         """The channel mixer of block `block` (from 0) of a stack."""

@@ -103,8 +103,8 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, *, causal: bool, cross: bool = False, index: int = 0) -> None:
         """index: the block's place in its stack (from 0), which picks its kinds (model.layer_types, mlp_types)."""
         super().__init__()
-        self.norm_position = cfg.norm.position
-        sandwich = cfg.norm.position == "sandwich"
+        self.norm_position = cfg.block_norm_position(index)  # model.norm.by_kind may set it per token-mixer kind
+        sandwich = self.norm_position == "sandwich"
         # attribute -> kind name: what tensor parallel and the generation cache read of this block
         self.mixers = {attribute: kind.name for attribute, kind in block_mixers(cfg, index, cross=cross).items()}
         self.attn_norm = make_norm(cfg)
