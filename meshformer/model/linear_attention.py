@@ -4,8 +4,8 @@ Per token: one projection gives, for each query/key head, its query, key, the va
 and as many output gates z (`in_proj_qkvz`, grouped by key head as the checkpoints store it); another gives each
 value head's write strength b and decay input a (`in_proj_ba`, grouped likewise); linear_attention.projections =
 "split" holds the same rows as in_proj_qkv (every q, then k, then v), in_proj_z, in_proj_b and in_proj_a (Qwen3.5's
-layout), "separate" as in_proj_q, in_proj_k, in_proj_v, in_proj_z, in_proj_b and in_proj_a (OLMo hybrid's). q, k
-and v pass a short causal depthwise convolution (`conv1d`, no bias) and SiLU; q and k are L2-normalised inside the
+layout), "separate" as in_proj_q, in_proj_k, in_proj_v, in_proj_z, in_proj_b and in_proj_a with the taps apart too
+(q_conv1d, k_conv1d, v_conv1d: OLMo hybrid's). q, k and v pass a short causal depthwise convolution (`conv1d`, no bias) and SiLU; q and k are L2-normalised inside the
 rule. Each value head then runs the gated delta rule (model/gated_delta.py) with beta = sigmoid(b) (2 sigmoid(b)
 with linear_attention.allow_neg_eigval) and log decay g = -exp(A_log) * softplus(a + dt_bias) (A_log and dt_bias as
 checkpoints store them). Its output is RMS-normalised per head (epsilon: linear_attention.norm_eps, else
@@ -124,7 +124,12 @@ class GatedDeltaNet(nn.Module):
         else:
             self.in_proj_qkvz = nn.Linear(cfg.d_model, 2 * key_dim + 2 * value_dim, bias=False)
             self.in_proj_ba = nn.Linear(cfg.d_model, 2 * la.n_heads, bias=False)
-        self.conv1d = nn.Conv1d(channels, channels, la.conv_width, groups=channels, bias=False)  # its weight only
+        if self.separate_projections:  # OLMo hybrid's checkpoints store the q, k and v taps apart
+            self.q_conv1d, self.k_conv1d, self.v_conv1d = (
+                nn.Conv1d(width, width, la.conv_width, groups=width, bias=False)
+                for width in (key_dim, key_dim, value_dim))
+        else:
+            self.conv1d = nn.Conv1d(channels, channels, la.conv_width, groups=channels, bias=False)  # its weight only
         self.dt_bias = nn.Parameter(torch.ones(la.n_heads))
         self.A_log = nn.Parameter(torch.zeros(la.n_heads))
         self.norm = GatedRMSNorm(la.value_head_dim, cfg.norm.eps if la.norm_eps is None else la.norm_eps)
@@ -138,7 +143,8 @@ class GatedDeltaNet(nn.Module):
         whole (their gradients pass `sum_gradient`); the linears are the caller's (`tp_rules`)."""
         channels = head_channels(self.n_key_heads, self.key_head_dim, self.n_heads, self.value_head_dim, ranks, rank)
         self.head_shard = HeadShard(channels, sum_gradient)
-        whole = ["conv1d.weight", "norm.weight"] + (["in_proj_qkv.weight"] if self.split_projections else [])
+        convs = ([f"{p}_conv1d.weight" for p in "qkv"] if self.separate_projections else ["conv1d.weight"])
+        whole = [*convs, "norm.weight"] + (["in_proj_qkv.weight"] if self.split_projections else [])
         return ["A_log", "dt_bias"], whole
 
     def _whole(self, weight: torch.Tensor) -> torch.Tensor:
@@ -153,6 +159,9 @@ class GatedDeltaNet(nn.Module):
 
     def _conv_weight(self) -> torch.Tensor:
         """The depthwise convolution's (channels, width) taps over this module's heads' [q | k | v] channels."""
+        if self.separate_projections:
+            taps = torch.cat([_local(c.weight) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+            return self._channels(taps).squeeze(1)
         return self._channels(self.conv1d.weight).squeeze(1)
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
