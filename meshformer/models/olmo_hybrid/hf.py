@@ -41,12 +41,27 @@ def _uses_rope(c: Any) -> bool:
     return (getattr(c, "rope_parameters", None) or {}).get("rope_theta") is not None
 
 
+class _WithoutRope:
+    """A config read as if it set no rope_parameters (published checkpoints: rope_theta None, no positions)."""
+
+    rope_parameters: dict[str, Any] = {}
+    rope_scaling = None
+    rope_theta = 10000.0  # read by llama_like, then dropped with the other rope fields
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+
+    def __getattr__(self, key: str) -> Any:
+        return getattr(self._config, key)
+
+
 def config_from_hf(c: Any) -> ModelConfig:
     kinds = list(c.layer_types)
     if set(kinds) - {"linear_attention", "full_attention"}:
         raise refuse(ARCH, f"layer_types={kinds}", "holds kinds other than linear_attention and full_attention")
-    fields = olmo2.fields_from_hf(c, ARCH, window=False)
-    if not _uses_rope(c):
+    rope = _uses_rope(c)
+    fields = olmo2.fields_from_hf(c if rope else _WithoutRope(c), ARCH, window=False)
+    if not rope:
         fields = {k: v for k, v in fields.items() if not k.startswith("rope_")}
         fields["position"] = "none"
     cfg = model_from_flat(**fields)
@@ -65,7 +80,7 @@ def config_to_hf(cfg: ModelConfig) -> Any:
     la = cfg.linear_attention
     fields = {k: v for k, v in olmo2.fields_to_hf(cfg).items() if k != "head_dim"}
     if cfg.position == "none":
-        fields["rope_parameters"] = None
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": None}  # as published: no RoPE
     return transformers.OlmoHybridConfig(
         **fields, layer_types=["linear_attention" if is_linear(cfg, i) else "full_attention"
                                for i in range(cfg.n_layers)],

@@ -49,7 +49,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("rope", [True, False])
 def test_logits_both_ways_and_bitwise_round_trips(rope: bool):
-    hf = _hf_olmo_hybrid(**({} if rope else {"rope_parameters": None}))
+    hf = _hf_olmo_hybrid(**({} if rope else {"rope_parameters": {"rope_type": "default", "rope_theta": None}}))
     assert (hf.model.rotary_emb is None) != rope
     ours = from_hf_model(hf).eval()
     cfg = ours.cfg
