@@ -68,7 +68,9 @@ def config_from_hf(c: Any) -> ModelConfig:
     cfg.layer_types = shortest_pattern(kinds)
     cfg.norm.by_kind = {"linear_attention": "pre"}
     cfg.linear_attention = LinearAttentionConfig(
-        n_heads=c.linear_num_value_heads, n_key_heads=c.linear_num_key_heads, key_head_dim=c.linear_key_head_dim,
+        n_heads=c.linear_num_value_heads,
+        n_key_heads=None if c.linear_num_key_heads == c.linear_num_value_heads else c.linear_num_key_heads,
+        key_head_dim=c.linear_key_head_dim,
         value_head_dim=c.linear_value_head_dim, conv_width=c.linear_conv_kernel_dim, projections="separate",
         allow_neg_eigval=bool(c.linear_allow_neg_eigval), norm_eps=OUTPUT_NORM_EPS)
     return cfg

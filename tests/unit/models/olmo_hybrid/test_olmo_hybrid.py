@@ -120,3 +120,21 @@ def test_export_refuses_what_it_lacks():
     with pytest.raises(ValueError, match="norm_by_kind|linear_allow_neg_eigval|linear_norm_eps"):
         check_compatible(cfg, "qwen3_next")  # Qwen3-Next computes its Gated DeltaNet otherwise
     assert isinstance(config_to_hf(cfg), transformers.OlmoHybridConfig)
+
+
+def test_bundled_config_is_the_published_size():
+    """transformers' OlmoHybridConfig defaults (Olmo-Hybrid-7B, no RoPE as published) give the bundled config, whose
+    parameter count transformers' meta-device model has, and come back."""
+    from meshformer.config import load_config
+    from meshformer.model.flops import count_params
+
+    published = transformers.OlmoHybridConfig(rope_parameters={"rope_type": "default", "rope_theta": None})
+    bundled = load_config("olmo-hybrid-7b").model
+    cfg = config_from_hf(published)
+    assert cfg.layer_types == bundled.layer_types and cfg.linear_attention == bundled.linear_attention
+    assert cfg.norm == bundled.norm and cfg.attention == bundled.attention and cfg.position == bundled.position
+    with torch.device("meta"):
+        hf = transformers.OlmoHybridForCausalLM(published)
+    assert count_params(bundled)["total"] == sum(p.numel() for p in hf.parameters()) == 7_430_870_688
+    back = config_to_hf(bundled)
+    assert back.layer_types == published.layer_types and back.linear_key_head_dim == 96
