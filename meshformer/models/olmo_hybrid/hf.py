@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshformer.checkpointing.hf_adapter import ANY, HFAdapter, refuse
+from meshformer.checkpointing.hf_adapter import HFAdapter, refuse
 from meshformer.config import ModelConfig
 from meshformer.config.migrate import model_from_flat
 from meshformer.model.config import LinearAttentionConfig
@@ -44,12 +44,11 @@ def _uses_rope(c: Any) -> bool:
 class _WithoutRope:
     """A config read as if it set no rope_parameters (published checkpoints: rope_theta None, no positions)."""
 
-    rope_parameters: dict[str, Any] = {}
-    rope_scaling = None
-    rope_theta = 10000.0  # read by llama_like, then dropped with the other rope fields
-
     def __init__(self, config: Any) -> None:
         self._config = config
+        self.rope_parameters: dict[str, Any] = {}
+        self.rope_scaling = None
+        self.rope_theta = 10000.0  # read by llama_like, then dropped with the other rope fields
 
     def __getattr__(self, key: str) -> Any:
         return getattr(self._config, key)

@@ -272,6 +272,8 @@ def test_separate_projections_match_transformers_olmo_hybrid_module(allow_neg_ei
     for key, value in theirs.state_dict().items():
         head, _, rest = key.partition(".")
         state[f"{OLMO_HYBRID_NAMES.get(head, head)}.{rest}" if rest else key] = value
+    taps = state.pop("conv1d.weight").split([16, 16, 24])  # its q, k, v channels; ours keep them apart
+    state.update({f"{p}_conv1d.weight": t for p, t in zip("qkv", taps, strict=True)})
 
     def run(neg: bool) -> torch.Tensor:
         cfg = ours(3)
