@@ -7,8 +7,8 @@ value head's write strength b and decay input a (`in_proj_ba`, grouped likewise)
 layout), "separate" as in_proj_q, in_proj_k, in_proj_v, in_proj_z, in_proj_b and in_proj_a with the taps apart too
 (q_conv1d, k_conv1d, v_conv1d: OLMo hybrid's). q, k and v pass a short causal depthwise convolution (`conv1d`, no
 bias) and SiLU; q and k are L2-normalised inside the rule. Each value head then runs the gated delta rule
-(model/gated_delta.py) with beta = sigmoid(b) (2 sigmoid(b) with linear_attention.allow_neg_eigval) and log decay g = -exp(A_log) * softplus(a + dt_bias) (A_log and dt_bias as
-checkpoints store them). Its output is RMS-normalised per head (epsilon: linear_attention.norm_eps, else
+(model/gated_delta.py) with beta = sigmoid(b) (2 sigmoid(b) with linear_attention.allow_neg_eigval) and log decay
+g = -exp(A_log) * softplus(a + dt_bias) (A_log and dt_bias as checkpoints store them). Its output is RMS-normalised per head (epsilon: linear_attention.norm_eps, else
 model.norm.eps), scaled by `norm.weight` (a plain scale starting at 1, whatever model.norm.weight_offset says) and
 gated by silu(z), then projected back (`out_proj`). No linear here has a bias.
 
