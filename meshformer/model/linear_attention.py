@@ -1,16 +1,16 @@
 """Gated DeltaNet, the token mixer of the "linear_attention" blocks (Qwen3-Next's `linear_attn`).
 
-Per token: one projection gives, for each query/key head, its query, key, the values of the value heads it serves
-and as many output gates z (`in_proj_qkvz`, grouped by key head as the checkpoints store it); another gives each
-value head's write strength b and decay input a (`in_proj_ba`, grouped likewise); linear_attention.projections =
-"split" holds the same rows as in_proj_qkv (every q, then k, then v), in_proj_z, in_proj_b and in_proj_a (Qwen3.5's
-layout), "separate" as in_proj_q, in_proj_k, in_proj_v, in_proj_z, in_proj_b and in_proj_a with the taps apart too
-(q_conv1d, k_conv1d, v_conv1d: OLMo hybrid's). q, k and v pass a short causal depthwise convolution (`conv1d`, no
-bias) and SiLU; q and k are L2-normalised inside the rule. Each value head then runs the gated delta rule
-(model/gated_delta.py) with beta = sigmoid(b) (2 sigmoid(b) with linear_attention.allow_neg_eigval) and log decay
-g = -exp(A_log) * softplus(a + dt_bias) (A_log and dt_bias as checkpoints store them). Its output is RMS-normalised per head (epsilon: linear_attention.norm_eps, else
-model.norm.eps), scaled by `norm.weight` (a plain scale starting at 1, whatever model.norm.weight_offset says) and
-gated by silu(z), then projected back (`out_proj`). No linear here has a bias.
+Per token: one projection gives, for each query/key head, its query, key, the values of the value heads it serves and as
+many output gates z (`in_proj_qkvz`, grouped by key head as the checkpoints store it); another gives each value head's
+write strength b and decay input a (`in_proj_ba`, grouped likewise); linear_attention.projections = "split" holds the
+same rows as in_proj_qkv (every q, then k, then v), in_proj_z, in_proj_b and in_proj_a (Qwen3.5's layout), "separate" as
+in_proj_q, in_proj_k, in_proj_v, in_proj_z, in_proj_b and in_proj_a with the taps apart too (q_conv1d, k_conv1d,
+v_conv1d: OLMo hybrid's). q, k and v pass a short causal depthwise convolution (`conv1d`, no bias) and SiLU; q and k are
+L2-normalised inside the rule. Each value head then runs the gated delta rule (model/gated_delta.py) with beta =
+sigmoid(b) (2 sigmoid(b) with linear_attention.allow_neg_eigval) and log decay g = -exp(A_log) * softplus(a + dt_bias)
+(A_log and dt_bias as checkpoints store them). Its output is RMS-normalised per head (epsilon:
+linear_attention.norm_eps, else model.norm.eps), scaled by `norm.weight` (a plain scale starting at 1, whatever
+model.norm.weight_offset says) and gated by silu(z), then projected back (`out_proj`). No linear here has a bias.
 
 Padding tokens enter as zeros (their keys and values write nothing), so left-padded prompts start from an empty
 state. With packed documents (doc_ids) the recurrent state and the convolution window restart at every document.
