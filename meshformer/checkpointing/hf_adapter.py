@@ -39,7 +39,8 @@ COMMON: dict[str, Any] = {
     "rope_local_theta": None, "attention_softcap": None, "logit_softcap": None, "router_bias": False,
     "expert_bias_terms": False, "attention_sinks": False, "mla": False, "router_scale": 1.0, "linear_attention": False,
     "kda": False, "dsa": False, "attention_output_gate": False, "rope_partial_factor": 1.0, "shared_expert_gate": False,
-    "mla_query_scale": False}
+    "mla_query_scale": False, "norm_by_kind": (), "linear_allow_neg_eigval": False,
+    "linear_norm_eps": "model.norm.eps"}
 
 
 def _full_attention_every(cfg: ModelConfig) -> int | str | None:
@@ -58,6 +59,7 @@ def features(cfg: ModelConfig) -> dict[str, Any]:
     default_scale = cfg.attention.scale is None or math.isclose(cfg.attention.scale, cfg.attention_head_dim**-0.5)
     default_head_dim = cfg.attention_head_dim * cfg.attention.n_heads == cfg.d_model
     moe = cfg.moe.n_experts > 0
+    linear = "linear_attention" in cfg.layer_types
     return {
         # MoE: the router settings only matter where there are experts
         "moe": moe, "n_shared_experts": cfg.moe.n_shared_experts if moe else 0,
@@ -76,7 +78,10 @@ def features(cfg: ModelConfig) -> dict[str, Any]:
         "shared_expert_gate": cfg.moe.shared_expert_gate and moe and cfg.moe.n_shared_experts > 0,
         "moe_blocks": "every block" if not moe or all(cfg.is_moe(i) for i in range(cfg.n_layers)) else "some",
         "family": cfg.family, "norm": cfg.norm.kind, "norm_position": cfg.norm.position,
-        "final_norm": cfg.use_final_norm,
+        "final_norm": cfg.use_final_norm, "norm_by_kind": tuple(sorted(cfg.norm.by_kind.items())),
+        "linear_allow_neg_eigval": linear and cfg.linear_attention.allow_neg_eigval,
+        "linear_norm_eps": "model.norm.eps" if not linear or cfg.linear_attention.norm_eps is None
+        else cfg.linear_attention.norm_eps,
         "embedding_norm": cfg.norm.embedding, "position": cfg.position, "scale_embeddings": cfg.scale_embeddings,
         "tie_embeddings": cfg.tie_embeddings, "share_embeddings": cfg.share_embeddings, "bias": cfg.bias,
         "head_transform": cfg.head_transform, "output_bias": cfg.output_bias, "activation": cfg.ffn.activation,

@@ -60,6 +60,10 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             hint_txt = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"{where} = {value!r} is not one of {list(args)}{hint_txt}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a table, got {value!r}")
+        return {_coerce(args[0], k, where): _coerce(args[1], v, f"{where}.{k}") for k, v in value.items()}
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where} must be a list, got {value!r}")

@@ -282,6 +282,14 @@ def _check_layer_options(cfg: Config) -> None:
     if m.norm.weight_offset and m.norm.kind != "rmsnorm":
         raise ConfigError(f"model.norm.weight_offset={m.norm.weight_offset} scales RMSNorm by (offset + weight), but "
                           f"model.norm.kind={m.norm.kind!r}", "set model.norm.kind='rmsnorm' or leave the offset at 0")
+    if m.norm.by_kind:
+        kinds = set(m.layer_types or ["full_attention"])
+        if unused := sorted(set(m.norm.by_kind) - kinds):
+            raise ConfigError(f"model.norm.by_kind names {unused[0]!r}, which no block of model.layer_types="
+                              f"{sorted(kinds)} is", "name the token-mixer kinds of model.layer_types, or drop it")
+        if m.norm.position == "sandwich":
+            raise ConfigError("model.norm.by_kind cannot mix the sandwich position (two norms per sub-layer) with "
+                              "others", "use pre, post or post_sublayer in model.norm.position")
     if m.ffn.activation == "swiglu_clamped" and not (m.ffn.swiglu_limit > 0 and m.ffn.swiglu_alpha > 0):
         raise ConfigError(f"model.ffn.swiglu_limit={m.ffn.swiglu_limit} and model.ffn.swiglu_alpha="
                           f"{m.ffn.swiglu_alpha} must be positive", "gpt-oss: swiglu_limit=7.0, swiglu_alpha=1.702")

@@ -139,6 +139,9 @@ class NormConfig:
     # Where each sub-layer's (attention's, feed-forward's) norm goes: pre: x + f(norm(x)); post: norm(x + f(x))
     # (the original paper, BERT); post_sublayer: x + norm(f(x)) (OLMo 2); sandwich: x + norm2(f(norm1(x))) (Gemma)
     position: Literal["pre", "post", "post_sublayer", "sandwich"] = "pre"
+    # token-mixer kind (model.layer_types) -> its blocks' position, overriding `position` for those blocks (neither
+    # may be sandwich); OLMo hybrid: {linear_attention = "pre"} beside post_sublayer attention blocks
+    by_kind: dict[str, Literal["pre", "post", "post_sublayer"]] = field(default_factory=dict)
     final: bool | None = None  # norm after each stack; None: except with post-norm
     weight_offset: float = 0.0  # RMSNorm multiplies by (offset + weight); Gemma: 1 (its weights start at 0)
     embedding: bool = False  # norm right after the embeddings (BERT)
@@ -192,8 +195,12 @@ class LinearAttentionConfig:
     chunk_size: int = 64  # tokens per chunk of the chunked delta rule (compute only: any value, the same function)
     # how the input projections are stored (the same function): "grouped" = in_proj_qkvz and in_proj_ba interleaved
     # per key head (Qwen3-Next), "split" = in_proj_qkv (every q, then k, then v), in_proj_z, in_proj_b, in_proj_a
-    # (Qwen3.5)
-    projections: Literal["grouped", "split"] = "grouped"
+    # (Qwen3.5), "separate" = in_proj_q, in_proj_k, in_proj_v, in_proj_z, in_proj_b, in_proj_a (OLMo hybrid)
+    projections: Literal["grouped", "split", "separate"] = "grouped"
+    # beta = 2 sigmoid(b) rather than sigmoid(b): the delta rule's write strength reaches (0, 2), so a state
+    # update's eigenvalues may be negative (OLMo hybrid)
+    allow_neg_eigval: bool = False
+    norm_eps: float | None = None  # the gated output norm's epsilon; None: model.norm.eps (OLMo hybrid: 1e-5)
     # the chunked rule's kernel: "torch" (model/gated_delta.py, any device), "fla" (flash-linear-attention's Triton
     # kernel, a GPU and the extra meshformer[fla]; Gated DeltaNet only), "auto" = fla where it is installed and the
     # model is on CUDA (kda blocks: torch)
@@ -329,6 +336,10 @@ class ModelConfig:
     def layer_type(self, block: int) -> str:
         """The token mixer of block `block` (from 0) of a stack."""
         return self.layer_types[block % len(self.layer_types)] if self.layer_types else "full_attention"
+
+    def block_norm_position(self, block: int) -> str:
+        """Where block `block`'s sub-layer norms go: its token mixer's entry of norm.by_kind, else norm.position."""
+        return self.norm.by_kind.get(self.layer_type(block), self.norm.position)
 
     def mlp_type(self, block: int) -> str:
         """The channel mixer of block `block` (from 0) of a stack."""

@@ -95,7 +95,8 @@ class TransformerBlock(nn.Module):
         """index: the block's place in its stack (from 0), which picks its kinds (model.layer_types, mlp_types)."""
         super().__init__()
         residual = residual_kind(cfg)
-        sandwich = cfg.norm.position == "sandwich"
+        position = cfg.block_norm_position(index)  # model.norm.by_kind may set it per token-mixer kind
+        sandwich = position == "sandwich"
         # attribute -> kind name: what tensor parallel and the generation cache read of this block
         self.mixers = {attribute: kind.name for attribute, kind in block_mixers(cfg, index, cross=cross).items()}
         mixer, ffn = token_mixer(cfg, index), channel_mixer(cfg, index)
@@ -104,15 +105,15 @@ class TransformerBlock(nn.Module):
         self.attn = None if mixer.empty else mixer.build(cfg, causal=causal)
         self.attn_reads_padding = mixer.reads_padding_and_documents
         self.attn_out_norm = make_norm(cfg) if sandwich and not mixer.empty else None
-        self.attn_residual = None if mixer.empty else residual.branch(cfg)
+        self.attn_residual = None if mixer.empty else residual.branch(cfg, position)
         self.cross_norm = make_norm(cfg) if cross else None
         self.cross_attn = cross_mixer().build(cfg, causal=False) if cross else None
         self.cross_out_norm = make_norm(cfg) if cross and sandwich else None
-        self.cross_residual = residual.branch(cfg) if cross else None
+        self.cross_residual = residual.branch(cfg, position) if cross else None
         self.ffn_norm = None if ffn.empty else make_norm(cfg)
         self.ffn = None if ffn.empty else ffn.build(cfg)
         self.ffn_out_norm = make_norm(cfg) if sandwich and not ffn.empty else None
-        self.ffn_residual = None if ffn.empty else residual.branch(cfg)
+        self.ffn_residual = None if ffn.empty else residual.branch(cfg, position)
 
     def new_cache(self) -> BlockCache:
         """An empty generation cache for this block, as its token mixers declare it."""

@@ -1,13 +1,15 @@
 """Gated DeltaNet, the token mixer of the "linear_attention" blocks (Qwen3-Next's `linear_attn`).
 
-Per token: one projection gives, for each query/key head, its query, key, the values of the value heads it serves
-and as many output gates z (`in_proj_qkvz`, grouped by key head as the checkpoints store it); another gives each
-value head's write strength b and decay input a (`in_proj_ba`, grouped likewise); linear_attention.projections =
-"split" holds the same rows as in_proj_qkv (every q, then k, then v), in_proj_z, in_proj_b and in_proj_a (Qwen3.5's
-layout). q, k and v pass a short causal depthwise convolution (`conv1d`, no bias) and SiLU; q and k are
+Per token: one projection gives, for each query/key head, its query, key, the values of the value heads it serves and as
+many output gates z (`in_proj_qkvz`, grouped by key head as the checkpoints store it); another gives each value head's
+write strength b and decay input a (`in_proj_ba`, grouped likewise); linear_attention.projections = "split" holds the
+same rows as in_proj_qkv (every q, then k, then v), in_proj_z, in_proj_b and in_proj_a (Qwen3.5's layout), "separate" as
+in_proj_q, in_proj_k, in_proj_v, in_proj_z, in_proj_b and in_proj_a with the taps apart too (q_conv1d, k_conv1d,
+v_conv1d: OLMo hybrid's). q, k and v pass a short causal depthwise convolution (`conv1d`, no bias) and SiLU; q and k are
 L2-normalised inside the rule. Each value head then runs the gated delta rule (model/gated_delta.py) with beta =
-sigmoid(b) and log decay g = -exp(A_log) * softplus(a + dt_bias) (A_log and dt_bias as checkpoints store them). Its
-output is RMS-normalised per head, scaled by `norm.weight` (a plain scale starting at 1, whatever
+sigmoid(b) (2 sigmoid(b) with linear_attention.allow_neg_eigval) and log decay g = -exp(A_log) * softplus(a + dt_bias)
+(A_log and dt_bias as checkpoints store them). Its output is RMS-normalised per head (epsilon:
+linear_attention.norm_eps, else model.norm.eps), scaled by `norm.weight` (a plain scale starting at 1, whatever
 model.norm.weight_offset says) and gated by silu(z), then projected back (`out_proj`). No linear here has a bias.
 
 Padding tokens enter as zeros (their keys and values write nothing), so left-padded prompts start from an empty
@@ -111,7 +113,16 @@ class GatedDeltaNet(nn.Module):
         key_dim, value_dim = la.key_heads * la.key_head_dim, la.n_heads * la.value_head_dim
         channels = 2 * key_dim + value_dim  # q, k and v pass the convolution
         self.split_projections = la.projections == "split"
-        if self.split_projections:
+        self.separate_projections = la.projections == "separate"
+        self.beta_scale = 2.0 if la.allow_neg_eigval else 1.0
+        if self.separate_projections:  # each head-major: all split colwise under tensor parallel
+            self.in_proj_q = nn.Linear(cfg.d_model, key_dim, bias=False)
+            self.in_proj_k = nn.Linear(cfg.d_model, key_dim, bias=False)
+            self.in_proj_v = nn.Linear(cfg.d_model, value_dim, bias=False)
+            self.in_proj_z = nn.Linear(cfg.d_model, value_dim, bias=False)
+            self.in_proj_b = nn.Linear(cfg.d_model, la.n_heads, bias=False)
+            self.in_proj_a = nn.Linear(cfg.d_model, la.n_heads, bias=False)
+        elif self.split_projections:
             self.in_proj_qkv = nn.Linear(cfg.d_model, channels, bias=False)
             self.in_proj_z = nn.Linear(cfg.d_model, value_dim, bias=False)
             self.in_proj_b = nn.Linear(cfg.d_model, la.n_heads, bias=False)
@@ -119,10 +130,15 @@ class GatedDeltaNet(nn.Module):
         else:
             self.in_proj_qkvz = nn.Linear(cfg.d_model, 2 * key_dim + 2 * value_dim, bias=False)
             self.in_proj_ba = nn.Linear(cfg.d_model, 2 * la.n_heads, bias=False)
-        self.conv1d = nn.Conv1d(channels, channels, la.conv_width, groups=channels, bias=False)  # its weight only
+        if self.separate_projections:  # OLMo hybrid's checkpoints store the q, k and v taps apart
+            self.q_conv1d, self.k_conv1d, self.v_conv1d = (
+                nn.Conv1d(width, width, la.conv_width, groups=width, bias=False)
+                for width in (key_dim, key_dim, value_dim))
+        else:
+            self.conv1d = nn.Conv1d(channels, channels, la.conv_width, groups=channels, bias=False)  # its weight only
         self.dt_bias = nn.Parameter(torch.ones(la.n_heads))
         self.A_log = nn.Parameter(torch.zeros(la.n_heads))
-        self.norm = GatedRMSNorm(la.value_head_dim, cfg.norm.eps)
+        self.norm = GatedRMSNorm(la.value_head_dim, cfg.norm.eps if la.norm_eps is None else la.norm_eps)
         self.out_proj = nn.Linear(value_dim, cfg.d_model, bias=False)
         self.head_shard: HeadShard | None = None  # tensor parallel: this rank's heads (`shard_heads`)
 
@@ -133,7 +149,8 @@ class GatedDeltaNet(nn.Module):
         whole (their gradients pass `sum_gradient`); the linears are the caller's (`tp_rules`)."""
         channels = head_channels(self.n_key_heads, self.key_head_dim, self.n_heads, self.value_head_dim, ranks, rank)
         self.head_shard = HeadShard(channels, sum_gradient)
-        whole = ["conv1d.weight", "norm.weight"] + (["in_proj_qkv.weight"] if self.split_projections else [])
+        convs = ([f"{p}_conv1d.weight" for p in "qkv"] if self.separate_projections else ["conv1d.weight"])
+        whole = [*convs, "norm.weight"] + (["in_proj_qkv.weight"] if self.split_projections else [])
         return ["A_log", "dt_bias"], whole
 
     def _whole(self, weight: torch.Tensor) -> torch.Tensor:
@@ -148,12 +165,18 @@ class GatedDeltaNet(nn.Module):
 
     def _conv_weight(self) -> torch.Tensor:
         """The depthwise convolution's (channels, width) taps over this module's heads' [q | k | v] channels."""
+        if self.separate_projections:
+            taps = torch.cat([_local(c.weight) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+            return self._channels(taps).squeeze(1)
         return self._channels(self.conv1d.weight).squeeze(1)
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The projections of x (B, T, D): mixed q|k|v (B, T, channels), z (B, T, H, Dv), b and a (B, T, H)."""
         batch, length, _ = x.shape
         dk, dv = self.key_head_dim, self.value_head_dim
+        if self.separate_projections:
+            qkv = torch.cat([self.in_proj_q(x), self.in_proj_k(x), self.in_proj_v(x)], dim=-1)
+            return (qkv, self.in_proj_z(x).view(batch, length, -1, dv), self.in_proj_b(x), self.in_proj_a(x))
         if self.split_projections:
             if self.head_shard is None:
                 qkv = self.in_proj_qkv(x)
@@ -228,7 +251,8 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(batch, length, -1, self.key_head_dim)
         v = v.reshape(batch, length, -1, self.value_head_dim)
         g = -_part(self.A_log, part).float().exp() * F.softplus(a.float() + _part(self.dt_bias, part).float())
-        return q, k, v, g, b.sigmoid()
+        beta = b.sigmoid()
+        return q, k, v, g, beta * self.beta_scale if self.beta_scale != 1.0 else beta
 
     def _forward_ulysses(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                          weight: torch.Tensor, chunk: SequenceChunk, documents: torch.Tensor | None) -> torch.Tensor:

@@ -53,9 +53,9 @@ class PlainResidual(Residual):
     """Pre-norm: x + drop(f(norm(x))).  Post-norm (the original paper): norm(x + drop(f(x))).
     Post-sublayer (OLMo 2): x + drop(norm(f(x))).  Sandwich (Gemma): x + drop(out_norm(f(norm(x))))."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, position: str | None = None) -> None:
         super().__init__()
-        self.position = cfg.norm.position
+        self.position = position or cfg.norm.position  # the block's (model.norm.by_kind may set it per kind)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor, norm: nn.Module, out_norm: nn.Module | None, fn: Branch, *args,
@@ -141,7 +141,8 @@ class ResidualKind:
 
     name: ClassVar[str]
 
-    def branch(self, cfg: ModelConfig) -> Residual:
+    def branch(self, cfg: ModelConfig, position: str | None = None) -> Residual:
+        """A branch join; position: the block's norm position where it differs from model.norm.position."""
         raise NotImplementedError
 
     def enter(self, cfg: ModelConfig, h: torch.Tensor) -> torch.Tensor:
@@ -168,15 +169,15 @@ class ResidualKind:
 class Plain(ResidualKind):
     name = "plain"
 
-    def branch(self, cfg: ModelConfig) -> Residual:
-        return PlainResidual(cfg)
+    def branch(self, cfg: ModelConfig, position: str | None = None) -> Residual:
+        return PlainResidual(cfg, position)
 
 
 class ManifoldHyperConnections(ResidualKind):
     name = "mhc"
 
-    def branch(self, cfg: ModelConfig) -> Residual:
-        return HyperConnection(cfg)
+    def branch(self, cfg: ModelConfig, position: str | None = None) -> Residual:
+        return HyperConnection(cfg)  # pre-norm only (config checks refuse the others)
 
     def enter(self, cfg: ModelConfig, h: torch.Tensor) -> torch.Tensor:
         return h.unsqueeze(2).expand(-1, -1, cfg.residual.streams, -1).contiguous()

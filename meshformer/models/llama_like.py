@@ -50,7 +50,7 @@ def rules(cfg: ModelConfig, experts: Experts | None = None) -> list[Rule]:
              Rule(("output.weight",), "lm_head.weight", alias=cfg.tie_embeddings)]
     for i in range(cfg.n_layers):
         o, t = f"decoder_layers.{i}", f"model.layers.{i}"
-        for ours, theirs in _HF_BLOCK_NORMS[cfg.norm.position]:
+        for ours, theirs in _HF_BLOCK_NORMS[cfg.block_norm_position(i)]:
             out += norm(f"{o}.{ours}", f"{t}.{theirs}", cfg)
         for p in ("q", "k", "v", "o"):
             out += params(f"{o}.attn.{p}_proj", f"{t}.self_attn.{p}_proj", linear if p == "o" else qkv_linear)

@@ -75,6 +75,11 @@ ARCHS: dict[str, dict[str, Any]] = {
                        num_key_value_heads=2, head_dim=8, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8,
                        n_groups=2, chunk_size=4, layers_block_type=["linear_attention", "mlp", "full_attention",
                                                                     "mlp"]),
+    # a Gated DeltaNet block (separate projections, beta doubled, pre-norm) then an OLMo 3 attention block
+    # (post-sub-layer norms); value width = key width, as transformers' in-memory q/k/v convolution split assumes
+    "olmo_hybrid": dict(config="OlmoHybridConfig", model="OlmoHybridForCausalLM", tie_word_embeddings=False,
+                        layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=4),
     # 4 experts of width intermediate_size, top-2
     "mixtral": dict(config="MixtralConfig", model="MixtralForCausalLM", tie_word_embeddings=False,
                     num_local_experts=4, num_experts_per_tok=2),

@@ -166,6 +166,16 @@ FAMILIES: dict[str, dict[str, Any]] = {
                    rope=dict(partial_factor=0.5),
                    linear_attention=dict(n_heads=4, n_key_heads=2, key_head_dim=8, value_head_dim=6, chunk_size=8,
                                          projections="split")),
+    # OLMo hybrid-like: Gated DeltaNet with separate q/k/v/z/b/a projections and q/k/v taps, beta doubled, pre-norm,
+    # beside a post-sub-layer attention block (model.norm.by_kind)
+    "olmohybrid": dict(family="decoder", n_layers=2, position="rope", bias=False,
+                       layer_types=["linear_attention", "full_attention"],
+                       norm=dict(kind="rmsnorm", position="post_sublayer", by_kind={"linear_attention": "pre"}),
+                       ffn=dict(activation="swiglu"),
+                       attention=dict(n_kv_heads=2, qk_norm=True, qk_norm_scope="projection"),
+                       linear_attention=dict(n_heads=4, n_key_heads=2, key_head_dim=8, value_head_dim=6,
+                                             chunk_size=8, projections="separate", allow_neg_eigval=True,
+                                             norm_eps=1e-5)),
     # Kimi Linear-like: a KDA block (a forget gate per key channel; state and convolutions reset per packed
     # document) then latent attention without RoPE; block 0 dense, then sigmoid-routed experts beside a shared one
     "kimi": dict(family="decoder", n_layers=2, position="none", bias=False, layer_types=["kda", "mla"],

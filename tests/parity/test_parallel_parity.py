@@ -59,6 +59,7 @@ WORLD2 = [
     # Qwen3.5's split projections: Gated DeltaNet heads under tensor parallel (in_proj_qkv and the convolution
     # picked per head), and a right-padded batch of the hybrid model under context parallel
     "qwen35/tp", "qwen35/cp-rightpad",
+    "olmohybrid/tp",  # OLMo hybrid's separate projections split colwise, its q/k/v taps picked per head
     # Mamba-2 beside attention: the state and convolution window passed piece to piece (cp, right-padded too),
     # split by heads and groups (tp: in_proj and the convolution picked per head), FSDP and the pipeline
     "mamba/cp", "mamba/cp-rightpad", "mamba/tp", "mamba/fsdp", "mamba/pp",
@@ -211,7 +212,7 @@ FP8_TOL, FP8_GRAD_TOL, FP8_NORM_TOL = 1e-4, 2e-2, 1e-3
 # World-2 rows that only the slow run launches (a second world-2 launch): the costliest ones (torch.compile, torchao's
 # float8 under TP, MoE variants of what the default launch checks without MoE). The default launch keeps a row of
 # every family, axis, schedule, loss and recompute mode.
-WORLD2_SLOW = {"decoder/cp-compile", "decoder/tp-fp8=tensorwise", "decoder_alibi/tp-fp8=tensorwise",
+WORLD2_SLOW = {"decoder/cp-compile", "olmohybrid/tp", "decoder/tp-fp8=tensorwise", "decoder_alibi/tp-fp8=tensorwise",
                "encdec/tp-fp8=tensorwise", "decoder/tp-fp8=rowwise", "moe/tp-ep-bf16", "moe_encdec/tp-ep",
                "moe/fsdp-ep-recompute=full", "moe/tp-ep-recompute=selective", "moe_bias/tp-ep", "moe/fsdp-ep-compile",
                "moe/tp-ep-compile", "moe/fsdp-ep-compile-recompute=selective", "decoder/fsdp-fp8=tensorwise-muon",

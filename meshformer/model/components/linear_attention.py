@@ -96,8 +96,9 @@ class LinearAttention(TokenMixer):
         # Rows of the grouped projections, of z, b, a and of A_log / dt_bias are head-major: colwise splits give
         # each rank whole key-head groups. The [q | k | v]-ordered convolution (and in_proj_qkv) stay whole on every
         # rank, which picks its heads' channels (model/linear_attention.py: shard_heads).
-        linears = (["in_proj_z", "in_proj_b", "in_proj_a"] if cfg.linear_attention.projections == "split"
-                   else ["in_proj_qkvz", "in_proj_ba"])
+        linears = {"split": ["in_proj_z", "in_proj_b", "in_proj_a"], "grouped": ["in_proj_qkvz", "in_proj_ba"],
+                   "separate": ["in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a"]
+                   }[cfg.linear_attention.projections]
         return {"": HEAD_SHARD, **dict.fromkeys(linears, COLWISE), "out_proj": ROWWISE}
 
     def ulysses(self, cfg: ModelConfig, cp: int, tp: int) -> str | None:

@@ -16,7 +16,7 @@ NEW_TOKENS = 10
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "olmo2", "olmo3", "gemma3", "gpt_oss", "deepseek_v3",
                                   "deepseek_v2", "glm4_moe", "qwen3_next", "qwen3_5_text",
-                                  "qwen3_5_moe_text", "kimi_linear"])
+                                  "qwen3_5_moe_text", "kimi_linear", "olmo_hybrid"])
 def test_batched_greedy_equals_transformers_generate(arch):
     assert_batched_greedy_equals_generate(arch, NEW_TOKENS)
 

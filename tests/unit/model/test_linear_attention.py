@@ -246,3 +246,52 @@ def test_head_channels_pick_each_ranks_q_k_and_v() -> None:
     assert head_channels(2, 2, 4, 1, 2, 1).tolist() == [2, 3, 6, 7, 10, 11]
     whole = torch.cat([head_channels(2, 8, 4, 6, 2, r) for r in range(2)])
     assert sorted(whole.tolist()) == list(range(2 * 16 + 24))  # every channel once
+
+
+# OLMo hybrid's names -> the separate layout's (the conv, A_log, dt_bias keep theirs)
+OLMO_HYBRID_NAMES = {"q_proj": "in_proj_q", "k_proj": "in_proj_k", "v_proj": "in_proj_v", "g_proj": "in_proj_z",
+                     "b_proj": "in_proj_b", "a_proj": "in_proj_a", "o_proj": "out_proj", "o_norm": "norm"}
+
+
+@pytest.mark.parametrize("allow_neg_eigval", [True, False])
+def test_separate_projections_match_transformers_olmo_hybrid_module(allow_neg_eigval: bool) -> None:
+    """projections = "separate" holds OLMo hybrid's q/k/v/g/b/a projections, allow_neg_eigval doubles beta and
+    norm_eps sets the gated norm's epsilon: the same output as its OlmoHybridGatedDeltaNet on a padded batch, and
+    a different one with allow_neg_eigval flipped (so the option is read)."""
+    from transformers.models.olmo_hybrid import modeling_olmo_hybrid as hfo
+
+    fields = {k: v for k, v in hf_config().to_dict().items() if k.startswith(("linear_", "hidden_size", "rms"))}
+    torch.manual_seed(0)
+    theirs = hfo.OlmoHybridGatedDeltaNet(
+        transformers.OlmoHybridConfig(**fields, num_attention_heads=4, linear_allow_neg_eigval=allow_neg_eigval),
+        layer_idx=0).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    state = {}
+    for key, value in theirs.state_dict().items():
+        head, _, rest = key.partition(".")
+        state[f"{OLMO_HYBRID_NAMES.get(head, head)}.{rest}" if rest else key] = value
+    taps = state.pop("conv1d.weight").split([16, 16, 24])  # its q, k, v channels; ours keep them apart
+    state.update({f"{p}_conv1d.weight": t for p, t in zip("qkv", taps, strict=True)})
+
+    def run(neg: bool) -> torch.Tensor:
+        cfg = ours(3)
+        cfg.linear_attention.projections = "separate"
+        cfg.linear_attention.allow_neg_eigval = neg
+        cfg.linear_attention.norm_eps = 1e-5
+        mine = GatedDeltaNet(cfg).eval()
+        mine.load_state_dict(state, strict=True)
+        with torch.no_grad():
+            return mine(x, padding=padding)
+
+    x = torch.randn(3, 11, D)
+    padding = torch.ones(3, 11, dtype=torch.bool)
+    padding[1, :4] = False
+    padding[2, 7:] = False
+    with torch.no_grad():
+        expected = theirs(x, attention_mask=padding.long())
+    real = padding[..., None].expand_as(expected)
+    assert expected[real].std() > 0.01
+    torch.testing.assert_close(run(allow_neg_eigval)[real], expected[real], atol=1e-5, rtol=1e-5)
+    assert (run(not allow_neg_eigval)[real] - expected[real]).abs().max() > 1e-3
