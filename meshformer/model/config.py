@@ -194,8 +194,8 @@ class LinearAttentionConfig:
     # (Qwen3.5)
     projections: Literal["grouped", "split"] = "grouped"
     # the chunked rule's kernel: "torch" (model/gated_delta.py, any device), "fla" (flash-linear-attention's Triton
-    # kernel, a GPU and the extra meshformer[fla]; Gated DeltaNet only), "auto" = fla where it is installed and the
-    # model is on CUDA (kda blocks: torch)
+    # kernels, a GPU and the extra meshformer[fla]; kda blocks: chunk_kda), "auto" = fla where it is installed and
+    # the model is on CUDA
     backend: Literal["torch", "fla", "auto"] = "auto"
 
     @property

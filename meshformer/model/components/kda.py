@@ -48,9 +48,6 @@ class KimiDeltaAttentionKind(LinearAttention):
             raise ConfigError(f"model.linear_attention.n_key_heads={la.n_key_heads} differs from n_heads={la.n_heads}, "
                               "but kda blocks have a query and key head per value head",
                               "leave model.linear_attention.n_key_heads unset")
-        if la.backend == "fla":
-            raise ConfigError('model.linear_attention.backend = "fla" runs Gated DeltaNet only, but model.layer_types '
-                              "has kda blocks", 'set model.linear_attention.backend = "auto" or "torch"')
         super().check(cfg)
 
     def tp_rules(self, cfg: ModelConfig) -> Mapping[str, str]:
