@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from meshformer.errors import ConfigError
+
 FLA_EXTRA = 'model.linear_attention.backend = "fla" needs flash-linear-attention: pip install "meshformer[fla]"'
 
 Rule = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
@@ -38,6 +40,13 @@ def fla_rule(module_name: str = "fla.ops.gated_delta_rule", name: str = "chunk_g
         raise ImportError(f"{FLA_EXTRA} ({err})") from err
     rule: Rule = getattr(module, name)
     return rule
+
+
+def require_cuda(t: torch.Tensor, backend: str) -> None:
+    """The optional kernels (fla's, mamba-ssm's) run on CUDA only: one line naming the fix for a tensor elsewhere."""
+    if not t.is_cuda:
+        raise ConfigError(f"{backend} runs its kernels on CUDA, but the model is on {t.device.type}",
+                          'move the model to a GPU, or set the backend to "auto" or "torch"')
 
 
 def document_starts(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -69,6 +78,7 @@ def fla_kda_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
                  use_qk_l2norm: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The same with KDA's decay per key channel (g (B, T, H, Dk), log space, computed outside the kernel:
     `use_gate_in_kernel` stays off) by fla's `chunk_kda`, which takes float32 states only."""
+    require_cuda(q, 'model.linear_attention.backend = "fla"')
     if initial_state is not None and initial_state.dtype != torch.float64:  # float64: the CPU contract check
         initial_state = initial_state.float()
     return _through_fla(fla_rule("fla.ops.kda", "chunk_kda"), q, k, v, g, beta, scale=scale,

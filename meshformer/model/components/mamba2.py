@@ -82,6 +82,12 @@ class Mamba2Kind(TokenMixer):
                               "heads shares B and C)", "choose n_groups dividing n_heads")
         if m.dt_floor < 0:
             raise ConfigError(f"model.mamba.dt_floor={m.dt_floor} must be >= 0", "set it to 0 (no floor) or above")
+        if m.backend == "mamba_ssm":
+            from meshformer.model.mamba2_kernels import MAMBA_EXTRA, mamba_importable
+
+            if not mamba_importable():
+                raise ConfigError(f"{MAMBA_EXTRA} (not installed here)",
+                                  'install them, or set model.mamba.backend = "auto" or "torch"')
 
     def tp_rules(self, cfg: ModelConfig) -> Mapping[str, str]:
         # in_proj's rows and the convolution's channels are not head-major: the module keeps them whole and reads its

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from helpers.common import load_script
 
 from meshformer.config.migrate import model_from_flat
+from meshformer.errors import ConfigError
 from meshformer.model import gated_delta_fla
 from meshformer.model.config import LinearAttentionConfig
 from meshformer.model.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
@@ -74,6 +75,7 @@ def fake_fla(monkeypatch) -> list[dict[str, Any]]:
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "fla.ops.kda", ops)
     monkeypatch.setattr(gated_delta_fla, "fla_importable", lambda: True)
+    monkeypatch.setattr(gated_delta_fla, "require_cuda", lambda t, backend: None)  # CPU tensors through
     return calls
 
 
@@ -135,7 +137,11 @@ def test_kda_auto_keeps_torch_off_cuda(fake_fla) -> None:
     assert fake_fla == []
 
 
-def test_kda_without_the_package_is_one_line(monkeypatch) -> None:
+def test_kda_off_cuda_or_without_the_package_is_one_line(monkeypatch) -> None:
+    with pytest.raises(ConfigError, match="runs its kernels on CUDA, but the model is on cpu") as config_err:
+        module("fla")(torch.randn(1, 5, 24, dtype=torch.float64))
+    assert "\n" not in config_err.value.one_line()
+    monkeypatch.setattr(gated_delta_fla, "require_cuda", lambda t, backend: None)
     monkeypatch.setitem(sys.modules, "fla.ops.kda", None)  # an import that fails
     with pytest.raises(ImportError, match=r"meshformer\[fla\]") as err:
         module("fla")(torch.randn(1, 5, 24, dtype=torch.float64))
