@@ -8,7 +8,7 @@
 #   Qwen3-MoE-like shape (bench/gpu_moe.sh runs them alone); gpt-oss's attention sinks on every SDPA kernel against
 #   the math path, and the blockwise kernel QK-clip records with against flash; the gated delta rule, ours against
 #   flash-linear-attention's kernel at T = 2k and 8k, KDA against its chunk_kda, Mamba-2 against mamba-ssm's scan
-#   and causal-conv1d (each needs its wheels in .whl/);
+#   and causal-conv1d (each needs its wheels in .whl/; bench/gpu_kernels.sh runs these three alone);
 #   last (the earlier items keep their budget), the memory planner against the measured peak at the Llama-1B shape, whose table of the parallel page it
 #   writes into $OUT.
 # Each result is one JSON line appended to $OUT/results.jsonl as soon as it exists; each item has its own
