@@ -7,8 +7,9 @@
 #   layer (grouped_mm / padded / loop vs the dense FFN of the same active FLOPs) at a Mixtral-like and a
 #   Qwen3-MoE-like shape (bench/gpu_moe.sh runs them alone); gpt-oss's attention sinks on every SDPA kernel against
 #   the math path, and the blockwise kernel QK-clip records with against flash; the gated delta rule, ours against
-#   flash-linear-attention's kernel at T = 2k and 8k (needs its wheels in .whl/); last (the earlier items keep their
-#   budget), the memory planner against the measured peak at the Llama-1B shape, whose table of the parallel page it
+#   flash-linear-attention's kernel at T = 2k and 8k, KDA against its chunk_kda, Mamba-2 against mamba-ssm's scan
+#   and causal-conv1d (each needs its wheels in .whl/; bench/gpu_kernels.sh runs these three alone);
+#   last (the earlier items keep their budget), the memory planner against the measured peak at the Llama-1B shape, whose table of the parallel page it
 #   writes into $OUT.
 # Each result is one JSON line appended to $OUT/results.jsonl as soon as it exists; each item has its own
 # timeout, capped by what is left of SUITE_BUDGET_S, so one hang cannot eat the run. Logs: $OUT/<item>.log.
@@ -38,6 +39,8 @@ if [[ "$SMOKE" == 1 ]]; then
     --routing skewed
   item attention_sinks 60 python3 bench/attention_sinks.py --device cpu --dtype fp32 --shape tiny --rounds 1
   item gated_delta_fla 30 python3 bench/gated_delta_fla.py --shape 1,2,4,32,128 --rounds 1  # a skip line on CPU
+  item kda_fla 30 python3 bench/kda_fla.py --shape 1,2,32,128 --rounds 1  # a skip line on CPU
+  item mamba2_ssm 30 python3 bench/mamba2_ssm.py --shape 1,4,16,2,16,128 --rounds 1  # a skip line on CPU
   item plan_memory 120 python3 bench/plan_vs_measured_gpu.py --device cpu --modes none full \
     --table "$OUT/parallel-03-plan-vs-measured-gpu.json" --machine "$MACHINE"
 else
@@ -57,6 +60,10 @@ else
   item attention_sinks 60 python3 bench/attention_sinks.py --device cuda --dtype bf16 --shape gpt-oss --rounds 5
   # Qwen3-Next's Gated DeltaNet heads (16 query/key, 32 value, width 128): forward + backward, equality and speed
   item gated_delta_fla 90 python3 bench/gated_delta_fla.py --dtype bf16 --shape 1,16,32,128,2048 1,16,32,128,8192
+  # Kimi-Linear-48B-A3B's KDA heads (32, width 128): ours against fla's chunk_kda, equality and speed
+  item kda_fla 90 python3 bench/kda_fla.py --dtype bf16 --shape 1,32,128,2048 1,32,128,8192
+  # Nemotron-H-8B's Mamba-2 (128 heads of width 64, 8 groups, state 128): ours against mamba-ssm + causal-conv1d
+  item mamba2_ssm 90 python3 bench/mamba2_ssm.py --dtype bf16 --shape 1,128,64,8,128,2048 1,128,64,8,128,8192
   # the memory planner against torch.cuda.max_memory_allocated, Llama-1B, per recomputation mode (the parallel page's
   # table, written into $OUT)
   item plan_memory 100 python3 bench/plan_vs_measured_gpu.py \

@@ -202,8 +202,8 @@ class LinearAttentionConfig:
     allow_neg_eigval: bool = False
     norm_eps: float | None = None  # the gated output norm's epsilon; None: model.norm.eps (OLMo hybrid: 1e-5)
     # the chunked rule's kernel: "torch" (model/gated_delta.py, any device), "fla" (flash-linear-attention's Triton
-    # kernel, a GPU and the extra meshformer[fla]; Gated DeltaNet only), "auto" = fla where it is installed and the
-    # model is on CUDA (kda blocks: torch)
+    # kernels, a GPU and the extra meshformer[fla]; kda blocks: chunk_kda), "auto" = fla where it is installed and
+    # the model is on CUDA
     backend: Literal["torch", "fla", "auto"] = "auto"
 
     @property
@@ -224,6 +224,10 @@ class MambaConfig:
     conv_bias: bool = True  # the convolution has a bias (Mamba-2 and Nemotron-H: yes)
     chunk_size: int = 64  # tokens per chunk of the chunked scan (compute only: any value, the same function)
     dt_floor: float = 0.0  # dt = max(softplus(dt + dt_bias), dt_floor) (transformers' NemotronH: time_step_min)
+    # the scan's and convolution's kernels: "torch" (model/ssd.py, any device), "mamba_ssm" (mamba-ssm's
+    # mamba_chunk_scan_combined and causal-conv1d's causal_conv1d_fn, a GPU and the extra meshformer[mamba];
+    # generation and context parallel keep the torch path), "auto" = those where installed and the model is on CUDA
+    backend: Literal["torch", "mamba_ssm", "auto"] = "auto"
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""The gated delta rule through flash-linear-attention's Triton kernel (`fla.ops.gated_delta_rule`), the optional
-GPU backend of the linear_attention blocks (`model.linear_attention.backend`; the extra `meshformer[fla]`).
+"""The gated delta rule through flash-linear-attention's Triton kernels (`fla.ops.gated_delta_rule` for Gated
+DeltaNet, `fla.ops.kda` for KDA's decay per key channel), the optional GPU backend of the linear_attention and kda
+blocks (`model.linear_attention.backend`; the extra `meshformer[fla]`).
 
 It takes the arguments of model/gated_delta.py's `chunk_gated_delta_rule` and returns the same results. fla reads
 the same (B, T, heads, width) layout, log-space decays g and post-sigmoid beta; it scales q by 1/sqrt(Dk) by
@@ -18,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from meshformer.errors import ConfigError
+
 FLA_EXTRA = 'model.linear_attention.backend = "fla" needs flash-linear-attention: pip install "meshformer[fla]"'
 
 Rule = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
@@ -28,14 +31,22 @@ def fla_importable() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-def fla_rule() -> Rule:
-    """fla's chunked gated delta rule; ImportError in one line naming the extra where it is missing."""
+def fla_rule(module_name: str = "fla.ops.gated_delta_rule", name: str = "chunk_gated_delta_rule") -> Rule:
+    """fla's chunked gated delta rule (KDA's: "fla.ops.kda", "chunk_kda"); ImportError in one line naming the extra
+    where it is missing."""
     try:
-        module = importlib.import_module("fla.ops.gated_delta_rule")
+        module = importlib.import_module(module_name)
     except ImportError as err:
         raise ImportError(f"{FLA_EXTRA} ({err})") from err
-    rule: Rule = module.chunk_gated_delta_rule
+    rule: Rule = getattr(module, name)
     return rule
+
+
+def require_cuda(t: torch.Tensor, backend: str) -> None:
+    """The optional kernels (fla's, mamba-ssm's) run on CUDA only: one line naming the fix for a tensor elsewhere."""
+    if not t.is_cuda:
+        raise ConfigError(f"{backend} runs its kernels on CUDA, but the model is on {t.device.type}",
+                          'move the model to a GPU, or set the backend to "auto" or "torch"')
 
 
 def document_starts(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -57,7 +68,27 @@ def fla_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                          use_qk_l2norm: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """model/gated_delta.py's `chunk_gated_delta_rule` (q, k (B, T, Hk, Dk), v (B, T, H, Dv), g and beta (B, T, H))
     computed by fla. Returns the output (B, T, H, Dv) and, with `output_final_state`, the state (B, H, Dk, Dv)."""
-    rule = fla_rule()
+    return _through_fla(fla_rule(), q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                        output_final_state=output_final_state, doc_ids=doc_ids, use_qk_l2norm=use_qk_l2norm)
+
+
+def fla_kda_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                 scale: float | None = None, initial_state: torch.Tensor | None = None,
+                 output_final_state: bool = False, doc_ids: torch.Tensor | None = None,
+                 use_qk_l2norm: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The same with KDA's decay per key channel (g (B, T, H, Dk), log space, computed outside the kernel:
+    `use_gate_in_kernel` stays off) by fla's `chunk_kda`, which takes float32 states only."""
+    require_cuda(q, 'model.linear_attention.backend = "fla"')
+    if initial_state is not None and initial_state.dtype != torch.float64:  # float64: the CPU contract check
+        initial_state = initial_state.float()
+    return _through_fla(fla_rule("fla.ops.kda", "chunk_kda"), q, k, v, g, beta, scale=scale,
+                        initial_state=initial_state, output_final_state=output_final_state, doc_ids=doc_ids,
+                        use_qk_l2norm=use_qk_l2norm)
+
+
+def _through_fla(rule: Rule, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 *, scale: float | None, initial_state: torch.Tensor | None, output_final_state: bool,
+                 doc_ids: torch.Tensor | None, use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     batch, seq, heads, _ = v.shape
     if heads != k.shape[2]:
         q, k = (x.repeat_interleave(heads // k.shape[2], dim=2) for x in (q, k))

@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshformer.model.config import ModelConfig
+from meshformer.model.gated_delta import chunk_gated_delta_rule
+from meshformer.model.gated_delta_fla import fla_importable, fla_kda_rule
 from meshformer.model.linear_attention import GatedDeltaNet, GatedRMSNorm, HeadShard, _local, _part, head_channels
 
 
@@ -40,7 +42,7 @@ class KimiDeltaAttention(GatedDeltaNet):
         self.n_heads = self.n_key_heads = la.n_heads
         self.key_head_dim, self.value_head_dim = la.key_head_dim, la.value_head_dim
         self.chunk_size = la.chunk_size
-        self.backend = "torch"  # model/gated_delta.py's chunked rule (config validation refuses "fla" for kda)
+        self.backend = la.backend
         key_dim, value_dim = la.n_heads * la.key_head_dim, la.n_heads * la.value_head_dim
         self.q_proj = nn.Linear(d, key_dim, bias=False)
         self.k_proj = nn.Linear(d, key_dim, bias=False)
@@ -78,6 +80,16 @@ class KimiDeltaAttention(GatedDeltaNet):
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         gate = self.g_b_proj(self.g_a_proj(x)).view(batch, length, -1, self.value_head_dim)
         return mixed, gate, self.b_proj(x), self.f_b_proj(self.f_a_proj(x))
+
+    def _chunked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+                 initial_state: torch.Tensor | None, output_final_state: bool, doc_ids: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chunked rule with per-channel decays on the configured backend (fla: `chunk_kda`)."""
+        if self.backend == "fla" or (self.backend == "auto" and q.is_cuda and fla_importable()):
+            return fla_kda_rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                                doc_ids=doc_ids, use_qk_l2norm=True)
+        return chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=initial_state,
+                                      output_final_state=output_final_state, doc_ids=doc_ids, use_qk_l2norm=True)
 
     def _rule_inputs(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                      part: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:

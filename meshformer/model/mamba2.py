@@ -31,6 +31,7 @@ from meshformer.model.attention import SequenceChunk
 from meshformer.model.config import ModelConfig
 from meshformer.model.gated_delta import causal_conv1d
 from meshformer.model.linear_attention import HeadShard, LinearCache, _local
+from meshformer.model.mamba2_kernels import kernel_conv1d, kernel_scan, mamba_importable
 from meshformer.model.ssd import chunk_ssd, recurrent_ssd
 
 
@@ -59,7 +60,7 @@ class Mamba2(nn.Module):
         super().__init__()
         m = cfg.mamba
         self.n_heads, self.head_dim, self.state_size, self.n_groups = m.n_heads, m.head_dim, m.state_size, m.n_groups
-        self.chunk_size, self.dt_floor = m.chunk_size, m.dt_floor
+        self.chunk_size, self.dt_floor, self.backend = m.chunk_size, m.dt_floor, m.backend
         inner = m.n_heads * m.head_dim
         self.conv_channels = inner + 2 * m.n_groups * m.state_size  # x, B and C pass the convolution
         self.in_proj = nn.Linear(cfg.d_model, inner + self.conv_channels + m.n_heads, bias=False)
@@ -120,6 +121,14 @@ class Mamba2(nn.Module):
             if cache is not None:
                 raise ValueError("mamba2 blocks generate on one device; set parallel.cp=1 to generate")
             y, xs = self._forward_pieces(xbc, dt, weight, conv_bias, keep, chunk, documents)
+        elif cache is None and (self.backend == "mamba_ssm" or (self.backend == "auto" and x.is_cuda
+                                                                 and mamba_importable())):
+            # the kernels: SiLU fused into the convolution, dt's softplus and the skip D into the scan
+            xs, B, C = self._split_xbc(kernel_conv1d(xbc, weight, conv_bias, doc_ids=documents), keep)
+            A = -_local(self.A_log).to(torch.promote_types(xs.dtype, torch.float32)).exp()
+            y, _ = kernel_scan(xs, dt, A, B, C, chunk_size=self.chunk_size, D=_local(self.D),
+                               dt_bias=_local(self.dt_bias), dt_floor=self.dt_floor, doc_ids=documents)
+            return self.out_proj(self.norm(y.reshape(batch, length, inner), z, _local(self.norm.weight)))
         else:
             xbc, conv_state = causal_conv1d(xbc, weight, conv_bias, state=None if cache is None else cache.conv,
                                             doc_ids=documents)
@@ -139,15 +148,19 @@ class Mamba2(nn.Module):
                      ) -> tuple[torch.Tensor, ...]:
         """x (B, T, H, P), dt (B, T, H), A (H,), B and C (B, T, G, N) from the convolution's output (B, T, channels)
         and dt's projection; padding tokens' x, B and C zeroed."""
+        xs, B, C = self._split_xbc(F.silu(xbc), keep)
+        compute = torch.promote_types(xbc.dtype, torch.float32)
+        dt = F.softplus(dt.to(compute) + _local(self.dt_bias).to(compute)).clamp(min=self.dt_floor)
+        return xs, dt, -_local(self.A_log).to(compute).exp(), B, C
+
+    def _split_xbc(self, xbc: torch.Tensor, keep: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """x (B, T, H, P), B and C (B, T, G, N) from the activated convolution output, padding tokens zeroed."""
         batch, length, _ = xbc.shape
-        xbc = F.silu(xbc)
         if keep is not None:
             xbc = xbc * keep
         inner, groups_width = self.n_heads * self.head_dim, self.n_groups * self.state_size
         xs, B, C = xbc.split([inner, groups_width, groups_width], dim=-1)
-        compute = torch.promote_types(xbc.dtype, torch.float32)
-        dt = F.softplus(dt.to(compute) + _local(self.dt_bias).to(compute)).clamp(min=self.dt_floor)
-        return (xs.reshape(batch, length, self.n_heads, self.head_dim), dt, -_local(self.A_log).to(compute).exp(),
+        return (xs.reshape(batch, length, self.n_heads, self.head_dim),
                 B.reshape(batch, length, self.n_groups, self.state_size),
                 C.reshape(batch, length, self.n_groups, self.state_size))
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from meshformer.errors import ConfigError
 from meshformer.model.components import register
-from meshformer.model.components.base import FP32, ActivationLayout, InitFn
+from meshformer.model.components.base import FP32, ActivationLayout, InitFn, output_projection_bytes
 from meshformer.model.components.linear_attention import LinearAttention, delta_rule_flops
 from meshformer.model.config import ModelConfig
 from meshformer.model.tp_styles import COLWISE, HEAD_SHARD, ROWWISE
@@ -48,9 +48,6 @@ class KimiDeltaAttentionKind(LinearAttention):
             raise ConfigError(f"model.linear_attention.n_key_heads={la.n_key_heads} differs from n_heads={la.n_heads}, "
                               "but kda blocks have a query and key head per value head",
                               "leave model.linear_attention.n_key_heads unset")
-        if la.backend == "fla":
-            raise ConfigError('model.linear_attention.backend = "fla" runs Gated DeltaNet only, but model.layer_types '
-                              "has kda blocks", 'set model.linear_attention.backend = "auto" or "torch"')
         super().check(cfg)
 
     def tp_rules(self, cfg: ModelConfig) -> Mapping[str, str]:
@@ -104,6 +101,20 @@ class KimiDeltaAttentionKind(LinearAttention):
         channels = heads * padded * dk * (4 + 2 * block) * FP32
         return super().saved_bytes(cfg, x, memory_len=memory_len, causal=causal) + x.batch * (
             x.seq * per_token + channels)
+
+    def selective_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
+        """What the selective policy keeps (parallel/recompute.py: the matmul outputs). Per token in the activation
+        dtype: q, k, v, the forget gate's and the output gate's low-rank pairs (the down-projections whole on every
+        rank) and b. In float32 per head and token padded to whole chunks of C: the two C x C products (K K^T,
+        Q K^T), the per-channel blocks' two S-wide columns, W_k (Dk wide) and three Dv-wide products (W_v, the
+        updates, the output). And out_proj's output. Equal to the measurement (tests/unit/planner/
+        test_recurrent_selective_bytes.py, float32 and bf16 autocast)."""
+        la, t = cfg.linear_attention, x.tp
+        heads, dk, dv, chunk = la.n_heads // t, la.key_head_dim, la.value_head_dim, la.chunk_size
+        padded = -(-x.seq // chunk) * chunk
+        per_token = (3 * heads * dk + 2 * heads * dv + dk + dv + heads) * x.bytes
+        rule = heads * padded * (2 * chunk + 2 * min(_BLOCK, chunk) + dk + 3 * dv) * FP32
+        return x.batch * (x.seq * per_token + rule) + output_projection_bytes(cfg, x)
 
 
 register(KimiDeltaAttentionKind())

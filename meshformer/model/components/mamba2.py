@@ -82,6 +82,12 @@ class Mamba2Kind(TokenMixer):
                               "heads shares B and C)", "choose n_groups dividing n_heads")
         if m.dt_floor < 0:
             raise ConfigError(f"model.mamba.dt_floor={m.dt_floor} must be >= 0", "set it to 0 (no floor) or above")
+        if m.backend == "mamba_ssm":
+            from meshformer.model.mamba2_kernels import MAMBA_EXTRA, mamba_importable
+
+            if not mamba_importable():
+                raise ConfigError(f"{MAMBA_EXTRA} (not installed here)",
+                                  'install them, or set model.mamba.backend = "auto" or "torch"')
 
     def tp_rules(self, cfg: ModelConfig) -> Mapping[str, str]:
         # in_proj's rows and the convolution's channels are not head-major: the module keeps them whole and reads its
@@ -157,13 +163,17 @@ class Mamba2Kind(TokenMixer):
         return b * (s * per_token + scan)
 
     def selective_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
-        """An estimate: in_proj's output, the scan's products (scores, output, states) and out_proj's output."""
-        m, b, s, a = cfg.mamba, x.batch, x.seq, x.bytes
-        _, _, rows = _widths(cfg)
-        chunk = m.chunk_size
-        padded = -(-s // chunk) * chunk
-        scan = m.n_heads * (padded * (chunk + m.head_dim) + (padded // chunk + 1) * m.head_dim * m.state_size)
-        return b * (s * rows * a + scan * FP32) + output_projection_bytes(cfg, x)
+        """What the selective policy keeps (parallel/recompute.py: the matmul outputs): in_proj's output in the
+        activation dtype; in float32 the scan's batched products, per group and token padded to whole chunks of L
+        C B^T (L wide), per head and padded token the two (L x P) output terms, per head and chunk the (P x N) state
+        it writes; and out_proj's output. Equal to the measurement (tests/unit/planner/
+        test_recurrent_selective_bytes.py, float32 and bf16 autocast). Under tensor parallel: this rank's heads'."""
+        m, t = cfg.mamba, x.tp
+        heads, groups, chunk = m.n_heads // t, m.n_groups // t, m.chunk_size
+        rows = heads * m.head_dim * 2 + 2 * groups * m.state_size + heads
+        chunks = -(-x.seq // chunk)
+        scan = groups * chunks * chunk * chunk + heads * chunks * (2 * chunk + m.state_size) * m.head_dim
+        return x.batch * (x.seq * rows * x.bytes + scan * FP32) + output_projection_bytes(cfg, x)
 
     def backward_bytes(self, cfg: ModelConfig, x: ActivationLayout, freed: float) -> float:
         """An estimate: the float32 gradients of the scan's per-chunk tensors and of every chunk's state."""

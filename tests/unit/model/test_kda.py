@@ -160,7 +160,7 @@ def test_initialisation_and_counts() -> None:
 
 @pytest.mark.parametrize(("extra", "message"), [
     ({"n_key_heads": 2}, "n_key_heads=2 differs from n_heads=4"),
-    ({"backend": "fla"}, 'backend = "fla" runs Gated DeltaNet only'),
+    ({"backend": "fla"}, r'backend = "fla" needs flash-linear-attention: pip install "meshformer\[fla\]"'),
 ])
 def test_config_refusals(extra: dict[str, Any], message: str) -> None:
     from meshformer.config.validate import validate_model

@@ -1,0 +1,127 @@
+"""Our Mamba-2 convolution and chunked scan (model/gated_delta.py's causal_conv1d, model/ssd.py's chunk_ssd) against
+causal-conv1d's and mamba-ssm's kernels through model/mamba2_kernels.py (mamba.backend = "mamba_ssm"), forward +
+backward on one GPU.
+
+Per shape (B, H, P, G, N, T; Nemotron-H-8B's 128 heads of width 64, 8 groups, state 128 by default; chunk 128,
+convolution width 4, dt floor 1e-3): the same inputs to both sides (the convolution's input x|B|C, its taps, dt before
+its softplus, A_log, D, dt_bias), rounds alternating between them after a warm-up round, the median time per side and
+the ratio ours / kernels (> 1: the kernels faster). Equality: the largest difference of the output and of every
+input's gradient, each relative to the largest magnitude of ours, must be within --tolerance (default 2e-2 in bf16,
+2e-3 in fp32). One JSON line per shape; where the libraries or CUDA are missing, one line saying so.
+
+    python bench/mamba2_ssm.py [--shape B,H,P,G,N,T ...] [--dtype bf16] [--rounds 5] [--tolerance X]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from meshformer.model.gated_delta import causal_conv1d
+from meshformer.model.mamba2_kernels import kernel_conv1d, kernel_scan, mamba_importable
+from meshformer.model.ssd import chunk_ssd
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+TOLERANCE = {"bf16": 2e-2, "fp32": 2e-3}
+SHAPES = ["1,128,64,8,128,2048", "1,128,64,8,128,8192"]  # B,H,P,G,N,T
+CHUNK, WIDTH, DT_FLOOR = 128, 4, 1e-3
+NAMES = ["out", "dxbc", "dconv", "ddt", "dA_log", "dD", "ddt_bias"]
+
+
+def _inputs(batch: int, heads: int, width: int, groups: int, size: int, seq: int, dtype: torch.dtype, device: str):
+    gen = torch.Generator().manual_seed(0)
+    channels = heads * width + 2 * groups * size
+
+    def leaf(*shape: int, scale: float = 1.0, dtype: torch.dtype = dtype) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(device, dtype).requires_grad_()
+
+    xbc, taps = leaf(batch, seq, channels), leaf(channels, WIDTH, scale=0.5)
+    dt = leaf(batch, seq, heads)
+    # A_log, D and dt_bias stay float32, as the parameters are under mixed precision
+    params = [leaf(heads, scale=0.5, dtype=torch.float32) for _ in range(3)]
+    grad = torch.randn(batch, seq, heads, width, generator=gen).to(device, dtype)
+    return (xbc, taps, dt, *params), grad, (heads, width, groups, size)
+
+
+def _split(xbc: torch.Tensor, dims: tuple[int, int, int, int]) -> tuple[torch.Tensor, ...]:
+    heads, width, groups, size = dims
+    xs, B, C = xbc.split([heads * width, groups * size, groups * size], dim=-1)
+    return xs.unflatten(-1, (heads, width)), B.unflatten(-1, (groups, size)), C.unflatten(-1, (groups, size))
+
+
+def _ours(dims, xbc, taps, dt, A_log, D, dt_bias) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    xs, B, C = _split(F.silu(causal_conv1d(xbc, taps)[0]), dims)
+    step = F.softplus(dt.float() + dt_bias).clamp(min=DT_FLOOR)
+    y, _ = chunk_ssd(xs, step, -A_log.exp(), B, C, chunk_size=CHUNK)
+    return y + xs * D.to(xs.dtype)[:, None]
+
+
+def _kernels(dims, xbc, taps, dt, A_log, D, dt_bias) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    xs, B, C = _split(kernel_conv1d(xbc, taps, None), dims)
+    return kernel_scan(xs, dt, -A_log.exp(), B, C, chunk_size=CHUNK, D=D, dt_bias=dt_bias, dt_floor=DT_FLOOR)[0]
+
+
+def _sides() -> dict[str, Callable[..., torch.Tensor]]:
+    return {"ours": _ours, "kernels": _kernels}
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| over max |b|."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+def measure(shape: str, dtype: str, rounds: int, tolerance: float, device: str) -> dict:
+    batch, heads, width, groups, size, seq = (int(s) for s in shape.split(","))
+    inputs, grad, dims = _inputs(batch, heads, width, groups, size, seq, DTYPES[dtype], device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {"ours": [], "kernels": []}
+    results: dict[str, list[torch.Tensor]] = {}
+    for r in range(rounds + 1):
+        for name, fn in _sides().items():
+            for t in inputs:
+                t.grad = None
+            sync()
+            start = time.perf_counter()
+            out = fn(dims, *inputs)
+            out.backward(grad)
+            sync()
+            if r:  # the first round warms up (Triton compiles)
+                times[name].append(time.perf_counter() - start)
+            else:
+                results[name] = [out.detach()] + [t.grad.detach() for t in inputs]  # type: ignore[union-attr]
+    median = {name: sorted(ts)[len(ts) // 2] * 1e3 for name, ts in times.items()}
+    diffs = {name: _relative(a, b) for name, a, b in zip(NAMES, results["kernels"], results["ours"], strict=True)}
+    return {"bench": "mamba2_ssm", "batch": batch, "heads": heads, "head_dim": width, "groups": groups,
+            "state_size": size, "seq": seq, "dtype": dtype, "rounds": rounds,
+            "device": torch.cuda.get_device_name() if device == "cuda" else device,
+            "ours_ms": round(median["ours"], 3), "kernels_ms": round(median["kernels"], 3),
+            "speedup": round(median["ours"] / median["kernels"], 3),
+            "relative_diffs": {name: float(f"{d:.3e}") for name, d in diffs.items()},
+            "tolerance": tolerance, "equal": all(d <= tolerance for d in diffs.values())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", nargs="+", default=SHAPES, help="B,H,P,G,N,T")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tolerance", type=float, default=None, help="default: 2e-2 in bf16, 2e-3 in fp32")
+    args = parser.parse_args()
+    missing = ("CUDA is not available" if not torch.cuda.is_available() else
+               "mamba-ssm / causal-conv1d are not installed (pip install 'meshformer[mamba]')"
+               if not mamba_importable() else None)
+    if missing:
+        print(json.dumps({"bench": "mamba2_ssm", "status": "skipped", "reason": missing}), flush=True)
+        return
+    tolerance = args.tolerance if args.tolerance is not None else TOLERANCE[args.dtype]
+    for shape in args.shape:
+        print(json.dumps(measure(shape, args.dtype, args.rounds, tolerance, "cuda")), flush=True)
+
+
+if __name__ == "__main__":
+    main()
