@@ -294,8 +294,8 @@ class ModelConfig:
     # | "linear_attention" (Gated DeltaNet: [model.linear_attention]) | "kda" (Kimi Delta Attention, the same
     # table) | "mamba2" (Mamba-2's state-space scan, [model.mamba]) | "mla" (multi-head latent attention,
     # [model.mla]) | "dsa" (MLA with DeepSeek's sparse attention: [model.mla], [model.dsa]) | "sliding_mqa", "hca",
-    # "csa" (DeepSeek-V4's sliding, heavily compressed, compressed sparse: [model.compressed_attention]), one per block or a
-    # shorter pattern repeated over the stack (Gemma 3: 5 sliding, then 1 full); []: all full
+    # "csa" (DeepSeek-V4's sliding, heavily compressed, compressed sparse: [model.compressed_attention]), one per
+    # block or a shorter pattern repeated over the stack (Gemma 3: 5 sliding, then 1 full); []: all full
     layer_types: list[str] = field(default_factory=list)
     # Channel mixer of each block of a stack: "dense" (ffn) | "moe" (moe), one per block or a repeated pattern;
     # []: every block "moe" when moe.n_experts > 0, else "dense"
