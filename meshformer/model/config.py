@@ -297,7 +297,8 @@ class ModelConfig:
     # "csa" (DeepSeek-V4's sliding, heavily compressed, compressed sparse: [model.compressed_attention]), one per
     # block or a shorter pattern repeated over the stack (Gemma 3: 5 sliding, then 1 full); []: all full
     layer_types: list[str] = field(default_factory=list)
-    # Channel mixer of each block of a stack: "dense" (ffn) | "moe" (moe), one per block or a repeated pattern;
+    # Channel mixer of each block of a stack: "dense" (ffn) | "moe" (moe) | "hash_moe" (moe's experts, each token's
+    # chosen by its id from a fixed table: DeepSeek-V4's first blocks), one per block or a repeated pattern;
     # []: every block "moe" when moe.n_experts > 0, else "dense"
     mlp_types: list[str] = field(default_factory=list)
     attention: AttentionConfig = field(default_factory=AttentionConfig)  # [model.attention]

@@ -103,6 +103,7 @@ class TransformerBlock(nn.Module):
         self.cross_residual = residual.branch(cfg) if cross else None
         self.ffn_norm = make_norm(cfg)
         self.ffn = channel_mixer(cfg, index).build(cfg)
+        self.ffn_reads_ids = channel_mixer(cfg, index).reads_token_ids
         self.ffn_out_norm = make_norm(cfg) if sandwich else None
         self.ffn_residual = residual.branch(cfg)
 
@@ -126,11 +127,13 @@ class TransformerBlock(nn.Module):
         padding: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
         query_scale: torch.Tensor | None = None,
+        token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """chunk: under context parallel, the pieces of the sequence `x` holds (self-attention gathers the rest).
         padding, documents (B, T): x's tokens' padding and packed documents, for a token mixer whose kind reads them
         (`reads_padding_and_documents`; attention reads `mask`). query_scale: the queries' per-position multiplier
-        (model.mla.query_scale_beta), passed only where set."""
+        (model.mla.query_scale_beta), passed only where set. token_ids (B, T): x's tokens, for a channel mixer whose
+        kind reads them (`reads_token_ids`)."""
         tokens = {"padding": padding, "documents": documents} if self.attn_reads_padding else {}
         if query_scale is not None:
             tokens["query_scale"] = query_scale
@@ -139,4 +142,5 @@ class TransformerBlock(nn.Module):
         if self.cross_attn is not None and self.cross_norm is not None and self.cross_residual is not None:
             x = self.cross_residual(x, self.cross_norm, self.cross_out_norm, self.cross_attn, memory_mask,
                                     memory=memory, cache=cache.cross_attn if cache else None)
-        return self.ffn_residual(x, self.ffn_norm, self.ffn_out_norm, self.ffn)
+        ids = {"token_ids": token_ids} if self.ffn_reads_ids else {}
+        return self.ffn_residual(x, self.ffn_norm, self.ffn_out_norm, self.ffn, **ids)
