@@ -77,3 +77,10 @@ def test_the_block_hands_the_ids_to_the_mixer() -> None:
     assert torch.equal(model(ids), first)
     moe.experts_of_token.copy_((moe.experts_of_token + 1) % EXPERTS)
     assert not torch.allclose(model(ids), first)
+
+
+def test_export_refuses_hash_routing() -> None:
+    """No adapter writes the table: exporting as DeepSeek-V3 (MoE with dense first blocks) names it."""
+    from meshformer.checkpointing.hf import incompatibilities
+
+    assert "hash_routing=True (needs False)" in incompatibilities(ours(), "deepseek_v3")

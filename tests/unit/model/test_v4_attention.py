@@ -135,3 +135,9 @@ def test_padded_or_packed_rows_are_refused() -> None:
         mixer(x, None, padding=torch.tensor([[False] + [True] * 5, [True] * 6]))
     with pytest.raises(ConfigError, match="packed"):
         mixer(x, None, documents=torch.tensor([[0, 0, 0, 1, 1, 1]] * 2))
+
+
+def test_export_refuses_the_kinds() -> None:
+    from meshformer.checkpointing.hf import incompatibilities
+
+    assert "compressed_attention=True (needs False)" in incompatibilities(ours(), "deepseek_v3")
