@@ -181,7 +181,8 @@ class MoeConfig:
     shared_expert_gate: bool = False
     router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
     expert_bias_terms: bool = False  # biases on each expert's gate/up and down projections (gpt-oss)
-    router_score: Literal["softmax", "sigmoid"] = "softmax"  # router logits -> expert scores (sigmoid: DeepSeek-V3)
+    # router logits -> expert scores (sigmoid: DeepSeek-V3; sqrt_softplus: sqrt(softplus(logit)), DeepSeek-V4)
+    router_score: Literal["softmax", "sigmoid", "sqrt_softplus"] = "softmax"
     router_renormalize: bool = True  # the top-k weights sum to 1
     router_groups: int = 1  # group-limited routing (DeepSeek-V3): experts in this many groups ...
     router_groups_per_token: int = 1  # ... of which each token picks its best this many first

@@ -59,7 +59,10 @@ def route(logits: torch.Tensor, k: int, *, score: str = "softmax", renormalize: 
     a group scored by the sum of its best two experts (DeepSeek-V3; `group_score` "max": by its best one, DeepSeek-V2),
     then picks its k among those. `scale` multiplies
     the combine weights last (DeepSeek-V3's routed_scaling_factor)."""
-    scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
+    if score == "softmax":
+        scores = logits.softmax(-1)
+    else:
+        scores = F.softplus(logits).sqrt() if score == "sqrt_softplus" else logits.sigmoid()
     choice = scores.detach() if bias is None else scores.detach() + bias
     if groups > 1:
         n, e = choice.shape

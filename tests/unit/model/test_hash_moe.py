@@ -84,3 +84,26 @@ def test_export_refuses_hash_routing() -> None:
     from meshformer.checkpointing.hf import incompatibilities
 
     assert "hash_routing=True (needs False)" in incompatibilities(ours(), "deepseek_v3")
+
+
+@torch.no_grad()
+def test_sqrt_softplus_routing_equals_transformers_learned_router() -> None:
+    """V4's other MoE blocks: top-k of the sqrt-softplus scores plus the selection bias, weighted by the scores
+    alone, normalised and scaled."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
+
+    from meshformer.model.moe import route
+
+    torch.manual_seed(3)
+    hf = DeepseekV4Config(hidden_size=D, vocab_size=VOCAB, n_routed_experts=EXPERTS, num_experts_per_tok=K,
+                          routed_scaling_factor=SCALE, num_hidden_layers=1)
+    theirs = DeepseekV4TopKRouter(hf)
+    theirs.weight.normal_(std=0.5), theirs.e_score_correction_bias.normal_(std=0.3)
+    x = torch.randn(20, D)
+    _, expected_weights, expected_experts = theirs(x)
+    routing = route(F.linear(x, theirs.weight), K, score="sqrt_softplus", bias=theirs.e_score_correction_bias,
+                    scale=SCALE)
+    order, expected_order = routing.experts.argsort(-1), expected_experts.argsort(-1)
+    assert torch.equal(routing.experts.gather(1, order), expected_experts.gather(1, expected_order))
+    torch.testing.assert_close(routing.weights.gather(1, order), expected_weights.gather(1, expected_order),
+                               rtol=0, atol=1e-6)
