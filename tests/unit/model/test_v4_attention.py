@@ -141,3 +141,17 @@ def test_export_refuses_the_kinds() -> None:
     from meshformer.checkpointing.hf import incompatibilities
 
     assert "compressed_attention=True (needs False)" in incompatibilities(ours(), "deepseek_v3")
+
+
+def test_gradients_reach_every_parameter_but_the_indexers() -> None:
+    """The indexer only selects (top-k): without its own objective, which is not built, it gets no gradient."""
+    from meshformer.model import Transformer
+
+    torch.manual_seed(4)
+    model = Transformer(ours(), init_seed=5)
+    model(torch.randint(0, 50, (2, 13))).square().mean().backward()
+    for name, p in model.named_parameters():
+        if ".indexer." in name:
+            assert p.grad is None or not p.grad.any(), name
+        else:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
