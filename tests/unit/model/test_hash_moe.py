@@ -69,7 +69,10 @@ def test_the_block_hands_the_ids_to_the_mixer() -> None:
     from meshformer.model import Transformer
 
     torch.manual_seed(1)
+    from meshformer.model.flops import count_params
+
     model = Transformer(ours(), init_seed=2).eval()
+    assert count_params(ours())["total"] == sum(p.numel() for p in model.parameters())  # the table is a buffer
     moe = model.decoder_layers["0"].ffn
     ids = torch.randint(0, VOCAB, (2, 5))
     moe.experts_of_token.copy_(table())

@@ -63,10 +63,12 @@ def test_each_kind_in_a_model_equals_transformers_and_counts_its_parameters() ->
     """Seventeen tokens: window 3, four finished windows of 4, the indexer keeping 2 of them."""
     from meshformer.model import Transformer
     from meshformer.model.components import TOKEN_MIXERS
+    from meshformer.model.flops import count_params
 
     torch.manual_seed(0)
     cfg = ours()
     model = Transformer(cfg, init_seed=1)
+    assert count_params(cfg)["total"] == sum(p.numel() for p in model.parameters())  # `meshformer params`
     x, positions = torch.randn(2, 17, D), torch.arange(17)
     for index, kind in enumerate(cfg.layer_types):
         mixer = model.decoder_layers[str(index)].attn
