@@ -40,7 +40,7 @@ COMMON: dict[str, Any] = {
     "expert_bias_terms": False, "attention_sinks": False, "mla": False, "router_scale": 1.0, "linear_attention": False,
     "kda": False, "dsa": False, "attention_output_gate": False, "rope_partial_factor": 1.0, "shared_expert_gate": False,
     "mla_query_scale": False, "norm_by_kind": (), "linear_allow_neg_eigval": False,
-    "linear_norm_eps": "model.norm.eps"}
+    "linear_norm_eps": "model.norm.eps", "hash_routing": False, "compressed_attention": False}
 
 
 def _full_attention_every(cfg: ModelConfig) -> int | str | None:
@@ -74,6 +74,8 @@ def features(cfg: ModelConfig) -> dict[str, Any]:
         "router_scale": cfg.moe.router_scale if moe else 1.0,
         "linear_attention": "linear_attention" in cfg.layer_types, "kda": "kda" in cfg.layer_types,
         "dsa": "dsa" in cfg.layer_types,
+        "hash_routing": "hash_moe" in cfg.mlp_types,
+        "compressed_attention": bool({"sliding_mqa", "hca", "csa"} & set(cfg.layer_types)),
         "attention_output_gate": cfg.attention.output_gate, "rope_partial_factor": cfg.rope.partial_factor,
         "shared_expert_gate": cfg.moe.shared_expert_gate and moe and cfg.moe.n_shared_experts > 0,
         "moe_blocks": "every block" if not moe or all(cfg.is_moe(i) for i in range(cfg.n_layers)) else "some",

@@ -12,18 +12,22 @@
   queries through a normed low-rank latent and an unweighted per-head RMSNorm, rotary on each head's trailing slice,
   a sliding window over the tokens plus, in HCA blocks, every compressed entry a query may see; a learned sink logit
   per head; the output's rotary slice turned back by its query's angle, then the grouped output projection.
-  These are the training (whole-sequence) paths; the incremental generation caches are not here.
+  `V4Attention` is the block-facing module of the token-mixer kinds "sliding_mqa", "hca" and "csa"
+  (model/components/v4_attention.py).
 - `HashRouter`: the first blocks' MoE routing: each token's experts are a fixed table's row for its token id; the
   learned gate only weighs them.
-
-They are not yet assembled into a token-mixer kind or an architecture folder.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from meshformer.errors import ConfigError
 
 
 class GroupedOutputProjection(nn.Module):
@@ -181,6 +185,42 @@ class CompressedAttention(nn.Module):
         return self.output(out.flatten(-2))
 
 
+@dataclass
+class InputsCache:
+    """A V4 block's generation state: its normalised inputs so far (B, T, D); each step recomputes the branches over
+    them, so a step's outputs equal the whole sequence's."""
+
+    inputs: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.inputs is None else self.inputs.shape[1]
+
+
+class V4Attention(CompressedAttention):
+    """`CompressedAttention` called as a block's token mixer (`module(x, mask, rope=..., cache=..., ...)`): it
+    rotates with its own tables from the tokens' positions (0, 1, ... of each unpadded, unpacked sequence)."""
+
+    def forward(self, x: torch.Tensor, mask: Any = None, *, rope: Any = None, bias: Any = None,  # type: ignore[override]
+                cache: InputsCache | None = None, chunk: Any = None, padding: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        if padding is not None and not bool(padding.all()):
+            raise ConfigError("DeepSeek-V4 attention blocks read every row from position 0, but this batch is "
+                              "padded", "pass sequences of one length (no padding)")
+        if documents is not None and bool((documents != documents[:, :1]).any()):
+            raise ConfigError("DeepSeek-V4 attention blocks read one document per row, but this batch is packed",
+                              "set data.packing off (one document per row)")
+        if chunk is not None:
+            raise ConfigError("DeepSeek-V4 attention blocks do not run under context parallel",
+                              "use parallel.cp=1")
+        if cache is None:
+            return super().forward(x, torch.arange(x.shape[1], device=x.device))
+        whole = x if cache.inputs is None else torch.cat([cache.inputs, x], dim=1)
+        cache.inputs = whole
+        out = super().forward(whole, torch.arange(whole.shape[1], device=x.device))
+        return out[:, -x.shape[1]:]
+
+
 def sqrt_softplus(x: torch.Tensor) -> torch.Tensor:
     return F.softplus(x).sqrt()
 
@@ -204,5 +244,5 @@ class HashRouter(nn.Module):
         return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scale, indices
 
 
-__all__ = ["CompressedAttention", "Compressor", "GroupedOutputProjection", "HashRouter", "Indexer", "rotary_tables",
-           "rotate_tail"]
+__all__ = ["CompressedAttention", "Compressor", "GroupedOutputProjection", "HashRouter", "Indexer", "InputsCache",
+           "V4Attention", "rotary_tables", "rotate_tail"]

@@ -95,6 +95,28 @@ class DsaConfig:
 
 
 @dataclass
+class CompressedAttentionConfig:
+    """The `[model.compressed_attention]` table: DeepSeek-V4's attention (model/compressed_attention.py) of the
+    "sliding_mqa", "hca" and "csa" blocks: one shared key/value head over a sliding window, plus compressed entries
+    (hca: every finished window of `compress_rate` tokens; csa: the indexer's top `index_topk` of the overlapping
+    windows). Heads and their width come from [model.attention]; the blocks rotate their own queries and keys, so
+    model.position is "none"."""
+
+    q_rank: int = 64  # width of the normed query latent (DeepSeek-V4-Flash: 1024)
+    rope_dim: int = 16  # each head's trailing channels rotary turns (64)
+    window: int = 128  # tokens the sliding branch reads, the query's own included (128)
+    o_groups: int = 2  # groups of heads the output projection reads separately (8)
+    o_rank: int = 64  # width each group is projected to before the final projection (1024)
+    rope_theta: float = 10000.0  # rotary base of the sliding-only blocks
+    compress_theta: float = 160000.0  # rotary base of the compressed blocks and their compressors
+    hca_rate: int = 128  # tokens per heavily compressed entry (hca blocks)
+    csa_rate: int = 4  # tokens per compressed sparse entry (csa blocks; each reads 2 x rate tokens)
+    index_heads: int = 4  # csa indexer query heads (64)
+    index_dim: int = 32  # width of each indexer head and key (128)
+    index_topk: int = 64  # compressed entries each csa query keeps (512)
+
+
+@dataclass
 class FfnConfig:
     """The `[model.ffn]` table: the dense feed-forward (channel mixer) of the "dense" blocks."""
 
@@ -163,7 +185,8 @@ class MoeConfig:
     shared_expert_gate: bool = False
     router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
     expert_bias_terms: bool = False  # biases on each expert's gate/up and down projections (gpt-oss)
-    router_score: Literal["softmax", "sigmoid"] = "softmax"  # router logits -> expert scores (sigmoid: DeepSeek-V3)
+    # router logits -> expert scores (sigmoid: DeepSeek-V3; sqrt_softplus: sqrt(softplus(logit)), DeepSeek-V4)
+    router_score: Literal["softmax", "sigmoid", "sqrt_softplus"] = "softmax"
     router_renormalize: bool = True  # the top-k weights sum to 1
     router_groups: int = 1  # group-limited routing (DeepSeek-V3): experts in this many groups ...
     router_groups_per_token: int = 1  # ... of which each token picks its best this many first
@@ -283,17 +306,21 @@ class ModelConfig:
     # Token mixer of each block of a stack: "full_attention" | "sliding_attention" (attention.window, rope.local_theta)
     # | "linear_attention" (Gated DeltaNet: [model.linear_attention]) | "kda" (Kimi Delta Attention, the same
     # table) | "mamba2" (Mamba-2's state-space scan, [model.mamba]) | "mla" (multi-head latent attention,
-    # [model.mla]) | "dsa" (MLA with DeepSeek's sparse attention: [model.mla], [model.dsa]) | "none" (no token mixer:
-    # the block is its channel mixer alone, Nemotron-H's MLP layers), one per block or a
-    # shorter pattern repeated over the stack (Gemma 3: 5 sliding, then 1 full); []: all full
+    # [model.mla]) | "dsa" (MLA with DeepSeek's sparse attention: [model.mla], [model.dsa]) | "sliding_mqa", "hca",
+    # "csa" (DeepSeek-V4's sliding, heavily compressed, compressed sparse: [model.compressed_attention]) | "none" (no
+    # token mixer: the block is its channel mixer alone, Nemotron-H's MLP layers), one per block or a shorter pattern
+    # repeated over the stack (Gemma 3: 5 sliding, then 1 full); []: all full
     layer_types: list[str] = field(default_factory=list)
-    # Channel mixer of each block of a stack: "dense" (ffn) | "moe" (moe) | "none" (the block is its token mixer
-    # alone), one per block or a repeated pattern;
+    # Channel mixer of each block of a stack: "dense" (ffn) | "moe" (moe) | "hash_moe" (moe's experts, each token's
+    # chosen by its id from a fixed table: DeepSeek-V4's first blocks) | "none" (the block is its token mixer alone),
+    # one per block or a repeated pattern;
     # []: every block "moe" when moe.n_experts > 0, else "dense"
     mlp_types: list[str] = field(default_factory=list)
     attention: AttentionConfig = field(default_factory=AttentionConfig)  # [model.attention]
     mla: MlaConfig = field(default_factory=MlaConfig)  # [model.mla]
     dsa: DsaConfig = field(default_factory=DsaConfig)  # [model.dsa]
+    compressed_attention: CompressedAttentionConfig = field(
+        default_factory=CompressedAttentionConfig)  # [model.compressed_attention]
     ffn: FfnConfig = field(default_factory=FfnConfig)  # [model.ffn]
     rope: RopeConfig = field(default_factory=RopeConfig)  # [model.rope]
     norm: NormConfig = field(default_factory=NormConfig)  # [model.norm]

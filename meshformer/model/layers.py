@@ -112,6 +112,7 @@ class TransformerBlock(nn.Module):
         self.cross_residual = residual.branch(cfg, position) if cross else None
         self.ffn_norm = None if ffn.empty else make_norm(cfg)
         self.ffn = None if ffn.empty else ffn.build(cfg)
+        self.ffn_reads_ids = ffn.reads_token_ids
         self.ffn_out_norm = make_norm(cfg) if sandwich and not ffn.empty else None
         self.ffn_residual = None if ffn.empty else residual.branch(cfg, position)
 
@@ -135,11 +136,13 @@ class TransformerBlock(nn.Module):
         padding: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
         query_scale: torch.Tensor | None = None,
+        token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """chunk: under context parallel, the pieces of the sequence `x` holds (self-attention gathers the rest).
         padding, documents (B, T): x's tokens' padding and packed documents, for a token mixer whose kind reads them
         (`reads_padding_and_documents`; attention reads `mask`). query_scale: the queries' per-position multiplier
-        (model.mla.query_scale_beta), passed only where set."""
+        (model.mla.query_scale_beta), passed only where set. token_ids (B, T): x's tokens, for a channel mixer whose
+        kind reads them (`reads_token_ids`)."""
         tokens = {"padding": padding, "documents": documents} if self.attn_reads_padding else {}
         if query_scale is not None:
             tokens["query_scale"] = query_scale
@@ -151,4 +154,5 @@ class TransformerBlock(nn.Module):
                                     memory=memory, cache=cache.cross_attn if cache else None)
         if self.ffn is None or self.ffn_norm is None or self.ffn_residual is None:
             return x
-        return self.ffn_residual(x, self.ffn_norm, self.ffn_out_norm, self.ffn)
+        ids = {"token_ids": token_ids} if self.ffn_reads_ids else {}
+        return self.ffn_residual(x, self.ffn_norm, self.ffn_out_norm, self.ffn, **ids)

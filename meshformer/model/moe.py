@@ -59,7 +59,10 @@ def route(logits: torch.Tensor, k: int, *, score: str = "softmax", renormalize: 
     a group scored by the sum of its best two experts (DeepSeek-V3; `group_score` "max": by its best one, DeepSeek-V2),
     then picks its k among those. `scale` multiplies
     the combine weights last (DeepSeek-V3's routed_scaling_factor)."""
-    scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
+    if score == "softmax":
+        scores = logits.softmax(-1)
+    else:
+        scores = F.softplus(logits).sqrt() if score == "sqrt_softplus" else logits.sigmoid()
     choice = scores.detach() if bias is None else scores.detach() + bias
     if groups > 1:
         n, e = choice.shape
@@ -394,16 +397,22 @@ class MoEFeedForward(nn.Module):
         return MoEStats(tokens_per_expert=counts, aux_loss=latest[-1], z_loss=latest[2 * e] * k * per_slot,
                         dropped_fraction=(slots - latest[2 * e + 1]) * per_slot)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _route(self, flat: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, Routing]:
+        """The router's fp32 logits (N, E) and each token's experts and weights."""
+        cfg = self.cfg
+        logits = self.router(flat)
+        return logits, route(logits, cfg.moe.experts_per_token, score=cfg.moe.router_score,
+                             renormalize=cfg.moe.router_renormalize, groups=cfg.moe.router_groups,
+                             groups_per_token=cfg.moe.router_groups_per_token, group_score=cfg.moe.router_group_score,
+                             bias=self.router.expert_bias, scale=cfg.moe.router_scale)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """token_ids (B, T): x's tokens, for a router that reads them (`HashRoutedMoE`)."""
         cfg = self.cfg
         k, n_experts = cfg.moe.experts_per_token, cfg.moe.n_experts
         flat = x.reshape(-1, x.shape[-1])
         n = flat.shape[0]
-        logits = self.router(flat)
-        routing = route(logits, k, score=cfg.moe.router_score, renormalize=cfg.moe.router_renormalize,
-                        groups=cfg.moe.router_groups, groups_per_token=cfg.moe.router_groups_per_token,
-                        group_score=cfg.moe.router_group_score, bias=self.router.expert_bias,
-                        scale=cfg.moe.router_scale)
+        logits, routing = self._route(flat, token_ids)
         slots = routing.experts.reshape(-1)  # token-slot s = token * k + j
         order = torch.argsort(slots, stable=True)  # by expert, then by token
         routed = slots.new_zeros(n_experts).scatter_add_(0, slots, torch.ones_like(slots))  # bincount: a host sync
@@ -492,6 +501,31 @@ class MoEFeedForward(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------- balancing
+
+
+class HashRoutedMoE(MoEFeedForward):
+    """DeepSeek-V4's first MoE blocks: each token's experts are its token id's row of a fixed table (a buffer saved
+    with the model, as `HashRouter` in model/compressed_attention.py); the router's sqrt-softplus scores of those
+    experts, normalised to sum 1 and times moe.router_scale, weigh them."""
+
+    experts_of_token: torch.Tensor
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.register_buffer("experts_of_token", torch.zeros(cfg.vocab_size, cfg.moe.experts_per_token,
+                                                             dtype=torch.long))
+
+    def _route(self, flat: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, Routing]:
+        from meshformer.model.compressed_attention import sqrt_softplus
+
+        if token_ids is None or token_ids.numel() != flat.shape[0]:
+            raise ValueError("hash-routed MoE blocks need each of their tokens' ids (token_ids, one per row of x)")
+        logits = self.router(flat)
+        scores = sqrt_softplus(logits)
+        experts = self.experts_of_token[token_ids.reshape(-1)]
+        weights = scores.gather(1, experts)
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.cfg.moe.router_scale
+        return logits, Routing(experts, weights, scores)
 
 
 def _in_recomputation() -> bool:

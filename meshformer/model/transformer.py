@@ -390,7 +390,7 @@ class Transformer(nn.Module):
         for i, (key, layer) in enumerate(self.decoder_layers.items()):
             mask, kwargs = self._block_inputs(int(key), masks, extra)
             h = layer(h, mask, memory=memory, memory_mask=memory_mask, cache=cache[i] if cache else None,
-                      chunk=self.parallel_context.chunk, **kwargs)
+                      chunk=self.parallel_context.chunk, token_ids=ids, **kwargs)
         if self.decoder_merge is not None:
             h = self.decoder_merge(h)
         if self.decoder_norm is not None and final_norm:

@@ -202,6 +202,8 @@ class ChannelMixer(_Component):
 
     section = "ffn"
     expert_parallel: ClassVar[bool] = False  # holds experts that parallel.ep splits (model/moe.py's Experts)
+    # its module also takes `token_ids=`: the (B, T) ids of the tokens it transforms (hash routing)
+    reads_token_ids: ClassVar[bool] = False
 
     def build(self, cfg: ModelConfig) -> nn.Module:
         """The module, called by the block as `module(x)` on the normalised (B, T, D) input."""

@@ -1,0 +1,179 @@
+"""DeepSeek-V4's attention (`model/compressed_attention.py`) as three token-mixer kinds reading
+`[model.compressed_attention]` and `[model.attention]` (heads, head_dim): "sliding_mqa" (a sliding window only),
+"hca" (plus every finished window of `hca_rate` tokens compressed to one entry) and "csa" (plus the lightning
+indexer's top `index_topk` entries of overlapping `csa_rate` windows). One key/value head shared by every head,
+a learned sink logit per head, a grouped output projection.
+
+The blocks rotate their own queries and keys (model.position = "none") from each row's positions 0, 1, ...: no
+padding, packing, context or tensor parallel. The generation cache keeps the block's inputs and recomputes over them.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from torch import nn
+
+from meshformer.errors import ConfigError
+from meshformer.model.components import register
+from meshformer.model.components.base import (
+    FP32,
+    ActivationLayout,
+    GenerationCache,
+    InitFn,
+    TokenMixer,
+    output_projection_bytes,
+)
+from meshformer.model.config import ModelConfig
+
+
+class V4AttentionKind(TokenMixer):
+    """One of V4's three attention layer types; `rate` and `indexed` say which."""
+
+    name = "sliding_mqa"
+    section = "compressed_attention"
+    blockwise_kernel = False
+    qk_clip = False
+    reads_padding_and_documents: ClassVar[bool] = True  # to refuse padded or packed rows
+
+    def _rate(self, cfg: ModelConfig) -> int | None:
+        return None
+
+    def _indexed(self) -> bool:
+        return False
+
+    def build(self, cfg: ModelConfig, *, causal: bool) -> nn.Module:
+        from meshformer.model.compressed_attention import V4Attention
+
+        c = cfg.compressed_attention
+        rate = self._rate(cfg)
+        index = (c.index_heads, c.index_dim, c.index_topk) if self._indexed() else None
+        return V4Attention(cfg.d_model, cfg.attention.n_heads, cfg.attention_head_dim, c.q_rank, c.rope_dim,
+                           c.window, c.o_groups, c.o_rank, cfg.norm.eps, c.rope_theta, c.compress_theta,
+                           compress_rate=rate, index=index)
+
+    def check(self, cfg: ModelConfig) -> None:
+        c, hd, heads = cfg.compressed_attention, cfg.attention_head_dim, cfg.attention.n_heads
+        if cfg.position != "none":
+            raise ConfigError(f"{self.name} blocks rotate their own queries and keys, but model.position="
+                              f"{cfg.position!r}", 'set model.position = "none"')
+        if cfg.norm.kind != "rmsnorm":
+            raise ConfigError(f"{self.name} blocks norm with RMSNorm, but model.norm.kind={cfg.norm.kind!r}",
+                              'set model.norm.kind = "rmsnorm"')
+        sizes = {"q_rank": c.q_rank, "rope_dim": c.rope_dim, "window": c.window, "o_groups": c.o_groups,
+                 "o_rank": c.o_rank, "hca_rate": c.hca_rate, "csa_rate": c.csa_rate, "index_heads": c.index_heads,
+                 "index_dim": c.index_dim, "index_topk": c.index_topk}
+        if bad := [k for k, v in sizes.items() if v <= 0]:
+            raise ConfigError(f"model.compressed_attention.{bad[0]}={sizes[bad[0]]} must be positive",
+                              "DeepSeek-V4-Flash: q_rank=1024, rope_dim=64, window=128, o_groups=8, o_rank=1024")
+        if c.rope_dim % 2 or c.rope_dim > min(hd, c.index_dim):
+            raise ConfigError(f"model.compressed_attention.rope_dim={c.rope_dim} must be even and at most the head "
+                              f"width {hd} and index_dim {c.index_dim}", "use e.g. rope_dim = 64")
+        if (heads * hd) % c.o_groups:
+            raise ConfigError(f"model.compressed_attention.o_groups={c.o_groups} does not divide the heads' width "
+                              f"{heads * hd}", "use a divisor of model.attention.n_heads")
+
+    def context_parallel(self, cfg: ModelConfig) -> str | None:
+        return "DeepSeek-V4 attention compresses windows of the whole sequence on one rank"
+
+    def tensor_parallel(self, cfg: ModelConfig) -> str | None:
+        return "DeepSeek-V4 attention's one shared key/value head and grouped output projection are not split"
+
+    def init_rule(self, cfg: ModelConfig, name: str) -> InitFn | None:
+        if name == "sinks" or name.endswith("position_bias"):  # as transformers: no sink share, even gates at first
+            return lambda t, g: t.zero_()
+        return None
+
+    def new_cache(self) -> GenerationCache | None:
+        from meshformer.model.compressed_attention import InputsCache
+
+        return InputsCache()
+
+    def cache_per_token(self, cfg: ModelConfig) -> int:
+        return cfg.d_model  # the block's normalised input
+
+    def _widths(self, cfg: ModelConfig) -> tuple[int, int, int]:
+        return cfg.attention.n_heads, cfg.attention_head_dim, cfg.d_model
+
+    def _matmuls(self, cfg: ModelConfig) -> tuple[int, int]:
+        """Matmul weights read per query (queries, key/value, output, and any compressor and indexer projections)
+        and the indexer's own per-query ones."""
+        c = cfg.compressed_attention
+        heads, hd, d = self._widths(cfg)
+        main = d * c.q_rank + c.q_rank * heads * hd + d * hd + c.o_rank * heads * hd + c.o_groups * c.o_rank * d
+        rate = self._rate(cfg)
+        if rate is not None:
+            main += 2 * d * (2 * hd if self._indexed() else hd)
+        if self._indexed():
+            main += 2 * d * 2 * c.index_dim + c.q_rank * c.index_heads * c.index_dim + d * c.index_heads
+        return main, 0
+
+    def params(self, cfg: ModelConfig) -> int:
+        """The matmul weights, the query latent's and key's norms, a sink per head; a compressor's per-slot gate
+        bias and norm; an indexer's too."""
+        c = cfg.compressed_attention
+        heads, hd, _ = self._widths(cfg)
+        total = self._matmuls(cfg)[0] + c.q_rank + hd + heads
+        rate = self._rate(cfg)
+        if rate is not None:
+            total += rate * (2 * hd if self._indexed() else hd) + hd
+        if self._indexed() and rate is not None:
+            total += rate * 2 * c.index_dim + c.index_dim
+        return total
+
+    def _entries(self, cfg: ModelConfig, keys: int) -> int:
+        """Keys a query reads at most: its window and, where compressed, the entries it may see or keep."""
+        c, rate = cfg.compressed_attention, self._rate(cfg)
+        seen = 0 if rate is None else keys // rate
+        return min(c.window, keys) + (min(seen, c.index_topk) if self._indexed() else seen)
+
+    def flops(self, cfg: ModelConfig, queries: int, keys: int, *, causal: bool) -> int:
+        """Projections per token, scores and weighted values over each query's keys (computed densely over the
+        window and entries: an upper bound), and the indexer's scores against every entry."""
+        c = cfg.compressed_attention
+        heads, hd, _ = self._widths(cfg)
+        total = 2 * queries * self._matmuls(cfg)[0] + 4 * queries * heads * hd * self._entries(cfg, keys)
+        if self._indexed():
+            total += 2 * queries * (keys // c.csa_rate) * c.index_heads * (c.index_dim + 1)
+        return total
+
+    def saved_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
+        """An estimate: per token its latent, queries, key and output (heads x head_dim each), and the probabilities
+        over the (whole-sequence, masked) score matrix in float32."""
+        heads, hd, d = self._widths(cfg)
+        c, seq = cfg.compressed_attention, x.seq
+        keys = seq + (seq // self._rate(cfg) if self._rate(cfg) is not None else 0)  # type: ignore[operator]
+        per_token = (c.q_rank + 3 * heads * hd + 2 * hd + d) * x.bytes
+        return x.batch * (seq * per_token + 2 * heads * seq * keys * FP32)
+
+    def selective_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
+        heads, hd, _ = self._widths(cfg)
+        c = cfg.compressed_attention
+        return x.batch * x.seq * (c.q_rank + heads * hd + hd) * x.bytes + output_projection_bytes(cfg, x)
+
+    def backward_bytes(self, cfg: ModelConfig, x: ActivationLayout, freed: float) -> float:
+        """An estimate: the gradient of the float32 score matrix."""
+        heads, seq = cfg.attention.n_heads, x.seq
+        return x.batch * heads * seq * 2 * seq * FP32
+
+
+class HeavilyCompressedKind(V4AttentionKind):
+    name = "hca"
+
+    def _rate(self, cfg: ModelConfig) -> int | None:
+        return cfg.compressed_attention.hca_rate
+
+
+class CompressedSparseKind(V4AttentionKind):
+    name = "csa"
+
+    def _rate(self, cfg: ModelConfig) -> int | None:
+        return cfg.compressed_attention.csa_rate
+
+    def _indexed(self) -> bool:
+        return True
+
+
+register(V4AttentionKind())
+register(HeavilyCompressedKind())
+register(CompressedSparseKind())

@@ -1,0 +1,159 @@
+"""DeepSeek-V4's attention kinds "sliding_mqa", "hca" and "csa" (model/components/v4_attention.py) inside a model:
+each block's mixer against transformers 5.24's DeepseekV4Attention of its layer type with copied weights, over a
+sequence longer than the window, the compression windows and the indexer's top-k; decoding through the cache equal
+to the whole sequence; parameter counts; refusals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import DeepseekV4Config
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention, DeepseekV4RotaryEmbedding
+
+from meshformer.config.migrate import model_from_flat
+from meshformer.errors import ConfigError
+from meshformer.model.compressed_attention import InputsCache, V4Attention
+from meshformer.model.config import CompressedAttentionConfig, ModelConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+D, HEADS, HEAD_DIM, ROPE, WINDOW, RATE = 32, 4, 16, 4, 3, 4
+HF_TYPES = {"sliding_mqa": "sliding_attention", "hca": "heavily_compressed_attention",
+            "csa": "compressed_sparse_attention"}
+
+
+def hf_config(layer_type: str) -> DeepseekV4Config:
+    cfg = DeepseekV4Config(hidden_size=D, num_attention_heads=HEADS, head_dim=HEAD_DIM,
+                           partial_rotary_factor=ROPE / HEAD_DIM, q_lora_rank=16, o_groups=2, o_lora_rank=8,
+                           num_hidden_layers=1, vocab_size=64, rms_norm_eps=1e-6, index_n_heads=2, index_head_dim=8,
+                           index_topk=2, sliding_window=WINDOW, layer_types=[layer_type],
+                           compress_rates={"compressed_sparse_attention": RATE, "heavily_compressed_attention": RATE})
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def ours(**extra: Any) -> ModelConfig:
+    hf = hf_config("sliding_attention")
+    table = CompressedAttentionConfig(q_rank=16, rope_dim=ROPE, window=WINDOW, o_groups=2, o_rank=8,
+                                      rope_theta=hf.rope_theta, compress_theta=hf.compress_rope_theta,
+                                      hca_rate=RATE, csa_rate=RATE, index_heads=2, index_dim=8, index_topk=2)
+    fields: dict[str, Any] = dict(vocab_size=50, d_model=D, n_layers=3, n_heads=HEADS, head_dim=HEAD_DIM,
+                                  norm="rmsnorm", norm_eps=1e-6, bias=False, position="none", d_ff=48,
+                                  activation="swiglu", layer_types=["sliding_mqa", "hca", "csa"])
+    fields.update(extra)
+    cfg = model_from_flat(**fields)
+    cfg.compressed_attention = table
+    return cfg
+
+
+def their_names(name: str) -> str:
+    """Our V4Attention's parameter name -> transformers'."""
+    name = {"output.o_a_proj": "o_a_proj.weight", "output.o_b_proj.weight": "o_b_proj.weight"}.get(name, name)
+    if name.startswith("indexer."):
+        tail = name.removeprefix("indexer.")
+        inner = "scorer." if tail.startswith("weights_proj") else ""
+        return f"compressor.indexer.{inner}{tail}"
+    return name
+
+
+@torch.no_grad()
+def test_each_kind_in_a_model_equals_transformers_and_counts_its_parameters() -> None:
+    """Seventeen tokens: window 3, four finished windows of 4, the indexer keeping 2 of them."""
+    from meshformer.model import Transformer
+    from meshformer.model.components import TOKEN_MIXERS
+    from meshformer.model.flops import count_params
+
+    torch.manual_seed(0)
+    cfg = ours()
+    model = Transformer(cfg, init_seed=1)
+    assert count_params(cfg)["total"] == sum(p.numel() for p in model.parameters())  # `meshformer params`
+    x, positions = torch.randn(2, 17, D), torch.arange(17)
+    for index, kind in enumerate(cfg.layer_types):
+        mixer = model.decoder_layers[str(index)].attn
+        assert isinstance(mixer, V4Attention)
+        assert sum(p.numel() for p in mixer.parameters()) == TOKEN_MIXERS[kind].params(cfg), kind
+        assert not mixer.sinks.any()  # transformers' initialisation: no sink share at first
+        for p in mixer.parameters():
+            p.normal_(std=0.3)
+        hf = hf_config(HF_TYPES[kind])
+        theirs = DeepseekV4Attention(hf, 0).eval()
+        loaded = theirs.load_state_dict({their_names(k): v for k, v in mixer.state_dict().items()}, strict=False)
+        assert not loaded.unexpected_keys and all("rotary" in k for k in loaded.missing_keys), kind
+        distance = positions[:, None] - positions[None, :]
+        mask = torch.zeros(17, 17).masked_fill((distance < 0) | (distance >= WINDOW), float("-inf"))
+        rotary = DeepseekV4RotaryEmbedding(hf)
+        tables = {t: rotary(x, position_ids=positions[None], layer_type=t) for t in ("main", "compress")}
+        expected, _ = theirs(x, tables, positions[None].expand(2, -1), mask.expand(2, 1, -1, -1))
+        torch.testing.assert_close(mixer(x, None), expected, rtol=0, atol=1e-5, msg=kind)
+
+
+@torch.no_grad()
+def test_decoding_through_the_cache_equals_the_whole_sequence() -> None:
+    """The mixer prefilled then stepped equals its whole-sequence output; the model's cached greedy decoding equals
+    its uncached one."""
+    from meshformer.model import Transformer
+    from meshformer.model.generate import greedy_decode
+
+    torch.manual_seed(2)
+    model = Transformer(ours(), init_seed=3).eval()
+    for p in model.parameters():
+        p.add_(torch.randn_like(p) * 0.1)
+    mixer = model.decoder_layers["2"].attn
+    x = torch.randn(2, 15, D)
+    cache = InputsCache()
+    steps = [mixer(x[:, :5], None, cache=cache)] + [mixer(x[:, t:t + 1], None, cache=cache) for t in range(5, 15)]
+    assert cache.length == 15
+    torch.testing.assert_close(torch.cat(steps, 1), mixer(x, None), rtol=0, atol=1e-6)
+    prompt = torch.randint(0, 50, (2, 6))
+    cached = greedy_decode(model, prompt, 12)
+    assert torch.equal(cached, greedy_decode(model, prompt, 12, use_cache=False))
+    assert cached.shape == (2, 18)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"position": "rope"}, "rotate their own queries"),
+    ({"norm": "layernorm"}, "norm with RMSNorm"),
+])
+def test_config_refusals(extra: dict[str, Any], message: str) -> None:
+    from meshformer.config.validate import validate_model
+
+    with pytest.raises(ConfigError, match=message):
+        validate_model(ours(**extra), "test")
+    bad = ours()
+    bad.compressed_attention.o_groups = 3
+    with pytest.raises(ConfigError, match="o_groups=3 does not divide"):
+        validate_model(bad, "test")
+
+
+@torch.no_grad()
+def test_padded_or_packed_rows_are_refused() -> None:
+    from meshformer.model import Transformer
+
+    mixer = Transformer(ours(), init_seed=0).decoder_layers["1"].attn
+    x = torch.randn(2, 6, D)
+    with pytest.raises(ConfigError, match="padded"):
+        mixer(x, None, padding=torch.tensor([[False] + [True] * 5, [True] * 6]))
+    with pytest.raises(ConfigError, match="packed"):
+        mixer(x, None, documents=torch.tensor([[0, 0, 0, 1, 1, 1]] * 2))
+
+
+def test_export_refuses_the_kinds() -> None:
+    from meshformer.checkpointing.hf import incompatibilities
+
+    assert "compressed_attention=True (needs False)" in incompatibilities(ours(), "deepseek_v3")
+
+
+def test_gradients_reach_every_parameter_but_the_indexers() -> None:
+    """The indexer only selects (top-k): without its own objective, which is not built, it gets no gradient."""
+    from meshformer.model import Transformer
+
+    torch.manual_seed(4)
+    model = Transformer(ours(), init_seed=5)
+    model(torch.randint(0, 50, (2, 13))).square().mean().backward()
+    for name, p in model.named_parameters():
+        if ".indexer." in name:
+            assert p.grad is None or not p.grad.any(), name
+        else:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
