@@ -263,14 +263,22 @@ class ReplicaGroup:
     def members(self) -> tuple[int, ...]:
         """The replica groups in this step's quorum, by an all-reduce of one flag per group (a failed all-reduce:
         empty, and the step's commit vote fails)."""
+        return self.members_and_stop().replicas
+
+    def members_and_stop(self, stop: int = 0) -> StepSync:
+        """`members`, with the stop signals the groups agreed on (`stop`: this group's, 0 for none) in the same
+        all-reduce: its `stop` is one of them where any group agreed to stop."""
         from torch.distributed import ReduceOp
 
-        flags = torch.zeros(self.cfg.replica_groups, dtype=torch.float32, device=self.device)
+        groups = self.cfg.replica_groups
+        flags = torch.zeros(2 * groups, dtype=torch.float32, device=self.device)  # [one flag | one signal] per group
         flags[self.replica_id] = 1.0
+        flags[groups + self.replica_id] = float(stop)
         self.manager.allreduce(flags, reduce_op=ReduceOp.SUM).wait()
         if self.manager.errored() is not None:
-            return ()
-        return tuple(r for r, flag in enumerate(flags.tolist()) if round(flag) >= 1)
+            return StepSync((), 0.0)
+        values = flags.tolist()
+        return StepSync(tuple(r for r in range(groups) if round(values[r]) >= 1), 0.0, round(max(values[groups:])))
 
     def error(self) -> str:
         """The first line of the error that failed this step's all-reduce, or ""."""

