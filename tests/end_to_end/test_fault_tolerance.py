@@ -329,7 +329,7 @@ def test_the_lighthouse_restarted_the_groups_wait_with_a_line_and_go_on(tmp_path
 def test_a_stop_signal_during_a_heal_stops_every_group_at_one_step_and_the_run_resumes(tmp_path):
     """Group 1 killed; while it heals, SIGTERM to the launcher (to every rank). Both groups stop after the same
     step with a checkpoint; the same command again ends at train.steps, equal, with a complete record."""
-    steps, mark = 60, tmp_path / "healing"
+    steps, mark = 80, tmp_path / "healing"
     run_dir, proc, log = _launch(tmp_path, 2, steps, MF_TEST_HEAL_SLEEP_S="2", MF_TEST_HEAL_MARK=str(mark))
 
     def saved(r: int) -> list[str]:
@@ -349,7 +349,9 @@ def test_a_stop_signal_during_a_heal_stops_every_group_at_one_step_and_the_run_r
 
     again = tmp_path / "again"
     again.mkdir()
-    _, proc, log = _launch(again, 2, steps, f"logging.run_dir={run_dir}", step_sleep="0")
+    # min_replicas=2: the groups resume together (one alone would train on from the checkpoint by itself)
+    _, proc, log = _launch(again, 2, steps, f"logging.run_dir={run_dir}", "fault_tolerance.min_replicas=2",
+                           step_sleep="0")
     codes = finish([proc], 300)
     text = logs(log)
     assert codes == [0], text[-6000:]
