@@ -300,7 +300,10 @@ def test_the_lighthouse_restarted_the_groups_wait_with_a_line_and_go_on(tmp_path
     lighthouse_cmd = [sys.executable, "-m", "meshformer", "lighthouse", "--bind", f"127.0.0.1:{port}", "--set",
                       "fault_tolerance.heartbeat_timeout_s=1", "fault_tolerance.join_timeout_s=2"]
     lighthouses = [start(lighthouse_cmd, worker_env(), tmp_path / "lighthouse-0.log")]
+    # short timeouts: a group's first request to the new Lighthouse can stall until quorum_timeout_s, and a heal
+    # assigned in it can wait timeout_s for a peer that went on alone
     run_dir, proc, log = _launch(tmp_path, 2, steps, f"fault_tolerance.lighthouse=http://127.0.0.1:{port}",
+                                 "fault_tolerance.quorum_timeout_s=5", "fault_tolerance.timeout_s=10",
                                  step_sleep="0.3")
     try:
         wait_for(lambda: min(len(_records(run_dir, r)) for r in range(2)) >= 3, 240,
