@@ -194,7 +194,7 @@ class ReplicaTraining:
             if members.stop and stop is not None and step < trainer.cfg.train.steps:
                 # every group of the synchronisation stops here, with the weights it just agreed on
                 if stop.signum is None:  # another group's signal: this group stops as if it had received it
-                    stop.signum = members.stop
+                    stop.signum, stop._first_at = members.stop, time.monotonic()  # a signal now is the same one
                 stop.stopping = True
                 trainer.logger.info(f"fault tolerance: every replica group stops after step {step} "
                                     f"({signal_name(members.stop)} agreed in the synchronisation)")
@@ -228,7 +228,7 @@ class ReplicaTraining:
         if not self.last.stop:
             return False
         if stop.signum is None:  # another group's signal: this group stops and exits as if it had received it
-            stop.signum = self.last.stop
+            stop.signum, stop._first_at = self.last.stop, time.monotonic()  # a signal now is the same one
         stop.stopping = True
         self.trainer.logger.info(f"fault tolerance: every replica group stops after step {self.trainer.step} "
                                  f"({signal_name(self.last.stop)} agreed in its all-reduce)")
