@@ -65,6 +65,9 @@ class CheckpointManager:
         self._pending: Future | None = None
         self.last_saved_step: int | None = None
         self.failed_saves = 0  # asynchronous saves that failed (each reported at the next step)
+        # In a replica group (fault tolerance) a failed interval save is skipped with a line, as an asynchronous one
+        # is: the group's run goes on, and a peer group holds the same state. The label names the group.
+        self.skip_failed_saves: str = ""
         self.loaded_from: Path | None = None
         self.tokenizer: Tokenizer | None = None  # the run's, saved in every checkpoint (conversions carry it on)
 
@@ -86,7 +89,15 @@ class CheckpointManager:
         self._report_failed_save(block=False)
         step = run.state.step
         if step % self.cfg.interval == 0 and step < self.total_steps:
-            self.save(run)
+            if not self.skip_failed_saves:
+                self.save(run)
+                return
+            try:
+                self.save(run)
+            except CheckpointError as err:
+                self.failed_saves += 1
+                self.log(f"WARNING: {err} ({self.skip_failed_saves}: this save is skipped; training continues, the "
+                         "next save tries again)")
 
     def finish(self, run: Checkpointable, *, stopping: bool = False, save: bool = True) -> Path | None:
         """Final checkpoint (blocking, unless this step was just saved), then wait for anything in flight; returns

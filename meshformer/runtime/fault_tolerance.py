@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import socket
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -123,6 +124,7 @@ class ReplicaGroup:
         self.cfg, self.replica_id, self.device, self.log = cfg, replica_id, device, log
         self._load_state_dict = load_state_dict
         self.healed_s: float | None = None  # set by a heal during the last start_step
+        self._lighthouse = lighthouse_address(cfg)
         timeout = timedelta(seconds=cfg.timeout_s)
         if dist.is_initialized():  # the group's own store (torchrun's MASTER_ADDR/PORT) joins its ranks' managers
             store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -130,6 +132,7 @@ class ReplicaGroup:
         else:  # a group of one process: a store of its own
             self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
             store_addr, store_port, rank, world = "127.0.0.1", self._store.port, 0, 1
+        self._rank = rank
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
             pg=pg, load_state_dict=self._heal, state_dict=state_dict, min_replica_size=cfg.min_replicas,
@@ -144,6 +147,19 @@ class ReplicaGroup:
         start = time.perf_counter()
         self._load_state_dict(state)
         self.healed_s = time.perf_counter() - start
+
+    def lighthouse_lost(self) -> str:
+        """Why the Lighthouse cannot be reached (a fresh connection within fault_tolerance.timeout_s), or "".
+
+        The group's ManagerServer keeps its connection to the Lighthouse, and a Lighthouse that stops listening
+        can keep answering on it with the last quorum's members; a new connection is what tells it is gone."""
+        address = self._lighthouse.split("://", 1)[-1]
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=self.cfg.timeout_s).close()
+        except (OSError, ValueError) as err:
+            return f"the Lighthouse at {self._lighthouse} cannot be reached: {err}"
+        return ""
 
     def start_step(self) -> float:
         """Join this step's quorum (and heal from a live peer if behind); returns the seconds it took."""
@@ -170,11 +186,18 @@ class ReplicaGroup:
         failure: FaultToleranceError | None = None
         said = False
         while True:
-            try:
-                self.start_step()
-                failed = False
-            except FaultToleranceError as err:
-                failure, failed = err, True
+            lost = self.lighthouse_lost() if self._rank == 0 else ""
+            if any_rank(bool(lost)):  # the group's ranks skip the quorum together: it would only time out
+                failure, failed = FaultToleranceError(
+                    f"replica group {self.replica_id} got no quorum: {lost or 'its rank 0 lost the Lighthouse'}",
+                    "start the Lighthouse again at the same address"), True
+                time.sleep(min(1.0, wait_s / 10))  # a refused connection fails at once: ask again in a moment
+            else:
+                try:
+                    self.start_step()
+                    failed = False
+                except FaultToleranceError as err:
+                    failure, failed = err, True
             if not any_rank(failed):
                 if failure is not None:
                     self.log(f"fault tolerance: replica group {self.replica_id} has a quorum again after "
@@ -240,14 +263,22 @@ class ReplicaGroup:
     def members(self) -> tuple[int, ...]:
         """The replica groups in this step's quorum, by an all-reduce of one flag per group (a failed all-reduce:
         empty, and the step's commit vote fails)."""
+        return self.members_and_stop().replicas
+
+    def members_and_stop(self, stop: int = 0) -> StepSync:
+        """`members`, with the stop signals the groups agreed on (`stop`: this group's, 0 for none) in the same
+        all-reduce: its `stop` is one of them where any group agreed to stop."""
         from torch.distributed import ReduceOp
 
-        flags = torch.zeros(self.cfg.replica_groups, dtype=torch.float32, device=self.device)
+        groups = self.cfg.replica_groups
+        flags = torch.zeros(2 * groups, dtype=torch.float32, device=self.device)  # [one flag | one signal] per group
         flags[self.replica_id] = 1.0
+        flags[groups + self.replica_id] = float(stop)
         self.manager.allreduce(flags, reduce_op=ReduceOp.SUM).wait()
         if self.manager.errored() is not None:
-            return ()
-        return tuple(r for r, flag in enumerate(flags.tolist()) if round(flag) >= 1)
+            return StepSync((), 0.0)
+        values = flags.tolist()
+        return StepSync(tuple(r for r in range(groups) if round(values[r]) >= 1), 0.0, round(max(values[groups:])))
 
     def error(self) -> str:
         """The first line of the error that failed this step's all-reduce, or ""."""

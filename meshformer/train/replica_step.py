@@ -187,9 +187,18 @@ class ReplicaTraining:
         """local_sgd / diloco, after the quorum: the weights synchronised over it (one line where it failed)."""
         assert self.group is not None and self.semi is not None
         trainer, step = self.trainer, self.trainer.step
-        members = self.group.members()
+        members = self.group.members_and_stop(self._stop)
         if self.semi.sync():
-            self._synced_at, self.last = step, StepSync(members, 0.0)
+            self._synced_at, self.last = step, StepSync(members.replicas, 0.0)
+            stop = trainer.stop
+            if members.stop and stop is not None and step < trainer.cfg.train.steps:
+                # every group of the synchronisation stops here, with the weights it just agreed on
+                if stop.signum is None:  # another group's signal: this group stops as if it had received it
+                    stop.signum, stop._first_at = members.stop, time.monotonic()  # a signal now is the same one
+                stop.stopping = True
+                trainer.logger.info(f"fault tolerance: every replica group stops after step {step} "
+                                    f"({signal_name(members.stop)} agreed in the synchronisation)")
+                raise StopAgreed(members.stop)
             return
         kept = "keeps its own weights" if self.cfg.method == "local_sgd" else \
             f"goes back to the weights of the last synchronisation (step {self._synced_at})"
@@ -202,16 +211,24 @@ class ReplicaTraining:
     def stop_agreed(self, group_agreed: bool) -> bool:
         """After a committed step, given whether this group's ranks agreed to stop (runtime/stop.py): whether every
         group stops here. With method sync, a group's agreement rides in the next step's all-reduce and every group
-        in that step's quorum stops after it, with the same signal; local_sgd / diloco groups stop on their own."""
+        in that step's quorum stops after it, with the same signal; with local_sgd / diloco it rides in the next
+        synchronisation, and every group in it stops there."""
         stop = self.trainer.stop
-        if self.semi is not None or stop is None:
+        if stop is None:
             return group_agreed
         if group_agreed and not self._stop:
             self._stop = stop.signum or 0
+            if self.semi is not None:
+                self.trainer.logger.info(
+                    f"fault tolerance: replica group {self.replica_id} agreed on {signal_name(self._stop)} after step "
+                    f"{self.trainer.step}; every group stops at the next synchronisation (fault_tolerance.sync_every="
+                    f"{self.cfg.sync_every})")
+        if self.semi is not None:  # the signal rides in the next synchronisation (_synchronise)
+            return False
         if not self.last.stop:
             return False
         if stop.signum is None:  # another group's signal: this group stops and exits as if it had received it
-            stop.signum = self.last.stop
+            stop.signum, stop._first_at = self.last.stop, time.monotonic()  # a signal now is the same one
         stop.stopping = True
         self.trainer.logger.info(f"fault tolerance: every replica group stops after step {self.trainer.step} "
                                  f"({signal_name(self.last.stop)} agreed in its all-reduce)")

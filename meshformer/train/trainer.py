@@ -193,6 +193,8 @@ class Trainer:
         self.data_wait_s = 0.0
         # fault_tolerance.enabled: this rank's part in the replica groups (quorum, heal, gradient average, commit)
         self.replicas = ReplicaTraining(self) if cfg.fault_tolerance.enabled else None
+        if self.replicas is not None:
+            self.checkpoints.skip_failed_saves = f"replica group {self.replicas.replica_id}"
 
     @property
     def step(self) -> int:

@@ -141,6 +141,25 @@ def test_failed_async_save_is_reported_next_step_and_final_weights_written(refer
     assert_bitwise(final_weights(run_dir), reference["weights"])  # the failed save changed nothing else
 
 
+def test_failed_interval_save_in_a_replica_group_is_skipped_with_a_line(reference, tmp_path, monkeypatch):
+    """In a replica group (fault tolerance) a failed blocking save at the interval does not stop the group: one
+    line, the committed checkpoints untouched, the next save tries again."""
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(reference["shards"], run_dir, STEPS)
+    _failing_writes(monkeypatch, fail_calls={0}, err=OSError(errno.EIO, "Input/output error"))
+    messages: list[str] = []
+    trainer = _trainer(cfg, messages)
+    trainer.checkpoints.skip_failed_saves = "replica group 1"  # what the trainer sets with fault_tolerance.enabled
+    result = trainer.fit()
+    assert result.steps == STEPS and trainer.checkpoints.failed_saves == 1
+    warned = [m for m in messages if "WARNING" in m]
+    assert len(warned) == 1 and warned[0].startswith("[step 2] WARNING: saving checkpoint step 2"), messages
+    assert "replica group 1: this save is skipped; training continues" in warned[0], warned
+    assert committed_steps(run_dir / "checkpoints") == [4, 6]
+    _all_verify(run_dir / "checkpoints")
+    assert_bitwise(final_weights(run_dir), reference["weights"])
+
+
 def test_disk_full_names_it_keeps_the_previous_step_and_removes_partial(reference, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     root = copy_steps(reference["run_dir"] / "checkpoints", run_dir / "checkpoints", 4)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.cluster import children, finish, logs, overrides, start, wait_for, worker_env
+from helpers.common import free_port
 
 STEPS = 48
 GROUPS = 2
@@ -201,3 +203,221 @@ def test_a_stop_signal_to_one_group_stops_every_group_at_the_same_step(tmp_path)
     steps = [[path.name for path in saved(r)] for r in range(GROUPS)]
     assert steps[0] == steps[1] and len(steps[0]) == 1, f"{steps}\n{text[-4000:]}"
     assert "every replica group stops after step" in text and "(SIGTERM agreed in its all-reduce)" in text, text[-6000:]
+
+
+# ----------------------------------------------------------------------------- edge cases (1 rank per group)
+
+
+def _launch(tmp_path: Path, groups: int, steps: int, *extra: str, step_sleep: str = "0.4", **faults: str
+            ) -> tuple[Path, subprocess.Popen, Path]:
+    """`meshformer train tiny-gpt --replica-groups N --nproc-per-node 1`: (run folder, launcher, its log)."""
+    run_dir = tmp_path / "run"
+    config = [*overrides(tmp_path, run_dir), f"train.steps={steps}", "logging.log_interval=1", "checkpoint.interval=0",
+              "fault_tolerance.heartbeat_timeout_s=1", "fault_tolerance.join_timeout_s=2", *extra]
+    cmd = [sys.executable, "-m", "meshformer", "train", "tiny-gpt", "--replica-groups", str(groups),
+           "--nproc-per-node", "1", "--set", *config]
+    log = tmp_path / "launcher.log"
+    return run_dir, start(cmd, worker_env(MF_TEST_STEP_SLEEP_S=step_sleep, **faults), log), log
+
+
+def _kill(launcher: int, replica: int, signum: int = signal.SIGKILL) -> None:
+    victim = _rank_pid(launcher, replica, rank=0)
+    assert victim is not None, f"no rank of replica group {replica}"
+    os.kill(victim, signum)
+
+
+def _assert_complete(run_dir: Path, groups: int, steps: int, text: str) -> dict[int, list[dict]]:
+    """Every group's final weights equal bit for bit; every step 1..steps recorded, once per group that trained
+    it, at its data position, with the groups agreeing on who did. Returns the records by step."""
+    from safetensors.torch import load_file
+
+    weights = [load_file(str(run_dir / f"replica-{r}" / "final" / "model.safetensors")) for r in range(groups)]
+    for r in range(1, groups):
+        differ = [k for k in weights[0] if not torch.equal(weights[0][k], weights[r][k])]
+        assert not differ, f"groups 0 and {r} end with different weights in {differ[:4]}\n{text[-4000:]}"
+    by_step: dict[int, list[dict]] = {}
+    for record in (r for g in range(groups) for r in _records(run_dir, g)):
+        by_step.setdefault(record["step"], []).append(record)
+    assert sorted(by_step) == list(range(1, steps + 1)), sorted(by_step)
+    for step, lines in by_step.items():
+        trained = sorted(line["replica"] for line in lines)
+        assert len(set(trained)) == len(trained), f"step {step} recorded twice by one group: {lines}"
+        assert all(line["replicas"] == trained for line in lines), f"step {step}: the groups disagree: {lines}"
+        assert all(line["position"] == (step - 1) * groups * 4 for line in lines), lines  # x data.batch_size
+    return by_step
+
+
+@pytest.mark.slow
+def test_a_group_killed_while_another_heals_from_it(tmp_path):
+    """2 groups: group 1 killed; while it heals from group 0 after its restart, group 0 is killed too. Group 1 keeps
+    the state it took and trains on alone, group 0 restarts and heals from it; both end at train.steps, equal."""
+    steps, mark = 100, tmp_path / "healing"
+    run_dir, proc, log = _launch(tmp_path, 2, steps, MF_TEST_HEAL_SLEEP_S="2", MF_TEST_HEAL_MARK=str(mark))
+    try:
+        wait_for(lambda: len(_records(run_dir, 1)) >= 3, 240, f"group 1 to train 3 steps\n{logs(log)[-4000:]}")
+        mark.unlink(missing_ok=True)  # a group that started late healed already: the heal after the restart
+        _kill(proc.pid, 1)
+        wait_for(mark.exists, 120, f"group 1 to heal\n{logs(log)[-4000:]}")
+        _kill(proc.pid, 0)
+    finally:
+        codes = finish([proc], 300)
+    text = logs(log)
+    assert codes == [0], text[-6000:]
+    assert "replica group 1 healed from a live peer" in text and "replica group 0 healed from a live peer" in text, \
+        text[-6000:]
+    by_step = _assert_complete(run_dir, 2, steps, text)
+    alone = {tuple(sorted(line["replica"] for line in lines)) for lines in by_step.values()}
+    assert alone >= {(0,), (1,), (0, 1)}, alone  # each group trained alone while the other was gone
+
+
+@pytest.mark.slow
+@pytest.mark.matrix
+def test_two_groups_lost_at_once_the_third_trains_on_and_both_heal(tmp_path):
+    """3 groups: groups 1 and 2 killed together. Group 0 trains alone, both restart and heal from it."""
+    steps = 70
+    run_dir, proc, log = _launch(tmp_path, 3, steps)
+    try:
+        wait_for(lambda: min(len(_records(run_dir, r)) for r in (1, 2)) >= 3, 240,
+                 f"groups 1 and 2 to train 3 steps\n{logs(log)[-4000:]}")
+        _kill(proc.pid, 1)
+        _kill(proc.pid, 2)
+    finally:
+        codes = finish([proc], 300)
+    text = logs(log)
+    assert codes == [0], text[-6000:]
+    assert "replica group 1 healed from a live peer" in text and "replica group 2 healed from a live peer" in text, \
+        text[-6000:]
+    by_step = _assert_complete(run_dir, 3, steps, text)
+    assert any(len(lines) == 1 for lines in by_step.values()), "group 0 never trained alone"
+    assert len(by_step[steps]) == 3, by_step[steps]
+
+
+@pytest.mark.slow
+@pytest.mark.matrix
+def test_the_lighthouse_restarted_the_groups_wait_with_a_line_and_go_on(tmp_path):
+    """The Lighthouse (`meshformer lighthouse`) killed mid-run: both groups notice it at their next quorum and wait
+    with a line; the same command again at the same address and the run goes on to train.steps, every step
+    recorded."""
+    steps, port = 30, free_port()
+    lighthouse_cmd = [sys.executable, "-m", "meshformer", "lighthouse", "--bind", f"127.0.0.1:{port}", "--set",
+                      "fault_tolerance.heartbeat_timeout_s=1", "fault_tolerance.join_timeout_s=2"]
+    lighthouses = [start(lighthouse_cmd, worker_env(), tmp_path / "lighthouse-0.log")]
+    # short timeouts: a group's first request to the new Lighthouse can stall until quorum_timeout_s, and a heal
+    # assigned in it can wait timeout_s for a peer that went on alone
+    run_dir, proc, log = _launch(tmp_path, 2, steps, f"fault_tolerance.lighthouse=http://127.0.0.1:{port}",
+                                 "fault_tolerance.quorum_timeout_s=5", "fault_tolerance.timeout_s=10",
+                                 step_sleep="0.3")
+    try:
+        wait_for(lambda: min(len(_records(run_dir, r)) for r in range(2)) >= 3, 240,
+                 f"both groups to train 3 steps\n{logs(log)[-4000:]}")
+        lighthouses[0].send_signal(signal.SIGKILL)
+        wait_for(lambda: logs(log).count("cannot be reached") >= 2, 60, f"both groups to wait\n{logs(log)[-4000:]}")
+        lighthouses.append(start(lighthouse_cmd, worker_env(), tmp_path / "lighthouse-1.log"))
+        codes = finish([proc], 300)
+    finally:
+        finish([proc], 1)
+        for lighthouse in lighthouses:
+            lighthouse.send_signal(signal.SIGTERM)
+        finish(lighthouses, 30)
+    text = logs(log)
+    assert codes == [0], text[-6000:]
+    for r in range(2):
+        assert f"replica group {r} has no quorum (" in text and f"replica group {r} has a quorum again" in text, \
+            text[-6000:]
+    # a group that reaches the new Lighthouse after join_timeout_s misses the steps until then and heals, as after
+    # a drop; no step goes unrecorded
+    _assert_complete(run_dir, 2, steps, text)
+
+
+@pytest.mark.slow
+@pytest.mark.matrix
+def test_a_stop_signal_during_a_heal_stops_every_group_at_one_step_and_the_run_resumes(tmp_path):
+    """Group 1 killed; while it heals, SIGTERM to the launcher (to every rank). Both groups stop after the same
+    step with a checkpoint; the same command again ends at train.steps, equal, with a complete record."""
+    steps, mark = 80, tmp_path / "healing"
+    run_dir, proc, log = _launch(tmp_path, 2, steps, MF_TEST_HEAL_SLEEP_S="2", MF_TEST_HEAL_MARK=str(mark))
+
+    def saved(r: int) -> list[str]:
+        return sorted(p.name for p in (run_dir / f"replica-{r}").rglob("step-*") if p.suffix != ".partial")
+
+    try:
+        wait_for(lambda: len(_records(run_dir, 1)) >= 3, 240, f"group 1 to train 3 steps\n{logs(log)[-4000:]}")
+        mark.unlink(missing_ok=True)  # a group that started late healed already: the heal after the restart
+        _kill(proc.pid, 1)
+        wait_for(mark.exists, 120, f"group 1 to heal\n{logs(log)[-4000:]}")
+        proc.send_signal(signal.SIGTERM)
+    finally:
+        finish([proc], 120)
+    text = logs(log)
+    assert saved(0) == saved(1) and len(saved(0)) == 1, f"{[saved(r) for r in range(2)]}\n{text[-4000:]}"
+    assert "every replica group stops after step" in text, text[-6000:]
+
+    again = tmp_path / "again"
+    again.mkdir()
+    # min_replicas=2: the groups resume together (one alone would train on from the checkpoint by itself)
+    _, proc, log = _launch(again, 2, steps, f"logging.run_dir={run_dir}", "fault_tolerance.min_replicas=2",
+                           step_sleep="0")
+    codes = finish([proc], 300)
+    text = logs(log)
+    assert codes == [0], text[-6000:]
+    _assert_complete(run_dir, 2, steps, text)
+
+
+@pytest.mark.slow
+@pytest.mark.matrix
+def test_a_stopped_group_is_dropped_after_timeout_s_and_heals_after_sigcont(tmp_path):
+    """Group 1 SIGSTOPped mid-run: group 0 drops it (its all-reduce gives up after fault_tolerance.timeout_s) and
+    trains alone; after SIGCONT group 1 is behind, heals from group 0 and rejoins; both end equal."""
+    steps = 70
+    run_dir, proc, log = _launch(tmp_path, 2, steps, "fault_tolerance.timeout_s=4")
+    try:
+        wait_for(lambda: len(_records(run_dir, 1)) >= 3, 240, f"group 1 to train 3 steps\n{logs(log)[-4000:]}")
+        _kill(proc.pid, 1, signal.SIGSTOP)
+        stopped = time.monotonic()
+        before = len(_records(run_dir, 0))
+        wait_for(lambda: any(len(r["replicas"]) == 1 for r in _records(run_dir, 0)[before:]), 60,
+                 f"group 0 to commit a step alone\n{logs(log)[-4000:]}")
+        alone_after = time.monotonic() - stopped
+        _kill(proc.pid, 1, signal.SIGCONT)
+    finally:
+        codes = finish([proc], 300)
+    text = logs(log)
+    assert codes == [0], text[-6000:]
+    assert alone_after < 30, f"group 0 went on alone only {alone_after:.1f}s after the stop\n{text[-4000:]}"
+    assert "replica group(s) [1] dropped" in text and "replica group(s) [1] joined" in text, text[-6000:]
+    assert "replica group 1 healed from a live peer" in text and "restarting it" not in text, text[-6000:]
+    _assert_complete(run_dir, 2, steps, text)
+
+
+@pytest.mark.slow
+@pytest.mark.matrix
+def test_a_stop_signal_with_local_sgd_stops_every_group_at_the_next_synchronisation(tmp_path):
+    """2 groups, method=local_sgd, sync_every=3: SIGTERM to group 0's rank only. Its agreement rides in the next
+    synchronisation, and both groups stop there, each with a checkpoint of that step holding the same weights."""
+    from meshformer.checkpointing.dcp_io import read_full_tensors
+    from meshformer.checkpointing.state import OPTIM
+
+    run_dir, proc, log = _launch(tmp_path, 2, 200, "fault_tolerance.method=local_sgd", "fault_tolerance.sync_every=3",
+                                 step_sleep="0.3")
+
+    def saved(r: int) -> list[Path]:
+        return sorted(p for p in (run_dir / f"replica-{r}").rglob("step-*") if p.suffix != ".partial")
+
+    try:
+        wait_for(lambda: min(len(_records(run_dir, r)) for r in range(2)) >= 4, 240,
+                 f"both groups to train 4 steps\n{logs(log)[-4000:]}")
+        _kill(proc.pid, 0, signal.SIGTERM)
+        wait_for(lambda: all(saved(r) for r in range(2)), 120, f"both groups' checkpoints\n{logs(log)[-4000:]}")
+    finally:
+        proc.send_signal(signal.SIGTERM)  # the launcher: no restarts
+        finish([proc], 120)
+    text = logs(log)
+    paths = [saved(r) for r in range(2)]
+    assert [p.name for p in paths[0]] == [p.name for p in paths[1]] and len(paths[0]) == 1, f"{paths}\n{text[-4000:]}"
+    assert int(paths[0][0].name.split("-")[1]) % 3 == 0, paths
+    assert "(SIGTERM agreed in the synchronisation)" in text, text[-6000:]
+    tensors = [read_full_tensors(p[0]) for p in paths]
+    weights = [k for k in tensors[0] if not k.startswith(OPTIM)]  # each group's own optimizer moments differ
+    assert weights
+    differ = [k for k in weights if not torch.equal(tensors[0][k], tensors[1][k])]
+    assert not differ, f"the groups stopped with different weights in {differ[:4]}"

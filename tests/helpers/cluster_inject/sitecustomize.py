@@ -13,6 +13,8 @@ SLURM launch the unmodified command line:
 - MF_TEST_SLOW_PHASE=P with MF_TEST_SLOW_PHASE_S=S: each batch of phase P waits S seconds (a long phase to signal
   into): "eval" (held-out batches) or "downstream" (scoring batches); MF_TEST_PHASE_MARK=PATH is created as it
   starts.
+- MF_TEST_HEAL_SLEEP_S=S with MF_TEST_HEAL_MARK=PATH: a replica group's heal (fault tolerance) creates PATH, then
+  waits S seconds before it loads the peer's state (a heal long enough to kill a group or signal into).
 """
 
 from __future__ import annotations
@@ -99,6 +101,18 @@ def patch(module) -> None:
         trainer_cls.evaluate = flagged_evaluate
     if step_sleep or fail_rank >= 0 or kill_rank >= 0:
         trainer_cls.train_step = patched_step
+    heal_sleep = float(os.environ.get("MF_TEST_HEAL_SLEEP_S", "0"))
+    if heal_sleep:
+        import meshformer.train.replica_step as replica_step
+
+        load_live_state = replica_step.load_live_state
+
+        def slow_heal(*args, **kwargs):
+            open(os.environ["MF_TEST_HEAL_MARK"], "a").close()
+            time.sleep(heal_sleep)
+            return load_live_state(*args, **kwargs)
+
+        replica_step.load_live_state = slow_heal
     save_sleep = float(os.environ.get("MF_TEST_SAVE_SLEEP_S", "0"))
     stop_save_sleep = float(os.environ.get("MF_TEST_STOP_SAVE_SLEEP_S", "0"))
     if save_sleep or stop_save_sleep:

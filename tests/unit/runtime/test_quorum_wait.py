@@ -69,3 +69,36 @@ def test_a_group_without_a_quorum_gives_up_after_wait_s():
         group.shutdown()
         lighthouse.shutdown()
 
+
+
+def test_a_lost_lighthouse_is_noticed_and_waited_for_until_it_is_back_at_the_same_address():
+    """The Lighthouse stops listening after a quorum: the next step waits with a line (not the last quorum again),
+    and goes on once a Lighthouse listens at the same address again."""
+    one = replace(CFG, replica_groups=1, min_replicas=1)
+    lighthouse = start_lighthouse(one, bind="127.0.0.1:0")
+    address = lighthouse.address()
+    lines: list[str] = []
+    group = _group(replace(one, lighthouse=address), 0, lines)
+    restarted: list = []
+
+    def restart() -> None:
+        time.sleep(2.0)
+        restarted.append(start_lighthouse(one, bind="127.0.0.1:" + address.rsplit(":", 1)[1]))
+
+    try:
+        group.start_step_or_wait(wait_s=30)
+        assert group.should_commit() and lines == []
+        lighthouse.shutdown()
+        thread = threading.Thread(target=restart)
+        thread.start()
+        waited = group.start_step_or_wait(wait_s=30)
+        thread.join(30)
+        assert 1.5 < waited < 30, waited
+        assert group.should_commit()
+        assert len(lines) == 2, lines
+        assert "has no quorum (" in lines[0] and f"the Lighthouse at {address} cannot be reached" in lines[0], lines
+        assert "has a quorum again after" in lines[1], lines
+    finally:
+        group.shutdown()
+        for server in restarted:
+            server.shutdown()
