@@ -32,3 +32,22 @@ def moved(old: str) -> ModuleType:
     module = importlib.import_module(new)
     sys.modules[old] = module
     return module
+
+
+_warned_attributes: set[str] = set()
+
+
+def renamed_attribute(cls: type, old: str, new: str) -> None:
+    """Give `cls` a read-only attribute `old` that returns `new`'s value, with one FutureWarning per old name per
+    process naming the new one (a property added after the class is built: not a dataclass field, so `asdict`, `==`
+    and saved files hold only the new name)."""
+    label = f"{cls.__name__}.{old}"
+
+    def read(self: object) -> object:
+        if label not in _warned_attributes:
+            _warned_attributes.add(label)
+            warnings.warn(f"{label} is deprecated and will be removed in {REMOVED_IN}: use {cls.__name__}.{new}",
+                          FutureWarning, stacklevel=2)
+        return getattr(self, new)
+
+    setattr(cls, old, property(read, doc=f"Deprecated: {cls.__name__}.{new}."))

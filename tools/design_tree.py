@@ -63,7 +63,18 @@ WORDS: dict[str, str] = {
                 "conversions' use of it",
     "fault tolerance": "`runtime/fault_tolerance.py`: replica groups on torchft; `train/replica_step.py`: the "
                        "trainer's side of a replica group's step",
+    "kind": "a block component's registered name (`model/components/`: `layer_types` / `mlp_types` values), and the "
+            "`kind` key of the `[model.norm]`, `[model.residual]` tables, which picks one of their variants; other "
+            "choices have their own word below",
+    "hf_layer_types": "the `layer_types` values of a Hugging Face config.json an architecture's adapter imports "
+                      "(`HFAdapter.hf_layer_types`)",
 }
+
+# Retired spellings: (a regex of the old spelling in its old meaning, the word that replaced it). Listed under
+# "Words"; tests/unit/docs/test_design_tree.py fails when one reappears in the package outside its deprecated alias.
+RETIRED: list[tuple[str, str]] = [
+    (r"\blayer_kinds\b", "hf_layer_types"),
+]
 
 
 def _summary(path: Path) -> str:
@@ -130,7 +141,9 @@ def words() -> str:
     rule = textwrap.fill(NAMING_RULE, WIDTH)
     items = [textwrap.fill(f"- **{word}**: {meaning}.", WIDTH, subsequent_indent="  ")
              for word, meaning in sorted(WORDS.items(), key=lambda item: item[0].lower())]
-    return rule + "\n\n" + "\n".join(items)
+    retired = textwrap.fill("Retired spellings (a deprecated alias keeps each working for two releases): " + "; ".join(
+        f"`{pattern.replace(chr(92) + 'b', '')}` is now `{word}`" for pattern, word in RETIRED) + ".", WIDTH)
+    return rule + "\n\n" + "\n".join(items) + "\n\n" + retired
 
 
 def render(page: str) -> str:

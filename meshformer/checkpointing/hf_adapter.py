@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshformer.checkpointing.formats import MODELS_PACKAGE, hf_archs
 from meshformer.config import ModelConfig
+from meshformer.renamed import renamed_attribute
 
 if TYPE_CHECKING:
     import torch
@@ -122,8 +123,8 @@ class HFAdapter:
     size_keys: tuple[str, ...] = ()  # config.json's sizes: positive integers, checked before anything is built
     layer_keys: tuple[str, ...] = ()  # its layer counts: no deeper than the checkpoint has tensors
     width_and_heads: tuple[str, str] | None = None  # (width, heads) keys when the width must divide by the heads
-    # the kinds config.json's layer_types may name (as transformers reads them): those its blocks compute
-    layer_kinds: tuple[str, ...] = ("full_attention", "sliding_attention")
+    # the values config.json's layer_types may hold (as transformers reads them): those its blocks compute
+    hf_layer_types: tuple[str, ...] = ("full_attention", "sliding_attention")
     extra_features: Callable[[ModelConfig], dict[str, Any]] | None = None  # config facts only it constrains
     derived: tuple[Derived, ...] = ()
     ignored: str | None = None  # a regex of foreign names that carry nothing we model (beside weightless buffers)
@@ -134,6 +135,9 @@ class HFAdapter:
     refused_names: tuple[tuple[str, str], ...] = ()
     # its routers hold our expert selection bias (router.expert_bias, named by a rule): export keeps a nonzero one
     holds_selection_bias: bool = False
+
+
+renamed_attribute(HFAdapter, "layer_kinds", "hf_layer_types")
 
 
 def refuse(arch: str, setting: str, why: str) -> ValueError:

@@ -4,6 +4,7 @@ for the package's file names; a renamed module's old import path works, warning 
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 import warnings
 from collections import defaultdict
@@ -59,3 +60,30 @@ def test_the_new_paths_import_without_warnings():
         warnings.simplefilter("error")
         for new in MOVED.values():
             importlib.import_module(new)
+
+
+def test_a_retired_word_stays_retired():
+    """No module of the package spells a retired name in its old meaning (docs/design.md's Words); only the line that
+    registers its deprecated alias (`renamed_attribute(...)`) names it."""
+    found = []
+    for pattern, word in design_tree.RETIRED:
+        for path in (ROOT / "meshformer").rglob("*.py"):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if re.search(pattern, line) and "renamed_attribute(" not in line:
+                    found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()} (now: {word})")
+    assert found == []
+
+
+def test_a_renamed_attribute_works_and_warns_once(monkeypatch):
+    from meshformer import renamed
+    from meshformer.checkpointing.hf_adapter import HFAdapter
+    from meshformer.models.qwen3_next.hf import ADAPTER
+
+    assert isinstance(ADAPTER, HFAdapter)
+    monkeypatch.setattr(renamed, "_warned_attributes", set())  # as if first read in this process
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        first, second = ADAPTER.layer_kinds, ADAPTER.layer_kinds  # type: ignore[attr-defined]
+    assert first == second == ADAPTER.hf_layer_types
+    assert [w.category for w in seen] == [FutureWarning]
+    assert "HFAdapter.hf_layer_types" in str(seen[0].message) and "removed in" in str(seen[0].message)
