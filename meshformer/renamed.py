@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 import warnings
+from collections.abc import Callable
 from types import ModuleType
 
 # the release that drops the old paths (two releases after they moved): stated in every warning
@@ -51,3 +52,21 @@ def renamed_attribute(cls: type, old: str, new: str) -> None:
         return getattr(self, new)
 
     setattr(cls, old, property(read, doc=f"Deprecated: {cls.__name__}.{new}."))
+
+
+def renamed_names(module: str, names: dict[str, str]) -> Callable[[str], object]:
+    """A module `__getattr__` under which each old name in `names` (old -> new, both in `module`) still imports, with
+    one FutureWarning per old name per process naming the new one. Modules define it under `if not TYPE_CHECKING`,
+    so mypy does not offer the old names to new code."""
+
+    def __getattr__(name: str) -> object:
+        if name not in names:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        label = f"{module}.{name}"
+        if label not in _warned_attributes:
+            _warned_attributes.add(label)
+            warnings.warn(f"{label} is deprecated and will be removed in {REMOVED_IN}: use {module}.{names[name]}",
+                          FutureWarning, stacklevel=2)
+        return getattr(sys.modules[module], names[name])
+
+    return __getattr__

@@ -66,6 +66,8 @@ WORDS: dict[str, str] = {
     "kind": "a block component's registered name (`model/components/`: `layer_types` / `mlp_types` values), and the "
             "`kind` key of the `[model.norm]`, `[model.residual]` tables, which picks one of their variants; other "
             "choices have their own word below",
+    "loss method": "which computation of the token loss a run uses, `train.loss` with \"auto\" resolved (`LossMethod`, "
+                   "`LossSpec.method`, `loss_choice.loss_method`)",
     "hf_layer_types": "the `layer_types` values of a Hugging Face config.json an architecture's adapter imports "
                       "(`HFAdapter.hf_layer_types`)",
 }
@@ -74,6 +76,8 @@ WORDS: dict[str, str] = {
 # "Words"; tests/unit/docs/test_design_tree.py fails when one reappears in the package outside its deprecated alias.
 RETIRED: list[tuple[str, str]] = [
     (r"\blayer_kinds\b", "hf_layer_types"),
+    (r"\bLossKind\b", "LossMethod"),
+    (r"\bloss_kind\b", "loss_method"),
 ]
 
 
