@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from meshformer.config import Config, ConfigError
 from meshformer.loss.cross_entropy import LossFn
 from meshformer.loss.fused import liger_available
-from typing import TYPE_CHECKING
-
 from meshformer.loss.token_loss import LossMethod, LossSpec
 from meshformer.parallel_dims import ZERO_BUBBLE, ParallelDims, last_stage_losses_in_flight
 from meshformer.renamed import renamed_names
