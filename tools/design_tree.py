@@ -68,6 +68,7 @@ WORDS: dict[str, str] = {
             "choices have their own word below",
     "loss method": "which computation of the token loss a run uses, `train.loss` with \"auto\" resolved (`LossMethod`, "
                    "`LossSpec.method`, `loss_choice.loss_method`)",
+    "contents": "what a folder of ours holds, as its marker file says (`folders.mark`, `folders.scratch`)",
     "hf_layer_types": "the `layer_types` values of a Hugging Face config.json an architecture's adapter imports "
                       "(`HFAdapter.hf_layer_types`)",
 }
