@@ -54,6 +54,14 @@ def renamed_attribute(cls: type, old: str, new: str) -> None:
     setattr(cls, old, property(read, doc=f"Deprecated: {cls.__name__}.{new}."))
 
 
+def warn_renamed_key(old: str, new: str) -> None:
+    """One FutureWarning per old key per process: `old` is deprecated, use `new`."""
+    if old not in _warned_attributes:
+        _warned_attributes.add(old)
+        warnings.warn(f"{old} is deprecated and will be removed in {REMOVED_IN}: use {new}", FutureWarning,
+                      stacklevel=4)
+
+
 def renamed_names(module: str, names: dict[str, str]) -> Callable[[str], object]:
     """A module `__getattr__` under which each old name in `names` (old -> new, both in `module`) still imports, with
     one FutureWarning per old name per process naming the new one. Modules define it under `if not TYPE_CHECKING`,

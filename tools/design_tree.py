@@ -69,16 +69,21 @@ WORDS: dict[str, str] = {
     "loss method": "which computation of the token loss a run uses, `train.loss` with \"auto\" resolved (`LossMethod`, "
                    "`LossSpec.method`, `loss_choice.loss_method`)",
     "contents": "what a folder of ours holds, as its marker file says (`folders.mark`, `folders.scratch`)",
+    "update": "which update rule a parameter group of Muon or NorMuon takes, `group[\"update\"]`: \"muon\" (the "
+              "matrices) or \"adamw\" (`optim/muon.py`)",
     "hf_layer_types": "the `layer_types` values of a Hugging Face config.json an architecture's adapter imports "
                       "(`HFAdapter.hf_layer_types`)",
 }
 
-# Retired spellings: (a regex of the old spelling in its old meaning, the word that replaced it). Listed under
-# "Words"; tests/unit/docs/test_design_tree.py fails when one reappears in the package outside its deprecated alias.
-RETIRED: list[tuple[str, str]] = [
-    (r"\blayer_kinds\b", "hf_layer_types"),
-    (r"\bLossKind\b", "LossMethod"),
-    (r"\bloss_kind\b", "loss_method"),
+# Retired spellings: (a regex of the old spelling in its old meaning, that spelling, the word that replaced it).
+# Listed under "Words"; tests/unit/docs/test_design_tree.py fails when one reappears in the package outside its
+# deprecation path.
+RETIRED: list[tuple[str, str, str]] = [
+    (r"\blayer_kinds\b", "`HFAdapter.layer_kinds`", "`hf_layer_types`"),
+    (r"\bLossKind\b", "`LossKind`", "`LossMethod`"),
+    (r"\bloss_kind\b", "`loss_kind`", "`loss_method`"),
+    (r"\bLossSpec\(kind=", "`LossSpec.kind`", "`LossSpec.method`"),
+    (r'group\["kind"\]|\bkind="(muon|adamw)"', "a Muon group's `\"kind\"`", '`"update"`'),
 ]
 
 
@@ -147,7 +152,7 @@ def words() -> str:
     items = [textwrap.fill(f"- **{word}**: {meaning}.", WIDTH, subsequent_indent="  ")
              for word, meaning in sorted(WORDS.items(), key=lambda item: item[0].lower())]
     retired = textwrap.fill("Retired spellings (a deprecated alias keeps each working for two releases): " + "; ".join(
-        f"`{pattern.replace(chr(92) + 'b', '')}` is now `{word}`" for pattern, word in RETIRED) + ".", WIDTH)
+        f"{old} is now {word}" for _, old, word in RETIRED) + ".", WIDTH)
     return rule + "\n\n" + "\n".join(items) + "\n\n" + retired
 
 
