@@ -56,7 +56,13 @@ WORDS: dict[str, str] = {
             "(`loss/objective.py`)",
     "LossSpec": "which token loss a run uses, before it is bound to a rank's vocabulary shard (`loss/token_loss.py`)",
     "model": "`model/`: the plain PyTorch model, its blocks and components; `models/`: one folder per Hugging Face "
-             "architecture (`model_type`), the adapters that import and export it",
+             "architecture (`model_type`), the adapters that import and export it. The pair keeps its names: the "
+             "architecture folders are found by package name at run time (`checkpointing/formats.py`, "
+             "`MODELS_PACKAGE`) and named in every architecture's docs and tests, and each of their modules would "
+             "need a stand-in; the singular is the one model, the plural the many it is converted from and to",
+    "expert bias": "the router's `expert_bias` buffer, the selection bias that balances expert load (DeepSeek-V3's "
+                   "aux-loss-free balancing, `model.moe.router_bias_update_rate`), a checkpoint key; the experts' "
+                   "own projection biases are \"expert bias terms\" (`model.moe.expert_bias_terms`, gpt-oss)",
     "errors": "`errors.py`: the one-line error surface of every command; a package's own error classes are "
               "`<package>_errors.py` (`checkpointing/checkpoint_errors.py`, `checkpointing/save_errors.py`)",
     "progress": "`progress.py`: the progress bar of long commands; `checkpointing/conversion_progress.py`: the "
