@@ -62,7 +62,7 @@ WORDS: dict[str, str] = {
              "need a stand-in; the singular is the one model, the plural the many it is converted from and to",
     "expert bias": "the router's `expert_bias` buffer, the selection bias that balances expert load (DeepSeek-V3's "
                    "aux-loss-free balancing, `model.moe.router_bias_update_rate`), a checkpoint key; the experts' "
-                   "own projection biases are \"expert bias terms\" (`model.moe.expert_bias_terms`, gpt-oss)",
+                   "own projection biases are `model.moe.expert_linear_bias` (gpt-oss)",
     "errors": "`errors.py`: the one-line error surface of every command; a package's own error classes are "
               "`<package>_errors.py` (`checkpointing/checkpoint_errors.py`, `checkpointing/save_errors.py`)",
     "progress": "`progress.py`: the progress bar of long commands; `checkpointing/conversion_progress.py`: the "
@@ -89,6 +89,7 @@ RETIRED: list[tuple[str, str, str]] = [
     (r"\bLossKind\b", "`LossKind`", "`LossMethod`"),
     (r"\bloss_kind\b", "`loss_kind`", "`loss_method`"),
     (r"\bLossSpec\(kind=", "`LossSpec.kind`", "`LossSpec.method`"),
+    (r"(moe|cfg)\.expert_bias_terms\b", "`model.moe.expert_bias_terms`", "`model.moe.expert_linear_bias`"),
     (r'group\["kind"\]|\bkind="(muon|adamw)"', "a Muon group's `\"kind\"`", '`"update"`'),
 ]
 

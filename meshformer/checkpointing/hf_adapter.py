@@ -38,7 +38,7 @@ COMMON: dict[str, Any] = {
     "capacity_factor": 0.0,
     "moe_blocks": "every block", "qk_norm_scope": "head", "norm_weight_offset": 0.0, "full_attention_every": None,
     "rope_local_theta": None, "attention_softcap": None, "logit_softcap": None, "router_bias": False,
-    "expert_bias_terms": False, "attention_sinks": False, "mla": False, "router_scale": 1.0, "linear_attention": False,
+    "expert_linear_bias": False, "attention_sinks": False, "mla": False, "router_scale": 1.0, "linear_attention": False,
     "kda": False, "dsa": False, "attention_output_gate": False, "rope_partial_factor": 1.0, "shared_expert_gate": False,
     "mla_query_scale": False}
 
@@ -67,7 +67,7 @@ def features(cfg: ModelConfig) -> dict[str, Any]:
         "router_groups": cfg.moe.router_groups if moe else 1,
         "router_group_score": cfg.moe.router_group_score if moe and cfg.moe.router_groups > 1 else "top2_sum",
         "capacity_factor": cfg.moe.capacity_factor if moe else 0.0,
-        "router_bias": cfg.moe.router_bias and moe, "expert_bias_terms": cfg.moe.expert_bias_terms and moe,
+        "router_bias": cfg.moe.router_bias and moe, "expert_linear_bias": cfg.moe.expert_linear_bias and moe,
         "attention_sinks": cfg.attention.sinks, "mla": cfg.uses_mla,
         "mla_query_scale": cfg.uses_mla and cfg.mla.query_scale_beta != 0,
         "router_scale": cfg.moe.router_scale if moe else 1.0,
