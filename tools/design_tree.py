@@ -77,6 +77,9 @@ WORDS: dict[str, str] = {
     "contents": "what a folder of ours holds, as its marker file says (`folders.mark`, `folders.scratch`)",
     "update": "which update rule a parameter group of Muon or NorMuon takes, `group[\"update\"]`: \"muon\" (the "
               "matrices) or \"adamw\" (`optim/muon.py`)",
+    "record type": "what a record of prepared shards holds: \"packed\" (token records) or \"pairs\" (src, tgt) "
+                   "(`Manifest.record_type`, a data source's `record_type`); the manifest file keeps the key `kind`, "
+                   "as its format was released",
     "hf_layer_types": "the `layer_types` values of a Hugging Face config.json an architecture's adapter imports "
                       "(`HFAdapter.hf_layer_types`)",
 }
@@ -90,6 +93,7 @@ RETIRED: list[tuple[str, str, str]] = [
     (r"\bloss_kind\b", "`loss_kind`", "`loss_method`"),
     (r"\bLossSpec\(kind=", "`LossSpec.kind`", "`LossSpec.method`"),
     (r"(?<!\")\b(moe|cfg)\.expert_bias_terms\b", "`model.moe.expert_bias_terms`", "`model.moe.expert_linear_bias`"),
+    (r"\b(manifest|source|s)\.kind\b", "`Manifest.kind`", "`Manifest.record_type`"),
     (r'group\["kind"\]|\bkind="(muon|adamw)"', "a Muon group's `\"kind\"`", '`"update"`'),
 ]
 

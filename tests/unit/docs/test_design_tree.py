@@ -76,16 +76,19 @@ def test_a_retired_word_stays_retired():
 
 def _old_and_new() -> list[tuple[str, object, object]]:
     """(label, a function reading the old name, the new name's value) for each renamed attribute and module name."""
+    from meshformer.data.shards import Manifest
     from meshformer.loss import token_loss
     from meshformer.loss.token_loss import LossSpec
     from meshformer.models.qwen3_next.hf import ADAPTER
     from meshformer.train import loss_choice
 
     spec = LossSpec("chunked")
+    manifest = Manifest("pairs", 0, "uint16", {}, {})
     return [("HFAdapter.hf_layer_types", lambda: ADAPTER.layer_kinds, ADAPTER.hf_layer_types),
             ("LossSpec.method", lambda: spec.kind, spec.method),
             ("token_loss.LossMethod", lambda: token_loss.LossKind, token_loss.LossMethod),
-            ("loss_choice.loss_method", lambda: loss_choice.loss_kind, loss_choice.loss_method)]
+            ("loss_choice.loss_method", lambda: loss_choice.loss_kind, loss_choice.loss_method),
+            ("Manifest.record_type", lambda: manifest.kind, manifest.record_type)]
 
 
 def test_a_renamed_name_works_and_warns_once(monkeypatch):
