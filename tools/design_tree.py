@@ -160,7 +160,7 @@ def tree() -> str:
 
 def words() -> str:
     rule = textwrap.fill(NAMING_RULE, WIDTH)
-    items = [textwrap.fill(f"- **{word}**: {meaning}.", WIDTH, subsequent_indent="  ")
+    items = [textwrap.fill(f"- **{word}**: {meaning}.", WIDTH, subsequent_indent="  ", break_on_hyphens=False)
              for word, meaning in sorted(WORDS.items(), key=lambda item: item[0].lower())]
     retired = textwrap.fill("Retired spellings (a deprecated alias keeps each working for two releases): " + "; ".join(
         f"{old} is now {word}" for _, old, word in RETIRED) + ".", WIDTH)
