@@ -35,9 +35,10 @@ class UnsafePathError(MeshformerError, ValueError):
     """A manifest or index names a file outside its own folder (or a URL / shell command)."""
 
 
-def mark(folder: Path, kind: str) -> None:
-    """Declare `folder` ours: `kind` says what wrote it (e.g. "prepared shards", "weights")."""
-    (Path(folder) / MARKER).write_text(json.dumps({"kind": kind, "pid": os.getpid()}) + "\n")
+def mark(folder: Path, contents: str) -> None:
+    """Declare `folder` ours: `contents` says what it holds (e.g. "prepared shards", "weights"; markers of earlier
+    releases say it as "kind": only the marker's presence is read)."""
+    (Path(folder) / MARKER).write_text(json.dumps({"contents": contents, "pid": os.getpid()}) + "\n")
 
 
 def is_ours(folder: Path, legacy: Iterable[str] = ()) -> bool:
@@ -79,7 +80,7 @@ def check_output(out: Path, *, what: str, overwrite: bool, inputs: Iterable[Path
                             f"folder (or pass {option} if you mean to delete everything in it)")
 
 
-def scratch(path: Path, kind: str, *, fresh: bool = True) -> Path:
+def scratch(path: Path, contents: str, *, fresh: bool = True) -> Path:
     """A scratch folder of ours at `path` (e.g. `<out>.work`): made and marked if missing; if it exists it must
     hold our marker (someone else's folder of that name is reported, never deleted). `fresh` empties it first."""
     path = Path(path)
@@ -88,7 +89,7 @@ def scratch(path: Path, kind: str, *, fresh: bool = True) -> Path:
         if fresh:
             remove(path)
     if not path.exists():
-        _make_marked(path, kind)
+        _make_marked(path, contents)
     return path
 
 
@@ -98,13 +99,13 @@ def _check_scratch(path: Path) -> None:
                                 "another output folder (meshformer keeps its scratch files there)")
 
 
-def _make_marked(path: Path, kind: str) -> None:
+def _make_marked(path: Path, contents: str) -> None:
     """Create `path` already holding our marker: parts of one job (machines sharing `<out>.work`) may create it
     at the same moment, and none of them may see it unmarked."""
     path.parent.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f"{path.name}.", suffix=".new", dir=path.parent))
     staged.chmod(0o777 & ~umask())  # mkdtemp makes it private (700); outputs are for the user's team to read
-    mark(staged, kind)
+    mark(staged, contents)
     try:
         staged.rename(path)
     except OSError:  # another process made it first (a non-empty folder cannot be renamed onto)

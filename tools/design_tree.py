@@ -56,14 +56,46 @@ WORDS: dict[str, str] = {
             "(`loss/objective.py`)",
     "LossSpec": "which token loss a run uses, before it is bound to a rank's vocabulary shard (`loss/token_loss.py`)",
     "model": "`model/`: the plain PyTorch model, its blocks and components; `models/`: one folder per Hugging Face "
-             "architecture (`model_type`), the adapters that import and export it",
+             "architecture (`model_type`), the adapters that import and export it. The pair keeps its names: the "
+             "architecture folders are found by package name at run time (`checkpointing/formats.py`, "
+             "`MODELS_PACKAGE`) and named in every architecture's docs and tests, and each of their modules would "
+             "need a stand-in; the singular is the one model, the plural the many it is converted from and to",
+    "expert bias": "the router's `expert_bias` buffer, the selection bias that balances expert load (DeepSeek-V3's "
+                   "aux-loss-free balancing, `model.moe.router_bias_update_rate`), a checkpoint key; the experts' "
+                   "own projection biases are `model.moe.expert_linear_bias` (gpt-oss)",
     "errors": "`errors.py`: the one-line error surface of every command; a package's own error classes are "
               "`<package>_errors.py` (`checkpointing/checkpoint_errors.py`, `checkpointing/save_errors.py`)",
     "progress": "`progress.py`: the progress bar of long commands; `checkpointing/conversion_progress.py`: the "
                 "conversions' use of it",
     "fault tolerance": "`runtime/fault_tolerance.py`: replica groups on torchft; `train/replica_step.py`: the "
                        "trainer's side of a replica group's step",
+    "kind": "a block component's registered name (`model/components/`: `layer_types` / `mlp_types` values), and the "
+            "`kind` key of the `[model.norm]`, `[model.residual]` tables, which picks one of their variants; other "
+            "choices have their own word below",
+    "loss method": "which computation of the token loss a run uses, `train.loss` with \"auto\" resolved (`LossMethod`, "
+                   "`LossSpec.method`, `loss_choice.loss_method`)",
+    "contents": "what a folder of ours holds, as its marker file says (`folders.mark`, `folders.scratch`)",
+    "update": "which update rule a parameter group of Muon or NorMuon takes, `group[\"update\"]`: \"muon\" (the "
+              "matrices) or \"adamw\" (`optim/muon.py`)",
+    "record type": "what a record of prepared shards holds: \"packed\" (token records) or \"pairs\" (src, tgt) "
+                   "(`Manifest.record_type`, a data source's `record_type`); the manifest file keeps the key `kind`, "
+                   "as its format was released",
+    "hf_layer_types": "the `layer_types` values of a Hugging Face config.json an architecture's adapter imports "
+                      "(`HFAdapter.hf_layer_types`)",
 }
+
+# Retired spellings: (a regex of the old spelling in its old meaning, that spelling, the word that replaced it).
+# Listed under "Words"; tests/unit/docs/test_design_tree.py fails when one reappears in the package outside its
+# deprecation path (a quoted old key is its entry in a table of renames).
+RETIRED: list[tuple[str, str, str]] = [
+    (r"\blayer_kinds\b", "`HFAdapter.layer_kinds`", "`hf_layer_types`"),
+    (r"\bLossKind\b", "`LossKind`", "`LossMethod`"),
+    (r"\bloss_kind\b", "`loss_kind`", "`loss_method`"),
+    (r"\bLossSpec\(kind=", "`LossSpec.kind`", "`LossSpec.method`"),
+    (r"(?<!\")\b(moe|cfg)\.expert_bias_terms\b", "`model.moe.expert_bias_terms`", "`model.moe.expert_linear_bias`"),
+    (r"\b(manifest|source|s)\.kind\b", "`Manifest.kind`", "`Manifest.record_type`"),
+    (r'group\["kind"\]|\bkind="(muon|adamw)"', "a Muon group's `\"kind\"`", '`"update"`'),
+]
 
 
 def _summary(path: Path) -> str:
@@ -128,9 +160,11 @@ def tree() -> str:
 
 def words() -> str:
     rule = textwrap.fill(NAMING_RULE, WIDTH)
-    items = [textwrap.fill(f"- **{word}**: {meaning}.", WIDTH, subsequent_indent="  ")
+    items = [textwrap.fill(f"- **{word}**: {meaning}.", WIDTH, subsequent_indent="  ", break_on_hyphens=False)
              for word, meaning in sorted(WORDS.items(), key=lambda item: item[0].lower())]
-    return rule + "\n\n" + "\n".join(items)
+    retired = textwrap.fill("Retired spellings (a deprecated alias keeps each working for two releases): " + "; ".join(
+        f"{old} is now {word}" for _, old, word in RETIRED) + ".", WIDTH)
+    return rule + "\n\n" + "\n".join(items) + "\n\n" + retired
 
 
 def render(page: str) -> str:

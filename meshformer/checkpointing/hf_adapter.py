@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshformer.checkpointing.formats import MODELS_PACKAGE, hf_archs
 from meshformer.config import ModelConfig
+from meshformer.renamed import renamed_attribute
 
 if TYPE_CHECKING:
     import torch
@@ -37,7 +38,7 @@ COMMON: dict[str, Any] = {
     "capacity_factor": 0.0,
     "moe_blocks": "every block", "qk_norm_scope": "head", "norm_weight_offset": 0.0, "full_attention_every": None,
     "rope_local_theta": None, "attention_softcap": None, "logit_softcap": None, "router_bias": False,
-    "expert_bias_terms": False, "attention_sinks": False, "mla": False, "router_scale": 1.0, "linear_attention": False,
+    "expert_linear_bias": False, "attention_sinks": False, "mla": False, "router_scale": 1.0, "linear_attention": False,
     "kda": False, "dsa": False, "attention_output_gate": False, "rope_partial_factor": 1.0, "shared_expert_gate": False,
     "mla_query_scale": False, "norm_by_kind": (), "linear_allow_neg_eigval": False,
     "linear_norm_eps": "model.norm.eps", "hash_routing": False, "compressed_attention": False}
@@ -68,7 +69,7 @@ def features(cfg: ModelConfig) -> dict[str, Any]:
         "router_groups": cfg.moe.router_groups if moe else 1,
         "router_group_score": cfg.moe.router_group_score if moe and cfg.moe.router_groups > 1 else "top2_sum",
         "capacity_factor": cfg.moe.capacity_factor if moe else 0.0,
-        "router_bias": cfg.moe.router_bias and moe, "expert_bias_terms": cfg.moe.expert_bias_terms and moe,
+        "router_bias": cfg.moe.router_bias and moe, "expert_linear_bias": cfg.moe.expert_linear_bias and moe,
         "attention_sinks": cfg.attention.sinks, "mla": cfg.uses_mla,
         "mla_query_scale": cfg.uses_mla and cfg.mla.query_scale_beta != 0,
         "router_scale": cfg.moe.router_scale if moe else 1.0,
@@ -129,8 +130,8 @@ class HFAdapter:
     size_keys: tuple[str, ...] = ()  # config.json's sizes: positive integers, checked before anything is built
     layer_keys: tuple[str, ...] = ()  # its layer counts: no deeper than the checkpoint has tensors
     width_and_heads: tuple[str, str] | None = None  # (width, heads) keys when the width must divide by the heads
-    # the kinds config.json's layer_types may name (as transformers reads them): those its blocks compute
-    layer_kinds: tuple[str, ...] = ("full_attention", "sliding_attention")
+    # the values config.json's layer_types may hold (as transformers reads them): those its blocks compute
+    hf_layer_types: tuple[str, ...] = ("full_attention", "sliding_attention")
     extra_features: Callable[[ModelConfig], dict[str, Any]] | None = None  # config facts only it constrains
     derived: tuple[Derived, ...] = ()
     ignored: str | None = None  # a regex of foreign names that carry nothing we model (beside weightless buffers)
@@ -141,6 +142,9 @@ class HFAdapter:
     refused_names: tuple[tuple[str, str], ...] = ()
     # its routers hold our expert selection bias (router.expert_bias, named by a rule): export keeps a nonzero one
     holds_selection_bias: bool = False
+
+
+renamed_attribute(HFAdapter, "layer_kinds", "hf_layer_types")
 
 
 def refuse(arch: str, setting: str, why: str) -> ValueError:

@@ -4,7 +4,7 @@ Keys that mean the same in every architecture are checked from one typed table (
 string, a negative RoPE base, a dtype torch does not have or a scaling factor of "eight" is refused in one line
 naming the key, instead of failing deep inside transformers or computing something else. Each architecture's sizes
 (`HFAdapter.size_keys`) must be positive integers and its layer counts no deeper than the checkpoint has tensors;
-`layer_types` must hold kinds its adapter builds (`HFAdapter.layer_kinds`), as transformers reads them.
+`layer_types` must hold layer types its adapter builds (`HFAdapter.hf_layer_types`), as transformers reads them.
 
 Where config.json gives a RoPE value twice (at the top level and in rope_parameters, or rope_parameters beside the
 older rope_scaling), the value transformers uses is the one imported, and a note says which.
@@ -161,17 +161,17 @@ def _check_rope(raw: Mapping[str, Any]) -> list[str]:
 
 
 def check_layer_types(hf_config: Any, raw: Mapping[str, Any], adapter: HFAdapter) -> None:
-    """`layer_types` as transformers read it (it renames some older kinds: "mamba" is "linear_attention") holds only
-    kinds the adapter's blocks compute."""
-    kinds: list[Any] = list(getattr(hf_config, "layer_types", None) or [])
+    """`layer_types` as transformers read it (it renames some older values: "mamba" is "linear_attention") holds only
+    layer types the adapter's blocks compute."""
+    read: list[Any] = list(getattr(hf_config, "layer_types", None) or [])
     given = raw.get("layer_types")
-    written: list[Any] = given if isinstance(given, list) else kinds
-    for i, kind in enumerate(kinds):
-        if kind not in adapter.layer_kinds:
-            was = written[i] if i < len(written) else kind
-            read = f" (transformers reads it as {kind!r})" if was != kind else ""
-            raise ValueError(f"layer_types[{i}]={was!r}{read} is not a kind of block meshformer imports for "
-                             f"{adapter.model_type}, which has {' / '.join(map(repr, adapter.layer_kinds))}")
+    written: list[Any] = given if isinstance(given, list) else read
+    for i, layer_type in enumerate(read):
+        if layer_type not in adapter.hf_layer_types:
+            was = written[i] if i < len(written) else layer_type
+            how = f" (transformers reads it as {layer_type!r})" if was != layer_type else ""
+            raise ValueError(f"layer_types[{i}]={was!r}{how} is not a layer type meshformer imports for "
+                             f"{adapter.model_type}, which has {' / '.join(map(repr, adapter.hf_layer_types))}")
 
 
 def note(notes: list[str]) -> None:

@@ -91,8 +91,8 @@ def _router_incompatibilities(cfg: ModelConfig) -> list[str]:
     k, problems = cfg.moe.experts_per_token, []
     if cfg.bias:
         problems.append("mixture-of-experts with model.bias (Megatron's experts would carry biases, ours have none)")
-    if cfg.moe.router_bias or cfg.moe.expert_bias_terms:
-        problems.append("router_bias / expert_bias_terms (no Megatron-Core mapping here)")
+    if cfg.moe.router_bias or cfg.moe.expert_linear_bias:
+        problems.append("router_bias / expert_linear_bias (no Megatron-Core mapping here)")
     if cfg.moe.router_score == "sigmoid" and cfg.moe.router_renormalize != (k > 1):
         problems.append(f"router_score='sigmoid' with router_renormalize={cfg.moe.router_renormalize} at "
                         f"experts_per_token={k} (Megatron renormalises sigmoid weights exactly when k > 1)")

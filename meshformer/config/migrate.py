@@ -18,7 +18,7 @@ from meshformer.config.optim_compat import OPTIM_RENAMES  # [optim]'s table, as 
 from meshformer.config.parse import build_section
 from meshformer.errors import ConfigError
 from meshformer.model.config import ModelConfig, attention_pattern, moe_pattern
-from meshformer.model.config_compat import RENAMES  # the one table: the Python names' aliases read it too
+from meshformer.model.config_compat import RENAMES, SECTION_RENAMES  # the Python names' aliases read them too
 
 log = logging.getLogger("meshformer.config")
 
@@ -30,8 +30,11 @@ SUBTABLES = ("attention", "mla", "ffn", "rope", "norm", "moe", "init")
 
 
 def old_keys(table: dict[str, Any]) -> list[str]:
-    """The flat keys of an earlier release in a [model] table (a sub-table named as an old key is not one)."""
-    return [k for k in table if (k in RENAMES or k in PATTERNS) and not (k in SUBTABLES and isinstance(table[k], dict))]
+    """The flat keys of an earlier release in a [model] table (a sub-table named as an old key is not one), and the
+    old dotted names of keys renamed inside their sub-table (`SECTION_RENAMES`)."""
+    flat = [k for k in table if (k in RENAMES or k in PATTERNS) and not (k in SUBTABLES and isinstance(table[k], dict))]
+    return flat + [f"{s}.{k}" for s, sub in table.items() if s in SUBTABLES and isinstance(sub, dict) for k in sub
+                   if f"{s}.{k}" in SECTION_RENAMES]
 
 
 def migrate_model_table(table: dict[str, Any], where: str = "", report: Report = "each",
@@ -49,6 +52,9 @@ def migrate_model_table(table: dict[str, Any], where: str = "", report: Report =
     for key in found:
         if key in PATTERNS and key not in RENAMES:
             continue
+        if key in SECTION_RENAMES:
+            _rename_in_section(out, key, where)
+            continue
         section, name = RENAMES[key].split(".")
         sub = out.setdefault(section, {})
         if not isinstance(sub, dict):
@@ -63,10 +69,22 @@ def migrate_model_table(table: dict[str, Any], where: str = "", report: Report =
                  _at(where), ", ".join(found))
     elif report == "each":
         for key in found:
-            new = PATTERNS[key] if key in PATTERNS and key not in RENAMES else RENAMES[key]
+            new = PATTERNS[key] if key in PATTERNS and key not in RENAMES else {**RENAMES, **SECTION_RENAMES}[key]
             log.warning("config: model.%s is now model.%s (translated; update %s to silence this)", key, new,
                         "the --set override" if where == "--set" else where or "the file")
     return out
+
+
+def _rename_in_section(out: dict[str, Any], key: str, where: str) -> None:
+    """model.<section>.<old> -> model.<section>.<new> in `out` (its sub-tables are copies)."""
+    section, old = key.split(".")
+    name = SECTION_RENAMES[key].split(".")[1]
+    sub = out[section]
+    value = sub.pop(old)
+    if name in sub and sub[name] != value:
+        raise ConfigError(f"{_at(where)}model.{key}={value!r} and model.{SECTION_RENAMES[key]}={sub[name]!r} "
+                          "disagree", f"keep only model.{SECTION_RENAMES[key]}")
+    sub[name] = value
 
 
 def _patterns(table: dict[str, Any], out: dict[str, Any], where: str, context: dict[str, Any],

@@ -161,7 +161,7 @@ def _check_moe(cfg: Config) -> None:
         raise ConfigError("model.moe.shared_expert_gate=true gates the shared experts, but model.moe.n_shared_experts "
                           "= 0", "set model.moe.n_shared_experts (e.g. 1), or drop shared_expert_gate")
     if m.moe.n_experts == 0:
-        for key in ("router_bias", "expert_bias_terms"):
+        for key in ("router_bias", "expert_linear_bias"):
             if getattr(m.moe, key):
                 raise ConfigError(f"model.moe.{key}=true needs experts, but model.moe.n_experts=0",
                                   f"set model.moe.n_experts, or drop model.moe.{key}")

@@ -32,7 +32,7 @@ class ShardSource:
 
     def __init__(self, manifest: Manifest, split: str, skip: dict[str, str] | None = None) -> None:
         self.manifest, self.split = manifest, split
-        self.kind = manifest.kind
+        self.record_type = manifest.record_type
         self.record_len = manifest.record_len
         self.shards: list[ShardInfo] = manifest.splits[split]
         self.skipped = skip or {}  # shard name -> reason
@@ -44,8 +44,9 @@ class ShardSource:
 
     def read(self, shard: int, records: np.ndarray) -> dict[int, Sample]:
         info = self.shards[shard]
-        got = read_shard_records(self.manifest.shard_url(info), info, self.manifest.dtype, records, self, self.kind)
-        if self.kind == "pairs":
+        got = read_shard_records(self.manifest.shard_url(info), info, self.manifest.dtype, records, self,
+                                 self.record_type)
+        if self.record_type == "pairs":
             return {i: (parts["src"].astype(np.int64), parts["tgt"].astype(np.int64)) for i, parts in got.items()}
         return {i: parts["tokens"] for i, parts in got.items()}
 
@@ -110,7 +111,7 @@ def verify_shards(manifest: Manifest, split: str, full: bool, rank: int = 0, wor
 
 def _hash_problem(url: str, info: ShardInfo, manifest: Manifest) -> str:
     try:
-        read_shard(url, info, manifest.dtype, wanted=set(), kind=manifest.kind)
+        read_shard(url, info, manifest.dtype, wanted=set(), record_type=manifest.record_type)
     except ShardError as err:
         return err.reason
     return ""
@@ -239,10 +240,10 @@ def _check_manifest(manifest: Manifest, tokenizer: Tokenizer, objective: Objecti
                             f"tokenizer.json next to the manifest, or re-run prepare with this tokenizer")
     if split not in manifest.splits or not manifest.splits[split]:
         raise ManifestError(f"{where} has no {split!r} split; prepare with --eval-fraction > 0 for evaluation")
-    if manifest.kind == "pairs" and objective.name != "seq2seq":
+    if manifest.record_type == "pairs" and objective.name != "seq2seq":
         raise ManifestError(f"{where} holds source/target pairs, usable only by objective 'seq2seq' "
                             f"(not {objective.name!r}); point data.shards at packed shards")
-    if manifest.kind == "packed" and manifest.record_len < objective.raw_length:
+    if manifest.record_type == "packed" and manifest.record_len < objective.raw_length:
         raise ManifestError(f"{where} holds {manifest.record_len}-token records but objective {objective.name!r} "
                             f"with data.seq_len={objective.seq_len} needs {objective.raw_length}; re-run "
                             f"`meshformer data prepare --record-len {objective.raw_length}` or lower data.seq_len")

@@ -136,11 +136,11 @@ def train_command(manifest: Manifest, out: str) -> str:
     vocab = manifest.tokenizer["vocab_size"]
     keys = [f"data.shards={manifest.url}", f"data.tokenizer={manifest.base}/{manifest.tokenizer['file']}",
             f"model.vocab_size={vocab}"]
-    if manifest.kind == "packed":  # causal LM: records hold seq_len + 1 tokens
+    if manifest.record_type == "packed":  # causal LM: records hold seq_len + 1 tokens
         seq_len = manifest.record_len - 1
         keys += [f"data.seq_len={seq_len}", f"model.max_seq_len={seq_len}"]
     keys.append(f"logging.run_dir=runs/{Path(out).resolve().name}")
-    config = "tiny-gpt" if manifest.kind == "packed" else "tiny-t5"
+    config = "tiny-gpt" if manifest.record_type == "packed" else "tiny-t5"
     return shlex.join(["meshformer", "train", config, "--set", *keys])
 
 

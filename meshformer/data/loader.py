@@ -37,7 +37,7 @@ class DataStateError(ConfigError):
 
 
 class Source(Protocol):
-    kind: str  # "packed": token records of record_len; "pairs": (src, tgt) token arrays
+    record_type: str  # "packed": token records of record_len; "pairs": (src, tgt) token arrays
     record_len: int
     records_per_shard: list[int]  # as in the manifest
     skip: frozenset[int]  # shards left out (bad, with data.bad_shards="skip")
@@ -57,7 +57,7 @@ class BatchStream(IterableDataset):
     def __init__(self, sources: list[Source], orders: list[SampleOrder], objective: Objective, view: RankView,
                  with_ids: bool = False) -> None:
         self.sources, self.orders, self.objective, self.view, self.with_ids = sources, orders, objective, view, with_ids
-        self.windows = [objective.raw_length if s.kind == "packed" else 0 for s in sources]
+        self.windows = [objective.raw_length if s.record_type == "packed" else 0 for s in sources]
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         info = get_worker_info()
@@ -142,7 +142,7 @@ class Loader:
             raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size})")
         self.source, self.objective, self.split = source, objective, split
         self.dp_rank, self.dp_size, self.batch_size, self.num_workers = dp_rank, dp_size, batch_size, num_workers
-        windows = source.record_len // objective.raw_length if source.kind == "packed" else 1
+        windows = source.record_len // objective.raw_length if source.record_type == "packed" else 1
         self.order = SampleOrder(source.records_per_shard, windows, seed, shuffle=split == "train",
                                  group_shards=shuffle_shards, skip=source.skip)
         self.with_ids, self.seed, self.reseed_on_resume = with_ids, seed, reseed_on_resume

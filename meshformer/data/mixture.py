@@ -134,7 +134,7 @@ class MixtureLoader(Loader):
         self.sources, self.names, self.mix = sources, names, Interleave(weights)
         self.orders = []
         for i, source in enumerate(sources):
-            windows = source.record_len // objective.raw_length if source.kind == "packed" else 1
+            windows = source.record_len // objective.raw_length if source.record_type == "packed" else 1
             self.orders.append(SampleOrder(source.records_per_shard, windows, seed + 7919 * i,
                                            shuffle=split == "train", group_shards=shuffle_shards, skip=source.skip))
         self.settings = {"data": [s.fingerprint for s in sources], "weights": self.mix.weights.tolist(),
@@ -153,7 +153,7 @@ class MixtureLoader(Loader):
         out: dict[str, float] = {}
         for name, n, source in zip(self.names, counts.tolist(), self.sources):
             out[f"data/{name}/samples"] = float(n)
-            if source.kind == "packed":
+            if source.record_type == "packed":
                 out[f"data/{name}/tokens"] = float(n * self.objective.seq_len)
         return out
 

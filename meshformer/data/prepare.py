@@ -324,7 +324,7 @@ def _merge(plan: dict, work: Path, out: Path, tok: Tokenizer, files: list[Path])
     _refuse_empty_split(plan, work, splits, documents)
     tok.save(tmp / "tokenizer.json")
     manifest = Manifest(
-        kind=plan["kind"], record_len=plan["record_len"], dtype=plan["dtype"],
+        record_type=plan["kind"], record_len=plan["record_len"], dtype=plan["dtype"],
         tokenizer={"spec": plan["tokenizer_spec"], "file": "tokenizer.json", "sha256": tok.sha256,
                    "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "pad_id": tok.pad_id},
         splits=splits,
@@ -376,7 +376,7 @@ def _hold_out_tail(folder: Path, train: list[ShardInfo], plan: dict) -> tuple[li
     tail: list[dict] = []
     while train and len(tail) < n_held:  # the trailing shards that hold the records to move
         info = train.pop()
-        got = read_shard(str(folder / info.name), info, plan["dtype"], None, kind=plan["kind"])
+        got = read_shard(str(folder / info.name), info, plan["dtype"], None, record_type=plan["kind"])
         tail = [got[i] for i in range(info.samples)] + tail
         (folder / info.name).unlink()
         (folder / index_name(info.name)).unlink()

@@ -11,7 +11,7 @@ its tar member names against the record number before any sample is used. The sh
 shards without an index (older manifests), and readers that want every record anyway.
 
 Either way every tar member is checked by type and name as it is read (`shard_records`): a shard is data, so
-it holds only regular files named `<record>.<key>.<u16|u32>` with the keys of its kind; a link, device,
+it holds only regular files named `<record>.<key>.<u16|u32>` with the keys of its record type; a link, device,
 folder, absolute or `..` name, or an unexpected key is refused by name, never skipped or looked up blindly.
 """
 
@@ -30,7 +30,7 @@ import numpy as np
 
 ENTRY = np.dtype([("offset", "<u8"), ("length", "<u8"), ("digest", "V16")])
 _STREAM_ONLY = ("pipe:", "http://", "https://")
-RECORD_KEYS = {"packed": ("tokens",), "pairs": ("src", "tgt")}  # the members of one record, by manifest kind
+RECORD_KEYS = {"packed": ("tokens",), "pairs": ("src", "tgt")}  # the members of one record, by record type
 _MEMBER_NAME = re.compile(r"(\d{9})\.([a-z]+)\.(u16|u32)")
 
 
@@ -67,12 +67,12 @@ def _tar_members(fileobj: IO[bytes], ext: str) -> Iterator[tuple[str, str, bytes
             tar.members = []  # type: ignore[attr-defined]  # a stream of any length: keep no TarInfo list
 
 
-def shard_records(fileobj: IO[bytes], np_dtype: np.dtype, kind: str | None, first: int = 0
+def shard_records(fileobj: IO[bytes], np_dtype: np.dtype, record_type: str | None, first: int = 0
                   ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
     """(record number, {key: tokens}) of each record in a shard's tar stream, numbered from `first`, after checking
-    each member (`_tar_members`), that records come in order, and that each holds exactly the keys of `kind`
+    each member (`_tar_members`), that records come in order, and that each holds exactly the keys of `record_type`
     ("packed" or "pairs"; None: either). MemberError names the first member or record that breaks a rule."""
-    expected = [RECORD_KEYS[kind]] if kind else list(RECORD_KEYS.values())
+    expected = [RECORD_KEYS[record_type]] if record_type else list(RECORD_KEYS.values())
     record = first
     arrays: dict[str, np.ndarray] = {}
     for key, part, data in _tar_members(fileobj, dtype_ext(np_dtype)):
@@ -154,9 +154,9 @@ def _runs(sorted_ids: np.ndarray) -> list[tuple[int, int]]:
 
 
 def read_records(url: str, index_url: str, samples: int, np_dtype: np.dtype, wanted: np.ndarray,
-                 counter: Any = None, kind: str | None = None) -> dict[int, dict[str, np.ndarray]]:
+                 counter: Any = None, record_type: str | None = None) -> dict[int, dict[str, np.ndarray]]:
     """Records `wanted` (indices within the shard) by ranged reads; raises ValueError on any mismatch (MemberError:
-    a member that breaks the rules of `shard_records`, whose `kind` this is).
+    a member that breaks the rules of `shard_records`, whose `record_type` this is).
 
     counter: an object with an `nbytes` attribute to which the bytes read are added (read-volume stats).
     """
@@ -193,7 +193,7 @@ def read_records(url: str, index_url: str, samples: int, np_dtype: np.dtype, wan
                 if _digest(span) != entry["digest"].tobytes():
                     raise ValueError(f"record {a + k} (bytes {int(entry['offset'])}+{len(span)}) does not match "
                                      "its index digest")
-                out[a + k] = _parse(span, a + k, np_dtype, kind)
+                out[a + k] = _parse(span, a + k, np_dtype, record_type)
         return out
     finally:
         if counter is not None:
@@ -202,8 +202,8 @@ def read_records(url: str, index_url: str, samples: int, np_dtype: np.dtype, wan
         data.close()
 
 
-def _parse(span: bytes, record: int, np_dtype: np.dtype, kind: str | None) -> dict[str, np.ndarray]:
-    records = list(shard_records(io.BytesIO(span), np_dtype, kind, first=record))
+def _parse(span: bytes, record: int, np_dtype: np.dtype, record_type: str | None) -> dict[str, np.ndarray]:
+    records = list(shard_records(io.BytesIO(span), np_dtype, record_type, first=record))
     if len(records) != 1:
         raise ValueError(f"record {record} spans {len(records)} records in the tar")
     return records[0][1]

@@ -29,6 +29,7 @@ import webdataset as wds
 
 from meshformer.errors import MeshformerError
 from meshformer.folders import inside
+from meshformer.renamed import renamed_attribute
 
 from .shard_index import MemberError, dtype_ext, index_name, read_records, seekable, shard_records, write_index
 
@@ -88,7 +89,7 @@ class ShardInfo:
 
 @dataclass
 class Manifest:
-    kind: str  # "packed" | "pairs"
+    record_type: str  # "packed" | "pairs" (the manifest file's "kind")
     record_len: int  # tokens per packed record (0 for pairs)
     dtype: str  # "uint16" | "uint32"
     tokenizer: dict[str, Any]  # file, sha256, vocab_size, eos_id, pad_id, spec
@@ -109,7 +110,7 @@ class Manifest:
     def to_json(self) -> str:
         splits = {name: {"samples": sum(s.samples for s in shards), "tokens": sum(s.tokens for s in shards),
                          "shards": [vars(s) for s in shards]} for name, shards in self.splits.items()}
-        tree = {"format": FORMAT, "version": FORMAT_VERSION, "kind": self.kind, "record_len": self.record_len,
+        tree = {"format": FORMAT, "version": FORMAT_VERSION, "kind": self.record_type, "record_len": self.record_len,
                 "seq_len": max(self.record_len - 1, 0), "dtype": self.dtype, "tokenizer": self.tokenizer,
                 "splits": splits, "meta": self.meta}
         return json.dumps(tree, indent=1, sort_keys=True) + "\n"
@@ -169,6 +170,9 @@ def _inside_manifest_folder(manifest: Manifest, name: object) -> None:
            fix="a prepared dataset names only files in its own folder; re-run `meshformer data prepare`, or, if "
                "you wrote this manifest yourself, set data.allow_remote_shards=true (in a mixture: "
                "allow_remote_shards = true in its [[data.sources]] table)")
+
+
+renamed_attribute(Manifest, "kind", "record_type")  # the Python name of earlier releases
 
 
 # ----------------------------------------------------------------------------- writing
@@ -271,9 +275,9 @@ class _Hashing(io.RawIOBase):
 
 
 def read_shard(url: str, info: ShardInfo, dtype: str, wanted: set[int] | None,
-               counter: Any = None, kind: str | None = None) -> dict[int, dict[str, np.ndarray]]:
+               counter: Any = None, record_type: str | None = None) -> dict[int, dict[str, np.ndarray]]:
     """Stream one shard; return the wanted records (all if None) after checking count and sha256, and every tar
-    member as it is read (`shard_records`: regular files with the keys of `kind`, the manifest's kind).
+    member as it is read (`shard_records`: regular files with the keys of `record_type`, the manifest's).
 
     counter: an object with an `nbytes` attribute to which the bytes read are added (read-volume stats).
     """
@@ -287,7 +291,7 @@ def read_shard(url: str, info: ShardInfo, dtype: str, wanted: set[int] | None,
                          "(or set data.bad_shards='skip' to train without it)", f"cannot be opened ({err})") from None
     try:
         stream = _Hashing(raw)
-        for index, arrays in shard_records(io.BufferedReader(stream, 1 << 20), np_dtype, kind):
+        for index, arrays in shard_records(io.BufferedReader(stream, 1 << 20), np_dtype, record_type):
             samples = index + 1
             if wanted is None or index in wanted:
                 out[index] = arrays
@@ -312,15 +316,15 @@ def read_shard(url: str, info: ShardInfo, dtype: str, wanted: set[int] | None,
 
 
 def read_shard_records(url: str, info: ShardInfo, dtype: str, records: np.ndarray,
-                       counter: Any = None, kind: str | None = None) -> dict[int, dict[str, np.ndarray]]:
+                       counter: Any = None, record_type: str | None = None) -> dict[int, dict[str, np.ndarray]]:
     """The given records of one shard: ranged reads of just those when the store can seek and the shard has an
     index, else the whole shard streamed (also when every record is wanted: then the whole-file sha256 is
     checked too). Every member read is checked either way (`read_shard`)."""
     if not info.index_sha256 or not seekable(url) or len(np.unique(records)) == info.samples:
-        return read_shard(url, info, dtype, set(np.asarray(records).tolist()), counter, kind)
+        return read_shard(url, info, dtype, set(np.asarray(records).tolist()), counter, record_type)
     np_dtype = np.dtype("<u2") if dtype == "uint16" else np.dtype("<u4")
     try:
-        return read_records(url, index_name(url), info.samples, np_dtype, records, counter, kind)
+        return read_records(url, index_name(url), info.samples, np_dtype, records, counter, record_type)
     except MemberError as err:
         raise _member_error(url, err) from None
     except (FileNotFoundError, OSError) as err:

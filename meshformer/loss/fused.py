@@ -11,7 +11,7 @@ Storing costs an fp32 V x D weight gradient (and a hidden-state gradient) per lo
 backward: 1 GiB at Llama-1B's head. Where a pipeline's last stage runs several micro-batches' forwards before
 their backwards (GPipe; interleaved zero-bubble defers weight passes), these pile up, past the plain loss's
 logits for small micro-batches. `recompute=True` (train.loss="chunked_recompute", picked by "auto" there: see
-`meshformer.train.loss_choice.loss_kind`) keeps only each row's fp32 log-partition from the forward and
+`meshformer.train.loss_choice.loss_method`) keeps only each row's fp32 log-partition from the forward and
 recomputes each chunk's logits in the backward: one more head GEMM per chunk (more in a zero-bubble split
 backward, which recomputes in both its passes), for a lower last-stage peak where micro-batches pile up
 (figures: parallel/README.md, bench/pp_head_loss_memory.py). Both paths share the chunk projection, the
@@ -361,11 +361,11 @@ def liger_linear_cross_entropy(
     return (loss[0] if isinstance(loss, tuple) else loss).float()
 
 
-def head_loss_fn(kind: str, label_smoothing: float, z_loss: float, shard: VocabShard | None = None,
+def head_loss_fn(method: str, label_smoothing: float, z_loss: float, shard: VocabShard | None = None,
                  chunk_rows: int | None = None) -> HeadLoss:
     """The fused head loss named by train.loss ("chunked", "chunked_recompute" or "liger"; vocabulary-parallel with
     `shard`; `chunk_rows` None: `default_chunk_rows`)."""
-    if kind == "liger":
+    if method == "liger":
         if shard is not None:
             raise ValueError("liger's fused linear cross-entropy is not vocabulary-parallel; use 'chunked'")
 
@@ -373,12 +373,12 @@ def head_loss_fn(kind: str, label_smoothing: float, z_loss: float, shard: VocabS
             return liger_linear_cross_entropy(hidden, labels, weight, bias, label_smoothing=label_smoothing,
                                               z_loss=z_loss)
     else:
-        recompute = kind == "chunked_recompute"
+        recompute = method == "chunked_recompute"
 
         def head_loss(hidden, labels, weight, bias):
             return chunked_linear_cross_entropy(hidden, labels, weight, bias, label_smoothing=label_smoothing,
                                                 z_loss=z_loss, chunk_rows=chunk_rows, shard=shard,
                                                 recompute=recompute)
 
-    head_loss.kind = kind  # type: ignore[attr-defined]  # a label for the run report
+    head_loss.method = method  # type: ignore[attr-defined]  # a label for the run report
     return head_loss

@@ -7,14 +7,15 @@ this rank's vocabulary shard (tensor parallel) once the mesh exists.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from meshformer.errors import ConfigError
 from meshformer.loss.cross_entropy import LossFn, plain_loss_fn
 from meshformer.loss.fused import HeadLoss, VocabShard, head_loss_fn
 from meshformer.loss.vocab_parallel import vocab_parallel_loss_fn
+from meshformer.renamed import renamed_attribute, renamed_names
 
-LossKind = Literal["plain", "chunked", "chunked_recompute", "liger"]
+LossMethod = Literal["plain", "chunked", "chunked_recompute", "liger"]  # train.loss with "auto" resolved
 
 
 @dataclass(frozen=True)
@@ -28,12 +29,12 @@ class BoundLoss:
 
 @dataclass(frozen=True)
 class LossSpec:
-    """kind: "plain" (full logits) or a fused head loss (train.loss with "auto" resolved).
+    """method: "plain" (full logits) or a fused head loss (train.loss with "auto" resolved).
 
-    custom: a caller's loss on full-vocabulary logits, used as given instead of cross-entropy (kind "plain").
+    custom: a caller's loss on full-vocabulary logits, used as given instead of cross-entropy (method "plain").
     """
 
-    kind: LossKind
+    method: LossMethod
     label_smoothing: float = 0.0
     z_loss: float = 0.0
     chunk_rows: int | None = None  # rows per chunk of a fused head loss; None: `default_chunk_rows`
@@ -52,6 +53,11 @@ class LossSpec:
             logits_loss = plain_loss_fn(self.label_smoothing, self.z_loss)
         else:
             logits_loss = vocab_parallel_loss_fn(shard, self.label_smoothing, self.z_loss)
-        head_loss = None if self.kind == "plain" else head_loss_fn(self.kind, self.label_smoothing, self.z_loss,
-                                                                    shard, self.chunk_rows)
+        head_loss = None if self.method == "plain" else head_loss_fn(self.method, self.label_smoothing, self.z_loss,
+                                                                      shard, self.chunk_rows)
         return BoundLoss(logits_loss, head_loss)
+
+
+renamed_attribute(LossSpec, "kind", "method")
+if not TYPE_CHECKING:
+    __getattr__ = renamed_names(__name__, {"LossKind": "LossMethod"})

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from meshformer.model.config_compat import install_renamed
+from meshformer.model.config_compat import install_renamed, install_section_renames
 
 # swiglu: down(silu(gate(x)) * up(x)) (Llama); geglu: the same gated by gelu's tanh approximation (Gemma);
 # swiglu_clamped: gpt-oss's, gate clamped above and up both ways at swiglu_limit, then (up + 1) * gate *
@@ -184,7 +184,7 @@ class MoeConfig:
     # the shared experts' output scaled by sigmoid(a learned linear of the block input) (Qwen2-MoE, Qwen3-Next)
     shared_expert_gate: bool = False
     router_bias: bool = False  # a learned bias on the router logits (gpt-oss)
-    expert_bias_terms: bool = False  # biases on each expert's gate/up and down projections (gpt-oss)
+    expert_linear_bias: bool = False  # biases on each expert's gate/up and down projections (gpt-oss)
     # router logits -> expert scores (sigmoid: DeepSeek-V3; sqrt_softplus: sqrt(softplus(logit)), DeepSeek-V4)
     router_score: Literal["softmax", "sigmoid", "sqrt_softplus"] = "softmax"
     router_renormalize: bool = True  # the top-k weights sum to 1
@@ -201,6 +201,9 @@ class MoeConfig:
     router_scale: float = 1.0  # the top-k weights multiplied by this, after any renormalisation (DeepSeek-V3: 2.5)
     # auto: grouped_mm for bf16 on CUDA where it runs, else the loop (as fast as padded on CPU, or faster)
     backend: Literal["auto", "loop", "padded", "grouped_mm"] = "auto"
+
+
+install_section_renames(MoeConfig, "moe")  # MoeConfig.expert_bias_terms: deprecated (config_compat.py)
 
 
 @dataclass

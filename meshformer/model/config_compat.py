@@ -44,8 +44,14 @@ RENAMES: dict[str, str] = {
     "moe_backend": "moe.backend",
     "init": "init.method", "init_std": "init.std",
     "attention_sinks": "attention.sinks", "swiglu_limit": "ffn.swiglu_limit", "swiglu_alpha": "ffn.swiglu_alpha",
-    "rope_truncate": "rope.truncate", "router_bias": "moe.router_bias", "expert_bias_terms": "moe.expert_bias_terms",
+    "rope_truncate": "rope.truncate", "router_bias": "moe.router_bias", "expert_bias_terms": "moe.expert_linear_bias",
     "router_scale": "moe.router_scale",
+}
+
+# a key renamed inside its sub-table: old dotted key -> new dotted key below [model] (TOML migration reads it too;
+# the sub-config class takes the old name as a deprecated attribute and keyword: `install_section_renames`)
+SECTION_RENAMES: dict[str, str] = {
+    "moe.expert_bias_terms": "moe.expert_linear_bias",  # "expert bias" is the router's selection-bias buffer
 }
 
 _warned: set[str] = set()
@@ -112,3 +118,41 @@ def install_renamed(cls: type) -> None:
 def _is_section(key: str, value: Any, fields: set[str]) -> bool:
     """`norm=NormConfig(...)` is the field; `norm="rmsnorm"` the old key."""
     return key in fields and dataclasses.is_dataclass(value)
+
+
+def install_section_renames(cls: type, section: str) -> None:
+    """Give the sub-config dataclass `cls` (the [model.<section>] table) its keys' old names (`SECTION_RENAMES`): a
+    property and a constructor keyword each, with one FutureWarning per name per process naming the new one."""
+    renames = {old.split(".")[1]: new.split(".")[1] for old, new in SECTION_RENAMES.items()
+               if old.split(".")[0] == section}
+
+    def warn(old: str) -> None:
+        label = f"{cls.__name__}.{old}"
+        if label not in _warned:
+            _warned.add(label)
+            warnings.warn(f"{label} is deprecated and will be removed in {REMOVED_IN}: use {cls.__name__}."
+                          f"{renames[old]} (model.{section}.{renames[old]})", FutureWarning, stacklevel=3)
+
+    def alias(old: str) -> property:
+        def get(cfg: Any) -> Any:
+            warn(old)
+            return getattr(cfg, renames[old])
+
+        def put(cfg: Any, value: Any) -> None:
+            warn(old)
+            setattr(cfg, renames[old], value)
+
+        return property(get, put, doc=f"Deprecated (removed in {REMOVED_IN}): {renames[old]}.")
+
+    for old in renames:
+        setattr(cls, old, alias(old))
+    init = vars(cls)["__init__"]  # the dataclass-generated one
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        for old in [k for k in kwargs if k in renames]:
+            warn(old)
+            kwargs[renames[old]] = kwargs.pop(old)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[misc]

@@ -248,7 +248,7 @@ class ExpertExchange(Protocol):
 def expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The shapes of `Experts`' parameters by name (those the config has), all n_experts experts stacked on dim 0."""
     e, d, f = cfg.moe.n_experts, cfg.d_model, cfg.expert_d_ff
-    gated, biased = cfg.gated, cfg.moe.expert_bias_terms
+    gated, biased = cfg.gated, cfg.moe.expert_linear_bias
     shapes: dict[str, tuple[int, ...]] = {"gate_proj": (e, d, f)} if gated else {}
     shapes |= {"up_proj": (e, d, f), "down_proj": (e, f, d)}
     if biased:
@@ -258,7 +258,7 @@ def expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 class Experts(nn.Module):
     """n_experts feed-forward networks, stacked: gate/up (E, d_model, width), down (E, width, d_model); with
-    model.moe.expert_bias_terms their biases gate_bias/up_bias (E, width), down_bias (E,
+    model.moe.expert_linear_bias their biases gate_bias/up_bias (E, width), down_bias (E,
                                                                                       d_model), split with the experts.
 
     `forward(xs, counts)` runs the token rows `xs`, sorted by expert, `counts[e]` of them for expert e; under expert

@@ -1,6 +1,6 @@
 """Muon (momentum orthogonalised by Newton–Schulz) for the blocks' weight matrices, AdamW for everything else.
 
-`Muon` is one torch optimizer with two kinds of parameter group (`group["kind"]`):
+`Muon` is one torch optimizer whose parameter groups each take one of two updates (`group["update"]`):
 - "muon": the 2-D weights of the blocks (attention and feed-forward projections, shared experts) and the stacked
   expert weights ([experts, d_in, d_out], each expert its own matrix). Per matrix: Nesterov momentum
   (buf = mu·buf + g; update direction g + mu·buf), 5 quintic Newton–Schulz iterations in fp32 (the update's
@@ -33,6 +33,7 @@ from torch.optim.adamw import adamw
 
 from meshformer.errors import ConfigError
 from meshformer.optim.optimizer_spec import FP32, OptimizerSpec, SharedKeys, decays, local, unique_trainable
+from meshformer.renamed import warn_renamed_key
 
 # Quintic Newton–Schulz coefficients (Keller Jordan's): fast growth of small singular values; the result's singular
 # values land in about [0.7, 1.2], not exactly 1, which training tolerates.
@@ -140,13 +141,18 @@ def _owners(params: list[torch.Tensor]) -> list[bool]:
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon groups (`kind="muon"`: lr, weight_decay, momentum, ns_steps, scale) and AdamW groups (`kind="adamw"`:
+    """Muon groups (`update="muon"`: lr, weight_decay, momentum, ns_steps, scale) and AdamW groups (`update="adamw"`:
     lr, betas, eps, weight_decay); see the module notes."""
 
     def __init__(self, groups: list[dict[str, Any]]) -> None:
         defaults = dict(lr=1e-3, weight_decay=0.0, momentum=0.95, ns_steps=5, scale="moonlight", betas=(0.9, 0.95),
-                        eps=1e-8, kind="adamw")
-        super().__init__(groups, defaults)
+                        eps=1e-8, update="adamw")
+        super().__init__([_renamed_group(group, warn=True) for group in groups], defaults)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, reading the groups' `kind` of state saved by earlier releases as `update`."""
+        groups = [_renamed_group(group, warn=False) for group in state_dict["param_groups"]]
+        super().load_state_dict({**state_dict, "param_groups": groups})
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
@@ -155,7 +161,7 @@ class Muon(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            if group["kind"] == "muon":
+            if group["update"] == "muon":
                 self._muon_step(group, params)
             else:
                 self._adamw_step(group, params)
@@ -203,10 +209,21 @@ class Muon(torch.optim.Optimizer):
                                 eps=group["eps"], maximize=False)
 
 
+def _renamed_group(group: dict[str, Any], warn: bool) -> dict[str, Any]:
+    """`group` with `kind`, the update's key in earlier releases, as `update` (a caller's group warns once)."""
+    if "kind" not in group:
+        return group
+    if warn:
+        warn_renamed_key("Muon parameter group key 'kind'", "'update'")
+    renamed = {k: v for k, v in group.items() if k != "kind"}
+    renamed.setdefault("update", group["kind"])  # a group holding both (a loaded one merged into ours): ours wins
+    return renamed
+
+
 def matrix_groups(named: Iterable[tuple[str, nn.Parameter]], shared: SharedKeys, matrices: dict[str, Any]
                   ) -> list[dict[str, Any]]:
     """Parameter groups by rule (`is_muon_parameter`): AdamW with decay (other matrices), AdamW without decay
-    (1-D), and the matrices with the hyperparameters `matrices` (kind="muon")."""
+    (1-D), and the matrices with the hyperparameters `matrices` (update="muon")."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     muon: list[nn.Parameter] = []
@@ -215,10 +232,10 @@ def matrix_groups(named: Iterable[tuple[str, nn.Parameter]], shared: SharedKeys,
             muon.append(param)
         else:
             (decay if decays(name, param) else no_decay).append(param)
-    adamw = dict(kind="adamw", lr=shared.lr, betas=shared.betas, eps=shared.eps)
+    adamw = dict(update="adamw", lr=shared.lr, betas=shared.betas, eps=shared.eps)
     return [{**adamw, "params": decay, "weight_decay": shared.weight_decay},
             {**adamw, "params": no_decay, "weight_decay": 0.0},
-            dict(kind="muon", params=muon, **matrices)]
+            dict(update="muon", params=muon, **matrices)]
 
 
 @dataclass

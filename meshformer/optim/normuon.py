@@ -65,7 +65,7 @@ def neuron_state(param: torch.Tensor) -> torch.Tensor:
 
 
 class NorMuon(Muon):
-    """Muon's groups (`kind="muon"` adds beta2 and eps) with the per-neuron normalisation; AdamW groups as Muon's."""
+    """Muon's groups (`update="muon"` adds beta2 and eps) with the per-neuron normalisation; AdamW groups as Muon's."""
 
     def _finish(self, group: dict[str, Any], p: torch.Tensor, ortho: torch.Tensor, owner: bool
                 ) -> tuple[torch.Tensor, float]:

@@ -133,7 +133,7 @@ def float8_weight_gather(cfg: Config, dims: ParallelDims) -> bool:
 def _loss_report(loss: LossSpec, note: str = "") -> str:
     if loss.custom is not None:
         return "custom (full logits)"
-    return f"plain (full logits{note})" if loss.kind == "plain" else loss.kind
+    return f"plain (full logits{note})" if loss.method == "plain" else loss.method
 
 
 def compile_mode(cfg: Config, dims: ParallelDims) -> str:

@@ -183,11 +183,11 @@ def recomputed_chunked_loss(m: ModelConfig, x: ActivationShape, device_type: str
     return x.batch * x.seq * FP32, work + weight_grad
 
 
-def loss_memory(m: ModelConfig, x: ActivationShape, kind: str, device_type: str) -> tuple[float, float]:
+def loss_memory(m: ModelConfig, x: ActivationShape, method: str, device_type: str) -> tuple[float, float]:
     """(kept, transient) of the configured loss; liger's fused kernel is counted like the chunked loss."""
-    if kind == "plain":
+    if method == "plain":
         return logits(m, x)
-    if kind == "chunked_recompute":
+    if method == "chunked_recompute":
         return recomputed_chunked_loss(m, x, device_type)
     return chunked_loss(m, x, device_type)
 

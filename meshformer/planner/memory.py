@@ -70,15 +70,15 @@ def pipeline_in_flight(cfg: Config, dims: ParallelDims, share: RankShare) -> flo
     return warmup / chunks
 
 
-def head_loss_live(cfg: Config, x: act.ActivationShape, kind: str, device_type: str) -> float:
+def head_loss_live(cfg: Config, x: act.ActivationShape, method: str, device_type: str) -> float:
     """The last stage's loss memory at its worst moment: what the loss keeps per micro-batch, times the
     micro-batches holding it, plus one backward's work. A fused loss keeps its saved tensors until the weight
     backward (`last_stage_losses_in_flight`); the plain loss's logits go with the stage output at the (input)
     backward, so only GPipe keeps several, but a zero-bubble schedule holds the fp32 logits gradient that its
     input pass captured for each deferred weight pass (measured: bench/pp_head_loss_memory.py)."""
-    kept, work = act.loss_memory(cfg.model, x, kind, device_type)
+    kept, work = act.loss_memory(cfg.model, x, method, device_type)
     held = last_stage_losses_in_flight(cfg)
-    if kind != "plain" or cfg.parallel.pp_schedule == "gpipe":
+    if method != "plain" or cfg.parallel.pp_schedule == "gpipe":
         return kept * held + work
     return kept + (held - 1) * x.batch * x.seq * (cfg.model.vocab_size // x.tp) * act.FP32 + work
 
@@ -128,13 +128,13 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare, moe_imbalance
             rebuild.append(full)
     head = act.head_saved(m, shape, share.last)
     in_flight = pipeline_in_flight(cfg, dims, share)
-    loss_kind = loss_choice.loss_kind(cfg, dims, device_type)
+    loss_method = loss_choice.loss_method(cfg, dims, device_type)
     # multi-token prediction on the stage holding the head: each module after the main stack, back-propagated first
     mtp_mode = p.recompute if p.recompute in ("full", "selective") else "none"
-    loss_kept = act.loss_memory(m, shape, loss_kind, device_type)[0]
+    loss_kept = act.loss_memory(m, shape, loss_method, device_type)[0]
     mtp = [act.mtp_module_saved(m, shape, mtp_mode, loss_kept)] * (m.mtp.depth if share.last else 0)
     per_microbatch = sum(kept) + head + sum(saved for saved, _ in mtp)
-    logits_live = head_loss_live(cfg, shape, loss_kind, device_type) if share.last else 0.0
+    logits_live = head_loss_live(cfg, shape, loss_method, device_type) if share.last else 0.0
 
     root = share.root_numel * unsharded_bytes if fsdp else 0.0
     block_unit = share.block_numel * unsharded_bytes if fsdp else 0.0
@@ -157,7 +157,7 @@ def rank_memory(cfg: Config, dims: ParallelDims, share: RankShare, moe_imbalance
     # GPipe's last forward comes before any backward of the step: no head gradient exists yet (the recomputing
     # loss's worst moment is its backward, accumulating into the head gradient: counted)
     gpipe_first_pass = (dims.pp > 1 and p.pp_schedule == "gpipe" and not accumulating
-                        and loss_kind != "chunked_recompute")
+                        and loss_method != "chunked_recompute")
     moments = {"forward end": static + root + held_units + earlier + per_microbatch + logits_live
                + (0.0 if gpipe_first_pass else head_grad)}
     done_grads = head_grad

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from meshformer.config import Config, ConfigError
 from meshformer.loss.cross_entropy import LossFn
 from meshformer.loss.fused import liger_available
-from meshformer.loss.token_loss import LossKind, LossSpec
+from meshformer.loss.token_loss import LossMethod, LossSpec
 from meshformer.parallel_dims import ZERO_BUBBLE, ParallelDims, last_stage_losses_in_flight
+from meshformer.renamed import renamed_names
 
 
-def loss_kind(cfg: Config, dims: ParallelDims, device_type: str) -> LossKind:
+def loss_method(cfg: Config, dims: ParallelDims, device_type: str) -> LossMethod:
     """train.loss with "auto" resolved: liger's fused kernel on one CUDA device when installed (less peak memory
     than the chunked loss at about its speed); else the chunked loss, which runs under every layout and schedule
     and on CPU is also faster than the plain loss while holding one chunk of logits instead of all of them.
@@ -34,15 +37,19 @@ def resolve_loss(cfg: Config, dims: ParallelDims, device_type: str, custom: Loss
     on full-vocabulary logits, used as given; refused under tensor parallel when bound)."""
     if custom is not None:
         return LossSpec("plain", custom=custom)
-    kind = loss_kind(cfg, dims, device_type)
-    if kind != "plain" and cfg.model.logit_softcap is not None:
-        raise ConfigError(f"train.loss={kind!r} computes the logits inside the loss, without "
+    method = loss_method(cfg, dims, device_type)
+    if method != "plain" and cfg.model.logit_softcap is not None:
+        raise ConfigError(f"train.loss={method!r} computes the logits inside the loss, without "
                           f"model.logit_softcap={cfg.model.logit_softcap}", "use train.loss='plain' (or 'auto')")
-    if kind == "liger" and dims.pp_enabled and cfg.parallel.pp_schedule in ZERO_BUBBLE:
+    if method == "liger" and dims.pp_enabled and cfg.parallel.pp_schedule in ZERO_BUBBLE:
         raise ConfigError(f"train.loss='liger' cannot run under parallel.pp_schedule={cfg.parallel.pp_schedule!r}: "
                           "its backward scales its stored gradients in place and the deferred weight pass runs it "
                           "again; use train.loss='chunked' or a non-zero-bubble schedule")
-    if kind == "liger" and (device_type != "cuda" or not liger_available() or dims.tp_enabled):
+    if method == "liger" and (device_type != "cuda" or not liger_available() or dims.tp_enabled):
         raise ConfigError("train.loss='liger' needs CUDA, the liger-kernel package and parallel.tp=1; use "
                           "train.loss='chunked'")
-    return LossSpec(kind, cfg.train.label_smoothing, cfg.train.z_loss)
+    return LossSpec(method, cfg.train.label_smoothing, cfg.train.z_loss)
+
+
+if not TYPE_CHECKING:
+    __getattr__ = renamed_names(__name__, {"loss_kind": "loss_method"})

@@ -70,7 +70,7 @@ def random_case(rng: random.Random) -> dict[str, Any]:
                   final=rng.choice([None, True, False]), embedding=rng.random() < 0.2),
         moe=dict(n_experts=experts, experts_per_token=rng.choice([1, 2]), d_ff=rng.choice([0, 16, 48]),
                  n_shared_experts=rng.choice([0, 0, 1, 2]), router_bias=rng.random() < 0.3,
-                 expert_bias_terms=rng.random() < 0.3, capacity_factor=rng.choice([0.0, 0.0, 1.25]),
+                 expert_linear_bias=rng.random() < 0.3, capacity_factor=rng.choice([0.0, 0.0, 1.25]),
                  aux_loss=rng.choice([0.0, 0.01]), router_z_loss=rng.choice([0.0, 0.001])),
     )
     tp = rng.choice([1, 1, 2])

@@ -125,7 +125,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
                    layer_types=["sliding_attention", "full_attention"], norm=dict(kind="rmsnorm"),
                    ffn=dict(activation="swiglu_clamped"), attention=dict(n_kv_heads=2, sinks=True, window=5),
                    rope=dict(scaling="yarn", factor=4.0, original_max_seq_len=8, truncate=False),
-                   moe=dict(n_experts=4, experts_per_token=2, d_ff=24, router_bias=True, expert_bias_terms=True,
+                   moe=dict(n_experts=4, experts_per_token=2, d_ff=24, router_bias=True, expert_linear_bias=True,
                             aux_loss=0.01)),
     # DeepSeek-V3-like: multi-head latent attention in every block (low-rank queries, interleaved RoPE with YaRN and
     # its mscale; under cp the ranks exchange the compressed latents), the first block dense, then MoE blocks of 8

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from helpers.common import ROOT
 
 from meshformer.folders import (
     MARKER,
@@ -13,6 +15,7 @@ from meshformer.folders import (
     check_links,
     check_output,
     inside,
+    is_ours,
     mark,
     remove,
     replace,
@@ -125,3 +128,15 @@ def test_links_leaving_a_folder_are_refused_except_the_hub_cache_layout(tmp_path
     with pytest.raises(UnsafePathError, match="outside"):
         inside(folder, "b", what="m", fix="f")
     assert inside(folder, "b", what="m", fix="f", follow_links=True) == folder / "b"
+
+
+def test_a_marker_says_what_the_folder_holds_and_an_earlier_releases_marker_still_counts(tmp_path):
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    mark(ours, "prepared shards")
+    assert json.loads((ours / MARKER).read_text())["contents"] == "prepared shards"
+    earlier = ROOT / "tests" / "fixtures" / "run_1ed6c24" / "final"  # its marker says "kind": "final weights"
+    assert "kind" in json.loads((earlier / MARKER).read_text())
+    assert is_ours(earlier)
+    with pytest.raises(OutputFolderError, match="--overwrite"):
+        check_output(earlier, what="weights", overwrite=False)

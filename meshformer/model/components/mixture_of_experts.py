@@ -66,7 +66,7 @@ class MixtureOfExperts(ChannelMixer):
         """Active: the router, experts_per_token routed experts and the shared experts, with the router's and
         experts' biases where present."""
         expert = dense_matmuls(cfg, cfg.expert_d_ff)
-        if cfg.moe.expert_bias_terms:  # gate (if any) and up biases of width expert_d_ff, a down bias of width d_model
+        if cfg.moe.expert_linear_bias:  # gate (if any) and up biases of width expert_d_ff, a down bias of width d_model
             expert += (2 if cfg.gated else 1) * cfg.expert_d_ff + cfg.d_model
         router = cfg.moe.n_experts * (cfg.d_model + int(cfg.moe.router_bias))
         common = router + dense_params(cfg, cfg.moe.n_shared_experts * cfg.expert_d_ff) + shared_expert_gate(cfg)

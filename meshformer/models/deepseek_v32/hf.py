@@ -84,7 +84,7 @@ def dsa_adapter(arch: str, model_class: str, *, config_from_hf: Any, config_to_h
         extra_features=dsa_features,
         size_keys=(*deepseek_v3.ADAPTER.size_keys, *SIZE_KEYS), refused_names=(deepseek_v3.FP8,), ignored=ignored,
         holds_selection_bias=True,
-    ), rules=dsa_rules, layer_kinds=("indexed_attention",))
+    ), rules=dsa_rules, hf_layer_types=("indexed_attention",))
 
 
 def config_from_hf(c: Any) -> ModelConfig:

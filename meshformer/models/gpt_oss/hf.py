@@ -7,7 +7,7 @@ block rotates with the same YaRN (truncate false = our rope_truncate false), win
 The router (mlp.router: weight and bias = our router_bias) takes the softmax of the top-k logits (= our softmax
 over all, renormalised). The experts are stored stacked, (in, out) as ours: gate_up_proj (E, d, 2f) interleaves
 gate (even columns) and up (odd) = our gate_proj / up_proj, its bias likewise our gate_bias / up_bias;
-down_proj / down_proj_bias = our down_proj / down_bias (expert_bias_terms). They apply the clamped SwiGLU
+down_proj / down_proj_bias = our down_proj / down_bias (expert_linear_bias). They apply the clamped SwiGLU
 (swiglu_limit, swiglu_alpha = ours; hidden_act is unused). router_aux_loss_coef <-> moe_aux_loss.
 
 Refused: layer_types other than every n-th block global, rotary scaling other than ours; on export, a model without
@@ -72,7 +72,7 @@ ADAPTER = llama_like.adapter(
     ARCH, "GptOssForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf, experts=experts,
     # its windowed blocks rotate with the global (scaled) RoPE, as ours do without rope_local_theta
     requirements={**llama_like.REQUIREMENTS, "activation": "swiglu_clamped", "bias": {False, True}, "moe": True,
-                  "attention_sinks": True, "router_bias": True, "expert_bias_terms": True, "attention_window": ANY,
+                  "attention_sinks": True, "router_bias": True, "expert_linear_bias": True, "attention_window": ANY,
                   "full_attention_every": ANY, "windowed_blocks_rope": ANY},
     size_keys=(*llama_like.SIZE_KEYS, "head_dim", "num_local_experts", "num_experts_per_tok", "sliding_window"),
     refused_names=(QUANTIZED,),

@@ -139,5 +139,5 @@ ADAPTER = HFAdapter(
     size_keys=(*llama_like.SIZE_KEYS, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "linear_num_heads",
                "linear_head_dim", "linear_conv_kernel_dim"),
-    old_names=old_names, holds_selection_bias=True, layer_kinds=("linear_attention", "full_attention"),
+    old_names=old_names, holds_selection_bias=True, hf_layer_types=("linear_attention", "full_attention"),
 )

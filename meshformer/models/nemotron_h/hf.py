@@ -116,5 +116,5 @@ ADAPTER = HFAdapter(
     extra_features=extra_features,
     size_keys=("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
                "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel"),
-    layer_kinds=("linear_attention", "full_attention", "mlp"),
+    hf_layer_types=("linear_attention", "full_attention", "mlp"),
 )

@@ -114,7 +114,7 @@ def extra_features(cfg: ModelConfig) -> dict[str, Any]:
 ADAPTER = HFAdapter(
     model_type=ARCH, model_class="OlmoHybridForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
     rules=rules, base_prefix="model.", layer_keys=("num_hidden_layers",),
-    layer_kinds=("linear_attention", "full_attention"),
+    hf_layer_types=("linear_attention", "full_attention"),
     requirements={**olmo2.REQUIREMENTS, "position": {"rope", "none"}, "linear_attention": True,
                   "norm_by_kind": (("linear_attention", "pre"),), "linear_allow_neg_eigval": {True, False},
                   "linear_norm_eps": OUTPUT_NORM_EPS, "separate_linear_projections": True},

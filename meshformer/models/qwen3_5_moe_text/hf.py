@@ -72,7 +72,7 @@ def extra_features(cfg: ModelConfig) -> dict[str, Any]:
 ADAPTER = HFAdapter(
     model_type=ARCH, model_class="Qwen3_5MoeForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
     rules=rules, base_prefix="model.", layer_keys=("num_hidden_layers",),
-    layer_kinds=("linear_attention", "full_attention"),
+    hf_layer_types=("linear_attention", "full_attention"),
     requirements={**qwen3_5_text.hf.ADAPTER.requirements, "moe": True, "n_shared_experts": ANY,
                   "shared_expert_gate": True, "gated_shared_expert": True, "router_renormalize": True,
                   "moe_blocks": "every block"},

@@ -166,7 +166,7 @@ def extra_features(cfg: ModelConfig) -> dict[str, Any]:
 ADAPTER = HFAdapter(
     model_type=ARCH, model_class="Qwen3NextForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
     rules=rules, base_prefix="model.", layer_keys=("num_hidden_layers",),
-    layer_kinds=("linear_attention", "full_attention"),
+    hf_layer_types=("linear_attention", "full_attention"),
     requirements={**llama_like.REQUIREMENTS, "bias": False, "qk_norm": True, "norm_weight_offset": 1.0,
                   "attention_output_gate": True, "rope_partial_factor": ANY, "linear_attention": {True, False},
                   "moe": {True, False}, "n_shared_experts": ANY, "shared_expert_gate": {True, False},

@@ -3,9 +3,11 @@ config and override still loads, to the same model, with one log line per old ke
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import tomllib
+import warnings
 
 import pytest
 import torch
@@ -148,3 +150,32 @@ def test_an_old_window_beside_a_new_pattern_is_that_pattern_s_window(tmp_path):
     over = load_config(CONFIGS / "tiny-gpt.toml", ['model.layer_types=["full_attention", "sliding_attention"]',
                                                    "model.attention_window=8"])
     assert [over.model.window(i) for i in range(4)] == [None, 8, None, 8]
+
+
+def test_a_key_renamed_inside_its_table_migrates_and_its_python_name_warns_once(tmp_path, caplog, monkeypatch):
+    """model.moe.expert_bias_terms (the experts' projection biases; "expert bias" is the router's buffer) is
+    model.moe.expert_linear_bias: in a file, an override, the flat key, and as a MoeConfig attribute or keyword."""
+    from meshformer.model import config_compat
+    from meshformer.model.config import MoeConfig
+
+    path = tmp_path / "old.toml"
+    old = (CONFIGS / "tiny-moe.toml").read_text()
+    path.write_text(old.replace("[model.moe]", "[model.moe]\nexpert_bias_terms = true"))
+    with caplog.at_level(logging.WARNING, "meshformer.config"):
+        assert load_config(path).model.moe.expert_linear_bias
+    assert any("model.moe.expert_bias_terms is now model.moe.expert_linear_bias" in r.getMessage()
+               for r in caplog.records)
+    assert load_config(CONFIGS / "tiny-moe.toml", ["model.moe.expert_bias_terms=true"]).model.moe.expert_linear_bias
+    assert migrate_model_table({"expert_bias_terms": True}, report="none") == {"moe": {"expert_linear_bias": True}}
+    with pytest.raises(ConfigError, match="model.moe.expert_bias_terms=True and model.moe.expert_linear_bias=False"):
+        migrate_model_table({"moe": {"expert_bias_terms": True, "expert_linear_bias": False}})
+
+    monkeypatch.setattr(config_compat, "_warned", set())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cfg = MoeConfig(n_experts=4, expert_bias_terms=True)  # type: ignore[call-arg]
+        assert cfg.expert_linear_bias and cfg.expert_bias_terms  # type: ignore[attr-defined]
+        cfg.expert_bias_terms = False  # type: ignore[attr-defined]
+    assert not cfg.expert_linear_bias and "expert_bias_terms" not in dataclasses.asdict(cfg)
+    assert [w.category for w in seen] == [FutureWarning]
+    assert "MoeConfig.expert_linear_bias" in str(seen[0].message)

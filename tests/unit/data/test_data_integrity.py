@@ -228,9 +228,9 @@ def test_every_tar_member_is_checked_by_type_and_name(data, case, ranged):
     url = manifest.shard_url(info)
     with pytest.raises(ShardError) as caught:
         if ranged:  # one record of four: read by its index entry (whose digest the forger made match)
-            read_shard_records(url, info, manifest.dtype, np.array([0]), kind=manifest.kind)
+            read_shard_records(url, info, manifest.dtype, np.array([0]), record_type=manifest.record_type)
         else:
-            read_shard(url, info, manifest.dtype, None, kind=manifest.kind)
+            read_shard(url, info, manifest.dtype, None, record_type=manifest.record_type)
     line = caught.value.one_line()
     assert line.startswith(f"shard {data / name}: member") or f"shard {data / name}: record" in line, line
     for word in (*words, "re-run `meshformer data prepare`"):
@@ -256,7 +256,7 @@ def test_well_formed_shards_of_both_kinds_still_read(data, tmp_path):
                                                     pairs=True, progress=False).url, "pairs")):
         manifest = read_manifest(str(folder))
         info = manifest.splits["train"][0]
-        got = read_shard(manifest.shard_url(info), info, manifest.dtype, None, kind=kind)
+        got = read_shard(manifest.shard_url(info), info, manifest.dtype, None, record_type=kind)
         assert len(got) == info.samples and all(sorted(r) == sorted(("tokens",) if kind == "packed" else
                                                                     ("src", "tgt")) for r in got.values())
 

@@ -108,7 +108,7 @@ def test_pairs_feed_seq2seq(tmp_path):
                              for i in range(30)))
     m = prepare(pairs, tmp_path / "p", tokenizer="bundled:kjv-bpe-4k", pairs=True, eval_fraction=0.1,
                 progress=False)
-    assert m.kind == "pairs" and m.splits["train"][0].samples == 27
+    assert m.record_type == "pairs" and m.splits["train"][0].samples == 27
     cfg = config(tmp_path / "p", 'train.objective="seq2seq"', family="encoder_decoder")
     loader = build_loader(cfg, tokenizer(), "train", 0, 1)
     batch = next(loader)

@@ -4,6 +4,7 @@ for the package's file names; a renamed module's old import path works, warning 
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 import warnings
 from collections import defaultdict
@@ -59,3 +60,54 @@ def test_the_new_paths_import_without_warnings():
         warnings.simplefilter("error")
         for new in MOVED.values():
             importlib.import_module(new)
+
+
+def test_a_retired_word_stays_retired():
+    """No module of the package spells a retired name in its old meaning (docs/design.md's Words); only the line that
+    belongs to its deprecation path (`renamed_attribute(...)`, `renamed_names(...)`, `renamed`) names it."""
+    found = []
+    for pattern, _, word in design_tree.RETIRED:
+        for path in (ROOT / "meshformer").rglob("*.py"):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if re.search(pattern, line) and not re.search(r"\brenamed(_\w+)?\b", line):
+                    found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()} (now: {word})")
+    assert found == []
+
+
+def _old_and_new() -> list[tuple[str, object, object]]:
+    """(label, a function reading the old name, the new name's value) for each renamed attribute and module name."""
+    from meshformer.data.shards import Manifest
+    from meshformer.loss import token_loss
+    from meshformer.loss.token_loss import LossSpec
+    from meshformer.models.qwen3_next.hf import ADAPTER
+    from meshformer.train import loss_choice
+
+    spec = LossSpec("chunked")
+    manifest = Manifest("pairs", 0, "uint16", {}, {})
+    return [("HFAdapter.hf_layer_types", lambda: ADAPTER.layer_kinds, ADAPTER.hf_layer_types),
+            ("LossSpec.method", lambda: spec.kind, spec.method),
+            ("token_loss.LossMethod", lambda: token_loss.LossKind, token_loss.LossMethod),
+            ("loss_choice.loss_method", lambda: loss_choice.loss_kind, loss_choice.loss_method),
+            ("Manifest.record_type", lambda: manifest.kind, manifest.record_type)]
+
+
+def test_a_renamed_name_works_and_warns_once(monkeypatch):
+    """Each old attribute or module name, read twice as if for the first time, gives the new one's value and one
+    FutureWarning naming the new name."""
+    from meshformer import renamed
+
+    for new, read_old, value in _old_and_new():
+        monkeypatch.setattr(renamed, "_warned_attributes", set())  # as if first read in this process
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            first, second = read_old(), read_old()  # type: ignore[no-untyped-call]
+        assert first == second == value, new
+        assert [w.category for w in seen] == [FutureWarning], (new, [str(w.message) for w in seen])
+        assert new in str(seen[0].message) and "removed in" in str(seen[0].message), str(seen[0].message)
+
+
+def test_a_module_without_the_old_name_still_raises():
+    from meshformer.train import loss_choice
+
+    with pytest.raises(AttributeError, match="no attribute 'loss_kinds'"):
+        loss_choice.loss_kinds  # noqa: B018

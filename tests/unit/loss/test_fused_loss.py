@@ -193,8 +193,8 @@ def test_loss_choice_is_checked_against_device_and_layout():
     with pytest.raises(ConfigError, match="train.loss='liger' cannot run under parallel.pp_schedule='zbv'"):
         resolve_loss(cfg, pp, "cuda")
     cfg.train.loss = "auto"
-    assert resolve_loss(cfg, pp, "cpu").kind == "chunked"  # the last pipeline stage runs it
-    assert resolve_loss(cfg, tp, "cpu").kind == "chunked"  # bound to the rank's vocabulary rows by parallelize
+    assert resolve_loss(cfg, pp, "cpu").method == "chunked"  # the last pipeline stage runs it
+    assert resolve_loss(cfg, tp, "cpu").method == "chunked"  # bound to the rank's vocabulary rows by parallelize
     cfg.train.loss = "plain"
     assert resolve_loss(cfg, pp, "cpu").bind(None).head_loss is None
 

@@ -128,8 +128,8 @@ def test_logit_softcap_trains_with_the_plain_loss_only():
     from meshformer.train.loss_choice import resolve_loss
 
     dims = ParallelDims.from_config(config_with().parallel, 1)
-    assert resolve_loss(config_with(logit_softcap=30.0), dims, "cpu").kind == "plain"
-    assert resolve_loss(config_with(), dims, "cpu").kind == "chunked"
+    assert resolve_loss(config_with(logit_softcap=30.0), dims, "cpu").method == "plain"
+    assert resolve_loss(config_with(), dims, "cpu").method == "chunked"
     cfg = config_with(logit_softcap=30.0)
     cfg.train.loss = "chunked"
     with pytest.raises(ConfigError, match="without model.logit_softcap=30.0; use train.loss='plain'"):

@@ -735,7 +735,7 @@ def test_gpt_oss_export_refuses_what_it_lacks():
     """gpt-oss always has sinks, a router bias and expert biases, and gates with the clamped SwiGLU."""
     for extra, named in [({"attention_sinks": False}, "attention_sinks=False"),
                          ({"router_bias": False}, "router_bias=False"),
-                         ({"expert_bias_terms": False}, "expert_bias_terms=False"),
+                         ({"expert_bias_terms": False}, "expert_linear_bias=False"),
                          ({"activation": "swiglu"}, "activation='swiglu'"), ({"qk_norm": True}, "qk_norm=True")]:
         with pytest.raises(ValueError, match=re.escape(named)):
             check_compatible(_moe_config(**{**_GPT_OSS, **extra}), "gpt_oss")

@@ -66,7 +66,7 @@ def test_two_steps_equal_a_hand_written_reference():
                       normuon=NorMuonConfig(lr=0.03, weight_decay=0.2, momentum=0.9, beta2=0.9))
     opt, _ = build_optimizer([model], cfg)
     assert isinstance(opt, NorMuon)
-    names = {n for n, p in model.named_parameters() for g in opt.param_groups if g["kind"] == "muon"
+    names = {n for n, p in model.named_parameters() for g in opt.param_groups if g["update"] == "muon"
              for q in g["params"] if q is p}
     assert "decoder_layers.1.ffn.experts.up_proj" in names and "decoder_layers.0.attn.q_proj.weight" in names
     ref_params = dict(ref.named_parameters())
@@ -105,7 +105,7 @@ def test_update_has_adamw_rms_whatever_the_gradient_scale():
     steps = []
     for size in (1e-3, 1e3):
         w = torch.nn.Parameter(torch.zeros(24, 40))
-        opt = NorMuon([dict(kind="muon", params=[w], lr=1.0, weight_decay=0.0, momentum=0.0, beta2=0.95,
+        opt = NorMuon([dict(update="muon", params=[w], lr=1.0, weight_decay=0.0, momentum=0.0, beta2=0.95,
                             eps=1e-8, ns_steps=5)])
         w.grad = size * torch.randn(24, 40, generator=torch.Generator().manual_seed(0))
         opt.step()

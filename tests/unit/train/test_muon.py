@@ -74,16 +74,16 @@ def test_parameter_groups_by_rule():
     opt, _ = build_optimizer([model], OptimConfig(name="muon", lr=1e-3, weight_decay=0.1,
                                                   muon=MuonConfig(lr=0.02, weight_decay=0.05)))
     names = {id(p): n for n, p in model.named_parameters()}
-    by_kind = {(g["kind"], g["weight_decay"]): sorted(names[id(p)] for p in g["params"]) for g in opt.param_groups}
-    muon = by_kind[("muon", 0.05)]
+    by_update = {(g["update"], g["weight_decay"]): sorted(names[id(p)] for p in g["params"]) for g in opt.param_groups}
+    muon = by_update[("muon", 0.05)]
     assert "decoder_layers.0.attn.q_proj.weight" in muon and "decoder_layers.0.ffn.gate_proj.weight" in muon
     assert "decoder_layers.1.ffn.experts.up_proj" in muon  # [experts, d, f]
     assert "decoder_layers.1.ffn.shared_experts.down_proj.weight" in muon
-    assert by_kind[("adamw", 0.1)] == ["decoder_layers.1.ffn.router.weight", "output.weight",
+    assert by_update[("adamw", 0.1)] == ["decoder_layers.1.ffn.router.weight", "output.weight",
                                        "pos_embeddings.weight", "tok_embeddings.weight"]
     assert all(names[id(p)].endswith(("bias", "norm.weight")) for p in opt.param_groups[1]["params"])
-    assert len(muon) + len(by_kind[("adamw", 0.1)]) + len(opt.param_groups[1]["params"]) == len(names)
-    assert {g["kind"]: g["lr"] for g in opt.param_groups} == {"adamw": 1e-3, "muon": 0.02}
+    assert len(muon) + len(by_update[("adamw", 0.1)]) + len(opt.param_groups[1]["params"]) == len(names)
+    assert {g["update"]: g["lr"] for g in opt.param_groups} == {"adamw": 1e-3, "muon": 0.02}
 
 
 def test_weights_with_a_single_row_or_column_go_to_adamw():
@@ -127,7 +127,7 @@ def test_two_steps_equal_a_hand_written_reference(scale):
     cfg = OptimConfig(name="muon", lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1,
                       muon=MuonConfig(lr=0.03, weight_decay=0.2, momentum=0.9, scale=scale))
     opt, _ = build_optimizer([model], cfg)
-    muon_names = {n for n, p in model.named_parameters() for g in opt.param_groups if g["kind"] == "muon"
+    muon_names = {n for n, p in model.named_parameters() for g in opt.param_groups if g["update"] == "muon"
                   for q in g["params"] if q is p}
     ref_params = dict(ref.named_parameters())
     adamw = torch.optim.AdamW([
@@ -215,3 +215,24 @@ def test_newton_schulz_amplifies_noise_in_a_nearly_low_rank_update():
     a, b = newton_schulz(update), newton_schulz(noisy)
     rel = ((a - b).abs().max() / a.abs().max()).item()
     assert 1e-6 < rel < 1e-4
+
+
+def test_a_group_keyed_by_kind_works_and_warns_once(monkeypatch):
+    """`kind`, the update's key of earlier releases, in a caller's groups: read as `update` with one FutureWarning."""
+    import warnings
+
+    from meshformer import renamed
+
+    monkeypatch.setattr(renamed, "_warned_attributes", set())
+    w = torch.nn.Parameter(torch.zeros(8, 8))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        opts = [Muon([dict(kind="muon", params=[w], lr=0.1)]) for _ in range(2)]
+    assert [g["update"] for o in opts for g in o.param_groups] == ["muon", "muon"]
+    assert all("kind" not in g for o in opts for g in o.param_groups)
+    assert [x.category for x in seen] == [FutureWarning] and "'update'" in str(seen[0].message)
+    v = torch.nn.Parameter(torch.zeros(8, 8))  # the same step under today's key (AdamW's would move it 0.1 a step)
+    w.grad = v.grad = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+    opts[0].step()
+    Muon([dict(update="muon", params=[v], lr=0.1)]).step()
+    assert torch.equal(w, v) and w.abs().max() < 0.05

@@ -323,7 +323,7 @@ def test_parameter_count_init_and_optimizer_groups():
 
 @pytest.mark.parametrize("model,named", [
     (dict(router_bias=True), "model.moe.router_bias=true needs experts"),
-    (dict(expert_bias_terms=True), "model.moe.expert_bias_terms=true needs experts"),
+    (dict(expert_bias_terms=True), "model.moe.expert_linear_bias=true needs experts"),
     (dict(activation="swiglu_clamped", swiglu_limit=0.0), "model.ffn.swiglu_limit=0.0"),
 ])
 def test_refusals(model, named):
@@ -331,14 +331,15 @@ def test_refusals(model, named):
         config_from_dict({"model": model})
 
 
-@pytest.mark.parametrize("key", ["attention_sinks", "router_bias", "expert_bias_terms"])
-def test_exports_that_would_drop_a_gpt_oss_piece_are_refused(key, tmp_path):
+@pytest.mark.parametrize("key,named", [("attention_sinks", "attention_sinks"), ("router_bias", "router_bias"),
+                                       ("expert_bias_terms", "expert_linear_bias")])  # flat keys; the piece's name
+def test_exports_that_would_drop_a_gpt_oss_piece_are_refused(key, named, tmp_path):
     cfg = model_from_flat(vocab_size=64, d_model=32, n_heads=4, n_layers=1, d_ff=32, activation="swiglu",
                           norm="rmsnorm", position="rope", bias=False, max_seq_len=16,
                           n_experts=0 if key == "attention_sinks" else 4, **{key: True})
-    with pytest.raises(ConversionError, match=f"{key}=True"):
+    with pytest.raises(ConversionError, match=f"{named}=True"):
         export_hf(Transformer(cfg).state_dict(), cfg, tmp_path / "hf", "mixtral" if cfg.moe.n_experts else "llama")
-    assert any(key in problem for problem in megatron_incompatibilities(cfg))
+    assert any(named in problem for problem in megatron_incompatibilities(cfg))
 
 
 @pytest.mark.parametrize("layers,experts,total", [(24, 32, 20_914_757_184), (36, 128, 116_829_156_672)],
@@ -350,7 +351,7 @@ def test_parameter_counts_of_the_published_shapes_equal_transformers(layers, exp
                       tie_embeddings=False,
                       attention=AttentionConfig(n_heads=64, n_kv_heads=8, head_dim=64, sinks=True),
                       ffn=FfnConfig(d_ff=2880, activation="swiglu_clamped"), norm=NormConfig(kind="rmsnorm"),
-                      moe=MoeConfig(n_experts=experts, experts_per_token=4, router_bias=True, expert_bias_terms=True))
+                      moe=MoeConfig(n_experts=experts, experts_per_token=4, router_bias=True, expert_linear_bias=True))
     assert count_params(cfg)["total"] == total
     config = transformers.GptOssConfig(num_hidden_layers=layers, num_local_experts=experts)
     with torch.device("meta"):
