@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers.checkpoints import launch, tiny_config, tiny_overrides, tiny_shards
 
-from meshformer.eval.task_files import BUNDLED_DIR
+from meshformer.eval.task_files import BUNDLED_DIR, load_task
 from meshformer.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,7 @@ def trained(tmp_path_factory):
     trainer.fit()
     assert trainer.downstream is not None
     main(["convert", "export-hf", str(root / "run" / "final"), str(root / "hf")])
-    return {"root": root, "shards": shards, "scores": trainer.downstream.last, "hf": root / "hf"}
+    return {"root": root, "shards": shards, "scores": trainer.downstream.last, "hf": root / "hf", "trainer": trainer}
 
 
 def test_in_loop_scores_are_logged_as_metrics(trained):
@@ -101,3 +101,45 @@ def test_two_rank_scores_equal_one_process(trained, tmp_path, layout):
         assert scores[task]["metrics"]["acc"] == ours.metrics["acc"]
         assert scores[task]["metrics"]["acc_norm"] == ours.metrics["acc_norm"]
         print(f"{layout} {task}: largest loglik difference from one process {worst:.2e}")
+
+
+LM_EVAL_TASKS = ("bundled:kjv_cloze", "bundled:kjv_lastword", "bundled:kjv_perplexity", "bundled:kjv_complete")
+
+
+def test_lm_eval_engine_in_the_loop_equals_lm_eval_over_the_whole_model(trained):
+    """downstream.engine = "lm_eval": lm-eval's evaluator over the layout's evaluation forward (multiple choice,
+    loglikelihood with its greedy flag, rolling perplexity, generation) gives the metrics and standard errors that
+    lm-eval's evaluator gives over MeshformerLM(model=...), and the multiple-choice scores of the builtin engine."""
+    import dataclasses
+
+    from meshformer.eval.lm import MeshformerLM
+    from meshformer.eval.run import evaluate
+    from meshformer.train.downstream import LmEvalDownstream
+
+    trainer = trained["trainer"]
+    cfg = trainer.cfg
+    cfg = dataclasses.replace(cfg, downstream=dataclasses.replace(cfg.downstream, engine="lm_eval",
+                                                                  tasks=list(LM_EVAL_TASKS), limit=20))
+    in_loop = LmEvalDownstream(cfg, trainer.tokenizer)
+    for part in trainer.parallel_model.model_parts:
+        part.train()
+    scalars = in_loop.run(trainer.parallel_model, whole=trainer.model)
+    assert all(part.training for part in trainer.parallel_model.model_parts)  # training mode again after scoring
+    whole = MeshformerLM(model=trainer.model, tokenizer=trainer.tokenizer, batch_size=16, max_length=32)
+    reference = evaluate(whole, list(LM_EVAL_TASKS), limit=20, options=cfg.downstream)
+    assert reference is not None
+    compared = 0
+    for task, metrics in reference["results"].items():
+        for key, value in metrics.items():
+            metric, comma, filter_name = key.partition(",")
+            if not comma or not isinstance(value, int | float):
+                continue
+            name = metric if filter_name == "none" else f"{metric}_{filter_name}"
+            assert scalars[f"downstream/{task}/{name}"] == pytest.approx(value, rel=1e-5, abs=1e-6), (task, name)
+            compared += 1
+    assert compared >= 10 and "downstream/kjv_lastword/acc_stderr" in scalars
+    assert "downstream/kjv_complete/exact_match_clause" in scalars
+    logliks = trained["scores"]["kjv_cloze"].logliks[:20]  # the builtin engine's multiple-choice scores
+    assert scalars["downstream/kjv_cloze/acc"] == pytest.approx(sum(
+        float(max(range(len(lls)), key=lls.__getitem__) == doc.gold) for lls, doc in
+        zip(logliks, load_task("bundled:kjv_cloze").docs)) / 20, abs=1e-12)
