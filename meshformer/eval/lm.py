@@ -54,6 +54,7 @@ class MeshformerLM(TemplateLM):
     runs lm-eval's evaluator on all requests and gets the same results (`model` may be None: no generation)."""
 
     backend = "causal"
+    model: Transformer | None  # None: a layout's scorer without the whole model on this rank (no generation)
 
     def __init__(self, path: str | None = None, *, model: Transformer | None = None,
                  tokenizer: Tokenizer | None = None, batch_size: int | str = 16, max_length: int | None = None,
@@ -183,6 +184,7 @@ class MeshformerLM(TemplateLM):
             ids = torch.full((len(batch), width), self.mf_tokenizer.pad_id, dtype=torch.long)
             for row, u in enumerate(batch):  # right padding: a causal model's scores ignore what follows
                 ids[row, :len(inputs[u])] = torch.tensor(inputs[u])
+            assert self.model is not None
             logprobs = F.log_softmax(self.model(ids.to(self.device)).float(), dim=-1)
             for row, u in enumerate(batch):
                 for i in owners[u]:
@@ -259,6 +261,7 @@ class MeshformerLM(TemplateLM):
             texts = [self.tok_decode(row) for row in tokens[:, start:].tolist()]
             return torch.tensor([any(stop in text for stop in until) for text in texts], device=tokens.device)
 
+        assert self.model is not None
         out = greedy_decode(self.model, ids, max_gen, prompt_padding=padding, eos_id=self.eot_token_id,
                             stopped=stopped, between_tokens=self.poll)
         texts = []

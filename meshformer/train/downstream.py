@@ -35,6 +35,7 @@ from meshformer.data import Tokenizer
 from meshformer.errors import ConfigError
 from meshformer.eval.task_files import Task, load_tasks
 from meshformer.loss.cross_entropy import LossFn
+from meshformer.model import Transformer
 from meshformer.loss.fused import VocabShard
 from meshformer.loss.objective import Loss
 from meshformer.loss.token_loss import LossSpec
@@ -304,7 +305,7 @@ class LmEvalDownstream:
         return last or (interval > 0 and step % interval == 0)
 
     def run(self, model: ParallelModel, poll: Callable[[], None] = lambda: None,
-            whole: torch.nn.Module | None = None) -> dict[str, float]:
+            whole: Transformer | None = None) -> dict[str, float]:
         """Every task's metrics and standard errors as `downstream/<task>/<metric>` scalars (the same on every
         rank); `whole`: the whole model on this rank when the layout keeps one (generation tasks need it)."""
         from meshformer.eval.lm import MeshformerLM

@@ -143,3 +143,39 @@ def test_lm_eval_engine_in_the_loop_equals_lm_eval_over_the_whole_model(trained)
     assert scalars["downstream/kjv_cloze/acc"] == pytest.approx(sum(
         float(max(range(len(lls)), key=lls.__getitem__) == doc.gold) for lls, doc in
         zip(logliks, load_task("bundled:kjv_cloze").docs)) / 20, abs=1e-12)
+
+
+LAYOUT_TASKS = LM_EVAL_TASKS[:3]  # generation needs the whole model on a rank (not pipeline stages)
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(("parallel.tp=2", "parallel.dp_shard=1"), id="tp2"),
+    pytest.param(("parallel.dp_shard=2",), id="dp2", marks=pytest.mark.matrix),
+    pytest.param(("parallel.pp=2", "parallel.dp_shard=1"), id="pp2", marks=pytest.mark.matrix),
+    pytest.param(("parallel.cp=2", "parallel.dp_shard=1"), id="cp2", marks=pytest.mark.matrix)])
+def test_two_rank_lm_eval_scores_equal_one_process(trained, tmp_path, layout):
+    """downstream.engine = "lm_eval" under a two-rank layout: lm-eval's metrics and standard errors (multiple
+    choice, loglikelihood with greedy flags, rolling perplexity) equal one process's."""
+    import dataclasses
+
+    from meshformer.train.downstream import LmEvalDownstream
+
+    trainer = trained["trainer"]
+    options = ['downstream.engine="lm_eval"', "downstream.limit=20", "downstream.batch_size=16",
+               "downstream.tasks=[" + ", ".join(f'"{t}"' for t in LAYOUT_TASKS) + "]"]
+    cfg = dataclasses.replace(trainer.cfg, downstream=dataclasses.replace(
+        trainer.cfg.downstream, engine="lm_eval", tasks=list(LAYOUT_TASKS), limit=20))
+    one = LmEvalDownstream(cfg, trainer.tokenizer)
+    one.run(trainer.parallel_model, whole=trainer.model)
+    overrides = tiny_overrides(trained["shards"], tmp_path / "run", STEPS, *options, *layout,
+                               f'checkpoint.dir="{trained["root"] / "run" / "checkpoints"}"',
+                               "checkpoint.resume_other_run=true")
+    results = launch(WORKER, 2, overrides, timeout=300.0)
+    assert all(r.returncode == 0 for r in results), "\n".join(r.stdout[-3000:] for r in results)
+    line = next(x for x in results[0].stdout.splitlines() if x.startswith("SCORES "))
+    scores = json.loads(line.removeprefix("SCORES "))
+    assert set(scores) == set(one.last) == {t.removeprefix("bundled:") for t in LAYOUT_TASKS}
+    for task, metrics in one.last.items():
+        assert scores[task]["metrics"].keys() == metrics.keys()
+        for name, value in metrics.items():
+            assert scores[task]["metrics"][name] == pytest.approx(value, rel=1e-5, abs=1e-6), (task, name)
