@@ -35,10 +35,10 @@ from meshformer.data import Tokenizer
 from meshformer.errors import ConfigError
 from meshformer.eval.task_files import Task, load_tasks
 from meshformer.loss.cross_entropy import LossFn
-from meshformer.model import Transformer
 from meshformer.loss.fused import VocabShard
 from meshformer.loss.objective import Loss
 from meshformer.loss.token_loss import LossSpec
+from meshformer.model import Transformer
 from meshformer.parallel.mesh_model import MultiRankParallelModel
 from meshformer.parallel.parallel_model import ParallelModel
 from meshformer.parallel.tensor_parallel import vocab_shard

@@ -13,8 +13,8 @@ import sys
 
 from meshformer.config import load_config
 from meshformer.runtime.distributed import init_distributed, shutdown_distributed
-from meshformer.train.preflight import preflight
 from meshformer.train.downstream import LmEvalDownstream
+from meshformer.train.preflight import preflight
 from meshformer.train.trainer import Trainer
 
 
