@@ -179,3 +179,14 @@ def test_two_rank_lm_eval_scores_equal_one_process(trained, tmp_path, layout):
         assert scores[task]["metrics"].keys() == metrics.keys()
         for name, value in metrics.items():
             assert scores[task]["metrics"][name] == pytest.approx(value, rel=1e-5, abs=1e-6), (task, name)
+
+
+@pytest.mark.matrix
+def test_lm_eval_engine_logs_metrics_and_errors_at_the_interval_and_last_step(trained, tmp_path):
+    cfg = tiny_config(trained["shards"], tmp_path / "run", 4, 'downstream.engine="lm_eval"', "downstream.limit=5",
+                      'downstream.tasks=["bundled:kjv_lastword"]', "downstream.interval=3", "checkpoint.interval=4")
+    Trainer(cfg).fit()
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = [line for line in lines if "downstream/kjv_lastword/acc" in line]
+    assert [line["step"] for line in logged] == [3, 4]
+    assert {"downstream/kjv_lastword/acc_stderr", "downstream/kjv_lastword/perplexity"} <= logged[-1].keys()
