@@ -209,6 +209,13 @@ class DownstreamConfig:
     trust_task_code: bool = False
     follow_links: bool = False  # read data_files that links take outside the task's folder (refused otherwise)
     max_task_mb: int = 64  # MiB of JSONL documents one task may hold (read into memory, scored at every evaluation)
+    # "builtin": multiple-choice task files scored by meshformer's own scorer; "lm_eval": every entry of tasks goes
+    # through lm-eval's evaluator (registry task and group names too, their datasets from the local datasets cache)
+    # on the run's layout, logged as downstream/<task>/<metric> and <metric>_stderr
+    engine: str = "builtin"
+    include_path: list[str] = field(default_factory=list)  # engine "lm_eval": folders of task YAMLs lm-eval indexes
+    num_fewshot: int = -1  # engine "lm_eval": few-shot examples per request; -1: each task's own
+    limit: float = 0  # engine "lm_eval": documents per task (a fraction when below 1); 0: all
 
 
 @dataclass

@@ -32,6 +32,8 @@ from meshformer.model.generate import greedy_decode, pad_rows
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's own default for generate_until
 Pair = tuple[list[int], list[int]]  # (context tokens, continuation tokens)
+# a layout's own scoring of (context, continuation) pairs: (summed log-likelihood, whether greedy) per pair
+Scorer = Callable[[list[Pair]], list[tuple[float, bool]]]
 
 
 def _sorted_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
@@ -46,15 +48,22 @@ class MeshformerLM(TemplateLM):
 
     From lm-eval: `--model meshformer --model_args path=FOLDER[,batch_size=N][,max_length=N]` (a run folder, its
     `final/`, or a Hugging Face folder); from Python: `MeshformerLM(model=..., tokenizer=...)`.
-    `poll` runs before each batch (a training run's stop check, which raises to end the evaluation)."""
+    `poll` runs before each batch (a training run's stop check, which raises to end the evaluation).
+    `scorer`: the training layout's evaluation forward (train/downstream.py `LayoutScorer`), which scores the
+    log-likelihood requests instead of `model` and shares them between data-parallel ranks itself: every rank then
+    runs lm-eval's evaluator on all requests and gets the same results (`model` may be None: no generation)."""
 
     backend = "causal"
+    model: Transformer | None  # None: a layout's scorer without the whole model on this rank (no generation)
 
     def __init__(self, path: str | None = None, *, model: Transformer | None = None,
                  tokenizer: Tokenizer | None = None, batch_size: int | str = 16, max_length: int | None = None,
                  max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, poll: Callable[[], None] | None = None,
-                 **unused: Any) -> None:
+                 scorer: Scorer | None = None, **unused: Any) -> None:
         super().__init__()
+        if scorer is not None and path is None:
+            self._init_scored(model, tokenizer, scorer, batch_size, max_length, max_gen_toks, poll)
+            return
         if (path is None) == (model is None):
             raise UsageError("MeshformerLM needs a folder or a model, not both",
                              "pass path=FOLDER, or model= and tokenizer=")
@@ -69,6 +78,7 @@ class MeshformerLM(TemplateLM):
             raise UsageError("lm-eval scores decoder-only models; this one is not",
                              "evaluate a decoder-only (causal) model")
         self.model, self.mf_tokenizer = model.eval(), tokenizer
+        self.scorer: Scorer | None = None
         self._batch_size = int(batch_size) if str(batch_size) != "auto" else 16
         self._max_length = int(max_length or model.cfg.max_seq_len)
         self._max_gen_toks = int(max_gen_toks)
@@ -76,6 +86,19 @@ class MeshformerLM(TemplateLM):
         self._device = next(model.parameters()).device
         if dist.is_available() and dist.is_initialized():
             self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+
+    def _init_scored(self, model: Transformer | None, tokenizer: Tokenizer | None, scorer: Scorer,
+                     batch_size: int | str, max_length: int | None, max_gen_toks: int,
+                     poll: Callable[[], None] | None) -> None:
+        if tokenizer is None or max_length is None:
+            raise UsageError("MeshformerLM(scorer=...) needs the tokenizer and the model's length",
+                             "pass tokenizer= and max_length=")
+        self.model = model.eval() if model is not None else None
+        self.mf_tokenizer, self.scorer = tokenizer, scorer
+        self._batch_size = int(batch_size) if str(batch_size) != "auto" else 16
+        self._max_length, self._max_gen_toks = int(max_length), int(max_gen_toks)
+        self.poll = poll or (lambda: None)
+        self._device = next(model.parameters()).device if model is not None else torch.device("cpu")
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict[str, Any] | None = None
@@ -142,6 +165,8 @@ class MeshformerLM(TemplateLM):
     def score_pairs(self, pairs: list[Pair]) -> list[tuple[float, bool]]:
         """(summed log-likelihood of the continuation, whether it is the greedy continuation) per (context,
         continuation) pair: the last max_length + 1 tokens (left truncation), shifted by one."""
+        if self.scorer is not None:
+            return self.scorer(pairs)
         rows = [(context + continuation)[-(self.max_length + 1):][:-1] for context, continuation in pairs]
         # requests with the same input (one-token choices after one context) share one row of the batch
         unique: dict[tuple[int, ...], int] = {}
@@ -159,6 +184,7 @@ class MeshformerLM(TemplateLM):
             ids = torch.full((len(batch), width), self.mf_tokenizer.pad_id, dtype=torch.long)
             for row, u in enumerate(batch):  # right padding: a causal model's scores ignore what follows
                 ids[row, :len(inputs[u])] = torch.tensor(inputs[u])
+            assert self.model is not None
             logprobs = F.log_softmax(self.model(ids.to(self.device)).float(), dim=-1)
             for row, u in enumerate(batch):
                 for i in owners[u]:
@@ -199,6 +225,9 @@ class MeshformerLM(TemplateLM):
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         """Greedy continuations, batched per set of generation options, each cut at its first stop string."""
+        if self.model is None:
+            raise UsageError("generate_until needs the whole model on each rank; this layout splits it",
+                             "score generation tasks with `meshformer eval` on the run's final/ folder")
         eos = self.mf_tokenizer.decode([self.eot_token_id])
         results: list[str] = [""] * len(requests)
         groups: dict[str, list[int]] = {}
@@ -232,6 +261,7 @@ class MeshformerLM(TemplateLM):
             texts = [self.tok_decode(row) for row in tokens[:, start:].tolist()]
             return torch.tensor([any(stop in text for stop in until) for text in texts], device=tokens.device)
 
+        assert self.model is not None
         out = greedy_decode(self.model, ids, max_gen, prompt_padding=padding, eos_id=self.eot_token_id,
                             stopped=stopped, between_tokens=self.poll)
         texts = []

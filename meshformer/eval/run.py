@@ -35,6 +35,21 @@ def template_environment(trust: bool) -> Iterator[None]:
         lm_eval.utils.env = saved
 
 
+@contextmanager
+def _local_rank_zero(alone: bool) -> Iterator[None]:
+    """lm-eval's evaluator returns results only where LOCAL_RANK is 0 (it takes other ranks for tensor-parallel
+    copies of rank 0). An LM that does not share requests between ranks (`alone`: the training layout's scorer, which
+    makes every rank's scores whole) is lm-eval's only rank on each of them, so each gets the results."""
+    saved = os.environ.get("LOCAL_RANK")
+    if alone and saved is not None:
+        os.environ["LOCAL_RANK"] = "0"
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["LOCAL_RANK"] = saved
+
+
 def check_include_paths(paths: list[str], trust: bool) -> None:
     """lm-eval imports the Python of a folder's `!function` tags itself: refused unless trusted."""
     if trust:
@@ -64,8 +79,9 @@ def evaluate(lm: Any, specs: list[str], *, include_path: list[str] | None = None
                                              for spec in specs]
         manager = TaskManager(include_path=include or None, include_defaults=True)
         try:
-            return evaluator.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
-                                             task_manager=manager, log_samples=log_samples,
-                                             bootstrap_iters=bootstrap_iters)
+            with _local_rank_zero(lm.world_size == 1):
+                return evaluator.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
+                                                 task_manager=manager, log_samples=log_samples,
+                                                 bootstrap_iters=bootstrap_iters)
         except SecurityError as err:  # a template that passed the static checks, refused while rendering
             raise render_error(err, "a task", "a template") or err from None

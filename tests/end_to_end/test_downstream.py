@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers.checkpoints import launch, tiny_config, tiny_overrides, tiny_shards
 
-from meshformer.eval.task_files import BUNDLED_DIR
+from meshformer.eval.task_files import BUNDLED_DIR, load_task
 from meshformer.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,7 @@ def trained(tmp_path_factory):
     trainer.fit()
     assert trainer.downstream is not None
     main(["convert", "export-hf", str(root / "run" / "final"), str(root / "hf")])
-    return {"root": root, "shards": shards, "scores": trainer.downstream.last, "hf": root / "hf"}
+    return {"root": root, "shards": shards, "scores": trainer.downstream.last, "hf": root / "hf", "trainer": trainer}
 
 
 def test_in_loop_scores_are_logged_as_metrics(trained):
@@ -101,3 +101,92 @@ def test_two_rank_scores_equal_one_process(trained, tmp_path, layout):
         assert scores[task]["metrics"]["acc"] == ours.metrics["acc"]
         assert scores[task]["metrics"]["acc_norm"] == ours.metrics["acc_norm"]
         print(f"{layout} {task}: largest loglik difference from one process {worst:.2e}")
+
+
+LM_EVAL_TASKS = ("bundled:kjv_cloze", "bundled:kjv_lastword", "bundled:kjv_perplexity", "bundled:kjv_complete")
+
+
+def test_lm_eval_engine_in_the_loop_equals_lm_eval_over_the_whole_model(trained):
+    """downstream.engine = "lm_eval": lm-eval's evaluator over the layout's evaluation forward (multiple choice,
+    loglikelihood with its greedy flag, rolling perplexity, generation) gives the metrics and standard errors that
+    lm-eval's evaluator gives over MeshformerLM(model=...), and the multiple-choice scores of the builtin engine."""
+    import dataclasses
+
+    from meshformer.eval.lm import MeshformerLM
+    from meshformer.eval.run import evaluate
+    from meshformer.train.downstream import LmEvalDownstream
+
+    trainer = trained["trainer"]
+    cfg = trainer.cfg
+    cfg = dataclasses.replace(cfg, downstream=dataclasses.replace(cfg.downstream, engine="lm_eval",
+                                                                  tasks=list(LM_EVAL_TASKS), limit=20))
+    in_loop = LmEvalDownstream(cfg, trainer.tokenizer)
+    for part in trainer.parallel_model.model_parts:
+        part.train()
+    scalars = in_loop.run(trainer.parallel_model, whole=trainer.model)
+    assert all(part.training for part in trainer.parallel_model.model_parts)  # training mode again after scoring
+    whole = MeshformerLM(model=trainer.model, tokenizer=trainer.tokenizer, batch_size=16, max_length=32)
+    reference = evaluate(whole, list(LM_EVAL_TASKS), limit=20, options=cfg.downstream)
+    assert reference is not None
+    compared = 0
+    for task, metrics in reference["results"].items():
+        for key, value in metrics.items():
+            metric, comma, filter_name = key.partition(",")
+            if not comma or not isinstance(value, int | float):
+                continue
+            name = metric if filter_name == "none" else f"{metric}_{filter_name}"
+            assert scalars[f"downstream/{task}/{name}"] == pytest.approx(value, rel=1e-5, abs=1e-6), (task, name)
+            compared += 1
+    assert compared >= 10 and "downstream/kjv_lastword/acc_stderr" in scalars
+    assert "downstream/kjv_complete/exact_match_clause" in scalars
+    logliks = trained["scores"]["kjv_cloze"].logliks[:20]  # the builtin engine's multiple-choice scores
+    assert scalars["downstream/kjv_cloze/acc"] == pytest.approx(sum(
+        float(max(range(len(lls)), key=lls.__getitem__) == doc.gold) for lls, doc in
+        zip(logliks, load_task("bundled:kjv_cloze").docs)) / 20, abs=1e-12)
+
+
+LAYOUT_TASKS = LM_EVAL_TASKS[:3]  # generation needs the whole model on a rank (not pipeline stages)
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(("parallel.tp=2", "parallel.dp_shard=1"), id="tp2"),
+    pytest.param(("parallel.dp_shard=2",), id="dp2", marks=pytest.mark.matrix),
+    pytest.param(("parallel.pp=2", "parallel.dp_shard=1"), id="pp2", marks=pytest.mark.matrix),
+    pytest.param(("parallel.cp=2", "parallel.dp_shard=1"), id="cp2", marks=pytest.mark.matrix)])
+def test_two_rank_lm_eval_scores_equal_one_process(trained, tmp_path, layout):
+    """downstream.engine = "lm_eval" under a two-rank layout: lm-eval's metrics and standard errors (multiple
+    choice, loglikelihood with greedy flags, rolling perplexity) equal one process's."""
+    import dataclasses
+
+    from meshformer.train.downstream import LmEvalDownstream
+
+    trainer = trained["trainer"]
+    options = ['downstream.engine="lm_eval"', "downstream.limit=20", "downstream.batch_size=16",
+               "downstream.tasks=[" + ", ".join(f'"{t}"' for t in LAYOUT_TASKS) + "]"]
+    cfg = dataclasses.replace(trainer.cfg, downstream=dataclasses.replace(
+        trainer.cfg.downstream, engine="lm_eval", tasks=list(LAYOUT_TASKS), limit=20))
+    one = LmEvalDownstream(cfg, trainer.tokenizer)
+    one.run(trainer.parallel_model, whole=trainer.model)
+    overrides = tiny_overrides(trained["shards"], tmp_path / "run", STEPS, *options, *layout,
+                               f'checkpoint.dir="{trained["root"] / "run" / "checkpoints"}"',
+                               "checkpoint.resume_other_run=true")
+    results = launch(WORKER, 2, overrides, timeout=300.0)
+    assert all(r.returncode == 0 for r in results), "\n".join(r.stdout[-3000:] for r in results)
+    line = next(x for x in results[0].stdout.splitlines() if x.startswith("SCORES "))
+    scores = json.loads(line.removeprefix("SCORES "))
+    assert set(scores) == set(one.last) == {t.removeprefix("bundled:") for t in LAYOUT_TASKS}
+    for task, metrics in one.last.items():
+        assert scores[task]["metrics"].keys() == metrics.keys()
+        for name, value in metrics.items():
+            assert scores[task]["metrics"][name] == pytest.approx(value, rel=1e-5, abs=1e-6), (task, name)
+
+
+@pytest.mark.matrix
+def test_lm_eval_engine_logs_metrics_and_errors_at_the_interval_and_last_step(trained, tmp_path):
+    cfg = tiny_config(trained["shards"], tmp_path / "run", 4, 'downstream.engine="lm_eval"', "downstream.limit=5",
+                      'downstream.tasks=["bundled:kjv_lastword"]', "downstream.interval=3", "checkpoint.interval=4")
+    Trainer(cfg).fit()
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = [line for line in lines if "downstream/kjv_lastword/acc" in line]
+    assert [line["step"] for line in logged] == [3, 4]
+    assert {"downstream/kjv_lastword/acc_stderr", "downstream/kjv_lastword/perplexity"} <= logged[-1].keys()

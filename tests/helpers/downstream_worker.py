@@ -13,6 +13,7 @@ import sys
 
 from meshformer.config import load_config
 from meshformer.runtime.distributed import init_distributed, shutdown_distributed
+from meshformer.train.downstream import LmEvalDownstream
 from meshformer.train.preflight import preflight
 from meshformer.train.trainer import Trainer
 
@@ -27,7 +28,11 @@ def main(overrides: list[str]) -> None:
         assert trainer.checkpoints.resume(trainer.checkpointable)
         assert trainer.downstream is not None
         trainer.downstream.run(trainer.parallel_model)
-        scores = {name: {"metrics": s.metrics, "logliks": s.logliks} for name, s in trainer.downstream.last.items()}
+        if isinstance(trainer.downstream, LmEvalDownstream):  # downstream.engine = "lm_eval": lm-eval's metrics
+            scores = {name: {"metrics": metrics} for name, metrics in trainer.downstream.last.items()}
+        else:
+            scores = {name: {"metrics": s.metrics, "logliks": s.logliks}
+                      for name, s in trainer.downstream.last.items()}
     finally:
         shutdown_distributed()
     if rank == 0:

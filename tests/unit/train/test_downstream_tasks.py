@@ -143,3 +143,38 @@ def test_config_checks(tmp_path):
         DownstreamEval.from_config(load_config(None, ['downstream.tasks=["bundled:kjv_cloze"]',
                                                       'model.family="encoder"']), tok)
     assert DownstreamEval.from_config(load_config(None, []), tok) is None
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ('downstream.engine="lm-eval"', "downstream.engine='lm-eval' is not an engine"),
+    ("downstream.limit=-1", "must be >= 0"),
+    ('downstream.include_path=["/nonexistent/tasks"]', "is not a folder"),
+])
+def test_lm_eval_engine_refuses_bad_options_in_one_line(override, message):
+    from meshformer.train.downstream import check_lm_eval_tasks
+
+    cfg = load_config(None, ['downstream.engine="lm_eval"', 'downstream.tasks=["bundled:kjv_lastword"]', override])
+    with pytest.raises(ConfigError, match=message):
+        check_lm_eval_tasks(cfg)
+
+
+def test_lm_eval_engine_reads_task_files_as_the_builtin_engine_does(tmp_path):
+    from meshformer.train.downstream import check_lm_eval_tasks
+
+    check_lm_eval_tasks(load_config(None, ['downstream.engine="lm_eval"',
+                                           'downstream.tasks=["bundled:kjv_lastword", "bundled:kjv_complete"]']))
+    bad = _task(tmp_path, 'doc_to_text: "{{ q.__class__ }}"', "doc_to_choice: options", "doc_to_target: i")
+    with pytest.raises(ConfigError):
+        check_lm_eval_tasks(load_config(None, ['downstream.engine="lm_eval"', f'downstream.tasks=["{bad}"]']))
+
+
+def test_row_losses_count_labels_that_are_not_the_argmax():
+    import torch
+
+    from meshformer.train.downstream import _RowLosses
+
+    logits = torch.tensor([[[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]], [[0.0, 0.0, 5.0], [1.0, 4.0, 0.0]]])
+    labels = torch.tensor([[1, 0], [IGNORE_INDEX, 2]])
+    recorder = _RowLosses(lambda lg, lb: torch.zeros(()))
+    recorder(logits, labels)
+    assert recorder.misses[0].tolist() == [0.0, 1.0]  # row 0 greedy; row 1's one labelled token is not the argmax
