@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from side_by_side import run_sides
 from tables import add_table_arguments, write_table
 
 from meshformer.model.gated_delta import chunk_gated_delta_rule
@@ -62,26 +63,13 @@ def measure(shape: str, dtype: str, rounds: int, clock: str = "wall", rule: str 
     inputs, grad = _inputs(batch, heads, dim, seq, DTYPES[dtype], rule=rule)
     sides = _sides(rule)
     now = time.process_time if clock == "cpu" else time.perf_counter
-    times: dict[str, list[float]] = {name: [] for name in sides}
-    results: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for r in range(rounds + 1):
-        for name, fn in sides.items():
-            for t in inputs:
-                t.grad = None
-            start = now()
-            out = fn(*inputs)
-            out.backward(grad)
-            if r:  # the first round warms up
-                times[name].append(now() - start)
-            else:
-                results[name] = (out.detach(), inputs[0].grad.detach())  # type: ignore[union-attr]
-    median = {name: sorted(ts)[len(ts) // 2] * 1e3 for name, ts in times.items()}
-    (out_a, grad_a), (out_b, grad_b) = results["transformers"], results["ours"]
+    medians, results = run_sides(sides, inputs, grad, rounds, now=now)
+    (out_a, grad_a, *_), (out_b, grad_b, *_) = results["transformers"], results["ours"]
     return {"bench": rule, "batch": batch, "heads": heads, "head_dim": dim, "seq": seq, "dtype": dtype,
             "threads": torch.get_num_threads(), "clock": clock, "rounds": rounds,
             "load_1min": round(os.getloadavg()[0], 2),
-            "transformers_ms": round(median["transformers"], 2), "ours_ms": round(median["ours"], 2),
-            "speedup": round(median["transformers"] / median["ours"], 3),
+            "transformers_ms": round(medians["transformers"], 2), "ours_ms": round(medians["ours"], 2),
+            "speedup": round(medians["transformers"] / medians["ours"], 3),
             "out_max_diff": (out_a.float() - out_b.float()).abs().max().item(),
             "dq_max_diff": (grad_a.float() - grad_b.float()).abs().max().item()}
 

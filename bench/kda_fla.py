@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from side_by_side import gpu_comparison, run_sides
 
 from meshformer.model.gated_delta import chunk_gated_delta_rule
 from meshformer.model.gated_delta_fla import fla_importable, fla_kda_rule
@@ -48,40 +52,15 @@ def _sides() -> dict[str, Callable[..., torch.Tensor]]:
             "fla": lambda *x: fla_kda_rule(*x, use_qk_l2norm=True)[0]}
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| over max |b|."""
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
-
-
 def measure(shape: str, dtype: str, rounds: int, tolerance: float, device: str) -> dict:
     batch, heads, dim, seq = (int(s) for s in shape.split(","))
     inputs, grad = _inputs(batch, heads, dim, seq, DTYPES[dtype], device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    times: dict[str, list[float]] = {"ours": [], "fla": []}
-    results: dict[str, list[torch.Tensor]] = {}
-    for r in range(rounds + 1):
-        for name, fn in _sides().items():
-            for t in inputs:
-                t.grad = None
-            sync()
-            start = time.perf_counter()
-            out = fn(*inputs)
-            out.backward(grad)
-            sync()
-            if r:  # the first round warms up (Triton compiles)
-                times[name].append(time.perf_counter() - start)
-            else:
-                results[name] = [out.detach()] + [t.grad.detach() for t in inputs]  # type: ignore[union-attr]
-    median = {name: sorted(ts)[len(ts) // 2] * 1e3 for name, ts in times.items()}
+    medians, results = run_sides(_sides(), inputs, grad, rounds, sync=sync)
     names = ["out", "dq", "dk", "dv", "dg", "dbeta"]
-    diffs = {name: _relative(a, b) for name, a, b in zip(names, results["fla"], results["ours"], strict=True)}
     return {"bench": "kda_fla", "batch": batch, "heads": heads, "head_dim": dim,
             "seq": seq, "dtype": dtype, "rounds": rounds,
-            "device": torch.cuda.get_device_name() if device == "cuda" else device,
-            "ours_ms": round(median["ours"], 3), "fla_ms": round(median["fla"], 3),
-            "speedup": round(median["ours"] / median["fla"], 3),
-            "relative_diffs": {name: float(f"{d:.3e}") for name, d in diffs.items()},
-            "tolerance": tolerance, "equal": all(d <= tolerance for d in diffs.values())}
+            **gpu_comparison(medians, results, "fla", names, tolerance, device)}
 
 
 def main() -> None:

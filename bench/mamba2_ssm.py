@@ -16,11 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
 from collections.abc import Callable
+from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from side_by_side import gpu_comparison, run_sides
 
 from meshformer.model.gated_delta import causal_conv1d
 from meshformer.model.mamba2_kernels import kernel_conv1d, kernel_scan, mamba_importable
@@ -70,39 +75,15 @@ def _sides() -> dict[str, Callable[..., torch.Tensor]]:
     return {"ours": _ours, "kernels": _kernels}
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| over max |b|."""
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
-
-
 def measure(shape: str, dtype: str, rounds: int, tolerance: float, device: str) -> dict:
     batch, heads, width, groups, size, seq = (int(s) for s in shape.split(","))
     inputs, grad, dims = _inputs(batch, heads, width, groups, size, seq, DTYPES[dtype], device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    times: dict[str, list[float]] = {"ours": [], "kernels": []}
-    results: dict[str, list[torch.Tensor]] = {}
-    for r in range(rounds + 1):
-        for name, fn in _sides().items():
-            for t in inputs:
-                t.grad = None
-            sync()
-            start = time.perf_counter()
-            out = fn(dims, *inputs)
-            out.backward(grad)
-            sync()
-            if r:  # the first round warms up (Triton compiles)
-                times[name].append(time.perf_counter() - start)
-            else:
-                results[name] = [out.detach()] + [t.grad.detach() for t in inputs]  # type: ignore[union-attr]
-    median = {name: sorted(ts)[len(ts) // 2] * 1e3 for name, ts in times.items()}
-    diffs = {name: _relative(a, b) for name, a, b in zip(NAMES, results["kernels"], results["ours"], strict=True)}
+    sides = {name: partial(fn, dims) for name, fn in _sides().items()}
+    medians, results = run_sides(sides, inputs, grad, rounds, sync=sync)
     return {"bench": "mamba2_ssm", "batch": batch, "heads": heads, "head_dim": width, "groups": groups,
             "state_size": size, "seq": seq, "dtype": dtype, "rounds": rounds,
-            "device": torch.cuda.get_device_name() if device == "cuda" else device,
-            "ours_ms": round(median["ours"], 3), "kernels_ms": round(median["kernels"], 3),
-            "speedup": round(median["ours"] / median["kernels"], 3),
-            "relative_diffs": {name: float(f"{d:.3e}") for name, d in diffs.items()},
-            "tolerance": tolerance, "equal": all(d <= tolerance for d in diffs.values())}
+            **gpu_comparison(medians, results, "kernels", NAMES, tolerance, device)}
 
 
 def main() -> None:
