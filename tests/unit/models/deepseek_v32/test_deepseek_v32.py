@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from helpers.exactness import assert_export_exact, assert_import_exact, padded_batch
 from helpers.hf_models import assert_batched_greedy_equals_generate, hf_model
 
 from meshformer.checkpointing.hf import (
@@ -18,7 +19,6 @@ from meshformer.checkpointing.hf import (
     from_hf_model,
     from_hf_state_dict,
     infer_arch,
-    to_hf_model,
 )
 from meshformer.config import load_config
 from meshformer.model import Transformer
@@ -43,14 +43,6 @@ def _perturb(module: torch.nn.Module, seed: int = 0) -> None:
             buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
 
 
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 4096, (3, T), generator=gen)
-    mask = torch.ones(3, T, dtype=torch.long)
-    mask[1, 10:], mask[2, 4:] = 0, 0  # right padding
-    return ids, mask
-
-
 def _saved(hf) -> dict[str, torch.Tensor]:
     from transformers.core_model_loading import revert_weight_conversion
 
@@ -65,27 +57,15 @@ def test_import_logits_round_trip_and_export(arch):
     _perturb(hf)
     ours = from_hf_model(hf).eval()
     assert infer_arch(ours.cfg) == arch and ours.cfg.layer_types == ["dsa"] and ours.cfg.dsa.topk == 6
-    ids, mask = _batch()
+    ids, mask = padded_batch(4096, T, left=False)
     real = mask.bool()
+    got = assert_import_exact(hf, ours, ids, mask)
     with torch.no_grad():
-        expected = hf(input_ids=ids, attention_mask=mask).logits
-        got = ours(ids, real)
-        torch.testing.assert_close(got[real], expected[real], rtol=0, atol=1e-4)
-        assert expected.std() > 0.1
         dense = dataclasses.replace(ours.cfg, dsa=dataclasses.replace(ours.cfg.dsa, topk=T))
         unselected = Transformer(dense).eval()
         unselected.load_state_dict(ours.state_dict())
         assert (unselected(ids, real)[real] - got[real]).abs().max() > 1e-2  # sparsity is exercised
-    back = to_hf_model(ours)
-    original = hf.state_dict()
-    assert back.state_dict().keys() == original.keys()
-    assert all(torch.equal(back.state_dict()[k], v) for k, v in original.items())
-    again = from_hf_model(back)
-    assert again.cfg == ours.cfg
-    assert all(torch.equal(v, ours.state_dict()[k]) for k, v in again.state_dict().items())
-    with torch.no_grad():
-        torch.testing.assert_close(back.eval()(input_ids=ids, attention_mask=mask).logits[real], got[real], rtol=0,
-                                   atol=1e-4)
+    assert_export_exact(ours, ids, mask)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

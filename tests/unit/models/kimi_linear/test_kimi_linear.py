@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers.exactness import assert_export_exact, assert_import_exact, padded_batch
 from torch import nn
 
 from meshformer.checkpointing.hf import (
@@ -17,7 +18,6 @@ from meshformer.checkpointing.hf import (
     from_hf_model,
     from_hf_state_dict,
     infer_arch,
-    to_hf_model,
 )
 from meshformer.config import load_config
 from meshformer.model import Transformer
@@ -52,43 +52,20 @@ def _hf_kimi(**extra) -> nn.Module:
     return hf.eval()
 
 
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(0, 97, (3, 12), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(3, 12, dtype=torch.long)
-    mask[1, 8:] = 0
-    mask[2, :5] = 0  # left padding: the KDA blocks start from an empty state after it
-    return ids, mask
-
-
 def test_logits_both_ways_and_bitwise_round_trips():
     hf = _hf_kimi()
     ours = from_hf_model(hf).eval()
     assert ours.cfg.layer_types == ["kda", "kda", "mla", "kda"] and ours.cfg.position == "none"
     assert [ours.cfg.is_moe(i) for i in range(4)] == [False, True, True, True]
     assert infer_arch(ours.cfg) == "kimi_linear"
-    ids, mask = _batch()
-    real = mask.bool()
-    with torch.no_grad():
-        expected, got = hf(input_ids=ids, attention_mask=mask).logits, ours(ids, real)
-    torch.testing.assert_close(got[real], expected[real], rtol=0, atol=1e-4)
-    assert expected.std() > 0.1
-    # theirs -> ours -> theirs: every tensor (transformers' in-memory layout) bitwise
-    back = to_hf_model(ours)
-    original = hf.state_dict()
-    assert back.state_dict().keys() == original.keys()
-    assert all(torch.equal(back.state_dict()[k], v) for k, v in original.items())
+    ids, mask = padded_batch(97)
+    assert_import_exact(hf, ours, ids, mask)
     # ours (perturbed) -> theirs computes our logits, and comes back bitwise with the same config
     mine = Transformer(ours.cfg).eval()
     with torch.no_grad():
         for p in mine.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    exported = to_hf_model(mine).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(exported(input_ids=ids, attention_mask=mask).logits[real], mine(ids, real)[real],
-                                   rtol=0, atol=1e-4)
-    again = from_hf_model(exported)
-    assert again.cfg == mine.cfg
-    assert all(torch.equal(v, mine.state_dict()[k]) for k, v in again.state_dict().items())
+    assert_export_exact(mine, ids, mask)
 
 
 def test_saved_and_published_spellings_are_read(tmp_path):

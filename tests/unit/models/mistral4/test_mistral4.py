@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from helpers.exactness import assert_export_exact, assert_import_exact, padded_batch
 from helpers.hf_models import ARCHS, assert_batched_greedy_equals_generate, hf_model
 
 from meshformer.checkpointing.hf import (
@@ -17,7 +18,6 @@ from meshformer.checkpointing.hf import (
     config_to_hf,
     from_hf_model,
     infer_arch,
-    to_hf_model,
 )
 from meshformer.config import ConfigError, load_config
 from meshformer.model import Transformer
@@ -39,14 +39,6 @@ def _perturbed(seed: int = 0) -> torch.nn.Module:
     return hf
 
 
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 4096, (3, T), generator=gen)
-    mask = torch.ones(3, T, dtype=torch.long)
-    mask[1, 10:], mask[2, 4:] = 0, 0  # right padding
-    return ids, mask
-
-
 def test_logits_both_ways_and_bitwise_round_trips():
     hf = _perturbed()
     ours = from_hf_model(hf).eval()
@@ -54,35 +46,21 @@ def test_logits_both_ways_and_bitwise_round_trips():
     assert infer_arch(cfg) == "mistral4"
     assert (cfg.mla.query_scale_beta, cfg.rope.original_max_seq_len, cfg.moe.router_score) == (0.5, 4, "softmax")
     assert [cfg.is_moe(i) for i in range(2)] == [False, True]
-    ids, mask = _batch()
+    ids, mask = padded_batch(4096, T, left=False)
     real = mask.bool()
-    with torch.no_grad():
-        expected, got = hf(input_ids=ids, attention_mask=mask).logits, ours(ids, real)
-    torch.testing.assert_close(got[real], expected[real], rtol=0, atol=1e-4)
-    assert expected.std() > 0.1
+    got = assert_import_exact(hf, ours, ids, mask)
     # the scaling is exercised: without it the logits move far beyond the tolerance
     unscaled = Transformer(dataclasses.replace(cfg, mla=dataclasses.replace(cfg.mla, query_scale_beta=0.0))).eval()
     unscaled.load_state_dict(ours.state_dict())
     with torch.no_grad():
-        assert (unscaled(ids, real)[real] - expected[real]).abs().max() > 1e-2
-    # theirs -> ours -> theirs: every tensor bitwise (the stacked experts included)
-    back = to_hf_model(ours).state_dict()
-    original = hf.state_dict()
-    assert back.keys() == original.keys()
-    assert all(torch.equal(back[k], v) for k, v in original.items())
+        assert (unscaled(ids, real)[real] - got[real]).abs().max() > 1e-2
     # ours (perturbed) -> theirs computes our logits and comes back bitwise with the same config
     fresh = Transformer(cfg).eval()
     with torch.no_grad():
         gen = torch.Generator().manual_seed(3)
         for p in fresh.parameters():
             p.normal_(0.0, 0.15, generator=gen)
-    exported = to_hf_model(fresh).eval()
-    with torch.no_grad():
-        theirs, mine = exported(input_ids=ids, attention_mask=mask).logits, fresh(ids, real)
-    torch.testing.assert_close(theirs[real], mine[real], rtol=0, atol=1e-4)
-    returned = from_hf_model(exported)
-    assert returned.cfg == cfg
-    assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in returned.state_dict().items())
+    assert_export_exact(fresh, ids, mask)
 
 
 def test_greedy_generation_equals_transformers():

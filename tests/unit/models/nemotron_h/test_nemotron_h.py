@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.exactness import assert_export_exact, assert_import_exact, padded_batch
 
-from meshformer.checkpointing.hf import config_from_hf, from_hf_model, infer_arch, to_hf_model
+from meshformer.checkpointing.hf import config_from_hf, from_hf_model, infer_arch
 from meshformer.config import load_config
 from meshformer.model import Transformer
 from meshformer.model.flops import count_params
@@ -15,14 +16,6 @@ from tests.helpers.hf_models import assert_batched_greedy_equals_generate, hf_mo
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(0, 4096, (3, 12), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(3, 12, dtype=torch.long)
-    mask[1, 8:] = 0
-    mask[2, :5] = 0  # left padding: the Mamba-2 block starts from an empty state after it
-    return ids, mask
 
 
 def test_logits_both_ways_and_bitwise_round_trips():
@@ -36,27 +29,13 @@ def test_logits_both_ways_and_bitwise_round_trips():
     assert ours.cfg.mlp_types == ["none", "dense", "none", "dense"]
     assert infer_arch(ours.cfg) == "nemotron_h"
     assert ours.decoder_layers["0"].ffn is None and ours.decoder_layers["1"].attn is None  # one sub-layer each
-    ids, mask = _batch()
-    real = mask.bool()
-    with torch.no_grad():
-        expected, got = hf(input_ids=ids, attention_mask=mask).logits, ours(ids, real)
-    torch.testing.assert_close(got[real], expected[real], rtol=0, atol=1e-4)
-    assert expected.std() > 0.1
-    back = to_hf_model(ours)
-    original = hf.state_dict()
-    assert back.state_dict().keys() == original.keys()
-    assert all(torch.equal(back.state_dict()[k], v) for k, v in original.items())
+    ids, mask = padded_batch(4096)
+    assert_import_exact(hf, ours, ids, mask)
     mine = Transformer(ours.cfg).eval()
     with torch.no_grad():
         for p in mine.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    exported = to_hf_model(mine).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(exported(input_ids=ids, attention_mask=mask).logits[real], mine(ids, real)[real],
-                                   rtol=0, atol=1e-4)
-    again = from_hf_model(exported)
-    assert again.cfg == mine.cfg
-    assert all(torch.equal(v, mine.state_dict()[k]) for k, v in again.state_dict().items())
+    assert_export_exact(mine, ids, mask)
 
 
 def test_batched_greedy_generation_equals_transformers():

@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.exactness import assert_export_exact, assert_import_exact, padded_batch
 from torch import nn
 
-from meshformer.checkpointing.hf import config_from_hf, config_to_hf, from_hf_model, infer_arch, to_hf_model
+from meshformer.checkpointing.hf import config_from_hf, config_to_hf, from_hf_model, infer_arch
 from meshformer.model import Transformer
 
 transformers = pytest.importorskip("transformers")
@@ -39,14 +40,6 @@ def _hf_olmo_hybrid(**extra: Any) -> nn.Module:
     return hf.eval()
 
 
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(0, VOCAB, (3, 12), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(3, 12, dtype=torch.long)
-    mask[1, 8:] = 0
-    mask[2, :5] = 0  # left padding: the Gated DeltaNet blocks start from an empty state after it
-    return ids, mask
-
-
 @pytest.mark.parametrize("rope", [True, False])
 def test_logits_both_ways_and_bitwise_round_trips(rope: bool):
     hf = _hf_olmo_hybrid(**({} if rope else {"rope_parameters": {"rope_type": "default", "rope_theta": None}}))
@@ -56,27 +49,13 @@ def test_logits_both_ways_and_bitwise_round_trips(rope: bool):
     assert cfg.position == ("rope" if rope else "none") and infer_arch(cfg) == "olmo_hybrid"
     assert [cfg.block_norm_position(i) for i in range(4)] == ["pre", "pre", "post_sublayer", "pre"]
     assert cfg.linear_attention.projections == "separate" and cfg.linear_attention.allow_neg_eigval
-    ids, mask = _batch()
-    real = mask.bool()
-    with torch.no_grad():
-        expected, got = hf(input_ids=ids, attention_mask=mask).logits, ours(ids, real)
-    assert expected.std() > 0.1
-    torch.testing.assert_close(got[real], expected[real], rtol=0, atol=1e-4)
-    back = to_hf_model(ours)
-    original = hf.state_dict()
-    assert back.state_dict().keys() == original.keys()
-    assert all(torch.equal(back.state_dict()[k], v) for k, v in original.items())
+    ids, mask = padded_batch(VOCAB)
+    assert_import_exact(hf, ours, ids, mask)
     mine = Transformer(cfg).eval()
     with torch.no_grad():
         for p in mine.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    exported = to_hf_model(mine).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(exported(input_ids=ids, attention_mask=mask).logits[real], mine(ids, real)[real],
-                                   rtol=0, atol=1e-4)
-    again = from_hf_model(exported)
-    assert again.cfg == mine.cfg
-    assert all(torch.equal(v, mine.state_dict()[k]) for k, v in again.state_dict().items())
+    assert_export_exact(mine, ids, mask)
 
 
 def test_greedy_generation_equals_transformers():
