@@ -7,21 +7,25 @@ bench/kda_fla.py's."""
 
 from __future__ import annotations
 
-import itertools
 import sys
-import types
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.common import load_script
+from helpers.kernel_contract import (
+    assert_bench_tells_wrong_from_equal,
+    assert_module_equals_torch,
+    assert_outputs_and_grads_equal,
+    delta_rule_by_sequence,
+    install_stand_ins,
+)
 
 from meshformer.config.migrate import model_from_flat
 from meshformer.errors import ConfigError
 from meshformer.model import gated_delta_fla
 from meshformer.model.config import LinearAttentionConfig
-from meshformer.model.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from meshformer.model.gated_delta import chunk_gated_delta_rule
 from meshformer.model.gated_delta_fla import fla_kda_rule
 from meshformer.model.kda import KimiDeltaAttention
 
@@ -46,21 +50,10 @@ def documented_kda(calls: list[dict[str, Any]]):
         assert q.shape == k.shape == g.shape and beta.shape == q.shape[:3] and v.shape[:3] == q.shape[:3]
         assert initial_state is None or initial_state.dtype in (torch.float32, torch.float64)
         calls.append({"cu_seqlens": cu_seqlens, "scale": scale, "l2": use_qk_l2norm_in_kernel})
-        if cu_seqlens is None:
-            return recurrent_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                              output_final_state=output_final_state,
-                                              use_qk_l2norm=use_qk_l2norm_in_kernel)
-        assert q.shape[0] == 1, "variable-length inputs are one row"
-        assert initial_state is None or initial_state.shape[0] == cu_seqlens.numel() - 1
-        outs, finals = [], []
-        for n, (start, end) in enumerate(itertools.pairwise(cu_seqlens.tolist())):
-            piece = [x[:, start:end] for x in (q, k, v, g, beta)]
-            state = None if initial_state is None else initial_state[n:n + 1]
-            out, final = recurrent_gated_delta_rule(*piece, scale=scale, initial_state=state, output_final_state=True,
-                                                    use_qk_l2norm=use_qk_l2norm_in_kernel)
-            outs.append(out)
-            finals.append(final)
-        return torch.cat(outs, dim=1), (torch.cat(finals) if output_final_state else None)
+        if cu_seqlens is not None:
+            assert initial_state is None or initial_state.shape[0] == cu_seqlens.numel() - 1
+        return delta_rule_by_sequence(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                      use_qk_l2norm_in_kernel, cu_seqlens)
 
     return chunk_kda
 
@@ -69,11 +62,7 @@ def documented_kda(calls: list[dict[str, Any]]):
 def fake_fla(monkeypatch) -> list[dict[str, Any]]:
     """Installs the stand-in package; returns the record of its calls."""
     calls: list[dict[str, Any]] = []
-    ops = types.ModuleType("fla.ops.kda")
-    ops.chunk_kda = documented_kda(calls)  # type: ignore[attr-defined]
-    for name in ("fla", "fla.ops"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "fla.ops.kda", ops)
+    install_stand_ins(monkeypatch, {"fla.ops.kda": {"chunk_kda": documented_kda(calls)}})
     monkeypatch.setattr(gated_delta_fla, "fla_importable", lambda: True)
     monkeypatch.setattr(gated_delta_fla, "require_cuda", lambda t, backend: None)  # CPU tensors through
     return calls
@@ -89,13 +78,7 @@ def test_kda_mapping_equals_our_rule(fake_fla, documents: bool) -> None:
     theirs, final = fla_kda_rule(q, k, v, g, beta, initial_state=state, output_final_state=True, doc_ids=docs,
                                  use_qk_l2norm=True)
     assert final is not None and ours_final is not None and final.shape == state.shape
-    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-10)
-    torch.testing.assert_close(final, ours_final, rtol=0, atol=1e-10)
-    weights = torch.randn_like(ours)
-    expected = torch.autograd.grad((ours * weights).sum() + ours_final.sum(), leaves)
-    got = torch.autograd.grad((theirs * weights).sum() + final.sum(), leaves)
-    for a, b in zip(got, expected, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    assert_outputs_and_grads_equal((theirs, final), (ours, ours_final), leaves)
     (call,) = fake_fla
     assert call["l2"] and call["scale"] is None and (call["cu_seqlens"] is not None) == documents
 
@@ -117,18 +100,9 @@ def module(backend: str) -> KimiDeltaAttention:
 
 def test_kda_module_on_fla_equals_torch(fake_fla) -> None:
     theirs, ours = module("fla"), module("torch")
-    x = torch.randn(2, 9, 24, dtype=torch.float64)
     padding = torch.ones(2, 9, dtype=torch.bool)
     padding[1, 6:] = False
-    docs = torch.tensor([[0] * 4 + [1] * 5, [0] * 9])
-    outs = []
-    for mixer in (theirs, ours):
-        out = mixer(x, padding=padding, documents=docs)
-        out.square().sum().backward()
-        outs.append(out)
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-10)
-    for (name, a), b in zip(theirs.named_parameters(), ours.parameters(), strict=True):
-        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-10, msg=name)
+    assert_module_equals_torch(theirs, ours, padding)
     assert len(fake_fla) == 1
 
 
@@ -150,10 +124,5 @@ def test_kda_off_cuda_or_without_the_package_is_one_line(monkeypatch) -> None:
 
 def test_kda_bench_reports_equality_and_speed(fake_fla) -> None:
     """bench/kda_fla.py's measurement (the GPU check) on CPU: equal sides pass, a wrong side fails."""
-    bench = load_script("bench/kda_fla.py")
-    report = bench.measure("1,2,8,20", "fp32", rounds=1, tolerance=1e-5, device="cpu")
-    assert report["equal"] and set(report["relative_diffs"]) == {"out", "dq", "dk", "dv", "dg", "dbeta"}
-    assert report["ours_ms"] > 0 and report["fla_ms"] > 0
-    sides = bench._sides()
-    bench._sides = lambda: {**sides, "fla": lambda *x: 1.01 * sides["fla"](*x)}
-    assert not bench.measure("1,2,8,20", "fp32", rounds=1, tolerance=1e-5, device="cpu")["equal"]
+    report = assert_bench_tells_wrong_from_equal("bench/kda_fla.py", "1,2,8,20", "fla")
+    assert set(report["relative_diffs"]) == {"out", "dq", "dk", "dv", "dg", "dbeta"}

@@ -10,12 +10,16 @@ real; the GPU kernels themselves are bench/mamba2_ssm.py's."""
 from __future__ import annotations
 
 import sys
-import types
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.common import load_script
+from helpers.kernel_contract import (
+    assert_bench_tells_wrong_from_equal,
+    assert_module_equals_torch,
+    assert_outputs_and_grads_equal,
+    install_stand_ins,
+)
 
 from meshformer.config.migrate import model_from_flat
 from meshformer.errors import ConfigError
@@ -85,14 +89,9 @@ def documented_scan(calls: list[str]):
 def fake_mamba(monkeypatch) -> list[str]:
     """Installs the stand-in packages (and lets CPU tensors through); returns the record of their calls."""
     calls: list[str] = []
-    conv = types.ModuleType("causal_conv1d")
-    conv.causal_conv1d_fn = documented_conv(calls)  # type: ignore[attr-defined]
-    scan = types.ModuleType("mamba_ssm.ops.triton.ssd_combined")
-    scan.mamba_chunk_scan_combined = documented_scan(calls)  # type: ignore[attr-defined]
-    for name in ("mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "causal_conv1d", conv)
-    monkeypatch.setitem(sys.modules, "mamba_ssm.ops.triton.ssd_combined", scan)
+    install_stand_ins(monkeypatch, {
+        "causal_conv1d": {"causal_conv1d_fn": documented_conv(calls)},
+        "mamba_ssm.ops.triton.ssd_combined": {"mamba_chunk_scan_combined": documented_scan(calls)}})
     monkeypatch.setattr(mamba2_kernels, "mamba_importable", lambda: True)
     monkeypatch.setattr(mamba2_kernels, "require_cuda", lambda t, backend: None)
     return calls
@@ -139,13 +138,7 @@ def test_scan_mapping_equals_ours(fake_mamba, documents: bool) -> None:
     ours = ours + x * D[:, None]
     theirs, final = kernel_scan(x, dt_raw, -A_log.exp(), B, C, chunk_size=4, D=D, dt_bias=dt_bias, dt_floor=0.3,
                                 initial_state=state, doc_ids=docs)
-    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-10)
-    torch.testing.assert_close(final, ours_final, rtol=0, atol=1e-10)
-    weights = torch.randn_like(ours)
-    expected = torch.autograd.grad((ours * weights).sum() + ours_final.sum(), leaves)
-    got = torch.autograd.grad((theirs * weights).sum() + final.sum(), leaves)
-    for a, b in zip(got, expected, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    expected = assert_outputs_and_grads_equal((theirs, final), (ours, ours_final), leaves)
     assert fake_mamba == ["scan"] and expected[-1].abs().sum() > 0  # the initial state reaches the output
 
 
@@ -163,18 +156,9 @@ def module(backend: str) -> Mamba2:
 
 def test_module_on_the_kernels_equals_torch(fake_mamba) -> None:
     theirs, ours = module("mamba_ssm"), module("torch")
-    x = torch.randn(2, 9, 24, dtype=torch.float64)
     padding = torch.ones(2, 9, dtype=torch.bool)
     padding[1, :3] = False  # left padding, as prompts are
-    docs = torch.tensor([[0] * 4 + [1] * 5, [0] * 9])
-    outs = []
-    for mixer in (theirs, ours):
-        out = mixer(x, padding=padding, documents=docs)
-        out.square().sum().backward()
-        outs.append(out)
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-10)
-    for (name, a), b in zip(theirs.named_parameters(), ours.parameters(), strict=True):
-        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-10, msg=name)
+    assert_module_equals_torch(theirs, ours, padding)
     assert fake_mamba == ["conv", "scan"]
 
 
@@ -200,10 +184,5 @@ def test_missing_library_or_device_is_one_line(monkeypatch) -> None:
 
 def test_bench_reports_equality_and_speed(fake_mamba) -> None:
     """bench/mamba2_ssm.py's measurement (the GPU check) on CPU: equal sides pass, a wrong side fails."""
-    bench = load_script("bench/mamba2_ssm.py")
-    report = bench.measure("1,4,8,2,8,20", "fp32", rounds=1, tolerance=1e-5, device="cpu")
-    assert report["equal"] and set(report["relative_diffs"]) == set(bench.NAMES) and len(bench.NAMES) == 7
-    assert report["ours_ms"] > 0 and report["kernels_ms"] > 0
-    sides = bench._sides()
-    bench._sides = lambda: {**sides, "kernels": lambda *x: 1.01 * sides["kernels"](*x)}
-    assert not bench.measure("1,4,8,2,8,20", "fp32", rounds=1, tolerance=1e-5, device="cpu")["equal"]
+    report = assert_bench_tells_wrong_from_equal("bench/mamba2_ssm.py", "1,4,8,2,8,20", "kernels")
+    assert set(report["relative_diffs"]) == {"out", "dxbc", "dconv", "ddt", "dA_log", "dD", "ddt_bias"}
