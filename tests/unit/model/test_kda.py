@@ -8,12 +8,18 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.recurrent_mixer import (
+    assert_cached_steps_match_transformers,
+    assert_context_parallel_pieces_equal_the_whole,
+    assert_gradients_reach_every_parameter,
+    assert_matches_transformers_on_a_padded_batch,
+    assert_packed_documents_equal_one_by_one,
+)
 
 from meshformer.config.migrate import model_from_flat
 from meshformer.errors import ConfigError
 from meshformer.model.config import LinearAttentionConfig, ModelConfig
 from meshformer.model.kda import KimiDeltaAttention
-from meshformer.model.linear_attention import LinearCache
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.kimi_linear import modeling_kimi_linear as hf  # noqa: E402
@@ -70,73 +76,30 @@ def pair(chunk_size: int = 4, seed: int = 0) -> tuple[KimiDeltaAttention, Any]:
 @pytest.mark.parametrize("chunk_size", [3, 64])
 def test_matches_transformers_on_a_padded_batch(chunk_size: int) -> None:
     mine, theirs = pair(chunk_size)
-    x = torch.randn(3, 11, D)
-    padding = torch.ones(3, 11, dtype=torch.bool)
-    padding[1, :4] = False  # left padding
-    padding[2, 7:] = False  # right padding
-    with torch.no_grad():
-        expected = theirs(x, attention_mask=padding.long())
-        got = mine(x, padding=padding)
-    real = padding[..., None].expand_as(got)
-    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+    assert_matches_transformers_on_a_padded_batch(mine, theirs, D)
 
 
 def test_cached_prefill_and_steps_match_transformers_cache() -> None:
     mine, theirs = pair()
-    x = torch.randn(2, 9, D)
     cache_hf = transformers.DynamicCache(config=hf_config())
-    cache = LinearCache()
-    with torch.no_grad():
-        expected = [theirs(x[:, :6], cache=cache_hf)]
-        got = [mine(x[:, :6], cache=cache)]
-        for t in range(6, 9):
-            expected.append(theirs(x[:, t:t + 1], cache=cache_hf))
-            got.append(mine(x[:, t:t + 1], cache=cache))
-        whole = mine(x)
-    torch.testing.assert_close(torch.cat(got, 1), torch.cat(expected, 1), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(torch.cat(got, 1), whole, atol=1e-5, rtol=1e-5)
-    assert cache.length == 9 and cache.state is not None and cache.conv is not None
+    cache = assert_cached_steps_match_transformers(mine, theirs, cache_hf, D)
     assert cache.state.shape == (2, HEADS, DIM, DIM) and cache.conv.shape == (2, 3, 3 * HEADS * DIM)
 
 
 def test_packed_documents_equal_the_documents_one_by_one() -> None:
-    mine, _ = pair(chunk_size=4)
-    lengths = [5, 1, 7, 3]
-    x = torch.randn(1, sum(lengths), D)
-    documents = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
-    with torch.no_grad():
-        packed = mine(x, documents=documents)
-        alone = torch.cat([mine(part) for part in x.split(lengths, dim=1)], dim=1)
-        crossing = mine(x)
-    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
-    assert (crossing[:, lengths[0]:] - alone[:, lengths[0]:]).abs().max() > 1e-3
+    assert_packed_documents_equal_one_by_one(pair(chunk_size=4)[0], D)
 
 
 def test_context_parallel_pieces_equal_the_whole_sequence() -> None:
     """One rank holding both pieces: the first piece's per-channel state and window enter the second, except where
     the second starts a document."""
-    from meshformer.model.attention import SequenceChunk
-
     mine, _ = pair(chunk_size=4)
     for lengths in ([7, 1, 5, 3], [16]):
-        x = torch.randn(2, sum(lengths), D, requires_grad=True)
-        documents = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None].expand(2, -1)
-        whole = mine(x, documents=documents)
-        weights = torch.randn_like(whole)
-        expected = torch.autograd.grad((whole * weights).sum(), [x, *mine.parameters()])
-        pieces = mine(x, documents=documents, chunk=SequenceChunk(0, 1, lambda t: t))
-        got = torch.autograd.grad((pieces * weights).sum(), [x, *mine.parameters()])
-        torch.testing.assert_close(pieces, whole, atol=1e-6, rtol=1e-6)
-        for a, b in zip(got, expected, strict=True):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert_context_parallel_pieces_equal_the_whole(mine, lengths, D)
 
 
 def test_gradients_reach_every_parameter() -> None:
-    mine, _ = pair()
-    mine.train()
-    mine(torch.randn(2, 7, D)).square().sum().backward()
-    for name, p in mine.named_parameters():
-        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert_gradients_reach_every_parameter(pair()[0], D)
 
 
 def test_initialisation_and_counts() -> None:

@@ -8,10 +8,17 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.recurrent_mixer import (
+    assert_cached_steps_match_transformers,
+    assert_context_parallel_pieces_equal_the_whole,
+    assert_gradients_reach_every_parameter,
+    assert_matches_transformers_on_a_padded_batch,
+    assert_packed_documents_equal_one_by_one,
+)
 
 from meshformer.config.migrate import model_from_flat
 from meshformer.model.config import LinearAttentionConfig, ModelConfig
-from meshformer.model.linear_attention import GatedDeltaNet, LinearCache
+from meshformer.model.linear_attention import GatedDeltaNet
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen3_next import modeling_qwen3_next as hf  # noqa: E402
@@ -52,47 +59,18 @@ def pair(chunk_size: int = 4, seed: int = 0) -> tuple[GatedDeltaNet, Any]:
 @pytest.mark.parametrize("chunk_size", [3, 64])
 def test_matches_transformers_on_a_padded_batch(chunk_size: int) -> None:
     mine, theirs = pair(chunk_size)
-    x = torch.randn(3, 11, D)
-    padding = torch.ones(3, 11, dtype=torch.bool)
-    padding[1, :4] = False  # left padding
-    padding[2, 7:] = False  # right padding
-    with torch.no_grad():
-        expected = theirs(x, attention_mask=padding.long())
-        got = mine(x, padding=padding)
-    real = padding[..., None].expand_as(got)
-    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+    assert_matches_transformers_on_a_padded_batch(mine, theirs, D)
 
 
 def test_cached_prefill_and_steps_match_transformers_cache() -> None:
     mine, theirs = pair()
-    config = hf_config()
-    x = torch.randn(2, 9, D)
-    cache_hf = transformers.DynamicCache(config=config)
-    ours_cache = LinearCache()
-    with torch.no_grad():
-        expected = [theirs(x[:, :6], cache=cache_hf)]
-        got = [mine(x[:, :6], cache=ours_cache)]
-        for t in range(6, 9):
-            expected.append(theirs(x[:, t:t + 1], cache=cache_hf))
-            got.append(mine(x[:, t:t + 1], cache=ours_cache))
-        whole = mine(x)
-    torch.testing.assert_close(torch.cat(got, 1), torch.cat(expected, 1), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(torch.cat(got, 1), whole, atol=1e-5, rtol=1e-5)
-    assert ours_cache.length == 9 and ours_cache.state is not None and ours_cache.conv is not None
+    cache_hf = transformers.DynamicCache(config=hf_config())
+    ours_cache = assert_cached_steps_match_transformers(mine, theirs, cache_hf, D)
     assert ours_cache.state.shape == (2, 4, 8, 6) and ours_cache.conv.shape == (2, 3, 2 * 16 + 24)
 
 
 def test_packed_documents_equal_the_documents_one_by_one() -> None:
-    mine, _ = pair(chunk_size=4)
-    lengths = [5, 1, 7, 3]
-    x = torch.randn(1, sum(lengths), D)
-    documents = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
-    with torch.no_grad():
-        packed = mine(x, documents=documents)
-        alone = torch.cat([mine(part) for part in x.split(lengths, dim=1)], dim=1)
-        crossing = mine(x)  # without the resets the later documents see the earlier ones
-    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
-    assert (crossing[:, lengths[0]:] - alone[:, lengths[0]:]).abs().max() > 1e-3
+    assert_packed_documents_equal_one_by_one(pair(chunk_size=4)[0], D)
 
 
 @pytest.mark.parametrize("lengths", [[7, 1, 5, 3], [2, 2], [16]])
@@ -100,27 +78,11 @@ def test_context_parallel_pieces_in_sequence_order_equal_the_whole_sequence(leng
     """One rank holding both pieces (cp's layout at count 1: the gather is the identity): the first piece's state
     and convolution window enter the second, except where the second starts a document (lengths [7, 1, ...]:
     token 8 does); pieces of 2 tokens are shorter than the window of 3 earlier inputs."""
-    from meshformer.model.attention import SequenceChunk
-
-    mine, _ = pair(chunk_size=4)
-    x = torch.randn(2, sum(lengths), D, requires_grad=True)
-    documents = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None].expand(2, -1)
-    whole = mine(x, documents=documents)
-    weights = torch.randn_like(whole)
-    expected = torch.autograd.grad((whole * weights).sum(), [x, *mine.parameters()])
-    pieces = mine(x, documents=documents, chunk=SequenceChunk(0, 1, lambda t: t))
-    got = torch.autograd.grad((pieces * weights).sum(), [x, *mine.parameters()])
-    torch.testing.assert_close(pieces, whole, atol=1e-6, rtol=1e-6)
-    for a, b in zip(got, expected, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_context_parallel_pieces_equal_the_whole(pair(chunk_size=4)[0], lengths, D)
 
 
 def test_gradients_reach_every_parameter() -> None:
-    mine, _ = pair()
-    mine.train()
-    mine(torch.randn(2, 7, D)).square().sum().backward()
-    for name, p in mine.named_parameters():
-        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert_gradients_reach_every_parameter(pair()[0], D)
 
 
 def test_the_rule_computes_in_float32_under_autocast() -> None:
@@ -225,16 +187,7 @@ def test_split_projections_match_transformers_qwen3_5_module() -> None:
     cfg.linear_attention.projections = "split"
     mine = GatedDeltaNet(cfg).eval()
     mine.load_state_dict(theirs.state_dict(), strict=True)
-    x = torch.randn(3, 11, D)
-    padding = torch.ones(3, 11, dtype=torch.bool)
-    padding[1, :4] = False
-    padding[2, 7:] = False
-    with torch.no_grad():
-        expected = theirs(x, attention_mask=padding.long())
-        got = mine(x, padding=padding)
-    real = padding[..., None].expand_as(got)
-    assert expected[real].std() > 0.01
-    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+    assert_matches_transformers_on_a_padded_batch(mine, theirs, D)
 
 
 def test_head_channels_pick_each_ranks_q_k_and_v() -> None:
