@@ -50,6 +50,31 @@ def delta_rule_flops(cfg: ModelConfig) -> int:
     return 2 * per_chunk * la.n_heads // chunk
 
 
+def check_recurrent_sizes(cfg: ModelConfig, kind: str, section: str, keys: tuple[str, ...]) -> None:
+    """What every recurrent token mixer refuses: a family with a bidirectional encoder (the scan runs causally), and
+    any of `keys` of model.<section> below 1."""
+    from meshformer.model.families import get_family_spec  # the families' formulas import this package
+
+    if get_family_spec(cfg.family).has_encoder:
+        raise ConfigError(f"model.layer_types has {kind} blocks, which run causally, but family {cfg.family!r} "
+                          "has a bidirectional encoder", 'use family = "decoder"')
+    fields = getattr(cfg, section)
+    for key in keys:
+        if getattr(fields, key) < 1:
+            raise ConfigError(f"model.{section}.{key}={getattr(fields, key)} must be positive")
+
+
+def residual_output_init(cfg: ModelConfig) -> InitFn | None:
+    """A recurrent mixer's out_proj as a residual output: normal(init_std / sqrt(2 layers)); under Xavier, None (the
+    general rule)."""
+    if cfg.init.method == "xavier":
+        return None
+    from meshformer.model.families import get_family_spec
+
+    std = cfg.init.std / math.sqrt(2 * get_family_spec(cfg.family).total_layers(cfg))
+    return lambda t, g: nn.init.normal_(t, std=std, generator=g)
+
+
 class LinearAttention(TokenMixer):
     """Gated DeltaNet: a short causal convolution, then the gated delta rule per value head, a gated RMSNorm and
     the output projection."""
@@ -67,15 +92,9 @@ class LinearAttention(TokenMixer):
         return GatedDeltaNet(cfg)
 
     def check(self, cfg: ModelConfig) -> None:
-        from meshformer.model.families import get_family_spec  # the families' formulas import this package
-
         la = cfg.linear_attention
-        if get_family_spec(cfg.family).has_encoder:
-            raise ConfigError(f"model.layer_types has linear_attention blocks, which run causally, but family "
-                              f"{cfg.family!r} has a bidirectional encoder", 'use family = "decoder"')
-        for key in ("n_heads", "key_head_dim", "value_head_dim", "conv_width", "chunk_size"):
-            if getattr(la, key) < 1:
-                raise ConfigError(f"model.linear_attention.{key}={getattr(la, key)} must be positive")
+        check_recurrent_sizes(cfg, "linear_attention", "linear_attention",
+                              ("n_heads", "key_head_dim", "value_head_dim", "conv_width", "chunk_size"))
         if wide := [k for k in ("key_head_dim", "value_head_dim") if getattr(la, k) > cfg.d_model]:
             raise ConfigError(f"model.linear_attention.{wide[0]}={getattr(la, wide[0])} is wider than model.d_model="
                               f"{cfg.d_model}", "a head's keys and values are projections of the d_model-wide "
@@ -126,11 +145,8 @@ class LinearAttention(TokenMixer):
             return lambda t, g: t.uniform_(0.01, 16.0, generator=g).log_()
         if name == "norm.weight":
             return lambda t, g: t.fill_(1.0)
-        if name == "out_proj.weight" and cfg.init.method != "xavier":
-            from meshformer.model.families import get_family_spec
-
-            std = cfg.init.std / math.sqrt(2 * get_family_spec(cfg.family).total_layers(cfg))
-            return lambda t, g: nn.init.normal_(t, std=std, generator=g)
+        if name == "out_proj.weight":
+            return residual_output_init(cfg)
         return None
 
     def new_cache(self) -> GenerationCache | None:

@@ -24,6 +24,7 @@ from meshformer.model.components.base import (
     TokenMixer,
     output_projection_bytes,
 )
+from meshformer.model.components.linear_attention import check_recurrent_sizes, residual_output_init
 from meshformer.model.config import ModelConfig
 from meshformer.model.tp_styles import HEAD_SHARD, ROWWISE
 
@@ -68,15 +69,9 @@ class Mamba2Kind(TokenMixer):
         return Mamba2(cfg)
 
     def check(self, cfg: ModelConfig) -> None:
-        from meshformer.model.families import get_family_spec  # the families' formulas import this package
-
         m = cfg.mamba
-        if get_family_spec(cfg.family).has_encoder:
-            raise ConfigError(f"model.layer_types has mamba2 blocks, which run causally, but family {cfg.family!r} "
-                              "has a bidirectional encoder", 'use family = "decoder"')
-        for key in ("n_heads", "head_dim", "state_size", "n_groups", "conv_width", "chunk_size"):
-            if getattr(m, key) < 1:
-                raise ConfigError(f"model.mamba.{key}={getattr(m, key)} must be positive")
+        check_recurrent_sizes(cfg, "mamba2", "mamba",
+                              ("n_heads", "head_dim", "state_size", "n_groups", "conv_width", "chunk_size"))
         if m.n_heads % m.n_groups:
             raise ConfigError(f"model.mamba.n_groups={m.n_groups} must divide n_heads={m.n_heads} (each group of "
                               "heads shares B and C)", "choose n_groups dividing n_heads")
@@ -115,11 +110,8 @@ class Mamba2Kind(TokenMixer):
         if name == "conv1d.weight":
             bound = 1 / math.sqrt(cfg.mamba.conv_width)
             return lambda t, g: t.uniform_(-bound, bound, generator=g)
-        if name == "out_proj.weight" and cfg.init.method != "xavier":
-            from meshformer.model.families import get_family_spec
-
-            std = cfg.init.std / math.sqrt(2 * get_family_spec(cfg.family).total_layers(cfg))
-            return lambda t, g: nn.init.normal_(t, std=std, generator=g)
+        if name == "out_proj.weight":
+            return residual_output_init(cfg)
         return None
 
     def new_cache(self) -> GenerationCache | None:
