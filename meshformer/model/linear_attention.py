@@ -99,6 +99,83 @@ class GatedRMSNorm(nn.Module):
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(dtype)
         return ((self.weight if weight is None else weight) * normed * self.activation(gate.float())).to(dtype)
 
+class PieceExchange:
+    """Context parallel's exchange for a recurrent mixer (Gated DeltaNet, Mamba-2): this rank's two pieces of each
+    sequence (`SequenceChunk`), run in sequence order across the ranks. `convolve`: the convolution's last W - 1
+    inputs of every piece are all-gathered once, so each piece starts from its predecessor's. `pass_states`: after
+    piece p's owner has run it, every rank all-gathers its slot (the owner's final state, the others' zeros) and keeps
+    the owner's, which enters piece p + 1; 2 x cp - 1 gathers of one state, each waiting for the previous piece. The
+    gathers are differentiable (their backward reduce-scatters), so the state's gradient flows back to the previous
+    piece; every rank's slot depends on the state it last received, so every rank's autograd graph holds every
+    gather and runs their backward collectives in the same order. documents: the whole sequence's; a state or
+    window from before a document's first token is dropped."""
+
+    def __init__(self, chunk: SequenceChunk, length: int, documents: torch.Tensor | None) -> None:
+        self.chunk, self.documents = chunk, documents
+        self.spans = chunk.spans(length)
+        self.piece_len, self.pieces = self.spans[0][1], 2 * chunk.count
+        self.owner = [p if p < chunk.count else self.pieces - 1 - p for p in range(self.pieces)]  # each piece's rank
+        self.local = {at // self.piece_len: start for start, _, at in self.spans}  # piece -> start in this rank's
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's (B, 2, *S) tensor (its early and late piece's) all-gathered: (B, 2, count, prod(S))."""
+        return self.chunk.gather(t.flatten(2)[:, :, None].contiguous())
+
+    def of_piece(self, slots: torch.Tensor, piece: int, shape: torch.Size) -> torch.Tensor:
+        """Piece's (B, *S) of gathered slots."""
+        return slots[:, 0 if piece < self.chunk.count else 1, self.owner[piece]].view(shape[:1] + shape[2:])
+
+    def convolve(self, mixed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The causal convolution of this rank's tokens (B, T, C), each piece after the inputs before it."""
+        width, documents = weight.shape[1], self.documents
+        tail = min(width - 1, self.piece_len)  # a piece shorter than the window lends all its inputs
+        tails = torch.stack([mixed[:, start + n - tail: start + n] for start, n, _ in self.spans], dim=1)
+        all_tails = self.gather(tails)  # one gather for every rank: each takes the tails it needs
+        conv_out = []
+        for start, n, at in self.spans:
+            piece = at // self.piece_len
+            docs = None if documents is None else documents[:, at: at + n]
+            prefix = None
+            if piece > 0:
+                earlier = torch.cat([self.of_piece(all_tails, p, tails.shape) for p in range(piece)], dim=1)
+                prefix = earlier[:, -(width - 1):]  # the window's inputs before the piece, in sequence order
+                if documents is not None:  # only those of the piece's first document
+                    same = documents[:, at - prefix.shape[1]: at] == documents[:, at: at + 1]
+                    prefix = prefix * same[..., None].to(prefix.dtype)
+                prefix = F.pad(prefix, (0, 0, width - 1 - prefix.shape[1], 0))  # the sequence's start: zeros
+            conv_out.append(causal_conv1d(mixed[:, start: start + n], weight, bias, state=prefix, doc_ids=docs)[0])
+        return torch.cat(conv_out, dim=1)
+
+    def pass_states(self, run: Callable[[slice, torch.Tensor | None, torch.Tensor | None],
+                                        tuple[torch.Tensor, torch.Tensor]],
+                    state_shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """`run(rows, entering state, documents)` -> (output, final state) of each of this rank's pieces, in sequence
+        order with the state passed between ranks; this rank's outputs in its token order. `like`: a tensor of the
+        parameters' graph (the first gather's zeros depend on it)."""
+        documents, piece_len = self.documents, self.piece_len
+        out: dict[int, torch.Tensor] = {}
+        state: torch.Tensor | None = None
+        for piece in range(self.pieces):
+            slot = like.new_zeros(()) if state is None else state * 0  # not this rank's piece: zeros, in the graph
+            if piece in self.local:
+                start, at = self.local[piece], piece * piece_len
+                entering = state
+                if entering is not None and documents is not None:  # dropped where the piece starts a document
+                    entering = entering * (documents[:, at] == documents[:, at - 1])[:, None, None, None].to(
+                        entering.dtype)
+                docs = None if documents is None else documents[:, at: at + piece_len]
+                out[piece], slot = run(slice(start, start + piece_len), entering, docs)
+            if piece == self.pieces - 1:
+                break
+            if state is None and slot.dim() == 0:  # the first gather: zeros that still depend on the parameters
+                slot = slot.expand(state_shape) + like.sum() * 0
+            both = torch.stack([slot, slot], dim=1)  # an early and a late slot per rank, as the gather expects
+            state = self.of_piece(self.gather(both), piece, both.shape)
+        assert state is not None
+        merged = torch.cat([out[at // piece_len] for _, _, at in self.spans], dim=1)
+        return merged + (state.sum() * 0).to(merged.dtype)  # the last gather's backward runs on every rank
+
+
 
 class GatedDeltaNet(nn.Module):
     """The Gated DeltaNet token mixer; head counts and widths from `[model.linear_attention]`."""
@@ -284,79 +361,19 @@ class GatedDeltaNet(nn.Module):
 
     def _forward_pieces(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                         weight: torch.Tensor, chunk: SequenceChunk, documents: torch.Tensor | None) -> torch.Tensor:
-        """Context parallel: this rank's two pieces of each sequence (`SequenceChunk`), run in sequence order across
-        the ranks. The convolution's last W - 1 inputs of every piece are all-gathered once, so each piece starts
-        from its predecessor's. The recurrent state then passes piece by piece: after piece p's owner has run it,
-        every rank all-gathers its slot (the owner's final state, the others' zeros) and keeps the owner's, which
-        enters piece p + 1; 2 x cp - 1 gathers of one (B, H, Dk, Dv) state, each waiting for the previous piece.
-        The gathers are differentiable (their backward reduce-scatters), so the state's gradient flows back to the
-        previous piece. Every rank's slot depends on the state it last received, so every rank's autograd graph
-        holds every gather and runs their backward collectives in the same order. documents: the whole
-        sequence's; a state or window from before a document's first token is dropped."""
+        """Context parallel (`PieceExchange`): this rank's two pieces of each sequence run in sequence order across
+        the ranks, the convolution's window and the (B, H, Dk, Dv) state passing from piece to piece."""
         batch, length, _ = mixed.shape
-        width = weight.shape[1]
-        spans = chunk.spans(length)
-        piece_len, pieces = spans[0][1], 2 * chunk.count
-        owner = [p if p < chunk.count else pieces - 1 - p for p in range(pieces)]  # the rank holding each piece
-        local = {at // piece_len: start for start, _, at in spans}  # sequence piece -> start in this rank's tokens
+        exchange = PieceExchange(chunk, length, documents)
+        q, k, v, g, beta = self._rule_inputs(exchange.convolve(mixed, weight, None), z, b, a)
 
-        def gather(t: torch.Tensor) -> torch.Tensor:
-            """Every rank's (B, 2, *S) tensor (its early and late piece's) all-gathered: (B, 2, count, prod(S))."""
-            return chunk.gather(t.flatten(2)[:, :, None].contiguous())
+        def run(rows: slice, entering: torch.Tensor | None, docs: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+            out, final = self._chunked(q[:, rows], k[:, rows], v[:, rows], g[:, rows], beta[:, rows],
+                                       initial_state=entering, output_final_state=True, doc_ids=docs)
+            assert final is not None
+            return out, final
 
-        def of_piece(slots: torch.Tensor, piece: int, shape: torch.Size) -> torch.Tensor:
-            """Piece's (B, *S) of gathered slots."""
-            return slots[:, 0 if piece < chunk.count else 1, owner[piece]].view(shape[:1] + shape[2:])
-
-        def continues(piece: int) -> torch.Tensor | None:
-            """(B,) True where piece's first token is in the same document as the token before it."""
-            if documents is None:
-                return None
-            start = piece * piece_len
-            return documents[:, start] == documents[:, start - 1]
-
-        tail = min(width - 1, piece_len)  # a piece shorter than the window lends all its inputs
-        tails = torch.stack([mixed[:, start + n - tail: start + n] for start, n, _ in spans], dim=1)
-        all_tails = gather(tails)  # one gather for every rank: each takes the tails it needs
-        conv_out = []
-        for start, n, at in spans:
-            piece = at // piece_len
-            docs = None if documents is None else documents[:, at: at + n]
-            prefix = None
-            if piece > 0:
-                earlier = torch.cat([of_piece(all_tails, p, tails.shape) for p in range(piece)], dim=1)
-                prefix = earlier[:, -(width - 1):]  # the window's inputs before the piece, in sequence order
-                if documents is not None:  # only those of the piece's first document
-                    same = documents[:, at - prefix.shape[1]: at] == documents[:, at: at + 1]
-                    prefix = prefix * same[..., None].to(prefix.dtype)
-                prefix = F.pad(prefix, (0, 0, width - 1 - prefix.shape[1], 0))  # the sequence's start: zeros
-            conv_out.append(causal_conv1d(mixed[:, start: start + n], weight, state=prefix, doc_ids=docs)[0])
-        q, k, v, g, beta = self._rule_inputs(torch.cat(conv_out, dim=1), z, b, a)
-        out: dict[int, torch.Tensor] = {}
-        state: torch.Tensor | None = None
-        for piece in range(pieces):
-            slot = g.new_zeros(()) if state is None else state * 0  # not this rank's piece: zeros, kept in the graph
-            if piece in local:
-                start, at = local[piece], piece * piece_len
-                entering = state
-                keep = continues(piece) if piece > 0 else None
-                if entering is not None and keep is not None:
-                    entering = entering * keep[:, None, None, None].to(entering.dtype)
-                rows = slice(start, start + piece_len)
-                docs = None if documents is None else documents[:, at: at + piece_len]
-                out[piece], final = self._chunked(q[:, rows], k[:, rows], v[:, rows], g[:, rows], beta[:, rows],
-                                                  initial_state=entering, output_final_state=True, doc_ids=docs)
-                assert final is not None
-                slot = final
-            if piece == pieces - 1:
-                break
-            if state is None:  # the first gather: zeros that still depend on this layer's parameters
-                shape = (batch, v.shape[2], self.key_head_dim, self.value_head_dim)
-                slot = slot.expand(shape) + g.sum() * 0 if slot.dim() == 0 else slot
-            both = torch.stack([slot, slot], dim=1)  # an early and a late slot per rank, as the gather expects
-            state = of_piece(gather(both), piece, both.shape)
-        assert state is not None
-        merged = torch.cat([out[at // piece_len] for _, _, at in spans], dim=1)
-        merged = merged + (state.sum() * 0).to(merged.dtype)  # the last gather's backward runs on every rank
+        merged = exchange.pass_states(run, (batch, v.shape[2], self.key_head_dim, self.value_head_dim), g)
         merged = self.norm(merged, z, self._whole(self.norm.weight)).reshape(batch, length, -1)
         return self.out_proj(merged)

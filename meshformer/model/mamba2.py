@@ -30,7 +30,7 @@ from torch import nn
 from meshformer.model.attention import SequenceChunk
 from meshformer.model.config import ModelConfig
 from meshformer.model.gated_delta import causal_conv1d
-from meshformer.model.linear_attention import HeadShard, LinearCache, _local
+from meshformer.model.linear_attention import HeadShard, LinearCache, PieceExchange, _local
 from meshformer.model.mamba2_kernels import kernel_conv1d, kernel_scan, mamba_importable
 from meshformer.model.ssd import chunk_ssd, recurrent_ssd
 
@@ -167,64 +167,17 @@ class Mamba2(nn.Module):
     def _forward_pieces(self, xbc: torch.Tensor, dt: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         keep: torch.Tensor | None, chunk: SequenceChunk, documents: torch.Tensor | None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Context parallel, as Gated DeltaNet does it (model/linear_attention.py: `_forward_pieces`): this rank's two
-        pieces of each sequence run in sequence order across the ranks. The convolution's last W - 1 inputs of every
-        piece are all-gathered once, so each piece starts from its predecessor's; the (B, H, P, N) state then passes
-        piece by piece, one differentiable all-gather after each piece, every rank keeping the owner's. Returns the
-        scan's output (B, T, H, P) without the skip, and x (B, T, H, P)."""
+        """Context parallel (`PieceExchange`, as Gated DeltaNet's): this rank's two pieces of each sequence run in
+        sequence order across the ranks, the convolution's window and the (B, H, P, N) state passing from piece to
+        piece. Returns the scan's output (B, T, H, P) without the skip, and x (B, T, H, P)."""
         batch, length, _ = xbc.shape
-        width = weight.shape[1]
-        spans = chunk.spans(length)
-        piece_len, pieces = spans[0][1], 2 * chunk.count
-        owner = [p if p < chunk.count else pieces - 1 - p for p in range(pieces)]  # the rank holding each piece
-        local = {at // piece_len: start for start, _, at in spans}  # sequence piece -> start in this rank's tokens
+        exchange = PieceExchange(chunk, length, documents)
+        xs, dt, A, B, C = self._scan_inputs(exchange.convolve(xbc, weight, bias), dt, keep)
 
-        def gather(t: torch.Tensor) -> torch.Tensor:
-            """Every rank's (B, 2, *S) tensor (its early and late piece's) all-gathered: (B, 2, count, prod(S))."""
-            return chunk.gather(t.flatten(2)[:, :, None].contiguous())
+        def run(rows: slice, entering: torch.Tensor | None, docs: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+            return chunk_ssd(xs[:, rows], dt[:, rows], A, B[:, rows], C[:, rows], chunk_size=self.chunk_size,
+                             initial_state=entering, doc_ids=docs)
 
-        def of_piece(slots: torch.Tensor, piece: int, shape: torch.Size) -> torch.Tensor:
-            return slots[:, 0 if piece < chunk.count else 1, owner[piece]].view(shape[:1] + shape[2:])
-
-        tail = min(width - 1, piece_len)
-        tails = torch.stack([xbc[:, start + n - tail: start + n] for start, n, _ in spans], dim=1)
-        all_tails = gather(tails)
-        conv_out = []
-        for start, n, at in spans:
-            piece = at // piece_len
-            docs = None if documents is None else documents[:, at: at + n]
-            prefix = None
-            if piece > 0:
-                earlier = torch.cat([of_piece(all_tails, p, tails.shape) for p in range(piece)], dim=1)
-                prefix = earlier[:, -(width - 1):]
-                if documents is not None:  # only the inputs of the piece's first document
-                    same = documents[:, at - prefix.shape[1]: at] == documents[:, at: at + 1]
-                    prefix = prefix * same[..., None].to(prefix.dtype)
-                prefix = F.pad(prefix, (0, 0, width - 1 - prefix.shape[1], 0))
-            conv_out.append(causal_conv1d(xbc[:, start: start + n], weight, bias, state=prefix,
-                                          doc_ids=docs)[0])
-        xs, dt, A, B, C = self._scan_inputs(torch.cat(conv_out, dim=1), dt, keep)
-        out: dict[int, torch.Tensor] = {}
-        state: torch.Tensor | None = None
-        for piece in range(pieces):
-            slot = dt.new_zeros(()) if state is None else state * 0  # not this rank's piece: zeros, in the graph
-            if piece in local:
-                start, at = local[piece], piece * piece_len
-                entering = state
-                if entering is not None and documents is not None:  # dropped where the piece starts a document
-                    entering = entering * (documents[:, at] == documents[:, at - 1])[:, None, None, None].to(
-                        entering.dtype)
-                rows = slice(start, start + piece_len)
-                docs = None if documents is None else documents[:, at: at + piece_len]
-                out[piece], slot = chunk_ssd(xs[:, rows], dt[:, rows], A, B[:, rows], C[:, rows],
-                                             chunk_size=self.chunk_size, initial_state=entering, doc_ids=docs)
-            if piece == pieces - 1:
-                break
-            if state is None and slot.dim() == 0:  # the first gather: zeros that still depend on the parameters
-                slot = slot.expand(batch, self.n_heads, self.head_dim, self.state_size) + dt.sum() * 0
-            both = torch.stack([slot, slot], dim=1)  # an early and a late slot per rank, as the gather expects
-            state = of_piece(gather(both), piece, both.shape)
-        assert state is not None
-        merged = torch.cat([out[at // piece_len] for _, _, at in spans], dim=1)
-        merged = merged + (state.sum() * 0).to(merged.dtype)  # the last gather's backward runs on every rank
+        merged = exchange.pass_states(run, (batch, self.n_heads, self.head_dim, self.state_size), dt)
         return merged, xs
