@@ -55,14 +55,7 @@ def migrate_model_table(table: dict[str, Any], where: str = "", report: Report =
         if key in SECTION_RENAMES:
             _rename_in_section(out, key, where)
             continue
-        section, name = RENAMES[key].split(".")
-        sub = out.setdefault(section, {})
-        if not isinstance(sub, dict):
-            raise ConfigError(f"{_at(where)}model.{section} must be a table ([model.{section}])")
-        if name in sub and sub[name] != table[key]:
-            raise ConfigError(f"{_at(where)}model.{key}={table[key]!r} and model.{RENAMES[key]}={sub[name]!r} "
-                              "disagree", f"keep only model.{RENAMES[key]}")
-        sub[name] = table[key]
+        _move_flat_key(table, out, key, "model", RENAMES[key], where)
     _patterns(table, out, where, context or {}, depths or {})
     if report == "once":
         log.info("config: %stranslated the flat [model] keys of an earlier release (%s) to the [model.*] tables",
@@ -139,14 +132,7 @@ def migrate_optim_table(table: dict[str, Any], where: str = "", report: Report =
         return table
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in table.items() if k not in found}
     for key in found:
-        section, name = OPTIM_RENAMES[key].split(".")
-        sub = out.setdefault(section, {})
-        if not isinstance(sub, dict):
-            raise ConfigError(f"{_at(where)}optim.{section} must be a table ([optim.{section}])")
-        if name in sub and sub[name] != table[key]:
-            raise ConfigError(f"{_at(where)}optim.{key}={table[key]!r} and optim.{OPTIM_RENAMES[key]}={sub[name]!r} "
-                              "disagree", f"keep only optim.{OPTIM_RENAMES[key]}")
-        sub[name] = table[key]
+        _move_flat_key(table, out, key, "optim", OPTIM_RENAMES[key], where)
     if report == "once":
         log.info("config: %stranslated the flat [optim] keys of an earlier release (%s) to the [optim.*] tables",
                  _at(where), ", ".join(found))
@@ -195,6 +181,19 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def _move_flat_key(table: dict[str, Any], out: dict[str, Any], key: str, top: str, new: str, where: str) -> None:
+    """A flat key of the [top] `table` into its sub-table of `out` (`new`: "section.name"), refusing a different
+    value already there."""
+    section, name = new.split(".")
+    sub = out.setdefault(section, {})
+    if not isinstance(sub, dict):
+        raise ConfigError(f"{_at(where)}{top}.{section} must be a table ([{top}.{section}])")
+    if name in sub and sub[name] != table[key]:
+        raise ConfigError(f"{_at(where)}{top}.{key}={table[key]!r} and {top}.{new}={sub[name]!r} disagree",
+                          f"keep only {top}.{new}")
+    sub[name] = table[key]
 
 
 def _at(where: str) -> str:
