@@ -14,7 +14,8 @@ import functools
 import warnings
 from typing import Any
 
-from meshformer.model.config_compat import REMOVED_IN  # one deprecation horizon for every renamed config key
+# one deprecation horizon and one property shape for every renamed config key
+from meshformer.model.config_compat import REMOVED_IN, renamed_alias
 
 OPTIM_RENAMES: dict[str, str] = {
     "implementation": "adamw.implementation",
@@ -37,22 +38,10 @@ def warn_renamed(old: str, stacklevel: int = 3) -> None:
                   FutureWarning, stacklevel=stacklevel)
 
 
-def _alias(old: str, table: str, name: str) -> property:
-    def get(cfg: Any) -> Any:
-        warn_renamed(old)
-        return getattr(getattr(cfg, table), name)
-
-    def put(cfg: Any, value: Any) -> None:
-        warn_renamed(old)
-        setattr(getattr(cfg, table), name, value)
-
-    return property(get, put, doc=f"Deprecated (removed in {REMOVED_IN}): {OPTIM_RENAMES[old]}.")
-
-
 def install_optim_renamed(cls: type) -> None:
     """Give the dataclass `cls` (OptimConfig) the old flat names as properties and constructor keywords."""
     for old, new in OPTIM_RENAMES.items():
-        setattr(cls, old, _alias(old, *new.split(".")))
+        setattr(cls, old, renamed_alias(old, new, warn_renamed))
     init = vars(cls)["__init__"]  # the dataclass-generated one
 
     @functools.wraps(init)

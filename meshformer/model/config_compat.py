@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 # the release that drops the aliases (two releases after the typed config's 0.1): stated in every warning
@@ -68,17 +69,22 @@ def warn_renamed(old: str, stacklevel: int = 3) -> None:
                   FutureWarning, stacklevel=stacklevel)
 
 
-def _alias(old: str, section: str, name: str) -> property:
+def renamed_alias(old: str, new: str, warn: Callable[[str], None],
+                  after_set: Callable[[Any, str, Any], None] | None = None) -> property:
+    """A config's old flat name `old` as a property reading and writing `new` ("table.name"), `warn(old)` first."""
+    section, name = new.split(".")
+
     def get(cfg: Any) -> Any:
-        warn_renamed(old)
+        warn(old)
         return getattr(getattr(cfg, section), name)
 
     def put(cfg: Any, value: Any) -> None:
-        warn_renamed(old)
+        warn(old)
         setattr(getattr(cfg, section), name, value)
-        _old_window_pattern(cfg, old, value)
+        if after_set is not None:
+            after_set(cfg, old, value)
 
-    return property(get, put, doc=f"Deprecated (removed in {REMOVED_IN}): {RENAMES[old]}.")
+    return property(get, put, doc=f"Deprecated (removed in {REMOVED_IN}): {new}.")
 
 
 def _old_window_pattern(cfg: Any, old: str, value: Any) -> None:
@@ -97,7 +103,7 @@ def install_renamed(cls: type) -> None:
     fields = {f.name for f in dataclasses.fields(cls)}
     for old, new in RENAMES.items():
         if old not in fields:
-            setattr(cls, old, _alias(old, *new.split(".")))
+            setattr(cls, old, renamed_alias(old, new, warn_renamed, _old_window_pattern))
     init = vars(cls)["__init__"]  # the dataclass-generated one
 
     @functools.wraps(init)
