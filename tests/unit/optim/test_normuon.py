@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from helpers.optim_reference import matrix_names, step_beside_reference
 
 from meshformer.config import (
     AttentionConfig,
@@ -66,30 +67,14 @@ def test_two_steps_equal_a_hand_written_reference():
                       normuon=NorMuonConfig(lr=0.03, weight_decay=0.2, momentum=0.9, beta2=0.9))
     opt, _ = build_optimizer([model], cfg)
     assert isinstance(opt, NorMuon)
-    names = {n for n, p in model.named_parameters() for g in opt.param_groups if g["update"] == "muon"
-             for q in g["params"] if q is p}
+    names = matrix_names(model, opt)
     assert "decoder_layers.1.ffn.experts.up_proj" in names and "decoder_layers.0.attn.q_proj.weight" in names
     ref_params = dict(ref.named_parameters())
-    adamw = torch.optim.AdamW([
-        {"params": [p for n, p in ref_params.items() if n not in names and p.ndim >= 2], "weight_decay": 0.1},
-        {"params": [p for n, p in ref_params.items() if n not in names and p.ndim < 2], "weight_decay": 0.0}],
-        lr=1e-2, betas=(0.9, 0.99), eps=1e-8, foreach=False)
     bufs = {n: torch.zeros_like(ref_params[n]) for n in names}
     seconds = {n: [[torch.tensor(0.0)] * (p.shape[0] if p.ndim == 2 else p.shape[-1])
                    for _ in range(1 if p.ndim == 2 else p.shape[0])] for n, p in ref_params.items() if n in names}
-    g = torch.Generator().manual_seed(3)
-    for _ in range(2):
-        for p, q in zip(model.parameters(), ref.parameters()):
-            p.grad = torch.randn(p.shape, generator=g)
-            q.grad = p.grad.clone()
-        opt.step()
-        adamw.step()
-        with torch.no_grad():
-            for name in names:
-                _reference_normuon(ref_params[name], ref_params[name].grad, bufs[name], seconds[name], 0.03, 0.2,
-                                   0.9, 0.9, 1e-8)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert torch.allclose(p, q, atol=1e-6, rtol=0), name
+    step_beside_reference(model, ref, opt, names, lambda name: _reference_normuon(
+        ref_params[name], ref_params[name].grad, bufs[name], seconds[name], 0.03, 0.2, 0.9, 0.9, 1e-8))
     params = dict(model.named_parameters())
     # the per-neuron state: one value per output neuron, the input dim kept as 1
     assert opt.state[params["decoder_layers.0.attn.q_proj.weight"]]["second_momentum"].shape == (16, 1)

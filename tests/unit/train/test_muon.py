@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from helpers.optim_reference import matrix_names, step_beside_reference
 from torch import nn
 
 from meshformer.config import (
@@ -127,26 +128,11 @@ def test_two_steps_equal_a_hand_written_reference(scale):
     cfg = OptimConfig(name="muon", lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1,
                       muon=MuonConfig(lr=0.03, weight_decay=0.2, momentum=0.9, scale=scale))
     opt, _ = build_optimizer([model], cfg)
-    muon_names = {n for n, p in model.named_parameters() for g in opt.param_groups if g["update"] == "muon"
-                  for q in g["params"] if q is p}
+    muon_names = matrix_names(model, opt)
     ref_params = dict(ref.named_parameters())
-    adamw = torch.optim.AdamW([
-        {"params": [p for n, p in ref_params.items() if n not in muon_names and p.ndim >= 2], "weight_decay": 0.1},
-        {"params": [p for n, p in ref_params.items() if n not in muon_names and p.ndim < 2], "weight_decay": 0.0}],
-        lr=1e-2, betas=(0.9, 0.99), eps=1e-8, foreach=False)
     bufs = {n: torch.zeros_like(ref_params[n]) for n in muon_names}
-    g = torch.Generator().manual_seed(3)
-    for _ in range(2):
-        for p, q in zip(model.parameters(), ref.parameters()):
-            p.grad = torch.randn(p.shape, generator=g)
-            q.grad = p.grad.clone()
-        opt.step()
-        adamw.step()
-        with torch.no_grad():
-            for name in muon_names:
-                _reference_muon(ref_params[name], ref_params[name].grad, bufs[name], 0.03, 0.2, 0.9, scale)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert torch.allclose(p, q, atol=1e-6, rtol=0), name
+    step_beside_reference(model, ref, opt, muon_names, lambda name: _reference_muon(
+        ref_params[name], ref_params[name].grad, bufs[name], 0.03, 0.2, 0.9, scale))
     assert muon_names and all(torch.equal(opt.state[p]["momentum_buffer"], bufs[n])
                               for n, p in model.named_parameters() if n in muon_names)
 
