@@ -13,8 +13,6 @@ where Triton's dots may run TF32). One JSON line per shape; where fla or CUDA is
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from side_by_side import gpu_comparison, run_sides
+from side_by_side import gpu_comparison, gpu_main, run_sides
 
 from meshformer.model.gated_delta import chunk_gated_delta_rule
 from meshformer.model.gated_delta_fla import fla_gated_delta_rule, fla_importable
@@ -64,21 +62,8 @@ def measure(shape: str, dtype: str, rounds: int, tolerance: float, device: str) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--shape", nargs="+", default=SHAPES, help="B,Hk,H,D,T")
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--tolerance", type=float, default=None, help="default: 2e-2 in bf16, 2e-3 in fp32")
-    args = parser.parse_args()
-    missing = ("CUDA is not available" if not torch.cuda.is_available() else
-               "flash-linear-attention is not installed (pip install 'meshformer[fla]')" if not fla_importable()
-               else None)
-    if missing:
-        print(json.dumps({"bench": "gated_delta_fla", "status": "skipped", "reason": missing}), flush=True)
-        return
-    tolerance = args.tolerance if args.tolerance is not None else TOLERANCE[args.dtype]
-    for shape in args.shape:
-        print(json.dumps(measure(shape, args.dtype, args.rounds, tolerance, "cuda")), flush=True)
+    gpu_main(__doc__, "gated_delta_fla", SHAPES, "B,Hk,H,D,T", TOLERANCE, lambda: None if fla_importable() else
+             "flash-linear-attention is not installed (pip install 'meshformer[fla]')", measure)
 
 
 if __name__ == "__main__":

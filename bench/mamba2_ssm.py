@@ -14,8 +14,6 @@ input's gradient, each relative to the largest magnitude of ours, must be within
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -25,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from side_by_side import gpu_comparison, run_sides
+from side_by_side import gpu_comparison, gpu_main, run_sides
 
 from meshformer.model.gated_delta import causal_conv1d
 from meshformer.model.mamba2_kernels import kernel_conv1d, kernel_scan, mamba_importable
@@ -87,21 +85,8 @@ def measure(shape: str, dtype: str, rounds: int, tolerance: float, device: str) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--shape", nargs="+", default=SHAPES, help="B,H,P,G,N,T")
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--tolerance", type=float, default=None, help="default: 2e-2 in bf16, 2e-3 in fp32")
-    args = parser.parse_args()
-    missing = ("CUDA is not available" if not torch.cuda.is_available() else
-               "mamba-ssm / causal-conv1d are not installed (pip install 'meshformer[mamba]')"
-               if not mamba_importable() else None)
-    if missing:
-        print(json.dumps({"bench": "mamba2_ssm", "status": "skipped", "reason": missing}), flush=True)
-        return
-    tolerance = args.tolerance if args.tolerance is not None else TOLERANCE[args.dtype]
-    for shape in args.shape:
-        print(json.dumps(measure(shape, args.dtype, args.rounds, tolerance, "cuda")), flush=True)
+    gpu_main(__doc__, "mamba2_ssm", SHAPES, "B,H,P,G,N,T", TOLERANCE, lambda: None if mamba_importable() else
+             "mamba-ssm / causal-conv1d are not installed (pip install 'meshformer[mamba]')", measure)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,13 @@ benches (gated_delta.py, mamba2.py on CPU; gated_delta_fla.py, kda_fla.py, mamba
 
     medians, results = run_sides(sides, inputs, grad, rounds)      # ms per side; [out, *input grads] per side
     report = gpu_comparison(medians, results, "fla", names, tolerance, "cuda")
+    gpu_main(__doc__, "kda_fla", SHAPES, "B,H,D,T", TOLERANCE, fla_missing, measure)   # a GPU bench's command line
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
 from collections.abc import Callable, Sequence
 
@@ -52,3 +55,22 @@ def gpu_comparison(medians: dict[str, float], results: dict[str, list[torch.Tens
             "relative_diffs": {name: float(f"{d:.3e}") for name, d in diffs.items()},
             "tolerance": tolerance, "equal": all(d <= tolerance for d in diffs.values())}
 
+
+
+def gpu_main(doc: str | None, bench: str, shapes: list[str], shape_help: str, tolerances: dict[str, float],
+             library_missing: Callable[[], str | None], measure: Callable[..., dict]) -> None:
+    """A GPU bench's command line: --shape, --dtype, --rounds, --tolerance; one JSON line per shape on CUDA, or one
+    saying why it is skipped (no CUDA, or `library_missing()`'s reason)."""
+    parser = argparse.ArgumentParser(description=doc)
+    parser.add_argument("--shape", nargs="+", default=shapes, help=shape_help)
+    parser.add_argument("--dtype", default="bf16", choices=sorted(tolerances))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tolerance", type=float, default=None, help="default: 2e-2 in bf16, 2e-3 in fp32")
+    args = parser.parse_args()
+    missing = "CUDA is not available" if not torch.cuda.is_available() else library_missing()
+    if missing:
+        print(json.dumps({"bench": bench, "status": "skipped", "reason": missing}), flush=True)
+        return
+    tolerance = args.tolerance if args.tolerance is not None else tolerances[args.dtype]
+    for shape in args.shape:
+        print(json.dumps(measure(shape, args.dtype, args.rounds, tolerance, "cuda")), flush=True)
