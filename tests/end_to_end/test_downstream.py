@@ -79,6 +79,17 @@ def test_scores_equal_lm_evals_on_the_exported_model(trained, tmp_path):
               f"{worst:.2e}")
 
 
+def _two_rank_scores(trained, tmp_path, *options: str) -> dict:
+    """The trained run's last checkpoint scored by two ranks under `options`: rank 0's SCORES line."""
+    overrides = tiny_overrides(trained["shards"], tmp_path / "run", STEPS, *options,
+                               f'checkpoint.dir="{trained["root"] / "run" / "checkpoints"}"',
+                               "checkpoint.resume_other_run=true")
+    results = launch(WORKER, 2, overrides, timeout=300.0)
+    assert all(r.returncode == 0 for r in results), "\n".join(r.stdout[-3000:] for r in results)
+    line = next(x for x in results[0].stdout.splitlines() if x.startswith("SCORES "))
+    return json.loads(line.removeprefix("SCORES "))
+
+
 @pytest.mark.parametrize("layout", [("parallel.dp_shard=2",), ("parallel.pp=2", "parallel.dp_shard=1"),
                                     ("parallel.tp=2", "parallel.dp_shard=1"), ("parallel.cp=2", "parallel.dp_shard=1")],
                          ids=["dp2", "pp2", "tp2", "cp2"])
@@ -86,13 +97,7 @@ def test_two_rank_scores_equal_one_process(trained, tmp_path, layout):
     """The trained weights (the run's last checkpoint, resharded to the layout) scored by two ranks (data parallel:
     each scores half the requests; pipeline: the last stage scores them) give every request the log-likelihood one
     process gave it."""
-    overrides = tiny_overrides(trained["shards"], tmp_path / "run", STEPS, *DOWNSTREAM, *layout,
-                               f'checkpoint.dir="{trained["root"] / "run" / "checkpoints"}"',
-                               "checkpoint.resume_other_run=true")
-    results = launch(WORKER, 2, overrides, timeout=300.0)
-    assert all(r.returncode == 0 for r in results), "\n".join(r.stdout[-3000:] for r in results)
-    line = next(x for x in results[0].stdout.splitlines() if x.startswith("SCORES "))
-    scores = json.loads(line.removeprefix("SCORES "))
+    scores = _two_rank_scores(trained, tmp_path, *DOWNSTREAM, *layout)
     for task in TASKS:
         ours = trained["scores"][task]
         worst = max(abs(a - b) for mine, other in zip(ours.logliks, scores[task]["logliks"])
@@ -167,13 +172,7 @@ def test_two_rank_lm_eval_scores_equal_one_process(trained, tmp_path, layout):
         trainer.cfg.downstream, engine="lm_eval", tasks=list(LAYOUT_TASKS), limit=20))
     one = LmEvalDownstream(cfg, trainer.tokenizer)
     one.run(trainer.parallel_model, whole=trainer.model)
-    overrides = tiny_overrides(trained["shards"], tmp_path / "run", STEPS, *options, *layout,
-                               f'checkpoint.dir="{trained["root"] / "run" / "checkpoints"}"',
-                               "checkpoint.resume_other_run=true")
-    results = launch(WORKER, 2, overrides, timeout=300.0)
-    assert all(r.returncode == 0 for r in results), "\n".join(r.stdout[-3000:] for r in results)
-    line = next(x for x in results[0].stdout.splitlines() if x.startswith("SCORES "))
-    scores = json.loads(line.removeprefix("SCORES "))
+    scores = _two_rank_scores(trained, tmp_path, *options, *layout)
     assert set(scores) == set(one.last) == {t.removeprefix("bundled:") for t in LAYOUT_TASKS}
     for task, metrics in one.last.items():
         assert scores[task]["metrics"].keys() == metrics.keys()
