@@ -138,32 +138,31 @@ def test_decoding_step_by_step_equals_chunked(per_channel):
     torch.testing.assert_close(window, conv_state, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("l2", [False, True])
-def test_equals_transformers_qwen3_next_fp32(l2):
-    hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
-    x, state = inputs(seq=45, dtype=torch.float32)  # 2 key heads for 4 value heads, as Qwen3-Next groups them
-    if not l2:  # normalised outside the rule (unnormalised random keys make it unstable: |beta k.k| > 2)
+def _assert_rules_equal(x, state, l2: bool, their_chunked, their_recurrent) -> None:
+    """Our chunked and recurrent rules equal transformers' (fp32, within 1e-5), outputs and final states; without
+    `l2` the keys are normalised outside the rule (unnormalised random keys make it unstable: |beta k.k| > 2)."""
+    if not l2:
         x = (l2norm(x[0]), l2norm(x[1]), *x[2:])
-    for ours, theirs, kw in ((chunk_gated_delta_rule, hf.torch_chunk_gated_delta_rule, {"chunk_size": 16}),
-                             (recurrent_gated_delta_rule, hf.torch_recurrent_gated_delta_rule, {})):
+    for ours, theirs, kw in ((chunk_gated_delta_rule, their_chunked, {"chunk_size": 16}),
+                             (recurrent_gated_delta_rule, their_recurrent, {})):
         out, final = ours(*x, initial_state=state, output_final_state=True, use_qk_l2norm=l2, **kw)
         ref, ref_final = theirs(*x, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=l2, **kw)
         torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
         torch.testing.assert_close(final, ref_final, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("l2", [False, True])
+def test_equals_transformers_qwen3_next_fp32(l2):
+    hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    x, state = inputs(seq=45, dtype=torch.float32)  # 2 key heads for 4 value heads, as Qwen3-Next groups them
+    _assert_rules_equal(x, state, l2, hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule)
 
 
 @pytest.mark.parametrize("l2", [False, True])
 def test_per_channel_equals_transformers_kimi_linear_fp32(l2):
     hf = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
     x, state = inputs(seq=45, k_heads=4, dv=8, dtype=torch.float32, per_channel=True)  # KDA: as many q/k as v heads
-    if not l2:
-        x = (l2norm(x[0]), l2norm(x[1]), *x[2:])
-    for ours, theirs, kw in ((chunk_gated_delta_rule, hf.chunk_kimi_delta_attention, {"chunk_size": 16}),
-                             (recurrent_gated_delta_rule, hf.recurrent_kimi_delta_attention, {})):
-        out, final = ours(*x, initial_state=state, output_final_state=True, use_qk_l2norm=l2, **kw)
-        ref, ref_final = theirs(*x, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=l2, **kw)
-        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
-        torch.testing.assert_close(final, ref_final, rtol=0, atol=1e-5)
+    _assert_rules_equal(x, state, l2, hf.chunk_kimi_delta_attention, hf.recurrent_kimi_delta_attention)
 
 
 def test_per_channel_fast_decay_stays_finite():
