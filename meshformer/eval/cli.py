@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshformer.config.sections import DownstreamConfig
 from meshformer.errors import ConfigError, UsageError
 
 DESCRIPTION = """\
@@ -34,17 +33,19 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                         help="a folder of lm-eval task YAMLs (repeatable)")
     parser.add_argument("--num-fewshot", type=int, help="few-shot examples per request (default: each task's own)")
     parser.add_argument("--limit", type=float, help="documents per task (a fraction below 1)")
-    parser.add_argument("--batch-size", type=int, default=16, help="requests per forward pass")
+    parser.add_argument("--batch-size", type=int, default=16, help="requests per forward pass (default: 16)")
     parser.add_argument("--output-path", help="write lm-eval's results JSON here")
     parser.add_argument("--log-samples", action="store_true", help="keep every request and response in the JSON")
     parser.add_argument("--bootstrap-iters", type=int, default=1000,
-                        help="resamples for standard errors without a closed form (perplexities); 0: none")
+                        help="resamples for standard errors without a closed form (perplexities); 0: none "
+                        "(default: 1000)")
     parser.add_argument("--trust-task-code", action="store_true",
                         help="run task code as lm-eval would: unsandboxed templates, !function (downstream."
                         "trust_task_code)")
     parser.add_argument("--follow-links", action="store_true", help="read data_files that links take elsewhere")
     parser.add_argument("--nproc-per-node", type=int, default=1,
-                        help="data-parallel processes sharing the requests (torchrun, one whole model each)")
+                        help="data-parallel processes sharing the requests (torchrun, one whole model each; "
+                        "default: 1)")
     parser.set_defaults(func=run)
 
 
@@ -67,6 +68,8 @@ def run(args: argparse.Namespace) -> None:
         sys.exit(_launch(args.nproc_per_node))
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # nothing downloads: a missing dataset is named instead
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from meshformer.config.sections import DownstreamConfig  # torch: only once the command runs
+
     options = DownstreamConfig(trust_task_code=args.trust_task_code, follow_links=args.follow_links)
     _init_data_parallel()
     from meshformer.eval.lm import MeshformerLM

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 from meshformer.errors import UsageError
 from meshformer.launcher.torchrun import check_world_size
-from meshformer.optim import get_optimizer_spec
 from meshformer.planner.assumptions import CUDA_CONTEXT, DEVICES, MOE_IMBALANCE, SAFETY_FRACTION, GiB
 from meshformer.planner.goodput import RESTART_S
 
@@ -35,6 +34,7 @@ def layout_name(layout: LayoutMemory) -> str:
 def assumptions(cfg: Config, layout: LayoutMemory) -> dict:
     """What the estimate of `cfg`'s own layout takes as given: the step's shape, the dtypes, recomputation."""
     p, data = cfg.parallel, cfg.data
+    from meshformer.optim import get_optimizer_spec  # torch: only once a plan is made, not for --help
     from meshformer.parallel_dims import n_microbatches
 
     microbatches = n_microbatches(cfg) if layout.pp > 1 else 1
