@@ -62,7 +62,7 @@ def step_times(config: str, rounds: int, batch: int, overrides: list[str]) -> di
     # training step's 6·params·tokens, at a realistic 0.5M tokens per step
     ns = sum(cfg.optim.muon.ns_steps * (4 * min(p.shape[-2:]) ** 2 * max(p.shape[-2:]) + 2 * min(p.shape[-2:]) ** 3)
              * (p.shape[0] if p.ndim == 3 else 1)
-             for group in optimizer.param_groups if group["kind"] == "muon" for p in group["params"])
+             for group in optimizer.param_groups if group["update"] == "muon" for p in group["params"])
     out["ns_flops_share_at_0.5M_tokens"] = ns / (6 * out["params"] * 2**19)
     return out
 

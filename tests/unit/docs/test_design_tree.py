@@ -63,11 +63,12 @@ def test_the_new_paths_import_without_warnings():
 
 
 def test_a_retired_word_stays_retired():
-    """No module of the package spells a retired name in its old meaning (docs/design.md's Words); only the line that
-    belongs to its deprecation path (`renamed_attribute(...)`, `renamed_names(...)`, `renamed`) names it."""
+    """No module of the package or script of bench/ spells a retired name in its old meaning (docs/design.md's Words);
+    only the line that belongs to its deprecation path (`renamed_attribute(...)`, `renamed_names(...)`, `renamed`)
+    names it."""
     found = []
     for pattern, _, word in design_tree.RETIRED:
-        for path in (ROOT / "meshformer").rglob("*.py"):
+        for path in [*(ROOT / "meshformer").rglob("*.py"), *(ROOT / "bench").glob("*.py")]:
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 if re.search(pattern, line) and not re.search(r"\brenamed(_\w+)?\b", line):
                     found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()} (now: {word})")
