@@ -69,9 +69,9 @@ def patch(module) -> None:
             self.train_data = SlowLoader(self.train_data, self)
         if slow_phase in ("eval", "downstream"):  # both run the model's evaluate, batch by batch
             evaluate = self.parallel_model.evaluate
-            self.parallel_model.evaluate = lambda batch, **kwargs: (  # kwargs: downstream's loss=
+            self.parallel_model.evaluate = lambda batch, *args, **kwargs: (  # args: downstream's row loss
                 phase_wait("eval" if getattr(self, "test_in_eval", False) else "downstream"),
-                evaluate(batch, **kwargs))[1]
+                evaluate(batch, *args, **kwargs))[1]
 
     fail_rank, fail_step = int(os.environ.get("MF_TEST_FAIL_RANK", "-1")), int(os.environ.get("MF_TEST_FAIL_STEP", "0"))
     kill_rank, kill_step = int(os.environ.get("MF_TEST_KILL_RANK", "-1")), int(os.environ.get("MF_TEST_KILL_STEP", "0"))
