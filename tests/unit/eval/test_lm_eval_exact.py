@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from helpers.hf_models import hf_model
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "lm_eval_tasks"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "lm_eval_tasks"
 TASKS = ["bundled:kjv_cloze", "bundled:kjv_next", "bundled:kjv_lastword", "bundled:kjv_perplexity",
          "bundled:kjv_complete", str(FIXTURES / "hellaswag_like.yaml"), str(FIXTURES / "arc_like.yaml"),
          str(FIXTURES / "mmlu_like.yaml")]
