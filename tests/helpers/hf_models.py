@@ -73,8 +73,12 @@ ARCHS: dict[str, dict[str, Any]] = {
     # squared-ReLU MLP), a chunk (4) shorter than the prompts
     "nemotron_h": dict(config="NemotronHConfig", model="NemotronHForCausalLM", tie_word_embeddings=False,
                        num_key_value_heads=2, head_dim=8, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8,
-                       n_groups=2, chunk_size=4, layers_block_type=["linear_attention", "mlp", "full_attention",
-                                                                    "mlp"]),
+                       n_groups=2, chunk_size=4, layers_block_type=["linear_attention", "moe", "full_attention",
+                                                                    "mlp"],
+                       # the E layer: 4 squared-ReLU experts in 2 groups (1 kept per token), top-2 sigmoid scores
+                       # scaled by 2.5, a shared MLP as wide as 2 experts
+                       n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       moe_shared_expert_intermediate_size=32, n_group=2, topk_group=1, routed_scaling_factor=2.5),
     # a Gated DeltaNet block (separate projections, beta doubled, pre-norm) then an OLMo 3 attention block
     # (post-sub-layer norms); value width = key width, as transformers' in-memory q/k/v convolution split assumes
     "olmo_hybrid": dict(config="OlmoHybridConfig", model="OlmoHybridForCausalLM", tie_word_embeddings=False,

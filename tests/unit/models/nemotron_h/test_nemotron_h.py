@@ -1,5 +1,5 @@
 """Nemotron-H (meshformer/models/nemotron_h/) against transformers' NemotronHForCausalLM, random-initialised: one
-mixer per layer as blocks with a `none` sub-layer; logits on a padded fp32 batch both ways, state dicts round trip
+mixer per layer as blocks with a `none` sub-layer (Mamba-2, attention, MLP and MoE layers); logits on a padded fp32 batch both ways, state dicts round trip
 bitwise, greedy generation equal, the published config's parameter count, refusals."""
 
 from __future__ import annotations
@@ -20,21 +20,29 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_logits_both_ways_and_bitwise_round_trips():
     hf = hf_model("nemotron_h")
-    with torch.no_grad():  # A_log, D, dt_bias and the norms away from their initial values too
+    with torch.no_grad():  # A_log, D, dt_bias, the norms and the experts' selection bias away from their initial
+        # values too
         for p in hf.parameters():
             if p.ndim <= 1:
                 p.add_(0.1 * torch.randn_like(p))
+        hf.model.layers[1].mixer.gate.e_score_correction_bias.normal_(0.0, 0.1)
     ours = from_hf_model(hf).eval()
     assert ours.cfg.layer_types == ["mamba2", "none", "full_attention", "none"]
-    assert ours.cfg.mlp_types == ["none", "dense", "none", "dense"]
+    assert ours.cfg.mlp_types == ["none", "moe", "none", "dense"]
+    moe = ours.cfg.moe
+    assert (moe.n_experts, moe.experts_per_token, moe.d_ff, moe.n_shared_experts) == (4, 2, 16, 2)
+    assert (moe.router_score, moe.router_groups, moe.router_groups_per_token, moe.router_scale) == ("sigmoid", 2, 1, 2.5)
     assert infer_arch(ours.cfg) == "nemotron_h"
     assert ours.decoder_layers["0"].ffn is None and ours.decoder_layers["1"].attn is None  # one sub-layer each
+    assert torch.equal(ours.decoder_layers["1"].ffn.router.expert_bias,
+                       hf.model.layers[1].mixer.gate.e_score_correction_bias)
     ids, mask = padded_batch(4096)
     assert_import_exact(hf, ours, ids, mask)
     mine = Transformer(ours.cfg).eval()
     with torch.no_grad():
         for p in mine.parameters():
             p.add_(0.1 * torch.randn_like(p))
+        mine.decoder_layers["1"].ffn.router.expert_bias.normal_(0.0, 0.1)
     assert_export_exact(mine, ids, mask)
 
 
@@ -60,13 +68,15 @@ def test_published_config_has_transformers_count():
 
 
 @pytest.mark.parametrize(("extra", "named"), [
-    ({"layers_block_type": ["linear_attention", "moe"]}, "layers_block_type 'moe'"),
+    ({"layers_block_type": ["linear_attention", "moe"], "moe_latent_size": 16}, "moe_latent_size=16"),
+    ({"layers_block_type": ["linear_attention", "moe"], "moe_shared_expert_intermediate_size": 24},
+     "moe_shared_expert_intermediate_size=24"),
     ({"mlp_hidden_act": "gelu"}, "mlp_hidden_act='gelu'"),
     ({"mlp_bias": True}, "mlp_bias=True"),
 ])
 def test_import_refuses_what_it_cannot_express(extra, named):
     fields = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                  intermediate_size=48, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
+                  intermediate_size=48, moe_intermediate_size=16, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
                   layers_block_type=["linear_attention", "mlp"])
     with pytest.raises(ValueError, match=f"nemotron_h: {named}"):
         config_from_hf(transformers.NemotronHConfig(**{**fields, **extra}))
