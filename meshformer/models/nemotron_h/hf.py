@@ -16,8 +16,8 @@ whichever the block holds) and backbone.layers.{i}.mixer.* (a Mamba-2 mixer's na
 q/k/v/o_proj; the MLP's up_proj / down_proj; the experts' gate, experts.{j}.up_proj / down_proj, shared_experts).
 
 Refused: a latent projection around the experts (moe_latent_size), a shared MLP whose width is no multiple of the
-experts', multi-token prediction, biases (use_bias, mlp_bias, attention_bias, mamba_proj_bias), another mlp_hidden_act or mamba_hidden_act, a
-time_step_limit with an upper bound, sliding windows.
+experts', multi-token prediction, biases (use_bias, mlp_bias, attention_bias, mamba_proj_bias), another
+mlp_hidden_act or mamba_hidden_act, a time_step_limit with an upper bound, sliding windows.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
 """Nemotron-H (meshformer/models/nemotron_h/) against transformers' NemotronHForCausalLM, random-initialised: one
-mixer per layer as blocks with a `none` sub-layer (Mamba-2, attention, MLP and MoE layers); logits on a padded fp32 batch both ways, state dicts round trip
-bitwise, greedy generation equal, the published config's parameter count, refusals."""
+mixer per layer as blocks with a `none` sub-layer (Mamba-2, attention, MLP and MoE layers); logits on a padded fp32
+batch both ways, state dicts round trip bitwise, greedy generation equal, the published configs' parameter counts,
+refusals."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -31,7 +34,8 @@ def test_logits_both_ways_and_bitwise_round_trips():
     assert ours.cfg.mlp_types == ["none", "moe", "none", "dense"]
     moe = ours.cfg.moe
     assert (moe.n_experts, moe.experts_per_token, moe.d_ff, moe.n_shared_experts) == (4, 2, 16, 2)
-    assert (moe.router_score, moe.router_groups, moe.router_groups_per_token, moe.router_scale) == ("sigmoid", 2, 1, 2.5)
+    routing = (moe.router_score, moe.router_groups, moe.router_groups_per_token, moe.router_scale)
+    assert routing == ("sigmoid", 2, 1, 2.5)
     assert infer_arch(ours.cfg) == "nemotron_h"
     assert ours.decoder_layers["0"].ffn is None and ours.decoder_layers["1"].attn is None  # one sub-layer each
     assert torch.equal(ours.decoder_layers["1"].ffn.router.expert_bias,
@@ -76,7 +80,31 @@ def test_published_config_has_transformers_count():
 ])
 def test_import_refuses_what_it_cannot_express(extra, named):
     fields = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                  intermediate_size=48, moe_intermediate_size=16, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
+                  intermediate_size=48, moe_intermediate_size=16, mamba_num_heads=4, mamba_head_dim=8,
+                  ssm_state_size=8, n_groups=2,
                   layers_block_type=["linear_attention", "mlp"])
     with pytest.raises(ValueError, match=f"nemotron_h: {named}"):
         config_from_hf(transformers.NemotronHConfig(**{**fields, **extra}))
+
+
+def test_published_moe_config_has_transformers_count():
+    """nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16's config.json values (no download; the mixture-of-experts line)
+    give the bundled config, whose parameter count transformers' meta-device model has, within 3% of the published
+    31.6B total."""
+    published = transformers.NemotronHConfig(
+        vocab_size=131072, hidden_size=2688,
+        hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME", num_attention_heads=32,
+        num_key_value_heads=2, head_dim=128, intermediate_size=1856, mlp_hidden_act="relu2",
+        mamba_num_heads=64, mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, chunk_size=128,
+        layer_norm_epsilon=1e-5, max_position_embeddings=262144, tie_word_embeddings=False, time_step_min=0.001,
+        use_conv_bias=True, n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
+        moe_shared_expert_intermediate_size=3712, n_group=1, topk_group=1, norm_topk_prob=True,
+        routed_scaling_factor=2.5)
+    cfg = config_from_hf(published)
+    bundled = load_config("nemotron-3-nano-30b-a3b").model
+    assert cfg == replace(bundled, moe=replace(bundled.moe, router_bias_update_rate=0.0))  # a training setting
+    with torch.device("meta"):
+        hf = transformers.NemotronHForCausalLM(published)
+    counts = count_params(bundled)
+    assert counts["total"] == sum(p.numel() for p in hf.parameters())
+    assert abs(counts["total"] / 31.6e9 - 1) < 0.03
