@@ -207,6 +207,12 @@ FAMILIES["mamba"] = dict(family="decoder", n_layers=2, position="none", bias=Fal
                          layer_types=["mamba2", "full_attention"], norm=dict(kind="rmsnorm"),
                          attention=dict(n_kv_heads=2, document_mask=True),
                          mamba=dict(n_heads=4, head_dim=8, state_size=8, n_groups=2, chunk_size=8))
+# Nemotron-H-like layers, one mixer each (the other sub-layer "none"): Mamba-2, sigmoid group-routed squared-ReLU
+# experts beside a shared MLP, attention without positions, a squared-ReLU MLP
+FAMILIES["nemotron"] = dict(FAMILIES["mamba"], n_layers=4, layer_types=["mamba2", "none", "full_attention", "none"],
+                            mlp_types=["none", "moe", "none", "dense"], ffn=dict(activation="relu2"),
+                            moe=dict(n_experts=4, experts_per_token=2, d_ff=16, n_shared_experts=2,
+                                     router_score="sigmoid", router_groups=2, router_scale=2.5))
 # DeepSeek-V4's residual on the DeepSeek-V3-like model: two mHC streams, their mixing weights replicated (FSDP shards,
 # tp replicates them), each token's mix its own (cp pieces and sequence-parallel slices need nothing exchanged)
 FAMILIES["deepseek_mhc"] = dict(FAMILIES["deepseek"], residual=dict(kind="mhc", streams=2, sinkhorn_iters=5))

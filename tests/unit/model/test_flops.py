@@ -90,6 +90,8 @@ PUBLISHED = {  # config: (published parameter count, relative tolerance)
     "kimi-linear-48b-a3b": (49_122_675_072, 0.0),
     # Mistral4ForCausalLM of transformers' Mistral4Config defaults, mistralai/Mistral-Small-4-119B-2603 (test_mistral4)
     "mistral-small-4": (118_972_826_624, 0.0),
+    # NemotronHForCausalLM of nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16's config (test_nemotron_h), "31.6B"
+    "nemotron-3-nano-30b-a3b": (31_577_937_344, 0.0),
 }
 
 # gpt-oss's active counts as its model card gives them (3.6B / 5.1B): every parameter a token uses but the input
