@@ -141,7 +141,10 @@ MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "mo
               # sum
               "dsa_warmup/tp-ep", "dsa_warmup/pp",
               # mHC: its mixing weights sharded by FSDP; cp pieces each mixing their own tokens' streams
-              "deepseek_mhc/fsdp-ep", "deepseek_mhc/cp-ep"]
+              "deepseek_mhc/fsdp-ep", "deepseek_mhc/cp-ep",
+              # Nemotron-H's layers, one mixer each: blocks whose other sub-layer is "none" split by heads (tp) and
+              # by sequence pieces (cp), its sigmoid group-routed squared-ReLU experts split over ep
+              "nemotron/tp-ep", "nemotron/cp-ep"]
 MOE_WORLD4 = ["qwen3next/cp=4",  # 8 pieces of 2 tokens: a convolution window spans two earlier pieces
               "qwen3next/cp-fsdp-ep=4", "qwen3next/tp-fsdp-ep",
               "moe/fsdp=4-ep", "moe/fsdp=4-ep=4", "moe/hsdp-ep", "moe/tp-fsdp-ep", "moe/tp-fsdp-ep=4",
@@ -227,7 +230,8 @@ WORLD2_SLOW = {"decoder/cp-compile", "olmohybrid/tp", "decoder/tp-fp8=tensorwise
                 "deepseek_mtp/fsdp-ep-recompute=selective", "kimi/fsdp-ep", "kimi/pp", "dsa/fsdp-ep", "dsa/pp",
                 "dsa_warmup/fsdp-ep", "dsa/fsdp-ep-recompute=full", "dsa/tp-ep-recompute=selective", "dsa_warmup/tp-ep",
                 "dsa_warmup/pp", "mamba/cp", "mamba/cp-rightpad", "mamba/tp", "mamba/fsdp",
-                "mamba/pp", "deepseek_mhc/fsdp-ep", "deepseek_mhc/cp-ep", *NORMUON_WORLD2} | set(ULYSSES_WORLD2)
+                "mamba/pp", "deepseek_mhc/fsdp-ep", "deepseek_mhc/cp-ep", "nemotron/tp-ep", "nemotron/cp-ep",
+                *NORMUON_WORLD2} | set(ULYSSES_WORLD2)
 # The second step's global gradient norm, for rows where Adam's first update (about ±lr per element, its sign set by
 # rounding where a gradient is near zero) moves the weights differently enough to show: step-0 gradients of these
 # rows agree to 1e-6; measured 1.34e-5 on an AVX-512 CPU.
