@@ -96,15 +96,16 @@ def _merge(source: ModelConfig | dict[str, Any], user: ModelConfig, where: str,
     is refused by name, all in one line (with a data.seq_len beyond the source's context)."""
     base = source if isinstance(source, ModelConfig) else model_from_dict(source, where)
     mine, theirs, default = (dotted_values(c) for c in (user, base, ModelConfig()))
+    # .get: a table of free keys (norm.by_kind) holds keys that another config lacks
     changed = {key: value for key, value in mine.items()
-               if (key in given or value != default[key]) and value != theirs[key]}
+               if (key in given or value != default.get(key)) and value != theirs.get(key)}
     if "moe.d_ff" in changed and with_dotted(base, {"moe.d_ff": user.moe.d_ff}).expert_d_ff == base.expert_d_ff:
         del changed["moe.d_ff"]  # the folder's expert width, named as moe.d_ff where it has 0 (= d_ff): same function
     refused = {key: value for key, value in changed.items() if key not in FUNCTION_NEUTRAL}
     too_long = (data is not None and base.position in ("learned", "sinusoidal", "rope")
                 and data.seq_len > base.max_seq_len)
     if refused or too_long:
-        listed = [f"model.{k}={v!r} (it has {theirs[k]!r})" for k, v in refused.items()]
+        listed = [f"model.{k}={v!r} (it has {theirs.get(k)!r})" for k, v in refused.items()]
         if too_long and data is not None:
             listed.append(f"data.seq_len={data.seq_len} (its context is {base.max_seq_len})")
         raise ConfigError(f"checkpoint.init_from: {', '.join(listed)} conflict with the model from {where}",

@@ -93,7 +93,7 @@ def config_to_hf(cfg: ModelConfig) -> Any:
 
     theirs = {ours: kind for kind, ours in KINDS.items()}
     m, e = cfg.mamba, cfg.moe
-    experts = dict(
+    experts: dict[str, Any] = dict(
         n_routed_experts=e.n_experts, num_experts_per_tok=e.experts_per_token, moe_intermediate_size=cfg.expert_d_ff,
         moe_shared_expert_intermediate_size=e.n_shared_experts * cfg.expert_d_ff, n_shared_experts=e.n_shared_experts,
         n_group=e.router_groups, topk_group=e.router_groups_per_token, norm_topk_prob=e.router_renormalize,
