@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers.exactness import assert_export_exact, assert_import_exact, padded_batch
 
-from meshformer.checkpointing.hf import config_from_hf, from_hf_model, infer_arch
+from meshformer.checkpointing.hf import config_from_hf, from_hf_model, incompatibilities, infer_arch
 from meshformer.config import load_config
 from meshformer.model import Transformer
 from meshformer.model.flops import count_params
@@ -108,3 +108,15 @@ def test_published_moe_config_has_transformers_count():
     counts = count_params(bundled)
     assert counts["total"] == sum(p.numel() for p in hf.parameters())
     assert abs(counts["total"] / 31.6e9 - 1) < 0.03
+
+
+@pytest.mark.parametrize(("moe", "named"), [
+    ({"router_score": "softmax"}, "nemotron_router='softmax'"),
+    ({"n_shared_experts": 0}, "nemotron_shared_mlp=False"),
+])
+def test_export_refuses_experts_nemotron_h_cannot_hold(moe, named):
+    """Nemotron-H's router scores by sigmoid and its E layers always hold the shared MLP."""
+    cfg = load_config("tiny-nemotron-h").model
+    assert incompatibilities(cfg, "nemotron_h") == []
+    problems = incompatibilities(replace(cfg, moe=replace(cfg.moe, **moe)), "nemotron_h")
+    assert any(problem.startswith(named) for problem in problems), problems
