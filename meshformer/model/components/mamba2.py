@@ -2,8 +2,9 @@
 state-space scan per head instead of attention over keys, so, like Gated DeltaNet, it reads the padding and packed
 documents of its tokens rather than a mask and keeps a state of constant size when generating.
 
-Layouts: context parallel passes its convolution window and state from piece to piece in sequence order and tensor
-parallel splits it by heads (and groups), as Gated DeltaNet does; data parallel, FSDP and pipeline stages hold it as
+Layouts: context parallel passes its convolution window and state from piece to piece in sequence order (or, with
+parallel.cp_method="ulysses", gives each rank whole sequences of a run of its heads and groups) and tensor parallel
+splits it by heads (and groups), as Gated DeltaNet does; data parallel, FSDP and pipeline stages hold it as
 any other block.
 """
 
@@ -92,6 +93,17 @@ class Mamba2Kind(TokenMixer):
     def tp_divides(self, cfg: ModelConfig) -> list[tuple[str, int, str]]:
         why = "Mamba-2 heads, and the groups of B and C they read, are split across tensor-parallel ranks"
         return [("model.mamba.n_heads", cfg.mamba.n_heads, why), ("model.mamba.n_groups", cfg.mamba.n_groups, why)]
+
+    def ulysses(self, cfg: ModelConfig, cp: int, tp: int) -> str | None:
+        # each rank runs whole sequences of a run of its heads and of the groups of B and C those heads read
+        m = cfg.mamba
+        for key, heads in (("n_heads", m.n_heads), ("n_groups", m.n_groups)):
+            if (heads // tp) % cp:
+                return (f"parallel.cp_method='ulysses' splits each rank's {heads // tp} Mamba-2 "
+                        f"{key.removeprefix('n_')} (model.mamba.{key}={heads} / tp={tp}) over cp={cp}, which does not "
+                        "divide them; choose cp (and tp) so that cp x tp divides them, or use "
+                        "parallel.cp_method='allgather'")
+        return None
 
     def init_rule(self, cfg: ModelConfig, name: str) -> InitFn | None:
         """mamba-ssm's Mamba2: A_log log(uniform(1, 16)), D 1, dt_bias the inverse softplus of

@@ -120,3 +120,43 @@ def test_planner_counts_both_methods_bytes_and_recommends_by_its_rule() -> None:
     rows = context_parallel_report(cfg, [(1, 1), (2, 1), (2, 1), (4, 2)], batch=1)
     assert [(r["cp"], r["tp"]) for r in rows] == [(2, 1), (4, 2)]
     assert rows[0]["configured"] == "allgather" and set(rows[0]["methods"]) == {"allgather", "ulysses"}
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_mamba2_heads_of_whole_sequences_equal_the_whole_block(count: int) -> None:
+    """Mamba-2 under Ulysses, ranks as threads: each runs the convolution and the scan over whole sequences of its
+    run of heads and of the groups they read, with the whole sequence's padding and documents; the outputs of its
+    pieces equal the single-process block's."""
+    from meshformer.model.config import MambaConfig
+    from meshformer.model.mamba2 import Mamba2
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=32, layer_types=["mamba2"],
+                      mamba=MambaConfig(n_heads=8, head_dim=4, state_size=6, n_groups=4, chunk_size=4))
+    module = Mamba2(cfg)
+    length = 8 * count
+    x = torch.randn(2, length, 32)
+    padding = torch.arange(length)[None] >= torch.tensor([[0], [3]])  # the second row left-padded
+    documents = (torch.rand(2, length, generator=torch.Generator().manual_seed(1)) < 0.2).long().cumsum(1)
+    with torch.no_grad():
+        whole = module(x, padding=padding, documents=documents)
+
+        def work(chunk: SequenceChunk) -> tuple[torch.Tensor, torch.Tensor]:
+            positions = chunk.positions(length // count, x.device)  # this rank's two pieces
+            return module(x[:, positions], chunk=chunk, padding=padding[:, positions], documents=documents), positions
+
+        for out, positions in run_ranks(count, work):
+            torch.testing.assert_close(out, whole[:, positions], atol=1e-5, rtol=1e-5)
+
+
+def test_mamba2_heads_or_groups_that_cp_does_not_split_are_refused() -> None:
+    from meshformer.model.config import MambaConfig
+
+    def mamba(n_heads: int, n_groups: int) -> Config:
+        return Config(model=ModelConfig(layer_types=["mamba2"], position="none",
+                                        mamba=MambaConfig(n_heads=n_heads, n_groups=n_groups)),
+                      data=DataConfig(seq_len=16), parallel=ParallelConfig(cp=2, cp_method="ulysses"))
+
+    assert "model.mamba.n_groups=1" in refusal(mamba(8, 1))
+    assert "model.mamba.n_heads=6 / tp=2" in refusal(mamba(6, 2), tp=2)
+    check_context_parallel(mamba(8, 2), ParallelDims.from_config(ParallelConfig(cp=2), 2))
