@@ -153,7 +153,7 @@ def chunk_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
 
     def chunked(t: torch.Tensor) -> torch.Tensor:
         """(B, T, H or G, *D) -> (B, G, H/G or 1, n, L, *D), padded with zeros at the end."""
-        t = F.pad(t.to(dtype), (0, 0) * (t.dim() - 2) + (0, pad))
+        t = F.pad(t.to(dtype), (0, 0) * (t.dim() - 2) + (0, pad)) if pad else t.to(dtype)
         t = t.reshape(batch, n, chunk, groups, -1, *t.shape[3:])
         return t.movedim(3, 1).movedim(4, 2)
 
@@ -179,12 +179,14 @@ def chunk_ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     to_end = (cum[..., -1:] - cum).exp()
     if continues is not None:
         to_end = to_end * continues
-    writes = (xs * to_end[..., None]).transpose(-1, -2) @ Bc  # (B, G, H/G, n, P, N)
+    writes = xs.transpose(-1, -2) @ (Bc * to_end[..., None])  # (B, G, H/G, n, P, N)
     through = cum[..., -1].exp()  # (B, G, H/G, n): the entering state's decay across the chunk
     if reach is not None:
         through = through * reach[..., -1]
     states, state = _ChunkStates.apply(through, writes, state.view(batch, groups, per_group, width, size))
     from_start = cum.exp() if reach is None else cum.exp() * reach
-    y = y + (Cc @ states.transpose(-1, -2)) * from_start[..., None]
+    # y + (exp(Λ_i) C_i) S^T in one product: the decay rides on C, each head's own (L x N) rows
+    reads = (Cc * from_start[..., None]).flatten(0, 3)
+    y = torch.baddbmm(y.flatten(0, 3), reads, states.flatten(0, 3).transpose(-1, -2)).view_as(y)
     y = y.movedim(2, 4).movedim(1, 3).reshape(batch, n * chunk, heads, width)[:, :length]
     return y.to(x.dtype), state.reshape(batch, heads, width, size)

@@ -148,22 +148,22 @@ class Mamba2Kind(TokenMixer):
     def saved_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
         """What its autograd graph keeps (read off `saved_tensors_hooks`). In the activation dtype per token: the
         input, in_proj's output, the convolution's padded input, out_proj's input. In float32 per token: the
-        convolution's output and SiLU's (its float32 taps promote them), eight (H x P)-wide tensors (the scan's
-        inputs, products and output, the skip, the gated norm's terms), B and C per group and repeated per head,
-        dt and its decay terms. Per head and token of the sequence padded to whole chunks of L: the (L x L) decays
-        and scores, per group C B^T, and every chunk's entering (P x N) state twice. Within 15% of the measurement
-        (tests/unit/test_mamba2.py). Under tensor parallel every term but the (gathered) input is this rank's
-        heads'."""
+        convolution's output and SiLU's (its float32 taps promote them), five (H x P)-wide tensors (the scan's input,
+        its output with the skip, the gated norm's terms; seven from half-precision activations, whose float32 casts
+        the scan and the norm keep), B and C per group and decayed per head, dt and its decay terms. Per head and
+        token of the sequence padded to whole chunks of L: the (L x L) decays and scores, per group C B^T, and every
+        chunk's entering (P x N) state. Within 15% of the measurement (tests/unit/model/test_mamba2.py). Under tensor
+        parallel every term but the (gathered) input is this rank's heads'."""
         m, b, s, a, t = cfg.mamba, x.batch, x.seq, x.bytes, x.tp
         heads, groups = m.n_heads // t, m.n_groups // t
         inner, conv = heads * m.head_dim, heads * m.head_dim + 2 * groups * m.state_size
         rows = inner + conv + heads
         chunk = m.chunk_size
         padded = -(-s // chunk) * chunk
+        wide = 5 if a >= FP32 else 7
         per_token = (cfg.d_model + rows + conv + inner) * a + (
-            2 * conv + 8 * inner + 2 * (heads + groups) * m.state_size + 5 * heads) * FP32
-        scan = ((2 * heads + groups) * padded * chunk + 2 * (padded // chunk + 1) * heads * m.head_dim * m.state_size
-                ) * FP32
+            2 * conv + wide * inner + 2 * (heads + groups) * m.state_size + 5 * heads) * FP32
+        scan = ((2 * heads + groups) * padded * chunk + padded // chunk * heads * m.head_dim * m.state_size) * FP32
         return b * (s * per_token + scan)
 
     def selective_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
