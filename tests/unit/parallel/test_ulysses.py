@@ -160,3 +160,18 @@ def test_mamba2_heads_or_groups_that_cp_does_not_split_are_refused() -> None:
     assert "model.mamba.n_groups=1" in refusal(mamba(8, 1))
     assert "model.mamba.n_heads=6 / tp=2" in refusal(mamba(6, 2), tp=2)
     check_context_parallel(mamba(8, 2), ParallelDims.from_config(ParallelConfig(cp=2), 2))
+
+
+def test_planner_counts_mamba2_bytes_under_both_methods() -> None:
+    from meshformer.model.config import MambaConfig
+    from meshformer.planner.context_parallel_bytes import cp_costs, recommend
+
+    mamba = MambaConfig(n_heads=16, head_dim=32, state_size=64, n_groups=4)
+    cfg = Config(model=ModelConfig(n_layers=1, d_model=256, layer_types=["mamba2"], position="none", mamba=mamba),
+                 data=DataConfig(seq_len=1024, batch_size=1))
+    gather, ulysses = cp_costs(cfg, 4)
+    n, a = 1024 // 4, 4
+    assert gather.sent == 2 * 7 * 2 * (16 * 32 * 64 * 4) * 3  # the fp32 state, 2 cp - 1 gathers of 2 slots, each way
+    assert ulysses.sent == 2 * n * (2 * 16 * 32 + 2 * 4 * 64 + 2 * 16) * a * 3 / 4
+    assert ulysses.refusal is None and recommend([gather, ulysses]).method == "ulysses"
+    assert cp_costs(cfg, 8)[1].refusal is not None  # 4 groups over 8 ranks
