@@ -140,7 +140,7 @@ class Mamba2(nn.Module):
         """The convolution, the scan and its skip over whole sequences: y (B, T, H, P) from the convolution's input
         (B, T, channels) and dt's projection (B, T, H). part: (index, count) under Ulysses, the index-th of count
         equal runs of this module's heads (and groups), whose channels xbc, dt, weight and conv_bias already are."""
-        batch, length, _ = xbc.shape
+        length = xbc.shape[1]
         D = _part(self.D, part)
         if cache is None and (self.backend == "mamba_ssm" or (self.backend == "auto" and xbc.is_cuda
                                                              and mamba_importable())):
@@ -163,7 +163,8 @@ class Mamba2(nn.Module):
         return y + xs * D.to(xs.dtype)[:, None]
 
     def _to_heads(self, xbc: torch.Tensor, dt: torch.Tensor, keep: torch.Tensor | None, weight: torch.Tensor,
-                  conv_bias: torch.Tensor | None, chunk: SequenceChunk) -> tuple[torch.Tensor, ...]:
+                  conv_bias: torch.Tensor | None, chunk: SequenceChunk
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """Ulysses context parallel: x, B, C, dt and the padding go all-to-all from this rank's pieces of every head
         (and group) to whole sequences of its 1/count of them (`SequenceChunk.to_heads`; rank r: the r-th run of
         heads and the r-th run of groups, which those heads read), and the convolution's taps and bias are cut to

@@ -68,12 +68,13 @@ def _layer_cost(cfg: Config, kind: str, method: str, batch: int, cp: int, tp: in
         width = 2 * key_heads * la.key_head_dim + 2 * heads * la.value_head_dim + heads + decay
         return 2 * batch * n * width * a * others / cp, batch * n * width * a
     if kind == "mamba2":
-        x = m.mamba
-        heads, groups = x.n_heads // tp, x.n_groups // tp
+        mamba = m.mamba
+        heads, groups = mamba.n_heads // tp, mamba.n_groups // tp
         if method == "allgather":
-            state = batch * heads * x.head_dim * x.state_size * FP32
+            state = batch * heads * mamba.head_dim * mamba.state_size * FP32
             return 2 * (2 * cp - 1) * 2 * state * others, 0.0
-        width = 2 * heads * x.head_dim + 2 * groups * x.state_size + 2 * heads  # x, B, C, dt with padding; y back
+        # x and the output back, B and C, dt with the padding beside it
+        width = 2 * heads * mamba.head_dim + 2 * groups * mamba.state_size + 2 * heads
         return 2 * batch * n * width * a * others / cp, batch * n * width * a
     return 0.0, 0.0
 
