@@ -11,7 +11,9 @@ C, as the checkpoints store them. This is linear attention with a scalar decay p
 B the key and dt x the value, so the chunked form needs no triangular solve. Inside a chunk of L tokens, with Λ the
 cumulative log decay from the chunk's start, y_i = sum_{j <= i} exp(Λ_i - Λ_j) (C_i . B_j) dt_j x_j + exp(Λ_i) S_0 C_i:
 one masked (L x L) product per group, batched over every chunk at once, and one GEMM for the state each chunk
-hands on. Only the state crosses chunks (a loop of one multiply-add per chunk); autograd runs the backward.
+hands on. Only the state crosses chunks (a loop of one multiply-add per chunk). The within-chunk products
+(`_IntraChunk`) and the chunk-to-chunk states (`_ChunkStates`) have their own backward, so autograd neither keeps nor
+replays each step of the masked exponential or of the loop; it runs the backward of the rest.
 
 `recurrent_ssd` runs the recurrence token by token (the reference, and one decoding step with a carried state);
 `chunk_ssd` the chunked form. Conventions (transformers' Mamba-2 torch path, so they compare directly): x (B, T, H, P),
