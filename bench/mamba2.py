@@ -108,8 +108,9 @@ def main() -> None:
                            f"{'this process' + chr(39) + 's CPU time' if args.clock == 'cpu' else 'wall time'}; the "
                            "differences are between the two sides' outputs and x gradients."),
                     notes=("transformers relates every chunk to every earlier chunk at once (an N x N decay matrix "
-                           "over the chunks) and repeats B and C to every head; ours carries the state chunk by "
-                           "chunk and forms C B^T once per group."),
+                           "over the chunks), repeats B and C to every head and leaves the backward to autograd; "
+                           "ours carries the state chunk by chunk, forms C B^T once per group, and runs its own "
+                           "backward for the within-chunk products and the chunk-to-chunk states."),
                     columns=columns, rows=rows, align=["l", "l", "r", "r", "r", "r", "r"])
 
 

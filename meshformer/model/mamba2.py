@@ -11,7 +11,8 @@ Padding tokens enter as zeros and leave the convolution as zeros (its bias would
 left-padded prompts start from an empty state. With packed documents (doc_ids) the state and the convolution
 window restart at every document. Generation carries both in a `LinearCache` (model/linear_attention.py); one
 decoding step runs the recurrence. Context parallel passes the convolution window and the state from piece to
-piece, and tensor parallel splits it by heads (`shard_heads`), as Gated DeltaNet does. Its kind, `mamba2`, is
+piece (Ulysses instead moves x, B, C and dt to whole sequences of a run of heads and groups: `_to_heads`), and tensor
+parallel splits it by heads (`shard_heads`), as Gated DeltaNet does. Its kind, `mamba2`, is
 declared in model/components/mamba2.py.
 
 Its per-head parameters A_log, D and dt_bias and the convolution's taps and bias are vectors or (C, 1, W) filters, not
@@ -30,7 +31,7 @@ from torch import nn
 from meshformer.model.attention import SequenceChunk
 from meshformer.model.config import ModelConfig
 from meshformer.model.gated_delta import causal_conv1d
-from meshformer.model.linear_attention import HeadShard, LinearCache, PieceExchange, _local
+from meshformer.model.linear_attention import HeadShard, LinearCache, PieceExchange, _local, _part
 from meshformer.model.mamba2_kernels import kernel_conv1d, kernel_scan, mamba_importable
 from meshformer.model.ssd import chunk_ssd, recurrent_ssd
 
@@ -117,52 +118,100 @@ class Mamba2(nn.Module):
         z, xbc, dt = projected.split([inner, self.conv_channels, self.n_heads], dim=-1)
         weight = self._rows(self.conv1d.weight, self.conv_rows).squeeze(1)
         conv_bias = None if self.conv1d.bias is None else self._rows(self.conv1d.bias, self.conv_rows)
+        part = None
         if isinstance(chunk, SequenceChunk):
             if cache is not None:
                 raise ValueError("mamba2 blocks generate on one device; set parallel.cp=1 to generate")
-            y, xs = self._forward_pieces(xbc, dt, weight, conv_bias, keep, chunk, documents)
-        elif cache is None and (self.backend == "mamba_ssm" or (self.backend == "auto" and x.is_cuda
-                                                                 and mamba_importable())):
-            # the kernels: SiLU fused into the convolution, dt's softplus and the skip D into the scan
-            xs, B, C = self._split_xbc(kernel_conv1d(xbc, weight, conv_bias, doc_ids=documents), keep)
-            A = -_local(self.A_log).to(torch.promote_types(xs.dtype, torch.float32)).exp()
-            y, _ = kernel_scan(xs, dt, A, B, C, chunk_size=self.chunk_size, D=_local(self.D),
-                               dt_bias=_local(self.dt_bias), dt_floor=self.dt_floor, doc_ids=documents)
-            return self.out_proj(self.norm(y.reshape(batch, length, inner), z, _local(self.norm.weight)))
-        else:
-            xbc, conv_state = causal_conv1d(xbc, weight, conv_bias, state=None if cache is None else cache.conv,
-                                            doc_ids=documents)
-            xs, dt, A, B, C = self._scan_inputs(xbc, dt, keep)
-            state = None if cache is None else cache.state
-            if state is not None and length == 1:  # one decoding step: the recurrence is the cheaper form
-                y, final = recurrent_ssd(xs, dt, A, B, C, initial_state=state, doc_ids=documents)
-            else:
-                y, final = chunk_ssd(xs, dt, A, B, C, chunk_size=self.chunk_size, initial_state=state,
-                                     doc_ids=documents)
-            if cache is not None:
-                cache.conv, cache.state, cache.length = conv_state, final, cache.length + length
-        y = y + xs * _local(self.D).to(xs.dtype)[:, None]
+            if not chunk.ulysses:
+                y, xs = self._forward_pieces(xbc, dt, weight, conv_bias, keep, chunk, documents)
+                y = y + xs * _local(self.D).to(xs.dtype)[:, None]
+                return self.out_proj(self.norm(y.reshape(batch, length, inner), z, _local(self.norm.weight)))
+            xbc, dt, keep, weight, conv_bias = self._to_heads(xbc, dt, keep, weight, conv_bias, chunk)
+            part = (chunk.index, chunk.count)
+        y = self._mix(xbc, dt, weight, conv_bias, keep, cache, documents, part)
+        if part is not None:  # back to this rank's pieces of every head, for the gate z that never moved
+            assert isinstance(chunk, SequenceChunk)
+            y = chunk.to_sequence(y.transpose(1, 2)).transpose(1, 2)
         return self.out_proj(self.norm(y.reshape(batch, length, inner), z, _local(self.norm.weight)))
 
-    def _scan_inputs(self, xbc: torch.Tensor, dt: torch.Tensor, keep: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, ...]:
-        """x (B, T, H, P), dt (B, T, H), A (H,), B and C (B, T, G, N) from the convolution's output (B, T, channels)
-        and dt's projection; padding tokens' x, B and C zeroed."""
-        xs, B, C = self._split_xbc(F.silu(xbc), keep)
-        compute = torch.promote_types(xbc.dtype, torch.float32)
-        dt = F.softplus(dt.to(compute) + _local(self.dt_bias).to(compute)).clamp(min=self.dt_floor)
-        return xs, dt, -_local(self.A_log).to(compute).exp(), B, C
+    def _mix(self, xbc: torch.Tensor, dt: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor | None,
+             keep: torch.Tensor | None, cache: LinearCache | None, documents: torch.Tensor | None,
+             part: tuple[int, int] | None) -> torch.Tensor:
+        """The convolution, the scan and its skip over whole sequences: y (B, T, H, P) from the convolution's input
+        (B, T, channels) and dt's projection (B, T, H). part: (index, count) under Ulysses, the index-th of count
+        equal runs of this module's heads (and groups), whose channels xbc, dt, weight and conv_bias already are."""
+        length = xbc.shape[1]
+        D = _part(self.D, part)
+        if cache is None and (self.backend == "mamba_ssm" or (self.backend == "auto" and xbc.is_cuda
+                                                             and mamba_importable())):
+            # the kernels: SiLU fused into the convolution, dt's softplus and the skip D into the scan
+            xs, B, C = self._split_xbc(kernel_conv1d(xbc, weight, conv_bias, doc_ids=documents), keep, dt.shape[-1])
+            A = -_part(self.A_log, part).to(torch.promote_types(xs.dtype, torch.float32)).exp()
+            y, _ = kernel_scan(xs, dt, A, B, C, chunk_size=self.chunk_size, D=D, dt_bias=_part(self.dt_bias, part),
+                               dt_floor=self.dt_floor, doc_ids=documents)
+            return y
+        xbc, conv_state = causal_conv1d(xbc, weight, conv_bias, state=None if cache is None else cache.conv,
+                                        doc_ids=documents)
+        xs, dt, A, B, C = self._scan_inputs(xbc, dt, keep, part)
+        state = None if cache is None else cache.state
+        if state is not None and length == 1:  # one decoding step: the recurrence is the cheaper form
+            y, final = recurrent_ssd(xs, dt, A, B, C, initial_state=state, doc_ids=documents)
+        else:
+            y, final = chunk_ssd(xs, dt, A, B, C, chunk_size=self.chunk_size, initial_state=state, doc_ids=documents)
+        if cache is not None:
+            cache.conv, cache.state, cache.length = conv_state, final, cache.length + length
+        return y + xs * D.to(xs.dtype)[:, None]
 
-    def _split_xbc(self, xbc: torch.Tensor, keep: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-        """x (B, T, H, P), B and C (B, T, G, N) from the activated convolution output, padding tokens zeroed."""
+    def _to_heads(self, xbc: torch.Tensor, dt: torch.Tensor, keep: torch.Tensor | None, weight: torch.Tensor,
+                  conv_bias: torch.Tensor | None, chunk: SequenceChunk
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """Ulysses context parallel: x, B, C, dt and the padding go all-to-all from this rank's pieces of every head
+        (and group) to whole sequences of its 1/count of them (`SequenceChunk.to_heads`; rank r: the r-th run of
+        heads and the r-th run of groups, which those heads read), and the convolution's taps and bias are cut to
+        those channels; the convolution and the scan then run as on one device, no state crossing ranks."""
+        batch, length, _ = xbc.shape
+        heads, groups, count = dt.shape[-1], self.n_groups, chunk.count
+        inner, groups_width = heads * self.head_dim, groups * self.state_size
+
+        def whole(t: torch.Tensor, n: int) -> torch.Tensor:
+            """(B, T/count, n, w) -> (B, T, n/count, w): this rank's heads (or groups) over the whole sequence."""
+            return chunk.to_heads(t.transpose(1, 2).contiguous()).transpose(1, 2)
+
+        xs, B, C = xbc.split([inner, groups_width, groups_width], dim=-1)
+        xs = whole(xs.reshape(batch, length, heads, self.head_dim), heads).flatten(2)
+        bc = torch.cat([B.reshape(batch, length, groups, -1), C.reshape(batch, length, groups, -1)], dim=-1)
+        B, C = whole(bc, groups).split([self.state_size, self.state_size], dim=-1)
+        # the padding travels with dt, one copy per head, so each rank gets the whole sequence's
+        mask = torch.ones_like(dt) if keep is None else keep.expand_as(dt)
+        dt, mask = whole(torch.stack([dt, mask], dim=-1), heads).unbind(-1)
+        xbc = torch.cat([xs, B.flatten(2), C.flatten(2)], dim=-1)
+        mine = torch.arange(inner).view(count, -1)[chunk.index]
+        picked = torch.arange(groups_width).view(count, -1)[chunk.index]
+        channels = torch.cat([mine, inner + picked, inner + groups_width + picked]).to(weight.device)
+        return (xbc, dt, None if keep is None else mask[..., :1], weight[channels],
+                None if conv_bias is None else conv_bias[channels])
+
+    def _scan_inputs(self, xbc: torch.Tensor, dt: torch.Tensor, keep: torch.Tensor | None,
+                     part: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:
+        """x (B, T, H, P), dt (B, T, H), A (H,), B and C (B, T, G, N) from the convolution's output (B, T, channels)
+        and dt's projection; padding tokens' x, B and C zeroed. part: as `_mix`'s."""
+        xs, B, C = self._split_xbc(F.silu(xbc), keep, dt.shape[-1])
+        compute = torch.promote_types(xbc.dtype, torch.float32)
+        dt = F.softplus(dt.to(compute) + _part(self.dt_bias, part).to(compute)).clamp(min=self.dt_floor)
+        return xs, dt, -_part(self.A_log, part).to(compute).exp(), B, C
+
+    def _split_xbc(self, xbc: torch.Tensor, keep: torch.Tensor | None, heads: int) -> tuple[torch.Tensor, ...]:
+        """x (B, T, heads, P), B and C (B, T, G, N) from the activated convolution output, padding tokens zeroed
+        (heads: this module's, or under Ulysses this rank's share of them and of the groups)."""
         batch, length, _ = xbc.shape
         if keep is not None:
             xbc = xbc * keep
-        inner, groups_width = self.n_heads * self.head_dim, self.n_groups * self.state_size
+        groups = self.n_groups * heads // self.n_heads
+        inner, groups_width = heads * self.head_dim, groups * self.state_size
         xs, B, C = xbc.split([inner, groups_width, groups_width], dim=-1)
-        return (xs.reshape(batch, length, self.n_heads, self.head_dim),
-                B.reshape(batch, length, self.n_groups, self.state_size),
-                C.reshape(batch, length, self.n_groups, self.state_size))
+        return (xs.reshape(batch, length, heads, self.head_dim),
+                B.reshape(batch, length, groups, self.state_size),
+                C.reshape(batch, length, groups, self.state_size))
 
     def _forward_pieces(self, xbc: torch.Tensor, dt: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         keep: torch.Tensor | None, chunk: SequenceChunk, documents: torch.Tensor | None

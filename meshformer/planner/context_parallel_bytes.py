@@ -10,7 +10,8 @@ H query heads and G key/value heads of D width on each tensor-parallel rank:
 - ulysses: four all-to-alls (q, k, v in; the output back), each sending (cp - 1) / cp of a (b, n, heads x D) tensor,
   and as many in backward; key/value heads fewer than cp are first repeated up to cp. Attention then keeps q, k, v
   and its output for H / cp heads over T tokens: 4 b H n D a, the keys and values cp times fewer than allgather's.
-  Gated DeltaNet and KDA exchange q, k, v, their b and a inputs, and the output.
+  Gated DeltaNet and KDA exchange q, k, v, their b and a inputs, and the output; Mamba-2 x, its groups' B and C,
+  dt with the padding beside it, and the output (the all-gather passes its fp32 (b, H, P, N) state as above).
 
 The rule `recommend` states: Ulysses where every token mixer allows it and it sends fewer bytes, else allgather.
 """
@@ -65,6 +66,15 @@ def _layer_cost(cfg: Config, kind: str, method: str, batch: int, cp: int, tp: in
             return 2 * (2 * cp - 1) * 2 * state * others, 0.0
         decay = heads * la.key_head_dim if kind == "kda" else heads
         width = 2 * key_heads * la.key_head_dim + 2 * heads * la.value_head_dim + heads + decay
+        return 2 * batch * n * width * a * others / cp, batch * n * width * a
+    if kind == "mamba2":
+        mamba = m.mamba
+        heads, groups = mamba.n_heads // tp, mamba.n_groups // tp
+        if method == "allgather":
+            state = batch * heads * mamba.head_dim * mamba.state_size * FP32
+            return 2 * (2 * cp - 1) * 2 * state * others, 0.0
+        # x and the output back, B and C, dt with the padding beside it
+        width = 2 * heads * mamba.head_dim + 2 * groups * mamba.state_size + 2 * heads
         return 2 * batch * n * width * a * others / cp, batch * n * width * a
     return 0.0, 0.0
 

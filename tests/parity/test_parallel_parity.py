@@ -197,6 +197,10 @@ WORLD4 += QK_CLIP_WORLD4
 ULYSSES_WORLD2 = ["decoder/cp-ulysses", "decoder_docs/cp-ulysses", "gptoss/cp-ep-ulysses",
                   "deepseek/cp-ep-ulysses", "qwen35/cp-ulysses", "kimi/cp-ep-ulysses"]
 ULYSSES_WORLD4 = ["decoder/cp=4-ulysses", "kimi/cp-tp-ep=4-ulysses", "qwen3next/cp-fsdp-ep=4-ulysses"]
+# Mamba-2 (x, B, C and dt to whole sequences of a run of heads and groups) and multi-token prediction (its block
+# exchanges as the main blocks do); world 4, matrix only: Mamba-2 with FSDP, and pipeline stages around Ulysses
+ULYSSES_WORLD2 += ["mamba/cp-ulysses", "deepseek_mtp/cp-ulysses"]
+ULYSSES_MATRIX_WORLD4 = ["mamba/cp-fsdp-ulysses", "decoder/pp-cp-ulysses", "deepseek_mtp/pp-cp-ulysses"]
 WORLD2 += ULYSSES_WORLD2
 WORLD4 += ULYSSES_WORLD4
 # bf16 all-gathers; bf16 autocast with bf16 rows through the experts' all-to-all: close, not equal
@@ -323,6 +327,18 @@ def test_parity_world2(request, name):
 @pytest.mark.parametrize("name", WORLD4)
 def test_parity_world4(world4, name):
     check(world4[name], name=name)
+
+
+@pytest.fixture(scope="module")
+def world4_matrix():
+    return launch(4, ULYSSES_MATRIX_WORLD4)
+
+
+@pytest.mark.slow
+@pytest.mark.matrix
+@pytest.mark.parametrize("name", ULYSSES_MATRIX_WORLD4)
+def test_parity_world4_matrix(world4_matrix, name):
+    check(world4_matrix[name], name=name)
 
 
 @pytest.mark.slow

@@ -2,8 +2,9 @@
 state-space scan per head instead of attention over keys, so, like Gated DeltaNet, it reads the padding and packed
 documents of its tokens rather than a mask and keeps a state of constant size when generating.
 
-Layouts: context parallel passes its convolution window and state from piece to piece in sequence order and tensor
-parallel splits it by heads (and groups), as Gated DeltaNet does; data parallel, FSDP and pipeline stages hold it as
+Layouts: context parallel passes its convolution window and state from piece to piece in sequence order (or, with
+parallel.cp_method="ulysses", gives each rank whole sequences of a run of its heads and groups) and tensor parallel
+splits it by heads (and groups), as Gated DeltaNet does; data parallel, FSDP and pipeline stages hold it as
 any other block.
 """
 
@@ -93,6 +94,17 @@ class Mamba2Kind(TokenMixer):
         why = "Mamba-2 heads, and the groups of B and C they read, are split across tensor-parallel ranks"
         return [("model.mamba.n_heads", cfg.mamba.n_heads, why), ("model.mamba.n_groups", cfg.mamba.n_groups, why)]
 
+    def ulysses(self, cfg: ModelConfig, cp: int, tp: int) -> str | None:
+        # each rank runs whole sequences of a run of its heads and of the groups of B and C those heads read
+        m = cfg.mamba
+        for key, heads in (("n_heads", m.n_heads), ("n_groups", m.n_groups)):
+            if (heads // tp) % cp:
+                return (f"parallel.cp_method='ulysses' splits each rank's {heads // tp} Mamba-2 "
+                        f"{key.removeprefix('n_')} (model.mamba.{key}={heads} / tp={tp}) over cp={cp}, which does not "
+                        "divide them; choose cp (and tp) so that cp x tp divides them, or use "
+                        "parallel.cp_method='allgather'")
+        return None
+
     def init_rule(self, cfg: ModelConfig, name: str) -> InitFn | None:
         """mamba-ssm's Mamba2: A_log log(uniform(1, 16)), D 1, dt_bias the inverse softplus of
         exp(uniform(log 1e-3, log 1e-1)) (at least 1e-4), the convolution PyTorch's default (taps
@@ -136,22 +148,22 @@ class Mamba2Kind(TokenMixer):
     def saved_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
         """What its autograd graph keeps (read off `saved_tensors_hooks`). In the activation dtype per token: the
         input, in_proj's output, the convolution's padded input, out_proj's input. In float32 per token: the
-        convolution's output and SiLU's (its float32 taps promote them), eight (H x P)-wide tensors (the scan's
-        inputs, products and output, the skip, the gated norm's terms), B and C per group and repeated per head,
-        dt and its decay terms. Per head and token of the sequence padded to whole chunks of L: the (L x L) decays
-        and scores, per group C B^T, and every chunk's entering (P x N) state twice. Within 15% of the measurement
-        (tests/unit/test_mamba2.py). Under tensor parallel every term but the (gathered) input is this rank's
-        heads'."""
+        convolution's output and SiLU's (its float32 taps promote them), five (H x P)-wide tensors (the scan's input,
+        its output with the skip, the gated norm's terms; seven from half-precision activations, whose float32 casts
+        the scan and the norm keep), B and C per group and decayed per head, dt and its decay terms. Per head and
+        token of the sequence padded to whole chunks of L: the (L x L) decays and scores, per group C B^T, and every
+        chunk's entering (P x N) state. Within 15% of the measurement (tests/unit/model/test_mamba2.py). Under tensor
+        parallel every term but the (gathered) input is this rank's heads'."""
         m, b, s, a, t = cfg.mamba, x.batch, x.seq, x.bytes, x.tp
         heads, groups = m.n_heads // t, m.n_groups // t
         inner, conv = heads * m.head_dim, heads * m.head_dim + 2 * groups * m.state_size
         rows = inner + conv + heads
         chunk = m.chunk_size
         padded = -(-s // chunk) * chunk
+        wide = 5 if a >= FP32 else 7
         per_token = (cfg.d_model + rows + conv + inner) * a + (
-            2 * conv + 8 * inner + 2 * (heads + groups) * m.state_size + 5 * heads) * FP32
-        scan = ((2 * heads + groups) * padded * chunk + 2 * (padded // chunk + 1) * heads * m.head_dim * m.state_size
-                ) * FP32
+            2 * conv + wide * inner + 2 * (heads + groups) * m.state_size + 5 * heads) * FP32
+        scan = ((2 * heads + groups) * padded * chunk + padded // chunk * heads * m.head_dim * m.state_size) * FP32
         return b * (s * per_token + scan)
 
     def selective_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:

@@ -162,6 +162,26 @@ def test_module_on_the_kernels_equals_torch(fake_mamba) -> None:
     assert fake_mamba == ["conv", "scan"]
 
 
+def test_ulysses_heads_on_the_kernels_equal_torch(fake_mamba) -> None:
+    """Under Ulysses (2 ranks as threads) each rank's run of heads and groups reaches the kernels with its own taps,
+    D and dt_bias: its pieces equal the torch block over the whole sequence."""
+    from helpers.ulysses_threads import run_ranks
+
+    theirs, ours = module("mamba_ssm"), module("torch")
+    x = torch.randn(2, 8, 24, dtype=torch.float64)
+    padding = torch.arange(8)[None] >= torch.tensor([[0], [3]])
+    with torch.no_grad():
+        whole = ours(x, padding=padding, documents=DOCS[:2, :8])
+
+        def work(chunk):  # type: ignore[no-untyped-def]
+            at = chunk.positions(4, x.device)
+            return theirs(x[:, at], chunk=chunk, padding=padding[:, at], documents=DOCS[:2, :8]), at
+
+        for out, at in run_ranks(2, work):
+            torch.testing.assert_close(out, whole[:, at], atol=1e-10, rtol=1e-10)
+    assert set(fake_mamba) == {"conv", "scan"}
+
+
 def test_auto_keeps_torch_off_cuda(fake_mamba) -> None:
     module("auto")(torch.randn(1, 5, 24, dtype=torch.float64))
     assert fake_mamba == []

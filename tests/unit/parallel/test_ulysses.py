@@ -3,10 +3,9 @@ ranks simulated by threads, and the config checks. Parity against one process: t
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
+from helpers.ulysses_threads import run_ranks
 
 from meshformer.config import Config, ConfigError
 from meshformer.config.sections import DataConfig, OptimConfig, ParallelConfig
@@ -14,30 +13,6 @@ from meshformer.model.attention import SequenceChunk
 from meshformer.model.config import AttentionConfig, LinearAttentionConfig, ModelConfig
 from meshformer.parallel.context import sequence_chunk
 from meshformer.parallel_dims import ParallelDims, check_context_parallel
-
-
-def run_ranks(count: int, work) -> list:  # type: ignore[no-untyped-def]
-    """work(chunk) on `count` threads, each a rank whose `exchange` is an all-to-all among the threads."""
-    slots: list[torch.Tensor | None] = [None] * count
-    barrier = threading.Barrier(count)
-    results: list = [None] * count
-
-    def rank(index: int) -> None:
-        def exchange(t: torch.Tensor) -> torch.Tensor:
-            slots[index] = t
-            barrier.wait()
-            out = torch.stack([slots[r][index] for r in range(count)])  # type: ignore[index]
-            barrier.wait()  # every rank has read before the next exchange overwrites
-            return out
-
-        results[index] = work(SequenceChunk(index, count, lambda t: t, exchange))
-
-    threads = [threading.Thread(target=rank, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
 
 
 @pytest.mark.parametrize("count", [2, 4])
@@ -120,3 +95,58 @@ def test_planner_counts_both_methods_bytes_and_recommends_by_its_rule() -> None:
     rows = context_parallel_report(cfg, [(1, 1), (2, 1), (2, 1), (4, 2)], batch=1)
     assert [(r["cp"], r["tp"]) for r in rows] == [(2, 1), (4, 2)]
     assert rows[0]["configured"] == "allgather" and set(rows[0]["methods"]) == {"allgather", "ulysses"}
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_mamba2_heads_of_whole_sequences_equal_the_whole_block(count: int) -> None:
+    """Mamba-2 under Ulysses, ranks as threads: each runs the convolution and the scan over whole sequences of its
+    run of heads and of the groups they read, with the whole sequence's padding and documents; the outputs of its
+    pieces equal the single-process block's."""
+    from meshformer.model.config import MambaConfig
+    from meshformer.model.mamba2 import Mamba2
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=32, layer_types=["mamba2"],
+                      mamba=MambaConfig(n_heads=8, head_dim=4, state_size=6, n_groups=4, chunk_size=4))
+    module = Mamba2(cfg)
+    length = 8 * count
+    x = torch.randn(2, length, 32)
+    padding = torch.arange(length)[None] >= torch.tensor([[0], [3]])  # the second row left-padded
+    documents = (torch.rand(2, length, generator=torch.Generator().manual_seed(1)) < 0.2).long().cumsum(1)
+    with torch.no_grad():
+        whole = module(x, padding=padding, documents=documents)
+
+        def work(chunk: SequenceChunk) -> tuple[torch.Tensor, torch.Tensor]:
+            positions = chunk.positions(length // count, x.device)  # this rank's two pieces
+            return module(x[:, positions], chunk=chunk, padding=padding[:, positions], documents=documents), positions
+
+        for out, positions in run_ranks(count, work):
+            torch.testing.assert_close(out, whole[:, positions], atol=1e-5, rtol=1e-5)
+
+
+def test_mamba2_heads_or_groups_that_cp_does_not_split_are_refused() -> None:
+    from meshformer.model.config import MambaConfig
+
+    def mamba(n_heads: int, n_groups: int) -> Config:
+        return Config(model=ModelConfig(layer_types=["mamba2"], position="none",
+                                        mamba=MambaConfig(n_heads=n_heads, n_groups=n_groups)),
+                      data=DataConfig(seq_len=16), parallel=ParallelConfig(cp=2, cp_method="ulysses"))
+
+    assert "model.mamba.n_groups=1" in refusal(mamba(8, 1))
+    assert "model.mamba.n_heads=6 / tp=2" in refusal(mamba(6, 2), tp=2)
+    check_context_parallel(mamba(8, 2), ParallelDims.from_config(ParallelConfig(cp=2), 2))
+
+
+def test_planner_counts_mamba2_bytes_under_both_methods() -> None:
+    from meshformer.model.config import MambaConfig
+    from meshformer.planner.context_parallel_bytes import cp_costs, recommend
+
+    mamba = MambaConfig(n_heads=16, head_dim=32, state_size=64, n_groups=4)
+    cfg = Config(model=ModelConfig(n_layers=1, d_model=256, layer_types=["mamba2"], position="none", mamba=mamba),
+                 data=DataConfig(seq_len=1024, batch_size=1))
+    gather, ulysses = cp_costs(cfg, 4)
+    n, a = 1024 // 4, 4
+    assert gather.sent == 2 * 7 * 2 * (16 * 32 * 64 * 4) * 3  # the fp32 state, 2 cp - 1 gathers of 2 slots, each way
+    assert ulysses.sent == 2 * n * (2 * 16 * 32 + 2 * 4 * 64 + 2 * 16) * a * 3 / 4
+    assert ulysses.refusal is None and recommend([gather, ulysses]).method == "ulysses"
+    assert cp_costs(cfg, 8)[1].refusal is not None  # 4 groups over 8 ranks
