@@ -59,8 +59,8 @@ class LayerTerms:
 
 def layer_terms_of(modules: Iterable[nn.Module]) -> list[LayerTerms]:
     """The `LayerTerms` of every layer inside `modules` (a rank's model parts) that computes terms."""
-    return [m.loss_terms for part in modules for m in part.modules() if isinstance(getattr(m, "loss_terms", None),
-                                                                                   LayerTerms)]
+    found = (getattr(m, "loss_terms", None) for part in modules for m in part.modules())
+    return [terms for terms in found if isinstance(terms, LayerTerms)]
 
 
 def bind_layer_terms(modules: Iterable[nn.Module], weights: Mapping[str, float]) -> None:
