@@ -126,7 +126,8 @@ def write_overhead_table(args: argparse.Namespace, medians: dict[str, dict[str, 
                 setup=f"`meshformer train {CONFIG}`'s config (fp32, one thread, no evaluation, sampling or "
                       f"checkpoints), `Trainer.fit` over {args.steps} steps after {args.warmup}; each tree in fresh "
                       f"processes, {args.repeats} runs each, alternating which goes first; medians. CPU time is the "
-                      "process's: on a shared machine it counts the work alone, where wall time also counts waits",
+                      "process's: on a shared machine it counts the work alone, where wall time also counts waits "
+                      "for the cores.",
                 columns=["tree", "CPU ms / step", "wall ms / step", "CPU ratio", "wall ratio"], rows=rows,
                 align="lrrrr")
 
