@@ -74,7 +74,13 @@ WORDS: dict[str, str] = {
             "choices have their own word below",
     "loss method": "which computation of the token loss a run uses, `train.loss` with \"auto\" resolved (`LossMethod`, "
                    "`LossSpec.method`, `loss_choice.loss_method`)",
-    "contents": "what a folder of ours holds, as its marker file says (`folders.mark`, `folders.scratch`)",
+    "contents": "what a folder of ours holds: as its marker file says (`folders.mark`, `folders.scratch`), and for "
+                "a checkpoint, as its trainer_state.json's `contents` says: \"training\" (weights, optimizer and "
+                "trainer state) or \"weights\" (weights alone; `train_state.saved_contents`)",
+    "scaling method": "how the rotary frequencies are rescaled for a longer context, `model.rope.scaling`: \"none\", "
+                      "\"linear\", \"llama3\" or \"yarn\" (Hugging Face's rope_type; `RopeScaling.method`)",
+    "layer term": "a loss term computed inside a layer (MoE balance and router z-losses, DSA's indexer loss): the "
+                  "layer hands it over, the objective weighs and logs it (`loss/layer_terms.py`)",
     "update": "which update rule a parameter group of Muon or NorMuon takes, `group[\"update\"]`: \"muon\" (the "
               "matrices) or \"adamw\" (`optim/muon.py`)",
     "record type": "what a record of prepared shards holds: \"packed\" (token records) or \"pairs\" (src, tgt) "
@@ -95,6 +101,9 @@ RETIRED: list[tuple[str, str, str]] = [
     (r"(?<!\")\b(moe|cfg)\.expert_bias_terms\b", "`model.moe.expert_bias_terms`", "`model.moe.expert_linear_bias`"),
     (r"\b(manifest|source|s)\.kind\b", "`Manifest.kind`", "`Manifest.record_type`"),
     (r'group\["kind"\]|\bkind="(muon|adamw)"', "a Muon group's `\"kind\"`", '`"update"`'),
+    (r"\bscaling\.kind\b|RopeScaling\(kind=", "`RopeScaling.kind`", "`RopeScaling.method`"),
+    (r'"kind": "(training|weights)"|get\("kind"\) == "training"', "trainer_state.json's `\"kind\"`",
+     '`"contents"`'),
 ]
 
 

@@ -35,12 +35,12 @@ from meshformer.checkpointing.dcp_io import SafeFileSystemReader, SafeLoadPlanne
 from meshformer.checkpointing.manifest import Verify, verify_manifest, write_json_atomic
 from meshformer.checkpointing.rng import capture_rng_state, restore_rng_state, seed_all
 from meshformer.checkpointing.save_errors import SAVE_FAILURES, all_corrupt_error, is_disk_full, save_failed_error
-from meshformer.checkpointing.train_state import Checkpointable
+from meshformer.checkpointing.train_state import Checkpointable, saved_contents
 from meshformer.config import CheckpointConfig, Config
 from meshformer.config.migrate import flatten, migrate_tree
 from meshformer.data import Tokenizer
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: "contents" where version 1 said "kind" (an older release refuses it, never misreads)
 _log = logging.getLogger("meshformer.checkpointing")
 
 
@@ -242,7 +242,7 @@ class CheckpointManager:
                                       "must hold only plain numbers, strings, lists and dicts") from None
         return {
             "version": STATE_VERSION,
-            "kind": "training",
+            "contents": "training",
             "optimizer": type(run.optimizer).__name__,
             **run.state.state_dict(),
             "param_groups": param_groups,
@@ -324,7 +324,7 @@ class CheckpointManager:
         metadata = read_metadata(path)  # once: the load below reuses it
         saved = {k: (v.size, v.properties.dtype) for k, v in tensor_entries(metadata).items()}
         parts, optimizer = run.model_parts, run.optimizer
-        training = state.get("kind") == "training"
+        training = saved_contents(state) == "training"
         saved_optimizer = state.get("optimizer", type(optimizer).__name__)
         load_optimizer = training and saved_optimizer == type(optimizer).__name__
         if training and not load_optimizer:

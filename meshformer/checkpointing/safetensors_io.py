@@ -156,7 +156,7 @@ def write_weights_checkpoint(state: Mapping[str, torch.Tensor], cfg: ModelConfig
     templates = {MODEL + k: state.meta(k) if isinstance(state, LazyState) else state[k] for k in expected}
     save_tensors_streamed(templates, lambda key: state[key[len(MODEL):]], partial)
     write_json_atomic(partial / directory.TRAINER_STATE,
-                      {"version": 1, "kind": "weights", "step": step, "tokens_seen": 0,
+                      {"version": 1, "contents": "weights", "step": step, "tokens_seen": 0,
                        "config": {"model": asdict(cfg)}, "saved_at": time.time()})
     if tokenizer is not None:
         tokenizer.save(partial / directory.TOKENIZER_FILE)

@@ -85,6 +85,13 @@ class Checkpointable:
                                       "or leave it out of the checkpointed components")
 
 
-# Keys trainer_state.json uses for itself; components may not shadow them.
-RESERVED = frozenset({"version", "kind", "optimizer", "step", "tokens_seen", "param_groups", "world_size", "config",
-                      "saved_at", "components"})
+# Keys trainer_state.json uses for itself ("kind": `contents` in files of earlier releases); components may not
+# shadow them.
+RESERVED = frozenset({"version", "contents", "kind", "optimizer", "step", "tokens_seen", "param_groups", "world_size",
+                      "config", "saved_at", "components"})
+
+
+def saved_contents(state: Mapping[str, object]) -> object:
+    """What a checkpoint holds, from its trainer_state.json: "training" (weights, optimizer and trainer state) or
+    "weights" (weights alone); files of earlier releases say it as "kind"."""
+    return state.get("contents", state.get("kind"))

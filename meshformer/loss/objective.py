@@ -7,9 +7,10 @@
   (`logits_loss`: plain or vocabulary-parallel cross-entropy, or a caller's own loss);
 - the auxiliary terms, each with its weight and its logged parts (`AuxTerm`). Terms computed from the model's
   outputs on the last stage (multi-token prediction's modules) are weighted here. Terms computed inside a layer
-  (MoE balance and z-losses, DSA's indexer loss) join the objective in that layer's own backward, because under
-  pipeline parallelism the layer sits on a stage whose forward never reaches the loss; they are listed here by
-  name so the run's report and logs see one objective.
+  (MoE balance and z-losses, DSA's indexer loss) are declared here too, with their weights (`layer_weights`, which
+  the layout binds to the layers) and their logged parts (`layer_scalars`); the layer only computes them, and they
+  join the gradient in its own backward (layer_terms.py: under pipeline parallelism the layer may sit on a stage
+  whose forward never reaches the loss).
 
 Every value is a sum over tokens: the caller divides by the step's global target tokens (cross_entropy.py).
 Evaluation paths use a copy with another token loss (`with_token_loss`), never by changing a model's attributes.
@@ -17,6 +18,7 @@ Evaluation paths use a copy with another token loss (`with_token_loss`), never b
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -31,8 +33,9 @@ MTPOutputs = tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]
 
 @dataclass(frozen=True)
 class AuxTerm:
-    """One auxiliary term of the objective: its name (the prefix of its logged parts), its weight, and where it is
-    computed ("outputs": from the model's outputs here; "layer": inside the layers, in their backward)."""
+    """One auxiliary term of the objective: its name ("<group>/<part>": logged per layer as "<group>/<layer>/<part>"
+    for a layer term), its weight, and where it is computed ("outputs": from the model's outputs here; "layer":
+    inside the layers, joining in their backward; a layer term of weight 0 is logged, not added)."""
 
     name: str
     weight: float
@@ -42,7 +45,7 @@ class AuxTerm:
 @dataclass(frozen=True)
 class Loss:
     """Token loss plus auxiliary terms (see the module notes). `mtp_weight`: multi-token prediction's weight, split
-    evenly over its modules (model.mtp.loss_weight); `layer_terms`: the terms the layers add themselves."""
+    evenly over its modules (model.mtp.loss_weight); `layer_terms`: the terms the layers compute (layer_terms.py)."""
 
     logits_loss: LossFn
     head_loss: HeadLoss | None = None
@@ -54,6 +57,22 @@ class Loss:
         """Every auxiliary term with its weight, for the run report."""
         mtp = (AuxTerm("mtp", self.mtp_weight),) if self.mtp_weight else ()
         return mtp + self.layer_terms
+
+    @property
+    def layer_weights(self) -> dict[str, float]:
+        """The weight of each layer term by name: what the layout binds to the layers (`bind_layer_terms`)."""
+        return {term.name: term.weight for term in self.layer_terms}
+
+    def layer_scalars(self, layers: Iterable[tuple[str, Mapping[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+        """The logged parts of the layer terms: "<group>/<layer>/<part>" for each declared term a layer reports
+        (`layers`: (layer name, its latest unweighted values by term name)); device values, read by the caller."""
+        out = {}
+        for layer, values in layers:
+            for term in self.layer_terms:
+                if term.name in values:
+                    group, part = term.name.rsplit("/", 1)
+                    out[f"{group}/{layer}/{part}"] = values[term.name]
+        return out
 
     def with_token_loss(self, logits_loss: LossFn, head_loss: HeadLoss | None = None) -> Loss:
         """This objective with another token loss (evaluation and downstream scoring: per-row plain losses)."""

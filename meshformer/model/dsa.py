@@ -17,9 +17,9 @@ attention's distribution p (the heads' probabilities summed, renormalised) to so
 allowed key in the dense warm-up (dsa.stage = "warmup", where attention is dense and only the indexers train), the
 selected ones in the sparse stage. Its gradient in I is the cross-entropy's (p's entropy is a constant), which is
 linear in p: under tensor parallel each rank's heads give their share, and the scores sum their gradient over the
-ranks (`scores_grad`, the PARTIAL_GRADIENT style). The loss summed over the real queries joins the objective
-through the block output's backward (as MoE balance terms do), times dsa.loss_weight / the step's target tokens
-(`set_token_count`), so that it is a mean over the step's tokens under every layout.
+ranks (`scores_grad`, the PARTIAL_GRADIENT style). The loss summed over the real queries ("dsa/indexer_loss") is
+handed to the objective (meshformer/loss/layer_terms.py), which adds it with its weight (dsa.loss_weight by default)
+over the step's target tokens (`set_token_count`), so that it is a mean over the step's tokens under every layout.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshformer.loss.layer_terms import LayerTerms
 from meshformer.model.attention import KVCache, SequenceChunk
 from meshformer.model.config import ModelConfig
 from meshformer.model.masks import AttentionMask
 from meshformer.model.mla import MultiHeadLatentAttention, deinterleave
-from meshformer.model.moe import with_loss_term
 from meshformer.model.positions import apply_rope
 
 # The indexer key norm's epsilon, fixed by DeepSeek's reference
@@ -94,10 +94,10 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         super().__init__(cfg)
         self.indexer = LightningIndexer(cfg)
         self.topk, self.dense = cfg.dsa.topk, cfg.dsa.stage == "warmup"
-        self.loss_weight, self.total_heads = cfg.dsa.loss_weight, cfg.attention.n_heads
-        # dsa.loss_weight / the step's target tokens, set before each step (None outside a step: this call's
-        # real queries)
-        self.token_scale: torch.Tensor | None = None
+        self.total_heads = cfg.attention.n_heads
+        # the objective's weight of the indexer loss; its scale 1 / the step's target tokens, set before each step
+        # (None outside a step: 1 / this call's real queries)
+        self.loss_terms = LayerTerms()
         self.last_loss: torch.Tensor | None = None  # the latest training forward's mean KL per real query
 
     def forward(
@@ -170,8 +170,7 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         if losses:
             total, count = (torch.stack(t).sum() for t in zip(*losses))
             self.last_loss = total.detach() / count.clamp(min=1)
-            scale = self.token_scale if self.token_scale is not None else self.loss_weight / count.clamp(min=1)
-            out = with_loss_term(out, total * scale.detach(), 1.0)
+            out = self.loss_terms.add(out, {"dsa/indexer_loss": total}, 1 / count.clamp(min=1))
         return out
 
     def _indexer_loss(self, q: torch.Tensor, k: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor | None,
@@ -211,7 +210,7 @@ def dsa_layers(modules: Iterable[nn.Module]) -> list[SparseLatentAttention]:
 def set_token_count(layers: Iterable[SparseLatentAttention], tokens: torch.Tensor) -> None:
     """The step's target tokens (every rank and micro-batch): each indexer loss joins as a mean over them."""
     for layer in layers:
-        layer.token_scale = layer.loss_weight / tokens.clamp(min=1).float()
+        layer.loss_terms.scale = 1 / tokens.clamp(min=1).float()
 
 
 __all__ = ["IndexedKVCache", "LightningIndexer", "SparseLatentAttention", "dsa_layers", "set_token_count"]

@@ -4,9 +4,9 @@ shared experts see every token.
 Plain single-device PyTorch. The experts' weights are stacked 3-D parameters (n_experts, in, out), so expert
 parallelism can shard dim 0. Tokens are sorted by expert and run by one compute path (`moe_backend`): a loop over
 each expert's contiguous slice, one padded batched matmul, or `torch._grouped_mm`; every path gives the same
-result. Each forward records its load-balancing statistics (`MoEStats`, over the whole micro-batch) and adds its
-balance losses to the objective through its output's backward; `update_expert_bias` applies DeepSeek-V3's
-auxiliary-loss-free balancing after each optimizer step.
+result. Each forward records its load-balancing statistics (`MoEStats`, over the whole micro-batch) and hands its raw
+balance terms ("moe/aux_loss", "moe/z_loss") to the objective (meshformer/loss/layer_terms.py: the objective weighs
+them); `update_expert_bias` applies DeepSeek-V3's auxiliary-loss-free balancing after each optimizer step.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from meshformer.loss.layer_terms import LayerTerms
 from meshformer.model.config import ModelConfig
 
 BACKENDS = ("loop", "padded", "grouped_mm")
@@ -299,29 +300,6 @@ class Experts(nn.Module):
         return COMPUTE[resolve_backend(self.backend, xs)](xs, counts, gate, up, down, self.act, biases)
 
 
-class _WithBalanceLoss(torch.autograd.Function):
-    """Identity on the layer's output whose backward also starts `weight` * d(balance)/d(router): the balance terms
-    join the objective wherever this forward runs (a pipeline stage included) without being returned from it."""
-
-    @staticmethod
-    def forward(ctx, output: torch.Tensor, balance: torch.Tensor,
-                weight: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(balance)
-        ctx.weight = weight
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        (balance,) = ctx.saved_tensors
-        return grad, torch.full_like(balance, ctx.weight), None
-
-
-def with_loss_term(output: torch.Tensor, term: torch.Tensor, weight: float) -> torch.Tensor:
-    """`output` unchanged, its backward also starting `weight` * d(term): a loss term that joins the objective
-    wherever this forward runs, without being returned from it (MoE balance terms, DSA's indexer loss)."""
-    return _WithBalanceLoss.apply(output, term, weight)
-
-
 class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor,
@@ -349,9 +327,10 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, k: 
 class MoEFeedForward(nn.Module):
     """router -> top-k -> tokens sorted by expert -> experts -> weighted sum back per token (+ shared experts).
 
-    The balance losses (moe_aux_loss x aux + router_z_loss x z) of each forward join the objective with weight
-    `balance_weight`: the trainer sets 1 / (forwards per optimizer step), so the step optimises their mean over its
-    micro-batches. Their statistics cover the whole micro-batch (every rank of `token_group`)."""
+    Each forward hands its balance terms, "moe/aux_loss" and "moe/z_loss" (unweighted means over the micro-batch),
+    to `loss_terms`, which adds them with the objective's weights times the step's scale (1 / forwards per optimizer
+    step: the step optimises their mean over its micro-batches). Their statistics cover the whole micro-batch
+    (every rank of `token_group`)."""
 
     tokens_this_step: torch.Tensor
     latest: torch.Tensor
@@ -370,7 +349,7 @@ class MoEFeedForward(nn.Module):
         self.shared_expert_gate = (nn.Linear(cfg.d_model, 1, bias=False)
                                    if shared_width and cfg.moe.shared_expert_gate else None)
         self.token_group: TokenGroup | None = None  # set by Transformer.set_parallel_context; None: one process
-        self.balance_weight = 1.0
+        self.loss_terms = LayerTerms()  # the objective's weights of this layer's terms (meshformer/loss/layer_terms.py)
         self.counts_load = True  # off for forwards that are not training (a pipeline's shape inference)
         self.drops_tokens = True  # capacity_factor applies; off while generating (`dropless`)
         # Token-slots per expert over the training forwards since the last reset (every rank of the token group):
@@ -385,6 +364,11 @@ class MoEFeedForward(nn.Module):
     def reset_buffers(self) -> None:
         self.tokens_this_step.zero_()
         self.latest.zero_()
+
+    def term_values(self) -> dict[str, torch.Tensor]:
+        """The latest training forward's balance terms by name, unweighted, for the objective's logged parts."""
+        stats = self.last_stats
+        return {"moe/aux_loss": stats.aux_loss, "moe/z_loss": stats.z_loss}
 
     @property
     def last_stats(self) -> MoEStats:
@@ -436,9 +420,7 @@ class MoEFeedForward(nn.Module):
         # each token's k results weighted and summed: no atomic scatter-add
         weights = routing.weights.unsqueeze(-1).to(by_slot.dtype)
         result = (by_slot.view(n, k, by_slot.shape[1]) * weights).sum(1).view_as(x)  # -1: ambiguous at n = 0
-        balance = self._balance(x, logits, routing, routed, counts)
-        if balance is not None:
-            result = _WithBalanceLoss.apply(result, balance, self.balance_weight)
+        result = self.loss_terms.add(result, self._balance(x, logits, routing, routed, counts))
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_expert_gate is not None:
@@ -447,9 +429,9 @@ class MoEFeedForward(nn.Module):
         return result
 
     def _balance(self, x: torch.Tensor, logits: torch.Tensor, routing: Routing, routed: torch.Tensor,
-                 kept: torch.Tensor) -> torch.Tensor | None:
-        """Record this forward's statistics (`latest`, `tokens_this_step`) and return its weighted balance terms (None
-        when both are off). `routed`/`kept`: token-slots per expert before/after dropping for capacity.
+                 kept: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Record this forward's statistics (`latest`, `tokens_this_step`) and return its balance terms by name,
+        unweighted. `routed`/`kept`: token-slots per expert before/after dropping for capacity.
 
         Every statistic is of the whole micro-batch: counts and sums are added over the token group first, and each
         rank's term is its tokens' share of the global one, so the terms summed over ranks (as gradients are) give
@@ -476,9 +458,7 @@ class MoEFeedForward(nn.Module):
             self.latest.copy_(torch.cat([total, aux_value.detach().view(1)]))
             if self.counts_load and not _in_recomputation():
                 self.tokens_this_step.add_(counts)
-        if cfg.moe.aux_loss == 0 and cfg.moe.router_z_loss == 0:
-            return None
-        return cfg.moe.aux_loss * aux + cfg.moe.router_z_loss * z
+        return {"moe/aux_loss": aux, "moe/z_loss": z}
 
     def _aux_per_sequence(self, x: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -567,12 +547,6 @@ def dropless(layers: Iterable[MoEFeedForward]) -> Iterator[None]:
     finally:
         for layer in layers:
             layer.drops_tokens = True
-
-
-def set_balance_weight(layers: Iterable[MoEFeedForward], weight: float) -> None:
-    """The weight of each forward's balance terms in the objective: 1 / (forwards per optimizer step)."""
-    for layer in layers:
-        layer.balance_weight = weight
 
 
 @torch.no_grad()

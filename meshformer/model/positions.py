@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from meshformer.model.config import ModelConfig
+from meshformer.renamed import renamed_attribute
 
 BIASED_POSITIONS = ("alibi", "t5_relative")  # schemes that add a bias to the attention scores
 
@@ -54,7 +55,7 @@ class RopeScaling:
     """How the rotary frequencies are rescaled for a longer context: Hugging Face's rope_type and its parameters
     (the `rope_*` keys of `ModelConfig`)."""
 
-    kind: str = "none"  # none | linear | llama3 | yarn
+    method: str = "none"  # none | linear | llama3 | yarn (model.rope.scaling)
     factor: float = 1.0
     original_max_len: int | None = None  # llama3, yarn
     low_freq_factor: float = 1.0  # llama3
@@ -71,6 +72,9 @@ class RopeScaling:
                    cfg.rope.truncate)
 
 
+renamed_attribute(RopeScaling, "kind", "method")  # the name of earlier releases (docs/design.md#words)
+
+
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeScaling(),
                      device: torch.device | None = None) -> tuple[torch.Tensor, float]:
     """(inverse frequencies (head_dim / 2,) in float64, cos/sin multiplier), as transformers'
@@ -78,9 +82,9 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeSca
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
     inv_freq = 1.0 / theta ** exponents
     factor = scaling.factor
-    if scaling.kind == "linear":
+    if scaling.method == "linear":
         return inv_freq / factor, 1.0
-    if scaling.kind == "llama3":
+    if scaling.method == "llama3":
         assert scaling.original_max_len is not None  # config/validate.py requires it
         original = scaling.original_max_len
         wavelen = 2 * math.pi / inv_freq
@@ -89,7 +93,7 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeSca
         scaled = torch.where(wavelen > original / scaling.low_freq_factor, inv_freq / factor, inv_freq)
         medium = (wavelen >= original / scaling.high_freq_factor) & (wavelen <= original / scaling.low_freq_factor)
         return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled), 1.0
-    if scaling.kind == "yarn":
+    if scaling.method == "yarn":
         assert scaling.original_max_len is not None
         attention_factor = scaling.attention_factor
         if attention_factor is None:

@@ -16,9 +16,10 @@ from torch import nn
 from meshformer.batch import Batch, model_inputs
 from meshformer.loss.cross_entropy import LossFn, count_tokens
 from meshformer.loss.fused import HeadLoss
+from meshformer.loss.layer_terms import bind_layer_terms
 from meshformer.loss.objective import AuxTerm, Loss, MTPOutputs
 from meshformer.model.dsa import SparseLatentAttention, dsa_layers, set_token_count
-from meshformer.model.moe import MoEFeedForward, moe_layers, set_balance_weight, update_expert_bias
+from meshformer.model.moe import MoEFeedForward, moe_layers, update_expert_bias
 from meshformer.model.mtp import shifted_labels
 from meshformer.model.transformer import Transformer
 from meshformer.parallel.grad_norm import scale_grads_
@@ -34,6 +35,7 @@ class ParallelModel:
         `head_loss`, the fused head's) becomes one with the model's own auxiliary weights (`objective_for`)."""
         self.model, self.device = model, device
         self.loss = loss if isinstance(loss, Loss) else objective_for(model, loss, head_loss)
+        bind_layer_terms([model], self.loss.layer_weights)  # the weights of the terms its layers compute
         self.dp_rank, self.dp_size = 0, 1  # the data loader's view of this rank
         self.autocast_dtype = autocast_dtype  # None: the model's own dtype (fp32)
         # How the run is laid out and which kernels run (layout, attention, norms, compile, recompute, FSDP,
@@ -103,7 +105,7 @@ class ParallelModel:
 
         `last_micro_batch`: whether the step's gradients are complete after this one (gradient accumulation)."""
         loss_sum, objective = self._training_loss_sums(batch)
-        (objective / global_tokens).backward()  # MoE layers add their balance terms in this backward
+        (objective / global_tokens).backward()  # layer terms (MoE balance, DSA indexer) join in this backward
         return loss_sum.detach()
 
     @cached_property
@@ -164,7 +166,8 @@ class ParallelModel:
         """Told before each step: MoE balance terms are averaged over the step's forwards."""
         weight = 1.0 / (micro_batches * self.forwards_per_micro_batch)
         if self.moe_layers and weight != self._balance_weight:
-            set_balance_weight(self.moe_layers, weight)
+            for layer in self.moe_layers:  # their terms are means over a forward's micro-batch
+                layer.loss_terms.scale = weight
             self._balance_weight = weight
 
     def update_expert_bias(self, applied: torch.Tensor) -> None:
@@ -189,20 +192,20 @@ class ParallelModel:
 
     def moe_scalars(self) -> dict[str, float]:
         """Per MoE layer, of its latest training forward over the whole micro-batch: the busiest expert's load over
-        the mean load (1 = perfectly balanced), the fraction of token-slots dropped for capacity, the aux and z
-        balance losses (unweighted)."""
+        the mean load (1 = perfectly balanced), the fraction of token-slots dropped for capacity, and the objective's
+        logged parts of its balance terms (unweighted; `Loss.layer_scalars`)."""
         if not self.moe_layers:
             return {}
-        keys = ("load_max_over_mean", "dropped_fraction", "aux_loss", "z_loss")
-        prefixes, rows = [], []
+        scalars: dict[str, torch.Tensor] = {}
         for name, layer in self.named_moe_layers:
-            stats = layer.last_stats
+            stats, prefix = layer.last_stats, f"moe/{name.removesuffix('.ffn')}"
             load = stats.tokens_per_expert
-            prefixes.append(f"moe/{name.removesuffix('.ffn')}")
-            rows.append(torch.stack([load.max() / load.mean().clamp(min=1e-9), stats.dropped_fraction,
-                                     stats.aux_loss, stats.z_loss]))
-        values = torch.stack(rows).tolist()  # one host read for every layer
-        return {f"{prefix}/{key}": value for prefix, row in zip(prefixes, values) for key, value in zip(keys, row)}
+            scalars[f"{prefix}/load_max_over_mean"] = load.max() / load.mean().clamp(min=1e-9)
+            scalars[f"{prefix}/dropped_fraction"] = stats.dropped_fraction
+        scalars |= self.loss.layer_scalars((name.removesuffix(".ffn"), layer.term_values())
+                                           for name, layer in self.named_moe_layers)
+        values = torch.stack(list(scalars.values())).tolist()  # one host read for every layer
+        return dict(zip(scalars, values))
 
     @torch.no_grad()
     def evaluate(self, batch: Batch, loss: Loss | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,18 +250,17 @@ class ParallelModel:
 
 def objective_for(model: nn.Module, logits_loss: LossFn, head_loss: HeadLoss | None = None) -> Loss:
     """The training objective of `model` (a `Transformer` or a pipeline stage): this token loss, multi-token
-    prediction weighted by model.mtp.loss_weight, and the terms its layers add themselves (MoE balance and z-losses,
-    DSA's indexer loss), each with the weight its config gives."""
+    prediction weighted by model.mtp.loss_weight, and the terms its layers compute (MoE balance and z-losses, DSA's
+    indexer loss), each with the weight its config gives (the MoE terms declared at weight 0 too: logged)."""
     if not isinstance(model, Transformer):
         return Loss(logits_loss, head_loss)
     cfg = model.cfg
     mtp_weight = cfg.mtp.loss_weight if model.spec.has_decoder and not model.spec.seq2seq and cfg.mtp.depth else 0.0
     layer_terms: list[AuxTerm] = []
     has_moe = any(isinstance(m, MoEFeedForward) for m in model.modules())
-    if has_moe and cfg.moe.aux_loss:
-        layer_terms.append(AuxTerm("moe/aux_loss", cfg.moe.aux_loss, "layer"))
-    if has_moe and cfg.moe.router_z_loss:
-        layer_terms.append(AuxTerm("moe/z_loss", cfg.moe.router_z_loss, "layer"))
+    if has_moe:
+        layer_terms += [AuxTerm("moe/aux_loss", cfg.moe.aux_loss, "layer"),
+                        AuxTerm("moe/z_loss", cfg.moe.router_z_loss, "layer")]
     if any(isinstance(m, SparseLatentAttention) for m in model.modules()):
         layer_terms.append(AuxTerm("dsa/indexer_loss", cfg.dsa.loss_weight, "layer"))
     return Loss(logits_loss, head_loss, mtp_weight, tuple(layer_terms))

@@ -30,6 +30,8 @@ def test_a_run_folder_of_commit_1ed6c24_resumes_and_its_weights_load(tmp_path, o
     err = capsys.readouterr().err
     assert "resumed from" in err and "(step 2," in err, err[-3000:]
     assert committed_steps(run / "checkpoints")[-1] == 3
+    resumed = json.loads((run / "checkpoints" / "step-00000003" / "trainer_state.json").read_text())
+    assert resumed["contents"] == "training" and "kind" not in resumed  # the old key is read, never written
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps[:2] == [1, 2] and 3 in steps
 

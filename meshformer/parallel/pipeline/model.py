@@ -32,6 +32,7 @@ from torch.distributed.pipelining import (
 from meshformer.batch import Batch, model_inputs
 from meshformer.loss.cross_entropy import LossFn, count_tokens
 from meshformer.loss.fused import HeadLoss
+from meshformer.loss.layer_terms import bind_layer_terms
 from meshformer.loss.objective import Loss
 from meshformer.model import Transformer
 from meshformer.model.attention import logits_not_recorded
@@ -80,6 +81,7 @@ class PipelineParallelModel(MultiRankParallelModel):
         super().__init__(stages[0], loss, device, meshes, autocast_dtype=autocast_dtype, report=report)
         for stage in stages:
             stage.loss = self.loss if stage.is_last else None
+        bind_layer_terms(stages, self.loss.layer_weights)  # every stage's layers, not only the first's
         self.stages, self.schedule_name, self.n_microbatches = stages, schedule, n_microbatches
         # FSDP stages: keep parameters and gradients whole across microbatches (torch's way; pipeline_stage.py)
         self.unsharded_microbatches = unsharded_microbatches

@@ -175,6 +175,15 @@ def test_moe_vs_dense(tmp_path):
           "first below tiny-gpt at 409,600 tokens", "0.008 nats lower")
 
 
+def test_house_overhead(tmp_path):
+    module = script("house_overhead")
+    args = argparse.Namespace(table=tmp_path / "training-05-house-overhead.json", machine=MACHINE,
+                              reference="9abc769", steps=30, warmup=5, repeats=6)
+    medians = {"reference": {"cpu_ms": 400.0, "wall_ms": 900.0}, "ours": {"cpu_ms": 408.0, "wall_ms": 882.0}}
+    module.write_overhead_table(args, medians, {"reference": "9abc769", "ours": "abc1234"})
+    check(tmp_path, "reference (9abc769)", "this tree (abc1234)", "408.0", "1.020", "0.980", "6 runs each")
+
+
 def test_moe_balance(tmp_path):
     module = script("moe_balance")
     records = [{"balancing": "none", "load_max_over_mean": 3.12, "worst_layer": 3.63, "final_loss": 4.754},

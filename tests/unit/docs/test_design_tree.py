@@ -80,16 +80,19 @@ def _old_and_new() -> list[tuple[str, object, object]]:
     from meshformer.data.shards import Manifest
     from meshformer.loss import token_loss
     from meshformer.loss.token_loss import LossSpec
+    from meshformer.model.positions import RopeScaling
     from meshformer.models.qwen3_next.hf import ADAPTER
     from meshformer.train import loss_choice
 
     spec = LossSpec("chunked")
     manifest = Manifest("pairs", 0, "uint16", {}, {})
+    scaling = RopeScaling("yarn", 4.0)
     return [("HFAdapter.hf_layer_types", lambda: ADAPTER.layer_kinds, ADAPTER.hf_layer_types),
             ("LossSpec.method", lambda: spec.kind, spec.method),
             ("token_loss.LossMethod", lambda: token_loss.LossKind, token_loss.LossMethod),
             ("loss_choice.loss_method", lambda: loss_choice.loss_kind, loss_choice.loss_method),
-            ("Manifest.record_type", lambda: manifest.kind, manifest.record_type)]
+            ("Manifest.record_type", lambda: manifest.kind, manifest.record_type),
+            ("RopeScaling.method", lambda: scaling.kind, scaling.method)]
 
 
 def test_a_renamed_name_works_and_warns_once(monkeypatch):

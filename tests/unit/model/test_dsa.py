@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from meshformer.config.migrate import model_from_flat
+from meshformer.loss.layer_terms import bind_layer_terms
 from meshformer.model import Transformer
 from meshformer.model.attention import SequenceChunk
 from meshformer.model.config import DsaConfig, MlaConfig
@@ -173,7 +174,8 @@ def test_the_indexer_learns_the_kl_and_the_model_never_sees_it(stage):
     """The indexer's gradient is the KL's (times loss_weight over the step's tokens); every other gradient is the
     one without the indexer's loss."""
     torch.manual_seed(0)
-    ours = SparseLatentAttention(_cfg(stage=stage, loss_weight=2.0)).train()
+    ours = SparseLatentAttention(_cfg(stage=stage)).train()
+    bind_layer_terms([ours], {"dsa/indexer_loss": 2.0})  # the objective's weight
     x, padding, mask = _inputs()
     rotary = RotaryEmbedding(4, 32, 500.0)
     set_token_count([ours], torch.tensor(30))
@@ -186,7 +188,7 @@ def test_the_indexer_learns_the_kl_and_the_model_never_sees_it(stage):
         torch.testing.assert_close(grads[f"indexer.{name}"], p.grad, rtol=1e-4, atol=1e-7)
         assert p.grad.abs().max() > 0
     ours.zero_grad()
-    ours.loss_weight, ours.token_scale = 0.0, None
+    bind_layer_terms([ours], {"dsa/indexer_loss": 0.0})
     ours(x, mask, rope=rotary(torch.arange(T))).square().sum().backward()
     for name, p in ours.named_parameters():
         if not name.startswith("indexer."):

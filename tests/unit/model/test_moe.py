@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from meshformer.config import ConfigError, config_from_dict, load_config
 from meshformer.config.migrate import with_dotted
 from meshformer.loss.cross_entropy import plain_loss_fn
+from meshformer.loss.layer_terms import bind_layer_terms
 from meshformer.model import Transformer
 from meshformer.model.config import AttentionConfig, FfnConfig, ModelConfig, MoeConfig, moe_pattern
 from meshformer.model.flops import count_params, flops_per_token
@@ -231,9 +232,10 @@ def test_aux_and_z_losses_follow_their_formulas(score):
 
 @pytest.mark.parametrize("per_sequence", [False, True])
 def test_the_backward_adds_the_weighted_balance_terms(per_sequence):
-    cfg = replace(SMALL, moe=replace(SMALL.moe, aux_loss=0.01, router_z_loss=0.001, aux_per_sequence=per_sequence))
+    cfg = replace(SMALL, moe=replace(SMALL.moe, aux_per_sequence=per_sequence))
     moe = layer(cfg)
-    moe.balance_weight = 0.25  # e.g. 4 micro-batches in the step
+    bind_layer_terms([moe], {"moe/aux_loss": 0.01, "moe/z_loss": 0.001})  # the objective's weights
+    moe.loss_terms.scale = 0.25  # e.g. 4 micro-batches in the step
     x = torch.randn(2, 6, cfg.d_model)
     (moe(x) * 0).sum().backward()  # only the balance terms reach the router
     weight = moe.router.weight.detach().clone().requires_grad_()
