@@ -16,6 +16,7 @@ import sys
 import tomllib
 import types
 from pathlib import Path
+from typing import Any
 
 from helpers.checkpoints import tiny_config, tiny_shards
 
@@ -42,7 +43,7 @@ def _layer(module: str, layers: list[list[str]]) -> int | None:
     return None
 
 
-def _codes(function: types.FunctionType) -> set[types.CodeType]:
+def _codes(function: Any) -> set[types.CodeType]:
     """A function's code and the code nested in it (comprehensions, lambdas)."""
     found, todo = set(), [function.__code__]
     while todo:
