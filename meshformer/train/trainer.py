@@ -20,12 +20,7 @@ import torch
 
 from meshformer import folders
 from meshformer.batch import Batch
-from meshformer.checkpointing.init_from import (
-    SOURCE_FILE,
-    load_init_weights,
-    record_source,
-    taken_from_folder,
-)
+from meshformer.checkpointing.init_from import SOURCE_FILE, load_init_weights, record_source, taken_from_folder
 from meshformer.checkpointing.manager import CheckpointManager
 from meshformer.checkpointing.save_errors import final_weights_failed_error
 from meshformer.config import Config
@@ -36,10 +31,7 @@ from meshformer.parallel_dims import ParallelDims
 from meshformer.runtime.profiler import StepProfiler
 from meshformer.runtime.stop import StopAgreed, StopRequest, exit_status, signal_name
 from meshformer.train import setup
-from meshformer.train.callbacks import (
-    Callback,
-    CallbackContext,
-)
+from meshformer.train.callbacks import Callback, CallbackContext
 from meshformer.train.optim import SkippedUpdates
 from meshformer.train.preflight import (
     FINAL_WEIGHTS,
@@ -48,10 +40,7 @@ from meshformer.train.preflight import (
     has_final_weights,
     run_folders_claimed,
 )
-from meshformer.train.replica_step import (
-    ReplicaTraining,
-    replica_config,
-)
+from meshformer.train.replica_step import ReplicaTraining, replica_config
 from meshformer.train.run_record import check_rerun, record_config
 from meshformer.train.step import StepStats
 
