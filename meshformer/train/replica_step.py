@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from meshformer.checkpointing.live_state import live_state, load_live_state
+from meshformer.checkpointing.live_state import live_state
 from meshformer.config import Config
 from meshformer.runtime.fault_tolerance import (
     FaultToleranceError,
@@ -134,9 +134,12 @@ class ReplicaTraining:
         first = self.group is None
         if self.group is None:
             self._first_step = trainer.step  # where this run started (its checkpoint, or 0)
+
+            def heal(state: dict[str, Any]) -> None:  # the set-up's restore step, from a live peer's state
+                trainer.restore_state(state)
+
             self.group = ReplicaGroup(self.cfg, self.replica_id, trainer.device,
-                                      state_dict=lambda: live_state(trainer.checkpointable),
-                                      load_state_dict=lambda state: load_live_state(trainer.checkpointable, state),
+                                      state_dict=lambda: live_state(trainer.checkpointable), load_state_dict=heal,
                                       log=trainer.logger.info)
             if self.cfg.method != "sync":  # registers DiLoCo's state with the Manager before the first heal
                 self.semi = SemiSync(self.cfg, self.group, trainer.parallel_model.model_parts, trainer.optimizer)

@@ -14,68 +14,35 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from meshformer import folders
 from meshformer.batch import Batch
-from meshformer.checkpointing.init_from import (
-    SOURCE_FILE,
-    load_init_weights,
-    record_source,
-    resolve_init_from,
-    taken_from_folder,
-)
+from meshformer.checkpointing.init_from import SOURCE_FILE, load_init_weights, record_source, taken_from_folder
 from meshformer.checkpointing.manager import CheckpointManager
 from meshformer.checkpointing.save_errors import final_weights_failed_error
-from meshformer.checkpointing.train_state import Checkpointable, SchedulerState, Stateful, TrainState
 from meshformer.config import Config
-from meshformer.data import Tokenizer, build_loader
+from meshformer.data import Tokenizer
 from meshformer.loss.cross_entropy import LossFn
-from meshformer.model import Transformer
-from meshformer.model.families import get_family_spec
-from meshformer.model.flops import flops_per_token
-from meshformer.model.init import new_seed
-from meshformer.parallel import parallelize
 from meshformer.parallel.parallel_model import ParallelModel
-from meshformer.parallel.parallelize import world_size
-from meshformer.parallel_dims import ParallelDims, validate_parallel
-from meshformer.runtime.distributed import job_device
-from meshformer.runtime.host_memory import apply_host_memory_policy, release_free_host_memory
+from meshformer.parallel_dims import ParallelDims
 from meshformer.runtime.profiler import StepProfiler
 from meshformer.runtime.stop import StopAgreed, StopRequest, exit_status, signal_name
-from meshformer.runtime.watchdog import HangWatchdog
-from meshformer.train.builtin_callbacks import builtin_callbacks
-from meshformer.train.callbacks import (
-    Callback,
-    CallbackContext,
-    Callbacks,
-    diagnostics_dir,
-    labelled_config_callbacks,
-    loaded_line,
-    user_label,
-)
-from meshformer.train.downstream import DownstreamEval
-from meshformer.train.loss_choice import resolve_loss
-from meshformer.train.metrics import FlopsCeiling, RunLogger, peak_flops
+from meshformer.train import setup
+from meshformer.train.callbacks import Callback, CallbackContext
 from meshformer.train.optim import SkippedUpdates
 from meshformer.train.preflight import (
     FINAL_WEIGHTS,
     check_final_folder,
-    checked_tokenizer,
     config_warnings,
     has_final_weights,
     run_folders_claimed,
 )
-from meshformer.train.replica_step import (
-    ReplicaMetrics,
-    ReplicaTraining,
-    data_share,
-    replica_config,
-    replica_group,
-)
+from meshformer.train.replica_step import ReplicaTraining, replica_config
 from meshformer.train.run_record import check_rerun, record_config
-from meshformer.train.step import StepStats, TrainStep
+from meshformer.train.step import StepStats
 
 
 @dataclass
@@ -101,89 +68,47 @@ class Trainer:
         callbacks: more callbacks (meshformer/train/callbacks.py), besides the built-in ones and the config's.
         loss: a token loss of your own, `(logits, labels) -> summed loss` on full-vocabulary logits, instead of
         train.loss's cross-entropy (the model's auxiliary terms still join it; docs/extending/index.md#losses)."""
-        cfg = resolve_init_from(cfg)  # checkpoint.init_from: the model config of the HF folder (a no-op if resolved)
+        # The set-up, one step after another (meshformer/train/setup.py); a restarted replica group redoes it.
+        resolved = setup.resolve_config(cfg, callbacks)
+        cfg = resolved.cfg
         self.cfg, self.rank = cfg, rank
-        # First: a callback that cannot be built stops the run before any model or data work.
-        user_callbacks = [*labelled_config_callbacks(cfg), *((user_label(c), c) for c in callbacks)]
-        self.device = job_device(cfg, local_rank)
-        # Before any large tensor (runtime/host_memory.py): CPU ranks of a multi-process run map large tensors so
-        # freed FSDP buffers leave RSS; one CPU process reuses what it frees instead of re-faulting it each step.
-        host_memory = apply_host_memory_policy(self.device.type, world_size())
-        if dims is None:
-            dims = validate_parallel(cfg, world_size(), self.device)  # before the model is built (and sharded)
-        # Measured first, before data workers or other ranks' set-up compete for the device.
-        self.ceiling = FlopsCeiling(*peak_flops(self.device, torch.bfloat16 if cfg.train.dtype == "bf16"
-                                                else torch.float32))
-        self.run_dir = Path(cfg.logging.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)  # config.toml is written when training starts (_fit)
-        self.logger = RunLogger(self.run_dir, enabled=rank == 0, tensorboard=cfg.logging.tensorboard,
-                                wandb=cfg.logging if cfg.logging.wandb else None, run_config=cfg.to_dict())
-        for _, callback in user_callbacks:
-            self.logger.info(loaded_line(callback))
-
-        self.tokenizer = tokenizer if tokenizer is not None else checked_tokenizer(cfg)
-
-        build_start = time.perf_counter()
-        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank and layout
-        init_seed = new_seed()  # the seed Transformer(cfg.model) would draw here: the same weights as one process
-        # Built on the meta device: parallelize shards it, then each rank allocates and initialises only its shards.
-        with torch.device("meta"):
-            model = Transformer(cfg.model, init_seed=init_seed)
-        # The loss follows train.loss / label_smoothing / z_loss (fused head loss or full logits; vocab-parallel);
-        # the parallel model autocasts when train.dtype=bf16.
-        self.parallel_model: ParallelModel = parallelize(model, cfg, self.device,
-                                                         resolve_loss(cfg, dims, self.device.type, loss), dims)
-        # The whole model, for decoded samples; pipeline stages hold copies of their pieces, so drop it there.
-        self.model = model if self.parallel_model.supports_generation else None
-        release_free_host_memory()  # what materialisation's transient full tensors left in the heap
-        self.build_s = time.perf_counter() - build_start  # meta build, sharding, materialisation of this rank
-        # Cluster diagnostics: per-rank hang reports (stalls, collective timeouts) name the phase of the step.
-        self.watchdog = HangWatchdog(self.run_dir, rank=rank, world_size=world_size(),
-                                     timeout_s=cfg.parallel.timeout_s, enabled=world_size() > 1,
-                                     replica_group=replica_group(cfg))
-        self.training_step = TrainStep(self.parallel_model, cfg.optim, cfg.schedule, cfg.train.steps, cfg.model.d_model,
-                                       on_phase=self.watchdog.phase)
-        self.downstream = DownstreamEval.from_config(cfg, self.tokenizer)  # downstream.tasks (None: none listed)
-        ft_callbacks = [ReplicaMetrics()] if cfg.fault_tolerance.enabled else []
-        self.callbacks = Callbacks([*builtin_callbacks(cfg, self.downstream), *ft_callbacks,
-                                    *(c for _, c in user_callbacks)], rank,
-                                   on_phase=self.watchdog.phase, labels={id(c): label for label, c in user_callbacks},
-                                   diagnostics=diagnostics_dir(cfg))
+        placement = setup.place(cfg, local_rank, dims)
+        self.device, self.ceiling = placement.device, placement.ceiling
+        output = setup.open_run(cfg, rank, placement.world_size, resolved.callbacks)
+        self.run_dir, self.logger, self.watchdog = output.run_dir, output.logger, output.watchdog
+        self.tokenizer = setup.load_tokenizer(cfg, tokenizer)
+        built = setup.build_model(cfg, placement, loss)
+        self.parallel_model: ParallelModel = built.parallel
+        self.model = built.model  # the whole model for decoded samples (None under pipeline parallel)
+        self.build_s, self.target_len, self.flops_per_token = built.build_s, built.target_len, built.flops_per_token
+        self.training_step = setup.build_optimizer(cfg, self.parallel_model, self.watchdog.phase)
+        run_callbacks = setup.build_callbacks(cfg, self.tokenizer, resolved.callbacks, rank, self.watchdog.phase)
+        self.downstream, self.callbacks = run_callbacks.downstream, run_callbacks.callbacks
         self.context = CallbackContext(self)  # the run's hook argument (fit starts it at the resumed step)
         if self.callbacks.wants("on_optimizer_step"):  # after the FP8 and router-bias hooks
             self.training_step.add_post_step_hook(
                 lambda applied: self.callbacks.call("on_optimizer_step", self.context, applied))
-        dp_rank, dp_size = self.parallel_model.dp_rank, self.parallel_model.dp_size
-        # fault_tolerance: this replica group's share of the global order (train/replica_step.py)
-        self.train_data = build_loader(cfg, self.tokenizer, "train", *data_share(cfg, dp_rank, dp_size))
-        self.eval_data = build_loader(cfg, self.tokenizer, "eval", dp_rank, dp_size)
+        data = setup.build_data(cfg, self.tokenizer, self.parallel_model)
+        self.train_data, self.eval_data = data.train, data.eval
+        run_state = setup.track_state(cfg, self.device, self.parallel_model, self.training_step, data, self.callbacks,
+                                      output, self.tokenizer)
+        self.state, self.checkpointable, self.checkpoints = (run_state.state, run_state.checkpointable,
+                                                             run_state.checkpoints)
+        # restore_state, the last step, runs at the start of fit (under the watchdog, with the stop check armed)
+
         self.train_iter: Iterator[Batch] | None = None  # started at the first step, after a resume moved the loader
-        self.last_lr: float = self.optimizer.param_groups[0]["lr"]  # the rate the last step used
-        # Encoder-decoder steps feed source and target tokens: both count towards tokens/s and MFU.
-        self.target_len = cfg.data.target_len if get_family_spec(cfg.model.family).seq2seq else None
-        self.state = TrainState(self.device)  # step, target tokens trained on
-        # Everything a checkpoint saves and a resume restores (RNG streams: per rank, by the manager).
-        components: dict[str, Stateful] = {"scheduler": SchedulerState(self.scheduler), "data": self.train_data}
-        if self.callbacks.state is not None:  # only then: checkpoints of runs without stateful callbacks stay alike
-            components["callbacks"] = self.callbacks.state
-        self.checkpointable = Checkpointable(self.state, self.parallel_model.model_parts, self.optimizer, components,
-                                             cfg)
-        self.checkpoints = CheckpointManager.from_config(cfg, self.run_dir, log=self.logger.info)
-        self.checkpoints.tokenizer = self.tokenizer  # checkpoints carry it, as final/ does
+        self.last_lr: float = self.training_step.optimizer.param_groups[0]["lr"]  # the rate the last step used
         # A stop signal (scheduler, Ctrl-C, launcher): every rank finishes the same step (or batch of a long phase),
         # saves and exits 128+signal.
         self.stop = (StopRequest(every=cfg.checkpoint.preempt_check_interval, log=self.logger.info,
                                  on_stop_now=self.logger.flush) if cfg.checkpoint.save_on_sigterm else None)
 
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len, self.target_len)
-        n_params = sum(p.numel() for p in model.parameters())
         self.logger.info(
-            f"model: {cfg.model.family}, {n_params / 1e6:.2f}M parameters, objective {cfg.objective}; "
+            f"model: {cfg.model.family}, {built.n_params / 1e6:.2f}M parameters, objective {cfg.objective}; "
             f"device {self.device}, dtype {cfg.train.dtype}; optimizer: {cfg.optim.name} "
             f"({self.training_step.kernel}); attention: "
-            f"{self.parallel_model.report.get('attention', cfg.model.attention.backend)}; host malloc: {host_memory}; "
-            f"{self.ceiling.describe()}; model built and sharded in "
-            f"{self.build_s:.2f}s"
+            f"{self.parallel_model.report.get('attention', cfg.model.attention.backend)}; host malloc: "
+            f"{placement.host_memory}; {self.ceiling.describe()}; model built and sharded in {self.build_s:.2f}s"
         )
         for warning in config_warnings(cfg, self.tokenizer):
             self.logger.info(warning)
@@ -195,6 +120,11 @@ class Trainer:
         self.replicas = ReplicaTraining(self) if cfg.fault_tolerance.enabled else None
         if self.replicas is not None:
             self.checkpoints.skip_failed_saves = f"replica group {self.replicas.replica_id}"
+
+    def restore_state(self, source: CheckpointManager | dict[str, Any]) -> bool:
+        """The set-up's last step (meshformer/train/setup.py): at a start or restart from the newest checkpoint
+        (`self.checkpoints`), at a heal from a live peer's state; False when there is no checkpoint."""
+        return setup.restore_state(self.checkpointable, source)
 
     @property
     def step(self) -> int:
@@ -286,7 +216,7 @@ class Trainer:
     def _fit(self) -> TrainResult:
         cfg, log = self.cfg, self.logger
         # model, optimizer, scheduler, step, data, RNG: before iterating
-        resumed = self.checkpoints.resume(self.checkpointable)
+        resumed = self.restore_state(self.checkpoints)
         start_step, had_final = self.step, has_final_weights(self.run_dir)
         if dropped := log.rewind(start_step):
             log.info(f"metrics.jsonl: dropped {dropped} lines logged after step {start_step} by the interrupted run "

@@ -140,11 +140,12 @@ def test_t5_relative_bias_refuses_tensor_and_pipeline_parallel(parallel):
 
 def test_trainer_checks_the_layout_before_building_the_model(monkeypatch, tmp_path):
     """A layout that cannot run fails before any model is built (let alone sharded)."""
+    import meshformer.train.setup as setup_module
     import meshformer.train.trainer as trainer_module
     from meshformer.config import load_config
 
     built: list = []
-    monkeypatch.setattr(trainer_module, "Transformer", lambda cfg: built.append(cfg))
+    monkeypatch.setattr(setup_module, "Transformer", lambda cfg: built.append(cfg))
     cfg = load_config("tiny-gpt", ["parallel.tp=2", f"logging.run_dir={tmp_path}"])
     with pytest.raises(ConfigError, match="does not divide the world size 1"):
         trainer_module.Trainer(cfg)
