@@ -103,6 +103,50 @@ def test_a_killed_group_restarts_and_heals_while_the_other_trains_on(tmp_path):
     assert {m.get("ft/replicas") for m in metrics if "train/loss" in m} >= {1.0, 2.0}
 
 
+LAYOUTS = {  # a layout inside each group: (model, overrides)
+    "pp": ("tiny-gpt", ["parallel.pp=2", "parallel.dp_shard=1", "optim.name=muon"]),
+    "ep": ("tiny-moe", ["parallel.ep=2", "optim.name=adamw"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.matrix  # 4 ranks and a restart each; FSDP with a kill is the CI row above
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_heal_leaves_groups_bitwise_equal_under_each_layout(tmp_path, layout):
+    """2 groups x 2 ranks, pipeline stages (pp=2, Muon) or expert shards (ep=2 on tiny-moe, AdamW) inside each:
+    rank 1 of group 1 killed before step 4. With min_replicas=2 group 0 waits; group 1 restarts with nothing on disk
+    and heals each rank's stage or experts from its counterpart in group 0. Both groups end at train.steps with a
+    checkpoint of it holding bitwise-equal weights and optimizer state."""
+    from meshformer.checkpointing.dcp_io import read_full_tensors
+    from meshformer.checkpointing.state import OPTIM
+
+    model, layout_overrides = LAYOUTS[layout]
+    run_dir, steps = tmp_path / "run", 8
+    config = [*overrides(tmp_path, run_dir), f"train.steps={steps}", "logging.log_interval=1",
+              f"checkpoint.interval={steps}", "fault_tolerance.min_replicas=2", "fault_tolerance.heartbeat_timeout_s=1",
+              "fault_tolerance.join_timeout_s=2", *layout_overrides]
+    env = worker_env(MF_TEST_KILL_RANK="1", MF_TEST_KILL_STEP="4", MF_TEST_KILL_REPLICA="1",
+                     MF_TEST_KILL_MARK=str(tmp_path / "killed"))
+    cmd = [sys.executable, "-m", "meshformer", "train", model, "--replica-groups", str(GROUPS), "--nproc-per-node",
+           "2", "--set", *config]
+    log = tmp_path / "launcher.log"
+    codes = finish([start(cmd, env, log)], 420)
+    text = logs(log)
+    assert codes == [0], text[-6000:]
+    assert (tmp_path / "killed").exists() and "restarting it (restart 1)" in text, text[-6000:]
+    assert "replica group 1 healed from a live peer" in text, text[-6000:]
+    saved = [sorted(p for p in (run_dir / f"replica-{r}").rglob("step-*") if p.suffix != ".partial")
+             for r in range(GROUPS)]
+    assert [[p.name for p in s] for s in saved] == [[f"step-{steps:08d}"]] * GROUPS, f"{saved}\n{text[-4000:]}"
+    tensors = [read_full_tensors(s[0]) for s in saved]
+    assert tensors[0].keys() == tensors[1].keys() and any(k.startswith(OPTIM) for k in tensors[0])
+    differ = [k for k in tensors[0] if not torch.equal(tensors[0][k], tensors[1][k])]
+    assert not differ, f"the groups end with different state in {differ[:4]}"
+    records = [_records(run_dir, r) for r in range(GROUPS)]
+    assert [line["step"] for line in records[0]] == list(range(1, steps + 1)), records[0]
+    assert records[1] and records[1][-1]["step"] == steps and records[1][-1]["replicas"] == [0, 1], records[1]
+
+
 @pytest.mark.slow
 @pytest.mark.matrix  # DiLoCo's outer step is checked in tests/unit/runtime/test_semi_sync.py
 def test_diloco_groups_synchronise_every_h_steps_and_end_equal(tmp_path):
