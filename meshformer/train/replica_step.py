@@ -234,6 +234,22 @@ class ReplicaTraining:
                                  f"({signal_name(self.last.stop)} agreed in its all-reduce)")
         return True
 
+    def stop_in_evaluation(self, agreed: StopAgreed, step: int) -> bool:
+        """A stop this group agreed on during the evaluation after `step` (StopAgreed from a batch of it): instead of
+        stopping alone, the group leaves the evaluation and sends the signal in the next cross-group exchange, as a
+        stop agreed after a step (`stop_agreed`); every group then stops at the same step. False where the group
+        stops here by itself: after the last step (every group stops there anyway), or for want of a quorum."""
+        if type(agreed) is not StopAgreed or step >= self.trainer.cfg.train.steps:
+            return False
+        if not self._stop:
+            self._stop = agreed.signum
+            after = "the next step" if self.semi is None else \
+                f"the next synchronisation (fault_tolerance.sync_every={self.cfg.sync_every})"
+            self.trainer.logger.info(f"fault tolerance: replica group {self.replica_id} agreed on "
+                                     f"{signal_name(agreed.signum)} during the evaluation after step {step}; it "
+                                     f"leaves the evaluation, and every group stops after {after}")
+        return True
+
     def finish(self) -> None:
         """local_sgd / diloco, at train.steps: the last synchronisation, so every group ends with the same weights."""
         if self.semi is not None and self.group is not None and self._synced_at != self.trainer.step:

@@ -249,6 +249,39 @@ def test_a_stop_signal_to_one_group_stops_every_group_at_the_same_step(tmp_path)
     assert "every replica group stops after step" in text and "(SIGTERM agreed in its all-reduce)" in text, text[-6000:]
 
 
+@pytest.mark.slow
+@pytest.mark.matrix  # the stop's ride in the all-reduce is the CI row above
+def test_a_stop_signal_during_one_groups_evaluation_stops_every_group_at_the_same_step(tmp_path):
+    """2 groups x 1 rank, an evaluation after step 4 whose batches take a while: SIGTERM to group 0's rank while it
+    evaluates. Group 0 leaves the evaluation and sends the signal in step 5's all-reduce (which the evaluation has no
+    part in), so both groups stop after step 5, each with a checkpoint of it, instead of group 0 alone after 4."""
+    run_dir, mark = tmp_path / "run", tmp_path / "evaluating"
+    config = [*overrides(tmp_path, run_dir), "train.steps=200", "logging.log_interval=1", "checkpoint.interval=0",
+              "train.eval_interval=4", "train.eval_batches=4"]
+    cmd = [sys.executable, "-m", "meshformer", "train", "tiny-gpt", "--replica-groups", str(GROUPS),
+           "--nproc-per-node", "1", "--set", *config]
+    log = tmp_path / "launcher.log"
+    proc = start(cmd, worker_env(MF_TEST_SLOW_PHASE="eval", MF_TEST_SLOW_PHASE_S="1.5",
+                                 MF_TEST_PHASE_MARK=str(mark)), log)
+
+    def saved(r: int) -> list[str]:
+        return sorted(p.name for p in (run_dir / f"replica-{r}").rglob("step-*") if p.suffix != ".partial")
+
+    try:
+        wait_for(mark.exists, 240, f"an evaluation to start\n{logs(log)[-4000:]}")
+        victim = _rank_pid(proc.pid, replica=0, rank=0)
+        assert victim is not None, logs(log)[-4000:]
+        os.kill(victim, signal.SIGTERM)
+        wait_for(lambda: all(saved(r) for r in range(GROUPS)), 120, f"both groups' checkpoints\n{logs(log)[-4000:]}")
+    finally:
+        proc.send_signal(signal.SIGTERM)  # the launcher: no restarts
+        finish([proc], 120)
+    text = logs(log)
+    assert [saved(r) for r in range(GROUPS)] == [["step-00000005"]] * GROUPS, text[-6000:]
+    assert "replica group 0 agreed on SIGTERM during the evaluation after step 4" in text, text[-6000:]
+    assert "every replica group stops after step 5 (SIGTERM agreed in its all-reduce)" in text, text[-6000:]
+
+
 # ----------------------------------------------------------------------------- edge cases (1 rank per group)
 
 
