@@ -144,7 +144,7 @@ class CheckpointManager:
             partial.mkdir()
         self._barrier()
         start = time.perf_counter()
-        tensors = st.training_tensors(run.model_parts, run.optimizer)
+        tensors = {**st.training_tensors(run.model_parts, run.optimizer), **run.component_tensors()}
         rank_state = {"rank": self.rank, "world_size": self.world_size, "rng": capture_rng_state()}
         write_json_atomic(partial / directory.rank_file(self.rank), rank_state)
         groups = self._all_param_groups(run)
@@ -341,6 +341,8 @@ class CheckpointManager:
         skip = self._check_fit(path, run, {k: tuple(v[0]) for k, v in saved.items()})
         model_t, optim_t, per_param = st.load_templates(parts, optimizer if load_optimizer else None, saved, skip)
         templates = {k: v for k, v in {**model_t.tensors, **optim_t.tensors}.items() if k not in skip}
+        extra = run.component_templates(saved) if training else {}
+        templates.update({f"{name}.{k}": v for name, found in extra.items() for k, v in found.items()})
         st.check_shapes({k: v for k, v in model_t.tensors.items() if k not in skip},
                         {k: v[0] for k, v in saved.items()})
         with warnings.catch_warnings():
@@ -354,6 +356,8 @@ class CheckpointManager:
                 st.apply_optimizer(optimizer, parts, per_param, state["param_groups"], allow_new=bool(skip))
             for name, component in run.components.items():
                 component.load_state_dict(state[name])
+            for name, found in extra.items():
+                run.tensor_components[name].loaded(set(found))
             run.state.load_state_dict(state)
             self._restore_rng(path, run, state)
         self.loaded_from = path

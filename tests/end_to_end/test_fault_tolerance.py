@@ -133,7 +133,7 @@ def test_a_heal_leaves_groups_bitwise_equal_under_each_layout(tmp_path, layout):
     codes = finish([start(cmd, env, log)], 420)
     text = logs(log)
     assert codes == [0], text[-6000:]
-    assert (tmp_path / "killed").exists() and "restarting it (restart 1)" in text, text[-6000:]
+    assert (tmp_path / "killed-1").exists() and "restarting it (restart 1)" in text, text[-6000:]
     assert "replica group 1 healed from a live peer" in text, text[-6000:]
     saved = [sorted(p for p in (run_dir / f"replica-{r}").rglob("step-*") if p.suffix != ".partial")
              for r in range(GROUPS)]
@@ -177,6 +177,41 @@ def test_diloco_groups_synchronise_every_h_steps_and_end_equal(tmp_path):
     losses = [[json.loads(line).get("train/loss") for line in (run_dir / f"replica-{r}" / "metrics.jsonl")
                .read_text().splitlines()] for r in range(GROUPS)]
     assert [x for x in losses[0] if x is not None] != [x for x in losses[1] if x is not None]
+
+
+@pytest.mark.slow
+@pytest.mark.matrix  # two runs; the outer state's round trip is checked in tests/unit/train/test_outer_state.py
+def test_diloco_resumed_inside_a_window_ends_as_the_uninterrupted_run(tmp_path):
+    """2 groups x 1 rank, DiLoCo with H=3 and a checkpoint at step 4 (inside the window 3..6): both groups killed
+    before step 6 restart from it with the anchor and outer momentum it holds, train steps 5 and 6 on their own and
+    synchronise after step 6, as the uninterrupted run did: both end with its weights, bit for bit."""
+    steps = 8
+    def run(name: str, **faults: str) -> str:
+        run_dir = tmp_path / name
+        config = [*overrides(tmp_path, run_dir), f"train.steps={steps}", "logging.log_interval=1",
+                  "checkpoint.interval=4", "fault_tolerance.method=diloco", "fault_tolerance.sync_every=3",
+                  "fault_tolerance.min_replicas=2", "fault_tolerance.heartbeat_timeout_s=1",
+                  "fault_tolerance.join_timeout_s=2"]
+        cmd = [sys.executable, "-m", "meshformer", "train", "tiny-gpt", "--replica-groups", str(GROUPS),
+               "--nproc-per-node", "1", "--set", *config]
+        log = tmp_path / f"{name}.log"
+        codes = finish([start(cmd, worker_env(**faults), log)], 300)
+        text = logs(log)
+        assert codes == [0], text[-6000:]
+        return text
+
+    run("reference")
+    text = run("resumed", MF_TEST_KILL_RANK="0", MF_TEST_KILL_STEP="6", MF_TEST_KILL_MARK=str(tmp_path / "killed"))
+    assert all((tmp_path / f"killed-{r}").exists() for r in range(GROUPS)), text[-6000:]
+    for r in range(GROUPS):
+        assert f"replica group {r} resumed inside a window at step 4" in text, text[-6000:]
+    from safetensors.torch import load_file
+
+    for r in range(GROUPS):
+        want = load_file(str(tmp_path / "reference" / f"replica-{r}" / "final" / "model.safetensors"))
+        got = load_file(str(tmp_path / "resumed" / f"replica-{r}" / "final" / "model.safetensors"))
+        differ = [k for k in want if not torch.equal(want[k], got[k])]
+        assert not differ, f"group {r} ends with other weights than the uninterrupted run in {differ[:4]}"
 
 
 @pytest.mark.slow

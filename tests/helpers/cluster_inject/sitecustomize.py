@@ -10,7 +10,8 @@ SLURM launch the unmodified command line:
 - MF_TEST_STOP_SAVE_SLEEP_S=S: the checkpoint of a stop (after a stop signal) waits S seconds before it commits;
 - MF_TEST_FAIL_RANK=R with MF_TEST_FAIL_STEP=N: rank R fails with a user error (one line) before step N, alone;
 - MF_TEST_KILL_RANK=R with MF_TEST_KILL_STEP=N: rank R dies of SIGKILL before step N (the out-of-memory killer);
-  with MF_TEST_KILL_REPLICA=G only in replica group G, and with MF_TEST_KILL_MARK=PATH only once (PATH created);
+  with MF_TEST_KILL_REPLICA=G only in replica group G, and with MF_TEST_KILL_MARK=PATH only once (PATH created;
+  PATH-<group> in a replica group);
 - MF_TEST_SLOW_PHASE=P with MF_TEST_SLOW_PHASE_S=S: each batch of phase P waits S seconds (a long phase to signal
   into): "eval" (held-out batches) or "downstream" (scoring batches); MF_TEST_PHASE_MARK=PATH is created as it
   starts.
@@ -77,6 +78,8 @@ def patch(module) -> None:
     fail_rank, fail_step = int(os.environ.get("MF_TEST_FAIL_RANK", "-1")), int(os.environ.get("MF_TEST_FAIL_STEP", "0"))
     kill_rank, kill_step = int(os.environ.get("MF_TEST_KILL_RANK", "-1")), int(os.environ.get("MF_TEST_KILL_STEP", "0"))
     kill_replica, kill_mark = os.environ.get("MF_TEST_KILL_REPLICA"), os.environ.get("MF_TEST_KILL_MARK")
+    if kill_mark and "MESHFORMER_REPLICA_ID" in os.environ:
+        kill_mark += "-" + os.environ["MESHFORMER_REPLICA_ID"]
     if kill_replica is not None and os.environ.get("MESHFORMER_REPLICA_ID") != kill_replica:
         kill_rank = -1
 
