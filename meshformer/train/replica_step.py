@@ -208,6 +208,7 @@ class ReplicaTraining:
         elif self.semi is not None and not self.semi.due(trainer.step):
             self._remember_data()  # a local step: no quorum
             return
+        assert self.group is not None
         before = trainer.step
         took = self._join()
         if first and self.group.healed_s is None:
