@@ -317,6 +317,27 @@ def test_a_stop_signal_during_one_groups_evaluation_stops_every_group_at_the_sam
     assert "every replica group stops after step 5 (SIGTERM agreed in its all-reduce)" in text, text[-6000:]
 
 
+@pytest.mark.slow
+def test_a_commit_that_fails_on_rank_0_alone_is_skipped_by_every_rank_of_the_group(tmp_path):
+    """1 group x 2 ranks (FSDP), a checkpoint every 2 steps, and rank 0 alone fails to commit step 4's folder: every
+    rank learns it in the collective that ends the save, and the group skips that save with a line and trains on,
+    instead of its other rank waiting in a barrier for parallel.timeout_s (300 s here); the run ends at
+    train.steps with every other checkpoint committed."""
+    run_dir = tmp_path / "run"
+    config = [*overrides(tmp_path, run_dir), "train.steps=8", "checkpoint.interval=2", "parallel.dp_shard=2",
+              "parallel.timeout_s=300", "fault_tolerance.timeout_s=300"]
+    cmd = [sys.executable, "-m", "meshformer", "train", "tiny-gpt", "--replica-groups", "1", "--nproc-per-node",
+           "2", "--set", *config]
+    log = tmp_path / "launcher.log"
+    codes = finish([start(cmd, worker_env(MF_TEST_COMMIT_FAIL_STEP="4"), log)], 200)
+    text = logs(log)
+    assert codes == [0], text[-6000:]
+    assert "injected: rank 0 commits step 4" in text and "this save is skipped" in text, text[-6000:]
+    from meshformer.checkpointing.directory import committed_steps
+
+    assert committed_steps(run_dir / "replica-0" / "checkpoints") == [2, 6, 8], text[-4000:]
+
+
 # ----------------------------------------------------------------------------- edge cases (1 rank per group)
 
 

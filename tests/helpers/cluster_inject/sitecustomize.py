@@ -15,6 +15,7 @@ SLURM launch the unmodified command line:
 - MF_TEST_SLOW_PHASE=P with MF_TEST_SLOW_PHASE_S=S: each batch of phase P waits S seconds (a long phase to signal
   into): "eval" (held-out batches) or "downstream" (scoring batches); MF_TEST_PHASE_MARK=PATH is created as it
   starts.
+- MF_TEST_COMMIT_FAIL_STEP=N: rank 0 alone fails to commit the checkpoint of step N (an I/O error on rename);
 - MF_TEST_HEAL_SLEEP_S=S with MF_TEST_HEAL_MARK=PATH: a replica group's heal (fault tolerance) creates PATH, then
   waits S seconds before it loads the peer's state (a heal long enough to kill a group or signal into).
 """
@@ -138,6 +139,22 @@ def patch(module) -> None:
             return commit(self, *args, **kwargs)
 
         manager_cls._commit, manager_cls.finish = slow_commit, slow_finish
+    if os.environ.get("MF_TEST_COMMIT_FAIL_STEP"):
+        fail_commit(module.CheckpointManager)
+
+
+def fail_commit(manager_cls) -> None:
+    fail_step = int(os.environ.get("MF_TEST_COMMIT_FAIL_STEP", "0"))
+    commit = manager_cls._commit
+
+    def failing_commit(self, partial, step):
+        if step == fail_step:
+            import errno
+
+            raise OSError(errno.EIO, f"Input/output error (injected: rank 0 commits step {step})")
+        return commit(self, partial, step)
+
+    manager_cls._commit = failing_commit
 
 
 class PatchOnImport(importlib.abc.MetaPathFinder):
