@@ -106,6 +106,7 @@ def test_a_killed_group_restarts_and_heals_while_the_other_trains_on(tmp_path):
 LAYOUTS = {  # a layout inside each group: (model, overrides)
     "pp": ("tiny-gpt", ["parallel.pp=2", "parallel.dp_shard=1", "optim.name=muon"]),
     "ep": ("tiny-moe", ["parallel.ep=2", "optim.name=adamw"]),
+    "tp": ("tiny-gpt", ["parallel.tp=2", "parallel.dp_shard=1", "optim.name=adamw"]),
 }
 
 
@@ -113,10 +114,11 @@ LAYOUTS = {  # a layout inside each group: (model, overrides)
 @pytest.mark.matrix  # 4 ranks and a restart each; FSDP with a kill is the CI row above
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_a_heal_leaves_groups_bitwise_equal_under_each_layout(tmp_path, layout):
-    """2 groups x 2 ranks, pipeline stages (pp=2, Muon) or expert shards (ep=2 on tiny-moe, AdamW) inside each:
-    rank 1 of group 1 killed before step 4. With min_replicas=2 group 0 waits; group 1 restarts with nothing on disk
-    and heals each rank's stage or experts from its counterpart in group 0. Both groups end at train.steps with a
-    checkpoint of it holding bitwise-equal weights and optimizer state."""
+    """2 groups x 2 ranks, pipeline stages (pp=2, Muon), expert shards (ep=2 on tiny-moe, AdamW) or tensor-parallel
+    shards (tp=2, AdamW) inside each: rank 1 of group 1 killed before step 4. With min_replicas=2 group 0 waits;
+    group 1 restarts with nothing on disk and heals each rank's stage, experts or shards from its counterpart in
+    group 0. Both groups end at train.steps with a checkpoint of it holding bitwise-equal weights and optimizer
+    state."""
     from meshformer.checkpointing.dcp_io import read_full_tensors
     from meshformer.checkpointing.state import OPTIM
 
