@@ -24,6 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -144,7 +145,7 @@ class CheckpointManager:
             partial.mkdir()
         self._barrier()
         start = time.perf_counter()
-        tensors = st.training_tensors(run.model_parts, run.optimizer)
+        tensors = {**st.training_tensors(run.model_parts, run.optimizer), **run.component_tensors()}
         rank_state = {"rank": self.rank, "world_size": self.world_size, "rng": capture_rng_state()}
         write_json_atomic(partial / directory.rank_file(self.rank), rank_state)
         groups = self._all_param_groups(run)
@@ -158,9 +159,7 @@ class CheckpointManager:
             warnings.simplefilter("ignore", UserWarning)  # DCP's notes on single-process saves and async use
             if blocking:
                 dcp.save(tensors, storage_writer=writer, process_group=self.group, no_dist=not self.distributed)
-                if self.rank == 0:
-                    self._commit(partial, step)
-                self._barrier()
+                self._commit_together(partial, step)
                 self.log(f"checkpoint step {step} saved in {time.perf_counter() - start:.2f}s to {self.root}")
             else:
                 # Staging (a CPU copy of every tensor) happens here; the write runs in DCP's thread.
@@ -203,6 +202,25 @@ class CheckpointManager:
             raise self._save_failed(err, step, partial) from None
         if self.rank == 0:
             self.log(f"checkpoint step {step} saved asynchronously in {time.perf_counter() - start:.2f}s")
+
+    def _commit_together(self, partial: Path, step: int) -> None:
+        """Rank 0 commits; every rank learns the outcome in the collective that ends the save (a failure on rank 0
+        alone fails the save on every rank at once, instead of leaving them in a barrier until the timeout)."""
+        failure: BaseException | None = None
+        if self.rank == 0:
+            try:
+                self._commit(partial, step)
+            except SAVE_FAILURES as err:
+                failure = err
+        failed = failure is not None
+        if self.distributed:
+            flag = torch.tensor([float(failed)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            failed = bool(flag.item())
+        if failure is not None:
+            raise failure
+        if failed:
+            raise OSError(f"rank 0 could not commit {partial.name} (its error is in rank 0's log)")
 
     def _commit(self, partial: Path, step: int) -> None:
         """Rank 0, once every rank finished: commit step-N/, then retention.
@@ -341,6 +359,8 @@ class CheckpointManager:
         skip = self._check_fit(path, run, {k: tuple(v[0]) for k, v in saved.items()})
         model_t, optim_t, per_param = st.load_templates(parts, optimizer if load_optimizer else None, saved, skip)
         templates = {k: v for k, v in {**model_t.tensors, **optim_t.tensors}.items() if k not in skip}
+        extra = run.component_templates(saved) if training else {}
+        templates.update({f"{name}.{k}": v for name, found in extra.items() for k, v in found.items()})
         st.check_shapes({k: v for k, v in model_t.tensors.items() if k not in skip},
                         {k: v[0] for k, v in saved.items()})
         with warnings.catch_warnings():
@@ -354,6 +374,8 @@ class CheckpointManager:
                 st.apply_optimizer(optimizer, parts, per_param, state["param_groups"], allow_new=bool(skip))
             for name, component in run.components.items():
                 component.load_state_dict(state[name])
+            for name, found in extra.items():
+                run.tensor_components[name].loaded(set(found))
             run.state.load_state_dict(state)
             self._restore_rng(path, run, state)
         self.loaded_from = path

@@ -12,8 +12,8 @@ trainer_state.json. The RNG streams are process-global and saved per rank by the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -64,6 +64,24 @@ class SchedulerState:
         st.load_scheduler(self.scheduler, state_dict)
 
 
+@runtime_checkable
+class TensorComponent(Protocol):
+    """Training state held in tensors laid out like the model's (DiLoCo's outer state): saved in the checkpoint's
+    tensor files under its name, and loaded in place."""
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What a save writes (this rank's tensors; DTensors for sharded ones)."""
+        ...
+
+    def load_templates(self, saved: set[str]) -> dict[str, torch.Tensor]:
+        """Tensors to load in place, for the keys the checkpoint holds (`saved`, without the name)."""
+        ...
+
+    def loaded(self, keys: set[str]) -> None:
+        """After the load: the keys it filled (none where the checkpoint had none)."""
+        ...
+
+
 @dataclass
 class Checkpointable:
     """Everything a training checkpoint saves and a resume restores."""
@@ -73,6 +91,21 @@ class Checkpointable:
     optimizer: torch.optim.Optimizer
     components: Mapping[str, Stateful]  # by name in trainer_state.json: scheduler, data loader, ...
     config: Config
+    # by name in the tensor files (keys "<name>.<key>"): optional, a checkpoint without them still loads
+    tensor_components: dict[str, TensorComponent] = field(default_factory=dict)
+
+    def component_tensors(self) -> dict[str, torch.Tensor]:
+        return {f"{name}.{key}": tensor for name, component in self.tensor_components.items()
+                for key, tensor in component.tensors().items()}
+
+    def component_templates(self, saved: Iterable[str]) -> dict[str, dict[str, torch.Tensor]]:
+        """Per component: its templates (keys without the name) for the tensors the checkpoint holds."""
+        saved = list(saved)
+        out = {}
+        for name, component in self.tensor_components.items():
+            prefix = f"{name}."
+            out[name] = component.load_templates({k[len(prefix):] for k in saved if k.startswith(prefix)})
+        return out
 
     def __post_init__(self) -> None:
         for name, component in self.components.items():

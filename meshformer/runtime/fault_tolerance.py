@@ -302,6 +302,11 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def outer_optimizer(cfg: FaultToleranceConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """DiLoCo's outer optimizer: Nesterov SGD on the pseudo-gradient (DiLoCo, arXiv 2311.08105 §2)."""
+    return torch.optim.SGD(params, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0)
+
+
 class SemiSync:
     """fault_tolerance.method "local_sgd" / "diloco" on torchft's LocalSGD / DiLoCo: each group steps on its own
     batches, and every `sync_every` steps the groups in the quorum synchronise their weights, either averaged
@@ -313,7 +318,7 @@ class SemiSync:
     to a healing peer through the Manager (torchft registers them), next to the trainer's live state."""
 
     def __init__(self, cfg: FaultToleranceConfig, group: ReplicaGroup, model_parts: Iterable[torch.nn.Module],
-                 optimizer: torch.optim.Optimizer) -> None:
+                 optimizer: torch.optim.Optimizer, outer: torch.optim.Optimizer | None = None) -> None:
         from torchft.local_sgd import DiLoCo, LocalSGD
 
         self.cfg, self.group = cfg, group
@@ -321,9 +326,8 @@ class SemiSync:
         self.diloco: Any = None
         self.local_sgd: Any = None
         if cfg.method == "diloco":
-            # Nesterov SGD on the pseudo-gradient (DiLoCo, arXiv 2311.08105 §2)
-            self.outer = torch.optim.SGD(self.model.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-                                         nesterov=cfg.outer_momentum > 0)
+            # `outer`: one made (and loaded from a checkpoint) before the group, over the same parameters
+            self.outer = outer if outer is not None else outer_optimizer(cfg, self.model.parameters())
             # sync_every=1 for torchft: the trainer decides when to synchronise. One all-reduce per tensor: torchft's
             # buckets copy the result back in a callback that its wait() does not wait for.
             self.diloco = DiLoCo(group.manager, [self.model], optimizer, self.outer, sync_every=1)
@@ -332,6 +336,12 @@ class SemiSync:
         else:
             raise ConfigError(f"fault_tolerance.method={cfg.method!r} is not a semi-synchronous method",
                               'use "local_sgd" or "diloco" (or "sync" without SemiSync)')
+
+    def anchor(self) -> dict[int, torch.Tensor]:
+        """DiLoCo's weights of the last synchronisation (this rank's shards, on the host), by id of their parameter:
+        the tensors torchft keeps and sends to a healing peer."""
+        fragment = self.diloco._fragments[0]
+        return {id(p): fragment.original_parameters[name] for name, p in self.model.named_parameters()}
 
     def due(self, step: int) -> bool:
         """Whether the step after `step` committed steps starts with a synchronisation."""

@@ -30,15 +30,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from meshformer.checkpointing.live_state import live_state
+from meshformer.checkpointing.state import named_parameters
 from meshformer.config import Config
+from meshformer.config.sections import FaultToleranceConfig
 from meshformer.runtime.fault_tolerance import (
     FaultToleranceError,
     ReplicaGroup,
     SemiSync,
     StepSync,
     lighthouse_address,
+    outer_optimizer,
     replica_id_from_env,
     require_torchft,
 )
@@ -102,6 +106,65 @@ def _any_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
+ANCHOR, MOMENTUM = "anchor.", "momentum."
+
+
+class OuterState:
+    """fault_tolerance.method = "diloco": the outer state a checkpoint keeps next to the group's own weights and
+    optimizer, under `outer.` in its tensor files, each tensor laid out as its parameter: the weights of the last
+    synchronisation (`anchor.`, which the next pseudo-gradient is taken from) and the outer optimizer's Nesterov
+    momentum (`momentum.`). The position in the window is the step's. Made before the group's torchft DiLoCo (which
+    a resume precedes); `attach` hands the loaded anchor to it, and from then on the tensors are torchft's (those a
+    heal sends)."""
+
+    def __init__(self, cfg: FaultToleranceConfig, model_parts: list[torch.nn.Module]) -> None:
+        self.named = named_parameters(model_parts)
+        self.outer = outer_optimizer(cfg, torch.nn.ModuleList(model_parts).parameters())  # SemiSync's order
+        self._anchor: dict[int, torch.Tensor] = {}  # id(parameter) -> this rank's shard, on the host
+        self.resumed = False  # a checkpoint gave the anchor
+
+    def attach(self, semi: SemiSync) -> None:
+        anchor = semi.anchor()
+        with torch.no_grad():
+            for key, tensor in self._anchor.items():
+                anchor[key].copy_(tensor)
+        self._anchor = anchor
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, p in self.named:
+            if id(p) in self._anchor:
+                out[ANCHOR + name] = _shaped_as(p, self._anchor[id(p)])
+            momentum = self.outer.state.get(p, {}).get("momentum_buffer")
+            if momentum is not None:
+                out[MOMENTUM + name] = momentum
+        return out
+
+    def load_templates(self, saved: set[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, p in self.named:
+            if ANCHOR + name in saved:
+                local = p.to_local() if isinstance(p, DTensor) else p
+                self._anchor[id(p)] = torch.empty(local.shape, dtype=local.dtype)
+                out[ANCHOR + name] = _shaped_as(p, self._anchor[id(p)])
+            if MOMENTUM + name in saved:
+                momentum = torch.zeros_like(p.detach())
+                self.outer.state[p]["momentum_buffer"] = momentum
+                out[MOMENTUM + name] = momentum
+        return out
+
+    def loaded(self, keys: set[str]) -> None:
+        self.resumed = any(key.startswith(ANCHOR) for key in keys)
+
+
+def _shaped_as(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (this rank's shard of a copy of `param`) laid out as `param` for the checkpoint (no copy)."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
 class ReplicaTraining:
     """One rank's part in the run's replica groups: quorum, heal, gradient average, commit, record."""
 
@@ -125,6 +188,11 @@ class ReplicaTraining:
         self._stop = 0  # the stop signal this group agreed on, sent in the next step's all-reduce (method sync)
         self._first_step = 0
         self._joined = False  # this process has had a quorum
+        self._local_start = False  # resumed inside a window: local steps until its synchronisation, then the group
+        self.outer: OuterState | None = None
+        if self.cfg.method == "diloco":  # in checkpoints, and loaded by a resume before the group is made
+            self.outer = OuterState(self.cfg, trainer.parallel_model.model_parts)
+            trainer.checkpointable.tensor_components["outer"] = self.outer
         trainer.training_step.gradient_sync = self.sync
 
     def start_step(self) -> None:
@@ -132,26 +200,15 @@ class ReplicaTraining:
         trainer = self.trainer
         trainer.watchdog.phase("quorum", trainer.step + 1)  # a hang report here: waiting for the other groups
         first = self.group is None
+        if first and self._starts_inside_a_window():
+            self._remember_data()  # a local step of the window the checkpoint was taken in: no quorum yet
+            return
         if self.group is None:
-            self._first_step = trainer.step  # where this run started (its checkpoint, or 0)
-
-            def heal(state: dict[str, Any]) -> None:  # the set-up's restore step, from a live peer's state
-                trainer.restore_state(state)
-
-            self.group = ReplicaGroup(self.cfg, self.replica_id, trainer.device,
-                                      state_dict=lambda: live_state(trainer.checkpointable), load_state_dict=heal,
-                                      log=trainer.logger.info)
-            if self.cfg.method != "sync":  # registers DiLoCo's state with the Manager before the first heal
-                self.semi = SemiSync(self.cfg, self.group, trainer.parallel_model.model_parts, trainer.optimizer)
-            # torchft's step (its commits) as if this group had trained from step 0: a group resumed from its
-            # checkpoint is ahead of a fresh one, which heals from it (sync: one commit a step; local_sgd / diloco:
-            # one a synchronisation, the first at step 0)
-            commits = trainer.step if self.semi is None else (trainer.step // self.cfg.sync_every + 1
-                                                               if trainer.step else 0)
-            self.group.manager.load_state_dict({"step": commits, "batches_committed": 0})
+            self._make_group()
         elif self.semi is not None and not self.semi.due(trainer.step):
             self._remember_data()  # a local step: no quorum
             return
+        assert self.group is not None
         before = trainer.step
         took = self._join()
         if first and self.group.healed_s is None:
@@ -163,6 +220,45 @@ class ReplicaTraining:
         if self.semi is not None:
             self._synchronise()
         self._remember_data()
+
+    def _make_group(self) -> None:
+        trainer = self.trainer
+        if not self._local_start:
+            self._first_step = trainer.step  # where this run started (its checkpoint, or 0)
+
+        def heal(state: dict[str, Any]) -> None:  # the set-up's restore step, from a live peer's state
+            trainer.restore_state(state)
+
+        self.group = ReplicaGroup(self.cfg, self.replica_id, trainer.device,
+                                  state_dict=lambda: live_state(trainer.checkpointable), load_state_dict=heal,
+                                  log=trainer.logger.info)
+        if self.cfg.method != "sync":  # registers DiLoCo's state with the Manager before the first heal
+            self.semi = SemiSync(self.cfg, self.group, trainer.parallel_model.model_parts, trainer.optimizer,
+                                 outer=self.outer.outer if self.outer is not None else None)
+            if self.outer is not None:
+                self.outer.attach(self.semi)  # the anchor a resume loaded (DiLoCo took the weights of now)
+        # torchft's step (its commits) as if this group had trained from step 0: a group resumed from its
+        # checkpoint is ahead of a fresh one, which heals from it (sync: one commit a step; local_sgd / diloco:
+        # one a synchronisation, the first at step 0; a group that trained the rest of its window first counts those
+        # before this one)
+        step, h = trainer.step, self.cfg.sync_every
+        commits = step if self.semi is None else (step // h + (0 if self._local_start else 1) if step else 0)
+        self.group.manager.load_state_dict({"step": commits, "batches_committed": 0})
+
+    def _starts_inside_a_window(self) -> bool:
+        """local_sgd / diloco resumed from a checkpoint taken inside a window (diloco: one holding its outer state):
+        the group trains the rest of the window from it, as the uninterrupted run did, and joins the quorum at the
+        window's synchronisation (healing there if the others are ahead)."""
+        step, h = self.trainer.step, self.cfg.sync_every
+        if self.cfg.method == "sync" or step % h == 0 or (self.outer is not None and not self.outer.resumed):
+            return False
+        if not self._local_start:
+            self._local_start, self._first_step = True, step
+            self._trim_record(step)
+            self.trainer.logger.info(f"fault tolerance: replica group {self.replica_id} resumed inside a window at "
+                                     f"step {step}; it trains to the window's synchronisation after step "
+                                     f"{(step // h + 1) * h} before it joins the quorum")
+        return True
 
     def _join(self) -> float:
         """The step's quorum, waited for up to fault_tolerance.wait_s; after that, the run stops with a checkpoint."""
@@ -221,12 +317,12 @@ class ReplicaTraining:
             return group_agreed
         if group_agreed and not self._stop:
             self._stop = stop.signum or 0
-            if self.semi is not None:
+            if self.cfg.method != "sync":
                 self.trainer.logger.info(
                     f"fault tolerance: replica group {self.replica_id} agreed on {signal_name(self._stop)} after step "
                     f"{self.trainer.step}; every group stops at the next synchronisation (fault_tolerance.sync_every="
                     f"{self.cfg.sync_every})")
-        if self.semi is not None:  # the signal rides in the next synchronisation (_synchronise)
+        if self.cfg.method != "sync":  # the signal rides in the next synchronisation (_synchronise)
             return False
         if not self.last.stop:
             return False
@@ -237,19 +333,39 @@ class ReplicaTraining:
                                  f"({signal_name(self.last.stop)} agreed in its all-reduce)")
         return True
 
+    def stop_in_evaluation(self, agreed: StopAgreed, step: int) -> bool:
+        """A stop this group agreed on during the evaluation after `step` (StopAgreed from a batch of it): instead of
+        stopping alone, the group leaves the evaluation and sends the signal in the next cross-group exchange, as a
+        stop agreed after a step (`stop_agreed`); every group then stops at the same step. False where the group
+        stops here by itself: after the last step (every group stops there anyway), or for want of a quorum."""
+        if type(agreed) is not StopAgreed or step >= self.trainer.cfg.train.steps:
+            return False
+        if not self._stop:
+            self._stop = agreed.signum
+            after = "the next step" if self.cfg.method == "sync" else \
+                f"the next synchronisation (fault_tolerance.sync_every={self.cfg.sync_every})"
+            self.trainer.logger.info(f"fault tolerance: replica group {self.replica_id} agreed on "
+                                     f"{signal_name(agreed.signum)} during the evaluation after step {step}; it "
+                                     f"leaves the evaluation, and every group stops after {after}")
+        return True
+
     def finish(self) -> None:
         """local_sgd / diloco, at train.steps: the last synchronisation, so every group ends with the same weights."""
-        if self.semi is not None and self.group is not None and self._synced_at != self.trainer.step:
+        if self.cfg.method != "sync" and self._synced_at != self.trainer.step:
+            if self.group is None and not self._local_start:
+                return  # no step trained in this run
+            if self.group is None:  # a resumed group that reached train.steps inside its first window
+                self._make_group()
             self._join()
             self._synchronise()
 
     def sync(self, tokens: torch.Tensor) -> bool:
         """TrainStep's gradient sync: average over the quorum, then the commit vote; False drops the update."""
-        assert self.group is not None, "start_step comes first"
-        if self.semi is not None:  # a local step: this group's own update, synchronised every sync_every steps
+        if self.cfg.method != "sync":  # a local step: this group's own update, synchronised every sync_every steps
             self.last = StepSync(self.last.replicas, float(tokens))  # the groups of this window's synchronisation
             self.committed = True
             return True
+        assert self.group is not None, "start_step comes first"
         self.trainer.watchdog.phase("cross_group")
         params = [p for part in self.trainer.parallel_model.model_parts for p in part.parameters()]
         self.last = self.group.average_gradients(params, tokens, self._stop)

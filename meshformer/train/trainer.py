@@ -259,7 +259,11 @@ class Trainer:
                 if self.replicas is not None and step < cfg.train.steps:
                     ctx.stopping = self.replicas.stop_agreed(ctx.stopping)  # every replica group at the same step
                 if not ctx.stopping:
-                    callbacks.call("on_evaluation", ctx)
+                    try:
+                        callbacks.call("on_evaluation", ctx)
+                    except StopAgreed as agreed:  # replica groups: it rides in the next cross-group exchange
+                        if self.replicas is None or not self.replicas.stop_in_evaluation(agreed, step):
+                            raise
                 log.flush()  # the metrics of a step are on disk before its checkpoint commits
                 if ctx.stopping:
                     break

@@ -103,6 +103,52 @@ def test_a_killed_group_restarts_and_heals_while_the_other_trains_on(tmp_path):
     assert {m.get("ft/replicas") for m in metrics if "train/loss" in m} >= {1.0, 2.0}
 
 
+LAYOUTS = {  # a layout inside each group: (model, overrides)
+    "pp": ("tiny-gpt", ["parallel.pp=2", "parallel.dp_shard=1", "optim.name=muon"]),
+    "ep": ("tiny-moe", ["parallel.ep=2", "optim.name=adamw"]),
+    "tp": ("tiny-gpt", ["parallel.tp=2", "parallel.dp_shard=1", "optim.name=adamw"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.matrix  # 4 ranks and a restart each; FSDP with a kill is the CI row above
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_heal_leaves_groups_bitwise_equal_under_each_layout(tmp_path, layout):
+    """2 groups x 2 ranks, pipeline stages (pp=2, Muon), expert shards (ep=2 on tiny-moe, AdamW) or tensor-parallel
+    shards (tp=2, AdamW) inside each: rank 1 of group 1 killed before step 4. With min_replicas=2 group 0 waits;
+    group 1 restarts with nothing on disk and heals each rank's stage, experts or shards from its counterpart in
+    group 0. Both groups end at train.steps with a checkpoint of it holding bitwise-equal weights and optimizer
+    state."""
+    from meshformer.checkpointing.dcp_io import read_full_tensors
+    from meshformer.checkpointing.state import OPTIM
+
+    model, layout_overrides = LAYOUTS[layout]
+    run_dir, steps = tmp_path / "run", 8
+    config = [*overrides(tmp_path, run_dir), f"train.steps={steps}", "logging.log_interval=1",
+              f"checkpoint.interval={steps}", "fault_tolerance.min_replicas=2", "fault_tolerance.heartbeat_timeout_s=1",
+              "fault_tolerance.join_timeout_s=2", *layout_overrides]
+    env = worker_env(MF_TEST_KILL_RANK="1", MF_TEST_KILL_STEP="4", MF_TEST_KILL_REPLICA="1",
+                     MF_TEST_KILL_MARK=str(tmp_path / "killed"))
+    cmd = [sys.executable, "-m", "meshformer", "train", model, "--replica-groups", str(GROUPS), "--nproc-per-node",
+           "2", "--set", *config]
+    log = tmp_path / "launcher.log"
+    codes = finish([start(cmd, env, log)], 420)
+    text = logs(log)
+    assert codes == [0], text[-6000:]
+    assert (tmp_path / "killed-1").exists() and "restarting it (restart 1)" in text, text[-6000:]
+    assert "replica group 1 healed from a live peer" in text, text[-6000:]
+    saved = [sorted(p for p in (run_dir / f"replica-{r}").rglob("step-*") if p.suffix != ".partial")
+             for r in range(GROUPS)]
+    assert [[p.name for p in s] for s in saved] == [[f"step-{steps:08d}"]] * GROUPS, f"{saved}\n{text[-4000:]}"
+    tensors = [read_full_tensors(s[0]) for s in saved]
+    assert tensors[0].keys() == tensors[1].keys() and any(k.startswith(OPTIM) for k in tensors[0])
+    differ = [k for k in tensors[0] if not torch.equal(tensors[0][k], tensors[1][k])]
+    assert not differ, f"the groups end with different state in {differ[:4]}"
+    records = [_records(run_dir, r) for r in range(GROUPS)]
+    assert [line["step"] for line in records[0]] == list(range(1, steps + 1)), records[0]
+    assert records[1] and records[1][-1]["step"] == steps and records[1][-1]["replicas"] == [0, 1], records[1]
+
+
 @pytest.mark.slow
 @pytest.mark.matrix  # DiLoCo's outer step is checked in tests/unit/runtime/test_semi_sync.py
 def test_diloco_groups_synchronise_every_h_steps_and_end_equal(tmp_path):
@@ -133,6 +179,41 @@ def test_diloco_groups_synchronise_every_h_steps_and_end_equal(tmp_path):
     losses = [[json.loads(line).get("train/loss") for line in (run_dir / f"replica-{r}" / "metrics.jsonl")
                .read_text().splitlines()] for r in range(GROUPS)]
     assert [x for x in losses[0] if x is not None] != [x for x in losses[1] if x is not None]
+
+
+@pytest.mark.slow
+@pytest.mark.matrix  # two runs; the outer state's round trip is checked in tests/unit/train/test_outer_state.py
+def test_diloco_resumed_inside_a_window_ends_as_the_uninterrupted_run(tmp_path):
+    """2 groups x 1 rank, DiLoCo with H=3 and a checkpoint at step 4 (inside the window 3..6): both groups killed
+    before step 6 restart from it with the anchor and outer momentum it holds, train steps 5 and 6 on their own and
+    synchronise after step 6, as the uninterrupted run did: both end with its weights, bit for bit."""
+    steps = 8
+    def run(name: str, **faults: str) -> str:
+        run_dir = tmp_path / name
+        config = [*overrides(tmp_path, run_dir), f"train.steps={steps}", "logging.log_interval=1",
+                  "checkpoint.interval=4", "fault_tolerance.method=diloco", "fault_tolerance.sync_every=3",
+                  "fault_tolerance.min_replicas=2", "fault_tolerance.heartbeat_timeout_s=1",
+                  "fault_tolerance.join_timeout_s=2"]
+        cmd = [sys.executable, "-m", "meshformer", "train", "tiny-gpt", "--replica-groups", str(GROUPS),
+               "--nproc-per-node", "1", "--set", *config]
+        log = tmp_path / f"{name}.log"
+        codes = finish([start(cmd, worker_env(**faults), log)], 300)
+        text = logs(log)
+        assert codes == [0], text[-6000:]
+        return text
+
+    run("reference")
+    text = run("resumed", MF_TEST_KILL_RANK="0", MF_TEST_KILL_STEP="6", MF_TEST_KILL_MARK=str(tmp_path / "killed"))
+    assert all((tmp_path / f"killed-{r}").exists() for r in range(GROUPS)), text[-6000:]
+    for r in range(GROUPS):
+        assert f"replica group {r} resumed inside a window at step 4" in text, text[-6000:]
+    from safetensors.torch import load_file
+
+    for r in range(GROUPS):
+        want = load_file(str(tmp_path / "reference" / f"replica-{r}" / "final" / "model.safetensors"))
+        got = load_file(str(tmp_path / "resumed" / f"replica-{r}" / "final" / "model.safetensors"))
+        differ = [k for k in want if not torch.equal(want[k], got[k])]
+        assert not differ, f"group {r} ends with other weights than the uninterrupted run in {differ[:4]}"
 
 
 @pytest.mark.slow
@@ -203,6 +284,60 @@ def test_a_stop_signal_to_one_group_stops_every_group_at_the_same_step(tmp_path)
     steps = [[path.name for path in saved(r)] for r in range(GROUPS)]
     assert steps[0] == steps[1] and len(steps[0]) == 1, f"{steps}\n{text[-4000:]}"
     assert "every replica group stops after step" in text and "(SIGTERM agreed in its all-reduce)" in text, text[-6000:]
+
+
+@pytest.mark.slow
+@pytest.mark.matrix  # the stop's ride in the all-reduce is the CI row above
+def test_a_stop_signal_during_one_groups_evaluation_stops_every_group_at_the_same_step(tmp_path):
+    """2 groups x 1 rank, an evaluation after step 4 whose batches take a while: SIGTERM to group 0's rank while it
+    evaluates. Group 0 leaves the evaluation and sends the signal in step 5's all-reduce (which the evaluation has no
+    part in), so both groups stop after step 5, each with a checkpoint of it, instead of group 0 alone after 4."""
+    run_dir, mark = tmp_path / "run", tmp_path / "evaluating"
+    config = [*overrides(tmp_path, run_dir), "train.steps=200", "logging.log_interval=1", "checkpoint.interval=0",
+              "train.eval_interval=4", "train.eval_batches=4"]
+    cmd = [sys.executable, "-m", "meshformer", "train", "tiny-gpt", "--replica-groups", str(GROUPS),
+           "--nproc-per-node", "1", "--set", *config]
+    log = tmp_path / "launcher.log"
+    proc = start(cmd, worker_env(MF_TEST_SLOW_PHASE="eval", MF_TEST_SLOW_PHASE_S="1.5",
+                                 MF_TEST_PHASE_MARK=str(mark)), log)
+
+    def saved(r: int) -> list[str]:
+        return sorted(p.name for p in (run_dir / f"replica-{r}").rglob("step-*") if p.suffix != ".partial")
+
+    try:
+        wait_for(mark.exists, 240, f"an evaluation to start\n{logs(log)[-4000:]}")
+        victim = _rank_pid(proc.pid, replica=0, rank=0)
+        assert victim is not None, logs(log)[-4000:]
+        os.kill(victim, signal.SIGTERM)
+        wait_for(lambda: all(saved(r) for r in range(GROUPS)), 120, f"both groups' checkpoints\n{logs(log)[-4000:]}")
+    finally:
+        proc.send_signal(signal.SIGTERM)  # the launcher: no restarts
+        finish([proc], 120)
+    text = logs(log)
+    assert [saved(r) for r in range(GROUPS)] == [["step-00000005"]] * GROUPS, text[-6000:]
+    assert "replica group 0 agreed on SIGTERM during the evaluation after step 4" in text, text[-6000:]
+    assert "every replica group stops after step 5 (SIGTERM agreed in its all-reduce)" in text, text[-6000:]
+
+
+@pytest.mark.slow
+def test_a_commit_that_fails_on_rank_0_alone_is_skipped_by_every_rank_of_the_group(tmp_path):
+    """1 group x 2 ranks (FSDP), a checkpoint every 2 steps, and rank 0 alone fails to commit step 4's folder: every
+    rank learns it in the collective that ends the save, and the group skips that save with a line and trains on,
+    instead of its other rank waiting in a barrier for parallel.timeout_s (300 s here); the run ends at
+    train.steps with every other checkpoint committed."""
+    run_dir = tmp_path / "run"
+    config = [*overrides(tmp_path, run_dir), "train.steps=8", "checkpoint.interval=2", "parallel.dp_shard=2",
+              "parallel.timeout_s=300", "fault_tolerance.timeout_s=300"]
+    cmd = [sys.executable, "-m", "meshformer", "train", "tiny-gpt", "--replica-groups", "1", "--nproc-per-node",
+           "2", "--set", *config]
+    log = tmp_path / "launcher.log"
+    codes = finish([start(cmd, worker_env(MF_TEST_COMMIT_FAIL_STEP="4"), log)], 200)
+    text = logs(log)
+    assert codes == [0], text[-6000:]
+    assert "injected: rank 0 commits step 4" in text and "this save is skipped" in text, text[-6000:]
+    from meshformer.checkpointing.directory import committed_steps
+
+    assert committed_steps(run_dir / "replica-0" / "checkpoints") == [2, 6, 8], text[-4000:]
 
 
 # ----------------------------------------------------------------------------- edge cases (1 rank per group)

@@ -10,9 +10,12 @@ SLURM launch the unmodified command line:
 - MF_TEST_STOP_SAVE_SLEEP_S=S: the checkpoint of a stop (after a stop signal) waits S seconds before it commits;
 - MF_TEST_FAIL_RANK=R with MF_TEST_FAIL_STEP=N: rank R fails with a user error (one line) before step N, alone;
 - MF_TEST_KILL_RANK=R with MF_TEST_KILL_STEP=N: rank R dies of SIGKILL before step N (the out-of-memory killer);
+  with MF_TEST_KILL_REPLICA=G only in replica group G, and with MF_TEST_KILL_MARK=PATH only once (PATH created;
+  PATH-<group> in a replica group);
 - MF_TEST_SLOW_PHASE=P with MF_TEST_SLOW_PHASE_S=S: each batch of phase P waits S seconds (a long phase to signal
   into): "eval" (held-out batches) or "downstream" (scoring batches); MF_TEST_PHASE_MARK=PATH is created as it
   starts.
+- MF_TEST_COMMIT_FAIL_STEP=N: rank 0 alone fails to commit the checkpoint of step N (an I/O error on rename);
 - MF_TEST_HEAL_SLEEP_S=S with MF_TEST_HEAL_MARK=PATH: a replica group's heal (fault tolerance) creates PATH, then
   waits S seconds before it loads the peer's state (a heal long enough to kill a group or signal into).
 """
@@ -75,6 +78,11 @@ def patch(module) -> None:
 
     fail_rank, fail_step = int(os.environ.get("MF_TEST_FAIL_RANK", "-1")), int(os.environ.get("MF_TEST_FAIL_STEP", "0"))
     kill_rank, kill_step = int(os.environ.get("MF_TEST_KILL_RANK", "-1")), int(os.environ.get("MF_TEST_KILL_STEP", "0"))
+    kill_replica, kill_mark = os.environ.get("MF_TEST_KILL_REPLICA"), os.environ.get("MF_TEST_KILL_MARK")
+    if kill_mark and "MESHFORMER_REPLICA_ID" in os.environ:
+        kill_mark += "-" + os.environ["MESHFORMER_REPLICA_ID"]
+    if kill_replica is not None and os.environ.get("MESHFORMER_REPLICA_ID") != kill_replica:
+        kill_rank = -1
 
     def patched_step(self):
         time.sleep(step_sleep)
@@ -82,9 +90,11 @@ def patch(module) -> None:
             from meshformer.errors import ConfigError
 
             raise ConfigError(f"injected failure of rank {fail_rank} before step {fail_step}", "nothing to fix")
-        if self.rank == kill_rank and self.step + 1 == kill_step:
+        if self.rank == kill_rank and self.step + 1 == kill_step and not (kill_mark and os.path.exists(kill_mark)):
             import signal
 
+            if kill_mark:
+                open(kill_mark, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         return train_step(self)
 
@@ -129,6 +139,22 @@ def patch(module) -> None:
             return commit(self, *args, **kwargs)
 
         manager_cls._commit, manager_cls.finish = slow_commit, slow_finish
+    if os.environ.get("MF_TEST_COMMIT_FAIL_STEP"):
+        fail_commit(module.CheckpointManager)
+
+
+def fail_commit(manager_cls) -> None:
+    fail_step = int(os.environ.get("MF_TEST_COMMIT_FAIL_STEP", "0"))
+    commit = manager_cls._commit
+
+    def failing_commit(self, partial, step):
+        if step == fail_step:
+            import errno
+
+            raise OSError(errno.EIO, f"Input/output error (injected: rank 0 commits step {step})")
+        return commit(self, partial, step)
+
+    manager_cls._commit = failing_commit
 
 
 class PatchOnImport(importlib.abc.MetaPathFinder):
