@@ -210,8 +210,10 @@ def measure_row(folder: Path, config: str, backend: str, groups: int, ranks: int
         seen = len(metrics)
         killed = _kill(proc.pid, groups * ranks - 1, replica=None)
         result["plain_step_s"] = _median_step_s(metrics, checkpoint_every - 1)  # the checkpoint's step left out
-        _wait(lambda: len(_metrics(run_dir)) > seen and _metrics(run_dir)[-1]["step"] <= reached, 1200,
-              "the restarted job's first step", proc)
+        # the restarted job drops the lines the killed one logged after its checkpoint, then logs its first step
+        _wait(lambda: len(_metrics(run_dir)) < seen, 1200, "the restarted job to resume", proc)
+        resumed = len(_metrics(run_dir))
+        _wait(lambda: len(_metrics(run_dir)) > resumed, 1200, "the restarted job's first step", proc)
         result["restart_first_step_s"] = time.time() - killed
         _wait(lambda: _metrics(run_dir)[-1]["step"] > reached, 1200, "the restarted job to pass the killed step",
               proc)
@@ -422,9 +424,13 @@ def main() -> None:
             for config in args.configs:
                 folder = Path(tmp) / f"{config}-{groups}x{args.ranks}"
                 folder.mkdir()
-                row = {"config": config, "groups": groups, "ranks": args.ranks,
-                       **measure_row(folder, config, args.backend, groups, args.ranks, args.kill_at,
-                                     args.checkpoint_every)}
+                try:
+                    measured = measure_row(folder, config, args.backend, groups, args.ranks, args.kill_at,
+                                           args.checkpoint_every)
+                except SystemExit as err:  # one row's failure (see its logs) leaves the others to measure
+                    report({"config": config, "groups": groups, "ranks": args.ranks, "error": str(err)})
+                    continue
+                row = {"config": config, "groups": groups, "ranks": args.ranks, **measured}
                 report(row)
                 rows.append(row)
                 if args.table:
