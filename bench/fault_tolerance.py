@@ -319,13 +319,17 @@ def write_rows(path: Path, rows: list[dict[str, Any]], args: argparse.Namespace)
                       f"steps into the run (the job: {args.kill_at} steps after its first checkpoint). Step times "
                       "are medians of the steps after the third. Goals: overhead ≤ 5%, survivors' next step ≤ 2 s, "
                       "back in the quorum ≤ 30 s.",
-                notes="The survivors' pause is the Lighthouse's heartbeat timeout (`heartbeat_timeout_s`, 1 s "
-                      "here), the torchrun agent stopping the killed group's other ranks, a quorum and the step "
-                      "itself. A killed group's return is mostly its start-up (torchrun, imports, model build); the "
-                      "survivors do not wait for it. The restarted job trains again the steps since its last "
-                      f"checkpoint: {args.kill_at} here, {args.checkpoint_every // 2} on average at this interval. "
-                      "The shared cores make step times vary by several percent between runs, so an overhead "
-                      "within that spread is no difference.",
+                notes="The kill comes right after a committed step, so the survivors' next step comes after the "
+                      "step under way fails at its all-reduce, the Lighthouse stops hearing the dead group "
+                      "(`heartbeat_timeout_s`, 1 s here) and the step is trained again with the new quorum: on "
+                      "these cores almost all of it is the step itself (in brackets: what comes beyond one step). "
+                      "A killed group's return is mostly its start-up: its torchrun agent, then each of its ranks, "
+                      "imports torch and meshformer and builds the model; the heal from the peer (a few seconds) "
+                      "and the step it joins at come after. The job's restart is the same start-up and the "
+                      "checkpoint's load, and it then trains again the steps since its checkpoint: "
+                      f"{args.kill_at} here, {args.checkpoint_every // 2} on average at this interval. Both paths "
+                      "ran one after the other on cores shared with other jobs, so the overhead carries their "
+                      "run-to-run spread of step times.",
                 align=["l", "l", "r", "r", "r", "r", "r", "r", "r"], columns=ROW_COLUMNS,
                 rows=[row_cells(row) for row in rows])
 
@@ -389,6 +393,20 @@ def write_docs(page: Path, table_folder: Path, backend: str) -> None:
     print(f"wrote the measured block of {page}", file=sys.stderr)
 
 
+def rewrite(lines: Path, args: argparse.Namespace) -> None:
+    if not args.table:
+        raise SystemExit("--rewrite writes tables: give --table and --machine")
+    found = [json.loads(line) for line in lines.read_text().splitlines() if line.startswith("{")]
+    rows = [line for line in found if "ft_step_s" in line]
+    if rows:
+        write_rows(args.table / ROWS_TABLE.format(backend=args.backend), rows, args)
+    goodput = {line["goodput"]: line for line in found if "goodput" in line}
+    if len(goodput) == 4:
+        write_goodput(args.table / GOODPUT_TABLE.format(backend=args.backend), goodput, args)
+    if args.docs:
+        write_docs(args.docs, args.table, args.backend)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=["tiny-gpt", "tiny-moe"], help="bundled configs of the rows")
@@ -406,6 +424,8 @@ def main() -> None:
     parser.add_argument("--goodput-config", default="tiny-gpt")
     parser.add_argument("--goodput-groups", type=int, default=2)
     parser.add_argument("--goodput-ranks", type=int, default=1)
+    parser.add_argument("--rewrite", type=Path, help="write the tables (and --docs) from this script's JSON lines "
+                                                     "of an earlier run, given the same options, without measuring")
     parser.add_argument("--docs", type=Path, help="rewrite this page's measured block (docs/fault-tolerance.md) "
                                                   "from the tables in --table")
     add_table_arguments(parser, folder=True)
@@ -418,6 +438,9 @@ def main() -> None:
     def report(line: dict) -> None:
         print(json.dumps({"bench": "fault_tolerance", "backend": args.backend, **line}), flush=True)
 
+    if args.rewrite:
+        rewrite(args.rewrite, args)
+        return
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="meshformer-ft-bench-") as tmp:
         for groups in [] if args.no_rows else args.groups:
