@@ -269,11 +269,13 @@ def goodput_run(folder: Path, name: str, config: str, backend: str, groups: int,
 def measure_goodput(folder: Path, config: str, backend: str, groups: int, ranks: int, minutes: float,
                     reference_minutes: float, report: Callable[[dict], None]) -> dict[str, dict[str, float]]:
     results = {}
+    tokens = _tokens_per_step(config, groups, ranks)
     for name, kills, span in [("ft-no-kill", False, reference_minutes), ("ft-kills", True, minutes),
                               ("restart-no-kill", False, reference_minutes), ("restart-kills", True, minutes)]:
         sub = folder / name
         sub.mkdir()
-        results[name] = goodput_run(sub, name, config, backend, groups, ranks, span, kills)
+        results[name] = {**goodput_run(sub, name, config, backend, groups, ranks, span, kills),
+                         "tokens_per_step": float(tokens)}
         report({"goodput": name, **results[name]})
     return results
 
@@ -337,18 +339,18 @@ def write_rows(path: Path, rows: list[dict[str, Any]], args: argparse.Namespace)
 GOODPUT_COLUMNS = ["path", "tokens/s, no kill", "tokens/s, one kill -9 a minute", "goodput (ratio)", "kills"]
 
 
-def goodput_cells(results: dict[str, dict[str, float]], tokens: int) -> list[list[str]]:
+def goodput_cells(results: dict[str, dict[str, float]]) -> list[list[str]]:
     rows = []
     for path, label in [("ft", "replica groups (heal from a live peer)"),
                         ("restart", "one job, torchrun --max-restarts, checkpoint every 50 steps")]:
         clean, hit = results[f"{path}-no-kill"], results[f"{path}-kills"]
-        base, faulty = clean["steps"] * tokens / clean["seconds"], hit["steps"] * tokens / hit["seconds"]
+        base = clean["steps"] * clean["tokens_per_step"] / clean["seconds"]
+        faulty = hit["steps"] * hit["tokens_per_step"] / hit["seconds"]
         rows.append([label, f"{base:,.0f}", f"{faulty:,.0f}", f"{faulty / base:.2f}", f"{hit['kills']:.0f}"])
     return rows
 
 
 def write_goodput(path: Path, results: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
-    tokens = _tokens_per_step(args.goodput_config, args.goodput_groups, args.goodput_ranks)
     write_table(path, machine=args.machine, page="fault-tolerance",
                 title=f"Goodput with one failure a minute ({args.backend})",
                 command=f"python bench/fault_tolerance.py --backend {args.backend} --no-rows --goodput-minutes "
@@ -365,7 +367,7 @@ def write_goodput(path: Path, results: dict[str, dict[str, float]], args: argpar
                 notes="Replica groups lose the killed group's share until it is back in the quorum, and the "
                       "survivors' pause; the job loses its restart and every step since its last checkpoint, so "
                       "with a failure more often than a checkpoint interval takes it makes little progress at all.",
-                align=["l", "r", "r", "r", "r"], columns=GOODPUT_COLUMNS, rows=goodput_cells(results, tokens))
+                align=["l", "r", "r", "r", "r"], columns=GOODPUT_COLUMNS, rows=goodput_cells(results))
 
 
 def write_docs(page: Path, table_folder: Path, backend: str) -> None:
@@ -400,7 +402,8 @@ def rewrite(lines: Path, args: argparse.Namespace) -> None:
     rows = [line for line in found if "ft_step_s" in line]
     if rows:
         write_rows(args.table / ROWS_TABLE.format(backend=args.backend), rows, args)
-    goodput = {line["goodput"]: line for line in found if "goodput" in line}
+    tokens = float(_tokens_per_step(args.goodput_config, args.goodput_groups, args.goodput_ranks))
+    goodput = {line["goodput"]: {"tokens_per_step": tokens, **line} for line in found if "goodput" in line}
     if len(goodput) == 4:
         write_goodput(args.table / GOODPUT_TABLE.format(backend=args.backend), goodput, args)
     if args.docs:

@@ -151,12 +151,13 @@ def test_fault_tolerance(tmp_path):
                               goodput_reference_minutes=3.0, goodput_config="tiny-gpt", goodput_groups=2,
                               goodput_ranks=1)
     module.write_rows(tmp_path / module.ROWS_TABLE.format(backend="gloo"), [row], args)
-    goodput = {"ft-no-kill": {"steps": 100.0, "seconds": 180.0, "kills": 0.0},
-               "ft-kills": {"steps": 300.0, "seconds": 600.0, "kills": 10.0},
-               "restart-no-kill": {"steps": 90.0, "seconds": 180.0, "kills": 0.0},
-               "restart-kills": {"steps": 30.0, "seconds": 600.0, "kills": 10.0}}
+    run = {"tokens_per_step": 4096.0}  # 16 sequences of 128 tokens on each of 2 ranks
+    goodput = {"ft-no-kill": {"steps": 100.0, "seconds": 180.0, "kills": 0.0, **run},
+               "ft-kills": {"steps": 300.0, "seconds": 600.0, "kills": 10.0, **run},
+               "restart-no-kill": {"steps": 90.0, "seconds": 180.0, "kills": 0.0, **run},
+               "restart-kills": {"steps": 30.0, "seconds": 600.0, "kills": 10.0, **run}}
     module.write_goodput(tmp_path / module.GOODPUT_TABLE.format(backend="gloo"), goodput, args)
-    # 2048 tokens a step per rank, 2 ranks: 100 steps in 180 s is 2,276 tokens/s
+    # 100 steps of 4096 tokens in 180 s: 2,276 tokens/s
     check(tmp_path, "tiny-moe", "3 × 2", "2.060 / 2.000", "+3.0%", "3.4 (1.3 beyond a step)", "17.0", "31.0",
           "41.0", "12", "2,276", "2,048", "0.90", "2,048", "205", "0.10", "every 50 steps")
     page = tmp_path / "page.md"
