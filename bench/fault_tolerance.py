@@ -44,7 +44,8 @@ from tables import add_table_arguments, write_table
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["train.eval_interval=0", "train.sample_interval=0", "logging.log_interval=1", "logging.tensorboard=false",
           "data.num_workers=0"]
-FT = ["fault_tolerance.heartbeat_timeout_s=1", "fault_tolerance.join_timeout_s=2"]
+# the Lighthouse's timeouts of the replica-group runs (main sets them from --heartbeat-timeout-s/--join-timeout-s)
+FT = ["fault_tolerance.heartbeat_timeout_s=1", "fault_tolerance.join_timeout_s=10"]
 LONG = 100_000  # train.steps of the runs the bench stops itself
 ROWS_TABLE = "fault-tolerance-01-{backend}.json"
 GOODPUT_TABLE = "fault-tolerance-03-goodput-{backend}.json"
@@ -291,7 +292,7 @@ def _tokens_per_step(config: str, groups: int, ranks: int) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 # tables
 
-ROW_COLUMNS = ["model", "groups × ranks", "step time, groups / one job (s)", "overhead",
+ROW_COLUMNS = ["model", "groups × ranks", "join timeout (s)", "step time, groups / one job (s)", "overhead",
                "kill -9 → survivors' next step (s)", "kill -9 → back in the quorum (s)",
                "restart: kill -9 → first step (s)", "restart: kill -9 → past the killed step (s)",
                "restart: steps trained again"]
@@ -299,7 +300,8 @@ ROW_COLUMNS = ["model", "groups × ranks", "step time, groups / one job (s)", "o
 
 def row_cells(row: dict[str, Any]) -> list[str]:
     ratio = row["ft_step_s"] / row["plain_step_s"]
-    return [row["config"], f"{row['groups']} × {row['ranks']}", f"{row['ft_step_s']:.3f} / {row['plain_step_s']:.3f}",
+    return [row["config"], f"{row['groups']} × {row['ranks']}", f"{row['join_timeout_s']:g}",
+            f"{row['ft_step_s']:.3f} / {row['plain_step_s']:.3f}",
             f"{(ratio - 1) * 100:+.1f}%",
             f"{row['ft_next_step_s']:.1f} ({row['ft_next_step_s'] - row['ft_step_s']:.1f} beyond a step)",
             f"{row['ft_rejoin_s']:.1f}",
@@ -313,7 +315,8 @@ def write_rows(path: Path, rows: list[dict[str, Any]], args: argparse.Namespace)
                 title=f"Replica groups against checkpoint-restart ({args.backend})",
                 command=f"python bench/fault_tolerance.py --backend {args.backend} --configs {' '.join(args.configs)} "
                         f"--groups {' '.join(map(str, args.groups))} --ranks {args.ranks} --kill-at {args.kill_at} "
-                        f"--checkpoint-every {args.checkpoint_every}",
+                        f"--checkpoint-every {args.checkpoint_every} "
+                        f"--heartbeat-timeout-s {args.heartbeat_timeout_s:g}",
                 setup=f"{backend}; each row is G replica groups of R ranks (FSDP inside each group) against the same "
                       "G·R ranks as one torchrun job (`parallel.dp_replicate=G`) with `--max-restarts` and a "
                       f"checkpoint every {args.checkpoint_every} steps, measured one after the other in the same "
@@ -323,7 +326,8 @@ def write_rows(path: Path, rows: list[dict[str, Any]], args: argparse.Namespace)
                       "back in the quorum ≤ 30 s.",
                 notes="The kill comes right after a committed step, so the survivors' next step comes after the "
                       "step under way fails at its all-reduce, the Lighthouse stops hearing the dead group "
-                      "(`heartbeat_timeout_s`, 1 s here) and the step is trained again with the new quorum: on "
+                      f"(`heartbeat_timeout_s`, {args.heartbeat_timeout_s:g} s here) and the step is trained "
+                      "again with the new quorum: on "
                       "these cores almost all of it is the step itself (in brackets: what comes beyond one step). "
                       "A killed group's return is mostly its start-up: its torchrun agent, then each of its ranks, "
                       "imports torch and meshformer and builds the model; the heal from the peer (a few seconds) "
@@ -332,7 +336,7 @@ def write_rows(path: Path, rows: list[dict[str, Any]], args: argparse.Namespace)
                       f"{args.kill_at} here, {args.checkpoint_every // 2} on average at this interval. Both paths "
                       "ran one after the other on cores shared with other jobs, so the overhead carries their "
                       "run-to-run spread of step times.",
-                align=["l", "l", "r", "r", "r", "r", "r", "r", "r"], columns=ROW_COLUMNS,
+                align=["l", "l", "r", "r", "r", "r", "r", "r", "r", "r"], columns=ROW_COLUMNS,
                 rows=[row_cells(row) for row in rows])
 
 
@@ -419,6 +423,11 @@ def main() -> None:
                         help="gloo on CPU, or NCCL on GPUs (torchft's ProcessGroupNCCL; one GPU per rank)")
     parser.add_argument("--kill-at", type=int, default=12, help="steps trained before the kill")
     parser.add_argument("--checkpoint-every", type=int, default=50, help="checkpoint interval of the restart path")
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=1.0,
+                        help="fault_tolerance.heartbeat_timeout_s: a dead group's silence before it is dropped")
+    parser.add_argument("--join-timeout-s", type=float, default=10.0,
+                        help="fault_tolerance.join_timeout_s: how long a quorum waits for a live group that is late; "
+                             "below the groups' step-time skew plus a heal, groups drop and heal each other in turn")
     parser.add_argument("--no-rows", action="store_true", help="only the goodput measurement")
     parser.add_argument("--goodput-minutes", type=float, default=0,
                         help="minutes of the goodput runs with a kill a minute (0: none)")
@@ -441,6 +450,8 @@ def main() -> None:
     def report(line: dict) -> None:
         print(json.dumps({"bench": "fault_tolerance", "backend": args.backend, **line}), flush=True)
 
+    FT[:] = [f"fault_tolerance.heartbeat_timeout_s={args.heartbeat_timeout_s:g}",
+             f"fault_tolerance.join_timeout_s={args.join_timeout_s:g}"]
     if args.rewrite:
         rewrite(args.rewrite, args)
         return
@@ -456,7 +467,8 @@ def main() -> None:
                 except SystemExit as err:  # one row's failure (see its logs) leaves the others to measure
                     report({"config": config, "groups": groups, "ranks": args.ranks, "error": str(err)})
                     continue
-                row = {"config": config, "groups": groups, "ranks": args.ranks, **measured}
+                row = {"config": config, "groups": groups, "ranks": args.ranks,
+                       "join_timeout_s": args.join_timeout_s, **measured}
                 report(row)
                 rows.append(row)
                 if args.table:
