@@ -360,7 +360,8 @@ def write_goodput(path: Path, results: dict[str, dict[str, float]], args: argpar
                 command=f"python bench/fault_tolerance.py --backend {args.backend} --no-rows --goodput-minutes "
                         f"{args.goodput_minutes:g} --goodput-reference-minutes {args.goodput_reference_minutes:g} "
                         f"--goodput-config {args.goodput_config} --goodput-groups {args.goodput_groups} "
-                        f"--goodput-ranks {args.goodput_ranks}",
+                        f"--goodput-ranks {args.goodput_ranks} --heartbeat-timeout-s {args.heartbeat_timeout_s:g} "
+                        f"--join-timeout-s {args.join_timeout_s:g}",
                 setup=f"{args.goodput_config}, {args.goodput_groups} replica groups of {args.goodput_ranks} rank(s) "
                       f"against the same ranks as one torchrun job; {args.goodput_minutes:g} minutes with a kill -9 "
                       "at the middle of every minute (always group 1's last rank; the job's last rank) against "
