@@ -381,8 +381,8 @@ def write_docs(page: Path, table_folder: Path, backend: str) -> None:
     rows_path = table_folder / ROWS_TABLE.format(backend=backend)
     if rows_path.is_file():
         table = json.loads(rows_path.read_text())
-        lines += [f"Measured on {table['machine']}, {table['date']} "
-                  "([benchmarks](benchmarks/fault-tolerance.md), `bench/fault_tolerance.py`); a kill -9 of one rank:",
+        lines += [f"Measured {table['date']} by `bench/fault_tolerance.py` (the machine, settings and notes: "
+                  "[benchmarks](benchmarks/fault-tolerance.md)); a kill -9 of one rank:",
                   "", "| " + " | ".join(table["columns"]) + " |",
                   "| " + " | ".join("---:" if a == "r" else "---" for a in table["align"]) + " |",
                   *["| " + " | ".join(row) + " |" for row in table["rows"]], ""]
