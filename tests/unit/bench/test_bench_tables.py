@@ -147,9 +147,9 @@ def test_fault_tolerance(tmp_path):
            "ft_step_s": 2.06, "ft_next_step_s": 3.4, "ft_rejoin_s": 17.0, "restart_first_step_s": 31.0,
            "restart_next_step_s": 41.0, "restart_steps_retrained": 12.0}
     args = argparse.Namespace(backend="gloo", configs=["tiny-moe"], groups=[3], ranks=2, kill_at=12,
-                              heartbeat_timeout_s=1.0, join_timeout_s=10.0, checkpoint_every=50, machine=MACHINE, goodput_minutes=10.0,
-                              goodput_reference_minutes=3.0, goodput_config="tiny-gpt", goodput_groups=2,
-                              goodput_ranks=1)
+                              heartbeat_timeout_s=1.0, join_timeout_s=10.0, checkpoint_every=50, machine=MACHINE,
+                              goodput_minutes=10.0, goodput_reference_minutes=3.0, goodput_config="tiny-gpt",
+                              goodput_groups=2, goodput_ranks=1)
     module.write_rows(tmp_path / module.ROWS_TABLE.format(backend="gloo"), [row], args)
     run = {"tokens_per_step": 4096.0}  # 16 sequences of 128 tokens on each of 2 ranks
     goodput = {"ft-no-kill": {"steps": 100.0, "seconds": 180.0, "kills": 0.0, **run},
