@@ -335,11 +335,15 @@ def write_rows(path: Path, rows: list[dict[str, Any]], args: argparse.Namespace)
                       "checkpoint's load, and it then trains again the steps since its checkpoint: "
                       f"{args.kill_at} here, {args.checkpoint_every // 2} on average at this interval. Both paths "
                       "ran one after the other on cores shared with other jobs, so the overhead carries their "
-                      "run-to-run spread of step times.",
+                      "run-to-run spread of step times." + JOIN_NOTE * any(r["join_timeout_s"] < 10 for r in rows),
                 align=["l", "l", "r", "r", "r", "r", "r", "r", "r", "r"], columns=ROW_COLUMNS,
                 rows=[row_cells(row) for row in rows])
 
 
+JOIN_NOTE = (" A join timeout (`join_timeout_s`) below the groups' step-time skew plus a heal leaves a late group out "
+             "of the quorum; it heals at the next step, where another group is late in turn. With three groups on "
+             "these cores 2 s did that at most steps before the kill (those heals are in the row's step time); "
+             "10 s, the default, did not.")
 GOODPUT_COLUMNS = ["path", "tokens/s, no kill", "tokens/s, one kill -9 a minute", "goodput (ratio)", "kills"]
 
 
@@ -369,8 +373,10 @@ def write_goodput(path: Path, results: dict[str, dict[str, float]], args: argpar
                       "first step. Tokens trained: a replica-group step counts the shares of the groups in its "
                       "quorum; the job counts the step it has reached at the end (steps trained again are not "
                       "progress). Goal: goodput ≥ 0.9.",
-                notes="Replica groups lose the killed group's share until it is back in the quorum, and the "
-                      "survivors' pause; the job loses its restart and every step since its last checkpoint, so "
+                notes="Replica groups lose the killed group's share until it is back in the quorum (mostly its "
+                      "start-up; with two groups, a group away for a seconds of every minute leaves about "
+                      "1 - a/120 of the throughput), and the survivors' pause; the job loses its restart and "
+                      "every step since its last checkpoint, so "
                       "with a failure more often than a checkpoint interval takes it makes little progress at all.",
                 align=["l", "r", "r", "r", "r"], columns=GOODPUT_COLUMNS, rows=goodput_cells(results))
 
