@@ -2,8 +2,13 @@
 with a checkpoint every `--checkpoint-every` steps. Every run is a real `meshformer train` command.
 
     python bench/fault_tolerance.py [--configs tiny-gpt tiny-moe] [--groups 2 3] [--ranks 2] [--backend gloo|nccl]
+                                    [--heartbeat-timeout-s 1] [--join-timeout-s 10]
                                     [--goodput-minutes 10 --goodput-groups 2 --goodput-ranks 1] [--no-rows]
                                     [--table docs/benchmarks/data --machine "..."] [--docs docs/fault-tolerance.md]
+                                    [--rewrite LINES.jsonl]   # the tables again from a run's printed lines
+
+--backend nccl trains on GPUs with torchft's NCCL process group: one GPU per rank (groups x ranks of them; each
+group of `--replica-groups` gets its own, meshformer/launcher/replica_groups.py), as bench/gpu_suite.sh runs it.
 
 Rows (one per config and number of groups G, each group R ranks with FSDP inside; the same G*R ranks as one
 torchrun job with parallel.dp_replicate=G is today's path):
