@@ -45,7 +45,7 @@ if [[ "$SMOKE" == 1 ]]; then
   item plan_memory 120 python3 bench/plan_vs_measured_gpu.py --device cpu --modes none full \
     --table "$OUT/parallel-03-plan-vs-measured-gpu.json" --machine "$MACHINE"
   item fault_tolerance 400 python3 bench/fault_tolerance.py --backend gloo --configs tiny-gpt --groups 2 --ranks 1 \
-    --kill-at 3 --checkpoint-every 5 --table "$OUT" --machine "$MACHINE"
+    --kill-at 6 --checkpoint-every 5 --table "$OUT" --machine "$MACHINE"
 else
   item gemm 30 python3 bench/gemm_ceiling.py --n 8192 --seconds 1.5
   item init_speed 25 python3 bench/init_speed.py --layers 1 4 16
