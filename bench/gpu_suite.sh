@@ -10,7 +10,8 @@
 #   flash-linear-attention's kernel at T = 2k and 8k, KDA against its chunk_kda, Mamba-2 against mamba-ssm's scan
 #   and causal-conv1d (each needs its wheels in .whl/; bench/gpu_kernels.sh runs these three alone);
 #   last (the earlier items keep their budget), the memory planner against the measured peak at the Llama-1B shape, whose table of the parallel page it
-#   writes into $OUT.
+#   writes into $OUT, and issue 43's replica groups on torchft's NCCL process group against torchrun's restart
+#   (bench/fault_tolerance.py --backend nccl; 2 GPUs or more, a skip line otherwise).
 # Each result is one JSON line appended to $OUT/results.jsonl as soon as it exists; each item has its own
 # timeout, capped by what is left of SUITE_BUDGET_S, so one hang cannot eat the run. Logs: $OUT/<item>.log.
 #
@@ -43,6 +44,8 @@ if [[ "$SMOKE" == 1 ]]; then
   item mamba2_ssm 30 python3 bench/mamba2_ssm.py --shape 1,4,16,2,16,128 --rounds 1  # a skip line on CPU
   item plan_memory 120 python3 bench/plan_vs_measured_gpu.py --device cpu --modes none full \
     --table "$OUT/parallel-03-plan-vs-measured-gpu.json" --machine "$MACHINE"
+  item fault_tolerance 400 python3 bench/fault_tolerance.py --backend gloo --configs tiny-gpt --groups 2 --ranks 1 \
+    --kill-at 6 --checkpoint-every 5 --table "$OUT" --machine "$MACHINE"
 else
   item gemm 30 python3 bench/gemm_ceiling.py --n 8192 --seconds 1.5
   item init_speed 25 python3 bench/init_speed.py --layers 1 4 16
@@ -68,5 +71,13 @@ else
   # table, written into $OUT)
   item plan_memory 100 python3 bench/plan_vs_measured_gpu.py \
     --table "$OUT/parallel-03-plan-vs-measured-gpu.json" --machine "$MACHINE"
+  # issue 43's replica groups on torchft's NCCL process group against torchrun's restart (one GPU per rank: 2 groups
+  # of 1 need 2 GPUs; the fault-tolerance page's table, written into $OUT)
+  if (( $(nvidia-smi -L 2>/dev/null | wc -l) >= 2 )); then
+    item fault_tolerance 240 python3 bench/fault_tolerance.py --backend nccl --configs tiny-gpt --groups 2 --ranks 1 \
+      --table "$OUT" --machine "$MACHINE"
+  else
+    echo '{"item": "fault_tolerance", "status": "skipped", "reason": "needs 2 GPUs (one per rank)"}' >> "$RESULTS"
+  fi
 fi
 echo "suite done in $(( $(date +%s) - START ))s; results in $RESULTS" >&2

@@ -40,6 +40,24 @@ def replica_overrides(groups: int) -> list[str]:
     return ["fault_tolerance.enabled=true", f"fault_tolerance.replica_groups={groups}"]
 
 
+def visible_gpus() -> list[str]:
+    """This machine's GPUs as CUDA_VISIBLE_DEVICES names them (all of them when it is unset)."""
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return [d for d in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def group_gpus(replica_id: int, nproc_per_node: int, groups: int, visible: list[str]) -> str | None:
+    """CUDA_VISIBLE_DEVICES of group `replica_id`: its own nproc_per_node GPUs when the machine has one for every
+    rank of every group (each group's local rank k would otherwise take the same cuda:k as the others', which NCCL
+    refuses); None, to leave the environment as it is, when there are fewer."""
+    if len(visible) < groups * nproc_per_node:
+        return None
+    return ",".join(visible[replica_id * nproc_per_node:(replica_id + 1) * nproc_per_node])
+
+
 def check_replica_groups(groups: int) -> None:
     if not 1 <= groups <= MAX_REPLICA_GROUPS:
         raise UsageError(f"--replica-groups={groups} is out of range",
@@ -86,6 +104,9 @@ def launch_replica_groups(config: str, overrides: list[str], cfg: Config, *, npr
         # the machine's cores shared by every group's ranks (OMP threads), not by one group's
         env = {**torchrun_env(len(groups) * nproc_per_node, GROUP_SHUTDOWN_S), REPLICA_ID_ENV: str(group.replica_id),
                LIGHTHOUSE_ENV: address}
+        gpus = group_gpus(group.replica_id, nproc_per_node, len(groups), visible_gpus())
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
         # a session of its own: a terminal's Ctrl-C reaches the launcher, which passes it on (above)
         group.process = subprocess.Popen(command, env=env, start_new_session=True)
         group.started = time.monotonic()

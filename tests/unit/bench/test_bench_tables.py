@@ -142,12 +142,31 @@ def test_muon_distributed(tmp_path):
 
 
 def test_fault_tolerance(tmp_path):
-    result = {"plain_step_s": 0.2, "ft_step_s": 0.21, "ft_next_step_s": 3.4, "ft_rejoin_s": 17.0,
-              "restart_next_step_s": 41.0, "restart_steps_retrained": 3.0}
-    args = argparse.Namespace(groups=2, ranks=1, checkpoint_every=5)
-    script("fault_tolerance").write(tmp_path / "fault-tolerance-01-cpu.json", result, args, MACHINE)
-    check(tmp_path, "0.210 (1.05x)", "3.4", "17.0", "41.0 (to the first step past the killed one)",
-          "checkpoints every 5 steps")
+    module = script("fault_tolerance")
+    row = {"config": "tiny-moe", "groups": 3, "ranks": 2, "join_timeout_s": 10.0, "plain_step_s": 2.0,
+           "ft_step_s": 2.06, "ft_next_step_s": 3.4, "ft_rejoin_s": 17.0, "restart_first_step_s": 31.0,
+           "restart_next_step_s": 41.0, "restart_steps_retrained": 12.0}
+    args = argparse.Namespace(backend="gloo", configs=["tiny-moe"], groups=[3], ranks=2, kill_at=12,
+                              heartbeat_timeout_s=1.0, join_timeout_s=10.0, checkpoint_every=50, machine=MACHINE,
+                              goodput_minutes=10.0, goodput_reference_minutes=3.0, goodput_config="tiny-gpt",
+                              goodput_groups=2, goodput_ranks=1)
+    module.write_rows(tmp_path / module.ROWS_TABLE.format(backend="gloo"), [row], args)
+    run = {"tokens_per_step": 4096.0}  # 16 sequences of 128 tokens on each of 2 ranks
+    goodput = {"ft-no-kill": {"steps": 100.0, "seconds": 180.0, "kills": 0.0, **run},
+               "ft-kills": {"steps": 300.0, "seconds": 600.0, "kills": 10.0, **run},
+               "restart-no-kill": {"steps": 90.0, "seconds": 180.0, "kills": 0.0, **run},
+               "restart-kills": {"steps": 30.0, "seconds": 600.0, "kills": 10.0, **run}}
+    module.write_goodput(tmp_path / module.GOODPUT_TABLE.format(backend="gloo"), goodput, args)
+    # 100 steps of 4096 tokens in 180 s: 2,276 tokens/s
+    check(tmp_path, "tiny-moe", "3 × 2", "2.060 / 2.000", "+3.0%", "3.4 (1.3 beyond a step)", "17.0", "31.0",
+          "41.0", "12", "2,276", "2,048", "0.90", "2,048", "205", "0.10", "every 50 steps")
+    page = tmp_path / "page.md"
+    page.write_text(f"before\n{module.DOCS_BEGIN}\nold figures\n{module.DOCS_END}\nafter\n")
+    module.write_docs(page, tmp_path, "gloo")
+    text = page.read_text()
+    assert "old figures" not in text and text.startswith("before\n") and text.endswith("after\n")
+    assert "| tiny-moe | 3 × 2 | 10 | 2.060 / 2.000 | +3.0% |" in text
+    assert "replica groups (heal from a live peer) 0.90" in text
 
 
 def test_moe_layer(tmp_path):
