@@ -236,10 +236,11 @@ def next_token_logits(model: ParallelModel, cfg: Config, sequences: list[list[in
 
 class LayoutNextLogits:
     """MeshformerLM's generation backend without a whole model: each decoding step's next-token logits from the
-    layout's evaluation forward over the whole prefix (no cache)."""
+    layout's evaluation forward over the whole prefix (no cache). A call takes a batch per data-parallel rank."""
 
     def __init__(self, model: ParallelModel, cfg: Config, batch_size: int, pad_id: int) -> None:
         self.model, self.cfg, self.batch_size, self.pad_id = model, cfg, batch_size, pad_id
+        self.rows_per_call = batch_size * model.dp_size
 
     def __call__(self, sequences: list[list[int]]) -> torch.Tensor:
         return next_token_logits(self.model, self.cfg, sequences, self.batch_size, self.pad_id, self.cfg.data.seq_len)
