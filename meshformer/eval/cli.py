@@ -174,8 +174,8 @@ def _layout_lm(args: argparse.Namespace) -> Any:
     validate(cfg)
     dims = init_distributed(cfg)
     device = job_device(cfg, env_rank()[1])
-    with torch.device("meta"):
-        model = Transformer(opened.cfg)
+    with torch.device("meta"):  # each rank allocates its shards only; the folder's tensors replace the init
+        model = Transformer(opened.cfg, init_seed=0)
     # the layout's objective is replaced while scoring (per-row losses, next-token logits); plain is its base
     parallel_model = parallelize(model, cfg, device, LossSpec("plain"), dims)
     load_into(parallel_model.model_parts, opened.tensors)
