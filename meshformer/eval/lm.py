@@ -343,9 +343,11 @@ class Sampling:
     def from_options(cls, options: dict[str, Any]) -> Sampling | None:
         """The options' sampling (None: greedy); one line for an option meshformer does not apply."""
         do_sample = bool(options.pop("do_sample", False))
-        temperature = float(options.pop("temperature", 0.0) or 0.0)
-        top_k, top_p = int(options.pop("top_k", 0) or 0), float(options.pop("top_p", 1.0) or 1.0)
-        if int(options.pop("num_beams", 1) or 1) != 1:
+        given = {key: options.pop(key, None) for key in ("temperature", "top_k", "top_p", "num_beams")}
+        temperature = float(0.0 if given["temperature"] is None else given["temperature"])  # None: the default
+        top_k = int(0 if given["top_k"] is None else given["top_k"])
+        top_p = float(1.0 if given["top_p"] is None else given["top_p"])
+        if int(1 if given["num_beams"] is None else given["num_beams"]) != 1:
             raise UsageError("meshformer's lm-eval model does not run beam search (num_beams > 1)",
                              "set num_beams: 1 in the task's generation_kwargs")
         if temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0:
