@@ -30,6 +30,7 @@ from meshformer.config import Config
 from meshformer.data import Tokenizer
 from meshformer.errors import ConfigError
 from meshformer.eval.layout_forward import (  # noqa: F401 (padded_length, _RowLosses: where tests look for them)
+    LayoutNextLogits,
     LayoutScorer,
     _RowLosses,
     padded_length,
@@ -174,7 +175,7 @@ class LmEvalDownstream:
     def run(self, model: ParallelModel, poll: Callable[[], None] = lambda: None,
             whole: Transformer | None = None) -> dict[str, float]:
         """Every task's metrics and standard errors as `downstream/<task>/<metric>` scalars (the same on every
-        rank); `whole`: the whole model on this rank when the layout keeps one (generation tasks need it)."""
+        rank); `whole`: the whole model on this rank when the layout keeps one (generation through its caches)."""
         from meshformer.eval.lm import MeshformerLM
         from meshformer.eval.run import evaluate
 
@@ -182,8 +183,11 @@ class LmEvalDownstream:
         options = self.cfg.downstream
         was_training = [part.training for part in model.model_parts]  # MeshformerLM puts `whole` in eval mode
         scorer = LayoutScorer(model, self.cfg, self.batch_size, self.tokenizer.pad_id, poll)
+        # without a whole model on the rank (pipeline stages), generation steps through the layout's forward
+        stepwise = None if whole is not None else LayoutNextLogits(model, self.cfg, self.batch_size,
+                                                                   self.tokenizer.pad_id)
         lm = MeshformerLM(model=whole, tokenizer=self.tokenizer, scorer=scorer, batch_size=self.batch_size,
-                          max_length=self.cfg.data.seq_len, poll=poll)
+                          max_length=self.cfg.data.seq_len, poll=poll, next_logits=stepwise)
         limit = None if not options.limit else int(options.limit) if options.limit >= 1 else options.limit
         try:
             results = evaluate(lm, list(options.tasks), include_path=list(options.include_path),
