@@ -1,6 +1,8 @@
-"""The layout's evaluation forward (`ParallelModel.evaluate`: tensor, pipeline, context, expert and data parallel
-alike) as lm-eval's requests need it: summed log-likelihoods of (context, continuation) rows, and the next-token
-logits of token sequences, for generation without a whole model on any rank.
+"""lm-eval's requests through a layout's evaluation forward.
+
+`ParallelModel.evaluate` (tensor, pipeline, context, expert and data parallel alike) gives the summed
+log-likelihoods of (context, continuation) rows, and the next-token logits of token sequences for generation
+without a whole model on any rank.
 
 The model's loss is swapped for a recorder: per-row plain cross-entropy of full-vocabulary logits (no label
 smoothing or z-loss) for scoring, the logits at one labelled position per row for generation. Each data-parallel
