@@ -63,8 +63,9 @@ def _sorted_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
 class MeshformerLM(TemplateLM):
     """lm-eval's `LM` over a meshformer `Transformer` and its tokenizer.
 
-    From lm-eval: `--model meshformer --model_args path=FOLDER[,batch_size=N][,max_length=N]` (a run folder, its
-    `final/`, or a Hugging Face folder); from Python: `MeshformerLM(model=..., tokenizer=...)`.
+    From lm-eval: `--model meshformer --model_args path=FOLDER[,batch_size=N][,max_length=N][,seed=N]` (a run
+    folder, its `final/`, a checkpoint or a Hugging Face folder: eval/model_folder.py); from Python:
+    `MeshformerLM(model=..., tokenizer=...)`.
     `poll` runs before each batch (a training run's stop check, which raises to end the evaluation).
     `scorer`: the layout's evaluation forward (eval/layout_forward.py `LayoutScorer`), which scores the
     log-likelihood requests instead of `model` and shares them between data-parallel ranks itself: every rank then
@@ -72,7 +73,7 @@ class MeshformerLM(TemplateLM):
     for generation without a whole model (`model` None). `seed`: sampled generation's seed."""
 
     backend = "causal"
-    model: Transformer | None  # None: a layout's scorer without the whole model on this rank (no generation)
+    model: Transformer | None  # None: a layout without the whole model on this rank (generation: next_logits)
 
     def __init__(self, path: str | None = None, *, model: Transformer | None = None,
                  tokenizer: Tokenizer | None = None, batch_size: int | str = 16, max_length: int | None = None,
