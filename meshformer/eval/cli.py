@@ -165,6 +165,7 @@ def _layout_lm(args: argparse.Namespace) -> Any:
     from meshformer.loss.token_loss import LossSpec
     from meshformer.model import Transformer
     from meshformer.parallel.parallelize import parallelize
+    from meshformer.parallel_dims import validate_parallel
     from meshformer.runtime.distributed import env_rank, init_distributed, job_device
 
     opened = open_model_folder(args.folder)
@@ -172,8 +173,10 @@ def _layout_lm(args: argparse.Namespace) -> Any:
     cfg = dataclasses.replace(base, model=opened.cfg,
                               data=dataclasses.replace(base.data, seq_len=opened.cfg.max_seq_len))
     validate(cfg)
-    dims = init_distributed(cfg)
-    device = job_device(cfg, env_rank()[1])
+    _, local_rank, world = env_rank()
+    device = job_device(cfg, local_rank)
+    # one process: the layout is checked here and no process group is needed
+    dims = init_distributed(cfg) if world > 1 else validate_parallel(cfg, 1, device)
     with torch.device("meta"):  # each rank allocates its shards only; the folder's tensors replace the init
         model = Transformer(opened.cfg, init_seed=0)
     # the layout's objective is replaced while scoring (per-row losses, next-token logits); plain is its base
