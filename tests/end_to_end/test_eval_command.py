@@ -145,6 +145,8 @@ def _two_ranks(folder: Path, tasks: list[str], out: Path, *sets: str) -> dict[st
     return json.loads(out.read_text())
 
 
+@pytest.mark.matrix  # a two-rank eval run and a one-process reference (minutes): CI's row for layout generation is
+# tests/end_to_end/test_downstream.py's tp2 row, which decodes through the same step (LayoutNextLogits)
 def test_a_pipeline_generates_and_scores_as_one_process_from_a_run_folder(layout_case, tmp_path):
     """pp2 on a run folder without final/ (its checkpoint, no export): greedy and sampled generation run through
     the stages (the generation tasks only: the matrix rows and the in-loop rows score the others under layouts)."""
@@ -153,7 +155,7 @@ def test_a_pipeline_generates_and_scores_as_one_process_from_a_run_folder(layout
     assert set(two["samples"]) == {"kjv_complete", "kjv_sampled"}
 
 
-@pytest.mark.matrix  # a two-rank eval run each (about a minute of CI each): the pipeline row covers the path
+@pytest.mark.matrix  # a two-rank eval run each (minutes)
 @pytest.mark.parametrize("sets", [(), ("parallel.tp=2",), ("parallel.cp=2",), ("parallel.dp_shard=2",)],
                          ids=["dp2", "tp2", "cp2", "fsdp2"])
 def test_two_rank_layouts_score_and_sample_as_one_process(folder, layout_case, tmp_path, sets):
