@@ -1,5 +1,8 @@
 """`meshformer eval RUN_OR_FOLDER --tasks T1,T2`: lm-eval's tasks scored by meshformer's model, offline; writes
-lm-eval's results JSON. With --nproc-per-node N the data-parallel ranks (torchrun, gloo) share the requests."""
+lm-eval's results JSON. RUN_OR_FOLDER: a run folder, a weights folder, a sharded checkpoint or a Hugging Face folder
+(eval/model_folder.py). With --nproc-per-node N the data-parallel ranks (torchrun, gloo) share the requests, each
+with a whole model; with --set parallel.KEY=VALUE the ranks hold the model as that layout does (tensor, pipeline,
+context, expert parallel, FSDP) and run its evaluation forward (eval/layout_forward.py)."""
 
 from __future__ import annotations
 
@@ -13,13 +16,20 @@ from typing import Any
 
 from meshformer.errors import ConfigError, UsageError
 
-DESCRIPTION = """\
-Score lm-eval tasks with a run's final weights, a weights folder or a Hugging Face folder, through lm-eval's own
-evaluator (its prompts, few-shot sampling, filters and metrics). Tasks: names from lm-eval's registry (hellaswag,
-arc_easy, mmlu, ...) whose datasets are in the local `datasets` cache, task folders given by --include-path, task
-YAML paths, and the bundled tasks (bundled:kjv_cloze, bundled:kjv_next, bundled:kjv_lastword,
-bundled:kjv_perplexity, bundled:kjv_complete). Nothing is downloaded."""
+LAYOUT_KEYS = ("parallel.", "train.device=")  # what --set may change: how the model is laid out, not what it computes
 
+DESCRIPTION = """\
+Score lm-eval tasks with a run's final weights (or its newest checkpoint), a weights folder, a sharded checkpoint or
+a Hugging Face folder, with no export step, through lm-eval's own evaluator (its prompts, few-shot sampling, filters
+and metrics). Tasks: names from lm-eval's registry (hellaswag, arc_easy, mmlu, ...) whose datasets are in the local
+`datasets` cache, task folders given by --include-path, task YAML paths, and the bundled tasks (bundled:kjv_cloze,
+bundled:kjv_next, bundled:kjv_lastword, bundled:kjv_perplexity, bundled:kjv_complete). Nothing is downloaded.
+
+Layouts: --nproc-per-node N alone gives N data-parallel processes, each with the whole model; add
+--set parallel.KEY=VALUE (tp, pp, cp, ep, dp_shard, ...) to hold the model as a training run of that layout does.
+Scores and generations equal one process's."""
+
+DEFAULT_SEED = 1234  # lm-eval's default seed (meshformer/eval/lm.py DEFAULT_SEED: this module loads without torch)
 FETCH_FIX = ("on a machine with internet run: python -c \"from lm_eval.tasks import get_task_dict; "
              "get_task_dict(['{task}'])\" and copy its ~/.cache/huggingface/datasets here (or set HF_DATASETS_CACHE)")
 
@@ -44,8 +54,15 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                         "trust_task_code)")
     parser.add_argument("--follow-links", action="store_true", help="read data_files that links take elsewhere")
     parser.add_argument("--nproc-per-node", type=int, default=1,
-                        help="data-parallel processes sharing the requests (torchrun, one whole model each; "
-                        "default: 1)")
+                        help="processes (torchrun): data-parallel ones sharing the requests with a whole model "
+                        "each, or the ranks of the --set layout (default: 1)")
+    parser.add_argument("--set", action="append", default=[], metavar="parallel.KEY=VALUE", dest="overrides",
+                        help="the layout the ranks hold the model in, as a run's config sets it (repeatable), e.g. "
+                        "--set parallel.tp=2; also train.device")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
+                        help="seed of sampled generation (do_sample tasks): each request draws from its own "
+                        f"generator seeded from it and the request, so any layout samples the same tokens "
+                        f"(default: {DEFAULT_SEED}, lm-eval's)")
     parser.set_defaults(func=run)
 
 
@@ -64,6 +81,10 @@ def run(args: argparse.Namespace) -> None:
     for folder in args.include_path:
         if not Path(folder).is_dir():
             raise UsageError(f"--include-path {folder} is not a folder", "give a folder of lm-eval task YAMLs")
+    for item in args.overrides:
+        if not item.startswith(LAYOUT_KEYS) or "=" not in item:
+            raise UsageError(f"--set {item}: meshformer eval takes the layout's keys only",
+                             "give parallel.KEY=VALUE (tp, pp, cp, ep, dp_shard, ...) or train.device=DEVICE")
     if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
         sys.exit(_launch(args.nproc_per_node))
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # nothing downloads: a missing dataset is named instead
@@ -71,16 +92,25 @@ def run(args: argparse.Namespace) -> None:
     from meshformer.config.sections import DownstreamConfig  # torch: only once the command runs
 
     options = DownstreamConfig(trust_task_code=args.trust_task_code, follow_links=args.follow_links)
-    _init_data_parallel()
     from meshformer.eval.lm import MeshformerLM
     from meshformer.eval.run import evaluate, is_task_file
 
     check_datasets([s for s in specs if not is_task_file(s)], args.include_path)
-    lm = MeshformerLM(path=args.folder, batch_size=args.batch_size)
+    if args.overrides:
+        lm = _layout_lm(args)
+    else:
+        _init_data_parallel()
+        lm = MeshformerLM(path=args.folder, batch_size=args.batch_size, seed=args.seed)
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
-    results = evaluate(lm, specs, include_path=args.include_path, num_fewshot=args.num_fewshot, limit=limit,
-                       options=options, log_samples=args.log_samples, bootstrap_iters=args.bootstrap_iters)
-    if results is None:  # a data-parallel rank other than the first: rank 0 reports
+    try:
+        results = evaluate(lm, specs, include_path=args.include_path, num_fewshot=args.num_fewshot, limit=limit,
+                           options=options, log_samples=args.log_samples, bootstrap_iters=args.bootstrap_iters)
+    finally:
+        if args.overrides:
+            from meshformer.runtime.distributed import shutdown_distributed
+
+            shutdown_distributed()
+    if results is None or int(os.environ.get("RANK", "0")) != 0:  # rank 0 reports
         return
     from lm_eval.utils import make_table
 
@@ -117,6 +147,45 @@ def _launch(nproc: int) -> int:
            "-m", "meshformer", *sys.argv[1:]]
     print("launching: " + " ".join(cmd), file=sys.stderr, flush=True)
     return subprocess.call(cmd)
+
+
+def _layout_lm(args: argparse.Namespace) -> Any:
+    """MeshformerLM over the folder's model held as the --set layout holds it on this rank: its tensors read into
+    this rank's shards, log-likelihoods and decoding steps through the layout's evaluation forward."""
+    import dataclasses
+
+    import torch
+
+    from meshformer.checkpointing.weights import load_into
+    from meshformer.config import load_config
+    from meshformer.config.validate import validate
+    from meshformer.eval.layout_forward import LayoutNextLogits, LayoutScorer
+    from meshformer.eval.lm import MeshformerLM
+    from meshformer.eval.model_folder import open_model_folder
+    from meshformer.loss.token_loss import LossSpec
+    from meshformer.model import Transformer
+    from meshformer.parallel.parallelize import parallelize
+    from meshformer.parallel_dims import validate_parallel
+    from meshformer.runtime.distributed import env_rank, init_distributed, job_device
+
+    opened = open_model_folder(args.folder)
+    base = load_config(None, args.overrides)
+    cfg = dataclasses.replace(base, model=opened.cfg,
+                              data=dataclasses.replace(base.data, seq_len=opened.cfg.max_seq_len))
+    validate(cfg)
+    _, local_rank, world = env_rank()
+    device = job_device(cfg, local_rank)
+    # one process: the layout is checked here and no process group is needed
+    dims = init_distributed(cfg) if world > 1 else validate_parallel(cfg, 1, device)
+    with torch.device("meta"):  # each rank allocates its shards only; the folder's tensors replace the init
+        model = Transformer(opened.cfg, init_seed=0)
+    # the layout's objective is replaced while scoring (per-row losses, next-token logits); plain is its base
+    parallel_model = parallelize(model, cfg, device, LossSpec("plain"), dims)
+    load_into(parallel_model.model_parts, opened.tensors)
+    pad_id = opened.tokenizer.pad_id
+    return MeshformerLM(tokenizer=opened.tokenizer, batch_size=args.batch_size, max_length=cfg.data.seq_len,
+                        scorer=LayoutScorer(parallel_model, cfg, args.batch_size, pad_id, lambda: None),
+                        next_logits=LayoutNextLogits(parallel_model, cfg, args.batch_size, pad_id), seed=args.seed)
 
 
 def _init_data_parallel() -> None:

@@ -8,14 +8,21 @@ request order: a request's score does not depend on the others in its batch (rig
 with the padding masked for generation).
 
 Data-parallel ranks (torch.distributed initialised, each rank a whole model) share the requests through lm-eval's
-own protocol: `rank` and `world_size` tell its evaluator to hand each rank a slice and gather the results.
+own protocol: `rank` and `world_size` tell its evaluator to hand each rank a slice and gather the results. Under a
+layout that splits the model (eval/layout_forward.py), every rank runs the evaluator on all requests and the layout's
+evaluation forward scores them and gives each decoding step's logits.
+
+Sampled generation (`do_sample` with a temperature, `top_k`, `top_p`) draws each request's tokens from its own
+generator, seeded from `seed` and the request's identity (task, document, index, repeat): the same tokens whatever
+the batch, the order, the data-parallel rank or the layout that decodes it.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,9 +38,19 @@ from meshformer.model import Transformer
 from meshformer.model.generate import greedy_decode, pad_rows
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's own default for generate_until
+DEFAULT_SEED = 1234  # lm-eval's default seed (its --seed), for sampled generation
 Pair = tuple[list[int], list[int]]  # (context tokens, continuation tokens)
 # a layout's own scoring of (context, continuation) pairs: (summed log-likelihood, whether greedy) per pair
 Scorer = Callable[[list[Pair]], list[tuple[float, bool]]]
+
+
+class NextLogits(Protocol):
+    """A layout's decoding step (eval/layout_forward.py `LayoutNextLogits`): the fp32 logits (n, vocabulary) of the
+    token after each of n sequences, the same on every rank; `rows_per_call`: how many sequences a call takes."""
+
+    rows_per_call: int
+
+    def __call__(self, sequences: list[list[int]]) -> torch.Tensor: ...
 
 
 def _sorted_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
@@ -46,21 +63,25 @@ def _sorted_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
 class MeshformerLM(TemplateLM):
     """lm-eval's `LM` over a meshformer `Transformer` and its tokenizer.
 
-    From lm-eval: `--model meshformer --model_args path=FOLDER[,batch_size=N][,max_length=N]` (a run folder, its
-    `final/`, or a Hugging Face folder); from Python: `MeshformerLM(model=..., tokenizer=...)`.
+    From lm-eval: `--model meshformer --model_args path=FOLDER[,batch_size=N][,max_length=N][,seed=N]` (a run
+    folder, its `final/`, a checkpoint or a Hugging Face folder: eval/model_folder.py); from Python:
+    `MeshformerLM(model=..., tokenizer=...)`.
     `poll` runs before each batch (a training run's stop check, which raises to end the evaluation).
-    `scorer`: the training layout's evaluation forward (train/downstream.py `LayoutScorer`), which scores the
+    `scorer`: the layout's evaluation forward (eval/layout_forward.py `LayoutScorer`), which scores the
     log-likelihood requests instead of `model` and shares them between data-parallel ranks itself: every rank then
-    runs lm-eval's evaluator on all requests and gets the same results (`model` may be None: no generation)."""
+    runs lm-eval's evaluator on all requests and gets the same results. `next_logits`: the layout's decoding step,
+    for generation without a whole model (`model` None). `seed`: sampled generation's seed."""
 
     backend = "causal"
-    model: Transformer | None  # None: a layout's scorer without the whole model on this rank (no generation)
+    model: Transformer | None  # None: a layout without the whole model on this rank (generation: next_logits)
 
     def __init__(self, path: str | None = None, *, model: Transformer | None = None,
                  tokenizer: Tokenizer | None = None, batch_size: int | str = 16, max_length: int | None = None,
                  max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, poll: Callable[[], None] | None = None,
-                 scorer: Scorer | None = None, **unused: Any) -> None:
+                 scorer: Scorer | None = None, next_logits: NextLogits | None = None, seed: int | str = DEFAULT_SEED,
+                 **unused: Any) -> None:
         super().__init__()
+        self.seed, self.next_logits = int(seed), next_logits
         if scorer is not None and path is None:
             self._init_scored(model, tokenizer, scorer, batch_size, max_length, max_gen_toks, poll)
             return
@@ -224,8 +245,9 @@ class MeshformerLM(TemplateLM):
     # --------------------------------------------------------------------------------------------- generation
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        """Greedy continuations, batched per set of generation options, each cut at its first stop string."""
-        if self.model is None:
+        """Greedy or sampled continuations, batched per set of generation options, each cut at its first stop
+        string (and at the end-of-text token)."""
+        if self.model is None and self.next_logits is None:
             raise UsageError("generate_until needs the whole model on each rank; this layout splits it",
                              "score generation tasks with `meshformer eval` on the run's final/ folder")
         eos = self.mf_tokenizer.decode([self.eot_token_id])
@@ -233,26 +255,31 @@ class MeshformerLM(TemplateLM):
         groups: dict[str, list[int]] = {}
         for i, req in enumerate(requests):
             groups.setdefault(repr(sorted(req.args[1].items())), []).append(i)
+        seeds = request_seeds(requests, self.seed)
         for members in groups.values():
             options = normalize_gen_kwargs(dict(requests[members[0]].args[1]), self._max_gen_toks)
             until = handle_stop_sequences(options.pop("until", None), eos=eos)
             max_gen = int(options.pop("max_gen_toks"))
-            if options.pop("do_sample", False) or float(options.pop("temperature", 0.0) or 0.0) > 0.0:
-                raise UsageError("meshformer's lm-eval model decodes greedily; a task asks for sampling",
-                                 "set do_sample: false (temperature 0) in the task's generation_kwargs")
+            sampling = Sampling.from_options(options)
             if max_gen >= self.max_length:
                 raise UsageError(f"a task asks for {max_gen} new tokens but the model holds {self.max_length}",
                                  "lower the task's max_gen_toks")
             prompts = {i: self.tok_encode(requests[i].args[0])[-(self.max_length - max_gen):] for i in members}
             lengths = [len(prompts[i]) for i in members]
-            for batch in _sorted_batches(lengths, self.batch_size):
-                texts = self._generate([prompts[members[j]] for j in batch], max_gen, until)
-                for j, text in zip(batch, texts):
-                    results[members[j]] = text
-                    self.cache_hook.add_partial("generate_until", requests[members[j]].args, text)
+            per_call = self.next_logits.rows_per_call if self.model is None and self.next_logits else self.batch_size
+            for batch in _sorted_batches(lengths, per_call):
+                rows = [members[j] for j in batch]
+                generators = None if sampling is None else [_generator(seeds[i]) for i in rows]
+                decode = self._generate if self.model is not None else self._generate_stepwise
+                texts = decode([prompts[i] for i in rows], max_gen, until, sampling, generators)
+                for i, text in zip(rows, texts):
+                    results[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
         return results
 
-    def _generate(self, prompts: list[list[int]], max_gen: int, until: list[str]) -> list[str]:
+    def _generate(self, prompts: list[list[int]], max_gen: int, until: list[str], sampling: Sampling | None,
+                  generators: list[torch.Generator] | None) -> list[str]:
+        """Decoding through the model's caches (a whole model on this rank)."""
         self.poll()
         ids, padding = pad_rows(prompts, self.mf_tokenizer.pad_id, left=True, device=self.device)
         start = ids.shape[1]
@@ -261,12 +288,111 @@ class MeshformerLM(TemplateLM):
             texts = [self.tok_decode(row) for row in tokens[:, start:].tolist()]
             return torch.tensor([any(stop in text for stop in until) for text in texts], device=tokens.device)
 
+        choose = None
+        if sampling is not None and generators is not None:
+            def choose(logits: torch.Tensor) -> torch.Tensor:
+                return sampling.pick(logits, generators).to(logits.device)
+
         assert self.model is not None
         out = greedy_decode(self.model, ids, max_gen, prompt_padding=padding, eos_id=self.eot_token_id,
-                            stopped=stopped, between_tokens=self.poll)
-        texts = []
-        for row in out[:, start:].tolist():
-            if self.eot_token_id in row:
-                row = row[:row.index(self.eot_token_id)]
-            texts.append(postprocess_generated_text(self.tok_decode(row), until, None))
-        return texts
+                            stopped=stopped, between_tokens=self.poll, choose=choose)
+        return [self._text(row, until) for row in out[:, start:].tolist()]
+
+    def _generate_stepwise(self, prompts: list[list[int]], max_gen: int, until: list[str],
+                           sampling: Sampling | None, generators: list[torch.Generator] | None) -> list[str]:
+        """Decoding through the layout's evaluation forward: each step runs the whole prefix of every unfinished
+        row (no cache); every rank gets the same logits, so every rank picks the same tokens and stops alike."""
+        assert self.next_logits is not None
+        sequences = [list(p) for p in prompts]
+        new: list[list[int]] = [[] for _ in prompts]
+        active = list(range(len(prompts)))
+        for _ in range(max_gen):
+            if not active:
+                break
+            self.poll()
+            logits = self.next_logits([sequences[i] for i in active])
+            if sampling is None or generators is None:
+                tokens = logits.argmax(-1)
+            else:
+                tokens = sampling.pick(logits, [generators[i] for i in active])
+            still = []
+            for i, token in zip(active, tokens.tolist()):
+                if token == self.eot_token_id:
+                    continue
+                sequences[i].append(token)
+                new[i].append(token)
+                if not any(stop in self.tok_decode(new[i]) for stop in until):
+                    still.append(i)
+            active = still
+        return [self._text(row, until) for row in new]
+
+    def _text(self, row: list[int], until: list[str]) -> str:
+        if self.eot_token_id in row:
+            row = row[:row.index(self.eot_token_id)]
+        return postprocess_generated_text(self.tok_decode(row), until, None)
+
+
+class Sampling:
+    """lm-eval's sampling options (`do_sample: true`, `temperature` > 0, `top_k`, `top_p`), applied as Hugging Face's
+    `generate` applies them: logits / temperature, then the top_k tokens, then the smallest set of tokens whose
+    probability reaches top_p."""
+
+    def __init__(self, temperature: float, top_k: int, top_p: float) -> None:
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> Sampling | None:
+        """The options' sampling (None: greedy); one line for an option meshformer does not apply."""
+        do_sample = bool(options.pop("do_sample", False))
+        given = {key: options.pop(key, None) for key in ("temperature", "top_k", "top_p", "num_beams")}
+        temperature = float(0.0 if given["temperature"] is None else given["temperature"])  # None: the default
+        top_k = int(0 if given["top_k"] is None else given["top_k"])
+        top_p = float(1.0 if given["top_p"] is None else given["top_p"])
+        if int(1 if given["num_beams"] is None else given["num_beams"]) != 1:
+            raise UsageError("meshformer's lm-eval model does not run beam search (num_beams > 1)",
+                             "set num_beams: 1 in the task's generation_kwargs")
+        if temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0:
+            raise UsageError(f"generation_kwargs temperature={temperature}, top_k={top_k}, top_p={top_p}",
+                             "use temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
+        if not do_sample or temperature == 0.0:  # lm-eval's greedy: do_sample false or temperature 0
+            return None
+        return cls(temperature, top_k, top_p)
+
+    def pick(self, logits: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+        """One token per row, drawn by inverse CDF with the row's generator (one uniform per token, so a row's
+        draws do not depend on the other rows)."""
+        scores = logits.detach().to("cpu", torch.float64) / self.temperature
+        vocab = scores.shape[-1]
+        if 0 < self.top_k < vocab:
+            kth = scores.topk(self.top_k, dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, -torch.inf)
+        if self.top_p < 1.0:
+            ordered, order = scores.sort(dim=-1, descending=True)
+            probs = ordered.softmax(-1)
+            ahead = probs.cumsum(-1) - probs  # the probability of the tokens ranked above each one
+            drop = torch.zeros_like(ahead, dtype=torch.bool).scatter(-1, order, ahead >= self.top_p)
+            scores = scores.masked_fill(drop, -torch.inf)
+        cdf = scores.softmax(-1).cumsum(-1)
+        draws = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+        return torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None]).clamp(max=vocab - 1)[:, 0]
+
+
+def request_seeds(requests: list[Any], seed: int) -> list[int]:
+    """Each request's sampling seed: `seed` with its task, document, index within the document and repeat (the
+    n-th identical request: lm-eval repeats a request `repeats` times), not its place in the list."""
+    seen: dict[str, int] = {}
+    seeds = []
+    for req in requests:
+        identity = (f"{getattr(req, 'task_name', None)}|{getattr(req, 'doc_id', None)}|{getattr(req, 'idx', 0)}|"
+                    f"{req.args[0]}")
+        repeat = seen.get(identity, 0)
+        seen[identity] = repeat + 1
+        digest = hashlib.sha256(f"{seed}|{identity}|{repeat}".encode()).digest()
+        seeds.append(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    return seeds
+
+
+def _generator(seed: int) -> torch.Generator:
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return generator

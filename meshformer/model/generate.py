@@ -68,6 +68,7 @@ def greedy_decode(
     use_cache: bool = True,
     between_tokens: Callable[[], None] | None = None,
     stopped: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Prompt followed by up to `max_new_tokens` argmax tokens, shape (B, T_prompt + n_new).
 
@@ -84,6 +85,7 @@ def greedy_decode(
     stopped: given the tokens so far (B, T), which rows need no more (B,) bool, e.g. a stop string was written;
         decoding ends early once every row has stopped, by EOS or by `stopped` (later tokens of a row that
         stopped this way are still argmax tokens: the caller cuts them).
+    choose: the next token of each row (B,) from its logits (B, vocabulary) in place of the argmax (sampling).
     The model runs in eval mode; its previous mode is restored.
     """
     cfg = model.cfg
@@ -130,7 +132,8 @@ def greedy_decode(
                 hidden = model.decode(step_input if use_cache else tokens, padding, memory=memory,
                                       memory_padding=memory_padding, cache=cache,
                                       position_ids=step_positions if use_cache else positions)
-                next_token = model.head(hidden[:, -1]).argmax(dim=-1)
+                logits = model.head(hidden[:, -1])
+                next_token = logits.argmax(dim=-1) if choose is None else choose(logits)
                 if eos_id is not None:
                     next_token = next_token.masked_fill(eos_done, eos_id)
                     eos_done |= next_token == eos_id

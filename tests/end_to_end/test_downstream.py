@@ -150,7 +150,7 @@ def test_lm_eval_engine_in_the_loop_equals_lm_eval_over_the_whole_model(trained)
         zip(logliks, load_task("bundled:kjv_cloze").docs)) / 20, abs=1e-12)
 
 
-LAYOUT_TASKS = LM_EVAL_TASKS[:3]  # generation needs the whole model on a rank (not pipeline stages)
+LAYOUT_TASKS = LM_EVAL_TASKS  # generation too: the worker's layouts decode step by step through their forward
 
 
 @pytest.mark.parametrize("layout", [
@@ -160,7 +160,7 @@ LAYOUT_TASKS = LM_EVAL_TASKS[:3]  # generation needs the whole model on a rank (
     pytest.param(("parallel.cp=2", "parallel.dp_shard=1"), id="cp2", marks=pytest.mark.matrix)])
 def test_two_rank_lm_eval_scores_equal_one_process(trained, tmp_path, layout):
     """downstream.engine = "lm_eval" under a two-rank layout: lm-eval's metrics and standard errors (multiple
-    choice, loglikelihood with greedy flags, rolling perplexity) equal one process's."""
+    choice, loglikelihood with greedy flags, rolling perplexity, generation) equal one process's."""
     import dataclasses
 
     from meshformer.train.downstream import LmEvalDownstream
