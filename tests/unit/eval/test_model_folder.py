@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from helpers.convert import same_size_other_tokenizer
 from helpers.hf_models import hf_model
 
 from meshformer.checkpointing.checkpoint_errors import ConversionError
@@ -87,3 +88,20 @@ def test_a_folder_of_no_kind_is_one_line(tmp_path):
     assert "is neither a run folder" in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(ConversionError, match="is not a folder"):
         resolve_folder(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("given", ["finished", "running", "hf"])
+def test_meshformer_load_reads_every_folder_kind(folders, given, tmp_path):
+    """The Python way in (`meshformer.load`) reads what `meshformer eval` reads, and refuses another tokenizer."""
+    import meshformer
+
+    root, reference, tokenizer = folders
+    model, loaded_tokenizer = meshformer.load(root / given)
+    ids = torch.randint(0, reference.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(ids), reference(ids))
+    assert loaded_tokenizer.fingerprint == tokenizer.fingerprint
+    from meshformer.data.tokenizer import TokenizerError
+
+    with pytest.raises(TokenizerError, match="is not the tokenizer"):
+        meshformer.load(root / given, tokenizer=str(same_size_other_tokenizer(tmp_path / "other.json")))
