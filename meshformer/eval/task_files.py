@@ -196,6 +196,8 @@ def lm_eval_config(spec: str, options: DownstreamConfig | None = None) -> dict[s
                 raise TaskCodeError(f"{where}: {key} is !function {value.value} (Python code in the task's folder)",
                                     TRUST_FIX)
             value = load_function(path.parent, value.value, where, key, options.follow_links)
+        elif key in ("target_delimiter", "fewshot_delimiter") and not isinstance(value, str):
+            raise ConfigError(f"{where}: {key} is {value!r}, not a string", "write the text that separates them")
         elif key in _TEMPLATE_KEYS and isinstance(value, str):
             check_template(value, where, key, options.trust_task_code)
         config[key] = value
