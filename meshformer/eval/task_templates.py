@@ -1,5 +1,5 @@
-"""The templates of downstream task files (`doc_to_text`, `doc_to_choice`, `doc_to_target`, ... in lm-eval's Jinja),
-and the Python functions a trusted task file names with `!function`.
+"""The templates of downstream task files (`doc_to_text`, `doc_to_choice`, `doc_to_target` in lm-eval's Jinja), and
+the Python functions a trusted task file names with `!function`.
 
 A task file is data: while lm-eval reads and scores it, lm-eval's template environment is swapped for jinja2's
 ImmutableSandboxedEnvironment (meshformer/eval/run.py `template_environment`) with only the filters
