@@ -50,8 +50,10 @@ def measure(name: str, tasks: list[str], steps: int, work: Path) -> dict[str, An
                                    f'logging.run_dir="{run_dir}"', "logging.tensorboard=false"])
     tokenizer = preflight(cfg)  # the data is prepared here, outside the timed run
     start = time.perf_counter()
-    Trainer(cfg, tokenizer=tokenizer).fit()
+    result = Trainer(cfg, tokenizer=tokenizer).fit()
     fit_s = time.perf_counter() - start
+    if result.stopped_by is not None:
+        raise SystemExit(f"the {name} run was stopped by a signal: no figures")
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     scored = [line["downstream/time_s"] for line in lines if "downstream/time_s" in line]
     record = {"bench": "eval_share", "tasks": name, "evaluations": len(scored), "fit_s": fit_s,
@@ -63,7 +65,8 @@ def measure(name: str, tasks: list[str], steps: int, work: Path) -> dict[str, An
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=300, help="train.steps (tiny-gpt's own: 300)")
+    parser.add_argument("--steps", type=int, default=300, help="train.steps (tiny-gpt's own: 300; a multiple of its "
+                        "eval_interval, 100, keeps the share: each interval trains 100 steps and scores once)")
     add_table_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
