@@ -143,10 +143,22 @@ def migrate_optim_table(table: dict[str, Any], where: str = "", report: Report =
     return out
 
 
+# keys of earlier releases that no longer mean anything: dropped, with why
+REMOVED = {"downstream.engine": "in-loop evaluation always runs through lm-eval's evaluator"}
+
+
 def migrate_tree(raw: dict[str, Any], where: str = "", report: Report = "each",
                  context: dict[str, Any] | None = None, depths: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A whole config tree with its [model] and [optim] tables migrated (other tables as they are)."""
+    """A whole config tree with its [model] and [optim] tables migrated and the `REMOVED` keys dropped (other tables
+    as they are)."""
     out = raw
+    for dotted, why in REMOVED.items():
+        section, key = dotted.split(".")
+        table = out.get(section)
+        if isinstance(table, dict) and key in table:
+            out = {**out, section: {k: v for k, v in table.items() if k != key}}
+            if report != "none":
+                log.info("config: %s%s is no longer a key (%s); ignored", _at(where), dotted, why)
     model, optim = raw.get("model"), raw.get("optim")
     if isinstance(model, dict) and old_keys(model):
         out = {**out, "model": migrate_model_table(model, where, report, context, depths)}

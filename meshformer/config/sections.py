@@ -196,26 +196,23 @@ class ProfileConfig:
 
 @dataclass
 class DownstreamConfig:
-    """Zero-shot multiple-choice tasks (lm-evaluation-harness' local-task format) scored during training."""
+    """Tasks scored during training by lm-evaluation-harness' own evaluator (docs/evaluation.md)."""
 
-    # "bundled:kjv_cloze", "bundled:kjv_next" or the path of an lm-eval task YAML (dataset_path: json, its JSONL
-    # data_files in the YAML's folder, named relative to it); logged as downstream/<task>/{acc,acc_norm,acc_bytes,
-    # loglik_per_token,loglik_per_byte}; []: none
+    # "bundled:NAME" (kjv_cloze, kjv_next, kjv_lastword, kjv_perplexity, kjv_complete), the path of an lm-eval task
+    # YAML (dataset_path: json, its JSONL data_files in the YAML's folder, named relative to it), or an lm-eval task
+    # or group name (its dataset from the local datasets cache); logged as downstream/<task>/<metric> and
+    # <metric>_stderr; []: none
     tasks: list[str] = field(default_factory=list)
     interval: int = 0  # steps between downstream evaluations (and after the last step); 0: at train.eval_interval
-    batch_size: int = 0  # requests (context + one choice, data.seq_len tokens) per forward per rank; 0: data.batch_size
+    batch_size: int = 0  # requests (data.seq_len tokens at most) per forward per rank; 0: data.batch_size
     # run the task files as code, as lm-eval does: templates render unsandboxed and `!function module.name` loads
     # from module.py in the task's folder (false: templates render in a sandbox and !function is refused)
     trust_task_code: bool = False
     follow_links: bool = False  # read data_files that links take outside the task's folder (refused otherwise)
     max_task_mb: int = 64  # MiB of JSONL documents one task may hold (read into memory, scored at every evaluation)
-    # "builtin": multiple-choice task files scored by meshformer's own scorer; "lm_eval": every entry of tasks goes
-    # through lm-eval's evaluator (registry task and group names too, their datasets from the local datasets cache)
-    # on the run's layout, logged as downstream/<task>/<metric> and <metric>_stderr
-    engine: str = "builtin"
-    include_path: list[str] = field(default_factory=list)  # engine "lm_eval": folders of task YAMLs lm-eval indexes
-    num_fewshot: int = -1  # engine "lm_eval": few-shot examples per request; -1: each task's own
-    limit: float = 0  # engine "lm_eval": documents per task (a fraction when below 1); 0: all
+    include_path: list[str] = field(default_factory=list)  # folders of task YAMLs lm-eval indexes
+    num_fewshot: int = -1  # few-shot examples per request; -1: each task's own
+    limit: float = 0  # documents per task (a fraction when below 1); 0: all
 
 
 @dataclass

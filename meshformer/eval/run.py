@@ -77,7 +77,9 @@ def evaluate(lm: Any, specs: list[str], *, include_path: list[str] | None = None
     with template_environment(options.trust_task_code):
         tasks: list[str | dict[str, Any]] = [lm_eval_config(spec, options) if is_task_file(spec) else spec
                                              for spec in specs]
-        manager = TaskManager(include_path=include or None, include_defaults=True)
+        # lm-eval's own task index (thousands of YAMLs) is read only when a task is named from it
+        manager = TaskManager(include_path=include or None,
+                              include_defaults=any(not is_task_file(spec) for spec in specs))
         try:
             with _local_rank_zero(lm.world_size == 1):
                 return evaluator.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,

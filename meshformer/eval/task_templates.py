@@ -1,10 +1,11 @@
 """The templates of downstream task files (`doc_to_text`, `doc_to_choice`, `doc_to_target` in lm-eval's Jinja), and
 the Python functions a trusted task file names with `!function`.
 
-A task file is data: its templates render in jinja2's ImmutableSandboxedEnvironment with only the filters
+A task file is data: while lm-eval reads and scores it, lm-eval's template environment is swapped for jinja2's
+ImmutableSandboxedEnvironment (meshformer/eval/run.py `template_environment`) with only the filters
 lm-evaluation-harness' own task templates use (plus its `regex_replace`), `range` as the one global, no attribute
-or item whose name starts with "_" (refused when the template is read, before it renders), and bounds on what one
-rendering may build (string repetition, powers, `%` formatting, padding methods, the rendered text's length).
+or item whose name starts with "_" (refused when the task file is read, before anything renders), and bounds on what
+one rendering may build (string repetition, powers, `%` formatting, padding methods, the rendered text's length).
 `downstream.trust_task_code = true` treats the task file as code, as lm-eval does: templates render in lm-eval's
 own (unsandboxed) environment, and `!function module.name` loads `name` from `module.py` in the task's folder.
 """
@@ -15,7 +16,6 @@ import importlib.util
 import operator
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -87,7 +87,7 @@ def _check_join(value: Any, separator: Any) -> Any:
 
 @cache
 def _sandbox() -> Any:
-    from jinja2 import StrictUndefined
+    from jinja2 import StrictUndefined, Template
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class TaskSandbox(ImmutableSandboxedEnvironment):
@@ -120,6 +120,19 @@ def _sandbox() -> Any:
                     _check_replace(__obj.__self__, *args)
             return _check_size(super().call(__context, __obj, *args, **kwargs))
 
+    class BoundedTemplate(Template):
+        """A rendering that grows past MAX_RENDERED_CHARS stops there (lm-eval calls `render`)."""
+
+        def render(self, *args: Any, **kwargs: Any) -> str:
+            pieces, size = [], 0
+            for piece in self.generate(*args, **kwargs):
+                size += len(piece)
+                if size > MAX_RENDERED_CHARS:
+                    raise _security(f"a rendered text over {MAX_RENDERED_CHARS:,} characters")
+                pieces.append(piece)
+            return "".join(pieces)
+
+    TaskSandbox.template_class = BoundedTemplate
     env = TaskSandbox(undefined=StrictUndefined, keep_trailing_newline=True)
     filters = {name: env.filters[name] for name in SANDBOX_FILTERS if name in env.filters}
     replace, join = filters["replace"], filters["join"]
@@ -146,27 +159,8 @@ def _trusted() -> Any:
     return env
 
 
-@dataclass(frozen=True)
-class Template:
-    """One compiled template of a task file's key."""
-
-    render_fn: Callable[..., str]
-    sandboxed: bool
-
-    def render(self, doc: dict[str, Any]) -> str:
-        if not self.sandboxed:
-            return self.render_fn(**doc)
-        pieces, size = [], 0
-        for piece in self.render_fn(**doc):  # a generator: a rendering that grows past the bound stops there
-            size += len(piece)
-            if size > MAX_RENDERED_CHARS:
-                raise _security(f"a rendered text over {MAX_RENDERED_CHARS:,} characters")
-            pieces.append(piece)
-        return "".join(pieces)
-
-
-def compile_template(source: str, where: str, key: str, trust: bool) -> Template:
-    """The template of `key` in the task file `where`; in the sandbox, one reaching Python internals or using a
+def check_template(source: str, where: str, key: str, trust: bool) -> None:
+    """The template of `key` in the task file `where` parses; in the sandbox, one reaching Python internals or using a
     filter lm-eval's templates do not is refused here, before anything renders."""
     from jinja2 import TemplateSyntaxError, nodes
 
@@ -187,9 +181,6 @@ def compile_template(source: str, where: str, key: str, trust: bool) -> Template
             if name.startswith("_"):
                 raise TaskCodeError(f"{where}: {key} reaches Python internals ({name!r}); task templates render in "
                                     "a sandbox that reads the document's fields only", TRUST_FIX)
-    if trust:
-        return Template(env.from_string(source).render, sandboxed=False)
-    return Template(env.from_string(source).generate, sandboxed=True)  # type: ignore[arg-type]
 
 
 def render_error(err: Exception, where: str, key: str) -> ConfigError | None:

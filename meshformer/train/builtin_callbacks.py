@@ -17,7 +17,7 @@ from meshformer.config import Config
 from meshformer.parallel.parallelize import world_size
 from meshformer.runtime.stragglers import rank_timings, straggler_scalars
 from meshformer.train.callbacks import Callback, CallbackContext
-from meshformer.train.downstream import DownstreamEval, LmEvalDownstream
+from meshformer.train.downstream import DownstreamEval
 from meshformer.train.metrics import current_memory_gib, memory_gib, synchronize
 from meshformer.train.sampling import decoded_sample
 
@@ -195,21 +195,18 @@ class HeldOutLoss(Callback):
 
 
 class DownstreamScores(Callback):
-    """Zero-shot multiple-choice scores of downstream.tasks (train/downstream.py) every downstream.interval steps
+    """lm-eval's scores of downstream.tasks (train/downstream.py) every downstream.interval steps
     (0: with the held-out loss) and at the last step (a collective: every rank)."""
 
     order, phase = 15, "downstream"
 
-    def __init__(self, evaluation: DownstreamEval | LmEvalDownstream) -> None:
+    def __init__(self, evaluation: DownstreamEval) -> None:
         self.evaluation = evaluation
 
     def on_evaluation(self, ctx: CallbackContext) -> None:
         if not self.evaluation.due(ctx.step, ctx.last):
             return
-        if isinstance(self.evaluation, LmEvalDownstream):
-            scores = self.evaluation.run(ctx.trainer.parallel_model, ctx.trainer.poll_stop, ctx.trainer.model)
-        else:
-            scores = self.evaluation.run(ctx.trainer.parallel_model, ctx.trainer.poll_stop)
+        scores = self.evaluation.run(ctx.trainer.parallel_model, ctx.trainer.poll_stop, ctx.trainer.model)
         ctx.log(scores)
         ctx.info(self.evaluation.describe(ctx.step, scores))
 
@@ -249,7 +246,7 @@ class Profiling(Callback):
         ctx.trainer.profiler.stop()  # a stop signal ended the run inside the range
 
 
-def builtin_callbacks(cfg: Config, downstream: DownstreamEval | LmEvalDownstream | None = None) -> list[Callback]:
+def builtin_callbacks(cfg: Config, downstream: DownstreamEval | None = None) -> list[Callback]:
     """The trainer's own callbacks for this config (`downstream`: the scorer of downstream.tasks, if any)."""
     moe: list[Callback] = [MoEStatistics()] if cfg.model.moe.n_experts or cfg.model.mtp.depth else []
     scores: list[Callback] = [DownstreamScores(downstream)] if downstream is not None else []

@@ -76,12 +76,9 @@ def preflight(cfg: Config) -> Tokenizer:
     check_latest(checkpoint_dir)
     if not cfg.checkpoint.resume:
         refuse_earlier_checkpoints(checkpoint_dir)
-    from meshformer.train.downstream import check_lm_eval_tasks, load_tasks  # the layouts' modules: only training
+    from meshformer.train.downstream import check_tasks  # the layouts' modules: only training
 
-    if cfg.downstream.engine == "builtin":
-        load_tasks(cfg)  # downstream.tasks: readable, supported, fit for the objective
-    else:
-        check_lm_eval_tasks(cfg)  # and, for lm-eval's registry names, in the local datasets cache
+    check_tasks(cfg)  # downstream.tasks: readable, rendered, fit for the objective, their datasets cached
     tokenizer = checked_tokenizer(cfg)
     check_data(cfg, tokenizer)
     check_disk_space(cfg, run_dir, checkpoint_dir)

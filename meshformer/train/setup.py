@@ -53,7 +53,7 @@ from meshformer.train.callbacks import (
     loaded_line,
     user_label,
 )
-from meshformer.train.downstream import DownstreamEval, LmEvalDownstream
+from meshformer.train.downstream import DownstreamEval
 from meshformer.train.loss_choice import resolve_loss
 from meshformer.train.metrics import FlopsCeiling, RunLogger, peak_flops
 from meshformer.train.preflight import checked_tokenizer
@@ -96,7 +96,7 @@ class BuiltModel:
 
 @dataclass(frozen=True)
 class RunCallbacks:
-    downstream: DownstreamEval | LmEvalDownstream | None
+    downstream: DownstreamEval | None
     callbacks: Callbacks
 
 

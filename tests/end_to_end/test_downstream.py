@@ -1,9 +1,10 @@
-"""In-loop downstream scores equal lm-evaluation-harness' own on the exported checkpoint, and the data-parallel and
-pipeline-parallel scores equal one process's.
+"""In-loop downstream scores (lm-eval's evaluator over the training layout) equal lm-evaluation-harness' own `hf`
+model's on the exported checkpoint, and two-rank layouts' scores equal one process's.
 
-A tiny model trains a few steps with both bundled tasks in `downstream.tasks`; its final weights are exported to a
-Hugging Face folder, which lm-eval 0.4.13 scores (HFLM on CPU, the same task YAML and JSONL as a local task). The
-summed log-likelihood of every (document, choice) request and acc / acc_norm must agree.
+A tiny model trains a few steps with both bundled multiple-choice tasks in `downstream.tasks`; its final weights are
+exported to a Hugging Face folder, which lm-eval 0.4.13 scores (HFLM on CPU, the same task YAML and JSONL as a local
+task). The summed log-likelihood of every (document, choice) request, acc / acc_norm and their standard errors must
+agree.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers.checkpoints import launch, tiny_config, tiny_overrides, tiny_shards
 
-from meshformer.eval.task_files import BUNDLED_DIR, load_task
+from meshformer.eval.task_files import BUNDLED_DIR
 from meshformer.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
@@ -46,14 +47,21 @@ def test_in_loop_scores_are_logged_as_metrics(trained):
     assert [line["step"] for line in logged] == [5, STEPS]  # downstream.interval, and the last step
     logged = logged[-1]
     for task in TASKS:
-        for key, value in trained["scores"][task].metrics.items():
+        assert {"acc", "acc_norm", "acc_stderr", "acc_norm_stderr"} <= trained["scores"][task].keys()
+        for key, value in trained["scores"][task].items():
             assert logged[f"downstream/{task}/{key}"] == pytest.approx(value, abs=1e-12)
 
 
 def test_scores_equal_lm_evals_on_the_exported_model(trained, tmp_path):
+    """The in-loop metrics after the last step, and every request's log-likelihood as the in-loop scorer (the
+    layout's evaluation forward) gives it, equal lm-eval's `hf` model's on the exported final weights."""
     import lm_eval  # the dev extra pins lm-eval[hf]==0.4.13
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
+
+    from meshformer.eval.lm import MeshformerLM
+    from meshformer.eval.run import evaluate
+    from meshformer.train.downstream import LayoutScorer
 
     # lm-eval reads data_files relative to the current directory: the same tasks with absolute paths
     for task in TASKS:
@@ -64,19 +72,23 @@ def test_scores_equal_lm_evals_on_the_exported_model(trained, tmp_path):
     assert model.max_length == 32  # data.seq_len of the run: both cut long requests the same way
     out = lm_eval.simple_evaluate(model=model, tasks=list(TASKS), num_fewshot=0, log_samples=True,
                                   task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False))
+    trainer = trained["trainer"]
+    scorer = LayoutScorer(trainer.parallel_model, trainer.cfg, 16, trainer.tokenizer.pad_id, lambda: None)
+    ours = evaluate(MeshformerLM(model=trainer.model, tokenizer=trainer.tokenizer, scorer=scorer, batch_size=16,
+                                 max_length=32), [f"bundled:{t}" for t in TASKS], log_samples=True)
+    assert ours is not None
     for task in TASKS:
-        ours = trained["scores"][task]
-        samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
-        theirs = [[float(resp[0][0]) for resp in sample["resps"]] for sample in samples]
-        assert len(theirs) == len(ours.logliks) == 40
-        worst = max(abs(a - b) for mine, other in zip(ours.logliks, theirs) for a, b in zip(mine, other))
+        logliks = [[[float(r[0][0]) for r in s["resps"]] for s in sorted(run["samples"][task],
+                                                                          key=lambda s: s["doc_id"])]
+                   for run in (ours, out)]
+        assert len(logliks[0]) == len(logliks[1]) == 40
+        worst = max(abs(a - b) for mine, other in zip(*logliks) for a, b in zip(mine, other))
         assert worst < 1e-4, (task, worst)
         results = out["results"][task]
-        assert ours.metrics["acc"] == results["acc,none"]
-        assert ours.metrics["acc_norm"] == results["acc_norm,none"]
-        print(f"{task}: acc {ours.metrics['acc']:.3f} acc_norm {ours.metrics['acc_norm']:.3f} "
-              f"(lm-eval {results['acc,none']:.3f} / {results['acc_norm,none']:.3f}); largest loglik difference "
-              f"{worst:.2e}")
+        for metric in ("acc", "acc_norm", "acc_stderr", "acc_norm_stderr"):
+            assert trained["scores"][task][metric] == pytest.approx(results[f"{metric},none"], abs=1e-12), metric
+        print(f"{task}: acc {results['acc,none']:.3f} acc_norm {results['acc_norm,none']:.3f}; largest loglik "
+              f"difference {worst:.2e}")
 
 
 def _two_rank_scores(trained, tmp_path, *options: str) -> dict:
@@ -90,42 +102,23 @@ def _two_rank_scores(trained, tmp_path, *options: str) -> dict:
     return json.loads(line.removeprefix("SCORES "))
 
 
-@pytest.mark.parametrize("layout", [("parallel.dp_shard=2",), ("parallel.pp=2", "parallel.dp_shard=1"),
-                                    ("parallel.tp=2", "parallel.dp_shard=1"), ("parallel.cp=2", "parallel.dp_shard=1")],
-                         ids=["dp2", "pp2", "tp2", "cp2"])
-def test_two_rank_scores_equal_one_process(trained, tmp_path, layout):
-    """The trained weights (the run's last checkpoint, resharded to the layout) scored by two ranks (data parallel:
-    each scores half the requests; pipeline: the last stage scores them) give every request the log-likelihood one
-    process gave it."""
-    scores = _two_rank_scores(trained, tmp_path, *DOWNSTREAM, *layout)
-    for task in TASKS:
-        ours = trained["scores"][task]
-        worst = max(abs(a - b) for mine, other in zip(ours.logliks, scores[task]["logliks"])
-                    for a, b in zip(mine, other))
-        assert worst < 1e-4, (task, worst)
-        assert scores[task]["metrics"]["acc"] == ours.metrics["acc"]
-        assert scores[task]["metrics"]["acc_norm"] == ours.metrics["acc_norm"]
-        print(f"{layout} {task}: largest loglik difference from one process {worst:.2e}")
-
-
 LM_EVAL_TASKS = ("bundled:kjv_cloze", "bundled:kjv_lastword", "bundled:kjv_perplexity", "bundled:kjv_complete")
 
 
-def test_lm_eval_engine_in_the_loop_equals_lm_eval_over_the_whole_model(trained):
-    """downstream.engine = "lm_eval": lm-eval's evaluator over the layout's evaluation forward (multiple choice,
-    loglikelihood with its greedy flag, rolling perplexity, generation) gives the metrics and standard errors that
-    lm-eval's evaluator gives over MeshformerLM(model=...), and the multiple-choice scores of the builtin engine."""
+def test_in_loop_scores_equal_lm_eval_over_the_whole_model(trained):
+    """lm-eval's evaluator over the layout's evaluation forward (multiple choice, loglikelihood with its greedy
+    flag, rolling perplexity, generation) gives the metrics and standard errors that lm-eval's evaluator gives over
+    MeshformerLM(model=...)."""
     import dataclasses
 
     from meshformer.eval.lm import MeshformerLM
     from meshformer.eval.run import evaluate
-    from meshformer.train.downstream import LmEvalDownstream
+    from meshformer.train.downstream import DownstreamEval
 
     trainer = trained["trainer"]
     cfg = trainer.cfg
-    cfg = dataclasses.replace(cfg, downstream=dataclasses.replace(cfg.downstream, engine="lm_eval",
-                                                                  tasks=list(LM_EVAL_TASKS), limit=20))
-    in_loop = LmEvalDownstream(cfg, trainer.tokenizer)
+    cfg = dataclasses.replace(cfg, downstream=dataclasses.replace(cfg.downstream, tasks=list(LM_EVAL_TASKS), limit=20))
+    in_loop = DownstreamEval(cfg, trainer.tokenizer)
     for part in trainer.parallel_model.model_parts:
         part.train()
     scalars = in_loop.run(trainer.parallel_model, whole=trainer.model)
@@ -144,10 +137,6 @@ def test_lm_eval_engine_in_the_loop_equals_lm_eval_over_the_whole_model(trained)
             compared += 1
     assert compared >= 10 and "downstream/kjv_lastword/acc_stderr" in scalars
     assert "downstream/kjv_complete/exact_match_clause" in scalars
-    logliks = trained["scores"]["kjv_cloze"].logliks[:20]  # the builtin engine's multiple-choice scores
-    assert scalars["downstream/kjv_cloze/acc"] == pytest.approx(sum(
-        float(max(range(len(lls)), key=lls.__getitem__) == doc.gold) for lls, doc in
-        zip(logliks, load_task("bundled:kjv_cloze").docs)) / 20, abs=1e-12)
 
 
 LAYOUT_TASKS = LM_EVAL_TASKS  # generation too: the worker's layouts decode step by step through their forward
@@ -159,18 +148,19 @@ LAYOUT_TASKS = LM_EVAL_TASKS  # generation too: the worker's layouts decode step
     pytest.param(("parallel.pp=2", "parallel.dp_shard=1"), id="pp2", marks=pytest.mark.matrix),
     pytest.param(("parallel.cp=2", "parallel.dp_shard=1"), id="cp2", marks=pytest.mark.matrix)])
 def test_two_rank_lm_eval_scores_equal_one_process(trained, tmp_path, layout):
-    """downstream.engine = "lm_eval" under a two-rank layout: lm-eval's metrics and standard errors (multiple
-    choice, loglikelihood with greedy flags, rolling perplexity, generation) equal one process's."""
+    """Under a two-rank layout (the run's last checkpoint resharded to it; data parallel: each rank scores half the
+    requests; pipeline: the last stage scores them) lm-eval's metrics and standard errors (multiple choice,
+    loglikelihood with greedy flags, rolling perplexity, generation) equal one process's."""
     import dataclasses
 
-    from meshformer.train.downstream import LmEvalDownstream
+    from meshformer.train.downstream import DownstreamEval
 
     trainer = trained["trainer"]
-    options = ['downstream.engine="lm_eval"', "downstream.limit=20", "downstream.batch_size=16",
+    options = ["downstream.limit=20", "downstream.batch_size=16",
                "downstream.tasks=[" + ", ".join(f'"{t}"' for t in LAYOUT_TASKS) + "]"]
     cfg = dataclasses.replace(trainer.cfg, downstream=dataclasses.replace(
-        trainer.cfg.downstream, engine="lm_eval", tasks=list(LAYOUT_TASKS), limit=20))
-    one = LmEvalDownstream(cfg, trainer.tokenizer)
+        trainer.cfg.downstream, tasks=list(LAYOUT_TASKS), limit=20))
+    one = DownstreamEval(cfg, trainer.tokenizer)
     one.run(trainer.parallel_model, whole=trainer.model)
     scores = _two_rank_scores(trained, tmp_path, *options, *layout)
     assert set(scores) == set(one.last) == {t.removeprefix("bundled:") for t in LAYOUT_TASKS}
@@ -181,8 +171,8 @@ def test_two_rank_lm_eval_scores_equal_one_process(trained, tmp_path, layout):
 
 
 @pytest.mark.matrix
-def test_lm_eval_engine_logs_metrics_and_errors_at_the_interval_and_last_step(trained, tmp_path):
-    cfg = tiny_config(trained["shards"], tmp_path / "run", 4, 'downstream.engine="lm_eval"', "downstream.limit=5",
+def test_loglikelihood_metrics_and_errors_are_logged_at_the_interval_and_last_step(trained, tmp_path):
+    cfg = tiny_config(trained["shards"], tmp_path / "run", 4, "downstream.limit=5",
                       'downstream.tasks=["bundled:kjv_lastword"]', "downstream.interval=3", "checkpoint.interval=4")
     Trainer(cfg).fit()
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

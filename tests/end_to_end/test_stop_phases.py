@@ -1,5 +1,6 @@
 """A stop signal inside a long phase of one process is acted on at the phase's next batch (token, tensor), not at
-its end: a decoded sample, the `--init-from` load, the set-up before the first step, the final weights. Each test
+its end: a decoded sample, the `--init-from` load, the set-up before the first step, the final weights, in-loop
+scoring through lm-eval's evaluator. Each test
 sends SIGTERM from inside the phase (its third batch) and counts the batches that ran after it. The agreement of
 two ranks on the batch to leave at, also where they hold different numbers of items, is checked on its own; the
 phases under two ranks, held-out evaluation and downstream scoring among them: test_stop_signals.py."""
@@ -97,6 +98,34 @@ def test_a_stop_during_the_init_from_load_ends_it_and_saves_nothing(shards, tmp_
     tensors.active = False
     again = Trainer(cfg).fit()  # the same command starts again from the folder's weights
     assert again.stopped_by is None and again.steps == 2 and (tmp_path / "run" / "final").is_dir()
+
+
+@pytest.mark.slow
+def test_a_stop_during_in_loop_lm_eval_scoring_ends_it_at_the_next_batch(shards, tmp_path, monkeypatch, one_thread):
+    """lm-eval's evaluator is scoring a task's requests (one a batch) through the layout's evaluation forward when
+    SIGTERM arrives: no further batch runs, the step's checkpoint is committed and nothing of the scoring is logged."""
+    import meshformer.train.downstream as downstream
+
+    batches, score = Signaller(), downstream.score_rows_greedy
+    forwards: list[int] = []
+
+    def counted(model, cfg, rows, batch_size, pad_id, seq_len, poll):
+        evaluate = model.evaluate
+        model.evaluate = lambda *a, **k: (forwards.append(batches.calls), evaluate(*a, **k))[1]
+        try:
+            return score(model, cfg, rows, batch_size, pad_id, seq_len, lambda: (batches(), poll())[1])
+        finally:
+            del model.evaluate
+
+    monkeypatch.setattr(downstream, "score_rows_greedy", counted)
+    cfg = _config(shards, tmp_path, 'downstream.tasks=["bundled:kjv_cloze"]', "downstream.interval=2",
+                  "downstream.batch_size=1")
+    result = Trainer(cfg).fit()
+    assert result.stopped_by == signal.SIGTERM and result.steps == 2
+    assert batches.calls == SIGNAL_AT and forwards == list(range(1, SIGNAL_AT))  # the signalled batch never ran
+    assert committed_steps(tmp_path / "checkpoints") == [2] and not (tmp_path / "final").exists()
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert not any(key.startswith("downstream/") for line in logged for key in line)
 
 
 class StopsInSetUp(Callback):

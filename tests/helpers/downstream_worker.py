@@ -1,7 +1,7 @@
 """One rank of a downstream-scoring launch (`helpers.checkpoints.launch`): `downstream_worker.py KEY=VALUE ...`.
 
 Builds the run's Trainer under its layout, restores the newest checkpoint of checkpoint.dir as a resumed run does,
-scores downstream.tasks once without training, and prints rank 0's per-task metrics and log-likelihoods as one
+scores downstream.tasks once without training, and prints rank 0's per-task metrics as one
 `SCORES <json>` line.
 """
 
@@ -13,7 +13,6 @@ import sys
 
 from meshformer.config import load_config
 from meshformer.runtime.distributed import init_distributed, shutdown_distributed
-from meshformer.train.downstream import LmEvalDownstream
 from meshformer.train.preflight import preflight
 from meshformer.train.trainer import Trainer
 
@@ -28,11 +27,7 @@ def main(overrides: list[str]) -> None:
         assert trainer.checkpoints.resume(trainer.checkpointable)
         assert trainer.downstream is not None
         trainer.downstream.run(trainer.parallel_model)
-        if isinstance(trainer.downstream, LmEvalDownstream):  # downstream.engine = "lm_eval": lm-eval's metrics
-            scores = {name: {"metrics": metrics} for name, metrics in trainer.downstream.last.items()}
-        else:
-            scores = {name: {"metrics": s.metrics, "logliks": s.logliks}
-                      for name, s in trainer.downstream.last.items()}
+        scores = {name: {"metrics": metrics} for name, metrics in trainer.downstream.last.items()}
     finally:
         shutdown_distributed()
     if rank == 0:

@@ -291,6 +291,16 @@ def test_lm_eval_speed(tmp_path):
     check(tmp_path, "loglikelihood", "812.4", "402.1", "2.02×")
 
 
+def test_eval_share(tmp_path):
+    module = script("eval_share")
+    records = [{"tasks": "multiple choice (kjv_cloze, kjv_next)", "evaluations": 3, "fit_s": 412.6,
+                "downstream_s": 9.84, "share": 0.02385}]
+    tables_module().write_table(tmp_path / "training-05.json", machine=MACHINE, page="training", title="t",
+                                command="python bench/eval_share.py", columns=module.COLUMNS,
+                                rows=module.table_rows(records))
+    check(tmp_path, "kjv_cloze, kjv_next", "413", "9.8", "2.4%")
+
+
 def test_gpu_tables(tmp_path):
     module = script("gpu_tables")
     records = [

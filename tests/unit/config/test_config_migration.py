@@ -179,3 +179,21 @@ def test_a_key_renamed_inside_its_table_migrates_and_its_python_name_warns_once(
     assert not cfg.expert_linear_bias and "expert_bias_terms" not in dataclasses.asdict(cfg)
     assert [w.category for w in seen] == [FutureWarning]
     assert "MoeConfig.expert_linear_bias" in str(seen[0].message)
+
+
+@pytest.mark.parametrize("engine", ["builtin", "lm_eval"])
+def test_the_removed_downstream_engine_key_still_loads_and_is_no_change(tmp_path, caplog, engine):
+    """downstream.engine chose between a hand-written scorer and lm-eval's evaluator: lm-eval's is the only one, so a
+    file, an override or a run folder's saved config.toml that sets it loads, with one line, and is no change."""
+    from meshformer.train.run_record import RUN_CONFIG, config_changes
+
+    cfg = load_config("tiny-gpt")
+    text = cfg.to_toml().replace("[downstream]\n", f'[downstream]\nengine = "{engine}"\n')
+    assert f'engine = "{engine}"' in text
+    (tmp_path / "old.toml").write_text(text)
+    with caplog.at_level(logging.INFO, "meshformer.config"):
+        assert load_config(tmp_path / "old.toml").to_dict() == cfg.to_dict()
+        assert load_config("tiny-gpt", [f'downstream.engine="{engine}"']).to_dict() == cfg.to_dict()
+    assert sum("downstream.engine is no longer a key" in r.getMessage() for r in caplog.records) == 2
+    (tmp_path / RUN_CONFIG).write_text(text)
+    assert config_changes(tmp_path, cfg) == []

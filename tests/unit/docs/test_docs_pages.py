@@ -9,7 +9,7 @@ import tomllib
 from helpers.common import ROOT
 from helpers.readme import shown_commands, shown_files
 
-from meshformer.eval.task_files import load_task
+from meshformer.eval.task_files import rendered_docs
 
 EVALUATION = ROOT / "docs" / "evaluation.md"
 
@@ -22,10 +22,10 @@ def test_the_evaluation_pages_task_loads_as_shown_from_another_folder(tmp_path, 
         (tmp_path / name).write_text(text)
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")  # data_files are the YAML folder's, not the current folder's
-    task = load_task(str(tmp_path / "tasks" / "verses" / "verses.yaml"))
-    assert task.name == "verses" and len(task.docs) == 5
-    assert task.docs[0].context == "Complete the verse: In the beginning God created the heaven and the"
-    assert [d.choices[d.gold] for d in task.docs] == ["earth", "light", "shepherd", "meek", "world"]
+    docs = rendered_docs(str(tmp_path / "tasks" / "verses" / "verses.yaml"))
+    assert len(docs) == 5
+    assert docs[0]["text"] == "Complete the verse: In the beginning God created the heaven and the"
+    assert [d["choices"][d["target"]] for d in docs] == ["earth", "light", "shepherd", "meek", "world"]
     commands = shown_commands([EVALUATION])
     train = next(s for s in commands if s.words[1:2] == ["train"])
     assert "tasks/verses/verses.yaml" in train.line

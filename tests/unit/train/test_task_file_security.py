@@ -1,6 +1,8 @@
 """A downstream task file is data: its templates cannot run code or read Python internals, its documents come from
 regular files inside its folder within a size bound, its YAML cannot expand without bound, and code it names
-(`!function`) runs only when the user's own config trusts it (meshformer/eval/task_files.py, task_templates.py)."""
+(`!function`) runs only when the user's own config trusts it (meshformer/eval/task_files.py, task_templates.py).
+Each task here is read and rendered as before step 1 (`rendered_docs`: lm-eval's own renderer, with the sandbox as
+its template environment)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 
 from meshformer.config.sections import DownstreamConfig
 from meshformer.errors import MeshformerError
-from meshformer.eval.task_files import MAX_YAML_BYTES, load_task
+from meshformer.eval.task_files import MAX_YAML_BYTES, rendered_docs
 
 DOCS = [{"q": "And God said", "options": ["Let there be light", "banana"], "i": 0},
         {"q": "In the beginning ", "options": ["God created", "the end"], "i": 0}]
@@ -33,7 +35,7 @@ def _task(folder, docs=DOCS, data_files="docs.jsonl", **fields: str) -> str:
 
 def _refused(spec: str, options: DownstreamConfig | None = None, *words: str) -> str:
     with pytest.raises(MeshformerError) as info:
-        load_task(spec, options or DownstreamConfig())
+        rendered_docs(spec, options or DownstreamConfig())
     line = info.value.one_line()
     assert "\n" not in line, line
     for word in words:
@@ -89,10 +91,10 @@ def test_lm_evals_template_idioms_render_in_the_sandbox(tmp_path):
     text = ("{{ q.strip()|regex_replace('God', 'He') }}{% if q is defined and label is not none %}: "
             "{% for i in range(options|length) %}{{ labels[i] }}. {{ options[i]|trim }} {% endfor %}"
             "{{ options|join(', ')|replace('light', 'LIGHT') }} {{ options|map('string')|list|length }}{% endif %}")
-    task = load_task(_task(tmp_path, docs=docs, doc_to_text=json.dumps(text), doc_to_choice="options",
-                           doc_to_target=json.dumps("{{ labels.index(label) }}")))
-    assert task.docs[0].context == "And He said: A. light B. dark LIGHT, dark 2"
-    assert task.docs[0].gold == 1
+    docs = rendered_docs(_task(tmp_path, docs=docs, doc_to_text=json.dumps(text), doc_to_choice="options",
+                               doc_to_target=json.dumps("{{ labels.index(label) }}")))
+    assert docs[0]["text"] == "And He said: A. light B. dark LIGHT, dark 2"
+    assert docs[0]["target"] == 1
 
 
 def test_function_needs_trust_and_then_loads_from_the_task_folder(tmp_path, monkeypatch):
@@ -106,22 +108,18 @@ def test_function_needs_trust_and_then_loads_from_the_task_folder(tmp_path, monk
         "def process_docs(dataset):\n    return dataset.map(lambda d: {'q': d['q'].upper()})\n")
     _refused(spec, None, "doc_to_text is !function utils.text", "downstream.trust_task_code = true")
     assert not (tmp_path / "IMPORTED").exists()
-    task = load_task(spec, TRUSTED)
-    assert [d.context for d in task.docs] == ["Q: AND GOD SAID", "Q: IN THE BEGINNING "]
+    assert [d["text"] for d in rendered_docs(spec, TRUSTED)] == ["Q: AND GOD SAID", "Q: IN THE BEGINNING "]
     assert (tmp_path / "IMPORTED").exists()
-    # code outside the task's folder, a missing function, a tag on a key that takes no code: one line each
+    # code outside the task's folder, a missing function: one line each
     (tmp_path / "evil.py").write_text("open('EVIL', 'w').close()\n")
     _refused(_task(folder, doc_to_text="!function ../evil.text"), TRUSTED, "leaves its folder")
     _refused(_task(folder, doc_to_text="!function utils.nothing"), TRUSTED, "has no function 'nothing'")
-    _refused(_task(folder, target_delimiter="!function utils.text"), TRUSTED,
-             "target_delimiter given as !function is not supported")
-    _refused(_task(folder, process_docs="utils.process_docs"), TRUSTED, "process_docs is supported as !function only")
     assert not (tmp_path / "EVIL").exists()
 
 
 def test_a_trusted_task_renders_as_lm_eval_does(tmp_path):
     spec = _task(tmp_path, doc_to_text=json.dumps("{{ q.__class__.__name__ }}"))
-    assert load_task(spec, TRUSTED).docs[0].context == "str"
+    assert rendered_docs(spec, TRUSTED)[0]["text"] == "str"
 
 
 def test_data_files_stay_inside_the_task_folder(tmp_path):
@@ -134,7 +132,7 @@ def test_data_files_stay_inside_the_task_folder(tmp_path):
     (folder / "linked.jsonl").symlink_to(outside)
     spec = _task(folder, data_files="linked.jsonl")
     _refused(spec, None, f"resolves outside {folder}", "downstream.follow_links = true")
-    assert len(load_task(spec, DownstreamConfig(follow_links=True)).docs) == 1
+    assert len(rendered_docs(spec, DownstreamConfig(follow_links=True))) == 1
 
 
 def test_a_data_file_that_is_not_a_regular_file_says_what_it_is(tmp_path):
@@ -192,8 +190,8 @@ def test_a_recursive_alias_a_huge_or_special_task_yaml_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("key, value, words", [
-    ("include", "_default_template_yaml", ["'include' is not supported"]),
-    ("description", json.dumps("{{ cycler.__init__ }}"), ["description is not supported"]),
+    ("include", "_default_template_yaml", ["include is not supported"]),
+    ("description", json.dumps("{{ cycler.__init__ }}"), ["description reaches Python internals"]),
     ("target_delimiter", "[1, 2]", ["target_delimiter is [1, 2], not a string"]),
     ("fewshot_delimiter", "{a: 1}", ["fewshot_delimiter is {'a': 1}, not a string"]),
     ("doc_to_text", json.dumps("{{ q"), ["doc_to_text is not a valid template"]),
