@@ -5,7 +5,8 @@ indexer's top `index_topk` entries of overlapping `csa_rate` windows). One key/v
 a learned sink logit per head, a grouped output projection.
 
 The blocks rotate their own queries and keys (model.position = "none") from each row's positions 0, 1, ...: right
-padding only; no packing, context or tensor parallel. The generation cache keeps the block's inputs and recomputes over them.
+padding only; no packing, context or tensor parallel. The generation cache keeps the block's inputs and recomputes
+over them.
 """
 
 from __future__ import annotations

@@ -120,7 +120,8 @@ def rules(cfg: ModelConfig) -> list[Rule]:
         if kind == "csa":
             out += [Rule((f"{o}.attn.indexer.{ours}",), f"{t}.attn.indexer.compressor.{theirs}")
                     for ours, theirs in _COMPRESSOR.items()]
-            out += [Rule((f"{o}.attn.indexer.{ours}",), f"{t}.attn.indexer.{theirs}") for ours, theirs in _INDEXER.items()]
+            out += [Rule((f"{o}.attn.indexer.{ours}",), f"{t}.attn.indexer.{theirs}")
+                    for ours, theirs in _INDEXER.items()]
         f, g = f"{o}.ffn", f"{t}.ffn"
         out += [Rule((f"{f}.router.weight",), f"{g}.gate.weight")]
         if cfg.mlp_type(i) == "hash_moe":
