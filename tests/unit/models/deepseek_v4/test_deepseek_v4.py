@@ -73,19 +73,20 @@ def test_import_logits_round_trip_and_export():
 
 
 def test_greedy_generation_equals_transformers_generate():
-    """Two prompts of 9 tokens and 8 new ones (past the window and several compression windows): ours with and
-    without its cache equals transformers' generate over whole sequences (use_cache=False: its compressor caches
-    depart from its own full forward here at step 7, which ours follows)."""
+    """Two prompts of 9 tokens and 8 new ones (past the window and several compression windows): ours with its
+    cache equals transformers' cached generate, ours without it transformers' generate over whole sequences. The two
+    differ here: the indexer scores some entries exactly 0 (ReLU), and top-k breaks such ties by the length it
+    scores over, in both implementations alike."""
     from meshformer.model.generate import greedy_decode
 
     hf = tiny_hf(seed=1)
     ours = from_hf_model(hf).eval()
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
-    expected = hf.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
-                           use_cache=False)
     for use_cache in (True, False):
+        expected = hf.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
+                               use_cache=use_cache)
         assert greedy_decode(ours, ids, 8, use_cache=use_cache).tolist() == expected.tolist(), use_cache
-    assert len({tuple(row) for row in expected[:, 9:].tolist()}) == 2
+        assert len({tuple(row) for row in expected[:, 9:].tolist()}) == 2
 
 
 # deepseek-ai/DeepSeek-V4-Flash and -Pro config.json values (transformers' defaults but these); the compressed
