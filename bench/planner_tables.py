@@ -1,6 +1,7 @@
 """The planner's layouts for the MLA/MTP and hybrid linear-attention configs (docs/benchmarks/planner-tables.md,
 section "MLA, multi-token prediction and linear attention"): DeepSeek-V3 with one MTP module at 256 and 1,024 ranks,
-Qwen3-Next-80B-A3B at 64 and 256 ranks and at a 131,072-token context, on 80 GB GPUs.
+Qwen3-Next-80B-A3B at 64 and 256 ranks and at a 131,072-token context, DeepSeek-V4-Flash at 256 ranks and at a
+1,048,576-token context, on 80 GB GPUs.
 
 Each row is the planner's recommendation (`search_layouts`: the first layout that fits, in `meshformer plan`'s
 order), its memory per pipeline rank, why smaller model parallelism was passed over, and whether the trainer's own
@@ -43,6 +44,8 @@ class Row:
 DEEPSEEK = [Case("deepseek-v3", w, ("model.mtp.depth=1",), "deepseek-v3 + MTP (depth 1)") for w in (256, 1024)]
 QWEN_NEXT = [Case("qwen3-next-80b-a3b", w) for w in (64, 256)] + [
     Case("qwen3-next-80b-a3b", w, ("data.seq_len=131072",), "qwen3-next-80b-a3b, 128k context") for w in (64, 256)]
+DEEPSEEK_V4 = [Case("deepseek-v4-flash", 256),
+               Case("deepseek-v4-flash", 256, ("data.seq_len=1048576",), "deepseek-v4-flash, 1M context")]
 COLUMNS = ["config", "ranks", "layout: pp × tp × FSDP, ep", "recompute", "GiB/rank (per pp rank)",
            "why not less model parallelism", "trainer accepts", "CPU s"]
 
@@ -142,7 +145,8 @@ def markdown(rows: list[Row], gpu: str) -> str:
     lines = [BEGIN, "", "## MLA, multi-token prediction and linear attention", "",
              f"`python bench/planner_tables.py` on {gpu}: each config's own sequence length (4096) and micro-batch "
              "(1 sequence), bf16, experts planned at 1.5× the balanced load; the 128k rows set "
-             "`data.seq_len=131072`. The recommendation is the first layout `meshformer plan` lists (least tp × pp "
+             "`data.seq_len=131072`, the 1M row `data.seq_len=1048576`. The recommendation is the first layout "
+             "`meshformer plan` lists (least tp × pp "
              "× cp, then least recomputation, then fewest expert-parallel ranks); \"trainer accepts\" is the "
              "trainer's own layout check on it. FSDP shards each layer over the data-parallel and context-parallel "
              "ranks; expert parallelism splits each MoE layer's experts over ep of those ranks (ep is not a factor "
@@ -154,6 +158,9 @@ def markdown(rows: list[Row], gpu: str) -> str:
     lines += ["", "The search sizes one template block per stack (the MTP module built with the last block's kinds); "
               "the whole-model path (`meshformer plan`'s figure for a configured layout) builds every module. "
               "Where the two differ by more than 0.05 GiB, the cell shows both."]
+    lines += ["", "DeepSeek-V4's attention blocks score each query against the whole sequence (one dense T × T "
+              "matrix per head, the window and the compressed entries applied as masks) and refuse context "
+              "parallel, so at 1M tokens no layout fits."]
     if notes:
         lines += ["", *(f"- {note}" for note in notes)]
     return "\n".join([*lines, "", END]) + "\n"
@@ -173,7 +180,7 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 if the page's section is not current")
     args = parser.parse_args()
     rows = []
-    for case in DEEPSEEK + QWEN_NEXT:
+    for case in DEEPSEEK + QWEN_NEXT + DEEPSEEK_V4:
         for row in plan_rows(case, args.gpu):
             rows.append(row)
             print(json.dumps({"bench": "planner_tables", "config": case.config, "overrides": list(case.overrides),

@@ -199,14 +199,16 @@ class InputsCache:
 
 class V4Attention(CompressedAttention):
     """`CompressedAttention` called as a block's token mixer (`module(x, mask, rope=..., cache=..., ...)`): it
-    rotates with its own tables from the tokens' positions (0, 1, ... of each unpadded, unpacked sequence)."""
+    rotates with its own tables from the tokens' positions (0, 1, ... of each unpacked sequence, padded on the right
+    only)."""
 
     def forward(self, x: torch.Tensor, mask: Any = None, *, rope: Any = None, bias: Any = None,  # type: ignore[override]
                 cache: InputsCache | None = None, chunk: Any = None, padding: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
-        if padding is not None and not bool(padding.all()):
+        # right padding leaves each row's tokens at positions 0, 1, ...: a causal query never reads the pads after it
+        if padding is not None and not bool((padding == padding.cummin(dim=1).values).all()):
             raise ConfigError("DeepSeek-V4 attention blocks read every row from position 0, but this batch is "
-                              "padded", "pass sequences of one length (no padding)")
+                              "left-padded", "pad rows on the right")
         if documents is not None and bool((documents != documents[:, :1]).any()):
             raise ConfigError("DeepSeek-V4 attention blocks read one document per row, but this batch is packed",
                               "set data.packing off (one document per row)")

@@ -483,6 +483,13 @@ class MoEFeedForward(nn.Module):
 # ---------------------------------------------------------------------------------------------------- balancing
 
 
+def hash_table(vocab_size: int, n_experts: int, k: int) -> torch.Tensor:
+    """A fresh model's token id -> k distinct experts table: the same on every rank and run (a fixed seed), each
+    row an independent draw, so the experts share the vocabulary evenly on average."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.rand(vocab_size, n_experts, generator=generator, device="cpu").argsort(dim=-1)[:, :k].contiguous()
+
+
 class HashRoutedMoE(MoEFeedForward):
     """DeepSeek-V4's first MoE blocks: each token's experts are its token id's row of a fixed table (a buffer saved
     with the model, as `HashRouter` in model/compressed_attention.py); the router's sqrt-softplus scores of those
@@ -494,6 +501,15 @@ class HashRoutedMoE(MoEFeedForward):
         super().__init__(cfg)
         self.register_buffer("experts_of_token", torch.zeros(cfg.vocab_size, cfg.moe.experts_per_token,
                                                              dtype=torch.long))
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """After a meta build: the fixed table (a checkpoint's, imported or resumed, is loaded over it)."""
+        super().reset_buffers()
+        m = self.cfg.moe
+        if not self.experts_of_token.is_meta:
+            self.experts_of_token.copy_(hash_table(self.cfg.vocab_size, m.n_experts, m.experts_per_token))
 
     def _route(self, flat: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, Routing]:
         from meshformer.model.compressed_attention import sqrt_softplus

@@ -153,6 +153,15 @@ ARCHS: dict[str, dict[str, Any]] = {
                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                       "original_max_position_embeddings": 4, "mscale": 1.0, "mscale_all_dim": 1.0,
                                       "llama_4_scaling_beta": 0.5}),
+    # DeepSeek-V4: a csa block (entries of 2 tokens, top-2) then an hca block (entries of 4), window 4, one shared
+    # key/value head; hash routing then learned routing over 4 experts, top-2, one shared expert; 2 mHC streams
+    "deepseek_v4": dict(config="DeepseekV4Config", model="DeepseekV4ForCausalLM", tie_word_embeddings=False,
+                        num_key_value_heads=1, head_dim=16, partial_rotary_factor=0.25, q_lora_rank=16, o_groups=2,
+                        o_lora_rank=8, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                        hc_mult=2, sliding_window=4, index_n_heads=2, index_head_dim=8, index_topk=2,
+                        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+                        layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+                        mlp_layer_types=["hash_moe", "moe"]),
     "qwen3_moe_dense": dict(config="Qwen3MoeConfig", model="Qwen3MoeForCausalLM", tie_word_embeddings=False,
                             head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                             mlp_only_layers=[0, 1]),

@@ -4,8 +4,9 @@
 indexer's top `index_topk` entries of overlapping `csa_rate` windows). One key/value head shared by every head,
 a learned sink logit per head, a grouped output projection.
 
-The blocks rotate their own queries and keys (model.position = "none") from each row's positions 0, 1, ...: no
-padding, packing, context or tensor parallel. The generation cache keeps the block's inputs and recomputes over them.
+The blocks rotate their own queries and keys (model.position = "none") from each row's positions 0, 1, ...: right
+padding only; no packing, context or tensor parallel. The generation cache keeps the block's inputs and recomputes
+over them.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class V4AttentionKind(TokenMixer):
     section = "compressed_attention"
     blockwise_kernel = False
     qk_clip = False
-    reads_padding_and_documents: ClassVar[bool] = True  # to refuse padded or packed rows
+    reads_padding_and_documents: ClassVar[bool] = True  # to refuse left-padded or packed rows
 
     def _rate(self, cfg: ModelConfig) -> int | None:
         return None

@@ -92,6 +92,9 @@ PUBLISHED = {  # config: (published parameter count, relative tolerance)
     "mistral-small-4": (118_972_826_624, 0.0),
     # NemotronHForCausalLM of nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16's config (test_nemotron_h), "31.6B"
     "nemotron-3-nano-30b-a3b": (31_577_937_344, 0.0),
+    # DeepseekV4ForCausalLM of deepseek-ai/DeepSeek-V4-Flash's and -Pro's configs (test_deepseek_v4), "284B", "1.6T"
+    "deepseek-v4-flash": (284_332_230_231, 0.0),
+    "deepseek-v4-pro": (1_572_973_188_067, 0.0),
 }
 
 # gpt-oss's active counts as its model card gives them (3.6B / 5.1B): every parameter a token uses but the input
@@ -159,7 +162,7 @@ def test_counts_equal_hugging_face_models(name, cls, config, kwargs):
                                   "gpt-oss-120b", "deepseek-v3", "kimi-k2", "tiny-deepseek", "glm-4.5-air",
                                   "deepseek-v3.2", "tiny-dsa",
                                   "deepseek-v2-lite", "qwen3-next-80b-a3b", "tiny-qwen3-next", "qwen3.5-9b",
-                                  "kimi-linear-48b-a3b", "tiny-kimi-linear", "mistral-small-4"])
+                                  "kimi-linear-48b-a3b", "tiny-kimi-linear", "mistral-small-4", "tiny-v4"])
 def test_new_configs_count_what_their_hugging_face_export_builds(name):
     """The exported architecture (config_to_hf), built on the meta device, has exactly our parameter count."""
     transformers = pytest.importorskip("transformers")

@@ -1,0 +1,157 @@
+"""DeepSeek-V4 (DeepseekV4ForCausalLM): every block a V4 attention kind and an MoE, joined by mHC.
+
+Blocks: layer_types sliding_attention / compressed_sparse_attention / heavily_compressed_attention = our token-mixer
+kinds "sliding_mqa" / "csa" / "hca" ([model.compressed_attention]: q_lora_rank, qk_rope_head_dim (head_dim x
+partial_rotary_factor), sliding_window, o_groups, o_lora_rank, rope_theta, compress_rope_theta, compress_rates,
+index_n_heads, index_head_dim, index_topk); mlp_layer_types hash_moe / moe = our channel mixers "hash_moe" (tid2eid =
+our experts_of_token) / "moe" (sqrt-softplus scores, gate.bias = our router.expert_bias). Each block's MoE has one
+shared expert moe_intermediate_size wide. The residual is mHC ([model.residual] kind "mhc": hc_mult streams,
+hc_sinkhorn_iters, hc_eps; hc_attn_* / hc_ffn_* = our attn_residual / ffn_residual, hc_head_* = our decoder_merge).
+
+Names are the published checkpoint's (layers.{i}.attn.wq_a, .ffn.experts.{j}.w1, ...), which transformers renames on
+load. Refused: a key/value head count other than 1, attention or MLP biases, another router score or unnormalised
+top-k weights, a rope_type other than default (the published compressed blocks' YaRN is not built).
+Not expressed: swiglu_limit, the clamp of the experts' gate and up pre-activations (it changes nothing while they
+stay within the limit, 10 as published).
+
+Multi-token prediction: the published mtp.* tensors are left unread, as transformers leaves them; our MTP modules
+do not run beside mHC's streams (model.mtp.depth is refused with model.residual.kind "mhc").
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from meshformer.checkpointing.hf_adapter import ANY, COMMON, HFAdapter, refuse
+from meshformer.config import ModelConfig
+from meshformer.config.migrate import model_from_flat
+from meshformer.model.config import CompressedAttentionConfig, ResidualConfig
+from meshformer.model.families.naming import Rule, expert_params
+
+ARCH = "deepseek_v4"
+HF_TYPES = {"sliding_attention": "sliding_mqa", "compressed_sparse_attention": "csa",
+            "heavily_compressed_attention": "hca"}
+OURS_TYPES = {v: k for k, v in HF_TYPES.items()}
+_ATTENTION = {"q_a_proj.weight": "wq_a.weight", "q_a_norm.weight": "q_norm.weight", "q_b_proj.weight": "wq_b.weight",
+              "kv_proj.weight": "wkv.weight", "kv_norm.weight": "norm.weight", "sinks": "attn_sink",
+              "output.o_a_proj": "wo_a.weight", "output.o_b_proj.weight": "wo_b.weight"}
+_COMPRESSOR = {"kv_proj.weight": "wkv.weight", "gate_proj.weight": "wgate.weight", "kv_norm.weight": "norm.weight",
+               "position_bias": "ape"}
+_INDEXER = {"q_b_proj.weight": "wq_b.weight", "weights_proj.weight": "weights_proj.weight"}
+_HYPER = {"weight": "fn", "bias": "base", "gain": "scale"}
+
+
+def config_from_hf(c: Any) -> ModelConfig:
+    if c.num_key_value_heads not in (None, 1):
+        raise refuse(ARCH, f"num_key_value_heads={c.num_key_value_heads}", "is not the one shared key/value head")
+    for flag in ("attention_bias", "mlp_bias"):
+        if getattr(c, flag):
+            raise refuse(ARCH, f"{flag}=True", "puts biases on linears meshformer's V4 blocks have without")
+    if c.hidden_act != "silu":
+        raise refuse(ARCH, f"hidden_act={c.hidden_act!r}", "changes the gated MLP (meshformer gates with silu)")
+    if c.scoring_func != "sqrtsoftplus" or not c.norm_topk_prob:
+        raise refuse(ARCH, f"scoring_func={c.scoring_func!r}, norm_topk_prob={c.norm_topk_prob}",
+                     "is not V4's routing (sqrt-softplus scores, top-k weights normalised)")
+    for label, rope in (c.rope_parameters or {}).items():
+        if rope.get("rope_type", "default") != "default":
+            raise refuse(ARCH, f"rope_parameters[{label!r}].rope_type={rope['rope_type']!r}",
+                         "scales the rotary frequencies of those blocks")
+    rates = c.compress_rates
+    cfg = model_from_flat(
+        family="decoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_layers=c.num_hidden_layers,
+        n_heads=c.num_attention_heads, head_dim=c.head_dim, d_ff=c.moe_intermediate_size, activation="swiglu",
+        norm="rmsnorm", norm_eps=c.rms_norm_eps, norm_position="pre", position="none", bias=False,
+        max_seq_len=c.max_position_embeddings, tie_embeddings=c.tie_word_embeddings,
+        attention_dropout=c.attention_dropout, init_std=c.initializer_range,
+        layer_types=[HF_TYPES[t] for t in c.layer_types], mlp_types=list(c.mlp_layer_types),
+        n_experts=c.n_routed_experts, experts_per_token=c.num_experts_per_tok, moe_d_ff=c.moe_intermediate_size,
+        n_shared_experts=1, router_score="sqrt_softplus", router_renormalize=True,
+        router_scale=float(c.routed_scaling_factor), moe_aux_loss=c.router_aux_loss_coef)
+    attention = CompressedAttentionConfig(
+        q_rank=c.q_lora_rank, rope_dim=c.qk_rope_head_dim, window=c.sliding_window, o_groups=c.o_groups,
+        o_rank=c.o_lora_rank, rope_theta=float(c.rope_theta), compress_theta=float(c.compress_rope_theta),
+        hca_rate=rates["heavily_compressed_attention"], csa_rate=rates["compressed_sparse_attention"],
+        index_heads=c.index_n_heads, index_dim=c.index_head_dim, index_topk=c.index_topk)
+    return replace(cfg, compressed_attention=attention,
+                   residual=ResidualConfig(kind="mhc", streams=c.hc_mult, sinkhorn_iters=c.hc_sinkhorn_iters,
+                                           eps=c.hc_eps))
+
+
+def config_to_hf(cfg: ModelConfig) -> Any:
+    import transformers
+
+    a, m, r = cfg.compressed_attention, cfg.moe, cfg.residual
+    return transformers.DeepseekV4Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.attention.n_heads, num_key_value_heads=1, head_dim=cfg.attention_head_dim,
+        partial_rotary_factor=a.rope_dim / cfg.attention_head_dim, q_lora_rank=a.q_rank, o_groups=a.o_groups,
+        o_lora_rank=a.o_rank, sliding_window=a.window, rope_theta=a.rope_theta, compress_rope_theta=a.compress_theta,
+        compress_rates={"compressed_sparse_attention": a.csa_rate, "heavily_compressed_attention": a.hca_rate},
+        index_n_heads=a.index_heads, index_head_dim=a.index_dim, index_topk=a.index_topk,
+        layer_types=[OURS_TYPES[cfg.layer_type(i)] for i in range(cfg.n_layers)],
+        mlp_layer_types=[cfg.mlp_type(i) for i in range(cfg.n_layers)],
+        n_routed_experts=m.n_experts, num_experts_per_tok=m.experts_per_token, moe_intermediate_size=cfg.expert_d_ff,
+        n_shared_experts=1, routed_scaling_factor=m.router_scale, router_aux_loss_coef=m.aux_loss,
+        hc_mult=r.streams, hc_sinkhorn_iters=r.sinkhorn_iters, hc_eps=r.eps, rms_norm_eps=cfg.norm.eps,
+        max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings,
+        attention_dropout=cfg.attention.dropout, initializer_range=cfg.init.std, num_nextn_predict_layers=0,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def rules(cfg: ModelConfig) -> list[Rule]:
+    """The published checkpoint's names, as transformers' revert of its renames gives them."""
+    out = [Rule(("tok_embeddings.weight",), "model.embed_tokens.weight"),
+           Rule(("decoder_norm.weight",), "model.norm.weight"),
+           Rule(("output.weight",), "head.weight", alias=cfg.tie_embeddings)]
+    out += [Rule((f"decoder_merge.{ours}",), f"model.hc_head.hc_{theirs}") for ours, theirs in _HYPER.items()]
+    for i in range(cfg.n_layers):
+        o, t = f"decoder_layers.{i}", f"model.layers.{i}"
+        out += [Rule((f"{o}.attn_norm.weight",), f"{t}.attn_norm.weight"),
+                Rule((f"{o}.ffn_norm.weight",), f"{t}.ffn_norm.weight")]
+        for branch in ("attn", "ffn"):
+            out += [Rule((f"{o}.{branch}_residual.{ours}",), f"{t}.hc_{branch}_{theirs}")
+                    for ours, theirs in _HYPER.items()]
+        out += [Rule((f"{o}.attn.{ours}",), f"{t}.attn.{theirs}") for ours, theirs in _ATTENTION.items()]
+        kind = cfg.layer_type(i)
+        if kind in ("hca", "csa"):
+            out += [Rule((f"{o}.attn.compressor.{ours}",), f"{t}.attn.compressor.{theirs}")
+                    for ours, theirs in _COMPRESSOR.items()]
+        if kind == "csa":
+            out += [Rule((f"{o}.attn.indexer.{ours}",), f"{t}.attn.indexer.compressor.{theirs}")
+                    for ours, theirs in _COMPRESSOR.items()]
+            out += [Rule((f"{o}.attn.indexer.{ours}",), f"{t}.attn.indexer.{theirs}")
+                    for ours, theirs in _INDEXER.items()]
+        f, g = f"{o}.ffn", f"{t}.ffn"
+        out += [Rule((f"{f}.router.weight",), f"{g}.gate.weight")]
+        if cfg.mlp_type(i) == "hash_moe":
+            out += [Rule((f"{f}.experts_of_token",), f"{g}.gate.tid2eid")]
+        else:
+            out += [Rule((f"{f}.router.expert_bias",), f"{g}.gate.bias")]
+        for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+            out += expert_params(f"{f}.experts.{ours}", f"{g}.experts.{{j}}.{theirs}.weight", cfg.moe.n_experts)
+            out += [Rule((f"{f}.shared_experts.{ours}.weight",), f"{g}.shared_experts.{theirs}.weight")]
+    return out
+
+
+def _features(cfg: ModelConfig) -> dict[str, Any]:
+    return {"residual": cfg.residual.kind, "mtp_depth": cfg.mtp.depth,
+            "every_block_v4": all(cfg.layer_type(i) in OURS_TYPES for i in range(cfg.n_layers)),
+            "every_block_moe": all(cfg.mlp_type(i) in ("hash_moe", "moe") for i in range(cfg.n_layers))}
+
+
+ADAPTER = HFAdapter(
+    model_type=ARCH, model_class="DeepseekV4ForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    requirements={**COMMON, "family": "decoder", "position": "none", "norm": "rmsnorm", "activation": "swiglu",
+                  "bias": False, "moe": True, "n_shared_experts": 1, "router_score": "sqrt_softplus",
+                  "router_scale": ANY, "hash_routing": {True, False}, "compressed_attention": True, "head_dim": ANY,
+                  "tie_embeddings": {True, False}, "residual": "mhc", "mtp_depth": 0,
+                  "every_block_v4": True, "every_block_moe": True},
+    rules=rules, base_prefix="model.", keep_prefix=("head.",),
+    size_keys=("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "index_n_heads",
+               "index_head_dim", "index_topk", "n_routed_experts", "num_experts_per_tok", "hc_mult",
+               "max_position_embeddings"),
+    layer_keys=("num_hidden_layers",), hf_layer_types=tuple(HF_TYPES), extra_features=_features,
+    ignored=r"^(model\.)?mtp\.", holds_selection_bias=True,
+)

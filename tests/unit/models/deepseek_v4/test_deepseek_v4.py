@@ -1,0 +1,140 @@
+"""DeepSeek-V4 (deepseek_v4) against transformers' random-initialised tiny model whose sequences are longer than the
+window, the compression windows and the indexer's top-k, with every attention kind, hash routing in the first blocks
+and mHC: logits on a right-padded fp32 batch, round trips both ways, export, greedy generation; the published
+configs' counts; the refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers.exactness import assert_export_exact, assert_import_exact, padded_batch
+
+from meshformer.checkpointing.hf import config_from_hf, from_hf_model, infer_arch
+from meshformer.config import load_config
+from meshformer.model import Transformer
+from meshformer.model.flops import count_params
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB, T = 512, 14
+# window 4; csa entries of 2 tokens (overlapping 4), the indexer keeping 2 of up to 7; hca entries of 4 tokens
+TINY = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, head_dim=16,
+            partial_rotary_factor=0.25, q_lora_rank=16, o_groups=2, o_lora_rank=8, moe_intermediate_size=16,
+            n_routed_experts=4, num_experts_per_tok=2, hc_mult=2, sliding_window=4, routed_scaling_factor=1.5,
+            compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+            index_n_heads=2, index_head_dim=8, index_topk=2, max_position_embeddings=64,
+            layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                         "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def tiny_hf(seed: int = 0, **extra) -> torch.nn.Module:
+    """Every parameter random (norms, sinks, gate biases and mHC's included); a random hash table; the routers'
+    selection bias nonzero."""
+    torch.manual_seed(seed)
+    config = transformers.DeepseekV4Config(**{**TINY, **extra})
+    model = transformers.DeepseekV4ForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.15, generator=gen)
+        for name, buffer in model.named_buffers():
+            if name.endswith("tid2eid"):
+                buffer.copy_(torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(VOCAB)]))
+            elif name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1, generator=gen)
+    return model
+
+
+def test_import_logits_round_trip_and_export():
+    """Logits within 1e-4 at the real tokens of a right-padded batch; both round trips bitwise; the compressed
+    entries and the indexer's selection change the logits (they are exercised)."""
+    hf = tiny_hf()
+    ours = from_hf_model(hf).eval()
+    assert infer_arch(ours.cfg) == "deepseek_v4"
+    assert ours.cfg.layer_types == ["sliding_mqa", "csa", "hca", "csa"] and ours.cfg.residual.kind == "mhc"
+    ids, mask = padded_batch(VOCAB, T, left=False)
+    real = mask.bool()
+    got = assert_import_exact(hf, ours, ids, mask)
+    with torch.no_grad():
+        a = ours.cfg.compressed_attention
+        every_entry = Transformer(dataclasses.replace(ours.cfg, compressed_attention=dataclasses.replace(
+            a, index_topk=7))).eval()  # the indexer keeps every csa entry
+        every_entry.load_state_dict(ours.state_dict())
+        zero_entries = Transformer(ours.cfg).eval()  # hca entries all zero keys and values
+        zero_entries.load_state_dict(ours.state_dict())
+        zero_entries.decoder_layers["2"].attn.compressor.kv_norm.weight.zero_()
+        for other in (every_entry, zero_entries):
+            assert (other(ids, real)[real] - got[real]).abs().max() > 1e-3
+    assert_export_exact(ours, ids, mask)
+
+
+def test_greedy_generation_equals_transformers_generate():
+    """Two prompts of 9 tokens and 8 new ones (past the window and several compression windows): ours with its
+    cache equals transformers' cached generate, ours without it transformers' generate over whole sequences. The two
+    differ here: the indexer scores some entries exactly 0 (ReLU), and top-k breaks such ties by the length it
+    scores over, in both implementations alike."""
+    from meshformer.model.generate import greedy_decode
+
+    hf = tiny_hf(seed=1)
+    ours = from_hf_model(hf).eval()
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+    for use_cache in (True, False):
+        expected = hf.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
+                               use_cache=use_cache)
+        assert greedy_decode(ours, ids, 8, use_cache=use_cache).tolist() == expected.tolist(), use_cache
+        assert len({tuple(row) for row in expected[:, 9:].tolist()}) == 2
+
+
+# deepseek-ai/DeepSeek-V4-Flash and -Pro config.json values (transformers' defaults but these); the compressed
+# blocks' YaRN (factor 16) is left out: it scales frequencies, not sizes
+FLASH = dict(num_hidden_layers=43, hidden_size=4096, num_attention_heads=64, n_routed_experts=256,
+             num_experts_per_tok=6, moe_intermediate_size=2048, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
+             index_topk=512, layer_types=["sliding_attention"] * 2 + [
+                 "compressed_sparse_attention" if i % 2 == 0 else "heavily_compressed_attention" for i in range(2, 43)])
+PRO = dict(num_hidden_layers=61, hidden_size=7168, num_attention_heads=128, n_routed_experts=384,
+           num_experts_per_tok=6, moe_intermediate_size=3072, q_lora_rank=1536, o_groups=16, o_lora_rank=1024,
+           index_topk=1024)
+
+
+@pytest.mark.parametrize(("name", "published", "total"), [
+    ("deepseek-v4-flash", FLASH, 284e9), ("deepseek-v4-pro", PRO, 1.6e12)])
+def test_bundled_config_counts_what_transformers_builds(name, published, total):
+    """The bundled config is the published one imported; its count equals transformers' meta-device model's and
+    the published totals within 3% (the published ones include the MTP module, which neither side builds)."""
+    hf_config = transformers.DeepseekV4Config(**published)
+    bundled = load_config(name).model
+    imported = config_from_hf(hf_config)
+    training_only = ("aux_loss", "aux_per_sequence", "router_bias_update_rate")
+    assert imported == dataclasses.replace(bundled, moe=dataclasses.replace(
+        bundled.moe, **{k: getattr(imported.moe, k) for k in training_only}))
+    with torch.device("meta"):
+        hf = transformers.DeepseekV4ForCausalLM(hf_config)
+    counts = count_params(bundled)
+    assert counts["total"] == sum(p.numel() for p in hf.parameters())
+    assert abs(counts["total"] / total - 1) < 0.03, counts["total"]
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
+    ({"scoring_func": "sigmoid"}, "scoring_func='sigmoid'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64,
+                          "beta_fast": 32.0, "beta_slow": 1.0}}, "rope_type='yarn'"),
+], ids=["kv-heads", "router", "yarn"])
+def test_import_refuses_what_it_cannot_express(extra, named):
+    with pytest.raises(ValueError, match=named):
+        config_from_hf(transformers.DeepseekV4Config(**{**TINY, **extra}))
+
+
+def test_mtp_is_refused_beside_mhc_and_plain_residuals_do_not_export():
+    from meshformer.checkpointing.hf import incompatibilities
+    from meshformer.config import ConfigError, config_from_dict
+
+    cfg = config_from_hf(transformers.DeepseekV4Config(**TINY))
+    with pytest.raises(ConfigError, match="model.mtp.depth"):
+        config_from_dict({"model": {"residual": {"kind": "mhc"}, "mtp": {"depth": 1}}})
+    plain = dataclasses.replace(cfg, residual=dataclasses.replace(cfg.residual, kind="plain"))
+    assert "residual='plain' (needs 'mhc')" in incompatibilities(plain, "deepseek_v4")
