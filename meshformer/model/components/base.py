@@ -145,6 +145,9 @@ class TokenMixer(_Component):
     # its module also takes `padding=` and `documents=`: this call's tokens' (B, T) padding (True: real) and packed
     # document ids, for a mixer that reads no mask (a recurrence)
     reads_padding_and_documents: ClassVar[bool] = False
+    # its module also takes `carry=` (a dict the blocks of one forward share, for what a block hands later blocks:
+    # GLM-5's shared key selection) and `block=` (the block's index in its stack)
+    reads_carry: ClassVar[bool] = False
 
     def build(self, cfg: ModelConfig, *, causal: bool) -> nn.Module:
         """The module, called by the block as `module(x, mask, rope=..., bias=..., cache=..., chunk=...)` on the

@@ -208,6 +208,7 @@ def test_warmup_attends_densely_and_trains_only_the_indexers():
     with torch.no_grad():
         assert torch.equal(model.eval()(ids), dense.eval()(ids))
         assert not torch.equal(sparse.eval()(ids), dense(ids))
+    bind_layer_terms([model], {"dsa/indexer_loss": 1.0})  # the objective's weight, as a layout binds it
     model.train()(ids).sum().backward()  # the language-model loss reaches only the indexers, through their loss
     assert all(p.grad is not None and p.grad.abs().max() > 0 for p in model.parameters() if p.requires_grad)
     assert len(dsa_layers([model])) == 2
