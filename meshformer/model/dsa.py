@@ -195,6 +195,12 @@ class SparseLatentAttention(MultiHeadLatentAttention):
             out = self.loss_terms.add(out, {"dsa/indexer_loss": total}, 1 / count.clamp(min=1))
         return out
 
+    def term_values(self) -> dict[str, torch.Tensor]:
+        """The latest training forward's indexer loss (mean KL per real query; under tensor parallel, this rank's
+        heads' share of the main attention), for the objective's logged parts; none before one or without an
+        indexer."""
+        return {} if self.last_loss is None else {"dsa/indexer_loss": self.last_loss}
+
     def _handed(self, carry: dict | None, block: int) -> list[torch.Tensor | None]:
         """A dsa_shared block's source selections: those of the nearest earlier dsa block (GLM-5's "shared")."""
         if self.indexer is not None:
