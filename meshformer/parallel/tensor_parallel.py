@@ -19,6 +19,8 @@ Layout of the activations (tp ranks, sequence T, hidden D):
   A_log / dt_bias on dim 0; weights over its [all q | all k | all v] channels (the convolution, Qwen3.5's
   in_proj_qkv) and its gated norm's weight stay whole, each rank reading its heads' rows and the gradients summed
   over the ranks (the module says which: `shard_heads`);
+- mHC's residual (model/residual.py): between blocks each rank holds its tokens' n streams (B, T/tp, n, D); the
+  joins' and the merge's mixing weights are replicated, their gradients summed over the ranks (`token_share`);
 - a QK-norm over the whole projection (OLMo 2) holds its heads' slice of the weight and sums the mean square
   over the tensor-parallel ranks (one all-reduce of a (B, T, 1) tensor per norm).
 
