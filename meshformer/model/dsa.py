@@ -37,6 +37,7 @@ from torch import nn
 
 from meshformer.loss.layer_terms import LayerTerms
 from meshformer.model.attention import KVCache, SequenceChunk
+from meshformer.model.components.base import Carry
 from meshformer.model.config import ModelConfig
 from meshformer.model.masks import AttentionMask
 from meshformer.model.mla import MultiHeadLatentAttention, deinterleave
@@ -121,7 +122,7 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         padding: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
         query_scale: torch.Tensor | None = None,
-        carry: dict | None = None,
+        carry: Carry | None = None,
         block: int = 0,
     ) -> torch.Tensor:
         """As MultiHeadLatentAttention's; `padding` (B, T): which queries are real tokens (the indexer's loss).
@@ -186,7 +187,7 @@ class SparseLatentAttention(MultiHeadLatentAttention):
                 losses.append(self._indexer_loss(q_p, k_p, scores, piece_mask.materialize(n, at + n, x.device),
                                                  real))
         if self.hands_on and carry is not None:
-            carry[("dsa", block)] = selections
+            carry.items[("dsa", block)] = selections
         out = torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
         out = self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
         if losses:
@@ -201,16 +202,16 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         indexer."""
         return {} if self.last_loss is None else {"dsa/indexer_loss": self.last_loss}
 
-    def _handed(self, carry: dict | None, block: int) -> list[torch.Tensor | None]:
+    def _handed(self, carry: Carry | None, block: int) -> list[torch.Tensor | None]:
         """A dsa_shared block's source selections: those of the nearest earlier dsa block (GLM-5's "shared")."""
         if self.indexer is not None:
             return []
         source = max((i for i in range(min(block, len(self.kinds))) if self.kinds[i] == "dsa"), default=None)
-        if carry is None or ("dsa", source) not in carry:
+        if carry is None or ("dsa", source) not in carry.items:
             raise ValueError(f"dsa_shared block {block} reuses the key selection of dsa block {source}, which did not "
                              "run before it in this forward (another pipeline stage, or none): start each pipeline "
                              "stage and the multi-token prediction block with a dsa block")
-        return carry[("dsa", source)]
+        return carry.items[("dsa", source)]  # type: ignore[return-value]
 
     def _indexer_loss(self, q: torch.Tensor, k: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor | None,
                       real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

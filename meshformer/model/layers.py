@@ -10,7 +10,7 @@ from torch import nn
 
 from meshformer.model.attention import KVCache, SequenceChunk
 from meshformer.model.components import TOKEN_MIXERS, block_mixers, channel_mixer, cross_mixer, token_mixer
-from meshformer.model.components.base import GenerationCache
+from meshformer.model.components.base import Carry, GenerationCache
 from meshformer.model.config import ModelConfig
 from meshformer.model.masks import AttentionMask
 from meshformer.model.norms import make_norm
@@ -139,7 +139,7 @@ class TransformerBlock(nn.Module):
         documents: torch.Tensor | None = None,
         query_scale: torch.Tensor | None = None,
         token_ids: torch.Tensor | None = None,
-        carry: dict | None = None,
+        carry: Carry | None = None,
     ) -> torch.Tensor:
         """chunk: under context parallel, the pieces of the sequence `x` holds (self-attention gathers the rest).
         padding, documents (B, T): x's tokens' padding and packed documents, for a token mixer whose kind reads them

@@ -144,6 +144,9 @@ MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "mo
               "deepseek_mhc/fsdp-ep", "deepseek_mhc/cp-ep",
               # mHC under tp: each rank's tokens' streams, the mixing weights' gradients summed over the ranks
               "deepseek_mhc/tp-ep",
+              # GLM-5's shared selection handed from block 0 to block 1 through FSDP's wrapped calls, read again when
+              # block 1 is recomputed after block 2 (which selects its own)
+              "dsa_shared/fsdp-ep-recompute=full",
               # Nemotron-H's layers, one mixer each: blocks whose other sub-layer is "none" split by heads (tp) and
               # by sequence pieces (cp), its sigmoid group-routed squared-ReLU experts split over ep
               "nemotron/tp-ep", "nemotron/cp-ep"]
@@ -237,7 +240,7 @@ WORLD2_SLOW = {"decoder/cp-compile", "olmohybrid/tp", "decoder/tp-fp8=tensorwise
                 "dsa_warmup/fsdp-ep", "dsa/fsdp-ep-recompute=full", "dsa/tp-ep-recompute=selective", "dsa_warmup/tp-ep",
                 "dsa_warmup/pp", "mamba/cp", "mamba/cp-rightpad", "mamba/tp", "mamba/fsdp",
                 "mamba/pp", "deepseek_mhc/fsdp-ep", "deepseek_mhc/cp-ep", "deepseek_mhc/tp-ep", "nemotron/tp-ep",
-                "nemotron/cp-ep",
+                "nemotron/cp-ep", "dsa_shared/fsdp-ep-recompute=full",
                 *NORMUON_WORLD2} | set(ULYSSES_WORLD2)
 # The second step's global gradient norm, for rows where Adam's first update (about ±lr per element, its sign set by
 # rounding where a gradient is near zero) moves the weights differently enough to show: step-0 gradients of these
@@ -328,8 +331,8 @@ def test_parity_world2(request, name):
 
 
 # World-2 rows CI leaves out for time (slow + matrix, their own launch): mHC's (B, T, streams, D) streams handed
-# between pipeline stages
-WORLD2_MATRIX = ["deepseek_mhc/pp"]
+# between pipeline stages; a dsa_shared block on the stage of the dsa block it reads
+WORLD2_MATRIX = ["deepseek_mhc/pp", "dsa_shared/pp"]
 
 
 @pytest.fixture(scope="module")
