@@ -157,11 +157,6 @@ def validate_parallel(cfg: Config, world_size: int, device: torch.device | str |
         # TP would have to slice the bias per rank's heads and PP to share each stack's table between stages.
         raise ConfigError(f"parallel.tp={dims.tp}, parallel.pp={dims.pp}: t5_relative position bias is not supported "
                           "with tensor/pipeline parallel yet; use FSDP/HSDP (tp=1, pp=1) or model.position='alibi'")
-    if cfg.model.residual.kind == "mhc" and (dims.pp > 1 or dims.tp > 1):
-        # the pipeline's stages hand each other one (B, T, D) stream, and tensor parallel's sequence-parallel styles
-        # expect one at each block's norms; mHC's is (B, T, streams, D)
-        raise ConfigError(f"parallel.pp={dims.pp}, parallel.tp={dims.tp}: model.residual.kind='mhc' is not supported "
-                          "under pipeline or tensor parallel yet; use parallel.pp=1 and parallel.tp=1 (FSDP, cp, ep)")
     _check_tensor_parallel(cfg, dims)
     check_expert_parallel(cfg, dims)
     _check_pipeline(cfg, dims)

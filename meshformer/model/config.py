@@ -309,7 +309,8 @@ class ModelConfig:
     # Token mixer of each block of a stack: "full_attention" | "sliding_attention" (attention.window, rope.local_theta)
     # | "linear_attention" (Gated DeltaNet: [model.linear_attention]) | "kda" (Kimi Delta Attention, the same
     # table) | "mamba2" (Mamba-2's state-space scan, [model.mamba]) | "mla" (multi-head latent attention,
-    # [model.mla]) | "dsa" (MLA with DeepSeek's sparse attention: [model.mla], [model.dsa]) | "sliding_mqa", "hca",
+    # [model.mla]) | "dsa" (MLA with DeepSeek's sparse attention: [model.mla], [model.dsa]; "dsa_shared": reusing the
+    # nearest earlier dsa block's key selection, GLM-5) | "sliding_mqa", "hca",
     # "csa" (DeepSeek-V4's sliding, heavily compressed, compressed sparse: [model.compressed_attention]) | "none" (no
     # token mixer: the block is its channel mixer alone, Nemotron-H's MLP layers), one per block or a shorter pattern
     # repeated over the stack (Gemma 3: 5 sliding, then 1 full); []: all full

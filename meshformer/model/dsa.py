@@ -8,6 +8,10 @@ sqrt(n_heads). Query t scores key s as I[t, s] = sum_h w[t, h] relu(q[t, h] . k[
 Among the keys its mask allows (causal, padding, documents) the top k by I are kept: the attention mask becomes
 allowed & selected, so attention is exactly MLA's over those keys, and dense MLA where topk covers every key.
 
+Shared selection (GLM-5's indexer_types "shared"): a block of the kind `dsa_shared` holds no indexer and attends to
+the keys the nearest earlier `dsa` block selected in the same forward, handed on through the blocks' `carry` (keyed
+by that block's index, so recomputation in any order reads the right one).
+
 Cache: the indexer keys sit beside the latent and rotary key (`IndexedKVCache.index_k`); context parallel gathers
 them as it gathers the latent.
 
@@ -33,6 +37,7 @@ from torch import nn
 
 from meshformer.loss.layer_terms import LayerTerms
 from meshformer.model.attention import KVCache, SequenceChunk
+from meshformer.model.components.base import Carry
 from meshformer.model.config import ModelConfig
 from meshformer.model.masks import AttentionMask
 from meshformer.model.mla import MultiHeadLatentAttention, deinterleave
@@ -88,11 +93,15 @@ class LightningIndexer(nn.Module):
 
 
 class SparseLatentAttention(MultiHeadLatentAttention):
-    """MLA over the keys the block's lightning indexer selects per query; trains the indexer in training mode."""
+    """MLA over the keys the block's lightning indexer selects per query; trains the indexer in training mode.
+    shared: no indexer of its own; the keys block `source` (an earlier dsa block) selected in this forward."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, *, shared: bool = False) -> None:
         super().__init__(cfg)
-        self.indexer = LightningIndexer(cfg)
+        self.indexer = None if shared else LightningIndexer(cfg)
+        # a dsa block followed by dsa_shared blocks hands its selection on
+        self.hands_on = not shared and "dsa_shared" in cfg.layer_types
+        self.kinds = [cfg.layer_type(i) for i in range(cfg.n_layers)]  # a dsa_shared block's source: the nearest dsa
         self.topk, self.dense = cfg.dsa.topk, cfg.dsa.stage == "warmup"
         self.total_heads = cfg.attention.n_heads
         # the objective's weight of the indexer loss; its scale 1 / the step's target tokens, set before each step
@@ -113,9 +122,12 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         padding: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
         query_scale: torch.Tensor | None = None,
+        carry: Carry | None = None,
+        block: int = 0,
     ) -> torch.Tensor:
         """As MultiHeadLatentAttention's; `padding` (B, T): which queries are real tokens (the indexer's loss).
-        `query_scale` is not taken (config validation keeps mla.query_scale_beta to mla blocks)."""
+        `query_scale` is not taken (config validation keeps mla.query_scale_beta to mla blocks). carry: what the
+        blocks of this forward hand on (a dsa block's selections under its index `block`, for dsa_shared blocks)."""
         if rope is None or memory is not None or bias is not None or query_scale is not None:
             raise ValueError("sparse latent attention is causal self-attention with RoPE only: set "
                              "model.position='rope' and use it in a decoder stack")
@@ -131,19 +143,22 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         train = self.training and torch.is_grad_enabled()
         # the indexer learns from its own loss only: its inputs leave the model's graph
         x_in, q_in = (x.detach(), q_latent.detach()) if train else (x, q_latent)
-        index_k = self.indexer.keys(x_in, rope)
+        index_k = self.indexer.keys(x_in, rope) if self.indexer is not None else None
         if chunk is not None:  # the whole sequence's compressed tensors, the indexer keys beside them
-            latent, k_rope, index_k = chunk.whole(latent), chunk.whole(k_rope), chunk.whole(index_k)
+            latent, k_rope = chunk.whole(latent), chunk.whole(k_rope)
+            index_k = chunk.whole(index_k) if index_k is not None else None
         if isinstance(cache, IndexedKVCache):
-            if cache.k is not None and cache.v is not None and cache.index_k is not None:
+            if cache.k is not None and cache.v is not None:
                 latent, k_rope = torch.cat([cache.k, latent], dim=2), torch.cat([cache.v, k_rope], dim=2)
-                index_k = torch.cat([cache.index_k, index_k], dim=2)
+                if cache.index_k is not None and index_k is not None:
+                    index_k = torch.cat([cache.index_k, index_k], dim=2)
             cache.k, cache.v, cache.index_k = latent, k_rope, index_k
+        handed = self._handed(carry, block)
         k, v = self._expand(latent, k_rope)
         keys = k.shape[2]
         spans = chunk.spans(length) if chunk is not None else [(0, length, keys - length)]
-        pieces, losses = [], []
-        for start, n, at in spans:
+        pieces, losses, selections = [], [], []
+        for i, (start, n, at) in enumerate(spans):
             whole = chunk is None
             piece_mask = mask if whole or mask.mask is None else AttentionMask(mask.mask[..., start:start + n,
                                                                                          :at + n])
@@ -152,19 +167,27 @@ class SparseLatentAttention(MultiHeadLatentAttention):
             q_p, k_p, v_p = q[:, :, rows], k[:, :, :at + n], v[:, :, :at + n]
             allowed = piece_mask.materialize(n, at + n, x.device)
             sparse = not self.dense and self.topk < at + n
-            scores = None
-            if sparse or train:
+            scores, selected = None, None
+            if self.indexer is None:  # the source block's selection of these rows (None: it attended densely)
+                selected = handed[i]
+            elif sparse or train:
+                assert index_k is not None
                 with torch.set_grad_enabled(train):
                     scores = self.indexer(x_in[:, rows], q_in[:, rows], index_k[:, :, :at + n], piece_rope)
-            if sparse:
-                assert scores is not None and allowed is not None  # causal: always a mask to materialise
+            if sparse and scores is not None:
+                assert allowed is not None  # causal: always a mask to materialise
                 selected = _top_keys(scores.detach(), allowed, self.topk)
+            if selected is not None:
+                assert allowed is not None
                 piece_mask = AttentionMask(allowed & selected[:, None])
+            selections.append(selected)
             pieces.append(self._attend(q_p, k_p, v_p, piece_mask))
             if train and scores is not None:
                 real = padding[:, rows] if padding is not None else None
                 losses.append(self._indexer_loss(q_p, k_p, scores, piece_mask.materialize(n, at + n, x.device),
                                                  real))
+        if self.hands_on and carry is not None:
+            carry.items[("dsa", block)] = selections
         out = torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
         out = self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
         if losses:
@@ -172,6 +195,23 @@ class SparseLatentAttention(MultiHeadLatentAttention):
             self.last_loss = total.detach() / count.clamp(min=1)
             out = self.loss_terms.add(out, {"dsa/indexer_loss": total}, 1 / count.clamp(min=1))
         return out
+
+    def term_values(self) -> dict[str, torch.Tensor]:
+        """The latest training forward's indexer loss (mean KL per real query; under tensor parallel, this rank's
+        heads' share of the main attention), for the objective's logged parts; none before one or without an
+        indexer."""
+        return {} if self.last_loss is None else {"dsa/indexer_loss": self.last_loss}
+
+    def _handed(self, carry: Carry | None, block: int) -> list[torch.Tensor | None]:
+        """A dsa_shared block's source selections: those of the nearest earlier dsa block (GLM-5's "shared")."""
+        if self.indexer is not None:
+            return []
+        source = max((i for i in range(min(block, len(self.kinds))) if self.kinds[i] == "dsa"), default=None)
+        if carry is None or ("dsa", source) not in carry.items:
+            raise ValueError(f"dsa_shared block {block} reuses the key selection of dsa block {source}, which did not "
+                             "run before it in this forward (another pipeline stage, or none): start each pipeline "
+                             "stage and the multi-token prediction block with a dsa block")
+        return carry.items[("dsa", source)]  # type: ignore[return-value]
 
     def _indexer_loss(self, q: torch.Tensor, k: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor | None,
                       real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

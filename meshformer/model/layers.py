@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from meshformer.model.attention import KVCache, SequenceChunk
 from meshformer.model.components import TOKEN_MIXERS, block_mixers, channel_mixer, cross_mixer, token_mixer
-from meshformer.model.components.base import GenerationCache
+from meshformer.model.components.base import Carry, GenerationCache
 from meshformer.model.config import ModelConfig
 from meshformer.model.masks import AttentionMask
 from meshformer.model.norms import make_norm
@@ -104,6 +105,7 @@ class TransformerBlock(nn.Module):
         self.attn_norm = None if mixer.empty else make_norm(cfg)
         self.attn = None if mixer.empty else mixer.build(cfg, causal=causal)
         self.attn_reads_padding = mixer.reads_padding_and_documents
+        self.attn_reads_carry, self.index = mixer.reads_carry, index
         self.attn_out_norm = make_norm(cfg) if sandwich and not mixer.empty else None
         self.attn_residual = None if mixer.empty else residual.branch(cfg, position)
         self.cross_norm = make_norm(cfg) if cross else None
@@ -137,15 +139,19 @@ class TransformerBlock(nn.Module):
         documents: torch.Tensor | None = None,
         query_scale: torch.Tensor | None = None,
         token_ids: torch.Tensor | None = None,
+        carry: Carry | None = None,
     ) -> torch.Tensor:
         """chunk: under context parallel, the pieces of the sequence `x` holds (self-attention gathers the rest).
         padding, documents (B, T): x's tokens' padding and packed documents, for a token mixer whose kind reads them
         (`reads_padding_and_documents`; attention reads `mask`). query_scale: the queries' per-position multiplier
         (model.mla.query_scale_beta), passed only where set. token_ids (B, T): x's tokens, for a channel mixer whose
-        kind reads them (`reads_token_ids`)."""
-        tokens = {"padding": padding, "documents": documents} if self.attn_reads_padding else {}
+        kind reads them (`reads_token_ids`). carry: what the blocks of this forward hand on, for a token mixer whose
+        kind reads it (`reads_carry`)."""
+        tokens: dict[str, Any] = {"padding": padding, "documents": documents} if self.attn_reads_padding else {}
         if query_scale is not None:
             tokens["query_scale"] = query_scale
+        if self.attn_reads_carry:
+            tokens["carry"], tokens["block"] = carry, self.index
         if self.attn is not None and self.attn_norm is not None and self.attn_residual is not None:
             x = self.attn_residual(x, self.attn_norm, self.attn_out_norm, self.attn, mask, rope=rope, bias=bias,
                                    cache=cache.self_attn if cache else None, chunk=chunk, **tokens)

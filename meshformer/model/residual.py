@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshformer.model import tp_styles
 from meshformer.model.config import ModelConfig
 
 Branch = Callable[..., torch.Tensor]
@@ -84,7 +85,15 @@ def sinkhorn(logits: torch.Tensor, iterations: int, eps: float) -> torch.Tensor:
     return m
 
 
-class HyperConnection(Residual):
+class _TokenShare:
+    """A module whose parameters every token reads: under tensor parallel (a slice of the tokens per rank) the
+    `token_share` style sets `read_parameter` to the local tensor whose gradient is summed over the ranks."""
+
+    def read_parameter(self, p: torch.Tensor) -> torch.Tensor:
+        return p
+
+
+class HyperConnection(_TokenShare, Residual):
     """One branch of mHC over (B, T, n, D) streams: weights (pre, post, comb) from the streams, the branch on the pre
     mix, then post x output + comb^T streams."""
 
@@ -100,12 +109,12 @@ class HyperConnection(Residual):
 
     def forward(self, x: torch.Tensor, norm: nn.Module, out_norm: nn.Module | None, fn: Branch, *args,
                 **kwargs) -> torch.Tensor:
-        n, dtype = self.streams, x.dtype
-        mixes = F.linear(_rms(x.flatten(2).float(), self.norm_eps), self.weight.float())
+        n, dtype, read = self.streams, x.dtype, self.read_parameter
+        mixes = F.linear(_rms(x.flatten(2).float(), self.norm_eps), read(self.weight).float())
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-        bias = self.bias.float()
+        bias = read(self.bias).float()
         pre_b, post_b, comb_b = bias.split([n, n, n * n])
-        gain = self.gain.float()
+        gain = read(self.gain).float()
         pre = torch.sigmoid(pre_w * gain[0] + pre_b) + self.eps
         post = 2 * torch.sigmoid(post_w * gain[1] + post_b)
         comb = sinkhorn(comb_w.unflatten(-1, (n, n)) * gain[2] + comb_b.view(n, n), self.iterations, self.eps)
@@ -118,7 +127,7 @@ class HyperConnection(Residual):
         return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + comb.to(dtype).transpose(-1, -2) @ x
 
 
-class HyperMerge(nn.Module):
+class HyperMerge(_TokenShare, nn.Module):
     """The end of a stack under mHC: the streams' weighted sum (weights from the streams, as a branch's `pre`)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -130,8 +139,9 @@ class HyperMerge(nn.Module):
         self.gain = nn.Parameter(torch.empty(1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mixes = F.linear(_rms(x.flatten(2).float(), self.norm_eps), self.weight.float())
-        pre = torch.sigmoid(mixes * self.gain.float() + self.bias.float()) + self.eps
+        read = self.read_parameter
+        mixes = F.linear(_rms(x.flatten(2).float(), self.norm_eps), read(self.weight).float())
+        pre = torch.sigmoid(mixes * read(self.gain).float() + read(self.bias).float()) + self.eps
         return (pre.unsqueeze(-1) * x).sum(dim=2).to(x.dtype)
 
 
@@ -140,6 +150,8 @@ class ResidualKind:
     parameters and their initialisation."""
 
     name: ClassVar[str]
+    # the tensor-parallel style of its branch joins and merges (None: they hold no parameters)
+    tp_style: ClassVar[str | None] = None
 
     def branch(self, cfg: ModelConfig, position: str | None = None) -> Residual:
         """A branch join; position: the block's norm position where it differs from model.norm.position."""
@@ -175,6 +187,7 @@ class Plain(ResidualKind):
 
 class ManifoldHyperConnections(ResidualKind):
     name = "mhc"
+    tp_style = tp_styles.TOKEN_SHARE
 
     def branch(self, cfg: ModelConfig, position: str | None = None) -> Residual:
         return HyperConnection(cfg)  # pre-norm only (config checks refuse the others)

@@ -19,3 +19,6 @@ PARTIAL_GRADIENT = "partial_gradient"
 HEAD_SHARD = "head_shard"
 TOKENS = "tokens"  # runs on this rank's tokens flattened to (N, D) with a replicated weight (the MoE router)
 
+# a module of this rank's tokens whose own (replicated) parameters it reads through its `read_parameter`, which
+# sums their gradients over the ranks (mHC's branch joins and merge: each rank's tokens give their share)
+TOKEN_SHARE = "token_share"

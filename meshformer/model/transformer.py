@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from meshformer.model.components import model_kinds
+from meshformer.model.components.base import Carry
 from meshformer.model.config import ModelConfig
 from meshformer.model.families import FamilySpec, get_family_spec
 from meshformer.model.init import init_weights, new_seed
@@ -387,10 +388,11 @@ class Transformer(nn.Module):
         if memory is not None:
             memory_mask = build_mask(q_len, memory.shape[1], causal=False, key_padding=memory_padding,
                                      device=h.device)
+        carry = Carry()  # what a block hands later blocks of this forward (`TokenMixer.reads_carry`)
         for i, (key, layer) in enumerate(self.decoder_layers.items()):
             mask, kwargs = self._block_inputs(int(key), masks, extra)
             h = layer(h, mask, memory=memory, memory_mask=memory_mask, cache=cache[i] if cache else None,
-                      chunk=self.parallel_context.chunk, token_ids=ids, **kwargs)
+                      chunk=self.parallel_context.chunk, token_ids=ids, carry=carry, **kwargs)
         if self.decoder_merge is not None:
             h = self.decoder_merge(h)
         if self.decoder_norm is not None and final_norm:

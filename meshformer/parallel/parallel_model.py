@@ -182,8 +182,14 @@ class ParallelModel:
         return [item for part in self.model_parts for item in moe_layers(part)]
 
     @cached_property
+    def named_dsa_layers(self) -> list[tuple[str, SparseLatentAttention]]:
+        """This rank's sparse latent attentions by their name, whose indexer losses are means over each step's
+        target tokens."""
+        return [(name, m) for part in self.model_parts for name, m in part.named_modules()
+                if isinstance(m, SparseLatentAttention)]
+
+    @cached_property
     def dsa_layers(self) -> list[SparseLatentAttention]:
-        """This rank's sparse latent attentions, whose indexer losses are means over each step's target tokens."""
         return dsa_layers(self.model_parts)
 
     @cached_property
@@ -193,10 +199,12 @@ class ParallelModel:
     def moe_scalars(self) -> dict[str, float]:
         """Per MoE layer, of its latest training forward over the whole micro-batch: the busiest expert's load over
         the mean load (1 = perfectly balanced), the fraction of token-slots dropped for capacity, and the objective's
-        logged parts of its balance terms (unweighted; `Loss.layer_scalars`)."""
-        if not self.moe_layers:
+        logged parts of its balance terms (unweighted; `Loss.layer_scalars`). Per DSA layer, the logged part of its
+        indexer loss ("dsa/<layer>/indexer_loss": its latest training forward's mean KL per real query)."""
+        if not self.moe_layers and not self.dsa_layers:
             return {}
-        scalars: dict[str, torch.Tensor] = {}
+        scalars: dict[str, torch.Tensor] = self.loss.layer_scalars((name.removesuffix(".attn"), layer.term_values())
+                                                                   for name, layer in self.named_dsa_layers)
         for name, layer in self.named_moe_layers:
             stats, prefix = layer.last_stats, f"moe/{name.removesuffix('.ffn')}"
             load = stats.tokens_per_expert
@@ -204,6 +212,8 @@ class ParallelModel:
             scalars[f"{prefix}/dropped_fraction"] = stats.dropped_fraction
         scalars |= self.loss.layer_scalars((name.removesuffix(".ffn"), layer.term_values())
                                            for name, layer in self.named_moe_layers)
+        if not scalars:
+            return {}
         values = torch.stack(list(scalars.values())).tolist()  # one host read for every layer
         return dict(zip(scalars, values))
 

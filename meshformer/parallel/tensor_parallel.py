@@ -19,6 +19,8 @@ Layout of the activations (tp ranks, sequence T, hidden D):
   A_log / dt_bias on dim 0; weights over its [all q | all k | all v] channels (the convolution, Qwen3.5's
   in_proj_qkv) and its gated norm's weight stay whole, each rank reading its heads' rows and the gradients summed
   over the ranks (the module says which: `shard_heads`);
+- mHC's residual (model/residual.py): between blocks each rank holds its tokens' n streams (B, T/tp, n, D); the
+  joins' and the merge's mixing weights are replicated, their gradients summed over the ranks (`token_share`);
 - a QK-norm over the whole projection (OLMo 2) holds its heads' slice of the weight and sums the mean square
   over the tensor-parallel ranks (one all-reduce of a (B, T, 1) tensor per norm).
 
@@ -58,6 +60,7 @@ from meshformer.model import Transformer
 from meshformer.model import tp_styles as styles
 from meshformer.model.components import component
 from meshformer.model.families.spec import TensorParallelRules
+from meshformer.model.residual import residual_kind
 
 
 class _EmbeddingParallel(RowwiseParallel):
@@ -134,6 +137,24 @@ class _PartialGradient(ParallelStyle):
         return module
 
 
+class _TokenShare(ParallelStyle):
+    """A module of this rank's tokens that reads its own parameters through `read_parameter` (mHC's joins): they
+    become Replicate DTensors, read as local tensors whose gradients (each rank's tokens' share) are summed over the
+    ranks. Its inputs and outputs stay plain local tensors."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+        for pname, param in list(module.named_parameters(recurse=False)):
+            placed = DTensor.from_local(param.data, device_mesh, [Replicate()], run_check=False)
+            module.register_parameter(pname, nn.Parameter(placed, param.requires_grad))
+
+        def read(p: torch.Tensor) -> torch.Tensor:
+            return _SumGradient.apply(p.to_local() if isinstance(p, DTensor) else p, group)
+
+        setattr(module, "read_parameter", read)  # noqa: B010 (an instance attribute over the method)
+        return module
+
+
 class _HeadSharded(Protocol):
     def shard_heads(self, ranks: int, rank: int, sum_gradient: Callable[[torch.Tensor], torch.Tensor]
                     ) -> tuple[list[str], list[str]]: ...
@@ -181,6 +202,7 @@ _STYLES = {
     styles.ROWWISE: lambda: RowwiseParallel(output_layouts=Shard(1)),
     styles.PARTIAL_GRADIENT: _PartialGradient,
     styles.HEAD_SHARD: _HeadShard,
+    styles.TOKEN_SHARE: _TokenShare,
 }
 
 
@@ -198,6 +220,7 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, *, float8_gather
     parallelize_module(model, mesh, _plan(model, spec.tp_rules.top))
     _retie(model, cfg)
 
+    style = residual_kind(cfg).tp_style  # the residual's joins and merges (mHC's mixing weights)
     for stack in spec.stacks:
         layers = getattr(model, stack.layers, None)
         if layers is None:
@@ -210,6 +233,9 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, *, float8_gather
                 parallelize_module(block, mesh, PrepareModuleInput(
                     input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None), use_local_output=True))
         final_norm = getattr(model, stack.norm, None)
+        merge = getattr(model, stack.merge, None)
+        if merge is not None and style is not None and final_norm is not None:  # on this rank's tokens, as the norm
+            parallelize_module(merge, mesh, _STYLES[style]())
         last = str(stack.count(cfg) - 1)
         if final_norm is not None:
             parallelize_module(final_norm, mesh, SequenceParallel(use_local_output=True))
@@ -251,6 +277,8 @@ def _parallelize_mtp_module(module: nn.Module, mesh: DeviceMesh, cfg: ModelConfi
 def _block_rules(block: nn.Module, cfg: ModelConfig, rules: TensorParallelRules) -> Mapping[str, str]:
     """The family's block rules and those each mixer's kind declares, under the attribute that holds it."""
     out = dict(rules.block)
+    if (style := residual_kind(cfg).tp_style) is not None:
+        out |= {join: style for join in ("attn_residual", "cross_residual", "ffn_residual")}
     for attribute, name in getattr(block, "mixers", {}).items():
         for path, style in component(name).tp_rules(cfg).items():
             out[f"{attribute}.{path}" if path else attribute] = style

@@ -50,7 +50,7 @@ def _layer_cost(cfg: Config, kind: str, method: str, batch: int, cp: int, tp: in
             return 2 * 2 * batch * kv * n * d * a * others, 2 * batch * heads * seq * d * a
         kv = kv if kv % cp == 0 else cp
         return 2 * (2 * heads + 2 * kv) * batch * n * d * a * others / cp, 4 * batch * heads * n * d * a
-    if kind in ("mla", "dsa"):
+    if kind in ("mla", "dsa", "dsa_shared"):
         x, heads = m.mla, m.attention.n_heads // tp
         if method == "allgather":
             return (2 * batch * n * (x.kv_lora_rank + x.qk_rope_head_dim) * a * others,

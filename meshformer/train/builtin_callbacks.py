@@ -124,8 +124,8 @@ class StragglerReport(Callback):
 
 
 class MoEStatistics(Callback):
-    """Per MoE layer: expert load max/mean, dropped fraction, aux and z losses; per multi-token prediction module its
-    mean loss; on logging steps (a collective)."""
+    """Per MoE layer: expert load max/mean, dropped fraction, aux and z losses; per DSA layer its indexer loss; per
+    multi-token prediction module its mean loss; on logging steps (a collective)."""
 
     order, phase = 30, "logging"
 

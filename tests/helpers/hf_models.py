@@ -143,6 +143,13 @@ ARCHS: dict[str, dict[str, Any]] = {
                         qk_rope_head_dim=4, v_head_dim=8, moe_intermediate_size=32, n_routed_experts=4,
                         num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5, index_n_heads=8,
                         index_head_dim=8, index_topk=6),
+    # GLM-5 whose blocks 1 and 2 reuse block 0's key selection (indexer_types "shared"; no indexer of their own)
+    "glm_moe_dsa_shared": dict(config="GlmMoeDsaConfig", model="GlmMoeDsaForCausalLM", tie_word_embeddings=False,
+                               num_hidden_layers=4, indexer_types=["full", "shared", "shared", "full"],
+                               num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                               qk_rope_head_dim=4, v_head_dim=8, moe_intermediate_size=32, n_routed_experts=4,
+                               num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                               index_n_heads=8, index_head_dim=8, index_topk=6),
     # Mistral 4: DeepSeek-V3's latent attention with Llama 4's query scaling past position 4 (so a prompt crosses
     # several steps); block 0 dense, then 8 experts in 2 groups (1 kept per token), top-2 softmax scores renormalised
     # and scaled by 1.5, one shared expert

@@ -201,6 +201,8 @@ FAMILIES["deepseek_mtp4"] = dict(FAMILIES["deepseek_mtp"], n_layers=4, mlp_types
 # the indexers train
 FAMILIES["dsa"] = dict(FAMILIES["deepseek"], layer_types=["dsa"], dsa=dict(n_heads=4, head_dim=8, topk=5))
 FAMILIES["dsa_warmup"] = dict(FAMILIES["dsa"], dsa=dict(n_heads=4, head_dim=8, topk=5, stage="warmup"))
+# GLM-5's shared selection: block 1 attends to block 0's keys (block 2 selects its own, after it in the forward)
+FAMILIES["dsa_shared"] = dict(FAMILIES["dsa"], layer_types=["dsa", "dsa_shared", "dsa"])
 # Nemotron-H-like: a Mamba-2 block (grouped B and C; state and convolution reset per packed document) then an
 # attention block without positions, dense feed-forwards
 FAMILIES["mamba"] = dict(family="decoder", n_layers=2, position="none", bias=False,

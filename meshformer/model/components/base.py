@@ -71,6 +71,14 @@ class ActivationLayout(Protocol):
         ...
 
 
+class Carry:
+    """What a block hands later blocks of one forward, by key (a dsa block's key selection for dsa_shared blocks).
+    Not a dict: wrappers that rebuild a call's containers (FSDP's input casts) pass it on as it is."""
+
+    def __init__(self) -> None:
+        self.items: dict[object, object] = {}
+
+
 class GenerationCache(Protocol):
     """A token mixer's state between generation steps (attention: the keys and values so far)."""
 
@@ -145,6 +153,9 @@ class TokenMixer(_Component):
     # its module also takes `padding=` and `documents=`: this call's tokens' (B, T) padding (True: real) and packed
     # document ids, for a mixer that reads no mask (a recurrence)
     reads_padding_and_documents: ClassVar[bool] = False
+    # its module also takes `carry=` (the `Carry` the blocks of one forward share, for what a block hands later blocks:
+    # GLM-5's shared key selection) and `block=` (the block's index in its stack)
+    reads_carry: ClassVar[bool] = False
 
     def build(self, cfg: ModelConfig, *, causal: bool) -> nn.Module:
         """The module, called by the block as `module(x, mask, rope=..., bias=..., cache=..., chunk=...)` on the

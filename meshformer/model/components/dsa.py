@@ -1,6 +1,7 @@
 """DeepSeek Sparse Attention (`model/dsa.py`; DeepSeek-V3.2, GLM-5) as the token-mixer kind `dsa`: the `mla` kind
 (reading `[model.mla]` and `[model.attention]`) plus a lightning indexer per block (`[model.dsa]`) that keeps the
-`dsa.topk` keys each query attends to.
+`dsa.topk` keys each query attends to. The kind `dsa_shared` (GLM-5's indexer_types "shared") holds no indexer: it
+attends to the keys the nearest earlier `dsa` block selected in the same forward.
 
 Tensor parallel splits the MLA projections as the `mla` kind does and keeps the indexer whole on every rank, its
 scores' gradient summed over the ranks (each rank's heads give their share of its loss). Its cache holds the MLA
@@ -35,6 +36,8 @@ class SparseAttention(LatentAttention):
     section = "mla"  # its attention is multi-head latent attention (`ModelConfig.uses_mla`); [model.dsa] its indexer
     # the indexer's loss counts only real queries
     reads_padding_and_documents: ClassVar[bool] = True
+    reads_carry: ClassVar[bool] = True  # hands its selection to the dsa_shared blocks after it
+    rotary_peers: ClassVar[frozenset[str]] = frozenset({"dsa", "dsa_shared"})
 
     def ulysses(self, cfg: ModelConfig, cp: int, tp: int) -> str | None:
         # its indexer scores every key with heads of its own and keeps top-k across them: not split by heads here
@@ -109,4 +112,46 @@ class SparseAttention(LatentAttention):
         return super().selective_bytes(cfg, x, memory_len=memory_len, causal=causal) + self._indexer_bytes(cfg, x)
 
 
+class SharedSparseAttention(SparseAttention):
+    """MLA over the keys the nearest earlier dsa block selected in this forward (GLM-5's indexer_types "shared"): no
+    indexer, no indexer loss, no indexer keys in its cache. Counted as MLA."""
+
+    name = "dsa_shared"
+
+    def build(self, cfg: ModelConfig, *, causal: bool) -> nn.Module:
+        from meshformer.model.dsa import SparseLatentAttention
+
+        return SparseLatentAttention(cfg, shared=True)
+
+    def check(self, cfg: ModelConfig) -> None:
+        super().check(cfg)
+        if cfg.layer_type(0) != "dsa":
+            raise ConfigError(f"model.layer_types={cfg.layer_types} starts with {cfg.layer_type(0)!r}, but a "
+                              "dsa_shared block reuses the key selection of an earlier dsa block",
+                              'start model.layer_types with "dsa" (GLM-5: indexer_types[0] is "full")')
+        if cfg.mtp.depth and cfg.layer_type(cfg.n_layers - 1) == "dsa_shared":
+            raise ConfigError("the multi-token prediction block takes the last block's kind, dsa_shared, but has no "
+                              "dsa block before it to take a key selection from",
+                              'make the last block "dsa", or set model.mtp.depth = 0')
+
+    def tp_rules(self, cfg: ModelConfig) -> Mapping[str, str]:
+        return LatentAttention.tp_rules(self, cfg)
+
+    def cache_per_token(self, cfg: ModelConfig) -> int:
+        return LatentAttention.cache_per_token(self, cfg)
+
+    def params(self, cfg: ModelConfig) -> int:
+        return LatentAttention.params(self, cfg)
+
+    def flops(self, cfg: ModelConfig, queries: int, keys: int, *, causal: bool) -> int:
+        return LatentAttention.flops(self, cfg, queries, keys, causal=causal)
+
+    def saved_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
+        return LatentAttention.saved_bytes(self, cfg, x, memory_len=memory_len, causal=causal)
+
+    def selective_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
+        return LatentAttention.selective_bytes(self, cfg, x, memory_len=memory_len, causal=causal)
+
+
 register(SparseAttention())
+register(SharedSparseAttention())

@@ -53,6 +53,8 @@ class LatentAttention(TokenMixer):
     # shared rotary key untouched (MultiHeadLatentAttention.qk_clip_rows)
     qk_clip = True
     # what config validation refuses alongside mla blocks: options of [model.attention] these blocks never compute
+    # the kinds that may share its one rotary table under RoPE (itself; DSA: its shared-selection variant)
+    rotary_peers: ClassVar[frozenset[str]] = frozenset({"mla"})
     UNUSED: ClassVar[tuple[str, ...]] = ("n_kv_heads", "head_dim", "qk_norm", "sinks", "softcap", "output_gate",
                                          "qkv_bias")
 
@@ -70,7 +72,7 @@ class LatentAttention(TokenMixer):
 
         name = self.name
         # one rotary table per model: its width is qk_rope_head_dim (without RoPE, as Kimi Linear, any neighbours)
-        if cfg.position == "rope" and set(cfg.layer_types) != {name}:
+        if cfg.position == "rope" and not set(cfg.layer_types) <= self.rotary_peers:
             raise ConfigError(f"model.layer_types={cfg.layer_types} mixes {name} with other token mixers under RoPE",
                               f'use layer_types = ["{name}"] (every block), or no {name}, or model.position = "none"')
         if any(not stack.causal or stack.cross for stack in get_family_spec(cfg.family).stacks) \

@@ -31,15 +31,16 @@ INDEXER_LINEARS = ("wq_b", "wk", "weights_proj")
 SIZE_KEYS = ("index_n_heads", "index_head_dim", "index_topk", "q_lora_rank")
 
 
-def dsa_config_from_hf(c: Any, arch: str, indexer_interleave: bool) -> ModelConfig:
-    """DeepSeek-V3's fields with every block a dsa block and its indexer's sizes."""
+def dsa_config_from_hf(c: Any, arch: str, indexer_interleave: bool,
+                       layer_types: list[str] | None = None) -> ModelConfig:
+    """DeepSeek-V3's fields with every block a dsa block (or as `layer_types` says) and its indexer's sizes."""
     n_dense = min(c.first_k_dense_replace or 0, c.num_hidden_layers)
     expected = ["dense"] * n_dense + ["sparse"] * (c.num_hidden_layers - n_dense)
     if c.mlp_layer_types is not None and list(c.mlp_layer_types) != expected:
         raise refuse(arch, f"mlp_layer_types={c.mlp_layer_types}", f"is not {n_dense} dense blocks, then MoE ones")
     fields = deepseek_v3.mla_fields_from_hf(c, arch)
     return model_from_flat(**{
-        **fields, "layer_types": ["dsa"], "mla": replace(fields["mla"], rope_interleave=True),
+        **fields, "layer_types": layer_types or ["dsa"], "mla": replace(fields["mla"], rope_interleave=True),
         "dsa": DsaConfig(n_heads=c.index_n_heads, head_dim=c.index_head_dim, topk=c.index_topk,
                          rope_interleave=indexer_interleave),
         "router_score": "sigmoid", "router_renormalize": bool(c.norm_topk_prob), "router_groups": c.n_group or 1,
@@ -63,6 +64,8 @@ def dsa_rules(cfg: ModelConfig) -> list[Rule]:
     prediction layers."""
     out = deepseek_v3.mla_rules(cfg, selection_bias=True)
     for i in range(cfg.n_layers):
+        if cfg.layer_type(i) != "dsa":  # a dsa_shared block (GLM-5) holds no indexer
+            continue
         o, t = f"decoder_layers.{i}.attn.indexer", f"model.layers.{i}.self_attn.indexer"
         for name in INDEXER_LINEARS:
             out += params(f"{o}.{name}", f"{t}.{name}", ("weight",))
@@ -71,16 +74,19 @@ def dsa_rules(cfg: ModelConfig) -> list[Rule]:
 
 
 def dsa_features(cfg: ModelConfig) -> dict[str, Any]:
-    """The rotary layouts: interleaved pairs in the attention, the indexer's as the architecture has them."""
-    return {"mla_rope_interleave": cfg.mla.rope_interleave, "indexer_rope_interleave": cfg.dsa.rope_interleave}
+    """The rotary layouts: interleaved pairs in the attention, the indexer's as the architecture has them; whether
+    some blocks reuse an earlier block's key selection (GLM-5's indexer_types "shared")."""
+    return {"mla_rope_interleave": cfg.mla.rope_interleave, "indexer_rope_interleave": cfg.dsa.rope_interleave,
+            "indexer_shared": "dsa_shared" in cfg.layer_types}
 
 
 def dsa_adapter(arch: str, model_class: str, *, config_from_hf: Any, config_to_hf: Any, indexer_interleave: bool,
-                ignored: str) -> HFAdapter:
+                ignored: str, indexer_shared: Any = False) -> HFAdapter:
     return replace(llama_like.adapter(
         arch, model_class, config_from_hf=config_from_hf, config_to_hf=config_to_hf,
         requirements={**deepseek_v3.ADAPTER.requirements, "dsa": True, "mla_rope_interleave": True,
-                      "indexer_rope_interleave": indexer_interleave, "n_shared_experts": ANY},
+                      "indexer_rope_interleave": indexer_interleave, "indexer_shared": indexer_shared,
+                      "n_shared_experts": ANY},
         extra_features=dsa_features,
         size_keys=(*deepseek_v3.ADAPTER.size_keys, *SIZE_KEYS), refused_names=(deepseek_v3.FP8,), ignored=ignored,
         holds_selection_bias=True,

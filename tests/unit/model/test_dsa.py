@@ -208,6 +208,7 @@ def test_warmup_attends_densely_and_trains_only_the_indexers():
     with torch.no_grad():
         assert torch.equal(model.eval()(ids), dense.eval()(ids))
         assert not torch.equal(sparse.eval()(ids), dense(ids))
+    bind_layer_terms([model], {"dsa/indexer_loss": 1.0})  # the objective's weight, as a layout binds it
     model.train()(ids).sum().backward()  # the language-model loss reaches only the indexers, through their loss
     assert all(p.grad is not None and p.grad.abs().max() > 0 for p in model.parameters() if p.requires_grad)
     assert len(dsa_layers([model])) == 2
@@ -283,3 +284,30 @@ def test_planned_peak_within_tolerance_of_measured():
                                        "mla": mla, "dsa": {"n_heads": 4, "head_dim": 16, "topk": 32}}}, seq=128)
     predicted, measured = plan_layout(cfg, 1).peak, measure_step_peak(cfg)["peak"]
     assert abs(predicted / measured - 1) < TOLERANCE, (predicted, measured)
+
+
+def test_the_indexer_loss_is_logged_per_layer_as_the_objective_declares():
+    """A training step's metrics hold "dsa/<layer>/indexer_loss" for each block that runs an indexer (the mean KL per
+    real query of its latest forward), not for a dsa_shared block; an objective without the term logs none."""
+    from dataclasses import replace
+
+    from meshformer.loss.cross_entropy import cross_entropy_sum
+    from meshformer.loss.objective import Loss
+    from meshformer.parallel.parallel_model import ParallelModel
+
+    cfg = replace(_cfg(topk=4), n_layers=3, layer_types=["dsa", "dsa_shared", "dsa"])
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, T + 1))
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+    plan = ParallelModel(Transformer(cfg), cross_entropy_sum, torch.device("cpu"))
+    plan.forward_backward(batch, torch.tensor(float(2 * T)))
+    scalars = plan.moe_scalars()
+    assert set(scalars) == {"dsa/decoder_layers.0/indexer_loss", "dsa/decoder_layers.2/indexer_loss"}
+    for name, layer in plan.named_dsa_layers:
+        if name.endswith("2.attn"):
+            assert layer.last_loss is not None and scalars["dsa/decoder_layers.2/indexer_loss"] == pytest.approx(
+                float(layer.last_loss))
+    assert all(v > 0 for v in scalars.values())
+    plain = ParallelModel(Transformer(cfg), Loss(cross_entropy_sum), torch.device("cpu"))
+    plain.forward_backward(batch, torch.tensor(float(2 * T)))
+    assert plain.moe_scalars() == {}

@@ -139,10 +139,21 @@ def test_the_bench_writes_its_table(tmp_path):
     assert bench.ratio(result, "flops") == pytest.approx(1.1)
 
 
-@pytest.mark.parametrize("parallel", [{"tp": 2}, {"pp": 2}])
-def test_mhc_refuses_the_layouts_that_hand_on_one_stream(parallel):
-    from meshformer.parallel_dims import validate_parallel
+def test_mhc_pipeline_stages_hand_on_the_streams():
+    """A first pipeline stage hands the next its (B, T, streams, D) streams, the merge is the last stage's: the two
+    stages chained compute the whole model's logits (tensor and pipeline parallel layouts: the parity rows
+    deepseek_mhc/tp-ep and deepseek_mhc/pp)."""
+    from meshformer.model.parallel_context import StageSpan
 
-    cfg = config_from_dict({"model": {"residual": {"kind": "mhc"}, "n_layers": 2}, "parallel": parallel})
-    with pytest.raises(ConfigError, match="model.residual.kind='mhc' is not supported under pipeline or tensor"):
-        validate_parallel(cfg, world_size=2, device="cpu")
+    cfg = mhc_config()
+    torch.manual_seed(0)
+    whole = Transformer(cfg).eval()
+    first, last = (Transformer(cfg, span=StageSpan(i, 2, i, i + 1)).eval() for i in (0, 1))
+    for stage in (first, last):
+        stage.load_state_dict({k: v for k, v in whole.state_dict().items() if k in stage.state_dict()})
+    assert first.decoder_merge is None and last.decoder_merge is not None
+    ids = torch.randint(0, 64, (2, 6))
+    with torch.no_grad():
+        handed = first(ids)
+        assert handed.decoder.shape == (2, 6, N, D)  # type: ignore[union-attr]
+        torch.testing.assert_close(last(ids, streams=handed), whole(ids), rtol=0, atol=0)

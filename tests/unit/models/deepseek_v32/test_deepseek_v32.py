@@ -99,11 +99,10 @@ def test_published_config_is_the_bundled_one_and_counts_what_transformers_builds
 
 
 @pytest.mark.parametrize(("arch", "extra", "named"), [
-    ("glm_moe_dsa", {"index_topk_freq": 2}, "indexer_types[2]='shared'"),
     ("deepseek_v32", {"mlp_layer_types": ["sparse", "dense", "sparse", "sparse"]},
      "mlp_layer_types=['sparse', 'dense'"),
     ("deepseek_v32", {"attention_bias": True}, "attention_bias=True"),
-], ids=["shared-selection", "mlp-pattern", "attention-bias"])
+], ids=["mlp-pattern", "attention-bias"])
 def test_import_refuses_what_it_cannot_express(arch, extra, named):
     spec = {"deepseek_v32": transformers.DeepseekV32Config, "glm_moe_dsa": transformers.GlmMoeDsaConfig}[arch]
     with pytest.raises(ValueError, match=re.escape(named)):
