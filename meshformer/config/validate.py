@@ -293,6 +293,9 @@ def _check_layer_options(cfg: Config) -> None:
     if m.ffn.activation == "swiglu_clamped" and not (m.ffn.swiglu_limit > 0 and m.ffn.swiglu_alpha > 0):
         raise ConfigError(f"model.ffn.swiglu_limit={m.ffn.swiglu_limit} and model.ffn.swiglu_alpha="
                           f"{m.ffn.swiglu_alpha} must be positive", "gpt-oss: swiglu_limit=7.0, swiglu_alpha=1.702")
+    if m.ffn.activation == "swiglu_limited" and not m.ffn.swiglu_limit > 0:
+        raise ConfigError(f"model.ffn.swiglu_limit={m.ffn.swiglu_limit} must be positive",
+                          "DeepSeek-V4: swiglu_limit=10.0")
     if m.attention.qk_norm_scope != "head" and not m.attention.qk_norm:
         raise ConfigError(f"model.attention.qk_norm_scope={m.attention.qk_norm_scope!r} has no QK-norm to place",
                           "set model.attention.qk_norm=true, or drop qk_norm_scope")

@@ -17,9 +17,10 @@ from meshformer.model.config_compat import install_renamed, install_section_rena
 
 # swiglu: down(silu(gate(x)) * up(x)) (Llama); geglu: the same gated by gelu's tanh approximation (Gemma);
 # swiglu_clamped: gpt-oss's, gate clamped above and up both ways at swiglu_limit, then (up + 1) * gate *
-# sigmoid(swiglu_alpha * gate)
-Activation = Literal["relu", "relu2", "gelu", "gelu_tanh", "swiglu", "geglu", "swiglu_clamped"]
-GATED_ACTIVATIONS = ("swiglu", "geglu", "swiglu_clamped")
+# sigmoid(swiglu_alpha * gate); swiglu_limited: DeepSeek-V4's, plain swiglu of the gate clamped above and up both
+# ways at swiglu_limit
+Activation = Literal["relu", "relu2", "gelu", "gelu_tanh", "swiglu", "geglu", "swiglu_clamped", "swiglu_limited"]
+GATED_ACTIVATIONS = ("swiglu", "geglu", "swiglu_clamped", "swiglu_limited")
 
 
 @dataclass
@@ -123,7 +124,7 @@ class FfnConfig:
     d_ff: int = 512  # feed-forward hidden width (of each gated half with a GLU activation)
     # feed-forward activation (relu2: relu(x)²); swiglu / geglu: gated (two input projections)
     activation: Activation = "gelu"
-    swiglu_limit: float = 7.0  # swiglu_clamped: the clamp on gate (above) and up (both ways)
+    swiglu_limit: float = 7.0  # swiglu_clamped / swiglu_limited: the clamp on gate (above) and up (both ways)
     swiglu_alpha: float = 1.702  # swiglu_clamped: the gate's sigmoid slope
 
     @property

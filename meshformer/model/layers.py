@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from meshformer.model.attention import KVCache, SequenceChunk
 from meshformer.model.components import TOKEN_MIXERS, block_mixers, channel_mixer, cross_mixer, token_mixer
@@ -27,7 +28,8 @@ class SquaredReLU(nn.Module):
 def activation_fn(name: str) -> nn.Module:
     """The one-input activation `name` (a gated one's activation of the gate)."""
     return {"relu": nn.ReLU(), "relu2": SquaredReLU(), "gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"),
-            "swiglu": nn.SiLU(), "geglu": nn.GELU(approximate="tanh"), "swiglu_clamped": nn.SiLU()}[name]
+            "swiglu": nn.SiLU(), "geglu": nn.GELU(approximate="tanh"), "swiglu_clamped": nn.SiLU(),
+            "swiglu_limited": nn.SiLU()}[name]
 
 
 class GatedUnit(nn.Module):
@@ -55,11 +57,25 @@ class ClampedSwiGLU(nn.Module):
         return (up + 1) * gate * torch.sigmoid(self.alpha * gate)
 
 
+class LimitedSwiGLU(nn.Module):
+    """DeepSeek-V4's gated unit: silu(gate) * up with gate clamped to <= limit and up to [-limit, limit] (bounded
+    activations for low-precision experts). Zero at gate = up = 0."""
+
+    def __init__(self, limit: float) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate.clamp(max=self.limit)) * up.clamp(-self.limit, self.limit)
+
+
 def feed_forward_unit(cfg: ModelConfig) -> nn.Module:
     """What sits between a feed-forward's input and output projections: the activation of the hidden units, or
     for a gated activation a module of (gate, up) -> hidden."""
     if cfg.ffn.activation == "swiglu_clamped":
         return ClampedSwiGLU(cfg.ffn.swiglu_limit, cfg.ffn.swiglu_alpha)
+    if cfg.ffn.activation == "swiglu_limited":
+        return LimitedSwiGLU(cfg.ffn.swiglu_limit)
     act = activation_fn(cfg.ffn.activation)
     return GatedUnit(act) if cfg.gated else act
 

@@ -16,9 +16,12 @@ from meshformer.model.tp_styles import COLWISE, GATHER, ROWWISE
 def activation_factor(m: ModelConfig) -> int:
     """Tensors of the feed-forward's width its activation keeps: SwiGLU gate, up, silu(gate), product; GELU input
     and output; ReLU its output; squared ReLU its input and output; the clamped SwiGLU (gpt-oss) gate, up, their
-    clamps (up + 1), sigmoid(alpha * gate), gate * sigmoid, product."""
+    clamps (up + 1), sigmoid(alpha * gate), gate * sigmoid, product; the limited SwiGLU (DeepSeek-V4) gate, up, their
+    clamps, silu, product."""
     if m.ffn.activation == "swiglu_clamped":
         return 7
+    if m.ffn.activation == "swiglu_limited":
+        return 6
     return 4 if m.gated else {"relu": 1}.get(m.ffn.activation, 2)
 
 

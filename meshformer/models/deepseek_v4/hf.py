@@ -11,8 +11,8 @@ hc_sinkhorn_iters, hc_eps; hc_attn_* / hc_ffn_* = our attn_residual / ffn_residu
 Names are the published checkpoint's (layers.{i}.attn.wq_a, .ffn.experts.{j}.w1, ...), which transformers renames on
 load. Refused: a key/value head count other than 1, attention or MLP biases, another router score or unnormalised
 top-k weights, a rope_type other than default (the published compressed blocks' YaRN is not built).
-Not expressed: swiglu_limit, the clamp of the experts' gate and up pre-activations (it changes nothing while they
-stay within the limit, 10 as published).
+The feed-forwards' swiglu_limit (the clamp of gate and up pre-activations, 10 as published) is our activation
+"swiglu_limited" with model.ffn.swiglu_limit.
 
 Multi-token prediction: the published mtp.* tensors are left unread, as transformers leaves them; our MTP modules
 do not run beside mHC's streams (model.mtp.depth is refused with model.residual.kind "mhc").
@@ -60,7 +60,7 @@ def config_from_hf(c: Any) -> ModelConfig:
     rates = c.compress_rates
     cfg = model_from_flat(
         family="decoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_layers=c.num_hidden_layers,
-        n_heads=c.num_attention_heads, head_dim=c.head_dim, d_ff=c.moe_intermediate_size, activation="swiglu",
+        n_heads=c.num_attention_heads, head_dim=c.head_dim, d_ff=c.moe_intermediate_size, activation="swiglu_limited",
         norm="rmsnorm", norm_eps=c.rms_norm_eps, norm_position="pre", position="none", bias=False,
         max_seq_len=c.max_position_embeddings, tie_embeddings=c.tie_word_embeddings,
         attention_dropout=c.attention_dropout, init_std=c.initializer_range,
@@ -73,7 +73,7 @@ def config_from_hf(c: Any) -> ModelConfig:
         o_rank=c.o_lora_rank, rope_theta=float(c.rope_theta), compress_theta=float(c.compress_rope_theta),
         hca_rate=rates["heavily_compressed_attention"], csa_rate=rates["compressed_sparse_attention"],
         index_heads=c.index_n_heads, index_dim=c.index_head_dim, index_topk=c.index_topk)
-    return replace(cfg, compressed_attention=attention,
+    return replace(cfg, ffn=replace(cfg.ffn, swiglu_limit=float(c.swiglu_limit)), compressed_attention=attention,
                    residual=ResidualConfig(kind="mhc", streams=c.hc_mult, sinkhorn_iters=c.hc_sinkhorn_iters,
                                            eps=c.hc_eps))
 
@@ -92,7 +92,8 @@ def config_to_hf(cfg: ModelConfig) -> Any:
         layer_types=[OURS_TYPES[cfg.layer_type(i)] for i in range(cfg.n_layers)],
         mlp_layer_types=[cfg.mlp_type(i) for i in range(cfg.n_layers)],
         n_routed_experts=m.n_experts, num_experts_per_tok=m.experts_per_token, moe_intermediate_size=cfg.expert_d_ff,
-        n_shared_experts=1, routed_scaling_factor=m.router_scale, router_aux_loss_coef=m.aux_loss,
+        n_shared_experts=1, swiglu_limit=cfg.ffn.swiglu_limit, routed_scaling_factor=m.router_scale,
+        router_aux_loss_coef=m.aux_loss,
         hc_mult=r.streams, hc_sinkhorn_iters=r.sinkhorn_iters, hc_eps=r.eps, rms_norm_eps=cfg.norm.eps,
         max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings,
         attention_dropout=cfg.attention.dropout, initializer_range=cfg.init.std, num_nextn_predict_layers=0,
@@ -142,7 +143,8 @@ def _features(cfg: ModelConfig) -> dict[str, Any]:
 
 ADAPTER = HFAdapter(
     model_type=ARCH, model_class="DeepseekV4ForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
-    requirements={**COMMON, "family": "decoder", "position": "none", "norm": "rmsnorm", "activation": "swiglu",
+    requirements={**COMMON, "family": "decoder", "position": "none", "norm": "rmsnorm",
+                  "activation": "swiglu_limited",
                   "bias": False, "moe": True, "n_shared_experts": 1, "router_score": "sqrt_softplus",
                   "router_scale": ANY, "hash_routing": {True, False}, "compressed_attention": True, "head_dim": ANY,
                   "tie_embeddings": {True, False}, "residual": "mhc", "mtp_depth": 0,

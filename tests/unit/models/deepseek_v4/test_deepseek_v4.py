@@ -72,6 +72,22 @@ def test_import_logits_round_trip_and_export():
     assert_export_exact(ours, ids, mask)
 
 
+def test_the_feed_forwards_limit_clamps_as_transformers_does():
+    """swiglu_limit small enough that most gate and up pre-activations are clamped: still within 1e-4, the export
+    carries the limit, and the clamp changes the logits (it is exercised)."""
+    hf = tiny_hf(swiglu_limit=0.05)
+    ours = from_hf_model(hf).eval()
+    assert ours.cfg.ffn.activation == "swiglu_limited" and ours.cfg.ffn.swiglu_limit == 0.05
+    ids, mask = padded_batch(VOCAB, T, left=False)
+    real = mask.bool()
+    got = assert_import_exact(hf, ours, ids, mask)
+    unlimited = Transformer(dataclasses.replace(ours.cfg, ffn=dataclasses.replace(ours.cfg.ffn, swiglu_limit=1e9)))
+    unlimited.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        assert (unlimited.eval()(ids, real)[real] - got[real]).abs().max() > 1e-3
+    assert_export_exact(ours, ids, mask)
+
+
 def test_greedy_generation_equals_transformers_generate():
     """Two prompts of 9 tokens and 8 new ones (past the window and several compression windows): ours with its
     cache equals transformers' cached generate, ours without it transformers' generate over whole sequences. The two
