@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from meshformer.checkpointing.hf_adapter import ANY, refuse
+from meshformer.checkpointing.hf_adapter import ANY, PLAIN_KINDS, refuse
 from meshformer.config import ModelConfig
 from meshformer.config.migrate import model_from_flat
 from meshformer.model.families.naming import Rule
@@ -67,6 +67,7 @@ def extra_features(cfg: ModelConfig) -> dict[str, Any]:
 
 ADAPTER = replace(llama_like.adapter(
     ARCH, "DeepseekV2ForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    kinds=(*PLAIN_KINDS, "mla"),
     requirements={**llama_like.REQUIREMENTS, "bias": False, "mla": True, "moe": True, "n_shared_experts": ANY,
                   "router_score": "softmax", "router_renormalize": False, "router_groups": ANY,
                   "router_group_score": "max", "router_scale": ANY,

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from meshformer.checkpointing.hf_adapter import ANY, refuse
+from meshformer.checkpointing.hf_adapter import ANY, PLAIN_KINDS, refuse
 from meshformer.config import MlaConfig, ModelConfig
 from meshformer.config.migrate import model_from_flat
 from meshformer.model.families.naming import Rule, params
@@ -174,6 +174,7 @@ def mtp_rules(cfg: ModelConfig, main: list[Rule]) -> list[Rule]:
 
 ADAPTER = replace(llama_like.adapter(
     ARCH, "DeepseekV3ForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    kinds=(*PLAIN_KINDS, "mla"),
     requirements={**llama_like.REQUIREMENTS, "bias": False, "mla": True, "moe": True, "n_shared_experts": ANY,
                   "router_score": "sigmoid", "router_renormalize": {True, False}, "router_groups": ANY,
                   "router_scale": ANY, "moe_blocks": {"every block", "some"}, "grouped_query": False,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from meshformer.checkpointing.hf_adapter import ANY, HFAdapter, refuse
+from meshformer.checkpointing.hf_adapter import ANY, PLAIN_KINDS, HFAdapter, refuse
 from meshformer.config import ModelConfig
 from meshformer.config.migrate import model_from_flat
 from meshformer.model.config import DsaConfig
@@ -78,7 +78,7 @@ def dsa_features(cfg: ModelConfig) -> dict[str, Any]:
 def dsa_adapter(arch: str, model_class: str, *, config_from_hf: Any, config_to_hf: Any, indexer_interleave: bool,
                 ignored: str) -> HFAdapter:
     return replace(llama_like.adapter(
-        arch, model_class, config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+        arch, model_class, config_from_hf=config_from_hf, config_to_hf=config_to_hf, kinds=(*PLAIN_KINDS, "dsa"),
         requirements={**deepseek_v3.ADAPTER.requirements, "dsa": True, "mla_rope_interleave": True,
                       "indexer_rope_interleave": indexer_interleave, "n_shared_experts": ANY},
         extra_features=dsa_features,

@@ -21,7 +21,7 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from meshformer.checkpointing.hf_adapter import ANY, HFAdapter
+from meshformer.checkpointing.hf_adapter import ANY, PLAIN_KINDS, HFAdapter
 from meshformer.config import ModelConfig
 from meshformer.config.migrate import model_from_flat
 from meshformer.model.config import LinearAttentionConfig
@@ -129,6 +129,7 @@ def old_names(name: str) -> str:
 
 ADAPTER = HFAdapter(
     model_type=ARCH, model_class="KimiLinearForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    kinds=(*PLAIN_KINDS, "mla", "kda"),
     rules=rules, base_prefix="model.", layer_keys=("num_hidden_layers",),
     requirements={**llama_like.REQUIREMENTS, "position": "none", "bias": False, "mla": {True, False},
                   "kda": {True, False}, "moe": True, "n_shared_experts": ANY, "router_score": "sigmoid",

@@ -25,7 +25,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from meshformer.checkpointing.hf_adapter import ANY, refuse
+from meshformer.checkpointing.hf_adapter import ANY, PLAIN_KINDS, refuse
 from meshformer.config import ModelConfig
 from meshformer.config.migrate import model_from_flat
 from meshformer.model.families.naming import Rule
@@ -96,10 +96,12 @@ def extra_features(cfg: ModelConfig) -> dict[str, Any]:
 
 ADAPTER = replace(llama_like.adapter(
     ARCH, "Mistral4ForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    kinds=(*PLAIN_KINDS, "mla"),
+    expresses=("mla.query_scale_beta",),
     requirements={**llama_like.REQUIREMENTS, "bias": False, "mla": True, "moe": True, "n_shared_experts": ANY,
                   "router_score": "softmax", "router_renormalize": {True, False}, "router_groups": ANY,
                   "router_scale": ANY, "moe_blocks": {"every block", "some"}, "grouped_query": False,
-                  "head_dim": ANY, "rope_scaling": "yarn", "mla_query_scale": {True, False}, "mtp_depth": 0},
+                  "head_dim": ANY, "rope_scaling": "yarn", "mtp_depth": 0},
     extra_features=extra_features,
     size_keys=(*llama_like.SIZE_KEYS, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshformer.checkpointing.hf_adapter import HFAdapter, refuse
+from meshformer.checkpointing.hf_adapter import PLAIN_KINDS, HFAdapter, refuse
 from meshformer.config import ModelConfig
 from meshformer.config.migrate import model_from_flat
 from meshformer.model.config import LinearAttentionConfig
@@ -113,6 +113,7 @@ def extra_features(cfg: ModelConfig) -> dict[str, Any]:
 
 ADAPTER = HFAdapter(
     model_type=ARCH, model_class="OlmoHybridForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    kinds=(*PLAIN_KINDS, "linear_attention"),
     rules=rules, base_prefix="model.", layer_keys=("num_hidden_layers",),
     hf_layer_types=("linear_attention", "full_attention"),
     requirements={**olmo2.REQUIREMENTS, "position": {"rope", "none"}, "linear_attention": True,

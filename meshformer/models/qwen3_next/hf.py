@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshformer.checkpointing.hf_adapter import ANY, HFAdapter, refuse
+from meshformer.checkpointing.hf_adapter import ANY, PLAIN_KINDS, HFAdapter, refuse
 from meshformer.checkpointing.megatron_config import moe_every_pattern
 from meshformer.config import ModelConfig
 from meshformer.config.migrate import model_from_flat
@@ -165,6 +165,7 @@ def extra_features(cfg: ModelConfig) -> dict[str, Any]:
 
 ADAPTER = HFAdapter(
     model_type=ARCH, model_class="Qwen3NextForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    kinds=(*PLAIN_KINDS, "linear_attention"),
     rules=rules, base_prefix="model.", layer_keys=("num_hidden_layers",),
     hf_layer_types=("linear_attention", "full_attention"),
     requirements={**llama_like.REQUIREMENTS, "bias": False, "qk_norm": True, "norm_weight_offset": 1.0,
