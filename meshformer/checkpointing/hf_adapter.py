@@ -4,6 +4,9 @@ Each architecture lives in its own package `meshformer/models/<model_type>/`, na
 its `__init__.py` calls `register` with the adapter its `hf.py` builds. The registry imports every such package on
 the first lookup (pkgutil over meshformer.models), so adding an architecture is adding a folder: nothing here or in
 the generic conversion code (hf.py, hf_folder.py, init_from.py, the CLI) names one.
+
+What an export may write is declared: the shared tables below (`NEUTRAL`, `WRITTEN`, `CHECKED`), each block kind's
+`exports` (model/components) and each adapter's `kinds` and `expresses`; an option nobody declares is refused.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY, COMMON, HFAdapter, refuse
-from meshformer.config import ModelConfig
-from meshformer.config.migrate import get_flat
+from meshformer.config import AttentionConfig, FfnConfig, InitConfig, ModelConfig, NormConfig, RopeConfig
+from meshformer.model.config import attention_pattern
 from meshformer.model.families.naming import Rule, expert_params, norm, params
 from meshformer.model.moe import is_moe_block
 
@@ -80,20 +80,31 @@ def adapter(model_type: str, model_class: str, experts: Experts | None = None, *
                      layer_keys=("num_hidden_layers",), rules=partial(rules, experts=experts), **fields)
 
 
-# The rope_parameters keys each rope_type may carry (rope_theta aside), and ours for them.
-_SCALED = {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_seq_len"}
-_ROPE_KEYS = {"linear": {"factor": "rope_scaling_factor"},
-              "llama3": {**_SCALED, "low_freq_factor": "rope_low_freq_factor",
-                         "high_freq_factor": "rope_high_freq_factor"},
-              "yarn": {**_SCALED, "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow",
-                       "attention_factor": "rope_attention_factor", "truncate": "rope_truncate"}}
+# The rope_parameters keys each rope_type may carry (rope_theta aside), and our [model.rope] keys for them.
+_SCALED = {"factor": "factor", "original_max_position_embeddings": "original_max_seq_len"}
+_ROPE_KEYS = {"linear": {"factor": "factor"},
+              "llama3": {**_SCALED, "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor"},
+              "yarn": {**_SCALED, "beta_fast": "beta_fast", "beta_slow": "beta_slow",
+                       "attention_factor": "attention_factor", "truncate": "truncate"}}
+# the flat keys (config/migrate.py) of [model.rope]'s, for the adapters that still assemble flat keys
+_FLAT_ROPE = {"theta": "rope_theta", "scaling": "rope_scaling", "factor": "rope_scaling_factor"}
 
 
 def rope_from_hf(c: Any, arch: str) -> dict[str, Any]:
-    """Our rope_* keys for HF's rope_parameters (transformers 5; rope_scaling in older configs)."""
+    """Our flat rope_* keys for HF's rope_parameters (`rope_config_from_hf`'s values)."""
+    return {_FLAT_ROPE.get(key, f"rope_{key}"): value for key, value in _rope_fields(c, arch).items()}
+
+
+def rope_config_from_hf(c: Any, arch: str) -> RopeConfig:
+    """Our [model.rope] for HF's rope_parameters (transformers 5; rope_scaling in older configs)."""
+    return RopeConfig(**_rope_fields(c, arch))
+
+
+def _rope_fields(c: Any, arch: str) -> dict[str, Any]:
+    """The [model.rope] keys HF's rope_parameters set."""
     rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
     kind = rope.pop("rope_type", rope.pop("type", "default"))
-    fields: dict[str, Any] = {"rope_theta": float(rope.pop("rope_theta", getattr(c, "rope_theta", 10000.0)))}
+    fields: dict[str, Any] = {"theta": float(rope.pop("rope_theta", getattr(c, "rope_theta", 10000.0)))}
     if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type: rope_per_layer_type_from_hf
         return fields
     if rope.get("partial_rotary_factor") == 1:  # every dimension rotates: what ours do
@@ -105,16 +116,16 @@ def rope_from_hf(c: Any, arch: str) -> dict[str, Any]:
             raise refuse(arch, f"rope_parameters.{key}={value!r}", f"changes {kind} rotary frequencies")
     if kind == "default":
         return fields
-    return {**fields, "rope_scaling": kind, **{ours: rope[key] for key, ours in _ROPE_KEYS[kind].items()
-                                               if ours and rope.get(key) is not None}}
+    return {**fields, "scaling": kind, **{ours: rope[key] for key, ours in _ROPE_KEYS[kind].items()
+                                          if rope.get(key) is not None}}
 
 
 def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_type": "default" if cfg.rope.scaling == "none" else cfg.rope.scaling,
                             "rope_theta": cfg.rope.theta}
     for key, ours in _ROPE_KEYS.get(cfg.rope.scaling, {}).items():
-        if ours and get_flat(cfg, ours) is not None:
-            rope[key] = get_flat(cfg, ours)
+        if getattr(cfg.rope, ours) is not None:
+            rope[key] = getattr(cfg.rope, ours)
     if rope.get("truncate") is True:  # yarn's default: written only when off, as published configs do
         del rope["truncate"]
     return rope
@@ -185,6 +196,26 @@ def refuse_attention_bias(c: Any, arch: str) -> None:
     if c.attention_bias:
         raise refuse(arch, "attention_bias=True", "puts biases on the attention linears but not on the MLPs "
                      "(meshformer's model.bias covers all of them)")
+
+
+def config_from_hf(c: Any, arch: str, window: bool = True, hidden_act: bool = True) -> ModelConfig:
+    """The ModelConfig of what every Llama-like config gives the same way, built from its typed tables (each adapter
+    then replaces what is its own); `window` and `hidden_act` as in `fields_from_hf`."""
+    check(c, arch, hidden_act)
+    kv = c.num_key_value_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    sliding = window_from_hf(c, arch) if window else None
+    return ModelConfig(
+        family="decoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_layers=c.num_hidden_layers,
+        position="rope", max_seq_len=c.max_position_embeddings, tie_embeddings=c.tie_word_embeddings,
+        bias=getattr(c, "attention_bias", False), layer_types=attention_pattern(sliding, None),
+        attention=AttentionConfig(
+            n_heads=c.num_attention_heads, n_kv_heads=None if kv in (None, c.num_attention_heads) else kv,
+            head_dim=None if head_dim * c.num_attention_heads == c.hidden_size else head_dim,
+            dropout=c.attention_dropout, window=sliding),
+        ffn=FfnConfig(d_ff=c.intermediate_size, activation="swiglu"),
+        norm=NormConfig(kind="rmsnorm", eps=c.rms_norm_eps, position="pre"),
+        rope=rope_config_from_hf(c, arch), init=InitConfig(std=c.initializer_range))
 
 
 def fields_from_hf(c: Any, arch: str, window: bool = True, hidden_act: bool = True) -> dict[str, Any]:

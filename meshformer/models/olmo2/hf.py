@@ -5,10 +5,10 @@ MLP) is refused."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
 from meshformer.models import llama_like
 
 REQUIREMENTS = {**llama_like.REQUIREMENTS, "bias": False, "norm_position": "post_sublayer", "qk_norm": True,
@@ -28,7 +28,10 @@ def fields_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def config_from_hf(c: Any) -> ModelConfig:
-    return model_from_flat(**fields_from_hf(c, "olmo2"))
+    llama_like.refuse_attention_bias(c, "olmo2")
+    cfg = llama_like.config_from_hf(c, "olmo2")
+    return replace(cfg, attention=replace(cfg.attention, head_dim=None, qk_norm=True, qk_norm_scope="projection"),
+                   norm=replace(cfg.norm, position="post_sublayer"))
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:
