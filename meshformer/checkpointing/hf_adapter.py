@@ -76,7 +76,7 @@ CHECKED = frozenset({
     "linear_attention.norm_eps",
     # the parameters of a rope.scaling: an adapter that accepts the scaling writes them
     "rope.factor", "rope.original_max_seq_len", "rope.low_freq_factor", "rope.high_freq_factor", "rope.beta_fast",
-    "rope.beta_slow", "rope.attention_factor"})
+    "rope.beta_slow", "rope.attention_factor", "rope.truncate"})
 # the kinds (model.layer_types / model.mlp_types) an adapter's blocks hold unless it declares others
 PLAIN_KINDS = ("full_attention", "sliding_attention", "dense", "moe")
 

@@ -70,7 +70,7 @@ def experts(o: str, t: str, cfg: ModelConfig) -> list[Rule]:
 
 ADAPTER = llama_like.adapter(
     ARCH, "GptOssForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
-    expresses=("ffn.swiglu_limit", "ffn.swiglu_alpha", "rope.truncate"), experts=experts,
+    expresses=("ffn.swiglu_limit", "ffn.swiglu_alpha"), experts=experts,
     # its windowed blocks rotate with the global (scaled) RoPE, as ours do without rope_local_theta
     requirements={**llama_like.REQUIREMENTS, "activation": "swiglu_clamped", "bias": {False, True}, "moe": True,
                   "attention_sinks": True, "router_bias": True, "expert_linear_bias": True, "attention_window": ANY,
