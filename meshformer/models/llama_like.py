@@ -132,15 +132,24 @@ def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def rope_per_layer_type_from_hf(c: Any, arch: str, windowed: bool) -> dict[str, Any]:
-    """rope_parameters per layer type (Gemma 3, OLMo 3): the global blocks' RoPE (maybe scaled) = our rope_*, the
-    windowed blocks' own base = our rope_local_theta (unscaled, as ours always is)."""
+    """`rope_per_layer_type_config`'s values as flat rope_* keys."""
+    return {_FLAT_ROPE.get(key, f"rope_{key}"): value for key, value in _rope_per_layer_type(c, arch, windowed).items()}
+
+
+def rope_per_layer_type_config(c: Any, arch: str, windowed: bool) -> RopeConfig:
+    """rope_parameters per layer type (Gemma 3, OLMo 3): the global blocks' RoPE (maybe scaled) = our [model.rope],
+    the windowed blocks' own base = our rope.local_theta (unscaled, as ours always is)."""
+    return RopeConfig(**_rope_per_layer_type(c, arch, windowed))
+
+
+def _rope_per_layer_type(c: Any, arch: str, windowed: bool) -> dict[str, Any]:
     rope = c.rope_parameters
     local = dict(rope["sliding_attention"])
     if local.pop("rope_type", "default") != "default" or local.get("partial_rotary_factor") not in (None, 1):
         raise refuse(arch, f"rope_parameters.sliding_attention={rope['sliding_attention']}", "rescales the "
                      "windowed blocks' rotary frequencies (meshformer scales only the global blocks')")
-    return {**rope_from_hf(SimpleNamespace(rope_parameters=rope["full_attention"]), arch),
-            "rope_local_theta": float(local["rope_theta"]) if windowed else None}
+    return {**_rope_fields(SimpleNamespace(rope_parameters=rope["full_attention"]), arch),
+            "local_theta": float(local["rope_theta"]) if windowed else None}
 
 
 def rope_per_layer_type_to_hf(cfg: ModelConfig) -> dict[str, Any]:

@@ -27,11 +27,16 @@ def fields_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return {**shared, "intermediate_size": cfg.ffn.d_ff, "attention_bias": False}
 
 
-def config_from_hf(c: Any) -> ModelConfig:
-    llama_like.refuse_attention_bias(c, "olmo2")
-    cfg = llama_like.config_from_hf(c, "olmo2")
+def base_config(c: Any, arch: str, window: bool = True) -> ModelConfig:
+    """OLMo 2's blocks, typed (OLMo 3 adds its windows and per-layer-type RoPE)."""
+    llama_like.refuse_attention_bias(c, arch)
+    cfg = llama_like.config_from_hf(c, arch, window)
     return replace(cfg, attention=replace(cfg.attention, head_dim=None, qk_norm=True, qk_norm_scope="projection"),
                    norm=replace(cfg.norm, position="post_sublayer"))
+
+
+def config_from_hf(c: Any) -> ModelConfig:
+    return base_config(c, "olmo2")
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:
