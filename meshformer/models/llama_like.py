@@ -105,7 +105,7 @@ def _rope_fields(c: Any, arch: str) -> dict[str, Any]:
     rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
     kind = rope.pop("rope_type", rope.pop("type", "default"))
     fields: dict[str, Any] = {"theta": float(rope.pop("rope_theta", getattr(c, "rope_theta", 10000.0)))}
-    if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type: rope_per_layer_type_from_hf
+    if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type: rope_per_layer_type_config
         return fields
     if rope.get("partial_rotary_factor") == 1:  # every dimension rotates: what ours do
         del rope["partial_rotary_factor"]
@@ -129,11 +129,6 @@ def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if rope.get("truncate") is True:  # yarn's default: written only when off, as published configs do
         del rope["truncate"]
     return rope
-
-
-def rope_per_layer_type_from_hf(c: Any, arch: str, windowed: bool) -> dict[str, Any]:
-    """`rope_per_layer_type_config`'s values as flat rope_* keys."""
-    return {_FLAT_ROPE.get(key, f"rope_{key}"): value for key, value in _rope_per_layer_type(c, arch, windowed).items()}
 
 
 def rope_per_layer_type_config(c: Any, arch: str, windowed: bool) -> RopeConfig:
