@@ -15,13 +15,6 @@ REQUIREMENTS = {**llama_like.REQUIREMENTS, "bias": False, "norm_position": "post
                 "qk_norm_scope": "projection", "head_dim": "d_model/n_heads"}
 
 
-def fields_from_hf(c: Any, arch: str, window: bool = True) -> dict[str, Any]:
-    """OLMo 2's blocks as ModelConfig fields (OLMo 3 adds its windows and per-layer-type RoPE)."""
-    llama_like.refuse_attention_bias(c, arch)
-    return {**llama_like.fields_from_hf(c, arch, window), "head_dim": None, "norm_position": "post_sublayer",
-            "qk_norm": True, "qk_norm_scope": "projection"}
-
-
 def fields_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     shared = {k: v for k, v in llama_like.fields_to_hf(cfg).items() if k != "head_dim"}  # always hidden / heads
     return {**shared, "intermediate_size": cfg.ffn.d_ff, "attention_bias": False}
