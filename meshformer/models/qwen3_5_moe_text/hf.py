@@ -41,9 +41,8 @@ class _WithDenseWidth:
 
 def config_from_hf(c: Any) -> ModelConfig:
     cfg = hybrid_from_hf(_WithDenseWidth(c), ARCH, drop_rope_keys=qwen3_5_text.hf.MROPE_KEYS,
-                         router_renormalize=True, **moe_from_hf(c, ARCH))
+                         moe=moe_from_hf(c, ARCH, router_renormalize=True))
     cfg.linear_attention.projections = "split"
-    cfg.moe.shared_expert_gate = True
     return cfg
 
 
