@@ -20,10 +20,9 @@ from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY, PLAIN_KINDS, refuse
 from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
 from meshformer.model.families.naming import Rule
 from meshformer.models import llama_like
-from meshformer.models.deepseek_v3.hf import mla_fields_from_hf, mla_fields_to_hf, mla_rules
+from meshformer.models.deepseek_v3.hf import mla_config_from_hf, mla_fields_to_hf, mla_rules
 
 ARCH = "deepseek_v2"
 _TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -37,10 +36,10 @@ def config_from_hf(c: Any) -> ModelConfig:
         raise refuse(ARCH, "norm_topk_prob=True", "is ignored by transformers' DeepseekV2 (its weights stay "
                      "unnormalised) but renormalises in DeepSeek's own code, so the two disagree")
     grouped = method == "group_limited_greedy"
-    return model_from_flat(**{
-        **mla_fields_from_hf(c, ARCH), "router_score": "softmax", "router_renormalize": False,
+    return mla_config_from_hf(
+        c, ARCH, router_score="softmax", router_renormalize=False,
         **({"router_groups": c.n_group, "router_groups_per_token": c.topk_group, "router_group_score": "max"}
-           if grouped else {})})
+           if grouped else {}))
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:

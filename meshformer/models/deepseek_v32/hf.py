@@ -20,7 +20,6 @@ from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY, PLAIN_KINDS, HFAdapter, refuse
 from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
 from meshformer.model.config import DsaConfig
 from meshformer.model.families.naming import Rule, params
 from meshformer.models import llama_like
@@ -37,13 +36,11 @@ def dsa_config_from_hf(c: Any, arch: str, indexer_interleave: bool) -> ModelConf
     expected = ["dense"] * n_dense + ["sparse"] * (c.num_hidden_layers - n_dense)
     if c.mlp_layer_types is not None and list(c.mlp_layer_types) != expected:
         raise refuse(arch, f"mlp_layer_types={c.mlp_layer_types}", f"is not {n_dense} dense blocks, then MoE ones")
-    fields = deepseek_v3.mla_fields_from_hf(c, arch)
-    return model_from_flat(**{
-        **fields, "layer_types": ["dsa"], "mla": replace(fields["mla"], rope_interleave=True),
-        "dsa": DsaConfig(n_heads=c.index_n_heads, head_dim=c.index_head_dim, topk=c.index_topk,
-                         rope_interleave=indexer_interleave),
-        "router_score": "sigmoid", "router_renormalize": bool(c.norm_topk_prob), "router_groups": c.n_group or 1,
-        "router_groups_per_token": c.topk_group or 1})
+    cfg = deepseek_v3.mla_config_from_hf(c, arch, router_score="sigmoid", router_renormalize=bool(c.norm_topk_prob),
+                                         router_groups=c.n_group or 1, router_groups_per_token=c.topk_group or 1)
+    return replace(cfg, layer_types=["dsa"], mla=replace(cfg.mla, rope_interleave=True),
+                   dsa=DsaConfig(n_heads=c.index_n_heads, head_dim=c.index_head_dim, topk=c.index_topk,
+                                 rope_interleave=indexer_interleave))
 
 
 def dsa_config_to_hf(cfg: ModelConfig, config_class: str, **extra: Any) -> Any:

@@ -27,10 +27,9 @@ from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY, PLAIN_KINDS, refuse
 from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
 from meshformer.model.families.naming import Rule
 from meshformer.models import llama_like
-from meshformer.models.deepseek_v3.hf import FP8, mla_fields_from_hf, mla_fields_to_hf, mla_rules
+from meshformer.models.deepseek_v3.hf import FP8, mla_config_from_hf, mla_fields_to_hf, mla_rules
 
 ARCH = "mistral4"
 
@@ -55,12 +54,10 @@ def config_from_hf(c: Any) -> ModelConfig:
         raise refuse(ARCH, f"rope_parameters.partial_rotary_factor={partial}", f"rotates other than the "
                      f"qk_rope_head_dim={c.qk_rope_head_dim} columns of each {c.qk_nope_head_dim + c.qk_rope_head_dim}"
                      "-wide query and key head")
-    fields = mla_fields_from_hf(_ConfigView(c, rope), ARCH)
-    fields["mla"] = replace(fields["mla"], query_scale_beta=float(beta))
-    return model_from_flat(**{
-        **fields, "router_score": "softmax", "router_renormalize": bool(c.norm_topk_prob),
-        "router_groups": c.n_group or 1, "router_groups_per_token": c.topk_group or 1,
-        "router_group_score": "top2_sum"})
+    cfg = mla_config_from_hf(_ConfigView(c, rope), ARCH, router_score="softmax",
+                             router_renormalize=bool(c.norm_topk_prob), router_groups=c.n_group or 1,
+                             router_groups_per_token=c.topk_group or 1, router_group_score="top2_sum")
+    return replace(cfg, mla=replace(cfg.mla, query_scale_beta=float(beta)))
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:
