@@ -86,15 +86,6 @@ _ROPE_KEYS = {"linear": {"factor": "factor"},
               "llama3": {**_SCALED, "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor"},
               "yarn": {**_SCALED, "beta_fast": "beta_fast", "beta_slow": "beta_slow",
                        "attention_factor": "attention_factor", "truncate": "truncate"}}
-# the flat keys (config/migrate.py) of [model.rope]'s, for the adapters that still assemble flat keys
-_FLAT_ROPE = {"theta": "rope_theta", "scaling": "rope_scaling", "factor": "rope_scaling_factor"}
-
-
-def rope_from_hf(c: Any, arch: str) -> dict[str, Any]:
-    """Our flat rope_* keys for HF's rope_parameters (`rope_config_from_hf`'s values)."""
-    return {_FLAT_ROPE.get(key, f"rope_{key}"): value for key, value in _rope_fields(c, arch).items()}
-
-
 def rope_config_from_hf(c: Any, arch: str) -> RopeConfig:
     """Our [model.rope] for HF's rope_parameters (transformers 5; rope_scaling in older configs)."""
     return RopeConfig(**_rope_fields(c, arch))
@@ -204,7 +195,8 @@ def refuse_attention_bias(c: Any, arch: str) -> None:
 
 def config_from_hf(c: Any, arch: str, window: bool = True, hidden_act: bool = True) -> ModelConfig:
     """The ModelConfig of what every Llama-like config gives the same way, built from its typed tables (each adapter
-    then replaces what is its own); `window` and `hidden_act` as in `fields_from_hf`."""
+    then replaces what is its own); with `window`, sliding_window on every block (or none) = our attention.window;
+    without `hidden_act`, the architecture's MLP ignores that key (its adapter sets the activation)."""
     check(c, arch, hidden_act)
     kv = c.num_key_value_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -220,25 +212,6 @@ def config_from_hf(c: Any, arch: str, window: bool = True, hidden_act: bool = Tr
         ffn=FfnConfig(d_ff=c.intermediate_size, activation="swiglu"),
         norm=NormConfig(kind="rmsnorm", eps=c.rms_norm_eps, position="pre"),
         rope=rope_config_from_hf(c, arch), init=InitConfig(std=c.initializer_range))
-
-
-def fields_from_hf(c: Any, arch: str, window: bool = True, hidden_act: bool = True) -> dict[str, Any]:
-    """The ModelConfig fields every Llama-like config gives the same way (each adapter then adds its own); with
-    `window`, sliding_window on every block (or none) = our attention_window; without `hidden_act`, the architecture's
-    MLP ignores that key (its adapter sets the activation)."""
-    check(c, arch, hidden_act)
-    kv = c.num_key_value_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return dict(
-        family="decoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_heads=c.num_attention_heads,
-        n_kv_heads=None if kv in (None, c.num_attention_heads) else kv, n_layers=c.num_hidden_layers,
-        head_dim=None if head_dim * c.num_attention_heads == c.hidden_size else head_dim,
-        d_ff=c.intermediate_size, activation="swiglu", norm="rmsnorm", norm_eps=c.rms_norm_eps, norm_position="pre",
-        position="rope", **rope_from_hf(c, arch), max_seq_len=c.max_position_embeddings,
-        tie_embeddings=c.tie_word_embeddings, bias=getattr(c, "attention_bias", False),
-        attention_dropout=c.attention_dropout, init_std=c.initializer_range,
-        **({"attention_window": window_from_hf(c, arch)} if window else {}),
-    )
 
 
 def fields_to_hf(cfg: ModelConfig) -> dict[str, Any]:
