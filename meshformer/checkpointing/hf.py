@@ -29,6 +29,7 @@ from meshformer.checkpointing.hf_adapter import (
     features,
     get_adapter,
     ignored_names,
+    undeclared_options,
 )
 from meshformer.checkpointing.mapping import (
     ZERO_ON_IMPORT,
@@ -72,7 +73,8 @@ def incompatibilities(cfg: ModelConfig, arch: Arch) -> list[str]:
         allowed = need if isinstance(need, set) else {need}
         if have[key] not in allowed:
             problems.append(f"{key}={have[key]!r} (needs {' or '.join(map(repr, sorted(allowed, key=str)))})")
-    return problems
+    return problems + [f"{option} (no declaration lets a {arch} export write it)"
+                       for option in undeclared_options(cfg, adapter)]
 
 
 def check_compatible(cfg: ModelConfig, arch: Arch) -> None:

@@ -4,15 +4,19 @@ Each architecture lives in its own package `meshformer/models/<model_type>/`, na
 its `__init__.py` calls `register` with the adapter its `hf.py` builds. The registry imports every such package on
 the first lookup (pkgutil over meshformer.models), so adding an architecture is adding a folder: nothing here or in
 the generic conversion code (hf.py, hf_folder.py, init_from.py, the CLI) names one.
+
+What an export may write is declared: the shared tables below (`NEUTRAL`, `WRITTEN`, `CHECKED`), each block kind's
+`exports` (model/components) and each adapter's `kinds` and `expresses`; an option nobody declares is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import pkgutil
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +27,7 @@ from meshformer.renamed import renamed_attribute
 if TYPE_CHECKING:
     import torch
 
+    from meshformer.model.components.base import Component
     from meshformer.model.families.naming import Rule
 
 ANY = "any value"  # a requirement that every value meets
@@ -38,10 +43,42 @@ COMMON: dict[str, Any] = {
     "capacity_factor": 0.0,
     "moe_blocks": "every block", "qk_norm_scope": "head", "norm_weight_offset": 0.0, "full_attention_every": None,
     "rope_local_theta": None, "attention_softcap": None, "logit_softcap": None, "router_bias": False,
-    "expert_linear_bias": False, "attention_sinks": False, "mla": False, "router_scale": 1.0, "linear_attention": False,
-    "kda": False, "dsa": False, "attention_output_gate": False, "rope_partial_factor": 1.0, "shared_expert_gate": False,
-    "mla_query_scale": False, "norm_by_kind": (), "linear_allow_neg_eigval": False,
-    "linear_norm_eps": "model.norm.eps", "hash_routing": False, "compressed_attention": False}
+    "expert_linear_bias": False, "attention_sinks": False, "router_scale": 1.0,
+    "attention_output_gate": False, "rope_partial_factor": 1.0, "shared_expert_gate": False,
+    "norm_by_kind": (), "linear_allow_neg_eigval": False, "linear_norm_eps": "model.norm.eps"}
+
+# What an export may write is declared, never assumed: every option of the config (a leaf of ModelConfig, dotted) whose
+# value differs from its default must be declared by one of these, or by a kind the model uses
+# (`_Component.exports`), or by the target's adapter (`HFAdapter.expresses`); anything else is refused
+# (`undeclared_options`), so an option added later is refused by every export until someone declares it.
+#
+# options that leave the function a checkpoint computes unchanged (training, compute paths): no export writes them
+NEUTRAL = frozenset({
+    "dropout", "attention.dropout", "attention.backend", "attention.document_mask", "moe.aux_loss",
+    "moe.aux_per_sequence", "moe.router_z_loss", "moe.router_bias_update_rate", "moe.backend",
+    "linear_attention.chunk_size", "linear_attention.backend", "mamba.chunk_size", "mamba.backend", "init.method",
+    "init.std", "dsa.stage", "dsa.loss_weight", "mtp.loss_weight",
+    "mtp.depth"})  # transformers builds no MTP modules (an adapter that has them writes them; the others leave them)
+# options every adapter writes into its config (sizes of the plain Transformer)
+WRITTEN = frozenset({"vocab_size", "d_model", "n_layers", "max_seq_len", "attention.n_heads", "attention.n_kv_heads",
+                     "ffn.d_ff", "norm.eps", "rope.theta", "layer_types", "mlp_types"})
+# options whose values `features` reads: every adapter's `requirements` (COMMON's value unless it says otherwise)
+# decide which of their values it can write
+CHECKED = frozenset({
+    "family", "position", "scale_embeddings", "tie_embeddings", "share_embeddings", "bias", "head_transform",
+    "output_bias", "logit_softcap", "scale_output", "cross_downsample", "attention.head_dim", "attention.qk_norm",
+    "attention.qk_norm_scope", "attention.qkv_bias", "attention.window", "attention.softcap", "attention.scale",
+    "attention.sinks", "attention.output_gate", "ffn.activation", "rope.scaling", "rope.local_theta",
+    "rope.partial_factor", "norm.kind", "norm.position", "norm.by_kind", "norm.final", "norm.weight_offset",
+    "norm.embedding", "moe.n_experts", "moe.n_shared_experts", "moe.shared_expert_gate", "moe.router_bias",
+    "moe.expert_linear_bias", "moe.router_score", "moe.router_renormalize", "moe.router_groups",
+    "moe.router_group_score", "moe.capacity_factor", "moe.router_scale", "linear_attention.allow_neg_eigval",
+    "linear_attention.norm_eps",
+    # the parameters of a rope.scaling: an adapter that accepts the scaling writes them
+    "rope.factor", "rope.original_max_seq_len", "rope.low_freq_factor", "rope.high_freq_factor", "rope.beta_fast",
+    "rope.beta_slow", "rope.attention_factor", "rope.truncate"})
+# the kinds (model.layer_types / model.mlp_types) an adapter's blocks hold unless it declares others
+PLAIN_KINDS = ("full_attention", "sliding_attention", "dense", "moe")
 
 
 def _full_attention_every(cfg: ModelConfig) -> int | str | None:
@@ -71,7 +108,6 @@ def features(cfg: ModelConfig) -> dict[str, Any]:
         "capacity_factor": cfg.moe.capacity_factor if moe else 0.0,
         "router_bias": cfg.moe.router_bias and moe, "expert_linear_bias": cfg.moe.expert_linear_bias and moe,
         "attention_sinks": cfg.attention.sinks, "mla": cfg.uses_mla,
-        "mla_query_scale": cfg.uses_mla and cfg.mla.query_scale_beta != 0,
         "router_scale": cfg.moe.router_scale if moe else 1.0,
         "linear_attention": "linear_attention" in cfg.layer_types, "kda": "kda" in cfg.layer_types,
         "dsa": "dsa" in cfg.layer_types,
@@ -142,9 +178,48 @@ class HFAdapter:
     refused_names: tuple[tuple[str, str], ...] = ()
     # its routers hold our expert selection bias (router.expert_bias, named by a rule): export keeps a nonzero one
     holds_selection_bias: bool = False
+    # the block kinds (model.layer_types, model.mlp_types) its config can express; a model using another is refused
+    kinds: tuple[str, ...] = PLAIN_KINDS
+    # options (dotted, e.g. "mla.query_scale_beta") its config_to_hf writes beyond what the shared declarations
+    # (WRITTEN, CHECKED) and its kinds' `exports` cover
+    expresses: tuple[str, ...] = ()
 
 
 renamed_attribute(HFAdapter, "layer_kinds", "hf_layer_types")
+
+
+def _options(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Every leaf option of a config (dataclasses nested as tables), by dotted name."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(value):
+        inner = getattr(value, f.name)
+        if dataclasses.is_dataclass(inner):
+            out.update(_options(inner, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = inner
+    return out
+
+
+def undeclared_options(cfg: ModelConfig, adapter: HFAdapter) -> list[str]:
+    """What `cfg` uses that no declaration lets `adapter`'s export write, one 'name=value' each: the kinds its blocks
+    hold beyond `adapter.kinds`, and the options set away from their defaults that neither the shared declarations
+    (NEUTRAL, WRITTEN, CHECKED), the kinds the model uses (`exports`) nor the adapter (`expresses`) declare."""
+    from meshformer.model.components import CHANNEL_MIXERS, TOKEN_MIXERS, model_kinds
+
+    def tables(kinds: Iterable[Component]) -> set[str]:
+        return {t for kind in kinds for t in (kind.section, *(o.split(".")[0] for o in kind.exports))}
+
+    kinds = list(model_kinds(cfg))
+    problems = [f"kind {kind.name!r}" for kind in kinds if kind.name not in adapter.kinds]
+    declared = NEUTRAL | WRITTEN | CHECKED | set(adapter.expresses)
+    for kind in kinds:
+        declared |= kind.exports
+    # a kind's table that no block of this model reads changes nothing it computes
+    unread = tables([*TOKEN_MIXERS.values(), *CHANNEL_MIXERS.values()]) - tables(kinds)
+    defaults = _options(ModelConfig())
+    problems += [f"{name}={value!r}" for name, value in _options(cfg).items()
+                 if value != defaults[name] and name not in declared and name.split(".")[0] not in unread]
+    return problems
 
 
 def refuse(arch: str, setting: str, why: str) -> ValueError:

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY, COMMON, HFAdapter, refuse
-from meshformer.config import ModelConfig
-from meshformer.config.migrate import get_flat
+from meshformer.config import AttentionConfig, FfnConfig, InitConfig, ModelConfig, NormConfig, RopeConfig
+from meshformer.model.config import attention_pattern
 from meshformer.model.families.naming import Rule, expert_params, norm, params
 from meshformer.model.moe import is_moe_block
 
@@ -80,21 +80,23 @@ def adapter(model_type: str, model_class: str, experts: Experts | None = None, *
                      layer_keys=("num_hidden_layers",), rules=partial(rules, experts=experts), **fields)
 
 
-# The rope_parameters keys each rope_type may carry (rope_theta aside), and ours for them.
-_SCALED = {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_seq_len"}
-_ROPE_KEYS = {"linear": {"factor": "rope_scaling_factor"},
-              "llama3": {**_SCALED, "low_freq_factor": "rope_low_freq_factor",
-                         "high_freq_factor": "rope_high_freq_factor"},
-              "yarn": {**_SCALED, "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow",
-                       "attention_factor": "rope_attention_factor", "truncate": "rope_truncate"}}
+# The rope_parameters keys each rope_type may carry (rope_theta aside), and our [model.rope] keys for them.
+_SCALED = {"factor": "factor", "original_max_position_embeddings": "original_max_seq_len"}
+_ROPE_KEYS = {"linear": {"factor": "factor"},
+              "llama3": {**_SCALED, "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor"},
+              "yarn": {**_SCALED, "beta_fast": "beta_fast", "beta_slow": "beta_slow",
+                       "attention_factor": "attention_factor", "truncate": "truncate"}}
+def rope_config_from_hf(c: Any, arch: str) -> RopeConfig:
+    """Our [model.rope] for HF's rope_parameters (transformers 5; rope_scaling in older configs)."""
+    return RopeConfig(**_rope_fields(c, arch))
 
 
-def rope_from_hf(c: Any, arch: str) -> dict[str, Any]:
-    """Our rope_* keys for HF's rope_parameters (transformers 5; rope_scaling in older configs)."""
+def _rope_fields(c: Any, arch: str) -> dict[str, Any]:
+    """The [model.rope] keys HF's rope_parameters set."""
     rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
     kind = rope.pop("rope_type", rope.pop("type", "default"))
-    fields: dict[str, Any] = {"rope_theta": float(rope.pop("rope_theta", getattr(c, "rope_theta", 10000.0)))}
-    if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type: rope_per_layer_type_from_hf
+    fields: dict[str, Any] = {"theta": float(rope.pop("rope_theta", getattr(c, "rope_theta", 10000.0)))}
+    if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type: rope_per_layer_type_config
         return fields
     if rope.get("partial_rotary_factor") == 1:  # every dimension rotates: what ours do
         del rope["partial_rotary_factor"]
@@ -105,31 +107,35 @@ def rope_from_hf(c: Any, arch: str) -> dict[str, Any]:
             raise refuse(arch, f"rope_parameters.{key}={value!r}", f"changes {kind} rotary frequencies")
     if kind == "default":
         return fields
-    return {**fields, "rope_scaling": kind, **{ours: rope[key] for key, ours in _ROPE_KEYS[kind].items()
-                                               if ours and rope.get(key) is not None}}
+    return {**fields, "scaling": kind, **{ours: rope[key] for key, ours in _ROPE_KEYS[kind].items()
+                                          if rope.get(key) is not None}}
 
 
 def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_type": "default" if cfg.rope.scaling == "none" else cfg.rope.scaling,
                             "rope_theta": cfg.rope.theta}
     for key, ours in _ROPE_KEYS.get(cfg.rope.scaling, {}).items():
-        if ours and get_flat(cfg, ours) is not None:
-            rope[key] = get_flat(cfg, ours)
+        if getattr(cfg.rope, ours) is not None:
+            rope[key] = getattr(cfg.rope, ours)
     if rope.get("truncate") is True:  # yarn's default: written only when off, as published configs do
         del rope["truncate"]
     return rope
 
 
-def rope_per_layer_type_from_hf(c: Any, arch: str, windowed: bool) -> dict[str, Any]:
-    """rope_parameters per layer type (Gemma 3, OLMo 3): the global blocks' RoPE (maybe scaled) = our rope_*, the
-    windowed blocks' own base = our rope_local_theta (unscaled, as ours always is)."""
+def rope_per_layer_type_config(c: Any, arch: str, windowed: bool) -> RopeConfig:
+    """rope_parameters per layer type (Gemma 3, OLMo 3): the global blocks' RoPE (maybe scaled) = our [model.rope],
+    the windowed blocks' own base = our rope.local_theta (unscaled, as ours always is)."""
+    return RopeConfig(**_rope_per_layer_type(c, arch, windowed))
+
+
+def _rope_per_layer_type(c: Any, arch: str, windowed: bool) -> dict[str, Any]:
     rope = c.rope_parameters
     local = dict(rope["sliding_attention"])
     if local.pop("rope_type", "default") != "default" or local.get("partial_rotary_factor") not in (None, 1):
         raise refuse(arch, f"rope_parameters.sliding_attention={rope['sliding_attention']}", "rescales the "
                      "windowed blocks' rotary frequencies (meshformer scales only the global blocks')")
-    return {**rope_from_hf(SimpleNamespace(rope_parameters=rope["full_attention"]), arch),
-            "rope_local_theta": float(local["rope_theta"]) if windowed else None}
+    return {**_rope_fields(SimpleNamespace(rope_parameters=rope["full_attention"]), arch),
+            "local_theta": float(local["rope_theta"]) if windowed else None}
 
 
 def rope_per_layer_type_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -187,23 +193,25 @@ def refuse_attention_bias(c: Any, arch: str) -> None:
                      "(meshformer's model.bias covers all of them)")
 
 
-def fields_from_hf(c: Any, arch: str, window: bool = True, hidden_act: bool = True) -> dict[str, Any]:
-    """The ModelConfig fields every Llama-like config gives the same way (each adapter then adds its own); with
-    `window`, sliding_window on every block (or none) = our attention_window; without `hidden_act`, the architecture's
-    MLP ignores that key (its adapter sets the activation)."""
+def config_from_hf(c: Any, arch: str, window: bool = True, hidden_act: bool = True) -> ModelConfig:
+    """The ModelConfig of what every Llama-like config gives the same way, built from its typed tables (each adapter
+    then replaces what is its own); with `window`, sliding_window on every block (or none) = our attention.window;
+    without `hidden_act`, the architecture's MLP ignores that key (its adapter sets the activation)."""
     check(c, arch, hidden_act)
     kv = c.num_key_value_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return dict(
-        family="decoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_heads=c.num_attention_heads,
-        n_kv_heads=None if kv in (None, c.num_attention_heads) else kv, n_layers=c.num_hidden_layers,
-        head_dim=None if head_dim * c.num_attention_heads == c.hidden_size else head_dim,
-        d_ff=c.intermediate_size, activation="swiglu", norm="rmsnorm", norm_eps=c.rms_norm_eps, norm_position="pre",
-        position="rope", **rope_from_hf(c, arch), max_seq_len=c.max_position_embeddings,
-        tie_embeddings=c.tie_word_embeddings, bias=getattr(c, "attention_bias", False),
-        attention_dropout=c.attention_dropout, init_std=c.initializer_range,
-        **({"attention_window": window_from_hf(c, arch)} if window else {}),
-    )
+    sliding = window_from_hf(c, arch) if window else None
+    return ModelConfig(
+        family="decoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_layers=c.num_hidden_layers,
+        position="rope", max_seq_len=c.max_position_embeddings, tie_embeddings=c.tie_word_embeddings,
+        bias=getattr(c, "attention_bias", False), layer_types=attention_pattern(sliding, None),
+        attention=AttentionConfig(
+            n_heads=c.num_attention_heads, n_kv_heads=None if kv in (None, c.num_attention_heads) else kv,
+            head_dim=None if head_dim * c.num_attention_heads == c.hidden_size else head_dim,
+            dropout=c.attention_dropout, window=sliding),
+        ffn=FfnConfig(d_ff=c.intermediate_size, activation="swiglu"),
+        norm=NormConfig(kind="rmsnorm", eps=c.rms_norm_eps, position="pre"),
+        rope=rope_config_from_hf(c, arch), init=InitConfig(std=c.initializer_range))
 
 
 def fields_to_hf(cfg: ModelConfig) -> dict[str, Any]:

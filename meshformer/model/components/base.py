@@ -104,6 +104,10 @@ class _Component:
     selectable: ClassVar[bool] = True  # named in the config (cross-attention: added by the stack instead)
     # builds no module: a block of this kind holds no such sub-layer (no module, norm or residual branch); `none`
     empty: ClassVar[bool] = False
+    # the options of its table (dotted: "mla.kv_lora_rank") a Hugging Face export of a model using it may write, for an
+    # adapter whose `kinds` list it; an option nobody declares keeps the model from exporting
+    # (checkpointing/hf_adapter.py's `undeclared_options`)
+    exports: ClassVar[frozenset[str]] = frozenset()
 
     def check(self, cfg: ModelConfig) -> None:
         """Raise meshformer.errors.ConfigError when the config lacks what this kind needs (model.layer_types or

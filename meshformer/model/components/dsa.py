@@ -33,6 +33,7 @@ class SparseAttention(LatentAttention):
     """MLA over the keys a lightning indexer selects per query; the indexer's loss joins the objective."""
 
     name = "dsa"
+    exports = LatentAttention.exports | {"dsa.n_heads", "dsa.head_dim", "dsa.topk", "dsa.rope_interleave"}
     section = "mla"  # its attention is multi-head latent attention (`ModelConfig.uses_mla`); [model.dsa] its indexer
     # the indexer's loss counts only real queries
     reads_padding_and_documents: ClassVar[bool] = True

@@ -80,6 +80,9 @@ class LinearAttention(TokenMixer):
     the output projection."""
 
     name = "linear_attention"
+    exports = frozenset({"linear_attention.n_heads", "linear_attention.n_key_heads", "linear_attention.key_head_dim",
+                         "linear_attention.value_head_dim", "linear_attention.conv_width",
+                         "linear_attention.projections"})
     section = "linear_attention"
     reads_padding_and_documents = True
     # blockwise_kernel stays as declared for attention: it has no softmax, and the attention blocks beside it pick

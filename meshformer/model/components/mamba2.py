@@ -60,6 +60,8 @@ class Mamba2Kind(TokenMixer):
     a gate-first grouped RMSNorm and out_proj."""
 
     name = "mamba2"
+    exports = frozenset({"mamba.n_heads", "mamba.head_dim", "mamba.state_size", "mamba.n_groups", "mamba.conv_width",
+                         "mamba.conv_bias", "mamba.dt_floor"})
     section = "mamba"
     reads_padding_and_documents = True
     qk_clip = False  # no attention logits for MuonClip to record or clip

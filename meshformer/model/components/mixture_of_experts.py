@@ -42,6 +42,7 @@ def shared_expert_gate(cfg: ModelConfig) -> int:
 
 class MixtureOfExperts(ChannelMixer):
     name = "moe"
+    exports = frozenset({"moe.experts_per_token", "moe.d_ff", "moe.router_groups_per_token"})
     section = "moe"
     expert_parallel = True
 

@@ -47,6 +47,8 @@ class LatentAttention(TokenMixer):
     """Causal self-attention through a compressed key/value latent; its cache holds the latent and rotary key."""
 
     name = "mla"
+    exports = frozenset({"mla.q_lora_rank", "mla.kv_lora_rank", "mla.qk_nope_head_dim", "mla.qk_rope_head_dim",
+                         "mla.v_head_dim", "mla.rope_interleave", "mla.mscale_all_dim"})
     section = "mla"
     blockwise_kernel = False  # SDPA or the math path (model/mla.py)
     # MuonClip: per head, the position-free query and key rows by sqrt(gamma), the rotary query rows by gamma, the

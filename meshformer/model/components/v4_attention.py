@@ -33,6 +33,9 @@ class V4AttentionKind(TokenMixer):
 
     name = "sliding_mqa"
     section = "compressed_attention"
+    exports = frozenset(f"compressed_attention.{name}" for name in (
+        "q_rank", "rope_dim", "window", "o_groups", "o_rank", "rope_theta", "compress_theta", "hca_rate", "csa_rate",
+        "index_heads", "index_dim", "index_topk"))
     blockwise_kernel = False
     qk_clip = False
     reads_padding_and_documents: ClassVar[bool] = True  # to refuse left-padded or packed rows

@@ -18,12 +18,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from meshformer.checkpointing.hf_adapter import ANY, refuse
+from meshformer.checkpointing.hf_adapter import ANY, PLAIN_KINDS, refuse
 from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
 from meshformer.model.families.naming import Rule
 from meshformer.models import llama_like
-from meshformer.models.deepseek_v3.hf import mla_fields_from_hf, mla_fields_to_hf, mla_rules
+from meshformer.models.deepseek_v3.hf import mla_config_from_hf, mla_fields_to_hf, mla_rules
 
 ARCH = "deepseek_v2"
 _TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -37,10 +36,10 @@ def config_from_hf(c: Any) -> ModelConfig:
         raise refuse(ARCH, "norm_topk_prob=True", "is ignored by transformers' DeepseekV2 (its weights stay "
                      "unnormalised) but renormalises in DeepSeek's own code, so the two disagree")
     grouped = method == "group_limited_greedy"
-    return model_from_flat(**{
-        **mla_fields_from_hf(c, ARCH), "router_score": "softmax", "router_renormalize": False,
+    return mla_config_from_hf(
+        c, ARCH, router_score="softmax", router_renormalize=False,
         **({"router_groups": c.n_group, "router_groups_per_token": c.topk_group, "router_group_score": "max"}
-           if grouped else {})})
+           if grouped else {}))
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:
@@ -67,6 +66,7 @@ def extra_features(cfg: ModelConfig) -> dict[str, Any]:
 
 ADAPTER = replace(llama_like.adapter(
     ARCH, "DeepseekV2ForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    kinds=(*PLAIN_KINDS, "mla"),
     requirements={**llama_like.REQUIREMENTS, "bias": False, "mla": True, "moe": True, "n_shared_experts": ANY,
                   "router_score": "softmax", "router_renormalize": False, "router_groups": ANY,
                   "router_group_score": "max", "router_scale": ANY,

@@ -30,9 +30,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from meshformer.checkpointing.hf_adapter import ANY, refuse
-from meshformer.config import MlaConfig, ModelConfig
-from meshformer.config.migrate import model_from_flat
+from meshformer.checkpointing.hf_adapter import ANY, PLAIN_KINDS, refuse
+from meshformer.config import MlaConfig, ModelConfig, MoeConfig
+from meshformer.model.config import moe_pattern
 from meshformer.model.families.naming import Rule, params
 from meshformer.model.mla import yarn_mscale
 from meshformer.models import llama_like
@@ -58,9 +58,9 @@ class _RopeView:
         return getattr(self._c, name)
 
 
-def mla_fields_from_hf(c: Any, arch: str) -> dict[str, Any]:
-    """The flat fields DeepSeek-V2 and V3 give the same way: Llama's, MLA's, YaRN's mscales, the experts' sizes,
-    the shared experts and the dense first blocks (each adds its router)."""
+def mla_config_from_hf(c: Any, arch: str, **router: Any) -> ModelConfig:
+    """What DeepSeek-V2 and V3 give the same way: Llama's, MLA's, YaRN's mscales, the experts' sizes, the shared
+    experts and the dense first blocks; `router`: the caller's [model.moe] router keys."""
     llama_like.refuse_attention_bias(c, arch)
     if c.num_key_value_heads not in (None, c.num_attention_heads):
         raise refuse(arch, f"num_key_value_heads={c.num_key_value_heads}", "differs from num_attention_heads="
@@ -70,22 +70,22 @@ def mla_fields_from_hf(c: Any, arch: str) -> dict[str, Any]:
     if rope.get("rope_type", rope.get("type")) == "yarn" and rope.get("attention_factor") is None \
             and mscale and mscale_all_dim:
         rope["attention_factor"] = yarn_mscale(rope["factor"], mscale) / yarn_mscale(rope["factor"], mscale_all_dim)
-    fields = llama_like.fields_from_hf(_RopeView(c, rope), arch)
+    cfg = llama_like.config_from_hf(_RopeView(c, rope), arch)
     mla = MlaConfig(q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
                     qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
                     rope_interleave=bool(getattr(c, "rope_interleave", True)),
                     mscale_all_dim=float(mscale_all_dim or 0.0))
-    return {**fields, "head_dim": None, "n_kv_heads": None, "layer_types": ["mla"], "mla": mla,
-            "n_experts": c.n_routed_experts, "experts_per_token": c.num_experts_per_tok,
-            "moe_d_ff": c.moe_intermediate_size, "n_shared_experts": c.n_shared_experts or 0,
-            "router_scale": float(c.routed_scaling_factor), "moe_every": 1,
-            "moe_first_dense": c.first_k_dense_replace or 0}
+    experts = c.n_routed_experts
+    return replace(
+        cfg, layer_types=["mla"], attention=replace(cfg.attention, head_dim=None, n_kv_heads=None), mla=mla,
+        mlp_types=moe_pattern(1, c.first_k_dense_replace or 0, cfg.n_layers) if experts else [],
+        moe=MoeConfig(n_experts=experts, experts_per_token=c.num_experts_per_tok, d_ff=c.moe_intermediate_size,
+                      n_shared_experts=c.n_shared_experts or 0, router_scale=float(c.routed_scaling_factor), **router))
 
 
 def config_from_hf(c: Any) -> ModelConfig:
-    return model_from_flat(**{
-        **mla_fields_from_hf(c, ARCH), "router_score": "sigmoid", "router_renormalize": bool(c.norm_topk_prob),
-        "router_groups": c.n_group or 1, "router_groups_per_token": c.topk_group or 1})
+    return mla_config_from_hf(c, ARCH, router_score="sigmoid", router_renormalize=bool(c.norm_topk_prob),
+                              router_groups=c.n_group or 1, router_groups_per_token=c.topk_group or 1)
 
 
 def mla_fields_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -174,6 +174,7 @@ def mtp_rules(cfg: ModelConfig, main: list[Rule]) -> list[Rule]:
 
 ADAPTER = replace(llama_like.adapter(
     ARCH, "DeepseekV3ForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    kinds=(*PLAIN_KINDS, "mla"),
     requirements={**llama_like.REQUIREMENTS, "bias": False, "mla": True, "moe": True, "n_shared_experts": ANY,
                   "router_score": "sigmoid", "router_renormalize": {True, False}, "router_groups": ANY,
                   "router_scale": ANY, "moe_blocks": {"every block", "some"}, "grouped_query": False,

@@ -18,9 +18,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from meshformer.checkpointing.hf_adapter import ANY, HFAdapter, refuse
+from meshformer.checkpointing.hf_adapter import ANY, PLAIN_KINDS, HFAdapter, refuse
 from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
 from meshformer.model.config import DsaConfig
 from meshformer.model.families.naming import Rule, params
 from meshformer.models import llama_like
@@ -38,13 +37,11 @@ def dsa_config_from_hf(c: Any, arch: str, indexer_interleave: bool,
     expected = ["dense"] * n_dense + ["sparse"] * (c.num_hidden_layers - n_dense)
     if c.mlp_layer_types is not None and list(c.mlp_layer_types) != expected:
         raise refuse(arch, f"mlp_layer_types={c.mlp_layer_types}", f"is not {n_dense} dense blocks, then MoE ones")
-    fields = deepseek_v3.mla_fields_from_hf(c, arch)
-    return model_from_flat(**{
-        **fields, "layer_types": layer_types or ["dsa"], "mla": replace(fields["mla"], rope_interleave=True),
-        "dsa": DsaConfig(n_heads=c.index_n_heads, head_dim=c.index_head_dim, topk=c.index_topk,
-                         rope_interleave=indexer_interleave),
-        "router_score": "sigmoid", "router_renormalize": bool(c.norm_topk_prob), "router_groups": c.n_group or 1,
-        "router_groups_per_token": c.topk_group or 1})
+    cfg = deepseek_v3.mla_config_from_hf(c, arch, router_score="sigmoid", router_renormalize=bool(c.norm_topk_prob),
+                                         router_groups=c.n_group or 1, router_groups_per_token=c.topk_group or 1)
+    return replace(cfg, layer_types=layer_types or ["dsa"], mla=replace(cfg.mla, rope_interleave=True),
+                   dsa=DsaConfig(n_heads=c.index_n_heads, head_dim=c.index_head_dim, topk=c.index_topk,
+                                 rope_interleave=indexer_interleave))
 
 
 def dsa_config_to_hf(cfg: ModelConfig, config_class: str, **extra: Any) -> Any:
@@ -84,6 +81,7 @@ def dsa_adapter(arch: str, model_class: str, *, config_from_hf: Any, config_to_h
                 ignored: str, indexer_shared: Any = False) -> HFAdapter:
     return replace(llama_like.adapter(
         arch, model_class, config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+        kinds=(*PLAIN_KINDS, "dsa", *(("dsa_shared",) if indexer_shared is not False else ())),
         requirements={**deepseek_v3.ADAPTER.requirements, "dsa": True, "mla_rope_interleave": True,
                       "indexer_rope_interleave": indexer_interleave, "indexer_shared": indexer_shared,
                       "n_shared_experts": ANY},

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from meshformer.checkpointing.hf_adapter import ANY, COMMON, HFAdapter, refuse
+from meshformer.checkpointing.hf_adapter import ANY, COMMON, PLAIN_KINDS, HFAdapter, refuse
 from meshformer.config import ModelConfig
 from meshformer.config.migrate import model_from_flat
 from meshformer.model.config import CompressedAttentionConfig, ResidualConfig
@@ -143,6 +143,8 @@ def _features(cfg: ModelConfig) -> dict[str, Any]:
 
 ADAPTER = HFAdapter(
     model_type=ARCH, model_class="DeepseekV4ForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    kinds=(*PLAIN_KINDS, "sliding_mqa", "hca", "csa", "hash_moe"),
+    expresses=("residual.kind", "residual.streams", "residual.sinkhorn_iters", "residual.eps", "ffn.swiglu_limit"),
     requirements={**COMMON, "family": "decoder", "position": "none", "norm": "rmsnorm",
                   "activation": "swiglu_limited",
                   "bias": False, "moe": True, "n_shared_experts": 1, "router_score": "sqrt_softplus",

@@ -8,11 +8,12 @@ other than that pattern, use_bidirectional_attention, attention_bias, another ac
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY, refuse
-from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
+from meshformer.config import AttentionConfig, FfnConfig, InitConfig, ModelConfig, NormConfig
+from meshformer.model.config import attention_pattern
 from meshformer.models import llama_like
 
 # attention_scale = query_pre_attn_scalar^-0.5 (an integer)
@@ -35,8 +36,8 @@ def extra_features(cfg: ModelConfig) -> dict[str, Any]:
     return {"query_pre_attn_scalar": "integer" if query_pre_attn_scalar(cfg) else "none"}
 
 
-def fields_from_hf(c: Any, arch: str) -> dict[str, Any]:
-    """What Gemma 2 and Gemma 3 (text) share, as ModelConfig fields (each adds its RoPE keys)."""
+def base_config(c: Any, arch: str) -> ModelConfig:
+    """What Gemma 2 and Gemma 3 (text) share (each adds its [model.rope])."""
     if c.hidden_activation not in ("gelu_pytorch_tanh", "gelu_new"):
         raise refuse(arch, f"hidden_activation={c.hidden_activation!r}", "changes the gated MLP (meshformer's "
                      "geglu gates with gelu's tanh approximation)")
@@ -48,17 +49,19 @@ def fields_from_hf(c: Any, arch: str) -> dict[str, Any]:
     every = llama_like.full_attention_every(kinds, arch) if window is not None else None
     head_dim = c.head_dim
     kv = c.num_key_value_heads
-    return dict(
-        family="decoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_heads=c.num_attention_heads,
-        n_kv_heads=None if kv in (None, c.num_attention_heads) else kv, n_layers=c.num_hidden_layers,
-        head_dim=None if head_dim * c.num_attention_heads == c.hidden_size else head_dim,
-        d_ff=c.intermediate_size, activation="geglu", norm="rmsnorm", norm_eps=c.rms_norm_eps,
-        norm_position="sandwich", norm_weight_offset=1.0, scale_embeddings=True,
-        position="rope", attention_window=window, full_attention_every=every,
-        attention_scale=None if c.query_pre_attn_scalar == head_dim else c.query_pre_attn_scalar**-0.5,
-        logit_softcap=c.final_logit_softcapping, max_seq_len=c.max_position_embeddings,
-        tie_embeddings=c.tie_word_embeddings, bias=False, attention_dropout=c.attention_dropout,
-        init_std=c.initializer_range)
+    return ModelConfig(
+        family="decoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_layers=c.num_hidden_layers,
+        position="rope", scale_embeddings=True, logit_softcap=c.final_logit_softcapping,
+        max_seq_len=c.max_position_embeddings, tie_embeddings=c.tie_word_embeddings, bias=False,
+        layer_types=attention_pattern(window, every),
+        attention=AttentionConfig(
+            n_heads=c.num_attention_heads, n_kv_heads=None if kv in (None, c.num_attention_heads) else kv,
+            head_dim=None if head_dim * c.num_attention_heads == c.hidden_size else head_dim, window=window,
+            scale=None if c.query_pre_attn_scalar == head_dim else c.query_pre_attn_scalar**-0.5,
+            dropout=c.attention_dropout),
+        ffn=FfnConfig(d_ff=c.intermediate_size, activation="geglu"),
+        norm=NormConfig(kind="rmsnorm", eps=c.rms_norm_eps, position="sandwich", weight_offset=1.0),
+        init=InitConfig(std=c.initializer_range))
 
 
 def fields_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -70,8 +73,9 @@ def fields_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def config_from_hf(c: Any) -> ModelConfig:
-    return model_from_flat(**fields_from_hf(c, "gemma2"), **llama_like.rope_from_hf(c, "gemma2"),
-                           attention_softcap=c.attn_logit_softcapping)
+    cfg = base_config(c, "gemma2")
+    return replace(cfg, rope=llama_like.rope_config_from_hf(c, "gemma2"),
+                   attention=replace(cfg.attention, softcap=c.attn_logit_softcapping))
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:

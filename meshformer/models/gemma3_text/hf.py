@@ -6,20 +6,20 @@ ignores it as transformers does and export refuses our attention_softcap. A scal
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY
 from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
 from meshformer.models import llama_like
 from meshformer.models.gemma2 import hf as gemma2
 
 
 def config_from_hf(c: Any) -> ModelConfig:
-    fields = gemma2.fields_from_hf(c, "gemma3_text")
-    windowed = fields["attention_window"] is not None
-    fields.update(llama_like.rope_per_layer_type_from_hf(c, "gemma3_text", windowed), qk_norm=True)
-    return model_from_flat(**fields)
+    cfg = gemma2.base_config(c, "gemma3_text")
+    windowed = cfg.attention.window is not None
+    return replace(cfg, rope=llama_like.rope_per_layer_type_config(c, "gemma3_text", windowed),
+                   attention=replace(cfg.attention, qk_norm=True))
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:

@@ -24,8 +24,8 @@ from dataclasses import replace
 from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY, refuse
-from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
+from meshformer.config import ModelConfig, MoeConfig
+from meshformer.model.config import moe_pattern
 from meshformer.model.families.naming import Rule
 from meshformer.models import llama_like
 from meshformer.models.deepseek_v3.hf import mtp_rules, shared_expert_rules
@@ -49,16 +49,16 @@ def config_from_hf(c: Any) -> ModelConfig:
         raise refuse(ARCH, f"n_shared_experts={c.n_shared_experts}", "builds zero-width shared experts")
     rope = dict(c.rope_parameters or {})
     partial = float(rope.pop("partial_rotary_factor", None) or getattr(c, "partial_rotary_factor", None) or 1.0)
-    fields = llama_like.fields_from_hf(_RopeWithoutPartial(c, rope), ARCH, window=False)
-    cfg = model_from_flat(**{
-        **fields, "bias": False, "qkv_bias": bool(c.attention_bias), "qk_norm": bool(c.use_qk_norm),
-        "n_experts": c.n_routed_experts, "experts_per_token": c.num_experts_per_tok,
-        "moe_d_ff": c.moe_intermediate_size, "n_shared_experts": c.n_shared_experts or 0, "router_score": "sigmoid",
-        "router_renormalize": bool(c.norm_topk_prob), "router_groups": c.n_group or 1,
-        "router_groups_per_token": c.topk_group or 1, "router_scale": float(c.routed_scaling_factor),
-        "moe_every": 1, "moe_first_dense": c.first_k_dense_replace or 0})
-    cfg.rope.partial_factor = partial
-    return cfg
+    cfg = llama_like.config_from_hf(_RopeWithoutPartial(c, rope), ARCH, window=False)
+    experts = c.n_routed_experts
+    return replace(
+        cfg, bias=False, rope=replace(cfg.rope, partial_factor=partial),
+        attention=replace(cfg.attention, qkv_bias=bool(c.attention_bias), qk_norm=bool(c.use_qk_norm)),
+        mlp_types=moe_pattern(1, c.first_k_dense_replace or 0, cfg.n_layers) if experts else [],
+        moe=MoeConfig(n_experts=experts, experts_per_token=c.num_experts_per_tok, d_ff=c.moe_intermediate_size,
+                      n_shared_experts=c.n_shared_experts or 0, router_score="sigmoid",
+                      router_renormalize=bool(c.norm_topk_prob), router_groups=c.n_group or 1,
+                      router_groups_per_token=c.topk_group or 1, router_scale=float(c.routed_scaling_factor)))
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:

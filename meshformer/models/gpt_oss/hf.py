@@ -18,11 +18,12 @@ refused.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY
-from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
+from meshformer.config import ModelConfig, MoeConfig
+from meshformer.model.config import attention_pattern
 from meshformer.model.families.naming import Rule
 from meshformer.models import llama_like
 
@@ -36,13 +37,14 @@ def config_from_hf(c: Any) -> ModelConfig:
     kinds = list(c.layer_types)
     window = None if c.sliding_window is None or "sliding_attention" not in kinds else int(c.sliding_window)
     every = llama_like.full_attention_every(kinds, ARCH) if window is not None else None
-    fields = llama_like.fields_from_hf(c, ARCH, window=False, hidden_act=False)  # the experts gate their own way
-    return model_from_flat(**{
-        **fields, "activation": "swiglu_clamped", "swiglu_limit": float(c.swiglu_limit),
-        "swiglu_alpha": float(c.swiglu_alpha), "bias": bool(c.attention_bias), "attention_sinks": True,
-        "attention_window": window, "full_attention_every": every, "n_experts": c.num_local_experts,
-        "experts_per_token": c.num_experts_per_tok, "router_renormalize": True, "router_bias": True,
-        "expert_bias_terms": True, "moe_aux_loss": c.router_aux_loss_coef})
+    cfg = llama_like.config_from_hf(c, ARCH, window=False, hidden_act=False)  # the experts gate their own way
+    return replace(
+        cfg, bias=bool(c.attention_bias), layer_types=attention_pattern(window, every),
+        attention=replace(cfg.attention, sinks=True, window=window),
+        ffn=replace(cfg.ffn, activation="swiglu_clamped", swiglu_limit=float(c.swiglu_limit),
+                    swiglu_alpha=float(c.swiglu_alpha)),
+        moe=MoeConfig(n_experts=c.num_local_experts, experts_per_token=c.num_experts_per_tok, router_renormalize=True,
+                      router_bias=True, expert_linear_bias=True, aux_loss=c.router_aux_loss_coef))
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:
@@ -69,7 +71,8 @@ def experts(o: str, t: str, cfg: ModelConfig) -> list[Rule]:
 
 
 ADAPTER = llama_like.adapter(
-    ARCH, "GptOssForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf, experts=experts,
+    ARCH, "GptOssForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    expresses=("ffn.swiglu_limit", "ffn.swiglu_alpha"), experts=experts,
     # its windowed blocks rotate with the global (scaled) RoPE, as ours do without rope_local_theta
     requirements={**llama_like.REQUIREMENTS, "activation": "swiglu_clamped", "bias": {False, True}, "moe": True,
                   "attention_sinks": True, "router_bias": True, "expert_linear_bias": True, "attention_window": ANY,

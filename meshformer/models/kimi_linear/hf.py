@@ -21,13 +21,12 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from meshformer.checkpointing.hf_adapter import ANY, HFAdapter
+from meshformer.checkpointing.hf_adapter import ANY, PLAIN_KINDS, HFAdapter
 from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
 from meshformer.model.config import LinearAttentionConfig
 from meshformer.model.families.naming import Rule
 from meshformer.models import llama_like
-from meshformer.models.deepseek_v3.hf import mla_fields_from_hf, mla_rules, shared_expert_rules
+from meshformer.models.deepseek_v3.hf import mla_config_from_hf, mla_rules, shared_expert_rules
 from meshformer.models.qwen3_next.hf import shortest_pattern
 
 ARCH = "kimi_linear"
@@ -56,11 +55,10 @@ class _DeepseekView:
 
 
 def config_from_hf(c: Any) -> ModelConfig:
-    fields = mla_fields_from_hf(_DeepseekView(c), ARCH)
-    del fields["moe_every"], fields["moe_first_dense"]
-    fields.update(position="none", layer_types=[], router_score="sigmoid", router_renormalize=bool(c.norm_topk_prob),
-                  router_groups=c.n_group or 1, router_groups_per_token=c.topk_group or 1)
-    cfg = model_from_flat(**fields)
+    cfg = mla_config_from_hf(_DeepseekView(c), ARCH, router_score="sigmoid",
+                             router_renormalize=bool(c.norm_topk_prob), router_groups=c.n_group or 1,
+                             router_groups_per_token=c.topk_group or 1)
+    cfg.position = "none"
     cfg.layer_types = shortest_pattern([KINDS[kind] for kind in c.layer_types])
     moe = ["moe" if kind == "sparse" else "dense" for kind in c.mlp_layer_types]
     cfg.mlp_types = shortest_pattern(moe) if "moe" in moe else ["dense"]
@@ -129,6 +127,7 @@ def old_names(name: str) -> str:
 
 ADAPTER = HFAdapter(
     model_type=ARCH, model_class="KimiLinearForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    kinds=(*PLAIN_KINDS, "mla", "kda"),
     rules=rules, base_prefix="model.", layer_keys=("num_hidden_layers",),
     requirements={**llama_like.REQUIREMENTS, "position": "none", "bias": False, "mla": {True, False},
                   "kda": {True, False}, "moe": True, "n_shared_experts": ANY, "router_score": "sigmoid",

@@ -7,7 +7,6 @@ from typing import Any
 
 from meshformer.checkpointing.hf_adapter import refuse
 from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
 from meshformer.models import llama_like
 
 
@@ -15,7 +14,7 @@ def config_from_hf(c: Any) -> ModelConfig:
     if c.attention_bias != getattr(c, "mlp_bias", c.attention_bias):
         raise refuse("llama", f"attention_bias={c.attention_bias} with mlp_bias={c.mlp_bias}",
                      "puts biases on only some linears (meshformer's model.bias covers all of them)")
-    return model_from_flat(**llama_like.fields_from_hf(c, "llama"))
+    return llama_like.config_from_hf(c, "llama")
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:

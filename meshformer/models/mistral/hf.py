@@ -7,12 +7,11 @@ from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY
 from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
 from meshformer.models import llama_like
 
 
 def config_from_hf(c: Any) -> ModelConfig:
-    return model_from_flat(**llama_like.fields_from_hf(c, "mistral"))
+    return llama_like.config_from_hf(c, "mistral")
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:

@@ -25,12 +25,11 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from meshformer.checkpointing.hf_adapter import ANY, refuse
+from meshformer.checkpointing.hf_adapter import ANY, PLAIN_KINDS, refuse
 from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
 from meshformer.model.families.naming import Rule
 from meshformer.models import llama_like
-from meshformer.models.deepseek_v3.hf import FP8, mla_fields_from_hf, mla_fields_to_hf, mla_rules
+from meshformer.models.deepseek_v3.hf import FP8, mla_config_from_hf, mla_fields_to_hf, mla_rules
 
 ARCH = "mistral4"
 
@@ -55,12 +54,10 @@ def config_from_hf(c: Any) -> ModelConfig:
         raise refuse(ARCH, f"rope_parameters.partial_rotary_factor={partial}", f"rotates other than the "
                      f"qk_rope_head_dim={c.qk_rope_head_dim} columns of each {c.qk_nope_head_dim + c.qk_rope_head_dim}"
                      "-wide query and key head")
-    fields = mla_fields_from_hf(_ConfigView(c, rope), ARCH)
-    fields["mla"] = replace(fields["mla"], query_scale_beta=float(beta))
-    return model_from_flat(**{
-        **fields, "router_score": "softmax", "router_renormalize": bool(c.norm_topk_prob),
-        "router_groups": c.n_group or 1, "router_groups_per_token": c.topk_group or 1,
-        "router_group_score": "top2_sum"})
+    cfg = mla_config_from_hf(_ConfigView(c, rope), ARCH, router_score="softmax",
+                             router_renormalize=bool(c.norm_topk_prob), router_groups=c.n_group or 1,
+                             router_groups_per_token=c.topk_group or 1, router_group_score="top2_sum")
+    return replace(cfg, mla=replace(cfg.mla, query_scale_beta=float(beta)))
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:
@@ -96,10 +93,12 @@ def extra_features(cfg: ModelConfig) -> dict[str, Any]:
 
 ADAPTER = replace(llama_like.adapter(
     ARCH, "Mistral4ForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    kinds=(*PLAIN_KINDS, "mla"),
+    expresses=("mla.query_scale_beta",),
     requirements={**llama_like.REQUIREMENTS, "bias": False, "mla": True, "moe": True, "n_shared_experts": ANY,
                   "router_score": "softmax", "router_renormalize": {True, False}, "router_groups": ANY,
                   "router_scale": ANY, "moe_blocks": {"every block", "some"}, "grouped_query": False,
-                  "head_dim": ANY, "rope_scaling": "yarn", "mla_query_scale": {True, False}, "mtp_depth": 0},
+                  "head_dim": ANY, "rope_scaling": "yarn", "mtp_depth": 0},
     extra_features=extra_features,
     size_keys=(*llama_like.SIZE_KEYS, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"),

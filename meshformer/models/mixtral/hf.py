@@ -7,18 +7,18 @@ sigmoid scores, group-limited routing, capacity dropping or selection bias (the 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY
-from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
+from meshformer.config import ModelConfig, MoeConfig
 from meshformer.models import llama_like
 
 
 def config_from_hf(c: Any) -> ModelConfig:
-    return model_from_flat(**llama_like.fields_from_hf(c, "mixtral"), n_experts=c.num_local_experts,
-                           experts_per_token=c.num_experts_per_tok, router_renormalize=True,
-                           moe_aux_loss=c.router_aux_loss_coef)
+    return replace(llama_like.config_from_hf(c, "mixtral"), moe=MoeConfig(
+        n_experts=c.num_local_experts, experts_per_token=c.num_experts_per_tok, router_renormalize=True,
+        aux_loss=c.router_aux_loss_coef))
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshformer.checkpointing.hf_adapter import ANY, COMMON, HFAdapter, refuse
+from meshformer.checkpointing.hf_adapter import ANY, COMMON, PLAIN_KINDS, HFAdapter, refuse
 from meshformer.config import ModelConfig
 from meshformer.model.config import AttentionConfig, FfnConfig, InitConfig, MambaConfig, MoeConfig, NormConfig
 from meshformer.model.families.naming import Rule, expert_params, params
@@ -147,6 +147,7 @@ def extra_features(cfg: ModelConfig) -> dict[str, Any]:
 
 ADAPTER = HFAdapter(
     model_type=ARCH, model_class="NemotronHForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    kinds=(*PLAIN_KINDS, "mamba2", "none"),
     rules=rules, base_prefix="backbone.",
     requirements={**COMMON, "family": "decoder", "position": "none", "norm": "rmsnorm", "bias": False,
                   "activation": "relu2", "grouped_query": {False, True}, "head_dim": ANY,

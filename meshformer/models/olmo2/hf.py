@@ -5,21 +5,14 @@ MLP) is refused."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
 from meshformer.models import llama_like
 
 REQUIREMENTS = {**llama_like.REQUIREMENTS, "bias": False, "norm_position": "post_sublayer", "qk_norm": True,
                 "qk_norm_scope": "projection", "head_dim": "d_model/n_heads"}
-
-
-def fields_from_hf(c: Any, arch: str, window: bool = True) -> dict[str, Any]:
-    """OLMo 2's blocks as ModelConfig fields (OLMo 3 adds its windows and per-layer-type RoPE)."""
-    llama_like.refuse_attention_bias(c, arch)
-    return {**llama_like.fields_from_hf(c, arch, window), "head_dim": None, "norm_position": "post_sublayer",
-            "qk_norm": True, "qk_norm_scope": "projection"}
 
 
 def fields_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -27,8 +20,16 @@ def fields_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return {**shared, "intermediate_size": cfg.ffn.d_ff, "attention_bias": False}
 
 
+def base_config(c: Any, arch: str, window: bool = True) -> ModelConfig:
+    """OLMo 2's blocks, typed (OLMo 3 adds its windows and per-layer-type RoPE)."""
+    llama_like.refuse_attention_bias(c, arch)
+    cfg = llama_like.config_from_hf(c, arch, window)
+    return replace(cfg, attention=replace(cfg.attention, head_dim=None, qk_norm=True, qk_norm_scope="projection"),
+                   norm=replace(cfg.norm, position="post_sublayer"))
+
+
 def config_from_hf(c: Any) -> ModelConfig:
-    return model_from_flat(**fields_from_hf(c, "olmo2"))
+    return base_config(c, "olmo2")
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:

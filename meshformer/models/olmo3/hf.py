@@ -8,23 +8,23 @@ sliding-window RoPE, attention_bias, another activation.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY
 from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
+from meshformer.model.config import attention_pattern
 from meshformer.models import llama_like
 from meshformer.models.olmo2 import hf as olmo2
 
 
 def config_from_hf(c: Any) -> ModelConfig:
-    fields = olmo2.fields_from_hf(c, "olmo3", window=False)
+    cfg = olmo2.base_config(c, "olmo3", window=False)
     kinds = list(c.layer_types)
     window = None if c.sliding_window is None or "sliding_attention" not in kinds else int(c.sliding_window)
     every = llama_like.full_attention_every(kinds, "olmo3") if window is not None else None
-    fields.update(llama_like.rope_per_layer_type_from_hf(c, "olmo3", window is not None), attention_window=window,
-                  full_attention_every=every)
-    return model_from_flat(**fields)
+    return replace(cfg, attention=replace(cfg.attention, window=window), layer_types=attention_pattern(window, every),
+                   rope=llama_like.rope_per_layer_type_config(c, "olmo3", window is not None))
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:

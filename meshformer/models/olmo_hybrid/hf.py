@@ -14,11 +14,11 @@ Refused: attention_bias, another hidden_act, a rope scaling other than ours, lay
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from meshformer.checkpointing.hf_adapter import HFAdapter, refuse
-from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
+from meshformer.checkpointing.hf_adapter import PLAIN_KINDS, HFAdapter, refuse
+from meshformer.config import ModelConfig, RopeConfig
 from meshformer.model.config import LinearAttentionConfig
 from meshformer.model.families.naming import Rule
 from meshformer.models import llama_like
@@ -59,11 +59,9 @@ def config_from_hf(c: Any) -> ModelConfig:
     if set(kinds) - {"linear_attention", "full_attention"}:
         raise refuse(ARCH, f"layer_types={kinds}", "holds kinds other than linear_attention and full_attention")
     rope = _uses_rope(c)
-    fields = olmo2.fields_from_hf(c if rope else _WithoutRope(c), ARCH, window=False)
+    cfg = olmo2.base_config(c if rope else _WithoutRope(c), ARCH, window=False)
     if not rope:
-        fields = {k: v for k, v in fields.items() if not k.startswith("rope_")}
-        fields["position"] = "none"
-    cfg = model_from_flat(**fields)
+        cfg = replace(cfg, position="none", rope=RopeConfig())
     cfg.layer_types = shortest_pattern(kinds)
     cfg.norm.by_kind = {"linear_attention": "pre"}
     cfg.linear_attention = LinearAttentionConfig(
@@ -113,6 +111,7 @@ def extra_features(cfg: ModelConfig) -> dict[str, Any]:
 
 ADAPTER = HFAdapter(
     model_type=ARCH, model_class="OlmoHybridForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    kinds=(*PLAIN_KINDS, "linear_attention"),
     rules=rules, base_prefix="model.", layer_keys=("num_hidden_layers",),
     hf_layer_types=("linear_attention", "full_attention"),
     requirements={**olmo2.REQUIREMENTS, "position": {"rope", "none"}, "linear_attention": True,

@@ -4,19 +4,20 @@ pre-norm blocks, head_dim hidden_size / heads; clip_qkv (clamping q / k / v) and
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
+from meshformer.config import ModelConfig, MoeConfig
 from meshformer.models import llama_like
 from meshformer.models.qwen3_moe import hf as qwen3_moe
 
 
 def config_from_hf(c: Any) -> ModelConfig:
     llama_like.refuse_attention_bias(c, "olmoe")
-    return model_from_flat(**{**llama_like.fields_from_hf(c, "olmoe"), "head_dim": None}, qk_norm=True,
-                           qk_norm_scope="projection", n_experts=c.num_experts, experts_per_token=c.num_experts_per_tok,
-                           router_renormalize=c.norm_topk_prob, moe_aux_loss=c.router_aux_loss_coef)
+    cfg = llama_like.config_from_hf(c, "olmoe")
+    return replace(cfg, attention=replace(cfg.attention, head_dim=None, qk_norm=True, qk_norm_scope="projection"),
+                   moe=MoeConfig(n_experts=c.num_experts, experts_per_token=c.num_experts_per_tok,
+                                 router_renormalize=c.norm_topk_prob, aux_loss=c.router_aux_loss_coef))
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:

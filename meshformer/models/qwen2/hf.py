@@ -4,11 +4,11 @@ refused."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY
 from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
 from meshformer.models import llama_like
 
 SIZE_KEYS = (*llama_like.SIZE_KEYS, "head_dim", "sliding_window")
@@ -21,7 +21,8 @@ def window_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def config_from_hf(c: Any) -> ModelConfig:
-    return model_from_flat(**{**llama_like.fields_from_hf(c, "qwen2"), "qkv_bias": True})  # always, Q/K/V only
+    cfg = llama_like.config_from_hf(c, "qwen2")
+    return replace(cfg, attention=replace(cfg.attention, qkv_bias=True))  # always, Q/K/V only
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:

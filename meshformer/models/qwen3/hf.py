@@ -3,18 +3,19 @@ our qk_norm; attention_bias=True (on Q/K/V/O but not the MLP) is refused."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY
 from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
 from meshformer.models import llama_like
 from meshformer.models.qwen2.hf import SIZE_KEYS, window_to_hf
 
 
 def config_from_hf(c: Any) -> ModelConfig:
     llama_like.refuse_attention_bias(c, "qwen3")
-    return model_from_flat(**llama_like.fields_from_hf(c, "qwen3"), qk_norm=True)
+    cfg = llama_like.config_from_hf(c, "qwen3")
+    return replace(cfg, attention=replace(cfg.attention, qk_norm=True))
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshformer.checkpointing.hf_adapter import ANY, HFAdapter
+from meshformer.checkpointing.hf_adapter import ANY, PLAIN_KINDS, HFAdapter
 from meshformer.config import ModelConfig
 from meshformer.model.families.naming import Rule
 from meshformer.models import qwen3_5_text
@@ -41,9 +41,8 @@ class _WithDenseWidth:
 
 def config_from_hf(c: Any) -> ModelConfig:
     cfg = hybrid_from_hf(_WithDenseWidth(c), ARCH, drop_rope_keys=qwen3_5_text.hf.MROPE_KEYS,
-                         router_renormalize=True, **moe_from_hf(c, ARCH))
+                         moe=moe_from_hf(c, ARCH, router_renormalize=True))
     cfg.linear_attention.projections = "split"
-    cfg.moe.shared_expert_gate = True
     return cfg
 
 
@@ -71,6 +70,7 @@ def extra_features(cfg: ModelConfig) -> dict[str, Any]:
 
 ADAPTER = HFAdapter(
     model_type=ARCH, model_class="Qwen3_5MoeForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    kinds=(*PLAIN_KINDS, "linear_attention"),
     rules=rules, base_prefix="model.", layer_keys=("num_hidden_layers",),
     hf_layer_types=("linear_attention", "full_attention"),
     requirements={**qwen3_5_text.hf.ADAPTER.requirements, "moe": True, "n_shared_experts": ANY,

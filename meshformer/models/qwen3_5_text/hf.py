@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshformer.checkpointing.hf_adapter import ANY, HFAdapter
+from meshformer.checkpointing.hf_adapter import ANY, PLAIN_KINDS, HFAdapter
 from meshformer.config import ModelConfig
 from meshformer.model.families.naming import Rule
 from meshformer.models import llama_like
@@ -52,6 +52,7 @@ def extra_features(cfg: ModelConfig) -> dict[str, Any]:
 
 ADAPTER = HFAdapter(
     model_type=ARCH, model_class="Qwen3_5ForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    kinds=(*PLAIN_KINDS, "linear_attention"),
     rules=rules, base_prefix="model.", layer_keys=("num_hidden_layers",),
     hf_layer_types=("linear_attention", "full_attention"),
     requirements={**llama_like.REQUIREMENTS, "bias": False, "qk_norm": True, "norm_weight_offset": 1.0,

@@ -7,12 +7,13 @@ as for Mixtral."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from meshformer.checkpointing.hf_adapter import ANY
 from meshformer.checkpointing.megatron_config import moe_every_pattern
-from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
+from meshformer.config import ModelConfig, MoeConfig
+from meshformer.model.config import moe_pattern
 from meshformer.models import llama_like
 
 EXPERTS: llama_like.Experts = ("mlp.gate", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj"))
@@ -20,10 +21,11 @@ EXPERTS: llama_like.Experts = ("mlp.gate", "mlp.experts.{j}.", ("gate_proj", "up
 
 def config_from_hf(c: Any) -> ModelConfig:
     llama_like.refuse_attention_bias(c, "qwen3_moe")
-    return model_from_flat(**llama_like.fields_from_hf(c, "qwen3_moe"), qk_norm=True, n_experts=c.num_experts,
-                           experts_per_token=c.num_experts_per_tok, moe_d_ff=c.moe_intermediate_size,
-                           router_renormalize=c.norm_topk_prob, moe_every=c.decoder_sparse_step,
-                           moe_first_dense=len(c.mlp_only_layers or []), moe_aux_loss=c.router_aux_loss_coef)
+    cfg = llama_like.config_from_hf(c, "qwen3_moe")
+    dense = moe_pattern(c.decoder_sparse_step, len(c.mlp_only_layers or []), cfg.n_layers) if c.num_experts else []
+    return replace(cfg, attention=replace(cfg.attention, qk_norm=True), mlp_types=dense, moe=MoeConfig(
+        n_experts=c.num_experts, experts_per_token=c.num_experts_per_tok, d_ff=c.moe_intermediate_size,
+        router_renormalize=c.norm_topk_prob, aux_loss=c.router_aux_loss_coef))
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:

@@ -17,13 +17,13 @@ hidden_act, mlp_only_layers other than the first blocks, rotary scaling other th
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from meshformer.checkpointing.hf_adapter import ANY, HFAdapter, refuse
+from meshformer.checkpointing.hf_adapter import ANY, PLAIN_KINDS, HFAdapter, refuse
 from meshformer.checkpointing.megatron_config import moe_every_pattern
-from meshformer.config import ModelConfig
-from meshformer.config.migrate import model_from_flat
-from meshformer.model.config import LinearAttentionConfig
+from meshformer.config import ModelConfig, MoeConfig
+from meshformer.model.config import LinearAttentionConfig, moe_pattern
 from meshformer.model.families.naming import Rule
 from meshformer.models import llama_like
 
@@ -57,25 +57,25 @@ class _RopeWithoutPartial:
         return getattr(self._config, key)
 
 
-def hybrid_from_hf(c: Any, arch: str, drop_rope_keys: tuple[str, ...] = (), **extra: Any) -> ModelConfig:
+def hybrid_from_hf(c: Any, arch: str, drop_rope_keys: tuple[str, ...] = (), moe: MoeConfig | None = None,
+                   mlp_types: list[str] | None = None) -> ModelConfig:
     """What Qwen3-Next and Qwen3.5 share: the Gated DeltaNet / gated attention blocks, partial RoPE, (1 + weight)
-    norms; `drop_rope_keys` are rope_parameters the caller has already judged; `extra` adds flat config fields."""
+    norms; `drop_rope_keys` are rope_parameters the caller has already judged; `moe` and `mlp_types` its experts."""
     llama_like.refuse_attention_bias(c, arch)
     rope = {k: v for k, v in (c.rope_parameters or {}).items() if k not in drop_rope_keys}
     partial = float(rope.pop("partial_rotary_factor", None) or getattr(c, "partial_rotary_factor", None) or 1.0)
-    fields = llama_like.fields_from_hf(_RopeWithoutPartial(c, rope), arch, window=False)
+    cfg = llama_like.config_from_hf(_RopeWithoutPartial(c, rope), arch, window=False)
     kinds = list(c.layer_types)
     if set(kinds) - {"linear_attention", "full_attention"}:
         raise refuse(arch, f"layer_types={kinds}", "holds kinds other than linear_attention and full_attention")
     linear = LinearAttentionConfig(
         n_heads=c.linear_num_value_heads, n_key_heads=c.linear_num_key_heads, key_head_dim=c.linear_key_head_dim,
         value_head_dim=c.linear_value_head_dim, conv_width=c.linear_conv_kernel_dim)
-    cfg = model_from_flat(**fields, qk_norm=True, norm_weight_offset=1.0, **extra)
-    cfg.layer_types = shortest_pattern(kinds) if "linear_attention" in kinds else []
-    cfg.linear_attention = linear
-    cfg.attention.output_gate = True
-    cfg.rope.partial_factor = partial
-    return cfg
+    return replace(
+        cfg, layer_types=shortest_pattern(kinds) if "linear_attention" in kinds else [], mlp_types=mlp_types or [],
+        attention=replace(cfg.attention, qk_norm=True, output_gate=True),
+        norm=replace(cfg.norm, weight_offset=1.0), rope=replace(cfg.rope, partial_factor=partial),
+        linear_attention=linear, moe=moe or MoeConfig())
 
 
 def hybrid_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -102,15 +102,16 @@ def hybrid_rules(cfg: ModelConfig, experts: llama_like.Experts | None, linear_pa
     return out
 
 
-def moe_from_hf(c: Any, arch: str) -> dict[str, Any]:
-    """The flat MoE fields of Qwen3-Next's (and Qwen3.5-MoE's) experts beside one gated shared expert."""
+def moe_from_hf(c: Any, arch: str, router_renormalize: bool) -> MoeConfig:
+    """Qwen3-Next's (and Qwen3.5-MoE's) experts beside one gated shared expert."""
     shared, width = c.shared_expert_intermediate_size, c.moe_intermediate_size
     if shared < width or shared % width:
         raise refuse(arch, f"shared_expert_intermediate_size={shared}", f"is not a multiple of "
                      f"moe_intermediate_size={width} (meshformer's shared experts are n_shared_experts x "
                      "moe_d_ff wide)")
-    return dict(n_experts=c.num_experts, experts_per_token=c.num_experts_per_tok, moe_d_ff=width,
-                n_shared_experts=shared // width, moe_aux_loss=c.router_aux_loss_coef)
+    return MoeConfig(n_experts=c.num_experts, experts_per_token=c.num_experts_per_tok, d_ff=width,
+                     n_shared_experts=shared // width, shared_expert_gate=True, router_renormalize=router_renormalize,
+                     aux_loss=c.router_aux_loss_coef)
 
 
 def shared_expert_rules(cfg: ModelConfig) -> list[Rule]:
@@ -126,13 +127,11 @@ def shared_expert_rules(cfg: ModelConfig) -> list[Rule]:
 
 
 def config_from_hf(c: Any) -> ModelConfig:
-    moe: dict[str, Any] = {}
-    if c.num_experts > 0:
-        moe = dict(**moe_from_hf(c, ARCH), router_renormalize=c.norm_topk_prob, moe_every=c.decoder_sparse_step,
-                   moe_first_dense=len(c.mlp_only_layers or []))
-    cfg = hybrid_from_hf(c, ARCH, **moe)
-    cfg.moe.shared_expert_gate = c.num_experts > 0
-    return cfg
+    if c.num_experts == 0:
+        return hybrid_from_hf(c, ARCH)
+    return hybrid_from_hf(c, ARCH, moe=moe_from_hf(c, ARCH, bool(c.norm_topk_prob)),
+                          mlp_types=moe_pattern(c.decoder_sparse_step, len(c.mlp_only_layers or []),
+                                                c.num_hidden_layers))
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:
@@ -165,6 +164,7 @@ def extra_features(cfg: ModelConfig) -> dict[str, Any]:
 
 ADAPTER = HFAdapter(
     model_type=ARCH, model_class="Qwen3NextForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+    kinds=(*PLAIN_KINDS, "linear_attention"),
     rules=rules, base_prefix="model.", layer_keys=("num_hidden_layers",),
     hf_layer_types=("linear_attention", "full_attention"),
     requirements={**llama_like.REQUIREMENTS, "bias": False, "qk_norm": True, "norm_weight_offset": 1.0,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshformer.checkpointing.hf_adapter import COMMON, HFAdapter
+from meshformer.checkpointing.hf_adapter import COMMON, PLAIN_KINDS, HFAdapter
 from meshformer.config import AttentionConfig, FfnConfig, ModelConfig, NormConfig
 from meshformer.model.families import get_family_spec
 from meshformer.model.families.encoder_decoder import DECODER, ENCODER
@@ -84,6 +84,8 @@ def config_to_hf(cfg: ModelConfig) -> Any:
 ADAPTER = HFAdapter(
     model_type="t5", model_class="T5ForConditionalGeneration", config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
+    kinds=(*PLAIN_KINDS, "cross_attention"),
+    expresses=("n_encoder_layers", "n_decoder_layers", "attention.relative_buckets", "attention.relative_max_distance"),
     requirements={**COMMON, "family": "encoder_decoder", "position": "t5_relative", "norm": "rmsnorm", "bias": False,
                   "tie_embeddings": True, "share_embeddings": True, "attention_scale": 1.0,
                   "scale_output": {False, True}, "activation": {"relu", "swiglu"}},

@@ -91,7 +91,7 @@ def test_refusals():
         config_from_hf(transformers.Mistral4Config(**{**spec, "rope_parameters": rope}))
     cfg = from_hf_model(hf_model("mistral4")).cfg
     check_compatible(cfg, "mistral4")
-    with pytest.raises(ValueError, match="mla_query_scale=True"):  # DeepSeek's attention lacks the scaling
+    with pytest.raises(ValueError, match="mla.query_scale_beta="):  # DeepSeek's attention lacks the scaling
         check_compatible(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, router_score="sigmoid")),
                          "deepseek_v3")
     with pytest.raises(ConfigError, match=re.escape("model.mla.query_scale_beta=0.1 scales queries")):
