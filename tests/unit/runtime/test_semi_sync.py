@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -15,8 +14,10 @@ import torch
 os.environ.setdefault("RUST_LOG", "warn")  # before torchft's Rust side starts (meshformer's require_torchft)
 pytest.importorskip("torchft")
 
+from helpers.replica_threads import run_groups
+
 from meshformer.config.sections import FaultToleranceConfig
-from meshformer.runtime.fault_tolerance import ReplicaGroup, SemiSync, start_lighthouse
+from meshformer.runtime.fault_tolerance import ReplicaGroup, SemiSync
 
 GROUPS = 2
 LR = 0.1
@@ -42,34 +43,7 @@ def _backward(model: torch.nn.Module, replica: int, step: int) -> None:
 
 
 def _run_groups(cfg: FaultToleranceConfig, work: Callable[[ReplicaGroup, int], Any]) -> list[Any]:
-    """`work(group, replica)` in one thread per replica group; its results by replica."""
-    lighthouse = start_lighthouse(cfg, bind="127.0.0.1:0")
-    cfg = replace(cfg, lighthouse=lighthouse.address())
-    results: list[Any] = [None] * GROUPS
-    errors: list[BaseException] = []
-
-    def run(replica: int) -> None:
-        group = ReplicaGroup(cfg, replica, torch.device("cpu"), state_dict=dict, load_state_dict=lambda state: None,
-                             log=print)
-        try:
-            results[replica] = work(group, replica)
-        except BaseException as err:  # re-raised in the test's thread
-            errors.append(err)
-        finally:
-            group.shutdown()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(GROUPS)]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-    finally:
-        lighthouse.shutdown()
-    if errors:
-        raise errors[0]
-    assert all(not thread.is_alive() for thread in threads), "a group did not finish"
-    return results
+    return run_groups(cfg, work, GROUPS)
 
 
 def _cfg(**kw: Any) -> FaultToleranceConfig:

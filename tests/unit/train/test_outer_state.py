@@ -4,9 +4,6 @@ Nesterov momentum go into a checkpoint and come back from it, and a heal hands t
 from __future__ import annotations
 
 import os
-import threading
-from dataclasses import replace
-from typing import Any
 
 import pytest
 import torch
@@ -15,8 +12,10 @@ import torch.distributed.checkpoint as dcp
 os.environ.setdefault("RUST_LOG", "warn")  # before torchft's Rust side starts (meshformer's require_torchft)
 pytest.importorskip("torchft")
 
+from helpers.replica_threads import run_groups
+
 from meshformer.config.sections import FaultToleranceConfig
-from meshformer.runtime.fault_tolerance import ReplicaGroup, SemiSync, start_lighthouse
+from meshformer.runtime.fault_tolerance import ReplicaGroup, SemiSync
 from meshformer.train.replica_step import OuterState
 
 CFG = FaultToleranceConfig(enabled=True, replica_groups=2, min_replicas=2, method="diloco", sync_every=3,
@@ -80,45 +79,25 @@ def test_the_outer_state_round_trips_through_a_checkpoint(tmp_path):
 def test_a_heal_hands_the_outer_state_to_the_healed_group():
     """Two groups (threads) around an in-process Lighthouse: group 1 starts behind and heals from group 0 at the
     quorum; it then holds group 0's anchor and outer momentum."""
-    lighthouse = start_lighthouse(CFG, bind="127.0.0.1:0")
-    cfg = replace(CFG, lighthouse=lighthouse.address())
-    seen: list[Any] = [None, None]
-    errors: list[BaseException] = []
-
-    def run(replica: int) -> None:
+    def work(group: ReplicaGroup, replica: int) -> tuple[dict, dict, float | None]:
         model = _model()
-        group = ReplicaGroup(cfg, replica, torch.device("cpu"), state_dict=dict, load_state_dict=lambda s: None,
-                             log=print)
-        try:
-            state = OuterState(cfg, [model])
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            semi = SemiSync(cfg, group, [model], optimizer, outer=state.outer)
-            state.attach(semi)
-            if replica == 0:  # a group some synchronisations in: an anchor and a momentum of its own
-                group.manager.load_state_dict({"step": 2, "batches_committed": 0})
-                gen = torch.Generator().manual_seed(5)
-                for tensor in semi.anchor().values():
-                    tensor.copy_(torch.randn(tensor.shape, generator=gen))
-                _outer_step(state, model, seed=6)
-            before = {k: v.clone() for k, v in state.tensors().items()}
-            group.start_step()  # group 1 heals here
-            seen[replica] = (before, {k: v.clone() for k, v in state.tensors().items()}, group.healed_s)
-            semi.sync()  # the step's synchronisation, which the heal's peer waits for
-        except BaseException as err:  # re-raised in the test's thread
-            errors.append(err)
-        finally:
-            group.shutdown()
+        state = OuterState(CFG, [model])
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        semi = SemiSync(CFG, group, [model], optimizer, outer=state.outer)
+        state.attach(semi)
+        if replica == 0:  # a group some synchronisations in: an anchor and a momentum of its own
+            group.manager.load_state_dict({"step": 2, "batches_committed": 0})
+            gen = torch.Generator().manual_seed(5)
+            for tensor in semi.anchor().values():
+                tensor.copy_(torch.randn(tensor.shape, generator=gen))
+            _outer_step(state, model, seed=6)
+        before = {k: v.clone() for k, v in state.tensors().items()}
+        group.start_step()  # group 1 heals here
+        seen = (before, {k: v.clone() for k, v in state.tensors().items()}, group.healed_s)
+        semi.sync()  # the step's synchronisation, which the heal's peer waits for
+        return seen
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-    finally:
-        lighthouse.shutdown()
-    if errors:
-        raise errors[0]
+    seen = run_groups(CFG, work)
     (peer, _, peer_healed), (own, healed, healed_s) = seen
     assert peer_healed is None and healed_s is not None
     assert not any(k.startswith("momentum.") for k in own)  # a fresh group: no momentum until the heal
