@@ -34,7 +34,8 @@ PAGES: dict[str, tuple[str, str]] = {
     "architectures": ("MLA, multi-token prediction and linear attention",
                       "Multi-head latent attention against grouped-query attention of the same FLOPs and its "
                       "generation cache at DeepSeek-V3's widths, what multi-token prediction costs and does to the "
-                      "main loss, a Gated DeltaNet : attention hybrid against full attention as the sequence grows, "
+                      "main loss, hybrids (Gated DeltaNet, Kimi Delta Attention or Mamba-2 blocks : attention) against "
+                      "stacks of their attention as the sequence grows, "
                       "and the chunked gated delta rule (a decay per head, and per channel: KDA) against "
                       "transformers'. See [multi-head latent attention]"
                       "(../model/mla.md) and [linear attention](../model/linear-attention.md); the planner's layouts "

@@ -99,6 +99,19 @@ def test_mamba2_tiny():
     assert record["out_max_diff"] < 1e-4 and record["dx_max_diff"] < 1e-4  # the same scan on both sides
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("hybrid", ["kimi-linear", *(pytest.param(h, marks=pytest.mark.matrix)
+                                                     for h in ("qwen3-next", "olmo-hybrid", "nemotron-h"))])
+def test_hybrid_vs_attention_tiny(tmp_path, hybrid):
+    path = tmp_path / "architectures-03-test.json"
+    *rows, summary = run_bench("hybrid_vs_attention.py", "--hybrid", hybrid, "--seq", "32", "64", "--rounds", "1",
+                               "--table", str(path), "--machine", "a test machine")
+    assert [r["seq"] for r in rows] == [32, 64] and summary["bench"] == "hybrid_vs_attention_summary"
+    assert all(r["hybrid_s"] > 0 and r["attention_s"] > 0 and r["hybrid_saved_bytes_per_token"] > 0 for r in rows)
+    table = loaded_table(tmp_path)
+    assert len(table["rows"]) == 2 and ("--hybrid" in table["command"]) == (hybrid != "qwen3-next")
+
+
 def loaded_table(folder: Path) -> dict:
     """The one table in `folder`, as the docs' renderer loads it (which checks its keys, date and row widths)."""
     sys.path.insert(0, str(ROOT / "bench"))

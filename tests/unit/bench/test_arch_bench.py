@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers.common import load_script
+from helpers.common import ROOT, load_script
 
 MACHINE = "a test machine"
 
@@ -84,6 +84,35 @@ def test_hybrid_table_crossover_and_slope(tmp_path, render_tables):
     columns, rows, notes = bench.table(results)
     table = _written(tmp_path, render_tables, bench, columns, rows, notes=notes)
     assert table["rows"][1][3] == "0.50" and "about 4,096" in table["notes"]
+
+
+@pytest.mark.parametrize("hybrid", ["qwen3-next", "kimi-linear", "olmo-hybrid", "nemotron-h"])
+def test_hybrid_stacks_differ_only_in_token_mixers(hybrid):
+    """Each hybrid's two stacks: 3 linear-time blocks then its attention block against that attention block 4
+    times, the same widths, depth and dense feed-forward; its table is the file its --hybrid run writes."""
+    bench = load_script("bench/hybrid_vs_attention.py")
+    mixed, attention = (bench.config(stack, 2048, hybrid).model for stack in ("hybrid", "attention"))
+    kinds = [mixed.layer_type(i) for i in range(4)]
+    linear, attend = kinds[0], kinds[3]
+    assert kinds == [linear] * 3 + [attend] and linear != attend
+    assert [attention.layer_type(i) for i in range(4)] == [attend] * 4
+    for m in (mixed, attention):
+        assert (m.n_layers, m.d_model, m.ffn.d_ff, m.ffn.activation) == (4, 128, 512, "swiglu")
+        assert [m.mlp_type(i) for i in range(4)] == ["dense"] * 4
+    assert mixed.attention == attention.attention
+    table = json.loads((ROOT / "docs" / "benchmarks" / "data" / bench.HYBRIDS[hybrid].table).read_text())
+    assert (f"--hybrid {hybrid} " in table["command"]) == (hybrid != "qwen3-next")
+    assert table["title"] == bench.HYBRIDS[hybrid].title
+
+
+def test_hybrid_table_says_where_the_planner_has_no_bytes():
+    bench = load_script("bench/hybrid_vs_attention.py")
+    results = [{"seq": 2048, "hybrid_s": 1.0, "attention_s": 2.0, "hybrid_tok_s": 2048, "attention_tok_s": 1024,
+                "hybrid_over_attention": 0.5, "hybrid_saved_bytes_per_token": 2048,
+                "hybrid_planned_bytes_per_token": None, "attention_saved_bytes_per_token": 1024,
+                "attention_planned_bytes_per_token": 1536}]
+    _, (row,), _ = bench.table(results)
+    assert row[4] == "2.0 (planner: no bytes for its kinds)" and row[5] == "1.0 (1.5)"
 
 
 def test_gated_delta_table(tmp_path, render_tables):
