@@ -104,9 +104,9 @@ def test_a_stop_during_the_init_from_load_ends_it_and_saves_nothing(shards, tmp_
 def test_a_stop_during_in_loop_lm_eval_scoring_ends_it_at_the_next_batch(shards, tmp_path, monkeypatch, one_thread):
     """lm-eval's evaluator is scoring a task's requests (one a batch) through the layout's evaluation forward when
     SIGTERM arrives: no further batch runs, the step's checkpoint is committed and nothing of the scoring is logged."""
-    import meshformer.train.downstream as downstream
+    import meshformer.eval.layout_forward as layout_forward
 
-    batches, score = Signaller(), downstream.score_rows_greedy
+    batches, score = Signaller(), layout_forward.score_rows_greedy
     forwards: list[int] = []
 
     def counted(model, cfg, rows, batch_size, pad_id, seq_len, poll):
@@ -117,7 +117,7 @@ def test_a_stop_during_in_loop_lm_eval_scoring_ends_it_at_the_next_batch(shards,
         finally:
             del model.evaluate
 
-    monkeypatch.setattr(downstream, "score_rows_greedy", counted)
+    monkeypatch.setattr(layout_forward, "score_rows_greedy", counted)  # what LayoutScorer calls
     cfg = _config(shards, tmp_path, 'downstream.tasks=["bundled:kjv_cloze"]', "downstream.interval=2",
                   "downstream.batch_size=1")
     result = Trainer(cfg).fit()
