@@ -114,16 +114,16 @@ def patch(module) -> None:
         trainer_cls.train_step = patched_step
     heal_sleep = float(os.environ.get("MF_TEST_HEAL_SLEEP_S", "0"))
     if heal_sleep:
-        import meshformer.train.replica_step as replica_step
+        import meshformer.train.setup as setup  # a heal loads the peer's state through the set-up's restore step
 
-        load_live_state = replica_step.load_live_state
+        load_live_state = setup.load_live_state
 
         def slow_heal(*args, **kwargs):
             open(os.environ["MF_TEST_HEAL_MARK"], "a").close()
             time.sleep(heal_sleep)
             return load_live_state(*args, **kwargs)
 
-        replica_step.load_live_state = slow_heal
+        setup.load_live_state = slow_heal
     save_sleep = float(os.environ.get("MF_TEST_SAVE_SLEEP_S", "0"))
     stop_save_sleep = float(os.environ.get("MF_TEST_STOP_SAVE_SLEEP_S", "0"))
     if save_sleep or stop_save_sleep:
