@@ -84,25 +84,95 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.empty(rate, width))  # one gate bias per slot of a window
         self.kv_norm = nn.RMSNorm(head_dim, eps=eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: (T,) the tokens' positions from 0; the trailing partial window is left out."""
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, prior: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> torch.Tensor:
+        """(B, n, head_dim) entries, normed and not yet rotated, of n whole windows' projections kv, gate
+        (B, n, rate, width; gate without the slot bias). prior: the first halves (kv, gate: B, rate, head_dim) of the
+        window before the first (overlap); None: there is none (those slots weigh 0)."""
+        gate = gate + self.position_bias
+        if self.overlap:
+            d = self.head_dim
+            if prior is None:
+                first_kv = torch.zeros_like(kv[:, :1, :, :d])
+                first_gate = torch.full_like(gate[:, :1, :, :d], float("-inf"))
+            else:
+                first_kv, first_gate = prior[0][:, None], (prior[1] + self.position_bias[:, :d])[:, None]
+            # slots: the previous window's first halves, then this window's second
+            kv = torch.cat([torch.cat([first_kv, kv[:, :-1, :, :d]], 1), kv[..., d:]], 2)
+            gate = torch.cat([torch.cat([first_gate, gate[:, :-1, :, :d]], 1), gate[..., d:]], 2)
+        weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
+        return self.kv_norm((kv * weights).sum(dim=2).float()).to(kv.dtype)
+
+    def rotate(self, pooled: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """Entries' rotary slices turned by their windows' first positions `starts` (pooled's leading shape)."""
+        cos, sin = rotary_tables(starts, self.rope_dim, self.rope_theta)
+        return rotate_tail(pooled, cos, sin)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, keep: dict[str, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: (T,) the tokens' positions from 0; the trailing partial window is left out. keep: filled with
+        the projections ("kv", "gate") and the entries, for a generation cache to start from."""
         windows = x.shape[1] // self.rate
         usable = windows * self.rate
-        kv = self.kv_proj(x[:, :usable]).unflatten(1, (windows, self.rate))
-        gate = self.gate_proj(x[:, :usable]).unflatten(1, (windows, self.rate)) + self.position_bias
-        if self.overlap:
-            d, empty = self.head_dim, torch.full_like(gate[:, :1, :, :self.head_dim], float("-inf"))
-            # slots: the previous window's first halves (none before window 0: weight 0), then this window's second
-            kv = torch.cat([torch.cat([torch.zeros_like(kv[:, :1, :, :d]), kv[:, :-1, :, :d]], 1), kv[..., d:]], 2)
-            gate = torch.cat([torch.cat([empty, gate[:, :-1, :, :d]], 1), gate[..., d:]], 2)
-        weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
-        compressed = self.kv_norm((kv * weights).sum(dim=2).float()).to(x.dtype)
-        starts = torch.arange(windows, device=x.device) * self.rate
-        cos, sin = rotary_tables(starts, self.rope_dim, self.rope_theta)
-        compressed = rotate_tail(compressed, cos, sin)
+        kv, gate = self.kv_proj(x), self.gate_proj(x)
+        if windows:
+            pooled = self.pool(kv[:, :usable].unflatten(1, (windows, self.rate)),
+                               gate[:, :usable].unflatten(1, (windows, self.rate)))
+            compressed = self.rotate(pooled, torch.arange(windows, device=x.device) * self.rate)
+        else:
+            compressed = x.new_zeros(x.shape[0], 0, self.head_dim)
+        if keep is not None:
+            keep.update(kv=kv, gate=gate, entries=compressed)
         # entry w ends at position (w + 1) * rate - 1: a query at t sees it once t + 1 >= (w + 1) * rate
         visible = torch.arange(windows, device=x.device) < ((positions + 1) // self.rate)[:, None]
         return compressed, visible
+
+    def start(self, batch: int, like: torch.Tensor) -> WindowState:
+        """An empty generation state of `batch` rows."""
+        width, d = self.kv_proj.out_features, self.head_dim
+        rows = torch.zeros(batch, dtype=torch.long, device=like.device)
+        return WindowState(kv=like.new_zeros(batch, self.rate, width), gate=like.new_zeros(batch, self.rate, width),
+                           filled=rows, entries=like.new_zeros(batch, 0, d), count=rows.clone(),
+                           prior_kv=like.new_zeros(batch, self.rate, d),
+                           prior_gate=like.new_full((batch, self.rate, d), float("-inf")))
+
+    def fill(self, state: WindowState, rows: torch.Tensor, keep: dict[str, torch.Tensor]) -> None:
+        """Set `rows` of `state` from a whole-sequence pass over their (equally long) tokens (`keep`)."""
+        length, entries = keep["kv"].shape[1], keep["entries"]
+        whole = entries.shape[1] * self.rate
+        if entries.shape[1] > state.entries.shape[1]:
+            state.entries = torch.cat([state.entries, state.entries.new_zeros(
+                state.entries.shape[0], entries.shape[1] - state.entries.shape[1], self.head_dim)], 1)
+        state.entries[rows, :entries.shape[1]] = entries
+        state.count[rows] = entries.shape[1]
+        state.kv[rows, :length - whole] = keep["kv"][:, whole:]
+        state.gate[rows, :length - whole] = keep["gate"][:, whole:]
+        state.filled[rows] = length - whole
+        if self.overlap and whole:
+            last = slice(whole - self.rate, whole)
+            state.prior_kv[rows] = keep["kv"][:, last, :self.head_dim]
+            state.prior_gate[rows] = keep["gate"][:, last, :self.head_dim]
+
+    def step(self, state: WindowState, x: torch.Tensor) -> None:
+        """Feed one token per row (B, D): it fills its row's next slot; a row whose window fills up gains its
+        entry and starts the next window. Work per token: one window, whatever the length."""
+        rows = torch.arange(x.shape[0], device=x.device)
+        state.kv[rows, state.filled] = self.kv_proj(x)
+        state.gate[rows, state.filled] = self.gate_proj(x)
+        state.filled = state.filled + 1
+        done = state.filled == self.rate
+        if not bool(done.any()):
+            return
+        prior = (state.prior_kv, state.prior_gate) if self.overlap else None
+        entry = self.rotate(self.pool(state.kv[:, None], state.gate[:, None], prior)[:, 0], state.count * self.rate)
+        if int(state.count.max()) >= state.entries.shape[1]:
+            state.entries = torch.cat([state.entries, state.entries.new_zeros(x.shape[0], 1, self.head_dim)], 1)
+        state.entries[rows[done], state.count[done]] = entry[done]
+        state.count = state.count + done.long()
+        if self.overlap:
+            state.prior_kv = torch.where(done[:, None, None], state.kv[..., :self.head_dim], state.prior_kv)
+            state.prior_gate = torch.where(done[:, None, None], state.gate[..., :self.head_dim], state.prior_gate)
+        state.filled = state.filled.masked_fill(done, 0)
 
 
 class Indexer(Compressor):
@@ -117,18 +187,52 @@ class Indexer(Compressor):
         self.q_b_proj = nn.Linear(q_rank, n_heads * index_dim, bias=False)
         self.weights_proj = nn.Linear(d_model, n_heads, bias=False)
 
-    def select(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(B, T, T // rate): True where a query keeps the entry."""
-        keys, visible = self(x, positions)
+    def score(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor
+              ) -> torch.Tensor:
+        """(B, T, W): each query's index score of each entry. positions: (T,) or (B, T)."""
         cos, sin = rotary_tables(positions, self.rope_dim, self.rope_theta)
-        q = rotate_tail(self.q_b_proj(q_latent).unflatten(-1, (self.n_heads, self.head_dim)), cos[:, None],
-                        sin[:, None])
+        q = rotate_tail(self.q_b_proj(q_latent).unflatten(-1, (self.n_heads, self.head_dim)), cos.unsqueeze(-2),
+                        sin.unsqueeze(-2))
         scores = torch.relu(torch.einsum("bthd,bwd->bthw", q.float(), keys.float())) * self.head_dim**-0.5
         gates = self.weights_proj(x).float() * self.n_heads**-0.5
-        index = (scores * gates[..., None]).sum(dim=2).masked_fill(~visible, float("-inf"))
+        return (scores * gates[..., None]).sum(dim=2)
+
+    def select(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
+               keep: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """(B, T, T // rate): True where a query keeps the entry."""
+        keys, visible = self(x, positions, keep)
+        index = self.score(x, q_latent, positions, keys).masked_fill(~visible, float("-inf"))
         chosen = index.topk(min(self.topk, index.shape[-1]), dim=-1).indices
         kept = torch.zeros_like(index, dtype=torch.bool).scatter_(-1, chosen, True)
         return kept & visible  # a row with fewer visible entries than topk keeps only those
+
+    def pick(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, state: WindowState
+             ) -> torch.Tensor:
+        """(B, 1, E) for one query per row (x: B, 1, D) over the state's entries: its top-k of its row's entries.
+        The top-k runs over exactly each row's entries, as a row decoded alone would (top-k breaks ties, such as
+        the exact zeros ReLU leaves, by the length it scores over)."""
+        index = self.score(x, q_latent, positions, state.entries)
+        kept = torch.zeros_like(index, dtype=torch.bool)
+        for count in state.count.unique().tolist():
+            if count == 0:
+                continue
+            rows = (state.count == count).nonzero()[:, 0]
+            chosen = index[rows, :, :count].topk(min(self.topk, count), dim=-1).indices
+            kept[rows] = kept[rows].scatter(-1, chosen, True)
+        return kept
+
+
+@dataclass
+class WindowState:
+    """A compressor's generation state: each row's unfinished window and its finished entries."""
+
+    kv: torch.Tensor  # (B, rate, width): the projections of the unfinished window's tokens, from slot 0
+    gate: torch.Tensor  # (B, rate, width): their gates, without the slot bias
+    filled: torch.Tensor  # (B,): slots filled
+    entries: torch.Tensor  # (B, E, head_dim): finished entries, rotated; row b's first count[b] are real
+    count: torch.Tensor  # (B,)
+    prior_kv: torch.Tensor  # (B, rate, head_dim): overlap: the last finished window's first halves
+    prior_gate: torch.Tensor  # (B, rate, head_dim): their gates (-inf: no finished window yet)
 
 
 def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -159,21 +263,19 @@ class CompressedAttention(nn.Module):
         self.indexer = (Indexer(d_model, q_rank, *index, compress_rate, rope_dim, compress_theta, eps)
                         if compress_rate is not None and index is not None else None)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """positions: (T,) the tokens' positions from 0."""
-        batch, length, _ = x.shape
-        cos, sin = rotary_tables(positions, self.rope_dim, self.theta)
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The query latent, the queries (B, H, T, hd) and the one key/value head (B, T, hd), rotated."""
         latent = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(latent).unflatten(-1, (self.n_heads, self.head_dim))
-        q = rotate_tail(_unit_rms(q, self.eps), cos[:, None], sin[:, None]).transpose(1, 2)  # (B, H, T, hd)
-        kv = rotate_tail(self.kv_norm(self.kv_proj(x)), cos, sin)  # (B, T, hd): the one key and value head
-        distance = positions[:, None] - positions[None, :]
-        visible = ((distance >= 0) & (distance < self.window)).expand(batch, -1, -1)
-        if self.compressor is not None:
-            compressed, seen = self.compressor(x, positions)
-            if self.indexer is not None:
-                seen = self.indexer.select(x, latent, positions)
-            kv, visible = torch.cat([kv, compressed], dim=1), torch.cat([visible, seen.expand(batch, -1, -1)], dim=2)
+        q = rotate_tail(_unit_rms(q, self.eps), cos.unsqueeze(-2), sin.unsqueeze(-2)).transpose(1, 2)
+        return latent, q, rotate_tail(self.kv_norm(self.kv_proj(x)), cos, sin)
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        """Queries (B, H, T, hd) over keys = values (B, K, hd) where `visible` (B, T, K), with the sinks; the output
+        projected."""
+        batch, length = q.shape[0], q.shape[2]
         logits = (q @ kv[:, None].transpose(-1, -2)) * self.head_dim**-0.5
         logits = logits.masked_fill(~visible[:, None], float("-inf"))
         sink = self.sinks.to(logits.dtype).view(1, -1, 1, 1).expand(batch, -1, length, 1)
@@ -181,46 +283,146 @@ class CompressedAttention(nn.Module):
         probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
         out = (probs @ kv[:, None]).transpose(1, 2)  # (B, T, H, hd)
         # keys are the values, so a value's rotary slice carries its key's angle: turn it back by the query's
-        out = rotate_tail(out, cos[:, None], -sin[:, None])
+        out = rotate_tail(out, cos.unsqueeze(-2), -sin.unsqueeze(-2))
         return self.output(out.flatten(-2))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, keep: dict[str, Any] | None = None) -> torch.Tensor:
+        """positions: (T,) the tokens' positions from 0. keep: filled with the keys and the compressor's and
+        indexer's projections and entries, for a generation cache to start from."""
+        batch = x.shape[0]
+        cos, sin = rotary_tables(positions, self.rope_dim, self.theta)
+        latent, q, kv = self._project(x, cos, sin)
+        if keep is not None:
+            keep["keys"] = kv
+        distance = positions[:, None] - positions[None, :]
+        visible = ((distance >= 0) & (distance < self.window)).expand(batch, -1, -1)
+        if self.compressor is not None:
+            compressed, seen = self.compressor(x, positions, None if keep is None else keep.setdefault("compressor",
+                                                                                                     {}))
+            if self.indexer is not None:
+                seen = self.indexer.select(x, latent, positions,
+                                           None if keep is None else keep.setdefault("indexer", {}))
+            kv, visible = torch.cat([kv, compressed], dim=1), torch.cat([visible, seen.expand(batch, -1, -1)], dim=2)
+        return self._attend(q, kv, visible, cos, sin)
 
 
 @dataclass
-class InputsCache:
-    """A V4 block's generation state: its normalised inputs so far (B, T, D); each step recomputes the branches over
-    them, so a step's outputs equal the whole sequence's."""
+class V4Cache:
+    """A V4 block's generation state per row: the last window - 1 keys (one head, keys are values), the
+    compressor's and the indexer's `WindowState`, the next position. A step reads the window and the entries only.
+    Rows of a left-padded prompt keep their real tokens only, each from position 0."""
 
-    inputs: torch.Tensor | None = None
+    keys: torch.Tensor | None = None  # (B, window - 1, hd), the newest last
+    real: torch.Tensor | None = None  # (B, window - 1): False where a row has no such key yet
+    positions: torch.Tensor | None = None  # (B,): each row's next position
+    compressor: WindowState | None = None
+    indexer: WindowState | None = None
+    length: int = 0  # tokens fed, pads included
 
-    @property
-    def length(self) -> int:
-        return 0 if self.inputs is None else self.inputs.shape[1]
+
+def _segments(padding: torch.Tensor | None, documents: torch.Tensor | None, shape: torch.Size
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, first tokens, lengths) of each run of a row's real tokens within one document."""
+    real = torch.ones(shape, dtype=torch.bool, device=(padding if padding is not None else documents).device) \
+        if padding is None else padding.bool()
+    doc = torch.zeros_like(real, dtype=torch.long) if documents is None else documents
+    after = torch.ones_like(real[:, :1])
+    starts = real & torch.cat([after, ~real[:, :-1] | (doc[:, 1:] != doc[:, :-1])], 1)
+    ends = real & torch.cat([~real[:, 1:] | (doc[:, 1:] != doc[:, :-1]), after], 1)
+    rows, firsts = starts.nonzero(as_tuple=True)
+    return rows, firsts, ends.nonzero(as_tuple=True)[1] - firsts + 1
 
 
 class V4Attention(CompressedAttention):
     """`CompressedAttention` called as a block's token mixer (`module(x, mask, rope=..., cache=..., ...)`): it
-    rotates with its own tables from the tokens' positions (0, 1, ... of each unpacked sequence, padded on the right
-    only)."""
+    rotates with its own tables from the tokens' positions, 0, 1, ... from each row's first real token and from
+    each packed document's start. A left-padded or packed row is read as its runs of real tokens of one document,
+    each computed as if alone (its compression windows start with it); right padding is read in place (a causal
+    query never reads the pads after it)."""
 
     def forward(self, x: torch.Tensor, mask: Any = None, *, rope: Any = None, bias: Any = None,  # type: ignore[override]
-                cache: InputsCache | None = None, chunk: Any = None, padding: torch.Tensor | None = None,
+                cache: V4Cache | None = None, chunk: Any = None, padding: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
-        # right padding leaves each row's tokens at positions 0, 1, ...: a causal query never reads the pads after it
-        if padding is not None and not bool((padding == padding.cummin(dim=1).values).all()):
-            raise ConfigError("DeepSeek-V4 attention blocks read every row from position 0, but this batch is "
-                              "left-padded", "pad rows on the right")
-        if documents is not None and bool((documents != documents[:, :1]).any()):
-            raise ConfigError("DeepSeek-V4 attention blocks read one document per row, but this batch is packed",
-                              "set data.packing off (one document per row)")
         if chunk is not None:
             raise ConfigError("DeepSeek-V4 attention blocks do not run under context parallel",
                               "use parallel.cp=1")
-        if cache is None:
+        packed = documents is not None and bool((documents != documents[:, :1]).any())
+        if cache is not None and packed:
+            raise ConfigError("DeepSeek-V4 attention blocks decode one document per row, but these rows are packed",
+                              "generate from one document per row")
+        if cache is not None and cache.length:
+            if padding is not None and not bool(padding.all()):
+                raise ConfigError("DeepSeek-V4 attention blocks read padding in the prompt only, but a decoded step "
+                                  "holds pads", "pad the prompts on the left and decode real tokens after them")
+            return torch.cat([self._step(x[:, t], cache) for t in range(x.shape[1])], dim=1)
+        right_padded = padding is None or bool((padding == padding.cummin(dim=1).values).all())
+        if cache is None and right_padded and not packed:
             return super().forward(x, torch.arange(x.shape[1], device=x.device))
-        whole = x if cache.inputs is None else torch.cat([cache.inputs, x], dim=1)
-        cache.inputs = whole
-        out = super().forward(whole, torch.arange(whole.shape[1], device=x.device))
-        return out[:, -x.shape[1]:]
+        if cache is not None and (padding is None or bool(padding.all())):
+            rows, firsts = torch.arange(x.shape[0], device=x.device), x.new_zeros(x.shape[0], dtype=torch.long)
+            lengths = torch.full_like(firsts, x.shape[1])
+        else:
+            rows, firsts, lengths = _segments(padding, documents, x.shape[:2])
+        if cache is not None:
+            self._start(cache, x)
+        out = torch.zeros_like(x)
+        # runs of one length at once: each run's top-k then scores over its own length, as it would alone
+        for length in lengths.unique().tolist():
+            chosen = (lengths == length).nonzero()[:, 0]
+            tokens = firsts[chosen, None] + torch.arange(length, device=x.device)
+            where = (rows[chosen, None].expand_as(tokens), tokens)
+            keep: dict[str, Any] | None = {} if cache is not None else None
+            part = super().forward(x[where], torch.arange(length, device=x.device), keep)
+            out = out.index_put(where, part)
+            if cache is not None and keep is not None:
+                self._fill(cache, rows[chosen], keep)
+        if cache is not None:
+            cache.length = x.shape[1]
+        return out
+
+    def _start(self, cache: V4Cache, x: torch.Tensor) -> None:
+        batch, kept = x.shape[0], self.window - 1
+        cache.keys = x.new_zeros(batch, kept, self.head_dim)
+        cache.real = torch.zeros(batch, kept, dtype=torch.bool, device=x.device)
+        cache.positions = torch.zeros(batch, dtype=torch.long, device=x.device)
+        cache.compressor = None if self.compressor is None else self.compressor.start(batch, x)
+        cache.indexer = None if self.indexer is None else self.indexer.start(batch, x)
+
+    def _fill(self, cache: V4Cache, rows: torch.Tensor, keep: dict[str, Any]) -> None:
+        """Set `rows` of the cache from a whole-sequence pass over their equally long real tokens."""
+        assert cache.keys is not None and cache.real is not None and cache.positions is not None
+        keys = keep["keys"]
+        length = keys.shape[1]
+        kept = min(self.window - 1, length)
+        if kept:
+            cache.keys[rows, -kept:] = keys[:, length - kept:]
+            cache.real[rows, -kept:] = True
+        cache.positions[rows] = length
+        if self.compressor is not None and cache.compressor is not None:
+            self.compressor.fill(cache.compressor, rows, keep["compressor"])
+        if self.indexer is not None and cache.indexer is not None:
+            self.indexer.fill(cache.indexer, rows, keep["indexer"])
+
+    def _step(self, x: torch.Tensor, cache: V4Cache) -> torch.Tensor:
+        """One token per row (B, D) -> (B, 1, D), reading the window and the entries."""
+        assert cache.keys is not None and cache.real is not None and cache.positions is not None
+        positions = cache.positions[:, None]
+        cos, sin = rotary_tables(positions, self.rope_dim, self.theta)  # (B, 1, rope / 2)
+        latent, q, kv = self._project(x[:, None], cos, sin)
+        keys = torch.cat([cache.keys, kv], dim=1)
+        visible = torch.cat([cache.real, torch.ones_like(cache.real[:, :1])], dim=1)
+        cache.keys, cache.real = keys[:, 1:], visible[:, 1:]
+        if self.compressor is not None and cache.compressor is not None:
+            state = cache.compressor
+            self.compressor.step(state, x)
+            seen = torch.arange(state.entries.shape[1], device=x.device) < state.count[:, None]
+            if self.indexer is not None and cache.indexer is not None:
+                self.indexer.step(cache.indexer, x)
+                seen = self.indexer.pick(x[:, None], latent, positions, cache.indexer)[:, 0]
+            keys, visible = torch.cat([keys, state.entries], dim=1), torch.cat([visible, seen], dim=1)
+        cache.positions = cache.positions + 1
+        cache.length += 1
+        return self._attend(q, keys, visible[:, None], cos, sin)
 
 
 def sqrt_softplus(x: torch.Tensor) -> torch.Tensor:
@@ -246,5 +448,5 @@ class HashRouter(nn.Module):
         return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scale, indices
 
 
-__all__ = ["CompressedAttention", "Compressor", "GroupedOutputProjection", "HashRouter", "Indexer", "InputsCache",
-           "V4Attention", "rotary_tables", "rotate_tail"]
+__all__ = ["CompressedAttention", "Compressor", "GroupedOutputProjection", "HashRouter", "Indexer", "V4Attention",
+           "V4Cache", "WindowState", "rotary_tables", "rotate_tail"]

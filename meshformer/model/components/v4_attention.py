@@ -4,9 +4,10 @@
 indexer's top `index_topk` entries of overlapping `csa_rate` windows). One key/value head shared by every head,
 a learned sink logit per head, a grouped output projection.
 
-The blocks rotate their own queries and keys (model.position = "none") from each row's positions 0, 1, ...: right
-padding only; no packing, context or tensor parallel. The generation cache keeps the block's inputs and recomputes
-over them.
+The blocks rotate their own queries and keys (model.position = "none") from each row's positions 0, 1, ..., counted
+from its first real token and from each packed document's start; no context or tensor parallel. The generation cache
+keeps the last window - 1 keys and each compressor's unfinished window and finished entries (CSA: the indexer's
+too), so a step reads the window and the entries, not the prefix.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class V4AttentionKind(TokenMixer):
         "index_heads", "index_dim", "index_topk"))
     blockwise_kernel = False
     qk_clip = False
-    reads_padding_and_documents: ClassVar[bool] = True  # to refuse left-padded or packed rows
+    reads_padding_and_documents: ClassVar[bool] = True  # left-padded and packed rows restart their positions
 
     def _rate(self, cfg: ModelConfig) -> int | None:
         return None
@@ -89,12 +90,31 @@ class V4AttentionKind(TokenMixer):
         return None
 
     def new_cache(self) -> GenerationCache | None:
-        from meshformer.model.compressed_attention import InputsCache
+        from meshformer.model.compressed_attention import V4Cache
 
-        return InputsCache()
+        return V4Cache()
 
     def cache_per_token(self, cfg: ModelConfig) -> int:
-        return cfg.d_model  # the block's normalised input
+        """Elements per token of context, rounded up: a compressed entry (head_dim; CSA: and an index_dim indexer
+        key) per `rate` tokens. Whatever the length it also holds, per sequence, the last window - 1 keys
+        (head_dim each) and each compressor's unfinished window (`cache_fixed`)."""
+        c, rate = cfg.compressed_attention, self._rate(cfg)
+        if rate is None:
+            return 0
+        width = cfg.attention_head_dim + (c.index_dim if self._indexed() else 0)
+        return -(-width // rate)
+
+    def cache_fixed(self, cfg: ModelConfig) -> int:
+        """Elements per sequence that do not grow with it: the last window - 1 keys, and each compressor's `rate`
+        slots of projections and gates (CSA: both halves, and the last finished window's first halves with their
+        gates; the indexer's alike at index_dim)."""
+        c, hd, rate = cfg.compressed_attention, cfg.attention_head_dim, self._rate(cfg)
+        total = (c.window - 1) * hd
+        if rate is not None:
+            widths = (hd, c.index_dim) if self._indexed() else (hd,)
+            total += sum(2 * rate * (2 * w if self._indexed() else w) + (2 * rate * w if self._indexed() else 0)
+                         for w in widths)
+        return total
 
     def _widths(self, cfg: ModelConfig) -> tuple[int, int, int]:
         return cfg.attention.n_heads, cfg.attention_head_dim, cfg.d_model

@@ -14,7 +14,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Atten
 
 from meshformer.config.migrate import model_from_flat
 from meshformer.errors import ConfigError
-from meshformer.model.compressed_attention import InputsCache, V4Attention
+from meshformer.model.compressed_attention import V4Attention, V4Cache
 from meshformer.model.config import CompressedAttentionConfig, ModelConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -102,7 +102,7 @@ def test_decoding_through_the_cache_equals_the_whole_sequence() -> None:
         p.add_(torch.randn_like(p) * 0.1)
     mixer = model.decoder_layers["2"].attn
     x = torch.randn(2, 15, D)
-    cache = InputsCache()
+    cache = V4Cache()
     steps = [mixer(x[:, :5], None, cache=cache)] + [mixer(x[:, t:t + 1], None, cache=cache) for t in range(5, 15)]
     assert cache.length == 15
     torch.testing.assert_close(torch.cat(steps, 1), mixer(x, None), rtol=0, atol=1e-6)
