@@ -154,3 +154,69 @@ def test_mtp_is_refused_beside_mhc_and_plain_residuals_do_not_export():
         config_from_dict({"model": {"residual": {"kind": "mhc"}, "mtp": {"depth": 1}}})
     plain = dataclasses.replace(cfg, residual=dataclasses.replace(cfg.residual, kind="plain"))
     assert "residual='plain' (needs 'mhc')" in incompatibilities(plain, "deepseek_v4")
+
+
+@torch.no_grad()
+def test_cached_steps_equal_the_whole_sequence_and_transformers_cached_generate():
+    """Two 9-token prompts and 12 new tokens (6 csa and 3 hca windows finish while decoding): each cached step's
+    logits within 1e-5 of our whole-sequence forward's last position and within 1e-4 of transformers' cached
+    generate's; the greedy tokens equal. 8 index heads: with 2, entries the indexer scores exactly 0 tie, and the
+    top-k's pick among them depends on the length it scores over, which differs between the prompt's pass and the
+    whole sequence's (see the test above)."""
+    hf = tiny_hf(seed=1, index_n_heads=8)
+    ours = from_hf_model(hf).eval()
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    expected = hf.generate(input_ids=ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+                           use_cache=True, output_logits=True, return_dict_in_generate=True)
+    cache, tokens, step = ours.new_cache(), ids, ids
+    for theirs in expected.logits:
+        logits = ours.head(ours.decode(step, cache=cache)[:, -1])
+        whole = ours.head(ours.decode(tokens)[:, -1])
+        torch.testing.assert_close(logits, whole, rtol=0, atol=1e-5)
+        torch.testing.assert_close(logits, theirs, rtol=0, atol=1e-4)
+        step = logits.argmax(-1, keepdim=True)
+        tokens = torch.cat([tokens, step], 1)
+    assert tokens.tolist() == expected.sequences.tolist()
+
+
+@torch.no_grad()
+def test_left_padded_rows_equal_each_row_alone():
+    """Rows of 14, 9 and 5 tokens padded on the left: each real token's logits within 1e-5 of its row's alone, the
+    unpadded row's within 1e-4 of transformers'; cached greedy decoding (10 new tokens) equals transformers' cached
+    generate of each row alone. transformers' own padded rows differ from their unpadded runs: its compressors pool
+    windows over the pads."""
+    from meshformer.model.generate import greedy_decode, pad_rows
+
+    hf = tiny_hf(seed=1)
+    ours = from_hf_model(hf).eval()
+    gen = torch.Generator().manual_seed(3)
+    rows = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (14, 9, 5)]
+    ids, padding = pad_rows(rows, 0)
+    logits = ours.head(ours.decode(ids, padding))
+    positions = (padding.long().cumsum(1) - 1).clamp(min=0)
+    theirs = hf(input_ids=ids, attention_mask=padding.long(), position_ids=positions).logits
+    decoded = greedy_decode(ours, ids, 10, prompt_padding=padding)
+    for i, row in enumerate(rows):
+        alone = ours.head(ours.decode(torch.tensor([row])))[0]
+        torch.testing.assert_close(logits[i, -len(row):], alone, rtol=0, atol=1e-5)
+        hf_alone = hf(input_ids=torch.tensor([row])).logits[0]
+        torch.testing.assert_close(alone, hf_alone, rtol=0, atol=1e-4)
+        if len(row) < ids.shape[1]:
+            assert (theirs[i, -len(row):] - hf_alone).abs().max() > 1e-2
+        generated = hf.generate(input_ids=torch.tensor([row]), max_new_tokens=10, min_new_tokens=10,
+                                do_sample=False, pad_token_id=0, use_cache=True)
+        assert decoded[i, -10:].tolist() == generated[0, -10:].tolist(), i
+
+
+@torch.no_grad()
+def test_a_packed_row_equals_each_document_alone():
+    """A row packing documents of 6, 11 and 9 tokens beside an unpacked one: each document's logits within 1e-5 of
+    its own run."""
+    hf = tiny_hf(seed=1)
+    ours = from_hf_model(hf).eval()
+    ids = torch.randint(3, VOCAB, (2, 26), generator=torch.Generator().manual_seed(5))
+    documents = torch.tensor([[0] * 6 + [1] * 11 + [2] * 9, [0] * 26])
+    logits = ours.head(ours.decode(ids, documents=documents))
+    for row, start, n in ((0, 0, 6), (0, 6, 11), (0, 17, 9), (1, 0, 26)):
+        alone = ours.head(ours.decode(ids[row:row + 1, start:start + n]))[0]
+        torch.testing.assert_close(logits[row, start:start + n], alone, rtol=0, atol=1e-5)
