@@ -133,8 +133,8 @@ class Compressor(nn.Module):
         rows = torch.zeros(batch, dtype=torch.long, device=like.device)
         return WindowState(kv=like.new_zeros(batch, self.rate, width), gate=like.new_zeros(batch, self.rate, width),
                            filled=rows, entries=like.new_zeros(batch, 0, d), count=rows.clone(),
-                           prior_kv=like.new_zeros(batch, self.rate, d),
-                           prior_gate=like.new_full((batch, self.rate, d), float("-inf")))
+                           prior_kv=like.new_zeros(batch, self.rate, d) if self.overlap else None,
+                           prior_gate=like.new_full((batch, self.rate, d), float("-inf")) if self.overlap else None)
 
     def fill(self, state: WindowState, rows: torch.Tensor, keep: dict[str, torch.Tensor]) -> None:
         """Set `rows` of `state` from a whole-sequence pass over their (equally long) tokens (`keep`)."""
@@ -148,7 +148,7 @@ class Compressor(nn.Module):
         state.kv[rows, :length - whole] = keep["kv"][:, whole:]
         state.gate[rows, :length - whole] = keep["gate"][:, whole:]
         state.filled[rows] = length - whole
-        if self.overlap and whole:
+        if state.prior_kv is not None and state.prior_gate is not None and whole:
             last = slice(whole - self.rate, whole)
             state.prior_kv[rows] = keep["kv"][:, last, :self.head_dim]
             state.prior_gate[rows] = keep["gate"][:, last, :self.head_dim]
@@ -163,15 +163,15 @@ class Compressor(nn.Module):
         done = state.filled == self.rate
         if not bool(done.any()):
             return
-        prior = (state.prior_kv, state.prior_gate) if self.overlap else None
+        prior = None if state.prior_kv is None or state.prior_gate is None else (state.prior_kv, state.prior_gate)
         entry = self.rotate(self.pool(state.kv[:, None], state.gate[:, None], prior)[:, 0], state.count * self.rate)
         if int(state.count.max()) >= state.entries.shape[1]:
             state.entries = torch.cat([state.entries, state.entries.new_zeros(x.shape[0], 1, self.head_dim)], 1)
         state.entries[rows[done], state.count[done]] = entry[done]
         state.count = state.count + done.long()
-        if self.overlap:
-            state.prior_kv = torch.where(done[:, None, None], state.kv[..., :self.head_dim], state.prior_kv)
-            state.prior_gate = torch.where(done[:, None, None], state.gate[..., :self.head_dim], state.prior_gate)
+        if prior is not None:
+            state.prior_kv = torch.where(done[:, None, None], state.kv[..., :self.head_dim], prior[0])
+            state.prior_gate = torch.where(done[:, None, None], state.gate[..., :self.head_dim], prior[1])
         state.filled = state.filled.masked_fill(done, 0)
 
 
@@ -231,8 +231,8 @@ class WindowState:
     filled: torch.Tensor  # (B,): slots filled
     entries: torch.Tensor  # (B, E, head_dim): finished entries, rotated; row b's first count[b] are real
     count: torch.Tensor  # (B,)
-    prior_kv: torch.Tensor  # (B, rate, head_dim): overlap: the last finished window's first halves
-    prior_gate: torch.Tensor  # (B, rate, head_dim): their gates (-inf: no finished window yet)
+    prior_kv: torch.Tensor | None  # (B, rate, head_dim): overlap: the last finished window's first halves
+    prior_gate: torch.Tensor | None  # (B, rate, head_dim): their gates (-inf: no finished window yet)
 
 
 def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -320,11 +320,15 @@ class V4Cache:
     length: int = 0  # tokens fed, pads included
 
 
-def _segments(padding: torch.Tensor | None, documents: torch.Tensor | None, shape: torch.Size
+def _segments(padding: torch.Tensor | None, documents: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows, first tokens, lengths) of each run of a row's real tokens within one document."""
-    real = torch.ones(shape, dtype=torch.bool, device=(padding if padding is not None else documents).device) \
-        if padding is None else padding.bool()
+    if padding is not None:
+        real = padding.bool()
+    elif documents is not None:
+        real = torch.ones_like(documents, dtype=torch.bool)
+    else:
+        raise ValueError("runs are read from padding or documents")
     doc = torch.zeros_like(real, dtype=torch.long) if documents is None else documents
     after = torch.ones_like(real[:, :1])
     starts = real & torch.cat([after, ~real[:, :-1] | (doc[:, 1:] != doc[:, :-1])], 1)
@@ -362,7 +366,7 @@ class V4Attention(CompressedAttention):
             rows, firsts = torch.arange(x.shape[0], device=x.device), x.new_zeros(x.shape[0], dtype=torch.long)
             lengths = torch.full_like(firsts, x.shape[1])
         else:
-            rows, firsts, lengths = _segments(padding, documents, x.shape[:2])
+            rows, firsts, lengths = _segments(padding, documents)
         if cache is not None:
             self._start(cache, x)
         out = torch.zeros_like(x)

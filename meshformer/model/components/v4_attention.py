@@ -96,24 +96,26 @@ class V4AttentionKind(TokenMixer):
 
     def cache_per_token(self, cfg: ModelConfig) -> int:
         """Elements per token of context, rounded up: a compressed entry (head_dim; CSA: and an index_dim indexer
-        key) per `rate` tokens. Whatever the length it also holds, per sequence, the last window - 1 keys
-        (head_dim each) and each compressor's unfinished window (`cache_fixed`)."""
-        c, rate = cfg.compressed_attention, self._rate(cfg)
-        if rate is None:
-            return 0
-        width = cfg.attention_head_dim + (c.index_dim if self._indexed() else 0)
-        return -(-width // rate)
+        key) per `rate` tokens. The window's keys and the unfinished windows do not grow with the context
+        (`cache_elements` counts them)."""
+        rate = self._rate(cfg)
+        return 0 if rate is None else -(-self._entry_width(cfg) // rate)
 
-    def cache_fixed(self, cfg: ModelConfig) -> int:
-        """Elements per sequence that do not grow with it: the last window - 1 keys, and each compressor's `rate`
-        slots of projections and gates (CSA: both halves, and the last finished window's first halves with their
-        gates; the indexer's alike at index_dim)."""
+    def _entry_width(self, cfg: ModelConfig) -> int:
+        return cfg.attention_head_dim + (cfg.compressed_attention.index_dim if self._indexed() else 0)
+
+    def cache_elements(self, cfg: ModelConfig, context: int) -> int:
+        """Elements its cache (`V4Cache`) holds for one sequence after `context` tokens: the last window - 1 keys
+        (head_dim each), one entry per finished window (`cache_per_token`), and each compressor's `rate` slots of
+        projections and gates (CSA: both halves, and the last finished window's first halves with their gates; the
+        indexer's alike at index_dim)."""
         c, hd, rate = cfg.compressed_attention, cfg.attention_head_dim, self._rate(cfg)
-        total = (c.window - 1) * hd
+        total = min(c.window - 1, context) * hd
         if rate is not None:
-            widths = (hd, c.index_dim) if self._indexed() else (hd,)
-            total += sum(2 * rate * (2 * w if self._indexed() else w) + (2 * rate * w if self._indexed() else 0)
-                         for w in widths)
+            total += context // rate * self._entry_width(cfg)
+            for width in (hd, c.index_dim) if self._indexed() else (hd,):
+                slots = 2 * width if self._indexed() else width
+                total += 2 * rate * slots + (2 * rate * width if self._indexed() else 0)
         return total
 
     def _widths(self, cfg: ModelConfig) -> tuple[int, int, int]:

@@ -142,7 +142,7 @@ def _stepped_model() -> Any:
 def test_a_decode_step_feeds_one_token_and_keeps_the_window_and_the_entries() -> None:
     """After a 5-token prefill, each step projects one token per row through the attention, the compressor and the
     indexer (not the prefix); the cache holds window - 1 keys, one entry per finished window and the unfinished
-    window's slots."""
+    window's slots, the elements the kind's `cache_elements` counts."""
     mixer = _stepped_model().decoder_layers["2"].attn  # csa
     assert isinstance(mixer, V4Attention) and mixer.compressor is not None and mixer.indexer is not None
     fed: dict[str, int] = {}
@@ -166,6 +166,13 @@ def test_a_decode_step_feeds_one_token_and_keeps_the_window_and_the_entries() ->
         assert state is not None
         assert state.entries.shape[1] == 15 // RATE and state.count.tolist() == [15 // RATE] * 2
         assert state.filled.tolist() == [15 % RATE] * 2
+    held = [cache.keys] + [t for state in (cache.compressor, cache.indexer) if state is not None
+                           for t in (state.kv, state.gate, state.entries, state.prior_kv, state.prior_gate)]
+    from meshformer.model.components import TOKEN_MIXERS
+
+    kind = TOKEN_MIXERS["csa"]
+    assert sum(t.numel() for t in held if t is not None) == 2 * kind.cache_elements(ours(), 15)  # type: ignore[attr-defined]
+    assert kind.cache_per_token(ours()) == (HEAD_DIM + 8) // RATE
 
 
 def _left_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
