@@ -13,7 +13,8 @@
   a sliding window over the tokens plus, in HCA blocks, every compressed entry a query may see; a learned sink logit
   per head; the output's rotary slice turned back by its query's angle, then the grouped output projection.
   `V4Attention` is the block-facing module of the token-mixer kinds "sliding_mqa", "hca" and "csa"
-  (model/components/v4_attention.py).
+  (model/components/v4_attention.py): left-padded and packed rows read as runs of one document's real tokens, and
+  `V4Cache`, the incremental generation cache (the window's keys, each compressor's `WindowState`).
 - `HashRouter`: the first blocks' MoE routing: each token's experts are a fixed table's row for its token id; the
   learned gate only weighs them.
 """

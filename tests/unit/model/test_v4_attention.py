@@ -1,7 +1,8 @@
 """DeepSeek-V4's attention kinds "sliding_mqa", "hca" and "csa" (model/components/v4_attention.py) inside a model:
 each block's mixer against transformers 5.24's DeepseekV4Attention of its layer type with copied weights, over a
 sequence longer than the window, the compression windows and the indexer's top-k; decoding through the cache equal
-to the whole sequence; parameter counts; refusals."""
+to the whole sequence, one token's projections per step, the cache's elements; left-padded and packed rows equal to
+each run alone; parameter counts; refusals."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """DeepSeek-V4 (deepseek_v4) against transformers' random-initialised tiny model whose sequences are longer than the
 window, the compression windows and the indexer's top-k, with every attention kind, hash routing in the first blocks
-and mHC: logits on a right-padded fp32 batch, round trips both ways, export, greedy generation; the published
-configs' counts; the refusals."""
+and mHC: logits on a right-padded fp32 batch, round trips both ways, export, greedy generation, cached steps against
+the whole sequence, left-padded and packed rows against each run alone; the published configs' counts; the
+refusals."""
 
 from __future__ import annotations
 
