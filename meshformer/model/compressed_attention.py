@@ -351,6 +351,9 @@ class V4Attention(CompressedAttention):
         if chunk is not None:
             raise ConfigError("DeepSeek-V4 attention blocks do not run under context parallel",
                               "use parallel.cp=1")
+        if padding is not None and bool((padding[:, 1:] & ~padding[:, :-1]).sum(1).gt(1 - padding[:, 0].long()).any()):
+            raise ConfigError("DeepSeek-V4 attention blocks read pads at a row's start or end, but a row has pads "
+                              "between its tokens", "pad rows on the left or the right only")
         packed = documents is not None and bool((documents != documents[:, :1]).any())
         if cache is not None and packed:
             raise ConfigError("DeepSeek-V4 attention blocks decode one document per row, but these rows are packed",

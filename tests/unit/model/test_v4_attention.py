@@ -234,6 +234,8 @@ def test_what_the_kinds_refuse() -> None:
     mixer(x, None, cache=cache)
     with pytest.raises(ConfigError, match="decoded step holds pads"):
         mixer(x[:, :1], None, cache=cache, padding=torch.tensor([[False], [True]]))
+    with pytest.raises(ConfigError, match="pads between its tokens"):
+        mixer(x, None, padding=torch.tensor([[True, True, False, True, True, True], [True] * 6]))
     with pytest.raises(ConfigError, match="context parallel"):
         mixer(x, None, chunk=object())
 
