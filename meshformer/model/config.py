@@ -115,6 +115,12 @@ class CompressedAttentionConfig:
     index_heads: int = 4  # csa indexer query heads (64)
     index_dim: int = 32  # width of each indexer head and key (128)
     index_topk: int = 64  # compressed entries each csa query keeps (512)
+    # YaRN of the compressed (hca, csa) blocks' rotary, their compressors' and indexers' too; the sliding-only blocks
+    # rotate unscaled. yarn_factor 1: unscaled (DeepSeek-V4: 16 from 65,536 positions; cos/sin stay unmultiplied)
+    yarn_factor: float = 1.0
+    yarn_original_max_seq_len: int = 0  # the pretraining context the factor stretches (65536)
+    yarn_beta_fast: float = 32.0  # rotations in that context above which a frequency is kept
+    yarn_beta_slow: float = 1.0  # rotations below which it is divided by the factor
 
 
 @dataclass

@@ -53,10 +53,12 @@ def config_from_hf(c: Any) -> ModelConfig:
     if c.scoring_func != "sqrtsoftplus" or not c.norm_topk_prob:
         raise refuse(ARCH, f"scoring_func={c.scoring_func!r}, norm_topk_prob={c.norm_topk_prob}",
                      "is not V4's routing (sqrt-softplus scores, top-k weights normalised)")
-    for label, rope in (c.rope_parameters or {}).items():
-        if rope.get("rope_type", "default") != "default":
-            raise refuse(ARCH, f"rope_parameters[{label!r}].rope_type={rope['rope_type']!r}",
-                         "scales the rotary frequencies of those blocks")
+    ropes = c.rope_parameters or {}
+    main, compress = ropes.get("main", {}), ropes.get("compress", {})
+    if main.get("rope_type", "default") != "default":
+        raise refuse(ARCH, f"rope_parameters['main'].rope_type={main['rope_type']!r}",
+                     "scales the sliding-only blocks' rotary (V4 scales only the compressed blocks')")
+    yarn = _compress_yarn(c, compress)
     rates = c.compress_rates
     cfg = model_from_flat(
         family="decoder", vocab_size=c.vocab_size, d_model=c.hidden_size, n_layers=c.num_hidden_layers,
@@ -70,19 +72,43 @@ def config_from_hf(c: Any) -> ModelConfig:
         router_scale=float(c.routed_scaling_factor), moe_aux_loss=c.router_aux_loss_coef)
     attention = CompressedAttentionConfig(
         q_rank=c.q_lora_rank, rope_dim=c.qk_rope_head_dim, window=c.sliding_window, o_groups=c.o_groups,
-        o_rank=c.o_lora_rank, rope_theta=float(c.rope_theta), compress_theta=float(c.compress_rope_theta),
+        o_rank=c.o_lora_rank, rope_theta=float(main.get("rope_theta", c.rope_theta)),
+        compress_theta=float(compress.get("rope_theta", c.compress_rope_theta)),
         hca_rate=rates["heavily_compressed_attention"], csa_rate=rates["compressed_sparse_attention"],
-        index_heads=c.index_n_heads, index_dim=c.index_head_dim, index_topk=c.index_topk)
+        index_heads=c.index_n_heads, index_dim=c.index_head_dim, index_topk=c.index_topk, **yarn)
     return replace(cfg, ffn=replace(cfg.ffn, swiglu_limit=float(c.swiglu_limit)), compressed_attention=attention,
                    residual=ResidualConfig(kind="mhc", streams=c.hc_mult, sinkhorn_iters=c.hc_sinkhorn_iters,
                                            eps=c.hc_eps))
+
+
+def _compress_yarn(c: Any, rope: dict[str, Any]) -> dict[str, Any]:
+    """Our yarn_* keys of the compressed blocks' rope parameters (none where they rotate unscaled); transformers'
+    V4 sets their attention factor to 1 (cos/sin unmultiplied) unless the config names another."""
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return {}
+    if kind != "yarn":
+        raise refuse(ARCH, f"rope_parameters['compress'].rope_type={kind!r}",
+                     "scales the compressed blocks' rotary other than by YaRN")
+    if rope.get("attention_factor", 1.0) != 1.0:
+        raise refuse(ARCH, f"rope_parameters['compress'].attention_factor={rope['attention_factor']}",
+                     "multiplies the compressed blocks' cos/sin (V4 leaves them at 1)")
+    if rope.get("truncate", True) is not True:
+        raise refuse(ARCH, "rope_parameters['compress'].truncate=False", "leaves YaRN's ramp ends unrounded")
+    original = int(rope["original_max_position_embeddings"])
+    factor = rope.get("factor") or c.max_position_embeddings / original
+    return {"yarn_factor": float(factor), "yarn_original_max_seq_len": original,
+            "yarn_beta_fast": float(rope.get("beta_fast") or 32.0), "yarn_beta_slow": float(rope.get("beta_slow") or 1.0)}
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:
     import transformers
 
     a, m, r = cfg.compressed_attention, cfg.moe, cfg.residual
-    return transformers.DeepseekV4Config(
+    yarn = ({} if a.yarn_factor == 1 else {"rope_parameters": {
+        "rope_type": "yarn", "factor": a.yarn_factor, "original_max_position_embeddings": a.yarn_original_max_seq_len,
+        "beta_fast": a.yarn_beta_fast, "beta_slow": a.yarn_beta_slow}})
+    return transformers.DeepseekV4Config(**yarn,
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.attention.n_heads, num_key_value_heads=1, head_dim=cfg.attention_head_dim,
         partial_rotary_factor=a.rope_dim / cfg.attention_head_dim, q_lora_rank=a.q_rank, o_groups=a.o_groups,

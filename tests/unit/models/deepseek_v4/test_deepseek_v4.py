@@ -105,13 +105,15 @@ def test_greedy_generation_equals_transformers_generate():
         assert len({tuple(row) for row in expected[:, 9:].tolist()}) == 2
 
 
-# deepseek-ai/DeepSeek-V4-Flash and -Pro config.json values (transformers' defaults but these); the compressed
-# blocks' YaRN (factor 16) is left out: it scales frequencies, not sizes
-FLASH = dict(num_hidden_layers=43, hidden_size=4096, num_attention_heads=64, n_routed_experts=256,
+# deepseek-ai/DeepSeek-V4-Flash and -Pro config.json values (transformers' defaults but these), the compressed
+# blocks' YaRN included
+PUBLISHED_YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32.0,
+                  "beta_slow": 1.0}
+FLASH = dict(rope_parameters=PUBLISHED_YARN, num_hidden_layers=43, hidden_size=4096, num_attention_heads=64, n_routed_experts=256,
              num_experts_per_tok=6, moe_intermediate_size=2048, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
              index_topk=512, layer_types=["sliding_attention"] * 2 + [
                  "compressed_sparse_attention" if i % 2 == 0 else "heavily_compressed_attention" for i in range(2, 43)])
-PRO = dict(num_hidden_layers=61, hidden_size=7168, num_attention_heads=128, n_routed_experts=384,
+PRO = dict(rope_parameters=PUBLISHED_YARN, num_hidden_layers=61, hidden_size=7168, num_attention_heads=128, n_routed_experts=384,
            num_experts_per_tok=6, moe_intermediate_size=3072, q_lora_rank=1536, o_groups=16, o_lora_rank=1024,
            index_topk=1024)
 
@@ -121,7 +123,7 @@ PRO = dict(num_hidden_layers=61, hidden_size=7168, num_attention_heads=128, n_ro
 def test_bundled_config_counts_what_transformers_builds(name, published, total):
     """The bundled config is the published one imported; its count equals transformers' meta-device model's and
     the published totals within 3% (the published ones include the MTP module, which neither side builds)."""
-    hf_config = transformers.DeepseekV4Config(**published)
+    hf_config = transformers.DeepseekV4Config(**{**published, "rope_parameters": dict(PUBLISHED_YARN)})
     bundled = load_config(name).model
     imported = config_from_hf(hf_config)
     training_only = ("aux_loss", "aux_per_sequence", "router_bias_update_rate")
@@ -134,12 +136,42 @@ def test_bundled_config_counts_what_transformers_builds(name, published, total):
     assert abs(counts["total"] / total - 1) < 0.03, counts["total"]
 
 
+# the compressed blocks' YaRN stretching 4 pretraining positions 16 times: of the two rotated pairs the faster keeps
+# its frequency, the slower is divided by 16
+YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4, "beta_fast": 4.0,
+        "beta_slow": 1.0}
+
+
+def test_compressed_blocks_yarn_equals_transformers():
+    """YaRN on the compressed blocks (their queries, keys, compressed entries and indexer): logits within 1e-4 on a
+    right-padded batch, greedy generation equal, the export carries it and writes it back; without it the logits
+    move (it is exercised)."""
+    from meshformer.model.generate import greedy_decode
+
+    hf = tiny_hf(seed=3, rope_parameters=dict(YARN))
+    assert hf.config.rope_parameters["compress"]["rope_type"] == "yarn"
+    ours = from_hf_model(hf).eval()
+    a = ours.cfg.compressed_attention
+    assert (a.yarn_factor, a.yarn_original_max_seq_len, a.yarn_beta_fast) == (16.0, 4, 4.0)
+    ids, mask = padded_batch(VOCAB, T, left=False)
+    real = mask.bool()
+    got = assert_import_exact(hf, ours, ids, mask)
+    unscaled = Transformer(dataclasses.replace(ours.cfg, compressed_attention=dataclasses.replace(a, yarn_factor=1.0)))
+    unscaled.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        assert (unscaled.eval()(ids, real)[real] - got[real]).abs().max() > 1e-3
+    assert_export_exact(ours, ids, mask)
+    prompt = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    expected = hf.generate(input_ids=prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert greedy_decode(ours, prompt, 6).tolist() == expected.tolist()
+
+
 @pytest.mark.parametrize(("extra", "named"), [
     ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
     ({"scoring_func": "sigmoid"}, "scoring_func='sigmoid'"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64,
-                          "beta_fast": 32.0, "beta_slow": 1.0}}, "rope_type='yarn'"),
-], ids=["kv-heads", "router", "yarn"])
+    ({"rope_parameters": {**YARN, "attention_factor": 1.2}}, "attention_factor=1.2"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_type='linear'"),
+], ids=["kv-heads", "router", "yarn-attention-factor", "linear"])
 def test_import_refuses_what_it_cannot_express(extra, named):
     with pytest.raises(ValueError, match=named):
         config_from_hf(transformers.DeepseekV4Config(**{**TINY, **extra}))
