@@ -266,11 +266,15 @@ class MambaConfig:
 @dataclass
 class MtpConfig:
     """The `[model.mtp]` table: multi-token prediction (DeepSeek-V3's, model/mtp.py): `depth` sequential modules,
-    module k predicting the token k + 1 ahead from the previous module's hidden states and the embedding of the token
-    k ahead, through one block of the model's own kinds and the shared output head."""
+    module k predicting the token k + 1 ahead from the previous module's hidden states (under mHC its streams) and
+    the embedding of the token k ahead, through one block of the model's own kinds and the shared output head."""
 
     depth: int = 0  # MTP modules (DeepSeek-V3: 1); 0: off
     loss_weight: float = 0.3  # lambda: the mean MTP loss over the modules joins the main loss times this
+    # the module's block kinds (a model.layer_types / mlp_types entry); "": the last block's (DeepSeek-V3). DeepSeek-V4:
+    # "sliding_mqa" and "moe" (its published MTP block has no compressor and a learned router)
+    layer_type: str = ""
+    mlp_type: str = ""
 
 
 @dataclass
