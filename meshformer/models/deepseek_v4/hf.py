@@ -27,7 +27,9 @@ from meshformer.checkpointing.hf_adapter import ANY, COMMON, PLAIN_KINDS, HFAdap
 from meshformer.config import ModelConfig
 from meshformer.config.migrate import model_from_flat
 from meshformer.model.config import CompressedAttentionConfig, ResidualConfig
+from meshformer.model.config import MtpConfig
 from meshformer.model.families.naming import Rule, expert_params
+from meshformer.model.mtp import block_kinds
 
 ARCH = "deepseek_v4"
 HF_TYPES = {"sliding_attention": "sliding_mqa", "compressed_sparse_attention": "csa",
@@ -40,6 +42,11 @@ _COMPRESSOR = {"kv_proj.weight": "wkv.weight", "gate_proj.weight": "wgate.weight
                "position_bias": "ape"}
 _INDEXER = {"q_b_proj.weight": "wq_b.weight", "weights_proj.weight": "weights_proj.weight"}
 _HYPER = {"weight": "fn", "bias": "base", "gain": "scale"}
+# the MTP block's attention as the published checkpoint names it (mtp.0.attn.kv_norm; the main blocks' kv norm takes
+# the name transformers' save writes, attn.norm, which transformers reads back as either)
+_MTP_ATTENTION = {**_ATTENTION, "kv_norm.weight": "kv_norm.weight"}
+# the published MTP block: a sliding-window block (no compressor) with a learned router
+MTP_KINDS = ("sliding_mqa", "moe")
 
 
 def config_from_hf(c: Any) -> ModelConfig:
@@ -77,6 +84,7 @@ def config_from_hf(c: Any) -> ModelConfig:
         hca_rate=rates["heavily_compressed_attention"], csa_rate=rates["compressed_sparse_attention"],
         index_heads=c.index_n_heads, index_dim=c.index_head_dim, index_topk=c.index_topk, **yarn)
     return replace(cfg, ffn=replace(cfg.ffn, swiglu_limit=float(c.swiglu_limit)), compressed_attention=attention,
+                   mtp=MtpConfig(layer_type=MTP_KINDS[0], mlp_type=MTP_KINDS[1]),
                    residual=ResidualConfig(kind="mhc", streams=c.hc_mult, sinkhorn_iters=c.hc_sinkhorn_iters,
                                            eps=c.hc_eps))
 
@@ -122,7 +130,8 @@ def config_to_hf(cfg: ModelConfig) -> Any:
         router_aux_loss_coef=m.aux_loss,
         hc_mult=r.streams, hc_sinkhorn_iters=r.sinkhorn_iters, hc_eps=r.eps, rms_norm_eps=cfg.norm.eps,
         max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings,
-        attention_dropout=cfg.attention.dropout, initializer_range=cfg.init.std, num_nextn_predict_layers=0,
+        attention_dropout=cfg.attention.dropout, initializer_range=cfg.init.std,
+        num_nextn_predict_layers=cfg.mtp.depth,
         bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
@@ -133,36 +142,51 @@ def rules(cfg: ModelConfig) -> list[Rule]:
            Rule(("output.weight",), "head.weight", alias=cfg.tie_embeddings)]
     out += [Rule((f"decoder_merge.{ours}",), f"model.hc_head.hc_{theirs}") for ours, theirs in _HYPER.items()]
     for i in range(cfg.n_layers):
-        o, t = f"decoder_layers.{i}", f"model.layers.{i}"
-        out += [Rule((f"{o}.attn_norm.weight",), f"{t}.attn_norm.weight"),
-                Rule((f"{o}.ffn_norm.weight",), f"{t}.ffn_norm.weight")]
-        for branch in ("attn", "ffn"):
-            out += [Rule((f"{o}.{branch}_residual.{ours}",), f"{t}.hc_{branch}_{theirs}")
-                    for ours, theirs in _HYPER.items()]
-        out += [Rule((f"{o}.attn.{ours}",), f"{t}.attn.{theirs}") for ours, theirs in _ATTENTION.items()]
-        kind = cfg.layer_type(i)
-        if kind in ("hca", "csa"):
-            out += [Rule((f"{o}.attn.compressor.{ours}",), f"{t}.attn.compressor.{theirs}")
-                    for ours, theirs in _COMPRESSOR.items()]
-        if kind == "csa":
-            out += [Rule((f"{o}.attn.indexer.{ours}",), f"{t}.attn.indexer.compressor.{theirs}")
-                    for ours, theirs in _COMPRESSOR.items()]
-            out += [Rule((f"{o}.attn.indexer.{ours}",), f"{t}.attn.indexer.{theirs}")
-                    for ours, theirs in _INDEXER.items()]
-        f, g = f"{o}.ffn", f"{t}.ffn"
-        out += [Rule((f"{f}.router.weight",), f"{g}.gate.weight")]
-        if cfg.mlp_type(i) == "hash_moe":
-            out += [Rule((f"{f}.experts_of_token",), f"{g}.gate.tid2eid")]
-        else:
-            out += [Rule((f"{f}.router.expert_bias",), f"{g}.gate.bias")]
-        for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
-            out += expert_params(f"{f}.experts.{ours}", f"{g}.experts.{{j}}.{theirs}.weight", cfg.moe.n_experts)
-            out += [Rule((f"{f}.shared_experts.{ours}.weight",), f"{g}.shared_experts.{theirs}.weight")]
+        out += _block(cfg, i, f"decoder_layers.{i}", f"model.layers.{i}", _ATTENTION)
+    kinds, index = block_kinds(cfg)
+    for k in range(cfg.mtp.depth):
+        o, t = f"mtp_layers.{k}", f"mtp.{k}"
+        out += [Rule((f"{o}.{ours}.weight",), f"{t}.{theirs}.weight")
+                for ours, theirs in (("enorm", "enorm"), ("hnorm", "hnorm"), ("e_proj", "e_proj"),
+                                     ("h_proj", "h_proj"), ("final_norm", "norm"))]
+        out += [Rule((f"{o}.merge.{ours}",), f"{t}.hc_head_{theirs}") for ours, theirs in _HYPER.items()]
+        out += _block(kinds, index, f"{o}.block", t, _MTP_ATTENTION)
+    return out
+
+
+def _block(cfg: ModelConfig, i: int, o: str, t: str, attention: dict[str, str]) -> list[Rule]:
+    """Block `i`'s tensors (its kinds), ours under `o`, theirs under `t`."""
+    out = [Rule((f"{o}.attn_norm.weight",), f"{t}.attn_norm.weight"),
+           Rule((f"{o}.ffn_norm.weight",), f"{t}.ffn_norm.weight")]
+    for branch in ("attn", "ffn"):
+        out += [Rule((f"{o}.{branch}_residual.{ours}",), f"{t}.hc_{branch}_{theirs}")
+                for ours, theirs in _HYPER.items()]
+    out += [Rule((f"{o}.attn.{ours}",), f"{t}.attn.{theirs}") for ours, theirs in attention.items()]
+    kind = cfg.layer_type(i)
+    if kind in ("hca", "csa"):
+        out += [Rule((f"{o}.attn.compressor.{ours}",), f"{t}.attn.compressor.{theirs}")
+                for ours, theirs in _COMPRESSOR.items()]
+    if kind == "csa":
+        out += [Rule((f"{o}.attn.indexer.{ours}",), f"{t}.attn.indexer.compressor.{theirs}")
+                for ours, theirs in _COMPRESSOR.items()]
+        out += [Rule((f"{o}.attn.indexer.{ours}",), f"{t}.attn.indexer.{theirs}")
+                for ours, theirs in _INDEXER.items()]
+    f, g = f"{o}.ffn", f"{t}.ffn"
+    out += [Rule((f"{f}.router.weight",), f"{g}.gate.weight")]
+    if cfg.mlp_type(i) == "hash_moe":
+        out += [Rule((f"{f}.experts_of_token",), f"{g}.gate.tid2eid")]
+    else:
+        out += [Rule((f"{f}.router.expert_bias",), f"{g}.gate.bias")]
+    for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+        out += expert_params(f"{f}.experts.{ours}", f"{g}.experts.{{j}}.{theirs}.weight", cfg.moe.n_experts)
+        out += [Rule((f"{f}.shared_experts.{ours}.weight",), f"{g}.shared_experts.{theirs}.weight")]
     return out
 
 
 def _features(cfg: ModelConfig) -> dict[str, Any]:
+    kinds, index = block_kinds(cfg)
     return {"residual": cfg.residual.kind, "mtp_depth": cfg.mtp.depth,
+            "mtp_block": (kinds.layer_type(index), kinds.mlp_type(index)) if cfg.mtp.depth else MTP_KINDS,
             "every_block_v4": all(cfg.layer_type(i) in OURS_TYPES for i in range(cfg.n_layers)),
             "every_block_moe": all(cfg.mlp_type(i) in ("hash_moe", "moe") for i in range(cfg.n_layers))}
 
@@ -170,12 +194,14 @@ def _features(cfg: ModelConfig) -> dict[str, Any]:
 ADAPTER = HFAdapter(
     model_type=ARCH, model_class="DeepseekV4ForCausalLM", config_from_hf=config_from_hf, config_to_hf=config_to_hf,
     kinds=(*PLAIN_KINDS, "sliding_mqa", "hca", "csa", "hash_moe"),
-    expresses=("residual.kind", "residual.streams", "residual.sinkhorn_iters", "residual.eps", "ffn.swiglu_limit"),
+    expresses=("residual.kind", "residual.streams", "residual.sinkhorn_iters", "residual.eps", "ffn.swiglu_limit",
+               "mtp.layer_type", "mtp.mlp_type"),
     requirements={**COMMON, "family": "decoder", "position": "none", "norm": "rmsnorm",
                   "activation": "swiglu_limited",
                   "bias": False, "moe": True, "n_shared_experts": 1, "router_score": "sqrt_softplus",
                   "router_scale": ANY, "hash_routing": {True, False}, "compressed_attention": True, "head_dim": ANY,
-                  "tie_embeddings": {True, False}, "residual": "mhc", "mtp_depth": 0,
+                  "tie_embeddings": {True, False}, "residual": "mhc", "mtp_depth": ANY,
+                  "mtp_block": MTP_KINDS,
                   "every_block_v4": True, "every_block_moe": True},
     rules=rules, base_prefix="model.", keep_prefix=("head.",),
     size_keys=("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
