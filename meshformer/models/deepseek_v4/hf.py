@@ -10,12 +10,16 @@ hc_sinkhorn_iters, hc_eps; hc_attn_* / hc_ffn_* = our attn_residual / ffn_residu
 
 Names are the published checkpoint's (layers.{i}.attn.wq_a, .ffn.experts.{j}.w1, ...), which transformers renames on
 load. Refused: a key/value head count other than 1, attention or MLP biases, another router score or unnormalised
-top-k weights, a rope_type other than default (the published compressed blocks' YaRN is not built).
-The feed-forwards' swiglu_limit (the clamp of gate and up pre-activations, 10 as published) is our activation
-"swiglu_limited" with model.ffn.swiglu_limit.
+top-k weights, rope scaling of the sliding-only blocks, and of the compressed blocks any but YaRN with cos/sin unscaled.
+The compressed blocks' YaRN (rope_parameters["compress"], as transformers nests a flat yarn rope_parameters) = our
+compressed_attention.yarn_*. The feed-forwards' swiglu_limit (the clamp of gate and up pre-activations, 10 as
+published) is our activation "swiglu_limited" with model.ffn.swiglu_limit.
 
-Multi-token prediction: the published mtp.* tensors are left unread, as transformers leaves them; our MTP modules
-do not run beside mHC's streams (model.mtp.depth is refused with model.residual.kind "mhc").
+Multi-token prediction: with model.mtp.depth > 0 our module k (model/mtp.py HyperMtpModule) is the published
+mtp.{k}.* (e_proj, h_proj, enorm, hnorm, norm, hc_head_* = our merge, and a sliding_mqa / moe block named as the
+main blocks but for attn.kv_norm), read on import and written on export (num_nextn_predict_layers = depth). An
+import builds depth 0 unless model.mtp.depth is set (transformers' configs name num_nextn_predict_layers = 1 by
+default); at depth 0 the mtp.* tensors are left unread, as transformers leaves them.
 """
 
 from __future__ import annotations
@@ -26,8 +30,7 @@ from typing import Any
 from meshformer.checkpointing.hf_adapter import ANY, COMMON, PLAIN_KINDS, HFAdapter, refuse
 from meshformer.config import ModelConfig
 from meshformer.config.migrate import model_from_flat
-from meshformer.model.config import CompressedAttentionConfig, ResidualConfig
-from meshformer.model.config import MtpConfig
+from meshformer.model.config import CompressedAttentionConfig, MtpConfig, ResidualConfig
 from meshformer.model.families.naming import Rule, expert_params
 from meshformer.model.mtp import block_kinds
 
@@ -106,17 +109,20 @@ def _compress_yarn(c: Any, rope: dict[str, Any]) -> dict[str, Any]:
     original = int(rope["original_max_position_embeddings"])
     factor = rope.get("factor") or c.max_position_embeddings / original
     return {"yarn_factor": float(factor), "yarn_original_max_seq_len": original,
-            "yarn_beta_fast": float(rope.get("beta_fast") or 32.0), "yarn_beta_slow": float(rope.get("beta_slow") or 1.0)}
+            "yarn_beta_fast": float(rope.get("beta_fast") or 32.0),
+            "yarn_beta_slow": float(rope.get("beta_slow") or 1.0)}
 
 
 def config_to_hf(cfg: ModelConfig) -> Any:
     import transformers
 
     a, m, r = cfg.compressed_attention, cfg.moe, cfg.residual
-    yarn = ({} if a.yarn_factor == 1 else {"rope_parameters": {
+    # a flat yarn rope_parameters: transformers nests it as the compressed blocks' ("compress")
+    yarn: dict[str, Any] | None = None if a.yarn_factor == 1 else {
         "rope_type": "yarn", "factor": a.yarn_factor, "original_max_position_embeddings": a.yarn_original_max_seq_len,
-        "beta_fast": a.yarn_beta_fast, "beta_slow": a.yarn_beta_slow}})
-    return transformers.DeepseekV4Config(**yarn,
+        "beta_fast": a.yarn_beta_fast, "beta_slow": a.yarn_beta_slow}
+    return transformers.DeepseekV4Config(
+        rope_parameters=yarn,
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.attention.n_heads, num_key_value_heads=1, head_dim=cfg.attention_head_dim,
         partial_rotary_factor=a.rope_dim / cfg.attention_head_dim, q_lora_rank=a.q_rank, o_groups=a.o_groups,

@@ -105,15 +105,15 @@ def test_greedy_generation_equals_transformers_generate():
         assert len({tuple(row) for row in expected[:, 9:].tolist()}) == 2
 
 
-# deepseek-ai/DeepSeek-V4-Flash and -Pro config.json values (transformers' defaults but these), the compressed
-# blocks' YaRN included
+# deepseek-ai/DeepSeek-V4-Flash and -Pro config.json values (transformers' defaults but these), both with the
+# compressed blocks' YaRN below
 PUBLISHED_YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32.0,
                   "beta_slow": 1.0}
-FLASH = dict(rope_parameters=PUBLISHED_YARN, num_hidden_layers=43, hidden_size=4096, num_attention_heads=64, n_routed_experts=256,
+FLASH = dict(num_hidden_layers=43, hidden_size=4096, num_attention_heads=64, n_routed_experts=256,
              num_experts_per_tok=6, moe_intermediate_size=2048, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
              index_topk=512, layer_types=["sliding_attention"] * 2 + [
                  "compressed_sparse_attention" if i % 2 == 0 else "heavily_compressed_attention" for i in range(2, 43)])
-PRO = dict(rope_parameters=PUBLISHED_YARN, num_hidden_layers=61, hidden_size=7168, num_attention_heads=128, n_routed_experts=384,
+PRO = dict(num_hidden_layers=61, hidden_size=7168, num_attention_heads=128, n_routed_experts=384,
            num_experts_per_tok=6, moe_intermediate_size=3072, q_lora_rank=1536, o_groups=16, o_lora_rank=1024,
            index_topk=1024)
 
@@ -177,12 +177,9 @@ def test_import_refuses_what_it_cannot_express(extra, named):
         config_from_hf(transformers.DeepseekV4Config(**{**TINY, **extra}))
 
 
-def test_mtp_is_refused_beside_mhc_and_plain_residuals_do_not_export():
+def test_plain_residuals_do_not_export():
     from meshformer.checkpointing.hf import incompatibilities
-    from meshformer.config import ConfigError, config_from_dict
 
     cfg = config_from_hf(transformers.DeepseekV4Config(**TINY))
-    with pytest.raises(ConfigError, match="model.mtp.depth"):
-        config_from_dict({"model": {"residual": {"kind": "mhc"}, "mtp": {"depth": 1}}})
     plain = dataclasses.replace(cfg, residual=dataclasses.replace(cfg.residual, kind="plain"))
     assert "residual='plain' (needs 'mhc')" in incompatibilities(plain, "deepseek_v4")

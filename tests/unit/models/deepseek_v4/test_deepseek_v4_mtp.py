@@ -132,7 +132,8 @@ def test_mtp_forward_equals_a_hand_written_reference_with_transformers_block():
         embeds = inner.embed_tokens(ids)
         mask = transformers.masking_utils.create_sliding_window_causal_mask(
             config=hf_config, inputs_embeds=embeds, attention_mask=None, cache=None, position_ids=positions)
-        rope = {kind: inner.rotary_emb(embeds, position_ids=positions, layer_type=kind) for kind in ("main", "compress")}
+        rope = {kind: inner.rotary_emb(embeds, position_ids=positions, layer_type=kind)
+                for kind in ("main", "compress")}
         streams = embeds.unsqueeze(2).expand(-1, -1, STREAMS, -1).contiguous()
         for layer in inner.layers[:n]:
             streams = layer(streams, position_embeddings=rope, position_ids=positions, attention_mask=mask,
