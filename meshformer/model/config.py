@@ -271,10 +271,10 @@ class MtpConfig:
 
     depth: int = 0  # MTP modules (DeepSeek-V3: 1); 0: off
     loss_weight: float = 0.3  # lambda: the mean MTP loss over the modules joins the main loss times this
-    # the module's block kinds (a model.layer_types / mlp_types entry); "": the last block's (DeepSeek-V3). DeepSeek-V4:
-    # "sliding_mqa" and "moe" (its published MTP block has no compressor and a learned router)
+    # the module's block token mixer (a model.layer_types kind); "": the last block's (DeepSeek-V3). DeepSeek-V4:
+    # "sliding_mqa" (its published MTP block has no compressor)
     layer_type: str = ""
-    mlp_type: str = ""
+    mlp_type: str = ""  # its channel mixer (a model.mlp_types kind); "": the last block's. DeepSeek-V4: "moe"
 
 
 @dataclass
