@@ -505,7 +505,7 @@ class Transformer(nn.Module):
                             documents=documents, final_norm=mtp_labels is None, merge=mtp_labels is None)
             if mtp_labels is not None:
                 unnormed = h  # under mHC its streams
-                if self.decoder_merge is not None and h.dim() == 4:
+                if self.decoder_merge is not None:
                     h = self.decoder_merge(h)
                 h = h if self.decoder_norm is None else self.decoder_norm(h)
             s = replace(s, decoder=h)

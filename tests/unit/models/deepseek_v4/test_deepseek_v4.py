@@ -183,3 +183,16 @@ def test_plain_residuals_do_not_export():
     cfg = config_from_hf(transformers.DeepseekV4Config(**TINY))
     plain = dataclasses.replace(cfg, residual=dataclasses.replace(cfg.residual, kind="plain"))
     assert "residual='plain' (needs 'mhc')" in incompatibilities(plain, "deepseek_v4")
+
+
+@pytest.mark.parametrize(("yarn", "named"), [
+    ({"yarn_factor": 0.5}, "yarn_factor=0.5 must be >= 1"),
+    ({"yarn_factor": 16.0}, "yarn_original_max_seq_len is not set"),
+], ids=["factor", "original"])
+def test_bad_compressed_yarn_is_refused(yarn, named):
+    from meshformer.config import ConfigError, config_from_dict
+
+    model = {"position": "none", "layer_types": ["sliding_mqa", "hca"], "norm": {"kind": "rmsnorm"},
+             "compressed_attention": yarn}
+    with pytest.raises(ConfigError, match=named):
+        config_from_dict({"model": model})
