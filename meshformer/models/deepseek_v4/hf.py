@@ -209,7 +209,7 @@ ADAPTER = HFAdapter(
                   "tie_embeddings": {True, False}, "residual": "mhc", "mtp_depth": ANY,
                   "mtp_block": MTP_KINDS,
                   "every_block_v4": True, "every_block_moe": True},
-    rules=rules, base_prefix="model.", keep_prefix=("head.",),
+    rules=rules, base_prefix="model.", keep_prefix=("head.", "mtp."),
     size_keys=("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
                "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "index_n_heads",
                "index_head_dim", "index_topk", "n_routed_experts", "num_experts_per_tok", "hc_mult",

@@ -78,6 +78,9 @@ def test_export_names_the_published_mtp_tensors_and_round_trips_bitwise(tmp_path
     ours = from_hf_state_dict(state, model.cfg, "deepseek_v4")
     expected = model.state_dict()
     assert ours.keys() == expected.keys() and all(torch.equal(ours[k], expected[k]) for k in ours)
+    # names without the base model's prefix (layers.0..., as a base-model checkpoint has them): mtp.* stays outside
+    base = {k.removeprefix("model."): v for k, v in state.items()}
+    assert all(torch.equal(v, expected[k]) for k, v in from_hf_state_dict(base, model.cfg, "deepseek_v4").items())
 
     folder = export_hf(model.state_dict(), model.cfg, tmp_path / "hf", "deepseek_v4")
     assert config_to_hf(model.cfg, "deepseek_v4").num_nextn_predict_layers == 1
