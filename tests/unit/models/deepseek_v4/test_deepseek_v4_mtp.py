@@ -209,3 +209,20 @@ def test_export_refuses_an_mtp_block_of_other_kinds():
     other = dataclasses.replace(cfg, mtp=dataclasses.replace(cfg.mtp, layer_type="hca"))
     assert any(p.startswith("mtp_block=('hca', 'moe')") for p in incompatibilities(other, "deepseek_v4"))
     assert not incompatibilities(cfg, "deepseek_v4")
+
+
+def test_fresh_module_initialises_and_counts_as_the_stack():
+    """A fresh module's mixing weights start as the stack's (gains 1, biases 0, sinks 0) and the parameter count
+    names every tensor it holds."""
+    from meshformer.model.flops import count_params
+
+    hf = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**TINY))
+    cfg = from_hf_model(hf).cfg
+    model = Transformer(dataclasses.replace(cfg, mtp=dataclasses.replace(cfg.mtp, depth=2)))
+    module = model.mtp_layers[1]  # type: ignore[index]
+    for gain in (module.merge.gain, module.block.attn_residual.gain, module.block.ffn_residual.gain):
+        assert torch.equal(gain, torch.ones_like(gain))
+    for zero in (module.merge.bias, module.block.attn_residual.bias, module.block.attn.sinks):
+        assert torch.equal(zero, torch.zeros_like(zero))
+    assert count_params(model.cfg)["mtp"] == sum(p.numel() for p in model.mtp_layers.parameters())  # type: ignore[union-attr]
+    assert count_params(model.cfg)["total"] == sum(p.numel() for p in model.parameters())
