@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshformer.errors import ConfigError
+from meshformer.model.config import CompressedAttentionConfig
+from meshformer.model.positions import RopeScaling, rope_frequencies
 
 
 class GroupedOutputProjection(nn.Module):
@@ -50,11 +52,25 @@ class GroupedOutputProjection(nn.Module):
         return self.o_b_proj(torch.einsum("...gi,gri->...gr", grouped, weight).flatten(-2))
 
 
-def rotary_tables(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (..., dim / 2) of one angle per rotated pair (pairs of neighbouring channels)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
+def rotary_tables(positions: torch.Tensor, dim: int, theta: float, scaling: RopeScaling | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (..., dim / 2) of one angle per rotated pair (pairs of neighbouring channels); `scaling`: the
+    compressed blocks' YaRN, whose cos/sin stay unmultiplied (V4 sets its attention factor to 1)."""
+    if scaling is None or scaling.method == "none":
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
+    else:
+        inv_freq = rope_frequencies(dim, theta, scaling, positions.device)[0].float()
     angles = positions[..., None].float() * inv_freq
     return angles.cos(), angles.sin()
+
+
+def compress_scaling(c: CompressedAttentionConfig) -> RopeScaling | None:
+    """The compressed blocks' YaRN of `[model.compressed_attention]` (None: unscaled); its attention factor 1, as V4
+    leaves cos/sin unmultiplied."""
+    if c.yarn_factor == 1:
+        return None
+    return RopeScaling("yarn", c.yarn_factor, c.yarn_original_max_seq_len, beta_fast=c.yarn_beta_fast,
+                       beta_slow=c.yarn_beta_slow, attention_factor=1.0)
 
 
 def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -75,9 +91,10 @@ class Compressor(nn.Module):
     slots (window w - 1's first halves, window w's second halves; entry 0 has only its own)."""
 
     def __init__(self, d_model: int, head_dim: int, rate: int, rope_dim: int, rope_theta: float, eps: float,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, scaling: RopeScaling | None = None) -> None:
         super().__init__()
         self.rate, self.rope_dim, self.rope_theta, self.overlap = rate, rope_dim, rope_theta, overlap
+        self.scaling = scaling
         self.head_dim = head_dim
         width = 2 * head_dim if overlap else head_dim
         self.kv_proj = nn.Linear(d_model, width, bias=False)
@@ -106,7 +123,7 @@ class Compressor(nn.Module):
 
     def rotate(self, pooled: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
         """Entries' rotary slices turned by their windows' first positions `starts` (pooled's leading shape)."""
-        cos, sin = rotary_tables(starts, self.rope_dim, self.rope_theta)
+        cos, sin = rotary_tables(starts, self.rope_dim, self.rope_theta, self.scaling)
         return rotate_tail(pooled, cos, sin)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, keep: dict[str, torch.Tensor] | None = None
@@ -182,8 +199,8 @@ class Indexer(Compressor):
     g_t = x_t W_g / sqrt(n_heads); each query keeps its `topk` best visible entries."""
 
     def __init__(self, d_model: int, q_rank: int, n_heads: int, index_dim: int, topk: int, rate: int, rope_dim: int,
-                 rope_theta: float, eps: float) -> None:
-        super().__init__(d_model, index_dim, rate, rope_dim, rope_theta, eps, overlap=True)
+                 rope_theta: float, eps: float, scaling: RopeScaling | None = None) -> None:
+        super().__init__(d_model, index_dim, rate, rope_dim, rope_theta, eps, overlap=True, scaling=scaling)
         self.n_heads, self.topk = n_heads, topk
         self.q_b_proj = nn.Linear(q_rank, n_heads * index_dim, bias=False)
         self.weights_proj = nn.Linear(d_model, n_heads, bias=False)
@@ -191,7 +208,7 @@ class Indexer(Compressor):
     def score(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor
               ) -> torch.Tensor:
         """(B, T, W): each query's index score of each entry. positions: (T,) or (B, T)."""
-        cos, sin = rotary_tables(positions, self.rope_dim, self.rope_theta)
+        cos, sin = rotary_tables(positions, self.rope_dim, self.rope_theta, self.scaling)
         q = rotate_tail(self.q_b_proj(q_latent).unflatten(-1, (self.n_heads, self.head_dim)), cos.unsqueeze(-2),
                         sin.unsqueeze(-2))
         scores = torch.relu(torch.einsum("bthd,bwd->bthw", q.float(), keys.float())) * self.head_dim**-0.5
@@ -243,15 +260,18 @@ def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 class CompressedAttention(nn.Module):
     """V4 attention over a (B, T, D) input: a sliding-window branch, and with `compress_rate` the compressed entries
     beside it: all those a query may see (HCA), or with `index` = (heads, width, topk) the ones CSA's indexer picks.
-    Rotary: base `rope_theta` for a sliding-only block, `compress_theta` for a compressed one (its compressor too)."""
+    Rotary: base `rope_theta` for a sliding-only block, `compress_theta` and `compress_scaling` (YaRN) for a
+    compressed one (its compressor and indexer too)."""
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, q_rank: int, rope_dim: int, window: int,
                  groups: int, o_rank: int, eps: float, rope_theta: float, compress_theta: float,
-                 compress_rate: int | None = None, index: tuple[int, int, int] | None = None) -> None:
+                 compress_rate: int | None = None, index: tuple[int, int, int] | None = None,
+                 compress_scaling: RopeScaling | None = None) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.window, self.eps = n_heads, head_dim, window, eps
         self.rope_dim = rope_dim
         self.theta = rope_theta if compress_rate is None else compress_theta
+        self.scaling = None if compress_rate is None else compress_scaling
         self.q_a_proj = nn.Linear(d_model, q_rank, bias=False)
         self.q_a_norm = nn.RMSNorm(q_rank, eps=eps)
         self.q_b_proj = nn.Linear(q_rank, n_heads * head_dim, bias=False)
@@ -260,8 +280,10 @@ class CompressedAttention(nn.Module):
         self.output = GroupedOutputProjection(n_heads * head_dim, groups, o_rank, d_model)
         self.sinks = nn.Parameter(torch.empty(n_heads))
         self.compressor = (Compressor(d_model, head_dim, compress_rate, rope_dim, compress_theta, eps,
-                                      overlap=index is not None) if compress_rate is not None else None)
-        self.indexer = (Indexer(d_model, q_rank, *index, compress_rate, rope_dim, compress_theta, eps)
+                                      overlap=index is not None, scaling=compress_scaling)
+                           if compress_rate is not None else None)
+        self.indexer = (Indexer(d_model, q_rank, *index, compress_rate, rope_dim, compress_theta, eps,
+                                compress_scaling)
                         if compress_rate is not None and index is not None else None)
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -291,7 +313,7 @@ class CompressedAttention(nn.Module):
         """positions: (T,) the tokens' positions from 0. keep: filled with the keys and the compressor's and
         indexer's projections and entries, for a generation cache to start from."""
         batch = x.shape[0]
-        cos, sin = rotary_tables(positions, self.rope_dim, self.theta)
+        cos, sin = rotary_tables(positions, self.rope_dim, self.theta, self.scaling)
         latent, q, kv = self._project(x, cos, sin)
         if keep is not None:
             keep["keys"] = kv
@@ -415,7 +437,7 @@ class V4Attention(CompressedAttention):
         """One token per row (B, D) -> (B, 1, D), reading the window and the entries."""
         assert cache.keys is not None and cache.real is not None and cache.positions is not None
         positions = cache.positions[:, None]
-        cos, sin = rotary_tables(positions, self.rope_dim, self.theta)  # (B, 1, rope / 2)
+        cos, sin = rotary_tables(positions, self.rope_dim, self.theta, self.scaling)  # (B, 1, rope / 2)
         latent, q, kv = self._project(x[:, None], cos, sin)
         keys = torch.cat([cache.keys, kv], dim=1)
         visible = torch.cat([cache.real, torch.ones_like(cache.real[:, :1])], dim=1)
@@ -457,4 +479,4 @@ class HashRouter(nn.Module):
 
 
 __all__ = ["CompressedAttention", "Compressor", "GroupedOutputProjection", "HashRouter", "Indexer", "V4Attention",
-           "V4Cache", "WindowState", "rotary_tables", "rotate_tail"]
+           "V4Cache", "compress_scaling", "WindowState", "rotary_tables", "rotate_tail"]

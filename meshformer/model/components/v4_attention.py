@@ -36,7 +36,8 @@ class V4AttentionKind(TokenMixer):
     section = "compressed_attention"
     exports = frozenset(f"compressed_attention.{name}" for name in (
         "q_rank", "rope_dim", "window", "o_groups", "o_rank", "rope_theta", "compress_theta", "hca_rate", "csa_rate",
-        "index_heads", "index_dim", "index_topk"))
+        "index_heads", "index_dim", "index_topk", "yarn_factor", "yarn_original_max_seq_len",
+        "yarn_beta_fast", "yarn_beta_slow"))
     blockwise_kernel = False
     qk_clip = False
     reads_padding_and_documents: ClassVar[bool] = True  # left-padded and packed rows restart their positions
@@ -48,14 +49,14 @@ class V4AttentionKind(TokenMixer):
         return False
 
     def build(self, cfg: ModelConfig, *, causal: bool) -> nn.Module:
-        from meshformer.model.compressed_attention import V4Attention
+        from meshformer.model.compressed_attention import V4Attention, compress_scaling
 
         c = cfg.compressed_attention
         rate = self._rate(cfg)
         index = (c.index_heads, c.index_dim, c.index_topk) if self._indexed() else None
         return V4Attention(cfg.d_model, cfg.attention.n_heads, cfg.attention_head_dim, c.q_rank, c.rope_dim,
                            c.window, c.o_groups, c.o_rank, cfg.norm.eps, c.rope_theta, c.compress_theta,
-                           compress_rate=rate, index=index)
+                           compress_rate=rate, index=index, compress_scaling=compress_scaling(c))
 
     def check(self, cfg: ModelConfig) -> None:
         c, hd, heads = cfg.compressed_attention, cfg.attention_head_dim, cfg.attention.n_heads
@@ -71,6 +72,13 @@ class V4AttentionKind(TokenMixer):
         if bad := [k for k, v in sizes.items() if v <= 0]:
             raise ConfigError(f"model.compressed_attention.{bad[0]}={sizes[bad[0]]} must be positive",
                               "DeepSeek-V4-Flash: q_rank=1024, rope_dim=64, window=128, o_groups=8, o_rank=1024")
+        if not c.yarn_factor >= 1:
+            raise ConfigError(f"model.compressed_attention.yarn_factor={c.yarn_factor} must be >= 1 (1: unscaled)",
+                              "DeepSeek-V4: yarn_factor = 16 with yarn_original_max_seq_len = 65536")
+        if c.yarn_factor > 1 and c.yarn_original_max_seq_len <= 0:
+            raise ConfigError(f"model.compressed_attention.yarn_factor={c.yarn_factor} stretches a pretraining "
+                              "context, but yarn_original_max_seq_len is not set",
+                              "set yarn_original_max_seq_len (DeepSeek-V4: 65536)")
         if c.rope_dim % 2 or c.rope_dim > min(hd, c.index_dim):
             raise ConfigError(f"model.compressed_attention.rope_dim={c.rope_dim} must be even and at most the head "
                               f"width {hd} and index_dim {c.index_dim}", "use e.g. rope_dim = 64")

@@ -106,8 +106,10 @@ def test_greedy_generation_equals_transformers_generate():
         assert len({tuple(row) for row in expected[:, 9:].tolist()}) == 2
 
 
-# deepseek-ai/DeepSeek-V4-Flash and -Pro config.json values (transformers' defaults but these); the compressed
-# blocks' YaRN (factor 16) is left out: it scales frequencies, not sizes
+# deepseek-ai/DeepSeek-V4-Flash and -Pro config.json values (transformers' defaults but these), both with the
+# compressed blocks' YaRN below
+PUBLISHED_YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32.0,
+                  "beta_slow": 1.0}
 FLASH = dict(num_hidden_layers=43, hidden_size=4096, num_attention_heads=64, n_routed_experts=256,
              num_experts_per_tok=6, moe_intermediate_size=2048, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
              index_topk=512, layer_types=["sliding_attention"] * 2 + [
@@ -122,7 +124,7 @@ PRO = dict(num_hidden_layers=61, hidden_size=7168, num_attention_heads=128, n_ro
 def test_bundled_config_counts_what_transformers_builds(name, published, total):
     """The bundled config is the published one imported; its count equals transformers' meta-device model's and
     the published totals within 3% (the published ones include the MTP module, which neither side builds)."""
-    hf_config = transformers.DeepseekV4Config(**published)
+    hf_config = transformers.DeepseekV4Config(**{**published, "rope_parameters": dict(PUBLISHED_YARN)})
     bundled = load_config(name).model
     imported = config_from_hf(hf_config)
     training_only = ("aux_loss", "aux_per_sequence", "router_bias_update_rate")
@@ -135,24 +137,51 @@ def test_bundled_config_counts_what_transformers_builds(name, published, total):
     assert abs(counts["total"] / total - 1) < 0.03, counts["total"]
 
 
+# the compressed blocks' YaRN stretching 4 pretraining positions 16 times: of the two rotated pairs the faster keeps
+# its frequency, the slower is divided by 16
+YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4, "beta_fast": 4.0,
+        "beta_slow": 1.0}
+
+
+def test_compressed_blocks_yarn_equals_transformers():
+    """YaRN on the compressed blocks (their queries, keys, compressed entries and indexer): logits within 1e-4 on a
+    right-padded batch, greedy generation equal, the export carries it and writes it back; without it the logits
+    move (it is exercised)."""
+    from meshformer.model.generate import greedy_decode
+
+    hf = tiny_hf(seed=3, rope_parameters=dict(YARN))
+    assert hf.config.rope_parameters["compress"]["rope_type"] == "yarn"
+    ours = from_hf_model(hf).eval()
+    a = ours.cfg.compressed_attention
+    assert (a.yarn_factor, a.yarn_original_max_seq_len, a.yarn_beta_fast) == (16.0, 4, 4.0)
+    ids, mask = padded_batch(VOCAB, T, left=False)
+    real = mask.bool()
+    got = assert_import_exact(hf, ours, ids, mask)
+    unscaled = Transformer(dataclasses.replace(ours.cfg, compressed_attention=dataclasses.replace(a, yarn_factor=1.0)))
+    unscaled.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        assert (unscaled.eval()(ids, real)[real] - got[real]).abs().max() > 1e-3
+    assert_export_exact(ours, ids, mask)
+    prompt = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    expected = hf.generate(input_ids=prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert greedy_decode(ours, prompt, 6).tolist() == expected.tolist()
+
+
 @pytest.mark.parametrize(("extra", "named"), [
     ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
     ({"scoring_func": "sigmoid"}, "scoring_func='sigmoid'"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64,
-                          "beta_fast": 32.0, "beta_slow": 1.0}}, "rope_type='yarn'"),
-], ids=["kv-heads", "router", "yarn"])
+    ({"rope_parameters": {**YARN, "attention_factor": 1.2}}, "attention_factor=1.2"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_type='linear'"),
+], ids=["kv-heads", "router", "yarn-attention-factor", "linear"])
 def test_import_refuses_what_it_cannot_express(extra, named):
     with pytest.raises(ValueError, match=named):
         config_from_hf(transformers.DeepseekV4Config(**{**TINY, **extra}))
 
 
-def test_mtp_is_refused_beside_mhc_and_plain_residuals_do_not_export():
+def test_plain_residuals_do_not_export():
     from meshformer.checkpointing.hf import incompatibilities
-    from meshformer.config import ConfigError, config_from_dict
 
     cfg = config_from_hf(transformers.DeepseekV4Config(**TINY))
-    with pytest.raises(ConfigError, match="model.mtp.depth"):
-        config_from_dict({"model": {"residual": {"kind": "mhc"}, "mtp": {"depth": 1}}})
     plain = dataclasses.replace(cfg, residual=dataclasses.replace(cfg.residual, kind="plain"))
     assert "residual='plain' (needs 'mhc')" in incompatibilities(plain, "deepseek_v4")
 
@@ -221,3 +250,16 @@ def test_a_packed_row_equals_each_document_alone():
     for row, start, n in ((0, 0, 6), (0, 6, 11), (0, 17, 9), (1, 0, 26)):
         alone = ours.head(ours.decode(ids[row:row + 1, start:start + n]))[0]
         torch.testing.assert_close(logits[row, start:start + n], alone, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("yarn", "named"), [
+    ({"yarn_factor": 0.5}, "yarn_factor=0.5 must be >= 1"),
+    ({"yarn_factor": 16.0}, "yarn_original_max_seq_len is not set"),
+], ids=["factor", "original"])
+def test_bad_compressed_yarn_is_refused(yarn, named):
+    from meshformer.config import ConfigError, config_from_dict
+
+    model = {"position": "none", "layer_types": ["sliding_mqa", "hca"], "norm": {"kind": "rmsnorm"},
+             "compressed_attention": yarn}
+    with pytest.raises(ConfigError, match=named):
+        config_from_dict({"model": model})
