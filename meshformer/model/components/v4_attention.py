@@ -5,12 +5,15 @@ indexer's top `index_topk` entries of overlapping `csa_rate` windows). One key/v
 a learned sink logit per head, a grouped output projection.
 
 The blocks rotate their own queries and keys (model.position = "none") from each row's positions 0, 1, ...: right
-padding only; no packing, context or tensor parallel. The generation cache keeps the block's inputs and recomputes
-over them.
+padding only; no packing or context parallel. Tensor parallel splits the query heads (q_b_proj colwise, the sinks
+with their heads) and the grouped output projection by its groups (o_a's groups with their heads, o_b rowwise); the
+query latent, the one key/value head, the compressors and the indexer run whole on every rank
+(`CompressedAttention.shard_heads`). The generation cache keeps the block's inputs and recomputes over them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import ClassVar
 
 from torch import nn
@@ -26,6 +29,7 @@ from meshformer.model.components.base import (
     output_projection_bytes,
 )
 from meshformer.model.config import ModelConfig
+from meshformer.model.tp_styles import COLWISE, HEAD_SHARD, ROWWISE
 
 
 class V4AttentionKind(TokenMixer):
@@ -80,8 +84,15 @@ class V4AttentionKind(TokenMixer):
     def context_parallel(self, cfg: ModelConfig) -> str | None:
         return "DeepSeek-V4 attention compresses windows of the whole sequence on one rank"
 
-    def tensor_parallel(self, cfg: ModelConfig) -> str | None:
-        return "DeepSeek-V4 attention's one shared key/value head and grouped output projection are not split"
+    def tp_rules(self, cfg: ModelConfig) -> Mapping[str, str]:
+        # the module takes its heads' sinks and output groups itself and gathers its input from the sequence slices
+        return {"": HEAD_SHARD, "q_b_proj": COLWISE, "output.o_b_proj": ROWWISE}
+
+    def tp_divides(self, cfg: ModelConfig) -> list[tuple[str, int, str]]:
+        return [("model.attention.n_heads", cfg.attention.n_heads, "attention heads are split across tensor-parallel "
+                 "ranks"),
+                ("model.compressed_attention.o_groups", cfg.compressed_attention.o_groups, "the grouped output "
+                 "projection's groups are split with the heads")]
 
     def init_rule(self, cfg: ModelConfig, name: str) -> InitFn | None:
         if name == "sinks" or name.endswith("position_bias"):  # as transformers: no sink share, even gates at first
