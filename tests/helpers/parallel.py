@@ -223,7 +223,8 @@ FAMILIES["deepseek_mhc"] = dict(FAMILIES["deepseek"], residual=dict(kind="mhc", 
 # through 2 groups; mHC's 2 streams; hash-routed experts in blocks 0 and 2 (each pipeline stage of two holds one, so
 # the token ids must reach both), sqrt-softplus routing with a shared expert in 1 and 3
 FAMILIES["v4"] = dict(family="decoder", n_layers=4, position="none", bias=False,
-                      layer_types=["sliding_mqa", "csa", "hca", "csa"], mlp_types=["hash_moe", "moe", "hash_moe", "moe"],
+                      layer_types=["sliding_mqa", "csa", "hca", "csa"],
+                      mlp_types=["hash_moe", "moe", "hash_moe", "moe"],
                       attention=dict(head_dim=8), norm=dict(kind="rmsnorm"), ffn=dict(activation="swiglu"),
                       compressed_attention=dict(q_rank=16, rope_dim=4, window=4, o_groups=2, o_rank=8, hca_rate=4,
                                                 csa_rate=2, index_heads=2, index_dim=8, index_topk=3),
