@@ -156,6 +156,7 @@ class V4AttentionKind(TokenMixer):
         """An estimate: per token its latent, queries, key and output (heads x head_dim each), and the probabilities
         over the (whole-sequence, masked) score matrix in float32."""
         heads, hd, d = self._widths(cfg)
+        heads //= x.tp  # this rank's heads; the latent, key/value head and input whole
         c, seq = cfg.compressed_attention, x.seq
         keys = seq + (seq // self._rate(cfg) if self._rate(cfg) is not None else 0)  # type: ignore[operator]
         per_token = (c.q_rank + 3 * heads * hd + 2 * hd + d) * x.bytes
@@ -163,12 +164,13 @@ class V4AttentionKind(TokenMixer):
 
     def selective_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
         heads, hd, _ = self._widths(cfg)
+        heads //= x.tp
         c = cfg.compressed_attention
         return x.batch * x.seq * (c.q_rank + heads * hd + hd) * x.bytes + output_projection_bytes(cfg, x)
 
     def backward_bytes(self, cfg: ModelConfig, x: ActivationLayout, freed: float) -> float:
         """An estimate: the gradient of the float32 score matrix."""
-        heads, seq = cfg.attention.n_heads, x.seq
+        heads, seq = cfg.attention.n_heads // x.tp, x.seq
         return x.batch * heads * seq * 2 * seq * FP32
 
 
