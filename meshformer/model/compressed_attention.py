@@ -21,16 +21,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshformer.errors import ConfigError
 from meshformer.model.config import CompressedAttentionConfig
 from meshformer.model.positions import RopeScaling, rope_frequencies
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter (tensor parallel makes it a DTensor); a plain tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class GroupedOutputProjection(nn.Module):
@@ -48,7 +55,7 @@ class GroupedOutputProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         grouped = x.unflatten(-1, (self.groups, -1))  # (..., G, width / G)
-        weight = self.o_a_proj.unflatten(0, (self.groups, -1))  # (G, rank, width / G)
+        weight = _local(self.o_a_proj).unflatten(0, (self.groups, -1))  # (G, rank, width / G)
         return self.o_b_proj(torch.einsum("...gi,gri->...gr", grouped, weight).flatten(-2))
 
 
@@ -107,14 +114,14 @@ class Compressor(nn.Module):
         """(B, n, head_dim) entries, normed and not yet rotated, of n whole windows' projections kv, gate
         (B, n, rate, width; gate without the slot bias). prior: the first halves (kv, gate: B, rate, head_dim) of the
         window before the first (overlap); None: there is none (those slots weigh 0)."""
-        gate = gate + self.position_bias
+        gate = gate + _local(self.position_bias)
         if self.overlap:
             d = self.head_dim
             if prior is None:
                 first_kv = torch.zeros_like(kv[:, :1, :, :d])
                 first_gate = torch.full_like(gate[:, :1, :, :d], float("-inf"))
             else:
-                first_kv, first_gate = prior[0][:, None], (prior[1] + self.position_bias[:, :d])[:, None]
+                first_kv, first_gate = prior[0][:, None], (prior[1] + _local(self.position_bias)[:, :d])[:, None]
             # slots: the previous window's first halves, then this window's second
             kv = torch.cat([torch.cat([first_kv, kv[:, :-1, :, :d]], 1), kv[..., d:]], 2)
             gate = torch.cat([torch.cat([first_gate, gate[:, :-1, :, :d]], 1), gate[..., d:]], 2)
@@ -285,6 +292,23 @@ class CompressedAttention(nn.Module):
         self.indexer = (Indexer(d_model, q_rank, *index, compress_rate, rope_dim, compress_theta, eps,
                                 compress_scaling)
                         if compress_rate is not None and index is not None else None)
+        # tensor parallel (`shard_heads`): sums the shared key/value head's gradient over the ranks
+        self.sum_gradient: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def shard_heads(self, ranks: int, rank: int, sum_gradient: Callable[[torch.Tensor], torch.Tensor]
+                    ) -> tuple[list[str], list[str]]:
+        """Run rank `rank`'s heads of `ranks` (and the output groups they fill) from now on. Returns the names of its
+        own parameters the caller splits on dim 0 (the sinks, o_a's groups) and of those every rank keeps whole; the
+        linears are the caller's (q_b_proj colwise, o_b rowwise). The one key/value head, its compressor and the
+        indexer run whole on every rank: each rank's heads give their share of the key/value head's gradient, summed
+        over the ranks (`sum_gradient`), so everything upstream of it gets the whole gradient on every rank. The
+        indexer only selects (no gradient reaches it), so running it whole keeps every rank's selection the
+        single process's at no exchange."""
+        self.n_heads //= ranks
+        self.output.groups //= ranks
+        self.sum_gradient = sum_gradient
+        whole = [f"{name}.position_bias" for name in ("compressor", "indexer") if getattr(self, name) is not None]
+        return ["sinks", "output.o_a_proj"], whole
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -299,9 +323,11 @@ class CompressedAttention(nn.Module):
         """Queries (B, H, T, hd) over keys = values (B, K, hd) where `visible` (B, T, K), with the sinks; the output
         projected."""
         batch, length = q.shape[0], q.shape[2]
+        if self.sum_gradient is not None:
+            kv = self.sum_gradient(kv)
         logits = (q @ kv[:, None].transpose(-1, -2)) * self.head_dim**-0.5
         logits = logits.masked_fill(~visible[:, None], float("-inf"))
-        sink = self.sinks.to(logits.dtype).view(1, -1, 1, 1).expand(batch, -1, length, 1)
+        sink = _local(self.sinks).to(logits.dtype).view(1, -1, 1, 1).expand(batch, -1, length, 1)
         # the sink takes its share of each softmax and contributes no value
         probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
         out = (probs @ kv[:, None]).transpose(1, 2)  # (B, T, H, hd)

@@ -17,6 +17,9 @@ PARTIAL_GRADIENT = "partial_gradient"
 # a module that takes its heads' share of its own parameters through its `shard_heads(ranks, rank, sum_gradient)`
 # (Gated DeltaNet), its first input all-gathered from the sequence slices
 HEAD_SHARD = "head_shard"
+# a module of this rank's sequence slice that reads the (whole, replicated) `token_ids` keyword: sliced alike (hash
+# routing)
+TOKEN_IDS = "token_ids"
 TOKENS = "tokens"  # runs on this rank's tokens flattened to (N, D) with a replicated weight (the MoE router)
 
 # a module of this rank's tokens whose own (replicated) parameters it reads through its `read_parameter`, which

@@ -203,6 +203,10 @@ _STYLES = {
     styles.PARTIAL_GRADIENT: _PartialGradient,
     styles.HEAD_SHARD: _HeadShard,
     styles.TOKEN_SHARE: _TokenShare,
+    # Replicate to Shard(1): each rank keeps its slice of the ids, no communication
+    styles.TOKEN_IDS: lambda: PrepareModuleInput(input_kwarg_layouts={"token_ids": Replicate()},
+                                                 desired_input_kwarg_layouts={"token_ids": Shard(1)},
+                                                 use_local_output=True),
 }
 
 

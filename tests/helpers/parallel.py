@@ -218,6 +218,19 @@ FAMILIES["nemotron"] = dict(FAMILIES["mamba"], n_layers=4, layer_types=["mamba2"
 # DeepSeek-V4's residual on the DeepSeek-V3-like model: two mHC streams, their mixing weights replicated (FSDP shards,
 # tp replicates them), each token's mix its own (cp pieces and sequence-parallel slices need nothing exchanged)
 FAMILIES["deepseek_mhc"] = dict(FAMILIES["deepseek"], residual=dict(kind="mhc", streams=2, sinkhorn_iters=5))
+# DeepSeek-V4-like (tiny-v4's pieces at the harness's sizes): a sliding, a csa (the indexer keeps 3 of up to 8
+# entries of 2 tokens over 4), an hca (entries of 4) and a csa block, one shared key/value head, sinks, the output
+# through 2 groups; mHC's 2 streams; hash-routed experts in blocks 0 and 2 (each pipeline stage of two holds one, so
+# the token ids must reach both), sqrt-softplus routing with a shared expert in 1 and 3
+FAMILIES["v4"] = dict(family="decoder", n_layers=4, position="none", bias=False,
+                      layer_types=["sliding_mqa", "csa", "hca", "csa"],
+                      mlp_types=["hash_moe", "moe", "hash_moe", "moe"],
+                      attention=dict(head_dim=8), norm=dict(kind="rmsnorm"), ffn=dict(activation="swiglu"),
+                      compressed_attention=dict(q_rank=16, rope_dim=4, window=4, o_groups=2, o_rank=8, hca_rate=4,
+                                                csa_rate=2, index_heads=2, index_dim=8, index_topk=3),
+                      moe=dict(n_experts=4, experts_per_token=2, d_ff=16, n_shared_experts=1,
+                               router_score="sqrt_softplus", router_scale=1.5, router_bias_update_rate=0.05),
+                      residual=dict(kind="mhc", streams=2, sinkhorn_iters=5))
 FAMILIES["qwen3next4"] = dict(FAMILIES["qwen3next"], n_layers=4, layer_types=["linear_attention", "full_attention"] * 2)
 
 

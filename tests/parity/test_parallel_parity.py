@@ -149,7 +149,11 @@ MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "mo
               "dsa_shared/fsdp-ep-recompute=full",
               # Nemotron-H's layers, one mixer each: blocks whose other sub-layer is "none" split by heads (tp) and
               # by sequence pieces (cp), its sigmoid group-routed squared-ReLU experts split over ep
-              "nemotron/tp-ep", "nemotron/cp-ep"]
+              "nemotron/tp-ep", "nemotron/cp-ep",
+              # DeepSeek-V4's attention kinds under tp + sp: query heads, sinks and output groups split, the one
+              # key/value head, compressors and indexer whole on every rank (the key/value head's gradient summed),
+              # hash routing on each rank's slice of the token ids, mHC's streams sequence-parallel
+              "v4/tp-ep"]
 MOE_WORLD4 = ["qwen3next/cp=4",  # 8 pieces of 2 tokens: a convolution window spans two earlier pieces
               "qwen3next/cp-fsdp-ep=4", "qwen3next/tp-fsdp-ep",
               "moe/fsdp=4-ep", "moe/fsdp=4-ep=4", "moe/hsdp-ep", "moe/tp-fsdp-ep", "moe/tp-fsdp-ep=4",
@@ -240,7 +244,7 @@ WORLD2_SLOW = {"decoder/cp-compile", "olmohybrid/tp", "decoder/tp-fp8=tensorwise
                 "dsa_warmup/fsdp-ep", "dsa/fsdp-ep-recompute=full", "dsa/tp-ep-recompute=selective", "dsa_warmup/tp-ep",
                 "dsa_warmup/pp", "mamba/cp", "mamba/cp-rightpad", "mamba/tp", "mamba/fsdp",
                 "mamba/pp", "deepseek_mhc/fsdp-ep", "deepseek_mhc/cp-ep", "deepseek_mhc/tp-ep", "nemotron/tp-ep",
-                "nemotron/cp-ep", "dsa_shared/fsdp-ep-recompute=full",
+                "nemotron/cp-ep", "dsa_shared/fsdp-ep-recompute=full", "v4/tp-ep",
                 *NORMUON_WORLD2} | set(ULYSSES_WORLD2)
 # The second step's global gradient norm, for rows where Adam's first update (about ±lr per element, its sign set by
 # rounding where a gradient is near zero) moves the weights differently enough to show: step-0 gradients of these
@@ -253,7 +257,11 @@ NORM_TOL = {"decoder_gemma/tp": 3e-5, "dsa_warmup/tp-ep": 5e-5}  # dsa_warmup: o
 GRAD_TOL = {"dsa/tp-ep": 3e-5, "dsa/cp-ep": 3e-5, "dsa/tp-ep-recompute=selective": 3e-5, "dsa_warmup/tp-ep": 3e-5,
             # mHC's mixing biases: sums over every token's Sinkhorn-normalised mix, in each layout's order
             "deepseek_mhc/fsdp-ep": 3e-5, "deepseek_mhc/cp-ep": 3e-5, "deepseek_mhc/tp-ep": 3e-5,
-            "deepseek_mhc/pp": 5e-5}  # 2.0e-5 seen (a join's bias), the streams crossing the stage boundary
+            "deepseek_mhc/pp": 5e-5,  # 2.0e-5 seen (a join's bias), the streams crossing the stage boundary
+            # the V4-like model's mHC biases alike: 7.3e-6 (tp), 1.4e-5 (pp, fsdp), 1.7e-5 (interleaved_zb) seen
+            **dict.fromkeys(["v4/tp-ep", "v4/pp", "v4/fsdp-ep", "v4/tp-fsdp-ep", "v4/pp-tp-ep",
+                             "v4/pp-sched=interleaved_zb-spr=2-recompute=full", "v4/tp-ep-recompute=selective",
+                             "v4/tp-ep-muon"], 3e-5)}
 ALL_WORLD2 = WORLD2 + MIXED_PRECISION + FP8_WORLD2 + ["skip/nan"]  # skip/nan: a NaN gradient on one rank
 
 
@@ -331,8 +339,11 @@ def test_parity_world2(request, name):
 
 
 # World-2 rows CI leaves out for time (slow + matrix, their own launch): mHC's (B, T, streams, D) streams handed
-# between pipeline stages; a dsa_shared block on the stage of the dsa block it reads
-WORLD2_MATRIX = ["deepseek_mhc/pp", "dsa_shared/pp"]
+# between pipeline stages; a dsa_shared block on the stage of the dsa block it reads; the V4-like model's stages
+# (each with a hash-routed block: the token ids reach both; four one-block stages under the split backward,
+# recomputed) and its FSDP units; under tp recomputed, and Muon's matrices gathered from the split heads and groups
+WORLD2_MATRIX = ["deepseek_mhc/pp", "dsa_shared/pp", "v4/pp", "v4/fsdp-ep",
+                 "v4/pp-sched=interleaved_zb-spr=2-recompute=full", "v4/tp-ep-recompute=selective", "v4/tp-ep-muon"]
 
 
 @pytest.fixture(scope="module")
@@ -353,16 +364,21 @@ def test_parity_world4(world4, name):
     check(world4[name], name=name)
 
 
+# The V4-like model with two axes: tp x FSDP (the split heads' and output groups' shards, the whole key/value head's
+# and mHC's weights sharded by FSDP) and pp x tp (each stage's heads split, its mHC streams on sequence slices)
+V4_MATRIX_WORLD4 = ["v4/tp-fsdp-ep", "v4/pp-tp-ep"]
+
+
 @pytest.fixture(scope="module")
 def world4_matrix():
-    return launch(4, ULYSSES_MATRIX_WORLD4)
+    return launch(4, ULYSSES_MATRIX_WORLD4 + V4_MATRIX_WORLD4)
 
 
 @pytest.mark.slow
 @pytest.mark.matrix
-@pytest.mark.parametrize("name", ULYSSES_MATRIX_WORLD4)
+@pytest.mark.parametrize("name", ULYSSES_MATRIX_WORLD4 + V4_MATRIX_WORLD4)
 def test_parity_world4_matrix(world4_matrix, name):
-    check(world4_matrix[name], name=name)
+    check(world4_matrix[name], name=name, grad_tol=GRAD_TOL.get(name))
 
 
 @pytest.mark.slow

@@ -1,11 +1,13 @@
 """DeepSeek-V4's hash-routed mixture of experts (`model/moe.py`'s `HashRoutedMoE`) as the channel-mixer kind
 `hash_moe`, reading `[model.moe]` as the `moe` kind does: each token's experts_per_token experts are its token id's
 row of a fixed table saved with the model (model.vocab_size rows); the router only weighs them (sqrt-softplus scores,
-normalised, times moe.router_scale). The block passes it the token ids.
+normalised, times moe.router_scale). The block passes it the token ids; under sequence parallel each rank takes
+its slice of them, as of the tokens.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import ClassVar
 
 from torch import nn
@@ -14,6 +16,7 @@ from meshformer.errors import ConfigError
 from meshformer.model.components import register
 from meshformer.model.components.mixture_of_experts import MixtureOfExperts
 from meshformer.model.config import ModelConfig
+from meshformer.model.tp_styles import TOKEN_IDS
 
 
 class HashRoutedExperts(MixtureOfExperts):
@@ -34,8 +37,9 @@ class HashRoutedExperts(MixtureOfExperts):
     def context_parallel(self, cfg: ModelConfig) -> str | None:
         return "hash_moe blocks read the token ids, which context parallel does not hand the blocks"
 
-    def tensor_parallel(self, cfg: ModelConfig) -> str | None:
-        return "hash_moe blocks read the token ids, which sequence parallel does not split with the tokens"
+    def tp_rules(self, cfg: ModelConfig) -> Mapping[str, str]:
+        # under sequence parallel each rank routes its own tokens: the (whole) token ids are sliced alike
+        return {**super().tp_rules(cfg), "": TOKEN_IDS}
 
 
 register(HashRoutedExperts())

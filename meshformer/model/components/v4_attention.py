@@ -5,13 +5,17 @@ indexer's top `index_topk` entries of overlapping `csa_rate` windows). One key/v
 a learned sink logit per head, a grouped output projection.
 
 The blocks rotate their own queries and keys (model.position = "none") from each row's positions 0, 1, ..., counted
-from its first real token and from each packed document's start; no context or tensor parallel. The generation cache
-keeps the last window - 1 keys and each compressor's unfinished window and finished entries (CSA: the indexer's
-too), so a step reads the window and the entries, not the prefix.
+from its first real token and from each packed document's start; no context parallel. Tensor parallel splits the
+query heads (q_b_proj colwise, the sinks with their heads) and the grouped output projection by its groups (o_a's
+groups with their heads, o_b rowwise); the query latent, the one key/value head, the compressors and the indexer run
+whole on every rank (`CompressedAttention.shard_heads`). The generation cache keeps the last window - 1 keys and
+each compressor's unfinished window and finished entries (CSA: the indexer's too), so a step reads the window and
+the entries, not the prefix.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import ClassVar
 
 from torch import nn
@@ -27,6 +31,7 @@ from meshformer.model.components.base import (
     output_projection_bytes,
 )
 from meshformer.model.config import ModelConfig
+from meshformer.model.tp_styles import COLWISE, HEAD_SHARD, ROWWISE
 
 
 class V4AttentionKind(TokenMixer):
@@ -89,8 +94,15 @@ class V4AttentionKind(TokenMixer):
     def context_parallel(self, cfg: ModelConfig) -> str | None:
         return "DeepSeek-V4 attention compresses windows of the whole sequence on one rank"
 
-    def tensor_parallel(self, cfg: ModelConfig) -> str | None:
-        return "DeepSeek-V4 attention's one shared key/value head and grouped output projection are not split"
+    def tp_rules(self, cfg: ModelConfig) -> Mapping[str, str]:
+        # the module takes its heads' sinks and output groups itself and gathers its input from the sequence slices
+        return {"": HEAD_SHARD, "q_b_proj": COLWISE, "output.o_b_proj": ROWWISE}
+
+    def tp_divides(self, cfg: ModelConfig) -> list[tuple[str, int, str]]:
+        return [("model.attention.n_heads", cfg.attention.n_heads, "attention heads are split across tensor-parallel "
+                 "ranks"),
+                ("model.compressed_attention.o_groups", cfg.compressed_attention.o_groups, "the grouped output "
+                 "projection's groups are split with the heads")]
 
     def init_rule(self, cfg: ModelConfig, name: str) -> InitFn | None:
         if name == "sinks" or name.endswith("position_bias"):  # as transformers: no sink share, even gates at first
@@ -175,6 +187,7 @@ class V4AttentionKind(TokenMixer):
         """An estimate: per token its latent, queries, key and output (heads x head_dim each), and the probabilities
         over the (whole-sequence, masked) score matrix in float32."""
         heads, hd, d = self._widths(cfg)
+        heads //= x.tp  # this rank's heads; the latent, key/value head and input whole
         c, seq = cfg.compressed_attention, x.seq
         keys = seq + (seq // self._rate(cfg) if self._rate(cfg) is not None else 0)  # type: ignore[operator]
         per_token = (c.q_rank + 3 * heads * hd + 2 * hd + d) * x.bytes
@@ -182,12 +195,13 @@ class V4AttentionKind(TokenMixer):
 
     def selective_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
         heads, hd, _ = self._widths(cfg)
+        heads //= x.tp
         c = cfg.compressed_attention
         return x.batch * x.seq * (c.q_rank + heads * hd + hd) * x.bytes + output_projection_bytes(cfg, x)
 
     def backward_bytes(self, cfg: ModelConfig, x: ActivationLayout, freed: float) -> float:
         """An estimate: the gradient of the float32 score matrix."""
-        heads, seq = cfg.attention.n_heads, x.seq
+        heads, seq = cfg.attention.n_heads // x.tp, x.seq
         return x.batch * heads * seq * 2 * seq * FP32
 
 

@@ -259,3 +259,23 @@ def test_gradients_reach_every_parameter_but_the_indexers() -> None:
             assert p.grad is None or not p.grad.any(), name
         else:
             assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize(("tp", "groups", "message"), [
+    (2, 2, None),  # tiny-v4's 4 heads and 2 output groups split over 2 ranks
+    (4, 2, "parallel.tp=4 does not divide model.compressed_attention.o_groups=2"),
+    (2, 1, "parallel.tp=2 does not divide model.compressed_attention.o_groups=1"),
+])
+def test_tensor_parallel_splits_whole_output_groups(tp: int, groups: int, message: str | None) -> None:
+    """Each rank's heads fill whole output groups (o_a's groups go with their heads): tp must divide o_groups."""
+    from meshformer.config import load_config
+    from meshformer.parallel_dims import validate_parallel
+
+    cfg = load_config("tiny-v4")
+    cfg.model.compressed_attention.o_groups = groups
+    cfg.parallel.tp, cfg.parallel.ep = tp, tp
+    if message is None:
+        assert validate_parallel(cfg, tp, "cpu").tp == tp
+    else:
+        with pytest.raises(ConfigError, match=message):
+            validate_parallel(cfg, tp, "cpu")
