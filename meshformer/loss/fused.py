@@ -39,7 +39,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshformer.batch import IGNORE_INDEX
-from meshformer.loss.eager import eager_when_compiled
 
 # (hidden (..., D), labels (...), weight (V, D), bias (V,) | None) -> summed token loss (fp32 scalar)
 HeadLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -302,7 +301,7 @@ class _RecomputedLinearCrossEntropy(torch.autograd.Function):
         return out_h, grad_w, grad_b, None, None, None, None, None, None
 
 
-@eager_when_compiled  # a graph break under whole-model compile: the chunk loop runs eagerly, as tested
+@torch.compiler.disable  # a graph break under whole-model compile: the chunk loop runs eagerly, as tested
 def chunked_linear_cross_entropy(
     hidden: torch.Tensor,
     labels: torch.Tensor,
@@ -341,7 +340,7 @@ def liger_available() -> bool:
 
 # A graph break under whole-model compile, like the chunked loss: dynamo cannot trace liger's autograd Function (torch
 # 2.11: its fake-tensor addmm with out_dtype fails), and the kernel is fused already.
-@eager_when_compiled
+@torch.compiler.disable
 def liger_linear_cross_entropy(
     hidden: torch.Tensor,
     labels: torch.Tensor,

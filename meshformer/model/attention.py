@@ -6,13 +6,14 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from meshformer.model.blockwise_attention import blockwise_attention, blockwise_attention_max, picks_blockwise
 from meshformer.model.config import ModelConfig
@@ -41,14 +42,6 @@ class ClipsLogits(Protocol):
     def qk_clip_rows(self) -> list[tuple[nn.Linear, int, list[int]]]:
         """(projection, rows per head, how each row of a head scales: KEEP, ROOT or WHOLE), the queries' first."""
         ...
-
-
-def _causal_lower_right(q_len: int, k_len: int) -> Any:
-    """torch's lower-right causal bias, imported when first needed: its module imports dynamo (seconds of every
-    rank's start-up), which a run that never builds the bias (training: queries and keys of one length) skips."""
-    from torch.nn.attention.bias import causal_lower_right
-
-    return causal_lower_right(q_len, k_len)
 
 
 def sdpa_order(backend: str) -> list[SDPBackend] | None:
@@ -394,7 +387,7 @@ class Attention(nn.Module):
                 # torch's lower-right causal bias lets flash kernels run, but dynamo cannot build it (a graph break
                 # per call): compiled code passes the boolean mask instead
                 lower_right = (mask.materialize(q.shape[2], k.shape[2], q.device) if torch.compiler.is_compiling()
-                               else _causal_lower_right(q.shape[2], k.shape[2]))
+                               else causal_lower_right(q.shape[2], k.shape[2]))
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=lower_right, dropout_p=dropout_p,
                                                       scale=self.scale)
             return F.scaled_dot_product_attention(

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.attention import sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
-from meshformer.model.attention import KEEP, ROOT, WHOLE, KVCache, SequenceChunk, _causal_lower_right, sdpa_order
+from meshformer.model.attention import KEEP, ROOT, WHOLE, KVCache, SequenceChunk, sdpa_order
 from meshformer.model.config import ModelConfig
 from meshformer.model.masks import AttentionMask
 from meshformer.model.positions import apply_rope
@@ -197,7 +198,7 @@ class MultiHeadLatentAttention(nn.Module):
               dropout_p: float) -> torch.Tensor:
         if mask.mask is None and mask.is_causal and q.shape[2] != k.shape[2]:  # SDPA's is_causal: top left
             lower_right = (mask.materialize(q.shape[2], k.shape[2], q.device) if torch.compiler.is_compiling()
-                           else _causal_lower_right(q.shape[2], k.shape[2]))
+                           else causal_lower_right(q.shape[2], k.shape[2]))
             return F.scaled_dot_product_attention(q, k, v, attn_mask=lower_right, dropout_p=dropout_p,
                                                   scale=self.scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.mask, dropout_p=dropout_p,

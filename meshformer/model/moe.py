@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshformer.loss.eager import eager_when_compiled
 from meshformer.loss.layer_terms import LayerTerms
 from meshformer.model.config import ModelConfig
 
@@ -102,7 +101,7 @@ def _ffn(x: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor, down: tor
     return project(h, down, down_bias)
 
 
-@eager_when_compiled  # a loop over sizes read on the host: eager inside compiled code (a graph break; "auto"
+@torch.compiler.disable  # a loop over sizes read on the host: eager inside compiled code (a graph break; "auto"
 # takes padded there)
 def experts_loop(xs: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor,
                  down: torch.Tensor, act: nn.Module, biases: Biases = None) -> torch.Tensor:

@@ -11,7 +11,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -43,6 +42,7 @@ from meshformer.parallel.materialize import is_meta, materialize
 from meshformer.parallel.mesh import Meshes, build_mesh
 from meshformer.parallel.mesh_model import MeshParallelModel, MultiRankParallelModel
 from meshformer.parallel.parallel_model import ParallelModel, objective_for
+from meshformer.parallel.pipeline.model import PipelineParallelModel, shared_weights
 from meshformer.parallel.pipeline.stages import TransformerStage, stage_placement
 from meshformer.parallel.recompute import apply_recompute
 from meshformer.parallel.tensor_parallel import apply_tensor_parallel, vocab_shard
@@ -52,9 +52,6 @@ from meshformer.parallel_dims import (
     n_microbatches,
     validate_parallel,
 )
-
-if TYPE_CHECKING:
-    from meshformer.parallel.pipeline.model import PipelineParallelModel
 
 log = logging.getLogger(__name__)
 
@@ -214,9 +211,6 @@ def parallelize_part(part: Transformer, cfg: Config, dims: ParallelDims, meshes:
 def _pipeline_model(model: Transformer, cfg: Config, dims: ParallelDims, meshes: Meshes, device: torch.device,
                     objective: Loss, autocast_dtype: torch.dtype | None
                     ) -> PipelineParallelModel:
-    # here, not at the top: torch's pipelining imports dynamo (seconds of every rank's start-up without pp)
-    from meshformer.parallel.pipeline.model import PipelineParallelModel, shared_weights
-
     p = cfg.parallel
     placement = stage_placement(cfg, dims)
     spans = placement.spans
