@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from meshformer.checkpointing import state as st
 from meshformer.checkpointing.checkpoint_errors import CheckpointError
 from meshformer.checkpointing.rng import capture_rng_state, restore_rng_state
-from meshformer.checkpointing.train_state import Checkpointable
+from meshformer.checkpointing.train_state import Checkpointable, optional
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -56,6 +56,7 @@ def load_live_state(run: Checkpointable, state: dict[str, Any]) -> None:
     if per_param:
         st.apply_optimizer(run.optimizer, run.model_parts, per_param, state["param_groups"])
     for name, component in run.components.items():
-        component.load_state_dict(state["components"][name])
+        if name in state["components"] or not optional(component):
+            component.load_state_dict(state["components"][name])
     run.state.load_state_dict(state["train_state"])
     restore_rng_state(state["rng"])

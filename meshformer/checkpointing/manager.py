@@ -36,7 +36,7 @@ from meshformer.checkpointing.dcp_io import SafeFileSystemReader, SafeLoadPlanne
 from meshformer.checkpointing.manifest import Verify, verify_manifest, write_json_atomic
 from meshformer.checkpointing.rng import capture_rng_state, restore_rng_state, seed_all
 from meshformer.checkpointing.save_errors import SAVE_FAILURES, all_corrupt_error, is_disk_full, save_failed_error
-from meshformer.checkpointing.train_state import Checkpointable, saved_contents
+from meshformer.checkpointing.train_state import Checkpointable, optional, saved_contents
 from meshformer.config import CheckpointConfig, Config
 from meshformer.config.migrate import flatten, migrate_tree
 from meshformer.data import Tokenizer
@@ -64,6 +64,8 @@ class CheckpointManager:
         self.group = dist.new_group(backend="gloo", timeout=timeout) if self.distributed else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
         self._pending: Future | None = None
+        self._pending_step: int | None = None  # the step of the save in flight
+        self._saved_before: int | None = None  # last_saved_step before it (restored where it fails)
         self.last_saved_step: int | None = None
         self.failed_saves = 0  # asynchronous saves that failed (each reported at the next step)
         # In a replica group (fault tolerance) a failed interval save is skipped with a line, as an asynchronous one
@@ -105,6 +107,7 @@ class CheckpointManager:
         the committed folder of this step. `stopping`: a run stopped by a signal saves even with
         checkpoint.interval=0, so that a restart continues from here. `save=False`: only wait and close (a stop
         before the run trained a step)."""
+        self.wait()  # an asynchronous save of this step that failed is written again below
         if save and (self.enabled or stopping) and self.last_saved_step != run.state.step:
             self.save(run, blocking=True)
         self.close()
@@ -136,6 +139,7 @@ class CheckpointManager:
             self._write(run, step, partial, blocking)
         except SAVE_FAILURES as err:
             raise self._save_failed(err, step, partial) from None
+        self._pending_step, self._saved_before = step, self.last_saved_step
         self.last_saved_step = step
 
     def _write(self, run: Checkpointable, step: int, partial: Path, blocking: bool) -> None:
@@ -191,13 +195,18 @@ class CheckpointManager:
         error = pending.exception()
         if error is not None:
             self.failed_saves += 1
-            self.log(f"WARNING: {error} (asynchronous save; training continues, the next save tries again)")
+            if self.last_saved_step == self._pending_step:  # not saved: the final save writes this step if it ends here
+                self.last_saved_step = self._saved_before
+            who = f"{self.skip_failed_saves}: " if self.skip_failed_saves else ""
+            self.log(f"WARNING: {error} ({who}asynchronous save, skipped by every rank; training continues, the next "
+                     "save tries again)")
 
     def _finish_async(self, future: Future, partial: Path, step: int, start: float) -> None:
+        """The save thread of every rank: wait for the shards, then commit as the blocking path does, so a commit
+        that fails on rank 0 alone fails this save on every rank (each then reports and skips it alike)."""
         try:
-            future.result()  # on rank 0 this returns after every rank's shards are written (DCP's finish step)
-            if self.rank == 0:
-                self._commit(partial, step)
+            future.result()  # returns after every rank's shards are written (DCP's finish step; a failure reaches all)
+            self._commit_together(partial, step)
         except SAVE_FAILURES as err:
             raise self._save_failed(err, step, partial) from None
         if self.rank == 0:
@@ -373,7 +382,8 @@ class CheckpointManager:
             if load_optimizer:
                 st.apply_optimizer(optimizer, parts, per_param, state["param_groups"], allow_new=bool(skip))
             for name, component in run.components.items():
-                component.load_state_dict(state[name])
+                if state.get(name) is not None or not optional(component):
+                    component.load_state_dict(state[name])
             for name, found in extra.items():
                 run.tensor_components[name].loaded(set(found))
             run.state.load_state_dict(state)
@@ -387,7 +397,7 @@ class CheckpointManager:
     @staticmethod
     def _check_components(path: Path, state: dict[str, Any], run: Checkpointable) -> None:
         """Every component of this run must find its state: resuming it from scratch would be another run."""
-        missing = [name for name in run.components if state.get(name) is None]
+        missing = [name for name, c in run.components.items() if state.get(name) is None and not optional(c)]
         if missing:
             raise CheckpointError(f"{path} holds no state for {', '.join(map(repr, missing))} (saved by a run "
                                   "without it); resume a run with the same components, or start from the weights "

@@ -64,6 +64,12 @@ class SchedulerState:
         st.load_scheduler(self.scheduler, state_dict)
 
 
+def optional(component: Stateful) -> bool:
+    """A component with `optional = True` may be absent from a checkpoint (one saved before it existed): a resume
+    leaves it as it is. Any other must find its state there."""
+    return bool(getattr(component, "optional", False))
+
+
 @runtime_checkable
 class TensorComponent(Protocol):
     """Training state held in tensors laid out like the model's (DiLoCo's outer state): saved in the checkpoint's

@@ -6,6 +6,12 @@ and heals from a live peer at its first step (meshformer/train/replica_step.py);
 group has finished the run, a failed group is no longer restarted (nothing is left to heal from). A stop signal
 goes to every group, which saves and exits as a single job does; nothing restarts after it.
 
+Each group has a standby agent: a torchrun agent process with its imports done, waiting for a line on stdin
+(`meshformer.launcher.torchrun --standby`). A restart hands the group's command to it instead of starting a new
+interpreter, which saves the agent's start-up (seconds: torch's imports) on the way back into the quorum. It is
+started once the group has committed a step (its record grew), so that it does not compete with the group's own
+start-up for the cores, and a group that fails before then restarts with a fresh agent.
+
 `meshformer lighthouse` runs the Lighthouse alone, for groups started by hand or by a scheduler.
 """
 
@@ -23,7 +29,7 @@ from typing import Any
 
 from meshformer.config import Config
 from meshformer.errors import STOP_SIGNALS, UsageError
-from meshformer.launcher.torchrun import torchrun_command, torchrun_env
+from meshformer.launcher.torchrun import STANDBY, TORCHRUN, torchrun_command, torchrun_env
 from meshformer.runtime.fault_tolerance import LIGHTHOUSE_ENV, REPLICA_ID_ENV, start_lighthouse
 
 MAX_REPLICA_GROUPS = 1024
@@ -33,6 +39,7 @@ _POLL_S = 0.1
 # others a quorum without it
 GROUP_SHUTDOWN_S = 2
 FINISH_GRACE_S = 60.0  # a restarted group still running this long after another group finished the run is stopped
+RECORD = "replicas.jsonl"  # each group's record in <run_dir>/replica-<r>/ (meshformer/train/replica_step.py)
 
 
 def replica_overrides(groups: int) -> list[str]:
@@ -72,6 +79,8 @@ class _Group:
     started: float = 0.0
     status: int | None = None  # the exit status it ended with (0: trained to train.steps)
     history: list[int] = field(default_factory=list)  # exit statuses of its failed runs
+    standby: subprocess.Popen | None = None  # its spare agent, imports done, waiting for "go" on stdin
+    record_size: int = -1  # the size of its record when it (re)started (-1: the standby is started or not wanted)
 
     @property
     def running(self) -> bool:
@@ -100,16 +109,31 @@ def launch_replica_groups(config: str, overrides: list[str], cfg: Config, *, npr
             if group.running:
                 _signal_ranks(group, signum)
 
-    def start(group: _Group) -> None:
+    def group_env(group: _Group) -> dict[str, str]:
         # the machine's cores shared by every group's ranks (OMP threads), not by one group's
         env = {**torchrun_env(len(groups) * nproc_per_node, GROUP_SHUTDOWN_S), REPLICA_ID_ENV: str(group.replica_id),
                LIGHTHOUSE_ENV: address}
         gpus = group_gpus(group.replica_id, nproc_per_node, len(groups), visible_gpus())
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus
-        # a session of its own: a terminal's Ctrl-C reaches the launcher, which passes it on (above)
-        group.process = subprocess.Popen(command, env=env, start_new_session=True)
+        return env
+
+    def start(group: _Group) -> None:
+        group.process = _wake(group.standby)
+        group.standby = None
+        if group.process is None:
+            # a session of its own: a terminal's Ctrl-C reaches the launcher, which passes it on (above)
+            group.process = subprocess.Popen(command, env=group_env(group), start_new_session=True)
         group.started = time.monotonic()
+        group.record_size = _size(record(group))
+
+    def record(group: _Group) -> Path:
+        return Path(cfg.logging.run_dir) / f"replica-{group.replica_id}" / RECORD
+
+    def start_standby(group: _Group) -> None:
+        group.record_size = -1
+        group.standby = subprocess.Popen([*TORCHRUN, STANDBY, *command[len(TORCHRUN):]], env=group_env(group),
+                                         stdin=subprocess.PIPE, start_new_session=True)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     try:
@@ -121,6 +145,9 @@ def launch_replica_groups(config: str, overrides: list[str], cfg: Config, *, npr
                 if group.status is not None or group.process is None:
                     continue
                 status = group.process.poll()
+                if status is None and group.record_size >= 0 and not (stopping or finished_at) and \
+                        group.restarts < max_restarts and _size(record(group)) > group.record_size:
+                    start_standby(group)  # the group committed a step: its start-up is over
                 if status is None:
                     if finished_at and group.restarts and time.monotonic() - finished_at[0] > FINISH_GRACE_S:
                         # restarted after the others had gone on without it, and never caught up: nothing is left
@@ -141,14 +168,16 @@ def launch_replica_groups(config: str, overrides: list[str], cfg: Config, *, npr
                     continue
                 group.history.append(status)
                 group.restarts += 1
+                standby = ", on its standby agent" if group.standby is not None else ""
                 print(f"replica group {group.replica_id} exited with status {status} after "
-                      f"{time.monotonic() - group.started:.1f}s; restarting it (restart {group.restarts}): it heals "
-                      "from a live peer", file=sys.stderr, flush=True)
+                      f"{time.monotonic() - group.started:.1f}s; restarting it (restart {group.restarts}{standby}): it "
+                      "heals from a live peer", file=sys.stderr, flush=True)
                 start(group)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for group in groups:
+            _dismiss(group.standby)
             if group.running:
                 assert group.process is not None
                 _kill_tree(group.process.pid)
@@ -157,6 +186,37 @@ def launch_replica_groups(config: str, overrides: list[str], cfg: Config, *, npr
     if stopping:
         return 128 + stopping[0]
     return 0 if finished_at else max(group.status or 1 for group in groups)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _wake(standby: subprocess.Popen | None) -> subprocess.Popen | None:
+    """The standby agent, told to run the group's command (None where there is none, or it has died)."""
+    if standby is None or standby.stdin is None or standby.poll() is not None:
+        return None
+    try:
+        standby.stdin.write(b"go\n")
+        standby.stdin.close()
+    except OSError:  # it died in between
+        _dismiss(standby)
+        return None
+    return standby
+
+
+def _dismiss(standby: subprocess.Popen | None) -> None:
+    """End a standby agent that was not needed (it holds nothing but its imports)."""
+    if standby is None:
+        return
+    _kill_tree(standby.pid)
+    standby.wait()
+    with contextlib.suppress(OSError):
+        if standby.stdin is not None:
+            standby.stdin.close()
 
 
 def _children(pid: int) -> list[int]:

@@ -246,10 +246,40 @@ def _unreported_failure(failures: dict[int, Any], peer_lost: bool = False) -> tu
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m meshformer.launcher.torchrun [torchrun options] -m meshformer.train CONFIG [--set ...]`."""
+    """`python -m meshformer.launcher.torchrun [torchrun options] -m meshformer.train CONFIG [--set ...]`; with
+    `--standby` first, it imports torchrun's agent, then waits for a line on stdin: `go` runs the rest of the command
+    line, anything else (or the end of stdin) exits at once (a replica group's spare agent, launcher/replica_groups.py).
+    """
     from meshformer.errors import run_command
 
-    sys.exit(run_command(run_agent, sys.argv[1:] if argv is None else argv))
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == [STANDBY]:
+        import torch.distributed.run  # noqa: F401  # the agent's imports: the seconds a standby saves a restart
+
+        if sys.stdin.readline().strip() != "go":
+            _exit_now(0)
+        args = args[1:]
+    try:
+        status = run_command(run_agent, args)
+    except SystemExit as done:
+        _exit_now(done.code)
+    _exit_now(status)
+
+
+STANDBY = "--standby"
+
+
+def _exit_now(code: object) -> None:
+    """Exit as SystemExit(code) would, without the interpreter's teardown: the agent has nothing left to clean up
+    (its ranks have exited, its temporary folder is gone), and torch's teardown takes seconds on a busy machine,
+    seconds a replica group's launcher would wait before it restarts a failed group."""
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,27 @@ def _any_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
+WINDOW = "ft_window"  # the checkpoint component of WindowGroups
+
+
+class WindowGroups:
+    """local_sgd / diloco: the groups of the synchronisation that opened the window a step is in, which the record
+    names for each step of the window. A checkpoint keeps them (trainer_state.json, component `ft_window`), so a
+    group resumed inside a window records the rest of it as the uninterrupted run did; optional: a checkpoint saved
+    without it resumes with the group alone until the window's synchronisation."""
+
+    optional = True
+
+    def __init__(self, training: ReplicaTraining) -> None:
+        self.training = training
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"replicas": list(self.training.last.replicas)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.training.last = StepSync(tuple(int(r) for r in state["replicas"]), 0.0)
+
+
 ANCHOR, MOMENTUM = "anchor.", "momentum."
 
 
@@ -193,6 +214,9 @@ class ReplicaTraining:
         if self.cfg.method == "diloco":  # in checkpoints, and loaded by a resume before the group is made
             self.outer = OuterState(self.cfg, trainer.parallel_model.model_parts)
             trainer.checkpointable.tensor_components["outer"] = self.outer
+        if self.cfg.method != "sync":  # each step of a window is recorded with the groups that opened it
+            run = trainer.checkpointable
+            run.components = {**run.components, WINDOW: WindowGroups(self)}
         trainer.training_step.gradient_sync = self.sync
 
     def start_step(self) -> None:

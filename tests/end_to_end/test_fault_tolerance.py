@@ -74,7 +74,8 @@ def test_a_killed_group_restarts_and_heals_while_the_other_trains_on(tmp_path):
 
     # The survivor said who dropped and who came back, and the killed group healed from the live peer.
     assert "replica group(s) [1] dropped" in text and "replica group(s) [1] joined" in text, text[-6000:]
-    assert "restarting it (restart 1)" in text, text[-6000:]
+    # the restart ran on the group's standby agent (started once the group had committed a step)
+    assert "restarting it (restart 1, on its standby agent)" in text, text[-6000:]
     assert "replica group 1 healed from a live peer" in text, text[-6000:]
 
     # Both groups reached train.steps with the same weights, bit for bit.
@@ -135,7 +136,7 @@ def test_a_heal_leaves_groups_bitwise_equal_under_each_layout(tmp_path, layout):
     codes = finish([start(cmd, env, log)], 420)
     text = logs(log)
     assert codes == [0], text[-6000:]
-    assert (tmp_path / "killed-1").exists() and "restarting it (restart 1)" in text, text[-6000:]
+    assert (tmp_path / "killed-1").exists() and "restarting it (restart 1" in text, text[-6000:]
     assert "replica group 1 healed from a live peer" in text, text[-6000:]
     saved = [sorted(p for p in (run_dir / f"replica-{r}").rglob("step-*") if p.suffix != ".partial")
              for r in range(GROUPS)]
@@ -186,7 +187,8 @@ def test_diloco_groups_synchronise_every_h_steps_and_end_equal(tmp_path):
 def test_diloco_resumed_inside_a_window_ends_as_the_uninterrupted_run(tmp_path):
     """2 groups x 1 rank, DiLoCo with H=3 and a checkpoint at step 4 (inside the window 3..6): both groups killed
     before step 6 restart from it with the anchor and outer momentum it holds, train steps 5 and 6 on their own and
-    synchronise after step 6, as the uninterrupted run did: both end with its weights, bit for bit."""
+    synchronise after step 6, as the uninterrupted run did: both end with its weights, bit for bit, and with its
+    record (steps 5 and 6 trained in the window of both groups, at the same data positions)."""
     steps = 8
     def run(name: str, **faults: str) -> str:
         run_dir = tmp_path / name
@@ -214,6 +216,12 @@ def test_diloco_resumed_inside_a_window_ends_as_the_uninterrupted_run(tmp_path):
         got = load_file(str(tmp_path / "resumed" / f"replica-{r}" / "final" / "model.safetensors"))
         differ = [k for k in want if not torch.equal(want[k], got[k])]
         assert not differ, f"group {r} ends with other weights than the uninterrupted run in {differ[:4]}"
+    for r in range(GROUPS):
+        want_record, got_record = (
+            [{k: v for k, v in line.items() if k != "time"} for line in _records(tmp_path / name, r)]
+            for name in ("reference", "resumed"))
+        assert [line["step"] for line in want_record] == list(range(1, steps + 1)), want_record
+        assert got_record == want_record, f"group {r}'s record differs from the uninterrupted run's\n{text[-3000:]}"
 
 
 @pytest.mark.slow
@@ -338,6 +346,38 @@ def test_a_commit_that_fails_on_rank_0_alone_is_skipped_by_every_rank_of_the_gro
     from meshformer.checkpointing.directory import committed_steps
 
     assert committed_steps(run_dir / "replica-0" / "checkpoints") == [2, 6, 8], text[-4000:]
+
+
+@pytest.mark.slow
+def test_an_async_commit_that_fails_on_rank_0_alone_is_skipped_by_every_rank_of_the_group(tmp_path):
+    """As above with checkpoint.async_save=true: the save thread of every rank learns in the collective that ends the
+    save that rank 0 could not commit step 4, so every rank counts that save as failed (not rank 0 alone), the group
+    skips it with one line and trains on, and the newest committed checkpoint (step 2) stays whole and loadable."""
+    run_dir, outcome = tmp_path / "run", tmp_path / "failed"
+    config = [*overrides(tmp_path, run_dir), "train.steps=8", "checkpoint.interval=2", "checkpoint.async_save=true",
+              "parallel.dp_shard=2", "parallel.timeout_s=300", "fault_tolerance.timeout_s=300"]
+    cmd = [sys.executable, "-m", "meshformer", "train", "tiny-gpt", "--replica-groups", "1", "--nproc-per-node",
+           "2", "--set", *config]
+    log = tmp_path / "launcher.log"
+    env = worker_env(MF_TEST_COMMIT_FAIL_STEP="4", MF_TEST_SAVE_OUTCOME=str(outcome), MF_TEST_SAVE_SLEEP_S="0.5")
+    codes = finish([start(cmd, env, log)], 200)
+    text = logs(log)
+    assert codes == [0], text[-6000:]
+    assert "injected: rank 0 commits step 4" in text, text[-6000:]
+    warned = [line for line in text.splitlines() if "asynchronous save, skipped by every rank" in line]
+    assert len(warned) == 1 and "replica group 0" in warned[0], text[-6000:]
+    for rank in range(2):  # every rank concluded the same: step 4's save failed, and no other
+        path = Path(f"{outcome}-rank{rank}")
+        assert path.is_file() and path.read_text().split() == ["4"], f"rank {rank}\n{text[-4000:]}"
+    from meshformer.checkpointing.dcp_io import read_full_tensors
+    from meshformer.checkpointing.directory import committed_steps
+    from meshformer.checkpointing.manifest import verify_manifest
+
+    root = run_dir / "replica-0" / "checkpoints"
+    assert committed_steps(root) == [2, 6, 8], text[-4000:]
+    newest_at_failure = root / "step-00000002"
+    verify_manifest(newest_at_failure, "sha256")
+    assert read_full_tensors(newest_at_failure), "step 2's tensors could not be read"
 
 
 # ----------------------------------------------------------------------------- edge cases (1 rank per group)

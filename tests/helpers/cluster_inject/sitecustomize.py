@@ -16,6 +16,7 @@ SLURM launch the unmodified command line:
   into): "eval" (held-out batches) or "downstream" (scoring batches); MF_TEST_PHASE_MARK=PATH is created as it
   starts.
 - MF_TEST_COMMIT_FAIL_STEP=N: rank 0 alone fails to commit the checkpoint of step N (an I/O error on rename);
+  with MF_TEST_SAVE_OUTCOME=PATH each rank appends the steps of the saves it counted as failed to PATH-rank<R>;
 - MF_TEST_HEAL_SLEEP_S=S with MF_TEST_HEAL_MARK=PATH: a replica group's heal (fault tolerance) creates PATH, then
   waits S seconds before it loads the peer's state (a heal long enough to kill a group or signal into).
 """
@@ -155,6 +156,18 @@ def fail_commit(manager_cls) -> None:
         return commit(self, partial, step)
 
     manager_cls._commit = failing_commit
+    outcome = os.environ.get("MF_TEST_SAVE_OUTCOME")
+    if outcome:
+        report = manager_cls._report_failed_save
+
+        def recorded_report(self, *, block):  # what each rank concluded about its asynchronous saves
+            failed, step = self.failed_saves, self._pending_step
+            report(self, block=block)
+            if self.failed_saves > failed:
+                with open(f"{outcome}-rank{self.rank}", "a") as file:
+                    file.write(f"{step}\n")
+
+        manager_cls._report_failed_save = recorded_report
 
 
 class PatchOnImport(importlib.abc.MetaPathFinder):
