@@ -218,6 +218,20 @@ FAMILIES["nemotron"] = dict(FAMILIES["mamba"], n_layers=4, layer_types=["mamba2"
 # DeepSeek-V4's residual on the DeepSeek-V3-like model: two mHC streams, their mixing weights replicated (FSDP shards,
 # tp replicates them), each token's mix its own (cp pieces and sequence-parallel slices need nothing exchanged)
 FAMILIES["deepseek_mhc"] = dict(FAMILIES["deepseek"], residual=dict(kind="mhc", streams=2, sinkhorn_iters=5))
+# DeepSeek-V4-like: sliding-window MQA, compressed sparse (entries of 2 tokens over 4, the indexer's top 2) and heavily
+# compressed (entries of 4 tokens) attention with a learned sink per head; hash routing then learned routing, 2 mHC
+# streams. Under cp the 4-token pieces each compress their own windows (a CSA entry reads the previous piece's last
+# window) and the ranks all-gather the key/value head, the entries and the indexer's keys; the 5-token window
+# reaches back across pieces
+FAMILIES["v4"] = dict(family="decoder", n_layers=3, position="none", bias=False,
+                      layer_types=["sliding_mqa", "csa", "hca"], mlp_types=["hash_moe", "moe", "moe"],
+                      norm=dict(kind="rmsnorm"), attention=dict(head_dim=8),
+                      compressed_attention=dict(q_rank=16, rope_dim=4, window=5, o_groups=2, o_rank=8, hca_rate=4,
+                                                csa_rate=2, index_heads=2, index_dim=8, index_topk=2),
+                      ffn=dict(activation="swiglu"),
+                      moe=dict(n_experts=4, experts_per_token=2, d_ff=16, n_shared_experts=1,
+                               router_score="sqrt_softplus", router_scale=1.5),
+                      residual=dict(kind="mhc", streams=2, sinkhorn_iters=5))
 FAMILIES["qwen3next4"] = dict(FAMILIES["qwen3next"], n_layers=4, layer_types=["linear_attention", "full_attention"] * 2)
 
 

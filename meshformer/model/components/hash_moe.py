@@ -1,7 +1,8 @@
 """DeepSeek-V4's hash-routed mixture of experts (`model/moe.py`'s `HashRoutedMoE`) as the channel-mixer kind
 `hash_moe`, reading `[model.moe]` as the `moe` kind does: each token's experts_per_token experts are its token id's
 row of a fixed table saved with the model (model.vocab_size rows); the router only weighs them (sqrt-softplus scores,
-normalised, times moe.router_scale). The block passes it the token ids.
+normalised, times moe.router_scale). The block passes it the token ids (under context parallel: those of its
+rank's pieces, as of the tokens).
 """
 
 from __future__ import annotations
@@ -30,9 +31,6 @@ class HashRoutedExperts(MixtureOfExperts):
         if cfg.moe.router_groups > 1 or cfg.moe.capacity_factor > 0:
             raise ConfigError("hash_moe blocks take each token's experts from a fixed table, but model.moe sets "
                               "router_groups or capacity_factor", "set router_groups = 1 and capacity_factor = 0")
-
-    def context_parallel(self, cfg: ModelConfig) -> str | None:
-        return "hash_moe blocks read the token ids, which context parallel does not hand the blocks"
 
     def tensor_parallel(self, cfg: ModelConfig) -> str | None:
         return "hash_moe blocks read the token ids, which sequence parallel does not split with the tokens"

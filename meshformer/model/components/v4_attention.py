@@ -5,8 +5,10 @@ indexer's top `index_topk` entries of overlapping `csa_rate` windows). One key/v
 a learned sink logit per head, a grouped output projection.
 
 The blocks rotate their own queries and keys (model.position = "none") from each row's positions 0, 1, ...: right
-padding only; no packing, context or tensor parallel. The generation cache keeps the block's inputs and recomputes
-over them.
+padding only; no packing or tensor parallel. Context parallel (the all-gather method) keeps each rank's queries and
+all-gathers the one key/value head, the compressed entries and the indexer's keys (each piece of a sequence must
+hold whole compression windows: data.seq_len a multiple of 2 x cp x the rate). The generation cache keeps the
+block's inputs and recomputes over them.
 """
 
 from __future__ import annotations
@@ -77,8 +79,9 @@ class V4AttentionKind(TokenMixer):
             raise ConfigError(f"model.compressed_attention.o_groups={c.o_groups} does not divide the heads' width "
                               f"{heads * hd}", "use a divisor of model.attention.n_heads")
 
-    def context_parallel(self, cfg: ModelConfig) -> str | None:
-        return "DeepSeek-V4 attention compresses windows of the whole sequence on one rank"
+    def ulysses(self, cfg: ModelConfig, cp: int, tp: int) -> str | None:
+        return ("DeepSeek-V4 attention's one key/value head and compressed entries are all-gathered, not split by "
+                'heads; use parallel.cp_method = "allgather"')
 
     def tensor_parallel(self, cfg: ModelConfig) -> str | None:
         return "DeepSeek-V4 attention's one shared key/value head and grouped output projection are not split"
