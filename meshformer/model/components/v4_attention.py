@@ -79,6 +79,11 @@ class V4AttentionKind(TokenMixer):
             raise ConfigError(f"model.compressed_attention.o_groups={c.o_groups} does not divide the heads' width "
                               f"{heads * hd}", "use a divisor of model.attention.n_heads")
 
+    def context_piece_multiple(self, cfg: ModelConfig) -> int:
+        # each piece compresses its own windows: none may straddle two pieces
+        rate = self._rate(cfg)
+        return 1 if rate is None else rate
+
     def ulysses(self, cfg: ModelConfig, cp: int, tp: int) -> str | None:
         return ("DeepSeek-V4 attention's one key/value head and compressed entries are all-gathered, not split by "
                 'heads; use parallel.cp_method = "allgather"')
