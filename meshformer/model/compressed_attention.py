@@ -68,6 +68,7 @@ def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return torch.cat([rest, rotated.to(x.dtype)], dim=-1)
 
 
+INDEX_SCORES = 2**25  # float32 indexer scores (128 MiB) computed at once: one block of queries against every entry
 Span = tuple[int, int, int]  # (start among this rank's tokens, length, start in the sequence): a contiguous piece
 
 
@@ -184,8 +185,10 @@ class Indexer(Compressor):
                         sin[:, None])
         gates = self.weights_proj(x).float() * self.n_heads**-0.5
         picks, kept = [], []
-        for b in range(0, x.shape[1], CompressedAttention.query_block):  # scores of one block of queries at a time
-            rows = slice(b, b + CompressedAttention.query_block)
+        # the scores of a block of queries at a time, about INDEX_SCORES of them (one query's: heads x entries)
+        step = max(1, min(CompressedAttention.query_block, INDEX_SCORES // max(1, self.n_heads * keys.shape[1])))
+        for b in range(0, x.shape[1], step):
+            rows = slice(b, b + step)
             scores = torch.relu(torch.einsum("bthd,bwd->bthw", q[:, rows].float(), keys.float())) * self.head_dim**-0.5
             visible = self.visible(positions[rows], keys.shape[1])
             index = (scores * gates[:, rows, :, None]).sum(dim=2).masked_fill(~visible, float("-inf"))
@@ -243,8 +246,8 @@ class CompressedAttention(nn.Module):
         entries = self.compressor.entries(x, spans, chunk) if self.compressor is not None else None
         picked = None
         if self.indexer is not None and entries is not None and entries.shape[1]:
-            keys = self.indexer.entries(x, spans, chunk)
-            picked = self.indexer.chosen(x, latent, positions, keys)
+            with torch.no_grad():  # top-k passes no gradient: nothing of the indexer's is kept for backward
+                picked = self.indexer.chosen(x, latent, positions, self.indexer.entries(x, spans, chunk))
         out = torch.cat([self._attend(q[:, :, start:start + n], kv, entries, picked, s, start, n, at)
                          for s, length, at in spans
                          for start, n in self._blocks(s, length)], dim=2).transpose(1, 2)  # (B, T, H, hd)

@@ -149,24 +149,70 @@ class V4AttentionKind(TokenMixer):
             total += 2 * queries * (keys // c.csa_rate) * c.index_heads * (c.index_dim + 1)
         return total
 
+    def _blocks(self, cfg: ModelConfig, x: ActivationLayout) -> tuple[int, int, int, int]:
+        """Over this rank's query blocks (`CompressedAttention.query_block` consecutive positions of a piece; under
+        context parallel rank 0's two pieces, whose positions sum as every rank's do): (scores per head, gathered
+        entries, mask elements, the largest block's scores per head). A block's queries score its windows' keys,
+        the sink and, in HCA, every entry its last query may see; in CSA each query's top-k picks (gathered)."""
+        from meshformer.model.attention import pieces_held
+        from meshformer.model.compressed_attention import CompressedAttention
+
+        c, rate, step = cfg.compressed_attention, self._rate(cfg), CompressedAttention.query_block
+        whole = x.seq * x.cp
+        spans = pieces_held(0, x.cp, x.seq) if x.cp > 1 else [(0, x.seq, 0)]
+        scores = gathered = masks = largest = 0
+        for _, length, at in spans:
+            for first in range(at, at + length, step):
+                n = min(step, at + length - first)
+                keys = first + n - max(0, first - c.window + 1)
+                entries = 0
+                if rate is not None and self._indexed():
+                    entries = min(c.index_topk, whole // rate)
+                    gathered += n * entries
+                elif rate is not None:
+                    entries = (first + n) // rate
+                scores += n * (keys + entries + 1)
+                masks += n * (keys + entries * (x.batch if self._indexed() else 1))
+                largest = max(largest, n * (keys + entries + 1))
+        return scores, gathered, masks, largest
+
     def saved_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
-        """An estimate: per token its latent, queries, key and output (heads x head_dim each), and the probabilities
-        over the (whole-sequence, masked) score matrix in float32."""
+        """Per token its input, latent (norm input and output), queries (before and after their norm and rotary),
+        key (its norm input) and output (rotated back, and its groups' projections); the whole sequence's key/value
+        head (all-gathered under context parallel); a compressor's projections and float32 gate weights per token and
+        its entries (norm input, and the whole sequence's); each query block's probabilities (`_blocks`) and masks,
+        CSA's gathered entries. The indexer keeps nothing (it passes no gradient). Under bfloat16 the float32 copies
+        the queries' norm and the compressor's norm make."""
         heads, hd, d = self._widths(cfg)
-        c, seq = cfg.compressed_attention, x.seq
-        keys = seq + (seq // self._rate(cfg) if self._rate(cfg) is not None else 0)  # type: ignore[operator]
-        per_token = (c.q_rank + 3 * heads * hd + 2 * hd + d) * x.bytes
-        return x.batch * (seq * per_token + 2 * heads * seq * keys * FP32)
+        c, a, rate, seq = cfg.compressed_attention, x.bytes, self._rate(cfg), x.seq
+        widening = FP32 if a != FP32 else 0  # a float32 copy kept beside a low-precision tensor
+        per_token = (d + 2 * c.q_rank + 3 * heads * hd + hd + c.o_groups * c.o_rank) * a + heads * FP32
+        per_token += heads * hd * widening
+        total = seq * per_token + seq * x.cp * hd * a
+        if rate is not None:
+            width = 2 * hd if self._indexed() else hd
+            entries = seq * x.cp // rate
+            total += seq * width * (a + FP32) + (seq // rate) * hd * (a + widening) + entries * hd * a
+        scores, gathered, masks, _ = self._blocks(cfg, x)
+        return x.batch * (total + heads * scores * a + gathered * hd * a) + masks
 
     def selective_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
+        """The matmul outputs: latent, queries, key, each query block's scores and outputs, and the output
+        projection's."""
         heads, hd, _ = self._widths(cfg)
         c = cfg.compressed_attention
-        return x.batch * x.seq * (c.q_rank + heads * hd + hd) * x.bytes + output_projection_bytes(cfg, x)
+        scores = self._blocks(cfg, x)[0]
+        return (x.batch * (x.seq * (c.q_rank + 2 * heads * hd + hd) + heads * scores) * x.bytes
+                + output_projection_bytes(cfg, x))
 
     def backward_bytes(self, cfg: ModelConfig, x: ActivationLayout, freed: float) -> float:
-        """An estimate: the gradient of the float32 score matrix."""
-        heads, seq = cfg.attention.n_heads, x.seq
-        return x.batch * heads * seq * 2 * seq * FP32
+        """The largest query block's score gradients (float32 and the activation dtype) and the whole sequence's
+        key/value head and entries' gradients, accumulated over the blocks."""
+        heads, hd, _ = self._widths(cfg)
+        rate, whole = self._rate(cfg), x.seq * x.cp
+        largest = self._blocks(cfg, x)[3]
+        entries = 0 if rate is None else whole // rate
+        return x.batch * (heads * largest * (FP32 + x.bytes) + (whole + entries) * hd * FP32)
 
 
 class HeavilyCompressedKind(V4AttentionKind):
