@@ -111,7 +111,7 @@ class Compressor(nn.Module):
         return compressed, self.visible(positions, compressed.shape[1])
 
     def visible(self, positions: torch.Tensor, count: int) -> torch.Tensor:
-        """(T, count): entry w ends at position (w + 1) x rate - 1: a query at t sees it once t + 1 >= (w + 1) x rate."""
+        """(T, count): entry w ends at position (w + 1) x rate - 1; a query at t sees it once t + 1 >= (w + 1) rate."""
         return torch.arange(count, device=positions.device) < ((positions + 1) // self.rate)[:, None]
 
     def entries(self, x: torch.Tensor, spans: list[Span], chunk: SequenceChunk | None) -> torch.Tensor:
@@ -131,8 +131,8 @@ class Compressor(nn.Module):
             for i, (_, n, at) in enumerate(spans):
                 piece = at // n
                 if piece:
-                    prev = every[:, (piece - 1) * rate:piece * rate]
-                    before[i] = prev[..., :d], prev[..., d:]
+                    tail = every[:, (piece - 1) * rate:piece * rate]
+                    before[i] = tail[..., :d], tail[..., d:]
         out = []
         for (s, n, at), prev in zip(spans, before, strict=True):
             windows = n // rate

@@ -13,6 +13,7 @@ block's inputs and recomputes over them.
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 from torch import nn
@@ -154,27 +155,11 @@ class V4AttentionKind(TokenMixer):
         context parallel rank 0's two pieces, whose positions sum as every rank's do): (scores per head, gathered
         entries, mask elements, the largest block's scores per head). A block's queries score its windows' keys,
         the sink and, in HCA, every entry its last query may see; in CSA each query's top-k picks (gathered)."""
-        from meshformer.model.attention import pieces_held
         from meshformer.model.compressed_attention import CompressedAttention
 
-        c, rate, step = cfg.compressed_attention, self._rate(cfg), CompressedAttention.query_block
-        whole = x.seq * x.cp
-        spans = pieces_held(0, x.cp, x.seq) if x.cp > 1 else [(0, x.seq, 0)]
-        scores = gathered = masks = largest = 0
-        for _, length, at in spans:
-            for first in range(at, at + length, step):
-                n = min(step, at + length - first)
-                keys = first + n - max(0, first - c.window + 1)
-                entries = 0
-                if rate is not None and self._indexed():
-                    entries = min(c.index_topk, whole // rate)
-                    gathered += n * entries
-                elif rate is not None:
-                    entries = (first + n) // rate
-                scores += n * (keys + entries + 1)
-                masks += n * (keys + entries * (x.batch if self._indexed() else 1))
-                largest = max(largest, n * (keys + entries + 1))
-        return scores, gathered, masks, largest
+        c = cfg.compressed_attention
+        return _query_blocks(x.seq, x.cp, x.batch, c.window, self._rate(cfg), c.index_topk if self._indexed() else None,
+                             CompressedAttention.query_block)
 
     def saved_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
         """Per token its input, latent (norm input and output), queries (before and after their norm and rotary),
@@ -213,6 +198,30 @@ class V4AttentionKind(TokenMixer):
         largest = self._blocks(cfg, x)[3]
         entries = 0 if rate is None else whole // rate
         return x.batch * (heads * largest * (FP32 + x.bytes) + (whole + entries) * hd * FP32)
+
+
+@functools.lru_cache(maxsize=256)
+def _query_blocks(seq: int, cp: int, batch: int, window: int, rate: int | None, topk: int | None, step: int
+                  ) -> tuple[int, int, int, int]:
+    """`V4AttentionKind._blocks` (the planner asks it of every layout: cached)."""
+    from meshformer.model.attention import pieces_held
+
+    spans = pieces_held(0, cp, seq) if cp > 1 else [(0, seq, 0)]
+    scores = gathered = masks = largest = 0
+    for _, length, at in spans:
+        for first in range(at, at + length, step):
+            n = min(step, at + length - first)
+            keys = first + n - max(0, first - window + 1)
+            entries = 0
+            if rate is not None and topk is not None:
+                entries = min(topk, seq * cp // rate)
+                gathered += n * entries
+            elif rate is not None:
+                entries = (first + n) // rate
+            scores += n * (keys + entries + 1)
+            masks += n * (keys + entries * (batch if topk is not None else 1))
+            largest = max(largest, n * (keys + entries + 1))
+    return scores, gathered, masks, largest
 
 
 class HeavilyCompressedKind(V4AttentionKind):
