@@ -158,3 +158,25 @@ def test_gradients_reach_every_parameter_but_the_indexers() -> None:
             assert p.grad is None or not p.grad.any(), name
         else:
             assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["data.seq_len=96", "model.max_seq_len=128"],
+     "hca blocks need each of the 4 sequence pieces to hold a multiple of 16 tokens, but data.seq_len=96 gives "
+     "pieces of 24; choose a data.seq_len that is a multiple of 2 x cp x 16 = 64"),
+    (['parallel.cp_method="ulysses"'], 'are all-gathered, not split by heads; use parallel.cp_method = "allgather"'),
+])
+def test_context_parallel_refusals(overrides: list[str], message: str) -> None:
+    """Context parallel runs the V4 kinds (and hash routing) with the all-gather method on pieces of whole
+    compression windows; a piece cutting a window, or Ulysses, is refused in one line at configuration."""
+    from meshformer.config import load_config
+    from meshformer.parallel_dims import ParallelDims, check_context_parallel
+
+    def check(extra: list[str]) -> None:
+        cfg = load_config("tiny-v4", ["parallel.cp=2", "parallel.dp_shard=1", *extra])
+        check_context_parallel(cfg, ParallelDims.from_config(cfg.parallel, 2))
+
+    check([])  # 128 tokens: pieces of 32, whole windows of 16 and 4
+    with pytest.raises(ConfigError, match="parallel.cp=2") as refused:
+        check(overrides)
+    assert message in str(refused.value)
