@@ -162,8 +162,8 @@ class V4AttentionKind(TokenMixer):
                              CompressedAttention.query_block)
 
     def saved_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
-        """Per token its input, latent (norm input and output), queries (before and after their norm and rotary),
-        key (its norm input) and output (rotated back, and its groups' projections); the whole sequence's key/value
+        """Per token its input, latent (norm input, normalised, output), queries (before and after their norm and
+        rotary), key (its norm input, normalised), the rotary tables and output (rotated back, and its groups' projections); the whole sequence's key/value
         head (all-gathered under context parallel); a compressor's projections and float32 gate weights per token and
         its entries (norm input, and the whole sequence's); each query block's probabilities (`_blocks`) and masks,
         CSA's gathered entries. The indexer keeps nothing (it passes no gradient). Under bfloat16 the float32 copies
@@ -172,12 +172,13 @@ class V4AttentionKind(TokenMixer):
         c, a, rate, seq = cfg.compressed_attention, x.bytes, self._rate(cfg), x.seq
         widening = FP32 if a != FP32 else 0  # a float32 copy kept beside a low-precision tensor
         per_token = (d + 2 * c.q_rank + 3 * heads * hd + hd + c.o_groups * c.o_rank) * a + heads * FP32
-        per_token += heads * hd * widening
+        # the norms' normalised inputs (before their weight), their statistics, the rotary tables (cos, sin, -sin)
+        per_token += (c.q_rank + hd) * a + (3 * c.rope_dim // 2 + 2) * FP32 + heads * hd * widening
         total = seq * per_token + seq * x.cp * hd * a
         if rate is not None:
             width = 2 * hd if self._indexed() else hd
             entries = seq * x.cp // rate
-            total += seq * width * (a + FP32) + (seq // rate) * hd * (a + widening) + entries * hd * a
+            total += seq * width * (a + FP32) + (seq // rate) * hd * (2 * a + widening) + entries * hd * a
         scores, gathered, masks, _ = self._blocks(cfg, x)
         return x.batch * (total + heads * scores * a + gathered * hd * a) + masks
 

@@ -176,40 +176,14 @@ def test_queries_in_blocks_equal_one_block(kind, monkeypatch):
 
 def threaded_pieces(module: nn.Module, x: torch.Tensor, count: int) -> torch.Tensor:
     """The module run as `count` context-parallel ranks in threads, each on its two pieces of x with an all-gather
-    between the threads (`SequenceChunk`), the outputs put back in sequence order."""
-    import threading
+    between the threads, the outputs put back in sequence order."""
+    from helpers.allgather_threads import in_order, pieces, run_ranks
 
-    from meshformer.model.attention import SequenceChunk
+    def rank(chunk):  # type: ignore[no-untyped-def]
+        mine = pieces(x, chunk)
+        return module(mine, chunk.positions(mine.shape[1], mine.device), chunk)
 
-    barrier, slots = threading.Barrier(count), [None] * count
-    outputs: list = [None] * count
-    pieces = x.chunk(2 * count, dim=1)
-
-    def run(rank: int) -> None:
-        def gather(t: torch.Tensor) -> torch.Tensor:
-            slots[rank] = t
-            barrier.wait()
-            every = torch.cat(list(slots), dim=2)
-            barrier.wait()  # every rank has read the slots before the next gather writes them
-            return every
-
-        chunk = SequenceChunk(rank, count, gather)
-        mine = torch.cat([pieces[rank], pieces[2 * count - 1 - rank]], dim=1)
-        try:
-            outputs[rank] = module(mine, chunk.positions(mine.shape[1], mine.device), chunk)
-        except Exception as error:  # raised again by the caller
-            outputs[rank] = error
-            barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors := [o for o in outputs if isinstance(o, Exception) and not isinstance(o, threading.BrokenBarrierError)]:
-        raise errors[0]
-    halves = [o.chunk(2, dim=1) for o in outputs]
-    return torch.cat([halves[p][0] if p < count else halves[2 * count - 1 - p][1] for p in range(2 * count)], dim=1)
+    return in_order(run_ranks(count, rank))
 
 
 @pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
