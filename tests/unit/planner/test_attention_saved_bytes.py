@@ -50,7 +50,7 @@ def test_v4_planned_bytes_follow_what_autograd_keeps(kind: str) -> None:
     ids = torch.zeros(1, cfg.data.seq_len, dtype=torch.long)
     kept = saved_activation_bytes(model, lambda: model.decode(ids, h=h, final_norm=False))
     planned = block_saved(cfg.model, activation_shape(cfg, 1, 1, False, device_type="cpu"))
-    assert abs(planned / kept - 1) < 0.02, (planned, kept)
+    assert abs(planned / kept - 1) < 0.01, (planned, kept)
 
 
 @pytest.mark.parametrize("kind", ["sliding_mqa", "hca", "csa"])
@@ -75,4 +75,4 @@ def test_v4_planned_bytes_under_context_parallel_follow_what_autograd_keeps(kind
     kept = run_ranks(2, rank)[0]
     shape = activation_shape(cfg, 1, 1, False, device_type="cpu", cp=2)
     planned = token_mixer(cfg.model, 0).saved_bytes(cfg.model, shape, memory_len=0, causal=True)
-    assert abs(planned / kept - 1) < 0.02, (planned, kept)
+    assert abs(planned / kept - 1) < 0.01, (planned, kept)
