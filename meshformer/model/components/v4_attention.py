@@ -163,10 +163,10 @@ class V4AttentionKind(TokenMixer):
 
     def saved_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
         """Per token its input, latent (norm input, normalised, output), queries (before and after their norm and
-        rotary), key (its norm input, normalised), the rotary tables and output (rotated back, and its groups' projections); the whole sequence's key/value
-        head (all-gathered under context parallel); a compressor's projections and float32 gate weights per token and
-        its entries (norm input, and the whole sequence's); each query block's probabilities (`_blocks`) and masks,
-        CSA's gathered entries. The indexer keeps nothing (it passes no gradient). Under bfloat16 the float32 copies
+        rotary), key (its norm input, normalised), the rotary tables and output (rotated back, and its groups'
+        projections); the whole sequence's key/value head (all-gathered under context parallel); a compressor's
+        projections and float32 gate weights per token and its entries (norm input, normalised, and the whole
+        sequence's); each query block's probabilities (`_blocks`) and masks, CSA's gathered entries. The indexer keeps nothing (it passes no gradient). Under bfloat16 the float32 copies
         the queries' norm and the compressor's norm make."""
         heads, hd, d = self._widths(cfg)
         c, a, rate, seq = cfg.compressed_attention, x.bytes, self._rate(cfg), x.seq
