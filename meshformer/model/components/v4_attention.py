@@ -166,8 +166,9 @@ class V4AttentionKind(TokenMixer):
         rotary), key (its norm input, normalised), the rotary tables and output (rotated back, and its groups'
         projections); the whole sequence's key/value head (all-gathered under context parallel); a compressor's
         projections and float32 gate weights per token and its entries (norm input, normalised, and the whole
-        sequence's); each query block's probabilities (`_blocks`) and masks, CSA's gathered entries. The indexer keeps nothing (it passes no gradient). Under bfloat16 the float32 copies
-        the queries' norm and the compressor's norm make."""
+        sequence's); each query block's probabilities (`_blocks`) and masks, CSA's gathered entries. The indexer
+        keeps nothing (it passes no gradient). Under bfloat16 the float32 copies the queries' norm and the
+        compressor's norm make."""
         heads, hd, d = self._widths(cfg)
         c, a, rate, seq = cfg.compressed_attention, x.bytes, self._rate(cfg), x.seq
         widening = FP32 if a != FP32 else 0  # a float32 copy kept beside a low-precision tensor
