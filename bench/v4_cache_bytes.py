@@ -3,9 +3,11 @@
 Counted from the architectures' cache layouts at transformers 5.24's default configs (DeepseekV4Config: V4-Flash,
 DeepseekV3Config: V3), one sequence, 2-byte elements throughout:
 - V3 (MLA): every layer keeps kv_lora_rank + qk_rope_head_dim per token.
-- V4: every layer keeps its sliding window's keys (one head of head_dim, keys are values); an HCA layer also one
-  head_dim entry per compress-rate-128 window, a CSA layer one head_dim entry and one index_head_dim indexer key per
-  rate-4 window (the partial window's tokens not yet compressed are left out: under one window per layer).
+- V4: what meshformer's cache of each layer's kind holds (`V4AttentionKind.cache_elements`, the config imported
+  through the deepseek_v4 adapter): the sliding window's last window - 1 keys (one head of head_dim, keys are
+  values); an HCA layer also one head_dim entry per compress-rate-128 window, a CSA layer one head_dim entry and
+  one index_head_dim indexer key per rate-4 window; and each compressor's unfinished window (its projections and
+  gates, CSA's overlapping halves too).
 
     python bench/v4_cache_bytes.py [--table PATH --machine TEXT]
 """
@@ -31,14 +33,11 @@ def v3_elements(cfg: Any, context: int) -> int:
 
 
 def v4_elements(cfg: Any, context: int) -> int:
-    total = 0
-    for kind in cfg.layer_types:
-        total += min(context, cfg.sliding_window) * cfg.head_dim
-        if kind == "heavily_compressed_attention":
-            total += context // cfg.compress_rates[kind] * cfg.head_dim
-        elif kind == "compressed_sparse_attention":
-            total += context // cfg.compress_rates[kind] * (cfg.head_dim + cfg.index_head_dim)
-    return total
+    from meshformer.checkpointing.hf import config_from_hf
+    from meshformer.model.components import TOKEN_MIXERS
+
+    ours = config_from_hf(cfg)
+    return sum(TOKEN_MIXERS[kind].cache_elements(ours, context) for kind in ours.layer_types)  # type: ignore[attr-defined]
 
 
 def rows(v3: Any, v4: Any) -> list[dict[str, float]]:
@@ -72,11 +71,13 @@ def main() -> None:
                     setup=(f"Counted from the cache layouts at transformers' default configs, one sequence, 2-byte "
                            f"elements. V3: {v3.num_hidden_layers} MLA layers of {v3.kv_lora_rank} + "
                            f"{v3.qk_rope_head_dim} per token. V4-Flash: {v4.num_hidden_layers} layers "
-                           f"({kinds}), each with a {v4.sliding_window}-token window of one {v4.head_dim}-wide "
+                           f"({kinds}), each keeping the last {v4.sliding_window - 1} keys of one {v4.head_dim}-wide "
                            f"head; HCA adds one entry per {rates['heavily_compressed_attention']} tokens, CSA one "
                            f"entry and one {v4.index_head_dim}-wide indexer key per "
-                           f"{rates['compressed_sparse_attention']}."),
-                    notes=("The sliding windows are a fixed cost, so V4's bytes per token fall as the context grows; "
+                           f"{rates['compressed_sparse_attention']}; each compressor its unfinished window. As "
+                           f"meshformer's V4 cache holds them (V4AttentionKind.cache_elements)."),
+                    notes=("The sliding windows and the unfinished compression windows are a fixed cost, so V4's "
+                           "bytes per token fall as the context grows; "
                            "the published checkpoints store parts of the cache in FP8, which this count does not "
                            "model."),
                     columns=columns, rows=cells)

@@ -212,6 +212,14 @@ def _check_mtp(cfg: Config) -> None:
     if not spec.has_decoder or spec.seq2seq:
         raise ConfigError(f"model.mtp.depth={depth}: multi-token prediction follows a decoder-only stack, but "
                           f"model.family={m.family!r}", "set model.mtp.depth=0, or use family='decoder'")
+    for key, kind, registry in (("layer_type", m.mtp.layer_type, TOKEN_MIXERS),
+                                ("mlp_type", m.mtp.mlp_type, CHANNEL_MIXERS)):
+        kinds = [name for name, k in registry.items() if k.selectable]
+        if kind and kind not in kinds:
+            raise ConfigError(f"model.mtp.{key}={kind!r} is not a kind meshformer builds",
+                              f"use one of {' / '.join(repr(k) for k in kinds)}, or \"\" for the last block's")
+        if kind:
+            registry[kind].check(m)
     if depth >= cfg.data.seq_len:
         raise ConfigError(f"model.mtp.depth={depth}: module k predicts the token k + 1 ahead, so with data.seq_len="
                           f"{cfg.data.seq_len} modules past {cfg.data.seq_len - 1} would never see a target",
@@ -219,7 +227,8 @@ def _check_mtp(cfg: Config) -> None:
 
 
 def _check_residual(cfg: Config) -> None:
-    """[model.residual]: mHC's streams and Sinkhorn iterations; its stream is not the one the MTP modules read."""
+    """[model.residual]: mHC's streams and Sinkhorn iterations; its multi-token prediction modules (model/mtp.py)
+    run without tensor parallel."""
     m, r = cfg.model, cfg.model.residual
     if r.kind != "mhc":
         return
@@ -234,9 +243,10 @@ def _check_residual(cfg: Config) -> None:
         raise ConfigError(f"model.norm.position={m.norm.position!r} with model.residual.kind='mhc': each branch reads "
                           "a normed mix of the streams, so its norm comes before the branch",
                           "use model.norm.position='pre' (DeepSeek-V4) or 'sandwich'")
-    if m.mtp.depth:
-        raise ConfigError(f"model.mtp.depth={m.mtp.depth} with model.residual.kind='mhc': the multi-token prediction "
-                          "modules read one stream, not mHC's", "set model.mtp.depth=0 or model.residual.kind='plain'")
+    if m.mtp.depth and cfg.parallel.tp > 1:
+        raise ConfigError(f"model.mtp.depth={m.mtp.depth} with model.residual.kind='mhc' under parallel.tp="
+                          f"{cfg.parallel.tp}: the mHC multi-token prediction modules' projections and merge are not "
+                          "laid out for tensor parallel", "use parallel.tp=1 or model.mtp.depth=0")
 
 
 def _check_rope_scaling(cfg: Config) -> None:

@@ -13,7 +13,8 @@
   a sliding window over the tokens plus, in HCA blocks, every compressed entry a query may see; a learned sink logit
   per head; the output's rotary slice turned back by its query's angle, then the grouped output projection.
   `V4Attention` is the block-facing module of the token-mixer kinds "sliding_mqa", "hca" and "csa"
-  (model/components/v4_attention.py).
+  (model/components/v4_attention.py): left-padded and packed rows read as runs of one document's real tokens, and
+  `V4Cache`, the incremental generation cache (the window's keys, each compressor's `WindowState`).
 - `HashRouter`: the first blocks' MoE routing: each token's experts are a fixed table's row for its token id; the
   learned gate only weighs them.
 """
@@ -28,9 +29,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshformer.errors import ConfigError
+from meshformer.model.config import CompressedAttentionConfig
+from meshformer.model.positions import RopeScaling, rope_frequencies
 
 if TYPE_CHECKING:
     from meshformer.model.attention import SequenceChunk
+
+INDEX_SCORES = 2**25  # float32 indexer scores (128 MiB) computed at once: one block of queries against every entry
+Span = tuple[int, int, int]  # (start among this rank's tokens, length, start in the sequence): a contiguous piece
+
+
+def _whole(t: torch.Tensor, chunk: SequenceChunk | None) -> torch.Tensor:
+    """(B, n, D) of this rank's pieces -> (B, N, D) of every rank's, in sequence order (identity on one rank)."""
+    return t if chunk is None else chunk.whole(t[:, None]).squeeze(1)
+
+
+def _spans(length: int, chunk: SequenceChunk | None) -> list[Span]:
+    return [(0, length, 0)] if chunk is None else chunk.spans(length)
 
 
 class GroupedOutputProjection(nn.Module):
@@ -52,11 +67,25 @@ class GroupedOutputProjection(nn.Module):
         return self.o_b_proj(torch.einsum("...gi,gri->...gr", grouped, weight).flatten(-2))
 
 
-def rotary_tables(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (..., dim / 2) of one angle per rotated pair (pairs of neighbouring channels)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
+def rotary_tables(positions: torch.Tensor, dim: int, theta: float, scaling: RopeScaling | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (..., dim / 2) of one angle per rotated pair (pairs of neighbouring channels); `scaling`: the
+    compressed blocks' YaRN, whose cos/sin stay unmultiplied (V4 sets its attention factor to 1)."""
+    if scaling is None or scaling.method == "none":
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
+    else:
+        inv_freq = rope_frequencies(dim, theta, scaling, positions.device)[0].float()
     angles = positions[..., None].float() * inv_freq
     return angles.cos(), angles.sin()
+
+
+def compress_scaling(c: CompressedAttentionConfig) -> RopeScaling | None:
+    """The compressed blocks' YaRN of `[model.compressed_attention]` (None: unscaled); its attention factor 1, as V4
+    leaves cos/sin unmultiplied."""
+    if c.yarn_factor == 1:
+        return None
+    return RopeScaling("yarn", c.yarn_factor, c.yarn_original_max_seq_len, beta_fast=c.yarn_beta_fast,
+                       beta_slow=c.yarn_beta_slow, attention_factor=1.0)
 
 
 def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -66,19 +95,6 @@ def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     even, odd = tail[..., 0::2], tail[..., 1::2]
     rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
     return torch.cat([rest, rotated.to(x.dtype)], dim=-1)
-
-
-INDEX_SCORES = 2**25  # float32 indexer scores (128 MiB) computed at once: one block of queries against every entry
-Span = tuple[int, int, int]  # (start among this rank's tokens, length, start in the sequence): a contiguous piece
-
-
-def _whole(t: torch.Tensor, chunk: SequenceChunk | None) -> torch.Tensor:
-    """(B, n, D) of this rank's pieces -> (B, N, D) of every rank's, in sequence order (identity on one rank)."""
-    return t if chunk is None else chunk.whole(t[:, None]).squeeze(1)
-
-
-def _spans(length: int, chunk: SequenceChunk | None) -> list[Span]:
-    return [(0, length, 0)] if chunk is None else chunk.spans(length)
 
 
 class Compressor(nn.Module):
@@ -95,9 +111,10 @@ class Compressor(nn.Module):
     and the entries are all-gathered in sequence order (T / rate of them)."""
 
     def __init__(self, d_model: int, head_dim: int, rate: int, rope_dim: int, rope_theta: float, eps: float,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, scaling: RopeScaling | None = None) -> None:
         super().__init__()
         self.rate, self.rope_dim, self.rope_theta, self.overlap = rate, rope_dim, rope_theta, overlap
+        self.scaling = scaling
         self.head_dim = head_dim
         width = 2 * head_dim if overlap else head_dim
         self.kv_proj = nn.Linear(d_model, width, bias=False)
@@ -105,10 +122,48 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.empty(rate, width))  # one gate bias per slot of a window
         self.kv_norm = nn.RMSNorm(head_dim, eps=eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: (T,) the tokens' positions from 0; the trailing partial window is left out."""
-        compressed = self.entries(x, [(0, x.shape[1], 0)], None)
-        return compressed, self.visible(positions, compressed.shape[1])
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, prior: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> torch.Tensor:
+        """(B, n, head_dim) entries, normed and not yet rotated, of n whole windows' projections kv, gate
+        (B, n, rate, width; gate without the slot bias). prior: the first halves (kv, gate: B, rate, head_dim) of the
+        window before the first (overlap); None: there is none (those slots weigh 0)."""
+        gate = gate + self.position_bias
+        if self.overlap:
+            d = self.head_dim
+            if prior is None:
+                first_kv = torch.zeros_like(kv[:, :1, :, :d])
+                first_gate = torch.full_like(gate[:, :1, :, :d], float("-inf"))
+            else:
+                first_kv, first_gate = prior[0][:, None], (prior[1] + self.position_bias[:, :d])[:, None]
+            # slots: the previous window's first halves, then this window's second
+            kv = torch.cat([torch.cat([first_kv, kv[:, :-1, :, :d]], 1), kv[..., d:]], 2)
+            gate = torch.cat([torch.cat([first_gate, gate[:, :-1, :, :d]], 1), gate[..., d:]], 2)
+        weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
+        return self.kv_norm((kv * weights).sum(dim=2).float()).to(kv.dtype)
+
+    def rotate(self, pooled: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """Entries' rotary slices turned by their windows' first positions `starts` (pooled's leading shape)."""
+        cos, sin = rotary_tables(starts, self.rope_dim, self.rope_theta, self.scaling)
+        return rotate_tail(pooled, cos, sin)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, keep: dict[str, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: (T,) the tokens' positions from 0; the trailing partial window is left out. keep: filled with
+        the projections ("kv", "gate") and the entries, for a generation cache to start from."""
+        windows = x.shape[1] // self.rate
+        usable = windows * self.rate
+        kv, gate = self.kv_proj(x), self.gate_proj(x)
+        if windows:
+            pooled = self.pool(kv[:, :usable].unflatten(1, (windows, self.rate)),
+                               gate[:, :usable].unflatten(1, (windows, self.rate)))
+            compressed = self.rotate(pooled, torch.arange(windows, device=x.device) * self.rate)
+        else:
+            compressed = x.new_zeros(x.shape[0], 0, self.head_dim)
+        if keep is not None:
+            keep.update(kv=kv, gate=gate, entries=compressed)
+        # entry w ends at position (w + 1) * rate - 1: a query at t sees it once t + 1 >= (w + 1) * rate
+        visible = torch.arange(windows, device=x.device) < ((positions + 1) // self.rate)[:, None]
+        return compressed, visible
 
     def visible(self, positions: torch.Tensor, count: int) -> torch.Tensor:
         """(T, count): entry w ends at position (w + 1) x rate - 1; a query at t sees it once t + 1 >= (w + 1) rate."""
@@ -134,25 +189,63 @@ class Compressor(nn.Module):
                     tail = every[:, (piece - 1) * rate:piece * rate]
                     before[i] = tail[..., :d], tail[..., d:]
         out = []
-        for (s, n, at), prev in zip(spans, before, strict=True):
+        for (s, n, at), prior in zip(spans, before, strict=True):
             windows = n // rate
-            kv = kv_all[:, s:s + windows * rate].unflatten(1, (windows, rate))
-            gate = gate_all[:, s:s + windows * rate].unflatten(1, (windows, rate)) + self.position_bias
-            if self.overlap:
-                if prev is None:  # no window before the sequence's first: its slots weigh 0
-                    prev_kv = torch.zeros_like(kv[:, :1, :, :d])
-                    prev_gate = torch.full_like(gate[:, :1, :, :d], float("-inf"))
-                else:
-                    prev_kv, prev_gate = prev[0][:, None], (prev[1] + self.position_bias[:, :d])[:, None]
-                # slots: the previous window's first halves, then this window's second halves
-                kv = torch.cat([torch.cat([prev_kv, kv[:, :-1, :, :d]], 1), kv[..., d:]], 2)
-                gate = torch.cat([torch.cat([prev_gate, gate[:, :-1, :, :d]], 1), gate[..., d:]], 2)
-            weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
-            compressed = self.kv_norm((kv * weights).sum(dim=2).float()).to(x.dtype)
-            starts = (at // rate + torch.arange(windows, device=x.device)) * rate
-            cos, sin = rotary_tables(starts, self.rope_dim, self.rope_theta)
-            out.append(rotate_tail(compressed, cos, sin))
+            if not windows:
+                continue
+            pooled = self.pool(kv_all[:, s:s + windows * rate].unflatten(1, (windows, rate)),
+                               gate_all[:, s:s + windows * rate].unflatten(1, (windows, rate)), prior)
+            out.append(self.rotate(pooled, (at // rate + torch.arange(windows, device=x.device)) * rate))
+        if not out:
+            return x.new_zeros(x.shape[0], 0, d)
         return _whole(torch.cat(out, dim=1), chunk)
+
+    def start(self, batch: int, like: torch.Tensor) -> WindowState:
+        """An empty generation state of `batch` rows."""
+        width, d = self.kv_proj.out_features, self.head_dim
+        rows = torch.zeros(batch, dtype=torch.long, device=like.device)
+        return WindowState(kv=like.new_zeros(batch, self.rate, width), gate=like.new_zeros(batch, self.rate, width),
+                           filled=rows, entries=like.new_zeros(batch, 0, d), count=rows.clone(),
+                           prior_kv=like.new_zeros(batch, self.rate, d) if self.overlap else None,
+                           prior_gate=like.new_full((batch, self.rate, d), float("-inf")) if self.overlap else None)
+
+    def fill(self, state: WindowState, rows: torch.Tensor, keep: dict[str, torch.Tensor]) -> None:
+        """Set `rows` of `state` from a whole-sequence pass over their (equally long) tokens (`keep`)."""
+        length, entries = keep["kv"].shape[1], keep["entries"]
+        whole = entries.shape[1] * self.rate
+        if entries.shape[1] > state.entries.shape[1]:
+            state.entries = torch.cat([state.entries, state.entries.new_zeros(
+                state.entries.shape[0], entries.shape[1] - state.entries.shape[1], self.head_dim)], 1)
+        state.entries[rows, :entries.shape[1]] = entries
+        state.count[rows] = entries.shape[1]
+        state.kv[rows, :length - whole] = keep["kv"][:, whole:]
+        state.gate[rows, :length - whole] = keep["gate"][:, whole:]
+        state.filled[rows] = length - whole
+        if state.prior_kv is not None and state.prior_gate is not None and whole:
+            last = slice(whole - self.rate, whole)
+            state.prior_kv[rows] = keep["kv"][:, last, :self.head_dim]
+            state.prior_gate[rows] = keep["gate"][:, last, :self.head_dim]
+
+    def step(self, state: WindowState, x: torch.Tensor) -> None:
+        """Feed one token per row (B, D): it fills its row's next slot; a row whose window fills up gains its
+        entry and starts the next window. Work per token: one window, whatever the length."""
+        rows = torch.arange(x.shape[0], device=x.device)
+        state.kv[rows, state.filled] = self.kv_proj(x)
+        state.gate[rows, state.filled] = self.gate_proj(x)
+        state.filled = state.filled + 1
+        done = state.filled == self.rate
+        if not bool(done.any()):
+            return
+        prior = None if state.prior_kv is None or state.prior_gate is None else (state.prior_kv, state.prior_gate)
+        entry = self.rotate(self.pool(state.kv[:, None], state.gate[:, None], prior)[:, 0], state.count * self.rate)
+        if int(state.count.max()) >= state.entries.shape[1]:
+            state.entries = torch.cat([state.entries, state.entries.new_zeros(x.shape[0], 1, self.head_dim)], 1)
+        state.entries[rows[done], state.count[done]] = entry[done]
+        state.count = state.count + done.long()
+        if prior is not None:
+            state.prior_kv = torch.where(done[:, None, None], state.kv[..., :self.head_dim], prior[0])
+            state.prior_gate = torch.where(done[:, None, None], state.gate[..., :self.head_dim], prior[1])
+        state.filled = state.filled.masked_fill(done, 0)
 
 
 class Indexer(Compressor):
@@ -161,41 +254,76 @@ class Indexer(Compressor):
     g_t = x_t W_g / sqrt(n_heads); each query keeps its `topk` best visible entries."""
 
     def __init__(self, d_model: int, q_rank: int, n_heads: int, index_dim: int, topk: int, rate: int, rope_dim: int,
-                 rope_theta: float, eps: float) -> None:
-        super().__init__(d_model, index_dim, rate, rope_dim, rope_theta, eps, overlap=True)
+                 rope_theta: float, eps: float, scaling: RopeScaling | None = None) -> None:
+        super().__init__(d_model, index_dim, rate, rope_dim, rope_theta, eps, overlap=True, scaling=scaling)
         self.n_heads, self.topk = n_heads, topk
         self.q_b_proj = nn.Linear(q_rank, n_heads * index_dim, bias=False)
         self.weights_proj = nn.Linear(d_model, n_heads, bias=False)
 
-    def select(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def score(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor
+              ) -> torch.Tensor:
+        """(B, T, W): each query's index score of each entry. positions: (T,) or (B, T)."""
+        cos, sin = rotary_tables(positions, self.rope_dim, self.rope_theta, self.scaling)
+        q = rotate_tail(self.q_b_proj(q_latent).unflatten(-1, (self.n_heads, self.head_dim)), cos.unsqueeze(-2),
+                        sin.unsqueeze(-2))
+        scores = torch.relu(torch.einsum("bthd,bwd->bthw", q.float(), keys.float())) * self.head_dim**-0.5
+        gates = self.weights_proj(x).float() * self.n_heads**-0.5
+        return (scores * gates[..., None]).sum(dim=2)
+
+    def select(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
+               keep: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """(B, T, T // rate): True where a query keeps the entry."""
-        keys = self.entries(x, [(0, x.shape[1], 0)], None)
-        chosen, kept = self.chosen(x, q_latent, positions, keys)
-        dense = torch.zeros(*chosen.shape[:2], keys.shape[1], dtype=torch.bool, device=x.device)
-        return dense.scatter_(-1, chosen, kept)
+        keys, visible = self(x, positions, keep)
+        index = self.score(x, q_latent, positions, keys).masked_fill(~visible, float("-inf"))
+        chosen = index.topk(min(self.topk, index.shape[-1]), dim=-1).indices
+        kept = torch.zeros_like(index, dtype=torch.bool).scatter_(-1, chosen, True)
+        return kept & visible  # a row with fewer visible entries than topk keeps only those
 
     @torch.no_grad()
     def chosen(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T, k) the entries of `keys` (B, W, index_dim) each query keeps, k = min(topk, W), and whether each is
         one it may see (a row with fewer visible entries than topk keeps only those). Top-k passes no gradient, so
-        neither does the indexer."""
-        cos, sin = rotary_tables(positions, self.rope_dim, self.rope_theta)
-        q = rotate_tail(self.q_b_proj(q_latent).unflatten(-1, (self.n_heads, self.head_dim)), cos[:, None],
-                        sin[:, None])
-        gates = self.weights_proj(x).float() * self.n_heads**-0.5
-        picks, kept = [], []
-        # the scores of a block of queries at a time, about INDEX_SCORES of them (one query's: heads x entries)
+        neither does the indexer. Scores of a block of queries at a time, about INDEX_SCORES of them."""
         step = max(1, min(CompressedAttention.query_block, INDEX_SCORES // max(1, self.n_heads * keys.shape[1])))
+        picks, kept = [], []
         for b in range(0, x.shape[1], step):
             rows = slice(b, b + step)
-            scores = torch.relu(torch.einsum("bthd,bwd->bthw", q[:, rows].float(), keys.float())) * self.head_dim**-0.5
             visible = self.visible(positions[rows], keys.shape[1])
-            index = (scores * gates[:, rows, :, None]).sum(dim=2).masked_fill(~visible, float("-inf"))
+            index = self.score(x[:, rows], q_latent[:, rows], positions[rows], keys).masked_fill(~visible,
+                                                                                                  float("-inf"))
             chosen = index.topk(min(self.topk, index.shape[-1]), dim=-1).indices
             picks.append(chosen)
             kept.append(visible.expand(x.shape[0], -1, -1).gather(-1, chosen))
         return torch.cat(picks, dim=1), torch.cat(kept, dim=1)
+
+    def pick(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, state: WindowState
+             ) -> torch.Tensor:
+        """(B, 1, E) for one query per row (x: B, 1, D) over the state's entries: its top-k of its row's entries.
+        The top-k runs over exactly each row's entries, as a row decoded alone would (top-k breaks ties, such as
+        the exact zeros ReLU leaves, by the length it scores over)."""
+        index = self.score(x, q_latent, positions, state.entries)
+        kept = torch.zeros_like(index, dtype=torch.bool)
+        for count in state.count.unique().tolist():
+            if count == 0:
+                continue
+            rows = (state.count == count).nonzero()[:, 0]
+            chosen = index[rows, :, :count].topk(min(self.topk, count), dim=-1).indices
+            kept[rows] = kept[rows].scatter(-1, chosen, True)
+        return kept
+
+
+@dataclass
+class WindowState:
+    """A compressor's generation state: each row's unfinished window and its finished entries."""
+
+    kv: torch.Tensor  # (B, rate, width): the projections of the unfinished window's tokens, from slot 0
+    gate: torch.Tensor  # (B, rate, width): their gates, without the slot bias
+    filled: torch.Tensor  # (B,): slots filled
+    entries: torch.Tensor  # (B, E, head_dim): finished entries, rotated; row b's first count[b] are real
+    count: torch.Tensor  # (B,)
+    prior_kv: torch.Tensor | None  # (B, rate, head_dim): overlap: the last finished window's first halves
+    prior_gate: torch.Tensor | None  # (B, rate, head_dim): their gates (-inf: no finished window yet)
 
 
 def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -205,22 +333,26 @@ def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 class CompressedAttention(nn.Module):
     """V4 attention over a (B, T, D) input: a sliding-window branch, and with `compress_rate` the compressed entries
     beside it: all those a query may see (HCA), or with `index` = (heads, width, topk) the ones CSA's indexer picks.
-    Rotary: base `rope_theta` for a sliding-only block, `compress_theta` for a compressed one (its compressor too).
+    Rotary: base `rope_theta` for a sliding-only block, `compress_theta` and `compress_scaling` (YaRN) for a
+    compressed one (its compressor and indexer too).
 
     Queries run in blocks of `query_block` consecutive positions, each against its window's keys and its entries
-    (CSA: the indexer's picks, gathered), so the scores kept for backward grow as T x (window + entries), never T x T.
-    Under context parallel each rank's queries read the all-gathered key/value head (T x head_dim a layer) and
-    entries (T / rate); every position is the token's own in the sequence."""
+    (CSA: the indexer's picks, gathered), so the scores kept for backward grow as T x (window + entries), never T x T
+    (a generation cache's prefill, `keep`, runs the whole sequence at once). Under context parallel each rank's
+    queries read the all-gathered key/value head (T x head_dim a layer) and entries (T / rate); every position is
+    the token's own in the sequence."""
 
     query_block = 256
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, q_rank: int, rope_dim: int, window: int,
                  groups: int, o_rank: int, eps: float, rope_theta: float, compress_theta: float,
-                 compress_rate: int | None = None, index: tuple[int, int, int] | None = None) -> None:
+                 compress_rate: int | None = None, index: tuple[int, int, int] | None = None,
+                 compress_scaling: RopeScaling | None = None) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.window, self.eps = n_heads, head_dim, window, eps
         self.rope_dim = rope_dim
         self.theta = rope_theta if compress_rate is None else compress_theta
+        self.scaling = None if compress_rate is None else compress_scaling
         self.q_a_proj = nn.Linear(d_model, q_rank, bias=False)
         self.q_a_norm = nn.RMSNorm(q_rank, eps=eps)
         self.q_b_proj = nn.Linear(q_rank, n_heads * head_dim, bias=False)
@@ -229,39 +361,83 @@ class CompressedAttention(nn.Module):
         self.output = GroupedOutputProjection(n_heads * head_dim, groups, o_rank, d_model)
         self.sinks = nn.Parameter(torch.empty(n_heads))
         self.compressor = (Compressor(d_model, head_dim, compress_rate, rope_dim, compress_theta, eps,
-                                      overlap=index is not None) if compress_rate is not None else None)
-        self.indexer = (Indexer(d_model, q_rank, *index, compress_rate, rope_dim, compress_theta, eps)
+                                      overlap=index is not None, scaling=compress_scaling)
+                           if compress_rate is not None else None)
+        self.indexer = (Indexer(d_model, q_rank, *index, compress_rate, rope_dim, compress_theta, eps,
+                                compress_scaling)
                         if compress_rate is not None and index is not None else None)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, chunk: SequenceChunk | None = None) -> torch.Tensor:
-        """positions: (T,) the tokens' positions in the sequence (0, 1, ... on one rank; under context parallel
-        `chunk`'s pieces)."""
-        spans = _spans(x.shape[1], chunk)
-        cos, sin = rotary_tables(positions, self.rope_dim, self.theta)
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The query latent, the queries (B, H, T, hd) and the one key/value head (B, T, hd), rotated."""
         latent = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(latent).unflatten(-1, (self.n_heads, self.head_dim))
-        q = rotate_tail(_unit_rms(q, self.eps), cos[:, None], sin[:, None]).transpose(1, 2)  # (B, H, T, hd)
-        # the one key and value head, every rank's in sequence order
-        kv = _whole(rotate_tail(self.kv_norm(self.kv_proj(x)), cos, sin), chunk)
+        q = rotate_tail(_unit_rms(q, self.eps), cos.unsqueeze(-2), sin.unsqueeze(-2)).transpose(1, 2)
+        return latent, q, rotate_tail(self.kv_norm(self.kv_proj(x)), cos, sin)
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        """Queries (B, H, T, hd) over keys = values (B, K, hd) where `visible` (B, T, K), with the sinks; the output
+        projected."""
+        batch, length = q.shape[0], q.shape[2]
+        logits = (q @ kv[:, None].transpose(-1, -2)) * self.head_dim**-0.5
+        logits = logits.masked_fill(~visible[:, None], float("-inf"))
+        sink = self.sinks.to(logits.dtype).view(1, -1, 1, 1).expand(batch, -1, length, 1)
+        # the sink takes its share of each softmax and contributes no value
+        probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        out = (probs @ kv[:, None]).transpose(1, 2)  # (B, T, H, hd)
+        # keys are the values, so a value's rotary slice carries its key's angle: turn it back by the query's
+        out = rotate_tail(out, cos.unsqueeze(-2), -sin.unsqueeze(-2))
+        return self.output(out.flatten(-2))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, keep: dict[str, Any] | None = None, *,
+                chunk: SequenceChunk | None = None) -> torch.Tensor:
+        """positions: (T,) the tokens' positions in the sequence (0, 1, ...; under context parallel `chunk`'s
+        pieces). keep: filled with the keys and the compressor's and indexer's projections and entries, for a
+        generation cache to start from."""
+        if keep is None:
+            return self._blockwise(x, positions, chunk)
+        batch = x.shape[0]
+        cos, sin = rotary_tables(positions, self.rope_dim, self.theta, self.scaling)
+        latent, q, kv = self._project(x, cos, sin)
+        if keep is not None:
+            keep["keys"] = kv
+        distance = positions[:, None] - positions[None, :]
+        visible = ((distance >= 0) & (distance < self.window)).expand(batch, -1, -1)
+        if self.compressor is not None:
+            compressed, seen = self.compressor(x, positions, None if keep is None else keep.setdefault("compressor",
+                                                                                                     {}))
+            if self.indexer is not None:
+                seen = self.indexer.select(x, latent, positions,
+                                           None if keep is None else keep.setdefault("indexer", {}))
+            kv, visible = torch.cat([kv, compressed], dim=1), torch.cat([visible, seen.expand(batch, -1, -1)], dim=2)
+        return self._attend(q, kv, visible, cos, sin)
+
+
+    def _blockwise(self, x: torch.Tensor, positions: torch.Tensor, chunk: SequenceChunk | None) -> torch.Tensor:
+        spans = _spans(x.shape[1], chunk)
+        cos, sin = rotary_tables(positions, self.rope_dim, self.theta, self.scaling)
+        latent, q, kv = self._project(x, cos, sin)
+        kv = _whole(kv, chunk)  # the one key and value head, every rank's in sequence order
         entries = self.compressor.entries(x, spans, chunk) if self.compressor is not None else None
         picked = None
         if self.indexer is not None and entries is not None and entries.shape[1]:
             with torch.no_grad():  # top-k passes no gradient: nothing of the indexer's is kept for backward
                 picked = self.indexer.chosen(x, latent, positions, self.indexer.entries(x, spans, chunk))
-        out = torch.cat([self._attend(q[:, :, start:start + n], kv, entries, picked, s, start, n, at)
+        out = torch.cat([self._attend_block(q[:, :, start:start + n], kv, entries, picked, s, start, n, at)
                          for s, length, at in spans
                          for start, n in self._blocks(s, length)], dim=2).transpose(1, 2)  # (B, T, H, hd)
         # keys are the values, so a value's rotary slice carries its key's angle: turn it back by the query's
-        out = rotate_tail(out, cos[:, None], -sin[:, None])
+        out = rotate_tail(out, cos.unsqueeze(-2), -sin.unsqueeze(-2))
         return self.output(out.flatten(-2))
 
     def _blocks(self, start: int, length: int) -> list[tuple[int, int]]:
         step = self.query_block
         return [(start + b, min(step, length - b)) for b in range(0, length, step)]
 
-    def _attend(self, q: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | None,
-                picked: tuple[torch.Tensor, torch.Tensor] | None, span_start: int, start: int, n: int, at: int
-                ) -> torch.Tensor:
+    def _attend_block(self, q: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | None,
+                      picked: tuple[torch.Tensor, torch.Tensor] | None, span_start: int, start: int, n: int, at: int
+                      ) -> torch.Tensor:
         """The outputs (B, H, n, hd) of queries q (B, H, n, hd) at sequence positions at + (start - span_start)
         onward, against the whole sequence's keys kv (B, T, hd) and entries (B, W, hd)."""
         first = at + start - span_start
@@ -295,43 +471,135 @@ class CompressedAttention(nn.Module):
 
 
 @dataclass
-class InputsCache:
-    """A V4 block's generation state: its normalised inputs so far (B, T, D); each step recomputes the branches over
-    them, so a step's outputs equal the whole sequence's."""
+class V4Cache:
+    """A V4 block's generation state per row: the last window - 1 keys (one head, keys are values), the
+    compressor's and the indexer's `WindowState`, the next position. A step reads the window and the entries only.
+    Rows of a left-padded prompt keep their real tokens only, each from position 0."""
 
-    inputs: torch.Tensor | None = None
+    keys: torch.Tensor | None = None  # (B, window - 1, hd), the newest last
+    real: torch.Tensor | None = None  # (B, window - 1): False where a row has no such key yet
+    positions: torch.Tensor | None = None  # (B,): each row's next position
+    compressor: WindowState | None = None
+    indexer: WindowState | None = None
+    length: int = 0  # tokens fed, pads included
 
-    @property
-    def length(self) -> int:
-        return 0 if self.inputs is None else self.inputs.shape[1]
+
+def _segments(padding: torch.Tensor | None, documents: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, first tokens, lengths) of each run of a row's real tokens within one document."""
+    if padding is not None:
+        real = padding.bool()
+    elif documents is not None:
+        real = torch.ones_like(documents, dtype=torch.bool)
+    else:
+        raise ValueError("runs are read from padding or documents")
+    doc = torch.zeros_like(real, dtype=torch.long) if documents is None else documents
+    after = torch.ones_like(real[:, :1])
+    starts = real & torch.cat([after, ~real[:, :-1] | (doc[:, 1:] != doc[:, :-1])], 1)
+    ends = real & torch.cat([~real[:, 1:] | (doc[:, 1:] != doc[:, :-1]), after], 1)
+    rows, firsts = starts.nonzero(as_tuple=True)
+    return rows, firsts, ends.nonzero(as_tuple=True)[1] - firsts + 1
 
 
 class V4Attention(CompressedAttention):
     """`CompressedAttention` called as a block's token mixer (`module(x, mask, rope=..., cache=..., ...)`): it
-    rotates with its own tables from the tokens' positions (0, 1, ... of each unpacked sequence, padded on the right
-    only)."""
+    rotates with its own tables from the tokens' positions, 0, 1, ... from each row's first real token and from
+    each packed document's start. A left-padded or packed row is read as its runs of real tokens of one document,
+    each computed as if alone (its compression windows start with it); right padding is read in place (a causal
+    query never reads the pads after it)."""
 
     def forward(self, x: torch.Tensor, mask: Any = None, *, rope: Any = None, bias: Any = None,  # type: ignore[override]
-                cache: InputsCache | None = None, chunk: Any = None, padding: torch.Tensor | None = None,
+                cache: V4Cache | None = None, chunk: Any = None, padding: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
-        # right padding leaves each row's tokens at positions 0, 1, ...: a causal query never reads the pads after it
-        if padding is not None and not bool((padding == padding.cummin(dim=1).values).all()):
-            raise ConfigError("DeepSeek-V4 attention blocks read every row from position 0, but this batch is "
-                              "left-padded", "pad rows on the right")
-        if documents is not None and bool((documents != documents[:, :1]).any()):
-            raise ConfigError("DeepSeek-V4 attention blocks read one document per row, but this batch is packed",
-                              "set data.packing off (one document per row)")
+        if padding is not None and bool((padding[:, 1:] & ~padding[:, :-1]).sum(1).gt(1 - padding[:, 0].long()).any()):
+            raise ConfigError("DeepSeek-V4 attention blocks read pads at a row's start or end, but a row has pads "
+                              "between its tokens", "pad rows on the left or the right only")
+        packed = documents is not None and bool((documents != documents[:, :1]).any())
+        right_padded = padding is None or bool((padding == padding.cummin(dim=1).values).all())
         if chunk is not None:
             if chunk.ulysses:
                 raise ConfigError("DeepSeek-V4 attention blocks do not run under Ulysses context parallel",
                                   'use parallel.cp_method = "allgather"')
-            return super().forward(x, chunk.positions(x.shape[1], x.device), chunk)
-        if cache is None:
+            if packed or not right_padded:  # this rank's pieces hold parts of runs that start elsewhere
+                raise ConfigError("DeepSeek-V4 attention blocks under context parallel read rows from their first "
+                                  "position, but this batch is left-padded or packed",
+                                  "pad rows on the right, one document per row (data.packing off)")
+            return super().forward(x, chunk.positions(x.shape[1], x.device), chunk=chunk)
+        if cache is not None and packed:
+            raise ConfigError("DeepSeek-V4 attention blocks decode one document per row, but these rows are packed",
+                              "generate from one document per row")
+        if cache is not None and cache.length:
+            if padding is not None and not bool(padding.all()):
+                raise ConfigError("DeepSeek-V4 attention blocks read padding in the prompt only, but a decoded step "
+                                  "holds pads", "pad the prompts on the left and decode real tokens after them")
+            return torch.cat([self._step(x[:, t], cache) for t in range(x.shape[1])], dim=1)
+        if cache is None and right_padded and not packed:
             return super().forward(x, torch.arange(x.shape[1], device=x.device))
-        whole = x if cache.inputs is None else torch.cat([cache.inputs, x], dim=1)
-        cache.inputs = whole
-        out = super().forward(whole, torch.arange(whole.shape[1], device=x.device))
-        return out[:, -x.shape[1]:]
+        if cache is not None and (padding is None or bool(padding.all())):
+            rows, firsts = torch.arange(x.shape[0], device=x.device), x.new_zeros(x.shape[0], dtype=torch.long)
+            lengths = torch.full_like(firsts, x.shape[1])
+        else:
+            rows, firsts, lengths = _segments(padding, documents)
+        if cache is not None:
+            self._start(cache, x)
+        out = torch.zeros_like(x)
+        # runs of one length at once: each run's top-k then scores over its own length, as it would alone
+        for length in lengths.unique().tolist():
+            chosen = (lengths == length).nonzero()[:, 0]
+            tokens = firsts[chosen, None] + torch.arange(length, device=x.device)
+            where = (rows[chosen, None].expand_as(tokens), tokens)
+            keep: dict[str, Any] | None = {} if cache is not None else None
+            part = super().forward(x[where], torch.arange(length, device=x.device), keep)
+            out = out.index_put(where, part)
+            if cache is not None and keep is not None:
+                self._fill(cache, rows[chosen], keep)
+        if cache is not None:
+            cache.length = x.shape[1]
+        return out
+
+    def _start(self, cache: V4Cache, x: torch.Tensor) -> None:
+        batch, kept = x.shape[0], self.window - 1
+        cache.keys = x.new_zeros(batch, kept, self.head_dim)
+        cache.real = torch.zeros(batch, kept, dtype=torch.bool, device=x.device)
+        cache.positions = torch.zeros(batch, dtype=torch.long, device=x.device)
+        cache.compressor = None if self.compressor is None else self.compressor.start(batch, x)
+        cache.indexer = None if self.indexer is None else self.indexer.start(batch, x)
+
+    def _fill(self, cache: V4Cache, rows: torch.Tensor, keep: dict[str, Any]) -> None:
+        """Set `rows` of the cache from a whole-sequence pass over their equally long real tokens."""
+        assert cache.keys is not None and cache.real is not None and cache.positions is not None
+        keys = keep["keys"]
+        length = keys.shape[1]
+        kept = min(self.window - 1, length)
+        if kept:
+            cache.keys[rows, -kept:] = keys[:, length - kept:]
+            cache.real[rows, -kept:] = True
+        cache.positions[rows] = length
+        if self.compressor is not None and cache.compressor is not None:
+            self.compressor.fill(cache.compressor, rows, keep["compressor"])
+        if self.indexer is not None and cache.indexer is not None:
+            self.indexer.fill(cache.indexer, rows, keep["indexer"])
+
+    def _step(self, x: torch.Tensor, cache: V4Cache) -> torch.Tensor:
+        """One token per row (B, D) -> (B, 1, D), reading the window and the entries."""
+        assert cache.keys is not None and cache.real is not None and cache.positions is not None
+        positions = cache.positions[:, None]
+        cos, sin = rotary_tables(positions, self.rope_dim, self.theta, self.scaling)  # (B, 1, rope / 2)
+        latent, q, kv = self._project(x[:, None], cos, sin)
+        keys = torch.cat([cache.keys, kv], dim=1)
+        visible = torch.cat([cache.real, torch.ones_like(cache.real[:, :1])], dim=1)
+        cache.keys, cache.real = keys[:, 1:], visible[:, 1:]
+        if self.compressor is not None and cache.compressor is not None:
+            state = cache.compressor
+            self.compressor.step(state, x)
+            seen = torch.arange(state.entries.shape[1], device=x.device) < state.count[:, None]
+            if self.indexer is not None and cache.indexer is not None:
+                self.indexer.step(cache.indexer, x)
+                seen = self.indexer.pick(x[:, None], latent, positions, cache.indexer)[:, 0]
+            keys, visible = torch.cat([keys, state.entries], dim=1), torch.cat([visible, seen], dim=1)
+        cache.positions = cache.positions + 1
+        cache.length += 1
+        return self._attend(q, keys, visible[:, None], cos, sin)
 
 
 def sqrt_softplus(x: torch.Tensor) -> torch.Tensor:
@@ -357,5 +625,16 @@ class HashRouter(nn.Module):
         return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scale, indices
 
 
-__all__ = ["CompressedAttention", "Compressor", "GroupedOutputProjection", "HashRouter", "Indexer", "InputsCache",
-           "V4Attention", "rotary_tables", "rotate_tail"]
+__all__ = [
+    "CompressedAttention",
+    "Compressor",
+    "GroupedOutputProjection",
+    "HashRouter",
+    "Indexer",
+    "V4Attention",
+    "V4Cache",
+    "WindowState",
+    "compress_scaling",
+    "rotary_tables",
+    "rotate_tail",
+]

@@ -115,6 +115,12 @@ class CompressedAttentionConfig:
     index_heads: int = 4  # csa indexer query heads (64)
     index_dim: int = 32  # width of each indexer head and key (128)
     index_topk: int = 64  # compressed entries each csa query keeps (512)
+    # YaRN of the compressed (hca, csa) blocks' rotary, their compressors' and indexers' too; the sliding-only blocks
+    # rotate unscaled. yarn_factor 1: unscaled (DeepSeek-V4: 16 from 65,536 positions; cos/sin stay unmultiplied)
+    yarn_factor: float = 1.0
+    yarn_original_max_seq_len: int = 0  # the pretraining context the factor stretches (65536)
+    yarn_beta_fast: float = 32.0  # rotations in that context above which a frequency is kept
+    yarn_beta_slow: float = 1.0  # rotations below which it is divided by the factor
 
 
 @dataclass
@@ -260,11 +266,15 @@ class MambaConfig:
 @dataclass
 class MtpConfig:
     """The `[model.mtp]` table: multi-token prediction (DeepSeek-V3's, model/mtp.py): `depth` sequential modules,
-    module k predicting the token k + 1 ahead from the previous module's hidden states and the embedding of the token
-    k ahead, through one block of the model's own kinds and the shared output head."""
+    module k predicting the token k + 1 ahead from the previous module's hidden states (under mHC its streams) and
+    the embedding of the token k ahead, through one block of the model's own kinds and the shared output head."""
 
     depth: int = 0  # MTP modules (DeepSeek-V3: 1); 0: off
     loss_weight: float = 0.3  # lambda: the mean MTP loss over the modules joins the main loss times this
+    # the module's block token mixer (a model.layer_types kind); "": the last block's (DeepSeek-V3). DeepSeek-V4:
+    # "sliding_mqa" (its published MTP block has no compressor)
+    layer_type: str = ""
+    mlp_type: str = ""  # its channel mixer (a model.mlp_types kind); "": the last block's. DeepSeek-V4: "moe"
 
 
 @dataclass

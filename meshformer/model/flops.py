@@ -90,25 +90,31 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
 
 def _mtp_params(cfg: ModelConfig) -> tuple[int, int]:
     """(all, inactive) parameters of the multi-token prediction modules (model/mtp.py): per module three norms, the
-    2d -> d projection and one block of the last block's kinds; the embedding and head are the model's."""
+    2d -> d projection (mHC: its two d -> d halves), one block of its kinds with the residual's joins, and the
+    residual's merge (mHC's); the embedding and head are the model's."""
     if cfg.mtp.depth == 0:
         return 0, 0
-    last = cfg.n_layers - 1
-    ffn_all, ffn_active = channel_mixer(cfg, last).params(cfg)
-    norms = int(not token_mixer(cfg, last).empty) + int(not channel_mixer(cfg, last).empty)
-    block = token_mixer(cfg, last).params(cfg) + ffn_all + norms * _norm(cfg)
-    per_module = 3 * _norm(cfg) + 2 * cfg.d_model * cfg.d_model + block
+    from meshformer.model.mtp import block_kinds  # mtp builds blocks, which read this module
+
+    kinds, index = block_kinds(cfg)
+    ffn_all, ffn_active = channel_mixer(kinds, index).params(kinds)
+    norms = int(not token_mixer(kinds, index).empty) + int(not channel_mixer(kinds, index).empty)
+    block = token_mixer(kinds, index).params(kinds) + ffn_all + norms * _norm(cfg)
+    joins = residual_kind(cfg).params(cfg, branches=norms, stacks=1)
+    per_module = 3 * _norm(cfg) + 2 * cfg.d_model * cfg.d_model + block + joins
     return cfg.mtp.depth * per_module, cfg.mtp.depth * (ffn_all - ffn_active)
 
 
 def mtp_forward_flops(cfg: ModelConfig, tokens: int) -> int:
     """Forward FLOPs of the multi-token prediction modules over one sequence: each module's projection, block
-    (the last block's kinds) and output head over every position."""
+    (its kinds) and output head over every position."""
     if cfg.mtp.depth == 0:
         return 0
-    last = cfg.n_layers - 1
-    block = (token_mixer(cfg, last).flops(cfg, tokens, tokens, causal=True)
-             + channel_mixer(cfg, last).flops(cfg, tokens))
+    from meshformer.model.mtp import block_kinds
+
+    kinds, index = block_kinds(cfg)
+    block = (token_mixer(kinds, index).flops(kinds, tokens, tokens, causal=True)
+             + channel_mixer(kinds, index).flops(kinds, tokens))
     return cfg.mtp.depth * (block + 2 * tokens * (2 * cfg.d_model * cfg.d_model + _head_matmuls(cfg)))
 
 

@@ -7,7 +7,8 @@ this rank keeps its shard (`distribute_tensor` without communication), so at mos
 flight and nothing loops over elements on the host.
 
 The rules: a block component's own where it declares one (`init_rule`: attention sinks, normal(init_std) under either
-method; Gated DeltaNet's A_log, dt_bias, gated norm and out_proj), and the residual kind's (mHC's mixing weights);
+method; Gated DeltaNet's A_log, dt_bias, gated norm and out_proj), and the residual kind's (mHC's mixing weights),
+the multi-token prediction modules' blocks and merges as the stack's;
 else norm weights 1 (less model.norm.weight_offset), every bias 0 (the experts' stacked ones too); other weights
 Xavier-uniform (`init="xavier"`, the original paper) or normal(init_std), with residual outputs (o_proj, down_proj,
 the experts' down_proj) scaled by 1/sqrt(2 * layers).
@@ -51,6 +52,25 @@ def _component_rule(name: str, cfg: ModelConfig) -> InitFn | None:
     return mixer.init_rule(cfg, ".".join(parts[3:])) if mixer is not None else None
 
 
+def _mtp_rule(name: str, cfg: ModelConfig) -> InitFn | None:
+    """A multi-token prediction module's (`mtp_layers.<k>.`) parameter as its block's components, branch joins and
+    its merge declare, like the stack's (`block.<...>` as a block of its kinds, `merge.<...>` as a stack's merge)."""
+    parts = name.split(".")
+    if len(parts) < 4 or parts[0] != "mtp_layers":
+        return None
+    if parts[2] == "merge":
+        return residual_kind(cfg).init_rule(cfg, parts[-1])
+    if parts[2] != "block":
+        return None
+    if len(parts) == 5 and parts[3].endswith("_residual"):
+        return residual_kind(cfg).init_rule(cfg, parts[-1])
+    from meshformer.model.mtp import block_kinds  # mtp builds blocks, which this module initialises
+
+    kinds, index = block_kinds(cfg)
+    mixer = block_mixers(kinds, index, cross=False).get(parts[3])
+    return mixer.init_rule(kinds, ".".join(parts[4:])) if mixer is not None else None
+
+
 def _residual_rule(name: str, cfg: ModelConfig) -> InitFn | None:
     """The rule the residual kind declares for a parameter of a block's branch join (`<stack>_layers.<i>.
     <branch>_residual.<...>`) or a stack's merge (`<stack>_merge.<...>`)."""
@@ -63,7 +83,7 @@ def _residual_rule(name: str, cfg: ModelConfig) -> InitFn | None:
 def init_rule(name: str, cfg: ModelConfig) -> InitFn:
     """How the parameter called `name` (canonical FQN) is initialised: as its block component or the residual kind
     declares, else by the rules above."""
-    declared = _component_rule(name, cfg) or _residual_rule(name, cfg)
+    declared = _component_rule(name, cfg) or _residual_rule(name, cfg) or _mtp_rule(name, cfg)
     if declared is not None:
         return declared
     module, _, kind = name.rpartition(".")

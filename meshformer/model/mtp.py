@@ -12,10 +12,21 @@ returns the modules' summed losses, parallel/parallel_model.py weighs them. Gene
 
 Under context parallel the token k ahead may sit on another rank: `ahead_inputs` computes every depth's input ids
 and targets on the whole sequence, before the batch is split like its other per-token tensors.
+
+Under mHC (model.residual.kind "mhc", DeepSeek-V4) a module reads and returns the n residual streams (B, T, n, D):
+module 1 takes the main stack's streams before their merge, as DeepSeek-V4's published MTP block does (its
+inference code feeds the last block's (B, T, n, D) output to it; its checkpoint's mtp.0.* holds a block's own
+hc_attn_* / hc_ffn_* and an hc_head_* merge of n weights over n x D, so the streams go in unmerged and the module
+merges its own). Each stream is normed by `hnorm` and projected by `h_proj`; the normed embedding through `e_proj`
+is added to every stream (the two projections are DeepSeek-V3's eh_proj split in its two halves); then the block,
+the module's own merge of the streams and its final norm. The next module reads the block's streams.
+
+The block's kinds: model.mtp.layer_type / mlp_type, else the last block's (`block_kinds`).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,6 +35,18 @@ from torch import nn
 from meshformer.batch import IGNORE_INDEX
 from meshformer.model.config import ModelConfig
 from meshformer.model.layers import TransformerBlock, make_norm
+from meshformer.model.residual import HyperMerge
+
+
+def block_kinds(cfg: ModelConfig) -> tuple[ModelConfig, int]:
+    """(config, index) whose block `index` has the MTP block's kinds: the last block's (DeepSeek-V3's MTP block is an
+    MoE block like its last main block), or model.mtp.layer_type / mlp_type appended as one block past the stack."""
+    m, n = cfg.mtp, cfg.n_layers
+    if not m.layer_type and not m.mlp_type:
+        return cfg, n - 1
+    layer_types = [cfg.layer_type(i) for i in range(n)] + [m.layer_type or cfg.layer_type(n - 1)]
+    mlp_types = [cfg.mlp_type(i) for i in range(n)] + [m.mlp_type or cfg.mlp_type(n - 1)]
+    return replace(cfg, layer_types=layer_types, mlp_types=mlp_types), n
 
 
 class MtpModule(nn.Module):
@@ -34,8 +57,7 @@ class MtpModule(nn.Module):
         self.enorm = make_norm(cfg)
         self.hnorm = make_norm(cfg)
         self.eh_proj = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False)
-        # the last block's kinds: DeepSeek-V3's MTP block is an MoE block like its last main block
-        self.block = TransformerBlock(cfg, causal=True, index=cfg.n_layers - 1)
+        self.block = TransformerBlock(block_kinds(cfg)[0], causal=True, index=block_kinds(cfg)[1])
         self.final_norm = make_norm(cfg)
 
     def forward(self, previous: torch.Tensor, embedded: torch.Tensor, mask: Any, **block_kwargs: Any
@@ -45,6 +67,29 @@ class MtpModule(nn.Module):
         h = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(previous)], dim=-1))
         h = self.block(h, mask, **block_kwargs)
         return h, self.final_norm(h)
+
+
+class HyperMtpModule(nn.Module):
+    """One depth under mHC: h_proj(hnorm(stream)) + e_proj(enorm(embedding)) on each of the n streams, the block,
+    then the module's own merge of the streams and final norm (the output head is the model's)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.enorm = make_norm(cfg)
+        self.hnorm = make_norm(cfg)
+        self.e_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.h_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.block = TransformerBlock(block_kinds(cfg)[0], causal=True, index=block_kinds(cfg)[1])
+        self.merge = HyperMerge(cfg)
+        self.final_norm = make_norm(cfg)
+
+    def forward(self, previous: torch.Tensor, embedded: torch.Tensor, mask: Any, **block_kwargs: Any
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the streams h_k (B, T, n, D), their merge through the final norm (B, T, D)) from the streams h_{k-1}
+        and the embeddings (B, T, D) of the tokens k ahead."""
+        h = self.h_proj(self.hnorm(previous)) + self.e_proj(self.enorm(embedded)).unsqueeze(2)
+        h = self.block(h, mask, **block_kwargs)
+        return h, self.final_norm(self.merge(h))
 
 
 def shift_left(x: torch.Tensor, k: int, fill: int) -> torch.Tensor:
@@ -72,7 +117,11 @@ def ahead_inputs(input_ids: torch.Tensor, labels: torch.Tensor, depth: int) -> t
 
 def mtp_modules(cfg: ModelConfig) -> nn.ModuleList | None:
     """The modules of `model.mtp.depth` (None when off)."""
-    return nn.ModuleList(MtpModule(cfg) for _ in range(cfg.mtp.depth)) if cfg.mtp.depth > 0 else None
+    if cfg.mtp.depth == 0:
+        return None
+    module = HyperMtpModule if cfg.residual.kind == "mhc" else MtpModule
+    return nn.ModuleList(module(cfg) for _ in range(cfg.mtp.depth))
 
 
-__all__ = ["MtpModule", "ahead_inputs", "mtp_modules", "shift_left", "shifted_labels"]
+__all__ = ["HyperMtpModule", "MtpModule", "ahead_inputs", "block_kinds", "mtp_modules", "shift_left",
+           "shifted_labels"]

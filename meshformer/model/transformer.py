@@ -26,7 +26,7 @@ from meshformer.model.init import init_weights, new_seed
 from meshformer.model.layers import BlockCache, TransformerBlock, activation_fn, make_norm
 from meshformer.model.masks import AttentionMask, build_mask, masked_avg_pool, pool_padding_mask
 from meshformer.model.moe import MoEFeedForward
-from meshformer.model.mtp import MtpModule, ahead_inputs, mtp_modules
+from meshformer.model.mtp import HyperMtpModule, MtpModule, ahead_inputs, block_kinds, mtp_modules
 from meshformer.model.parallel_context import ParallelContext, StageSpan
 from meshformer.model.positions import (
     LearnedPositions,
@@ -360,6 +360,7 @@ class Transformer(nn.Module):
         documents: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         final_norm: bool = True,
+        merge: bool = True,
     ) -> torch.Tensor:
         """Causal stack over target ids (B, T); with a cache, ids are only the new tokens.
 
@@ -369,6 +370,8 @@ class Transformer(nn.Module):
             row's first real token under left padding; relative schemes and masks need none (padding shifts a
             row's tokens alike). Default: their place in the sequence.
         final_norm: false leaves out the stack's final norm (multi-token prediction reads the hidden states before it).
+        merge: false leaves out the residual's merge too: mHC's streams (B, T, n, D), which its multi-token prediction
+            modules read.
         """
         q_len = ids.shape[1]  # not h's: a received h may be a sequence-parallel shard
         # the longest: a block without a token mixer (`none`) keeps an empty cache
@@ -394,6 +397,8 @@ class Transformer(nn.Module):
             h = layer(h, mask, memory=memory, memory_mask=memory_mask, cache=cache[i] if cache else None,
                       chunk=self.parallel_context.chunk, token_ids=ids, carry=carry, **kwargs)
         if self.decoder_merge is not None:
+            if not merge:
+                return h
             h = self.decoder_merge(h)
         if self.decoder_norm is not None and final_norm:
             h = self.decoder_norm(h)
@@ -497,9 +502,12 @@ class Transformer(nn.Module):
                 memory_padding = pool_padding_mask(memory_padding, self.cfg.cross_downsample)
             documents = doc_ids if self.cfg.attention.document_mask and not spec.seq2seq else None
             h = self.decode(target_ids, target_padding, memory=s.memory, memory_padding=memory_padding, h=s.decoder,
-                            documents=documents, final_norm=mtp_labels is None)
+                            documents=documents, final_norm=mtp_labels is None, merge=mtp_labels is None)
             if mtp_labels is not None:
-                unnormed, h = h, h if self.decoder_norm is None else self.decoder_norm(h)
+                unnormed = h  # under mHC its streams
+                if self.decoder_merge is not None:
+                    h = self.decoder_merge(h)
+                h = h if self.decoder_norm is None else self.decoder_norm(h)
             s = replace(s, decoder=h)
         if self.output is None:
             return s
@@ -522,20 +530,24 @@ class Transformer(nn.Module):
     def _multi_token(self, h: torch.Tensor, ids: torch.Tensor, padding: torch.Tensor | None,
                      documents: torch.Tensor | None, ahead: tuple[torch.Tensor, torch.Tensor],
                      head_loss: HeadLoss | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each MTP module's (logits or summed loss, shifted labels) from the main stack's unnormed output `h`."""
+        """Each MTP module's (logits or summed loss, shifted labels) from the main stack's unnormed output `h` (under
+        mHC its unmerged streams)."""
         assert self.mtp_layers is not None
         q_len = ids.shape[1]
         positions, k_len = self._positions(q_len, 0, ids.device)
-        last = self.cfg.n_layers - 1  # each module's block has the last block's kinds
-        masks, extra = self._causal_inputs(q_len, k_len, 0, positions, {self.cfg.window(last)}, padding, documents,
-                                           None, h.device)
-        mask, kwargs = self._block_inputs(last, masks, extra)
+        kinds, index = block_kinds(self.cfg)  # the modules' block kinds (model.mtp.layer_type, else the last block's)
+        window = kinds.window(index)
+        masks, extra = self._causal_inputs(q_len, k_len, 0, positions, {window}, padding, documents, None, h.device)
+        kwargs = {key: value for key, value in extra.items() if key != "local_rope"}
+        if kinds.local_rope(index):
+            kwargs["rope"] = extra["local_rope"]
         ahead_ids, ahead_targets = ahead
         outputs = []
         for k, module in enumerate(self.mtp_layers):
-            assert isinstance(module, MtpModule)
+            assert isinstance(module, (MtpModule, HyperMtpModule))
             embedded = self.embed(ahead_ids[..., k], positions=positions)
-            h, normed = module(h, embedded, mask, chunk=self.parallel_context.chunk, **kwargs)
+            h, normed = module(h, embedded, masks[window], chunk=self.parallel_context.chunk,
+                               token_ids=ahead_ids[..., k], **kwargs)
             targets = ahead_targets[..., k]
             outputs.append((self.head(normed, targets, head_loss), targets))
         return outputs

@@ -4,11 +4,13 @@
 indexer's top `index_topk` entries of overlapping `csa_rate` windows). One key/value head shared by every head,
 a learned sink logit per head, a grouped output projection.
 
-The blocks rotate their own queries and keys (model.position = "none") from each row's positions 0, 1, ...: right
-padding only; no packing or tensor parallel. Context parallel (the all-gather method) keeps each rank's queries and
-all-gathers the one key/value head, the compressed entries and the indexer's keys (each piece of a sequence must
-hold whole compression windows: data.seq_len a multiple of 2 x cp x the rate). The generation cache keeps the
-block's inputs and recomputes over them.
+The blocks rotate their own queries and keys (model.position = "none") from each row's positions 0, 1, ..., counted
+from its first real token and from each packed document's start; no tensor parallel. Context parallel (the
+all-gather method, right-padded rows of one document) keeps each rank's queries and all-gathers the one key/value
+head, the compressed entries and the indexer's keys (each piece of a sequence must hold whole compression windows:
+data.seq_len a multiple of 2 x cp x the rate). The generation cache keeps the last window - 1 keys and each
+compressor's unfinished window and finished entries (CSA: the indexer's too), so a step reads the window and the
+entries, not the prefix.
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ class V4AttentionKind(TokenMixer):
     section = "compressed_attention"
     exports = frozenset(f"compressed_attention.{name}" for name in (
         "q_rank", "rope_dim", "window", "o_groups", "o_rank", "rope_theta", "compress_theta", "hca_rate", "csa_rate",
-        "index_heads", "index_dim", "index_topk"))
+        "index_heads", "index_dim", "index_topk", "yarn_factor", "yarn_original_max_seq_len",
+        "yarn_beta_fast", "yarn_beta_slow"))
     blockwise_kernel = False
     qk_clip = False
-    reads_padding_and_documents: ClassVar[bool] = True  # to refuse left-padded or packed rows
+    reads_padding_and_documents: ClassVar[bool] = True  # left-padded and packed rows restart their positions
 
     def _rate(self, cfg: ModelConfig) -> int | None:
         return None
@@ -50,14 +53,14 @@ class V4AttentionKind(TokenMixer):
         return False
 
     def build(self, cfg: ModelConfig, *, causal: bool) -> nn.Module:
-        from meshformer.model.compressed_attention import V4Attention
+        from meshformer.model.compressed_attention import V4Attention, compress_scaling
 
         c = cfg.compressed_attention
         rate = self._rate(cfg)
         index = (c.index_heads, c.index_dim, c.index_topk) if self._indexed() else None
         return V4Attention(cfg.d_model, cfg.attention.n_heads, cfg.attention_head_dim, c.q_rank, c.rope_dim,
                            c.window, c.o_groups, c.o_rank, cfg.norm.eps, c.rope_theta, c.compress_theta,
-                           compress_rate=rate, index=index)
+                           compress_rate=rate, index=index, compress_scaling=compress_scaling(c))
 
     def check(self, cfg: ModelConfig) -> None:
         c, hd, heads = cfg.compressed_attention, cfg.attention_head_dim, cfg.attention.n_heads
@@ -73,6 +76,13 @@ class V4AttentionKind(TokenMixer):
         if bad := [k for k, v in sizes.items() if v <= 0]:
             raise ConfigError(f"model.compressed_attention.{bad[0]}={sizes[bad[0]]} must be positive",
                               "DeepSeek-V4-Flash: q_rank=1024, rope_dim=64, window=128, o_groups=8, o_rank=1024")
+        if not c.yarn_factor >= 1:
+            raise ConfigError(f"model.compressed_attention.yarn_factor={c.yarn_factor} must be >= 1 (1: unscaled)",
+                              "DeepSeek-V4: yarn_factor = 16 with yarn_original_max_seq_len = 65536")
+        if c.yarn_factor > 1 and c.yarn_original_max_seq_len <= 0:
+            raise ConfigError(f"model.compressed_attention.yarn_factor={c.yarn_factor} stretches a pretraining "
+                              "context, but yarn_original_max_seq_len is not set",
+                              "set yarn_original_max_seq_len (DeepSeek-V4: 65536)")
         if c.rope_dim % 2 or c.rope_dim > min(hd, c.index_dim):
             raise ConfigError(f"model.compressed_attention.rope_dim={c.rope_dim} must be even and at most the head "
                               f"width {hd} and index_dim {c.index_dim}", "use e.g. rope_dim = 64")
@@ -98,12 +108,33 @@ class V4AttentionKind(TokenMixer):
         return None
 
     def new_cache(self) -> GenerationCache | None:
-        from meshformer.model.compressed_attention import InputsCache
+        from meshformer.model.compressed_attention import V4Cache
 
-        return InputsCache()
+        return V4Cache()
 
     def cache_per_token(self, cfg: ModelConfig) -> int:
-        return cfg.d_model  # the block's normalised input
+        """Elements per token of context, rounded up: a compressed entry (head_dim; CSA: and an index_dim indexer
+        key) per `rate` tokens. The window's keys and the unfinished windows do not grow with the context
+        (`cache_elements` counts them)."""
+        rate = self._rate(cfg)
+        return 0 if rate is None else -(-self._entry_width(cfg) // rate)
+
+    def _entry_width(self, cfg: ModelConfig) -> int:
+        return cfg.attention_head_dim + (cfg.compressed_attention.index_dim if self._indexed() else 0)
+
+    def cache_elements(self, cfg: ModelConfig, context: int) -> int:
+        """Elements its cache (`V4Cache`) holds for one sequence after `context` tokens: the last window - 1 keys
+        (head_dim each), one entry per finished window (`cache_per_token`), and each compressor's `rate` slots of
+        projections and gates (CSA: both halves, and the last finished window's first halves with their gates; the
+        indexer's alike at index_dim)."""
+        c, hd, rate = cfg.compressed_attention, cfg.attention_head_dim, self._rate(cfg)
+        total = min(c.window - 1, context) * hd
+        if rate is not None:
+            total += context // rate * self._entry_width(cfg)
+            for width in (hd, c.index_dim) if self._indexed() else (hd,):
+                slots = 2 * width if self._indexed() else width
+                total += 2 * rate * slots + (2 * rate * width if self._indexed() else 0)
+        return total
 
     def _widths(self, cfg: ModelConfig) -> tuple[int, int, int]:
         return cfg.attention.n_heads, cfg.attention_head_dim, cfg.d_model

@@ -126,17 +126,23 @@ def test_attention_equals_transformers(layer_type):
 
 
 def test_the_cache_bench_counts_each_layer_kind(tmp_path):
-    """bench/v4_cache_bytes.py: a sliding window's fixed keys, one entry per HCA window, one entry and one indexer
-    key per CSA window; V3 a latent and a rotary key per token; its table loads."""
+    """bench/v4_cache_bytes.py: a sliding window's last window - 1 keys, one entry per HCA window, one entry and one
+    indexer key per CSA window, each compressor's unfinished window (projections and gates: CSA's of both halves,
+    and the last finished window's first halves); V3 a latent and a rotary key per token; its table loads."""
     from types import SimpleNamespace
 
     from helpers.common import load_script
+    from transformers import DeepseekV4Config
 
     bench = load_script("bench/v4_cache_bytes.py")
-    v4 = SimpleNamespace(layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
-                         sliding_window=8, head_dim=4, index_head_dim=2,
-                         compress_rates={"heavily_compressed_attention": 16, "compressed_sparse_attention": 4})
-    assert bench.v4_elements(v4, 32) == 2 * 8 * 4 + 2 * 4 + 8 * (4 + 2)
+    v4 = DeepseekV4Config(num_hidden_layers=2, layer_types=["heavily_compressed_attention",
+                                                            "compressed_sparse_attention"],
+                          mlp_layer_types=["moe", "moe"], sliding_window=8, head_dim=8, index_head_dim=4,
+                          partial_rotary_factor=0.5,
+                          compress_rates={"heavily_compressed_attention": 16, "compressed_sparse_attention": 4})
+    hca = 7 * 8 + 2 * 8 + 2 * 16 * 8
+    csa = 7 * 8 + 8 * (8 + 4) + (2 * 4 * 16 + 2 * 4 * 8) + (2 * 4 * 8 + 2 * 4 * 4)
+    assert bench.v4_elements(v4, 32) == hca + csa
     v3 = SimpleNamespace(num_hidden_layers=3, kv_lora_rank=5, qk_rope_head_dim=1)
     assert bench.v3_elements(v3, 32) == 3 * 32 * 6
     columns, rows = bench.table(bench.rows(v3, v4))
@@ -181,7 +187,7 @@ def threaded_pieces(module: nn.Module, x: torch.Tensor, count: int) -> torch.Ten
 
     def rank(chunk):  # type: ignore[no-untyped-def]
         mine = pieces(x, chunk)
-        return module(mine, chunk.positions(mine.shape[1], mine.device), chunk)
+        return module(mine, chunk.positions(mine.shape[1], mine.device), chunk=chunk)
 
     return in_order(run_ranks(count, rank))
 

@@ -115,8 +115,7 @@ def test_cached_decoding_with_mhc_equals_the_full_forward():
 
 @pytest.mark.parametrize("model,key", [({"residual": {"streams": 0}}, "residual.streams"),
                                        ({"residual": {"sinkhorn_iters": 0}}, "residual.sinkhorn_iters"),
-                                       ({"norm": {"position": "post"}}, "norm.position"),
-                                       ({"mtp": {"depth": 1}}, "mtp.depth")])
+                                       ({"norm": {"position": "post"}}, "norm.position")])
 def test_bad_mhc_tables_are_refused(model, key):
     residual = {"kind": "mhc", **model.pop("residual", {})}
     with pytest.raises(ConfigError, match=f"model.{key}"):

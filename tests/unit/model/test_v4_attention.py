@@ -1,7 +1,8 @@
 """DeepSeek-V4's attention kinds "sliding_mqa", "hca" and "csa" (model/components/v4_attention.py) inside a model:
 each block's mixer against transformers 5.24's DeepseekV4Attention of its layer type with copied weights, over a
 sequence longer than the window, the compression windows and the indexer's top-k; decoding through the cache equal
-to the whole sequence; parameter counts; refusals."""
+to the whole sequence, one token's projections per step, the cache's elements; left-padded and packed rows equal to
+each run alone; parameter counts; refusals."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Atten
 
 from meshformer.config.migrate import model_from_flat
 from meshformer.errors import ConfigError
-from meshformer.model.compressed_attention import InputsCache, V4Attention
+from meshformer.model.compressed_attention import V4Attention, V4Cache
 from meshformer.model.config import CompressedAttentionConfig, ModelConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -102,7 +103,7 @@ def test_decoding_through_the_cache_equals_the_whole_sequence() -> None:
         p.add_(torch.randn_like(p) * 0.1)
     mixer = model.decoder_layers["2"].attn
     x = torch.randn(2, 15, D)
-    cache = InputsCache()
+    cache = V4Cache()
     steps = [mixer(x[:, :5], None, cache=cache)] + [mixer(x[:, t:t + 1], None, cache=cache) for t in range(5, 15)]
     assert cache.length == 15
     torch.testing.assert_close(torch.cat(steps, 1), mixer(x, None), rtol=0, atol=1e-6)
@@ -127,16 +128,121 @@ def test_config_refusals(extra: dict[str, Any], message: str) -> None:
         validate_model(bad, "test")
 
 
+def _stepped_model() -> Any:
+    from meshformer.model import Transformer
+
+    torch.manual_seed(2)
+    model = Transformer(ours(), init_seed=3).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
 @torch.no_grad()
-def test_padded_or_packed_rows_are_refused() -> None:
+def test_a_decode_step_feeds_one_token_and_keeps_the_window_and_the_entries() -> None:
+    """After a 5-token prefill, each step projects one token per row through the attention, the compressor and the
+    indexer (not the prefix); the cache holds window - 1 keys, one entry per finished window and the unfinished
+    window's slots, the elements the kind's `cache_elements` counts."""
+    mixer = _stepped_model().decoder_layers["2"].attn  # csa
+    assert isinstance(mixer, V4Attention) and mixer.compressor is not None and mixer.indexer is not None
+    fed: dict[str, int] = {}
+
+    def counter(name: str) -> Any:
+        def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+            fed[name] = fed.get(name, 0) + args[0].shape[:-1].numel()
+        return hook
+
+    for name, module in (("query", mixer.q_a_proj), ("compressor", mixer.compressor.kv_proj),
+                         ("indexer", mixer.indexer.kv_proj)):
+        module.register_forward_hook(counter(name))
+    x, cache = torch.randn(2, 15, D), V4Cache()
+    mixer(x[:, :5], None, cache=cache)
+    assert fed == {"query": 10, "compressor": 10, "indexer": 10}
+    for t in range(5, 15):
+        mixer(x[:, t:t + 1], None, cache=cache)
+        assert fed == {name: 2 * (t + 1) for name in fed}, t
+    assert cache.length == 15 and cache.keys is not None and cache.keys.shape == (2, WINDOW - 1, HEAD_DIM)
+    for state in (cache.compressor, cache.indexer):
+        assert state is not None
+        assert state.entries.shape[1] == 15 // RATE and state.count.tolist() == [15 // RATE] * 2
+        assert state.filled.tolist() == [15 % RATE] * 2
+    held = [cache.keys] + [t for state in (cache.compressor, cache.indexer) if state is not None
+                           for t in (state.kv, state.gate, state.entries, state.prior_kv, state.prior_gate)]
+    from meshformer.model.components import TOKEN_MIXERS
+
+    kind = TOKEN_MIXERS["csa"]
+    assert sum(t.numel() for t in held if t is not None) == 2 * kind.cache_elements(ours(), 15)  # type: ignore[attr-defined]
+    assert kind.cache_per_token(ours()) == (HEAD_DIM + 8) // RATE
+
+
+def _left_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(r.shape[0] for r in rows)
+    x = torch.randn(len(rows), width, D)  # the pads hold noise: they must not reach a real token
+    padding = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        x[i, width - r.shape[0]:], padding[i, width - r.shape[0]:] = r, True
+    return x, padding
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("block", ["0", "1", "2"])
+def test_left_padded_rows_equal_each_row_alone_whole_and_cached(block: str) -> None:
+    """Rows of 17, 9 and 6 tokens left-padded: every real token's output equals its row's alone within 1e-5, over
+    the whole sequence and through the cache (the prompt prefilled padded, then 6 steps)."""
+    mixer = _stepped_model().decoder_layers[block].attn
+    rows = [torch.randn(n, D) for n in (17, 9, 6)]
+    x, padding = _left_pad(rows)
+    out = mixer(x, None, padding=padding)
+    cache = V4Cache()
+    prefill = mixer(x, None, padding=padding, cache=cache)
+    more = torch.randn(3, 6, D)
+    steps = torch.cat([mixer(more[:, t:t + 1], None, cache=cache) for t in range(6)], 1)
+    for i, row in enumerate(rows):
+        n = row.shape[0]
+        alone = mixer(torch.cat([row, more[i]])[None], None)[0]
+        torch.testing.assert_close(out[i, -n:], alone[:n], rtol=0, atol=1e-5)
+        torch.testing.assert_close(prefill[i, -n:], alone[:n], rtol=0, atol=1e-5)
+        torch.testing.assert_close(steps[i], alone[n:], rtol=0, atol=1e-5)
+    assert not out[~padding].any()  # a pad's output is left 0
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("block", ["0", "1", "2"])
+def test_a_packed_row_equals_each_document_alone(block: str) -> None:
+    """Documents of 9, 5 and 11 tokens in a row (and one of 25 in the other): each token's output equals its
+    document's alone within 1e-5 (positions and compression windows restart at each document)."""
+    mixer = _stepped_model().decoder_layers[block].attn
+    x = torch.randn(2, 25, D)
+    documents = torch.tensor([[0] * 9 + [1] * 5 + [2] * 11, [0] * 25])
+    out = mixer(x, None, documents=documents)
+    for row, start, n in ((0, 0, 9), (0, 9, 5), (0, 14, 11), (1, 0, 25)):
+        alone = mixer(x[row:row + 1, start:start + n], None)[0]
+        torch.testing.assert_close(out[row, start:start + n], alone, rtol=0, atol=1e-5)
+    assert (out[0, 9:14] - mixer(x[:1, :14], None)[0, 9:]).abs().max() > 1e-3  # the documents do cut
+
+
+@torch.no_grad()
+def test_what_the_kinds_refuse() -> None:
     from meshformer.model import Transformer
 
     mixer = Transformer(ours(), init_seed=0).decoder_layers["1"].attn
     x = torch.randn(2, 6, D)
-    with pytest.raises(ConfigError, match="padded"):
-        mixer(x, None, padding=torch.tensor([[False] + [True] * 5, [True] * 6]))
     with pytest.raises(ConfigError, match="packed"):
-        mixer(x, None, documents=torch.tensor([[0, 0, 0, 1, 1, 1]] * 2))
+        mixer(x, None, documents=torch.tensor([[0, 0, 0, 1, 1, 1]] * 2), cache=V4Cache())
+    cache = V4Cache()
+    mixer(x, None, cache=cache)
+    with pytest.raises(ConfigError, match="decoded step holds pads"):
+        mixer(x[:, :1], None, cache=cache, padding=torch.tensor([[False], [True]]))
+    with pytest.raises(ConfigError, match="pads between its tokens"):
+        mixer(x, None, padding=torch.tensor([[True, True, False, True, True, True], [True] * 6]))
+    from meshformer.model.attention import SequenceChunk
+
+    pieces = SequenceChunk(0, 1, lambda t: t)  # refused before anything is gathered
+    with pytest.raises(ConfigError, match="under context parallel read rows from their first position"):
+        mixer(x, None, chunk=pieces, documents=torch.tensor([[0, 0, 0, 1, 1, 1]] * 2))
+    with pytest.raises(ConfigError, match="under context parallel read rows from their first position"):
+        mixer(x, None, chunk=pieces, padding=torch.tensor([[False, True, True, True, True, True], [True] * 6]))
 
 
 def test_export_refuses_the_kinds() -> None:
