@@ -158,9 +158,10 @@ def markdown(rows: list[Row], gpu: str) -> str:
     lines += ["", "The search sizes one template block per stack (the MTP module built with the last block's kinds); "
               "the whole-model path (`meshformer plan`'s figure for a configured layout) builds every module. "
               "Where the two differ by more than 0.05 GiB, the cell shows both."]
-    lines += ["", "DeepSeek-V4's attention blocks score each query against the whole sequence (one dense T × T "
-              "matrix per head, the window and the compressed entries applied as masks) and refuse context "
-              "parallel, so at 1M tokens no layout fits."]
+    lines += ["", "DeepSeek-V4's attention blocks score each block of 256 queries against its window's keys and its "
+              "compressed entries (HCA: every entry it may see; CSA: the indexer's picks), so what they keep grows as "
+              "T × (window + entries), and under context parallel each rank all-gathers the one key/value head and "
+              "the entries; at 1M tokens the first fitting layout splits each sequence over 64 ranks."]
     if notes:
         lines += ["", *(f"- {note}" for note in notes)]
     return "\n".join([*lines, "", END]) + "\n"

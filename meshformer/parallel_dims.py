@@ -207,6 +207,13 @@ def check_context_parallel(cfg: Config, dims: ParallelDims) -> None:
         raise ConfigError(f"{key} cuts each sequence into {2 * dims.cp} equal pieces (2 per rank, for balanced "
                           f"causal work), but data.seq_len={cfg.data.seq_len} is not divisible by {2 * dims.cp}; "
                           "choose a seq_len that is a multiple of 2 x cp")
+    piece = cfg.data.seq_len // (2 * dims.cp)
+    for kind in model_kinds(m):
+        if piece % (multiple := kind.context_piece_multiple(m)):
+            raise ConfigError(f"{key}: {kind.name} blocks need each of the {2 * dims.cp} sequence pieces to hold a "
+                              f"multiple of {multiple} tokens, but data.seq_len={cfg.data.seq_len} gives pieces of "
+                              f"{piece}; choose a data.seq_len that is a multiple of 2 x cp x {multiple} = "
+                              f"{2 * dims.cp * multiple}")
     if dims.tp > 1 and (cfg.data.seq_len // dims.cp) % dims.tp:
         raise ConfigError(f"{key} with parallel.tp={dims.tp}: each rank's {cfg.data.seq_len // dims.cp} tokens must "
                           f"split evenly over the tensor-parallel ranks (sequence parallel); choose a data.seq_len "

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,21 @@ from torch.distributed.tensor import DTensor
 from meshformer.errors import ConfigError
 from meshformer.model.config import CompressedAttentionConfig
 from meshformer.model.positions import RopeScaling, rope_frequencies
+
+if TYPE_CHECKING:
+    from meshformer.model.attention import SequenceChunk
+
+INDEX_SCORES = 2**25  # float32 indexer scores (128 MiB) computed at once: one block of queries against every entry
+Span = tuple[int, int, int]  # (start among this rank's tokens, length, start in the sequence): a contiguous piece
+
+
+def _whole(t: torch.Tensor, chunk: SequenceChunk | None) -> torch.Tensor:
+    """(B, n, D) of this rank's pieces -> (B, N, D) of every rank's, in sequence order (identity on one rank)."""
+    return t if chunk is None else chunk.whole(t[:, None]).squeeze(1)
+
+
+def _spans(length: int, chunk: SequenceChunk | None) -> list[Span]:
+    return [(0, length, 0)] if chunk is None else chunk.spans(length)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -95,7 +110,12 @@ class Compressor(nn.Module):
 
     HCA (`overlap` false): entry w is the gated sum over window w's `rate` tokens. CSA (`overlap` true): every token
     projects two halves, one for its own window's entry and one for the next window's, so entry w sums over 2 x rate
-    slots (window w - 1's first halves, window w's second halves; entry 0 has only its own)."""
+    slots (window w - 1's first halves, window w's second halves; entry 0 has only its own).
+
+    Under context parallel (`entries` with a `SequenceChunk`) each rank compresses the windows of its own pieces
+    (a piece's length must be a multiple of `rate`, so no window straddles two pieces); CSA's first window of a
+    piece reads the previous piece's last window, whose first halves every rank all-gathers (rate tokens a piece),
+    and the entries are all-gathered in sequence order (T / rate of them)."""
 
     def __init__(self, d_model: int, head_dim: int, rate: int, rope_dim: int, rope_theta: float, eps: float,
                  overlap: bool = False, scaling: RopeScaling | None = None) -> None:
@@ -151,6 +171,41 @@ class Compressor(nn.Module):
         # entry w ends at position (w + 1) * rate - 1: a query at t sees it once t + 1 >= (w + 1) * rate
         visible = torch.arange(windows, device=x.device) < ((positions + 1) // self.rate)[:, None]
         return compressed, visible
+
+    def visible(self, positions: torch.Tensor, count: int) -> torch.Tensor:
+        """(T, count): entry w ends at position (w + 1) x rate - 1; a query at t sees it once t + 1 >= (w + 1) rate."""
+        return torch.arange(count, device=positions.device) < ((positions + 1) // self.rate)[:, None]
+
+    def entries(self, x: torch.Tensor, spans: list[Span], chunk: SequenceChunk | None) -> torch.Tensor:
+        """The whole sequence's entries (B, W, head_dim) from this rank's pieces `spans` of x (B, n, D)."""
+        rate, d = self.rate, self.head_dim
+        if chunk is not None and spans[0][1] % rate:
+            raise ConfigError(f"DeepSeek-V4 compressed attention under context parallel compresses windows of {rate} "
+                              f"tokens inside each sequence piece, but a piece holds {spans[0][1]} tokens",
+                              f"choose data.seq_len a multiple of 2 x parallel.cp x {rate}")
+        kv_all, gate_all = self.kv_proj(x), self.gate_proj(x)
+        before: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(spans)
+        if self.overlap and chunk is not None:
+            # each piece's last window's first halves, gathered: piece p's predecessor is rows (p - 1) x rate onward
+            tails = torch.cat([torch.cat([kv_all[:, s + n - rate:s + n, :d], gate_all[:, s + n - rate:s + n, :d]], -1)
+                               for s, n, _ in spans], dim=1)
+            every = _whole(tails, chunk)
+            for i, (_, n, at) in enumerate(spans):
+                piece = at // n
+                if piece:
+                    tail = every[:, (piece - 1) * rate:piece * rate]
+                    before[i] = tail[..., :d], tail[..., d:]
+        out = []
+        for (s, n, at), prior in zip(spans, before, strict=True):
+            windows = n // rate
+            if not windows:
+                continue
+            pooled = self.pool(kv_all[:, s:s + windows * rate].unflatten(1, (windows, rate)),
+                               gate_all[:, s:s + windows * rate].unflatten(1, (windows, rate)), prior)
+            out.append(self.rotate(pooled, (at // rate + torch.arange(windows, device=x.device)) * rate))
+        if not out:
+            return x.new_zeros(x.shape[0], 0, d)
+        return _whole(torch.cat(out, dim=1), chunk)
 
     def start(self, batch: int, like: torch.Tensor) -> WindowState:
         """An empty generation state of `batch` rows."""
@@ -231,6 +286,24 @@ class Indexer(Compressor):
         kept = torch.zeros_like(index, dtype=torch.bool).scatter_(-1, chosen, True)
         return kept & visible  # a row with fewer visible entries than topk keeps only those
 
+    @torch.no_grad()
+    def chosen(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T, k) the entries of `keys` (B, W, index_dim) each query keeps, k = min(topk, W), and whether each is
+        one it may see (a row with fewer visible entries than topk keeps only those). Top-k passes no gradient, so
+        neither does the indexer. Scores of a block of queries at a time, about INDEX_SCORES of them."""
+        step = max(1, min(CompressedAttention.query_block, INDEX_SCORES // max(1, self.n_heads * keys.shape[1])))
+        picks, kept = [], []
+        for b in range(0, x.shape[1], step):
+            rows = slice(b, b + step)
+            visible = self.visible(positions[rows], keys.shape[1])
+            index = self.score(x[:, rows], q_latent[:, rows], positions[rows], keys).masked_fill(~visible,
+                                                                                                  float("-inf"))
+            chosen = index.topk(min(self.topk, index.shape[-1]), dim=-1).indices
+            picks.append(chosen)
+            kept.append(visible.expand(x.shape[0], -1, -1).gather(-1, chosen))
+        return torch.cat(picks, dim=1), torch.cat(kept, dim=1)
+
     def pick(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, state: WindowState
              ) -> torch.Tensor:
         """(B, 1, E) for one query per row (x: B, 1, D) over the state's entries: its top-k of its row's entries.
@@ -268,7 +341,15 @@ class CompressedAttention(nn.Module):
     """V4 attention over a (B, T, D) input: a sliding-window branch, and with `compress_rate` the compressed entries
     beside it: all those a query may see (HCA), or with `index` = (heads, width, topk) the ones CSA's indexer picks.
     Rotary: base `rope_theta` for a sliding-only block, `compress_theta` and `compress_scaling` (YaRN) for a
-    compressed one (its compressor and indexer too)."""
+    compressed one (its compressor and indexer too).
+
+    Queries run in blocks of `query_block` consecutive positions, each against its window's keys and its entries
+    (CSA: the indexer's picks, gathered), so the scores kept for backward grow as T x (window + entries), never T x T
+    (a generation cache's prefill, `keep`, runs the whole sequence at once). Under context parallel each rank's
+    queries read the all-gathered key/value head (T x head_dim a layer) and entries (T / rate); every position is
+    the token's own in the sequence."""
+
+    query_block = 256
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, q_rank: int, rope_dim: int, window: int,
                  groups: int, o_rank: int, eps: float, rope_theta: float, compress_theta: float,
@@ -335,9 +416,13 @@ class CompressedAttention(nn.Module):
         out = rotate_tail(out, cos.unsqueeze(-2), -sin.unsqueeze(-2))
         return self.output(out.flatten(-2))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, keep: dict[str, Any] | None = None) -> torch.Tensor:
-        """positions: (T,) the tokens' positions from 0. keep: filled with the keys and the compressor's and
-        indexer's projections and entries, for a generation cache to start from."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, keep: dict[str, Any] | None = None, *,
+                chunk: SequenceChunk | None = None) -> torch.Tensor:
+        """positions: (T,) the tokens' positions in the sequence (0, 1, ...; under context parallel `chunk`'s
+        pieces). keep: filled with the keys and the compressor's and indexer's projections and entries, for a
+        generation cache to start from."""
+        if keep is None:
+            return self._blockwise(x, positions, chunk)
         batch = x.shape[0]
         cos, sin = rotary_tables(positions, self.rope_dim, self.theta, self.scaling)
         latent, q, kv = self._project(x, cos, sin)
@@ -353,6 +438,62 @@ class CompressedAttention(nn.Module):
                                            None if keep is None else keep.setdefault("indexer", {}))
             kv, visible = torch.cat([kv, compressed], dim=1), torch.cat([visible, seen.expand(batch, -1, -1)], dim=2)
         return self._attend(q, kv, visible, cos, sin)
+
+
+    def _blockwise(self, x: torch.Tensor, positions: torch.Tensor, chunk: SequenceChunk | None) -> torch.Tensor:
+        spans = _spans(x.shape[1], chunk)
+        cos, sin = rotary_tables(positions, self.rope_dim, self.theta, self.scaling)
+        latent, q, kv = self._project(x, cos, sin)
+        kv = _whole(kv, chunk)  # the one key and value head, every rank's in sequence order
+        entries = self.compressor.entries(x, spans, chunk) if self.compressor is not None else None
+        picked = None
+        if self.indexer is not None and entries is not None and entries.shape[1]:
+            with torch.no_grad():  # top-k passes no gradient: nothing of the indexer's is kept for backward
+                picked = self.indexer.chosen(x, latent, positions, self.indexer.entries(x, spans, chunk))
+        out = torch.cat([self._attend_block(q[:, :, start:start + n], kv, entries, picked, s, start, n, at)
+                         for s, length, at in spans
+                         for start, n in self._blocks(s, length)], dim=2).transpose(1, 2)  # (B, T, H, hd)
+        # keys are the values, so a value's rotary slice carries its key's angle: turn it back by the query's
+        out = rotate_tail(out, cos.unsqueeze(-2), -sin.unsqueeze(-2))
+        return self.output(out.flatten(-2))
+
+    def _blocks(self, start: int, length: int) -> list[tuple[int, int]]:
+        step = self.query_block
+        return [(start + b, min(step, length - b)) for b in range(0, length, step)]
+
+    def _attend_block(self, q: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | None,
+                      picked: tuple[torch.Tensor, torch.Tensor] | None, span_start: int, start: int, n: int, at: int
+                      ) -> torch.Tensor:
+        """The outputs (B, H, n, hd) of queries q (B, H, n, hd) at sequence positions at + (start - span_start)
+        onward, against the whole sequence's keys kv (B, T, hd) and entries (B, W, hd)."""
+        first = at + start - span_start
+        pos = torch.arange(first, first + n, device=q.device)
+        low = max(0, first - self.window + 1)
+        keys = kv[:, low:first + n]  # every key of the block's windows
+        distance = pos[:, None] - torch.arange(low, first + n, device=q.device)
+        masks = [(distance >= 0) & (distance < self.window)]
+        scale = self.head_dim**-0.5
+        logits = [(q @ keys[:, None].transpose(-1, -2)) * scale]
+        seen: torch.Tensor | None = None
+        if entries is not None and self.compressor is not None:
+            if picked is None:  # HCA: every entry the block's last query may see
+                seen = entries[:, :(first + n) // self.compressor.rate]
+                masks.append(self.compressor.visible(pos, seen.shape[1]))
+                logits.append((q @ seen[:, None].transpose(-1, -2)) * scale)
+            else:  # CSA: each query's picks, gathered (B, n, k, hd)
+                chosen, kept = picked[0][:, start:start + n], picked[1][:, start:start + n]
+                seen = entries[torch.arange(entries.shape[0], device=q.device)[:, None, None], chosen]
+                masks.append(kept[:, None])
+                logits.append(torch.einsum("bhqd,bqkd->bhqk", q, seen) * scale)
+        scores = torch.cat([lg.masked_fill(~m, float("-inf")) for lg, m in zip(logits, masks, strict=True)]
+                           + [self.sinks.to(q.dtype).view(1, -1, 1, 1).expand(q.shape[0], -1, n, 1)], dim=-1)
+        # the sink takes its share of each softmax and contributes no value
+        probs = scores.softmax(dim=-1)
+        out = probs[..., :keys.shape[1]] @ keys[:, None]
+        if seen is not None:
+            tail = probs[..., keys.shape[1]:-1]
+            out = out + (tail @ seen[:, None] if picked is None else torch.einsum("bhqk,bqkd->bhqd", tail, seen))
+        return out
 
 
 @dataclass
@@ -396,13 +537,20 @@ class V4Attention(CompressedAttention):
     def forward(self, x: torch.Tensor, mask: Any = None, *, rope: Any = None, bias: Any = None,  # type: ignore[override]
                 cache: V4Cache | None = None, chunk: Any = None, padding: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
-        if chunk is not None:
-            raise ConfigError("DeepSeek-V4 attention blocks do not run under context parallel",
-                              "use parallel.cp=1")
         if padding is not None and bool((padding[:, 1:] & ~padding[:, :-1]).sum(1).gt(1 - padding[:, 0].long()).any()):
             raise ConfigError("DeepSeek-V4 attention blocks read pads at a row's start or end, but a row has pads "
                               "between its tokens", "pad rows on the left or the right only")
         packed = documents is not None and bool((documents != documents[:, :1]).any())
+        right_padded = padding is None or bool((padding == padding.cummin(dim=1).values).all())
+        if chunk is not None:
+            if chunk.ulysses:
+                raise ConfigError("DeepSeek-V4 attention blocks do not run under Ulysses context parallel",
+                                  'use parallel.cp_method = "allgather"')
+            if packed or not right_padded:  # this rank's pieces hold parts of runs that start elsewhere
+                raise ConfigError("DeepSeek-V4 attention blocks under context parallel read rows from their first "
+                                  "position, but this batch is left-padded or packed",
+                                  "pad rows on the right, one document per row (data.packing off)")
+            return super().forward(x, chunk.positions(x.shape[1], x.device), chunk=chunk)
         if cache is not None and packed:
             raise ConfigError("DeepSeek-V4 attention blocks decode one document per row, but these rows are packed",
                               "generate from one document per row")
@@ -411,7 +559,6 @@ class V4Attention(CompressedAttention):
                 raise ConfigError("DeepSeek-V4 attention blocks read padding in the prompt only, but a decoded step "
                                   "holds pads", "pad the prompts on the left and decode real tokens after them")
             return torch.cat([self._step(x[:, t], cache) for t in range(x.shape[1])], dim=1)
-        right_padded = padding is None or bool((padding == padding.cummin(dim=1).values).all())
         if cache is None and right_padded and not packed:
             return super().forward(x, torch.arange(x.shape[1], device=x.device))
         if cache is not None and (padding is None or bool(padding.all())):
@@ -504,5 +651,16 @@ class HashRouter(nn.Module):
         return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scale, indices
 
 
-__all__ = ["CompressedAttention", "Compressor", "GroupedOutputProjection", "HashRouter", "Indexer", "V4Attention",
-           "V4Cache", "compress_scaling", "WindowState", "rotary_tables", "rotate_tail"]
+__all__ = [
+    "CompressedAttention",
+    "Compressor",
+    "GroupedOutputProjection",
+    "HashRouter",
+    "Indexer",
+    "V4Attention",
+    "V4Cache",
+    "WindowState",
+    "compress_scaling",
+    "rotary_tables",
+    "rotate_tail",
+]

@@ -67,6 +67,14 @@ def _layer_cost(cfg: Config, kind: str, method: str, batch: int, cp: int, tp: in
         decay = heads * la.key_head_dim if kind == "kda" else heads
         width = 2 * key_heads * la.key_head_dim + 2 * heads * la.value_head_dim + heads + decay
         return 2 * batch * n * width * a * others / cp, batch * n * width * a
+    if kind in ("sliding_mqa", "hca", "csa") and method == "allgather":  # Ulysses refuses them
+        c, d = m.compressed_attention, m.attention_head_dim
+        rate = {"sliding_mqa": 0, "hca": c.hca_rate, "csa": c.csa_rate}[kind]
+        # the key/value head and the entries gathered forward, their gradients reduce-scattered back; the indexer's
+        # keys forward only (no gradient); a CSA piece's last window (rate tokens) too small to count
+        rows, entries = batch * n, batch * n // rate if rate else 0
+        sent = (2 * rows * d + 2 * entries * d + (entries * c.index_dim if kind == "csa" else 0)) * a * others
+        return sent, (batch * seq * d + (batch * seq // rate * d if rate else 0)) * a
     if kind == "mamba2":
         mamba = m.mamba
         heads, groups = mamba.n_heads // tp, mamba.n_groups // tp

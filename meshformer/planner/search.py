@@ -34,7 +34,8 @@ RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 # torch builds one meta chunk per shard and parameter, minutes at 100k ranks.
 REAL_FSDP_SHARDS = 4096
 TP_SIZES = (1, 2, 4, 8)  # tensor parallel stays inside one 8-GPU node
-CP_SIZES = (1, 2, 4, 8, 16)  # context parallel (not encoder-decoder): Llama 3 trained 128k-token sequences at cp 16
+CP_SIZES = (1, 2, 4, 8, 16, 32, 64)  # context parallel (not encoder-decoder): Llama 3 trained 128k-token sequences at
+# cp 16; a million-token sequence needs more ranks to hold its pieces
 
 
 @dataclass

@@ -221,7 +221,9 @@ FAMILIES["deepseek_mhc"] = dict(FAMILIES["deepseek"], residual=dict(kind="mhc", 
 # DeepSeek-V4-like (tiny-v4's pieces at the harness's sizes): a sliding, a csa (the indexer keeps 3 of up to 8
 # entries of 2 tokens over 4), an hca (entries of 4) and a csa block, one shared key/value head, sinks, the output
 # through 2 groups; mHC's 2 streams; hash-routed experts in blocks 0 and 2 (each pipeline stage of two holds one, so
-# the token ids must reach both), sqrt-softplus routing with a shared expert in 1 and 3
+# the token ids must reach both), sqrt-softplus routing with a shared expert in 1 and 3. Under cp the 4-token pieces
+# each compress their own windows (a CSA entry reads the previous piece's last window), the ranks all-gather the
+# key/value head, the entries and the indexer's keys, and the window reaches back across pieces
 FAMILIES["v4"] = dict(family="decoder", n_layers=4, position="none", bias=False,
                       layer_types=["sliding_mqa", "csa", "hca", "csa"],
                       mlp_types=["hash_moe", "moe", "hash_moe", "moe"],

@@ -153,7 +153,10 @@ MOE_WORLD2 = ["moe/fsdp", "moe/fsdp-ep", "moe/tp-ep", "moe/cp-ep", "moe/pp", "mo
               # DeepSeek-V4's attention kinds under tp + sp: query heads, sinks and output groups split, the one
               # key/value head, compressors and indexer whole on every rank (the key/value head's gradient summed),
               # hash routing on each rank's slice of the token ids, mHC's streams sequence-parallel
-              "v4/tp-ep"]
+              "v4/tp-ep",
+              # each rank's queries against the all-gathered key/value head, compressed entries and indexer keys
+              # (entries compressed piece by piece), hash routing on each piece's ids
+              "v4/cp"]
 MOE_WORLD4 = ["qwen3next/cp=4",  # 8 pieces of 2 tokens: a convolution window spans two earlier pieces
               "qwen3next/cp-fsdp-ep=4", "qwen3next/tp-fsdp-ep",
               "moe/fsdp=4-ep", "moe/fsdp=4-ep=4", "moe/hsdp-ep", "moe/tp-fsdp-ep", "moe/tp-fsdp-ep=4",
@@ -244,7 +247,7 @@ WORLD2_SLOW = {"decoder/cp-compile", "olmohybrid/tp", "decoder/tp-fp8=tensorwise
                 "dsa_warmup/fsdp-ep", "dsa/fsdp-ep-recompute=full", "dsa/tp-ep-recompute=selective", "dsa_warmup/tp-ep",
                 "dsa_warmup/pp", "mamba/cp", "mamba/cp-rightpad", "mamba/tp", "mamba/fsdp",
                 "mamba/pp", "deepseek_mhc/fsdp-ep", "deepseek_mhc/cp-ep", "deepseek_mhc/tp-ep", "nemotron/tp-ep",
-                "nemotron/cp-ep", "dsa_shared/fsdp-ep-recompute=full", "v4/tp-ep",
+                "nemotron/cp-ep", "dsa_shared/fsdp-ep-recompute=full", "v4/tp-ep", "v4/cp",
                 *NORMUON_WORLD2} | set(ULYSSES_WORLD2)
 # The second step's global gradient norm, for rows where Adam's first update (about ±lr per element, its sign set by
 # rounding where a gradient is near zero) moves the weights differently enough to show: step-0 gradients of these
@@ -261,7 +264,8 @@ GRAD_TOL = {"dsa/tp-ep": 3e-5, "dsa/cp-ep": 3e-5, "dsa/tp-ep-recompute=selective
             # the V4-like model's mHC biases alike: 7.3e-6 (tp), 1.4e-5 (pp, fsdp), 1.7e-5 (interleaved_zb) seen
             **dict.fromkeys(["v4/tp-ep", "v4/pp", "v4/fsdp-ep", "v4/tp-fsdp-ep", "v4/pp-tp-ep",
                              "v4/pp-sched=interleaved_zb-spr=2-recompute=full", "v4/tp-ep-recompute=selective",
-                             "v4/tp-ep-muon"], 3e-5)}
+                             "v4/tp-ep-muon", "v4/cp", "v4/cp-fsdp", "v4/cp-ep",
+                             "v4/cp-rightpad"], 3e-5)}
 ALL_WORLD2 = WORLD2 + MIXED_PRECISION + FP8_WORLD2 + ["skip/nan"]  # skip/nan: a NaN gradient on one rank
 
 
@@ -343,7 +347,9 @@ def test_parity_world2(request, name):
 # (each with a hash-routed block: the token ids reach both; four one-block stages under the split backward,
 # recomputed) and its FSDP units; under tp recomputed, and Muon's matrices gathered from the split heads and groups
 WORLD2_MATRIX = ["deepseek_mhc/pp", "dsa_shared/pp", "v4/pp", "v4/fsdp-ep",
-                 "v4/pp-sched=interleaved_zb-spr=2-recompute=full", "v4/tp-ep-recompute=selective", "v4/tp-ep-muon"]
+                 "v4/pp-sched=interleaved_zb-spr=2-recompute=full", "v4/tp-ep-recompute=selective", "v4/tp-ep-muon",
+                 # under cp with expert parallel; right-padded (each piece's padding checked)
+                 "v4/cp-ep", "v4/cp-rightpad"]
 
 
 @pytest.fixture(scope="module")
@@ -365,8 +371,9 @@ def test_parity_world4(world4, name):
 
 
 # The V4-like model with two axes: tp x FSDP (the split heads' and output groups' shards, the whole key/value head's
-# and mHC's weights sharded by FSDP) and pp x tp (each stage's heads split, its mHC streams on sequence slices)
-V4_MATRIX_WORLD4 = ["v4/tp-fsdp-ep", "v4/pp-tp-ep"]
+# and mHC's weights sharded by FSDP), pp x tp (each stage's heads split, its mHC streams on sequence slices) and
+# cp with FSDP sharding parameters over dp_shard x cp
+V4_MATRIX_WORLD4 = ["v4/tp-fsdp-ep", "v4/pp-tp-ep", "v4/cp-fsdp"]
 
 
 @pytest.fixture(scope="module")

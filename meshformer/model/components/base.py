@@ -125,6 +125,10 @@ class _Component:
         """None where each rank's pieces of the sequence can run this kind; else why not, in one clause."""
         return None
 
+    def context_piece_multiple(self, cfg: ModelConfig) -> int:
+        """Tokens each context-parallel piece of a sequence must hold a multiple of (1: any)."""
+        return 1
+
     def tensor_parallel(self, cfg: ModelConfig) -> str | None:
         """None where tensor parallel splits this kind as `tp_rules` say; else why it cannot, in one clause."""
         return None

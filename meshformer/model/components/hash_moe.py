@@ -2,7 +2,7 @@
 `hash_moe`, reading `[model.moe]` as the `moe` kind does: each token's experts_per_token experts are its token id's
 row of a fixed table saved with the model (model.vocab_size rows); the router only weighs them (sqrt-softplus scores,
 normalised, times moe.router_scale). The block passes it the token ids; under sequence parallel each rank takes
-its slice of them, as of the tokens.
+its slice of them, as of the tokens, and under context parallel those of its rank's pieces.
 """
 
 from __future__ import annotations
@@ -33,9 +33,6 @@ class HashRoutedExperts(MixtureOfExperts):
         if cfg.moe.router_groups > 1 or cfg.moe.capacity_factor > 0:
             raise ConfigError("hash_moe blocks take each token's experts from a fixed table, but model.moe sets "
                               "router_groups or capacity_factor", "set router_groups = 1 and capacity_factor = 0")
-
-    def context_parallel(self, cfg: ModelConfig) -> str | None:
-        return "hash_moe blocks read the token ids, which context parallel does not hand the blocks"
 
     def tp_rules(self, cfg: ModelConfig) -> Mapping[str, str]:
         # under sequence parallel each rank routes its own tokens: the (whole) token ids are sliced alike

@@ -5,16 +5,19 @@ indexer's top `index_topk` entries of overlapping `csa_rate` windows). One key/v
 a learned sink logit per head, a grouped output projection.
 
 The blocks rotate their own queries and keys (model.position = "none") from each row's positions 0, 1, ..., counted
-from its first real token and from each packed document's start; no context parallel. Tensor parallel splits the
-query heads (q_b_proj colwise, the sinks with their heads) and the grouped output projection by its groups (o_a's
-groups with their heads, o_b rowwise); the query latent, the one key/value head, the compressors and the indexer run
-whole on every rank (`CompressedAttention.shard_heads`). The generation cache keeps the last window - 1 keys and
-each compressor's unfinished window and finished entries (CSA: the indexer's too), so a step reads the window and
-the entries, not the prefix.
+from its first real token and from each packed document's start. Tensor parallel splits the query heads (q_b_proj
+colwise, the sinks with their heads) and the grouped output projection by its groups (o_a's groups with their
+heads, o_b rowwise); the query latent, the one key/value head, the compressors and the indexer run whole on every
+rank (`CompressedAttention.shard_heads`). Context parallel (the all-gather method, right-padded rows of one
+document) keeps each rank's queries and all-gathers the one key/value head, the compressed entries and the
+indexer's keys (each piece of a sequence must hold whole compression windows: data.seq_len a multiple of 2 x cp x
+the rate). The generation cache keeps the last window - 1 keys and each compressor's unfinished window and finished
+entries (CSA: the indexer's too), so a step reads the window and the entries, not the prefix.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import ClassVar
 
@@ -91,8 +94,14 @@ class V4AttentionKind(TokenMixer):
             raise ConfigError(f"model.compressed_attention.o_groups={c.o_groups} does not divide the heads' width "
                               f"{heads * hd}", "use a divisor of model.attention.n_heads")
 
-    def context_parallel(self, cfg: ModelConfig) -> str | None:
-        return "DeepSeek-V4 attention compresses windows of the whole sequence on one rank"
+    def context_piece_multiple(self, cfg: ModelConfig) -> int:
+        # each piece compresses its own windows: none may straddle two pieces
+        rate = self._rate(cfg)
+        return 1 if rate is None else rate
+
+    def ulysses(self, cfg: ModelConfig, cp: int, tp: int) -> str | None:
+        return ("DeepSeek-V4 attention's one key/value head and compressed entries are all-gathered, not split by "
+                'heads; use parallel.cp_method = "allgather"')
 
     def tp_rules(self, cfg: ModelConfig) -> Mapping[str, str]:
         # the module takes its heads' sinks and output groups itself and gathers its input from the sequence slices
@@ -183,26 +192,83 @@ class V4AttentionKind(TokenMixer):
             total += 2 * queries * (keys // c.csa_rate) * c.index_heads * (c.index_dim + 1)
         return total
 
+    def _blocks(self, cfg: ModelConfig, x: ActivationLayout) -> tuple[int, int, int, int]:
+        """Over this rank's query blocks (`CompressedAttention.query_block` consecutive positions of a piece; under
+        context parallel rank 0's two pieces, whose positions sum as every rank's do): (scores per head, gathered
+        entries, mask elements, the largest block's scores per head). A block's queries score its windows' keys,
+        the sink and, in HCA, every entry its last query may see; in CSA each query's top-k picks (gathered)."""
+        from meshformer.model.compressed_attention import CompressedAttention
+
+        c = cfg.compressed_attention
+        return _query_blocks(x.seq, x.cp, x.batch, c.window, self._rate(cfg), c.index_topk if self._indexed() else None,
+                             CompressedAttention.query_block)
+
     def saved_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
-        """An estimate: per token its latent, queries, key and output (heads x head_dim each), and the probabilities
-        over the (whole-sequence, masked) score matrix in float32."""
+        """Per token its input, latent (norm input, normalised, output), queries (before and after their norm and
+        rotary), key (its norm input, normalised), the rotary tables and output (rotated back, and its groups'
+        projections); the whole sequence's key/value head (all-gathered under context parallel); a compressor's
+        projections and float32 gate weights per token and its entries (norm input, normalised, and the whole
+        sequence's); each query block's probabilities (`_blocks`) and masks, CSA's gathered entries. The indexer
+        keeps nothing (it passes no gradient). Under bfloat16 the float32 copies the queries' norm and the
+        compressor's norm make."""
         heads, hd, d = self._widths(cfg)
-        heads //= x.tp  # this rank's heads; the latent, key/value head and input whole
-        c, seq = cfg.compressed_attention, x.seq
-        keys = seq + (seq // self._rate(cfg) if self._rate(cfg) is not None else 0)  # type: ignore[operator]
-        per_token = (c.q_rank + 3 * heads * hd + 2 * hd + d) * x.bytes
-        return x.batch * (seq * per_token + 2 * heads * seq * keys * FP32)
+        heads //= x.tp  # this rank's heads (and output groups); the latent, key/value head and input whole
+        c, a, rate, seq = cfg.compressed_attention, x.bytes, self._rate(cfg), x.seq
+        widening = FP32 if a != FP32 else 0  # a float32 copy kept beside a low-precision tensor
+        per_token = (d + 2 * c.q_rank + 3 * heads * hd + hd + c.o_groups // x.tp * c.o_rank) * a + heads * FP32
+        # the norms' normalised inputs (before their weight), their statistics, the rotary tables (cos, sin, -sin)
+        per_token += (c.q_rank + hd) * a + (3 * c.rope_dim // 2 + 2) * FP32 + heads * hd * widening
+        total = seq * per_token + seq * x.cp * hd * a
+        if rate is not None:
+            width = 2 * hd if self._indexed() else hd
+            entries = seq * x.cp // rate
+            total += seq * width * (a + FP32) + (seq // rate) * hd * (2 * a + widening) + entries * hd * a
+        scores, gathered, masks, _ = self._blocks(cfg, x)
+        return x.batch * (total + heads * scores * a + gathered * hd * a) + masks
 
     def selective_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
+        """The matmul outputs: latent, queries, key, each query block's scores and outputs, and the output
+        projection's."""
         heads, hd, _ = self._widths(cfg)
         heads //= x.tp
         c = cfg.compressed_attention
-        return x.batch * x.seq * (c.q_rank + heads * hd + hd) * x.bytes + output_projection_bytes(cfg, x)
+        scores = self._blocks(cfg, x)[0]
+        return (x.batch * (x.seq * (c.q_rank + 2 * heads * hd + hd) + heads * scores) * x.bytes
+                + output_projection_bytes(cfg, x))
 
     def backward_bytes(self, cfg: ModelConfig, x: ActivationLayout, freed: float) -> float:
-        """An estimate: the gradient of the float32 score matrix."""
-        heads, seq = cfg.attention.n_heads // x.tp, x.seq
-        return x.batch * heads * seq * 2 * seq * FP32
+        """The largest query block's score gradients (float32 and the activation dtype) and the whole sequence's
+        key/value head and entries' gradients, accumulated over the blocks."""
+        heads, hd, _ = self._widths(cfg)
+        heads //= x.tp
+        rate, whole = self._rate(cfg), x.seq * x.cp
+        largest = self._blocks(cfg, x)[3]
+        entries = 0 if rate is None else whole // rate
+        return x.batch * (heads * largest * (FP32 + x.bytes) + (whole + entries) * hd * FP32)
+
+
+@functools.lru_cache(maxsize=256)
+def _query_blocks(seq: int, cp: int, batch: int, window: int, rate: int | None, topk: int | None, step: int
+                  ) -> tuple[int, int, int, int]:
+    """`V4AttentionKind._blocks` (the planner asks it of every layout: cached)."""
+    from meshformer.model.attention import pieces_held
+
+    spans = pieces_held(0, cp, seq) if cp > 1 else [(0, seq, 0)]
+    scores = gathered = masks = largest = 0
+    for _, length, at in spans:
+        for first in range(at, at + length, step):
+            n = min(step, at + length - first)
+            keys = first + n - max(0, first - window + 1)
+            entries = 0
+            if rate is not None and topk is not None:
+                entries = min(topk, seq * cp // rate)
+                gathered += n * entries
+            elif rate is not None:
+                entries = (first + n) // rate
+            scores += n * (keys + entries + 1)
+            masks += n * (keys + entries * (batch if topk is not None else 1))
+            largest = max(largest, n * (keys + entries + 1))
+    return scores, gathered, masks, largest
 
 
 class HeavilyCompressedKind(V4AttentionKind):

@@ -150,3 +150,64 @@ def test_the_cache_bench_counts_each_layer_kind(tmp_path):
                                                page="architectures", title="t",
                                                command="python bench/v4_cache_bytes.py", columns=columns, rows=rows)
     assert load_script("bench/render_tables.py").load_tables(tmp_path)[0]["rows"][0][0] == "4,096"
+
+
+def attention(kind: str, rate: int = 4, window: int = 3) -> CompressedAttention:
+    torch.manual_seed(4)
+    module = CompressedAttention(D, HEADS, HEAD_DIM, q_rank=16, rope_dim=ROPE, window=window, groups=2, o_rank=8,
+                                 eps=1e-6, rope_theta=1e4, compress_theta=1.6e5,
+                                 compress_rate=None if kind == "sliding" else rate,
+                                 index=(2, 8, 2) if kind == "csa" else None)
+    randomise(module)
+    return module
+
+
+@pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
+def test_queries_in_blocks_equal_one_block(kind, monkeypatch):
+    """Blocks of 3 queries (each against its window's keys and its entries) give the outputs and gradients of one
+    block of all 19 (transformers' equality is checked on one block above)."""
+    module = attention(kind)
+    x = torch.randn(2, 19, D, requires_grad=True)
+    whole = module(x, torch.arange(19))
+    grads = torch.autograd.grad(whole.square().sum(), [x, *module.parameters()], allow_unused=True)
+    monkeypatch.setattr(CompressedAttention, "query_block", 3)
+    blocks = module(x, torch.arange(19))
+    torch.testing.assert_close(blocks, whole, rtol=0, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(blocks.square().sum(), [x, *module.parameters()], allow_unused=True), grads,
+                    strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def threaded_pieces(module: nn.Module, x: torch.Tensor, count: int) -> torch.Tensor:
+    """The module run as `count` context-parallel ranks in threads, each on its two pieces of x with an all-gather
+    between the threads, the outputs put back in sequence order."""
+    from helpers.allgather_threads import in_order, pieces, run_ranks
+
+    def rank(chunk):  # type: ignore[no-untyped-def]
+        mine = pieces(x, chunk)
+        return module(mine, chunk.positions(mine.shape[1], mine.device), chunk=chunk)
+
+    return in_order(run_ranks(count, rank))
+
+
+@pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
+@torch.no_grad()
+def test_context_parallel_pieces_equal_the_whole_sequence(kind):
+    """Two and four ranks' pieces of 24 tokens (pieces of 6 and 3; rate 3: an entry's window inside each piece, CSA's
+    overlapping window reaching into the previous piece, held by another rank or, for the late piece, the same rank;
+    window 5 across piece boundaries) against one process."""
+    module = attention(kind, rate=3, window=5)
+    x = torch.randn(2, 24, D)
+    whole = module(x, torch.arange(24))
+    for count in (2, 4):
+        torch.testing.assert_close(threaded_pieces(module, x, count), whole, rtol=0, atol=1e-6)
+
+
+def test_context_parallel_refuses_pieces_that_cut_a_window():
+    from meshformer.errors import ConfigError
+
+    module = attention("hca", rate=4)
+    with pytest.raises(ConfigError, match="multiple of 2 x parallel.cp x 4"):
+        threaded_pieces(module, torch.randn(1, 12, D), 2)  # pieces of 3 tokens

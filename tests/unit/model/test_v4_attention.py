@@ -236,8 +236,13 @@ def test_what_the_kinds_refuse() -> None:
         mixer(x[:, :1], None, cache=cache, padding=torch.tensor([[False], [True]]))
     with pytest.raises(ConfigError, match="pads between its tokens"):
         mixer(x, None, padding=torch.tensor([[True, True, False, True, True, True], [True] * 6]))
-    with pytest.raises(ConfigError, match="context parallel"):
-        mixer(x, None, chunk=object())
+    from meshformer.model.attention import SequenceChunk
+
+    pieces = SequenceChunk(0, 1, lambda t: t)  # refused before anything is gathered
+    with pytest.raises(ConfigError, match="under context parallel read rows from their first position"):
+        mixer(x, None, chunk=pieces, documents=torch.tensor([[0, 0, 0, 1, 1, 1]] * 2))
+    with pytest.raises(ConfigError, match="under context parallel read rows from their first position"):
+        mixer(x, None, chunk=pieces, padding=torch.tensor([[False, True, True, True, True, True], [True] * 6]))
 
 
 def test_export_refuses_the_kinds() -> None:
@@ -279,3 +284,43 @@ def test_tensor_parallel_splits_whole_output_groups(tp: int, groups: int, messag
     else:
         with pytest.raises(ConfigError, match=message):
             validate_parallel(cfg, tp, "cpu")
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["data.seq_len=96", "model.max_seq_len=128"],
+     "hca blocks need each of the 4 sequence pieces to hold a multiple of 16 tokens, but data.seq_len=96 gives "
+     "pieces of 24; choose a data.seq_len that is a multiple of 2 x cp x 16 = 64"),
+    (['parallel.cp_method="ulysses"'], 'are all-gathered, not split by heads; use parallel.cp_method = "allgather"'),
+])
+def test_context_parallel_refusals(overrides: list[str], message: str) -> None:
+    """Context parallel runs the V4 kinds (and hash routing) with the all-gather method on pieces of whole
+    compression windows; a piece cutting a window, or Ulysses, is refused in one line at configuration."""
+    from meshformer.config import load_config
+    from meshformer.parallel_dims import ParallelDims, check_context_parallel
+
+    def check(extra: list[str]) -> None:
+        cfg = load_config("tiny-v4", ["parallel.cp=2", "parallel.dp_shard=1", *extra])
+        check_context_parallel(cfg, ParallelDims.from_config(cfg.parallel, 2))
+
+    check([])  # 128 tokens: pieces of 32, whole windows of 16 and 4
+    with pytest.raises(ConfigError, match="parallel.cp=2") as refused:
+        check(overrides)
+    assert message in str(refused.value)
+
+
+def test_planned_peak_within_tolerance_of_measured() -> None:
+    """The planner's peak for a model of the three kinds (512 tokens: two query blocks, 32 csa and 128 hca entries
+    against a window of 32) within bench/plan_validation.py's tolerance of a measured training step (3.1% under
+    measured)."""
+    from plan_validation import TOLERANCE, validation_config
+
+    from meshformer.planner.measure import measure_step_peak
+    from meshformer.planner.search import plan_layout
+
+    table = {"q_rank": 64, "rope_dim": 16, "window": 32, "o_groups": 2, "o_rank": 64, "hca_rate": 16, "csa_rate": 4,
+             "index_heads": 4, "index_dim": 32, "index_topk": 16}
+    cfg = validation_config({"model": {"layer_types": ["sliding_mqa", "csa", "hca", "csa"], "position": "none",
+                                       "attention": {"n_heads": 4, "head_dim": 32},
+                                       "compressed_attention": table}}, seq=512)
+    predicted, measured = plan_layout(cfg, 1).peak, measure_step_peak(cfg)["peak"]
+    assert abs(predicted / measured - 1) < TOLERANCE, (predicted, measured)
