@@ -233,10 +233,10 @@ class MeshformerLM(TemplateLM):
             width = len(inputs[batch[0]])
             ids = torch.full((len(batch), width), self.mf_tokenizer.pad_id, dtype=torch.long)
             # scored positions: each row's last tokens, as many as its longest continuation (its requests share
-            # them); `at`, `targets`, `request`: each request's tokens as (position, token, request)
+            # them); `place`, `targets`, `request`: each request's tokens as (position, token, request)
             row_of: list[int] = []
             col_of: list[int] = []
-            at: list[int] = []
+            place: list[int] = []
             targets: list[int] = []
             request: list[int] = []
             for row, u in enumerate(batch):  # right padding: a causal model's scores ignore what follows
@@ -244,17 +244,17 @@ class MeshformerLM(TemplateLM):
                 end, scored = len(inputs[u]), max(len(pairs[i][1]) for i in owners[u])
                 first = len(row_of)
                 row_of += [row] * scored
-                col_of += range(end - scored, end)
+                col_of.extend(range(end - scored, end))
                 for i in owners[u]:
                     continuation = pairs[i][1]
-                    at += range(first + scored - len(continuation), first + scored)
+                    place.extend(range(first + scored - len(continuation), first + scored))
                     targets += continuation
                     request += [i] * len(continuation)
             with sdpa_attention(self.model):
                 logits = self.model(ids.to(self.device), labels=ids, head_loss=self._head_at(
                     torch.tensor(row_of), torch.tensor(col_of)))
             logprobs = F.log_softmax(logits.float(), dim=-1)
-            where, target = torch.tensor(at, device=logprobs.device), torch.tensor(targets, device=logprobs.device)
+            where, target = torch.tensor(place, device=logprobs.device), torch.tensor(targets, device=logprobs.device)
             owner = torch.tensor(request)
             sums = torch.zeros(len(pairs), dtype=torch.float32).index_add_(0, owner, logprobs[where, target].cpu())
             values = sums.tolist()
