@@ -3,7 +3,8 @@
 Both score the same requests of the bundled tasks (multiple choice, loglikelihood, loglikelihood_rolling,
 generate_until) on one exported tiny Llama, on the CPU with the same threads and batch size; the ratio is
 meshformer's requests/s over `hf`'s (above 1: meshformer is faster). Each side runs every task once to warm up,
-then `--repeats` times; the best time counts.
+then the two take turns `--repeats` times (a change in the machine's load hits both alike); each one's best time
+counts.
 
     python bench/lm_eval_speed.py [--threads 2] [--limit 40] [--table docs/benchmarks/data/training-04-lm-eval.json
         --machine "..."]
@@ -50,13 +51,16 @@ def requests_of(lm: Any, task: str, limit: int) -> tuple[str, list[Any]]:
     return requests[0].request_type, requests
 
 
-def best_seconds(lm: Any, kind: str, requests: list[Any], repeats: int) -> float:
-    getattr(lm, kind)(requests)  # warm-up
-    best = float("inf")
+def best_seconds(lms: list[Any], kind: str, requests: list[Any], repeats: int) -> list[float]:
+    """Each model's best time over `repeats` turns, the models taking turns within each."""
+    for lm in lms:
+        getattr(lm, kind)(requests)  # warm-up
+    best = [float("inf")] * len(lms)
     for _ in range(repeats):
-        start = time.perf_counter()
-        getattr(lm, kind)(requests)
-        best = min(best, time.perf_counter() - start)
+        for at, lm in enumerate(lms):
+            start = time.perf_counter()
+            getattr(lm, kind)(requests)
+            best[at] = min(best[at], time.perf_counter() - start)
     return best
 
 
@@ -78,8 +82,7 @@ def measure(threads: int, limit: int, repeats: int, batch_size: int) -> list[dic
     records = []
     for output_type, task in TASKS.items():
         kind, requests = requests_of(ours, task, limit)
-        ours_s = best_seconds(ours, kind, requests, repeats)
-        hf_s = best_seconds(theirs, kind, requests, repeats)
+        ours_s, hf_s = best_seconds([ours, theirs], kind, requests, repeats)
         record = {"bench": "lm_eval_speed", "output_type": output_type, "task": task, "requests": len(requests),
                   "ours_rps": len(requests) / ours_s, "hf_rps": len(requests) / hf_s, "ratio": hf_s / ours_s}
         print(json.dumps(record), flush=True)

@@ -20,7 +20,8 @@ the batch, the order, the data-parallel rank or the layout that decodes it.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,6 +36,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from meshformer.data import Tokenizer
 from meshformer.errors import UsageError
 from meshformer.model import Transformer
+from meshformer.model.attention import Attention
 from meshformer.model.generate import greedy_decode, pad_rows
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's own default for generate_until
@@ -51,6 +53,21 @@ class NextLogits(Protocol):
     rows_per_call: int
 
     def __call__(self, sequences: list[list[int]]) -> torch.Tensor: ...
+
+
+@contextmanager
+def sdpa_attention(model: torch.nn.Module) -> Iterator[None]:
+    """The model's `auto` attention through SDPA for the adapter's forwards. `auto` picks the blockwise CPU kernel
+    (model/blockwise_attention.py) for its backward, which keeps the probabilities; a forward without gradients
+    runs about twice as fast in SDPA's fused kernel on the CPU (and `auto` is SDPA elsewhere)."""
+    switched = [m for m in model.modules() if isinstance(m, Attention) and m.backend == "auto"]
+    for module in switched:
+        module.backend = "sdpa"
+    try:
+        yield
+    finally:
+        for module in switched:
+            module.backend = "auto"
 
 
 def _sorted_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
@@ -182,12 +199,22 @@ class MeshformerLM(TemplateLM):
 
     # --------------------------------------------------------------------------------------------- scoring
 
-    @torch.no_grad()
     def score_pairs(self, pairs: list[Pair]) -> list[tuple[float, bool]]:
         """(summed log-likelihood of the continuation, whether it is the greedy continuation) per (context,
         continuation) pair: the last max_length + 1 tokens (left truncation), shifted by one."""
         if self.scorer is not None:
             return self.scorer(pairs)
+        totals, greedy = self._score(pairs, greedy=True)
+        assert greedy is not None
+        return list(zip(totals, greedy))
+
+    @torch.no_grad()
+    def _score(self, pairs: list[Pair], *, greedy: bool) -> tuple[list[float], list[bool] | None]:
+        """Summed log-likelihoods of the pairs' continuations, and whether each is the greedy one (`greedy`;
+        rolling windows do not need it) through the whole model.
+
+        The output head and the log-softmax run on the scored positions only (a row's continuation, not its context
+        or its padding): on a small model they are most of a batch's time."""
         rows = [(context + continuation)[-(self.max_length + 1):][:-1] for context, continuation in pairs]
         # requests with the same input (one-token choices after one context) share one row of the batch
         unique: dict[tuple[int, ...], int] = {}
@@ -198,24 +225,59 @@ class MeshformerLM(TemplateLM):
                 owners.append([])
             owners[at].append(i)
         inputs = list(unique)
-        results: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
+        totals = [0.0] * len(pairs)
+        hits = [True] * len(pairs)
+        assert self.model is not None
         for batch in _sorted_batches([len(r) for r in inputs], self.batch_size):
             self.poll()
             width = len(inputs[batch[0]])
             ids = torch.full((len(batch), width), self.mf_tokenizer.pad_id, dtype=torch.long)
+            # scored positions: each row's last tokens, as many as its longest continuation (its requests share
+            # them); `place`, `targets`, `request`: each request's tokens as (position, token, request)
+            row_of: list[int] = []
+            col_of: list[int] = []
+            place: list[int] = []
+            targets: list[int] = []
+            request: list[int] = []
             for row, u in enumerate(batch):  # right padding: a causal model's scores ignore what follows
                 ids[row, :len(inputs[u])] = torch.tensor(inputs[u])
-            assert self.model is not None
-            logprobs = F.log_softmax(self.model(ids.to(self.device)).float(), dim=-1)
-            for row, u in enumerate(batch):
+                end, scored = len(inputs[u]), max(len(pairs[i][1]) for i in owners[u])
+                first = len(row_of)
+                row_of += [row] * scored
+                col_of.extend(range(end - scored, end))
                 for i in owners[u]:
                     continuation = pairs[i][1]
-                    n, end = len(continuation), len(inputs[u])
-                    span = logprobs[row, end - n:end]
-                    target = torch.tensor(continuation, device=span.device)
-                    greedy = bool((span.argmax(-1) == target).all())
-                    results[i] = (float(span.gather(1, target[:, None]).sum()), greedy)
-        return results
+                    place.extend(range(first + scored - len(continuation), first + scored))
+                    targets += continuation
+                    request += [i] * len(continuation)
+            with sdpa_attention(self.model):
+                logits = self.model(ids.to(self.device), labels=ids, head_loss=self._head_at(
+                    torch.tensor(row_of), torch.tensor(col_of)))
+            logprobs = F.log_softmax(logits.float(), dim=-1)
+            where, target = torch.tensor(place, device=logprobs.device), torch.tensor(targets, device=logprobs.device)
+            owner = torch.tensor(request)
+            sums = torch.zeros(len(pairs), dtype=torch.float32).index_add_(0, owner, logprobs[where, target].cpu())
+            values = sums.tolist()
+            for i in dict.fromkeys(request):
+                totals[i] = values[i]
+            if greedy:
+                missed = logprobs.argmax(-1)[where] != target
+                for i in owner[missed.cpu()].tolist():
+                    hits[i] = False
+        return totals, hits if greedy else None
+
+    def _head_at(self, rows: torch.Tensor, cols: torch.Tensor) -> Callable[..., torch.Tensor]:
+        """The model's output head applied at positions (rows, cols) of its final hidden states only: (positions,
+        vocabulary) logits. Given to the model as its head loss, which receives the final hidden states (after
+        any head transform and output scaling) and the output weight."""
+        softcap = self.model.cfg.logit_softcap if self.model is not None else None
+
+        def head(h: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                 ) -> torch.Tensor:
+            logits = F.linear(h[rows.to(h.device), cols.to(h.device)], weight, bias)
+            return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
+        return head
 
     def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False,
                               **kwargs: Any) -> list[tuple[float, bool]]:
@@ -236,7 +298,9 @@ class MeshformerLM(TemplateLM):
                 windows.append((context, continuation))
                 owner.append(i)
         totals = [0.0] * len(requests)
-        for i, (loglik, _) in zip(owner, self.score_pairs(windows)):
+        scores = [loglik for loglik, _ in self.scorer(windows)] if self.scorer is not None \
+            else self._score(windows, greedy=False)[0]
+        for i, loglik in zip(owner, scores):
             totals[i] += loglik
         for req, total in zip(requests, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
@@ -294,8 +358,9 @@ class MeshformerLM(TemplateLM):
                 return sampling.pick(logits, generators).to(logits.device)
 
         assert self.model is not None
-        out = greedy_decode(self.model, ids, max_gen, prompt_padding=padding, eos_id=self.eot_token_id,
-                            stopped=stopped, between_tokens=self.poll, choose=choose)
+        with sdpa_attention(self.model):
+            out = greedy_decode(self.model, ids, max_gen, prompt_padding=padding, eos_id=self.eot_token_id,
+                                stopped=stopped, between_tokens=self.poll, choose=choose)
         return [self._text(row, until) for row in out[:, start:].tolist()]
 
     def _generate_stepwise(self, prompts: list[list[int]], max_gen: int, until: list[str],

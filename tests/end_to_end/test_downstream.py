@@ -92,14 +92,17 @@ def test_scores_equal_lm_evals_on_the_exported_model(trained, tmp_path):
 
 
 def _two_rank_scores(trained, tmp_path, *options: str) -> dict:
-    """The trained run's last checkpoint scored by two ranks under `options`: rank 0's SCORES line."""
+    """The trained run's last checkpoint scored by two ranks under `options`: rank 0's SCORES line (and its TEXTS
+    line as "texts" with the worker's --texts option)."""
     overrides = tiny_overrides(trained["shards"], tmp_path / "run", STEPS, *options,
                                f'checkpoint.dir="{trained["root"] / "run" / "checkpoints"}"',
                                "checkpoint.resume_other_run=true")
     results = launch(WORKER, 2, overrides, timeout=300.0)
     assert all(r.returncode == 0 for r in results), "\n".join(r.stdout[-3000:] for r in results)
-    line = next(x for x in results[0].stdout.splitlines() if x.startswith("SCORES "))
-    return json.loads(line.removeprefix("SCORES "))
+    lines = results[0].stdout.splitlines()
+    scores = json.loads(next(x for x in lines if x.startswith("SCORES ")).removeprefix("SCORES "))
+    texts = [json.loads(x.removeprefix("TEXTS ")) for x in lines if x.startswith("TEXTS ")]
+    return {**scores, "texts": texts[0]} if texts else scores
 
 
 LM_EVAL_TASKS = ("bundled:kjv_cloze", "bundled:kjv_lastword", "bundled:kjv_perplexity", "bundled:kjv_complete")
@@ -179,3 +182,42 @@ def test_loglikelihood_metrics_and_errors_are_logged_at_the_interval_and_last_st
     logged = [line for line in lines if "downstream/kjv_lastword/acc" in line]
     assert [line["step"] for line in logged] == [3, 4]
     assert {"downstream/kjv_lastword/acc_stderr", "downstream/kjv_lastword/perplexity"} <= logged[-1].keys()
+
+
+SAMPLED = {"do_sample: false": "do_sample: true\n  temperature: 0.9\n  top_k: 50\n  top_p: 0.95"}
+
+
+def _sampled_task(folder: Path) -> str:
+    """The bundled generation task with sampling on (a local task YAML beside a copy of its documents)."""
+    shutil.copy(BUNDLED_DIR / "kjv_complete.jsonl", folder / "kjv_complete.jsonl")
+    text = (BUNDLED_DIR / "kjv_complete.yaml").read_text().replace("task: kjv_complete", "task: kjv_sampled")
+    for old, new in SAMPLED.items():
+        assert old in text
+        text = text.replace(old, new)
+    (folder / "kjv_sampled.yaml").write_text(text)
+    return str(folder / "kjv_sampled.yaml")
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(("parallel.tp=2", "parallel.dp_shard=1"), id="tp2"),
+    pytest.param(("parallel.pp=2", "parallel.dp_shard=1"), id="pp2", marks=pytest.mark.matrix)])
+def test_in_loop_sampled_and_greedy_texts_equal_one_process(trained, tmp_path, layout):
+    """In-loop generation under a layout that splits the model (each step's logits from the layout's forward, every
+    rank drawing from the request's own seeded generator): each document's sampled and greedy text equals one
+    process's (the whole model, through its cache)."""
+    from meshformer.eval.lm import MeshformerLM
+    from meshformer.eval.run import evaluate
+
+    trainer = trained["trainer"]
+    tasks = ["bundled:kjv_complete", _sampled_task(tmp_path)]
+    whole = MeshformerLM(model=trainer.model, tokenizer=trainer.tokenizer, batch_size=16,
+                         max_length=trainer.cfg.data.seq_len)
+    reference = evaluate(whole, tasks, limit=8, options=trainer.cfg.downstream, log_samples=True)
+    assert reference is not None
+    one = {task: [s["resps"][0][0] for s in sorted(samples, key=lambda s: s["doc_id"])]
+           for task, samples in reference["samples"].items()}
+    assert len(set(one["kjv_sampled"])) > 1 and one["kjv_sampled"] != one["kjv_complete"]  # sampling is on
+    options = ["downstream.limit=8", "downstream.batch_size=16",
+               "downstream.tasks=[" + ", ".join(f'"{t}"' for t in tasks) + "]", "--texts"]
+    two = _two_rank_scores(trained, tmp_path, *options, *layout)
+    assert two["texts"] == one

@@ -3,8 +3,9 @@ as under one (within fp32 rounding: the ranks' batches hold other requests), and
 not cached named in one line before any scoring.
 
 Under a layout (`--nproc-per-node 2 --set parallel.*`: pipeline, tensor, context, FSDP, expert parallel on a tiny
-MoE) the folder's model is held as that layout holds it and every request gets one process's log-likelihood, greedy
-generation and seeded sampled generation; the pipeline row reads a run folder's checkpoint, with no export."""
+MoE) the folder's model is held as that layout holds it and every request gets one process's log-likelihood, rolling
+log-likelihood, greedy generation and seeded sampled generation; the pipeline row reads a run folder's checkpoint,
+with no export."""
 
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ def _one_process(folder: Path, tasks: list[str]) -> dict[str, Any]:
 
 
 def _assert_same(one: dict[str, Any], other: dict[str, Any], skip_bootstrap: bool = False) -> None:
-    """Every request's response (log-likelihoods within 1e-4, generated texts equal) and every metric (rel 1e-5)."""
+    """Every request's response (log-likelihoods within 1e-4, rolling ones within 1e-4 relative, generated texts
+    equal) and every metric (rel 1e-5)."""
     assert set(other["results"]) <= set(one["results"])
     for task, samples in one["samples"].items():
         if task not in other["results"]:
@@ -113,6 +115,8 @@ def _assert_same(one: dict[str, Any], other: dict[str, Any], skip_bootstrap: boo
             for x, y in zip(a["resps"], b["resps"], strict=True):
                 if isinstance(x[0], str):
                     assert y[0] == x[0], (task, a["doc_id"])
+                elif isinstance(x[0], float):  # a rolling log-likelihood: a sum over the document's tokens
+                    assert y[0] == pytest.approx(x[0], abs=1e-4 * max(1.0, abs(x[0]))), (task, a["doc_id"])
                 else:
                     assert y[0][0] == pytest.approx(x[0][0], abs=1e-4) and y[0][1] == x[0][1], (task, a["doc_id"])
         for key, value in one["results"][task].items():
@@ -130,7 +134,7 @@ def layout_case(folder, tmp_path_factory):
     from meshformer.eval.model_folder import load_model_folder
 
     root = tmp_path_factory.mktemp("layouts")
-    tasks = ["bundled:kjv_lastword", "bundled:kjv_complete", _sampled_task(root)]
+    tasks = ["bundled:kjv_lastword", "bundled:kjv_complete", _sampled_task(root), "bundled:kjv_perplexity"]
     model, _ = load_model_folder(folder)
     write_weights_checkpoint(model.state_dict(), model.cfg, root / "run" / "checkpoints",
                              load_tokenizer("bundled:kjv-bpe-4k"))
@@ -149,10 +153,11 @@ def _two_ranks(folder: Path, tasks: list[str], out: Path, *sets: str) -> dict[st
 # tests/end_to_end/test_downstream.py's tp2 row, which decodes through the same step (LayoutNextLogits)
 def test_a_pipeline_generates_and_scores_as_one_process_from_a_run_folder(layout_case, tmp_path):
     """pp2 on a run folder without final/ (its checkpoint, no export): greedy and sampled generation run through
-    the stages (the generation tasks only: the matrix rows and the in-loop rows score the others under layouts)."""
+    the stages, and rolling log-likelihoods (not the loglikelihood task: the matrix rows and the in-loop rows score
+    it under layouts)."""
     two = _two_ranks(layout_case["run"], layout_case["tasks"][1:], tmp_path / "pp2.json", "parallel.pp=2")
     _assert_same(layout_case["one"], two)
-    assert set(two["samples"]) == {"kjv_complete", "kjv_sampled"}
+    assert set(two["samples"]) == {"kjv_complete", "kjv_sampled", "kjv_perplexity"}
 
 
 @pytest.mark.matrix  # a two-rank eval run each (minutes)
@@ -184,6 +189,6 @@ def test_expert_parallel_scores_and_generates_as_one_process(tmp_path):
             if param.ndim > 1:
                 param.normal_(0.0, 0.15)
     write_weights(model.state_dict(), cfg.model, tmp_path / "moe", tokenizer=load_tokenizer("bundled:kjv-bpe-4k"))
-    tasks = ["bundled:kjv_lastword", "bundled:kjv_complete", _sampled_task(tmp_path)]
+    tasks = ["bundled:kjv_lastword", "bundled:kjv_complete", _sampled_task(tmp_path), "bundled:kjv_perplexity"]
     one = _one_process(tmp_path / "moe", tasks)
     _assert_same(one, _two_ranks(tmp_path / "moe", tasks, tmp_path / "ep2.json", "parallel.ep=2"))
