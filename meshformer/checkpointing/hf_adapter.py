@@ -57,7 +57,7 @@ NEUTRAL = frozenset({
     "dropout", "attention.dropout", "attention.backend", "attention.document_mask", "moe.aux_loss",
     "moe.aux_per_sequence", "moe.router_z_loss", "moe.router_bias_update_rate", "moe.backend",
     "linear_attention.chunk_size", "linear_attention.backend", "mamba.chunk_size", "mamba.backend", "init.method",
-    "init.std", "dsa.stage", "dsa.loss_weight", "mtp.loss_weight",
+    "init.std", "dsa.stage", "dsa.loss_weight", "compressed_attention.index_loss_weight", "mtp.loss_weight",
     "mtp.depth"})  # transformers builds no MTP modules (an adapter that has them writes them; the others leave them)
 # options every adapter writes into its config (sizes of the plain Transformer)
 WRITTEN = frozenset({"vocab_size", "d_model", "n_layers", "max_seq_len", "attention.n_heads", "attention.n_kv_heads",

@@ -31,12 +31,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshformer.errors import ConfigError
+from meshformer.loss.layer_terms import LayerTerms
 from meshformer.model.config import CompressedAttentionConfig
 from meshformer.model.positions import RopeScaling, rope_frequencies
 
 if TYPE_CHECKING:
     from meshformer.model.attention import SequenceChunk
 
+INDEX_LOSS = "csa/indexer_loss"  # the objective's name of the CSA indexer's loss term
 INDEX_SCORES = 2**25  # float32 indexer scores (128 MiB) computed at once: one block of queries against every entry
 Span = tuple[int, int, int]  # (start among this rank's tokens, length, start in the sequence): a contiguous piece
 
@@ -269,11 +271,13 @@ class Indexer(Compressor):
 
     def score(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor
               ) -> torch.Tensor:
-        """(B, T, W): each query's index score of each entry. positions: (T,) or (B, T)."""
+        """(B, T, W): each query's index score of each entry of keys (B, W, index_dim), or of its own entries
+        (keys: B, T, W, index_dim). positions: (T,) or (B, T)."""
         cos, sin = rotary_tables(positions, self.rope_dim, self.rope_theta, self.scaling)
         q = rotate_tail(self.q_b_proj(q_latent).unflatten(-1, (self.n_heads, self.head_dim)), cos.unsqueeze(-2),
                         sin.unsqueeze(-2))
-        scores = torch.relu(torch.einsum("bthd,bwd->bthw", q.float(), keys.float())) * self.head_dim**-0.5
+        pattern = "bthd,bwd->bthw" if keys.dim() == 3 else "bthd,btwd->bthw"
+        scores = torch.relu(torch.einsum(pattern, q.float(), keys.float())) * self.head_dim**-0.5
         gates = self.weights_proj(x).float() * self.n_heads**-0.5
         return (scores * gates[..., None]).sum(dim=2)
 
@@ -354,7 +358,8 @@ class CompressedAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, head_dim: int, q_rank: int, rope_dim: int, window: int,
                  groups: int, o_rank: int, eps: float, rope_theta: float, compress_theta: float,
                  compress_rate: int | None = None, index: tuple[int, int, int] | None = None,
-                 compress_scaling: RopeScaling | None = None) -> None:
+                 compress_scaling: RopeScaling | None = None, dense: bool = False) -> None:
+        """dense: the indexer's warm-up (CSA): every visible entry is attended, the indexer only learns."""
         super().__init__()
         self.n_heads, self.head_dim, self.window, self.eps = n_heads, head_dim, window, eps
         self.rope_dim = rope_dim
@@ -375,6 +380,13 @@ class CompressedAttention(nn.Module):
                         if compress_rate is not None and index is not None else None)
         # tensor parallel (`shard_heads`): sums the shared key/value head's gradient over the ranks
         self.sum_gradient: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.dense = dense and self.indexer is not None
+        # the objective's weight of the indexer loss (INDEX_LOSS; 0 or none: not computed) and its scale, 1 / the
+        # step's target tokens, set before each step (None outside a step: 1 / this call's counted queries)
+        self.loss_terms = LayerTerms()
+        # the indexer loss summed over the counted queries and their count since the layer's last forward began
+        self._loss_sum: torch.Tensor | None = None
+        self._loss_count: torch.Tensor | None = None
 
     def shard_heads(self, ranks: int, rank: int, sum_gradient: Callable[[torch.Tensor], torch.Tensor]
                     ) -> tuple[list[str], list[str]]:
@@ -417,12 +429,12 @@ class CompressedAttention(nn.Module):
         return self.output(out.flatten(-2))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, keep: dict[str, Any] | None = None, *,
-                chunk: SequenceChunk | None = None) -> torch.Tensor:
+                chunk: SequenceChunk | None = None, real: torch.Tensor | None = None) -> torch.Tensor:
         """positions: (T,) the tokens' positions in the sequence (0, 1, ...; under context parallel `chunk`'s
         pieces). keep: filled with the keys and the compressor's and indexer's projections and entries, for a
-        generation cache to start from."""
+        generation cache to start from. real: (B, T) the queries the indexer loss counts (None: every one)."""
         if keep is None:
-            return self._blockwise(x, positions, chunk)
+            return self._blockwise(x, positions, chunk, real)
         batch = x.shape[0]
         cos, sin = rotary_tables(positions, self.rope_dim, self.theta, self.scaling)
         latent, q, kv = self._project(x, cos, sin)
@@ -440,32 +452,70 @@ class CompressedAttention(nn.Module):
         return self._attend(q, kv, visible, cos, sin)
 
 
-    def _blockwise(self, x: torch.Tensor, positions: torch.Tensor, chunk: SequenceChunk | None) -> torch.Tensor:
+    def learns_index(self) -> bool:
+        """Whether this forward computes the indexer loss: training, with grad, and the objective weighs it."""
+        return (self.indexer is not None and self.training and torch.is_grad_enabled()
+                and bool(self.loss_terms.weights.get(INDEX_LOSS)))
+
+    def _blockwise(self, x: torch.Tensor, positions: torch.Tensor, chunk: SequenceChunk | None,
+                   real: torch.Tensor | None = None) -> torch.Tensor:
         spans = _spans(x.shape[1], chunk)
         cos, sin = rotary_tables(positions, self.rope_dim, self.theta, self.scaling)
         latent, q, kv = self._project(x, cos, sin)
         kv = _whole(kv, chunk)  # the one key and value head, every rank's in sequence order
         entries = self.compressor.entries(x, spans, chunk) if self.compressor is not None else None
-        picked = None
+        picked, learn = None, None
         if self.indexer is not None and entries is not None and entries.shape[1]:
-            with torch.no_grad():  # top-k passes no gradient: nothing of the indexer's is kept for backward
-                picked = self.indexer.chosen(x, latent, positions, self.indexer.entries(x, spans, chunk))
-        out = torch.cat([self._attend_block(q[:, :, start:start + n], kv, entries, picked, s, start, n, at)
-                         for s, length, at in spans
-                         for start, n in self._blocks(s, length)], dim=2).transpose(1, 2)  # (B, T, H, hd)
+            if self.learns_index():
+                if self.sum_gradient is not None:
+                    raise ConfigError("the csa indexer loss reads every head's attention, but tensor parallel splits "
+                                      "the heads over ranks", "set model.compressed_attention.index_loss_weight = 0 "
+                                      "or parallel.tp = 1")
+                # the indexer learns from its own loss only: its inputs leave the model's graph
+                x_in, latent_in = x.detach(), latent.detach()
+                learn = _IndexInputs(x_in, latent_in, self.indexer.entries(x_in, spans, chunk), real)
+            if not self.dense:
+                with torch.no_grad():  # top-k passes no gradient: its own scores are kept for no backward
+                    keys = learn.keys.detach() if learn is not None else self.indexer.entries(x, spans, chunk)
+                    picked = self.indexer.chosen(x, latent, positions, keys)
+        blocks = [self._attend_block(q[:, :, start:start + n], kv, entries, picked, s, start, n, at, learn)
+                  for s, length, at in spans
+                  for start, n in self._blocks(s, length)]
+        out = torch.cat([o for o, _ in blocks], dim=2).transpose(1, 2)  # (B, T, H, hd)
         # keys are the values, so a value's rotary slice carries its key's angle: turn it back by the query's
         out = rotate_tail(out, cos.unsqueeze(-2), -sin.unsqueeze(-2))
-        return self.output(out.flatten(-2))
+        out = self.output(out.flatten(-2))
+        losses = [loss for _, loss in blocks if loss is not None]
+        if not losses:
+            return out
+        total = torch.stack([t for t, _ in losses]).sum()
+        count = torch.stack([c for _, c in losses]).sum()
+        self._loss_sum = total.detach() if self._loss_sum is None else self._loss_sum + total.detach()
+        self._loss_count = count if self._loss_count is None else self._loss_count + count
+        return self.loss_terms.add(out, {INDEX_LOSS: total}, 1 / count.clamp(min=1))
+
+    def start_forward(self) -> None:
+        """Forget the indexer loss of the previous forward (one layer call may run several passes)."""
+        self._loss_sum = self._loss_count = None
+
+    def term_values(self) -> dict[str, torch.Tensor]:
+        """The latest training forward's indexer loss (mean KL per counted query: those that see an entry), for
+        the objective's logged parts; none before one, without an indexer or with the loss off."""
+        if self._loss_sum is None or self._loss_count is None:
+            return {}
+        return {INDEX_LOSS: self._loss_sum / self._loss_count.clamp(min=1)}
 
     def _blocks(self, start: int, length: int) -> list[tuple[int, int]]:
         step = self.query_block
         return [(start + b, min(step, length - b)) for b in range(0, length, step)]
 
     def _attend_block(self, q: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | None,
-                      picked: tuple[torch.Tensor, torch.Tensor] | None, span_start: int, start: int, n: int, at: int
-                      ) -> torch.Tensor:
+                      picked: tuple[torch.Tensor, torch.Tensor] | None, span_start: int, start: int, n: int, at: int,
+                      learn: _IndexInputs | None = None
+                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """The outputs (B, H, n, hd) of queries q (B, H, n, hd) at sequence positions at + (start - span_start)
-        onward, against the whole sequence's keys kv (B, T, hd) and entries (B, W, hd)."""
+        onward, against the whole sequence's keys kv (B, T, hd) and entries (B, W, hd); with `learn`, the indexer
+        loss of the block's queries (summed KL, counted queries)."""
         first = at + start - span_start
         pos = torch.arange(first, first + n, device=q.device)
         low = max(0, first - self.window + 1)
@@ -490,10 +540,51 @@ class CompressedAttention(nn.Module):
         # the sink takes its share of each softmax and contributes no value
         probs = scores.softmax(dim=-1)
         out = probs[..., :keys.shape[1]] @ keys[:, None]
-        if seen is not None:
-            tail = probs[..., keys.shape[1]:-1]
-            out = out + (tail @ seen[:, None] if picked is None else torch.einsum("bhqk,bqkd->bhqd", tail, seen))
-        return out
+        if seen is None:
+            return out, None
+        tail = probs[..., keys.shape[1]:-1]
+        out = out + (tail @ seen[:, None] if picked is None else torch.einsum("bhqk,bqkd->bhqd", tail, seen))
+        if learn is None or self.indexer is None:
+            return out, None
+        rows = slice(start, start + n)
+        if picked is None:  # the warm-up: every entry the block's queries may see
+            keys_in = learn.keys[:, :seen.shape[1]]
+        else:  # the picks' indexer keys (B, n, k, index_dim)
+            keys_in = learn.keys[torch.arange(q.shape[0], device=q.device)[:, None, None], picked[0][:, rows]]
+        scores = self.indexer.score(learn.x[:, rows], learn.latent[:, rows], pos, keys_in)
+        real = None if learn.real is None else learn.real[:, rows]
+        allowed = masks[-1].expand_as(scores) if picked is None else picked[1][:, rows]
+        return out, index_kl(tail.detach(), scores, allowed, real)
+
+
+@dataclass
+class _IndexInputs:
+    """What the indexer loss reads of a forward (detached from the model): the inputs x (B, T, D), the query latent
+    (B, T, q_rank), the indexer's keys of every entry (B, W, index_dim, with grad) and the counted queries (B, T)."""
+
+    x: torch.Tensor
+    latent: torch.Tensor
+    keys: torch.Tensor
+    real: torch.Tensor | None
+
+
+def index_kl(probs: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor, real: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed KL, counted queries) of the CSA indexer loss over one block of queries. probs (B, H, n, E): the main
+    attention's probabilities on the E entries the queries read (no gradient); scores (B, n, E): the indexer's;
+    allowed (B, n, E): the entries each query reads. Per query the target p is the heads' summed mass on its entries
+    normalised over them, and its loss KL(p || softmax of the scores over the same entries). A query is counted when
+    it reads an entry (and is real: `real` (B, n))."""
+    mass = probs.float().sum(dim=1).masked_fill(~allowed, 0.0)  # (B, n, E)
+    total = mass.sum(dim=-1, keepdim=True)
+    counted = total[..., 0] > 0
+    if real is not None:
+        counted = counted & real.to(counted.device).bool()
+    p = mass / total.clamp(min=1e-30)
+    log_q = torch.log_softmax(scores.float().masked_fill(~allowed, float("-inf")), dim=-1)
+    # KL(p || q) = sum p log p - sum p log q; the first term is a constant of the indexer
+    kl = torch.where(p > 0, p * (p.clamp(min=1e-30).log() - log_q), 0.0).sum(dim=-1)  # (B, n)
+    return torch.where(counted, kl, 0.0).sum(), counted.sum().float()
 
 
 @dataclass
@@ -542,6 +633,9 @@ class V4Attention(CompressedAttention):
                               "between its tokens", "pad rows on the left or the right only")
         packed = documents is not None and bool((documents != documents[:, :1]).any())
         right_padded = padding is None or bool((padding == padding.cummin(dim=1).values).all())
+        self.start_forward()
+        # right padding is read in place: its pads are queries the indexer loss does not count
+        real = padding if padding is not None and padding.shape[:2] == x.shape[:2] else None
         if chunk is not None:
             if chunk.ulysses:
                 raise ConfigError("DeepSeek-V4 attention blocks do not run under Ulysses context parallel",
@@ -550,7 +644,7 @@ class V4Attention(CompressedAttention):
                 raise ConfigError("DeepSeek-V4 attention blocks under context parallel read rows from their first "
                                   "position, but this batch is left-padded or packed",
                                   "pad rows on the right, one document per row (data.packing off)")
-            return super().forward(x, chunk.positions(x.shape[1], x.device), chunk=chunk)
+            return super().forward(x, chunk.positions(x.shape[1], x.device), chunk=chunk, real=real)
         if cache is not None and packed:
             raise ConfigError("DeepSeek-V4 attention blocks decode one document per row, but these rows are packed",
                               "generate from one document per row")
@@ -560,7 +654,7 @@ class V4Attention(CompressedAttention):
                                   "holds pads", "pad the prompts on the left and decode real tokens after them")
             return torch.cat([self._step(x[:, t], cache) for t in range(x.shape[1])], dim=1)
         if cache is None and right_padded and not packed:
-            return super().forward(x, torch.arange(x.shape[1], device=x.device))
+            return super().forward(x, torch.arange(x.shape[1], device=x.device), real=real)
         if cache is not None and (padding is None or bool(padding.all())):
             rows, firsts = torch.arange(x.shape[0], device=x.device), x.new_zeros(x.shape[0], dtype=torch.long)
             lengths = torch.full_like(firsts, x.shape[1])
@@ -661,6 +755,7 @@ __all__ = [
     "V4Cache",
     "WindowState",
     "compress_scaling",
+    "index_kl",
     "rotary_tables",
     "rotate_tail",
 ]

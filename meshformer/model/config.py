@@ -115,6 +115,10 @@ class CompressedAttentionConfig:
     index_heads: int = 4  # csa indexer query heads (64)
     index_dim: int = 32  # width of each indexer head and key (128)
     index_topk: int = 64  # compressed entries each csa query keeps (512)
+    # the csa indexer's training objective (KL from the main attention's mass on the entries to the indexer's
+    # distribution over them, a mean over target tokens) times this; 0: the indexer gets no gradient. Its stage
+    # (warm-up: dense over every visible entry, only the indexers train) is model.dsa.stage
+    index_loss_weight: float = 0.0
     # YaRN of the compressed (hca, csa) blocks' rotary, their compressors' and indexers' too; the sliding-only blocks
     # rotate unscaled. yarn_factor 1: unscaled (DeepSeek-V4: 16 from 65,536 positions; cos/sin stay unmultiplied)
     yarn_factor: float = 1.0

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -247,8 +248,15 @@ def dsa_layers(modules: Iterable[nn.Module]) -> list[SparseLatentAttention]:
     return [m for part in modules for m in part.modules() if isinstance(m, SparseLatentAttention)]
 
 
-def set_token_count(layers: Iterable[SparseLatentAttention], tokens: torch.Tensor) -> None:
-    """The step's target tokens (every rank and micro-batch): each indexer loss joins as a mean over them."""
+class HasLayerTerms(Protocol):
+    """A layer whose loss terms join the objective (`LayerTerms`)."""
+
+    loss_terms: LayerTerms
+
+
+def set_token_count(layers: Iterable[HasLayerTerms], tokens: torch.Tensor) -> None:
+    """The step's target tokens (every rank and micro-batch): each indexer loss (DSA's, CSA's: `layers` with a
+    `loss_terms`) joins as a mean over them."""
     for layer in layers:
         layer.loss_terms.scale = 1 / tokens.clamp(min=1).float()
 

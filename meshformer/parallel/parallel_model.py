@@ -18,7 +18,8 @@ from meshformer.loss.cross_entropy import LossFn, count_tokens
 from meshformer.loss.fused import HeadLoss
 from meshformer.loss.layer_terms import bind_layer_terms
 from meshformer.loss.objective import AuxTerm, Loss, MTPOutputs
-from meshformer.model.dsa import SparseLatentAttention, dsa_layers, set_token_count
+from meshformer.model.compressed_attention import INDEX_LOSS, CompressedAttention
+from meshformer.model.dsa import SparseLatentAttention, set_token_count
 from meshformer.model.moe import MoEFeedForward, moe_layers, update_expert_bias
 from meshformer.model.mtp import shifted_labels
 from meshformer.model.transformer import Transformer
@@ -182,15 +183,16 @@ class ParallelModel:
         return [item for part in self.model_parts for item in moe_layers(part)]
 
     @cached_property
-    def named_dsa_layers(self) -> list[tuple[str, SparseLatentAttention]]:
-        """This rank's sparse latent attentions by their name, whose indexer losses are means over each step's
-        target tokens."""
+    def named_dsa_layers(self) -> list[tuple[str, SparseLatentAttention | CompressedAttention]]:
+        """This rank's layers with an indexer loss by their name (sparse latent attentions, CSA blocks), whose
+        indexer losses are means over each step's target tokens."""
         return [(name, m) for part in self.model_parts for name, m in part.named_modules()
-                if isinstance(m, SparseLatentAttention)]
+                if isinstance(m, SparseLatentAttention) or (isinstance(m, CompressedAttention)
+                                                            and m.indexer is not None)]
 
     @cached_property
-    def dsa_layers(self) -> list[SparseLatentAttention]:
-        return dsa_layers(self.model_parts)
+    def dsa_layers(self) -> list[SparseLatentAttention | CompressedAttention]:
+        return [layer for _, layer in self.named_dsa_layers]
 
     @cached_property
     def moe_layers(self) -> list[MoEFeedForward]:
@@ -273,6 +275,8 @@ def objective_for(model: nn.Module, logits_loss: LossFn, head_loss: HeadLoss | N
                         AuxTerm("moe/z_loss", cfg.moe.router_z_loss, "layer")]
     if any(isinstance(m, SparseLatentAttention) for m in model.modules()):
         layer_terms.append(AuxTerm("dsa/indexer_loss", cfg.dsa.loss_weight, "layer"))
+    if any(isinstance(m, CompressedAttention) and m.indexer is not None for m in model.modules()):
+        layer_terms.append(AuxTerm(INDEX_LOSS, cfg.compressed_attention.index_loss_weight, "layer"))
     return Loss(logits_loss, head_loss, mtp_weight, tuple(layer_terms))
 
 

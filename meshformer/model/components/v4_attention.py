@@ -64,7 +64,8 @@ class V4AttentionKind(TokenMixer):
         index = (c.index_heads, c.index_dim, c.index_topk) if self._indexed() else None
         return V4Attention(cfg.d_model, cfg.attention.n_heads, cfg.attention_head_dim, c.q_rank, c.rope_dim,
                            c.window, c.o_groups, c.o_rank, cfg.norm.eps, c.rope_theta, c.compress_theta,
-                           compress_rate=rate, index=index, compress_scaling=compress_scaling(c))
+                           compress_rate=rate, index=index, compress_scaling=compress_scaling(c),
+                           dense=self._indexed() and cfg.dsa.stage == "warmup")
 
     def check(self, cfg: ModelConfig) -> None:
         c, hd, heads = cfg.compressed_attention, cfg.attention_head_dim, cfg.attention.n_heads
@@ -286,6 +287,22 @@ class CompressedSparseKind(V4AttentionKind):
 
     def _indexed(self) -> bool:
         return True
+
+    def check(self, cfg: ModelConfig) -> None:
+        super().check(cfg)
+        weight = cfg.compressed_attention.index_loss_weight
+        if weight < 0:
+            raise ConfigError(f"model.compressed_attention.index_loss_weight={weight} must be at least 0",
+                              "use e.g. 1.0 to train the csa indexers, 0 to leave them as they are")
+        if cfg.dsa.stage == "warmup" and weight == 0:
+            raise ConfigError('model.dsa.stage = "warmup" trains only the csa indexers, but their loss is off '
+                              "(model.compressed_attention.index_loss_weight = 0)",
+                              'set model.compressed_attention.index_loss_weight > 0 (e.g. 1.0), or model.dsa.stage = '
+                              '"sparse"')
+
+    def trains_only(self, cfg: ModelConfig) -> str | None:
+        # the indexer's warm-up: dense attention over every visible entry, only the indexers learn
+        return "indexer" if cfg.dsa.stage == "warmup" else None
 
 
 register(V4AttentionKind())
