@@ -253,7 +253,8 @@ def test_export_refuses_the_kinds() -> None:
 
 
 def test_gradients_reach_every_parameter_but_the_indexers() -> None:
-    """The indexer only selects (top-k): without its own objective, which is not built, it gets no gradient."""
+    """The indexer only selects (top-k): with its own objective off (compressed_attention.index_loss_weight = 0,
+    the default) it gets no gradient."""
     from meshformer.model import Transformer
 
     torch.manual_seed(4)
