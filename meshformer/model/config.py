@@ -90,7 +90,8 @@ class DsaConfig:
     topk: int = 64  # keys each query attends to (2048); at least the keys it sees: dense MLA
     rope_interleave: bool = False  # the indexer's rotary pairs (2i, 2i + 1) (GLM-5) or half-split (DeepSeek-V3.2)
     # the indexer's training: "sparse" attends to the selected keys, the indexer learning the main attention over
-    # them; "warmup" attends densely and trains only the indexers (every other parameter frozen)
+    # them; "warmup" attends densely and trains only the indexers (every other parameter frozen). The csa blocks'
+    # indexers (model.compressed_attention.index_loss_weight > 0) take the same stage
     stage: Literal["sparse", "warmup"] = "sparse"
     loss_weight: float = 1.0  # the indexer's loss (KL to the main attention, a mean over target tokens) times this
 
