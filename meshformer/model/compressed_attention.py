@@ -7,7 +7,12 @@
   every `rate` tokens become one entry, a softmax-gated sum with a learned per-slot bias, normed, its trailing rotary
   slice rotated at the window's first position) and of compressed sparse attention (CSA: overlapping windows of
   2 x rate). A query sees an entry only once its whole window lies at or before it.
-- `Indexer`: CSA's lightning indexer, which keeps each query's top-k compressed entries.
+- `Indexer`: CSA's lightning indexer, which keeps each query's top-k compressed entries. Its training objective
+  (`index_kl`, with `[model.compressed_attention] index_loss_weight` > 0): per query, KL from the main attention's
+  mass on the entries it reads (detached, summed over the heads, normalised over them) to the indexer's softmax
+  over the same entries, computed per query block from detached inputs, so only the indexer learns from it; handed
+  to the objective as "csa/indexer_loss" (`LayerTerms`, as DSA's). model.dsa.stage = "warmup" attends to every
+  visible entry and trains only the indexers.
 - `CompressedAttention`: V4's attention (whole-sequence path): one shared key/value head (MQA, keys are values),
   queries through a normed low-rank latent and an unweighted per-head RMSNorm, rotary on each head's trailing slice,
   a sliding window over the tokens plus, in HCA blocks, every compressed entry a query may see; a learned sink logit
@@ -395,8 +400,8 @@ class CompressedAttention(nn.Module):
         linears are the caller's (q_b_proj colwise, o_b rowwise). The one key/value head, its compressor and the
         indexer run whole on every rank: each rank's heads give their share of the key/value head's gradient, summed
         over the ranks (`sum_gradient`), so everything upstream of it gets the whole gradient on every rank. The
-        indexer only selects (no gradient reaches it), so running it whole keeps every rank's selection the
-        single process's at no exchange."""
+        indexer only selects (no gradient reaches it; its objective is refused here), so running it whole keeps every
+        rank's selection the single process's at no exchange."""
         self.n_heads //= ranks
         self.output.groups //= ranks
         self.sum_gradient = sum_gradient

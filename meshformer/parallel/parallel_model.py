@@ -202,7 +202,8 @@ class ParallelModel:
         """Per MoE layer, of its latest training forward over the whole micro-batch: the busiest expert's load over
         the mean load (1 = perfectly balanced), the fraction of token-slots dropped for capacity, and the objective's
         logged parts of its balance terms (unweighted; `Loss.layer_scalars`). Per DSA layer, the logged part of its
-        indexer loss ("dsa/<layer>/indexer_loss": its latest training forward's mean KL per real query)."""
+        indexer loss ("dsa/<layer>/indexer_loss": its latest training forward's mean KL per real query), and per CSA
+        layer with its indexer's objective on, "csa/<layer>/indexer_loss"."""
         if not self.moe_layers and not self.dsa_layers:
             return {}
         scalars: dict[str, torch.Tensor] = self.loss.layer_scalars((name.removesuffix(".attn"), layer.term_values())
