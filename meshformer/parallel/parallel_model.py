@@ -276,7 +276,9 @@ def objective_for(model: nn.Module, logits_loss: LossFn, head_loss: HeadLoss | N
                         AuxTerm("moe/z_loss", cfg.moe.router_z_loss, "layer")]
     if any(isinstance(m, SparseLatentAttention) for m in model.modules()):
         layer_terms.append(AuxTerm("dsa/indexer_loss", cfg.dsa.loss_weight, "layer"))
-    if any(isinstance(m, CompressedAttention) and m.indexer is not None for m in model.modules()):
+    # from the config too: a pipeline's last stage (whose objective every stage binds) may hold no csa block
+    if (any(cfg.layer_type(i) == "csa" for i in range(cfg.n_layers))
+            or any(isinstance(m, CompressedAttention) and m.indexer is not None for m in model.modules())):
         layer_terms.append(AuxTerm(INDEX_LOSS, cfg.compressed_attention.index_loss_weight, "layer"))
     return Loss(logits_loss, head_loss, mtp_weight, tuple(layer_terms))
 

@@ -205,3 +205,17 @@ def test_config_refusals(table: dict[str, Any], stage: str, message: str) -> Non
     cfg.dsa.stage = "sparse"
     cfg.compressed_attention.index_loss_weight = 1.0
     validate_model(cfg, "hf:x")
+
+
+def test_a_pipeline_stage_without_a_csa_block_still_weighs_the_term() -> None:
+    """Every stage binds the last stage's objective: it declares the term from the config, not its own blocks."""
+    from meshformer.loss.cross_entropy import cross_entropy_sum
+    from meshformer.model import Transformer
+    from meshformer.model.parallel_context import StageSpan
+    from meshformer.parallel.parallel_model import objective_for
+
+    cfg = _model_cfg(index_loss_weight=0.5)
+    cfg.layer_types = ["csa", "sliding_mqa"]
+    last = Transformer(cfg, init_seed=1, span=StageSpan(1, 2, 1, 2))
+    assert not any(name.startswith("decoder_layers.0") for name, _ in last.named_parameters())
+    assert objective_for(last, cross_entropy_sum).layer_weights == {INDEX_LOSS: 0.5}
