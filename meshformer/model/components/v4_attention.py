@@ -210,8 +210,8 @@ class V4AttentionKind(TokenMixer):
         projections); the whole sequence's key/value head (all-gathered under context parallel); a compressor's
         projections and float32 gate weights per token and its entries (norm input, normalised, and the whole
         sequence's); each query block's probabilities (`_blocks`) and masks, CSA's gathered entries. The indexer
-        keeps nothing (it passes no gradient). Under bfloat16 the float32 copies the queries' norm and the
-        compressor's norm make."""
+        keeps nothing (it passes no gradient) unless its objective is on (`_index_loss_bytes`). Under bfloat16 the
+        float32 copies the queries' norm and the compressor's norm make."""
         heads, hd, d = self._widths(cfg)
         heads //= x.tp  # this rank's heads (and output groups); the latent, key/value head and input whole
         c, a, rate, seq = cfg.compressed_attention, x.bytes, self._rate(cfg), x.seq
@@ -225,7 +225,28 @@ class V4AttentionKind(TokenMixer):
             entries = seq * x.cp // rate
             total += seq * width * (a + FP32) + (seq // rate) * hd * (2 * a + widening) + entries * hd * a
         scores, gathered, masks, _ = self._blocks(cfg, x)
-        return x.batch * (total + heads * scores * a + gathered * hd * a) + masks
+        return x.batch * (total + heads * scores * a + gathered * hd * a) + masks + self._index_loss_bytes(cfg, x)
+
+    def _index_loss_bytes(self, cfg: ModelConfig, x: ActivationLayout) -> float:
+        """What the csa indexer's objective keeps for backward (index_loss_weight > 0): its compressor's
+        projections, gate weights and entries over the detached input, and per query its heads' queries (projected,
+        float32 and rotated), gates, and over the entries it is scored on (its top-k; in the warm-up every one it
+        may see) the gathered keys (and their float32 copy), each head's ReLU output and weighted score, the
+        log-softmax, the target and the mask."""
+        c = cfg.compressed_attention
+        rate = self._rate(cfg)
+        if not self._indexed() or rate is None or c.index_loss_weight <= 0:
+            return 0.0
+        from meshformer.model.compressed_attention import CompressedAttention
+
+        a, di, hi, seq = x.bytes, c.index_dim, c.index_heads, x.seq
+        widening = FP32 if a != FP32 else 0
+        compressor = seq * 2 * di * (a + FP32) + (seq // rate) * di * (2 * a + widening) + seq * x.cp // rate * di * a
+        scored = _scored_entries(seq, x.cp, rate, None if cfg.dsa.stage == "warmup" else c.index_topk,
+                                 CompressedAttention.query_block)
+        per_query = hi * di * (a + 2 * FP32) + hi * FP32
+        per_entry = di * (a + FP32) + 2 * hi * FP32 + 3 * FP32 + 1
+        return x.batch * (compressor + seq * per_query + scored * per_entry)
 
     def selective_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
         """The matmul outputs: latent, queries, key, each query block's scores and outputs, and the output
@@ -246,6 +267,21 @@ class V4AttentionKind(TokenMixer):
         largest = self._blocks(cfg, x)[3]
         entries = 0 if rate is None else whole // rate
         return x.batch * (heads * largest * (FP32 + x.bytes) + (whole + entries) * hd * FP32)
+
+
+@functools.lru_cache(maxsize=256)
+def _scored_entries(seq: int, cp: int, rate: int, topk: int | None, step: int) -> int:
+    """(query, entry) pairs the csa indexer's objective scores over this rank's query blocks: each query's top-k
+    (`topk`), or in the warm-up (None) every entry its block's last query may see."""
+    from meshformer.model.attention import pieces_held
+
+    spans = pieces_held(0, cp, seq) if cp > 1 else [(0, seq, 0)]
+    total = 0
+    for _, length, at in spans:
+        for first in range(at, at + length, step):
+            n = min(step, at + length - first)
+            total += n * (min(topk, seq * cp // rate) if topk is not None else (first + n) // rate)
+    return total
 
 
 @functools.lru_cache(maxsize=256)

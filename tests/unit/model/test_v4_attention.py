@@ -309,19 +309,20 @@ def test_context_parallel_refusals(overrides: list[str], message: str) -> None:
     assert message in str(refused.value)
 
 
-def test_planned_peak_within_tolerance_of_measured() -> None:
+@pytest.mark.parametrize("index_loss", [(0.0, "sparse"), (1.0, "sparse")], ids=["indexer-off", "indexer-loss"])
+def test_planned_peak_within_tolerance_of_measured(index_loss: tuple[float, str]) -> None:
     """The planner's peak for a model of the three kinds (512 tokens: two query blocks, 32 csa and 128 hca entries
     against a window of 32) within bench/plan_validation.py's tolerance of a measured training step (3.1% under
-    measured)."""
+    measured); with the csa indexer's objective on too (sparse stage)."""
     from plan_validation import TOLERANCE, validation_config
 
     from meshformer.planner.measure import measure_step_peak
     from meshformer.planner.search import plan_layout
 
     table = {"q_rank": 64, "rope_dim": 16, "window": 32, "o_groups": 2, "o_rank": 64, "hca_rate": 16, "csa_rate": 4,
-             "index_heads": 4, "index_dim": 32, "index_topk": 16}
+             "index_heads": 4, "index_dim": 32, "index_topk": 16, "index_loss_weight": index_loss[0]}
     cfg = validation_config({"model": {"layer_types": ["sliding_mqa", "csa", "hca", "csa"], "position": "none",
-                                       "attention": {"n_heads": 4, "head_dim": 32},
+                                       "attention": {"n_heads": 4, "head_dim": 32}, "dsa": {"stage": index_loss[1]},
                                        "compressed_attention": table}}, seq=512)
     predicted, measured = plan_layout(cfg, 1).peak, measure_step_peak(cfg)["peak"]
     assert abs(predicted / measured - 1) < TOLERANCE, (predicted, measured)
