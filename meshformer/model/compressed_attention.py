@@ -469,6 +469,12 @@ class CompressedAttention(nn.Module):
         latent, q, kv = self._project(x, cos, sin)
         kv = _whole(kv, chunk)  # the one key and value head, every rank's in sequence order
         entries = self.compressor.entries(x, spans, chunk) if self.compressor is not None else None
+        if self.sum_gradient is not None:  # tensor parallel: every rank's heads read the whole key/value head
+            if entries is None:
+                kv = self.sum_gradient(kv)
+            else:
+                joined = self.sum_gradient(torch.cat([kv, entries], dim=1))  # one all-reduce in backward
+                kv, entries = joined[:, :kv.shape[1]], joined[:, kv.shape[1]:]
         picked, learn = None, None
         if self.indexer is not None and entries is not None and entries.shape[1]:
             if self.learns_index():
@@ -541,7 +547,8 @@ class CompressedAttention(nn.Module):
                 masks.append(kept[:, None])
                 logits.append(torch.einsum("bhqd,bqkd->bhqk", q, seen) * scale)
         scores = torch.cat([lg.masked_fill(~m, float("-inf")) for lg, m in zip(logits, masks, strict=True)]
-                           + [self.sinks.to(q.dtype).view(1, -1, 1, 1).expand(q.shape[0], -1, n, 1)], dim=-1)
+                           + [_local(self.sinks).to(q.dtype).view(1, -1, 1, 1).expand(q.shape[0], -1, n, 1)],
+                           dim=-1)
         # the sink takes its share of each softmax and contributes no value
         probs = scores.softmax(dim=-1)
         out = probs[..., :keys.shape[1]] @ keys[:, None]
