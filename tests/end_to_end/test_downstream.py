@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers.checkpoints import launch, tiny_config, tiny_overrides, tiny_shards
+from helpers.sampled_task import sampled_task
 
 from meshformer.eval.task_files import BUNDLED_DIR
 from meshformer.train.trainer import Trainer
@@ -184,18 +185,6 @@ def test_loglikelihood_metrics_and_errors_are_logged_at_the_interval_and_last_st
     assert {"downstream/kjv_lastword/acc_stderr", "downstream/kjv_lastword/perplexity"} <= logged[-1].keys()
 
 
-SAMPLED = {"do_sample: false": "do_sample: true\n  temperature: 0.9\n  top_k: 50\n  top_p: 0.95"}
-
-
-def _sampled_task(folder: Path) -> str:
-    """The bundled generation task with sampling on (a local task YAML beside a copy of its documents)."""
-    shutil.copy(BUNDLED_DIR / "kjv_complete.jsonl", folder / "kjv_complete.jsonl")
-    text = (BUNDLED_DIR / "kjv_complete.yaml").read_text().replace("task: kjv_complete", "task: kjv_sampled")
-    for old, new in SAMPLED.items():
-        assert old in text
-        text = text.replace(old, new)
-    (folder / "kjv_sampled.yaml").write_text(text)
-    return str(folder / "kjv_sampled.yaml")
 
 
 @pytest.mark.parametrize("layout", [
@@ -209,7 +198,7 @@ def test_in_loop_sampled_and_greedy_texts_equal_one_process(trained, tmp_path, l
     from meshformer.eval.run import evaluate
 
     trainer = trained["trainer"]
-    tasks = ["bundled:kjv_complete", _sampled_task(tmp_path)]
+    tasks = ["bundled:kjv_complete", sampled_task(tmp_path)]
     whole = MeshformerLM(model=trainer.model, tokenizer=trainer.tokenizer, batch_size=16,
                          max_length=trainer.cfg.data.seq_len)
     reference = evaluate(whole, tasks, limit=8, options=trainer.cfg.downstream, log_samples=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 import pytest
 from helpers.hf_models import hf_model
+from helpers.sampled_task import sampled_task
 
 pytestmark = pytest.mark.slow
 TASKS = "bundled:kjv_cloze,bundled:kjv_lastword,bundled:kjv_perplexity,bundled:kjv_complete"
@@ -76,21 +76,8 @@ def test_a_task_without_its_dataset_is_one_line(folder):
 
 # ------------------------------------------------------------------------------------------------ layouts
 
-SAMPLED = {"do_sample: false": "do_sample: true\n  temperature: 0.9\n  top_k: 50\n  top_p: 0.95"}
 LIMIT = 4
 
-
-def _sampled_task(folder: Path) -> str:
-    """The bundled generation task with sampling on (a local task YAML beside a copy of its documents)."""
-    from meshformer.eval.task_files import BUNDLED_DIR
-
-    shutil.copy(BUNDLED_DIR / "kjv_complete.jsonl", folder / "kjv_complete.jsonl")
-    text = (BUNDLED_DIR / "kjv_complete.yaml").read_text().replace("task: kjv_complete", "task: kjv_sampled")
-    for old, new in SAMPLED.items():
-        assert old in text
-        text = text.replace(old, new)
-    (folder / "kjv_sampled.yaml").write_text(text)
-    return str(folder / "kjv_sampled.yaml")
 
 
 def _one_process(folder: Path, tasks: list[str]) -> dict[str, Any]:
@@ -134,7 +121,7 @@ def layout_case(folder, tmp_path_factory):
     from meshformer.eval.model_folder import load_model_folder
 
     root = tmp_path_factory.mktemp("layouts")
-    tasks = ["bundled:kjv_lastword", "bundled:kjv_complete", _sampled_task(root), "bundled:kjv_perplexity"]
+    tasks = ["bundled:kjv_lastword", "bundled:kjv_complete", sampled_task(root), "bundled:kjv_perplexity"]
     model, _ = load_model_folder(folder)
     write_weights_checkpoint(model.state_dict(), model.cfg, root / "run" / "checkpoints",
                              load_tokenizer("bundled:kjv-bpe-4k"))
@@ -189,6 +176,6 @@ def test_expert_parallel_scores_and_generates_as_one_process(tmp_path):
             if param.ndim > 1:
                 param.normal_(0.0, 0.15)
     write_weights(model.state_dict(), cfg.model, tmp_path / "moe", tokenizer=load_tokenizer("bundled:kjv-bpe-4k"))
-    tasks = ["bundled:kjv_lastword", "bundled:kjv_complete", _sampled_task(tmp_path), "bundled:kjv_perplexity"]
+    tasks = ["bundled:kjv_lastword", "bundled:kjv_complete", sampled_task(tmp_path), "bundled:kjv_perplexity"]
     one = _one_process(tmp_path / "moe", tasks)
     _assert_same(one, _two_ranks(tmp_path / "moe", tasks, tmp_path / "ep2.json", "parallel.ep=2"))
