@@ -129,10 +129,11 @@ def _environ(pid: int) -> dict[str, str]:
 
 def _rank(root: int, rank: int, replica: int | None = None) -> int | None:
     """The pid of `rank` (of replica group `replica`) among the descendants of `root`."""
+    from meshformer.launcher.warm_rank import process_rank
+
     for pid in _descendants(root):
-        env = _environ(pid)
-        if env.get("RANK") == str(rank) and "LOCAL_RANK" in env and \
-                (replica is None or env.get("MESHFORMER_REPLICA_ID") == str(replica)):
+        if process_rank(pid) == rank and \
+                (replica is None or _environ(pid).get("MESHFORMER_REPLICA_ID") == str(replica)):
             return pid
     return None
 

@@ -256,8 +256,12 @@ def main(argv: list[str] | None = None) -> None:
     if args[:1] == [STANDBY]:
         import torch.distributed.run  # noqa: F401  # the agent's imports: the seconds a standby saves a restart
 
+        from meshformer.launcher.warm_rank import adopt_warm_ranks, start_warm_ranks
+
+        warm = start_warm_ranks(_nproc_per_node(args))  # and the ranks' imports, done beside it
         if sys.stdin.readline().strip() != "go":
-            _exit_now(0)
+            _exit_now(0)  # the warm ranks follow their parent (they die with it)
+        adopt_warm_ranks(warm)
         args = args[1:]
     try:
         status = run_command(run_agent, args)
@@ -267,6 +271,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 STANDBY = "--standby"
+
+
+def _nproc_per_node(torchrun_args: list[str]) -> int:
+    """torchrun's --nproc-per-node as `torchrun_command` writes it (0 where it is not a number)."""
+    for arg in torchrun_args:
+        name, _, value = arg.partition("=")
+        if name == "--nproc-per-node":
+            return int(value) if value.isdigit() else 0
+    return 0
 
 
 def _exit_now(code: object) -> None:

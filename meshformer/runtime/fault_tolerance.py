@@ -283,8 +283,10 @@ class ReplicaGroup:
     def error(self) -> str:
         """The first line of the error that failed this step's all-reduce, or ""."""
         err = self.manager.errored()
-        text = str(err.original_exception) if err is not None else ""
-        return text.splitlines()[0] if text else ""
+        if err is None:
+            return ""
+        text = str(err.original_exception)
+        return text.splitlines()[0] if text else type(err.original_exception).__name__
 
     def should_commit(self) -> bool:
         """Whether every rank of this group may apply the step (all-reduce succeeded, enough replicas)."""

@@ -16,6 +16,8 @@ import torch
 from helpers.cluster import children, finish, logs, overrides, start, wait_for, worker_env
 from helpers.common import free_port
 
+from meshformer.launcher.warm_rank import process_rank
+
 STEPS = 48
 GROUPS = 2
 
@@ -37,7 +39,7 @@ def _rank_pid(launcher: int, replica: int, rank: int) -> int | None:
     for agent in children(launcher):
         if env(agent).get("MESHFORMER_REPLICA_ID") == str(replica):
             for worker in children(agent):
-                if env(worker).get("RANK") == str(rank):
+                if process_rank(worker) == rank:  # a rank started by torchrun, or a warm rank it handed over to
                     return worker
     return None
 
@@ -67,11 +69,17 @@ def test_a_killed_group_restarts_and_heals_while_the_other_trains_on(tmp_path):
         wait_for(lambda: any(len(r["replicas"]) == 1 for r in _records(run_dir, 0)[before:]), 60,
                  f"group 0 to commit a step alone\n{logs(log)[-4000:]}")
         alone_after = time.monotonic() - killed
+        # the restarted group's ranks are its warm ranks (imports done while it trained), handed over by torchrun
+        back = len(_records(run_dir, 1))
+        wait_for(lambda: len(_records(run_dir, 1)) > back, 120, f"group 1 to rejoin\n{logs(log)[-4000:]}")
+        restarted = [_rank_pid(proc.pid, replica=1, rank=r) for r in range(2)]
+        names = [Path(f"/proc/{pid}/comm").read_text().strip() if pid else None for pid in restarted]
     finally:
         codes = finish([proc], 300)
     text = logs(log)
     assert codes == [0], text[-6000:]
     assert alone_after < 30, f"group 0 waited {alone_after:.1f}s after the kill\n{text[-4000:]}"
+    assert names == ["rank0", "rank1"], f"group 1 restarted on fresh interpreters, not its warm ranks: {names}"
 
     # The survivor said who dropped and who came back, and the killed group healed from the live peer.
     assert "replica group(s) [1] dropped" in text and "replica group(s) [1] joined" in text, text[-6000:]
