@@ -236,10 +236,12 @@ FAMILIES["v4"] = dict(family="decoder", n_layers=4, position="none", bias=False,
 FAMILIES["qwen3next4"] = dict(FAMILIES["qwen3next"], n_layers=4, layer_types=["linear_attention", "full_attention"] * 2)
 
 
-def make_config(family: str, parallel: dict[str, Any] | None = None, **train: Any) -> Config:
+def make_config(family: str, parallel: dict[str, Any] | None = None, model_keys: dict[str, Any] | None = None,
+                **train: Any) -> Config:
+    """model_keys: [model.*] tables added to the family's (a layout's model options)."""
     model: dict[str, Any] = dict(vocab_size=VOCAB, d_model=32, max_seq_len=32, dropout=0.0,
                                  attention=dict(n_heads=4), ffn=dict(d_ff=64))
-    for key, value in FAMILIES[family].items():  # a family's [model.*] table adds to the base one
+    for key, value in [*FAMILIES[family].items(), *(model_keys or {}).items()]:  # each adds to the tables before
         model[key] = {**model.get(key, {}), **value} if isinstance(value, dict) else value
     raw = {
         "model": model,
@@ -340,7 +342,13 @@ def train_steps(plan: ParallelModel, steps: list[list[dict[str, torch.Tensor]]],
             grads0.update(gathered_grads(plan))
         return grad_norm()
 
-    plan.forward_backward, plan.grad_norm = counted_forward_backward, first_grads_kept  # type: ignore[method-assign]
+    def index_losses_kept(*args, **kwargs):
+        out = counted_forward_backward(*args, **kwargs)
+        index_losses.append(csa_index_losses(plan))
+        return out
+
+    index_losses: list[dict[str, tuple[float, float]]] = []
+    plan.forward_backward, plan.grad_norm = index_losses_kept, first_grads_kept  # type: ignore[method-assign]
     try:
         for micro in steps:
             local = [{k: v.chunk(dp_size)[dp_rank] for k, v in b.items()} for b in micro]
@@ -360,7 +368,37 @@ def train_steps(plan: ParallelModel, steps: list[list[dict[str, torch.Tensor]]],
     losses.append(float(sum(e[0] for e in evals)) / float(sum(e[1] for e in evals)))
     weights = gathered_tensors(plan, "weights") if optimizer in ("muon", "normuon") else {}
     return losses, grads0, norms, {"replica_all_reduces": replica_all_reduces, "float8_amax_all_reduces":
-                                   float8_amax_reduces, "weights": weights, "qk_clip": qk_clip_log}
+                                   float8_amax_reduces, "weights": weights, "qk_clip": qk_clip_log,
+                                   "index_losses": index_losses}
+
+
+def csa_index_losses(plan: ParallelModel) -> dict[str, tuple[float, float]]:
+    """This rank's csa indexer loss of its latest forward per layer: (summed KL, counted queries)."""
+    from meshformer.model.compressed_attention import CompressedAttention
+
+    return {name: (float(layer._loss_sum), float(layer._loss_count)) for name, layer in plan.named_dsa_layers
+            if isinstance(layer, CompressedAttention) and layer._loss_sum is not None
+            and layer._loss_count is not None}
+
+
+def index_loss_rel(ours: list[list[dict[str, tuple[float, float]]]], ref: list[dict[str, tuple[float, float]]],
+                   per_step: int) -> tuple[float | None, list[list[float]]]:
+    """The csa indexer losses (mean KL per counted query, per layer and optimizer step) of a layout against one
+    process: `ours` holds, per tensor-parallel rank, the forwards' (summed KL, counted queries) already summed over
+    the other ranks (each tp rank's own sum: every one must equal one process's). (max relative difference, the
+    reference's means); None without any."""
+    def means(forwards: list[dict[str, tuple[float, float]]]) -> list[list[float]]:
+        steps = [forwards[i:i + per_step] for i in range(0, len(forwards), per_step)]
+        names = sorted({n for f in forwards for n in f})
+        return [[sum(f.get(n, (0.0, 0.0))[0] for f in step) / max(sum(f.get(n, (0.0, 0.0))[1] for f in step), 1.0)
+                 for n in names] for step in steps]
+
+    expected = means(ref)
+    if not any(expected):
+        return None, expected
+    worst = max(abs(a - b) / abs(b) for tp_rank in ours for got, want in zip(means(tp_rank), expected, strict=True)
+                for a, b in zip(got, want, strict=True))
+    return worst, expected
 
 
 @contextmanager
@@ -470,9 +508,10 @@ def pipeline_pieces(cfg: Config, batch: dict[str, torch.Tensor]) -> list[dict[st
     return [{k: torch.cat([s[k].tensor_split(n_mb)[m] for s in shards]) for k in batch} for m in range(n_mb)]
 
 
-def compare(cfg: Config, steps, result, family: str = "", weights: dict[str, torch.Tensor] | None = None
-            ) -> dict[str, Any]:
+def compare(cfg: Config, steps, result, family: str = "", weights: dict[str, torch.Tensor] | None = None,
+            index_losses: list[list[dict[str, tuple[float, float]]]] | None = None) -> dict[str, Any]:
     ref_losses, ref_grads, ref_norms, ref_counts = reference(cfg, steps, family)
+    index_rel, index_ref = index_loss_rel(index_losses or [], ref_counts["index_losses"], len(steps[0]))
     ref_weights = ref_counts["weights"]
     losses, grads, norms = result
     grad_rel, checked, worst = 0.0, set(), ""
@@ -504,6 +543,12 @@ def compare(cfg: Config, steps, result, family: str = "", weights: dict[str, tor
         "reference_params": sorted(ref_grads),
         "losses": losses,
         "qk_clip_reference": ref_counts["qk_clip"],
+        # the csa indexer losses (per step and layer) and their largest difference from one process's; the largest
+        # gradient of an indexer's parameter in one process (the term reaches them)
+        "index_loss_rel": index_rel,
+        "index_loss_reference": index_ref,
+        "indexer_grad_max": max((g.abs().max().item() for n, g in ref_grads.items() if ".indexer." in n),
+                                default=0.0),
     }
 
 
@@ -514,6 +559,7 @@ def scenario(name: str) -> tuple[Config, list]:
     family, layout = name.split("/")
     parallel: dict[str, Any] = {}
     extra: dict[str, Any] = {}
+    model_keys: dict[str, Any] = {}
     for part in layout.split("-"):
         key, _, value = part.partition("=")
         if key in ("fsdp", "dp"):
@@ -562,6 +608,11 @@ def scenario(name: str) -> tuple[Config, list]:
             extra["_muon"] = key
         elif key == "qkclip":  # MuonClip at a threshold that clips some heads of the tiny models (and not others)
             extra["_qk_clip"] = float(value or QK_CLIP_THRESHOLD)
+        elif key == "indexloss":  # the csa indexers' objective at this weight (1 by default)
+            model_keys["compressed_attention"] = dict(index_loss_weight=float(value or 1.0))
+        elif key == "indexwarmup":  # its dense warm-up: only the indexers train
+            model_keys["compressed_attention"] = dict(index_loss_weight=1.0)
+            model_keys["dsa"] = dict(stage="warmup")
         elif key == "single":
             pass
         else:
@@ -571,7 +622,7 @@ def scenario(name: str) -> tuple[Config, list]:
     right_padded = extra.pop("_right_padded", False)
     muon = extra.pop("_muon", False)
     qk_clip = extra.pop("_qk_clip", None)
-    cfg = make_config(family, parallel, **extra)
+    cfg = make_config(family, parallel, model_keys, **extra)
     if muon:
         cfg.optim.name = muon
     cfg.optim.qk_clip_threshold = qk_clip
@@ -711,8 +762,19 @@ def run_scenario(name: str) -> dict[str, Any]:
         *result, counts = train_steps(plan, steps, plan.dp_rank, plan.dp_size, cfg.optim.name,
                                       cfg.optim.qk_clip_threshold)
     float8_gathers = FLOAT8_GATHERS[0] - gathers_before
+    # the csa indexer losses: each tensor-parallel rank's, summed over the ranks that hold other tokens
+    index_losses: list[Any] = [None] * dist.get_world_size()
+    tp_rank = getattr(getattr(plan, "meshes", None), "tp_rank", 0)
+    dist.all_gather_object(index_losses, (tp_rank, counts.pop("index_losses")))
+    by_tp_rank: dict[int, list[dict[str, tuple[float, float]]]] = {}
+    for rank_tp, forwards in index_losses:
+        summed = by_tp_rank.setdefault(rank_tp, [{} for _ in forwards])
+        for into, forward in zip(summed, forwards, strict=True):
+            for layer, (kl, count) in forward.items():
+                old = into.get(layer, (0.0, 0.0))
+                into[layer] = (old[0] + kl, old[1] + count)
     with counted_orthogonalised_matrices() as ns_reference:
-        report = compare(cfg, steps, result, family, counts.pop("weights"))
+        report = compare(cfg, steps, result, family, counts.pop("weights"), list(by_tp_rank.values()))
     # Muon: matrices this rank orthogonalised (each matrix once over all ranks), and one process's count
     report["ns_matrices"] = [None] * dist.get_world_size()
     dist.all_gather_object(report["ns_matrices"], ns_matrices[0])
@@ -807,7 +869,9 @@ def main() -> None:
                   f"ns_matrices={report['ns_matrices']} of {report['ns_matrices_reference']} "
                   f"({report['worst']}) norm_rel={report['norm_rel']:.2e} checked={report['checked']} "
                   f"missing={report['missing']} group_counts={report['group_counts']} "
-                  f"graph_breaks={sum(report['graph_breaks'].values())}")
+                  f"graph_breaks={sum(report['graph_breaks'].values())}"
+                  + (f" index_loss_rel={report['index_loss_rel']:.2e} indexer_grad_max="
+                     f"{report['indexer_grad_max']:.2e}" if report["index_loss_rel"] is not None else ""))
 
 
 if __name__ == "__main__":
