@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import math
 import os
 import sys
 import tempfile
@@ -342,17 +343,14 @@ def train_steps(plan: ParallelModel, steps: list[list[dict[str, torch.Tensor]]],
             grads0.update(gathered_grads(plan))
         return grad_norm()
 
-    def index_losses_kept(*args, **kwargs):
-        out = counted_forward_backward(*args, **kwargs)
-        index_losses.append(csa_index_losses(plan))
-        return out
-
     index_losses: list[dict[str, tuple[float, float]]] = []
-    plan.forward_backward, plan.grad_norm = index_losses_kept, first_grads_kept  # type: ignore[method-assign]
+    plan.forward_backward, plan.grad_norm = counted_forward_backward, first_grads_kept  # type: ignore[method-assign]
     try:
         for micro in steps:
             local = [{k: v.chunk(dp_size)[dp_rank] for k, v in b.items()} for b in micro]
-            stats = training.step(local)
+            with summed_index_losses(plan) as index_loss:
+                stats = training.step(local)
+            index_losses.append(index_loss)
             if training.qk_clip is not None:
                 scalars = training.qk_clip.scalars()
                 qk_clip_log.append((scalars["optim/qk_clip_heads"], scalars["optim/max_attention_logit"]))
@@ -372,32 +370,58 @@ def train_steps(plan: ParallelModel, steps: list[list[dict[str, torch.Tensor]]],
                                    "index_losses": index_losses}
 
 
-def csa_index_losses(plan: ParallelModel) -> dict[str, tuple[float, float]]:
-    """This rank's csa indexer loss of its latest forward per layer: (summed KL, counted queries)."""
+@contextmanager
+def summed_index_losses(plan: ParallelModel) -> Iterator[dict[str, tuple[float, float]]]:
+    """This rank's csa indexer losses per layer over the training forwards in the block (every micro-batch and
+    pipeline microbatch; a forward recomputed in the backward not again): (summed KL, counted queries)."""
     from meshformer.model.compressed_attention import CompressedAttention
 
-    return {name: (float(layer._loss_sum), float(layer._loss_count)) for name, layer in plan.named_dsa_layers
-            if isinstance(layer, CompressedAttention) and layer._loss_sum is not None
-            and layer._loss_count is not None}
+    sums: dict[str, tuple[float, float]] = {}
+
+    def kept(name: str) -> Any:
+        def hook(layer: CompressedAttention, _args: Any, _output: Any) -> None:
+            if (torch._C._current_graph_task_id() != -1 or layer._loss_sum is None or layer._loss_count is None
+                    or _in_shape_inference()):
+                return  # recomputed inside the backward, the term off, or a pipeline stage's shape inference
+            kl, count = sums.get(name, (0.0, 0.0))
+            sums[name] = (kl + float(layer._loss_sum), count + float(layer._loss_count))
+        return hook
+
+    handles = [layer.register_forward_hook(kept(name)) for name, layer in plan.named_dsa_layers
+               if isinstance(layer, CompressedAttention)]
+    try:
+        yield sums
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
-def index_loss_rel(ours: list[list[dict[str, tuple[float, float]]]], ref: list[dict[str, tuple[float, float]]],
-                   per_step: int) -> tuple[float | None, list[list[float]]]:
+def _in_shape_inference() -> bool:
+    """Whether a pipeline stage's shape inference runs this: a forward on the first step whose output no backward
+    reads (meshformer/parallel/pipeline/model.py `_shape_inference_uncounted`)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in ("_forward_metadata_inference", "_shape_inference"):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def index_loss_rel(ours: list[list[dict[str, tuple[float, float]]]], ref: list[dict[str, tuple[float, float]]]
+                   ) -> tuple[float | None, list[list[float]]]:
     """The csa indexer losses (mean KL per counted query, per layer and optimizer step) of a layout against one
-    process: `ours` holds, per tensor-parallel rank, the forwards' (summed KL, counted queries) already summed over
-    the other ranks (each tp rank's own sum: every one must equal one process's). (max relative difference, the
-    reference's means); None without any."""
-    def means(forwards: list[dict[str, tuple[float, float]]]) -> list[list[float]]:
-        steps = [forwards[i:i + per_step] for i in range(0, len(forwards), per_step)]
-        names = sorted({n for f in forwards for n in f})
-        return [[sum(f.get(n, (0.0, 0.0))[0] for f in step) / max(sum(f.get(n, (0.0, 0.0))[1] for f in step), 1.0)
-                 for n in names] for step in steps]
+    process: `ours` holds, per tensor-parallel rank, each step's (summed KL, counted queries) per layer, summed over
+    the ranks of other tokens and stages (each tp rank's own sum: every one must equal one process's). (max relative
+    difference, the reference's means); None without any."""
+    names = sorted({n for step in ref for n in step})
+
+    def means(steps: list[dict[str, tuple[float, float]]]) -> list[float]:
+        return [step[n][0] / max(step[n][1], 1.0) if n in step else math.inf for step in steps for n in names]
 
     expected = means(ref)
-    if not any(expected):
-        return None, expected
-    worst = max(abs(a - b) / abs(b) for tp_rank in ours for got, want in zip(means(tp_rank), expected, strict=True)
-                for a, b in zip(got, want, strict=True))
+    if not expected:
+        return None, []
+    worst = max(abs(a - b) / abs(b) for tp_rank in ours for a, b in zip(means(tp_rank), expected, strict=True))
     return worst, expected
 
 
@@ -511,7 +535,7 @@ def pipeline_pieces(cfg: Config, batch: dict[str, torch.Tensor]) -> list[dict[st
 def compare(cfg: Config, steps, result, family: str = "", weights: dict[str, torch.Tensor] | None = None,
             index_losses: list[list[dict[str, tuple[float, float]]]] | None = None) -> dict[str, Any]:
     ref_losses, ref_grads, ref_norms, ref_counts = reference(cfg, steps, family)
-    index_rel, index_ref = index_loss_rel(index_losses or [], ref_counts["index_losses"], len(steps[0]))
+    index_rel, index_ref = index_loss_rel(index_losses or [], ref_counts["index_losses"])
     ref_weights = ref_counts["weights"]
     losses, grads, norms = result
     grad_rel, checked, worst = 0.0, set(), ""
@@ -762,15 +786,15 @@ def run_scenario(name: str) -> dict[str, Any]:
         *result, counts = train_steps(plan, steps, plan.dp_rank, plan.dp_size, cfg.optim.name,
                                       cfg.optim.qk_clip_threshold)
     float8_gathers = FLOAT8_GATHERS[0] - gathers_before
-    # the csa indexer losses: each tensor-parallel rank's, summed over the ranks that hold other tokens
+    # the csa indexer losses: each tensor-parallel rank's, summed over the ranks that hold other tokens or stages
     index_losses: list[Any] = [None] * dist.get_world_size()
     tp_rank = getattr(getattr(plan, "meshes", None), "tp_rank", 0)
     dist.all_gather_object(index_losses, (tp_rank, counts.pop("index_losses")))
     by_tp_rank: dict[int, list[dict[str, tuple[float, float]]]] = {}
-    for rank_tp, forwards in index_losses:
-        summed = by_tp_rank.setdefault(rank_tp, [{} for _ in forwards])
-        for into, forward in zip(summed, forwards, strict=True):
-            for layer, (kl, count) in forward.items():
+    for rank_tp, per_step in index_losses:
+        summed = by_tp_rank.setdefault(rank_tp, [{} for _ in per_step])
+        for into, step in zip(summed, per_step, strict=True):
+            for layer, (kl, count) in step.items():
                 old = into.get(layer, (0.0, 0.0))
                 into[layer] = (old[0] + kl, old[1] + count)
     with counted_orthogonalised_matrices() as ns_reference:
