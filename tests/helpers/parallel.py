@@ -408,11 +408,11 @@ def _in_shape_inference() -> bool:
 
 
 def index_loss_rel(ours: list[list[dict[str, tuple[float, float]]]], ref: list[dict[str, tuple[float, float]]]
-                   ) -> tuple[float | None, list[list[float]]]:
+                   ) -> tuple[float | None, list[float]]:
     """The csa indexer losses (mean KL per counted query, per layer and optimizer step) of a layout against one
     process: `ours` holds, per tensor-parallel rank, each step's (summed KL, counted queries) per layer, summed over
     the ranks of other tokens and stages (each tp rank's own sum: every one must equal one process's). (max relative
-    difference, the reference's means); None without any."""
+    difference, the reference's means by step, then layer); None without any."""
     names = sorted({n for step in ref for n in step})
 
     def means(steps: list[dict[str, tuple[float, float]]]) -> list[float]:
@@ -535,7 +535,7 @@ def pipeline_pieces(cfg: Config, batch: dict[str, torch.Tensor]) -> list[dict[st
 def compare(cfg: Config, steps, result, family: str = "", weights: dict[str, torch.Tensor] | None = None,
             index_losses: list[list[dict[str, tuple[float, float]]]] | None = None) -> dict[str, Any]:
     ref_losses, ref_grads, ref_norms, ref_counts = reference(cfg, steps, family)
-    index_rel, index_ref = index_loss_rel(index_losses or [], ref_counts["index_losses"])
+    index_rel, index_ref = index_loss_rel(index_losses or [], ref_counts["index_losses"])  # type: ignore[arg-type]
     ref_weights = ref_counts["weights"]
     losses, grads, norms = result
     grad_rel, checked, worst = 0.0, set(), ""

@@ -164,7 +164,12 @@ def test_tensor_parallel_target_sums_every_heads_mass(dense: bool) -> None:
 
     whole, whole_grads = loss_and_grads(_module(dense))
     other, masses = _head_share(_module(dense), 1), []
-    other.sum_heads = lambda t: masses.append(t.clone()) or t  # rank 1's share of each query block's mass
+
+    def kept(mass: torch.Tensor) -> torch.Tensor:  # rank 1's share of each query block's mass
+        masses.append(mass.clone())
+        return mass
+
+    other.sum_heads = kept
     loss_and_grads(other)
     share = _head_share(_module(dense), 0)
     share.sum_heads = lambda t: t + masses.pop(0)
