@@ -100,6 +100,9 @@ class CompressedAttention(nn.Module):
                         if compress_rate is not None and index is not None else None)
         # tensor parallel (`shard_heads`): sums the shared key/value head's gradient over the ranks
         self.sum_gradient: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # tensor parallel (the style sets it): sums a detached tensor over the ranks in the forward (the indexer
+        # loss's target, the heads' mass on each entry, of which each rank holds its heads' share)
+        self.sum_heads: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.dense = dense and self.indexer is not None
         # the objective's weight of the indexer loss (INDEX_LOSS; 0 or none: not computed) and its scale, 1 / the
         # step's target tokens, set before each step (None outside a step: 1 / this call's counted queries)
@@ -115,8 +118,10 @@ class CompressedAttention(nn.Module):
         linears are the caller's (q_b_proj colwise, o_b rowwise). The one key/value head, its compressor and the
         indexer run whole on every rank: each rank's heads give their share of the key/value head's gradient, summed
         over the ranks (`sum_gradient`), so everything upstream of it gets the whole gradient on every rank. The
-        indexer only selects (no gradient reaches it; its objective is refused here), so running it whole keeps every
-        rank's selection the single process's at no exchange."""
+        indexer selects (top-k passes no gradient), so running it whole keeps every rank's selection the single
+        process's at no exchange; its objective's target, the heads' mass on each entry, is summed over the ranks
+        before it is normalised (`sum_heads`, which the caller sets), so every rank computes the single process's
+        indexer loss and whole gradient, and the indexer's replicated parameters need no gradient sum."""
         self.n_heads //= ranks
         self.output.groups //= ranks
         self.sum_gradient = sum_gradient
@@ -193,10 +198,6 @@ class CompressedAttention(nn.Module):
         picked, learn = None, None
         if self.indexer is not None and entries is not None and entries.shape[1]:
             if self.learns_index():
-                if self.sum_gradient is not None:
-                    raise ConfigError("the csa indexer loss reads every head's attention, but tensor parallel splits "
-                                      "the heads over ranks", "set model.compressed_attention.index_loss_weight = 0 "
-                                      "or parallel.tp = 1")
                 # the indexer learns from its own loss only: its inputs leave the model's graph
                 x_in, latent_in = x.detach(), latent.detach()
                 learn = _IndexInputs(x_in, latent_in, self.indexer.entries(x_in, spans, chunk), real)
@@ -281,7 +282,7 @@ class CompressedAttention(nn.Module):
         scores = self.indexer.score(learn.x[:, rows], learn.latent[:, rows], pos, keys_in)
         real = None if learn.real is None else learn.real[:, rows]
         allowed = masks[-1].expand_as(scores) if picked is None else picked[1][:, rows]
-        return out, index_kl(tail.detach(), scores, allowed, real)
+        return out, index_kl(tail.detach(), scores, allowed, real, self.sum_heads)
 
 
 @dataclass
@@ -295,14 +296,17 @@ class _IndexInputs:
     real: torch.Tensor | None
 
 
-def index_kl(probs: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor, real: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def index_kl(probs: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor, real: torch.Tensor | None = None,
+             sum_heads: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed KL, counted queries) of the CSA indexer loss over one block of queries. probs (B, H, n, E): the main
     attention's probabilities on the E entries the queries read (no gradient); scores (B, n, E): the indexer's;
     allowed (B, n, E): the entries each query reads. Per query the target p is the heads' summed mass on its entries
     normalised over them, and its loss KL(p || softmax of the scores over the same entries). A query is counted when
-    it reads an entry (and is real: `real` (B, n))."""
+    it reads an entry (and is real: `real` (B, n)). sum_heads: tensor parallel's sum over the ranks of what each
+    rank's heads hold (`probs` has this rank's heads only)."""
     mass = probs.float().sum(dim=1).masked_fill(~allowed, 0.0)  # (B, n, E)
+    if sum_heads is not None:  # every head's mass before normalising: the same target on every rank
+        mass = sum_heads(mass)
     total = mass.sum(dim=-1, keepdim=True)
     counted = total[..., 0] > 0
     if real is not None:

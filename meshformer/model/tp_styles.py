@@ -15,7 +15,8 @@ ROWWISE = "rowwise"  # splits input features; the output is reduce-scattered ont
 # partial and is summed over the ranks (MLA's rotary key, shared by every head)
 PARTIAL_GRADIENT = "partial_gradient"
 # a module that takes its heads' share of its own parameters through its `shard_heads(ranks, rank, sum_gradient)`
-# (Gated DeltaNet), its first input all-gathered from the sequence slices
+# (Gated DeltaNet), its first input all-gathered from the sequence slices; a `sum_heads` attribute it has gets the
+# forward sum over the ranks (V4 attention's indexer loss target: every head's mass)
 HEAD_SHARD = "head_shard"
 # a module of this rank's sequence slice that reads the (whole, replicated) `token_ids` keyword: sliced alike (hash
 # routing)

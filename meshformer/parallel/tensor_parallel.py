@@ -164,12 +164,15 @@ class _HeadShard(ParallelStyle):
     """A module that takes its heads' share itself (`shard_heads`): the parameters it names split on dim 0 (whole
     heads per rank), those it keeps whole replicated with their gradients summed over the ranks in its forward.
     Its first input is all-gathered from the sequence slices to a plain tensor: the colwise linears that read it
-    all-reduce its gradient."""
+    all-reduce its gradient. A module with a `sum_heads` attribute (V4 attention: its indexer loss's target) gets
+    the sum over the ranks of a detached tensor there."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         group = device_mesh.get_group()
         split, whole = cast(_HeadSharded, module).shard_heads(
             device_mesh.size(), device_mesh.get_local_rank(), lambda t: _SumGradient.apply(t, group))
+        if hasattr(module, "sum_heads"):
+            setattr(module, "sum_heads", lambda t: _summed(t.detach(), group))  # noqa: B010 (a callable attribute)
         for name in split + whole:
             owner_path, _, pname = name.rpartition(".")
             owner = module.get_submodule(owner_path)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import math
 import os
 import sys
 import tempfile
@@ -236,10 +237,12 @@ FAMILIES["v4"] = dict(family="decoder", n_layers=4, position="none", bias=False,
 FAMILIES["qwen3next4"] = dict(FAMILIES["qwen3next"], n_layers=4, layer_types=["linear_attention", "full_attention"] * 2)
 
 
-def make_config(family: str, parallel: dict[str, Any] | None = None, **train: Any) -> Config:
+def make_config(family: str, parallel: dict[str, Any] | None = None, model_keys: dict[str, Any] | None = None,
+                **train: Any) -> Config:
+    """model_keys: [model.*] tables added to the family's (a layout's model options)."""
     model: dict[str, Any] = dict(vocab_size=VOCAB, d_model=32, max_seq_len=32, dropout=0.0,
                                  attention=dict(n_heads=4), ffn=dict(d_ff=64))
-    for key, value in FAMILIES[family].items():  # a family's [model.*] table adds to the base one
+    for key, value in [*FAMILIES[family].items(), *(model_keys or {}).items()]:  # each adds to the tables before
         model[key] = {**model.get(key, {}), **value} if isinstance(value, dict) else value
     raw = {
         "model": model,
@@ -340,11 +343,14 @@ def train_steps(plan: ParallelModel, steps: list[list[dict[str, torch.Tensor]]],
             grads0.update(gathered_grads(plan))
         return grad_norm()
 
+    index_losses: list[dict[str, tuple[float, float]]] = []
     plan.forward_backward, plan.grad_norm = counted_forward_backward, first_grads_kept  # type: ignore[method-assign]
     try:
         for micro in steps:
             local = [{k: v.chunk(dp_size)[dp_rank] for k, v in b.items()} for b in micro]
-            stats = training.step(local)
+            with summed_index_losses(plan) as index_loss:
+                stats = training.step(local)
+            index_losses.append(index_loss)
             if training.qk_clip is not None:
                 scalars = training.qk_clip.scalars()
                 qk_clip_log.append((scalars["optim/qk_clip_heads"], scalars["optim/max_attention_logit"]))
@@ -360,7 +366,63 @@ def train_steps(plan: ParallelModel, steps: list[list[dict[str, torch.Tensor]]],
     losses.append(float(sum(e[0] for e in evals)) / float(sum(e[1] for e in evals)))
     weights = gathered_tensors(plan, "weights") if optimizer in ("muon", "normuon") else {}
     return losses, grads0, norms, {"replica_all_reduces": replica_all_reduces, "float8_amax_all_reduces":
-                                   float8_amax_reduces, "weights": weights, "qk_clip": qk_clip_log}
+                                   float8_amax_reduces, "weights": weights, "qk_clip": qk_clip_log,
+                                   "index_losses": index_losses}
+
+
+@contextmanager
+def summed_index_losses(plan: ParallelModel) -> Iterator[dict[str, tuple[float, float]]]:
+    """This rank's csa indexer losses per layer over the training forwards in the block (every micro-batch and
+    pipeline microbatch; a forward recomputed in the backward not again): (summed KL, counted queries)."""
+    from meshformer.model.compressed_attention import CompressedAttention
+
+    sums: dict[str, tuple[float, float]] = {}
+
+    def kept(name: str) -> Any:
+        def hook(layer: CompressedAttention, _args: Any, _output: Any) -> None:
+            if (torch._C._current_graph_task_id() != -1 or layer._loss_sum is None or layer._loss_count is None
+                    or _in_shape_inference()):
+                return  # recomputed inside the backward, the term off, or a pipeline stage's shape inference
+            kl, count = sums.get(name, (0.0, 0.0))
+            sums[name] = (kl + float(layer._loss_sum), count + float(layer._loss_count))
+        return hook
+
+    handles = [layer.register_forward_hook(kept(name)) for name, layer in plan.named_dsa_layers
+               if isinstance(layer, CompressedAttention)]
+    try:
+        yield sums
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _in_shape_inference() -> bool:
+    """Whether a pipeline stage's shape inference runs this: a forward on the first step whose output no backward
+    reads (meshformer/parallel/pipeline/model.py `_shape_inference_uncounted`)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in ("_forward_metadata_inference", "_shape_inference"):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def index_loss_rel(ours: list[list[dict[str, tuple[float, float]]]], ref: list[dict[str, tuple[float, float]]]
+                   ) -> tuple[float | None, list[float]]:
+    """The csa indexer losses (mean KL per counted query, per layer and optimizer step) of a layout against one
+    process: `ours` holds, per tensor-parallel rank, each step's (summed KL, counted queries) per layer, summed over
+    the ranks of other tokens and stages (each tp rank's own sum: every one must equal one process's). (max relative
+    difference, the reference's means by step, then layer); None without any."""
+    names = sorted({n for step in ref for n in step})
+
+    def means(steps: list[dict[str, tuple[float, float]]]) -> list[float]:
+        return [step[n][0] / max(step[n][1], 1.0) if n in step else math.inf for step in steps for n in names]
+
+    expected = means(ref)
+    if not expected:
+        return None, []
+    worst = max(abs(a - b) / abs(b) for tp_rank in ours for a, b in zip(means(tp_rank), expected, strict=True))
+    return worst, expected
 
 
 @contextmanager
@@ -470,9 +532,10 @@ def pipeline_pieces(cfg: Config, batch: dict[str, torch.Tensor]) -> list[dict[st
     return [{k: torch.cat([s[k].tensor_split(n_mb)[m] for s in shards]) for k in batch} for m in range(n_mb)]
 
 
-def compare(cfg: Config, steps, result, family: str = "", weights: dict[str, torch.Tensor] | None = None
-            ) -> dict[str, Any]:
+def compare(cfg: Config, steps, result, family: str = "", weights: dict[str, torch.Tensor] | None = None,
+            index_losses: list[list[dict[str, tuple[float, float]]]] | None = None) -> dict[str, Any]:
     ref_losses, ref_grads, ref_norms, ref_counts = reference(cfg, steps, family)
+    index_rel, index_ref = index_loss_rel(index_losses or [], ref_counts["index_losses"])  # type: ignore[arg-type]
     ref_weights = ref_counts["weights"]
     losses, grads, norms = result
     grad_rel, checked, worst = 0.0, set(), ""
@@ -504,6 +567,12 @@ def compare(cfg: Config, steps, result, family: str = "", weights: dict[str, tor
         "reference_params": sorted(ref_grads),
         "losses": losses,
         "qk_clip_reference": ref_counts["qk_clip"],
+        # the csa indexer losses (per step and layer) and their largest difference from one process's; the largest
+        # gradient of an indexer's parameter in one process (the term reaches them)
+        "index_loss_rel": index_rel,
+        "index_loss_reference": index_ref,
+        "indexer_grad_max": max((g.abs().max().item() for n, g in ref_grads.items() if ".indexer." in n),
+                                default=0.0),
     }
 
 
@@ -514,6 +583,7 @@ def scenario(name: str) -> tuple[Config, list]:
     family, layout = name.split("/")
     parallel: dict[str, Any] = {}
     extra: dict[str, Any] = {}
+    model_keys: dict[str, Any] = {}
     for part in layout.split("-"):
         key, _, value = part.partition("=")
         if key in ("fsdp", "dp"):
@@ -562,6 +632,11 @@ def scenario(name: str) -> tuple[Config, list]:
             extra["_muon"] = key
         elif key == "qkclip":  # MuonClip at a threshold that clips some heads of the tiny models (and not others)
             extra["_qk_clip"] = float(value or QK_CLIP_THRESHOLD)
+        elif key == "indexloss":  # the csa indexers' objective at this weight (1 by default)
+            model_keys["compressed_attention"] = dict(index_loss_weight=float(value or 1.0))
+        elif key == "indexwarmup":  # its dense warm-up: only the indexers train
+            model_keys["compressed_attention"] = dict(index_loss_weight=1.0)
+            model_keys["dsa"] = dict(stage="warmup")
         elif key == "single":
             pass
         else:
@@ -571,7 +646,7 @@ def scenario(name: str) -> tuple[Config, list]:
     right_padded = extra.pop("_right_padded", False)
     muon = extra.pop("_muon", False)
     qk_clip = extra.pop("_qk_clip", None)
-    cfg = make_config(family, parallel, **extra)
+    cfg = make_config(family, parallel, model_keys, **extra)
     if muon:
         cfg.optim.name = muon
     cfg.optim.qk_clip_threshold = qk_clip
@@ -711,8 +786,19 @@ def run_scenario(name: str) -> dict[str, Any]:
         *result, counts = train_steps(plan, steps, plan.dp_rank, plan.dp_size, cfg.optim.name,
                                       cfg.optim.qk_clip_threshold)
     float8_gathers = FLOAT8_GATHERS[0] - gathers_before
+    # the csa indexer losses: each tensor-parallel rank's, summed over the ranks that hold other tokens or stages
+    index_losses: list[Any] = [None] * dist.get_world_size()
+    tp_rank = getattr(getattr(plan, "meshes", None), "tp_rank", 0)
+    dist.all_gather_object(index_losses, (tp_rank, counts.pop("index_losses")))
+    by_tp_rank: dict[int, list[dict[str, tuple[float, float]]]] = {}
+    for rank_tp, per_step in index_losses:
+        summed = by_tp_rank.setdefault(rank_tp, [{} for _ in per_step])
+        for into, step in zip(summed, per_step, strict=True):
+            for layer, (kl, count) in step.items():
+                old = into.get(layer, (0.0, 0.0))
+                into[layer] = (old[0] + kl, old[1] + count)
     with counted_orthogonalised_matrices() as ns_reference:
-        report = compare(cfg, steps, result, family, counts.pop("weights"))
+        report = compare(cfg, steps, result, family, counts.pop("weights"), list(by_tp_rank.values()))
     # Muon: matrices this rank orthogonalised (each matrix once over all ranks), and one process's count
     report["ns_matrices"] = [None] * dist.get_world_size()
     dist.all_gather_object(report["ns_matrices"], ns_matrices[0])
@@ -807,7 +893,9 @@ def main() -> None:
                   f"ns_matrices={report['ns_matrices']} of {report['ns_matrices_reference']} "
                   f"({report['worst']}) norm_rel={report['norm_rel']:.2e} checked={report['checked']} "
                   f"missing={report['missing']} group_counts={report['group_counts']} "
-                  f"graph_breaks={sum(report['graph_breaks'].values())}")
+                  f"graph_breaks={sum(report['graph_breaks'].values())}"
+                  + (f" index_loss_rel={report['index_loss_rel']:.2e} indexer_grad_max="
+                     f"{report['indexer_grad_max']:.2e}" if report["index_loss_rel"] is not None else ""))
 
 
 if __name__ == "__main__":

@@ -265,7 +265,8 @@ GRAD_TOL = {"dsa/tp-ep": 3e-5, "dsa/cp-ep": 3e-5, "dsa/tp-ep-recompute=selective
             **dict.fromkeys(["v4/tp-ep", "v4/pp", "v4/fsdp-ep", "v4/tp-fsdp-ep", "v4/pp-tp-ep",
                              "v4/pp-sched=interleaved_zb-spr=2-recompute=full", "v4/tp-ep-recompute=selective",
                              "v4/tp-ep-muon", "v4/cp", "v4/cp-fsdp", "v4/cp-ep",
-                             "v4/cp-rightpad"], 3e-5)}
+                             "v4/cp-rightpad", "v4/tp-ep-indexloss", "v4/cp-indexloss", "v4/tp-ep-indexwarmup",
+                             "v4/pp-indexloss"], 3e-5)}
 ALL_WORLD2 = WORLD2 + MIXED_PRECISION + FP8_WORLD2 + ["skip/nan"]  # skip/nan: a NaN gradient on one rank
 
 
@@ -329,6 +330,12 @@ def check(report: dict, tol: float = TOL, grad_tol: float | None = None, name: s
             f"updated weights' relative diff {report['weight_rel']}"
         # each matrix orthogonalised by one rank: the ranks' shares add up to one process's count
         assert sum(report["ns_matrices"]) == report["ns_matrices_reference"] > 0, report["ns_matrices"]
+    if {"indexloss", "indexwarmup"} & {part.partition("=")[0] for part in name.split("/")[-1].split("-")}:
+        # the csa indexers' objective: its term reaches the indexers in one process, and every tensor-parallel
+        # rank's loss (summed over the ranks of other tokens) is one process's at both steps
+        assert report["indexer_grad_max"] > 0, "the indexers got no gradient from their loss"
+        assert report["index_loss_rel"] is not None and report["index_loss_rel"] < tol, \
+            f"csa indexer loss rel diff {report['index_loss_rel']} (one process: {report['index_loss_reference']})"
     if any(part.partition("=")[0] == "qkclip" for part in name.split("/")[-1].split("-")):
         # the same heads clipped at each step as in one process (some: the threshold lies among the logits), the
         # same largest logit; the weights after both steps are compared above
@@ -349,7 +356,12 @@ def test_parity_world2(request, name):
 WORLD2_MATRIX = ["deepseek_mhc/pp", "dsa_shared/pp", "v4/pp", "v4/fsdp-ep",
                  "v4/pp-sched=interleaved_zb-spr=2-recompute=full", "v4/tp-ep-recompute=selective", "v4/tp-ep-muon",
                  # under cp with expert parallel; right-padded (each piece's padding checked)
-                 "v4/cp-ep", "v4/cp-rightpad"]
+                 "v4/cp-ep", "v4/cp-rightpad",
+                 # the csa indexers' objective (its loss per step and layer compared too): under tp + sp each rank's
+                 # heads' mass on the entries summed over the ranks before it is normalised, the replicated indexer's
+                 # gradient whole on every rank and not summed; under cp each rank's queries' share; the dense
+                 # warm-up under tp (only the indexers train); joining on each pipeline stage
+                 "v4/tp-ep-indexloss", "v4/cp-indexloss", "v4/tp-ep-indexwarmup", "v4/pp-indexloss"]
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,11 @@
 """The csa indexer's training objective (model/compressed_attention.py `index_kl`): the blockwise loss against a
 hand-written per-query reference (sparse stage and warm-up), its gradient reaching the indexer only and leaving the
-main parameters' gradients as they are, a few steps on it alone lowering it, the objective's wiring and logging,
-and the config refusals."""
+main parameters' gradients as they are, a few steps on it alone lowering it, tensor parallel's target (half the
+heads with the other half's mass summed in), the objective's wiring and logging, and the config refusals."""
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -137,11 +138,48 @@ def test_off_by_default_and_under_eval() -> None:
     assert m.term_values() == {}
 
 
-def test_refused_under_tensor_parallel() -> None:
-    m = _module()
-    m.sum_gradient = lambda t: t
-    with pytest.raises(ConfigError, match="tensor parallel splits the heads"):
-        m(torch.randn(1, T, D), torch.arange(T))
+def _head_share(m: CompressedAttention, rank: int) -> CompressedAttention:
+    """Tensor-parallel rank `rank` of 2's module (`shard_heads`), its heads' rows and groups cut as the styles do."""
+    share = copy.deepcopy(m)
+    share.shard_heads(2, rank, lambda t: t)
+    heads, groups = slice(rank * HEADS // 2, (rank + 1) * HEADS // 2), slice(rank * 8, (rank + 1) * 8)
+    with torch.no_grad():
+        share.sinks = nn.Parameter(m.sinks[heads].clone())
+        share.q_b_proj.weight = nn.Parameter(m.q_b_proj.weight.unflatten(0, (HEADS, -1))[heads].flatten(0, 1).clone())
+        share.output.o_a_proj = nn.Parameter(m.output.o_a_proj[groups].clone())
+        share.output.o_b_proj.weight = nn.Parameter(m.output.o_b_proj.weight[:, groups].clone())
+    return share
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "warmup"])
+def test_tensor_parallel_target_sums_every_heads_mass(dense: bool) -> None:
+    """A rank holding half the heads, with the other rank's mass summed in (`sum_heads`, as tensor parallel's
+    all-reduce), computes the whole module's loss and indexer gradients; without the sum it does not."""
+    x = torch.randn(2, T, D)
+
+    def loss_and_grads(m: CompressedAttention) -> tuple[float, dict[str, torch.Tensor]]:
+        (m(x, torch.arange(T)) * 0).sum().backward()  # the term alone
+        assert m._loss_sum is not None and m.indexer is not None
+        return float(m._loss_sum), {n: p.grad for n, p in m.indexer.named_parameters() if p.grad is not None}
+
+    whole, whole_grads = loss_and_grads(_module(dense))
+    other, masses = _head_share(_module(dense), 1), []
+
+    def kept(mass: torch.Tensor) -> torch.Tensor:  # rank 1's share of each query block's mass
+        masses.append(mass.clone())
+        return mass
+
+    other.sum_heads = kept
+    loss_and_grads(other)
+    share = _head_share(_module(dense), 0)
+    share.sum_heads = lambda t: t + masses.pop(0)
+    summed, grads = loss_and_grads(share)
+    assert not masses and abs(summed - whole) < 1e-6, (summed, whole)  # as the float64 reference above
+    assert grads.keys() == whole_grads.keys() and len(grads) > 0
+    for name, grad in grads.items():
+        assert (grad - whole_grads[name]).abs().max() < 1e-5 * whole_grads[name].abs().max(), name
+    alone, _ = loss_and_grads(_head_share(_module(dense), 0))  # its own heads' mass only: another target
+    assert abs(alone - whole) > 0.1 * whole, (alone, whole)
 
 
 def _model_cfg(**table: Any) -> ModelConfig:
