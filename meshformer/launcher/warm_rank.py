@@ -1,4 +1,4 @@
-"""Warm ranks: a replica group's restart hands each rank to a process whose imports are already done.
+"""A replica group's restart hands each rank to a warm rank, an interpreter whose imports are already done.
 
 A restarted group spends most of its way back into the quorum starting its ranks' interpreters: torch, torchft and
 meshformer's imports take seconds, more on a machine whose cores the surviving groups keep busy. The group's standby

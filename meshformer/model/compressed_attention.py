@@ -42,7 +42,6 @@ from meshformer.model.compressors import (
     GroupedOutputProjection,
     Indexer,
     WindowState,
-    _local,
     _spans,
     _whole,
     compress_scaling,
@@ -50,6 +49,7 @@ from meshformer.model.compressors import (
     rotate_tail,
 )
 from meshformer.model.positions import RopeScaling
+from meshformer.model.sharded import local_part
 
 if TYPE_CHECKING:
     from meshformer.model.attention import SequenceChunk
@@ -145,7 +145,7 @@ class CompressedAttention(nn.Module):
             kv = self.sum_gradient(kv)
         logits = (q @ kv[:, None].transpose(-1, -2)) * self.head_dim**-0.5
         logits = logits.masked_fill(~visible[:, None], float("-inf"))
-        sink = _local(self.sinks).to(logits.dtype).view(1, -1, 1, 1).expand(batch, -1, length, 1)
+        sink = local_part(self.sinks).to(logits.dtype).view(1, -1, 1, 1).expand(batch, -1, length, 1)
         # the sink takes its share of each softmax and contributes no value
         probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
         out = (probs @ kv[:, None]).transpose(1, 2)  # (B, T, H, hd)
@@ -263,7 +263,7 @@ class CompressedAttention(nn.Module):
                 masks.append(kept[:, None])
                 logits.append(torch.einsum("bhqd,bqkd->bhqk", q, seen) * scale)
         scores = torch.cat([lg.masked_fill(~m, float("-inf")) for lg, m in zip(logits, masks, strict=True)]
-                           + [_local(self.sinks).to(q.dtype).view(1, -1, 1, 1).expand(q.shape[0], -1, n, 1)],
+                           + [local_part(self.sinks).to(q.dtype).view(1, -1, 1, 1).expand(q.shape[0], -1, n, 1)],
                            dim=-1)
         # the sink takes its share of each softmax and contributes no value
         probs = scores.softmax(dim=-1)

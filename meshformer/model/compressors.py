@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from meshformer.errors import ConfigError
 from meshformer.model.config import CompressedAttentionConfig
 from meshformer.model.positions import RopeScaling, rope_frequencies
+from meshformer.model.sharded import local_part
 
 if TYPE_CHECKING:
     from meshformer.model.attention import SequenceChunk
@@ -33,11 +33,6 @@ def _spans(length: int, chunk: SequenceChunk | None) -> list[Span]:
     return [(0, length, 0)] if chunk is None else chunk.spans(length)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter (tensor parallel makes it a DTensor); a plain tensor as it is."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class GroupedOutputProjection(nn.Module):
     """(B, T, heads x head_dim) -> (B, T, d_model) through `groups` separate (heads x head_dim / groups) -> rank
     projections, then one (groups x rank) -> d_model projection."""
@@ -53,7 +48,7 @@ class GroupedOutputProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         grouped = x.unflatten(-1, (self.groups, -1))  # (..., G, width / G)
-        weight = _local(self.o_a_proj).unflatten(0, (self.groups, -1))  # (G, rank, width / G)
+        weight = local_part(self.o_a_proj).unflatten(0, (self.groups, -1))  # (G, rank, width / G)
         return self.o_b_proj(torch.einsum("...gi,gri->...gr", grouped, weight).flatten(-2))
 
 
@@ -117,14 +112,14 @@ class Compressor(nn.Module):
         """(B, n, head_dim) entries, normed and not yet rotated, of n whole windows' projections kv, gate
         (B, n, rate, width; gate without the slot bias). prior: the first halves (kv, gate: B, rate, head_dim) of the
         window before the first (overlap); None: there is none (those slots weigh 0)."""
-        gate = gate + _local(self.position_bias)
+        gate = gate + local_part(self.position_bias)
         if self.overlap:
             d = self.head_dim
             if prior is None:
                 first_kv = torch.zeros_like(kv[:, :1, :, :d])
                 first_gate = torch.full_like(gate[:, :1, :, :d], float("-inf"))
             else:
-                first_kv, first_gate = prior[0][:, None], (prior[1] + _local(self.position_bias)[:, :d])[:, None]
+                first_kv, first_gate = prior[0][:, None], (prior[1] + local_part(self.position_bias)[:, :d])[:, None]
             # slots: the previous window's first halves, then this window's second
             kv = torch.cat([torch.cat([first_kv, kv[:, :-1, :, :d]], 1), kv[..., d:]], 2)
             gate = torch.cat([torch.cat([first_gate, gate[:, :-1, :, :d]], 1), gate[..., d:]], 2)

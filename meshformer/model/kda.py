@@ -30,7 +30,8 @@ from torch import nn
 from meshformer.model.config import ModelConfig
 from meshformer.model.gated_delta import chunk_gated_delta_rule
 from meshformer.model.gated_delta_fla import fla_importable, fla_kda_rule
-from meshformer.model.linear_attention import GatedDeltaNet, GatedRMSNorm, HeadShard, _local, _part, head_channels
+from meshformer.model.linear_attention import GatedDeltaNet, GatedRMSNorm, HeadShard, _part, head_channels
+from meshformer.model.sharded import local_part
 
 
 class KimiDeltaAttention(GatedDeltaNet):
@@ -71,7 +72,7 @@ class KimiDeltaAttention(GatedDeltaNet):
 
     def _conv_weight(self) -> torch.Tensor:
         """[q | k | v] taps of this rank's heads: each convolution holds its own channels (head-major)."""
-        return torch.cat([_local(c.weight) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]).squeeze(1)
+        return torch.cat([local_part(c.weight) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]).squeeze(1)
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The projections of x (B, T, D): [q | k | v] (B, T, channels), the output gate (B, T, H, Dv), b (B, T, H)

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from meshformer.model.attention import SequenceChunk
 from meshformer.model.config import ModelConfig
 from meshformer.model.gated_delta import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule
 from meshformer.model.gated_delta_fla import fla_gated_delta_rule, fla_importable
+from meshformer.model.sharded import local_part
 
 
 @dataclass
@@ -71,14 +71,9 @@ def head_channels(key_heads: int, key_head_dim: int, value_heads: int, value_hea
     return torch.cat([keys, key_dim + keys, 2 * key_dim + values])
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter (tensor parallel makes it a DTensor); a plain tensor as it is."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _part(t: torch.Tensor, part: tuple[int, int] | None) -> torch.Tensor:
     """This rank's part of a head-major parameter; under Ulysses (part: (index, count)) its index-th run of heads."""
-    t = _local(t)
+    t = local_part(t)
     return t if part is None else t.view(part[1], -1)[part[0]]
 
 
@@ -232,7 +227,7 @@ class GatedDeltaNet(nn.Module):
 
     def _whole(self, weight: torch.Tensor) -> torch.Tensor:
         """A weight every rank holds whole, as this module reads it (its gradient summed over the ranks)."""
-        weight = _local(weight)
+        weight = local_part(weight)
         return weight if self.head_shard is None else self.head_shard.sum_gradient(weight)
 
     def _channels(self, weight: torch.Tensor) -> torch.Tensor:
@@ -243,7 +238,7 @@ class GatedDeltaNet(nn.Module):
     def _conv_weight(self) -> torch.Tensor:
         """The depthwise convolution's (channels, width) taps over this module's heads' [q | k | v] channels."""
         if self.separate_projections:
-            taps = torch.cat([_local(c.weight) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+            taps = torch.cat([local_part(c.weight) for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
             return self._channels(taps).squeeze(1)
         return self._channels(self.conv1d.weight).squeeze(1)
 

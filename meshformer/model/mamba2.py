@@ -31,8 +31,9 @@ from torch import nn
 from meshformer.model.attention import SequenceChunk
 from meshformer.model.config import ModelConfig
 from meshformer.model.gated_delta import causal_conv1d
-from meshformer.model.linear_attention import HeadShard, LinearCache, PieceExchange, _local, _part
+from meshformer.model.linear_attention import HeadShard, LinearCache, PieceExchange, _part
 from meshformer.model.mamba2_kernels import kernel_conv1d, kernel_scan, mamba_importable
+from meshformer.model.sharded import local_part
 from meshformer.model.ssd import chunk_ssd, recurrent_ssd
 
 
@@ -98,7 +99,7 @@ class Mamba2(nn.Module):
         without tensor parallel."""
         if self.head_shard is None or rows is None:
             return weight
-        return self.head_shard.sum_gradient(_local(weight))[rows.to(weight.device)]
+        return self.head_shard.sum_gradient(local_part(weight))[rows.to(weight.device)]
 
     def forward(self, x: torch.Tensor, mask: object = None, *, rope: object = None, bias: object = None,
                 cache: LinearCache | None = None, chunk: object = None, padding: torch.Tensor | None = None,
@@ -124,15 +125,15 @@ class Mamba2(nn.Module):
                 raise ValueError("mamba2 blocks generate on one device; set parallel.cp=1 to generate")
             if not chunk.ulysses:
                 y, xs = self._forward_pieces(xbc, dt, weight, conv_bias, keep, chunk, documents)
-                y = y + xs * _local(self.D).to(xs.dtype)[:, None]
-                return self.out_proj(self.norm(y.reshape(batch, length, inner), z, _local(self.norm.weight)))
+                y = y + xs * local_part(self.D).to(xs.dtype)[:, None]
+                return self.out_proj(self.norm(y.reshape(batch, length, inner), z, local_part(self.norm.weight)))
             xbc, dt, keep, weight, conv_bias = self._to_heads(xbc, dt, keep, weight, conv_bias, chunk)
             part = (chunk.index, chunk.count)
         y = self._mix(xbc, dt, weight, conv_bias, keep, cache, documents, part)
         if part is not None:  # back to this rank's pieces of every head, for the gate z that never moved
             assert isinstance(chunk, SequenceChunk)
             y = chunk.to_sequence(y.transpose(1, 2)).transpose(1, 2)
-        return self.out_proj(self.norm(y.reshape(batch, length, inner), z, _local(self.norm.weight)))
+        return self.out_proj(self.norm(y.reshape(batch, length, inner), z, local_part(self.norm.weight)))
 
     def _mix(self, xbc: torch.Tensor, dt: torch.Tensor, weight: torch.Tensor, conv_bias: torch.Tensor | None,
              keep: torch.Tensor | None, cache: LinearCache | None, documents: torch.Tensor | None,

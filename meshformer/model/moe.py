@@ -21,10 +21,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from meshformer.loss.layer_terms import LayerTerms
 from meshformer.model.config import ModelConfig
+from meshformer.model.sharded import local_part
 
 BACKENDS = ("loop", "padded", "grouped_mm")
 
@@ -232,11 +232,6 @@ class Router(nn.Module):
             return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
 
 
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    """This rank's experts of a stacked weight: expert parallelism shards dim 0 as a distributed tensor."""
-    return weight.to_local() if isinstance(weight, DTensor) else weight
-
-
 class ExpertExchange(Protocol):
     """Expert parallelism (meshformer/parallel/expert_parallel.py): sends each expert's rows to the rank holding the
     expert, runs `compute` there on the rows sorted by local expert, and brings the results back in the rows' order."""
@@ -291,12 +286,12 @@ class Experts(nn.Module):
     def _compute(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The rows of this module's (local) experts."""
         dtype = xs.dtype  # under autocast the routed rows are cast once; the weights follow them
-        gate = None if self.gate_proj is None else _local(self.gate_proj).to(dtype)
-        up, down = _local(self.up_proj).to(dtype), _local(self.down_proj).to(dtype)
+        gate = None if self.gate_proj is None else local_part(self.gate_proj).to(dtype)
+        up, down = local_part(self.up_proj).to(dtype), local_part(self.down_proj).to(dtype)
         biases: Biases = None
         if self.up_bias is not None and self.down_bias is not None:
-            biases = (None if self.gate_bias is None else _local(self.gate_bias).to(dtype),
-                      _local(self.up_bias).to(dtype), _local(self.down_bias).to(dtype))
+            biases = (None if self.gate_bias is None else local_part(self.gate_bias).to(dtype),
+                      local_part(self.up_bias).to(dtype), local_part(self.down_bias).to(dtype))
         return COMPUTE[resolve_backend(self.backend, xs)](xs, counts, gate, up, down, self.act, biases)
 
 
