@@ -81,24 +81,26 @@ def profile(args: argparse.Namespace, folder: Path) -> dict[str, float | None]:
     before = [r["time"] for r in _records(run_dir, 0) if r["time"] <= killed]
     step_s = (before[-1] - before[-4]) / 3 if len(before) >= 4 else float("nan")
     back = min(r["time"] for r in _records(run_dir, 1) if r["time"] > killed)
-    last = "rank1 "  # the killed group's ranks (rank role, replica 1)
+    # the process that trains as the killed group's last rank after the kill: a new interpreter, or a warm rank whose
+    # creation and imports came before the kill (negative times below)
+    started = _first(lines, killed, "rank1 Trainer.__init__ start")
+    pid = next((line.split()[2] for at, line in lines if at == started and line.startswith("TRACE ")), "?")
+    rank = f"{pid} rank1 "
     events = {
         "launcher notices the exit": _first(lines, killed, "replica group 1 exited with status"),
-        "agent process created": _first(lines, killed, "agent1 process created"),
-        "agent: torch.distributed.run imported": _first(lines, killed, "agent1 import torch.distributed.run end"),
-        "rank process created": _first(lines, killed, last + "process created"),
-        "rank: interpreter up": _first(lines, killed, last + "interpreter up"),
-        "rank: torch imported": _first(lines, killed, last + "import torch end"),
-        "rank: trainer module imported": _first(lines, killed, last + "import meshformer.train.trainer end"),
-        "rank: Trainer set-up starts": _first(lines, killed, last + "Trainer.__init__ start"),
-        "rank: process group created": _first(lines, killed, last + "init_process_group end"),
-        "rank: Trainer set-up done": _first(lines, killed, last + "Trainer.__init__ end"),
-        "rank: restore_state (checkpoint) done": _first(lines, killed, last + "restore_state end"),
-        "rank: torchft imported": _first(lines, killed, last + "import torchft end"),
-        "rank: ReplicaGroup made": _first(lines, killed, last + "ReplicaGroup.__init__ end"),
-        "rank: heal starts": _first(lines, killed, last + "load_live_state start"),
-        "rank: heal done": _first(lines, killed, last + "load_live_state end"),
-        "rank: first quorum (with the heal)": _first(lines, killed, last + "ReplicaGroup.start_step_or_wait end"),
+        "rank process created": _first(lines, 0.0, rank + "process created"),
+        "rank: interpreter up": _first(lines, 0.0, rank + "interpreter up"),
+        "rank: torch imported": _first(lines, 0.0, rank + "import torch end"),
+        "rank: trainer module imported": _first(lines, 0.0, rank + "import meshformer.train.trainer end"),
+        "rank: Trainer set-up starts": started,
+        "rank: process group created": _first(lines, killed, rank + "init_process_group end"),
+        "rank: Trainer set-up done": _first(lines, killed, rank + "Trainer.__init__ end"),
+        "rank: restore_state (checkpoint) done": _first(lines, killed, rank + "restore_state end"),
+        "rank: torchft imported": _first(lines, 0.0, rank + "import torchft end"),
+        "rank: ReplicaGroup made": _first(lines, killed, rank + "ReplicaGroup.__init__ end"),
+        "rank: heal starts": _first(lines, killed, rank + "load_live_state start"),
+        "rank: heal done": _first(lines, killed, rank + "load_live_state end"),
+        "rank: first quorum (with the heal)": _first(lines, killed, rank + "ReplicaGroup.start_step_or_wait end"),
         "killed group's first step committed": back,
         "survivors' next step committed": survivor[0]["time"] if survivor else None,
         "survivors' first step with the group back": next(

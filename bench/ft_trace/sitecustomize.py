@@ -20,7 +20,7 @@ def _role() -> str:
     argv = " ".join(sys.argv) + " " + " ".join(getattr(sys, "orig_argv", []))
     if "meshformer.launcher.torchrun" in argv:
         return "agent"
-    if "meshformer.train" in argv:
+    if "meshformer.train" in argv or "meshformer.launcher.warm_rank" in argv:  # a warm rank becomes a rank
         return "rank"
     return "launcher"
 
