@@ -628,6 +628,8 @@ def scenario(name: str) -> tuple[Config, list]:
             extra["_padded"] = True
         elif key == "rightpad":  # causal batches right-padded: an attention mask False on each sequence's tail
             extra["_right_padded"] = True
+        elif key == "packed":  # model.attention.document_mask: the batches carry packed documents (doc_ids)
+            model_keys["attention"] = {"document_mask": True}
         elif key in ("muon", "normuon"):  # optim.name: Muon/NorMuon for the blocks' matrices (the reference alike)
             extra["_muon"] = key
         elif key == "qkclip":  # MuonClip at a threshold that clips some heads of the tiny models (and not others)
