@@ -276,13 +276,15 @@ class CompressedAttention(nn.Module):
         logits = [(q @ keys[:, None].transpose(-1, -2)) * scale]
         seen: torch.Tensor | None = None
         if entries is not None and self.compressor is not None:
-            if picked is None and (doc is None or doc.windows is None or run_q is None):
+            windows = None if doc is None else doc.windows
+            if picked is None and (windows is None or run_q is None):
                 # HCA: every entry the block's last query may see
                 seen = entries[:, :(first + n) // self.compressor.rate]
                 masks.append(self.compressor.visible(pos, seen.shape[1]))
                 logits.append((q @ seen[:, None].transpose(-1, -2)) * scale)
             elif picked is None:  # HCA over runs: the slots ending by the block's last query, of each query's run
-                ends, run_e = doc.windows.ends, doc.windows.run
+                assert windows is not None and run_q is not None
+                ends, run_e = windows.ends, windows.run
                 count = int((ends <= first + n - 1).sum(1).max())  # each row's slots are in sequence order
                 seen = entries[:, :count]
                 masks.append(((run_e[:, None, :count] == run_q[:, :, None])
@@ -454,8 +456,9 @@ class V4Attention(CompressedAttention):
     """`CompressedAttention` called as a block's token mixer (`module(x, mask, rope=..., cache=..., ...)`): it
     rotates with its own tables from the tokens' positions, 0, 1, ... from each row's first real token and from
     each packed document's start. A left-padded or packed row is read as its runs of real tokens of one document,
-    each computed as if alone (its compression windows start with it); right padding is read in place (a causal
-    query never reads the pads after it)."""
+    each computed as if alone (its compression windows start with it), under context parallel too (`_Runs`: the
+    runs read from the whole sequence's padding and documents); right padding is read in place (a causal query
+    never reads the pads after it)."""
 
     def forward(self, x: torch.Tensor, mask: Any = None, *, rope: Any = None, bias: Any = None,  # type: ignore[override]
                 cache: V4Cache | None = None, chunk: Any = None, padding: torch.Tensor | None = None,

@@ -8,11 +8,13 @@ The blocks rotate their own queries and keys (model.position = "none") from each
 from its first real token and from each packed document's start. Tensor parallel splits the query heads (q_b_proj
 colwise, the sinks with their heads) and the grouped output projection by its groups (o_a's groups with their
 heads, o_b rowwise); the query latent, the one key/value head, the compressors and the indexer run whole on every
-rank (`CompressedAttention.shard_heads`). Context parallel (the all-gather method, right-padded rows of one
-document) keeps each rank's queries and all-gathers the one key/value head, the compressed entries and the
-indexer's keys (each piece of a sequence must hold whole compression windows: data.seq_len a multiple of 2 x cp x
-the rate). The generation cache keeps the last window - 1 keys and each compressor's unfinished window and finished
-entries (CSA: the indexer's too), so a step reads the window and the entries, not the prefix.
+rank (`CompressedAttention.shard_heads`). Context parallel (the all-gather method) keeps each rank's queries and
+all-gathers the one key/value head, the compressed entries and the indexer's keys (each piece of a sequence must
+hold whole compression windows: data.seq_len a multiple of 2 x cp x the rate); over left-padded or packed rows it
+all-gathers the compressors' per-token projections instead and pools each run's windows over the whole sequence,
+each query reading its own run's keys and entries. The generation cache keeps the last window - 1 keys and each
+compressor's unfinished window and finished entries (CSA: the indexer's too), so a step reads the window and the
+entries, not the prefix.
 """
 
 from __future__ import annotations
