@@ -210,6 +210,9 @@ class CompressedAttention(nn.Module):
         picked, learn = None, None
         if self.indexer is not None and entries is not None and entries.shape[1]:
             if self.learns_index():
+                if chunk is not None and chunk.ulysses:
+                    raise ConfigError("the csa indexer loss reads every head's attention, but Ulysses splits the "
+                                      "heads over the cp ranks", 'use parallel.cp_method = "allgather"')
                 # the indexer learns from its own loss only: its inputs leave the model's graph
                 x_in, latent_in = x.detach(), latent.detach()
                 learn = _IndexInputs(x_in, latent_in, entries_of(self.indexer, x_in), real)
@@ -222,10 +225,22 @@ class CompressedAttention(nn.Module):
                         picked = self.indexer.run_chosen(x, latent, rot, runs.run[:, positions], keys,
                                                          windows.counts, windows.first)
         doc = None if runs is None else _RunView(runs, windows, rot)
-        blocks = [self._attend_block(q[:, :, start:start + n], kv, entries, picked, s, start, n, at, learn, doc)
+        heads = None
+        if chunk is not None and chunk.ulysses:  # this rank's heads over the whole sequence, as one piece
+            q = chunk.to_heads(q)
+            heads = slice(chunk.index * q.shape[1], (chunk.index + 1) * q.shape[1])
+            spans = [(0, q.shape[2], 0)]
+            if picked is not None:  # every query's picks (they are the same for every head)
+                both = _whole(torch.cat([picked[0], picked[1].long()], dim=-1), chunk)
+                picked = both[..., :picked[0].shape[-1]], both[..., picked[0].shape[-1]:].bool()
+        blocks = [self._attend_block(q[:, :, start:start + n], kv, entries, picked, s, start, n, at, learn, doc,
+                                     heads)
                   for s, length, at in spans
                   for start, n in self._blocks(s, length)]
-        out = torch.cat([o for o, _ in blocks], dim=2).transpose(1, 2)  # (B, T, H, hd)
+        out = torch.cat([o for o, _ in blocks], dim=2)
+        if chunk is not None and chunk.ulysses:
+            out = chunk.to_sequence(out)  # back to this rank's pieces of every head
+        out = out.transpose(1, 2)  # (B, T, H, hd)
         # keys are the values, so a value's rotary slice carries its key's angle: turn it back by the query's
         out = rotate_tail(out, cos.unsqueeze(-2), -sin.unsqueeze(-2))
         out = self.output(out.flatten(-2))
@@ -255,12 +270,13 @@ class CompressedAttention(nn.Module):
 
     def _attend_block(self, q: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | None,
                       picked: tuple[torch.Tensor, torch.Tensor] | None, span_start: int, start: int, n: int, at: int,
-                      learn: _IndexInputs | None = None, doc: _RunView | None = None
+                      learn: _IndexInputs | None = None, doc: _RunView | None = None, heads: slice | None = None
                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """The outputs (B, H, n, hd) of queries q (B, H, n, hd) at sequence positions at + (start - span_start)
         onward, against the whole sequence's keys kv (B, T, hd) and entries (B, W, hd); with `learn`, the indexer
         loss of the block's queries (summed KL, counted queries). doc: the batch's runs (each query reads its own
-        run's keys and entries only; entries are slots of its row's, `_Windows`)."""
+        run's keys and entries only; entries are slots of its row's, `_Windows`). heads: which of the module's heads
+        q holds (Ulysses: their sinks)."""
         first = at + start - span_start
         pos = torch.arange(first, first + n, device=q.device)
         low = max(0, first - self.window + 1)
@@ -296,7 +312,8 @@ class CompressedAttention(nn.Module):
                 masks.append(kept[:, None])
                 logits.append(torch.einsum("bhqd,bqkd->bhqk", q, seen) * scale)
         scores = torch.cat([lg.masked_fill(~m, float("-inf")) for lg, m in zip(logits, masks, strict=True)]
-                           + [local_part(self.sinks).to(q.dtype).view(1, -1, 1, 1).expand(q.shape[0], -1, n, 1)],
+                           + [local_part(self.sinks)[heads or slice(None)].to(q.dtype).view(1, -1, 1, 1).expand(
+                               q.shape[0], -1, n, 1)],
                            dim=-1)
         # the sink takes its share of each softmax and contributes no value
         probs = scores.softmax(dim=-1)
@@ -472,9 +489,6 @@ class V4Attention(CompressedAttention):
         # right padding is read in place: its pads are queries the indexer loss does not count
         real = padding if padding is not None and padding.shape[:2] == x.shape[:2] else None
         if chunk is not None:
-            if chunk.ulysses:
-                raise ConfigError("DeepSeek-V4 attention blocks do not run under Ulysses context parallel",
-                                  'use parallel.cp_method = "allgather"')
             places = chunk.positions(x.shape[1], x.device)
             if packed or not right_padded:  # this rank's pieces hold parts of runs that start elsewhere
                 return super().forward(x, places, chunk=chunk, runs=_Runs(padding, documents))

@@ -266,7 +266,7 @@ GRAD_TOL = {"dsa/tp-ep": 3e-5, "dsa/cp-ep": 3e-5, "dsa/tp-ep-recompute=selective
                              "v4/pp-sched=interleaved_zb-spr=2-recompute=full", "v4/tp-ep-recompute=selective",
                              "v4/tp-ep-muon", "v4/cp", "v4/cp-fsdp", "v4/cp-ep",
                              "v4/cp-rightpad", "v4/tp-ep-indexloss", "v4/cp-indexloss", "v4/tp-ep-indexwarmup",
-                             "v4/pp-indexloss", "v4/cp-packed"], 3e-5)}
+                             "v4/pp-indexloss", "v4/cp-packed", "v4/cp-ulysses", "v4/cp-ulysses-packed"], 3e-5)}
 ALL_WORLD2 = WORLD2 + MIXED_PRECISION + FP8_WORLD2 + ["skip/nan"]  # skip/nan: a NaN gradient on one rank
 
 
@@ -364,7 +364,10 @@ WORLD2_MATRIX = ["deepseek_mhc/pp", "dsa_shared/pp", "v4/pp", "v4/fsdp-ep",
                  "v4/tp-ep-indexloss", "v4/cp-indexloss", "v4/tp-ep-indexwarmup", "v4/pp-indexloss",
                  # packed documents (runs over the whole sequence: entries pooled per document, each query reading
                  # its own)
-                 "v4/cp-packed"]
+                 "v4/cp-packed",
+                 # Ulysses: the query heads split over cp (sinks with them), the key/value head, the entries and the
+                 # indexer's picks all-gathered; and over packed documents
+                 "v4/cp-ulysses", "v4/cp-ulysses-packed"]
 
 
 @pytest.fixture(scope="module")

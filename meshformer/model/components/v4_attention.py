@@ -103,8 +103,13 @@ class V4AttentionKind(TokenMixer):
         return 1 if rate is None else rate
 
     def ulysses(self, cfg: ModelConfig, cp: int, tp: int) -> str | None:
-        return ("DeepSeek-V4 attention's one key/value head and compressed entries are all-gathered, not split by "
-                'heads; use parallel.cp_method = "allgather"')
+        # the query heads split over cp; the one key/value head, the entries and the indexer's picks all-gathered
+        local = cfg.attention.n_heads // tp
+        if local % cp:
+            return (f"parallel.cp_method='ulysses' splits each rank's {local} attention heads (n_heads="
+                    f"{cfg.attention.n_heads} / tp={tp}) over cp={cp}, which does not divide them; choose cp (and tp) "
+                    "so that cp x tp divides n_heads, or use parallel.cp_method='allgather'")
+        return None
 
     def tp_rules(self, cfg: ModelConfig) -> Mapping[str, str]:
         # the module takes its heads' sinks and output groups itself and gathers its input from the sequence slices
@@ -337,6 +342,12 @@ class CompressedSparseKind(V4AttentionKind):
                               "(model.compressed_attention.index_loss_weight = 0)",
                               'set model.compressed_attention.index_loss_weight > 0 (e.g. 1.0), or model.dsa.stage = '
                               '"sparse"')
+
+    def ulysses(self, cfg: ModelConfig, cp: int, tp: int) -> str | None:
+        if cfg.compressed_attention.index_loss_weight > 0:
+            return ("the csa indexer loss reads every head's attention, which Ulysses splits over the cp ranks; set "
+                    "model.compressed_attention.index_loss_weight = 0 or use parallel.cp_method='allgather'")
+        return super().ulysses(cfg, cp, tp)
 
     def trains_only(self, cfg: ModelConfig) -> str | None:
         # the indexer's warm-up: dense attention over every visible entry, only the indexers learn

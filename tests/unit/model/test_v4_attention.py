@@ -249,11 +249,14 @@ def _runs_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("ulysses", [False, True])
 @pytest.mark.parametrize("block", ["0", "1", "2"])
-def test_context_parallel_packed_and_left_padded_rows_equal_one_process(block: str, monkeypatch) -> None:
-    """2 and 4 threaded ranks (pieces of 8 and 4 tokens), with query blocks of 32 and of 3, against one process's
-    runs (each document's real tokens alone): 1e-6; a pad's output stays 0. Without the documents the outputs
-    differ (the runs do cut)."""
+def test_context_parallel_packed_and_left_padded_rows_equal_one_process(block: str, ulysses: bool,
+                                                                        monkeypatch) -> None:
+    """2 and 4 threaded ranks (pieces of 8 and 4 tokens; the all-gather method, or Ulysses: 2 and 1 of the 4 query
+    heads a rank), with query blocks of 32 and of 3, against one process's runs (each document's real tokens
+    alone), and under Ulysses also rows of one document each, against one process: 1e-6; a pad's output stays 0.
+    Without the documents the outputs differ (the runs do cut)."""
     from helpers.allgather_threads import in_order, pieces, run_ranks
 
     from meshformer.model.compressed_attention import CompressedAttention
@@ -262,9 +265,10 @@ def test_context_parallel_packed_and_left_padded_rows_equal_one_process(block: s
     x, padding, documents = _runs_batch()
     whole = mixer(x, None, padding=padding, documents=documents)
 
-    def ranks(count: int, docs: torch.Tensor | None = documents) -> torch.Tensor:
-        return in_order(run_ranks(count, lambda c: mixer(pieces(x, c), None, chunk=c, padding=padding,
-                                                         documents=docs)))
+    def ranks(count: int, docs: torch.Tensor | None = documents, pads: torch.Tensor | None = padding
+              ) -> torch.Tensor:
+        return in_order(run_ranks(count, lambda c: mixer(pieces(x, c), None, chunk=c, padding=pads, documents=docs),
+                                  ulysses=ulysses))
 
     for query_block in (32, 3):
         monkeypatch.setattr(CompressedAttention, "query_block", query_block)
@@ -272,6 +276,8 @@ def test_context_parallel_packed_and_left_padded_rows_equal_one_process(block: s
             out = ranks(count)
             torch.testing.assert_close(out, whole, rtol=0, atol=1e-6)
             assert not out[~padding].any()
+            if ulysses:
+                torch.testing.assert_close(ranks(count, None, None), mixer(x, None), rtol=0, atol=1e-6)
     assert (ranks(2, None) - whole)[0].abs().max() > 1e-3
 
 
@@ -348,11 +354,15 @@ def test_tensor_parallel_splits_whole_output_groups(tp: int, groups: int, messag
     (["data.seq_len=96", "model.max_seq_len=128"],
      "hca blocks need each of the 4 sequence pieces to hold a multiple of 16 tokens, but data.seq_len=96 gives "
      "pieces of 24; choose a data.seq_len that is a multiple of 2 x cp x 16 = 64"),
-    (['parallel.cp_method="ulysses"'], 'are all-gathered, not split by heads; use parallel.cp_method = "allgather"'),
+    (['parallel.cp_method="ulysses"', "model.attention.n_heads=3"],
+     "parallel.cp_method='ulysses' splits each rank's 3 attention heads (n_heads=3 / tp=1) over cp=2"),
+    (['parallel.cp_method="ulysses"', "model.compressed_attention.index_loss_weight=1.0"],
+     "the csa indexer loss reads every head's attention, which Ulysses splits over the cp ranks"),
 ])
 def test_context_parallel_refusals(overrides: list[str], message: str) -> None:
-    """Context parallel runs the V4 kinds (and hash routing) with the all-gather method on pieces of whole
-    compression windows; a piece cutting a window, or Ulysses, is refused in one line at configuration."""
+    """Context parallel runs the V4 kinds (and hash routing) on pieces of whole compression windows, with the
+    all-gather method or Ulysses (query heads split over cp); a piece cutting a window, heads cp does not split, or
+    the csa indexer's objective under Ulysses, is refused in one line at configuration."""
     from meshformer.config import load_config
     from meshformer.parallel_dims import ParallelDims, check_context_parallel
 
@@ -361,6 +371,7 @@ def test_context_parallel_refusals(overrides: list[str], message: str) -> None:
         check_context_parallel(cfg, ParallelDims.from_config(cfg.parallel, 2))
 
     check([])  # 128 tokens: pieces of 32, whole windows of 16 and 4
+    check(['parallel.cp_method="ulysses"'])  # 4 heads: 2 a rank
     with pytest.raises(ConfigError, match="parallel.cp=2") as refused:
         check(overrides)
     assert message in str(refused.value)
