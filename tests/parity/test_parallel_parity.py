@@ -266,7 +266,8 @@ GRAD_TOL = {"dsa/tp-ep": 3e-5, "dsa/cp-ep": 3e-5, "dsa/tp-ep-recompute=selective
                              "v4/pp-sched=interleaved_zb-spr=2-recompute=full", "v4/tp-ep-recompute=selective",
                              "v4/tp-ep-muon", "v4/cp", "v4/cp-fsdp", "v4/cp-ep",
                              "v4/cp-rightpad", "v4/tp-ep-indexloss", "v4/cp-indexloss", "v4/tp-ep-indexwarmup",
-                             "v4/pp-indexloss", "v4/cp-packed", "v4/cp-ulysses", "v4/cp-ulysses-packed"], 3e-5)}
+                             "v4/pp-indexloss", "v4/cp-packed", "v4/cp-ulysses", "v4/cp-ulysses-packed",
+                             "v4/cp-tp-ep=4-ulysses"], 3e-5)}
 ALL_WORLD2 = WORLD2 + MIXED_PRECISION + FP8_WORLD2 + ["skip/nan"]  # skip/nan: a NaN gradient on one rank
 
 
@@ -390,8 +391,8 @@ def test_parity_world4(world4, name):
 
 # The V4-like model with two axes: tp x FSDP (the split heads' and output groups' shards, the whole key/value head's
 # and mHC's weights sharded by FSDP), pp x tp (each stage's heads split, its mHC streams on sequence slices) and
-# cp with FSDP sharding parameters over dp_shard x cp
-V4_MATRIX_WORLD4 = ["v4/tp-fsdp-ep", "v4/pp-tp-ep", "v4/cp-fsdp"]
+# cp with FSDP sharding parameters over dp_shard x cp; Ulysses under tp (each rank's heads split again: one a rank)
+V4_MATRIX_WORLD4 = ["v4/tp-fsdp-ep", "v4/pp-tp-ep", "v4/cp-fsdp", "v4/cp-tp-ep=4-ulysses"]
 
 
 @pytest.fixture(scope="module")
