@@ -480,14 +480,18 @@ class V4Attention(CompressedAttention):
     def forward(self, x: torch.Tensor, mask: Any = None, *, rope: Any = None, bias: Any = None,  # type: ignore[override]
                 cache: V4Cache | None = None, chunk: Any = None, padding: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
+        """padding: (B, T) of x's tokens (under context parallel this rank's pieces'); documents: (B, T) of the
+        whole sequence."""
+        # right padding is read in place: its pads are queries the indexer loss does not count
+        real = padding if padding is not None and padding.shape[:2] == x.shape[:2] else None
+        if chunk is not None and padding is not None:  # every rank decides on, and reads runs from, the whole rows
+            padding = _whole(padding[..., None].long(), chunk)[..., 0].bool()
         if padding is not None and bool((padding[:, 1:] & ~padding[:, :-1]).sum(1).gt(1 - padding[:, 0].long()).any()):
             raise ConfigError("DeepSeek-V4 attention blocks read pads at a row's start or end, but a row has pads "
                               "between its tokens", "pad rows on the left or the right only")
         packed = documents is not None and bool((documents != documents[:, :1]).any())
         right_padded = padding is None or bool((padding == padding.cummin(dim=1).values).all())
         self.start_forward()
-        # right padding is read in place: its pads are queries the indexer loss does not count
-        real = padding if padding is not None and padding.shape[:2] == x.shape[:2] else None
         if chunk is not None:
             places = chunk.positions(x.shape[1], x.device)
             if packed or not right_padded:  # this rank's pieces hold parts of runs that start elsewhere

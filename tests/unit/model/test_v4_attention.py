@@ -253,10 +253,11 @@ def _runs_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("block", ["0", "1", "2"])
 def test_context_parallel_packed_and_left_padded_rows_equal_one_process(block: str, ulysses: bool,
                                                                         monkeypatch) -> None:
-    """2 and 4 threaded ranks (pieces of 8 and 4 tokens; the all-gather method, or Ulysses: 2 and 1 of the 4 query
-    heads a rank), with query blocks of 32 and of 3, against one process's runs (each document's real tokens
-    alone), and under Ulysses also rows of one document each, against one process: 1e-6; a pad's output stays 0.
-    Without the documents the outputs differ (the runs do cut)."""
+    """2 and 4 threaded ranks (pieces of 8 and 4 tokens, each with its pieces' padding and the whole documents, as
+    the model hands them; the all-gather method, or Ulysses: 2 and 1 of the 4 query heads a rank), with query blocks
+    of 32 and of 3, against one process's runs (each document's real tokens alone), and under Ulysses also rows of
+    one document each, against one process: 1e-6; a pad's output stays 0. Without the documents the outputs differ
+    (the runs do cut)."""
     from helpers.allgather_threads import in_order, pieces, run_ranks
 
     from meshformer.model.compressed_attention import CompressedAttention
@@ -267,7 +268,8 @@ def test_context_parallel_packed_and_left_padded_rows_equal_one_process(block: s
 
     def ranks(count: int, docs: torch.Tensor | None = documents, pads: torch.Tensor | None = padding
               ) -> torch.Tensor:
-        return in_order(run_ranks(count, lambda c: mixer(pieces(x, c), None, chunk=c, padding=pads, documents=docs),
+        return in_order(run_ranks(count, lambda c: mixer(pieces(x, c), None, chunk=c, documents=docs,
+                                                         padding=None if pads is None else pieces(pads, c)),
                                   ulysses=ulysses))
 
     for query_block in (32, 3):
