@@ -71,7 +71,8 @@ class CompressedAttention(nn.Module):
     (CSA: the indexer's picks, gathered), so the scores kept for backward grow as T x (window + entries), never T x T
     (a generation cache's prefill, `keep`, runs the whole sequence at once). Under context parallel each rank's
     queries read the all-gathered key/value head (T x head_dim a layer) and entries (T / rate); every position is
-    the token's own in the sequence."""
+    the token's own in the sequence (over `runs`, its place in its run). Under Ulysses the queries go to this rank's
+    heads over the whole sequence and back; the key/value head, the entries and CSA's picks are all-gathered alike."""
 
     query_block = QUERY_BLOCK
 

@@ -12,7 +12,8 @@ rank (`CompressedAttention.shard_heads`). Context parallel (the all-gather metho
 all-gathers the one key/value head, the compressed entries and the indexer's keys (each piece of a sequence must
 hold whole compression windows: data.seq_len a multiple of 2 x cp x the rate); over left-padded or packed rows it
 all-gathers the compressors' per-token projections instead and pools each run's windows over the whole sequence,
-each query reading its own run's keys and entries. The generation cache keeps the last window - 1 keys and each
+each query reading its own run's keys and entries. Ulysses splits only the query heads over cp (all-to-all), the
+key/value head, entries and picks gathered as above. The generation cache keeps the last window - 1 keys and each
 compressor's unfinished window and finished entries (CSA: the indexer's too), so a step reads the window and the
 entries, not the prefix.
 """
