@@ -71,7 +71,8 @@ class CompressedAttention(nn.Module):
     (CSA: the indexer's picks, gathered), so the scores kept for backward grow as T x (window + entries), never T x T
     (a generation cache's prefill, `keep`, runs the whole sequence at once). Under context parallel each rank's
     queries read the all-gathered key/value head (T x head_dim a layer) and entries (T / rate); every position is
-    the token's own in the sequence."""
+    the token's own in the sequence (over `runs`, its place in its run). Under Ulysses the queries go to this rank's
+    heads over the whole sequence and back; the key/value head, the entries and CSA's picks are all-gathered alike."""
 
     query_block = QUERY_BLOCK
 
@@ -154,12 +155,15 @@ class CompressedAttention(nn.Module):
         return self.output(out.flatten(-2))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, keep: dict[str, Any] | None = None, *,
-                chunk: SequenceChunk | None = None, real: torch.Tensor | None = None) -> torch.Tensor:
+                chunk: SequenceChunk | None = None, real: torch.Tensor | None = None,
+                runs: _Runs | None = None) -> torch.Tensor:
         """positions: (T,) the tokens' positions in the sequence (0, 1, ...; under context parallel `chunk`'s
         pieces). keep: filled with the keys and the compressor's and indexer's projections and entries, for a
-        generation cache to start from. real: (B, T) the queries the indexer loss counts (None: every one)."""
+        generation cache to start from. real: (B, T) the queries the indexer loss counts (None: every one).
+        runs: the whole sequence's runs of one document's real tokens (context parallel over packed or left-padded
+        rows): each token rotates by its place in its run and reads only its run's keys and entries."""
         if keep is None:
-            return self._blockwise(x, positions, chunk, real)
+            return self._blockwise(x, positions, chunk, real, runs)
         batch = x.shape[0]
         cos, sin = rotary_tables(positions, self.rope_dim, self.theta, self.scaling)
         latent, q, kv = self._project(x, cos, sin)
@@ -183,12 +187,21 @@ class CompressedAttention(nn.Module):
                 and bool(self.loss_terms.weights.get(INDEX_LOSS)))
 
     def _blockwise(self, x: torch.Tensor, positions: torch.Tensor, chunk: SequenceChunk | None,
-                   real: torch.Tensor | None = None) -> torch.Tensor:
+                   real: torch.Tensor | None = None, runs: _Runs | None = None) -> torch.Tensor:
         spans = _spans(x.shape[1], chunk)
-        cos, sin = rotary_tables(positions, self.rope_dim, self.theta, self.scaling)
+        rot = positions if runs is None else runs.pos[:, positions]  # (B, n) with runs: places in their runs
+        cos, sin = rotary_tables(rot, self.rope_dim, self.theta, self.scaling)
         latent, q, kv = self._project(x, cos, sin)
         kv = _whole(kv, chunk)  # the one key and value head, every rank's in sequence order
-        entries = self.compressor.entries(x, spans, chunk) if self.compressor is not None else None
+        windows = None if runs is None or self.compressor is None else runs.windows(self.compressor.rate)
+
+        def entries_of(module: Compressor, inputs: torch.Tensor) -> torch.Tensor:
+            if windows is None:
+                return module.entries(inputs, spans, chunk)
+            return module.run_entries(inputs, chunk, windows.rows, windows.starts, windows.index, windows.slots,
+                                      windows.run.shape[1])
+
+        entries = entries_of(self.compressor, x) if self.compressor is not None else None
         if self.sum_gradient is not None:  # tensor parallel: every rank's heads read the whole key/value head
             if entries is None:
                 kv = self.sum_gradient(kv)
@@ -198,17 +211,37 @@ class CompressedAttention(nn.Module):
         picked, learn = None, None
         if self.indexer is not None and entries is not None and entries.shape[1]:
             if self.learns_index():
+                if chunk is not None and chunk.ulysses:
+                    raise ConfigError("the csa indexer loss reads every head's attention, but Ulysses splits the "
+                                      "heads over the cp ranks", 'use parallel.cp_method = "allgather"')
                 # the indexer learns from its own loss only: its inputs leave the model's graph
                 x_in, latent_in = x.detach(), latent.detach()
-                learn = _IndexInputs(x_in, latent_in, self.indexer.entries(x_in, spans, chunk), real)
+                learn = _IndexInputs(x_in, latent_in, entries_of(self.indexer, x_in), real)
             if not self.dense:
                 with torch.no_grad():  # top-k passes no gradient: its own scores are kept for no backward
-                    keys = learn.keys.detach() if learn is not None else self.indexer.entries(x, spans, chunk)
-                    picked = self.indexer.chosen(x, latent, positions, keys)
-        blocks = [self._attend_block(q[:, :, start:start + n], kv, entries, picked, s, start, n, at, learn)
+                    keys = learn.keys.detach() if learn is not None else entries_of(self.indexer, x)
+                    if runs is None or windows is None:
+                        picked = self.indexer.chosen(x, latent, positions, keys)
+                    else:
+                        picked = self.indexer.run_chosen(x, latent, rot, runs.run[:, positions], keys,
+                                                         windows.counts, windows.first)
+        doc = None if runs is None else _RunView(runs, windows, rot)
+        heads = None
+        if chunk is not None and chunk.ulysses:  # this rank's heads over the whole sequence, as one piece
+            q = chunk.to_heads(q)
+            heads = slice(chunk.index * q.shape[1], (chunk.index + 1) * q.shape[1])
+            spans = [(0, q.shape[2], 0)]
+            if picked is not None:  # every query's picks (they are the same for every head)
+                both = _whole(torch.cat([picked[0], picked[1].long()], dim=-1), chunk)
+                picked = both[..., :picked[0].shape[-1]], both[..., picked[0].shape[-1]:].bool()
+        blocks = [self._attend_block(q[:, :, start:start + n], kv, entries, picked, s, start, n, at, learn, doc,
+                                     heads)
                   for s, length, at in spans
                   for start, n in self._blocks(s, length)]
-        out = torch.cat([o for o, _ in blocks], dim=2).transpose(1, 2)  # (B, T, H, hd)
+        out = torch.cat([o for o, _ in blocks], dim=2)
+        if chunk is not None and chunk.ulysses:
+            out = chunk.to_sequence(out)  # back to this rank's pieces of every head
+        out = out.transpose(1, 2)  # (B, T, H, hd)
         # keys are the values, so a value's rotary slice carries its key's angle: turn it back by the query's
         out = rotate_tail(out, cos.unsqueeze(-2), -sin.unsqueeze(-2))
         out = self.output(out.flatten(-2))
@@ -238,24 +271,41 @@ class CompressedAttention(nn.Module):
 
     def _attend_block(self, q: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | None,
                       picked: tuple[torch.Tensor, torch.Tensor] | None, span_start: int, start: int, n: int, at: int,
-                      learn: _IndexInputs | None = None
+                      learn: _IndexInputs | None = None, doc: _RunView | None = None, heads: slice | None = None
                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """The outputs (B, H, n, hd) of queries q (B, H, n, hd) at sequence positions at + (start - span_start)
         onward, against the whole sequence's keys kv (B, T, hd) and entries (B, W, hd); with `learn`, the indexer
-        loss of the block's queries (summed KL, counted queries)."""
+        loss of the block's queries (summed KL, counted queries). doc: the batch's runs (each query reads its own
+        run's keys and entries only; entries are slots of its row's, `_Windows`). heads: which of the module's heads
+        q holds (Ulysses: their sinks)."""
         first = at + start - span_start
         pos = torch.arange(first, first + n, device=q.device)
         low = max(0, first - self.window + 1)
         keys = kv[:, low:first + n]  # every key of the block's windows
         distance = pos[:, None] - torch.arange(low, first + n, device=q.device)
         masks = [(distance >= 0) & (distance < self.window)]
+        run_q = None
+        if doc is not None:  # within one run the window over sequence places is the window over run positions
+            run_q = doc.runs.run[:, first:first + n]
+            same = (run_q[:, :, None] == doc.runs.run[:, None, low:first + n]) & (run_q >= 0)[:, :, None]
+            masks[0] = (masks[0] & same)[:, None]
         scale = self.head_dim**-0.5
         logits = [(q @ keys[:, None].transpose(-1, -2)) * scale]
         seen: torch.Tensor | None = None
         if entries is not None and self.compressor is not None:
-            if picked is None:  # HCA: every entry the block's last query may see
+            windows = None if doc is None else doc.windows
+            if picked is None and (windows is None or run_q is None):
+                # HCA: every entry the block's last query may see
                 seen = entries[:, :(first + n) // self.compressor.rate]
                 masks.append(self.compressor.visible(pos, seen.shape[1]))
+                logits.append((q @ seen[:, None].transpose(-1, -2)) * scale)
+            elif picked is None:  # HCA over runs: the slots ending by the block's last query, of each query's run
+                assert windows is not None and run_q is not None
+                ends, run_e = windows.ends, windows.run
+                count = int((ends <= first + n - 1).sum(1).max())  # each row's slots are in sequence order
+                seen = entries[:, :count]
+                masks.append(((run_e[:, None, :count] == run_q[:, :, None])
+                              & (ends[:, None, :count] <= pos[None, :, None]))[:, None])
                 logits.append((q @ seen[:, None].transpose(-1, -2)) * scale)
             else:  # CSA: each query's picks, gathered (B, n, k, hd)
                 chosen, kept = picked[0][:, start:start + n], picked[1][:, start:start + n]
@@ -263,7 +313,8 @@ class CompressedAttention(nn.Module):
                 masks.append(kept[:, None])
                 logits.append(torch.einsum("bhqd,bqkd->bhqk", q, seen) * scale)
         scores = torch.cat([lg.masked_fill(~m, float("-inf")) for lg, m in zip(logits, masks, strict=True)]
-                           + [local_part(self.sinks).to(q.dtype).view(1, -1, 1, 1).expand(q.shape[0], -1, n, 1)],
+                           + [local_part(self.sinks)[heads or slice(None)].to(q.dtype).view(1, -1, 1, 1).expand(
+                               q.shape[0], -1, n, 1)],
                            dim=-1)
         # the sink takes its share of each softmax and contributes no value
         probs = scores.softmax(dim=-1)
@@ -279,10 +330,22 @@ class CompressedAttention(nn.Module):
             keys_in = learn.keys[:, :seen.shape[1]]
         else:  # the picks' indexer keys (B, n, k, index_dim)
             keys_in = learn.keys[torch.arange(q.shape[0], device=q.device)[:, None, None], picked[0][:, rows]]
-        scores = self.indexer.score(learn.x[:, rows], learn.latent[:, rows], pos, keys_in)
+        scores = self.indexer.score(learn.x[:, rows], learn.latent[:, rows], pos if doc is None else doc.rot[:, rows],
+                                    keys_in)
         real = None if learn.real is None else learn.real[:, rows]
-        allowed = masks[-1].expand_as(scores) if picked is None else picked[1][:, rows]
+        allowed = (masks[-1] if doc is None else masks[-1][:, 0]).expand_as(scores) if picked is None else \
+            picked[1][:, rows]
         return out, index_kl(tail.detach(), scores, allowed, real, self.sum_heads)
+
+
+@dataclass
+class _RunView:
+    """What a query block reads of the batch's runs: the runs, the compressor's windows (None: no compressor) and
+    this rank's tokens' positions in their runs (B, n)."""
+
+    runs: _Runs
+    windows: _Windows | None
+    rot: torch.Tensor
 
 
 @dataclass
@@ -349,33 +412,92 @@ def _segments(padding: torch.Tensor | None, documents: torch.Tensor | None
     return rows, firsts, ends.nonzero(as_tuple=True)[1] - firsts + 1
 
 
+@dataclass
+class _Windows:
+    """Every compression window of `rate` tokens of a batch's runs (`_Runs.windows`), in row and sequence order:
+    its row, its first token's place in the sequence, its place in its run (w: the entry's rotary position is w x
+    rate; w > 0: CSA reads the previous window's first halves), its entry's slot among its row's entries; and per
+    row's entry slot (B, W) the run it belongs to (-1: no entry) and its window's last token's place."""
+
+    rate: int
+    rows: torch.Tensor
+    starts: torch.Tensor
+    index: torch.Tensor
+    slots: torch.Tensor
+    run: torch.Tensor
+    ends: torch.Tensor
+    counts: torch.Tensor  # (R,) each run's entries
+    first: torch.Tensor  # (R,) the slot of each run's first entry (0 where it has none)
+
+
+class _Runs:
+    """A batch's runs of one document's real tokens over the whole sequence (B, T), for context parallel pieces
+    that hold parts of runs starting elsewhere: each token's run (-1: a pad) and its position in the run."""
+
+    def __init__(self, padding: torch.Tensor | None, documents: torch.Tensor | None) -> None:
+        self.rows, self.firsts, self.lengths = _segments(padding, documents)
+        shape = (padding if padding is not None else documents).shape  # type: ignore[union-attr]
+        device = self.rows.device
+        ids = torch.arange(len(self.rows), device=device)
+        # token k of run r: offset k from its first token
+        offsets = torch.arange(int(self.lengths.sum()), device=device) - (
+            self.lengths.cumsum(0) - self.lengths).repeat_interleave(self.lengths)
+        cols = self.firsts.repeat_interleave(self.lengths) + offsets
+        rows = self.rows.repeat_interleave(self.lengths)
+        self.run = torch.full(shape, -1, dtype=torch.long, device=device).index_put((rows, cols),
+                                                                                  ids.repeat_interleave(self.lengths))
+        self.pos = torch.zeros(shape, dtype=torch.long, device=device).index_put((rows, cols), offsets)
+        self._windows: dict[int, _Windows] = {}
+
+    def windows(self, rate: int) -> _Windows:
+        if rate not in self._windows:
+            counts = self.lengths // rate  # a run's trailing partial window has no entry
+            index = torch.arange(int(counts.sum()), device=counts.device) - (
+                counts.cumsum(0) - counts).repeat_interleave(counts)
+            runs = torch.arange(len(counts), device=counts.device).repeat_interleave(counts)
+            rows = self.rows[runs]
+            per_row = torch.zeros(self.run.shape[0], dtype=torch.long, device=counts.device).index_add(0, rows,
+                                                                                                      torch.ones_like(rows))
+            slots = torch.arange(len(rows), device=counts.device) - (per_row.cumsum(0) - per_row)[rows]
+            starts = self.firsts[runs] + index * rate
+            width = int(per_row.max()) if len(rows) else 0
+            run = torch.full((self.run.shape[0], width), -1, dtype=torch.long, device=counts.device)
+            # a slot without an entry ends past every query
+            ends = torch.full_like(run, self.run.shape[1])
+            first = torch.zeros_like(counts).index_put((runs[index == 0],), slots[index == 0])
+            self._windows[rate] = _Windows(rate, rows, starts, index, slots, run.index_put((rows, slots), runs),
+                                           ends.index_put((rows, slots), starts + rate - 1), counts, first)
+        return self._windows[rate]
+
+
 class V4Attention(CompressedAttention):
     """`CompressedAttention` called as a block's token mixer (`module(x, mask, rope=..., cache=..., ...)`): it
     rotates with its own tables from the tokens' positions, 0, 1, ... from each row's first real token and from
     each packed document's start. A left-padded or packed row is read as its runs of real tokens of one document,
-    each computed as if alone (its compression windows start with it); right padding is read in place (a causal
-    query never reads the pads after it)."""
+    each computed as if alone (its compression windows start with it), under context parallel too (`_Runs`: the
+    runs read from the whole sequence's padding and documents); right padding is read in place (a causal query
+    never reads the pads after it)."""
 
     def forward(self, x: torch.Tensor, mask: Any = None, *, rope: Any = None, bias: Any = None,  # type: ignore[override]
                 cache: V4Cache | None = None, chunk: Any = None, padding: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
+        """padding: (B, T) of x's tokens (under context parallel this rank's pieces'); documents: (B, T) of the
+        whole sequence."""
+        # right padding is read in place: its pads are queries the indexer loss does not count
+        real = padding if padding is not None and padding.shape[:2] == x.shape[:2] else None
+        if chunk is not None and padding is not None:  # every rank decides on, and reads runs from, the whole rows
+            padding = _whole(padding[..., None].long(), chunk)[..., 0].bool()
         if padding is not None and bool((padding[:, 1:] & ~padding[:, :-1]).sum(1).gt(1 - padding[:, 0].long()).any()):
             raise ConfigError("DeepSeek-V4 attention blocks read pads at a row's start or end, but a row has pads "
                               "between its tokens", "pad rows on the left or the right only")
         packed = documents is not None and bool((documents != documents[:, :1]).any())
         right_padded = padding is None or bool((padding == padding.cummin(dim=1).values).all())
         self.start_forward()
-        # right padding is read in place: its pads are queries the indexer loss does not count
-        real = padding if padding is not None and padding.shape[:2] == x.shape[:2] else None
         if chunk is not None:
-            if chunk.ulysses:
-                raise ConfigError("DeepSeek-V4 attention blocks do not run under Ulysses context parallel",
-                                  'use parallel.cp_method = "allgather"')
+            places = chunk.positions(x.shape[1], x.device)
             if packed or not right_padded:  # this rank's pieces hold parts of runs that start elsewhere
-                raise ConfigError("DeepSeek-V4 attention blocks under context parallel read rows from their first "
-                                  "position, but this batch is left-padded or packed",
-                                  "pad rows on the right, one document per row (data.packing off)")
-            return super().forward(x, chunk.positions(x.shape[1], x.device), chunk=chunk, real=real)
+                return super().forward(x, places, chunk=chunk, runs=_Runs(padding, documents))
+            return super().forward(x, places, chunk=chunk, real=real)
         if cache is not None and packed:
             raise ConfigError("DeepSeek-V4 attention blocks decode one document per row, but these rows are packed",
                               "generate from one document per row")

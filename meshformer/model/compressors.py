@@ -185,6 +185,30 @@ class Compressor(nn.Module):
             return x.new_zeros(x.shape[0], 0, d)
         return _whole(torch.cat(out, dim=1), chunk)
 
+    def run_entries(self, x: torch.Tensor, chunk: SequenceChunk | None, rows: torch.Tensor, starts: torch.Tensor,
+                    index: torch.Tensor, slots: torch.Tensor, width: int) -> torch.Tensor:
+        """The entries (B, width, head_dim) of windows of runs that start anywhere in the sequence (packed or
+        left-padded rows under context parallel): window i covers row rows[i]'s tokens starts[i] onward, is its run's
+        index[i]-th (its rotary position index[i] x rate; CSA reads the previous window's first halves where
+        index[i] > 0) and goes to its row's slot slots[i]. A window may straddle pieces, so the projections of this
+        rank's pieces of x (B, n, D) are all-gathered whole (T x 2 x width)."""
+        rate, d = self.rate, self.head_dim
+        kv_all, gate_all = self.kv_proj(x), self.gate_proj(x)
+        both = _whole(torch.cat([kv_all, gate_all], dim=-1), chunk)
+        out = x.new_zeros(x.shape[0], width, d)
+        if not len(rows):
+            return out
+        tokens = starts[:, None] + torch.arange(rate, device=x.device)
+        kv, gate = both[rows[:, None], tokens].split(kv_all.shape[-1], dim=-1)  # (windows, rate, width)
+        prior = None
+        if self.overlap:  # a run's first window has no predecessor: its slots weigh 0
+            before = both[rows[:, None], (tokens - rate).clamp(min=0)]
+            has = (index > 0)[:, None, None]
+            prior = (torch.where(has, before[..., :d], 0.0),
+                     torch.where(has, before[..., kv_all.shape[-1]:kv_all.shape[-1] + d], float("-inf")))
+        pooled = self.pool(kv[:, None], gate[:, None], prior)[:, 0]
+        return out.index_put((rows, slots), self.rotate(pooled, index * rate))
+
     def start(self, batch: int, like: torch.Tensor) -> WindowState:
         """An empty generation state of `batch` rows."""
         width, d = self.kv_proj.out_features, self.head_dim
@@ -283,6 +307,37 @@ class Indexer(Compressor):
             picks.append(chosen)
             kept.append(visible.expand(x.shape[0], -1, -1).gather(-1, chosen))
         return torch.cat(picks, dim=1), torch.cat(kept, dim=1)
+
+    @torch.no_grad()
+    def run_chosen(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, run: torch.Tensor,
+                   keys: torch.Tensor, counts: torch.Tensor, first: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`chosen` for queries of runs that start anywhere in the sequence (packed or left-padded rows under context
+        parallel): query (b, t) of run r = run[b, t] (-1: a pad, which keeps nothing) at position positions[b, t] in
+        it scores exactly its run's counts[r] entries, keys' (B, W, index_dim) row b from slot first[r], and keeps
+        its top min(topk, counts[r]), as its run alone would (top-k breaks ties by the length it scores over).
+        Returns (B, n, k) slots of keys, k = min(topk, W), and whether each is kept."""
+        batch, n = run.shape
+        k = min(self.topk, keys.shape[1])
+        picks = torch.zeros(batch, n, k, dtype=torch.long, device=x.device)
+        kept = torch.zeros(batch, n, k, dtype=torch.bool, device=x.device)
+        own = torch.where(run >= 0, counts[run.clamp(min=0)], 0)  # each query's run's entries
+        for count in own.unique().tolist():
+            if count == 0:
+                continue
+            rows, cols = (own == count).nonzero(as_tuple=True)
+            take = min(self.topk, count)
+            step = max(1, INDEX_SCORES // max(1, self.n_heads * count))
+            for b in range(0, len(rows), step):
+                r, t = rows[b:b + step], cols[b:b + step]
+                slots = first[run[r, t]][:, None] + torch.arange(count, device=x.device)
+                pos = positions[r, t]
+                visible = self.visible(pos, count)
+                index = self.score(x[r, t][None], q_latent[r, t][None], pos, keys[r[:, None], slots][None])[0]
+                chosen = index.masked_fill(~visible, float("-inf")).topk(take, dim=-1).indices
+                picks[r, t, :take] = slots.gather(1, chosen)
+                kept[r, t, :take] = visible.gather(1, chosen)
+        return picks, kept
 
     def pick(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, state: WindowState
              ) -> torch.Tensor:

@@ -10,6 +10,8 @@ H query heads and G key/value heads of D width on each tensor-parallel rank:
 - ulysses: four all-to-alls (q, k, v in; the output back), each sending (cp - 1) / cp of a (b, n, heads x D) tensor,
   and as many in backward; key/value heads fewer than cp are first repeated up to cp. Attention then keeps q, k, v
   and its output for H / cp heads over T tokens: 4 b H n D a, the keys and values cp times fewer than allgather's.
+  DeepSeek-V4's kinds all-gather their one key/value head, entries and indexer keys as under allgather, and move
+  only the queries and the output all-to-all (CSA: its picks gathered too).
   Gated DeltaNet and KDA exchange q, k, v, their b and a inputs, and the output; Mamba-2 x, its groups' B and C,
   dt with the padding beside it, and the output (the all-gather passes its fp32 (b, H, P, N) state as above).
 
@@ -67,14 +69,21 @@ def _layer_cost(cfg: Config, kind: str, method: str, batch: int, cp: int, tp: in
         decay = heads * la.key_head_dim if kind == "kda" else heads
         width = 2 * key_heads * la.key_head_dim + 2 * heads * la.value_head_dim + heads + decay
         return 2 * batch * n * width * a * others / cp, batch * n * width * a
-    if kind in ("sliding_mqa", "hca", "csa") and method == "allgather":  # Ulysses refuses them
+    if kind in ("sliding_mqa", "hca", "csa"):
         c, d = m.compressed_attention, m.attention_head_dim
         rate = {"sliding_mqa": 0, "hca": c.hca_rate, "csa": c.csa_rate}[kind]
         # the key/value head and the entries gathered forward, their gradients reduce-scattered back; the indexer's
         # keys forward only (no gradient); a CSA piece's last window (rate tokens) too small to count
         rows, entries = batch * n, batch * n // rate if rate else 0
         sent = (2 * rows * d + 2 * entries * d + (entries * c.index_dim if kind == "csa" else 0)) * a * others
-        return sent, (batch * seq * d + (batch * seq // rate * d if rate else 0)) * a
+        kept = (batch * seq * d + (batch * seq // rate * d if rate else 0)) * a
+        if method == "allgather":
+            return sent, kept
+        # Ulysses gathers the same, and moves the queries in and the output back (all-to-all, each way in backward
+        # too) and CSA's picks (int64 slots and flags, forward only); it keeps its heads' queries and output whole
+        heads = m.attention.n_heads // tp
+        picks = 2 * rows * min(c.index_topk, seq // rate) * 8 * others if kind == "csa" else 0
+        return sent + 2 * 2 * rows * heads * d * a * others / cp + picks, kept + 2 * batch * heads * n * d * a
     if kind == "mamba2":
         mamba = m.mamba
         heads, groups = mamba.n_heads // tp, mamba.n_groups // tp

@@ -1,5 +1,6 @@
 """All-gather context parallel in one process: cp ranks as threads whose `gather` concatenates every rank's tensor
-along dim 2 in rank order (no autograd across ranks: forward checks and saved-bytes measurements)."""
+along dim 2 in rank order, and with `ulysses` whose `exchange` hands slice r of dim 0 to rank r (no autograd across
+ranks: forward checks and saved-bytes measurements)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import torch
 from meshformer.model.attention import SequenceChunk
 
 
-def run_ranks(count: int, work: Callable[[SequenceChunk], Any]) -> list:
-    """work(chunk) on `count` threads, each a rank whose `gather` all-gathers among the threads; an error on any rank
-    is raised here."""
+def run_ranks(count: int, work: Callable[[SequenceChunk], Any], ulysses: bool = False) -> list:
+    """work(chunk) on `count` threads, each a rank whose `gather` all-gathers among the threads (and with `ulysses`
+    whose `exchange` is an all-to-all among them); an error on any rank is raised here."""
     slots: list[torch.Tensor | None] = [None] * count
     barrier = threading.Barrier(count)
     results: list = [None] * count
@@ -27,8 +28,15 @@ def run_ranks(count: int, work: Callable[[SequenceChunk], Any]) -> list:
             barrier.wait()  # every rank has read before the next gather overwrites
             return every
 
+        def exchange(t: torch.Tensor) -> torch.Tensor:
+            slots[index] = t
+            barrier.wait()
+            mine = torch.cat([s.chunk(count)[index] for s in slots])  # type: ignore[union-attr]
+            barrier.wait()
+            return mine
+
         try:
-            results[index] = work(SequenceChunk(index, count, gather))
+            results[index] = work(SequenceChunk(index, count, gather, exchange if ulysses else None))
         except Exception as error:  # the others, waiting at the barrier, stop too
             results[index] = error
             barrier.abort()

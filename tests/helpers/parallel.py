@@ -628,6 +628,10 @@ def scenario(name: str) -> tuple[Config, list]:
             extra["_padded"] = True
         elif key == "rightpad":  # causal batches right-padded: an attention mask False on each sequence's tail
             extra["_right_padded"] = True
+        elif key == "leftpad":  # causal batches left-padded: the right-padded rows' masks flipped, their labels too
+            extra["_left_padded"] = True
+        elif key == "packed":  # model.attention.document_mask: the batches carry packed documents (doc_ids)
+            model_keys["attention"] = {"document_mask": True}
         elif key in ("muon", "normuon"):  # optim.name: Muon/NorMuon for the blocks' matrices (the reference alike)
             extra["_muon"] = key
         elif key == "qkclip":  # MuonClip at a threshold that clips some heads of the tiny models (and not others)
@@ -644,6 +648,7 @@ def scenario(name: str) -> tuple[Config, list]:
     parallel.setdefault("dp_shard", 1)
     padded = extra.pop("_padded", False)
     right_padded = extra.pop("_right_padded", False)
+    left_padded = extra.pop("_left_padded", False)
     muon = extra.pop("_muon", False)
     qk_clip = extra.pop("_qk_clip", None)
     cfg = make_config(family, parallel, model_keys, **extra)
@@ -657,6 +662,10 @@ def scenario(name: str) -> tuple[Config, list]:
         batches = [{**b, "attention_mask": k.index_fill(1, torch.tensor([0]), True)} for b, k in zip(batches, keep)]
     if right_padded:  # the tail make_batches ignores in the labels is padding
         batches = [{**b, "attention_mask": b["labels"] != IGNORE_INDEX} for b in batches]
+    if left_padded:  # as many pads, at each row's start
+        masks = [(b["labels"] != IGNORE_INDEX).flip(1) for b in batches]
+        batches = [{**b, "attention_mask": m, "labels": b["labels"].flip(1).masked_fill(~m, IGNORE_INDEX)}
+                   for b, m in zip(batches, masks, strict=True)]
     return cfg, [batches[0:2], batches[2:4]]
 
 

@@ -8,11 +8,14 @@ The blocks rotate their own queries and keys (model.position = "none") from each
 from its first real token and from each packed document's start. Tensor parallel splits the query heads (q_b_proj
 colwise, the sinks with their heads) and the grouped output projection by its groups (o_a's groups with their
 heads, o_b rowwise); the query latent, the one key/value head, the compressors and the indexer run whole on every
-rank (`CompressedAttention.shard_heads`). Context parallel (the all-gather method, right-padded rows of one
-document) keeps each rank's queries and all-gathers the one key/value head, the compressed entries and the
-indexer's keys (each piece of a sequence must hold whole compression windows: data.seq_len a multiple of 2 x cp x
-the rate). The generation cache keeps the last window - 1 keys and each compressor's unfinished window and finished
-entries (CSA: the indexer's too), so a step reads the window and the entries, not the prefix.
+rank (`CompressedAttention.shard_heads`). Context parallel (the all-gather method) keeps each rank's queries and
+all-gathers the one key/value head, the compressed entries and the indexer's keys (each piece of a sequence must
+hold whole compression windows: data.seq_len a multiple of 2 x cp x the rate); over left-padded or packed rows it
+all-gathers the compressors' per-token projections instead and pools each run's windows over the whole sequence,
+each query reading its own run's keys and entries. Ulysses splits only the query heads over cp (all-to-all), the
+key/value head, entries and picks gathered as above. The generation cache keeps the last window - 1 keys and each
+compressor's unfinished window and finished entries (CSA: the indexer's too), so a step reads the window and the
+entries, not the prefix.
 """
 
 from __future__ import annotations
@@ -101,8 +104,13 @@ class V4AttentionKind(TokenMixer):
         return 1 if rate is None else rate
 
     def ulysses(self, cfg: ModelConfig, cp: int, tp: int) -> str | None:
-        return ("DeepSeek-V4 attention's one key/value head and compressed entries are all-gathered, not split by "
-                'heads; use parallel.cp_method = "allgather"')
+        # the query heads split over cp; the one key/value head, the entries and the indexer's picks all-gathered
+        local = cfg.attention.n_heads // tp
+        if local % cp:
+            return (f"parallel.cp_method='ulysses' splits each rank's {local} attention heads (n_heads="
+                    f"{cfg.attention.n_heads} / tp={tp}) over cp={cp}, which does not divide them; choose cp (and tp) "
+                    "so that cp x tp divides n_heads, or use parallel.cp_method='allgather'")
+        return None
 
     def tp_rules(self, cfg: ModelConfig) -> Mapping[str, str]:
         # the module takes its heads' sinks and output groups itself and gathers its input from the sequence slices
@@ -335,6 +343,12 @@ class CompressedSparseKind(V4AttentionKind):
                               "(model.compressed_attention.index_loss_weight = 0)",
                               'set model.compressed_attention.index_loss_weight > 0 (e.g. 1.0), or model.dsa.stage = '
                               '"sparse"')
+
+    def ulysses(self, cfg: ModelConfig, cp: int, tp: int) -> str | None:
+        if cfg.compressed_attention.index_loss_weight > 0:
+            return ("the csa indexer loss reads every head's attention, which Ulysses splits over the cp ranks; set "
+                    "model.compressed_attention.index_loss_weight = 0 or use parallel.cp_method='allgather'")
+        return super().ulysses(cfg, cp, tp)
 
     def trains_only(self, cfg: ModelConfig) -> str | None:
         # the indexer's warm-up: dense attention over every visible entry, only the indexers learn

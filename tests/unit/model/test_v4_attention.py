@@ -236,13 +236,78 @@ def test_what_the_kinds_refuse() -> None:
         mixer(x[:, :1], None, cache=cache, padding=torch.tensor([[False], [True]]))
     with pytest.raises(ConfigError, match="pads between its tokens"):
         mixer(x, None, padding=torch.tensor([[True, True, False, True, True, True], [True] * 6]))
-    from meshformer.model.attention import SequenceChunk
 
-    pieces = SequenceChunk(0, 1, lambda t: t)  # refused before anything is gathered
-    with pytest.raises(ConfigError, match="under context parallel read rows from their first position"):
-        mixer(x, None, chunk=pieces, documents=torch.tensor([[0, 0, 0, 1, 1, 1]] * 2))
-    with pytest.raises(ConfigError, match="under context parallel read rows from their first position"):
-        mixer(x, None, chunk=pieces, padding=torch.tensor([[False, True, True, True, True, True], [True] * 6]))
+
+def _runs_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """32 tokens a row: packed documents of 9, 5, 11 and 7; 6 pads then documents of 13 and 13; 3 pads then one
+    document (x, padding, documents). Runs start inside context-parallel pieces and span several."""
+    torch.manual_seed(0)
+    documents = torch.tensor([[0] * 9 + [1] * 5 + [2] * 11 + [3] * 7, [0] * 19 + [1] * 13, [0] * 32])
+    padding = torch.ones(3, 32, dtype=torch.bool)
+    padding[1, :6] = padding[2, :3] = False
+    return torch.randn(3, 32, D), padding, documents
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("ulysses", [False, True])
+@pytest.mark.parametrize("block", ["0", "1", "2"])
+def test_context_parallel_packed_and_left_padded_rows_equal_one_process(block: str, ulysses: bool,
+                                                                        monkeypatch) -> None:
+    """2 and 4 threaded ranks (pieces of 8 and 4 tokens, each with its pieces' padding and the whole documents, as
+    the model hands them; the all-gather method, or Ulysses: 2 and 1 of the 4 query heads a rank), with query blocks
+    of 32 and of 3, against one process's runs (each document's real tokens alone), and under Ulysses also rows of
+    one document each, against one process: 1e-6; a pad's output stays 0. Without the documents the outputs differ
+    (the runs do cut)."""
+    from helpers.allgather_threads import in_order, pieces, run_ranks
+
+    from meshformer.model.compressed_attention import CompressedAttention
+
+    mixer = _stepped_model().decoder_layers[block].attn
+    x, padding, documents = _runs_batch()
+    whole = mixer(x, None, padding=padding, documents=documents)
+
+    def ranks(count: int, docs: torch.Tensor | None = documents, pads: torch.Tensor | None = padding
+              ) -> torch.Tensor:
+        return in_order(run_ranks(count, lambda c: mixer(pieces(x, c), None, chunk=c, documents=docs,
+                                                         padding=None if pads is None else pieces(pads, c)),
+                                  ulysses=ulysses))
+
+    for query_block in (32, 3):
+        monkeypatch.setattr(CompressedAttention, "query_block", query_block)
+        for count in (2, 4):
+            out = ranks(count)
+            torch.testing.assert_close(out, whole, rtol=0, atol=1e-6)
+            assert not out[~padding].any()
+            if ulysses:
+                torch.testing.assert_close(ranks(count, None, None), mixer(x, None), rtol=0, atol=1e-6)
+    assert (ranks(2, None) - whole)[0].abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_runs_over_the_whole_sequence_equal_each_run_alone_with_the_indexer_loss(dense: bool) -> None:
+    """The context-parallel path's runs (`_Runs`: entries pooled per run over the whole sequence, each query masked
+    to its run, CSA's top-k over exactly its run's entries), in one process, against each run alone: outputs 1e-6,
+    the indexer loss (summed KL, counted queries) 1e-6, the indexer's gradients from it 1e-6; sparse and the dense
+    warm-up."""
+    from meshformer.model.compressed_attention import INDEX_LOSS, CompressedAttention, _Runs
+
+    mixer = _stepped_model().train().decoder_layers["2"].attn
+    mixer.loss_terms.weights, mixer.loss_terms.scale, mixer.dense = {INDEX_LOSS: 1.0}, 1.0, dense
+    x, padding, documents = _runs_batch()
+    params = list(mixer.indexer.parameters())
+    results = []
+    for run in (lambda: mixer(x, None, padding=padding, documents=documents),
+                lambda: CompressedAttention.forward(mixer, x, torch.arange(32), runs=_Runs(padding, documents))):
+        mixer.start_forward()
+        out = run()
+        results.append((out, mixer._loss_sum, mixer._loss_count, torch.autograd.grad(out.sum(), params)))
+    (out, total, count, grads), (out_r, total_r, count_r, grads_r) = results
+    torch.testing.assert_close(out_r, out, rtol=0, atol=1e-6)
+    assert count_r == count > 0
+    torch.testing.assert_close(total_r, total, rtol=0, atol=1e-6)
+    assert any(g.abs().max() > 1e-2 for g in grads)
+    for a, b in zip(grads_r, grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
 def test_export_refuses_the_kinds() -> None:
@@ -291,11 +356,15 @@ def test_tensor_parallel_splits_whole_output_groups(tp: int, groups: int, messag
     (["data.seq_len=96", "model.max_seq_len=128"],
      "hca blocks need each of the 4 sequence pieces to hold a multiple of 16 tokens, but data.seq_len=96 gives "
      "pieces of 24; choose a data.seq_len that is a multiple of 2 x cp x 16 = 64"),
-    (['parallel.cp_method="ulysses"'], 'are all-gathered, not split by heads; use parallel.cp_method = "allgather"'),
+    (['parallel.cp_method="ulysses"', "model.attention.n_heads=3"],
+     "parallel.cp_method='ulysses' splits each rank's 3 attention heads (n_heads=3 / tp=1) over cp=2"),
+    (['parallel.cp_method="ulysses"', "model.compressed_attention.index_loss_weight=1.0"],
+     "the csa indexer loss reads every head's attention, which Ulysses splits over the cp ranks"),
 ])
 def test_context_parallel_refusals(overrides: list[str], message: str) -> None:
-    """Context parallel runs the V4 kinds (and hash routing) with the all-gather method on pieces of whole
-    compression windows; a piece cutting a window, or Ulysses, is refused in one line at configuration."""
+    """Context parallel runs the V4 kinds (and hash routing) on pieces of whole compression windows, with the
+    all-gather method or Ulysses (query heads split over cp); a piece cutting a window, heads cp does not split, or
+    the csa indexer's objective under Ulysses, is refused in one line at configuration."""
     from meshformer.config import load_config
     from meshformer.parallel_dims import ParallelDims, check_context_parallel
 
@@ -304,6 +373,7 @@ def test_context_parallel_refusals(overrides: list[str], message: str) -> None:
         check_context_parallel(cfg, ParallelDims.from_config(cfg.parallel, 2))
 
     check([])  # 128 tokens: pieces of 32, whole windows of 16 and 4
+    check(['parallel.cp_method="ulysses"'])  # 4 heads: 2 a rank
     with pytest.raises(ConfigError, match="parallel.cp=2") as refused:
         check(overrides)
     assert message in str(refused.value)

@@ -15,6 +15,22 @@ from meshformer.parallel.context import sequence_chunk
 from meshformer.parallel_dims import ParallelDims, check_context_parallel
 
 
+def test_planner_counts_v4_kinds_under_ulysses_as_the_gathers_plus_queries_and_outputs() -> None:
+    """DeepSeek-V4's kinds under Ulysses: the all-gathers of the key/value head, entries and indexer keys, plus the
+    queries in and the output back (and CSA's picks); with one key/value head the all-gather moves less."""
+    from meshformer.config import load_config
+    from meshformer.planner.context_parallel_bytes import cp_costs, recommend
+
+    cfg = load_config("tiny-v4")  # sliding_mqa, csa, hca, csa; 4 heads of 32; 128 tokens; csa: top 8 of rate 4
+    gather, ulysses = cp_costs(cfg, 2, batch=1)
+    n = 128 // 2
+    moved = 4 * 2 * 2 * n * 4 * 32 * 4 / 2  # 4 blocks: q in, out back, both ways, half of each moved, fp32
+    picks = 2 * 2 * n * 8 * 8  # 2 csa blocks: slots and flags, int64, to the other rank
+    assert ulysses.refusal is None and ulysses.sent - gather.sent == moved + picks
+    assert ulysses.kept - gather.kept == 4 * 2 * 4 * n * 32 * 4  # each block's queries and output, its 2 heads
+    assert recommend([gather, ulysses]).method == "allgather"
+
+
 @pytest.mark.parametrize("count", [2, 4])
 def test_heads_of_whole_sequences_and_back(count: int) -> None:
     """Each rank's pieces (sequence_chunk's split) become its heads over the whole sequence in order, and back."""
