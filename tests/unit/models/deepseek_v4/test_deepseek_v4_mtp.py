@@ -194,10 +194,9 @@ def test_mtp_loss_joins_the_objective_and_reaches_the_streams():
 
 
 @pytest.mark.parametrize(("table", "named"), [
-    ({"model": {"residual": {"kind": "mhc"}, "mtp": {"depth": 1}}, "parallel": {"tp": 2}}, "parallel.tp=2"),
     ({"model": {"mtp": {"depth": 1, "layer_type": "sliding"}}}, "model.mtp.layer_type='sliding'"),
     ({"model": {"mtp": {"depth": 1, "mlp_type": "hash"}}}, "model.mtp.mlp_type='hash'"),
-], ids=["mhc-tp", "layer-type", "mlp-type"])
+], ids=["layer-type", "mlp-type"])
 def test_refusals(table, named):
     with pytest.raises(ConfigError, match=named):
         config_from_dict(table)
