@@ -269,10 +269,10 @@ GRAD_TOL = {"dsa/tp-ep": 3e-5, "dsa/cp-ep": 3e-5, "dsa/tp-ep-recompute=selective
                              "v4/pp-indexloss"], 3e-5),
             # the V4-like model with MTP: its module's merge weights and bias have gradients ~1e-5 of the model's
             # largest (sums over tokens that nearly cancel), so fp32 rounding shows against the 1e-4 floor: 3.6e-5
-            # (fsdp, pp), 3.8e-5 (tp, pp x tp, tp x fsdp), 4.8e-5 (cp) seen; the world-2 layouts in float64 agree
-            # within 1.2e-13. Without the merge's gradient summed over the tp ranks: 9.4e-2
+            # (fsdp, pp), 3.8e-5 (tp, pp x tp, tp x fsdp), 4.8e-5 (cp), 6.4e-5 (cp x tp) seen; the world-2 layouts
+            # in float64 agree within 1.2e-13. Without the merge's gradient summed over the tp ranks: 9.4e-2
             **dict.fromkeys(["v4mtp/tp-ep", "v4mtp/fsdp-ep", "v4mtp/pp", "v4mtp/cp", "v4mtp/pp-tp-ep",
-                             "v4mtp/tp-fsdp-ep"], 1e-4)}
+                             "v4mtp/tp-fsdp-ep", "v4mtp/cp-tp-ep=4"], 1e-4)}
 ALL_WORLD2 = WORLD2 + MIXED_PRECISION + FP8_WORLD2 + ["skip/nan"]  # skip/nan: a NaN gradient on one rank
 
 
@@ -401,8 +401,8 @@ def test_parity_world4(world4, name):
 # and mHC's weights sharded by FSDP), pp x tp (each stage's heads split, its mHC streams on sequence slices) and
 # cp with FSDP sharding parameters over dp_shard x cp
 V4_MATRIX_WORLD4 = ["v4/tp-fsdp-ep", "v4/pp-tp-ep", "v4/cp-fsdp",
-                    # its MTP module split by tp on the last pipeline stage, and beside FSDP's shards
-                    "v4mtp/pp-tp-ep", "v4mtp/tp-fsdp-ep"]
+                    # its MTP module split by tp on the last pipeline stage, beside FSDP's shards, and on cp pieces
+                    "v4mtp/pp-tp-ep", "v4mtp/tp-fsdp-ep", "v4mtp/cp-tp-ep=4"]
 
 
 @pytest.fixture(scope="module")

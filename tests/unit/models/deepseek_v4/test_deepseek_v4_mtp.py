@@ -202,6 +202,13 @@ def test_refusals(table, named):
         config_from_dict(table)
 
 
+def test_mtp_beside_mhc_is_accepted_under_tensor_parallel():
+    """Its projections, block and merge have a tensor-parallel layout (parallel/tensor_parallel.py; parity rows
+    v4mtp/* in tests/parity/test_parallel_parity.py)."""
+    cfg = config_from_dict({"model": {"residual": {"kind": "mhc"}, "mtp": {"depth": 1}}, "parallel": {"tp": 2}})
+    assert cfg.parallel.tp == 2 and cfg.model.mtp.depth == 1
+
+
 def test_export_refuses_an_mtp_block_of_other_kinds():
     from meshformer.checkpointing.hf import incompatibilities
 
