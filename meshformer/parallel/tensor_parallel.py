@@ -21,6 +21,9 @@ Layout of the activations (tp ranks, sequence T, hidden D):
   over the ranks (the module says which: `shard_heads`);
 - mHC's residual (model/residual.py): between blocks each rank holds its tokens' n streams (B, T/tp, n, D); the
   joins' and the merge's mixing weights are replicated, their gradients summed over the ranks (`token_share`);
+- multi-token prediction modules take the main stack's sequence slices (under mHC its n streams) and the tokens
+  ahead sliced alike; their small projections run sequence-parallel on replicated weights, their block is split as
+  the main ones, an mHC module's merge is `token_share`, and their final norm gathers the sequence for the head;
 - a QK-norm over the whole projection (OLMo 2) holds its heads' slice of the weight and sums the mean square
   over the tensor-parallel ranks (one all-reduce of a (B, T, 1) tensor per norm).
 
