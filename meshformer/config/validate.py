@@ -227,8 +227,7 @@ def _check_mtp(cfg: Config) -> None:
 
 
 def _check_residual(cfg: Config) -> None:
-    """[model.residual]: mHC's streams and Sinkhorn iterations; its multi-token prediction modules (model/mtp.py)
-    run without tensor parallel."""
+    """[model.residual]: mHC's streams and Sinkhorn iterations."""
     m, r = cfg.model, cfg.model.residual
     if r.kind != "mhc":
         return
@@ -243,10 +242,6 @@ def _check_residual(cfg: Config) -> None:
         raise ConfigError(f"model.norm.position={m.norm.position!r} with model.residual.kind='mhc': each branch reads "
                           "a normed mix of the streams, so its norm comes before the branch",
                           "use model.norm.position='pre' (DeepSeek-V4) or 'sandwich'")
-    if m.mtp.depth and cfg.parallel.tp > 1:
-        raise ConfigError(f"model.mtp.depth={m.mtp.depth} with model.residual.kind='mhc' under parallel.tp="
-                          f"{cfg.parallel.tp}: the mHC multi-token prediction modules' projections and merge are not "
-                          "laid out for tensor parallel", "use parallel.tp=1 or model.mtp.depth=0")
 
 
 def _check_rope_scaling(cfg: Config) -> None:

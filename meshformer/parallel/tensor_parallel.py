@@ -21,6 +21,9 @@ Layout of the activations (tp ranks, sequence T, hidden D):
   over the ranks (the module says which: `shard_heads`);
 - mHC's residual (model/residual.py): between blocks each rank holds its tokens' n streams (B, T/tp, n, D); the
   joins' and the merge's mixing weights are replicated, their gradients summed over the ranks (`token_share`);
+- multi-token prediction modules take the main stack's sequence slices (under mHC its n streams) and the tokens
+  ahead sliced alike; their small projections run sequence-parallel on replicated weights, their block is split as
+  the main ones, an mHC module's merge is `token_share`, and their final norm gathers the sequence for the head;
 - a QK-norm over the whole projection (OLMo 2) holds its heads' slice of the weight and sums the mean square
   over the tensor-parallel ranks (one all-reduce of a (B, T, 1) tensor per norm).
 
@@ -261,21 +264,29 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh, *, float8_gather
 def _parallelize_mtp_module(module: nn.Module, mesh: DeviceMesh, cfg: ModelConfig, rules: TensorParallelRules,
                             float8_gather: bool) -> None:
     """A multi-token prediction module (model/mtp.py) in the main blocks' layout: it takes the last main block's
-    sequence-sharded output and the replicated embedding of the tokens ahead, sliced to this rank's part of the
-    sequence (no communication, as the first block slices its input); its block takes the model's block rules and
-    its final norm gathers the sequence for the shared vocabulary-parallel head, as the stack's final norm does."""
+    sequence-sharded output (under mHC its n streams, (B, T/tp, n, D)) and the replicated embedding of the tokens
+    ahead, sliced to this rank's part of the sequence (no communication, as the first block slices its input); its
+    block takes the model's block rules, mHC's merge of its streams the residual's style (on this rank's tokens, as
+    the stack's merge), and its final norm gathers the sequence for the shared vocabulary-parallel head, as the
+    stack's final norm does."""
     parallelize_module(module, mesh, PrepareModuleInput(
         input_layouts=(Shard(1), Replicate(), None), desired_input_layouts=(Shard(1), Shard(1), None),
         use_local_output=True))
-    # enorm, hnorm and eh_proj run sequence-parallel on replicated weights, their gradients summed over the ranks.
-    # eh_proj (2d -> d) stays whole: it is small beside the block, and sharding it column-wise would need the
-    # sequence gathered before it and its output's features scattered back to sequence shards for the residual.
-    for name in ("enorm", "hnorm", "eh_proj"):
-        parallelize_module(module.get_submodule(name), mesh, SequenceParallel(use_local_output=True))
+    # The norms and projections (eh_proj; under mHC h_proj and e_proj, its two halves) run sequence-parallel on
+    # replicated weights, their gradients summed over the ranks. They stay whole: they are small beside the block,
+    # and sharding them column-wise would need the sequence gathered before them and their output's features
+    # scattered back to sequence shards for the residual.
+    for name in ("enorm", "hnorm", "eh_proj", "h_proj", "e_proj"):
+        if hasattr(module, name):
+            parallelize_module(module.get_submodule(name), mesh, SequenceParallel(use_local_output=True))
     block = module.get_submodule("block")
     parallelize_module(block, mesh, _plan(block, _block_rules(block, cfg, rules), float8_gather))
     _local_buffers(block)
     _split_projection_norms(block, cfg, mesh)
+    style = residual_kind(cfg).tp_style
+    merge = getattr(module, "merge", None)
+    if merge is not None and style is not None:
+        parallelize_module(merge, mesh, _STYLES[style]())
     final_norm = module.get_submodule("final_norm")
     parallelize_module(final_norm, mesh, SequenceParallel(use_local_output=True))
     _gather_sequence(final_norm, mesh)

@@ -8,6 +8,8 @@ smoothing and z-loss, and reports, relative to the single-process reference:
 - grad_rel: max over parameters of max|g - g_ref| / max|g_ref| (the scale floored at 1e-4 of the model's
   largest), step-0 gradients gathered with full_tensor();
 - norm_rel: the clip_grad_norm global norm against torch's on the full model;
+- mtp_rel: each multi-token prediction module's mean loss (mtp/loss_<k>) at both steps; mtp_without_grad: the
+  modules' parameters whose step-0 gradient is all zero;
 - missing: reference parameters no rank checked (a layout that silently drops a parameter fails).
 
 Run by hand: python tests/helpers/parallel.py --world 2 decoder/fsdp decoder/tp
@@ -234,6 +236,9 @@ FAMILIES["v4"] = dict(family="decoder", n_layers=4, position="none", bias=False,
                       moe=dict(n_experts=4, experts_per_token=2, d_ff=16, n_shared_experts=1,
                                router_score="sqrt_softplus", router_scale=1.5, router_bias_update_rate=0.05),
                       residual=dict(kind="mhc", streams=2, sinkhorn_iters=5))
+# The V4-like model with one multi-token prediction module of the published kinds (a sliding-window block with a
+# learned router): it reads the main stack's 2 streams before their merge and merges its own
+FAMILIES["v4mtp"] = dict(FAMILIES["v4"], mtp=dict(depth=1, loss_weight=0.5, layer_type="sliding_mqa", mlp_type="moe"))
 FAMILIES["qwen3next4"] = dict(FAMILIES["qwen3next"], n_layers=4, layer_types=["linear_attention", "full_attention"] * 2)
 
 
@@ -328,6 +333,7 @@ def train_steps(plan: ParallelModel, steps: list[list[dict[str, torch.Tensor]]],
     training = harness_step(plan, len(steps), optimizer=optimizer, qk_clip=qk_clip)
     qk_clip_log: list[tuple[float, float]] = []
     losses, norms, grads0, replica_all_reduces = [], [], {}, []
+    mtp_losses: list[dict[str, float]] = []
     float8_amax_reduces: list[int] = []  # per step: torchao's per-weight amax all-reduces (float8 FSDP all-gather)
     FLOAT8_AMAX_REDUCES[0] = 0
     forward_backward, grad_norm = plan.forward_backward, plan.grad_norm
@@ -358,6 +364,7 @@ def train_steps(plan: ParallelModel, steps: list[list[dict[str, torch.Tensor]]],
             float8_amax_reduces.append(FLOAT8_AMAX_REDUCES[0] - sum(float8_amax_reduces))
             total = plan.reduce_for_logging(stats.loss_sum) if dist.is_initialized() else float(stats.loss_sum)
             losses.append(total / float(stats.global_tokens))
+            mtp_losses.append(plan.mtp_scalars())  # mtp/loss_<k>: a collective under data parallel
     finally:
         plan.forward_backward, plan.grad_norm = forward_backward, grad_norm  # type: ignore[method-assign]
     # Evaluation (no gradients) on the first step's batches with the updated weights.
@@ -367,7 +374,7 @@ def train_steps(plan: ParallelModel, steps: list[list[dict[str, torch.Tensor]]],
     weights = gathered_tensors(plan, "weights") if optimizer in ("muon", "normuon") else {}
     return losses, grads0, norms, {"replica_all_reduces": replica_all_reduces, "float8_amax_all_reduces":
                                    float8_amax_reduces, "weights": weights, "qk_clip": qk_clip_log,
-                                   "index_losses": index_losses}
+                                   "index_losses": index_losses, "mtp_losses": mtp_losses}
 
 
 @contextmanager
@@ -533,7 +540,8 @@ def pipeline_pieces(cfg: Config, batch: dict[str, torch.Tensor]) -> list[dict[st
 
 
 def compare(cfg: Config, steps, result, family: str = "", weights: dict[str, torch.Tensor] | None = None,
-            index_losses: list[list[dict[str, tuple[float, float]]]] | None = None) -> dict[str, Any]:
+            index_losses: list[list[dict[str, tuple[float, float]]]] | None = None,
+            mtp_losses: list[dict[str, float]] | None = None) -> dict[str, Any]:
     ref_losses, ref_grads, ref_norms, ref_counts = reference(cfg, steps, family)
     index_rel, index_ref = index_loss_rel(index_losses or [], ref_counts["index_losses"])  # type: ignore[arg-type]
     ref_weights = ref_counts["weights"]
@@ -556,7 +564,15 @@ def compare(cfg: Config, steps, result, family: str = "", weights: dict[str, tor
     weight_rel, weight_worst = max([(((w - ref_weights[n]).abs().max() / ref_weights[n].abs().max()).item(), n)
                                     for n, w in (weights or {}).items() if is_muon_parameter(n, w)],
                                    default=(None, ""))
+    # each multi-token prediction module's mean loss per step (mtp/loss_<k>), and its parameters the layout left
+    # without gradient (a module cut off from the objective would still leave the main loss equal)
+    ref_mtp = ref_counts["mtp_losses"]
+    mtp_rel = [abs(ours.get(key, float("inf")) - value) / abs(value)
+               for ours, ref in zip(mtp_losses or ref_mtp, ref_mtp, strict=True) for key, value in ref.items()]
     return {
+        "mtp_rel": mtp_rel,
+        "mtp_losses": ref_counts["mtp_losses"],
+        "mtp_without_grad": sorted(n for n, g in grads.items() if n.startswith("mtp_layers.") and not g.any()),
         "weight_rel": weight_rel,
         "weight_worst": weight_worst,
         "loss_rel": [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)],
@@ -807,7 +823,8 @@ def run_scenario(name: str) -> dict[str, Any]:
                 old = into.get(layer, (0.0, 0.0))
                 into[layer] = (old[0] + kl, old[1] + count)
     with counted_orthogonalised_matrices() as ns_reference:
-        report = compare(cfg, steps, result, family, counts.pop("weights"), list(by_tp_rank.values()))
+        report = compare(cfg, steps, result, family, counts.pop("weights"), list(by_tp_rank.values()),
+                         counts.pop("mtp_losses"))
     # Muon: matrices this rank orthogonalised (each matrix once over all ranks), and one process's count
     report["ns_matrices"] = [None] * dist.get_world_size()
     dist.all_gather_object(report["ns_matrices"], ns_matrices[0])
@@ -819,6 +836,9 @@ def run_scenario(name: str) -> dict[str, Any]:
     # each pipeline stage compares its own weights (None: none compared, as for AdamW rows)
     report["weight_rel"] = max((g[3] for g in gathered if g[3] is not None), default=None)
     checked = set().union(*(set(c) for _, c, _, _ in gathered))
+    without_grad: list[Any] = [None] * dist.get_world_size()  # each pipeline stage its own modules
+    dist.all_gather_object(without_grad, report["mtp_without_grad"])
+    report["mtp_without_grad"] = sorted(set().union(*without_grad))
     report["missing"] = sorted(set(report.pop("reference_params")) - checked)
     report["checked"] = len(checked)
     report["kernels"] = plan.report
@@ -897,7 +917,8 @@ def main() -> None:
         if "error" in report:
             print(f"{name}: ERROR {report['error']}")
         else:
-            print(f"{name}: loss_rel={max(report['loss_rel']):.2e} grad_rel={report['grad_rel']:.2e} "
+            print(f"{name}: loss_rel={max(report['loss_rel']):.2e} "
+                  f"mtp_rel={max(report['mtp_rel'], default=0.0):.2e} grad_rel={report['grad_rel']:.2e} "
                   f"weight_rel={report['weight_rel']} ({report.get('weight_worst')}) "
                   f"ns_matrices={report['ns_matrices']} of {report['ns_matrices_reference']} "
                   f"({report['worst']}) norm_rel={report['norm_rel']:.2e} checked={report['checked']} "

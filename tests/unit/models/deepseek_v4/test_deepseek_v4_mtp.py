@@ -194,13 +194,19 @@ def test_mtp_loss_joins_the_objective_and_reaches_the_streams():
 
 
 @pytest.mark.parametrize(("table", "named"), [
-    ({"model": {"residual": {"kind": "mhc"}, "mtp": {"depth": 1}}, "parallel": {"tp": 2}}, "parallel.tp=2"),
     ({"model": {"mtp": {"depth": 1, "layer_type": "sliding"}}}, "model.mtp.layer_type='sliding'"),
     ({"model": {"mtp": {"depth": 1, "mlp_type": "hash"}}}, "model.mtp.mlp_type='hash'"),
-], ids=["mhc-tp", "layer-type", "mlp-type"])
+], ids=["layer-type", "mlp-type"])
 def test_refusals(table, named):
     with pytest.raises(ConfigError, match=named):
         config_from_dict(table)
+
+
+def test_mtp_beside_mhc_is_accepted_under_tensor_parallel():
+    """Its projections, block and merge have a tensor-parallel layout (parallel/tensor_parallel.py; parity rows
+    v4mtp/* in tests/parity/test_parallel_parity.py)."""
+    cfg = config_from_dict({"model": {"residual": {"kind": "mhc"}, "mtp": {"depth": 1}}, "parallel": {"tp": 2}})
+    assert cfg.parallel.tp == 2 and cfg.model.mtp.depth == 1
 
 
 def test_export_refuses_an_mtp_block_of_other_kinds():
