@@ -72,7 +72,8 @@ class CompressedAttention(nn.Module):
     (a generation cache's prefill, `keep`, runs the whole sequence at once). Under context parallel each rank's
     queries read the all-gathered key/value head (T x head_dim a layer) and entries (T / rate); every position is
     the token's own in the sequence (over `runs`, its place in its run). Under Ulysses the queries go to this rank's
-    heads over the whole sequence and back; the key/value head, the entries and CSA's picks are all-gathered alike."""
+    heads over the whole sequence and back; the key/value head, the entries and CSA's picks are all-gathered alike,
+    and the indexer loss sums its target over the cp ranks' heads and counts this rank's own queries only."""
 
     query_block = QUERY_BLOCK
 
@@ -211,12 +212,11 @@ class CompressedAttention(nn.Module):
         picked, learn = None, None
         if self.indexer is not None and entries is not None and entries.shape[1]:
             if self.learns_index():
-                if chunk is not None and chunk.ulysses:
-                    raise ConfigError("the csa indexer loss reads every head's attention, but Ulysses splits the "
-                                      "heads over the cp ranks", 'use parallel.cp_method = "allgather"')
                 # the indexer learns from its own loss only: its inputs leave the model's graph
                 x_in, latent_in = x.detach(), latent.detach()
                 learn = _IndexInputs(x_in, latent_in, entries_of(self.indexer, x_in), real)
+                if chunk is not None and chunk.ulysses:
+                    learn = _ulysses_inputs(learn, chunk, self.sum_heads)
             if not self.dense:
                 with torch.no_grad():  # top-k passes no gradient: its own scores are kept for no backward
                     keys = learn.keys.detach() if learn is not None else entries_of(self.indexer, x)
@@ -225,7 +225,9 @@ class CompressedAttention(nn.Module):
                     else:
                         picked = self.indexer.run_chosen(x, latent, rot, runs.run[:, positions], keys,
                                                          windows.counts, windows.first)
-        doc = None if runs is None else _RunView(runs, windows, rot)
+        # Ulysses: the queries run over the whole sequence, so the indexer reads every token's place in its run
+        doc = None if runs is None else _RunView(runs, windows, runs.pos if chunk is not None and chunk.ulysses
+                                                 else rot)
         heads = None
         if chunk is not None and chunk.ulysses:  # this rank's heads over the whole sequence, as one piece
             q = chunk.to_heads(q)
@@ -335,7 +337,7 @@ class CompressedAttention(nn.Module):
         real = None if learn.real is None else learn.real[:, rows]
         allowed = (masks[-1] if doc is None else masks[-1][:, 0]).expand_as(scores) if picked is None else \
             picked[1][:, rows]
-        return out, index_kl(tail.detach(), scores, allowed, real, self.sum_heads)
+        return out, index_kl(tail.detach(), scores, allowed, real, learn.sum_heads or self.sum_heads)
 
 
 @dataclass
@@ -357,6 +359,29 @@ class _IndexInputs:
     latent: torch.Tensor
     keys: torch.Tensor
     real: torch.Tensor | None
+    # Ulysses: the heads' mass summed over the tensor- and context-parallel ranks (None: the module's `sum_heads`)
+    sum_heads: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def _ulysses_inputs(learn: _IndexInputs, chunk: SequenceChunk,
+                    sum_heads: Callable[[torch.Tensor], torch.Tensor] | None) -> _IndexInputs:
+    """The indexer loss's inputs under Ulysses, where this rank's heads attend over the whole sequence: the whole
+    sequence's x and latent (detached, every rank's pieces), the target's mass summed over the cp ranks' heads (after
+    tensor parallel's `sum_heads`), and only this rank's own (real) queries counted, so that the cp ranks' losses and
+    indexer gradients add up to one process's, as under the all-gather method."""
+    exchange = chunk.exchange
+    assert exchange is not None
+    local = learn.x.shape[1]
+    own = torch.zeros(learn.x.shape[0], local * chunk.count, dtype=torch.bool, device=learn.x.device)
+    own[:, chunk.positions(local, learn.x.device)] = True if learn.real is None else learn.real.to(own.device).bool()
+
+    def summed(mass: torch.Tensor) -> torch.Tensor:
+        if sum_heads is not None:
+            mass = sum_heads(mass)
+        # every rank sends its mass to every rank: an all-gather through the all-to-all, then summed in rank order
+        return exchange(mass.detach().expand(chunk.count, *mass.shape).contiguous()).sum(0)
+
+    return _IndexInputs(_whole(learn.x, chunk), _whole(learn.latent, chunk), learn.keys, own, summed)
 
 
 def index_kl(probs: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor, real: torch.Tensor | None = None,

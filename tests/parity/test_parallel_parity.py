@@ -267,7 +267,7 @@ GRAD_TOL = {"dsa/tp-ep": 3e-5, "dsa/cp-ep": 3e-5, "dsa/tp-ep-recompute=selective
                              "v4/tp-ep-muon", "v4/cp", "v4/cp-fsdp", "v4/cp-ep",
                              "v4/cp-rightpad", "v4/tp-ep-indexloss", "v4/cp-indexloss", "v4/tp-ep-indexwarmup",
                              "v4/pp-indexloss", "v4/cp-packed", "v4/cp-ulysses", "v4/cp-ulysses-packed",
-                             "v4/cp-tp-ep=4-ulysses", "v4/cp-indexloss-packed"], 3e-5),
+                             "v4/cp-tp-ep=4-ulysses", "v4/cp-indexloss-packed", "v4/cp-ulysses-indexloss"], 3e-5),
             # left-padded rows: an mHC bias's gradient 2.6e-5 from one process's (1.9e-5 under FSDP alone, no cp);
             # the attention blocks' within 9e-7
             "v4/cp-leftpad": 5e-5,
@@ -381,8 +381,9 @@ WORLD2_MATRIX = ["deepseek_mhc/pp", "dsa_shared/pp", "v4/pp", "v4/fsdp-ep",
                  # indexers' objective over packed documents
                  "v4/cp-packed", "v4/cp-leftpad", "v4/cp-indexloss-packed",
                  # Ulysses: the query heads split over cp (sinks with them), the key/value head, the entries and the
-                 # indexer's picks all-gathered; and over packed documents
-                 "v4/cp-ulysses", "v4/cp-ulysses-packed",
+                 # indexer's picks all-gathered; and over packed documents; the csa indexers' objective (the heads'
+                 # mass summed over the cp ranks' head shards, each rank's loss over its own queries only)
+                 "v4/cp-ulysses", "v4/cp-ulysses-packed", "v4/cp-ulysses-indexloss",
                  # its multi-token prediction module (a sliding-window block) reading the main stack's streams before
                  # their merge: under tp + sp (h_proj, e_proj and its merge on each rank's tokens, their gradients
                  # summed over the ranks; its block split as the main ones), its FSDP unit, on the last pipeline stage

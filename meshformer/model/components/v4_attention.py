@@ -344,12 +344,6 @@ class CompressedSparseKind(V4AttentionKind):
                               'set model.compressed_attention.index_loss_weight > 0 (e.g. 1.0), or model.dsa.stage = '
                               '"sparse"')
 
-    def ulysses(self, cfg: ModelConfig, cp: int, tp: int) -> str | None:
-        if cfg.compressed_attention.index_loss_weight > 0:
-            return ("the csa indexer loss reads every head's attention, which Ulysses splits over the cp ranks; set "
-                    "model.compressed_attention.index_loss_weight = 0 or use parallel.cp_method='allgather'")
-        return super().ulysses(cfg, cp, tp)
-
     def trains_only(self, cfg: ModelConfig) -> str | None:
         # the indexer's warm-up: dense attention over every visible entry, only the indexers learn
         return "indexer" if cfg.dsa.stage == "warmup" else None

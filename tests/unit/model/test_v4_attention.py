@@ -352,19 +352,61 @@ def test_tensor_parallel_splits_whole_output_groups(tp: int, groups: int, messag
             validate_parallel(cfg, tp, "cpu")
 
 
+@pytest.mark.parametrize("dense", [False, True])
+def test_ulysses_indexer_loss_adds_up_to_one_process(dense: bool, monkeypatch) -> None:
+    """The csa indexer loss under Ulysses (2 and 4 threaded ranks, 2 and 1 of the 4 query heads a rank, query blocks
+    of 32 and 3), packed and left-padded rows and rows of one document: the ranks' summed KL and counted queries add
+    up to one process's (1e-6, counts exact), and so do the indexer's gradients from them (1e-6), sparse and the dense
+    warm-up; each rank counts only its own queries (a rank's count is below the whole's)."""
+    import copy
+
+    from helpers.allgather_threads import pieces, run_ranks
+
+    from meshformer.model.compressed_attention import INDEX_LOSS, CompressedAttention
+
+    mixer = _stepped_model().train().decoder_layers["2"].attn
+    mixer.loss_terms.weights, mixer.loss_terms.scale, mixer.dense = {INDEX_LOSS: 1.0}, 1.0, dense
+    x, padding, documents = _runs_batch()
+    for pads, docs in ((padding, documents), (None, None)):
+        whole = mixer(x, None, padding=pads, documents=docs)
+        total, count = mixer._loss_sum, mixer._loss_count
+        grads = torch.autograd.grad(whole.sum(), list(mixer.indexer.parameters()))
+        assert count > 0 and any(g.abs().max() > 1e-2 for g in grads)
+        for query_block in (32, 3):
+            monkeypatch.setattr(CompressedAttention, "query_block", query_block)
+            for ranks in (2, 4):
+                copies = [copy.deepcopy(mixer) for _ in range(ranks)]
+
+                def work(c: Any, pads: torch.Tensor | None = pads, docs: torch.Tensor | None = docs,
+                         copies: list = copies) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    mine = copies[c.index]
+                    out = mine(pieces(x, c), None, chunk=c, documents=docs,
+                               padding=None if pads is None else pieces(pads, c))
+                    return out, mine._loss_sum, mine._loss_count
+
+                results = run_ranks(ranks, work, ulysses=True)
+                assert sum(int(c) for _, _, c in results) == int(count)
+                assert all(int(c) < int(count) for _, _, c in results)
+                torch.testing.assert_close(sum(t for _, t, _ in results), total, rtol=0, atol=1e-6)
+                params = [list(m.indexer.parameters()) for m in copies]
+                per_rank = torch.autograd.grad(sum(out.sum() for out, _, _ in results),
+                                               [p for ps in params for p in ps])
+                for i, g in enumerate(grads):
+                    torch.testing.assert_close(sum(per_rank[r * len(grads) + i] for r in range(ranks)), g, rtol=0,
+                                               atol=1e-6)
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["data.seq_len=96", "model.max_seq_len=128"],
      "hca blocks need each of the 4 sequence pieces to hold a multiple of 16 tokens, but data.seq_len=96 gives "
      "pieces of 24; choose a data.seq_len that is a multiple of 2 x cp x 16 = 64"),
     (['parallel.cp_method="ulysses"', "model.attention.n_heads=3"],
      "parallel.cp_method='ulysses' splits each rank's 3 attention heads (n_heads=3 / tp=1) over cp=2"),
-    (['parallel.cp_method="ulysses"', "model.compressed_attention.index_loss_weight=1.0"],
-     "the csa indexer loss reads every head's attention, which Ulysses splits over the cp ranks"),
 ])
 def test_context_parallel_refusals(overrides: list[str], message: str) -> None:
     """Context parallel runs the V4 kinds (and hash routing) on pieces of whole compression windows, with the
-    all-gather method or Ulysses (query heads split over cp); a piece cutting a window, heads cp does not split, or
-    the csa indexer's objective under Ulysses, is refused in one line at configuration."""
+    all-gather method or Ulysses (query heads split over cp); a piece cutting a window, or heads cp does not split, is
+    refused in one line at configuration; the csa indexer's objective runs under both methods."""
     from meshformer.config import load_config
     from meshformer.parallel_dims import ParallelDims, check_context_parallel
 
@@ -374,6 +416,7 @@ def test_context_parallel_refusals(overrides: list[str], message: str) -> None:
 
     check([])  # 128 tokens: pieces of 32, whole windows of 16 and 4
     check(['parallel.cp_method="ulysses"'])  # 4 heads: 2 a rank
+    check(['parallel.cp_method="ulysses"', "model.compressed_attention.index_loss_weight=1.0"])
     with pytest.raises(ConfigError, match="parallel.cp=2") as refused:
         check(overrides)
     assert message in str(refused.value)
