@@ -48,6 +48,7 @@ from meshformer.model.compressors import (
     rotary_tables,
     rotate_tail,
 )
+from meshformer.model.document_runs import Runs, Windows, segments
 from meshformer.model.positions import RopeScaling
 from meshformer.model.sharded import local_part
 
@@ -157,7 +158,7 @@ class CompressedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, keep: dict[str, Any] | None = None, *,
                 chunk: SequenceChunk | None = None, real: torch.Tensor | None = None,
-                runs: _Runs | None = None) -> torch.Tensor:
+                runs: Runs | None = None) -> torch.Tensor:
         """positions: (T,) the tokens' positions in the sequence (0, 1, ...; under context parallel `chunk`'s
         pieces). keep: filled with the keys and the compressor's and indexer's projections and entries, for a
         generation cache to start from. real: (B, T) the queries the indexer loss counts (None: every one).
@@ -188,7 +189,7 @@ class CompressedAttention(nn.Module):
                 and bool(self.loss_terms.weights.get(INDEX_LOSS)))
 
     def _blockwise(self, x: torch.Tensor, positions: torch.Tensor, chunk: SequenceChunk | None,
-                   real: torch.Tensor | None = None, runs: _Runs | None = None) -> torch.Tensor:
+                   real: torch.Tensor | None = None, runs: Runs | None = None) -> torch.Tensor:
         spans = _spans(x.shape[1], chunk)
         rot = positions if runs is None else runs.pos[:, positions]  # (B, n) with runs: places in their runs
         cos, sin = rotary_tables(rot, self.rope_dim, self.theta, self.scaling)
@@ -278,7 +279,7 @@ class CompressedAttention(nn.Module):
         """The outputs (B, H, n, hd) of queries q (B, H, n, hd) at sequence positions at + (start - span_start)
         onward, against the whole sequence's keys kv (B, T, hd) and entries (B, W, hd); with `learn`, the indexer
         loss of the block's queries (summed KL, counted queries). doc: the batch's runs (each query reads its own
-        run's keys and entries only; entries are slots of its row's, `_Windows`). heads: which of the module's heads
+        run's keys and entries only; entries are slots of its row's, `Windows`). heads: which of the module's heads
         q holds (Ulysses: their sinks)."""
         first = at + start - span_start
         pos = torch.arange(first, first + n, device=q.device)
@@ -345,8 +346,8 @@ class _RunView:
     """What a query block reads of the batch's runs: the runs, the compressor's windows (None: no compressor) and
     this rank's tokens' positions in their runs (B, n)."""
 
-    runs: _Runs
-    windows: _Windows | None
+    runs: Runs
+    windows: Windows | None
     rot: torch.Tensor
 
 
@@ -420,86 +421,11 @@ class V4Cache:
     length: int = 0  # tokens fed, pads included
 
 
-def _segments(padding: torch.Tensor | None, documents: torch.Tensor | None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows, first tokens, lengths) of each run of a row's real tokens within one document."""
-    if padding is not None:
-        real = padding.bool()
-    elif documents is not None:
-        real = torch.ones_like(documents, dtype=torch.bool)
-    else:
-        raise ValueError("runs are read from padding or documents")
-    doc = torch.zeros_like(real, dtype=torch.long) if documents is None else documents
-    after = torch.ones_like(real[:, :1])
-    starts = real & torch.cat([after, ~real[:, :-1] | (doc[:, 1:] != doc[:, :-1])], 1)
-    ends = real & torch.cat([~real[:, 1:] | (doc[:, 1:] != doc[:, :-1]), after], 1)
-    rows, firsts = starts.nonzero(as_tuple=True)
-    return rows, firsts, ends.nonzero(as_tuple=True)[1] - firsts + 1
-
-
-@dataclass
-class _Windows:
-    """Every compression window of `rate` tokens of a batch's runs (`_Runs.windows`), in row and sequence order:
-    its row, its first token's place in the sequence, its place in its run (w: the entry's rotary position is w x
-    rate; w > 0: CSA reads the previous window's first halves), its entry's slot among its row's entries; and per
-    row's entry slot (B, W) the run it belongs to (-1: no entry) and its window's last token's place."""
-
-    rate: int
-    rows: torch.Tensor
-    starts: torch.Tensor
-    index: torch.Tensor
-    slots: torch.Tensor
-    run: torch.Tensor
-    ends: torch.Tensor
-    counts: torch.Tensor  # (R,) each run's entries
-    first: torch.Tensor  # (R,) the slot of each run's first entry (0 where it has none)
-
-
-class _Runs:
-    """A batch's runs of one document's real tokens over the whole sequence (B, T), for context parallel pieces
-    that hold parts of runs starting elsewhere: each token's run (-1: a pad) and its position in the run."""
-
-    def __init__(self, padding: torch.Tensor | None, documents: torch.Tensor | None) -> None:
-        self.rows, self.firsts, self.lengths = _segments(padding, documents)
-        shape = (padding if padding is not None else documents).shape  # type: ignore[union-attr]
-        device = self.rows.device
-        ids = torch.arange(len(self.rows), device=device)
-        # token k of run r: offset k from its first token
-        offsets = torch.arange(int(self.lengths.sum()), device=device) - (
-            self.lengths.cumsum(0) - self.lengths).repeat_interleave(self.lengths)
-        cols = self.firsts.repeat_interleave(self.lengths) + offsets
-        rows = self.rows.repeat_interleave(self.lengths)
-        self.run = torch.full(shape, -1, dtype=torch.long, device=device).index_put((rows, cols),
-                                                                                  ids.repeat_interleave(self.lengths))
-        self.pos = torch.zeros(shape, dtype=torch.long, device=device).index_put((rows, cols), offsets)
-        self._windows: dict[int, _Windows] = {}
-
-    def windows(self, rate: int) -> _Windows:
-        if rate not in self._windows:
-            counts = self.lengths // rate  # a run's trailing partial window has no entry
-            index = torch.arange(int(counts.sum()), device=counts.device) - (
-                counts.cumsum(0) - counts).repeat_interleave(counts)
-            runs = torch.arange(len(counts), device=counts.device).repeat_interleave(counts)
-            rows = self.rows[runs]
-            per_row = torch.zeros(self.run.shape[0], dtype=torch.long, device=counts.device).index_add(0, rows,
-                                                                                                      torch.ones_like(rows))
-            slots = torch.arange(len(rows), device=counts.device) - (per_row.cumsum(0) - per_row)[rows]
-            starts = self.firsts[runs] + index * rate
-            width = int(per_row.max()) if len(rows) else 0
-            run = torch.full((self.run.shape[0], width), -1, dtype=torch.long, device=counts.device)
-            # a slot without an entry ends past every query
-            ends = torch.full_like(run, self.run.shape[1])
-            first = torch.zeros_like(counts).index_put((runs[index == 0],), slots[index == 0])
-            self._windows[rate] = _Windows(rate, rows, starts, index, slots, run.index_put((rows, slots), runs),
-                                           ends.index_put((rows, slots), starts + rate - 1), counts, first)
-        return self._windows[rate]
-
-
 class V4Attention(CompressedAttention):
     """`CompressedAttention` called as a block's token mixer (`module(x, mask, rope=..., cache=..., ...)`): it
     rotates with its own tables from the tokens' positions, 0, 1, ... from each row's first real token and from
     each packed document's start. A left-padded or packed row is read as its runs of real tokens of one document,
-    each computed as if alone (its compression windows start with it), under context parallel too (`_Runs`: the
+    each computed as if alone (its compression windows start with it), under context parallel too (`Runs`: the
     runs read from the whole sequence's padding and documents); right padding is read in place (a causal query
     never reads the pads after it)."""
 
@@ -521,7 +447,7 @@ class V4Attention(CompressedAttention):
         if chunk is not None:
             places = chunk.positions(x.shape[1], x.device)
             if packed or not right_padded:  # this rank's pieces hold parts of runs that start elsewhere
-                return super().forward(x, places, chunk=chunk, runs=_Runs(padding, documents))
+                return super().forward(x, places, chunk=chunk, runs=Runs(padding, documents))
             return super().forward(x, places, chunk=chunk, real=real)
         if cache is not None and packed:
             raise ConfigError("DeepSeek-V4 attention blocks decode one document per row, but these rows are packed",
@@ -537,7 +463,7 @@ class V4Attention(CompressedAttention):
             rows, firsts = torch.arange(x.shape[0], device=x.device), x.new_zeros(x.shape[0], dtype=torch.long)
             lengths = torch.full_like(firsts, x.shape[1])
         else:
-            rows, firsts, lengths = _segments(padding, documents)
+            rows, firsts, lengths = segments(padding, documents)
         if cache is not None:
             self._start(cache, x)
         out = torch.zeros_like(x)

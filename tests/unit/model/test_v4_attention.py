@@ -285,11 +285,12 @@ def test_context_parallel_packed_and_left_padded_rows_equal_one_process(block: s
 
 @pytest.mark.parametrize("dense", [False, True])
 def test_runs_over_the_whole_sequence_equal_each_run_alone_with_the_indexer_loss(dense: bool) -> None:
-    """The context-parallel path's runs (`_Runs`: entries pooled per run over the whole sequence, each query masked
+    """The context-parallel path's runs (`Runs`: entries pooled per run over the whole sequence, each query masked
     to its run, CSA's top-k over exactly its run's entries), in one process, against each run alone: outputs 1e-6,
     the indexer loss (summed KL, counted queries) 1e-6, the indexer's gradients from it 1e-6; sparse and the dense
     warm-up."""
-    from meshformer.model.compressed_attention import INDEX_LOSS, CompressedAttention, _Runs
+    from meshformer.model.compressed_attention import INDEX_LOSS, CompressedAttention
+    from meshformer.model.document_runs import Runs
 
     mixer = _stepped_model().train().decoder_layers["2"].attn
     mixer.loss_terms.weights, mixer.loss_terms.scale, mixer.dense = {INDEX_LOSS: 1.0}, 1.0, dense
@@ -297,7 +298,7 @@ def test_runs_over_the_whole_sequence_equal_each_run_alone_with_the_indexer_loss
     params = list(mixer.indexer.parameters())
     results = []
     for run in (lambda: mixer(x, None, padding=padding, documents=documents),
-                lambda: CompressedAttention.forward(mixer, x, torch.arange(32), runs=_Runs(padding, documents))):
+                lambda: CompressedAttention.forward(mixer, x, torch.arange(32), runs=Runs(padding, documents))):
         mixer.start_forward()
         out = run()
         results.append((out, mixer._loss_sum, mixer._loss_count, torch.autograd.grad(out.sum(), params)))
