@@ -60,6 +60,7 @@ class ActivationShape:
     ep: int = 1  # expert-parallel ranks sharing each MoE layer's experts
     moe_imbalance: float = MOE_IMBALANCE  # received rows over the balanced load, under expert parallelism
     experts_loop: bool = False  # experts run one at a time (`moe_backend` loop), so back-propagate one at a time
+    ulysses: bool = False  # context parallel by Ulysses (parallel.cp_method): head shards over whole sequences
 
 
 def self_attention_masked(cfg: Config) -> bool:
@@ -79,7 +80,7 @@ def activation_shape(cfg: Config, batch: int, tp: int, fsdp: bool, *, device_typ
     loop = backend == "loop" or (backend == "auto" and not (device_type == "cuda" and a == 2))
     return ActivationShape(batch, cfg.data.seq_len // cp, tp, a, 2 if bf16_params else 4,
                            runs_blockwise_attention(cfg, device_type, compiled), cp, self_attention_masked(cfg), ep,
-                           moe_imbalance, loop)
+                           moe_imbalance, loop, cp > 1 and cfg.parallel.cp_method == "ulysses")
 
 
 def _norm(m: ModelConfig, x: ActivationShape, s_local: int) -> float:

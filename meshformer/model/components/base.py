@@ -70,6 +70,10 @@ class ActivationLayout(Protocol):
     def experts_loop(self) -> bool:  # experts back-propagate one at a time
         ...
 
+    @property
+    def ulysses(self) -> bool:  # context parallel by Ulysses (parallel.cp_method): head shards over whole sequences
+        ...
+
 
 class Carry:
     """What a block hands later blocks of one forward, by key (a dsa block's key selection for dsa_shared blocks).

@@ -30,6 +30,7 @@ from meshformer.errors import ConfigError
 from meshformer.model.components import register
 from meshformer.model.components.base import (
     FP32,
+    INDEX,
     ActivationLayout,
     GenerationCache,
     InitFn,
@@ -209,8 +210,13 @@ class V4AttentionKind(TokenMixer):
         from meshformer.model.compressed_attention import CompressedAttention
 
         c = cfg.compressed_attention
-        return _query_blocks(x.seq, x.cp, x.batch, c.window, self._rate(cfg), c.index_topk if self._indexed() else None,
+        seq, cp = _query_span(x)
+        return _query_blocks(seq, cp, x.batch, c.window, self._rate(cfg), c.index_topk if self._indexed() else None,
                              CompressedAttention.query_block)
+
+    def _score_heads(self, cfg: ModelConfig, x: ActivationLayout) -> int:
+        """The heads whose scores a rank keeps: its tensor-parallel share, split again over cp under Ulysses."""
+        return self._widths(cfg)[0] // x.tp // (x.cp if x.ulysses else 1)
 
     def saved_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
         """Per token its input, latent (norm input, normalised, output), queries (before and after their norm and
@@ -233,7 +239,13 @@ class V4AttentionKind(TokenMixer):
             entries = seq * x.cp // rate
             total += seq * width * (a + FP32) + (seq // rate) * hd * (2 * a + widening) + entries * hd * a
         scores, gathered, masks, _ = self._blocks(cfg, x)
-        return x.batch * (total + heads * scores * a + gathered * hd * a) + masks + self._index_loss_bytes(cfg, x)
+        if x.ulysses and rate is not None and self._indexed() and cfg.dsa.stage != "warmup":
+            # the picks all-gathered as one int64 tensor (indices and kept flags, B x T x 2 top-k), whose slices
+            # the gathers keep, in place of this rank's own indices
+            picks = min(c.index_topk, seq * x.cp // rate)
+            total += (seq * x.cp * 2 - seq) * picks * INDEX
+        return (x.batch * (total + self._score_heads(cfg, x) * scores * a + gathered * hd * a) + masks
+                + self._index_loss_bytes(cfg, x))
 
     def _index_loss_bytes(self, cfg: ModelConfig, x: ActivationLayout) -> float:
         """What the csa indexer's objective keeps for backward (index_loss_weight > 0): its compressor's
@@ -250,11 +262,13 @@ class V4AttentionKind(TokenMixer):
         a, di, hi, seq = x.bytes, c.index_dim, c.index_heads, x.seq
         widening = FP32 if a != FP32 else 0
         compressor = seq * 2 * di * (a + FP32) + (seq // rate) * di * (2 * a + widening) + seq * x.cp // rate * di * a
-        scored = _scored_entries(seq, x.cp, rate, None if cfg.dsa.stage == "warmup" else c.index_topk,
+        # under Ulysses every rank scores the whole sequence's queries (counting its own only)
+        queries, pieces = _query_span(x)
+        scored = _scored_entries(queries, pieces, rate, None if cfg.dsa.stage == "warmup" else c.index_topk,
                                  CompressedAttention.query_block)
         per_query = hi * di * (a + 2 * FP32) + hi * FP32
         per_entry = di * (a + FP32) + 2 * hi * FP32 + 3 * FP32 + 1
-        return x.batch * (compressor + seq * per_query + scored * per_entry)
+        return x.batch * (compressor + queries * per_query + scored * per_entry)
 
     def selective_bytes(self, cfg: ModelConfig, x: ActivationLayout, *, memory_len: int, causal: bool) -> float:
         """The matmul outputs: latent, queries, key, each query block's scores and outputs, and the output
@@ -263,18 +277,23 @@ class V4AttentionKind(TokenMixer):
         heads //= x.tp
         c = cfg.compressed_attention
         scores = self._blocks(cfg, x)[0]
-        return (x.batch * (x.seq * (c.q_rank + 2 * heads * hd + hd) + heads * scores) * x.bytes
+        return (x.batch * (x.seq * (c.q_rank + 2 * heads * hd + hd) + self._score_heads(cfg, x) * scores) * x.bytes
                 + output_projection_bytes(cfg, x))
 
     def backward_bytes(self, cfg: ModelConfig, x: ActivationLayout, freed: float) -> float:
         """The largest query block's score gradients (float32 and the activation dtype) and the whole sequence's
         key/value head and entries' gradients, accumulated over the blocks."""
-        heads, hd, _ = self._widths(cfg)
-        heads //= x.tp
+        hd = self._widths(cfg)[1]
         rate, whole = self._rate(cfg), x.seq * x.cp
         largest = self._blocks(cfg, x)[3]
         entries = 0 if rate is None else whole // rate
-        return x.batch * (heads * largest * (FP32 + x.bytes) + (whole + entries) * hd * FP32)
+        return x.batch * (self._score_heads(cfg, x) * largest * (FP32 + x.bytes) + (whole + entries) * hd * FP32)
+
+
+def _query_span(x: ActivationLayout) -> tuple[int, int]:
+    """(tokens, pieces' ranks) of the query blocks a rank runs: its two pieces of the sequence, or under Ulysses the
+    whole sequence as one piece (for its share of the heads)."""
+    return (x.seq * x.cp, 1) if x.ulysses else (x.seq, x.cp)
 
 
 @functools.lru_cache(maxsize=256)

@@ -53,17 +53,20 @@ def test_v4_planned_bytes_follow_what_autograd_keeps(kind: str) -> None:
     assert abs(planned / kept - 1) < 0.01, (planned, kept)
 
 
+@pytest.mark.parametrize("method", ["allgather", "ulysses"])
 @pytest.mark.parametrize("kind", ["sliding_mqa", "hca", "csa"])
-def test_v4_planned_bytes_under_context_parallel_follow_what_autograd_keeps(kind: str) -> None:
+def test_v4_planned_bytes_under_context_parallel_follow_what_autograd_keeps(kind: str, method: str) -> None:
     """The same under cp = 2 (threads exchanging through an in-process all-gather): rank 0's pieces of 1,280 tokens,
-    its queries against the whole sequence's key/value head and entries."""
+    its queries against the whole sequence's key/value head and entries; under Ulysses its half of the heads over
+    the whole sequence (query blocks over all 1,280 positions, CSA's picks all-gathered)."""
     from helpers.allgather_threads import pieces, run_ranks
 
     from meshformer.model.components import token_mixer
 
     cfg = load_config("tiny-v4", [f'model.layer_types=["{kind}"]', "model.n_layers=1", 'model.mlp_types=["dense"]',
                                   "model.moe.n_experts=0", "model.max_seq_len=1280",
-                                  "data.seq_len=1280", "data.batch_size=1", "parallel.cp=2"])
+                                  "data.seq_len=1280", "data.batch_size=1", "parallel.cp=2",
+                                  f'parallel.cp_method="{method}"'])
     torch.manual_seed(0)
     module = token_mixer(cfg.model, 0).build(cfg.model, causal=True)
     x = torch.randn(1, cfg.data.seq_len, cfg.model.d_model, requires_grad=True)
@@ -72,7 +75,8 @@ def test_v4_planned_bytes_under_context_parallel_follow_what_autograd_keeps(kind
         mine = pieces(x, chunk)
         return saved_activation_bytes(module, lambda: module(mine, None, chunk=chunk))
 
-    kept = run_ranks(2, rank)[0]
+    kept = run_ranks(2, rank, ulysses=method == "ulysses")[0]
     shape = activation_shape(cfg, 1, 1, False, device_type="cpu", cp=2)
+    assert shape.ulysses == (method == "ulysses")
     planned = token_mixer(cfg.model, 0).saved_bytes(cfg.model, shape, memory_len=0, causal=True)
     assert abs(planned / kept - 1) < 0.01, (planned, kept)
