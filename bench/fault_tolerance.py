@@ -12,12 +12,13 @@ group of `--replica-groups` gets its own, meshformer/launcher/replica_groups.py)
 
 Rows (one per config and number of groups G, each group R ranks with FSDP inside; the same G*R ranks as one
 torchrun job with parallel.dp_replicate=G is today's path):
-1. replica groups, one rank of group 1 killed with SIGKILL after `--kill-at` steps: the step time before the kill
-   (median of the steps after the third), the seconds from the kill to the survivors' next committed step, and to
-   the killed group's first step in the quorum again;
-2. the one torchrun job, killed the same way `--kill-at` steps after its first checkpoint: its step time before the
-   checkpoint (the ratio 1/2 is what fault tolerance costs when nothing fails), the seconds from the kill to the
-   restarted job's first step and to its first step beyond the killed one, and the steps it trained again.
+1. replica groups, one rank of group 1 killed with SIGKILL `--kill-at` steps after step `--checkpoint-every`: the step
+   time over steps 4 to `--checkpoint-every` - 1 (the median), the seconds from the kill to the survivors' next
+   committed step, and to the killed group's first step in the quorum again;
+2. the one torchrun job, killed the same way `--kill-at` steps after its first checkpoint: its step time over the
+   same steps, before the checkpoint (the ratio 1/2 is what fault tolerance costs when nothing fails), the seconds
+   from the kill to the restarted job's first step and to its first step beyond the killed one, and the steps it
+   trained again.
 
 Goodput (`--goodput-minutes M`): the tokens trained per wall second over M minutes with one kill -9 a minute (at
 the middle of each minute, always of group 1 / the job's last rank), against the same command's M minutes without a
@@ -185,16 +186,18 @@ def measure_row(folder: Path, config: str, backend: str, groups: int, ranks: int
                 checkpoint_every: int) -> dict[str, float]:
     result: dict[str, float] = {}
 
-    # replica groups: kill -9 of the last rank of group 1 after kill_at steps
+    # replica groups: kill -9 of the last rank of group 1 at the step the job below is killed at; the step time
+    # over the same steps as the job's
     run_dir = folder / "ft"
     options, overrides = _ft_options(groups, ranks)
     proc = _start(_command(config, backend, run_dir, *options, overrides=(*overrides, "checkpoint.interval=0")),
                   folder / "ft.log")
+    at = checkpoint_every + kill_at
     try:
-        _wait(lambda: len(_records(run_dir, 0)) >= kill_at and len(_records(run_dir, 1)) >= kill_at, 1200,
-              f"the groups to train {kill_at} steps", proc)
+        _wait(lambda: len(_records(run_dir, 0)) >= at and len(_records(run_dir, 1)) >= at, 1800,
+              f"the groups to train {at} steps", proc)
         killed = _kill(proc.pid, ranks - 1, replica=1)
-        result["ft_step_s"] = _median_step_s(_metrics(run_dir / "replica-0"), kill_at)
+        result["ft_step_s"] = _median_step_s(_metrics(run_dir / "replica-0"), checkpoint_every - 1)
         _wait(lambda: any(r["time"] > killed for r in _records(run_dir, 0)), 600, "the survivors' next step", proc)
         result["ft_next_step_s"] = min(r["time"] for r in _records(run_dir, 0) if r["time"] > killed) - killed
         _wait(lambda: any(r["time"] > killed for r in _records(run_dir, 1)), 1200, "the killed group's return",
@@ -208,7 +211,6 @@ def measure_row(folder: Path, config: str, backend: str, groups: int, ranks: int
     options, overrides = _plain_options(groups, ranks, restarts=1)
     proc = _start(_command(config, backend, run_dir, *options,
                            overrides=(*overrides, f"checkpoint.interval={checkpoint_every}")), folder / "restart.log")
-    at = checkpoint_every + kill_at
     try:
         _wait(lambda: max((m["step"] for m in _metrics(run_dir)), default=0) >= at, 1800,
               f"the job to train {at} steps", proc)
@@ -327,21 +329,22 @@ def write_rows(path: Path, rows: list[dict[str, Any]], args: argparse.Namespace)
                       "G·R ranks as one torchrun job (`parallel.dp_replicate=G`) with `--max-restarts` and a "
                       f"checkpoint every {args.checkpoint_every} steps, measured one after the other in the same "
                       f"run. One rank (the last of group 1; the job's last) is killed with SIGKILL {args.kill_at} "
-                      f"steps into the run (the job: {args.kill_at} steps after its first checkpoint). Step times "
-                      "are medians of the steps after the third. Goals: overhead ≤ 5%, survivors' next step ≤ 2 s, "
-                      "back in the quorum ≤ 30 s.",
+                      f"steps after step {args.checkpoint_every} (the job's first checkpoint). Step times are "
+                      f"medians of steps 4 to {args.checkpoint_every - 1}. Goals: overhead ≤ 5%, survivors' next "
+                      "step ≤ 2 s, back in the quorum ≤ 30 s.",
                 notes="The kill comes right after a committed step, so the survivors' next step comes after the "
                       "step under way fails at its all-reduce, the Lighthouse stops hearing the dead group "
                       f"(`heartbeat_timeout_s`, {args.heartbeat_timeout_s:g} s here) and the step is trained "
                       "again with the new quorum: on "
                       "these cores almost all of it is the step itself (in brackets: what comes beyond one step). "
-                      "A killed group's return is mostly its start-up: its torchrun agent, then each of its ranks, "
-                      "imports torch and meshformer and builds the model; the heal from the peer (a few seconds) "
-                      "and the step it joins at come after. The job's restart is the same start-up and the "
+                      "A killed group's return is its ranks' set-up (the model built; their imports were done "
+                      "beforehand by the group's warm ranks, which also take cores for a few seconds after each "
+                      "start), the heal from the peer and the step it joins at. The job's restart is a whole "
+                      "start-up (imports included) and the "
                       "checkpoint's load, and it then trains again the steps since its checkpoint: "
                       f"{args.kill_at} here, {args.checkpoint_every // 2} on average at this interval. Both paths "
-                      "ran one after the other on cores shared with other jobs, so the overhead carries their "
-                      "run-to-run spread of step times." + JOIN_NOTE * any(r["join_timeout_s"] < 10 for r in rows),
+                      "ran one after the other, so the overhead carries their run-to-run spread of step times."
+                      + JOIN_NOTE * any(r["join_timeout_s"] < 10 for r in rows),
                 align=["l", "l", "r", "r", "r", "r", "r", "r", "r", "r"], columns=ROW_COLUMNS,
                 rows=[row_cells(row) for row in rows])
 
@@ -379,11 +382,11 @@ def write_goodput(path: Path, results: dict[str, dict[str, float]], args: argpar
                       "first step. Tokens trained: a replica-group step counts the shares of the groups in its "
                       "quorum; the job counts the step it has reached at the end (steps trained again are not "
                       "progress). Goal: goodput ≥ 0.9.",
-                notes="Replica groups lose the killed group's share until it is back in the quorum (mostly its "
-                      "start-up; with two groups, a group away for a seconds of every minute leaves about "
-                      "1 - a/120 of the throughput), and the survivors' pause; the job loses its restart and "
-                      "every step since its last checkpoint, so "
-                      "with a failure more often than a checkpoint interval takes it makes little progress at all.",
+                notes="Replica groups lose the killed group's share until it is back in the quorum (its ranks' "
+                      "set-up on the warm ranks, the heal and the step it joins at; with two groups, a group away "
+                      "for a seconds of every minute leaves about 1 - a/120 of the throughput), the survivors' "
+                      "pause, and the cores the next warm ranks take while they import; the job loses its restart "
+                      "(a whole start-up) and every step since its last checkpoint.",
                 align=["l", "r", "r", "r", "r"], columns=GOODPUT_COLUMNS, rows=goodput_cells(results))
 
 

@@ -26,11 +26,11 @@ FAILURES_PER_GPU_S = LLAMA3_INTERRUPTIONS / (LLAMA3_DAYS * 86400 * LLAMA3_GPUS)
 
 # Measured by bench/fault_tolerance.py (docs/benchmarks/fault-tolerance.md: tiny-gpt, 2 groups of 2 ranks, gloo, CPU,
 # the cores otherwise idle):
-HEAL_PAUSE_S = 2.7  # kill -9 of a rank to the survivors' next step
-HEAL_REJOIN_S = 20.6  # kill -9 to the killed group back in the quorum
+HEAL_PAUSE_S = 2.0  # kill -9 of a rank to the survivors' next step
+HEAL_REJOIN_S = 4.5  # kill -9 to the killed group back in the quorum
 # checkpoint-restart: kill -9 to the restarted job's first step (start-up, rendezvous, load of a tiny checkpoint);
 # the steps trained again are the model's tau/2
-RESTART_S = 22.2
+RESTART_S = 13.1
 
 SCALES = (1024, 16384)  # the worlds `plan --failures` always shows
 GPUS_PER_NODE = 8
