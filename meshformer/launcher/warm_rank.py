@@ -40,15 +40,17 @@ def start_warm_ranks(nproc_per_node: int) -> list[subprocess.Popen]:
 def adopt_warm_ranks(warm: list[subprocess.Popen]) -> None:
     """Make torchrun's worker start hand local rank k to `warm[k]` (once each) where it can."""
     import torch.distributed.elastic.multiprocessing.api as elastic_api
+
     spare = dict(enumerate(warm))
     start_usual = elastic_api.get_subprocess_handler
 
     def get_subprocess_handler(entrypoint: str, args: tuple, env: dict[str, str], stdout: str, stderr: str,
                                local_rank_id: int, numa_options: Any = None) -> Any:
         process = spare.pop(local_rank_id, None)
-        if process is not None and numa_options is None and tuple(map(str, args[:len(RANK_COMMAND)])) == \
-                RANK_COMMAND and _hand_over(process, [str(a) for a in args[len(RANK_COMMAND):]],
-                                            {**os.environ, **env}, stdout, stderr):
+        ranks_command = entrypoint == sys.executable and tuple(map(str, args[:len(RANK_COMMAND)])) == RANK_COMMAND
+        argv = [str(a) for a in args[len(RANK_COMMAND):]]
+        if process is not None and numa_options is None and ranks_command and \
+                _hand_over(process, argv, {**os.environ, **env}, stdout, stderr):
             return _Adopted(process, local_rank_id)
         if process is not None:
             _end(process)
