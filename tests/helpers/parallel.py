@@ -745,7 +745,7 @@ def vocab_parallel_loss_check() -> dict[str, Any]:
         expected = ref_grad[..., rank * shard:(rank + 1) * shard]
         worst_grad = max(worst_grad, ((local.grad - expected).abs().max() / expected.abs().max()).item())
     return {"loss_rel": [worst_loss], "grad_rel": worst_grad, "norm_rel": 0.0, "missing": [], "checked": 1,
-            "group_counts": group_counts(),
+            "group_counts": group_counts(), "mtp_rel": [], "mtp_without_grad": [],
             "worst": "logits", "kernels": {}}
 
 
