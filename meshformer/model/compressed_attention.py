@@ -391,8 +391,8 @@ def index_kl(probs: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor, r
     attention's probabilities on the E entries the queries read (no gradient); scores (B, n, E): the indexer's;
     allowed (B, n, E): the entries each query reads. Per query the target p is the heads' summed mass on its entries
     normalised over them, and its loss KL(p || softmax of the scores over the same entries). A query is counted when
-    it reads an entry (and is real: `real` (B, n)). sum_heads: tensor parallel's sum over the ranks of what each
-    rank's heads hold (`probs` has this rank's heads only)."""
+    it reads an entry (and is real: `real` (B, n)). sum_heads: the sum over the ranks of what each rank's heads hold
+    (`probs` has this rank's heads only: tensor parallel's, and under Ulysses the cp ranks' too)."""
     mass = probs.float().sum(dim=1).masked_fill(~allowed, 0.0)  # (B, n, E)
     if sum_heads is not None:  # every head's mass before normalising: the same target on every rank
         mass = sum_heads(mass)
